@@ -1,0 +1,17 @@
+# The SYNAPSE web app and its CPU worker. The GPU worker runs the same image with the `gpu` queue;
+# the LLM is a separate OpenAI-compatible server (vLLM) in docker-compose.yml.
+FROM python:3.11-slim
+ENV PYTHONDONTWRITEBYTECODE=1 PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
+WORKDIR /app
+RUN pip install --no-cache-dir torch==2.13.0 --index-url https://download.pytorch.org/whl/cpu
+COPY pyproject.toml README.md ./
+COPY synapse_web synapse_web
+COPY compendium compendium
+COPY routing routing
+COPY federation federation
+COPY workers workers
+RUN pip install --no-cache-dir .
+COPY . .
+RUN DEBUG=1 DATABASE_URL=postgres://unused/unused python manage.py collectstatic --noinput -v 0
+EXPOSE 8000
+CMD ["gunicorn", "synapse_web.wsgi:application", "--bind", "0.0.0.0:8000", "--workers", "4", "--threads", "4"]

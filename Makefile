@@ -1,0 +1,36 @@
+# SYNAPSE. Two commands for a new user: `make demo` and `make test`.
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+DATASET ?= ../shared/data/metatool
+HOST ?= 127.0.0.1
+PORT ?= 8000
+export HF_HUB_OFFLINE := 1
+export TRANSFORMERS_OFFLINE := 1
+
+.PHONY: install demo test lint serve db-stop clean
+
+install: $(VENV)/.installed
+
+$(VENV)/.installed: pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --disable-pip-version-check -e '.[dev]'
+	touch $@
+
+demo: install
+	$(PY) manage.py migrate --noinput
+	$(PY) manage.py collectstatic --noinput -v 0
+	$(PY) manage.py bootstrap_demo --dataset $(DATASET) --url http://$(HOST):$(PORT)/
+	$(PY) -m gunicorn synapse_web.wsgi:application --bind $(HOST):$(PORT) --workers 2 --threads 4 --access-logfile -
+
+test: install
+	$(PY) -m pytest $(PYTEST_ARGS)
+
+lint: install
+	$(PY) -m ruff check .
+
+db-stop: install
+	$(PY) manage.py embedded_db stop
+
+clean:
+	rm -rf staticfiles .pytest_cache .ruff_cache

@@ -1,0 +1,6 @@
+from django.apps import AppConfig
+
+
+class CompendiumConfig(AppConfig):
+    name = "compendium"
+    verbose_name = "Compendium"

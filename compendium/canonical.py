@@ -1,0 +1,64 @@
+"""Canonical bytes of a compendium: the same compendium always gives the same bytes.
+
+Keys are sorted, separators fixed, text kept as UTF-8, and the entries of each component sorted,
+since M, U, P, T and A are sets: two clients that send the same entries in another order send the
+same compendium. The byte size of this form is what "bytes per client per round" measures.
+"""
+
+from __future__ import annotations
+
+import gzip
+import hashlib
+import json
+from dataclasses import dataclass
+from typing import Any
+
+from compendium.schema import Compendium
+
+_SORT_KEYS = {
+    "metadata": lambda e: (e["tool_id"],),
+    "scenarios": lambda e: (e["tool_id"], e["text"], json.dumps(e["preconditions"], sort_keys=True)),
+    "precautions": lambda e: (e["tool_id"], e["text"]),
+    "templates": lambda e: (e["tool_id"], e["signature"], e["template"]),
+    "annex": lambda e: (e["subject"], e["relation"], e["object"]),
+}
+
+
+def canonical_dict(compendium: Compendium) -> dict[str, Any]:
+    doc = compendium.model_dump(mode="json", exclude_none=True)
+    for name, key in _SORT_KEYS.items():
+        doc[name] = sorted(doc.get(name, []), key=key)
+    return doc
+
+
+def canonical_bytes(compendium: Compendium) -> bytes:
+    return json.dumps(
+        canonical_dict(compendium),
+        sort_keys=True,
+        separators=(",", ":"),
+        ensure_ascii=False,
+        allow_nan=False,
+    ).encode("utf-8")
+
+
+def gzip_bytes(data: bytes) -> bytes:
+    # mtime=0 keeps the compressed form deterministic as well.
+    return gzip.compress(data, compresslevel=9, mtime=0)
+
+
+@dataclass(frozen=True)
+class CanonicalForm:
+    data: bytes
+    sha256: str
+    size_bytes: int
+    gzip_bytes: int
+
+
+def canonical_form(compendium: Compendium) -> CanonicalForm:
+    data = canonical_bytes(compendium)
+    return CanonicalForm(
+        data=data,
+        sha256=hashlib.sha256(data).hexdigest(),
+        size_bytes=len(data),
+        gzip_bytes=len(gzip_bytes(data)),
+    )

@@ -1,0 +1,25 @@
+from django.core.management.base import BaseCommand, CommandError
+
+from compendium.registry import RegistryFormatError, load_registry
+from compendium.services import import_registry
+
+
+class Command(BaseCommand):
+    help = (
+        "Import a tool registry: a dataset folder or tools.jsonl in the routing-benchmark format, "
+        "or an MCP tools/list result (JSON)."
+    )
+
+    def add_arguments(self, parser):
+        parser.add_argument("path", help="dataset folder, tools.jsonl, or MCP tools/list JSON")
+
+    def handle(self, *args, path, **options):
+        try:
+            tools = load_registry(path)
+        except RegistryFormatError as exc:
+            raise CommandError(str(exc)) from None
+        result = import_registry(tools)
+        self.stdout.write(
+            f"{result.total} tools from {path}: {result.created} created, "
+            f"{result.updated} updated, {result.unchanged} unchanged"
+        )

@@ -1,0 +1,200 @@
+"""Business logic of the compendium app: registry import, the schema in force, storing and reading
+compendium versions, and vector search over stored entries."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+from django.db import transaction
+from pgvector.django import CosineDistance
+
+from compendium.canonical import canonical_dict, canonical_form
+from compendium.models import (
+    AnnexEntry,
+    CompendiumVersion,
+    NumericField,
+    PrecautionEntry,
+    ScenarioEntry,
+    StatEntry,
+    TemplateEntry,
+    Tool,
+)
+from compendium.schema import Compendium, NumericFieldSpec, NumericKind, Schema, ToolSpec
+
+
+@dataclass(frozen=True)
+class ImportResult:
+    created: int
+    updated: int
+    unchanged: int
+
+    @property
+    def total(self) -> int:
+        return self.created + self.updated + self.unchanged
+
+
+@transaction.atomic
+def import_registry(tools: Iterable[ToolSpec]) -> ImportResult:
+    """Create or update registry entries by tool id (idempotent)."""
+    existing = {t.tool_id: t for t in Tool.objects.select_for_update()}
+    created, updated, unchanged = [], [], 0
+    for spec in tools:
+        fields = {
+            "name": spec.name,
+            "description": spec.description,
+            "category": spec.category,
+            "spec": spec.spec,
+        }
+        current = existing.get(spec.tool_id)
+        if current is None:
+            created.append(Tool(tool_id=spec.tool_id, **fields))
+        elif any(getattr(current, k) != v for k, v in fields.items()) or not current.active:
+            for key, value in fields.items():
+                setattr(current, key, value)
+            current.active = True
+            updated.append(current)
+        else:
+            unchanged += 1
+    Tool.objects.bulk_create(created, batch_size=500)
+    if updated:
+        Tool.objects.bulk_update(
+            updated, ["name", "description", "category", "spec", "active"], batch_size=500
+        )
+    return ImportResult(len(created), len(updated), unchanged)
+
+
+def registry_specs() -> list[ToolSpec]:
+    return [
+        ToolSpec(
+            tool_id=t.tool_id, name=t.name, description=t.description, category=t.category, spec=t.spec
+        )
+        for t in Tool.objects.filter(active=True).order_by("tool_id")
+    ]
+
+
+def numeric_field_specs() -> list[NumericFieldSpec]:
+    return [
+        NumericFieldSpec(
+            name=f.name,
+            kind=NumericKind(f.kind),
+            min=f.min_value,
+            max=f.max_value,
+            sensitivity=f.sensitivity,
+            unit=f.unit,
+            description=f.description,
+        )
+        for f in NumericField.objects.order_by("name")
+    ]
+
+
+def current_schema() -> Schema:
+    """The schema S in force: the active registry and the declared numeric fields."""
+    return Schema(tools=registry_specs(), numeric_fields=numeric_field_specs())
+
+
+@transaction.atomic
+def store_compendium(
+    compendium: Compendium,
+    *,
+    kind: str,
+    round,
+    client=None,
+    organization=None,
+    sources: Sequence[CompendiumVersion] = (),
+    scenario_embeddings: np.ndarray | None = None,
+    precaution_embeddings: np.ndarray | None = None,
+) -> CompendiumVersion:
+    """Store a (validated) compendium and its entries in one transaction.
+
+    Embeddings, when given, are row-aligned with `compendium.scenarios` / `.precautions`.
+    """
+    form = canonical_form(compendium)
+    version = CompendiumVersion.objects.create(
+        kind=kind,
+        round=round,
+        client=client,
+        organization=organization,
+        schema_version=compendium.schema_version,
+        content=canonical_dict(compendium),
+        sha256=form.sha256,
+        size_bytes=form.size_bytes,
+        gzip_bytes=form.gzip_bytes,
+        entry_counts=compendium.entry_counts(),
+    )
+    if sources:
+        version.sources.set(sources)
+    tool_pk = dict(
+        Tool.objects.filter(tool_id__in=compendium.tools_referenced()).values_list("tool_id", "pk")
+    )
+
+    def vector(matrix: np.ndarray | None, index: int):
+        return None if matrix is None else matrix[index]
+
+    ScenarioEntry.objects.bulk_create(
+        [
+            ScenarioEntry(
+                version=version,
+                tool_id=tool_pk[s.tool_id],
+                text=s.text,
+                preconditions=s.preconditions,
+                support=s.support,
+                embedding=vector(scenario_embeddings, i),
+            )
+            for i, s in enumerate(compendium.scenarios)
+        ],
+        batch_size=1000,
+    )
+    PrecautionEntry.objects.bulk_create(
+        [
+            PrecautionEntry(
+                version=version,
+                tool_id=tool_pk[p.tool_id],
+                text=p.text,
+                support=p.support,
+                embedding=vector(precaution_embeddings, i),
+            )
+            for i, p in enumerate(compendium.precautions)
+        ],
+        batch_size=1000,
+    )
+    TemplateEntry.objects.bulk_create(
+        [
+            TemplateEntry(
+                version=version, tool_id=tool_pk[t.tool_id], signature=t.signature, template=t.template
+            )
+            for t in compendium.templates
+        ],
+        batch_size=1000,
+    )
+    StatEntry.objects.bulk_create(
+        [
+            StatEntry(version=version, tool_id=tool_pk[m.tool_id], field=name, value=value)
+            for m in compendium.metadata
+            for name, value in m.stats.items()
+        ],
+        batch_size=1000,
+    )
+    AnnexEntry.objects.bulk_create(
+        [
+            AnnexEntry(version=version, subject=a.subject, relation=a.relation, object=a.object)
+            for a in compendium.annex
+        ],
+        batch_size=1000,
+    )
+    return version
+
+
+def load_compendium(version: CompendiumVersion) -> Compendium:
+    return Compendium.model_validate(version.content)
+
+
+def nearest_scenarios(version: CompendiumVersion, query_vector, k: int = 5):
+    """The k scenarios of a version closest to the query by cosine distance (pgvector HNSW)."""
+    return list(
+        ScenarioEntry.objects.filter(version=version, embedding__isnull=False)
+        .select_related("tool")
+        .annotate(distance=CosineDistance("embedding", query_vector))
+        .order_by("distance")[:k]
+    )

@@ -1,0 +1,413 @@
+"""Validity of a compendium under a schema: rules (a)-(d) of Definition 1, plus the structural
+checks that keep hostile input harmless.
+
+`validate_compendium` never raises on bad input: it returns every violation it finds, each with
+the JSON path of the offending value and a reason a person can act on.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+from pydantic import ValidationError
+
+from compendium.schema import IDENTIFIER, SCHEMA_VERSION, Compendium, Schema
+
+# Control characters other than tab/newline/carriage return, C1 controls, bidirectional
+# overrides (a classic way to make text read differently than it is stored) and lone surrogates
+# (which cannot be encoded as UTF-8).
+_FORBIDDEN_CHARS = re.compile(
+    "[\x00-\x08\x0b\x0c\x0e-\x1f\x7f-\x9f\u202a-\u202e\u2066-\u2069\ud800-\udfff]"
+)
+
+# Which declared string limit applies to a string, by the name of the field holding it.
+_LIMIT_BY_FIELD = {
+    ("metadata", "tool_id"): "tool_id",
+    ("metadata", "description"): "description",
+    ("scenarios", "tool_id"): "tool_id",
+    ("scenarios", "text"): "scenario",
+    ("precautions", "tool_id"): "tool_id",
+    ("precautions", "text"): "precaution",
+    ("templates", "tool_id"): "tool_id",
+    ("templates", "signature"): "signature",
+    ("templates", "template"): "template",
+    ("annex", "subject"): "annex_term",
+    ("annex", "relation"): "annex_term",
+    ("annex", "object"): "annex_term",
+    ("scenarios", "preconditions"): "flag",
+}
+
+_COLLECTIONS = ("metadata", "scenarios", "precautions", "templates", "annex")
+_TOOL_REFERENCING = ("scenarios", "precautions", "templates")
+
+
+@dataclass(frozen=True)
+class Violation:
+    path: str
+    reason: str
+
+    def as_dict(self) -> dict[str, str]:
+        return {"path": self.path, "reason": self.reason}
+
+    def __str__(self) -> str:
+        return f"{self.path}: {self.reason}"
+
+
+@dataclass
+class ValidationResult:
+    compendium: Compendium | None
+    violations: list[Violation] = field(default_factory=list)
+
+    @property
+    def ok(self) -> bool:
+        return not self.violations
+
+
+class CompendiumInvalid(ValueError):
+    """Raised by `load_valid_compendium` with every violation attached."""
+
+    def __init__(self, violations: list[Violation]):
+        self.violations = violations
+        head = "; ".join(str(v) for v in violations[:5])
+        more = f" (and {len(violations) - 5} more)" if len(violations) > 5 else ""
+        super().__init__(f"{len(violations)} violation(s): {head}{more}")
+
+
+def format_path(parts: tuple[Any, ...] | list[Any]) -> str:
+    out = "$"
+    for part in parts:
+        if isinstance(part, int):
+            out += f"[{part}]"
+        elif isinstance(part, str) and re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", part):
+            out += f".{part}"
+        else:
+            out += "[" + json.dumps(str(part), ensure_ascii=True) + "]"
+    return out
+
+
+def _reject_constant(name: str) -> float:
+    raise ValueError(f"{name} is not a valid JSON number")
+
+
+def _no_duplicate_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for key, value in pairs:
+        if key in out:
+            raise ValueError(f"duplicate key {json.dumps(key)} in one object")
+        out[key] = value
+    return out
+
+
+def parse_document(data: bytes | str, max_bytes: int) -> tuple[Any, list[Violation]]:
+    """Bytes or text to a JSON value, or the reason it is not one."""
+    size = len(data.encode("utf-8", "surrogatepass")) if isinstance(data, str) else len(data)
+    if size > max_bytes:
+        return None, [Violation("$", f"document is {size} bytes; the limit is {max_bytes} bytes")]
+    if isinstance(data, bytes | bytearray | memoryview):
+        try:
+            data = bytes(data).decode("utf-8")
+        except UnicodeDecodeError as exc:
+            return None, [Violation("$", f"not valid UTF-8 at byte {exc.start}: {exc.reason}")]
+    try:
+        return (
+            json.loads(
+                data, parse_constant=_reject_constant, object_pairs_hook=_no_duplicate_keys
+            ),
+            [],
+        )
+    except RecursionError:
+        return None, [Violation("$", "document nests too deeply to be a compendium")]
+    except json.JSONDecodeError as exc:
+        return None, [
+            Violation("$", f"not valid JSON: {exc.msg} at line {exc.lineno} column {exc.colno}")
+        ]
+    except ValueError as exc:
+        return None, [Violation("$", f"not valid JSON: {exc}")]
+
+
+def _walk(doc: Any, max_depth: int, max_nodes: int) -> Iterator[tuple[tuple, Any]]:
+    """Yield (path, value) for every value, depth first, without recursion."""
+    stack: list[tuple[tuple, Any, int]] = [((), doc, 0)]
+    nodes = 0
+    while stack:
+        path, value, depth = stack.pop()
+        nodes += 1
+        if nodes > max_nodes:
+            yield path, _TooMany(max_nodes)
+            return
+        if depth > max_depth:
+            yield path, _TooDeep(max_depth)
+            continue
+        yield path, value
+        if isinstance(value, dict):
+            for key in reversed(list(value)):
+                yield path + (key,), _Key(key)
+                stack.append((path + (key,), value[key], depth + 1))
+        elif isinstance(value, list):
+            for index in range(len(value) - 1, -1, -1):
+                stack.append((path + (index,), value[index], depth + 1))
+
+
+@dataclass(frozen=True)
+class _Key:
+    name: str
+
+
+@dataclass(frozen=True)
+class _TooDeep:
+    limit: int
+
+
+@dataclass(frozen=True)
+class _TooMany:
+    limit: int
+
+
+def _string_limit(path: tuple, schema: Schema) -> tuple[str, int]:
+    """The declared limit that applies to a string at `path` (top collection, field name)."""
+    if len(path) >= 3 and isinstance(path[0], str) and isinstance(path[1], int):
+        key = _LIMIT_BY_FIELD.get((path[0], path[2]))
+        if key:
+            return key, getattr(schema.strings, key)
+    return "other", schema.strings.other
+
+
+def _check_string(text: str, path: tuple, schema: Schema, is_key: bool) -> Iterator[Violation]:
+    where = format_path(path)
+    bad = _FORBIDDEN_CHARS.search(text)
+    if bad:
+        char = bad.group()
+        what = "a lone surrogate (not encodable as UTF-8)" if "\ud800" <= char <= "\udfff" else (
+            "a bidirectional override" if "\u202a" <= char <= "\u2069" else "a control character"
+        )
+        yield Violation(
+            where,
+            f"{'key' if is_key else 'string'} contains {what} U+{ord(char):04X} "
+            f"at position {bad.start()}; remove it",
+        )
+    limit_name, limit = _string_limit(path, schema)
+    if len(text) > limit:
+        yield Violation(
+            where,
+            f"{'key' if is_key else 'string'} is {len(text)} characters; "
+            f"the declared limit for {limit_name} is {limit}",
+        )
+
+
+def _structural_checks(doc: Any, schema: Schema) -> tuple[list[Violation], bool]:
+    """Strings, numbers, depth and size of the whole tree. Also says whether the tree is too
+    deep or too large to be handed to the model validator at all."""
+    violations: list[Violation] = []
+    hostile = False
+    limits = schema.limits
+    for path, value in _walk(doc, limits.depth, limits.nodes):
+        if isinstance(value, _TooDeep):
+            hostile = True
+            violations.append(
+                Violation(format_path(path), f"nested deeper than the limit of {value.limit} levels")
+            )
+        elif isinstance(value, _TooMany):
+            hostile = True
+            violations.append(
+                Violation("$", f"document has more than {value.limit} JSON values")
+            )
+        elif isinstance(value, _Key):
+            violations.extend(_check_string(value.name, path, schema, is_key=True))
+        elif isinstance(value, str):
+            violations.extend(_check_string(value, path, schema, is_key=False))
+        elif isinstance(value, float) and not math.isfinite(value):
+            violations.append(Violation(format_path(path), "number is not finite"))
+    return violations, hostile
+
+
+_PYDANTIC_REASONS = {
+    "missing": "required field is missing",
+    "extra_forbidden": "unknown field: not part of the compendium schema",
+    "string_type": "wrong type: expected a string",
+    "float_type": "wrong type: expected a number",
+    "int_type": "wrong type: expected an integer",
+    "bool_type": "wrong type: expected true or false",
+    "list_type": "wrong type: expected a list",
+    "dict_type": "wrong type: expected an object",
+    "model_type": "wrong type: expected an object",
+    "model_attributes_type": "wrong type: expected an object",
+}
+
+
+def _pydantic_violations(exc: ValidationError) -> list[Violation]:
+    out = []
+    for err in exc.errors(include_url=False):
+        reason = _PYDANTIC_REASONS.get(err["type"])
+        if reason is None:
+            reason = err["msg"][0].lower() + err["msg"][1:]
+        out.append(Violation(format_path(err["loc"]), reason))
+    return out
+
+
+def _semantic_checks(doc: dict, schema: Schema) -> list[Violation]:
+    """Rules (a)-(c) and uniqueness, on the raw document so that every item is checked even when
+    another item has a structural error."""
+    out: list[Violation] = []
+    registry = schema.tool_ids
+    limits = schema.limits
+
+    version = doc.get("schema_version", SCHEMA_VERSION)
+    if isinstance(version, str) and version != schema.version:
+        out.append(
+            Violation(
+                "$.schema_version",
+                f"schema version {version!r} is not supported; this federation uses {schema.version!r}",
+            )
+        )
+
+    def items(name: str) -> Iterator[tuple[int, dict]]:
+        seq = doc.get(name)
+        if not isinstance(seq, list):
+            return
+        cap = getattr(limits, name)
+        if len(seq) > cap:
+            out.append(
+                Violation(f"$.{name}", f"{len(seq)} entries; the limit is {cap} per compendium")
+            )
+        for index, item in enumerate(seq[:cap]):
+            if isinstance(item, dict):
+                yield index, item
+
+    def unknown_tool(name: str, index: int, tool: Any, rule: str) -> None:
+        if isinstance(tool, str) and tool not in registry:
+            out.append(
+                Violation(
+                    f"$.{name}[{index}].tool_id",
+                    f"{rule} {tool!r}: not in the tool registry ({len(registry)} tools); "
+                    "register it or drop the entry",
+                )
+            )
+
+    seen_tools: dict[str, int] = {}
+    for index, item in items("metadata"):
+        tool = item.get("tool_id")
+        unknown_tool("metadata", index, tool, "unknown tool id")
+        if isinstance(tool, str):
+            if tool in seen_tools:
+                out.append(
+                    Violation(
+                        f"$.metadata[{index}].tool_id",
+                        f"duplicate tool id {tool!r}: already at $.metadata[{seen_tools[tool]}]",
+                    )
+                )
+            else:
+                seen_tools[tool] = index
+        stats = item.get("stats")
+        if isinstance(stats, dict):
+            for name, value in stats.items():
+                where = format_path(("metadata", index, "stats", name))
+                spec = schema.fields_by_name.get(name)
+                if spec is None:
+                    declared = ", ".join(sorted(schema.fields_by_name)) or "none"
+                    out.append(
+                        Violation(where, f"unknown numeric field {name!r}; declared fields: {declared}")
+                    )
+                elif isinstance(value, int | float) and not isinstance(value, bool):
+                    if math.isfinite(value) and not spec.min <= value <= spec.max:
+                        out.append(
+                            Violation(
+                                where,
+                                f"value {value} is outside the declared range "
+                                f"[{spec.min:g}, {spec.max:g}] of field {name!r}",
+                            )
+                        )
+
+    for name in _TOOL_REFERENCING:
+        seen: dict[tuple, int] = {}
+        for index, item in items(name):
+            unknown_tool(name, index, item.get("tool_id"), "references unregistered tool")
+            if name == "templates":
+                key = (item.get("tool_id"), item.get("signature"))
+                label = "duplicate template key (tool, signature)"
+            else:
+                flags = item.get("preconditions")
+                key = (
+                    item.get("tool_id"),
+                    item.get("text"),
+                    tuple(sorted(flags.items())) if isinstance(flags, dict) else None,
+                )
+                label = f"duplicate {name[:-1]}"
+                text = item.get("text")
+                if isinstance(text, str) and not text.strip():
+                    out.append(Violation(f"$.{name}[{index}].text", "text is empty"))
+            if all(isinstance(k, str | tuple | type(None)) for k in key):
+                try:
+                    if key in seen:
+                        out.append(
+                            Violation(f"$.{name}[{index}]", f"{label}: same as $.{name}[{seen[key]}]")
+                        )
+                    else:
+                        seen[key] = index
+                except TypeError:  # unhashable values are reported by the type checks
+                    pass
+            flags = item.get("preconditions")
+            if isinstance(flags, dict):
+                if len(flags) > limits.preconditions:
+                    out.append(
+                        Violation(
+                            f"$.{name}[{index}].preconditions",
+                            f"{len(flags)} flags; the limit is {limits.preconditions}",
+                        )
+                    )
+                for flag in flags:
+                    if not IDENTIFIER.match(flag):
+                        out.append(
+                            Violation(
+                                format_path((name, index, "preconditions", flag)),
+                                "flag name must be an identifier (letters, digits, _ . : -)",
+                            )
+                        )
+
+    for index, item in items("annex"):
+        for part in ("subject", "relation", "object"):
+            value = item.get(part)
+            if isinstance(value, str) and not value.strip():
+                out.append(Violation(f"$.annex[{index}].{part}", f"{part} is empty"))
+    return out
+
+
+def validate_compendium(data: bytes | str | dict | Compendium, schema: Schema) -> ValidationResult:
+    """Check a compendium (raw bytes, text, parsed JSON or a model) against a schema."""
+    if isinstance(data, Compendium):
+        doc: Any = data.model_dump(mode="json")
+    elif isinstance(data, bytes | bytearray | memoryview | str):
+        doc, violations = parse_document(data, schema.limits.bytes)
+        if violations:
+            return ValidationResult(None, violations)
+    else:
+        doc = data
+
+    violations, hostile = _structural_checks(doc, schema)
+    if hostile:
+        return ValidationResult(None, violations)
+    if not isinstance(doc, dict):
+        return ValidationResult(None, [Violation("$", "a compendium must be a JSON object")])
+
+    model: Compendium | None = None
+    try:
+        model = Compendium.model_validate(doc, strict=True)
+    except ValidationError as exc:
+        violations.extend(_pydantic_violations(exc))
+    violations.extend(_semantic_checks(doc, schema))
+
+    # One violation per (path, reason), in document order of discovery.
+    unique = list(dict.fromkeys(violations))
+    return ValidationResult(model if not unique else None, unique)
+
+
+def load_valid_compendium(data: bytes | str | dict | Compendium, schema: Schema) -> Compendium:
+    result = validate_compendium(data, schema)
+    if not result.ok:
+        raise CompendiumInvalid(result.violations)
+    assert result.compendium is not None
+    return result.compendium

@@ -1,0 +1,15 @@
+"""The Celery app. Without CELERY_BROKER_URL, tasks run eagerly in the calling process."""
+
+import os
+
+from celery import Celery
+
+os.environ.setdefault("DJANGO_SETTINGS_MODULE", "synapse_web.settings")
+
+app = Celery("synapse")
+app.config_from_object("django.conf:settings", namespace="CELERY")
+if not os.environ.get("CELERY_BROKER_URL"):
+    # No broker configured: eager mode needs no transport, keep Celery from dialing AMQP.
+    app.conf.broker_url = "memory://"
+    app.conf.result_backend = "cache+memory://"
+app.autodiscover_tasks()

@@ -1,0 +1,61 @@
+"""The embedded default database: real PostgreSQL 16 with pgvector, shipped by the PyPI package
+`pgserver`, running from a data folder of the project.
+
+It is started on first use and left running (so that the web server, workers, tests and management
+commands share one server); `python manage.py embedded_db stop` stops it.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import warnings
+from pathlib import Path
+
+DB_NAME = "synapse"
+
+
+def _server(data_dir: Path):
+    warnings.filterwarnings("ignore", message=".*XDG_RUNTIME_DIR.*")
+    import pgserver  # imported lazily: only the embedded default needs it
+
+    data_dir.parent.mkdir(parents=True, exist_ok=True)
+    return pgserver.get_server(data_dir, cleanup_mode=None)
+
+
+def ensure_embedded_database(data_dir: Path) -> dict:
+    """Start (if needed) the embedded server and return Django DATABASES settings for it."""
+    data_dir = Path(data_dir).resolve()
+    marker = data_dir / ".synapse_db_created"
+    server = _server(data_dir)
+    if not marker.exists():
+        exists = server.psql(f"SELECT 1 FROM pg_database WHERE datname = '{DB_NAME}';")
+        if "1 row" not in exists:
+            server.psql(f"CREATE DATABASE {DB_NAME};")
+        # The test database is created from template1; pgvector goes there too so that
+        # every database of this server can hold vectors.
+        server.psql("\\c template1\nCREATE EXTENSION IF NOT EXISTS vector;")
+        marker.touch()
+    return {
+        "ENGINE": "django.db.backends.postgresql",
+        "NAME": DB_NAME,
+        "USER": "postgres",
+        "PASSWORD": "",
+        "HOST": str(data_dir),
+        "PORT": "",
+        "CONN_MAX_AGE": int(os.environ.get("SYNAPSE_CONN_MAX_AGE", "60")),
+        "CONN_HEALTH_CHECKS": True,
+    }
+
+
+def stop_embedded_database(data_dir: Path) -> bool:
+    """Fast shutdown of the embedded server (SIGINT to the postmaster). False if none was running."""
+    pid_file = Path(data_dir).resolve() / "postmaster.pid"
+    if not pid_file.exists():
+        return False
+    pid = int(pid_file.read_text().splitlines()[0])
+    try:
+        os.kill(pid, signal.SIGINT)
+    except ProcessLookupError:
+        return False
+    return True

@@ -1,0 +1,42 @@
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from compendium.schema import Schema, ToolSpec
+
+ROOT = Path(__file__).resolve().parent.parent
+SHARED_DATA = ROOT.parent / "shared" / "data"
+METATOOL = SHARED_DATA / "metatool"
+
+
+@pytest.fixture(scope="session")
+def small_schema() -> Schema:
+    return Schema(
+        tools=[
+            ToolSpec(tool_id="weather", description="Weather forecasts for a city", category="Weather"),
+            ToolSpec(tool_id="flights", description="Search and book flights", category="Travel"),
+            ToolSpec(tool_id="calculator", description="Evaluate arithmetic", category="Math"),
+        ]
+    )
+
+
+@pytest.fixture
+def valid_doc() -> dict:
+    return {
+        "schema_version": "1.0",
+        "metadata": [
+            {"tool_id": "weather", "stats": {"calls": 12, "success_rate": 0.9, "latency_ms": 320}},
+            {"tool_id": "flights", "stats": {"calls": 3}},
+        ],
+        "scenarios": [
+            {"tool_id": "weather", "text": "Will it rain tomorrow in a city?", "preconditions": {"has_city": True}},
+            {"tool_id": "flights", "text": "Find a cheap flight between two airports"},
+        ],
+        "precautions": [{"tool_id": "calculator", "text": "Do not use for unit conversions of currency"}],
+        "templates": [
+            {"tool_id": "weather", "signature": "forecast(city, days)", "template": "Forecast for {city}"}
+        ],
+        "annex": [{"subject": "flights", "relation": "needs", "object": "airport code"}],
+    }

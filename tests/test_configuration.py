@@ -1,0 +1,47 @@
+"""Configuration errors are one clear line, not a traceback."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+
+import pytest
+
+from tests.conftest import ROOT
+
+
+def _port_open(host: str, port: int) -> bool:
+    with socket.socket() as sock:
+        sock.settimeout(0.5)
+        return sock.connect_ex((host, port)) == 0
+
+
+@pytest.mark.skipif(
+    not _port_open("127.0.0.1", 5432), reason="needs the machine's plain PostgreSQL on 127.0.0.1:5432"
+)
+def test_database_without_pgvector_stops_with_one_line():
+    env = dict(os.environ, DATABASE_URL="postgres://postgres@127.0.0.1:5432/postgres")
+    proc = subprocess.run(
+        [sys.executable, "manage.py", "migrate", "--check"],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 2
+    lines = [line for line in proc.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1, proc.stderr
+    assert "has no pgvector extension" in lines[0] and "unset DATABASE_URL" in lines[0]
+
+
+def test_docker_compose_file_declares_the_services():
+    import yaml
+
+    compose = yaml.safe_load((ROOT / "docker-compose.yml").read_text())
+    services = compose["services"]
+    assert {"postgres", "redis", "web", "worker-cpu", "worker-gpu", "llm"} <= set(services)
+    assert "pgvector" in services["postgres"]["image"]
+    assert services["web"]["environment"]["DATABASE_URL"].startswith("postgres")
