@@ -105,7 +105,22 @@ class CompendiumVersion(models.Model):
                     | models.Q(kind="global", client__isnull=True, organization__isnull=True)
                 ),
                 name="compendium_owner_matches_kind",
-            )
+            ),
+            # One current version per owner and round: a client's replacement submission, or a
+            # re-materialized edge/global result, replaces the row in the same transaction.
+            models.UniqueConstraint(
+                fields=["round", "client"],
+                condition=models.Q(kind="client"),
+                name="one_client_compendium_per_round",
+            ),
+            models.UniqueConstraint(
+                fields=["round", "organization"],
+                condition=models.Q(kind="edge"),
+                name="one_edge_compendium_per_round",
+            ),
+            models.UniqueConstraint(
+                fields=["round"], condition=models.Q(kind="global"), name="one_global_compendium_per_round"
+            ),
         ]
 
     def __str__(self) -> str:
