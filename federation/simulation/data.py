@@ -1,0 +1,183 @@
+"""Turning a labelled routing dataset into a simulated federation: seeded stratified splits,
+partitions of the train split over organizations and clients, and the clients' usage logs.
+
+Pure (no Django): the `simulate` command and the tests use the same functions.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import random
+from collections import defaultdict
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Literal
+
+from compendium.registry import LabelledQuery, RoutingDataset
+from compendium.schema import ToolSpec
+
+Partition = Literal["iid", "category", "random"]
+
+
+@dataclass
+class Split:
+    train: list[LabelledQuery]
+    probe: list[LabelledQuery]
+    test: list[LabelledQuery]
+
+
+def split_dataset(
+    dataset: RoutingDataset,
+    *,
+    seed: int,
+    probe_fraction: float = 0.1,
+    test_fraction: float = 0.4,
+) -> Split:
+    """Stratified by gold tool: every tool keeps the same shares in train, probe and test.
+
+    The probe split is the public probe set the edges use (never client data); the test split is
+    held out from everything.
+    """
+    if not 0 < test_fraction < 1 or not 0 <= probe_fraction < 1 - test_fraction:
+        raise ValueError("fractions must leave a non-empty train split")
+    rng = random.Random(seed)
+    by_tool: dict[str, list[LabelledQuery]] = defaultdict(list)
+    for query in dataset.queries:
+        by_tool[query.tool_id].append(query)
+    split = Split([], [], [])
+    for tool in sorted(by_tool):
+        items = list(by_tool[tool])
+        rng.shuffle(items)
+        n = len(items)
+        n_test = max(1, round(n * test_fraction)) if n >= 3 else 0
+        n_probe = max(1, round(n * probe_fraction)) if n >= 3 and probe_fraction > 0 else 0
+        split.test.extend(items[:n_test])
+        split.probe.extend(items[n_test : n_test + n_probe])
+        split.train.extend(items[n_test + n_probe :])
+    return split
+
+
+@dataclass
+class ClientShare:
+    organization: str
+    client: str
+    queries: list[LabelledQuery] = field(default_factory=list)
+
+
+def partition_train(
+    train: Sequence[LabelledQuery],
+    tools: Sequence[ToolSpec],
+    *,
+    orgs: int,
+    clients_per_org: int,
+    mode: Partition,
+    seed: int,
+    dirichlet_alpha: float = 0.5,
+) -> list[ClientShare]:
+    """Deal the train queries to orgs x clients.
+
+    - iid: uniformly at random;
+    - category: each organization specializes in a subset of tool categories (categories are dealt
+      round-robin to organizations, the paper's cross-organizational setting); inside an
+      organization the queries are dealt uniformly to its clients;
+    - random: each client draws tool preferences from a Dirichlet(alpha) and queries are assigned
+      to clients in proportion to them (label skew without category structure).
+    """
+    if orgs < 1 or clients_per_org < 1:
+        raise ValueError("need at least one organization and one client per organization")
+    rng = random.Random(seed)
+    shares = [
+        ClientShare(f"org-{o + 1}", f"org-{o + 1}-client-{c + 1}")
+        for o in range(orgs)
+        for c in range(clients_per_org)
+    ]
+    queries = list(train)
+    rng.shuffle(queries)
+    if mode == "iid":
+        for index, query in enumerate(queries):
+            shares[index % len(shares)].queries.append(query)
+    elif mode == "category":
+        category_of = {t.tool_id: t.category or "uncategorized" for t in tools}
+        categories = sorted({category_of.get(q.tool_id, "uncategorized") for q in queries})
+        rng.shuffle(categories)
+        owner = {cat: i % orgs for i, cat in enumerate(categories)}
+        dealt = [0] * orgs
+        for query in queries:
+            org = owner[category_of.get(query.tool_id, "uncategorized")]
+            shares[org * clients_per_org + dealt[org] % clients_per_org].queries.append(query)
+            dealt[org] += 1
+    elif mode == "random":
+        import numpy as np
+
+        np_rng = np.random.default_rng(seed)
+        tool_ids = sorted({q.tool_id for q in queries})
+        prefs = np_rng.dirichlet([dirichlet_alpha] * len(shares), size=len(tool_ids))
+        column = {tool: prefs[i] for i, tool in enumerate(tool_ids)}
+        for query in queries:
+            shares[int(np_rng.choice(len(shares), p=column[query.tool_id]))].queries.append(query)
+    else:
+        raise ValueError(f"unknown partition {mode!r}: use iid, category or random")
+    return shares
+
+
+def _stable_unit(*parts: object) -> float:
+    digest = hashlib.blake2b("|".join(map(str, parts)).encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "big") / 2**64
+
+
+def confusable_tools(tools: Sequence[ToolSpec], seed: int) -> dict[str, list[str]]:
+    """For each tool, the tools a frozen LLM plausibly mistakes it for: the same category first."""
+    by_category: dict[str, list[str]] = defaultdict(list)
+    for tool in tools:
+        by_category[tool.category].append(tool.tool_id)
+    all_ids = [t.tool_id for t in tools]
+    out = {}
+    for tool in tools:
+        peers = [t for t in by_category[tool.category] if t != tool.tool_id]
+        if not peers:
+            peers = [t for t in all_ids if t != tool.tool_id]
+        peers.sort(key=lambda t: _stable_unit(seed, tool.tool_id, t))
+        out[tool.tool_id] = peers[:5]
+    return out
+
+
+def usage_log(
+    share: ClientShare,
+    confusions: dict[str, list[str]],
+    *,
+    seed: int,
+    users: int = 3,
+    error_rate: float = 0.15,
+    correction_rate: float = 0.6,
+) -> list[dict]:
+    """The routing log the client's own frozen LLM would have produced for its queries.
+
+    Each query was routed once: mostly to its gold tool (success), sometimes to a confusable tool;
+    such a mistake was corrected by the user to the gold tool (`corrected`) or left as a
+    `failure`. Latency is drawn per tool from a stable lognormal profile. Users are the client's
+    end users, each with a stable share of the queries.
+    """
+    rng = random.Random(f"{seed}|{share.client}")
+    lines = []
+    for query in share.queries:
+        user = f"{share.client}-user-{rng.randrange(max(1, users)) + 1}"
+        chosen, outcome, corrected_to = query.tool_id, "success", None
+        if rng.random() < error_rate and confusions.get(query.tool_id):
+            chosen = rng.choice(confusions[query.tool_id])
+            if rng.random() < correction_rate:
+                outcome, corrected_to = "corrected", query.tool_id
+            else:
+                outcome = "failure"
+        base = 150 + 1500 * _stable_unit("latency", chosen)
+        latency = round(base * rng.lognormvariate(0, 0.35), 1)
+        line = {
+            "query": query.query,
+            "tool": chosen,
+            "outcome": outcome,
+            "latency_ms": latency,
+            "user": user,
+        }
+        if corrected_to:
+            line["corrected_to"] = corrected_to
+        lines.append(line)
+    return lines

@@ -1,0 +1,96 @@
+from __future__ import annotations
+
+from collections import Counter
+
+import numpy as np
+import pytest
+
+from compendium.registry import LabelledQuery, RoutingDataset
+from compendium.schema import ToolSpec
+from federation.simulation.data import (
+    confusable_tools,
+    partition_train,
+    split_dataset,
+    usage_log,
+)
+from federation.simulation.metrics import accuracy_report, auroc, membership_scores, token_overlap
+
+
+@pytest.fixture
+def dataset() -> RoutingDataset:
+    tools = [
+        ToolSpec(tool_id=f"t{i}", description=f"tool {i}", category=f"cat{i % 4}") for i in range(12)
+    ]
+    queries = [
+        LabelledQuery(query=f"query {n} for t{i}", tool_id=f"t{i}", category=f"cat{i % 4}")
+        for i in range(12)
+        for n in range(20)
+    ]
+    return RoutingDataset("toy", tools, queries)
+
+
+def test_split_is_stratified_disjoint_and_seeded(dataset):
+    split = split_dataset(dataset, seed=3, probe_fraction=0.1, test_fraction=0.4)
+    sizes = (len(split.train), len(split.probe), len(split.test))
+    assert sum(sizes) == len(dataset.queries)
+    assert Counter(q.tool_id for q in split.test) == {f"t{i}": 8 for i in range(12)}
+    assert Counter(q.tool_id for q in split.probe) == {f"t{i}": 2 for i in range(12)}
+    ids = lambda qs: {q.query for q in qs}  # noqa: E731
+    assert not ids(split.train) & ids(split.test) and not ids(split.probe) & ids(split.test)
+    again = split_dataset(dataset, seed=3, probe_fraction=0.1, test_fraction=0.4)
+    assert [q.query for q in again.test] == [q.query for q in split.test]
+    other = split_dataset(dataset, seed=4, probe_fraction=0.1, test_fraction=0.4)
+    assert [q.query for q in other.test] != [q.query for q in split.test]
+
+
+@pytest.mark.parametrize("mode", ["iid", "category", "random"])
+def test_partitions_deal_every_train_query_once(dataset, mode):
+    split = split_dataset(dataset, seed=1)
+    shares = partition_train(split.train, dataset.tools, orgs=2, clients_per_org=3, mode=mode, seed=1)
+    assert len(shares) == 6
+    dealt = [q.query for s in shares for q in s.queries]
+    assert sorted(dealt) == sorted(q.query for q in split.train)
+
+
+def test_category_partition_gives_each_org_its_own_categories(dataset):
+    split = split_dataset(dataset, seed=1)
+    shares = partition_train(split.train, dataset.tools, orgs=2, clients_per_org=2, mode="category", seed=1)
+    cats = {}
+    for share in shares:
+        cats.setdefault(share.organization, set()).update(q.category for q in share.queries)
+    assert cats["org-1"].isdisjoint(cats["org-2"])
+    assert cats["org-1"] | cats["org-2"] == {"cat0", "cat1", "cat2", "cat3"}
+
+
+def test_usage_log_has_failures_corrections_and_users(dataset):
+    split = split_dataset(dataset, seed=1)
+    shares = partition_train(split.train, dataset.tools, orgs=1, clients_per_org=1, mode="iid", seed=1)
+    log = usage_log(shares[0], confusable_tools(dataset.tools, 1), seed=1, users=3, error_rate=0.3)
+    outcomes = Counter(line["outcome"] for line in log)
+    assert outcomes["success"] > outcomes["corrected"] > 0 and outcomes["failure"] > 0
+    assert len({line["user"] for line in log}) == 3
+    for line in log:
+        if line["outcome"] == "corrected":
+            assert line["corrected_to"] != line["tool"]
+    assert log == usage_log(shares[0], confusable_tools(dataset.tools, 1), seed=1, users=3, error_rate=0.3)
+
+
+def test_accuracy_report():
+    report = accuracy_report(["a", "b", "b", "c"], ["a", "b", "c", "c"], ["x", "x", "y", "y"])
+    assert report.accuracy == 0.75
+    assert report.per_category == {"x": {"accuracy": 1.0, "n": 2}, "y": {"accuracy": 0.5, "n": 2}}
+    assert report.macro_accuracy == 0.75
+
+
+def test_auroc_and_membership_scores():
+    assert auroc([0.9, 0.8, 0.7], [0.1, 0.2, 0.3]) == 1.0
+    assert auroc([0.1, 0.2], [0.8, 0.9]) == 0.0
+    assert auroc([0.5, 0.5], [0.5, 0.5]) == 0.5
+    released = np.array([[1.0, 0.0], [0.0, 1.0]], dtype=np.float32)
+    candidates = np.array([[0.6, 0.8], [1.0, 0.0]], dtype=np.float32)
+    assert np.allclose(membership_scores(candidates, released), [0.8, 1.0])
+
+
+def test_token_overlap():
+    assert token_overlap("Book a flight to Rome", ["book [MASK] flight"]) == pytest.approx(2 / 5)
+    assert token_overlap("Book a flight to Rome", []) == 0.0
