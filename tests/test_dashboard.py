@@ -235,7 +235,7 @@ def test_compendium_cards_carry_entries_and_provenance(member_client):
     }
     assert cards["calculator"].precautions[0].text == "Do not use for currency conversion"
     content = response.content.decode()
-    assert "calls/round" in content and "round 1" in content
+    assert "calls/round" in content and "since round 1" in content and "since round 2" in content
 
 
 @pytest.mark.parametrize(

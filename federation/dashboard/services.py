@@ -168,7 +168,7 @@ def bytes_per_client_figure(client_rows: dict[int, ClientRow], per_client: dict)
         fig,
         title={"text": "Bytes per client per round (canonical form)"},
         xaxis={"title": {"text": "round"}, "dtick": 1},
-        yaxis={"title": {"text": "size (kB)"}, "rangemode": "tozero"},
+        yaxis={"title": {"text": "size (kB)"}, "rangemode": "tozero", "tickformat": ".3~f"},
     )
 
 
@@ -196,6 +196,7 @@ def participation_figure(rows: list[RoundRow]) -> go.Figure:
         yaxis={"title": {"text": "submissions"}, "rangemode": "tozero"},
         yaxis2={
             "title": {"text": "global size (kB)"},
+            "tickformat": ".3~f",
             "overlaying": "y",
             "side": "right",
             "rangemode": "tozero",
