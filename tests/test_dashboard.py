@@ -160,6 +160,7 @@ def test_overview_for_the_operator(operator_client, federation):
     assert [row.round.number for row in overview.rounds] == [4, 3, 2, 1]
     assert by_number[1].submissions == 3 and by_number[2].submissions == 4
     assert by_number[4].submissions == 0 and by_number[4].global_version is None
+    assert by_number[3].global_version is not None  # unpublished, but the operator sees it
     assert by_number[2].global_version.size_bytes > by_number[1].global_version.size_bytes
     assert overview.state_counts == {"published": 2, "merging": 1, "open": 1}
     clients = {str(row.client): row for row in overview.clients}
@@ -187,6 +188,9 @@ def test_overview_for_a_user_without_organizations(member_client, federation):
     overview = response.context["overview"]
     assert overview.clients == [] and all(row.submissions == 0 for row in overview.rounds)
     assert "not a member of any organization" in content
+    by_number = {row.round.number: row for row in overview.rounds}
+    assert by_number[2].global_version is not None
+    assert by_number[3].global_version is None  # merged, not published: the operator's alone
     assert not any("per client" in f["layout"]["title"]["text"] for f in figures_in(content))
 
 

@@ -65,10 +65,14 @@ class Overview:
     totals: dict[str, int] = field(default_factory=dict)
 
 
-def federation_overview(organizations: QuerySet, *, max_rounds: int = 50) -> Overview:
+def federation_overview(
+    organizations: QuerySet, *, include_unpublished: bool = False, max_rounds: int = 50
+) -> Overview:
     """Rounds with state, participation and compendium sizes; per-client bytes over rounds.
 
-    Participation and per-client figures count only clients of `organizations`.
+    Participation and per-client figures count only clients of `organizations`; the global
+    compendium of a round not yet published is shown only with `include_unpublished` (operator).
+    The table holds the latest `max_rounds` rounds.
     """
     rounds = list(Round.objects.order_by("-number")[:max_rounds])
     round_ids = [r.pk for r in rounds]
@@ -93,9 +97,10 @@ def federation_overview(organizations: QuerySet, *, max_rounds: int = 50) -> Ove
         .annotate(n=Count("id"))
     ):
         rows[item["round_id"]].edges = item["n"]
-    for version in CompendiumVersion.objects.filter(kind=KIND_GLOBAL, round_id__in=round_ids).defer(
-        "content"
-    ):
+    global_results = CompendiumVersion.objects.filter(kind=KIND_GLOBAL, round_id__in=round_ids)
+    if not include_unpublished:
+        global_results = global_results.filter(round__state=Round.State.PUBLISHED)
+    for version in global_results.defer("content"):
         rows[version.round_id].global_version = version
 
     points = list(

@@ -18,7 +18,9 @@ class OverviewView(DashboardView):
 
     def get_context_data(self, **kwargs):
         context = super().get_context_data(**kwargs)
-        context["overview"] = services.federation_overview(self.organizations)
+        context["overview"] = services.federation_overview(
+            self.organizations, include_unpublished=self.is_operator
+        )
         return context
 
 
