@@ -7,7 +7,9 @@ from django.urls import reverse
 
 from tests.dashboard_data import PASSWORD
 
-pytestmark = [pytest.mark.slow, pytest.mark.django_db(transaction=True)]
+# serialized_rollback: the flush after each live-server test restores the rows that migrations
+# created (the declared numeric fields), so later transactional tests still find them.
+pytestmark = [pytest.mark.slow, pytest.mark.django_db(transaction=True, serialized_rollback=True)]
 
 PAGES = ["dashboard:overview", "dashboard:compendium", "dashboard:tools"]
 
@@ -96,3 +98,5 @@ def test_member_without_organizations_sees_no_organization_data(page, live_serve
     page.goto(f"{live_server.url}{reverse('dashboard:compendium')}")
     assert "Unpublished merge result scenario" not in page.content()  # round 3 is not published
     assert "round 2" in page.locator("p.meta").inner_text()
+    page.goto(f"{live_server.url}{reverse('dashboard:tools')}")
+    assert "calls/round" in page.locator("main").inner_text()  # migration rows survived the flushes
