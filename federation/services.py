@@ -28,3 +28,21 @@ def reset_operator(username: str = "operator", email: str = "operator@example.or
     user.set_password(password)
     user.save()
     return Credentials(username, password)
+
+
+def visible_organizations(user):
+    """The organizations whose data `user` may see: the single place every page scopes by.
+
+    The federation operator (a superuser) sees every organization; anyone else sees none for now,
+    because organization membership does not exist yet. Issue 3 (enrollment) extends exactly this
+    function with its membership model, e.g. ``Organization.objects.filter(memberships__user=user)``;
+    every dashboard page, mixin and decorator goes through here, so nothing else changes then.
+    Returns a queryset of `Organization`.
+    """
+    from federation.models import Organization
+
+    if user is None or not user.is_authenticated or not user.is_active:
+        return Organization.objects.none()
+    if user.is_superuser:
+        return Organization.objects.all()
+    return Organization.objects.none()

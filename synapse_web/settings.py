@@ -81,6 +81,7 @@ TEMPLATES = [
                 "django.template.context_processors.request",
                 "django.contrib.auth.context_processors.auth",
                 "django.contrib.messages.context_processors.messages",
+                "federation.dashboard.context_processors.navigation",
             ],
         },
     },
@@ -124,6 +125,7 @@ WHITENOISE_USE_FINDERS = DEBUG
 
 LOGIN_URL = "/accounts/login/"
 LOGIN_REDIRECT_URL = "/"
+LOGOUT_REDIRECT_URL = "/accounts/login/"
 
 # Request bodies: submissions are capped here (413 above it), see federation issue.
 SYNAPSE_MAX_SUBMISSION_BYTES = int(os.environ.get("SYNAPSE_MAX_SUBMISSION_BYTES", str(2 * 1024 * 1024)))

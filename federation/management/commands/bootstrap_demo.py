@@ -17,7 +17,7 @@ class Command(BaseCommand):
         line = "=" * 72
         self.stdout.write(
             f"{line}\nSYNAPSE is starting on {url}\n"
-            f"  log in at {url}admin/ as the federation operator\n"
+            f"  log in at {url} (the dashboard) as the federation operator\n"
             f"  username: {creds.username}\n  password: {creds.password}   (new on every start)\n"
             f"  API schema: {url}api/schema/   API docs: {url}api/docs/\n{line}"
         )

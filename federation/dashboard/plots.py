@@ -1,0 +1,36 @@
+"""Plotly figures built in Python, rendered into a template div.
+
+The figure travels as JSON in a `data-plotly` attribute; `static/dashboard/dashboard.js` draws every
+such div with the plotly.js served from `static/vendor/` (no CDN, no inline script).
+"""
+
+from __future__ import annotations
+
+import plotly.graph_objects as go
+from django.utils.html import format_html
+from django.utils.safestring import SafeString
+
+LAYOUT = {
+    "template": "plotly_white",
+    "margin": {"l": 60, "r": 20, "t": 50, "b": 50},
+    "height": 360,
+    "font": {"family": "system-ui, -apple-system, 'Segoe UI', sans-serif", "size": 13},
+    "legend": {"orientation": "h", "y": -0.2},
+}
+
+
+def styled(fig: go.Figure, **layout) -> go.Figure:
+    """Apply the dashboard's common layout to a figure (later keywords win)."""
+    fig.update_layout(**{**LAYOUT, **layout})
+    return fig
+
+
+def render_figure(fig: go.Figure, *, div_id: str, label: str = "") -> SafeString:
+    """A `<div>` that dashboard.js turns into the plotly chart of `fig`."""
+    label = label or (fig.layout.title.text or "chart")
+    return format_html(
+        '<div id="{}" class="plot" role="img" aria-label="{}" data-plotly="{}"></div>',
+        div_id,
+        label,
+        fig.to_json(),
+    )

@@ -1,0 +1,333 @@
+"""The dashboard's pages, navigation, scoping and plot rendering, through Django's test client."""
+
+from __future__ import annotations
+
+import html
+import json
+import re
+from pathlib import Path
+
+import plotly.graph_objects as go
+import pytest
+from django.contrib.auth import get_user_model
+from django.contrib.auth.models import AnonymousUser
+from django.http import Http404
+from django.test import RequestFactory
+from django.urls import reverse
+
+from federation.dashboard import nav
+from federation.dashboard.plots import render_figure
+from federation.dashboard.scoping import organization_or_404, organization_scoped
+from federation.models import Organization
+from federation.services import visible_organizations
+from tests.dashboard_data import PASSWORD, build_federation
+
+ROOT = Path(__file__).resolve().parent.parent
+PAGES = ["dashboard:overview", "dashboard:compendium", "dashboard:tools"]
+
+
+@pytest.fixture
+def federation(db):
+    return build_federation()
+
+
+@pytest.fixture
+def operator_client(client, federation):
+    assert client.login(username="operator", password=PASSWORD)
+    return client
+
+
+@pytest.fixture
+def member_client(client, federation):
+    assert client.login(username="member", password=PASSWORD)
+    return client
+
+
+def figures_in(content: str) -> list[dict]:
+    return [json.loads(html.unescape(raw)) for raw in re.findall(r'data-plotly="([^"]*)"', content)]
+
+
+# --- access -------------------------------------------------------------------------------------
+
+
+@pytest.mark.django_db
+@pytest.mark.parametrize("name", PAGES)
+def test_anonymous_user_is_sent_to_login(client, name):
+    url = reverse(name)
+    response = client.get(url)
+    assert response.status_code == 302
+    assert response["Location"] == f"{reverse('login')}?next={url}"
+
+
+@pytest.mark.django_db
+def test_site_root_is_the_overview():
+    assert reverse("dashboard:overview") == "/"
+
+
+def test_login_page_has_csrf_token_and_logout_needs_post(client, federation):
+    page = client.get(reverse("login"))
+    assert page.status_code == 200
+    assert b'name="csrfmiddlewaretoken"' in page.content
+    client.login(username="operator", password=PASSWORD)
+    assert client.get(reverse("logout")).status_code == 405
+    response = client.post(reverse("logout"))
+    assert response.status_code == 302 and response["Location"] == reverse("login")
+    assert client.get("/").status_code == 302
+
+
+def test_login_is_csrf_protected(federation):
+    from django.test import Client as TestClient
+
+    strict = TestClient(enforce_csrf_checks=True)
+    response = strict.post(reverse("login"), {"username": "operator", "password": PASSWORD})
+    assert response.status_code == 403
+
+
+# --- scoping --------------------------------------------------------------------------------------
+
+
+def test_visible_organizations(federation):
+    assert set(visible_organizations(federation.operator)) == {federation.acme, federation.globex}
+    assert list(visible_organizations(federation.member)) == []
+    assert list(visible_organizations(AnonymousUser())) == []
+    federation.operator.is_active = False
+    assert list(visible_organizations(federation.operator)) == []
+
+
+def test_organization_or_404(federation):
+    assert organization_or_404(federation.operator, slug="acme") == federation.acme
+    with pytest.raises(Http404):
+        organization_or_404(federation.member, slug="acme")
+
+
+def test_organization_scoped_decorator(federation):
+    seen = {}
+
+    @organization_scoped
+    def view(request):
+        seen["orgs"] = list(request.organizations)
+        from django.http import HttpResponse
+
+        return HttpResponse("ok")
+
+    factory = RequestFactory()
+    anonymous = factory.get("/x")
+    anonymous.user = AnonymousUser()
+    assert view(anonymous).status_code == 302
+    request = factory.get("/x")
+    request.user = federation.member
+    assert view(request).status_code == 200 and seen["orgs"] == []
+    request.user = federation.operator
+    view(request)
+    assert set(seen["orgs"]) == set(Organization.objects.all())
+
+
+# --- navigation -----------------------------------------------------------------------------------
+
+
+def test_nav_shows_only_registered_pages_that_resolve(operator_client):
+    content = operator_client.get("/").content.decode()
+    nav_html = content.split("<nav", 1)[1].split("</nav>", 1)[0]
+    labels = re.findall(r'<a href="[^"]*"[^>]*>([^<]+)</a>', nav_html)
+    assert labels == ["Overview", "Compendium", "Tool registry"]
+    assert 'aria-current="page"' in nav_html.split("Compendium")[0]
+
+
+def test_nav_registry_orders_and_skips_unresolvable(federation):
+    try:
+        nav.register("audit", "Audit log", "dashboard:audit-not-built")
+        nav.register("privacy", "Privacy", "dashboard:tools")  # resolves: stands in for a new page
+        nav.register("secret", "Operator only", "dashboard:overview", operator_only=True)
+        keys = [i["key"] for i in nav.items_for(federation.operator, active="privacy")]
+        assert keys == ["overview", "privacy", "compendium", "tools", "secret"]
+        member_keys = [i["key"] for i in nav.items_for(federation.member)]
+        assert "secret" not in member_keys and "audit" not in member_keys
+        active = [i["key"] for i in nav.items_for(federation.operator, active="privacy") if i["active"]]
+        assert active == ["privacy"]
+    finally:
+        for key in ("audit", "privacy", "secret"):
+            nav.unregister(key)
+
+
+# --- overview ---------------------------------------------------------------------------------------
+
+
+def test_overview_for_the_operator(operator_client, federation):
+    response = operator_client.get("/")
+    assert response.status_code == 200
+    overview = response.context["overview"]
+    by_number = {row.round.number: row for row in overview.rounds}
+    assert [row.round.number for row in overview.rounds] == [4, 3, 2, 1]
+    assert by_number[1].submissions == 3 and by_number[2].submissions == 4
+    assert by_number[4].submissions == 0 and by_number[4].global_version is None
+    assert by_number[3].global_version is not None  # unpublished, but the operator sees it
+    assert by_number[2].global_version.size_bytes > by_number[1].global_version.size_bytes
+    assert overview.state_counts == {"published": 2, "merging": 1, "open": 1}
+    clients = {str(row.client): row for row in overview.clients}
+    assert clients["acme/acme-node-1"].rounds == 3 and clients["acme/acme-node-1"].last_round == 3
+    assert clients["globex/globex-pending"].rounds == 0
+
+    figures = figures_in(response.content.decode())
+    assert len(figures) == 2
+    bytes_fig = next(f for f in figures if "per client" in f["layout"]["title"]["text"])
+    traces = {t["name"]: t for t in bytes_fig["data"]}
+    assert set(traces) == {"acme/acme-node-1", "acme/acme-node-2", "globex/globex-node-1", "globex/globex-node-2"}
+    node = traces["acme/acme-node-1"]
+    assert list(node["x"]) == [1, 2, 3]
+    assert node["y"][0] < node["y"][1] < node["y"][2]  # the submissions grow over rounds
+    content = response.content.decode()
+    assert "vendor/plotly.min.js" in content and "Globex Health" in content
+
+
+def test_overview_for_a_user_without_organizations(member_client, federation):
+    response = member_client.get("/")
+    assert response.status_code == 200
+    content = response.content.decode()
+    for secret in ("Acme Research", "Globex Health", "acme-node", "globex-node"):
+        assert secret not in content
+    overview = response.context["overview"]
+    assert overview.clients == [] and all(row.submissions == 0 for row in overview.rounds)
+    assert "not a member of any organization" in content
+    by_number = {row.round.number: row for row in overview.rounds}
+    assert by_number[2].global_version is not None
+    assert by_number[3].global_version is None  # merged, not published: the operator's alone
+    assert not any("per client" in f["layout"]["title"]["text"] for f in figures_in(content))
+
+
+def test_overview_without_rounds(client, db):
+    get_user_model().objects.create_superuser("op", "op@example.org", PASSWORD)
+    client.login(username="op", password=PASSWORD)
+    content = client.get("/").content.decode()
+    assert "No rounds yet" in content and "data-plotly" not in content
+    assert "vendor/plotly.min.js" not in content
+
+
+# --- compendium browser -----------------------------------------------------------------------------
+
+
+def test_compendium_defaults_to_latest_visible_round(operator_client, member_client):
+    # the test client holds one session: the member logged in last
+    response = member_client.get(reverse("dashboard:compendium"))
+    assert response.context["version"].round.number == 2  # round 3 is not published
+    assert "Unpublished merge result" not in response.content.decode()
+    assert [v.round.number for v in response.context["versions"]] == [2, 1]
+    assert member_client.get(reverse("dashboard:compendium"), {"round": 3}).status_code == 404
+
+
+def test_operator_sees_unpublished_global_result(operator_client):
+    response = operator_client.get(reverse("dashboard:compendium"))
+    assert response.context["version"].round.number == 3
+    assert "Unpublished merge result scenario" in response.content.decode()
+
+
+def test_compendium_cards_carry_entries_and_provenance(member_client):
+    response = member_client.get(reverse("dashboard:compendium"), {"round": 2})
+    cards = {c.tool.tool_id: c for c in response.context["cards"]}
+    assert set(cards) == {"weather", "flights", "calculator"}
+    flights = {s.text: s.since_round for s in cards["flights"].scenarios}
+    assert flights == {
+        "Find a cheap flight between two airports": 1,
+        "Change the date of a booked flight": 2,
+    }
+    weather = cards["weather"]
+    assert {s["field"]: s["value"] for s in weather.stats} == {"calls": 43.5, "success_rate": 0.93}
+    assert weather.templates[0].signature == "forecast(city, days)"
+    assert weather.scenarios[0].preconditions == {"has_city": True}
+    assert {(a.subject, a.object) for a in cards["flights"].annex} == {
+        ("flights", "airport code"),
+        ("hotel booking", "flights"),
+    }
+    assert cards["calculator"].precautions[0].text == "Do not use for currency conversion"
+    content = response.content.decode()
+    assert "calls/round" in content and "since round 1" in content and "since round 2" in content
+
+
+@pytest.mark.parametrize(
+    "query, expected",
+    [
+        ("weath", {"weather"}),  # tool id
+        ("airports", {"flights"}),  # scenario text
+        ("CURRENCY", {"calculator"}),  # precaution text, case-insensitive
+        ("over {days}", {"weather"}),  # template text
+        ("Travel", {"flights"}),  # category
+        ("no such thing", set()),
+    ],
+)
+def test_compendium_search(member_client, query, expected):
+    response = member_client.get(reverse("dashboard:compendium"), {"q": query})
+    assert {c.tool.tool_id for c in response.context["cards"]} == expected
+    if not expected:
+        assert "No tool matches" in response.content.decode()
+
+
+def test_compendium_round_choice_and_bad_input(member_client):
+    round1 = member_client.get(reverse("dashboard:compendium"), {"round": "1"})
+    assert round1.context["version"].round.number == 1
+    assert "Change the date" not in round1.content.decode()
+    bad = member_client.get(reverse("dashboard:compendium"), {"round": "two"})
+    assert bad.status_code == 400 and "round must be a round number" in bad.content.decode()
+    assert member_client.get(reverse("dashboard:compendium"), {"round": "99"}).status_code == 404
+
+
+def test_compendium_annex_view_and_pagination(member_client, federation):
+    response = member_client.get(reverse("dashboard:compendium"), {"view": "annex", "q": "iso"})
+    triples = list(response.context["page_obj"])
+    assert [(t.subject, t.object) for t in triples] == [("currency", "ISO 4217 code")]
+    from federation.dashboard.services import compendium_page, global_versions
+
+    version = global_versions(federation.member).first()
+    page, cards = compendium_page(version, global_versions(federation.member), page=2, per_page=2)
+    assert page.paginator.num_pages == 2 and [c.tool.tool_id for c in cards] == ["weather"]
+
+
+def test_compendium_empty_state(client, db):
+    get_user_model().objects.create_user("lonely", password=PASSWORD)
+    client.login(username="lonely", password=PASSWORD)
+    response = client.get(reverse("dashboard:compendium"))
+    assert response.status_code == 200 and "No global compendium has been published" in response.content.decode()
+
+
+# --- tool registry ----------------------------------------------------------------------------------
+
+
+def test_tool_registry_lists_searches_and_paginates(member_client):
+    url = reverse("dashboard:tools")
+    first = member_client.get(url)
+    assert first.context["page_obj"].paginator.count == 33
+    assert first.context["page_obj"].paginator.num_pages == 1
+    assert len(first.context["page_obj"].object_list) == 33
+    weather = member_client.get(url, {"q": "forecast"})
+    tools = list(weather.context["page_obj"])
+    assert [t.tool_id for t in tools] == ["weather"]
+    assert tools[0].scenario_count == 1 and tools[0].precaution_count == 0  # round 2, published
+    misc = member_client.get(url, {"category": "Misc", "page": "2"})
+    assert misc.context["page_obj"].paginator.count == 30 and misc.context["page_obj"].number == 1
+    assert "calls/round" in first.content.decode()  # declared numeric fields
+
+
+# --- plots and static files -------------------------------------------------------------------------
+
+
+def test_render_figure_escapes_and_round_trips():
+    fig = go.Figure(go.Scatter(x=[1, 2], y=[3, 4], name='<script>"x"</script>'))
+    fig.update_layout(title={"text": "T & co"})
+    rendered = str(render_figure(fig, div_id="p1"))
+    assert "<script>" not in rendered
+    assert 'aria-label="T &amp; co"' in rendered
+    (payload,) = re.findall(r'data-plotly="([^"]*)"', rendered)
+    figure = json.loads(html.unescape(payload))
+    assert figure["data"][0]["name"] == '<script>"x"</script>'
+    assert list(figure["data"][0]["y"]) == [3, 4]
+
+
+def test_plotly_js_is_vendored_with_its_license():
+    bundle = ROOT / "static" / "vendor" / "plotly.min.js"
+    head = bundle.read_bytes()[:300].decode()
+    assert "plotly.js v" in head and "Licensed under the MIT license" in head
+    assert "MIT License" in (ROOT / "static" / "vendor" / "plotly.LICENSE.txt").read_text()
+
+
+def test_static_assets_are_served(operator_client):
+    for path in ("/static/vendor/plotly.min.js", "/static/dashboard/dashboard.css"):
+        response = operator_client.get(path)
+        assert response.status_code == 200, path
