@@ -126,12 +126,16 @@ def parse_record(item: Any, line: int, known_tools: frozenset[str] | None = None
             raise ValueError(f"'{name}' {value!r} is not a tool of the schema's registry")
 
     latency = item.get("latency_ms")
+    if latency is None:
+        raise ValueError("'latency_ms' is missing")
     if isinstance(latency, bool) or not isinstance(latency, int | float):
         raise ValueError("'latency_ms' must be a number")
     if not math.isfinite(latency) or latency < 0:
         raise ValueError(f"'latency_ms' must be a finite number >= 0; got {latency}")
 
     user = item.get("user")
+    if user is None:
+        raise ValueError("'user' is missing (a stable pseudonymous id of the end user)")
     if isinstance(user, bool) or not isinstance(user, str | int):
         raise ValueError("'user' must be a string or an integer")
     user = str(user).strip()
