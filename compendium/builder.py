@@ -65,7 +65,6 @@ class BuildOptions:
     tau: float = DEFAULT_TAU
     collapse: bool = True  # embedding-based near-duplicate collapse (exact duplicates always merge)
     skip_bad_lines: bool = False
-    progress: bool = False
 
 
 @dataclass

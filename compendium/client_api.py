@@ -14,7 +14,6 @@ the idempotency key is derived from the content and the round: the server stores
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import tempfile
@@ -292,7 +291,3 @@ def write_atomically(path: Path, data: bytes) -> None:
         if os.path.exists(tmp):
             os.unlink(tmp)
         raise
-
-
-def sha256_hex(data: bytes) -> str:
-    return hashlib.sha256(data).hexdigest()

@@ -110,7 +110,6 @@ def cmd_build(args: argparse.Namespace) -> int:
         tau=args.tau,
         collapse=not args.no_collapse,
         skip_bad_lines=args.skip_bad_lines,
-        progress=not args.quiet,
     )
     progress = _progress(args.quiet)
     try:

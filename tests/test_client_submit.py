@@ -39,7 +39,8 @@ SCHEMA = Schema(
 class ServerState:
     round_number: int | None = 4
     drop_next_posts: int = 0  # store, then close the connection without an answer
-    fail_next_posts: int = 0  # answer 503 before doing anything
+    fail_next_posts: int = 0  # answer fail_status before doing anything
+    fail_status: int = 503
     posts: list[dict] = field(default_factory=list)  # every POST seen: key, replayed
     created: int = 0  # rows ever created (a replacement also counts)
     rows: dict[tuple[int, str], dict] = field(default_factory=dict)  # one per (round, client)
@@ -109,7 +110,9 @@ def make_handler(state: ServerState):
             with state.lock:
                 if state.fail_next_posts:
                     state.fail_next_posts -= 1
-                    return self._send(503, {"detail": "database restarting"})
+                    if state.fail_status == 429:
+                        return self._send(429, {"detail": "slow down"}, {"Retry-After": "7"})
+                    return self._send(state.fail_status, {"detail": "database restarting"})
                 if key in state.answers:
                     state.posts.append({"key": key, "replayed": True})
                     status, body = state.answers[key]
@@ -212,6 +215,15 @@ def test_5xx_is_retried_with_backoff(server, tmp_path):
     assert result.status == 201 and result.attempts == 3
     assert delays == [0.25, 0.5]
     assert state.created == 1
+
+
+def test_429_waits_as_long_as_the_server_asks(server, tmp_path):
+    url, state = server
+    state.fail_next_posts, state.fail_status = 1, 429
+    delays: list[float] = []
+    with SynapseClient(url, TOKEN, retries=2, backoff=0.25, sleep=delays.append) as client:
+        result = client.submit(compendium())
+    assert result.status == 201 and delays == [7.0]
 
 
 def test_gives_up_after_the_retries_with_one_line(server, tmp_path, capsys):
