@@ -53,6 +53,7 @@ class SubmissionResult:
     idempotency_key: str
     round: int
     attempts: int
+    warnings: list[str] = field(default_factory=list)
 
 
 @dataclass
@@ -195,7 +196,17 @@ class SynapseClient:
         )
         status = response.status_code
         if status in (200, 201):
+            warnings = []
+            config = round_info.get("config")
+            expected = config.get("mask_strength") if isinstance(config, dict) else None
+            applied = compendium.masking.strength if compendium.masking else None
+            if isinstance(expected, int | float) and (applied is None or applied < expected):
+                warnings.append(
+                    f"round {number} expects masking strength λ >= {expected:g}; this compendium "
+                    + ("records no masking" if applied is None else f"was masked at λ={applied:g}")
+                )
             return SubmissionResult(
+                warnings=warnings,
                 status=status,
                 body=self._json(response, "the submission"),
                 replayed=response.headers.get("Idempotent-Replayed", "").lower() == "true",

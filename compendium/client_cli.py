@@ -293,6 +293,8 @@ def cmd_submit(args: argparse.Namespace) -> int:
                 f"the server rejected {args.compendium}: {exc.detail} "
                 f"({len(exc.violations)} violation(s))"
             ) from None
+    for warning in result.warnings:
+        print(f"{PROG}: warning: {warning}", file=sys.stderr)
     body = result.body
     again = " (the server already had it: replayed, not stored twice)" if result.replayed else ""
     print(

@@ -82,7 +82,8 @@ def make_handler(state: ServerState):
                 results = []
                 if state.round_number is not None and state_filter in ("", "open"):
                     results = [{"id": 10 + state.round_number, "number": state.round_number,
-                                "state": "open", "config": {"tau": 0.85}}]
+                                "state": "open",
+                                "config": {"tau": 0.85, "mask_strength": 1.0}}]
                 return self._send(200, {"count": len(results), "next": None, "previous": None,
                                         "results": results})
             if url.path == "/api/v1/compendium/global/":
@@ -187,7 +188,11 @@ def test_submit_survives_a_dropped_connection_and_a_duplicate_send(server, tmp_p
     assert len({p["key"] for p in state.posts}) == 1
 
     assert main(submit_args(url, path)) == 0  # the operator runs it again
-    assert "replayed, not stored twice" in capsys.readouterr().out
+    captured = capsys.readouterr()
+    assert "replayed, not stored twice" in captured.out
+    assert "round 4 expects masking strength λ >= 1; this compendium records no masking" in (
+        captured.err
+    )
     assert state.created == 1
     assert len(state.rows) == 1
     key = state.posts[0]["key"]
