@@ -43,19 +43,23 @@ from compendium.schema import ToolSpec
 
 PLACEHOLDERS = ("EMAIL", "URL", "PHONE", "ID", "NUMBER", "NAME", "MASK")
 
-# Order matters: the first alternative that matches at a position wins.
+# Order matters: the first alternative that matches at a position wins. Every repetition is
+# bounded (RFC lengths for e-mail parts and domain labels) so that tokenizing stays linear in the
+# length of the text whatever it contains.
+_LABEL = r"[A-Za-z0-9\-]{1,63}"
 _TOKEN = re.compile(
     r"(?P<placeholder>\[(?:" + "|".join(PLACEHOLDERS) + r")\])"
-    r"|(?P<slot>\{[A-Za-z_][A-Za-z0-9_]*\})"
-    r"|(?P<email>[A-Za-z0-9._%+\-]+@[A-Za-z0-9\-]+(?:\.[A-Za-z0-9\-]+)*\.[A-Za-z]{2,})"
-    r"|(?P<url>(?:https?://|www\.)[^\s<>\"'\]\)]+[^\s<>\"'\]\).,;:!?]"
-    r"|\b[A-Za-z0-9\-]+(?:\.[A-Za-z0-9\-]+)*\.(?:com|org|net|io|edu|gov|co|ai|dev|app|info|biz"
-    r"|me|us|uk|de|fr|eu)\b(?:/[^\s<>\"'\]\)]*[^\s<>\"'\]\).,;:!?])?)"
+    r"|(?P<slot>\{[A-Za-z_][A-Za-z0-9_]{0,63}\})"
+    r"|(?P<email>[A-Za-z0-9._%+\-]{1,64}@" + _LABEL + r"(?:\." + _LABEL + r"){0,8}\.[A-Za-z]{2,24})"
+    r"|(?P<url>(?:https?://|www\.)[^\s<>\"'\]\)]{0,2000}[^\s<>\"'\]\).,;:!?]"
+    r"|\b" + _LABEL + r"(?:\." + _LABEL + r"){0,8}\.(?:com|org|net|io|edu|gov|co|ai|dev|app|info"
+    r"|biz|me|us|uk|de|fr|eu)\b(?:/[^\s<>\"'\]\)]{0,2000}[^\s<>\"'\]\).,;:!?])?)"
     r"|(?P<phone>(?<![\w.])(?:\+\d{1,3}[\s.\-]?)?(?:\(\d{2,4}\)[\s.\-]?)?\d{2,4}[\s.\-]\d{3,4}"
-    r"(?:[\s.\-]\d{2,4})+(?![\w]))"
-    r"|(?P<ident>\b(?=[A-Za-z0-9_\-#]*\d)(?=[A-Za-z0-9_\-#]*[A-Za-z])[A-Za-z0-9#][A-Za-z0-9_\-#]*)"
-    r"|(?P<number>\d+(?:[.,:/]\d+)*)"
-    r"|(?P<word>[^\W\d_]+(?:['’][^\W\d_]+)*)"
+    r"(?:[\s.\-]\d{2,4}){1,4}(?![\w]))"
+    r"|(?P<ident>\b(?=[A-Za-z0-9_\-#]{0,63}\d)(?=[A-Za-z0-9_\-#]{0,63}[A-Za-z])"
+    r"[A-Za-z0-9#][A-Za-z0-9_\-#]{0,127})"
+    r"|(?P<number>\d{1,64}(?:[.,:/]\d{1,64}){0,16})"
+    r"|(?P<word>[^\W\d_]{1,128}(?:['’][^\W\d_]{1,128}){0,4})"
     r"|(?P<space>\s+)"
     r"|(?P<other>.)",
     re.DOTALL,
