@@ -1,28 +1,79 @@
-"""`synapse-client`: the toolkit that runs inside a client organization. No Django needed."""
+"""`synapse-client`: the toolkit that runs inside a client organization. No Django needed.
+
+Commands: validate, build, inspect, submit, pull. Every error is one line on stderr and a
+non-zero exit code (a malformed usage log lists each bad line first, one line each).
+"""
 
 from __future__ import annotations
 
 import argparse
+import json
+import math
+import os
 import sys
+from collections.abc import Iterable
 from pathlib import Path
 
-from compendium.schema import Schema
-from compendium.validation import validate_compendium
+from pydantic import ValidationError
+
+from compendium.canonical import canonical_dict, canonical_form
+from compendium.schema import DEFAULT_NUMERIC_FIELDS, Compendium, Schema
+from compendium.validation import CompendiumInvalid, format_path, validate_compendium
+
+PROG = "synapse-client"
+
+
+class CliError(Exception):
+    """One line for the user; the command exits with status 1."""
 
 
 def _load_schema(path: str) -> Schema:
     try:
         return Schema.model_validate_json(Path(path).read_text(encoding="utf-8"))
-    except (OSError, ValueError) as exc:
-        raise SystemExit(f"synapse-client: cannot read schema {path}: {exc}") from None
+    except OSError as exc:
+        raise CliError(f"cannot read schema {path}: {exc.strerror}") from None
+    except ValueError as exc:
+        first = str(exc).splitlines()
+        raise CliError(f"{path} is not a schema: {' '.join(first[:3])}") from None
+
+
+def _read_bytes(path: str) -> bytes:
+    try:
+        return Path(path).read_bytes()
+    except OSError as exc:
+        raise CliError(f"cannot read {path}: {exc.strerror}") from None
+
+
+def _load_compendium(path: str) -> Compendium:
+    data = _read_bytes(path)
+    try:
+        return Compendium.model_validate_json(data, strict=True)
+    except ValidationError as exc:
+        for error in exc.errors()[:20]:
+            print(f"{path}: {format_path(error['loc'])}: {error['msg']}", file=sys.stderr)
+        raise CliError(f"{path} is not a compendium ({exc.error_count()} error(s))") from None
+
+
+def _progress(quiet: bool):
+    def wrap(iterable: Iterable, label: str, total: int | None = None, unit: str = "it"):
+        if quiet:
+            return iterable
+        from tqdm import tqdm
+
+        return tqdm(
+            iterable, desc=label, total=total, unit=unit, file=sys.stderr, leave=False,
+            dynamic_ncols=True,
+        )
+
+    return wrap
+
+
+# --- validate ---------------------------------------------------------------------------------
 
 
 def cmd_validate(args: argparse.Namespace) -> int:
     schema = _load_schema(args.schema)
-    try:
-        data = Path(args.compendium).read_bytes()
-    except OSError as exc:
-        raise SystemExit(f"synapse-client: cannot read {args.compendium}: {exc.strerror}") from None
+    data = _read_bytes(args.compendium)
     result = validate_compendium(data, schema)
     if result.ok:
         counts = ", ".join(f"{n} {k}" for k, n in result.compendium.entry_counts().items())
@@ -33,19 +84,322 @@ def cmd_validate(args: argparse.Namespace) -> int:
     return 1
 
 
+# --- build ------------------------------------------------------------------------------------
+
+
+def report_path(out: Path) -> Path:
+    return out.with_name(out.name + ".report.json")
+
+
+def cmd_build(args: argparse.Namespace) -> int:
+    from compendium.builder import BuildError, BuildOptions, BuildReport, build_compendium
+    from compendium.client_api import write_atomically
+    from compendium.usage_log import parse_lines
+
+    schema = _load_schema(args.schema)
+    if not math.isfinite(args.strength):
+        raise CliError("--lambda must be a finite number")
+    if args.field_cap is not None and args.field_cap < 1:
+        raise CliError("--field-cap must be at least 1")
+    if not 0 < args.tau <= 1:
+        raise CliError("--tau must be in (0, 1]")
+    options = BuildOptions(
+        strength=args.strength,
+        seed=args.seed,
+        field_cap=args.field_cap,
+        tau=args.tau,
+        collapse=not args.no_collapse,
+        skip_bad_lines=args.skip_bad_lines,
+    )
+    progress = _progress(args.quiet)
+    try:
+        with open(args.log, "rb") as handle:
+            log = parse_lines(
+                progress(handle, "reading log", unit="line"),
+                source=args.log,
+                known_tools=schema.tool_ids,
+            )
+    except OSError as exc:
+        raise CliError(f"cannot read {args.log}: {exc.strerror}") from None
+    if log.errors:
+        for line in log.error_lines():
+            print(line, file=sys.stderr)
+        if not args.skip_bad_lines:
+            raise CliError(
+                f"{len(log.errors)} malformed line(s) in {args.log}; fix them, or pass "
+                "--skip-bad-lines to build from the other lines"
+            )
+        print(
+            f"{PROG}: skipped {len(log.errors)} malformed line(s) of {log.lines_read}",
+            file=sys.stderr,
+        )
+
+    engine = None
+    if options.collapse:
+        from routing.embeddings import EmbeddingModelUnavailable, get_engine
+
+        try:
+            engine = get_engine(args.embedding_model)
+        except EmbeddingModelUnavailable as exc:
+            raise CliError(f"{exc} (or pass --no-collapse)") from None
+
+    report = BuildReport(source=args.log, lines_read=log.lines_read, bad_lines=log.error_lines())
+    try:
+        compendium, report = build_compendium(
+            log.records, schema, options, engine, report, progress=progress
+        )
+    except BuildError as exc:
+        raise CliError(str(exc)) from None
+    except CompendiumInvalid as exc:
+        raise CliError(f"the built compendium is not valid under the schema: {exc}") from None
+
+    out = Path(args.out)
+    text = json.dumps(canonical_dict(compendium), ensure_ascii=False, indent=1, sort_keys=True)
+    try:
+        write_atomically(out, (text + "\n").encode("utf-8"))
+        write_atomically(
+            report_path(out),
+            (json.dumps(report.as_dict(), indent=1, sort_keys=True) + "\n").encode("utf-8"),
+        )
+    except OSError as exc:
+        raise CliError(f"cannot write {out}: {exc.strerror}") from None
+    form = canonical_form(compendium)
+    counts = ", ".join(f"{n} {k}" for k, n in compendium.entry_counts().items())
+    print(
+        f"{out}: {counts}; {report.num_users} users; masked {report.masked_fraction:.1%} of "
+        f"{report.word_tokens} tokens at λ={options.strength:g}; {form.size_bytes} bytes "
+        f"({form.gzip_bytes} gzip). Check it with: {PROG} inspect {out}"
+    )
+    return 0
+
+
+# --- inspect ----------------------------------------------------------------------------------
+
+
+def cmd_inspect(args: argparse.Namespace) -> int:
+    compendium = _load_compendium(args.compendium)
+    schema = _load_schema(args.schema) if args.schema else None
+    path = Path(args.compendium)
+    report = None
+    if report_path(path).exists():
+        try:
+            report = json.loads(report_path(path).read_text(encoding="utf-8"))
+        except (OSError, ValueError):
+            report = None
+    form = canonical_form(compendium)
+    out = sys.stdout
+    masking = compendium.masking
+    print(f"# {path}: what would leave this client", file=out)
+    print(
+        f"size: {form.size_bytes} bytes raw, {form.gzip_bytes} bytes gzip "
+        f"(sha256 {form.sha256})",
+        file=out,
+    )
+    if masking is None:
+        print("masking: NONE recorded: this text was not masked by synapse-client", file=out)
+    else:
+        print(
+            f"masking: λ={masking.strength:g}, {masking.masked_fraction:.1%} of tokens masked, "
+            f"seed {masking.seed}",
+            file=out,
+        )
+    print(f"users averaged over: {compendium.num_users or 'not recorded'}", file=out)
+
+    fields = {f.name: f for f in (schema.numeric_fields if schema else DEFAULT_NUMERIC_FIELDS)}
+    bounds = (report or {}).get("clip_bounds", {})
+    print(f"\n## numbers ({len(compendium.metadata)} tools)", file=out)
+    for name, spec in fields.items():
+        lo, hi = bounds.get(name, [spec.min, min(spec.max, spec.min + spec.sensitivity)])
+        clipped = (report or {}).get("clipped_values", {}).get(name)
+        note = f", {clipped} per-user value(s) clipped" if clipped is not None else ""
+        print(
+            f"  {name}: per-user values clipped to [{lo:g}, {hi:g}] (Δ={spec.sensitivity:g}), "
+            f"mean over the client's users{note}",
+            file=out,
+        )
+    for entry in compendium.metadata:
+        numbers = ", ".join(f"{k}={v:.6g}" for k, v in sorted(entry.stats.items()))
+        print(f"  [{entry.tool_id}] {numbers}", file=out)
+    if report and report.get("field_cap") is not None:
+        print(
+            f"  field cap F*={report['field_cap']}: {report.get('capped_contributions', 0)} "
+            "user-tool contribution(s) left out",
+            file=out,
+        )
+
+    print(f"\n## scenarios ({len(compendium.scenarios)})", file=out)
+    for s in compendium.scenarios:
+        flags = " " + json.dumps(s.preconditions, sort_keys=True) if s.preconditions else ""
+        print(f"  [{s.tool_id}] ×{s.support}{flags}: {s.text}", file=out)
+    print(f"\n## precautions ({len(compendium.precautions)})", file=out)
+    for p in compendium.precautions:
+        print(f"  [{p.tool_id}] ×{p.support}: {p.text}", file=out)
+    print(f"\n## templates ({len(compendium.templates)})", file=out)
+    for t in compendium.templates:
+        print(f"  [{t.tool_id}] {t.signature}: {t.template}", file=out)
+    print(f"\n## annex ({len(compendium.annex)})", file=out)
+    for a in compendium.annex:
+        print(f"  ({a.subject}, {a.relation}, {a.object})", file=out)
+    if report:
+        print(
+            f"\nbuild: {report.get('records')} log lines used of {report.get('lines_read')}, "
+            f"{len(report.get('bad_lines', []))} malformed skipped; scenarios "
+            f"{report.get('scenarios_in')} -> {report.get('scenarios_out')}, precautions "
+            f"{report.get('precautions_in')} -> {report.get('precautions_out')} after "
+            f"deduplication (τ={report.get('tau')})",
+            file=out,
+        )
+        for note in report.get("dropped", []):
+            print(f"  dropped: {note}", file=out)
+
+    if schema is None:
+        print("\nvalidation: not checked against a schema (pass --schema schema.json)", file=out)
+        return 0
+    result = validate_compendium(compendium, schema)
+    if result.ok:
+        print("\nvalidation: valid under the schema", file=out)
+        return 0
+    print(f"\nvalidation: {len(result.violations)} violation(s)", file=out)
+    for violation in result.violations:
+        print(f"  {violation}", file=out)
+    return 1
+
+
+# --- submit / pull ----------------------------------------------------------------------------
+
+
+def _client(args: argparse.Namespace):
+    from compendium.client_api import SynapseClient
+
+    token = args.token or os.environ.get("SYNAPSE_TOKEN", "")
+    if not token:
+        raise CliError("no API token: pass --token or set SYNAPSE_TOKEN")
+    return SynapseClient(
+        args.server, token, timeout=args.timeout, retries=args.retries, backoff=args.backoff
+    )
+
+
+def cmd_submit(args: argparse.Namespace) -> int:
+    from compendium.client_api import SubmissionRejected
+
+    compendium = _load_compendium(args.compendium)
+    with _client(args) as client:
+        try:
+            result = client.submit(compendium)
+        except SubmissionRejected as exc:
+            for v in exc.violations:
+                print(f"{args.compendium}: {v['path']}: {v['reason']}", file=sys.stderr)
+            raise CliError(
+                f"the server rejected {args.compendium}: {exc.detail} "
+                f"({len(exc.violations)} violation(s))"
+            ) from None
+    for warning in result.warnings:
+        print(f"{PROG}: warning: {warning}", file=sys.stderr)
+    body = result.body
+    again = " (the server already had it: replayed, not stored twice)" if result.replayed else ""
+    print(
+        f"{args.compendium}: submitted to round {result.round} as submission {body.get('id')}, "
+        f"sha256 {str(body.get('sha256', ''))[:12]}…, {body.get('size_bytes')} bytes"
+        f"{again}; key {result.idempotency_key[:24]}…"
+    )
+    return 0
+
+
+def cmd_pull(args: argparse.Namespace) -> int:
+    out = Path(args.out)
+    with _client(args) as client:
+        result = client.pull(out, round_number=args.round)
+    for warning in result.warnings:
+        print(f"{PROG}: warning: {warning}", file=sys.stderr)
+    if not result.updated:
+        print(f"{out}: up to date (ETag {result.etag})")
+    else:
+        print(f"{out}: global compendium of round {result.round} saved (sha256 {result.sha256})")
+    return 0
+
+
+# --- parser -----------------------------------------------------------------------------------
+
+
+def _add_server_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--server", required=True, help="base URL, e.g. https://synapse.example")
+    parser.add_argument("--token", help="client API token (default: $SYNAPSE_TOKEN)")
+    parser.add_argument("--timeout", type=float, default=30.0, help="seconds per request")
+    parser.add_argument("--retries", type=int, default=5, help="retries on network errors/5xx")
+    parser.add_argument("--backoff", type=float, default=0.5, help="first retry delay, seconds")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="synapse-client", description=__doc__)
+    parser = argparse.ArgumentParser(prog=PROG, description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
+
     validate = sub.add_parser("validate", help="check a compendium against the federation's schema")
     validate.add_argument("compendium")
     validate.add_argument("--schema", required=True, help="schema.json (python manage.py export_schema)")
     validate.set_defaults(func=cmd_validate)
+
+    build = sub.add_parser("build", help="build the local compendium from a usage log")
+    build.add_argument("--log", required=True, help="usage log, one JSON object per line")
+    build.add_argument("--schema", required=True, help="schema.json from the server")
+    build.add_argument("--out", required=True, help="compendium file to write")
+    build.add_argument(
+        "--lambda", dest="strength", type=float, default=1.0,
+        help="masking strength λ >= 0 (0 masks nothing; larger masks more; default 1.0)",
+    )
+    build.add_argument("--seed", type=int, default=0, help="seed for masking and cap tie-breaks")
+    build.add_argument(
+        "--field-cap", type=int, default=None,
+        help="F*: at most this many tools per user feed the numeric statistics (default: no cap)",
+    )
+    build.add_argument("--tau", type=float, default=0.85, help="cosine for near-duplicate collapse")
+    build.add_argument(
+        "--no-collapse", action="store_true",
+        help="merge exact duplicates only; skip the embedding model",
+    )
+    build.add_argument(
+        "--skip-bad-lines", action="store_true",
+        help="build from the good lines and report the malformed ones (default: fail)",
+    )
+    build.add_argument("--embedding-model", default=None, help="sentence-transformers model/path")
+    build.add_argument("--quiet", action="store_true", help="no progress bars")
+    build.set_defaults(func=cmd_build)
+
+    inspect = sub.add_parser("inspect", help="dry run: show exactly what would leave this client")
+    inspect.add_argument("compendium")
+    inspect.add_argument("--schema", help="also validate against this schema.json")
+    inspect.set_defaults(func=cmd_inspect)
+
+    submit = sub.add_parser("submit", help="submit a compendium to the open round")
+    submit.add_argument("compendium")
+    _add_server_arguments(submit)
+    submit.set_defaults(func=cmd_submit)
+
+    pull = sub.add_parser("pull", help="download the published global compendium")
+    pull.add_argument("--out", required=True, help="where to save it (ETag kept in OUT.etag)")
+    pull.add_argument("--round", type=int, default=None, help="a given round (default: latest)")
+    _add_server_arguments(pull)
+    pull.set_defaults(func=cmd_pull)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
+    from compendium.client_api import ClientError
+
     args = build_parser().parse_args(argv)
-    return args.func(args)
+    if getattr(args, "strength", 0) < 0:
+        print(f"{PROG}: --lambda must be >= 0", file=sys.stderr)
+        return 2
+    try:
+        return args.func(args)
+    except (CliError, ClientError) as exc:
+        print(f"{PROG}: {exc}", file=sys.stderr)
+        return 1
+    except BrokenPipeError:  # e.g. `synapse-client inspect c.json | head`
+        sys.stderr.close()
+        return 1
+    except KeyboardInterrupt:
+        print(f"{PROG}: interrupted", file=sys.stderr)
+        return 130
 
 
 if __name__ == "__main__":

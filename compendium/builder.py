@@ -1,0 +1,321 @@
+"""Usage log -> the client's local compendium, masked, clipped and collapsed before it leaves.
+
+- A successful routing becomes a usage scenario of the chosen tool (with its precondition flags).
+- A failure becomes a precaution of the chosen tool: "Do not use <tool> for requests like: ...".
+  A correction becomes the same precaution, naming the tool that was right, and a scenario of the
+  tool it was corrected to (the request was served by it).
+- Prompt templates come from the `template` field of successful lines; for each (tool, signature)
+  the most frequent template is kept (ties: the lexicographically smallest).
+- Every text is masked at strength λ before anything else looks at it (compendium.masking);
+  exact duplicates are merged (support adds up), then near-duplicates of the same tool (and, for
+  scenarios, the same preconditions) are collapsed when their embeddings have cosine >= τ.
+- Numeric statistics per tool: compendium.clipping (per-user clipping at Δ, field cap F*,
+  average over the client's users).
+
+Pure: no Django. The embedding engine is passed in (routing.embeddings.get_engine() by default).
+"""
+
+from __future__ import annotations
+
+import re
+from collections import Counter, defaultdict
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import numpy as np
+
+from compendium.clipping import ClientStatistics, client_statistics
+from compendium.masking import MaskedText, TextMasker
+from compendium.schema import (
+    Compendium,
+    MaskingInfo,
+    Precaution,
+    PromptTemplate,
+    Scenario,
+    Schema,
+    ToolMetadata,
+)
+from compendium.usage_log import UsageLog, UsageLogError, UsageRecord, read_usage_log
+from compendium.validation import CompendiumInvalid, validate_compendium
+
+DEFAULT_TAU = 0.85
+EMBED_CHUNK = 256
+_UNSAFE = re.compile("[\x00-\x1f\x7f-\x9f\u202a-\u202e\u2066-\u2069\ud800-\udfff]")
+_SPACES = re.compile(r"[ \t]+")
+
+
+def _no_progress(iterable: Iterable, _label: str) -> Iterable:
+    return iterable
+
+
+class Embedder(Protocol):
+    def embed(self, texts: Sequence[str]) -> np.ndarray: ...
+
+
+class BuildError(ValueError):
+    """The compendium cannot be built; the message is one line a person can act on."""
+
+
+@dataclass
+class BuildOptions:
+    strength: float = 1.0  # λ
+    seed: int = 0
+    field_cap: int | None = None  # F*; None: every tool a user touched (F* = K_f)
+    tau: float = DEFAULT_TAU
+    collapse: bool = True  # embedding-based near-duplicate collapse (exact duplicates always merge)
+    skip_bad_lines: bool = False
+
+
+@dataclass
+class BuildReport:
+    """What the build did. Stays on the client (no raw text, no per-user values)."""
+
+    source: str = ""
+    lines_read: int = 0
+    records: int = 0
+    bad_lines: list[str] = field(default_factory=list)
+    num_users: int = 0
+    strength: float = 0.0
+    seed: int = 0
+    field_cap: int | None = None
+    tau: float | None = None
+    word_tokens: int = 0
+    masked_tokens: int = 0
+    scenarios_in: int = 0
+    scenarios_out: int = 0
+    precautions_in: int = 0
+    precautions_out: int = 0
+    templates_out: int = 0
+    dropped: list[str] = field(default_factory=list)
+    clip_bounds: dict[str, list[float]] = field(default_factory=dict)
+    clipped_values: dict[str, int] = field(default_factory=dict)
+    capped_contributions: int = 0
+    skipped_fields: list[str] = field(default_factory=list)
+
+    @property
+    def masked_fraction(self) -> float:
+        return self.masked_tokens / self.word_tokens if self.word_tokens else 0.0
+
+    def as_dict(self) -> dict[str, Any]:
+        out = {k: v for k, v in self.__dict__.items()}
+        out["masked_fraction"] = self.masked_fraction
+        return out
+
+
+def clean_text(text: str) -> str:
+    """Control characters and bidirectional overrides out, whitespace runs to one space."""
+    text = _UNSAFE.sub(" ", text.replace("\r\n", "\n"))
+    return _SPACES.sub(" ", text).strip()
+
+
+def truncate(text: str, limit: int) -> str:
+    if len(text) <= limit:
+        return text
+    cut = text[: limit - 1]
+    space = cut.rfind(" ")
+    if space > limit // 2:
+        cut = cut[:space]
+    return cut.rstrip() + "…"
+
+
+class _MaskCache:
+    """Masks each distinct text once and keeps the totals for the masked fraction."""
+
+    def __init__(self, masker: TextMasker):
+        self.masker = masker
+        self.cache: dict[str, MaskedText] = {}
+        self.word_tokens = 0
+        self.masked_tokens = 0
+
+    def __call__(self, text: str) -> str:
+        result = self.cache.get(text)
+        if result is None:
+            result = self.cache[text] = self.masker.mask(clean_text(text))
+        # every occurrence counts: the fraction is over all the text the log contributes
+        self.word_tokens += result.word_tokens
+        self.masked_tokens += result.masked_tokens
+        return result.text
+
+
+def _embed(embedder: Embedder, texts: list[str], progress, label: str) -> np.ndarray:
+    chunks = [texts[i : i + EMBED_CHUNK] for i in range(0, len(texts), EMBED_CHUNK)]
+    parts = [embedder.embed(chunk) for chunk in progress(chunks, label)]
+    return np.concatenate(parts, axis=0)
+
+
+def collapse_near_duplicates(
+    items: list[tuple[tuple, str, int]],
+    embedder: Embedder | None,
+    tau: float,
+    progress: Callable[[Iterable, str], Iterable] | None = None,
+    label: str = "embedding",
+) -> list[tuple[tuple, str, int]]:
+    """(group key, text, support) entries; within a group, an entry whose embedding has cosine
+    >= tau with an already kept one is folded into it (support adds up). Entries are visited by
+    descending support then text, so the result does not depend on input order."""
+    ordered = sorted(items, key=lambda e: (repr(e[0]), -e[2], e[1]))
+    if embedder is None or not ordered:
+        return ordered
+    vectors = _embed(embedder, [t for _, t, _ in ordered], progress or _no_progress, label)
+    kept: list[list] = []  # [group, text, support, row]
+    by_group: dict[tuple, list[int]] = defaultdict(list)
+    for row, (group, text, support) in enumerate(ordered):
+        target = None
+        candidates = by_group[group]
+        if candidates:
+            rows = [kept[i][3] for i in candidates]
+            sims = vectors[rows] @ vectors[row]
+            best = int(np.argmax(sims))
+            if float(sims[best]) >= tau:
+                target = candidates[best]
+        if target is None:
+            by_group[group].append(len(kept))
+            kept.append([group, text, support, row])
+        else:
+            kept[target][2] += support
+    return [(g, t, s) for g, t, s, _ in kept]
+
+
+def precaution_text(tool: str, masked_query: str, corrected_to: str, limit: int) -> str:
+    """'Do not use X for requests like: <masked query> (use Y instead)', within `limit`."""
+    prefix = f"Do not use {tool} for requests like: "
+    suffix = f" (use {corrected_to} instead)" if corrected_to else ""
+    return prefix + truncate(masked_query, max(16, limit - len(prefix) - len(suffix))) + suffix
+
+
+def build_compendium(
+    records: Sequence[UsageRecord],
+    schema: Schema,
+    options: BuildOptions | None = None,
+    embedder: Embedder | None = None,
+    report: BuildReport | None = None,
+    progress: Callable[[Iterable, str], Iterable] | None = None,
+) -> tuple[Compendium, BuildReport]:
+    """Records (already parsed) -> a valid compendium and a report of what was done."""
+    options = options or BuildOptions()
+    report = report or BuildReport()
+    report.strength, report.seed = options.strength, options.seed
+    report.field_cap = options.field_cap
+    report.tau = options.tau if options.collapse else None
+    report.records = len(records)
+    if not records:
+        raise BuildError("the usage log has no usable lines: nothing to build")
+    named = {r.tool for r in records} | {r.corrected_to for r in records if r.corrected_to}
+    unknown = sorted(named - schema.tool_ids)
+    if unknown:
+        raise BuildError(f"the log names tools that are not in the schema: {', '.join(unknown)}")
+    if options.collapse and embedder is None:
+        raise BuildError("near-duplicate collapse needs an embedding engine (or collapse=False)")
+    each = progress or _no_progress
+
+    masker = TextMasker.for_registry(schema.tools, strength=options.strength, seed=options.seed)
+    mask = _MaskCache(masker)
+    limits = schema.strings
+
+    scenario_support: Counter = Counter()
+    precaution_support: Counter = Counter()
+    template_votes: dict[tuple[str, str], Counter] = defaultdict(Counter)
+    for record in each(records, "masking"):
+        masked_query = mask(record.query)
+        if not masked_query.strip():
+            report.dropped.append(f"line {record.line}: query is empty after cleaning")
+            continue
+        if record.outcome in ("success", "corrected"):
+            tool = record.tool if record.outcome == "success" else record.corrected_to
+            text = truncate(masked_query, limits.scenario)
+            scenario_support[(tool, record.preconditions, text)] += 1
+        if record.outcome in ("failure", "corrected"):
+            # grouped by (tool, corrected_to) and collapsed on the query alone: the fixed
+            # wording around it would make unrelated precautions of a tool look alike
+            precaution_support[(record.tool, record.corrected_to or "", masked_query)] += 1
+        if record.outcome == "success" and record.template is not None:
+            signature = mask(record.template.signature)
+            body = mask(record.template.template)
+            if len(signature) > limits.signature or len(body) > limits.template:
+                report.dropped.append(
+                    f"line {record.line}: template of {record.tool} is longer than the schema "
+                    f"allows ({limits.signature}/{limits.template} characters); not sent"
+                )
+            elif signature and body.strip():
+                template_votes[(record.tool, signature)][body] += 1
+
+    report.word_tokens, report.masked_tokens = mask.word_tokens, mask.masked_tokens
+    report.scenarios_in = sum(scenario_support.values())
+    report.precautions_in = sum(precaution_support.values())
+    engine = embedder if options.collapse else None
+    scenarios = collapse_near_duplicates(
+        [((tool, flags), text, n) for (tool, flags, text), n in scenario_support.items()],
+        engine,
+        options.tau,
+        each,
+        "embedding scenarios",
+    )
+    precautions = collapse_near_duplicates(
+        [((tool, right), text, n) for (tool, right, text), n in precaution_support.items()],
+        engine,
+        options.tau,
+        each,
+        "embedding precautions",
+    )
+    precaution_entries: dict[tuple[str, str], int] = Counter()
+    for (tool, right), text, n in precautions:
+        precaution_entries[(tool, precaution_text(tool, text, right, limits.precaution))] += n
+
+    stats: ClientStatistics = client_statistics(
+        records, schema.numeric_fields, field_cap=options.field_cap, seed=options.seed
+    )
+    report.num_users = stats.num_users
+    report.clip_bounds = {name: [b.lo, b.hi] for name, b in stats.bounds.items()}
+    report.clipped_values = stats.clipped_values
+    report.capped_contributions = stats.capped_contributions
+    report.skipped_fields = stats.skipped_fields
+
+    templates = []
+    for (tool, signature), votes in sorted(template_votes.items()):
+        best = min(votes.items(), key=lambda kv: (-kv[1], kv[0]))[0]
+        templates.append(PromptTemplate(tool_id=tool, signature=signature, template=best))
+
+    compendium = Compendium(
+        metadata=[ToolMetadata(tool_id=t, stats=v) for t, v in sorted(stats.stats.items())],
+        scenarios=[
+            Scenario(tool_id=tool, text=text, preconditions=dict(flags), support=n)
+            for (tool, flags), text, n in scenarios
+        ],
+        precautions=[
+            Precaution(tool_id=tool, text=text, support=n)
+            for (tool, text), n in sorted(precaution_entries.items())
+        ],
+        templates=templates,
+        masking=MaskingInfo(
+            strength=options.strength,
+            masked_fraction=report.masked_fraction,
+            seed=options.seed,
+        ),
+        num_users=stats.num_users,
+    )
+    report.scenarios_out = len(compendium.scenarios)
+    report.precautions_out = len(compendium.precautions)
+    report.templates_out = len(compendium.templates)
+
+    result = validate_compendium(compendium, schema)
+    if not result.ok:
+        raise CompendiumInvalid(result.violations)
+    return compendium, report
+
+
+def build_from_log(
+    path: str,
+    schema: Schema,
+    options: BuildOptions | None = None,
+    embedder: Embedder | None = None,
+    progress: Callable[[Iterable, str], Iterable] | None = None,
+) -> tuple[Compendium, BuildReport]:
+    """Read the log (every bad line reported), then build. Bad lines fail the build unless
+    options.skip_bad_lines, in which case they are listed in the report."""
+    options = options or BuildOptions()
+    log: UsageLog = read_usage_log(path, known_tools=schema.tool_ids)
+    if log.errors and not options.skip_bad_lines:
+        raise UsageLogError(log)
+    report = BuildReport(source=str(path), lines_read=log.lines_read, bad_lines=log.error_lines())
+    return build_compendium(log.records, schema, options, embedder, report, progress)

@@ -1,0 +1,304 @@
+"""HTTP client of the SYNAPSE server API for the client toolkit (submit, pull). No Django.
+
+Speaks the REST API exactly as the server defines it:
+- `GET /api/v1/rounds/?state=open` -> {"count", "results": [{"number", ...}]}
+- `POST /api/v1/submissions/` with `Idempotency-Key`; 201, or the same answer again with
+  `Idempotent-Replayed: true`; 400 {"detail", "violations": [{"path", "reason"}]}; 401/403; 409
+  when no round is open; 413; 429 with `Retry-After`.
+- `GET /api/v1/compendium/global/` -> {"round", "sha256", "published_at", "compendium"} with an
+  ETag; 304 when `If-None-Match` matches; 404 when nothing is published.
+
+Network errors, 5xx and 429 are retried with exponential backoff. A POST is safe to retry because
+the idempotency key is derived from the content and the round: the server stores it once.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from compendium.canonical import canonical_form
+from compendium.schema import Compendium
+
+USER_AGENT = "synapse-client/0.1"
+MAX_RETRY_AFTER_S = 60.0
+
+
+class ClientError(Exception):
+    """Anything that went wrong talking to the server, as one line a person can act on."""
+
+
+class SubmissionRejected(ClientError):
+    """The server rejected the compendium (400) and said why, by JSON path."""
+
+    def __init__(self, detail: str, violations: list[dict[str, str]]):
+        self.detail = detail
+        self.violations = violations
+        super().__init__(f"the server rejected the compendium: {detail}")
+
+
+@dataclass
+class SubmissionResult:
+    status: int
+    body: dict[str, Any]
+    replayed: bool
+    idempotency_key: str
+    round: int
+    attempts: int
+    warnings: list[str] = field(default_factory=list)
+
+
+@dataclass
+class PullResult:
+    updated: bool  # False: 304, the local copy is current
+    round: int | None = None
+    sha256: str | None = None
+    etag: str | None = None
+    path: Path | None = None
+    warnings: list[str] = field(default_factory=list)
+
+
+def idempotency_key(compendium: Compendium, round_number: int) -> str:
+    """Same content for the same round -> same key; anything else -> another key."""
+    digest = canonical_form(compendium).sha256
+    return f"r{round_number}-{digest}"
+
+
+def _detail(response: httpx.Response) -> str:
+    try:
+        body = response.json()
+    except ValueError:
+        text = response.text.strip().splitlines()
+        return text[0][:200] if text else response.reason_phrase
+    if isinstance(body, dict) and isinstance(body.get("detail"), str):
+        return body["detail"]
+    return json.dumps(body)[:200]
+
+
+class SynapseClient:
+    def __init__(
+        self,
+        server: str,
+        token: str,
+        timeout: float = 30.0,
+        retries: int = 5,
+        backoff: float = 0.5,
+        sleep: Callable[[float], None] = time.sleep,
+        transport: httpx.BaseTransport | None = None,
+    ):
+        if not server.startswith(("http://", "https://")):
+            raise ClientError(f"--server must be an http(s) URL; got {server!r}")
+        if not token.strip():
+            raise ClientError("the API token is empty")
+        self.server = server.rstrip("/")
+        self.retries = max(0, retries)
+        self.backoff = max(0.0, backoff)
+        self._sleep = sleep
+        self._http = httpx.Client(
+            base_url=self.server,
+            timeout=timeout,
+            transport=transport,
+            headers={
+                "Authorization": f"Bearer {token.strip()}",
+                "Accept": "application/json",
+                "User-Agent": USER_AGENT,
+            },
+        )
+        self.attempts = 0
+
+    def close(self) -> None:
+        self._http.close()
+
+    def __enter__(self) -> SynapseClient:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def _delay(self, attempt: int, response: httpx.Response | None) -> float:
+        if response is not None and response.status_code == 429:
+            retry_after = response.headers.get("Retry-After", "")
+            try:
+                return min(MAX_RETRY_AFTER_S, max(0.0, float(retry_after)))
+            except ValueError:
+                pass
+        return min(30.0, self.backoff * (2**attempt))
+
+    def request(self, method: str, path: str, **kwargs: Any) -> httpx.Response:
+        """One logical request: retried on network errors, 5xx and 429."""
+        last = ""
+        self.attempts = 0
+        for attempt in range(self.retries + 1):
+            self.attempts += 1
+            response = None
+            try:
+                response = self._http.request(method, path, **kwargs)
+            except httpx.TransportError as exc:
+                last = f"{exc.__class__.__name__}: {exc}" if str(exc) else exc.__class__.__name__
+            else:
+                if response.status_code < 500 and response.status_code != 429:
+                    return response
+                last = f"HTTP {response.status_code}: {_detail(response)}"
+            if attempt < self.retries:
+                self._sleep(self._delay(attempt, response))
+        raise ClientError(
+            f"{method} {self.server}{path} failed after {self.attempts} attempt(s): {last}"
+        )
+
+    def _auth_error(self, response: httpx.Response) -> ClientError:
+        return ClientError(
+            f"the server refused the token (HTTP {response.status_code}): {_detail(response)}"
+        )
+
+    def _json(self, response: httpx.Response, what: str) -> Any:
+        try:
+            return response.json()
+        except ValueError:
+            raise ClientError(f"the server's answer to {what} is not JSON") from None
+
+    def open_round(self) -> dict[str, Any]:
+        response = self.request("GET", "/api/v1/rounds/", params={"state": "open"})
+        if response.status_code in (401, 403):
+            raise self._auth_error(response)
+        if response.status_code != 200:
+            raise ClientError(
+                f"cannot list open rounds (HTTP {response.status_code}): {_detail(response)}"
+            )
+        body = self._json(response, "the round list")
+        results = body.get("results") if isinstance(body, dict) else None
+        if not isinstance(results, list):
+            raise ClientError("the server's round list has no 'results' list")
+        open_rounds = [
+            r for r in results if isinstance(r, dict) and isinstance(r.get("number"), int)
+        ]
+        if not open_rounds:
+            raise ClientError("no round is open on the server: nothing to submit to")
+        return max(open_rounds, key=lambda r: r["number"])
+
+    def submit(self, compendium: Compendium) -> SubmissionResult:
+        round_info = self.open_round()
+        number = round_info["number"]
+        key = idempotency_key(compendium, number)
+        body = canonical_form(compendium).data
+        response = self.request(
+            "POST",
+            "/api/v1/submissions/",
+            content=body,
+            headers={"Content-Type": "application/json", "Idempotency-Key": key},
+        )
+        status = response.status_code
+        if status in (200, 201):
+            warnings = []
+            config = round_info.get("config")
+            expected = config.get("mask_strength") if isinstance(config, dict) else None
+            applied = compendium.masking.strength if compendium.masking else None
+            if isinstance(expected, int | float) and (applied is None or applied < expected):
+                warnings.append(
+                    f"round {number} expects masking strength λ >= {expected:g}; this compendium "
+                    + ("records no masking" if applied is None else f"was masked at λ={applied:g}")
+                )
+            return SubmissionResult(
+                warnings=warnings,
+                status=status,
+                body=self._json(response, "the submission"),
+                replayed=response.headers.get("Idempotent-Replayed", "").lower() == "true",
+                idempotency_key=key,
+                round=number,
+                attempts=self.attempts,
+            )
+        if status == 400:
+            payload = self._json(response, "the submission")
+            violations = payload.get("violations") if isinstance(payload, dict) else None
+            clean = [
+                {"path": str(v.get("path", "$")), "reason": str(v.get("reason", ""))}
+                for v in (violations if isinstance(violations, list) else [])
+                if isinstance(v, dict)
+            ]
+            raise SubmissionRejected(_detail(response), clean)
+        if status in (401, 403):
+            raise self._auth_error(response)
+        if status == 409:
+            raise ClientError(f"the server has no round open for this submission: {_detail(response)}")
+        if status == 413:
+            raise ClientError(
+                f"the compendium ({len(body)} bytes) is larger than the server accepts (HTTP 413)"
+            )
+        raise ClientError(f"unexpected answer to the submission (HTTP {status}): {_detail(response)}")
+
+    def pull(self, out: Path, round_number: int | None = None) -> PullResult:
+        out = Path(out)
+        etag_path = etag_file(out)
+        headers = {}
+        if out.exists() and etag_path.exists():
+            etag = etag_path.read_text(encoding="utf-8").strip()
+            if etag:
+                headers["If-None-Match"] = etag
+        params = {"round": str(round_number)} if round_number is not None else None
+        response = self.request("GET", "/api/v1/compendium/global/", params=params, headers=headers)
+        status = response.status_code
+        if status == 304:
+            return PullResult(updated=False, etag=headers.get("If-None-Match"), path=out)
+        if status in (401, 403):
+            raise self._auth_error(response)
+        if status == 404:
+            raise ClientError(f"no global compendium is published: {_detail(response)}")
+        if status != 200:
+            raise ClientError(
+                f"cannot download the global compendium (HTTP {status}): {_detail(response)}"
+            )
+        payload = self._json(response, "the global compendium request")
+        doc = payload.get("compendium") if isinstance(payload, dict) else None
+        if not isinstance(doc, dict):
+            raise ClientError("the server's answer has no 'compendium' object")
+        try:
+            compendium = Compendium.model_validate(doc, strict=True)
+        except ValueError as exc:
+            first = str(exc).splitlines()[:2]
+            raise ClientError(
+                "the server sent a compendium this client cannot read: " + " ".join(first)
+            ) from None
+        result = PullResult(
+            updated=True,
+            round=payload.get("round") if isinstance(payload.get("round"), int) else None,
+            sha256=payload.get("sha256") if isinstance(payload.get("sha256"), str) else None,
+            etag=response.headers.get("ETag"),
+            path=out,
+        )
+        local = canonical_form(compendium).sha256
+        if result.sha256 and result.sha256 != local:
+            result.warnings.append(
+                f"the server's sha256 {result.sha256[:12]}… differs from this client's canonical "
+                f"form {local[:12]}…"
+            )
+        write_atomically(out, json.dumps(doc, ensure_ascii=False, indent=1).encode("utf-8"))
+        if result.etag:
+            write_atomically(etag_path, (result.etag + "\n").encode("utf-8"))
+        elif etag_path.exists():
+            etag_path.unlink()
+        return result
+
+
+def etag_file(out: Path) -> Path:
+    return out.with_name(out.name + ".etag")
+
+
+def write_atomically(path: Path, data: bytes) -> None:
+    """Write to a temporary file beside `path` and rename it over: never a half-written file."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
+    try:
+        with os.fdopen(fd, "wb") as handle:
+            handle.write(data)
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise

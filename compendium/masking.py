@@ -1,0 +1,283 @@
+"""Adaptive token-saliency masking of client text with strength λ (paper, "Privacy mechanisms").
+
+An empirical defence, not differential privacy. Every token of a text gets a saliency in [0, 1],
+how much it could identify a person or an organization:
+
+- personal-data patterns: e-mail address, URL or domain, phone number -> 1.0; identifiers that mix
+  letters and digits (order numbers, account ids) -> 0.95; numbers of 3 or more digits -> 0.9,
+  shorter numbers -> 0.6;
+- capitalized words inside a sentence (names of people, places, companies) -> 0.55 + 0.4 r;
+- any other word -> its rarity r in a public reference vocabulary: r = clip((6 - z) / 6, 0, 1)
+  where z is the word's Zipf frequency in English (log10 of occurrences per billion words) from the
+  `wordfreq` package (public corpora: Wikipedia, subtitles, news, books, web, Reddit, Twitter);
+  z >= 6 ("the", "you", "can") gives 0, an unknown word gives 1.
+- protected, saliency 0: common function words, and every word that occurs in the tool registry
+  (tool ids, names, descriptions, categories). Those are public already and carry the routing
+  meaning. Personal-data patterns (e-mail, URL, phone) are never protected.
+
+Given λ >= 0 a token is masked when its saliency exceeds the threshold θ(λ) = exp(-λ), or when it
+is among the top ⌊ρ(λ)·n⌋ of the text's n unprotected tokens by saliency, ρ(λ) = 1 - exp(-λ/4)
+(the adaptive part: every text loses its most identifying tokens, whatever their absolute score).
+θ falls and ρ grows with λ, and the ranking does not depend on λ, so the masked set of a text at a
+larger λ contains the masked set at a smaller one: masking is monotone in λ. λ = 0 masks nothing
+(θ = 1 and no saliency exceeds 1; ρ = 0). Equal saliencies are ranked by a hash of (seed, text,
+position): the same text, λ and seed always give the same output.
+
+A masked token becomes a typed placeholder ([EMAIL], [URL], [PHONE], [ID], [NUMBER], [NAME],
+[MASK]); a run of the same placeholder separated only by spaces becomes one. Placeholders and
+template slots like {city} are never masked again.
+
+Pure: standard library + wordfreq.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+import re
+from collections.abc import Iterable
+from dataclasses import dataclass
+from functools import lru_cache
+
+from compendium.schema import ToolSpec
+
+PLACEHOLDERS = ("EMAIL", "URL", "PHONE", "ID", "NUMBER", "NAME", "MASK")
+
+# Order matters: the first alternative that matches at a position wins. Every repetition is
+# bounded (RFC lengths for e-mail parts and domain labels) so that tokenizing stays linear in the
+# length of the text whatever it contains.
+_LABEL = r"[A-Za-z0-9\-]{1,63}"
+_TOKEN = re.compile(
+    r"(?P<placeholder>\[(?:" + "|".join(PLACEHOLDERS) + r")\])"
+    r"|(?P<slot>\{[A-Za-z_][A-Za-z0-9_]{0,63}\})"
+    r"|(?P<email>[A-Za-z0-9._%+\-]{1,64}@" + _LABEL + r"(?:\." + _LABEL + r"){0,8}\.[A-Za-z]{2,24})"
+    r"|(?P<url>(?:https?://|www\.)[^\s<>\"'\]\)]{0,2000}[^\s<>\"'\]\).,;:!?]"
+    r"|\b" + _LABEL + r"(?:\." + _LABEL + r"){0,8}\.(?:com|org|net|io|edu|gov|co|ai|dev|app|info"
+    r"|biz|me|us|uk|de|fr|eu)\b(?:/[^\s<>\"'\]\)]{0,2000}[^\s<>\"'\]\).,;:!?])?)"
+    r"|(?P<phone>(?<![\w.])(?:\+\d{1,3}[\s.\-]?)?(?:\(\d{2,4}\)[\s.\-]?)?\d{2,4}[\s.\-]\d{3,4}"
+    r"(?:[\s.\-]\d{2,4}){1,4}(?![\w]))"
+    r"|(?P<ident>\b(?=[A-Za-z0-9_\-#]{0,63}\d)(?=[A-Za-z0-9_\-#]{0,63}[A-Za-z])"
+    r"[A-Za-z0-9#][A-Za-z0-9_\-#]{0,127})"
+    r"|(?P<number>\d{1,64}(?:[.,:/]\d{1,64}){0,16})"
+    r"|(?P<word>[^\W\d_]{1,128}(?:['’][^\W\d_]{1,128}){0,4})"
+    r"|(?P<space>\s+)"
+    r"|(?P<other>.)",
+    re.DOTALL,
+)
+
+_SENTENCE_END = re.compile(r"[.!?:;\n]")
+
+# English function words (closed classes: pronouns, determiners, prepositions, conjunctions,
+# auxiliaries) and their contractions. Never identifying, always needed to read the text.
+FUNCTION_WORDS = frozenset(
+    """
+    a about above after again against all am an and any are aren't as at be because been before
+    being below between both but by can can't cannot could couldn't did didn't do does doesn't
+    doing don't down during each few for from further had hadn't has hasn't have haven't having he
+    he'd he'll he's her here here's hers herself him himself his how how's i i'd i'll i'm i've if
+    in into is isn't it it's its itself let's me more most mustn't my myself no nor not of off on
+    once only or other ought our ours ourselves out over own same shan't she she'd she'll she's
+    should shouldn't so some such than that that's the their theirs them themselves then there
+    there's these they they'd they'll they're they've this those through to too under until up
+    very was wasn't we we'd we'll we're we've were weren't what what's when when's where where's
+    which while who who's whom why why's with won't would wouldn't you you'd you'll you're you've
+    your yours yourself yourselves also just will shall may might must please hi hello hey thanks
+    thank yes okay ok
+    """.split()
+)
+
+SCORE_PII = 1.0
+SCORE_ID = 0.95
+SCORE_LONG_NUMBER = 0.9
+SCORE_SHORT_NUMBER = 0.6
+SCORE_NAME_BASE = 0.55
+SCORE_NAME_RARITY = 0.4
+ZIPF_COMMON = 6.0
+
+
+@lru_cache(maxsize=200_000)
+def zipf(word: str) -> float:
+    """Zipf frequency of a word in the public English reference (wordfreq); 0 when unknown."""
+    from wordfreq import zipf_frequency
+
+    return zipf_frequency(word, "en")
+
+
+def rarity(word: str) -> float:
+    return min(1.0, max(0.0, (ZIPF_COMMON - zipf(word.lower())) / ZIPF_COMMON))
+
+
+def threshold(strength: float) -> float:
+    """θ(λ): saliency above which a token is always masked. Decreasing; θ(0) = 1."""
+    return math.exp(-strength)
+
+
+def share(strength: float) -> float:
+    """ρ(λ): share of a text's unprotected tokens masked whatever their score. Increasing; ρ(0)=0."""
+    return 1.0 - math.exp(-strength / 4.0)
+
+
+@dataclass(frozen=True)
+class Token:
+    text: str
+    kind: str  # placeholder slot email url phone ident number word space other
+    start: int
+
+    @property
+    def is_word(self) -> bool:
+        """Counts as a content token for the masked fraction."""
+        return self.kind not in ("space", "other", "placeholder", "slot")
+
+
+def tokenize(text: str) -> list[Token]:
+    return [Token(m.group(), m.lastgroup or "other", m.start()) for m in _TOKEN.finditer(text)]
+
+
+def _split_identifier(text: str) -> list[str]:
+    """'ResearchHelper' -> research helper; 'create_qr_code' -> create qr code."""
+    spaced = re.sub(r"(?<=[a-z0-9])(?=[A-Z])|[_\-.:/]+", " ", text)
+    return spaced.split()
+
+
+def registry_vocabulary(tools: Iterable[ToolSpec]) -> frozenset[str]:
+    """Lower-cased tokens of the public tool registry: the words that carry routing meaning."""
+    vocab: set[str] = set()
+    for tool in tools:
+        texts = [tool.tool_id, tool.name, tool.description, tool.category]
+        texts += _split_identifier(tool.tool_id) + _split_identifier(tool.name)
+        for text in texts:
+            for token in tokenize(text):
+                if token.kind in ("word", "ident", "number"):
+                    vocab.add(token.text.lower())
+    return frozenset(vocab)
+
+
+@dataclass(frozen=True)
+class Scored:
+    index: int
+    saliency: float
+    placeholder: str
+
+
+@dataclass(frozen=True)
+class MaskedText:
+    text: str
+    word_tokens: int
+    masked_tokens: int
+    masked_indices: frozenset[int]  # positions in tokenize(original); never the original text
+
+    @property
+    def masked_fraction(self) -> float:
+        return self.masked_tokens / self.word_tokens if self.word_tokens else 0.0
+
+
+class TextMasker:
+    """Masks texts at strength λ, protecting a routing vocabulary; deterministic for a seed."""
+
+    def __init__(
+        self,
+        strength: float = 1.0,
+        seed: int = 0,
+        protected: Iterable[str] = (),
+    ):
+        if not (isinstance(strength, int | float) and math.isfinite(strength) and strength >= 0):
+            raise ValueError(f"masking strength λ must be a finite number >= 0; got {strength!r}")
+        self.strength = float(strength)
+        self.seed = int(seed)
+        self.protected = frozenset(w.lower() for w in protected) | FUNCTION_WORDS
+
+    @classmethod
+    def for_registry(cls, tools: Iterable[ToolSpec], strength: float = 1.0, seed: int = 0):
+        return cls(strength=strength, seed=seed, protected=registry_vocabulary(tools))
+
+    def score(self, tokens: list[Token]) -> list[Scored]:
+        """Saliency and placeholder of every content token (protected ones score 0)."""
+        out = []
+        sentence_start = True
+        for index, token in enumerate(tokens):
+            kind = token.kind
+            if kind in ("space", "other"):
+                if kind == "other" and _SENTENCE_END.match(token.text):
+                    sentence_start = True
+                elif kind == "space" and "\n" in token.text:
+                    sentence_start = True
+                continue
+            if kind in ("placeholder", "slot"):
+                sentence_start = False
+                continue
+            lower = token.text.lower()
+            if kind == "email":
+                scored = Scored(index, SCORE_PII, "EMAIL")
+            elif kind == "url":
+                scored = Scored(index, SCORE_PII, "URL")
+            elif kind == "phone":
+                scored = Scored(index, SCORE_PII, "PHONE")
+            elif lower in self.protected or len(token.text) == 1:
+                scored = Scored(index, 0.0, "MASK")
+            elif kind == "ident":
+                scored = Scored(index, SCORE_ID, "ID")
+            elif kind == "number":
+                digits = sum(c.isdigit() for c in token.text)
+                scored = Scored(
+                    index, SCORE_LONG_NUMBER if digits >= 3 else SCORE_SHORT_NUMBER, "NUMBER"
+                )
+            else:
+                r = rarity(lower)
+                title = token.text[0].isupper() and not token.text.isupper()
+                if title and not sentence_start:
+                    scored = Scored(index, SCORE_NAME_BASE + SCORE_NAME_RARITY * r, "NAME")
+                else:
+                    scored = Scored(index, r, "MASK")
+            sentence_start = False
+            out.append(scored)
+        return out
+
+    def _tie(self, text: str, index: int) -> bytes:
+        return hashlib.blake2b(
+            f"{self.seed}\x00{index}\x00{text}".encode("utf-8", "surrogatepass"), digest_size=8
+        ).digest()
+
+    def select(self, text: str, scored: list[Scored]) -> dict[int, str]:
+        """Token index -> placeholder of the tokens to mask at this strength."""
+        if self.strength == 0:
+            return {}
+        theta = threshold(self.strength)
+        chosen = {s.index: s.placeholder for s in scored if s.saliency > theta}
+        candidates = [s for s in scored if s.saliency > 0]
+        k = math.floor(share(self.strength) * len(candidates))
+        if k:
+            ranked = sorted(candidates, key=lambda s: (-s.saliency, self._tie(text, s.index)))
+            chosen.update((s.index, s.placeholder) for s in ranked[:k])
+        return chosen
+
+    def mask(self, text: str) -> MaskedText:
+        tokens = tokenize(text)
+        scored = self.score(tokens)
+        chosen = self.select(text, scored)
+        parts: list[str] = []
+        last_placeholder: str | None = None  # placeholder at the end of `parts`, across spaces
+        pending_space = ""
+        for index, token in enumerate(tokens):
+            if index in chosen:
+                label = f"[{chosen[index]}]"
+                if last_placeholder == label and pending_space.strip() == "":
+                    pending_space = ""
+                    continue
+                parts.append(pending_space)
+                pending_space = ""
+                parts.append(label)
+                last_placeholder = label
+            elif token.kind == "space" and last_placeholder is not None:
+                pending_space += token.text
+            else:
+                parts.append(pending_space)
+                pending_space = ""
+                parts.append(token.text)
+                last_placeholder = None
+        parts.append(pending_space)
+        return MaskedText(
+            text="".join(parts),
+            word_tokens=sum(1 for t in tokens if t.is_word),
+            masked_tokens=len(chosen),
+            masked_indices=frozenset(chosen),
+        )

@@ -1,0 +1,224 @@
+"""The client's usage log: one routed request a line, read with every bad line reported.
+
+Pure (standard library only). The format, one JSON object per line:
+
+    {"query": "...", "tool": "weather", "outcome": "success", "latency_ms": 320, "user": "u17",
+     "corrected_to": null, "preconditions": {"has_city": true},
+     "template": {"signature": "forecast(city)", "template": "Forecast for {city}"}}
+
+- `query` (string, required): what the user asked; raw text, never sent as is.
+- `tool` (string, required): the tool the client's router chose.
+- `outcome` (required): "success", "failure", or "corrected" (the chosen tool was wrong and the
+  user or an operator switched to `corrected_to`).
+- `corrected_to` (string): required when, and only when, `outcome` is "corrected".
+- `latency_ms` (number >= 0, required): how long the tool call took.
+- `user` (string or integer, required): a stable pseudonymous id of the end user, used only to
+  bound each user's contribution to the numeric statistics; it never leaves the client.
+- `preconditions` (object of boolean flags, optional), `template` (object with string
+  `signature` and `template`, optional): carried into the scenario and the template store.
+Other keys (timestamps, request ids) are ignored. Blank lines are skipped.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+OUTCOMES = ("success", "failure", "corrected")
+_FLAG = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.:\-]{0,63}$")
+MAX_LINE_BYTES = 1_000_000
+
+
+@dataclass(frozen=True)
+class Template:
+    signature: str
+    template: str
+
+
+@dataclass(frozen=True)
+class UsageRecord:
+    line: int
+    query: str
+    tool: str
+    outcome: str
+    latency_ms: float
+    user: str
+    corrected_to: str | None = None
+    preconditions: tuple[tuple[str, bool], ...] = ()
+    template: Template | None = None
+
+    @property
+    def flags(self) -> dict[str, bool]:
+        return dict(self.preconditions)
+
+
+@dataclass(frozen=True)
+class LogLineError:
+    line: int
+    message: str
+
+    def format(self, source: str) -> str:
+        return f"{source}:{self.line}: {self.message}"
+
+
+@dataclass
+class UsageLog:
+    source: str
+    records: list[UsageRecord] = field(default_factory=list)
+    errors: list[LogLineError] = field(default_factory=list)
+    lines_read: int = 0
+
+    @property
+    def users(self) -> set[str]:
+        return {r.user for r in self.records}
+
+    def error_lines(self) -> list[str]:
+        return [e.format(self.source) for e in self.errors]
+
+
+class UsageLogError(ValueError):
+    """The log has bad lines and the caller did not ask to skip them; carries every error."""
+
+    def __init__(self, log: UsageLog):
+        self.log = log
+        first = log.error_lines()[:3]
+        more = f" (and {len(log.errors) - 3} more)" if len(log.errors) > 3 else ""
+        super().__init__(
+            f"{len(log.errors)} malformed line(s) in {log.source}: " + "; ".join(first) + more
+        )
+
+
+def _string(item: dict, key: str, required: bool = True) -> str | None:
+    value = item.get(key)
+    if value is None and not required:
+        return None
+    if not isinstance(value, str):
+        kind = "missing" if key not in item else f"a {type(value).__name__}, not a string"
+        raise ValueError(f"'{key}' is {kind}")
+    if not value.strip():
+        raise ValueError(f"'{key}' is empty")
+    return value
+
+
+def parse_record(item: Any, line: int, known_tools: frozenset[str] | None = None) -> UsageRecord:
+    """One decoded JSON value to a record, or ValueError saying what is wrong with it."""
+    if not isinstance(item, dict):
+        raise ValueError(f"expected a JSON object, got {type(item).__name__}")
+    query = _string(item, "query")
+    tool = _string(item, "tool").strip()
+    outcome = item.get("outcome")
+    if outcome not in OUTCOMES:
+        raise ValueError(f"'outcome' must be one of {', '.join(OUTCOMES)}; got {outcome!r}")
+    corrected_to = _string(item, "corrected_to", required=outcome == "corrected")
+    if outcome != "corrected" and corrected_to is not None:
+        raise ValueError("'corrected_to' is only allowed when 'outcome' is \"corrected\"")
+    if corrected_to is not None:
+        corrected_to = corrected_to.strip()
+        if corrected_to == tool:
+            raise ValueError("'corrected_to' names the same tool as 'tool'")
+    for name, value in (("tool", tool), ("corrected_to", corrected_to)):
+        if value is not None and known_tools is not None and value not in known_tools:
+            raise ValueError(f"'{name}' {value!r} is not a tool of the schema's registry")
+
+    latency = item.get("latency_ms")
+    if latency is None:
+        raise ValueError("'latency_ms' is missing")
+    if isinstance(latency, bool) or not isinstance(latency, int | float):
+        raise ValueError("'latency_ms' must be a number")
+    if not math.isfinite(latency) or latency < 0:
+        raise ValueError(f"'latency_ms' must be a finite number >= 0; got {latency}")
+
+    user = item.get("user")
+    if user is None:
+        raise ValueError("'user' is missing (a stable pseudonymous id of the end user)")
+    if isinstance(user, bool) or not isinstance(user, str | int):
+        raise ValueError("'user' must be a string or an integer")
+    user = str(user).strip()
+    if not user:
+        raise ValueError("'user' is empty")
+
+    flags = item.get("preconditions")
+    preconditions: tuple[tuple[str, bool], ...] = ()
+    if flags is not None:
+        if not isinstance(flags, dict):
+            raise ValueError("'preconditions' must be an object of boolean flags")
+        for key, value in flags.items():
+            if not _FLAG.match(key):
+                raise ValueError(f"precondition flag {key!r} is not an identifier")
+            if not isinstance(value, bool):
+                raise ValueError(f"precondition flag {key!r} must be true or false")
+        preconditions = tuple(sorted(flags.items()))
+
+    template = None
+    raw_template = item.get("template")
+    if raw_template is not None:
+        if not isinstance(raw_template, dict):
+            raise ValueError("'template' must be an object with 'signature' and 'template'")
+        template = Template(
+            signature=_string(raw_template, "signature").strip(),
+            template=_string(raw_template, "template"),
+        )
+
+    return UsageRecord(
+        line=line,
+        query=query,
+        tool=tool,
+        outcome=outcome,
+        latency_ms=float(latency),
+        user=user,
+        corrected_to=corrected_to,
+        preconditions=preconditions,
+        template=template,
+    )
+
+
+def parse_lines(
+    lines: Iterable[bytes | str],
+    source: str = "usage log",
+    known_tools: Iterable[str] | None = None,
+) -> UsageLog:
+    """Every line parsed; every bad line kept as an error with its line number (none dropped)."""
+    known = frozenset(known_tools) if known_tools is not None else None
+    log = UsageLog(source=source)
+    for number, raw in enumerate(lines, start=1):
+        log.lines_read = number
+        if isinstance(raw, bytes):
+            if len(raw) > MAX_LINE_BYTES:
+                log.errors.append(
+                    LogLineError(number, f"line is {len(raw)} bytes; the limit is {MAX_LINE_BYTES}")
+                )
+                continue
+            try:
+                text = raw.decode("utf-8")
+            except UnicodeDecodeError as exc:
+                log.errors.append(LogLineError(number, f"not valid UTF-8 at byte {exc.start}"))
+                continue
+        else:
+            text = raw
+        if not text.strip():
+            continue
+        try:
+            item = json.loads(text)
+        except json.JSONDecodeError as exc:
+            log.errors.append(LogLineError(number, f"not valid JSON: {exc.msg} (column {exc.colno})"))
+            continue
+        except RecursionError:
+            log.errors.append(LogLineError(number, "not valid JSON: nested too deeply"))
+            continue
+        try:
+            log.records.append(parse_record(item, number, known))
+        except ValueError as exc:
+            log.errors.append(LogLineError(number, str(exc)))
+    return log
+
+
+def read_usage_log(path: str | Path, known_tools: Iterable[str] | None = None) -> UsageLog:
+    """Read a usage log file. Raises OSError when it cannot be opened."""
+    path = Path(path)
+    with path.open("rb") as handle:
+        return parse_lines(handle, source=str(path), known_tools=known_tools)

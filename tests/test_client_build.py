@@ -1,0 +1,194 @@
+"""Usage log -> local compendium: valid under the MetaTool schema, nothing private left in it,
+near-duplicates collapsed, and the whole toolkit runs without Django."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from collections import Counter
+
+import pytest
+
+from compendium.builder import BuildOptions, build_compendium
+from compendium.canonical import canonical_form
+from compendium.client_cli import main
+from compendium.schema import Compendium
+from compendium.usage_log import parse_lines
+from compendium.validation import validate_compendium
+from tests.client_fixtures import PLANTED, metatool_schema, usage_records, write_log
+from tests.conftest import ROOT
+
+
+def secrets() -> list[str]:
+    return [part for name, email, phone, number in PLANTED
+            for part in (*name.split(), email, phone, number)]
+
+
+def parsed(records):
+    log = parse_lines([json.dumps(r) for r in records], known_tools=metatool_schema().tool_ids)
+    assert not log.errors
+    return log.records
+
+
+def test_a_log_of_several_users_builds_a_valid_compendium():
+    records = usage_records(users=6, lines=240)
+    schema = metatool_schema()
+    compendium, report = build_compendium(parsed(records), schema, BuildOptions(collapse=False))
+    assert validate_compendium(compendium, schema).ok
+    assert compendium.num_users == 6 == report.num_users
+    assert compendium.masking.strength == 1.0 and compendium.masking.seed == 0
+    assert 0 < compendium.masking.masked_fraction < 0.5
+
+    outcomes = Counter(r["outcome"] for r in records)
+    served = Counter(
+        r["tool"] if r["outcome"] == "success" else r["corrected_to"]
+        for r in records if r["outcome"] != "failure"
+    )
+    assert sum(s.support for s in compendium.scenarios) == outcomes["success"] + outcomes["corrected"]
+    by_tool = Counter()
+    for s in compendium.scenarios:
+        by_tool[s.tool_id] += s.support
+    assert by_tool == served
+    assert sum(p.support for p in compendium.precautions) == outcomes["failure"] + outcomes["corrected"]
+    assert all(p.text.startswith(f"Do not use {p.tool_id} for requests like: ")
+               for p in compendium.precautions)
+    corrected = {(r["tool"], r["corrected_to"]) for r in records if r["outcome"] == "corrected"}
+    assert {
+        (p.tool_id, p.text.rsplit("(use ", 1)[1].removesuffix(" instead)"))
+        for p in compendium.precautions if p.text.endswith(" instead)")
+    } == corrected
+    assert any(s.preconditions for s in compendium.scenarios)
+    assert {t.signature for t in compendium.templates} == {"ask(question)"}
+    assert all("{question}" in t.template for t in compendium.templates)
+    called = {r["tool"] for r in records}
+    assert {m.tool_id for m in compendium.metadata} == called
+    assert all(set(m.stats) == {"calls", "success_rate", "frequency", "latency_ms"}
+               for m in compendium.metadata)
+
+    sent = canonical_form(compendium).data.decode()
+    assert not [s for s in secrets() if s in sent]
+    assert "user-" not in sent  # user ids stay on the client
+
+
+def test_same_log_and_seed_give_the_same_bytes():
+    records = parsed(usage_records(users=4, lines=120, seed=9))
+    schema = metatool_schema()
+    a, _ = build_compendium(records, schema, BuildOptions(collapse=False, seed=3, field_cap=2))
+    b, _ = build_compendium(list(reversed(records)), schema,
+                            BuildOptions(collapse=False, seed=3, field_cap=2))
+    assert canonical_form(a).sha256 == canonical_form(b).sha256
+
+
+def test_masked_fraction_grows_with_lambda():
+    records = parsed(usage_records(users=3, lines=150, seed=4))
+    schema = metatool_schema()
+    fractions = [
+        build_compendium(records, schema, BuildOptions(collapse=False, strength=lam))[0]
+        .masking.masked_fraction
+        for lam in (0, 0.5, 1.0, 1.5)
+    ]
+    assert fractions[0] == 0
+    assert fractions[0] < fractions[1] < fractions[2] < fractions[3]
+
+
+def test_long_queries_are_cut_to_the_declared_limit():
+    schema = metatool_schema()
+    long_query = "Please compare the weather forecast across many cities " * 60
+    records = parsed([
+        {"query": long_query, "tool": "WeatherTool", "outcome": "success", "latency_ms": 5, "user": 1},
+        {"query": long_query, "tool": "NewsTool", "outcome": "failure", "latency_ms": 5, "user": 1},
+    ])
+    compendium, _ = build_compendium(records, schema, BuildOptions(collapse=False))
+    assert validate_compendium(compendium, schema).ok
+    assert len(compendium.scenarios[0].text) <= schema.strings.scenario
+    assert len(compendium.precautions[0].text) <= schema.strings.precaution
+
+
+@pytest.mark.slow
+def test_near_duplicate_scenarios_are_collapsed_with_the_embedding_engine():
+    from routing.embeddings import get_engine
+
+    schema = metatool_schema()
+    texts = [
+        "What will the weather be like tomorrow in Lisbon?",
+        "What will the weather be like in Lisbon tomorrow?",
+        "How will the weather be tomorrow in Lisbon?",
+        "Is there a tornado warning for this region right now?",
+        "What will the weather be like tomorrow in Lisbon?",  # exact duplicate
+    ]
+    records = parsed([
+        {"query": q, "tool": "WeatherTool", "outcome": "success", "latency_ms": 10, "user": f"u{i}"}
+        for i, q in enumerate(texts)
+    ])
+    exact, _ = build_compendium(records, schema, BuildOptions(collapse=False))
+    assert sorted(s.support for s in exact.scenarios) == [1, 1, 1, 2]
+
+    collapsed, report = build_compendium(records, schema, BuildOptions(tau=0.85), get_engine())
+    assert sorted(s.support for s in collapsed.scenarios) == [1, 4]
+    assert report.scenarios_in == 5 and report.scenarios_out == 2
+    kept = max(collapsed.scenarios, key=lambda s: s.support)
+    assert "weather" in kept.text and "Lisbon" not in kept.text
+    assert validate_compendium(collapsed, schema).ok
+
+
+def test_cli_build_inspect_and_validate(tmp_path, capsys):
+    schema_path = tmp_path / "schema.json"
+    schema_path.write_text(metatool_schema().model_dump_json(), encoding="utf-8")
+    log = write_log(tmp_path / "usage.jsonl", usage_records(users=5, lines=100, seed=8))
+    out = tmp_path / "compendium.json"
+    assert main(["build", "--log", str(log), "--schema", str(schema_path), "--out", str(out),
+                 "--lambda", "1.0", "--seed", "2", "--field-cap", "3", "--no-collapse",
+                 "--quiet"]) == 0
+    assert "5 users" in capsys.readouterr().out
+    text = out.read_text(encoding="utf-8")
+    assert not [s for s in secrets() if s in text]
+
+    assert main(["inspect", str(out), "--schema", str(schema_path)]) == 0
+    shown = capsys.readouterr().out
+    doc = json.loads(text)
+    form = canonical_form(Compendium.model_validate_json(text))
+    assert f"size: {form.size_bytes} bytes raw, {form.gzip_bytes} bytes gzip" in shown
+    assert "masking: λ=1" in shown
+    for scenario in doc["scenarios"]:
+        assert scenario["text"] in shown
+    for precaution in doc["precautions"]:
+        assert precaution["text"] in shown
+    assert "calls: per-user values clipped to [0, 50] (Δ=50)" in shown
+    assert "field cap F*=3" in shown
+    assert "validation: valid under the schema" in shown
+
+    assert main(["validate", str(out), "--schema", str(schema_path)]) == 0
+
+
+def test_inspect_reports_violations_and_fails(tmp_path, capsys):
+    schema_path = tmp_path / "schema.json"
+    schema_path.write_text(metatool_schema().model_dump_json(), encoding="utf-8")
+    doc = {"scenarios": [{"tool_id": "teleporter", "text": "beam me up"}]}
+    path = tmp_path / "bad.json"
+    path.write_text(json.dumps(doc), encoding="utf-8")
+    assert main(["inspect", str(path), "--schema", str(schema_path)]) == 1
+    assert "$.scenarios[0].tool_id" in capsys.readouterr().out
+
+
+def test_toolkit_runs_without_django(tmp_path):
+    schema_path = tmp_path / "schema.json"
+    schema_path.write_text(metatool_schema().model_dump_json(), encoding="utf-8")
+    log = write_log(tmp_path / "usage.jsonl", usage_records(users=2, lines=30))
+    code = (
+        "import sys\n"
+        "from compendium.client_cli import main\n"
+        "import compendium.builder, compendium.client_api, compendium.masking\n"
+        f"rc = main(['build', '--log', {str(log)!r}, '--schema', {str(schema_path)!r}, "
+        f"'--out', {str(tmp_path / 'c.json')!r}, '--no-collapse', '--quiet'])\n"
+        "rc = rc or main(['inspect', " + repr(str(tmp_path / "c.json")) + "])\n"
+        "loaded = sorted(m for m in sys.modules if m.split('.')[0] == 'django')\n"
+        "print('DJANGO', loaded)\n"
+        "sys.exit(rc)\n"
+    )
+    env = {k: v for k, v in os.environ.items() if k != "DJANGO_SETTINGS_MODULE"}
+    done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True,
+                          text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    assert "DJANGO []" in done.stdout

@@ -1,0 +1,141 @@
+"""Token-saliency masking with strength λ: planted personal data goes, routing words stay, and a
+larger λ never masks less."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from compendium.masking import PLACEHOLDERS, TextMasker, share, threshold, tokenize
+from tests.client_fixtures import PLANTED, metatool, plant
+
+LAMBDAS = [0, 0.1, 0.25, 0.5, 0.75, 1.0, 1.25, 1.5, 2.0, 3.0, 5.0, 10.0]
+
+
+def masker(strength: float, seed: int = 0) -> TextMasker:
+    return TextMasker.for_registry(metatool().tools, strength=strength, seed=seed)
+
+
+@pytest.fixture(scope="module")
+def texts() -> list[str]:
+    rng = random.Random(7)
+    queries = [q.query for q in rng.sample(metatool().queries, 700)]
+    return queries + [plant(q, i) for i, q in enumerate(queries[:300])]
+
+
+def test_planted_names_emails_phones_and_numbers_are_removed_at_lambda_1():
+    m = masker(1.0)
+    sentence = (
+        "Please check the weather forecast for my flight, my manager Margaret Thornbury "
+        "(margaret.thornbury@example.org, +1 415 555 0199) booked ticket 48213 via "
+        "https://travel.example.com/booking?id=PX77Q and order AB-99812."
+    )
+    out = m.mask(sentence).text
+    for secret in ("Margaret", "Thornbury", "margaret.thornbury@example.org", "415", "0199",
+                   "48213", "travel.example.com", "PX77Q", "AB-99812"):
+        assert secret not in out, (secret, out)
+    for kept in ("weather", "forecast", "flight", "manager", "booked", "ticket", "order"):
+        assert kept in out, (kept, out)
+    for label in ("[NAME]", "[EMAIL]", "[PHONE]", "[NUMBER]", "[URL]", "[ID]"):
+        assert label in out, (label, out)
+
+
+def test_planted_data_in_real_queries_never_survives_lambda_1(texts):
+    m = masker(1.0)
+    secrets = {part for name, email, phone, number in PLANTED
+               for part in (*name.split(), email, phone, number)}
+    planted = [t for t in texts if "My colleague" in t]
+    assert len(planted) == 300
+    for text in planted:
+        out = m.mask(text).text
+        assert not [s for s in secrets if s in out], out
+
+
+def test_tool_relevant_words_are_kept(texts):
+    """Words of the public registry are never masked (they carry the routing meaning)."""
+    m = masker(1.5)
+    vocabulary = m.protected
+    kept = total = 0
+    for text in texts[:400]:
+        out_tokens = {t.text.lower() for t in tokenize(m.mask(text).text)}
+        for token in tokenize(text):
+            if token.kind == "word" and token.text.lower() in vocabulary:
+                total += 1
+                kept += token.text.lower() in out_tokens
+    assert total > 1000
+    assert kept == total
+
+
+def test_lambda_zero_masks_nothing(texts):
+    m = masker(0)
+    for text in texts:
+        result = m.mask(text)
+        assert result.text == text
+        assert result.masked_tokens == 0
+
+
+def test_masking_is_monotone_in_lambda(texts):
+    """The masked set at a larger λ contains the masked set at a smaller one, text by text."""
+    maskers = [masker(lam) for lam in LAMBDAS]
+    totals = [0] * len(LAMBDAS)
+    words = 0
+    for text in texts:
+        sets = [m.mask(text).masked_indices for m in maskers]
+        for smaller, larger in zip(sets, sets[1:], strict=False):
+            assert smaller <= larger, text
+        for i, chosen in enumerate(sets):
+            totals[i] += len(chosen)
+        words += sum(t.is_word for t in tokenize(text))
+    fractions = [t / words for t in totals]
+    assert fractions[0] == 0
+    assert all(a <= b for a, b in zip(fractions, fractions[1:], strict=False))
+    # it really grows: 0 < λ=0.5 < λ=1 < λ=1.5
+    by_lambda = dict(zip(LAMBDAS, fractions, strict=True))
+    assert 0 < by_lambda[0.5] < by_lambda[1.0] < by_lambda[1.5]
+
+
+def test_threshold_falls_and_share_grows_with_lambda():
+    grid = [i / 10 for i in range(0, 80)]
+    assert threshold(0) == 1 and share(0) == 0
+    assert all(threshold(a) > threshold(b) for a, b in zip(grid, grid[1:], strict=False))
+    assert all(share(a) < share(b) for a, b in zip(grid, grid[1:], strict=False))
+
+
+def test_deterministic_for_a_seed(texts):
+    one, other = masker(0.75, seed=4), masker(0.75, seed=4)
+    first = [one.mask(t).text for t in texts]
+    assert first == [other.mask(t).text for t in texts]
+    assert first == [one.mask(t).text for t in texts]
+
+
+def test_seed_breaks_ties():
+    # twenty copies of one moderately rare word: equal saliency (about 0.46) below θ(0.3) = 0.74,
+    # so only the share rule masks, floor(ρ(0.3)·20) = 1 of them; the seed picks which
+    text = " ".join(["kayak"] * 20)
+    outs = {TextMasker(strength=0.3, seed=s).mask(text).text for s in range(12)}
+    assert all(out.count("[MASK]") == 1 for out in outs)
+    assert len(outs) > 1
+    assert TextMasker(strength=0.3, seed=5).mask(text) == TextMasker(strength=0.3, seed=5).mask(text)
+
+
+def test_placeholders_and_template_slots_are_never_masked_again():
+    m = masker(10.0)
+    first = m.mask("Send the forecast for {city} to Oswald Pemberton at o.p@mail.net")
+    assert "{city}" in first.text
+    second = m.mask(first.text)
+    assert second.text == first.text
+    for token in tokenize(first.text):
+        if token.kind == "placeholder":
+            assert token.text.strip("[]") in PLACEHOLDERS
+
+
+def test_same_placeholder_runs_collapse_to_one():
+    out = masker(1.0).mask("please tell Ingrid Maria Vasquez about it").text
+    assert "[NAME]" in out and "[NAME] [NAME]" not in out
+
+
+@pytest.mark.parametrize("bad", [-0.1, float("nan"), float("inf")])
+def test_invalid_strength_is_refused(bad):
+    with pytest.raises(ValueError, match="masking strength"):
+        TextMasker(strength=bad)

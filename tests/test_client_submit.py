@@ -1,0 +1,334 @@
+"""`synapse-client submit` and `pull` against a live HTTP server on 127.0.0.1.
+
+The server below is a real HTTP server (http.server in a thread) that speaks the submission and
+global-compendium API of the federation server (HELPERS contract 3): bearer tokens, the open
+round list, idempotency by key (same key -> the same answer plus `Idempotent-Replayed: true`),
+400 with per-path violations (it validates with the same `validate_compendium`), ETag/304. It can
+drop a connection after storing a submission and before answering, which is how a response gets
+lost in real networks.
+"""
+
+from __future__ import annotations
+
+import json
+import socket
+import threading
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from urllib.parse import parse_qs, urlparse
+
+import pytest
+
+from compendium.canonical import canonical_form
+from compendium.client_api import ClientError, SynapseClient, etag_file
+from compendium.client_cli import main
+from compendium.schema import Compendium, Scenario, Schema, ToolSpec
+from compendium.validation import validate_compendium
+
+TOKEN = "tok-client-1"
+SCHEMA = Schema(
+    tools=[
+        ToolSpec(tool_id="weather", description="Weather forecasts for a city"),
+        ToolSpec(tool_id="flights", description="Search and book flights"),
+    ]
+)
+
+
+@dataclass
+class ServerState:
+    round_number: int | None = 4
+    drop_next_posts: int = 0  # store, then close the connection without an answer
+    fail_next_posts: int = 0  # answer fail_status before doing anything
+    fail_status: int = 503
+    posts: list[dict] = field(default_factory=list)  # every POST seen: key, replayed
+    created: int = 0  # rows ever created (a replacement also counts)
+    rows: dict[tuple[int, str], dict] = field(default_factory=dict)  # one per (round, client)
+    answers: dict[str, tuple[int, dict]] = field(default_factory=dict)  # idempotency key ->
+    published: dict | None = None
+    global_requests: list[dict] = field(default_factory=list)
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+
+def make_handler(state: ServerState):
+    class Handler(BaseHTTPRequestHandler):
+        protocol_version = "HTTP/1.1"
+
+        def log_message(self, *args):  # keep test output clean
+            pass
+
+        def _send(self, status: int, body: dict | None, headers: dict | None = None) -> None:
+            data = json.dumps(body).encode() if body is not None else b""
+            self.send_response(status)
+            if body is not None:
+                self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(data)))
+            for key, value in (headers or {}).items():
+                self.send_header(key, value)
+            self.end_headers()
+            self.wfile.write(data)
+
+        def _client(self) -> str | None:
+            auth = self.headers.get("Authorization", "")
+            scheme, _, token = auth.partition(" ")
+            return "client-1" if scheme in ("Bearer", "Token") and token == TOKEN else None
+
+        def do_GET(self):
+            url = urlparse(self.path)
+            if self._client() is None:
+                return self._send(401, {"detail": "Invalid token."})
+            if url.path == "/api/v1/rounds/":
+                state_filter = parse_qs(url.query).get("state", [""])[0]
+                results = []
+                if state.round_number is not None and state_filter in ("", "open"):
+                    results = [{"id": 10 + state.round_number, "number": state.round_number,
+                                "state": "open",
+                                "config": {"tau": 0.85, "mask_strength": 1.0}}]
+                return self._send(200, {"count": len(results), "next": None, "previous": None,
+                                        "results": results})
+            if url.path == "/api/v1/compendium/global/":
+                state.global_requests.append(dict(self.headers))
+                if state.published is None:
+                    return self._send(404, {"detail": "no global compendium is published yet"})
+                etag = f'"{state.published["sha256"]}"'
+                if self.headers.get("If-None-Match") == etag:
+                    return self._send(304, None, {"ETag": etag})
+                return self._send(200, state.published, {"ETag": etag})
+            return self._send(404, {"detail": "not found"})
+
+        def do_POST(self):
+            length = int(self.headers.get("Content-Length", "0"))
+            raw = self.rfile.read(length)
+            if urlparse(self.path).path != "/api/v1/submissions/":
+                return self._send(404, {"detail": "not found"})
+            client = self._client()
+            if client is None:
+                return self._send(401, {"detail": "Invalid token."})
+            key = self.headers.get("Idempotency-Key", "")
+            if not 1 <= len(key) <= 200:
+                return self._send(400, {"detail": "Idempotency-Key header is required",
+                                        "violations": []})
+            with state.lock:
+                if state.fail_next_posts:
+                    state.fail_next_posts -= 1
+                    if state.fail_status == 429:
+                        return self._send(429, {"detail": "slow down"}, {"Retry-After": "7"})
+                    return self._send(state.fail_status, {"detail": "database restarting"})
+                if key in state.answers:
+                    state.posts.append({"key": key, "replayed": True})
+                    status, body = state.answers[key]
+                    return self._send(status, body, {"Idempotent-Replayed": "true"})
+                state.posts.append({"key": key, "replayed": False})
+                if state.round_number is None:
+                    return self._send(409, {"detail": "no round is open"})
+                result = validate_compendium(raw, SCHEMA)
+                if not result.ok:
+                    body = {"detail": "the compendium is not valid under the schema",
+                            "violations": [v.as_dict() for v in result.violations]}
+                    state.answers[key] = (400, body)
+                    return self._send(400, body)
+                form = canonical_form(result.compendium)
+                state.created += 1
+                body = {"id": state.created, "round": state.round_number, "client": client,
+                        "sha256": form.sha256, "size_bytes": form.size_bytes,
+                        "gzip_bytes": form.gzip_bytes,
+                        "entry_counts": result.compendium.entry_counts()}
+                # one row per (round, client): a new submission replaces the old one
+                state.rows[(state.round_number, client)] = body
+                state.answers[key] = (201, body)
+                if state.drop_next_posts:
+                    state.drop_next_posts -= 1
+                    self.close_connection = True
+                    self.connection.shutdown(socket.SHUT_RDWR)  # stored, answer lost
+                    return None
+            return self._send(201, body)
+
+    return Handler
+
+
+@pytest.fixture
+def server() -> Iterator[tuple[str, ServerState]]:
+    state = ServerState()
+    httpd = ThreadingHTTPServer(("127.0.0.1", 0), make_handler(state))
+    thread = threading.Thread(target=httpd.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield f"http://127.0.0.1:{httpd.server_address[1]}", state
+    finally:
+        httpd.shutdown()
+        httpd.server_close()
+        thread.join(timeout=10)
+
+
+def compendium(text: str = "Will it rain tomorrow in a city?") -> Compendium:
+    return Compendium(scenarios=[Scenario(tool_id="weather", text=text)], num_users=3)
+
+
+def write(tmp_path, comp: Compendium, name: str = "compendium.json"):
+    path = tmp_path / name
+    path.write_text(comp.model_dump_json(), encoding="utf-8")
+    return path
+
+
+def submit_args(url: str, path, token: str = TOKEN) -> list[str]:
+    return ["submit", "--server", url, "--token", token, str(path), "--backoff", "0",
+            "--retries", "3", "--timeout", "10"]
+
+
+def test_submit_survives_a_dropped_connection_and_a_duplicate_send(server, tmp_path, capsys):
+    url, state = server
+    state.drop_next_posts = 1
+    path = write(tmp_path, compendium())
+
+    assert main(submit_args(url, path)) == 0
+    out = capsys.readouterr().out
+    assert "submitted to round 4 as submission 1" in out
+    # the first POST was stored and its answer lost; the retry carried the same key
+    assert [p["replayed"] for p in state.posts] == [False, True]
+    assert len({p["key"] for p in state.posts}) == 1
+
+    assert main(submit_args(url, path)) == 0  # the operator runs it again
+    captured = capsys.readouterr()
+    assert "replayed, not stored twice" in captured.out
+    assert "round 4 expects masking strength λ >= 1; this compendium records no masking" in (
+        captured.err
+    )
+    assert state.created == 1
+    assert len(state.rows) == 1
+    key = state.posts[0]["key"]
+    assert key == f"r4-{canonical_form(compendium()).sha256}"
+
+
+def test_changed_content_or_round_gives_a_new_key(server, tmp_path):
+    url, state = server
+    with SynapseClient(url, TOKEN, backoff=0) as client:
+        first = client.submit(compendium())
+        second = client.submit(compendium("Is it windy on the coast today?"))
+        state.round_number = 5
+        third = client.submit(compendium())
+    assert len({first.idempotency_key, second.idempotency_key, third.idempotency_key}) == 3
+    assert state.created == 3
+    assert len(state.rows) == 2  # one row per (round, client)
+
+
+def test_5xx_is_retried_with_backoff(server, tmp_path):
+    url, state = server
+    state.fail_next_posts = 2
+    delays: list[float] = []
+    with SynapseClient(url, TOKEN, retries=4, backoff=0.25, sleep=delays.append) as client:
+        result = client.submit(compendium())
+    assert result.status == 201 and result.attempts == 3
+    assert delays == [0.25, 0.5]
+    assert state.created == 1
+
+
+def test_429_waits_as_long_as_the_server_asks(server, tmp_path):
+    url, state = server
+    state.fail_next_posts, state.fail_status = 1, 429
+    delays: list[float] = []
+    with SynapseClient(url, TOKEN, retries=2, backoff=0.25, sleep=delays.append) as client:
+        result = client.submit(compendium())
+    assert result.status == 201 and delays == [7.0]
+
+
+def test_gives_up_after_the_retries_with_one_line(server, tmp_path, capsys):
+    url, state = server
+    state.fail_next_posts = 10
+    assert main(submit_args(url, write(tmp_path, compendium()))) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1
+    assert "failed after 4 attempt(s): HTTP 503: database restarting" in err[0]
+    assert state.created == 0
+
+
+def test_400_prints_every_violation_by_path(server, tmp_path, capsys):
+    url, _ = server
+    bad = Compendium(scenarios=[Scenario(tool_id="teleporter", text="beam me up"),
+                                Scenario(tool_id="weather", text=" ")])
+    assert main(submit_args(url, write(tmp_path, bad))) == 1
+    err = capsys.readouterr().err
+    assert "$.scenarios[0].tool_id" in err  # ordering is canonical: teleporter < weather
+    assert "$.scenarios[1].text: text is empty" in err
+    assert err.strip().splitlines()[-1].startswith("synapse-client: the server rejected")
+
+
+def test_no_open_round_is_one_clear_line(server, tmp_path, capsys):
+    url, state = server
+    state.round_number = None
+    assert main(submit_args(url, write(tmp_path, compendium()))) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == ["synapse-client: no round is open on the server: nothing to submit to"]
+
+
+def test_wrong_token_is_one_clear_line(server, tmp_path, capsys):
+    url, _ = server
+    assert main(submit_args(url, write(tmp_path, compendium()), token="nope")) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "refused the token (HTTP 401): Invalid token." in err[0]
+
+
+def test_unreachable_server_is_one_clear_line(tmp_path, capsys):
+    with socket.socket() as sock:  # a port that nothing listens on
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    assert main(submit_args(f"http://127.0.0.1:{port}", write(tmp_path, compendium()))) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "failed after 4 attempt(s): ConnectError" in err[0]
+
+
+def test_not_a_compendium_is_reported_before_anything_is_sent(server, tmp_path, capsys):
+    url, state = server
+    path = tmp_path / "broken.json"
+    path.write_text('{"scenarios": [{"tool_id": "weather"}]}', encoding="utf-8")
+    assert main(submit_args(url, path)) == 1
+    err = capsys.readouterr().err
+    assert "$.scenarios[0].text" in err and "is not a compendium" in err
+    assert state.posts == []
+
+
+def test_pull_saves_the_global_compendium_and_honours_the_etag(server, tmp_path, capsys):
+    url, state = server
+    out = tmp_path / "global.json"
+    args = ["pull", "--server", url, "--token", TOKEN, "--out", str(out), "--backoff", "0"]
+    assert main(args) == 1
+    assert "no global compendium is published" in capsys.readouterr().err
+
+    published = compendium("Check tomorrow's forecast for a city")
+    form = canonical_form(published)
+    state.published = {"round": 4, "sha256": form.sha256, "published_at": "2026-01-01T00:00:00Z",
+                       "compendium": published.model_dump(mode="json")}
+    assert main(args) == 0
+    assert f"round 4 saved (sha256 {form.sha256})" in capsys.readouterr().out
+    assert Compendium.model_validate_json(out.read_text()) == published
+    assert etag_file(out).read_text().strip() == f'"{form.sha256}"'
+
+    before = out.stat().st_mtime_ns
+    assert main(args) == 0
+    assert "up to date" in capsys.readouterr().out
+    assert state.global_requests[-1].get("If-None-Match") == f'"{form.sha256}"'
+    assert out.stat().st_mtime_ns == before
+
+    newer = compendium("Find a flight for next week")
+    newer_form = canonical_form(newer)
+    state.published = {"round": 5, "sha256": newer_form.sha256, "published_at": "2026-01-02",
+                       "compendium": newer.model_dump(mode="json")}
+    assert main(args) == 0
+    assert Compendium.model_validate_json(out.read_text()) == newer
+    assert etag_file(out).read_text().strip() == f'"{newer_form.sha256}"'
+
+
+def test_pull_without_the_local_file_does_not_send_if_none_match(server, tmp_path):
+    url, state = server
+    published = compendium()
+    state.published = {"round": 4, "sha256": canonical_form(published).sha256,
+                       "published_at": "2026-01-01", "compendium": published.model_dump(mode="json")}
+    out = tmp_path / "global.json"
+    etag_file(out).write_text('"stale"')
+    with SynapseClient(url, TOKEN, backoff=0) as client:
+        result = client.pull(out)
+    assert result.updated and "If-None-Match" not in state.global_requests[-1]
+
+
+def test_bad_server_url_is_refused():
+    with pytest.raises(ClientError, match="http"):
+        SynapseClient("ftp://example", TOKEN)

@@ -1,0 +1,102 @@
+"""The usage log: every malformed line is reported with its line number; nothing is dropped
+silently."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from compendium.builder import BuildOptions, build_from_log
+from compendium.client_cli import main
+from compendium.usage_log import UsageLogError, parse_lines, read_usage_log
+from tests.client_fixtures import metatool_schema, usage_records, write_log
+
+GOOD = {"query": "weather in a city", "tool": "weather", "outcome": "success", "latency_ms": 12,
+        "user": "u1"}
+
+
+def line(**changes) -> str:
+    item = {**GOOD, **changes}
+    return json.dumps({k: v for k, v in item.items() if v is not None})
+
+
+def test_every_bad_line_is_reported_with_its_number():
+    lines = [
+        line(),  # 1 ok
+        '{"query": "broken", ',  # 2 not JSON
+        "",  # 3 blank: skipped, not an error
+        line(user=None),  # 4 user missing
+        line(outcome="maybe"),  # 5 bad outcome
+        line(outcome="corrected"),  # 6 corrected without corrected_to
+        line(tool="teleporter"),  # 7 unknown tool
+        line(latency_ms=-3),  # 8 negative latency
+        line(preconditions={"has city": True}),  # 9 flag not an identifier
+        "[1, 2]",  # 10 not an object
+        line(outcome="corrected", corrected_to="flights"),  # 11 ok
+        line(latency_ms=True),  # 12 bool is not a number
+        line(corrected_to="flights"),  # 13 corrected_to without correction
+    ]
+    log = parse_lines(lines, source="usage.jsonl", known_tools={"weather", "flights"})
+    assert [r.line for r in log.records] == [1, 11]
+    errors = {e.line: e.message for e in log.errors}
+    assert sorted(errors) == [2, 4, 5, 6, 7, 8, 9, 10, 12, 13]
+    assert "not valid JSON" in errors[2]
+    assert "'user' is missing" in errors[4]
+    assert "'outcome' must be one of" in errors[5]
+    assert "'corrected_to' is missing" in errors[6]
+    assert "'teleporter' is not a tool" in errors[7]
+    assert ">= 0" in errors[8]
+    assert "not an identifier" in errors[9]
+    assert "expected a JSON object" in errors[10]
+    assert "must be a number" in errors[12]
+    assert "only allowed when" in errors[13]
+    assert log.error_lines()[0].startswith("usage.jsonl:2: ")
+
+
+def test_invalid_utf8_line_is_reported(tmp_path):
+    path = tmp_path / "usage.jsonl"
+    path.write_bytes(line().encode() + b"\n" + b'{"query": "\xff\xfe"}\n' + line().encode() + b"\n")
+    log = read_usage_log(path)
+    assert [e.line for e in log.errors] == [2]
+    assert "UTF-8" in log.errors[0].message
+    assert len(log.records) == 2
+
+
+def test_build_fails_on_bad_lines_unless_asked_to_skip(tmp_path):
+    records = usage_records(users=3, lines=40)
+    path = write_log(tmp_path / "usage.jsonl", records, {3: "{oops", 9: '{"query": 5}'})
+    schema = metatool_schema()
+    with pytest.raises(UsageLogError) as caught:
+        build_from_log(str(path), schema, BuildOptions(collapse=False))
+    assert [e.line for e in caught.value.log.errors] == [3, 9]
+    assert f"{path}:3:" in str(caught.value)
+
+    compendium, report = build_from_log(
+        str(path), schema, BuildOptions(collapse=False, skip_bad_lines=True)
+    )
+    assert report.records == 40
+    assert [b.split(": ")[0] for b in report.bad_lines] == [f"{path}:3", f"{path}:9"]
+    assert compendium.num_users == 3
+
+
+def test_cli_reports_bad_line_numbers_and_exits_non_zero(tmp_path, capsys):
+    schema_path = tmp_path / "schema.json"
+    schema_path.write_text(metatool_schema().model_dump_json(), encoding="utf-8")
+    log = write_log(tmp_path / "usage.jsonl", usage_records(users=2, lines=20), {5: "not json"})
+    out = tmp_path / "c.json"
+    args = ["build", "--log", str(log), "--schema", str(schema_path), "--out", str(out),
+            "--no-collapse", "--quiet"]
+    assert main(args) == 1
+    err = capsys.readouterr().err
+    assert f"{log}:5: not valid JSON" in err
+    assert "--skip-bad-lines" in err.strip().splitlines()[-1]
+    assert not out.exists()
+
+    assert main(args + ["--skip-bad-lines"]) == 0
+    captured = capsys.readouterr()
+    assert f"{log}:5: not valid JSON" in captured.err
+    assert "skipped 1 malformed line(s) of 21" in captured.err
+    report = json.loads((tmp_path / "c.json.report.json").read_text())
+    assert report["bad_lines"] == [f"{log}:5: not valid JSON: Expecting value (column 1)"]
+    assert report["records"] == 20
