@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import hashlib
 import secrets
+import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -243,6 +244,28 @@ def get_settings() -> FederationSettings:
     return settings_row
 
 
+_settings_cache: tuple[float, FederationSettings] | None = None
+SETTINGS_TTL_S = 2.0
+
+
+def cached_settings() -> FederationSettings:
+    """The settings for the request hot path: re-read at most every 2 s per process (a change
+    made in this process applies at once, in other processes within 2 s)."""
+    global _settings_cache
+    now = time.monotonic()
+    cached = _settings_cache
+    if cached is not None and now - cached[0] < SETTINGS_TTL_S:
+        return cached[1]
+    row = get_settings()
+    _settings_cache = (now, row)
+    return row
+
+
+def clear_settings_cache() -> None:
+    global _settings_cache
+    _settings_cache = None
+
+
 @transaction.atomic
 def update_settings(actor: Actor, **changes) -> FederationSettings:
     require_operator(actor, "change the federation's settings")
@@ -262,6 +285,8 @@ def update_settings(actor: Actor, **changes) -> FederationSettings:
             f"({epsilon_spent():g})"
         )
     row.save()
+    clear_settings_cache()
+    transaction.on_commit(clear_settings_cache)
     changed = {k: {"from": before[k], "to": changes[k]} for k in changes if before[k] != changes[k]}
     if changed:
         audit(actor, AuditLog.Action.SETTINGS_CHANGE, target=row, details=changed)
@@ -489,12 +514,13 @@ def _locked_round(rnd: Round | int | None) -> Round:
         raise NotFound("no such round") from exc
 
 
-def _move(rnd: Round, target: str, verb: str) -> str:
-    if target not in _TRANSITIONS[rnd.state]:
+def _move(rnd: Round, target: str, verb: str, source: str | None = None) -> str:
+    if target not in _TRANSITIONS[rnd.state] or (source is not None and rnd.state != source):
         allowed = ", ".join(sorted(_TRANSITIONS[rnd.state])) or "none (final)"
+        needs = f"; this needs a {source} round" if source else ""
         raise InvalidTransition(
             f"cannot {verb} round {rnd.number}: it is {rnd.state} "
-            f"(from {rnd.state} it may go to: {allowed})"
+            f"(from {rnd.state} it may go to: {allowed}){needs}"
         )
     previous = rnd.state
     rnd.state = target
@@ -515,7 +541,7 @@ def close_round(actor: Actor, rnd: Round | int | None = None) -> Round:
     """open -> closing; after commit, `round_closed` starts the merge pipeline."""
     require_operator(actor, "close rounds")
     rnd = _locked_round(rnd)
-    _move(rnd, Round.State.CLOSING, "close")
+    _move(rnd, Round.State.CLOSING, "close", source=Round.State.OPEN)
     rnd.closed_at = timezone.now()
     rnd.save(update_fields=["state", "closed_at"])
     submissions = rnd.compendiums.filter(kind="client").count()
@@ -530,7 +556,7 @@ def retry_round(actor: Actor, rnd: Round | int) -> Round:
     require_operator(actor, "retry rounds")
     rnd = _locked_round(rnd)
     reason = rnd.failure_reason
-    _move(rnd, Round.State.CLOSING, "retry")
+    _move(rnd, Round.State.CLOSING, "retry", source=Round.State.FAILED)
     rnd.failure_reason = ""
     rnd.save(update_fields=["state", "failure_reason"])
     audit(actor, AuditLog.Action.ROUND_RETRY, target=rnd, details={"previous_failure": reason})
@@ -579,8 +605,8 @@ def round_figures(queryset):
 
     client = Q(compendiums__kind="client")
     return queryset.annotate(
-        submissions=Count("compendiums", filter=client),
-        organizations=Count("compendiums__client__organization", filter=client, distinct=True),
-        submitted_bytes=Sum("compendiums__size_bytes", filter=client),
-        submitted_gzip_bytes=Sum("compendiums__gzip_bytes", filter=client),
+        n_submissions=Count("compendiums", filter=client),
+        n_organizations=Count("compendiums__client__organization", filter=client, distinct=True),
+        n_submitted_bytes=Sum("compendiums__size_bytes", filter=client),
+        n_submitted_gzip_bytes=Sum("compendiums__gzip_bytes", filter=client),
     )

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import hashlib
 import threading
-import time
 from dataclasses import dataclass
 
 from django.conf import settings
@@ -32,6 +31,7 @@ from federation.errors import (
     RateLimited,
 )
 from federation.models import Client, FederationSettings, Round, Submission
+from federation.services import cached_settings
 
 MAX_KEY_LENGTH = 200
 
@@ -82,20 +82,9 @@ def schema_in_force() -> Schema:
 
 # --- the limits -------------------------------------------------------------------------------
 
-_settings_cache: tuple[float, FederationSettings] | None = None
-SETTINGS_TTL_S = 2.0
-
-
 def federation_settings() -> FederationSettings:
     """The federation settings, re-read at most every 2 s per process on the hot path."""
-    global _settings_cache
-    now = time.monotonic()
-    cached = _settings_cache
-    if cached is not None and now - cached[0] < SETTINGS_TTL_S:
-        return cached[1]
-    row, _ = FederationSettings.objects.get_or_create(pk=1)
-    _settings_cache = (now, row)
-    return row
+    return cached_settings()
 
 
 def max_submission_bytes() -> int:

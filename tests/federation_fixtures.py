@@ -69,3 +69,10 @@ def world(registry) -> World:
         org_a, org_b, operator, admin_a, member_a, admin_b,
         client_a, token_a, client_b, token_b, pending_a, pending_b,
     )
+
+
+@pytest.fixture(autouse=True)
+def _fresh_settings_cache():
+    services.clear_settings_cache()
+    yield
+    services.clear_settings_cache()

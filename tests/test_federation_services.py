@@ -18,7 +18,6 @@ from federation.errors import (
 from federation.models import AppendOnlyError, AuditLog, Client, ClientToken, Round
 from federation.round_config import RoundConfig
 from federation.signals import round_closed
-from tests.federation_fixtures import SYSTEM, registry, world  # noqa: F401
 
 pytestmark = pytest.mark.django_db
 
@@ -233,3 +232,14 @@ def test_close_rolled_back_sends_nothing(world, django_capture_on_commit_callbac
     assert callbacks == []
     rnd.refresh_from_db()
     assert rnd.state == "open"
+
+
+def test_retry_needs_a_failed_round_and_close_an_open_one(world):
+    operator = world.actor(world.operator)
+    rnd = services.open_round(operator)
+    with pytest.raises(InvalidTransition, match="needs a failed round"):
+        services.retry_round(operator, rnd)
+    services.close_round(operator, rnd)
+    services.mark_failed(rnd, "boom")
+    with pytest.raises(InvalidTransition, match="needs an? open round"):
+        services.close_round(operator, rnd)

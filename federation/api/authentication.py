@@ -112,5 +112,6 @@ class UserTokenScheme(OpenApiAuthenticationExtension):
 
 
 CLIENT_AUTH = [ClientTokenAuthentication]
-PEOPLE_AUTH = [UserTokenAuthentication, SessionAuthentication]
+# Client tokens are recognized on people's endpoints too, so that a client gets 403, not 401.
+PEOPLE_AUTH = [ClientTokenAuthentication, UserTokenAuthentication, SessionAuthentication]
 ANY_AUTH = [ClientTokenAuthentication, UserTokenAuthentication, SessionAuthentication]

@@ -36,10 +36,18 @@ class SubmissionResultSerializer(serializers.Serializer):
 
 
 class RoundSerializer(serializers.ModelSerializer):
-    submissions = serializers.IntegerField(read_only=True, help_text="client compendiums stored")
-    organizations = serializers.IntegerField(read_only=True, help_text="organizations submitting")
-    submitted_bytes = serializers.IntegerField(read_only=True, allow_null=True)
-    submitted_gzip_bytes = serializers.IntegerField(read_only=True, allow_null=True)
+    submissions = serializers.IntegerField(
+        source="n_submissions", read_only=True, help_text="client compendiums stored"
+    )
+    organizations = serializers.IntegerField(
+        source="n_organizations", read_only=True, help_text="organizations that submitted"
+    )
+    submitted_bytes = serializers.IntegerField(
+        source="n_submitted_bytes", read_only=True, allow_null=True
+    )
+    submitted_gzip_bytes = serializers.IntegerField(
+        source="n_submitted_gzip_bytes", read_only=True, allow_null=True
+    )
 
     class Meta:
         model = Round

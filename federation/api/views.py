@@ -17,7 +17,13 @@ from rest_framework.views import APIView
 
 from compendium.models import CompendiumVersion
 from federation import services, submissions
-from federation.api.authentication import ANY_AUTH, CLIENT_AUTH, PEOPLE_AUTH, ClientPrincipal
+from federation.api.authentication import (
+    ANY_AUTH,
+    CLIENT_AUTH,
+    PEOPLE_AUTH,
+    ClientPrincipal,
+    UserTokenAuthentication,
+)
 from federation.api.serializers import (
     AuditLogSerializer,
     ClientSerializer,
@@ -100,7 +106,8 @@ class FederationGenericView(FederationView, generics.GenericAPIView):
 
 
 class SubmissionView(FederationView):
-    authentication_classes = CLIENT_AUTH
+    # People's tokens are recognized so that a person gets 403 (not a client), not 401.
+    authentication_classes = CLIENT_AUTH + [UserTokenAuthentication]
     permission_classes = [IsClient]
     parser_classes: list = []  # the body is read raw, after its declared length was checked
 
