@@ -610,3 +610,54 @@ def round_figures(queryset):
         n_submitted_bytes=Sum("compendiums__size_bytes", filter=client),
         n_submitted_gzip_bytes=Sum("compendiums__gzip_bytes", filter=client),
     )
+
+
+# --- the demo federation ----------------------------------------------------------------------
+
+DEMO_ORGANIZATIONS = (
+    ("Northwind Health", "northwind", ("triage-desk", "lab-bench")),
+    ("Contoso Logistics", "contoso", ("dispatch", "warehouse")),
+    ("Fabrikam Research", "fabrikam", ("notebooks", "library")),
+)
+
+
+@dataclass(frozen=True)
+class DemoFederation:
+    operator: Credentials
+    admins: list[tuple[str, Credentials]]  # (organization slug, login)
+    clients: list[tuple[str, str, str]]  # (organization slug, client name, token)
+    round: Round | None
+    opened_round: bool
+
+
+@transaction.atomic
+def bootstrap_demo_federation() -> DemoFederation:
+    """A demo federation, idempotent across restarts: organizations with an admin login each,
+    approved clients, an operator login, and round 1 when no round exists. Passwords and client
+    tokens are re-issued (printed once) on every run; only their hashes are stored."""
+    actor = Actor.system("bootstrap_demo")
+    operator = reset_operator()
+    admins: list[tuple[str, Credentials]] = []
+    clients: list[tuple[str, str, str]] = []
+    for name, slug, client_names in DEMO_ORGANIZATIONS:
+        org = Organization.objects.filter(slug=slug).first() or create_organization(
+            actor, name, slug, f"Demo organization {name}"
+        )
+        admins.append((slug, reset_member(actor, org, f"{slug}-admin", Membership.Role.ADMIN)))
+        for client_name in client_names:
+            client = Client.objects.filter(organization=org, name=client_name).first()
+            if client is None:
+                client = enroll_client(actor, org, client_name, f"demo client {client_name}")
+            if client.status == Client.Status.PENDING:
+                issued = approve_client(actor, client)
+            elif client.status == Client.Status.APPROVED:
+                issued = rotate_client_token(actor, client)
+            else:
+                continue
+            clients.append((slug, client_name, issued.token))
+    opened = False
+    rnd = Round.objects.order_by("-number").first()
+    if rnd is None:
+        rnd = open_round(actor, RoundConfig())
+        opened = True
+    return DemoFederation(operator, admins, clients, rnd, opened)
