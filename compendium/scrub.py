@@ -10,7 +10,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
-from compendium.schema import Compendium
+from compendium.schema import AnnexTriple, Compendium, Precaution, PromptTemplate, Scenario
 
 EMAIL = re.compile(r"(?<![\w.+-])[\w.+-]+@[A-Za-z0-9-]+(?:\.[A-Za-z0-9-]+)*\.[A-Za-z]{2,}")
 # 13-19 digits, optionally grouped by single spaces or dashes.
@@ -21,6 +21,8 @@ PHONE = re.compile(
     r"(?<![\w+])(?:\+\d{1,3}[ .-]?)?(?:\(\d{1,4}\)[ .-]?)?\d{2,5}(?:[ .-]\d{2,5}){1,4}(?![\w])"
 )
 LONG_DIGITS = re.compile(r"(?<!\d)\d{8,}(?!\d)")
+
+_MAY_CONTAIN = re.compile(r"[\d@]")
 
 TAGS = {"email": "[email]", "card": "[card]", "phone": "[phone]", "number": "[number]"}
 
@@ -50,7 +52,7 @@ class ScrubResult:
 def scrub_text(text: str) -> ScrubResult:
     """Replace e-mail addresses, card numbers, phone numbers and long digit strings."""
     counts = {"email": 0, "card": 0, "phone": 0, "number": 0}
-    if not any(ch.isdigit() for ch in text) and "@" not in text:
+    if not _MAY_CONTAIN.search(text):
         return ScrubResult(text, counts)
 
     def email(m: re.Match) -> str:
@@ -82,47 +84,69 @@ def scrub_text(text: str) -> ScrubResult:
 
 
 def scrub_compendium(compendium: Compendium) -> tuple[Compendium, int]:
-    """A copy of the compendium with every free text scrubbed, and how many items were removed.
+    """The compendium with every free text scrubbed, and how many items were removed. The input
+    is not modified; when nothing is found it is returned as it is (no copy).
 
     Entries that become identical after scrubbing are merged (scenarios and precautions add their
-    support; the first template of a (tool, signature) key wins), so the result stays a set.
+    support; the first template of a (tool, signature) key and the first annex triple win), so
+    the result stays a set.
     """
+    texts = [s.text for s in compendium.scenarios] + [p.text for p in compendium.precautions]
+    texts += [t.signature for t in compendium.templates] + [t.template for t in compendium.templates]
+    texts += [v for a in compendium.annex for v in (a.subject, a.relation, a.object)]
+    if not any(_MAY_CONTAIN.search(t) and scrub_text(t).total for t in texts):
+        return compendium, 0
     removed = 0
 
     def clean(text: str) -> str:
         nonlocal removed
+        if not _MAY_CONTAIN.search(text):
+            return text
         result = scrub_text(text)
         removed += result.total
         return result.text
 
-    doc = compendium.model_copy(deep=True)
-    scenarios: dict[tuple, object] = {}
-    for s in doc.scenarios:
-        s.text = clean(s.text)
+    scenarios = [s.model_copy(update={"text": clean(s.text)}) for s in compendium.scenarios]
+    precautions = [p.model_copy(update={"text": clean(p.text)}) for p in compendium.precautions]
+    templates = [
+        t.model_copy(update={"signature": clean(t.signature), "template": clean(t.template)})
+        for t in compendium.templates
+    ]
+    annex = [
+        a.model_copy(
+            update={"subject": clean(a.subject), "relation": clean(a.relation), "object": clean(a.object)}
+        )
+        for a in compendium.annex
+    ]
+    if not removed:
+        return compendium, 0
+
+    merged_scenarios: dict[tuple, Scenario] = {}
+    for s in scenarios:
         key = (s.tool_id, s.text, tuple(sorted(s.preconditions.items())))
-        if key in scenarios:
-            scenarios[key].support += s.support
+        if key in merged_scenarios:
+            merged_scenarios[key].support += s.support
         else:
-            scenarios[key] = s
-    doc.scenarios = list(scenarios.values())
-    precautions: dict[tuple, object] = {}
-    for p in doc.precautions:
-        p.text = clean(p.text)
+            merged_scenarios[key] = s.model_copy(update={"preconditions": dict(s.preconditions)})
+    merged_precautions: dict[tuple, Precaution] = {}
+    for p in precautions:
         key = (p.tool_id, p.text)
-        if key in precautions:
-            precautions[key].support += p.support
+        if key in merged_precautions:
+            merged_precautions[key].support += p.support
         else:
-            precautions[key] = p
-    doc.precautions = list(precautions.values())
-    templates: dict[tuple, object] = {}
-    for t in doc.templates:
-        t.signature = clean(t.signature)
-        t.template = clean(t.template)
-        templates.setdefault((t.tool_id, t.signature), t)
-    doc.templates = list(templates.values())
-    annex: dict[tuple, object] = {}
-    for a in doc.annex:
-        a.subject, a.relation, a.object = clean(a.subject), clean(a.relation), clean(a.object)
-        annex.setdefault((a.subject, a.relation, a.object), a)
-    doc.annex = list(annex.values())
-    return doc, removed
+            merged_precautions[key] = p
+    unique_templates: dict[tuple, PromptTemplate] = {}
+    for t in templates:
+        unique_templates.setdefault((t.tool_id, t.signature), t)
+    unique_annex: dict[tuple, AnnexTriple] = {}
+    for a in annex:
+        unique_annex.setdefault((a.subject, a.relation, a.object), a)
+    result = compendium.model_copy(
+        update={
+            "scenarios": list(merged_scenarios.values()),
+            "precautions": list(merged_precautions.values()),
+            "templates": list(unique_templates.values()),
+            "annex": list(unique_annex.values()),
+        }
+    )
+    return result, removed

@@ -130,7 +130,7 @@ def _replay(existing: Submission, request_sha256: str) -> Outcome:
         raise IdempotencyMismatch(
             "this Idempotency-Key was already used with a different body; use a new key"
         )
-    return Outcome(existing.status_code, existing.response, replayed=True)
+    return Outcome(existing.status_code, {"id": existing.pk, **existing.response}, replayed=True)
 
 
 def _open_round_for_share() -> tuple[int, int]:
@@ -183,18 +183,7 @@ def submit(client: Client, body: bytes, idempotency_key: str) -> Outcome:
             version = store_compendium(
                 compendium, kind=CompendiumVersion.Kind.CLIENT, round=rnd, client=client
             )
-            submission = Submission.objects.create(
-                client=client,
-                round_id=round_id,
-                idempotency_key=key,
-                request_sha256=request_sha256,
-                version=version,
-                status_code=201,
-                response={},
-                scrubbed=scrubbed,
-            )
             response = {
-                "id": submission.pk,
                 "round": round_number,
                 "round_id": round_id,
                 "client": client.pk,
@@ -206,7 +195,18 @@ def submit(client: Client, body: bytes, idempotency_key: str) -> Outcome:
                 "scrubbed": scrubbed,
                 "replaced": bool(replaced_ids),
             }
-            Submission.objects.filter(pk=submission.pk).update(response=response)
+            # The stored response lacks only the submission's own id, added when answering.
+            submission = Submission.objects.create(
+                client=client,
+                round_id=round_id,
+                idempotency_key=key,
+                request_sha256=request_sha256,
+                version=version,
+                status_code=201,
+                response=response,
+                scrubbed=scrubbed,
+            )
+            response = {"id": submission.pk, **response}
     except IntegrityError:
         # Only reachable if the row lock was bypassed: the unique key decides, we replay.
         existing = Submission.objects.filter(client=client, idempotency_key=key).first()
