@@ -145,6 +145,7 @@ async def drive(url, clients, docs, submissions, duplicates, rate, timeout):
 
     limits = httpx.Limits(max_connections=len(clients), max_keepalive_connections=len(clients))
     results = []  # (client_pk, key, status, latency_s, replayed, body)
+    transport_retries: list[str] = []
     start = time.perf_counter()
 
     async with httpx.AsyncClient(base_url=url, limits=limits, timeout=timeout) as http:
@@ -164,11 +165,20 @@ async def drive(url, clients, docs, submissions, duplicates, rate, timeout):
                     k += 1
                     t0 = time.perf_counter()
                     try:
-                        r = await http.post(
-                            "/api/v1/submissions/",
-                            content=body,
-                            headers={**headers, "Idempotency-Key": key},
-                        )
+                        for attempt in range(2):
+                            try:
+                                r = await http.post(
+                                    "/api/v1/submissions/",
+                                    content=body,
+                                    headers={**headers, "Idempotency-Key": key},
+                                )
+                                break
+                            except (httpx.ReadError, httpx.RemoteProtocolError):
+                                # A kept-alive connection the server had just closed: retry once
+                                # with the same key, as a client would (counted below).
+                                if attempt:
+                                    raise
+                                transport_retries.append(key)
                         latency = time.perf_counter() - t0
                         payload = r.json() if r.headers.get("content-type", "").startswith(
                             "application/json"
@@ -189,7 +199,7 @@ async def drive(url, clients, docs, submissions, duplicates, rate, timeout):
                         )
 
         await asyncio.gather(*(one_client(i, pk, tok) for i, (pk, tok) in enumerate(clients)))
-    return results, time.perf_counter() - start
+    return results, time.perf_counter() - start, len(transport_retries)
 
 
 def verify(org, rnd, results):
@@ -243,7 +253,7 @@ def main(argv=None):
     )
     mean_kb = statistics.mean(len(d) for d in docs) / 1024
     print(f"round {rnd.number}; compendium body {mean_kb:.1f} KB on average; sending ...", flush=True)
-    results, wall = asyncio.run(
+    results, wall, retries = asyncio.run(
         drive(args.url, clients, docs, args.submissions, args.duplicates, args.rate, args.timeout)
     )
     checks = verify(org, rnd, results)
@@ -271,6 +281,7 @@ def main(argv=None):
         "accepted": accepted,
         "replayed": replayed,
         "errors": len(errors),
+        "transport_retries": retries,
         "status_counts": {str(k): v for k, v in sorted(statuses.items())},
         "p50_ms": round(percentile(latencies, 50), 1),
         "p95_ms": round(percentile(latencies, 95), 1),

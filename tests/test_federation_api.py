@@ -452,3 +452,13 @@ def test_settings_change_over_the_api_is_audited(world):
     entry = AuditLog.objects.get(action="settings.change")
     assert entry.details == {"allow_admin_approval": {"from": False, "to": True}}
     assert Round.objects.count() == 0
+
+
+def test_django_admin_pages_render_for_the_operator(world, open_round, valid_doc):
+    post_doc(client_api(world.token_a), valid_doc)
+    api = APIClient()
+    api.force_login(world.operator)
+    for model in ("organization", "client", "membership", "round", "submission", "auditlog",
+                  "federationsettings"):
+        response = api.get(f"/admin/federation/{model}/")
+        assert response.status_code == 200, model
