@@ -462,3 +462,15 @@ def test_django_admin_pages_render_for_the_operator(world, open_round, valid_doc
                   "federationsettings"):
         response = api.get(f"/admin/federation/{model}/")
         assert response.status_code == 200, model
+
+
+def test_organization_admin_can_log_in_to_the_browsable_api(world):
+    world.admin_a.set_password("a-long-demo-password")
+    world.admin_a.save()
+    browser = APIClient(enforce_csrf_checks=False)
+    assert browser.get("/api-auth/login/").status_code == 200
+    browser.post(
+        "/api-auth/login/", {"username": "admin_a", "password": "a-long-demo-password"}
+    )
+    page = browser.get("/api/v1/admin/clients/", HTTP_ACCEPT="text/html")
+    assert page.status_code == 200 and b"a-pending" in page.content and b"b-pending" not in page.content

@@ -24,7 +24,7 @@ class Command(BaseCommand):
             for slug, c in demo.admins
         )
         clients = "\n".join(
-            f"    {slug}/{name:<14} token: {token}" for slug, name, token in demo.clients
+            f"    {slug + '/' + name:<24} token: {token}" for slug, name, token in demo.clients
         )
         if demo.round is None:
             round_line = "no round"
@@ -35,7 +35,8 @@ class Command(BaseCommand):
             f"{line}\nSYNAPSE is starting on {url}\n"
             f"  log in at {url}admin/ as the federation operator\n"
             f"  username: {creds.username}\n  password: {creds.password}   (new on every start)\n"
-            f"  organization admins (new passwords on every start):\n{admins}\n"
+            f"  organization admins (new passwords on every start), log in at "
+            f"{url}api-auth/login/?next=/api/v1/admin/clients/\n{admins}\n"
             f"  client API tokens (shown once, new on every start; only hashes are stored):\n"
             f"{clients}\n"
             f"  {round_line}\n"
