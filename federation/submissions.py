@@ -61,23 +61,30 @@ _FINGERPRINT_SQL = (
     f"(SELECT count(*) FROM {Tool._meta.db_table}), "
     f"(SELECT md5(coalesce(string_agg(name || ':' || kind || ':' || min_value || ':' || "
     f"max_value || ':' || sensitivity, ',' ORDER BY name), '')) "
-    f"FROM {NumericField._meta.db_table})"
+    f"FROM {NumericField._meta.db_table}), "
+    f"EXISTS (SELECT 1 FROM {Round._meta.db_table} WHERE state = 'open')"
 )
 
 
 def schema_in_force() -> Schema:
     """`current_schema()`, rebuilt only when the registry or declared fields changed."""
+    return _schema_and_open_round()[0]
+
+
+def _schema_and_open_round() -> tuple[Schema, bool]:
+    """The schema in force and whether a round is open, in one round trip to the database."""
     global _schema_cache
     with connection.cursor() as cursor:
         cursor.execute(_FINGERPRINT_SQL)
-        fingerprint = tuple(cursor.fetchone())
+        *fingerprint, round_open = cursor.fetchone()
+    fingerprint = tuple(fingerprint)
     cached = _schema_cache
     if cached is not None and cached[0] == fingerprint:
-        return cached[1]
+        return cached[1], bool(round_open)
     with _schema_lock:
         schema = current_schema()
         _schema_cache = (fingerprint, schema)
-    return schema
+    return schema, bool(round_open)
 
 
 # --- the limits -------------------------------------------------------------------------------
@@ -158,10 +165,11 @@ def submit(client: Client, body: bytes, idempotency_key: str) -> Outcome:
     if len(body) > limit:
         raise PayloadTooLarge(f"the body is {len(body)} bytes; the limit is {limit} bytes")
     check_rate(client)
-    if not Round.objects.filter(state=Round.State.OPEN).exists():
+    schema, round_open = _schema_and_open_round()
+    if not round_open:  # answered before the work of validation; re-checked under lock below
         raise NoOpenRound()
 
-    result = validate_compendium(body, schema_in_force())
+    result = validate_compendium(body, schema)
     if not result.ok:
         raise SubmissionInvalid(result.violations)
     compendium, scrubbed = scrub_compendium(result.compendium)

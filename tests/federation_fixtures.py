@@ -7,6 +7,8 @@ from dataclasses import dataclass
 import pytest
 from django.contrib.auth import get_user_model
 
+from compendium.models import NumericField
+from compendium.schema import DEFAULT_NUMERIC_FIELDS
 from compendium.services import current_schema, import_registry
 from federation import services
 from federation.models import Membership
@@ -45,6 +47,20 @@ def make_user(username, org=None, role=None, superuser=False):
 
 @pytest.fixture
 def registry(small_schema):
+    # The declared numeric fields come from a data migration; a transactional test's flush
+    # removes them, so they are put back here for the tests that follow one.
+    for spec in DEFAULT_NUMERIC_FIELDS:
+        NumericField.objects.get_or_create(
+            name=spec.name,
+            defaults={
+                "kind": spec.kind.value,
+                "min_value": spec.min,
+                "max_value": spec.max,
+                "sensitivity": spec.sensitivity,
+                "unit": spec.unit,
+                "description": spec.description,
+            },
+        )
     import_registry(small_schema.tools)
     return current_schema()
 

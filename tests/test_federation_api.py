@@ -474,3 +474,13 @@ def test_organization_admin_can_log_in_to_the_browsable_api(world):
     )
     page = browser.get("/api/v1/admin/clients/", HTTP_ACCEPT="text/html")
     assert page.status_code == 200 and b"a-pending" in page.content and b"b-pending" not in page.content
+
+
+def test_openapi_schema_has_no_warnings_or_errors(tmp_path):
+    from django.core.management import call_command
+
+    out = tmp_path / "schema.yml"
+    # --fail-on-warn exits non-zero on any warning or error of the generator or the validator.
+    call_command("spectacular", "--validate", "--fail-on-warn", "--file", str(out))
+    text = out.read_text()
+    assert "/api/v1/submissions/" in text and "clientToken" in text

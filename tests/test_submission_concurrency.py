@@ -100,7 +100,7 @@ def test_close_during_submissions_never_stores_into_a_closing_round(world, valid
             return api.post(
                 "/api/v1/submissions/", _document(valid_doc, 0, i),
                 content_type="application/json", HTTP_IDEMPOTENCY_KEY=f"k{i}",
-            ).status_code
+            )
         finally:
             connection.close()
 
@@ -114,9 +114,10 @@ def test_close_during_submissions_never_stores_into_a_closing_round(world, valid
     with ThreadPoolExecutor(max_workers=9) as pool:
         futures = [pool.submit(send, i) for i in range(8)]
         pool.submit(close).result()
-        statuses = [f.result() for f in futures]
+        responses = [f.result() for f in futures]
+    statuses = [r.status_code for r in responses]
+    assert set(statuses) <= {201, 409}, [r.json() for r in responses]
 
-    assert set(statuses) <= {201, 409}
     accepted = statuses.count(201)
     assert Submission.objects.filter(round=rnd).count() == accepted
     assert CompendiumVersion.objects.filter(kind="client", round=rnd).count() == min(accepted, 1)
