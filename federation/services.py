@@ -464,12 +464,10 @@ _TRANSITIONS = {
 }
 
 
-def epsilon_spent(exclude: Round | None = None) -> float:
-    """ε of every round opened so far (a retried round counts once)."""
-    total = 0.0
-    for r in Round.objects.exclude(pk=exclude.pk if exclude else None).only("config"):
-        total += float(r.config.get("epsilon", RoundConfig().epsilon))
-    return total
+def epsilon_spent() -> float:
+    """ε of every round opened so far (sequential composition; a retried round counts once)."""
+    default = RoundConfig().epsilon
+    return sum(float(c.get("epsilon", default)) for c in Round.objects.values_list("config", flat=True))
 
 
 def current_round() -> Round | None:
