@@ -178,9 +178,9 @@ def _string_limit(path: tuple, schema: Schema) -> tuple[str, int]:
 
 
 def _check_string(text: str, path: tuple, schema: Schema, is_key: bool) -> Iterator[Violation]:
-    where = format_path(path)
     bad = _FORBIDDEN_CHARS.search(text)
     if bad:
+        where = format_path(path)  # formatted only for a violation: this runs for every string
         char = bad.group()
         what = "a lone surrogate (not encodable as UTF-8)" if "\ud800" <= char <= "\udfff" else (
             "a bidirectional override" if "\u202a" <= char <= "\u2069" else "a control character"
@@ -193,7 +193,7 @@ def _check_string(text: str, path: tuple, schema: Schema, is_key: bool) -> Itera
     limit_name, limit = _string_limit(path, schema)
     if len(text) > limit:
         yield Violation(
-            where,
+            format_path(path),
             f"{'key' if is_key else 'string'} is {len(text)} characters; "
             f"the declared limit for {limit_name} is {limit}",
         )
@@ -305,8 +305,14 @@ def _semantic_checks(doc: dict, schema: Schema) -> list[Violation]:
         stats = item.get("stats")
         if isinstance(stats, dict):
             for name, value in stats.items():
-                where = format_path(("metadata", index, "stats", name))
                 spec = schema.fields_by_name.get(name)
+                if spec is None or not (
+                    isinstance(value, int | float)
+                    and not isinstance(value, bool)
+                    and math.isfinite(value)
+                    and spec.min <= value <= spec.max
+                ):
+                    where = format_path(("metadata", index, "stats", name))
                 if spec is None:
                     declared = ", ".join(sorted(schema.fields_by_name)) or "none"
                     out.append(

@@ -1,6 +1,14 @@
 from django.contrib import admin
 
-from federation.models import Client, Organization, Round
+from federation.models import (
+    AuditLog,
+    Client,
+    FederationSettings,
+    Membership,
+    Organization,
+    Round,
+    Submission,
+)
 
 
 @admin.register(Organization)
@@ -12,12 +20,77 @@ class OrganizationAdmin(admin.ModelAdmin):
 
 @admin.register(Client)
 class ClientAdmin(admin.ModelAdmin):
+    """Read-only here: enrollment, approval, rotation and revocation go through the audited API."""
+
     list_display = ("name", "organization", "status", "contact", "created_at")
     list_filter = ("status", "organization")
     search_fields = ("name", "contact")
+
+    def has_add_permission(self, request):
+        return False
+
+    def has_change_permission(self, request, obj=None):
+        return False
+
+    def has_delete_permission(self, request, obj=None):
+        return False
+
+
+@admin.register(Membership)
+class MembershipAdmin(admin.ModelAdmin):
+    list_display = ("user", "organization", "role", "created_at")
+    list_filter = ("role", "organization")
 
 
 @admin.register(Round)
 class RoundAdmin(admin.ModelAdmin):
     list_display = ("number", "state", "opened_at", "closed_at", "published_at")
     list_filter = ("state",)
+    readonly_fields = ("number", "state", "config", "failure_reason", "closed_at", "published_at")
+
+    def has_add_permission(self, request):
+        return False
+
+
+@admin.register(Submission)
+class SubmissionAdmin(admin.ModelAdmin):
+    list_display = ("client", "round", "idempotency_key", "status_code", "scrubbed", "created_at")
+    list_filter = ("round",)
+
+    def has_change_permission(self, request, obj=None):
+        return False
+
+    def has_add_permission(self, request):
+        return False
+
+
+@admin.register(FederationSettings)
+class FederationSettingsAdmin(admin.ModelAdmin):
+    """Shown read-only: changes go through PATCH /api/v1/admin/settings/, which audits them."""
+
+    list_display = ("epsilon_budget", "delta_prime", "allow_admin_approval", "updated_at")
+
+    def has_add_permission(self, request):
+        return False
+
+    def has_change_permission(self, request, obj=None):
+        return False
+
+    def has_delete_permission(self, request, obj=None):
+        return False
+
+
+@admin.register(AuditLog)
+class AuditLogAdmin(admin.ModelAdmin):
+    list_display = ("created_at", "actor_label", "action", "organization", "target_label", "ip")
+    list_filter = ("action", "organization")
+    search_fields = ("actor_label", "target_label")
+
+    def has_add_permission(self, request):
+        return False
+
+    def has_change_permission(self, request, obj=None):
+        return False
+
+    def has_delete_permission(self, request, obj=None):
+        return False

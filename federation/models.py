@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from django.conf import settings
 from django.db import models
 
 
@@ -66,6 +67,216 @@ class Round(models.Model):
 
     class Meta:
         ordering = ["-number"]
+        constraints = [
+            models.UniqueConstraint(
+                fields=["state"], condition=models.Q(state="open"), name="at_most_one_open_round"
+            )
+        ]
 
     def __str__(self) -> str:
         return f"round {self.number} ({self.state})"
+
+
+class Membership(models.Model):
+    """A person's role in one organization. The federation operator is a superuser and needs no
+    membership; an organization admin manages its clients; a member only reads."""
+
+    class Role(models.TextChoices):
+        ADMIN = "admin", "organization admin"
+        MEMBER = "member", "read-only member"
+
+    user = models.OneToOneField(
+        settings.AUTH_USER_MODEL, on_delete=models.CASCADE, related_name="membership"
+    )
+    organization = models.ForeignKey(
+        Organization, on_delete=models.CASCADE, related_name="memberships"
+    )
+    role = models.CharField(max_length=8, choices=Role.choices, default=Role.MEMBER)
+    created_at = models.DateTimeField(auto_now_add=True)
+
+    class Meta:
+        ordering = ["organization__name", "user__username"]
+
+    def __str__(self) -> str:
+        return f"{self.user} ({self.role} of {self.organization.slug})"
+
+
+class ClientToken(models.Model):
+    """The API token of an approved client, stored only as the SHA-256 of a 256-bit secret.
+
+    One row per client: rotation replaces the hash (the old token stops at once), revocation
+    marks the row revoked. The unique index on the hash makes authentication one index lookup.
+    """
+
+    client = models.OneToOneField(Client, on_delete=models.CASCADE, related_name="token")
+    token_hash = models.CharField(max_length=64, unique=True)
+    prefix = models.CharField(max_length=16, help_text="first characters, to recognize a token")
+    issued_at = models.DateTimeField()
+    revoked_at = models.DateTimeField(null=True, blank=True)
+
+    def __str__(self) -> str:
+        return f"token {self.prefix}… of {self.client_id}"
+
+
+class UserToken(models.Model):
+    """An API token of a person (operator, organization admin or member) for scripts; stored
+    only as a hash, like client tokens."""
+
+    user = models.ForeignKey(
+        settings.AUTH_USER_MODEL, on_delete=models.CASCADE, related_name="api_tokens"
+    )
+    token_hash = models.CharField(max_length=64, unique=True)
+    prefix = models.CharField(max_length=16)
+    created_at = models.DateTimeField(auto_now_add=True)
+    revoked_at = models.DateTimeField(null=True, blank=True)
+
+    def __str__(self) -> str:
+        return f"token {self.prefix}… of {self.user}"
+
+
+class FederationSettings(models.Model):
+    """The federation's policy: one row (pk=1). Changes are audited."""
+
+    epsilon_budget = models.FloatField(
+        default=50.0, help_text="cap on the total ε over all rounds (sequential composition)"
+    )
+    delta_prime = models.FloatField(default=1e-6, help_text="δ' of advanced composition")
+    allow_admin_approval = models.BooleanField(
+        default=False, help_text="organization admins may approve their own clients"
+    )
+    max_submission_bytes = models.PositiveIntegerField(
+        default=2 * 1024 * 1024,
+        help_text="largest accepted submission body (also capped by SYNAPSE_MAX_SUBMISSION_BYTES)",
+    )
+    submissions_per_minute = models.PositiveIntegerField(
+        default=60, help_text="submissions one client may send per minute"
+    )
+    enrollments_per_hour = models.PositiveIntegerField(
+        default=20, help_text="clients one organization may enroll per hour"
+    )
+    updated_at = models.DateTimeField(auto_now=True)
+
+    class Meta:
+        verbose_name_plural = "federation settings"
+        constraints = [models.CheckConstraint(condition=models.Q(pk=1), name="settings_singleton")]
+
+    def __str__(self) -> str:
+        return "federation settings"
+
+
+class Submission(models.Model):
+    """A client's accepted submission under one idempotency key, with the response it got.
+
+    The compendium itself is the CompendiumVersion (kind=client); a later submission of the same
+    client in the same round replaces that version, and `version` becomes null here.
+    """
+
+    client = models.ForeignKey(Client, on_delete=models.CASCADE, related_name="submissions")
+    round = models.ForeignKey(Round, on_delete=models.CASCADE, related_name="submissions")
+    idempotency_key = models.CharField(max_length=200)
+    request_sha256 = models.CharField(max_length=64)
+    version = models.OneToOneField(
+        "compendium.CompendiumVersion",
+        null=True,
+        blank=True,
+        on_delete=models.SET_NULL,
+        related_name="submission",
+    )
+    status_code = models.PositiveSmallIntegerField(default=201)
+    response = models.JSONField()
+    scrubbed = models.PositiveIntegerField(default=0, help_text="personal data items scrubbed")
+    created_at = models.DateTimeField(auto_now_add=True)
+
+    class Meta:
+        ordering = ["-created_at"]
+        constraints = [
+            models.UniqueConstraint(
+                fields=["client", "idempotency_key"], name="one_submission_per_idempotency_key"
+            )
+        ]
+
+    def __str__(self) -> str:
+        return f"submission {self.idempotency_key!r} of client {self.client_id}"
+
+
+class RateCounter(models.Model):
+    """A fixed-window counter shared by every server process (one upsert per hit)."""
+
+    key = models.CharField(max_length=200)
+    window_start = models.DateTimeField()
+    count = models.PositiveIntegerField(default=0)
+
+    class Meta:
+        constraints = [
+            models.UniqueConstraint(fields=["key", "window_start"], name="one_counter_per_window")
+        ]
+
+
+class AuditQuerySet(models.QuerySet):
+    def update(self, **kwargs):
+        raise AppendOnlyError("the audit log is append-only: entries cannot be updated")
+
+    def delete(self):
+        raise AppendOnlyError("the audit log is append-only: entries cannot be deleted")
+
+
+class AppendOnlyError(Exception):
+    pass
+
+
+class AuditLog(models.Model):
+    """Append-only record of every change of state: who, what, when, from where, on what.
+
+    Updates and deletes are refused by the model and, below it, by a database trigger.
+    """
+
+    class Action(models.TextChoices):
+        ORGANIZATION_CREATE = "organization.create"
+        CLIENT_ENROLL = "client.enroll"
+        CLIENT_APPROVE = "client.approve"
+        CLIENT_ROTATE = "client.rotate"
+        CLIENT_REVOKE = "client.revoke"
+        ROUND_OPEN = "round.open"
+        ROUND_CLOSE = "round.close"
+        ROUND_MERGING = "round.merging"
+        ROUND_PUBLISH = "round.publish"
+        ROUND_FAIL = "round.fail"
+        ROUND_RETRY = "round.retry"
+        SETTINGS_CHANGE = "settings.change"
+        MEMBERSHIP_SET = "membership.set"
+
+    created_at = models.DateTimeField(auto_now_add=True, db_index=True)
+    actor = models.ForeignKey(
+        settings.AUTH_USER_MODEL,
+        null=True,
+        blank=True,
+        on_delete=models.PROTECT,
+        related_name="audit_entries",
+    )
+    actor_label = models.CharField(max_length=200, help_text="who, as text (survives renames)")
+    action = models.CharField(max_length=32, choices=Action.choices, db_index=True)
+    organization = models.ForeignKey(
+        Organization, null=True, blank=True, on_delete=models.PROTECT, related_name="audit_entries"
+    )
+    target_type = models.CharField(max_length=32)
+    target_id = models.CharField(max_length=64, blank=True)
+    target_label = models.CharField(max_length=300, blank=True)
+    ip = models.GenericIPAddressField(null=True, blank=True)
+    details = models.JSONField(default=dict, blank=True)
+
+    objects = AuditQuerySet.as_manager()
+
+    class Meta:
+        ordering = ["-created_at", "-id"]
+        indexes = [models.Index(fields=["organization", "-created_at"])]
+
+    def save(self, *args, **kwargs):
+        if not self._state.adding:
+            raise AppendOnlyError("the audit log is append-only: entries cannot be changed")
+        super().save(*args, **kwargs)
+
+    def delete(self, *args, **kwargs):
+        raise AppendOnlyError("the audit log is append-only: entries cannot be deleted")
+
+    def __str__(self) -> str:
+        return f"{self.created_at:%Y-%m-%d %H:%M:%S} {self.actor_label} {self.action} {self.target_label}"

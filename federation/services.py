@@ -1,18 +1,162 @@
-"""Business logic of the federation: operators, organizations, clients and rounds."""
+"""Business logic of the federation: roles, organizations, client enrollment and tokens, the
+federation's settings, rounds and their state machine. Every change of state is audited.
+
+Views and commands call these functions with an `Actor` (who, from where); the functions check
+what that actor may do and raise `federation.errors` exceptions otherwise.
+"""
 
 from __future__ import annotations
 
+import hashlib
 import secrets
+import time
 from dataclasses import dataclass
+from typing import Any
 
 from django.contrib.auth import get_user_model
-from django.db import transaction
+from django.db import IntegrityError, transaction
+from django.db.models import Sum
+from django.utils import timezone
+from django.utils.text import slugify
+
+from federation import ratelimit
+from federation.errors import (
+    BudgetExceeded,
+    Conflict,
+    InvalidRequest,
+    InvalidTransition,
+    NoOpenRound,
+    NotAllowed,
+    NotFound,
+    RateLimited,
+)
+from federation.models import (
+    AuditLog,
+    Client,
+    ClientToken,
+    FederationSettings,
+    Membership,
+    Organization,
+    Round,
+    UserToken,
+)
+from federation.round_config import RoundConfig
+from federation.signals import round_closed
+
+TOKEN_PREFIX_CLIENT = "syn_c_"
+TOKEN_PREFIX_USER = "syn_u_"
 
 
 @dataclass(frozen=True)
 class Credentials:
     username: str
     password: str
+
+
+# --- who is acting ----------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Actor:
+    """Who performs an operation and from where. `user` is None for the system (the pipeline,
+    management commands)."""
+
+    user: Any = None
+    ip: str | None = None
+    label: str = ""
+
+    @classmethod
+    def system(cls, label: str = "system") -> Actor:
+        return cls(None, None, label)
+
+    @classmethod
+    def for_user(cls, user, ip: str | None = None) -> Actor:
+        return cls(user, ip, user.get_username())
+
+    @property
+    def name(self) -> str:
+        return self.label or (self.user.get_username() if self.user is not None else "system")
+
+    @property
+    def is_operator(self) -> bool:
+        # The system (commands, the pipeline) acts with the operator's authority.
+        return self.user is None or bool(self.user.is_superuser)
+
+
+def membership_of(user) -> Membership | None:
+    if user is None or not getattr(user, "is_authenticated", False):
+        return None
+    try:
+        return user.membership
+    except Membership.DoesNotExist:
+        return None
+
+
+def visible_organization_ids(user) -> list[int] | None:
+    """None: every organization (the operator); otherwise the ids the user may see."""
+    if user is not None and user.is_superuser:
+        return None
+    membership = membership_of(user)
+    return [membership.organization_id] if membership else []
+
+
+def visible_organizations(user):
+    """The organizations whose data `user` may see, as a queryset: the single place every
+    dashboard page scopes by. The operator (a superuser) sees all; a member sees their own."""
+    if user is None or not getattr(user, "is_authenticated", False) or not user.is_active:
+        return Organization.objects.none()
+    ids = visible_organization_ids(user)
+    return Organization.objects.all() if ids is None else Organization.objects.filter(pk__in=ids)
+
+
+def can_view(actor: Actor, organization_id: int) -> bool:
+    visible = visible_organization_ids(actor.user) if actor.user is not None else None
+    return visible is None or organization_id in visible
+
+
+def can_admin(actor: Actor, organization_id: int) -> bool:
+    if actor.is_operator:
+        return True
+    membership = membership_of(actor.user)
+    return (
+        membership is not None
+        and membership.organization_id == organization_id
+        and membership.role == Membership.Role.ADMIN
+    )
+
+
+def require_operator(actor: Actor, what: str) -> None:
+    if not actor.is_operator:
+        raise NotAllowed(f"only the federation operator may {what}")
+
+
+def audit(
+    actor: Actor,
+    action: str,
+    *,
+    target=None,
+    target_type: str = "",
+    target_label: str = "",
+    organization: Organization | None = None,
+    details: dict | None = None,
+) -> AuditLog:
+    if target is not None:
+        target_type = target_type or target._meta.model_name
+        target_label = target_label or str(target)
+    return AuditLog.objects.create(
+        actor=actor.user,
+        actor_label=actor.name,
+        action=action,
+        organization=organization,
+        target_type=target_type,
+        target_id=str(target.pk) if target is not None else "",
+        target_label=target_label[:300],
+        ip=actor.ip,
+        details=details or {},
+    )
+
+
+# --- operator and people ----------------------------------------------------------------------
 
 
 @transaction.atomic
@@ -30,19 +174,497 @@ def reset_operator(username: str = "operator", email: str = "operator@example.or
     return Credentials(username, password)
 
 
-def visible_organizations(user):
-    """The organizations whose data `user` may see: the single place every page scopes by.
+@transaction.atomic
+def set_membership(actor: Actor, user, organization: Organization, role: str) -> Membership:
+    require_operator(actor, "assign people to organizations")
+    if role not in Membership.Role.values:
+        raise InvalidRequest(f"role must be one of {', '.join(Membership.Role.values)}")
+    membership, _ = Membership.objects.update_or_create(
+        user=user, defaults={"organization": organization, "role": role}
+    )
+    audit(
+        actor,
+        AuditLog.Action.MEMBERSHIP_SET,
+        target=membership,
+        organization=organization,
+        details={"user": user.get_username(), "role": role},
+    )
+    return membership
 
-    The federation operator (a superuser) sees every organization; anyone else sees none for now,
-    because organization membership does not exist yet. Issue 3 (enrollment) extends exactly this
-    function with its membership model, e.g. ``Organization.objects.filter(memberships__user=user)``;
-    every dashboard page, mixin and decorator goes through here, so nothing else changes then.
-    Returns a queryset of `Organization`.
-    """
-    from federation.models import Organization
 
-    if user is None or not user.is_authenticated or not user.is_active:
-        return Organization.objects.none()
-    if user.is_superuser:
-        return Organization.objects.all()
-    return Organization.objects.none()
+@transaction.atomic
+def reset_member(
+    actor: Actor, organization: Organization, username: str, role: str
+) -> Credentials:
+    """Create (or give a fresh password to) a person of an organization; password shown once."""
+    require_operator(actor, "create logins")
+    user_model = get_user_model()
+    user, _ = user_model.objects.get_or_create(username=username)
+    password = secrets.token_urlsafe(12)
+    user.set_password(password)
+    user.is_active = True
+    user.save()
+    set_membership(actor, user, organization, role)
+    return Credentials(username, password)
+
+
+def _new_secret(prefix: str) -> tuple[str, str]:
+    token = prefix + secrets.token_urlsafe(32)
+    return token, hash_token(token)
+
+
+def hash_token(token: str) -> str:
+    return hashlib.sha256(token.encode("utf-8", "surrogatepass")).hexdigest()
+
+
+@transaction.atomic
+def issue_user_token(actor: Actor, user) -> str:
+    """A new API token for a person; returned once, stored as a hash."""
+    if actor.user is not None and actor.user.pk != user.pk:
+        require_operator(actor, "issue tokens for other people")
+    token, digest = _new_secret(TOKEN_PREFIX_USER)
+    UserToken.objects.create(user=user, token_hash=digest, prefix=token[:12])
+    return token
+
+
+def user_for_token(token: str):
+    row = (
+        UserToken.objects.select_related("user")
+        .filter(token_hash=hash_token(token), revoked_at__isnull=True, user__is_active=True)
+        .first()
+    )
+    return row.user if row else None
+
+
+# --- settings ---------------------------------------------------------------------------------
+
+SETTINGS_FIELDS = (
+    "epsilon_budget",
+    "delta_prime",
+    "allow_admin_approval",
+    "max_submission_bytes",
+    "submissions_per_minute",
+    "enrollments_per_hour",
+)
+
+
+def get_settings() -> FederationSettings:
+    settings_row, _ = FederationSettings.objects.get_or_create(pk=1)
+    return settings_row
+
+
+_settings_cache: tuple[float, FederationSettings] | None = None
+SETTINGS_TTL_S = 2.0
+
+
+def cached_settings() -> FederationSettings:
+    """The settings for the request hot path: re-read at most every 2 s per process (a change
+    made in this process applies at once, in other processes within 2 s)."""
+    global _settings_cache
+    now = time.monotonic()
+    cached = _settings_cache
+    if cached is not None and now - cached[0] < SETTINGS_TTL_S:
+        return cached[1]
+    row = get_settings()
+    _settings_cache = (now, row)
+    return row
+
+
+def clear_settings_cache() -> None:
+    global _settings_cache
+    _settings_cache = None
+
+
+@transaction.atomic
+def update_settings(actor: Actor, **changes) -> FederationSettings:
+    require_operator(actor, "change the federation's settings")
+    unknown = set(changes) - set(SETTINGS_FIELDS)
+    if unknown:
+        raise InvalidRequest(f"unknown settings: {', '.join(sorted(unknown))}")
+    get_settings()
+    row = FederationSettings.objects.select_for_update().get(pk=1)
+    before = {k: getattr(row, k) for k in changes}
+    for key, value in changes.items():
+        setattr(row, key, value)
+    if row.epsilon_budget <= 0 or not 0 < row.delta_prime < 1:
+        raise InvalidRequest("epsilon_budget must be > 0 and delta_prime in (0, 1)")
+    if row.epsilon_budget < epsilon_spent():
+        raise BudgetExceeded(
+            f"epsilon_budget {row.epsilon_budget:g} is below the ε already spent "
+            f"({epsilon_spent():g})"
+        )
+    row.save()
+    clear_settings_cache()
+    transaction.on_commit(clear_settings_cache)
+    changed = {k: {"from": before[k], "to": changes[k]} for k in changes if before[k] != changes[k]}
+    if changed:
+        audit(actor, AuditLog.Action.SETTINGS_CHANGE, target=row, details=changed)
+    return row
+
+
+# --- organizations and clients ----------------------------------------------------------------
+
+
+@transaction.atomic
+def create_organization(
+    actor: Actor, name: str, slug: str = "", description: str = ""
+) -> Organization:
+    require_operator(actor, "create organizations")
+    name = name.strip()
+    slug = slug or slugify(name)
+    if not name or not slug:
+        raise InvalidRequest("an organization needs a name (and a slug made of letters/digits)")
+    try:
+        with transaction.atomic():
+            org = Organization.objects.create(name=name, slug=slug, description=description)
+    except IntegrityError as exc:
+        raise Conflict(f"an organization named {name!r} or with slug {slug!r} exists") from exc
+    audit(actor, AuditLog.Action.ORGANIZATION_CREATE, target=org, organization=org)
+    return org
+
+
+@dataclass(frozen=True)
+class IssuedToken:
+    client: Client
+    token: str  # shown once; only its hash is stored
+
+
+@transaction.atomic
+def enroll_client(
+    actor: Actor, organization: Organization, name: str, description: str = "", contact: str = ""
+) -> Client:
+    if not can_admin(actor, organization.pk):
+        raise NotAllowed("only an admin of this organization (or the operator) may enroll clients")
+    name = name.strip()
+    if not name:
+        raise InvalidRequest("a client needs a name")
+    if not actor.is_operator:
+        limit = get_settings().enrollments_per_hour
+        decision = ratelimit.hit(f"enroll:org:{organization.pk}", limit, 3600)
+        if not decision.allowed:
+            raise RateLimited(
+                f"enrollment is limited to {limit} clients per organization and hour",
+                decision.retry_after,
+            )
+    try:
+        with transaction.atomic():
+            client = Client.objects.create(
+                organization=organization, name=name, description=description, contact=contact
+            )
+    except IntegrityError as exc:
+        raise Conflict(f"organization {organization.slug!r} already has a client {name!r}") from exc
+    audit(
+        actor,
+        AuditLog.Action.CLIENT_ENROLL,
+        target=client,
+        organization=organization,
+        details={"name": name, "contact": contact},
+    )
+    return client
+
+
+def _locked_client(client: Client | int) -> Client:
+    pk = client.pk if isinstance(client, Client) else client
+    try:
+        return Client.objects.select_for_update().select_related("organization").get(pk=pk)
+    except Client.DoesNotExist as exc:
+        raise NotFound("no such client") from exc
+
+
+def _issue_client_token(client: Client) -> str:
+    token, digest = _new_secret(TOKEN_PREFIX_CLIENT)
+    ClientToken.objects.update_or_create(
+        client=client,
+        defaults={
+            "token_hash": digest,
+            "prefix": token[:12],
+            "issued_at": timezone.now(),
+            "revoked_at": None,
+        },
+    )
+    return token
+
+
+@transaction.atomic
+def approve_client(actor: Actor, client: Client | int) -> IssuedToken:
+    client = _locked_client(client)
+    if not actor.is_operator:
+        if not can_admin(actor, client.organization_id):
+            raise NotAllowed("only the operator or this organization's admin may approve clients")
+        if not get_settings().allow_admin_approval:
+            raise NotAllowed(
+                "the federation's policy lets only the operator approve clients "
+                "(allow_admin_approval is off)"
+            )
+    if client.status != Client.Status.PENDING:
+        raise InvalidTransition(f"client is {client.status}; only a pending client can be approved")
+    client.status = Client.Status.APPROVED
+    client.save(update_fields=["status"])
+    token = _issue_client_token(client)
+    audit(actor, AuditLog.Action.CLIENT_APPROVE, target=client, organization=client.organization)
+    return IssuedToken(client, token)
+
+
+@transaction.atomic
+def rotate_client_token(actor: Actor, client: Client | int) -> IssuedToken:
+    client = _locked_client(client)
+    if not can_admin(actor, client.organization_id):
+        raise NotAllowed("only the operator or this organization's admin may rotate tokens")
+    if client.status != Client.Status.APPROVED:
+        raise InvalidTransition(f"client is {client.status}; only an approved client has a token")
+    token = _issue_client_token(client)
+    audit(actor, AuditLog.Action.CLIENT_ROTATE, target=client, organization=client.organization)
+    return IssuedToken(client, token)
+
+
+@transaction.atomic
+def revoke_client(actor: Actor, client: Client | int, reason: str = "") -> Client:
+    client = _locked_client(client)
+    if not can_admin(actor, client.organization_id):
+        raise NotAllowed("only the operator or this organization's admin may revoke clients")
+    if client.status == Client.Status.REVOKED:
+        raise InvalidTransition("client is already revoked")
+    previous = client.status
+    client.status = Client.Status.REVOKED
+    client.save(update_fields=["status"])
+    ClientToken.objects.filter(client=client).update(revoked_at=timezone.now())
+    audit(
+        actor,
+        AuditLog.Action.CLIENT_REVOKE,
+        target=client,
+        organization=client.organization,
+        details={"previous_status": previous, "reason": reason},
+    )
+    return client
+
+
+class TokenRejected(Exception):
+    def __init__(self, detail: str, status_code: int):
+        super().__init__(detail)
+        self.detail = detail
+        self.status_code = status_code
+
+
+def client_for_token(token: str) -> Client:
+    """The approved client holding this token (one index lookup), else TokenRejected (401 for
+    an unknown token, 403 for a revoked or unapproved client)."""
+    row = (
+        ClientToken.objects.select_related("client__organization")
+        .filter(token_hash=hash_token(token))
+        .first()
+    )
+    if row is None:
+        raise TokenRejected("invalid token", 401)
+    if row.revoked_at is not None or row.client.status == Client.Status.REVOKED:
+        raise TokenRejected("this client has been revoked", 403)
+    if row.client.status != Client.Status.APPROVED:
+        raise TokenRejected("this client is not approved", 403)
+    return row.client
+
+
+# --- rounds -----------------------------------------------------------------------------------
+
+_TRANSITIONS = {
+    Round.State.OPEN: {Round.State.CLOSING},
+    Round.State.CLOSING: {Round.State.MERGING, Round.State.FAILED},
+    Round.State.MERGING: {Round.State.PUBLISHED, Round.State.FAILED},
+    Round.State.FAILED: {Round.State.CLOSING},
+    Round.State.PUBLISHED: set(),
+}
+
+
+def epsilon_spent() -> float:
+    """ε of every round opened so far (sequential composition; a retried round counts once)."""
+    default = RoundConfig().epsilon
+    return sum(float(c.get("epsilon", default)) for c in Round.objects.values_list("config", flat=True))
+
+
+def current_round() -> Round | None:
+    return Round.objects.filter(state=Round.State.OPEN).first()
+
+
+@transaction.atomic
+def open_round(actor: Actor, config: RoundConfig | dict | None = None) -> Round:
+    """Open the next round with its replayable configuration; one open round at a time."""
+    require_operator(actor, "open rounds")
+    if not isinstance(config, RoundConfig):
+        config = RoundConfig(**(config or {}))
+    settings_row = FederationSettings.objects.select_for_update().get(pk=get_settings().pk)
+    if Round.objects.filter(state=Round.State.OPEN).exists():
+        raise Conflict(f"round {current_round().number} is still open; close it first")
+    spent = epsilon_spent()
+    if spent + config.epsilon > settings_row.epsilon_budget + 1e-12:
+        raise BudgetExceeded(
+            f"opening this round (ε={config.epsilon:g}) would spend {spent + config.epsilon:g} "
+            f"of the federation's privacy budget {settings_row.epsilon_budget:g}"
+        )
+    last = Round.objects.order_by("-number").values_list("number", flat=True).first() or 0
+    try:
+        with transaction.atomic():
+            rnd = Round.objects.create(number=last + 1, config=config.model_dump(mode="json"))
+    except IntegrityError as exc:
+        raise Conflict("another round was opened at the same time") from exc
+    audit(actor, AuditLog.Action.ROUND_OPEN, target=rnd, details={"config": rnd.config})
+    return rnd
+
+
+def _locked_round(rnd: Round | int | None) -> Round:
+    if rnd is None:
+        found = Round.objects.select_for_update().filter(state=Round.State.OPEN).first()
+        if found is None:
+            raise NoOpenRound()
+        return found
+    pk = rnd.pk if isinstance(rnd, Round) else rnd
+    try:
+        return Round.objects.select_for_update().get(pk=pk)
+    except Round.DoesNotExist as exc:
+        raise NotFound("no such round") from exc
+
+
+def _move(rnd: Round, target: str, verb: str, source: str | None = None) -> str:
+    if target not in _TRANSITIONS[rnd.state] or (source is not None and rnd.state != source):
+        allowed = ", ".join(sorted(_TRANSITIONS[rnd.state])) or "none (final)"
+        needs = f"; this needs a {source} round" if source else ""
+        raise InvalidTransition(
+            f"cannot {verb} round {rnd.number}: it is {rnd.state} "
+            f"(from {rnd.state} it may go to: {allowed}){needs}"
+        )
+    previous = rnd.state
+    rnd.state = target
+    return previous
+
+
+def _send_round_closed(rnd: Round) -> None:
+    round_id = rnd.pk
+
+    def send() -> None:
+        round_closed.send(sender=Round, round=Round.objects.get(pk=round_id))
+
+    transaction.on_commit(send)
+
+
+@transaction.atomic
+def close_round(actor: Actor, rnd: Round | int | None = None) -> Round:
+    """open -> closing; after commit, `round_closed` starts the merge pipeline."""
+    require_operator(actor, "close rounds")
+    rnd = _locked_round(rnd)
+    _move(rnd, Round.State.CLOSING, "close", source=Round.State.OPEN)
+    rnd.closed_at = timezone.now()
+    rnd.save(update_fields=["state", "closed_at"])
+    submissions = rnd.compendiums.filter(kind="client").count()
+    audit(actor, AuditLog.Action.ROUND_CLOSE, target=rnd, details={"submissions": submissions})
+    _send_round_closed(rnd)
+    return rnd
+
+
+@transaction.atomic
+def retry_round(actor: Actor, rnd: Round | int) -> Round:
+    """failed -> closing, and the pipeline is started again."""
+    require_operator(actor, "retry rounds")
+    rnd = _locked_round(rnd)
+    reason = rnd.failure_reason
+    _move(rnd, Round.State.CLOSING, "retry", source=Round.State.FAILED)
+    rnd.failure_reason = ""
+    rnd.save(update_fields=["state", "failure_reason"])
+    audit(actor, AuditLog.Action.ROUND_RETRY, target=rnd, details={"previous_failure": reason})
+    _send_round_closed(rnd)
+    return rnd
+
+
+@transaction.atomic
+def mark_merging(rnd: Round | int, actor: Actor | None = None) -> Round:
+    actor = actor or Actor.system("merge pipeline")
+    require_operator(actor, "advance rounds")
+    rnd = _locked_round(rnd)
+    _move(rnd, Round.State.MERGING, "start merging")
+    rnd.save(update_fields=["state"])
+    audit(actor, AuditLog.Action.ROUND_MERGING, target=rnd)
+    return rnd
+
+
+@transaction.atomic
+def mark_published(rnd: Round | int, actor: Actor | None = None) -> Round:
+    actor = actor or Actor.system("merge pipeline")
+    require_operator(actor, "publish rounds")
+    rnd = _locked_round(rnd)
+    _move(rnd, Round.State.PUBLISHED, "publish")
+    rnd.published_at = timezone.now()
+    rnd.save(update_fields=["state", "published_at"])
+    audit(actor, AuditLog.Action.ROUND_PUBLISH, target=rnd)
+    return rnd
+
+
+@transaction.atomic
+def mark_failed(rnd: Round | int, reason: str, actor: Actor | None = None) -> Round:
+    actor = actor or Actor.system("merge pipeline")
+    require_operator(actor, "fail rounds")
+    rnd = _locked_round(rnd)
+    _move(rnd, Round.State.FAILED, "fail")
+    rnd.failure_reason = reason or "unspecified failure"
+    rnd.save(update_fields=["state", "failure_reason"])
+    audit(actor, AuditLog.Action.ROUND_FAIL, target=rnd, details={"reason": rnd.failure_reason})
+    return rnd
+
+
+def round_figures(queryset):
+    """Annotate rounds with their submission figures in one query."""
+    from django.db.models import Count, Q
+
+    client = Q(compendiums__kind="client")
+    return queryset.annotate(
+        n_submissions=Count("compendiums", filter=client),
+        n_organizations=Count("compendiums__client__organization", filter=client, distinct=True),
+        n_submitted_bytes=Sum("compendiums__size_bytes", filter=client),
+        n_submitted_gzip_bytes=Sum("compendiums__gzip_bytes", filter=client),
+    )
+
+
+# --- the demo federation ----------------------------------------------------------------------
+
+DEMO_ORGANIZATIONS = (
+    ("Northwind Health", "northwind", ("triage-desk", "lab-bench")),
+    ("Contoso Logistics", "contoso", ("dispatch", "warehouse")),
+    ("Fabrikam Research", "fabrikam", ("notebooks", "library")),
+)
+
+
+@dataclass(frozen=True)
+class DemoFederation:
+    operator: Credentials
+    admins: list[tuple[str, Credentials]]  # (organization slug, login)
+    clients: list[tuple[str, str, str]]  # (organization slug, client name, token)
+    round: Round | None
+    opened_round: bool
+
+
+@transaction.atomic
+def bootstrap_demo_federation() -> DemoFederation:
+    """A demo federation, idempotent across restarts: organizations with an admin login each,
+    approved clients, an operator login, and round 1 when no round exists. Passwords and client
+    tokens are re-issued (printed once) on every run; only their hashes are stored."""
+    actor = Actor.system("bootstrap_demo")
+    operator = reset_operator()
+    admins: list[tuple[str, Credentials]] = []
+    clients: list[tuple[str, str, str]] = []
+    for name, slug, client_names in DEMO_ORGANIZATIONS:
+        org = Organization.objects.filter(slug=slug).first() or create_organization(
+            actor, name, slug, f"Demo organization {name}"
+        )
+        admins.append((slug, reset_member(actor, org, f"{slug}-admin", Membership.Role.ADMIN)))
+        for client_name in client_names:
+            client = Client.objects.filter(organization=org, name=client_name).first()
+            if client is None:
+                client = enroll_client(actor, org, client_name, f"demo client {client_name}")
+            if client.status == Client.Status.PENDING:
+                issued = approve_client(actor, client)
+            elif client.status == Client.Status.APPROVED:
+                issued = rotate_client_token(actor, client)
+            else:
+                continue
+            clients.append((slug, client_name, issued.token))
+    opened = False
+    rnd = Round.objects.order_by("-number").first()
+    if rnd is None:
+        rnd = open_round(actor, RoundConfig())
+        opened = True
+    return DemoFederation(operator, admins, clients, rnd, opened)

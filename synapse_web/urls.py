@@ -14,6 +14,8 @@ urlpatterns = [
     path("accounts/login/", auth_views.LoginView.as_view(), name="login"),
     path("accounts/logout/", auth_views.LogoutView.as_view(), name="logout"),
     path("healthz", health, name="health"),
+    path("api/v1/", include("federation.api.urls")),
+    path("api-auth/", include("rest_framework.urls")),  # login for the browsable API
     path("api/schema/", SpectacularAPIView.as_view(), name="api-schema"),
     path("api/docs/", SpectacularSwaggerView.as_view(url_name="api-schema"), name="api-docs"),
     path("", include("federation.dashboard.urls")),

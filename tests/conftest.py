@@ -40,3 +40,7 @@ def valid_doc() -> dict:
         ],
         "annex": [{"subject": "flights", "relation": "needs", "object": "airport code"}],
     }
+
+
+# Federation fixtures (two organizations with people of every role): tests/federation_fixtures.py
+from tests.federation_fixtures import _fresh_settings_cache, registry, world  # noqa: E402, F401

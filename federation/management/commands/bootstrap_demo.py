@@ -1,11 +1,14 @@
 from django.core.management import call_command
 from django.core.management.base import BaseCommand
 
-from federation.services import reset_operator
+from federation.services import bootstrap_demo_federation
 
 
 class Command(BaseCommand):
-    help = "Prepare the demo: import the tool registry and (re)issue the operator's login."
+    help = (
+        "Prepare the demo: import the tool registry, (re)issue the operator's login, and create "
+        "a demo federation (organizations with admin logins, approved clients, round 1)."
+    )
 
     def add_arguments(self, parser):
         parser.add_argument("--dataset", required=True, help="dataset folder or registry file")
@@ -13,11 +16,30 @@ class Command(BaseCommand):
 
     def handle(self, *args, dataset, url, **options):
         call_command("import_tools", dataset, stdout=self.stdout)
-        creds = reset_operator()
+        demo = bootstrap_demo_federation()
+        creds = demo.operator
         line = "=" * 72
+        admins = "\n".join(
+            f"    {slug:<10} username: {c.username:<18} password: {c.password}"
+            for slug, c in demo.admins
+        )
+        clients = "\n".join(
+            f"    {slug + '/' + name:<24} token: {token}" for slug, name, token in demo.clients
+        )
+        if demo.round is None:
+            round_line = "no round"
+        else:
+            opened = " (opened now)" if demo.opened_round else ""
+            round_line = f"round {demo.round.number} is {demo.round.state}{opened}"
         self.stdout.write(
             f"{line}\nSYNAPSE is starting on {url}\n"
             f"  log in at {url} (the dashboard) as the federation operator\n"
             f"  username: {creds.username}\n  password: {creds.password}   (new on every start)\n"
-            f"  API schema: {url}api/schema/   API docs: {url}api/docs/\n{line}"
+            f"  organization admins (new passwords on every start), log in at "
+            f"{url}api-auth/login/?next=/api/v1/admin/clients/\n{admins}\n"
+            f"  client API tokens (shown once, new on every start; only hashes are stored):\n"
+            f"{clients}\n"
+            f"  {round_line}\n"
+            f"  API: {url}api/v1/rounds/   schema: {url}api/schema/   docs: {url}api/docs/\n"
+            f"{line}"
         )

@@ -1,0 +1,315 @@
+"""Load test of `POST /api/v1/submissions/` against a running server.
+
+Sets up its own organization, N approved clients with tokens and (if none is open) a round, through
+the Django ORM of this checkout (so run it from the repository root, on the server's database);
+builds one MetaTool-sized compendium per client from real MetaTool queries; then every client
+submits its compendium (each key sent `--duplicates` times, as a client retrying would) and the
+figures are printed: requests/s, accepted submissions/s, p50/p95/p99 latency, errors. Finally the
+database is checked: exactly one Submission row per accepted key, one current compendium per
+client, each equal to the client's last accepted submission (0 lost, 0 duplicated).
+
+    python bench/submit_load.py --url http://127.0.0.1:8301 --clients 200 --out bench/out/submit.json
+
+`--rate R` paces the clients to R requests/s in all (open loop); without it every client fires
+at once (a burst) and the latency includes the time spent queueing behind the others.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import random
+import statistics
+import sys
+import time
+import uuid
+from collections import defaultdict
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+os.environ.setdefault("DJANGO_SETTINGS_MODULE", "synapse_web.settings")
+DEFAULT_DATASET = ROOT.parent / "shared" / "data" / "metatool"
+if not DEFAULT_DATASET.exists():  # a git worktree one level deeper
+    DEFAULT_DATASET = ROOT.parent.parent / "shared" / "data" / "metatool"
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--url", default="http://127.0.0.1:8301", help="base URL of the running server")
+    p.add_argument("--clients", type=int, default=200, help="simulated clients (default 200)")
+    p.add_argument("--submissions", type=int, default=1, help="distinct keys per client")
+    p.add_argument("--duplicates", type=int, default=2, help="times each key is sent (retries)")
+    p.add_argument("--rate", type=float, default=0.0, help="total requests/s; 0 = all at once")
+    p.add_argument("--tools-per-client", type=int, default=12)
+    p.add_argument("--scenarios-per-tool", type=int, default=2)
+    p.add_argument("--dataset", default=str(DEFAULT_DATASET))
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--timeout", type=float, default=60.0)
+    p.add_argument("--out", help="write the figures as JSON rows to this file")
+    return p.parse_args(argv)
+
+
+# --- set-up through the ORM -------------------------------------------------------------------
+
+
+def setup_federation(n_clients: int, dataset: Path, per_client_requests: int):
+    import django
+
+    django.setup()
+    from compendium.models import Tool
+    from compendium.registry import load_registry
+    from compendium.services import import_registry
+    from federation import services
+    from federation.models import Round
+
+    actor = services.Actor.system("bench/submit_load")
+    tools = load_registry(dataset)
+    if Tool.objects.filter(tool_id__in=[t.tool_id for t in tools], active=True).count() < len(tools):
+        import_registry(tools)
+    settings_row = services.get_settings()
+    needed = per_client_requests + 5  # the most a client of this run may send in a minute
+    if settings_row.submissions_per_minute < needed:
+        services.update_settings(actor, submissions_per_minute=needed)
+    run_id = uuid.uuid4().hex[:8]
+    org = services.create_organization(actor, f"bench {run_id}", f"bench-{run_id}")
+    clients = []
+    for i in range(n_clients):
+        client = services.enroll_client(actor, org, f"sim-{i:04d}")
+        clients.append((client.pk, services.approve_client(actor, client).token))
+    rnd = services.current_round()
+    if rnd is None:
+        rnd = services.open_round(actor)
+    return run_id, org, clients, Round.objects.get(pk=rnd.pk)
+
+
+def build_compendiums(dataset: Path, n: int, tools_per_client: int, per_tool: int, seed: int):
+    from compendium.registry import load_dataset
+
+    data = load_dataset(dataset)
+    by_tool: dict[str, list[str]] = defaultdict(list)
+    for q in data.queries:
+        if len(q.query) <= 1000:  # the schema's limit for a scenario's text
+            by_tool[q.tool_id].append(q.query)
+    tool_ids = sorted(t for t in by_tool if by_tool[t])
+    rng = random.Random(seed)
+    docs = []
+    for c in range(n):
+        chosen = rng.sample(tool_ids, min(tools_per_client, len(tool_ids)))
+        metadata, scenarios, precautions, templates, annex = [], [], [], [], []
+        for t in chosen:
+            metadata.append(
+                {
+                    "tool_id": t,
+                    "stats": {
+                        "calls": float(rng.randint(1, 50)),
+                        "success_rate": round(rng.random(), 3),
+                        "frequency": round(rng.random() / tools_per_client, 4),
+                        "latency_ms": float(rng.randint(50, 3000)),
+                    },
+                }
+            )
+            seen = set()
+            for text in rng.sample(by_tool[t], min(per_tool, len(by_tool[t]))):
+                if text not in seen:
+                    seen.add(text)
+                    scenarios.append({"tool_id": t, "text": text, "preconditions": {"online": True}})
+            if rng.random() < 0.5:
+                precautions.append({"tool_id": t, "text": f"Not for requests outside {t}'s scope"})
+            if rng.random() < 0.25:
+                templates.append(
+                    {"tool_id": t, "signature": f"{t}(query)", "template": f"Use {t} for: {{query}}"}
+                )
+                annex.append({"subject": t, "relation": "used_by", "object": f"client-{c}"})
+        doc = {
+            "schema_version": "1.0",
+            "metadata": metadata,
+            "scenarios": scenarios,
+            "precautions": precautions,
+            "templates": templates,
+            "annex": annex,
+            "masking": {"strength": 1.0, "masked_fraction": 0.1, "seed": c},
+            "num_users": rng.randint(5, 50),
+        }
+        docs.append(json.dumps(doc).encode())
+    return docs
+
+
+# --- the load -------------------------------------------------------------------------------
+
+
+async def drive(url, clients, docs, submissions, duplicates, rate, timeout):
+    import httpx
+
+    limits = httpx.Limits(max_connections=len(clients), max_keepalive_connections=len(clients))
+    results = []  # (client_pk, key, status, latency_s, replayed, body)
+    transport_retries: list[str] = []
+    start = time.perf_counter()
+
+    async with httpx.AsyncClient(base_url=url, limits=limits, timeout=timeout) as http:
+
+        async def one_client(index, client_pk, token):
+            headers = {"Authorization": f"Bearer {token}", "Content-Type": "application/json"}
+            k = 0
+            for s in range(submissions):
+                key = f"bench-{client_pk}-{s}"
+                body = docs[index] if s == 0 else docs[(index + s) % len(docs)]
+                for _ in range(duplicates):
+                    if rate > 0:
+                        due = start + (k * len(clients) + index) / rate
+                        delay = due - time.perf_counter()
+                        if delay > 0:
+                            await asyncio.sleep(delay)
+                    k += 1
+                    t0 = time.perf_counter()
+                    try:
+                        for attempt in range(2):
+                            try:
+                                r = await http.post(
+                                    "/api/v1/submissions/",
+                                    content=body,
+                                    headers={**headers, "Idempotency-Key": key},
+                                )
+                                break
+                            except (httpx.ReadError, httpx.RemoteProtocolError):
+                                # A kept-alive connection the server had just closed: retry once
+                                # with the same key, as a client would (counted below).
+                                if attempt:
+                                    raise
+                                transport_retries.append(key)
+                        latency = time.perf_counter() - t0
+                        payload = r.json() if r.headers.get("content-type", "").startswith(
+                            "application/json"
+                        ) else {"detail": r.text[:200]}
+                        results.append(
+                            (
+                                client_pk,
+                                key,
+                                r.status_code,
+                                latency,
+                                r.headers.get("Idempotent-Replayed") == "true",
+                                payload,
+                            )
+                        )
+                    except httpx.HTTPError as exc:
+                        results.append(
+                            (client_pk, key, 0, time.perf_counter() - t0, False, {"detail": repr(exc)})
+                        )
+
+        await asyncio.gather(*(one_client(i, pk, tok) for i, (pk, tok) in enumerate(clients)))
+    return results, time.perf_counter() - start, len(transport_retries)
+
+
+def verify(org, rnd, results):
+    from compendium.models import CompendiumVersion
+    from federation.models import Submission
+
+    accepted_keys = {(pk, key) for pk, key, status, *_ in results if status == 201}
+    rows = list(
+        Submission.objects.filter(client__organization=org, round=rnd).values_list(
+            "client_id", "idempotency_key"
+        )
+    )
+    duplicated = len(rows) - len(set(rows))
+    lost = len(accepted_keys - set(rows))
+    unexpected = len(set(rows) - accepted_keys)
+    last_sha = {}
+    for pk, _key, status, _lat, _rep, body in sorted(results, key=lambda r: r[5].get("id", 0)):
+        if status == 201:
+            last_sha[pk] = body["sha256"]
+    versions = dict(
+        CompendiumVersion.objects.filter(
+            kind="client", round=rnd, client__organization=org
+        ).values_list("client_id", "sha256")
+    )
+    wrong_current = sum(1 for pk, sha in last_sha.items() if versions.get(pk) != sha)
+    extra_versions = len(set(versions) - set(last_sha))
+    return {
+        "rows": len(rows),
+        "lost_rows": lost + wrong_current,
+        "duplicated_rows": duplicated + unexpected + extra_versions,
+    }
+
+
+def percentile(values, q):
+    if not values:
+        return float("nan")
+    ordered = sorted(values)
+    index = min(len(ordered) - 1, max(0, int(round(q / 100 * len(ordered) + 0.5)) - 1))
+    return ordered[index]
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    dataset = Path(args.dataset)
+    print(f"setting up {args.clients} clients through the ORM ...", flush=True)
+    run_id, org, clients, rnd = setup_federation(
+        args.clients, dataset, args.submissions * args.duplicates
+    )
+    docs = build_compendiums(
+        dataset, args.clients, args.tools_per_client, args.scenarios_per_tool, args.seed
+    )
+    mean_kb = statistics.mean(len(d) for d in docs) / 1024
+    print(f"round {rnd.number}; compendium body {mean_kb:.1f} KB on average; sending ...", flush=True)
+    results, wall, retries = asyncio.run(
+        drive(args.url, clients, docs, args.submissions, args.duplicates, args.rate, args.timeout)
+    )
+    checks = verify(org, rnd, results)
+
+    latencies = [r[3] * 1000 for r in results]
+    accepted = sum(1 for r in results if r[2] == 201 and not r[4])
+    replayed = sum(1 for r in results if r[2] == 201 and r[4])
+    errors = [r for r in results if r[2] != 201]
+    statuses = defaultdict(int)
+    for r in results:
+        statuses[r[2]] += 1
+    row = {
+        "benchmark": "submit_load",
+        "run_id": run_id,
+        "url": args.url,
+        "clients": args.clients,
+        "submissions_per_client": args.submissions,
+        "duplicates_per_key": args.duplicates,
+        "target_rate_per_s": args.rate or None,
+        "size_kb": round(mean_kb, 2),
+        "requests": len(results),
+        "wall_s": round(wall, 3),
+        "requests_per_s": round(len(results) / wall, 1),
+        "accepted_per_s": round(accepted / wall, 1),
+        "accepted": accepted,
+        "replayed": replayed,
+        "errors": len(errors),
+        "transport_retries": retries,
+        "status_counts": {str(k): v for k, v in sorted(statuses.items())},
+        "p50_ms": round(percentile(latencies, 50), 1),
+        "p95_ms": round(percentile(latencies, 95), 1),
+        "p99_ms": round(percentile(latencies, 99), 1),
+        "max_ms": round(max(latencies), 1) if latencies else None,
+        "lost_rows": checks["lost_rows"],
+        "duplicated_rows": checks["duplicated_rows"],
+        "stored_rows": checks["rows"],
+        "cpu_count": os.cpu_count(),
+        "load_avg_1m": round(os.getloadavg()[0], 2),
+    }
+    width = max(len(k) for k in row)
+    print("-" * (width + 30))
+    for key, value in row.items():
+        print(f"{key:<{width}}  {value}")
+    print("-" * (width + 30))
+    for r in errors[:5]:
+        print(f"error: HTTP {r[2]} {r[5].get('detail', '')!s:.160}")
+    if args.out:
+        out = Path(args.out)
+        out.parent.mkdir(parents=True, exist_ok=True)
+        rows = json.loads(out.read_text()) if out.exists() else []
+        rows.append(row)
+        out.write_text(json.dumps(rows, indent=2) + "\n")
+        print(f"wrote {out}")
+    ok = not errors and row["lost_rows"] == 0 and row["duplicated_rows"] == 0
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

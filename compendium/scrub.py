@@ -1,0 +1,152 @@
+"""Defence-in-depth scrubbing of personal data from submitted text (pure, no Django).
+
+Clients mask their text before it leaves them; the server still removes what is obviously
+personal on arrival: e-mail addresses, payment card numbers (Luhn-checked), phone numbers and long
+digit strings (account, ID or order numbers). Each is replaced by a bracketed tag.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+from compendium.schema import AnnexTriple, Compendium, Precaution, PromptTemplate, Scenario
+
+EMAIL = re.compile(r"(?<![\w.+-])[\w.+-]+@[A-Za-z0-9-]+(?:\.[A-Za-z0-9-]+)*\.[A-Za-z]{2,}")
+# 13-19 digits, optionally grouped by single spaces or dashes.
+CARD = re.compile(r"(?<![\d])\d(?:[ -]?\d){12,18}(?![\d])")
+# International or national phone numbers: optional +CC, optional (area), groups split by
+# space, dot or dash; at least 9 digits in all (checked below).
+PHONE = re.compile(
+    r"(?<![\w+])(?:\+\d{1,3}[ .-]?)?(?:\(\d{1,4}\)[ .-]?)?\d{2,5}(?:[ .-]\d{2,5}){1,4}(?![\w])"
+)
+LONG_DIGITS = re.compile(r"(?<!\d)\d{8,}(?!\d)")
+
+_MAY_CONTAIN = re.compile(r"[\d@]")
+
+TAGS = {"email": "[email]", "card": "[card]", "phone": "[phone]", "number": "[number]"}
+
+
+def _luhn_ok(digits: str) -> bool:
+    total = 0
+    for i, ch in enumerate(reversed(digits)):
+        d = int(ch)
+        if i % 2:
+            d *= 2
+            if d > 9:
+                d -= 9
+        total += d
+    return total % 10 == 0
+
+
+@dataclass(frozen=True)
+class ScrubResult:
+    text: str
+    counts: dict[str, int]
+
+    @property
+    def total(self) -> int:
+        return sum(self.counts.values())
+
+
+def scrub_text(text: str) -> ScrubResult:
+    """Replace e-mail addresses, card numbers, phone numbers and long digit strings."""
+    counts = {"email": 0, "card": 0, "phone": 0, "number": 0}
+    if not _MAY_CONTAIN.search(text):
+        return ScrubResult(text, counts)
+
+    def email(m: re.Match) -> str:
+        counts["email"] += 1
+        return TAGS["email"]
+
+    def card(m: re.Match) -> str:
+        digits = re.sub(r"\D", "", m.group())
+        if _luhn_ok(digits):
+            counts["card"] += 1
+            return TAGS["card"]
+        return m.group()
+
+    def phone(m: re.Match) -> str:
+        if sum(ch.isdigit() for ch in m.group()) >= 9:
+            counts["phone"] += 1
+            return TAGS["phone"]
+        return m.group()
+
+    def number(m: re.Match) -> str:
+        counts["number"] += 1
+        return TAGS["number"]
+
+    text = EMAIL.sub(email, text)
+    text = CARD.sub(card, text)
+    text = PHONE.sub(phone, text)
+    text = LONG_DIGITS.sub(number, text)
+    return ScrubResult(text, counts)
+
+
+def scrub_compendium(compendium: Compendium) -> tuple[Compendium, int]:
+    """The compendium with every free text scrubbed, and how many items were removed. The input
+    is not modified; when nothing is found it is returned as it is (no copy).
+
+    Entries that become identical after scrubbing are merged (scenarios and precautions add their
+    support; the first template of a (tool, signature) key and the first annex triple win), so
+    the result stays a set.
+    """
+    texts = [s.text for s in compendium.scenarios] + [p.text for p in compendium.precautions]
+    texts += [t.signature for t in compendium.templates] + [t.template for t in compendium.templates]
+    texts += [v for a in compendium.annex for v in (a.subject, a.relation, a.object)]
+    if not any(_MAY_CONTAIN.search(t) and scrub_text(t).total for t in texts):
+        return compendium, 0
+    removed = 0
+
+    def clean(text: str) -> str:
+        nonlocal removed
+        if not _MAY_CONTAIN.search(text):
+            return text
+        result = scrub_text(text)
+        removed += result.total
+        return result.text
+
+    scenarios = [s.model_copy(update={"text": clean(s.text)}) for s in compendium.scenarios]
+    precautions = [p.model_copy(update={"text": clean(p.text)}) for p in compendium.precautions]
+    templates = [
+        t.model_copy(update={"signature": clean(t.signature), "template": clean(t.template)})
+        for t in compendium.templates
+    ]
+    annex = [
+        a.model_copy(
+            update={"subject": clean(a.subject), "relation": clean(a.relation), "object": clean(a.object)}
+        )
+        for a in compendium.annex
+    ]
+    if not removed:
+        return compendium, 0
+
+    merged_scenarios: dict[tuple, Scenario] = {}
+    for s in scenarios:
+        key = (s.tool_id, s.text, tuple(sorted(s.preconditions.items())))
+        if key in merged_scenarios:
+            merged_scenarios[key].support += s.support
+        else:
+            merged_scenarios[key] = s.model_copy(update={"preconditions": dict(s.preconditions)})
+    merged_precautions: dict[tuple, Precaution] = {}
+    for p in precautions:
+        key = (p.tool_id, p.text)
+        if key in merged_precautions:
+            merged_precautions[key].support += p.support
+        else:
+            merged_precautions[key] = p
+    unique_templates: dict[tuple, PromptTemplate] = {}
+    for t in templates:
+        unique_templates.setdefault((t.tool_id, t.signature), t)
+    unique_annex: dict[tuple, AnnexTriple] = {}
+    for a in annex:
+        unique_annex.setdefault((a.subject, a.relation, a.object), a)
+    result = compendium.model_copy(
+        update={
+            "scenarios": list(merged_scenarios.values()),
+            "precautions": list(merged_precautions.values()),
+            "templates": list(unique_templates.values()),
+            "annex": list(unique_annex.values()),
+        }
+    )
+    return result, removed

@@ -1,0 +1,117 @@
+"""Authentication for the REST API: client tokens (machines) and user tokens (people), both sent
+as `Authorization: Bearer <token>` (or `Token <token>`), and sessions for people in a browser."""
+
+from __future__ import annotations
+
+from django.contrib.auth.models import AnonymousUser
+from drf_spectacular.extensions import OpenApiAuthenticationExtension
+from rest_framework import exceptions
+from rest_framework.authentication import BaseAuthentication, SessionAuthentication
+
+from federation.services import (
+    TOKEN_PREFIX_CLIENT,
+    TOKEN_PREFIX_USER,
+    TokenRejected,
+    client_for_token,
+    user_for_token,
+)
+
+SCHEMES = ("bearer", "token")
+
+
+def bearer_token(request) -> str | None:
+    header = request.META.get("HTTP_AUTHORIZATION", "")
+    if not header:
+        return None
+    parts = header.split()
+    if parts[0].lower() not in SCHEMES:
+        return None
+    if len(parts) != 2:
+        raise exceptions.AuthenticationFailed("malformed Authorization header: use 'Bearer <token>'")
+    return parts[1]
+
+
+class ClientPrincipal(AnonymousUser):
+    """request.user for a client machine: authenticated, but never a person or an operator."""
+
+    def __init__(self, client):
+        super().__init__()
+        self.client = client
+
+    @property
+    def is_authenticated(self) -> bool:  # type: ignore[override]
+        return True
+
+    def __str__(self) -> str:
+        return f"client {self.client}"
+
+
+class Forbidden(exceptions.PermissionDenied):
+    pass
+
+
+class ClientTokenAuthentication(BaseAuthentication):
+    """A client's API token. Unknown token: 401; revoked or unapproved client: 403."""
+
+    def authenticate(self, request):
+        token = bearer_token(request)
+        if token is None or not token.startswith(TOKEN_PREFIX_CLIENT):
+            return None
+        try:
+            client = client_for_token(token)
+        except TokenRejected as exc:
+            if exc.status_code == 403:
+                raise Forbidden(exc.detail) from exc
+            raise exceptions.AuthenticationFailed(exc.detail) from exc
+        return ClientPrincipal(client), client
+
+    def authenticate_header(self, request):
+        return 'Bearer realm="synapse"'
+
+
+class UserTokenAuthentication(BaseAuthentication):
+    """A person's API token (operator, organization admin or member) for scripts."""
+
+    def authenticate(self, request):
+        token = bearer_token(request)
+        if token is None or token.startswith(TOKEN_PREFIX_CLIENT):
+            return None
+        if not token.startswith(TOKEN_PREFIX_USER):
+            raise exceptions.AuthenticationFailed("invalid token")
+        user = user_for_token(token)
+        if user is None:
+            raise exceptions.AuthenticationFailed("invalid token")
+        return user, None
+
+    def authenticate_header(self, request):
+        return 'Bearer realm="synapse"'
+
+
+class ClientTokenScheme(OpenApiAuthenticationExtension):
+    target_class = "federation.api.authentication.ClientTokenAuthentication"
+    name = "clientToken"
+
+    def get_security_definition(self, auto_schema):
+        return {
+            "type": "http",
+            "scheme": "bearer",
+            "description": "A client's API token (syn_c_…), issued once on approval or rotation.",
+        }
+
+
+class UserTokenScheme(OpenApiAuthenticationExtension):
+    target_class = "federation.api.authentication.UserTokenAuthentication"
+    name = "userToken"
+
+    def get_security_definition(self, auto_schema):
+        return {
+            "type": "http",
+            "scheme": "bearer",
+            "description": "A person's API token (syn_u_…): `manage.py issue_user_token USER`.",
+        }
+
+
+CLIENT_AUTH = [ClientTokenAuthentication]
+# Client tokens are recognized on people's endpoints too, so that a client gets 403, not 401.
+PEOPLE_AUTH = [ClientTokenAuthentication, UserTokenAuthentication, SessionAuthentication]
+ANY_AUTH = [ClientTokenAuthentication, UserTokenAuthentication, SessionAuthentication]

@@ -1,0 +1,191 @@
+"""Serializers of the federation API: shapes of requests and responses (and of the OpenAPI)."""
+
+from __future__ import annotations
+
+from rest_framework import serializers
+
+from federation.models import AuditLog, Client, FederationSettings, Organization, Round
+from federation.round_config import RoundConfig
+
+
+class DetailSerializer(serializers.Serializer):
+    detail = serializers.CharField()
+
+
+class ViolationSerializer(serializers.Serializer):
+    path = serializers.CharField(help_text="JSON path of the offending value, e.g. $.scenarios[3].tool_id")
+    reason = serializers.CharField()
+
+
+class InvalidSubmissionSerializer(DetailSerializer):
+    violations = ViolationSerializer(many=True)
+
+
+class SubmissionResultSerializer(serializers.Serializer):
+    id = serializers.IntegerField(help_text="the submission (one per idempotency key)")
+    round = serializers.IntegerField(help_text="round number")
+    round_id = serializers.IntegerField()
+    client = serializers.IntegerField()
+    version = serializers.IntegerField(help_text="the stored compendium version")
+    sha256 = serializers.CharField(help_text="SHA-256 of the canonical bytes")
+    size_bytes = serializers.IntegerField()
+    gzip_bytes = serializers.IntegerField()
+    entry_counts = serializers.DictField(child=serializers.IntegerField())
+    scrubbed = serializers.IntegerField(help_text="personal data items removed on arrival")
+    replaced = serializers.BooleanField(help_text="an earlier submission of this round was replaced")
+
+
+class RoundSerializer(serializers.ModelSerializer):
+    submissions = serializers.IntegerField(
+        source="n_submissions", read_only=True, help_text="client compendiums stored"
+    )
+    organizations = serializers.IntegerField(
+        source="n_organizations", read_only=True, help_text="organizations that submitted"
+    )
+    submitted_bytes = serializers.IntegerField(
+        source="n_submitted_bytes", read_only=True, allow_null=True
+    )
+    submitted_gzip_bytes = serializers.IntegerField(
+        source="n_submitted_gzip_bytes", read_only=True, allow_null=True
+    )
+
+    class Meta:
+        model = Round
+        fields = [
+            "id",
+            "number",
+            "state",
+            "config",
+            "failure_reason",
+            "opened_at",
+            "closed_at",
+            "published_at",
+            "submissions",
+            "organizations",
+            "submitted_bytes",
+            "submitted_gzip_bytes",
+        ]
+
+
+class RoundConfigSerializer(serializers.Serializer):
+    """The replayable configuration of a round (every field optional: defaults apply)."""
+
+    tau = serializers.FloatField(required=False)
+    epsilon = serializers.FloatField(required=False)
+    field_cap = serializers.IntegerField(required=False, allow_null=True)
+    mask_strength = serializers.FloatField(required=False)
+    summarizer = serializers.ChoiceField(
+        choices=list(RoundConfig.model_fields["summarizer"].annotation.__args__), required=False
+    )
+    textgrad_steps = serializers.IntegerField(required=False)
+    robust_rule = serializers.ChoiceField(
+        choices=list(RoundConfig.model_fields["robust_rule"].annotation.__args__), required=False
+    )
+    trim_fraction = serializers.FloatField(required=False)
+    seed = serializers.IntegerField(required=False)
+
+
+class FailRoundSerializer(serializers.Serializer):
+    reason = serializers.CharField(max_length=2000)
+
+
+class GlobalCompendiumSerializer(serializers.Serializer):
+    round = serializers.IntegerField()
+    sha256 = serializers.CharField()
+    published_at = serializers.DateTimeField()
+    compendium = serializers.JSONField()
+
+
+class OrganizationSerializer(serializers.ModelSerializer):
+    class Meta:
+        model = Organization
+        fields = ["id", "name", "slug", "description", "created_at"]
+        read_only_fields = ["id", "created_at"]
+        extra_kwargs = {"slug": {"required": False}, "name": {"validators": []}}
+
+
+class ClientSerializer(serializers.ModelSerializer):
+    organization = serializers.SlugRelatedField(slug_field="slug", read_only=True)
+    token_prefix = serializers.SerializerMethodField()
+    token_issued_at = serializers.SerializerMethodField()
+
+    class Meta:
+        model = Client
+        fields = [
+            "id",
+            "organization",
+            "name",
+            "description",
+            "contact",
+            "status",
+            "created_at",
+            "token_prefix",
+            "token_issued_at",
+        ]
+
+    def _token(self, obj):
+        try:
+            return obj.token
+        except Client.token.RelatedObjectDoesNotExist:
+            return None
+
+    def get_token_prefix(self, obj) -> str | None:
+        token = self._token(obj)
+        return token.prefix if token else None
+
+    def get_token_issued_at(self, obj) -> str | None:
+        token = self._token(obj)
+        return token.issued_at.isoformat() if token else None
+
+
+class EnrollSerializer(serializers.Serializer):
+    organization = serializers.SlugField(
+        required=False, help_text="slug; needed by the operator, implied for an organization admin"
+    )
+    name = serializers.CharField(max_length=200)
+    description = serializers.CharField(required=False, allow_blank=True, default="")
+    contact = serializers.CharField(max_length=254, required=False, allow_blank=True, default="")
+
+
+class RevokeSerializer(serializers.Serializer):
+    reason = serializers.CharField(required=False, allow_blank=True, default="")
+
+
+class IssuedTokenSerializer(serializers.Serializer):
+    client = ClientSerializer()
+    token = serializers.CharField(help_text="shown once; store it now, only its hash is kept")
+
+
+class AuditLogSerializer(serializers.ModelSerializer):
+    organization = serializers.SlugRelatedField(slug_field="slug", read_only=True)
+    actor = serializers.CharField(source="actor_label")
+
+    class Meta:
+        model = AuditLog
+        fields = [
+            "id",
+            "created_at",
+            "actor",
+            "action",
+            "organization",
+            "target_type",
+            "target_id",
+            "target_label",
+            "ip",
+            "details",
+        ]
+
+
+class FederationSettingsSerializer(serializers.ModelSerializer):
+    class Meta:
+        model = FederationSettings
+        fields = [
+            "epsilon_budget",
+            "delta_prime",
+            "allow_admin_approval",
+            "max_submission_bytes",
+            "submissions_per_minute",
+            "enrollments_per_hour",
+            "updated_at",
+        ]
+        read_only_fields = ["updated_at"]

@@ -1,0 +1,518 @@
+"""REST API of the federation (thin: the services decide and check)."""
+
+from __future__ import annotations
+
+from django.shortcuts import get_object_or_404
+from drf_spectacular.types import OpenApiTypes
+from drf_spectacular.utils import (
+    OpenApiParameter,
+    OpenApiResponse,
+    extend_schema,
+)
+from pydantic import ValidationError as PydanticValidationError
+from rest_framework import exceptions, generics, serializers, status
+from rest_framework.permissions import BasePermission
+from rest_framework.response import Response
+from rest_framework.views import APIView
+
+from compendium.models import CompendiumVersion
+from federation import services, submissions
+from federation.api.authentication import (
+    ANY_AUTH,
+    CLIENT_AUTH,
+    PEOPLE_AUTH,
+    ClientPrincipal,
+    UserTokenAuthentication,
+)
+from federation.api.serializers import (
+    AuditLogSerializer,
+    ClientSerializer,
+    DetailSerializer,
+    EnrollSerializer,
+    FailRoundSerializer,
+    FederationSettingsSerializer,
+    GlobalCompendiumSerializer,
+    InvalidSubmissionSerializer,
+    IssuedTokenSerializer,
+    OrganizationSerializer,
+    RevokeSerializer,
+    RoundConfigSerializer,
+    RoundSerializer,
+    SubmissionResultSerializer,
+)
+from federation.errors import FederationError, InvalidRequest, NotAllowed
+from federation.models import AuditLog, Client, Organization, Round
+
+DETAIL = OpenApiResponse(DetailSerializer)
+
+
+# --- permissions and the common base ----------------------------------------------------------
+
+
+class IsClient(BasePermission):
+    message = "this endpoint is for clients: authenticate with the client's API token"
+
+    def has_permission(self, request, view):
+        return isinstance(request.user, ClientPrincipal)
+
+
+class IsPerson(BasePermission):
+    message = "this endpoint is for people (operator, organization admins and members)"
+
+    def has_permission(self, request, view):
+        user = request.user
+        return bool(user and user.is_authenticated and not isinstance(user, ClientPrincipal))
+
+
+class IsAuthenticatedAny(BasePermission):
+    def has_permission(self, request, view):
+        return bool(request.user and request.user.is_authenticated)
+
+
+def client_ip(request) -> str | None:
+    return request.META.get("REMOTE_ADDR") or None
+
+
+def actor_for(request) -> services.Actor:
+    return services.Actor.for_user(request.user, client_ip(request))
+
+
+class FederationView(APIView):
+    """Maps the services' domain errors to responses: 400/403/404/409/413/422/429."""
+
+    def handle_exception(self, exc):
+        if isinstance(exc, submissions.SubmissionInvalid):
+            body = {"detail": exc.detail, "violations": [v.as_dict() for v in exc.violations]}
+            return Response(body, status=400)
+        if isinstance(exc, FederationError):
+            response = Response({"detail": exc.detail}, status=exc.status_code)
+            retry_after = getattr(exc, "retry_after", None)
+            if retry_after is not None:
+                response["Retry-After"] = str(retry_after)
+            return response
+        if isinstance(exc, PydanticValidationError):
+            errors = "; ".join(
+                f"{'.'.join(str(p) for p in e['loc'])}: {e['msg']}" for e in exc.errors()
+            )
+            return Response({"detail": f"invalid round configuration: {errors}"}, status=400)
+        return super().handle_exception(exc)
+
+
+class FederationGenericView(FederationView, generics.GenericAPIView):
+    pass
+
+
+# --- clients: submissions ---------------------------------------------------------------------
+
+
+class SubmissionView(FederationView):
+    # People's tokens are recognized so that a person gets 403 (not a client), not 401.
+    authentication_classes = CLIENT_AUTH + [UserTokenAuthentication]
+    permission_classes = [IsClient]
+    parser_classes: list = []  # the body is read raw, after its declared length was checked
+
+    @extend_schema(
+        summary="Submit the client's compendium for the open round",
+        request={"application/json": OpenApiTypes.OBJECT},
+        parameters=[
+            OpenApiParameter(
+                "Idempotency-Key",
+                str,
+                OpenApiParameter.HEADER,
+                required=True,
+                description="1-200 characters; a retry with the same key returns the same result",
+            )
+        ],
+        responses={
+            201: SubmissionResultSerializer,
+            400: InvalidSubmissionSerializer,
+            401: DETAIL,
+            403: DETAIL,
+            409: DETAIL,
+            413: DETAIL,
+            422: DETAIL,
+            429: DETAIL,
+        },
+    )
+    def post(self, request):
+        submissions.check_declared_length(request.META.get("CONTENT_LENGTH"))
+        limit = submissions.max_submission_bytes()
+        body = request._request.read(limit + 1)
+        if len(body) > limit:
+            raise submissions.PayloadTooLarge(f"the body exceeds the limit of {limit} bytes")
+        outcome = submissions.submit(request.auth, body, request.META.get("HTTP_IDEMPOTENCY_KEY"))
+        response = Response(outcome.body, status=outcome.status_code)
+        if outcome.replayed:
+            response["Idempotent-Replayed"] = "true"
+        return response
+
+
+# --- everyone authenticated: rounds, schema, global compendium -------------------------------
+
+
+@extend_schema(
+    parameters=[
+        OpenApiParameter("state", str, enum=Round.State.values, description="only rounds in this state")
+    ]
+)
+class RoundListView(FederationView, generics.ListAPIView):
+    """Rounds with their state, configuration and submission figures, newest first."""
+
+    authentication_classes = ANY_AUTH
+    permission_classes = [IsAuthenticatedAny]
+    serializer_class = RoundSerializer
+
+    def get_queryset(self):
+        queryset = Round.objects.all()
+        state = self.request.query_params.get("state")
+        if state:
+            if state not in Round.State.values:
+                raise InvalidRequest(f"state must be one of {', '.join(Round.State.values)}")
+            queryset = queryset.filter(state=state)
+        return services.round_figures(queryset).order_by("-number")
+
+
+class RoundDetailView(FederationView, generics.RetrieveAPIView):
+    authentication_classes = ANY_AUTH
+    permission_classes = [IsAuthenticatedAny]
+    serializer_class = RoundSerializer
+
+    def get_queryset(self):
+        return services.round_figures(Round.objects.all())
+
+
+class SchemaView(FederationView):
+    authentication_classes = ANY_AUTH
+    permission_classes = [IsAuthenticatedAny]
+
+    @extend_schema(
+        summary="The compendium schema S in force (tool registry, numeric fields, limits)",
+        responses={200: OpenApiTypes.OBJECT},
+    )
+    def get(self, request):
+        return Response(submissions.schema_in_force().model_dump(mode="json"))
+
+
+def _etag_matches(header: str, etag: str) -> bool:
+    if not header:
+        return False
+    if header.strip() == "*":
+        return True
+    for candidate in header.split(","):
+        candidate = candidate.strip()
+        if candidate.startswith("W/"):
+            candidate = candidate[2:]
+        if candidate == etag:
+            return True
+    return False
+
+
+class GlobalCompendiumView(FederationView):
+    authentication_classes = ANY_AUTH
+    permission_classes = [IsAuthenticatedAny]
+
+    @extend_schema(
+        summary="The latest published global compendium (or that of ?round=N)",
+        parameters=[OpenApiParameter("round", int, description="round number")],
+        responses={200: GlobalCompendiumSerializer, 304: None, 400: DETAIL, 404: DETAIL},
+    )
+    def get(self, request):
+        versions = CompendiumVersion.objects.filter(
+            kind=CompendiumVersion.Kind.GLOBAL, round__state=Round.State.PUBLISHED
+        ).select_related("round")
+        number = request.query_params.get("round")
+        if number is not None:
+            if not number.isdigit():
+                raise InvalidRequest("round must be a round number")
+            versions = versions.filter(round__number=int(number))
+        etag_only = versions.order_by("-round__number").values("sha256").first()
+        if etag_only is None:
+            which = f"for round {number}" if number is not None else "yet"
+            raise exceptions.NotFound(f"no global compendium is published {which}")
+        etag = f'"{etag_only["sha256"]}"'
+        if _etag_matches(request.META.get("HTTP_IF_NONE_MATCH", ""), etag):
+            return Response(status=status.HTTP_304_NOT_MODIFIED, headers={"ETag": etag})
+        version = versions.order_by("-round__number").first()
+        body = {
+            "round": version.round.number,
+            "sha256": version.sha256,
+            "published_at": version.round.published_at,
+            "compendium": version.content,
+        }
+        return Response(body, headers={"ETag": etag})
+
+
+# --- people: organization-scoped administration ----------------------------------------------
+
+
+def _scoped(queryset, user, field: str = "organization_id"):
+    visible = services.visible_organization_ids(user)
+    return queryset if visible is None else queryset.filter(**{f"{field}__in": visible})
+
+
+class OrganizationListView(FederationView, generics.ListCreateAPIView):
+    """Organizations: the operator sees and creates all; others see their own."""
+
+    authentication_classes = PEOPLE_AUTH
+    permission_classes = [IsPerson]
+    serializer_class = OrganizationSerializer
+
+    def get_queryset(self):
+        return _scoped(Organization.objects.all(), self.request.user, "id")
+
+    @extend_schema(responses={201: OrganizationSerializer, 403: DETAIL, 409: DETAIL})
+    def post(self, request, *args, **kwargs):
+        data = OrganizationSerializer(data=request.data)
+        data.is_valid(raise_exception=True)
+        org = services.create_organization(
+            actor_for(request),
+            data.validated_data["name"],
+            data.validated_data.get("slug", ""),
+            data.validated_data.get("description", ""),
+        )
+        return Response(OrganizationSerializer(org).data, status=201)
+
+
+@extend_schema(
+    parameters=[
+        OpenApiParameter("status", str, enum=Client.Status.values),
+        OpenApiParameter("organization", str, description="organization slug (operator)"),
+    ]
+)
+class ClientListView(FederationGenericView, generics.ListAPIView):
+    """Clients of the organizations the caller may see; POST enrolls a new (pending) client."""
+
+    authentication_classes = PEOPLE_AUTH
+    permission_classes = [IsPerson]
+    serializer_class = ClientSerializer
+
+    def get_queryset(self):
+        queryset = _scoped(
+            Client.objects.select_related("organization", "token"), self.request.user
+        )
+        params = self.request.query_params
+        if params.get("status"):
+            queryset = queryset.filter(status=params["status"])
+        if params.get("organization"):
+            queryset = queryset.filter(organization__slug=params["organization"])
+        return queryset.order_by("organization__name", "name")
+
+    @extend_schema(
+        request=EnrollSerializer,
+        responses={201: ClientSerializer, 400: DETAIL, 403: DETAIL, 409: DETAIL, 429: DETAIL},
+    )
+    def post(self, request):
+        data = EnrollSerializer(data=request.data)
+        data.is_valid(raise_exception=True)
+        actor = actor_for(request)
+        slug = data.validated_data.get("organization")
+        membership = services.membership_of(request.user)
+        if slug:
+            organization = Organization.objects.filter(slug=slug).first()
+            if organization is None or not services.can_view(actor, organization.pk):
+                raise InvalidRequest(f"no organization {slug!r} that you may manage")
+        elif membership is not None:
+            organization = membership.organization
+        else:
+            raise InvalidRequest("organization (slug) is required")
+        client = services.enroll_client(
+            actor,
+            organization,
+            data.validated_data["name"],
+            data.validated_data["description"],
+            data.validated_data["contact"],
+        )
+        return Response(ClientSerializer(client).data, status=201)
+
+
+class ClientDetailView(FederationGenericView, generics.RetrieveAPIView):
+    authentication_classes = PEOPLE_AUTH
+    permission_classes = [IsPerson]
+    serializer_class = ClientSerializer
+
+    def get_queryset(self):
+        return _scoped(Client.objects.select_related("organization", "token"), self.request.user)
+
+
+class _ClientActionView(FederationGenericView):
+    """Base of approve/rotate/revoke: the client must be visible to the caller (else 404)."""
+
+    authentication_classes = PEOPLE_AUTH
+    permission_classes = [IsPerson]
+    serializer_class = ClientSerializer
+
+    def get_queryset(self):
+        return _scoped(Client.objects.all(), self.request.user)
+
+    def visible_client(self, pk) -> Client:
+        return get_object_or_404(self.get_queryset(), pk=pk)
+
+
+class ClientApproveView(_ClientActionView):
+    @extend_schema(
+        request=None,
+        responses={200: IssuedTokenSerializer, 403: DETAIL, 404: DETAIL, 409: DETAIL},
+        summary="Approve a pending client; its API token is in the answer, once",
+    )
+    def post(self, request, pk):
+        issued = services.approve_client(actor_for(request), self.visible_client(pk))
+        return Response({"client": ClientSerializer(issued.client).data, "token": issued.token})
+
+
+class ClientRotateView(_ClientActionView):
+    @extend_schema(
+        request=None,
+        responses={200: IssuedTokenSerializer, 403: DETAIL, 404: DETAIL, 409: DETAIL},
+        summary="Issue a new token; the previous one stops working at once",
+    )
+    def post(self, request, pk):
+        issued = services.rotate_client_token(actor_for(request), self.visible_client(pk))
+        return Response({"client": ClientSerializer(issued.client).data, "token": issued.token})
+
+
+class ClientRevokeView(_ClientActionView):
+    @extend_schema(
+        request=RevokeSerializer,
+        responses={200: ClientSerializer, 403: DETAIL, 404: DETAIL, 409: DETAIL},
+        summary="Revoke a client; its token stops working at once",
+    )
+    def post(self, request, pk):
+        data = RevokeSerializer(data=request.data)
+        data.is_valid(raise_exception=True)
+        client = services.revoke_client(
+            actor_for(request), self.visible_client(pk), data.validated_data["reason"]
+        )
+        return Response(ClientSerializer(client).data)
+
+
+@extend_schema(
+    parameters=[
+        OpenApiParameter("action", str, enum=AuditLog.Action.values),
+        OpenApiParameter("organization", str, description="organization slug"),
+        OpenApiParameter("actor", str, description="username (or 'system', 'merge pipeline')"),
+        OpenApiParameter("target_type", str),
+        OpenApiParameter("since", OpenApiTypes.DATETIME),
+        OpenApiParameter("until", OpenApiTypes.DATETIME),
+    ]
+)
+class AuditLogView(FederationView, generics.ListAPIView):
+    """The audit log, newest first. Organization admins and members see their organization's
+    entries; the operator sees everything (federation-wide entries have no organization)."""
+
+    authentication_classes = PEOPLE_AUTH
+    permission_classes = [IsPerson]
+    serializer_class = AuditLogSerializer
+
+    def get_queryset(self):
+        queryset = _scoped(AuditLog.objects.select_related("organization"), self.request.user)
+        params = self.request.query_params
+        if params.get("action"):
+            queryset = queryset.filter(action=params["action"])
+        if params.get("organization"):
+            queryset = queryset.filter(organization__slug=params["organization"])
+        if params.get("actor"):
+            queryset = queryset.filter(actor_label=params["actor"])
+        if params.get("target_type"):
+            queryset = queryset.filter(target_type=params["target_type"])
+        for name, lookup in (("since", "gte"), ("until", "lt")):
+            if params.get(name):
+                value = serializers.DateTimeField().to_internal_value(params[name])
+                queryset = queryset.filter(**{f"created_at__{lookup}": value})
+        return queryset
+
+
+# --- operator: rounds and settings ------------------------------------------------------------
+
+
+class IsOperator(BasePermission):
+    message = "only the federation operator may do this"
+
+    def has_permission(self, request, view):
+        return bool(IsPerson().has_permission(request, view) and request.user.is_superuser)
+
+
+class RoundOpenView(FederationView):
+    authentication_classes = PEOPLE_AUTH
+    permission_classes = [IsOperator]
+
+    @extend_schema(
+        request=RoundConfigSerializer,
+        responses={201: RoundSerializer, 400: DETAIL, 403: DETAIL, 409: DETAIL},
+        summary="Open the next round with its configuration (operator)",
+    )
+    def post(self, request):
+        data = RoundConfigSerializer(data=request.data)
+        data.is_valid(raise_exception=True)
+        rnd = services.open_round(actor_for(request), dict(data.validated_data))
+        rnd = services.round_figures(Round.objects.filter(pk=rnd.pk)).get()
+        return Response(RoundSerializer(rnd).data, status=201)
+
+
+class _RoundActionView(FederationView):
+    authentication_classes = PEOPLE_AUTH
+    permission_classes = [IsOperator]
+
+    def respond(self, rnd: Round) -> Response:
+        rnd = services.round_figures(Round.objects.filter(pk=rnd.pk)).get()
+        return Response(RoundSerializer(rnd).data)
+
+
+class RoundCloseView(_RoundActionView):
+    @extend_schema(
+        request=None,
+        responses={200: RoundSerializer, 403: DETAIL, 404: DETAIL, 409: DETAIL},
+        summary="Close an open round (operator); the merge pipeline starts after commit",
+    )
+    def post(self, request, pk):
+        return self.respond(services.close_round(actor_for(request), pk))
+
+
+class RoundRetryView(_RoundActionView):
+    @extend_schema(
+        request=None,
+        responses={200: RoundSerializer, 403: DETAIL, 404: DETAIL, 409: DETAIL},
+        summary="Retry a failed round (operator): failed -> closing, the pipeline starts again",
+    )
+    def post(self, request, pk):
+        return self.respond(services.retry_round(actor_for(request), pk))
+
+
+class RoundFailView(_RoundActionView):
+    @extend_schema(
+        request=FailRoundSerializer,
+        responses={200: RoundSerializer, 403: DETAIL, 404: DETAIL, 409: DETAIL},
+        summary="Mark a closing or merging round failed, with a reason (operator)",
+    )
+    def post(self, request, pk):
+        data = FailRoundSerializer(data=request.data)
+        data.is_valid(raise_exception=True)
+        return self.respond(
+            services.mark_failed(pk, data.validated_data["reason"], actor_for(request))
+        )
+
+
+class SettingsView(FederationView):
+    """The federation's policy: every person may read it, only the operator changes it."""
+
+    authentication_classes = PEOPLE_AUTH
+    permission_classes = [IsPerson]
+
+    @extend_schema(responses={200: FederationSettingsSerializer})
+    def get(self, request):
+        return Response(FederationSettingsSerializer(services.get_settings()).data)
+
+    @extend_schema(
+        request=FederationSettingsSerializer,
+        responses={200: FederationSettingsSerializer, 400: DETAIL, 403: DETAIL, 409: DETAIL},
+    )
+    def patch(self, request):
+        if not request.user.is_superuser:
+            raise NotAllowed("only the federation operator may change the federation's settings")
+        data = FederationSettingsSerializer(services.get_settings(), data=request.data, partial=True)
+        data.is_valid(raise_exception=True)
+        row = services.update_settings(actor_for(request), **data.validated_data)
+        return Response(FederationSettingsSerializer(row).data)
+
+
+
+

@@ -1,0 +1,57 @@
+"""Domain errors of the federation services. Each carries the HTTP status the API answers with,
+so views stay thin and a refused operation is never a 500."""
+
+from __future__ import annotations
+
+
+class FederationError(Exception):
+    status_code = 400
+
+    def __init__(self, detail: str):
+        super().__init__(detail)
+        self.detail = detail
+
+
+class InvalidRequest(FederationError):
+    status_code = 400
+
+
+class NotAllowed(FederationError):
+    status_code = 403
+
+
+class NotFound(FederationError):
+    status_code = 404
+
+
+class Conflict(FederationError):
+    status_code = 409
+
+
+class InvalidTransition(Conflict):
+    """A round or client cannot go from its current state to the requested one."""
+
+
+class NoOpenRound(Conflict):
+    def __init__(self, detail: str = "no round is open"):
+        super().__init__(detail)
+
+
+class BudgetExceeded(Conflict):
+    pass
+
+
+class IdempotencyMismatch(FederationError):
+    status_code = 422
+
+
+class RateLimited(FederationError):
+    status_code = 429
+
+    def __init__(self, detail: str, retry_after: int):
+        super().__init__(detail)
+        self.retry_after = max(1, int(retry_after))
+
+
+class PayloadTooLarge(FederationError):
+    status_code = 413

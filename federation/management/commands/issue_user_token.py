@@ -1,0 +1,17 @@
+from django.contrib.auth import get_user_model
+from django.core.management.base import BaseCommand, CommandError
+
+from federation.services import Actor, issue_user_token
+
+
+class Command(BaseCommand):
+    help = "Issue an API token for a person (operator, organization admin or member); shown once."
+
+    def add_arguments(self, parser):
+        parser.add_argument("username")
+
+    def handle(self, *args, username, **options):
+        user = get_user_model().objects.filter(username=username).first()
+        if user is None:
+            raise CommandError(f"no user {username!r}")
+        self.stdout.write(issue_user_token(Actor.system("issue_user_token"), user))

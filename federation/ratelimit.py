@@ -1,0 +1,43 @@
+"""Fixed-window rate limits shared by every server process: one atomic upsert per hit."""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass
+from datetime import UTC, datetime
+
+from django.db import connection
+
+from federation.models import RateCounter
+
+_UPSERT = f"""
+INSERT INTO {RateCounter._meta.db_table} (key, window_start, count) VALUES (%s, %s, 1)
+ON CONFLICT (key, window_start) DO UPDATE SET count = {RateCounter._meta.db_table}.count + 1
+RETURNING count
+"""
+
+
+@dataclass(frozen=True)
+class Decision:
+    allowed: bool
+    count: int
+    limit: int
+    retry_after: int  # seconds until the window ends (meaningful when refused)
+
+
+def hit(key: str, limit: int, window_s: int, now: float | None = None) -> Decision:
+    """Count one event for `key` in the current window; refused once the count exceeds limit."""
+    now = time.time() if now is None else now
+    start = math.floor(now / window_s) * window_s
+    with connection.cursor() as cursor:
+        cursor.execute(_UPSERT, [key, datetime.fromtimestamp(start, UTC)])
+        (count,) = cursor.fetchone()
+    retry_after = max(1, math.ceil(start + window_s - now))
+    return Decision(count <= limit, count, limit, retry_after)
+
+
+def prune(older_than_s: int = 86400) -> int:
+    cutoff = datetime.fromtimestamp(time.time() - older_than_s, UTC)
+    deleted, _ = RateCounter.objects.filter(window_start__lt=cutoff).delete()
+    return deleted

@@ -1,0 +1,94 @@
+"""Shared fixtures of the federation tests: two organizations with people of every role."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import pytest
+from django.contrib.auth import get_user_model
+
+from compendium.models import NumericField
+from compendium.schema import DEFAULT_NUMERIC_FIELDS
+from compendium.services import current_schema, import_registry
+from federation import services
+from federation.models import Membership
+
+SYSTEM = services.Actor.system("tests")
+
+
+@dataclass
+class World:
+    org_a: object
+    org_b: object
+    operator: object
+    admin_a: object
+    member_a: object
+    admin_b: object
+    client_a: object
+    token_a: str
+    client_b: object
+    token_b: str
+    pending_a: object
+    pending_b: object
+
+    def actor(self, user):
+        return services.Actor.for_user(user, "10.0.0.1")
+
+
+def make_user(username, org=None, role=None, superuser=False):
+    user = get_user_model().objects.create_user(username)  # unusable password: fast
+    if superuser:
+        user.is_superuser = user.is_staff = True
+        user.save()
+    if org is not None:
+        Membership.objects.create(user=user, organization=org, role=role)
+    return user
+
+
+@pytest.fixture
+def registry(small_schema):
+    # The declared numeric fields come from a data migration; a transactional test's flush
+    # removes them, so they are put back here for the tests that follow one.
+    for spec in DEFAULT_NUMERIC_FIELDS:
+        NumericField.objects.get_or_create(
+            name=spec.name,
+            defaults={
+                "kind": spec.kind.value,
+                "min_value": spec.min,
+                "max_value": spec.max,
+                "sensitivity": spec.sensitivity,
+                "unit": spec.unit,
+                "description": spec.description,
+            },
+        )
+    import_registry(small_schema.tools)
+    return current_schema()
+
+
+@pytest.fixture
+def world(registry) -> World:
+    org_a = services.create_organization(SYSTEM, "Org A", "org-a")
+    org_b = services.create_organization(SYSTEM, "Org B", "org-b")
+    operator = make_user("op", superuser=True)
+    admin_a = make_user("admin_a", org_a, Membership.Role.ADMIN)
+    member_a = make_user("member_a", org_a, Membership.Role.MEMBER)
+    admin_b = make_user("admin_b", org_b, Membership.Role.ADMIN)
+    client_a = services.enroll_client(SYSTEM, org_a, "a1")
+    client_b = services.enroll_client(SYSTEM, org_b, "b1")
+    token_a = services.approve_client(SYSTEM, client_a).token
+    token_b = services.approve_client(SYSTEM, client_b).token
+    pending_a = services.enroll_client(SYSTEM, org_a, "a-pending")
+    pending_b = services.enroll_client(SYSTEM, org_b, "b-pending")
+    client_a.refresh_from_db()
+    client_b.refresh_from_db()
+    return World(
+        org_a, org_b, operator, admin_a, member_a, admin_b,
+        client_a, token_a, client_b, token_b, pending_a, pending_b,
+    )
+
+
+@pytest.fixture(autouse=True)
+def _fresh_settings_cache():
+    services.clear_settings_cache()
+    yield
+    services.clear_settings_cache()

@@ -1,0 +1,60 @@
+"""`make demo`'s bootstrap: a demo federation, idempotent across restarts."""
+
+from __future__ import annotations
+
+import io
+import json
+import re
+
+import pytest
+from django.contrib.auth import authenticate
+from django.core.management import call_command
+
+from federation import services
+from federation.models import Client, Membership, Organization, Round
+
+pytestmark = pytest.mark.django_db
+
+
+@pytest.fixture
+def registry_file(tmp_path):
+    path = tmp_path / "tools.jsonl"
+    path.write_text(
+        "\n".join(
+            json.dumps({"tool_id": t, "name": t, "description": f"the {t} tool", "category": "Demo"})
+            for t in ("weather", "flights", "calculator")
+        )
+    )
+    return path
+
+
+def run(registry_file) -> str:
+    out = io.StringIO()
+    call_command("bootstrap_demo", "--dataset", str(registry_file), stdout=out)
+    return out.getvalue()
+
+
+def test_bootstrap_creates_demo_federation_and_is_idempotent(registry_file):
+    first = run(registry_file)
+    assert "username: operator" in first
+    password = re.search(r"username: operator\n  password: (\S+)", first).group(1)
+    assert authenticate(username="operator", password=password).is_superuser
+    assert Organization.objects.count() == 3
+    assert Membership.objects.filter(role="admin").count() == 3
+    assert Client.objects.filter(status="approved").count() == 6
+    tokens = re.findall(r"token: (syn_c_\S+)", first)
+    assert len(tokens) == 6
+    assert {services.client_for_token(t).status for t in tokens} == {"approved"}
+    assert Round.objects.get().state == "open" and "round 1 is open (opened now)" in first
+    admin_line = re.search(r"username: (northwind-admin)\s+password: (\S+)", first)
+    admin = authenticate(username=admin_line.group(1), password=admin_line.group(2))
+    assert admin.membership.organization.slug == "northwind"
+
+    second = run(registry_file)
+    assert Organization.objects.count() == 3 and Client.objects.count() == 6
+    assert Round.objects.count() == 1 and "round 1 is open" in second
+    new_tokens = re.findall(r"token: (syn_c_\S+)", second)
+    assert len(new_tokens) == 6 and not set(new_tokens) & set(tokens)
+    with pytest.raises(services.TokenRejected):
+        services.client_for_token(tokens[0])
+    assert services.client_for_token(new_tokens[0]).status == "approved"

@@ -1,0 +1,486 @@
+"""The REST API on the real database: submissions, rounds, schema, global compendium, and the
+organization-scoped administration (every endpoint against every role)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from rest_framework.test import APIClient
+
+from compendium.models import CompendiumVersion, ScenarioEntry
+from compendium.schema import Compendium
+from compendium.services import store_compendium
+from federation import services
+from federation.models import AuditLog, Client, Round, Submission
+from tests.federation_fixtures import SYSTEM
+
+pytestmark = pytest.mark.django_db
+
+SUBMIT = "/api/v1/submissions/"
+
+
+def client_api(token: str | None = None, scheme: str = "Bearer") -> APIClient:
+    api = APIClient()
+    if token:
+        api.credentials(HTTP_AUTHORIZATION=f"{scheme} {token}")
+    return api
+
+
+def person_api(user) -> APIClient:
+    return client_api(services.issue_user_token(SYSTEM, user))
+
+
+def post_doc(api, doc, key="k1", **extra):
+    body = doc if isinstance(doc, bytes | str) else json.dumps(doc)
+    headers = {"HTTP_IDEMPOTENCY_KEY": key} if key is not None else {}
+    return api.post(SUBMIT, body, content_type="application/json", **headers, **extra)
+
+
+@pytest.fixture
+def open_round(world):
+    return services.open_round(SYSTEM)
+
+
+# --- submissions -------------------------------------------------------------------------------
+
+
+def test_submission_is_stored_and_replayed_with_same_key(world, open_round, valid_doc):
+    api = client_api(world.token_a)
+    first = post_doc(api, valid_doc, key="abc")
+    assert first.status_code == 201, first.content
+    body = first.json()
+    assert set(body) >= {"id", "round", "client", "sha256", "size_bytes", "gzip_bytes", "entry_counts"}
+    assert body["round"] == 1 and body["client"] == world.client_a.pk
+    assert body["entry_counts"]["scenarios"] == 2
+    version = CompendiumVersion.objects.get(kind="client", client=world.client_a)
+    assert version.sha256 == body["sha256"] and version.round == open_round
+
+    again = post_doc(api, valid_doc, key="abc")
+    assert again.status_code == 201
+    assert again.json() == body
+    assert again["Idempotent-Replayed"] == "true"
+    assert Submission.objects.count() == 1
+    assert CompendiumVersion.objects.filter(kind="client").count() == 1
+
+
+def test_token_scheme_is_also_accepted(world, open_round, valid_doc):
+    assert post_doc(client_api(world.token_a, "Token"), valid_doc).status_code == 201
+
+
+def test_same_key_with_other_body_is_refused(world, open_round, valid_doc):
+    api = client_api(world.token_a)
+    assert post_doc(api, valid_doc, key="abc").status_code == 201
+    valid_doc["scenarios"].pop()
+    response = post_doc(api, valid_doc, key="abc")
+    assert response.status_code == 422
+    assert "different body" in response.json()["detail"]
+
+
+def test_new_key_replaces_earlier_submission_of_the_round(world, open_round, valid_doc):
+    api = client_api(world.token_a)
+    first = post_doc(api, valid_doc, key="one").json()
+    valid_doc["scenarios"].pop()
+    second = post_doc(api, valid_doc, key="two")
+    assert second.status_code == 201 and second.json()["replaced"] is True
+    versions = CompendiumVersion.objects.filter(kind="client", client=world.client_a)
+    assert versions.count() == 1
+    assert versions.get().sha256 == second.json()["sha256"] != first["sha256"]
+    assert not CompendiumVersion.objects.filter(pk=first["version"]).exists()
+    assert ScenarioEntry.objects.filter(version__client=world.client_a).count() == 1
+    # The second key's replay is its own answer; nothing new is stored.
+    replay = post_doc(api, valid_doc, key="two")
+    assert replay.json() == second.json() and replay["Idempotent-Replayed"] == "true"
+    assert Submission.objects.filter(client=world.client_a).count() == 2
+
+
+def test_invalid_compendium_lists_every_violation_by_path(world, open_round, valid_doc):
+    valid_doc["metadata"][0]["stats"]["calls"] = 5000
+    valid_doc["scenarios"][1]["tool_id"] = "ghost"
+    valid_doc["templates"][0]["unexpected"] = 1
+    response = post_doc(client_api(world.token_a), valid_doc)
+    assert response.status_code == 400
+    paths = {v["path"] for v in response.json()["violations"]}
+    assert {"$.metadata[0].stats.calls", "$.scenarios[1].tool_id", "$.templates[0].unexpected"} <= paths
+    assert "detail" in response.json()
+    assert not Submission.objects.exists() and not CompendiumVersion.objects.exists()
+
+
+@pytest.mark.parametrize(
+    "body", [b"{not json", b"[]", b"\xff\xfe", b'{"a": NaN}', b"", b'{"scenarios": 1}']
+)
+def test_malformed_bodies_are_400_not_500(world, open_round, body):
+    response = post_doc(client_api(world.token_a), body)
+    assert response.status_code == 400
+    assert response.json()["violations"]
+
+
+@pytest.mark.parametrize("key", [None, "", "x" * 201])
+def test_idempotency_key_is_required_and_bounded(world, open_round, valid_doc, key):
+    response = post_doc(client_api(world.token_a), valid_doc, key=key)
+    assert response.status_code == 400
+    assert "Idempotency-Key" in response.json()["detail"]
+
+
+def test_submission_authentication(world, open_round, valid_doc):
+    assert post_doc(client_api(), valid_doc).status_code == 401
+    assert post_doc(client_api("syn_c_not-a-token"), valid_doc).status_code == 401
+    unknown = post_doc(client_api("garbage"), valid_doc)
+    assert unknown.status_code == 401 and unknown.json()["detail"]
+    # People may not submit, even the operator.
+    assert post_doc(person_api(world.operator), valid_doc).status_code == 403
+    services.revoke_client(SYSTEM, world.client_a)
+    revoked = post_doc(client_api(world.token_a), valid_doc)
+    assert revoked.status_code == 403 and "revoked" in revoked.json()["detail"]
+    assert not Submission.objects.exists()
+
+
+def test_no_open_round_is_409(world, valid_doc):
+    response = post_doc(client_api(world.token_a), valid_doc)
+    assert response.status_code == 409
+    assert response.json() == {"detail": "no round is open"}
+
+
+def test_closed_round_takes_no_more_submissions(world, open_round, valid_doc):
+    services.close_round(SYSTEM, open_round)
+    assert post_doc(client_api(world.token_a), valid_doc).status_code == 409
+
+
+def test_body_over_the_limit_is_413(world, open_round, valid_doc):
+    services.update_settings(SYSTEM, max_submission_bytes=200)
+    response = post_doc(client_api(world.token_a), valid_doc)
+    assert response.status_code == 413
+    assert "limit is 200 bytes" in response.json()["detail"]
+    assert not Submission.objects.exists()
+
+
+def test_rate_limit_is_429_with_retry_after(world, open_round, valid_doc):
+    services.update_settings(SYSTEM, submissions_per_minute=1)
+    api = client_api(world.token_a)
+    assert post_doc(api, valid_doc, key="a").status_code == 201
+    limited = post_doc(api, valid_doc, key="b")
+    assert limited.status_code == 429
+    assert 1 <= int(limited["Retry-After"]) <= 60
+    # A replay of a stored key is still answered: it stores nothing.
+    assert post_doc(api, valid_doc, key="a").status_code == 201
+    # Another client has its own budget.
+    assert post_doc(client_api(world.token_b), valid_doc, key="a").status_code == 201
+
+
+def test_personal_data_is_scrubbed_on_arrival(world, open_round, valid_doc):
+    valid_doc["scenarios"][0]["text"] = "Weather for jane@example.org, call +44 20 7946 0958"
+    response = post_doc(client_api(world.token_a), valid_doc)
+    assert response.status_code == 201 and response.json()["scrubbed"] == 2
+    stored = CompendiumVersion.objects.get(kind="client")
+    texts = [s["text"] for s in stored.content["scenarios"]]
+    assert "Weather for [email], call [phone]" in texts
+    assert "jane@example.org" not in json.dumps(stored.content)
+
+
+# --- rounds, schema, global compendium ---------------------------------------------------------
+
+
+def test_rounds_list_and_detail_with_figures(world, open_round, valid_doc):
+    post_doc(client_api(world.token_a), valid_doc)
+    post_doc(client_api(world.token_b), valid_doc)
+    api = client_api(world.token_a)
+    listing = api.get("/api/v1/rounds/?state=open").json()
+    assert listing["count"] == 1
+    row = listing["results"][0]
+    assert {"id", "number", "state", "config"} <= set(row)
+    assert row["submissions"] == 2 and row["organizations"] == 2 and row["submitted_bytes"] > 0
+    assert api.get("/api/v1/rounds/?state=published").json()["count"] == 0
+    assert api.get("/api/v1/rounds/?state=bogus").status_code == 400
+    detail = person_api(world.member_a).get(f"/api/v1/rounds/{open_round.pk}/")
+    assert detail.status_code == 200 and detail.json()["number"] == 1
+    assert api.get("/api/v1/rounds/999999/").status_code == 404
+    assert client_api().get("/api/v1/rounds/").status_code == 401
+
+
+def test_schema_endpoint(world):
+    response = client_api(world.token_a).get("/api/v1/compendium/schema/")
+    assert response.status_code == 200
+    assert {t["tool_id"] for t in response.json()["tools"]} == {"weather", "flights", "calculator"}
+
+
+def _publish_global(valid_doc, number_of_rounds=1):
+    for _ in range(number_of_rounds):
+        rnd = services.open_round(SYSTEM)
+        services.close_round(SYSTEM, rnd)
+        services.mark_merging(rnd)
+        store_compendium(Compendium.model_validate(valid_doc), kind="global", round=rnd)
+        services.mark_published(rnd)
+    return rnd
+
+
+def test_global_compendium_etag_and_rounds(world, valid_doc):
+    api = client_api(world.token_a)
+    assert api.get("/api/v1/compendium/global/").status_code == 404
+    _publish_global(valid_doc)
+    valid_doc["scenarios"].pop()
+    _publish_global(valid_doc)
+    response = api.get("/api/v1/compendium/global/")
+    assert response.status_code == 200
+    body = response.json()
+    assert body["round"] == 2 and len(body["compendium"]["scenarios"]) == 1
+    assert response["ETag"] == f'"{body["sha256"]}"'
+    cached = api.get("/api/v1/compendium/global/", HTTP_IF_NONE_MATCH=response["ETag"])
+    assert cached.status_code == 304 and cached["ETag"] == response["ETag"]
+    older = api.get("/api/v1/compendium/global/?round=1")
+    assert older.json()["round"] == 1 and older["ETag"] != response["ETag"]
+    assert api.get("/api/v1/compendium/global/?round=1", HTTP_IF_NONE_MATCH='"x"').status_code == 200
+    assert api.get("/api/v1/compendium/global/?round=abc").status_code == 400
+
+
+def test_unpublished_global_compendium_is_not_served(world, valid_doc):
+    rnd = services.open_round(SYSTEM)
+    services.close_round(SYSTEM, rnd)
+    services.mark_merging(rnd)
+    store_compendium(Compendium.model_validate(valid_doc), kind="global", round=rnd)
+    api = client_api(world.token_a)
+    assert api.get("/api/v1/compendium/global/").status_code == 404
+    assert api.get("/api/v1/compendium/global/?round=1").status_code == 404
+
+
+def test_openapi_schema_and_docs_render(world):
+    api = APIClient()
+    schema = api.get("/api/schema/")
+    assert schema.status_code == 200
+    text = schema.content.decode()
+    for path in ("/api/v1/submissions/", "/api/v1/compendium/global/", "/api/v1/admin/clients/"):
+        assert path in text
+    assert api.get("/api/docs/").status_code == 200
+
+
+# --- organization-scoped administration: every endpoint against every role ----------------------
+
+ROLES = ["operator", "admin_a", "member_a", "admin_b"]
+
+
+def _api_for(world, role):
+    return person_api(getattr(world, role if role != "operator" else "operator"))
+
+
+@pytest.mark.parametrize(
+    ("role", "expected"),
+    [("operator", 200), ("admin_a", 200), ("member_a", 200), ("admin_b", 404)],
+)
+def test_client_detail_scope(world, role, expected):
+    response = _api_for(world, role).get(f"/api/v1/admin/clients/{world.client_a.pk}/")
+    assert response.status_code == expected
+
+
+@pytest.mark.parametrize(
+    ("role", "visible"),
+    [
+        ("operator", {"org-a", "org-b"}),
+        ("admin_a", {"org-a"}),
+        ("member_a", {"org-a"}),
+        ("admin_b", {"org-b"}),
+    ],
+)
+def test_client_list_scope(world, role, visible):
+    api = _api_for(world, role)
+    rows = api.get("/api/v1/admin/clients/").json()["results"]
+    assert {r["organization"] for r in rows} == visible
+    assert all("token" not in r for r in rows)
+    # Filtering by a foreign organization yields nothing, never its clients.
+    foreign = api.get("/api/v1/admin/clients/?organization=org-a").json()["results"]
+    assert bool(foreign) == ("org-a" in visible)
+
+
+@pytest.mark.parametrize(
+    ("role", "expected"),
+    [("operator", 201), ("admin_a", 201), ("member_a", 403), ("admin_b", 400)],
+)
+def test_enroll_scope(world, role, expected):
+    response = _api_for(world, role).post(
+        "/api/v1/admin/clients/",
+        {"organization": "org-a", "name": "laptop-7", "contact": "it@a.example"},
+        format="json",
+    )
+    assert response.status_code == expected, response.content
+    created = Client.objects.filter(organization=world.org_a, name="laptop-7")
+    assert created.exists() == (expected == 201)
+    if expected == 201:
+        assert created.get().status == "pending"
+
+
+def test_admin_enrolls_into_own_organization_without_naming_it(world):
+    response = person_api(world.admin_b).post(
+        "/api/v1/admin/clients/", {"name": "edge-box"}, format="json"
+    )
+    assert response.status_code == 201 and response.json()["organization"] == "org-b"
+
+
+@pytest.mark.parametrize(
+    ("role", "policy", "expected"),
+    [
+        ("operator", False, 200),
+        ("admin_a", False, 403),
+        ("admin_a", True, 200),
+        ("member_a", True, 403),
+        ("admin_b", True, 404),
+    ],
+)
+def test_approve_scope(world, role, policy, expected):
+    services.update_settings(SYSTEM, allow_admin_approval=policy)
+    response = _api_for(world, role).post(f"/api/v1/admin/clients/{world.pending_a.pk}/approve/")
+    assert response.status_code == expected, response.content
+    world.pending_a.refresh_from_db()
+    assert (world.pending_a.status == "approved") == (expected == 200)
+    if expected == 200:
+        token = response.json()["token"]
+        assert services.client_for_token(token) == world.pending_a
+        # Shown once: the client listing never shows it again.
+        listing = _api_for(world, role).get(f"/api/v1/admin/clients/{world.pending_a.pk}/")
+        assert token not in listing.content.decode()
+
+
+@pytest.mark.parametrize(
+    ("role", "expected"),
+    [("operator", 200), ("admin_a", 200), ("member_a", 403), ("admin_b", 404)],
+)
+def test_rotate_scope(world, role, expected, open_round, valid_doc):
+    response = _api_for(world, role).post(f"/api/v1/admin/clients/{world.client_a.pk}/rotate/")
+    assert response.status_code == expected
+    old_works = post_doc(client_api(world.token_a), valid_doc).status_code == 201
+    assert old_works == (expected != 200)
+    if expected == 200:
+        assert post_doc(client_api(response.json()["token"]), valid_doc, key="k2").status_code == 201
+
+
+@pytest.mark.parametrize(
+    ("role", "expected"),
+    [("operator", 200), ("admin_a", 200), ("member_a", 403), ("admin_b", 404)],
+)
+def test_revoke_scope(world, role, expected, open_round, valid_doc):
+    response = _api_for(world, role).post(
+        f"/api/v1/admin/clients/{world.client_a.pk}/revoke/", {"reason": "lost"}, format="json"
+    )
+    assert response.status_code == expected
+    status = post_doc(client_api(world.token_a), valid_doc).status_code
+    assert status == (403 if expected == 200 else 201)
+
+
+@pytest.mark.parametrize(
+    ("role", "visible"),
+    [
+        ("operator", {"org-a", "org-b", None}),
+        ("admin_a", {"org-a"}),
+        ("member_a", {"org-a"}),
+        ("admin_b", {"org-b"}),
+    ],
+)
+def test_audit_log_scope_and_filters(world, role, visible):
+    services.update_settings(SYSTEM, epsilon_budget=30.0)  # a federation-wide entry
+    api = _api_for(world, role)
+    rows = api.get("/api/v1/admin/audit/?limit=500").json()["results"]
+    assert {r["organization"] for r in rows} == visible
+    approvals = api.get("/api/v1/admin/audit/?action=client.approve").json()["results"]
+    assert approvals and all(r["action"] == "client.approve" for r in approvals)
+    foreign = api.get("/api/v1/admin/audit/?organization=org-a").json()["results"]
+    assert bool(foreign) == ("org-a" in visible)
+    assert api.get("/api/v1/admin/audit/?since=2999-01-01T00:00:00Z").json()["count"] == 0
+
+
+@pytest.mark.parametrize(
+    ("role", "visible"),
+    [("operator", {"org-a", "org-b"}), ("admin_a", {"org-a"}), ("admin_b", {"org-b"})],
+)
+def test_organization_scope(world, role, visible):
+    api = _api_for(world, role)
+    assert {o["slug"] for o in api.get("/api/v1/admin/organizations/").json()["results"]} == visible
+    created = api.post("/api/v1/admin/organizations/", {"name": "Org C"}, format="json")
+    assert created.status_code == (201 if role == "operator" else 403)
+
+
+@pytest.mark.parametrize("role", ["admin_a", "member_a", "admin_b"])
+def test_only_operator_drives_rounds_and_settings(world, role):
+    api = _api_for(world, role)
+    assert api.post("/api/v1/admin/rounds/", {}, format="json").status_code == 403
+    rnd = services.open_round(SYSTEM)
+    assert api.post(f"/api/v1/admin/rounds/{rnd.pk}/close/").status_code == 403
+    assert api.patch("/api/v1/admin/settings/", {"epsilon_budget": 99}, format="json").status_code == 403
+    assert api.get("/api/v1/admin/settings/").status_code == 200
+    rnd.refresh_from_db()
+    assert rnd.state == "open"
+
+
+@pytest.mark.parametrize(
+    "path",
+    [
+        "/api/v1/admin/clients/",
+        "/api/v1/admin/audit/",
+        "/api/v1/admin/organizations/",
+        "/api/v1/admin/settings/",
+    ],
+)
+def test_admin_endpoints_refuse_clients_and_anonymous(world, path):
+    assert client_api(world.token_a).get(path).status_code == 403
+    assert client_api().get(path).status_code in (401, 403)
+
+
+def test_operator_round_lifecycle_over_the_api(world):
+    api = person_api(world.operator)
+    opened = api.post("/api/v1/admin/rounds/", {"tau": 0.8, "seed": 3}, format="json")
+    assert opened.status_code == 201 and opened.json()["config"]["tau"] == 0.8
+    rid = opened.json()["id"]
+    assert api.post("/api/v1/admin/rounds/", {}, format="json").status_code == 409
+    assert api.post("/api/v1/admin/rounds/", {"tau": 2}, format="json").status_code == 400
+    assert api.post(f"/api/v1/admin/rounds/{rid}/retry/").status_code == 409
+    closed = api.post(f"/api/v1/admin/rounds/{rid}/close/")
+    assert closed.status_code == 200 and closed.json()["state"] == "closing"
+    assert api.post(f"/api/v1/admin/rounds/{rid}/close/").status_code == 409
+    failed = api.post(f"/api/v1/admin/rounds/{rid}/fail/", {"reason": "edge down"}, format="json")
+    assert failed.json()["failure_reason"] == "edge down"
+    assert api.post(f"/api/v1/admin/rounds/{rid}/retry/").json()["state"] == "closing"
+    entry = AuditLog.objects.filter(action="round.retry").get()
+    assert entry.actor == world.operator and entry.ip == "127.0.0.1"
+
+
+def test_session_login_works_for_people(world):
+    api = APIClient()
+    api.force_login(world.admin_a)
+    assert api.get("/api/v1/admin/clients/").status_code == 200
+
+
+def test_settings_change_over_the_api_is_audited(world):
+    api = person_api(world.operator)
+    response = api.patch("/api/v1/admin/settings/", {"allow_admin_approval": True}, format="json")
+    assert response.status_code == 200 and response.json()["allow_admin_approval"] is True
+    entry = AuditLog.objects.get(action="settings.change")
+    assert entry.details == {"allow_admin_approval": {"from": False, "to": True}}
+    assert Round.objects.count() == 0
+
+
+def test_django_admin_pages_render_for_the_operator(world, open_round, valid_doc):
+    post_doc(client_api(world.token_a), valid_doc)
+    api = APIClient()
+    api.force_login(world.operator)
+    for model in ("organization", "client", "membership", "round", "submission", "auditlog",
+                  "federationsettings"):
+        response = api.get(f"/admin/federation/{model}/")
+        assert response.status_code == 200, model
+
+
+def test_organization_admin_can_log_in_to_the_browsable_api(world):
+    world.admin_a.set_password("a-long-demo-password")
+    world.admin_a.save()
+    browser = APIClient(enforce_csrf_checks=False)
+    assert browser.get("/api-auth/login/").status_code == 200
+    browser.post(
+        "/api-auth/login/", {"username": "admin_a", "password": "a-long-demo-password"}
+    )
+    page = browser.get("/api/v1/admin/clients/", HTTP_ACCEPT="text/html")
+    assert page.status_code == 200 and b"a-pending" in page.content and b"b-pending" not in page.content
+
+
+def test_openapi_schema_has_no_warnings_or_errors(tmp_path):
+    from django.core.management import call_command
+
+    out = tmp_path / "schema.yml"
+    # --fail-on-warn exits non-zero on any warning or error of the generator or the validator.
+    call_command("spectacular", "--validate", "--fail-on-warn", "--file", str(out))
+    text = out.read_text()
+    assert "/api/v1/submissions/" in text and "clientToken" in text

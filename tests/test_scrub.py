@@ -1,0 +1,69 @@
+"""Scrubbing personal data from submitted text on arrival (pure function)."""
+
+from __future__ import annotations
+
+import pytest
+
+from compendium.schema import AnnexTriple, Compendium, Precaution, PromptTemplate, Scenario
+from compendium.scrub import scrub_compendium, scrub_text
+
+
+@pytest.mark.parametrize(
+    ("text", "expected", "kind"),
+    [
+        ("mail jane.doe+x@example.co.uk about it", "mail [email] about it", "email"),
+        ("pay with 4111 1111 1111 1111 now", "pay with [card] now", "card"),
+        ("card 4111-1111-1111-1111", "card [card]", "card"),
+        ("call +1 (555) 123-4567 today", "call [phone] today", "phone"),
+        ("call 030 1234 5678", "call [phone]", "phone"),
+        ("account 123456789012 is blocked", "account [number] is blocked", "number"),
+    ],
+)
+def test_personal_data_is_replaced(text, expected, kind):
+    result = scrub_text(text)
+    assert result.text == expected
+    assert result.counts[kind] == 1
+    assert result.total == 1
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        "Will it rain tomorrow in Paris?",
+        "Convert 100 USD to EUR in 2024",
+        "Book a flight on 2024-05-01 for 2 adults",
+        "Version 3.11 of Python, port 8080",
+        "the user@ sign alone",
+    ],
+)
+def test_ordinary_text_is_left_alone(text):
+    result = scrub_text(text)
+    assert result.text == text
+    assert result.total == 0
+
+
+def test_card_like_number_failing_luhn_is_still_a_long_number():
+    # 16 digits that are not a valid card number: still removed, as a long digit string.
+    assert scrub_text("ref 1234567812345678").text == "ref [number]"
+
+
+def test_compendium_texts_are_scrubbed_and_collisions_merged():
+    compendium = Compendium(
+        scenarios=[
+            Scenario(tool_id="mail", text="write to a@b.org about the invoice"),
+            Scenario(tool_id="mail", text="write to c@d.org about the invoice", support=2),
+            Scenario(tool_id="mail", text="draft a reply"),
+        ],
+        precautions=[Precaution(tool_id="mail", text="never send 4111111111111111")],
+        templates=[PromptTemplate(tool_id="mail", signature="send(to)", template="To: x@y.com")],
+        annex=[AnnexTriple(subject="mail", relation="owner", object="bob@corp.com")],
+    )
+    scrubbed, removed = scrub_compendium(compendium)
+    assert removed == 5
+    texts = {s.text: s.support for s in scrubbed.scenarios}
+    assert texts == {"write to [email] about the invoice": 3, "draft a reply": 1}
+    assert scrubbed.precautions[0].text == "never send [card]"
+    assert scrubbed.templates[0].template == "To: [email]"
+    assert scrubbed.annex[0].object == "[email]"
+    # The input is not modified.
+    assert compendium.scenarios[0].text == "write to a@b.org about the invoice"

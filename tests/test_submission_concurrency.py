@@ -1,0 +1,133 @@
+"""Concurrent submissions with duplicated idempotency keys, on the real database with real
+transactions: exactly one row per key, one current compendium per client, nothing lost."""
+
+from __future__ import annotations
+
+import json
+import threading
+from collections import defaultdict
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+from django.db import connection
+from rest_framework.test import APIClient
+
+from compendium.models import CompendiumVersion
+from federation import services
+from federation.models import Submission
+from tests.federation_fixtures import SYSTEM
+
+pytestmark = pytest.mark.django_db(transaction=True)
+
+KEYS_PER_CLIENT = 3
+DUPLICATES_PER_KEY = 4
+
+
+def _document(valid_doc: dict, client_index: int, key_index: int) -> str:
+    doc = json.loads(json.dumps(valid_doc))
+    doc["scenarios"].append(
+        {"tool_id": "weather", "text": f"client {client_index} variant {key_index} forecast"}
+    )
+    return json.dumps(doc)
+
+
+def test_duplicated_keys_from_many_threads_store_exactly_one_row_per_key(world, valid_doc):
+    rnd = services.open_round(SYSTEM)
+    tokens = [world.token_a, world.token_b]
+    extra = services.enroll_client(SYSTEM, world.org_a, "a2")
+    tokens.append(services.approve_client(SYSTEM, extra).token)
+
+    jobs = []
+    for c, token in enumerate(tokens):
+        for k in range(KEYS_PER_CLIENT):
+            body = _document(valid_doc, c, k)
+            jobs.extend([(c, token, f"key-{k}", body)] * DUPLICATES_PER_KEY)
+    barrier = threading.Barrier(len(jobs))
+
+    def send(job):
+        c, token, key, body = job
+        api = APIClient()
+        api.credentials(HTTP_AUTHORIZATION=f"Bearer {token}")
+        try:
+            barrier.wait()
+            response = api.post(
+                "/api/v1/submissions/", body, content_type="application/json",
+                HTTP_IDEMPOTENCY_KEY=key,
+            )
+            return c, key, response.status_code, response.json(), response.get("Idempotent-Replayed")
+        finally:
+            connection.close()
+
+    with ThreadPoolExecutor(max_workers=len(jobs)) as pool:
+        results = list(pool.map(send, jobs))
+
+    assert all(status == 201 for _, _, status, _, _ in results), results
+    bodies = defaultdict(list)
+    replays = defaultdict(int)
+    for c, key, _, body, replayed in results:
+        bodies[(c, key)].append(body)
+        replays[(c, key)] += replayed == "true"
+    for (c, key), answers in bodies.items():
+        assert all(a == answers[0] for a in answers), f"client {c} {key}: different answers"
+        assert replays[(c, key)] == DUPLICATES_PER_KEY - 1
+
+    # Exactly one row per key, nothing lost.
+    rows = Submission.objects.filter(round=rnd)
+    assert rows.count() == len(tokens) * KEYS_PER_CLIENT
+    assert len({(s.client_id, s.idempotency_key) for s in rows}) == rows.count()
+    # One current compendium per client: the submission that came last replaced the others.
+    versions = CompendiumVersion.objects.filter(kind="client", round=rnd)
+    assert versions.count() == len(tokens)
+    for version in versions:
+        current = Submission.objects.get(version=version)
+        latest = Submission.objects.filter(client=version.client_id).latest("created_at", "id")
+        assert current == latest
+        assert version.sha256 == current.response["sha256"]
+    assert Submission.objects.filter(version__isnull=True).count() == len(tokens) * (
+        KEYS_PER_CLIENT - 1
+    )
+
+
+def test_close_during_submissions_never_stores_into_a_closing_round(world, valid_doc):
+    rnd = services.open_round(SYSTEM)
+    barrier = threading.Barrier(9)
+
+    def send(i):
+        api = APIClient()
+        api.credentials(HTTP_AUTHORIZATION=f"Bearer {world.token_a}")
+        try:
+            barrier.wait()
+            return api.post(
+                "/api/v1/submissions/", _document(valid_doc, 0, i),
+                content_type="application/json", HTTP_IDEMPOTENCY_KEY=f"k{i}",
+            )
+        finally:
+            connection.close()
+
+    def close():
+        try:
+            barrier.wait()
+            services.close_round(SYSTEM, rnd)
+        finally:
+            connection.close()
+
+    with ThreadPoolExecutor(max_workers=9) as pool:
+        futures = [pool.submit(send, i) for i in range(8)]
+        pool.submit(close).result()
+        responses = [f.result() for f in futures]
+    statuses = [r.status_code for r in responses]
+    assert set(statuses) <= {201, 409}, [r.json() for r in responses]
+
+    accepted = statuses.count(201)
+    assert Submission.objects.filter(round=rnd).count() == accepted
+    assert CompendiumVersion.objects.filter(kind="client", round=rnd).count() == min(accepted, 1)
+    rnd.refresh_from_db()
+    assert rnd.state == "closing"
+    # Submissions after the close are refused.
+    api = APIClient()
+    api.credentials(HTTP_AUTHORIZATION=f"Bearer {world.token_a}")
+    late = api.post(
+        "/api/v1/submissions/", json.dumps(valid_doc), content_type="application/json",
+        HTTP_IDEMPOTENCY_KEY="late",
+    )
+    assert late.status_code == 409
