@@ -105,10 +105,13 @@ def store_compendium(
     sources: Sequence[CompendiumVersion] = (),
     scenario_embeddings: np.ndarray | None = None,
     precaution_embeddings: np.ndarray | None = None,
+    entry_rows: bool = True,
 ) -> CompendiumVersion:
     """Store a (validated) compendium and its entries in one transaction.
 
     Embeddings, when given, are row-aligned with `compendium.scenarios` / `.precautions`.
+    With `entry_rows=False` only the canonical content is stored: client submissions are read
+    whole by the merge, and writing a row per entry was most of a submission's cost.
     """
     form = canonical_form(compendium)
     version = CompendiumVersion.objects.create(
@@ -125,6 +128,8 @@ def store_compendium(
     )
     if sources:
         version.sources.set(sources)
+    if not entry_rows:
+        return version
     tool_pk = dict(
         Tool.objects.filter(tool_id__in=compendium.tools_referenced()).values_list("tool_id", "pk")
     )

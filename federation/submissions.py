@@ -189,7 +189,11 @@ def submit(client: Client, body: bytes, idempotency_key: str) -> Outcome:
                 CompendiumVersion.objects.filter(pk__in=replaced_ids).delete()
             rnd = Round(pk=round_id, number=round_number)
             version = store_compendium(
-                compendium, kind=CompendiumVersion.Kind.CLIENT, round=rnd, client=client
+                compendium,
+                kind=CompendiumVersion.Kind.CLIENT,
+                round=rnd,
+                client=client,
+                entry_rows=False,
             )
             response = {
                 "round": round_number,
