@@ -34,6 +34,8 @@ def cmd_route(args: argparse.Namespace) -> int:
     from routing.llm import LLMUnavailable, get_llm
     from routing.router import Router, RoutingParams
 
+    if args.top_k < 1:
+        raise SystemExit("synapse-client: --top-k must be at least 1")
     compendium = _load_compendium(args.compendium)
     if not compendium.scenarios:
         raise SystemExit(f"synapse-client: {args.compendium} has no scenarios to route against")
@@ -93,8 +95,6 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="synapse-client")
     add_route_command(parser.add_subparsers(dest="command", required=True))
     args = parser.parse_args(argv)
-    if args.top_k < 1:
-        parser.error("--top-k must be at least 1")
     return args.func(args)
 
 

@@ -62,7 +62,9 @@ class FusionWeights:
     dense: float = 10.0
     bm25: float = 1.0
     vote: float = 1.0
-    precaution: float = 10.0  # penalty per unit of precaution similarity above the threshold
+    # A precaution of a tool whose similarity to the query reaches the threshold costs the tool
+    # `precaution` * (1 + how far above the threshold it is, scaled to [0, 1]).
+    precaution: float = 5.0
     precaution_threshold: float = 0.6
 
 
@@ -188,7 +190,7 @@ def top_n(scores: np.ndarray, n: int) -> Retrieved:
 
 @dataclass
 class _Features:
-    """Per candidate tool of one query: columns dense, bm25, vote, precaution excess."""
+    """Per candidate tool of one query: columns dense, bm25, vote, precaution match."""
 
     tools: np.ndarray  # tool positions
     matrix: np.ndarray  # (n_tools, 4)
@@ -341,7 +343,8 @@ class Router:
                 )
             for row, tool in enumerate(tools):
                 if int(tool) in hits:
-                    matrix[row, 3] = max(s for s, _ in hits[int(tool)]) - threshold
+                    best = max(s for s, _ in hits[int(tool)])
+                    matrix[row, 3] = 1.0 + (best - threshold) / max(1e-6, 1.0 - threshold)
         return _Features(tools, matrix, hits)
 
     def _confidence(self, name: str, scores: np.ndarray, pos: int) -> float:
