@@ -404,7 +404,7 @@ def _probe_features(router: Router, queries: Sequence[str], top_k: int = 5):
 
 
 def fit_fusion_weights(
-    router: Router, probe: Sequence[tuple[str, str]], top_k: int = 5, l2: float = 1e-3
+    router: Router, probe: Sequence[tuple[str, str]], top_k: int = 5, l2: float = 1e-5
 ) -> FusionWeights:
     """Fit dense/bm25/vote weights by conditional logit (softmax over the pool's tools) on queries
     whose right tool is in the pool. The precaution penalty keeps its configured value unless the
@@ -485,7 +485,7 @@ def calibration_data(router: Router, labelled: Sequence[tuple[str, str]], rerank
 
 
 def fit_calibration(
-    router: Router, probe: Sequence[tuple[str, str]], reranker: str, top_k: int = 5, l2: float = 1e-3
+    router: Router, probe: Sequence[tuple[str, str]], reranker: str, top_k: int = 5, l2: float = 1e-6
 ) -> tuple[Calibration, dict]:
     """Platt scaling of (score, margin) -> P(correct) on the probe set, with its ECE report."""
     from scipy.optimize import minimize
