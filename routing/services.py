@@ -80,9 +80,36 @@ def published_global_version() -> CompendiumVersion | None:
     )
 
 
+# Which version is published, remembered for a moment so that a routing call does not ask the
+# database every time. A save or delete of a round or compendium version in this process forgets
+# it at once (routing.apps connects the signals); other processes notice within the TTL.
+_published: tuple[float, CompendiumVersion | None] | None = None
+
+
+def version_ttl() -> float:
+    return float(getattr(settings, "SYNAPSE_ROUTING_VERSION_TTL", 2.0))
+
+
+def forget_published_version(**_signal) -> None:
+    global _published
+    _published = None
+
+
+def _current_version() -> CompendiumVersion | None:
+    global _published
+    now = time.monotonic()
+    if _published is not None and now - _published[0] < version_ttl():
+        return _published[1]
+    version = published_global_version()
+    if version is not None:  # "nothing published" is not remembered: the first publish is seen
+        _published = (now, version)
+    return version
+
+
 # --- pgvector retrieval -----------------------------------------------------------------------------
 
 _pgvector_version: tuple[int, ...] | None = None
+HNSW_DEFAULT_EF_SEARCH = 40
 
 
 def _pgvector() -> tuple[int, ...]:
@@ -102,10 +129,11 @@ def _vector_literal(vector: np.ndarray) -> str:
 class PgvectorRetriever:
     """Top-n scenarios of one version by cosine distance in pgvector (HNSW index).
 
-    The HNSW scan is filtered by version after the fact, so with the default ef_search (40) it can
-    return fewer than n rows when other versions share the index: ef_search is raised for the
-    query (and iterative scans are enabled on pgvector >= 0.8); should that still come up short,
-    an exact scan of the version's rows answers instead.
+    The HNSW scan is filtered by version after the fact, so it can return fewer than n rows when
+    other versions share the index (ef_search, 40 by default, bounds the candidates). For n above
+    40, ef_search is raised for the query (and iterative scans are enabled on pgvector >= 0.8);
+    whenever the answer still comes up short, an exact scan of the version's rows answers instead,
+    so the caller always gets min(n, rows) scenarios in exact cosine order.
     """
 
     def __init__(self, version_id: int, entry_ids: np.ndarray):
@@ -120,12 +148,17 @@ class PgvectorRetriever:
             "SELECT id, embedding <=> %s::vector FROM compendium_scenarioentry "
             f"WHERE version_id = %s AND embedding IS NOT NULL ORDER BY {order} LIMIT %s"
         )
+        params = [literal, self.version_id, literal, n]
+        if exact or n <= HNSW_DEFAULT_EF_SEARCH:
+            # One round trip: the default ef_search already covers n candidates.
+            with connection.cursor() as cursor:
+                cursor.execute(sql, params)
+                return cursor.fetchall()
         with transaction.atomic(), connection.cursor() as cursor:
-            if not exact:
-                cursor.execute(f"SET LOCAL hnsw.ef_search = {max(40, min(1000, 4 * n))}")
-                if _pgvector() >= (0, 8):
-                    cursor.execute("SET LOCAL hnsw.iterative_scan = strict_order")
-            cursor.execute(sql, [literal, self.version_id, literal, n])
+            cursor.execute(f"SET LOCAL hnsw.ef_search = {min(1000, 2 * n)}")
+            if _pgvector() >= (0, 8):
+                cursor.execute("SET LOCAL hnsw.iterative_scan = strict_order")
+            cursor.execute(sql, params)
             return cursor.fetchall()
 
     def __call__(self, vector: np.ndarray, n: int):
@@ -213,7 +246,7 @@ def _build(version: CompendiumVersion) -> ServedCompendium:
 
 
 def served_compendium() -> ServedCompendium:
-    version = published_global_version()
+    version = _current_version()
     if version is None:
         raise NothingPublished(
             "no global compendium is published yet: routing starts after the first round is "

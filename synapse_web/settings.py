@@ -142,6 +142,8 @@ SYNAPSE_ROUTING_RERANKER = os.environ.get("SYNAPSE_ROUTING_RERANKER", "fusion") 
 SYNAPSE_ROUTING_PARAMS = os.environ.get("SYNAPSE_ROUTING_PARAMS", "")  # "" = routing/default_params.json
 SYNAPSE_MAX_QUERY_CHARS = int(os.environ.get("SYNAPSE_MAX_QUERY_CHARS", "2000"))
 SYNAPSE_MAX_ROUTE_BATCH = int(os.environ.get("SYNAPSE_MAX_ROUTE_BATCH", "1000"))
+# Seconds a process keeps the published version before asking the database again.
+SYNAPSE_ROUTING_VERSION_TTL = float(os.environ.get("SYNAPSE_ROUTING_VERSION_TTL", "2"))
 
 # --- REST API -----------------------------------------------------------------------------------
 REST_FRAMEWORK = {
