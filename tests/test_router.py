@@ -253,3 +253,17 @@ def test_route_command(tmp_path, capsys, engine):
     args = parser.parse_args(["route", "x", "--compendium", str(bad)])
     with pytest.raises(SystemExit, match="not valid JSON"):
         args.func(args)
+
+
+def test_in_process_llm_backend_fails_in_one_clear_line(monkeypatch, tmp_path):
+    from routing.llm import LLMUnavailable, get_llm
+
+    monkeypatch.delenv("SYNAPSE_LLM_BASE_URL", raising=False)
+    monkeypatch.setenv("SYNAPSE_LLM_GGUF", str(tmp_path / "missing.gguf"))
+    with pytest.raises(LLMUnavailable) as error:
+        get_llm()
+    message = str(error.value)
+    assert "\n" not in message
+    assert "llama-cpp-python" in message or "not found" in message
+    monkeypatch.delenv("SYNAPSE_LLM_GGUF")
+    assert get_llm() is None
