@@ -139,6 +139,7 @@ def main(argv=None) -> int:
     parser.add_argument("--workers", type=int, default=2)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--data-dir", default=str(ROOT / "bench" / "out" / "route-latency-db"))
+    parser.add_argument("--keep-db", action="store_true", help="leave the bench database running")
     parser.add_argument("--out", default=None)
     args = parser.parse_args(argv)
 
@@ -229,6 +230,13 @@ def main(argv=None) -> int:
     finally:
         server.terminate()
         server.wait(timeout=30)
+        from django.db import connections
+
+        from synapse_web.embedded_db import stop_embedded_database
+
+        connections.close_all()
+        if not args.keep_db:
+            stop_embedded_database(data_dir / "pgdata")
     print()
     print_table(
         rows,
