@@ -4,3 +4,22 @@ from django.apps import AppConfig
 class RoutingConfig(AppConfig):
     name = "routing"
     verbose_name = "Routing"
+
+    def ready(self):
+        from django.db.models.signals import post_delete, post_save
+
+        from compendium.models import CompendiumVersion
+        from federation.models import Round
+        from routing.services import forget_published_version
+
+        for model in (CompendiumVersion, Round):
+            post_save.connect(
+                forget_published_version,
+                sender=model,
+                dispatch_uid=f"routing-{model.__name__}-save",
+            )
+            post_delete.connect(
+                forget_published_version,
+                sender=model,
+                dispatch_uid=f"routing-{model.__name__}-delete",
+            )

@@ -139,6 +139,14 @@ SYNAPSE_LLM_BASE_URL = os.environ.get("SYNAPSE_LLM_BASE_URL", "")  # OpenAI-comp
 SYNAPSE_LLM_MODEL = os.environ.get("SYNAPSE_LLM_MODEL", "")
 SYNAPSE_LLM_API_KEY = os.environ.get("SYNAPSE_LLM_API_KEY", "")
 
+# --- routing ------------------------------------------------------------------------------------
+SYNAPSE_ROUTING_RERANKER = os.environ.get("SYNAPSE_ROUTING_RERANKER", "fusion")  # fusion|none|llm
+SYNAPSE_ROUTING_PARAMS = os.environ.get("SYNAPSE_ROUTING_PARAMS", "")  # "" = routing/default_params.json
+SYNAPSE_MAX_QUERY_CHARS = int(os.environ.get("SYNAPSE_MAX_QUERY_CHARS", "2000"))
+SYNAPSE_MAX_ROUTE_BATCH = int(os.environ.get("SYNAPSE_MAX_ROUTE_BATCH", "1000"))
+# Seconds a process keeps the published version before asking the database again.
+SYNAPSE_ROUTING_VERSION_TTL = float(os.environ.get("SYNAPSE_ROUTING_VERSION_TTL", "2"))
+
 # --- REST API -----------------------------------------------------------------------------------
 REST_FRAMEWORK = {
     "DEFAULT_SCHEMA_CLASS": "drf_spectacular.openapi.AutoSchema",

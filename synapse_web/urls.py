@@ -16,6 +16,7 @@ urlpatterns = [
     path("healthz", health, name="health"),
     path("api/v1/", include("federation.api.urls")),
     path("api-auth/", include("rest_framework.urls")),  # login for the browsable API
+    path("api/v1/", include("routing.urls")),
     path("api/schema/", SpectacularAPIView.as_view(), name="api-schema"),
     path("api/docs/", SpectacularSwaggerView.as_view(url_name="api-schema"), name="api-docs"),
     path("", include("federation.dashboard.urls")),

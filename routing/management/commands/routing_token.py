@@ -1,0 +1,24 @@
+"""Issue or revoke a routing-API token: `manage.py routing_token NAME [--revoke]`."""
+
+from django.core.management.base import BaseCommand, CommandError
+
+from routing.models import RoutingToken
+
+
+class Command(BaseCommand):
+    help = "Issue a bearer token for the routing API (printed once), or revoke one by name."
+
+    def add_arguments(self, parser):
+        parser.add_argument("name")
+        parser.add_argument("--revoke", action="store_true")
+
+    def handle(self, *args, name, revoke, **options):
+        if revoke:
+            if not RoutingToken.objects.filter(name=name).update(revoked=True):
+                raise CommandError(f"no routing token named {name!r}")
+            self.stdout.write(f"revoked routing token {name}")
+            return
+        if RoutingToken.objects.filter(name=name).exists():
+            raise CommandError(f"a routing token named {name!r} exists; pick another name")
+        _, raw = RoutingToken.issue(name)
+        self.stdout.write(raw)

@@ -1,0 +1,567 @@
+"""The router: query -> tool, against a global compendium (paper, "Inference-time routing").
+
+Pure (numpy + rank-bm25, no Django): the client toolkit routes in memory with it and the server
+uses the very same decision code with pgvector retrieval plugged in as the retriever.
+
+1. Retrieve the top-k scenarios by cosine similarity (normalized embeddings, so a dot product).
+2. Rerank, by name:
+   - `none`: the top-1 cosine candidate's tool (the paper's reranker bypass);
+   - `fusion` (default without an LLM): per tool of a candidate pool, dense similarity (best
+     cosine), lexical BM25 (normalized in the pool), the tool's share of the top-k, and a penalty
+     for a precaution of the tool that matches the query; a linear score with weights fitted on a
+     labelled probe set (`fit_fusion_weights`, conditional logit);
+   - `llm`: the LLM picks one of the top-k candidates and so its parent tool; a malformed answer or
+     a down endpoint falls back to `fusion`, with the reason recorded in the decision.
+3. Confidence: a calibrated probability that the chosen tool is right (Platt scaling over the
+   chosen tool's score and its margin to the runner-up, fitted on the probe set by
+   `fit_calibration`, which reports the expected calibration error); `escalate` below a threshold.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from compendium.schema import Compendium
+
+RERANKERS = ("fusion", "none", "llm")
+DEFAULT_PARAMS_PATH = Path(__file__).with_name("default_params.json")
+_TOKEN = re.compile(r"[a-z0-9]+")
+
+# (indices into the scenario list, cosine scores), best first
+Retrieved = tuple[np.ndarray, np.ndarray]
+Retriever = Callable[[np.ndarray, int], Retrieved]
+
+
+try:  # BLAS threads fight over busy cores: a 2-thread mat-vec took 6-12 ms here, 1 thread 0.2 ms
+    from threadpoolctl import ThreadpoolController
+
+    _blas = ThreadpoolController()
+
+    def single_thread_blas():
+        return _blas.limit(limits=1, user_api="blas")
+
+except ImportError:  # pragma: no cover - threadpoolctl ships with scikit-learn/scipy stacks
+    from contextlib import nullcontext as single_thread_blas
+
+
+def tokenize(text: str) -> list[str]:
+    return _TOKEN.findall(text.lower())
+
+
+@dataclass
+class RoutingDecision:
+    tool: str | None
+    confidence: float
+    escalate: bool
+    candidates: list[dict] = field(default_factory=list)  # [{tool, scenario, score}], best first
+    precautions: list[str] = field(default_factory=list)  # the chosen tool's, most relevant first
+    template: str | None = None
+    reranker: str = "fusion"
+    fallback_reason: str | None = None  # why the requested reranker was not used
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+@dataclass
+class FusionWeights:
+    dense: float = 10.0
+    bm25: float = 1.0
+    vote: float = 1.0
+    # A precaution of a tool whose similarity to the query reaches the threshold costs the tool
+    # `precaution` * (1 + how far above the threshold it is, scaled to [0, 1]).
+    precaution: float = 5.0
+    precaution_threshold: float = 0.6
+
+
+@dataclass
+class Calibration:
+    """P(chosen tool is right) = sigmoid(score_coef * score + margin_coef * margin + intercept)."""
+
+    score_coef: float = 4.0
+    margin_coef: float = 4.0
+    intercept: float = -2.0
+
+    def probability(self, score: float, margin: float) -> float:
+        z = self.score_coef * score + self.margin_coef * margin + self.intercept
+        return float(1.0 / (1.0 + np.exp(-np.clip(z, -50, 50))))
+
+
+@dataclass
+class RoutingParams:
+    """Everything fitted on the probe set, stored as a small JSON file."""
+
+    weights: FusionWeights = field(default_factory=FusionWeights)
+    calibration: dict[str, Calibration] = field(
+        default_factory=lambda: {name: Calibration() for name in RERANKERS}
+    )
+    pool: int = 20  # scenarios considered by fusion (>= top_k)
+    escalate_threshold: float = 0.5
+    fitted_on: str = ""  # what the parameters were fitted on
+    report: dict = field(default_factory=dict)  # ECE before/after, accuracy on the probe set
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self), indent=2, sort_keys=True)
+
+    @classmethod
+    def from_dict(cls, doc: dict) -> RoutingParams:
+        return cls(
+            weights=FusionWeights(**doc.get("weights", {})),
+            calibration={k: Calibration(**v) for k, v in doc.get("calibration", {}).items()}
+            or {name: Calibration() for name in RERANKERS},
+            pool=int(doc.get("pool", 20)),
+            escalate_threshold=float(doc.get("escalate_threshold", 0.5)),
+            fitted_on=str(doc.get("fitted_on", "")),
+            report=dict(doc.get("report", {})),
+        )
+
+    @classmethod
+    def load(cls, path: str | Path | None = None) -> RoutingParams:
+        path = Path(path) if path else DEFAULT_PARAMS_PATH
+        if not path.exists():
+            return cls()
+        return cls.from_dict(json.loads(path.read_text(encoding="utf-8")))
+
+    def save(self, path: str | Path) -> None:
+        Path(path).write_text(self.to_json() + "\n", encoding="utf-8")
+
+
+class ScenarioIndex:
+    """The compendium's scenarios and precautions with embeddings, BM25 and per-tool lookups."""
+
+    def __init__(
+        self,
+        compendium: Compendium,
+        engine,
+        scenario_embeddings: np.ndarray | None = None,
+        precaution_embeddings: np.ndarray | None = None,
+    ):
+        from rank_bm25 import BM25Okapi
+
+        self.compendium = compendium
+        scenarios = compendium.scenarios
+        self.texts = [s.text for s in scenarios]
+        self.tool_names = sorted({s.tool_id for s in scenarios})
+        tool_pos = {t: i for i, t in enumerate(self.tool_names)}
+        self.scenario_tool = np.array([tool_pos[s.tool_id] for s in scenarios], dtype=np.int64)
+        dim = engine.dimension
+        if scenario_embeddings is None:
+            scenario_embeddings = engine.embed(self.texts) if self.texts else np.zeros((0, dim))
+        self.embeddings = np.ascontiguousarray(scenario_embeddings, dtype=np.float32)
+        if self.embeddings.shape != (len(self.texts), dim):
+            raise ValueError(
+                f"scenario embeddings have shape {self.embeddings.shape}, "
+                f"expected ({len(self.texts)}, {dim})"
+            )
+        self.bm25 = BM25Okapi([tokenize(t) or ["_"] for t in self.texts]) if self.texts else None
+        # Precautions of tools that have scenarios (others can never be chosen).
+        precautions = [p for p in compendium.precautions if p.tool_id in tool_pos]
+        self.precaution_texts = [p.text for p in precautions]
+        self.precaution_tool = np.array([tool_pos[p.tool_id] for p in precautions], dtype=np.int64)
+        if precaution_embeddings is None:
+            precaution_embeddings = (
+                engine.embed(self.precaution_texts) if precautions else np.zeros((0, dim))
+            )
+        elif len(precaution_embeddings) != len(compendium.precautions):
+            raise ValueError("precaution embeddings must be row-aligned with compendium.precautions")
+        else:
+            keep = [i for i, p in enumerate(compendium.precautions) if p.tool_id in tool_pos]
+            precaution_embeddings = np.asarray(precaution_embeddings)[keep]
+        self.precaution_embeddings = np.ascontiguousarray(precaution_embeddings, dtype=np.float32)
+        templates: dict[str, list[tuple[str, str]]] = {}
+        for t in compendium.templates:
+            templates.setdefault(t.tool_id, []).append((t.signature, t.template))
+        self.templates = {tool: sorted(items)[0][1] for tool, items in templates.items()}
+
+    def __len__(self) -> int:
+        return len(self.texts)
+
+    def retrieve(self, query_vector: np.ndarray, n: int) -> Retrieved:
+        """Exact top-n by cosine, ties broken by scenario order."""
+        return top_n(self.embeddings @ query_vector, n)
+
+
+def top_n(scores: np.ndarray, n: int) -> Retrieved:
+    n = min(n, len(scores))
+    if n <= 0:
+        return np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.float32)
+    if n < len(scores):
+        part = np.argpartition(-scores, n - 1)[:n]
+    else:
+        part = np.arange(len(scores))
+    order = np.lexsort((part, -scores[part]))
+    chosen = part[order]
+    return chosen, scores[chosen]
+
+
+@dataclass
+class _Features:
+    """Per candidate tool of one query: columns dense, bm25, vote, precaution match."""
+
+    tools: np.ndarray  # tool positions
+    matrix: np.ndarray  # (n_tools, 4)
+    precaution_hits: dict[int, list[tuple[float, str]]]
+
+
+class Router:
+    def __init__(
+        self,
+        compendium: Compendium,
+        engine,
+        reranker: str = "fusion",
+        *,
+        params: RoutingParams | None = None,
+        llm=None,
+        escalate_threshold: float | None = None,
+        scenario_embeddings: np.ndarray | None = None,
+        precaution_embeddings: np.ndarray | None = None,
+        retriever: Retriever | None = None,
+        index: ScenarioIndex | None = None,
+    ):
+        if reranker not in RERANKERS:
+            raise ValueError(f"unknown reranker {reranker!r}: choose one of {', '.join(RERANKERS)}")
+        self.engine = engine
+        self.reranker = reranker
+        self.params = params or RoutingParams.load()
+        self.llm = llm
+        self.escalate_threshold = (
+            self.params.escalate_threshold if escalate_threshold is None else escalate_threshold
+        )
+        self.index = index or ScenarioIndex(
+            compendium, engine, scenario_embeddings, precaution_embeddings
+        )
+        self.retriever = retriever or self.index.retrieve
+
+    def with_reranker(self, reranker: str, **overrides) -> Router:
+        """The same index (no re-embedding) under another reranker or settings."""
+        kwargs = {
+            "params": self.params,
+            "llm": self.llm,
+            "escalate_threshold": self.escalate_threshold,
+            "retriever": self.retriever if self.retriever != self.index.retrieve else None,
+            "index": self.index,
+        }
+        kwargs.update(overrides)
+        return Router(self.index.compendium, self.engine, reranker, **kwargs)
+
+    # --- public API ------------------------------------------------------------------------------
+
+    def route(self, query: str, top_k: int = 5) -> RoutingDecision:
+        vector = self.engine.embed([query])[0]
+        with single_thread_blas():
+            return self.decide(query, vector, self.retriever(vector, self._pool(top_k)), top_k)
+
+    def route_batch(self, queries: Sequence[str], top_k: int = 5) -> list[RoutingDecision]:
+        if not queries:
+            return []
+        vectors = self.engine.embed(list(queries))
+        pool = self._pool(top_k)
+        with single_thread_blas():
+            if self.retriever == self.index.retrieve:  # one matrix product for the whole batch
+                scores = vectors @ self.index.embeddings.T
+                retrieved = [top_n(row, pool) for row in scores]
+            else:
+                retrieved = [self.retriever(v, pool) for v in vectors]
+            return [
+                self.decide(q, v, r, top_k)
+                for q, v, r in zip(queries, vectors, retrieved, strict=True)
+            ]
+
+    # --- the decision ----------------------------------------------------------------------------
+
+    def _pool(self, top_k: int) -> int:
+        if top_k < 1:
+            raise ValueError("top_k must be at least 1")
+        return top_k if self.reranker == "none" else max(top_k, self.params.pool)
+
+    def decide(
+        self, query: str, vector: np.ndarray, retrieved: Retrieved, top_k: int = 5
+    ) -> RoutingDecision:
+        idx, scores = retrieved
+        index = self.index
+        candidates = [
+            {
+                "tool": index.tool_names[index.scenario_tool[i]],
+                "scenario": index.texts[i],
+                "score": round(float(s), 6),
+            }
+            for i, s in zip(idx[:top_k], scores[:top_k], strict=True)
+        ]
+        if len(idx) == 0:
+            return RoutingDecision(None, 0.0, True, [], [], None, self.reranker, "no scenarios")
+        features = self.features(query, vector, idx, scores, top_k)
+        fused = features.matrix @ self._weight_vector()
+        fallback = None
+        if self.reranker == "none":
+            chosen = int(index.scenario_tool[idx[0]])
+            dense = features.matrix[:, 0]
+            pos = int(np.flatnonzero(features.tools == chosen)[0])
+            confidence = self._confidence("none", dense, pos)
+        else:
+            pos = int(np.argmax(fused))
+            if self.reranker == "llm":
+                llm_pos, fallback = self._llm_choice(query, idx[:top_k], features)
+                if llm_pos is not None:
+                    pos = llm_pos
+            cal = "llm" if self.reranker == "llm" and fallback is None else "fusion"
+            confidence = self._confidence(cal, fused, pos)
+            chosen = int(features.tools[pos])
+        tool = index.tool_names[chosen]
+        return RoutingDecision(
+            tool=tool,
+            confidence=round(confidence, 6),
+            escalate=confidence < self.escalate_threshold,
+            candidates=candidates,
+            precautions=self._precautions_of(chosen, vector),
+            template=index.templates.get(tool),
+            reranker=self.reranker,
+            fallback_reason=fallback,
+        )
+
+    def _weight_vector(self) -> np.ndarray:
+        w = self.params.weights
+        return np.array([w.dense, w.bm25, w.vote, -w.precaution], dtype=np.float64)
+
+    def features(
+        self, query: str, vector: np.ndarray, idx: np.ndarray, scores: np.ndarray, top_k: int
+    ) -> _Features:
+        index = self.index
+        tools_of = index.scenario_tool[idx]
+        tools, inverse = np.unique(tools_of, return_inverse=True)
+        matrix = np.zeros((len(tools), 4), dtype=np.float64)
+        matrix[:, 0] = -np.inf
+        np.maximum.at(matrix[:, 0], inverse, scores.astype(np.float64))
+        if self.reranker != "none" and index.bm25 is not None:
+            tokens = tokenize(query)
+            if tokens:
+                bm = np.asarray(index.bm25.get_batch_scores(tokens, idx.tolist()), dtype=np.float64)
+                top = bm.max()
+                if top > 0:
+                    best = np.zeros(len(tools))
+                    np.maximum.at(best, inverse, bm / top)
+                    matrix[:, 1] = best
+        k = min(top_k, len(idx))
+        np.add.at(matrix[:, 2], inverse[:k], 1.0 / k)
+        hits: dict[int, list[tuple[float, str]]] = {}
+        if self.reranker != "none" and len(index.precaution_texts):
+            sims = index.precaution_embeddings @ vector
+            threshold = self.params.weights.precaution_threshold
+            for j in np.flatnonzero(sims >= threshold):
+                hits.setdefault(int(index.precaution_tool[j]), []).append(
+                    (float(sims[j]), index.precaution_texts[j])
+                )
+            for row, tool in enumerate(tools):
+                if int(tool) in hits:
+                    best = max(s for s, _ in hits[int(tool)])
+                    matrix[row, 3] = 1.0 + (best - threshold) / max(1e-6, 1.0 - threshold)
+        return _Features(tools, matrix, hits)
+
+    def _confidence(self, name: str, scores: np.ndarray, pos: int) -> float:
+        others = np.delete(scores, pos)
+        margin = float(scores[pos] - others.max()) if len(others) else float(scores[pos])
+        cal = self.params.calibration.get(name) or Calibration()
+        return cal.probability(float(scores[pos]), margin)
+
+    def _precautions_of(self, tool: int, vector: np.ndarray, limit: int = 5) -> list[str]:
+        index = self.index
+        rows = np.flatnonzero(index.precaution_tool == tool)
+        if not len(rows):
+            return []
+        sims = index.precaution_embeddings[rows] @ vector
+        return [index.precaution_texts[rows[i]] for i in np.argsort(-sims, kind="stable")[:limit]]
+
+    def _llm_choice(self, query: str, idx: np.ndarray, features: _Features):
+        from routing.llm import choose_one_of_n
+
+        if self.llm is None:
+            return None, "no LLM configured"
+        index = self.index
+        options = []
+        for i in idx:
+            tool = index.tool_names[index.scenario_tool[i]]
+            options.append(f"tool {tool}: {index.texts[i]}")
+        instruction = (
+            "Each option is a usage scenario of a tool. Pick the scenario that best matches the "
+            "request; its tool will be called."
+        )
+        warned = [
+            f"{index.tool_names[t]}: {text}"
+            for t, items in features.precaution_hits.items()
+            for _, text in items
+        ]
+        if warned:
+            instruction += " Do not pick a tool whose precaution applies: " + "; ".join(warned[:5])
+        choice = choose_one_of_n(self.llm, query, options, instruction=instruction)
+        if choice.index is None:
+            return None, f"LLM answer unusable ({choice.reason}); fell back to fusion"
+        tool = index.scenario_tool[idx[choice.index]]
+        return int(np.flatnonzero(features.tools == tool)[0]), None
+
+
+# --- fitting on a labelled probe set ---------------------------------------------------------------
+
+
+def _probe_features(router: Router, queries: Sequence[str], top_k: int = 5):
+    vectors = router.engine.embed(list(queries))
+    pool = router._pool(top_k)
+    out = []
+    with single_thread_blas():
+        scores = vectors @ router.index.embeddings.T
+        for q, v, row in zip(queries, vectors, scores, strict=True):
+            idx, s = top_n(row, pool)
+            out.append(router.features(q, v, idx, s, top_k))
+    return out
+
+
+def fit_fusion_weights(
+    router: Router, probe: Sequence[tuple[str, str]], top_k: int = 5, l2: float = 1e-5
+) -> FusionWeights:
+    """Fit dense/bm25/vote weights by conditional logit (softmax over the pool's tools) on queries
+    whose right tool is in the pool. The precaution penalty keeps its configured value unless the
+    probe set has queries that match precautions."""
+    from scipy.optimize import minimize
+
+    fusion = router.with_reranker("fusion")
+    feats = _probe_features(fusion, [q for q, _ in probe], top_k)
+    pos = {t: i for i, t in enumerate(router.index.tool_names)}
+    rows = []
+    for f, (_, tool) in zip(feats, probe, strict=True):
+        hit = np.flatnonzero(f.tools == pos.get(tool, -1))
+        if len(hit) and len(f.tools) > 1:
+            rows.append((f.matrix, int(hit[0])))
+    current = router.params.weights
+    if not rows:
+        return current
+    has_precautions = any(m[:, 3].any() for m, _ in rows)
+    n_free = 4 if has_precautions else 3
+
+    def loss(w):
+        full = np.append(w, -current.precaution) if n_free == 3 else w
+        total, grad = 0.0, np.zeros(4)
+        for m, y in rows:
+            z = m @ full
+            z -= z.max()
+            p = np.exp(z)
+            p /= p.sum()
+            total -= np.log(p[y] + 1e-12)
+            grad -= m[y] - p @ m
+        total += l2 * (w @ w)
+        return total / len(rows), (grad[:n_free] + 2 * l2 * w) / len(rows)
+
+    start = np.array([current.dense, current.bm25, current.vote, -current.precaution])[:n_free]
+    result = minimize(loss, start, jac=True, method="L-BFGS-B")
+    w = result.x
+    return FusionWeights(
+        dense=float(w[0]),
+        bm25=float(w[1]),
+        vote=float(w[2]),
+        precaution=float(-w[3]) if n_free == 4 else current.precaution,
+        precaution_threshold=current.precaution_threshold,
+    )
+
+
+def expected_calibration_error(confidence: np.ndarray, correct: np.ndarray, bins: int = 10) -> float:
+    confidence = np.clip(np.asarray(confidence, dtype=np.float64), 0.0, 1.0)
+    correct = np.asarray(correct, dtype=np.float64)
+    if not len(confidence):
+        return 0.0
+    which = np.minimum((confidence * bins).astype(int), bins - 1)
+    ece = 0.0
+    for b in range(bins):
+        mask = which == b
+        if mask.any():
+            ece += mask.mean() * abs(confidence[mask].mean() - correct[mask].mean())
+    return float(ece)
+
+
+def _score_margin(router: Router, f: _Features, reranker: str) -> tuple[float, float, int]:
+    scores = f.matrix[:, 0] if reranker == "none" else f.matrix @ router._weight_vector()
+    pos = int(np.argmax(scores))
+    others = np.delete(scores, pos)
+    margin = float(scores[pos] - others.max()) if len(others) else float(scores[pos])
+    return float(scores[pos]), margin, int(f.tools[pos])
+
+
+def calibration_data(router: Router, labelled: Sequence[tuple[str, str]], reranker: str, top_k=5):
+    """(score, margin, raw confidence = top cosine, correct) per query."""
+    r = router.with_reranker(reranker)
+    feats = _probe_features(r, [q for q, _ in labelled], top_k)
+    rows = []
+    for f, (_, tool) in zip(feats, labelled, strict=True):
+        score, margin, chosen = _score_margin(r, f, reranker)
+        raw = float(f.matrix[:, 0].max())
+        rows.append((score, margin, raw, float(router.index.tool_names[chosen] == tool)))
+    return np.array(rows, dtype=np.float64).reshape(-1, 4)
+
+
+def fit_calibration(
+    router: Router, probe: Sequence[tuple[str, str]], reranker: str, top_k: int = 5, l2: float = 1e-6
+) -> tuple[Calibration, dict]:
+    """Platt scaling of (score, margin) -> P(correct) on the probe set, with its ECE report."""
+    from scipy.optimize import minimize
+
+    data = calibration_data(router, probe, reranker, top_k)
+    if len(data) < 2 or data[:, 3].min() == data[:, 3].max():
+        return Calibration(), {"probe_queries": len(data), "note": "too little signal to fit"}
+    x = np.column_stack([data[:, 0], data[:, 1], np.ones(len(data))])
+    y = data[:, 3]
+
+    def loss(w):
+        z = x @ w
+        p = 1.0 / (1.0 + np.exp(-np.clip(z, -50, 50)))
+        eps = 1e-12
+        value = -np.mean(y * np.log(p + eps) + (1 - y) * np.log(1 - p + eps)) + l2 * (w[:2] @ w[:2])
+        grad = x.T @ (p - y) / len(y) + 2 * l2 * np.append(w[:2], 0.0)
+        return value, grad
+
+    result = minimize(loss, np.zeros(3), jac=True, method="L-BFGS-B")
+    cal = Calibration(float(result.x[0]), float(result.x[1]), float(result.x[2]))
+    fitted = np.array([cal.probability(s, m) for s, m in data[:, :2]])
+    report = {
+        "probe_queries": int(len(data)),
+        "probe_accuracy": float(y.mean()),
+        "probe_ece_raw": expected_calibration_error(data[:, 2], y),
+        "probe_ece_calibrated": expected_calibration_error(fitted, y),
+    }
+    return cal, report
+
+
+def evaluate_calibration(
+    router: Router, held_out: Sequence[tuple[str, str]], reranker: str, top_k: int = 5
+) -> dict:
+    """ECE of raw top cosine vs the calibrated confidence on held-out queries."""
+    data = calibration_data(router, held_out, reranker, top_k)
+    cal = router.params.calibration.get(reranker) or Calibration()
+    fitted = np.array([cal.probability(s, m) for s, m in data[:, :2]])
+    return {
+        "queries": int(len(data)),
+        "accuracy": float(data[:, 3].mean()) if len(data) else 0.0,
+        "ece_raw": expected_calibration_error(data[:, 2], data[:, 3]),
+        "ece_calibrated": expected_calibration_error(fitted, data[:, 3]),
+    }
+
+
+def fit_params(
+    router: Router, probe: Sequence[tuple[str, str]], top_k: int = 5, fitted_on: str = ""
+) -> RoutingParams:
+    """Fusion weights, then one calibration per reranker (llm shares fusion's until fitted with
+    an LLM in the loop), all on the probe set."""
+    params = RoutingParams(
+        weights=fit_fusion_weights(router, probe, top_k),
+        pool=router.params.pool,
+        escalate_threshold=router.params.escalate_threshold,
+        fitted_on=fitted_on,
+    )
+    fitted = router.with_reranker("fusion", params=params)
+    report = {}
+    for name in ("none", "fusion"):
+        params.calibration[name], report[name] = fit_calibration(fitted, probe, name, top_k)
+    params.calibration["llm"] = params.calibration["fusion"]
+    params.report = report
+    return params

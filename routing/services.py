@@ -1,0 +1,378 @@
+"""Server-side routing: the published global compendium, pgvector retrieval, latency records.
+
+The decision code is the client toolkit's (`routing.router.Router`); only retrieval differs: the
+single-query path asks pgvector (HNSW, cosine) for the top candidates, the batch path multiplies
+the cached embedding matrix (exact cosine, the same scoring). The router of a published version
+is built once per process and cached by the version's id and sha256.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass
+from datetime import timedelta
+
+import numpy as np
+from django.conf import settings
+from django.db import connection, transaction
+from django.utils import timezone
+
+from compendium.models import CompendiumVersion, PrecautionEntry, ScenarioEntry
+from compendium.schema import Precaution, Scenario
+from compendium.services import load_compendium
+from routing.models import RoutingCall
+from routing.router import RERANKERS, Router, RoutingParams, ScenarioIndex
+
+
+class NothingPublished(Exception):
+    """No global compendium has been published yet."""
+
+
+class RoutingInputError(ValueError):
+    """A request the router cannot take, with what is wrong."""
+
+
+def max_query_chars() -> int:
+    return int(getattr(settings, "SYNAPSE_MAX_QUERY_CHARS", 2000))
+
+
+def max_batch() -> int:
+    return int(getattr(settings, "SYNAPSE_MAX_ROUTE_BATCH", 1000))
+
+
+def validate_query(query, where: str = "query") -> str:
+    if not isinstance(query, str):
+        raise RoutingInputError(f"{where} must be a string")
+    if not query.strip():
+        raise RoutingInputError(f"{where} is empty")
+    if len(query) > max_query_chars():
+        raise RoutingInputError(
+            f"{where} is too long: {len(query)} characters, at most {max_query_chars()}"
+        )
+    return query
+
+
+def validate_top_k(top_k) -> int:
+    if top_k is None:
+        return 5
+    if isinstance(top_k, bool) or not isinstance(top_k, int) or not 1 <= top_k <= 50:
+        raise RoutingInputError("top_k must be an integer between 1 and 50")
+    return top_k
+
+
+def validate_reranker(reranker) -> str:
+    if reranker is None:
+        return getattr(settings, "SYNAPSE_ROUTING_RERANKER", "fusion") or "fusion"
+    if reranker not in RERANKERS:
+        raise RoutingInputError(f"reranker must be one of {', '.join(RERANKERS)}")
+    return reranker
+
+
+def published_global_version() -> CompendiumVersion | None:
+    """The latest global compendium whose round is published."""
+    return (
+        CompendiumVersion.objects.filter(kind=CompendiumVersion.Kind.GLOBAL, round__state="published")
+        .select_related("round")
+        .order_by("-round__number")
+        .first()
+    )
+
+
+# Which version is published, remembered for a moment so that a routing call does not ask the
+# database every time. A save or delete of a round or compendium version in this process forgets
+# it at once (routing.apps connects the signals); other processes notice within the TTL.
+_published: tuple[float, CompendiumVersion | None] | None = None
+
+
+def version_ttl() -> float:
+    return float(getattr(settings, "SYNAPSE_ROUTING_VERSION_TTL", 2.0))
+
+
+def forget_published_version(**_signal) -> None:
+    global _published
+    _published = None
+
+
+def _current_version() -> CompendiumVersion | None:
+    global _published
+    now = time.monotonic()
+    if _published is not None and now - _published[0] < version_ttl():
+        return _published[1]
+    version = published_global_version()
+    if version is not None:  # "nothing published" is not remembered: the first publish is seen
+        _published = (now, version)
+    return version
+
+
+# --- pgvector retrieval -----------------------------------------------------------------------------
+
+_pgvector_version: tuple[int, ...] | None = None
+HNSW_DEFAULT_EF_SEARCH = 40
+
+
+def _pgvector() -> tuple[int, ...]:
+    global _pgvector_version
+    if _pgvector_version is None:
+        with connection.cursor() as cursor:
+            cursor.execute("SELECT extversion FROM pg_extension WHERE extname = 'vector'")
+            row = cursor.fetchone()
+        _pgvector_version = tuple(int(p) for p in row[0].split(".")[:2]) if row else (0, 0)
+    return _pgvector_version
+
+
+def _vector_literal(vector: np.ndarray) -> str:
+    return "[" + ",".join(map(repr, np.asarray(vector, dtype=np.float32).tolist())) + "]"
+
+
+class PgvectorRetriever:
+    """Top-n scenarios of one version by cosine distance in pgvector (HNSW index).
+
+    The HNSW scan is filtered by version after the fact, so it can return fewer than n rows when
+    other versions share the index (ef_search, 40 by default, bounds the candidates). For n above
+    40, ef_search is raised for the query (and iterative scans are enabled on pgvector >= 0.8);
+    whenever the answer still comes up short, an exact scan of the version's rows answers instead,
+    so the caller always gets min(n, rows) scenarios in exact cosine order.
+    """
+
+    def __init__(self, version_id: int, entry_ids: np.ndarray):
+        self.version_id = version_id
+        self.position = {int(pk): i for i, pk in enumerate(entry_ids)}
+        self.available = len(entry_ids)
+        self.exact_fallbacks = 0
+
+    def _query(self, literal: str, n: int, exact: bool) -> list[tuple[int, float]]:
+        order = "(embedding <=> %s::vector) + 0" if exact else "embedding <=> %s::vector"
+        sql = (
+            "SELECT id, embedding <=> %s::vector FROM compendium_scenarioentry "
+            f"WHERE version_id = %s AND embedding IS NOT NULL ORDER BY {order} LIMIT %s"
+        )
+        params = [literal, self.version_id, literal, n]
+        if exact or n <= HNSW_DEFAULT_EF_SEARCH:
+            # One round trip: the default ef_search already covers n candidates.
+            with connection.cursor() as cursor:
+                cursor.execute(sql, params)
+                return cursor.fetchall()
+        with transaction.atomic(), connection.cursor() as cursor:
+            cursor.execute(f"SET LOCAL hnsw.ef_search = {min(1000, 2 * n)}")
+            if _pgvector() >= (0, 8):
+                cursor.execute("SET LOCAL hnsw.iterative_scan = strict_order")
+            cursor.execute(sql, params)
+            return cursor.fetchall()
+
+    def __call__(self, vector: np.ndarray, n: int):
+        n = min(n, self.available)
+        literal = _vector_literal(vector)
+        rows = self._query(literal, n, exact=False)
+        if len(rows) < n:
+            self.exact_fallbacks += 1
+            rows = self._query(literal, n, exact=True)
+        idx = np.array([self.position[pk] for pk, _ in rows], dtype=np.int64)
+        scores = np.array([1.0 - d for _, d in rows], dtype=np.float32)
+        return idx, scores
+
+
+# --- the served compendium ----------------------------------------------------------------------
+
+
+@dataclass
+class ServedCompendium:
+    version_id: int
+    sha256: str
+    round_number: int
+    index: ScenarioIndex
+    retriever: PgvectorRetriever
+    routers: dict[str, Router]
+
+
+_served: dict[tuple[int, str], ServedCompendium] = {}
+_served_lock = threading.Lock()
+
+
+def routing_params() -> RoutingParams:
+    return RoutingParams.load(getattr(settings, "SYNAPSE_ROUTING_PARAMS", "") or None)
+
+
+def _build(version: CompendiumVersion) -> ServedCompendium:
+    from routing.embeddings import get_query_engine
+    from routing.llm import get_llm
+
+    engine = get_query_engine()
+    scenario_rows = list(
+        ScenarioEntry.objects.filter(version=version, embedding__isnull=False)
+        .select_related("tool")
+        .order_by("id")
+    )
+    precaution_rows = list(
+        PrecautionEntry.objects.filter(version=version).select_related("tool").order_by("id")
+    )
+    compendium = load_compendium(version)
+    # The stored rows, in id order, are the index: pgvector answers with their ids.
+    compendium.scenarios = [
+        Scenario(tool_id=r.tool.tool_id, text=r.text, preconditions=r.preconditions, support=r.support)
+        for r in scenario_rows
+    ]
+    compendium.precautions = [
+        Precaution(tool_id=r.tool.tool_id, text=r.text, support=r.support) for r in precaution_rows
+    ]
+    scenario_vectors = np.array([r.embedding for r in scenario_rows], dtype=np.float32).reshape(
+        len(scenario_rows), engine.dimension
+    )
+    missing = [i for i, r in enumerate(precaution_rows) if r.embedding is None]
+    precaution_vectors = np.zeros((len(precaution_rows), engine.dimension), dtype=np.float32)
+    for i, r in enumerate(precaution_rows):
+        if r.embedding is not None:
+            precaution_vectors[i] = np.asarray(r.embedding, dtype=np.float32)
+    if missing:
+        precaution_vectors[missing] = engine.embed([precaution_rows[i].text for i in missing])
+    index = ScenarioIndex(compendium, engine, scenario_vectors, precaution_vectors)
+    retriever = PgvectorRetriever(version.pk, np.array([r.pk for r in scenario_rows]))
+    params = routing_params()
+    llm = get_llm(
+        getattr(settings, "SYNAPSE_LLM_BASE_URL", None),
+        getattr(settings, "SYNAPSE_LLM_MODEL", None),
+        getattr(settings, "SYNAPSE_LLM_API_KEY", None),
+    )
+    routers = {
+        name: Router(
+            compendium, engine, name, params=params, llm=llm, index=index, retriever=retriever
+        )
+        for name in RERANKERS
+    }
+    return ServedCompendium(
+        version.pk, version.sha256, version.round.number, index, retriever, routers
+    )
+
+
+def served_compendium() -> ServedCompendium:
+    version = _current_version()
+    if version is None:
+        raise NothingPublished(
+            "no global compendium is published yet: routing starts after the first round is "
+            "published"
+        )
+    key = (version.pk, version.sha256)
+    served = _served.get(key)
+    if served is None:
+        with _served_lock:
+            served = _served.get(key)
+            if served is None:
+                served = _build(version)
+                _served.clear()  # only the current version is kept
+                _served[key] = served
+    return served
+
+
+def _payload(decision, round_number: int, latency_ms: float) -> dict:
+    return {
+        "tool": decision.tool,
+        "confidence": decision.confidence,
+        "escalate": decision.escalate,
+        "candidates": decision.candidates,
+        "precautions": decision.precautions,
+        "template": decision.template,
+        "reranker": decision.reranker,
+        "fallback_reason": decision.fallback_reason,
+        "compendium_round": round_number,
+        "latency_ms": round(latency_ms, 3),
+    }
+
+
+def route_query(query: str, top_k: int | None = 5, reranker: str | None = None) -> dict:
+    """Route one query against the published global compendium (retrieval in pgvector)."""
+    started = time.perf_counter()
+    query = validate_query(query)
+    top_k = validate_top_k(top_k)
+    reranker = validate_reranker(reranker)
+    served = served_compendium()
+    decision = served.routers[reranker].route(query, top_k)
+    latency = (time.perf_counter() - started) * 1000
+    recorder.record(latency, 1, reranker, served.round_number)
+    return _payload(decision, served.round_number, latency)
+
+
+def route_queries(queries, top_k: int | None = 5, reranker: str | None = None) -> dict:
+    """Route many queries at once: one embedding batch, one matrix product (exact cosine)."""
+    started = time.perf_counter()
+    if not isinstance(queries, list) or not queries:
+        raise RoutingInputError("queries must be a non-empty list of strings")
+    if len(queries) > max_batch():
+        raise RoutingInputError(f"too many queries: {len(queries)}, at most {max_batch()}")
+    for i, q in enumerate(queries):
+        validate_query(q, f"queries[{i}]")
+    top_k = validate_top_k(top_k)
+    reranker = validate_reranker(reranker)
+    served = served_compendium()
+    router = served.routers[reranker].with_reranker(reranker, retriever=None)
+    decisions = router.route_batch(queries, top_k)
+    latency = (time.perf_counter() - started) * 1000
+    recorder.record(latency, len(queries), reranker, served.round_number)
+    return {
+        "compendium_round": served.round_number,
+        "latency_ms": round(latency, 3),
+        "results": [_payload(d, served.round_number, latency / len(queries)) for d in decisions],
+    }
+
+
+# --- latency records ------------------------------------------------------------------------------
+
+
+class LatencyRecorder:
+    """An in-memory buffer of routing-call latencies, bulk-inserted every `flush_every` calls or
+    `flush_seconds`, so that recording costs a list append on the request path."""
+
+    def __init__(self, flush_every: int = 200, flush_seconds: float = 5.0, maxlen: int = 100_000):
+        self.flush_every = flush_every
+        self.flush_seconds = flush_seconds
+        self._buffer: deque[RoutingCall] = deque(maxlen=maxlen)
+        self._lock = threading.Lock()
+        self._last_flush = time.monotonic()
+
+    def record(self, latency_ms: float, queries: int, reranker: str, round_number: int | None):
+        self._buffer.append(
+            RoutingCall(
+                at=timezone.now(),
+                latency_ms=latency_ms,
+                queries=queries,
+                reranker=reranker,
+                compendium_round=round_number,
+            )
+        )
+        if (
+            len(self._buffer) >= self.flush_every
+            or time.monotonic() - self._last_flush >= self.flush_seconds
+        ):
+            self.flush()
+
+    def flush(self) -> int:
+        with self._lock:
+            rows = []
+            while self._buffer:
+                rows.append(self._buffer.popleft())
+            self._last_flush = time.monotonic()
+        if rows:
+            try:
+                RoutingCall.objects.bulk_create(rows, batch_size=1000)
+            except Exception:  # a failed flush must never fail a routing call
+                return 0
+        return len(rows)
+
+
+recorder = LatencyRecorder()
+
+
+def routing_latency(window: timedelta = timedelta(hours=1), reranker: str | None = None) -> dict:
+    """p50/p95 of routing-call latencies over the last `window` (this process's buffer included)."""
+    recorder.flush()
+    calls = RoutingCall.objects.filter(at__gte=timezone.now() - window)
+    if reranker:
+        calls = calls.filter(reranker=reranker)
+    values = np.array(list(calls.values_list("latency_ms", flat=True)), dtype=np.float64)
+    if not len(values):
+        return {"calls": 0, "p50_ms": None, "p95_ms": None}
+    return {
+        "calls": int(len(values)),
+        "p50_ms": float(np.percentile(values, 50)),
+        "p95_ms": float(np.percentile(values, 95)),
+    }

@@ -1,0 +1,269 @@
+"""The pure router: retrieval, rerankers, precautions, calibration, the LLM reranker over HTTP, CLI."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+import numpy as np
+import pytest
+
+from compendium.canonical import canonical_dict
+from compendium.registry import load_dataset
+from compendium.schema import Compendium, Precaution, PromptTemplate, Scenario
+from routing.cli import add_route_command
+from routing.datasets import compendium_from_queries, split_queries
+from routing.embeddings import get_query_engine
+from routing.llm import OpenAICompatibleLLM, judge_consistency, parse_choice
+from routing.router import (
+    Router,
+    RoutingParams,
+    evaluate_calibration,
+    expected_calibration_error,
+    fit_params,
+)
+from tests.routing_data import METATOOL
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def engine():
+    return get_query_engine()
+
+
+@pytest.fixture(scope="module")
+def metatool_split():
+    dataset = load_dataset(METATOOL)
+    tools = sorted(dataset.tool_ids)[:40]
+    queries = [q for q in dataset.queries if q.tool_id in set(tools)]
+    return dataset, split_queries(queries, seed=7, probe=0.2, test=0.2)
+
+
+@pytest.fixture(scope="module")
+def metatool_router(engine, metatool_split):
+    dataset, split = metatool_split
+    compendium = compendium_from_queries(dataset.tools, split.train, max_per_tool=25)
+    return Router(compendium, engine, "fusion", params=RoutingParams())
+
+
+def test_in_memory_retrieval_matches_brute_force_cosine(metatool_router, metatool_split, engine):
+    _, split = metatool_split
+    queries = [q.query for q in split.test[:60]]
+    vectors = engine.embed(queries)
+    matrix = engine.embed(metatool_router.index.texts)
+    for query, vector in zip(queries, vectors, strict=True):
+        brute = matrix @ vector
+        expected = np.argsort(-brute, kind="stable")[:5]
+        idx, scores = metatool_router.index.retrieve(vector, 5)
+        assert list(idx) == list(expected)
+        assert np.allclose(scores, brute[expected], atol=1e-6)
+        decision = metatool_router.with_reranker("none").route(query, 5)
+        assert [c["scenario"] for c in decision.candidates] == [
+            metatool_router.index.texts[i] for i in expected
+        ]
+        # The bypass picks the parent tool of the top-1 cosine scenario.
+        assert decision.tool == decision.candidates[0]["tool"]
+
+
+def test_batch_routing_equals_one_by_one(metatool_router, metatool_split):
+    _, split = metatool_split
+    queries = [q.query for q in split.test[:25]]
+    batch = metatool_router.route_batch(queries)
+    assert [d.tool for d in batch] == [metatool_router.route(q).tool for q in queries]
+    assert [d.confidence for d in batch] == [metatool_router.route(q).confidence for q in queries]
+
+
+def _currency_compendium(with_precaution: bool) -> Compendium:
+    precautions = (
+        [Precaution(tool_id="fx", text="Do not use for converting US dollars to euros; the rates are stale")]
+        if with_precaution
+        else []
+    )
+    return Compendium(
+        scenarios=[
+            Scenario(tool_id="fx", text="Convert an amount of money from one currency to another"),
+            Scenario(tool_id="calc", text="Do math with numbers, including sums of money amounts"),
+            Scenario(tool_id="weather", text="Will it rain tomorrow in Paris?"),
+        ],
+        precautions=precautions,
+        templates=[PromptTemplate(tool_id="calc", signature="eval(expr)", template="Compute {expr}")],
+    )
+
+
+def test_a_matching_precaution_lowers_its_tool(engine):
+    query = "Convert 100 US dollars into euros"
+    plain = Router(_currency_compendium(False), engine, "fusion", params=RoutingParams()).route(query)
+    assert plain.tool == "fx"
+    guarded = Router(_currency_compendium(True), engine, "fusion", params=RoutingParams()).route(query)
+    assert guarded.tool == "calc"
+    assert guarded.template == "Compute {expr}"
+    # An unrelated query is not affected by the precaution.
+    other = Router(_currency_compendium(True), engine, "fusion", params=RoutingParams())
+    assert other.route("Change 20 pounds sterling to yen").tool == "fx"
+    # The bypass ignores precautions, as in the paper.
+    bypass = Router(_currency_compendium(True), engine, "none", params=RoutingParams())
+    assert bypass.route(query).tool == "fx"
+
+
+def test_calibration_lowers_expected_calibration_error_on_held_out(metatool_router, metatool_split):
+    _, split = metatool_split
+    probe = [(q.query, q.tool_id) for q in split.probe]
+    held_out = [(q.query, q.tool_id) for q in split.test]
+    params = fit_params(metatool_router, probe, fitted_on="test")
+    assert set(params.calibration) == {"none", "fusion", "llm"}
+    fitted = metatool_router.with_reranker("fusion", params=params)
+    report = evaluate_calibration(fitted, held_out, "fusion")
+    assert report["queries"] == len(held_out)
+    assert report["ece_calibrated"] < report["ece_raw"]
+    # Fitted weights are at least as accurate on the held-out split as the defaults.
+    default = metatool_router.route_batch([q for q, _ in held_out])
+    tuned = fitted.route_batch([q for q, _ in held_out])
+    truth = [t for _, t in held_out]
+    accuracy = lambda ds: np.mean([d.tool == t for d, t in zip(ds, truth, strict=True)])  # noqa: E731
+    assert accuracy(tuned) >= accuracy(default) - 0.02
+    # Parameters survive a JSON round trip.
+    again = RoutingParams.from_dict(json.loads(params.to_json()))
+    assert again.weights == params.weights and again.calibration["fusion"] == params.calibration["fusion"]
+    # Escalation follows the threshold.
+    strict = metatool_router.with_reranker("fusion", params=params, escalate_threshold=1.01)
+    assert all(d.escalate for d in strict.route_batch([q for q, _ in held_out[:10]]))
+
+
+def test_expected_calibration_error_definition():
+    assert expected_calibration_error(np.array([1.0, 1.0]), np.array([1, 1])) == 0.0
+    assert expected_calibration_error(np.array([0.9, 0.9]), np.array([0, 0])) == pytest.approx(0.9)
+    assert expected_calibration_error(np.array([0.25, 0.75]), np.array([0, 1])) == pytest.approx(0.25)
+
+
+class _ChatServer:
+    """A real HTTP server speaking the OpenAI chat-completions protocol with scripted answers."""
+
+    def __init__(self):
+        self.answers: list[str] = []
+        self.requests: list[dict] = []
+        owner = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_POST(self):  # noqa: N802
+                body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+                owner.requests.append({"path": self.path, "body": body, "auth": self.headers.get("Authorization")})
+                if self.path != "/v1/chat/completions":
+                    self.send_response(404)
+                    self.end_headers()
+                    return
+                answer = owner.answers.pop(0) if owner.answers else ""
+                payload = json.dumps(
+                    {"choices": [{"index": 0, "message": {"role": "assistant", "content": answer}}]}
+                ).encode()
+                self.send_response(200)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(payload)))
+                self.end_headers()
+                self.wfile.write(payload)
+
+            def log_message(self, *args):
+                pass
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
+        self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
+        self.thread.start()
+
+    def close(self):
+        self.server.shutdown()
+        self.server.server_close()
+
+
+@pytest.fixture
+def chat_server():
+    server = _ChatServer()
+    yield server
+    server.close()
+
+
+def test_llm_reranker_over_openai_compatible_http(engine, chat_server):
+    compendium = _currency_compendium(False)
+    llm = OpenAICompatibleLLM(chat_server.url, model="router-model", api_key="k", retries=0)
+    router = Router(compendium, engine, "llm", params=RoutingParams(), llm=llm)
+    query = "Convert 100 US dollars into euros"
+    fusion = router.with_reranker("fusion").route(query, top_k=3)
+    assert fusion.tool == "fx"
+    # The options are the candidates in cosine order; the LLM picks the calc scenario.
+    pick = [c["tool"] for c in fusion.candidates].index("calc") + 1
+    chat_server.answers.append(f"{pick}")
+    decision = router.route(query, top_k=3)
+    assert decision.tool == "calc" and decision.fallback_reason is None
+    sent = chat_server.requests[-1]
+    assert sent["path"] == "/v1/chat/completions" and sent["auth"] == "Bearer k"
+    assert sent["body"]["model"] == "router-model"
+    assert query in sent["body"]["messages"][-1]["content"]
+    # A garbled answer falls back to fusion, and says why.
+    chat_server.answers.append("I think the best is the banana one")
+    garbled = router.route(query, top_k=3)
+    assert garbled.tool == fusion.tool
+    assert "no option number" in garbled.fallback_reason
+    chat_server.answers.append("7")
+    out_of_range = router.route(query, top_k=3)
+    assert "not between 1 and 3" in out_of_range.fallback_reason
+    # Judge-consistency speaks the same protocol.
+    chat_server.answers.append("Contradictory.")
+    assert judge_consistency(llm, "use for money", "never use for money").consistent is False
+
+
+def test_llm_endpoint_down_is_one_line_and_falls_back(engine):
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    llm = OpenAICompatibleLLM(f"http://127.0.0.1:{port}", retries=1, backoff=0.0, timeout=2)
+    router = Router(_currency_compendium(False), engine, "llm", params=RoutingParams(), llm=llm)
+    decision = router.route("Convert 100 US dollars into euros")
+    assert decision.tool == "fx"
+    assert "is down" in decision.fallback_reason and "\n" not in decision.fallback_reason
+
+
+def test_parse_choice():
+    assert parse_choice("2", 3).index == 1
+    assert parse_choice("Option 3.", 3).index == 2
+    assert parse_choice("", 3).index is None
+    assert parse_choice("zero", 3).reason.startswith("no option number")
+
+
+def test_route_command(tmp_path, capsys, engine):
+    path = tmp_path / "global.json"
+    body = {"round": 3, "sha256": "x", "compendium": canonical_dict(_currency_compendium(True))}
+    path.write_text(json.dumps(body), encoding="utf-8")
+    parser = argparse.ArgumentParser(prog="synapse-client")
+    add_route_command(parser.add_subparsers(dest="command", required=True))
+    args = parser.parse_args(
+        ["route", "Will it rain in Paris tomorrow?", "--compendium", str(path), "--json", "--top-k", "2"]
+    )
+    assert args.func(args) == 0
+    decision = json.loads(capsys.readouterr().out)
+    assert decision["tool"] == "weather" and len(decision["candidates"]) == 2
+    args = parser.parse_args(["route", "Will it rain?", "--compendium", str(path), "--reranker", "none"])
+    assert args.func(args) == 0
+    assert capsys.readouterr().out.startswith("tool: weather")
+    bad = tmp_path / "bad.json"
+    bad.write_text("{not json", encoding="utf-8")
+    args = parser.parse_args(["route", "x", "--compendium", str(bad)])
+    with pytest.raises(SystemExit, match="not valid JSON"):
+        args.func(args)
+
+
+def test_in_process_llm_backend_fails_in_one_clear_line(monkeypatch, tmp_path):
+    from routing.llm import LLMUnavailable, get_llm
+
+    monkeypatch.delenv("SYNAPSE_LLM_BASE_URL", raising=False)
+    monkeypatch.setenv("SYNAPSE_LLM_GGUF", str(tmp_path / "missing.gguf"))
+    with pytest.raises(LLMUnavailable) as error:
+        get_llm()
+    message = str(error.value)
+    assert "\n" not in message
+    assert "llama-cpp-python" in message or "not found" in message
+    monkeypatch.delenv("SYNAPSE_LLM_GGUF")
+    assert get_llm() is None

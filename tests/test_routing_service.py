@@ -1,0 +1,197 @@
+"""Server-side routing: pgvector retrieval, parity with the client router, the API and latencies."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from django.test import Client as HttpClient
+
+from compendium.registry import load_dataset
+from compendium.services import import_registry, store_compendium
+from federation.models import Client, Organization, Round
+from routing import services
+from routing.datasets import compendium_from_queries, split_queries
+from routing.embeddings import get_query_engine
+from routing.models import RoutingCall, RoutingToken
+from routing.router import Router
+from tests.routing_data import METATOOL
+
+pytestmark = [pytest.mark.slow, pytest.mark.django_db]
+
+
+@pytest.fixture(autouse=True)
+def _forget_published_version():
+    # A test's rollback sends no delete signals: start each test without a remembered version.
+    services.forget_published_version()
+
+
+@pytest.fixture(scope="module")
+def data():
+    dataset = load_dataset(METATOOL)
+    tools = sorted(dataset.tool_ids)[:30]
+    queries = [q for q in dataset.queries if q.tool_id in set(tools)]
+    split = split_queries(queries, seed=3)
+    compendium = compendium_from_queries(dataset.tools, split.train, max_per_tool=12)
+    engine = get_query_engine()
+    return {
+        "tools": [t for t in dataset.tools if t.tool_id in set(tools)],
+        "compendium": compendium,
+        "embeddings": engine.embed([s.text for s in compendium.scenarios]),
+        "queries": [q.query for q in split.test[:40]],
+        "engine": engine,
+    }
+
+
+def _publish(data, number=1, state="published", with_client_copy=True):
+    import_registry(data["tools"])
+    round_ = Round.objects.create(number=number, state=state)
+    if with_client_copy:
+        # Another version's rows share the HNSW index: retrieval must filter them out and still
+        # return k rows of the global version.
+        org = Organization.objects.create(name=f"org{number}", slug=f"org{number}")
+        client = Client.objects.create(organization=org, name="c", status="approved")
+        store_compendium(
+            data["compendium"], kind="client", round=round_, client=client,
+            scenario_embeddings=data["embeddings"],
+        )
+    return store_compendium(
+        data["compendium"], kind="global", round=round_, scenario_embeddings=data["embeddings"]
+    )
+
+
+def test_pgvector_retrieval_matches_brute_force_cosine(data):
+    version = _publish(data)
+    served = services.served_compendium()
+    assert served.version_id == version.pk and served.round_number == 1
+    matrix = served.index.embeddings
+    for vector in data["engine"].embed(data["queries"]):
+        brute = matrix @ vector
+        expected = np.argsort(-brute, kind="stable")[:5]
+        idx, scores = served.retriever(vector, 5)
+        assert len(idx) == 5
+        assert np.allclose(scores, brute[idx], atol=1e-4)
+        assert np.allclose(np.sort(brute[expected])[::-1], scores, atol=1e-4)
+        assert list(idx) == list(expected) or np.allclose(brute[idx], brute[expected], atol=1e-5)
+    idx, _ = served.retriever(data["engine"].embed_one(data["queries"][0]), 40)
+    assert len(idx) == 40
+    # The per-process cache serves the same object until a new version is published.
+    assert services.served_compendium() is served
+
+
+def test_client_router_and_server_pick_the_same_tool(data):
+    _publish(data)
+    client_router = Router(data["compendium"], data["engine"], "fusion", params=services.routing_params())
+    for query in data["queries"]:
+        server = services.route_query(query, 5)
+        local = client_router.route(query, 5)
+        assert server["tool"] == local.tool
+        assert server["confidence"] == pytest.approx(local.confidence, abs=1e-3)
+        assert [c["tool"] for c in server["candidates"]] == [c["tool"] for c in local.candidates]
+    batch = services.route_queries(data["queries"], 5)
+    assert [r["tool"] for r in batch["results"]] == [client_router.route(q).tool for q in data["queries"]]
+
+
+def test_latest_published_round_is_served(data):
+    _publish(data, number=1, with_client_copy=False)
+    Round.objects.create(number=2, state="open")
+    assert services.route_query(data["queries"][0])["compendium_round"] == 1
+
+
+@pytest.fixture
+def api():
+    token, raw = RoutingToken.issue("app")
+    return HttpClient(), raw, token
+
+
+def _post(http, path, body, raw=None):
+    headers = {"HTTP_AUTHORIZATION": f"Bearer {raw}"} if raw else {}
+    return http.post(path, body, content_type="application/json", **headers)
+
+
+def test_route_api_authentication(data, api):
+    http, raw, token = api
+    _publish(data, with_client_copy=False)
+    assert _post(http, "/api/v1/route/", {"query": "hello"}).status_code == 401
+    assert _post(http, "/api/v1/route/", {"query": "hello"}, "rt_wrong").status_code == 401
+    ok = _post(http, "/api/v1/route/", {"query": data["queries"][0], "top_k": 3}, raw)
+    assert ok.status_code == 200, ok.content
+    body = ok.json()
+    assert set(body) >= {
+        "tool", "confidence", "escalate", "candidates", "precautions", "template",
+        "compendium_round", "latency_ms",
+    }
+    assert len(body["candidates"]) == 3 and body["compendium_round"] == 1
+    assert set(body["candidates"][0]) == {"tool", "scenario", "score"}
+    assert body["template"] and 0.0 <= body["confidence"] <= 1.0
+    token_alt = http.post(
+        "/api/v1/route/", {"query": "hi there"}, content_type="application/json",
+        HTTP_AUTHORIZATION=f"Token {raw}",
+    )
+    assert token_alt.status_code == 200
+    token.revoked = True
+    token.save()
+    assert _post(http, "/api/v1/route/", {"query": "hello"}, raw).status_code == 401
+    # A signed-in operator may route from the browser (session authentication).
+    from django.contrib.auth.models import User
+
+    http.force_login(User.objects.create_user("op", password="pw-long-enough-1"))
+    assert _post(http, "/api/v1/route/", {"query": "hello"}).status_code == 200
+
+
+def test_route_api_bad_input_is_400_naming_the_problem(data, api, settings):
+    http, raw, _ = api
+    _publish(data, with_client_copy=False)
+    settings.SYNAPSE_MAX_QUERY_CHARS = 50
+    cases = [
+        ({"query": ""}, "query is empty"),
+        ({"query": "   "}, "query is empty"),
+        ({"query": "x" * 51}, "too long"),
+        ({"query": 5}, "must be a string"),
+        ({}, "query is required"),
+        ({"query": "ok", "top_k": 0}, "top_k"),
+        ({"query": "ok", "top_k": "5"}, "top_k"),
+        ({"query": "ok", "reranker": "magic"}, "reranker"),
+    ]
+    for body, message in cases:
+        response = _post(http, "/api/v1/route/", body, raw)
+        assert response.status_code == 400, body
+        assert message in response.json()["detail"], (body, response.json())
+    response = http.post(
+        "/api/v1/route/", "{nope", content_type="application/json", HTTP_AUTHORIZATION=f"Bearer {raw}"
+    )
+    assert response.status_code == 400 and "not valid JSON" in response.json()["detail"]
+    for body, message in [
+        ({"queries": []}, "non-empty list"),
+        ({"queries": "abc"}, "non-empty list"),
+        ({"queries": ["fine", ""]}, "queries[1] is empty"),
+    ]:
+        response = _post(http, "/api/v1/route/batch/", body, raw)
+        assert response.status_code == 400 and message in response.json()["detail"]
+    settings.SYNAPSE_MAX_ROUTE_BATCH = 2
+    response = _post(http, "/api/v1/route/batch/", {"queries": ["a", "b", "c"]}, raw)
+    assert response.status_code == 400 and "too many queries" in response.json()["detail"]
+
+
+def test_route_api_503_until_something_is_published(data, api):
+    http, raw, _ = api
+    response = _post(http, "/api/v1/route/", {"query": "hello"}, raw)
+    assert response.status_code == 503 and "no global compendium is published" in response.json()["detail"]
+    _publish(data, state="merging", with_client_copy=False)
+    assert _post(http, "/api/v1/route/", {"query": "hello"}, raw).status_code == 503
+
+
+def test_batch_api_and_latency_summary(data, api):
+    http, raw, _ = api
+    _publish(data, with_client_copy=False)
+    services.recorder.flush()
+    RoutingCall.objects.all().delete()
+    response = _post(http, "/api/v1/route/batch/", {"queries": data["queries"][:10], "top_k": 2}, raw)
+    assert response.status_code == 200
+    results = response.json()["results"]
+    assert len(results) == 10 and all(len(r["candidates"]) == 2 for r in results)
+    for query in data["queries"][:4]:
+        assert _post(http, "/api/v1/route/", {"query": query}, raw).status_code == 200
+    summary = services.routing_latency()
+    assert summary["calls"] == 5
+    assert 0 < summary["p50_ms"] <= summary["p95_ms"]
+    assert RoutingCall.objects.filter(queries=10).count() == 1
