@@ -379,6 +379,10 @@ def build_parser() -> argparse.ArgumentParser:
     pull.add_argument("--round", type=int, default=None, help="a given round (default: latest)")
     _add_server_arguments(pull)
     pull.set_defaults(func=cmd_pull)
+
+    from routing.cli import add_route_command  # the same router the server uses
+
+    add_route_command(sub)
     return parser
 
 

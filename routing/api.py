@@ -2,19 +2,21 @@
 
 from __future__ import annotations
 
+from django.conf import settings
+from django.utils.module_loading import import_string
 from rest_framework import status
-from rest_framework.authentication import SessionAuthentication
 from rest_framework.exceptions import ParseError
 from rest_framework.permissions import IsAuthenticated
 from rest_framework.response import Response
 from rest_framework.views import APIView
 
 from routing import services
-from routing.authentication import RoutingTokenAuthentication
 
 
 class _RoutingView(APIView):
-    authentication_classes = [RoutingTokenAuthentication, SessionAuthentication]
+    # Routing tokens, the federation's client and user tokens, and browser sessions: configured in
+    # settings so that routing does not import the federation app.
+    authentication_classes = [import_string(path) for path in settings.SYNAPSE_ROUTING_AUTHENTICATION]
     permission_classes = [IsAuthenticated]
 
     def _body(self, request) -> dict:

@@ -139,6 +139,13 @@ SYNAPSE_LLM_BASE_URL = os.environ.get("SYNAPSE_LLM_BASE_URL", "")  # OpenAI-comp
 SYNAPSE_LLM_MODEL = os.environ.get("SYNAPSE_LLM_MODEL", "")
 SYNAPSE_LLM_API_KEY = os.environ.get("SYNAPSE_LLM_API_KEY", "")
 
+SYNAPSE_ROUTING_AUTHENTICATION = [
+    "routing.authentication.RoutingTokenAuthentication",
+    "federation.api.authentication.ClientTokenAuthentication",
+    "federation.api.authentication.UserTokenAuthentication",
+    "rest_framework.authentication.SessionAuthentication",
+]
+
 # --- routing ------------------------------------------------------------------------------------
 SYNAPSE_ROUTING_RERANKER = os.environ.get("SYNAPSE_ROUTING_RERANKER", "fusion")  # fusion|none|llm
 SYNAPSE_ROUTING_PARAMS = os.environ.get("SYNAPSE_ROUTING_PARAMS", "")  # "" = routing/default_params.json

@@ -195,3 +195,18 @@ def test_batch_api_and_latency_summary(data, api):
     assert summary["calls"] == 5
     assert 0 < summary["p50_ms"] <= summary["p95_ms"]
     assert RoutingCall.objects.filter(queries=10).count() == 1
+
+
+
+def test_route_api_accepts_a_federation_client_token(data, api):
+    """An approved client's own API token routes too (the federation's token scheme)."""
+    from federation.services import Actor, approve_client, create_organization, enroll_client
+
+    http = api[0]
+    _publish(data, with_client_copy=False)
+    org = create_organization(Actor(None), name="Route Org", slug="route-org")
+    client = enroll_client(Actor(None), org, name="router-client")
+    token = approve_client(Actor(None), client).token
+    response = _post(http, "/api/v1/route/", {"query": data["queries"][0]}, token)
+    assert response.status_code == 200, response.content
+    assert response.json()["tool"]
