@@ -137,6 +137,12 @@ SYNAPSE_LLM_BASE_URL = os.environ.get("SYNAPSE_LLM_BASE_URL", "")  # OpenAI-comp
 SYNAPSE_LLM_MODEL = os.environ.get("SYNAPSE_LLM_MODEL", "")
 SYNAPSE_LLM_API_KEY = os.environ.get("SYNAPSE_LLM_API_KEY", "")
 
+# --- privacy accounting -------------------------------------------------------------------------
+# The federation's total ε cap (used unless a FederationSettings row sets epsilon_budget) and the
+# δ' of advanced composition.
+SYNAPSE_EPSILON_BUDGET = float(os.environ.get("SYNAPSE_EPSILON_BUDGET", "10.0"))
+SYNAPSE_DELTA_PRIME = float(os.environ.get("SYNAPSE_DELTA_PRIME", "1e-5"))
+
 # --- REST API -----------------------------------------------------------------------------------
 REST_FRAMEWORK = {
     "DEFAULT_SCHEMA_CLASS": "drf_spectacular.openapi.AutoSchema",

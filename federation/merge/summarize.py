@@ -17,6 +17,7 @@ Probe sets are public benchmark queries, never client data.
 from __future__ import annotations
 
 import json
+import os
 import re
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -211,9 +212,8 @@ class Summarizer:
             raise SummaryUnparseable(
                 "textgrad needs a task-success signal for templates; no executor is configured"
             )
+        engine = _textgrad_engine(llm)
         import textgrad as tg
-
-        engine = _TextGradEngine(llm)
         start = self._probe_extractive(cluster) if self.context is not None else cluster.texts[0]
         best_text = start
         best_loss = float(self._failures(cluster, self.embed([start]))[0])
@@ -260,22 +260,21 @@ def _parse_summary(answer: str, limit: int) -> str:
     return summary.strip()[:limit]
 
 
-def _textgrad_engine_base():
+def _textgrad_engine(llm: OpenAICompatibleLLM):
+    """TextGrad's engine interface over our OpenAI-compatible client (no disk cache: a round is
+    replayed through the endpoint, not through a local cache). Imported lazily: textgrad pulls in
+    litellm, which would otherwise try to fetch a price list at import time."""
+    os.environ.setdefault("LITELLM_LOCAL_MODEL_COST_MAP", "True")
     from textgrad.engine import EngineLM
 
-    return EngineLM
+    class Engine(EngineLM):
+        def __init__(self):
+            self.model_string = llm.model
 
+        def generate(self, prompt, system_prompt=None, **kwargs):
+            return llm.complete(str(prompt), system=system_prompt)
 
-class _TextGradEngine(_textgrad_engine_base()):
-    """TextGrad's engine interface over our OpenAI-compatible client (no disk cache: a round is
-    replayed through the endpoint, not through a local cache)."""
+        def __call__(self, prompt, **kwargs):
+            return self.generate(prompt, **kwargs)
 
-    def __init__(self, llm: OpenAICompatibleLLM):
-        self.llm = llm
-        self.model_string = llm.model
-
-    def generate(self, prompt, system_prompt=None, **kwargs):
-        return self.llm.complete(str(prompt), system=system_prompt)
-
-    def __call__(self, prompt, **kwargs):
-        return self.generate(prompt, **kwargs)
+    return Engine()
