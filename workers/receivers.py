@@ -12,4 +12,4 @@ from federation.signals import round_closed
 def start_pipeline_on_close(sender, round, **kwargs):
     from workers.tasks import start_round_pipeline
 
-    start_round_pipeline.delay(round.pk)
+    return start_round_pipeline.delay(round.pk)

@@ -10,28 +10,34 @@ retry produces the same compendium. A task that fails for any other reason sets 
 from __future__ import annotations
 
 from celery import chord, group, shared_task
+from celery.utils.log import get_task_logger
 
 from federation import pipeline
+
+log = get_task_logger(__name__)
 
 TASK_OPTIONS = dict(acks_late=True, reject_on_worker_lost=True)
 
 
 @shared_task(name="synapse.start_round_pipeline", **TASK_OPTIONS)
-def start_round_pipeline(round_id: int) -> list[int]:
+def start_round_pipeline(round_id: int) -> dict:
+    """Start the chord; returns the ids of its edge tasks and of the server task."""
     try:
         organizations = pipeline.start_round(round_id)
     except Exception as exc:
         pipeline.fail_round(round_id, f"starting the merge failed: {exc}")
         raise
-    if organizations:
-        chord(group(edge_merge_task.si(round_id, org) for org in organizations))(
-            server_merge_task.si(round_id)
-        )
-    return organizations
+    if not organizations:
+        return {"organizations": [], "edge_tasks": [], "server_task": None}
+    header = group(edge_merge_task.si(round_id, org) for org in organizations)
+    result = chord(header)(server_merge_task.si(round_id))
+    edge_ids = [child.id for child in (result.parent.results if result.parent else [])]
+    return {"organizations": organizations, "edge_tasks": edge_ids, "server_task": result.id}
 
 
 @shared_task(name="synapse.edge_merge", **TASK_OPTIONS)
 def edge_merge_task(round_id: int, organization_id: int) -> dict:
+    log.info("edge merge started: round %s organization %s", round_id, organization_id)
     try:
         outcome = pipeline.run_edge_merge(round_id, organization_id)
     except Exception as exc:
