@@ -263,3 +263,16 @@ def test_annex_and_templates_deduplicated(schema, embed):
     result = edge_merge(subs, schema, RoundConfig(), embed=embed)
     assert [t.template for t in result.compendium.templates] == ["T1 {city}"]
     assert len(result.compendium.annex) == 1 and result.stats.annex_in == 2
+
+
+def test_server_keeps_the_best_supported_scenarios_per_tool(schema, embed):
+    edge = edge_merge(
+        [sub(f"c{i}", [sc("weather", "Will it rain tomorrow?")]) for i in range(3)]
+        + [sub("d", [sc("weather", "Temperature in Berlin")]),
+           sub("e", [sc("weather", "Is a storm coming to Miami")])],
+        schema, RoundConfig(summarizer="none"), embed=embed,
+    )
+    result = server_merge([MergeInput("org", edge.compendium)], schema,
+                          RoundConfig(summarizer="none", max_scenarios_per_tool=2), embed=embed)
+    kept = result.compendium.scenarios
+    assert len(kept) == 2 and kept[0].support == 3

@@ -310,6 +310,8 @@ def _merge(
             )
         )
     scenarios = _dedupe_exact_scenarios(scenarios)
+    if not noise and config.max_scenarios_per_tool is not None:
+        scenarios = _top_supported(scenarios, config.max_scenarios_per_tool)
     stats.scenarios_out = len(scenarios)
     clock.lap("summarize_scenarios")
 
@@ -502,6 +504,17 @@ def _dedupe_exact_scenarios(scenarios: list[Scenario]) -> list[Scenario]:
         else:
             merged[key] = s
     return list(merged.values())
+
+
+def _top_supported(scenarios: list[Scenario], k: int) -> list[Scenario]:
+    """The k scenarios of each tool with the most support (ties: canonical text order)."""
+    by_tool: dict[str, list[Scenario]] = defaultdict(list)
+    for s in scenarios:
+        by_tool[s.tool_id].append(s)
+    out = []
+    for tool_id in sorted(by_tool):
+        out += sorted(by_tool[tool_id], key=lambda s: (-s.support, s.text))[:k]
+    return out
 
 
 def _merge_precautions(items: list[Item], config: RoundConfig, summarizer: Summarizer):
