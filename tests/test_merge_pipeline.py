@@ -170,3 +170,50 @@ def test_erasure_rematerializes_without_the_client_and_keeps_the_ledger(
         organization__slug="acme").values_list("release", flat=True)))
     assert releases == [0, 1]
     assert accounting.privacy_report().federation.epsilon >= spent_before
+
+
+def _ledger_row(round_, org, eps, field="calls", release=0, cap=None):
+    return PrivacyLedgerEntry.objects.create(
+        round=round_, organization=org, release=release, tool_id="weather", field=field,
+        sensitivity=1.0, contributors=2, epsilon=eps, noise_scale=1.0 / (2 * eps), field_cap=cap,
+    )
+
+
+def test_accountant_composes_per_organization_and_federation(settings):
+    from federation.merge.privacy import advanced_composition
+    from federation.models import Organization
+
+    settings.SYNAPSE_EPSILON_BUDGET = 3.0
+    a = Organization.objects.create(name="A", slug="a")
+    b = Organization.objects.create(name="B", slug="b")
+    r1 = Round.objects.create(number=1, state="published")
+    r2 = Round.objects.create(number=2, state="published")
+    _ledger_row(r1, a, 0.5, "calls")
+    _ledger_row(r1, a, 0.5, "success_rate")
+    _ledger_row(r1, b, 0.25)
+    _ledger_row(r2, b, 0.75)
+    org_a = accounting.organization_composition(a.pk)
+    assert org_a.basic_epsilon == pytest.approx(1.0) and org_a.rounds == 1
+    org_b = accounting.organization_composition(b.pk)
+    assert org_b.basic_epsilon == pytest.approx(1.0)
+    assert org_b.advanced_epsilon == pytest.approx(advanced_composition(0.75, 2, 1e-5))
+    fed = accounting.federation_composition()
+    assert fed.basic_epsilon == pytest.approx(1.75)  # max per round: 1.0 then 0.75
+    assert fed.epsilon == pytest.approx(1.75) and fed.tighter == "basic"
+    # A's next release in round 2: only B's round 2 spend runs in parallel to it.
+    assert accounting.remaining_for_release(r2.pk, a.pk, 0) == pytest.approx(3.0 - 1.0)
+    exceeded, projected = accounting.would_exceed(1.5)
+    assert exceeded and projected.basic_epsilon == pytest.approx(3.25)
+    assert not accounting.would_exceed(1.25)[0]
+
+
+def test_ledger_is_append_only():
+    from federation.models import Organization
+
+    org = Organization.objects.create(name="A", slug="a")
+    row = _ledger_row(Round.objects.create(number=1), org, 0.5)
+    with pytest.raises(PermissionError):
+        row.delete()
+    row.epsilon = 0.0
+    with pytest.raises(PermissionError):
+        row.save()
