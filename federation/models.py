@@ -280,3 +280,112 @@ class AuditLog(models.Model):
 
     def __str__(self) -> str:
         return f"{self.created_at:%Y-%m-%d %H:%M:%S} {self.actor_label} {self.action} {self.target_label}"
+class PrivacyLedgerEntry(models.Model):
+    """One numeric release (append-only): the accountant composes these per organization and for
+    the federation. Rows are never updated or deleted, so spent budget is never forgotten, also
+    not when a client's data is erased and the compendiums are re-materialized."""
+
+    round = models.ForeignKey(Round, on_delete=models.PROTECT, related_name="ledger")
+    organization = models.ForeignKey(
+        Organization, on_delete=models.PROTECT, related_name="ledger"
+    )
+    # 0 for the round's first materialization, n for the n-th re-materialization (erasure).
+    release = models.PositiveIntegerField(default=0)
+    tool_id = models.CharField(max_length=128)
+    field = models.CharField(max_length=64)
+    sensitivity = models.FloatField()
+    contributors = models.PositiveIntegerField()
+    epsilon = models.FloatField()
+    noise_scale = models.FloatField()
+    mechanism = models.CharField(max_length=32, default="laplace")
+    field_cap = models.PositiveIntegerField(null=True, blank=True)
+    created_at = models.DateTimeField(auto_now_add=True)
+
+    class Meta:
+        ordering = ["round__number", "organization_id", "release", "tool_id", "field"]
+        constraints = [
+            models.UniqueConstraint(
+                fields=["round", "organization", "release", "tool_id", "field"],
+                name="one_ledger_row_per_release",
+            )
+        ]
+
+    def save(self, *args, **kwargs):
+        if self.pk is not None and not self._state.adding:
+            raise PermissionError("the privacy ledger is append-only")
+        super().save(*args, **kwargs)
+
+    def delete(self, *args, **kwargs):
+        raise PermissionError("the privacy ledger is append-only")
+
+    def __str__(self) -> str:
+        return f"round {self.round_id} {self.organization_id} {self.tool_id}.{self.field} ε={self.epsilon:g}"
+
+
+class ConflictLogEntry(models.Model):
+    """An entry of an edge's conflict log L(r), keyed by (tool, centroid id). It stays at its
+    edge (organization) and becomes next round's precautions there."""
+
+    round = models.ForeignKey(Round, on_delete=models.CASCADE, related_name="conflicts")
+    organization = models.ForeignKey(
+        Organization, null=True, blank=True, on_delete=models.CASCADE, related_name="conflicts"
+    )
+    tool_id = models.CharField(max_length=128)
+    centroid_id = models.CharField(max_length=64)
+    centroid = models.JSONField()
+    dissenters = models.JSONField(default=list)
+    reason = models.TextField(blank=True)
+    created_at = models.DateTimeField(auto_now_add=True)
+
+    class Meta:
+        ordering = ["round__number", "tool_id", "centroid_id"]
+        constraints = [
+            models.UniqueConstraint(
+                fields=["round", "organization", "tool_id", "centroid_id"],
+                name="one_conflict_per_centroid",
+            )
+        ]
+
+
+class MergeRecord(models.Model):
+    """Merge statistics of one edge (organization set) or of the server merge (organization
+    null) for a round; the global record also holds the probe-set accuracy."""
+
+    round = models.ForeignKey(Round, on_delete=models.CASCADE, related_name="merge_records")
+    organization = models.ForeignKey(
+        Organization, null=True, blank=True, on_delete=models.CASCADE, related_name="merge_records"
+    )
+    stats = models.JSONField(default=dict)
+    rejected = models.JSONField(default=list)
+    flagged = models.JSONField(default=list)
+    accuracy = models.FloatField(null=True, blank=True)
+    probe_queries = models.PositiveIntegerField(default=0)
+    created_at = models.DateTimeField(auto_now_add=True)
+
+    class Meta:
+        constraints = [
+            models.UniqueConstraint(
+                fields=["round", "organization"], name="one_merge_record_per_edge"
+            ),
+            models.UniqueConstraint(
+                fields=["round"],
+                condition=models.Q(organization__isnull=True),
+                name="one_global_merge_record",
+            ),
+        ]
+
+
+class ProbeQuery(models.Model):
+    """A public labelled query (from a routing benchmark, never client data) used by the
+    summarizers and to measure a global compendium's routing accuracy."""
+
+    dataset = models.CharField(max_length=100)
+    qid = models.CharField(max_length=200)
+    text = models.TextField()
+    tool_id = models.CharField(max_length=128, db_index=True)
+
+    class Meta:
+        ordering = ["dataset", "qid"]
+        constraints = [
+            models.UniqueConstraint(fields=["dataset", "qid"], name="probe_query_unique")
+        ]

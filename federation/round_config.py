@@ -27,6 +27,9 @@ class RoundConfig(BaseModel):
     robust_rule: RobustRule = "none"
     trim_fraction: float = Field(0.1, ge=0, lt=0.5, description="share trimmed at each end")
     seed: int = 0
+    max_scenarios_per_tool: int | None = Field(
+        None, ge=1, description="global compendium: keep the k best-supported scenarios per tool"
+    )
 
     def per_field_epsilon(self, declared_fields: int) -> float:
         """ε_j = ε / F* with a field cap, ε / K_f otherwise (sequential composition)."""

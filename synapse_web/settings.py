@@ -153,6 +153,11 @@ SYNAPSE_MAX_QUERY_CHARS = int(os.environ.get("SYNAPSE_MAX_QUERY_CHARS", "2000"))
 SYNAPSE_MAX_ROUTE_BATCH = int(os.environ.get("SYNAPSE_MAX_ROUTE_BATCH", "1000"))
 # Seconds a process keeps the published version before asking the database again.
 SYNAPSE_ROUTING_VERSION_TTL = float(os.environ.get("SYNAPSE_ROUTING_VERSION_TTL", "2"))
+# --- privacy accounting -------------------------------------------------------------------------
+# The federation's total ε cap (used unless a FederationSettings row sets epsilon_budget) and the
+# δ' of advanced composition.
+SYNAPSE_EPSILON_BUDGET = float(os.environ.get("SYNAPSE_EPSILON_BUDGET", "10.0"))
+SYNAPSE_DELTA_PRIME = float(os.environ.get("SYNAPSE_DELTA_PRIME", "1e-5"))
 
 # --- REST API -----------------------------------------------------------------------------------
 REST_FRAMEWORK = {
@@ -186,7 +191,7 @@ CELERY_WORKER_PREFETCH_MULTIPLIER = 1
 CELERY_TASK_SERIALIZER = "json"
 CELERY_RESULT_SERIALIZER = "json"
 CELERY_ACCEPT_CONTENT = ["json"]
-CELERY_TASK_DEFAULT_QUEUE = "cpu"
+CELERY_TASK_DEFAULT_QUEUE = os.environ.get("CELERY_TASK_DEFAULT_QUEUE", "cpu")
 
 LOGGING = {
     "version": 1,

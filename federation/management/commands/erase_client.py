@@ -1,0 +1,30 @@
+from django.core.management.base import BaseCommand, CommandError
+
+from federation.models import Client
+from federation.pipeline import erase_client
+
+
+class Command(BaseCommand):
+    help = (
+        "Right to erasure: remove every submission of one client and re-materialize the edge and "
+        "global compendiums built from them. CLIENT is a client id or ORG-SLUG/NAME."
+    )
+
+    def add_arguments(self, parser):
+        parser.add_argument("client")
+
+    def handle(self, *args, client, **options):
+        try:
+            if client.isdigit():
+                target = Client.objects.get(pk=int(client))
+            else:
+                slug, _, name = client.partition("/")
+                target = Client.objects.get(organization__slug=slug, name=name)
+        except Client.DoesNotExist:
+            raise CommandError(f"no client {client!r} (give an id or ORG-SLUG/NAME)") from None
+        report = erase_client(target)
+        self.stdout.write(
+            f"erased {report.submissions_removed} submission(s) of {report.client}; "
+            f"re-materialized {len(report.edges_rematerialized)} edge and "
+            f"{len(report.globals_rematerialized)} global compendium(s)"
+        )

@@ -1,0 +1,215 @@
+"""Greedy cosine clustering, IsConsistent, the majority decision inside a conflicted cluster, and
+the tool-confusion check. Pure: numpy only; embeddings are L2-normalized rows."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+
+@dataclass
+class Item:
+    """A text entry on its way through the merge: where it came from and what it says."""
+
+    source: str
+    tool_id: str
+    text: str
+    preconditions: dict[str, bool]
+    support: int
+    vector: np.ndarray
+
+    def as_dict(self) -> dict:
+        return {
+            "source": self.source,
+            "tool_id": self.tool_id,
+            "text": self.text,
+            "preconditions": dict(sorted(self.preconditions.items())),
+            "support": self.support,
+        }
+
+
+def item_order_key(item: Item) -> tuple:
+    return (item.tool_id, item.text, json.dumps(item.preconditions, sort_keys=True), item.source)
+
+
+def greedy_cluster(vectors: np.ndarray, tau: float) -> list[list[int]]:
+    """Each row joins the most similar existing cluster seed with cosine ≥ τ, else seeds a new one.
+
+    Rows are taken in the given order, so a fixed input order gives fixed clusters."""
+    clusters: list[list[int]] = []
+    seeds = np.zeros((0, vectors.shape[1] if vectors.ndim == 2 else 0), dtype=np.float32)
+    for index in range(len(vectors)):
+        if len(clusters):
+            sims = seeds @ vectors[index]
+            best = int(np.argmax(sims))
+            if sims[best] >= tau:
+                clusters[best].append(index)
+                continue
+        clusters.append([index])
+        seeds = np.vstack([seeds, vectors[index][None, :]])
+    return clusters
+
+
+def flags_compatible(a: dict[str, bool], b: dict[str, bool]) -> bool:
+    """No flag f with f in one and ¬f in the other."""
+    return all(b.get(key, value) == value for key, value in a.items())
+
+
+def flags_satisfiable(flag_sets: Sequence[dict[str, bool]]) -> bool:
+    seen: dict[str, bool] = {}
+    for flags in flag_sets:
+        for key, value in flags.items():
+            if seen.setdefault(key, value) != value:
+                return False
+    return True
+
+
+def merged_flags(flag_sets: Sequence[dict[str, bool]]) -> dict[str, bool]:
+    out: dict[str, bool] = {}
+    for flags in flag_sets:
+        out.update(flags)
+    return dict(sorted(out.items()))
+
+
+# (text_a, text_b) -> True (consistent), False (contradictory), None (answer not usable)
+ConsistencyProbe = Callable[[str, str], bool | None]
+
+
+@dataclass
+class ClusterDecision:
+    consistent: bool
+    anchor: int  # index into the cluster of the kept centroid
+    agreeing: list[int]  # indices merged into the centroid (anchor included)
+    dissenters: list[int]
+    reason: str
+
+
+def _nearest_to_mean(vectors: np.ndarray) -> int:
+    center = vectors.mean(axis=0)
+    return int(np.argmax(vectors @ center))
+
+
+def decide_cluster(
+    members: Sequence[Item], probe: ConsistencyProbe | None = None
+) -> ClusterDecision:
+    """IsConsistent (same parent tool, jointly satisfiable flags, optional LLM probe against the
+    centroid) and, when it fails, the majority decision: the anchor is the member compatible with
+    the most support; members incompatible with it are the dissenters."""
+    vectors = np.stack([m.vector for m in members])
+    n = len(members)
+    tools_agree = len({m.tool_id for m in members}) == 1
+    satisfiable = flags_satisfiable([m.preconditions for m in members])
+    center_index = _nearest_to_mean(vectors)
+    probe_verdicts: dict[int, bool] = {}
+    if probe is not None and n > 1:
+        for index in range(n):
+            if index == center_index:
+                continue
+            verdict = probe(members[center_index].text, members[index].text)
+            if verdict is not None:
+                probe_verdicts[index] = verdict
+    if tools_agree and satisfiable and all(probe_verdicts.values()):
+        return ClusterDecision(True, center_index, list(range(n)), [], "consistent")
+
+    def compatible(i: int, j: int) -> bool:
+        if members[i].tool_id != members[j].tool_id:
+            return False
+        if not flags_compatible(members[i].preconditions, members[j].preconditions):
+            return False
+        # The probe only judged pairs with the center; a contradiction there separates them.
+        for a, b in ((i, j), (j, i)):
+            if a == center_index and probe_verdicts.get(b) is False:
+                return False
+        return True
+
+    support = [m.support for m in members]
+    best, best_key = 0, None
+    for i in range(n):
+        agreeing_support = sum(support[j] for j in range(n) if j == i or compatible(i, j))
+        key = (agreeing_support, i == center_index, -i)
+        if best_key is None or key > best_key:
+            best, best_key = i, key
+    agreeing = [j for j in range(n) if j == best or compatible(best, j)]
+    dissenters = [j for j in range(n) if j not in agreeing]
+    reasons = []
+    if not tools_agree:
+        reasons.append("parent tools differ")
+    if not satisfiable:
+        reasons.append("precondition flags contradict")
+    if any(v is False for v in probe_verdicts.values()):
+        reasons.append("LLM probe found the scenarios inconsistent")
+    return ClusterDecision(False, best, agreeing, dissenters, "; ".join(reasons))
+
+
+def centroid_id(tool_id: str, text: str, preconditions: dict[str, bool]) -> str:
+    payload = json.dumps([tool_id, text, preconditions], sort_keys=True, ensure_ascii=False)
+    return hashlib.sha256(payload.encode("utf-8")).hexdigest()[:16]
+
+
+@dataclass(frozen=True)
+class ConfusionVerdict:
+    flagged: bool
+    closest_tool: str
+    own_similarity: float
+    closest_similarity: float
+
+
+def tool_profiles(
+    tool_ids: Sequence[str],
+    description_vectors: np.ndarray,
+    items: Sequence[Item],
+) -> tuple[np.ndarray, np.ndarray]:
+    """Per registry tool, the sum and count of its description and of the scenarios submitted for
+    it this merge (the honest majority dominates the mean)."""
+    index = {t: i for i, t in enumerate(tool_ids)}
+    sums = description_vectors.astype(np.float64).copy()
+    counts = np.ones(len(tool_ids))
+    for item in items:
+        i = index[item.tool_id]
+        sums[i] += item.vector
+        counts[i] += 1
+    return sums, counts
+
+
+def _normalized(matrix: np.ndarray) -> np.ndarray:
+    return matrix / np.maximum(np.linalg.norm(matrix, axis=-1, keepdims=True), 1e-12)
+
+
+def confusion_verdicts(
+    items: Sequence[Item],
+    tool_ids: Sequence[str],
+    profiles: tuple[np.ndarray, np.ndarray],
+    *,
+    margin: float,
+    rank: int,
+) -> list[ConfusionVerdict]:
+    """Flag an entry whose text is closer to another tool's profile than to its parent's by more
+    than `margin` and whose parent is not among the `rank` nearest profiles. The entry itself is
+    left out of its parent's profile, so it cannot vouch for itself."""
+    if not items:
+        return []
+    sums, counts = profiles
+    means = _normalized(sums / counts[:, None])
+    index = {t: i for i, t in enumerate(tool_ids)}
+    vectors = np.stack([it.vector for it in items]).astype(np.float64)
+    matrix = vectors @ means.T
+    rank = max(1, min(rank, len(tool_ids) - 1))
+    out = []
+    for row, vector, item in zip(matrix, vectors, items, strict=True):
+        own_index = index[item.tool_id]
+        own_profile = _normalized((sums[own_index] - vector) / max(counts[own_index] - 1, 1))
+        row = row.copy()
+        row[own_index] = float(vector @ own_profile)
+        own = float(row[own_index])
+        order = np.argsort(-row, kind="stable")
+        best = int(order[0])
+        own_rank = int(np.nonzero(order == own_index)[0][0])
+        flagged = (
+            tool_ids[best] != item.tool_id and float(row[best]) - own > margin and own_rank >= rank
+        )
+        out.append(ConfusionVerdict(flagged, tool_ids[best], own, float(row[best])))
+    return out

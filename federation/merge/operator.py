@@ -1,0 +1,612 @@
+"""The typed merge operator (Algorithm 1 and its full form in the paper's appendix "Edge Merge
+Operator"). Pure: no Django. The server pipeline and the simulation call the very same functions.
+
+`edge_merge` merges client submissions into an edge compendium, drawing Laplace noise for the
+numeric statistics; `server_merge` applies the same operator one level up to edge results, where
+the numeric statistics are already released and are only averaged (post-processing, no budget).
+"""
+
+from __future__ import annotations
+
+import time
+from collections import defaultdict
+from collections.abc import Callable, Sequence
+
+import numpy as np
+
+from compendium.schema import (
+    AnnexTriple,
+    Compendium,
+    Precaution,
+    PromptTemplate,
+    Scenario,
+    Schema,
+    ToolMetadata,
+)
+from compendium.validation import validate_compendium
+from federation.merge.clustering import (
+    ConsistencyProbe,
+    Item,
+    centroid_id,
+    confusion_verdicts,
+    decide_cluster,
+    greedy_cluster,
+    item_order_key,
+    merged_flags,
+    tool_profiles,
+)
+from federation.merge.llm import OpenAICompatibleLLM, consistency_probe
+from federation.merge.privacy import BudgetExceeded, laplace_release, round_spend
+from federation.merge.robust import byzantine_count, robust_keep
+from federation.merge.summarize import (
+    Cluster,
+    ProbeSet,
+    RoutingContext,
+    Summarizer,
+    SummaryUnparseable,
+    _parse_summary,
+)
+from federation.merge.types import (
+    ConflictEntry,
+    FlaggedEntry,
+    LedgerEntry,
+    MergeInput,
+    MergeResult,
+    MergeStats,
+    Rejection,
+)
+from federation.round_config import RoundConfig
+
+Embed = Callable[[Sequence[str]], np.ndarray]
+
+# Tool-confusion check: an entry is dropped when another tool's profile is closer than its own by
+# more than this cosine margin (its own tool not among the nearest CONFUSION_RANK profiles).
+CONFUSION_MARGIN = 0.2
+CONFUSION_RANK = 1
+
+
+def edge_merge(
+    submissions: Sequence[MergeInput],
+    schema: Schema,
+    config: RoundConfig,
+    previous_conflicts: Sequence[ConflictEntry] = (),
+    *,
+    embed: Embed,
+    probe_set: ProbeSet | None = None,
+    llm: OpenAICompatibleLLM | None = None,
+    seed: int | np.random.SeedSequence | None = None,
+    epsilon_remaining: float | None = None,
+    confusion_margin: float = CONFUSION_MARGIN,
+    confusion_rank: int = CONFUSION_RANK,
+) -> MergeResult:
+    """Merge client compendiums into one edge compendium (Algorithm 1)."""
+    return _merge(
+        submissions,
+        schema,
+        config,
+        previous_conflicts,
+        embed=embed,
+        probe_set=probe_set,
+        llm=llm,
+        seed=config.seed if seed is None else seed,
+        epsilon_remaining=epsilon_remaining,
+        noise=True,
+        confusion_margin=confusion_margin,
+        confusion_rank=confusion_rank,
+    )
+
+
+def server_merge(
+    edge_results: Sequence[MergeInput],
+    schema: Schema,
+    config: RoundConfig,
+    *,
+    embed: Embed,
+    probe_set: ProbeSet | None = None,
+    llm: OpenAICompatibleLLM | None = None,
+    confusion_margin: float = CONFUSION_MARGIN,
+    confusion_rank: int = CONFUSION_RANK,
+) -> MergeResult:
+    """The same operator one level up: edge compendiums in, the global compendium out. Numeric
+    statistics were noised at the edges; here they are averaged, weighted by each edge's
+    contributor count (post-processing: no new budget, no ledger entries)."""
+    return _merge(
+        edge_results,
+        schema,
+        config,
+        (),
+        embed=embed,
+        probe_set=probe_set,
+        llm=llm,
+        seed=config.seed,
+        epsilon_remaining=None,
+        noise=False,
+        confusion_margin=confusion_margin,
+        confusion_rank=confusion_rank,
+    )
+
+
+def conflicts_to_precautions(
+    conflicts: Sequence[ConflictEntry], schema: Schema, limit: int | None = None
+) -> list[Precaution]:
+    """ConflictsToPrecautions(L(r−1)): "Use X for Y; do not use X when Z" per conflict entry."""
+    limit = limit or schema.strings.precaution
+    out = []
+    for entry in sorted(conflicts, key=lambda c: (c.tool_id, c.centroid_id)):
+        tool = schema.tools_by_id.get(entry.tool_id)
+        if tool is None:
+            continue
+        name = tool.name or tool.tool_id
+        affirmative = _clause(entry.centroid["text"])
+        exceptions = []
+        centroid_flags = entry.centroid.get("preconditions") or {}
+        for dissenter in entry.dissenters:
+            clause = _clause(dissenter["text"])
+            differing = {
+                k: v
+                for k, v in sorted((dissenter.get("preconditions") or {}).items())
+                if centroid_flags.get(k) is not None and centroid_flags[k] != v
+            }
+            if differing:
+                flags = ", ".join(f"{k} is {str(v).lower()}" for k, v in differing.items())
+                clause = f"{clause} and {flags}"
+            if clause and clause not in exceptions and clause != affirmative:
+                exceptions.append(clause)
+        if not exceptions:
+            continue
+        text = f"Use {name} for {affirmative}; do not use {name} when {' or when '.join(exceptions)}"
+        if len(text) > limit:
+            text = text[: limit - 1].rstrip() + "…"
+        support = 1 + len(entry.dissenters)
+        out.append(Precaution(tool_id=entry.tool_id, text=text, support=support))
+    return out
+
+
+def _clause(text: str) -> str:
+    text = " ".join(text.split()).rstrip(" .;!?")
+    return text[:1].lower() + text[1:] if text else text
+
+
+# --- the operator -------------------------------------------------------------------------------
+
+
+class _Clock:
+    def __init__(self, stats: MergeStats):
+        self.stats = stats
+        self.last = time.perf_counter()
+
+    def lap(self, name: str) -> None:
+        now = time.perf_counter()
+        self.stats.timings_ms[name] = round((now - self.last) * 1000.0, 3)
+        self.last = now
+
+
+def _validated(inputs: Sequence[MergeInput], schema: Schema, stats: MergeStats):
+    accepted: list[tuple[str, Compendium]] = []
+    rejected: list[Rejection] = []
+    for item in sorted(inputs, key=lambda i: i.source):
+        document = item.document
+        if isinstance(document, Compendium):
+            document = document.model_dump(mode="json", exclude_none=True)
+        result = validate_compendium(document, schema)
+        if result.ok:
+            accepted.append((item.source, result.compendium))
+        else:
+            rejected.append(Rejection(item.source, [str(v) for v in result.violations]))
+    stats.inputs = len(inputs)
+    stats.accepted = len(accepted)
+    stats.rejected = len(rejected)
+    return accepted, rejected
+
+
+def _merge(
+    inputs: Sequence[MergeInput],
+    schema: Schema,
+    config: RoundConfig,
+    previous_conflicts: Sequence[ConflictEntry],
+    *,
+    embed: Embed,
+    probe_set: ProbeSet | None,
+    llm: OpenAICompatibleLLM | None,
+    seed,
+    epsilon_remaining: float | None,
+    noise: bool,
+    confusion_margin: float,
+    confusion_rank: int,
+) -> MergeResult:
+    stats = MergeStats(summarizer=config.summarizer)
+    clock = _Clock(stats)
+    accepted, rejected = _validated(inputs, schema, stats)
+    clock.lap("validate")
+
+    # M first: the budget check must refuse before any noise is drawn or any text work is done.
+    metadata, ledger = _merge_metadata(accepted, schema, config, seed, epsilon_remaining, noise)
+    stats.numeric_releases = len(ledger)
+    stats.epsilon_spent = round_spend([e.epsilon for e in ledger], config.field_cap)
+    clock.lap("metadata")
+
+    scenario_items = [
+        Item(source, s.tool_id, s.text, dict(s.preconditions), s.support, None)
+        for source, comp in accepted
+        for s in comp.scenarios
+    ]
+    precaution_items = [
+        Item(source, p.tool_id, p.text, {}, p.support, None)
+        for source, comp in accepted
+        for p in comp.precautions
+    ]
+    stats.scenarios_in = len(scenario_items)
+    stats.precautions_in = len(precaution_items)
+    tool_ids = [t.tool_id for t in schema.tools]
+    texts = sorted(
+        {i.text for i in scenario_items}
+        | {i.text for i in precaution_items}
+        | {t.description for t in schema.tools}
+    )
+    vectors = embed(texts) if texts else np.zeros((0, 1), dtype=np.float32)
+    by_text = {t: vectors[i] for i, t in enumerate(texts)}
+    for item in scenario_items + precaution_items:
+        item.vector = by_text[item.text]
+    clock.lap("embed")
+
+    flagged: list[FlaggedEntry] = []
+    if scenario_items and tool_ids:
+        descriptions = np.stack([by_text[t.description] for t in schema.tools])
+        profiles = tool_profiles(tool_ids, descriptions, scenario_items)
+        verdicts = confusion_verdicts(
+            scenario_items, tool_ids, profiles, margin=confusion_margin, rank=confusion_rank
+        )
+        kept = []
+        for item, verdict in zip(scenario_items, verdicts, strict=True):
+            if verdict.flagged:
+                flagged.append(
+                    FlaggedEntry(
+                        item.source,
+                        item.tool_id,
+                        item.text,
+                        verdict.closest_tool,
+                        round(verdict.own_similarity, 6),
+                        round(verdict.closest_similarity, 6),
+                    )
+                )
+            else:
+                kept.append(item)
+        scenario_items = kept
+    stats.flagged_confusion = len(flagged)
+    clock.lap("cross_validate")
+
+    probe = consistency_probe(llm) if llm is not None else None
+    slots, conflicts = _cluster_scenarios(scenario_items, config, probe, stats)
+    clock.lap("cluster")
+
+    summarizer = Summarizer(
+        method=config.summarizer,
+        embed=embed,
+        llm=llm,
+        textgrad_steps=config.textgrad_steps,
+        text_limit=schema.strings.scenario,
+    )
+    if probe_set is not None and len(probe_set):
+        summarizer.context = RoutingContext(
+            probe_set,
+            [s["tool_id"] for s in slots],
+            np.stack([s["vector"] for s in slots]) if slots else np.zeros((0, vectors.shape[1])),
+        )
+    scenarios = []
+    for index, slot in enumerate(slots):
+        if slot["summarize"]:
+            summary = summarizer.summarize(
+                Cluster("scenario", slot["tool_id"], slot["texts"], slot["vectors"], slot=index)
+            )
+            text = summary.text
+        else:
+            text = slot["texts"][0]
+        scenarios.append(
+            Scenario(
+                tool_id=slot["tool_id"],
+                text=text,
+                preconditions=slot["preconditions"],
+                support=slot["support"],
+            )
+        )
+    scenarios = _dedupe_exact_scenarios(scenarios)
+    if not noise and config.max_scenarios_per_tool is not None:
+        scenarios = _top_supported(scenarios, config.max_scenarios_per_tool)
+    stats.scenarios_out = len(scenarios)
+    clock.lap("summarize_scenarios")
+
+    summarizer.text_limit = schema.strings.precaution
+    precautions = _merge_precautions(precaution_items, config, summarizer)
+    from_conflicts = conflicts_to_precautions(previous_conflicts, schema)
+    precautions = _dedupe_precautions(precautions + from_conflicts)
+    stats.precautions_from_conflicts = len(from_conflicts)
+    stats.precautions_out = len(precautions)
+    clock.lap("precautions")
+
+    templates = _merge_templates(accepted, config, llm, summarizer, schema, stats)
+    annex = _merge_annex(accepted, config, embed, stats)
+    clock.lap("templates_annex")
+
+    contributors = [c.num_users or 1 for _, c in accepted] if not noise else None
+    num_users = (
+        (sum(contributors) if contributors else None) if not noise else (len(accepted) or None)
+    )
+    compendium = Compendium(
+        metadata=metadata,
+        scenarios=scenarios,
+        precautions=precautions,
+        templates=templates,
+        annex=annex,
+        num_users=num_users,
+    )
+    check = validate_compendium(compendium.model_dump(mode="json", exclude_none=True), schema)
+    if not check.ok:  # the operator only emits valid compendiums; this is a bug if it fires
+        raise RuntimeError(f"merge produced an invalid compendium: {check.violations[:3]}")
+    scenario_vectors = embed([s.text for s in scenarios]) if scenarios else None
+    precaution_vectors = embed([p.text for p in precautions]) if precautions else None
+    stats.summarizer_fallbacks = summarizer.fallbacks
+    stats.clusters = len(slots)
+    stats.conflicts = len(conflicts)
+    clock.lap("finalize")
+    stats.timings_ms["total"] = round(sum(stats.timings_ms.values()), 3)
+    return MergeResult(
+        compendium=compendium,
+        conflicts=conflicts,
+        ledger=ledger,
+        stats=stats,
+        rejected=rejected,
+        flagged=flagged,
+        accepted_sources=[source for source, _ in accepted],
+        scenario_embeddings=scenario_vectors,
+        precaution_embeddings=precaution_vectors,
+    )
+
+
+def _merge_metadata(accepted, schema, config, seed, epsilon_remaining, noise):
+    values: dict[tuple[str, str], list[float]] = defaultdict(list)
+    weights: dict[tuple[str, str], list[float]] = defaultdict(list)
+    tools: set[str] = set()
+    for _, comp in accepted:
+        for meta in comp.metadata:
+            tools.add(meta.tool_id)
+            for name, value in meta.stats.items():
+                values[(meta.tool_id, name)].append(float(value))
+                weights[(meta.tool_id, name)].append(float(comp.num_users or 1))
+    keys = sorted(values)
+    ledger: list[LedgerEntry] = []
+    released: dict[tuple[str, str], float] = {}
+    if noise and keys:
+        eps_j = config.per_field_epsilon(len(keys))
+        spend = round_spend([eps_j] * len(keys), config.field_cap)
+        if epsilon_remaining is not None and spend > epsilon_remaining + 1e-12:
+            raise BudgetExceeded(
+                f"privacy budget exceeded: this release needs ε = {spend:.6g} but only "
+                f"{max(0.0, epsilon_remaining):.6g} of the federation's epsilon budget is left"
+            )
+        rng = np.random.default_rng(seed)
+        for key in keys:
+            spec = schema.fields_by_name[key[1]]
+            # Clip into a window of width Δ inside the declared range so the average's
+            # sensitivity really is Δ/K, whatever a client sent.
+            upper = min(spec.max, spec.min + spec.sensitivity)
+            data = np.clip(np.asarray(values[key]), spec.min, upper)
+            k = len(data)
+            if config.robust_rule != "none":
+                f = byzantine_count(k, config.trim_fraction)
+                data = np.sort(data)[f : k - f] if k - 2 * f >= 1 else data
+            value, scale = laplace_release(
+                data,
+                lower=spec.min,
+                upper=spec.max,
+                sensitivity=spec.sensitivity,
+                epsilon=eps_j,
+                rng=rng,
+            )
+            released[key] = value
+            ledger.append(
+                LedgerEntry(
+                    tool_id=key[0],
+                    field=key[1],
+                    sensitivity=spec.sensitivity,
+                    contributors=len(data),
+                    epsilon=eps_j,
+                    noise_scale=scale,
+                    mechanism="laplace" if config.robust_rule == "none" else "laplace-trimmed-mean",
+                    field_cap=config.field_cap,
+                )
+            )
+    elif keys:
+        for key in keys:
+            spec = schema.fields_by_name[key[1]]
+            w = np.asarray(weights[key])
+            value = float(np.dot(np.asarray(values[key]), w) / w.sum())
+            released[key] = min(spec.max, max(spec.min, value))
+    metadata = []
+    for tool_id in sorted(tools):
+        spec = schema.tools_by_id[tool_id]
+        stats = {name: released[(t, name)] for (t, name) in keys if t == tool_id}
+        metadata.append(
+            ToolMetadata(
+                tool_id=tool_id,
+                description=spec.description,
+                spec=spec.spec or None,
+                stats=dict(sorted(stats.items())),
+            )
+        )
+    return metadata, ledger
+
+
+def _cluster_scenarios(items: list[Item], config: RoundConfig, probe: ConsistencyProbe | None,
+                       stats: MergeStats):
+    by_tool: dict[str, list[Item]] = defaultdict(list)
+    for item in items:
+        by_tool[item.tool_id].append(item)
+    slots: list[dict] = []
+    conflicts: list[ConflictEntry] = []
+    for tool_id in sorted(by_tool):
+        group = sorted(by_tool[tool_id], key=item_order_key)
+        matrix = np.stack([i.vector for i in group])
+        for cluster in greedy_cluster(matrix, config.tau):
+            members = [group[i] for i in cluster]
+            keep = robust_keep(np.stack([m.vector for m in members]), config.robust_rule,
+                               config.trim_fraction)
+            stats.robust_dropped += len(members) - len(keep)
+            members = [members[i] for i in keep]
+            decision = decide_cluster(members, probe)
+            agreeing = [members[i] for i in decision.agreeing]
+            support = sum(m.support for m in agreeing)
+            if decision.consistent:
+                ordered = sorted(members, key=item_order_key)
+                vectors = np.stack([m.vector for m in ordered])
+                center = vectors.mean(axis=0)
+                slots.append(
+                    {
+                        "tool_id": tool_id,
+                        "texts": [m.text for m in ordered],
+                        "vectors": vectors,
+                        "vector": vectors[int(np.argmax(vectors @ center))],
+                        "preconditions": merged_flags([m.preconditions for m in members]),
+                        "support": support,
+                        "summarize": True,
+                    }
+                )
+                continue
+            anchor = members[decision.anchor]
+            slots.append(
+                {
+                    "tool_id": tool_id,
+                    "texts": [anchor.text],
+                    "vectors": anchor.vector[None, :],
+                    "vector": anchor.vector,
+                    "preconditions": dict(sorted(anchor.preconditions.items())),
+                    "support": support,
+                    "summarize": False,
+                }
+            )
+            conflicts.append(
+                ConflictEntry(
+                    tool_id=tool_id,
+                    centroid_id=centroid_id(tool_id, anchor.text, anchor.preconditions),
+                    centroid=anchor.as_dict(),
+                    dissenters=[members[i].as_dict() for i in decision.dissenters],
+                    reason=decision.reason,
+                )
+            )
+    return slots, conflicts
+
+
+def _dedupe_exact_scenarios(scenarios: list[Scenario]) -> list[Scenario]:
+    merged: dict[tuple, Scenario] = {}
+    for s in scenarios:
+        key = (s.tool_id, s.text, tuple(sorted(s.preconditions.items())))
+        if key in merged:
+            merged[key] = merged[key].model_copy(update={"support": merged[key].support + s.support})
+        else:
+            merged[key] = s
+    return list(merged.values())
+
+
+def _top_supported(scenarios: list[Scenario], k: int) -> list[Scenario]:
+    """The k scenarios of each tool with the most support (ties: canonical text order)."""
+    by_tool: dict[str, list[Scenario]] = defaultdict(list)
+    for s in scenarios:
+        by_tool[s.tool_id].append(s)
+    out = []
+    for tool_id in sorted(by_tool):
+        out += sorted(by_tool[tool_id], key=lambda s: (-s.support, s.text))[:k]
+    return out
+
+
+def _merge_precautions(items: list[Item], config: RoundConfig, summarizer: Summarizer):
+    by_tool: dict[str, list[Item]] = defaultdict(list)
+    for item in items:
+        by_tool[item.tool_id].append(item)
+    out = []
+    for tool_id in sorted(by_tool):
+        group = sorted(by_tool[tool_id], key=item_order_key)
+        matrix = np.stack([i.vector for i in group])
+        for cluster in greedy_cluster(matrix, config.tau):
+            members = [group[i] for i in cluster]
+            summary = summarizer.summarize(
+                Cluster("precaution", tool_id, [m.text for m in members],
+                        np.stack([m.vector for m in members]))
+            )
+            out.append(
+                Precaution(tool_id=tool_id, text=summary.text,
+                           support=sum(m.support for m in members))
+            )
+    return out
+
+
+def _dedupe_precautions(precautions: list[Precaution]) -> list[Precaution]:
+    merged: dict[tuple, Precaution] = {}
+    for p in precautions:
+        key = (p.tool_id, p.text)
+        if key in merged:
+            merged[key] = merged[key].model_copy(update={"support": merged[key].support + p.support})
+        else:
+            merged[key] = p
+    return list(merged.values())
+
+
+def _majority(texts: list[str]) -> str:
+    counts: dict[str, int] = defaultdict(int)
+    for text in texts:
+        counts[text] += 1
+    return min(counts, key=lambda t: (-counts[t], len(t), t))
+
+
+def _merge_templates(accepted, config, llm, summarizer, schema, stats):
+    groups: dict[tuple[str, str], list[str]] = defaultdict(list)
+    for _, comp in accepted:
+        for t in comp.templates:
+            groups[(t.tool_id, t.signature)].append(t.template)
+    stats.templates_in = sum(len(v) for v in groups.values())
+    out = []
+    for (tool_id, signature), texts in sorted(groups.items()):
+        text = _majority(texts)
+        if len(set(texts)) > 1 and config.summarizer in ("textgrad", "llm-single-shot"):
+            if config.summarizer == "textgrad":
+                summarizer.fallbacks.append(
+                    {"summarizer": "textgrad", "tool_id": tool_id,
+                     "reason": "templates need a task-success signal; no executor is configured"}
+                )
+            if llm is not None:
+                try:
+                    answer = llm.complete(
+                        f"Merge these prompt templates for tool '{tool_id}' and signature "
+                        f"'{signature}' into one, keeping every placeholder. Answer only with "
+                        'JSON {"summary": "..."}.\n' + "\n".join(f"- {t}" for t in texts[:20])
+                    )
+                    text = _parse_summary(answer, schema.strings.template)
+                except Exception as exc:  # unparseable or unreachable: the majority stays
+                    summarizer.fallbacks.append(
+                        {"summarizer": "llm-single-shot", "tool_id": tool_id,
+                         "reason": str(exc)[:300]}
+                    )
+        out.append(PromptTemplate(tool_id=tool_id, signature=signature, template=text))
+    stats.templates_out = len(out)
+    return out
+
+
+def _merge_annex(accepted, config, embed, stats):
+    triples = sorted(
+        {(a.subject, a.relation, a.object) for _, comp in accepted for a in comp.annex}
+    )
+    stats.annex_in = sum(len(comp.annex) for _, comp in accepted)
+    if not triples:
+        stats.annex_out = 0
+        return []
+    vectors = embed([f"{s} {r} {o}" for s, r, o in triples])
+    kept = [triples[c[0]] for c in greedy_cluster(vectors, config.tau)]
+    stats.annex_out = len(kept)
+    return [AnnexTriple(subject=s, relation=r, object=o) for s, r, o in kept]
+
+
+__all__ = [
+    "BudgetExceeded",
+    "SummaryUnparseable",
+    "conflicts_to_precautions",
+    "edge_merge",
+    "server_merge",
+]

@@ -1,0 +1,280 @@
+"""Summarizers: one text for a cluster of entries, selectable per round.
+
+- `probe-extractive` (default without an LLM): among the cluster's members nearest its mean and the
+  combination of the two nearest, the text with the lowest routing failure on the public probe set
+  (top-1 cosine routing over the candidate compendium's scenario embeddings);
+- `centroid`: the member nearest the cluster's mean embedding;
+- `none`: the cluster's first member in canonical order, unchanged;
+- `llm-single-shot`: one LLM call asked for JSON {"summary": ...};
+- `textgrad`: S critique-update steps of TextGrad from the probe-extractive start, the loss being
+  routing failure on the probe set; the best text seen (the start included) is kept.
+
+An LLM answer that cannot be parsed falls back to the next summarizer in this order:
+textgrad -> llm-single-shot -> probe-extractive -> centroid -> none, and the reason is recorded.
+Probe sets are public benchmark queries, never client data.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from federation.merge.llm import LLMUnavailable, OpenAICompatibleLLM
+
+ORDER = ("textgrad", "llm-single-shot", "probe-extractive", "centroid", "none")
+LLM_SUMMARIZERS = {"textgrad", "llm-single-shot"}
+
+Embed = Callable[[Sequence[str]], np.ndarray]
+
+
+class SummaryUnparseable(ValueError):
+    """An LLM answer that does not contain a usable summary."""
+
+
+@dataclass
+class ProbeSet:
+    """Public labelled queries and their embeddings."""
+
+    texts: list[str]
+    labels: list[str]
+    vectors: np.ndarray
+
+    def __len__(self) -> int:
+        return len(self.texts)
+
+
+@dataclass
+class RoutingContext:
+    """The candidate compendium's scenario slots (one per cluster) against which a cluster's
+    candidates are scored: replacing slot i by a candidate changes only slot i's scores."""
+
+    probe: ProbeSet
+    slot_tools: list[str]
+    slot_vectors: np.ndarray
+    _labels: np.ndarray = field(init=False)
+
+    def __post_init__(self):
+        self._labels = np.asarray(self.probe.labels, dtype=object)
+        self._tools = np.asarray(self.slot_tools, dtype=object)
+        if len(self.slot_tools):
+            scores = self.probe.vectors @ self.slot_vectors.T
+            order = np.argsort(-scores, axis=1, kind="stable")[:, :2]
+            self._top1 = order[:, 0]
+            self._top1_score = np.take_along_axis(scores, order[:, :1], axis=1)[:, 0]
+            if scores.shape[1] > 1:
+                self._top2 = order[:, 1]
+                self._top2_score = np.take_along_axis(scores, order[:, 1:2], axis=1)[:, 0]
+            else:
+                self._top2 = np.zeros(len(order), dtype=int)
+                self._top2_score = np.full(len(order), -np.inf)
+
+    def scenario_failures(self, slot: int, candidates: np.ndarray) -> np.ndarray:
+        """Routing failure rate on the probe set for each candidate vector placed at `slot`."""
+        sims = self.probe.vectors @ candidates.T  # (queries, candidates)
+        other_is_top1 = self._top1 != slot
+        best_other = np.where(other_is_top1, self._top1_score, self._top2_score)
+        other_tool = np.where(other_is_top1, self._tools[self._top1], self._tools[self._top2])
+        wins = sims > best_other[:, None]
+        predicted = np.where(wins, self.slot_tools[slot], other_tool[:, None])
+        return (predicted != self._labels[:, None]).mean(axis=0)
+
+    def precaution_failures(self, tool_id: str, candidates: np.ndarray) -> np.ndarray:
+        """Share of the tool's own probe queries a precaution would wrongly veto: the precaution
+        is closer to the query than the query's best scenario."""
+        mine = self._labels == tool_id
+        if not mine.any():
+            return np.zeros(len(candidates))
+        sims = self.probe.vectors[mine] @ candidates.T
+        return (sims > self._top1_score[mine][:, None]).mean(axis=0)
+
+
+@dataclass
+class Cluster:
+    kind: str  # "scenario" | "precaution" | "template"
+    tool_id: str
+    texts: list[str]
+    vectors: np.ndarray
+    slot: int | None = None  # scenario slot in the routing context
+
+
+@dataclass
+class Summary:
+    text: str
+    summarizer: str
+    fallbacks: list[dict] = field(default_factory=list)
+
+
+def _nearest_order(vectors: np.ndarray) -> list[int]:
+    center = vectors.mean(axis=0)
+    return [int(i) for i in np.argsort(-(vectors @ center), kind="stable")]
+
+
+def _combine(a: str, b: str, limit: int) -> str | None:
+    text = f"{a.rstrip(' .;')}; {b[:1].lower()}{b[1:]}"
+    return text if len(text) <= limit else None
+
+
+@dataclass
+class Summarizer:
+    """Summarizes clusters with the configured method and its fallbacks."""
+
+    method: str
+    embed: Embed
+    context: RoutingContext | None = None
+    llm: OpenAICompatibleLLM | None = None
+    textgrad_steps: int = 3
+    max_candidates: int = 4
+    text_limit: int = 1000
+    fallbacks: list[dict] = field(default_factory=list)
+
+    def summarize(self, cluster: Cluster) -> Summary:
+        if len(cluster.texts) == 1:
+            return Summary(cluster.texts[0], "single")
+        start = ORDER.index(self.method)
+        notes: list[dict] = []
+        for method in ORDER[start:]:
+            try:
+                text = getattr(self, "_" + method.replace("-", "_"))(cluster)
+            except (SummaryUnparseable, LLMUnavailable) as exc:
+                notes.append({"summarizer": method, "tool_id": cluster.tool_id, "reason": str(exc)})
+                continue
+            self.fallbacks.extend(notes)
+            return Summary(text, method, notes)
+        raise AssertionError("the 'none' summarizer cannot fail")
+
+    # --- non-LLM ----------------------------------------------------------------------------
+
+    def _none(self, cluster: Cluster) -> str:
+        return cluster.texts[0]
+
+    def _centroid(self, cluster: Cluster) -> str:
+        return cluster.texts[_nearest_order(cluster.vectors)[0]]
+
+    def _candidates(self, cluster: Cluster) -> tuple[list[str], np.ndarray]:
+        order = _nearest_order(cluster.vectors)
+        texts, rows = [], []
+        for i in order:
+            if cluster.texts[i] not in texts:
+                texts.append(cluster.texts[i])
+                rows.append(cluster.vectors[i])
+            if len(texts) == self.max_candidates:
+                break
+        vectors = np.stack(rows)
+        if len(texts) >= 2:
+            combined = _combine(texts[0], texts[1], self.text_limit)
+            if combined is not None and combined not in texts:
+                texts.append(combined)
+                vectors = np.vstack([vectors, self.embed([combined])])
+        return texts, vectors
+
+    def _failures(self, cluster: Cluster, vectors: np.ndarray) -> np.ndarray:
+        if cluster.kind == "scenario" and cluster.slot is not None:
+            return self.context.scenario_failures(cluster.slot, vectors)
+        return self.context.precaution_failures(cluster.tool_id, vectors)
+
+    def _probe_extractive(self, cluster: Cluster) -> str:
+        if self.context is None or not len(self.context.probe):
+            raise SummaryUnparseable("no public probe set is loaded")
+        if cluster.kind == "template":
+            counts: dict[str, int] = {}
+            for text in cluster.texts:
+                counts[text] = counts.get(text, 0) + 1
+            return min(counts, key=lambda t: (-counts[t], len(t), t))
+        texts, vectors = self._candidates(cluster)
+        failures = self._failures(cluster, vectors)
+        return texts[int(np.argmin(failures))]  # ties: the member nearest the mean
+
+    # --- LLM ---------------------------------------------------------------------------------
+
+    def _require_llm(self) -> OpenAICompatibleLLM:
+        if self.llm is None:
+            raise SummaryUnparseable("no LLM endpoint is configured")
+        return self.llm
+
+    def _llm_single_shot(self, cluster: Cluster) -> str:
+        llm = self._require_llm()
+        listing = "\n".join(f"- {t}" for t in cluster.texts[:20])
+        answer = llm.complete(
+            f"These {cluster.kind} texts for the tool '{cluster.tool_id}' say the same thing. "
+            "Write one concise text that covers them all. Answer only with JSON "
+            '{"summary": "..."}.\n' + listing
+        )
+        return _parse_summary(answer, self.text_limit)
+
+    def _textgrad(self, cluster: Cluster) -> str:
+        llm = self._require_llm()
+        if cluster.kind == "template":
+            raise SummaryUnparseable(
+                "textgrad needs a task-success signal for templates; no executor is configured"
+            )
+        engine = _textgrad_engine(llm)
+        import textgrad as tg
+        start = self._probe_extractive(cluster) if self.context is not None else cluster.texts[0]
+        best_text = start
+        best_loss = float(self._failures(cluster, self.embed([start]))[0])
+        variable = tg.Variable(
+            start,
+            role_description=f"{cluster.kind} text of tool '{cluster.tool_id}' in a routing "
+            "compendium; a query is routed to the tool whose scenario embedding is nearest",
+            requires_grad=True,
+        )
+        optimizer = tg.TGD(parameters=[variable], engine=engine)
+        for _ in range(self.textgrad_steps):
+            current_loss = float(self._failures(cluster, self.embed([variable.value]))[0])
+            report = (
+                f"Routing failure on the public probe set is {current_loss:.3f} for this "
+                f"{cluster.kind}. Critique how the text should change so that queries meant for "
+                f"'{cluster.tool_id}' reach it and others do not."
+            )
+            loss = tg.TextLoss(report, engine=engine)(variable)
+            optimizer.zero_grad()
+            loss.backward(engine)
+            try:
+                optimizer.step()
+            except IndexError as exc:
+                raise SummaryUnparseable(f"textgrad update could not be parsed: {exc}"[:300]) from None
+            text = variable.value.strip()[: self.text_limit]
+            if not text:
+                raise SummaryUnparseable("textgrad produced an empty text")
+            loss_value = float(self._failures(cluster, self.embed([text]))[0])
+            if loss_value < best_loss:
+                best_text, best_loss = text, loss_value
+        return best_text
+
+
+def _parse_summary(answer: str, limit: int) -> str:
+    match = re.search(r"\{.*\}", answer, re.DOTALL)
+    if match is None:
+        raise SummaryUnparseable(f"LLM answer is not JSON: {answer[:120]!r}")
+    try:
+        summary = json.loads(match.group(0)).get("summary")
+    except (json.JSONDecodeError, AttributeError):
+        raise SummaryUnparseable(f"LLM answer is not valid JSON: {answer[:120]!r}") from None
+    if not isinstance(summary, str) or not summary.strip():
+        raise SummaryUnparseable("LLM answer has no non-empty 'summary' string")
+    return summary.strip()[:limit]
+
+
+def _textgrad_engine(llm: OpenAICompatibleLLM):
+    """TextGrad's engine interface over our OpenAI-compatible client (no disk cache: a round is
+    replayed through the endpoint, not through a local cache). Imported lazily: textgrad pulls in
+    litellm, which would otherwise try to fetch a price list at import time."""
+    os.environ.setdefault("LITELLM_LOCAL_MODEL_COST_MAP", "True")
+    from textgrad.engine import EngineLM
+
+    class Engine(EngineLM):
+        def __init__(self):
+            self.model_string = llm.model
+
+        def generate(self, prompt, system_prompt=None, **kwargs):
+            return llm.complete(str(prompt), system=system_prompt)
+
+        def __call__(self, prompt, **kwargs):
+            return self.generate(prompt, **kwargs)
+
+    return Engine()

@@ -1,0 +1,117 @@
+"""What the merge operator takes and returns. Pure dataclasses."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from compendium.schema import Compendium
+
+
+@dataclass(frozen=True)
+class MergeInput:
+    """One input of a merge: a client's submission (edge) or an edge result (server).
+
+    `source` names it (a client or organization id); `document` is the compendium as a dict (it is
+    validated) or an already typed Compendium (validated again)."""
+
+    source: str
+    document: dict | Compendium
+
+
+@dataclass(frozen=True)
+class Rejection:
+    source: str
+    reasons: list[str]
+
+
+@dataclass(frozen=True)
+class FlaggedEntry:
+    """A scenario dropped by the tool-confusion check: its text sits closer to another tool."""
+
+    source: str
+    tool_id: str
+    text: str
+    closest_tool: str
+    own_similarity: float
+    closest_similarity: float
+
+
+@dataclass(frozen=True)
+class ConflictEntry:
+    """One entry of the conflict log, keyed by (tool, centroid id)."""
+
+    tool_id: str
+    centroid_id: str
+    centroid: dict
+    dissenters: list[dict]
+    reason: str
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+@dataclass(frozen=True)
+class LedgerEntry:
+    """One numeric release: what the privacy accountant records."""
+
+    tool_id: str
+    field: str
+    sensitivity: float
+    contributors: int
+    epsilon: float
+    noise_scale: float
+    mechanism: str = "laplace"
+    field_cap: int | None = None
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+@dataclass
+class MergeStats:
+    inputs: int = 0
+    accepted: int = 0
+    rejected: int = 0
+    scenarios_in: int = 0
+    scenarios_out: int = 0
+    clusters: int = 0
+    conflicts: int = 0
+    flagged_confusion: int = 0
+    robust_dropped: int = 0
+    precautions_in: int = 0
+    precautions_out: int = 0
+    precautions_from_conflicts: int = 0
+    templates_in: int = 0
+    templates_out: int = 0
+    annex_in: int = 0
+    annex_out: int = 0
+    numeric_releases: int = 0
+    epsilon_spent: float = 0.0
+    summarizer: str = ""
+    summarizer_fallbacks: list[dict] = field(default_factory=list)
+    timings_ms: dict[str, float] = field(default_factory=dict)
+
+    @property
+    def dedup_rate(self) -> float:
+        if not self.scenarios_in:
+            return 0.0
+        return 1.0 - self.scenarios_out / self.scenarios_in
+
+    def as_dict(self) -> dict[str, Any]:
+        out = asdict(self)
+        out["dedup_rate"] = self.dedup_rate
+        return out
+
+
+@dataclass
+class MergeResult:
+    compendium: Compendium
+    conflicts: list[ConflictEntry]
+    ledger: list[LedgerEntry]
+    stats: MergeStats
+    rejected: list[Rejection] = field(default_factory=list)
+    flagged: list[FlaggedEntry] = field(default_factory=list)
+    accepted_sources: list[str] = field(default_factory=list)
+    scenario_embeddings: Any = None  # np.ndarray row-aligned with compendium.scenarios
+    precaution_embeddings: Any = None

@@ -1,0 +1,437 @@
+"""The round pipeline: edge merges, the server merge, publication, failure, retry and erasure.
+
+Services called by thin Celery tasks (workers/tasks.py) and management commands. Every step is one
+database transaction and idempotent: a retried edge merge recomputes the same result from the same
+inputs and seed and replaces its edge CompendiumVersion; ledger rows of the same release are
+written once.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+from dataclasses import dataclass
+
+import numpy as np
+from django.conf import settings
+from django.db import transaction
+from django.utils import timezone
+
+from compendium.models import CompendiumVersion
+from compendium.services import current_schema, load_compendium, store_compendium
+from federation import accounting
+from federation.merge import BudgetExceeded, ConflictEntry, MergeInput, ProbeSet, edge_merge
+from federation.merge import server_merge as server_merge_operator
+from federation.merge.llm import OpenAICompatibleLLM
+from federation.models import (
+    Client,
+    ConflictLogEntry,
+    MergeRecord,
+    Organization,
+    PrivacyLedgerEntry,
+    ProbeQuery,
+    Round,
+)
+from federation.round_config import RoundConfig
+
+log = logging.getLogger(__name__)
+
+
+class PipelineError(RuntimeError):
+    """A round cannot proceed; the message is the failure reason shown to the operator."""
+
+
+# --- shared inputs -------------------------------------------------------------------------------
+
+
+def _embed():
+    from routing.embeddings import get_engine
+
+    return get_engine(settings.SYNAPSE_EMBEDDING_MODEL or None).embed
+
+
+def configured_llm() -> OpenAICompatibleLLM | None:
+    if not settings.SYNAPSE_LLM_BASE_URL:
+        return None
+    return OpenAICompatibleLLM(
+        base_url=settings.SYNAPSE_LLM_BASE_URL,
+        model=settings.SYNAPSE_LLM_MODEL or "default",
+        api_key=settings.SYNAPSE_LLM_API_KEY,
+    )
+
+
+def load_probe_set(embed=None) -> ProbeSet | None:
+    rows = list(ProbeQuery.objects.order_by("dataset", "qid").values_list("text", "tool_id"))
+    if not rows:
+        return None
+    texts = [r[0] for r in rows]
+    return ProbeSet(texts, [r[1] for r in rows], (embed or _embed())(texts))
+
+
+def _stable_int(text: str) -> int:
+    return int.from_bytes(hashlib.sha256(text.encode()).digest()[:8], "big")
+
+
+def edge_seed(config: RoundConfig, round_: Round, organization: Organization, release: int):
+    """The noise seed of one edge release: fixed by the round's seed, so a replay (or a retry after
+    a worker died) draws the same noise."""
+    return np.random.SeedSequence(
+        [config.seed, round_.number, _stable_int(organization.slug), release]
+    )
+
+
+def _config(round_: Round) -> RoundConfig:
+    return RoundConfig(**(round_.config or {}))
+
+
+# --- round state ---------------------------------------------------------------------------------
+
+
+def fail_round(round_id: int, reason: str) -> None:
+    with transaction.atomic():
+        round_ = Round.objects.select_for_update().get(pk=round_id)
+        if round_.state == Round.State.PUBLISHED:
+            return
+        round_.state = Round.State.FAILED
+        round_.failure_reason = reason[:2000]
+        round_.save(update_fields=["state", "failure_reason"])
+    log.warning("round %s failed: %s", round_id, reason)
+
+
+def organizations_with_submissions(round_: Round) -> list[int]:
+    return sorted(
+        set(
+            CompendiumVersion.objects.filter(kind="client", round=round_)
+            .exclude(client__status=Client.Status.REVOKED)
+            .values_list("client__organization_id", flat=True)
+        )
+    )
+
+
+def start_round(round_id: int) -> list[int]:
+    """closing -> merging; the organizations whose edges merge. A round that would exceed the
+    privacy budget fails here, before any merge runs or any noise is drawn."""
+    with transaction.atomic():
+        round_ = Round.objects.select_for_update().get(pk=round_id)
+        if round_.state not in (Round.State.CLOSING, Round.State.MERGING):
+            raise PipelineError(f"round {round_.number} is {round_.state}, not closing")
+        config = _config(round_)
+        organizations = organizations_with_submissions(round_)
+        if not organizations:
+            reason = f"round {round_.number} has no submissions to merge"
+        else:
+            exceeded, projected = accounting.would_exceed(config.epsilon)
+            reason = (
+                f"privacy budget exceeded: round {round_.number} would bring the federation to "
+                f"ε = {projected.epsilon:.6g} ({projected.tighter} composition), above its "
+                f"epsilon budget of {accounting.epsilon_budget():.6g}"
+                if exceeded
+                else ""
+            )
+        if reason:
+            round_.state = Round.State.FAILED
+            round_.failure_reason = reason
+            round_.save(update_fields=["state", "failure_reason"])
+            return []
+        round_.state = Round.State.MERGING
+        round_.failure_reason = ""
+        round_.save(update_fields=["state", "failure_reason"])
+    return organizations
+
+
+def retry_round(round_: Round) -> None:
+    """Operator retry of a failed round: back to closing, and the pipeline starts again."""
+    from federation.signals import round_closed
+
+    with transaction.atomic():
+        locked = Round.objects.select_for_update().get(pk=round_.pk)
+        if locked.state not in (Round.State.FAILED, Round.State.CLOSING, Round.State.MERGING):
+            raise PipelineError(f"round {locked.number} is {locked.state}; only a failed round "
+                                "can be retried")
+        locked.state = Round.State.CLOSING
+        locked.failure_reason = ""
+        locked.save(update_fields=["state", "failure_reason"])
+        transaction.on_commit(lambda: round_closed.send(sender=Round, round=locked))
+
+
+# --- the edge merge ------------------------------------------------------------------------------
+
+
+def _previous_conflicts(round_: Round, organization: Organization) -> list[ConflictEntry]:
+    previous = Round.objects.filter(number__lt=round_.number).order_by("-number").first()
+    if previous is None:
+        return []
+    return [
+        ConflictEntry(c.tool_id, c.centroid_id, c.centroid, c.dissenters, c.reason)
+        for c in ConflictLogEntry.objects.filter(round=previous, organization=organization)
+    ]
+
+
+def _release_number(round_: Round, organization: Organization, rematerialize: bool) -> int:
+    last = (
+        PrivacyLedgerEntry.objects.filter(round=round_, organization=organization)
+        .order_by("-release")
+        .values_list("release", flat=True)
+        .first()
+    )
+    if last is None:
+        return 0
+    return last + 1 if rematerialize else last
+
+
+@dataclass(frozen=True)
+class EdgeOutcome:
+    version_id: int | None
+    sha256: str | None
+    accepted: int
+    rejected: int
+
+
+def run_edge_merge(
+    round_id: int, organization_id: int, *, rematerialize: bool = False, embed=None
+) -> EdgeOutcome:
+    """Merge one organization's submissions of a round into its edge compendium (one
+    transaction). Without client submissions left, the edge version is removed."""
+    round_ = Round.objects.get(pk=round_id)
+    organization = Organization.objects.get(pk=organization_id)
+    config = _config(round_)
+    embed = embed or _embed()
+    schema = current_schema()
+    sources = list(
+        CompendiumVersion.objects.filter(
+            kind="client", round=round_, client__organization=organization
+        )
+        .exclude(client__status=Client.Status.REVOKED)
+        .select_related("client")
+        .order_by("client_id")
+    )
+    release = _release_number(round_, organization, rematerialize)
+    remaining = accounting.remaining_for_release(round_.pk, organization.pk, release)
+    inputs = [MergeInput(f"client:{v.client_id}", v.content) for v in sources]
+    common = dict(
+        embed=embed,
+        probe_set=load_probe_set(embed),
+        llm=configured_llm(),
+        seed=edge_seed(config, round_, organization, release),
+    )
+    withheld = ""
+    try:
+        result = edge_merge(inputs, schema, config, _previous_conflicts(round_, organization),
+                            epsilon_remaining=remaining, **common)
+    except BudgetExceeded as exc:
+        if not rematerialize:
+            raise
+        # An erasure must not be blocked by the budget: re-materialize without numeric releases.
+        withheld = str(exc)
+        stripped = [
+            MergeInput(i.source, {**i.document, "metadata": [
+                {**m, "stats": {}} for m in i.document.get("metadata", [])]})
+            for i in inputs
+        ]
+        result = edge_merge(stripped, schema, config, _previous_conflicts(round_, organization),
+                            epsilon_remaining=remaining, **common)
+    by_source = {f"client:{v.client_id}": v for v in sources}
+    with transaction.atomic():
+        Round.objects.select_for_update().get(pk=round_id)
+        CompendiumVersion.objects.filter(kind="edge", round=round_, organization=organization).delete()
+        ConflictLogEntry.objects.filter(round=round_, organization=organization).delete()
+        MergeRecord.objects.filter(round=round_, organization=organization).delete()
+        version = None
+        if result.accepted_sources:
+            version = store_compendium(
+                result.compendium,
+                kind="edge",
+                round=round_,
+                organization=organization,
+                sources=[by_source[s] for s in result.accepted_sources],
+                scenario_embeddings=result.scenario_embeddings,
+                precaution_embeddings=result.precaution_embeddings,
+            )
+        PrivacyLedgerEntry.objects.bulk_create(
+            [
+                PrivacyLedgerEntry(round=round_, organization=organization, release=release,
+                                   **entry.as_dict())
+                for entry in result.ledger
+            ],
+            ignore_conflicts=True,  # a retry of the same release records it once
+        )
+        ConflictLogEntry.objects.bulk_create(
+            [
+                ConflictLogEntry(round=round_, organization=organization, tool_id=c.tool_id,
+                                 centroid_id=c.centroid_id, centroid=c.centroid,
+                                 dissenters=c.dissenters, reason=c.reason)
+                for c in result.conflicts
+            ]
+        )
+        stats = result.stats.as_dict()
+        stats["release"] = release
+        if withheld:
+            stats["numeric_withheld"] = withheld
+        MergeRecord.objects.create(
+            round=round_,
+            organization=organization,
+            stats=stats,
+            rejected=[{"source": r.source, "reasons": r.reasons[:20]} for r in result.rejected],
+            flagged=[f.__dict__ for f in result.flagged],
+        )
+    return EdgeOutcome(
+        version.pk if version else None,
+        version.sha256 if version else None,
+        len(result.accepted_sources),
+        len(result.rejected),
+    )
+
+
+# --- the server merge and publication ------------------------------------------------------------
+
+
+def probe_accuracy(probe: ProbeSet | None, scenario_tools: list[str], vectors) -> float | None:
+    """Top-1 accuracy of cosine routing over the compendium's scenarios on the probe set."""
+    if probe is None or vectors is None or not len(scenario_tools):
+        return None
+    best = np.argmax(probe.vectors @ np.asarray(vectors).T, axis=1)
+    predicted = np.asarray(scenario_tools, dtype=object)[best]
+    return float(np.mean(predicted == np.asarray(probe.labels, dtype=object)))
+
+
+def run_server_merge(round_id: int, *, embed=None) -> str:
+    """Merge the round's edge compendiums into the global one and publish it (one transaction).
+    Returns the global compendium's sha256."""
+    round_ = Round.objects.get(pk=round_id)
+    config = _config(round_)
+    embed = embed or _embed()
+    edges = list(
+        CompendiumVersion.objects.filter(kind="edge", round=round_)
+        .select_related("organization")
+        .order_by("organization__slug")
+    )
+    if not edges:
+        raise PipelineError(f"round {round_.number}: no edge accepted any submission")
+    probe = load_probe_set(embed)
+    result = server_merge_operator(
+        [MergeInput(f"org:{e.organization.slug}", load_compendium(e)) for e in edges],
+        current_schema(),
+        config,
+        embed=embed,
+        probe_set=probe,
+        llm=configured_llm(),
+    )
+    accuracy = probe_accuracy(
+        probe, [s.tool_id for s in result.compendium.scenarios], result.scenario_embeddings
+    )
+    with transaction.atomic():
+        locked = Round.objects.select_for_update().get(pk=round_id)
+        CompendiumVersion.objects.filter(kind="global", round=locked).delete()
+        ConflictLogEntry.objects.filter(round=locked, organization__isnull=True).delete()
+        MergeRecord.objects.filter(round=locked, organization__isnull=True).delete()
+        version = store_compendium(
+            result.compendium,
+            kind="global",
+            round=locked,
+            sources=edges,
+            scenario_embeddings=result.scenario_embeddings,
+            precaution_embeddings=result.precaution_embeddings,
+        )
+        ConflictLogEntry.objects.bulk_create(
+            [
+                ConflictLogEntry(round=locked, organization=None, tool_id=c.tool_id,
+                                 centroid_id=c.centroid_id, centroid=c.centroid,
+                                 dissenters=c.dissenters, reason=c.reason)
+                for c in result.conflicts
+            ]
+        )
+        MergeRecord.objects.create(
+            round=locked,
+            organization=None,
+            stats=result.stats.as_dict(),
+            rejected=[{"source": r.source, "reasons": r.reasons[:20]} for r in result.rejected],
+            flagged=[f.__dict__ for f in result.flagged],
+            accuracy=accuracy,
+            probe_queries=len(probe) if probe else 0,
+        )
+        locked.state = Round.State.PUBLISHED
+        locked.failure_reason = ""
+        if locked.published_at is None:
+            locked.published_at = timezone.now()
+        locked.save(update_fields=["state", "failure_reason", "published_at"])
+    return version.sha256
+
+
+# --- right to erasure ----------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class ErasureReport:
+    client: str
+    submissions_removed: int
+    edges_rematerialized: list[tuple[int, int]]  # (round number, organization id)
+    globals_rematerialized: list[int]  # round numbers
+
+
+def erase_client(client: Client, *, embed=None) -> ErasureReport:
+    """Remove every submission of one client and re-materialize each edge and global compendium
+    that was built from them (found through the provenance links). The ledger keeps the budget
+    already spent; re-materialized releases are appended as new releases."""
+    embed = embed or _embed()
+    submissions = list(CompendiumVersion.objects.filter(kind="client", client=client))
+    affected_edges = sorted(
+        {
+            (edge.round_id, edge.organization_id)
+            for sub in submissions
+            for edge in sub.derived.filter(kind="edge")
+        }
+    )
+    with transaction.atomic():
+        CompendiumVersion.objects.filter(pk__in=[s.pk for s in submissions]).delete()
+    rounds_touched = sorted({r for r, _ in affected_edges})
+    edges_done = []
+    for round_id, organization_id in affected_edges:
+        run_edge_merge(round_id, organization_id, rematerialize=True, embed=embed)
+        edges_done.append((Round.objects.get(pk=round_id).number, organization_id))
+    globals_done = []
+    for round_id in rounds_touched:
+        round_ = Round.objects.get(pk=round_id)
+        if CompendiumVersion.objects.filter(kind="edge", round=round_).exists():
+            run_server_merge(round_id, embed=embed)
+        else:
+            with transaction.atomic():
+                CompendiumVersion.objects.filter(kind="global", round=round_).delete()
+        globals_done.append(round_.number)
+    return ErasureReport(str(client), len(submissions), edges_done, globals_done)
+
+
+# --- the public probe set ------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class ProbeImport:
+    dataset: str
+    imported: int
+    tools: int
+
+
+def import_probe_set(path, *, per_tool: int | None = None, seed: int = 0) -> ProbeImport:
+    """Replace the probe queries of a dataset by up to `per_tool` labelled queries per tool
+    (a seeded sample) from a routing-benchmark dataset folder."""
+    from compendium.registry import load_dataset
+
+    dataset = load_dataset(path)
+    by_tool: dict[str, list] = {}
+    for query in dataset.queries:
+        by_tool.setdefault(query.tool_id, []).append(query)
+    rng = np.random.default_rng(seed)
+    chosen = []
+    for tool_id in sorted(by_tool):
+        queries = sorted(by_tool[tool_id], key=lambda q: q.qid)
+        if per_tool is not None and len(queries) > per_tool:
+            picks = sorted(rng.choice(len(queries), size=per_tool, replace=False))
+            queries = [queries[i] for i in picks]
+        chosen.extend(queries)
+    with transaction.atomic():
+        ProbeQuery.objects.filter(dataset=dataset.name).delete()
+        ProbeQuery.objects.bulk_create(
+            [ProbeQuery(dataset=dataset.name, qid=q.qid, text=q.query, tool_id=q.tool_id)
+             for q in chosen],
+            batch_size=1000,
+        )
+    return ProbeImport(dataset.name, len(chosen), len(by_tool))

@@ -1,0 +1,89 @@
+"""Shared builders for the pipeline tests: a registry, organizations, clients and submissions."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from compendium.models import NumericField
+from compendium.schema import DEFAULT_NUMERIC_FIELDS, Compendium, ToolSpec
+from compendium.services import import_registry, store_compendium
+from federation.models import Client, Organization, Round
+
+TOOLS = [
+    ToolSpec(tool_id="weather", name="WeatherNow",
+             description="Weather forecasts, rain and temperature for a city"),
+    ToolSpec(tool_id="flights", name="FlightFinder",
+             description="Search and book airline flights between airports"),
+    ToolSpec(tool_id="calculator", name="Calculator",
+             description="Evaluate arithmetic expressions and compute numbers"),
+]
+
+CLIENT_DOCS = {
+    ("acme", "a1"): {
+        "scenarios": [
+            {"tool_id": "weather", "text": "Will it rain tomorrow in Paris?"},
+            {"tool_id": "flights", "text": "Book a cheap flight from Boston to Denver"},
+        ],
+        "metadata": [{"tool_id": "weather", "stats": {"success_rate": 0.9, "calls": 10}}],
+        "precautions": [{"tool_id": "calculator", "text": "Do not use for currency rates"}],
+    },
+    ("acme", "a2"): {
+        "scenarios": [
+            {"tool_id": "weather", "text": "Will it rain tomorrow in Paris"},
+            {"tool_id": "calculator", "text": "What is 17 multiplied by 23?"},
+        ],
+        "metadata": [{"tool_id": "weather", "stats": {"success_rate": 0.7, "calls": 20}}],
+    },
+    ("globex", "g1"): {
+        "scenarios": [
+            {"tool_id": "weather", "text": "What is the temperature in Berlin today?"},
+            {"tool_id": "flights", "text": "Find flights from Rome to Madrid next week"},
+        ],
+        "metadata": [{"tool_id": "flights", "stats": {"success_rate": 0.5}}],
+    },
+}
+
+PROBES = [
+    ("Is it going to rain in London tomorrow?", "weather"),
+    ("How warm is it in Oslo today?", "weather"),
+    ("Find me a flight to Tokyo", "flights"),
+    ("Book a plane ticket to Lisbon", "flights"),
+    ("What is 12 times 9?", "calculator"),
+    ("Compute 144 divided by 12", "calculator"),
+]
+
+
+def write_probe_dataset(folder: Path) -> Path:
+    folder.mkdir(parents=True, exist_ok=True)
+    with (folder / "tools.jsonl").open("w") as handle:
+        for tool in TOOLS:
+            handle.write(json.dumps({"tool_id": tool.tool_id, "description": tool.description}) + "\n")
+    with (folder / "queries.jsonl").open("w") as handle:
+        for i, (text, tool) in enumerate(PROBES):
+            handle.write(json.dumps({"query": text, "tool_id": tool, "qid": f"p{i}"}) + "\n")
+    return folder
+
+
+def build_federation(round_number: int = 1, config: dict | None = None, state: str = "closing"):
+    """Registry, two organizations, three clients and their submissions for one round."""
+    import_registry(TOOLS)
+    # Transactional tests flush the rows the data migration seeded; put the declared fields back.
+    for spec in DEFAULT_NUMERIC_FIELDS:
+        NumericField.objects.get_or_create(
+            name=spec.name,
+            defaults=dict(kind=spec.kind.value, min_value=spec.min, max_value=spec.max,
+                          sensitivity=spec.sensitivity, unit=spec.unit,
+                          description=spec.description),
+        )
+    round_ = Round.objects.create(number=round_number, state=state,
+                                  config=config or {"summarizer": "centroid", "seed": 11})
+    clients = {}
+    for (org_slug, name), doc in CLIENT_DOCS.items():
+        org, _ = Organization.objects.get_or_create(slug=org_slug, defaults={"name": org_slug})
+        client, _ = Client.objects.get_or_create(organization=org, name=name,
+                                                 defaults={"status": Client.Status.APPROVED})
+        clients[(org_slug, name)] = client
+        store_compendium(Compendium.model_validate({"schema_version": "1.0", **doc}),
+                         kind="client", round=round_, client=client)
+    return round_, clients

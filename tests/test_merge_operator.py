@@ -1,0 +1,278 @@
+"""The pure merge operator on crafted cases, with the real bundled embedding model."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from compendium.canonical import canonical_bytes
+from compendium.schema import Schema, ToolSpec
+from federation.merge import (
+    BudgetExceeded,
+    ConflictEntry,
+    MergeInput,
+    ProbeSet,
+    conflicts_to_precautions,
+    edge_merge,
+    server_merge,
+)
+from federation.merge.clustering import Item, decide_cluster, flags_satisfiable, greedy_cluster
+from federation.round_config import RoundConfig
+from routing.embeddings import get_engine
+
+
+@pytest.fixture(scope="module")
+def embed():
+    return get_engine().embed
+
+
+@pytest.fixture(scope="module")
+def schema() -> Schema:
+    return Schema(
+        tools=[
+            ToolSpec(tool_id="weather", name="WeatherNow",
+                     description="Weather forecasts, rain and temperature for a city"),
+            ToolSpec(tool_id="flights", name="FlightFinder",
+                     description="Search and book airline flights between airports"),
+            ToolSpec(tool_id="calculator", name="Calculator",
+                     description="Evaluate arithmetic expressions and compute numbers"),
+            ToolSpec(tool_id="recipes", name="RecipeBox",
+                     description="Find cooking recipes and ingredients for dishes"),
+        ]
+    )
+
+
+def sub(source, scenarios=(), precautions=(), metadata=(), templates=(), annex=()):
+    return MergeInput(
+        source,
+        {
+            "schema_version": "1.0",
+            "metadata": list(metadata),
+            "scenarios": list(scenarios),
+            "precautions": list(precautions),
+            "templates": list(templates),
+            "annex": list(annex),
+        },
+    )
+
+
+def sc(tool, text, **flags):
+    return {"tool_id": tool, "text": text, "preconditions": flags}
+
+
+def test_paraphrases_cluster_into_one_scenario_with_summed_support(schema, embed):
+    subs = [
+        sub("c1", [sc("weather", "Will it rain tomorrow in Paris?")]),
+        sub("c2", [sc("weather", "Will it rain tomorrow in Paris")]),
+        sub("c3", [sc("weather", "will it rain tomorrow in paris?")]),
+        sub("c4", [sc("flights", "Book a cheap flight from Boston to Denver")]),
+    ]
+    result = edge_merge(subs, schema, RoundConfig(summarizer="centroid"), embed=embed)
+    weather = [s for s in result.compendium.scenarios if s.tool_id == "weather"]
+    assert len(weather) == 1 and weather[0].support == 3
+    assert result.stats.scenarios_in == 4 and result.stats.scenarios_out == 2
+    assert result.stats.dedup_rate == pytest.approx(0.5)
+    assert not result.conflicts
+
+
+def test_contradictory_preconditions_make_a_conflict_with_majority_centroid(schema, embed):
+    subs = [
+        sub("c1", [sc("weather", "Get the weather forecast for a city", has_city=True)]),
+        sub("c2", [sc("weather", "Get the weather forecast for a city.", has_city=True)]),
+        sub("c3", [sc("weather", "Get the weather forecast for a city!", has_city=False)]),
+    ]
+    result = edge_merge(subs, schema, RoundConfig(summarizer="centroid"), embed=embed)
+    assert len(result.conflicts) == 1
+    entry = result.conflicts[0]
+    assert entry.tool_id == "weather"
+    assert entry.centroid["preconditions"] == {"has_city": True}
+    assert [d["source"] for d in entry.dissenters] == ["c3"]
+    assert "precondition flags contradict" in entry.reason
+    kept = [s for s in result.compendium.scenarios if s.tool_id == "weather"]
+    assert len(kept) == 1 and kept[0].support == 2 and kept[0].preconditions == {"has_city": True}
+
+
+def test_is_consistent_structural_rules(embed):
+    v = embed(["a", "b"])
+    a = Item("x", "weather", "a", {"f": True}, 1, v[0])
+    b = Item("y", "weather", "b", {"g": False}, 1, v[1])
+    assert decide_cluster([a, b]).consistent
+    c = Item("z", "weather", "b", {"f": False}, 1, v[1])
+    assert not decide_cluster([a, c]).consistent
+    assert flags_satisfiable([{"f": True}, {"g": True}, {"f": True}])
+    assert not flags_satisfiable([{"f": True}, {"f": False}])
+    # An LLM probe that says "inconsistent" marks the cluster conflicted even with agreeing flags.
+    assert not decide_cluster([a, b], probe=lambda x, y: False).consistent
+    assert decide_cluster([a, b], probe=lambda x, y: None).consistent  # unusable answer: ignored
+
+
+def test_greedy_clustering_is_deterministic_and_thresholded():
+    vectors = np.array([[1, 0], [0.99, 0.141], [0, 1], [0.1, 0.995]], dtype=np.float32)
+    vectors /= np.linalg.norm(vectors, axis=1, keepdims=True)
+    assert greedy_cluster(vectors, 0.9) == [[0, 1], [2, 3]]
+    assert greedy_cluster(vectors, 0.9999) == [[0], [1], [2], [3]]
+
+
+def test_tool_confusion_entry_is_dropped_and_honest_entries_kept(schema, embed):
+    honest = [
+        sub(f"h{i}", [sc("weather", t)])
+        for i, t in enumerate(
+            ["Will it rain tomorrow in Paris?", "What is the temperature in Berlin today?",
+             "Is there a storm forecast for Miami this weekend?"]
+        )
+    ] + [sub("h9", [sc("recipes", "Find a recipe for vegetable lasagna")])]
+    attacker = sub("evil", [sc("calculator", "Will it rain this weekend in Paris?")])
+    result = edge_merge(honest + [attacker], schema, RoundConfig(summarizer="centroid"),
+                        embed=embed)
+    assert [(f.source, f.tool_id, f.closest_tool) for f in result.flagged] == [
+        ("evil", "calculator", "weather")
+    ]
+    assert all(s.tool_id != "calculator" for s in result.compendium.scenarios)
+    assert sum(s.support for s in result.compendium.scenarios if s.tool_id == "weather") == 3
+
+
+def test_invalid_submission_is_rejected_and_others_merged(schema, embed):
+    bad = sub("bad", [sc("no-such-tool", "anything")])
+    good = sub("good", [sc("weather", "Will it rain tomorrow?")])
+    result = edge_merge([bad, good], schema, RoundConfig(), embed=embed)
+    assert [r.source for r in result.rejected] == ["bad"]
+    assert "no-such-tool" in " ".join(result.rejected[0].reasons)
+    assert result.accepted_sources == ["good"]
+
+
+def test_conflicts_to_precautions_composes_use_and_exception(schema):
+    entry = ConflictEntry(
+        tool_id="calculator",
+        centroid_id="abc",
+        centroid={"text": "Symbolic integration of an expression.", "preconditions": {}},
+        dissenters=[{"text": "Expressions nested deeper than 4 levels"},
+                    {"text": "Currency conversion"}],
+        reason="LLM probe found the scenarios inconsistent",
+    )
+    [p] = conflicts_to_precautions([entry], schema)
+    assert p.tool_id == "calculator" and p.support == 3
+    assert p.text == (
+        "Use Calculator for symbolic integration of an expression; do not use Calculator when "
+        "expressions nested deeper than 4 levels or when currency conversion"
+    )
+
+
+def test_previous_conflicts_become_precautions_in_the_next_edge_merge(schema, embed):
+    first = edge_merge(
+        [sub("a", [sc("weather", "Forecast for a city", has_city=True)]),
+         sub("b", [sc("weather", "Forecast for a city", has_city=True)]),
+         sub("c", [sc("weather", "Forecast for a city.", has_city=False)])],
+        schema, RoundConfig(summarizer="none"), embed=embed,
+    )
+    second = edge_merge([sub("a", [sc("flights", "Book a flight")])], schema,
+                        RoundConfig(summarizer="none"), first.conflicts, embed=embed)
+    texts = [p.text for p in second.compendium.precautions]
+    assert texts == ["Use WeatherNow for forecast for a city; do not use WeatherNow when "
+                     "forecast for a city and has_city is false"]
+    assert second.stats.precautions_from_conflicts == 1
+
+
+def _numeric_subs(values):
+    return [
+        sub(f"c{i}", metadata=[{"tool_id": "weather", "stats": {"success_rate": v}}])
+        for i, v in enumerate(values)
+    ]
+
+
+def test_numeric_release_writes_ledger_and_stays_in_range(schema, embed):
+    result = edge_merge(_numeric_subs([0.2, 0.4, 0.6, 0.8]), schema,
+                        RoundConfig(epsilon=2.0), embed=embed, seed=7)
+    [entry] = result.ledger
+    assert (entry.tool_id, entry.field, entry.contributors) == ("weather", "success_rate", 4)
+    assert entry.epsilon == pytest.approx(2.0)  # one released field: ε_j = ε / 1
+    assert entry.noise_scale == pytest.approx(1.0 / (4 * 2.0))
+    value = result.compendium.metadata[0].stats["success_rate"]
+    assert 0.0 <= value <= 1.0
+    assert result.compendium.metadata[0].description == schema.tools_by_id["weather"].description
+    again = edge_merge(_numeric_subs([0.2, 0.4, 0.6, 0.8]), schema, RoundConfig(epsilon=2.0),
+                       embed=embed, seed=7)
+    assert canonical_bytes(again.compendium) == canonical_bytes(result.compendium)
+
+
+def test_budget_cap_refuses_before_noise(schema, embed):
+    class Exploding:
+        def laplace(self, *a, **k):  # pragma: no cover - must never be reached
+            raise AssertionError("noise drawn")
+
+    with pytest.raises(BudgetExceeded, match="epsilon budget"):
+        edge_merge(_numeric_subs([0.5, 0.5]), schema, RoundConfig(epsilon=1.0), embed=embed,
+                   epsilon_remaining=0.5)
+    ok = edge_merge(_numeric_subs([0.5, 0.5]), schema, RoundConfig(epsilon=1.0), embed=embed,
+                    epsilon_remaining=1.0)
+    assert ok.stats.epsilon_spent == pytest.approx(1.0)
+
+
+def test_field_cap_splits_epsilon_by_f_star(schema, embed):
+    subs = [
+        sub("c1", metadata=[{"tool_id": "weather", "stats": {"success_rate": 0.5, "calls": 3}},
+                            {"tool_id": "flights", "stats": {"calls": 2}}]),
+    ]
+    plain = edge_merge(subs, schema, RoundConfig(epsilon=1.2), embed=embed)
+    assert [e.epsilon for e in plain.ledger] == pytest.approx([0.4, 0.4, 0.4])
+    capped = edge_merge(subs, schema, RoundConfig(epsilon=1.2, field_cap=2), embed=embed)
+    assert [e.epsilon for e in capped.ledger] == pytest.approx([0.6, 0.6, 0.6])
+    assert capped.stats.epsilon_spent == pytest.approx(1.2)
+
+
+def test_server_merge_averages_without_noise_and_merges_text(schema, embed):
+    e1 = edge_merge(_numeric_subs([0.2, 0.2]) + [sub("x", [sc("weather", "Rain tomorrow?")])],
+                    schema, RoundConfig(), embed=embed, seed=1)
+    e2 = edge_merge(_numeric_subs([0.9]) + [sub("y", [sc("weather", "Rain tomorrow")])],
+                    schema, RoundConfig(), embed=embed, seed=2)
+    result = server_merge([MergeInput("org-a", e1.compendium), MergeInput("org-b", e2.compendium)],
+                          schema, RoundConfig(summarizer="centroid"), embed=embed)
+    assert result.ledger == []
+    w1, w2 = e1.compendium.num_users, e2.compendium.num_users
+    expected = (e1.compendium.metadata[0].stats["success_rate"] * w1
+                + e2.compendium.metadata[0].stats["success_rate"] * w2) / (w1 + w2)
+    assert result.compendium.metadata[0].stats["success_rate"] == pytest.approx(expected)
+    assert [s.support for s in result.compendium.scenarios] == [2]
+
+
+def test_probe_extractive_picks_the_member_that_routes_the_probe_set(schema, embed):
+    probe_texts = ["Will it snow in Oslo tomorrow?", "Find flights to Rome", "What is 17 times 3?"]
+    probe = ProbeSet(probe_texts, ["weather", "flights", "calculator"], embed(probe_texts))
+    subs = [
+        sub("a", [sc("weather", "Weather forecast: will it snow tomorrow in a city?")]),
+        sub("b", [sc("weather", "Weather forecast: will it snow tomorrow in a city")]),
+        sub("c", [sc("flights", "Search for flights to a destination")]),
+        sub("d", [sc("calculator", "Multiply two numbers")]),
+    ]
+    result = edge_merge(subs, schema, RoundConfig(summarizer="probe-extractive", tau=0.8),
+                        embed=embed, probe_set=probe)
+    assert result.stats.summarizer_fallbacks == []
+    weather = [s for s in result.compendium.scenarios if s.tool_id == "weather"]
+    assert len(weather) == 1 and "snow" in weather[0].text
+    none = edge_merge(subs, schema, RoundConfig(summarizer="probe-extractive"), embed=embed)
+    assert none.stats.summarizer_fallbacks[0]["reason"] == "no public probe set is loaded"
+
+
+def test_annex_and_templates_deduplicated(schema, embed):
+    subs = [
+        sub("a", templates=[{"tool_id": "weather", "signature": "f(city)", "template": "T1 {city}"}],
+            annex=[{"subject": "flights", "relation": "needs", "object": "airport code"}]),
+        sub("b", templates=[{"tool_id": "weather", "signature": "f(city)", "template": "T1 {city}"}],
+            annex=[{"subject": "flights", "relation": "needs", "object": "airport code"}]),
+        sub("c", templates=[{"tool_id": "weather", "signature": "f(city)", "template": "T2 {city}"}]),
+    ]
+    result = edge_merge(subs, schema, RoundConfig(), embed=embed)
+    assert [t.template for t in result.compendium.templates] == ["T1 {city}"]
+    assert len(result.compendium.annex) == 1 and result.stats.annex_in == 2
+
+
+def test_server_keeps_the_best_supported_scenarios_per_tool(schema, embed):
+    edge = edge_merge(
+        [sub(f"c{i}", [sc("weather", "Will it rain tomorrow?")]) for i in range(3)]
+        + [sub("d", [sc("weather", "Temperature in Berlin")]),
+           sub("e", [sc("weather", "Is a storm coming to Miami")])],
+        schema, RoundConfig(summarizer="none"), embed=embed,
+    )
+    result = server_merge([MergeInput("org", edge.compendium)], schema,
+                          RoundConfig(summarizer="none", max_scenarios_per_tool=2), embed=embed)
+    kept = result.compendium.scenarios
+    assert len(kept) == 2 and kept[0].support == 3

@@ -1,0 +1,219 @@
+"""The round pipeline on the real database (Celery eager in-process; the real-worker run is in
+test_merge_worker.py)."""
+
+from __future__ import annotations
+
+import pytest
+from django.core.management import call_command
+
+from compendium.models import CompendiumVersion, ScenarioEntry
+from federation import accounting, pipeline
+from federation.models import (
+    ConflictLogEntry,
+    MergeRecord,
+    PrivacyLedgerEntry,
+    ProbeQuery,
+    Round,
+)
+from federation.signals import round_closed
+from tests.merge_helpers import build_federation, write_probe_dataset
+
+pytestmark = pytest.mark.django_db
+
+
+@pytest.fixture
+def probes(tmp_path):
+    call_command("import_probe_set", str(write_probe_dataset(tmp_path / "probe")))
+    return ProbeQuery.objects.count()
+
+
+def close(round_, capture):
+    with capture(execute=True):
+        round_closed.send(sender=Round, round=round_)
+    round_.refresh_from_db()
+
+
+def test_full_round_publishes_global_with_embeddings_ledger_and_accuracy(
+    probes, django_capture_on_commit_callbacks
+):
+    round_, _ = build_federation()
+    close(round_, django_capture_on_commit_callbacks)
+    assert round_.state == "published", round_.failure_reason
+    assert probes == 6
+    edges = CompendiumVersion.objects.filter(kind="edge", round=round_)
+    assert edges.count() == 2
+    acme = edges.get(organization__slug="acme")
+    assert acme.sources.count() == 2
+    glob = CompendiumVersion.objects.get(kind="global", round=round_)
+    assert set(glob.sources.all()) == set(edges)
+    assert ScenarioEntry.objects.filter(version=glob, embedding__isnull=True).count() == 0
+    assert ScenarioEntry.objects.filter(version=glob).count() == glob.entry_counts["scenarios"]
+    # acme: 2 released fields (weather.calls, weather.success_rate); globex: 1
+    ledger = PrivacyLedgerEntry.objects.filter(round=round_)
+    assert sorted((e.organization.slug, e.tool_id, e.field) for e in ledger) == [
+        ("acme", "weather", "calls"), ("acme", "weather", "success_rate"),
+        ("globex", "flights", "success_rate"),
+    ]
+    acme_calls = ledger.get(organization__slug="acme", field="calls")
+    assert acme_calls.contributors == 2 and acme_calls.epsilon == pytest.approx(0.5)
+    assert acme_calls.noise_scale == pytest.approx(50 / (2 * 0.5))
+    record = MergeRecord.objects.get(round=round_, organization__isnull=True)
+    assert record.probe_queries == 6 and 0.0 <= record.accuracy <= 1.0
+    assert record.stats["scenarios_in"] > 0
+    report = accounting.privacy_report()
+    assert report.federation.epsilon == pytest.approx(1.0)  # max over the two edges, one round
+
+
+def test_edge_merge_is_idempotent(probes):
+    round_, clients = build_federation(state="merging")
+    org = clients[("acme", "a1")].organization
+    first = pipeline.run_edge_merge(round_.pk, org.pk)
+    second = pipeline.run_edge_merge(round_.pk, org.pk)
+    assert first.sha256 == second.sha256
+    assert CompendiumVersion.objects.filter(kind="edge", round=round_).count() == 1
+    assert PrivacyLedgerEntry.objects.filter(round=round_).count() == 2
+
+
+def test_budget_cap_fails_round_before_any_merge(settings, django_capture_on_commit_callbacks):
+    settings.SYNAPSE_EPSILON_BUDGET = 0.5
+    round_, _ = build_federation(config={"epsilon": 1.0, "summarizer": "none"})
+    close(round_, django_capture_on_commit_callbacks)
+    assert round_.state == "failed"
+    assert "epsilon budget of 0.5" in round_.failure_reason
+    assert not CompendiumVersion.objects.filter(round=round_).exclude(kind="client").exists()
+    assert not PrivacyLedgerEntry.objects.exists()
+
+
+def test_edge_refuses_release_over_remaining_budget(settings):
+    """The operator-level guard too: a release above what is left is refused before noise."""
+    settings.SYNAPSE_EPSILON_BUDGET = 0.4
+    round_, _ = build_federation(state="merging", config={"epsilon": 1.0})
+    org = CompendiumVersion.objects.filter(kind="client", round=round_).first().client.organization
+    with pytest.raises(pipeline.BudgetExceeded, match="epsilon budget"):
+        pipeline.run_edge_merge(round_.pk, org.pk)
+    assert not PrivacyLedgerEntry.objects.exists()
+    assert not CompendiumVersion.objects.filter(kind="edge").exists()
+
+
+def test_failed_round_can_be_retried(settings, django_capture_on_commit_callbacks):
+    settings.SYNAPSE_EPSILON_BUDGET = 0.5
+    round_, _ = build_federation(config={"epsilon": 1.0, "summarizer": "none"})
+    close(round_, django_capture_on_commit_callbacks)
+    assert round_.state == "failed"
+    settings.SYNAPSE_EPSILON_BUDGET = 5.0
+    with django_capture_on_commit_callbacks(execute=True):
+        call_command("retry_round", str(round_.number))
+    round_.refresh_from_db()
+    assert round_.state == "published" and round_.failure_reason == ""
+
+
+def test_conflicts_are_logged_and_become_next_round_precautions(
+    django_capture_on_commit_callbacks,
+):
+    from compendium.schema import Compendium
+    from compendium.services import store_compendium
+    from federation.models import Client, Organization
+
+    round_, clients = build_federation(config={"summarizer": "none"})
+    org = Organization.objects.get(slug="acme")
+    extra = Client.objects.create(organization=org, name="a3", status="approved")
+    store_compendium(
+        Compendium.model_validate({"scenarios": [
+            {"tool_id": "weather", "text": "Will it rain tomorrow in Paris?",
+             "preconditions": {"has_city": False}}]}),
+        kind="client", round=round_, client=extra,
+    )
+    for client in (clients[("acme", "a1")], clients[("acme", "a2")]):
+        version = CompendiumVersion.objects.get(kind="client", round=round_, client=client)
+        content = dict(version.content)
+        for s in content["scenarios"]:
+            if s["tool_id"] == "weather":
+                s["preconditions"] = {"has_city": True}
+        version.delete()
+        store_compendium(Compendium.model_validate(content), kind="client", round=round_,
+                         client=client)
+    close(round_, django_capture_on_commit_callbacks)
+    assert round_.state == "published", round_.failure_reason
+    [conflict] = ConflictLogEntry.objects.filter(round=round_, organization=org)
+    assert conflict.tool_id == "weather"
+    assert conflict.dissenters[0]["preconditions"] == {"has_city": False}
+    nxt = Round.objects.create(number=2, state="closing", config={"summarizer": "none"})
+    store_compendium(Compendium.model_validate({"scenarios": [
+        {"tool_id": "flights", "text": "Book a flight"}]}), kind="client", round=nxt,
+        client=clients[("acme", "a1")])
+    close(nxt, django_capture_on_commit_callbacks)
+    edge = CompendiumVersion.objects.get(kind="edge", round=nxt, organization=org)
+    texts = [p["text"] for p in edge.content["precautions"]]
+    assert any(t.startswith("Use WeatherNow for will it rain tomorrow in Paris") and
+               "has_city is false" in t for t in texts), texts
+
+
+def test_erasure_rematerializes_without_the_client_and_keeps_the_ledger(
+    probes, django_capture_on_commit_callbacks
+):
+    round_, clients = build_federation()
+    close(round_, django_capture_on_commit_callbacks)
+    before = CompendiumVersion.objects.get(kind="global", round=round_).sha256
+    spent_before = accounting.privacy_report().federation.epsilon
+    target = clients[("acme", "a2")]
+    call_command("erase_client", "acme/a2")
+    assert not CompendiumVersion.objects.filter(kind="client", client=target).exists()
+    edge = CompendiumVersion.objects.get(kind="edge", round=round_, organization__slug="acme")
+    assert [v.client_id for v in edge.sources.all()] == [clients[("acme", "a1")].pk]
+    texts = [s["text"] for s in edge.content["scenarios"]]
+    assert "What is 17 multiplied by 23?" not in texts
+    glob = CompendiumVersion.objects.get(kind="global", round=round_)
+    assert glob.sha256 != before
+    assert all("17 multiplied" not in s["text"] for s in glob.content["scenarios"])
+    # Spent budget is kept; the re-release is appended as release 1.
+    releases = sorted(set(PrivacyLedgerEntry.objects.filter(
+        organization__slug="acme").values_list("release", flat=True)))
+    assert releases == [0, 1]
+    assert accounting.privacy_report().federation.epsilon >= spent_before
+
+
+def _ledger_row(round_, org, eps, field="calls", release=0, cap=None):
+    return PrivacyLedgerEntry.objects.create(
+        round=round_, organization=org, release=release, tool_id="weather", field=field,
+        sensitivity=1.0, contributors=2, epsilon=eps, noise_scale=1.0 / (2 * eps), field_cap=cap,
+    )
+
+
+def test_accountant_composes_per_organization_and_federation(settings):
+    from federation.merge.privacy import advanced_composition
+    from federation.models import Organization
+
+    settings.SYNAPSE_EPSILON_BUDGET = 3.0
+    a = Organization.objects.create(name="A", slug="a")
+    b = Organization.objects.create(name="B", slug="b")
+    r1 = Round.objects.create(number=1, state="published")
+    r2 = Round.objects.create(number=2, state="published")
+    _ledger_row(r1, a, 0.5, "calls")
+    _ledger_row(r1, a, 0.5, "success_rate")
+    _ledger_row(r1, b, 0.25)
+    _ledger_row(r2, b, 0.75)
+    org_a = accounting.organization_composition(a.pk)
+    assert org_a.basic_epsilon == pytest.approx(1.0) and org_a.rounds == 1
+    org_b = accounting.organization_composition(b.pk)
+    assert org_b.basic_epsilon == pytest.approx(1.0)
+    assert org_b.advanced_epsilon == pytest.approx(advanced_composition(0.75, 2, 1e-5))
+    fed = accounting.federation_composition()
+    assert fed.basic_epsilon == pytest.approx(1.75)  # max per round: 1.0 then 0.75
+    assert fed.epsilon == pytest.approx(1.75) and fed.tighter == "basic"
+    # A's next release in round 2: only B's round 2 spend runs in parallel to it.
+    assert accounting.remaining_for_release(r2.pk, a.pk, 0) == pytest.approx(3.0 - 1.0)
+    exceeded, projected = accounting.would_exceed(1.5)
+    assert exceeded and projected.basic_epsilon == pytest.approx(3.25)
+    assert not accounting.would_exceed(1.25)[0]
+
+
+def test_ledger_is_append_only():
+    from federation.models import Organization
+
+    org = Organization.objects.create(name="A", slug="a")
+    row = _ledger_row(Round.objects.create(number=1), org, 0.5)
+    with pytest.raises(PermissionError):
+        row.delete()
+    row.epsilon = 0.0
+    with pytest.raises(PermissionError):
+        row.save()

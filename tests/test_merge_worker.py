@@ -1,0 +1,155 @@
+"""The round pipeline on a real Celery worker on the machine's Redis and the real test database.
+
+The worker is a subprocess (`celery -A synapse_web worker`) on Redis db 7 with a queue of its own;
+it reaches the pytest test database through DATABASE_URL. Waiting is done on Celery results and on
+the worker's log lines (through a queue with a timeout), never by sleeping.
+"""
+
+from __future__ import annotations
+
+import os
+import queue
+import signal
+import subprocess
+import sys
+import threading
+import uuid
+from pathlib import Path
+from urllib.parse import quote
+
+import psutil
+import pytest
+from celery.result import AsyncResult
+from django.db import connection
+
+from compendium.models import CompendiumVersion
+from federation import pipeline
+from federation.models import PrivacyLedgerEntry, Round
+from federation.signals import round_closed
+from tests.merge_helpers import build_federation
+
+ROOT = Path(__file__).resolve().parent.parent
+BROKER = "redis://127.0.0.1:6379/7"
+CELERY = Path(sys.executable).with_name("celery")
+
+
+class Worker:
+    def __init__(self, queue_name: str, database_url: str):
+        env = dict(os.environ)
+        env.update(
+            DATABASE_URL=database_url,
+            CELERY_BROKER_URL=BROKER,
+            CELERY_RESULT_BACKEND=BROKER,
+            HF_HUB_OFFLINE="1",
+            TRANSFORMERS_OFFLINE="1",
+            SYNAPSE_CONN_MAX_AGE="0",
+            CELERY_TASK_DEFAULT_QUEUE=queue_name,
+        )
+        self.process = subprocess.Popen(
+            [str(CELERY), "-A", "synapse_web", "worker", "-l", "info", "-c", "1", "-P", "prefork",
+             "-Q", queue_name, "-n", f"{queue_name}@%h", "--without-gossip", "--without-mingle",
+             "--without-heartbeat"],
+            cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        )
+        self.lines: queue.Queue[str] = queue.Queue()
+        self.log: list[str] = []
+        threading.Thread(target=self._pump, daemon=True).start()
+
+    def _pump(self):
+        for line in self.process.stdout:
+            self.log.append(line)
+            self.lines.put(line)
+
+    def wait_for(self, fragment: str, timeout: float = 300) -> str:
+        while True:
+            line = self.lines.get(timeout=timeout)  # raises queue.Empty on timeout
+            if fragment in line:
+                return line
+
+    def kill_pool_child(self) -> int:
+        children = psutil.Process(self.process.pid).children()
+        assert children, "the worker has no pool process"
+        os.kill(children[0].pid, signal.SIGKILL)
+        return children[0].pid
+
+    def stop(self):
+        if self.process.poll() is None:
+            self.process.send_signal(signal.SIGTERM)
+            try:
+                self.process.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait()
+
+
+def _database_url() -> str:
+    s = connection.settings_dict
+    host = quote(s["HOST"], safe="") if s["HOST"].startswith("/") else s["HOST"]
+    port = f":{s['PORT']}" if s["PORT"] else ""
+    return f"postgres://{s['USER']}:{quote(s['PASSWORD'] or '')}@{host}{port}/{s['NAME']}"
+
+
+@pytest.fixture
+def worker(transactional_db):
+    from synapse_web.celery import app
+
+    queue_name = f"synapse-test-{uuid.uuid4().hex[:10]}"
+    saved = {k: app.conf.get(k) for k in
+             ("broker_url", "result_backend", "task_always_eager", "task_default_queue")}
+    app.conf.update(broker_url=BROKER, result_backend=BROKER, task_always_eager=False,
+                    task_default_queue=queue_name)
+    running = Worker(queue_name, _database_url())
+    try:
+        running.wait_for("ready.", timeout=180)
+        yield running
+    finally:
+        running.stop()
+        print("".join(running.log[-200:]))  # shown by pytest when a test fails
+        app.conf.update(saved)
+
+
+def _close_round(round_: Round) -> dict:
+    responses = round_closed.send(sender=Round, round=round_)
+    [started] = [r for _, r in responses if isinstance(r, AsyncResult)]
+    return started.get(timeout=120)
+
+
+def _wait_for_round(info: dict, timeout: float = 600) -> str:
+    """The edge tasks first (a failed edge raises here instead of leaving the chord body
+    pending), then the server merge."""
+    for task_id in info["edge_tasks"]:
+        AsyncResult(task_id).get(timeout=timeout)
+    return AsyncResult(info["server_task"]).get(timeout=timeout)
+
+
+def test_full_round_on_a_real_worker(worker):
+    round_, _ = build_federation()
+    info = _close_round(round_)
+    assert len(info["organizations"]) == 2 and len(info["edge_tasks"]) == 2
+    sha = _wait_for_round(info)
+    round_.refresh_from_db()
+    assert round_.state == "published", round_.failure_reason
+    glob = CompendiumVersion.objects.get(kind="global", round=round_)
+    assert glob.sha256 == sha
+    assert CompendiumVersion.objects.filter(kind="edge", round=round_).count() == 2
+    assert PrivacyLedgerEntry.objects.filter(round=round_).count() == 3
+
+
+def test_worker_killed_mid_merge_yields_the_same_global_compendium(worker):
+    round_, clients = build_federation()
+    info = _close_round(round_)
+    worker.wait_for("edge merge started")
+    killed = worker.kill_pool_child()
+    sha = _wait_for_round(info)
+    round_.refresh_from_db()
+    assert round_.state == "published", round_.failure_reason
+    log = "".join(worker.log)
+    assert f"{killed}" in log or "WorkerLostError" in log or "exited with" in log
+    starts = log.count("edge merge started")
+    assert starts >= 3, "the interrupted edge merge was delivered again"
+    assert PrivacyLedgerEntry.objects.filter(round=round_).count() == 3  # no double release
+    # An undisturbed run of the same round, in this process, gives the same canonical bytes.
+    orgs = sorted({c.organization_id for c in clients.values()})
+    for org in orgs:
+        pipeline.run_edge_merge(round_.pk, org)
+    assert pipeline.run_server_merge(round_.pk) == sha

@@ -1,0 +1,99 @@
+"""The Laplace mechanism, composition, and Byzantine-robust rules (pure functions)."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+from scipy import stats
+
+from federation.merge.privacy import (
+    advanced_composition,
+    basic_composition,
+    compose,
+    laplace_release,
+    laplace_scale,
+    round_spend,
+)
+from federation.merge.robust import (
+    byzantine_count,
+    krum_keep,
+    robust_keep,
+    trimmed_keep,
+    trimmed_mean,
+)
+
+
+def test_noise_scale_is_delta_over_k_epsilon():
+    assert laplace_scale(50, 10, 0.25) == pytest.approx(20.0)
+    with pytest.raises(ValueError):
+        laplace_scale(1, 0, 1)
+
+
+def test_released_noise_follows_laplace_b_goodness_of_fit():
+    rng = np.random.default_rng(12345)
+    values = [400.0, 500.0, 600.0]  # mean 500, far from the range ends: no clipping
+    b = laplace_scale(100.0, 3, 0.5)
+    draws = np.array(
+        [
+            laplace_release(values, lower=0, upper=10000, sensitivity=100, epsilon=0.5, rng=rng)[0]
+            for _ in range(20000)
+        ]
+    )
+    noise = draws - 500.0
+    assert stats.kstest(noise, "laplace", args=(0, b)).pvalue > 0.01
+    # and the test has power: a wrong scale is rejected
+    assert stats.kstest(noise, "laplace", args=(0, 1.5 * b)).pvalue < 1e-6
+
+
+def test_release_clips_input_and_output():
+    rng = np.random.default_rng(0)
+    value, _ = laplace_release([5.0, -3.0], lower=0, upper=1, sensitivity=1, epsilon=0.01, rng=rng)
+    assert 0.0 <= value <= 1.0
+
+
+def test_composition_matches_formulas():
+    assert basic_composition([0.5] * 10) == pytest.approx(5.0)
+    eps, rounds, delta = 0.5, 10, 1e-5
+    expected = math.sqrt(2 * rounds * math.log(1 / delta)) * eps + rounds * eps * (math.exp(eps) - 1)
+    assert advanced_composition(eps, rounds, delta) == pytest.approx(expected)
+    small = compose([0.5] * 10, delta)
+    assert small.tighter == "basic" and small.epsilon == pytest.approx(5.0) and small.delta == 0
+    # many rounds of a small ε: advanced composition is the tighter
+    many = compose([0.01] * 10000, delta)
+    assert many.tighter == "advanced"
+    assert many.epsilon == pytest.approx(advanced_composition(0.01, 10000, delta))
+    assert many.epsilon < 100.0
+
+
+def test_round_spend_with_and_without_field_cap():
+    assert round_spend([0.25] * 4, None) == pytest.approx(1.0)
+    assert round_spend([0.5] * 4, 2) == pytest.approx(1.0)
+
+
+def test_krum_drops_planted_outliers():
+    rng = np.random.default_rng(3)
+    honest = rng.normal(0, 0.05, size=(8, 16)) + 1.0
+    outliers = rng.normal(0, 0.05, size=(2, 16)) - 3.0
+    vectors = np.vstack([honest[:4], outliers[:1], honest[4:], outliers[1:]])
+    keep = krum_keep(vectors, f=2)
+    assert set(keep) == {0, 1, 2, 3, 5, 6, 7, 8}
+
+
+def test_trimmed_mean_resists_planted_outliers():
+    values = np.array([1.0, 1.1, 0.9, 1.05, 0.95, 1.0, 1.02, 0.98, 100.0, 95.0, 90.0, -80.0])
+    f = byzantine_count(len(values), 0.34)
+    assert f == 4
+    assert trimmed_mean(values, f) == pytest.approx(1.0, abs=0.05)
+    assert abs(values.mean() - 1.0) > 0.5  # the plain mean is pulled away
+    vectors = np.vstack([np.ones((6, 4)), np.full((1, 4), 9.0), np.full((1, 4), -9.0)])
+    kept = trimmed_keep(vectors, 1)
+    assert set(kept) <= set(range(6)) and len(kept) == 6
+
+
+def test_robust_keep_none_keeps_everything():
+    vectors = np.eye(5)
+    assert list(robust_keep(vectors, "none", 0.4)) == [0, 1, 2, 3, 4]
+    with pytest.raises(ValueError):
+        robust_keep(vectors, "median", 0.4)

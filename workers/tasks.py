@@ -1,0 +1,56 @@
+"""Celery tasks of the round pipeline: thin wrappers around federation.pipeline.
+
+Closing a round runs a group of edge merges (one per organization with submissions) and then the
+server merge as a chord. Tasks are acknowledged late and rejected when their worker dies, so a
+merge interrupted by a killed worker is delivered again; the services are idempotent, so the
+retry produces the same compendium. A task that fails for any other reason sets the round to
+`failed` with the reason.
+"""
+
+from __future__ import annotations
+
+from celery import chord, group, shared_task
+from celery.utils.log import get_task_logger
+
+from federation import pipeline
+
+log = get_task_logger(__name__)
+
+TASK_OPTIONS = dict(acks_late=True, reject_on_worker_lost=True)
+
+
+@shared_task(name="synapse.start_round_pipeline", **TASK_OPTIONS)
+def start_round_pipeline(round_id: int) -> dict:
+    """Start the chord; returns the ids of its edge tasks and of the server task."""
+    try:
+        organizations = pipeline.start_round(round_id)
+    except Exception as exc:
+        pipeline.fail_round(round_id, f"starting the merge failed: {exc}")
+        raise
+    if not organizations:
+        return {"organizations": [], "edge_tasks": [], "server_task": None}
+    header = group(edge_merge_task.si(round_id, org) for org in organizations)
+    result = chord(header)(server_merge_task.si(round_id))
+    edge_ids = [child.id for child in (result.parent.results if result.parent else [])]
+    return {"organizations": organizations, "edge_tasks": edge_ids, "server_task": result.id}
+
+
+@shared_task(name="synapse.edge_merge", **TASK_OPTIONS)
+def edge_merge_task(round_id: int, organization_id: int) -> dict:
+    log.info("edge merge started: round %s organization %s", round_id, organization_id)
+    try:
+        outcome = pipeline.run_edge_merge(round_id, organization_id)
+    except Exception as exc:
+        pipeline.fail_round(round_id, f"edge merge of organization {organization_id} failed: {exc}")
+        raise
+    return {"organization": organization_id, "sha256": outcome.sha256,
+            "accepted": outcome.accepted, "rejected": outcome.rejected}
+
+
+@shared_task(name="synapse.server_merge", **TASK_OPTIONS)
+def server_merge_task(round_id: int) -> str:
+    try:
+        return pipeline.run_server_merge(round_id)
+    except Exception as exc:
+        pipeline.fail_round(round_id, f"server merge failed: {exc}")
+        raise
