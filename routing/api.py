@@ -4,7 +4,9 @@ from __future__ import annotations
 
 from django.conf import settings
 from django.utils.module_loading import import_string
-from rest_framework import status
+from drf_spectacular.extensions import OpenApiAuthenticationExtension
+from drf_spectacular.utils import extend_schema, inline_serializer
+from rest_framework import serializers, status
 from rest_framework.exceptions import ParseError
 from rest_framework.permissions import IsAuthenticated
 from rest_framework.response import Response
@@ -38,6 +40,46 @@ class _RoutingView(APIView):
             return Response({"detail": str(exc)}, status=status.HTTP_503_SERVICE_UNAVAILABLE)
 
 
+class RoutingTokenScheme(OpenApiAuthenticationExtension):
+    target_class = "routing.authentication.RoutingTokenAuthentication"
+    name = "routingToken"
+
+    def get_security_definition(self, auto_schema):
+        return {
+            "type": "http",
+            "scheme": "bearer",
+            "description": "An application's routing token: `manage.py routing_token NAME`.",
+        }
+
+
+_CANDIDATE = inline_serializer(
+    "RouteCandidate",
+    {"tool": serializers.CharField(), "scenario": serializers.CharField(), "score": serializers.FloatField()},
+)
+_DECISION = inline_serializer(
+    "RouteDecision",
+    {
+        "tool": serializers.CharField(allow_null=True),
+        "confidence": serializers.FloatField(),
+        "escalate": serializers.BooleanField(),
+        "candidates": _CANDIDATE.__class__(many=True),
+        "precautions": serializers.ListField(child=serializers.CharField()),
+        "template": serializers.CharField(allow_null=True),
+        "compendium_round": serializers.IntegerField(),
+        "latency_ms": serializers.FloatField(),
+    },
+)
+_ERROR = inline_serializer("RouteError", {"detail": serializers.CharField()})
+_OPTIONS = {
+    "top_k": serializers.IntegerField(required=False, min_value=1),
+    "reranker": serializers.ChoiceField(choices=["fusion", "none", "llm"], required=False),
+}
+
+
+@extend_schema(
+    request=inline_serializer("RouteRequest", {"query": serializers.CharField(), **_OPTIONS}),
+    responses={200: _DECISION, 400: _ERROR, 401: _ERROR, 503: _ERROR},
+)
 class RouteView(_RoutingView):
     """POST {"query", "top_k"?, "reranker"?} -> the routing decision."""
 
@@ -47,6 +89,18 @@ class RouteView(_RoutingView):
         return services.route_query(body["query"], body.get("top_k"), body.get("reranker"))
 
 
+@extend_schema(
+    request=inline_serializer(
+        "RouteBatchRequest",
+        {"queries": serializers.ListField(child=serializers.CharField()), **_OPTIONS},
+    ),
+    responses={
+        200: inline_serializer("RouteBatchResponse", {"results": _DECISION.__class__(many=True)}),
+        400: _ERROR,
+        401: _ERROR,
+        503: _ERROR,
+    },
+)
 class RouteBatchView(_RoutingView):
     """POST {"queries": [...], "top_k"?, "reranker"?} -> {"results": [decision, ...], ...}."""
 
