@@ -389,3 +389,21 @@ class ProbeQuery(models.Model):
         constraints = [
             models.UniqueConstraint(fields=["dataset", "qid"], name="probe_query_unique")
         ]
+
+
+class SimulationRun(models.Model):
+    """The results of one `manage.py simulate` run, kept for the accuracy dashboards: accuracy per
+    round for SYNAPSE and the baselines, per-category table, sweeps, communication, privacy."""
+
+    label = models.CharField(max_length=200, blank=True)
+    dataset = models.CharField(max_length=200)
+    created_at = models.DateTimeField(auto_now_add=True)
+    config = models.JSONField(default=dict)
+    document = models.JSONField(help_text="the JSON the command wrote (results, summary, sweeps)")
+    seconds = models.FloatField(default=0)
+
+    class Meta:
+        ordering = ["-created_at"]
+
+    def __str__(self) -> str:
+        return self.label or f"simulation {self.pk} on {self.dataset}"

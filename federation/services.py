@@ -38,6 +38,7 @@ from federation.models import (
     Membership,
     Organization,
     Round,
+    SimulationRun,
     UserToken,
 )
 from federation.round_config import RoundConfig
@@ -668,3 +669,14 @@ def bootstrap_demo_federation() -> DemoFederation:
         rnd = open_round(actor, RoundConfig())
         opened = True
     return DemoFederation(operator, admins, clients, rnd, opened)
+
+
+def store_simulation_run(document: dict, label: str = "") -> SimulationRun:
+    """Keep a simulation's results for the dashboards (accuracy curves, frontier, adversarial)."""
+    return SimulationRun.objects.create(
+        label=label[:200],
+        dataset=str(document.get("dataset", ""))[:200],
+        config=document.get("config", {}),
+        document=document,
+        seconds=float(document.get("seconds", 0.0)),
+    )

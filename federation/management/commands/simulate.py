@@ -1,0 +1,127 @@
+import json
+import sys
+from pathlib import Path
+
+from django.core.management.base import BaseCommand, CommandError
+
+from compendium.registry import RegistryFormatError, load_dataset
+from compendium.schema import Schema
+from federation.simulation.report import run, sweep, table
+from federation.simulation.runner import ADVERSARIAL_MODES, Simulation, SimulationConfig
+from routing.embeddings import EmbeddingModelUnavailable, get_engine
+
+
+def _floats(text: str) -> list[float]:
+    try:
+        return [float(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise CommandError(f"expected comma-separated numbers, got {text!r}") from None
+
+
+class Command(BaseCommand):
+    help = (
+        "Simulate a federation on a routing-benchmark dataset with the real client toolkit, merge "
+        "operator and router; compare with the baselines; optional privacy and adversarial sweeps."
+    )
+
+    def add_arguments(self, parser):
+        parser.add_argument("--dataset", default="../shared/data/metatool")
+        parser.add_argument("--orgs", type=int, default=5)
+        parser.add_argument("--clients-per-org", type=int, default=4)
+        parser.add_argument("--rounds", type=int, default=3)
+        parser.add_argument("--partition", choices=["iid", "category", "random"], default="category")
+        parser.add_argument("--seed", type=int, default=0, help="first seed")
+        parser.add_argument("--seeds", type=int, default=1, help="number of seeds (mean ± sd)")
+        parser.add_argument("--epsilon", type=float, default=1.0, help="per-round ε")
+        parser.add_argument("--lambda", dest="mask_strength", type=float, default=1.0)
+        parser.add_argument("--tau", type=float, default=0.85)
+        parser.add_argument("--reranker", choices=["fusion", "none", "llm"], default="fusion")
+        parser.add_argument(
+            "--summarizer",
+            choices=["probe-extractive", "centroid", "none", "llm-single-shot", "textgrad"],
+            default="probe-extractive",
+        )
+        parser.add_argument("--robust-rule", choices=["none", "krum", "trimmed-mean"], default="none")
+        parser.add_argument("--users-per-client", type=int, default=3)
+        parser.add_argument("--test-limit", type=int, default=None, help="evaluate on a sample")
+        parser.add_argument("--no-baselines", action="store_true")
+        parser.add_argument("--adversarial-fraction", type=float, default=0.0)
+        parser.add_argument("--adversarial-mode", choices=ADVERSARIAL_MODES, default="random_corruption")
+        parser.add_argument("--sweep-epsilon", default="", help="e.g. 0.5,1,2 (with --sweep-lambda)")
+        parser.add_argument("--sweep-lambda", default="", help="e.g. 0.5,1,1.5")
+        parser.add_argument("--sweep-adversarial", default="", help="fractions, e.g. 0,0.2,0.4")
+        parser.add_argument("--sweep-modes", default=",".join(ADVERSARIAL_MODES))
+        parser.add_argument("--sweep-rules", default="none,krum,trimmed-mean")
+        parser.add_argument("--embedding-model", default=None)
+        parser.add_argument("--out", default=None, help="write the JSON results here")
+        parser.add_argument("--no-store", action="store_true", help="do not keep the run for the dashboard")
+        parser.add_argument("--label", default="", help="a name for the stored run")
+
+    def handle(self, *args, **o):
+        try:
+            dataset = load_dataset(o["dataset"])
+            engine = get_engine(o["embedding_model"])
+        except (RegistryFormatError, EmbeddingModelUnavailable) as exc:
+            raise CommandError(str(exc)) from None
+        config = SimulationConfig(
+            orgs=o["orgs"],
+            clients_per_org=o["clients_per_org"],
+            rounds=o["rounds"],
+            partition=o["partition"],
+            epsilon=o["epsilon"],
+            mask_strength=o["mask_strength"],
+            tau=o["tau"],
+            summarizer=o["summarizer"],
+            robust_rule=o["robust_rule"],
+            reranker=o["reranker"],
+            users_per_client=o["users_per_client"],
+            test_limit=o["test_limit"],
+            baselines=not o["no_baselines"],
+            adversarial_fraction=o["adversarial_fraction"],
+            adversarial_mode=o["adversarial_mode"],
+        )
+        schema = Schema(tools=dataset.tools)
+        quiet = o["verbosity"] == 0
+
+        def progress(message: str) -> None:
+            if not quiet:
+                print(f"simulate: {message}", file=sys.stderr, flush=True)
+
+        def make(cfg: SimulationConfig) -> Simulation:
+            return Simulation(dataset, schema, engine, cfg, progress)
+
+        seeds = list(range(o["seed"], o["seed"] + max(1, o["seeds"])))
+        try:
+            document = run(make(config), seeds)
+            if o["sweep_epsilon"] or o["sweep_lambda"]:
+                epsilons = _floats(o["sweep_epsilon"]) or [config.epsilon]
+                lambdas = _floats(o["sweep_lambda"]) or [config.mask_strength]
+                variants = [{"epsilon": e, "mask_strength": m} for e in epsilons for m in lambdas]
+                document["privacy_sweep"] = sweep(make, config, variants, seeds)
+            if o["sweep_adversarial"]:
+                fractions = _floats(o["sweep_adversarial"])
+                modes = [m for m in o["sweep_modes"].split(",") if m]
+                unknown = set(modes) - set(ADVERSARIAL_MODES)
+                if unknown:
+                    raise CommandError(f"unknown adversarial modes: {', '.join(sorted(unknown))}")
+                rules = [r for r in o["sweep_rules"].split(",") if r]
+                variants = [
+                    {"adversarial_mode": m, "adversarial_fraction": f, "robust_rule": r}
+                    for m in modes
+                    for f in fractions
+                    for r in rules
+                ]
+                document["adversarial"] = sweep(make, config, variants, seeds)
+        except ValueError as exc:
+            raise CommandError(str(exc)) from None
+        document["command"] = "python manage.py simulate " + " ".join(sys.argv[2:])
+        self.stdout.write(table(document))
+        if o["out"]:
+            Path(o["out"]).parent.mkdir(parents=True, exist_ok=True)
+            Path(o["out"]).write_text(json.dumps(document, indent=2))
+            self.stdout.write(f"results written to {o['out']}")
+        if not o["no_store"]:
+            from federation.services import store_simulation_run
+
+            run_row = store_simulation_run(document, label=o["label"])
+            self.stdout.write(f"stored as simulation run {run_row.pk} (shown on the dashboard)")

@@ -1,0 +1,128 @@
+"""Running a simulation over several seeds and summarizing it: the JSON document the `simulate`
+command writes and the dashboard draws, and the table it prints. Pure."""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections import defaultdict
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+
+from federation.simulation.runner import Simulation, SimulationConfig
+
+
+def run(simulation: Simulation, seeds: list[int]) -> dict[str, Any]:
+    started = time.perf_counter()
+    per_seed = [simulation.run_seed(seed) for seed in seeds]
+    rows = [row for result in per_seed for row in result.rows]
+    return {
+        "dataset": simulation.dataset.name,
+        "config": dataclasses.asdict(simulation.config),
+        "seeds": seeds,
+        "results": rows,
+        "summary": summarize(rows),
+        "per_category": per_seed[-1].per_category if per_seed else {},
+        "communication": _mean_dicts([r.communication for r in per_seed]),
+        "privacy": _mean_dicts([r.privacy for r in per_seed]),
+        "rounds": [r.rounds for r in per_seed],
+        "seconds": round(time.perf_counter() - started, 1),
+    }
+
+
+def _mean_dicts(items: list[dict[str, float]]) -> dict[str, float]:
+    keys = sorted({k for item in items for k in item})
+    return {k: round(float(np.mean([item[k] for item in items if k in item])), 4) for k in keys}
+
+
+def summarize(rows: list[dict]) -> list[dict]:
+    """Mean and standard deviation over seeds, per (method, round)."""
+    groups: dict[tuple, list[dict]] = defaultdict(list)
+    for row in rows:
+        groups[(row["method"], row["round"])].append(row)
+    out = []
+    for (method, round_), group in groups.items():
+        acc = [r["accuracy"] for r in group]
+        macro = [r["macro_accuracy"] for r in group]
+        out.append(
+            {
+                "method": method,
+                "round": round_,
+                "seeds": len(group),
+                "accuracy_mean": round(float(np.mean(acc)), 4),
+                "accuracy_sd": round(float(np.std(acc, ddof=1)) if len(acc) > 1 else 0.0, 4),
+                "macro_accuracy_mean": round(float(np.mean(macro)), 4),
+            }
+        )
+    order = {m: i for i, m in enumerate(_method_order())}
+    out.sort(key=lambda r: (order.get(r["method"], 99), r["round"] or 0))
+    return out
+
+
+def _method_order() -> list[str]:
+    from federation.simulation.runner import METHODS
+
+    return list(METHODS)
+
+
+def sweep(
+    make: Callable[[SimulationConfig], Simulation],
+    base: SimulationConfig,
+    variants: list[dict[str, Any]],
+    seeds: list[int],
+) -> list[dict[str, Any]]:
+    """Run SYNAPSE alone (no baselines) under each variant of the configuration; one row per
+    variant with final-round accuracy (mean over seeds) and the privacy figures."""
+    rows = []
+    for changes in variants:
+        config = dataclasses.replace(base, baselines=False, **changes)
+        simulation = make(config)
+        results = [simulation.run_seed(seed) for seed in seeds]
+        last = [r.rows[-1]["accuracy"] for r in results]
+        privacy = _mean_dicts([r.privacy for r in results])
+        rows.append(
+            {
+                **changes,
+                "seeds": len(seeds),
+                "accuracy": round(float(np.mean(last)), 4),
+                "accuracy_sd": round(float(np.std(last, ddof=1)) if len(last) > 1 else 0.0, 4),
+                **privacy,
+            }
+        )
+    return rows
+
+
+def final_accuracy(summary: list[dict], method: str) -> float | None:
+    """The method's accuracy at its last round (or its only figure)."""
+    rows = [r for r in summary if r["method"] == method]
+    if not rows:
+        return None
+    return max(rows, key=lambda r: r["round"] or 0)["accuracy_mean"]
+
+
+def table(document: dict[str, Any]) -> str:
+    lines = [
+        f"{'method':<18} {'round':>5} {'accuracy':>16} {'macro':>7}",
+        "-" * 50,
+    ]
+    for row in document["summary"]:
+        spread = f"{row['accuracy_mean']:.3f} ± {row['accuracy_sd']:.3f}"
+        lines.append(
+            f"{row['method']:<18} {row['round'] if row['round'] is not None else '-':>5} "
+            f"{spread:>16} {row['macro_accuracy_mean']:>7.3f}"
+        )
+    comm = document.get("communication", {})
+    if comm:
+        lines.append(
+            f"bytes per client per round: {comm.get('bytes_per_client_round', 0):.0f} raw, "
+            f"{comm.get('gzip_bytes_per_client_round', 0):.0f} gzip"
+        )
+    privacy = document.get("privacy", {})
+    if privacy:
+        lines.append(
+            "membership-inference AUROC {membership_auroc:.3f}, token overlap {token_overlap:.3f}, "
+            "clients under 0.10 overlap {share_clients_overlap_below_0_10:.0%}".format(**privacy)
+        )
+    return "\n".join(lines)

@@ -1,0 +1,505 @@
+"""A simulated federation on a labelled routing dataset, through the real components.
+
+Clients turn their share of the train queries into usage logs and build their compendiums with
+the client toolkit (`compendium.builder`: masking, clipping, collapse); each organization's edge
+merges its clients with `federation.merge.edge_merge`; the server merges the edges with
+`server_merge`; queries are routed with `routing.router.Router`. These are the functions the
+server pipeline and the client toolkit run; here they run in memory, so that many seeds, sweeps
+and baselines finish in minutes and nothing touches a live federation's data.
+
+Pure: no Django.
+"""
+
+from __future__ import annotations
+
+import gzip
+import random
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from compendium.builder import BuildOptions, build_compendium
+from compendium.canonical import canonical_bytes
+from compendium.registry import LabelledQuery, RoutingDataset
+from compendium.schema import Compendium, Scenario, Schema
+from compendium.usage_log import parse_record
+from federation.merge import edge_merge, server_merge
+from federation.merge.summarize import ProbeSet
+from federation.merge.types import ConflictEntry, MergeInput
+from federation.round_config import RoundConfig
+from federation.simulation.data import (
+    ClientShare,
+    confusable_tools,
+    partition_train,
+    split_dataset,
+    usage_log,
+)
+from federation.simulation.metrics import (
+    accuracy_report,
+    auroc,
+    membership_scores,
+    tokens,
+)
+from routing.router import Router, fit_params
+
+METHODS = (
+    "synapse",
+    "centralized",
+    "local_only",
+    "description_only",
+    "bm25",
+    "unstructured_pool",
+    "fed_icl",
+    "static_global",
+    "reranker_bypass",
+)
+
+
+@dataclass
+class SimulationConfig:
+    orgs: int = 5
+    clients_per_org: int = 4
+    rounds: int = 3
+    partition: str = "category"
+    epsilon: float = 1.0
+    mask_strength: float = 1.0
+    tau: float = 0.85
+    summarizer: str = "probe-extractive"
+    robust_rule: str = "none"
+    reranker: str = "fusion"
+    users_per_client: int = 3
+    error_rate: float = 0.15
+    probe_fraction: float = 0.1
+    test_fraction: float = 0.4
+    test_limit: int | None = None
+    fed_icl_exemplars: int = 8
+    membership_samples: int = 40
+    baselines: bool = True
+    adversarial_fraction: float = 0.0
+    adversarial_mode: str = "random_corruption"
+
+
+@dataclass
+class RoundOutcome:
+    round: int
+    global_compendium: Compendium
+    client_compendiums: dict[str, Compendium]
+    bytes_raw: list[int]
+    bytes_gzip: list[int]
+    merge_stats: dict[str, Any]
+
+
+@dataclass
+class SeedResult:
+    seed: int
+    rows: list[dict] = field(default_factory=list)
+    per_category: dict[str, dict] = field(default_factory=dict)
+    communication: dict[str, float] = field(default_factory=dict)
+    privacy: dict[str, float] = field(default_factory=dict)
+    rounds: list[dict] = field(default_factory=list)
+
+
+Progress = Callable[[str], None]
+
+
+def _records(lines: Sequence[dict], tool_ids: frozenset[str]):
+    return [parse_record(line, number, tool_ids) for number, line in enumerate(lines, start=1)]
+
+
+def _slices(items: list, parts: int) -> list[list]:
+    """Cut a client's experience into `parts` consecutive periods (one per round)."""
+    size = len(items)
+    return [items[(i * size) // parts : ((i + 1) * size) // parts] for i in range(parts)]
+
+
+class Simulation:
+    """One dataset, one engine; `run_seed` plays a whole federation for one seed."""
+
+    def __init__(
+        self,
+        dataset: RoutingDataset,
+        schema: Schema,
+        engine,
+        config: SimulationConfig,
+        progress: Progress | None = None,
+    ):
+        self.dataset = dataset
+        self.schema = schema
+        self.engine = engine
+        self.config = config
+        self.progress = progress or (lambda message: None)
+        self.tool_ids = frozenset(schema.tool_ids)
+        self.category_of = {t.tool_id: t.category for t in dataset.tools}
+
+    # --- building blocks ---------------------------------------------------------------------
+
+    def _round_config(self, seed: int) -> RoundConfig:
+        c = self.config
+        return RoundConfig(
+            tau=c.tau,
+            epsilon=c.epsilon,
+            mask_strength=c.mask_strength,
+            summarizer=c.summarizer,
+            robust_rule=c.robust_rule,
+            seed=seed,
+        )
+
+    def build_client(self, lines: Sequence[dict], seed: int, strength: float | None = None) -> Compendium:
+        options = BuildOptions(
+            strength=self.config.mask_strength if strength is None else strength,
+            seed=seed,
+            tau=self.config.tau,
+        )
+        compendium, _ = build_compendium(
+            _records(lines, self.tool_ids), self.schema, options, embedder=self.engine
+        )
+        return compendium
+
+    def router(self, compendium: Compendium, probe: Sequence[LabelledQuery], reranker: str | None = None) -> Router:
+        """A router over `compendium` with fusion weights and calibration fitted on the public
+        probe split (never on test data)."""
+        base = Router(compendium, self.engine, "fusion")
+        pairs = [(q.query, q.tool_id) for q in probe]
+        params = fit_params(base, pairs, fitted_on="simulation probe split")
+        return base.with_reranker(reranker or self.config.reranker, params=params)
+
+    def evaluate(self, router: Router, test: Sequence[LabelledQuery]):
+        decisions = router.route_batch([q.query for q in test])
+        return accuracy_report(
+            [d.tool or "" for d in decisions],
+            [q.tool_id for q in test],
+            [q.category or self.category_of.get(q.tool_id, "") for q in test],
+        )
+
+    def _probe_set(self, probe: Sequence[LabelledQuery]) -> ProbeSet:
+        texts = [q.query for q in probe]
+        return ProbeSet(texts, [q.tool_id for q in probe], self.engine.embed(texts))
+
+    def federate(
+        self,
+        shares: Sequence[ClientShare],
+        logs: dict[str, list[dict]],
+        probe: Sequence[LabelledQuery],
+        seed: int,
+        adversaries: set[str] | None = None,
+    ) -> list[RoundOutcome]:
+        """Rounds of client builds, edge merges and the server merge."""
+        config = self._round_config(seed)
+        probe_set = self._probe_set(probe)
+        periods = {client: _slices(lines, self.config.rounds) for client, lines in logs.items()}
+        conflicts: dict[str, list[ConflictEntry]] = {}
+        outcomes = []
+        for r in range(1, self.config.rounds + 1):
+            self.progress(f"seed {seed}: round {r}/{self.config.rounds}: clients build")
+            clients: dict[str, Compendium] = {}
+            for share in shares:
+                experience = [line for period in periods[share.client][:r] for line in period]
+                if not experience:
+                    continue
+                compendium = self.build_client(experience, seed)
+                if adversaries and share.client in adversaries:
+                    compendium = corrupt(compendium, self.config.adversarial_mode, self.schema, seed)
+                clients[share.client] = compendium
+            self.progress(f"seed {seed}: round {r}: edge and server merges")
+            edges = []
+            stats = {}
+            for org in sorted({s.organization for s in shares}):
+                inputs = [
+                    MergeInput(s.client, clients[s.client])
+                    for s in shares
+                    if s.organization == org and s.client in clients
+                ]
+                if not inputs:
+                    continue
+                result = edge_merge(
+                    inputs,
+                    self.schema,
+                    config,
+                    conflicts.get(org, ()),
+                    embed=self.engine.embed,
+                    probe_set=probe_set,
+                    seed=np.random.SeedSequence([seed, r, len(edges)]),
+                )
+                conflicts[org] = result.conflicts
+                edges.append(MergeInput(org, result.compendium))
+                stats[org] = result.stats.as_dict()
+            merged = server_merge(edges, self.schema, config, embed=self.engine.embed, probe_set=probe_set)
+            stats["server"] = merged.stats.as_dict()
+            raw = [len(canonical_bytes(c)) for c in clients.values()]
+            outcomes.append(
+                RoundOutcome(
+                    round=r,
+                    global_compendium=merged.compendium,
+                    client_compendiums=clients,
+                    bytes_raw=raw,
+                    bytes_gzip=[len(gzip.compress(canonical_bytes(c), 9, mtime=0)) for c in clients.values()],
+                    merge_stats=stats,
+                )
+            )
+        return outcomes
+
+    # --- one seed ----------------------------------------------------------------------------
+
+    def run_seed(self, seed: int) -> SeedResult:
+        c = self.config
+        split = split_dataset(
+            self.dataset, seed=seed, probe_fraction=c.probe_fraction, test_fraction=c.test_fraction
+        )
+        test = split.test
+        if c.test_limit and len(test) > c.test_limit:
+            test = random.Random(seed).sample(test, c.test_limit)
+        shares = partition_train(
+            split.train, self.dataset.tools, orgs=c.orgs, clients_per_org=c.clients_per_org,
+            mode=c.partition, seed=seed,
+        )
+        confusions = confusable_tools(self.dataset.tools, seed)
+        logs = {
+            s.client: usage_log(
+                s, confusions, seed=seed, users=c.users_per_client, error_rate=c.error_rate
+            )
+            for s in shares
+        }
+        adversaries = None
+        if c.adversarial_fraction > 0:
+            count = round(len(shares) * c.adversarial_fraction)
+            adversaries = set(random.Random(seed).sample([s.client for s in shares], count))
+
+        result = SeedResult(seed)
+        outcomes = self.federate(shares, logs, split.probe, seed, adversaries)
+        final = outcomes[-1]
+        self.progress(f"seed {seed}: evaluating")
+        for outcome in outcomes:
+            router = self.router(outcome.global_compendium, split.probe)
+            report = self.evaluate(router, test)
+            result.rows.append(_row("synapse", outcome.round, seed, report))
+            result.rounds.append(
+                {
+                    "round": outcome.round,
+                    "global_scenarios": len(outcome.global_compendium.scenarios),
+                    "global_size_bytes": len(canonical_bytes(outcome.global_compendium)),
+                    "merge": outcome.merge_stats,
+                }
+            )
+            if outcome is final:
+                result.per_category = report.per_category
+            if c.baselines:
+                bypass = self.evaluate(router.with_reranker("none"), test)
+                result.rows.append(_row("reranker_bypass", outcome.round, seed, bypass))
+                static = self.router(outcomes[0].global_compendium, split.probe)
+                result.rows.append(
+                    _row("static_global", outcome.round, seed, self.evaluate(static, test))
+                )
+        result.communication = {
+            "bytes_per_client_round": float(np.mean([b for o in outcomes for b in o.bytes_raw])),
+            "gzip_bytes_per_client_round": float(
+                np.mean([b for o in outcomes for b in o.bytes_gzip])
+            ),
+        }
+        result.privacy = self.membership_attack(shares, final.client_compendiums, split.test, seed)
+        if c.baselines:
+            self.progress(f"seed {seed}: baselines")
+            for method, report in self.baselines(shares, logs, final, split, test, seed).items():
+                result.rows.append(_row(method, None, seed, report))
+        return result
+
+    # --- baselines ---------------------------------------------------------------------------
+
+    def baselines(self, shares, logs, final: RoundOutcome, split, test, seed) -> dict[str, Any]:
+        out = {}
+        every_line = [line for s in shares for line in logs[s.client]]
+        central = self.build_client(every_line, seed)
+        central_global = server_merge(
+            [MergeInput("centralized", central)],
+            self.schema,
+            self._round_config(seed),
+            embed=self.engine.embed,
+            probe_set=self._probe_set(split.probe),
+        ).compendium
+        out["centralized"] = self.evaluate(self.router(central_global, split.probe), test)
+
+        local = [
+            self.evaluate(self.router(compendium, split.probe), test)
+            for compendium in final.client_compendiums.values()
+            if compendium.scenarios
+        ]
+        out["local_only"] = _mean_report(local)
+
+        descriptions = Compendium(
+            scenarios=[Scenario(tool_id=t.tool_id, text=t.description) for t in self.dataset.tools]
+        )
+        out["description_only"] = self.evaluate(Router(descriptions, self.engine, "none"), test)
+        out["bm25"] = self.bm25(final.global_compendium, test)
+        pool = Compendium(
+            scenarios=_unique_scenarios(
+                s for c in final.client_compendiums.values() for s in c.scenarios
+            )
+        )
+        out["unstructured_pool"] = self.evaluate(Router(pool, self.engine, "none"), test)
+        rng = random.Random(seed)
+        exemplars = []
+        for share in shares:
+            successes = [q for q in share.queries]
+            for q in rng.sample(successes, min(self.config.fed_icl_exemplars, len(successes))):
+                exemplars.append(Scenario(tool_id=q.tool_id, text=q.query))
+        icl = Compendium(scenarios=_unique_scenarios(exemplars))
+        out["fed_icl"] = self.evaluate(Router(icl, self.engine, "none"), test)
+        return out
+
+    def bm25(self, compendium: Compendium, test: Sequence[LabelledQuery]):
+        from rank_bm25 import BM25Okapi
+
+        from routing.router import tokenize
+
+        texts = [s.text for s in compendium.scenarios]
+        tools = [s.tool_id for s in compendium.scenarios]
+        index = BM25Okapi([tokenize(t) or ["_"] for t in texts], k1=1.5, b=0.75)
+        predicted = []
+        for q in test:
+            scores = index.get_scores(tokenize(q.query) or ["_"])
+            predicted.append(tools[int(np.argmax(scores))] if len(scores) else "")
+        return accuracy_report(
+            predicted,
+            [q.tool_id for q in test],
+            [q.category or self.category_of.get(q.tool_id, "") for q in test],
+        )
+
+    # --- privacy -----------------------------------------------------------------------------
+
+    def membership_attack(self, shares, released: dict[str, Compendium], held_out, seed) -> dict:
+        """An adversary who sees only what a client submitted tries to tell whether a query was in
+        that client's log: score = highest cosine similarity of the query to any submitted text.
+        Members: queries of the client's log; non-members: held-out queries of the same tools."""
+        rng = random.Random(f"mia|{seed}")
+        by_tool: dict[str, list[LabelledQuery]] = {}
+        for q in held_out:
+            by_tool.setdefault(q.tool_id, []).append(q)
+        member_scores: list[float] = []
+        nonmember_scores: list[float] = []
+        overlaps = []
+        for share in shares:
+            compendium = released.get(share.client)
+            if compendium is None or not share.queries:
+                continue
+            texts = [s.text for s in compendium.scenarios] + [p.text for p in compendium.precautions]
+            vectors = self.engine.embed(texts) if texts else np.zeros((0, self.engine.dimension))
+            members = rng.sample(share.queries, min(self.config.membership_samples, len(share.queries)))
+            nonmembers = [
+                rng.choice(by_tool[q.tool_id]) for q in members if by_tool.get(q.tool_id)
+            ]
+            if not nonmembers:
+                continue
+            member_scores += membership_scores(self.engine.embed([q.query for q in members]), vectors).tolist()
+            nonmember_scores += membership_scores(
+                self.engine.embed([q.query for q in nonmembers]), vectors
+            ).tolist()
+            token_sets = [tokens(t) for t in texts]
+            overlaps.append(
+                float(np.mean([_best_overlap(q.query, texts, token_sets) for q in members]))
+            )
+        return {
+            "membership_auroc": auroc(member_scores, nonmember_scores) if member_scores else 0.5,
+            "token_overlap": float(np.mean(overlaps)) if overlaps else 0.0,
+            "share_clients_overlap_below_0_10": float(np.mean([o < 0.10 for o in overlaps]))
+            if overlaps
+            else 0.0,
+        }
+
+
+def _best_overlap(query: str, texts: list[str], token_sets: list[set[str]]) -> float:
+    original = tokens(query)
+    if not original:
+        return 0.0
+    return max((len(original & t) / len(original) for t in token_sets), default=0.0)
+
+
+def _unique_scenarios(scenarios) -> list[Scenario]:
+    seen: set[tuple[str, str]] = set()
+    out = []
+    for s in scenarios:
+        key = (s.tool_id, s.text)
+        if key not in seen:
+            seen.add(key)
+            out.append(Scenario(tool_id=s.tool_id, text=s.text))
+    return out
+
+
+def _row(method: str, round_: int | None, seed: int, report) -> dict:
+    return {
+        "method": method,
+        "round": round_,
+        "seed": seed,
+        "accuracy": round(report.accuracy, 4),
+        "macro_accuracy": round(report.macro_accuracy, 4),
+    }
+
+
+@dataclass
+class _MeanReport:
+    accuracy: float
+    macro_accuracy: float
+
+
+def _mean_report(reports) -> _MeanReport:
+    if not reports:
+        return _MeanReport(0.0, 0.0)
+    return _MeanReport(
+        float(np.mean([r.accuracy for r in reports])),
+        float(np.mean([r.macro_accuracy for r in reports])),
+    )
+
+
+# --- adversarial clients ---------------------------------------------------------------------
+
+ADVERSARIAL_MODES = (
+    "cross_source",
+    "random_corruption",
+    "tool_confusion",
+    "schema_valid_poisoning",
+    "coordinated_targeting",
+)
+
+
+def corrupt(compendium: Compendium, mode: str, schema: Schema, seed: int) -> Compendium:
+    """What an adversarial client submits instead of its honest compendium (schema-valid: the
+    schema check alone cannot stop it)."""
+    rng = random.Random(f"adv|{mode}|{seed}")
+    tools = sorted(schema.tool_ids)
+    scenarios = list(compendium.scenarios)
+    if mode == "random_corruption":
+        words = [w for s in scenarios for w in s.text.split()] or ["noise"]
+        scenarios = [
+            s.model_copy(update={"text": " ".join(rng.choice(words) for _ in range(8))})
+            for s in scenarios
+        ]
+    elif mode in ("tool_confusion", "schema_valid_poisoning"):
+        # Real scenarios, wrong parent tools: the text says one thing, the label another.
+        scenarios = [s.model_copy(update={"tool_id": rng.choice(tools)}) for s in scenarios]
+        if mode == "schema_valid_poisoning":
+            scenarios = [s.model_copy(update={"support": 50}) for s in scenarios]
+    elif mode == "cross_source":
+        # Scenarios copied from another tool's description: contamination across sources.
+        by_id = schema.tools_by_id
+        scenarios = [
+            s.model_copy(update={"text": by_id[rng.choice(tools)].description[:200]}) for s in scenarios
+        ]
+    elif mode == "coordinated_targeting":
+        # Every adversary pushes the same target tool for every scenario it has.
+        target = tools[seed % len(tools)]
+        scenarios = [s.model_copy(update={"tool_id": target, "support": 20}) for s in scenarios]
+    else:
+        raise ValueError(f"unknown adversarial mode {mode!r}: {', '.join(ADVERSARIAL_MODES)}")
+    scenarios = _dedupe(scenarios)
+    return compendium.model_copy(update={"scenarios": scenarios})
+
+
+def _dedupe(scenarios: list[Scenario]) -> list[Scenario]:
+    seen = set()
+    out = []
+    for s in scenarios:
+        key = (s.tool_id, s.text, tuple(sorted(s.preconditions.items())))
+        if key not in seen and s.text.strip():
+            seen.add(key)
+            out.append(s)
+    return out
