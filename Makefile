@@ -20,7 +20,12 @@ $(VENV)/.installed: pyproject.toml
 demo: install
 	$(PY) manage.py migrate --noinput
 	$(PY) manage.py collectstatic --noinput -v 0
-	$(PY) manage.py bootstrap_demo --dataset $(DATASET) --url http://$(HOST):$(PORT)/
+	$(PY) manage.py bootstrap_demo --dataset $(DATASET) --url http://$(HOST):$(PORT)/ > .data/demo-logins.txt
+	$(PY) manage.py demo_rounds --dataset $(DATASET) --rounds 3
+	$(PY) manage.py simulate --dataset $(DATASET) --orgs 3 --clients-per-org 2 --rounds 3 \
+		--queries-per-client 150 --test-limit 800 --sweep-epsilon 0.5,2 --sweep-lambda 0,1.5 \
+		--label "demo: MetaTool, 3 orgs x 2 clients" --unless-stored
+	@cat .data/demo-logins.txt
 	$(PY) -m gunicorn synapse_web.wsgi:application --bind $(HOST):$(PORT) --workers 2 --threads 4 --access-logfile -
 
 test: install

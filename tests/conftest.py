@@ -44,3 +44,15 @@ def valid_doc() -> dict:
 
 # Federation fixtures (two organizations with people of every role): tests/federation_fixtures.py
 from tests.federation_fixtures import _fresh_settings_cache, registry, world  # noqa: E402, F401
+
+
+@pytest.fixture
+def without_merge_pipeline():
+    """Closing a round normally starts the merge pipeline; state-machine tests look at the round
+    as the signal leaves it, so they take the pipeline's receiver off for their duration."""
+    from federation.signals import round_closed
+    from workers.receivers import start_pipeline_on_close
+
+    round_closed.disconnect(dispatch_uid="synapse.start_round_pipeline")
+    yield
+    round_closed.connect(start_pipeline_on_close, dispatch_uid="synapse.start_round_pipeline")

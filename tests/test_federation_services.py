@@ -198,7 +198,7 @@ def test_privacy_budget_caps_rounds(world):
 
 
 def test_round_closed_signal_is_sent_after_commit_on_close_and_retry(
-    world, django_capture_on_commit_callbacks
+    world, django_capture_on_commit_callbacks, without_merge_pipeline
 ):
     received = []
 

@@ -89,6 +89,17 @@ def _database_url() -> str:
     return f"postgres://{s['USER']}:{quote(s['PASSWORD'] or '')}@{host}{port}/{s['NAME']}"
 
 
+def _reset_connections(app) -> None:
+    """Celery caches its result backend and producer pool on first use; rebuild both from the
+    current configuration."""
+    app._backend_cache = None
+    app._local.__dict__.pop("backend", None)
+    if app._pool is not None:
+        app._pool.force_close_all()
+        app._pool = None
+    app.amqp._producer_pool = None
+
+
 @pytest.fixture
 def worker(transactional_db):
     from synapse_web.celery import app
@@ -98,6 +109,7 @@ def worker(transactional_db):
              ("broker_url", "result_backend", "task_always_eager", "task_default_queue")}
     app.conf.update(broker_url=BROKER, result_backend=BROKER, task_always_eager=False,
                     task_default_queue=queue_name)
+    _reset_connections(app)  # earlier eager tests in this process may have built memory ones
     running = Worker(queue_name, _database_url())
     try:
         running.wait_for("ready.", timeout=180)
@@ -106,6 +118,7 @@ def worker(transactional_db):
         running.stop()
         print("".join(running.log[-200:]))  # shown by pytest when a test fails
         app.conf.update(saved)
+        _reset_connections(app)
 
 
 def _close_round(round_: Round) -> dict:

@@ -90,3 +90,25 @@ def test_tiny_simulation_end_to_end(tiny_dataset, tmp_path):
     assert len(document["privacy_sweep"]) == 2 and len(document["adversarial"]) == 2
     stored = SimulationRun.objects.get(label="tiny")
     assert stored.document["summary"] == document["summary"]
+
+
+@pytest.mark.django_db(transaction=True)
+def test_demo_rounds_publish_through_the_real_pipeline(tiny_dataset):
+    from compendium.models import CompendiumVersion
+    from federation.models import Round
+    from federation.services import bootstrap_demo_federation
+
+    call_command("import_tools", str(tiny_dataset), verbosity=0)
+    bootstrap_demo_federation()
+    call_command("demo_rounds", "--dataset", str(tiny_dataset), "--rounds", "2",
+                 "--queries-per-client", "30")
+    published = Round.objects.filter(state="published").order_by("number")
+    assert [r.number for r in published] == [1, 2]
+    assert Round.objects.filter(state="open").count() == 1
+    for rnd in published:
+        assert CompendiumVersion.objects.filter(kind="client", round=rnd).count() == 6
+        glob = CompendiumVersion.objects.get(kind="global", round=rnd)
+        assert glob.entry_counts["scenarios"] > 0
+    # Restarting the demo spends no more budget.
+    call_command("demo_rounds", "--dataset", str(tiny_dataset), "--rounds", "2")
+    assert Round.objects.filter(state="published").count() == 2

@@ -88,7 +88,9 @@ def test_duplicated_keys_from_many_threads_store_exactly_one_row_per_key(world, 
     )
 
 
-def test_close_during_submissions_never_stores_into_a_closing_round(world, valid_doc):
+def test_close_during_submissions_never_stores_into_a_closing_round(
+    world, valid_doc, without_merge_pipeline
+):
     rnd = services.open_round(SYSTEM)
     barrier = threading.Barrier(9)
 

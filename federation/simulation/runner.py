@@ -74,6 +74,7 @@ class SimulationConfig:
     probe_fraction: float = 0.1
     test_fraction: float = 0.4
     test_limit: int | None = None
+    queries_per_client: int | None = None  # cap each client's share (quick runs, the demo)
     fed_icl_exemplars: int = 8
     membership_samples: int = 40
     baselines: bool = True
@@ -254,6 +255,9 @@ class Simulation:
             split.train, self.dataset.tools, orgs=c.orgs, clients_per_org=c.clients_per_org,
             mode=c.partition, seed=seed,
         )
+        if c.queries_per_client:
+            for share in shares:
+                share.queries = share.queries[: c.queries_per_client]
         confusions = confusable_tools(self.dataset.tools, seed)
         logs = {
             s.client: usage_log(

@@ -44,6 +44,12 @@ class Command(BaseCommand):
         parser.add_argument("--robust-rule", choices=["none", "krum", "trimmed-mean"], default="none")
         parser.add_argument("--users-per-client", type=int, default=3)
         parser.add_argument("--test-limit", type=int, default=None, help="evaluate on a sample")
+        parser.add_argument(
+            "--queries-per-client", type=int, default=None, help="cap each client's train share"
+        )
+        parser.add_argument(
+            "--unless-stored", action="store_true", help="do nothing if a run is stored already"
+        )
         parser.add_argument("--no-baselines", action="store_true")
         parser.add_argument("--adversarial-fraction", type=float, default=0.0)
         parser.add_argument("--adversarial-mode", choices=ADVERSARIAL_MODES, default="random_corruption")
@@ -58,6 +64,12 @@ class Command(BaseCommand):
         parser.add_argument("--label", default="", help="a name for the stored run")
 
     def handle(self, *args, **o):
+        if o["unless_stored"]:
+            from federation.models import SimulationRun
+
+            if SimulationRun.objects.exists():
+                self.stdout.write("a simulation run is stored already; nothing to do")
+                return
         try:
             dataset = load_dataset(o["dataset"])
             engine = get_engine(o["embedding_model"])
@@ -76,6 +88,7 @@ class Command(BaseCommand):
             reranker=o["reranker"],
             users_per_client=o["users_per_client"],
             test_limit=o["test_limit"],
+            queries_per_client=o["queries_per_client"],
             baselines=not o["no_baselines"],
             adversarial_fraction=o["adversarial_fraction"],
             adversarial_mode=o["adversarial_mode"],

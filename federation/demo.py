@@ -1,0 +1,100 @@
+"""Live demo rounds: the demo federation's clients build, submit and merge real compendiums.
+
+Each demo client gets a share of a routing-benchmark dataset's queries (category partition: each
+organization specializes), turns it into a usage log, builds its compendium with the client
+toolkit, and submits it through the very submission service the REST API uses; the operator's
+close of each round runs the real merge pipeline (eager Celery without a broker). A new user
+therefore lands on a federation with published rounds, ledger rows and conflicts to look at.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from compendium.builder import BuildOptions, build_compendium
+from compendium.canonical import canonical_form
+from compendium.registry import load_dataset
+from compendium.services import current_schema
+from compendium.usage_log import parse_record
+from federation import submissions
+from federation.models import Client, Round
+from federation.pipeline import import_probe_set
+from federation.round_config import RoundConfig
+from federation.services import DEMO_ORGANIZATIONS, Actor, close_round, current_round, open_round
+from federation.simulation.data import confusable_tools, partition_train, split_dataset, usage_log
+from routing.embeddings import get_engine
+
+
+class DemoError(RuntimeError):
+    """A demo round could not be published; says which and why."""
+
+
+@dataclass(frozen=True)
+class DemoReport:
+    rounds_published: list[int]
+    submissions: int
+    skipped: bool
+
+
+def run_demo_rounds(
+    dataset_path: str,
+    *,
+    rounds: int = 3,
+    queries_per_client: int = 120,
+    seed: int = 0,
+    progress: Callable[[str], None] = lambda message: None,
+) -> DemoReport:
+    """Play `rounds` rounds with the demo clients, unless that many rounds are published already
+    (so restarting the demo does not spend more privacy budget). Leaves a round open."""
+    if Round.objects.filter(state=Round.State.PUBLISHED).count() >= rounds:
+        return DemoReport([], 0, skipped=True)
+    system = Actor(None, label="demo")
+    dataset = load_dataset(dataset_path)
+    schema = current_schema()
+    slugs = [slug for _, slug, _ in DEMO_ORGANIZATIONS]
+    per_org = max(len(names) for _, _, names in DEMO_ORGANIZATIONS)
+    clients = {
+        (c.organization.slug, c.name): c
+        for c in Client.objects.select_related("organization").filter(
+            organization__slug__in=slugs, status=Client.Status.APPROVED
+        )
+    }
+    split = split_dataset(dataset, seed=seed)
+    shares = partition_train(
+        split.train, dataset.tools, orgs=len(slugs), clients_per_org=per_org, mode="category", seed=seed
+    )
+    confusions = confusable_tools(dataset.tools, seed)
+    logs = {}
+    for share in shares:
+        org_index = int(share.organization.split("-")[1]) - 1
+        client_index = int(share.client.rsplit("-", 1)[1]) - 1
+        _, slug, names = DEMO_ORGANIZATIONS[org_index]
+        client = clients.get((slug, names[client_index])) if client_index < len(names) else None
+        if client is None:
+            continue
+        share.queries = share.queries[:queries_per_client]
+        logs[client] = usage_log(share, confusions, seed=seed)
+    import_probe_set(dataset_path, per_tool=3, seed=seed)
+
+    published, sent = [], 0
+    for period in range(1, rounds + 1):
+        rnd = current_round() or open_round(system, RoundConfig(seed=seed))
+        progress(f"demo round {rnd.number}: {len(logs)} clients build and submit")
+        for client, lines in logs.items():
+            experience = lines[: len(lines) * period // rounds]
+            records = [parse_record(line, n, schema.tool_ids) for n, line in enumerate(experience, 1)]
+            compendium, _ = build_compendium(
+                records, schema, BuildOptions(strength=1.0, seed=seed), embedder=get_engine()
+            )
+            form = canonical_form(compendium)
+            submissions.submit(client, form.data, f"demo-r{rnd.number}-{form.sha256[:32]}")
+            sent += 1
+        progress(f"demo round {rnd.number}: closing; edges and the server merge")
+        close_round(system, rnd)
+        rnd.refresh_from_db()
+        if rnd.state != Round.State.PUBLISHED:
+            raise DemoError(f"demo round {rnd.number} ended {rnd.state}: {rnd.failure_reason}")
+        published.append(rnd.number)
+    open_round(system, RoundConfig(seed=seed))
+    return DemoReport(published, sent, skipped=False)

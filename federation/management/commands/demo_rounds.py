@@ -1,0 +1,39 @@
+import sys
+
+from django.core.management.base import BaseCommand, CommandError
+
+from compendium.registry import RegistryFormatError
+from federation.demo import DemoError, run_demo_rounds
+
+
+class Command(BaseCommand):
+    help = (
+        "Play live demo rounds: the demo federation's clients build and submit real compendiums, "
+        "the merge pipeline publishes them (skipped when enough rounds are already published)."
+    )
+
+    def add_arguments(self, parser):
+        parser.add_argument("--dataset", required=True)
+        parser.add_argument("--rounds", type=int, default=3)
+        parser.add_argument("--queries-per-client", type=int, default=120)
+        parser.add_argument("--seed", type=int, default=0)
+
+    def handle(self, *args, dataset, rounds, queries_per_client, seed, **options):
+        def progress(message: str) -> None:
+            print(f"demo: {message}", file=sys.stderr, flush=True)
+
+        try:
+            report = run_demo_rounds(
+                dataset, rounds=rounds, queries_per_client=queries_per_client, seed=seed,
+                progress=progress,
+            )
+        except (DemoError, RegistryFormatError) as exc:
+            raise CommandError(str(exc)) from None
+        if report.skipped:
+            self.stdout.write(f"demo rounds: {rounds} rounds are already published; nothing to do")
+        else:
+            published = ", ".join(map(str, report.rounds_published))
+            self.stdout.write(
+                f"demo rounds: published rounds {published} from {report.submissions} submissions; "
+                "a new round is open"
+            )
