@@ -98,6 +98,11 @@ def worker(transactional_db):
              ("broker_url", "result_backend", "task_always_eager", "task_default_queue")}
     app.conf.update(broker_url=BROKER, result_backend=BROKER, task_always_eager=False,
                     task_default_queue=queue_name)
+    # Earlier (eager) tests may have built the in-memory backend and broker pools: start fresh.
+    cached = (app._backend_cache, getattr(app._local, "backend", None), app._pool,
+              app.amqp._producer_pool)
+    app._backend_cache, app._local.backend, app._pool, app.amqp._producer_pool = (
+        None, None, None, None)
     running = Worker(queue_name, _database_url())
     try:
         running.wait_for("ready.", timeout=180)
@@ -106,6 +111,7 @@ def worker(transactional_db):
         running.stop()
         print("".join(running.log[-200:]))  # shown by pytest when a test fails
         app.conf.update(saved)
+        app._backend_cache, app._local.backend, app._pool, app.amqp._producer_pool = cached
 
 
 def _close_round(round_: Round) -> dict:
