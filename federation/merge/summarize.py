@@ -19,6 +19,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import tempfile
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
@@ -265,6 +266,12 @@ def _textgrad_engine(llm: OpenAICompatibleLLM):
     replayed through the endpoint, not through a local cache). Imported lazily: textgrad pulls in
     litellm, which would otherwise try to fetch a price list at import time."""
     os.environ.setdefault("LITELLM_LOCAL_MODEL_COST_MAP", "True")
+    # textgrad logs every prompt to ./logs/ on import; keep (masked) client text out of the
+    # working directory.
+    os.environ.setdefault(
+        "TEXTGRAD_LOG_DIR", os.path.join(tempfile.gettempdir(), "synapse-textgrad-logs")
+    )
+    os.makedirs(os.environ["TEXTGRAD_LOG_DIR"], exist_ok=True)
     from textgrad.engine import EngineLM
 
     class Engine(EngineLM):
