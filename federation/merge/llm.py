@@ -4,47 +4,25 @@ API), used for the consistency probe, single-shot summaries and TextGrad. Pure: 
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass, field
+
+from routing import llm as routing_llm
+from routing.llm import LLMUnavailable
+
+__all__ = ["LLMUnavailable", "OpenAICompatibleLLM", "consistency_probe"]
 
 
-class LLMUnavailable(RuntimeError):
-    """The endpoint could not be reached or answered with an error."""
+class OpenAICompatibleLLM(routing_llm.OpenAICompatibleLLM):
+    """The routing app's OpenAI-compatible client (timeouts, retries, one-line errors) with the
+    longer answers and patience that summaries need, and a count of calls made."""
 
+    def __init__(self, base_url: str, model: str = "", api_key: str = "", *, timeout_s: float = 60.0,
+                 temperature: float = 0.0):
+        super().__init__(base_url, model, api_key, timeout=timeout_s, temperature=temperature)
+        self.calls = 0
 
-@dataclass
-class OpenAICompatibleLLM:
-    base_url: str
-    model: str
-    api_key: str = "none"
-    timeout_s: float = 60.0
-    temperature: float = 0.0
-    calls: int = field(default=0, init=False)
-
-    def __post_init__(self):
-        from openai import OpenAI
-
-        self.client = OpenAI(
-            base_url=self.base_url.rstrip("/"),
-            api_key=self.api_key or "none",
-            timeout=self.timeout_s,
-            max_retries=1,
-        )
-
-    def complete(self, prompt: str, system: str | None = None) -> str:
-        messages = []
-        if system:
-            messages.append({"role": "system", "content": system})
-        messages.append({"role": "user", "content": prompt})
+    def complete(self, prompt: str, system: str | None = None, max_tokens: int = 512) -> str:
         self.calls += 1
-        try:
-            response = self.client.chat.completions.create(
-                model=self.model, messages=messages, temperature=self.temperature
-            )
-        except Exception as exc:  # any transport or API error: one clear line
-            raise LLMUnavailable(
-                f"LLM endpoint {self.base_url} failed: {exc.__class__.__name__}: {exc}"
-            ) from None
-        return response.choices[0].message.content or ""
+        return super().complete(prompt, system=system or "", max_tokens=max_tokens)
 
 
 _VERDICT = re.compile(r"\b(inconsistent|consistent)\b", re.IGNORECASE)
