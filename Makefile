@@ -23,7 +23,7 @@ demo: install
 	$(PY) manage.py bootstrap_demo --dataset $(DATASET) --url http://$(HOST):$(PORT)/ > .data/demo-logins.txt
 	$(PY) manage.py demo_rounds --dataset $(DATASET) --rounds 3
 	$(PY) manage.py simulate --dataset $(DATASET) --orgs 3 --clients-per-org 2 --rounds 3 \
-		--queries-per-client 150 --test-limit 800 --sweep-epsilon 0.5,2 --sweep-lambda 0,1.5 \
+		--queries-per-client 100 --test-limit 600 --sweep-epsilon 1 --sweep-lambda 0,1.5 \
 		--label "demo: MetaTool, 3 orgs x 2 clients" --unless-stored
 	@cat .data/demo-logins.txt
 	$(PY) -m gunicorn synapse_web.wsgi:application --bind $(HOST):$(PORT) --workers 2 --threads 4 --access-logfile -

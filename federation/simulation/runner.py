@@ -76,6 +76,7 @@ class SimulationConfig:
     test_limit: int | None = None
     queries_per_client: int | None = None  # cap each client's share (quick runs, the demo)
     fed_icl_exemplars: int = 8
+    fit_limit: int | None = 1000  # probe queries used to fit fusion weights and calibration
     membership_samples: int = 40
     baselines: bool = True
     adversarial_fraction: float = 0.0
@@ -163,6 +164,8 @@ class Simulation:
         probe split (never on test data)."""
         base = Router(compendium, self.engine, "fusion")
         pairs = [(q.query, q.tool_id) for q in probe]
+        if self.config.fit_limit and len(pairs) > self.config.fit_limit:
+            pairs = random.Random(len(pairs)).sample(pairs, self.config.fit_limit)
         params = fit_params(base, pairs, fitted_on="simulation probe split")
         return base.with_reranker(reranker or self.config.reranker, params=params)
 
