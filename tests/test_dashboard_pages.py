@@ -514,3 +514,20 @@ def test_routing_playground_states(client, fed):
     assert bad.status_code == 400 and "too long" in bad.content.decode()
     bad = client.get(reverse("dashboard:routing"), {"q": "rain", "top_k": "many"})
     assert bad.status_code == 400 and "top_k" in bad.content.decode()
+
+
+def test_routing_playground_routes_against_the_published_compendium(client, db):
+    from routing import services as routing_services
+    from tests.dashboard_data import add_review_data, build_federation
+
+    routing_services.forget_published_version()
+    review = add_review_data(build_federation(), embed=True)
+    client.force_login(review.acme_member)
+    response = client.get(reverse("dashboard:routing"), {"q": "will it rain in Rome tomorrow?"})
+    assert response.status_code == 200
+    result = response.context["result"]
+    assert result["tool"] == "weather" and result["compendium_round"] == 2
+    body = response.content.decode()
+    assert 'id="candidates"' in body and "Will it rain tomorrow in a city?" in body
+    assert 0 <= result["confidence"] <= 1
+    routing_services.forget_published_version()
