@@ -131,7 +131,7 @@ def test_nav_shows_only_registered_pages_that_resolve(operator_client):
     labels = re.findall(r'<a href="[^"]*"[^>]*>([^<]+)</a>', nav_html)
     assert labels == [
         "Overview", "Organizations", "Conflicts", "Privacy", "Accuracy", "Compendium",
-        "Tool registry", "Routing playground", "Audit log",
+        "Tool registry", "Routing", "Audit log",
     ]
     assert 'aria-current="page"' in nav_html.split("Compendium")[0]
 

@@ -810,8 +810,10 @@ def round_controls() -> dict:
             f"Opening a round at ε = {defaults.epsilon:g} will be refused: the rounds opened so far "
             f"reserve ε = {epsilon_spent():g} and the budget cap is {budget:g}."
         )
+    open_round = Round.objects.filter(state=Round.State.OPEN).first()
     return {
-        "open_round": Round.objects.filter(state=Round.State.OPEN).first(),
+        "open_round": open_round,
+        "open_config": RoundConfig(**open_round.config) if open_round else None,
         "round_defaults": defaults,
         "summarizers": get_args(Summarizer),
         "robust_rules": get_args(RobustRule),
