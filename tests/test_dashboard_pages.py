@@ -531,3 +531,18 @@ def test_routing_playground_routes_against_the_published_compendium(client, db):
     assert 'id="candidates"' in body and "Will it rain tomorrow in a city?" in body
     assert 0 <= result["confidence"] <= 1
     routing_services.forget_published_version()
+
+
+def test_conflicts_paginate(client, fed):
+    r1 = Round.objects.get(number=1)
+    for i in range(60):
+        ConflictLogEntry.objects.create(
+            round=r1, organization=fed.org_a, tool_id="flights", centroid_id=f"x{i:02d}",
+            centroid={"text": f"Book flight {i}"}, dissenters=[{"text": f"Cancel flight {i}"}],
+        )
+    login(client, fed, "admin_a")
+    first = client.get(reverse("dashboard:conflicts"))
+    assert sum(len(g["cards"]) for g in first.context["groups"]) == 50
+    second = client.get(reverse("dashboard:conflicts"), {"page": 2})
+    assert sum(len(g["cards"]) for g in second.context["groups"]) == 11  # 60 + Paris
+    assert 'rel="prev"' in second.content.decode()

@@ -642,9 +642,12 @@ class ConflictCard:
     can_decide: bool
 
 
-def conflict_groups(organizations: QuerySet, actor, *, round_number=None, organization_slug=""):
-    """Conflicted clusters of the visible edges, grouped per (organization, round), newest round
-    first, each with its composed precaution, the scenarios that may win, and its decision."""
+def conflict_groups(
+    organizations: QuerySet, actor, *, round_number=None, organization_slug="", page=1, per_page=50
+):
+    """One page of conflicted clusters of the visible edges, grouped per (organization, round),
+    newest round first, each with its composed precaution, the scenarios that may win, and its
+    decision. Returns (page, groups)."""
     from compendium.services import current_schema
     from federation.conflicts import composed_precaution, scenario_choices
     from federation.models import ConflictDecision, ConflictLogEntry
@@ -657,7 +660,10 @@ def conflict_groups(organizations: QuerySet, actor, *, round_number=None, organi
         conflicts = conflicts.filter(round__number=round_number)
     if organization_slug:
         conflicts = conflicts.filter(organization__slug=organization_slug)
-    conflicts = list(conflicts.order_by("-round__number", "organization__name", "tool_id", "centroid_id"))
+    page_obj = Paginator(
+        conflicts.order_by("-round__number", "organization__name", "tool_id", "centroid_id"), per_page
+    ).get_page(page)
+    conflicts = list(page_obj.object_list)
     decisions = {
         (d.round_id, d.organization_id, d.tool_id, d.centroid_id): d
         for d in ConflictDecision.objects.filter(organization__in=organizations).select_related("decided_by")
@@ -677,7 +683,9 @@ def conflict_groups(organizations: QuerySet, actor, *, round_number=None, organi
                 can_decide=admin[c.organization_id],
             )
         )
-    return [{"organization": o, "round": r, "cards": cards} for (o, r), cards in groups.items()]
+    return page_obj, [
+        {"organization": o, "round": r, "cards": cards} for (o, r), cards in groups.items()
+    ]
 
 
 # --- accuracy ------------------------------------------------------------------------------------

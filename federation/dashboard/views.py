@@ -339,13 +339,12 @@ class ConflictsView(DashboardView):
 
     def get_context_data(self, **kwargs):
         context = super().get_context_data(**kwargs)
-        context.update(
-            groups=services.conflict_groups(
-                self.organizations, actor_for(self.request), round_number=self.round_number,
-                organization_slug=self.request.GET.get("organization", "")[:100],
-            ),
-            actions=ConflictDecision.Action.choices,
+        page_obj, groups = services.conflict_groups(
+            self.organizations, actor_for(self.request), round_number=self.round_number,
+            organization_slug=self.request.GET.get("organization", "")[:100],
+            page=self.request.GET.get("page"),
         )
+        context.update(page_obj=page_obj, groups=groups)
         return context
 
 
