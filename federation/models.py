@@ -244,6 +244,7 @@ class AuditLog(models.Model):
         ROUND_RETRY = "round.retry"
         SETTINGS_CHANGE = "settings.change"
         MEMBERSHIP_SET = "membership.set"
+        CONFLICT_DECIDE = "conflict.decide"
 
     created_at = models.DateTimeField(auto_now_add=True, db_index=True)
     actor = models.ForeignKey(
@@ -407,3 +408,44 @@ class SimulationRun(models.Model):
 
     def __str__(self) -> str:
         return self.label or f"simulation {self.pk} on {self.dataset}"
+
+
+class ConflictDecision(models.Model):
+    """A reviewer's decision on one conflict of an edge's log, keyed like the conflict (round,
+    organization, tool, centroid id) so that it survives a re-materialization of that edge.
+
+    The next round's edge merge applies it (federation.pipeline._previous_conflicts): an accepted
+    or edited precaution replaces the composed one, a picked scenario wins instead of a precaution
+    being composed, a dismissed conflict is left out. A later decision replaces an earlier one;
+    every decision is audited."""
+
+    class Action(models.TextChoices):
+        ACCEPT = "accept", "accept the composed precaution"
+        EDIT = "edit", "use an edited precaution"
+        SCENARIO = "scenario", "pick the winning scenario"
+        DISMISS = "dismiss", "dismiss"
+
+    round = models.ForeignKey(Round, on_delete=models.CASCADE, related_name="conflict_decisions")
+    organization = models.ForeignKey(
+        Organization, on_delete=models.CASCADE, related_name="conflict_decisions"
+    )
+    tool_id = models.CharField(max_length=128)
+    centroid_id = models.CharField(max_length=64)
+    action = models.CharField(max_length=16, choices=Action.choices)
+    text = models.TextField(blank=True, help_text="the precaution or the winning scenario")
+    decided_by = models.ForeignKey(
+        settings.AUTH_USER_MODEL, null=True, blank=True, on_delete=models.SET_NULL, related_name="+"
+    )
+    decided_at = models.DateTimeField(auto_now=True)
+
+    class Meta:
+        ordering = ["round__number", "tool_id", "centroid_id"]
+        constraints = [
+            models.UniqueConstraint(
+                fields=["round", "organization", "tool_id", "centroid_id"],
+                name="one_decision_per_conflict",
+            )
+        ]
+
+    def __str__(self) -> str:
+        return f"{self.action} on {self.tool_id}/{self.centroid_id} (round {self.round_id})"

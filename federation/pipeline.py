@@ -25,6 +25,7 @@ from federation.merge import server_merge as server_merge_operator
 from federation.merge.llm import OpenAICompatibleLLM
 from federation.models import (
     Client,
+    ConflictDecision,
     ConflictLogEntry,
     MergeRecord,
     Organization,
@@ -161,10 +162,23 @@ def _previous_conflicts(round_: Round, organization: Organization) -> list[Confl
     previous = Round.objects.filter(number__lt=round_.number).order_by("-number").first()
     if previous is None:
         return []
-    return [
-        ConflictEntry(c.tool_id, c.centroid_id, c.centroid, c.dissenters, c.reason)
-        for c in ConflictLogEntry.objects.filter(round=previous, organization=organization)
-    ]
+    decisions = {
+        (d.tool_id, d.centroid_id): d
+        for d in ConflictDecision.objects.filter(round=previous, organization=organization)
+    }
+    entries = []
+    for c in ConflictLogEntry.objects.filter(round=previous, organization=organization):
+        decision = decisions.get((c.tool_id, c.centroid_id))
+        resolution, text = "", ""
+        if decision is not None:
+            if decision.action == ConflictDecision.Action.DISMISS:
+                continue
+            resolution = "scenario" if decision.action == ConflictDecision.Action.SCENARIO else "precaution"
+            text = decision.text
+        entries.append(
+            ConflictEntry(c.tool_id, c.centroid_id, c.centroid, c.dissenters, c.reason, resolution, text)
+        )
+    return entries
 
 
 def _release_number(round_: Round, organization: Organization, rematerialize: bool) -> int:

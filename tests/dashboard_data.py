@@ -112,3 +112,102 @@ def build_federation() -> Federation:
     operator = user_model.objects.create_superuser("operator", "op@example.org", PASSWORD)
     member = user_model.objects.create_user("member", "member@example.org", PASSWORD)
     return Federation(acme, globex, clients, rounds, operator, member)
+
+
+ACCURACY_DOCUMENT = {
+    "summary": [
+        {"method": "synapse", "round": r, "seeds": 2, "accuracy_mean": a, "accuracy_sd": 0.02,
+         "macro_accuracy_mean": a - 0.05}
+        for r, a in ((1, 0.52), (2, 0.61), (3, 0.66), (4, 0.69))
+    ] + [
+        {"method": "static_global", "round": r, "seeds": 2, "accuracy_mean": 0.52, "accuracy_sd": 0.0,
+         "macro_accuracy_mean": 0.47}
+        for r in (1, 2, 3, 4)
+    ] + [
+        {"method": "centralized", "round": None, "seeds": 2, "accuracy_mean": 0.74,
+         "accuracy_sd": 0.01, "macro_accuracy_mean": 0.7},
+        {"method": "local_only", "round": None, "seeds": 2, "accuracy_mean": 0.41,
+         "accuracy_sd": 0.03, "macro_accuracy_mean": 0.37},
+    ],
+    "per_category": {"Math": {"accuracy": 0.81, "n": 16}, "Travel": {"accuracy": 0.66, "n": 24},
+                     "Weather": {"accuracy": 0.58, "n": 12}},
+    "adversarial": [
+        {"adversarial_mode": mode, "adversarial_fraction": f, "robust_rule": rule,
+         "accuracy": round(0.69 - f * drop, 3)}
+        for mode in ("random_corruption", "label_flip")
+        for rule, drop in (("none", 0.6), ("krum", 0.15))
+        for f in (0.0, 0.2, 0.4)
+    ],
+    "privacy_sweep": [
+        {"epsilon": e, "mask_strength": m, "accuracy": round(0.55 + 0.04 * e - 0.05 * m, 3),
+         "membership_auroc": round(0.5 + 0.03 * e + 0.08 * (1 - m), 3)}
+        for e in (0.5, 1.0, 2.0, 4.0)
+        for m in (0.0, 1.0)
+    ],
+}
+
+
+@dataclass
+class Review:
+    acme_admin: object
+    acme_member: object
+    globex_admin: object
+
+
+def add_review_data(fed: Federation, *, embed: bool = False) -> Review:
+    """People of every role (admin and member of Acme, admin of Globex), admin approval allowed,
+    edge compendiums, conflicts and ledger rows at each edge, and a stored simulation. With
+    `embed`, the published global compendium of round 2 gets its scenario embeddings (the routing
+    playground needs them; loads the embedding model)."""
+    from compendium.models import CompendiumVersion, ScenarioEntry
+    from federation import services
+    from federation.models import (
+        ConflictLogEntry,
+        MergeRecord,
+        PrivacyLedgerEntry,
+        SimulationRun,
+    )
+
+    system = services.Actor.system("demo data")
+    user_model = get_user_model()
+    people = {}
+    for username, org, role in (
+        ("acme-admin", fed.acme, "admin"),
+        ("acme-member", fed.acme, "member"),
+        ("globex-admin", fed.globex, "admin"),
+    ):
+        people[username] = user_model.objects.create_user(username, f"{username}@example.org", PASSWORD)
+        services.set_membership(system, people[username], org, role)
+    services.update_settings(system, allow_admin_approval=True)
+    services.enroll_client(system, fed.acme, "acme-node-3", contact="lab3@acme.example")
+    for number in (1, 2):
+        rnd = fed.rounds[number]
+        for org in (fed.acme, fed.globex):
+            store_compendium(client_compendium(0, number), kind="edge", round=rnd, organization=org)
+            MergeRecord.objects.create(round=rnd, organization=org, stats={"conflicts": 1})
+            for field, eps in (("calls", 0.4), ("success_rate", 0.5)):
+                PrivacyLedgerEntry.objects.create(
+                    round=rnd, organization=org, tool_id="weather", field=field, sensitivity=1.0,
+                    contributors=2 + number, epsilon=eps * (1 if org == fed.acme else 0.8),
+                    noise_scale=1.0 / eps, mechanism="laplace",
+                )
+    for org, city in ((fed.acme, "Paris"), (fed.globex, "Berlin")):
+        ConflictLogEntry.objects.create(
+            round=fed.rounds[2], organization=org, tool_id="weather", centroid_id="c0",
+            centroid={"text": f"Will it rain tomorrow in {city}?", "preconditions": {"has_city": True}},
+            dissenters=[{"text": f"Is it going to rain near {city} airport",
+                         "preconditions": {"has_city": False}}],
+            reason="preconditions disagree: has_city",
+        )
+    SimulationRun.objects.create(label="demo simulation", dataset="tiny", document=ACCURACY_DOCUMENT,
+                                 seconds=42)
+    if embed:
+        from routing.embeddings import get_query_engine
+
+        version = CompendiumVersion.objects.get(kind="global", round=fed.rounds[2])
+        rows = list(ScenarioEntry.objects.filter(version=version).order_by("id"))
+        vectors = get_query_engine().embed([r.text for r in rows])
+        for row, vector in zip(rows, vectors, strict=True):
+            row.embedding = vector.tolist()
+            row.save(update_fields=["embedding"])
+    return Review(people["acme-admin"], people["acme-member"], people["globex-admin"])

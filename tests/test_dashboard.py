@@ -129,24 +129,32 @@ def test_nav_shows_only_registered_pages_that_resolve(operator_client):
     content = operator_client.get("/").content.decode()
     nav_html = content.split("<nav", 1)[1].split("</nav>", 1)[0]
     labels = re.findall(r'<a href="[^"]*"[^>]*>([^<]+)</a>', nav_html)
-    assert labels == ["Overview", "Compendium", "Tool registry"]
+    assert labels == [
+        "Overview", "Organizations", "Conflicts", "Privacy", "Accuracy", "Compendium",
+        "Tool registry", "Routing", "Audit log",
+    ]
     assert 'aria-current="page"' in nav_html.split("Compendium")[0]
 
 
 def test_nav_registry_orders_and_skips_unresolvable(federation):
+    saved = dict(nav._registry)
     try:
-        nav.register("audit", "Audit log", "dashboard:audit-not-built")
-        nav.register("privacy", "Privacy", "dashboard:tools")  # resolves: stands in for a new page
+        nav.unregister("privacy")
+        nav.register("unbuilt", "Not built", "dashboard:page-not-built")
         nav.register("secret", "Operator only", "dashboard:overview", operator_only=True)
+        nav.register("privacy", "Privacy", "dashboard:privacy")  # registered last, ordered by NAV_ORDER
         keys = [i["key"] for i in nav.items_for(federation.operator, active="privacy")]
-        assert keys == ["overview", "privacy", "compendium", "tools", "secret"]
+        assert keys == [
+            "overview", "organizations", "conflicts", "privacy", "accuracy", "compendium",
+            "tools", "routing", "audit", "secret",
+        ]
         member_keys = [i["key"] for i in nav.items_for(federation.member)]
-        assert "secret" not in member_keys and "audit" not in member_keys
+        assert "secret" not in member_keys and "unbuilt" not in member_keys
         active = [i["key"] for i in nav.items_for(federation.operator, active="privacy") if i["active"]]
         assert active == ["privacy"]
     finally:
-        for key in ("audit", "privacy", "secret"):
-            nav.unregister(key)
+        nav._registry.clear()
+        nav._registry.update(saved)
 
 
 # --- overview ---------------------------------------------------------------------------------------

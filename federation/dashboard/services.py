@@ -432,3 +432,398 @@ def tool_categories() -> list[str]:
     return list(
         Tool.objects.exclude(category="").order_by("category").values_list("category", flat=True).distinct()
     )
+
+
+# --- organizations -------------------------------------------------------------------------------
+
+
+@dataclass
+class OrganizationPage:
+    organization: object
+    clients: dict[str, list[Client]]
+    can_admin: bool
+    edge_rows: list[dict]
+    chart: str = ""
+
+
+def organization_page(organization, actor) -> OrganizationPage:
+    """An organization's clients by status, whether `actor` may manage them, and its edge's
+    figures per round: submissions, edge compendium size and entries."""
+    from federation.models import MergeRecord
+    from federation.services import can_admin
+
+    clients = {status: [] for status in Client.Status.values}
+    for client in Client.objects.filter(organization=organization).select_related("token").order_by("name"):
+        clients[client.status].append(client)
+    submissions = dict(
+        CompendiumVersion.objects.filter(kind=KIND_CLIENT, client__organization=organization)
+        .order_by()
+        .values_list("round__number")
+        .annotate(n=Count("id"))
+    )
+    edges = {
+        v.round.number: v
+        for v in CompendiumVersion.objects.filter(kind=KIND_EDGE, organization=organization)
+        .select_related("round")
+        .defer("content")
+    }
+    records = {
+        m.round.number: m
+        for m in MergeRecord.objects.filter(organization=organization).select_related("round")
+    }
+    numbers = sorted(set(submissions) | set(edges) | set(records))
+    rows = [
+        {
+            "round": n,
+            "submissions": submissions.get(n, 0),
+            "edge": edges.get(n),
+            "conflicts": (records[n].stats.get("conflicts") if n in records else None),
+            "rejected": len(records[n].rejected) if n in records else None,
+        }
+        for n in numbers
+    ]
+    page = OrganizationPage(organization, clients, can_admin(actor, organization.pk), rows)
+    if rows:
+        fig = go.Figure()
+        fig.add_trace(go.Bar(x=numbers, y=[r["submissions"] for r in rows], name="client submissions"))
+        fig.add_trace(
+            go.Scatter(
+                x=numbers,
+                y=[r["edge"].size_bytes / 1024 if r["edge"] else None for r in rows],
+                name="edge compendium (kB)",
+                mode="lines+markers",
+                yaxis="y2",
+            )
+        )
+        styled(
+            fig,
+            title={"text": f"{organization.name}: submissions and edge compendium size"},
+            xaxis={"title": {"text": "round"}, "dtick": 1},
+            yaxis={"title": {"text": "submissions"}, "rangemode": "tozero"},
+            yaxis2={"title": {"text": "edge size (kB)"}, "overlaying": "y", "side": "right",
+                    "rangemode": "tozero", "showgrid": False, "tickformat": ".3~f"},
+        )
+        page.chart = render_figure(fig, div_id="edge-figures", label=f"Edge figures of {organization}")
+    return page
+
+
+# --- audit log -----------------------------------------------------------------------------------
+
+
+def audit_entries(organizations: QuerySet, *, operator: bool, filters: dict) -> QuerySet:
+    """Audit entries the user may see (operator: all; others: their organizations' entries),
+    filtered by action, organization slug, actor (substring), and date range (`since`, `until`,
+    ISO dates, inclusive). Raises BadRequest naming a malformed filter."""
+    import datetime as dt
+
+    from federation.models import AuditLog
+
+    entries = AuditLog.objects.select_related("organization")
+    if not operator:
+        entries = entries.filter(organization__in=organizations)
+    action = (filters.get("action") or "").strip()
+    if action:
+        if action not in AuditLog.Action.values:
+            raise BadRequest(f"unknown action {action[:40]!r}")
+        entries = entries.filter(action=action)
+    org = (filters.get("organization") or "").strip()
+    if org:
+        entries = entries.filter(organization__slug=org)
+    actor = (filters.get("actor") or "").strip()
+    if actor:
+        entries = entries.filter(actor_label__icontains=actor)
+    for key, lookup in (("since", "created_at__date__gte"), ("until", "created_at__date__lte")):
+        raw = (filters.get(key) or "").strip()
+        if raw:
+            try:
+                day = dt.date.fromisoformat(raw)
+            except ValueError:
+                raise BadRequest(f"{key} must be a date YYYY-MM-DD, not {raw[:40]!r}") from None
+            entries = entries.filter(**{lookup: day})
+    return entries.order_by("-created_at", "-id")
+
+
+# --- privacy -------------------------------------------------------------------------------------
+
+
+@dataclass
+class PrivacyPage:
+    budget: float
+    federation: object
+    organizations: list[tuple]
+    ledger: Page
+    next_epsilon: float
+    would_exceed: bool
+    projected: object
+    charts: list[str] = field(default_factory=list)
+
+
+def _composition_curve(per_round: list[float], delta_prime: float):
+    from federation.merge.privacy import compose
+
+    return [compose(per_round[: i + 1], delta_prime) for i in range(len(per_round))]
+
+
+def privacy_page(organizations: QuerySet, *, operator: bool, page=1, next_epsilon=None) -> PrivacyPage:
+    """The ledger (rows of the visible organizations), the composed ε′ per federation and
+    organization (basic and advanced) against the cap, and whether the next round at
+    `next_epsilon` (default: the open or last round's ε) would exceed it."""
+    from federation import accounting
+    from federation.models import PrivacyLedgerEntry
+    from federation.round_config import RoundConfig
+
+    report = accounting.privacy_report()
+    spends = accounting._spends()
+    fed_rounds = accounting._federation_rounds(spends)
+    round_numbers = dict(Round.objects.values_list("pk", "number"))
+    visible_ids = set(organizations.values_list("pk", flat=True))
+    if next_epsilon is None:
+        latest = Round.objects.order_by("-number").first()
+        next_epsilon = RoundConfig(**(latest.config if latest else {})).epsilon
+    exceed, projected = accounting.would_exceed(next_epsilon)
+    names = dict(organizations.values_list("pk", "name"))
+    ledger = (
+        PrivacyLedgerEntry.objects.filter(organization__in=organizations)
+        .select_related("round", "organization")
+        .order_by("-round__number", "organization__name", "release", "tool_id", "field")
+    )
+    result = PrivacyPage(
+        budget=report.budget,
+        federation=report.federation,
+        organizations=[(names[k], v) for k, v in report.organizations.items() if k in visible_ids],
+        ledger=Paginator(ledger, 50).get_page(page),
+        next_epsilon=next_epsilon,
+        would_exceed=exceed,
+        projected=projected,
+    )
+    delta = accounting.delta_prime()
+    series = [("federation", fed_rounds)] + [
+        (names[k], spends[k]) for k in sorted(spends) if k in visible_ids
+    ]
+    if fed_rounds:
+        spent = go.Figure()
+        for name, per_round in series:
+            ids = sorted(per_round, key=lambda r: round_numbers.get(r, 0))
+            spent.add_trace(go.Bar(x=[round_numbers.get(r) for r in ids],
+                                   y=[per_round[r] for r in ids], name=name))
+        styled(spent, title={"text": "ε spent per round"}, barmode="group",
+               xaxis={"title": {"text": "round"}, "dtick": 1},
+               yaxis={"title": {"text": "ε"}, "rangemode": "tozero"})
+        result.charts.append(render_figure(spent, div_id="epsilon-per-round"))
+        composed = go.Figure()
+        for name, per_round in series:
+            ids = sorted(per_round, key=lambda r: round_numbers.get(r, 0))
+            curve = _composition_curve([per_round[r] for r in ids], delta)
+            x = [round_numbers.get(r) for r in ids]
+            dash = None if name == "federation" else "dot"
+            composed.add_trace(go.Scatter(x=x, y=[c.basic_epsilon for c in curve], mode="lines+markers",
+                                          name=f"{name}: basic", line={"dash": dash}))
+            composed.add_trace(go.Scatter(x=x, y=[c.advanced_epsilon for c in curve],
+                                          mode="lines+markers", name=f"{name}: advanced",
+                                          line={"dash": "dash" if name == "federation" else "dot"}))
+        composed.add_hline(y=report.budget, line={"color": "#b42318", "width": 2},
+                           annotation_text=f"budget cap ε = {report.budget:g}")
+        styled(composed, title={"text": "Composed ε′ over rounds (basic vs advanced)"},
+               xaxis={"title": {"text": "round"}, "dtick": 1},
+               yaxis={"title": {"text": "ε′"}, "rangemode": "tozero"})
+        result.charts.append(render_figure(composed, div_id="epsilon-composed"))
+    return result
+
+
+# --- conflict review -----------------------------------------------------------------------------
+
+
+@dataclass
+class ConflictCard:
+    conflict: object
+    composed: str
+    choices: list[str]
+    decision: object | None
+    can_decide: bool
+
+
+def conflict_groups(
+    organizations: QuerySet, actor, *, round_number=None, organization_slug="", page=1, per_page=50
+):
+    """One page of conflicted clusters of the visible edges, grouped per (organization, round),
+    newest round first, each with its composed precaution, the scenarios that may win, and its
+    decision. Returns (page, groups)."""
+    from compendium.services import current_schema
+    from federation.conflicts import composed_precaution, scenario_choices
+    from federation.models import ConflictDecision, ConflictLogEntry
+    from federation.services import can_admin
+
+    conflicts = ConflictLogEntry.objects.filter(organization__in=organizations).select_related(
+        "round", "organization"
+    )
+    if round_number is not None:
+        conflicts = conflicts.filter(round__number=round_number)
+    if organization_slug:
+        conflicts = conflicts.filter(organization__slug=organization_slug)
+    page_obj = Paginator(
+        conflicts.order_by("-round__number", "organization__name", "tool_id", "centroid_id"), per_page
+    ).get_page(page)
+    conflicts = list(page_obj.object_list)
+    decisions = {
+        (d.round_id, d.organization_id, d.tool_id, d.centroid_id): d
+        for d in ConflictDecision.objects.filter(organization__in=organizations).select_related("decided_by")
+    }
+    schema = current_schema() if conflicts else None
+    groups: dict[tuple, list[ConflictCard]] = {}
+    admin = {}
+    for c in conflicts:
+        if c.organization_id not in admin:
+            admin[c.organization_id] = can_admin(actor, c.organization_id)
+        groups.setdefault((c.organization, c.round), []).append(
+            ConflictCard(
+                conflict=c,
+                composed=composed_precaution(c, schema),
+                choices=scenario_choices(c),
+                decision=decisions.get((c.round_id, c.organization_id, c.tool_id, c.centroid_id)),
+                can_decide=admin[c.organization_id],
+            )
+        )
+    return page_obj, [
+        {"organization": o, "round": r, "cards": cards} for (o, r), cards in groups.items()
+    ]
+
+
+# --- accuracy ------------------------------------------------------------------------------------
+
+
+@dataclass
+class AccuracyPage:
+    run: object | None
+    runs: list
+    summary: list[dict] = field(default_factory=list)
+    per_category: list[dict] = field(default_factory=list)
+    charts: dict[str, str] = field(default_factory=dict)
+    adversarial: list[dict] = field(default_factory=list)
+    privacy_sweep: list[dict] = field(default_factory=list)
+
+
+def accuracy_page(run_id=None) -> AccuracyPage:
+    """Figures of the latest (or a chosen) SimulationRun: accuracy over rounds per method
+    (methods without rounds as horizontal lines), per category, adversarial curves and the
+    privacy–utility frontier."""
+    from federation.models import SimulationRun
+
+    runs = list(SimulationRun.objects.defer("document").order_by("-created_at")[:20])
+    if run_id not in (None, ""):
+        try:
+            run = SimulationRun.objects.get(pk=int(run_id))
+        except ValueError:
+            raise BadRequest(f"run must be a simulation id, not {str(run_id)[:40]!r}") from None
+    else:
+        run = SimulationRun.objects.order_by("-created_at").first()
+    page = AccuracyPage(run=run, runs=runs)
+    if run is None:
+        return page
+    doc = run.document or {}
+    page.summary = list(doc.get("summary") or [])
+    page.per_category = [
+        {"category": c, **v} for c, v in sorted((doc.get("per_category") or {}).items())
+    ]
+    page.adversarial = list(doc.get("adversarial") or [])
+    page.privacy_sweep = list(doc.get("privacy_sweep") or [])
+
+    curves = go.Figure()
+    by_method: dict[str, list[dict]] = defaultdict(list)
+    for row in page.summary:
+        by_method[row["method"]].append(row)
+    all_rounds = sorted({r["round"] for r in page.summary if r["round"] is not None})
+    for method, rows in by_method.items():
+        stepped = sorted((r for r in rows if r["round"] is not None), key=lambda r: r["round"])
+        if stepped:
+            curves.add_trace(go.Scatter(
+                x=[r["round"] for r in stepped], y=[r["accuracy_mean"] for r in stepped],
+                error_y={"type": "data", "array": [r.get("accuracy_sd", 0) for r in stepped]},
+                mode="lines+markers", name=method,
+                line={"width": 3 if method == "synapse" else 2},
+            ))
+        for r in rows:
+            if r["round"] is None and all_rounds:
+                curves.add_trace(go.Scatter(
+                    x=[all_rounds[0], all_rounds[-1]], y=[r["accuracy_mean"]] * 2, mode="lines",
+                    name=method, line={"dash": "dash"},
+                ))
+    if page.summary:
+        styled(curves, title={"text": "Routing accuracy over rounds"},
+               xaxis={"title": {"text": "round"}, "dtick": 1},
+               yaxis={"title": {"text": "top-1 accuracy"}, "range": [0, 1]})
+        page.charts["curves"] = render_figure(curves, div_id="accuracy-curves")
+    if page.per_category:
+        bars = go.Figure(go.Bar(x=[r["category"] for r in page.per_category],
+                                y=[r["accuracy"] for r in page.per_category]))
+        styled(bars, title={"text": "SYNAPSE accuracy per category (last round)"},
+               yaxis={"title": {"text": "accuracy"}, "range": [0, 1]})
+        page.charts["categories"] = render_figure(bars, div_id="accuracy-categories")
+    if page.adversarial:
+        adv = go.Figure()
+        groups: dict[tuple, list[dict]] = defaultdict(list)
+        for row in page.adversarial:
+            groups[(row.get("adversarial_mode", ""), row.get("robust_rule", "none"))].append(row)
+        for (mode, rule), rows in sorted(groups.items()):
+            rows = sorted(rows, key=lambda r: r.get("adversarial_fraction", 0))
+            adv.add_trace(go.Scatter(x=[r.get("adversarial_fraction", 0) for r in rows],
+                                     y=[r["accuracy"] for r in rows], mode="lines+markers",
+                                     name=f"{mode} · {rule}"))
+        styled(adv, title={"text": "Accuracy under adversarial clients"},
+               xaxis={"title": {"text": "adversarial fraction"}},
+               yaxis={"title": {"text": "accuracy"}, "range": [0, 1]})
+        page.charts["adversarial"] = render_figure(adv, div_id="accuracy-adversarial")
+    if page.privacy_sweep:
+        frontier = go.Figure()
+        by_lambda: dict = defaultdict(list)
+        for row in page.privacy_sweep:
+            by_lambda[row.get("mask_strength")].append(row)
+        for lam, rows in sorted(by_lambda.items(), key=lambda kv: kv[0] or 0):
+            rows = sorted(rows, key=lambda r: r.get("epsilon", 0))
+            frontier.add_trace(go.Scatter(
+                x=[r.get("membership_auroc") for r in rows], y=[r["accuracy"] for r in rows],
+                text=[f"ε={r.get('epsilon')}" for r in rows], mode="lines+markers+text",
+                textposition="top center", name=f"λ = {lam}",
+            ))
+        frontier.add_vline(x=0.5, line={"dash": "dot", "color": "#888"},
+                           annotation_text="chance (AUROC 0.5)")
+        styled(frontier, title={"text": "Privacy–utility frontier (ε × λ)"},
+               xaxis={"title": {"text": "membership attack AUROC (lower is more private)"}},
+               yaxis={"title": {"text": "accuracy"}})
+        page.charts["frontier"] = render_figure(frontier, div_id="privacy-frontier")
+    return page
+
+
+def round_controls() -> dict:
+    """The operator's round form: the open round, defaults (the last round's configuration),
+    choices, and a warning when the next round at that ε would exceed the budget cap."""
+    from typing import get_args
+
+    from federation import accounting
+    from federation.round_config import RobustRule, RoundConfig, Summarizer
+
+    latest = Round.objects.order_by("-number").first()
+    defaults = RoundConfig(**(latest.config if latest else {}))
+    from federation.services import epsilon_spent
+
+    budget = accounting.epsilon_budget()
+    exceed, projected = accounting.would_exceed(defaults.epsilon)
+    warning = ""
+    if exceed:
+        warning = (
+            f"A round at ε = {defaults.epsilon:g} would bring the composed ε′ of the ledger to "
+            f"{projected.epsilon:.3g}, above the budget cap {budget:g}."
+        )
+    elif epsilon_spent() + defaults.epsilon > budget + 1e-12:
+        warning = (
+            f"Opening a round at ε = {defaults.epsilon:g} will be refused: the rounds opened so far "
+            f"reserve ε = {epsilon_spent():g} and the budget cap is {budget:g}."
+        )
+    open_round = Round.objects.filter(state=Round.State.OPEN).first()
+    return {
+        "open_round": open_round,
+        "open_config": RoundConfig(**open_round.config) if open_round else None,
+        "round_defaults": defaults,
+        "summarizers": get_args(Summarizer),
+        "robust_rules": get_args(RobustRule),
+        "budget_warning": warning,
+    }

@@ -2,13 +2,34 @@
 
 from __future__ import annotations
 
+from django.contrib import messages
 from django.core.exceptions import ObjectDoesNotExist
+from django.core.paginator import Paginator
+from django.db.models import Count, Q
 from django.http import Http404
-from django.shortcuts import render
+from django.shortcuts import get_object_or_404, redirect, render
+from django.urls import reverse
+from pydantic import ValidationError
 
 from compendium.models import NumericField, Tool
+from federation.conflicts import decide_conflict
 from federation.dashboard import services
 from federation.dashboard.scoping import DashboardView
+from federation.errors import FederationError, InvalidRequest, NotAllowed
+from federation.models import AuditLog, Client, ConflictDecision, ConflictLogEntry, Round
+from federation.round_config import RoundConfig
+from federation.services import (
+    Actor,
+    approve_client,
+    close_round,
+    enroll_client,
+    get_settings,
+    open_round,
+    retry_round,
+    revoke_client,
+    rotate_client_token,
+)
+from routing.services import NothingPublished, RoutingInputError, route_query
 
 
 class OverviewView(DashboardView):
@@ -21,6 +42,8 @@ class OverviewView(DashboardView):
         context["overview"] = services.federation_overview(
             self.organizations, include_unpublished=self.is_operator
         )
+        if self.is_operator:
+            context.update(services.round_controls())
         return context
 
 
@@ -97,3 +120,302 @@ class ToolRegistryView(DashboardView):
             ),
         )
         return context
+
+
+# --- helpers for pages that act ------------------------------------------------------------------
+
+
+def bad_request(request, message: str, nav_key: str | None = None, status: int = 400):
+    return render(
+        request,
+        "dashboard/bad_request.html",
+        {"page_title": "Bad request" if status == 400 else "Not allowed", "message": message,
+         "nav_key": nav_key, "status": status},
+        status=status,
+    )
+
+
+def actor_for(request) -> Actor:
+    return Actor.for_user(request.user, request.META.get("REMOTE_ADDR"))
+
+
+class ActionView(DashboardView):
+    """A POST-only page action (CSRF by the middleware): a federation error becomes its 4xx page."""
+
+    http_method_names = ["post"]
+
+    def post(self, request, *args, **kwargs):
+        try:
+            return self.act(request, *args, **kwargs)
+        except FederationError as error:
+            return bad_request(request, str(error), self.nav_key, status=error.status_code)
+
+    def act(self, request, *args, **kwargs):  # pragma: no cover - every subclass defines it
+        raise NotImplementedError
+
+
+# --- organizations -------------------------------------------------------------------------------
+
+
+class OrganizationListView(DashboardView):
+    template_name = "dashboard/organizations.html"
+    nav_key = "organizations"
+    title = "Organizations"
+
+    def get_context_data(self, **kwargs):
+        context = super().get_context_data(**kwargs)
+        context["rows"] = self.organizations.annotate(
+            n_clients=Count("clients", distinct=True),
+            n_pending=Count("clients", filter=Q(clients__status="pending"), distinct=True),
+            n_approved=Count("clients", filter=Q(clients__status="approved"), distinct=True),
+            n_revoked=Count("clients", filter=Q(clients__status="revoked"), distinct=True),
+        ).order_by("name")
+        return context
+
+
+class OrganizationView(DashboardView):
+    template_name = "dashboard/organization.html"
+    nav_key = "organizations"
+    title = "Organization"
+
+    def get_context_data(self, **kwargs):
+        context = super().get_context_data(**kwargs)
+        organization = self.get_organization_or_404(slug=self.kwargs["slug"])
+        context.update(
+            organization=organization,
+            page_title=organization.name,
+            org=services.organization_page(organization, actor_for(self.request)),
+            allow_admin_approval=get_settings().allow_admin_approval,
+        )
+        return context
+
+
+class OrganizationActionView(ActionView, OrganizationView):
+    """enroll / approve / rotate / revoke; a new token is shown once, in this response only."""
+
+    def act(self, request, slug, action, client_id=None):
+        organization = self.get_organization_or_404(slug=slug)
+        actor = actor_for(request)
+        token = None
+        if action == "enroll":
+            client = enroll_client(
+                actor, organization, request.POST.get("name", "")[:200],
+                description=request.POST.get("description", "")[:2000],
+                contact=request.POST.get("contact", "")[:254],
+            )
+            messages.success(request, f"Client {client.name} enrolled; it waits for approval.")
+        else:
+            client = get_object_or_404(Client, pk=client_id, organization=organization)
+            if action == "approve":
+                token = approve_client(actor, client).token
+            elif action == "rotate":
+                token = rotate_client_token(actor, client).token
+            elif action == "revoke":
+                revoke_client(actor, client, request.POST.get("reason", "")[:500])
+                messages.success(request, f"Client {client.name} revoked; its token stops working.")
+            else:
+                raise Http404("unknown action")
+        if token is None:
+            return redirect("dashboard:organization", slug=organization.slug)
+        context = self.get_context_data(slug=slug)
+        context.update(issued_token=token, issued_client=client, issued_action=action)
+        response = self.render_to_response(context)
+        response["Cache-Control"] = "no-store"
+        return response
+
+
+# --- rounds (operator) ---------------------------------------------------------------------------
+
+
+ROUND_FIELDS = ("epsilon", "mask_strength", "tau", "summarizer", "robust_rule", "seed")
+
+
+class RoundActionView(ActionView):
+    nav_key = "overview"
+
+    def act(self, request, action, number=None):
+        if not self.is_operator:
+            raise NotAllowed(f"only the federation operator may {action} rounds")
+        actor = actor_for(request)
+        if action == "open":
+            raw = {k: request.POST[k].strip() for k in ROUND_FIELDS if request.POST.get(k, "").strip()}
+            try:
+                config = RoundConfig(**raw)
+            except ValidationError as error:
+                problems = "; ".join(
+                    f"{'.'.join(str(p) for p in e['loc'])}: {e['msg']}" for e in error.errors()
+                )
+                raise InvalidRequest(f"invalid round configuration: {problems}") from None
+            rnd = open_round(actor, config)
+            messages.success(request, f"Round {rnd.number} opened (ε = {config.epsilon:g}).")
+        else:
+            rnd = get_object_or_404(Round, number=number)
+            if action == "close":
+                close_round(actor, rnd)
+                messages.success(request, f"Round {rnd.number} closed; the merge pipeline started.")
+            elif action == "retry":
+                retry_round(actor, rnd)
+                messages.success(request, f"Round {rnd.number} retried; the merge pipeline started.")
+            else:
+                raise Http404("unknown action")
+        return redirect("dashboard:overview")
+
+
+# --- audit log -----------------------------------------------------------------------------------
+
+
+class AuditView(DashboardView):
+    template_name = "dashboard/audit.html"
+    nav_key = "audit"
+    title = "Audit log"
+
+    def get(self, request, *args, **kwargs):
+        try:
+            self.entries = services.audit_entries(
+                self.organizations, operator=self.is_operator, filters=request.GET
+            )
+        except services.BadRequest as error:
+            return bad_request(request, str(error), self.nav_key)
+        return super().get(request, *args, **kwargs)
+
+    def get_context_data(self, **kwargs):
+        context = super().get_context_data(**kwargs)
+        context.update(
+            page_obj=Paginator(self.entries, 50).get_page(self.request.GET.get("page")),
+            actions=AuditLog.Action.values,
+            filters={k: self.request.GET.get(k, "")[:100]
+                     for k in ("action", "organization", "actor", "since", "until")},
+        )
+        return context
+
+
+# --- privacy -------------------------------------------------------------------------------------
+
+
+class PrivacyView(DashboardView):
+    template_name = "dashboard/privacy.html"
+    nav_key = "privacy"
+    title = "Privacy accounting"
+
+    def get(self, request, *args, **kwargs):
+        raw = request.GET.get("epsilon", "").strip()
+        self.next_epsilon = None
+        if raw:
+            try:
+                self.next_epsilon = float(raw)
+            except ValueError:
+                return bad_request(request, f"epsilon must be a number, not {raw[:40]!r}", self.nav_key)
+            if not self.next_epsilon > 0 or self.next_epsilon == float("inf"):
+                return bad_request(request, "epsilon must be a positive finite number", self.nav_key)
+        return super().get(request, *args, **kwargs)
+
+    def get_context_data(self, **kwargs):
+        context = super().get_context_data(**kwargs)
+        context["privacy"] = services.privacy_page(
+            self.organizations, operator=self.is_operator, page=self.request.GET.get("page"),
+            next_epsilon=self.next_epsilon,
+        )
+        context["page_obj"] = context["privacy"].ledger
+        return context
+
+
+# --- conflict review -----------------------------------------------------------------------------
+
+
+class ConflictsView(DashboardView):
+    template_name = "dashboard/conflicts.html"
+    nav_key = "conflicts"
+    title = "Conflict review"
+
+    def get(self, request, *args, **kwargs):
+        raw = request.GET.get("round", "").strip()
+        self.round_number = None
+        if raw:
+            try:
+                self.round_number = int(raw)
+            except ValueError:
+                return bad_request(request, f"round must be a round number, not {raw[:40]!r}", self.nav_key)
+        return super().get(request, *args, **kwargs)
+
+    def get_context_data(self, **kwargs):
+        context = super().get_context_data(**kwargs)
+        page_obj, groups = services.conflict_groups(
+            self.organizations, actor_for(self.request), round_number=self.round_number,
+            organization_slug=self.request.GET.get("organization", "")[:100],
+            page=self.request.GET.get("page"),
+        )
+        context.update(page_obj=page_obj, groups=groups)
+        return context
+
+
+class ConflictDecideView(ActionView):
+    nav_key = "conflicts"
+
+    def act(self, request, pk):
+        conflict = get_object_or_404(
+            ConflictLogEntry.objects.select_related("round", "organization"),
+            pk=pk, organization__in=self.organizations,
+        )
+        action = request.POST.get("action", "")
+        text = request.POST.get("text", "")
+        if action == ConflictDecision.Action.SCENARIO:
+            text = request.POST.get("scenario", "")
+        decision = decide_conflict(actor_for(request), conflict, action, text)
+        messages.success(
+            request,
+            f"Decision on {conflict.tool_id}/{conflict.centroid_id} of round {conflict.round.number}: "
+            f"{decision.get_action_display()}. It applies in the next round's merge of "
+            f"{conflict.organization}.",
+        )
+        return redirect(f"{reverse('dashboard:conflicts')}#conflict-{conflict.pk}")
+
+
+# --- accuracy ------------------------------------------------------------------------------------
+
+
+class AccuracyView(DashboardView):
+    template_name = "dashboard/accuracy.html"
+    nav_key = "accuracy"
+    title = "Accuracy"
+
+    def get(self, request, *args, **kwargs):
+        try:
+            self.accuracy = services.accuracy_page(request.GET.get("run"))
+        except services.BadRequest as error:
+            return bad_request(request, str(error), self.nav_key)
+        except ObjectDoesNotExist:
+            raise Http404("no such simulation run") from None
+        return super().get(request, *args, **kwargs)
+
+    def get_context_data(self, **kwargs):
+        context = super().get_context_data(**kwargs)
+        context["accuracy"] = self.accuracy
+        return context
+
+
+# --- routing playground --------------------------------------------------------------------------
+
+
+class RoutingView(DashboardView):
+    template_name = "dashboard/routing.html"
+    nav_key = "routing"
+    title = "Routing playground"
+
+    def get(self, request, *args, **kwargs):
+        query = request.GET.get("q", "")
+        context = self.get_context_data(query=query[:2000])
+        if not query.strip():
+            return self.render_to_response(context)
+        try:
+            raw_k = request.GET.get("top_k", "").strip() or "5"
+            if not raw_k.isdigit():
+                raise RoutingInputError(f"top_k must be a whole number, not {raw_k[:20]!r}")
+            context["result"] = route_query(query, top_k=int(raw_k),
+                                            reranker=request.GET.get("reranker") or None)
+        except RoutingInputError as error:
+            context["error"] = str(error)
+            return self.render_to_response(context, status=400)
+        except NothingPublished as error:
+            context["error"] = str(error) or "no global compendium is published yet"
+            return self.render_to_response(context, status=503)
+        return self.render_to_response(context)

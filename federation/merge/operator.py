@@ -134,7 +134,13 @@ def conflicts_to_precautions(
     out = []
     for entry in sorted(conflicts, key=lambda c: (c.tool_id, c.centroid_id)):
         tool = schema.tools_by_id.get(entry.tool_id)
-        if tool is None:
+        if tool is None or entry.resolution == "scenario":
+            continue
+        if entry.resolution == "precaution":
+            text = " ".join(entry.resolution_text.split())
+            if text:
+                text = text if len(text) <= limit else text[: limit - 1].rstrip() + "…"
+                out.append(Precaution(tool_id=entry.tool_id, text=text, support=1 + len(entry.dissenters)))
             continue
         name = tool.name or tool.tool_id
         affirmative = _clause(entry.centroid["text"])
@@ -159,6 +165,30 @@ def conflicts_to_precautions(
             text = text[: limit - 1].rstrip() + "…"
         support = 1 + len(entry.dissenters)
         out.append(Precaution(tool_id=entry.tool_id, text=text, support=support))
+    return out
+
+
+def conflict_winners(conflicts: Sequence[ConflictEntry], schema: Schema) -> list[Scenario]:
+    """The scenarios a reviewer picked as winners of last round's conflicts (resolution
+    "scenario"): each enters the merge's scenarios with the conflict's support."""
+    out = []
+    for entry in sorted(conflicts, key=lambda c: (c.tool_id, c.centroid_id)):
+        text = " ".join(entry.resolution_text.split())
+        if entry.resolution != "scenario" or not text or entry.tool_id not in schema.tools_by_id:
+            continue
+        preconditions = {}
+        for candidate in [entry.centroid, *entry.dissenters]:
+            if " ".join(str(candidate.get("text", "")).split()) == text:
+                preconditions = dict(candidate.get("preconditions") or {})
+                break
+        out.append(
+            Scenario(
+                tool_id=entry.tool_id,
+                text=text[: schema.strings.scenario],
+                preconditions=preconditions,
+                support=1 + len(entry.dissenters),
+            )
+        )
     return out
 
 
@@ -311,7 +341,7 @@ def _merge(
                 support=slot["support"],
             )
         )
-    scenarios = _dedupe_exact_scenarios(scenarios)
+    scenarios = _dedupe_exact_scenarios(scenarios + conflict_winners(previous_conflicts, schema))
     if not noise and config.max_scenarios_per_tool is not None:
         scenarios = _top_supported(scenarios, config.max_scenarios_per_tool)
     stats.scenarios_out = len(scenarios)
@@ -608,6 +638,7 @@ def _merge_annex(accepted, config, embed, stats):
 __all__ = [
     "BudgetExceeded",
     "SummaryUnparseable",
+    "conflict_winners",
     "conflicts_to_precautions",
     "edge_merge",
     "server_merge",

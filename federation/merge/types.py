@@ -46,6 +46,11 @@ class ConflictEntry:
     centroid: dict
     dissenters: list[dict]
     reason: str
+    # A reviewer's decision applied by the next round's merge: "" (none: the composed precaution),
+    # "precaution" (resolution_text replaces the composed precaution) or "scenario"
+    # (resolution_text, the centroid's or a dissenter's text, wins; no precaution is composed).
+    resolution: str = ""
+    resolution_text: str = ""
 
     def as_dict(self) -> dict:
         return asdict(self)

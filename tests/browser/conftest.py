@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from tests.browser.chromium import LAUNCH_ARGS, ensure_chromium
-from tests.dashboard_data import build_federation
+from tests.dashboard_data import add_review_data, build_federation
 
 SCREENSHOTS = Path(__file__).resolve().parents[2] / "screenshots"
 
@@ -24,6 +24,17 @@ def chromium_path() -> Path:
 @pytest.fixture
 def federation(transactional_db):
     return build_federation()
+
+
+@pytest.fixture
+def review(federation):
+    """Organization people, conflicts, ledger rows, a simulation and routable scenarios."""
+    from routing.services import forget_published_version
+
+    forget_published_version()
+    review = add_review_data(federation, embed=True)
+    yield review
+    forget_published_version()
 
 
 @pytest.fixture

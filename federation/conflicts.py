@@ -1,0 +1,93 @@
+"""Conflict review: the precaution composed from a logged conflict, and reviewers' decisions.
+
+A decision (federation.models.ConflictDecision) takes effect in the next round's edge merge of the
+same organization (federation.pipeline._previous_conflicts).
+"""
+
+from __future__ import annotations
+
+from django.db import transaction
+
+from compendium.services import current_schema
+from federation.errors import InvalidRequest, NotAllowed
+from federation.merge import ConflictEntry
+from federation.merge.operator import conflicts_to_precautions
+from federation.models import AuditLog, ConflictDecision, ConflictLogEntry
+from federation.services import Actor, audit, can_admin
+
+
+def entry_of(conflict: ConflictLogEntry) -> ConflictEntry:
+    return ConflictEntry(
+        conflict.tool_id, conflict.centroid_id, conflict.centroid, conflict.dissenters, conflict.reason
+    )
+
+
+def composed_precaution(conflict: ConflictLogEntry, schema=None) -> str:
+    """The precaution the merge composes from this conflict when nobody decides ("" if none)."""
+    composed = conflicts_to_precautions([entry_of(conflict)], schema or current_schema())
+    return composed[0].text if composed else ""
+
+
+def scenario_choices(conflict: ConflictLogEntry) -> list[str]:
+    """The texts that may win: the centroid's and each dissenter's (masked, as submitted)."""
+    texts = []
+    for candidate in [conflict.centroid, *conflict.dissenters]:
+        text = " ".join(str(candidate.get("text", "")).split())
+        if text and text not in texts:
+            texts.append(text)
+    return texts
+
+
+def decision_for(conflict: ConflictLogEntry) -> ConflictDecision | None:
+    return ConflictDecision.objects.filter(
+        round_id=conflict.round_id,
+        organization_id=conflict.organization_id,
+        tool_id=conflict.tool_id,
+        centroid_id=conflict.centroid_id,
+    ).first()
+
+
+@transaction.atomic
+def decide_conflict(
+    actor: Actor, conflict: ConflictLogEntry, action: str, text: str = ""
+) -> ConflictDecision:
+    """Record (or replace) the decision on `conflict`; audited. Only the operator or an admin of
+    the conflict's organization may decide."""
+    if conflict.organization_id is None or not can_admin(actor, conflict.organization_id):
+        raise NotAllowed("only the operator or this organization's admin may decide conflicts")
+    if action not in ConflictDecision.Action.values:
+        raise InvalidRequest(f"action must be one of {', '.join(ConflictDecision.Action.values)}")
+    text = " ".join((text or "").split())
+    schema = current_schema()
+    if action == ConflictDecision.Action.ACCEPT:
+        text = composed_precaution(conflict, schema)
+        if not text:
+            raise InvalidRequest("no precaution can be composed from this conflict; edit one instead")
+    elif action == ConflictDecision.Action.EDIT:
+        if not text:
+            raise InvalidRequest("an edited precaution needs a text")
+        if len(text) > schema.strings.precaution:
+            raise InvalidRequest(
+                f"the precaution is {len(text)} characters; at most {schema.strings.precaution}"
+            )
+    elif action == ConflictDecision.Action.SCENARIO:
+        if text not in scenario_choices(conflict):
+            raise InvalidRequest("the winning scenario must be the centroid or one of the dissenters")
+    else:
+        text = ""
+    decision, _ = ConflictDecision.objects.update_or_create(
+        round_id=conflict.round_id,
+        organization_id=conflict.organization_id,
+        tool_id=conflict.tool_id,
+        centroid_id=conflict.centroid_id,
+        defaults={"action": action, "text": text, "decided_by": actor.user},
+    )
+    audit(
+        actor,
+        AuditLog.Action.CONFLICT_DECIDE,
+        target=decision,
+        organization=conflict.organization,
+        target_label=f"{conflict.tool_id}/{conflict.centroid_id} of round {conflict.round.number}",
+        details={"action": action, "text": text, "conflict": conflict.pk},
+    )
+    return decision

@@ -1,0 +1,144 @@
+"""The organization, conflict, audit, privacy, accuracy and routing pages in a real browser."""
+
+from __future__ import annotations
+
+import pytest
+from django.urls import reverse
+
+from tests.browser.test_dashboard_browser import log_in
+
+pytestmark = [pytest.mark.slow, pytest.mark.django_db(transaction=True, serialized_rollback=True)]
+
+
+def go(page, base, name, *args):
+    response = page.goto(f"{base}{reverse(name, args=args)}")
+    return response
+
+
+def test_organization_admin_tour(review, page, live_server, shoot):
+    base = live_server.url
+    log_in(page, base, "acme-admin")
+
+    # organizations: only Acme is listed
+    page.click("nav >> text=Organizations")
+    assert page.locator("#organizations tbody tr").count() == 1
+    assert "Globex" not in page.locator("main").inner_text()
+    shoot(page, "organizations")
+    page.click("#organizations >> text=Acme Research")
+    page.wait_for_url(f"{base}{reverse('dashboard:organization', args=['acme'])}")
+    page.wait_for_selector("#edge-figures[data-rendered=true] svg.main-svg")
+    assert page.locator("#edge-figures g.trace.bars path").count() >= 2
+    shoot(page, "organization")
+
+    # enroll, then approve: the token is shown once
+    page.fill("#enroll input[name=name]", "acme-lab-9")
+    page.fill("#enroll input[name=contact]", "lab9@acme.example")
+    page.click("#enroll button[type=submit]")
+    page.wait_for_url(f"{base}{reverse('dashboard:organization', args=['acme'])}")
+    assert "acme-lab-9 enrolled" in page.locator(".messages").inner_text()
+    row = page.locator("table.clients-pending tr", has_text="acme-lab-9")
+    row.locator("button", has_text="Approve").click()
+    page.wait_for_selector("#issued-token")
+    token = page.locator("#token-value").inner_text().strip()
+    assert token.startswith("syn_c_") and len(token) > 30
+    assert "only once" in page.locator("#issued-token").inner_text()
+    assert page.locator("table.clients-approved", has_text="acme-lab-9").count() == 1
+    shoot(page, "organization-token")
+    page.goto(f"{base}{reverse('dashboard:organization', args=['acme'])}")
+    assert token not in page.content()
+    assert token[:12] in page.content()  # the prefix, to recognize it
+
+    # resolve a conflict, then find the decision in the audit log
+    page.click("nav >> text=Conflicts")
+    assert "Berlin" not in page.locator("main").inner_text()
+    card = page.locator("article.conflict", has_text="Paris")
+    assert "Use Weather for will it rain tomorrow in Paris" in card.locator(".composed").inner_text()
+    shoot(page, "conflicts")
+    card.locator("button", has_text="Accept precaution").click()
+    page.wait_for_selector(".messages")
+    assert "next round" in page.locator(".messages").inner_text()
+    assert "decided: accept" in page.locator("article.conflict", has_text="Paris").inner_text()
+    shoot(page, "conflicts-decided")
+    page.click("nav >> text=Audit log")
+    page.select_option("select[name=action]", "conflict.decide")
+    page.click("#audit-filters button[type=submit]")
+    page.wait_for_url("**action=conflict.decide**")
+    rows = page.locator("#audit tbody tr")
+    assert rows.count() == 1
+    assert "acme-admin" in rows.first.inner_text() and "accept" in rows.first.inner_text()
+    page.goto(f"{base}{reverse('dashboard:audit')}")
+    audit_text = page.locator("#audit").inner_text()
+    assert "client.approve" in audit_text and "client.enroll" in audit_text
+    assert "Globex" not in audit_text
+    shoot(page, "audit")
+
+    # privacy: both charts drawn as non-empty plotly SVGs
+    page.click("nav >> text=Privacy")
+    page.wait_for_selector("#epsilon-per-round[data-rendered=true] svg.main-svg")
+    assert page.locator("#epsilon-per-round g.trace.bars path").count() >= 2
+    page.wait_for_selector("#epsilon-composed[data-rendered=true] svg.main-svg")
+    line = page.locator("#epsilon-composed g.trace.scatter path.js-line").first
+    assert len(line.get_attribute("d") or "") > 10
+    assert page.locator("#ledger tbody tr").count() == 4  # Acme's rows only
+    shoot(page, "privacy")
+    page.fill("input[name=epsilon]", "100")
+    page.click("form.toolbar button[type=submit]")
+    page.wait_for_selector("#budget-warning")
+    shoot(page, "privacy-warning")
+
+    # another organization's pages are out of reach
+    response = go(page, base, "dashboard:organization", "globex")
+    assert response.status == 404
+    page.goto(f"{base}{reverse('dashboard:conflicts')}?organization=globex")
+    assert page.locator("article.conflict").count() == 0
+
+
+def test_member_sees_but_cannot_act(review, page, live_server, shoot):
+    base = live_server.url
+    log_in(page, base, "acme-member")
+    go(page, base, "dashboard:organization", "acme")
+    assert page.locator("#enroll").count() == 0
+    assert page.locator("button", has_text="Revoke").count() == 0
+    assert "only its admins" in page.locator("main").inner_text()
+    shoot(page, "organization-member")
+    go(page, base, "dashboard:conflicts")
+    assert page.locator("article.conflict").count() == 1
+    assert page.locator("button", has_text="Dismiss").count() == 0
+    assert go(page, base, "dashboard:organization", "globex").status == 404
+
+
+def test_operator_pages(review, page, live_server, shoot):
+    base = live_server.url
+    log_in(page, base, "operator")
+    assert page.locator("#round-controls").is_visible()
+    page.wait_for_selector("#participation[data-rendered=true] svg.main-svg")
+    shoot(page, "overview-operator")
+    page.locator("#rounds tr", has_text="open").locator("button", has_text="Close").click()
+    page.wait_for_selector(".messages")
+    assert "Round 4 closed" in page.locator(".messages").inner_text()
+    page.fill("#open-round input[name=epsilon]", "0.5")
+    page.select_option("#open-round select[name=robust_rule]", "krum")
+    page.click("#open-round button[type=submit]")
+    page.wait_for_selector(".messages")
+    assert "Round 5 opened (ε = 0.5)" in page.locator(".messages").inner_text()
+
+    go(page, base, "dashboard:accuracy")
+    for div in ("accuracy-curves", "accuracy-categories", "accuracy-adversarial", "privacy-frontier"):
+        page.wait_for_selector(f"#{div}[data-rendered=true] svg.main-svg")
+    assert page.locator("#accuracy-curves g.trace.scatter").count() == 4
+    shoot(page, "accuracy")
+
+    go(page, base, "dashboard:routing")
+    page.fill("input[name=q]", "will it rain in Rome tomorrow?")
+    page.click("#route-form button[type=submit]")
+    page.wait_for_selector("#candidates")
+    assert "weather" in page.locator("#route-decision").inner_text()
+    shoot(page, "routing")
+
+    go(page, base, "dashboard:conflicts")
+    assert page.locator("article.conflict").count() == 2
+    go(page, base, "dashboard:privacy")
+    page.wait_for_selector("#epsilon-composed[data-rendered=true] svg.main-svg")
+    shoot(page, "privacy-operator")
+    go(page, base, "dashboard:organizations")
+    assert page.locator("#organizations tbody tr").count() == 2

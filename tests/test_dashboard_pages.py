@@ -1,0 +1,548 @@
+"""The dashboard's organization, round, audit, privacy, conflict, accuracy and routing pages, for
+every role: the operator, an admin of A, a read-only member of A, and an admin of B."""
+
+from __future__ import annotations
+
+import html
+import json
+import re
+
+import pytest
+from django.urls import reverse
+
+from federation import services
+from federation.models import (
+    AuditLog,
+    Client,
+    ClientToken,
+    ConflictDecision,
+    ConflictLogEntry,
+    PrivacyLedgerEntry,
+    Round,
+    SimulationRun,
+)
+from tests.federation_fixtures import SYSTEM
+
+pytestmark = pytest.mark.django_db
+
+PAGES = [
+    "dashboard:organizations",
+    "dashboard:conflicts",
+    "dashboard:privacy",
+    "dashboard:accuracy",
+    "dashboard:routing",
+    "dashboard:audit",
+]
+ROLES = ["operator", "admin_a", "member_a", "admin_b"]
+
+
+def figures_in(content: str) -> list[dict]:
+    return [json.loads(html.unescape(raw)) for raw in re.findall(r'data-plotly="([^"]*)"', content)]
+
+
+@pytest.fixture
+def fed(world):
+    """world (orgs A and B, people of every role) plus a published round 1 with a conflict and
+    ledger rows at each edge, and an open round 2."""
+    r1 = Round.objects.create(number=1, state=Round.State.PUBLISHED, config={"epsilon": 1.0})
+    Round.objects.create(number=2, state=Round.State.OPEN, config={"epsilon": 1.0})
+    for org, word in ((world.org_a, "Paris"), (world.org_b, "Berlin")):
+        ConflictLogEntry.objects.create(
+            round=r1, organization=org, tool_id="weather", centroid_id="c0",
+            centroid={"text": f"Will it rain tomorrow in {word}?", "preconditions": {"has_city": True}},
+            dissenters=[{"text": f"Rain in {word} without a city", "preconditions": {"has_city": False}}],
+            reason="preconditions disagree",
+        )
+        for field, eps in (("calls", 0.4), ("success_rate", 0.6)):
+            PrivacyLedgerEntry.objects.create(
+                round=r1, organization=org, tool_id="weather", field=field, sensitivity=1.0,
+                contributors=3, epsilon=eps, noise_scale=1.0 / eps, mechanism="laplace",
+            )
+    return world
+
+
+def login(client, fed, role):
+    client.force_login(getattr(fed, role))
+    return client
+
+
+# --- access --------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", PAGES + ["dashboard:organization"])
+def test_anonymous_is_sent_to_login(client, fed, name):
+    url = reverse(name, args=["org-a"]) if name == "dashboard:organization" else reverse(name)
+    response = client.get(url)
+    assert response.status_code == 302 and response["Location"].startswith(reverse("login"))
+
+
+@pytest.mark.parametrize("role", ROLES)
+@pytest.mark.parametrize("name", PAGES)
+def test_every_page_renders_for_every_role_and_is_in_the_nav(client, fed, role, name):
+    response = login(client, fed, role).get(reverse(name))
+    assert response.status_code == 200
+    nav = [item["url"] for item in response.context["nav_items"]]
+    assert reverse(name) in nav
+
+
+def test_post_actions_need_csrf(fed):
+    from django.test import Client as HttpClient
+
+    http = HttpClient(enforce_csrf_checks=True)
+    http.force_login(fed.admin_a)
+    response = http.post(reverse("dashboard:client-enroll", args=["org-a"]), {"name": "x"})
+    assert response.status_code == 403
+    assert not Client.objects.filter(name="x").exists()
+
+
+# --- organizations -------------------------------------------------------------------------------
+
+
+def test_organization_list_is_scoped(client, fed):
+    body = login(client, fed, "admin_a").get(reverse("dashboard:organizations")).content.decode()
+    assert "Org A" in body and "Org B" not in body
+    body = login(client, fed, "operator").get(reverse("dashboard:organizations")).content.decode()
+    assert "Org A" in body and "Org B" in body
+
+
+def test_admin_of_b_gets_404_on_a(client, fed):
+    login(client, fed, "admin_b")
+    assert client.get(reverse("dashboard:organization", args=["org-a"])).status_code == 404
+    for action in ("approve", "rotate", "revoke"):
+        url = reverse("dashboard:client-action", args=["org-a", fed.pending_a.pk, action])
+        assert client.post(url).status_code == 404
+    assert client.post(reverse("dashboard:client-enroll", args=["org-a"]), {"name": "evil"}).status_code == 404
+    # a client of A addressed under B's slug is not found either
+    url = reverse("dashboard:client-action", args=["org-b", fed.client_a.pk, "revoke"])
+    assert client.post(url).status_code == 404
+    fed.client_a.refresh_from_db()
+    assert fed.client_a.status == "approved"
+    assert not Client.objects.filter(name="evil").exists()
+
+
+def test_member_sees_but_cannot_act(client, fed):
+    login(client, fed, "member_a")
+    page = client.get(reverse("dashboard:organization", args=["org-a"]))
+    assert page.status_code == 200
+    body = page.content.decode()
+    assert "a-pending" in body and "a1" in body
+    assert 'id="enroll"' not in body and "Rotate token" not in body
+    response = client.post(reverse("dashboard:client-enroll", args=["org-a"]), {"name": "m"})
+    assert response.status_code == 403
+    assert "admin" in response.content.decode()
+    url = reverse("dashboard:client-action", args=["org-a", fed.client_a.pk, "revoke"])
+    assert client.post(url).status_code == 403
+    fed.client_a.refresh_from_db()
+    assert fed.client_a.status == "approved" and not Client.objects.filter(name="m").exists()
+
+
+def test_admin_enrolls_and_operator_approves_with_the_token_shown_once(client, fed):
+    login(client, fed, "admin_a")
+    response = client.post(
+        reverse("dashboard:client-enroll", args=["org-a"]), {"name": "lab-7", "contact": "it@a"}
+    )
+    assert response.status_code == 302
+    new = Client.objects.get(organization=fed.org_a, name="lab-7")
+    assert new.status == "pending"
+    assert AuditLog.objects.filter(action="client.enroll", target_id=str(new.pk), actor=fed.admin_a).exists()
+    # federation policy: admins may not approve by default
+    url = reverse("dashboard:client-action", args=["org-a", new.pk, "approve"])
+    denied = client.post(url)
+    assert denied.status_code == 403 and "allow_admin_approval" in denied.content.decode()
+    new.refresh_from_db()
+    assert new.status == "pending"
+
+    login(client, fed, "operator")
+    response = client.post(url)
+    assert response.status_code == 200 and response["Cache-Control"] == "no-store"
+    token = response.context["issued_token"]
+    assert token.startswith("syn_c_") and token in response.content.decode()
+    assert services.client_for_token(token) == new
+    stored = ClientToken.objects.get(client=new)
+    assert stored.token_hash == services.hash_token(token) and token not in stored.token_hash
+    again = client.get(reverse("dashboard:organization", args=["org-a"])).content.decode()
+    assert token not in again and stored.prefix in again
+    assert token not in json.dumps(list(AuditLog.objects.values("details", "target_label")))
+
+
+def test_admin_may_approve_when_the_policy_allows(client, fed):
+    services.update_settings(SYSTEM, allow_admin_approval=True)
+    login(client, fed, "admin_a")
+    url = reverse("dashboard:client-action", args=["org-a", fed.pending_a.pk, "approve"])
+    response = client.post(url)
+    assert response.status_code == 200 and response.context["issued_token"]
+    # approving twice is a clear 409, not a second token
+    again = client.post(url)
+    assert again.status_code == 409 and "pending" in again.content.decode()
+
+
+def test_admin_rotates_and_revokes(client, fed):
+    login(client, fed, "admin_a")
+    rotate = reverse("dashboard:client-action", args=["org-a", fed.client_a.pk, "rotate"])
+    response = client.post(rotate)
+    assert response.status_code == 200
+    new_token = response.context["issued_token"]
+    assert new_token != fed.token_a
+    with pytest.raises(services.TokenRejected):
+        services.client_for_token(fed.token_a)
+    assert services.client_for_token(new_token) == fed.client_a
+    revoke = reverse("dashboard:client-action", args=["org-a", fed.client_a.pk, "revoke"])
+    assert client.post(revoke, {"reason": "lost laptop"}).status_code == 302
+    fed.client_a.refresh_from_db()
+    assert fed.client_a.status == "revoked"
+    with pytest.raises(services.TokenRejected):
+        services.client_for_token(new_token)
+    entry = AuditLog.objects.filter(action="client.revoke").first()
+    assert entry.details["reason"] == "lost laptop" and entry.actor == fed.admin_a
+    assert client.post(revoke).status_code == 409
+    assert client.post(reverse("dashboard:client-action", args=["org-a", fed.client_a.pk, "bogus"])).status_code == 404
+
+
+def test_organization_page_shows_edge_figures(client, fed):
+    from compendium.schema import Compendium
+    from compendium.services import store_compendium
+
+    r1 = Round.objects.get(number=1)
+    store_compendium(Compendium.model_validate({"scenarios": [{"tool_id": "weather", "text": "rain?"}]}),
+                     kind="client", round=r1, client=fed.client_a)
+    store_compendium(Compendium.model_validate({"scenarios": [{"tool_id": "weather", "text": "rain?"}]}),
+                     kind="edge", round=r1, organization=fed.org_a)
+    response = login(client, fed, "member_a").get(reverse("dashboard:organization", args=["org-a"]))
+    [fig] = figures_in(response.content.decode())
+    assert fig["data"][0]["y"] == [1]
+    assert fig["data"][1]["y"][0] > 0
+
+
+# --- rounds --------------------------------------------------------------------------------------
+
+
+def test_operator_closes_opens_and_retries_rounds(client, fed):
+    login(client, fed, "operator")
+    overview = client.get(reverse("dashboard:overview")).content.decode()
+    assert "round-controls" in overview and "Close" in overview
+    assert client.post(reverse("dashboard:round-action", args=[2, "close"])).status_code == 302
+    assert Round.objects.get(number=2).state == "closing"
+    assert 'id="open-round"' in client.get(reverse("dashboard:overview")).content.decode()
+    response = client.post(reverse("dashboard:round-open"), {
+        "epsilon": "0.5", "mask_strength": "0.8", "tau": "0.9", "summarizer": "centroid",
+        "robust_rule": "krum", "seed": "7"})
+    assert response.status_code == 302
+    r3 = Round.objects.get(number=3)
+    assert r3.state == "open"
+    assert (r3.config["epsilon"], r3.config["mask_strength"], r3.config["tau"]) == (0.5, 0.8, 0.9)
+    assert (r3.config["summarizer"], r3.config["robust_rule"], r3.config["seed"]) == ("centroid", "krum", 7)
+    assert AuditLog.objects.filter(action="round.open", target_id=str(r3.pk), actor=fed.operator).exists()
+    # a second open round is refused with the reason
+    again = client.post(reverse("dashboard:round-open"), {"epsilon": "1"})
+    assert again.status_code == 409 and "still open" in again.content.decode()
+    services.close_round(SYSTEM, r3)
+    services.mark_failed(r3, "worker lost")
+    assert client.post(reverse("dashboard:round-action", args=[3, "retry"])).status_code == 302
+    assert Round.objects.get(number=3).state == "closing"
+    assert AuditLog.objects.filter(action="round.retry", actor=fed.operator).exists()
+
+
+def test_round_form_rejects_bad_config_naming_the_field(client, fed):
+    login(client, fed, "operator")
+    services.close_round(SYSTEM, Round.objects.get(number=2))
+    response = client.post(reverse("dashboard:round-open"), {"epsilon": "-1", "robust_rule": "median"})
+    assert response.status_code == 400
+    body = response.content.decode()
+    assert "epsilon" in body and "robust_rule" in body
+    assert not Round.objects.filter(number=3).exists()
+
+
+@pytest.mark.parametrize("role", ["admin_a", "member_a", "admin_b"])
+def test_only_the_operator_drives_rounds(client, fed, role):
+    login(client, fed, role)
+    assert "round-controls" not in client.get(reverse("dashboard:overview")).content.decode()
+    assert client.post(reverse("dashboard:round-action", args=[2, "close"])).status_code == 403
+    assert client.post(reverse("dashboard:round-open"), {"epsilon": "1"}).status_code == 403
+    assert Round.objects.get(number=2).state == "open"
+
+
+def test_overview_warns_before_the_budget_is_exceeded(client, fed):
+    login(client, fed, "operator")
+    assert "budget cap" not in client.get(reverse("dashboard:overview")).content.decode()
+    services.update_settings(SYSTEM, epsilon_budget=2.5)  # 2 rounds opened at ε = 1 each
+    body = client.get(reverse("dashboard:overview")).content.decode()
+    assert "will be refused" in body and "budget cap is 2.5" in body
+
+
+# --- audit log -----------------------------------------------------------------------------------
+
+
+def test_audit_log_is_scoped_and_filterable(client, fed):
+    login(client, fed, "operator")
+    page = client.get(reverse("dashboard:audit"))
+    labels = {e.target_label for e in page.context["page_obj"].object_list}
+    assert {"org-a/a1", "org-b/b1"} <= labels
+    login(client, fed, "admin_a")
+    entries = list(client.get(reverse("dashboard:audit")).context["page_obj"].object_list)
+    assert entries and all(e.organization_id == fed.org_a.pk for e in entries)
+    # a filter for B's entries yields nothing for A's admin
+    assert not client.get(reverse("dashboard:audit"), {"organization": "org-b"}).context["page_obj"].object_list
+    approve = client.get(reverse("dashboard:audit"), {"action": "client.approve"}).context["page_obj"]
+    assert [e.target_label for e in approve.object_list] == ["org-a/a1"]
+    assert not client.get(reverse("dashboard:audit"), {"actor": "nobody"}).context["page_obj"].object_list
+    today = entries[0].created_at.date().isoformat()
+    assert client.get(reverse("dashboard:audit"), {"since": today, "until": today}).context["page_obj"].object_list
+    assert not client.get(reverse("dashboard:audit"), {"until": "2000-01-01"}).context["page_obj"].object_list
+
+
+@pytest.mark.parametrize("params,word", [({"since": "yesterday"}, "since"), ({"action": "x.y"}, "action")])
+def test_audit_bad_filter_is_400(client, fed, params, word):
+    response = login(client, fed, "operator").get(reverse("dashboard:audit"), params)
+    assert response.status_code == 400 and word in response.content.decode()
+
+
+def test_audit_log_paginates(client, fed):
+    for i in range(60):
+        services.audit(SYSTEM, AuditLog.Action.SETTINGS_CHANGE, target_type="settings", target_label=f"s{i}")
+    page = login(client, fed, "operator").get(reverse("dashboard:audit"), {"action": "settings.change"})
+    assert len(page.context["page_obj"].object_list) == 50
+    assert page.context["page_obj"].paginator.num_pages == 2
+    second = client.get(reverse("dashboard:audit"), {"action": "settings.change", "page": 2})
+    assert len(second.context["page_obj"].object_list) == 10
+
+
+# --- privacy -------------------------------------------------------------------------------------
+
+
+def test_privacy_page_for_the_operator(client, fed):
+    response = login(client, fed, "operator").get(reverse("dashboard:privacy"))
+    body = response.content.decode()
+    privacy = response.context["privacy"]
+    assert privacy.federation.basic_epsilon == pytest.approx(1.0)
+    assert len(privacy.ledger.object_list) == 4
+    spent, composed = figures_in(body)
+    assert [t["name"] for t in spent["data"]] == ["federation", "Org A", "Org B"]
+    assert spent["data"][0]["y"] == [pytest.approx(1.0)]
+    names = [t["name"] for t in composed["data"]]
+    assert "federation: basic" in names and "federation: advanced" in names
+    assert composed["layout"]["shapes"][0]["y0"] == privacy.budget  # the cap line
+    assert "budget-warning" not in body
+
+
+def test_privacy_page_is_scoped(client, fed):
+    response = login(client, fed, "admin_b").get(reverse("dashboard:privacy"))
+    ledger = list(response.context["privacy"].ledger.object_list)
+    assert ledger and {e.organization_id for e in ledger} == {fed.org_b.pk}
+    assert [n for n, _ in response.context["privacy"].organizations] == ["Org B"]
+    spent, _ = figures_in(response.content.decode())
+    assert [t["name"] for t in spent["data"]] == ["federation", "Org B"]
+
+
+def test_privacy_warning_and_bad_epsilon(client, fed):
+    login(client, fed, "member_a")
+    body = client.get(reverse("dashboard:privacy"), {"epsilon": "60"}).content.decode()
+    assert 'id="budget-warning"' in body
+    assert client.get(reverse("dashboard:privacy"), {"epsilon": "lots"}).status_code == 400
+    assert client.get(reverse("dashboard:privacy"), {"epsilon": "-2"}).status_code == 400
+
+
+# --- conflicts -----------------------------------------------------------------------------------
+
+
+def conflict_of(fed, org):
+    return ConflictLogEntry.objects.get(organization=org)
+
+
+def test_conflicts_are_scoped(client, fed):
+    body = login(client, fed, "admin_a").get(reverse("dashboard:conflicts")).content.decode()
+    assert "in Paris" in body and "Berlin" not in body
+    assert "Use Weather" in body or "Use weather" in body  # the composed precaution
+    body = login(client, fed, "operator").get(reverse("dashboard:conflicts")).content.decode()
+    assert "Paris" in body and "Berlin" in body
+    assert client.get(reverse("dashboard:conflicts"), {"round": "x"}).status_code == 400
+    assert "Berlin" not in client.get(reverse("dashboard:conflicts"), {"organization": "org-a"}).content.decode()
+
+
+def test_admin_accepts_edits_picks_and_dismisses(client, fed):
+    from federation.conflicts import composed_precaution
+
+    conflict = conflict_of(fed, fed.org_a)
+    url = reverse("dashboard:conflict-decide", args=[conflict.pk])
+    login(client, fed, "admin_a")
+    assert client.post(url, {"action": "accept"}).status_code == 302
+    decision = ConflictDecision.objects.get()
+    assert decision.action == "accept" and decision.text == composed_precaution(conflict)
+    assert decision.decided_by == fed.admin_a
+    client.post(url, {"action": "edit", "text": "  Do not use  Weather without a city "})
+    decision.refresh_from_db()
+    assert (decision.action, decision.text) == ("edit", "Do not use Weather without a city")
+    client.post(url, {"action": "scenario", "scenario": "Rain in Paris without a city"})
+    decision.refresh_from_db()
+    assert (decision.action, decision.text) == ("scenario", "Rain in Paris without a city")
+    client.post(url, {"action": "dismiss"})
+    decision.refresh_from_db()
+    assert (decision.action, decision.text) == ("dismiss", "")
+    audited = AuditLog.objects.filter(action="conflict.decide", organization=fed.org_a)
+    assert [e.details["action"] for e in audited.order_by("id")] == ["accept", "edit", "scenario", "dismiss"]
+    page = client.get(reverse("dashboard:conflicts")).content.decode()
+    assert "decided: dismiss" in page
+
+
+@pytest.mark.parametrize("data,word", [
+    ({"action": "edit", "text": "  "}, "needs a text"),
+    ({"action": "scenario", "scenario": "something else"}, "winning scenario"),
+    ({"action": "approve"}, "action must be"),
+])
+def test_bad_decisions_are_400(client, fed, data, word):
+    url = reverse("dashboard:conflict-decide", args=[conflict_of(fed, fed.org_a).pk])
+    response = login(client, fed, "admin_a").post(url, data)
+    assert response.status_code == 400 and word in response.content.decode()
+    assert not ConflictDecision.objects.exists()
+
+
+def test_member_and_other_admin_cannot_decide(client, fed):
+    url = reverse("dashboard:conflict-decide", args=[conflict_of(fed, fed.org_a).pk])
+    body = login(client, fed, "member_a").get(reverse("dashboard:conflicts")).content.decode()
+    assert "Accept precaution" not in body
+    assert client.post(url, {"action": "dismiss"}).status_code == 403
+    assert login(client, fed, "admin_b").post(url, {"action": "dismiss"}).status_code == 404
+    assert not ConflictDecision.objects.exists()
+
+
+def test_decisions_change_the_next_rounds_merge_input(fed):
+    """_previous_conflicts (what the next edge merge gets) follows the decisions."""
+    from federation.conflicts import decide_conflict
+    from federation.pipeline import _previous_conflicts
+
+    r2 = Round.objects.get(number=2)
+    conflict = conflict_of(fed, fed.org_a)
+    [entry] = _previous_conflicts(r2, fed.org_a)
+    assert (entry.resolution, entry.resolution_text) == ("", "")
+    actor = fed.actor(fed.admin_a)
+    decide_conflict(actor, conflict, "edit", "Never use Weather without a city")
+    [entry] = _previous_conflicts(r2, fed.org_a)
+    assert (entry.resolution, entry.resolution_text) == ("precaution", "Never use Weather without a city")
+    decide_conflict(actor, conflict, "scenario", "Rain in Paris without a city")
+    [entry] = _previous_conflicts(r2, fed.org_a)
+    assert (entry.resolution, entry.resolution_text) == ("scenario", "Rain in Paris without a city")
+    decide_conflict(actor, conflict, "dismiss")
+    assert _previous_conflicts(r2, fed.org_a) == []
+    # B's edge is untouched by A's decisions
+    [entry_b] = _previous_conflicts(r2, fed.org_b)
+    assert entry_b.resolution == ""
+
+
+def test_resolutions_in_the_pure_merge_helpers(registry):
+    from federation.merge import ConflictEntry
+    from federation.merge.operator import conflict_winners, conflicts_to_precautions
+
+    base = dict(tool_id="weather", centroid_id="c0",
+                centroid={"text": "Rain in Paris?", "preconditions": {"has_city": True}},
+                dissenters=[{"text": "Rain without city", "preconditions": {"has_city": False}}],
+                reason="")
+    [composed] = conflicts_to_precautions([ConflictEntry(**base)], registry)
+    assert composed.text.startswith("Use weather for rain in Paris")
+    [edited] = conflicts_to_precautions(
+        [ConflictEntry(**base, resolution="precaution", resolution_text="Custom text")], registry)
+    assert (edited.text, edited.support) == ("Custom text", 2)
+    picked = ConflictEntry(**base, resolution="scenario", resolution_text="Rain without city")
+    assert conflicts_to_precautions([picked], registry) == []
+    [winner] = conflict_winners([picked], registry)
+    assert (winner.text, winner.preconditions, winner.support) == ("Rain without city", {"has_city": False}, 2)
+    assert conflict_winners([ConflictEntry(**base)], registry) == []
+
+
+# --- accuracy ------------------------------------------------------------------------------------
+
+DOCUMENT = {
+    "summary": [
+        {"method": "synapse", "round": 1, "seeds": 2, "accuracy_mean": 0.5, "accuracy_sd": 0.02,
+         "macro_accuracy_mean": 0.45},
+        {"method": "synapse", "round": 2, "seeds": 2, "accuracy_mean": 0.6, "accuracy_sd": 0.01,
+         "macro_accuracy_mean": 0.55},
+        {"method": "centralized", "round": None, "seeds": 2, "accuracy_mean": 0.7, "accuracy_sd": 0.0,
+         "macro_accuracy_mean": 0.66},
+    ],
+    "per_category": {"Travel": {"accuracy": 0.8, "n": 10}, "Weather": {"accuracy": 0.4, "n": 5}},
+    "adversarial": [
+        {"adversarial_mode": "random_corruption", "adversarial_fraction": f, "robust_rule": r,
+         "accuracy": a}
+        for r, accs in (("none", (0.6, 0.4)), ("krum", (0.6, 0.55)))
+        for f, a in zip((0.0, 0.4), accs, strict=True)
+    ],
+    "privacy_sweep": [
+        {"epsilon": e, "mask_strength": m, "accuracy": 0.5 + e / 10, "membership_auroc": 0.5 + e / 20}
+        for e in (0.5, 2.0) for m in (0.0, 1.0)
+    ],
+}
+
+
+def test_accuracy_empty_state_names_the_command(client, fed):
+    body = login(client, fed, "member_a").get(reverse("dashboard:accuracy")).content.decode()
+    assert "manage.py simulate" in body and "data-plotly" not in body
+
+
+def test_accuracy_page_draws_the_latest_simulation(client, fed):
+    run = SimulationRun.objects.create(label="demo sim", dataset="tiny", document=DOCUMENT)
+    response = login(client, fed, "admin_b").get(reverse("dashboard:accuracy"))
+    body = response.content.decode()
+    curves, categories, adversarial, frontier = figures_in(body)
+    synapse = next(t for t in curves["data"] if t["name"] == "synapse")
+    assert synapse["x"] == [1, 2] and synapse["y"] == [0.5, 0.6]
+    flat = next(t for t in curves["data"] if t["name"] == "centralized")
+    assert flat["y"] == [0.7, 0.7] and flat["x"] == [1, 2]  # a method without rounds: a line
+    assert categories["data"][0]["x"] == ["Travel", "Weather"]
+    assert {t["name"] for t in adversarial["data"]} == {
+        "random_corruption · none", "random_corruption · krum"}
+    assert {t["name"] for t in frontier["data"]} == {"λ = 0.0", "λ = 1.0"}
+    assert frontier["data"][0]["x"] == [0.525, 0.6]
+    assert "Travel" in body and "demo sim" in body
+    assert client.get(reverse("dashboard:accuracy"), {"run": run.pk}).status_code == 200
+    assert client.get(reverse("dashboard:accuracy"), {"run": "x"}).status_code == 400
+    assert client.get(reverse("dashboard:accuracy"), {"run": run.pk + 99}).status_code == 404
+
+
+# --- routing playground --------------------------------------------------------------------------
+
+
+def test_routing_playground_states(client, fed):
+    from routing import services as routing_services
+
+    routing_services.forget_published_version()
+    login(client, fed, "member_a")
+    empty = client.get(reverse("dashboard:routing"))
+    assert empty.status_code == 200 and 'id="route-form"' in empty.content.decode()
+    Round.objects.filter(state="published").update(state="failed")
+    response = client.get(reverse("dashboard:routing"), {"q": "will it rain?"})
+    assert response.status_code == 503 and 'id="route-error"' in response.content.decode()
+    bad = client.get(reverse("dashboard:routing"), {"q": "x" * 5000})
+    assert bad.status_code == 400 and "too long" in bad.content.decode()
+    bad = client.get(reverse("dashboard:routing"), {"q": "rain", "top_k": "many"})
+    assert bad.status_code == 400 and "top_k" in bad.content.decode()
+
+
+def test_routing_playground_routes_against_the_published_compendium(client, db):
+    from routing import services as routing_services
+    from tests.dashboard_data import add_review_data, build_federation
+
+    routing_services.forget_published_version()
+    review = add_review_data(build_federation(), embed=True)
+    client.force_login(review.acme_member)
+    response = client.get(reverse("dashboard:routing"), {"q": "will it rain in Rome tomorrow?"})
+    assert response.status_code == 200
+    result = response.context["result"]
+    assert result["tool"] == "weather" and result["compendium_round"] == 2
+    body = response.content.decode()
+    assert 'id="candidates"' in body and "Will it rain tomorrow in a city?" in body
+    assert 0 <= result["confidence"] <= 1
+    routing_services.forget_published_version()
+
+
+def test_conflicts_paginate(client, fed):
+    r1 = Round.objects.get(number=1)
+    for i in range(60):
+        ConflictLogEntry.objects.create(
+            round=r1, organization=fed.org_a, tool_id="flights", centroid_id=f"x{i:02d}",
+            centroid={"text": f"Book flight {i}"}, dissenters=[{"text": f"Cancel flight {i}"}],
+        )
+    login(client, fed, "admin_a")
+    first = client.get(reverse("dashboard:conflicts"))
+    assert sum(len(g["cards"]) for g in first.context["groups"]) == 50
+    second = client.get(reverse("dashboard:conflicts"), {"page": 2})
+    assert sum(len(g["cards"]) for g in second.context["groups"]) == 11  # 60 + Paris
+    assert 'rel="prev"' in second.content.decode()
