@@ -5,6 +5,7 @@ PY := $(VENV)/bin/python
 DATASET ?= ../shared/data/metatool
 HOST ?= 127.0.0.1
 PORT ?= 8000
+DATA_DIR := $(or $(SYNAPSE_DATA_DIR),.data)
 export HF_HUB_OFFLINE := 1
 export TRANSFORMERS_OFFLINE := 1
 
@@ -20,12 +21,13 @@ $(VENV)/.installed: pyproject.toml
 demo: install
 	$(PY) manage.py migrate --noinput
 	$(PY) manage.py collectstatic --noinput -v 0
-	$(PY) manage.py bootstrap_demo --dataset $(DATASET) --url http://$(HOST):$(PORT)/ > .data/demo-logins.txt
+	@mkdir -p $(DATA_DIR)
+	$(PY) manage.py bootstrap_demo --dataset $(DATASET) --url http://$(HOST):$(PORT)/ > $(DATA_DIR)/demo-logins.txt
 	$(PY) manage.py demo_rounds --dataset $(DATASET) --rounds 3
 	$(PY) manage.py simulate --dataset $(DATASET) --orgs 3 --clients-per-org 2 --rounds 3 \
 		--queries-per-client 100 --test-limit 600 --sweep-epsilon 1 --sweep-lambda 0,1.5 \
 		--label "demo: MetaTool, 3 orgs x 2 clients" --unless-stored
-	@cat .data/demo-logins.txt
+	@cat $(DATA_DIR)/demo-logins.txt
 	$(PY) -m gunicorn synapse_web.wsgi:application --bind $(HOST):$(PORT) --workers 2 --threads 4 --access-logfile -
 
 test: install
