@@ -140,21 +140,6 @@ def start_round(round_id: int) -> list[int]:
     return organizations
 
 
-def retry_round(round_: Round) -> None:
-    """Operator retry of a failed round: back to closing, and the pipeline starts again."""
-    from federation.signals import round_closed
-
-    with transaction.atomic():
-        locked = Round.objects.select_for_update().get(pk=round_.pk)
-        if locked.state not in (Round.State.FAILED, Round.State.CLOSING, Round.State.MERGING):
-            raise PipelineError(f"round {locked.number} is {locked.state}; only a failed round "
-                                "can be retried")
-        locked.state = Round.State.CLOSING
-        locked.failure_reason = ""
-        locked.save(update_fields=["state", "failure_reason"])
-        transaction.on_commit(lambda: round_closed.send(sender=Round, round=locked))
-
-
 # --- the edge merge ------------------------------------------------------------------------------
 
 

@@ -87,3 +87,28 @@ def build_federation(round_number: int = 1, config: dict | None = None, state: s
         store_compendium(Compendium.model_validate({"schema_version": "1.0", **doc}),
                          kind="client", round=round_, client=client)
     return round_, clients
+
+
+def plant_weather_conflict(round_: Round, clients: dict) -> Organization:
+    """At acme, two clients say the weather scenario needs a city and a third client says it does
+    not: the edge merge of `round_` logs a conflict for the weather tool."""
+    from compendium.models import CompendiumVersion
+
+    org = Organization.objects.get(slug="acme")
+    extra = Client.objects.create(organization=org, name="a3", status="approved")
+    store_compendium(
+        Compendium.model_validate({"scenarios": [
+            {"tool_id": "weather", "text": "Will it rain tomorrow in Paris?",
+             "preconditions": {"has_city": False}}]}),
+        kind="client", round=round_, client=extra,
+    )
+    for client in (clients[("acme", "a1")], clients[("acme", "a2")]):
+        version = CompendiumVersion.objects.get(kind="client", round=round_, client=client)
+        content = dict(version.content)
+        for s in content["scenarios"]:
+            if s["tool_id"] == "weather":
+                s["preconditions"] = {"has_city": True}
+        version.delete()
+        store_compendium(Compendium.model_validate(content), kind="client", round=round_,
+                         client=client)
+    return org

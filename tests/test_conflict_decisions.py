@@ -10,10 +10,10 @@ from compendium.models import CompendiumVersion
 from compendium.schema import Compendium
 from compendium.services import store_compendium
 from federation.conflicts import decide_conflict
-from federation.models import Client, ConflictLogEntry, Organization, Round
+from federation.models import ConflictLogEntry, Round
 from federation.services import Actor
 from federation.signals import round_closed
-from tests.merge_helpers import build_federation
+from tests.merge_helpers import build_federation, plant_weather_conflict
 
 pytestmark = pytest.mark.django_db
 
@@ -30,22 +30,7 @@ def close(round_, capture):
 def conflicted_round(capture):
     """Round 1 at acme: two clients say the weather scenario needs a city, a third says not."""
     round_, clients = build_federation(config={"summarizer": "none"})
-    org = Organization.objects.get(slug="acme")
-    extra = Client.objects.create(organization=org, name="a3", status="approved")
-    store_compendium(
-        Compendium.model_validate({"scenarios": [
-            {"tool_id": "weather", "text": "Will it rain tomorrow in Paris?",
-             "preconditions": {"has_city": False}}]}),
-        kind="client", round=round_, client=extra,
-    )
-    for client in (clients[("acme", "a1")], clients[("acme", "a2")]):
-        version = CompendiumVersion.objects.get(kind="client", round=round_, client=client)
-        content = dict(version.content)
-        for s in content["scenarios"]:
-            if s["tool_id"] == "weather":
-                s["preconditions"] = {"has_city": True}
-        version.delete()
-        store_compendium(Compendium.model_validate(content), kind="client", round=round_, client=client)
+    org = plant_weather_conflict(round_, clients)
     close(round_, capture)
     [conflict] = ConflictLogEntry.objects.filter(round=round_, organization=org)
     return org, clients, conflict

@@ -16,7 +16,7 @@ from federation.models import (
     Round,
 )
 from federation.signals import round_closed
-from tests.merge_helpers import build_federation, write_probe_dataset
+from tests.merge_helpers import build_federation, plant_weather_conflict, write_probe_dataset
 
 pytestmark = pytest.mark.django_db
 
@@ -112,26 +112,9 @@ def test_conflicts_are_logged_and_become_next_round_precautions(
 ):
     from compendium.schema import Compendium
     from compendium.services import store_compendium
-    from federation.models import Client, Organization
 
     round_, clients = build_federation(config={"summarizer": "none"})
-    org = Organization.objects.get(slug="acme")
-    extra = Client.objects.create(organization=org, name="a3", status="approved")
-    store_compendium(
-        Compendium.model_validate({"scenarios": [
-            {"tool_id": "weather", "text": "Will it rain tomorrow in Paris?",
-             "preconditions": {"has_city": False}}]}),
-        kind="client", round=round_, client=extra,
-    )
-    for client in (clients[("acme", "a1")], clients[("acme", "a2")]):
-        version = CompendiumVersion.objects.get(kind="client", round=round_, client=client)
-        content = dict(version.content)
-        for s in content["scenarios"]:
-            if s["tool_id"] == "weather":
-                s["preconditions"] = {"has_city": True}
-        version.delete()
-        store_compendium(Compendium.model_validate(content), kind="client", round=round_,
-                         client=client)
+    org = plant_weather_conflict(round_, clients)
     close(round_, django_capture_on_commit_callbacks)
     assert round_.state == "published", round_.failure_reason
     [conflict] = ConflictLogEntry.objects.filter(round=round_, organization=org)

@@ -11,7 +11,7 @@ from typing import Any
 
 import numpy as np
 
-from federation.simulation.runner import Simulation, SimulationConfig
+from federation.simulation.runner import METHODS, Simulation, SimulationConfig
 
 
 def run(simulation: Simulation, seeds: list[int]) -> dict[str, Any]:
@@ -56,15 +56,9 @@ def summarize(rows: list[dict]) -> list[dict]:
                 "macro_accuracy_mean": round(float(np.mean(macro)), 4),
             }
         )
-    order = {m: i for i, m in enumerate(_method_order())}
+    order = {m: i for i, m in enumerate(METHODS)}
     out.sort(key=lambda r: (order.get(r["method"], 99), r["round"] or 0))
     return out
-
-
-def _method_order() -> list[str]:
-    from federation.simulation.runner import METHODS
-
-    return list(METHODS)
 
 
 def sweep(
