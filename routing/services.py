@@ -16,7 +16,7 @@ from datetime import timedelta
 
 import numpy as np
 from django.conf import settings
-from django.db import connection, transaction
+from django.db import connection
 from django.utils import timezone
 
 from compendium.models import CompendiumVersion, PrecautionEntry, ScenarioEntry
@@ -108,66 +108,98 @@ def _current_version() -> CompendiumVersion | None:
 
 # --- pgvector retrieval -----------------------------------------------------------------------------
 
-_pgvector_version: tuple[int, ...] | None = None
 HNSW_DEFAULT_EF_SEARCH = 40
+HNSW_MAX_EF_SEARCH = 1000
 
 
-def _pgvector() -> tuple[int, ...]:
-    global _pgvector_version
-    if _pgvector_version is None:
-        with connection.cursor() as cursor:
-            cursor.execute("SELECT extversion FROM pg_extension WHERE extname = 'vector'")
-            row = cursor.fetchone()
-        _pgvector_version = tuple(int(p) for p in row[0].split(".")[:2]) if row else (0, 0)
-    return _pgvector_version
+def _raw_connection():
+    """The psycopg connection under Django's, with pgvector's binary type adapters registered
+    (once per physical connection)."""
+    connection.ensure_connection()
+    raw = connection.connection
+    if not getattr(raw, "_synapse_vector_registered", False):
+        from pgvector.psycopg import register_vector
 
-
-def _vector_literal(vector: np.ndarray) -> str:
-    return "[" + ",".join(map(repr, np.asarray(vector, dtype=np.float32).tolist())) + "]"
+        register_vector(raw)
+        raw._synapse_vector_registered = True
+        raw._synapse_ef_search = HNSW_DEFAULT_EF_SEARCH
+    return raw
 
 
 class PgvectorRetriever:
-    """Top-n scenarios of one version by cosine distance in pgvector (HNSW index).
+    """Top-n scenarios of one version by cosine distance in pgvector.
 
-    The HNSW scan is filtered by version after the fact, so it can return fewer than n rows when
-    other versions share the index (ef_search, 40 by default, bounds the candidates). For n above
-    40, ef_search is raised for the query (and iterative scans are enabled on pgvector >= 0.8);
-    whenever the answer still comes up short, an exact scan of the version's rows answers instead,
-    so the caller always gets min(n, rows) scenarios in exact cosine order.
+    `exact` (the default, settings.SYNAPSE_ROUTING_RETRIEVAL): an exact scan of the version's rows
+    (about 3 ms for 5,000 scenarios), so the server ranks exactly as the client toolkit does and
+    both pick the same tool. `hnsw`: the HNSW index (about 0.5 ms), approximate: on MetaTool about
+    1% of decisions differed from the exact ones; for compendiums too large to scan.
+
+    The query vector travels in pgvector's binary format with the statement bound on the server
+    (a 384-float text literal, parsed twice per query, cost more than the search itself). The HNSW
+    index is shared by every stored version, so its scan is filtered by version after the fact:
+    ef_search (the candidates the scan keeps) is raised in proportion to the share of the index
+    that belongs to this version, and whenever the answer still comes up short, an exact scan of
+    the version's rows answers instead, so the caller always gets min(n, rows) scenarios in exact
+    cosine order.
     """
 
-    def __init__(self, version_id: int, entry_ids: np.ndarray):
+    _SQL = (
+        "SELECT id, embedding <=> %(q)s FROM compendium_scenarioentry "
+        "WHERE version_id = %(v)s AND embedding IS NOT NULL ORDER BY {order} LIMIT %(n)s"
+    )
+
+    MODES = ("exact", "hnsw")
+
+    def __init__(
+        self,
+        version_id: int,
+        entry_ids: np.ndarray,
+        indexed_rows: int | None = None,
+        mode: str = "exact",
+    ):
+        if mode not in self.MODES:
+            raise ValueError(f"unknown retrieval mode {mode!r}: choose exact or hnsw")
+        self.mode = mode
         self.version_id = version_id
         self.position = {int(pk): i for i, pk in enumerate(entry_ids)}
         self.available = len(entry_ids)
+        # Rows with embeddings in the whole index, when the served version was loaded.
+        self.indexed_rows = max(indexed_rows or self.available, self.available, 1)
         self.exact_fallbacks = 0
 
-    def _query(self, literal: str, n: int, exact: bool) -> list[tuple[int, float]]:
-        order = "(embedding <=> %s::vector) + 0" if exact else "embedding <=> %s::vector"
-        sql = (
-            "SELECT id, embedding <=> %s::vector FROM compendium_scenarioentry "
-            f"WHERE version_id = %s AND embedding IS NOT NULL ORDER BY {order} LIMIT %s"
-        )
-        params = [literal, self.version_id, literal, n]
-        if exact or n <= HNSW_DEFAULT_EF_SEARCH:
-            # One round trip: the default ef_search already covers n candidates.
-            with connection.cursor() as cursor:
-                cursor.execute(sql, params)
-                return cursor.fetchall()
-        with transaction.atomic(), connection.cursor() as cursor:
-            cursor.execute(f"SET LOCAL hnsw.ef_search = {min(1000, 2 * n)}")
-            if _pgvector() >= (0, 8):
-                cursor.execute("SET LOCAL hnsw.iterative_scan = strict_order")
-            cursor.execute(sql, params)
+    def ef_search(self, n: int) -> int:
+        share = self.available / self.indexed_rows
+        wanted = int(np.ceil(2 * n / max(share, 1e-9)))
+        return int(min(HNSW_MAX_EF_SEARCH, max(HNSW_DEFAULT_EF_SEARCH, wanted)))
+
+    def _query(self, vector, n: int, exact: bool) -> list[tuple[int, float]]:
+        import psycopg
+
+        raw = _raw_connection()
+        order = "(embedding <=> %(q)s) + 0" if exact else "embedding <=> %(q)s"
+        with psycopg.Cursor(raw) as cursor:  # server-side binding, binary vector
+            if not exact:
+                ef = self.ef_search(n)
+                if raw._synapse_ef_search != ef:  # a search setting only: kept per connection
+                    cursor.execute(f"SET hnsw.ef_search = {ef}")
+                    raw._synapse_ef_search = ef
+            cursor.execute(
+                self._SQL.format(order=order),
+                {"q": vector, "v": self.version_id, "n": n},
+                binary=True,
+            )
             return cursor.fetchall()
 
     def __call__(self, vector: np.ndarray, n: int):
         n = min(n, self.available)
-        literal = _vector_literal(vector)
-        rows = self._query(literal, n, exact=False)
+        vector = np.asarray(vector, dtype=np.float32)
+        if self.mode == "exact":
+            rows = self._query(vector, n, exact=True)
+        else:
+            rows = self._query(vector, n, exact=False)
         if len(rows) < n:
             self.exact_fallbacks += 1
-            rows = self._query(literal, n, exact=True)
+            rows = self._query(vector, n, exact=True)
         idx = np.array([self.position[pk] for pk, _ in rows], dtype=np.int64)
         scores = np.array([1.0 - d for _, d in rows], dtype=np.float32)
         return idx, scores
@@ -227,7 +259,12 @@ def _build(version: CompendiumVersion) -> ServedCompendium:
     if missing:
         precaution_vectors[missing] = engine.embed([precaution_rows[i].text for i in missing])
     index = ScenarioIndex(compendium, engine, scenario_vectors, precaution_vectors)
-    retriever = PgvectorRetriever(version.pk, np.array([r.pk for r in scenario_rows]))
+    retriever = PgvectorRetriever(
+        version.pk,
+        np.array([r.pk for r in scenario_rows]),
+        indexed_rows=ScenarioEntry.objects.filter(embedding__isnull=False).count(),
+        mode=getattr(settings, "SYNAPSE_ROUTING_RETRIEVAL", "exact"),
+    )
     params = routing_params()
     llm = get_llm(
         getattr(settings, "SYNAPSE_LLM_BASE_URL", None),

@@ -153,6 +153,8 @@ SYNAPSE_MAX_QUERY_CHARS = int(os.environ.get("SYNAPSE_MAX_QUERY_CHARS", "2000"))
 SYNAPSE_MAX_ROUTE_BATCH = int(os.environ.get("SYNAPSE_MAX_ROUTE_BATCH", "1000"))
 # Seconds a process keeps the published version before asking the database again.
 SYNAPSE_ROUTING_VERSION_TTL = float(os.environ.get("SYNAPSE_ROUTING_VERSION_TTL", "2"))
+# exact: the server ranks exactly as the client toolkit does; hnsw: approximate, for huge compendiums
+SYNAPSE_ROUTING_RETRIEVAL = os.environ.get("SYNAPSE_ROUTING_RETRIEVAL", "exact")
 # --- privacy accounting -------------------------------------------------------------------------
 # The federation's total ε cap (used unless a FederationSettings row sets epsilon_budget) and the
 # δ' of advanced composition.

@@ -1,4 +1,6 @@
-"""The ONNX int8 query engine is faithful to the fp32 all-MiniLM-L6-v2 and shares the engine API."""
+"""The ONNX builds of all-MiniLM-L6-v2: the fp32-compute one is faithful to the fp32 model, the
+int8-compute one (the query engine) stays close enough that routing decisions agree, and both
+share the engine API."""
 
 from __future__ import annotations
 
@@ -7,16 +9,26 @@ import json
 import numpy as np
 import pytest
 
-from routing.embeddings import ONNX_INT8_MODEL, get_engine, get_query_engine
+from routing.embeddings import (
+    ONNX_INT8_DYNAMIC_MODEL,
+    ONNX_INT8_MODEL,
+    EmbeddingEngine,
+    get_engine,
+    get_query_engine,
+)
 from tests.routing_data import METATOOL
 
 pytestmark = pytest.mark.slow
 
 
-def _metatool_queries(n: int) -> list[str]:
+def _metatool_labelled(n: int) -> list[tuple[str, str]]:
     with (METATOOL / "queries.jsonl").open(encoding="utf-8") as handle:
-        queries = [json.loads(line)["query"] for line in handle if line.strip()]
-    return queries[:: max(1, len(queries) // n)][:n]
+        rows = [json.loads(line) for line in handle if line.strip()]
+    return [(r["query"], r["tool_id"]) for r in rows[:: max(1, len(rows) // n)][:n]]
+
+
+def _metatool_queries(n: int) -> list[str]:
+    return [q for q, _ in _metatool_labelled(n)]
 
 
 def test_onnx_int8_matches_fp32_model_on_metatool_queries():
@@ -33,9 +45,44 @@ def test_onnx_int8_matches_fp32_model_on_metatool_queries():
     assert float(single @ int8[7]) > 0.9999
 
 
-def test_query_engine_defaults_to_onnx_and_caches():
+def test_int8_compute_engine_stays_close_to_fp32_and_routes_as_well():
+    labelled = _metatool_labelled(2000)
+    texts = [q for q, _ in labelled]
+    tools = np.array([t for _, t in labelled])
+    fp32 = get_engine("").embed(texts)
+    int8 = get_engine(ONNX_INT8_DYNAMIC_MODEL).embed(texts)
+    assert np.allclose(np.linalg.norm(int8, axis=1), 1.0, atol=1e-5)
+    cosine = (fp32 * int8).sum(axis=1)
+    assert cosine.mean() >= 0.99, cosine.mean()
+    assert cosine.min() >= 0.95, cosine.min()
+    # Nearest-neighbour routing: queries of one half against the other half's fp32 embeddings
+    # (as stored scenarios are) pick the right tool as often with int8 queries as with fp32.
+    docs, labels = fp32[1::2], tools[1::2]
+    right = tools[::2]
+    accuracy_fp32 = (labels[(fp32[::2] @ docs.T).argmax(axis=1)] == right).mean()
+    accuracy_int8 = (labels[(int8[::2] @ docs.T).argmax(axis=1)] == right).mean()
+    assert accuracy_fp32 > 0.5
+    assert accuracy_int8 >= accuracy_fp32 - 0.01, (accuracy_int8, accuracy_fp32)
+
+
+def test_int8_compute_model_is_built_once_and_reused(tmp_path, monkeypatch):
+    monkeypatch.setenv("SYNAPSE_MODEL_CACHE", str(tmp_path))
+    first = EmbeddingEngine(ONNX_INT8_DYNAMIC_MODEL).embed_one("book a table for two tonight")
+    built = list(tmp_path.glob("*.onnx"))
+    assert len(built) == 1 and not list(tmp_path.glob("tmp*"))  # nothing half-written left
+    stamp = built[0].stat().st_mtime_ns
+    calls = []
+    monkeypatch.setattr(
+        "onnxruntime.quantization.quantize_dynamic", lambda *a, **k: calls.append(a)
+    )
+    second = EmbeddingEngine(ONNX_INT8_DYNAMIC_MODEL).embed_one("book a table for two tonight")
+    assert calls == [] and built[0].stat().st_mtime_ns == stamp
+    assert np.allclose(first, second)
+
+
+def test_query_engine_defaults_to_int8_compute_and_caches():
     engine = get_query_engine()
-    assert engine.model_name == ONNX_INT8_MODEL
+    assert engine.model_name == ONNX_INT8_DYNAMIC_MODEL
     before = engine.computed
     engine.embed_one("route this query please")
     engine.embed_one("route this query please")

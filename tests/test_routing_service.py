@@ -78,6 +78,29 @@ def test_pgvector_retrieval_matches_brute_force_cosine(data):
     assert services.served_compendium() is served
 
 
+def test_hnsw_search_widens_when_other_versions_fill_the_index(data, settings):
+    """With HNSW retrieval, six more versions share the index (the served one holds a seventh of
+    it): the scan keeps proportionally more candidates, so a top-20 query is answered by HNSW, not
+    the exact scan."""
+    settings.SYNAPSE_ROUTING_RETRIEVAL = "hnsw"
+    _publish(data, number=1)
+    for number in (2, 3):
+        _publish(data, number=number, state="failed")
+    version = _publish(data, number=4, with_client_copy=False)
+    served = services.served_compendium()
+    assert served.version_id == version.pk
+    retriever = served.retriever
+    assert retriever.mode == "hnsw"
+    assert retriever.available * 4 <= retriever.indexed_rows + 4
+    assert retriever.ef_search(20) >= 4 * 2 * 20
+    matrix = served.index.embeddings
+    for vector in data["engine"].embed(data["queries"]):
+        idx, scores = retriever(vector, 20)
+        assert len(idx) == 20
+        assert np.allclose(scores, matrix[idx] @ vector, atol=1e-4)
+    assert retriever.exact_fallbacks <= len(data["queries"]) // 10
+
+
 def test_client_router_and_server_pick_the_same_tool(data):
     _publish(data)
     client_router = Router(data["compendium"], data["engine"], "fusion", params=services.routing_params())
