@@ -6,18 +6,36 @@ release's fields (F*·ε_j under a field cap), summed over re-materializations. 
 disjoint clients, so the federation's spend in a round is the largest organization spend (parallel
 composition). Across rounds the basic and the advanced bound are both computed and the tighter is
 reported.
+
+One notion of what the federation has committed, used by every check (opening a round, lowering
+the cap, the pipeline before any noise, each edge release, the dashboard): the composition over
+
+- every round with ledger rows, at its ledger spend (largest organization), whatever its state;
+- every round that is open, closing or merging and has no ledger rows yet, at its *projected*
+  spend (a reservation): `projected_round_spend(config)`, the ledger's own formula applied to one
+  release of that round's configuration.
+
+A round is counted once: its reservation gives way to its ledger rows as soon as an edge has
+released. A failed round without ledger rows holds no reservation (no noise was drawn, and a
+failure such as "no submissions" or "budget exceeded" may be final); `services.retry_round`
+re-reserves it, and refuses the retry if that would exceed the cap.
 """
 
 from __future__ import annotations
 
 from collections import defaultdict
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from django.apps import apps
 from django.conf import settings
 
 from federation.merge.privacy import Composition, compose, round_spend
-from federation.models import PrivacyLedgerEntry
+from federation.models import PrivacyLedgerEntry, Round
+from federation.round_config import RoundConfig
+
+# Rounds that will still release numeric statistics without a further operator decision.
+RESERVING_STATES = (Round.State.OPEN, Round.State.CLOSING, Round.State.MERGING)
 
 
 def epsilon_budget() -> float:
@@ -76,41 +94,157 @@ def federation_composition() -> Composition:
 def remaining_for_release(round_id: int, organization_id: int, release: int) -> float:
     """ε still available to one edge release (a retry of the same release is not counted twice).
 
-    cap − the composed spend recorded so far, where every round counts its largest organization
-    spend, except this round, which counts this organization's own earlier releases only (other
-    organizations' releases in the same round cover disjoint clients). Exact under basic
-    composition."""
+    cap − the committed composition, where every other round counts as in
+    `committed_composition` (ledger spend, or the reservation of a round that has not released
+    yet: an erasure's re-release must not take budget an open round holds), and this round counts
+    this organization's own earlier releases only (other organizations' releases in the same round
+    cover disjoint clients). Exact under basic composition."""
     spends = _spends(exclude=(organization_id, round_id, release))
-    rounds = _federation_rounds(spends)
-    rounds[round_id] = spends.get(organization_id, {}).get(round_id, 0.0)
-    used = compose([rounds[r] for r in sorted(rounds)], delta_prime())
+    committed = commitments(spends)
+    own = spends.get(organization_id, {}).get(round_id, 0.0)
+    used = compose(committed.spends([own], exclude=round_id), delta_prime())
     return epsilon_budget() - used.epsilon
 
 
-def would_exceed(round_epsilon: float) -> tuple[bool, Composition]:
-    """Whether one more round spending `round_epsilon` would exceed the cap, and the composition."""
-    rounds = _federation_rounds(_spends())
-    projected = compose([rounds[r] for r in sorted(rounds)] + [round_epsilon], delta_prime())
+def declared_numeric_fields() -> int:
+    """F: the numeric fields the schema in force declares (the only fields a merge can noise)."""
+    from compendium.models import NumericField
+
+    return NumericField.objects.count()
+
+
+def projected_round_spend(config: RoundConfig | dict | None, fields: int | None = None) -> float:
+    """ε one round will cost the federation when its edges release, before it has ledger rows.
+
+    The ledger's formula for one release of that round: round_spend([ε_j] * F, F*), with the
+    merge's per-field ε_j = config.per_field_epsilon(F) (ε/F*, or ε/F without a cap) over the F
+    declared numeric fields (`fields`, default: counted now). That is F*·ε/F* = F·ε/F = ε
+    whenever F ≥ 1 (the merge's own K, the (tool, field) pairs submitted, gives the same ε), and 0
+    when no numeric field is declared (nothing is noised). Organizations release in parallel, so
+    one release is the federation's round spend; an erasure's re-release is counted when it is
+    recorded."""
+    if not isinstance(config, RoundConfig):
+        config = RoundConfig(**(config or {}))
+    f = declared_numeric_fields() if fields is None else fields
+    if f <= 0:
+        return 0.0
+    return round_spend([config.per_field_epsilon(f)] * f, config.field_cap)
+
+
+@dataclass(frozen=True)
+class Commitments:
+    """What the federation has committed: ledger spend and reservations, per round id."""
+
+    recorded: dict[int, float]  # rounds with ledger rows: largest organization spend
+    reserved: dict[int, float]  # open/closing/merging rounds without ledger rows: projected spend
+
+    def spends(self, extra: Sequence[float] = (), exclude: int | None = None) -> list[float]:
+        rounds = {**self.reserved, **self.recorded}
+        rounds.pop(exclude, None)
+        return [rounds[r] for r in sorted(rounds)] + [float(e) for e in extra]
+
+
+def reservations(recorded_rounds: set[int] | None = None) -> dict[int, float]:
+    """{round id: projected ε} of the rounds that are open, closing or merging and have no ledger
+    rows (rounds with a zero projection are left out)."""
+    if recorded_rounds is None:
+        recorded_rounds = set(PrivacyLedgerEntry.objects.values_list("round_id", flat=True))
+    rows = Round.objects.filter(state__in=RESERVING_STATES).values_list("pk", "config")
+    fields = declared_numeric_fields()
+    out = {}
+    for pk, config in rows:
+        if pk in recorded_rounds:
+            continue
+        spend = projected_round_spend(config, fields)
+        if spend > 0:
+            out[pk] = spend
+    return out
+
+
+def commitments(spends: dict[int, dict[int, float]] | None = None) -> Commitments:
+    recorded = _federation_rounds(_spends() if spends is None else spends)
+    return Commitments(dict(recorded), reservations(set(recorded)))
+
+
+def committed_composition(extra: Sequence[float] = ()) -> Composition:
+    """The federation's committed ε′: the ledger's rounds, the reservations of rounds that have
+    not released yet, and `extra` (round spends not yet reserved), composed."""
+    return compose(commitments().spends(extra), delta_prime())
+
+
+def round_reservation(round_: Round) -> float:
+    """What `round_` adds to the commitment if it is (re)started now: nothing if it has ledger
+    rows (they are counted already), else its projected spend."""
+    if PrivacyLedgerEntry.objects.filter(round=round_).exists():
+        return 0.0
+    return projected_round_spend(round_.config)
+
+
+def _extra_spends(extra: RoundConfig | float | None) -> list[float]:
+    if isinstance(extra, RoundConfig):
+        return [projected_round_spend(extra)]
+    return [] if extra is None else [float(extra)]
+
+
+def would_exceed(extra: RoundConfig | float | None = None) -> tuple[bool, Composition]:
+    """Whether the committed composition plus `extra` exceeds the cap, and that composition.
+
+    `extra`: a RoundConfig (one more round: its projected spend), a float (a round spend as the
+    ledger counts it), or None (whether what is already committed exceeds the cap: the
+    pipeline's check, where the round being started is counted already, by its reservation or
+    its ledger rows)."""
+    projected = committed_composition(_extra_spends(extra))
     return projected.epsilon > epsilon_budget() + 1e-12, projected
+
+
+def budget_refusal(
+    extra: RoundConfig | float | None, what: str, budget: float | None = None
+) -> str:
+    """The accountant's one refusal message: "" when the committed ε′ plus `extra` (as in
+    `would_exceed`) stays within the cap (`budget`, default `epsilon_budget()`), else a sentence
+    naming both figures, the cap and how the committed figure is made up. `what` is its subject
+    ("opening a round at ε = 1")."""
+    committed = commitments()
+    more = _extra_spends(extra)
+    before = compose(committed.spends(), delta_prime())
+    after = compose(committed.spends(more), delta_prime())
+    cap = epsilon_budget() if budget is None else budget
+    if after.epsilon <= cap + 1e-12:
+        return ""
+    spend = f" (projected round spend ε = {more[0]:.6g})" if more else ""
+    return (
+        f"{what}{spend} would bring the federation's committed ε′ from {before.epsilon:.6g} to "
+        f"{after.epsilon:.6g} ({after.tighter} composition), above its privacy budget of "
+        f"{cap:.6g} (committed: {len(committed.recorded)} round(s) recorded in the ledger, "
+        f"{len(committed.reserved)} reserved by rounds not released yet)"
+    )
 
 
 @dataclass(frozen=True)
 class PrivacyReport:
     budget: float
-    federation: Composition
+    federation: Composition  # recorded in the ledger
     organizations: dict[int, Composition]
+    committed: Composition  # the ledger plus the reservations of rounds not released yet
+    reserved: dict[int, float]  # round id: projected ε of a round without ledger rows
 
     def as_dict(self) -> dict:
+        numbers = dict(Round.objects.filter(pk__in=self.reserved).values_list("pk", "number"))
         return {
             "epsilon_budget": self.budget,
             "federation": self.federation.as_dict(),
+            "committed": self.committed.as_dict(),
+            "reserved_by_round": {
+                str(numbers.get(k, k)): v for k, v in sorted(self.reserved.items())
+            },
             "organizations": {k: v.as_dict() for k, v in self.organizations.items()},
         }
 
 
 def privacy_report() -> PrivacyReport:
     spends = _spends()
-    rounds = _federation_rounds(spends)
+    committed = commitments(spends)
+    rounds = committed.recorded
     return PrivacyReport(
         budget=epsilon_budget(),
         federation=compose([rounds[r] for r in sorted(rounds)], delta_prime()),
@@ -118,4 +252,6 @@ def privacy_report() -> PrivacyReport:
             org: compose([per[r] for r in sorted(per)], delta_prime())
             for org, per in sorted(spends.items())
         },
+        committed=compose(committed.spends(), delta_prime()),
+        reserved=committed.reserved,
     )

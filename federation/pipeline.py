@@ -121,11 +121,14 @@ def start_round(round_id: int) -> list[int]:
         if not organizations:
             reason = f"round {round_.number} has no submissions to merge"
         else:
-            exceeded, projected = accounting.would_exceed(config.epsilon)
+            # The round is already part of the committed composition (its reservation, or its
+            # ledger rows after a partial merge): check that figure, without adding it again.
+            exceeded, projected = accounting.would_exceed()
             reason = (
-                f"privacy budget exceeded: round {round_.number} would bring the federation to "
-                f"ε = {projected.epsilon:.6g} ({projected.tighter} composition), above its "
-                f"epsilon budget of {accounting.epsilon_budget():.6g}"
+                f"privacy budget exceeded: round {round_.number} (ε = {config.epsilon:g}) would "
+                f"bring the federation's committed ε′ to {projected.epsilon:.6g} "
+                f"({projected.tighter} composition), above its epsilon budget of "
+                f"{accounting.epsilon_budget():.6g}"
                 if exceeded
                 else ""
             )

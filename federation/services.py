@@ -19,7 +19,7 @@ from django.db.models import Sum
 from django.utils import timezone
 from django.utils.text import slugify
 
-from federation import ratelimit
+from federation import accounting, ratelimit
 from federation.errors import (
     BudgetExceeded,
     Conflict,
@@ -289,11 +289,14 @@ def update_settings(actor: Actor, **changes) -> FederationSettings:
         setattr(row, key, value)
     if row.epsilon_budget <= 0 or not 0 < row.delta_prime < 1:
         raise InvalidRequest("epsilon_budget must be > 0 and delta_prime in (0, 1)")
-    if row.epsilon_budget < epsilon_spent():
-        raise BudgetExceeded(
-            f"epsilon_budget {row.epsilon_budget:g} is below the ε already spent "
-            f"({epsilon_spent():g})"
-        )
+    if "epsilon_budget" in changes:
+        committed = accounting.committed_composition()
+        if row.epsilon_budget < committed.epsilon - 1e-12:
+            raise BudgetExceeded(
+                f"epsilon_budget {row.epsilon_budget:g} is below the ε′ the federation has "
+                f"committed ({committed.epsilon:.6g}: recorded in the ledger plus reserved by "
+                f"rounds not released yet)"
+            )
     row.save()
     clear_settings_cache()
     transaction.on_commit(clear_settings_cache)
@@ -474,10 +477,11 @@ _TRANSITIONS = {
 }
 
 
-def epsilon_spent() -> float:
-    """ε of every round opened so far (sequential composition; a retried round counts once)."""
-    default = RoundConfig().epsilon
-    return sum(float(c.get("epsilon", default)) for c in Round.objects.values_list("config", flat=True))
+def _refuse_over_budget(budget: float, extra: float, what: str) -> None:
+    """BudgetExceeded when the committed ε′ plus a round spending `extra` exceeds `budget`."""
+    refusal = accounting.budget_refusal(extra, what, budget)
+    if refusal:
+        raise BudgetExceeded(refusal)
 
 
 def current_round() -> Round | None:
@@ -493,12 +497,11 @@ def open_round(actor: Actor, config: RoundConfig | dict | None = None) -> Round:
     settings_row = FederationSettings.objects.select_for_update().get(pk=get_settings().pk)
     if Round.objects.filter(state=Round.State.OPEN).exists():
         raise Conflict(f"round {current_round().number} is still open; close it first")
-    spent = epsilon_spent()
-    if spent + config.epsilon > settings_row.epsilon_budget + 1e-12:
-        raise BudgetExceeded(
-            f"opening this round (ε={config.epsilon:g}) would spend {spent + config.epsilon:g} "
-            f"of the federation's privacy budget {settings_row.epsilon_budget:g}"
-        )
+    _refuse_over_budget(
+        settings_row.epsilon_budget,
+        accounting.projected_round_spend(config),
+        f"opening a round at ε = {config.epsilon:g}",
+    )
     last = Round.objects.order_by("-number").values_list("number", flat=True).first() or 0
     try:
         with transaction.atomic():
@@ -560,11 +563,17 @@ def close_round(actor: Actor, rnd: Round | int | None = None) -> Round:
 
 @transaction.atomic
 def retry_round(actor: Actor, rnd: Round | int) -> Round:
-    """failed -> closing, and the pipeline is started again."""
+    """failed -> closing, and the pipeline is started again. A failed round holds no privacy
+    reservation, so the retry takes it again and is refused if that would exceed the budget."""
     require_operator(actor, "retry rounds")
+    # Serialize with open_round and update_settings (without creating the settings row here).
+    FederationSettings.objects.select_for_update().filter(pk=1).first()
     rnd = _locked_round(rnd)
     reason = rnd.failure_reason
     _move(rnd, Round.State.CLOSING, "retry", source=Round.State.FAILED)
+    _refuse_over_budget(
+        accounting.epsilon_budget(), accounting.round_reservation(rnd), f"retrying round {rnd.number}"
+    )
     rnd.failure_reason = ""
     rnd.save(update_fields=["state", "failure_reason"])
     audit(actor, AuditLog.Action.ROUND_RETRY, target=rnd, details={"previous_failure": reason})

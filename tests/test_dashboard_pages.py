@@ -11,6 +11,7 @@ import pytest
 from django.urls import reverse
 
 from federation import services
+from federation.errors import BudgetExceeded
 from federation.models import (
     AuditLog,
     Client,
@@ -263,10 +264,22 @@ def test_only_the_operator_drives_rounds(client, fed, role):
 
 def test_overview_warns_before_the_budget_is_exceeded(client, fed):
     login(client, fed, "operator")
-    assert "budget cap" not in client.get(reverse("dashboard:overview")).content.decode()
-    services.update_settings(SYSTEM, epsilon_budget=2.5)  # 2 rounds opened at ε = 1 each
-    body = client.get(reverse("dashboard:overview")).content.decode()
-    assert "will be refused" in body and "budget cap is 2.5" in body
+    assert "will be refused" not in client.get(reverse("dashboard:overview")).content.decode()
+    # committed: round 1 recorded in the ledger (1.0) + open round 2 reserved (1.0)
+    with pytest.raises(BudgetExceeded):
+        services.update_settings(SYSTEM, epsilon_budget=1.9)
+    services.update_settings(SYSTEM, epsilon_budget=2.5)
+    body = html.unescape(client.get(reverse("dashboard:overview")).content.decode())
+    assert "will be refused" in body
+    assert "committed ε′ from 2 to 3" in body and "privacy budget of 2.5" in body
+    # the dashboard's message is the refusal open_round raises, word for word
+    services.close_round(SYSTEM, Round.objects.get(number=2))
+    body = html.unescape(client.get(reverse("dashboard:overview")).content.decode())
+    with pytest.raises(BudgetExceeded) as refused:
+        services.open_round(SYSTEM, {"epsilon": 1.0})
+    assert str(refused.value) in body
+    privacy = client.get(reverse("dashboard:privacy")).context["privacy"]
+    assert privacy.would_exceed and str(refused.value) in privacy.warning
 
 
 # --- audit log -----------------------------------------------------------------------------------
@@ -331,6 +344,41 @@ def test_privacy_page_is_scoped(client, fed):
     assert [n for n, _ in response.context["privacy"].organizations] == ["Org B"]
     spent, _ = figures_in(response.content.decode())
     assert [t["name"] for t in spent["data"]] == ["federation", "Org B"]
+
+
+@pytest.mark.parametrize("role", ["admin_a", "member_a"])
+def test_privacy_page_hides_other_organizations_but_shows_the_federation(client, fed, role):
+    response = login(client, fed, role).get(reverse("dashboard:privacy"))
+    privacy = response.context["privacy"]
+    body = response.content.decode()
+    # per-organization: A's row and A's ledger rows only
+    assert [n for n, _ in privacy.organizations] == ["Org A"]
+    assert {e.organization_id for e in privacy.ledger.paginator.object_list} == {fed.org_a.pk}
+    table = body[body.index('id="privacy-organizations"'):]
+    table = table[: table.index("</table>")]
+    assert "Org A" in table and "Org B" not in table
+    ledger = body[body.index('id="ledger"'):]
+    assert "Org B" not in ledger[: ledger.index("</table>")]
+    spent, _ = figures_in(body)
+    assert [t["name"] for t in spent["data"]] == ["federation", "Org A"]
+    # federation-wide ε′ is deliberately visible to members, and the page says why
+    assert privacy.federation.basic_epsilon == pytest.approx(1.0)
+    assert privacy.committed.basic_epsilon == pytest.approx(2.0)
+    assert 'id="privacy-scope"' in body and "released to all of them" in body
+
+
+def test_privacy_page_shows_the_committed_figure_with_reservations(client, fed):
+    response = login(client, fed, "operator").get(reverse("dashboard:privacy"))
+    privacy = response.context["privacy"]
+    body = html.unescape(response.content.decode())
+    assert privacy.federation.basic_epsilon == pytest.approx(1.0)  # recorded in the ledger
+    assert privacy.reserved == [(2, pytest.approx(1.0))]  # open round 2, no ledger rows yet
+    assert privacy.committed.basic_epsilon == pytest.approx(2.0)
+    assert privacy.projected.basic_epsilon == pytest.approx(3.0)  # plus one more round at ε = 1
+    committed = body[body.index('id="committed-epsilon"'):]
+    assert committed.startswith('id="committed-epsilon"><span class="value">2.000</span>')
+    assert "recorded in the ledger plus reserved by rounds not released yet" in committed
+    assert "round 2: 1" in body[body.index('id="reserved-epsilon"'):]
 
 
 def test_privacy_warning_and_bad_epsilon(client, fed):

@@ -6,7 +6,8 @@ import pytest
 from django.db import connection, transaction
 from django.db.utils import DatabaseError
 
-from federation import ratelimit, services
+from compendium.models import NumericField
+from federation import accounting, ratelimit, services
 from federation.errors import (
     BudgetExceeded,
     Conflict,
@@ -15,7 +16,15 @@ from federation.errors import (
     NotAllowed,
     RateLimited,
 )
-from federation.models import AppendOnlyError, AuditLog, Client, ClientToken, Round
+from federation.merge.privacy import round_spend
+from federation.models import (
+    AppendOnlyError,
+    AuditLog,
+    Client,
+    ClientToken,
+    PrivacyLedgerEntry,
+    Round,
+)
 from federation.round_config import RoundConfig
 from federation.signals import round_closed
 
@@ -188,13 +197,159 @@ def test_privacy_budget_caps_rounds(world):
     operator = world.actor(world.operator)
     services.update_settings(operator, epsilon_budget=1.5)
     rnd = services.open_round(operator, RoundConfig(epsilon=1.0))
-    services.close_round(operator, rnd)
+    services.close_round(operator, rnd)  # closing, not merged: still reserved
     with pytest.raises(BudgetExceeded, match="privacy budget"):
         services.open_round(operator, RoundConfig(epsilon=1.0))
     services.open_round(operator, RoundConfig(epsilon=0.5))
     with pytest.raises(BudgetExceeded):
         services.update_settings(operator, epsilon_budget=1.0)
     assert Round.objects.count() == 2
+
+
+# --- one privacy accountant: the ledger plus reservations of rounds not released yet -------------
+
+
+def _ledger_rows(rnd, org, per_field_eps, cap=None, release=0):
+    fields = ["calls", "success_rate", "latency_ms", "error_rate", "frequency"]
+    for name, eps in zip(fields, per_field_eps, strict=False):
+        PrivacyLedgerEntry.objects.create(
+            round=rnd, organization=org, release=release, tool_id="weather", field=name,
+            sensitivity=1.0, contributors=3, epsilon=eps, noise_scale=1.0 / (3 * eps),
+            field_cap=cap,
+        )
+
+
+def test_projected_round_spend_is_the_ledger_formula(world):
+    f = NumericField.objects.count()  # the declared fields of the schema in force
+    assert f >= 3
+    capped = RoundConfig(epsilon=1.2, field_cap=2)
+    # ε_j = ε/F*, the round costs F*·ε_j (round_spend of F fields under the cap)
+    assert capped.per_field_epsilon(f) == pytest.approx(0.6)
+    assert accounting.projected_round_spend(capped) == pytest.approx(2 * 0.6)
+    assert accounting.projected_round_spend(capped) == pytest.approx(
+        round_spend([capped.per_field_epsilon(f)] * f, 2)
+    )
+    # no cap: ε_j = ε/F, the round costs Σ_j ε_j
+    plain = RoundConfig(epsilon=1.2)
+    assert accounting.projected_round_spend(plain) == pytest.approx(f * (1.2 / f))
+    assert accounting.projected_round_spend(RoundConfig(epsilon=1.2, field_cap=9)) == pytest.approx(1.2)
+    # nothing declared: nothing is noised, nothing is reserved
+    assert accounting.projected_round_spend(capped, fields=0) == 0.0
+
+
+def test_open_round_reserves_its_projected_spend(world):
+    operator = world.actor(world.operator)
+    assert accounting.committed_composition().epsilon == 0.0
+    rnd = services.open_round(operator, RoundConfig(epsilon=0.8, field_cap=2))
+    committed = accounting.commitments()
+    assert committed.recorded == {}
+    assert committed.reserved == {rnd.pk: pytest.approx(2 * 0.4)}  # F*·ε_j with ε_j = ε/F*
+    assert accounting.committed_composition().basic_epsilon == pytest.approx(0.8)
+    services.close_round(operator, rnd)  # closing and merging rounds keep their reservation
+    assert accounting.commitments().reserved == {rnd.pk: pytest.approx(0.8)}
+    services.mark_merging(rnd)
+    assert accounting.commitments().reserved == {rnd.pk: pytest.approx(0.8)}
+    services.mark_failed(rnd, "worker lost")  # a failed round without ledger rows holds nothing
+    assert accounting.commitments().reserved == {}
+    # without declared numeric fields a round reserves nothing
+    NumericField.objects.all().delete()
+    services.retry_round(operator, rnd)
+    assert accounting.commitments().reserved == {}
+
+
+def test_a_round_with_ledger_rows_is_counted_once(world):
+    operator = world.actor(world.operator)
+    r1 = services.open_round(operator, RoundConfig(epsilon=1.0, field_cap=2))
+    services.close_round(operator, r1)
+    services.mark_merging(r1)
+    assert accounting.committed_composition().basic_epsilon == pytest.approx(1.0)
+    # org A's edge released two fields at ε_j = 0.5: the round now counts its ledger spend only
+    _ledger_rows(r1, world.org_a, [0.5, 0.5], cap=2)
+    committed = accounting.commitments()
+    assert committed.recorded == {r1.pk: pytest.approx(1.0)} and committed.reserved == {}
+    assert accounting.committed_composition().basic_epsilon == pytest.approx(1.0)
+    _ledger_rows(r1, world.org_b, [0.5, 0.5, 0.5], cap=2)  # parallel: still max over orgs
+    services.mark_published(r1)
+    r2 = services.open_round(operator, RoundConfig(epsilon=0.5))
+    committed = accounting.commitments()
+    assert committed.recorded == {r1.pk: pytest.approx(1.0)}
+    assert committed.reserved == {r2.pk: pytest.approx(0.5)}
+    report = accounting.privacy_report()
+    assert report.federation.basic_epsilon == pytest.approx(1.0)  # recorded in the ledger
+    assert report.committed.basic_epsilon == pytest.approx(1.5)  # plus the reservation
+    assert report.as_dict()["reserved_by_round"] == {"2": pytest.approx(0.5)}
+    assert accounting.would_exceed()[1].basic_epsilon == pytest.approx(1.5)
+    assert accounting.would_exceed(RoundConfig(epsilon=0.25))[1].basic_epsilon == pytest.approx(1.75)
+
+
+def test_open_round_refuses_exactly_above_the_cap(world):
+    operator = world.actor(world.operator)
+    services.update_settings(operator, epsilon_budget=0.3)
+    r1 = services.open_round(operator, RoundConfig(epsilon=0.1))
+    services.close_round(operator, r1)
+    # 0.1 + 0.2 is 0.30000000000000004 in floats: at the cap, accepted
+    r2 = services.open_round(operator, RoundConfig(epsilon=0.2, field_cap=3))
+    services.close_round(operator, r2)
+    assert accounting.committed_composition().epsilon == pytest.approx(0.3)
+    assert not accounting.would_exceed()[0]
+    with pytest.raises(BudgetExceeded) as refused:
+        services.open_round(operator, RoundConfig(epsilon=0.001))
+    message = str(refused.value)
+    assert "from 0.3 to 0.301" in message and "privacy budget of 0.3" in message
+    assert "2 reserved by rounds not released yet" in message
+    assert accounting.would_exceed(RoundConfig(epsilon=0.001))[0]
+    assert Round.objects.count() == 2
+
+
+def test_update_settings_refuses_a_budget_below_the_committed_figure(world):
+    operator = world.actor(world.operator)
+    r1 = services.open_round(operator, RoundConfig(epsilon=1.0))
+    services.close_round(operator, r1)
+    services.mark_merging(r1)
+    _ledger_rows(r1, world.org_a, [0.25] * 4)
+    services.mark_published(r1)
+    r2 = services.open_round(operator, RoundConfig(epsilon=0.5))  # reserved, not in the ledger
+    with pytest.raises(BudgetExceeded, match=r"committed \(1.5: recorded in the ledger plus reserved"):
+        services.update_settings(operator, epsilon_budget=1.4)
+    assert services.get_settings().epsilon_budget == 50.0
+    services.update_settings(operator, epsilon_budget=1.5)  # exactly the committed figure
+    assert accounting.epsilon_budget() == 1.5
+    services.close_round(operator, r2)
+    with pytest.raises(BudgetExceeded, match="privacy budget of 1.5"):
+        services.open_round(operator, RoundConfig(epsilon=0.1))
+    services.update_settings(operator, allow_admin_approval=True)  # other settings: no check
+
+
+def test_retry_takes_the_reservation_again(world):
+    operator = world.actor(world.operator)
+    services.update_settings(operator, epsilon_budget=1.0)
+    r1 = services.open_round(operator, RoundConfig(epsilon=1.0))
+    services.close_round(operator, r1)
+    services.mark_failed(r1, "no submissions")
+    r2 = services.open_round(operator, RoundConfig(epsilon=1.0))  # r1 freed its reservation
+    with pytest.raises(BudgetExceeded, match="retrying round 1"):
+        services.retry_round(operator, r1)
+    r1.refresh_from_db()
+    assert r1.state == Round.State.FAILED
+    services.close_round(operator, r2)
+    services.mark_failed(r2, "worker lost")
+    services.retry_round(operator, r1)
+    assert accounting.commitments().reserved == {r1.pk: pytest.approx(1.0)}
+
+
+def test_an_erasure_rerelease_cannot_take_an_open_rounds_reservation(world):
+    operator = world.actor(world.operator)
+    services.update_settings(operator, epsilon_budget=2.5)
+    r1 = services.open_round(operator, RoundConfig(epsilon=1.0))
+    services.close_round(operator, r1)
+    services.mark_merging(r1)
+    _ledger_rows(r1, world.org_a, [0.5, 0.5])
+    services.mark_published(r1)
+    services.open_round(operator, RoundConfig(epsilon=1.0))
+    # org A's re-release 1 of round 1: cap − (its release 0 in round 1 + round 2's reservation)
+    assert accounting.remaining_for_release(r1.pk, world.org_a.pk, 1) == pytest.approx(0.5)
+    # a retry of release 0 itself is not counted twice
+    assert accounting.remaining_for_release(r1.pk, world.org_a.pk, 0) == pytest.approx(1.5)
 
 
 def test_round_closed_signal_is_sent_after_commit_on_close_and_retry(

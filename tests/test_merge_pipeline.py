@@ -84,6 +84,29 @@ def test_budget_cap_fails_round_before_any_merge(settings, django_capture_on_com
     assert not PrivacyLedgerEntry.objects.exists()
 
 
+def test_merged_round_is_counted_once_ledger_not_reservation(
+    settings, django_capture_on_commit_callbacks
+):
+    """A round is reserved at its projected spend until its edges release, then counted by its
+    ledger rows only; a cap of exactly one round lets it through (no double count)."""
+    settings.SYNAPSE_EPSILON_BUDGET = 1.0
+    round_, _ = build_federation(config={"epsilon": 1.0, "field_cap": 2, "summarizer": "none"})
+    assert accounting.commitments().reserved == {round_.pk: pytest.approx(1.0)}
+    assert not accounting.would_exceed()[0]
+    close(round_, django_capture_on_commit_callbacks)
+    assert round_.state == "published", round_.failure_reason
+    committed = accounting.commitments()
+    assert committed.reserved == {}
+    assert committed.recorded == {round_.pk: pytest.approx(1.0)}
+    assert accounting.committed_composition().epsilon == pytest.approx(1.0)
+    # the projection used while the round was open is what the ledger recorded
+    assert accounting.projected_round_spend(round_.config) == pytest.approx(
+        committed.recorded[round_.pk]
+    )
+    exceeded, projected = accounting.would_exceed(1e-3)
+    assert exceeded and projected.epsilon == pytest.approx(1.001)
+
+
 def test_edge_refuses_release_over_remaining_budget(settings):
     """The operator-level guard too: a release above what is left is refused before noise."""
     settings.SYNAPSE_EPSILON_BUDGET = 0.4

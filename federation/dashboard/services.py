@@ -549,13 +549,20 @@ def audit_entries(organizations: QuerySet, *, operator: bool, filters: dict) -> 
 @dataclass
 class PrivacyPage:
     budget: float
-    federation: object
-    organizations: list[tuple]
+    federation: object  # composed ε′ recorded in the ledger (federation-wide)
+    organizations: list[tuple]  # (name, composition) of the visible organizations only
     ledger: Page
     next_epsilon: float
     would_exceed: bool
-    projected: object
+    projected: object  # committed ε′ after one more round at next_epsilon
+    committed: object = None  # composed ε′ of the ledger plus the open rounds' reservations
+    reserved: list[tuple] = field(default_factory=list)  # (round number, projected ε)
+    warning: str = ""
     charts: list[str] = field(default_factory=list)
+
+    @property
+    def reserved_epsilon(self) -> float:
+        return sum(eps for _, eps in self.reserved)
 
 
 def _composition_curve(per_round: list[float], delta_prime: float):
@@ -566,21 +573,24 @@ def _composition_curve(per_round: list[float], delta_prime: float):
 
 def privacy_page(organizations: QuerySet, *, operator: bool, page=1, next_epsilon=None) -> PrivacyPage:
     """The ledger (rows of the visible organizations), the composed ε′ per federation and
-    organization (basic and advanced) against the cap, and whether the next round at
-    `next_epsilon` (default: the open or last round's ε) would exceed it."""
+    organization (basic and advanced) against the cap, the committed ε′ (the ledger plus the
+    reservations of rounds not released yet), and whether opening the next round at
+    `next_epsilon` (default: the last round's ε) would be refused.
+
+    Federation-wide figures are shown to every member: the global compendium is released to
+    every organization, so its ε concerns all of them. Per-organization figures and ledger rows
+    are those of `organizations` (the visible ones) only."""
     from federation import accounting
     from federation.models import PrivacyLedgerEntry
-    from federation.round_config import RoundConfig
 
     report = accounting.privacy_report()
     spends = accounting._spends()
     fed_rounds = accounting._federation_rounds(spends)
     round_numbers = dict(Round.objects.values_list("pk", "number"))
     visible_ids = set(organizations.values_list("pk", flat=True))
-    if next_epsilon is None:
-        latest = Round.objects.order_by("-number").first()
-        next_epsilon = RoundConfig(**(latest.config if latest else {})).epsilon
-    exceed, projected = accounting.would_exceed(next_epsilon)
+    config = next_round_config(next_epsilon)
+    next_epsilon = config.epsilon
+    exceed, projected = accounting.would_exceed(config)
     names = dict(organizations.values_list("pk", "name"))
     ledger = (
         PrivacyLedgerEntry.objects.filter(organization__in=organizations)
@@ -595,6 +605,9 @@ def privacy_page(organizations: QuerySet, *, operator: bool, page=1, next_epsilo
         next_epsilon=next_epsilon,
         would_exceed=exceed,
         projected=projected,
+        committed=report.committed,
+        reserved=sorted((round_numbers.get(r, r), eps) for r, eps in report.reserved.items()),
+        warning=budget_warning(config) if exceed else "",
     )
     delta = accounting.delta_prime()
     series = [("federation", fed_rounds)] + [
@@ -793,31 +806,36 @@ def accuracy_page(run_id=None) -> AccuracyPage:
     return page
 
 
-def round_controls() -> dict:
-    """The operator's round form: the open round, defaults (the last round's configuration),
-    choices, and a warning when the next round at that ε would exceed the budget cap."""
-    from typing import get_args
-
-    from federation import accounting
-    from federation.round_config import RobustRule, RoundConfig, Summarizer
+def next_round_config(epsilon: float | None = None):
+    """The configuration of the next round as the dashboard proposes it: the last round's, with
+    `epsilon` when given."""
+    from federation.round_config import RoundConfig
 
     latest = Round.objects.order_by("-number").first()
-    defaults = RoundConfig(**(latest.config if latest else {}))
-    from federation.services import epsilon_spent
+    config = dict(latest.config) if latest else {}
+    if epsilon is not None:
+        config["epsilon"] = epsilon
+    return RoundConfig(**config)
 
-    budget = accounting.epsilon_budget()
-    exceed, projected = accounting.would_exceed(defaults.epsilon)
-    warning = ""
-    if exceed:
-        warning = (
-            f"A round at ε = {defaults.epsilon:g} would bring the composed ε′ of the ledger to "
-            f"{projected.epsilon:.3g}, above the budget cap {budget:g}."
-        )
-    elif epsilon_spent() + defaults.epsilon > budget + 1e-12:
-        warning = (
-            f"Opening a round at ε = {defaults.epsilon:g} will be refused: the rounds opened so far "
-            f"reserve ε = {epsilon_spent():g} and the budget cap is {budget:g}."
-        )
+
+def budget_warning(config) -> str:
+    """The one budget message, from the one accountant: the refusal `services.open_round` would
+    raise for a round with `config` (empty when it would be accepted for the budget)."""
+    from federation import accounting
+
+    refusal = accounting.budget_refusal(config, f"opening a round at ε = {config.epsilon:g}")
+    return f"This will be refused: {refusal}." if refusal else ""
+
+
+def round_controls() -> dict:
+    """The operator's round form: the open round, defaults (the last round's configuration),
+    choices, and a warning when opening the next round with those defaults would be refused for
+    the budget."""
+    from typing import get_args
+
+    from federation.round_config import RobustRule, RoundConfig, Summarizer
+
+    defaults = next_round_config()
     open_round = Round.objects.filter(state=Round.State.OPEN).first()
     return {
         "open_round": open_round,
@@ -825,5 +843,5 @@ def round_controls() -> dict:
         "round_defaults": defaults,
         "summarizers": get_args(Summarizer),
         "robust_rules": get_args(RobustRule),
-        "budget_warning": warning,
+        "budget_warning": budget_warning(defaults),
     }
