@@ -55,7 +55,12 @@ def epsilon_budget() -> float:
 
 
 def delta_prime() -> float:
-    return float(settings.SYNAPSE_DELTA_PRIME)
+    """δ′ of advanced composition: FederationSettings.delta_prime where the row exists (operators
+    change it there), else settings.SYNAPSE_DELTA_PRIME, which also seeds the row."""
+    from federation.models import FederationSettings
+
+    value = FederationSettings.objects.filter(pk=1).values_list("delta_prime", flat=True).first()
+    return float(value) if value is not None else float(settings.SYNAPSE_DELTA_PRIME)
 
 
 def _spends(exclude: tuple[int, int, int] | None = None) -> dict[int, dict[int, float]]:

@@ -13,6 +13,7 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
+from django.conf import settings
 from django.contrib.auth import get_user_model
 from django.db import IntegrityError, transaction
 from django.db.models import Sum
@@ -250,7 +251,16 @@ SETTINGS_FIELDS = (
 
 
 def get_settings() -> FederationSettings:
-    settings_row, _ = FederationSettings.objects.get_or_create(pk=1)
+    """The federation's policy row, created on first use with the privacy defaults of the
+    deployment's settings (SYNAPSE_EPSILON_BUDGET, SYNAPSE_DELTA_PRIME), so the cap and δ′ do not
+    change when the row appears."""
+    settings_row, _ = FederationSettings.objects.get_or_create(
+        pk=1,
+        defaults={
+            "epsilon_budget": float(settings.SYNAPSE_EPSILON_BUDGET),
+            "delta_prime": float(settings.SYNAPSE_DELTA_PRIME),
+        },
+    )
     return settings_row
 
 

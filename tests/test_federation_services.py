@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+from django.conf import settings as django_settings
 from django.db import connection, transaction
 from django.db.utils import DatabaseError
 
@@ -129,7 +130,10 @@ def test_every_state_change_is_audited(world):
         assert action in actions
     entry = AuditLog.objects.get(action="settings.change")
     assert entry.actor == world.operator and entry.ip == "10.0.0.1"
-    assert entry.details == {"epsilon_budget": {"from": 50.0, "to": 20.0}}
+    # The row was created with the deployment's default cap (settings.SYNAPSE_EPSILON_BUDGET).
+    assert entry.details == {
+        "epsilon_budget": {"from": django_settings.SYNAPSE_EPSILON_BUDGET, "to": 20.0}
+    }
     revoke = AuditLog.objects.get(action="client.revoke")
     assert revoke.organization == world.org_a and revoke.actor_label == "admin_a"
 
@@ -311,7 +315,7 @@ def test_update_settings_refuses_a_budget_below_the_committed_figure(world):
     r2 = services.open_round(operator, RoundConfig(epsilon=0.5))  # reserved, not in the ledger
     with pytest.raises(BudgetExceeded, match=r"committed \(1.5: recorded in the ledger plus reserved"):
         services.update_settings(operator, epsilon_budget=1.4)
-    assert services.get_settings().epsilon_budget == 50.0
+    assert services.get_settings().epsilon_budget == django_settings.SYNAPSE_EPSILON_BUDGET
     services.update_settings(operator, epsilon_budget=1.5)  # exactly the committed figure
     assert accounting.epsilon_budget() == 1.5
     services.close_round(operator, r2)
@@ -398,3 +402,16 @@ def test_retry_needs_a_failed_round_and_close_an_open_one(world):
     services.mark_failed(rnd, "boom")
     with pytest.raises(InvalidTransition, match="needs an? open round"):
         services.close_round(operator, rnd)
+
+
+def test_privacy_defaults_come_from_the_deployment_and_the_row_drives_the_accountant(
+    world, settings
+):
+    settings.SYNAPSE_EPSILON_BUDGET = 7.0
+    settings.SYNAPSE_DELTA_PRIME = 1e-4
+    assert accounting.epsilon_budget() == 7.0 and accounting.delta_prime() == 1e-4
+    row = services.get_settings()  # created now: the cap and δ′ do not jump
+    assert (row.epsilon_budget, row.delta_prime) == (7.0, 1e-4)
+    assert accounting.epsilon_budget() == 7.0 and accounting.delta_prime() == 1e-4
+    services.update_settings(world.actor(world.operator), delta_prime=1e-7)
+    assert accounting.delta_prime() == 1e-7
