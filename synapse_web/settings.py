@@ -11,6 +11,7 @@ import os
 from pathlib import Path
 
 import dj_database_url
+from django.core.exceptions import ImproperlyConfigured
 
 BASE_DIR = Path(__file__).resolve().parent.parent
 
@@ -32,8 +33,6 @@ DEBUG = env_bool("DEBUG", True)
 SECRET_KEY = os.environ.get("SECRET_KEY", "")
 if not SECRET_KEY:
     if not DEBUG:
-        from django.core.exceptions import ImproperlyConfigured
-
         raise ImproperlyConfigured("SECRET_KEY must be set when DEBUG=0")
     SECRET_KEY = "dev-only-insecure-key-set-SECRET_KEY-in-production"
 ALLOWED_HOSTS = env_list("ALLOWED_HOSTS", "127.0.0.1,localhost,testserver")
@@ -153,8 +152,14 @@ SYNAPSE_MAX_QUERY_CHARS = int(os.environ.get("SYNAPSE_MAX_QUERY_CHARS", "2000"))
 SYNAPSE_MAX_ROUTE_BATCH = int(os.environ.get("SYNAPSE_MAX_ROUTE_BATCH", "1000"))
 # Seconds a process keeps the published version before asking the database again.
 SYNAPSE_ROUTING_VERSION_TTL = float(os.environ.get("SYNAPSE_ROUTING_VERSION_TTL", "2"))
-# exact: the server ranks exactly as the client toolkit does; hnsw: approximate, for huge compendiums
-SYNAPSE_ROUTING_RETRIEVAL = os.environ.get("SYNAPSE_ROUTING_RETRIEVAL", "exact")
+# Retrieval of the routing API: memory (exact, over the served version's embeddings loaded from
+# pgvector; the client's own ranking), exact (a pgvector scan per query) or hnsw (pgvector's HNSW
+# index, approximate).
+SYNAPSE_ROUTING_RETRIEVAL = os.environ.get("SYNAPSE_ROUTING_RETRIEVAL", "memory")
+if SYNAPSE_ROUTING_RETRIEVAL not in ("memory", "exact", "hnsw"):
+    raise ImproperlyConfigured(
+        f"SYNAPSE_ROUTING_RETRIEVAL={SYNAPSE_ROUTING_RETRIEVAL!r}: choose memory, exact or hnsw"
+    )
 # --- privacy accounting -------------------------------------------------------------------------
 # The federation's total ε cap (used unless a FederationSettings row sets epsilon_budget) and the
 # δ' of advanced composition.

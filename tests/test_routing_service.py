@@ -59,7 +59,8 @@ def _publish(data, number=1, state="published", with_client_copy=True):
     )
 
 
-def test_pgvector_retrieval_matches_brute_force_cosine(data):
+def test_pgvector_retrieval_matches_brute_force_cosine(data, settings):
+    settings.SYNAPSE_ROUTING_RETRIEVAL = "exact"
     version = _publish(data)
     served = services.served_compendium()
     assert served.version_id == version.pk and served.round_number == 1
@@ -101,7 +102,9 @@ def test_hnsw_search_widens_when_other_versions_fill_the_index(data, settings):
     assert retriever.exact_fallbacks <= len(data["queries"]) // 10
 
 
-def test_client_router_and_server_pick_the_same_tool(data):
+@pytest.mark.parametrize("retrieval", ["memory", "exact"])
+def test_client_router_and_server_pick_the_same_tool(data, settings, retrieval):
+    settings.SYNAPSE_ROUTING_RETRIEVAL = retrieval
     _publish(data)
     client_router = Router(data["compendium"], data["engine"], "fusion", params=services.routing_params())
     for query in data["queries"]:
