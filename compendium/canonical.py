@@ -1,6 +1,7 @@
 """Canonical bytes of a compendium: the same compendium always gives the same bytes.
 
-Keys are sorted, separators fixed, text kept as UTF-8, and the entries of each component sorted,
+Keys are sorted, separators fixed, text kept as UTF-8, absent values and empty preconditions left
+out (they are the defaults), and the entries of each component sorted,
 since M, U, P, T and A are sets: two clients that send the same entries in another order send the
 same compendium. The byte size of this form is what "bytes per client per round" measures.
 """
@@ -17,7 +18,7 @@ from compendium.schema import Compendium
 
 _SORT_KEYS = {
     "metadata": lambda e: (e["tool_id"],),
-    "scenarios": lambda e: (e["tool_id"], e["text"], json.dumps(e["preconditions"], sort_keys=True)),
+    "scenarios": lambda e: (e["tool_id"], e["text"], json.dumps(e.get("preconditions", {}), sort_keys=True)),
     "precautions": lambda e: (e["tool_id"], e["text"]),
     "templates": lambda e: (e["tool_id"], e["signature"], e["template"]),
     "annex": lambda e: (e["subject"], e["relation"], e["object"]),
@@ -26,6 +27,9 @@ _SORT_KEYS = {
 
 def canonical_dict(compendium: Compendium) -> dict[str, Any]:
     doc = compendium.model_dump(mode="json", exclude_none=True)
+    for scenario in doc.get("scenarios", []):
+        if not scenario.get("preconditions"):  # the default: 18 bytes a scenario saved
+            scenario.pop("preconditions", None)
     for name, key in _SORT_KEYS.items():
         doc[name] = sorted(doc.get(name, []), key=key)
     return doc

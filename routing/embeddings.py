@@ -37,6 +37,8 @@ import numpy as np
 DEFAULT_MODEL = "bundled:all-MiniLM-L6-v2"
 ONNX_INT8_MODEL = "onnx-int8:all-MiniLM-L6-v2"
 ONNX_INT8_DYNAMIC_MODEL = "onnx-int8-dynamic:all-MiniLM-L6-v2"
+BF16_PREFIX = "bf16:"  # "bf16:" + a model ("" or all-MiniLM-L6-v2 for the bundled one)
+BF16_MODEL = BF16_PREFIX + "all-MiniLM-L6-v2"
 DEFAULT_QUERY_MODEL = ONNX_INT8_DYNAMIC_MODEL
 
 
@@ -156,6 +158,35 @@ class _OnnxMiniLM:
         return out
 
 
+class _Bf16SentenceTransformer:
+    """A sentence-transformers model computing in bfloat16 on CPUs with native bf16 (AVX512-BF16
+    or AMX): about 1.5x the throughput of onnxruntime fp32 and 2x torch fp32 for MiniLM on this
+    machine; embeddings are cast back to float32 and renormalized (cosine to fp32 >= 0.998 on
+    MetaTool queries, 0.9995 on average)."""
+
+    def __init__(self, model: str):
+        import torch
+        from sentence_transformers import SentenceTransformer
+
+        if not torch.ops.mkldnn._is_mkldnn_bf16_supported():
+            raise EmbeddingModelUnavailable(
+                f"{BF16_PREFIX}{model}: this CPU has no native bfloat16 support; "
+                "use the fp32 model (unset SYNAPSE_EMBEDDING_MODEL) or onnx-int8:all-MiniLM-L6-v2"
+            )
+        name = "" if model in ("", "all-MiniLM-L6-v2") else model
+        self._model = SentenceTransformer(_resolve(name), device="cpu").to(torch.bfloat16)
+
+    def get_embedding_dimension(self) -> int:
+        return int(self._model.get_embedding_dimension())
+
+    def encode(self, texts, batch_size: int = 64, **_ignored) -> np.ndarray:
+        out = self._model.encode(
+            list(texts), batch_size=batch_size, convert_to_tensor=True, show_progress_bar=False
+        )
+        vectors = out.float().numpy()
+        return vectors / np.maximum(np.linalg.norm(vectors, axis=1, keepdims=True), 1e-12)
+
+
 class EmbeddingEngine:
     """A sentence-transformers model with a content-hash cache of normalized embeddings."""
 
@@ -175,6 +206,8 @@ class EmbeddingEngine:
                 # Measured on 2 cores (MetaTool queries, sorted by length): fp32 compute peaks
                 # near batch 16, int8 compute near 32; larger batches pad more and slow down.
                 self.batch_size = min(batch_size, 32 if dynamic else 16)
+            elif self.model_name.startswith(BF16_PREFIX):
+                self._model = _Bf16SentenceTransformer(self.model_name[len(BF16_PREFIX) :])
             else:
                 from sentence_transformers import SentenceTransformer
 

@@ -10,9 +10,11 @@ import numpy as np
 import pytest
 
 from routing.embeddings import (
+    BF16_MODEL,
     ONNX_INT8_DYNAMIC_MODEL,
     ONNX_INT8_MODEL,
     EmbeddingEngine,
+    EmbeddingModelUnavailable,
     get_engine,
     get_query_engine,
 )
@@ -88,3 +90,19 @@ def test_query_engine_defaults_to_int8_compute_and_caches():
     engine.embed_one("route this query please")
     assert engine.computed == before + 1
     assert engine.dimension == 384
+
+
+def test_bf16_engine_is_faithful_to_fp32_where_the_cpu_has_bf16():
+    import torch
+
+    if not torch.ops.mkldnn._is_mkldnn_bf16_supported():
+        with pytest.raises(EmbeddingModelUnavailable, match="no native bfloat16"):
+            EmbeddingEngine(BF16_MODEL)
+        return
+    texts = _metatool_queries(300)
+    fp32 = get_engine("").embed(texts)
+    bf16 = EmbeddingEngine(BF16_MODEL).embed(texts)
+    assert bf16.dtype == np.float32
+    assert np.allclose(np.linalg.norm(bf16, axis=1), 1.0, atol=1e-5)
+    cosine = (fp32 * bf16).sum(axis=1)
+    assert cosine.min() >= 0.999, cosine.min()

@@ -8,6 +8,7 @@ the numeric statistics are already released and are only averaged (post-processi
 
 from __future__ import annotations
 
+import math
 import time
 from collections import defaultdict
 from collections.abc import Callable, Sequence
@@ -324,13 +325,16 @@ def _merge(
             [s["tool_id"] for s in slots],
             np.stack([s["vector"] for s in slots]) if slots else np.zeros((0, vectors.shape[1])),
         )
+    clusters = {
+        index: Cluster("scenario", slot["tool_id"], slot["texts"], slot["vectors"], slot=index)
+        for index, slot in enumerate(slots)
+        if slot["summarize"]
+    }
+    summarizer.prepare(list(clusters.values()))
     scenarios = []
     for index, slot in enumerate(slots):
         if slot["summarize"]:
-            summary = summarizer.summarize(
-                Cluster("scenario", slot["tool_id"], slot["texts"], slot["vectors"], slot=index)
-            )
-            text = summary.text
+            text = summarizer.summarize(clusters[index]).text
         else:
             text = slot["texts"][0]
         scenarios.append(
@@ -394,6 +398,16 @@ def _merge(
     )
 
 
+def _published_number(value: float, noise_scale: float | None = None) -> float:
+    """A released statistic without digits that carry nothing: a noised value is kept to a
+    hundredth of its noise scale's order of magnitude (post-processing: no privacy cost), any
+    other to 6 significant digits. A 17-digit float per field was a sixth of a global compendium."""
+    if noise_scale is not None and noise_scale > 0:
+        step = 10.0 ** (math.floor(math.log10(noise_scale)) - 2)
+        value = round(value / step) * step
+    return float(f"{value:.6g}")
+
+
 def _merge_metadata(accepted, schema, config, seed, epsilon_remaining, noise):
     values: dict[tuple[str, str], list[float]] = defaultdict(list)
     weights: dict[tuple[str, str], list[float]] = defaultdict(list)
@@ -434,7 +448,7 @@ def _merge_metadata(accepted, schema, config, seed, epsilon_remaining, noise):
                 epsilon=eps_j,
                 rng=rng,
             )
-            released[key] = value
+            released[key] = _published_number(value, scale)
             ledger.append(
                 LedgerEntry(
                     tool_id=key[0],
@@ -452,7 +466,7 @@ def _merge_metadata(accepted, schema, config, seed, epsilon_remaining, noise):
             spec = schema.fields_by_name[key[1]]
             w = np.asarray(weights[key])
             value = float(np.dot(np.asarray(values[key]), w) / w.sum())
-            released[key] = min(spec.max, max(spec.min, value))
+            released[key] = _published_number(min(spec.max, max(spec.min, value)))
     metadata = []
     for tool_id in sorted(tools):
         spec = schema.tools_by_id[tool_id]
@@ -553,21 +567,20 @@ def _merge_precautions(items: list[Item], config: RoundConfig, summarizer: Summa
     by_tool: dict[str, list[Item]] = defaultdict(list)
     for item in items:
         by_tool[item.tool_id].append(item)
-    out = []
+    groups = []
     for tool_id in sorted(by_tool):
         group = sorted(by_tool[tool_id], key=item_order_key)
         matrix = np.stack([i.vector for i in group])
         for cluster in greedy_cluster(matrix, config.tau):
             members = [group[i] for i in cluster]
-            summary = summarizer.summarize(
-                Cluster("precaution", tool_id, [m.text for m in members],
-                        np.stack([m.vector for m in members]))
-            )
-            out.append(
-                Precaution(tool_id=tool_id, text=summary.text,
-                           support=sum(m.support for m in members))
-            )
-    return out
+            groups.append((members, Cluster("precaution", tool_id, [m.text for m in members],
+                                            np.stack([m.vector for m in members]))))
+    summarizer.prepare([c for _, c in groups])
+    return [
+        Precaution(tool_id=c.tool_id, text=summarizer.summarize(c).text,
+                   support=sum(m.support for m in members))
+        for members, c in groups
+    ]
 
 
 def _dedupe_precautions(precautions: list[Precaution]) -> list[Precaution]:

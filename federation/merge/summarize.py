@@ -132,6 +132,24 @@ class Summarizer:
     max_candidates: int = 4
     text_limit: int = 1000
     fallbacks: list[dict] = field(default_factory=list)
+    # Embeddings of candidate texts made by `prepare`, so that many clusters cost one batch.
+    _prepared: dict[str, np.ndarray] = field(default_factory=dict, repr=False)
+
+    def prepare(self, clusters: list[Cluster]) -> None:
+        """Embed, in one batch, the combined candidates the clusters' summaries will score (one
+        model call per cluster took most of a 500-client edge merge)."""
+        if self.method not in ORDER or ORDER.index(self.method) > ORDER.index("probe-extractive"):
+            return
+        wanted = []
+        for cluster in clusters:
+            if len(cluster.texts) > 1 and cluster.kind != "template":
+                texts, _ = self._distinct_nearest(cluster)
+                combined = self._combined(texts)
+                if combined is not None and combined not in texts:
+                    wanted.append(combined)
+        wanted = [t for t in dict.fromkeys(wanted) if t not in self._prepared]
+        if wanted:
+            self._prepared.update(zip(wanted, self.embed(wanted), strict=True))
 
     def summarize(self, cluster: Cluster) -> Summary:
         if len(cluster.texts) == 1:
@@ -156,21 +174,29 @@ class Summarizer:
     def _centroid(self, cluster: Cluster) -> str:
         return cluster.texts[_nearest_order(cluster.vectors)[0]]
 
-    def _candidates(self, cluster: Cluster) -> tuple[list[str], np.ndarray]:
-        order = _nearest_order(cluster.vectors)
+    def _distinct_nearest(self, cluster: Cluster) -> tuple[list[str], list[np.ndarray]]:
         texts, rows = [], []
-        for i in order:
+        for i in _nearest_order(cluster.vectors):
             if cluster.texts[i] not in texts:
                 texts.append(cluster.texts[i])
                 rows.append(cluster.vectors[i])
             if len(texts) == self.max_candidates:
                 break
+        return texts, rows
+
+    def _combined(self, texts: list[str]) -> str | None:
+        return _combine(texts[0], texts[1], self.text_limit) if len(texts) >= 2 else None
+
+    def _candidates(self, cluster: Cluster) -> tuple[list[str], np.ndarray]:
+        texts, rows = self._distinct_nearest(cluster)
         vectors = np.stack(rows)
-        if len(texts) >= 2:
-            combined = _combine(texts[0], texts[1], self.text_limit)
-            if combined is not None and combined not in texts:
-                texts.append(combined)
-                vectors = np.vstack([vectors, self.embed([combined])])
+        combined = self._combined(texts)
+        if combined is not None and combined not in texts:
+            vector = self._prepared.get(combined)
+            if vector is None:
+                vector = self.embed([combined])[0]
+            texts.append(combined)
+            vectors = np.vstack([vectors, vector[None, :]])
         return texts, vectors
 
     def _failures(self, cluster: Cluster, vectors: np.ndarray) -> np.ndarray:
