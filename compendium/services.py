@@ -8,6 +8,7 @@ from dataclasses import dataclass
 
 import numpy as np
 from django.db import transaction
+from django.db.models import ExpressionWrapper, F, FloatField, Value
 from pgvector.django import CosineDistance
 
 from compendium.canonical import canonical_dict, canonical_form
@@ -195,11 +196,17 @@ def load_compendium(version: CompendiumVersion) -> Compendium:
     return Compendium.model_validate(version.content)
 
 
-def nearest_scenarios(version: CompendiumVersion, query_vector, k: int = 5):
-    """The k scenarios of a version closest to the query by cosine distance (pgvector HNSW)."""
-    return list(
+def nearest_scenarios(version: CompendiumVersion, query_vector, k: int = 5, *, exact: bool = True):
+    """The k scenarios of a version closest to the query by cosine distance, in exact order (a
+    scan of the version's rows), or with `exact=False` from pgvector's HNSW index (approximate:
+    the index is shared by every version and filtered after the fact)."""
+    rows = (
         ScenarioEntry.objects.filter(version=version, embedding__isnull=False)
         .select_related("tool")
         .annotate(distance=CosineDistance("embedding", query_vector))
-        .order_by("distance")[:k]
     )
+    if not exact:  # the index serves only a bare ORDER BY distance
+        return list(rows.order_by("distance")[:k])
+    # "+ 0" keeps the planner off the HNSW index; ties go to the earlier row.
+    exact_distance = ExpressionWrapper(F("distance") + Value(0.0), output_field=FloatField())
+    return list(rows.order_by(exact_distance, "id")[:k])

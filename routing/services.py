@@ -125,7 +125,6 @@ def _raw_connection():
 
         register_vector(raw)
         raw._synapse_vector_registered = True
-        raw._synapse_ef_search = HNSW_DEFAULT_EF_SEARCH
     return raw
 
 
@@ -183,11 +182,8 @@ class PgvectorRetriever:
         raw = _raw_connection()
         order = "(embedding <=> %(q)s) + 0" if exact else "embedding <=> %(q)s"
         with psycopg.Cursor(raw) as cursor:  # server-side binding, binary vector
-            if not exact:
-                ef = self.ef_search(n)
-                if raw._synapse_ef_search != ef:  # a search setting only: kept per connection
-                    cursor.execute(f"SET hnsw.ef_search = {ef}")
-                    raw._synapse_ef_search = ef
+            if not exact:  # a search setting only; set each time (a rollback would undo it)
+                cursor.execute(f"SET hnsw.ef_search = {self.ef_search(n)}")
             cursor.execute(
                 self._SQL.format(order=order),
                 {"q": vector, "v": self.version_id, "n": n},
