@@ -16,8 +16,8 @@ import time
 import numpy as np
 from _routing_common import cached_embed, print_table, write_json
 
-from compendium.registry import load_dataset
-from routing.datasets import compendium_from_queries, split_queries
+from compendium.registry import load_dataset, stratified_split
+from routing.datasets import compendium_from_queries
 from routing.embeddings import get_engine, get_query_engine
 from routing.llm import get_llm
 from routing.router import Router, RoutingParams, evaluate_calibration, fit_params
@@ -39,7 +39,9 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
 
     dataset = load_dataset(args.dataset)
-    split = split_queries(dataset.queries, seed=args.seed, probe=args.probe, test=args.test)
+    split = stratified_split(
+        dataset.queries, seed=args.seed, probe_fraction=args.probe, test_fraction=args.test
+    )
     compendium = compendium_from_queries(dataset.tools, split.train, args.max_per_tool)
     engine = get_query_engine()
     started = time.perf_counter()

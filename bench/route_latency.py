@@ -42,13 +42,13 @@ def _setup_django(data_dir: Path) -> None:
 
 def catalogues(seed: int):
     """(name, tools, compendium, held-out queries) for MetaTool and its synthetic 3x expansion."""
-    from compendium.registry import load_dataset
+    from compendium.registry import load_dataset, stratified_split
     from compendium.schema import ToolSpec
-    from routing.datasets import compendium_from_queries, split_queries
+    from routing.datasets import compendium_from_queries
 
     candidates = [base / "shared" / "data" / "metatool" for base in (ROOT.parent, ROOT.parent.parent)]
     dataset = load_dataset(next((p for p in candidates if p.exists()), candidates[0]))
-    split = split_queries(dataset.queries, seed=seed)
+    split = stratified_split(dataset.queries, seed=seed, test_fraction=0.2)
     base = compendium_from_queries(dataset.tools, split.train, SCENARIOS_PER_TOOL)
     test = [q.query for q in split.test]
     yield "metatool", dataset.tools, base, test

@@ -10,6 +10,8 @@ Two registry formats:
 from __future__ import annotations
 
 import json
+import random
+from collections import defaultdict
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -150,6 +152,45 @@ class RoutingDataset:
     @property
     def tool_ids(self) -> set[str]:
         return {t.tool_id for t in self.tools}
+
+
+@dataclass
+class Split:
+    train: list[LabelledQuery]
+    probe: list[LabelledQuery]
+    test: list[LabelledQuery]
+
+
+def stratified_split(
+    queries: Iterable[LabelledQuery],
+    *,
+    seed: int,
+    probe_fraction: float = 0.1,
+    test_fraction: float = 0.4,
+) -> Split:
+    """A seeded split stratified by gold tool: every tool keeps the same shares in train, probe
+    and test (a tool with fewer than 3 queries stays in train). The simulation, the benchmarks
+    and the tests all split with this one function.
+
+    In a federation the probe split is the public probe set the edges use (never client data);
+    the test split is held out from everything."""
+    if not 0 < test_fraction < 1 or not 0 <= probe_fraction < 1 - test_fraction:
+        raise ValueError("fractions must leave a non-empty train split")
+    rng = random.Random(seed)
+    by_tool: dict[str, list[LabelledQuery]] = defaultdict(list)
+    for query in queries:
+        by_tool[query.tool_id].append(query)
+    split = Split([], [], [])
+    for tool in sorted(by_tool):
+        items = list(by_tool[tool])
+        rng.shuffle(items)
+        n = len(items)
+        n_test = max(1, round(n * test_fraction)) if n >= 3 else 0
+        n_probe = max(1, round(n * probe_fraction)) if n >= 3 and probe_fraction > 0 else 0
+        split.test.extend(items[:n_test])
+        split.probe.extend(items[n_test : n_test + n_probe])
+        split.train.extend(items[n_test + n_probe :])
+    return split
 
 
 def load_queries(path: Path, tool_ids: Iterable[str] | None = None) -> list[LabelledQuery]:

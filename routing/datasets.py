@@ -1,37 +1,17 @@
-"""Compendiums and splits from a routing-benchmark dataset (pure; used by benchmarks and tests).
+"""Compendiums from a routing-benchmark dataset (pure; used by benchmarks and tests).
 
-A seeded split of the labelled queries into train / probe / test: train queries become the
-scenarios of a global compendium (deduplicated), the probe split fits fusion weights and
-calibration, the test split is held out.
+The train split of `compendium.registry.stratified_split` becomes the scenarios of a global
+compendium (deduplicated); the probe split fits fusion weights and calibration; the test split is
+held out.
 """
 
 from __future__ import annotations
 
-import random
 import re
 from collections.abc import Sequence
-from dataclasses import dataclass
 
 from compendium.registry import LabelledQuery
 from compendium.schema import Compendium, PromptTemplate, Scenario, ToolMetadata, ToolSpec
-
-
-@dataclass
-class Split:
-    train: list[LabelledQuery]
-    probe: list[LabelledQuery]
-    test: list[LabelledQuery]
-
-
-def split_queries(
-    queries: Sequence[LabelledQuery], seed: int = 0, probe: float = 0.1, test: float = 0.2
-) -> Split:
-    order = list(queries)
-    random.Random(seed).shuffle(order)
-    n_probe, n_test = int(len(order) * probe), int(len(order) * test)
-    return Split(
-        train=order[n_probe + n_test :], probe=order[:n_probe], test=order[n_probe : n_probe + n_test]
-    )
 
 
 def normalize(text: str) -> str:

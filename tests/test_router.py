@@ -11,10 +11,10 @@ import numpy as np
 import pytest
 
 from compendium.canonical import canonical_dict
-from compendium.registry import load_dataset
+from compendium.registry import load_dataset, stratified_split
 from compendium.schema import Compendium, Precaution, PromptTemplate, Scenario
 from routing.cli import add_route_command
-from routing.datasets import compendium_from_queries, split_queries
+from routing.datasets import compendium_from_queries
 from routing.embeddings import get_query_engine
 from routing.llm import OpenAICompatibleLLM, judge_consistency, parse_choice
 from routing.router import (
@@ -39,7 +39,7 @@ def metatool_split():
     dataset = load_dataset(METATOOL)
     tools = sorted(dataset.tool_ids)[:40]
     queries = [q for q in dataset.queries if q.tool_id in set(tools)]
-    return dataset, split_queries(queries, seed=7, probe=0.2, test=0.2)
+    return dataset, stratified_split(queries, seed=7, probe_fraction=0.2, test_fraction=0.2)
 
 
 @pytest.fixture(scope="module")

@@ -7,11 +7,11 @@ import pytest
 from django.db import connection
 from django.test import Client as HttpClient
 
-from compendium.registry import load_dataset
+from compendium.registry import load_dataset, stratified_split
 from compendium.services import import_registry, store_compendium
 from federation.models import Client, Organization, Round
 from routing import services
-from routing.datasets import compendium_from_queries, split_queries
+from routing.datasets import compendium_from_queries
 from routing.embeddings import get_query_engine
 from routing.models import RoutingCall, RoutingToken
 from routing.router import Router
@@ -31,7 +31,7 @@ def data():
     dataset = load_dataset(METATOOL)
     tools = sorted(dataset.tool_ids)[:30]
     queries = [q for q in dataset.queries if q.tool_id in set(tools)]
-    split = split_queries(queries, seed=3)
+    split = stratified_split(queries, seed=3, test_fraction=0.2)
     compendium = compendium_from_queries(dataset.tools, split.train, max_per_tool=12)
     engine = get_query_engine()
     return {

@@ -13,48 +13,20 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Literal
 
-from compendium.registry import LabelledQuery, RoutingDataset
+from compendium.registry import LabelledQuery, RoutingDataset, Split, stratified_split
 from compendium.schema import ToolSpec
 
 Partition = Literal["iid", "category", "random"]
 
 
-@dataclass
-class Split:
-    train: list[LabelledQuery]
-    probe: list[LabelledQuery]
-    test: list[LabelledQuery]
-
-
 def split_dataset(
-    dataset: RoutingDataset,
-    *,
-    seed: int,
-    probe_fraction: float = 0.1,
-    test_fraction: float = 0.4,
+    dataset: RoutingDataset, *, seed: int, probe_fraction: float = 0.1, test_fraction: float = 0.4
 ) -> Split:
-    """Stratified by gold tool: every tool keeps the same shares in train, probe and test.
-
-    The probe split is the public probe set the edges use (never client data); the test split is
-    held out from everything.
-    """
-    if not 0 < test_fraction < 1 or not 0 <= probe_fraction < 1 - test_fraction:
-        raise ValueError("fractions must leave a non-empty train split")
-    rng = random.Random(seed)
-    by_tool: dict[str, list[LabelledQuery]] = defaultdict(list)
-    for query in dataset.queries:
-        by_tool[query.tool_id].append(query)
-    split = Split([], [], [])
-    for tool in sorted(by_tool):
-        items = list(by_tool[tool])
-        rng.shuffle(items)
-        n = len(items)
-        n_test = max(1, round(n * test_fraction)) if n >= 3 else 0
-        n_probe = max(1, round(n * probe_fraction)) if n >= 3 and probe_fraction > 0 else 0
-        split.test.extend(items[:n_test])
-        split.probe.extend(items[n_test : n_test + n_probe])
-        split.train.extend(items[n_test + n_probe :])
-    return split
+    """The simulation's split of a dataset: `compendium.registry.stratified_split` of its
+    queries (40% held out by default, 10% public probe set)."""
+    return stratified_split(
+        dataset.queries, seed=seed, probe_fraction=probe_fraction, test_fraction=test_fraction
+    )
 
 
 @dataclass
