@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import hashlib
 import json
 import sys
 from pathlib import Path
@@ -18,18 +17,9 @@ CACHE_DIR = ROOT / "bench" / "out" / "embedding-cache"
 
 def cached_embed(engine, texts: list[str]) -> np.ndarray:
     """Embeddings of many texts, kept on disk per model so that reruns skip the model."""
-    CACHE_DIR.mkdir(parents=True, exist_ok=True)
-    digest = hashlib.sha256(engine.model_name.encode())
-    for text in texts:
-        digest.update(text.encode("utf-8", "surrogatepass") + b"\0")
-    path = CACHE_DIR / f"{digest.hexdigest()[:32]}.npy"
-    if path.exists():
-        vectors = np.load(path)
-        if vectors.shape == (len(texts), engine.dimension):
-            return vectors
-    vectors = engine.embed(texts) if texts else np.zeros((0, engine.dimension), np.float32)
-    np.save(path, vectors)
-    return vectors
+    from routing.embeddings import embed_cached
+
+    return embed_cached(engine, texts, CACHE_DIR)
 
 
 def print_table(rows: list[dict], columns: list[str]) -> None:

@@ -30,7 +30,13 @@ def _load_compendium(path: str):
 
 
 def cmd_route(args: argparse.Namespace) -> int:
-    from routing.embeddings import EmbeddingModelUnavailable, get_query_engine
+    from routing.embeddings import (
+        EmbeddingModelUnavailable,
+        embed_cached,
+        get_engine,
+        get_query_engine,
+        model_cache_dir,
+    )
     from routing.llm import LLMUnavailable, get_llm
     from routing.router import Router, RoutingParams
 
@@ -41,9 +47,14 @@ def cmd_route(args: argparse.Namespace) -> int:
         raise SystemExit(f"synapse-client: {args.compendium} has no scenarios to route against")
     try:
         engine = get_query_engine(args.embedding_model)
+        # The server's stored scenario embeddings come from the merge engine
+        # (SYNAPSE_EMBEDDING_MODEL): embedding them with the same engine here makes the client
+        # rank exactly as the server does. They are cached on disk per compendium.
+        documents = get_engine(args.embedding_model) if args.embedding_model else get_engine()
         llm = get_llm(args.llm_url, args.llm_model) if args.reranker == "llm" else None
     except (EmbeddingModelUnavailable, LLMUnavailable) as exc:
         raise SystemExit(f"synapse-client: {exc}") from None
+    cache = model_cache_dir() / "compendium-embeddings"
     params = RoutingParams.load(args.params)
     router = Router(
         compendium,
@@ -52,6 +63,10 @@ def cmd_route(args: argparse.Namespace) -> int:
         params=params,
         llm=llm,
         escalate_threshold=args.escalate_below,
+        scenario_embeddings=embed_cached(documents, [s.text for s in compendium.scenarios], cache),
+        precaution_embeddings=embed_cached(
+            documents, [p.text for p in compendium.precautions], cache
+        ),
     )
     decision = router.route(args.query, args.top_k)
     if args.json:

@@ -62,7 +62,7 @@ def _resolve(model: str) -> str:
     return model
 
 
-def _model_cache_dir() -> Path:
+def model_cache_dir() -> Path:
     root = os.environ.get("SYNAPSE_MODEL_CACHE") or (
         Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "synapse"
     )
@@ -78,7 +78,7 @@ def _dynamic_int8_path(source: Path) -> Path:
     key = hashlib.sha256(
         f"{source.resolve()}:{stat.st_size}:{stat.st_mtime_ns}:{ort.__version__}:v1".encode()
     ).hexdigest()[:16]
-    target = _model_cache_dir() / f"minilm-l6-int8-dynamic-{key}.onnx"
+    target = model_cache_dir() / f"minilm-l6-int8-dynamic-{key}.onnx"
     if target.exists():
         return target
     try:
@@ -266,6 +266,25 @@ class EmbeddingEngine:
 
     def embed_one(self, text: str) -> np.ndarray:
         return self.embed([text])[0]
+
+
+def embed_cached(engine: EmbeddingEngine, texts: Sequence[str], directory: str | Path) -> np.ndarray:
+    """Embeddings of many texts, kept on disk per engine and text list, so that the same texts
+    (a pulled compendium routed again, a benchmark rerun) skip the model."""
+    digest = hashlib.sha256(engine.model_name.encode())
+    for text in texts:
+        digest.update(text.encode("utf-8", "surrogatepass") + b"\0")
+    path = Path(directory) / f"embeddings-{digest.hexdigest()[:32]}.npy"
+    if path.exists():
+        vectors = np.load(path)
+        if vectors.shape == (len(texts), engine.dimension):
+            return vectors
+    vectors = engine.embed(list(texts)) if texts else np.zeros((0, engine.dimension), np.float32)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.NamedTemporaryFile(dir=path.parent, suffix=".npy", delete=False) as handle:
+        np.save(handle, vectors)
+    os.replace(handle.name, path)
+    return vectors
 
 
 def _default_threads() -> int:

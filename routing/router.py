@@ -223,6 +223,7 @@ class Router:
         precaution_embeddings: np.ndarray | None = None,
         retriever: Retriever | None = None,
         index: ScenarioIndex | None = None,
+        document_engine=None,
     ):
         if reranker not in RERANKERS:
             raise ValueError(f"unknown reranker {reranker!r}: choose one of {', '.join(RERANKERS)}")
@@ -233,8 +234,10 @@ class Router:
         self.escalate_threshold = (
             self.params.escalate_threshold if escalate_threshold is None else escalate_threshold
         )
+        # Scenarios and precautions are embedded by `document_engine` when given (the engine that
+        # embedded the server's stored rows), queries always by `engine`.
         self.index = index or ScenarioIndex(
-            compendium, engine, scenario_embeddings, precaution_embeddings
+            compendium, document_engine or engine, scenario_embeddings, precaution_embeddings
         )
         self.retriever = retriever or self.index.retrieve
 

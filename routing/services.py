@@ -228,7 +228,7 @@ def routing_params() -> RoutingParams:
 
 
 def _build(version: CompendiumVersion) -> ServedCompendium:
-    from routing.embeddings import get_query_engine
+    from routing.embeddings import get_engine, get_query_engine
     from routing.llm import get_llm
 
     engine = get_query_engine()
@@ -257,8 +257,9 @@ def _build(version: CompendiumVersion) -> ServedCompendium:
     for i, r in enumerate(precaution_rows):
         if r.embedding is not None:
             precaution_vectors[i] = np.asarray(r.embedding, dtype=np.float32)
-    if missing:
-        precaution_vectors[missing] = engine.embed([precaution_rows[i].text for i in missing])
+    if missing:  # by the engine that embeds stored rows, as the client toolkit does
+        documents = get_engine(getattr(settings, "SYNAPSE_EMBEDDING_MODEL", "") or None)
+        precaution_vectors[missing] = documents.embed([precaution_rows[i].text for i in missing])
     index = ScenarioIndex(compendium, engine, scenario_vectors, precaution_vectors)
     mode = getattr(settings, "SYNAPSE_ROUTING_RETRIEVAL", "memory")
     if mode == "memory":

@@ -233,7 +233,8 @@ def test_parse_choice():
     assert parse_choice("zero", 3).reason.startswith("no option number")
 
 
-def test_route_command(tmp_path, capsys, engine):
+def test_route_command(tmp_path, capsys, engine, monkeypatch):
+    monkeypatch.setenv("SYNAPSE_MODEL_CACHE", str(tmp_path / "cache"))
     path = tmp_path / "global.json"
     body = {"round": 3, "sha256": "x", "compendium": canonical_dict(_currency_compendium(True))}
     path.write_text(json.dumps(body), encoding="utf-8")
@@ -245,9 +246,15 @@ def test_route_command(tmp_path, capsys, engine):
     assert args.func(args) == 0
     decision = json.loads(capsys.readouterr().out)
     assert decision["tool"] == "weather" and len(decision["candidates"]) == 2
+    # The pulled compendium's embeddings (by the merge's engine, as the server stored them) are
+    # kept on disk and reused by the next call.
+    cached = sorted((tmp_path / "cache" / "compendium-embeddings").glob("*.npy"))
+    assert cached and all(f.stat().st_size > 0 for f in cached)
+    stamps = [f.stat().st_mtime_ns for f in cached]
     args = parser.parse_args(["route", "Will it rain?", "--compendium", str(path), "--reranker", "none"])
     assert args.func(args) == 0
     assert capsys.readouterr().out.startswith("tool: weather")
+    assert [f.stat().st_mtime_ns for f in cached] == stamps
     bad = tmp_path / "bad.json"
     bad.write_text("{not json", encoding="utf-8")
     args = parser.parse_args(["route", "x", "--compendium", str(bad)])

@@ -12,7 +12,7 @@ from compendium.services import import_registry, store_compendium
 from federation.models import Client, Organization, Round
 from routing import services
 from routing.datasets import compendium_from_queries
-from routing.embeddings import get_query_engine
+from routing.embeddings import get_engine, get_query_engine
 from routing.models import RoutingCall, RoutingToken
 from routing.router import Router
 from tests.routing_data import METATOOL
@@ -34,12 +34,14 @@ def data():
     split = stratified_split(queries, seed=3, test_fraction=0.2)
     compendium = compendium_from_queries(dataset.tools, split.train, max_per_tool=12)
     engine = get_query_engine()
+    documents = get_engine()  # as in production: stored rows are embedded by the merge's engine
     return {
         "tools": [t for t in dataset.tools if t.tool_id in set(tools)],
         "compendium": compendium,
-        "embeddings": engine.embed([s.text for s in compendium.scenarios]),
-        "queries": [q.query for q in split.test[:40]],
+        "embeddings": documents.embed([s.text for s in compendium.scenarios]),
+        "queries": [q.query for q in split.test[:150]],
         "engine": engine,
+        "documents": documents,
     }
 
 
@@ -108,7 +110,12 @@ def test_hnsw_search_widens_when_other_versions_fill_the_index(data, settings):
 def test_client_router_and_server_pick_the_same_tool(data, settings, retrieval):
     settings.SYNAPSE_ROUTING_RETRIEVAL = retrieval
     _publish(data)
-    client_router = Router(data["compendium"], data["engine"], "fusion", params=services.routing_params())
+    # The client embeds the pulled scenarios with the engine that embedded the server's rows (the
+    # CLI does the same); queries go through the query engine on both sides.
+    client_router = Router(
+        data["compendium"], data["engine"], "fusion", params=services.routing_params(),
+        document_engine=data["documents"],
+    )
     for query in data["queries"]:
         server = services.route_query(query, 5)
         local = client_router.route(query, 5)
