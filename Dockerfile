@@ -13,5 +13,7 @@ COPY workers workers
 RUN pip install --no-cache-dir .
 COPY . .
 RUN DEBUG=1 DATABASE_URL=postgres://unused/unused python manage.py collectstatic --noinput -v 0
+# Build the int8-compute query model once, into the image (otherwise the first query builds it).
+RUN python -c "from routing.embeddings import get_query_engine; get_query_engine()"
 EXPOSE 8000
 CMD ["gunicorn", "synapse_web.wsgi:application", "--bind", "0.0.0.0:8000", "--workers", "4", "--threads", "4"]
