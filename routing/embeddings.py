@@ -82,12 +82,25 @@ def _dynamic_int8_path(source: Path) -> Path:
     if target.exists():
         return target
     try:
-        from onnxruntime.quantization import QuantType, quantize_dynamic
+        import onnxruntime.quantization  # noqa: F401  (needs the onnx package)
     except ImportError as exc:
         raise EmbeddingModelUnavailable(
             f"building the int8-compute ONNX model needs {exc.name}: pip install onnx"
         ) from None
-    target.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        target.parent.mkdir(parents=True, exist_ok=True)
+        return _build_dynamic_int8(source, target)
+    except OSError as exc:
+        raise EmbeddingModelUnavailable(
+            f"cannot build the int8-compute query model in {target.parent}: {exc.strerror or exc}; "
+            "set SYNAPSE_MODEL_CACHE to a writable folder"
+        ) from None
+
+
+def _build_dynamic_int8(source: Path, target: Path) -> Path:
+    import onnxruntime as ort
+    from onnxruntime.quantization import QuantType, quantize_dynamic
+
     with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
         # 1. Fold the stored int8->fp32 dequantization into plain fp32 weights.
         folded = Path(tmp) / "folded.onnx"
@@ -333,11 +346,14 @@ def get_engine(model: str | None = None) -> EmbeddingEngine:
 def get_query_engine(model: str | None = None) -> EmbeddingEngine:
     """The engine that embeds routing queries: SYNAPSE_QUERY_EMBEDDING_MODEL, else MiniLM with
     int8 compute (about 3x faster per query than fp32 torch, top-1 within 0.2 pt on MetaTool);
-    when its packages are missing, the default engine, which is the same model in fp32."""
+    when it cannot be built (no writable cache folder), the same export in fp32 compute; when the
+    ONNX packages are missing, the default engine, which is the same model again."""
     name = model if model is not None else os.environ.get("SYNAPSE_QUERY_EMBEDDING_MODEL", "")
     if name:
         return get_engine(name)
-    try:
-        return get_engine(DEFAULT_QUERY_MODEL)
-    except EmbeddingModelUnavailable:
-        return get_engine()
+    for name in (DEFAULT_QUERY_MODEL, ONNX_INT8_MODEL):
+        try:
+            return get_engine(name)
+        except EmbeddingModelUnavailable as exc:
+            logging.getLogger(__name__).warning("query engine %s unavailable: %s", name, exc)
+    return get_engine()

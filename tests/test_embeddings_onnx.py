@@ -115,3 +115,15 @@ def test_default_engine_is_bf16_exactly_where_the_cpu_computes_it(monkeypatch):
     assert get_engine().model_name == default_model()
     monkeypatch.setenv("SYNAPSE_EMBEDDING_MODEL", DEFAULT_MODEL)  # fp32 on request
     assert get_engine().model_name == DEFAULT_MODEL
+
+
+def test_unwritable_model_cache_is_one_clear_error_and_the_query_engine_falls_back(
+    tmp_path, monkeypatch
+):
+    blocker = tmp_path / "not-a-folder"
+    blocker.write_text("x")
+    monkeypatch.setenv("SYNAPSE_MODEL_CACHE", str(blocker / "cache"))
+    with pytest.raises(EmbeddingModelUnavailable, match="SYNAPSE_MODEL_CACHE to a writable folder"):
+        EmbeddingEngine(ONNX_INT8_DYNAMIC_MODEL)
+    monkeypatch.setattr("routing.embeddings._engines", {})
+    assert get_query_engine().model_name == ONNX_INT8_MODEL
