@@ -13,6 +13,12 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 CACHE_DIR = ROOT / "bench" / "out" / "embedding-cache"
+# The MetaTool data in ../shared beside the checkout (or beside the folder of a git worktree).
+METATOOL = next(
+    (p for p in (base / "shared" / "data" / "metatool" for base in (ROOT.parent, ROOT.parent.parent))
+     if p.exists()),
+    ROOT.parent / "shared" / "data" / "metatool",
+)
 
 
 def cached_embed(engine, texts: list[str]) -> np.ndarray:

@@ -15,29 +15,20 @@ import argparse
 import gc
 import json
 import resource
-import sys
 import time
 from pathlib import Path
 
 import numpy as np
+from _routing_common import METATOOL  # also puts the repository on sys.path
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "bench"))
+from compendium.canonical import canonical_form
+from compendium.registry import load_dataset
+from compendium.schema import Schema
+from federation.merge import MergeInput, ProbeSet, edge_merge, server_merge
+from federation.round_config import RoundConfig
+from routing.embeddings import BF16_MODEL, DEFAULT_MODEL, ONNX_INT8_MODEL, get_engine
 
-from compendium.canonical import canonical_form  # noqa: E402
-from compendium.registry import load_dataset  # noqa: E402
-from compendium.schema import Schema  # noqa: E402
-from federation.merge import MergeInput, ProbeSet, edge_merge, server_merge  # noqa: E402
-from federation.round_config import RoundConfig  # noqa: E402
-from routing.embeddings import BF16_MODEL, DEFAULT_MODEL, ONNX_INT8_MODEL, get_engine  # noqa: E402
-
-# ../shared beside the checkout (or beside the folder of a git worktree)
-DATASET = next(
-    (p for p in (ROOT.parent / "shared" / "data" / "metatool",
-                 ROOT.parent.parent / "shared" / "data" / "metatool") if p.exists()),
-    ROOT.parent / "shared" / "data" / "metatool",
-)
+DATASET = METATOOL
 
 
 def build_clients(dataset, n_clients: int, *, seed: int, probe_qids: set[str],

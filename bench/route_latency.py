@@ -22,7 +22,7 @@ import time
 from pathlib import Path
 
 import numpy as np
-from _routing_common import ROOT, cached_embed, print_table, write_json
+from _routing_common import METATOOL, ROOT, cached_embed, print_table, write_json
 
 SCENARIOS_PER_TOOL = 8
 VARIANT_PLACES = ("for my team", "on my phone", "for a client")
@@ -46,8 +46,7 @@ def catalogues(seed: int):
     from compendium.schema import ToolSpec
     from routing.datasets import compendium_from_queries
 
-    candidates = [base / "shared" / "data" / "metatool" for base in (ROOT.parent, ROOT.parent.parent)]
-    dataset = load_dataset(next((p for p in candidates if p.exists()), candidates[0]))
+    dataset = load_dataset(METATOOL)
     split = stratified_split(dataset.queries, seed=seed, test_fraction=0.2)
     base = compendium_from_queries(dataset.tools, split.train, SCENARIOS_PER_TOOL)
     test = [q.query for q in split.test]

@@ -31,9 +31,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 os.environ.setdefault("DJANGO_SETTINGS_MODULE", "synapse_web.settings")
-DEFAULT_DATASET = ROOT.parent / "shared" / "data" / "metatool"
-if not DEFAULT_DATASET.exists():  # a git worktree one level deeper
-    DEFAULT_DATASET = ROOT.parent.parent / "shared" / "data" / "metatool"
+sys.path.insert(0, str(ROOT / "bench"))
+from _routing_common import METATOOL as DEFAULT_DATASET  # noqa: E402
 
 
 def parse_args(argv=None):

@@ -27,7 +27,6 @@ from collections import defaultdict
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from django.apps import apps
 from django.conf import settings
 
 from federation.merge.privacy import Composition, compose, round_spend
@@ -38,29 +37,23 @@ from federation.round_config import RoundConfig
 RESERVING_STATES = (Round.State.OPEN, Round.State.CLOSING, Round.State.MERGING)
 
 
+def _policy(field: str, fallback: float) -> float:
+    """A privacy setting from the federation's settings row (operators change it there, audited),
+    else the deployment's setting, which also seeds the row."""
+    from federation.models import FederationSettings
+
+    value = FederationSettings.objects.filter(pk=1).values_list(field, flat=True).first()
+    return float(value if value is not None else fallback)
+
+
 def epsilon_budget() -> float:
-    """The federation's ε cap: FederationSettings.epsilon_budget where that model exists and has a
-    row, else settings.SYNAPSE_EPSILON_BUDGET."""
-    try:
-        model = apps.get_model("federation", "FederationSettings")
-    except LookupError:
-        model = None
-    if model is not None:
-        loader = getattr(model, "load", None)
-        row = loader() if callable(loader) else model.objects.first()
-        value = getattr(row, "epsilon_budget", None) if row is not None else None
-        if value is not None:
-            return float(value)
-    return float(settings.SYNAPSE_EPSILON_BUDGET)
+    """The federation's ε cap: FederationSettings.epsilon_budget, else SYNAPSE_EPSILON_BUDGET."""
+    return _policy("epsilon_budget", settings.SYNAPSE_EPSILON_BUDGET)
 
 
 def delta_prime() -> float:
-    """δ′ of advanced composition: FederationSettings.delta_prime where the row exists (operators
-    change it there), else settings.SYNAPSE_DELTA_PRIME, which also seeds the row."""
-    from federation.models import FederationSettings
-
-    value = FederationSettings.objects.filter(pk=1).values_list("delta_prime", flat=True).first()
-    return float(value) if value is not None else float(settings.SYNAPSE_DELTA_PRIME)
+    """δ′ of advanced composition: FederationSettings.delta_prime, else SYNAPSE_DELTA_PRIME."""
+    return _policy("delta_prime", settings.SYNAPSE_DELTA_PRIME)
 
 
 def _spends(exclude: tuple[int, int, int] | None = None) -> dict[int, dict[int, float]]:
@@ -191,38 +184,69 @@ def _extra_spends(extra: RoundConfig | float | None) -> list[float]:
     return [] if extra is None else [float(extra)]
 
 
-def would_exceed(extra: RoundConfig | float | None = None) -> tuple[bool, Composition]:
-    """Whether the committed composition plus `extra` exceeds the cap, and that composition.
+@dataclass(frozen=True)
+class BudgetCheck:
+    """The committed ε′ before and after `extra` against the cap, from one reading of the ledger."""
 
-    `extra`: a RoundConfig (one more round: its projected spend), a float (a round spend as the
-    ledger counts it), or None (whether what is already committed exceeds the cap: the
-    pipeline's check, where the round being started is counted already, by its reservation or
-    its ledger rows)."""
-    projected = committed_composition(_extra_spends(extra))
-    return projected.epsilon > epsilon_budget() + 1e-12, projected
+    committed: Commitments
+    extra: list[float]
+    before: Composition
+    after: Composition
+    cap: float
+
+    @property
+    def exceeded(self) -> bool:
+        return self.after.epsilon > self.cap + 1e-12
+
+    def refusal(self, what: str) -> str:
+        """The accountant's one refusal message: "" within the cap, else a sentence naming both
+        figures, the cap and how the committed figure is made up. `what` is its subject
+        ("opening a round at ε = 1")."""
+        if not self.exceeded:
+            return ""
+        spend = f" (projected round spend ε = {self.extra[0]:.6g})" if self.extra else ""
+        return (
+            f"{what}{spend} would bring the federation's committed ε′ from "
+            f"{self.before.epsilon:.6g} to {self.after.epsilon:.6g} ({self.after.tighter} "
+            f"composition), above its privacy budget of {self.cap:.6g} (committed: "
+            f"{len(self.committed.recorded)} round(s) recorded in the ledger, "
+            f"{len(self.committed.reserved)} reserved by rounds not released yet)"
+        )
+
+
+def check_budget(
+    extra: RoundConfig | float | None = None,
+    budget: float | None = None,
+    spends: dict[int, dict[int, float]] | None = None,
+) -> BudgetCheck:
+    """The committed composition plus `extra` against the cap (`budget`, default
+    `epsilon_budget()`). `extra`: a RoundConfig (one more round: its projected spend), a float (a
+    round spend as the ledger counts it), or None (whether what is already committed exceeds the
+    cap: the pipeline's check, where the round being started is counted already, by its
+    reservation or its ledger rows). `spends`: the ledger as `_spends()` read it, if at hand."""
+    committed = commitments(spends)
+    more = _extra_spends(extra)
+    delta = delta_prime()
+    return BudgetCheck(
+        committed=committed,
+        extra=more,
+        before=compose(committed.spends(), delta),
+        after=compose(committed.spends(more), delta),
+        cap=epsilon_budget() if budget is None else budget,
+    )
+
+
+def would_exceed(extra: RoundConfig | float | None = None) -> tuple[bool, Composition]:
+    """Whether the committed composition plus `extra` exceeds the cap, and that composition."""
+    check = check_budget(extra)
+    return check.exceeded, check.after
 
 
 def budget_refusal(
     extra: RoundConfig | float | None, what: str, budget: float | None = None
 ) -> str:
-    """The accountant's one refusal message: "" when the committed ε′ plus `extra` (as in
-    `would_exceed`) stays within the cap (`budget`, default `epsilon_budget()`), else a sentence
-    naming both figures, the cap and how the committed figure is made up. `what` is its subject
-    ("opening a round at ε = 1")."""
-    committed = commitments()
-    more = _extra_spends(extra)
-    before = compose(committed.spends(), delta_prime())
-    after = compose(committed.spends(more), delta_prime())
-    cap = epsilon_budget() if budget is None else budget
-    if after.epsilon <= cap + 1e-12:
-        return ""
-    spend = f" (projected round spend ε = {more[0]:.6g})" if more else ""
-    return (
-        f"{what}{spend} would bring the federation's committed ε′ from {before.epsilon:.6g} to "
-        f"{after.epsilon:.6g} ({after.tighter} composition), above its privacy budget of "
-        f"{cap:.6g} (committed: {len(committed.recorded)} round(s) recorded in the ledger, "
-        f"{len(committed.reserved)} reserved by rounds not released yet)"
-    )
+    """`check_budget(extra, budget).refusal(what)`: "" when within the cap."""
+    return check_budget(extra, budget).refusal(what)
 
 
 @dataclass(frozen=True)
@@ -246,8 +270,8 @@ class PrivacyReport:
         }
 
 
-def privacy_report() -> PrivacyReport:
-    spends = _spends()
+def privacy_report(spends: dict[int, dict[int, float]] | None = None) -> PrivacyReport:
+    spends = _spends() if spends is None else spends
     committed = commitments(spends)
     rounds = committed.recorded
     return PrivacyReport(

@@ -50,7 +50,7 @@ def cmd_route(args: argparse.Namespace) -> int:
         # The server's stored scenario embeddings come from the merge engine
         # (SYNAPSE_EMBEDDING_MODEL): embedding them with the same engine here makes the client
         # rank exactly as the server does. They are cached on disk per compendium.
-        documents = get_engine(args.embedding_model) if args.embedding_model else get_engine()
+        documents = get_engine(args.embedding_model or None)
         llm = get_llm(args.llm_url, args.llm_model) if args.reranker == "llm" else None
     except (EmbeddingModelUnavailable, LLMUnavailable) as exc:
         raise SystemExit(f"synapse-client: {exc}") from None

@@ -583,14 +583,14 @@ def privacy_page(organizations: QuerySet, *, operator: bool, page=1, next_epsilo
     from federation import accounting
     from federation.models import PrivacyLedgerEntry
 
-    report = accounting.privacy_report()
-    spends = accounting._spends()
+    spends = accounting._spends()  # the ledger, read once for the report, the check and charts
+    report = accounting.privacy_report(spends)
     fed_rounds = accounting._federation_rounds(spends)
     round_numbers = dict(Round.objects.values_list("pk", "number"))
     visible_ids = set(organizations.values_list("pk", flat=True))
     config = next_round_config(next_epsilon)
     next_epsilon = config.epsilon
-    exceed, projected = accounting.would_exceed(config)
+    check = accounting.check_budget(config, spends=spends)
     names = dict(organizations.values_list("pk", "name"))
     ledger = (
         PrivacyLedgerEntry.objects.filter(organization__in=organizations)
@@ -603,11 +603,11 @@ def privacy_page(organizations: QuerySet, *, operator: bool, page=1, next_epsilo
         organizations=[(names[k], v) for k, v in report.organizations.items() if k in visible_ids],
         ledger=Paginator(ledger, 50).get_page(page),
         next_epsilon=next_epsilon,
-        would_exceed=exceed,
-        projected=projected,
+        would_exceed=check.exceeded,
+        projected=check.after,
         committed=report.committed,
         reserved=sorted((round_numbers.get(r, r), eps) for r, eps in report.reserved.items()),
-        warning=budget_warning(config) if exceed else "",
+        warning=budget_warning(config, check),
     )
     delta = accounting.delta_prime()
     series = [("federation", fed_rounds)] + [
@@ -818,12 +818,14 @@ def next_round_config(epsilon: float | None = None):
     return RoundConfig(**config)
 
 
-def budget_warning(config) -> str:
+def budget_warning(config, check=None) -> str:
     """The one budget message, from the one accountant: the refusal `services.open_round` would
-    raise for a round with `config` (empty when it would be accepted for the budget)."""
+    raise for a round with `config` (empty when it would be accepted for the budget). `check`:
+    `accounting.check_budget(config)` when already made."""
     from federation import accounting
 
-    refusal = accounting.budget_refusal(config, f"opening a round at ε = {config.epsilon:g}")
+    check = check or accounting.check_budget(config)
+    refusal = check.refusal(f"opening a round at ε = {config.epsilon:g}")
     return f"This will be refused: {refusal}." if refusal else ""
 
 
