@@ -92,6 +92,7 @@ class BuildReport:
     clipped_values: dict[str, int] = field(default_factory=dict)
     capped_contributions: int = 0
     skipped_fields: list[str] = field(default_factory=list)
+    delta: dict[str, int] | None = None  # what `--since` left out (compendium.delta)
 
     @property
     def masked_fraction(self) -> float:

@@ -152,6 +152,19 @@ def cmd_build(args: argparse.Namespace) -> int:
         raise CliError(str(exc)) from None
     except CompendiumInvalid as exc:
         raise CliError(f"the built compendium is not valid under the schema: {exc}") from None
+    delta_note = ""
+    if args.since:
+        from compendium.delta import delta_since
+
+        if engine is None:
+            raise CliError("--since needs the embedding model (drop --no-collapse)")
+        pulled = _load_compendium(args.since)
+        compendium, delta = delta_since(compendium, pulled, engine, options.tau)
+        report.delta = delta.as_dict()
+        delta_note = (
+            f" Since {args.since}: {delta.scenarios_covered} scenario(s) and "
+            f"{delta.precautions_covered} precaution(s) already covered, not sent."
+        )
 
     out = Path(args.out)
     text = json.dumps(canonical_dict(compendium), ensure_ascii=False, indent=1, sort_keys=True)
@@ -168,7 +181,7 @@ def cmd_build(args: argparse.Namespace) -> int:
     print(
         f"{out}: {counts}; {report.num_users} users; masked {report.masked_fraction:.1%} of "
         f"{report.word_tokens} tokens at λ={options.strength:g}; {form.size_bytes} bytes "
-        f"({form.gzip_bytes} gzip). Check it with: {PROG} inspect {out}"
+        f"({form.gzip_bytes} gzip).{delta_note} Check it with: {PROG} inspect {out}"
     )
     return 0
 
@@ -359,6 +372,11 @@ def build_parser() -> argparse.ArgumentParser:
     build.add_argument(
         "--skip-bad-lines", action="store_true",
         help="build from the good lines and report the malformed ones (default: fail)",
+    )
+    build.add_argument(
+        "--since", default=None, metavar="GLOBAL",
+        help="the global compendium last pulled: send only what it does not already cover "
+        "(the server carries it forward)",
     )
     build.add_argument("--embedding-model", default=None, help="sentence-transformers model/path")
     build.add_argument("--quiet", action="store_true", help="no progress bars")

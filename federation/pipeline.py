@@ -296,6 +296,20 @@ def probe_accuracy(probe: ProbeSet | None, scenario_tools: list[str], vectors) -
     return float(np.mean(predicted == np.asarray(probe.labels, dtype=object)))
 
 
+def previous_global(round_: Round) -> CompendiumVersion | None:
+    """The global compendium of the latest published round before `round_` (what its clients
+    pulled), or None."""
+    return (
+        CompendiumVersion.objects.filter(
+            kind="global",
+            round__number__lt=round_.number,
+            round__state=Round.State.PUBLISHED,
+        )
+        .order_by("-round__number")
+        .first()
+    )
+
+
 def run_server_merge(round_id: int, *, embed=None) -> str:
     """Merge the round's edge compendiums into the global one and publish it (one transaction).
     Returns the global compendium's sha256."""
@@ -309,6 +323,7 @@ def run_server_merge(round_id: int, *, embed=None) -> str:
     )
     if not edges:
         raise PipelineError(f"round {round_.number}: no edge accepted any submission")
+    previous = previous_global(round_) if config.carry_forward else None
     probe = load_probe_set(embed)
     result = server_merge_operator(
         [MergeInput(f"org:{e.organization.slug}", load_compendium(e)) for e in edges],
@@ -317,6 +332,7 @@ def run_server_merge(round_id: int, *, embed=None) -> str:
         embed=embed,
         probe_set=probe,
         llm=configured_llm(),
+        previous=load_compendium(previous) if previous is not None else None,
     )
     accuracy = probe_accuracy(
         probe, [s.tool_id for s in result.compendium.scenarios], result.scenario_embeddings
@@ -330,7 +346,7 @@ def run_server_merge(round_id: int, *, embed=None) -> str:
             result.compendium,
             kind="global",
             round=locked,
-            sources=edges,
+            sources=edges + ([previous] if previous is not None else []),
             scenario_embeddings=result.scenario_embeddings,
             precaution_embeddings=result.precaution_embeddings,
         )
@@ -391,7 +407,7 @@ def erase_client(client: Client, *, embed=None) -> ErasureReport:
         run_edge_merge(round_id, organization_id, rematerialize=True, embed=embed)
         edges_done.append((Round.objects.get(pk=round_id).number, organization_id))
     globals_done = []
-    for round_id in rounds_touched:
+    for round_id in _globals_to_rematerialize(rounds_touched):
         round_ = Round.objects.get(pk=round_id)
         if CompendiumVersion.objects.filter(kind="edge", round=round_).exists():
             run_server_merge(round_id, embed=embed)
@@ -400,6 +416,22 @@ def erase_client(client: Client, *, embed=None) -> ErasureReport:
                 CompendiumVersion.objects.filter(kind="global", round=round_).delete()
         globals_done.append(round_.number)
     return ErasureReport(str(client), len(submissions), edges_done, globals_done)
+
+
+def _globals_to_rematerialize(rounds_touched: list[int]) -> list[int]:
+    """The rounds whose global compendium must be merged again, in round order: those whose edges
+    changed, and every later published round that carried a global forward (it holds what the
+    earlier one held)."""
+    if not rounds_touched:
+        return []
+    first = min(Round.objects.filter(pk__in=rounds_touched).values_list("number", flat=True))
+    later = [
+        r.pk
+        for r in Round.objects.filter(number__gt=first, state=Round.State.PUBLISHED)
+        if _config(r).carry_forward
+    ]
+    ids = set(rounds_touched) | set(later)
+    return list(Round.objects.filter(pk__in=ids).order_by("number").values_list("pk", flat=True))
 
 
 # --- the public probe set ------------------------------------------------------------------------

@@ -32,6 +32,11 @@ class RoundConfig(BaseModel):
         description="global compendium M: canonical description/spec plus stats, or stats only "
         "(clients resolve canonical fields from the schema they pull)",
     )
+    carry_forward: bool = Field(
+        True,
+        description="the global compendium keeps what the previous published global held "
+        "(merged with this round's edges), so clients need only send what changed",
+    )
     max_scenarios_per_tool: int | None = Field(
         None, ge=1, description="global compendium: keep the k best-supported scenarios per tool"
     )

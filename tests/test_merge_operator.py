@@ -285,3 +285,49 @@ def test_server_can_publish_stats_only_metadata(schema, embed):
                           RoundConfig(global_metadata="stats"), embed=embed)
     [meta] = result.compendium.metadata
     assert meta.description is None and meta.spec is None and "success_rate" in meta.stats
+
+
+def test_server_merge_carries_the_previous_global_forward(schema, embed):
+    config = RoundConfig(summarizer="none")
+    first = server_merge(
+        [MergeInput("org", edge_merge(
+            _numeric_subs([0.4, 0.6]) + [sub("x", [sc("weather", "Will it rain tomorrow?"),
+                                                   sc("recipes", "A vegan lasagna recipe")])],
+            schema, config, embed=embed, seed=1).compendium)],
+        schema, config, embed=embed,
+    ).compendium
+    # Round 2: nobody resends the recipe scenario; one client repeats the rain question and
+    # reports calculator statistics only.
+    edge = edge_merge(
+        [sub("y", [sc("weather", "Will it rain tomorrow"), sc("flights", "Cheap flights to Rome")],
+             metadata=[{"tool_id": "calculator", "stats": {"success_rate": 0.2}}])],
+        schema, config, embed=embed, seed=2,
+    ).compendium
+    carried = server_merge([MergeInput("org", edge)], schema, config, embed=embed,
+                           previous=first).compendium
+    texts = {(s.tool_id, s.text): s.support for s in carried.scenarios}
+    assert ("recipes", "A vegan lasagna recipe") in texts  # kept from the previous global
+    assert ("flights", "Cheap flights to Rome") in texts
+    rain = [n for (tool, _), n in texts.items() if tool == "weather"]
+    assert rain == [2]  # the repeated question joined the carried one: support adds up
+    stats = {m.tool_id: m.stats for m in carried.metadata}
+    assert stats["weather"] == {m.tool_id: m.stats for m in first.metadata}["weather"]  # carried
+    assert set(stats) == {"weather", "calculator"}  # this round's calculator release is added
+    alone = server_merge([MergeInput("org", edge)], schema, config, embed=embed).compendium
+    assert ("recipes", "A vegan lasagna recipe") not in {(s.tool_id, s.text) for s in alone.scenarios}
+
+
+def test_carried_global_drops_tools_the_schema_no_longer_has(schema, embed):
+    config = RoundConfig(summarizer="none")
+    first = server_merge(
+        [MergeInput("org", edge_merge([sub("x", [sc("recipes", "A vegan lasagna recipe"),
+                                                 sc("weather", "Rain in Oslo?")])],
+                                      schema, config, embed=embed).compendium)],
+        schema, config, embed=embed,
+    ).compendium
+    smaller = Schema(tools=[t for t in schema.tools if t.tool_id != "recipes"])
+    edge = edge_merge([sub("y", [sc("flights", "Cheap flights to Rome")])], smaller, config,
+                      embed=embed).compendium
+    result = server_merge([MergeInput("org", edge)], smaller, config, embed=embed, previous=first)
+    assert result.rejected == []
+    assert {s.tool_id for s in result.compendium.scenarios} == {"weather", "flights"}

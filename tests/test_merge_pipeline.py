@@ -9,6 +9,7 @@ from django.core.management import call_command
 from compendium.models import CompendiumVersion, ScenarioEntry
 from federation import accounting, pipeline
 from federation.models import (
+    Client,
     ConflictLogEntry,
     MergeRecord,
     PrivacyLedgerEntry,
@@ -176,6 +177,55 @@ def test_erasure_rematerializes_without_the_client_and_keeps_the_ledger(
         organization__slug="acme").values_list("release", flat=True)))
     assert releases == [0, 1]
     assert accounting.privacy_report().federation.epsilon >= spent_before
+
+
+def _second_round(config=None):
+    from compendium.schema import Compendium
+    from compendium.services import store_compendium
+
+    round2 = Round.objects.create(number=2, state="closing",
+                                  config=config or {"summarizer": "centroid", "seed": 12})
+    store_compendium(
+        Compendium.model_validate({"scenarios": [
+            {"tool_id": "flights", "text": "Which airline flies nonstop to Lisbon?"}]}),
+        kind="client", round=round2, client=Client.objects.get(name="g1"),
+    )
+    return round2
+
+
+def test_global_carries_the_previous_one_forward_and_erasure_reaches_it(
+    probes, django_capture_on_commit_callbacks
+):
+    round1, _ = build_federation()
+    close(round1, django_capture_on_commit_callbacks)
+    round2 = _second_round()
+    close(round2, django_capture_on_commit_callbacks)
+    assert round2.state == "published", round2.failure_reason
+    first = CompendiumVersion.objects.get(kind="global", round=round1)
+    glob = CompendiumVersion.objects.get(kind="global", round=round2)
+    texts = [s["text"] for s in glob.content["scenarios"]]
+    # Round 2 had one delta submission; what round 1 learnt is still there.
+    assert "Which airline flies nonstop to Lisbon?" in texts
+    assert "What is 17 multiplied by 23?" in texts
+    assert first in set(glob.sources.all())
+    # Erasing a round-1 client re-materializes round 1 and the round 2 that carried it forward.
+    report = pipeline.erase_client(Client.objects.get(name="a2"))
+    assert report.globals_rematerialized == [1, 2]
+    glob = CompendiumVersion.objects.get(kind="global", round=round2)
+    texts = [s["text"] for s in glob.content["scenarios"]]
+    assert "What is 17 multiplied by 23?" not in texts
+    assert "Which airline flies nonstop to Lisbon?" in texts
+
+
+def test_a_round_without_carry_forward_publishes_only_its_own_submissions(
+    probes, django_capture_on_commit_callbacks
+):
+    round1, _ = build_federation()
+    close(round1, django_capture_on_commit_callbacks)
+    round2 = _second_round({"summarizer": "centroid", "seed": 12, "carry_forward": False})
+    close(round2, django_capture_on_commit_callbacks)
+    glob = CompendiumVersion.objects.get(kind="global", round=round2)
+    assert [s["text"] for s in glob.content["scenarios"]] == ["Which airline flies nonstop to Lisbon?"]
 
 
 def _ledger_row(round_, org, eps, field="calls", release=0, cap=None):

@@ -83,6 +83,9 @@ class RoundConfigSerializer(serializers.Serializer):
     )
     trim_fraction = serializers.FloatField(required=False)
     seed = serializers.IntegerField(required=False)
+    global_metadata = serializers.ChoiceField(choices=["full", "stats"], required=False)
+    max_scenarios_per_tool = serializers.IntegerField(required=False, allow_null=True)
+    carry_forward = serializers.BooleanField(required=False)
 
 
 class FailRoundSerializer(serializers.Serializer):

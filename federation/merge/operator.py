@@ -65,6 +65,9 @@ Embed = Callable[[Sequence[str]], np.ndarray]
 CONFUSION_MARGIN = 0.2
 CONFUSION_RANK = 1
 
+# The source name of the carried-forward global compendium in a server merge.
+PREVIOUS_GLOBAL = "previous-global"
+
 
 def edge_merge(
     submissions: Sequence[MergeInput],
@@ -107,10 +110,18 @@ def server_merge(
     llm: OpenAICompatibleLLM | None = None,
     confusion_margin: float = CONFUSION_MARGIN,
     confusion_rank: int = CONFUSION_RANK,
+    previous: Compendium | None = None,
 ) -> MergeResult:
     """The same operator one level up: edge compendiums in, the global compendium out. Numeric
     statistics were noised at the edges; here they are averaged, weighted by each edge's
-    contributor count (post-processing: no new budget, no ledger entries)."""
+    contributor count (post-processing: no new budget, no ledger entries).
+
+    `previous` is the last published global compendium, carried forward: its scenarios,
+    precautions, templates and annex enter the merge as one more input (clustered with the new
+    ones, so a known scenario is not duplicated and its support adds up), and its statistics stay
+    for tools that no edge reported this round (this round's releases replace the others). This is
+    what lets a client send only what changed since the compendium it pulled. Entries of tools no
+    longer in the schema are dropped."""
     return _merge(
         edge_results,
         schema,
@@ -124,6 +135,7 @@ def server_merge(
         noise=False,
         confusion_margin=confusion_margin,
         confusion_rank=confusion_rank,
+        previous=None if previous is None else _within_schema(previous, schema),
     )
 
 
@@ -244,14 +256,34 @@ def _merge(
     noise: bool,
     confusion_margin: float,
     confusion_rank: int,
+    previous: Compendium | None = None,
 ) -> MergeResult:
     stats = MergeStats(summarizer=config.summarizer)
     clock = _Clock(stats)
-    accepted, rejected = _validated(inputs, schema, stats)
+    carry = [MergeInput(PREVIOUS_GLOBAL, previous)] if previous is not None else []
+    accepted, rejected = _validated(list(inputs) + carry, schema, stats)
     clock.lap("validate")
 
     # M first: the budget check must refuse before any noise is drawn or any text work is done.
-    metadata, ledger = _merge_metadata(accepted, schema, config, seed, epsilon_remaining, noise)
+    fresh = [(s, comp) for s, comp in accepted if not (carry and s == PREVIOUS_GLOBAL)]
+    metadata, ledger = _merge_metadata(fresh, schema, config, seed, epsilon_remaining, noise)
+    carried = [comp for s, comp in accepted if carry and s == PREVIOUS_GLOBAL]
+    if carried:
+        reported = {m.tool_id for m in metadata}
+        metadata = sorted(
+            metadata
+            + [
+                m.model_copy(
+                    update={
+                        "description": schema.tools_by_id[m.tool_id].description,
+                        "spec": schema.tools_by_id[m.tool_id].spec or None,
+                    }
+                )
+                for m in carried[0].metadata
+                if m.tool_id not in reported
+            ],
+            key=lambda m: m.tool_id,
+        )
     if not noise and config.global_metadata == "stats":
         metadata = [m.model_copy(update={"description": None, "spec": None}) for m in metadata]
     stats.numeric_releases = len(ledger)
@@ -363,7 +395,7 @@ def _merge(
     annex = _merge_annex(accepted, config, embed, stats)
     clock.lap("templates_annex")
 
-    contributors = [c.num_users or 1 for _, c in accepted] if not noise else None
+    contributors = [c.num_users or 1 for _, c in fresh] if not noise else None
     num_users = (
         (sum(contributors) if contributors else None) if not noise else (len(accepted) or None)
     )
@@ -395,6 +427,20 @@ def _merge(
         accepted_sources=[source for source, _ in accepted],
         scenario_embeddings=scenario_vectors,
         precaution_embeddings=precaution_vectors,
+    )
+
+
+def _within_schema(compendium: Compendium, schema: Schema) -> Compendium:
+    """The entries of `compendium` whose tools the schema still has (a carried-forward global
+    must not be rejected whole because the registry dropped a tool)."""
+    known = schema.tool_ids
+    return compendium.model_copy(
+        update={
+            "metadata": [m for m in compendium.metadata if m.tool_id in known],
+            "scenarios": [s for s in compendium.scenarios if s.tool_id in known],
+            "precautions": [p for p in compendium.precautions if p.tool_id in known],
+            "templates": [t for t in compendium.templates if t.tool_id in known],
+        }
     )
 
 

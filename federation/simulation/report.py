@@ -113,6 +113,15 @@ def table(document: dict[str, Any]) -> str:
             f"bytes per client per round: {comm.get('bytes_per_client_round', 0):.0f} raw, "
             f"{comm.get('gzip_bytes_per_client_round', 0):.0f} gzip"
         )
+        per_round = sorted(
+            ((k, v) for k, v in comm.items() if k.startswith("bytes_round_")),
+            key=lambda kv: int(kv[0].removeprefix("bytes_round_")),
+        )
+        if per_round:
+            lines.append(
+                "  per round (raw): "
+                + ", ".join(f"{k.removeprefix('bytes_round_')}: {v:.0f}" for k, v in per_round)
+            )
     privacy = document.get("privacy", {})
     if privacy:
         lines.append(

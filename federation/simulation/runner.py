@@ -22,6 +22,7 @@ import numpy as np
 
 from compendium.builder import BuildOptions, build_compendium
 from compendium.canonical import canonical_bytes
+from compendium.delta import delta_since
 from compendium.registry import LabelledQuery, RoutingDataset
 from compendium.schema import Compendium, Scenario, Schema
 from compendium.usage_log import parse_record
@@ -81,13 +82,17 @@ class SimulationConfig:
     baselines: bool = True
     adversarial_fraction: float = 0.0
     adversarial_mode: str = "random_corruption"
+    # The server carries the previous global forward and each client sends only what changed
+    # since the global it pulled (compendium.delta); False: every client resends everything.
+    carry_forward: bool = True
 
 
 @dataclass
 class RoundOutcome:
     round: int
     global_compendium: Compendium
-    client_compendiums: dict[str, Compendium]
+    client_compendiums: dict[str, Compendium]  # each client's whole local compendium
+    submissions: dict[str, Compendium]  # what each client sent (the change since `pulled`)
     bytes_raw: list[int]
     bytes_gzip: list[int]
     merge_stats: dict[str, Any]
@@ -146,6 +151,7 @@ class Simulation:
             summarizer=c.summarizer,
             robust_rule=c.robust_rule,
             seed=seed,
+            carry_forward=c.carry_forward,
         )
 
     def build_client(self, lines: Sequence[dict], seed: int, strength: float | None = None) -> Compendium:
@@ -195,9 +201,11 @@ class Simulation:
         periods = {client: _slices(lines, self.config.rounds) for client, lines in logs.items()}
         conflicts: dict[str, list[ConflictEntry]] = {}
         outcomes = []
+        pulled: Compendium | None = None  # the global the clients pulled before this round
         for r in range(1, self.config.rounds + 1):
             self.progress(f"seed {seed}: round {r}/{self.config.rounds}: clients build")
             clients: dict[str, Compendium] = {}
+            sent: dict[str, Compendium] = {}
             for share in shares:
                 experience = [line for period in periods[share.client][:r] for line in period]
                 if not experience:
@@ -206,14 +214,17 @@ class Simulation:
                 if adversaries and share.client in adversaries:
                     compendium = corrupt(compendium, self.config.adversarial_mode, self.schema, seed)
                 clients[share.client] = compendium
+                if pulled is not None:
+                    compendium, _ = delta_since(compendium, pulled, self.engine, self.config.tau)
+                sent[share.client] = compendium
             self.progress(f"seed {seed}: round {r}: edge and server merges")
             edges = []
             stats = {}
             for org in sorted({s.organization for s in shares}):
                 inputs = [
-                    MergeInput(s.client, clients[s.client])
+                    MergeInput(s.client, sent[s.client])
                     for s in shares
-                    if s.organization == org and s.client in clients
+                    if s.organization == org and s.client in sent
                 ]
                 if not inputs:
                     continue
@@ -229,16 +240,22 @@ class Simulation:
                 conflicts[org] = result.conflicts
                 edges.append(MergeInput(org, result.compendium))
                 stats[org] = result.stats.as_dict()
-            merged = server_merge(edges, self.schema, config, embed=self.engine.embed, probe_set=probe_set)
+            merged = server_merge(
+                edges, self.schema, config, embed=self.engine.embed, probe_set=probe_set,
+                previous=pulled,
+            )
+            if self.config.carry_forward:
+                pulled = merged.compendium
             stats["server"] = merged.stats.as_dict()
-            raw = [len(canonical_bytes(c)) for c in clients.values()]
+            raw = [len(canonical_bytes(c)) for c in sent.values()]
             outcomes.append(
                 RoundOutcome(
                     round=r,
                     global_compendium=merged.compendium,
                     client_compendiums=clients,
+                    submissions=sent,
                     bytes_raw=raw,
-                    bytes_gzip=[len(gzip.compress(canonical_bytes(c), 9, mtime=0)) for c in clients.values()],
+                    bytes_gzip=[len(gzip.compress(canonical_bytes(c), 9, mtime=0)) for c in sent.values()],
                     merge_stats=stats,
                 )
             )
@@ -304,7 +321,9 @@ class Simulation:
                 np.mean([b for o in outcomes for b in o.bytes_gzip])
             ),
         }
-        result.privacy = self.membership_attack(shares, final.client_compendiums, split.test, seed)
+        for o in outcomes:  # the first round sends everything; later ones only what changed
+            result.communication[f"bytes_round_{o.round}"] = float(np.mean(o.bytes_raw or [0]))
+        result.privacy = self.membership_attack(shares, _everything_sent(outcomes), split.test, seed)
         if c.baselines:
             self.progress(f"seed {seed}: baselines")
             for method, report in self.baselines(shares, logs, final, split, test, seed).items():
@@ -412,6 +431,25 @@ class Simulation:
             if overlaps
             else 0.0,
         }
+
+
+def _everything_sent(outcomes: Sequence[RoundOutcome]) -> dict[str, Compendium]:
+    """Per client, the union of what it sent over all rounds: what an observer of its
+    submissions has seen."""
+    out: dict[str, Compendium] = {}
+    for outcome in outcomes:
+        for client, sent in outcome.submissions.items():
+            if client not in out:
+                out[client] = sent
+            else:
+                seen = out[client]
+                out[client] = seen.model_copy(
+                    update={
+                        "scenarios": list(seen.scenarios) + list(sent.scenarios),
+                        "precautions": list(seen.precautions) + list(sent.precautions),
+                    }
+                )
+    return out
 
 
 def _best_overlap(query: str, texts: list[str], token_sets: list[set[str]]) -> float:

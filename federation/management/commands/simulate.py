@@ -51,6 +51,12 @@ class Command(BaseCommand):
             "--unless-stored", action="store_true", help="do nothing if a run is stored already"
         )
         parser.add_argument("--no-baselines", action="store_true")
+        parser.add_argument(
+            "--no-carry-forward",
+            action="store_true",
+            help="clients resend their whole compendium each round and the server does not carry "
+            "the previous global forward (default: carry it forward, clients send what changed)",
+        )
         parser.add_argument("--adversarial-fraction", type=float, default=0.0)
         parser.add_argument("--adversarial-mode", choices=ADVERSARIAL_MODES, default="random_corruption")
         parser.add_argument("--sweep-epsilon", default="", help="e.g. 0.5,1,2 (with --sweep-lambda)")
@@ -92,6 +98,7 @@ class Command(BaseCommand):
             baselines=not o["no_baselines"],
             adversarial_fraction=o["adversarial_fraction"],
             adversarial_mode=o["adversarial_mode"],
+            carry_forward=not o["no_carry_forward"],
         )
         schema = Schema(tools=dataset.tools)
         quiet = o["verbosity"] == 0

@@ -1,0 +1,94 @@
+"""A client sends only what the global compendium it pulled does not already cover."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from compendium.client_cli import main
+from compendium.delta import delta_since
+from compendium.schema import Compendium
+from routing.embeddings import get_engine
+
+
+@pytest.fixture(scope="module")
+def engine():
+    return get_engine()
+
+
+def comp(scenarios=(), precautions=(), templates=(), metadata=()):
+    return Compendium.model_validate(
+        {
+            "scenarios": [{"tool_id": t, "text": x} for t, x in scenarios],
+            "precautions": [{"tool_id": t, "text": x} for t, x in precautions],
+            "templates": list(templates),
+            "metadata": list(metadata),
+        }
+    )
+
+
+def test_covered_entries_are_left_out_and_new_ones_kept(engine):
+    pulled = comp(
+        scenarios=[("weather", "Will it rain tomorrow in Paris?")],
+        precautions=[("calculator", "Do not use calculator for requests like: currency rates")],
+        templates=[{"tool_id": "weather", "signature": "f(city)", "template": "Forecast {city}"}],
+    )
+    local = comp(
+        scenarios=[
+            ("weather", "Will it rain tomorrow in Paris"),  # a paraphrase: covered
+            ("flights", "Will it rain tomorrow in Paris?"),  # same text, other tool: not covered
+            ("weather", "UV index at noon in Madrid"),  # new
+        ],
+        precautions=[("calculator", "Do not use calculator for requests like: currency rates!")],
+        templates=[
+            {"tool_id": "weather", "signature": "f(city)", "template": "Forecast {city}"},
+            {"tool_id": "weather", "signature": "g(day)", "template": "Forecast on {day}"},
+        ],
+        metadata=[{"tool_id": "weather", "stats": {"success_rate": 0.8}}],
+    )
+    delta, report = delta_since(local, pulled, engine, tau=0.85)
+    assert [(s.tool_id, s.text) for s in delta.scenarios] == [
+        ("flights", "Will it rain tomorrow in Paris?"),
+        ("weather", "UV index at noon in Madrid"),
+    ]
+    assert delta.precautions == [] and report.precautions_covered == 1
+    assert [t.signature for t in delta.templates] == ["g(day)"]
+    assert delta.metadata == local.metadata  # this round's statistics are always sent
+    assert report.scenarios_covered == 1 and report.scenarios_kept == 2
+    same, _ = delta_since(local, Compendium(), engine)
+    assert same == local
+
+
+def test_cli_build_since_a_pulled_global(tmp_path, capsys):
+    schema = {
+        "tools": [
+            {"tool_id": "weather", "description": "Weather forecasts for a city"},
+            {"tool_id": "flights", "description": "Search and book flights"},
+        ],
+    }
+    (tmp_path / "schema.json").write_text(json.dumps(schema))
+    lines = [
+        {"query": "Will it rain tomorrow in Paris?", "tool": "weather", "outcome": "success", "latency_ms": 120,
+         "user": "u1"},
+        {"query": "Find a cheap flight to Rome", "tool": "flights", "outcome": "success", "latency_ms": 120,
+         "user": "u2"},
+    ]
+    (tmp_path / "log.jsonl").write_text("".join(json.dumps(line) + "\n" for line in lines))
+    pulled = comp(scenarios=[("weather", "Will it rain tomorrow in Paris?")])
+    (tmp_path / "global.json").write_text(pulled.model_dump_json())
+    args = ["build", "--log", str(tmp_path / "log.jsonl"), "--schema", str(tmp_path / "schema.json"),
+            "--lambda", "0", "--quiet"]
+    assert main(args + ["--out", str(tmp_path / "full.json")]) == 0
+    assert main(args + ["--out", str(tmp_path / "delta.json"), "--since",
+                        str(tmp_path / "global.json")]) == 0
+    assert "1 scenario(s) and 0 precaution(s) already covered" in capsys.readouterr().out
+    full = json.loads((tmp_path / "full.json").read_text())
+    delta = json.loads((tmp_path / "delta.json").read_text())
+    assert len(full["scenarios"]) == 2
+    assert [s["tool_id"] for s in delta["scenarios"]] == ["flights"]
+    report = json.loads((tmp_path / "delta.json.report.json").read_text())
+    assert report["delta"]["scenarios_covered"] == 1
+    (tmp_path / "broken.json").write_text("{")
+    assert main(args + ["--out", str(tmp_path / "x.json"), "--since",
+                        str(tmp_path / "broken.json")]) == 1
