@@ -327,6 +327,19 @@ class Router:
             fallback_reason=fallback,
         )
 
+    def tool_scores(
+        self, query: str, vector: np.ndarray, top_k: int = 5
+    ) -> tuple[np.ndarray, np.ndarray]:
+        """The candidate tools (positions in `index.tool_names`) of a query and their fused
+        scores (`none`: their best cosine), as `decide` ranks them."""
+        idx, scores = self.retriever(vector, self._pool(top_k))
+        if len(idx) == 0:
+            return np.zeros(0, dtype=np.int64), np.zeros(0)
+        features = self.features(query, vector, idx, scores, top_k)
+        if self.reranker == "none":
+            return features.tools, features.matrix[:, 0]
+        return features.tools, features.matrix @ self._weight_vector()
+
     def _weight_vector(self) -> np.ndarray:
         w = self.params.weights
         return np.array([w.dense, w.bm25, w.vote, -w.precaution], dtype=np.float64)

@@ -69,7 +69,7 @@ def test_tiny_simulation_end_to_end(tiny_dataset, tmp_path):
     )
     document = json.loads(out.read_text())
     for section in ("results", "summary", "communication", "privacy", "per_category",
-                    "privacy_sweep", "adversarial", "rounds", "config"):
+                    "privacy_sweep", "adversarial", "rounds", "config", "diagnostics"):
         assert section in document, section
     rows = document["results"]
     assert {r["method"] for r in rows} == {

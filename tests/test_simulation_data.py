@@ -94,3 +94,51 @@ def test_auroc_and_membership_scores():
 def test_token_overlap():
     assert token_overlap("Book a flight to Rome", ["book [MASK] flight"]) == pytest.approx(2 / 5)
     assert token_overlap("Book a flight to Rome", []) == 0.0
+
+
+def test_text_distance_is_token_levenshtein_over_the_longer_text():
+    from federation.simulation.diagnostics import text_distance
+
+    assert text_distance("Book a flight to Rome", "book a flight to rome") == 0.0
+    assert text_distance("Book a flight to Rome", "Book a flight to [NAME]") == pytest.approx(1 / 5)
+    assert text_distance("a b c d", "a b") == pytest.approx(2 / 4)
+    assert text_distance("", "") == 0.0
+
+
+def test_diagnostics_measure_masking_distortion_and_reranker_contraction():
+    from compendium.schema import Compendium, Scenario, ToolSpec
+    from federation.simulation.diagnostics import (
+        masking_lipschitz,
+        reranker_contraction,
+        scenario_pair_lipschitz,
+    )
+    from routing.embeddings import get_engine
+    from routing.router import Router
+
+    engine = get_engine()
+    tools = [ToolSpec(tool_id="weather", description="Weather forecasts for a city"),
+             ToolSpec(tool_id="flights", description="Search and book flights")]
+    texts = ["Will it rain in Reykjavik on Thursday?", "Email anna.berg@example.com the forecast",
+             "Cheapest flight from Oslo to Tromsø for 2 people", "weather forecast"]
+    masked = masking_lipschitz(texts, tools, [0.5, 1.5], engine.embed, seed=0)
+    # Masking is monotone in λ: the stronger setting changes at least as many texts, as much.
+    assert masked["masking_lipschitz_lambda_1.5_share_changed"] >= masked["masking_lipschitz_lambda_0.5_share_changed"] > 0
+    assert masked["masking_lipschitz_lambda_1.5_mean_text_distance"] >= masked["masking_lipschitz_lambda_0.5_mean_text_distance"]
+    assert masked["masking_lipschitz_lambda_1.5_p99"] > 0
+    pairs = scenario_pair_lipschitz(texts, engine.embed, pairs=20, seed=0)
+    assert pairs["scenario_lipschitz_pairs"] == 20 and pairs["scenario_lipschitz_p99"] > 0
+    compendium = Compendium(scenarios=[
+        Scenario(tool_id="weather", text="Will it rain tomorrow?"),
+        Scenario(tool_id="weather", text="Temperature forecast for the weekend"),
+        Scenario(tool_id="flights", text="Book a cheap flight to Rome"),
+        Scenario(tool_id="flights", text="Flight delay status at the airport"),
+    ])
+    router = Router(compendium, engine, "fusion")
+    queries = ["Is it going to rain in Paris?", "Find me a flight to Lisbon", "sunny or not"]
+    result = reranker_contraction(router, queries, sigma=0.05, seed=1)
+    assert result["queries"] == 3
+    assert 0 <= result["share_contracting"] <= 1 and result["reranker_contraction_p99"] > 0
+    assert 0 <= result["margin_p5"] <= result["margin_p50"] <= 1
+    # Ten times the noise moves at least as many decisions.
+    loud = reranker_contraction(router, queries, sigma=0.5, seed=1)
+    assert loud["decisions_unchanged_under_noise"] <= result["decisions_unchanged_under_noise"]

@@ -27,6 +27,7 @@ def run(simulation: Simulation, seeds: list[int]) -> dict[str, Any]:
         "per_category": per_seed[-1].per_category if per_seed else {},
         "communication": _mean_dicts([r.communication for r in per_seed]),
         "privacy": _mean_dicts([r.privacy for r in per_seed]),
+        "diagnostics": _mean_dicts([r.diagnostics for r in per_seed]),
         "rounds": [r.rounds for r in per_seed],
         "seconds": round(time.perf_counter() - started, 1),
     }
@@ -71,11 +72,12 @@ def sweep(
     variant with final-round accuracy (mean over seeds) and the privacy figures."""
     rows = []
     for changes in variants:
-        config = dataclasses.replace(base, baselines=False, **changes)
+        config = dataclasses.replace(base, baselines=False, diagnostics=False, **changes)
         simulation = make(config)
         results = [simulation.run_seed(seed) for seed in seeds]
         last = [r.rows[-1]["accuracy"] for r in results]
         privacy = _mean_dicts([r.privacy for r in results])
+        communication = _mean_dicts([r.communication for r in results])
         rows.append(
             {
                 **changes,
@@ -83,6 +85,7 @@ def sweep(
                 "accuracy": round(float(np.mean(last)), 4),
                 "accuracy_sd": round(float(np.std(last, ddof=1)) if len(last) > 1 else 0.0, 4),
                 **privacy,
+                "bytes_per_client_round": communication.get("bytes_per_client_round", 0.0),
             }
         )
     return rows
@@ -122,6 +125,16 @@ def table(document: dict[str, Any]) -> str:
                 "  per round (raw): "
                 + ", ".join(f"{k.removeprefix('bytes_round_')}: {v:.0f}" for k, v in per_round)
             )
+    diag = document.get("diagnostics", {})
+    if diag.get("reranker_contraction_p99") is not None:
+        lam = document.get("config", {}).get("mask_strength", 1.0)
+        lipschitz = diag.get(f"masking_lipschitz_lambda_{lam:g}_p99")
+        lines.append(
+            (f"masking L_e (99%) at λ={lam:g}: {lipschitz:.3f}; " if lipschitz is not None else "")
+            + f"reranker contraction L_R (99%): {diag['reranker_contraction_p99']:.3f}, "
+            f"margin Δ (5%): {diag['margin_p5']:.3f}, decisions unchanged under noise: "
+            f"{diag['decisions_unchanged_under_noise']:.1%}"
+        )
     privacy = document.get("privacy", {})
     if privacy:
         lines.append(

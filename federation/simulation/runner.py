@@ -37,6 +37,11 @@ from federation.simulation.data import (
     split_dataset,
     usage_log,
 )
+from federation.simulation.diagnostics import (
+    masking_lipschitz,
+    reranker_contraction,
+    scenario_pair_lipschitz,
+)
 from federation.simulation.metrics import (
     accuracy_report,
     auroc,
@@ -85,6 +90,9 @@ class SimulationConfig:
     # The server carries the previous global forward and each client sends only what changed
     # since the global it pulled (compendium.delta); False: every client resends everything.
     carry_forward: bool = True
+    diagnostics: bool = True  # the paper's Lipschitz, contraction and margin diagnostics
+    diagnostic_pairs: int = 1000  # text pairs for the Lipschitz ratios
+    diagnostic_queries: int = 300  # held-out queries for the contraction ratio and margin
 
 
 @dataclass
@@ -106,6 +114,7 @@ class SeedResult:
     communication: dict[str, float] = field(default_factory=dict)
     privacy: dict[str, float] = field(default_factory=dict)
     rounds: list[dict] = field(default_factory=list)
+    diagnostics: dict[str, float] = field(default_factory=dict)
 
 
 Progress = Callable[[str], None]
@@ -308,6 +317,7 @@ class Simulation:
             )
             if outcome is final:
                 result.per_category = report.per_category
+                final_router = router
             if c.baselines:
                 bypass = self.evaluate(router.with_reranker("none"), test)
                 result.rows.append(_row("reranker_bypass", outcome.round, seed, bypass))
@@ -323,12 +333,36 @@ class Simulation:
         }
         for o in outcomes:  # the first round sends everything; later ones only what changed
             result.communication[f"bytes_round_{o.round}"] = float(np.mean(o.bytes_raw or [0]))
+        if c.diagnostics:
+            self.progress(f"seed {seed}: diagnostics")
+            result.diagnostics = self.diagnostics(final_router, split, test, seed)
         result.privacy = self.membership_attack(shares, _everything_sent(outcomes), split.test, seed)
         if c.baselines:
             self.progress(f"seed {seed}: baselines")
             for method, report in self.baselines(shares, logs, final, split, test, seed).items():
                 result.rows.append(_row(method, None, seed, report))
         return result
+
+    # --- diagnostics --------------------------------------------------------------------------
+
+    def diagnostics(self, router: Router, split, test, seed: int) -> dict[str, float]:
+        """federation.simulation.diagnostics on this seed: masking distortion of the clients'
+        private queries at λ in {0.5, 1, 1.5} and the configured λ, scenario pairs of the final
+        global compendium, and the fusion reranker's contraction and margin on held-out queries."""
+        c = self.config
+        rng = random.Random(f"diagnostics|{seed}")
+        private = [q.query for q in rng.sample(split.train, min(c.diagnostic_pairs, len(split.train)))]
+        strengths = sorted({0.5, 1.0, 1.5, c.mask_strength} - {0.0})
+        out = masking_lipschitz(private, self.dataset.tools, strengths, self.engine.embed, seed)
+        out.update(
+            scenario_pair_lipschitz(
+                [s.text for s in router.index.compendium.scenarios], self.engine.embed,
+                c.diagnostic_pairs, seed,
+            )
+        )
+        queries = [q.query for q in rng.sample(list(test), min(c.diagnostic_queries, len(test)))]
+        out.update(reranker_contraction(router.with_reranker("fusion"), queries, seed=seed))
+        return out
 
     # --- baselines ---------------------------------------------------------------------------
 

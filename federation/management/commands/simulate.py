@@ -52,6 +52,11 @@ class Command(BaseCommand):
         )
         parser.add_argument("--no-baselines", action="store_true")
         parser.add_argument(
+            "--no-diagnostics",
+            action="store_true",
+            help="skip the Lipschitz / contraction / margin diagnostics of the final round",
+        )
+        parser.add_argument(
             "--no-carry-forward",
             action="store_true",
             help="clients resend their whole compendium each round and the server does not carry "
@@ -96,6 +101,7 @@ class Command(BaseCommand):
             test_limit=o["test_limit"],
             queries_per_client=o["queries_per_client"],
             baselines=not o["no_baselines"],
+            diagnostics=not o["no_diagnostics"],
             adversarial_fraction=o["adversarial_fraction"],
             adversarial_mode=o["adversarial_mode"],
             carry_forward=not o["no_carry_forward"],
