@@ -545,6 +545,32 @@ def test_accuracy_page_draws_the_latest_simulation(client, fed):
     assert client.get(reverse("dashboard:accuracy"), {"run": run.pk + 99}).status_code == 404
 
 
+def test_accuracy_page_shows_the_transfer_table_as_a_mean_over_seeds(client, fed):
+    transfer = [
+        {"seed": seed, "model": model, "reranker": reranker, "llm": llm, "accuracy": acc,
+         "macro_accuracy": acc - 0.1, "queries": 50, "fallbacks": fallbacks}
+        for seed, shift in ((0, 0.0), (1, 0.1))
+        for model, reranker, llm, acc, fallbacks in (
+            ("bundled:all-MiniLM-L6-v2", "fusion", None, 0.6 + shift, 0),
+            ("onnx-int8:all-MiniLM-L6-v2", "llm", "openai:m@http://llm/v1", 0.5 + shift, 3),
+        )
+    ]
+    SimulationRun.objects.create(label="with transfer", dataset="tiny",
+                                 document={**DOCUMENT, "transfer": transfer})
+    body = login(client, fed, "member_a").get(reverse("dashboard:accuracy")).content.decode()
+    table = body[body.index('id="accuracy-transfer"'):]
+    table = table[: table.index("</table>")]
+    rows = re.findall(r"<tr><td>(.*?)</td><td>(.*?)</td><td>(.*?)</td>.*?</tr>", table)
+    assert rows == [("bundled:all-MiniLM-L6-v2", "fusion", "–"),
+                    ("onnx-int8:all-MiniLM-L6-v2", "llm", "openai:m@http://llm/v1")]
+    assert "0.650" in table and "0.550" in table  # mean over the two seeds
+    assert "6 / 100" in table  # fallbacks over both seeds
+    SimulationRun.objects.all().delete()
+    SimulationRun.objects.create(label="no transfer", dataset="tiny", document=DOCUMENT)
+    body = client.get(reverse("dashboard:accuracy")).content.decode()
+    assert 'id="accuracy-transfer"' not in body and "--transfer-models" in body
+
+
 # --- routing playground --------------------------------------------------------------------------
 
 

@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import threading
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import numpy as np
 import pytest
@@ -24,6 +22,7 @@ from routing.router import (
     expected_calibration_error,
     fit_params,
 )
+from tests.chat_server import ChatServer
 from tests.routing_data import METATOOL
 
 pytestmark = pytest.mark.slow
@@ -138,48 +137,9 @@ def test_expected_calibration_error_definition():
     assert expected_calibration_error(np.array([0.25, 0.75]), np.array([0, 1])) == pytest.approx(0.25)
 
 
-class _ChatServer:
-    """A real HTTP server speaking the OpenAI chat-completions protocol with scripted answers."""
-
-    def __init__(self):
-        self.answers: list[str] = []
-        self.requests: list[dict] = []
-        owner = self
-
-        class Handler(BaseHTTPRequestHandler):
-            def do_POST(self):  # noqa: N802
-                body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
-                owner.requests.append({"path": self.path, "body": body, "auth": self.headers.get("Authorization")})
-                if self.path != "/v1/chat/completions":
-                    self.send_response(404)
-                    self.end_headers()
-                    return
-                answer = owner.answers.pop(0) if owner.answers else ""
-                payload = json.dumps(
-                    {"choices": [{"index": 0, "message": {"role": "assistant", "content": answer}}]}
-                ).encode()
-                self.send_response(200)
-                self.send_header("Content-Type", "application/json")
-                self.send_header("Content-Length", str(len(payload)))
-                self.end_headers()
-                self.wfile.write(payload)
-
-            def log_message(self, *args):
-                pass
-
-        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
-        self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
-        self.thread.start()
-
-    def close(self):
-        self.server.shutdown()
-        self.server.server_close()
-
-
 @pytest.fixture
 def chat_server():
-    server = _ChatServer()
+    server = ChatServer()
     yield server
     server.close()
 

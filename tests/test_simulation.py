@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+import io
 import json
 import random
 
 import pytest
-from django.core.management import call_command
+from django.core.management import CommandError, call_command
 
 from federation.models import SimulationRun
 
@@ -137,3 +138,130 @@ def test_clients_send_only_what_changed_when_the_global_is_carried_forward(tiny_
     last = {c: [r["accuracy"] for r in res.rows if r["method"] == "synapse"][-1]
             for c, res in results.items()}
     assert last[True] >= last[False] - 0.05, last
+
+
+# --- transfer: the final global compendium under other models, rerankers and LLMs -------------
+
+FP32 = "bundled:all-MiniLM-L6-v2"
+ONNX = "onnx-int8:all-MiniLM-L6-v2"  # another engine of the same family (fp32 compute, onnxruntime)
+
+
+def _simulation(tiny_dataset, **changes):
+    from compendium.registry import load_dataset
+    from compendium.schema import Schema
+    from federation.simulation.runner import Simulation, SimulationConfig
+    from routing.embeddings import get_engine
+
+    dataset = load_dataset(str(tiny_dataset))
+    config = SimulationConfig(**{"orgs": 2, "clients_per_org": 2, "rounds": 2, "baselines": False,
+                                 **changes})
+    return Simulation(dataset, Schema(tools=dataset.tools), get_engine(FP32), config)
+
+
+def test_transfer_rows_match_a_freshly_fitted_router_on_the_final_global(tiny_dataset):
+    import numpy as np
+
+    from compendium.canonical import canonical_bytes
+    from routing.embeddings import get_engine
+    from routing.router import Router, fit_params
+
+    sim = _simulation(tiny_dataset, transfer_models=(FP32, ONNX), transfer_rerankers=("none", "fusion"))
+    result = sim.run_seed(1)
+    rows = result.transfer
+    assert [(r["model"], r["reranker"]) for r in rows] == [
+        (FP32, "none"), (FP32, "fusion"), (ONNX, "none"), (ONNX, "fusion")]
+    setup = sim.prepare(1)
+    for r in rows:
+        assert r["seed"] == 1 and r["llm"] is None and r["fallbacks"] == 0
+        assert r["queries"] == len(setup.test)
+        assert 0 <= r["accuracy"] <= 1 and 0 <= r["macro_accuracy"] <= 1
+    by = {(r["model"], r["reranker"]): r for r in rows}
+    # The simulation's own engine with fusion is the last round's SYNAPSE figure: same artifact.
+    synapse = [r for r in result.rows if r["method"] == "synapse"][-1]
+    assert by[(FP32, "fusion")]["accuracy"] == synapse["accuracy"]
+
+    # Independently: the same seed's final global, a router per model fitted on the probe split.
+    final = sim.federate(setup.shares, setup.logs, setup.split.probe, 1, setup.adversaries)[-1]
+    glob = final.global_compendium
+    assert len(canonical_bytes(glob)) == result.rounds[-1]["global_size_bytes"]
+    pairs = [(q.query, q.tool_id) for q in setup.split.probe]
+    truth = [q.tool_id for q in setup.test]
+    for model in (FP32, ONNX):
+        base = Router(glob, get_engine(model), "fusion")
+        fresh = base.with_reranker("fusion", params=fit_params(base, pairs))
+        decisions = fresh.route_batch([q.query for q in setup.test])
+        accuracy = float(np.mean([d.tool == t for d, t in zip(decisions, truth, strict=True)]))
+        assert by[(model, "fusion")]["accuracy"] == round(accuracy, 4), model
+    # Transfer leaves the compendium as it was.
+    before = canonical_bytes(glob)
+    sim.transfer(glob, setup.split.probe, setup.test, sim.transfer_variants()[:1])
+    assert canonical_bytes(glob) == before
+
+
+def test_transfer_llm_reranker_over_an_openai_compatible_server(tiny_dataset):
+    from federation.simulation.runner import TransferVariant
+    from tests.chat_server import ChatServer
+
+    server = ChatServer(default="1")  # always the first option: the top cosine candidate
+    try:
+        sim = _simulation(tiny_dataset, rounds=1, test_limit=40, transfer_rerankers=("none", "llm"),
+                          llm_url=server.url, llm_model="router-model")
+        variants = sim.transfer_variants()  # one request checks the endpoint
+        assert len(server.requests) == 1
+        setup = sim.prepare(1)
+        glob = sim.federate(setup.shares, setup.logs, setup.split.probe, 1)[-1].global_compendium
+        bypass, llm = sim.transfer(glob, setup.split.probe, setup.test, variants)
+        assert llm["reranker"] == "llm" and llm["fallbacks"] == 0 and llm["queries"] == 40
+        assert llm["llm"].endswith(f"{server.url}/v1") and "router-model" in llm["llm"]
+        assert bypass["llm"] is None
+        # The LLM picked the top cosine candidate every time: the bypass reranker's decisions.
+        assert llm["accuracy"] == bypass["accuracy"]
+        asked = server.requests[1:]
+        assert len(asked) == 40 and all(r["path"] == "/v1/chat/completions" for r in asked)
+        assert all(r["body"]["model"] == "router-model" for r in asked)
+        # Unusable answers, or no LLM at all: every decision falls back to fusion and says so.
+        server.default = "the banana one"
+        garbled, fusion, without = sim.transfer(glob, setup.split.probe, setup.test, [
+            variants[1], TransferVariant(None, "fusion"), TransferVariant(None, "llm", None)])
+        assert garbled["fallbacks"] == 40 and without["fallbacks"] == 40 and without["llm"] is None
+        assert garbled["accuracy"] == fusion["accuracy"] == without["accuracy"]
+    finally:
+        server.close()
+
+
+def test_transfer_in_the_command_document_table_and_store(tiny_dataset, tmp_path):
+    out = tmp_path / "results.json"
+    stdout = io.StringIO()
+    call_command(
+        "simulate", "--dataset", str(tiny_dataset), "--orgs", "2", "--clients-per-org", "2",
+        "--rounds", "2", "--seed", "1", "--seeds", "2", "--no-baselines", "--out", str(out),
+        "--transfer-models", f"{FP32},{ONNX}", "--transfer-rerankers", "none,fusion,llm",
+        "--label", "transfer", verbosity=0, stdout=stdout,
+    )
+    document = json.loads(out.read_text())
+    rows = document["transfer"]
+    assert len(rows) == 2 * 2 * 3 and {r["seed"] for r in rows} == {1, 2}
+    assert document["config"]["transfer_rerankers"] == ["none", "fusion", "llm"]
+    for r in rows:
+        assert 0 <= r["accuracy"] <= 1
+        # `llm` without --llm still runs: every decision falls back to fusion, and the row says so.
+        assert r["fallbacks"] == (r["queries"] if r["reranker"] == "llm" else 0)
+    table = stdout.getvalue()
+    assert "transfer of the final global compendium" in table
+    assert sum(line.strip().startswith((FP32, ONNX)) for line in table.splitlines()) == 6
+    assert SimulationRun.objects.get(label="transfer").document["transfer"] == rows
+
+
+@pytest.mark.parametrize(("flags", "named"), [
+    (["--transfer-models", "no-such-model-xyz"], "no-such-model-xyz"),
+    (["--transfer-rerankers", "fusion,colbert"], "colbert"),
+    (["--transfer-rerankers", "llm", "--llm", "http://127.0.0.1:9"], "127.0.0.1:9"),  # nothing there
+])
+def test_unknown_transfer_variant_fails_before_the_federation_runs(tiny_dataset, capsys, flags, named):
+    with pytest.raises(CommandError) as error:
+        call_command("simulate", "--dataset", str(tiny_dataset), "--orgs", "2", "--clients-per-org",
+                     "2", "--rounds", "2", "--no-baselines", *flags, verbosity=1)
+    message = str(error.value)
+    assert named in message and "\n" not in message
+    assert "round 1" not in capsys.readouterr().err  # no federation round was started
+    assert not SimulationRun.objects.exists()

@@ -28,6 +28,7 @@ from compendium.models import (
 )
 from federation.dashboard.plots import render_figure, styled
 from federation.models import Client, Round
+from federation.simulation.report import summarize_transfer
 
 KIND_CLIENT = CompendiumVersion.Kind.CLIENT
 KIND_EDGE = CompendiumVersion.Kind.EDGE
@@ -713,12 +714,13 @@ class AccuracyPage:
     charts: dict[str, str] = field(default_factory=dict)
     adversarial: list[dict] = field(default_factory=list)
     privacy_sweep: list[dict] = field(default_factory=list)
+    transfer: list[dict] = field(default_factory=list)  # mean over seeds per (model, reranker, llm)
 
 
 def accuracy_page(run_id=None) -> AccuracyPage:
     """Figures of the latest (or a chosen) SimulationRun: accuracy over rounds per method
-    (methods without rounds as horizontal lines), per category, adversarial curves and the
-    privacy–utility frontier."""
+    (methods without rounds as horizontal lines), per category, adversarial curves, the
+    privacy–utility frontier and the transfer table (the final global under other models)."""
     from federation.models import SimulationRun
 
     runs = list(SimulationRun.objects.defer("document").order_by("-created_at")[:20])
@@ -739,6 +741,7 @@ def accuracy_page(run_id=None) -> AccuracyPage:
     ]
     page.adversarial = list(doc.get("adversarial") or [])
     page.privacy_sweep = list(doc.get("privacy_sweep") or [])
+    page.transfer = summarize_transfer(list(doc.get("transfer") or []))
 
     curves = go.Figure()
     by_method: dict[str, list[dict]] = defaultdict(list)

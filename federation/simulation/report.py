@@ -29,6 +29,7 @@ def run(simulation: Simulation, seeds: list[int]) -> dict[str, Any]:
         "privacy": _mean_dicts([r.privacy for r in per_seed]),
         "diagnostics": _mean_dicts([r.diagnostics for r in per_seed]),
         "rounds": [r.rounds for r in per_seed],
+        "transfer": [row for result in per_seed for row in result.transfer],
         "seconds": round(time.perf_counter() - started, 1),
     }
 
@@ -62,6 +63,30 @@ def summarize(rows: list[dict]) -> list[dict]:
     return out
 
 
+def summarize_transfer(rows: list[dict]) -> list[dict]:
+    """Mean over seeds per (model, reranker, llm) of the transfer rows, in their first order."""
+    groups: dict[tuple, list[dict]] = defaultdict(list)
+    for row in rows:
+        groups[(row["model"], row["reranker"], row.get("llm"))].append(row)
+    out = []
+    for (model, reranker, llm), group in groups.items():
+        acc = [r["accuracy"] for r in group]
+        out.append(
+            {
+                "model": model,
+                "reranker": reranker,
+                "llm": llm,
+                "seeds": len(group),
+                "accuracy_mean": round(float(np.mean(acc)), 4),
+                "accuracy_sd": round(float(np.std(acc, ddof=1)) if len(acc) > 1 else 0.0, 4),
+                "macro_accuracy_mean": round(float(np.mean([r["macro_accuracy"] for r in group])), 4),
+                "fallbacks": int(sum(r.get("fallbacks", 0) for r in group)),
+                "queries": int(sum(r.get("queries", 0) for r in group)),
+            }
+        )
+    return out
+
+
 def sweep(
     make: Callable[[SimulationConfig], Simulation],
     base: SimulationConfig,
@@ -69,10 +94,14 @@ def sweep(
     seeds: list[int],
 ) -> list[dict[str, Any]]:
     """Run SYNAPSE alone (no baselines) under each variant of the configuration; one row per
-    variant with final-round accuracy (mean over seeds) and the privacy figures."""
+    variant with final-round accuracy (mean over seeds) and the privacy figures. No transfer
+    evaluation inside a sweep."""
     rows = []
     for changes in variants:
-        config = dataclasses.replace(base, baselines=False, diagnostics=False, **changes)
+        config = dataclasses.replace(
+            base, baselines=False, diagnostics=False, transfer_models=(), transfer_rerankers=(),
+            **changes,
+        )
         simulation = make(config)
         results = [simulation.run_seed(seed) for seed in seeds]
         last = [r.rows[-1]["accuracy"] for r in results]
@@ -141,4 +170,17 @@ def table(document: dict[str, Any]) -> str:
             "membership-inference AUROC {membership_auroc:.3f}, token overlap {token_overlap:.3f}, "
             "clients under 0.10 overlap {share_clients_overlap_below_0_10:.0%}".format(**privacy)
         )
+    transfer = summarize_transfer(document.get("transfer") or [])
+    if transfer:
+        lines.append("transfer of the final global compendium (mean over seeds):")
+        lines.append(
+            f"  {'model':<36} {'reranker':<8} {'accuracy':>16} {'macro':>7} {'fallbacks':>11}  llm"
+        )
+        for row in transfer:
+            spread = f"{row['accuracy_mean']:.3f} ± {row['accuracy_sd']:.3f}"
+            fallbacks = f"{row['fallbacks']}/{row['queries']}"
+            lines.append(
+                f"  {row['model']:<36} {row['reranker']:<8} {spread:>16} "
+                f"{row['macro_accuracy_mean']:>7.3f} {fallbacks:>11}  {row['llm'] or '-'}"
+            )
     return "\n".join(lines)

@@ -7,6 +7,10 @@ merges its clients with `federation.merge.edge_merge`; the server merges the edg
 server pipeline and the client toolkit run; here they run in memory, so that many seeds, sweeps
 and baselines finish in minutes and nothing touches a live federation's data.
 
+Transfer (`Simulation.transfer`): the final round's published global compendium, unchanged, is
+routed by other consumers (other embedding models, rerankers, LLM endpoints), each refitting only
+its fusion weights and calibration on the public probe split: one artifact, many consumers.
+
 Pure: no Django.
 """
 
@@ -23,7 +27,7 @@ import numpy as np
 from compendium.builder import BuildOptions, build_compendium
 from compendium.canonical import canonical_bytes
 from compendium.delta import delta_since
-from compendium.registry import LabelledQuery, RoutingDataset
+from compendium.registry import LabelledQuery, RoutingDataset, Split
 from compendium.schema import Compendium, Scenario, Schema
 from compendium.usage_log import parse_record
 from federation.merge import edge_merge, server_merge
@@ -48,7 +52,8 @@ from federation.simulation.metrics import (
     membership_scores,
     tokens,
 )
-from routing.router import Router, fit_params
+from routing.embeddings import EmbeddingModelUnavailable, get_engine
+from routing.router import RERANKERS, Router, fit_params
 
 METHODS = (
     "synapse",
@@ -94,6 +99,14 @@ class SimulationConfig:
     diagnostic_pairs: int = 1000  # text pairs for the Lipschitz ratios
     diagnostic_queries: int = 300  # held-out queries for the contraction ratio and margin
 
+    # Transfer: the final global compendium evaluated, unchanged, under each (model, reranker);
+    # models are `routing.embeddings.get_engine` names ("" = the simulation's own engine). Either
+    # tuple non-empty asks for it (no models: the own engine; no rerankers: fusion).
+    transfer_models: tuple[str, ...] = ()
+    transfer_rerankers: tuple[str, ...] = ()
+    llm_url: str | None = None  # OpenAI-compatible endpoint for the `llm` transfer reranker
+    llm_model: str = ""
+
 
 @dataclass
 class RoundOutcome:
@@ -115,6 +128,30 @@ class SeedResult:
     privacy: dict[str, float] = field(default_factory=dict)
     rounds: list[dict] = field(default_factory=list)
     diagnostics: dict[str, float] = field(default_factory=dict)
+    transfer: list[dict] = field(default_factory=list)  # one row per transfer variant
+
+
+@dataclass
+class SeedSetup:
+    """Everything a seed's federation starts from: the split, the test queries actually
+    evaluated, the clients' shares and usage logs, the adversarial clients."""
+
+    split: Split
+    test: list[LabelledQuery]
+    shares: list[ClientShare]
+    logs: dict[str, list[dict]]
+    adversaries: set[str] | None
+
+
+@dataclass(frozen=True)
+class TransferVariant:
+    """One consumer of a published compendium: its embedding model (None: the simulation's own
+    engine), its reranker, and for `llm` its LLM backend (None: every decision falls back to
+    fusion, and the row counts it)."""
+
+    model: str | None = None
+    reranker: str = "fusion"
+    llm: Any = None
 
 
 Progress = Callable[[str], None]
@@ -148,6 +185,7 @@ class Simulation:
         self.progress = progress or (lambda message: None)
         self.tool_ids = frozenset(schema.tool_ids)
         self.category_of = {t.tool_id: t.category for t in dataset.tools}
+        self._transfer_variants: list[TransferVariant] | None = None
 
     # --- building blocks ---------------------------------------------------------------------
 
@@ -174,23 +212,37 @@ class Simulation:
         )
         return compendium
 
-    def router(self, compendium: Compendium, probe: Sequence[LabelledQuery], reranker: str | None = None) -> Router:
+    def router(
+        self,
+        compendium: Compendium,
+        probe: Sequence[LabelledQuery],
+        reranker: str | None = None,
+        *,
+        engine=None,
+        llm=None,
+    ) -> Router:
         """A router over `compendium` with fusion weights and calibration fitted on the public
-        probe split (never on test data)."""
-        base = Router(compendium, self.engine, "fusion")
+        probe split (never on test data). `engine` (default: the simulation's) embeds both the
+        scenarios and the queries; `llm` is the `llm` reranker's backend."""
+        base = Router(compendium, engine or self.engine, "fusion")
         pairs = [(q.query, q.tool_id) for q in probe]
         if self.config.fit_limit and len(pairs) > self.config.fit_limit:
             pairs = random.Random(len(pairs)).sample(pairs, self.config.fit_limit)
         params = fit_params(base, pairs, fitted_on="simulation probe split")
-        return base.with_reranker(reranker or self.config.reranker, params=params)
+        return base.with_reranker(reranker or self.config.reranker, params=params, llm=llm)
 
     def evaluate(self, router: Router, test: Sequence[LabelledQuery]):
+        return self._route_and_score(router, test)[0]
+
+    def _route_and_score(self, router: Router, test: Sequence[LabelledQuery]):
+        """The accuracy report of `router` on `test`, and its decisions."""
         decisions = router.route_batch([q.query for q in test])
-        return accuracy_report(
+        report = accuracy_report(
             [d.tool or "" for d in decisions],
             [q.tool_id for q in test],
             [q.category or self.category_of.get(q.tool_id, "") for q in test],
         )
+        return report, decisions
 
     def _probe_set(self, probe: Sequence[LabelledQuery]) -> ProbeSet:
         texts = [q.query for q in probe]
@@ -272,7 +324,8 @@ class Simulation:
 
     # --- one seed ----------------------------------------------------------------------------
 
-    def run_seed(self, seed: int) -> SeedResult:
+    def prepare(self, seed: int) -> SeedSetup:
+        """The seed's split, test sample, client shares, usage logs and adversaries."""
         c = self.config
         split = split_dataset(
             self.dataset, seed=seed, probe_fraction=c.probe_fraction, test_fraction=c.test_fraction
@@ -298,9 +351,15 @@ class Simulation:
         if c.adversarial_fraction > 0:
             count = round(len(shares) * c.adversarial_fraction)
             adversaries = set(random.Random(seed).sample([s.client for s in shares], count))
+        return SeedSetup(split, test, shares, logs, adversaries)
 
+    def run_seed(self, seed: int) -> SeedResult:
+        c = self.config
+        setup = self.prepare(seed)
+        split, test, shares, logs = setup.split, setup.test, setup.shares, setup.logs
+        variants = self.transfer_variants()  # checked before the federation runs
         result = SeedResult(seed)
-        outcomes = self.federate(shares, logs, split.probe, seed, adversaries)
+        outcomes = self.federate(shares, logs, split.probe, seed, setup.adversaries)
         final = outcomes[-1]
         self.progress(f"seed {seed}: evaluating")
         for outcome in outcomes:
@@ -337,6 +396,10 @@ class Simulation:
             self.progress(f"seed {seed}: diagnostics")
             result.diagnostics = self.diagnostics(final_router, split, test, seed)
         result.privacy = self.membership_attack(shares, _everything_sent(outcomes), split.test, seed)
+        if variants:
+            self.progress(f"seed {seed}: transfer of the final global to {len(variants)} variants")
+            rows = self.transfer(final.global_compendium, split.probe, test, variants)
+            result.transfer = [{"seed": seed, **row} for row in rows]
         if c.baselines:
             self.progress(f"seed {seed}: baselines")
             for method, report in self.baselines(shares, logs, final, split, test, seed).items():
@@ -363,6 +426,48 @@ class Simulation:
         queries = [q.query for q in rng.sample(list(test), min(c.diagnostic_queries, len(test)))]
         out.update(reranker_contraction(router.with_reranker("fusion"), queries, seed=seed))
         return out
+
+    # --- transfer ----------------------------------------------------------------------------
+
+    def transfer_variants(self) -> list[TransferVariant]:
+        """The variants the configuration asks for, resolved once and checked up front (see
+        `transfer_variants`)."""
+        if self._transfer_variants is None:
+            self._transfer_variants = transfer_variants(self.config)
+        return self._transfer_variants
+
+    def transfer(
+        self,
+        compendium: Compendium,
+        probe: Sequence[LabelledQuery],
+        test: Sequence[LabelledQuery],
+        variants: Sequence[TransferVariant],
+    ) -> list[dict]:
+        """Route `test` against the same, never rebuilt `compendium` under each variant: its
+        engine embeds the scenarios and the queries, fusion weights and calibration are refitted
+        on the public probe split (`router`), and its reranker decides. One row per variant with
+        accuracy, macro accuracy and how many decisions fell back (for `llm`: no LLM, or its
+        answer was unusable)."""
+        fitted: dict[str | None, Router] = {}  # one fit per model, shared by its rerankers
+        rows = []
+        for variant in variants:
+            if variant.model not in fitted:
+                engine = self.engine if variant.model is None else get_engine(variant.model)
+                fitted[variant.model] = self.router(compendium, probe, "fusion", engine=engine)
+            router = fitted[variant.model].with_reranker(variant.reranker, llm=variant.llm)
+            report, decisions = self._route_and_score(router, test)
+            rows.append(
+                {
+                    "model": getattr(router.engine, "model_name", None) or "simulation engine",
+                    "reranker": variant.reranker,
+                    "llm": getattr(variant.llm, "name", None) if variant.llm is not None else None,
+                    "accuracy": round(report.accuracy, 4),
+                    "macro_accuracy": round(report.macro_accuracy, 4),
+                    "queries": len(decisions),
+                    "fallbacks": sum(d.fallback_reason is not None for d in decisions),
+                }
+            )
+        return rows
 
     # --- baselines ---------------------------------------------------------------------------
 
@@ -465,6 +570,50 @@ class Simulation:
             if overlaps
             else 0.0,
         }
+
+
+TRANSFER_MODEL_HINT = (
+    "--transfer-models takes sentence-transformers names or local paths, or bundled:all-MiniLM-L6-v2, "
+    "bf16:all-MiniLM-L6-v2, onnx-int8:all-MiniLM-L6-v2, onnx-int8-dynamic:all-MiniLM-L6-v2"
+)
+
+
+def transfer_variants(config: SimulationConfig) -> list[TransferVariant]:
+    """Every (model, reranker) the configuration asks for, checked before anything long runs:
+    an unknown reranker is a ValueError, a model that cannot be loaded an
+    EmbeddingModelUnavailable naming it (one line), an LLM endpoint that does not answer an
+    `routing.llm.LLMUnavailable`. The engines are loaded (and cached) here."""
+    if not (config.transfer_models or config.transfer_rerankers):
+        return []
+    rerankers = tuple(config.transfer_rerankers) or ("fusion",)
+    for name in rerankers:
+        if name not in RERANKERS:
+            raise ValueError(
+                f"unknown transfer reranker {name!r}: choose from {', '.join(RERANKERS)}"
+            )
+    models = tuple(m or None for m in config.transfer_models) or (None,)
+    for model in models:
+        if model is None:
+            continue
+        try:
+            get_engine(model)
+        except EmbeddingModelUnavailable as exc:
+            first = (str(exc).splitlines() or [""])[0].rstrip(".")
+            if model not in first:
+                first = f"embedding model {model!r}: {first}"
+            raise EmbeddingModelUnavailable(f"{first}; {TRANSFER_MODEL_HINT}") from None
+    llm = None
+    if config.llm_url and "llm" in rerankers:
+        from routing.llm import get_llm
+
+        llm = get_llm(config.llm_url, config.llm_model or "")
+        # One request now: a wrong URL fails here, not as thousands of fallbacks after the run.
+        llm.complete("Answer with the number 1 and nothing else.", max_tokens=4)
+    return [
+        TransferVariant(model, reranker, llm if reranker == "llm" else None)
+        for model in dict.fromkeys(models)
+        for reranker in dict.fromkeys(rerankers)
+    ]
 
 
 def _everything_sent(outcomes: Sequence[RoundOutcome]) -> dict[str, Compendium]:

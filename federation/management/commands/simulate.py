@@ -9,6 +9,7 @@ from compendium.schema import Schema
 from federation.simulation.report import run, sweep, table
 from federation.simulation.runner import ADVERSARIAL_MODES, Simulation, SimulationConfig
 from routing.embeddings import EmbeddingModelUnavailable, get_engine
+from routing.llm import LLMUnavailable
 
 
 def _floats(text: str) -> list[float]:
@@ -18,10 +19,15 @@ def _floats(text: str) -> list[float]:
         raise CommandError(f"expected comma-separated numbers, got {text!r}") from None
 
 
+def _names(text: str) -> tuple[str, ...]:
+    return tuple(x.strip() for x in text.split(",") if x.strip())
+
+
 class Command(BaseCommand):
     help = (
         "Simulate a federation on a routing-benchmark dataset with the real client toolkit, merge "
-        "operator and router; compare with the baselines; optional privacy and adversarial sweeps."
+        "operator and router; compare with the baselines; optional privacy and adversarial sweeps "
+        "and transfer of the final global compendium to other embedding models, rerankers and LLMs."
     )
 
     def add_arguments(self, parser):
@@ -70,6 +76,24 @@ class Command(BaseCommand):
         parser.add_argument("--sweep-modes", default=",".join(ADVERSARIAL_MODES))
         parser.add_argument("--sweep-rules", default="none,krum,trimmed-mean")
         parser.add_argument("--embedding-model", default=None)
+        parser.add_argument(
+            "--transfer-models",
+            default="",
+            help="evaluate the final global compendium, unchanged, with these embedding models too "
+            "(comma-separated sentence-transformers names or paths, bundled:all-MiniLM-L6-v2, "
+            "bf16:all-MiniLM-L6-v2, onnx-int8:all-MiniLM-L6-v2, onnx-int8-dynamic:all-MiniLM-L6-v2)",
+        )
+        parser.add_argument(
+            "--transfer-rerankers",
+            default="",
+            help="rerankers of the transfer evaluation, e.g. none,fusion,llm (default: fusion)",
+        )
+        parser.add_argument(
+            "--llm", dest="llm_url", default=None,
+            help="OpenAI-compatible endpoint for the llm transfer reranker (without it every "
+            "llm decision falls back to fusion)",
+        )
+        parser.add_argument("--llm-model", default="", help="model name sent to --llm")
         parser.add_argument("--out", default=None, help="write the JSON results here")
         parser.add_argument("--no-store", action="store_true", help="do not keep the run for the dashboard")
         parser.add_argument("--label", default="", help="a name for the stored run")
@@ -105,7 +129,13 @@ class Command(BaseCommand):
             adversarial_fraction=o["adversarial_fraction"],
             adversarial_mode=o["adversarial_mode"],
             carry_forward=not o["no_carry_forward"],
+            transfer_models=_names(o["transfer_models"]),
+            transfer_rerankers=_names(o["transfer_rerankers"]),
+            llm_url=o["llm_url"] or None,
+            llm_model=o["llm_model"] or "",
         )
+        if config.llm_url and "llm" not in config.transfer_rerankers:
+            self.stderr.write("simulate: --llm is used by --transfer-rerankers llm only; ignored")
         schema = Schema(tools=dataset.tools)
         quiet = o["verbosity"] == 0
 
@@ -117,8 +147,13 @@ class Command(BaseCommand):
             return Simulation(dataset, schema, engine, cfg, progress)
 
         seeds = list(range(o["seed"], o["seed"] + max(1, o["seeds"])))
+        simulation = make(config)
+        try:  # transfer models, rerankers and the LLM endpoint: checked before the long run
+            simulation.transfer_variants()
+        except (ValueError, EmbeddingModelUnavailable, LLMUnavailable) as exc:
+            raise CommandError(str(exc)) from None
         try:
-            document = run(make(config), seeds)
+            document = run(simulation, seeds)
             if o["sweep_epsilon"] or o["sweep_lambda"]:
                 epsilons = _floats(o["sweep_epsilon"]) or [config.epsilon]
                 lambdas = _floats(o["sweep_lambda"]) or [config.mask_strength]

@@ -1,0 +1,49 @@
+"""A real HTTP server speaking the OpenAI chat-completions protocol with scripted answers, for the
+router's, the simulation's and any other LLM test."""
+
+from __future__ import annotations
+
+import json
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+
+class ChatServer:
+    """Answers `POST /v1/chat/completions` with the next scripted answer of `answers`, or
+    `default` when none is left; records every request."""
+
+    def __init__(self, default: str = ""):
+        self.answers: list[str] = []
+        self.default = default
+        self.requests: list[dict] = []
+        owner = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_POST(self):  # noqa: N802
+                body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+                owner.requests.append({"path": self.path, "body": body, "auth": self.headers.get("Authorization")})
+                if self.path != "/v1/chat/completions":
+                    self.send_response(404)
+                    self.end_headers()
+                    return
+                answer = owner.answers.pop(0) if owner.answers else owner.default
+                payload = json.dumps(
+                    {"choices": [{"index": 0, "message": {"role": "assistant", "content": answer}}]}
+                ).encode()
+                self.send_response(200)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(payload)))
+                self.end_headers()
+                self.wfile.write(payload)
+
+            def log_message(self, *args):
+                pass
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
+        self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
+        self.thread.start()
+
+    def close(self):
+        self.server.shutdown()
+        self.server.server_close()
