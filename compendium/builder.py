@@ -9,6 +9,9 @@
 - Every text is masked at strength λ before anything else looks at it (compendium.masking);
   exact duplicates are merged (support adds up), then near-duplicates of the same tool (and, for
   scenarios, the same preconditions) are collapsed when their embeddings have cosine >= τ.
+- k-anonymous release (`min_users` = k > 1): after the collapse, a scenario or precaution is sent
+  only when at least k distinct users' requests support it; the rest stays on the client (the
+  report counts it). With a looser τ more requests fold together, so more entries reach k.
 - Numeric statistics per tool: compendium.clipping (per-user clipping at Δ, field cap F*,
   average over the client's users).
 
@@ -64,6 +67,9 @@ class BuildOptions:
     field_cap: int | None = None  # F*; None: every tool a user touched (F* = K_f)
     tau: float = DEFAULT_TAU
     collapse: bool = True  # embedding-based near-duplicate collapse (exact duplicates always merge)
+    # k-anonymous release: a scenario or precaution leaves the client only when at least this many
+    # distinct users' requests support it (after the collapse at τ); 1 releases everything.
+    min_users: int = 1
     skip_bad_lines: bool = False
 
 
@@ -93,6 +99,9 @@ class BuildReport:
     capped_contributions: int = 0
     skipped_fields: list[str] = field(default_factory=list)
     delta: dict[str, int] | None = None  # what `--since` left out (compendium.delta)
+    min_users: int = 1
+    withheld_scenarios: int = 0  # supported by fewer than `min_users` users: not sent
+    withheld_precautions: int = 0
 
     @property
     def masked_fraction(self) -> float:
@@ -146,36 +155,38 @@ def _embed(embedder: Embedder, texts: list[str], progress, label: str) -> np.nda
 
 
 def collapse_near_duplicates(
-    items: list[tuple[tuple, str, int]],
+    items: list[tuple[tuple, str, int, frozenset]],
     embedder: Embedder | None,
     tau: float,
     progress: Callable[[Iterable, str], Iterable] | None = None,
     label: str = "embedding",
-) -> list[tuple[tuple, str, int]]:
-    """(group key, text, support) entries; within a group, an entry whose embedding has cosine
-    >= tau with an already kept one is folded into it (support adds up). Entries are visited by
-    descending support then text, so the result does not depend on input order."""
+) -> list[tuple[tuple, str, int, frozenset]]:
+    """(group key, text, support, users) entries; within a group, an entry whose embedding has
+    cosine >= tau with an already kept one is folded into it (support adds up, users join).
+    Entries are visited by descending support then text, so the result does not depend on input
+    order."""
     ordered = sorted(items, key=lambda e: (repr(e[0]), -e[2], e[1]))
     if embedder is None or not ordered:
         return ordered
-    vectors = _embed(embedder, [t for _, t, _ in ordered], progress or _no_progress, label)
-    kept: list[list] = []  # [group, text, support, row]
+    vectors = _embed(embedder, [e[1] for e in ordered], progress or _no_progress, label)
+    kept: list[list] = []  # [group, text, support, users, row]
     by_group: dict[tuple, list[int]] = defaultdict(list)
-    for row, (group, text, support) in enumerate(ordered):
+    for row, (group, text, support, users) in enumerate(ordered):
         target = None
         candidates = by_group[group]
         if candidates:
-            rows = [kept[i][3] for i in candidates]
+            rows = [kept[i][4] for i in candidates]
             sims = vectors[rows] @ vectors[row]
             best = int(np.argmax(sims))
             if float(sims[best]) >= tau:
                 target = candidates[best]
         if target is None:
             by_group[group].append(len(kept))
-            kept.append([group, text, support, row])
+            kept.append([group, text, support, users, row])
         else:
             kept[target][2] += support
-    return [(g, t, s) for g, t, s, _ in kept]
+            kept[target][3] = kept[target][3] | users
+    return [(g, t, s, u) for g, t, s, u, _ in kept]
 
 
 def precaution_text(tool: str, masked_query: str, corrected_to: str, limit: int) -> str:
@@ -197,6 +208,7 @@ def build_compendium(
     options = options or BuildOptions()
     report = report or BuildReport()
     report.strength, report.seed = options.strength, options.seed
+    report.min_users = options.min_users
     report.field_cap = options.field_cap
     report.tau = options.tau if options.collapse else None
     report.records = len(records)
@@ -206,6 +218,8 @@ def build_compendium(
     unknown = sorted(named - schema.tool_ids)
     if unknown:
         raise BuildError(f"the log names tools that are not in the schema: {', '.join(unknown)}")
+    if options.min_users < 1:
+        raise BuildError("min_users must be at least 1")
     if options.collapse and embedder is None:
         raise BuildError("near-duplicate collapse needs an embedding engine (or collapse=False)")
     each = progress or _no_progress
@@ -216,6 +230,8 @@ def build_compendium(
 
     scenario_support: Counter = Counter()
     precaution_support: Counter = Counter()
+    scenario_users: dict[tuple, set[str]] = defaultdict(set)
+    precaution_users: dict[tuple, set[str]] = defaultdict(set)
     template_votes: dict[tuple[str, str], Counter] = defaultdict(Counter)
     for record in each(records, "masking"):
         masked_query = mask(record.query)
@@ -226,10 +242,12 @@ def build_compendium(
             tool = record.tool if record.outcome == "success" else record.corrected_to
             text = truncate(masked_query, limits.scenario)
             scenario_support[(tool, record.preconditions, text)] += 1
+            scenario_users[(tool, record.preconditions, text)].add(record.user)
         if record.outcome in ("failure", "corrected"):
             # grouped by (tool, corrected_to) and collapsed on the query alone: the fixed
             # wording around it would make unrelated precautions of a tool look alike
             precaution_support[(record.tool, record.corrected_to or "", masked_query)] += 1
+            precaution_users[(record.tool, record.corrected_to or "", masked_query)].add(record.user)
         if record.outcome == "success" and record.template is not None:
             signature = mask(record.template.signature)
             body = mask(record.template.template)
@@ -246,21 +264,32 @@ def build_compendium(
     report.precautions_in = sum(precaution_support.values())
     engine = embedder if options.collapse else None
     scenarios = collapse_near_duplicates(
-        [((tool, flags), text, n) for (tool, flags, text), n in scenario_support.items()],
+        [
+            ((tool, flags), text, n, frozenset(scenario_users[(tool, flags, text)]))
+            for (tool, flags, text), n in scenario_support.items()
+        ],
         engine,
         options.tau,
         each,
         "embedding scenarios",
     )
     precautions = collapse_near_duplicates(
-        [((tool, right), text, n) for (tool, right, text), n in precaution_support.items()],
+        [
+            ((tool, right), text, n, frozenset(precaution_users[(tool, right, text)]))
+            for (tool, right, text), n in precaution_support.items()
+        ],
         engine,
         options.tau,
         each,
         "embedding precautions",
     )
+    if options.min_users > 1:
+        report.withheld_scenarios = sum(len(u) < options.min_users for *_, u in scenarios)
+        report.withheld_precautions = sum(len(u) < options.min_users for *_, u in precautions)
+        scenarios = [e for e in scenarios if len(e[3]) >= options.min_users]
+        precautions = [e for e in precautions if len(e[3]) >= options.min_users]
     precaution_entries: dict[tuple[str, str], int] = Counter()
-    for (tool, right), text, n in precautions:
+    for (tool, right), text, n, _ in precautions:
         precaution_entries[(tool, precaution_text(tool, text, right, limits.precaution))] += n
 
     stats: ClientStatistics = client_statistics(
@@ -281,7 +310,7 @@ def build_compendium(
         metadata=[ToolMetadata(tool_id=t, stats=v) for t, v in sorted(stats.stats.items())],
         scenarios=[
             Scenario(tool_id=tool, text=text, preconditions=dict(flags), support=n)
-            for (tool, flags), text, n in scenarios
+            for (tool, flags), text, n, _ in scenarios
         ],
         precautions=[
             Precaution(tool_id=tool, text=text, support=n)

@@ -103,6 +103,8 @@ def cmd_build(args: argparse.Namespace) -> int:
         raise CliError("--field-cap must be at least 1")
     if not 0 < args.tau <= 1:
         raise CliError("--tau must be in (0, 1]")
+    if args.min_users < 1:
+        raise CliError("--min-users must be at least 1")
     options = BuildOptions(
         strength=args.strength,
         seed=args.seed,
@@ -110,6 +112,7 @@ def cmd_build(args: argparse.Namespace) -> int:
         tau=args.tau,
         collapse=not args.no_collapse,
         skip_bad_lines=args.skip_bad_lines,
+        min_users=args.min_users,
     )
     progress = _progress(args.quiet)
     try:
@@ -178,6 +181,11 @@ def cmd_build(args: argparse.Namespace) -> int:
         raise CliError(f"cannot write {out}: {exc.strerror}") from None
     form = canonical_form(compendium)
     counts = ", ".join(f"{n} {k}" for k, n in compendium.entry_counts().items())
+    if report.withheld_scenarios or report.withheld_precautions:
+        delta_note += (
+            f" Withheld (fewer than {options.min_users} users): {report.withheld_scenarios} "
+            f"scenario(s), {report.withheld_precautions} precaution(s)."
+        )
     print(
         f"{out}: {counts}; {report.num_users} users; masked {report.masked_fraction:.1%} of "
         f"{report.word_tokens} tokens at λ={options.strength:g}; {form.size_bytes} bytes "
@@ -365,6 +373,11 @@ def build_parser() -> argparse.ArgumentParser:
         help="F*: at most this many tools per user feed the numeric statistics (default: no cap)",
     )
     build.add_argument("--tau", type=float, default=0.85, help="cosine for near-duplicate collapse")
+    build.add_argument(
+        "--min-users", type=int, default=1, metavar="K",
+        help="send a scenario or precaution only when at least K distinct users' requests "
+        "support it (k-anonymous release; default 1: send everything)",
+    )
     build.add_argument(
         "--no-collapse", action="store_true",
         help="merge exact duplicates only; skip the embedding model",

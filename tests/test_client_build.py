@@ -11,7 +11,7 @@ from collections import Counter
 
 import pytest
 
-from compendium.builder import BuildOptions, build_compendium
+from compendium.builder import BuildError, BuildOptions, build_compendium
 from compendium.canonical import canonical_form
 from compendium.client_cli import main
 from compendium.schema import Compendium
@@ -192,3 +192,34 @@ def test_toolkit_runs_without_django(tmp_path):
                           text=True, timeout=300)
     assert done.returncode == 0, done.stderr
     assert "DJANGO []" in done.stdout
+
+
+def test_k_anonymous_release_sends_only_what_enough_users_support():
+    from routing.embeddings import get_engine
+
+    schema = metatool_schema()
+    tool, other = sorted(schema.tool_ids)[:2]
+
+    def line(query, user, chosen=tool, outcome="success"):
+        out = {"query": query, "tool": chosen, "outcome": outcome, "latency_ms": 100, "user": user}
+        if outcome == "corrected":
+            out["corrected_to"] = tool
+        return out
+
+    records = parsed([
+        line("Show me the weather forecast for tomorrow", "u1"),
+        line("Show me the weather forecast for tomorrow please", "u2"),  # the same request
+        line("Translate this paragraph into German", "u3"),  # one user only...
+        line("Translate this paragraph into German", "u3"),  # ...even when repeated
+        line("Play some relaxing jazz music", "u1", chosen=other, outcome="corrected"),
+    ])
+    engine = get_engine()
+    everything, _ = build_compendium(records, schema, BuildOptions(strength=0), engine)
+    assert len(everything.scenarios) == 3 and len(everything.precautions) == 1
+    k2, report = build_compendium(records, schema, BuildOptions(strength=0, min_users=2), engine)
+    assert [s.text for s in k2.scenarios] == ["Show me the weather forecast for tomorrow"]
+    assert k2.scenarios[0].support == 2 and k2.precautions == []
+    assert report.withheld_scenarios == 2 and report.withheld_precautions == 1
+    assert report.as_dict()["min_users"] == 2
+    with pytest.raises(BuildError):
+        build_compendium(records, schema, BuildOptions(min_users=0), engine)

@@ -92,3 +92,23 @@ def test_cli_build_since_a_pulled_global(tmp_path, capsys):
     (tmp_path / "broken.json").write_text("{")
     assert main(args + ["--out", str(tmp_path / "x.json"), "--since",
                         str(tmp_path / "broken.json")]) == 1
+
+
+def test_cli_build_min_users_withholds_what_one_user_alone_asked(tmp_path, capsys):
+    schema = {"tools": [{"tool_id": "weather", "description": "Weather forecasts for a city"}]}
+    (tmp_path / "schema.json").write_text(json.dumps(schema))
+    lines = [
+        {"query": "Will it rain tomorrow?", "tool": "weather", "outcome": "success",
+         "latency_ms": 90, "user": user}
+        for user in ("u1", "u2")
+    ] + [{"query": "UV index in Madrid at noon", "tool": "weather", "outcome": "success",
+          "latency_ms": 90, "user": "u1"}]
+    (tmp_path / "log.jsonl").write_text("".join(json.dumps(line) + "\n" for line in lines))
+    args = ["build", "--log", str(tmp_path / "log.jsonl"), "--schema", str(tmp_path / "schema.json"),
+            "--lambda", "0", "--quiet", "--out", str(tmp_path / "c.json")]
+    assert main(args + ["--min-users", "2"]) == 0
+    assert "Withheld (fewer than 2 users): 1 scenario(s)" in capsys.readouterr().out
+    sent = json.loads((tmp_path / "c.json").read_text())
+    assert [s["text"] for s in sent["scenarios"]] == ["Will it rain tomorrow?"]
+    assert main(args + ["--min-users", "0"]) == 1
+    assert "--min-users must be at least 1" in capsys.readouterr().err

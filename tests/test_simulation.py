@@ -66,6 +66,7 @@ def test_tiny_simulation_end_to_end(tiny_dataset, tmp_path):
         "--rounds", "3", "--partition", "category", "--seed", "1", "--out", str(out),
         "--sweep-epsilon", "1", "--sweep-lambda", "0,1", "--sweep-adversarial", "0.5",
         "--sweep-modes", "tool_confusion", "--sweep-rules", "none,krum", "--label", "tiny",
+        "--sweep-min-users", "1,2",
         verbosity=0,
     )
     document = json.loads(out.read_text())
@@ -89,6 +90,8 @@ def test_tiny_simulation_end_to_end(tiny_dataset, tmp_path):
     assert document["communication"]["gzip_bytes_per_client_round"] < document["communication"]["bytes_per_client_round"]
     assert 0 <= document["privacy"]["membership_auroc"] <= 1
     assert len(document["privacy_sweep"]) == 2 and len(document["adversarial"]) == 2
+    anonymous = {row["min_users"]: row for row in document["release_sweep"]}
+    assert anonymous[2]["bytes_per_client_round"] < anonymous[1]["bytes_per_client_round"]
     stored = SimulationRun.objects.get(label="tiny")
     assert stored.document["summary"] == document["summary"]
 

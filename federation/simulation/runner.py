@@ -95,6 +95,10 @@ class SimulationConfig:
     # The server carries the previous global forward and each client sends only what changed
     # since the global it pulled (compendium.delta); False: every client resends everything.
     carry_forward: bool = True
+    # k-anonymous release at the clients (compendium.builder): entries supported by fewer distinct
+    # users stay local; `client_tau` is the clients' collapse threshold (None: `tau`).
+    min_users: int = 1
+    client_tau: float | None = None
     diagnostics: bool = True  # the paper's Lipschitz, contraction and margin diagnostics
     diagnostic_pairs: int = 1000  # text pairs for the Lipschitz ratios
     diagnostic_queries: int = 300  # held-out queries for the contraction ratio and margin
@@ -205,7 +209,8 @@ class Simulation:
         options = BuildOptions(
             strength=self.config.mask_strength if strength is None else strength,
             seed=seed,
-            tau=self.config.tau,
+            tau=self.config.client_tau or self.config.tau,
+            min_users=self.config.min_users,
         )
         compendium, _ = build_compendium(
             _records(lines, self.tool_ids), self.schema, options, embedder=self.engine

@@ -70,6 +70,18 @@ class Command(BaseCommand):
         )
         parser.add_argument("--adversarial-fraction", type=float, default=0.0)
         parser.add_argument("--adversarial-mode", choices=ADVERSARIAL_MODES, default="random_corruption")
+        parser.add_argument(
+            "--min-users", type=int, default=1,
+            help="k-anonymous release: clients send only entries that k distinct users support",
+        )
+        parser.add_argument(
+            "--client-tau", type=float, default=None,
+            help="the clients' near-duplicate collapse threshold (default: --tau)",
+        )
+        parser.add_argument(
+            "--sweep-min-users", default="",
+            help="e.g. 1,2,3: the k-anonymous release sweep (accuracy, AUROC, bytes)",
+        )
         parser.add_argument("--sweep-epsilon", default="", help="e.g. 0.5,1,2 (with --sweep-lambda)")
         parser.add_argument("--sweep-lambda", default="", help="e.g. 0.5,1,1.5")
         parser.add_argument("--sweep-adversarial", default="", help="fractions, e.g. 0,0.2,0.4")
@@ -105,6 +117,10 @@ class Command(BaseCommand):
             if SimulationRun.objects.exists():
                 self.stdout.write("a simulation run is stored already; nothing to do")
                 return
+        if o["min_users"] < 1:
+            raise CommandError("--min-users must be at least 1")
+        if o["client_tau"] is not None and not 0 < o["client_tau"] <= 1:
+            raise CommandError("--client-tau must be in (0, 1]")
         try:
             dataset = load_dataset(o["dataset"])
             engine = get_engine(o["embedding_model"])
@@ -129,6 +145,8 @@ class Command(BaseCommand):
             adversarial_fraction=o["adversarial_fraction"],
             adversarial_mode=o["adversarial_mode"],
             carry_forward=not o["no_carry_forward"],
+            min_users=o["min_users"],
+            client_tau=o["client_tau"],
             transfer_models=_names(o["transfer_models"]),
             transfer_rerankers=_names(o["transfer_rerankers"]),
             llm_url=o["llm_url"] or None,
@@ -159,6 +177,11 @@ class Command(BaseCommand):
                 lambdas = _floats(o["sweep_lambda"]) or [config.mask_strength]
                 variants = [{"epsilon": e, "mask_strength": m} for e in epsilons for m in lambdas]
                 document["privacy_sweep"] = sweep(make, config, variants, seeds)
+            if o["sweep_min_users"]:
+                ks = [int(k) for k in _floats(o["sweep_min_users"])]
+                if any(k < 1 for k in ks):
+                    raise CommandError("--sweep-min-users: every k must be at least 1")
+                document["release_sweep"] = sweep(make, config, [{"min_users": k} for k in ks], seeds)
             if o["sweep_adversarial"]:
                 fractions = _floats(o["sweep_adversarial"])
                 modes = [m for m in o["sweep_modes"].split(",") if m]
