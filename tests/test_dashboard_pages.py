@@ -571,6 +571,23 @@ def test_accuracy_page_shows_the_transfer_table_as_a_mean_over_seeds(client, fed
     assert 'id="accuracy-transfer"' not in body and "--transfer-models" in body
 
 
+def test_accuracy_page_puts_the_release_sweep_on_the_frontier(client, fed):
+    release = [
+        {"min_users": 2, "accuracy": 0.61, "membership_auroc": 0.55, "token_overlap": 0.4,
+         "bytes_per_client_round": 9000.0},
+        {"min_users": 1, "accuracy": 0.75, "membership_auroc": 0.72, "token_overlap": 0.85,
+         "bytes_per_client_round": 34000.0},
+    ]
+    SimulationRun.objects.create(label="release", dataset="tiny",
+                                 document={**DOCUMENT, "release_sweep": release})
+    body = login(client, fed, "member_a").get(reverse("dashboard:accuracy")).content.decode()
+    frontier = figures_in(body)[-1]
+    trace = next(t for t in frontier["data"] if t["name"] == "k-anonymous release")
+    assert trace["x"] == [0.72, 0.55] and trace["y"] == [0.75, 0.61]  # ordered by k
+    assert "k=2 · 9,000 B" in trace["text"]
+    assert "k-anonymous release</h2>" in body and "34000" in body
+
+
 # --- routing playground --------------------------------------------------------------------------
 
 

@@ -714,6 +714,7 @@ class AccuracyPage:
     charts: dict[str, str] = field(default_factory=dict)
     adversarial: list[dict] = field(default_factory=list)
     privacy_sweep: list[dict] = field(default_factory=list)
+    release_sweep: list[dict] = field(default_factory=list)  # k-anonymous release, per k
     transfer: list[dict] = field(default_factory=list)  # mean over seeds per (model, reranker, llm)
 
 
@@ -741,6 +742,7 @@ def accuracy_page(run_id=None) -> AccuracyPage:
     ]
     page.adversarial = list(doc.get("adversarial") or [])
     page.privacy_sweep = list(doc.get("privacy_sweep") or [])
+    page.release_sweep = sorted(doc.get("release_sweep") or [], key=lambda r: r.get("min_users", 1))
     page.transfer = summarize_transfer(list(doc.get("transfer") or []))
 
     curves = go.Figure()
@@ -788,7 +790,7 @@ def accuracy_page(run_id=None) -> AccuracyPage:
                xaxis={"title": {"text": "adversarial fraction"}},
                yaxis={"title": {"text": "accuracy"}, "range": [0, 1]})
         page.charts["adversarial"] = render_figure(adv, div_id="accuracy-adversarial")
-    if page.privacy_sweep:
+    if page.privacy_sweep or page.release_sweep:
         frontier = go.Figure()
         by_lambda: dict = defaultdict(list)
         for row in page.privacy_sweep:
@@ -800,9 +802,18 @@ def accuracy_page(run_id=None) -> AccuracyPage:
                 text=[f"ε={r.get('epsilon')}" for r in rows], mode="lines+markers+text",
                 textposition="top center", name=f"λ = {lam}",
             ))
+        if page.release_sweep:
+            rows = page.release_sweep
+            frontier.add_trace(go.Scatter(
+                x=[r.get("membership_auroc") for r in rows], y=[r["accuracy"] for r in rows],
+                text=[f"k={r.get('min_users')} · {r.get('bytes_per_client_round', 0):,.0f} B"
+                      for r in rows],
+                mode="lines+markers+text", textposition="bottom center",
+                name="k-anonymous release", line={"dash": "dash"},
+            ))
         frontier.add_vline(x=0.5, line={"dash": "dot", "color": "#888"},
                            annotation_text="chance (AUROC 0.5)")
-        styled(frontier, title={"text": "Privacy–utility frontier (ε × λ)"},
+        styled(frontier, title={"text": "Privacy–utility frontier (ε × λ, k-anonymous release)"},
                xaxis={"title": {"text": "membership attack AUROC (lower is more private)"}},
                yaxis={"title": {"text": "accuracy"}})
         page.charts["frontier"] = render_figure(frontier, div_id="privacy-frontier")
