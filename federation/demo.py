@@ -2,7 +2,7 @@
 
 Each demo client gets a share of a routing-benchmark dataset's queries (category partition: each
 organization specializes), turns it into a usage log, builds its compendium with the client
-toolkit, and submits it through the very submission service the REST API uses; the operator's
+toolkit, keeps what the last published global does not already cover, and submits it through the very submission service the REST API uses; the operator's
 close of each round runs the real merge pipeline (eager Celery without a broker). A new user
 therefore lands on a federation with published rounds, ledger rows and conflicts to look at.
 """
@@ -14,8 +14,9 @@ from dataclasses import dataclass
 
 from compendium.builder import BuildOptions, build_compendium
 from compendium.canonical import canonical_form
+from compendium.delta import delta_since
 from compendium.registry import load_dataset
-from compendium.services import current_schema
+from compendium.services import current_schema, load_compendium
 from compendium.usage_log import parse_record
 from federation import submissions
 from federation.models import Client, Round
@@ -24,6 +25,7 @@ from federation.round_config import RoundConfig
 from federation.services import DEMO_ORGANIZATIONS, Actor, close_round, current_round, open_round
 from federation.simulation.data import confusable_tools, partition_train, split_dataset, usage_log
 from routing.embeddings import get_engine
+from routing.services import published_global_version
 
 
 class DemoError(RuntimeError):
@@ -81,12 +83,18 @@ def run_demo_rounds(
     for period in range(1, rounds + 1):
         rnd = current_round() or open_round(system, RoundConfig(seed=seed))
         progress(f"demo round {rnd.number}: {len(logs)} clients build and submit")
+        # What each client pulled: it sends only what that global does not cover (the server
+        # carries the global forward).
+        latest = published_global_version()
+        pulled = load_compendium(latest) if latest is not None else None
         for client, lines in logs.items():
             experience = lines[: len(lines) * period // rounds]
             records = [parse_record(line, n, schema.tool_ids) for n, line in enumerate(experience, 1)]
             compendium, _ = build_compendium(
                 records, schema, BuildOptions(strength=1.0, seed=seed), embedder=get_engine()
             )
+            if pulled is not None:
+                compendium, _ = delta_since(compendium, pulled, get_engine())
             form = canonical_form(compendium)
             submissions.submit(client, form.data, f"demo-r{rnd.number}-{form.sha256[:32]}")
             sent += 1
