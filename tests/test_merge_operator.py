@@ -331,3 +331,17 @@ def test_carried_global_drops_tools_the_schema_no_longer_has(schema, embed):
     result = server_merge([MergeInput("org", edge)], smaller, config, embed=embed, previous=first)
     assert result.rejected == []
     assert {s.tool_id for s in result.compendium.scenarios} == {"weather", "flights"}
+
+
+def test_centrality_ties_do_not_depend_on_float_noise():
+    from federation.merge.clustering import central_order
+
+    a = np.array([0.6, 0.8, 0.0])
+    b = np.array([0.8, 0.6, 0.0])
+    # A two-member cluster: both members are exactly as central; batch noise of 1e-7 in either
+    # must not pick the representative.
+    for noise in (1e-7, -1e-7):
+        nudged = b + np.array([0.0, noise, 0.0])
+        assert list(central_order(np.stack([a, nudged]))) == [0, 1]
+    far = np.array([0.0, 0.0, 1.0])
+    assert next(central_order(np.stack([far, a, a]))) == 1  # a real difference still decides

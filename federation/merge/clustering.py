@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import hashlib
 import json
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -88,9 +88,26 @@ class ClusterDecision:
     reason: str
 
 
+# Centrality scores closer than this are equal: an embedding's last bits depend on the batch it
+# was computed in (about 1e-7), and that must not decide which member represents a cluster.
+CENTRALITY_TOLERANCE = 1e-6
+
+
+def central_order(vectors: np.ndarray, tolerance: float = CENTRALITY_TOLERANCE) -> Iterator[int]:
+    """Member indices from the most central (nearest the cluster mean) outwards, lazily. Scores
+    within `tolerance` of the best remaining one count as equal and go in member order: the two
+    members of a two-member cluster, for one, are exactly equally central."""
+    scores = np.asarray(vectors, dtype=np.float64) @ np.asarray(vectors, dtype=np.float64).mean(axis=0)
+    remaining = list(range(len(scores)))
+    while remaining:
+        best = max(scores[i] for i in remaining)
+        pick = next(i for i in remaining if scores[i] >= best - tolerance)
+        remaining.remove(pick)
+        yield pick
+
+
 def _nearest_to_mean(vectors: np.ndarray) -> int:
-    center = vectors.mean(axis=0)
-    return int(np.argmax(vectors @ center))
+    return next(central_order(vectors))
 
 
 def decide_cluster(

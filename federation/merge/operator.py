@@ -28,6 +28,7 @@ from compendium.validation import validate_compendium
 from federation.merge.clustering import (
     ConsistencyProbe,
     Item,
+    central_order,
     centroid_id,
     confusion_verdicts,
     decide_cluster,
@@ -550,13 +551,12 @@ def _cluster_scenarios(items: list[Item], config: RoundConfig, probe: Consistenc
             if decision.consistent:
                 ordered = sorted(members, key=item_order_key)
                 vectors = np.stack([m.vector for m in ordered])
-                center = vectors.mean(axis=0)
                 slots.append(
                     {
                         "tool_id": tool_id,
                         "texts": [m.text for m in ordered],
                         "vectors": vectors,
-                        "vector": vectors[int(np.argmax(vectors @ center))],
+                        "vector": vectors[next(central_order(vectors))],
                         "preconditions": merged_flags([m.preconditions for m in members]),
                         "support": support,
                         "summarize": True,

@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from federation.merge.clustering import central_order
 from federation.merge.llm import LLMUnavailable, OpenAICompatibleLLM
 
 ORDER = ("textgrad", "llm-single-shot", "probe-extractive", "centroid", "none")
@@ -110,11 +111,6 @@ class Summary:
     fallbacks: list[dict] = field(default_factory=list)
 
 
-def _nearest_order(vectors: np.ndarray) -> list[int]:
-    center = vectors.mean(axis=0)
-    return [int(i) for i in np.argsort(-(vectors @ center), kind="stable")]
-
-
 def _combine(a: str, b: str, limit: int) -> str | None:
     text = f"{a.rstrip(' .;')}; {b[:1].lower()}{b[1:]}"
     return text if len(text) <= limit else None
@@ -172,11 +168,11 @@ class Summarizer:
         return cluster.texts[0]
 
     def _centroid(self, cluster: Cluster) -> str:
-        return cluster.texts[_nearest_order(cluster.vectors)[0]]
+        return cluster.texts[next(central_order(cluster.vectors))]
 
     def _distinct_nearest(self, cluster: Cluster) -> tuple[list[str], list[np.ndarray]]:
         texts, rows = [], []
-        for i in _nearest_order(cluster.vectors):
+        for i in central_order(cluster.vectors):
             if cluster.texts[i] not in texts:
                 texts.append(cluster.texts[i])
                 rows.append(cluster.vectors[i])
