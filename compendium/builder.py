@@ -228,10 +228,10 @@ def build_compendium(
     mask = _MaskCache(masker)
     limits = schema.strings
 
-    scenario_support: Counter = Counter()
-    precaution_support: Counter = Counter()
-    scenario_users: dict[tuple, set[str]] = defaultdict(set)
-    precaution_users: dict[tuple, set[str]] = defaultdict(set)
+    # (tool, flags or corrected_to, text) -> the user of each record behind it: its length is
+    # the entry's support, its distinct values the users who asked (k-anonymous release)
+    scenario_users: dict[tuple, list[str]] = defaultdict(list)
+    precaution_users: dict[tuple, list[str]] = defaultdict(list)
     template_votes: dict[tuple[str, str], Counter] = defaultdict(Counter)
     for record in each(records, "masking"):
         masked_query = mask(record.query)
@@ -241,13 +241,11 @@ def build_compendium(
         if record.outcome in ("success", "corrected"):
             tool = record.tool if record.outcome == "success" else record.corrected_to
             text = truncate(masked_query, limits.scenario)
-            scenario_support[(tool, record.preconditions, text)] += 1
-            scenario_users[(tool, record.preconditions, text)].add(record.user)
+            scenario_users[(tool, record.preconditions, text)].append(record.user)
         if record.outcome in ("failure", "corrected"):
             # grouped by (tool, corrected_to) and collapsed on the query alone: the fixed
             # wording around it would make unrelated precautions of a tool look alike
-            precaution_support[(record.tool, record.corrected_to or "", masked_query)] += 1
-            precaution_users[(record.tool, record.corrected_to or "", masked_query)].add(record.user)
+            precaution_users[(record.tool, record.corrected_to or "", masked_query)].append(record.user)
         if record.outcome == "success" and record.template is not None:
             signature = mask(record.template.signature)
             body = mask(record.template.template)
@@ -260,13 +258,13 @@ def build_compendium(
                 template_votes[(record.tool, signature)][body] += 1
 
     report.word_tokens, report.masked_tokens = mask.word_tokens, mask.masked_tokens
-    report.scenarios_in = sum(scenario_support.values())
-    report.precautions_in = sum(precaution_support.values())
+    report.scenarios_in = sum(len(u) for u in scenario_users.values())
+    report.precautions_in = sum(len(u) for u in precaution_users.values())
     engine = embedder if options.collapse else None
     scenarios = collapse_near_duplicates(
         [
-            ((tool, flags), text, n, frozenset(scenario_users[(tool, flags, text)]))
-            for (tool, flags, text), n in scenario_support.items()
+            ((tool, flags), text, len(users), frozenset(users))
+            for (tool, flags, text), users in scenario_users.items()
         ],
         engine,
         options.tau,
@@ -275,8 +273,8 @@ def build_compendium(
     )
     precautions = collapse_near_duplicates(
         [
-            ((tool, right), text, n, frozenset(precaution_users[(tool, right, text)]))
-            for (tool, right, text), n in precaution_support.items()
+            ((tool, right), text, len(users), frozenset(users))
+            for (tool, right, text), users in precaution_users.items()
         ],
         engine,
         options.tau,

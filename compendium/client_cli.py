@@ -155,7 +155,7 @@ def cmd_build(args: argparse.Namespace) -> int:
         raise CliError(str(exc)) from None
     except CompendiumInvalid as exc:
         raise CliError(f"the built compendium is not valid under the schema: {exc}") from None
-    delta_note = ""
+    notes = ""
     if args.since:
         from compendium.delta import delta_since
 
@@ -164,7 +164,7 @@ def cmd_build(args: argparse.Namespace) -> int:
         pulled = _load_compendium(args.since)
         compendium, delta = delta_since(compendium, pulled, engine, options.tau)
         report.delta = delta.as_dict()
-        delta_note = (
+        notes = (
             f" Since {args.since}: {delta.scenarios_covered} scenario(s) and "
             f"{delta.precautions_covered} precaution(s) already covered, not sent."
         )
@@ -182,14 +182,14 @@ def cmd_build(args: argparse.Namespace) -> int:
     form = canonical_form(compendium)
     counts = ", ".join(f"{n} {k}" for k, n in compendium.entry_counts().items())
     if report.withheld_scenarios or report.withheld_precautions:
-        delta_note += (
+        notes += (
             f" Withheld (fewer than {options.min_users} users): {report.withheld_scenarios} "
             f"scenario(s), {report.withheld_precautions} precaution(s)."
         )
     print(
         f"{out}: {counts}; {report.num_users} users; masked {report.masked_fraction:.1%} of "
         f"{report.word_tokens} tokens at λ={options.strength:g}; {form.size_bytes} bytes "
-        f"({form.gzip_bytes} gzip).{delta_note} Check it with: {PROG} inspect {out}"
+        f"({form.gzip_bytes} gzip).{notes} Check it with: {PROG} inspect {out}"
     )
     return 0
 

@@ -268,23 +268,12 @@ def _merge(
     # M first: the budget check must refuse before any noise is drawn or any text work is done.
     fresh = [(s, comp) for s, comp in accepted if not (carry and s == PREVIOUS_GLOBAL)]
     metadata, ledger = _merge_metadata(fresh, schema, config, seed, epsilon_remaining, noise)
-    carried = [comp for s, comp in accepted if carry and s == PREVIOUS_GLOBAL]
-    if carried:
-        reported = {m.tool_id for m in metadata}
-        metadata = sorted(
-            metadata
-            + [
-                m.model_copy(
-                    update={
-                        "description": schema.tools_by_id[m.tool_id].description,
-                        "spec": schema.tools_by_id[m.tool_id].spec or None,
-                    }
-                )
-                for m in carried[0].metadata
-                if m.tool_id not in reported
-            ],
-            key=lambda m: m.tool_id,
-        )
+    for source, comp in accepted:
+        if carry and source == PREVIOUS_GLOBAL:  # its statistics stay for tools not reported
+            reported = {m.tool_id for m in metadata}
+            kept = [_tool_metadata(schema, m.tool_id, m.stats) for m in comp.metadata
+                    if m.tool_id not in reported]
+            metadata = sorted(metadata + kept, key=lambda m: m.tool_id)
     if not noise and config.global_metadata == "stats":
         metadata = [m.model_copy(update={"description": None, "spec": None}) for m in metadata]
     stats.numeric_releases = len(ledger)
@@ -514,19 +503,24 @@ def _merge_metadata(accepted, schema, config, seed, epsilon_remaining, noise):
             w = np.asarray(weights[key])
             value = float(np.dot(np.asarray(values[key]), w) / w.sum())
             released[key] = _published_number(min(spec.max, max(spec.min, value)))
-    metadata = []
-    for tool_id in sorted(tools):
-        spec = schema.tools_by_id[tool_id]
-        stats = {name: released[(t, name)] for (t, name) in keys if t == tool_id}
-        metadata.append(
-            ToolMetadata(
-                tool_id=tool_id,
-                description=spec.description,
-                spec=spec.spec or None,
-                stats=dict(sorted(stats.items())),
-            )
+    metadata = [
+        _tool_metadata(
+            schema, tool_id, {name: released[(t, name)] for (t, name) in keys if t == tool_id}
         )
+        for tool_id in sorted(tools)
+    ]
     return metadata, ledger
+
+
+def _tool_metadata(schema: Schema, tool_id: str, stats: dict[str, float]) -> ToolMetadata:
+    """A tool's published M: the registry's canonical description and spec, and `stats`."""
+    spec = schema.tools_by_id[tool_id]
+    return ToolMetadata(
+        tool_id=tool_id,
+        description=spec.description,
+        spec=spec.spec or None,
+        stats=dict(sorted(stats.items())),
+    )
 
 
 def _cluster_scenarios(items: list[Item], config: RoundConfig, probe: ConsistencyProbe | None,

@@ -313,15 +313,15 @@ class Simulation:
             if self.config.carry_forward:
                 pulled = merged.compendium
             stats["server"] = merged.stats.as_dict()
-            raw = [len(canonical_bytes(c)) for c in sent.values()]
+            payloads = [canonical_bytes(c) for c in sent.values()]
             outcomes.append(
                 RoundOutcome(
                     round=r,
                     global_compendium=merged.compendium,
                     client_compendiums=clients,
                     submissions=sent,
-                    bytes_raw=raw,
-                    bytes_gzip=[len(gzip.compress(canonical_bytes(c), 9, mtime=0)) for c in sent.values()],
+                    bytes_raw=[len(b) for b in payloads],
+                    bytes_gzip=[len(gzip.compress(b, 9, mtime=0)) for b in payloads],
                     merge_stats=stats,
                 )
             )
