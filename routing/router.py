@@ -78,6 +78,7 @@ class FusionWeights:
     # `precaution` * (1 + how far above the threshold it is, scaled to [0, 1]).
     precaution: float = 5.0
     precaution_threshold: float = 0.6
+    head: float = 0.0  # weight of the linear head's log-probability (0: no head, or unfitted)
 
 
 @dataclass
@@ -132,6 +133,71 @@ class RoutingParams:
         Path(path).write_text(self.to_json() + "\n", encoding="utf-8")
 
 
+@dataclass
+class LinearHead:
+    """P(tool | query) by a multinomial logistic regression over the compendium's own scenario
+    embeddings (and its tools' published descriptions): a linear read-out that pools every
+    scenario of a tool instead of trusting its single nearest one. Row i of `weights` is tool
+    `tools[i]`, the index's tool order."""
+
+    tools: list[str]
+    weights: np.ndarray  # (n_tools, dim), float32
+    bias: np.ndarray  # (n_tools,)
+
+    def log_proba(self, vectors: np.ndarray) -> np.ndarray:
+        z = np.atleast_2d(vectors) @ self.weights.T + self.bias
+        z -= z.max(axis=1, keepdims=True)
+        return z - np.log(np.exp(z).sum(axis=1, keepdims=True))
+
+    def to_bytes(self) -> bytes:
+        import io
+
+        buffer = io.BytesIO()
+        np.savez_compressed(
+            buffer, tools=np.array(self.tools), weights=self.weights, bias=self.bias
+        )
+        return buffer.getvalue()
+
+    @classmethod
+    def from_bytes(cls, data: bytes) -> LinearHead:
+        import io
+
+        with np.load(io.BytesIO(bytes(data)), allow_pickle=False) as npz:
+            return cls([str(t) for t in npz["tools"]], npz["weights"], npz["bias"])
+
+
+HEAD_C = 10.0  # inverse L2 strength of the head, for unit-norm sentence embeddings
+
+
+def fit_linear_head(index: ScenarioIndex, engine, c: float = HEAD_C) -> LinearHead | None:
+    """Fit the head on `index`'s scenario embeddings, plus one row per tool of the index whose
+    description the compendium publishes (embedded by `engine`, the engine that embedded the
+    scenarios). None when fewer than two tools have scenarios: nothing to choose between."""
+    from sklearn.linear_model import LogisticRegression
+
+    n_tools = len(index.tool_names)
+    if n_tools < 2:
+        return None
+    described = {m.tool_id: m.description for m in index.compendium.metadata if m.description}
+    with_text = [i for i, t in enumerate(index.tool_names) if t in described]
+    x, y = index.embeddings, index.scenario_tool
+    if with_text:
+        texts = [described[index.tool_names[i]] for i in with_text]
+        x = np.vstack([x, np.asarray(engine.embed(texts), dtype=np.float32)])
+        y = np.concatenate([y, np.array(with_text, dtype=np.int64)])
+    model = LogisticRegression(C=c, max_iter=1000).fit(x, y)
+    # Every index tool has at least one scenario, so the classes are exactly 0..n_tools-1.
+    coef, intercept = model.coef_, model.intercept_
+    if n_tools == 2:  # sklearn's binary form: logit of class 1 = its softmax with class 0 at 0
+        coef = np.vstack([np.zeros_like(coef), coef])
+        intercept = np.concatenate([[0.0], intercept])
+    return LinearHead(
+        list(index.tool_names),
+        np.ascontiguousarray(coef, dtype=np.float32),
+        np.asarray(intercept, dtype=np.float32),
+    )
+
+
 class ScenarioIndex:
     """The compendium's scenarios and precautions with embeddings, BM25 and per-tool lookups."""
 
@@ -178,6 +244,9 @@ class ScenarioIndex:
         for t in compendium.templates:
             templates.setdefault(t.tool_id, []).append((t.signature, t.template))
         self.templates = {tool: sorted(items)[0][1] for tool, items in templates.items()}
+        order = np.argsort(self.scenario_tool, kind="stable")
+        bounds = np.searchsorted(self.scenario_tool[order], np.arange(len(self.tool_names) + 1))
+        self.rows_of_tool = [order[bounds[t] : bounds[t + 1]] for t in range(len(self.tool_names))]
 
     def __len__(self) -> int:
         return len(self.texts)
@@ -202,10 +271,10 @@ def top_n(scores: np.ndarray, n: int) -> Retrieved:
 
 @dataclass
 class _Features:
-    """Per candidate tool of one query: columns dense, bm25, vote, precaution match."""
+    """Per candidate tool of one query: columns dense, bm25, vote, precaution match, head."""
 
     tools: np.ndarray  # tool positions
-    matrix: np.ndarray  # (n_tools, 4)
+    matrix: np.ndarray  # (n_tools, 5)
     precaution_hits: dict[int, list[tuple[float, str]]]
 
 
@@ -224,6 +293,7 @@ class Router:
         retriever: Retriever | None = None,
         index: ScenarioIndex | None = None,
         document_engine=None,
+        head: LinearHead | None = None,
     ):
         if reranker not in RERANKERS:
             raise ValueError(f"unknown reranker {reranker!r}: choose one of {', '.join(RERANKERS)}")
@@ -240,6 +310,9 @@ class Router:
             compendium, document_engine or engine, scenario_embeddings, precaution_embeddings
         )
         self.retriever = retriever or self.index.retrieve
+        if head is not None and head.tools != self.index.tool_names:
+            raise ValueError("the linear head was fitted on another compendium's tools")
+        self.head = head
 
     def with_reranker(self, reranker: str, **overrides) -> Router:
         """The same index (no re-embedding) under another reranker or settings."""
@@ -249,6 +322,7 @@ class Router:
             "escalate_threshold": self.escalate_threshold,
             "retriever": self.retriever if self.retriever != self.index.retrieve else None,
             "index": self.index,
+            "head": self.head,
         }
         kwargs.update(overrides)
         return Router(self.index.compendium, self.engine, reranker, **kwargs)
@@ -342,28 +416,43 @@ class Router:
 
     def _weight_vector(self) -> np.ndarray:
         w = self.params.weights
-        return np.array([w.dense, w.bm25, w.vote, -w.precaution], dtype=np.float64)
+        return np.array([w.dense, w.bm25, w.vote, -w.precaution, w.head], dtype=np.float64)
+
+    # tools the head ranks highest join the candidate pool (fusion, llm) even when retrieval missed
+    HEAD_CANDIDATES = 5
 
     def features(
         self, query: str, vector: np.ndarray, idx: np.ndarray, scores: np.ndarray, top_k: int
     ) -> _Features:
         index = self.index
         tools_of = index.scenario_tool[idx]
-        tools, inverse = np.unique(tools_of, return_inverse=True)
-        matrix = np.zeros((len(tools), 4), dtype=np.float64)
+        head = self.head if self.reranker != "none" else None
+        log_proba = head.log_proba(vector)[0] if head is not None else None
+        retrieved_tools = np.unique(tools_of)
+        extra = np.zeros(0, dtype=np.int64)
+        if log_proba is not None:
+            best = np.argsort(-log_proba, kind="stable")[: self.HEAD_CANDIDATES]
+            extra = best[~np.isin(best, retrieved_tools)]
+        tools = np.concatenate([retrieved_tools, extra])
+        inverse = np.searchsorted(retrieved_tools, tools_of)
+        matrix = np.zeros((len(tools), 5), dtype=np.float64)
         matrix[:, 0] = -np.inf
         np.maximum.at(matrix[:, 0], inverse, scores.astype(np.float64))
+        for row, tool in enumerate(extra, start=len(retrieved_tools)):  # their best cosine
+            matrix[row, 0] = float((index.embeddings[index.rows_of_tool[tool]] @ vector).max())
         if self.reranker != "none" and index.bm25 is not None:
             tokens = tokenize(query)
             if tokens:
                 bm = np.asarray(index.bm25.get_batch_scores(tokens, idx.tolist()), dtype=np.float64)
                 top = bm.max()
                 if top > 0:
-                    best = np.zeros(len(tools))
-                    np.maximum.at(best, inverse, bm / top)
-                    matrix[:, 1] = best
+                    best_bm = np.zeros(len(tools))
+                    np.maximum.at(best_bm, inverse, bm / top)
+                    matrix[:, 1] = best_bm
         k = min(top_k, len(idx))
         np.add.at(matrix[:, 2], inverse[:k], 1.0 / k)
+        if log_proba is not None:
+            matrix[:, 4] = log_proba[tools]
         hits: dict[int, list[tuple[float, str]]] = {}
         if self.reranker != "none" and len(index.precaution_texts):
             sims = index.precaution_embeddings @ vector
@@ -374,8 +463,8 @@ class Router:
                 )
             for row, tool in enumerate(tools):
                 if int(tool) in hits:
-                    best = max(s for s, _ in hits[int(tool)])
-                    matrix[row, 3] = 1.0 + (best - threshold) / max(1e-6, 1.0 - threshold)
+                    best_hit = max(s for s, _ in hits[int(tool)])
+                    matrix[row, 3] = 1.0 + (best_hit - threshold) / max(1e-6, 1.0 - threshold)
         return _Features(tools, matrix, hits)
 
     def _confidence(self, name: str, scores: np.ndarray, pos: int) -> float:
@@ -438,9 +527,10 @@ def _probe_features(router: Router, queries: Sequence[str], top_k: int = 5):
 def fit_fusion_weights(
     router: Router, probe: Sequence[tuple[str, str]], top_k: int = 5, l2: float = 1e-5
 ) -> FusionWeights:
-    """Fit dense/bm25/vote weights by conditional logit (softmax over the pool's tools) on queries
-    whose right tool is in the pool. The precaution penalty keeps its configured value unless the
-    probe set has queries that match precautions."""
+    """Fit the fusion weights by conditional logit (softmax over the pool's tools) on queries
+    whose right tool is in the pool: dense, bm25 and vote always; the head's weight when the
+    router has a linear head; the precaution penalty only if the probe set has queries that match
+    precautions (else it keeps its configured value)."""
     from scipy.optimize import minimize
 
     fusion = router.with_reranker("fusion")
@@ -454,12 +544,18 @@ def fit_fusion_weights(
     current = router.params.weights
     if not rows:
         return current
-    has_precautions = any(m[:, 3].any() for m, _ in rows)
-    n_free = 4 if has_precautions else 3
+    has_head = router.head is not None
+    start = np.array(
+        [current.dense, current.bm25, current.vote, -current.precaution,
+         (current.head or 1.0) if has_head else 0.0]
+    )
+    free = np.array([True, True, True, any(m[:, 3].any() for m, _ in rows), has_head])
+    fixed = np.where(free, 0.0, start)
 
     def loss(w):
-        full = np.append(w, -current.precaution) if n_free == 3 else w
-        total, grad = 0.0, np.zeros(4)
+        full = fixed.copy()
+        full[free] = w
+        total, grad = 0.0, np.zeros(5)
         for m, y in rows:
             z = m @ full
             z -= z.max()
@@ -468,17 +564,18 @@ def fit_fusion_weights(
             total -= np.log(p[y] + 1e-12)
             grad -= m[y] - p @ m
         total += l2 * (w @ w)
-        return total / len(rows), (grad[:n_free] + 2 * l2 * w) / len(rows)
+        return total / len(rows), (grad[free] + 2 * l2 * w) / len(rows)
 
-    start = np.array([current.dense, current.bm25, current.vote, -current.precaution])[:n_free]
-    result = minimize(loss, start, jac=True, method="L-BFGS-B")
-    w = result.x
+    result = minimize(loss, start[free], jac=True, method="L-BFGS-B")
+    w = fixed.copy()
+    w[free] = result.x
     return FusionWeights(
         dense=float(w[0]),
         bm25=float(w[1]),
         vote=float(w[2]),
-        precaution=float(-w[3]) if n_free == 4 else current.precaution,
+        precaution=float(-w[3]),
         precaution_threshold=current.precaution_threshold,
+        head=float(w[4]),
     )
 
 

@@ -16,10 +16,12 @@ from routing.datasets import compendium_from_queries
 from routing.embeddings import get_query_engine
 from routing.llm import OpenAICompatibleLLM, judge_consistency, parse_choice
 from routing.router import (
+    LinearHead,
     Router,
     RoutingParams,
     evaluate_calibration,
     expected_calibration_error,
+    fit_linear_head,
     fit_params,
 )
 from tests.chat_server import ChatServer
@@ -234,3 +236,85 @@ def test_in_process_llm_backend_fails_in_one_clear_line(monkeypatch, tmp_path):
     assert "llama-cpp-python" in message or "not found" in message
     monkeypatch.delenv("SYNAPSE_LLM_GGUF")
     assert get_llm() is None
+
+
+# --- the linear head -------------------------------------------------------------------------------
+
+
+def test_linear_head_fits_the_compendium_and_improves_fusion_on_held_out(
+    metatool_router, metatool_split, engine
+):
+    _, split = metatool_split
+    head = fit_linear_head(metatool_router.index, engine)
+    assert head.tools == metatool_router.index.tool_names
+    assert head.weights.shape == (len(head.tools), engine.dimension)
+    # The head alone reads its own training scenarios back.
+    own = head.log_proba(metatool_router.index.embeddings).argmax(axis=1)
+    assert np.mean(own == metatool_router.index.scenario_tool) > 0.95
+    probe = [(q.query, q.tool_id) for q in split.probe]
+    held_out = [(q.query, q.tool_id) for q in split.test]
+    without = metatool_router.with_reranker("fusion", params=fit_params(metatool_router, probe))
+    headed = metatool_router.with_reranker("fusion", head=head)
+    params = fit_params(headed, probe)
+    assert params.weights.head > 0  # the probe set finds the head informative
+    headed = headed.with_reranker("fusion", params=params)
+    truth = [t for _, t in held_out]
+    accuracy = lambda r: np.mean(  # noqa: E731
+        [d.tool == t for d, t in zip(r.route_batch([q for q, _ in held_out]), truth, strict=True)]
+    )
+    assert accuracy(headed) >= accuracy(without)
+    # The bypass never consults the head.
+    query = held_out[0][0]
+    assert headed.with_reranker("none").route(query).tool == without.with_reranker("none").route(query).tool
+    # Stored and loaded, the head decides the same.
+    again = LinearHead.from_bytes(head.to_bytes())
+    assert again.tools == head.tools
+    vectors = engine.embed([q for q, _ in held_out[:10]])
+    assert np.allclose(again.log_proba(vectors), head.log_proba(vectors))
+
+
+def test_linear_head_brings_tools_that_retrieval_missed_into_the_pool(engine):
+    # Near-identical "weather" scenarios fill the pool; the head's top tools join it.
+    weather = [Scenario(tool_id="weather", text=f"what is the weather in city number {i} today") for i in range(30)]
+    sports = [Scenario(tool_id="sports", text="latest football scores of the league")]
+    other = [Scenario(tool_id="news", text="headlines about politics this morning")]
+    compendium = Compendium(scenarios=weather + sports + other)
+    params = RoutingParams(pool=5)
+    router = Router(compendium, engine, "fusion", params=params)
+    head = fit_linear_head(router.index, engine)
+    headed = router.with_reranker("fusion", head=head)
+    query = "what is the weather in my city today"
+    vector = engine.embed([query])[0]
+    idx, scores = router.index.retrieve(vector, 5)
+    plain = router.features(query, vector, idx, scores, 5)
+    assert [router.index.tool_names[t] for t in plain.tools] == ["weather"]
+    with_head = headed.features(query, vector, idx, scores, 5)
+    names = [router.index.tool_names[t] for t in with_head.tools]
+    assert names[0] == "weather" and set(names) == {"weather", "sports", "news"}
+    # An added tool's dense feature is its best scenario cosine; its head column is its log-prob.
+    row = names.index("sports")
+    sports_rows = router.index.rows_of_tool[router.index.tool_names.index("sports")]
+    assert with_head.matrix[row, 0] == pytest.approx(float((router.index.embeddings[sports_rows] @ vector).max()))
+    log_proba = head.log_proba(vector)[0]
+    assert np.allclose(with_head.matrix[:, 4], log_proba[with_head.tools])
+    assert with_head.matrix[row, 2] == 0.0  # not in the top-k: no vote
+
+
+def test_linear_head_needs_two_tools_and_matching_tools(engine):
+    one = Router(Compendium(scenarios=[Scenario(tool_id="a", text="do a thing")]), engine, "fusion")
+    assert fit_linear_head(one.index, engine) is None
+    two = Router(
+        Compendium(scenarios=[Scenario(tool_id="a", text="book a flight"), Scenario(tool_id="b", text="order a pizza")]),
+        engine,
+        "fusion",
+    )
+    head = fit_linear_head(two.index, engine)  # sklearn's binary form, turned into two rows
+    assert head.weights.shape[0] == 2
+    assert head.log_proba(engine.embed(["order a pizza"]))[0].argmax() == 1
+    three = Router(
+        Compendium(scenarios=two.index.compendium.scenarios + [Scenario(tool_id="c", text="play music")]),
+        engine,
+        "fusion",
+    )
+    with pytest.raises(ValueError, match="another compendium"):
+        three.with_reranker("fusion", head=head)

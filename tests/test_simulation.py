@@ -166,7 +166,7 @@ def test_transfer_rows_match_a_freshly_fitted_router_on_the_final_global(tiny_da
 
     from compendium.canonical import canonical_bytes
     from routing.embeddings import get_engine
-    from routing.router import Router, fit_params
+    from routing.router import Router, fit_linear_head, fit_params
 
     sim = _simulation(tiny_dataset, transfer_models=(FP32, ONNX), transfer_rerankers=("none", "fusion"))
     result = sim.run_seed(1)
@@ -183,7 +183,8 @@ def test_transfer_rows_match_a_freshly_fitted_router_on_the_final_global(tiny_da
     synapse = [r for r in result.rows if r["method"] == "synapse"][-1]
     assert by[(FP32, "fusion")]["accuracy"] == synapse["accuracy"]
 
-    # Independently: the same seed's final global, a router per model fitted on the probe split.
+    # Independently: the same seed's final global, a router per model with its linear head fitted
+    # on the compendium and its fusion weights on the probe split.
     final = sim.federate(setup.shares, setup.logs, setup.split.probe, 1, setup.adversaries)[-1]
     glob = final.global_compendium
     assert len(canonical_bytes(glob)) == result.rounds[-1]["global_size_bytes"]
@@ -191,6 +192,7 @@ def test_transfer_rows_match_a_freshly_fitted_router_on_the_final_global(tiny_da
     truth = [q.tool_id for q in setup.test]
     for model in (FP32, ONNX):
         base = Router(glob, get_engine(model), "fusion")
+        base = base.with_reranker("fusion", head=fit_linear_head(base.index, base.engine))
         fresh = base.with_reranker("fusion", params=fit_params(base, pairs))
         decisions = fresh.route_batch([q.query for q in setup.test])
         accuracy = float(np.mean([d.tool == t for d, t in zip(decisions, truth, strict=True)]))

@@ -53,7 +53,7 @@ from federation.simulation.metrics import (
     tokens,
 )
 from routing.embeddings import EmbeddingModelUnavailable, get_engine
-from routing.router import RERANKERS, Router, fit_params
+from routing.router import RERANKERS, Router, fit_linear_head, fit_params
 
 METHODS = (
     "synapse",
@@ -99,6 +99,7 @@ class SimulationConfig:
     # users stay local; `client_tau` is the clients' collapse threshold (None: `tau`).
     min_users: int = 1
     client_tau: float | None = None
+    linear_head: bool = True  # routers fit the linear head on the compendium they route with
     diagnostics: bool = True  # the paper's Lipschitz, contraction and margin diagnostics
     diagnostic_pairs: int = 1000  # text pairs for the Lipschitz ratios
     diagnostic_queries: int = 300  # held-out queries for the contraction ratio and margin
@@ -227,9 +228,13 @@ class Simulation:
         llm=None,
     ) -> Router:
         """A router over `compendium` with fusion weights and calibration fitted on the public
-        probe split (never on test data). `engine` (default: the simulation's) embeds both the
-        scenarios and the queries; `llm` is the `llm` reranker's backend."""
-        base = Router(compendium, engine or self.engine, "fusion")
+        probe split (never on test data), and with the linear head fitted on the compendium itself
+        (`config.linear_head`). `engine` (default: the simulation's) embeds both the scenarios and
+        the queries; `llm` is the `llm` reranker's backend."""
+        engine = engine or self.engine
+        base = Router(compendium, engine, "fusion")
+        if self.config.linear_head:
+            base = base.with_reranker("fusion", head=fit_linear_head(base.index, engine))
         pairs = [(q.query, q.tool_id) for q in probe]
         if self.config.fit_limit and len(pairs) > self.config.fit_limit:
             pairs = random.Random(len(pairs)).sample(pairs, self.config.fit_limit)

@@ -63,6 +63,12 @@ class Command(BaseCommand):
             help="skip the Lipschitz / contraction / margin diagnostics of the final round",
         )
         parser.add_argument(
+            "--no-linear-head",
+            action="store_true",
+            help="route without the linear head (a logistic regression over the compendium's "
+            "scenario embeddings, fitted when a router is built): the ablation",
+        )
+        parser.add_argument(
             "--no-carry-forward",
             action="store_true",
             help="clients resend their whole compendium each round and the server does not carry "
@@ -142,6 +148,7 @@ class Command(BaseCommand):
             queries_per_client=o["queries_per_client"],
             baselines=not o["no_baselines"],
             diagnostics=not o["no_diagnostics"],
+            linear_head=not o["no_linear_head"],
             adversarial_fraction=o["adversarial_fraction"],
             adversarial_mode=o["adversarial_mode"],
             carry_forward=not o["no_carry_forward"],
