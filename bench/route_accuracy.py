@@ -17,6 +17,7 @@ import numpy as np
 from _routing_common import cached_embed, print_table, write_json
 
 from compendium.registry import load_dataset, stratified_split
+from compendium.schema import ToolMetadata
 from routing.datasets import compendium_from_queries
 from routing.embeddings import get_engine, get_query_engine
 from routing.llm import get_llm
@@ -35,6 +36,9 @@ def main(argv=None) -> int:
     parser.add_argument("--llm-url", default=None, help="OpenAI-compatible endpoint for `llm`")
     parser.add_argument("--llm-model", default=None)
     parser.add_argument("--save-params", default=None, help="write the fitted parameters here")
+    parser.add_argument(
+        "--no-linear-head", action="store_true", help="route without the linear head (ablation)"
+    )
     parser.add_argument("--out", default=None)
     args = parser.parse_args(argv)
 
@@ -43,6 +47,12 @@ def main(argv=None) -> int:
         dataset.queries, seed=args.seed, probe_fraction=args.probe, test_fraction=args.test
     )
     compendium = compendium_from_queries(dataset.tools, split.train, args.max_per_tool)
+    # As a published global: the registry's description of every tool it covers.
+    described = {t.tool_id: t.description for t in dataset.tools}
+    compendium.metadata = [
+        ToolMetadata(tool_id=m.tool_id, description=described.get(m.tool_id) or None)
+        for m in compendium.metadata
+    ]
     engine = get_query_engine()
     started = time.perf_counter()
     # As in the product: scenarios embedded by the merge's engine, queries by the query engine.
@@ -61,6 +71,8 @@ def main(argv=None) -> int:
     base = Router(
         compendium, engine, "fusion", params=RoutingParams(), scenario_embeddings=scenario_vectors
     )
+    if not args.no_linear_head:  # as the server does at publication: the merge engine's vectors
+        base = base.with_linear_head(get_engine().embed)
     params = fit_params(base, probe, args.top_k, fitted_on=f"{dataset.name} probe split seed {args.seed}")
     if args.save_params:
         params.save(args.save_params)
@@ -91,6 +103,7 @@ def main(argv=None) -> int:
                 "seed": args.seed,
                 "tools": len(dataset.tools),
                 "scenarios": len(compendium.scenarios),
+                "linear_head": base.head is not None,
                 "test_queries": len(test),
                 "top1_accuracy": round(top1, 4),
                 f"top{args.top_k}_accuracy": round(topk, 4),

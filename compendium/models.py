@@ -92,6 +92,9 @@ class CompendiumVersion(models.Model):
     entry_counts = models.JSONField(default=dict)
     # Provenance: the versions this one was merged from (edge <- clients, global <- edges).
     sources = models.ManyToManyField("self", symmetrical=False, related_name="derived", blank=True)
+    # A global's routing head (`routing.router.LinearHead.to_bytes`), fitted when it is published;
+    # derived from the published scenarios and descriptions only, served by the routing API.
+    routing_head = models.BinaryField(null=True, blank=True, editable=False)
     created_at = models.DateTimeField(auto_now_add=True)
 
     class Meta:

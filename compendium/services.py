@@ -107,12 +107,14 @@ def store_compendium(
     scenario_embeddings: np.ndarray | None = None,
     precaution_embeddings: np.ndarray | None = None,
     entry_rows: bool = True,
+    routing_head: bytes | None = None,
 ) -> CompendiumVersion:
     """Store a (validated) compendium and its entries in one transaction.
 
     Embeddings, when given, are row-aligned with `compendium.scenarios` / `.precautions`.
     With `entry_rows=False` only the canonical content is stored: client submissions are read
     whole by the merge, and writing a row per entry was most of a submission's cost.
+    `routing_head`: a global's serialized linear head (see `federation.pipeline.routing_head`).
     """
     form = canonical_form(compendium)
     version = CompendiumVersion.objects.create(
@@ -126,6 +128,7 @@ def store_compendium(
         size_bytes=form.size_bytes,
         gzip_bytes=form.gzip_bytes,
         entry_counts=compendium.entry_counts(),
+        routing_head=routing_head,
     )
     if sources:
         version.sources.set(sources)

@@ -296,6 +296,17 @@ def probe_accuracy(probe: ProbeSet | None, scenario_tools: list[str], vectors) -
     return float(np.mean(predicted == np.asarray(probe.labels, dtype=object)))
 
 
+def routing_head(compendium, scenario_embeddings, embed) -> bytes | None:
+    """The serialized linear head the routing API uses with this global (None: fewer than two
+    tools, or no embeddings)."""
+    from routing.router import fit_linear_head
+
+    if scenario_embeddings is None or not len(compendium.scenarios):
+        return None
+    head = fit_linear_head(compendium, scenario_embeddings, embed)
+    return head.to_bytes() if head is not None else None
+
+
 def previous_global(round_: Round) -> CompendiumVersion | None:
     """The global compendium of the latest published round before `round_` (what its clients
     pulled), or None."""
@@ -337,6 +348,7 @@ def run_server_merge(round_id: int, *, embed=None) -> str:
     accuracy = probe_accuracy(
         probe, [s.tool_id for s in result.compendium.scenarios], result.scenario_embeddings
     )
+    head = routing_head(result.compendium, result.scenario_embeddings, embed)
     with transaction.atomic():
         locked = Round.objects.select_for_update().get(pk=round_id)
         CompendiumVersion.objects.filter(kind="global", round=locked).delete()
@@ -349,6 +361,7 @@ def run_server_merge(round_id: int, *, embed=None) -> str:
             sources=edges + ([previous] if previous is not None else []),
             scenario_embeddings=result.scenario_embeddings,
             precaution_embeddings=result.precaution_embeddings,
+            routing_head=head,
         )
         ConflictLogEntry.objects.bulk_create(
             [

@@ -29,6 +29,33 @@ def _load_compendium(path: str):
         raise SystemExit(f"synapse-client: {path} is not a compendium: {' '.join(first)}") from None
 
 
+def _cached_head(router, documents, folder: Path):
+    """The compendium's linear head as the server fits it at publication (scenario and
+    description embeddings by the merge engine), kept on disk per compendium and engine."""
+    import hashlib
+
+    from compendium.canonical import canonical_form
+    from routing.router import LinearHead, fit_linear_head
+
+    compendium = router.index.compendium
+    key = hashlib.sha256(
+        f"{canonical_form(compendium).sha256}|{getattr(documents, 'model_name', '')}".encode()
+    ).hexdigest()[:32]
+    path = folder / f"{key}.npz"
+    if path.exists():
+        head = LinearHead.from_bytes(path.read_bytes())
+        if head.tools == router.index.tool_names:
+            return head
+    head = fit_linear_head(compendium, router.index.embeddings, documents.embed)
+    if head is not None:
+        try:
+            folder.mkdir(parents=True, exist_ok=True)
+            path.write_bytes(head.to_bytes())
+        except OSError:  # a read-only cache only costs the next call a refit
+            pass
+    return head
+
+
 def cmd_route(args: argparse.Namespace) -> int:
     from routing.embeddings import (
         EmbeddingModelUnavailable,
@@ -68,6 +95,10 @@ def cmd_route(args: argparse.Namespace) -> int:
             documents, [p.text for p in compendium.precautions], cache
         ),
     )
+    if not args.no_linear_head:
+        router = router.with_reranker(
+            args.reranker, head=_cached_head(router, documents, cache.parent / "routing-heads")
+        )
     decision = router.route(args.query, args.top_k)
     if args.json:
         print(json.dumps(decision.as_dict(), indent=2))
@@ -102,6 +133,10 @@ def add_route_command(subparsers) -> argparse.ArgumentParser:
     route.add_argument("--llm-url", default=None, dest="llm_url", help="OpenAI-compatible base URL")
     route.add_argument("--llm-model", default=None, dest="llm_model")
     route.add_argument("--json", action="store_true", help="print the decision as JSON")
+    route.add_argument(
+        "--no-linear-head", action="store_true", dest="no_linear_head",
+        help="route without the linear head the server uses (fitted on the compendium, cached)",
+    )
     route.set_defaults(func=cmd_route)
     return route
 

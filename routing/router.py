@@ -169,32 +169,36 @@ class LinearHead:
 HEAD_C = 10.0  # inverse L2 strength of the head, for unit-norm sentence embeddings
 
 
-def fit_linear_head(index: ScenarioIndex, engine, c: float = HEAD_C) -> LinearHead | None:
-    """Fit the head on `index`'s scenario embeddings, plus one row per tool of the index whose
-    description the compendium publishes (embedded by `engine`, the engine that embedded the
-    scenarios). None when fewer than two tools have scenarios: nothing to choose between."""
+def fit_linear_head(
+    compendium: Compendium, scenario_embeddings: np.ndarray, embed, c: float = HEAD_C
+) -> LinearHead | None:
+    """Fit the head on the scenarios' embeddings (row-aligned with `compendium.scenarios`) plus
+    one row per such tool whose description the compendium publishes, embedded by `embed` (the
+    engine that embedded the scenarios). Its tools are `ScenarioIndex.tool_names` of the same
+    compendium. None when fewer than two tools have scenarios: nothing to choose between."""
     from sklearn.linear_model import LogisticRegression
 
-    n_tools = len(index.tool_names)
-    if n_tools < 2:
+    tools = sorted({s.tool_id for s in compendium.scenarios})
+    if len(tools) < 2:
         return None
-    described = {m.tool_id: m.description for m in index.compendium.metadata if m.description}
-    with_text = [i for i, t in enumerate(index.tool_names) if t in described]
-    x, y = index.embeddings, index.scenario_tool
+    position = {t: i for i, t in enumerate(tools)}
+    x = np.asarray(scenario_embeddings, dtype=np.float32)
+    y = np.array([position[s.tool_id] for s in compendium.scenarios], dtype=np.int64)
+    if len(x) != len(y):
+        raise ValueError(f"{len(x)} scenario embeddings for {len(y)} scenarios")
+    described = {m.tool_id: m.description for m in compendium.metadata if m.description}
+    with_text = [t for t in tools if t in described]
     if with_text:
-        texts = [described[index.tool_names[i]] for i in with_text]
-        x = np.vstack([x, np.asarray(engine.embed(texts), dtype=np.float32)])
-        y = np.concatenate([y, np.array(with_text, dtype=np.int64)])
+        x = np.vstack([x, np.asarray(embed([described[t] for t in with_text]), dtype=np.float32)])
+        y = np.concatenate([y, np.array([position[t] for t in with_text], dtype=np.int64)])
     model = LogisticRegression(C=c, max_iter=1000).fit(x, y)
-    # Every index tool has at least one scenario, so the classes are exactly 0..n_tools-1.
+    # Every tool has at least one scenario, so the classes are exactly 0..len(tools)-1.
     coef, intercept = model.coef_, model.intercept_
-    if n_tools == 2:  # sklearn's binary form: logit of class 1 = its softmax with class 0 at 0
+    if len(tools) == 2:  # sklearn's binary form: logit of class 1 = its softmax with class 0 at 0
         coef = np.vstack([np.zeros_like(coef), coef])
         intercept = np.concatenate([[0.0], intercept])
     return LinearHead(
-        list(index.tool_names),
-        np.ascontiguousarray(coef, dtype=np.float32),
-        np.asarray(intercept, dtype=np.float32),
+        tools, np.ascontiguousarray(coef, dtype=np.float32), np.asarray(intercept, dtype=np.float32)
     )
 
 
@@ -313,6 +317,15 @@ class Router:
         if head is not None and head.tools != self.index.tool_names:
             raise ValueError("the linear head was fitted on another compendium's tools")
         self.head = head
+
+    def with_linear_head(self, embed=None) -> Router:
+        """This router with a linear head fitted on its own index (descriptions embedded by
+        `embed`, default: the query engine)."""
+        embed = embed or self.engine.embed
+        index = self.index
+        return self.with_reranker(
+            self.reranker, head=fit_linear_head(index.compendium, index.embeddings, embed)
+        )
 
     def with_reranker(self, reranker: str, **overrides) -> Router:
         """The same index (no re-embedding) under another reranker or settings."""

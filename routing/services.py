@@ -10,6 +10,7 @@ is built once per process and cached by the version's id and sha256.
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from collections import deque
@@ -26,7 +27,7 @@ from compendium.models import CompendiumVersion, PrecautionEntry, ScenarioEntry
 from compendium.schema import Precaution, Scenario
 from compendium.services import load_compendium
 from routing.models import RoutingCall
-from routing.router import RERANKERS, Router, RoutingParams, ScenarioIndex
+from routing.router import RERANKERS, LinearHead, Router, RoutingParams, ScenarioIndex
 
 
 class NothingPublished(Exception):
@@ -77,6 +78,7 @@ def published_global_version() -> CompendiumVersion | None:
     """The latest global compendium whose round is published."""
     return (
         CompendiumVersion.objects.filter(kind=CompendiumVersion.Kind.GLOBAL, round__state="published")
+        .defer("routing_head")  # read once per version, by `_build`
         .select_related("round")
         .order_by("-round__number")
         .first()
@@ -277,15 +279,34 @@ def _build(version: CompendiumVersion) -> ServedCompendium:
         getattr(settings, "SYNAPSE_LLM_MODEL", None),
         getattr(settings, "SYNAPSE_LLM_API_KEY", None),
     )
+    head = _stored_head(version, index)
     routers = {
         name: Router(
-            compendium, engine, name, params=params, llm=llm, index=index, retriever=retriever
+            compendium, engine, name, params=params, llm=llm, index=index, retriever=retriever,
+            head=head,
         )
         for name in RERANKERS
     }
     return ServedCompendium(
         version.pk, version.sha256, version.round.number, index, retriever, routers
     )
+
+
+def _stored_head(version: CompendiumVersion, index: ScenarioIndex) -> LinearHead | None:
+    """The linear head fitted when `version` was published, if it matches the served index
+    (versions published before heads existed route without one)."""
+    data = CompendiumVersion.objects.filter(pk=version.pk).values_list("routing_head", flat=True)
+    data = data.first()
+    if not data:
+        return None
+    head = LinearHead.from_bytes(data)
+    if head.tools != index.tool_names:
+        logging.getLogger(__name__).warning(
+            "round %s: the stored routing head does not match the served scenarios; routing "
+            "without it", version.round.number,
+        )
+        return None
+    return head
 
 
 def served_compendium() -> ServedCompendium:

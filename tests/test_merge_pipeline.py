@@ -17,6 +17,7 @@ from federation.models import (
     Round,
 )
 from federation.signals import round_closed
+from routing.router import LinearHead
 from tests.merge_helpers import build_federation, plant_weather_conflict, write_probe_dataset
 
 pytestmark = pytest.mark.django_db
@@ -49,6 +50,10 @@ def test_full_round_publishes_global_with_embeddings_ledger_and_accuracy(
     assert set(glob.sources.all()) == set(edges)
     assert ScenarioEntry.objects.filter(version=glob, embedding__isnull=True).count() == 0
     assert ScenarioEntry.objects.filter(version=glob).count() == glob.entry_counts["scenarios"]
+    # The routing head is fitted on the published scenarios, one row per tool that has some.
+    head = LinearHead.from_bytes(glob.routing_head)
+    assert head.tools == sorted({s["tool_id"] for s in glob.content["scenarios"]})
+    assert head.weights.shape[0] == len(head.tools) >= 2
     # acme: 2 released fields (weather.calls, weather.success_rate); globex: 1
     ledger = PrivacyLedgerEntry.objects.filter(round=round_)
     assert sorted((e.organization.slug, e.tool_id, e.field) for e in ledger) == [
@@ -172,6 +177,10 @@ def test_erasure_rematerializes_without_the_client_and_keeps_the_ledger(
     glob = CompendiumVersion.objects.get(kind="global", round=round_)
     assert glob.sha256 != before
     assert all("17 multiplied" not in s["text"] for s in glob.content["scenarios"])
+    # The head is refitted on what is published now.
+    assert LinearHead.from_bytes(glob.routing_head).tools == sorted(
+        {s["tool_id"] for s in glob.content["scenarios"]}
+    )
     # Spent budget is kept; the re-release is appended as release 1.
     releases = sorted(set(PrivacyLedgerEntry.objects.filter(
         organization__slug="acme").values_list("release", flat=True)))

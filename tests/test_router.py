@@ -212,11 +212,17 @@ def test_route_command(tmp_path, capsys, engine, monkeypatch):
     # kept on disk and reused by the next call.
     cached = sorted((tmp_path / "cache" / "compendium-embeddings").glob("*.npy"))
     assert cached and all(f.stat().st_size > 0 for f in cached)
-    stamps = [f.stat().st_mtime_ns for f in cached]
+    # So is its linear head, fitted as the server fits it at publication.
+    heads = sorted((tmp_path / "cache" / "routing-heads").glob("*.npz"))
+    assert len(heads) == 1
+    stamps = [f.stat().st_mtime_ns for f in cached + heads]
     args = parser.parse_args(["route", "Will it rain?", "--compendium", str(path), "--reranker", "none"])
     assert args.func(args) == 0
     assert capsys.readouterr().out.startswith("tool: weather")
-    assert [f.stat().st_mtime_ns for f in cached] == stamps
+    assert [f.stat().st_mtime_ns for f in cached + heads] == stamps
+    args = parser.parse_args(["route", "Will it rain?", "--compendium", str(path), "--no-linear-head"])
+    assert args.func(args) == 0
+    assert capsys.readouterr().out.startswith("tool: weather")
     bad = tmp_path / "bad.json"
     bad.write_text("{not json", encoding="utf-8")
     args = parser.parse_args(["route", "x", "--compendium", str(bad)])
@@ -245,7 +251,8 @@ def test_linear_head_fits_the_compendium_and_improves_fusion_on_held_out(
     metatool_router, metatool_split, engine
 ):
     _, split = metatool_split
-    head = fit_linear_head(metatool_router.index, engine)
+    index = metatool_router.index
+    head = fit_linear_head(index.compendium, index.embeddings, engine.embed)
     assert head.tools == metatool_router.index.tool_names
     assert head.weights.shape == (len(head.tools), engine.dimension)
     # The head alone reads its own training scenarios back.
@@ -281,8 +288,8 @@ def test_linear_head_brings_tools_that_retrieval_missed_into_the_pool(engine):
     compendium = Compendium(scenarios=weather + sports + other)
     params = RoutingParams(pool=5)
     router = Router(compendium, engine, "fusion", params=params)
-    head = fit_linear_head(router.index, engine)
-    headed = router.with_reranker("fusion", head=head)
+    headed = router.with_linear_head()
+    head = headed.head
     query = "what is the weather in my city today"
     vector = engine.embed([query])[0]
     idx, scores = router.index.retrieve(vector, 5)
@@ -302,13 +309,13 @@ def test_linear_head_brings_tools_that_retrieval_missed_into_the_pool(engine):
 
 def test_linear_head_needs_two_tools_and_matching_tools(engine):
     one = Router(Compendium(scenarios=[Scenario(tool_id="a", text="do a thing")]), engine, "fusion")
-    assert fit_linear_head(one.index, engine) is None
+    assert one.with_linear_head().head is None
     two = Router(
         Compendium(scenarios=[Scenario(tool_id="a", text="book a flight"), Scenario(tool_id="b", text="order a pizza")]),
         engine,
         "fusion",
     )
-    head = fit_linear_head(two.index, engine)  # sklearn's binary form, turned into two rows
+    head = two.with_linear_head().head  # sklearn's binary form, turned into two rows
     assert head.weights.shape[0] == 2
     assert head.log_proba(engine.embed(["order a pizza"]))[0].argmax() == 1
     three = Router(

@@ -7,9 +7,11 @@ import pytest
 from django.db import connection
 from django.test import Client as HttpClient
 
+from compendium.models import CompendiumVersion
 from compendium.registry import load_dataset, stratified_split
 from compendium.services import import_registry, store_compendium
 from federation.models import Client, Organization, Round
+from federation.pipeline import routing_head
 from routing import services
 from routing.datasets import compendium_from_queries
 from routing.embeddings import get_engine, get_query_engine
@@ -35,10 +37,13 @@ def data():
     compendium = compendium_from_queries(dataset.tools, split.train, max_per_tool=12)
     engine = get_query_engine()
     documents = get_engine()  # as in production: stored rows are embedded by the merge's engine
+    embeddings = documents.embed([s.text for s in compendium.scenarios])
     return {
         "tools": [t for t in dataset.tools if t.tool_id in set(tools)],
         "compendium": compendium,
-        "embeddings": documents.embed([s.text for s in compendium.scenarios]),
+        "embeddings": embeddings,
+        # What publication stores with a global (federation.pipeline.routing_head).
+        "head": routing_head(compendium, embeddings, documents.embed),
         "queries": [q.query for q in split.test[:150]],
         "engine": engine,
         "documents": documents,
@@ -58,7 +63,8 @@ def _publish(data, number=1, state="published", with_client_copy=True):
             scenario_embeddings=data["embeddings"],
         )
     return store_compendium(
-        data["compendium"], kind="global", round=round_, scenario_embeddings=data["embeddings"]
+        data["compendium"], kind="global", round=round_, scenario_embeddings=data["embeddings"],
+        routing_head=data["head"],
     )
 
 
@@ -115,7 +121,9 @@ def test_client_router_and_server_pick_the_same_tool(data, settings, retrieval):
     client_router = Router(
         data["compendium"], data["engine"], "fusion", params=services.routing_params(),
         document_engine=data["documents"],
-    )
+    ).with_linear_head(data["documents"].embed)
+    assert services.served_compendium().routers["fusion"].head is not None
+    assert client_router.head.tools == services.served_compendium().routers["fusion"].head.tools
     for query in data["queries"]:
         server = services.route_query(query, 5)
         local = client_router.route(query, 5)
@@ -124,6 +132,18 @@ def test_client_router_and_server_pick_the_same_tool(data, settings, retrieval):
         assert [c["tool"] for c in server["candidates"]] == [c["tool"] for c in local.candidates]
     batch = services.route_queries(data["queries"], 5)
     assert [r["tool"] for r in batch["results"]] == [client_router.route(q).tool for q in data["queries"]]
+
+
+def test_a_global_without_a_stored_head_routes_without_one(data):
+    version = _publish(data)
+    assert services.served_compendium().routers["fusion"].head is not None
+    with_head = services.route_query(data["queries"][0])
+    # Published before heads existed (or the head is of other scenarios): served without it.
+    CompendiumVersion.objects.filter(pk=version.pk).update(routing_head=None)
+    services._served.clear()  # a version's build is kept for as long as it is served
+    assert services.served_compendium().routers["fusion"].head is None
+    plain = services.route_query(data["queries"][0])
+    assert plain["tool"] and plain["candidates"] == with_head["candidates"]
 
 
 def test_latest_published_round_is_served(data):

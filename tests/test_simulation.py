@@ -192,7 +192,8 @@ def test_transfer_rows_match_a_freshly_fitted_router_on_the_final_global(tiny_da
     truth = [q.tool_id for q in setup.test]
     for model in (FP32, ONNX):
         base = Router(glob, get_engine(model), "fusion")
-        base = base.with_reranker("fusion", head=fit_linear_head(base.index, base.engine))
+        head = fit_linear_head(glob, base.index.embeddings, base.engine.embed)
+        base = base.with_reranker("fusion", head=head)
         fresh = base.with_reranker("fusion", params=fit_params(base, pairs))
         decisions = fresh.route_batch([q.query for q in setup.test])
         accuracy = float(np.mean([d.tool == t for d, t in zip(decisions, truth, strict=True)]))

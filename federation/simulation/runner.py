@@ -53,7 +53,7 @@ from federation.simulation.metrics import (
     tokens,
 )
 from routing.embeddings import EmbeddingModelUnavailable, get_engine
-from routing.router import RERANKERS, Router, fit_linear_head, fit_params
+from routing.router import RERANKERS, Router, fit_params
 
 METHODS = (
     "synapse",
@@ -234,7 +234,7 @@ class Simulation:
         engine = engine or self.engine
         base = Router(compendium, engine, "fusion")
         if self.config.linear_head:
-            base = base.with_reranker("fusion", head=fit_linear_head(base.index, engine))
+            base = base.with_linear_head()
         pairs = [(q.query, q.tool_id) for q in probe]
         if self.config.fit_limit and len(pairs) > self.config.fit_limit:
             pairs = random.Random(len(pairs)).sample(pairs, self.config.fit_limit)
