@@ -11,7 +11,7 @@ from __future__ import annotations
 import gzip
 import hashlib
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from compendium.schema import Compendium
@@ -36,8 +36,12 @@ def canonical_dict(compendium: Compendium) -> dict[str, Any]:
 
 
 def canonical_bytes(compendium: Compendium) -> bytes:
+    return _encode(canonical_dict(compendium))
+
+
+def _encode(doc: dict[str, Any]) -> bytes:
     return json.dumps(
-        canonical_dict(compendium),
+        doc,
         sort_keys=True,
         separators=(",", ":"),
         ensure_ascii=False,
@@ -56,11 +60,15 @@ class CanonicalForm:
     sha256: str
     size_bytes: int
     gzip_bytes: int
+    # The canonical dict the bytes encode (what a stored version's `content` holds).
+    document: dict[str, Any] = field(default_factory=dict, repr=False, compare=False)
 
 
 def canonical_form(compendium: Compendium) -> CanonicalForm:
-    data = canonical_bytes(compendium)
+    document = canonical_dict(compendium)
+    data = _encode(document)
     return CanonicalForm(
+        document=document,
         data=data,
         sha256=hashlib.sha256(data).hexdigest(),
         size_bytes=len(data),

@@ -130,44 +130,6 @@ def parse_document(data: bytes | str, max_bytes: int) -> tuple[Any, list[Violati
         return None, [Violation("$", f"not valid JSON: {exc}")]
 
 
-def _walk(doc: Any, max_depth: int, max_nodes: int) -> Iterator[tuple[tuple, Any]]:
-    """Yield (path, value) for every value, depth first, without recursion."""
-    stack: list[tuple[tuple, Any, int]] = [((), doc, 0)]
-    nodes = 0
-    while stack:
-        path, value, depth = stack.pop()
-        nodes += 1
-        if nodes > max_nodes:
-            yield path, _TooMany(max_nodes)
-            return
-        if depth > max_depth:
-            yield path, _TooDeep(max_depth)
-            continue
-        yield path, value
-        if isinstance(value, dict):
-            for key in reversed(list(value)):
-                yield path + (key,), _Key(key)
-                stack.append((path + (key,), value[key], depth + 1))
-        elif isinstance(value, list):
-            for index in range(len(value) - 1, -1, -1):
-                stack.append((path + (index,), value[index], depth + 1))
-
-
-@dataclass(frozen=True)
-class _Key:
-    name: str
-
-
-@dataclass(frozen=True)
-class _TooDeep:
-    limit: int
-
-
-@dataclass(frozen=True)
-class _TooMany:
-    limit: int
-
-
 def _string_limit(path: tuple, schema: Schema) -> tuple[str, int]:
     """The declared limit that applies to a string at `path` (top collection, field name)."""
     if len(path) >= 3 and isinstance(path[0], str) and isinstance(path[1], int):
@@ -201,25 +163,48 @@ def _check_string(text: str, path: tuple, schema: Schema, is_key: bool) -> Itera
 
 def _structural_checks(doc: Any, schema: Schema) -> tuple[list[Violation], bool]:
     """Strings, numbers, depth and size of the whole tree. Also says whether the tree is too
-    deep or too large to be handed to the model validator at all."""
+    deep or too large to be handed to the model validator at all.
+
+    Every value is visited depth first without recursion (a value counts towards the node limit
+    when visited; a dict's keys are checked when the dict is). This runs for every string of
+    every submission, so a string is looked at closely only when it might break a rule: one that
+    is no longer than the shortest declared limit and has no forbidden character cannot."""
     violations: list[Violation] = []
     hostile = False
     limits = schema.limits
-    for path, value in _walk(doc, limits.depth, limits.nodes):
-        if isinstance(value, _TooDeep):
+    max_depth, max_nodes = limits.depth, limits.nodes
+    strings = schema.strings
+    shortest = min(
+        [strings.other] + [getattr(strings, name) for name in set(_LIMIT_BY_FIELD.values())]
+    )
+    forbidden = _FORBIDDEN_CHARS.search
+    stack: list[tuple[tuple, Any, int]] = [((), doc, 0)]
+    nodes = 0
+    while stack:
+        path, value, depth = stack.pop()
+        nodes += 1
+        if nodes > max_nodes:
+            hostile = True
+            violations.append(Violation("$", f"document has more than {max_nodes} JSON values"))
+            break
+        if depth > max_depth:
             hostile = True
             violations.append(
-                Violation(format_path(path), f"nested deeper than the limit of {value.limit} levels")
+                Violation(format_path(path), f"nested deeper than the limit of {max_depth} levels")
             )
-        elif isinstance(value, _TooMany):
-            hostile = True
-            violations.append(
-                Violation("$", f"document has more than {value.limit} JSON values")
-            )
-        elif isinstance(value, _Key):
-            violations.extend(_check_string(value.name, path, schema, is_key=True))
-        elif isinstance(value, str):
-            violations.extend(_check_string(value, path, schema, is_key=False))
+            continue
+        if isinstance(value, str):
+            if len(value) > shortest or forbidden(value):
+                violations.extend(_check_string(value, path, schema, is_key=False))
+        elif isinstance(value, dict):
+            for key in reversed(list(value)):
+                child = path + (key,)
+                if len(key) > shortest or forbidden(key):
+                    violations.extend(_check_string(key, child, schema, is_key=True))
+                stack.append((child, value[key], depth + 1))
+        elif isinstance(value, list):
+            for index in range(len(value) - 1, -1, -1):
+                stack.append((path + (index,), value[index], depth + 1))
         elif isinstance(value, float) and not math.isfinite(value):
             violations.append(Violation(format_path(path), "number is not finite"))
     return violations, hostile

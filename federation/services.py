@@ -15,7 +15,7 @@ from typing import Any
 
 from django.conf import settings
 from django.contrib.auth import get_user_model
-from django.db import IntegrityError, transaction
+from django.db import IntegrityError, connection, transaction
 from django.db.models import Sum
 from django.utils import timezone
 from django.utils.text import slugify
@@ -459,21 +459,49 @@ class TokenRejected(Exception):
         self.status_code = status_code
 
 
+def _loadable_columns(model, alias: str) -> tuple[list[str], str]:
+    """A model's concrete fields and their columns, for building instances with `from_db` from a
+    plain SQL row (only for fields that need no conversion from the database's value)."""
+    fields = model._meta.concrete_fields
+    converted = [f.name for f in fields if hasattr(f, "from_db_value")]
+    if converted:
+        raise NotImplementedError(f"{model.__name__} fields need conversion: {converted}")
+    return [f.attname for f in fields], ", ".join(f'{alias}."{f.column}"' for f in fields)
+
+
+_CLIENT_FIELDS, _CLIENT_COLUMNS = _loadable_columns(Client, "c")
+_ORGANIZATION_FIELDS, _ORGANIZATION_COLUMNS = _loadable_columns(Organization, "o")
+_CLIENT_FOR_TOKEN_SQL = (
+    f"SELECT t.revoked_at, {_CLIENT_COLUMNS}, {_ORGANIZATION_COLUMNS} "
+    f"FROM {ClientToken._meta.db_table} t "
+    f"JOIN {Client._meta.db_table} c ON c.id = t.client_id "
+    f"JOIN {Organization._meta.db_table} o ON o.id = c.organization_id "
+    "WHERE t.token_hash = %s"
+)
+
+
 def client_for_token(token: str) -> Client:
     """The approved client holding this token (one index lookup), else TokenRejected (401 for
-    an unknown token, 403 for a revoked or unapproved client)."""
-    row = (
-        ClientToken.objects.select_related("client__organization")
-        .filter(token_hash=hash_token(token))
-        .first()
-    )
+    an unknown token, 403 for a revoked or unapproved client).
+
+    Every client request runs this: it is plain SQL (building the ORM's query with its joins
+    cost several times the CPU of running it), the client comes with its organization."""
+    with connection.cursor() as cursor:
+        cursor.execute(_CLIENT_FOR_TOKEN_SQL, [hash_token(token)])
+        row = cursor.fetchone()
     if row is None:
         raise TokenRejected("invalid token", 401)
-    if row.revoked_at is not None or row.client.status == Client.Status.REVOKED:
+    revoked_at, values = row[0], row[1:]
+    split = len(_CLIENT_FIELDS)
+    client = Client.from_db(connection.alias, _CLIENT_FIELDS, values[:split])
+    client.organization = Organization.from_db(
+        connection.alias, _ORGANIZATION_FIELDS, values[split:]
+    )
+    if revoked_at is not None or client.status == Client.Status.REVOKED:
         raise TokenRejected("this client has been revoked", 403)
-    if row.client.status != Client.Status.APPROVED:
+    if client.status != Client.Status.APPROVED:
         raise TokenRejected("this client is not approved", 403)
-    return row.client
+    return client
 
 
 # --- rounds -----------------------------------------------------------------------------------

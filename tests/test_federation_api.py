@@ -87,6 +87,7 @@ def test_new_key_replaces_earlier_submission_of_the_round(world, open_round, val
     assert versions.count() == 1
     assert versions.get().sha256 == second.json()["sha256"] != first["sha256"]
     assert not CompendiumVersion.objects.filter(pk=first["version"]).exists()
+    assert Submission.objects.get(pk=first["id"]).version is None
     assert len(versions.get().content["scenarios"]) == 1
     # Client submissions keep only their canonical content: no per-entry rows to write.
     assert not ScenarioEntry.objects.filter(version__client=world.client_a).exists()

@@ -40,6 +40,20 @@ def test_approval_issues_a_token_stored_only_as_hash(world):
     assert services.client_for_token(world.token_a) == world.client_a
 
 
+def test_token_lookup_loads_the_client_with_its_organization_in_one_query(
+    world, django_assert_num_queries
+):
+    with django_assert_num_queries(1):
+        client = services.client_for_token(world.token_a)
+        assert str(client) == f"{world.org_a.slug}/{world.client_a.name}"
+    stored = Client.objects.select_related("organization").get(pk=world.client_a.pk)
+    for field in Client._meta.concrete_fields:
+        assert getattr(client, field.attname) == getattr(stored, field.attname)
+    for field in type(stored.organization)._meta.concrete_fields:
+        assert getattr(client.organization, field.attname) == getattr(stored.organization, field.attname)
+    assert not client._state.adding and client._state.db == stored._state.db
+
+
 def test_admin_enrolls_but_only_operator_approves_by_default(world):
     admin = world.actor(world.admin_a)
     client = services.enroll_client(admin, world.org_a, "new", contact="ops@a.example")

@@ -104,3 +104,34 @@ def test_hnsw_index_exists():
 def test_global_kind_versions_listed_per_round(stored_registry, round1):
     store_compendium(Compendium(), kind="global", round=round1)
     assert CompendiumVersion.objects.filter(kind="global", round=round1).count() == 1
+
+
+def test_deleting_client_versions_cascades_as_the_orm_would(stored_registry, valid_doc, round1):
+    from compendium.models import AnnexEntry, PrecautionEntry, TemplateEntry
+    from compendium.services import delete_client_versions
+    from federation.models import Submission
+
+    org = Organization.objects.create(name="Acme", slug="acme")
+    client, other = (Client.objects.create(organization=org, name=n) for n in ("c1", "c2"))
+    compendium = load_valid_compendium(valid_doc, stored_registry)
+    # With entry rows and a source link both ways: everything hanging on the version goes.
+    gone = store_compendium(compendium, kind="client", round=round1, client=client)
+    kept = store_compendium(compendium, kind="client", round=round1, client=other)
+    edge = store_compendium(compendium, kind="edge", round=round1, organization=org, sources=[gone, kept])
+    gone.sources.add(kept)
+    submission = Submission.objects.create(
+        client=client, round=round1, idempotency_key="k", request_sha256="x", version=gone, response={}
+    )
+    later_round = Round.objects.create(number=2, state=Round.State.PUBLISHED)
+    assert delete_client_versions(round_id=later_round.pk, client_id=client.pk) == 0
+    assert delete_client_versions(round_id=round1.pk, client_id=client.pk) == 1
+
+    assert not CompendiumVersion.objects.filter(pk=gone.pk).exists()
+    for model in (ScenarioEntry, PrecautionEntry, TemplateEntry, StatEntry, AnnexEntry):
+        assert not model.objects.filter(version_id=gone.pk).exists()
+        assert model.objects.filter(version=kept).exists()
+    submission.refresh_from_db()
+    assert submission.version is None
+    assert list(edge.sources.all()) == [kept]
+    assert not kept.derived.filter(pk=gone.pk).exists()
+    assert CompendiumVersion.objects.filter(pk__in=[kept.pk, edge.pk]).count() == 2

@@ -1,0 +1,143 @@
+"""Server CPU of one accepted submission, measured in-process (no HTTP server, no load generator).
+
+Sets up its own organization, clients and (if none is open) a round through the ORM, as
+`bench/submit_load.py` does, builds the same MetaTool compendiums, then posts them through Django's
+test client (the whole middleware, authentication, view and service stack) and reports the
+process CPU (`time.process_time()`) per accepted submission and the SQL queries per request.
+The database server's own CPU is not counted: it runs in another process.
+
+    DEBUG=0 SECRET_KEY=bench .venv/bin/python bench/submit_cpu.py                      # ~7 KB
+    DEBUG=0 SECRET_KEY=bench .venv/bin/python bench/submit_cpu.py --tools-per-client 40 \
+        --scenarios-per-tool 3                                                         # ~30 KB
+    ... --profile 25        # the 25 most expensive functions (cumulative) under cProfile
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import os
+import pstats
+import statistics
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "bench"))
+os.environ.setdefault("DJANGO_SETTINGS_MODULE", "synapse_web.settings")
+
+from submit_load import DEFAULT_DATASET, build_compendiums, setup_federation  # noqa: E402
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--clients", type=int, default=100)
+    p.add_argument("--rounds", type=int, default=3, help="submissions per client (new keys)")
+    p.add_argument("--tools-per-client", type=int, default=12)
+    p.add_argument("--scenarios-per-tool", type=int, default=2)
+    p.add_argument("--dataset", default=str(DEFAULT_DATASET))
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--profile", type=int, default=0, help="print the N top functions by cumtime")
+    p.add_argument("--sort", default="cumulative")
+    return p.parse_args(argv)
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    dataset = Path(args.dataset)
+    _, _org, clients, rnd = setup_federation(args.clients, dataset, args.rounds + 2)
+    docs = build_compendiums(
+        dataset, args.clients, args.tools_per_client, args.scenarios_per_tool, args.seed
+    )
+    from django.db import connection
+    from django.test import Client as HttpClient
+
+    class CaptureQueriesContext:  # counts with an execute wrapper: request_started resets queries_log
+        def __init__(self, conn):
+            self.conn, self.captured_queries = conn, []
+
+        def __call__(self, execute, sql, params, many, context):
+            self.captured_queries.append({"sql": sql})
+            return execute(sql, params, many, context)
+
+        def __enter__(self):
+            self._cm = self.conn.execute_wrapper(self)
+            self._cm.__enter__()
+            return self
+
+        def __exit__(self, *exc):
+            self._cm.__exit__(*exc)
+
+        def __len__(self):
+            return len(self.captured_queries)
+
+    http = HttpClient()
+
+    def post(index, token, key):
+        return http.post(
+            "/api/v1/submissions/",
+            data=docs[index],
+            content_type="application/json",
+            HTTP_AUTHORIZATION=f"Bearer {token}",
+            HTTP_IDEMPOTENCY_KEY=key,
+        )
+
+    # Warm-up (imports, schema and settings caches, connection), then the query counts of a
+    # first, a replayed and a replacing submission, all outside the timing.
+    (_, token0), (_, token1) = clients[0], clients[1]
+    r = post(0, token0, "warm-0")
+    assert r.status_code == 201, r.content[:300]
+    with CaptureQueriesContext(connection) as first:
+        r = post(1, token1, "warm-0")
+    assert r.status_code == 201, r.content[:300]
+    with CaptureQueriesContext(connection) as replay:
+        r = post(1, token1, "warm-0")
+    assert r.status_code == 201 and r["Idempotent-Replayed"] == "true"
+    with CaptureQueriesContext(connection) as replacing:
+        r = post(0, token0, "warm-1")
+    assert r.status_code == 201 and r.json()["replaced"]
+
+    profiler = cProfile.Profile(time.process_time) if args.profile else None
+    cpu, accepted = {"first": [], "replacing": []}, 0
+    for s in range(args.rounds):
+        for index, (_pk, token) in enumerate(clients):
+            if index < 2:
+                continue
+            key = f"cpu-{s}"
+            if profiler:
+                profiler.enable()
+            t0 = time.process_time()
+            r = post(index, token, key)
+            cpu["replacing" if s else "first"].append(time.process_time() - t0)
+            if profiler:
+                profiler.disable()
+            assert r.status_code == 201, r.content[:300]
+            accepted += 1
+    mean_kb = statistics.mean(len(d) for d in docs) / 1024
+    print(f"round {rnd.number}; body {mean_kb:.1f} KB on average; {accepted} accepted submissions")
+    for name, values in [("all", cpu["first"] + cpu["replacing"]), *cpu.items()]:
+        if values:
+            print(
+                f"process CPU per accepted submission ({name}, n={len(values)}): "
+                f"mean {statistics.mean(values) * 1000:.2f} ms, "
+                f"median {statistics.median(values) * 1000:.2f} ms"
+            )
+    print(
+        f"SQL queries: first submission {len(first)}, replacing submission {len(replacing)}, "
+        f"replay {len(replay)}"
+    )
+    if os.environ.get("SHOW_SQL"):
+        for label, captured in (("first", first), ("replacing", replacing)):
+            print(f"  {label}:")
+            for q in captured.captured_queries:
+                print("   ", " ".join(q["sql"].split())[:150])
+    if profiler:
+        stats = pstats.Stats(profiler)
+        stats.sort_stats(args.sort).print_stats(args.profile)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
