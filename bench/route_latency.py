@@ -86,14 +86,16 @@ def percentiles(values_ms: list[float]) -> dict:
     }
 
 
-def publish(tools, compendium, engine, vectors):
+def publish(tools, compendium, vectors, head: bytes | None):
     from compendium.services import import_registry, store_compendium
     from federation.models import Round
 
     import_registry(tools)
     number = (Round.objects.order_by("-number").values_list("number", flat=True).first() or 0) + 1
     round_ = Round.objects.create(number=number, state="published")
-    store_compendium(compendium, kind="global", round=round_, scenario_embeddings=vectors)
+    store_compendium(
+        compendium, kind="global", round=round_, scenario_embeddings=vectors, routing_head=head
+    )
     return number
 
 
@@ -148,7 +150,7 @@ def main(argv=None) -> int:
 
     from routing.embeddings import get_engine, get_query_engine
     from routing.models import RoutingToken
-    from routing.router import Router, RoutingParams
+    from routing.router import Router, RoutingParams, fit_linear_head
 
     engine = get_query_engine()
     params = RoutingParams.load()
@@ -162,7 +164,9 @@ def main(argv=None) -> int:
         for name, tools, compendium, test in catalogues(args.seed):
             # As in the product: scenarios from the merge's engine, queries from the query engine.
             vectors = cached_embed(get_engine(), [s.text for s in compendium.scenarios])
-            round_number = publish(tools, compendium, engine, vectors)
+            # ... and the linear head fitted as publication fits it.
+            head = fit_linear_head(compendium, vectors, get_engine().embed)
+            round_number = publish(tools, compendium, vectors, head.to_bytes())
             n_tools = len({s.tool_id for s in compendium.scenarios})
             print(
                 f"{name}: {n_tools} tools, {len(compendium.scenarios)} scenarios, "
@@ -171,7 +175,9 @@ def main(argv=None) -> int:
             )
             queries = test[: args.queries]
             common = {"catalogue": name, "tools": n_tools, "scenarios": len(compendium.scenarios)}
-            base = Router(compendium, engine, "fusion", params=params, scenario_embeddings=vectors)
+            base = Router(
+                compendium, engine, "fusion", params=params, scenario_embeddings=vectors, head=head
+            )
             with httpx.Client(timeout=120, headers=headers) as http:
                 for reranker in ("none", "fusion"):
                     router = base.with_reranker(reranker)
