@@ -17,7 +17,6 @@ import numpy as np
 from _routing_common import cached_embed, print_table, write_json
 
 from compendium.registry import load_dataset, stratified_split
-from compendium.schema import ToolMetadata
 from routing.datasets import compendium_from_queries
 from routing.embeddings import get_engine, get_query_engine
 from routing.llm import get_llm
@@ -46,13 +45,10 @@ def main(argv=None) -> int:
     split = stratified_split(
         dataset.queries, seed=args.seed, probe_fraction=args.probe, test_fraction=args.test
     )
-    compendium = compendium_from_queries(dataset.tools, split.train, args.max_per_tool)
-    # As a published global: the registry's description of every tool it covers.
-    described = {t.tool_id: t.description for t in dataset.tools}
-    compendium.metadata = [
-        ToolMetadata(tool_id=m.tool_id, description=described.get(m.tool_id) or None)
-        for m in compendium.metadata
-    ]
+    # As a published global: with the registry's description of every tool it covers.
+    compendium = compendium_from_queries(
+        dataset.tools, split.train, args.max_per_tool, with_descriptions=True
+    )
     engine = get_query_engine()
     started = time.perf_counter()
     # As in the product: scenarios embedded by the merge's engine, queries by the query engine.

@@ -21,6 +21,7 @@ import pstats
 import statistics
 import sys
 import time
+from contextlib import contextmanager
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -54,24 +55,18 @@ def main(argv=None):
     from django.db import connection
     from django.test import Client as HttpClient
 
-    class CaptureQueriesContext:  # counts with an execute wrapper: request_started resets queries_log
-        def __init__(self, conn):
-            self.conn, self.captured_queries = conn, []
+    @contextmanager
+    def captured_sql():
+        """The SQL run inside the block. (Django's CaptureQueriesContext reads queries_log, which
+        the test client's request_started signal resets mid-block.)"""
+        statements: list[str] = []
 
-        def __call__(self, execute, sql, params, many, context):
-            self.captured_queries.append({"sql": sql})
+        def record(execute, sql, params, many, context):
+            statements.append(sql)
             return execute(sql, params, many, context)
 
-        def __enter__(self):
-            self._cm = self.conn.execute_wrapper(self)
-            self._cm.__enter__()
-            return self
-
-        def __exit__(self, *exc):
-            self._cm.__exit__(*exc)
-
-        def __len__(self):
-            return len(self.captured_queries)
+        with connection.execute_wrapper(record):
+            yield statements
 
     http = HttpClient()
 
@@ -89,13 +84,13 @@ def main(argv=None):
     (_, token0), (_, token1) = clients[0], clients[1]
     r = post(0, token0, "warm-0")
     assert r.status_code == 201, r.content[:300]
-    with CaptureQueriesContext(connection) as first:
+    with captured_sql() as first:
         r = post(1, token1, "warm-0")
     assert r.status_code == 201, r.content[:300]
-    with CaptureQueriesContext(connection) as replay:
+    with captured_sql() as replay:
         r = post(1, token1, "warm-0")
     assert r.status_code == 201 and r["Idempotent-Replayed"] == "true"
-    with CaptureQueriesContext(connection) as replacing:
+    with captured_sql() as replacing:
         r = post(0, token0, "warm-1")
     assert r.status_code == 201 and r.json()["replaced"]
 
@@ -131,8 +126,8 @@ def main(argv=None):
     if os.environ.get("SHOW_SQL"):
         for label, captured in (("first", first), ("replacing", replacing)):
             print(f"  {label}:")
-            for q in captured.captured_queries:
-                print("   ", " ".join(q["sql"].split())[:150])
+            for sql in captured:
+                print("   ", " ".join(sql.split())[:150])
     if profiler:
         stats = pstats.Stats(profiler)
         stats.sort_stats(args.sort).print_stats(args.profile)

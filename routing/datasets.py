@@ -23,8 +23,11 @@ def compendium_from_queries(
     train: Sequence[LabelledQuery],
     max_per_tool: int | None = None,
     with_templates: bool = True,
+    with_descriptions: bool = False,
 ) -> Compendium:
-    """Scenarios = train queries, deduplicated per tool by normalized text; one template per tool."""
+    """Scenarios = train queries, deduplicated per tool by normalized text; one template per tool;
+    with `with_descriptions`, each tool's registry description in its metadata, as a published
+    global compendium carries it."""
     seen: set[tuple[str, str]] = set()
     per_tool: dict[str, int] = {}
     scenarios = []
@@ -52,6 +55,11 @@ def compendium_from_queries(
         if with_templates
         else []
     )
-    return Compendium(
-        metadata=[ToolMetadata(tool_id=t) for t in used], scenarios=scenarios, templates=templates
-    )
+    metadata = [
+        ToolMetadata(
+            tool_id=t,
+            description=(by_id[t].description or None) if with_descriptions and t in by_id else None,
+        )
+        for t in used
+    ]
+    return Compendium(metadata=metadata, scenarios=scenarios, templates=templates)

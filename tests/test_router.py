@@ -77,6 +77,12 @@ def test_batch_routing_equals_one_by_one(metatool_router, metatool_split):
     assert [d.confidence for d in batch] == [metatool_router.route(q).confidence for q in queries]
 
 
+def _top1(router: Router, labelled: list[tuple[str, str]]) -> float:
+    """Top-1 accuracy of `router` on (query, tool) pairs."""
+    decisions = router.route_batch([q for q, _ in labelled])
+    return float(np.mean([d.tool == t for d, (_, t) in zip(decisions, labelled, strict=True)]))
+
+
 def _currency_compendium(with_precaution: bool) -> Compendium:
     precautions = (
         [Precaution(tool_id="fx", text="Do not use for converting US dollars to euros; the rates are stale")]
@@ -120,11 +126,7 @@ def test_calibration_lowers_expected_calibration_error_on_held_out(metatool_rout
     assert report["queries"] == len(held_out)
     assert report["ece_calibrated"] < report["ece_raw"]
     # Fitted weights are at least as accurate on the held-out split as the defaults.
-    default = metatool_router.route_batch([q for q, _ in held_out])
-    tuned = fitted.route_batch([q for q, _ in held_out])
-    truth = [t for _, t in held_out]
-    accuracy = lambda ds: np.mean([d.tool == t for d, t in zip(ds, truth, strict=True)])  # noqa: E731
-    assert accuracy(tuned) >= accuracy(default) - 0.02
+    assert _top1(fitted, held_out) >= _top1(metatool_router, held_out) - 0.02
     # Parameters survive a JSON round trip.
     again = RoutingParams.from_dict(json.loads(params.to_json()))
     assert again.weights == params.weights and again.calibration["fusion"] == params.calibration["fusion"]
@@ -265,11 +267,7 @@ def test_linear_head_fits_the_compendium_and_improves_fusion_on_held_out(
     params = fit_params(headed, probe)
     assert params.weights.head > 0  # the probe set finds the head informative
     headed = headed.with_reranker("fusion", params=params)
-    truth = [t for _, t in held_out]
-    accuracy = lambda r: np.mean(  # noqa: E731
-        [d.tool == t for d, t in zip(r.route_batch([q for q, _ in held_out]), truth, strict=True)]
-    )
-    assert accuracy(headed) >= accuracy(without)
+    assert _top1(headed, held_out) >= _top1(without, held_out)
     # The bypass never consults the head.
     query = held_out[0][0]
     assert headed.with_reranker("none").route(query).tool == without.with_reranker("none").route(query).tool
