@@ -17,6 +17,7 @@ from pathlib import Path
 from pydantic import ValidationError
 
 from compendium.canonical import canonical_dict, canonical_form
+from compendium.delta import DEFAULT_SINCE_CONFIDENCE
 from compendium.schema import DEFAULT_NUMERIC_FIELDS, Compendium, Schema
 from compendium.validation import CompendiumInvalid, format_path, validate_compendium
 
@@ -103,6 +104,8 @@ def cmd_build(args: argparse.Namespace) -> int:
         raise CliError("--field-cap must be at least 1")
     if not 0 < args.tau <= 1:
         raise CliError("--tau must be in (0, 1]")
+    if not args.since_confidence >= 0:  # also NaN
+        raise CliError(f"--since-confidence must be at least 0, not {args.since_confidence:g}")
     if args.min_users < 1:
         raise CliError("--min-users must be at least 1")
     options = BuildOptions(
@@ -162,10 +165,22 @@ def cmd_build(args: argparse.Namespace) -> int:
         if engine is None:
             raise CliError("--since needs the embedding model (drop --no-collapse)")
         pulled = _load_compendium(args.since)
-        compendium, delta = delta_since(compendium, pulled, engine, options.tau)
+        route = None
+        if args.since_confidence <= 1.0 and pulled.scenarios:
+            from routing.cli import pulled_router
+
+            router = pulled_router(pulled, embedding_model=args.embedding_model)
+
+            def route(texts):
+                return [(d.tool, d.confidence) for d in router.route_batch(texts)]
+
+        compendium, delta = delta_since(
+            compendium, pulled, engine, options.tau, route=route, confidence=args.since_confidence
+        )
         report.delta = delta.as_dict()
         notes = (
-            f" Since {args.since}: {delta.scenarios_covered} scenario(s) and "
+            f" Since {args.since}: {delta.scenarios_covered} scenario(s) "
+            f"({delta.scenarios_routed} of them already routed right by it) and "
             f"{delta.precautions_covered} precaution(s) already covered, not sent."
         )
 
@@ -390,6 +405,12 @@ def build_parser() -> argparse.ArgumentParser:
         "--since", default=None, metavar="GLOBAL",
         help="the global compendium last pulled: send only what it does not already cover "
         "(the server carries it forward)",
+    )
+    build.add_argument(
+        "--since-confidence", type=float, default=DEFAULT_SINCE_CONFIDENCE,
+        dest="since_confidence", metavar="P",
+        help="with --since, also leave out the scenarios the pulled global already routes to "
+        "their tool with calibrated confidence >= P (default %(default)s; above 1: off)",
     )
     build.add_argument("--embedding-model", default=None, help="sentence-transformers model/path")
     build.add_argument("--quiet", action="store_true", help="no progress bars")

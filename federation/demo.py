@@ -25,7 +25,7 @@ from federation.round_config import RoundConfig
 from federation.services import DEMO_ORGANIZATIONS, Actor, close_round, current_round, open_round
 from federation.simulation.data import confusable_tools, partition_train, split_dataset, usage_log
 from routing.embeddings import get_engine
-from routing.services import published_global_version
+from routing.services import published_global_version, served_compendium
 
 
 class DemoError(RuntimeError):
@@ -87,6 +87,13 @@ def run_demo_rounds(
         # carries the global forward).
         latest = published_global_version()
         pulled = load_compendium(latest) if latest is not None else None
+        route = None
+        if latest is not None:  # the pulled global's router, as the routing API serves it
+            router = served_compendium().routers["fusion"]
+
+            def route(texts, router=router):
+                return [(d.tool, d.confidence) for d in router.route_batch(texts)]
+
         for client, lines in logs.items():
             experience = lines[: len(lines) * period // rounds]
             records = [parse_record(line, n, schema.tool_ids) for n, line in enumerate(experience, 1)]
@@ -94,7 +101,7 @@ def run_demo_rounds(
                 records, schema, BuildOptions(strength=1.0, seed=seed), embedder=get_engine()
             )
             if pulled is not None:
-                compendium, _ = delta_since(compendium, pulled, get_engine())
+                compendium, _ = delta_since(compendium, pulled, get_engine(), route=route)
             form = canonical_form(compendium)
             submissions.submit(client, form.data, f"demo-r{rnd.number}-{form.sha256[:32]}")
             sent += 1

@@ -56,16 +56,51 @@ def _cached_head(router, documents, folder: Path):
     return head
 
 
-def cmd_route(args: argparse.Namespace) -> int:
-    from routing.embeddings import (
-        EmbeddingModelUnavailable,
-        embed_cached,
-        get_engine,
-        get_query_engine,
-        model_cache_dir,
-    )
-    from routing.llm import LLMUnavailable, get_llm
+def pulled_router(
+    compendium,
+    *,
+    embedding_model: str | None = None,
+    reranker: str = "fusion",
+    params_path: str | None = None,
+    llm=None,
+    escalate_threshold: float | None = None,
+    linear_head: bool = True,
+):
+    """A router over a pulled global compendium that ranks exactly as the server does: scenario
+    embeddings by the merge engine (cached on disk per compendium), the linear head the server
+    fits at publication (cached too), the fitted routing parameters. Raises
+    `EmbeddingModelUnavailable` when the model cannot be loaded."""
+    from routing.embeddings import embed_cached, get_engine, get_query_engine, model_cache_dir
     from routing.router import Router, RoutingParams
+
+    engine = get_query_engine(embedding_model)
+    # The server's stored scenario embeddings come from the merge engine
+    # (SYNAPSE_EMBEDDING_MODEL): embedding them with the same engine here makes the client
+    # rank exactly as the server does.
+    documents = get_engine(embedding_model or None)
+    cache = model_cache_dir() / "compendium-embeddings"
+    router = Router(
+        compendium,
+        engine,
+        reranker,
+        params=RoutingParams.load(params_path),
+        llm=llm,
+        escalate_threshold=escalate_threshold,
+        scenario_embeddings=embed_cached(documents, [s.text for s in compendium.scenarios], cache),
+        precaution_embeddings=embed_cached(
+            documents, [p.text for p in compendium.precautions], cache
+        ),
+    )
+    if linear_head:
+        router = router.with_reranker(
+            reranker, head=_cached_head(router, documents, cache.parent / "routing-heads")
+        )
+    return router
+
+
+def cmd_route(args: argparse.Namespace) -> int:
+    from routing.embeddings import EmbeddingModelUnavailable
+    from routing.llm import LLMUnavailable, get_llm
 
     if args.top_k < 1:
         raise SystemExit("synapse-client: --top-k must be at least 1")
@@ -73,32 +108,18 @@ def cmd_route(args: argparse.Namespace) -> int:
     if not compendium.scenarios:
         raise SystemExit(f"synapse-client: {args.compendium} has no scenarios to route against")
     try:
-        engine = get_query_engine(args.embedding_model)
-        # The server's stored scenario embeddings come from the merge engine
-        # (SYNAPSE_EMBEDDING_MODEL): embedding them with the same engine here makes the client
-        # rank exactly as the server does. They are cached on disk per compendium.
-        documents = get_engine(args.embedding_model or None)
         llm = get_llm(args.llm_url, args.llm_model) if args.reranker == "llm" else None
+        router = pulled_router(
+            compendium,
+            embedding_model=args.embedding_model,
+            reranker=args.reranker,
+            params_path=args.params,
+            llm=llm,
+            escalate_threshold=args.escalate_below,
+            linear_head=not args.no_linear_head,
+        )
     except (EmbeddingModelUnavailable, LLMUnavailable) as exc:
         raise SystemExit(f"synapse-client: {exc}") from None
-    cache = model_cache_dir() / "compendium-embeddings"
-    params = RoutingParams.load(args.params)
-    router = Router(
-        compendium,
-        engine,
-        args.reranker,
-        params=params,
-        llm=llm,
-        escalate_threshold=args.escalate_below,
-        scenario_embeddings=embed_cached(documents, [s.text for s in compendium.scenarios], cache),
-        precaution_embeddings=embed_cached(
-            documents, [p.text for p in compendium.precautions], cache
-        ),
-    )
-    if not args.no_linear_head:
-        router = router.with_reranker(
-            args.reranker, head=_cached_head(router, documents, cache.parent / "routing-heads")
-        )
     decision = router.route(args.query, args.top_k)
     if args.json:
         print(json.dumps(decision.as_dict(), indent=2))

@@ -60,6 +60,41 @@ def test_covered_entries_are_left_out_and_new_ones_kept(engine):
     assert same == local
 
 
+def test_scenarios_the_pulled_router_already_gets_right_are_left_out(engine):
+    pulled = comp(scenarios=[("weather", "Will it rain tomorrow in Paris?"),
+                             ("flights", "Find a cheap flight to Rome")])
+    local = comp(scenarios=[
+        ("weather", "Do I need an umbrella in Oslo on Sunday"),  # routed right, confident: out
+        ("flights", "Any seats left to Lisbon next week"),  # routed right, unsure: kept
+        ("weather", "Is the Rome flight on time"),  # routed to another tool: kept
+    ])
+    answers = {
+        "Do I need an umbrella in Oslo on Sunday": ("weather", 0.9),
+        "Any seats left to Lisbon next week": ("flights", 0.3),
+        "Is the Rome flight on time": ("flights", 0.95),
+    }
+    asked = []
+
+    def route(texts):
+        asked.append(list(texts))
+        return [answers[t] for t in texts]
+
+    delta, report = delta_since(local, pulled, engine, tau=0.99, route=route, confidence=0.5)
+    assert [s.text for s in delta.scenarios] == [
+        "Any seats left to Lisbon next week", "Is the Rome flight on time"
+    ]
+    assert (report.scenarios_covered, report.scenarios_routed, report.scenarios_kept) == (1, 1, 2)
+    assert asked == [[s.text for s in local.scenarios]]
+    # Above 1 the routing rule is off; with nothing pulled nothing is routed.
+    off, off_report = delta_since(local, pulled, engine, tau=0.99, route=route, confidence=1.01)
+    assert off.scenarios == local.scenarios and off_report.scenarios_routed == 0
+    same, _ = delta_since(local, Compendium(), engine, route=route)
+    assert same == local and len(asked) == 1
+    # A router that answers for the wrong number of texts is an error, not a silent drop.
+    with pytest.raises(ValueError, match="2 decisions for 3 texts"):
+        delta_since(local, pulled, engine, tau=0.99, route=lambda texts: route(texts)[:2])
+
+
 def test_cli_build_since_a_pulled_global(tmp_path, capsys):
     schema = {
         "tools": [
@@ -82,7 +117,8 @@ def test_cli_build_since_a_pulled_global(tmp_path, capsys):
     assert main(args + ["--out", str(tmp_path / "full.json")]) == 0
     assert main(args + ["--out", str(tmp_path / "delta.json"), "--since",
                         str(tmp_path / "global.json")]) == 0
-    assert "1 scenario(s) and 0 precaution(s) already covered" in capsys.readouterr().out
+    assert ("1 scenario(s) (0 of them already routed right by it) and 0 precaution(s) already "
+            "covered") in capsys.readouterr().out
     full = json.loads((tmp_path / "full.json").read_text())
     delta = json.loads((tmp_path / "delta.json").read_text())
     assert len(full["scenarios"]) == 2
@@ -92,6 +128,42 @@ def test_cli_build_since_a_pulled_global(tmp_path, capsys):
     (tmp_path / "broken.json").write_text("{")
     assert main(args + ["--out", str(tmp_path / "x.json"), "--since",
                         str(tmp_path / "broken.json")]) == 1
+
+
+def test_cli_build_since_leaves_out_what_the_pulled_global_already_routes(tmp_path, capsys):
+    schema = {
+        "tools": [
+            {"tool_id": "weather", "description": "Weather forecasts for a city"},
+            {"tool_id": "flights", "description": "Search and book flights"},
+        ],
+    }
+    (tmp_path / "schema.json").write_text(json.dumps(schema))
+    lines = [
+        {"query": "Is it going to be sunny in Madrid on Friday?", "tool": "weather",
+         "outcome": "success", "latency_ms": 120, "user": "u1"},
+        {"query": "Find a cheap flight to Rome", "tool": "flights", "outcome": "success",
+         "latency_ms": 120, "user": "u2"},
+    ]
+    (tmp_path / "log.jsonl").write_text("".join(json.dumps(line) + "\n" for line in lines))
+    pulled = comp(scenarios=[("weather", "Will it rain tomorrow in Paris?"),
+                             ("flights", "Find a cheap flight to Rome")])
+    (tmp_path / "global.json").write_text(pulled.model_dump_json())
+    args = ["build", "--log", str(tmp_path / "log.jsonl"), "--schema", str(tmp_path / "schema.json"),
+            "--lambda", "0", "--quiet", "--since", str(tmp_path / "global.json")]
+    # The rule off: only the cosine rule applies, and the new weather question is sent.
+    assert main(args + ["--out", str(tmp_path / "off.json"), "--since-confidence", "2"]) == 0
+    assert [s["tool_id"] for s in json.loads((tmp_path / "off.json").read_text())["scenarios"]] == [
+        "weather"
+    ]
+    # Confidence 0: whatever the pulled global's router already sends to its tool stays local.
+    assert main(args + ["--out", str(tmp_path / "on.json"), "--since-confidence", "0"]) == 0
+    assert json.loads((tmp_path / "on.json").read_text())["scenarios"] == []
+    assert "2 scenario(s) (1 of them already routed right by it)" in capsys.readouterr().out
+    report = json.loads((tmp_path / "on.json.report.json").read_text())
+    assert report["delta"]["scenarios_routed"] == 1
+    assert main(args + ["--out", str(tmp_path / "x.json"), "--since-confidence", "-1"]) == 1
+    assert "--since-confidence must be at least 0" in capsys.readouterr().err
+    assert not (tmp_path / "x.json").exists()
 
 
 def test_cli_build_min_users_withholds_what_one_user_alone_asked(tmp_path, capsys):

@@ -34,6 +34,65 @@ def run(simulation: Simulation, seeds: list[int]) -> dict[str, Any]:
     }
 
 
+SWEEP_SECTIONS = ("privacy_sweep", "release_sweep", "adversarial")
+
+
+def combine(documents: list[dict[str, Any]]) -> dict[str, Any]:
+    """One document from runs of the same dataset and configuration on disjoint seeds (e.g. the
+    seeds of a long run split over processes or machines), as if one run had played them all:
+    rows concatenated and summarized again, per-seed figures averaged with each run weighted by
+    its seeds. Raises ValueError naming what does not match."""
+    if not documents:
+        raise ValueError("nothing to combine")
+    first = documents[0]
+    seen: set[int] = set()
+    for number, doc in enumerate(documents, start=1):
+        for key in ("dataset", "config", "seeds", "results"):
+            if key not in doc:
+                raise ValueError(f"document {number} has no {key!r}: not a simulate --out file")
+        if doc["dataset"] != first["dataset"]:
+            raise ValueError(f"document {number} is of dataset {doc['dataset']!r}, not {first['dataset']!r}")
+        if doc["config"] != first["config"]:
+            differ = sorted(
+                k for k in set(doc["config"]) | set(first["config"])
+                if doc["config"].get(k) != first["config"].get(k)
+            )
+            raise ValueError(f"document {number} has another configuration ({', '.join(differ)})")
+        swept = [k for k in SWEEP_SECTIONS if doc.get(k)]
+        if swept:
+            raise ValueError(f"document {number} has sweeps ({', '.join(swept)}); combine runs without")
+        overlap = seen & set(doc["seeds"])
+        if overlap:
+            raise ValueError(f"seed {min(overlap)} is in more than one document")
+        seen |= set(doc["seeds"])
+    weights = [len(doc["seeds"]) for doc in documents]
+
+    def weighted(key: str) -> dict[str, float]:
+        keys = sorted({k for doc in documents for k in doc.get(key, {})})
+        out = {}
+        for k in keys:
+            pairs = [(doc[key][k], w) for doc, w in zip(documents, weights, strict=True) if k in doc.get(key, {})]
+            out[k] = round(float(np.average([v for v, _ in pairs], weights=[w for _, w in pairs])), 4)
+        return out
+
+    rows = [row for doc in documents for row in doc["results"]]
+    return {
+        "dataset": first["dataset"],
+        "config": first["config"],
+        "seeds": [seed for doc in documents for seed in doc["seeds"]],
+        "results": rows,
+        "summary": summarize(rows),
+        "per_category": documents[-1].get("per_category", {}),
+        "communication": weighted("communication"),
+        "privacy": weighted("privacy"),
+        "diagnostics": weighted("diagnostics"),
+        "rounds": [r for doc in documents for r in doc.get("rounds", [])],
+        "transfer": [row for doc in documents for row in doc.get("transfer", [])],
+        "seconds": round(sum(float(doc.get("seconds", 0.0)) for doc in documents), 1),
+        "combined_from": [doc.get("command", "") for doc in documents],
+    }
+
+
 def _mean_dicts(items: list[dict[str, float]]) -> dict[str, float]:
     keys = sorted({k for item in items for k in item})
     return {k: round(float(np.mean([item[k] for item in items if k in item])), 4) for k in keys}

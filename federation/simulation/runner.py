@@ -26,7 +26,7 @@ import numpy as np
 
 from compendium.builder import BuildOptions, build_compendium
 from compendium.canonical import canonical_bytes
-from compendium.delta import delta_since
+from compendium.delta import DEFAULT_SINCE_CONFIDENCE, delta_since
 from compendium.registry import LabelledQuery, RoutingDataset, Split
 from compendium.schema import Compendium, Scenario, Schema
 from compendium.usage_log import parse_record
@@ -95,6 +95,10 @@ class SimulationConfig:
     # The server carries the previous global forward and each client sends only what changed
     # since the global it pulled (compendium.delta); False: every client resends everything.
     carry_forward: bool = True
+    # With carry-forward, a client also leaves out the scenarios the pulled global's router
+    # already sends to their tool with at least this calibrated confidence (compendium.delta);
+    # above 1: the cosine rule alone.
+    since_confidence: float = DEFAULT_SINCE_CONFIDENCE
     # k-anonymous release at the clients (compendium.builder): entries supported by fewer distinct
     # users stay local; `client_tau` is the clients' collapse threshold (None: `tau`).
     min_users: int = 1
@@ -277,6 +281,14 @@ class Simulation:
             self.progress(f"seed {seed}: round {r}/{self.config.rounds}: clients build")
             clients: dict[str, Compendium] = {}
             sent: dict[str, Compendium] = {}
+            route = None
+            if pulled is not None and pulled.scenarios and self.config.since_confidence <= 1.0:
+                # What each client would route with: the pulled global, as published.
+                pulled_router = self.router(pulled, probe)
+
+                def route(texts, router=pulled_router):
+                    return [(d.tool, d.confidence) for d in router.route_batch(texts)]
+
             for share in shares:
                 experience = [line for period in periods[share.client][:r] for line in period]
                 if not experience:
@@ -286,7 +298,10 @@ class Simulation:
                     compendium = corrupt(compendium, self.config.adversarial_mode, self.schema, seed)
                 clients[share.client] = compendium
                 if pulled is not None:
-                    compendium, _ = delta_since(compendium, pulled, self.engine, self.config.tau)
+                    compendium, _ = delta_since(
+                        compendium, pulled, self.engine, self.config.tau,
+                        route=route, confidence=self.config.since_confidence,
+                    )
                 sent[share.client] = compendium
             self.progress(f"seed {seed}: round {r}: edge and server merges")
             edges = []

@@ -4,9 +4,10 @@ from pathlib import Path
 
 from django.core.management.base import BaseCommand, CommandError
 
+from compendium.delta import DEFAULT_SINCE_CONFIDENCE
 from compendium.registry import RegistryFormatError, load_dataset
 from compendium.schema import Schema
-from federation.simulation.report import run, sweep, table
+from federation.simulation.report import combine, run, sweep, table
 from federation.simulation.runner import ADVERSARIAL_MODES, Simulation, SimulationConfig
 from routing.embeddings import EmbeddingModelUnavailable, get_engine
 from routing.llm import LLMUnavailable
@@ -74,6 +75,12 @@ class Command(BaseCommand):
             help="clients resend their whole compendium each round and the server does not carry "
             "the previous global forward (default: carry it forward, clients send what changed)",
         )
+        parser.add_argument(
+            "--since-confidence", type=float, default=DEFAULT_SINCE_CONFIDENCE,
+            help="with carry-forward, clients also leave out the scenarios the pulled global "
+            "already routes to their tool with at least this calibrated confidence (default "
+            "%(default)s; above 1: only what the global covers at cosine >= tau is left out)",
+        )
         parser.add_argument("--adversarial-fraction", type=float, default=0.0)
         parser.add_argument("--adversarial-mode", choices=ADVERSARIAL_MODES, default="random_corruption")
         parser.add_argument(
@@ -112,11 +119,31 @@ class Command(BaseCommand):
             "llm decision falls back to fusion)",
         )
         parser.add_argument("--llm-model", default="", help="model name sent to --llm")
+        parser.add_argument(
+            "--combine", nargs="+", default=None, metavar="JSON",
+            help="run nothing: combine --out files of the same configuration on disjoint seeds "
+            "(a long run split over processes) into one, printed, written to --out and stored",
+        )
         parser.add_argument("--out", default=None, help="write the JSON results here")
         parser.add_argument("--no-store", action="store_true", help="do not keep the run for the dashboard")
         parser.add_argument("--label", default="", help="a name for the stored run")
 
     def handle(self, *args, **o):
+        if o["combine"]:
+            documents = []
+            for path in o["combine"]:
+                try:
+                    documents.append(json.loads(Path(path).read_text(encoding="utf-8")))
+                except OSError as exc:
+                    raise CommandError(f"cannot read {path}: {exc.strerror}") from None
+                except json.JSONDecodeError as exc:
+                    raise CommandError(f"{path} is not JSON ({exc.msg})") from None
+            try:
+                document = combine(documents)
+            except ValueError as exc:
+                raise CommandError(str(exc)) from None
+            document["command"] = "python manage.py simulate " + " ".join(sys.argv[2:])
+            return self._emit(document, o)
         if o["unless_stored"]:
             from federation.models import SimulationRun
 
@@ -152,6 +179,7 @@ class Command(BaseCommand):
             adversarial_fraction=o["adversarial_fraction"],
             adversarial_mode=o["adversarial_mode"],
             carry_forward=not o["no_carry_forward"],
+            since_confidence=o["since_confidence"],
             min_users=o["min_users"],
             client_tau=o["client_tau"],
             transfer_models=_names(o["transfer_models"]),
@@ -206,6 +234,9 @@ class Command(BaseCommand):
         except ValueError as exc:
             raise CommandError(str(exc)) from None
         document["command"] = "python manage.py simulate " + " ".join(sys.argv[2:])
+        self._emit(document, o)
+
+    def _emit(self, document, o):
         self.stdout.write(table(document))
         if o["out"]:
             Path(o["out"]).parent.mkdir(parents=True, exist_ok=True)

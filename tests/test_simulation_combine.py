@@ -1,0 +1,79 @@
+"""`simulate --combine`: runs of one configuration on disjoint seeds become one document."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from django.core.management import CommandError, call_command
+
+from federation.simulation.report import combine
+
+
+def doc(seeds, accuracy, bytes_raw, **extra):
+    rows = [
+        {"method": "synapse", "round": 1, "seed": s, "accuracy": a, "macro_accuracy": a}
+        for s, a in zip(seeds, accuracy, strict=True)
+    ] + [
+        {"method": "bm25", "round": None, "seed": s, "accuracy": 0.5, "macro_accuracy": 0.5}
+        for s in seeds
+    ]
+    return {
+        "dataset": "tiny",
+        "config": {"orgs": 2, "rounds": 1},
+        "seeds": list(seeds),
+        "results": rows,
+        "communication": {"bytes_per_client_round": bytes_raw},
+        "privacy": {"membership_auroc": 0.6, "token_overlap": 0.8, "share_clients_overlap_below_0_10": 0.0},
+        "diagnostics": {},
+        "rounds": [[{"round": 1}] for _ in seeds],
+        "transfer": [],
+        "seconds": 10.0,
+        "command": f"python manage.py simulate --seed {seeds[0]}",
+        **extra,
+    }
+
+
+def test_combined_runs_are_summarized_as_one_run_over_all_their_seeds():
+    out = combine([doc([0, 1, 2], [0.7, 0.8, 0.9], 300.0), doc([3], [0.6], 100.0)])
+    assert out["seeds"] == [0, 1, 2, 3]
+    synapse = next(r for r in out["summary"] if r["method"] == "synapse")
+    assert synapse["seeds"] == 4 and synapse["accuracy_mean"] == 0.75
+    assert synapse["accuracy_sd"] == pytest.approx(0.1291, abs=1e-4)
+    # Per-seed means weighted by seeds: (3 * 300 + 1 * 100) / 4.
+    assert out["communication"]["bytes_per_client_round"] == 250.0
+    assert len(out["rounds"]) == 4 and out["seconds"] == 20.0
+    assert out["combined_from"][1] == "python manage.py simulate --seed 3"
+
+
+@pytest.mark.parametrize(
+    "second, message",
+    [
+        (doc([1], [0.5], 1.0, dataset="other"), "dataset 'other'"),
+        (doc([1], [0.5], 1.0, config={"orgs": 3, "rounds": 1}), "another configuration (orgs)"),
+        (doc([0], [0.5], 1.0), "seed 0 is in more than one document"),
+        (doc([1], [0.5], 1.0, privacy_sweep=[{"epsilon": 1}]), "has sweeps (privacy_sweep)"),
+        ({"dataset": "tiny"}, "has no 'config'"),
+    ],
+)
+def test_runs_that_do_not_belong_together_are_refused(second, message):
+    with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        combine([doc([0], [0.7], 1.0), second])
+
+
+def test_the_command_writes_the_combined_document(tmp_path, capsys):
+    (tmp_path / "a.json").write_text(json.dumps(doc([0], [0.7], 200.0)))
+    (tmp_path / "b.json").write_text(json.dumps(doc([1], [0.9], 400.0)))
+    call_command(
+        "simulate", "--combine", str(tmp_path / "a.json"), str(tmp_path / "b.json"),
+        "--out", str(tmp_path / "all.json"), "--no-store",
+    )
+    written = json.loads((tmp_path / "all.json").read_text())
+    assert written["seeds"] == [0, 1]
+    assert "synapse" in capsys.readouterr().out
+    (tmp_path / "bad.json").write_text("{")
+    with pytest.raises(CommandError, match="is not JSON"):
+        call_command("simulate", "--combine", str(tmp_path / "bad.json"), "--no-store")
+    with pytest.raises(CommandError, match="seed 0 is in more than one"):
+        call_command("simulate", "--combine", str(tmp_path / "a.json"), str(tmp_path / "a.json"),
+                     "--no-store")
