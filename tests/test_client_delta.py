@@ -95,28 +95,36 @@ def test_scenarios_the_pulled_router_already_gets_right_are_left_out(engine):
         delta_since(local, pulled, engine, tau=0.99, route=lambda texts: route(texts)[:2])
 
 
-def test_cli_build_since_a_pulled_global(tmp_path, capsys):
-    schema = {
-        "tools": [
-            {"tool_id": "weather", "description": "Weather forecasts for a city"},
-            {"tool_id": "flights", "description": "Search and book flights"},
-        ],
-    }
-    (tmp_path / "schema.json").write_text(json.dumps(schema))
+TWO_TOOLS = {
+    "tools": [
+        {"tool_id": "weather", "description": "Weather forecasts for a city"},
+        {"tool_id": "flights", "description": "Search and book flights"},
+    ],
+}
+
+
+def write_client(tmp_path, queries, pulled):
+    """schema.json (two tools), log.jsonl of (query, tool) lines by distinct users, global.json;
+    the `build --since` arguments without --out."""
+    (tmp_path / "schema.json").write_text(json.dumps(TWO_TOOLS))
     lines = [
-        {"query": "Will it rain tomorrow in Paris?", "tool": "weather", "outcome": "success", "latency_ms": 120,
-         "user": "u1"},
-        {"query": "Find a cheap flight to Rome", "tool": "flights", "outcome": "success", "latency_ms": 120,
-         "user": "u2"},
+        {"query": q, "tool": t, "outcome": "success", "latency_ms": 120, "user": f"u{i}"}
+        for i, (q, t) in enumerate(queries)
     ]
     (tmp_path / "log.jsonl").write_text("".join(json.dumps(line) + "\n" for line in lines))
-    pulled = comp(scenarios=[("weather", "Will it rain tomorrow in Paris?")])
     (tmp_path / "global.json").write_text(pulled.model_dump_json())
-    args = ["build", "--log", str(tmp_path / "log.jsonl"), "--schema", str(tmp_path / "schema.json"),
-            "--lambda", "0", "--quiet"]
-    assert main(args + ["--out", str(tmp_path / "full.json")]) == 0
-    assert main(args + ["--out", str(tmp_path / "delta.json"), "--since",
-                        str(tmp_path / "global.json")]) == 0
+    return ["build", "--log", str(tmp_path / "log.jsonl"), "--schema", str(tmp_path / "schema.json"),
+            "--lambda", "0", "--quiet", "--since", str(tmp_path / "global.json")]
+
+
+def test_cli_build_since_a_pulled_global(tmp_path, capsys):
+    args = write_client(
+        tmp_path,
+        [("Will it rain tomorrow in Paris?", "weather"), ("Find a cheap flight to Rome", "flights")],
+        comp(scenarios=[("weather", "Will it rain tomorrow in Paris?")]),
+    )
+    assert main(args[:-2] + ["--out", str(tmp_path / "full.json")]) == 0
+    assert main(args + ["--out", str(tmp_path / "delta.json")]) == 0
     assert ("1 scenario(s) (0 of them already routed right by it) and 0 precaution(s) already "
             "covered") in capsys.readouterr().out
     full = json.loads((tmp_path / "full.json").read_text())
@@ -126,30 +134,17 @@ def test_cli_build_since_a_pulled_global(tmp_path, capsys):
     report = json.loads((tmp_path / "delta.json.report.json").read_text())
     assert report["delta"]["scenarios_covered"] == 1
     (tmp_path / "broken.json").write_text("{")
-    assert main(args + ["--out", str(tmp_path / "x.json"), "--since",
-                        str(tmp_path / "broken.json")]) == 1
+    assert main(args[:-1] + [str(tmp_path / "broken.json"), "--out", str(tmp_path / "x.json")]) == 1
 
 
 def test_cli_build_since_leaves_out_what_the_pulled_global_already_routes(tmp_path, capsys):
-    schema = {
-        "tools": [
-            {"tool_id": "weather", "description": "Weather forecasts for a city"},
-            {"tool_id": "flights", "description": "Search and book flights"},
-        ],
-    }
-    (tmp_path / "schema.json").write_text(json.dumps(schema))
-    lines = [
-        {"query": "Is it going to be sunny in Madrid on Friday?", "tool": "weather",
-         "outcome": "success", "latency_ms": 120, "user": "u1"},
-        {"query": "Find a cheap flight to Rome", "tool": "flights", "outcome": "success",
-         "latency_ms": 120, "user": "u2"},
-    ]
-    (tmp_path / "log.jsonl").write_text("".join(json.dumps(line) + "\n" for line in lines))
-    pulled = comp(scenarios=[("weather", "Will it rain tomorrow in Paris?"),
-                             ("flights", "Find a cheap flight to Rome")])
-    (tmp_path / "global.json").write_text(pulled.model_dump_json())
-    args = ["build", "--log", str(tmp_path / "log.jsonl"), "--schema", str(tmp_path / "schema.json"),
-            "--lambda", "0", "--quiet", "--since", str(tmp_path / "global.json")]
+    args = write_client(
+        tmp_path,
+        [("Is it going to be sunny in Madrid on Friday?", "weather"),
+         ("Find a cheap flight to Rome", "flights")],
+        comp(scenarios=[("weather", "Will it rain tomorrow in Paris?"),
+                        ("flights", "Find a cheap flight to Rome")]),
+    )
     # The rule off: only the cosine rule applies, and the new weather question is sent.
     assert main(args + ["--out", str(tmp_path / "off.json"), "--since-confidence", "2"]) == 0
     assert [s["tool_id"] for s in json.loads((tmp_path / "off.json").read_text())["scenarios"]] == [
