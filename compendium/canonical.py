@@ -25,13 +25,26 @@ _SORT_KEYS = {
 }
 
 
+def _scenario_order(scenarios: list[dict]) -> list[dict]:
+    """Scenarios in the order of `_SORT_KEYS["scenarios"]`. Its third part (the preconditions as
+    JSON) only decides between scenarios of the same tool and text, so when no two share both,
+    sorting by the first two gives the same order without a json.dumps per scenario."""
+    pairs = [(s["tool_id"], s["text"]) for s in scenarios]
+    if len(set(pairs)) == len(pairs):
+        return [s for _, s in sorted(zip(pairs, scenarios, strict=True), key=lambda item: item[0])]
+    return sorted(scenarios, key=_SORT_KEYS["scenarios"])
+
+
 def canonical_dict(compendium: Compendium) -> dict[str, Any]:
     doc = compendium.model_dump(mode="json", exclude_none=True)
     for scenario in doc.get("scenarios", []):
         if not scenario.get("preconditions"):  # the default: 18 bytes a scenario saved
             scenario.pop("preconditions", None)
     for name, key in _SORT_KEYS.items():
-        doc[name] = sorted(doc.get(name, []), key=key)
+        if name == "scenarios":
+            doc[name] = _scenario_order(doc.get(name, []))
+        else:
+            doc[name] = sorted(doc.get(name, []), key=key)
     return doc
 
 

@@ -54,3 +54,29 @@ def test_non_ascii_text_is_kept_as_utf8(valid_doc, small_schema):
     valid_doc["scenarios"][0]["text"] = "Wetter in München morgen?"
     data = canonical_bytes(load_valid_compendium(valid_doc, small_schema))
     assert "München".encode() in data
+
+
+def test_scenarios_sharing_tool_and_text_are_ordered_by_their_preconditions(small_schema):
+    """Scenarios are sorted by (tool, text) alone when those pairs are unique (the usual case);
+    when two share them, their preconditions (as JSON) decide, as the full key says."""
+    from compendium.canonical import _SORT_KEYS, canonical_dict
+
+    flags = [{"b": True}, {}, {"a": True, "z": False}, {"a": False}]
+    scenarios = [
+        {"tool_id": tool, "text": text, "preconditions": f}
+        for tool in ("weather", "flights")
+        for text in ("Book it", "Check it")
+        for f in flags
+    ]
+    for seed in range(5):
+        random.Random(seed).shuffle(scenarios)
+        for doc_scenarios in (scenarios, scenarios[::4]):  # shared pairs; then (mostly) unique
+            compendium = load_valid_compendium({"scenarios": doc_scenarios}, small_schema)
+            ordered = canonical_dict(compendium)["scenarios"]
+            expected = sorted(
+                (dict(s) for s in ordered), key=_SORT_KEYS["scenarios"]
+            )
+            assert ordered == expected
+            assert [(s["tool_id"], s["text"]) for s in ordered] == sorted(
+                (s["tool_id"], s["text"]) for s in ordered
+            )
