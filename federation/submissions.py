@@ -122,12 +122,17 @@ def check_declared_length(content_length: str | None) -> None:
         raise PayloadTooLarge(f"the body is {declared} bytes; the limit is {limit} bytes")
 
 
-def _rate_limited(limit: int, window: ratelimit.Window, count: int | None) -> None:
-    if count is not None and count > limit:
-        raise RateLimited(
-            f"a client may submit {limit} times per minute; retry in {window.retry_after} s",
-            window.retry_after,
-        )
+def _rate_limited(limit: int, window: ratelimit.Window) -> RateLimited:
+    return RateLimited(
+        f"a client may submit {limit} times per minute; retry in {window.retry_after} s",
+        window.retry_after,
+    )
+
+
+def _count_refusal(client: Client, window_s: int = 60) -> None:
+    """One hit on the client's rate counter for a request refused after the look-ahead (invalid,
+    or no round open): such requests count, as accepted ones do in their transaction."""
+    ratelimit.hit(f"submit:client:{client.pk}", 1, window_s)
 
 
 def check_key(key: str | None) -> str:
@@ -165,34 +170,37 @@ _STORED = (
     "WHERE client_id = %(client)s AND idempotency_key = %(key)s"
 )
 
-# Before the transaction: the stored answer of this key (a replay needs nothing else); else one
-# hit on the client's rate counter (not for a replay nor a body over the limit, as before), whether
-# a round is open and the schema's fingerprint.
+# Before the transaction, reading only: the stored answer of this key (a replay needs nothing
+# else), the client's count in the current rate-limit window, whether a round is open and the
+# schema's fingerprint.
 _LOOK_AHEAD_SQL = f"""
-WITH stored AS ({_STORED}),
-hit AS (
-    INSERT INTO {_RATES} (key, window_start, count)
-    SELECT %(rate_key)s, %(window_start)s, 1 WHERE %(count_hit)s AND NOT EXISTS (SELECT 1 FROM stored)
-    ON CONFLICT (key, window_start) DO UPDATE SET count = {_RATES}.count + 1
-    RETURNING count
-)
+WITH stored AS ({_STORED})
 SELECT stored.id, stored.request_sha256, stored.status_code, stored.response,
-       (SELECT count FROM hit), {_ROUND_OPEN}, {_FINGERPRINT_COLUMNS}
+       (SELECT count FROM {_RATES} WHERE key = %(rate_key)s AND window_start = %(window_start)s),
+       {_ROUND_OPEN}, {_FINGERPRINT_COLUMNS}
 LEFT JOIN stored ON TRUE
 """
 
 _LOCK_CLIENT_SQL = f"SELECT id FROM {Client._meta.db_table} WHERE id = %(client)s FOR UPDATE"
 
 # Under the client's lock: the stored answer of this key again (a concurrent request with it may
-# have committed meanwhile), the open round read FOR SHARE (closing it waits for us), and the
-# client's current version of that round, if any.
+# have committed meanwhile), the open round read FOR SHARE (closing it waits for us), the client's
+# current version of that round, if any, and unless the key is stored, the request's hit on the
+# client's rate counter (committed with the submission: one commit, one WAL flush, per request).
 _CLAIM_SQL = f"""
 WITH stored AS ({_STORED}),
-open_round AS (SELECT id, number FROM {Round._meta.db_table} WHERE state = 'open' FOR SHARE)
+open_round AS (SELECT id, number FROM {Round._meta.db_table} WHERE state = 'open' FOR SHARE),
+hit AS (
+    INSERT INTO {_RATES} (key, window_start, count)
+    SELECT %(rate_key)s, %(window_start)s, 1 WHERE NOT EXISTS (SELECT 1 FROM stored)
+    ON CONFLICT (key, window_start) DO UPDATE SET count = {_RATES}.count + 1
+    RETURNING count
+)
 SELECT stored.id, stored.request_sha256, stored.status_code, stored.response,
        open_round.id, open_round.number,
        (SELECT id FROM {_VERSIONS}
-        WHERE kind = 'client' AND client_id = %(client)s AND round_id = open_round.id)
+        WHERE kind = 'client' AND client_id = %(client)s AND round_id = open_round.id),
+       (SELECT count FROM hit)
 FROM (SELECT 1) AS one LEFT JOIN stored ON TRUE LEFT JOIN open_round ON TRUE
 """
 
@@ -243,7 +251,6 @@ def submit(client: Client, body: bytes, idempotency_key: str) -> Outcome:
         "key": key,
         "rate_key": f"submit:client:{client.pk}",
         "window_start": window.start,
-        "count_hit": len(body) <= limit,
     }
     with prepared_cursor() as cursor:
         cursor.execute(_LOOK_AHEAD_SQL, params)
@@ -253,13 +260,18 @@ def submit(client: Client, body: bytes, idempotency_key: str) -> Outcome:
         return _replay(stored, request_sha256)
     if len(body) > limit:
         raise PayloadTooLarge(f"the body is {len(body)} bytes; the limit is {limit} bytes")
-    _rate_limited(rate_limit, window, count)
+    # This request would be hit number count + 1 of the window: refused past the limit, before
+    # any work (a refused request needs no hit: the window stays over the limit).
+    if count is not None and count >= rate_limit:
+        raise _rate_limited(rate_limit, window)
     if not round_open:  # answered before the work of validation; re-checked under lock below
+        _count_refusal(client)
         raise NoOpenRound()
     schema = _schema_for(tuple(fingerprint))
 
     result = validate_compendium(body, schema)
     if not result.ok:
+        _count_refusal(client)
         raise SubmissionInvalid(result.violations)
     compendium, scrubbed = scrub_compendium(result.compendium)
     form = canonical_form(compendium)
@@ -272,9 +284,11 @@ def submit(client: Client, body: bytes, idempotency_key: str) -> Outcome:
                 raise Client.DoesNotExist(f"client {client.pk} no longer exists")
             cursor.execute(_CLAIM_SQL, params)
             row = cursor.fetchone()
-            stored, (round_id, round_number, replaced) = row[:4], row[4:]
+            stored, (round_id, round_number, replaced, count) = row[:4], row[4:]
             if stored[0] is not None:  # a concurrent request with this key won the race
                 return _replay(stored, request_sha256)
+            if count > rate_limit:  # requests of this client that passed the look-ahead together
+                raise _rate_limited(rate_limit, window)
             if round_id is None:
                 raise NoOpenRound()
             if replaced is not None:
@@ -307,6 +321,9 @@ def submit(client: Client, body: bytes, idempotency_key: str) -> Outcome:
                 },
             )
             submission_id, version_id = cursor.fetchone()
+    except NoOpenRound:
+        _count_refusal(client)  # the round closed meanwhile; the hit went with the rollback
+        raise
     except IntegrityError:
         # Only reachable if the row lock was bypassed: the unique key decides, we replay.
         with prepared_cursor() as cursor:

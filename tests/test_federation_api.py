@@ -221,6 +221,27 @@ def test_rate_limit_is_429_with_retry_after(world, open_round, valid_doc):
     assert post_doc(client_api(world.token_b), valid_doc, key="a").status_code == 201
 
 
+def test_refused_submissions_count_towards_the_rate_limit(
+    world, open_round, valid_doc, without_merge_pipeline
+):
+    """An accepted submission's hit is committed with it; an invalid one, or one refused for want
+    of an open round, is counted on its own; replays and requests refused for the rate are not."""
+    from federation.models import RateCounter
+
+    services.update_settings(SYSTEM, submissions_per_minute=3)
+    api = client_api(world.token_a)
+    assert post_doc(api, b"{not json", key="bad").status_code == 400
+    assert post_doc(api, valid_doc, key="a").status_code == 201
+    assert post_doc(api, valid_doc, key="a").status_code == 201  # a replay
+    services.close_round(SYSTEM, open_round)
+    assert post_doc(api, valid_doc, key="b").status_code == 409
+    services.open_round(SYSTEM)
+    assert post_doc(api, valid_doc, key="c").status_code == 429
+    assert post_doc(api, valid_doc, key="d").status_code == 429
+    counter = RateCounter.objects.get(key=f"submit:client:{world.client_a.pk}")
+    assert counter.count == 3
+
+
 def test_personal_data_is_scrubbed_on_arrival(world, open_round, valid_doc):
     valid_doc["scenarios"][0]["text"] = "Weather for jane@example.org, call +44 20 7946 0958"
     response = post_doc(client_api(world.token_a), valid_doc)
