@@ -262,7 +262,7 @@ def submit(client: Client, body: bytes, idempotency_key: str) -> Outcome:
         raise PayloadTooLarge(f"the body is {len(body)} bytes; the limit is {limit} bytes")
     # This request would be hit number count + 1 of the window: refused past the limit, before
     # any work (a refused request needs no hit: the window stays over the limit).
-    if count is not None and count >= rate_limit:
+    if (count or 0) >= rate_limit:
         raise _rate_limited(rate_limit, window)
     if not round_open:  # answered before the work of validation; re-checked under lock below
         _count_refusal(client)

@@ -242,6 +242,14 @@ def test_refused_submissions_count_towards_the_rate_limit(
     assert counter.count == 3
 
 
+def test_a_limit_of_zero_refuses_before_any_work(world, open_round, valid_doc):
+    services.update_settings(SYSTEM, submissions_per_minute=0)
+    api = client_api(world.token_a)
+    assert post_doc(api, b"{not json", key="bad").status_code == 429
+    assert post_doc(api, valid_doc, key="a").status_code == 429
+    assert not Submission.objects.exists()
+
+
 def test_personal_data_is_scrubbed_on_arrival(world, open_round, valid_doc):
     valid_doc["scenarios"][0]["text"] = "Weather for jane@example.org, call +44 20 7946 0958"
     response = post_doc(client_api(world.token_a), valid_doc)
