@@ -357,6 +357,21 @@ class CpuMeter:
             pass  # a database on another machine: not measured
         self.started_at = time.time()
         self.start = self._sample()
+        self.machine_start = self._machine_busy()
+
+    @staticmethod
+    def _machine_busy() -> float:
+        """CPU seconds the whole machine has been busy (every process, the kernel included)."""
+        import psutil
+
+        t = psutil.cpu_times()
+        return t.user + t.nice + t.system + getattr(t, "irq", 0) + getattr(t, "softirq", 0)
+
+    def others_share(self, spent: dict[str, float], wall_s: float) -> float:
+        """The share of the machine's CPU used during the load by anything but the measured
+        processes (another job: then the machine was not quiet)."""
+        busy = self._machine_busy() - self.machine_start
+        return max(0.0, busy - sum(spent.values())) / (wall_s * (os.cpu_count() or 1))
 
     @staticmethod
     def _cpu(process) -> float:
@@ -423,6 +438,7 @@ def main(argv=None):
         drive(args.url, clients, docs, args.submissions, args.duplicates, args.rate, args.timeout)
     )
     cpu = meter.stop()
+    others = meter.others_share(cpu, wall)
     checks = verify(org, rnd, results)
 
     latencies = [r[3] * 1000 for r in results]
@@ -462,6 +478,8 @@ def main(argv=None):
         **{f"cpu_ms_per_accepted_{kind}": round(seconds * 1000 / max(accepted, 1), 2)
            for kind, seconds in cpu.items()},
         "cpu_ms_per_accepted_total": round(sum(cpu.values()) * 1000 / max(accepted, 1), 2),
+        # The share of the machine's CPU that other processes took meanwhile (0 on a quiet one).
+        "cpu_share_other_processes": round(others, 3),
         "cpu_count": os.cpu_count(),
         "load_avg_1m": round(os.getloadavg()[0], 2),
     }
