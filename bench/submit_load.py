@@ -48,6 +48,12 @@ def parse_args(argv=None):
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--timeout", type=float, default=60.0)
     p.add_argument("--out", help="write the figures as JSON rows to this file")
+    p.add_argument(
+        "--server-pid",
+        type=int,
+        help="the server's master process (default: the process listening on --url's port); its "
+        "CPU and its children's is reported per accepted submission",
+    )
     return p.parse_args(argv)
 
 
@@ -139,66 +145,127 @@ def build_compendiums(dataset: Path, n: int, tools_per_client: int, per_tool: in
 # --- the load -------------------------------------------------------------------------------
 
 
-async def drive(url, clients, docs, submissions, duplicates, rate, timeout):
-    import httpx
+class _Closed(Exception):
+    """The server closed a connection before answering."""
 
-    limits = httpx.Limits(max_connections=len(clients), max_keepalive_connections=len(clients))
+
+async def _read_response(reader) -> tuple[int, dict[str, str], bytes]:
+    """One HTTP/1.1 response: status, headers (lower-cased names) and body (Content-Length,
+    chunked, or up to the end of the connection)."""
+    try:
+        head = await reader.readuntil(b"\r\n\r\n")
+    except asyncio.IncompleteReadError as exc:
+        raise _Closed() from exc
+    lines = head.decode("latin-1").split("\r\n")
+    status = int(lines[0].split(" ", 2)[1])
+    headers = {}
+    for line in lines[1:]:
+        if line:
+            name, _, value = line.partition(":")
+            headers[name.strip().lower()] = value.strip()
+    if "content-length" in headers:
+        body = await reader.readexactly(int(headers["content-length"]))
+    elif headers.get("transfer-encoding", "").lower() == "chunked":
+        parts = []
+        while True:
+            size = int((await reader.readuntil(b"\r\n")).split(b";")[0], 16)
+            chunk = await reader.readexactly(size + 2)
+            if size == 0:
+                break
+            parts.append(chunk[:-2])
+        body = b"".join(parts)
+    else:
+        body = await reader.read()
+    return status, headers, body
+
+
+async def drive(url, clients, docs, submissions, duplicates, rate, timeout):
+    """Every client sends its requests over its own connection (kept alive when the server
+    allows it). The requests are written as bytes prepared in advance: a small HTTP/1.1 client
+    instead of a general one, so that the load generator takes less of the CPU it shares with the
+    server. Every response is read whole and checked by the caller."""
+    from urllib.parse import urlsplit
+
+    parts = urlsplit(url)
+    host, port = parts.hostname, parts.port or 80
+    path = (parts.path.rstrip("/") or "") + "/api/v1/submissions/"
     results = []  # (client_pk, key, status, latency_s, replayed, body)
     transport_retries: list[str] = []
     start = time.perf_counter()
 
-    async with httpx.AsyncClient(base_url=url, limits=limits, timeout=timeout) as http:
-
-        async def one_client(index, client_pk, token):
-            headers = {"Authorization": f"Bearer {token}", "Content-Type": "application/json"}
-            k = 0
-            for s in range(submissions):
-                key = f"bench-{client_pk}-{s}"
-                body = docs[index] if s == 0 else docs[(index + s) % len(docs)]
-                for _ in range(duplicates):
-                    if rate > 0:
-                        due = start + (k * len(clients) + index) / rate
-                        delay = due - time.perf_counter()
-                        if delay > 0:
-                            await asyncio.sleep(delay)
-                    k += 1
-                    t0 = time.perf_counter()
-                    try:
+    async def one_client(index, client_pk, token):
+        prefix = (
+            f"POST {path} HTTP/1.1\r\nHost: {host}:{port}\r\nAuthorization: Bearer {token}\r\n"
+            "Content-Type: application/json\r\n"
+        ).encode()
+        connection = None
+        k = 0
+        for s in range(submissions):
+            key = f"bench-{client_pk}-{s}"
+            body = docs[index] if s == 0 else docs[(index + s) % len(docs)]
+            request = (
+                prefix + f"Idempotency-Key: {key}\r\nContent-Length: {len(body)}\r\n\r\n".encode() + body
+            )
+            for _ in range(duplicates):
+                if rate > 0:
+                    due = start + (k * len(clients) + index) / rate
+                    delay = due - time.perf_counter()
+                    if delay > 0:
+                        await asyncio.sleep(delay)
+                k += 1
+                t0 = time.perf_counter()
+                try:
+                    async with asyncio.timeout(timeout):
                         for attempt in range(2):
+                            reused = connection is not None
+                            if connection is None:
+                                connection = await asyncio.open_connection(host, port)
+                            reader, writer = connection
                             try:
-                                r = await http.post(
-                                    "/api/v1/submissions/",
-                                    content=body,
-                                    headers={**headers, "Idempotency-Key": key},
-                                )
+                                writer.write(request)
+                                status, headers, raw = await _read_response(reader)
                                 break
-                            except (httpx.ReadError, httpx.RemoteProtocolError):
+                            except (_Closed, ConnectionError):
+                                writer.close()
+                                connection = None
                                 # A kept-alive connection the server had just closed: retry once
                                 # with the same key, as a client would (counted below).
-                                if attempt:
+                                if attempt or not reused:
                                     raise
                                 transport_retries.append(key)
-                        latency = time.perf_counter() - t0
-                        payload = r.json() if r.headers.get("content-type", "").startswith(
-                            "application/json"
-                        ) else {"detail": r.text[:200]}
-                        results.append(
-                            (
-                                client_pk,
-                                key,
-                                r.status_code,
-                                latency,
-                                r.headers.get("Idempotent-Replayed") == "true",
-                                payload,
-                            )
-                        )
-                    except httpx.HTTPError as exc:
-                        results.append(
-                            (client_pk, key, 0, time.perf_counter() - t0, False, {"detail": repr(exc)})
-                        )
+                        if headers.get("connection", "").lower() == "close":
+                            writer.close()
+                            connection = None
+                    latency = time.perf_counter() - t0
+                    if headers.get("content-type", "").startswith("application/json"):
+                        payload = json.loads(raw)
+                    else:
+                        payload = {"detail": raw[:200].decode("utf-8", "replace")}
+                    replayed = headers.get("idempotent-replayed") == "true"
+                    results.append((client_pk, key, status, latency, replayed, payload))
+                except (OSError, _Closed, TimeoutError, ValueError) as exc:
+                    if connection is not None:
+                        connection[1].close()
+                        connection = None
+                    results.append(
+                        (client_pk, key, 0, time.perf_counter() - t0, False, {"detail": repr(exc)})
+                    )
+        if connection is not None:
+            connection[1].close()
 
-        await asyncio.gather(*(one_client(i, pk, tok) for i, (pk, tok) in enumerate(clients)))
+    await asyncio.gather(*(one_client(i, pk, tok) for i, (pk, tok) in enumerate(clients)))
     return results, time.perf_counter() - start, len(transport_retries)
+
+
+def _run(coroutine):
+    """asyncio.run on uvloop's event loop when it is installed (a dev dependency: the load
+    generator shares the server's CPU, and uvloop's loop costs it less per request)."""
+    try:
+        import uvloop
+    except ImportError:
+        return asyncio.run(coroutine)
+    with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
+        return runner.run(coroutine)
 
 
 def verify(org, rnd, results):
@@ -232,6 +299,120 @@ def verify(org, rnd, results):
     }
 
 
+# --- CPU by process kind ------------------------------------------------------------------
+
+
+def _tree(pid: int) -> list:
+    import psutil
+
+    try:
+        root = psutil.Process(pid)
+        return [root, *root.children(recursive=True)]
+    except psutil.Error:
+        return []
+
+
+def _listening_pid(url: str) -> int | None:
+    """The process listening on the URL's port on this machine (a pre-fork server's master), or
+    None."""
+    from urllib.parse import urlsplit
+
+    import psutil
+
+    port = urlsplit(url).port or 80
+    try:
+        pids = {c.pid for c in psutil.net_connections("tcp")
+                if c.status == psutil.CONN_LISTEN and c.laddr and c.laddr.port == port and c.pid}
+    except psutil.Error:
+        return None
+    if not pids:
+        return None
+    process = psutil.Process(min(pids))
+    # A worker of a pre-fork server shares the socket: go up to the master (same command line).
+    while (parent := process.parent()) is not None and parent.cmdline() == process.cmdline():
+        process = parent
+    return process.pid
+
+
+class CpuMeter:
+    """User+system CPU seconds of three kinds of process over the load: the server (its master and
+    every child), the database server (the postmaster of this run's connection and its children)
+    and this load generator. Processes that end during the load are not counted (none should)."""
+
+    def __init__(self, url: str, server_pid: int | None):
+        import psutil
+        from django.db import connection
+
+        self.kinds: dict[str, list] = {"loadgen": [psutil.Process()]}
+        server_pid = server_pid or _listening_pid(url)
+        if server_pid:
+            self.kinds["server"] = _tree(server_pid)
+        with connection.cursor() as cursor:
+            cursor.execute("SELECT pg_backend_pid()")
+            (backend,) = cursor.fetchone()
+        try:
+            postmaster = psutil.Process(backend).ppid()
+            self.kinds["database"] = _tree(postmaster)
+        except psutil.Error:
+            pass  # a database on another machine: not measured
+        self.started_at = time.time()
+        self.start = self._sample()
+        self.machine_start = self._machine_busy()
+
+    @staticmethod
+    def _machine_busy() -> float:
+        """CPU seconds the whole machine has been busy (every process, the kernel included)."""
+        import psutil
+
+        t = psutil.cpu_times()
+        return t.user + t.nice + t.system + getattr(t, "irq", 0) + getattr(t, "softirq", 0)
+
+    def others_share(self, spent: dict[str, float], wall_s: float) -> float:
+        """The share of the machine's CPU used during the load by anything but the measured
+        processes (another job: then the machine was not quiet)."""
+        busy = self._machine_busy() - self.machine_start
+        return max(0.0, busy - sum(spent.values())) / (wall_s * (os.cpu_count() or 1))
+
+    @staticmethod
+    def _cpu(process) -> float:
+        t = process.cpu_times()
+        return t.user + t.system
+
+    def _sample(self) -> dict[str, dict[int, float]]:
+        import psutil
+
+        out: dict[str, dict[int, float]] = {}
+        for kind, processes in self.kinds.items():
+            out[kind] = {}
+            for process in processes:
+                try:
+                    out[kind][process.pid] = self._cpu(process)
+                except psutil.Error:
+                    pass
+        return out
+
+    def stop(self) -> dict[str, float]:
+        """CPU seconds by kind since the start; a process started since (a worker or a database
+        backend forked during the load) counts whole."""
+        import psutil
+
+        spent = {}
+        for kind, processes in self.kinds.items():
+            if kind != "loadgen":  # the trees again, with the processes born meanwhile
+                processes = _tree(processes[0].pid)
+            total = 0.0
+            for process in processes:
+                try:
+                    before = self.start[kind].get(process.pid)
+                    if before is None and process.create_time() < self.started_at - 1:
+                        continue  # not seen at the start though older: not ours to count
+                    total += self._cpu(process) - (before or 0.0)
+                except psutil.Error:
+                    pass
+            spent[kind] = total
+        return spent
+
+
 def percentile(values, q):
     if not values:
         return float("nan")
@@ -252,9 +433,12 @@ def main(argv=None):
     )
     mean_kb = statistics.mean(len(d) for d in docs) / 1024
     print(f"round {rnd.number}; compendium body {mean_kb:.1f} KB on average; sending ...", flush=True)
-    results, wall, retries = asyncio.run(
+    meter = CpuMeter(args.url, args.server_pid)
+    results, wall, retries = _run(
         drive(args.url, clients, docs, args.submissions, args.duplicates, args.rate, args.timeout)
     )
+    cpu = meter.stop()
+    others = meter.others_share(cpu, wall)
     checks = verify(org, rnd, results)
 
     latencies = [r[3] * 1000 for r in results]
@@ -289,6 +473,13 @@ def main(argv=None):
         "lost_rows": checks["lost_rows"],
         "duplicated_rows": checks["duplicated_rows"],
         "stored_rows": checks["rows"],
+        # CPU milliseconds per accepted submission, by process kind, over the load (replays
+        # and errors included in the cost, not in the count).
+        **{f"cpu_ms_per_accepted_{kind}": round(seconds * 1000 / max(accepted, 1), 2)
+           for kind, seconds in cpu.items()},
+        "cpu_ms_per_accepted_total": round(sum(cpu.values()) * 1000 / max(accepted, 1), 2),
+        # The share of the machine's CPU that other processes took meanwhile (0 on a quiet one).
+        "cpu_share_other_processes": round(others, 3),
         "cpu_count": os.cpu_count(),
         "load_avg_1m": round(os.getloadavg()[0], 2),
     }

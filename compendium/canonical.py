@@ -16,6 +16,11 @@ from typing import Any
 
 from compendium.schema import Compendium
 
+try:  # a faster encoder, used only where it writes exactly the bytes json.dumps writes
+    import orjson
+except ImportError:  # pragma: no cover - orjson is a dependency; json.dumps suffices
+    orjson = None
+
 _SORT_KEYS = {
     "metadata": lambda e: (e["tool_id"],),
     "scenarios": lambda e: (e["tool_id"], e["text"], json.dumps(e.get("preconditions", {}), sort_keys=True)),
@@ -25,13 +30,26 @@ _SORT_KEYS = {
 }
 
 
+def _scenario_order(scenarios: list[dict]) -> list[dict]:
+    """Scenarios in the order of `_SORT_KEYS["scenarios"]`. Its third part (the preconditions as
+    JSON) only decides between scenarios of the same tool and text, so when no two share both,
+    sorting by the first two gives the same order without a json.dumps per scenario."""
+    pairs = [(s["tool_id"], s["text"]) for s in scenarios]
+    if len(set(pairs)) == len(pairs):
+        return [s for _, s in sorted(zip(pairs, scenarios, strict=True), key=lambda item: item[0])]
+    return sorted(scenarios, key=_SORT_KEYS["scenarios"])
+
+
 def canonical_dict(compendium: Compendium) -> dict[str, Any]:
     doc = compendium.model_dump(mode="json", exclude_none=True)
     for scenario in doc.get("scenarios", []):
         if not scenario.get("preconditions"):  # the default: 18 bytes a scenario saved
             scenario.pop("preconditions", None)
     for name, key in _SORT_KEYS.items():
-        doc[name] = sorted(doc.get(name, []), key=key)
+        if name == "scenarios":
+            doc[name] = _scenario_order(doc.get(name, []))
+        else:
+            doc[name] = sorted(doc.get(name, []), key=key)
     return doc
 
 
@@ -39,7 +57,31 @@ def canonical_bytes(compendium: Compendium) -> bytes:
     return _encode(canonical_dict(compendium))
 
 
+# Digits as "0" and E as e, to look for number shapes with bytes.find.
+_NUMBER_SHAPES = bytes.maketrans(b"123456789E", b"000000000e")
+
+
+def _orjson_agrees(data: bytes) -> bool:
+    """Whether orjson's compact, key-sorted output is what json.dumps writes with the options of
+    `_encode`. They differ only on numbers json.dumps writes with an exponent (below 1e-4 or from
+    1e16: 1e-05, 1e+16), which orjson writes as 1e-5, 0.00001 or 10000000000000000.0, so any digit
+    followed by an exponent, 17 digits in a row, or 0.0000 (in a string too) sends the document
+    the standard way; and on NaN and infinities, which orjson writes as null where json.dumps
+    refuses them (the canonical form has no null)."""
+    if b"null" in data or b"0.0000" in data:
+        return False
+    shapes = data.translate(_NUMBER_SHAPES)
+    return b"0e" not in shapes and b"0" * 17 not in shapes
+
+
 def _encode(doc: dict[str, Any]) -> bytes:
+    if orjson is not None:
+        try:
+            data = orjson.dumps(doc, option=orjson.OPT_SORT_KEYS)
+        except orjson.JSONEncodeError:  # integers past 64 bits, lone surrogates, NaN
+            data = None
+        if data is not None and _orjson_agrees(data):
+            return data
     return json.dumps(
         doc,
         sort_keys=True,

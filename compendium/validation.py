@@ -18,6 +18,11 @@ from pydantic import ValidationError
 
 from compendium.schema import IDENTIFIER, SCHEMA_VERSION, Compendium, Schema
 
+try:  # a faster parser, used only where it gives exactly what the standard one gives
+    import orjson
+except ImportError:  # pragma: no cover - orjson is a dependency; the standard parser suffices
+    orjson = None
+
 # Control characters other than tab/newline/carriage return, C1 controls, bidirectional
 # overrides (a classic way to make text read differently than it is stored) and lone surrogates
 # (which cannot be encoded as UTF-8).
@@ -103,11 +108,47 @@ def _no_duplicate_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
     return out
 
 
-def parse_document(data: bytes | str, max_bytes: int) -> tuple[Any, list[Violation]]:
-    """Bytes or text to a JSON value, or the reason it is not one."""
+# Every digit as "0", to find runs of digits with bytes.find (a regular expression is slower).
+DIGITS_AS_ZERO = bytes.maketrans(b"123456789", b"000000000")
+
+
+def _orjson_parse(data: bytes) -> Any:
+    """The JSON value of `data` as the standard parser (with `_no_duplicate_keys` and
+    `_reject_constant`) would give it, or `_UNPARSED` when orjson cannot tell: invalid JSON, NaN or
+    infinities, lone surrogates, very deep nesting, long integers, or duplicate keys (orjson keeps
+    the last). Then the standard parser decides, with its own messages.
+
+    Duplicate keys: every key is followed by a colon, and orjson writes no colon escaped, so with
+    no escaped colon in the input the document lost a key exactly when it has more colons than its
+    own serialization (a dropped value can only take more colons with it)."""
+    # Integers past 64 bits (orjson makes them floats; 19 digits in a row, in a string or not,
+    # send the document the standard way) and escaped colons (they would blind the count below).
+    if orjson is None or b"\\u003" in data or b"0" * 19 in data.translate(DIGITS_AS_ZERO):
+        return _UNPARSED
+    try:
+        doc = orjson.loads(data)
+        if data.count(b":") != orjson.dumps(doc).count(b":"):
+            return _UNPARSED
+    except (orjson.JSONDecodeError, orjson.JSONEncodeError):
+        return _UNPARSED
+    return doc
+
+
+_UNPARSED = object()
+
+
+def parse_document(
+    data: bytes | str, max_bytes: int, *, fast: bool = False
+) -> tuple[Any, list[Violation]]:
+    """Bytes or text to a JSON value, or the reason it is not one. `fast`: try orjson first on
+    bytes (the same value, or it falls back)."""
     size = len(data.encode("utf-8", "surrogatepass")) if isinstance(data, str) else len(data)
     if size > max_bytes:
         return None, [Violation("$", f"document is {size} bytes; the limit is {max_bytes} bytes")]
+    if fast and isinstance(data, bytes):
+        doc = _orjson_parse(data)
+        if doc is not _UNPARSED:
+            return doc, []
     if isinstance(data, bytes | bytearray | memoryview):
         try:
             data = bytes(data).decode("utf-8")
@@ -372,7 +413,7 @@ def validate_compendium(data: bytes | str | dict | Compendium, schema: Schema) -
     if isinstance(data, Compendium):
         doc: Any = data.model_dump(mode="json")
     elif isinstance(data, bytes | bytearray | memoryview | str):
-        doc, violations = parse_document(data, schema.limits.bytes)
+        doc, violations = parse_document(data, schema.limits.bytes, fast=True)
         if violations:
             return ValidationResult(None, violations)
     else:
@@ -380,6 +421,13 @@ def validate_compendium(data: bytes | str | dict | Compendium, schema: Schema) -
 
     violations, hostile = _structural_checks(doc, schema)
     if hostile:
+        if isinstance(data, bytes):
+            # Too deep or too large: the standard parser's verdict (it stops at less depth than
+            # orjson, with a message of its own).
+            doc, parse_violations = parse_document(data, schema.limits.bytes)
+            if parse_violations:
+                return ValidationResult(None, parse_violations)
+            violations, _ = _structural_checks(doc, schema)
         return ValidationResult(None, violations)
     if not isinstance(doc, dict):
         return ValidationResult(None, [Violation("$", "a compendium must be a JSON object")])

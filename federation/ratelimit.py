@@ -19,6 +19,20 @@ RETURNING count
 
 
 @dataclass(frozen=True)
+class Window:
+    start: datetime  # the start of the current fixed window
+    retry_after: int  # seconds until it ends (at least 1)
+
+
+def window(window_s: int, now: float | None = None) -> Window:
+    """The current window of `window_s` seconds (for callers that count with their own SQL,
+    as `federation.submissions` does inside a larger statement)."""
+    now = time.time() if now is None else now
+    start = math.floor(now / window_s) * window_s
+    return Window(datetime.fromtimestamp(start, UTC), max(1, math.ceil(start + window_s - now)))
+
+
+@dataclass(frozen=True)
 class Decision:
     allowed: bool
     count: int
@@ -28,13 +42,11 @@ class Decision:
 
 def hit(key: str, limit: int, window_s: int, now: float | None = None) -> Decision:
     """Count one event for `key` in the current window; refused once the count exceeds limit."""
-    now = time.time() if now is None else now
-    start = math.floor(now / window_s) * window_s
+    current = window(window_s, now)
     with connection.cursor() as cursor:
-        cursor.execute(_UPSERT, [key, datetime.fromtimestamp(start, UTC)])
+        cursor.execute(_UPSERT, [key, current.start])
         (count,) = cursor.fetchone()
-    retry_after = max(1, math.ceil(start + window_s - now))
-    return Decision(count <= limit, count, limit, retry_after)
+    return Decision(count <= limit, count, limit, current.retry_after)
 
 
 def prune(older_than_s: int = 86400) -> int:

@@ -44,6 +44,7 @@ from federation.models import (
 )
 from federation.round_config import RoundConfig
 from federation.signals import round_closed
+from synapse_web.prepared import prepared_cursor
 
 TOKEN_PREFIX_CLIENT = "syn_c_"
 TOKEN_PREFIX_USER = "syn_u_"
@@ -484,9 +485,10 @@ def client_for_token(token: str) -> Client:
     """The approved client holding this token (one index lookup), else TokenRejected (401 for
     an unknown token, 403 for a revoked or unapproved client).
 
-    Every client request runs this: it is plain SQL (building the ORM's query with its joins
-    cost several times the CPU of running it), the client comes with its organization."""
-    with connection.cursor() as cursor:
+    Every client request runs this: it is plain SQL, prepared on the server (building the ORM's
+    query with its joins cost several times the CPU of running it), the client comes with its
+    organization."""
+    with prepared_cursor() as cursor:
         cursor.execute(_CLIENT_FOR_TOKEN_SQL, [hash_token(token)])
         row = cursor.fetchone()
     if row is None:

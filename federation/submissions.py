@@ -15,12 +15,14 @@ import threading
 from dataclasses import dataclass
 
 from django.conf import settings
-from django.db import IntegrityError, connection, transaction
+from django.db import IntegrityError, transaction
+from django.utils import timezone
 
+from compendium.canonical import canonical_form
 from compendium.models import CompendiumVersion, NumericField, Tool
 from compendium.schema import Schema
 from compendium.scrub import scrub_compendium
-from compendium.services import current_schema, delete_client_versions, store_compendium
+from compendium.services import current_schema, version_delete_ctes
 from compendium.validation import Violation, validate_compendium
 from federation import ratelimit
 from federation.errors import (
@@ -31,8 +33,9 @@ from federation.errors import (
     PayloadTooLarge,
     RateLimited,
 )
-from federation.models import Client, FederationSettings, Round, Submission
+from federation.models import Client, FederationSettings, RateCounter, Round, Submission
 from federation.services import cached_settings
+from synapse_web.prepared import prepared_cursor
 
 MAX_KEY_LENGTH = 200
 
@@ -56,15 +59,19 @@ class Outcome:
 
 _schema_lock = threading.Lock()
 _schema_cache: tuple[tuple, Schema] | None = None
-_FINGERPRINT_SQL = (
-    f"SELECT (SELECT count(*) FROM {Tool._meta.db_table} WHERE active), "
-    f"(SELECT max(updated_at) FROM {Tool._meta.db_table}), "
-    f"(SELECT count(*) FROM {Tool._meta.db_table}), "
+_TOOLS = Tool._meta.db_table
+# What the schema in force is built from (the registry and the declared numeric fields), as four
+# columns; the schema is rebuilt when they change.
+_FINGERPRINT_COLUMNS = (
+    "tools.active, tools.updated, tools.total, fields.digest "
+    f"FROM (SELECT count(*) FILTER (WHERE active) AS active, max(updated_at) AS updated, "
+    f"count(*) AS total FROM {_TOOLS}) AS tools, "
     f"(SELECT md5(coalesce(string_agg(name || ':' || kind || ':' || min_value || ':' || "
-    f"max_value || ':' || sensitivity, ',' ORDER BY name), '')) "
-    f"FROM {NumericField._meta.db_table}), "
-    f"EXISTS (SELECT 1 FROM {Round._meta.db_table} WHERE state = 'open')"
+    f"max_value || ':' || sensitivity, ',' ORDER BY name), '')) AS digest "
+    f"FROM {NumericField._meta.db_table}) AS fields"
 )
+_ROUND_OPEN = f"EXISTS (SELECT 1 FROM {Round._meta.db_table} WHERE state = 'open')"
+_FINGERPRINT_SQL = f"SELECT {_ROUND_OPEN}, {_FINGERPRINT_COLUMNS}"
 
 
 def schema_in_force() -> Schema:
@@ -74,18 +81,21 @@ def schema_in_force() -> Schema:
 
 def _schema_and_open_round() -> tuple[Schema, bool]:
     """The schema in force and whether a round is open, in one round trip to the database."""
-    global _schema_cache
-    with connection.cursor() as cursor:
+    with prepared_cursor() as cursor:
         cursor.execute(_FINGERPRINT_SQL)
-        *fingerprint, round_open = cursor.fetchone()
-    fingerprint = tuple(fingerprint)
+        round_open, *fingerprint = cursor.fetchone()
+    return _schema_for(tuple(fingerprint)), bool(round_open)
+
+
+def _schema_for(fingerprint: tuple) -> Schema:
+    global _schema_cache
     cached = _schema_cache
     if cached is not None and cached[0] == fingerprint:
-        return cached[1], bool(round_open)
+        return cached[1]
     with _schema_lock:
         schema = current_schema()
         _schema_cache = (fingerprint, schema)
-    return schema, bool(round_open)
+    return schema
 
 
 # --- the limits -------------------------------------------------------------------------------
@@ -112,14 +122,17 @@ def check_declared_length(content_length: str | None) -> None:
         raise PayloadTooLarge(f"the body is {declared} bytes; the limit is {limit} bytes")
 
 
-def check_rate(client: Client) -> None:
-    limit = federation_settings().submissions_per_minute
-    decision = ratelimit.hit(f"submit:client:{client.pk}", limit, 60)
-    if not decision.allowed:
-        raise RateLimited(
-            f"a client may submit {limit} times per minute; retry in {decision.retry_after} s",
-            decision.retry_after,
-        )
+def _rate_limited(limit: int, window: ratelimit.Window) -> RateLimited:
+    return RateLimited(
+        f"a client may submit {limit} times per minute; retry in {window.retry_after} s",
+        window.retry_after,
+    )
+
+
+def _count_refusal(client: Client, window_s: int = 60) -> None:
+    """One hit on the client's rate counter for a request refused after the look-ahead (invalid,
+    or no round open): such requests count, as accepted ones do in their transaction."""
+    ratelimit.hit(f"submit:client:{client.pk}", 1, window_s)
 
 
 def check_key(key: str | None) -> str:
@@ -133,56 +146,96 @@ def check_key(key: str | None) -> str:
 # --- the submission -------------------------------------------------------------------------
 
 
-def _replay(existing: Submission, request_sha256: str) -> Outcome:
-    if existing.request_sha256 != request_sha256:
+def _replay(stored: tuple, request_sha256: str) -> Outcome:
+    pk, stored_sha256, status_code, response = stored
+    if stored_sha256 != request_sha256:
         raise IdempotencyMismatch(
             "this Idempotency-Key was already used with a different body; use a new key"
         )
-    return Outcome(existing.status_code, {"id": existing.pk, **existing.response}, replayed=True)
-
-
-# The hot path's reads are plain SQL: each ORM query costs about half a millisecond of CPU to
-# build, several times what the database spends on it.
-_STORED_SQL = (
-    f"SELECT id, request_sha256, status_code, response FROM {Submission._meta.db_table} "
-    "WHERE client_id = %s AND idempotency_key = %s"
-)
-_LOCK_CLIENT_SQL = f"SELECT id FROM {Client._meta.db_table} WHERE id = %s FOR UPDATE"
-
-
-def _stored(client: Client, key: str) -> Submission | None:
-    """The submission stored under this client's key (the fields a replay needs), or None."""
-    with connection.cursor() as cursor:
-        cursor.execute(_STORED_SQL, [client.pk, key])
-        row = cursor.fetchone()
-    if row is None:
-        return None
-    pk, request_sha256, status_code, response = row
-    if isinstance(response, str | bytes):  # jsonb comes back as text through Django's cursor
+    if isinstance(response, str | bytes):  # jsonb may come back as text
         response = json.loads(response)
-    return Submission(
-        pk=pk, client=client, idempotency_key=key, request_sha256=request_sha256,
-        status_code=status_code, response=response,
-    )
+    return Outcome(status_code, {"id": pk, **response}, replayed=True)
 
 
-def _lock_client(client: Client) -> None:
-    with connection.cursor() as cursor:
-        cursor.execute(_LOCK_CLIENT_SQL, [client.pk])
-        if cursor.fetchone() is None:
-            raise Client.DoesNotExist(f"client {client.pk} no longer exists")
+# The hot path is plain SQL, prepared on the server (synapse_web/prepared.py): an ORM query costs
+# about half a millisecond of CPU to build, several times what the database spends on it, and
+# planning the larger statements cost PostgreSQL more than running them. Five statements for a
+# first submission: the token (authentication), the look-ahead, then in one transaction the
+# client's lock, the claim and the insert; a replacing one adds the deletion of its earlier version.
+_SUBMISSIONS = Submission._meta.db_table
+_VERSIONS = CompendiumVersion._meta.db_table
+_RATES = RateCounter._meta.db_table
+_STORED = (
+    f"SELECT id, request_sha256, status_code, response FROM {_SUBMISSIONS} "
+    "WHERE client_id = %(client)s AND idempotency_key = %(key)s"
+)
+
+# Before the transaction, reading only: the stored answer of this key (a replay needs nothing
+# else), the client's count in the current rate-limit window, whether a round is open and the
+# schema's fingerprint.
+_LOOK_AHEAD_SQL = f"""
+WITH stored AS ({_STORED})
+SELECT stored.id, stored.request_sha256, stored.status_code, stored.response,
+       (SELECT count FROM {_RATES} WHERE key = %(rate_key)s AND window_start = %(window_start)s),
+       {_ROUND_OPEN}, {_FINGERPRINT_COLUMNS}
+LEFT JOIN stored ON TRUE
+"""
+
+_LOCK_CLIENT_SQL = f"SELECT id FROM {Client._meta.db_table} WHERE id = %(client)s FOR UPDATE"
+
+# Under the client's lock: the stored answer of this key again (a concurrent request with it may
+# have committed meanwhile), the open round read FOR SHARE (closing it waits for us), the client's
+# current version of that round, if any, and unless the key is stored, the request's hit on the
+# client's rate counter (committed with the submission: one commit, one WAL flush, per request).
+_CLAIM_SQL = f"""
+WITH stored AS ({_STORED}),
+open_round AS (SELECT id, number FROM {Round._meta.db_table} WHERE state = 'open' FOR SHARE),
+hit AS (
+    INSERT INTO {_RATES} (key, window_start, count)
+    SELECT %(rate_key)s, %(window_start)s, 1 WHERE NOT EXISTS (SELECT 1 FROM stored)
+    ON CONFLICT (key, window_start) DO UPDATE SET count = {_RATES}.count + 1
+    RETURNING count
+)
+SELECT stored.id, stored.request_sha256, stored.status_code, stored.response,
+       open_round.id, open_round.number,
+       (SELECT id FROM {_VERSIONS}
+        WHERE kind = 'client' AND client_id = %(client)s AND round_id = open_round.id),
+       (SELECT count FROM hit)
+FROM (SELECT 1) AS one LEFT JOIN stored ON TRUE LEFT JOIN open_round ON TRUE
+"""
+
+# A replacing submission's earlier version, with what the ORM's cascade would delete or null (one
+# statement; only run when there is one: a first submission does not pay for its eight parts).
+_REPLACE_SQL = f"""
+WITH gone AS (DELETE FROM {_VERSIONS} WHERE id = %(replaced)s RETURNING id),
+{version_delete_ctes("gone")}
+SELECT count(*) FROM gone
+"""
 
 
-def _open_round_for_share() -> tuple[int, int]:
-    with connection.cursor() as cursor:
-        cursor.execute(
-            f"SELECT id, number FROM {Round._meta.db_table} WHERE state = %s FOR SHARE",
-            [Round.State.OPEN],
-        )
-        row = cursor.fetchone()
-    if row is None:
-        raise NoOpenRound()
-    return row
+def _columns(model, names: list[str]) -> str:
+    return ", ".join(model._meta.get_field(name).column for name in names)
+
+
+# The version and the submission in one statement. The stored response gets the version's id from
+# the database; the answer adds the submission's own id.
+_INSERT_SQL = f"""
+WITH version AS (
+    INSERT INTO {_VERSIONS} ({_columns(CompendiumVersion, [
+        "kind", "round", "client", "organization", "schema_version", "content", "sha256",
+        "size_bytes", "gzip_bytes", "entry_counts", "routing_head", "created_at"])})
+    VALUES ('client', %(round)s, %(client)s, NULL, %(schema_version)s, %(content)s::jsonb,
+            %(sha256)s, %(size_bytes)s, %(gzip_bytes)s, %(entry_counts)s::jsonb, NULL, %(now)s)
+    RETURNING id
+)
+INSERT INTO {_SUBMISSIONS} ({_columns(Submission, [
+    "client", "round", "idempotency_key", "request_sha256", "version", "status_code", "response",
+    "scrubbed", "created_at"])})
+SELECT %(client)s, %(round)s, %(key)s, %(request_sha256)s, version.id, 201,
+       %(response)s::jsonb || jsonb_build_object('version', version.id), %(scrubbed)s, %(now)s
+FROM version
+RETURNING id, version_id
+"""
 
 
 def submit(client: Client, body: bytes, idempotency_key: str) -> Outcome:
@@ -190,67 +243,94 @@ def submit(client: Client, body: bytes, idempotency_key: str) -> Outcome:
     idempotency key). Raises FederationError subclasses for every refusal."""
     key = check_key(idempotency_key)
     request_sha256 = hashlib.sha256(body).hexdigest()
-    existing = _stored(client, key)
-    if existing is not None:
-        return _replay(existing, request_sha256)
-
     limit = max_submission_bytes()
+    rate_limit = federation_settings().submissions_per_minute
+    window = ratelimit.window(60)
+    params = {
+        "client": client.pk,
+        "key": key,
+        "rate_key": f"submit:client:{client.pk}",
+        "window_start": window.start,
+    }
+    with prepared_cursor() as cursor:
+        cursor.execute(_LOOK_AHEAD_SQL, params)
+        row = cursor.fetchone()
+    stored, (count, round_open, *fingerprint) = row[:4], row[4:]
+    if stored[0] is not None:
+        return _replay(stored, request_sha256)
     if len(body) > limit:
         raise PayloadTooLarge(f"the body is {len(body)} bytes; the limit is {limit} bytes")
-    check_rate(client)
-    schema, round_open = _schema_and_open_round()
+    # This request would be hit number count + 1 of the window: refused past the limit, before
+    # any work (a refused request needs no hit: the window stays over the limit).
+    if (count or 0) >= rate_limit:
+        raise _rate_limited(rate_limit, window)
     if not round_open:  # answered before the work of validation; re-checked under lock below
+        _count_refusal(client)
         raise NoOpenRound()
+    schema = _schema_for(tuple(fingerprint))
 
     result = validate_compendium(body, schema)
     if not result.ok:
+        _count_refusal(client)
         raise SubmissionInvalid(result.violations)
     compendium, scrubbed = scrub_compendium(result.compendium)
+    form = canonical_form(compendium)
+    entry_counts = compendium.entry_counts()
 
     try:
-        with transaction.atomic():
-            _lock_client(client)
-            existing = _stored(client, key)
-            if existing is not None:  # a concurrent request with this key won the race
-                return _replay(existing, request_sha256)
-            round_id, round_number = _open_round_for_share()
-            replaced = delete_client_versions(round_id=round_id, client_id=client.pk)
-            rnd = Round(pk=round_id, number=round_number)
-            version = store_compendium(
-                compendium,
-                kind=CompendiumVersion.Kind.CLIENT,
-                round=rnd,
-                client=client,
-                entry_rows=False,
-            )
-            response = {
-                "round": round_number,
-                "round_id": round_id,
-                "client": client.pk,
-                "version": version.pk,
-                "sha256": version.sha256,
-                "size_bytes": version.size_bytes,
-                "gzip_bytes": version.gzip_bytes,
-                "entry_counts": version.entry_counts,
+        with transaction.atomic(), prepared_cursor() as cursor:
+            cursor.execute(_LOCK_CLIENT_SQL, params)
+            if cursor.fetchone() is None:
+                raise Client.DoesNotExist(f"client {client.pk} no longer exists")
+            cursor.execute(_CLAIM_SQL, params)
+            row = cursor.fetchone()
+            stored, (round_id, round_number, replaced, count) = row[:4], row[4:]
+            if stored[0] is not None:  # a concurrent request with this key won the race
+                return _replay(stored, request_sha256)
+            if count > rate_limit:  # requests of this client that passed the look-ahead together
+                raise _rate_limited(rate_limit, window)
+            if round_id is None:
+                raise NoOpenRound()
+            if replaced is not None:
+                cursor.execute(_REPLACE_SQL, {"replaced": replaced})
+            head = {"round": round_number, "round_id": round_id, "client": client.pk}
+            tail = {
+                "sha256": form.sha256,
+                "size_bytes": form.size_bytes,
+                "gzip_bytes": form.gzip_bytes,
+                "entry_counts": entry_counts,
                 "scrubbed": scrubbed,
-                "replaced": bool(replaced),
+                "replaced": replaced is not None,
             }
-            # The stored response lacks only the submission's own id, added when answering.
-            submission = Submission.objects.create(
-                client=client,
-                round_id=round_id,
-                idempotency_key=key,
-                request_sha256=request_sha256,
-                version=version,
-                status_code=201,
-                response=response,
-                scrubbed=scrubbed,
+            cursor.execute(
+                _INSERT_SQL,
+                {
+                    **params,
+                    "round": round_id,
+                    "schema_version": compendium.schema_version,
+                    # The canonical bytes are the stored content's JSON text as they are.
+                    "content": form.data.decode("utf-8"),
+                    "sha256": form.sha256,
+                    "size_bytes": form.size_bytes,
+                    "gzip_bytes": form.gzip_bytes,
+                    "entry_counts": json.dumps(entry_counts),
+                    "now": timezone.now(),
+                    "request_sha256": request_sha256,
+                    "response": json.dumps({**head, **tail}),
+                    "scrubbed": scrubbed,
+                },
             )
-            response = {"id": submission.pk, **response}
+            submission_id, version_id = cursor.fetchone()
+    except NoOpenRound:
+        _count_refusal(client)  # the round closed meanwhile; the hit went with the rollback
+        raise
     except IntegrityError:
         # Only reachable if the row lock was bypassed: the unique key decides, we replay.
-        existing = _stored(client, key)
-        if existing is None:
+        with prepared_cursor() as cursor:
+            cursor.execute(_STORED, params)
+            stored = cursor.fetchone()
+        if stored is None:
             raise
-        return _replay(existing, request_sha256)
+        return _replay(stored, request_sha256)
+    response = {"id": submission_id, **head, "version": version_id, **tail}
     return Outcome(201, response, replayed=False)

@@ -100,6 +100,13 @@ else:
 
     DATABASES = {"default": ensure_embedded_database(DATA_DIR / "pgdata")}
 
+# The request hot paths (client token lookup, submissions) have their statements prepared on the
+# server (synapse_web/prepared.py; Django's own cursors never prepare); 0 for a connection pooler
+# in transaction mode that cannot keep prepared statements.
+SYNAPSE_DB_PREPARE = env_bool("SYNAPSE_DB_PREPARE", True)
+if SYNAPSE_DB_PREPARE:
+    DATABASES["default"].setdefault("OPTIONS", {}).setdefault("prepare_threshold", 5)
+
 DEFAULT_AUTO_FIELD = "django.db.models.BigAutoField"
 
 AUTH_PASSWORD_VALIDATORS = [

@@ -4,6 +4,8 @@ import gzip
 import json
 import random
 
+import pytest
+
 from compendium.canonical import canonical_bytes, canonical_form
 from compendium.validation import load_valid_compendium
 
@@ -54,3 +56,56 @@ def test_non_ascii_text_is_kept_as_utf8(valid_doc, small_schema):
     valid_doc["scenarios"][0]["text"] = "Wetter in München morgen?"
     data = canonical_bytes(load_valid_compendium(valid_doc, small_schema))
     assert "München".encode() in data
+
+
+def test_scenarios_sharing_tool_and_text_are_ordered_by_their_preconditions(small_schema):
+    """Scenarios are sorted by (tool, text) alone when those pairs are unique (the usual case);
+    when two share them, their preconditions (as JSON) decide, as the full key says."""
+    from compendium.canonical import _SORT_KEYS, canonical_dict
+
+    flags = [{"b": True}, {}, {"a": True, "z": False}, {"a": False}]
+    scenarios = [
+        {"tool_id": tool, "text": text, "preconditions": f}
+        for tool in ("weather", "flights")
+        for text in ("Book it", "Check it")
+        for f in flags
+    ]
+    for seed in range(5):
+        random.Random(seed).shuffle(scenarios)
+        for doc_scenarios in (scenarios, scenarios[::4]):  # shared pairs; then (mostly) unique
+            compendium = load_valid_compendium({"scenarios": doc_scenarios}, small_schema)
+            ordered = canonical_dict(compendium)["scenarios"]
+            expected = sorted(
+                (dict(s) for s in ordered), key=_SORT_KEYS["scenarios"]
+            )
+            assert ordered == expected
+            assert [(s["tool_id"], s["text"]) for s in ordered] == sorted(
+                (s["tool_id"], s["text"]) for s in ordered
+            )
+
+
+def test_fast_encoder_writes_the_bytes_json_dumps_writes():
+    """orjson's bytes are used only where they are json.dumps's (sorted keys, compact, UTF-8):
+    numbers json.dumps writes with an exponent, and NaN, go the standard way."""
+    import math
+    import struct
+
+    from compendium.canonical import _encode
+
+    def standard(doc):
+        return json.dumps(
+            doc, sort_keys=True, separators=(",", ":"), ensure_ascii=False, allow_nan=False
+        ).encode()
+
+    rng = random.Random(3)
+    values = [0.0, -0.0, 1.0, 0.1, 1e-4, 9.99e-5, 1e-5, 1e-7, 1e15, 1e16, 1.5e16, 1e22, 5e-324,
+              12345678901234567, 2**63, -(2**63), 0.30000000000000004, "x\ty\n\"\\é漢\U0001f600\u2028"]
+    for _ in range(20000):
+        bits = struct.unpack("d", struct.pack("Q", rng.getrandbits(64)))[0]
+        values.append(bits if math.isfinite(bits) else rng.random())
+        values.append(rng.random() * 10 ** rng.randint(-12, 20))
+    for value in values:
+        for doc in ({"b": value, "a": [value, 1]}, {"z": {"y": value}}):
+            assert _encode(doc) == standard(doc), value
+    with pytest.raises(ValueError):
+        _encode({"x": float("nan")})

@@ -8,6 +8,7 @@ import json
 import pytest
 from rest_framework.test import APIClient
 
+from compendium.canonical import canonical_bytes
 from compendium.models import CompendiumVersion, ScenarioEntry
 from compendium.schema import Compendium
 from compendium.services import store_compendium
@@ -97,6 +98,56 @@ def test_new_key_replaces_earlier_submission_of_the_round(world, open_round, val
     assert Submission.objects.filter(client=world.client_a).count() == 2
 
 
+@pytest.mark.parametrize("prepare", [True, False])
+def test_submission_path_prepares_its_statements_unless_told_not_to(
+    world, open_round, valid_doc, prepare
+):
+    """The hot path's statements are prepared on the server once a connection has run them five
+    times (Django's `prepare_threshold` option, set unless SYNAPSE_DB_PREPARE=0); without it (a
+    pooler in transaction mode) nothing is prepared and the same requests work. Either way the
+    rows are the same: the canonical content, the response with the version's id, the replaced
+    submissions without one."""
+    from django.conf import settings
+    from django.db import connection
+
+    def prepared() -> set[str]:
+        with connection.cursor() as cursor:
+            cursor.execute("SELECT statement FROM pg_prepared_statements")
+            return {row[0] for row in cursor.fetchall()}
+
+    assert settings.DATABASES["default"]["OPTIONS"]["prepare_threshold"] == 5
+    connection.ensure_connection()
+    threshold = connection.connection.prepare_threshold
+    connection.connection.prepare_threshold = 5 if prepare else None
+    try:
+        before = prepared()
+        api = client_api(world.token_a)
+        answers = []
+        for key in ("k1", "k2", "k3", "k4", "k5", "k6", "k6"):
+            if key != "k6" or len(answers) == 5:
+                valid_doc["scenarios"][0]["text"] = f"Will it rain tomorrow? ({key})"
+            answers.append(post_doc(api, valid_doc, key=key))
+        after = prepared()
+    finally:
+        connection.connection.prepare_threshold = threshold
+    assert [a.status_code for a in answers] == [201] * 7, answers[-1].content
+    answers = [a.json() for a in answers]
+    if prepare:
+        assert any("INSERT INTO compendium_compendiumversion" in sql for sql in after), after
+        assert any("FOR UPDATE" in sql for sql in after)
+    else:
+        assert after == before
+    assert answers[6] == answers[5] and answers[5]["replaced"] is True
+    version = CompendiumVersion.objects.get(kind="client", client=world.client_a)
+    assert version.pk == answers[5]["version"] and version.sha256 == answers[5]["sha256"]
+    assert version.content == json.loads(canonical_bytes(Compendium.model_validate(valid_doc)))
+    stored = Submission.objects.get(pk=answers[5]["id"])
+    assert stored.version_id == version.pk and stored.response["version"] == version.pk
+    assert {"id": stored.pk, **stored.response} == answers[5]
+    earlier = Submission.objects.filter(pk__in=[a["id"] for a in answers[:5]])
+    assert earlier.count() == 5 and not earlier.filter(version__isnull=False).exists()
+
+
 def test_invalid_compendium_lists_every_violation_by_path(world, open_round, valid_doc):
     valid_doc["metadata"][0]["stats"]["calls"] = 5000
     valid_doc["scenarios"][1]["tool_id"] = "ghost"
@@ -168,6 +219,35 @@ def test_rate_limit_is_429_with_retry_after(world, open_round, valid_doc):
     assert post_doc(api, valid_doc, key="a").status_code == 201
     # Another client has its own budget.
     assert post_doc(client_api(world.token_b), valid_doc, key="a").status_code == 201
+
+
+def test_refused_submissions_count_towards_the_rate_limit(
+    world, open_round, valid_doc, without_merge_pipeline
+):
+    """An accepted submission's hit is committed with it; an invalid one, or one refused for want
+    of an open round, is counted on its own; replays and requests refused for the rate are not."""
+    from federation.models import RateCounter
+
+    services.update_settings(SYSTEM, submissions_per_minute=3)
+    api = client_api(world.token_a)
+    assert post_doc(api, b"{not json", key="bad").status_code == 400
+    assert post_doc(api, valid_doc, key="a").status_code == 201
+    assert post_doc(api, valid_doc, key="a").status_code == 201  # a replay
+    services.close_round(SYSTEM, open_round)
+    assert post_doc(api, valid_doc, key="b").status_code == 409
+    services.open_round(SYSTEM)
+    assert post_doc(api, valid_doc, key="c").status_code == 429
+    assert post_doc(api, valid_doc, key="d").status_code == 429
+    counter = RateCounter.objects.get(key=f"submit:client:{world.client_a.pk}")
+    assert counter.count == 3
+
+
+def test_a_limit_of_zero_refuses_before_any_work(world, open_round, valid_doc):
+    services.update_settings(SYSTEM, submissions_per_minute=0)
+    api = client_api(world.token_a)
+    assert post_doc(api, b"{not json", key="bad").status_code == 429
+    assert post_doc(api, valid_doc, key="a").status_code == 429
+    assert not Submission.objects.exists()
 
 
 def test_personal_data_is_scrubbed_on_arrival(world, open_round, valid_doc):

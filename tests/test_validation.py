@@ -199,3 +199,44 @@ def test_too_many_entries(valid_doc, small_schema):
 def test_malformed_json(small_schema, raw, expected):
     result = validate_compendium(raw, small_schema)
     assert [v.reason for v in result.violations] == [expected]
+
+
+@pytest.mark.parametrize(
+    "raw",
+    [
+        None,  # the valid document itself
+        b'{"a": 1, "a": 2}',  # duplicate keys: orjson would keep the last
+        b'{"a": "x:y", "a": "\\u003a"}',  # duplicates with an escaped colon
+        b'{"n": 123456789012345678901234}',  # past 64 bits: orjson would make it a float
+        b'{"n": 18446744073709551615, "m": -9223372036854775809}',
+        b'{"x": NaN}',
+        b'{"x": 1e400}',
+        b'{"x": "\\ud800"}',  # a lone surrogate
+        b'\xef\xbb\xbf{"x": 1}',  # a byte order mark
+        b'{"x": -0, "y": -0.0, "z": 1E5, "w": 2.5e-7, "v": "\\u00e9\\n\\t\\"", "u": [true, false, null]}',
+        b'[' * 3000 + b']' * 3000,
+        b'{"x": 1,}',
+    ],
+)
+def test_fast_parser_gives_what_the_standard_parser_gives(valid_doc, small_schema, raw):
+    """orjson reads a document only where it gives the standard parser's value (types and all);
+    everything else (duplicates, long integers, NaN, surrogates, deep nesting, bad JSON) goes the
+    standard way, with the standard messages."""
+    import compendium.validation as validation
+
+    data = json.dumps(valid_doc).encode() if raw is None else raw
+    fast = validation.parse_document(data, 10**7, fast=True)
+    standard = validation.parse_document(data, 10**7)
+    assert fast[1] == standard[1]
+    assert json.dumps(fast[0]) == json.dumps(standard[0])  # equal values of equal types
+    assert repr(fast[0]) == repr(standard[0])
+    with_orjson = validate_compendium(data, small_schema)
+    orjson, validation.orjson = validation.orjson, None
+    try:
+        without = validate_compendium(data, small_schema)
+    finally:
+        validation.orjson = orjson
+    assert with_orjson.violations == without.violations
+    assert with_orjson.compendium == without.compendium
+    if raw is None:
+        assert validation._orjson_parse(data) is not validation._UNPARSED  # the fast path ran
