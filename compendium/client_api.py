@@ -14,6 +14,7 @@ the idempotency key is derived from the content and the round: the server stores
 
 from __future__ import annotations
 
+import gzip
 import json
 import os
 import tempfile
@@ -183,17 +184,20 @@ class SynapseClient:
             raise ClientError("no round is open on the server: nothing to submit to")
         return max(open_rounds, key=lambda r: r["number"])
 
-    def submit(self, compendium: Compendium) -> SubmissionResult:
+    def submit(self, compendium: Compendium, compress: bool = True) -> SubmissionResult:
+        """Submit to the open round. `compress`: the body goes gzip-encoded (`Content-Encoding:
+        gzip`, about a quarter of the bytes of a MetaTool compendium); the server stores the same
+        canonical bytes either way, and the idempotency key does not depend on it."""
         round_info = self.open_round()
         number = round_info["number"]
         key = idempotency_key(compendium, number)
-        body = canonical_form(compendium).data
-        response = self.request(
-            "POST",
-            "/api/v1/submissions/",
-            content=body,
-            headers={"Content-Type": "application/json", "Idempotency-Key": key},
-        )
+        form = canonical_form(compendium)
+        headers = {"Content-Type": "application/json", "Idempotency-Key": key}
+        body = form.data
+        if compress:
+            body = gzip.compress(body, 9, mtime=0)
+            headers["Content-Encoding"] = "gzip"
+        response = self.request("POST", "/api/v1/submissions/", content=body, headers=headers)
         status = response.status_code
         if status in (200, 201):
             warnings = []

@@ -321,7 +321,7 @@ def cmd_submit(args: argparse.Namespace) -> int:
     compendium = _load_compendium(args.compendium)
     with _client(args) as client:
         try:
-            result = client.submit(compendium)
+            result = client.submit(compendium, compress=not args.no_gzip)
         except SubmissionRejected as exc:
             for v in exc.violations:
                 print(f"{args.compendium}: {v['path']}: {v['reason']}", file=sys.stderr)
@@ -423,6 +423,10 @@ def build_parser() -> argparse.ArgumentParser:
 
     submit = sub.add_parser("submit", help="submit a compendium to the open round")
     submit.add_argument("compendium")
+    submit.add_argument(
+        "--no-gzip", action="store_true", dest="no_gzip",
+        help="send the body uncompressed (default: Content-Encoding gzip)",
+    )
     _add_server_arguments(submit)
     submit.set_defaults(func=cmd_submit)
 

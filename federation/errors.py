@@ -55,3 +55,7 @@ class RateLimited(FederationError):
 
 class PayloadTooLarge(FederationError):
     status_code = 413
+
+
+class UnsupportedEncoding(FederationError):
+    status_code = 415

@@ -10,6 +10,7 @@ lost in real networks.
 
 from __future__ import annotations
 
+import gzip
 import json
 import socket
 import threading
@@ -99,6 +100,11 @@ def make_handler(state: ServerState):
         def do_POST(self):
             length = int(self.headers.get("Content-Length", "0"))
             raw = self.rfile.read(length)
+            encoding = self.headers.get("Content-Encoding", "")
+            if encoding == "gzip":  # as the real API: the same document, gzip-encoded
+                raw = gzip.decompress(raw)
+            elif encoding:
+                return self._send(415, {"detail": f"Content-Encoding {encoding!r} is not supported"})
             if urlparse(self.path).path != "/api/v1/submissions/":
                 return self._send(404, {"detail": "not found"})
             client = self._client()
@@ -115,10 +121,10 @@ def make_handler(state: ServerState):
                         return self._send(429, {"detail": "slow down"}, {"Retry-After": "7"})
                     return self._send(state.fail_status, {"detail": "database restarting"})
                 if key in state.answers:
-                    state.posts.append({"key": key, "replayed": True})
+                    state.posts.append({"key": key, "replayed": True, "encoding": encoding})
                     status, body = state.answers[key]
                     return self._send(status, body, {"Idempotent-Replayed": "true"})
-                state.posts.append({"key": key, "replayed": False})
+                state.posts.append({"key": key, "replayed": False, "encoding": encoding})
                 if state.round_number is None:
                     return self._send(409, {"detail": "no round is open"})
                 result = validate_compendium(raw, SCHEMA)
@@ -197,6 +203,16 @@ def test_submit_survives_a_dropped_connection_and_a_duplicate_send(server, tmp_p
     assert len(state.rows) == 1
     key = state.posts[0]["key"]
     assert key == f"r4-{canonical_form(compendium()).sha256}"
+    assert state.posts[0]["encoding"] == "gzip"  # the body goes compressed by default
+
+
+def test_no_gzip_sends_the_canonical_bytes_plain_under_the_same_key(server, tmp_path, capsys):
+    url, state = server
+    path = write(tmp_path, compendium())
+    assert main(submit_args(url, path) + ["--no-gzip"]) == 0
+    assert main(submit_args(url, path)) == 0  # the same content compressed: a replay
+    assert [(p["encoding"], p["replayed"]) for p in state.posts] == [("", False), ("gzip", True)]
+    assert state.created == 1
 
 
 def test_changed_content_or_round_gives_a_new_key(server, tmp_path):

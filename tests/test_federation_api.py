@@ -3,6 +3,7 @@ organization-scoped administration (every endpoint against every role)."""
 
 from __future__ import annotations
 
+import gzip
 import json
 
 import pytest
@@ -205,6 +206,39 @@ def test_body_over_the_limit_is_413(world, open_round, valid_doc):
     response = post_doc(client_api(world.token_a), valid_doc)
     assert response.status_code == 413
     assert "limit is 200 bytes" in response.json()["detail"]
+    assert not Submission.objects.exists()
+
+
+def test_a_gzip_body_is_stored_as_the_same_submission(world, open_round, valid_doc):
+    api = client_api(world.token_a)
+    body = json.dumps(valid_doc).encode()
+    packed = gzip.compress(body)
+    response = post_doc(api, packed, key="z", HTTP_CONTENT_ENCODING="gzip")
+    assert response.status_code == 201, response.json()
+    assert len(packed) < len(body)
+    # The same content sent plain under the same key is a replay of it, not a conflict.
+    again = post_doc(api, body, key="z")
+    assert again.status_code == 201 and again["Idempotent-Replayed"] == "true"
+    assert again.json() == response.json()
+    assert Submission.objects.count() == 1
+
+
+@pytest.mark.parametrize(
+    "encoding, body, status, message",
+    [
+        ("br", b"{}", 415, "Content-Encoding 'br' is not supported"),
+        ("gzip", b"not gzip at all", 400, "not valid gzip"),
+        ("gzip", gzip.compress(b'{"a": 1}')[:-12], 400, "truncated"),
+        ("gzip", gzip.compress(b'{"a": 1}') + b"junk", 400, "bytes after its gzip stream"),
+        # 1 MB of zeros is 1 KB compressed: held to the limit once inflated, never inflated whole.
+        ("gzip", gzip.compress(b" " * 1_000_000), 413, "decompressed body exceeds the limit of 5000"),
+    ],
+)
+def test_a_bad_encoded_body_is_a_clear_4xx(world, open_round, encoding, body, status, message):
+    services.update_settings(SYSTEM, max_submission_bytes=5000)
+    response = post_doc(client_api(world.token_a), body, HTTP_CONTENT_ENCODING=encoding)
+    assert response.status_code == status
+    assert message in response.json()["detail"]
     assert not Submission.objects.exists()
 
 

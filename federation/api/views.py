@@ -113,6 +113,8 @@ class SubmissionView(FederationView):
 
     @extend_schema(
         summary="Submit the client's compendium for the open round",
+        description="The canonical JSON, plain or with `Content-Encoding: gzip` (held to the same "
+        "size limit once decompressed).",
         request={"application/json": OpenApiTypes.OBJECT},
         parameters=[
             OpenApiParameter(
@@ -130,6 +132,7 @@ class SubmissionView(FederationView):
             403: DETAIL,
             409: DETAIL,
             413: DETAIL,
+            415: DETAIL,
             422: DETAIL,
             429: DETAIL,
         },
@@ -140,6 +143,7 @@ class SubmissionView(FederationView):
         body = request._request.read(limit + 1)
         if len(body) > limit:
             raise submissions.PayloadTooLarge(f"the body exceeds the limit of {limit} bytes")
+        body = submissions.decoded_body(body, request.META.get("HTTP_CONTENT_ENCODING"), limit)
         outcome = submissions.submit(request.auth, body, request.META.get("HTTP_IDEMPOTENCY_KEY"))
         response = Response(outcome.body, status=outcome.status_code)
         if outcome.replayed:
