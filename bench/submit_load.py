@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import gzip
 import json
 import os
 import random
@@ -47,6 +48,10 @@ def parse_args(argv=None):
     p.add_argument("--dataset", default=str(DEFAULT_DATASET))
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--timeout", type=float, default=60.0)
+    p.add_argument(
+        "--gzip", action="store_true",
+        help="send the bodies gzip-encoded (Content-Encoding: gzip), as synapse-client submit does",
+    )
     p.add_argument("--out", help="write the figures as JSON rows to this file")
     p.add_argument(
         "--server-pid",
@@ -179,7 +184,7 @@ async def _read_response(reader) -> tuple[int, dict[str, str], bytes]:
     return status, headers, body
 
 
-async def drive(url, clients, docs, submissions, duplicates, rate, timeout):
+async def drive(url, clients, docs, submissions, duplicates, rate, timeout, compress=False):
     """Every client sends its requests over its own connection (kept alive when the server
     allows it). The requests are written as bytes prepared in advance: a small HTTP/1.1 client
     instead of a general one, so that the load generator takes less of the CPU it shares with the
@@ -189,6 +194,9 @@ async def drive(url, clients, docs, submissions, duplicates, rate, timeout):
     parts = urlsplit(url)
     host, port = parts.hostname, parts.port or 80
     path = (parts.path.rstrip("/") or "") + "/api/v1/submissions/"
+    # Compressed before the clock starts, as a client compresses before it connects.
+    bodies = [gzip.compress(d, 9, mtime=0) for d in docs] if compress else docs
+    encoding = b"Content-Encoding: gzip\r\n" if compress else b""
     results = []  # (client_pk, key, status, latency_s, replayed, body)
     transport_retries: list[str] = []
     start = time.perf_counter()
@@ -197,12 +205,12 @@ async def drive(url, clients, docs, submissions, duplicates, rate, timeout):
         prefix = (
             f"POST {path} HTTP/1.1\r\nHost: {host}:{port}\r\nAuthorization: Bearer {token}\r\n"
             "Content-Type: application/json\r\n"
-        ).encode()
+        ).encode() + encoding
         connection = None
         k = 0
         for s in range(submissions):
             key = f"bench-{client_pk}-{s}"
-            body = docs[index] if s == 0 else docs[(index + s) % len(docs)]
+            body = bodies[index] if s == 0 else bodies[(index + s) % len(bodies)]
             request = (
                 prefix + f"Idempotency-Key: {key}\r\nContent-Length: {len(body)}\r\n\r\n".encode() + body
             )
@@ -435,7 +443,10 @@ def main(argv=None):
     print(f"round {rnd.number}; compendium body {mean_kb:.1f} KB on average; sending ...", flush=True)
     meter = CpuMeter(args.url, args.server_pid)
     results, wall, retries = _run(
-        drive(args.url, clients, docs, args.submissions, args.duplicates, args.rate, args.timeout)
+        drive(
+            args.url, clients, docs, args.submissions, args.duplicates, args.rate, args.timeout,
+            compress=args.gzip,
+        )
     )
     cpu = meter.stop()
     others = meter.others_share(cpu, wall)
@@ -457,6 +468,7 @@ def main(argv=None):
         "duplicates_per_key": args.duplicates,
         "target_rate_per_s": args.rate or None,
         "size_kb": round(mean_kb, 2),
+        "gzip": args.gzip,
         "requests": len(results),
         "wall_s": round(wall, 3),
         "requests_per_s": round(len(results) / wall, 1),
