@@ -17,7 +17,7 @@ from pathlib import Path
 from pydantic import ValidationError
 
 from compendium.canonical import canonical_dict, canonical_form
-from compendium.delta import DEFAULT_SINCE_CONFIDENCE
+from compendium.delta import DEFAULT_SINCE_CONFIDENCE, delta_since, routed_by
 from compendium.schema import DEFAULT_NUMERIC_FIELDS, Compendium, Schema
 from compendium.validation import CompendiumInvalid, format_path, validate_compendium
 
@@ -160,8 +160,6 @@ def cmd_build(args: argparse.Namespace) -> int:
         raise CliError(f"the built compendium is not valid under the schema: {exc}") from None
     notes = ""
     if args.since:
-        from compendium.delta import delta_since
-
         if engine is None:
             raise CliError("--since needs the embedding model (drop --no-collapse)")
         pulled = _load_compendium(args.since)
@@ -169,11 +167,7 @@ def cmd_build(args: argparse.Namespace) -> int:
         if args.since_confidence <= 1.0 and pulled.scenarios:
             from routing.cli import pulled_router
 
-            router = pulled_router(pulled, embedding_model=args.embedding_model)
-
-            def route(texts):
-                return [(d.tool, d.confidence) for d in router.route_batch(texts)]
-
+            route = routed_by(pulled_router(pulled, embedding_model=args.embedding_model))
         compendium, delta = delta_since(
             compendium, pulled, engine, options.tau, route=route, confidence=args.since_confidence
         )

@@ -41,6 +41,15 @@ DEFAULT_SINCE_CONFIDENCE = 0.8
 RouteFn = Callable[[list[str]], list[tuple[str | None, float]]]
 
 
+def routed_by(router) -> RouteFn:
+    """`delta_since`'s `route` from a `routing.router.Router` (anything with `route_batch`)."""
+
+    def route(texts: list[str]) -> list[tuple[str | None, float]]:
+        return [(d.tool, d.confidence) for d in router.route_batch(texts)]
+
+    return route
+
+
 @dataclass(frozen=True)
 class DeltaReport:
     scenarios_kept: int

@@ -195,15 +195,15 @@ def store_compendium(
     return version
 
 
-def version_delete_ctes(gone: str = "gone") -> str:
-    """The CTEs that delete or null what the ORM's cascade would for the compendium versions whose
-    ids a CTE named `gone` returns, built from the model's relations (a relation this does not
-    know how to follow fails at import, not silently). Append them after `gone AS (...)`.
+def versions_delete_sql(where: str) -> str:
+    """One statement deleting the compendium versions `WHERE <where>` with what the ORM's cascade
+    would delete or null, built from the model's relations (a relation this does not know how to
+    follow fails at import, not silently); it answers the number of versions deleted.
 
     The ORM's `delete()` first reads the versions and then runs a statement per relation (about
     ten queries, most of a replacing submission's CPU). Differences: no per-object signals are
     sent (the only receiver, routing's cache of the published version, is about globals)."""
-    parts = []
+    parts = [f"DELETE FROM {CompendiumVersion._meta.db_table} WHERE {where} RETURNING id"]
     for relation in CompendiumVersion._meta.related_objects:
         model, column = relation.related_model, relation.field.column
         if relation.many_to_many:
@@ -216,28 +216,19 @@ def version_delete_ctes(gone: str = "gone") -> str:
             statement = f"UPDATE {model._meta.db_table} SET {column} = NULL"
         else:
             raise NotImplementedError(f"{model.__name__}.{relation.field.name}: {relation.on_delete}")
-        parts.append(f"{statement} WHERE {column} IN (SELECT id FROM {gone})")
+        parts.append(f"{statement} WHERE {column} IN (SELECT id FROM gone)")
     for field in CompendiumVersion._meta.many_to_many:
         through = field.remote_field.through._meta
         columns = [f.column for f in through.fields if f.is_relation]
         parts.append(
             f"DELETE FROM {through.db_table} WHERE "
-            + " OR ".join(f"{c} IN (SELECT id FROM {gone})" for c in columns)
+            + " OR ".join(f"{c} IN (SELECT id FROM gone)" for c in columns)
         )
-    return ",\n".join(f"{gone}_{i} AS ({p})" for i, p in enumerate(parts))
+    ctes = ",\n".join([f"gone AS ({parts[0]})"] + [f"r{i} AS ({p})" for i, p in enumerate(parts[1:])])
+    return f"WITH {ctes}\nSELECT count(*) FROM gone"
 
 
-def _version_delete_sql() -> str:
-    """One statement deleting the compendium versions `WHERE kind = %s AND round_id = %s AND
-    client_id = %s` with what the ORM's cascade would delete or null (`version_delete_ctes`)."""
-    table = CompendiumVersion._meta.db_table
-    return (
-        f"WITH gone AS (DELETE FROM {table} WHERE kind = %s AND round_id = %s AND client_id = %s "
-        f"RETURNING id),\n{version_delete_ctes('gone')}\nSELECT count(*) FROM gone"
-    )
-
-
-_DELETE_VERSIONS = _version_delete_sql()
+_DELETE_VERSIONS = versions_delete_sql("kind = %s AND round_id = %s AND client_id = %s")
 
 
 def delete_client_versions(*, round_id: int, client_id: int) -> int:

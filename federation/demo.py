@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 from compendium.builder import BuildOptions, build_compendium
 from compendium.canonical import canonical_form
-from compendium.delta import delta_since
+from compendium.delta import delta_since, routed_by
 from compendium.registry import load_dataset
 from compendium.services import current_schema, load_compendium
 from compendium.usage_log import parse_record
@@ -87,13 +87,8 @@ def run_demo_rounds(
         # carries the global forward).
         latest = published_global_version()
         pulled = load_compendium(latest) if latest is not None else None
-        route = None
-        if latest is not None:  # the pulled global's router, as the routing API serves it
-            router = served_compendium().routers["fusion"]
-
-            def route(texts, router=router):
-                return [(d.tool, d.confidence) for d in router.route_batch(texts)]
-
+        # The pulled global's router, as the routing API serves it.
+        route = routed_by(served_compendium().routers["fusion"]) if latest is not None else None
         for client, lines in logs.items():
             experience = lines[: len(lines) * period // rounds]
             records = [parse_record(line, n, schema.tool_ids) for n, line in enumerate(experience, 1)]

@@ -23,7 +23,7 @@ from compendium.canonical import canonical_form
 from compendium.models import CompendiumVersion, NumericField, Tool
 from compendium.schema import Schema
 from compendium.scrub import scrub_compendium
-from compendium.services import current_schema, version_delete_ctes
+from compendium.services import current_schema, versions_delete_sql
 from compendium.validation import Violation, validate_compendium
 from federation import ratelimit
 from federation.errors import (
@@ -73,20 +73,16 @@ _FINGERPRINT_COLUMNS = (
     f"FROM {NumericField._meta.db_table}) AS fields"
 )
 _ROUND_OPEN = f"EXISTS (SELECT 1 FROM {Round._meta.db_table} WHERE state = 'open')"
-_FINGERPRINT_SQL = f"SELECT {_ROUND_OPEN}, {_FINGERPRINT_COLUMNS}"
+_FINGERPRINT_SQL = f"SELECT {_FINGERPRINT_COLUMNS}"
 
 
 def schema_in_force() -> Schema:
-    """`current_schema()`, rebuilt only when the registry or declared fields changed."""
-    return _schema_and_open_round()[0]
-
-
-def _schema_and_open_round() -> tuple[Schema, bool]:
-    """The schema in force and whether a round is open, in one round trip to the database."""
+    """`current_schema()`, rebuilt only when the registry or declared fields changed (the
+    submission path reads the same fingerprint inside its look-ahead)."""
     with prepared_cursor() as cursor:
         cursor.execute(_FINGERPRINT_SQL)
-        round_open, *fingerprint = cursor.fetchone()
-    return _schema_for(tuple(fingerprint)), bool(round_open)
+        fingerprint = cursor.fetchone()
+    return _schema_for(tuple(fingerprint))
 
 
 def _schema_for(fingerprint: tuple) -> Schema:
@@ -234,11 +230,7 @@ FROM (SELECT 1) AS one LEFT JOIN stored ON TRUE LEFT JOIN open_round ON TRUE
 
 # A replacing submission's earlier version, with what the ORM's cascade would delete or null (one
 # statement; only run when there is one: a first submission does not pay for its eight parts).
-_REPLACE_SQL = f"""
-WITH gone AS (DELETE FROM {_VERSIONS} WHERE id = %(replaced)s RETURNING id),
-{version_delete_ctes("gone")}
-SELECT count(*) FROM gone
-"""
+_REPLACE_SQL = versions_delete_sql("id = %(replaced)s")
 
 
 def _columns(model, names: list[str]) -> str:

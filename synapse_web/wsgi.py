@@ -14,10 +14,12 @@ def _load_everything() -> None:
     objects loaded so far are moved out of the garbage collector's reach (`gc.freeze`): they live
     as long as the process, and every full collection would otherwise walk them again (and, in
     forked workers, copy the pages holding them)."""
-    from django.db import connections
-    from django.urls import get_resolver
+    from importlib import import_module
 
-    get_resolver().url_patterns  # noqa: B018 (imported for its side effect)
+    from django.conf import settings
+    from django.db import connections
+
+    import_module(settings.ROOT_URLCONF)  # its include()s import every app's URLconf and views
     connections.close_all()  # nothing opened while loading may be shared with forked workers
     gc.collect()
     gc.freeze()

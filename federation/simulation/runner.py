@@ -26,7 +26,7 @@ import numpy as np
 
 from compendium.builder import BuildOptions, build_compendium
 from compendium.canonical import canonical_bytes
-from compendium.delta import DEFAULT_SINCE_CONFIDENCE, delta_since
+from compendium.delta import DEFAULT_SINCE_CONFIDENCE, delta_since, routed_by
 from compendium.registry import LabelledQuery, RoutingDataset, Split
 from compendium.schema import Compendium, Scenario, Schema
 from compendium.usage_log import parse_record
@@ -284,11 +284,7 @@ class Simulation:
             route = None
             if pulled is not None and pulled.scenarios and self.config.since_confidence <= 1.0:
                 # What each client would route with: the pulled global, as published.
-                pulled_router = self.router(pulled, probe)
-
-                def route(texts, router=pulled_router):
-                    return [(d.tool, d.confidence) for d in router.route_batch(texts)]
-
+                route = routed_by(self.router(pulled, probe))
             for share in shares:
                 experience = [line for period in periods[share.client][:r] for line in period]
                 if not experience:
