@@ -44,7 +44,6 @@ _LIMIT_BY_FIELD = {
     ("annex", "subject"): "annex_term",
     ("annex", "relation"): "annex_term",
     ("annex", "object"): "annex_term",
-    ("scenarios", "preconditions"): "flag",
 }
 
 _COLLECTIONS = ("metadata", "scenarios", "precautions", "templates", "annex")
@@ -171,12 +170,17 @@ def parse_document(
         return None, [Violation("$", f"not valid JSON: {exc}")]
 
 
-def _string_limit(path: tuple, schema: Schema) -> tuple[str, int]:
-    """The declared limit that applies to a string at `path` (top collection, field name)."""
+def _string_limit(path: tuple, schema: Schema, is_key: bool = False) -> tuple[str, int]:
+    """The declared limit that applies to a string at `path` (top collection, field name), or to
+    the key that ends `path`: a precondition's flag name, or any other key (field names)."""
     if len(path) >= 3 and isinstance(path[0], str) and isinstance(path[1], int):
-        key = _LIMIT_BY_FIELD.get((path[0], path[2]))
-        if key:
-            return key, getattr(schema.strings, key)
+        if is_key:
+            if len(path) == 4 and path[0] == "scenarios" and path[2] == "preconditions":
+                return "flag", schema.strings.flag
+        else:
+            key = _LIMIT_BY_FIELD.get((path[0], path[2]))
+            if key:
+                return key, getattr(schema.strings, key)
     return "other", schema.strings.other
 
 
@@ -193,7 +197,7 @@ def _check_string(text: str, path: tuple, schema: Schema, is_key: bool) -> Itera
             f"{'key' if is_key else 'string'} contains {what} U+{ord(char):04X} "
             f"at position {bad.start()}; remove it",
         )
-    limit_name, limit = _string_limit(path, schema)
+    limit_name, limit = _string_limit(path, schema, is_key)
     if len(text) > limit:
         yield Violation(
             format_path(path),
@@ -216,7 +220,8 @@ def _structural_checks(doc: Any, schema: Schema) -> tuple[list[Violation], bool]
     max_depth, max_nodes = limits.depth, limits.nodes
     strings = schema.strings
     shortest = min(
-        [strings.other] + [getattr(strings, name) for name in set(_LIMIT_BY_FIELD.values())]
+        [strings.other, strings.flag]
+        + [getattr(strings, name) for name in set(_LIMIT_BY_FIELD.values())]
     )
     forbidden = _FORBIDDEN_CHARS.search
     stack: list[tuple[tuple, Any, int]] = [((), doc, 0)]
@@ -273,6 +278,18 @@ def _pydantic_violations(exc: ValidationError) -> list[Violation]:
             reason = err["msg"][0].lower() + err["msg"][1:]
         out.append(Violation(format_path(err["loc"]), reason))
     return out
+
+
+def _finite_number(value: Any) -> float | None:
+    """A JSON number as a finite float; None for anything else, including an integer too large
+    for a float (the model validator reports those as not a valid number)."""
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        return None
+    try:
+        number = float(value)
+    except OverflowError:
+        return None
+    return number if math.isfinite(number) else None
 
 
 def _semantic_checks(doc: dict, schema: Schema) -> list[Violation]:
@@ -332,27 +349,22 @@ def _semantic_checks(doc: dict, schema: Schema) -> list[Violation]:
         if isinstance(stats, dict):
             for name, value in stats.items():
                 spec = schema.fields_by_name.get(name)
-                if spec is None or not (
-                    isinstance(value, int | float)
-                    and not isinstance(value, bool)
-                    and math.isfinite(value)
-                    and spec.min <= value <= spec.max
-                ):
+                number = _finite_number(value)
+                if spec is None or number is None or not spec.min <= number <= spec.max:
                     where = format_path(("metadata", index, "stats", name))
                 if spec is None:
                     declared = ", ".join(sorted(schema.fields_by_name)) or "none"
                     out.append(
                         Violation(where, f"unknown numeric field {name!r}; declared fields: {declared}")
                     )
-                elif isinstance(value, int | float) and not isinstance(value, bool):
-                    if math.isfinite(value) and not spec.min <= value <= spec.max:
-                        out.append(
-                            Violation(
-                                where,
-                                f"value {value} is outside the declared range "
-                                f"[{spec.min:g}, {spec.max:g}] of field {name!r}",
-                            )
+                elif number is not None and not spec.min <= number <= spec.max:
+                    out.append(
+                        Violation(
+                            where,
+                            f"value {value} is outside the declared range "
+                            f"[{spec.min:g}, {spec.max:g}] of field {name!r}",
                         )
+                    )
 
     for name in _TOOL_REFERENCING:
         seen: dict[tuple, int] = {}

@@ -152,6 +152,32 @@ def test_bad_flag_name_and_empty_text(valid_doc, small_schema):
     assert found["$.precautions[0].text"] == "text is empty"
 
 
+def test_the_flag_limit_applies_to_flag_names_not_to_field_names(valid_doc, small_schema):
+    """A declared flag limit shorter than the word "preconditions" still accepts scenarios with
+    preconditions; a flag name over it is reported at the flag."""
+    tight = small_schema.model_copy(
+        update={"strings": small_schema.strings.model_copy(update={"flag": 8})}
+    )
+    assert validate_compendium(valid_doc, tight).ok  # "has_city" is 8 characters
+    valid_doc["scenarios"][0]["preconditions"] = {"has_a_city": True}
+    found = paths(validate_compendium(valid_doc, tight))
+    assert found == {
+        "$.scenarios[0].preconditions.has_a_city":
+            "key is 10 characters; the declared limit for flag is 8"
+    }
+
+
+@pytest.mark.parametrize("digits", [400, 40])
+def test_an_integer_too_large_for_a_number_field_is_a_violation(valid_doc, small_schema, digits):
+    """An integer past the float range used to raise OverflowError (a 500 at the API)."""
+    raw = json.dumps(valid_doc).replace('"calls": 12', '"calls": ' + "9" * digits).encode()
+    found = paths(validate_compendium(raw, small_schema))
+    reason = found["$.metadata[0].stats.calls"]
+    assert ("outside the declared range" in reason) if digits == 40 else reason == (
+        "wrong type: expected a number"
+    )
+
+
 # hostile documents
 def test_deep_nesting_is_rejected_cleanly(small_schema):
     deep = "[" * 100_000 + "]" * 100_000
