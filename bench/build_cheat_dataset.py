@@ -21,9 +21,9 @@ Rules for queries (the same in the dataset's README):
   table (section headings such as `# Movement` in vim, notes, warnings) yields nothing.
 - Within a block, lines starting with `##` are headings and are skipped; the text is the first
   remaining line, continued by the following lines only while the previous line ends without
-  `.`, `:`, `!` or `?` and the next one starts with a lower-case letter or `(` (a sentence
-  wrapped over two comment lines); a later line that starts a new sentence is a note and is
-  left out. Anything after ` | ` on a line (the sheets' own "task | note" separator) is a note.
+  `.`, `:`, `!` or `?` and either the next one starts with a lower-case letter, `(` or `/`, or
+  the previous one ends with a comma or a CONTINUING_WORDS word (a sentence wrapped over
+  comment lines); a later line that starts a new sentence is a note and is left out. Anything after ` | ` on a line (the sheets' own "task | note" separator) is a note.
 - eg: in each example file's first section (before the second `# ` heading), a paragraph of
   non-indented lines followed (after blank lines) by a line indented by four or more spaces.
 - Cleaning: strip the `#` and surrounding whitespace, collapse runs of whitespace, strip one
@@ -31,10 +31,11 @@ Rules for queries (the same in the dataset's README):
   ("To extract an uncompressed archive:" -> "Extract an uncompressed archive"). Nothing else is
   rewritten (spelling mistakes stay).
 - Dropped: texts with fewer than two words (one-word headings such as "Linux" or "Install"),
-  texts with no letter, texts starting with a note marker (NOTE_MARKERS below), texts over
-  1,000 characters, sheets in EXCLUDED_SHEETS (reference pages that are not one command), and
-  repeats of the same text for the same tool (compared ignoring case and a final full stop;
-  the first is kept).
+  texts that do not start with a letter, `"` or `(`, texts starting with a note marker
+  (NOTE_MARKERS below, checked before "To " is removed), texts over 1,000 characters, the
+  texts in MANUAL_DROPS (read by hand: headings, notes, pointers to other sheets), sheets in
+  EXCLUDED_SHEETS (reference pages that are not one command), and repeats of the same text
+  for the same tool (compared ignoring case and a final full stop; the first is kept).
 - A text labelled with more than one tool is kept once per tool, each line with
   `label_conflict` listing all of them (as in MetaTool).
 - Tools with fewer than MIN_QUERIES queries are dropped with their queries, so every tool can
