@@ -1,0 +1,54 @@
+"""Diagnostic: `manage.py simulate` with the merge's tool-confusion check at another margin.
+
+The merge operator (`federation.merge.operator`) drops a submitted scenario whose text is closer
+to another tool's profile than to its own tool's by more than `CONFUSION_MARGIN` (0.2, its own
+tool not the nearest). `simulate` has no flag for it; this wrapper runs `simulate` with the
+simulation's `edge_merge` and `server_merge` (so SYNAPSE and the Centralized baseline alike)
+given `--confusion-margin M`. A margin above 2 turns the check off (cosine gaps are at most 2).
+The margin and this command are recorded in the `--out` JSON.
+
+    python bench/simulate_confusion_margin.py --confusion-margin 9 --dataset bench/datasets/cheat \\
+        [any other simulate arguments] --out FILE --no-store
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import os
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+os.environ.setdefault("DJANGO_SETTINGS_MODULE", "synapse_web.settings")
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0], add_help=False)
+    parser.add_argument("--confusion-margin", type=float, required=True)
+    parser.add_argument("--out", default=None)
+    args, rest = parser.parse_known_args(argv)
+
+    import django
+
+    django.setup()
+    from django.core.management import call_command
+
+    import federation.simulation.runner as runner
+
+    runner.edge_merge = functools.partial(runner.edge_merge, confusion_margin=args.confusion_margin)
+    runner.server_merge = functools.partial(runner.server_merge, confusion_margin=args.confusion_margin)
+    call_command("simulate", *rest, *(["--out", args.out] if args.out else []))
+    if args.out:
+        path = Path(args.out)
+        document = json.loads(path.read_text())
+        document["command"] = "python bench/simulate_confusion_margin.py " + " ".join(argv)
+        document["confusion_margin"] = args.confusion_margin
+        path.write_text(json.dumps(document, indent=2) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
