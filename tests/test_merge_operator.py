@@ -131,6 +131,58 @@ def test_tool_confusion_entry_is_dropped_and_honest_entries_kept(schema, embed):
     assert sum(s.support for s in result.compendium.scenarios if s.tool_id == "weather") == 3
 
 
+def test_honest_gaps_and_the_calibrated_margin():
+    """Profiles from the descriptions (the axes) and the labelled requests themselves, each request
+    left out of its own tool's profile."""
+    from federation.merge.clustering import calibrated_margin, honest_gaps
+
+    tools = ["a", "b", "c"]
+    vectors = np.array([[1.0, 0, 0], [0.6, 0.8, 0], [0, 0.6, 0.8]])
+    gaps = honest_gaps(vectors, ["a", "a", "c"], tools, np.eye(3))
+    assert np.allclose(gaps, [-2 / 5**0.5, 0.2, -0.2])
+    assert honest_gaps(vectors, ["zzz"] * 3, tools, np.eye(3)).size == 0  # not in the registry
+    assert calibrated_margin(gaps, floor=0.3, honest_rate=0.05) == 0.3  # honest ones pass already
+    assert calibrated_margin(np.linspace(0, 1, 101), floor=0.2, honest_rate=0.05) == pytest.approx(0.95)
+    assert calibrated_margin(np.zeros(0), floor=0.2, honest_rate=0.05) == 0.2
+
+
+def test_the_confusion_margin_is_raised_where_honest_requests_overlap(schema):
+    """Two tools that overlap in meaning: honest weather entries, and the public probe's weather
+    request, sit closer to the flights profile than to their own. The fixed margin (0.2) drops the
+    honest entries; calibrated on the probe it keeps them, and still drops an entry far from its
+    tool."""
+    axis = {"weather": [1.0, 0, 0], "flights": [0, 1.0, 0], "calculator": [0, 0, 1.0],
+            "recipes": [0.0, 0.0, -1.0]}
+    vectors = {t.description: axis[t.tool_id] for t in schema.tools}
+    vectors.update({
+        "weather case one": [0.3, 0.9, 0.3], "weather case two": [0.3, 0.9, -0.3],
+        "flights case": [0.05, 0.998, 0.0], "arithmetic, labelled recipes": [0.0, 0.0, 1.0],
+        "weather request": [0.3, 0.9, 0.3], "flights request": [0.0, 1.0, 0.0],
+    })
+
+    def embed(texts):
+        out = np.array([vectors[t] for t in texts], dtype=np.float32)
+        return out / np.linalg.norm(out, axis=1, keepdims=True)
+
+    inputs = [sub("h1", [sc("weather", "weather case one")]),
+              sub("h2", [sc("weather", "weather case two"), sc("flights", "flights case")]),
+              sub("evil", [sc("recipes", "arithmetic, labelled recipes")])]
+    config = RoundConfig(summarizer="centroid")
+    fixed = edge_merge(inputs, schema, config, embed=embed)
+    assert sorted(f.source for f in fixed.flagged) == ["evil", "h1", "h2"]
+    assert fixed.stats.confusion_margin == 0.2
+    probe_texts = ["weather request", "flights request"]
+    probe = ProbeSet(probe_texts, ["weather", "flights"], embed(probe_texts))
+    calibrated = edge_merge(inputs, schema, config, embed=embed, probe_set=probe)
+    assert [f.source for f in calibrated.flagged] == ["evil"]
+    assert 0.5 < calibrated.stats.confusion_margin < 0.6
+    # The margin depends on the registry and the probe only: what is submitted cannot move it.
+    flood = inputs + [sub(f"x{i}", [sc("weather", "flights case")]) for i in range(5)]
+    assert edge_merge(flood, schema, config, embed=embed, probe_set=probe).stats.confusion_margin \
+        == calibrated.stats.confusion_margin
+    assert sum(s.support for s in calibrated.compendium.scenarios if s.tool_id == "weather") == 2
+
+
 def test_invalid_submission_is_rejected_and_others_merged(schema, embed):
     bad = sub("bad", [sc("no-such-tool", "anything")])
     good = sub("good", [sc("weather", "Will it rain tomorrow?")])

@@ -173,6 +173,7 @@ class ConfusionVerdict:
     closest_tool: str
     own_similarity: float
     closest_similarity: float
+    best_other: float = float("-inf")  # the nearest profile of another tool
 
 
 def tool_profiles(
@@ -194,6 +195,39 @@ def tool_profiles(
 
 def _normalized(matrix: np.ndarray) -> np.ndarray:
     return matrix / np.maximum(np.linalg.norm(matrix, axis=-1, keepdims=True), 1e-12)
+
+
+def honest_gaps(
+    vectors: np.ndarray,
+    labels: Sequence[str],
+    tool_ids: Sequence[str],
+    description_vectors: np.ndarray,
+) -> np.ndarray:
+    """For labelled requests known to be honest (the public probe set): how much closer the
+    nearest other tool's profile is than their own tool's (negative: their own is nearest), the
+    quantity `confusion_verdicts` compares with its margin, with profiles made of the registry's
+    descriptions and these requests alone (each left out of its own tool's profile, as a
+    submitted entry is). Nothing submitted enters, so no client can move it. Labels outside
+    `tool_ids` are skipped."""
+    index = {t: i for i, t in enumerate(tool_ids)}
+    rows = [r for r, label in enumerate(labels) if label in index]
+    if not rows or len(tool_ids) < 2:
+        return np.zeros(0)
+    items = [Item("probe", labels[r], "", {}, 1, np.asarray(vectors[r], dtype=np.float64))
+             for r in rows]
+    profiles = tool_profiles(tool_ids, description_vectors, items)
+    verdicts = confusion_verdicts(items, tool_ids, profiles, margin=0.0, rank=1)
+    return np.array([v.best_other - v.own_similarity for v in verdicts])
+
+
+def calibrated_margin(gaps: np.ndarray, floor: float, honest_rate: float) -> float:
+    """The confusion margin: `floor`, raised where needed so that at most `honest_rate` of the
+    honest labelled requests (`honest_gaps`) would have been flagged. Where tools overlap in
+    meaning (several package managers for "install a package") honest entries sit close to other
+    tools' profiles, and a fixed margin would throw a large share of them away."""
+    if len(gaps) == 0:
+        return floor
+    return max(floor, float(np.quantile(gaps, 1.0 - honest_rate)))
 
 
 def confusion_verdicts(
@@ -228,5 +262,8 @@ def confusion_verdicts(
         flagged = (
             tool_ids[best] != item.tool_id and float(row[best]) - own > margin and own_rank >= rank
         )
-        out.append(ConfusionVerdict(flagged, tool_ids[best], own, float(row[best])))
+        other = int(order[1]) if best == own_index else best
+        out.append(
+            ConfusionVerdict(flagged, tool_ids[best], own, float(row[best]), float(row[other]))
+        )
     return out

@@ -28,11 +28,13 @@ from compendium.validation import validate_compendium
 from federation.merge.clustering import (
     ConsistencyProbe,
     Item,
+    calibrated_margin,
     central_order,
     centroid_id,
     confusion_verdicts,
     decide_cluster,
     greedy_cluster,
+    honest_gaps,
     item_order_key,
     merged_flags,
     tool_profiles,
@@ -65,6 +67,11 @@ Embed = Callable[[Sequence[str]], np.ndarray]
 # more than this cosine margin (its own tool not among the nearest CONFUSION_RANK profiles).
 CONFUSION_MARGIN = 0.2
 CONFUSION_RANK = 1
+# With a probe set, the margin is raised where needed so that at most this share of the public
+# labelled probe requests (honest by construction) would be flagged against profiles made of the
+# registry's descriptions and the probe itself (`clustering.honest_gaps`: nothing submitted enters,
+# so an adversary cannot raise the margin by flooding the profiles).
+CONFUSION_HONEST_RATE = 0.10
 
 # The source name of the carried-forward global compendium in a server merge.
 PREVIOUS_GLOBAL = "previous-global"
@@ -308,8 +315,13 @@ def _merge(
     if scenario_items and tool_ids:
         descriptions = np.stack([by_text[t.description] for t in schema.tools])
         profiles = tool_profiles(tool_ids, descriptions, scenario_items)
+        margin = confusion_margin
+        if probe_set is not None and len(probe_set):
+            gaps = honest_gaps(probe_set.vectors, probe_set.labels, tool_ids, descriptions)
+            margin = calibrated_margin(gaps, confusion_margin, CONFUSION_HONEST_RATE)
+        stats.confusion_margin = round(margin, 6)
         verdicts = confusion_verdicts(
-            scenario_items, tool_ids, profiles, margin=confusion_margin, rank=confusion_rank
+            scenario_items, tool_ids, profiles, margin=margin, rank=confusion_rank
         )
         kept = []
         for item, verdict in zip(scenario_items, verdicts, strict=True):

@@ -83,6 +83,7 @@ class MergeStats:
     clusters: int = 0
     conflicts: int = 0
     flagged_confusion: int = 0
+    confusion_margin: float | None = None  # the margin the check used (calibrated on the probe)
     robust_dropped: int = 0
     precautions_in: int = 0
     precautions_out: int = 0
