@@ -208,10 +208,19 @@ def test_organization_page_shows_edge_figures(client, fed):
                      kind="client", round=r1, client=fed.client_a)
     store_compendium(Compendium.model_validate({"scenarios": [{"tool_id": "weather", "text": "rain?"}]}),
                      kind="edge", round=r1, organization=fed.org_a)
+    from federation.models import MergeRecord
+
+    MergeRecord.objects.create(
+        round=r1, organization=fed.org_a, stats={"scenarios_in": 40, "confusion_margin": 0.3719},
+        flagged=[{"source": "x", "tool_id": "weather", "text": "t"}] * 3,
+    )
     response = login(client, fed, "member_a").get(reverse("dashboard:organization", args=["org-a"]))
-    [fig] = figures_in(response.content.decode())
+    page = response.content.decode()
+    [fig] = figures_in(page)
     assert fig["data"][0]["y"] == [1]
     assert fig["data"][1]["y"][0] > 0
+    assert "dropped as tool confusion" in page
+    assert re.search(r'class="num confusion">3 of 40 <span class="meta">\(margin 0\.37\)', page)
 
 
 # --- rounds --------------------------------------------------------------------------------------

@@ -449,7 +449,8 @@ class OrganizationPage:
 
 def organization_page(organization, actor) -> OrganizationPage:
     """An organization's clients by status, whether `actor` may manage them, and its edge's
-    figures per round: submissions, edge compendium size and entries."""
+    figures per round: submissions, edge compendium size and entries, conflicts, rejected
+    submissions, and scenarios dropped by the tool-confusion check (with the margin used)."""
     from federation.models import MergeRecord
     from federation.services import can_admin
 
@@ -480,6 +481,9 @@ def organization_page(organization, actor) -> OrganizationPage:
             "edge": edges.get(n),
             "conflicts": (records[n].stats.get("conflicts") if n in records else None),
             "rejected": len(records[n].rejected) if n in records else None,
+            "flagged": len(records[n].flagged) if n in records else None,
+            "scenarios_in": records[n].stats.get("scenarios_in") if n in records else None,
+            "confusion_margin": records[n].stats.get("confusion_margin") if n in records else None,
         }
         for n in numbers
     ]
