@@ -52,13 +52,54 @@ def test_combined_runs_are_summarized_as_one_run_over_all_their_seeds():
         (doc([1], [0.5], 1.0, dataset="other"), "dataset 'other'"),
         (doc([1], [0.5], 1.0, config={"orgs": 3, "rounds": 1}), "another configuration (orgs)"),
         (doc([0], [0.5], 1.0), "seed 0 is in more than one document"),
-        (doc([1], [0.5], 1.0, privacy_sweep=[{"epsilon": 1}]), "has sweeps (privacy_sweep)"),
+        (doc([1], [0.5], 1.0, privacy_sweep=[{"epsilon": 1}]),
+         "has sweeps (privacy_sweep) that document 1 has not (none)"),
         ({"dataset": "tiny"}, "has no 'config'"),
     ],
 )
 def test_runs_that_do_not_belong_together_are_refused(second, message):
     with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(")", r"\)")):
         combine([doc([0], [0.7], 1.0), second])
+
+
+def adversarial(fraction_accuracy: dict, seeds: list[int], auroc: float):
+    """An adversarial sweep section: per (mode, fraction), the final accuracy of each seed."""
+    return [
+        {"adversarial_mode": "tool_confusion", "adversarial_fraction": fraction,
+         "robust_rule": "none", "seeds": len(seeds), "accuracy": sum(accs) / len(accs),
+         "accuracy_sd": 0.0, "membership_auroc": auroc, "bytes_per_client_round": 100.0 * len(seeds),
+         "accuracy_by_seed": [[seed, acc] for seed, acc in zip(seeds, accs, strict=True)]}
+        for fraction, accs in fraction_accuracy.items()
+    ]
+
+
+def test_sweeps_of_the_same_variants_are_joined_per_variant():
+    a = doc([0, 1], [0.8, 0.8], 1.0, adversarial=adversarial({0.2: [0.7, 0.8], 0.6: [0.5, 0.6]}, [0, 1], 0.6))
+    b = doc([2], [0.8], 1.0, adversarial=adversarial({0.2: [0.9], 0.6: [0.4]}, [2], 0.9))
+    [low, high] = combine([a, b])["adversarial"]
+    assert (low["adversarial_fraction"], low["seeds"], low["accuracy"]) == (0.2, 3, 0.8)
+    assert low["accuracy_sd"] == pytest.approx(0.1)
+    assert low["accuracy_by_seed"] == [[0, 0.7], [1, 0.8], [2, 0.9]]
+    assert (high["accuracy"], high["membership_auroc"]) == (0.5, 0.7)  # AUROC weighted by seeds
+    assert high["bytes_per_client_round"] == pytest.approx(500 / 3, abs=1e-3)
+
+
+@pytest.mark.parametrize(
+    "second, message",
+    [
+        (doc([2], [0.8], 1.0, adversarial=adversarial({0.4: [0.9]}, [2], 0.9)), "differ in their variants"),
+        (doc([2], [0.8], 1.0), "has sweeps (none) that document 1 has not (adversarial)"),
+    ],
+)
+def test_sweeps_that_differ_are_refused(second, message):
+    first = doc([0], [0.8], 1.0, adversarial=adversarial({0.2: [0.7]}, [0], 0.6))
+    with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        combine([first, second])
+    old = adversarial({0.2: [0.7]}, [0], 0.6)
+    del old[0]["accuracy_by_seed"]
+    with pytest.raises(ValueError, match="no per-seed accuracies"):
+        combine([doc([1], [0.8], 1.0, adversarial=old),
+                 doc([2], [0.8], 1.0, adversarial=adversarial({0.2: [0.9]}, [2], 0.9))])
 
 
 def test_the_command_writes_the_combined_document(tmp_path, capsys):

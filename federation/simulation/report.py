@@ -41,7 +41,8 @@ def combine(documents: list[dict[str, Any]]) -> dict[str, Any]:
     """One document from runs of the same dataset and configuration on disjoint seeds (e.g. the
     seeds of a long run split over processes or machines), as if one run had played them all:
     rows concatenated and summarized again, per-seed figures averaged with each run weighted by
-    its seeds. Raises ValueError naming what does not match."""
+    its seeds, and sweeps (the same variants in every document) joined per variant. Raises
+    ValueError naming what does not match."""
     if not documents:
         raise ValueError("nothing to combine")
     first = documents[0]
@@ -58,9 +59,13 @@ def combine(documents: list[dict[str, Any]]) -> dict[str, Any]:
                 if doc["config"].get(k) != first["config"].get(k)
             )
             raise ValueError(f"document {number} has another configuration ({', '.join(differ)})")
-        swept = [k for k in SWEEP_SECTIONS if doc.get(k)]
-        if swept:
-            raise ValueError(f"document {number} has sweeps ({', '.join(swept)}); combine runs without")
+        swept = {k for k in SWEEP_SECTIONS if doc.get(k)}
+        first_swept = {k for k in SWEEP_SECTIONS if first.get(k)}
+        if swept != first_swept:
+            raise ValueError(
+                f"document {number} has sweeps ({', '.join(sorted(swept)) or 'none'}) that "
+                f"document 1 has not ({', '.join(sorted(first_swept)) or 'none'})"
+            )
         overlap = seen & set(doc["seeds"])
         if overlap:
             raise ValueError(f"seed {min(overlap)} is in more than one document")
@@ -76,6 +81,11 @@ def combine(documents: list[dict[str, Any]]) -> dict[str, Any]:
         return out
 
     rows = [row for doc in documents for row in doc["results"]]
+    sweeps = {
+        name: _combine_sweep(name, [doc[name] for doc in documents])
+        for name in SWEEP_SECTIONS
+        if first.get(name)
+    }
     return {
         "dataset": first["dataset"],
         "config": first["config"],
@@ -90,6 +100,7 @@ def combine(documents: list[dict[str, Any]]) -> dict[str, Any]:
         "transfer": [row for doc in documents for row in doc.get("transfer", [])],
         "seconds": round(sum(float(doc.get("seconds", 0.0)) for doc in documents), 1),
         "combined_from": [doc.get("command", "") for doc in documents],
+        **sweeps,
     }
 
 
@@ -174,9 +185,55 @@ def sweep(
                 "accuracy_sd": round(float(np.std(last, ddof=1)) if len(last) > 1 else 0.0, 4),
                 **privacy,
                 "bytes_per_client_round": communication.get("bytes_per_client_round", 0.0),
+                "accuracy_by_seed": [[seed, acc] for seed, acc in zip(seeds, last, strict=True)],
             }
         )
     return rows
+
+
+# What a sweep row measured; every other key of the row names its variant.
+_SWEEP_FIGURES = {
+    "seeds", "accuracy", "accuracy_sd", "accuracy_by_seed", "membership_auroc", "token_overlap",
+    "share_clients_overlap_below_0_10", "bytes_per_client_round",
+}
+
+
+def _variant(row: dict) -> tuple:
+    return tuple(sorted((k, v) for k, v in row.items() if k not in _SWEEP_FIGURES))
+
+
+def _combine_sweep(name: str, sections: list[list[dict]]) -> list[dict]:
+    """One sweep section from the same sweep run on disjoint seeds: per variant, accuracy over
+    all the seeds' final-round figures, the other figures weighted by seeds."""
+    variants = [[_variant(row) for row in section] for section in sections]
+    if any(v != variants[0] for v in variants):
+        raise ValueError(f"the {name} sweeps differ in their variants; combine the same sweep only")
+    out = []
+    for position, variant in enumerate(variants[0]):
+        rows = [section[position] for section in sections]
+        if any("accuracy_by_seed" not in row for row in rows):
+            raise ValueError(
+                f"a {name} sweep has no per-seed accuracies (written before they were kept); "
+                "run it again to combine it"
+            )
+        pairs = [pair for row in rows for pair in row["accuracy_by_seed"]]
+        accuracies = [acc for _, acc in pairs]
+        weights = [row["seeds"] for row in rows]
+        combined = dict(variant)
+        combined["seeds"] = len(pairs)
+        combined["accuracy"] = round(float(np.mean(accuracies)), 4)
+        combined["accuracy_sd"] = (
+            round(float(np.std(accuracies, ddof=1)), 4) if len(accuracies) > 1 else 0.0
+        )
+        for key in sorted(_SWEEP_FIGURES - {"seeds", "accuracy", "accuracy_sd", "accuracy_by_seed"}):
+            values = [(row[key], w) for row, w in zip(rows, weights, strict=True) if key in row]
+            if values:
+                combined[key] = round(
+                    float(np.average([v for v, _ in values], weights=[w for _, w in values])), 4
+                )
+        combined["accuracy_by_seed"] = pairs
+        out.append(combined)
+    return out
 
 
 def final_accuracy(summary: list[dict], method: str) -> float | None:
