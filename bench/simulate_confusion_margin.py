@@ -1,11 +1,14 @@
 """Diagnostic: `manage.py simulate` with the merge's tool-confusion check at another margin.
 
 The merge operator (`federation.merge.operator`) drops a submitted scenario whose text is closer
-to another tool's profile than to its own tool's by more than `CONFUSION_MARGIN` (0.2, its own
-tool not the nearest). `simulate` has no flag for it; this wrapper runs `simulate` with the
-simulation's `edge_merge` and `server_merge` (so SYNAPSE and the Centralized baseline alike)
-given `--confusion-margin M`. A margin above 2 turns the check off (cosine gaps are at most 2).
-The margin and this command are recorded in the `--out` JSON.
+to another tool's profile than to its own tool's by more than a margin (its own tool not the
+nearest): `CONFUSION_MARGIN` (0.2), raised with the probe set so that at most
+`CONFUSION_HONEST_RATE` (10%) of the probe's honest requests would be flagged. `simulate` has no
+flag for either; this wrapper runs `simulate` with the simulation's `edge_merge` and
+`server_merge` (so SYNAPSE and the Centralized baseline alike) given `--confusion-margin M` (the
+floor; above 2 the check is off, cosine gaps are at most 2) and, with `--honest-rate R`, that
+rate (1 keeps the margin at its floor: the fixed margin of earlier versions). Both and this
+command are recorded in the `--out` JSON.
 
     python bench/simulate_confusion_margin.py --confusion-margin 9 --dataset bench/datasets/cheat \\
         [any other simulate arguments] --out FILE --no-store
@@ -28,6 +31,7 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0], add_help=False)
     parser.add_argument("--confusion-margin", type=float, required=True)
+    parser.add_argument("--honest-rate", type=float, default=None)
     parser.add_argument("--out", default=None)
     args, rest = parser.parse_known_args(argv)
 
@@ -36,8 +40,13 @@ def main(argv: list[str] | None = None) -> int:
     django.setup()
     from django.core.management import call_command
 
+    import federation.merge.operator as operator
     import federation.simulation.runner as runner
 
+    if args.honest_rate is not None:
+        if not 0 < args.honest_rate <= 1:
+            parser.error("--honest-rate must be in (0, 1]")
+        operator.CONFUSION_HONEST_RATE = args.honest_rate
     runner.edge_merge = functools.partial(runner.edge_merge, confusion_margin=args.confusion_margin)
     runner.server_merge = functools.partial(runner.server_merge, confusion_margin=args.confusion_margin)
     call_command("simulate", *rest, *(["--out", args.out] if args.out else []))
@@ -46,6 +55,9 @@ def main(argv: list[str] | None = None) -> int:
         document = json.loads(path.read_text())
         document["command"] = "python bench/simulate_confusion_margin.py " + " ".join(argv)
         document["confusion_margin"] = args.confusion_margin
+        document["confusion_honest_rate"] = (
+            args.honest_rate if args.honest_rate is not None else operator.CONFUSION_HONEST_RATE
+        )
         path.write_text(json.dumps(document, indent=2) + "\n")
     return 0
 
