@@ -175,7 +175,12 @@ def test_the_confusion_margin_is_raised_where_honest_requests_overlap(schema):
     probe = ProbeSet(probe_texts, ["weather", "flights"], embed(probe_texts))
     calibrated = edge_merge(inputs, schema, config, embed=embed, probe_set=probe)
     assert [f.source for f in calibrated.flagged] == ["evil"]
-    assert 0.5 < calibrated.stats.confusion_margin < 0.6
+    # Two probe requests, gaps about 0.60 (weather) and -0.44 (flights): the margin sits at the
+    # (1 - rate) quantile between them, above the honest entries' 0.22 and below evil's 2.
+    from federation.merge.operator import CONFUSION_HONEST_RATE
+
+    expected = -0.442 + (1 - CONFUSION_HONEST_RATE) * (0.603 + 0.442)
+    assert calibrated.stats.confusion_margin == pytest.approx(expected, abs=0.01)
     # The margin depends on the registry and the probe only: what is submitted cannot move it.
     flood = inputs + [sub(f"x{i}", [sc("weather", "flights case")]) for i in range(5)]
     assert edge_merge(flood, schema, config, embed=embed, probe_set=probe).stats.confusion_margin \
