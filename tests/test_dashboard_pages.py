@@ -219,7 +219,7 @@ def test_organization_page_shows_edge_figures(client, fed):
     [fig] = figures_in(page)
     assert fig["data"][0]["y"] == [1]
     assert fig["data"][1]["y"][0] > 0
-    assert "dropped as tool confusion" in page
+    assert "dropped by the cross-checks" in page
     assert re.search(r'class="num confusion">3 of 40 <span class="meta">\(margin 0\.37\)', page)
 
 

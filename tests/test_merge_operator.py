@@ -188,6 +188,60 @@ def test_the_confusion_margin_is_raised_where_honest_requests_overlap(schema):
     assert sum(s.support for s in calibrated.compendium.scenarios if s.tool_id == "weather") == 2
 
 
+def test_mean_pairwise_cosine_and_probe_coherence():
+    from federation.merge.clustering import mean_pairwise_cosine, probe_coherence
+
+    axes = np.eye(3)
+    assert mean_pairwise_cosine(axes) == pytest.approx(0.0)
+    assert mean_pairwise_cosine(np.array([[1.0, 0], [1.0, 0], [1.0, 0]])) == pytest.approx(1.0)
+    pair = np.array([[1.0, 0], [0.6, 0.8]])
+    assert mean_pairwise_cosine(pair) == pytest.approx(0.6)
+    assert probe_coherence(np.vstack([pair, axes[:1, :2]]), ["a", "a", "b"]) == {"a": pytest.approx(0.6)}
+
+
+def test_a_flood_of_relabelled_scenarios_from_one_source_is_dropped_as_an_incoherent_batch(schema):
+    """One client labels requests of every kind with one tool: its batch for that tool is far less
+    alike than the tool's probe requests, and goes; an honest client's batch for the same tool,
+    as alike as the probe, stays; so do batches too small to judge."""
+    rng = np.random.default_rng(0)
+
+    def near(axis, n, spread=0.3):
+        out = np.array(axis, dtype=np.float64) + spread * rng.standard_normal((n, 4))
+        return out / np.linalg.norm(out, axis=1, keepdims=True)
+
+    weather_axis, other_axes = [1.0, 0, 0, 0], [[0, 1.0, 0, 0], [0, 0, 1.0, 0], [0, 0, 0, 1.0]]
+    honest = near(weather_axis, 6)
+    flood = np.vstack([near(axis, 2) for axis in other_axes])  # six requests of three other kinds
+    texts = {f"honest {i}": v for i, v in enumerate(honest)}
+    texts.update({f"flood {i}": v for i, v in enumerate(flood)})
+    texts.update({t.description: v for t, v in zip(schema.tools, np.eye(4), strict=True)})
+    texts.update({f"probe {i}": v for i, v in enumerate(near(weather_axis, 8))})
+    texts.update({"small 0": flood[0], "small 1": flood[2]})
+
+    def embed(batch):
+        return np.array([texts[t] for t in batch], dtype=np.float32)
+
+    inputs = [sub("honest", [sc("weather", f"honest {i}") for i in range(6)]),
+              sub("flood", [sc("weather", f"flood {i}") for i in range(6)]),
+              sub("small", [sc("weather", "small 0"), sc("weather", "small 1")])]
+    probe_texts = [f"probe {i}" for i in range(8)]
+    probe = ProbeSet(probe_texts, ["weather"] * 8, embed(probe_texts))
+    # The confusion check off (margin 9), to see this check alone.
+    result = edge_merge(inputs, schema, RoundConfig(summarizer="centroid"), embed=embed,
+                        probe_set=probe, confusion_margin=9.0)
+    dropped = [f for f in result.flagged if f.reason == "incoherent batch"]
+    assert {f.source for f in dropped} == {"flood"} and len(dropped) == 6
+    assert result.stats.flagged_incoherent == 6 and result.stats.flagged_confusion == 0
+    assert dropped[0].own_similarity < 0.5 * dropped[0].closest_similarity
+    kept = {text for s in result.compendium.scenarios for text in [s.text]}
+    assert not any(t.startswith("flood") for t in kept)
+    assert sum(s.support for s in result.compendium.scenarios) == 8  # six honest, two small
+    # Without a probe there is no reference, and nothing is dropped this way.
+    plain = edge_merge(inputs, schema, RoundConfig(summarizer="centroid"), embed=embed,
+                       confusion_margin=9.0)
+    assert plain.stats.flagged_incoherent == 0
+
+
 def test_invalid_submission_is_rejected_and_others_merged(schema, embed):
     bad = sub("bad", [sc("no-such-tool", "anything")])
     good = sub("good", [sc("weather", "Will it rain tomorrow?")])

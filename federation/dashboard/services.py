@@ -450,7 +450,8 @@ class OrganizationPage:
 def organization_page(organization, actor) -> OrganizationPage:
     """An organization's clients by status, whether `actor` may manage them, and its edge's
     figures per round: submissions, edge compendium size and entries, conflicts, rejected
-    submissions, and scenarios dropped by the tool-confusion check (with the margin used)."""
+    submissions, and scenarios dropped by the merge's cross-checks (tool confusion, with the
+    margin used, and incoherent batches)."""
     from federation.models import MergeRecord
     from federation.services import can_admin
 

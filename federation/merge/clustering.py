@@ -230,6 +230,55 @@ def calibrated_margin(gaps: np.ndarray, floor: float, honest_rate: float) -> flo
     return max(floor, float(np.quantile(gaps, 1.0 - honest_rate)))
 
 
+def mean_pairwise_cosine(vectors: np.ndarray) -> float:
+    """Mean cosine over the distinct pairs of n >= 2 unit vectors, from their resultant:
+    (n·|mean|² − 1) / (n − 1)."""
+    n = len(vectors)
+    mean = np.asarray(vectors, dtype=np.float64).mean(axis=0)
+    return float((n * (mean @ mean) - 1.0) / (n - 1))
+
+
+def probe_coherence(vectors: np.ndarray, labels: Sequence[str]) -> dict[str, float]:
+    """Per tool with at least two public probe requests: how alike its honest requests are (their
+    mean pairwise cosine)."""
+    rows: dict[str, list[int]] = {}
+    for row, label in enumerate(labels):
+        rows.setdefault(label, []).append(row)
+    vectors = np.asarray(vectors)
+    return {t: mean_pairwise_cosine(vectors[r]) for t, r in rows.items() if len(r) >= 2}
+
+
+def incoherent_batches(
+    items: Sequence[Item],
+    expected: dict[str, float],
+    *,
+    factor: float,
+    minimum: int,
+    exempt: frozenset[str] = frozenset(),
+) -> dict[tuple[str, str], tuple[float, float]]:
+    """(source, tool) batches of at least `minimum` scenarios whose mean pairwise cosine is under
+    `factor` times what the tool's probe requests show (`expected`; for a tool without, the
+    median over tools): one source labelling requests of every kind with one tool, as a flood of
+    relabelled scenarios does, while honest scenarios of a tool are about as alike as its probe
+    requests. Value: (the batch's coherence, the reference). Sources in `exempt` are not checked."""
+    if not expected:
+        return {}
+    fallback = float(np.median(list(expected.values())))
+    batches: dict[tuple[str, str], list[Item]] = {}
+    for item in items:
+        if item.source not in exempt:
+            batches.setdefault((item.source, item.tool_id), []).append(item)
+    out = {}
+    for key, members in batches.items():
+        if len(members) < minimum:
+            continue
+        reference = expected.get(key[1], fallback)
+        coherence = mean_pairwise_cosine(np.stack([m.vector for m in members]))
+        if coherence < factor * reference:
+            out[key] = (coherence, reference)
+    return out
+
+
 def confusion_verdicts(
     items: Sequence[Item],
     tool_ids: Sequence[str],

@@ -35,8 +35,10 @@ from federation.merge.clustering import (
     decide_cluster,
     greedy_cluster,
     honest_gaps,
+    incoherent_batches,
     item_order_key,
     merged_flags,
+    probe_coherence,
     tool_profiles,
 )
 from federation.merge.llm import OpenAICompatibleLLM, consistency_probe
@@ -72,6 +74,10 @@ CONFUSION_RANK = 1
 # registry's descriptions and the probe itself (`clustering.honest_gaps`: nothing submitted enters,
 # so an adversary cannot raise the margin by flooding the profiles).
 CONFUSION_HONEST_RATE = 0.10
+# Incoherent batches (`clustering.incoherent_batches`): one source's scenarios for one tool, at
+# least COHERENCE_MIN of them, less alike than COHERENCE_FACTOR times the tool's probe requests.
+COHERENCE_FACTOR = 0.5
+COHERENCE_MIN = 5
 
 # The source name of the carried-forward global compendium in a server merge.
 PREVIOUS_GLOBAL = "previous-global"
@@ -339,7 +345,30 @@ def _merge(
             else:
                 kept.append(item)
         scenario_items = kept
-    stats.flagged_confusion = len(flagged)
+        if probe_set is not None and len(probe_set):
+            batches = incoherent_batches(
+                scenario_items,
+                probe_coherence(probe_set.vectors, probe_set.labels),
+                factor=COHERENCE_FACTOR,
+                minimum=COHERENCE_MIN,
+                exempt=frozenset({PREVIOUS_GLOBAL}),
+            )
+            kept = []
+            for item in scenario_items:
+                found = batches.get((item.source, item.tool_id))
+                if found is None:
+                    kept.append(item)
+                    continue
+                coherence, reference = found
+                flagged.append(
+                    FlaggedEntry(
+                        item.source, item.tool_id, item.text, "", round(coherence, 6),
+                        round(reference, 6), reason="incoherent batch",
+                    )
+                )
+                stats.flagged_incoherent += 1
+            scenario_items = kept
+    stats.flagged_confusion = len(flagged) - stats.flagged_incoherent
     clock.lap("cross_validate")
 
     probe = consistency_probe(llm) if llm is not None else None

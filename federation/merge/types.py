@@ -27,7 +27,10 @@ class Rejection:
 
 @dataclass(frozen=True)
 class FlaggedEntry:
-    """A scenario dropped by the tool-confusion check: its text sits closer to another tool."""
+    """A scenario dropped by a cross-check: by the tool-confusion check (its text sits closer to
+    another tool), or as part of an incoherent batch (one source's scenarios for one tool that are
+    far less alike than the tool's public probe requests; `own_similarity` is then the batch's
+    mean pairwise cosine and `closest_similarity` what the probe expects)."""
 
     source: str
     tool_id: str
@@ -35,6 +38,7 @@ class FlaggedEntry:
     closest_tool: str
     own_similarity: float
     closest_similarity: float
+    reason: str = "tool confusion"
 
 
 @dataclass(frozen=True)
@@ -84,6 +88,7 @@ class MergeStats:
     conflicts: int = 0
     flagged_confusion: int = 0
     confusion_margin: float | None = None  # the margin the check used (calibrated on the probe)
+    flagged_incoherent: int = 0  # scenarios dropped in incoherent batches
     robust_dropped: int = 0
     precautions_in: int = 0
     precautions_out: int = 0
