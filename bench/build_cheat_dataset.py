@@ -544,7 +544,23 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--eg", type=Path, default=None, help="eg-1.2.3.tar.gz or its unpacked folder (optional)")
     parser.add_argument("--out", type=Path, default=DEFAULT_OUT)
     parser.add_argument("--table", type=Path, default=TABLE, help=argparse.SUPPRESS)
+    parser.add_argument(
+        "--check", action="store_true",
+        help="build into a temporary folder and compare with --out instead of writing it; "
+        "exit 1 naming the files that differ",
+    )
     args = parser.parse_args(argv)
+    if args.check:
+        import tempfile
+
+        with tempfile.TemporaryDirectory() as tmp:
+            build(args.sdist, args.eg, Path(tmp), args.table)
+            differ = [
+                name for name in ("tools.jsonl", "queries.jsonl", "LICENSE")
+                if (Path(tmp) / name).read_bytes() != (args.out / name).read_bytes()
+            ]
+        print(f"{args.out}: " + (f"differs in {', '.join(differ)}" if differ else "as built"))
+        return 1 if differ else 0
     stats = build(args.sdist, args.eg, args.out, args.table)
     json.dump(stats, sys.stdout, indent=2)
     print()

@@ -475,19 +475,22 @@ def organization_page(organization, actor) -> OrganizationPage:
         for m in MergeRecord.objects.filter(organization=organization).select_related("round")
     }
     numbers = sorted(set(submissions) | set(edges) | set(records))
-    rows = [
-        {
-            "round": n,
-            "submissions": submissions.get(n, 0),
-            "edge": edges.get(n),
-            "conflicts": (records[n].stats.get("conflicts") if n in records else None),
-            "rejected": len(records[n].rejected) if n in records else None,
-            "flagged": len(records[n].flagged) if n in records else None,
-            "scenarios_in": records[n].stats.get("scenarios_in") if n in records else None,
-            "confusion_margin": records[n].stats.get("confusion_margin") if n in records else None,
-        }
-        for n in numbers
-    ]
+    rows = []
+    for n in numbers:
+        record = records.get(n)
+        stats = record.stats if record else {}
+        rows.append(
+            {
+                "round": n,
+                "submissions": submissions.get(n, 0),
+                "edge": edges.get(n),
+                "conflicts": stats.get("conflicts"),
+                "rejected": len(record.rejected) if record else None,
+                "flagged": len(record.flagged) if record else None,
+                "scenarios_in": stats.get("scenarios_in"),
+                "confusion_margin": stats.get("confusion_margin"),
+            }
+        )
     page = OrganizationPage(organization, clients, can_admin(actor, organization.pk), rows)
     if rows:
         fig = go.Figure()

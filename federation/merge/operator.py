@@ -34,11 +34,9 @@ from federation.merge.clustering import (
     confusion_verdicts,
     decide_cluster,
     greedy_cluster,
-    honest_gaps,
     incoherent_batches,
     item_order_key,
     merged_flags,
-    probe_coherence,
     tool_profiles,
 )
 from federation.merge.llm import OpenAICompatibleLLM, consistency_probe
@@ -320,55 +318,10 @@ def _merge(
     flagged: list[FlaggedEntry] = []
     if scenario_items and tool_ids:
         descriptions = np.stack([by_text[t.description] for t in schema.tools])
-        profiles = tool_profiles(tool_ids, descriptions, scenario_items)
-        margin = confusion_margin
-        if probe_set is not None and len(probe_set):
-            gaps = honest_gaps(probe_set.vectors, probe_set.labels, tool_ids, descriptions)
-            margin = calibrated_margin(gaps, confusion_margin, CONFUSION_HONEST_RATE)
-        stats.confusion_margin = round(margin, 6)
-        verdicts = confusion_verdicts(
-            scenario_items, tool_ids, profiles, margin=margin, rank=confusion_rank
+        scenario_items, flagged = _cross_check(
+            scenario_items, tool_ids, descriptions, probe_set, confusion_margin, confusion_rank,
+            stats,
         )
-        kept = []
-        for item, verdict in zip(scenario_items, verdicts, strict=True):
-            if verdict.flagged:
-                flagged.append(
-                    FlaggedEntry(
-                        item.source,
-                        item.tool_id,
-                        item.text,
-                        verdict.closest_tool,
-                        round(verdict.own_similarity, 6),
-                        round(verdict.closest_similarity, 6),
-                    )
-                )
-            else:
-                kept.append(item)
-        scenario_items = kept
-        if probe_set is not None and len(probe_set):
-            batches = incoherent_batches(
-                scenario_items,
-                probe_coherence(probe_set.vectors, probe_set.labels),
-                factor=COHERENCE_FACTOR,
-                minimum=COHERENCE_MIN,
-                exempt=frozenset({PREVIOUS_GLOBAL}),
-            )
-            kept = []
-            for item in scenario_items:
-                found = batches.get((item.source, item.tool_id))
-                if found is None:
-                    kept.append(item)
-                    continue
-                coherence, reference = found
-                flagged.append(
-                    FlaggedEntry(
-                        item.source, item.tool_id, item.text, "", round(coherence, 6),
-                        round(reference, 6), reason="incoherent batch",
-                    )
-                )
-                stats.flagged_incoherent += 1
-            scenario_items = kept
-    stats.flagged_confusion = len(flagged) - stats.flagged_incoherent
     clock.lap("cross_validate")
 
     probe = consistency_probe(llm) if llm is not None else None
@@ -562,6 +515,50 @@ def _tool_metadata(schema: Schema, tool_id: str, stats: dict[str, float]) -> Too
         spec=spec.spec or None,
         stats=dict(sorted(stats.items())),
     )
+
+
+def _cross_check(
+    items: list[Item],
+    tool_ids: list[str],
+    descriptions: np.ndarray,
+    probe_set: ProbeSet | None,
+    confusion_margin: float,
+    confusion_rank: int,
+    stats: MergeStats,
+) -> tuple[list[Item], list[FlaggedEntry]]:
+    """The scenarios that pass the cross-checks, and those dropped: tool-confusion entries (margin
+    calibrated on the probe when there is one), then, with a probe, incoherent batches."""
+    profiles = tool_profiles(tool_ids, descriptions, items)
+    margin = confusion_margin
+    if probe_set:
+        gaps = probe_set.honest_gaps(tool_ids, descriptions)
+        margin = calibrated_margin(gaps, confusion_margin, CONFUSION_HONEST_RATE)
+    stats.confusion_margin = round(margin, 6)
+    verdicts = confusion_verdicts(items, tool_ids, profiles, margin=margin, rank=confusion_rank)
+    flagged = [
+        FlaggedEntry(item.source, item.tool_id, item.text, v.closest_tool,
+                     round(v.own_similarity, 6), round(v.closest_similarity, 6))
+        for item, v in zip(items, verdicts, strict=True)
+        if v.flagged
+    ]
+    items = [item for item, v in zip(items, verdicts, strict=True) if not v.flagged]
+    stats.flagged_confusion = len(flagged)
+    if not probe_set:
+        return items, flagged
+    batches = incoherent_batches(
+        items, probe_set.coherence(), factor=COHERENCE_FACTOR, minimum=COHERENCE_MIN,
+        exempt=frozenset({PREVIOUS_GLOBAL}),
+    )
+    incoherent = [
+        FlaggedEntry(item.source, item.tool_id, item.text, "", round(coherence, 6),
+                     round(reference, 6), reason="incoherent batch")
+        for item in items
+        if (found := batches.get((item.source, item.tool_id))) is not None
+        for coherence, reference in [found]
+    ]
+    stats.flagged_incoherent = len(incoherent)
+    kept = [item for item in items if (item.source, item.tool_id) not in batches]
+    return kept, flagged + incoherent
 
 
 def _cluster_scenarios(items: list[Item], config: RoundConfig, probe: ConsistencyProbe | None,

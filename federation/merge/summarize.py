@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from federation.merge.clustering import central_order
+from federation.merge.clustering import central_order, honest_gaps, probe_coherence
 from federation.merge.llm import LLMUnavailable, OpenAICompatibleLLM
 
 ORDER = ("textgrad", "llm-single-shot", "probe-extractive", "centroid", "none")
@@ -45,9 +45,25 @@ class ProbeSet:
     texts: list[str]
     labels: list[str]
     vectors: np.ndarray
+    # What the merge's cross-checks derive from the probe, kept per registry: the same in every
+    # edge and server merge of a round (`honest_gaps` costs about 0.1 s on MetaTool's probe).
+    _derived: dict = field(default_factory=dict, init=False, repr=False, compare=False)
 
     def __len__(self) -> int:
         return len(self.texts)
+
+    def honest_gaps(self, tool_ids: Sequence[str], descriptions: np.ndarray) -> np.ndarray:
+        """`clustering.honest_gaps` of these requests against the registry given."""
+        key = ("gaps", tuple(tool_ids), np.ascontiguousarray(descriptions).tobytes())
+        if key not in self._derived:
+            self._derived[key] = honest_gaps(self.vectors, self.labels, tool_ids, descriptions)
+        return self._derived[key]
+
+    def coherence(self) -> dict[str, float]:
+        """`clustering.probe_coherence` of these requests."""
+        if "coherence" not in self._derived:
+            self._derived["coherence"] = probe_coherence(self.vectors, self.labels)
+        return self._derived["coherence"]
 
 
 @dataclass

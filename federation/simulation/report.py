@@ -73,12 +73,7 @@ def combine(documents: list[dict[str, Any]]) -> dict[str, Any]:
     weights = [len(doc["seeds"]) for doc in documents]
 
     def weighted(key: str) -> dict[str, float]:
-        keys = sorted({k for doc in documents for k in doc.get(key, {})})
-        out = {}
-        for k in keys:
-            pairs = [(doc[key][k], w) for doc, w in zip(documents, weights, strict=True) if k in doc.get(key, {})]
-            out[k] = round(float(np.average([v for v, _ in pairs], weights=[w for _, w in pairs])), 4)
-        return out
+        return _weighted_means([doc.get(key, {}) for doc in documents], weights)
 
     rows = [row for doc in documents for row in doc["results"]]
     sweeps = {
@@ -102,6 +97,15 @@ def combine(documents: list[dict[str, Any]]) -> dict[str, Any]:
         "combined_from": [doc.get("command", "") for doc in documents],
         **sweeps,
     }
+
+
+def _weighted_means(items: list[dict[str, float]], weights: list[int]) -> dict[str, float]:
+    """Per key, the mean over the dicts that have it, each weighted (by its seeds)."""
+    out = {}
+    for k in sorted({k for item in items for k in item}):
+        pairs = [(item[k], w) for item, w in zip(items, weights, strict=True) if k in item]
+        out[k] = round(float(np.average([v for v, _ in pairs], weights=[w for _, w in pairs])), 4)
+    return out
 
 
 def _mean_dicts(items: list[dict[str, float]]) -> dict[str, float]:
@@ -225,12 +229,10 @@ def _combine_sweep(name: str, sections: list[list[dict]]) -> list[dict]:
         combined["accuracy_sd"] = (
             round(float(np.std(accuracies, ddof=1)), 4) if len(accuracies) > 1 else 0.0
         )
-        for key in sorted(_SWEEP_FIGURES - {"seeds", "accuracy", "accuracy_sd", "accuracy_by_seed"}):
-            values = [(row[key], w) for row, w in zip(rows, weights, strict=True) if key in row]
-            if values:
-                combined[key] = round(
-                    float(np.average([v for v, _ in values], weights=[w for _, w in values])), 4
-                )
+        averaged = _SWEEP_FIGURES - {"seeds", "accuracy", "accuracy_sd", "accuracy_by_seed"}
+        combined.update(
+            _weighted_means([{k: v for k, v in row.items() if k in averaged} for row in rows], weights)
+        )
         combined["accuracy_by_seed"] = pairs
         out.append(combined)
     return out
