@@ -99,6 +99,7 @@ class BuildReport:
     capped_contributions: int = 0
     skipped_fields: list[str] = field(default_factory=list)
     delta: dict[str, int] | None = None  # what `--since` left out (compendium.delta)
+    budget: dict[str, int] | None = None  # what `--max-bytes` kept for later (compendium.delta)
     min_users: int = 1
     withheld_scenarios: int = 0  # supported by fewer than `min_users` users: not sent
     withheld_precautions: int = 0

@@ -40,11 +40,16 @@ def _scenario_order(scenarios: list[dict]) -> list[dict]:
     return sorted(scenarios, key=_SORT_KEYS["scenarios"])
 
 
+def _canonical_entry(section: str, entry: dict[str, Any]) -> dict[str, Any]:
+    if section == "scenarios" and not entry.get("preconditions"):  # the default: 18 bytes saved
+        entry.pop("preconditions", None)
+    return entry
+
+
 def canonical_dict(compendium: Compendium) -> dict[str, Any]:
     doc = compendium.model_dump(mode="json", exclude_none=True)
     for scenario in doc.get("scenarios", []):
-        if not scenario.get("preconditions"):  # the default: 18 bytes a scenario saved
-            scenario.pop("preconditions", None)
+        _canonical_entry("scenarios", scenario)
     for name, key in _SORT_KEYS.items():
         if name == "scenarios":
             doc[name] = _scenario_order(doc.get(name, []))
@@ -89,6 +94,12 @@ def _encode(doc: dict[str, Any]) -> bytes:
         ensure_ascii=False,
         allow_nan=False,
     ).encode("utf-8")
+
+
+def entry_size(section: str, entry: Any) -> int:
+    """Bytes one entry (a pydantic model of `section`: "scenarios", "precautions", ...) adds to a
+    canonical document: its canonical JSON and the comma that separates it from the next."""
+    return len(_encode(_canonical_entry(section, entry.model_dump(mode="json", exclude_none=True)))) + 1
 
 
 def gzip_bytes(data: bytes) -> bytes:

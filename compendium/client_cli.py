@@ -17,7 +17,12 @@ from pathlib import Path
 from pydantic import ValidationError
 
 from compendium.canonical import canonical_dict, canonical_form
-from compendium.delta import DEFAULT_SINCE_CONFIDENCE, delta_since, routed_by
+from compendium.delta import (
+    DEFAULT_SINCE_CONFIDENCE,
+    delta_since,
+    fit_budget,
+    routed_by,
+)
 from compendium.schema import DEFAULT_NUMERIC_FIELDS, Compendium, Schema
 from compendium.validation import CompendiumInvalid, format_path, validate_compendium
 
@@ -104,6 +109,8 @@ def cmd_build(args: argparse.Namespace) -> int:
         raise CliError("--field-cap must be at least 1")
     if not 0 < args.tau <= 1:
         raise CliError("--tau must be in (0, 1]")
+    if args.max_bytes is not None and args.max_bytes < 1:
+        raise CliError(f"--max-bytes must be a positive number of bytes, not {args.max_bytes}")
     if not args.since_confidence >= 0:  # also NaN
         raise CliError(f"--since-confidence must be at least 0, not {args.since_confidence:g}")
     if args.min_users < 1:
@@ -159,11 +166,11 @@ def cmd_build(args: argparse.Namespace) -> int:
     except CompendiumInvalid as exc:
         raise CliError(f"the built compendium is not valid under the schema: {exc}") from None
     notes = ""
+    pulled, route = None, None
     if args.since:
         if engine is None:
             raise CliError("--since needs the embedding model (drop --no-collapse)")
         pulled = _load_compendium(args.since)
-        route = None
         if args.since_confidence <= 1.0 and pulled.scenarios:
             from routing.cli import pulled_router
 
@@ -177,6 +184,21 @@ def cmd_build(args: argparse.Namespace) -> int:
             f"({delta.scenarios_routed} of them already routed right by it) and "
             f"{delta.precautions_covered} precaution(s) already covered, not sent."
         )
+
+    if args.max_bytes is not None:
+        compendium, budget = fit_budget(compendium, args.max_bytes)
+        report.budget = budget.as_dict()
+        if budget.scenarios_deferred or budget.precautions_deferred:
+            notes += (
+                f" Over the budget of {args.max_bytes} bytes: {budget.scenarios_deferred} "
+                f"scenario(s) and {budget.precautions_deferred} precaution(s) kept for a later "
+                "round."
+            )
+        if budget.bytes_after > args.max_bytes:
+            notes += (
+                f" The statistics and templates alone take {budget.bytes_after} bytes, over the "
+                "budget."
+            )
 
     out = Path(args.out)
     text = json.dumps(canonical_dict(compendium), ensure_ascii=False, indent=1, sort_keys=True)
@@ -405,6 +427,11 @@ def build_parser() -> argparse.ArgumentParser:
         dest="since_confidence", metavar="P",
         help="with --since, also leave out the scenarios the pulled global already routes to "
         "their tool with calibrated confidence >= P (default %(default)s; above 1: off)",
+    )
+    build.add_argument(
+        "--max-bytes", type=int, default=None, dest="max_bytes", metavar="B",
+        help="send at most B canonical bytes: the statistics, then scenarios in turns over the "
+        "tools, then precautions; the rest waits for a later round",
     )
     build.add_argument("--embedding-model", default=None, help="sentence-transformers model/path")
     build.add_argument("--quiet", action="store_true", help="no progress bars")

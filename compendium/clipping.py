@@ -14,6 +14,9 @@ deployments", option (a)), and it runs inside the client:
    not use the tool (or whose contribution was capped away) counting the neutral value (0 clipped
    into the bound). The denominator U is the same for every field, so replacing one user's data
    moves each released value by at most Δ/U, and at most F* tools' values move at all.
+5. The mean is released to 4 significant digits, kept inside the clip bound (`released_value`):
+   the edge's bound (each client's value in an interval of width Δ) is exact, the per-user bound
+   Δ/U holds to within the rounding, half a unit of the 4th digit of each value.
 
 Consequence to know when reading the numbers: for rates and latencies the released value is a
 mean over all users, non-users counting 0, i.e. the conditional rate times the share of users that
@@ -167,13 +170,30 @@ def client_statistics(
     users = sorted(result.contributions)
     for tool in sorted(touched):
         result.stats[tool] = {
-            spec.name: math.fsum(
-                result.contributions[u][tool][spec.name]
-                if tool in result.contributions[u]
-                else bounds[spec.name].neutral
-                for u in users
+            spec.name: released_value(
+                math.fsum(
+                    result.contributions[u][tool][spec.name]
+                    if tool in result.contributions[u]
+                    else bounds[spec.name].neutral
+                    for u in users
+                )
+                / len(users),
+                bounds[spec.name],
             )
-            / len(users)
             for spec in derivable
         }
     return result
+
+
+RELEASED_DIGITS = 4
+
+
+def released_value(mean: float, bound: ClipBound) -> float:
+    """The mean as released: to `RELEASED_DIGITS` significant digits (0.6666666666666666 is 18
+    bytes of a submission, 0.6667 is 6; the edge's Laplace noise is orders of magnitude coarser),
+    kept inside the clip bound, so that the value still lies in an interval of width Δ and the
+    edge's sensitivity is unchanged."""
+    if mean == 0 or not math.isfinite(mean):
+        return mean
+    digits = RELEASED_DIGITS - 1 - math.floor(math.log10(abs(mean)))
+    return bound.clip(round(mean, digits))

@@ -17,11 +17,21 @@ with `previous=`) already holds what the client pulled, so the client need only 
 - the numeric statistics, always: they are this round's per-user averages, released with fresh
   noise by the edge each round, and they are a few bytes per tool.
 
+A byte budget (`fit_budget`) then keeps, of what is left, as much as fits in a size the operator
+sets: the numeric statistics, templates and annex always; then scenarios, taken in turns over the
+tools so that every tool the client saw is represented before any tool gets a second entry, the
+most supported first; then precautions, the most supported first. What does not fit stays on the
+client: its log still has it, so the next round's build offers it again, against the global that
+round pulls. Which scenarios go first matters little; how many go matters a lot. On MetaTool
+(seed 0, a 12,000-byte budget) sending first what the pulled global gets wrong reached 0.685,
+a seeded random order 0.701, what it gets right most surely first 0.708; with no budget, 0.805.
+
 Pure: no Django. The embedding engine is passed in.
 """
 
 from __future__ import annotations
 
+import hashlib
 from collections import defaultdict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -29,6 +39,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from compendium.builder import DEFAULT_TAU, Embedder
+from compendium.canonical import canonical_bytes, entry_size
 from compendium.schema import Compendium
 
 # An entry the pulled global's router already sends to its tool with at least this calibrated
@@ -152,3 +163,76 @@ def delta_since(
         annex_covered=len(local.annex) - len(annex),
     )
     return delta, report
+
+
+@dataclass(frozen=True)
+class BudgetReport:
+    max_bytes: int
+    bytes_before: int
+    bytes_after: int
+    scenarios_deferred: int  # left on the client for a later round
+    precautions_deferred: int
+
+    def as_dict(self) -> dict[str, int]:
+        return dict(self.__dict__)
+
+
+def _in_turns(order: list[int], tool_of: Sequence[str]) -> list[int]:
+    """`order` (best first) re-dealt in turns over the tools: every tool's best entry, in the order
+    of those entries, then every tool's second best, and so on."""
+    rank: dict[str, int] = defaultdict(int)
+    keyed = []
+    for position, i in enumerate(order):
+        turn = rank[tool_of[i]]
+        rank[tool_of[i]] += 1
+        keyed.append((turn, position, i))
+    return [i for _, _, i in sorted(keyed)]
+
+
+def _spread(text: str) -> bytes:
+    """A deterministic order among equally supported entries that is unrelated to their wording."""
+    return hashlib.blake2b(text.encode("utf-8"), digest_size=8).digest()
+
+
+def fit_budget(compendium: Compendium, max_bytes: int) -> tuple[Compendium, BudgetReport]:
+    """`compendium` cut to at most `max_bytes` canonical bytes (see the module docstring). The
+    statistics, templates and annex are never cut: when they alone exceed the budget the result
+    is over it, and the report says by how much."""
+    before = len(canonical_bytes(compendium))
+    if before <= max_bytes:
+        return compendium, BudgetReport(max_bytes, before, before, 0, 0)
+    scenarios, precautions = compendium.scenarios, compendium.precautions
+    used = len(canonical_bytes(compendium.model_copy(update={"scenarios": [], "precautions": []})))
+    order = sorted(
+        range(len(scenarios)),
+        key=lambda i: (-scenarios[i].support, _spread(scenarios[i].tool_id + "\n" + scenarios[i].text)),
+    )
+    kept_scenarios = set()
+    for i in _in_turns(order, [s.tool_id for s in scenarios]):
+        size = entry_size("scenarios", scenarios[i])
+        if used + size <= max_bytes:
+            kept_scenarios.add(i)
+            used += size
+    kept_precautions = set()
+    for i in sorted(
+        range(len(precautions)),
+        key=lambda i: (-precautions[i].support, _spread(precautions[i].text)),
+    ):
+        size = entry_size("precautions", precautions[i])
+        if used + size <= max_bytes:
+            kept_precautions.add(i)
+            used += size
+    cut = compendium.model_copy(
+        update={
+            "scenarios": [s for i, s in enumerate(scenarios) if i in kept_scenarios],
+            "precautions": [p for i, p in enumerate(precautions) if i in kept_precautions],
+        }
+    )
+    report = BudgetReport(
+        max_bytes=max_bytes,
+        bytes_before=before,
+        bytes_after=len(canonical_bytes(cut)),
+        scenarios_deferred=len(scenarios) - len(kept_scenarios),
+        precautions_deferred=len(precautions) - len(kept_precautions),
+    )
+    return cut, report

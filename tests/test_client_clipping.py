@@ -8,7 +8,7 @@ import random
 import pytest
 
 from compendium.builder import BuildOptions, build_compendium
-from compendium.clipping import client_statistics, clip_bound
+from compendium.clipping import RELEASED_DIGITS, client_statistics, clip_bound, released_value
 from compendium.schema import (
     DEFAULT_NUMERIC_FIELDS,
     NumericFieldSpec,
@@ -49,9 +49,17 @@ def random_user(rng: random.Random, user: str, extreme: bool = False) -> list[Us
 
 
 def max_change(a, b) -> dict[str, float]:
+    """Per field, the largest change of a released value beyond what rounding to
+    RELEASED_DIGITS significant digits can add (half a unit of the last digit on each side)."""
     tools = set(a) | set(b)
+    half_unit = 0.5 * 10.0 ** (1 - RELEASED_DIGITS)  # relative to the value
     return {
-        name: max(abs(value(a, t, name) - value(b, t, name)) for t in tools) for name in SPECS
+        name: max(
+            abs(value(a, t, name) - value(b, t, name))
+            - half_unit * (abs(value(a, t, name)) + abs(value(b, t, name)))
+            for t in tools
+        )
+        for name in SPECS
     }
 
 
@@ -94,6 +102,19 @@ def test_released_value_is_the_mean_over_all_users_non_users_counting_zero():
     assert stats.stats["tool0"]["latency_ms"] == pytest.approx((100 + 500) / 2)
     assert stats.stats["tool1"]["calls"] == pytest.approx((0 + 4) / 2)
     assert stats.stats["tool1"]["latency_ms"] == pytest.approx((0 + 300) / 2)
+
+
+def test_released_values_have_four_significant_digits_and_stay_in_the_bound():
+    bound = clip_bound(SPECS["success_rate"])
+    assert released_value(2 / 3, bound) == 0.6667
+    assert released_value(0.013306138306138306, bound) == 0.01331
+    assert released_value(0.99996, bound) == 1.0 and released_value(0.0, bound) == 0.0
+    latency = clip_bound(SPECS["latency_ms"])
+    assert released_value(1332.9166666666667, latency) == 1333.0
+    assert released_value(latency.hi - 0.4, latency) == latency.hi
+    stats = client_statistics([rec("a", "tool0"), rec("b", "tool1"), rec("c", "tool1")], FIELDS)
+    assert stats.stats["tool0"]["calls"] == 0.3333
+    assert stats.stats["tool1"]["frequency"] == 0.6667
 
 
 def test_clip_bound_is_anchored_at_min_and_no_wider_than_delta():

@@ -6,8 +6,9 @@ import json
 
 import pytest
 
+from compendium.canonical import canonical_bytes, entry_size
 from compendium.client_cli import main
-from compendium.delta import delta_since
+from compendium.delta import delta_since, fit_budget
 from compendium.schema import Compendium
 from routing.embeddings import get_engine
 
@@ -179,3 +180,87 @@ def test_cli_build_min_users_withholds_what_one_user_alone_asked(tmp_path, capsy
     assert [s["text"] for s in sent["scenarios"]] == ["Will it rain tomorrow?"]
     assert main(args + ["--min-users", "0"]) == 1
     assert "--min-users must be at least 1" in capsys.readouterr().err
+
+
+def budget_case():
+    """Three tools; weather has three scenarios, the others one each; and this round's stats."""
+    return comp(
+        scenarios=[
+            ("weather", "Will it rain tomorrow in Paris?"),
+            ("weather", "Do I need an umbrella in Oslo on Sunday?"),
+            ("weather", "How windy is it on the coast of Brittany this afternoon?"),
+            ("flights", "Any seats left to Lisbon next week?"),
+            ("hotels", "A quiet room near the station in Porto"),
+        ],
+        precautions=[("flights", "Do not use flights for requests like: train times")],
+        metadata=[{"tool_id": t, "stats": {"calls": 2.5}} for t in ("weather", "flights", "hotels")],
+    )
+
+
+def test_a_budget_sends_the_statistics_then_scenarios_in_turns_over_tools_most_supported_first():
+    local = budget_case()
+    support = {  # weather's are the most supported, yet each tool gets one before weather two
+        "Will it rain tomorrow in Paris?": 9,
+        "Do I need an umbrella in Oslo on Sunday?": 8,
+        "How windy is it on the coast of Brittany this afternoon?": 7,
+        "Any seats left to Lisbon next week?": 2,
+        "A quiet room near the station in Porto": 1,
+    }
+    local = local.model_copy(
+        update={"scenarios": [s.model_copy(update={"support": support[s.text]}) for s in local.scenarios]}
+    )
+    full = len(canonical_bytes(local))
+    same, report = fit_budget(local, full)
+    assert same == local and report.bytes_after == full and report.scenarios_deferred == 0
+    stats_only = local.model_copy(update={"scenarios": [], "precautions": []})
+    base = len(canonical_bytes(stats_only))
+    sizes = {s.text: entry_size("scenarios", s) for s in local.scenarios}
+    order = [  # weather's most supported, then flights', then hotels', then weather's second
+        "Will it rain tomorrow in Paris?",
+        "Any seats left to Lisbon next week?",
+        "A quiet room near the station in Porto",
+        "Do I need an umbrella in Oslo on Sunday?",
+    ]
+    budget = base + sum(sizes[t] for t in order[:3])
+    cut, report = fit_budget(local, budget)
+    assert sorted(s.text for s in cut.scenarios) == sorted(order[:3])
+    assert cut.metadata == local.metadata and cut.precautions == []
+    assert len(canonical_bytes(cut)) <= budget == report.max_bytes
+    assert (report.scenarios_deferred, report.precautions_deferred) == (2, 1)
+    assert report.bytes_after == len(canonical_bytes(cut)) and report.bytes_before == full
+    # Room for one more: weather's second goes before any precaution.
+    more, _ = fit_budget(local, budget + sizes[order[3]])
+    assert sorted(s.text for s in more.scenarios) == sorted(order) and more.precautions == []
+    # Two bytes less and hotels' no longer fits; nothing shorter is left to take its place.
+    fewer, _ = fit_budget(local, budget - 2)
+    assert sorted(s.text for s in fewer.scenarios) == sorted(order[:2])
+    # Statistics are never cut: a budget below them sends them alone, and says so.
+    tiny, tiny_report = fit_budget(local, 10)
+    assert tiny == stats_only and tiny_report.bytes_after == base > 10
+
+
+def test_cli_build_max_bytes_sends_at_most_the_budget(tmp_path, capsys):
+    queries = [(q, "weather") for q in (
+        "Will it rain tomorrow in Paris?", "Is a heatwave coming to Seville this summer?",
+        "How strong is the wind on the Brittany coast today?", "Should I expect snow in Oslo?",
+        "What is the UV index at noon in Madrid?", "Is there fog at dawn over San Francisco?",
+    )]
+    queries += [(q, "flights") for q in (
+        "Find a cheap flight to Rome", "Any seats left to Lisbon next week?",
+        "Book a business class ticket from Tokyo to Sydney", "Is flight AF1234 delayed?",
+        "Which airlines fly direct from Boston to Dublin?", "Cheapest way to get to Iceland in May",
+    )]
+    args = write_client(tmp_path, queries, comp())[:-2]
+    assert main(args + ["--out", str(tmp_path / "full.json")]) == 0
+    assert main(args + ["--out", str(tmp_path / "cut.json"), "--max-bytes", "900"]) == 0
+    assert "Over the budget of 900 bytes:" in capsys.readouterr().out
+    cut = Compendium.model_validate_json((tmp_path / "cut.json").read_text())
+    assert len(canonical_bytes(cut)) <= 900
+    assert {s.tool_id for s in cut.scenarios} == {"weather", "flights"}
+    report = json.loads((tmp_path / "cut.json.report.json").read_text())
+    full = json.loads((tmp_path / "full.json").read_text())
+    assert len(canonical_bytes(Compendium.model_validate(full))) > 900
+    assert report["budget"]["scenarios_deferred"] == len(full["scenarios"]) - len(cut.scenarios) > 0
+    assert main(args + ["--out", str(tmp_path / "x.json"), "--max-bytes", "0"]) == 1
+    assert "--max-bytes must be a positive number of bytes, not 0" in capsys.readouterr().err
+    assert not (tmp_path / "x.json").exists()

@@ -26,7 +26,7 @@ import numpy as np
 
 from compendium.builder import BuildOptions, build_compendium
 from compendium.canonical import canonical_bytes
-from compendium.delta import DEFAULT_SINCE_CONFIDENCE, delta_since, routed_by
+from compendium.delta import DEFAULT_SINCE_CONFIDENCE, delta_since, fit_budget, routed_by
 from compendium.registry import LabelledQuery, RoutingDataset, Split
 from compendium.schema import Compendium, Scenario, Schema
 from compendium.usage_log import parse_record
@@ -99,6 +99,9 @@ class SimulationConfig:
     # already sends to their tool with at least this calibrated confidence (compendium.delta);
     # above 1: the cosine rule alone.
     since_confidence: float = DEFAULT_SINCE_CONFIDENCE
+    # Each honest client cuts what it sends to at most this many canonical bytes
+    # (`compendium.delta.fit_budget`); None: no budget. Adversaries ignore it.
+    max_bytes: int | None = None
     # k-anonymous release at the clients (compendium.builder): entries supported by fewer distinct
     # users stay local; `client_tau` is the clients' collapse threshold (None: `tau`).
     min_users: int = 1
@@ -298,6 +301,9 @@ class Simulation:
                         compendium, pulled, self.engine, self.config.tau,
                         route=route, confidence=self.config.since_confidence,
                     )
+                honest = not (adversaries and share.client in adversaries)
+                if self.config.max_bytes and honest:
+                    compendium, _ = fit_budget(compendium, self.config.max_bytes)
                 sent[share.client] = compendium
             self.progress(f"seed {seed}: round {r}: edge and server merges")
             edges = []

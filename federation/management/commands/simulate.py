@@ -81,6 +81,11 @@ class Command(BaseCommand):
             "already routes to their tool with at least this calibrated confidence (default "
             "%(default)s; above 1: only what the global covers at cosine >= tau is left out)",
         )
+        parser.add_argument(
+            "--max-bytes", type=int, default=None,
+            help="each honest client sends at most this many canonical bytes a round, keeping "
+            "what the pulled global gets wrong first (default: no budget)",
+        )
         parser.add_argument("--adversarial-fraction", type=float, default=0.0)
         parser.add_argument("--adversarial-mode", choices=ADVERSARIAL_MODES, default="random_corruption")
         parser.add_argument(
@@ -180,6 +185,7 @@ class Command(BaseCommand):
             adversarial_mode=o["adversarial_mode"],
             carry_forward=not o["no_carry_forward"],
             since_confidence=o["since_confidence"],
+            max_bytes=o["max_bytes"],
             min_users=o["min_users"],
             client_tau=o["client_tau"],
             transfer_models=_names(o["transfer_models"]),
