@@ -17,12 +17,7 @@ from pathlib import Path
 from pydantic import ValidationError
 
 from compendium.canonical import canonical_dict, canonical_form
-from compendium.delta import (
-    DEFAULT_SINCE_CONFIDENCE,
-    delta_since,
-    fit_budget,
-    routed_by,
-)
+from compendium.delta import DEFAULT_SINCE_CONFIDENCE, delta_since, fit_budget, routed_by
 from compendium.schema import DEFAULT_NUMERIC_FIELDS, Compendium, Schema
 from compendium.validation import CompendiumInvalid, format_path, validate_compendium
 
@@ -166,11 +161,11 @@ def cmd_build(args: argparse.Namespace) -> int:
     except CompendiumInvalid as exc:
         raise CliError(f"the built compendium is not valid under the schema: {exc}") from None
     notes = ""
-    pulled, route = None, None
     if args.since:
         if engine is None:
             raise CliError("--since needs the embedding model (drop --no-collapse)")
         pulled = _load_compendium(args.since)
+        route = None
         if args.since_confidence <= 1.0 and pulled.scenarios:
             from routing.cli import pulled_router
 
