@@ -299,3 +299,11 @@ def test_unknown_transfer_variant_fails_before_the_federation_runs(tiny_dataset,
     assert named in message and "\n" not in message
     assert "round 1" not in capsys.readouterr().err  # no federation round was started
     assert not SimulationRun.objects.exists()
+
+
+def test_a_byte_budget_below_one_byte_is_refused_before_anything_runs(tiny_dataset, capsys):
+    with pytest.raises(CommandError, match="--max-bytes must be a positive number of bytes, not 0"):
+        call_command("simulate", "--dataset", str(tiny_dataset), "--orgs", "2", "--clients-per-org",
+                     "2", "--rounds", "2", "--no-baselines", "--max-bytes", "0", verbosity=1)
+    assert "round 1" not in capsys.readouterr().err
+    assert not SimulationRun.objects.exists()

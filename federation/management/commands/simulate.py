@@ -159,6 +159,8 @@ class Command(BaseCommand):
             raise CommandError("--min-users must be at least 1")
         if o["client_tau"] is not None and not 0 < o["client_tau"] <= 1:
             raise CommandError("--client-tau must be in (0, 1]")
+        if o["max_bytes"] is not None and o["max_bytes"] < 1:
+            raise CommandError(f"--max-bytes must be a positive number of bytes, not {o['max_bytes']}")
         try:
             dataset = load_dataset(o["dataset"])
             engine = get_engine(o["embedding_model"])
