@@ -41,15 +41,20 @@ def _scenario_order(scenarios: list[dict]) -> list[dict]:
 
 
 def _canonical_entry(section: str, entry: dict[str, Any]) -> dict[str, Any]:
-    if section == "scenarios" and not entry.get("preconditions"):  # the default: 18 bytes saved
+    """Fields at their defaults are left out: no preconditions (18 bytes a scenario) and a
+    support of 1 (12 bytes a scenario or precaution, most of what a client sends)."""
+    if section == "scenarios" and not entry.get("preconditions"):
         entry.pop("preconditions", None)
+    if section in ("scenarios", "precautions") and entry.get("support") == 1:
+        entry.pop("support")
     return entry
 
 
 def canonical_dict(compendium: Compendium) -> dict[str, Any]:
     doc = compendium.model_dump(mode="json", exclude_none=True)
-    for scenario in doc.get("scenarios", []):
-        _canonical_entry("scenarios", scenario)
+    for section in ("scenarios", "precautions"):
+        for entry in doc.get(section, []):
+            _canonical_entry(section, entry)
     for name, key in _SORT_KEYS.items():
         if name == "scenarios":
             doc[name] = _scenario_order(doc.get(name, []))

@@ -109,3 +109,35 @@ def test_fast_encoder_writes_the_bytes_json_dumps_writes():
             assert _encode(doc) == standard(doc), value
     with pytest.raises(ValueError):
         _encode({"x": float("nan")})
+
+
+def test_fields_at_their_defaults_are_left_out_and_read_back_the_same():
+    from compendium.canonical import canonical_dict, entry_size
+    from compendium.schema import Compendium
+
+    compendium = Compendium.model_validate({
+        "scenarios": [
+            {"tool_id": "weather", "text": "Rain in Paris?"},
+            {"tool_id": "weather", "text": "Snow in Oslo?", "support": 3,
+             "preconditions": {"needs_city": True}},
+        ],
+        "precautions": [
+            {"tool_id": "weather", "text": "Do not use weather for flights"},
+            {"tool_id": "weather", "text": "Do not use weather for trains", "support": 2},
+        ],
+    })
+    doc = canonical_dict(compendium)
+    assert doc["scenarios"] == [
+        {"text": "Rain in Paris?", "tool_id": "weather"},
+        {"preconditions": {"needs_city": True}, "support": 3, "text": "Snow in Oslo?",
+         "tool_id": "weather"},
+    ]
+    assert doc["precautions"][0] == {"text": "Do not use weather for flights", "tool_id": "weather"}
+    assert doc["precautions"][1]["support"] == 2
+    assert Compendium.model_validate_json(canonical_bytes(compendium)) == compendium
+    # an entry's size is what it adds to the document
+    alone = compendium.model_copy(update={"scenarios": compendium.scenarios[:1], "precautions": []})
+    empty = compendium.model_copy(update={"scenarios": [], "precautions": []})
+    assert len(canonical_bytes(alone)) - len(canonical_bytes(empty)) == entry_size(
+        "scenarios", compendium.scenarios[0]
+    ) - 1
