@@ -239,6 +239,37 @@ def test_a_budget_sends_the_statistics_then_scenarios_in_turns_over_tools_most_s
     assert tiny == stats_only and tiny_report.bytes_after == base > 10
 
 
+def test_what_does_not_fit_is_sent_in_a_later_round(engine):
+    """Round 1 sends what fits; the server carries it forward, so round 2's delta leaves it out
+    and the budget goes to what was held back."""
+    local = comp(
+        scenarios=[(t, q) for t, q in [
+            ("weather", "Will it rain tomorrow in Paris?"),
+            ("weather", "How strong is the wind on the Brittany coast today?"),
+            ("weather", "What is the UV index at noon in Madrid?"),
+            ("flights", "Book a business class ticket from Tokyo to Sydney"),
+            ("flights", "Which airlines fly direct from Boston to Dublin?"),
+            ("flights", "Is flight AF1234 delayed?"),
+        ]],
+        metadata=[{"tool_id": t, "stats": {"calls": 2.5}} for t in ("weather", "flights")],
+    )
+    stats_only = len(canonical_bytes(local.model_copy(update={"scenarios": []})))
+    budget = stats_only + sum(sorted(entry_size("scenarios", s) for s in local.scenarios)[-2:])
+    first, report = fit_budget(local, budget)
+    assert len(first.scenarios) == 2 and report.scenarios_deferred == 4
+    assert {s.tool_id for s in first.scenarios} == {"weather", "flights"}
+    pulled = first.model_copy(update={"metadata": []})  # the global now holds what was sent
+    delta, _ = delta_since(local, pulled, engine, tau=0.85)
+    second, _ = fit_budget(delta, budget)
+    sent_first = {s.text for s in first.scenarios}
+    assert len(second.scenarios) == 2 and not sent_first & {s.text for s in second.scenarios}
+    third, _ = fit_budget(delta_since(local, pulled.model_copy(
+        update={"scenarios": first.scenarios + second.scenarios}), engine, tau=0.85)[0], budget)
+    assert {s.text for s in first.scenarios + second.scenarios + third.scenarios} == {
+        s.text for s in local.scenarios
+    }
+
+
 def test_cli_build_max_bytes_sends_at_most_the_budget(tmp_path, capsys):
     queries = [(q, "weather") for q in (
         "Will it rain tomorrow in Paris?", "Is a heatwave coming to Seville this summer?",
