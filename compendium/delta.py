@@ -196,6 +196,18 @@ def _spread(text: str) -> bytes:
     return hashlib.blake2b(text.encode("utf-8"), digest_size=8).digest()
 
 
+def _pack(section: str, entries: Sequence, order: Sequence[int], room: int) -> tuple[set[int], int]:
+    """The entries of `section` taken in `order` while they fit in `room` bytes (one that does not
+    fit is skipped and a smaller later one may still fit); their indices and the room left."""
+    kept = set()
+    for i in order:
+        size = entry_size(section, entries[i])
+        if size <= room:
+            kept.add(i)
+            room -= size
+    return kept, room
+
+
 def fit_budget(compendium: Compendium, max_bytes: int) -> tuple[Compendium, BudgetReport]:
     """`compendium` cut to at most `max_bytes` canonical bytes (see the module docstring). The
     statistics, templates and annex are never cut: when they alone exceed the budget the result
@@ -204,26 +216,21 @@ def fit_budget(compendium: Compendium, max_bytes: int) -> tuple[Compendium, Budg
     if before <= max_bytes:
         return compendium, BudgetReport(max_bytes, before, before, 0, 0)
     scenarios, precautions = compendium.scenarios, compendium.precautions
-    used = len(canonical_bytes(compendium.model_copy(update={"scenarios": [], "precautions": []})))
-    order = sorted(
+    fixed = len(canonical_bytes(compendium.model_copy(update={"scenarios": [], "precautions": []})))
+    by_support = sorted(
         range(len(scenarios)),
         key=lambda i: (-scenarios[i].support, _spread(scenarios[i].tool_id + "\n" + scenarios[i].text)),
     )
-    kept_scenarios = set()
-    for i in _in_turns(order, [s.tool_id for s in scenarios]):
-        size = entry_size("scenarios", scenarios[i])
-        if used + size <= max_bytes:
-            kept_scenarios.add(i)
-            used += size
-    kept_precautions = set()
-    for i in sorted(
-        range(len(precautions)),
-        key=lambda i: (-precautions[i].support, _spread(precautions[i].text)),
-    ):
-        size = entry_size("precautions", precautions[i])
-        if used + size <= max_bytes:
-            kept_precautions.add(i)
-            used += size
+    kept_scenarios, room = _pack(
+        "scenarios", scenarios, _in_turns(by_support, [s.tool_id for s in scenarios]),
+        max_bytes - fixed,
+    )
+    kept_precautions, _ = _pack(
+        "precautions",
+        precautions,
+        sorted(range(len(precautions)), key=lambda i: (-precautions[i].support, _spread(precautions[i].text))),
+        room,
+    )
     cut = compendium.model_copy(
         update={
             "scenarios": [s for i, s in enumerate(scenarios) if i in kept_scenarios],

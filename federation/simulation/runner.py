@@ -293,7 +293,8 @@ class Simulation:
                 if not experience:
                     continue
                 compendium = self.build_client(experience, seed)
-                if adversaries and share.client in adversaries:
+                adversary = bool(adversaries) and share.client in adversaries
+                if adversary:
                     compendium = corrupt(compendium, self.config.adversarial_mode, self.schema, seed)
                 clients[share.client] = compendium
                 if pulled is not None:
@@ -301,8 +302,7 @@ class Simulation:
                         compendium, pulled, self.engine, self.config.tau,
                         route=route, confidence=self.config.since_confidence,
                     )
-                honest = not (adversaries and share.client in adversaries)
-                if self.config.max_bytes and honest:
+                if self.config.max_bytes and not adversary:
                     compendium, _ = fit_budget(compendium, self.config.max_bytes)
                 sent[share.client] = compendium
             self.progress(f"seed {seed}: round {r}: edge and server merges")

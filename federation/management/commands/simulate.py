@@ -83,8 +83,9 @@ class Command(BaseCommand):
         )
         parser.add_argument(
             "--max-bytes", type=int, default=None,
-            help="each honest client sends at most this many canonical bytes a round, keeping "
-            "what the pulled global gets wrong first (default: no budget)",
+            help="each honest client sends at most this many canonical bytes a round: the "
+            "statistics, then scenarios in turns over the tools, then precautions; the rest waits "
+            "for a later round (default: no budget)",
         )
         parser.add_argument("--adversarial-fraction", type=float, default=0.0)
         parser.add_argument("--adversarial-mode", choices=ADVERSARIAL_MODES, default="random_corruption")
