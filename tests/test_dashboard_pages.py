@@ -211,7 +211,9 @@ def test_organization_page_shows_edge_figures(client, fed):
     from federation.models import MergeRecord
 
     MergeRecord.objects.create(
-        round=r1, organization=fed.org_a, stats={"scenarios_in": 40, "confusion_margin": 0.3719},
+        round=r1, organization=fed.org_a,
+        stats={"scenarios_in": 40, "confusion_margin": 0.3719,
+               "dropped_sources": [f"client:{fed.client_a.pk}"]},
         flagged=[{"source": "x", "tool_id": "weather", "text": "t"}] * 3,
     )
     response = login(client, fed, "member_a").get(reverse("dashboard:organization", args=["org-a"]))
@@ -221,6 +223,8 @@ def test_organization_page_shows_edge_figures(client, fed):
     assert fig["data"][1]["y"][0] > 0
     assert "dropped by the cross-checks" in page
     assert re.search(r'class="num confusion">3 of 40 <span class="meta">\(margin 0\.37\)', page)
+    # The client whose whole submission the implausible-source check dropped, by name.
+    assert f'class="meta dropped-clients">whole submission of {fed.client_a.name}</span>' in page
 
 
 # --- rounds --------------------------------------------------------------------------------------

@@ -226,9 +226,9 @@ def test_a_flood_of_relabelled_scenarios_from_one_source_is_dropped_as_an_incohe
               sub("small", [sc("weather", "small 0"), sc("weather", "small 1")])]
     probe_texts = [f"probe {i}" for i in range(8)]
     probe = ProbeSet(probe_texts, ["weather"] * 8, embed(probe_texts))
-    # The confusion check off (margin 9), to see this check alone.
+    # The confusion and implausible-source checks off (margin 9, limit 9), to see this check alone.
     result = edge_merge(inputs, schema, RoundConfig(summarizer="centroid"), embed=embed,
-                        probe_set=probe, confusion_margin=9.0)
+                        probe_set=probe, confusion_margin=9.0, source_limit=9.0)
     dropped = [f for f in result.flagged if f.reason == "incoherent batch"]
     assert {f.source for f in dropped} == {"flood"} and len(dropped) == 6
     assert result.stats.flagged_incoherent == 6 and result.stats.flagged_confusion == 0
@@ -238,8 +238,84 @@ def test_a_flood_of_relabelled_scenarios_from_one_source_is_dropped_as_an_incohe
     assert sum(s.support for s in result.compendium.scenarios) == 8  # six honest, two small
     # Without a probe there is no reference, and nothing is dropped this way.
     plain = edge_merge(inputs, schema, RoundConfig(summarizer="centroid"), embed=embed,
-                       confusion_margin=9.0)
+                       confusion_margin=9.0, source_limit=9.0)
     assert plain.stats.flagged_incoherent == 0
+
+
+def test_own_tool_percentiles_and_implausible_sources():
+    from federation.merge.clustering import implausible_sources, own_tool_percentiles
+
+    profiles = np.eye(5)
+    vectors = np.array([[1.0, 0.2, 0.1, 0, 0], [0, 0.1, 1.0, 0.2, 0]])
+    # Own tool nearest: 0; second nearest of five: 1/4; beaten by three tools (a tie does not
+    # count): 3/4.
+    assert own_tool_percentiles(vectors, [0, 3], profiles).tolist() == [0.0, 0.25]
+    assert own_tool_percentiles(vectors, [3, 2], profiles).tolist() == [0.75, 0.0]
+    tools = ["a", "b", "c", "d", "e"]
+    # Text r sits nearest tool r, then r+1, then r+2 (mod 5).
+    texts = np.array([np.eye(5)[r] + 0.1 * np.eye(5)[(r + 1) % 5] + 0.05 * np.eye(5)[(r + 2) % 5]
+                      for r in range(5)])
+
+    def items(source, pairs):
+        return [Item(source, tools[label], "", {}, 1, texts[row]) for row, label in pairs]
+
+    honest = items("honest", [(i % 5, i % 5) for i in range(6)])  # every label its text's tool
+    liar = items("liar", [(i % 5, (i + 2) % 5) for i in range(6)])  # every label third: 0.5
+    few = items("few", [(0, 4), (1, 3)])  # off, but too few to judge
+    near = items("near", [(i % 5, (i + 1) % 5) for i in range(6)])  # every label second: 0.25
+    mixed = items("mixed", [(0, 0), (1, 1), (2, 4), (3, 0), (4, 1), (0, 2)])  # 2 right, 4 at 0.5
+    found = implausible_sources(honest + liar + few + near + mixed, tools, profiles, limit=0.25,
+                                minimum=5)
+    assert found == {"liar": (pytest.approx(0.5), 6), "mixed": (pytest.approx(1 / 3), 6)}
+    assert implausible_sources(liar, tools, profiles, limit=0.25, minimum=5,
+                               exempt=frozenset({"liar"})) == {}
+
+
+@pytest.mark.parametrize("with_probe", [True, False])
+def test_a_source_whose_labels_do_not_fit_its_texts_is_dropped_whole(schema, embed, with_probe):
+    """A client that relabels real requests: most of its labels point away from the text's tool
+    among the trusted profiles (registry descriptions, and probe requests when there is a probe),
+    so all its scenarios go, the correctly labelled ones and its precautions with them, while an
+    honest client with the same requests, and a source too small to judge, stay."""
+    requests = {
+        "weather": ["Will it rain in Lisbon tomorrow?", "What's the temperature in Oslo tonight?"],
+        "flights": ["Find me a flight from Boston to Denver", "Book a plane ticket to Rome"],
+        "calculator": ["What is 17 times 23?", "Compute the square root of 1764"],
+        "recipes": ["How do I cook a mushroom risotto?", "Ingredients for banana bread"],
+    }
+    tools = list(requests)
+    honest = [sc(tool, text) for tool in tools for text in requests[tool]]
+    # Six of eight labels shifted to another tool; two kept right.
+    relabelled = [sc(tool if i in (0, 3) else tools[(tools.index(tool) + 1 + i % 3) % 4], text)
+                  for i, (tool, text) in enumerate((t, x) for t in tools for x in requests[t])]
+    liar_precaution = {"tool_id": "weather", "text": "Never use this for anything in Lisbon"}
+    inputs = [
+        sub("honest", honest),
+        sub("liar", relabelled, precautions=[liar_precaution]),
+        sub("small", [sc("recipes", "What is 17 times 23?"), sc("weather", "Book a plane ticket")]),
+    ]
+    probe = None
+    if with_probe:
+        probe_texts = ["Is it going to snow in Berlin?", "Cheapest flight to Tokyo next week",
+                       "What is 45 divided by 9?", "A quick recipe for pancakes"]
+        probe = ProbeSet(probe_texts, tools, embed(probe_texts))
+    result = edge_merge(inputs, schema, RoundConfig(summarizer="centroid"), embed=embed,
+                        probe_set=probe, confusion_margin=9.0)
+    assert result.stats.dropped_sources == ["liar"]
+    dropped = [f for f in result.flagged if f.reason == "implausible source"]
+    assert {f.source for f in dropped} == {"liar"} and len(dropped) == 8
+    assert result.stats.flagged_sources == 8
+    assert dropped[0].own_similarity > dropped[0].closest_similarity == 0.25
+    kept = {(s.tool_id, s.text) for s in result.compendium.scenarios}
+    assert {(s["tool_id"], s["text"]) for s in honest} <= kept
+    # Even the liar's two correct labels go: the whole source is dropped, not entry by entry.
+    assert sum(s.support for s in result.compendium.scenarios) == len(honest) + 2
+    assert not any("Lisbon" in p.text for p in result.compendium.precautions)
+    # The check off: the liar's scenarios come through (the confusion check is off here too).
+    off = edge_merge(inputs, schema, RoundConfig(summarizer="centroid"), embed=embed,
+                     probe_set=probe, confusion_margin=9.0, source_limit=9.0)
+    assert off.stats.dropped_sources == [] and not off.flagged
+    assert sum(s.support for s in off.compendium.scenarios) == len(honest) + 2 + 8
 
 
 def test_invalid_submission_is_rejected_and_others_merged(schema, embed):

@@ -297,3 +297,30 @@ def test_a_byte_budget_below_one_byte_is_refused_before_anything_runs(tiny_datas
                      "2", "--rounds", "2", "--no-baselines", "--max-bytes", "0", verbosity=1)
     assert "round 1" not in capsys.readouterr().err
     assert not SimulationRun.objects.exists()
+
+
+def test_the_edges_drop_relabelling_clients_whole_and_spare_honest_ones(tiny_dataset):
+    """Half the clients relabel their requests at random: the edges' implausible-source check
+    drops their submissions whole, no honest one, and the counts reach the sweep rows."""
+    from compendium.registry import load_dataset
+    from compendium.schema import Schema
+    from federation.simulation.report import sweep
+    from federation.simulation.runner import Simulation, SimulationConfig
+    from routing.embeddings import get_engine
+
+    dataset = load_dataset(str(tiny_dataset))
+    schema = Schema(tools=dataset.tools)
+    config = SimulationConfig(orgs=2, clients_per_org=2, rounds=3, baselines=False,
+                              diagnostics=False)
+
+    def make(cfg):
+        return Simulation(dataset, schema, get_engine(), cfg)
+
+    [row] = sweep(make, config, [{"adversarial_fraction": 0.5,
+                                  "adversarial_mode": "tool_confusion"}], [1])
+    assert row["adversarial_submissions"] == 6 and row["honest_submissions"] == 6
+    assert row["dropped_honest"] == 0
+    assert row["dropped_adversarial"] == 6
+    clean = make(config).run_seed(1).screening
+    assert clean == {"honest_submissions": 12, "dropped_honest": 0, "adversarial_submissions": 0,
+                     "dropped_adversarial": 0}

@@ -84,6 +84,21 @@ def test_sweeps_of_the_same_variants_are_joined_per_variant():
     assert high["bytes_per_client_round"] == pytest.approx(500 / 3, abs=1e-3)
 
 
+def test_screening_counts_add_up_over_the_combined_seeds():
+    counts = {"honest_submissions": 12, "dropped_honest": 1, "adversarial_submissions": 8,
+              "dropped_adversarial": 7}
+    a = doc([0, 1], [0.8, 0.8], 1.0, screening=counts,
+            adversarial=[{**row, **counts} for row in adversarial({0.4: [0.7, 0.8]}, [0, 1], 0.6)])
+    b = doc([2], [0.8], 1.0, screening={**counts, "dropped_honest": 0},
+            adversarial=[{**row, **counts, "dropped_adversarial": 8}
+                         for row in adversarial({0.4: [0.9]}, [2], 0.9)])
+    out = combine([a, b])
+    assert out["screening"] == {"honest_submissions": 24, "dropped_honest": 1,
+                                "adversarial_submissions": 16, "dropped_adversarial": 14}
+    [row] = out["adversarial"]
+    assert (row["dropped_adversarial"], row["adversarial_submissions"]) == (15, 16)
+
+
 @pytest.mark.parametrize(
     "second, message",
     [

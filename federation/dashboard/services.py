@@ -450,8 +450,8 @@ class OrganizationPage:
 def organization_page(organization, actor) -> OrganizationPage:
     """An organization's clients by status, whether `actor` may manage them, and its edge's
     figures per round: submissions, edge compendium size and entries, conflicts, rejected
-    submissions, and scenarios dropped by the merge's cross-checks (tool confusion, with the
-    margin used, and incoherent batches)."""
+    submissions, and scenarios dropped by the merge's cross-checks (whole submissions of
+    implausible clients, by name; tool confusion, with the margin used; incoherent batches)."""
     from federation.models import MergeRecord
     from federation.services import can_admin
 
@@ -475,6 +475,8 @@ def organization_page(organization, actor) -> OrganizationPage:
         for m in MergeRecord.objects.filter(organization=organization).select_related("round")
     }
     numbers = sorted(set(submissions) | set(edges) | set(records))
+    names = {f"client:{pk}": name for pk, name in
+             Client.objects.filter(organization=organization).values_list("pk", "name")}
     rows = []
     for n in numbers:
         record = records.get(n)
@@ -489,6 +491,8 @@ def organization_page(organization, actor) -> OrganizationPage:
                 "flagged": len(record.flagged) if record else None,
                 "scenarios_in": stats.get("scenarios_in"),
                 "confusion_margin": stats.get("confusion_margin"),
+                "dropped_clients": [names.get(source, source)
+                                    for source in stats.get("dropped_sources") or ()],
             }
         )
     page = OrganizationPage(organization, clients, can_admin(actor, organization.pk), rows)

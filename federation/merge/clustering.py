@@ -220,6 +220,70 @@ def honest_gaps(
     return np.array([v.best_other - v.own_similarity for v in verdicts])
 
 
+def trusted_profiles(
+    tool_ids: Sequence[str],
+    description_vectors: np.ndarray,
+    probe_vectors: np.ndarray | None = None,
+    probe_labels: Sequence[str] = (),
+) -> np.ndarray:
+    """Per registry tool, the unit mean of its description and of its public probe requests:
+    profiles no submission enters (labels outside `tool_ids` are skipped)."""
+    items = []
+    if probe_vectors is not None:
+        known = set(tool_ids)
+        items = [Item("probe", label, "", {}, 1, np.asarray(vector, dtype=np.float64))
+                 for vector, label in zip(probe_vectors, probe_labels, strict=True) if label in known]
+    sums, counts = tool_profiles(tool_ids, description_vectors, items)
+    return _normalized(sums / counts[:, None])
+
+
+def own_tool_percentiles(vectors: np.ndarray, own: Sequence[int], profiles: np.ndarray) -> np.ndarray:
+    """For each entry, where its own tool ranks among all tools' `profiles` by cosine to its text,
+    as a share of the other tools: 0 when its own tool is the nearest, 1 when it is the farthest.
+    An entry labelled at random scores uniformly in [0, 1], 0.5 on average."""
+    n_tools = len(profiles)
+    if not len(own) or n_tools < 2:
+        return np.zeros(len(own))
+    scores = np.asarray(vectors, dtype=np.float64) @ profiles.T
+    own_scores = scores[np.arange(len(own)), np.asarray(own)]
+    return (scores > own_scores[:, None]).sum(axis=1) / (n_tools - 1)
+
+
+def implausible_sources(
+    items: Sequence[Item],
+    tool_ids: Sequence[str],
+    profiles: np.ndarray,
+    *,
+    limit: float,
+    minimum: int,
+    exempt: frozenset[str] = frozenset(),
+) -> dict[str, tuple[float, int]]:
+    """Sources of at least `minimum` scenarios whose texts agree with their labels, on average,
+    no better than `limit` (`own_tool_percentiles` against the trusted `profiles`; chance is 0.5).
+    An honest client's scenarios mostly sit near their own tool even where its nearest profile is
+    another's (mean percentiles 0.02-0.36 on MetaTool and the cheat sheets); a client that relabels
+    requests, floods one tool or sends text unrelated to its labels sits near chance (0.2-0.76).
+    The evidence is pooled over a source's whole submission, where the per-entry checks judge each
+    entry alone and must spare honest ambiguous ones. Value: (the mean percentile, the count).
+    Sources in `exempt` are not judged."""
+    index = {t: i for i, t in enumerate(tool_ids)}
+    by_source: dict[str, list[Item]] = {}
+    for item in items:
+        if item.source not in exempt:
+            by_source.setdefault(item.source, []).append(item)
+    out = {}
+    for source, members in sorted(by_source.items()):
+        if len(members) < minimum:
+            continue
+        percentiles = own_tool_percentiles(
+            np.stack([m.vector for m in members]), [index[m.tool_id] for m in members], profiles
+        )
+        score = float(percentiles.mean())
+        if score > limit:
+            out[source] = (score, len(members))
+    return out
+
+
 def calibrated_margin(gaps: np.ndarray, floor: float, honest_rate: float) -> float:
     """The confusion margin: `floor`, raised where needed so that at most `honest_rate` of the
     honest labelled requests (`honest_gaps`) would have been flagged. Where tools overlap in

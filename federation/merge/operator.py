@@ -34,10 +34,12 @@ from federation.merge.clustering import (
     confusion_verdicts,
     decide_cluster,
     greedy_cluster,
+    implausible_sources,
     incoherent_batches,
     item_order_key,
     merged_flags,
     tool_profiles,
+    trusted_profiles,
 )
 from federation.merge.llm import OpenAICompatibleLLM, consistency_probe
 from federation.merge.privacy import BudgetExceeded, laplace_release, round_spend
@@ -76,6 +78,13 @@ CONFUSION_HONEST_RATE = 0.10
 # least COHERENCE_MIN of them, less alike than COHERENCE_FACTOR times the tool's probe requests.
 COHERENCE_FACTOR = 0.5
 COHERENCE_MIN = 5
+# Implausible sources (`clustering.implausible_sources`): a source of at least SOURCE_MIN
+# scenarios whose texts sit, on average, farther from their own tool among the trusted profiles
+# (registry descriptions and probe requests) than SOURCE_LIMIT of the other tools: halfway
+# between labels that always match (0) and labels drawn at random (0.5). All its scenarios and
+# precautions are dropped.
+SOURCE_LIMIT = 0.25
+SOURCE_MIN = 5
 
 # The source name of the carried-forward global compendium in a server merge.
 PREVIOUS_GLOBAL = "previous-global"
@@ -94,8 +103,10 @@ def edge_merge(
     epsilon_remaining: float | None = None,
     confusion_margin: float = CONFUSION_MARGIN,
     confusion_rank: int = CONFUSION_RANK,
+    source_limit: float = SOURCE_LIMIT,
 ) -> MergeResult:
-    """Merge client compendiums into one edge compendium (Algorithm 1)."""
+    """Merge client compendiums into one edge compendium (Algorithm 1). `source_limit` above 1
+    turns the implausible-source check off (percentiles are at most 1)."""
     return _merge(
         submissions,
         schema,
@@ -109,6 +120,7 @@ def edge_merge(
         noise=True,
         confusion_margin=confusion_margin,
         confusion_rank=confusion_rank,
+        source_limit=source_limit,
     )
 
 
@@ -123,6 +135,7 @@ def server_merge(
     confusion_margin: float = CONFUSION_MARGIN,
     confusion_rank: int = CONFUSION_RANK,
     previous: Compendium | None = None,
+    source_limit: float = SOURCE_LIMIT,
 ) -> MergeResult:
     """The same operator one level up: edge compendiums in, the global compendium out. Numeric
     statistics were noised at the edges; here they are averaged, weighted by each edge's
@@ -148,6 +161,7 @@ def server_merge(
         confusion_margin=confusion_margin,
         confusion_rank=confusion_rank,
         previous=None if previous is None else _within_schema(previous, schema),
+        source_limit=source_limit,
     )
 
 
@@ -269,6 +283,7 @@ def _merge(
     confusion_margin: float,
     confusion_rank: int,
     previous: Compendium | None = None,
+    source_limit: float = SOURCE_LIMIT,
 ) -> MergeResult:
     stats = MergeStats(summarizer=config.summarizer)
     clock = _Clock(stats)
@@ -318,10 +333,16 @@ def _merge(
     flagged: list[FlaggedEntry] = []
     if scenario_items and tool_ids:
         descriptions = np.stack([by_text[t.description] for t in schema.tools])
-        scenario_items, flagged = _cross_check(
+        profiles = (probe_set.profiles(tool_ids, descriptions) if probe_set
+                    else trusted_profiles(tool_ids, descriptions))
+        scenario_items, precaution_items, flagged = _screen_sources(
+            scenario_items, precaution_items, tool_ids, profiles, source_limit, stats
+        )
+        scenario_items, more = _cross_check(
             scenario_items, tool_ids, descriptions, probe_set, confusion_margin, confusion_rank,
             stats,
         )
+        flagged += more
     clock.lap("cross_validate")
 
     probe = consistency_probe(llm) if llm is not None else None
@@ -514,6 +535,38 @@ def _tool_metadata(schema: Schema, tool_id: str, stats: dict[str, float]) -> Too
         description=spec.description,
         spec=spec.spec or None,
         stats=dict(sorted(stats.items())),
+    )
+
+
+def _screen_sources(
+    scenarios: list[Item],
+    precautions: list[Item],
+    tool_ids: list[str],
+    profiles: np.ndarray,
+    limit: float,
+    stats: MergeStats,
+) -> tuple[list[Item], list[Item], list[FlaggedEntry]]:
+    """The scenarios and precautions of the sources that pass `implausible_sources`, and a flagged
+    entry for each scenario of those that do not (`own_similarity`: the source's mean own-tool
+    percentile; `closest_similarity`: the limit)."""
+    dropped = implausible_sources(
+        scenarios, tool_ids, profiles, limit=limit, minimum=SOURCE_MIN,
+        exempt=frozenset({PREVIOUS_GLOBAL}),
+    )
+    stats.dropped_sources = sorted(dropped)
+    if not dropped:
+        return scenarios, precautions, []
+    flagged = [
+        FlaggedEntry(item.source, item.tool_id, item.text, "", round(dropped[item.source][0], 6),
+                     limit, reason="implausible source")
+        for item in scenarios
+        if item.source in dropped
+    ]
+    stats.flagged_sources = len(flagged)
+    return (
+        [item for item in scenarios if item.source not in dropped],
+        [item for item in precautions if item.source not in dropped],
+        flagged,
     )
 
 

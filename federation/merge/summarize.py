@@ -25,7 +25,12 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from federation.merge.clustering import central_order, honest_gaps, probe_coherence
+from federation.merge.clustering import (
+    central_order,
+    honest_gaps,
+    probe_coherence,
+    trusted_profiles,
+)
 from federation.merge.llm import LLMUnavailable, OpenAICompatibleLLM
 
 ORDER = ("textgrad", "llm-single-shot", "probe-extractive", "centroid", "none")
@@ -57,6 +62,13 @@ class ProbeSet:
         key = ("gaps", tuple(tool_ids), np.ascontiguousarray(descriptions).tobytes())
         if key not in self._derived:
             self._derived[key] = honest_gaps(self.vectors, self.labels, tool_ids, descriptions)
+        return self._derived[key]
+
+    def profiles(self, tool_ids: Sequence[str], descriptions: np.ndarray) -> np.ndarray:
+        """`clustering.trusted_profiles` of the registry given and these requests."""
+        key = ("profiles", tuple(tool_ids), np.ascontiguousarray(descriptions).tobytes())
+        if key not in self._derived:
+            self._derived[key] = trusted_profiles(tool_ids, descriptions, self.vectors, self.labels)
         return self._derived[key]
 
     def coherence(self) -> dict[str, float]:

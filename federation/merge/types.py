@@ -27,10 +27,13 @@ class Rejection:
 
 @dataclass(frozen=True)
 class FlaggedEntry:
-    """A scenario dropped by a cross-check: by the tool-confusion check (its text sits closer to
-    another tool), or as part of an incoherent batch (one source's scenarios for one tool that are
-    far less alike than the tool's public probe requests; `own_similarity` is then the batch's
-    mean pairwise cosine and `closest_similarity` what the probe expects)."""
+    """A scenario dropped by a cross-check: with its whole source, when that source's texts agree
+    with their labels no better than halfway to chance (reason "implausible source";
+    `own_similarity` is then the source's mean own-tool percentile and `closest_similarity` the
+    limit), by the tool-confusion check (its text sits closer to another tool), or as part of an
+    incoherent batch (one source's scenarios for one tool that are far less alike than the tool's
+    public probe requests; `own_similarity` is then the batch's mean pairwise cosine and
+    `closest_similarity` what the probe expects)."""
 
     source: str
     tool_id: str
@@ -89,6 +92,8 @@ class MergeStats:
     flagged_confusion: int = 0
     confusion_margin: float | None = None  # the margin the check used (calibrated on the probe)
     flagged_incoherent: int = 0  # scenarios dropped in incoherent batches
+    flagged_sources: int = 0  # scenarios dropped with their whole source (implausible sources)
+    dropped_sources: list[str] = field(default_factory=list)  # those sources
     robust_dropped: int = 0
     precautions_in: int = 0
     precautions_out: int = 0

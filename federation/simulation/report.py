@@ -11,7 +11,7 @@ from typing import Any
 
 import numpy as np
 
-from federation.simulation.runner import METHODS, Simulation, SimulationConfig
+from federation.simulation.runner import METHODS, SCREENING_KEYS, Simulation, SimulationConfig
 
 
 def run(simulation: Simulation, seeds: list[int]) -> dict[str, Any]:
@@ -30,8 +30,14 @@ def run(simulation: Simulation, seeds: list[int]) -> dict[str, Any]:
         "diagnostics": _mean_dicts([r.diagnostics for r in per_seed]),
         "rounds": [r.rounds for r in per_seed],
         "transfer": [row for result in per_seed for row in result.transfer],
+        "screening": _sums([r.screening for r in per_seed]),
         "seconds": round(time.perf_counter() - started, 1),
     }
+
+
+def _sums(items: list[dict[str, int]]) -> dict[str, int]:
+    return {k: int(sum(item.get(k, 0) for item in items)) for k in SCREENING_KEYS
+            if any(k in item for item in items)}
 
 
 SWEEP_SECTIONS = ("privacy_sweep", "release_sweep", "adversarial")
@@ -93,6 +99,7 @@ def combine(documents: list[dict[str, Any]]) -> dict[str, Any]:
         "diagnostics": weighted("diagnostics"),
         "rounds": [r for doc in documents for r in doc.get("rounds", [])],
         "transfer": [row for doc in documents for row in doc.get("transfer", [])],
+        "screening": _sums([doc.get("screening", {}) for doc in documents]),
         "seconds": round(sum(float(doc.get("seconds", 0.0)) for doc in documents), 1),
         "combined_from": [doc.get("command", "") for doc in documents],
         **sweeps,
@@ -190,6 +197,7 @@ def sweep(
                 **privacy,
                 "bytes_per_client_round": communication.get("bytes_per_client_round", 0.0),
                 "accuracy_by_seed": [[seed, acc] for seed, acc in zip(seeds, last, strict=True)],
+                **_sums([r.screening for r in results]),
             }
         )
     return rows
@@ -198,7 +206,7 @@ def sweep(
 # What a sweep row measured; every other key of the row names its variant.
 _SWEEP_FIGURES = {
     "seeds", "accuracy", "accuracy_sd", "accuracy_by_seed", "membership_auroc", "token_overlap",
-    "share_clients_overlap_below_0_10", "bytes_per_client_round",
+    "share_clients_overlap_below_0_10", "bytes_per_client_round", *SCREENING_KEYS,
 }
 
 
@@ -229,10 +237,12 @@ def _combine_sweep(name: str, sections: list[list[dict]]) -> list[dict]:
         combined["accuracy_sd"] = (
             round(float(np.std(accuracies, ddof=1)), 4) if len(accuracies) > 1 else 0.0
         )
-        averaged = _SWEEP_FIGURES - {"seeds", "accuracy", "accuracy_sd", "accuracy_by_seed"}
+        averaged = _SWEEP_FIGURES - {"seeds", "accuracy", "accuracy_sd", "accuracy_by_seed",
+                                     *SCREENING_KEYS}
         combined.update(
             _weighted_means([{k: v for k, v in row.items() if k in averaged} for row in rows], weights)
         )
+        combined.update(_sums(rows))  # counts add up over the seeds
         combined["accuracy_by_seed"] = pairs
         out.append(combined)
     return out
@@ -288,6 +298,28 @@ def table(document: dict[str, Any]) -> str:
             "membership-inference AUROC {membership_auroc:.3f}, token overlap {token_overlap:.3f}, "
             "clients under 0.10 overlap {share_clients_overlap_below_0_10:.0%}".format(**privacy)
         )
+    screened = document.get("screening") or {}
+    if screened.get("dropped_honest") or screened.get("adversarial_submissions"):
+        lines.append(
+            "implausible-source check: dropped {dropped_honest} of {honest_submissions} honest "
+            "client submissions".format(**screened)
+            + (", {dropped_adversarial} of {adversarial_submissions} adversarial".format(**screened)
+               if screened.get("adversarial_submissions") else "")
+        )
+    adversarial = document.get("adversarial") or []
+    if adversarial:
+        lines.append("adversarial clients (final round, mean over seeds; submissions dropped whole):")
+        for row in adversarial:
+            spread = f"{row['accuracy']:.3f} ± {row['accuracy_sd']:.3f}"
+            dropped = (
+                f"  honest {row['dropped_honest']}/{row['honest_submissions']}, adversarial "
+                f"{row['dropped_adversarial']}/{row['adversarial_submissions']}"
+                if "dropped_honest" in row else ""
+            )
+            lines.append(
+                f"  {row['adversarial_mode']:<24} {row['adversarial_fraction']:>4.0%} "
+                f"{row['robust_rule']:<12} {spread:>16}{dropped}"
+            )
     transfer = summarize_transfer(document.get("transfer") or [])
     if transfer:
         lines.append("transfer of the final global compendium (mean over seeds):")

@@ -141,6 +141,9 @@ class SeedResult:
     rounds: list[dict] = field(default_factory=list)
     diagnostics: dict[str, float] = field(default_factory=dict)
     transfer: list[dict] = field(default_factory=list)  # one row per transfer variant
+    # Client submissions over the rounds, honest and adversarial, and how many of each the edges'
+    # implausible-source check dropped whole (`screening`).
+    screening: dict[str, int] = field(default_factory=dict)
 
 
 @dataclass
@@ -387,6 +390,7 @@ class Simulation:
         variants = self.transfer_variants()  # checked before the federation runs
         result = SeedResult(seed)
         outcomes = self.federate(shares, logs, split.probe, seed, setup.adversaries)
+        result.screening = screening(outcomes, setup.adversaries or set())
         final = outcomes[-1]
         self.progress(f"seed {seed}: evaluating")
         for outcome in outcomes:
@@ -641,6 +645,24 @@ def transfer_variants(config: SimulationConfig) -> list[TransferVariant]:
         for model in dict.fromkeys(models)
         for reranker in dict.fromkeys(rerankers)
     ]
+
+
+SCREENING_KEYS = ("honest_submissions", "dropped_honest", "adversarial_submissions",
+                  "dropped_adversarial")
+
+
+def screening(outcomes: Sequence[RoundOutcome], adversaries: set[str]) -> dict[str, int]:
+    """How many client submissions, honest and adversarial, the edge merges dropped whole as
+    implausible sources (their `dropped_sources`), over all rounds."""
+    counts = dict.fromkeys(SCREENING_KEYS, 0)
+    for outcome in outcomes:
+        dropped = {source for org, stats in outcome.merge_stats.items() if org != "server"
+                   for source in stats.get("dropped_sources", ())}
+        for client in outcome.submissions:
+            kind = "adversarial" if client in adversaries else "honest"
+            counts[f"{kind}_submissions"] += 1
+            counts[f"dropped_{kind}"] += client in dropped
+    return counts
 
 
 def _everything_sent(outcomes: Sequence[RoundOutcome]) -> dict[str, Compendium]:
