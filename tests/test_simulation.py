@@ -324,3 +324,26 @@ def test_the_edges_drop_relabelling_clients_whole_and_spare_honest_ones(tiny_dat
     clean = make(config).run_seed(1).screening
     assert clean == {"honest_submissions": 12, "dropped_honest": 0, "adversarial_submissions": 0,
                      "dropped_adversarial": 0}
+
+
+def test_adversarial_modes_are_schema_valid_and_camouflage_poisons_only_a_share():
+    from compendium.schema import Compendium, Schema, ToolSpec
+    from compendium.validation import validate_compendium
+    from federation.simulation.runner import ADVERSARIAL_MODES, CAMOUFLAGE_SHARE, corrupt
+
+    schema = Schema(tools=[ToolSpec(tool_id=f"t{i}", name=f"t{i}", description=f"tool {i}")
+                           for i in range(40)])
+    honest = Compendium.model_validate(
+        {"scenarios": [{"tool_id": "t0", "text": f"request number {i} for the first tool"}
+                       for i in range(20)]}
+    )
+    for mode in ADVERSARIAL_MODES:
+        sent = corrupt(honest, mode, schema, seed=3)
+        assert validate_compendium(sent.model_dump(mode="json", exclude_none=True), schema).ok, mode
+    camouflaged = corrupt(honest, "camouflaged_poisoning", schema, seed=3).scenarios
+    relabelled = [s for s in camouflaged if s.tool_id != "t0"]
+    kept = [s for s in camouflaged if s.tool_id == "t0" and s.support == 1]
+    # Every text still sent; a share relabelled (a draw may land on t0 itself) with support 50.
+    assert [s.text for s in camouflaged] == [s.text for s in honest.scenarios]
+    assert 0 < len(relabelled) <= round(CAMOUFLAGE_SHARE * 20) == 6
+    assert all(s.support == 50 for s in relabelled) and len(kept) == 14

@@ -735,7 +735,12 @@ ADVERSARIAL_MODES = (
     "tool_confusion",
     "schema_valid_poisoning",
     "coordinated_targeting",
+    "camouflaged_poisoning",
 )
+# Camouflaged poisoning relabels this share of a client's scenarios and sends the rest honestly:
+# an adversary who knows the implausible-source check (whole submissions near chance) and stays
+# under it.
+CAMOUFLAGE_SHARE = 0.3
 
 
 def corrupt(compendium: Compendium, mode: str, schema: Schema, seed: int) -> Compendium:
@@ -760,6 +765,12 @@ def corrupt(compendium: Compendium, mode: str, schema: Schema, seed: int) -> Com
         by_id = schema.tools_by_id
         scenarios = [
             s.model_copy(update={"text": by_id[rng.choice(tools)].description[:200]}) for s in scenarios
+        ]
+    elif mode == "camouflaged_poisoning":
+        poisoned = set(rng.sample(range(len(scenarios)), round(CAMOUFLAGE_SHARE * len(scenarios))))
+        scenarios = [
+            s.model_copy(update={"tool_id": rng.choice(tools), "support": 50}) if i in poisoned else s
+            for i, s in enumerate(scenarios)
         ]
     elif mode == "coordinated_targeting":
         # Every adversary pushes the same target tool for every scenario it has.
