@@ -46,3 +46,15 @@ def write_json(path: str | None, rows: list[dict]) -> None:
         Path(path).parent.mkdir(parents=True, exist_ok=True)
         Path(path).write_text(json.dumps(rows, indent=2) + "\n", encoding="utf-8")
         print(f"wrote {path}")
+
+
+def record_wrapper(out: str | None, script: str, argv: list[str], **extra) -> None:
+    """Mark the `simulate --out` document written under a bench wrapper: the wrapper's own
+    command line replaces simulate's, and `extra` says what the wrapper changed."""
+    if not out:
+        return
+    path = Path(out)
+    document = json.loads(path.read_text())
+    document["command"] = f"python bench/{script} " + " ".join(argv)
+    document.update(extra)
+    path.write_text(json.dumps(document, indent=2) + "\n")

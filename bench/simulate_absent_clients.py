@@ -13,12 +13,11 @@ JSON.
 
 from __future__ import annotations
 
-import json
 import os
 import sys
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from _routing_common import record_wrapper  # also puts the repository on sys.path
+
 os.environ.setdefault("DJANGO_SETTINGS_MODULE", "synapse_web.settings")
 
 
@@ -36,12 +35,9 @@ def main(argv: list[str] | None = None) -> int:
 
     runner.corrupt = absent
     call_command("simulate", *argv)
-    if "--out" in argv:
-        path = Path(argv[argv.index("--out") + 1])
-        document = json.loads(path.read_text())
-        document["command"] = "python bench/simulate_absent_clients.py " + " ".join(argv)
-        document["reference"] = "the adversarial clients send no scenarios or precautions"
-        path.write_text(json.dumps(document, indent=2) + "\n")
+    out = argv[argv.index("--out") + 1] if "--out" in argv[:-1] else None
+    record_wrapper(out, "simulate_absent_clients.py", argv,
+                   reference="the adversarial clients send no scenarios or precautions")
     return 0
 
 

@@ -18,12 +18,11 @@ from __future__ import annotations
 
 import argparse
 import functools
-import json
 import os
 import sys
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from _routing_common import record_wrapper  # also puts the repository on sys.path
+
 os.environ.setdefault("DJANGO_SETTINGS_MODULE", "synapse_web.settings")
 
 
@@ -50,15 +49,13 @@ def main(argv: list[str] | None = None) -> int:
     runner.edge_merge = functools.partial(runner.edge_merge, confusion_margin=args.confusion_margin)
     runner.server_merge = functools.partial(runner.server_merge, confusion_margin=args.confusion_margin)
     call_command("simulate", *rest, *(["--out", args.out] if args.out else []))
-    if args.out:
-        path = Path(args.out)
-        document = json.loads(path.read_text())
-        document["command"] = "python bench/simulate_confusion_margin.py " + " ".join(argv)
-        document["confusion_margin"] = args.confusion_margin
-        document["confusion_honest_rate"] = (
+    record_wrapper(
+        args.out, "simulate_confusion_margin.py", argv,
+        confusion_margin=args.confusion_margin,
+        confusion_honest_rate=(
             args.honest_rate if args.honest_rate is not None else operator.CONFUSION_HONEST_RATE
-        )
-        path.write_text(json.dumps(document, indent=2) + "\n")
+        ),
+    )
     return 0
 
 

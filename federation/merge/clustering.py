@@ -197,6 +197,14 @@ def _normalized(matrix: np.ndarray) -> np.ndarray:
     return matrix / np.maximum(np.linalg.norm(matrix, axis=-1, keepdims=True), 1e-12)
 
 
+def _probe_items(vectors: np.ndarray, labels: Sequence[str], tool_ids: Sequence[str]) -> list[Item]:
+    """Labelled public requests as merge items, those labelled with a tool outside `tool_ids`
+    skipped."""
+    known = set(tool_ids)
+    return [Item("probe", label, "", {}, 1, np.asarray(vector, dtype=np.float64))
+            for vector, label in zip(vectors, labels, strict=True) if label in known]
+
+
 def honest_gaps(
     vectors: np.ndarray,
     labels: Sequence[str],
@@ -209,12 +217,9 @@ def honest_gaps(
     descriptions and these requests alone (each left out of its own tool's profile, as a
     submitted entry is). Nothing submitted enters, so no client can move it. Labels outside
     `tool_ids` are skipped."""
-    index = {t: i for i, t in enumerate(tool_ids)}
-    rows = [r for r, label in enumerate(labels) if label in index]
-    if not rows or len(tool_ids) < 2:
+    items = _probe_items(vectors, labels, tool_ids)
+    if not items or len(tool_ids) < 2:
         return np.zeros(0)
-    items = [Item("probe", labels[r], "", {}, 1, np.asarray(vectors[r], dtype=np.float64))
-             for r in rows]
     profiles = tool_profiles(tool_ids, description_vectors, items)
     verdicts = confusion_verdicts(items, tool_ids, profiles, margin=0.0, rank=1)
     return np.array([v.best_other - v.own_similarity for v in verdicts])
@@ -228,11 +233,7 @@ def trusted_profiles(
 ) -> np.ndarray:
     """Per registry tool, the unit mean of its description and of its public probe requests:
     profiles no submission enters (labels outside `tool_ids` are skipped)."""
-    items = []
-    if probe_vectors is not None:
-        known = set(tool_ids)
-        items = [Item("probe", label, "", {}, 1, np.asarray(vector, dtype=np.float64))
-                 for vector, label in zip(probe_vectors, probe_labels, strict=True) if label in known]
+    items = [] if probe_vectors is None else _probe_items(probe_vectors, probe_labels, tool_ids)
     sums, counts = tool_profiles(tool_ids, description_vectors, items)
     return _normalized(sums / counts[:, None])
 

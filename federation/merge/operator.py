@@ -282,8 +282,8 @@ def _merge(
     noise: bool,
     confusion_margin: float,
     confusion_rank: int,
+    source_limit: float,
     previous: Compendium | None = None,
-    source_limit: float = SOURCE_LIMIT,
 ) -> MergeResult:
     stats = MergeStats(summarizer=config.summarizer)
     clock = _Clock(stats)
