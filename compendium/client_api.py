@@ -64,6 +64,7 @@ class PullResult:
     sha256: str | None = None
     etag: str | None = None
     path: Path | None = None
+    head: Path | None = None  # the routing head saved beside it (None: the server has none)
     warnings: list[str] = field(default_factory=list)
 
 
@@ -249,7 +250,12 @@ class SynapseClient:
         response = self.request("GET", "/api/v1/compendium/global/", params=params, headers=headers)
         status = response.status_code
         if status == 304:
-            return PullResult(updated=False, etag=headers.get("If-None-Match"), path=out)
+            result = PullResult(updated=False, etag=headers.get("If-None-Match"), path=out)
+            if head_file(out).exists():
+                result.head = head_file(out)
+            else:  # pulled before the server published heads, or the file was removed
+                self._pull_head(out, round_number, result)
+            return result
         if status in (401, 403):
             raise self._auth_error(response)
         if status == 404:
@@ -287,11 +293,66 @@ class SynapseClient:
             write_atomically(etag_path, (result.etag + "\n").encode("utf-8"))
         elif etag_path.exists():
             etag_path.unlink()
+        self._pull_head(out, result.round if result.round is not None else round_number, result)
         return result
+
+    def _pull_head(self, out: Path, round_number: int | None, result: PullResult) -> None:
+        """Save the routing head published with the pulled global beside it (`head_file`), or
+        remove a stale one when the server has none. A failure here only warns: without the
+        file the client's router fits a head of its own from the compendium."""
+        path = head_file(out)
+        params = {"round": str(round_number)} if round_number is not None else None
+        try:
+            response = self.request("GET", "/api/v1/compendium/global/head/", params=params)
+        except ClientError as exc:
+            result.warnings.append(f"the routing head was not downloaded: {exc}")
+            return
+        if response.status_code == 404:
+            if path.exists():
+                path.unlink()
+            return
+        if response.status_code != 200:
+            result.warnings.append(
+                f"the routing head was not downloaded (HTTP {response.status_code}): "
+                f"{_detail(response)}"
+            )
+            return
+        problem = _head_problem(response.content)
+        if problem:
+            result.warnings.append(f"the server's routing head is unusable ({problem}); not saved")
+            return
+        write_atomically(path, response.content)
+        result.head = path
 
 
 def etag_file(out: Path) -> Path:
     return out.with_name(out.name + ".etag")
+
+
+def head_file(compendium_path: Path) -> Path:
+    """Where `pull` saves the routing head of a pulled global: COMPENDIUM.head.npz."""
+    compendium_path = Path(compendium_path)
+    return compendium_path.with_name(compendium_path.name + ".head.npz")
+
+
+def _head_problem(data: bytes) -> str | None:
+    """Why `data` is not a routing head archive (arrays tools, weights, bias), or None."""
+    import io
+    import zipfile
+
+    import numpy as np
+
+    try:
+        with np.load(io.BytesIO(data), allow_pickle=False) as npz:
+            missing = {"tools", "weights", "bias"} - set(npz.files)
+            if missing:
+                return "no " + ", ".join(sorted(missing))
+            tools, weights, bias = npz["tools"], npz["weights"], npz["bias"]
+    except (OSError, ValueError, zipfile.BadZipFile) as exc:
+        return f"not an .npz archive: {exc}"
+    if weights.ndim != 2 or weights.shape[0] != len(tools) or bias.shape != (len(tools),):
+        return f"weights {weights.shape} and bias {bias.shape} do not fit {len(tools)} tools"
+    return None
 
 
 def write_atomically(path: Path, data: bytes) -> None:

@@ -167,9 +167,16 @@ def cmd_build(args: argparse.Namespace) -> int:
         pulled = _load_compendium(args.since)
         route = None
         if args.since_confidence <= 1.0 and pulled.scenarios:
+            from compendium.client_api import head_file
             from routing.cli import pulled_router
 
-            route = routed_by(pulled_router(pulled, embedding_model=args.embedding_model))
+            route = routed_by(
+                pulled_router(
+                    pulled,
+                    embedding_model=args.embedding_model,
+                    head_path=head_file(Path(args.since)),
+                )
+            )
         compendium, delta = delta_since(
             compendium, pulled, engine, options.tau, route=route, confidence=args.since_confidence
         )
@@ -362,6 +369,8 @@ def cmd_pull(args: argparse.Namespace) -> int:
         print(f"{out}: up to date (ETag {result.etag})")
     else:
         print(f"{out}: global compendium of round {result.round} saved (sha256 {result.sha256})")
+    if result.head is not None:
+        print(f"{result.head}: its routing head")
     return 0
 
 

@@ -296,14 +296,16 @@ def probe_accuracy(probe: ProbeSet | None, scenario_tools: list[str], vectors) -
     return float(np.mean(predicted == np.asarray(probe.labels, dtype=object)))
 
 
-def routing_head(compendium, scenario_embeddings, embed) -> bytes | None:
+def routing_head(compendium, scenario_embeddings, embed, probe: ProbeSet | None = None) -> bytes | None:
     """The serialized linear head the routing API uses with this global (None: fewer than two
-    tools, or no embeddings)."""
+    tools, or no embeddings). It learns from the public probe set's labelled requests too, when
+    there is one; clients download it with the global (`GET /api/v1/compendium/global/head/`)."""
     from routing.router import fit_linear_head
 
     if scenario_embeddings is None or not len(compendium.scenarios):
         return None
-    head = fit_linear_head(compendium, scenario_embeddings, embed)
+    examples = (probe.vectors, probe.labels) if probe is not None and len(probe) else None
+    head = fit_linear_head(compendium, scenario_embeddings, embed, examples=examples)
     return head.to_bytes() if head is not None else None
 
 
@@ -348,7 +350,7 @@ def run_server_merge(round_id: int, *, embed=None) -> str:
     accuracy = probe_accuracy(
         probe, [s.tool_id for s in result.compendium.scenarios], result.scenario_embeddings
     )
-    head = routing_head(result.compendium, result.scenario_embeddings, embed)
+    head = routing_head(result.compendium, result.scenario_embeddings, embed, probe)
     with transaction.atomic():
         locked = Round.objects.select_for_update().get(pk=round_id)
         CompendiumVersion.objects.filter(kind="global", round=locked).delete()

@@ -65,10 +65,13 @@ def pulled_router(
     llm=None,
     escalate_threshold: float | None = None,
     linear_head: bool = True,
+    head_path: Path | None = None,
 ):
     """A router over a pulled global compendium that ranks exactly as the server does: scenario
     embeddings by the merge engine (cached on disk per compendium), the linear head the server
-    fits at publication (cached too), the fitted routing parameters. Raises
+    published with it (`head_path`, which `synapse-client pull` saves beside the compendium; when
+    it is missing or belongs to other tools, a head fitted here from the compendium alone, cached
+    too, without the server's probe set), the fitted routing parameters. Raises
     `EmbeddingModelUnavailable` when the model cannot be loaded."""
     from routing.embeddings import embed_cached, get_engine, get_query_engine, model_cache_dir
     from routing.router import Router, RoutingParams
@@ -92,13 +95,39 @@ def pulled_router(
         ),
     )
     if linear_head:
-        router = router.with_reranker(
-            reranker, head=_cached_head(router, documents, cache.parent / "routing-heads")
+        head = _served_head(head_path, router) or _cached_head(
+            router, documents, cache.parent / "routing-heads"
         )
+        router = router.with_reranker(reranker, head=head)
     return router
 
 
+def _served_head(path: Path | None, router):
+    """The head the server published with this compendium, when `path` holds it (its tools must
+    be the index's); otherwise None, after a warning on stderr if the file is there but unusable."""
+    import zipfile
+
+    from routing.router import LinearHead
+
+    if path is None or not Path(path).exists():
+        return None
+    try:
+        head = LinearHead.from_bytes(Path(path).read_bytes())
+    except (OSError, ValueError, KeyError, zipfile.BadZipFile) as exc:
+        print(f"synapse-client: warning: ignoring {path}: {exc}", file=sys.stderr)
+        return None
+    if head.tools != router.index.tool_names:
+        print(
+            f"synapse-client: warning: ignoring {path}: it was published for other tools than "
+            "this compendium's",
+            file=sys.stderr,
+        )
+        return None
+    return head
+
+
 def cmd_route(args: argparse.Namespace) -> int:
+    from compendium.client_api import head_file
     from routing.embeddings import EmbeddingModelUnavailable
     from routing.llm import LLMUnavailable, get_llm
 
@@ -117,6 +146,7 @@ def cmd_route(args: argparse.Namespace) -> int:
             llm=llm,
             escalate_threshold=args.escalate_below,
             linear_head=not args.no_linear_head,
+            head_path=head_file(Path(args.compendium)),
         )
     except (EmbeddingModelUnavailable, LLMUnavailable) as exc:
         raise SystemExit(f"synapse-client: {exc}") from None

@@ -170,12 +170,19 @@ HEAD_C = 10.0  # inverse L2 strength of the head, for unit-norm sentence embeddi
 
 
 def fit_linear_head(
-    compendium: Compendium, scenario_embeddings: np.ndarray, embed, c: float = HEAD_C
+    compendium: Compendium,
+    scenario_embeddings: np.ndarray,
+    embed,
+    c: float = HEAD_C,
+    examples: tuple[np.ndarray, Sequence[str]] | None = None,
 ) -> LinearHead | None:
     """Fit the head on the scenarios' embeddings (row-aligned with `compendium.scenarios`) plus
     one row per such tool whose description the compendium publishes, embedded by `embed` (the
-    engine that embedded the scenarios). Its tools are `ScenarioIndex.tool_names` of the same
-    compendium. None when fewer than two tools have scenarios: nothing to choose between."""
+    engine that embedded the scenarios), plus `examples`: public labelled requests (the probe
+    set, as (vectors by the same engine, tool ids)) whose tool has scenarios here; they are
+    unmasked, real requests, the kind the router is asked. Its tools are
+    `ScenarioIndex.tool_names` of the same compendium. None when fewer than two tools have
+    scenarios: nothing to choose between."""
     from sklearn.linear_model import LogisticRegression
 
     tools = sorted({s.tool_id for s in compendium.scenarios})
@@ -191,6 +198,14 @@ def fit_linear_head(
     if with_text:
         x = np.vstack([x, np.asarray(embed([described[t] for t in with_text]), dtype=np.float32)])
         y = np.concatenate([y, np.array([position[t] for t in with_text], dtype=np.int64)])
+    if examples is not None:
+        vectors, labels = examples
+        if len(vectors) != len(labels):
+            raise ValueError(f"{len(vectors)} example vectors for {len(labels)} labels")
+        keep = [i for i, tool in enumerate(labels) if tool in position]
+        if keep:
+            x = np.vstack([x, np.asarray(vectors, dtype=np.float32)[keep]])
+            y = np.concatenate([y, np.array([position[labels[i]] for i in keep], dtype=np.int64)])
     model = LogisticRegression(C=c, max_iter=1000).fit(x, y)
     # Every tool has at least one scenario, so the classes are exactly 0..len(tools)-1.
     coef, intercept = model.coef_, model.intercept_
@@ -318,14 +333,13 @@ class Router:
             raise ValueError("the linear head was fitted on another compendium's tools")
         self.head = head
 
-    def with_linear_head(self, embed=None) -> Router:
+    def with_linear_head(self, embed=None, examples=None) -> Router:
         """This router with a linear head fitted on its own index (descriptions embedded by
-        `embed`, default: the query engine)."""
+        `embed`, default: the query engine) and on labelled `examples` (see `fit_linear_head`)."""
         embed = embed or self.engine.embed
         index = self.index
-        return self.with_reranker(
-            self.reranker, head=fit_linear_head(index.compendium, index.embeddings, embed)
-        )
+        head = fit_linear_head(index.compendium, index.embeddings, embed, examples=examples)
+        return self.with_reranker(self.reranker, head=head)
 
     def with_reranker(self, reranker: str, **overrides) -> Router:
         """The same index (no re-embedding) under another reranker or settings."""

@@ -19,13 +19,15 @@ from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from urllib.parse import parse_qs, urlparse
 
+import numpy as np
 import pytest
 
 from compendium.canonical import canonical_form
-from compendium.client_api import ClientError, SynapseClient, etag_file
+from compendium.client_api import ClientError, SynapseClient, etag_file, head_file
 from compendium.client_cli import main
 from compendium.schema import Compendium, Scenario, Schema, ToolSpec
 from compendium.validation import validate_compendium
+from routing.router import LinearHead
 
 TOKEN = "tok-client-1"
 SCHEMA = Schema(
@@ -48,6 +50,8 @@ class ServerState:
     answers: dict[str, tuple[int, dict]] = field(default_factory=dict)  # idempotency key ->
     published: dict | None = None
     global_requests: list[dict] = field(default_factory=list)
+    heads: dict[int, bytes] = field(default_factory=dict)  # round -> routing head published
+    head_requests: list[str] = field(default_factory=list)  # their ?round=
     lock: threading.Lock = field(default_factory=threading.Lock)
 
 
@@ -87,6 +91,20 @@ def make_handler(state: ServerState):
                                 "config": {"tau": 0.85, "mask_strength": 1.0}}]
                 return self._send(200, {"count": len(results), "next": None, "previous": None,
                                         "results": results})
+            if url.path == "/api/v1/compendium/global/head/":  # as the real API: npz bytes
+                number = parse_qs(url.query).get("round", [""])[0]
+                state.head_requests.append(number)
+                if state.published is None:
+                    return self._send(404, {"detail": "no global compendium is published yet"})
+                data = state.heads.get(int(number or state.published["round"]))
+                if data is None:
+                    return self._send(404, {"detail": "this global compendium has no routing head"})
+                self.send_response(200)
+                self.send_header("Content-Type", "application/octet-stream")
+                self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                self.wfile.write(data)
+                return None
             if url.path == "/api/v1/compendium/global/":
                 state.global_requests.append(dict(self.headers))
                 if state.published is None:
@@ -331,6 +349,39 @@ def test_pull_saves_the_global_compendium_and_honours_the_etag(server, tmp_path,
     assert main(args) == 0
     assert Compendium.model_validate_json(out.read_text()) == newer
     assert etag_file(out).read_text().strip() == f'"{newer_form.sha256}"'
+
+
+def test_pull_saves_the_routing_head_beside_the_global(server, tmp_path, capsys):
+    url, state = server
+    out = tmp_path / "global.json"
+    args = ["pull", "--server", url, "--token", TOKEN, "--out", str(out), "--backoff", "0"]
+    published = compendium()
+    state.published = {"round": 4, "sha256": canonical_form(published).sha256,
+                       "published_at": "2026-01-01", "compendium": published.model_dump(mode="json")}
+    head = LinearHead(["flights", "weather"], np.ones((2, 8), dtype=np.float32),
+                      np.zeros(2, dtype=np.float32))
+    state.heads[4] = head.to_bytes()
+    assert main(args) == 0
+    assert f"{head_file(out)}: its routing head" in capsys.readouterr().out
+    assert head_file(out).read_bytes() == head.to_bytes()
+    assert state.head_requests == ["4"]  # the round of the compendium just pulled
+    # Up to date, head present: one conditional request, no head download.
+    assert main(args) == 0
+    assert state.head_requests == ["4"]
+    # A file that is not a head is refused with a warning, and nothing is written.
+    head_file(out).unlink()
+    state.heads[4] = b"not an archive"
+    assert main(args) == 0
+    assert "routing head is unusable (not an .npz archive" in capsys.readouterr().err
+    assert not head_file(out).exists()
+    # A newer global without a head: the old head goes, it belongs to another compendium.
+    state.heads[4] = head.to_bytes()
+    assert main(args) == 0 and head_file(out).exists()
+    newer = compendium("Find a flight for next week")
+    state.published = {"round": 5, "sha256": canonical_form(newer).sha256,
+                       "published_at": "2026-01-02", "compendium": newer.model_dump(mode="json")}
+    assert main(args) == 0
+    assert not head_file(out).exists()
 
 
 def test_pull_without_the_local_file_does_not_send_if_none_match(server, tmp_path):

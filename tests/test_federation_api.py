@@ -6,6 +6,7 @@ from __future__ import annotations
 import gzip
 import json
 
+import numpy as np
 import pytest
 from rest_framework.test import APIClient
 
@@ -15,6 +16,7 @@ from compendium.schema import Compendium
 from compendium.services import store_compendium
 from federation import services
 from federation.models import AuditLog, Client, Round, Submission
+from routing.router import LinearHead
 from tests.federation_fixtures import SYSTEM
 
 pytestmark = pytest.mark.django_db
@@ -359,12 +361,44 @@ def test_unpublished_global_compendium_is_not_served(world, valid_doc):
     assert api.get("/api/v1/compendium/global/?round=1").status_code == 404
 
 
+def test_global_routing_head_is_served_with_its_own_etag(world, valid_doc):
+    api = client_api(world.token_a)
+    path = "/api/v1/compendium/global/head/"
+    assert api.get(path).status_code == 404  # nothing published
+    first = _publish_global(valid_doc)
+    missing = api.get(path)
+    assert missing.status_code == 404 and "no routing head" in missing.json()["detail"]
+    head = LinearHead(
+        ["calculator", "weather"], np.ones((2, 384), dtype=np.float32), np.zeros(2, dtype=np.float32)
+    )
+    CompendiumVersion.objects.filter(kind="global", round=first).update(routing_head=head.to_bytes())
+    for who in (api, person_api(world.member_a)):  # clients and people alike
+        response = who.get(path)
+        assert response.status_code == 200
+        assert response["Content-Type"] == "application/octet-stream"
+        assert LinearHead.from_bytes(response.content).tools == head.tools
+    sha256 = api.get("/api/v1/compendium/global/").json()["sha256"]
+    assert response["ETag"] == f'"{sha256}-head"'
+    assert api.get(path, HTTP_IF_NONE_MATCH=response["ETag"]).status_code == 304
+    valid_doc["scenarios"].pop()
+    _publish_global(valid_doc)  # round 2, published without a head
+    assert api.get(path).status_code == 404
+    assert api.get(path + "?round=1").content == head.to_bytes()
+    assert api.get(path + "?round=3").status_code == 404
+    assert api.get(path + "?round=one").status_code == 400
+    assert client_api().get(path).status_code == 401
+    assert client_api("not-a-token").get(path).status_code == 401
+
+
 def test_openapi_schema_and_docs_render(world):
     api = APIClient()
     schema = api.get("/api/schema/")
     assert schema.status_code == 200
     text = schema.content.decode()
-    for path in ("/api/v1/submissions/", "/api/v1/compendium/global/", "/api/v1/admin/clients/"):
+    for path in (
+        "/api/v1/submissions/", "/api/v1/compendium/global/", "/api/v1/compendium/global/head/",
+        "/api/v1/admin/clients/",
+    ):
         assert path in text
     assert api.get("/api/docs/").status_code == 200
 

@@ -3,10 +3,13 @@ test_merge_worker.py)."""
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 from django.core.management import call_command
 
 from compendium.models import CompendiumVersion, ScenarioEntry
+from compendium.schema import Compendium, Scenario
+from compendium.services import load_compendium
 from federation import accounting, pipeline
 from federation.models import (
     Client,
@@ -54,6 +57,25 @@ def test_full_round_publishes_global_with_embeddings_ledger_and_accuracy(
     head = LinearHead.from_bytes(glob.routing_head)
     assert head.tools == sorted({s["tool_id"] for s in glob.content["scenarios"]})
     assert head.weights.shape[0] == len(head.tools) >= 2
+    # ... and on the public probe set: refitted on the same rows without it, the head gives the
+    # probe requests' own tools less probability.
+    rows = list(ScenarioEntry.objects.filter(version=glob).select_related("tool").order_by("id"))
+    published = Compendium(
+        scenarios=[Scenario(tool_id=r.tool.tool_id, text=r.text) for r in rows],
+        metadata=load_compendium(glob).metadata,
+    )
+    vectors = np.array([r.embedding for r in rows], dtype=np.float32)
+    probe = pipeline.load_probe_set()
+    blind = LinearHead.from_bytes(pipeline.routing_head(published, vectors, pipeline._embed()))
+    taught = LinearHead.from_bytes(pipeline.routing_head(published, vectors, pipeline._embed(), probe))
+    assert np.allclose(taught.weights, head.weights, atol=1e-4)
+    assert set(probe.labels) <= set(head.tools)
+
+    def own_log_proba(h):
+        own = [h.tools.index(label) for label in probe.labels]
+        return np.mean(h.log_proba(probe.vectors)[np.arange(len(probe)), own])
+
+    assert own_log_proba(taught) > own_log_proba(blind) + 0.05
     # acme: 2 released fields (weather.calls, weather.success_rate); globex: 1
     ledger = PrivacyLedgerEntry.objects.filter(round=round_)
     assert sorted((e.organization.slug, e.tool_id, e.field) for e in ledger) == [

@@ -232,6 +232,35 @@ def test_route_command(tmp_path, capsys, engine, monkeypatch):
         args.func(args)
 
 
+def test_route_command_uses_the_head_the_server_published(tmp_path, capsys, engine, monkeypatch):
+    from compendium.client_api import head_file
+
+    monkeypatch.setenv("SYNAPSE_MODEL_CACHE", str(tmp_path / "cache"))
+    path = tmp_path / "global.json"
+    body = {"round": 3, "sha256": "x", "compendium": canonical_dict(_currency_compendium(False))}
+    path.write_text(json.dumps(body), encoding="utf-8")
+    parser = argparse.ArgumentParser(prog="synapse-client")
+    add_route_command(parser.add_subparsers(dest="command", required=True))
+    args = parser.parse_args(["route", "Will it rain in Paris tomorrow?", "--compendium", str(path)])
+    assert args.func(args) == 0
+    assert capsys.readouterr().out.startswith("tool: weather")
+    # A published head (as `synapse-client pull` saves it) that is sure of calc decides.
+    tools = ["calc", "fx", "weather"]
+    sure = LinearHead(tools, np.zeros((3, engine.dimension), dtype=np.float32),
+                      np.array([60.0, 0.0, 0.0], dtype=np.float32))
+    head_file(path).write_bytes(sure.to_bytes())
+    assert args.func(args) == 0
+    assert capsys.readouterr().out.startswith("tool: calc")
+    # A head for other tools, or a broken file, is ignored with a warning: the head fitted here.
+    other = LinearHead(["a", "b"], np.zeros((2, engine.dimension), dtype=np.float32),
+                       np.array([60.0, 0.0], dtype=np.float32))
+    for data, why in ((other.to_bytes(), "other tools"), (b"broken", "ignoring")):
+        head_file(path).write_bytes(data)
+        assert args.func(args) == 0
+        out, err = capsys.readouterr()
+        assert out.startswith("tool: weather") and why in err
+
+
 def test_in_process_llm_backend_fails_in_one_clear_line(monkeypatch, tmp_path):
     from routing.llm import LLMUnavailable, get_llm
 
@@ -323,3 +352,32 @@ def test_linear_head_needs_two_tools_and_matching_tools(engine):
     )
     with pytest.raises(ValueError, match="another compendium"):
         three.with_reranker("fusion", head=head)
+
+
+def test_linear_head_learns_from_labelled_public_examples(metatool_split, engine):
+    dataset, split = metatool_split
+    thin = compendium_from_queries(dataset.tools, split.train, max_per_tool=2)
+    router = Router(thin, engine, "fusion")
+    vectors = engine.embed([q.query for q in split.probe])
+    labels = [q.tool_id for q in split.probe]
+    blind = fit_linear_head(thin, router.index.embeddings, engine.embed)
+    taught = fit_linear_head(thin, router.index.embeddings, engine.embed, examples=(vectors, labels))
+    assert taught.tools == blind.tools == router.index.tool_names
+    held_out = [q for q in split.test if q.tool_id in set(taught.tools)]
+    test_vectors = engine.embed([q.query for q in held_out])
+    gold = np.array([taught.tools.index(q.tool_id) for q in held_out])
+
+    def accuracy(head):
+        return float(np.mean(head.log_proba(test_vectors).argmax(axis=1) == gold))
+
+    assert accuracy(taught) > accuracy(blind) + 0.03
+    # Examples of a tool without scenarios cannot add a tool: the head stays the index's.
+    foreign = fit_linear_head(
+        thin, router.index.embeddings, engine.embed,
+        examples=(np.vstack([vectors, vectors[:1]]), labels + ["no_such_tool"]),
+    )
+    assert foreign.tools == taught.tools
+    with pytest.raises(ValueError, match="3 example vectors for 2 labels"):
+        fit_linear_head(thin, router.index.embeddings, engine.embed, examples=(vectors[:3], labels[:2]))
+    # Router.with_linear_head passes them through.
+    assert np.allclose(router.with_linear_head(examples=(vectors, labels)).head.weights, taught.weights)

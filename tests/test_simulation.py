@@ -59,10 +59,34 @@ def tiny_dataset(tmp_path):
     return folder
 
 
-def test_tiny_simulation_end_to_end(tiny_dataset, tmp_path):
+@pytest.fixture
+def twin_dataset(tmp_path):
+    """Each tool of TOOLS split in two twins that share one plain description ("Weather
+    service") and half the intents each: descriptions and the public probe set cannot tell twins
+    apart; only the clients' experience, which grows over the rounds, can."""
+    rng = random.Random(7)
+    folder = tmp_path / "twins"
+    folder.mkdir()
+    with (folder / "tools.jsonl").open("w") as tools, (folder / "queries.jsonl").open("w") as queries:
+        n = 0
+        for tool_id, (category, intents) in TOOLS.items():
+            for twin, own in (("a", intents[::2]), ("b", intents[1::2])):
+                name = f"{tool_id}_{twin}"
+                tools.write(json.dumps({"tool_id": name, "name": name, "category": category,
+                                        "description": f"{tool_id.capitalize()} service"}) + "\n")
+                for intent in own:
+                    for _ in range(6):
+                        text = f"{rng.choice(OPENERS)} {intent}{rng.choice(SUFFIXES)}"
+                        queries.write(json.dumps({"query": text, "tool_id": name,
+                                                  "category": category, "qid": f"q{n}"}) + "\n")
+                        n += 1
+    return folder
+
+
+def test_tiny_simulation_end_to_end(twin_dataset, tmp_path):
     out = tmp_path / "results.json"
     call_command(
-        "simulate", "--dataset", str(tiny_dataset), "--orgs", "2", "--clients-per-org", "2",
+        "simulate", "--dataset", str(twin_dataset), "--orgs", "2", "--clients-per-org", "2",
         "--rounds", "3", "--partition", "category", "--seed", "1", "--out", str(out),
         "--sweep-epsilon", "1", "--sweep-lambda", "0,1", "--sweep-adversarial", "0.5",
         "--sweep-modes", "tool_confusion", "--sweep-rules", "none,krum", "--label", "tiny",

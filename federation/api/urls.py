@@ -10,6 +10,7 @@ urlpatterns = [
     path("rounds/<int:pk>/", views.RoundDetailView.as_view(), name="round-detail"),
     path("compendium/schema/", views.SchemaView.as_view(), name="compendium-schema"),
     path("compendium/global/", views.GlobalCompendiumView.as_view(), name="compendium-global"),
+    path("compendium/global/head/", views.GlobalRoutingHeadView.as_view(), name="compendium-head"),
     path("admin/organizations/", views.OrganizationListView.as_view(), name="organizations"),
     path("admin/clients/", views.ClientListView.as_view(), name="clients"),
     path("admin/clients/<int:pk>/", views.ClientDetailView.as_view(), name="client-detail"),

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from django.http import HttpResponse
 from django.shortcuts import get_object_or_404
 from drf_spectacular.types import OpenApiTypes
 from drf_spectacular.utils import (
@@ -211,6 +212,19 @@ def _etag_matches(header: str, etag: str) -> bool:
     return False
 
 
+def _published_globals(request):
+    """Published global versions, newest round first, narrowed to ?round=N when given."""
+    versions = CompendiumVersion.objects.filter(
+        kind=CompendiumVersion.Kind.GLOBAL, round__state=Round.State.PUBLISHED
+    ).select_related("round")
+    number = request.query_params.get("round")
+    if number is not None:
+        if not number.isdigit():
+            raise InvalidRequest("round must be a round number")
+        versions = versions.filter(round__number=int(number))
+    return versions.order_by("-round__number"), number
+
+
 class GlobalCompendiumView(FederationView):
     authentication_classes = ANY_AUTH
     permission_classes = [IsAuthenticatedAny]
@@ -221,22 +235,15 @@ class GlobalCompendiumView(FederationView):
         responses={200: GlobalCompendiumSerializer, 304: None, 400: DETAIL, 404: DETAIL},
     )
     def get(self, request):
-        versions = CompendiumVersion.objects.filter(
-            kind=CompendiumVersion.Kind.GLOBAL, round__state=Round.State.PUBLISHED
-        ).select_related("round")
-        number = request.query_params.get("round")
-        if number is not None:
-            if not number.isdigit():
-                raise InvalidRequest("round must be a round number")
-            versions = versions.filter(round__number=int(number))
-        etag_only = versions.order_by("-round__number").values("sha256").first()
+        versions, number = _published_globals(request)
+        etag_only = versions.values("sha256").first()
         if etag_only is None:
             which = f"for round {number}" if number is not None else "yet"
             raise exceptions.NotFound(f"no global compendium is published {which}")
         etag = f'"{etag_only["sha256"]}"'
         if _etag_matches(request.META.get("HTTP_IF_NONE_MATCH", ""), etag):
             return Response(status=status.HTTP_304_NOT_MODIFIED, headers={"ETag": etag})
-        version = versions.order_by("-round__number").first()
+        version = versions.defer("routing_head").first()
         body = {
             "round": version.round.number,
             "sha256": version.sha256,
@@ -244,6 +251,45 @@ class GlobalCompendiumView(FederationView):
             "compendium": version.content,
         }
         return Response(body, headers={"ETag": etag})
+
+
+class GlobalRoutingHeadView(FederationView):
+    authentication_classes = ANY_AUTH
+    permission_classes = [IsAuthenticatedAny]
+
+    @extend_schema(
+        summary="The routing head published with the latest global compendium (or ?round=N)",
+        description=(
+            "The linear head the routing API uses with that global (fitted at publication on its "
+            "scenarios, its tools' descriptions and the public probe set), as a NumPy .npz archive "
+            "(arrays tools, weights, bias). `synapse-client pull` saves it beside the compendium "
+            "so that `synapse-client route` ranks exactly as the server does. The ETag is the "
+            "global's sha256 with the suffix -head."
+        ),
+        parameters=[OpenApiParameter("round", int, description="round number")],
+        responses={
+            (200, "application/octet-stream"): OpenApiTypes.BINARY,
+            304: None, 400: DETAIL, 404: DETAIL,
+        },
+    )
+    def get(self, request):
+        versions, number = _published_globals(request)
+        row = versions.values("sha256", "routing_head").first()
+        if row is None:
+            which = f"for round {number}" if number is not None else "yet"
+            raise exceptions.NotFound(f"no global compendium is published {which}")
+        if row["routing_head"] is None:
+            raise exceptions.NotFound(
+                "this global compendium has no routing head (fewer than two tools have scenarios)"
+            )
+        etag = f'"{row["sha256"]}-head"'
+        if _etag_matches(request.META.get("HTTP_IF_NONE_MATCH", ""), etag):
+            return HttpResponse(status=status.HTTP_304_NOT_MODIFIED, headers={"ETag": etag})
+        return HttpResponse(
+            bytes(row["routing_head"]),
+            content_type="application/octet-stream",
+            headers={"ETag": etag},
+        )
 
 
 # --- people: organization-scoped administration ----------------------------------------------

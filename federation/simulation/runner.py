@@ -201,6 +201,7 @@ class Simulation:
         self.tool_ids = frozenset(schema.tool_ids)
         self.category_of = {t.tool_id: t.category for t in dataset.tools}
         self._transfer_variants: list[TransferVariant] | None = None
+        self._probe_cache: dict[tuple, np.ndarray] = {}
 
     # --- building blocks ---------------------------------------------------------------------
 
@@ -237,19 +238,38 @@ class Simulation:
         engine=None,
         llm=None,
     ) -> Router:
-        """A router over `compendium` with fusion weights and calibration fitted on the public
-        probe split (never on test data), and with the linear head fitted on the compendium itself
-        (`config.linear_head`). `engine` (default: the simulation's) embeds both the scenarios and
-        the queries; `llm` is the `llm` reranker's backend."""
+        """A router over `compendium` as the server publishes it: the linear head
+        (`config.linear_head`) fitted on the compendium and on the public probe split, as
+        `federation.pipeline.routing_head` does; fusion weights and calibration fitted on the
+        probe split too (never on test data), cross-fitted: they are fitted on one half of the
+        probe with a head that learnt from the other half, so that they weigh a head that has not
+        seen the requests they are fitted on. `engine` (default: the simulation's) embeds both
+        the scenarios and the queries; `llm` is the `llm` reranker's backend."""
         engine = engine or self.engine
         base = Router(compendium, engine, "fusion")
-        if self.config.linear_head:
-            base = base.with_linear_head()
         pairs = [(q.query, q.tool_id) for q in probe]
+        fitted = base
+        if self.config.linear_head:
+            vectors = self._probe_vectors(engine, probe)
+            labels = [q.tool_id for q in probe]
+            order = random.Random(len(pairs)).sample(range(len(pairs)), len(pairs))
+            learn, held = sorted(order[: len(order) // 2]), sorted(order[len(order) // 2 :])
+            fitted = base.with_linear_head(examples=(vectors[learn], [labels[i] for i in learn]))
+            pairs = [pairs[i] for i in held]
+            base = base.with_linear_head(examples=(vectors, labels))
         if self.config.fit_limit and len(pairs) > self.config.fit_limit:
             pairs = random.Random(len(pairs)).sample(pairs, self.config.fit_limit)
-        params = fit_params(base, pairs, fitted_on="simulation probe split")
+        params = fit_params(fitted, pairs, fitted_on="simulation probe split")
         return base.with_reranker(reranker or self.config.reranker, params=params, llm=llm)
+
+    def _probe_vectors(self, engine, probe: Sequence[LabelledQuery]) -> np.ndarray:
+        """The probe split embedded by `engine`, kept for the seed's later routers."""
+        texts = tuple(q.query for q in probe)
+        key = (id(engine), texts)
+        if key not in self._probe_cache:
+            self._probe_cache.clear()  # one seed's probe (and one engine) at a time
+            self._probe_cache[key] = np.asarray(engine.embed(list(texts)), dtype=np.float32)
+        return self._probe_cache[key]
 
     def evaluate(self, router: Router, test: Sequence[LabelledQuery]):
         return self._route_and_score(router, test)[0]
@@ -265,8 +285,11 @@ class Simulation:
         return report, decisions
 
     def _probe_set(self, probe: Sequence[LabelledQuery]) -> ProbeSet:
-        texts = [q.query for q in probe]
-        return ProbeSet(texts, [q.tool_id for q in probe], self.engine.embed(texts))
+        return ProbeSet(
+            [q.query for q in probe],
+            [q.tool_id for q in probe],
+            self._probe_vectors(self.engine, probe),
+        )
 
     def federate(
         self,

@@ -52,6 +52,11 @@ class Command(BaseCommand):
         parser.add_argument("--users-per-client", type=int, default=3)
         parser.add_argument("--test-limit", type=int, default=None, help="evaluate on a sample")
         parser.add_argument(
+            "--probe-fraction", type=float, default=0.1,
+            help="share of the queries in the public probe set (the edges' probe, the routers' "
+            "fitting set and the head's public examples; default 0.1)",
+        )
+        parser.add_argument(
             "--queries-per-client", type=int, default=None, help="cap each client's train share"
         )
         parser.add_argument(
@@ -158,6 +163,8 @@ class Command(BaseCommand):
                 return
         if o["min_users"] < 1:
             raise CommandError("--min-users must be at least 1")
+        if not 0 < o["probe_fraction"] < 0.6:  # 40% is held out for testing
+            raise CommandError(f"--probe-fraction must be in (0, 0.6), not {o['probe_fraction']:g}")
         if o["client_tau"] is not None and not 0 < o["client_tau"] <= 1:
             raise CommandError("--client-tau must be in (0, 1]")
         if o["max_bytes"] is not None and o["max_bytes"] < 1:
@@ -180,6 +187,7 @@ class Command(BaseCommand):
             reranker=o["reranker"],
             users_per_client=o["users_per_client"],
             test_limit=o["test_limit"],
+            probe_fraction=o["probe_fraction"],
             queries_per_client=o["queries_per_client"],
             baselines=not o["no_baselines"],
             diagnostics=not o["no_diagnostics"],
