@@ -197,13 +197,19 @@ def test_parse_choice():
     assert parse_choice("zero", 3).reason.startswith("no option number")
 
 
-def test_route_command(tmp_path, capsys, engine, monkeypatch):
+def _route_command(tmp_path, monkeypatch, compendium: Compendium):
+    """A pulled global at tmp_path/global.json and the `route` command's parser."""
     monkeypatch.setenv("SYNAPSE_MODEL_CACHE", str(tmp_path / "cache"))
     path = tmp_path / "global.json"
-    body = {"round": 3, "sha256": "x", "compendium": canonical_dict(_currency_compendium(True))}
+    body = {"round": 3, "sha256": "x", "compendium": canonical_dict(compendium)}
     path.write_text(json.dumps(body), encoding="utf-8")
     parser = argparse.ArgumentParser(prog="synapse-client")
     add_route_command(parser.add_subparsers(dest="command", required=True))
+    return path, parser
+
+
+def test_route_command(tmp_path, capsys, engine, monkeypatch):
+    path, parser = _route_command(tmp_path, monkeypatch, _currency_compendium(True))
     args = parser.parse_args(
         ["route", "Will it rain in Paris tomorrow?", "--compendium", str(path), "--json", "--top-k", "2"]
     )
@@ -235,12 +241,7 @@ def test_route_command(tmp_path, capsys, engine, monkeypatch):
 def test_route_command_uses_the_head_the_server_published(tmp_path, capsys, engine, monkeypatch):
     from compendium.client_api import head_file
 
-    monkeypatch.setenv("SYNAPSE_MODEL_CACHE", str(tmp_path / "cache"))
-    path = tmp_path / "global.json"
-    body = {"round": 3, "sha256": "x", "compendium": canonical_dict(_currency_compendium(False))}
-    path.write_text(json.dumps(body), encoding="utf-8")
-    parser = argparse.ArgumentParser(prog="synapse-client")
-    add_route_command(parser.add_subparsers(dest="command", required=True))
+    path, parser = _route_command(tmp_path, monkeypatch, _currency_compendium(False))
     args = parser.parse_args(["route", "Will it rain in Paris tomorrow?", "--compendium", str(path)])
     assert args.func(args) == 0
     assert capsys.readouterr().out.startswith("tool: weather")

@@ -37,25 +37,31 @@ OPENERS = ["Can you find", "Please show me", "I need", "Help me with", "What abo
 SUFFIXES = ["", " please", " for me", " right now", " today", " quickly"]
 
 
-@pytest.fixture
-def tiny_dataset(tmp_path):
+def _write_dataset(folder, tools) -> None:
+    """A routing-benchmark dataset of (tool_id, category, description, intents) tools: six
+    queries per intent, an opener and a suffix drawn around it."""
     rng = random.Random(7)
-    folder = tmp_path / "tiny"
     folder.mkdir()
-    with (folder / "tools.jsonl").open("w") as tools:
-        for tool_id, (category, intents) in TOOLS.items():
-            description = f"{tool_id.capitalize()} service: " + ", ".join(intents[:2])
-            tools.write(json.dumps({"tool_id": tool_id, "name": tool_id, "description": description,
-                                    "category": category}) + "\n")
-    with (folder / "queries.jsonl").open("w") as queries:
+    with (folder / "tools.jsonl").open("w") as tool_file, (folder / "queries.jsonl").open("w") as queries:
         n = 0
-        for tool_id, (category, intents) in TOOLS.items():
+        for tool_id, category, description, intents in tools:
+            tool_file.write(json.dumps({"tool_id": tool_id, "name": tool_id, "description": description,
+                                        "category": category}) + "\n")
             for intent in intents:
                 for _ in range(6):
                     text = f"{rng.choice(OPENERS)} {intent}{rng.choice(SUFFIXES)}"
                     queries.write(json.dumps({"query": text, "tool_id": tool_id,
                                               "category": category, "qid": f"q{n}"}) + "\n")
                     n += 1
+
+
+@pytest.fixture
+def tiny_dataset(tmp_path):
+    folder = tmp_path / "tiny"
+    _write_dataset(folder, [
+        (tool_id, category, f"{tool_id.capitalize()} service: " + ", ".join(intents[:2]), intents)
+        for tool_id, (category, intents) in TOOLS.items()
+    ])
     return folder
 
 
@@ -64,22 +70,12 @@ def twin_dataset(tmp_path):
     """Each tool of TOOLS split in two twins that share one plain description ("Weather
     service") and half the intents each: descriptions and the public probe set cannot tell twins
     apart; only the clients' experience, which grows over the rounds, can."""
-    rng = random.Random(7)
     folder = tmp_path / "twins"
-    folder.mkdir()
-    with (folder / "tools.jsonl").open("w") as tools, (folder / "queries.jsonl").open("w") as queries:
-        n = 0
-        for tool_id, (category, intents) in TOOLS.items():
-            for twin, own in (("a", intents[::2]), ("b", intents[1::2])):
-                name = f"{tool_id}_{twin}"
-                tools.write(json.dumps({"tool_id": name, "name": name, "category": category,
-                                        "description": f"{tool_id.capitalize()} service"}) + "\n")
-                for intent in own:
-                    for _ in range(6):
-                        text = f"{rng.choice(OPENERS)} {intent}{rng.choice(SUFFIXES)}"
-                        queries.write(json.dumps({"query": text, "tool_id": name,
-                                                  "category": category, "qid": f"q{n}"}) + "\n")
-                        n += 1
+    _write_dataset(folder, [
+        (f"{tool_id}_{twin}", category, f"{tool_id.capitalize()} service", own)
+        for tool_id, (category, intents) in TOOLS.items()
+        for twin, own in (("a", intents[::2]), ("b", intents[1::2]))
+    ])
     return folder
 
 
