@@ -225,6 +225,11 @@ def _published_globals(request):
     return versions.order_by("-round__number"), number
 
 
+def _none_published(number: str | None) -> exceptions.NotFound:
+    which = f"for round {number}" if number is not None else "yet"
+    return exceptions.NotFound(f"no global compendium is published {which}")
+
+
 class GlobalCompendiumView(FederationView):
     authentication_classes = ANY_AUTH
     permission_classes = [IsAuthenticatedAny]
@@ -238,8 +243,7 @@ class GlobalCompendiumView(FederationView):
         versions, number = _published_globals(request)
         etag_only = versions.values("sha256").first()
         if etag_only is None:
-            which = f"for round {number}" if number is not None else "yet"
-            raise exceptions.NotFound(f"no global compendium is published {which}")
+            raise _none_published(number)
         etag = f'"{etag_only["sha256"]}"'
         if _etag_matches(request.META.get("HTTP_IF_NONE_MATCH", ""), etag):
             return Response(status=status.HTTP_304_NOT_MODIFIED, headers={"ETag": etag})
@@ -276,8 +280,7 @@ class GlobalRoutingHeadView(FederationView):
         versions, number = _published_globals(request)
         row = versions.values("sha256", "routing_head").first()
         if row is None:
-            which = f"for round {number}" if number is not None else "yet"
-            raise exceptions.NotFound(f"no global compendium is published {which}")
+            raise _none_published(number)
         if row["routing_head"] is None:
             raise exceptions.NotFound(
                 "this global compendium has no routing head (fewer than two tools have scenarios)"
