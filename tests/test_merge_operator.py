@@ -532,3 +532,32 @@ def test_centrality_ties_do_not_depend_on_float_noise():
         assert list(central_order(np.stack([a, nudged]))) == [0, 1]
     far = np.array([0.0, 0.0, 1.0])
     assert next(central_order(np.stack([far, a, a]))) == 1  # a real difference still decides
+
+
+def test_the_robust_rule_drops_a_relabelled_batch_across_sources(schema, embed):
+    """Four clients send requests of the calculator under its label; a fifth sends cooking
+    requests under the same label. With Krum and f = floor(0.25 * 5) = 1 the fifth's batch goes
+    (flagged, reason "robust rule (krum)") and its other, honest batch stays; with rule none
+    (every other check off) it comes through."""
+    sums = [["What is 17 times 23?", "Compute 144 divided by 12", "Add 45 and 38"],
+            ["Multiply 9 by 81", "What is the square root of 1764?", "Subtract 19 from 100"],
+            ["Calculate 15 percent of 80", "What is 7 to the power of 3?", "Divide 1000 by 8"],
+            ["How much is 12 plus 30?", "What is 6 times 7?", "Compute 2 to the 10th power"]]
+    inputs = [sub(f"c{i}", [sc("calculator", t) for t in texts]) for i, texts in enumerate(sums)]
+    cooking = ["How do I cook a mushroom risotto?", "Ingredients for banana bread",
+               "A quick recipe for pancakes"]
+    inputs.append(sub("liar", [sc("calculator", t) for t in cooking]
+                      + [sc("weather", "Will it rain in Lisbon tomorrow?")]))
+    config = RoundConfig(summarizer="centroid", tau=0.99, robust_rule="krum", trim_fraction=0.25)
+    checks_off = {"confusion_margin": 9.0, "source_limit": 9.0}
+    result = edge_merge(inputs, schema, config, embed=embed, **checks_off)
+    robust = [f for f in result.flagged if f.reason == "robust rule (krum)"]
+    assert {(f.source, f.tool_id) for f in robust} == {("liar", "calculator")} and len(robust) == 3
+    assert result.stats.robust_dropped == 3 and result.stats.robust_sources == {"liar": 3}
+    assert robust[0].own_similarity > robust[0].closest_similarity
+    texts = {s.text for s in result.compendium.scenarios}
+    assert not texts & set(cooking) and "Will it rain in Lisbon tomorrow?" in texts
+    assert {t for texts_ in sums for t in texts_} <= texts
+    plain = edge_merge(inputs, schema, config.model_copy(update={"robust_rule": "none"}),
+                       embed=embed, **checks_off)
+    assert not plain.flagged and set(cooking) <= {s.text for s in plain.compendium.scenarios}

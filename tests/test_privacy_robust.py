@@ -19,6 +19,7 @@ from federation.merge.privacy import (
 from federation.merge.robust import (
     byzantine_count,
     krum_keep,
+    robust_batches,
     robust_keep,
     trimmed_keep,
     trimmed_mean,
@@ -97,3 +98,28 @@ def test_robust_keep_none_keeps_everything():
     assert list(robust_keep(vectors, "none", 0.4)) == [0, 1, 2, 3, 4]
     with pytest.raises(ValueError):
         robust_keep(vectors, "median", 0.4)
+
+
+def test_robust_batches_drop_the_source_whose_batch_points_elsewhere():
+    """Per tool, each source's batch is summed up by its mean direction; the rule keeps the
+    central ones. Four honest sources write about one thing for tool "a", a fifth sends batches
+    about something else under that label: Krum drops that batch alone, the trimmed mean drops it
+    and the honest batch farthest from the robust center; a tool with two sources is not judged."""
+    rng = np.random.default_rng(7)
+    honest_dir, other_dir = np.eye(16)[0], np.eye(16)[1]
+
+    def batch(direction, n=4):
+        rows = direction + rng.normal(0, 0.15, size=(n, 16))
+        return rows / np.linalg.norm(rows, axis=1, keepdims=True)
+
+    batches = {(f"h{i}", "a"): batch(honest_dir) for i in range(4)}
+    batches[("liar", "a")] = batch(other_dir)
+    batches[("h0", "b")] = batch(other_dir)
+    batches[("liar", "b")] = batch(honest_dir)  # only two sources for "b": kept whatever they say
+    assert byzantine_count(5, 0.25) == 1
+    assert robust_batches(batches, "krum", 0.25) == {("liar", "a")}
+    trimmed = robust_batches(batches, "trimmed-mean", 0.25)
+    assert ("liar", "a") in trimmed and len(trimmed) == 2
+    assert all(tool == "a" for _, tool in trimmed)
+    assert robust_batches(batches, "none", 0.25) == set()
+    assert robust_batches(batches, "krum", 0.1) == set()  # f = floor(0.1 * 5) = 0

@@ -343,7 +343,8 @@ def test_the_edges_drop_relabelling_clients_whole_and_spare_honest_ones(tiny_dat
     assert row["dropped_adversarial"] == 6
     clean = make(config).run_seed(1).screening
     assert clean == {"honest_submissions": 12, "dropped_honest": 0, "adversarial_submissions": 0,
-                     "dropped_adversarial": 0}
+                     "dropped_adversarial": 0, "robust_dropped_honest": 0,
+                     "robust_dropped_adversarial": 0}
 
 
 def test_adversarial_modes_are_schema_valid_and_camouflage_poisons_only_a_share():

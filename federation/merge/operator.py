@@ -43,7 +43,7 @@ from federation.merge.clustering import (
 )
 from federation.merge.llm import OpenAICompatibleLLM, consistency_probe
 from federation.merge.privacy import BudgetExceeded, laplace_release, round_spend
-from federation.merge.robust import byzantine_count, robust_keep
+from federation.merge.robust import byzantine_count, robust_batches, robust_keep
 from federation.merge.summarize import (
     Cluster,
     ProbeSet,
@@ -343,6 +343,8 @@ def _merge(
             stats,
         )
         flagged += more
+        scenario_items, more = _robust_sources(scenario_items, config, stats)
+        flagged += more
     clock.lap("cross_validate")
 
     probe = consistency_probe(llm) if llm is not None else None
@@ -612,6 +614,50 @@ def _cross_check(
     stats.flagged_incoherent = len(incoherent)
     kept = [item for item in items if (item.source, item.tool_id) not in batches]
     return kept, flagged + incoherent
+
+
+def _robust_sources(
+    items: list[Item], config: RoundConfig, stats: MergeStats
+) -> tuple[list[Item], list[FlaggedEntry]]:
+    """The scenarios the robust rule keeps across sources (`robust.robust_batches`, f from
+    `trim_fraction`), and a flagged entry for each it drops (`own_similarity`: the cosine of the
+    scenario to its batch's mean direction, `closest_similarity`: that of the batch's mean to the
+    mean of the tool's kept batches). The carried-forward global takes no part."""
+    if config.robust_rule == "none":
+        return items, []
+    batches: dict[tuple[str, str], list[np.ndarray]] = defaultdict(list)
+    for item in items:
+        if item.source != PREVIOUS_GLOBAL:
+            batches[(item.source, item.tool_id)].append(item.vector)
+    stacked = {key: np.stack(vectors) for key, vectors in batches.items()}
+    dropped = robust_batches(stacked, config.robust_rule, config.trim_fraction)
+    if not dropped:
+        return items, []
+
+    def direction(vectors: np.ndarray) -> np.ndarray:
+        mean = np.asarray(vectors, dtype=np.float64).mean(axis=0)
+        return mean / max(float(np.linalg.norm(mean)), 1e-12)
+
+    kept_direction = {
+        tool: direction(np.vstack([v for (s, t), v in stacked.items()
+                                   if t == tool and (s, t) not in dropped]))
+        for tool in {t for _, t in dropped}
+    }
+    batch_direction = {key: direction(stacked[key]) for key in dropped}
+    flagged = [
+        FlaggedEntry(
+            item.source, item.tool_id, item.text, "",
+            round(float(item.vector @ batch_direction[key]), 6),
+            round(float(batch_direction[key] @ kept_direction[item.tool_id]), 6),
+            reason=f"robust rule ({config.robust_rule})",
+        )
+        for item in items
+        if (key := (item.source, item.tool_id)) in dropped
+    ]
+    stats.robust_dropped += len(flagged)
+    for entry in flagged:
+        stats.robust_sources[entry.source] = stats.robust_sources.get(entry.source, 0) + 1
+    return [item for item in items if (item.source, item.tool_id) not in dropped], flagged
 
 
 def _cluster_scenarios(items: list[Item], config: RoundConfig, probe: ConsistencyProbe | None,

@@ -2,9 +2,18 @@
 
 Krum (Blanchard et al. 2017) scores every vector by the summed squared distance to its n − f − 2
 nearest neighbours and keeps the n − f most central (multi-Krum); trimmed mean (Yin et al. 2018)
-drops the f lowest and f highest values per coordinate. Within a scenario cluster both decide which
-members survive before the majority decision; on scalar numeric fields the trimmed mean is used
-because its sensitivity is provably Δ/(K − 2f), which keeps the Laplace calibration exact.
+drops the f lowest and f highest values per coordinate. They act at two levels:
+
+- across sources, per tool (`robust_batches`): each source's scenarios for a tool are summed up by
+  their mean direction, and the rule keeps the sources whose batches are central among the tool's
+  sources (Krum: n − f of them; trimmed mean: the n − 2f closest to the coordinate-wise trimmed
+  mean). This is the federated-learning use of both rules, a client's batch standing for its
+  update; it is where relabelled or poisoned batches differ from honest ones;
+- within a scenario cluster (the paper's Algorithm 1): they decide which members survive before
+  the majority decision.
+
+On scalar numeric fields the trimmed mean is used because its sensitivity is provably
+Δ/(K − 2f), which keeps the Laplace calibration exact.
 """
 
 from __future__ import annotations
@@ -78,3 +87,27 @@ def robust_keep(vectors: np.ndarray, rule: str, fraction: float) -> np.ndarray:
     if rule == "trimmed-mean":
         return trimmed_keep(vectors, f)
     raise ValueError(f"unknown robust rule {rule!r}")
+
+
+def robust_batches(
+    batches: dict[tuple[str, str], np.ndarray], rule: str, fraction: float
+) -> set[tuple[str, str]]:
+    """The (source, tool) batches `rule` drops. `batches` maps (source, tool) to the embeddings
+    (unit rows) of that source's scenarios for that tool. Per tool with n >= 3 sources, each
+    batch is represented by its normalized mean and `robust_keep` (f = ⌊fraction·n⌋) chooses the
+    batches kept; a tool with fewer sources keeps them all (nothing to compare)."""
+    if rule == "none":
+        return set()
+    by_tool: dict[str, list[str]] = {}
+    for source, tool in sorted(batches):
+        by_tool.setdefault(tool, []).append(source)
+    dropped: set[tuple[str, str]] = set()
+    for tool, sources in by_tool.items():
+        if len(sources) < 3:
+            continue
+        means = np.stack([np.asarray(batches[(s, tool)], dtype=np.float64).mean(axis=0)
+                          for s in sources])
+        means /= np.maximum(np.linalg.norm(means, axis=1, keepdims=True), 1e-12)
+        keep = set(robust_keep(means, rule, fraction).tolist())
+        dropped.update((s, tool) for i, s in enumerate(sources) if i not in keep)
+    return dropped

@@ -95,6 +95,7 @@ class MergeStats:
     flagged_sources: int = 0  # scenarios dropped with their whole source (implausible sources)
     dropped_sources: list[str] = field(default_factory=list)  # those sources
     robust_dropped: int = 0
+    robust_sources: dict[str, int] = field(default_factory=dict)  # scenarios dropped per source
     precautions_in: int = 0
     precautions_out: int = 0
     precautions_from_conflicts: int = 0

@@ -316,6 +316,9 @@ def table(document: dict[str, Any]) -> str:
                 f"{row['dropped_adversarial']}/{row['adversarial_submissions']}"
                 if "dropped_honest" in row else ""
             )
+            if row.get("robust_dropped_honest") or row.get("robust_dropped_adversarial"):
+                dropped += (f"; rule dropped scenarios: honest {row['robust_dropped_honest']}, "
+                            f"adversarial {row['robust_dropped_adversarial']}")
             lines.append(
                 f"  {row['adversarial_mode']:<24} {row['adversarial_fraction']:>4.0%} "
                 f"{row['robust_rule']:<12} {spread:>16}{dropped}"

@@ -79,6 +79,7 @@ class SimulationConfig:
     tau: float = 0.85
     summarizer: str = "probe-extractive"
     robust_rule: str = "none"
+    trim_fraction: float = 0.1  # f = floor(trim_fraction * n) for the robust rule
     reranker: str = "fusion"
     users_per_client: int = 3
     error_rate: float = 0.15
@@ -213,6 +214,7 @@ class Simulation:
             mask_strength=c.mask_strength,
             summarizer=c.summarizer,
             robust_rule=c.robust_rule,
+            trim_fraction=c.trim_fraction,
             seed=seed,
             carry_forward=c.carry_forward,
         )
@@ -671,20 +673,24 @@ def transfer_variants(config: SimulationConfig) -> list[TransferVariant]:
 
 
 SCREENING_KEYS = ("honest_submissions", "dropped_honest", "adversarial_submissions",
-                  "dropped_adversarial")
+                  "dropped_adversarial", "robust_dropped_honest", "robust_dropped_adversarial")
 
 
 def screening(outcomes: Sequence[RoundOutcome], adversaries: set[str]) -> dict[str, int]:
     """How many client submissions, honest and adversarial, the edge merges dropped whole as
-    implausible sources (their `dropped_sources`), over all rounds."""
+    implausible sources (their `dropped_sources`), and how many of their scenarios the robust
+    rule dropped across sources (`robust_sources`), over all rounds."""
     counts = dict.fromkeys(SCREENING_KEYS, 0)
     for outcome in outcomes:
-        dropped = {source for org, stats in outcome.merge_stats.items() if org != "server"
-                   for source in stats.get("dropped_sources", ())}
+        edges = [stats for org, stats in outcome.merge_stats.items() if org != "server"]
+        dropped = {source for stats in edges for source in stats.get("dropped_sources", ())}
         for client in outcome.submissions:
             kind = "adversarial" if client in adversaries else "honest"
             counts[f"{kind}_submissions"] += 1
             counts[f"dropped_{kind}"] += client in dropped
+            counts[f"robust_dropped_{kind}"] += sum(
+                stats.get("robust_sources", {}).get(client, 0) for stats in edges
+            )
     return counts
 
 

@@ -49,6 +49,12 @@ class Command(BaseCommand):
             default="probe-extractive",
         )
         parser.add_argument("--robust-rule", choices=["none", "krum", "trimmed-mean"], default="none")
+        parser.add_argument(
+            "--trim-fraction", type=float, default=0.1,
+            help="share of the inputs the robust rule assumes adversarial, f = floor(share * n), "
+            "across sources per tool and within clusters (the round setting trim_fraction; "
+            "0 <= share < 0.5, default 0.1)",
+        )
         parser.add_argument("--users-per-client", type=int, default=3)
         parser.add_argument("--test-limit", type=int, default=None, help="evaluate on a sample")
         parser.add_argument(
@@ -165,6 +171,8 @@ class Command(BaseCommand):
             raise CommandError("--min-users must be at least 1")
         if not 0 < o["probe_fraction"] < 0.6:  # 40% is held out for testing
             raise CommandError(f"--probe-fraction must be in (0, 0.6), not {o['probe_fraction']:g}")
+        if not 0 <= o["trim_fraction"] < 0.5:
+            raise CommandError(f"--trim-fraction must be in [0, 0.5), not {o['trim_fraction']:g}")
         if o["client_tau"] is not None and not 0 < o["client_tau"] <= 1:
             raise CommandError("--client-tau must be in (0, 1]")
         if o["max_bytes"] is not None and o["max_bytes"] < 1:
@@ -184,6 +192,7 @@ class Command(BaseCommand):
             tau=o["tau"],
             summarizer=o["summarizer"],
             robust_rule=o["robust_rule"],
+            trim_fraction=o["trim_fraction"],
             reranker=o["reranker"],
             users_per_client=o["users_per_client"],
             test_limit=o["test_limit"],
