@@ -66,6 +66,7 @@ _TOKEN = re.compile(
 )
 
 _SENTENCE_END = re.compile(r"[.!?:;\n]")
+_PLACEHOLDER = re.compile(r"\[(?:" + "|".join(PLACEHOLDERS) + r")\]")
 
 # English function words (closed classes: pronouns, determiners, prepositions, conjunctions,
 # auxiliaries) and their contractions. Never identifying, always needed to read the text.
@@ -105,6 +106,18 @@ def zipf(word: str) -> float:
 
 def rarity(word: str) -> float:
     return min(1.0, max(0.0, (ZIPF_COMMON - zipf(word.lower())) / ZIPF_COMMON))
+
+
+def without_placeholders(text: str) -> str:
+    """The text as a sentence encoder should read it: the masking placeholders left out (runs of
+    spaces they leave become one). A placeholder says only that a word was there; a sentence
+    encoder reads "[NAME]" as a word of its own, which pulls every masked text towards every other
+    one and away from the unmasked requests it is compared with. A text without placeholders is
+    returned as is; one made only of placeholders too (nothing else to read)."""
+    if "[" not in text:
+        return text
+    stripped = " ".join(_PLACEHOLDER.sub(" ", text).split())
+    return stripped or text
 
 
 def threshold(strength: float) -> float:

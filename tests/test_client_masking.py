@@ -7,7 +7,14 @@ import random
 
 import pytest
 
-from compendium.masking import PLACEHOLDERS, TextMasker, share, threshold, tokenize
+from compendium.masking import (
+    PLACEHOLDERS,
+    TextMasker,
+    share,
+    threshold,
+    tokenize,
+    without_placeholders,
+)
 from tests.client_fixtures import PLANTED, metatool, plant
 
 LAMBDAS = [0, 0.1, 0.25, 0.5, 0.75, 1.0, 1.25, 1.5, 2.0, 3.0, 5.0, 10.0]
@@ -139,3 +146,14 @@ def test_same_placeholder_runs_collapse_to_one():
 def test_invalid_strength_is_refused(bad):
     with pytest.raises(ValueError, match="masking strength"):
         TextMasker(strength=bad)
+
+
+def test_without_placeholders_leaves_the_words_the_mask_kept():
+    assert without_placeholders("Book a flight to [NAME]  on [NUMBER], please") == \
+        "Book a flight to on , please"
+    assert without_placeholders("Weather in Paris\ntomorrow") == "Weather in Paris\ntomorrow"
+    assert without_placeholders("a {city} slot and [brackets]") == "a {city} slot and [brackets]"
+    assert without_placeholders("[MASK] [NAME]") == "[MASK] [NAME]"
+    masked = masker(3.0).mask("Send the invoice to jane.doe@example.com about order AB-12345").text
+    assert "[EMAIL]" in masked and not any(f"[{p}]" in without_placeholders(masked)
+                                           for p in PLACEHOLDERS)

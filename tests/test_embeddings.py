@@ -30,6 +30,34 @@ def test_unchanged_texts_are_not_recomputed():
     assert np.array_equal(again[1], first[0])
 
 
+def test_the_model_reads_masked_text_without_its_placeholders():
+    """A masked scenario is embedded as the words it kept: "[NAME]" is not read as a word that
+    every masked text shares. The masked text lands nearer its unmasked request than when the
+    placeholders are read, and further from another masked text with the same placeholders."""
+    engine = get_engine("")
+
+    def as_written(texts):  # what the model makes of the texts with their placeholders
+        return engine._model.encode(texts, normalize_embeddings=True, convert_to_numpy=True)
+
+    masked = "Book a flight from [NAME] to [NAME] on [NUMBER] [MASK]"
+    same, kept = engine.embed([masked, "Book a flight from to on"])
+    assert np.array_equal(same, kept)
+    request, read, other = as_written(
+        ["Book a flight from Lisbon to Denver on 12 March", masked,
+         "What is the weather in [NAME] on [NUMBER] [MASK]"]
+    )
+    query, unread, other_unread = engine.embed(
+        ["Book a flight from Lisbon to Denver on 12 March", masked,
+         "What is the weather in [NAME] on [NUMBER] [MASK]"]
+    )
+    assert np.allclose(query, request, atol=1e-6)  # no placeholder: the text as it is
+    assert query @ unread > request @ read
+    assert unread @ other_unread < read @ other
+    # A text made only of placeholders is read as it is (there is nothing else).
+    assert np.allclose(engine.embed(["[NAME] [MASK]"])[0], as_written(["[NAME] [MASK]"])[0],
+                       atol=1e-6)
+
+
 def test_unknown_model_is_one_clear_error(tmp_path):
     with pytest.raises(EmbeddingModelUnavailable, match="cannot load embedding model"):
         get_engine(str(tmp_path / "no-such-model"))
