@@ -451,7 +451,8 @@ def organization_page(organization, actor) -> OrganizationPage:
     """An organization's clients by status, whether `actor` may manage them, and its edge's
     figures per round: submissions, edge compendium size and entries, conflicts, rejected
     submissions, and scenarios dropped by the merge's cross-checks (whole submissions of
-    implausible clients, by name; tool confusion, with the margin used; incoherent batches)."""
+    implausible clients, by name; tool confusion, with the margin used; incoherent batches; batches
+    a robust rule dropped across clients)."""
     from federation.models import MergeRecord
     from federation.services import can_admin
 
