@@ -239,12 +239,14 @@ def test_operator_closes_opens_and_retries_rounds(client, fed):
     assert 'id="open-round"' in client.get(reverse("dashboard:overview")).content.decode()
     response = client.post(reverse("dashboard:round-open"), {
         "epsilon": "0.5", "mask_strength": "0.8", "tau": "0.9", "summarizer": "centroid",
-        "robust_rule": "krum", "seed": "7"})
+        "robust_rule": "krum", "trim_fraction": "0.25", "seed": "7"})
     assert response.status_code == 302
     r3 = Round.objects.get(number=3)
     assert r3.state == "open"
     assert (r3.config["epsilon"], r3.config["mask_strength"], r3.config["tau"]) == (0.5, 0.8, 0.9)
     assert (r3.config["summarizer"], r3.config["robust_rule"], r3.config["seed"]) == ("centroid", "krum", 7)
+    assert r3.config["trim_fraction"] == 0.25
+    assert "(f = ⌊0.25·n⌋)" in client.get(reverse("dashboard:overview")).content.decode()
     assert AuditLog.objects.filter(action="round.open", target_id=str(r3.pk), actor=fed.operator).exists()
     # a second open round is refused with the reason
     again = client.post(reverse("dashboard:round-open"), {"epsilon": "1"})
@@ -259,10 +261,11 @@ def test_operator_closes_opens_and_retries_rounds(client, fed):
 def test_round_form_rejects_bad_config_naming_the_field(client, fed):
     login(client, fed, "operator")
     services.close_round(SYSTEM, Round.objects.get(number=2))
-    response = client.post(reverse("dashboard:round-open"), {"epsilon": "-1", "robust_rule": "median"})
+    response = client.post(reverse("dashboard:round-open"), {"epsilon": "-1", "robust_rule": "median",
+                                                              "trim_fraction": "0.5"})
     assert response.status_code == 400
     body = response.content.decode()
-    assert "epsilon" in body and "robust_rule" in body
+    assert "epsilon" in body and "robust_rule" in body and "trim_fraction" in body
     assert not Round.objects.filter(number=3).exists()
 
 

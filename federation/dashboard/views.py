@@ -227,7 +227,9 @@ class OrganizationActionView(ActionView, OrganizationView):
 # --- rounds (operator) ---------------------------------------------------------------------------
 
 
-ROUND_FIELDS = ("epsilon", "mask_strength", "tau", "summarizer", "robust_rule", "seed")
+ROUND_FIELDS = (
+    "epsilon", "mask_strength", "tau", "summarizer", "robust_rule", "trim_fraction", "seed"
+)
 
 
 class RoundActionView(ActionView):
