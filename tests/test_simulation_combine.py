@@ -133,3 +133,25 @@ def test_the_command_writes_the_combined_document(tmp_path, capsys):
     with pytest.raises(CommandError, match="seed 0 is in more than one"):
         call_command("simulate", "--combine", str(tmp_path / "a.json"), str(tmp_path / "a.json"),
                      "--no-store")
+
+
+@pytest.mark.django_db
+def test_a_run_that_cannot_be_stored_is_refused_before_it_starts(tmp_path):
+    """Without the dashboard's table (an unmigrated database) the command says what to do before
+    running or writing anything; --no-store still works. The rename is rolled back with the
+    test's transaction."""
+    from django.db import connection
+
+    from federation.models import SimulationRun
+
+    (tmp_path / "a.json").write_text(json.dumps(doc([0], [0.7], 200.0)))
+    with connection.cursor() as cursor:
+        cursor.execute(f"ALTER TABLE {SimulationRun._meta.db_table} RENAME TO hidden_runs")
+    with pytest.raises(CommandError, match="run `python manage.py migrate` first, or pass --no-store"):
+        call_command("simulate", "--combine", str(tmp_path / "a.json"), "--out", str(tmp_path / "x.json"))
+    assert not (tmp_path / "x.json").exists()
+    with pytest.raises(CommandError, match="no table for simulation runs"):
+        call_command("simulate", "--dataset", str(tmp_path / "missing"))
+    call_command("simulate", "--combine", str(tmp_path / "a.json"), "--out", str(tmp_path / "x.json"),
+                 "--no-store")
+    assert json.loads((tmp_path / "x.json").read_text())["seeds"] == [0]

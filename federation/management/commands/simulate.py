@@ -146,6 +146,8 @@ class Command(BaseCommand):
         parser.add_argument("--label", default="", help="a name for the stored run")
 
     def handle(self, *args, **o):
+        if not o["no_store"]:
+            _check_storable()
         if o["combine"]:
             documents = []
             for path in o["combine"]:
@@ -273,3 +275,24 @@ class Command(BaseCommand):
 
             run_row = store_simulation_run(document, label=o["label"])
             self.stdout.write(f"stored as simulation run {run_row.pk} (shown on the dashboard)")
+
+
+def _check_storable() -> None:
+    """Refuse, before anything runs, a run that could not be stored for the dashboard: a run of
+    half an hour must not end in a database error."""
+    from django.db import DatabaseError, connection
+
+    from federation.models import SimulationRun
+
+    try:
+        tables = connection.introspection.table_names()
+    except DatabaseError as exc:
+        raise CommandError(
+            f"cannot reach the database to store the run ({str(exc).strip()}); pass --no-store "
+            "to write --out only"
+        ) from None
+    if SimulationRun._meta.db_table not in tables:
+        raise CommandError(
+            "the database has no table for simulation runs yet: run `python manage.py migrate` "
+            "first, or pass --no-store to write --out only"
+        )
