@@ -38,8 +38,10 @@ import numpy as np
 
 from compendium.masking import without_placeholders
 
-# Part of every on-disk embedding cache key: what the model reads of a text (placeholders left out).
-TEXT_FORM = "without-placeholders"
+# Part of every on-disk embedding cache key: what the model reads of a text (placeholders left
+# out) and how it is run (int8 compute one text per call), so that no vector computed otherwise
+# is read back.
+TEXT_FORM = "without-placeholders|one-text-per-int8-call"
 DEFAULT_MODEL = "bundled:all-MiniLM-L6-v2"
 ONNX_INT8_MODEL = "onnx-int8:all-MiniLM-L6-v2"
 ONNX_INT8_DYNAMIC_MODEL = "onnx-int8-dynamic:all-MiniLM-L6-v2"
@@ -154,12 +156,20 @@ class _OnnxMiniLM:
         # spinning threads slowed the other's next query (p95 37 ms instead of 17 ms).
         options.add_session_config_entry("session.intra_op.allow_spinning", "0")
         self._session = ort.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
+        # Dynamic quantization scales each MatMul's activations by the min and max of the whole
+        # input tensor: in a batch, a text's embedding would depend on the other texts and their
+        # padding (cosine 0.995 to the text alone), so the same query could route differently
+        # alone and in a batch, and a cached vector would depend on the call that computed it.
+        # The int8-compute build therefore runs one text per call.
+        self._one_per_call = dynamic
 
     def get_embedding_dimension(self) -> int:
         return 384
 
     def encode(self, texts, batch_size: int = 64, **_ignored) -> np.ndarray:
         texts = list(texts)
+        if self._one_per_call:
+            batch_size = 1
         out = np.empty((len(texts), 384), dtype=np.float32)
         # Sorting by length keeps padding (wasted work) small within a batch.
         order = sorted(range(len(texts)), key=lambda i: len(texts[i]))
@@ -223,8 +233,9 @@ class EmbeddingEngine:
                 threads = int(os.environ.get("SYNAPSE_ONNX_THREADS", "0")) or _default_threads()
                 self._model = _OnnxMiniLM(threads=threads, dynamic=dynamic)
                 # Measured on 2 cores (MetaTool queries, sorted by length): fp32 compute peaks
-                # near batch 16, int8 compute near 32; larger batches pad more and slow down.
-                self.batch_size = min(batch_size, 32 if dynamic else 16)
+                # near batch 16; larger batches pad more and slow down. int8 compute runs one
+                # text per call (see _OnnxMiniLM).
+                self.batch_size = 1 if dynamic else min(batch_size, 16)
             elif self.model_name.startswith(BF16_PREFIX):
                 self._model = _Bf16SentenceTransformer(self.model_name[len(BF16_PREFIX) :])
             else:

@@ -85,6 +85,24 @@ def test_int8_compute_model_is_built_once_and_reused(tmp_path, monkeypatch):
     assert np.allclose(first, second)
 
 
+@pytest.mark.parametrize("model", [ONNX_INT8_DYNAMIC_MODEL, ONNX_INT8_MODEL])
+def test_a_text_embeds_the_same_alone_and_in_a_batch(model):
+    """Fresh engines (no cache): a query's vector does not depend on the texts embedded with it.
+    int8 compute quantizes activations per call, so in a shared batch it would (cosine 0.995)."""
+    query = "Find me a cheap flight to Paris next week"
+    others = [
+        "How do I extract a tar.gz archive with verbose output and keep the permissions on linux",
+        "weather",
+    ]
+    alone = EmbeddingEngine(model).embed([query])[0]
+    first = EmbeddingEngine(model).embed([query, *others])[0]
+    last = EmbeddingEngine(model).embed([*others, query])[-1]
+    if model == ONNX_INT8_DYNAMIC_MODEL:
+        assert np.array_equal(alone, first) and np.array_equal(alone, last)
+    else:  # fp32 compute: padding changes only the float rounding
+        assert float(alone @ first) > 0.99999 and float(alone @ last) > 0.99999
+
+
 def test_query_engine_defaults_to_int8_compute_and_caches():
     engine = get_query_engine()
     assert engine.model_name == ONNX_INT8_DYNAMIC_MODEL
