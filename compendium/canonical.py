@@ -64,7 +64,7 @@ def canonical_dict(compendium: Compendium) -> dict[str, Any]:
 
 
 def canonical_bytes(compendium: Compendium) -> bytes:
-    return _encode(canonical_dict(compendium))
+    return encode_document(canonical_dict(compendium))
 
 
 # Digits as "0" and E as e, to look for number shapes with bytes.find.
@@ -73,7 +73,7 @@ _NUMBER_SHAPES = bytes.maketrans(b"123456789E", b"000000000e")
 
 def _orjson_agrees(data: bytes) -> bool:
     """Whether orjson's compact, key-sorted output is what json.dumps writes with the options of
-    `_encode`. They differ only on numbers json.dumps writes with an exponent (below 1e-4 or from
+    `encode_document`. They differ only on numbers json.dumps writes with an exponent (below 1e-4 or from
     1e16: 1e-05, 1e+16), which orjson writes as 1e-5, 0.00001 or 10000000000000000.0, so any digit
     followed by an exponent, 17 digits in a row, or 0.0000 (in a string too) sends the document
     the standard way; and on NaN and infinities, which orjson writes as null where json.dumps
@@ -84,7 +84,8 @@ def _orjson_agrees(data: bytes) -> bool:
     return b"0e" not in shapes and b"0" * 17 not in shapes
 
 
-def _encode(doc: dict[str, Any]) -> bytes:
+def encode_document(doc: dict[str, Any]) -> bytes:
+    """Canonical JSON of any document: keys sorted, compact separators, UTF-8, no NaN."""
     if orjson is not None:
         try:
             data = orjson.dumps(doc, option=orjson.OPT_SORT_KEYS)
@@ -104,7 +105,7 @@ def _encode(doc: dict[str, Any]) -> bytes:
 def entry_size(section: str, entry: Any) -> int:
     """Bytes one entry (a pydantic model of `section`: "scenarios", "precautions", ...) adds to a
     canonical document: its canonical JSON and the comma that separates it from the next."""
-    return len(_encode(_canonical_entry(section, entry.model_dump(mode="json", exclude_none=True)))) + 1
+    return len(encode_document(_canonical_entry(section, entry.model_dump(mode="json", exclude_none=True)))) + 1
 
 
 def gzip_bytes(data: bytes) -> bytes:
@@ -124,7 +125,7 @@ class CanonicalForm:
 
 def canonical_form(compendium: Compendium) -> CanonicalForm:
     document = canonical_dict(compendium)
-    data = _encode(document)
+    data = encode_document(document)
     return CanonicalForm(
         document=document,
         data=data,

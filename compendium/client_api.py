@@ -26,6 +26,7 @@ from typing import Any
 
 import httpx
 
+from compendium import transport
 from compendium.canonical import canonical_form
 from compendium.schema import Compendium
 
@@ -55,6 +56,8 @@ class SubmissionResult:
     round: int
     attempts: int
     warnings: list[str] = field(default_factory=list)
+    sent_bytes: int = 0  # the body as it went on the wire
+    content_encoding: str | None = None  # gzip, dcz or None (plain)
 
 
 @dataclass
@@ -83,6 +86,20 @@ def _detail(response: httpx.Response) -> str:
     if isinstance(body, dict) and isinstance(body.get("detail"), str):
         return body["detail"]
     return json.dumps(body)[:200]
+
+
+def _dictionary_refused(response: httpx.Response) -> bool:
+    """The server does not hold the dcz body's dictionary (400, code unknown_dictionary) or does
+    not speak dcz (415)."""
+    if response.status_code == 415:
+        return True
+    if response.status_code != 400:
+        return False
+    try:
+        body = response.json()
+    except ValueError:
+        return False
+    return isinstance(body, dict) and body.get("code") == "unknown_dictionary"
 
 
 class SynapseClient:
@@ -185,23 +202,33 @@ class SynapseClient:
             raise ClientError("no round is open on the server: nothing to submit to")
         return max(open_rounds, key=lambda r: r["number"])
 
-    def submit(self, compendium: Compendium, compress: bool = True) -> SubmissionResult:
+    def submit(
+        self, compendium: Compendium, compress: bool = True, dictionary: bytes | None = None
+    ) -> SubmissionResult:
         """Submit to the open round. `compress`: the body goes gzip-encoded (`Content-Encoding:
-        gzip`, about a quarter of the bytes of a MetaTool compendium); the server stores the same
-        canonical bytes either way, and the idempotency key does not depend on it."""
+        gzip`, about a quarter of the bytes of a MetaTool compendium), or, given a `dictionary`
+        the server holds (`compendium.transport`: the pulled global's or the schema's), as `dcz`
+        against it (about 30% fewer bytes again); when the server answers that it does not hold
+        that dictionary, or does not speak dcz, the same submission goes again gzip-encoded, with
+        a warning. The server stores the same canonical bytes either way, and the idempotency key
+        does not depend on the encoding."""
         round_info = self.open_round()
         number = round_info["number"]
         key = idempotency_key(compendium, number)
         form = canonical_form(compendium)
-        headers = {"Content-Type": "application/json", "Idempotency-Key": key}
-        body = form.data
+        warnings = []
+        encoding = None
         if compress:
-            body = gzip.compress(body, 9, mtime=0)
-            headers["Content-Encoding"] = "gzip"
-        response = self.request("POST", "/api/v1/submissions/", content=body, headers=headers)
+            encoding = transport.CONTENT_ENCODING if dictionary else "gzip"
+        response, body = self._post_submission(form.data, key, encoding, dictionary)
+        if encoding == transport.CONTENT_ENCODING and _dictionary_refused(response):
+            warnings.append(
+                f"the server cannot read this dictionary ({_detail(response)}); sent gzip instead"
+            )
+            encoding = "gzip"
+            response, body = self._post_submission(form.data, key, encoding, None)
         status = response.status_code
         if status in (200, 201):
-            warnings = []
             config = round_info.get("config")
             expected = config.get("mask_strength") if isinstance(config, dict) else None
             applied = compendium.masking.strength if compendium.masking else None
@@ -218,6 +245,8 @@ class SynapseClient:
                 idempotency_key=key,
                 round=number,
                 attempts=self.attempts,
+                sent_bytes=len(body),
+                content_encoding=encoding,
             )
         if status == 400:
             payload = self._json(response, "the submission")
@@ -237,6 +266,20 @@ class SynapseClient:
                 f"the compendium ({len(body)} bytes) is larger than the server accepts (HTTP 413)"
             )
         raise ClientError(f"unexpected answer to the submission (HTTP {status}): {_detail(response)}")
+
+    def _post_submission(
+        self, data: bytes, key: str, encoding: str | None, dictionary: bytes | None
+    ) -> tuple[httpx.Response, bytes]:
+        headers = {"Content-Type": "application/json", "Idempotency-Key": key}
+        body = data
+        if encoding == "gzip":
+            body = gzip.compress(data, 9, mtime=0)
+        elif encoding == transport.CONTENT_ENCODING:
+            body = transport.compress(data, dictionary)
+        if encoding:
+            headers["Content-Encoding"] = encoding
+        response = self.request("POST", "/api/v1/submissions/", content=body, headers=headers)
+        return response, body
 
     def pull(self, out: Path, round_number: int | None = None) -> PullResult:
         out = Path(out)

@@ -12,6 +12,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from compendium import transport
 from compendium.builder import BuildOptions, build_compendium
 from compendium.canonical import canonical_form
 from compendium.delta import delta_since, routed_by
@@ -87,6 +88,9 @@ def run_demo_rounds(
         # carries the global forward).
         latest = published_global_version()
         pulled = load_compendium(latest) if latest is not None else None
+        dictionary = (
+            transport.global_dictionary(pulled) if pulled else transport.schema_dictionary(schema)
+        )
         # The pulled global's router, as the routing API serves it.
         route = routed_by(served_compendium().routers["fusion"]) if latest is not None else None
         for client, lines in logs.items():
@@ -98,7 +102,14 @@ def run_demo_rounds(
             if pulled is not None:
                 compendium, _ = delta_since(compendium, pulled, get_engine(), route=route)
             form = canonical_form(compendium)
-            submissions.submit(client, form.data, f"demo-r{rnd.number}-{form.sha256[:32]}")
+            # Sent as `synapse-client submit --since` sends it: dcz against the pulled global
+            # (round 1: the schema), read back by the server's own decoder.
+            wire = transport.compress(form.data, dictionary)
+            body = submissions.decoded_body(wire, transport.CONTENT_ENCODING, len(form.data))
+            submissions.submit(
+                client, body, f"demo-r{rnd.number}-{form.sha256[:32]}",
+                wire_bytes=len(wire), content_encoding=transport.CONTENT_ENCODING,
+            )
             sent += 1
         progress(f"demo round {rnd.number}: closing; edges and the server merge")
         close_round(system, rnd)

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 class FederationError(Exception):
     status_code = 400
+    # A stable machine-readable name, sent as the response's "code" where a client acts on it.
+    code: str | None = None
 
     def __init__(self, detail: str):
         super().__init__(detail)
@@ -14,6 +16,12 @@ class FederationError(Exception):
 
 class InvalidRequest(FederationError):
     status_code = 400
+
+
+class UnknownDictionary(InvalidRequest):
+    """A dcz body names a dictionary the server does not hold; the client sends gzip instead."""
+
+    code = "unknown_dictionary"
 
 
 class NotAllowed(FederationError):

@@ -185,6 +185,10 @@ class Submission(models.Model):
     status_code = models.PositiveSmallIntegerField(default=201)
     response = models.JSONField()
     scrubbed = models.PositiveIntegerField(default=0, help_text="personal data items scrubbed")
+    # The request body as it came over the wire: its size and Content-Encoding ("" when plain;
+    # gzip, or dcz against a dictionary the server holds). Null for rows from before it was kept.
+    wire_bytes = models.PositiveIntegerField(null=True, blank=True)
+    content_encoding = models.CharField(max_length=16, blank=True, default="")
     created_at = models.DateTimeField(auto_now_add=True)
 
     class Meta:

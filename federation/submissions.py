@@ -19,7 +19,8 @@ from django.conf import settings
 from django.db import IntegrityError, transaction
 from django.utils import timezone
 
-from compendium.canonical import canonical_form
+from compendium import transport
+from compendium.canonical import canonical_form, encode_document
 from compendium.models import CompendiumVersion, NumericField, Tool
 from compendium.schema import Schema
 from compendium.scrub import scrub_compendium
@@ -33,6 +34,7 @@ from federation.errors import (
     NoOpenRound,
     PayloadTooLarge,
     RateLimited,
+    UnknownDictionary,
     UnsupportedEncoding,
 )
 from federation.models import Client, FederationSettings, RateCounter, Round, Submission
@@ -107,17 +109,26 @@ def max_submission_bytes() -> int:
     return min(federation_settings().max_submission_bytes, settings.SYNAPSE_MAX_SUBMISSION_BYTES)
 
 
-def decoded_body(body: bytes, content_encoding: str | None, limit: int) -> bytes:
-    """The submitted JSON from a request body sent plain or with `Content-Encoding: gzip` (a
-    client on a thin link sends about a quarter of the bytes). The decompressed body is held to
-    the same `limit` as a plain one, without ever inflating more than limit + 1 bytes of it, so a
-    small compressed bomb is a 413, not a memory spike."""
+def encoding_name(content_encoding: str | None) -> str:
+    """A Content-Encoding header as stored: lower case, "" for none or identity."""
     encoding = (content_encoding or "").strip().lower()
-    if encoding in ("", "identity"):
+    return "" if encoding == "identity" else encoding
+
+
+def decoded_body(body: bytes, content_encoding: str | None, limit: int) -> bytes:
+    """The submitted JSON from a request body sent plain, with `Content-Encoding: gzip` (a client
+    on a thin link sends about a quarter of the bytes) or `dcz` (zstd against a dictionary the
+    server holds: `compendium.transport`). The decompressed body is held to the same `limit` as a
+    plain one, without ever inflating more than limit + 1 bytes of it, so a small compressed bomb
+    is a 413, not a memory spike."""
+    encoding = encoding_name(content_encoding)
+    if not encoding:
         return body
+    if encoding == transport.CONTENT_ENCODING:
+        return _dcz_body(body, limit)
     if encoding != "gzip":
         raise UnsupportedEncoding(
-            f"Content-Encoding {content_encoding!r} is not supported; send gzip or no encoding"
+            f"Content-Encoding {content_encoding!r} is not supported; send gzip, dcz or no encoding"
         )
     inflater = zlib.decompressobj(16 + zlib.MAX_WBITS)  # the gzip container
     try:
@@ -130,6 +141,78 @@ def decoded_body(body: bytes, content_encoding: str | None, limit: int) -> bytes
         raise InvalidRequest("the gzip body is truncated")
     if inflater.unused_data:
         raise InvalidRequest("the body has bytes after its gzip stream")
+    return data
+
+
+def _dcz_body(body: bytes, limit: int) -> bytes:
+    try:
+        wanted = transport.body_dictionary_hash(body)
+        dictionary = submission_dictionary(wanted)
+        if dictionary is None:
+            raise UnknownDictionary(
+                f"the body was compressed against dictionary {wanted[:12]}…, which is neither the "
+                "schema in force nor a published global compendium: pull the global again, or "
+                "send gzip"
+            )
+        return transport.decompress(body, dictionary, limit)
+    except transport.DczTooLarge as exc:
+        raise PayloadTooLarge(str(exc)) from None
+    except transport.DczError as exc:
+        raise InvalidRequest(str(exc)) from None
+
+
+def submission_dictionary(sha256: str) -> bytes | None:
+    """The dictionary a dcz submission names by its SHA-256: the schema in force (before any
+    global is published) or a published global compendium's canonical bytes; None if neither."""
+    schema, schema_hash = _schema_dictionary(schema_in_force())
+    if schema_hash == sha256:
+        return schema
+    return _published_global_bytes(sha256)
+
+
+_schema_dictionary_cache: tuple[Schema, bytes, str] | None = None
+
+
+def _schema_dictionary(schema: Schema) -> tuple[bytes, str]:
+    """The schema's dictionary and its hash, made again only when the schema in force is new."""
+    global _schema_dictionary_cache
+    cached = _schema_dictionary_cache
+    if cached is None or cached[0] is not schema:
+        data = transport.schema_dictionary(schema)
+        cached = _schema_dictionary_cache = (schema, data, transport.dictionary_hash(data))
+    return cached[1], cached[2]
+
+
+_GLOBAL_BYTES: dict[str, bytes] = {}  # published globals' canonical bytes by SHA-256, a few
+
+
+def clear_dictionary_cache() -> None:
+    """Forget the published globals' bytes kept per process (tests start from an empty one)."""
+    _GLOBAL_BYTES.clear()
+
+
+def _published_global_bytes(sha256: str) -> bytes | None:
+    """Canonical bytes of the published global with this SHA-256, checked against it. Kept per
+    process by hash (the bytes of a hash never change; the last few globals are what clients
+    pull); a miss is not kept, so a global published later is found."""
+    data = _GLOBAL_BYTES.get(sha256)
+    if data is not None:
+        return data
+    content = (
+        CompendiumVersion.objects.filter(
+            kind=CompendiumVersion.Kind.GLOBAL, round__state=Round.State.PUBLISHED, sha256=sha256
+        )
+        .values_list("content", flat=True)
+        .first()
+    )
+    if content is None:
+        return None
+    data = encode_document(content)
+    if transport.dictionary_hash(data) != sha256:
+        return None
+    while len(_GLOBAL_BYTES) >= 4:
+        _GLOBAL_BYTES.pop(next(iter(_GLOBAL_BYTES), None), None)
+    _GLOBAL_BYTES[sha256] = data
     return data
 
 
@@ -250,17 +333,26 @@ WITH version AS (
 )
 INSERT INTO {_SUBMISSIONS} ({_columns(Submission, [
     "client", "round", "idempotency_key", "request_sha256", "version", "status_code", "response",
-    "scrubbed", "created_at"])})
+    "scrubbed", "wire_bytes", "content_encoding", "created_at"])})
 SELECT %(client)s, %(round)s, %(key)s, %(request_sha256)s, version.id, 201,
-       %(response)s::jsonb || jsonb_build_object('version', version.id), %(scrubbed)s, %(now)s
+       %(response)s::jsonb || jsonb_build_object('version', version.id), %(scrubbed)s,
+       %(wire_bytes)s, %(content_encoding)s, %(now)s
 FROM version
 RETURNING id, version_id
 """
 
 
-def submit(client: Client, body: bytes, idempotency_key: str) -> Outcome:
+def submit(
+    client: Client,
+    body: bytes,
+    idempotency_key: str,
+    *,
+    wire_bytes: int | None = None,
+    content_encoding: str = "",
+) -> Outcome:
     """Store a client's compendium for the open round (or replay the stored outcome of this
-    idempotency key). Raises FederationError subclasses for every refusal."""
+    idempotency key). `body` is the decoded JSON; `wire_bytes` and `content_encoding` say how it
+    came (default: plain, as `body`). Raises FederationError subclasses for every refusal."""
     key = check_key(idempotency_key)
     request_sha256 = hashlib.sha256(body).hexdigest()
     limit = max_submission_bytes()
@@ -338,6 +430,8 @@ def submit(client: Client, body: bytes, idempotency_key: str) -> Outcome:
                     "request_sha256": request_sha256,
                     "response": json.dumps({**head, **tail}),
                     "scrubbed": scrubbed,
+                    "wire_bytes": len(body) if wire_bytes is None else wire_bytes,
+                    "content_encoding": content_encoding,
                 },
             )
             submission_id, version_id = cursor.fetchone()

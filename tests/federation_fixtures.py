@@ -10,7 +10,7 @@ from django.contrib.auth import get_user_model
 from compendium.models import NumericField
 from compendium.schema import DEFAULT_NUMERIC_FIELDS
 from compendium.services import current_schema, import_registry
-from federation import services
+from federation import services, submissions
 from federation.models import Membership
 
 SYSTEM = services.Actor.system("tests")
@@ -90,5 +90,7 @@ def world(registry) -> World:
 @pytest.fixture(autouse=True)
 def _fresh_settings_cache():
     services.clear_settings_cache()
+    submissions.clear_dictionary_cache()
     yield
     services.clear_settings_cache()
+    submissions.clear_dictionary_cache()

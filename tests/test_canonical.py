@@ -90,7 +90,7 @@ def test_fast_encoder_writes_the_bytes_json_dumps_writes():
     import math
     import struct
 
-    from compendium.canonical import _encode
+    from compendium.canonical import encode_document
 
     def standard(doc):
         return json.dumps(
@@ -106,9 +106,9 @@ def test_fast_encoder_writes_the_bytes_json_dumps_writes():
         values.append(rng.random() * 10 ** rng.randint(-12, 20))
     for value in values:
         for doc in ({"b": value, "a": [value, 1]}, {"z": {"y": value}}):
-            assert _encode(doc) == standard(doc), value
+            assert encode_document(doc) == standard(doc), value
     with pytest.raises(ValueError):
-        _encode({"x": float("nan")})
+        encode_document({"x": float("nan")})
 
 
 def test_fields_at_their_defaults_are_left_out_and_read_back_the_same():

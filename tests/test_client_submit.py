@@ -22,6 +22,7 @@ from urllib.parse import parse_qs, urlparse
 import numpy as np
 import pytest
 
+from compendium import transport
 from compendium.canonical import canonical_form
 from compendium.client_api import ClientError, SynapseClient, etag_file, head_file
 from compendium.client_cli import main
@@ -52,7 +53,16 @@ class ServerState:
     global_requests: list[dict] = field(default_factory=list)
     heads: dict[int, bytes] = field(default_factory=dict)  # round -> routing head published
     head_requests: list[str] = field(default_factory=list)  # their ?round=
+    speaks_dcz: bool = True  # False: a server from before dcz (415, as for any other coding)
     lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def dictionaries(self) -> dict[str, bytes]:
+        """What the real server decodes dcz against: the schema, and the published global."""
+        found = [transport.schema_dictionary(SCHEMA)]
+        if self.published is not None:
+            pulled = Compendium.model_validate(self.published["compendium"])
+            found.append(transport.global_dictionary(pulled))
+        return {transport.dictionary_hash(d): d for d in found}
 
 
 def make_handler(state: ServerState):
@@ -121,6 +131,15 @@ def make_handler(state: ServerState):
             encoding = self.headers.get("Content-Encoding", "")
             if encoding == "gzip":  # as the real API: the same document, gzip-encoded
                 raw = gzip.decompress(raw)
+            elif encoding == "dcz" and state.speaks_dcz:
+                dictionary = state.dictionaries().get(transport.body_dictionary_hash(raw))
+                if dictionary is None:
+                    state.posts.append({"key": self.headers.get("Idempotency-Key"),
+                                        "replayed": False, "encoding": encoding, "refused": True})
+                    return self._send(400, {"detail": "the body was compressed against "
+                                            "dictionary 0123…, which is neither …",
+                                            "code": "unknown_dictionary"})
+                raw = transport.decompress(raw, dictionary, 1 << 20)
             elif encoding:
                 return self._send(415, {"detail": f"Content-Encoding {encoding!r} is not supported"})
             if urlparse(self.path).path != "/api/v1/submissions/":
@@ -231,6 +250,64 @@ def test_no_gzip_sends_the_canonical_bytes_plain_under_the_same_key(server, tmp_
     assert main(submit_args(url, path)) == 0  # the same content compressed: a replay
     assert [(p["encoding"], p["replayed"]) for p in state.posts] == [("", False), ("gzip", True)]
     assert state.created == 1
+
+
+def _publish(state: ServerState, published: Compendium, number: int = 4) -> None:
+    state.published = {"round": number, "sha256": canonical_form(published).sha256,
+                       "published_at": "2026-01-01", "compendium": published.model_dump(mode="json")}
+
+
+def test_submit_since_the_pulled_global_sends_dcz_against_it(server, tmp_path, capsys):
+    url, state = server
+    published = Compendium(scenarios=[
+        Scenario(tool_id="weather", text=f"Will it rain in a city on day {n}?") for n in range(40)
+    ])
+    _publish(state, published)
+    pulled = tmp_path / "global.json"
+    assert main(["pull", "--server", url, "--token", TOKEN, "--out", str(pulled)]) == 0
+    mine = compendium("Will it rain in a city on day 41?")
+    path = write(tmp_path, mine)
+    capsys.readouterr()
+    assert main(submit_args(url, path) + ["--since", str(pulled)]) == 0
+    out = capsys.readouterr().out
+    sent = transport.compress(canonical_form(mine).data, transport.global_dictionary(published))
+    assert f"({len(sent)} sent, dcz)" in out
+    assert len(sent) < len(gzip.compress(canonical_form(mine).data, 9))
+    assert [(p["encoding"], p["replayed"]) for p in state.posts] == [("dcz", False)]
+    assert state.rows[(4, "client-1")]["sha256"] == canonical_form(mine).sha256
+
+
+def test_submit_with_the_schema_sends_dcz_before_any_global(server, tmp_path, capsys):
+    url, state = server
+    schema_path = tmp_path / "schema.json"
+    schema_path.write_text(SCHEMA.model_dump_json(indent=2), encoding="utf-8")
+    path = write(tmp_path, compendium())
+    assert main(submit_args(url, path) + ["--schema", str(schema_path)]) == 0
+    assert "sent, dcz)" in capsys.readouterr().out
+    assert [p["encoding"] for p in state.posts] == ["dcz"]
+
+
+@pytest.mark.parametrize("speaks_dcz", [True, False])
+def test_a_dictionary_the_server_cannot_use_falls_back_to_gzip(server, tmp_path, capsys, speaks_dcz):
+    url, state = server
+    state.speaks_dcz = speaks_dcz
+    stale = tmp_path / "stale.json"  # pulled from another federation, or never published
+    stale.write_text(compendium("Book a flight to a city").model_dump_json(), encoding="utf-8")
+    path = write(tmp_path, compendium())
+    assert main(submit_args(url, path) + ["--since", str(stale)]) == 0
+    captured = capsys.readouterr()
+    assert "cannot read this dictionary" in captured.err and "sent gzip instead" in captured.err
+    assert "sent, gzip)" in captured.out
+    assert [p["encoding"] for p in state.posts][-1] == "gzip"
+    assert state.created == 1
+
+
+def test_no_gzip_with_a_dictionary_is_refused_before_sending(server, tmp_path, capsys):
+    url, state = server
+    path = write(tmp_path, compendium())
+    assert main(submit_args(url, path) + ["--no-gzip", "--since", str(path)]) == 1
+    assert "--no-gzip sends the body plain" in capsys.readouterr().err
+    assert state.posts == []
 
 
 def test_changed_content_or_round_gives_a_new_key(server, tmp_path):

@@ -8,11 +8,13 @@ import json
 
 import numpy as np
 import pytest
+from django.test import Client as BrowserClient
 from rest_framework.test import APIClient
 
+from compendium import transport
 from compendium.canonical import canonical_bytes
 from compendium.models import CompendiumVersion, ScenarioEntry
-from compendium.schema import Compendium
+from compendium.schema import Compendium, Schema
 from compendium.services import store_compendium
 from federation import services
 from federation.models import AuditLog, Client, Round, Submission
@@ -241,6 +243,94 @@ def test_a_bad_encoded_body_is_a_clear_4xx(world, open_round, encoding, body, st
     response = post_doc(client_api(world.token_a), body, HTTP_CONTENT_ENCODING=encoding)
     assert response.status_code == status
     assert message in response.json()["detail"]
+    assert not Submission.objects.exists()
+
+
+def _schema_dictionary(api) -> bytes:
+    schema = Schema.model_validate_json(api.get("/api/v1/compendium/schema/").content)
+    return transport.schema_dictionary(schema)
+
+
+def test_a_dcz_body_against_the_schema_is_stored_with_its_wire_size(world, open_round, valid_doc):
+    api = client_api(world.token_a)
+    data = canonical_bytes(Compendium.model_validate(valid_doc))
+    packed = transport.compress(data, _schema_dictionary(api))
+    response = post_doc(api, packed, key="d", HTTP_CONTENT_ENCODING="dcz")
+    assert response.status_code == 201, response.json()
+    submission = Submission.objects.get()
+    assert (submission.wire_bytes, submission.content_encoding) == (len(packed), "dcz")
+    assert submission.version.sha256 == response.json()["sha256"]
+    assert bytes(json.dumps(submission.version.content, separators=(",", ":"), sort_keys=True,
+                            ensure_ascii=False), "utf-8") == data
+    # The same content sent plain under the same key is a replay, not a conflict.
+    again = post_doc(api, data, key="d")
+    assert again.status_code == 201 and again["Idempotent-Replayed"] == "true"
+    plain = post_doc(client_api(world.token_b), data, key="p")
+    assert plain.status_code == 201
+    assert Submission.objects.get(client=world.client_b).content_encoding == ""
+    # The operator's overview shows what each client's last submission weighed on the wire.
+    browser = BrowserClient()
+    browser.force_login(world.operator)
+    rows = {row.client.pk: row for row in browser.get("/").context["overview"].clients}
+    assert (rows[world.client_a.pk].last_wire_bytes, rows[world.client_a.pk].last_encoding) == (
+        len(packed), "dcz"
+    )
+    assert (rows[world.client_b.pk].last_wire_bytes, rows[world.client_b.pk].last_encoding) == (
+        len(data), ""
+    )
+
+
+def test_a_dcz_body_against_a_published_global(world, valid_doc):
+    _publish_global(valid_doc)
+    services.open_round(SYSTEM)
+    api = client_api(world.token_a)
+    pulled = api.get("/api/v1/compendium/global/").json()
+    dictionary = transport.global_dictionary(Compendium.model_validate(pulled["compendium"]))
+    assert transport.dictionary_hash(dictionary) == pulled["sha256"]
+    valid_doc["scenarios"].append({"tool_id": "weather", "text": "Is it sunny in a town today?"})
+    data = canonical_bytes(Compendium.model_validate(valid_doc))
+    packed = transport.compress(data, dictionary)
+    assert len(packed) < len(gzip.compress(data, 9)) / 2  # nearly all of it already published
+    response = post_doc(api, packed, key="g", HTTP_CONTENT_ENCODING="dcz")
+    assert response.status_code == 201, response.json()
+    assert response.json()["entry_counts"]["scenarios"] == 3
+    assert Submission.objects.get().wire_bytes == len(packed)
+
+
+def test_a_dcz_body_against_a_dictionary_the_server_does_not_hold(world, valid_doc):
+    # A global that is stored but not published is no dictionary: nobody could have pulled it.
+    rnd = services.open_round(SYSTEM)
+    services.close_round(SYSTEM, rnd)
+    services.mark_merging(rnd)
+    store_compendium(Compendium.model_validate(valid_doc), kind="global", round=rnd)
+    services.open_round(SYSTEM)
+    data = canonical_bytes(Compendium.model_validate(valid_doc))
+    for dictionary in (data, b"a dictionary nobody published"):
+        response = post_doc(
+            client_api(world.token_a), transport.compress(data, dictionary),
+            HTTP_CONTENT_ENCODING="dcz",
+        )
+        assert response.status_code == 400
+        assert response.json()["code"] == "unknown_dictionary"
+        assert "pull the global again, or send gzip" in response.json()["detail"]
+    assert not Submission.objects.exists()
+
+
+def test_a_bad_dcz_body_is_a_clear_4xx(world, open_round, valid_doc):
+    services.update_settings(SYSTEM, max_submission_bytes=5000)
+    api = client_api(world.token_a)
+    dictionary = _schema_dictionary(api)
+    bomb = transport.compress(b" " * 1_000_000, dictionary)
+    cases = [
+        (b"{}", 400, "must start with the 40-byte skippable frame"),
+        (bomb, 413, "would be 1000000 bytes; the limit is 5000"),
+        (bomb[:-4], 413, "would be 1000000 bytes"),  # refused from its declared size alone
+        (transport.compress(b'{"a": 1}', dictionary) + b"junk", 400, "does not decompress"),
+    ]
+    for body, status, message in cases:
+        response = post_doc(api, body, HTTP_CONTENT_ENCODING="dcz")
+        assert response.status_code == status, response.json()
+        assert message in response.json()["detail"]
     assert not Submission.objects.exists()
 
 

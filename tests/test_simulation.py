@@ -107,7 +107,10 @@ def test_tiny_simulation_end_to_end(twin_dataset, tmp_path):
     # Centralized is computed on the same split: same seed, same test queries.
     assert by_method["centralized"]["seed"] == 1 and 0 < by_method["centralized"]["accuracy"] <= 1
     assert document["communication"]["bytes_per_client_round"] > 0
-    assert document["communication"]["gzip_bytes_per_client_round"] < document["communication"]["bytes_per_client_round"]
+    communication = document["communication"]
+    assert communication["gzip_bytes_per_client_round"] < communication["bytes_per_client_round"]
+    # dcz against the schema, then against the global each client pulled, beats plain gzip.
+    assert communication["dcz_bytes_per_client_round"] < communication["gzip_bytes_per_client_round"]
     assert 0 <= document["privacy"]["membership_auroc"] <= 1
     assert len(document["privacy_sweep"]) == 2 and len(document["adversarial"]) == 2
     anonymous = {row["min_users"]: row for row in document["release_sweep"]}

@@ -86,7 +86,10 @@ class FederationView(APIView):
             body = {"detail": exc.detail, "violations": [v.as_dict() for v in exc.violations]}
             return Response(body, status=400)
         if isinstance(exc, FederationError):
-            response = Response({"detail": exc.detail}, status=exc.status_code)
+            body = {"detail": exc.detail}
+            if exc.code:
+                body["code"] = exc.code
+            response = Response(body, status=exc.status_code)
             retry_after = getattr(exc, "retry_after", None)
             if retry_after is not None:
                 response["Retry-After"] = str(retry_after)
@@ -114,8 +117,12 @@ class SubmissionView(FederationView):
 
     @extend_schema(
         summary="Submit the client's compendium for the open round",
-        description="The canonical JSON, plain or with `Content-Encoding: gzip` (held to the same "
-        "size limit once decompressed).",
+        description="The canonical JSON, plain, with `Content-Encoding: gzip`, or with "
+        "`Content-Encoding: dcz` (RFC 9842: zstd against a dictionary named by its SHA-256 in the "
+        "body's first 40 bytes; the dictionary is the canonical bytes of a published global "
+        "compendium, or before any, the schema in force as canonical JSON). Held to the same size "
+        "limit once decompressed. A dictionary the server does not hold is a 400 with "
+        "`code: unknown_dictionary`.",
         request={"application/json": OpenApiTypes.OBJECT},
         parameters=[
             OpenApiParameter(
@@ -144,8 +151,16 @@ class SubmissionView(FederationView):
         body = request._request.read(limit + 1)
         if len(body) > limit:
             raise submissions.PayloadTooLarge(f"the body exceeds the limit of {limit} bytes")
-        body = submissions.decoded_body(body, request.META.get("HTTP_CONTENT_ENCODING"), limit)
-        outcome = submissions.submit(request.auth, body, request.META.get("HTTP_IDEMPOTENCY_KEY"))
+        encoding = request.META.get("HTTP_CONTENT_ENCODING")
+        wire_bytes = len(body)
+        body = submissions.decoded_body(body, encoding, limit)
+        outcome = submissions.submit(
+            request.auth,
+            body,
+            request.META.get("HTTP_IDEMPOTENCY_KEY"),
+            wire_bytes=wire_bytes,
+            content_encoding=submissions.encoding_name(encoding),
+        )
         response = Response(outcome.body, status=outcome.status_code)
         if outcome.replayed:
             response["Idempotent-Replayed"] = "true"

@@ -53,6 +53,9 @@ class ClientRow:
     last_round: int | None = None
     last_size_bytes: int | None = None
     last_gzip_bytes: int | None = None
+    # What the last submission weighed on the wire, and its Content-Encoding ("" plain).
+    last_wire_bytes: int | None = None
+    last_encoding: str = ""
     mean_size_bytes: float | None = None
 
 
@@ -106,7 +109,8 @@ def federation_overview(
 
     points = list(
         submissions.order_by("round__number").values(
-            "client_id", "round__number", "size_bytes", "gzip_bytes"
+            "client_id", "round__number", "size_bytes", "gzip_bytes",
+            "submission__wire_bytes", "submission__content_encoding",
         )
     )
     clients = list(
@@ -122,6 +126,8 @@ def federation_overview(
         row.last_round = series[-1]["round__number"]
         row.last_size_bytes = series[-1]["size_bytes"]
         row.last_gzip_bytes = series[-1]["gzip_bytes"]
+        row.last_wire_bytes = series[-1]["submission__wire_bytes"]
+        row.last_encoding = series[-1]["submission__content_encoding"] or ""
         row.mean_size_bytes = sum(p["size_bytes"] for p in series) / len(series)
 
     state_counts = dict(

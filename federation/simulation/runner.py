@@ -24,6 +24,7 @@ from typing import Any
 
 import numpy as np
 
+from compendium import transport
 from compendium.builder import BuildOptions, build_compendium
 from compendium.canonical import canonical_bytes
 from compendium.delta import DEFAULT_SINCE_CONFIDENCE, delta_since, fit_budget, routed_by
@@ -129,6 +130,7 @@ class RoundOutcome:
     submissions: dict[str, Compendium]  # what each client sent (the change since `pulled`)
     bytes_raw: list[int]
     bytes_gzip: list[int]
+    bytes_dcz: list[int]  # dcz against the dictionary the client holds (compendium.transport)
     merge_stats: dict[str, Any]
 
 
@@ -308,6 +310,8 @@ class Simulation:
         conflicts: dict[str, list[ConflictEntry]] = {}
         outcomes = []
         pulled: Compendium | None = None  # the global the clients pulled before this round
+        # What `synapse-client submit --since` compresses against (round 1: --schema's).
+        dictionary = transport.schema_dictionary(self.schema)
         for r in range(1, self.config.rounds + 1):
             self.progress(f"seed {seed}: round {r}/{self.config.rounds}: clients build")
             clients: dict[str, Compendium] = {}
@@ -372,9 +376,11 @@ class Simulation:
                     submissions=sent,
                     bytes_raw=[len(b) for b in payloads],
                     bytes_gzip=[len(gzip.compress(b, 9, mtime=0)) for b in payloads],
+                    bytes_dcz=[len(transport.compress(b, dictionary)) for b in payloads],
                     merge_stats=stats,
                 )
             )
+            dictionary = transport.global_dictionary(merged.compendium)
         return outcomes
 
     # --- one seed ----------------------------------------------------------------------------
@@ -444,6 +450,9 @@ class Simulation:
             "bytes_per_client_round": float(np.mean([b for o in outcomes for b in o.bytes_raw])),
             "gzip_bytes_per_client_round": float(
                 np.mean([b for o in outcomes for b in o.bytes_gzip])
+            ),
+            "dcz_bytes_per_client_round": float(
+                np.mean([b for o in outcomes for b in o.bytes_dcz])
             ),
         }
         for o in outcomes:  # the first round sends everything; later ones only what changed

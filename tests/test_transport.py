@@ -1,0 +1,94 @@
+"""RFC 9842 dcz bodies (compendium.transport): round trip, the dictionary named by its hash, and
+every malformed or oversized body refused with a reason, never inflated past the limit."""
+
+from __future__ import annotations
+
+import gzip
+import hashlib
+
+import pytest
+import zstandard
+
+from compendium import transport
+from compendium.canonical import canonical_bytes
+from compendium.schema import Compendium, Schema, ToolSpec
+
+
+@pytest.fixture
+def schema():
+    return Schema(
+        tools=[
+            ToolSpec(tool_id="weather", name="Weather", description="Forecasts for a city"),
+            ToolSpec(tool_id="flights", name="Flights", description="Search flights"),
+        ]
+    )
+
+
+def test_round_trip_names_the_dictionary_by_its_sha256(valid_doc):
+    dictionary = canonical_bytes(Compendium.model_validate(valid_doc))
+    data = canonical_bytes(Compendium.model_validate({**valid_doc, "precautions": []}))
+    body = transport.compress(data, dictionary)
+    assert body[:8] == transport.HEADER_MAGIC  # a 32-byte zstd skippable frame...
+    assert body[8:40] == hashlib.sha256(dictionary).digest()  # ...holding the dictionary's hash
+    assert transport.body_dictionary_hash(body) == transport.dictionary_hash(dictionary)
+    assert transport.decompress(body, dictionary, limit=len(data)) == data
+    # Any standard zstd decoder reads the stream after the header with the same raw dictionary.
+    raw = zstandard.ZstdCompressionDict(dictionary, dict_type=zstandard.DICT_TYPE_RAWCONTENT)
+    assert zstandard.ZstdDecompressor(dict_data=raw).decompress(body[40:]) == data
+
+
+def test_a_dictionary_that_shares_the_text_beats_gzip(valid_doc):
+    pulled = Compendium.model_validate(valid_doc)
+    sent = pulled.model_copy(update={"metadata": []})  # nearly all of it already published
+    data = canonical_bytes(sent)
+    with_dictionary = transport.compress(data, transport.global_dictionary(pulled))
+    assert len(with_dictionary) < len(gzip.compress(data, 9)) / 2
+
+
+def test_the_schema_dictionary_is_the_same_bytes_on_both_sides(schema):
+    again = Schema.model_validate_json(schema.model_dump_json())  # as schema.json is read back
+    assert transport.schema_dictionary(again) == transport.schema_dictionary(schema)
+    renamed = ToolSpec(tool_id="flights", name="Flights", description="Book flights")
+    changed = Schema(tools=[schema.tools[0], renamed])
+    assert transport.schema_dictionary(changed) != transport.schema_dictionary(schema)
+
+
+def _frame(data: bytes, dictionary: bytes, **options) -> bytes:
+    raw = zstandard.ZstdCompressionDict(dictionary, dict_type=zstandard.DICT_TYPE_RAWCONTENT)
+    return zstandard.ZstdCompressor(dict_data=raw, **options).compress(data)
+
+
+DICTIONARY = b"a shared dictionary of routing text " * 4
+HEADER = transport.HEADER_MAGIC + hashlib.sha256(DICTIONARY).digest()
+
+
+@pytest.mark.parametrize(
+    "body, error, message",
+    [
+        (b"{}", transport.DczError, "must start with the 40-byte skippable frame"),
+        (HEADER[:30], transport.DczError, "must start with the 40-byte skippable frame"),
+        (HEADER + b"not zstd at all", transport.DczError, "not readable"),
+        (
+            HEADER + _frame(b"x" * 100, DICTIONARY, write_content_size=False),
+            transport.DczError,
+            "must declare its content size",
+        ),
+        # 10 MB of spaces is a few hundred bytes: refused from the declared size, never inflated.
+        (HEADER + _frame(b" " * 10_000_000, DICTIONARY), transport.DczTooLarge, "would be 10000000"),
+        (HEADER + _frame(b"x" * 100, DICTIONARY) + b"junk", transport.DczError, "does not decompress"),
+        (HEADER + _frame(b"x" * 100, DICTIONARY)[:-3], transport.DczError, "does not decompress"),
+        (
+            transport.HEADER_MAGIC + hashlib.sha256(b"another one").digest() + _frame(b"x", DICTIONARY),
+            transport.DczError,
+            "another dictionary",
+        ),
+    ],
+)
+def test_a_bad_body_is_refused_with_its_reason(body, error, message):
+    with pytest.raises(error, match=message):
+        transport.decompress(body, DICTIONARY, limit=5000)
+
+
+def test_a_dictionary_needs_eight_bytes():
+    with pytest.raises(ValueError, match="at least 8 bytes"):
+        transport.compress(b"data", b"short")
