@@ -54,7 +54,10 @@ class RoundAdmin(admin.ModelAdmin):
 
 @admin.register(Submission)
 class SubmissionAdmin(admin.ModelAdmin):
-    list_display = ("client", "round", "idempotency_key", "status_code", "scrubbed", "created_at")
+    list_display = (
+        "client", "round", "idempotency_key", "status_code", "scrubbed", "wire_bytes",
+        "content_encoding", "created_at",
+    )
     list_filter = ("round",)
 
     def has_change_permission(self, request, obj=None):

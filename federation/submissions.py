@@ -164,6 +164,9 @@ def _dcz_body(body: bytes, limit: int) -> bytes:
 def submission_dictionary(sha256: str) -> bytes | None:
     """The dictionary a dcz submission names by its SHA-256: the schema in force (before any
     global is published) or a published global compendium's canonical bytes; None if neither."""
+    kept = _GLOBAL_BYTES.get(sha256)  # the usual case, answered without a query
+    if kept is not None:
+        return kept
     schema, schema_hash = _schema_dictionary(schema_in_force())
     if schema_hash == sha256:
         return schema
@@ -192,12 +195,9 @@ def clear_dictionary_cache() -> None:
 
 
 def _published_global_bytes(sha256: str) -> bytes | None:
-    """Canonical bytes of the published global with this SHA-256, checked against it. Kept per
-    process by hash (the bytes of a hash never change; the last few globals are what clients
-    pull); a miss is not kept, so a global published later is found."""
-    data = _GLOBAL_BYTES.get(sha256)
-    if data is not None:
-        return data
+    """Canonical bytes of the published global with this SHA-256, checked against it, and kept
+    per process by hash (the bytes of a hash never change; the last few globals are what clients
+    pull). A miss is not kept, so a global published later is found."""
     content = (
         CompendiumVersion.objects.filter(
             kind=CompendiumVersion.Kind.GLOBAL, round__state=Round.State.PUBLISHED, sha256=sha256

@@ -280,8 +280,12 @@ def table(document: dict[str, Any]) -> str:
         )
         if per_round:
             lines.append(
-                "  per round (raw): "
-                + ", ".join(f"{k.removeprefix('bytes_round_')}: {v:.0f}" for k, v in per_round)
+                "  per round (raw / dcz): "
+                + ", ".join(
+                    f"{k.removeprefix('bytes_round_')}: {v:.0f} / "
+                    f"{comm.get('dcz_' + k, 0):.0f}"
+                    for k, v in per_round
+                )
             )
     diag = document.get("diagnostics", {})
     if diag.get("reranker_contraction_p99") is not None:

@@ -457,6 +457,7 @@ class Simulation:
         }
         for o in outcomes:  # the first round sends everything; later ones only what changed
             result.communication[f"bytes_round_{o.round}"] = float(np.mean(o.bytes_raw or [0]))
+            result.communication[f"dcz_bytes_round_{o.round}"] = float(np.mean(o.bytes_dcz or [0]))
         if c.diagnostics:
             self.progress(f"seed {seed}: diagnostics")
             result.diagnostics = self.diagnostics(final_router, split, test, seed)
