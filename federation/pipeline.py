@@ -304,12 +304,8 @@ def routing_head(compendium, scenario_embeddings, embed, probe: ProbeSet | None 
 
     if scenario_embeddings is None or not len(compendium.scenarios):
         return None
-    with_probe = probe is not None and len(probe) > 0
-    head = fit_linear_head(
-        compendium, scenario_embeddings, embed,
-        examples=(probe.vectors, probe.labels) if with_probe else None,
-        example_texts=probe.texts if with_probe else None,
-    )
+    examples = (probe.vectors, probe.labels) if probe is not None and len(probe) else None
+    head = fit_linear_head(compendium, scenario_embeddings, embed, examples=examples)
     return head.to_bytes() if head is not None else None
 
 

@@ -36,12 +36,12 @@ def _cached_head(router, documents, folder: Path):
 
     from compendium.canonical import canonical_form
     from routing.embeddings import TEXT_FORM
-    from routing.router import HEAD_FORM, LinearHead, fit_linear_head
+    from routing.router import LinearHead, fit_linear_head
 
     compendium = router.index.compendium
     key = hashlib.sha256(
         f"{canonical_form(compendium).sha256}|{getattr(documents, 'model_name', '')}"
-        f"|{TEXT_FORM}|{HEAD_FORM}".encode()
+        f"|{TEXT_FORM}".encode()
     ).hexdigest()[:32]
     path = folder / f"{key}.npz"
     if path.exists():

@@ -8,10 +8,8 @@ uses the very same decision code with pgvector retrieval plugged in as the retri
    - `none`: the top-1 cosine candidate's tool (the paper's reranker bypass);
    - `fusion` (default without an LLM): per tool of a candidate pool, dense similarity (best
      cosine), lexical BM25 (normalized in the pool), the tool's share of the top-k, and a penalty
-     for a precaution of the tool that matches the query, and the linear head's log-probabilities
-     of the tool (`LinearHead`: dense, over the embedding, and lexical, over the words:
-     `routing.lexical`); a linear score with weights fitted on a labelled probe set
-     (`fit_fusion_weights`, conditional logit);
+     for a precaution of the tool that matches the query; a linear score with weights fitted on a
+     labelled probe set (`fit_fusion_weights`, conditional logit);
    - `llm`: the LLM picks one of the top-k candidates and so its parent tool; a malformed answer or
      a down endpoint falls back to `fusion`, with the reason recorded in the decision.
 3. Confidence: a calibrated probability that the chosen tool is right (Platt scaling over the
@@ -22,18 +20,18 @@ uses the very same decision code with pgvector retrieval plugged in as the retri
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import numpy as np
 
-from compendium.masking import without_placeholders
 from compendium.schema import Compendium
-from routing.lexical import LexicalHead, fit_lexical_head, tokenize
 
 RERANKERS = ("fusion", "none", "llm")
 DEFAULT_PARAMS_PATH = Path(__file__).with_name("default_params.json")
+_TOKEN = re.compile(r"[a-z0-9]+")
 
 # (indices into the scenario list, cosine scores), best first
 Retrieved = tuple[np.ndarray, np.ndarray]
@@ -50,6 +48,10 @@ try:  # BLAS threads fight over busy cores: a 2-thread mat-vec took 6-12 ms here
 
 except ImportError:  # pragma: no cover - threadpoolctl ships with scikit-learn/scipy stacks
     from contextlib import nullcontext as single_thread_blas
+
+
+def tokenize(text: str) -> list[str]:
+    return _TOKEN.findall(text.lower())
 
 
 @dataclass
@@ -77,7 +79,6 @@ class FusionWeights:
     precaution: float = 5.0
     precaution_threshold: float = 0.6
     head: float = 0.0  # weight of the linear head's log-probability (0: no head, or unfitted)
-    lexical: float = 0.0  # weight of the head's lexical part (routing.lexical); 0: unfitted
 
 
 @dataclass
@@ -142,7 +143,6 @@ class LinearHead:
     tools: list[str]
     weights: np.ndarray  # (n_tools, dim), float32
     bias: np.ndarray  # (n_tools,)
-    lexical: LexicalHead | None = None  # P(tool | words), same tool order (routing.lexical)
 
     def log_proba(self, vectors: np.ndarray) -> np.ndarray:
         z = np.atleast_2d(vectors) @ self.weights.T + self.bias
@@ -153,9 +153,8 @@ class LinearHead:
         import io
 
         buffer = io.BytesIO()
-        lexical = self.lexical.arrays() if self.lexical is not None else {}
         np.savez_compressed(
-            buffer, tools=np.array(self.tools), weights=self.weights, bias=self.bias, **lexical
+            buffer, tools=np.array(self.tools), weights=self.weights, bias=self.bias
         )
         return buffer.getvalue()
 
@@ -164,13 +163,10 @@ class LinearHead:
         import io
 
         with np.load(io.BytesIO(bytes(data)), allow_pickle=False) as npz:
-            tools = [str(t) for t in npz["tools"]]
-            lexical = LexicalHead.from_arrays(npz, len(tools))
-            return cls(tools, npz["weights"], npz["bias"], lexical)
+            return cls([str(t) for t in npz["tools"]], npz["weights"], npz["bias"])
 
 
 HEAD_C = 10.0  # inverse L2 strength of the head, for unit-norm sentence embeddings
-HEAD_FORM = "dense+lexical"  # what a head holds; keys on-disk caches of fitted heads
 
 
 def fit_linear_head(
@@ -179,7 +175,6 @@ def fit_linear_head(
     embed,
     c: float = HEAD_C,
     examples: tuple[np.ndarray, Sequence[str]] | None = None,
-    example_texts: Sequence[str] | None = None,
 ) -> LinearHead | None:
     """Fit the head on the scenarios' embeddings (row-aligned with `compendium.scenarios`) plus
     one row per such tool whose description the compendium publishes, embedded by `embed` (the
@@ -187,9 +182,7 @@ def fit_linear_head(
     set, as (vectors by the same engine, tool ids)) whose tool has scenarios here; they are
     unmasked, real requests, the kind the router is asked. Its tools are
     `ScenarioIndex.tool_names` of the same compendium. None when fewer than two tools have
-    scenarios: nothing to choose between. The lexical part (`routing.lexical`) learns from the
-    same rows as text: the scenarios without their placeholders, the descriptions, and the
-    examples' `example_texts` (row-aligned with `examples`) when given."""
+    scenarios: nothing to choose between."""
     from sklearn.linear_model import LogisticRegression
 
     tools = sorted({s.tool_id for s in compendium.scenarios})
@@ -200,38 +193,27 @@ def fit_linear_head(
     y = np.array([position[s.tool_id] for s in compendium.scenarios], dtype=np.int64)
     if len(x) != len(y):
         raise ValueError(f"{len(x)} scenario embeddings for {len(y)} scenarios")
-    texts = [without_placeholders(s.text) for s in compendium.scenarios]
     described = {m.tool_id: m.description for m in compendium.metadata if m.description}
     with_text = [t for t in tools if t in described]
     if with_text:
         x = np.vstack([x, np.asarray(embed([described[t] for t in with_text]), dtype=np.float32)])
         y = np.concatenate([y, np.array([position[t] for t in with_text], dtype=np.int64)])
-        texts += [described[t] for t in with_text]
     if examples is not None:
         vectors, labels = examples
         if len(vectors) != len(labels):
             raise ValueError(f"{len(vectors)} example vectors for {len(labels)} labels")
-        if example_texts is not None and len(example_texts) != len(labels):
-            raise ValueError(f"{len(example_texts)} example texts for {len(labels)} labels")
         keep = [i for i, tool in enumerate(labels) if tool in position]
         if keep:
             x = np.vstack([x, np.asarray(vectors, dtype=np.float32)[keep]])
             y = np.concatenate([y, np.array([position[labels[i]] for i in keep], dtype=np.int64)])
-            if example_texts is not None:
-                texts += [example_texts[i] for i in keep]
     model = LogisticRegression(C=c, max_iter=1000).fit(x, y)
     # Every tool has at least one scenario, so the classes are exactly 0..len(tools)-1.
     coef, intercept = model.coef_, model.intercept_
     if len(tools) == 2:  # sklearn's binary form: logit of class 1 = its softmax with class 0 at 0
         coef = np.vstack([np.zeros_like(coef), coef])
         intercept = np.concatenate([[0.0], intercept])
-    # The lexical rows are the dense rows, less the examples given without their texts.
-    labelled = y[: len(texts)]
     return LinearHead(
-        tools,
-        np.ascontiguousarray(coef, dtype=np.float32),
-        np.asarray(intercept, dtype=np.float32),
-        fit_lexical_head(texts, labelled, len(tools)),
+        tools, np.ascontiguousarray(coef, dtype=np.float32), np.asarray(intercept, dtype=np.float32)
     )
 
 
@@ -308,11 +290,10 @@ def top_n(scores: np.ndarray, n: int) -> Retrieved:
 
 @dataclass
 class _Features:
-    """Per candidate tool of one query: columns dense, bm25, vote, precaution match, head, and the
-    head's lexical part."""
+    """Per candidate tool of one query: columns dense, bm25, vote, precaution match, head."""
 
     tools: np.ndarray  # tool positions
-    matrix: np.ndarray  # (n_tools, 6)
+    matrix: np.ndarray  # (n_tools, 5)
     precaution_hits: dict[int, list[tuple[float, str]]]
 
 
@@ -352,16 +333,12 @@ class Router:
             raise ValueError("the linear head was fitted on another compendium's tools")
         self.head = head
 
-    def with_linear_head(self, embed=None, examples=None, example_texts=None) -> Router:
+    def with_linear_head(self, embed=None, examples=None) -> Router:
         """This router with a linear head fitted on its own index (descriptions embedded by
-        `embed`, default: the query engine) and on labelled `examples` with their texts (see
-        `fit_linear_head`)."""
+        `embed`, default: the query engine) and on labelled `examples` (see `fit_linear_head`)."""
         embed = embed or self.engine.embed
         index = self.index
-        head = fit_linear_head(
-            index.compendium, index.embeddings, embed, examples=examples,
-            example_texts=example_texts,
-        )
+        head = fit_linear_head(index.compendium, index.embeddings, embed, examples=examples)
         return self.with_reranker(self.reranker, head=head)
 
     def with_reranker(self, reranker: str, **overrides) -> Router:
@@ -389,7 +366,6 @@ class Router:
             return []
         vectors = self.engine.embed(list(queries))
         pool = self._pool(top_k)
-        lexical = self._lexical_batch(queries)
         with single_thread_blas():
             if self.retriever == self.index.retrieve:  # one matrix product for the whole batch
                 scores = vectors @ self.index.embeddings.T
@@ -397,17 +373,9 @@ class Router:
             else:
                 retrieved = [self.retriever(v, pool) for v in vectors]
             return [
-                self.decide(q, v, r, top_k, lexical=lex)
-                for q, v, r, lex in zip(queries, vectors, retrieved, lexical, strict=True)
+                self.decide(q, v, r, top_k)
+                for q, v, r in zip(queries, vectors, retrieved, strict=True)
             ]
-
-    def _lexical_batch(self, queries: Sequence[str]) -> list:
-        """The head's lexical log-probabilities of a batch in one product (None per query when
-        this router does not read them): per query, the sparse product costs 15 times more."""
-        head = self.head
-        if self.reranker == "none" or head is None or head.lexical is None:
-            return [None] * len(queries)
-        return list(head.lexical.log_proba(list(queries)))
 
     # --- the decision ----------------------------------------------------------------------------
 
@@ -417,13 +385,7 @@ class Router:
         return top_k if self.reranker == "none" else max(top_k, self.params.pool)
 
     def decide(
-        self,
-        query: str,
-        vector: np.ndarray,
-        retrieved: Retrieved,
-        top_k: int = 5,
-        *,
-        lexical: np.ndarray | None = None,
+        self, query: str, vector: np.ndarray, retrieved: Retrieved, top_k: int = 5
     ) -> RoutingDecision:
         idx, scores = retrieved
         index = self.index
@@ -437,7 +399,7 @@ class Router:
         ]
         if len(idx) == 0:
             return RoutingDecision(None, 0.0, True, [], [], None, self.reranker, "no scenarios")
-        features = self.features(query, vector, idx, scores, top_k, lexical=lexical)
+        features = self.features(query, vector, idx, scores, top_k)
         fused = features.matrix @ self._weight_vector()
         fallback = None
         if self.reranker == "none":
@@ -481,25 +443,14 @@ class Router:
 
     def _weight_vector(self) -> np.ndarray:
         w = self.params.weights
-        return np.array(
-            [w.dense, w.bm25, w.vote, -w.precaution, w.head, w.lexical], dtype=np.float64
-        )
+        return np.array([w.dense, w.bm25, w.vote, -w.precaution, w.head], dtype=np.float64)
 
     # tools the head ranks highest join the candidate pool (fusion, llm) even when retrieval missed
     HEAD_CANDIDATES = 5
 
     def features(
-        self,
-        query: str,
-        vector: np.ndarray,
-        idx: np.ndarray,
-        scores: np.ndarray,
-        top_k: int,
-        *,
-        lexical: np.ndarray | None = None,
+        self, query: str, vector: np.ndarray, idx: np.ndarray, scores: np.ndarray, top_k: int
     ) -> _Features:
-        """The candidate tools' feature rows; `lexical`: the head's lexical log-probabilities of
-        `query` when already computed for a batch (`_lexical_batch`)."""
         index = self.index
         tools_of = index.scenario_tool[idx]
         head = self.head if self.reranker != "none" else None
@@ -511,7 +462,7 @@ class Router:
             extra = best[~np.isin(best, retrieved_tools)]
         tools = np.concatenate([retrieved_tools, extra])
         inverse = np.searchsorted(retrieved_tools, tools_of)
-        matrix = np.zeros((len(tools), 6), dtype=np.float64)
+        matrix = np.zeros((len(tools), 5), dtype=np.float64)
         matrix[:, 0] = -np.inf
         np.maximum.at(matrix[:, 0], inverse, scores.astype(np.float64))
         for row, tool in enumerate(extra, start=len(retrieved_tools)):  # their best cosine
@@ -529,10 +480,6 @@ class Router:
         np.add.at(matrix[:, 2], inverse[:k], 1.0 / k)
         if log_proba is not None:
             matrix[:, 4] = log_proba[tools]
-            if head.lexical is not None:
-                if lexical is None:
-                    lexical = head.lexical.log_proba([query])[0]
-                matrix[:, 5] = lexical[tools]
         hits: dict[int, list[tuple[float, str]]] = {}
         if self.reranker != "none" and len(index.precaution_texts):
             sims = index.precaution_embeddings @ vector
@@ -595,13 +542,12 @@ class Router:
 def _probe_features(router: Router, queries: Sequence[str], top_k: int = 5):
     vectors = router.engine.embed(list(queries))
     pool = router._pool(top_k)
-    lexical = router._lexical_batch(queries)
     out = []
     with single_thread_blas():
         scores = vectors @ router.index.embeddings.T
-        for q, v, row, lex in zip(queries, vectors, scores, lexical, strict=True):
+        for q, v, row in zip(queries, vectors, scores, strict=True):
             idx, s = top_n(row, pool)
-            out.append(router.features(q, v, idx, s, top_k, lexical=lex))
+            out.append(router.features(q, v, idx, s, top_k))
     return out
 
 
@@ -609,9 +555,9 @@ def fit_fusion_weights(
     router: Router, probe: Sequence[tuple[str, str]], top_k: int = 5, l2: float = 1e-5
 ) -> FusionWeights:
     """Fit the fusion weights by conditional logit (softmax over the pool's tools) on queries
-    whose right tool is in the pool: dense, bm25 and vote always; the head's weights (dense and
-    lexical) when the router has a linear head (with a lexical part); the precaution penalty only
-    if the probe set has queries that match precautions (else it keeps its configured value)."""
+    whose right tool is in the pool: dense, bm25 and vote always; the head's weight when the
+    router has a linear head; the precaution penalty only if the probe set has queries that match
+    precautions (else it keeps its configured value)."""
     from scipy.optimize import minimize
 
     fusion = router.with_reranker("fusion")
@@ -626,21 +572,17 @@ def fit_fusion_weights(
     if not rows:
         return current
     has_head = router.head is not None
-    has_lexical = has_head and router.head.lexical is not None
     start = np.array(
         [current.dense, current.bm25, current.vote, -current.precaution,
-         (current.head or 1.0) if has_head else 0.0,
-         (current.lexical or 0.5) if has_lexical else 0.0]
+         (current.head or 1.0) if has_head else 0.0]
     )
-    free = np.array(
-        [True, True, True, any(m[:, 3].any() for m, _ in rows), has_head, has_lexical]
-    )
+    free = np.array([True, True, True, any(m[:, 3].any() for m, _ in rows), has_head])
     fixed = np.where(free, 0.0, start)
 
     def loss(w):
         full = fixed.copy()
         full[free] = w
-        total, grad = 0.0, np.zeros(len(full))
+        total, grad = 0.0, np.zeros(5)
         for m, y in rows:
             z = m @ full
             z -= z.max()
@@ -661,7 +603,6 @@ def fit_fusion_weights(
         precaution=float(-w[3]),
         precaution_threshold=current.precaution_threshold,
         head=float(w[4]),
-        lexical=float(w[5]),
     )
 
 

@@ -14,7 +14,6 @@ from compendium.schema import Compendium, Precaution, PromptTemplate, Scenario
 from routing.cli import add_route_command
 from routing.datasets import compendium_from_queries
 from routing.embeddings import get_query_engine
-from routing.lexical import tokenize
 from routing.llm import OpenAICompatibleLLM, judge_consistency, parse_choice
 from routing.router import (
     LinearHead,
@@ -383,38 +382,3 @@ def test_linear_head_learns_from_labelled_public_examples(metatool_split, engine
         fit_linear_head(thin, router.index.embeddings, engine.embed, examples=(vectors[:3], labels[:2]))
     # Router.with_linear_head passes them through.
     assert np.allclose(router.with_linear_head(examples=(vectors, labels)).head.weights, taught.weights)
-
-
-def test_the_heads_lexical_part_is_fitted_on_the_same_rows_and_weighed_by_the_probe(
-    metatool_split, engine
-):
-    dataset, split = metatool_split
-    compendium = compendium_from_queries(dataset.tools, split.train, max_per_tool=25)
-    router = Router(compendium, engine, "fusion", params=RoutingParams())
-    half = len(split.probe) // 2
-    learn, probe = split.probe[:half], split.probe[half:]
-    texts = [q.query for q in learn]
-    examples = (engine.embed(texts), [q.tool_id for q in learn])
-    headed = router.with_linear_head(examples=examples, example_texts=texts)
-    lexical = headed.head.lexical
-    assert lexical is not None and lexical.weights.shape[0] == len(headed.head.tools)
-    # Its vocabulary holds the scenarios' words, the descriptions' and the examples'.
-    vocabulary = set(lexical.terms)
-    assert set(tokenize(texts[0])) <= vocabulary
-    assert set(tokenize(compendium.scenarios[0].text)) <= vocabulary
-    # The sixth fusion column is its log-probability of each candidate tool.
-    query = split.test[0].query
-    vector = engine.embed([query])[0]
-    idx, scores = headed.index.retrieve(vector, 20)
-    features = headed.features(query, vector, idx, scores, 5)
-    assert np.allclose(features.matrix[:, 5], lexical.log_proba([query])[0][features.tools])
-    params = fit_params(headed, [(q.query, q.tool_id) for q in probe])
-    assert params.weights.lexical > 0  # the probe set finds it informative
-    without = headed.with_reranker("fusion", head=LinearHead(
-        headed.head.tools, headed.head.weights, headed.head.bias))
-    assert without.features(query, vector, idx, scores, 5).matrix[:, 5].tolist() == [0.0] * len(
-        features.tools)
-    with pytest.raises(ValueError, match="2 example texts for 3 labels"):
-        router.with_linear_head(
-            examples=(examples[0][:3], examples[1][:3]), example_texts=texts[:2]
-        )

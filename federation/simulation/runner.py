@@ -258,13 +258,9 @@ class Simulation:
             labels = [q.tool_id for q in probe]
             order = random.Random(len(pairs)).sample(range(len(pairs)), len(pairs))
             learn, held = sorted(order[: len(order) // 2]), sorted(order[len(order) // 2 :])
-            texts = [q.query for q in probe]
-            fitted = base.with_linear_head(
-                examples=(vectors[learn], [labels[i] for i in learn]),
-                example_texts=[texts[i] for i in learn],
-            )
+            fitted = base.with_linear_head(examples=(vectors[learn], [labels[i] for i in learn]))
             pairs = [pairs[i] for i in held]
-            base = base.with_linear_head(examples=(vectors, labels), example_texts=texts)
+            base = base.with_linear_head(examples=(vectors, labels))
         if self.config.fit_limit and len(pairs) > self.config.fit_limit:
             pairs = random.Random(len(pairs)).sample(pairs, self.config.fit_limit)
         params = fit_params(fitted, pairs, fitted_on="simulation probe split")
