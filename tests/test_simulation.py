@@ -122,7 +122,7 @@ def test_tiny_simulation_end_to_end(twin_dataset, tmp_path):
 @pytest.mark.django_db(transaction=True)
 def test_demo_rounds_publish_through_the_real_pipeline(tiny_dataset):
     from compendium.models import CompendiumVersion
-    from federation.models import Round
+    from federation.models import Round, Submission
     from federation.services import bootstrap_demo_federation
 
     call_command("import_tools", str(tiny_dataset), verbosity=0)
@@ -136,6 +136,10 @@ def test_demo_rounds_publish_through_the_real_pipeline(tiny_dataset):
         assert CompendiumVersion.objects.filter(kind="client", round=rnd).count() == 6
         glob = CompendiumVersion.objects.get(kind="global", round=rnd)
         assert glob.entry_counts["scenarios"] > 0
+        # Sent as `synapse-client submit --since` sends: dcz, read back by the server's decoder.
+        sent = Submission.objects.filter(round=rnd)
+        assert {s.content_encoding for s in sent} == {"dcz"}
+        assert all(0 < s.wire_bytes < s.version.size_bytes for s in sent)
     # Restarting the demo spends no more budget.
     call_command("demo_rounds", "--dataset", str(tiny_dataset), "--rounds", "2")
     assert Round.objects.filter(state="published").count() == 2
