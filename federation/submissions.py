@@ -9,6 +9,7 @@ waits for submissions in flight, and a submission that waited sees the round clo
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import threading
@@ -162,15 +163,14 @@ def _dcz_body(body: bytes, limit: int) -> bytes:
 
 
 def submission_dictionary(sha256: str) -> bytes | None:
-    """The dictionary a dcz submission names by its SHA-256: the schema in force (before any
-    global is published) or a published global compendium's canonical bytes; None if neither."""
-    kept = _GLOBAL_BYTES.get(sha256)  # the usual case, answered without a query
-    if kept is not None:
-        return kept
+    """The dictionary a dcz submission names by its SHA-256: a published global compendium's
+    canonical bytes or (before any global is published) the schema in force; None if neither."""
+    try:
+        return _published_global_bytes(sha256)
+    except LookupError:
+        pass
     schema, schema_hash = _schema_dictionary(schema_in_force())
-    if schema_hash == sha256:
-        return schema
-    return _published_global_bytes(sha256)
+    return schema if schema_hash == sha256 else None
 
 
 _schema_dictionary_cache: tuple[Schema, bytes, str] | None = None
@@ -186,18 +186,11 @@ def _schema_dictionary(schema: Schema) -> tuple[bytes, str]:
     return cached[1], cached[2]
 
 
-_GLOBAL_BYTES: dict[str, bytes] = {}  # published globals' canonical bytes by SHA-256, a few
-
-
-def clear_dictionary_cache() -> None:
-    """Forget the published globals' bytes kept per process (tests start from an empty one)."""
-    _GLOBAL_BYTES.clear()
-
-
-def _published_global_bytes(sha256: str) -> bytes | None:
-    """Canonical bytes of the published global with this SHA-256, checked against it, and kept
-    per process by hash (the bytes of a hash never change; the last few globals are what clients
-    pull). A miss is not kept, so a global published later is found."""
+@functools.lru_cache(maxsize=4)
+def _published_global_bytes(sha256: str) -> bytes:
+    """Canonical bytes of the published global with this SHA-256, checked against it, kept per
+    process for the last few hashes (the bytes of a hash never change). LookupError when there is
+    none: an exception is not cached, so a global published later is found."""
     content = (
         CompendiumVersion.objects.filter(
             kind=CompendiumVersion.Kind.GLOBAL, round__state=Round.State.PUBLISHED, sha256=sha256
@@ -205,15 +198,15 @@ def _published_global_bytes(sha256: str) -> bytes | None:
         .values_list("content", flat=True)
         .first()
     )
-    if content is None:
-        return None
-    data = encode_document(content)
-    if transport.dictionary_hash(data) != sha256:
-        return None
-    while len(_GLOBAL_BYTES) >= 4:
-        _GLOBAL_BYTES.pop(next(iter(_GLOBAL_BYTES), None), None)
-    _GLOBAL_BYTES[sha256] = data
+    data = encode_document(content) if content is not None else None
+    if data is None or transport.dictionary_hash(data) != sha256:
+        raise LookupError(sha256)
     return data
+
+
+def clear_dictionary_cache() -> None:
+    """Forget the published globals' bytes kept per process (tests start from an empty one)."""
+    _published_global_bytes.cache_clear()
 
 
 def check_declared_length(content_length: str | None) -> None:
