@@ -29,7 +29,7 @@ from typing import Any, Protocol
 import numpy as np
 
 from compendium.clipping import ClientStatistics, client_statistics
-from compendium.masking import MaskedText, TextMasker
+from compendium.masking import SHARED_WORD_USERS, MaskedText, TextMasker
 from compendium.schema import (
     Compendium,
     MaskingInfo,
@@ -70,6 +70,9 @@ class BuildOptions:
     # k-anonymous release: a scenario or precaution leaves the client only when at least this many
     # distinct users' requests support it (after the collapse at τ); 1 releases everything.
     min_users: int = 1
+    # Shared words: a word that at least this many distinct users of the log used is released
+    # unmasked (it cannot single out any one of them); 0: off.
+    shared_word_users: int = SHARED_WORD_USERS
     skip_bad_lines: bool = False
 
 
@@ -103,6 +106,8 @@ class BuildReport:
     min_users: int = 1
     withheld_scenarios: int = 0  # supported by fewer than `min_users` users: not sent
     withheld_precautions: int = 0
+    shared_word_users: int = 0  # the shared-words rule's K (0: off)
+    shared_words: int = 0  # how many distinct words it released (the words stay on the client)
 
     @property
     def masked_fraction(self) -> float:
@@ -190,6 +195,21 @@ def collapse_near_duplicates(
     return [(g, t, s, u) for g, t, s, u, _ in kept]
 
 
+def shared_words(records: Sequence[UsageRecord], users: int) -> frozenset[str]:
+    """The plain words that at least `users` distinct users of the records wrote in their
+    queries, in lower case: a word that several users use as a common word cannot single out any
+    one of them. Only lower-case occurrences count (a capitalized word may be a name), and only
+    words (never numbers, identifiers or personal-data patterns)."""
+    from compendium.masking import tokenize
+
+    seen: dict[str, set[str]] = defaultdict(set)
+    for record in records:
+        for token in tokenize(record.query):
+            if token.kind == "word" and token.text.islower():
+                seen[token.text].add(record.user)
+    return frozenset(w for w, who in seen.items() if len(who) >= users)
+
+
 def precaution_text(tool: str, masked_query: str, corrected_to: str, limit: int) -> str:
     """'Do not use X for requests like: <masked query> (use Y instead)', within `limit`."""
     prefix = f"Do not use {tool} for requests like: "
@@ -210,6 +230,7 @@ def build_compendium(
     report = report or BuildReport()
     report.strength, report.seed = options.strength, options.seed
     report.min_users = options.min_users
+    report.shared_word_users = options.shared_word_users
     report.field_cap = options.field_cap
     report.tau = options.tau if options.collapse else None
     report.records = len(records)
@@ -221,11 +242,17 @@ def build_compendium(
         raise BuildError(f"the log names tools that are not in the schema: {', '.join(unknown)}")
     if options.min_users < 1:
         raise BuildError("min_users must be at least 1")
+    if options.shared_word_users < 0 or options.shared_word_users == 1:
+        raise BuildError("shared_word_users must be 0 (off) or at least 2")
     if options.collapse and embedder is None:
         raise BuildError("near-duplicate collapse needs an embedding engine (or collapse=False)")
     each = progress or _no_progress
 
     masker = TextMasker.for_registry(schema.tools, strength=options.strength, seed=options.seed)
+    if options.shared_word_users:
+        shared = shared_words(records, options.shared_word_users)
+        report.shared_words = len(shared)
+        masker = masker.sharing(shared)
     mask = _MaskCache(masker)
     limits = schema.strings
 

@@ -19,6 +19,7 @@ from pydantic import ValidationError
 from compendium import transport
 from compendium.canonical import canonical_dict, canonical_form
 from compendium.delta import DEFAULT_SINCE_CONFIDENCE, delta_since, fit_budget, routed_by
+from compendium.masking import SHARED_WORD_USERS
 from compendium.schema import DEFAULT_NUMERIC_FIELDS, Compendium, Schema
 from compendium.validation import CompendiumInvalid, format_path, validate_compendium
 
@@ -111,6 +112,8 @@ def cmd_build(args: argparse.Namespace) -> int:
         raise CliError(f"--since-confidence must be at least 0, not {args.since_confidence:g}")
     if args.min_users < 1:
         raise CliError("--min-users must be at least 1")
+    if args.shared_word_users < 0 or args.shared_word_users == 1:
+        raise CliError("--shared-word-users must be 0 (off) or at least 2")
     options = BuildOptions(
         strength=args.strength,
         seed=args.seed,
@@ -119,6 +122,7 @@ def cmd_build(args: argparse.Namespace) -> int:
         collapse=not args.no_collapse,
         skip_bad_lines=args.skip_bad_lines,
         min_users=args.min_users,
+        shared_word_users=args.shared_word_users,
     )
     progress = _progress(args.quiet)
     try:
@@ -219,6 +223,11 @@ def cmd_build(args: argparse.Namespace) -> int:
         notes += (
             f" Withheld (fewer than {options.min_users} users): {report.withheld_scenarios} "
             f"scenario(s), {report.withheld_precautions} precaution(s)."
+        )
+    if report.shared_words:
+        notes += (
+            f" Released {report.shared_words} word(s) that at least "
+            f"{options.shared_word_users} users wrote (--shared-word-users)."
         )
     print(
         f"{out}: {counts}; {report.num_users} users; masked {report.masked_fraction:.1%} of "
@@ -421,6 +430,11 @@ def build_parser() -> argparse.ArgumentParser:
         "--min-users", type=int, default=1, metavar="K",
         help="send a scenario or precaution only when at least K distinct users' requests "
         "support it (k-anonymous release; default 1: send everything)",
+    )
+    build.add_argument(
+        "--shared-word-users", type=int, default=SHARED_WORD_USERS, metavar="K",
+        help="release, unmasked, the ordinary words that at least K distinct users of the log "
+        f"wrote in lower case (0: off; default {SHARED_WORD_USERS})",
     )
     build.add_argument(
         "--no-collapse", action="store_true",

@@ -94,6 +94,9 @@ SCORE_SHORT_NUMBER = 0.6
 SCORE_NAME_BASE = 0.55
 SCORE_NAME_RARITY = 0.4
 ZIPF_COMMON = 6.0
+# A plain word that at least this many distinct users of a log wrote in lower case is released
+# (compendium.builder.shared_words); 0 turns the rule off.
+SHARED_WORD_USERS = 2
 
 
 @lru_cache(maxsize=200_000)
@@ -192,16 +195,24 @@ class TextMasker:
         strength: float = 1.0,
         seed: int = 0,
         protected: Iterable[str] = (),
+        shared: Iterable[str] = (),
     ):
         if not (isinstance(strength, int | float) and math.isfinite(strength) and strength >= 0):
             raise ValueError(f"masking strength λ must be a finite number >= 0; got {strength!r}")
         self.strength = float(strength)
         self.seed = int(seed)
         self.protected = frozenset(w.lower() for w in protected) | FUNCTION_WORDS
+        # Shared vocabulary (lower case): plain words that enough of the log's users wrote
+        # (compendium.builder.shared_words); saliency 0 except where a word stands as a name.
+        self.shared = frozenset(w.lower() for w in shared)
 
     @classmethod
     def for_registry(cls, tools: Iterable[ToolSpec], strength: float = 1.0, seed: int = 0):
         return cls(strength=strength, seed=seed, protected=registry_vocabulary(tools))
+
+    def sharing(self, words: Iterable[str]) -> TextMasker:
+        """The same masker with `words` released as shared vocabulary (see `shared`)."""
+        return TextMasker(self.strength, self.seed, self.protected, self.shared | frozenset(words))
 
     def score(self, tokens: list[Token]) -> list[Scored]:
         """Saliency and placeholder of every content token (protected ones score 0)."""
@@ -239,6 +250,8 @@ class TextMasker:
                 title = token.text[0].isupper() and not token.text.isupper()
                 if title and not sentence_start:
                     scored = Scored(index, SCORE_NAME_BASE + SCORE_NAME_RARITY * r, "NAME")
+                elif lower in self.shared:
+                    scored = Scored(index, 0.0, "MASK")
                 else:
                     scored = Scored(index, r, "MASK")
             sentence_start = False

@@ -223,3 +223,42 @@ def test_k_anonymous_release_sends_only_what_enough_users_support():
     assert report.as_dict()["min_users"] == 2
     with pytest.raises(BuildError):
         build_compendium(records, schema, BuildOptions(min_users=0), engine)
+
+
+def test_words_that_enough_users_wrote_are_released_and_no_others():
+    from compendium.builder import shared_words
+
+    schema = metatool_schema()
+    tool = sorted(schema.tool_ids)[0]
+
+    def line(query, user):
+        return {"query": query, "tool": tool, "outcome": "success", "latency_ms": 80, "user": user}
+
+    records = parsed([
+        line("Price of ethereum today", "u1"),
+        line("ethereum gas fees this week", "u2"),
+        line("Is dogecoin up? Ask Thornbury", "u1"),
+        line("dogecoin chart please", "u1"),  # the same user twice: one user
+        line("Thornbury wants the Thornbury report", "u3"),
+    ])
+    assert shared_words(records, 2) == {"ethereum"}  # "Price" is capitalized: not counted
+    assert "dogecoin" not in shared_words(records, 2)
+    assert "thornbury" not in shared_words(records, 1)  # only lower-case occurrences count
+    assert "ethereum" not in shared_words(records, 3)
+
+    def sent(k):
+        options = BuildOptions(collapse=False, shared_word_users=k)
+        return " ".join(s.text for s in build_compendium(records, schema, options)[0].scenarios)
+
+    assert "ethereum" in sent(2) and "dogecoin" not in sent(2)
+    assert "ethereum" not in sent(0) and "ethereum" not in sent(3)
+    assert "Thornbury" not in sent(2)
+
+
+def test_shared_words_never_release_planted_personal_data():
+    records = usage_records(users=3, lines=240)
+    compendium, _ = build_compendium(
+        parsed(records), metatool_schema(), BuildOptions(collapse=False, shared_word_users=2)
+    )
+    text = canonical_form(compendium).data.decode()
+    assert not [s for s in secrets() if s in text]

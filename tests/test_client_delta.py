@@ -295,3 +295,27 @@ def test_cli_build_max_bytes_sends_at_most_the_budget(tmp_path, capsys):
     assert main(args + ["--out", str(tmp_path / "x.json"), "--max-bytes", "0"]) == 1
     assert "--max-bytes must be a positive number of bytes, not 0" in capsys.readouterr().err
     assert not (tmp_path / "x.json").exists()
+
+
+def test_cli_build_releases_words_enough_users_wrote_and_refuses_k_of_1(tmp_path, capsys):
+    schema = {"tools": [{"tool_id": "crypto", "description": "Prices of coins"}]}
+    (tmp_path / "schema.json").write_text(json.dumps(schema))
+    lines = [
+        {"query": f"what is the ethereum price {when}", "tool": "crypto", "outcome": "success",
+         "latency_ms": 90, "user": user}
+        for user, when in (("u1", "today"), ("u2", "now"))
+    ]
+    (tmp_path / "log.jsonl").write_text("".join(json.dumps(line) + "\n" for line in lines))
+    args = ["build", "--log", str(tmp_path / "log.jsonl"), "--schema", str(tmp_path / "schema.json"),
+            "--quiet", "--no-collapse", "--out", str(tmp_path / "c.json")]
+
+    def sent() -> str:
+        return " ".join(s["text"] for s in json.loads((tmp_path / "c.json").read_text())["scenarios"])
+
+    assert main(args) == 0  # the default: K = 2
+    assert "word(s) that at least 2 users wrote" in capsys.readouterr().out
+    assert "ethereum" in sent()
+    assert main(args + ["--shared-word-users", "0"]) == 0
+    assert "ethereum" not in sent()
+    assert main(args + ["--shared-word-users", "1"]) == 1
+    assert "--shared-word-users must be 0 (off) or at least 2" in capsys.readouterr().err

@@ -157,3 +157,15 @@ def test_without_placeholders_leaves_the_words_the_mask_kept():
     masked = masker(3.0).mask("Send the invoice to jane.doe@example.com about order AB-12345").text
     assert "[EMAIL]" in masked and not any(f"[{p}]" in without_placeholders(masked)
                                            for p in PLACEHOLDERS)
+
+
+def test_shared_words_are_released_except_where_they_stand_as_names():
+    sentence = "Track the ethereum price at dawn, as Margaret Thornbury asked on 48213"
+    plain = masker(1.0).mask(sentence).text
+    assert "ethereum" not in plain  # rare in English: masked at λ = 1
+    shared = masker(1.0).sharing({"ethereum", "margaret", "thornbury"}).mask(sentence).text
+    assert "ethereum" in shared
+    for secret in ("Margaret", "Thornbury", "48213"):  # a name stays a name, a number a number
+        assert secret not in shared, shared
+    # At the start of a sentence a capitalized word is an ordinary word.
+    assert "Ethereum" in masker(1.0).sharing({"ethereum"}).mask("Ethereum price now?").text

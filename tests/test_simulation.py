@@ -318,10 +318,14 @@ def test_unknown_transfer_variant_fails_before_the_federation_runs(tiny_dataset,
     assert not SimulationRun.objects.exists()
 
 
-def test_a_byte_budget_below_one_byte_is_refused_before_anything_runs(tiny_dataset, capsys):
-    with pytest.raises(CommandError, match="--max-bytes must be a positive number of bytes, not 0"):
+@pytest.mark.parametrize(("flags", "message"), [
+    (["--max-bytes", "0"], "--max-bytes must be a positive number of bytes, not 0"),
+    (["--shared-word-users", "1"], "--shared-word-users must be 0 [(]off[)] or at least 2"),
+])
+def test_bad_client_options_are_refused_before_anything_runs(tiny_dataset, capsys, flags, message):
+    with pytest.raises(CommandError, match=message):
         call_command("simulate", "--dataset", str(tiny_dataset), "--orgs", "2", "--clients-per-org",
-                     "2", "--rounds", "2", "--no-baselines", "--max-bytes", "0", verbosity=1)
+                     "2", "--rounds", "2", "--no-baselines", *flags, verbosity=1)
     assert "round 1" not in capsys.readouterr().err
     assert not SimulationRun.objects.exists()
 

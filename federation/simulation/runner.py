@@ -28,6 +28,7 @@ from compendium import transport
 from compendium.builder import BuildOptions, build_compendium
 from compendium.canonical import canonical_bytes
 from compendium.delta import DEFAULT_SINCE_CONFIDENCE, delta_since, fit_budget, routed_by
+from compendium.masking import SHARED_WORD_USERS
 from compendium.registry import LabelledQuery, RoutingDataset, Split
 from compendium.schema import Compendium, Scenario, Schema
 from compendium.usage_log import parse_record
@@ -107,6 +108,7 @@ class SimulationConfig:
     # k-anonymous release at the clients (compendium.builder): entries supported by fewer distinct
     # users stay local; `client_tau` is the clients' collapse threshold (None: `tau`).
     min_users: int = 1
+    shared_word_users: int = SHARED_WORD_USERS  # compendium.builder.shared_words; 0: off
     client_tau: float | None = None
     linear_head: bool = True  # routers fit the linear head on the compendium they route with
     diagnostics: bool = True  # the paper's Lipschitz, contraction and margin diagnostics
@@ -227,6 +229,7 @@ class Simulation:
             seed=seed,
             tau=self.config.client_tau or self.config.tau,
             min_users=self.config.min_users,
+            shared_word_users=self.config.shared_word_users,
         )
         compendium, _ = build_compendium(
             _records(lines, self.tool_ids), self.schema, options, embedder=self.engine

@@ -5,6 +5,7 @@ from pathlib import Path
 from django.core.management.base import BaseCommand, CommandError
 
 from compendium.delta import DEFAULT_SINCE_CONFIDENCE
+from compendium.masking import SHARED_WORD_USERS
 from compendium.registry import RegistryFormatError, load_dataset
 from compendium.schema import Schema
 from federation.simulation.report import combine, run, sweep, table
@@ -54,6 +55,10 @@ class Command(BaseCommand):
             help="share of the inputs the robust rule assumes adversarial, f = floor(share * n), "
             "across sources per tool and within clusters (the round setting trim_fraction; "
             "0 <= share < 0.5, default 0.1)",
+        )
+        parser.add_argument(
+            "--shared-word-users", type=int, default=SHARED_WORD_USERS, metavar="K",
+            help="clients release the plain words that at least K of their users wrote (0: off)",
         )
         parser.add_argument("--users-per-client", type=int, default=3)
         parser.add_argument("--test-limit", type=int, default=None, help="evaluate on a sample")
@@ -171,6 +176,8 @@ class Command(BaseCommand):
                 return
         if o["min_users"] < 1:
             raise CommandError("--min-users must be at least 1")
+        if o["shared_word_users"] < 0 or o["shared_word_users"] == 1:
+            raise CommandError("--shared-word-users must be 0 (off) or at least 2")
         if not 0 < o["probe_fraction"] < 0.6:  # 40% is held out for testing
             raise CommandError(f"--probe-fraction must be in (0, 0.6), not {o['probe_fraction']:g}")
         if not 0 <= o["trim_fraction"] < 0.5:
@@ -209,6 +216,7 @@ class Command(BaseCommand):
             since_confidence=o["since_confidence"],
             max_bytes=o["max_bytes"],
             min_users=o["min_users"],
+            shared_word_users=o["shared_word_users"],
             client_tau=o["client_tau"],
             transfer_models=_names(o["transfer_models"]),
             transfer_rerankers=_names(o["transfer_rerankers"]),
