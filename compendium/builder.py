@@ -29,7 +29,7 @@ from typing import Any, Protocol
 import numpy as np
 
 from compendium.clipping import ClientStatistics, client_statistics
-from compendium.masking import SHARED_WORD_USERS, MaskedText, TextMasker
+from compendium.masking import SHARED_WORD_USERS, MaskedText, TextMasker, tokenize
 from compendium.schema import (
     Compendium,
     MaskingInfo,
@@ -70,8 +70,8 @@ class BuildOptions:
     # k-anonymous release: a scenario or precaution leaves the client only when at least this many
     # distinct users' requests support it (after the collapse at τ); 1 releases everything.
     min_users: int = 1
-    # Shared words: a word that at least this many distinct users of the log used is released
-    # unmasked (it cannot single out any one of them); 0: off.
+    # Shared words (`shared_words`): a plain word that at least this many distinct users of the
+    # log wrote in lower case is not masked (it cannot single out any one of them); 0: off.
     shared_word_users: int = SHARED_WORD_USERS
     skip_bad_lines: bool = False
 
@@ -200,8 +200,6 @@ def shared_words(records: Sequence[UsageRecord], users: int) -> frozenset[str]:
     queries, in lower case: a word that several users use as a common word cannot single out any
     one of them. Only lower-case occurrences count (a capitalized word may be a name), and only
     words (never numbers, identifiers or personal-data patterns)."""
-    from compendium.masking import tokenize
-
     seen: dict[str, set[str]] = defaultdict(set)
     for record in records:
         for token in tokenize(record.query):

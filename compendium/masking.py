@@ -14,6 +14,9 @@ how much it could identify a person or an organization:
 - protected, saliency 0: common function words, and every word that occurs in the tool registry
   (tool ids, names, descriptions, categories). Those are public already and carry the routing
   meaning. Personal-data patterns (e-mail, URL, phone) are never protected.
+- shared, saliency 0 where the word does not stand as a name: the words the builder found that
+  enough distinct users of the log wrote in lower case (`TextMasker.sharing`,
+  compendium.builder.shared_words).
 
 Given λ >= 0 a token is masked when its saliency exceeds the threshold θ(λ) = exp(-λ), or when it
 is among the top ⌊ρ(λ)·n⌋ of the text's n unprotected tokens by saliency, ρ(λ) = 1 - exp(-λ/4)
