@@ -29,7 +29,13 @@ from typing import Any, Protocol
 import numpy as np
 
 from compendium.clipping import ClientStatistics, client_statistics
-from compendium.masking import SHARED_WORD_USERS, MaskedText, TextMasker, tokenize
+from compendium.masking import (
+    SHARED_WORD_USERS,
+    MaskedText,
+    TextMasker,
+    tokenize,
+    valid_shared_word_users,
+)
 from compendium.schema import (
     Compendium,
     MaskingInfo,
@@ -201,10 +207,10 @@ def shared_words(records: Sequence[UsageRecord], users: int) -> frozenset[str]:
     one of them. Only lower-case occurrences count (a capitalized word may be a name), and only
     words (never numbers, identifiers or personal-data patterns)."""
     seen: dict[str, set[str]] = defaultdict(set)
-    for record in records:
-        for token in tokenize(record.query):
+    for query, user in {(r.query, r.user) for r in records}:  # a repeated request counts once
+        for token in tokenize(query):
             if token.kind == "word" and token.text.islower():
-                seen[token.text].add(record.user)
+                seen[token.text].add(user)
     return frozenset(w for w, who in seen.items() if len(who) >= users)
 
 
@@ -240,7 +246,7 @@ def build_compendium(
         raise BuildError(f"the log names tools that are not in the schema: {', '.join(unknown)}")
     if options.min_users < 1:
         raise BuildError("min_users must be at least 1")
-    if options.shared_word_users < 0 or options.shared_word_users == 1:
+    if not valid_shared_word_users(options.shared_word_users):
         raise BuildError("shared_word_users must be 0 (off) or at least 2")
     if options.collapse and embedder is None:
         raise BuildError("near-duplicate collapse needs an embedding engine (or collapse=False)")

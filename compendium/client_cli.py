@@ -19,7 +19,7 @@ from pydantic import ValidationError
 from compendium import transport
 from compendium.canonical import canonical_dict, canonical_form
 from compendium.delta import DEFAULT_SINCE_CONFIDENCE, delta_since, fit_budget, routed_by
-from compendium.masking import SHARED_WORD_USERS
+from compendium.masking import SHARED_WORD_USERS, valid_shared_word_users
 from compendium.schema import DEFAULT_NUMERIC_FIELDS, Compendium, Schema
 from compendium.validation import CompendiumInvalid, format_path, validate_compendium
 
@@ -112,7 +112,7 @@ def cmd_build(args: argparse.Namespace) -> int:
         raise CliError(f"--since-confidence must be at least 0, not {args.since_confidence:g}")
     if args.min_users < 1:
         raise CliError("--min-users must be at least 1")
-    if args.shared_word_users < 0 or args.shared_word_users == 1:
+    if not valid_shared_word_users(args.shared_word_users):
         raise CliError("--shared-word-users must be 0 (off) or at least 2")
     options = BuildOptions(
         strength=args.strength,

@@ -102,6 +102,11 @@ ZIPF_COMMON = 6.0
 SHARED_WORD_USERS = 2
 
 
+def valid_shared_word_users(k: int) -> bool:
+    """0 (off) or at least 2: with 1, every word any user wrote would count as shared."""
+    return k == 0 or k >= 2
+
+
 @lru_cache(maxsize=200_000)
 def zipf(word: str) -> float:
     """Zipf frequency of a word in the public English reference (wordfreq); 0 when unknown."""

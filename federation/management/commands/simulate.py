@@ -5,7 +5,7 @@ from pathlib import Path
 from django.core.management.base import BaseCommand, CommandError
 
 from compendium.delta import DEFAULT_SINCE_CONFIDENCE
-from compendium.masking import SHARED_WORD_USERS
+from compendium.masking import SHARED_WORD_USERS, valid_shared_word_users
 from compendium.registry import RegistryFormatError, load_dataset
 from compendium.schema import Schema
 from federation.simulation.report import combine, run, sweep, table
@@ -176,7 +176,7 @@ class Command(BaseCommand):
                 return
         if o["min_users"] < 1:
             raise CommandError("--min-users must be at least 1")
-        if o["shared_word_users"] < 0 or o["shared_word_users"] == 1:
+        if not valid_shared_word_users(o["shared_word_users"]):
             raise CommandError("--shared-word-users must be 0 (off) or at least 2")
         if not 0 < o["probe_fraction"] < 0.6:  # 40% is held out for testing
             raise CommandError(f"--probe-fraction must be in (0, 0.6), not {o['probe_fraction']:g}")
