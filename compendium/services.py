@@ -7,12 +7,14 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
+from django.core.exceptions import ImproperlyConfigured
 from django.db import connection, models, transaction
 from django.db.models import ExpressionWrapper, F, FloatField, Value
 from pgvector.django import CosineDistance
 
 from compendium.canonical import canonical_form
 from compendium.models import (
+    EMBEDDING_DIM,
     AnnexEntry,
     CompendiumVersion,
     NumericField,
@@ -115,7 +117,17 @@ def store_compendium(
     With `entry_rows=False` only the canonical content is stored: client submissions are read
     whole by the merge, and writing a row per entry was most of a submission's cost.
     `routing_head`: a global's serialized linear head (see `federation.pipeline.routing_head`).
+    Embeddings of another dimension than the database's vector columns are refused before
+    anything is written (ImproperlyConfigured, naming both and the setting).
     """
+    for matrix in (scenario_embeddings, precaution_embeddings):
+        if matrix is not None and len(matrix) and np.shape(matrix)[-1] != EMBEDDING_DIM:
+            raise ImproperlyConfigured(
+                f"the embedding model gives {np.shape(matrix)[-1]}-dimensional vectors but the "
+                f"database stores {EMBEDDING_DIM} (SYNAPSE_EMBEDDING_DIM): set "
+                f"SYNAPSE_EMBEDDING_DIM={np.shape(matrix)[-1]} before `migrate` on a new database, "
+                f"or use a {EMBEDDING_DIM}-dimensional model"
+            )
     form = canonical_form(compendium)
     version = CompendiumVersion.objects.create(
         kind=kind,

@@ -362,14 +362,25 @@ def get_engine(model: str | None = None) -> EmbeddingEngine:
         return _engines[name]
 
 
+# Every build of the bundled model: queries embedded by one of them land in the space of
+# scenarios embedded by another.
+MINILM_BUILDS = frozenset(
+    {"", DEFAULT_MODEL, BF16_PREFIX, BF16_MODEL, ONNX_INT8_MODEL, ONNX_INT8_DYNAMIC_MODEL}
+)
+
+
 def get_query_engine(model: str | None = None) -> EmbeddingEngine:
     """The engine that embeds routing queries: SYNAPSE_QUERY_EMBEDDING_MODEL, else MiniLM with
     int8 compute (about 3x faster per query than fp32 torch, top-1 within 0.2 pt on MetaTool);
     when it cannot be built (no writable cache folder), the same export in fp32 compute; when the
-    ONNX packages are missing, the default engine, which is the same model again."""
+    ONNX packages are missing, the default engine, which is the same model again. When
+    SYNAPSE_EMBEDDING_MODEL names another model than MiniLM (the stored vectors are that
+    model's), queries are embedded by that same model."""
     name = model if model is not None else os.environ.get("SYNAPSE_QUERY_EMBEDDING_MODEL", "")
     if name:
         return get_engine(name)
+    if os.environ.get("SYNAPSE_EMBEDDING_MODEL", "") not in MINILM_BUILDS:
+        return get_engine()
     for name in (DEFAULT_QUERY_MODEL, ONNX_INT8_MODEL):
         try:
             return get_engine(name)

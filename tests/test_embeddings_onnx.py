@@ -113,6 +113,16 @@ def test_query_engine_defaults_to_int8_compute_and_caches():
     assert engine.dimension == 384
 
 
+def test_query_engine_follows_a_stored_embedding_model_other_than_minilm(monkeypatch):
+    other = object()  # stands for a loaded engine of another model (e.g. all-mpnet-base-v2)
+    monkeypatch.setattr("routing.embeddings._engines", {"/models/all-mpnet-base-v2": other})
+    monkeypatch.delenv("SYNAPSE_QUERY_EMBEDDING_MODEL", raising=False)
+    monkeypatch.setenv("SYNAPSE_EMBEDDING_MODEL", "/models/all-mpnet-base-v2")
+    assert get_query_engine() is other  # queries in the space of the stored scenarios
+    monkeypatch.setenv("SYNAPSE_EMBEDDING_MODEL", DEFAULT_MODEL)  # a MiniLM build: int8 queries
+    assert get_query_engine().model_name == ONNX_INT8_DYNAMIC_MODEL
+
+
 def test_bf16_engine_is_faithful_to_fp32_where_the_cpu_has_bf16():
     if not bf16_native():
         with pytest.raises(EmbeddingModelUnavailable, match="no native bfloat16"):

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from django.db import connection
+from django.db import connection, transaction
 
 from compendium.canonical import canonical_bytes
 from compendium.models import CompendiumVersion, ScenarioEntry, StatEntry
@@ -89,6 +89,21 @@ def test_embeddings_found_back_in_cosine_order(stored_registry, round1):
         assert row.version_id == version.pk
         index = int(row.text.split()[1])
         assert abs((1 - row.distance) - cosine[index]) < 1e-5
+
+
+def test_embeddings_of_another_dimension_are_refused_before_anything_is_stored(
+    stored_registry, round1
+):
+    from django.core.exceptions import ImproperlyConfigured
+
+    dim = ScenarioEntry._meta.get_field("embedding").dimensions
+    compendium = Compendium(scenarios=[Scenario(tool_id="weather", text="rain in Oslo")])
+    wrong = np.ones((1, dim * 2), dtype=np.float32)  # e.g. a 768-dimensional model on a 384 column
+    with pytest.raises(ImproperlyConfigured, match=f"{dim * 2}-dimensional.*stores {dim}"):
+        with transaction.atomic():  # the caller's transaction, as in the merge pipeline
+            store_compendium(compendium, kind="global", round=round1, scenario_embeddings=wrong)
+    assert not CompendiumVersion.objects.exists()
+    assert not ScenarioEntry.objects.exists()
 
 
 def test_hnsw_index_exists():
