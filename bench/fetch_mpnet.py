@@ -37,11 +37,8 @@ UPSTREAM = {
 
 
 def sha256(path: Path) -> str:
-    digest = hashlib.sha256()
     with path.open("rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            digest.update(block)
-    return digest.hexdigest()
+        return hashlib.file_digest(f, "sha256").hexdigest()
 
 
 def mismatches(model: Path, pins: dict[str, str] = UPSTREAM) -> list[str]:
@@ -51,13 +48,14 @@ def mismatches(model: Path, pins: dict[str, str] = UPSTREAM) -> list[str]:
         path = model / name
         if not path.is_file():
             bad.append(f"{name} is missing")
-        elif sha256(path) != expected:
-            bad.append(f"{name} differs from upstream (sha256 {sha256(path)})")
+        elif (found := sha256(path)) != expected:
+            bad.append(f"{name} differs from upstream (sha256 {found})")
     return bad
 
 
 def default_dest() -> Path:
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+    import _routing_common  # noqa: F401  (puts the repository on sys.path)
+
     from routing.embeddings import model_cache_dir
 
     return model_cache_dir() / NAME

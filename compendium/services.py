@@ -121,12 +121,12 @@ def store_compendium(
     anything is written (ImproperlyConfigured, naming both and the setting).
     """
     for matrix in (scenario_embeddings, precaution_embeddings):
-        if matrix is not None and len(matrix) and np.shape(matrix)[-1] != EMBEDDING_DIM:
+        dim = np.shape(matrix)[-1] if matrix is not None and len(matrix) else EMBEDDING_DIM
+        if dim != EMBEDDING_DIM:
             raise ImproperlyConfigured(
-                f"the embedding model gives {np.shape(matrix)[-1]}-dimensional vectors but the "
-                f"database stores {EMBEDDING_DIM} (SYNAPSE_EMBEDDING_DIM): set "
-                f"SYNAPSE_EMBEDDING_DIM={np.shape(matrix)[-1]} before `migrate` on a new database, "
-                f"or use a {EMBEDDING_DIM}-dimensional model"
+                f"the embedding model gives {dim}-dimensional vectors but the database stores "
+                f"{EMBEDDING_DIM} (SYNAPSE_EMBEDDING_DIM): set SYNAPSE_EMBEDDING_DIM={dim} before "
+                f"`migrate` on a new database, or use a {EMBEDDING_DIM}-dimensional model"
             )
     form = canonical_form(compendium)
     version = CompendiumVersion.objects.create(
