@@ -23,7 +23,7 @@ tools so that every tool the client saw is represented before any tool gets a se
 most supported first; then precautions, the most supported first. What does not fit stays on the
 client: its log still has it, so the next round's build offers it again, against the global that
 round pulls. Which scenarios go first matters little; how many go matters a lot. On MetaTool
-(seed 0, a 12,000-byte budget, README "Results") this order reached 0.692; sending first what the
+(seed 0, a 12,000-byte budget, bench/results/EXPERIMENTS.md) this order reached 0.692; sending first what the
 pulled global (before round 2: the registry descriptions) gets wrong, 0.685; what it gets right
 most surely, 0.708; with no budget, 0.805 (measured before a support of 1 left the canonical form,
 which lets about 8% more fit: this order then reached 0.694).
@@ -45,7 +45,7 @@ from compendium.canonical import canonical_bytes, entry_size
 from compendium.schema import Compendium
 
 # An entry the pulled global's router already sends to its tool with at least this calibrated
-# confidence is left out. On MetaTool (seed 0, README "Results") 0.8 kept the final accuracy of
+# confidence is left out. On MetaTool (seed 0, bench/results/EXPERIMENTS.md) 0.8 kept the final accuracy of
 # sending everything with 15% fewer bytes; 0.5 and 0.3 saved a little more but cost accuracy.
 DEFAULT_SINCE_CONFIDENCE = 0.8
 
