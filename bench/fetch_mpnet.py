@@ -54,8 +54,10 @@ def mismatches(model: Path, pins: dict[str, str] = UPSTREAM) -> list[str]:
 
 
 def default_dest() -> Path:
-    import _routing_common  # noqa: F401  (puts the repository on sys.path)
-
+    """The model's place in the repository's model cache (`routing.embeddings.model_cache_dir`)."""
+    repo = str(Path(__file__).resolve().parent.parent)
+    if repo not in sys.path:
+        sys.path.insert(0, repo)
     from routing.embeddings import model_cache_dir
 
     return model_cache_dir() / NAME
