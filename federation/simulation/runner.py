@@ -540,17 +540,22 @@ class Simulation:
 
     # --- baselines ---------------------------------------------------------------------------
 
-    def baselines(self, shares, logs, final: RoundOutcome, split, test, seed) -> dict[str, Any]:
-        out = {}
+    def centralized_global(self, shares, logs, split, seed: int) -> Compendium:
+        """The paper's Centralized-SYNAPSE: one client toolkit build over every client's log, then
+        one server merge (no edges, no rounds)."""
         every_line = [line for s in shares for line in logs[s.client]]
         central = self.build_client(every_line, seed)
-        central_global = server_merge(
+        return server_merge(
             [MergeInput("centralized", central)],
             self.schema,
             self._round_config(seed),
             embed=self.engine.embed,
             probe_set=self._probe_set(split.probe),
         ).compendium
+
+    def baselines(self, shares, logs, final: RoundOutcome, split, test, seed) -> dict[str, Any]:
+        out = {}
+        central_global = self.centralized_global(shares, logs, split, seed)
         out["centralized"] = self.evaluate(self.router(central_global, split.probe), test)
 
         local = [

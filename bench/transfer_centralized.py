@@ -1,0 +1,87 @@
+"""Centralized-SYNAPSE's compendium routed with another embedding model: the reference row that
+`simulate --transfer-models` has for SYNAPSE's final global, without running the federation.
+
+For each seed: the same split, client shares and usage logs as `manage.py simulate`
+(`Simulation.prepare`), the Centralized compendium as simulate's baseline builds it
+(`Simulation.centralized_global`), scored with the simulation engine's router (simulate's
+`centralized` row, to the digit) and then under each transfer variant (`Simulation.transfer`).
+
+    python bench/transfer_centralized.py --dataset ../shared/data/metatool --seed 0 --seeds 3 \\
+        --test-limit 3000 --embedding-model onnx-int8-dynamic:all-MiniLM-L6-v2 \\
+        --transfer-models ~/.cache/synapse/all-mpnet-base-v2 --out FILE
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+
+# _routing_common also puts the repository on sys.path.
+from _routing_common import METATOOL, print_table, write_json
+
+os.environ.setdefault("DJANGO_SETTINGS_MODULE", "synapse_web.settings")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--dataset", default=str(METATOOL))
+    parser.add_argument("--orgs", type=int, default=5)
+    parser.add_argument("--clients-per-org", type=int, default=4)
+    parser.add_argument("--partition", default="category", choices=["iid", "category", "random"])
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--seeds", type=int, default=1)
+    parser.add_argument("--test-limit", type=int, default=None)
+    parser.add_argument("--embedding-model", default=None)
+    parser.add_argument("--transfer-models", required=True, help="comma-separated models or paths")
+    parser.add_argument("--transfer-rerankers", default="none,fusion")
+    parser.add_argument("--out", default=None)
+    args = parser.parse_args(argv)
+
+    import django
+
+    django.setup()
+    from compendium.registry import load_dataset
+    from compendium.schema import Schema
+    from federation.simulation.runner import Simulation, SimulationConfig
+    from routing.embeddings import get_engine
+
+    dataset = load_dataset(args.dataset)
+    config = SimulationConfig(
+        orgs=args.orgs,
+        clients_per_org=args.clients_per_org,
+        partition=args.partition,
+        test_limit=args.test_limit,
+        transfer_models=tuple(m for m in args.transfer_models.split(",") if m),
+        transfer_rerankers=tuple(r for r in args.transfer_rerankers.split(",") if r),
+    )
+    simulation = Simulation(
+        dataset, Schema(tools=dataset.tools), get_engine(args.embedding_model), config,
+        lambda message: print(f"transfer_centralized: {message}", file=sys.stderr, flush=True),
+    )
+    variants = simulation.transfer_variants()  # checked before the long run
+    rows = []
+    started = time.perf_counter()
+    for seed in range(args.seed, args.seed + max(1, args.seeds)):
+        setup = simulation.prepare(seed)
+        simulation.progress(f"seed {seed}: the centralized compendium")
+        central = simulation.centralized_global(setup.shares, setup.logs, setup.split, seed)
+        report = simulation.evaluate(simulation.router(central, setup.split.probe), setup.test)
+        rows.append({"seed": seed, "model": "simulation engine", "reranker": config.reranker,
+                     "accuracy": round(report.accuracy, 4),
+                     "macro_accuracy": round(report.macro_accuracy, 4)})
+        simulation.progress(f"seed {seed}: transfer to {len(variants)} variants")
+        rows += [{"seed": seed, **row} for row in
+                 simulation.transfer(central, setup.split.probe, setup.test, variants)]
+    print_table(rows, ["seed", "model", "reranker", "accuracy", "macro_accuracy"])
+    write_json(args.out, {
+        "command": "python bench/transfer_centralized.py " + " ".join(sys.argv[1:] if argv is None else argv),
+        "compendium": "centralized", "rows": rows,
+        "seconds": round(time.perf_counter() - started, 1),
+    })
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
