@@ -41,10 +41,10 @@ def _fmt(value) -> str:
     return "-" if value is None else str(value)
 
 
-def write_json(path: str | None, rows: list[dict]) -> None:
+def write_json(path: str | None, document: list[dict] | dict) -> None:
     if path:
         Path(path).parent.mkdir(parents=True, exist_ok=True)
-        Path(path).write_text(json.dumps(rows, indent=2) + "\n", encoding="utf-8")
+        Path(path).write_text(json.dumps(document, indent=2) + "\n", encoding="utf-8")
         print(f"wrote {path}")
 
 
