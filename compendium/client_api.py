@@ -7,6 +7,7 @@ Speaks the REST API exactly as the server defines it:
   when no round is open; 413; 429 with `Retry-After`.
 - `GET /api/v1/compendium/global/` -> {"round", "sha256", "published_at", "compendium"} with an
   ETag; 304 when `If-None-Match` matches; 404 when nothing is published.
+- `GET /api/v1/compendium/probe/` -> {"count", "sha256", "texts"}: the public probe set's requests.
 
 Network errors, 5xx and 429 are retried with exponential backoff. A POST is safe to retry because
 the idempotency key is derived from the content and the round: the server stores it once.
@@ -338,6 +339,24 @@ class SynapseClient:
             etag_path.unlink()
         self._pull_head(out, result.round if result.round is not None else round_number, result)
         return result
+
+    def fetch_probe(self, out: Path) -> int:
+        """Save the public probe set's requests to `out` (for dcz before any global is published:
+        `transport.probe_dictionary`); how many there are."""
+        response = self.request("GET", "/api/v1/compendium/probe/")
+        if response.status_code in (401, 403):
+            raise self._auth_error(response)
+        if response.status_code != 200:
+            raise ClientError(
+                f"cannot download the probe set (HTTP {response.status_code}): {_detail(response)}"
+            )
+        payload = self._json(response, "the probe set request")
+        try:
+            texts = transport.probe_texts_of(payload)
+        except ValueError as exc:
+            raise ClientError(f"the server sent a probe set this client cannot read: {exc}") from None
+        write_atomically(Path(out), json.dumps(payload, ensure_ascii=False).encode("utf-8"))
+        return len(texts)
 
     def _pull_head(self, out: Path, round_number: int | None, result: PullResult) -> None:
         """Save the routing head published with the pulled global beside it (`head_file`), or

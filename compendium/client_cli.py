@@ -350,10 +350,13 @@ def cmd_submit(args: argparse.Namespace) -> int:
     dictionary = None
     if args.no_gzip and (args.since or args.schema):
         raise CliError("--no-gzip sends the body plain: drop --since and --schema with it")
+    if args.probe and not args.schema:
+        raise CliError("--probe goes with --schema (before any global is published)")
     if args.since:
         dictionary = transport.global_dictionary(_load_compendium(args.since))
     elif args.schema:
-        dictionary = transport.schema_dictionary(_load_schema(args.schema))
+        probe = _load_probe(args.probe) if args.probe else []
+        dictionary = transport.probe_dictionary(_load_schema(args.schema), probe)
     with _client(args) as client:
         try:
             result = client.submit(compendium, compress=not args.no_gzip, dictionary=dictionary)
@@ -374,6 +377,20 @@ def cmd_submit(args: argparse.Namespace) -> int:
         f"({result.sent_bytes} sent, {result.content_encoding or 'plain'}){again}; "
         f"key {result.idempotency_key[:24]}…"
     )
+    return 0
+
+
+def _load_probe(path: str) -> list[str]:
+    try:
+        return transport.probe_texts_of(json.loads(_read_bytes(path)))
+    except ValueError as exc:
+        raise CliError(f"{path} is not a probe set: {exc}") from None
+
+
+def cmd_fetch_probe(args: argparse.Namespace) -> int:
+    with _client(args) as client:
+        count = client.fetch_probe(Path(args.out))
+    print(f"{args.out}: the public probe set's {count} requests saved")
     return 0
 
 
@@ -485,6 +502,11 @@ def build_parser() -> argparse.ArgumentParser:
         help="before any global is published: dcz against schema.json instead (ignored with "
         "--since)",
     )
+    submit.add_argument(
+        "--probe", default=None,
+        help="with --schema: probe.json from fetch-probe goes before the schema in the dictionary "
+        "(about a fifth fewer bytes in the first round on MetaTool)",
+    )
     _add_server_arguments(submit)
     submit.set_defaults(func=cmd_submit)
 
@@ -493,6 +515,13 @@ def build_parser() -> argparse.ArgumentParser:
     pull.add_argument("--round", type=int, default=None, help="a given round (default: latest)")
     _add_server_arguments(pull)
     pull.set_defaults(func=cmd_pull)
+
+    fetch_probe = sub.add_parser(
+        "fetch-probe", help="download the public probe set's requests (for submit --probe)"
+    )
+    fetch_probe.add_argument("--out", required=True, help="where to save it, e.g. probe.json")
+    _add_server_arguments(fetch_probe)
+    fetch_probe.set_defaults(func=cmd_fetch_probe)
 
     from routing.cli import add_route_command  # the same router the server uses
 

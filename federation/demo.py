@@ -89,7 +89,9 @@ def run_demo_rounds(
         latest = published_global_version()
         pulled = load_compendium(latest) if latest is not None else None
         dictionary = (
-            transport.global_dictionary(pulled) if pulled else transport.schema_dictionary(schema)
+            transport.global_dictionary(pulled)
+            if pulled
+            else transport.probe_dictionary(schema, submissions.probe_texts())
         )
         # The pulled global's router, as the routing API serves it.
         route = routed_by(served_compendium().routers["fusion"]) if latest is not None else None
@@ -103,7 +105,8 @@ def run_demo_rounds(
                 compendium, _ = delta_since(compendium, pulled, get_engine(), route=route)
             form = canonical_form(compendium)
             # Sent as `synapse-client submit --since` sends it: dcz against the pulled global
-            # (round 1: the schema), read back by the server's own decoder.
+            # (round 1: the probe set's requests and the schema), read back by the server's own
+            # decoder.
             wire = transport.compress(form.data, dictionary)
             body = submissions.decoded_body(wire, transport.CONTENT_ENCODING, len(form.data))
             submissions.submit(

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 
 from django.conf import settings
 from django.db import IntegrityError, transaction
+from django.db.models import Count, Max
 from django.utils import timezone
 
 from compendium import transport
@@ -38,7 +39,14 @@ from federation.errors import (
     UnknownDictionary,
     UnsupportedEncoding,
 )
-from federation.models import Client, FederationSettings, RateCounter, Round, Submission
+from federation.models import (
+    Client,
+    FederationSettings,
+    ProbeQuery,
+    RateCounter,
+    Round,
+    Submission,
+)
 from federation.services import cached_settings
 from synapse_web.prepared import prepared_cursor
 
@@ -152,8 +160,8 @@ def _dcz_body(body: bytes, limit: int) -> bytes:
         if dictionary is None:
             raise UnknownDictionary(
                 f"the body was compressed against dictionary {wanted[:12]}…, which is neither the "
-                "schema in force nor a published global compendium: pull the global again, or "
-                "send gzip"
+                "schema in force (alone or after the public probe set's requests) nor a published "
+                "global compendium: pull the global again, or send gzip"
             )
         return transport.decompress(body, dictionary, limit)
     except transport.DczTooLarge as exc:
@@ -164,13 +172,31 @@ def _dcz_body(body: bytes, limit: int) -> bytes:
 
 def submission_dictionary(sha256: str) -> bytes | None:
     """The dictionary a dcz submission names by its SHA-256: a published global compendium's
-    canonical bytes or (before any global is published) the schema in force; None if neither."""
+    canonical bytes or (before any global is published) the schema in force, alone or after the
+    public probe set's requests; None if none of these."""
     try:
         return _published_global_bytes(sha256)
     except LookupError:
         pass
-    schema, schema_hash = _schema_dictionary(schema_in_force())
-    return schema if schema_hash == sha256 else None
+    schema = schema_in_force()
+    data, data_hash = _schema_dictionary(schema)
+    if data_hash == sha256:
+        return data
+    data, data_hash = _probe_dictionary(schema)
+    return data if data_hash == sha256 else None
+
+
+def probe_texts() -> list[str]:
+    """The public probe set's requests, in the order its dictionary and its endpoint use."""
+    return list(ProbeQuery.objects.order_by("dataset", "qid").values_list("text", flat=True))
+
+
+def probe_set() -> dict:
+    """What `GET /api/v1/compendium/probe/` serves: the probe requests and the SHA-256 naming
+    them (`transport.probe_bytes`)."""
+    texts = probe_texts()
+    sha256 = transport.dictionary_hash(transport.probe_bytes(texts))
+    return {"count": len(texts), "sha256": sha256, "texts": texts}
 
 
 _schema_dictionary_cache: tuple[Schema, bytes, str] | None = None
@@ -184,6 +210,23 @@ def _schema_dictionary(schema: Schema) -> tuple[bytes, str]:
         data = transport.schema_dictionary(schema)
         cached = _schema_dictionary_cache = (schema, data, transport.dictionary_hash(data))
     return cached[1], cached[2]
+
+
+_probe_dictionary_cache: tuple[Schema, tuple, bytes, str] | None = None
+
+
+def _probe_dictionary(schema: Schema) -> tuple[bytes, str]:
+    """The probe set's dictionary and its hash, made again only when the schema in force or the
+    probe set changed: `import_probe_set` replaces the rows, so their count and last id tell."""
+    global _probe_dictionary_cache
+    fingerprint = tuple(ProbeQuery.objects.aggregate(n=Count("id"), last=Max("id")).values())
+    cached = _probe_dictionary_cache
+    if cached is None or cached[0] is not schema or cached[1] != fingerprint:
+        data = transport.probe_dictionary(schema, probe_texts())
+        cached = _probe_dictionary_cache = (
+            schema, fingerprint, data, transport.dictionary_hash(data)
+        )
+    return cached[2], cached[3]
 
 
 @functools.lru_cache(maxsize=4)

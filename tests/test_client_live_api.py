@@ -3,13 +3,19 @@ server): submit twice without a duplicate row, and pull only what is published."
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
+from compendium import transport
+from compendium.canonical import canonical_form
 from compendium.client_api import ClientError, SynapseClient
+from compendium.client_cli import main
 from compendium.models import CompendiumVersion
+from compendium.schema import Compendium
 from compendium.validation import load_valid_compendium
-from federation import services
-from federation.models import Submission
+from federation import services, submissions
+from federation.models import ProbeQuery, Submission
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
@@ -35,3 +41,29 @@ def test_revoked_token_is_one_clear_error(live_server, world, valid_doc, small_s
     with SynapseClient(live_server.url, world.token_a, backoff=0) as client:
         with pytest.raises(ClientError):
             client.submit(compendium)
+
+
+def test_first_round_dcz_against_the_probe_set_and_the_schema(live_server, world, valid_doc, tmp_path,
+                                                              capsys):
+    services.open_round(services.Actor(None))
+    ProbeQuery.objects.bulk_create([
+        ProbeQuery(dataset="pub", qid=f"q{n:02d}", text=f"Will it rain tomorrow in city number {n}?",
+                   tool_id="weather") for n in range(30)
+    ])
+    schema_path, probe_path, doc_path = (tmp_path / n for n in ("schema.json", "probe.json", "c.json"))
+    schema_path.write_text(submissions.schema_in_force().model_dump_json(), encoding="utf-8")
+    doc_path.write_text(json.dumps(valid_doc), encoding="utf-8")
+    server = ["--server", live_server.url, "--token", world.token_a, "--backoff", "0"]
+    assert main(["fetch-probe", "--out", str(probe_path), *server]) == 0
+    assert "the public probe set's 30 requests saved" in capsys.readouterr().out
+    assert main(["submit", str(doc_path), "--schema", str(schema_path), "--probe", str(probe_path),
+                 *server]) == 0
+    assert "sent, dcz)" in capsys.readouterr().out
+    stored = Submission.objects.get(client=world.client_a)
+    data = canonical_form(Compendium.model_validate_json(doc_path.read_bytes(), strict=True)).data
+    texts = json.loads(probe_path.read_text())["texts"]
+    assert texts == [f"Will it rain tomorrow in city number {n}?" for n in range(30)]
+    schema = submissions.schema_in_force()
+    assert stored.content_encoding == "dcz"
+    assert stored.wire_bytes == len(transport.compress(data, transport.probe_dictionary(schema, texts)))
+    assert stored.wire_bytes < len(transport.compress(data, transport.schema_dictionary(schema)))

@@ -476,3 +476,17 @@ def test_pull_without_the_local_file_does_not_send_if_none_match(server, tmp_pat
 def test_bad_server_url_is_refused():
     with pytest.raises(ClientError, match="http"):
         SynapseClient("ftp://example", TOKEN)
+
+
+def test_probe_goes_with_the_schema_and_must_be_a_probe_set(tmp_path, capsys):
+    path = write(tmp_path, compendium())
+    schema_path = tmp_path / "schema.json"
+    schema_path.write_text(SCHEMA.model_dump_json(), encoding="utf-8")
+    probe_path = tmp_path / "probe.json"
+    probe_path.write_text(json.dumps({"count": 1, "sha256": "0" * 64, "texts": ["Weather?"]}))
+    url = "http://127.0.0.1:9"  # never reached: both are refused before any request
+    assert main(submit_args(url, path) + ["--probe", str(probe_path)]) == 1
+    assert "--probe goes with --schema" in capsys.readouterr().err
+    assert main(submit_args(url, path) + ["--schema", str(schema_path), "--probe",
+                                          str(probe_path)]) == 1
+    assert f"{probe_path} is not a probe set: its 'sha256' does not match" in capsys.readouterr().err

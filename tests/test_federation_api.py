@@ -17,7 +17,7 @@ from compendium.models import CompendiumVersion, ScenarioEntry
 from compendium.schema import Compendium, Schema
 from compendium.services import store_compendium
 from federation import services
-from federation.models import AuditLog, Client, Round, Submission
+from federation.models import AuditLog, Client, ProbeQuery, Round, Submission
 from routing.router import LinearHead
 from tests.federation_fixtures import SYSTEM
 
@@ -246,9 +246,12 @@ def test_a_bad_encoded_body_is_a_clear_4xx(world, open_round, encoding, body, st
     assert not Submission.objects.exists()
 
 
+def _schema(api) -> Schema:
+    return Schema.model_validate_json(api.get("/api/v1/compendium/schema/").content)
+
+
 def _schema_dictionary(api) -> bytes:
-    schema = Schema.model_validate_json(api.get("/api/v1/compendium/schema/").content)
-    return transport.schema_dictionary(schema)
+    return transport.schema_dictionary(_schema(api))
 
 
 def test_a_dcz_body_against_the_schema_is_stored_with_its_wire_size(world, open_round, valid_doc):
@@ -295,6 +298,45 @@ def test_a_dcz_body_against_a_published_global(world, valid_doc):
     assert response.status_code == 201, response.json()
     assert response.json()["entry_counts"]["scenarios"] == 3
     assert Submission.objects.get().wire_bytes == len(packed)
+
+
+def _import_probe(texts: list[str]) -> None:
+    """What `import_probe_set` does to the rows: replaces them."""
+    ProbeQuery.objects.all().delete()
+    ProbeQuery.objects.bulk_create(
+        [ProbeQuery(dataset="pub", qid=f"q{n:03d}", text=t, tool_id="weather")
+         for n, t in enumerate(texts)]
+    )
+
+
+def test_the_probe_set_is_served_to_clients_and_names_a_first_round_dictionary(
+    world, open_round, valid_doc
+):
+    assert APIClient().get("/api/v1/compendium/probe/").status_code == 401
+    api = client_api(world.token_a)
+    texts = [f"Will it rain tomorrow in town {n}?" for n in range(20)]
+    _import_probe(texts)
+    response = api.get("/api/v1/compendium/probe/")
+    assert response.status_code == 200
+    body = response.json()
+    assert (body["count"], body["texts"]) == (20, texts)
+    assert response["ETag"] == f'"{body["sha256"]}"'
+    assert transport.probe_texts_of(body) == texts
+    assert api.get("/api/v1/compendium/probe/", HTTP_IF_NONE_MATCH=response["ETag"]).status_code == 304
+    dictionary = transport.probe_dictionary(_schema(api), texts)
+    data = canonical_bytes(Compendium.model_validate(valid_doc))
+    packed = transport.compress(data, dictionary)
+    accepted = post_doc(api, packed, key="p", HTTP_CONTENT_ENCODING="dcz")
+    assert accepted.status_code == 201, accepted.json()
+    assert Submission.objects.get().wire_bytes == len(packed)
+    # Once the probe set is replaced, a body against the old one is refused with the reason,
+    # and the stored submission stays as it was.
+    _import_probe(texts[:10])
+    refused = post_doc(api, packed, key="q", HTTP_CONTENT_ENCODING="dcz")
+    assert refused.status_code == 400 and refused.json()["code"] == "unknown_dictionary"
+    assert Submission.objects.get().idempotency_key == "p"
+    fresh = transport.compress(data, transport.probe_dictionary(_schema(api), texts[:10]))
+    assert post_doc(api, fresh, key="q", HTTP_CONTENT_ENCODING="dcz").status_code == 201
 
 
 def test_a_dcz_body_against_a_dictionary_the_server_does_not_hold(world, valid_doc):

@@ -92,3 +92,28 @@ def test_a_bad_body_is_refused_with_its_reason(body, error, message):
 def test_a_dictionary_needs_eight_bytes():
     with pytest.raises(ValueError, match="at least 8 bytes"):
         transport.compress(b"data", b"short")
+
+
+def test_the_probe_dictionary_puts_the_public_requests_before_the_schema(schema):
+    probe = ["What will the weather be like in Paris this weekend?",
+             "Can you find me a cheap flight from Boston to Denver next Friday?"]
+    dictionary = transport.probe_dictionary(schema, probe)
+    assert dictionary == transport.probe_bytes(probe) + transport.schema_dictionary(schema)
+    assert transport.probe_dictionary(schema, []) == transport.schema_dictionary(schema)
+    # A first-round request worded like the public ones costs fewer bytes against it.
+    data = b'{"scenarios":[{"text":"What will the weather be like in [MASK] this weekend?",' \
+           b'"tool_id":"weather"}]}'
+    with_probe = transport.compress(data, dictionary)
+    assert len(with_probe) < len(transport.compress(data, transport.schema_dictionary(schema)))
+    assert transport.decompress(with_probe, dictionary, limit=len(data)) == data
+
+
+def test_a_probe_set_document_is_checked_against_its_sha256():
+    texts = ["Book a flight to Rome", "Weather in Oslo"]
+    sha256 = transport.dictionary_hash(transport.probe_bytes(texts))
+    assert transport.probe_texts_of({"count": 2, "sha256": sha256, "texts": texts}) == texts
+    with pytest.raises(ValueError, match="does not match its texts"):
+        transport.probe_texts_of({"sha256": sha256, "texts": texts[:1]})
+    for bad in ([], {"texts": "Weather in Oslo"}, {"texts": [1, 2]}):
+        with pytest.raises(ValueError, match="'texts' is a list of strings"):
+            transport.probe_texts_of(bad)

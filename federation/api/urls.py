@@ -9,6 +9,7 @@ urlpatterns = [
     path("rounds/", views.RoundListView.as_view(), name="rounds"),
     path("rounds/<int:pk>/", views.RoundDetailView.as_view(), name="round-detail"),
     path("compendium/schema/", views.SchemaView.as_view(), name="compendium-schema"),
+    path("compendium/probe/", views.ProbeSetView.as_view(), name="compendium-probe"),
     path("compendium/global/", views.GlobalCompendiumView.as_view(), name="compendium-global"),
     path("compendium/global/head/", views.GlobalRoutingHeadView.as_view(), name="compendium-head"),
     path("admin/organizations/", views.OrganizationListView.as_view(), name="organizations"),

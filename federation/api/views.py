@@ -213,6 +213,29 @@ class SchemaView(FederationView):
         return Response(submissions.schema_in_force().model_dump(mode="json"))
 
 
+class ProbeSetView(FederationView):
+    authentication_classes = ANY_AUTH
+    permission_classes = [IsAuthenticatedAny]
+
+    @extend_schema(
+        summary="The public probe set's requests (for dcz before any global is published)",
+        description=(
+            "The requests of the public probe set the edges use (labelled benchmark queries, "
+            "never client data), in the order of the dcz dictionary a client uses before any "
+            "global is published: these requests, then the schema (`synapse-client fetch-probe`, "
+            "then `submit --schema schema.json --probe probe.json`). `sha256` (the ETag) names "
+            "this list; If-None-Match gives 304."
+        ),
+        responses={200: OpenApiTypes.OBJECT, 304: None},
+    )
+    def get(self, request):
+        probe = submissions.probe_set()
+        etag = f'"{probe["sha256"]}"'
+        if _etag_matches(request.META.get("HTTP_IF_NONE_MATCH", ""), etag):
+            return Response(status=status.HTTP_304_NOT_MODIFIED, headers={"ETag": etag})
+        return Response(probe, headers={"ETag": etag})
+
+
 def _etag_matches(header: str, etag: str) -> bool:
     if not header:
         return False

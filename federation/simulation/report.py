@@ -272,7 +272,8 @@ def table(document: dict[str, Any]) -> str:
         lines.append(
             f"bytes per client per round: {comm.get('bytes_per_client_round', 0):.0f} raw, "
             f"{comm.get('gzip_bytes_per_client_round', 0):.0f} gzip, "
-            f"{comm.get('dcz_bytes_per_client_round', 0):.0f} dcz (zstd against the pulled global)"
+            f"{comm.get('dcz_bytes_per_client_round', 0):.0f} dcz (zstd against the pulled "
+            "global; round 1: the probe set's requests and the schema)"
         )
         per_round = sorted(
             ((k, v) for k, v in comm.items() if k.startswith("bytes_round_")),

@@ -313,8 +313,11 @@ class Simulation:
         conflicts: dict[str, list[ConflictEntry]] = {}
         outcomes = []
         pulled: Compendium | None = None  # the global the clients pulled before this round
-        # What `synapse-client submit --since` compresses against (round 1: --schema's).
-        dictionary = transport.schema_dictionary(self.schema)
+        # What `synapse-client submit --since` compresses against (round 1: `--schema --probe`,
+        # the probe requests in the server's order, then the schema).
+        dictionary = transport.probe_dictionary(
+            self.schema, [q.query for q in sorted(probe, key=lambda q: q.qid)]
+        )
         for r in range(1, self.config.rounds + 1):
             self.progress(f"seed {seed}: round {r}/{self.config.rounds}: clients build")
             clients: dict[str, Compendium] = {}
