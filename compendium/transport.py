@@ -55,8 +55,8 @@ def schema_dictionary(schema: Schema) -> bytes:
 def probe_dictionary(schema: Schema, probe_texts: Sequence[str]) -> bytes:
     """The dictionary before any global is published, for a client holding the public probe set
     (`GET /api/v1/compendium/probe/`): its requests, in the server's order, as the canonical JSON
-    of `{"probe": [...]}`, then the schema's dictionary (the end of a zstd dictionary is the cheapest to refer to). Without
-    probe requests it is the schema's dictionary."""
+    of `{"probe": [...]}`, then the schema's dictionary (the end of a zstd dictionary is the
+    cheapest to refer to). Without probe requests it is the schema's dictionary."""
     if not probe_texts:
         return schema_dictionary(schema)
     return probe_bytes(probe_texts) + schema_dictionary(schema)
