@@ -529,7 +529,7 @@ def test_openapi_schema_and_docs_render(world):
     text = schema.content.decode()
     for path in (
         "/api/v1/submissions/", "/api/v1/compendium/global/", "/api/v1/compendium/global/head/",
-        "/api/v1/admin/clients/",
+        "/api/v1/admin/clients/", "/api/v1/compendium/probe/",
     ):
         assert path in text
     assert api.get("/api/docs/").status_code == 200

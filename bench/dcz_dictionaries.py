@@ -1,0 +1,117 @@
+"""Bytes on the wire of the same client submissions against each dcz dictionary a client could hold.
+
+For each seed: the federation `manage.py simulate` runs (`Simulation.prepare`, `federate`: the same
+split, usage logs, client builds, deltas and merges), and every client's canonical bytes of each
+round compressed as `synapse-client submit` sends them (`compendium.transport`), against
+- round 1: the schema alone (`--schema`), the public probe set's requests then the schema
+  (`--schema --probe`, what simulate measures);
+- later rounds: the pulled global (`--since`), and the probe requests then the pulled global (a
+  dictionary the server does not offer; measured to show what it would save);
+and gzip. Paired: the same bodies under every dictionary.
+
+    python bench/dcz_dictionaries.py --dataset ../shared/data/metatool --seed 0 --seeds 5 \\
+        --embedding-model onnx-int8-dynamic:all-MiniLM-L6-v2 --out FILE
+"""
+
+from __future__ import annotations
+
+import argparse
+import gzip
+import os
+import sys
+import time
+
+import numpy as np
+
+# _routing_common also puts the repository on sys.path.
+from _routing_common import METATOOL, print_table, write_json
+
+os.environ.setdefault("DJANGO_SETTINGS_MODULE", "synapse_web.settings")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--dataset", default=str(METATOOL))
+    parser.add_argument("--orgs", type=int, default=5)
+    parser.add_argument("--clients-per-org", type=int, default=4)
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--partition", default="category", choices=["iid", "category", "random"])
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--seeds", type=int, default=1)
+    parser.add_argument("--embedding-model", default=None)
+    parser.add_argument("--out", default=None)
+    args = parser.parse_args(argv)
+
+    import django
+
+    django.setup()
+    from compendium import transport
+    from compendium.canonical import canonical_bytes
+    from compendium.registry import load_dataset
+    from compendium.schema import Schema
+    from federation.simulation.runner import Simulation, SimulationConfig
+    from routing.embeddings import get_engine
+
+    dataset = load_dataset(args.dataset)
+    config = SimulationConfig(
+        orgs=args.orgs, clients_per_org=args.clients_per_org, rounds=args.rounds,
+        partition=args.partition,
+    )
+    schema = Schema(tools=dataset.tools)
+    simulation = Simulation(
+        dataset, schema, get_engine(args.embedding_model), config,
+        lambda message: print(f"dcz_dictionaries: {message}", file=sys.stderr, flush=True),
+    )
+    rows = []
+    started = time.perf_counter()
+    for seed in range(args.seed, args.seed + max(1, args.seeds)):
+        setup = simulation.prepare(seed)
+        outcomes = simulation.federate(setup.shares, setup.logs, setup.split.probe, seed)
+        # The probe requests in the server's order (simulate's round-1 dictionary uses the same).
+        probe = transport.probe_bytes(
+            [q.query for q in sorted(setup.split.probe, key=lambda q: q.qid)]
+        )
+        pulled = None
+        for outcome in outcomes:
+            bodies = [canonical_bytes(c) for c in outcome.submissions.values()]
+            base = (
+                transport.schema_dictionary(schema) if pulled is None
+                else transport.global_dictionary(pulled)
+            )
+            name = "schema" if pulled is None else "pulled global"
+            dictionaries = {name: base, f"probe + {name}": probe + base}
+            row = {"seed": seed, "round": outcome.round, "clients": len(bodies),
+                   "raw": float(np.mean([len(b) for b in bodies])),
+                   "gzip": float(np.mean([len(gzip.compress(b, 9, mtime=0)) for b in bodies]))}
+            for label, dictionary in dictionaries.items():
+                row[f"dcz: {label}"] = float(
+                    np.mean([len(transport.compress(b, dictionary)) for b in bodies])
+                )
+            rows.append(row)
+            pulled = outcome.global_compendium
+    columns = ["seed", "round", "raw", "gzip", "dcz: schema", "dcz: probe + schema",
+               "dcz: pulled global", "dcz: probe + pulled global"]
+    print_table(rows, columns)
+    summary = {}
+    for column in columns[2:]:
+        values = [r[column] for r in rows if column in r]
+        summary[column] = round(float(np.mean(values)), 1)
+    # Per client per round over all rounds, as simulate's dcz figure: round 1 against the schema
+    # (before) or the probe requests and the schema (shipped), later rounds the pulled global.
+    for label, first in (("before: schema, then pulled global", "dcz: schema"),
+                         ("shipped: probe + schema, then pulled global", "dcz: probe + schema")):
+        summary[label] = round(float(np.mean(
+            [r[first] if r["round"] == 1 else r["dcz: pulled global"] for r in rows]
+        )), 1)
+    print("mean over seeds and rounds where it applies:", summary)
+    write_json(args.out, {
+        "command": "python bench/dcz_dictionaries.py "
+        + " ".join(sys.argv[1:] if argv is None else argv),
+        "rows": rows, "mean": summary,
+        "seconds": round(time.perf_counter() - started, 1),
+    })
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
