@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import json
 import sys
 from pathlib import Path
@@ -19,6 +20,21 @@ METATOOL = next(
      if p.exists()),
     ROOT.parent / "shared" / "data" / "metatool",
 )
+
+
+def federation_parser(description: str) -> argparse.ArgumentParser:
+    """The federation options the simulation benchmarks share with `manage.py simulate`, and
+    --out; each script adds its own."""
+    parser = argparse.ArgumentParser(description=description)
+    parser.add_argument("--dataset", default=str(METATOOL))
+    parser.add_argument("--orgs", type=int, default=5)
+    parser.add_argument("--clients-per-org", type=int, default=4)
+    parser.add_argument("--partition", default="category", choices=["iid", "category", "random"])
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--seeds", type=int, default=1)
+    parser.add_argument("--embedding-model", default=None)
+    parser.add_argument("--out", default=None)
+    return parser
 
 
 def cached_embed(engine, texts: list[str]) -> np.ndarray:

@@ -15,7 +15,6 @@ and gzip. Paired: the same bodies under every dictionary.
 
 from __future__ import annotations
 
-import argparse
 import gzip
 import os
 import sys
@@ -24,22 +23,14 @@ import time
 import numpy as np
 
 # _routing_common also puts the repository on sys.path.
-from _routing_common import METATOOL, print_table, write_json
+from _routing_common import federation_parser, print_table, write_json
 
 os.environ.setdefault("DJANGO_SETTINGS_MODULE", "synapse_web.settings")
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--dataset", default=str(METATOOL))
-    parser.add_argument("--orgs", type=int, default=5)
-    parser.add_argument("--clients-per-org", type=int, default=4)
+    parser = federation_parser(__doc__.split("\n\n")[0])
     parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--partition", default="category", choices=["iid", "category", "random"])
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--seeds", type=int, default=1)
-    parser.add_argument("--embedding-model", default=None)
-    parser.add_argument("--out", default=None)
     args = parser.parse_args(argv)
 
     import django

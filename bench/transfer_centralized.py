@@ -13,30 +13,21 @@ For each seed: the same split, client shares and usage logs as `manage.py simula
 
 from __future__ import annotations
 
-import argparse
 import os
 import sys
 import time
 
 # _routing_common also puts the repository on sys.path.
-from _routing_common import METATOOL, print_table, write_json
+from _routing_common import federation_parser, print_table, write_json
 
 os.environ.setdefault("DJANGO_SETTINGS_MODULE", "synapse_web.settings")
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--dataset", default=str(METATOOL))
-    parser.add_argument("--orgs", type=int, default=5)
-    parser.add_argument("--clients-per-org", type=int, default=4)
-    parser.add_argument("--partition", default="category", choices=["iid", "category", "random"])
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--seeds", type=int, default=1)
+    parser = federation_parser(__doc__.split("\n\n")[0])
     parser.add_argument("--test-limit", type=int, default=None)
-    parser.add_argument("--embedding-model", default=None)
     parser.add_argument("--transfer-models", required=True, help="comma-separated models or paths")
     parser.add_argument("--transfer-rerankers", default="none,fusion")
-    parser.add_argument("--out", default=None)
     args = parser.parse_args(argv)
 
     import django

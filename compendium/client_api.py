@@ -184,15 +184,20 @@ class SynapseClient:
         except ValueError:
             raise ClientError(f"the server's answer to {what} is not JSON") from None
 
-    def open_round(self) -> dict[str, Any]:
-        response = self.request("GET", "/api/v1/rounds/", params={"state": "open"})
+    def _get_json(self, path: str, failure: str, what: str, **kwargs: Any) -> Any:
+        """The JSON of a 200 answer to GET `path`; otherwise the authentication error, or
+        `failure (HTTP n): the server's detail`."""
+        response = self.request("GET", path, **kwargs)
         if response.status_code in (401, 403):
             raise self._auth_error(response)
         if response.status_code != 200:
-            raise ClientError(
-                f"cannot list open rounds (HTTP {response.status_code}): {_detail(response)}"
-            )
-        body = self._json(response, "the round list")
+            raise ClientError(f"{failure} (HTTP {response.status_code}): {_detail(response)}")
+        return self._json(response, what)
+
+    def open_round(self) -> dict[str, Any]:
+        body = self._get_json(
+            "/api/v1/rounds/", "cannot list open rounds", "the round list", params={"state": "open"}
+        )
         results = body.get("results") if isinstance(body, dict) else None
         if not isinstance(results, list):
             raise ClientError("the server's round list has no 'results' list")
@@ -343,14 +348,9 @@ class SynapseClient:
     def fetch_probe(self, out: Path) -> int:
         """Save the public probe set's requests to `out` (for dcz before any global is published:
         `transport.probe_dictionary`); how many there are."""
-        response = self.request("GET", "/api/v1/compendium/probe/")
-        if response.status_code in (401, 403):
-            raise self._auth_error(response)
-        if response.status_code != 200:
-            raise ClientError(
-                f"cannot download the probe set (HTTP {response.status_code}): {_detail(response)}"
-            )
-        payload = self._json(response, "the probe set request")
+        payload = self._get_json(
+            "/api/v1/compendium/probe/", "cannot download the probe set", "the probe set request"
+        )
         try:
             texts = transport.probe_texts_of(payload)
         except ValueError as exc:
