@@ -40,7 +40,7 @@ def main(argv: list[str] | None = None) -> int:
     from compendium.canonical import canonical_bytes
     from compendium.registry import load_dataset
     from compendium.schema import Schema
-    from federation.simulation.runner import Simulation, SimulationConfig
+    from federation.simulation.runner import Simulation, SimulationConfig, probe_requests
     from routing.embeddings import get_engine
 
     dataset = load_dataset(args.dataset)
@@ -58,10 +58,7 @@ def main(argv: list[str] | None = None) -> int:
     for seed in range(args.seed, args.seed + max(1, args.seeds)):
         setup = simulation.prepare(seed)
         outcomes = simulation.federate(setup.shares, setup.logs, setup.split.probe, seed)
-        # The probe requests in the server's order (simulate's round-1 dictionary uses the same).
-        probe = transport.probe_bytes(
-            [q.query for q in sorted(setup.split.probe, key=lambda q: q.qid)]
-        )
+        probe = transport.probe_bytes(probe_requests(setup.split.probe))
         pulled = None
         for outcome in outcomes:
             bodies = [canonical_bytes(c) for c in outcome.submissions.values()]

@@ -70,6 +70,12 @@ METHODS = (
 )
 
 
+def probe_requests(probe: Sequence[LabelledQuery]) -> list[str]:
+    """The public probe split's requests as a client that fetched them holds them (`GET
+    /api/v1/compendium/probe/` orders them by qid): the first part of its round-1 dcz dictionary."""
+    return [q.query for q in sorted(probe, key=lambda q: q.qid)]
+
+
 @dataclass
 class SimulationConfig:
     orgs: int = 5
@@ -313,11 +319,8 @@ class Simulation:
         conflicts: dict[str, list[ConflictEntry]] = {}
         outcomes = []
         pulled: Compendium | None = None  # the global the clients pulled before this round
-        # What `synapse-client submit --since` compresses against (round 1: `--schema --probe`,
-        # the probe requests in the server's order, then the schema).
-        dictionary = transport.probe_dictionary(
-            self.schema, [q.query for q in sorted(probe, key=lambda q: q.qid)]
-        )
+        # What `synapse-client submit --since` compresses against (round 1: `--schema --probe`).
+        dictionary = transport.probe_dictionary(self.schema, probe_requests(probe))
         for r in range(1, self.config.rounds + 1):
             self.progress(f"seed {seed}: round {r}/{self.config.rounds}: clients build")
             clients: dict[str, Compendium] = {}
