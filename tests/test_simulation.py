@@ -379,3 +379,81 @@ def test_adversarial_modes_are_schema_valid_and_camouflage_poisons_only_a_share(
     assert [s.text for s in camouflaged] == [s.text for s in honest.scenarios]
     assert 0 < len(relabelled) <= round(CAMOUFLAGE_SHARE * 20) == 6
     assert all(s.support == 50 for s in relabelled) and len(kept) == 14
+
+
+def test_cadence_under_drift_frozen_globals_miss_the_new_categories(twin_dataset, tmp_path):
+    """Half the categories come into use at round 3. Twins can be told apart only by the clients'
+    experience, so a global frozen after round 1 routes the new categories' twins no better than a
+    coin, while aggregating every round learns them; the frozen federation sends nothing after
+    round 1 and publishes nothing new."""
+    out = tmp_path / "cadence.json"
+    stdout = io.StringIO()
+    call_command(
+        "simulate", "--dataset", str(twin_dataset), "--orgs", "2", "--clients-per-org", "2",
+        "--rounds", "4", "--drift-every", "2", "--seed", "1", "--no-baselines", "--no-diagnostics",
+        "--sweep-cadence", "1,0", "--out", str(out), "--no-store", verbosity=0, stdout=stdout,
+    )
+    document = json.loads(out.read_text())
+    every, frozen = document["cadence"]
+    assert (every["aggregate_every"], frozen["aggregate_every"]) == (1, 0)
+    assert every["accuracy_round_1"] == frozen["accuracy_round_1"]  # the same round 1
+    assert every["accuracy_round_4"] >= frozen["accuracy_round_4"] + 0.2, (every, frozen)
+    rounds = document["rounds"][0]
+    # Each round is scored on the categories in use then: more of them from round 3.
+    assert rounds[0]["test_queries"] == rounds[1]["test_queries"] < rounds[2]["test_queries"]
+    assert "aggregation cadence" in stdout.getvalue() and "frozen" in stdout.getvalue()
+
+    sim = _simulation(twin_dataset, rounds=4, drift_every=2, aggregate_every=0)
+    setup = sim.prepare(1)
+    starts = {s.client: setup.starts(s, sim.category_of) for s in setup.shares}
+    outcomes = sim.federate(setup.shares, setup.logs, setup.split.probe, 1, None, starts)
+    assert [bool(o.submissions) for o in outcomes] == [True, False, False, False]
+    assert all(o.global_compendium is outcomes[0].global_compendium for o in outcomes)
+    late = {c for c, r in setup.category_start.items() if r == 3}
+    first = outcomes[0].client_compendiums
+    assert late and not any(sim.category_of[s.tool_id] in late for c in first.values() for s in c.scenarios)
+
+
+def test_tau_and_summarizer_sweeps(tiny_dataset, tmp_path):
+    out = tmp_path / "sweeps.json"
+    stdout = io.StringIO()
+    call_command(
+        "simulate", "--dataset", str(tiny_dataset), "--orgs", "2", "--clients-per-org", "2",
+        "--rounds", "2", "--seed", "1", "--no-baselines", "--no-diagnostics", "--sweep-tau", "0.5,0.95",
+        "--sweep-summarizers", "centroid,none", "--out", str(out), "--no-store", verbosity=0,
+        stdout=stdout,
+    )
+    document = json.loads(out.read_text())
+    loose, tight = document["tau_sweep"]
+    assert (loose["tau"], tight["tau"]) == (0.5, 0.95)
+    # A lower threshold merges more: fewer, and more deduplicated, global scenarios.
+    assert loose["global_scenarios"] < tight["global_scenarios"]
+    assert loose["dedup_rate"] > tight["dedup_rate"] >= 0
+    assert loose["global_size_bytes"] < tight["global_size_bytes"]
+    for row in document["tau_sweep"] + document["summarizer_sweep"]:
+        assert row["accuracy_round_2"] == row["accuracy"] and 0 < row["accuracy_round_1"] <= 1
+        assert row["merge_seconds_per_round"] > 0
+    assert [r["summarizer"] for r in document["summarizer_sweep"]] == ["centroid", "none"]
+    table = stdout.getvalue()
+    assert "τ sweep" in table and "summarizer sweep" in table
+
+
+def test_llm_summarizers_speak_to_the_llm_endpoint_or_are_refused(tiny_dataset):
+    from tests.chat_server import ChatServer
+
+    with pytest.raises(CommandError, match="need an LLM endpoint: pass --llm"):
+        call_command("simulate", "--dataset", str(tiny_dataset), "--orgs", "2", "--clients-per-org",
+                     "2", "--rounds", "1", "--no-baselines", "--sweep-summarizers",
+                     "centroid,llm-single-shot", "--no-store", verbosity=0)
+    server = ChatServer(default='{"summary": "Forecasts and weather for a place"}')
+    try:
+        sim = _simulation(tiny_dataset, rounds=1, summarizer="llm-single-shot", llm_url=server.url,
+                          llm_model="summary-model")
+        setup = sim.prepare(1)
+        [outcome] = sim.federate(setup.shares, setup.logs, setup.split.probe, 1)
+        asked = [r for r in server.requests if "Write one concise text" in json.dumps(r["body"])]
+        assert asked and all(r["body"]["model"] == "summary-model" for r in asked)
+        texts = [s.text for s in outcome.global_compendium.scenarios]
+        assert "Forecasts and weather for a place" in texts
+    finally:
+        server.close()

@@ -155,3 +155,23 @@ def test_a_run_that_cannot_be_stored_is_refused_before_it_starts(tmp_path):
     call_command("simulate", "--combine", str(tmp_path / "a.json"), "--out", str(tmp_path / "x.json"),
                  "--no-store")
     assert json.loads((tmp_path / "x.json").read_text())["seeds"] == [0]
+
+
+def test_cadence_curves_are_joined_per_round_and_keep_their_variant():
+    """A cadence sweep's per-round accuracies and merge figures are averaged over the combined
+    seeds, weighted by seeds; the cadence stays the variant's name."""
+
+    def cadence(every, seeds, curve, scenarios):
+        return {"aggregate_every": every, "seeds": len(seeds), "accuracy": curve[-1],
+                "accuracy_sd": 0.0, "accuracy_by_seed": [[s, curve[-1]] for s in seeds],
+                **{f"accuracy_round_{r}": a for r, a in enumerate(curve, start=1)},
+                "global_scenarios": scenarios, "dedup_rate": 0.5}
+
+    a = doc([0, 1], [0.8, 0.8], 1.0, cadence=[cadence(1, [0, 1], [0.6, 0.9], 100),
+                                              cadence(0, [0, 1], [0.6, 0.3], 40)])
+    b = doc([2], [0.8], 1.0, cadence=[cadence(1, [2], [0.9, 0.6], 160), cadence(0, [2], [0.9, 0.6], 70)])
+    every, frozen = combine([a, b])["cadence"]
+    assert (every["aggregate_every"], frozen["aggregate_every"]) == (1, 0)
+    assert every["accuracy_round_1"] == pytest.approx(0.7) and every["accuracy_round_2"] == pytest.approx(0.8)
+    assert frozen["accuracy_round_2"] == pytest.approx(0.4) and every["global_scenarios"] == pytest.approx(120)
+    assert every["seeds"] == 3 and every["accuracy_by_seed"] == [[0, 0.9], [1, 0.9], [2, 0.6]]

@@ -142,3 +142,35 @@ def test_diagnostics_measure_masking_distortion_and_reranker_contraction():
     # Ten times the noise moves at least as many decisions.
     loud = reranker_contraction(router, queries, sigma=0.5, seed=1)
     assert loud["decisions_unchanged_under_noise"] <= result["decisions_unchanged_under_noise"]
+
+
+def test_drift_brings_half_the_categories_in_at_round_one_and_the_rest_at_the_events():
+    from federation.simulation.runner import aggregates_in, drift_plan
+
+    categories = [f"cat{i}" for i in range(9)]
+    plan = drift_plan(categories * 2, rounds=10, every=3, seed=4)
+    assert set(plan) == set(categories)
+    starts = Counter(plan.values())
+    assert starts[1] == 5 and set(starts) == {1, 4, 7, 10}  # events at 1 + 3, 1 + 6, 1 + 9
+    assert sum(starts.values()) == 9
+    assert drift_plan(categories, rounds=10, every=3, seed=4) == plan  # seeded
+    assert drift_plan(categories, rounds=10, every=3, seed=5) != plan
+    # No event within the rounds, or no drift asked for: everything from round 1.
+    assert set(drift_plan(categories, rounds=3, every=3, seed=4).values()) == {1}
+    assert set(drift_plan(categories, rounds=10, every=0, seed=4).values()) == {1}
+    assert [r for r in range(1, 12) if aggregates_in(r, 5)] == [1, 6, 11]
+    assert [r for r in range(1, 12) if aggregates_in(r, 0)] == [1]
+    assert [r for r in range(1, 4) if aggregates_in(r, 1)] == [1, 2, 3]
+
+
+def test_a_clients_experience_meets_a_category_only_once_it_is_in_use():
+    from federation.simulation.runner import _periods, _slices
+
+    lines = list(range(12))
+    assert _periods(lines, [1] * 12, 3) == _slices(lines, 3)  # no drift: consecutive periods
+    starts = [1, 3, 1, 3, 1, 3, 1, 1, 3, 1, 1, 3]
+    periods = _periods(lines, starts, 4)
+    assert sorted(x for period in periods for x in period) == lines  # every line, once
+    for r, period in enumerate(periods, start=1):
+        assert all(starts[x] <= r for x in period), (r, period)
+    assert periods[2] and all(any(starts[x] == 3 for x in p) for p in periods[2:])

@@ -40,7 +40,9 @@ def _sums(items: list[dict[str, int]]) -> dict[str, int]:
             if any(k in item for item in items)}
 
 
-SWEEP_SECTIONS = ("privacy_sweep", "release_sweep", "adversarial")
+SWEEP_SECTIONS = (
+    "privacy_sweep", "release_sweep", "adversarial", "tau_sweep", "summarizer_sweep", "cadence",
+)
 
 
 def combine(documents: list[dict[str, Any]]) -> dict[str, Any]:
@@ -196,11 +198,38 @@ def sweep(
                 "accuracy_sd": round(float(np.std(last, ddof=1)) if len(last) > 1 else 0.0, 4),
                 **privacy,
                 "bytes_per_client_round": communication.get("bytes_per_client_round", 0.0),
+                **_mean_dicts([_merge_figures(r) for r in results]),
                 "accuracy_by_seed": [[seed, acc] for seed, acc in zip(seeds, last, strict=True)],
                 **_sums([r.screening for r in results]),
             }
         )
     return rows
+
+
+def _merge_figures(result) -> dict[str, float]:
+    """A seed's SYNAPSE accuracy per round (`accuracy_round_<r>`) and what the merges made of
+    the submissions: the final global's scenarios and canonical size, the share of submitted
+    scenarios merged away (`dedup_rate`), and the seconds the edge and server merges took per
+    aggregating round."""
+    out = {
+        f"accuracy_round_{row['round']}": row["accuracy"]
+        for row in result.rows
+        if row["method"] == "synapse"
+    }
+    if not result.rounds:
+        return out
+    final = result.rounds[-1]
+    submitted = sum(r.get("scenarios_submitted", 0) for r in result.rounds)
+    merged = [r for r in result.rounds if r.get("merge")]
+    out["global_scenarios"] = final["global_scenarios"]
+    out["global_size_bytes"] = final["global_size_bytes"]
+    out["dedup_rate"] = 1.0 - final["global_scenarios"] / submitted if submitted else 0.0
+    out["merge_seconds_per_round"] = (
+        float(np.mean([sum(stats.get("timings_ms", {}).get("total", 0.0)
+                           for stats in r["merge"].values()) / 1000 for r in merged]))
+        if merged else 0.0
+    )
+    return out
 
 
 # What a sweep row measured; every other key of the row names its variant.
@@ -210,8 +239,15 @@ _SWEEP_FIGURES = {
 }
 
 
+_MERGE_FIGURES = {"global_scenarios", "global_size_bytes", "dedup_rate", "merge_seconds_per_round"}
+
+
+def _is_figure(key: str) -> bool:
+    return key in _SWEEP_FIGURES or key in _MERGE_FIGURES or key.startswith("accuracy_round_")
+
+
 def _variant(row: dict) -> tuple:
-    return tuple(sorted((k, v) for k, v in row.items() if k not in _SWEEP_FIGURES))
+    return tuple(sorted((k, v) for k, v in row.items() if not _is_figure(k)))
 
 
 def _combine_sweep(name: str, sections: list[list[dict]]) -> list[dict]:
@@ -237,10 +273,12 @@ def _combine_sweep(name: str, sections: list[list[dict]]) -> list[dict]:
         combined["accuracy_sd"] = (
             round(float(np.std(accuracies, ddof=1)), 4) if len(accuracies) > 1 else 0.0
         )
-        averaged = _SWEEP_FIGURES - {"seeds", "accuracy", "accuracy_sd", "accuracy_by_seed",
-                                     *SCREENING_KEYS}
+        counted = {"seeds", "accuracy", "accuracy_sd", "accuracy_by_seed", *SCREENING_KEYS}
         combined.update(
-            _weighted_means([{k: v for k, v in row.items() if k in averaged} for row in rows], weights)
+            _weighted_means(
+                [{k: v for k, v in row.items() if _is_figure(k) and k not in counted} for row in rows],
+                weights,
+            )
         )
         combined.update(_sums(rows))  # counts add up over the seeds
         combined["accuracy_by_seed"] = pairs
@@ -329,6 +367,7 @@ def table(document: dict[str, Any]) -> str:
                 f"  {row['adversarial_mode']:<24} {row['adversarial_fraction']:>4.0%} "
                 f"{row['robust_rule']:<12} {spread:>16}{dropped}"
             )
+    lines += _sweep_lines(document)
     transfer = summarize_transfer(document.get("transfer") or [])
     if transfer:
         lines.append("transfer of the final global compendium (mean over seeds):")
@@ -343,3 +382,44 @@ def table(document: dict[str, Any]) -> str:
                 f"{row['macro_accuracy_mean']:>7.3f} {fallbacks:>11}  {row['llm'] or '-'}"
             )
     return "\n".join(lines)
+
+
+def _sweep_lines(document: dict[str, Any]) -> list[str]:
+    """The τ, summarizer and cadence sweeps, one line per variant."""
+    lines = []
+    for row in document.get("tau_sweep") or []:
+        if not lines:
+            lines.append("τ sweep (final round, mean over seeds):")
+            lines.append(f"  {'τ':>5} {'accuracy':>16} {'scenarios':>10} {'KB':>8} {'dedup':>6}")
+        lines.append(
+            f"  {row['tau']:>5g} {row['accuracy']:>8.3f} ± {row['accuracy_sd']:.3f} "
+            f"{row.get('global_scenarios', 0):>10.0f} {row.get('global_size_bytes', 0) / 1000:>8.1f} "
+            f"{row.get('dedup_rate', 0):>6.1%}"
+        )
+    rows = document.get("summarizer_sweep") or []
+    if rows:
+        lines.append("summarizer sweep (final round, mean over seeds):")
+        for row in rows:
+            lines.append(
+                f"  {row['summarizer']:<17} {row['accuracy']:>8.3f} ± {row['accuracy_sd']:.3f}  "
+                f"merges {row.get('merge_seconds_per_round', 0):.2f} s per round"
+            )
+    rows = document.get("cadence") or []
+    if rows:
+        rounds = sorted(
+            {int(k.removeprefix("accuracy_round_")) for row in rows for k in row
+             if k.startswith("accuracy_round_")}
+        )
+        drift = (document.get("config") or {}).get("drift_every") or 0
+        lines.append(
+            "aggregation cadence, accuracy per round (mean over seeds"
+            + (f"; new categories come into use every {drift} rounds)" if drift else ")")
+        )
+        for row in rows:
+            every = row["aggregate_every"]
+            name = "frozen" if every == 0 else f"every {every}"
+            lines.append(
+                f"  {name:<9} "
+                + " ".join(f"{row.get(f'accuracy_round_{r}', float('nan')):.3f}" for r in rounds)
+            )
+    return lines

@@ -33,7 +33,8 @@ from compendium.registry import LabelledQuery, RoutingDataset, Split
 from compendium.schema import Compendium, Scenario, Schema
 from compendium.usage_log import parse_record
 from federation.merge import edge_merge, server_merge
-from federation.merge.summarize import ProbeSet
+from federation.merge.llm import OpenAICompatibleLLM
+from federation.merge.summarize import LLM_SUMMARIZERS, ProbeSet
 from federation.merge.types import ConflictEntry, MergeInput
 from federation.round_config import RoundConfig
 from federation.simulation.data import (
@@ -126,8 +127,18 @@ class SimulationConfig:
     # tuple non-empty asks for it (no models: the own engine; no rerankers: fusion).
     transfer_models: tuple[str, ...] = ()
     transfer_rerankers: tuple[str, ...] = ()
-    llm_url: str | None = None  # OpenAI-compatible endpoint for the `llm` transfer reranker
+    llm_url: str | None = None  # OpenAI-compatible endpoint for the `llm` reranker and summarizers
     llm_model: str = ""
+
+    # Aggregation cadence: the federation aggregates in round 1 and then every `aggregate_every`
+    # rounds; in between, clients keep working against the global they pulled and send nothing.
+    # 0: frozen after round 1.
+    aggregate_every: int = 1
+    # Drift of the workload: with `drift_every` D > 0, half of the tool categories are in use in
+    # round 1 and the others come into use in groups at rounds 1 + D, 1 + 2D, ... (`drift_plan`);
+    # clients meet a category's requests only once it is in use, and each round is scored on the
+    # held-out requests of the categories in use then. 0: no drift.
+    drift_every: int = 0
 
 
 @dataclass
@@ -167,6 +178,20 @@ class SeedSetup:
     shares: list[ClientShare]
     logs: dict[str, list[dict]]
     adversaries: set[str] | None
+    # The round from which each category is in use (`drift_plan`; all 1 without drift).
+    category_start: dict[str, int] = field(default_factory=dict)
+
+    def starts(self, share: ClientShare, category_of: dict[str, str]) -> list[int]:
+        """Per line of the share's usage log (one per query, in order), the round from which
+        it can occur."""
+        return [self.category_start.get(category_of.get(q.tool_id) or "", 1) for q in share.queries]
+
+    def test_at(self, round_: int, category_of: dict[str, str]) -> list[LabelledQuery]:
+        """The held-out requests of the categories in use in `round_`."""
+        if not self.category_start:
+            return self.test
+        return [q for q in self.test
+                if self.category_start.get(category_of.get(q.tool_id) or "", 1) <= round_]
 
 
 @dataclass(frozen=True)
@@ -193,6 +218,42 @@ def _slices(items: list, parts: int) -> list[list]:
     return [items[(i * size) // parts : ((i + 1) * size) // parts] for i in range(parts)]
 
 
+def drift_plan(categories: Sequence[str], rounds: int, every: int, seed: int) -> dict[str, int]:
+    """The round from which each category's requests occur: with `every` D > 0 and at least one
+    drift event within `rounds` (at rounds 1 + D, 1 + 2D, ...), a seeded half of the categories
+    from round 1 and the rest in equal groups, one group per event; otherwise all from round 1."""
+    names = sorted(set(categories))
+    events = list(range(1 + every, rounds + 1, every)) if every > 0 else []
+    if not events or len(names) < 2:
+        return dict.fromkeys(names, 1)
+    random.Random(f"drift|{seed}").shuffle(names)
+    start = (len(names) + 1) // 2
+    plan = dict.fromkeys(names[:start], 1)
+    later = names[start:]
+    for index, name in enumerate(later):
+        plan[name] = events[(index * len(events)) // len(later)]
+    return plan
+
+
+def _periods(lines: list, starts: Sequence[int], rounds: int) -> list[list]:
+    """A client's experience per round: the lines whose category comes into use at round a are
+    spread over rounds a..`rounds` in their order (`starts`: a per line; all 1 without drift,
+    which is `_slices`)."""
+    periods: list[list] = [[] for _ in range(rounds)]
+    for first in sorted(set(starts)):
+        group = [line for line, a in zip(lines, starts, strict=True) if a == first]
+        for offset, part in enumerate(_slices(group, rounds - first + 1)):
+            periods[first - 1 + offset].extend(part)
+    return periods
+
+
+def aggregates_in(round_: int, every: int) -> bool:
+    """Whether the federation aggregates in `round_` under the cadence `every` (0: frozen)."""
+    if round_ == 1:
+        return True
+    return every > 0 and (round_ - 1) % every == 0
+
+
 class Simulation:
     """One dataset, one engine; `run_seed` plays a whole federation for one seed."""
 
@@ -213,6 +274,7 @@ class Simulation:
         self.category_of = {t.tool_id: t.category for t in dataset.tools}
         self._transfer_variants: list[TransferVariant] | None = None
         self._probe_cache: dict[tuple, np.ndarray] = {}
+        self._summarizer_llm = None
 
     # --- building blocks ---------------------------------------------------------------------
 
@@ -311,18 +373,31 @@ class Simulation:
         probe: Sequence[LabelledQuery],
         seed: int,
         adversaries: set[str] | None = None,
+        starts: dict[str, list[int]] | None = None,
     ) -> list[RoundOutcome]:
-        """Rounds of client builds, edge merges and the server merge."""
+        """Rounds of client builds, edge merges and the server merge. `starts`: per client and
+        log line, the round from which the line can occur (drift; default: all from round 1).
+        Rounds in which the cadence does not aggregate (`aggregates_in`) send nothing and keep
+        the last global."""
         config = self._round_config(seed)
         probe_set = self._probe_set(probe)
-        periods = {client: _slices(lines, self.config.rounds) for client, lines in logs.items()}
+        rounds = self.config.rounds
+        periods = {
+            client: _periods(lines, (starts or {}).get(client) or [1] * len(lines), rounds)
+            for client, lines in logs.items()
+        }
         conflicts: dict[str, list[ConflictEntry]] = {}
         outcomes = []
+        llm = self.summarizer_llm()
         pulled: Compendium | None = None  # the global the clients pulled before this round
+        published: Compendium | None = None  # the last global the server published
         # What `synapse-client submit --since` compresses against (round 1: `--schema --probe`).
         dictionary = transport.probe_dictionary(self.schema, probe_requests(probe))
-        for r in range(1, self.config.rounds + 1):
-            self.progress(f"seed {seed}: round {r}/{self.config.rounds}: clients build")
+        for r in range(1, rounds + 1):
+            if published is not None and not aggregates_in(r, self.config.aggregate_every):
+                outcomes.append(RoundOutcome(r, published, {}, {}, [], [], [], {}))
+                continue
+            self.progress(f"seed {seed}: round {r}/{rounds}: clients build")
             clients: dict[str, Compendium] = {}
             sent: dict[str, Compendium] = {}
             route = None
@@ -364,6 +439,7 @@ class Simulation:
                     conflicts.get(org, ()),
                     embed=self.engine.embed,
                     probe_set=probe_set,
+                    llm=llm,
                     seed=np.random.SeedSequence([seed, r, len(edges)]),
                 )
                 conflicts[org] = result.conflicts
@@ -371,8 +447,9 @@ class Simulation:
                 stats[org] = result.stats.as_dict()
             merged = server_merge(
                 edges, self.schema, config, embed=self.engine.embed, probe_set=probe_set,
-                previous=pulled,
+                llm=llm, previous=pulled,
             )
+            published = merged.compendium
             if self.config.carry_forward:
                 pulled = merged.compendium
             stats["server"] = merged.stats.as_dict()
@@ -421,7 +498,13 @@ class Simulation:
         if c.adversarial_fraction > 0:
             count = round(len(shares) * c.adversarial_fraction)
             adversaries = set(random.Random(seed).sample([s.client for s in shares], count))
-        return SeedSetup(split, test, shares, logs, adversaries)
+        plan = {}
+        if c.drift_every > 0:
+            categories = [self.category_of.get(t.tool_id) or "" for t in self.dataset.tools]
+            plan = drift_plan(categories, c.rounds, c.drift_every, seed)
+            if set(plan.values()) == {1}:
+                plan = {}
+        return SeedSetup(split, test, shares, logs, adversaries, plan)
 
     def run_seed(self, seed: int) -> SeedResult:
         c = self.config
@@ -429,17 +512,25 @@ class Simulation:
         split, test, shares, logs = setup.split, setup.test, setup.shares, setup.logs
         variants = self.transfer_variants()  # checked before the federation runs
         result = SeedResult(seed)
-        outcomes = self.federate(shares, logs, split.probe, seed, setup.adversaries)
+        starts = {s.client: setup.starts(s, self.category_of) for s in shares} if setup.category_start else None
+        outcomes = self.federate(shares, logs, split.probe, seed, setup.adversaries, starts)
         result.screening = screening(outcomes, setup.adversaries or set())
         final = outcomes[-1]
         self.progress(f"seed {seed}: evaluating")
+        router = static = routed = None
         for outcome in outcomes:
-            router = self.router(outcome.global_compendium, split.probe)
-            report = self.evaluate(router, test)
+            if outcome.global_compendium is not routed:  # a round without aggregation keeps it
+                routed = outcome.global_compendium
+                router = self.router(routed, split.probe)
+            scored = setup.test_at(outcome.round, self.category_of)
+            report = self.evaluate(router, scored)
             result.rows.append(_row("synapse", outcome.round, seed, report))
             result.rounds.append(
                 {
                     "round": outcome.round,
+                    "aggregated": bool(outcome.submissions),
+                    "scenarios_submitted": sum(len(c.scenarios) for c in outcome.submissions.values()),
+                    "test_queries": len(scored),
                     "global_scenarios": len(outcome.global_compendium.scenarios),
                     "global_size_bytes": len(canonical_bytes(outcome.global_compendium)),
                     "merge": outcome.merge_stats,
@@ -449,11 +540,11 @@ class Simulation:
                 result.per_category = report.per_category
                 final_router = router
             if c.baselines:
-                bypass = self.evaluate(router.with_reranker("none"), test)
+                bypass = self.evaluate(router.with_reranker("none"), scored)
                 result.rows.append(_row("reranker_bypass", outcome.round, seed, bypass))
-                static = self.router(outcomes[0].global_compendium, split.probe)
+                static = static or self.router(outcomes[0].global_compendium, split.probe)
                 result.rows.append(
-                    _row("static_global", outcome.round, seed, self.evaluate(static, test))
+                    _row("static_global", outcome.round, seed, self.evaluate(static, scored))
                 )
         result.communication = {
             "bytes_per_client_round": float(np.mean([b for o in outcomes for b in o.bytes_raw])),
@@ -503,6 +594,16 @@ class Simulation:
         return out
 
     # --- transfer ----------------------------------------------------------------------------
+
+    def summarizer_llm(self):
+        """The edges' and the server's LLM (`--llm`) when the summarizer is an LLM one, as the
+        pipeline passes its configured endpoint; None otherwise."""
+        c = self.config
+        if c.summarizer not in LLM_SUMMARIZERS or not c.llm_url:
+            return None
+        if self._summarizer_llm is None:
+            self._summarizer_llm = OpenAICompatibleLLM(c.llm_url, c.llm_model or "default")
+        return self._summarizer_llm
 
     def transfer_variants(self) -> list[TransferVariant]:
         """The variants the configuration asks for, resolved once and checked up front (see

@@ -8,6 +8,8 @@ from compendium.delta import DEFAULT_SINCE_CONFIDENCE
 from compendium.masking import SHARED_WORD_USERS, valid_shared_word_users
 from compendium.registry import RegistryFormatError, load_dataset
 from compendium.schema import Schema
+from federation.merge.summarize import LLM_SUMMARIZERS
+from federation.merge.summarize import ORDER as SUMMARIZERS
 from federation.simulation.report import combine, run, sweep, table
 from federation.simulation.runner import ADVERSARIAL_MODES, Simulation, SimulationConfig
 from routing.embeddings import EmbeddingModelUnavailable, get_engine
@@ -46,7 +48,7 @@ class Command(BaseCommand):
         parser.add_argument("--reranker", choices=["fusion", "none", "llm"], default="fusion")
         parser.add_argument(
             "--summarizer",
-            choices=["probe-extractive", "centroid", "none", "llm-single-shot", "textgrad"],
+            choices=SUMMARIZERS,
             default="probe-extractive",
         )
         parser.add_argument("--robust-rule", choices=["none", "krum", "trimmed-mean"], default="none")
@@ -122,6 +124,32 @@ class Command(BaseCommand):
         parser.add_argument("--sweep-adversarial", default="", help="fractions, e.g. 0,0.2,0.4")
         parser.add_argument("--sweep-modes", default=",".join(ADVERSARIAL_MODES))
         parser.add_argument("--sweep-rules", default="none,krum,trimmed-mean")
+        parser.add_argument(
+            "--sweep-tau", default="",
+            help="e.g. 0.75,0.8,0.85,0.9,0.95: the cosine threshold sweep (accuracy, global "
+            "scenarios and size, dedup rate)",
+        )
+        parser.add_argument(
+            "--sweep-summarizers", default="",
+            help=f"e.g. probe-extractive,centroid,none: the edge summarizer sweep (accuracy, merge "
+            f"seconds per round); {' and '.join(sorted(LLM_SUMMARIZERS))} need --llm",
+        )
+        parser.add_argument(
+            "--aggregate-every", type=int, default=1, metavar="K",
+            help="aggregate in round 1 and then every K rounds; clients send nothing in between "
+            "(0: frozen after round 1; default 1)",
+        )
+        parser.add_argument(
+            "--drift-every", type=int, default=0, metavar="D",
+            help="workload drift: half of the tool categories are in use from round 1, the rest "
+            "come into use in groups at rounds 1+D, 1+2D, ...; each round is scored on the "
+            "categories in use then (default 0: no drift)",
+        )
+        parser.add_argument(
+            "--sweep-cadence", default="",
+            help="e.g. 1,5,0: the aggregation cadence sweep (accuracy per round; 0: frozen), "
+            "best with --drift-every and more --rounds",
+        )
         parser.add_argument("--embedding-model", default=None)
         parser.add_argument(
             "--transfer-models",
@@ -138,7 +166,7 @@ class Command(BaseCommand):
         parser.add_argument(
             "--llm", dest="llm_url", default=None,
             help="OpenAI-compatible endpoint for the llm transfer reranker (without it every "
-            "llm decision falls back to fusion)",
+            "llm decision falls back to fusion) and the LLM summarizers of the merges",
         )
         parser.add_argument("--llm-model", default="", help="model name sent to --llm")
         parser.add_argument(
@@ -186,6 +214,27 @@ class Command(BaseCommand):
             raise CommandError("--client-tau must be in (0, 1]")
         if o["max_bytes"] is not None and o["max_bytes"] < 1:
             raise CommandError(f"--max-bytes must be a positive number of bytes, not {o['max_bytes']}")
+        if o["aggregate_every"] < 0:
+            raise CommandError("--aggregate-every must be 0 (frozen after round 1) or a number of rounds")
+        if o["drift_every"] < 0:
+            raise CommandError("--drift-every must be 0 (no drift) or a number of rounds")
+        taus = _floats(o["sweep_tau"])
+        if any(not 0 < t <= 1 for t in taus):
+            raise CommandError("--sweep-tau: every τ must be in (0, 1]")
+        summarizers = _names(o["sweep_summarizers"])
+        unknown = set(summarizers) - set(SUMMARIZERS)
+        if unknown:
+            raise CommandError(
+                f"--sweep-summarizers: unknown {', '.join(sorted(unknown))}; choose from "
+                f"{', '.join(SUMMARIZERS)}"
+            )
+        if not o["llm_url"] and {o["summarizer"], *summarizers} & set(LLM_SUMMARIZERS):
+            raise CommandError(
+                f"the {' and '.join(sorted(LLM_SUMMARIZERS))} summarizers need an LLM endpoint: pass --llm URL"
+            )
+        cadences = [int(k) for k in _floats(o["sweep_cadence"])]
+        if any(k < 0 for k in cadences):
+            raise CommandError("--sweep-cadence: every cadence must be 0 (frozen) or a number of rounds")
         try:
             dataset = load_dataset(o["dataset"])
             engine = get_engine(o["embedding_model"])
@@ -222,9 +271,15 @@ class Command(BaseCommand):
             transfer_rerankers=_names(o["transfer_rerankers"]),
             llm_url=o["llm_url"] or None,
             llm_model=o["llm_model"] or "",
+            aggregate_every=o["aggregate_every"],
+            drift_every=o["drift_every"],
         )
-        if config.llm_url and "llm" not in config.transfer_rerankers:
-            self.stderr.write("simulate: --llm is used by --transfer-rerankers llm only; ignored")
+        if (config.llm_url and "llm" not in config.transfer_rerankers
+                and not {config.summarizer, *summarizers} & set(LLM_SUMMARIZERS)):
+            self.stderr.write(
+                "simulate: --llm is used by --transfer-rerankers llm and the LLM summarizers "
+                "only; ignored"
+            )
         schema = Schema(tools=dataset.tools)
         quiet = o["verbosity"] == 0
 
@@ -267,6 +322,16 @@ class Command(BaseCommand):
                     for r in rules
                 ]
                 document["adversarial"] = sweep(make, config, variants, seeds)
+            if taus:
+                document["tau_sweep"] = sweep(make, config, [{"tau": t} for t in taus], seeds)
+            if summarizers:
+                document["summarizer_sweep"] = sweep(
+                    make, config, [{"summarizer": name} for name in summarizers], seeds
+                )
+            if cadences:
+                document["cadence"] = sweep(
+                    make, config, [{"aggregate_every": k} for k in cadences], seeds
+                )
         except ValueError as exc:
             raise CommandError(str(exc)) from None
         document["command"] = "python manage.py simulate " + " ".join(sys.argv[2:])
