@@ -653,3 +653,31 @@ def test_conflicts_paginate(client, fed):
     second = client.get(reverse("dashboard:conflicts"), {"page": 2})
     assert sum(len(g["cards"]) for g in second.context["groups"]) == 11  # 60 + Paris
     assert 'rel="prev"' in second.content.decode()
+
+
+def test_accuracy_page_draws_cadence_curves_and_the_tau_and_summarizer_sweeps(client, fed):
+    cadence = [
+        {"aggregate_every": every, "seeds": 1, "accuracy": curve[-1], "accuracy_sd": 0.0,
+         **{f"accuracy_round_{r}": a for r, a in enumerate(curve, start=1)}}
+        for every, curve in ((1, [0.6, 0.7, 0.65, 0.8]), (0, [0.6, 0.6, 0.4, 0.4]))
+    ]
+    tau = [{"tau": t, "seeds": 1, "accuracy": a, "accuracy_sd": 0.0, "global_scenarios": n,
+            "global_size_bytes": n * 100.0, "dedup_rate": d}
+           for t, a, n, d in ((0.95, 0.8, 5000, 0.1), (0.75, 0.7, 2500, 0.55))]
+    summarizers = [{"summarizer": "centroid", "seeds": 1, "accuracy": 0.77, "accuracy_sd": 0.0,
+                    "merge_seconds_per_round": 12.5}]
+    SimulationRun.objects.create(label="stresses", dataset="tiny", document={
+        **DOCUMENT, "config": {"drift_every": 2}, "cadence": cadence, "tau_sweep": tau,
+        "summarizer_sweep": summarizers})
+    body = login(client, fed, "member_a").get(reverse("dashboard:accuracy")).content.decode()
+    *_, curves, by_tau = figures_in(body)
+    every, frozen = curves["data"]
+    assert every["name"] == "aggregate every 1" and frozen["name"] == "frozen after round 1"
+    assert every["x"] == [1, 2, 3, 4] and frozen["y"] == [0.6, 0.6, 0.4, 0.4]
+    assert [shape["x0"] for shape in curves["layout"]["shapes"]] == [3]  # the drift event
+    assert by_tau["data"][0]["x"] == [0.75, 0.95]  # ordered by τ
+    assert "2,500 scenarios · dedup 55%" in by_tau["data"][0]["text"]
+    table = body[body.index('id="accuracy-tau-table"'):]
+    assert "55%" in table[: table.index("</table>")]
+    table = body[body.index('id="accuracy-summarizer-table"'):]
+    assert "centroid" in table and "12.50" in table[: table.index("</table>")]

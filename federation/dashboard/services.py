@@ -15,6 +15,7 @@ import plotly.graph_objects as go
 from django.core.paginator import Page, Paginator
 from django.db.models import Count, IntegerField, Min, OuterRef, Q, QuerySet, Subquery, Sum, Value
 from django.db.models.functions import Coalesce
+from django.utils.safestring import SafeString
 
 from compendium.models import (
     AnnexEntry,
@@ -735,6 +736,9 @@ class AccuracyPage:
     privacy_sweep: list[dict] = field(default_factory=list)
     release_sweep: list[dict] = field(default_factory=list)  # k-anonymous release, per k
     transfer: list[dict] = field(default_factory=list)  # mean over seeds per (model, reranker, llm)
+    tau_sweep: list[dict] = field(default_factory=list)  # per τ: accuracy, global size, dedup rate
+    summarizer_sweep: list[dict] = field(default_factory=list)
+    cadence: list[dict] = field(default_factory=list)  # per cadence: accuracy per round
 
 
 def accuracy_page(run_id=None) -> AccuracyPage:
@@ -763,6 +767,9 @@ def accuracy_page(run_id=None) -> AccuracyPage:
     page.privacy_sweep = list(doc.get("privacy_sweep") or [])
     page.release_sweep = sorted(doc.get("release_sweep") or [], key=lambda r: r.get("min_users", 1))
     page.transfer = summarize_transfer(list(doc.get("transfer") or []))
+    page.tau_sweep = sorted(doc.get("tau_sweep") or [], key=lambda r: r.get("tau", 0))
+    page.summarizer_sweep = list(doc.get("summarizer_sweep") or [])
+    page.cadence = list(doc.get("cadence") or [])
 
     curves = go.Figure()
     by_method: dict[str, list[dict]] = defaultdict(list)
@@ -836,7 +843,45 @@ def accuracy_page(run_id=None) -> AccuracyPage:
                xaxis={"title": {"text": "membership attack AUROC (lower is more private)"}},
                yaxis={"title": {"text": "accuracy"}})
         page.charts["frontier"] = render_figure(frontier, div_id="privacy-frontier")
+    if page.cadence:
+        page.charts["cadence"] = _cadence_figure(page.cadence, (doc.get("config") or {}))
+    if page.tau_sweep:
+        tau = go.Figure(go.Scatter(
+            x=[r.get("tau") for r in page.tau_sweep], y=[r["accuracy"] for r in page.tau_sweep],
+            error_y={"type": "data", "array": [r.get("accuracy_sd", 0) for r in page.tau_sweep]},
+            text=[f"{r.get('global_scenarios', 0):,.0f} scenarios · dedup {r.get('dedup_rate', 0):.0%}"
+                  for r in page.tau_sweep],
+            mode="lines+markers+text", textposition="bottom center", name="SYNAPSE",
+        ))
+        styled(tau, title={"text": "Sensitivity to the cosine threshold τ (last round)"},
+               xaxis={"title": {"text": "τ"}}, yaxis={"title": {"text": "accuracy"}})
+        page.charts["tau"] = render_figure(tau, div_id="accuracy-tau")
     return page
+
+
+def _cadence_figure(rows: list[dict], config: dict) -> SafeString:
+    """Accuracy per round under each aggregation cadence, drift events as dotted lines."""
+    figure = go.Figure()
+    last = 0
+    for row in rows:
+        points = sorted(
+            (int(k.removeprefix("accuracy_round_")), v) for k, v in row.items()
+            if k.startswith("accuracy_round_")
+        )
+        last = max([last, *(r for r, _ in points)])
+        every = row.get("aggregate_every", 1)
+        figure.add_trace(go.Scatter(
+            x=[r for r, _ in points], y=[v for _, v in points], mode="lines+markers",
+            name="frozen after round 1" if every == 0 else f"aggregate every {every}",
+        ))
+    drift = int(config.get("drift_every") or 0)
+    for event in range(1 + drift, last + 1, drift) if drift > 0 else ():
+        figure.add_vline(x=event, line={"dash": "dot", "color": "#888"},
+                         annotation_text="new categories")
+    styled(figure, title={"text": "Accuracy over rounds by aggregation cadence"},
+           xaxis={"title": {"text": "round"}, "dtick": 1},
+           yaxis={"title": {"text": "top-1 accuracy"}, "range": [0, 1]})
+    return render_figure(figure, div_id="accuracy-cadence")
 
 
 def next_round_config(epsilon: float | None = None):
@@ -848,7 +893,7 @@ def next_round_config(epsilon: float | None = None):
     config = dict(latest.config) if latest else {}
     if epsilon is not None:
         config["epsilon"] = epsilon
-    return RoundConfig(**config)
+    return RoundConfig.from_stored(config)
 
 
 def budget_warning(config, check=None) -> str:
@@ -874,7 +919,7 @@ def round_controls() -> dict:
     open_round = Round.objects.filter(state=Round.State.OPEN).first()
     return {
         "open_round": open_round,
-        "open_config": RoundConfig(**open_round.config) if open_round else None,
+        "open_config": RoundConfig.from_stored(open_round.config) if open_round else None,
         "round_defaults": defaults,
         "summarizers": get_args(Summarizer),
         "robust_rules": get_args(RobustRule),
