@@ -122,7 +122,7 @@ def projected_round_spend(config: RoundConfig | dict | None, fields: int | None 
     one release is the federation's round spend; an erasure's re-release is counted when it is
     recorded."""
     if not isinstance(config, RoundConfig):
-        config = RoundConfig(**(config or {}))
+        config = RoundConfig.from_stored(config)
     f = declared_numeric_fields() if fields is None else fields
     if f <= 0:
         return 0.0

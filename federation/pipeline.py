@@ -404,32 +404,36 @@ class ErasureReport:
 def erase_client(client: Client, *, embed=None) -> ErasureReport:
     """Remove every submission of one client and re-materialize each edge and global compendium
     that was built from them (found through the provenance links). The ledger keeps the budget
-    already spent; re-materialized releases are appended as new releases."""
+    already spent; re-materialized releases are appended as new releases.
+
+    All or nothing: the submissions are deleted in the same transaction as the re-materialized
+    compendiums are written, so a re-merge that fails leaves everything as it was (the client's
+    submissions and the provenance that finds the affected compendiums included) and the erasure
+    can simply be run again."""
     embed = embed or _embed()
-    submissions = list(CompendiumVersion.objects.filter(kind="client", client=client))
-    affected_edges = sorted(
-        {
-            (edge.round_id, edge.organization_id)
-            for sub in submissions
-            for edge in sub.derived.filter(kind="edge")
-        }
-    )
     with transaction.atomic():
+        submissions = list(CompendiumVersion.objects.filter(kind="client", client=client))
+        affected_edges = sorted(
+            {
+                (edge.round_id, edge.organization_id)
+                for sub in submissions
+                for edge in sub.derived.filter(kind="edge")
+            }
+        )
         CompendiumVersion.objects.filter(pk__in=[s.pk for s in submissions]).delete()
-    rounds_touched = sorted({r for r, _ in affected_edges})
-    edges_done = []
-    for round_id, organization_id in affected_edges:
-        run_edge_merge(round_id, organization_id, rematerialize=True, embed=embed)
-        edges_done.append((Round.objects.get(pk=round_id).number, organization_id))
-    globals_done = []
-    for round_id in _globals_to_rematerialize(rounds_touched):
-        round_ = Round.objects.get(pk=round_id)
-        if CompendiumVersion.objects.filter(kind="edge", round=round_).exists():
-            run_server_merge(round_id, embed=embed)
-        else:
-            with transaction.atomic():
+        rounds_touched = sorted({r for r, _ in affected_edges})
+        edges_done = []
+        for round_id, organization_id in affected_edges:
+            run_edge_merge(round_id, organization_id, rematerialize=True, embed=embed)
+            edges_done.append((Round.objects.get(pk=round_id).number, organization_id))
+        globals_done = []
+        for round_id in _globals_to_rematerialize(rounds_touched):
+            round_ = Round.objects.get(pk=round_id)
+            if CompendiumVersion.objects.filter(kind="edge", round=round_).exists():
+                run_server_merge(round_id, embed=embed)
+            else:
                 CompendiumVersion.objects.filter(kind="global", round=round_).delete()
-        globals_done.append(round_.number)
+            globals_done.append(round_.number)
     return ErasureReport(str(client), len(submissions), edges_done, globals_done)
 
 

@@ -7,17 +7,26 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 Summarizer = Literal["textgrad", "llm-single-shot", "probe-extractive", "centroid", "none"]
 RobustRule = Literal["none", "krum", "trimmed-mean"]
 
+# The smallest per-round ε a round may be opened with.
+MIN_EPSILON = 1e-6
+
 
 class RoundConfig(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    # Infinity and NaN are refused: the configuration is stored as JSON (jsonb has neither).
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
     tau: float = Field(0.85, gt=0, le=1, description="cosine threshold for clustering and dedup")
-    epsilon: float = Field(1.0, gt=0, description="per-round privacy budget ε for numeric fields")
+    epsilon: float = Field(
+        1.0,
+        ge=MIN_EPSILON,
+        description="per-round privacy budget ε for numeric fields (at least 1e-6: a smaller ε "
+        "makes the Laplace noise scale overflow)",
+    )
     field_cap: int | None = Field(
         None, ge=1, description="F*: numeric fields one user may touch per round (None: K_f)"
     )
@@ -26,7 +35,14 @@ class RoundConfig(BaseModel):
     textgrad_steps: int = Field(3, ge=1, le=10)
     robust_rule: RobustRule = "none"
     trim_fraction: float = Field(0.1, ge=0, lt=0.5, description="share trimmed at each end")
-    seed: int = 0
+    conflict_log: bool = Field(
+        True,
+        description="IsConsistent and the conflict log: clusters whose precondition flags (or the "
+        "LLM probe) disagree keep their majority, near-duplicate scenarios claimed for different "
+        "tools keep the better supported one, and the dissenters are logged and become "
+        "precautions next round; False: everything merges as it comes (the ablation)",
+    )
+    seed: int = Field(0, ge=0, lt=2**63, description="seed of the round's noise (non-negative)")
     global_metadata: Literal["full", "stats"] = Field(
         "full",
         description="global compendium M: canonical description/spec plus stats, or stats only "
@@ -40,6 +56,17 @@ class RoundConfig(BaseModel):
     max_scenarios_per_tool: int | None = Field(
         None, ge=1, description="global compendium: keep the k best-supported scenarios per tool"
     )
+
+    @classmethod
+    def from_stored(cls, data: dict | None) -> RoundConfig:
+        """The configuration recorded on a round, for reading (accounting, pages). One recorded
+        before a bound was added (a negative seed, an ε below MIN_EPSILON) is read as recorded
+        rather than refused, so that it does not break every page that reads it; the merge
+        pipeline validates it (`RoundConfig(**data)`) and fails such a round with the reason."""
+        try:
+            return cls(**(data or {}))
+        except ValidationError:
+            return cls.model_construct(**(data or {}))
 
     def per_field_epsilon(self, declared_fields: int) -> float:
         """ε_j = ε / F* with a field cap, ε / K_f otherwise (sequential composition)."""

@@ -8,6 +8,7 @@ what that actor may do and raise `federation.errors` exceptions otherwise.
 from __future__ import annotations
 
 import hashlib
+import math
 import secrets
 import time
 from dataclasses import dataclass
@@ -298,8 +299,8 @@ def update_settings(actor: Actor, **changes) -> FederationSettings:
     before = {k: getattr(row, k) for k in changes}
     for key, value in changes.items():
         setattr(row, key, value)
-    if row.epsilon_budget <= 0 or not 0 < row.delta_prime < 1:
-        raise InvalidRequest("epsilon_budget must be > 0 and delta_prime in (0, 1)")
+    if not (0 < row.epsilon_budget < math.inf) or not 0 < row.delta_prime < 1:
+        raise InvalidRequest("epsilon_budget must be a finite number > 0 and delta_prime in (0, 1)")
     if "epsilon_budget" in changes:
         committed = accounting.committed_composition()
         if row.epsilon_budget < committed.epsilon - 1e-12:
@@ -326,9 +327,17 @@ def create_organization(
 ) -> Organization:
     require_operator(actor, "create organizations")
     name = name.strip()
-    slug = slug or slugify(name)
+    name_limit = Organization._meta.get_field("name").max_length
+    slug_limit = Organization._meta.get_field("slug").max_length
+    # A slug derived from a long name is cut to the column's length (a clash is a 409 below).
+    slug = slug or slugify(name)[:slug_limit].strip("-")
     if not name or not slug:
         raise InvalidRequest("an organization needs a name (and a slug made of letters/digits)")
+    if len(name) > name_limit or len(slug) > slug_limit:
+        raise InvalidRequest(
+            f"an organization's name is at most {name_limit} characters and its slug at most "
+            f"{slug_limit}"
+        )
     try:
         with transaction.atomic():
             org = Organization.objects.create(name=name, slug=slug, description=description)
@@ -584,7 +593,10 @@ def _send_round_closed(rnd: Round) -> None:
     def send() -> None:
         round_closed.send(sender=Round, round=Round.objects.get(pk=round_id))
 
-    transaction.on_commit(send)
+    # robust: a pipeline that fails at once (Celery eager mode runs it here, in the request)
+    # records the failure on the round (the tasks call fail_round) and must not turn the
+    # committed close or retry into an error; Django logs the exception.
+    transaction.on_commit(send, robust=True)
 
 
 @transaction.atomic

@@ -1,13 +1,23 @@
-"""Property-based: whatever a client sends, validation answers with violations, never raises."""
+"""Hostile input: whatever a client sends, validation answers with violations, never raises
+(property-based); whatever a person or client puts in a query parameter, a form or a request body,
+the API and the dashboard answer with a 4xx naming what is wrong, never a 500."""
 
 from __future__ import annotations
 
+import html
 import json
+import math
 
+import pytest
+from django.urls import reverse
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from rest_framework.test import APIClient
 
 from compendium.validation import validate_compendium
+from federation import services
+from federation.models import ConflictDecision, ConflictLogEntry, Organization, Round
+from tests.federation_fixtures import SYSTEM
 
 json_values = st.recursive(
     st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False) | st.text(max_size=30),
@@ -57,3 +67,218 @@ def test_random_json_text_never_raises(small_schema, doc):
     if result.ok:  # only an object with nothing but known, empty-able components passes
         assert isinstance(doc, dict) and not set(doc) - {"metadata", "scenarios", "precautions",
                                                         "templates", "annex", "masking"}
+
+
+# --- hostile query parameters and form values on the API and the dashboard ----------------------
+# Whatever a person or client sends, the answer is a 4xx naming what is wrong, never a 500.
+
+HUGE = "9" * 5000  # int() refuses more than 4300 digits
+
+
+def person_api(user) -> APIClient:
+    api = APIClient()
+    api.credentials(HTTP_AUTHORIZATION=f"Bearer {services.issue_user_token(SYSTEM, user)}")
+    return api
+
+
+def operator_page(client, world):
+    client.force_login(world.operator)
+    return client
+
+
+@pytest.mark.django_db
+@pytest.mark.parametrize("path", ["/api/v1/compendium/global/", "/api/v1/compendium/global/head/"])
+@pytest.mark.parametrize("number", ["²", "١", HUGE, "-1", "1.0"])
+def test_global_round_that_is_no_round_number_is_400(world, path, number):
+    response = person_api(world.member_a).get(path, {"round": number})
+    assert response.status_code == 400
+    assert response.json()["detail"] == "round must be a round number"
+
+
+@pytest.mark.django_db
+@pytest.mark.parametrize("top_k", ["²", HUGE, "0", "51"])
+def test_routing_playground_top_k_out_of_range_is_400(client, world, top_k):
+    response = operator_page(client, world).get(reverse("dashboard:routing"),
+                                                {"q": "rain", "top_k": top_k})
+    assert response.status_code == 400
+    assert "top_k must be" in response.content.decode()
+
+
+def test_advanced_composition_of_a_huge_epsilon_is_infinite_not_an_error():
+    from federation.merge.privacy import advanced_composition, compose
+
+    assert advanced_composition(1000.0, 1, 1e-5) == math.inf
+    composed = compose([1000.0], 1e-5)
+    assert composed.epsilon == 1000.0 and composed.tighter == "basic"
+
+
+@pytest.mark.django_db
+def test_round_far_over_budget_is_refused_not_a_500(client, world):
+    privacy = operator_page(client, world).get(reverse("dashboard:privacy"), {"epsilon": "1000"})
+    assert privacy.status_code == 200
+    assert "above its privacy budget" in privacy.content.decode()
+    api = person_api(world.operator).post("/api/v1/admin/rounds/", {"epsilon": 1000}, format="json")
+    assert api.status_code == 409 and "above its privacy budget" in api.json()["detail"]
+    page = client.post(reverse("dashboard:round-open"), {"epsilon": "1000"})
+    assert page.status_code == 409 and "above its privacy budget" in page.content.decode()
+    assert not Round.objects.exists()
+
+
+@pytest.mark.django_db
+@pytest.mark.parametrize(
+    "field, value",
+    [("mask_strength", "inf"), ("mask_strength", "nan"), ("epsilon", "nan"), ("tau", "nan"),
+     ("trim_fraction", "-inf"), ("seed", "-1"), ("epsilon", "1e-320")],
+)
+def test_dashboard_round_with_non_finite_or_out_of_range_value_is_400(client, world, field, value):
+    response = operator_page(client, world).post(reverse("dashboard:round-open"), {field: value})
+    assert response.status_code == 400
+    assert f"invalid round configuration: {field}" in response.content.decode()
+    assert not Round.objects.exists()
+
+
+@pytest.mark.django_db
+@pytest.mark.parametrize("body", [{"seed": -1}, {"epsilon": 1e-320}, {"mask_strength": "inf"}])
+def test_api_round_that_could_never_be_merged_is_refused_at_open(world, body):
+    response = person_api(world.operator).post("/api/v1/admin/rounds/", body, format="json")
+    assert response.status_code == 400
+    assert next(iter(body)) in json.dumps(response.json())
+    assert not Round.objects.exists()
+
+
+@pytest.mark.django_db
+def test_privacy_page_with_an_epsilon_below_the_minimum_is_400(client, world):
+    response = operator_page(client, world).get(reverse("dashboard:privacy"), {"epsilon": "1e-320"})
+    assert response.status_code == 400 and "epsilon must be" in response.content.decode()
+
+
+@pytest.mark.django_db
+def test_a_round_recorded_before_the_bounds_still_shows_and_fails_with_its_reason(
+    client, world, django_capture_on_commit_callbacks
+):
+    """A round stored with a negative seed (accepted before the bound) does not break the pages
+    that read its configuration; closing it fails the round with the reason."""
+    rnd = Round.objects.create(number=1, config={"epsilon": 1.0, "seed": -1})
+    operator_page(client, world)
+    assert client.get(reverse("dashboard:overview")).status_code == 200
+    assert client.get(reverse("dashboard:privacy")).status_code == 200
+    with django_capture_on_commit_callbacks(execute=True):
+        response = person_api(world.operator).post(f"/api/v1/admin/rounds/{rnd.pk}/close/")
+    assert response.status_code == 200
+    rnd.refresh_from_db()
+    assert rnd.state == Round.State.FAILED and "seed" in rnd.failure_reason
+
+
+@pytest.mark.django_db(transaction=True)
+def test_pipeline_that_fails_at_once_does_not_turn_a_committed_close_into_a_500(
+    world, monkeypatch
+):
+    """Celery eager mode runs the pipeline in the request, after the close commits; its failure
+    is recorded on the round and the request answers normally."""
+    from federation import pipeline
+
+    def broken(round_id):
+        raise RuntimeError("merge machinery broke")
+
+    monkeypatch.setattr(pipeline, "start_round", broken)
+    rnd = services.open_round(SYSTEM)
+    api = person_api(world.operator)
+    response = api.post(f"/api/v1/admin/rounds/{rnd.pk}/close/")
+    assert response.status_code == 200
+    rnd.refresh_from_db()
+    assert rnd.state == Round.State.FAILED and "merge machinery broke" in rnd.failure_reason
+    retry = api.post(f"/api/v1/admin/rounds/{rnd.pk}/retry/")
+    assert retry.status_code == 200 and retry.json()["state"] == Round.State.FAILED
+
+
+NUL_API = [
+    ("/api/v1/admin/audit/", "actor"),
+    ("/api/v1/admin/audit/", "action"),
+    ("/api/v1/admin/audit/", "organization"),
+    ("/api/v1/admin/audit/", "target_type"),
+    ("/api/v1/admin/clients/", "status"),
+    ("/api/v1/admin/clients/", "organization"),
+    ("/api/v1/rounds/", "state"),
+]
+
+
+@pytest.mark.django_db
+@pytest.mark.parametrize("path, param", NUL_API)
+def test_api_query_parameter_with_nul_is_400_naming_it(world, path, param):
+    response = person_api(world.operator).get(path, {param: "a\x00b"})
+    assert response.status_code == 400
+    assert response.json()["detail"] == f"query parameter {param!r} must not contain NUL characters"
+
+
+@pytest.mark.django_db
+def test_idempotency_key_with_nul_is_400(world):
+    api = APIClient()
+    api.credentials(HTTP_AUTHORIZATION=f"Bearer {world.token_a}")
+    response = api.post("/api/v1/submissions/", "{}", content_type="application/json",
+                        HTTP_IDEMPOTENCY_KEY="k\x00")
+    assert response.status_code == 400 and "Idempotency-Key" in response.json()["detail"]
+
+
+@pytest.mark.django_db
+@pytest.mark.parametrize(
+    "page, param",
+    [("dashboard:audit", "actor"), ("dashboard:tools", "q"), ("dashboard:tools", "category"),
+     ("dashboard:conflicts", "organization"), ("dashboard:compendium", "q"),
+     ("dashboard:routing", "q")],
+)
+def test_dashboard_query_parameter_with_nul_is_400_naming_it(client, world, page, param):
+    response = operator_page(client, world).get(reverse(page), {param: "a\x00b"})
+    assert response.status_code == 400
+    assert f"query parameter {param!r} must not contain NUL characters" in html_text(response)
+
+
+def html_text(response) -> str:
+    return html.unescape(response.content.decode())
+
+
+@pytest.mark.django_db
+def test_dashboard_forms_with_nul_are_400_and_change_nothing(client, world):
+    rnd = Round.objects.create(number=1, state=Round.State.PUBLISHED)
+    conflict = ConflictLogEntry.objects.create(
+        round=rnd, organization=world.org_a, tool_id="weather", centroid_id="c0",
+        centroid={"text": "Will it rain?"}, dissenters=[], reason="preconditions disagree",
+    )
+    operator_page(client, world)
+    clients_before = world.org_a.clients.count()
+    posts = [
+        (reverse("dashboard:client-enroll", args=["org-a"]), {"name": "a\x00b"}, "name"),
+        (reverse("dashboard:client-action", args=["org-a", world.client_a.pk, "revoke"]),
+         {"reason": "gone\x00"}, "reason"),
+        (reverse("dashboard:conflict-decide", args=[conflict.pk]),
+         {"action": "edit", "text": "Use it\x00 carefully"}, "text"),
+    ]
+    for url, data, field in posts:
+        response = client.post(url, data)
+        assert response.status_code == 400, url
+        assert f"form field {field!r} must not contain NUL characters" in html_text(response)
+    world.client_a.refresh_from_db()
+    assert world.client_a.status == "approved"
+    assert world.org_a.clients.count() == clients_before
+    assert not ConflictDecision.objects.exists()
+
+
+@pytest.mark.django_db
+@pytest.mark.parametrize("path", ["/api/v1/rounds/", "/api/v1/admin/clients/", "/api/v1/admin/audit/"])
+def test_api_list_with_a_huge_limit_is_capped(world, path):
+    services.open_round(SYSTEM)  # a row in each list (an empty list is answered without a query)
+    api = person_api(world.operator)
+    response = api.get(path, {"limit": "99999999999999999999"})
+    assert response.status_code == 200
+    assert api.get(path, {"limit": HUGE, "offset": "99999999999999999999"}).status_code == 200
+
+
+@pytest.mark.django_db
+def test_organization_with_a_long_name_gets_a_slug_that_fits(world):
+    api = person_api(world.operator)
+    response = api.post("/api/v1/admin/organizations/", {"name": "a" * 150}, format="json")
+    assert response.status_code == 201, response.content
+    slug_limit = Organization._meta.get_field("slug").max_length
+    assert response.json()["slug"] == "a" * slug_limit
+    # Another long name with the same first 100 characters: its slug clashes, a 409 naming it.
+    clash = api.post("/api/v1/admin/organizations/", {"name": "a" * 150 + "b"}, format="json")
+    assert clash.status_code == 409 and "slug" in clash.json()["detail"]

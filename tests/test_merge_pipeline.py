@@ -210,6 +210,41 @@ def test_erasure_rematerializes_without_the_client_and_keeps_the_ledger(
     assert accounting.privacy_report().federation.epsilon >= spent_before
 
 
+def test_erasure_that_fails_changes_nothing_and_can_be_run_again(
+    probes, django_capture_on_commit_callbacks, monkeypatch
+):
+    """A re-merge that fails during an erasure leaves the client's submissions, the edges and the
+    published global as they were, so the erasure can be run again and then completes."""
+    from django.core.management.base import CommandError
+
+    round_, clients = build_federation()
+    close(round_, django_capture_on_commit_callbacks)
+    target = clients[("acme", "a2")]
+    glob_before = CompendiumVersion.objects.get(kind="global", round=round_).sha256
+    edge_before = CompendiumVersion.objects.get(
+        kind="edge", round=round_, organization__slug="acme").sha256
+    ledger_before = PrivacyLedgerEntry.objects.count()
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("server merge broke")
+
+    with monkeypatch.context() as patch:
+        patch.setattr(pipeline, "run_server_merge", broken)
+        with pytest.raises(CommandError, match="nothing was changed.*server merge broke"):
+            call_command("erase_client", "acme/a2")
+    assert CompendiumVersion.objects.filter(kind="client", client=target).count() == 1
+    assert CompendiumVersion.objects.get(kind="global", round=round_).sha256 == glob_before
+    assert CompendiumVersion.objects.get(
+        kind="edge", round=round_, organization__slug="acme").sha256 == edge_before
+    assert PrivacyLedgerEntry.objects.count() == ledger_before
+    # Run again: it finds the same edges and completes.
+    report = pipeline.erase_client(target)
+    assert report.submissions_removed == 1 and report.globals_rematerialized == [1]
+    assert not CompendiumVersion.objects.filter(kind="client", client=target).exists()
+    glob = CompendiumVersion.objects.get(kind="global", round=round_)
+    assert all("17 multiplied" not in s["text"] for s in glob.content["scenarios"])
+
+
 def _second_round(config=None):
     from compendium.schema import Compendium
     from compendium.services import store_compendium

@@ -257,7 +257,8 @@ def _published_globals(request):
     ).select_related("round")
     number = request.query_params.get("round")
     if number is not None:
-        if not number.isdigit():
+        # ASCII digits only (str.isdigit takes "²"), and short enough for a round number.
+        if not (number.isascii() and number.isdigit()) or len(number) > 10:
             raise InvalidRequest("round must be a round number")
         versions = versions.filter(round__number=int(number))
     return versions.order_by("-round__number"), number
@@ -383,6 +384,8 @@ class ClientListView(FederationGenericView, generics.ListAPIView):
         )
         params = self.request.query_params
         if params.get("status"):
+            if params["status"] not in Client.Status.values:
+                raise InvalidRequest(f"status must be one of {', '.join(Client.Status.values)}")
             queryset = queryset.filter(status=params["status"])
         if params.get("organization"):
             queryset = queryset.filter(organization__slug=params["organization"])
@@ -498,6 +501,8 @@ class AuditLogView(FederationView, generics.ListAPIView):
         queryset = _scoped(AuditLog.objects.select_related("organization"), self.request.user)
         params = self.request.query_params
         if params.get("action"):
+            if params["action"] not in AuditLog.Action.values:
+                raise InvalidRequest(f"action must be one of {', '.join(AuditLog.Action.values)}")
             queryset = queryset.filter(action=params["action"])
         if params.get("organization"):
             queryset = queryset.filter(organization__slug=params["organization"])

@@ -17,7 +17,7 @@ from federation.dashboard import services
 from federation.dashboard.scoping import DashboardView
 from federation.errors import FederationError, InvalidRequest, NotAllowed
 from federation.models import AuditLog, Client, ConflictDecision, ConflictLogEntry, Round
-from federation.round_config import RoundConfig
+from federation.round_config import MIN_EPSILON, RoundConfig
 from federation.services import (
     Actor,
     approve_client,
@@ -307,8 +307,11 @@ class PrivacyView(DashboardView):
                 self.next_epsilon = float(raw)
             except ValueError:
                 return bad_request(request, f"epsilon must be a number, not {raw[:40]!r}", self.nav_key)
-            if not self.next_epsilon > 0 or self.next_epsilon == float("inf"):
-                return bad_request(request, "epsilon must be a positive finite number", self.nav_key)
+            if not MIN_EPSILON <= self.next_epsilon < float("inf"):
+                return bad_request(
+                    request, f"epsilon must be a finite number of at least {MIN_EPSILON:g}",
+                    self.nav_key,
+                )
         return super().get(request, *args, **kwargs)
 
     def get_context_data(self, **kwargs):
@@ -410,8 +413,11 @@ class RoutingView(DashboardView):
             return self.render_to_response(context)
         try:
             raw_k = request.GET.get("top_k", "").strip() or "5"
-            if not raw_k.isdigit():
-                raise RoutingInputError(f"top_k must be a whole number, not {raw_k[:20]!r}")
+            # ASCII digits only (str.isdigit takes "²"); validate_top_k bounds the value.
+            if not (raw_k.isascii() and raw_k.isdigit()) or len(raw_k) > 4:
+                raise RoutingInputError(
+                    f"top_k must be a whole number between 1 and 50, not {raw_k[:20]!r}"
+                )
             context["result"] = route_query(query, top_k=int(raw_k),
                                             reranker=request.GET.get("reranker") or None)
         except RoutingInputError as error:

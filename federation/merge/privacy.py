@@ -55,9 +55,11 @@ def advanced_composition(epsilon: float, rounds: int, delta_prime: float) -> flo
         return 0.0
     if not 0 < delta_prime < 1:
         raise ValueError("δ' must lie in (0, 1)")
-    return math.sqrt(2 * rounds * math.log(1 / delta_prime)) * epsilon + rounds * epsilon * (
-        math.exp(epsilon) - 1
-    )
+    try:
+        growth = math.exp(epsilon) - 1
+    except OverflowError:  # ε > ~709: the bound is vacuous (basic composition is the tighter)
+        return math.inf
+    return math.sqrt(2 * rounds * math.log(1 / delta_prime)) * epsilon + rounds * epsilon * growth
 
 
 @dataclass(frozen=True)

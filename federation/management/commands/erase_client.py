@@ -22,7 +22,14 @@ class Command(BaseCommand):
                 target = Client.objects.get(organization__slug=slug, name=name)
         except Client.DoesNotExist:
             raise CommandError(f"no client {client!r} (give an id or ORG-SLUG/NAME)") from None
-        report = erase_client(target)
+        try:
+            report = erase_client(target)
+        except Exception as exc:
+            # erase_client is all or nothing: nothing was deleted or re-published.
+            raise CommandError(
+                f"erasing {target} failed, nothing was changed (run it again once the cause is "
+                f"fixed): {exc}"
+            ) from exc
         self.stdout.write(
             f"erased {report.submissions_removed} submission(s) of {report.client}; "
             f"re-materialized {len(report.edges_rematerialized)} edge and "
