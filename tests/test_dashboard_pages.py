@@ -655,7 +655,7 @@ def test_conflicts_paginate(client, fed):
     assert 'rel="prev"' in second.content.decode()
 
 
-def test_accuracy_page_draws_cadence_curves_and_the_tau_and_summarizer_sweeps(client, fed):
+def test_accuracy_page_draws_contradictions_cadence_curves_and_the_tau_and_summarizer_sweeps(client, fed):
     cadence = [
         {"aggregate_every": every, "seeds": 1, "accuracy": curve[-1], "accuracy_sd": 0.0,
          **{f"accuracy_round_{r}": a for r, a in enumerate(curve, start=1)}}
@@ -666,11 +666,18 @@ def test_accuracy_page_draws_cadence_curves_and_the_tau_and_summarizer_sweeps(cl
            for t, a, n, d in ((0.95, 0.8, 5000, 0.1), (0.75, 0.7, 2500, 0.55))]
     summarizers = [{"summarizer": "centroid", "seeds": 1, "accuracy": 0.77, "accuracy_sd": 0.0,
                     "merge_seconds_per_round": 12.5}]
+    contradictions = [{"contradiction_fraction": share, "conflict_log": log, "seeds": 1,
+                       "accuracy": a, "accuracy_sd": 0.0}
+                      for share, log, a in ((0.4, False, 0.5), (0.0, True, 0.8), (0.4, True, 0.7),
+                                            (0.0, False, 0.8))]
     SimulationRun.objects.create(label="stresses", dataset="tiny", document={
         **DOCUMENT, "config": {"drift_every": 2}, "cadence": cadence, "tau_sweep": tau,
-        "summarizer_sweep": summarizers})
+        "summarizer_sweep": summarizers, "contradictions": contradictions})
     body = login(client, fed, "member_a").get(reverse("dashboard:accuracy")).content.decode()
-    *_, curves, by_tau = figures_in(body)
+    *_, conflicts, curves, by_tau = figures_in(body)
+    with_log, without = conflicts["data"]
+    assert with_log["name"] == "with the conflict log" and with_log["y"] == [0.8, 0.7]
+    assert without["x"] == [0.0, 0.4] and without["y"] == [0.8, 0.5]
     every, frozen = curves["data"]
     assert every["name"] == "aggregate every 1" and frozen["name"] == "frozen after round 1"
     assert every["x"] == [1, 2, 3, 4] and frozen["y"] == [0.6, 0.6, 0.4, 0.4]
@@ -681,3 +688,20 @@ def test_accuracy_page_draws_cadence_curves_and_the_tau_and_summarizer_sweeps(cl
     assert "55%" in table[: table.index("</table>")]
     table = body[body.index('id="accuracy-summarizer-table"'):]
     assert "centroid" in table and "12.50" in table[: table.index("</table>")]
+
+
+def test_a_conflict_across_tools_shows_the_losing_tool_and_composes_its_precaution(client, fed):
+    from federation.conflicts import composed_precaution
+
+    conflict = ConflictLogEntry.objects.create(
+        round=Round.objects.get(number=1), organization=fed.org_a, tool_id="weather",
+        centroid_id="x1", centroid={"tool_id": "weather", "text": "Will it snow in Oslo?"},
+        dissenters=[{"tool_id": "flights", "text": "Will it snow in Oslo", "preconditions": {}}],
+        reason="parent tools differ")
+    body = login(client, fed, "admin_a").get(reverse("dashboard:conflicts")).content.decode()
+    card = body[body.index(f'id="conflict-{conflict.pk}"'):]
+    card = card[: card.index("</article>")]
+    assert '<code class="tool">flights</code> Will it snow in Oslo' in card
+    composed = composed_precaution(conflict)
+    assert composed == "Do not use flights for will it snow in Oslo; weather serves it"
+    assert composed in card

@@ -167,7 +167,10 @@ def test_the_confusion_margin_is_raised_where_honest_requests_overlap(schema):
     inputs = [sub("h1", [sc("weather", "weather case one")]),
               sub("h2", [sc("weather", "weather case two"), sc("flights", "flights case")]),
               sub("evil", [sc("recipes", "arithmetic, labelled recipes")])]
-    config = RoundConfig(summarizer="centroid")
+    # In this three-dimensional space the weather cases are near-duplicates of the flights case
+    # (cosine 0.95), which the conflict log resolves across tools; this test is about the
+    # confusion check alone.
+    config = RoundConfig(summarizer="centroid", conflict_log=False)
     fixed = edge_merge(inputs, schema, config, embed=embed)
     assert sorted(f.source for f in fixed.flagged) == ["evil", "h1", "h2"]
     assert fixed.stats.confusion_margin == 0.2
@@ -308,14 +311,24 @@ def test_a_source_whose_labels_do_not_fit_its_texts_is_dropped_whole(schema, emb
     assert dropped[0].own_similarity > dropped[0].closest_similarity == 0.25
     kept = {(s.tool_id, s.text) for s in result.compendium.scenarios}
     assert {(s["tool_id"], s["text"]) for s in honest} <= kept
-    # Even the liar's two correct labels go: the whole source is dropped, not entry by entry.
-    assert sum(s.support for s in result.compendium.scenarios) == len(honest) + 2
+    # Even the liar's two correct labels go: the whole source is dropped, not entry by entry. The
+    # small source stays; its "17 times 23" for recipes contradicts the honest calculator entry
+    # word for word, and the conflict log keeps the label that fits.
+    assert ("recipes", "What is 17 times 23?") not in kept
+    assert result.stats.cross_tool_dropped == 1
+    assert sum(s.support for s in result.compendium.scenarios) == len(honest) + 1
     assert not any("Lisbon" in p.text for p in result.compendium.precautions)
-    # The check off: the liar's scenarios come through (the confusion check is off here too).
+    # The check off: the liar's six relabelled requests contradict the honest client's, and the
+    # conflict log keeps the labels that fit the texts (the confusion check is off here too).
     off = edge_merge(inputs, schema, RoundConfig(summarizer="centroid"), embed=embed,
                      probe_set=probe, confusion_margin=9.0, source_limit=9.0)
     assert off.stats.dropped_sources == [] and not off.flagged
-    assert sum(s.support for s in off.compendium.scenarios) == len(honest) + 2 + 8
+    assert off.stats.cross_tool_dropped == 6 + 1
+    assert {(s.tool_id, s.text) for s in off.compendium.scenarios} == kept
+    # With the conflict log off as well, everything comes through.
+    bare = edge_merge(inputs, schema, RoundConfig(summarizer="centroid", conflict_log=False),
+                      embed=embed, probe_set=probe, confusion_margin=9.0, source_limit=9.0)
+    assert sum(s.support for s in bare.compendium.scenarios) == len(honest) + 2 + 8
 
 
 def test_invalid_submission_is_rejected_and_others_merged(schema, embed):
@@ -561,3 +574,58 @@ def test_the_robust_rule_drops_a_relabelled_batch_across_sources(schema, embed):
     plain = edge_merge(inputs, schema, config.model_copy(update={"robust_rule": "none"}),
                        embed=embed, **checks_off)
     assert not plain.flagged and set(cooking) <= {s.text for s in plain.compendium.scenarios}
+
+
+def test_near_duplicates_claimed_for_different_tools_keep_the_better_supported_one(schema, embed):
+    """IsConsistent across tools: the same request reported for two tools is a contradiction.
+    More support wins; at equal support, the text nearer its tool's public profile. The losers
+    are logged and, next round, become precautions on their own tools."""
+    checks_off = {"confusion_margin": 10.0, "source_limit": 2.0}  # leave it to the conflict log
+    subs = [
+        sub("c1", [sc("flights", "Cheap tickets from Boston to Denver next week")]),
+        sub("c2", [sc("flights", "Cheap tickets from Boston to Denver next week.")]),
+        sub("c3", [sc("calculator", "Cheap tickets from Boston to Denver next week"),
+                   sc("flights", "Will it rain in Paris tomorrow")]),
+        sub("c4", [sc("weather", "Will it rain in Paris tomorrow?")]),
+    ]
+    result = edge_merge(subs, schema, RoundConfig(summarizer="none"), embed=embed, **checks_off)
+    kept = sorted((s.tool_id, s.support) for s in result.compendium.scenarios)
+    assert kept == [("flights", 2), ("weather", 1)]
+    assert result.stats.cross_tool_dropped == 2
+    by_winner = {c.tool_id: c for c in result.conflicts}
+    assert set(by_winner) == {"flights", "weather"}
+    assert all(c.reason == "parent tools differ" for c in result.conflicts)
+    [lost] = by_winner["flights"].dissenters
+    assert (lost["tool_id"], lost["source"], lost["support"]) == ("calculator", "c3", 1)
+    assert [d["tool_id"] for d in by_winner["weather"].dissenters] == ["flights"]  # a tie: nearer
+
+    second = edge_merge([sub("a", [sc("recipes", "Vegan lasagna recipe")])], schema,
+                        RoundConfig(summarizer="none"), result.conflicts, embed=embed)
+    precautions = sorted((p.tool_id, p.text) for p in second.compendium.precautions)
+    assert precautions == [
+        ("calculator", "Do not use Calculator for cheap tickets from Boston to Denver next week; "
+                       "FlightFinder serves it"),
+        ("flights", "Do not use FlightFinder for will it rain in Paris tomorrow; WeatherNow serves it"),
+    ]
+    # A reviewer's own precaution for such a conflict is the losing tool's too.
+    edited = ConflictEntry(**{**by_winner["weather"].as_dict(), "resolution": "precaution",
+                              "resolution_text": "Ask which city first"})
+    assert [(p.tool_id, p.text) for p in conflicts_to_precautions([edited], schema)] == [
+        ("flights", "Ask which city first")]
+    # A reviewer who picks the dissenter makes it a scenario of its own tool.
+    picked = [ConflictEntry(**{**by_winner["weather"].as_dict(), "resolution": "scenario",
+                               "resolution_text": "Will it rain in Paris tomorrow"})]
+    third = edge_merge([sub("a", [sc("recipes", "Vegan lasagna recipe")])], schema,
+                       RoundConfig(summarizer="none"), picked, embed=embed)
+    assert ("flights", "Will it rain in Paris tomorrow") in {
+        (s.tool_id, s.text) for s in third.compendium.scenarios}
+
+    # Without the conflict log everything merges as it comes: both claims stay, nothing logged.
+    off = edge_merge(subs, schema, RoundConfig(summarizer="none", conflict_log=False), embed=embed,
+                     **checks_off)
+    assert sorted(s.tool_id for s in off.compendium.scenarios) == [
+        "calculator", "flights", "flights", "weather"]
+    assert not off.conflicts and off.stats.cross_tool_dropped == 0
+    flagged = [sub(c, [sc("weather", "Get the weather forecast for a city", has_city=v)])
+               for c, v in (("c1", True), ("c2", True), ("c3", False))]
+    assert not edge_merge(flagged, schema, RoundConfig(conflict_log=False), embed=embed).conflicts

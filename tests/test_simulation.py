@@ -457,3 +457,22 @@ def test_llm_summarizers_speak_to_the_llm_endpoint_or_are_refused(tiny_dataset):
         assert "Forecasts and weather for a place" in texts
     finally:
         server.close()
+
+
+def test_contradictory_scenarios_with_and_without_the_conflict_log(twin_dataset, tmp_path):
+    """40% of the clients' scenarios contradicted by another client of their organization (the same
+    request for a confusable twin): the conflict log keeps the labels that fit the public probe
+    and routes better than merging everything as it comes; with no contradictions it changes
+    nothing here."""
+    out = tmp_path / "contradictions.json"
+    stdout = io.StringIO()
+    call_command(
+        "simulate", "--dataset", str(twin_dataset), "--orgs", "2", "--clients-per-org", "2",
+        "--rounds", "3", "--seed", "1", "--no-baselines", "--no-diagnostics",
+        "--sweep-contradictions", "0,0.4", "--out", str(out), "--no-store", verbosity=0, stdout=stdout,
+    )
+    rows = {(r["contradiction_fraction"], r["conflict_log"]): r for r in json.loads(out.read_text())["contradictions"]}
+    assert set(rows) == {(0.0, True), (0.0, False), (0.4, True), (0.4, False)}
+    assert rows[(0.0, True)]["accuracy"] == rows[(0.0, False)]["accuracy"]
+    assert rows[(0.4, True)]["accuracy"] >= rows[(0.4, False)]["accuracy"] + 0.03, rows
+    assert "contradictory scenarios" in stdout.getvalue()

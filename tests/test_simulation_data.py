@@ -174,3 +174,27 @@ def test_a_clients_experience_meets_a_category_only_once_it_is_in_use():
     for r, period in enumerate(periods, start=1):
         assert all(starts[x] <= r for x in period), (r, period)
     assert periods[2] and all(any(starts[x] == 3 for x in p) for p in periods[2:])
+
+
+def test_contradicting_clients_report_the_same_requests_for_confusable_tools():
+    from compendium.schema import Compendium, Scenario
+    from federation.simulation.runner import contradict
+
+    confusions = {f"t{i}": [f"t{(i + 1) % 4}", f"t{(i + 2) % 4}"] for i in range(4)}
+    compendiums = {
+        client: Compendium(scenarios=[Scenario(tool_id=f"t{i % 4}", text=f"{client} request {i}", support=2)
+                                      for i in range(200)])
+        for client in ("a1", "a2", "b1")
+    }
+    organization_of = {"a1": "a", "a2": "a", "b1": "b"}
+    out = contradict(compendiums, organization_of, 0.4, confusions, seed=3)
+    assert out == contradict(compendiums, organization_of, 0.4, confusions, seed=3)  # stable draws
+    assert out["b1"] == compendiums["b1"]  # alone in its organization: nobody to contradict it
+    for client, other in (("a1", "a2"), ("a2", "a1")):
+        original = {s.text: s for s in compendiums[other].scenarios}
+        added = [s for s in out[client].scenarios if s.text in original]
+        assert 0.3 < len(added) / len(original) < 0.5  # about 40% of the other's scenarios
+        for s in added:  # the same request and support, a confusable tool
+            assert s.tool_id in confusions[original[s.text].tool_id] and s.support == 2
+        assert compendiums[client].scenarios == out[client].scenarios[: 200]  # its own stay
+    assert contradict(compendiums, organization_of, 0.0, confusions, seed=3) == compendiums

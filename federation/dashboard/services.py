@@ -739,6 +739,7 @@ class AccuracyPage:
     tau_sweep: list[dict] = field(default_factory=list)  # per τ: accuracy, global size, dedup rate
     summarizer_sweep: list[dict] = field(default_factory=list)
     cadence: list[dict] = field(default_factory=list)  # per cadence: accuracy per round
+    contradictions: list[dict] = field(default_factory=list)  # per (share, conflict log)
 
 
 def accuracy_page(run_id=None) -> AccuracyPage:
@@ -770,6 +771,8 @@ def accuracy_page(run_id=None) -> AccuracyPage:
     page.tau_sweep = sorted(doc.get("tau_sweep") or [], key=lambda r: r.get("tau", 0))
     page.summarizer_sweep = list(doc.get("summarizer_sweep") or [])
     page.cadence = list(doc.get("cadence") or [])
+    page.contradictions = sorted(doc.get("contradictions") or [],
+                                 key=lambda r: (r.get("contradiction_fraction", 0), not r.get("conflict_log")))
 
     curves = go.Figure()
     by_method: dict[str, list[dict]] = defaultdict(list)
@@ -845,6 +848,23 @@ def accuracy_page(run_id=None) -> AccuracyPage:
         page.charts["frontier"] = render_figure(frontier, div_id="privacy-frontier")
     if page.cadence:
         page.charts["cadence"] = _cadence_figure(page.cadence, (doc.get("config") or {}))
+    if page.contradictions:
+        conflicts = go.Figure()
+        for log in (True, False):
+            rows = [r for r in page.contradictions if bool(r.get("conflict_log", True)) == log]
+            if rows:
+                conflicts.add_trace(go.Scatter(
+                    x=[r.get("contradiction_fraction", 0) for r in rows],
+                    y=[r["accuracy"] for r in rows],
+                    error_y={"type": "data", "array": [r.get("accuracy_sd", 0) for r in rows]},
+                    mode="lines+markers",
+                    name="with the conflict log" if log else "without the conflict log",
+                    line={"dash": "solid" if log else "dash"},
+                ))
+        styled(conflicts, title={"text": "Accuracy under contradictory scenarios"},
+               xaxis={"title": {"text": "share of scenarios contradicted"}, "tickformat": ".0%"},
+               yaxis={"title": {"text": "accuracy"}, "range": [0, 1]})
+        page.charts["contradictions"] = render_figure(conflicts, div_id="accuracy-contradictions")
     if page.tau_sweep:
         tau = go.Figure(go.Scatter(
             x=[r.get("tau") for r in page.tau_sweep], y=[r["accuracy"] for r in page.tau_sweep],

@@ -26,6 +26,7 @@ from compendium.schema import (
 )
 from compendium.validation import validate_compendium
 from federation.merge.clustering import (
+    ClusterDecision,
     ConsistencyProbe,
     Item,
     calibrated_margin,
@@ -175,13 +176,27 @@ def conflicts_to_precautions(
         tool = schema.tools_by_id.get(entry.tool_id)
         if tool is None or entry.resolution == "scenario":
             continue
+        losing = _losing_tool(entry)  # across tools, the precaution is the losing tool's
         if entry.resolution == "precaution":
             text = " ".join(entry.resolution_text.split())
-            if text:
+            if text and (losing or entry.tool_id) in schema.tools_by_id:
                 text = text if len(text) <= limit else text[: limit - 1].rstrip() + "…"
-                out.append(Precaution(tool_id=entry.tool_id, text=text, support=1 + len(entry.dissenters)))
+                out.append(Precaution(tool_id=losing or entry.tool_id, text=text,
+                                      support=1 + len(entry.dissenters)))
             continue
         name = tool.name or tool.tool_id
+        if losing is not None:  # the same requests claimed for another tool: "do not use it"
+            other = schema.tools_by_id.get(losing)
+            if other is None:
+                continue
+            clauses = list(dict.fromkeys(_clause(d["text"]) for d in entry.dissenters))
+            text = (f"Do not use {other.name or other.tool_id} for {' or for '.join(clauses)}; "
+                    f"{name} serves it")
+            if len(text) > limit:
+                text = text[: limit - 1].rstrip() + "…"
+            out.append(Precaution(tool_id=losing, text=text,
+                                  support=sum(int(d.get("support") or 1) for d in entry.dissenters)))
+            continue
         affirmative = _clause(entry.centroid["text"])
         exceptions = []
         centroid_flags = entry.centroid.get("preconditions") or {}
@@ -215,14 +230,17 @@ def conflict_winners(conflicts: Sequence[ConflictEntry], schema: Schema) -> list
         text = " ".join(entry.resolution_text.split())
         if entry.resolution != "scenario" or not text or entry.tool_id not in schema.tools_by_id:
             continue
-        preconditions = {}
+        preconditions, tool_id = {}, entry.tool_id
         for candidate in [entry.centroid, *entry.dissenters]:
             if " ".join(str(candidate.get("text", "")).split()) == text:
                 preconditions = dict(candidate.get("preconditions") or {})
+                tool_id = candidate.get("tool_id") or entry.tool_id  # across tools: its own tool
                 break
+        if tool_id not in schema.tools_by_id:
+            continue
         out.append(
             Scenario(
-                tool_id=entry.tool_id,
+                tool_id=tool_id,
                 text=text[: schema.strings.scenario],
                 preconditions=preconditions,
                 support=1 + len(entry.dissenters),
@@ -331,6 +349,7 @@ def _merge(
     clock.lap("embed")
 
     flagged: list[FlaggedEntry] = []
+    profiles = None
     if scenario_items and tool_ids:
         descriptions = np.stack([by_text[t.description] for t in schema.tools])
         profiles = (probe_set.profiles(tool_ids, descriptions) if probe_set
@@ -349,6 +368,10 @@ def _merge(
 
     probe = consistency_probe(llm) if llm is not None else None
     slots, conflicts = _cluster_scenarios(scenario_items, config, probe, stats)
+    if config.conflict_log and profiles is not None:
+        slots, crossed = _cross_tool_conflicts(slots, tool_ids, profiles, config.tau)
+        conflicts += crossed
+        stats.cross_tool_dropped = sum(len(c.dissenters) for c in crossed)
     clock.lap("cluster")
 
     summarizer = Summarizer(
@@ -676,7 +699,8 @@ def _cluster_scenarios(items: list[Item], config: RoundConfig, probe: Consistenc
                                config.trim_fraction)
             stats.robust_dropped += len(members) - len(keep)
             members = [members[i] for i in keep]
-            decision = decide_cluster(members, probe)
+            decision = (decide_cluster(members, probe) if config.conflict_log
+                        else ClusterDecision(True, 0, list(range(len(members))), [], "consistent"))
             agreeing = [members[i] for i in decision.agreeing]
             support = sum(m.support for m in agreeing)
             if decision.consistent:
@@ -691,6 +715,7 @@ def _cluster_scenarios(items: list[Item], config: RoundConfig, probe: Consistenc
                         "preconditions": merged_flags([m.preconditions for m in members]),
                         "support": support,
                         "summarize": True,
+                        "sources": sorted({m.source for m in members}),
                     }
                 )
                 continue
@@ -704,6 +729,7 @@ def _cluster_scenarios(items: list[Item], config: RoundConfig, probe: Consistenc
                     "preconditions": dict(sorted(anchor.preconditions.items())),
                     "support": support,
                     "summarize": False,
+                    "sources": sorted({members[i].source for i in decision.agreeing}),
                 }
             )
             conflicts.append(
@@ -716,6 +742,72 @@ def _cluster_scenarios(items: list[Item], config: RoundConfig, probe: Consistenc
                 )
             )
     return slots, conflicts
+
+
+CROSS_TOOL_REASON = "parent tools differ"
+
+
+def _cross_tool_conflicts(slots: list[dict], tool_ids: Sequence[str], profiles: np.ndarray,
+                          tau: float) -> tuple[list[dict], list[ConflictEntry]]:
+    """IsConsistent across tools: scenarios that say the same thing (cosine >= τ) for different
+    tools contradict each other. Taken from the strongest (most support, then nearest its own
+    tool's public profile: description and probe requests) down, a scenario with a stronger
+    near-duplicate already kept for another tool is dropped and logged as a dissenter of the
+    strongest such one; next round its tool gets the precaution "do not use it for that"
+    (`conflicts_to_precautions`)."""
+    if len({s["tool_id"] for s in slots}) < 2:
+        return slots, []
+    index = {t: i for i, t in enumerate(tool_ids)}
+    vectors = np.stack([s["vector"] for s in slots]).astype(np.float32)
+    codes = np.array([index[s["tool_id"]] for s in slots])
+    typical = np.einsum("ij,ij->i", vectors, profiles[codes].astype(np.float32))
+    order = sorted(range(len(slots)), key=lambda i: (-slots[i]["support"], -float(typical[i]), i))
+    rank = np.empty(len(slots), dtype=np.int64)
+    rank[order] = np.arange(len(slots))
+    rivals: list[list[int]] = [[] for _ in slots]
+    for start in range(0, len(slots), 1024):
+        rows, cols = np.nonzero(vectors[start:start + 1024] @ vectors.T >= tau)
+        for row, col in zip(rows.tolist(), cols.tolist(), strict=True):
+            if codes[start + row] != codes[col]:
+                rivals[start + row].append(col)
+    kept = np.zeros(len(slots), dtype=bool)
+    beaten: dict[int, list[int]] = defaultdict(list)
+    for i in order:
+        stronger = [j for j in rivals[i] if kept[j]]
+        if stronger:
+            beaten[min(stronger, key=lambda j: rank[j])].append(i)
+        else:
+            kept[i] = True
+
+    def entry(slot: dict) -> dict:
+        text = slot["texts"][int(np.argmax(slot["vectors"] @ slot["vector"]))]
+        return {"source": ", ".join(slot.get("sources", ())), "tool_id": slot["tool_id"],
+                "text": text, "preconditions": dict(slot["preconditions"]),
+                "support": slot["support"]}
+
+    conflicts = []
+    for winner, losers in sorted(beaten.items()):
+        centroid = entry(slots[winner])
+        by_tool: dict[str, list[int]] = defaultdict(list)  # one entry per tool that lost
+        for i in sorted(losers, key=lambda i: rank[i]):
+            by_tool[slots[i]["tool_id"]].append(i)
+        for tool, members in sorted(by_tool.items()):
+            conflicts.append(ConflictEntry(
+                tool_id=centroid["tool_id"],
+                centroid_id=centroid_id(centroid["tool_id"], f"across tools|{tool}|{centroid['text']}",
+                                        centroid["preconditions"]),
+                centroid=centroid,
+                dissenters=[entry(slots[i]) for i in members],
+                reason=CROSS_TOOL_REASON,
+            ))
+    return [slot for i, slot in enumerate(slots) if kept[i]], conflicts
+
+
+def _losing_tool(entry: ConflictEntry) -> str | None:
+    """The tool whose claims lost a conflict across tools (its dissenters'), None for a conflict
+    within one tool."""
+    tools = {d.get("tool_id", entry.tool_id) for d in entry.dissenters} - {entry.tool_id}
+    return next(iter(tools)) if len(tools) == 1 else None
 
 
 def _dedupe_exact_scenarios(scenarios: list[Scenario]) -> list[Scenario]:

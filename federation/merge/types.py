@@ -89,6 +89,7 @@ class MergeStats:
     scenarios_out: int = 0
     clusters: int = 0
     conflicts: int = 0
+    cross_tool_dropped: int = 0  # scenarios dropped as near-duplicates claimed for another tool
     flagged_confusion: int = 0
     confusion_margin: float | None = None  # the margin the check used (calibrated on the probe)
     flagged_incoherent: int = 0  # scenarios dropped in incoherent batches

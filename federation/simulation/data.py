@@ -92,7 +92,7 @@ def partition_train(
     return shares
 
 
-def _stable_unit(*parts: object) -> float:
+def stable_unit(*parts: object) -> float:
     digest = hashlib.blake2b("|".join(map(str, parts)).encode(), digest_size=8).digest()
     return int.from_bytes(digest, "big") / 2**64
 
@@ -108,7 +108,7 @@ def confusable_tools(tools: Sequence[ToolSpec], seed: int) -> dict[str, list[str
         peers = [t for t in by_category[tool.category] if t != tool.tool_id]
         if not peers:
             peers = [t for t in all_ids if t != tool.tool_id]
-        peers.sort(key=lambda t: _stable_unit(seed, tool.tool_id, t))
+        peers.sort(key=lambda t: stable_unit(seed, tool.tool_id, t))
         out[tool.tool_id] = peers[:5]
     return out
 
@@ -140,7 +140,7 @@ def usage_log(
                 outcome, corrected_to = "corrected", query.tool_id
             else:
                 outcome = "failure"
-        base = 150 + 1500 * _stable_unit("latency", chosen)
+        base = 150 + 1500 * stable_unit("latency", chosen)
         latency = round(base * rng.lognormvariate(0, 0.35), 1)
         line = {
             "query": query.query,

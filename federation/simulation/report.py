@@ -42,6 +42,7 @@ def _sums(items: list[dict[str, int]]) -> dict[str, int]:
 
 SWEEP_SECTIONS = (
     "privacy_sweep", "release_sweep", "adversarial", "tau_sweep", "summarizer_sweep", "cadence",
+    "contradictions",
 )
 
 
@@ -404,6 +405,14 @@ def _sweep_lines(document: dict[str, Any]) -> list[str]:
                 f"  {row['summarizer']:<17} {row['accuracy']:>8.3f} ± {row['accuracy_sd']:.3f}  "
                 f"merges {row.get('merge_seconds_per_round', 0):.2f} s per round"
             )
+    rows = document.get("contradictions") or []
+    if rows:
+        lines.append("contradictory scenarios (final round, mean over seeds):")
+        lines.append(f"  {'share':>5}  {'with the conflict log':>21}  {'without':>16}")
+        for share in sorted({row["contradiction_fraction"] for row in rows}):
+            cells = {row["conflict_log"]: f"{row['accuracy']:.3f} ± {row['accuracy_sd']:.3f}"
+                     for row in rows if row["contradiction_fraction"] == share}
+            lines.append(f"  {share:>5.0%}  {cells.get(True, '-'):>21}  {cells.get(False, '-'):>16}")
     rows = document.get("cadence") or []
     if rows:
         rounds = sorted(

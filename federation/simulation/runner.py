@@ -42,6 +42,7 @@ from federation.simulation.data import (
     confusable_tools,
     partition_train,
     split_dataset,
+    stable_unit,
     usage_log,
 )
 from federation.simulation.diagnostics import (
@@ -139,6 +140,11 @@ class SimulationConfig:
     # clients meet a category's requests only once it is in use, and each round is scored on the
     # held-out requests of the categories in use then. 0: no drift.
     drift_every: int = 0
+    # Contradictory scenarios: this share of each honest client's scenarios is contradicted by
+    # another client of its organization, which reports the same request for a confusable tool
+    # (`contradict`). `conflict_log`: the merges' IsConsistent and conflict log (RoundConfig).
+    contradiction_fraction: float = 0.0
+    conflict_log: bool = True
 
 
 @dataclass
@@ -289,6 +295,7 @@ class Simulation:
             trim_fraction=c.trim_fraction,
             seed=seed,
             carry_forward=c.carry_forward,
+            conflict_log=c.conflict_log,
         )
 
     def build_client(self, lines: Sequence[dict], seed: int, strength: float | None = None) -> Compendium:
@@ -389,6 +396,7 @@ class Simulation:
         conflicts: dict[str, list[ConflictEntry]] = {}
         outcomes = []
         llm = self.summarizer_llm()
+        confusions = confusable_tools(self.dataset.tools, seed)
         pulled: Compendium | None = None  # the global the clients pulled before this round
         published: Compendium | None = None  # the last global the server published
         # What `synapse-client submit --since` compresses against (round 1: `--schema --probe`).
@@ -409,10 +417,16 @@ class Simulation:
                 if not experience:
                     continue
                 compendium = self.build_client(experience, seed)
-                adversary = bool(adversaries) and share.client in adversaries
-                if adversary:
+                if adversaries and share.client in adversaries:
                     compendium = corrupt(compendium, self.config.adversarial_mode, self.schema, seed)
                 clients[share.client] = compendium
+            if self.config.contradiction_fraction > 0:
+                honest = [s for s in shares if s.client in clients and s.client not in (adversaries or ())]
+                clients.update(contradict({s.client: clients[s.client] for s in honest},
+                                          {s.client: s.organization for s in honest},
+                                          self.config.contradiction_fraction, confusions, seed))
+            for client, compendium in clients.items():
+                adversary = bool(adversaries) and client in adversaries
                 if pulled is not None:
                     compendium, _ = delta_since(
                         compendium, pulled, self.engine, self.config.tau,
@@ -420,7 +434,7 @@ class Simulation:
                     )
                 if self.config.max_bytes and not adversary:
                     compendium, _ = fit_budget(compendium, self.config.max_bytes)
-                sent[share.client] = compendium
+                sent[client] = compendium
             self.progress(f"seed {seed}: round {r}: edge and server merges")
             edges = []
             stats = {}
@@ -934,6 +948,41 @@ def corrupt(compendium: Compendium, mode: str, schema: Schema, seed: int) -> Com
         raise ValueError(f"unknown adversarial mode {mode!r}: {', '.join(ADVERSARIAL_MODES)}")
     scenarios = _dedupe(scenarios)
     return compendium.model_copy(update={"scenarios": scenarios})
+
+
+def contradict(
+    compendiums: dict[str, Compendium],
+    organization_of: dict[str, str],
+    fraction: float,
+    confusions: dict[str, list[str]],
+    seed: int,
+) -> dict[str, Compendium]:
+    """Contradictory scenarios between honest clients: each scenario of a client is, with
+    probability `fraction` (a stable draw per seed, tool and text, so that a contradiction stays
+    from round to round), contradicted by another client of its organization, which reports the
+    same request, with the same support, for one of the tool's confusable tools. Returns the
+    clients' compendiums with the contradicting scenarios added."""
+    members: dict[str, list[str]] = {}
+    for client in compendiums:
+        members.setdefault(organization_of[client], []).append(client)
+    added: dict[str, list[Scenario]] = {client: [] for client in compendiums}
+    for client, compendium in compendiums.items():
+        others = [c for c in members[organization_of[client]] if c != client]
+        for s in compendium.scenarios:
+            if not others or not confusions.get(s.tool_id):
+                continue
+            if stable_unit("contradict", seed, s.tool_id, s.text) >= fraction:
+                continue
+            pick = stable_unit("contradictor", seed, s.tool_id, s.text)
+            other = others[int(pick * len(others))]
+            tools = confusions[s.tool_id]
+            tool = tools[int(stable_unit("contradicting tool", seed, s.tool_id, s.text) * len(tools))]
+            added[other].append(s.model_copy(update={"tool_id": tool}))
+    return {
+        client: compendium.model_copy(update={"scenarios": _dedupe(list(compendium.scenarios) + added[client])})
+        if added[client] else compendium
+        for client, compendium in compendiums.items()
+    }
 
 
 def _dedupe(scenarios: list[Scenario]) -> list[Scenario]:

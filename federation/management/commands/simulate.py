@@ -150,6 +150,20 @@ class Command(BaseCommand):
             help="e.g. 1,5,0: the aggregation cadence sweep (accuracy per round; 0: frozen), "
             "best with --drift-every and more --rounds",
         )
+        parser.add_argument(
+            "--contradiction-fraction", type=float, default=0.0, metavar="P",
+            help="share of each honest client's scenarios that another client of its organization "
+            "contradicts, reporting the same request for a confusable tool (default 0)",
+        )
+        parser.add_argument(
+            "--no-conflict-log", action="store_true",
+            help="merge without IsConsistent and the conflict log (the ablation)",
+        )
+        parser.add_argument(
+            "--sweep-contradictions", default="",
+            help="e.g. 0,0.2,0.4,0.6: contradictory-scenario injection, each share with and "
+            "without the conflict log",
+        )
         parser.add_argument("--embedding-model", default=None)
         parser.add_argument(
             "--transfer-models",
@@ -232,6 +246,9 @@ class Command(BaseCommand):
             raise CommandError(
                 f"the {' and '.join(sorted(LLM_SUMMARIZERS))} summarizers need an LLM endpoint: pass --llm URL"
             )
+        contradictions = _floats(o["sweep_contradictions"])
+        if any(not 0 <= p <= 1 for p in [*contradictions, o["contradiction_fraction"]]):
+            raise CommandError("contradiction shares must be in [0, 1]")
         cadences = [int(k) for k in _floats(o["sweep_cadence"])]
         if any(k < 0 for k in cadences):
             raise CommandError("--sweep-cadence: every cadence must be 0 (frozen) or a number of rounds")
@@ -273,6 +290,8 @@ class Command(BaseCommand):
             llm_model=o["llm_model"] or "",
             aggregate_every=o["aggregate_every"],
             drift_every=o["drift_every"],
+            contradiction_fraction=o["contradiction_fraction"],
+            conflict_log=not o["no_conflict_log"],
         )
         if (config.llm_url and "llm" not in config.transfer_rerankers
                 and not {config.summarizer, *summarizers} & set(LLM_SUMMARIZERS)):
@@ -328,6 +347,10 @@ class Command(BaseCommand):
                 document["summarizer_sweep"] = sweep(
                     make, config, [{"summarizer": name} for name in summarizers], seeds
                 )
+            if contradictions:
+                variants = [{"contradiction_fraction": share, "conflict_log": log}
+                            for share in contradictions for log in (True, False)]
+                document["contradictions"] = sweep(make, config, variants, seeds)
             if cadences:
                 document["cadence"] = sweep(
                     make, config, [{"aggregate_every": k} for k in cadences], seeds
