@@ -438,6 +438,50 @@ def test_tau_and_summarizer_sweeps(tiny_dataset, tmp_path):
     assert "τ sweep" in table and "summarizer sweep" in table
 
 
+def test_a_sweep_reuses_a_federation_already_played_and_only_that(tiny_dataset):
+    """A sweep variant equal to the main run's configuration takes the main run's seeds instead of
+    playing the same deterministic federation again; a main run with baselines, or any other
+    variant, is played."""
+    from compendium.registry import load_dataset
+    from compendium.schema import Schema
+    from federation.simulation.report import PlayedRuns, run, sweep
+    from federation.simulation.runner import Simulation, SimulationConfig
+    from routing.embeddings import get_engine
+
+    dataset = load_dataset(str(tiny_dataset))
+    schema = Schema(tools=dataset.tools)
+    played_seeds = []
+
+    class Counted(Simulation):
+        def run_seed(self, seed):
+            played_seeds.append((self.config.tau, self.config.baselines, seed))
+            return super().run_seed(seed)
+
+    def make(cfg):
+        return Counted(dataset, schema, get_engine(), cfg)
+
+    config = SimulationConfig(orgs=2, clients_per_org=2, rounds=2, baselines=False,
+                              diagnostics=False)
+    played = PlayedRuns()
+    document = run(make(config), [1], played)
+    rows = sweep(make, config, [{"tau": config.tau}, {"tau": 0.6}], [1], played)
+    assert played_seeds == [(config.tau, False, 1), (0.6, False, 1)]
+    main_last = [r for r in document["results"] if r["method"] == "synapse"][-1]["accuracy"]
+    assert rows[0]["accuracy"] == main_last
+    # Played anew, the same variant gives the same figures: reusing it changes nothing.
+    [again] = sweep(make, config, [{"tau": config.tau}], [1])
+    timing = "merge_seconds_per_round"
+    assert {k: v for k, v in again.items() if k != timing} == {
+        k: v for k, v in rows[0].items() if k != timing}
+    assert len(played_seeds) == 3
+
+    with_baselines = PlayedRuns()
+    run(make(SimulationConfig(orgs=2, clients_per_org=2, rounds=2, diagnostics=False)), [1],
+        with_baselines)
+    sweep(make, config, [{"tau": config.tau}], [1], with_baselines)
+    assert played_seeds[3:] == [(config.tau, True, 1), (config.tau, False, 1)]
+
+
 def test_llm_summarizers_speak_to_the_llm_endpoint_or_are_refused(tiny_dataset):
     from tests.chat_server import ChatServer
 

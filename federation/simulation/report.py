@@ -11,12 +11,37 @@ from typing import Any
 
 import numpy as np
 
-from federation.simulation.runner import METHODS, SCREENING_KEYS, Simulation, SimulationConfig
+from federation.simulation.runner import (
+    METHODS,
+    SCREENING_KEYS,
+    SeedResult,
+    Simulation,
+    SimulationConfig,
+)
 
 
-def run(simulation: Simulation, seeds: list[int]) -> dict[str, Any]:
+class PlayedRuns:
+    """The federations a `simulate` command has played, by configuration: a sweep variant that is
+    the main run's configuration (or an earlier sweep's) reuses its seeds instead of playing the
+    same deterministic federation again."""
+
+    def __init__(self) -> None:
+        self._played: list[tuple[SimulationConfig, dict[int, SeedResult]]] = []
+
+    def results(self, simulation: Simulation, seeds: list[int]) -> list[SeedResult]:
+        by_seed = next((seen for config, seen in self._played if config == simulation.config), None)
+        if by_seed is None:
+            by_seed = {}
+            self._played.append((dataclasses.replace(simulation.config), by_seed))
+        for seed in seeds:
+            if seed not in by_seed:
+                by_seed[seed] = simulation.run_seed(seed)
+        return [by_seed[seed] for seed in seeds]
+
+
+def run(simulation: Simulation, seeds: list[int], played: PlayedRuns | None = None) -> dict[str, Any]:
     started = time.perf_counter()
-    per_seed = [simulation.run_seed(seed) for seed in seeds]
+    per_seed = (played or PlayedRuns()).results(simulation, seeds)
     rows = [row for result in per_seed for row in result.rows]
     return {
         "dataset": simulation.dataset.name,
@@ -176,18 +201,20 @@ def sweep(
     base: SimulationConfig,
     variants: list[dict[str, Any]],
     seeds: list[int],
+    played: PlayedRuns | None = None,
 ) -> list[dict[str, Any]]:
     """Run SYNAPSE alone (no baselines) under each variant of the configuration; one row per
     variant with final-round accuracy (mean over seeds) and the privacy figures. No transfer
-    evaluation inside a sweep."""
+    evaluation inside a sweep. With `played`, a variant already played (the main run without
+    baselines, diagnostics or transfer, or another sweep's row) is not played again."""
+    played = played or PlayedRuns()
     rows = []
     for changes in variants:
         config = dataclasses.replace(
             base, baselines=False, diagnostics=False, transfer_models=(), transfer_rerankers=(),
             **changes,
         )
-        simulation = make(config)
-        results = [simulation.run_seed(seed) for seed in seeds]
+        results = played.results(make(config), seeds)
         last = [r.rows[-1]["accuracy"] for r in results]
         privacy = _mean_dicts([r.privacy for r in results])
         communication = _mean_dicts([r.communication for r in results])

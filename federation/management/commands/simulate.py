@@ -10,7 +10,7 @@ from compendium.registry import RegistryFormatError, load_dataset
 from compendium.schema import Schema
 from federation.merge.summarize import LLM_SUMMARIZERS
 from federation.merge.summarize import ORDER as SUMMARIZERS
-from federation.simulation.report import combine, run, sweep, table
+from federation.simulation.report import PlayedRuns, combine, run, sweep, table
 from federation.simulation.runner import ADVERSARIAL_MODES, Simulation, SimulationConfig
 from routing.embeddings import EmbeddingModelUnavailable, get_engine
 from routing.llm import LLMUnavailable
@@ -316,17 +316,20 @@ class Command(BaseCommand):
         except (ValueError, EmbeddingModelUnavailable, LLMUnavailable) as exc:
             raise CommandError(str(exc)) from None
         try:
-            document = run(simulation, seeds)
+            played = PlayedRuns()  # a sweep variant equal to a run already played reuses it
+            document = run(simulation, seeds, played)
             if o["sweep_epsilon"] or o["sweep_lambda"]:
                 epsilons = _floats(o["sweep_epsilon"]) or [config.epsilon]
                 lambdas = _floats(o["sweep_lambda"]) or [config.mask_strength]
                 variants = [{"epsilon": e, "mask_strength": m} for e in epsilons for m in lambdas]
-                document["privacy_sweep"] = sweep(make, config, variants, seeds)
+                document["privacy_sweep"] = sweep(make, config, variants, seeds, played)
             if o["sweep_min_users"]:
                 ks = [int(k) for k in _floats(o["sweep_min_users"])]
                 if any(k < 1 for k in ks):
                     raise CommandError("--sweep-min-users: every k must be at least 1")
-                document["release_sweep"] = sweep(make, config, [{"min_users": k} for k in ks], seeds)
+                document["release_sweep"] = sweep(
+                    make, config, [{"min_users": k} for k in ks], seeds, played
+                )
             if o["sweep_adversarial"]:
                 fractions = _floats(o["sweep_adversarial"])
                 modes = [m for m in o["sweep_modes"].split(",") if m]
@@ -340,20 +343,22 @@ class Command(BaseCommand):
                     for f in fractions
                     for r in rules
                 ]
-                document["adversarial"] = sweep(make, config, variants, seeds)
+                document["adversarial"] = sweep(make, config, variants, seeds, played)
             if taus:
-                document["tau_sweep"] = sweep(make, config, [{"tau": t} for t in taus], seeds)
+                document["tau_sweep"] = sweep(
+                    make, config, [{"tau": t} for t in taus], seeds, played
+                )
             if summarizers:
                 document["summarizer_sweep"] = sweep(
-                    make, config, [{"summarizer": name} for name in summarizers], seeds
+                    make, config, [{"summarizer": name} for name in summarizers], seeds, played
                 )
             if contradictions:
                 variants = [{"contradiction_fraction": share, "conflict_log": log}
                             for share in contradictions for log in (True, False)]
-                document["contradictions"] = sweep(make, config, variants, seeds)
+                document["contradictions"] = sweep(make, config, variants, seeds, played)
             if cadences:
                 document["cadence"] = sweep(
-                    make, config, [{"aggregate_every": k} for k in cadences], seeds
+                    make, config, [{"aggregate_every": k} for k in cadences], seeds, played
                 )
         except ValueError as exc:
             raise CommandError(str(exc)) from None
