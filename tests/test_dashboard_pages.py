@@ -658,8 +658,9 @@ def test_conflicts_paginate(client, fed):
 def test_accuracy_page_draws_contradictions_cadence_curves_and_the_tau_and_summarizer_sweeps(client, fed):
     cadence = [
         {"aggregate_every": every, "seeds": 1, "accuracy": curve[-1], "accuracy_sd": 0.0,
+         "bytes_per_client_round": sent, "global_scenarios": 1200.0,
          **{f"accuracy_round_{r}": a for r, a in enumerate(curve, start=1)}}
-        for every, curve in ((1, [0.6, 0.7, 0.65, 0.8]), (0, [0.6, 0.6, 0.4, 0.4]))
+        for every, curve, sent in ((1, [0.6, 0.7, 0.65, 0.8], 12059.5), (0, [0.6, 0.6, 0.4, 0.4], 7895.5))
     ]
     tau = [{"tau": t, "seeds": 1, "accuracy": a, "accuracy_sd": 0.0, "global_scenarios": n,
             "global_size_bytes": n * 100.0, "dedup_rate": d}
@@ -667,9 +668,9 @@ def test_accuracy_page_draws_contradictions_cadence_curves_and_the_tau_and_summa
     summarizers = [{"summarizer": "centroid", "seeds": 1, "accuracy": 0.77, "accuracy_sd": 0.0,
                     "merge_seconds_per_round": 12.5}]
     contradictions = [{"contradiction_fraction": share, "conflict_log": log, "seeds": 1,
-                       "accuracy": a, "accuracy_sd": 0.0}
-                      for share, log, a in ((0.4, False, 0.5), (0.0, True, 0.8), (0.4, True, 0.7),
-                                            (0.0, False, 0.8))]
+                       "accuracy": a, "accuracy_sd": 0.0, "global_scenarios": n}
+                      for share, log, a, n in ((0.4, False, 0.5, 1634.2), (0.0, True, 0.8, 500.0),
+                                               (0.4, True, 0.7, 502.8), (0.0, False, 0.8, 514.4))]
     SimulationRun.objects.create(label="stresses", dataset="tiny", document={
         **DOCUMENT, "config": {"drift_every": 2}, "cadence": cadence, "tau_sweep": tau,
         "summarizer_sweep": summarizers, "contradictions": contradictions})
@@ -688,6 +689,18 @@ def test_accuracy_page_draws_contradictions_cadence_curves_and_the_tau_and_summa
     assert "55%" in table[: table.index("</table>")]
     table = body[body.index('id="accuracy-summarizer-table"'):]
     assert "centroid" in table and "12.50" in table[: table.index("</table>")]
+    # The sweeps' figures as tables: per share, with and without the log side by side.
+    table = body[body.index('id="accuracy-contradictions-table"'):]
+    rows = table[: table.index("</table>")].split("<tr>")[2:]
+    assert [r[: r.index("</td>")] for r in rows] == ['<td class="num">0%', '<td class="num">40%']
+    assert "0.700" in rows[1] and "0.500" in rows[1] and "0.200" in rows[1]  # 0.7 - 0.5 kept
+    assert "503 / 1,634" in rows[1]
+    table = body[body.index('id="accuracy-cadence-table"'):]
+    every, frozen = table[: table.index("</table>")].split("<tr>")[2:]
+    assert "every 1" in every and "0.688" in every and "0.600 (round 1)" in every  # mean, worst
+    assert "12,060" in every
+    assert "frozen after round 1" in frozen and "0.400 (round 3)" in frozen and "7,896" in frozen
+    assert "new tool categories coming into use every 2 rounds" in body
 
 
 def test_a_conflict_across_tools_shows_the_losing_tool_and_composes_its_precaution(client, fed):

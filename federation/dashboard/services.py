@@ -740,6 +740,9 @@ class AccuracyPage:
     summarizer_sweep: list[dict] = field(default_factory=list)
     cadence: list[dict] = field(default_factory=list)  # per cadence: accuracy per round
     contradictions: list[dict] = field(default_factory=list)  # per (share, conflict log)
+    contradiction_table: list[dict] = field(default_factory=list)  # per share: with / without
+    cadence_table: list[dict] = field(default_factory=list)  # per cadence: last, worst, mean round
+    drift_every: int = 0  # the run's workload drift: new categories every D rounds (0: none)
 
 
 def accuracy_page(run_id=None) -> AccuracyPage:
@@ -773,6 +776,9 @@ def accuracy_page(run_id=None) -> AccuracyPage:
     page.cadence = list(doc.get("cadence") or [])
     page.contradictions = sorted(doc.get("contradictions") or [],
                                  key=lambda r: (r.get("contradiction_fraction", 0), not r.get("conflict_log")))
+    page.contradiction_table = _contradiction_table(page.contradictions)
+    page.cadence_table = [_cadence_row(row) for row in page.cadence]
+    page.drift_every = int((doc.get("config") or {}).get("drift_every") or 0)
 
     curves = go.Figure()
     by_method: dict[str, list[dict]] = defaultdict(list)
@@ -879,15 +885,51 @@ def accuracy_page(run_id=None) -> AccuracyPage:
     return page
 
 
+def _contradiction_table(rows: list[dict]) -> list[dict]:
+    """One line per contradicted share: the sweep's row with the conflict log (`with`) and the
+    ablation's (`without`), and the accuracy the log keeps (`gain`, None when one side is missing)."""
+    by_share: dict[float, dict] = {}
+    for row in rows:
+        line = by_share.setdefault(row.get("contradiction_fraction", 0), {"with": None, "without": None})
+        line["with" if row.get("conflict_log", True) else "without"] = row
+    table = []
+    for share, line in sorted(by_share.items()):
+        with_log, without = line["with"], line["without"]
+        gain = (with_log["accuracy"] - without["accuracy"]) if with_log and without else None
+        table.append({"share": share, "with": with_log, "without": without, "gain": gain})
+    return table
+
+
+def _round_accuracies(row: dict) -> list[tuple[int, float]]:
+    return sorted(
+        (int(k.removeprefix("accuracy_round_")), v) for k, v in row.items()
+        if k.startswith("accuracy_round_")
+    )
+
+
+def _cadence_row(row: dict) -> dict:
+    """A cadence's figures over the rounds: the last round's accuracy, the worst round and the
+    mean over the rounds (what the operators' users got on average under drift)."""
+    points = _round_accuracies(row)
+    worst = min(points, key=lambda p: p[1]) if points else (None, None)
+    return {
+        "aggregate_every": row.get("aggregate_every", 1),
+        "seeds": row.get("seeds"),
+        "accuracy": row.get("accuracy"),
+        "worst_round": worst[0],
+        "worst_accuracy": worst[1],
+        "mean_accuracy": sum(v for _, v in points) / len(points) if points else None,
+        "bytes_per_client_round": row.get("bytes_per_client_round"),
+        "global_scenarios": row.get("global_scenarios"),
+    }
+
+
 def _cadence_figure(rows: list[dict], config: dict) -> SafeString:
     """Accuracy per round under each aggregation cadence, drift events as dotted lines."""
     figure = go.Figure()
     last = 0
     for row in rows:
-        points = sorted(
-            (int(k.removeprefix("accuracy_round_")), v) for k, v in row.items()
-            if k.startswith("accuracy_round_")
-        )
+        points = _round_accuracies(row)
         last = max([last, *(r for r, _ in points)])
         every = row.get("aggregate_every", 1)
         figure.add_trace(go.Scatter(
@@ -897,9 +939,9 @@ def _cadence_figure(rows: list[dict], config: dict) -> SafeString:
     drift = int(config.get("drift_every") or 0)
     for event in range(1 + drift, last + 1, drift) if drift > 0 else ():
         figure.add_vline(x=event, line={"dash": "dot", "color": "#888"},
-                         annotation_text="new categories")
+                         annotation_text="new categories", annotation_position="top left")
     styled(figure, title={"text": "Accuracy over rounds by aggregation cadence"},
-           xaxis={"title": {"text": "round"}, "dtick": 1},
+           xaxis={"title": {"text": "round"}, "dtick": 1, "range": [0.5, last + 0.5]},
            yaxis={"title": {"text": "top-1 accuracy"}, "range": [0, 1]})
     return render_figure(figure, div_id="accuracy-cadence")
 
