@@ -853,7 +853,7 @@ def accuracy_page(run_id=None) -> AccuracyPage:
                yaxis={"title": {"text": "accuracy"}})
         page.charts["frontier"] = render_figure(frontier, div_id="privacy-frontier")
     if page.cadence:
-        page.charts["cadence"] = _cadence_figure(page.cadence, (doc.get("config") or {}))
+        page.charts["cadence"] = _cadence_figure(page.cadence, page.drift_every)
     if page.contradictions:
         conflicts = go.Figure()
         for log in (True, False):
@@ -924,7 +924,7 @@ def _cadence_row(row: dict) -> dict:
     }
 
 
-def _cadence_figure(rows: list[dict], config: dict) -> SafeString:
+def _cadence_figure(rows: list[dict], drift: int) -> SafeString:
     """Accuracy per round under each aggregation cadence, drift events as dotted lines."""
     figure = go.Figure()
     last = 0
@@ -936,7 +936,6 @@ def _cadence_figure(rows: list[dict], config: dict) -> SafeString:
             x=[r for r, _ in points], y=[v for _, v in points], mode="lines+markers",
             name="frozen after round 1" if every == 0 else f"aggregate every {every}",
         ))
-    drift = int(config.get("drift_every") or 0)
     for event in range(1 + drift, last + 1, drift) if drift > 0 else ():
         figure.add_vline(x=event, line={"dash": "dot", "color": "#888"},
                          annotation_text="new categories", annotation_position="top left")
