@@ -62,6 +62,18 @@ def test_runs_that_do_not_belong_together_are_refused(second, message):
         combine([doc([0], [0.7], 1.0), second])
 
 
+def test_a_file_from_before_an_option_existed_combines_with_runs_at_its_default():
+    from federation.simulation.runner import SimulationConfig
+
+    default = SimulationConfig().drift_every
+    newer = doc([1], [0.9], 1.0, config={"orgs": 2, "rounds": 1, "drift_every": default})
+    out = combine([doc([0], [0.7], 1.0), newer])
+    assert out["seeds"] == [0, 1] and out["config"]["drift_every"] == default
+    other = doc([1], [0.9], 1.0, config={"orgs": 2, "rounds": 1, "drift_every": default + 2})
+    with pytest.raises(ValueError, match=r"another configuration \(drift_every\)"):
+        combine([doc([0], [0.7], 1.0), other])
+
+
 def adversarial(fraction_accuracy: dict, seeds: list[int], auroc: float):
     """An adversarial sweep section: per (mode, fraction), the final accuracy of each seed."""
     return [

@@ -71,6 +71,14 @@ SWEEP_SECTIONS = (
 )
 
 
+def with_defaults(config: dict[str, Any]) -> dict[str, Any]:
+    """A document's configuration with every option it does not name at that option's default: a
+    file written before an option existed ran as its default runs (an option is added so that its
+    default keeps the behaviour there was), so it compares equal to a newer run at the default."""
+    defaults = dataclasses.asdict(SimulationConfig())
+    return {**{k: v for k, v in defaults.items() if k not in config}, **config}
+
+
 def combine(documents: list[dict[str, Any]]) -> dict[str, Any]:
     """One document from runs of the same dataset and configuration on disjoint seeds (e.g. the
     seeds of a long run split over processes or machines), as if one run had played them all:
@@ -79,12 +87,14 @@ def combine(documents: list[dict[str, Any]]) -> dict[str, Any]:
     ValueError naming what does not match."""
     if not documents:
         raise ValueError("nothing to combine")
-    first = documents[0]
-    seen: set[int] = set()
     for number, doc in enumerate(documents, start=1):
         for key in ("dataset", "config", "seeds", "results"):
             if key not in doc:
                 raise ValueError(f"document {number} has no {key!r}: not a simulate --out file")
+    documents = [{**doc, "config": with_defaults(doc["config"])} for doc in documents]
+    first = documents[0]
+    seen: set[int] = set()
+    for number, doc in enumerate(documents, start=1):
         if doc["dataset"] != first["dataset"]:
             raise ValueError(f"document {number} is of dataset {doc['dataset']!r}, not {first['dataset']!r}")
         if doc["config"] != first["config"]:
