@@ -25,7 +25,6 @@ Nothing here changes what clients send: only the server's routing model differs.
 from __future__ import annotations
 
 import os
-import random
 import sys
 import tempfile
 import time
@@ -61,7 +60,7 @@ def main(argv: list[str] | None = None) -> int:
     from compendium.masking import without_placeholders
     from compendium.registry import load_dataset
     from compendium.schema import Schema
-    from federation.simulation.runner import Simulation, SimulationConfig
+    from federation.simulation.runner import Simulation, SimulationConfig, probe_halves
     from routing.embeddings import DEFAULT_MODEL, get_engine
     from routing.finetune import fine_tune_encoder
 
@@ -78,13 +77,7 @@ def main(argv: list[str] | None = None) -> int:
     started = time.perf_counter()
     for seed in range(args.seed, args.seed + max(1, args.seeds)):
         setup = simulation.prepare(seed)
-        starts = (
-            {s.client: setup.starts(s, simulation.category_of) for s in setup.shares}
-            if setup.category_start else None
-        )
-        outcomes = simulation.federate(
-            setup.shares, setup.logs, setup.split.probe, seed, setup.adversaries, starts
-        )
+        outcomes = simulation.play(setup, seed)
         final = outcomes[-1].global_compendium
         probe = setup.split.probe
 
@@ -98,9 +91,8 @@ def main(argv: list[str] | None = None) -> int:
                 texts.append(meta.description)
                 labels.append(meta.tool_id)
         if args.probe_rows == "learn-half":
-            # The half of the probe the router's head learns from (Simulation.router's split).
-            order = random.Random(len(probe)).sample(range(len(probe)), len(probe))
-            for i in sorted(order[: len(order) // 2]):
+            learn, _ = probe_halves(len(probe))  # the half the router's head learns from
+            for i in learn:
                 if probe[i].tool_id in tools:
                     texts.append(probe[i].query)
                     labels.append(probe[i].tool_id)

@@ -214,6 +214,13 @@ class TransferVariant:
 Progress = Callable[[str], None]
 
 
+def probe_halves(size: int) -> tuple[list[int], list[int]]:
+    """The positions of a probe split of `size` requests that a router's head learns from, and
+    those its fusion weights are fitted on (`Simulation.router`): a fixed shuffle, halved."""
+    order = random.Random(size).sample(range(size), size)
+    return sorted(order[: size // 2]), sorted(order[size // 2 :])
+
+
 def _records(lines: Sequence[dict], tool_ids: frozenset[str]):
     return [parse_record(line, number, tool_ids) for number, line in enumerate(lines, start=1)]
 
@@ -334,8 +341,7 @@ class Simulation:
         if self.config.linear_head:
             vectors = self._probe_vectors(engine, probe)
             labels = [q.tool_id for q in probe]
-            order = random.Random(len(pairs)).sample(range(len(pairs)), len(pairs))
-            learn, held = sorted(order[: len(order) // 2]), sorted(order[len(order) // 2 :])
+            learn, held = probe_halves(len(pairs))
             fitted = base.with_linear_head(examples=(vectors[learn], [labels[i] for i in learn]))
             pairs = [pairs[i] for i in held]
             base = base.with_linear_head(examples=(vectors, labels))
@@ -520,14 +526,21 @@ class Simulation:
                 plan = {}
         return SeedSetup(split, test, shares, logs, adversaries, plan)
 
+    def play(self, setup: SeedSetup, seed: int) -> list[RoundOutcome]:
+        """The seed's federation, round by round, from what `prepare(seed)` gave."""
+        starts = (
+            {s.client: setup.starts(s, self.category_of) for s in setup.shares}
+            if setup.category_start else None
+        )
+        return self.federate(setup.shares, setup.logs, setup.split.probe, seed, setup.adversaries, starts)
+
     def run_seed(self, seed: int) -> SeedResult:
         c = self.config
         setup = self.prepare(seed)
         split, test, shares, logs = setup.split, setup.test, setup.shares, setup.logs
         variants = self.transfer_variants()  # checked before the federation runs
         result = SeedResult(seed)
-        starts = {s.client: setup.starts(s, self.category_of) for s in shares} if setup.category_start else None
-        outcomes = self.federate(shares, logs, split.probe, seed, setup.adversaries, starts)
+        outcomes = self.play(setup, seed)
         result.screening = screening(outcomes, setup.adversaries or set())
         final = outcomes[-1]
         self.progress(f"seed {seed}: evaluating")
