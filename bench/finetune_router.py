@@ -57,12 +57,12 @@ def main(argv: list[str] | None = None) -> int:
     django.setup()
     if args.threads:
         torch.set_num_threads(args.threads)
-    from compendium.masking import without_placeholders
     from compendium.registry import load_dataset
     from compendium.schema import Schema
-    from federation.simulation.runner import Simulation, SimulationConfig, probe_halves
+    from federation.simulation.runner import Simulation, SimulationConfig
     from routing.embeddings import DEFAULT_MODEL, get_engine
-    from routing.finetune import fine_tune_encoder
+    from routing.finetune import fine_tune_encoder, tuning_rows
+    from routing.router import probe_halves
 
     dataset = load_dataset(args.dataset)
     config = SimulationConfig(
@@ -83,19 +83,11 @@ def main(argv: list[str] | None = None) -> int:
 
         rows.append(score(simulation, final, setup, seed, "simulation engine", simulation.engine))
         rows.append(score(simulation, final, setup, seed, "minilm fp32", get_engine(DEFAULT_MODEL)))
-        tools = {s.tool_id for s in final.scenarios}
-        texts = [without_placeholders(s.text) for s in final.scenarios]
-        labels = [s.tool_id for s in final.scenarios]
-        for meta in final.metadata:
-            if meta.description and meta.tool_id in tools:
-                texts.append(meta.description)
-                labels.append(meta.tool_id)
+        examples = []
         if args.probe_rows == "learn-half":
             learn, _ = probe_halves(len(probe))  # the half the router's head learns from
-            for i in learn:
-                if probe[i].tool_id in tools:
-                    texts.append(probe[i].query)
-                    labels.append(probe[i].tool_id)
+            examples = [(probe[i].query, probe[i].tool_id) for i in learn]
+        texts, labels = tuning_rows(final, examples)
         simulation.progress(f"seed {seed}: fine-tuning on {len(texts)} rows, {args.epochs} epoch(s)")
         tuned_at = time.perf_counter()
         with tempfile.TemporaryDirectory(prefix="synapse-finetuned-") as path:

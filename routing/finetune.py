@@ -4,13 +4,31 @@ apart through a linear layer over its normalized embedding, started from the log
 the router's head fits (`routing.router.HEAD_C`). The result is a sentence-transformers model
 directory that any engine setting taking a model path loads (`get_engine(path)`).
 
+`tune_router` is the whole step the server runs after publishing a global (`routing.tuning`) and
+`manage.py simulate --tune-router` runs after each simulated round: fine-tune on the global's
+scenarios, its descriptions and the half of the public probe set the head learns from
+(`tuning_rows`), re-embed the global with the tuned model, refit the router on the probe
+(`routing.router.fit_router`: head on the whole probe, fusion weights and calibration on the half
+the encoder never saw), and save it all in one folder that `load_tuned_router` reads back.
+
 Measured in `bench/finetune_router.py` (see `bench/results/EXPERIMENTS.md`): one epoch on
 MetaTool globals lifts top-1 by 1.5 ± 0.5 points over the frozen model. Pure: no Django."""
 
 from __future__ import annotations
 
+import json
+import time
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
+
+import numpy as np
+
+from compendium.masking import without_placeholders
+from compendium.schema import Compendium
+
+ROUTER_STATE = "synapse-router.npz"  # beside the model: scenario/precaution vectors, head
+ROUTER_PARAMS = "synapse-router-params.json"
 
 
 def fine_tune_encoder(
@@ -24,12 +42,14 @@ def fine_tune_encoder(
     batch_size: int = 32,
     encoder_lr: float = 3e-5,
     layer_lr: float = 1e-3,
+    device: str | None = None,
 ) -> Path:
     """Fine-tune `base_model` (a sentence-transformers path; default: the bundled MiniLM, fp32)
     to tell `labels` apart from `texts` (one label per text), `epochs` passes in seeded order, and
     save it to `out_dir`. Texts are read as given: strip masking placeholders beforehand, as the
     engine does. Raises ValueError on texts and labels of different lengths, fewer than two
-    labels, or fewer than one epoch."""
+    labels, or fewer than one epoch. `device`: a torch device (default: CUDA where there is
+    one, else the CPU); the saved model loads anywhere."""
     import numpy as np
     import torch
     from sentence_transformers import SentenceTransformer
@@ -50,7 +70,8 @@ def fine_tune_encoder(
     y = torch.tensor([position[label] for label in labels])
 
     torch.manual_seed(seed)
-    model = SentenceTransformer(_resolve(base_model or DEFAULT_MODEL), device="cpu")
+    device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+    model = SentenceTransformer(_resolve(base_model or DEFAULT_MODEL), device=device)
     model.eval()
     with torch.no_grad():
         frozen = model.encode(texts, batch_size=64, normalize_embeddings=True)
@@ -64,6 +85,8 @@ def fine_tune_encoder(
             intercept = np.concatenate([np.zeros_like(intercept), intercept])
         layer.weight.copy_(torch.from_numpy(coef))
         layer.bias.copy_(torch.from_numpy(intercept))
+    layer.to(model.device)
+    y = y.to(model.device)
     optimizer = torch.optim.AdamW(
         [{"params": model.parameters(), "lr": encoder_lr}, {"params": layer.parameters(), "lr": layer_lr}],
         weight_decay=0.01,
@@ -74,9 +97,11 @@ def fine_tune_encoder(
         permutation = torch.randperm(len(texts), generator=order)
         for first in range(0, len(texts), batch_size):
             batch = permutation[first : first + batch_size]
-            pooled = model(model.preprocess([texts[i] for i in batch]))["sentence_embedding"]
+            features = model.preprocess([texts[i] for i in batch])
+            features = {k: v.to(model.device) if hasattr(v, "to") else v for k, v in features.items()}
+            pooled = model(features)["sentence_embedding"]
             logits = layer(torch.nn.functional.normalize(pooled, dim=-1))
-            loss = torch.nn.functional.cross_entropy(logits, y[batch])
+            loss = torch.nn.functional.cross_entropy(logits, y[batch.to(model.device)])
             optimizer.zero_grad()
             loss.backward()
             optimizer.step()
@@ -84,3 +109,101 @@ def fine_tune_encoder(
     out = Path(out_dir)
     model.save(str(out))
     return out
+
+
+def tuning_rows(
+    compendium: Compendium, examples: Sequence[tuple[str, str]] = ()
+) -> tuple[list[str], list[str]]:
+    """What the encoder learns from, as (texts, tool ids): every scenario of `compendium` (as the
+    engine reads it, without masking placeholders), the description of every tool that has
+    scenarios, and the labelled `examples` ((request, tool id), public probe requests) whose tool
+    has scenarios (others can never be chosen)."""
+    tools = {s.tool_id for s in compendium.scenarios}
+    texts = [without_placeholders(s.text) for s in compendium.scenarios]
+    labels = [s.tool_id for s in compendium.scenarios]
+    for meta in compendium.metadata:
+        if meta.description and meta.tool_id in tools:
+            texts.append(meta.description)
+            labels.append(meta.tool_id)
+    for text, tool in examples:
+        if tool in tools:
+            texts.append(text)
+            labels.append(tool)
+    return texts, labels
+
+
+@dataclass
+class TunedRouter:
+    directory: Path
+    router: object  # routing.router.Router, fusion reranker, with the tuned engine
+    rows: int  # texts the encoder was tuned on
+    seconds: float  # fine-tuning, re-embedding and refitting
+
+
+def tune_router(
+    compendium: Compendium,
+    probe: Sequence[tuple[str, str]],
+    out_dir: str | Path,
+    *,
+    epochs: int = 1,
+    seed: int = 0,
+    base_model: str | None = None,
+    fit_limit: int | None = 1000,
+    device: str | None = None,
+) -> TunedRouter:
+    """Fine-tune the encoder on `compendium` and the learn half of the public `probe` ((request,
+    tool id) pairs; `routing.router.probe_halves`), then build the router that routes with it
+    (`routing.router.fit_router`: its fusion weights are fitted on the half the encoder never
+    saw) and save model, vectors, head and weights in `out_dir`. Raises ValueError when the
+    compendium has scenarios of fewer than two tools."""
+    from routing.embeddings import EmbeddingEngine
+    from routing.router import fit_router, probe_halves
+
+    started = time.perf_counter()
+    probe = list(probe)
+    learn, _ = probe_halves(len(probe))
+    texts, labels = tuning_rows(compendium, [probe[i] for i in learn])
+    out = fine_tune_encoder(
+        texts, labels, out_dir, base_model=base_model, epochs=epochs, seed=seed, device=device
+    )
+    engine = EmbeddingEngine(str(out))
+    scenario_vectors = engine.embed([s.text for s in compendium.scenarios])
+    precaution_vectors = (
+        engine.embed([p.text for p in compendium.precautions])
+        if compendium.precautions
+        else np.zeros((0, engine.dimension), dtype=np.float32)
+    )
+    router = fit_router(
+        compendium, engine, probe, fit_limit=fit_limit,
+        scenario_embeddings=scenario_vectors, precaution_embeddings=precaution_vectors,
+        fitted_on="probe set, the half the tuned encoder did not learn from",
+    )
+    state = {"scenarios": scenario_vectors, "precautions": precaution_vectors}
+    if router.head is not None:
+        state["head"] = np.frombuffer(router.head.to_bytes(), dtype=np.uint8)
+    np.savez(out / ROUTER_STATE, **state)
+    (out / ROUTER_PARAMS).write_text(router.params.to_json())
+    return TunedRouter(out, router, len(texts), time.perf_counter() - started)
+
+
+@dataclass
+class LoadedTunedRouter:
+    engine: object  # routing.embeddings.EmbeddingEngine over the tuned model
+    scenario_embeddings: np.ndarray  # row-aligned with the compendium's scenarios
+    precaution_embeddings: np.ndarray  # row-aligned with the compendium's precautions
+    head: object | None  # routing.router.LinearHead
+    params: object  # routing.router.RoutingParams
+
+
+def load_tuned_router(directory: str | Path) -> LoadedTunedRouter:
+    """What `tune_router` saved in `directory`. Raises FileNotFoundError when it is not there."""
+    from routing.embeddings import EmbeddingEngine
+    from routing.router import LinearHead, RoutingParams
+
+    directory = Path(directory)
+    with np.load(directory / ROUTER_STATE, allow_pickle=False) as state:
+        scenarios = np.asarray(state["scenarios"], dtype=np.float32)
+        precautions = np.asarray(state["precautions"], dtype=np.float32)
+        head = LinearHead.from_bytes(state["head"].tobytes()) if "head" in state.files else None
+    params = RoutingParams.from_dict(json.loads((directory / ROUTER_PARAMS).read_text()))
+    return LoadedTunedRouter(EmbeddingEngine(str(directory)), scenarios, precautions, head, params)

@@ -20,6 +20,7 @@ uses the very same decision code with pgvector retrieval plugged in as the retri
 from __future__ import annotations
 
 import json
+import random
 import re
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
@@ -705,3 +706,57 @@ def fit_params(
     params.calibration["llm"] = params.calibration["fusion"]
     params.report = report
     return params
+
+
+def probe_halves(size: int) -> tuple[list[int], list[int]]:
+    """The positions of a probe set of `size` requests that a router's head learns from, and
+    those its fusion weights are fitted on (`fit_router`): a fixed shuffle, halved."""
+    order = random.Random(size).sample(range(size), size)
+    return sorted(order[: size // 2]), sorted(order[size // 2 :])
+
+
+def fit_router(
+    compendium: Compendium,
+    engine,
+    probe: Sequence[tuple[str, str]],
+    reranker: str = "fusion",
+    *,
+    probe_vectors: np.ndarray | None = None,
+    linear_head: bool = True,
+    fit_limit: int | None = 1000,
+    llm=None,
+    scenario_embeddings: np.ndarray | None = None,
+    precaution_embeddings: np.ndarray | None = None,
+    fitted_on: str = "probe set",
+) -> Router:
+    """A router over `compendium` with everything fitted on the public probe set `probe`
+    ((request, tool id) pairs, never test data): the linear head (`linear_head`) on the
+    compendium and the whole probe, as `federation.pipeline.routing_head` does; fusion weights
+    and calibration cross-fitted: on one half of the probe (`probe_halves`, at most `fit_limit`
+    pairs) with a head that learnt from the other half, so that they weigh a head that has not
+    seen the requests they are fitted on. `engine` embeds the queries and, unless given, the
+    scenarios and precautions; `probe_vectors`: the probe's requests embedded by `engine`."""
+    base = Router(
+        compendium, engine, "fusion",
+        scenario_embeddings=scenario_embeddings, precaution_embeddings=precaution_embeddings,
+    )
+    pairs = list(probe)
+    fitted = base
+    if linear_head:
+        if probe_vectors is None:
+            probe_vectors = engine.embed([q for q, _ in pairs]) if pairs else None
+        labels = [t for _, t in pairs]
+        learn, held = probe_halves(len(pairs))
+        if pairs:
+            fitted = base.with_linear_head(
+                examples=(probe_vectors[learn], [labels[i] for i in learn])
+            )
+            base = base.with_linear_head(examples=(probe_vectors, labels))
+        else:
+            fitted = base = base.with_linear_head()
+        pairs = [pairs[i] for i in held]
+    if fit_limit and len(pairs) > fit_limit:
+        pairs = random.Random(len(pairs)).sample(pairs, fit_limit)
+    params = fit_params(fitted, pairs, fitted_on=fitted_on) if pairs else base.params
+    return base.with_reranker(reranker, params=params, llm=llm)
+

@@ -57,7 +57,7 @@ from federation.simulation.metrics import (
     tokens,
 )
 from routing.embeddings import EmbeddingModelUnavailable, get_engine
-from routing.router import RERANKERS, Router, fit_params
+from routing.router import RERANKERS, Router, fit_router
 
 METHODS = (
     "synapse",
@@ -145,6 +145,10 @@ class SimulationConfig:
     # (`contradict`). `conflict_log`: the merges' IsConsistent and conflict log (RoundConfig).
     contradiction_fraction: float = 0.0
     conflict_log: bool = True
+    # The server's tuned router (`routing.finetune.tune_router`, SYNAPSE_ROUTER_TUNE_EPOCHS in the
+    # product): with E > 0, every published global (and Centralized's) is routed with an encoder
+    # fine-tuned on it for E epochs; `synapse_untuned` rows keep the frozen router's accuracy.
+    tune_router_epochs: int = 0
 
 
 @dataclass
@@ -212,13 +216,6 @@ class TransferVariant:
 
 
 Progress = Callable[[str], None]
-
-
-def probe_halves(size: int) -> tuple[list[int], list[int]]:
-    """The positions of a probe split of `size` requests that a router's head learns from, and
-    those its fusion weights are fitted on (`Simulation.router`): a fixed shuffle, halved."""
-    order = random.Random(size).sample(range(size), size)
-    return sorted(order[: size // 2]), sorted(order[size // 2 :])
 
 
 def _records(lines: Sequence[dict], tool_ids: frozenset[str]):
@@ -335,20 +332,35 @@ class Simulation:
         seen the requests they are fitted on. `engine` (default: the simulation's) embeds both
         the scenarios and the queries; `llm` is the `llm` reranker's backend."""
         engine = engine or self.engine
-        base = Router(compendium, engine, "fusion")
-        pairs = [(q.query, q.tool_id) for q in probe]
-        fitted = base
-        if self.config.linear_head:
-            vectors = self._probe_vectors(engine, probe)
-            labels = [q.tool_id for q in probe]
-            learn, held = probe_halves(len(pairs))
-            fitted = base.with_linear_head(examples=(vectors[learn], [labels[i] for i in learn]))
-            pairs = [pairs[i] for i in held]
-            base = base.with_linear_head(examples=(vectors, labels))
-        if self.config.fit_limit and len(pairs) > self.config.fit_limit:
-            pairs = random.Random(len(pairs)).sample(pairs, self.config.fit_limit)
-        params = fit_params(fitted, pairs, fitted_on="simulation probe split")
-        return base.with_reranker(reranker or self.config.reranker, params=params, llm=llm)
+        return fit_router(
+            compendium, engine, [(q.query, q.tool_id) for q in probe], reranker or self.config.reranker,
+            probe_vectors=self._probe_vectors(engine, probe) if self.config.linear_head else None,
+            linear_head=self.config.linear_head, fit_limit=self.config.fit_limit, llm=llm,
+            fitted_on="simulation probe split",
+        )
+
+    def tuned_router(
+        self, compendium: Compendium, probe: Sequence[LabelledQuery], seed: int, what: str
+    ) -> Router:
+        """The router the server publishes with `compendium` when it tunes its routing encoder
+        (`routing.finetune.tune_router`, `config.tune_router_epochs` epochs): the simulation's
+        model (in fp32 where it is a MiniLM build) fine-tuned on the compendium and the probe
+        split's learn half, its fusion weights fitted on the other half."""
+        import tempfile
+
+        from routing.embeddings import MINILM_BUILDS
+        from routing.finetune import tune_router
+
+        name = getattr(self.engine, "model_name", "")
+        base = None if name in MINILM_BUILDS else name
+        epochs = self.config.tune_router_epochs
+        self.progress(f"seed {seed}: {what}: tuning the routing encoder ({epochs} epoch(s))")
+        with tempfile.TemporaryDirectory(prefix="synapse-tuned-router-") as path:
+            tuned = tune_router(
+                compendium, [(q.query, q.tool_id) for q in probe], path, epochs=epochs,
+                seed=seed, base_model=base, fit_limit=self.config.fit_limit,
+            )
+        return tuned.router.with_reranker(self.config.reranker)
 
     def _probe_vectors(self, engine, probe: Sequence[LabelledQuery]) -> np.ndarray:
         """The probe split embedded by `engine`, kept for the seed's later routers."""
@@ -544,14 +556,22 @@ class Simulation:
         result.screening = screening(outcomes, setup.adversaries or set())
         final = outcomes[-1]
         self.progress(f"seed {seed}: evaluating")
-        router = static = routed = None
+        router = untuned = static = routed = None
         for outcome in outcomes:
             if outcome.global_compendium is not routed:  # a round without aggregation keeps it
                 routed = outcome.global_compendium
-                router = self.router(routed, split.probe)
+                router = untuned = self.router(routed, split.probe)
+                if c.tune_router_epochs:
+                    router = self.tuned_router(routed, split.probe, seed, f"round {outcome.round}")
+                if static is None:  # the round-1 global's router, frozen
+                    static = router
             scored = setup.test_at(outcome.round, self.category_of)
             report = self.evaluate(router, scored)
             result.rows.append(_row("synapse", outcome.round, seed, report))
+            if c.tune_router_epochs:
+                result.rows.append(
+                    _row("synapse_untuned", outcome.round, seed, self.evaluate(untuned, scored))
+                )
             result.rounds.append(
                 {
                     "round": outcome.round,
@@ -569,7 +589,6 @@ class Simulation:
             if c.baselines:
                 bypass = self.evaluate(router.with_reranker("none"), scored)
                 result.rows.append(_row("reranker_bypass", outcome.round, seed, bypass))
-                static = static or self.router(outcomes[0].global_compendium, split.probe)
                 result.rows.append(
                     _row("static_global", outcome.round, seed, self.evaluate(static, scored))
                 )
@@ -690,7 +709,11 @@ class Simulation:
     def baselines(self, shares, logs, final: RoundOutcome, split, test, seed) -> dict[str, Any]:
         out = {}
         central_global = self.centralized_global(shares, logs, split, seed)
-        out["centralized"] = self.evaluate(self.router(central_global, split.probe), test)
+        if self.config.tune_router_epochs:
+            central_router = self.tuned_router(central_global, split.probe, seed, "centralized")
+        else:
+            central_router = self.router(central_global, split.probe)
+        out["centralized"] = self.evaluate(central_router, test)
 
         local = [
             self.evaluate(self.router(compendium, split.probe), test)

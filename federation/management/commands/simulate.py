@@ -164,6 +164,12 @@ class Command(BaseCommand):
             help="e.g. 0,0.2,0.4,0.6: contradictory-scenario injection, each share with and "
             "without the conflict log",
         )
+        parser.add_argument(
+            "--tune-router", type=int, default=0, metavar="EPOCHS",
+            help="route each published global (and Centralized's) with an encoder fine-tuned on "
+            "it for EPOCHS epochs, as the server does with SYNAPSE_ROUTER_TUNE_EPOCHS; rows "
+            "synapse_untuned keep the frozen router's accuracy (0: off)",
+        )
         parser.add_argument("--embedding-model", default=None)
         parser.add_argument(
             "--transfer-models",
@@ -292,6 +298,7 @@ class Command(BaseCommand):
             drift_every=o["drift_every"],
             contradiction_fraction=o["contradiction_fraction"],
             conflict_log=not o["no_conflict_log"],
+            tune_router_epochs=o["tune_router"],
         )
         if (config.llm_url and "llm" not in config.transfer_rerankers
                 and not {config.summarizer, *summarizers} & set(LLM_SUMMARIZERS)):
