@@ -34,6 +34,7 @@ from federation.models import (
     Round,
 )
 from federation.round_config import RoundConfig
+from federation.signals import global_published
 
 log = logging.getLogger(__name__)
 
@@ -387,6 +388,9 @@ def run_server_merge(round_id: int, *, embed=None) -> str:
         if locked.published_at is None:
             locked.published_at = timezone.now()
         locked.save(update_fields=["state", "failure_reason", "published_at"])
+        transaction.on_commit(
+            lambda: global_published.send(sender=Round, round=locked, version=version)
+        )
     return version.sha256
 
 

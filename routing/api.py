@@ -66,6 +66,9 @@ _DECISION = inline_serializer(
         "precautions": serializers.ListField(child=serializers.CharField()),
         "template": serializers.CharField(allow_null=True),
         "compendium_round": serializers.IntegerField(),
+        "tuned_router": serializers.BooleanField(
+            help_text="routed with the encoder fine-tuned on this global (SYNAPSE_ROUTER_TUNE_EPOCHS)"
+        ),
         "latency_ms": serializers.FloatField(),
     },
 )

@@ -10,9 +10,10 @@ class RoutingConfig(AppConfig):
 
         from compendium.models import CompendiumVersion
         from federation.models import Round
+        from routing.models import TunedRouter
         from routing.services import forget_published_version
 
-        for model in (CompendiumVersion, Round):
+        for model in (CompendiumVersion, Round, TunedRouter):
             post_save.connect(
                 forget_published_version,
                 sender=model,

@@ -44,3 +44,38 @@ class RoutingCall(models.Model):
 
     class Meta:
         ordering = ["-at"]
+
+
+class TunedRouter(models.Model):
+    """The routing encoder fine-tuned on one published global (`routing.tuning`): its state and
+    the folder that holds the model, the global re-embedded by it, its head and fusion weights.
+    The routing API routes with it once it is ready; until then, and when it fails, with the
+    frozen MiniLM."""
+
+    class State(models.TextChoices):
+        QUEUED = "queued"
+        RUNNING = "running"
+        READY = "ready"
+        FAILED = "failed"
+        SKIPPED = "skipped"  # a newer global was published before it ran
+        RETIRED = "retired"  # a newer global's router is ready; its folder is removed
+
+    version = models.OneToOneField(
+        "compendium.CompendiumVersion", on_delete=models.CASCADE, related_name="tuned_router"
+    )
+    state = models.CharField(max_length=8, choices=State.choices, default=State.QUEUED)
+    epochs = models.PositiveSmallIntegerField()
+    directory = models.CharField(max_length=500, blank=True)
+    rows = models.PositiveIntegerField(null=True)  # texts the encoder learnt from
+    seconds = models.FloatField(null=True)  # fine-tuning, re-embedding and refitting
+    probe_accuracy = models.FloatField(null=True)  # top-1 on the probe half it did not learn from
+    frozen_probe_accuracy = models.FloatField(null=True)  # the frozen router's, same half
+    detail = models.TextField(blank=True)  # why it failed or was skipped
+    created_at = models.DateTimeField(auto_now_add=True)
+    finished_at = models.DateTimeField(null=True)
+
+    class Meta:
+        ordering = ["-created_at"]
+
+    def __str__(self) -> str:
+        return f"tuned router of {self.version} ({self.state})"

@@ -78,7 +78,7 @@ def published_global_version() -> CompendiumVersion | None:
     """The latest global compendium whose round is published."""
     return (
         CompendiumVersion.objects.filter(kind=CompendiumVersion.Kind.GLOBAL, round__state="published")
-        .defer("routing_head")  # read once per version, by `_build`
+        .defer("routing_head")  # read once per version, by `build_served`
         .select_related("round")
         .order_by("-round__number")
         .first()
@@ -88,7 +88,7 @@ def published_global_version() -> CompendiumVersion | None:
 # Which version is published, remembered for a moment so that a routing call does not ask the
 # database every time. A save or delete of a round or compendium version in this process forgets
 # it at once (routing.apps connects the signals); other processes notice within the TTL.
-_published: tuple[float, CompendiumVersion | None] | None = None
+_published: tuple[float, CompendiumVersion | None, str] | None = None
 
 
 def version_ttl() -> float:
@@ -100,15 +100,24 @@ def forget_published_version(**_signal) -> None:
     _published = None
 
 
-def _current_version() -> CompendiumVersion | None:
+def _current_version() -> tuple[CompendiumVersion | None, str]:
+    """The published global and the folder of its ready tuned router ("" when there is none)."""
     global _published
     now = time.monotonic()
     if _published is not None and now - _published[0] < version_ttl():
-        return _published[1]
+        return _published[1], _published[2]
     version = published_global_version()
+    directory = ""
     if version is not None:  # "nothing published" is not remembered: the first publish is seen
-        _published = (now, version)
-    return version
+        from routing.models import TunedRouter
+
+        directory = (
+            TunedRouter.objects.filter(version=version, state=TunedRouter.State.READY)
+            .values_list("directory", flat=True)
+            .first()
+        ) or ""
+        _published = (now, version, directory)
+    return version, directory
 
 
 # --- pgvector retrieval -----------------------------------------------------------------------------
@@ -219,9 +228,10 @@ class ServedCompendium:
     index: ScenarioIndex
     retriever: Callable[[np.ndarray, int], tuple[np.ndarray, np.ndarray]]
     routers: dict[str, Router]
+    tuned: bool = False  # routed with the encoder tuned on this version (routing.tuning)
 
 
-_served: dict[tuple[int, str], ServedCompendium] = {}
+_served: dict[tuple[int, str, str], ServedCompendium] = {}
 _served_lock = threading.Lock()
 
 
@@ -229,11 +239,10 @@ def routing_params() -> RoutingParams:
     return RoutingParams.load(getattr(settings, "SYNAPSE_ROUTING_PARAMS", "") or None)
 
 
-def _build(version: CompendiumVersion) -> ServedCompendium:
-    from routing.embeddings import get_engine, get_query_engine
-    from routing.llm import get_llm
-
-    engine = get_query_engine()
+def served_rows(version: CompendiumVersion):
+    """The version's compendium as the routing API serves it, with its stored scenario and
+    precaution rows: scenarios in row id order (pgvector answers with their ids), only those
+    with embeddings."""
     scenario_rows = list(
         ScenarioEntry.objects.filter(version=version, embedding__isnull=False)
         .select_related("tool")
@@ -243,7 +252,6 @@ def _build(version: CompendiumVersion) -> ServedCompendium:
         PrecautionEntry.objects.filter(version=version).select_related("tool").order_by("id")
     )
     compendium = load_compendium(version)
-    # The stored rows, in id order, are the index: pgvector answers with their ids.
     compendium.scenarios = [
         Scenario(tool_id=r.tool.tool_id, text=r.text, preconditions=r.preconditions, support=r.support)
         for r in scenario_rows
@@ -251,6 +259,25 @@ def _build(version: CompendiumVersion) -> ServedCompendium:
     compendium.precautions = [
         Precaution(tool_id=r.tool.tool_id, text=r.text, support=r.support) for r in precaution_rows
     ]
+    return compendium, scenario_rows, precaution_rows
+
+
+def build_served(version: CompendiumVersion, tuned_directory: str = "") -> ServedCompendium:
+    """The routers of `version` (with the encoder tuned on it when `tuned_directory` holds one)."""
+    from routing.embeddings import get_engine, get_query_engine
+    from routing.llm import get_llm
+
+    compendium, scenario_rows, precaution_rows = served_rows(version)
+    llm = get_llm(
+        getattr(settings, "SYNAPSE_LLM_BASE_URL", None),
+        getattr(settings, "SYNAPSE_LLM_MODEL", None),
+        getattr(settings, "SYNAPSE_LLM_API_KEY", None),
+    )
+    if tuned_directory:
+        served = _build_tuned(version, compendium, tuned_directory, llm)
+        if served is not None:
+            return served
+    engine = get_query_engine()
     scenario_vectors = np.array([r.embedding for r in scenario_rows], dtype=np.float32).reshape(
         len(scenario_rows), engine.dimension
     )
@@ -274,11 +301,6 @@ def _build(version: CompendiumVersion) -> ServedCompendium:
             mode=mode,
         )
     params = routing_params()
-    llm = get_llm(
-        getattr(settings, "SYNAPSE_LLM_BASE_URL", None),
-        getattr(settings, "SYNAPSE_LLM_MODEL", None),
-        getattr(settings, "SYNAPSE_LLM_API_KEY", None),
-    )
     head = _stored_head(version, index)
     routers = {
         name: Router(
@@ -289,6 +311,35 @@ def _build(version: CompendiumVersion) -> ServedCompendium:
     }
     return ServedCompendium(
         version.pk, version.sha256, version.round.number, index, retriever, routers
+    )
+
+
+def _build_tuned(version, compendium, directory: str, llm) -> ServedCompendium | None:
+    """The served compendium routed with the encoder tuned on it (`routing.tuning`): queries and
+    the global embedded by the tuned model, retrieval in memory (pgvector holds the frozen
+    model's vectors), its own head and fusion weights. None, with a warning, when its folder
+    cannot be read or does not match the version: routing goes on with the frozen model."""
+    from routing.finetune import load_tuned_router
+
+    try:
+        tuned = load_tuned_router(directory)
+        index = ScenarioIndex(
+            compendium, tuned.engine, tuned.scenario_embeddings, tuned.precaution_embeddings
+        )
+        routers = {
+            name: Router(compendium, tuned.engine, name, params=tuned.params, llm=llm,
+                         index=index, head=tuned.head)
+            for name in RERANKERS
+        }
+    except Exception as exc:  # a lost or foreign folder must not stop routing
+        logging.getLogger(__name__).warning(
+            "round %s: the tuned router in %s cannot be used (%s: %s); routing with the frozen "
+            "model", version.round.number, directory, exc.__class__.__name__, exc,
+        )
+        return None
+    return ServedCompendium(
+        version.pk, version.sha256, version.round.number, index, index.retrieve, routers,
+        tuned=True,
     )
 
 
@@ -310,25 +361,25 @@ def _stored_head(version: CompendiumVersion, index: ScenarioIndex) -> LinearHead
 
 
 def served_compendium() -> ServedCompendium:
-    version = _current_version()
+    version, tuned_directory = _current_version()
     if version is None:
         raise NothingPublished(
             "no global compendium is published yet: routing starts after the first round is "
             "published"
         )
-    key = (version.pk, version.sha256)
+    key = (version.pk, version.sha256, tuned_directory)
     served = _served.get(key)
     if served is None:
         with _served_lock:
             served = _served.get(key)
             if served is None:
-                served = _build(version)
+                served = build_served(version, tuned_directory)
                 _served.clear()  # only the current version is kept
                 _served[key] = served
     return served
 
 
-def _payload(decision, round_number: int, latency_ms: float) -> dict:
+def _payload(decision, served: ServedCompendium, latency_ms: float) -> dict:
     return {
         "tool": decision.tool,
         "confidence": decision.confidence,
@@ -338,7 +389,8 @@ def _payload(decision, round_number: int, latency_ms: float) -> dict:
         "template": decision.template,
         "reranker": decision.reranker,
         "fallback_reason": decision.fallback_reason,
-        "compendium_round": round_number,
+        "compendium_round": served.round_number,
+        "tuned_router": served.tuned,
         "latency_ms": round(latency_ms, 3),
     }
 
@@ -353,7 +405,7 @@ def route_query(query: str, top_k: int | None = 5, reranker: str | None = None) 
     decision = served.routers[reranker].route(query, top_k)
     latency = (time.perf_counter() - started) * 1000
     recorder.record(latency, 1, reranker, served.round_number)
-    return _payload(decision, served.round_number, latency)
+    return _payload(decision, served, latency)
 
 
 def route_queries(queries, top_k: int | None = 5, reranker: str | None = None) -> dict:
@@ -374,8 +426,9 @@ def route_queries(queries, top_k: int | None = 5, reranker: str | None = None) -
     recorder.record(latency, len(queries), reranker, served.round_number)
     return {
         "compendium_round": served.round_number,
+        "tuned_router": served.tuned,
         "latency_ms": round(latency, 3),
-        "results": [_payload(d, served.round_number, latency / len(queries)) for d in decisions],
+        "results": [_payload(d, served, latency / len(queries)) for d in decisions],
     }
 
 

@@ -157,6 +157,11 @@ SYNAPSE_ROUTING_AUTHENTICATION = [
 # --- routing ------------------------------------------------------------------------------------
 SYNAPSE_ROUTING_RERANKER = os.environ.get("SYNAPSE_ROUTING_RERANKER", "fusion")  # fusion|none|llm
 SYNAPSE_ROUTING_PARAMS = os.environ.get("SYNAPSE_ROUTING_PARAMS", "")  # "" = routing/default_params.json
+# The tuned router (federation.tuning): after each publish, fine-tune the routing encoder on the
+# global for this many epochs (0: off; about 7 minutes per epoch on one CPU core at MetaTool's
+# size) in a task on SYNAPSE_ROUTER_TUNE_QUEUE ("" = the default queue).
+SYNAPSE_ROUTER_TUNE_EPOCHS = int(os.environ.get("SYNAPSE_ROUTER_TUNE_EPOCHS", "0"))
+SYNAPSE_ROUTER_TUNE_QUEUE = os.environ.get("SYNAPSE_ROUTER_TUNE_QUEUE", "")
 SYNAPSE_MAX_QUERY_CHARS = int(os.environ.get("SYNAPSE_MAX_QUERY_CHARS", "2000"))
 SYNAPSE_MAX_ROUTE_BATCH = int(os.environ.get("SYNAPSE_MAX_ROUTE_BATCH", "1000"))
 # Seconds a process keeps the published version before asking the database again.

@@ -34,7 +34,8 @@ CELERY = Path(sys.executable).with_name("celery")
 
 
 class Worker:
-    def __init__(self, queue_name: str, database_url: str):
+    def __init__(self, queue_name: str, database_url: str, extra_env: dict | None = None,
+                 queues: str | None = None):
         env = dict(os.environ)
         env.update(
             DATABASE_URL=database_url,
@@ -45,9 +46,10 @@ class Worker:
             SYNAPSE_CONN_MAX_AGE="0",
             CELERY_TASK_DEFAULT_QUEUE=queue_name,
         )
+        env.update(extra_env or {})
         self.process = subprocess.Popen(
             [str(CELERY), "-A", "synapse_web", "worker", "-l", "info", "-c", "1", "-P", "prefork",
-             "-Q", queue_name, "-n", f"{queue_name}@%h", "--without-gossip", "--without-mingle",
+             "-Q", queues or queue_name, "-n", f"{queue_name}@%h", "--without-gossip", "--without-mingle",
              "--without-heartbeat"],
             cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
         )
@@ -90,9 +92,13 @@ def _database_url() -> str:
 
 
 @pytest.fixture
-def worker(transactional_db):
+def worker(request, transactional_db, tmp_path_factory):
     from synapse_web.celery import app
 
+    # request.param: (environment for the worker, "<tmp>" = a fresh folder; extra queues)
+    extra_env, queues = getattr(request, "param", None) or ({}, None)
+    extra_env = {k: str(tmp_path_factory.mktemp("worker")) if v == "<tmp>" else v
+                 for k, v in extra_env.items()}
     queue_name = f"synapse-test-{uuid.uuid4().hex[:10]}"
     saved = {k: app.conf.get(k) for k in
              ("broker_url", "result_backend", "task_always_eager", "task_default_queue")}
@@ -103,7 +109,8 @@ def worker(transactional_db):
               app.amqp._producer_pool)
     app._backend_cache, app._local.backend, app._pool, app.amqp._producer_pool = (
         None, None, None, None)
-    running = Worker(queue_name, _database_url())
+    running = Worker(queue_name, _database_url(), extra_env,
+                     queues and f"{queue_name},{queues}")
     try:
         running.wait_for("ready.", timeout=180)
         yield running
@@ -159,3 +166,35 @@ def test_worker_killed_mid_merge_yields_the_same_global_compendium(worker):
     for org in orgs:
         pipeline.run_edge_merge(round_.pk, org)
     assert pipeline.run_server_merge(round_.pk) == sha
+
+
+TUNE_QUEUE = f"synapse-test-tune-{uuid.uuid4().hex[:10]}"
+
+
+@pytest.mark.parametrize(
+    "worker",
+    [({"SYNAPSE_ROUTER_TUNE_EPOCHS": "1", "SYNAPSE_ROUTER_TUNE_QUEUE": TUNE_QUEUE,
+       "SYNAPSE_DATA_DIR": "<tmp>"}, TUNE_QUEUE)],
+    indirect=True,
+)
+def test_a_published_global_has_its_router_tuned_by_a_worker_task(worker):
+    from routing import services as routing_services
+    from routing.models import TunedRouter
+
+    round_, _ = build_federation()
+    _wait_for_round(_close_round(round_))
+    # The worker that published queued the tuning on SYNAPSE_ROUTER_TUNE_QUEUE; the same worker
+    # consumes that queue too, so the task's result arrives through the broker.
+    received = worker.wait_for("Task synapse.tune_router[", timeout=120)
+    assert "received" in received.lower() or "succeeded" in received, received
+    task_id = received.split("synapse.tune_router[", 1)[1].split("]", 1)[0]
+    outcome = AsyncResult(task_id).get(timeout=600)
+    glob = CompendiumVersion.objects.get(kind="global", round=round_)
+    assert outcome["version"] == glob.pk and outcome["state"] == "ready", outcome
+    record = TunedRouter.objects.get(version=glob)
+    assert record.state == TunedRouter.State.READY and Path(record.directory).is_dir()
+    routing_services.forget_published_version()
+    routing_services._served.clear()
+    served = routing_services.served_compendium()
+    assert served.tuned and served.routers["fusion"].engine.model_name == record.directory
+    routing_services._served.clear()

@@ -5,6 +5,7 @@ from __future__ import annotations
 import io
 import json
 import random
+import tempfile
 
 import pytest
 from django.core.management import CommandError, call_command
@@ -520,3 +521,26 @@ def test_contradictory_scenarios_with_and_without_the_conflict_log(twin_dataset,
     assert rows[(0.0, True)]["accuracy"] == rows[(0.0, False)]["accuracy"]
     assert rows[(0.4, True)]["accuracy"] >= rows[(0.4, False)]["accuracy"] + 0.03, rows
     assert "contradictory scenarios" in stdout.getvalue()
+
+
+def test_tuned_router_rows_route_each_global_with_an_encoder_tuned_on_it(tiny_dataset):
+    sim = _simulation(tiny_dataset, tune_router_epochs=1, diagnostics=False, baselines=True)
+    tuned_with = []
+    tune = sim.tuned_router
+
+    def spy(compendium, probe, seed, what):
+        tuned_with.append((what, len(compendium.scenarios)))
+        router = tune(compendium, probe, seed, what)
+        assert router.engine.model_name.startswith(tempfile.gettempdir())  # the tuned model
+        return router
+
+    sim.tuned_router = spy
+    result = sim.run_seed(1)
+    assert [w for w, _ in tuned_with] == ["round 1", "round 2", "centralized"]
+    methods = [(r["method"], r["round"]) for r in result.rows]
+    for round_ in (1, 2):
+        assert ("synapse", round_) in methods and ("synapse_untuned", round_) in methods
+    untuned = _simulation(tiny_dataset, diagnostics=False).run_seed(1)
+    # The frozen router's rows are those of a run without tuning: same federation, same router.
+    assert [r["accuracy"] for r in result.rows if r["method"] == "synapse_untuned"] == [
+        r["accuracy"] for r in untuned.rows if r["method"] == "synapse"]

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from django.dispatch import receiver
 
-from federation.signals import round_closed
+from federation.signals import global_published, round_closed
 
 
 @receiver(round_closed, dispatch_uid="synapse.start_round_pipeline")
@@ -13,3 +13,20 @@ def start_pipeline_on_close(sender, round, **kwargs):
     from workers.tasks import start_round_pipeline
 
     return start_round_pipeline.delay(round.pk)
+
+
+@receiver(global_published, dispatch_uid="synapse.tune_router")
+def tune_router_on_publish(sender, round, version, **kwargs):
+    """Queue the tuning of the routing encoder on the new global when SYNAPSE_ROUTER_TUNE_EPOCHS
+    > 0, on SYNAPSE_ROUTER_TUNE_QUEUE (docker-compose: the GPU worker's)."""
+    from django.conf import settings
+
+    from federation.tuning import queue_tuning, tune_epochs
+    from workers.tasks import tune_router_task
+
+    epochs = tune_epochs()
+    if epochs < 1:
+        return None
+    queue_tuning(version, epochs)
+    queue = getattr(settings, "SYNAPSE_ROUTER_TUNE_QUEUE", "") or None
+    return tune_router_task.apply_async((version.pk, epochs), queue=queue)

@@ -54,3 +54,16 @@ def server_merge_task(round_id: int) -> str:
     except Exception as exc:
         pipeline.fail_round(round_id, f"server merge failed: {exc}")
         raise
+
+
+@shared_task(name="synapse.tune_router", **TASK_OPTIONS)
+def tune_router_task(version_id: int, epochs: int) -> dict:
+    """Fine-tune the routing encoder on a published global (federation.tuning); the outcome,
+    failures included, is recorded on its TunedRouter row."""
+    from federation.tuning import tune_published_router
+
+    record = tune_published_router(version_id, epochs)
+    if record is None:
+        return {"version": version_id, "state": "gone"}
+    return {"version": version_id, "state": record.state, "detail": record.detail,
+            "probe_accuracy": record.probe_accuracy}

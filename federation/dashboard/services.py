@@ -986,3 +986,22 @@ def round_controls() -> dict:
         "robust_rules": get_args(RobustRule),
         "budget_warning": budget_warning(defaults),
     }
+
+
+@dataclass
+class RouterTuning:
+    """What the routing playground says about the served global's router (federation.tuning)."""
+
+    round_number: int | None
+    epochs_setting: int
+    record: object | None  # routing.models.TunedRouter of the served global, if any
+
+
+def router_tuning() -> RouterTuning:
+    from federation.tuning import tune_epochs
+    from routing.models import TunedRouter
+    from routing.services import published_global_version
+
+    version = published_global_version()
+    record = TunedRouter.objects.filter(version=version).first() if version is not None else None
+    return RouterTuning(version.round.number if version else None, tune_epochs(), record)

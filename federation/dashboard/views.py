@@ -408,7 +408,7 @@ class RoutingView(DashboardView):
 
     def get(self, request, *args, **kwargs):
         query = request.GET.get("q", "")
-        context = self.get_context_data(query=query[:2000])
+        context = self.get_context_data(query=query[:2000], tuning=services.router_tuning())
         if not query.strip():
             return self.render_to_response(context)
         try:

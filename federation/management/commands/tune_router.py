@@ -1,0 +1,41 @@
+from django.core.management.base import BaseCommand, CommandError
+
+from federation.tuning import TuningError, tune_epochs, tune_published_router
+from routing.services import published_global_version
+
+
+class Command(BaseCommand):
+    help = (
+        "Fine-tune the routing encoder on the published global compendium now (federation.tuning); "
+        "the routing API routes with it once it is ready."
+    )
+
+    def add_arguments(self, parser):
+        parser.add_argument(
+            "--epochs", type=int, default=None,
+            help="epochs of fine-tuning (default: SYNAPSE_ROUTER_TUNE_EPOCHS, or 1 when it is 0)",
+        )
+        parser.add_argument("--force", action="store_true", help="tune again when already ready")
+
+    def handle(self, *args, epochs, force, **options):
+        version = published_global_version()
+        if version is None:
+            raise CommandError("no global compendium is published yet: nothing to tune")
+        epochs = epochs if epochs is not None else (tune_epochs() or 1)
+        try:
+            record = tune_published_router(version.pk, epochs, force=force)
+        except TuningError as exc:
+            raise CommandError(str(exc)) from None
+        if record is None or record.state != record.State.READY:
+            detail = record.detail if record is not None else "the version disappeared"
+            raise CommandError(f"round {version.round.number}: tuning {record and record.state}: {detail}")
+        self.stdout.write(
+            f"round {version.round.number}: routing encoder tuned on {record.rows} texts, "
+            f"{record.epochs} epoch(s), {record.seconds:.0f} s; probe top-1 (held half) "
+            f"{_pct(record.probe_accuracy)} tuned, {_pct(record.frozen_probe_accuracy)} frozen; "
+            f"saved in {record.directory}"
+        )
+
+
+def _pct(value) -> str:
+    return "n/a" if value is None else f"{value:.3f}"

@@ -1,0 +1,169 @@
+"""The server's tuned router: after a global is published, the routing encoder is fine-tuned on it.
+
+`tune_published_router(version_id)` runs `routing.finetune.tune_router` on the published global as
+the routing API serves it (its stored scenarios, descriptions and precautions) and on the public
+probe set: the encoder learns from the global and from the half of the probe the router's head
+learns from, and the router's fusion weights are fitted on the other half. Model, re-embedded
+global, head and weights go to one folder under `SYNAPSE_DATA_DIR/routers/`; the `TunedRouter`
+row records the state, and the routing API switches to it once it is `ready` (routing.services).
+
+Nothing that clients send changes, and nothing private is read: the global and the probe set are
+what the server publishes. Measured (`manage.py simulate --tune-router 1`, README "Results"): on
+MetaTool the tuned router lifts top-1 over the frozen MiniLM on every seed.
+
+Called by the Celery task `synapse.tune_router` (queued when a global is published and
+SYNAPSE_ROUTER_TUNE_EPOCHS > 0) and by `manage.py tune_router`. Idempotent: a version whose
+router is ready is not tuned again; a failed or skipped one is retried by the command.
+"""
+
+from __future__ import annotations
+
+import logging
+import shutil
+from pathlib import Path
+
+from django.conf import settings
+from django.utils import timezone
+
+from compendium.models import CompendiumVersion
+from federation.models import ProbeQuery
+from routing.models import TunedRouter
+from routing.router import probe_halves
+from routing.services import build_served, published_global_version, served_rows
+
+log = logging.getLogger(__name__)
+
+
+class TuningError(ValueError):
+    """A tuning request that cannot be run, with what is wrong."""
+
+
+def tune_epochs() -> int:
+    """SYNAPSE_ROUTER_TUNE_EPOCHS: epochs of fine-tuning after each publish (0: off)."""
+    return int(getattr(settings, "SYNAPSE_ROUTER_TUNE_EPOCHS", 0) or 0)
+
+
+def routers_dir() -> Path:
+    return Path(settings.DATA_DIR) / "routers"
+
+
+def _folder(version: CompendiumVersion) -> Path:
+    return routers_dir() / f"round-{version.round.number}-v{version.pk}-{version.sha256[:12]}"
+
+
+def _probe_pairs() -> list[tuple[str, str]]:
+    """The public probe set in the order every server step reads it (federation.pipeline)."""
+    return list(ProbeQuery.objects.order_by("dataset", "qid").values_list("text", "tool_id"))
+
+
+def _finish(record: TunedRouter, state: str, detail: str = "", **fields) -> TunedRouter:
+    record.state = state
+    record.detail = detail[:2000]
+    record.finished_at = timezone.now()
+    for name, value in fields.items():
+        setattr(record, name, value)
+    record.save()
+    return record
+
+
+def queue_tuning(version: CompendiumVersion, epochs: int) -> TunedRouter:
+    """The version's TunedRouter row, (re)set to `queued` unless it is ready or running."""
+    record, created = TunedRouter.objects.get_or_create(
+        version=version, defaults={"epochs": epochs}
+    )
+    if not created and record.state not in (TunedRouter.State.READY, TunedRouter.State.RUNNING):
+        record.state = TunedRouter.State.QUEUED
+        record.epochs = epochs
+        record.detail = ""
+        record.finished_at = None
+        record.save()
+    return record
+
+
+def tune_published_router(
+    version_id: int, epochs: int | None = None, *, force: bool = False
+) -> TunedRouter | None:
+    """Tune the routing encoder on the published global `version_id` (`epochs`, default
+    SYNAPSE_ROUTER_TUNE_EPOCHS, at least 1). Returns its TunedRouter row: `ready`, `skipped`
+    (it is no longer the served global) or `failed` (with the reason); None when the version no
+    longer exists (a re-materialized round replaced it). `force`: tune again even when ready."""
+    epochs = epochs if epochs is not None else tune_epochs()
+    if epochs < 1:
+        raise TuningError(f"epochs must be at least 1, not {epochs}")
+    version = (
+        CompendiumVersion.objects.filter(pk=version_id, kind=CompendiumVersion.Kind.GLOBAL)
+        .select_related("round")
+        .first()
+    )
+    if version is None:
+        return None
+    record = queue_tuning(version, epochs)
+    folder = Path(record.directory) if record.directory else None
+    ready = record.state == TunedRouter.State.READY and folder is not None and folder.is_dir()
+    latest = published_global_version()
+    if latest is None or latest.pk != version.pk:
+        if ready:  # a newer global's router retires it
+            return record
+        return _finish(
+            record, TunedRouter.State.SKIPPED,
+            "not the served global: a newer global is published, or this round is not published",
+        )
+    if ready and not force:
+        return record
+    record.state = TunedRouter.State.RUNNING
+    record.epochs = epochs
+    record.save(update_fields=["state", "epochs"])
+
+    from routing.finetune import tune_router
+
+    target = _folder(version)
+    partial = target.with_name(target.name + ".partial")
+    try:
+        compendium, _, _ = served_rows(version)
+        probe = _probe_pairs()
+        shutil.rmtree(partial, ignore_errors=True)
+        partial.parent.mkdir(parents=True, exist_ok=True)
+        seed = int(version.sha256[:8], 16)
+        tuned = tune_router(compendium, probe, partial, epochs=epochs, seed=seed)
+        shutil.rmtree(target, ignore_errors=True)
+        partial.rename(target)  # the folder appears whole or not at all
+    except Exception as exc:
+        shutil.rmtree(partial, ignore_errors=True)
+        log.warning("tuning the router of round %s failed: %s", version.round.number, exc)
+        return _finish(record, TunedRouter.State.FAILED, f"{exc.__class__.__name__}: {exc}")
+    # Both routers on the probe half the encoder did not learn from (the tuned router's fusion
+    # weights were fitted on it, and both heads learnt from the whole probe: a check that tuning
+    # went well, not an unbiased estimate; `manage.py simulate --tune-router` gives that).
+    _, held = probe_halves(len(probe))
+    held = [probe[i] for i in held]
+    record = _finish(
+        record, TunedRouter.State.READY, directory=str(target), rows=tuned.rows,
+        seconds=round(tuned.seconds, 1), probe_accuracy=_accuracy(tuned.router, held),
+        frozen_probe_accuracy=_accuracy(build_served(version).routers["fusion"], held),
+    )
+    retire_older(record)
+    return record
+
+
+def _accuracy(router, pairs: list[tuple[str, str]]) -> float | None:
+    if not pairs:
+        return None
+    decisions = router.route_batch([q for q, _ in pairs])
+    return sum(d.tool == tool for d, (_, tool) in zip(decisions, pairs, strict=True)) / len(pairs)
+
+
+def retire_older(current: TunedRouter) -> int:
+    """Only the served global's tuned router is kept on disk: ready routers of other versions are
+    retired and every other folder under routers_dir() is removed (those of versions deleted by
+    a re-materialized round included; a process still serving an older router keeps it in
+    memory until it sees the new one). Returns the folders removed."""
+    for other in TunedRouter.objects.filter(state=TunedRouter.State.READY).exclude(pk=current.pk):
+        _finish(other, TunedRouter.State.RETIRED, f"replaced by the router of {current.version}")
+    removed = 0
+    keep = Path(current.directory).name
+    for folder in routers_dir().iterdir():
+        if folder.name == keep or folder.name.endswith(".partial"):  # .partial: one being tuned
+            continue
+        shutil.rmtree(folder, ignore_errors=True)
+        removed += 1
+    return removed

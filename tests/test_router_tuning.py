@@ -1,0 +1,171 @@
+"""The server's tuned router (federation.tuning): tuned after a publish, served by the routing API,
+skipped for a global that is no longer served, failures recorded while routing goes on frozen."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from django.core.management import call_command
+
+from compendium.registry import load_dataset, stratified_split
+from compendium.schema import Compendium
+from compendium.services import import_registry, store_compendium
+from federation.models import ProbeQuery, Round
+from federation.pipeline import routing_head
+from federation.signals import global_published
+from federation.tuning import TuningError, tune_published_router
+from routing import services
+from routing.datasets import compendium_from_queries
+from routing.embeddings import get_engine
+from routing.models import TunedRouter
+from tests.routing_data import METATOOL
+
+pytestmark = [pytest.mark.slow, pytest.mark.django_db]
+
+
+@pytest.fixture(autouse=True)
+def _fresh(settings, tmp_path):
+    settings.DATA_DIR = tmp_path
+    services.forget_published_version()
+    services._served.clear()
+    yield
+    services._served.clear()
+
+
+@pytest.fixture(scope="module")
+def data():
+    dataset = load_dataset(METATOOL)
+    tools = sorted(dataset.tool_ids)[:12]
+    queries = [q for q in dataset.queries if q.tool_id in set(tools)]
+    split = stratified_split(queries, seed=5, test_fraction=0.3)
+    compendium = compendium_from_queries(dataset.tools, split.train, max_per_tool=10)
+    documents = get_engine()
+    embeddings = documents.embed([s.text for s in compendium.scenarios])
+    return {
+        "tools": [t for t in dataset.tools if t.tool_id in set(tools)],
+        "compendium": compendium,
+        "embeddings": embeddings,
+        "head": routing_head(compendium, embeddings, documents.embed),
+        "probe": split.test[:80],
+        "queries": [q.query for q in split.test[80:120]],
+    }
+
+
+def _publish(data, number=1, compendium=None):
+    import_registry(data["tools"])
+    if not ProbeQuery.objects.exists():
+        ProbeQuery.objects.bulk_create(
+            ProbeQuery(dataset="metatool", qid=q.qid, text=q.query, tool_id=q.tool_id)
+            for q in data["probe"]
+        )
+    round_ = Round.objects.create(number=number, state="published")
+    compendium = compendium or data["compendium"]
+    embeddings = data["embeddings"][: len(compendium.scenarios)]
+    return round_, store_compendium(
+        compendium, kind="global", round=round_, scenario_embeddings=embeddings,
+        routing_head=data["head"] if compendium is data["compendium"] else None,
+    )
+
+
+def test_publishing_tunes_the_router_and_the_routing_api_switches_to_it(data, settings):
+    round_, version = _publish(data)
+    before = services.route_query(data["queries"][0])
+    assert before["tuned_router"] is False  # routing works at once, with the frozen model
+
+    settings.SYNAPSE_ROUTER_TUNE_EPOCHS = 0
+    global_published.send(sender=Round, round=round_, version=version)
+    assert not TunedRouter.objects.exists()  # off by default
+    from django.contrib.auth import get_user_model
+    from django.test import Client as HttpClient
+    from django.urls import reverse
+
+    http = HttpClient()
+    http.force_login(get_user_model().objects.create_superuser("op", "op@example.org", "pw"))
+    page = http.get(reverse("dashboard:routing")).content.decode()
+    assert "Routed with the frozen MiniLM" in page and "SYNAPSE_ROUTER_TUNE_EPOCHS=1" in page
+
+    settings.SYNAPSE_ROUTER_TUNE_EPOCHS = 1
+    global_published.send(sender=Round, round=round_, version=version)  # eager Celery task
+    record = TunedRouter.objects.get(version=version)
+    assert record.state == TunedRouter.State.READY, record.detail
+    folder = Path(record.directory)
+    assert folder.parent == settings.DATA_DIR / "routers"
+    assert (folder / "synapse-router.npz").is_file() and (folder / "config.json").is_file()
+    scenarios = len(data["compendium"].scenarios)
+    assert record.rows >= scenarios + len(data["tools"])  # scenarios, descriptions, probe half
+    assert 0.0 <= record.probe_accuracy <= 1.0 and 0.0 <= record.frozen_probe_accuracy <= 1.0
+
+    services.forget_published_version()
+    served = services.served_compendium()
+    assert served.tuned and served.routers["fusion"].engine.model_name == str(folder)
+    assert served.index.embeddings.shape == (scenarios, 384)
+    # Re-embedded by the tuned model, not the stored frozen vectors.
+    assert abs(served.index.embeddings - data["embeddings"]).max() > 1e-3
+    after = services.route_query(data["queries"][0])
+    assert after["tuned_router"] is True and after["compendium_round"] == 1
+    batch = services.route_queries(data["queries"])
+    assert batch["tuned_router"] is True and len(batch["results"]) == len(data["queries"])
+
+    # The routing playground says which encoder routes, and how it did on the probe.
+    page = http.get(reverse("dashboard:routing")).content.decode()
+    assert 'id="router-tuning"' in page and "fine-tuned on it: 1 epoch(s)" in page
+    assert f"{record.rows} texts" in page
+
+    # Asked again, a ready router is not tuned again.
+    again = tune_published_router(version.pk, 1)
+    assert again.pk == record.pk and again.finished_at == record.finished_at
+
+    # A lost folder: routing goes on with the frozen model rather than failing.
+    for path in sorted(folder.rglob("*"), reverse=True):
+        path.unlink() if path.is_file() else path.rmdir()
+    folder.rmdir()
+    services._served.clear()
+    assert services.route_query(data["queries"][1])["tuned_router"] is False
+
+
+def test_a_global_no_longer_served_is_skipped_and_newer_routers_retire_older_ones(data, settings):
+    _, first = _publish(data, 1)
+    assert tune_published_router(first.pk, 1).state == TunedRouter.State.READY
+    _, second = _publish(data, 2)
+    newer = tune_published_router(second.pk, 1)
+    assert newer.state == TunedRouter.State.READY
+    assert TunedRouter.objects.get(version=first).state == TunedRouter.State.RETIRED
+    assert [p.name for p in (settings.DATA_DIR / "routers").iterdir()] == [Path(newer.directory).name]
+    services.forget_published_version()
+    assert services.served_compendium().version_id == second.pk and services.served_compendium().tuned
+
+    skipped = tune_published_router(first.pk, 1, force=True)  # not served: not tuned again
+    assert skipped.state == TunedRouter.State.SKIPPED and "newer global" in skipped.detail
+    assert [p.name for p in (settings.DATA_DIR / "routers").iterdir()] == [Path(newer.directory).name]
+
+
+def test_a_failed_tuning_is_recorded_and_routing_stays_frozen(data):
+    one_tool = data["compendium"].scenarios[0].tool_id
+    compendium = Compendium(
+        scenarios=[s for s in data["compendium"].scenarios if s.tool_id == one_tool],
+        metadata=data["compendium"].metadata,
+    )
+    _, version = _publish(data, compendium=compendium)
+    record = tune_published_router(version.pk, 1)
+    assert record.state == TunedRouter.State.FAILED
+    assert "at least two labels" in record.detail
+    assert not (Path(services.settings.DATA_DIR) / "routers").exists() or not any(
+        p for p in (Path(services.settings.DATA_DIR) / "routers").iterdir()
+        if not p.name.endswith(".partial")
+    )
+    assert services.route_query(data["queries"][0])["tuned_router"] is False
+    with pytest.raises(TuningError, match="at least 1"):
+        tune_published_router(version.pk, 0)
+
+
+def test_tune_router_command(data, capsys):
+    from django.core.management.base import CommandError
+
+    with pytest.raises(CommandError, match="no global compendium is published"):
+        call_command("tune_router")
+    _publish(data)
+    call_command("tune_router", "--epochs", "1")
+    out = capsys.readouterr().out
+    assert "round 1: routing encoder tuned on" in out and "tuned," in out
+    assert TunedRouter.objects.get().state == TunedRouter.State.READY
