@@ -8,18 +8,14 @@ from pathlib import Path
 import pytest
 from django.core.management import call_command
 
-from compendium.registry import load_dataset, stratified_split
 from compendium.schema import Compendium
 from compendium.services import import_registry, store_compendium
 from federation.models import ProbeQuery, Round
-from federation.pipeline import routing_head
 from federation.signals import global_published
 from federation.tuning import TuningError, tune_published_router
 from routing import services
-from routing.datasets import compendium_from_queries
-from routing.embeddings import get_engine
 from routing.models import TunedRouter
-from tests.routing_data import METATOOL
+from tests.routing_data import published_global_data
 
 pytestmark = [pytest.mark.slow, pytest.mark.django_db]
 
@@ -35,21 +31,8 @@ def _fresh(settings, tmp_path):
 
 @pytest.fixture(scope="module")
 def data():
-    dataset = load_dataset(METATOOL)
-    tools = sorted(dataset.tool_ids)[:12]
-    queries = [q for q in dataset.queries if q.tool_id in set(tools)]
-    split = stratified_split(queries, seed=5, test_fraction=0.3)
-    compendium = compendium_from_queries(dataset.tools, split.train, max_per_tool=10)
-    documents = get_engine()
-    embeddings = documents.embed([s.text for s in compendium.scenarios])
-    return {
-        "tools": [t for t in dataset.tools if t.tool_id in set(tools)],
-        "compendium": compendium,
-        "embeddings": embeddings,
-        "head": routing_head(compendium, embeddings, documents.embed),
-        "probe": split.test[:80],
-        "queries": [q.query for q in split.test[80:120]],
-    }
+    data = published_global_data(12, seed=5, test_fraction=0.3, max_per_tool=10)
+    return {**data, "probe": data["test"][:80], "queries": [q.query for q in data["test"][80:120]]}
 
 
 def _publish(data, number=1, compendium=None):

@@ -8,16 +8,13 @@ from django.db import connection
 from django.test import Client as HttpClient
 
 from compendium.models import CompendiumVersion
-from compendium.registry import load_dataset, stratified_split
 from compendium.services import import_registry, store_compendium
 from federation.models import Client, Organization, Round
-from federation.pipeline import routing_head
 from routing import services
-from routing.datasets import compendium_from_queries
-from routing.embeddings import get_engine, get_query_engine
+from routing.embeddings import get_query_engine
 from routing.models import RoutingCall, RoutingToken
 from routing.router import Router
-from tests.routing_data import METATOOL
+from tests.routing_data import published_global_data
 
 pytestmark = [pytest.mark.slow, pytest.mark.django_db]
 
@@ -30,24 +27,8 @@ def _forget_published_version():
 
 @pytest.fixture(scope="module")
 def data():
-    dataset = load_dataset(METATOOL)
-    tools = sorted(dataset.tool_ids)[:30]
-    queries = [q for q in dataset.queries if q.tool_id in set(tools)]
-    split = stratified_split(queries, seed=3, test_fraction=0.2)
-    compendium = compendium_from_queries(dataset.tools, split.train, max_per_tool=12)
-    engine = get_query_engine()
-    documents = get_engine()  # as in production: stored rows are embedded by the merge's engine
-    embeddings = documents.embed([s.text for s in compendium.scenarios])
-    return {
-        "tools": [t for t in dataset.tools if t.tool_id in set(tools)],
-        "compendium": compendium,
-        "embeddings": embeddings,
-        # What publication stores with a global (federation.pipeline.routing_head).
-        "head": routing_head(compendium, embeddings, documents.embed),
-        "queries": [q.query for q in split.test[:150]],
-        "engine": engine,
-        "documents": documents,
-    }
+    data = published_global_data(30, seed=3, test_fraction=0.2, max_per_tool=12)
+    return {**data, "queries": [q.query for q in data["test"][:150]], "engine": get_query_engine()}
 
 
 def _publish(data, number=1, state="published", with_client_copy=True):
