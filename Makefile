@@ -24,6 +24,7 @@ demo: install
 	@mkdir -p $(DATA_DIR)
 	$(PY) manage.py bootstrap_demo --dataset $(DATASET) --url http://$(HOST):$(PORT)/ > $(DATA_DIR)/demo-logins.txt
 	$(PY) manage.py demo_rounds --dataset $(DATASET) --rounds 3
+	-$(PY) manage.py tune_router --epochs 1
 	$(PY) manage.py simulate --dataset $(DATASET) --orgs 3 --clients-per-org 2 --rounds 3 \
 		--queries-per-client 100 --test-limit 600 --sweep-epsilon 1 --sweep-lambda 0,1.5 \
 		--label "demo: MetaTool, 3 orgs x 2 clients" --unless-stored
