@@ -4,7 +4,7 @@ apart through a linear layer over its normalized embedding, started from the log
 the router's head fits (`routing.router.HEAD_C`). The result is a sentence-transformers model
 directory that any engine setting taking a model path loads (`get_engine(path)`).
 
-`tune_router` is the whole step the server runs after publishing a global (`routing.tuning`) and
+`tune_router` is the whole step the server runs after publishing a global (`federation.tuning`) and
 `manage.py simulate --tune-router` runs after each simulated round: fine-tune on the global's
 scenarios, its descriptions and the half of the public probe set the head learns from
 (`tuning_rows`), re-embed the global with the tuned model, refit the router on the probe

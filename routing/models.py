@@ -47,7 +47,7 @@ class RoutingCall(models.Model):
 
 
 class TunedRouter(models.Model):
-    """The routing encoder fine-tuned on one published global (`routing.tuning`): its state and
+    """The routing encoder fine-tuned on one published global (`federation.tuning`): its state and
     the folder that holds the model, the global re-embedded by it, its head and fusion weights.
     The routing API routes with it once it is ready; until then, and when it fails, with the
     frozen MiniLM."""

@@ -228,7 +228,7 @@ class ServedCompendium:
     index: ScenarioIndex
     retriever: Callable[[np.ndarray, int], tuple[np.ndarray, np.ndarray]]
     routers: dict[str, Router]
-    tuned: bool = False  # routed with the encoder tuned on this version (routing.tuning)
+    tuned: bool = False  # routed with the encoder tuned on this version (federation.tuning)
 
 
 _served: dict[tuple[int, str, str], ServedCompendium] = {}
@@ -315,7 +315,7 @@ def build_served(version: CompendiumVersion, tuned_directory: str = "") -> Serve
 
 
 def _build_tuned(version, compendium, directory: str, llm) -> ServedCompendium | None:
-    """The served compendium routed with the encoder tuned on it (`routing.tuning`): queries and
+    """The served compendium routed with the encoder tuned on it (`federation.tuning`): queries and
     the global embedded by the tuned model, retrieval in memory (pgvector holds the frozen
     model's vectors), its own head and fusion weights. None, with a warning, when its folder
     cannot be read or does not match the version: routing goes on with the frozen model."""
