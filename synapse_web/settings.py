@@ -159,8 +159,12 @@ SYNAPSE_ROUTING_RERANKER = os.environ.get("SYNAPSE_ROUTING_RERANKER", "fusion") 
 SYNAPSE_ROUTING_PARAMS = os.environ.get("SYNAPSE_ROUTING_PARAMS", "")  # "" = routing/default_params.json
 # The tuned router (federation.tuning): after each publish, fine-tune the routing encoder on the
 # global for this many epochs (0: off; about 7 minutes per epoch on one CPU core at MetaTool's
-# size) in a task on SYNAPSE_ROUTER_TUNE_QUEUE ("" = the default queue).
-SYNAPSE_ROUTER_TUNE_EPOCHS = int(os.environ.get("SYNAPSE_ROUTER_TUNE_EPOCHS", "0"))
+# size) in a task on SYNAPSE_ROUTER_TUNE_QUEUE ("" = the default queue). Default: 1 with a broker
+# (a worker tunes in the background), 0 without one (eager tasks would hold up publication for
+# minutes; `manage.py tune_router` tunes by hand).
+SYNAPSE_ROUTER_TUNE_EPOCHS = int(
+    os.environ.get("SYNAPSE_ROUTER_TUNE_EPOCHS", "1" if os.environ.get("CELERY_BROKER_URL") else "0")
+)
 SYNAPSE_ROUTER_TUNE_QUEUE = os.environ.get("SYNAPSE_ROUTER_TUNE_QUEUE", "")
 SYNAPSE_MAX_QUERY_CHARS = int(os.environ.get("SYNAPSE_MAX_QUERY_CHARS", "2000"))
 SYNAPSE_MAX_ROUTE_BATCH = int(os.environ.get("SYNAPSE_MAX_ROUTE_BATCH", "1000"))

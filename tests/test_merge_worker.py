@@ -45,6 +45,7 @@ class Worker:
             TRANSFORMERS_OFFLINE="1",
             SYNAPSE_CONN_MAX_AGE="0",
             CELERY_TASK_DEFAULT_QUEUE=queue_name,
+            SYNAPSE_ROUTER_TUNE_EPOCHS="0",  # with a broker it defaults to 1; one test turns it on
         )
         env.update(extra_env or {})
         self.process = subprocess.Popen(
