@@ -62,8 +62,13 @@ def configured_llm() -> OpenAICompatibleLLM | None:
     )
 
 
+def probe_pairs() -> list[tuple[str, str]]:
+    """The public probe set as (request, tool id), in the order every server step reads it."""
+    return list(ProbeQuery.objects.order_by("dataset", "qid").values_list("text", "tool_id"))
+
+
 def load_probe_set(embed=None) -> ProbeSet | None:
-    rows = list(ProbeQuery.objects.order_by("dataset", "qid").values_list("text", "tool_id"))
+    rows = probe_pairs()
     if not rows:
         return None
     texts = [r[0] for r in rows]

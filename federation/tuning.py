@@ -26,7 +26,7 @@ from django.conf import settings
 from django.utils import timezone
 
 from compendium.models import CompendiumVersion
-from federation.models import ProbeQuery
+from federation.pipeline import probe_pairs
 from routing.models import TunedRouter
 from routing.router import probe_halves
 from routing.services import build_served, published_global_version, served_rows
@@ -49,11 +49,6 @@ def routers_dir() -> Path:
 
 def _folder(version: CompendiumVersion) -> Path:
     return routers_dir() / f"round-{version.round.number}-v{version.pk}-{version.sha256[:12]}"
-
-
-def _probe_pairs() -> list[tuple[str, str]]:
-    """The public probe set in the order every server step reads it (federation.pipeline)."""
-    return list(ProbeQuery.objects.order_by("dataset", "qid").values_list("text", "tool_id"))
 
 
 def _finish(record: TunedRouter, state: str, detail: str = "", **fields) -> TunedRouter:
@@ -120,7 +115,7 @@ def tune_published_router(
     partial = target.with_name(target.name + ".partial")
     try:
         compendium, _, _ = served_rows(version)
-        probe = _probe_pairs()
+        probe = probe_pairs()
         shutil.rmtree(partial, ignore_errors=True)
         partial.parent.mkdir(parents=True, exist_ok=True)
         seed = int(version.sha256[:8], 16)

@@ -26,7 +26,7 @@ from django.utils import timezone
 from compendium.models import CompendiumVersion, PrecautionEntry, ScenarioEntry
 from compendium.schema import Precaution, Scenario
 from compendium.services import load_compendium
-from routing.models import RoutingCall
+from routing.models import RoutingCall, TunedRouter
 from routing.router import RERANKERS, LinearHead, Router, RoutingParams, ScenarioIndex
 
 
@@ -109,8 +109,6 @@ def _current_version() -> tuple[CompendiumVersion | None, str]:
     version = published_global_version()
     directory = ""
     if version is not None:  # "nothing published" is not remembered: the first publish is seen
-        from routing.models import TunedRouter
-
         directory = (
             TunedRouter.objects.filter(version=version, state=TunedRouter.State.READY)
             .values_list("directory", flat=True)
@@ -264,19 +262,40 @@ def served_rows(version: CompendiumVersion):
 
 def build_served(version: CompendiumVersion, tuned_directory: str = "") -> ServedCompendium:
     """The routers of `version` (with the encoder tuned on it when `tuned_directory` holds one)."""
-    from routing.embeddings import get_engine, get_query_engine
     from routing.llm import get_llm
 
     compendium, scenario_rows, precaution_rows = served_rows(version)
+    tuned = _tuned_parts(version, compendium, tuned_directory) if tuned_directory else None
+    if tuned is not None:
+        engine, index, params, head = tuned
+        retriever = index.retrieve  # pgvector holds the frozen model's vectors
+    else:
+        engine, index = _frozen_index(compendium, scenario_rows, precaution_rows)
+        retriever = _retriever(version, index, scenario_rows)
+        params = routing_params()
+        head = _stored_head(version, index)
     llm = get_llm(
         getattr(settings, "SYNAPSE_LLM_BASE_URL", None),
         getattr(settings, "SYNAPSE_LLM_MODEL", None),
         getattr(settings, "SYNAPSE_LLM_API_KEY", None),
     )
-    if tuned_directory:
-        served = _build_tuned(version, compendium, tuned_directory, llm)
-        if served is not None:
-            return served
+    routers = {
+        name: Router(
+            compendium, engine, name, params=params, llm=llm, index=index, retriever=retriever,
+            head=head,
+        )
+        for name in RERANKERS
+    }
+    return ServedCompendium(
+        version.pk, version.sha256, version.round.number, index, retriever, routers,
+        tuned=tuned is not None,
+    )
+
+
+def _frozen_index(compendium, scenario_rows, precaution_rows):
+    """The query engine and the index over the stored (frozen model's) vectors."""
+    from routing.embeddings import get_engine, get_query_engine
+
     engine = get_query_engine()
     scenario_vectors = np.array([r.embedding for r in scenario_rows], dtype=np.float32).reshape(
         len(scenario_rows), engine.dimension
@@ -289,36 +308,26 @@ def build_served(version: CompendiumVersion, tuned_directory: str = "") -> Serve
     if missing:  # by the engine that embeds stored rows, as the client toolkit does
         documents = get_engine(getattr(settings, "SYNAPSE_EMBEDDING_MODEL", "") or None)
         precaution_vectors[missing] = documents.embed([precaution_rows[i].text for i in missing])
-    index = ScenarioIndex(compendium, engine, scenario_vectors, precaution_vectors)
+    return engine, ScenarioIndex(compendium, engine, scenario_vectors, precaution_vectors)
+
+
+def _retriever(version, index: ScenarioIndex, scenario_rows):
     mode = getattr(settings, "SYNAPSE_ROUTING_RETRIEVAL", "memory")
     if mode == "memory":
-        retriever = index.retrieve
-    else:
-        retriever = PgvectorRetriever(
-            version.pk,
-            np.array([r.pk for r in scenario_rows]),
-            indexed_rows=ScenarioEntry.objects.filter(embedding__isnull=False).count(),
-            mode=mode,
-        )
-    params = routing_params()
-    head = _stored_head(version, index)
-    routers = {
-        name: Router(
-            compendium, engine, name, params=params, llm=llm, index=index, retriever=retriever,
-            head=head,
-        )
-        for name in RERANKERS
-    }
-    return ServedCompendium(
-        version.pk, version.sha256, version.round.number, index, retriever, routers
+        return index.retrieve
+    return PgvectorRetriever(
+        version.pk,
+        np.array([r.pk for r in scenario_rows]),
+        indexed_rows=ScenarioEntry.objects.filter(embedding__isnull=False).count(),
+        mode=mode,
     )
 
 
-def _build_tuned(version, compendium, directory: str, llm) -> ServedCompendium | None:
-    """The served compendium routed with the encoder tuned on it (`federation.tuning`): queries and
-    the global embedded by the tuned model, retrieval in memory (pgvector holds the frozen
-    model's vectors), its own head and fusion weights. None, with a warning, when its folder
-    cannot be read or does not match the version: routing goes on with the frozen model."""
+def _tuned_parts(version, compendium, directory: str):
+    """(engine, index, params, head) of the encoder tuned on `version` (`federation.tuning`):
+    queries and the global embedded by the tuned model, its own head and fusion weights. None,
+    with a warning, when its folder cannot be read or does not match the version: routing goes
+    on with the frozen model."""
     from routing.finetune import load_tuned_router
 
     try:
@@ -326,21 +335,15 @@ def _build_tuned(version, compendium, directory: str, llm) -> ServedCompendium |
         index = ScenarioIndex(
             compendium, tuned.engine, tuned.scenario_embeddings, tuned.precaution_embeddings
         )
-        routers = {
-            name: Router(compendium, tuned.engine, name, params=tuned.params, llm=llm,
-                         index=index, head=tuned.head)
-            for name in RERANKERS
-        }
+        if tuned.head is not None and tuned.head.tools != index.tool_names:
+            raise ValueError("its head was fitted on another compendium's tools")
     except Exception as exc:  # a lost or foreign folder must not stop routing
         logging.getLogger(__name__).warning(
             "round %s: the tuned router in %s cannot be used (%s: %s); routing with the frozen "
             "model", version.round.number, directory, exc.__class__.__name__, exc,
         )
         return None
-    return ServedCompendium(
-        version.pk, version.sha256, version.round.number, index, index.retrieve, routers,
-        tuned=True,
-    )
+    return tuned.engine, index, tuned.params, tuned.head
 
 
 def _stored_head(version: CompendiumVersion, index: ScenarioIndex) -> LinearHead | None:
