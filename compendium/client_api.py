@@ -8,6 +8,9 @@ Speaks the REST API exactly as the server defines it:
 - `GET /api/v1/compendium/global/` -> {"round", "sha256", "published_at", "compendium"} with an
   ETag; 304 when `If-None-Match` matches; 404 when nothing is published.
 - `GET /api/v1/compendium/probe/` -> {"count", "sha256", "texts"}: the public probe set's requests.
+- `GET /api/v1/compendium/global/router/` -> the manifest of the encoder the server tuned on the
+  global ({"round", "global_sha256", "rows_sha256", "files": [{"path", "size", "sha256"}], ...});
+  404 with a `code` when there is none; each file at `.../router/files/<path>`.
 
 Network errors, 5xx and 429 are retried with exponential backoff. A POST is safe to retry because
 the idempotency key is derived from the content and the round: the server stores it once.
@@ -16,8 +19,10 @@ the idempotency key is derived from the content and the round: the server stores
 from __future__ import annotations
 
 import gzip
+import hashlib
 import json
 import os
+import shutil
 import tempfile
 import time
 from collections.abc import Callable
@@ -70,6 +75,20 @@ class PullResult:
     path: Path | None = None
     head: Path | None = None  # the routing head saved beside it (None: the server has none)
     warnings: list[str] = field(default_factory=list)
+
+
+@dataclass
+class RouterPullResult:
+    available: bool  # False: the server has no tuned router for the global (detail says why)
+    updated: bool = False  # False: the local copy was current (or there is none to pull)
+    path: Path | None = None
+    round: int | None = None
+    epochs: int | None = None
+    total_bytes: int = 0  # the router's files, all together
+    downloaded_bytes: int = 0  # what came over the network this time
+    reused_files: int = 0  # files kept from the previous local copy (same sha256)
+    detail: str = ""
+    code: str = ""
 
 
 def idempotency_key(compendium: Compendium, round_number: int) -> str:
@@ -385,6 +404,158 @@ class SynapseClient:
             return
         write_atomically(path, response.content)
         result.head = path
+
+
+    def pull_router(self, out: Path, round_number: int | None = None) -> RouterPullResult:
+        """Download the routing encoder the server tuned on the global pulled to `out` into
+        `router_dir(out)` (about 90 MB with MiniLM), so that `synapse-client route` ranks
+        exactly as the server does. Only files whose sha256 changed come over the network; each
+        is checked against the manifest, and the folder is replaced whole or not at all. When the
+        server has none (tuning off, running, failed), returns `available=False` with its reason
+        and removes a local copy that belongs to another global."""
+        from routing.finetune import ROUTER_MANIFEST, manifest_problem, read_manifest
+
+        folder = router_dir(out)
+        params = {"round": str(round_number)} if round_number is not None else None
+        response = self.request("GET", "/api/v1/compendium/global/router/", params=params)
+        if response.status_code in (401, 403):
+            raise self._auth_error(response)
+        if response.status_code == 404:
+            body = self._json(response, "the tuned router request")
+            code = body.get("code", "") if isinstance(body, dict) else ""
+            if code.startswith("router_"):
+                self._drop_stale_router(folder, out)
+                return RouterPullResult(
+                    available=False, path=folder, detail=_detail(response), code=code
+                )
+            raise ClientError(f"no tuned router to download: {_detail(response)}")
+        if response.status_code != 200:
+            raise ClientError(
+                f"cannot download the tuned router's manifest (HTTP {response.status_code}): "
+                f"{_detail(response)}"
+            )
+        manifest = self._json(response, "the tuned router request")
+        problem = manifest_problem(manifest)
+        if problem:
+            raise ClientError(f"the server's tuned-router manifest is unusable: {problem}")
+        files = manifest["files"]
+        result = RouterPullResult(
+            available=True, path=folder, round=manifest.get("round"),
+            epochs=manifest.get("epochs"), total_bytes=sum(f["size"] for f in files),
+        )
+        local = read_manifest(folder) if folder.is_dir() else None
+        if local is not None and _same_router(local, manifest) and all(
+            _intact(folder / f["path"], f) for f in files
+        ):
+            return result
+        old = {f["path"]: f for f in (local or {}).get("files", []) if isinstance(f, dict)}
+        if isinstance(manifest.get("round"), int):  # the files of this manifest's round, even if
+            params = {"round": str(manifest["round"])}  # a newer global is published meanwhile
+        partial = folder.with_name(folder.name + ".partial")
+        shutil.rmtree(partial, ignore_errors=True)
+        try:
+            for entry in files:
+                target = partial / entry["path"]
+                target.parent.mkdir(parents=True, exist_ok=True)
+                kept = old.get(entry["path"])
+                source = folder / entry["path"]
+                if kept and kept.get("sha256") == entry["sha256"] and _intact(source, entry):
+                    shutil.copyfile(source, target)
+                    result.reused_files += 1
+                    continue
+                self._download_router_file(entry, params, target)
+                result.downloaded_bytes += entry["size"]
+            (partial / ROUTER_MANIFEST).write_text(
+                json.dumps(manifest, indent=1, sort_keys=True), encoding="utf-8"
+            )
+            retired = folder.with_name(folder.name + ".old")
+            shutil.rmtree(retired, ignore_errors=True)
+            if folder.exists():
+                folder.rename(retired)
+            partial.rename(folder)
+            shutil.rmtree(retired, ignore_errors=True)
+        finally:
+            shutil.rmtree(partial, ignore_errors=True)
+        result.updated = True
+        return result
+
+    def _download_router_file(self, entry: dict, params: dict | None, target: Path) -> None:
+        """Stream one file of the manifest to `target`, retried like any request, and check its
+        size and sha256 against the manifest."""
+        path = f"/api/v1/compendium/global/router/files/{entry['path']}"
+        last = ""
+        for attempt in range(self.retries + 1):
+            failed = None
+            try:
+                with self._http.stream("GET", path, params=params) as response:
+                    if response.status_code in (401, 403):
+                        response.read()
+                        raise self._auth_error(response)
+                    if response.status_code == 200:
+                        digest, size = hashlib.sha256(), 0
+                        with open(target, "wb") as handle:
+                            for block in response.iter_bytes(1 << 20):
+                                digest.update(block)
+                                size += len(block)
+                                handle.write(block)
+                        if size != entry["size"] or digest.hexdigest() != entry["sha256"]:
+                            raise ClientError(
+                                f"the tuned router's {entry['path']} does not match its "
+                                f"manifest ({size} bytes, sha256 {digest.hexdigest()[:12]}…; "
+                                f"expected {entry['size']}, {entry['sha256'][:12]}…): not saved"
+                            )
+                        return
+                    response.read()
+                    last = f"HTTP {response.status_code}: {_detail(response)}"
+                    if response.status_code < 500 and response.status_code != 429:
+                        raise ClientError(f"cannot download the tuned router's {entry['path']} ({last})")
+                    failed = response
+            except httpx.TransportError as exc:
+                last = f"{exc.__class__.__name__}: {exc}" if str(exc) else exc.__class__.__name__
+            if attempt < self.retries:
+                self._sleep(self._delay(attempt, failed))
+        raise ClientError(
+            f"GET {self.server}{path} failed after {self.retries + 1} attempt(s): {last}"
+        )
+
+    @staticmethod
+    def _drop_stale_router(folder: Path, out: Path) -> None:
+        """Remove a local tuned router that was tuned on another global than the one in `out`."""
+        from routing.finetune import read_manifest
+
+        manifest = read_manifest(folder) if folder.is_dir() else None
+        if manifest is None:
+            return
+        try:
+            local = canonical_form(
+                Compendium.model_validate_json(Path(out).read_bytes(), strict=True)
+            ).sha256
+        except (OSError, ValueError):
+            return
+        if manifest.get("global_sha256") != local:
+            shutil.rmtree(folder, ignore_errors=True)
+
+
+def _same_router(local: dict, remote: dict) -> bool:
+    keys = ("global_sha256", "rows_sha256", "files")
+    return all(local.get(k) == remote.get(k) for k in keys)
+
+
+def _intact(path: Path, entry: dict) -> bool:
+    """`path` holds the manifest entry's bytes (size, then sha256: a damaged local copy is
+    downloaded again)."""
+    from routing.finetune import file_sha256
+
+    return (
+        path.is_file() and path.stat().st_size == entry["size"]
+        and file_sha256(path) == entry["sha256"]
+    )
+
+
+def router_dir(compendium_path: Path) -> Path:
+    """Where `pull_router` saves the tuned router of a pulled global: COMPENDIUM.router/."""
+    compendium_path = Path(compendium_path)
+    return compendium_path.with_name(compendium_path.name + ".router")
 
 
 def etag_file(out: Path) -> Path:

@@ -406,6 +406,22 @@ def cmd_pull(args: argparse.Namespace) -> int:
         print(f"{out}: global compendium of round {result.round} saved (sha256 {result.sha256})")
     if result.head is not None:
         print(f"{result.head}: its routing head")
+    if args.router:
+        with _client(args) as client:
+            router = client.pull_router(out, round_number=args.round)
+        if not router.available:
+            print(
+                f"{PROG}: warning: no tuned router to download: {router.detail}", file=sys.stderr
+            )
+        elif not router.updated:
+            print(f"{router.path}: the tuned router of round {router.round} is up to date")
+        else:
+            print(
+                f"{router.path}: the encoder the server tuned on round {router.round}'s global "
+                f"({router.epochs} epoch(s), {router.total_bytes / 1e6:.1f} MB: "
+                f"{router.downloaded_bytes / 1e6:.1f} MB downloaded, {router.reused_files} "
+                "file(s) kept from the previous copy); route now ranks with it"
+            )
     return 0
 
 
@@ -513,6 +529,11 @@ def build_parser() -> argparse.ArgumentParser:
     pull = sub.add_parser("pull", help="download the published global compendium")
     pull.add_argument("--out", required=True, help="where to save it (ETag kept in OUT.etag)")
     pull.add_argument("--round", type=int, default=None, help="a given round (default: latest)")
+    pull.add_argument(
+        "--router", action="store_true",
+        help="also download the routing encoder the server tuned on this global (about 90 MB; "
+        "only changed files) into OUT.router/, so that route ranks exactly as the server does",
+    )
     _add_server_arguments(pull)
     pull.set_defaults(func=cmd_pull)
 

@@ -26,6 +26,8 @@ from django.conf import settings
 from django.utils import timezone
 
 from compendium.models import CompendiumVersion
+from compendium.services import load_compendium
+from federation.errors import NotFound
 from federation.pipeline import probe_pairs
 from routing.models import TunedRouter
 from routing.router import probe_halves
@@ -36,6 +38,15 @@ log = logging.getLogger(__name__)
 
 class TuningError(ValueError):
     """A tuning request that cannot be run, with what is wrong."""
+
+
+class RouterUnavailable(NotFound):
+    """A published global has no tuned router to download (yet, or any more): the detail says why
+    and `code` names the case (router_off, router_tuning, router_failed, router_retired)."""
+
+    def __init__(self, detail: str, code: str):
+        super().__init__(detail)
+        self.code = code
 
 
 def tune_epochs() -> int:
@@ -114,12 +125,17 @@ def tune_published_router(
     target = _folder(version)
     partial = target.with_name(target.name + ".partial")
     try:
-        compendium, _, _ = served_rows(version)
+        # The published content's rows, in its order: what clients pull (the saved vectors then
+        # serve their copies as they are) and what the routing API routes with it.
+        compendium = load_compendium(version)
         probe = probe_pairs()
         shutil.rmtree(partial, ignore_errors=True)
         partial.parent.mkdir(parents=True, exist_ok=True)
         seed = int(version.sha256[:8], 16)
-        tuned = tune_router(compendium, probe, partial, epochs=epochs, seed=seed)
+        tuned = tune_router(
+            compendium, probe, partial, epochs=epochs, seed=seed,
+            manifest=_manifest_fields(version, epochs),
+        )
         shutil.rmtree(target, ignore_errors=True)
         partial.rename(target)  # the folder appears whole or not at all
     except Exception as exc:
@@ -162,3 +178,77 @@ def retire_older(current: TunedRouter) -> int:
         shutil.rmtree(folder, ignore_errors=True)
         removed += 1
     return removed
+
+
+# --- the tuned router for clients to download ---------------------------------------------------
+
+
+def _manifest_fields(version: CompendiumVersion, epochs: int) -> dict:
+    return {"round": version.round.number, "global_sha256": version.sha256, "epochs": epochs}
+
+
+def downloadable_router(version: CompendiumVersion) -> tuple[TunedRouter, dict]:
+    """The ready tuned router of the published global `version` and its manifest (written now
+    for a folder tuned before manifests existed), for clients to route exactly as the server
+    does (`synapse-client pull --router`). Raises RouterUnavailable saying why there is none."""
+    from routing.finetune import read_manifest, write_manifest
+
+    number = version.round.number
+    record = TunedRouter.objects.filter(version=version).first()
+    if record is None:
+        if tune_epochs() < 1:
+            raise RouterUnavailable(
+                f"the global of round {number} has no tuned router: tuning is off on this server "
+                "(SYNAPSE_ROUTER_TUNE_EPOCHS=0; an operator can run manage.py tune_router); "
+                "route with the frozen model",
+                "router_off",
+            )
+        raise RouterUnavailable(
+            f"the global of round {number} has no tuned router yet; route with the frozen model",
+            "router_tuning",
+        )
+    state = record.state
+    if state in (TunedRouter.State.QUEUED, TunedRouter.State.RUNNING):
+        raise RouterUnavailable(
+            f"the router of round {number} is being tuned ({state}); route with the frozen model "
+            "meanwhile and pull again later",
+            "router_tuning",
+        )
+    if state == TunedRouter.State.FAILED:
+        raise RouterUnavailable(
+            f"tuning the router of round {number} failed ({record.detail}); route with the "
+            "frozen model",
+            "router_failed",
+        )
+    folder = Path(record.directory) if record.directory else None
+    if state != TunedRouter.State.READY or folder is None or not folder.is_dir():
+        raise RouterUnavailable(
+            f"the global of round {number} is no longer served with a tuned router ({state}); "
+            "pull the latest global",
+            "router_retired",
+        )
+    manifest = read_manifest(folder)
+    if manifest is None or manifest.get("global_sha256") != version.sha256:
+        # Tuned before manifests: its vectors follow the served rows' order (a client whose copy
+        # is in the published order embeds its rows again with the tuned model).
+        compendium, _, _ = served_rows(version)
+        manifest = write_manifest(folder, compendium, **_manifest_fields(version, record.epochs))
+    return record, manifest
+
+
+def router_file(version: CompendiumVersion, name: str) -> tuple[Path, dict]:
+    """The file `name` of the global's downloadable tuned router, with its manifest entry; only
+    files the manifest lists (RouterUnavailable otherwise, as when there is no router)."""
+    record, manifest = downloadable_router(version)
+    entry = next((f for f in manifest["files"] if f["path"] == name), None)
+    if entry is None:
+        raise RouterUnavailable(
+            f"the tuned router of round {version.round.number} has no file {name!r}", "router_file"
+        )
+    path = Path(record.directory) / entry["path"]
+    if not path.is_file():
+        raise RouterUnavailable(
+            f"the tuned router of round {version.round.number} lost its file {name!r}",
+            "router_retired",
+        )
+    return path, entry

@@ -1,11 +1,16 @@
-"""`synapse-client route`: route a query in memory against a pulled global compendium."""
+"""`synapse-client route`: route a query in memory against a pulled global compendium, with the
+encoder the server tuned on it when `synapse-client pull --router` saved it beside the compendium
+(COMPENDIUM.router/), else with the frozen model and the published head."""
 
 from __future__ import annotations
 
 import argparse
 import json
 import sys
+from dataclasses import dataclass
 from pathlib import Path
+
+import numpy as np
 
 from routing.router import RERANKERS
 
@@ -58,6 +63,74 @@ def _cached_head(router, documents, folder: Path):
     return head
 
 
+@dataclass
+class PulledTunedRouter:
+    """The server's tuned router as `synapse-client pull --router` saved it, checked against the
+    compendium it routes (`pulled_tuned_router`)."""
+
+    folder: Path
+    loaded: object  # routing.finetune.LoadedTunedRouter
+    scenario_embeddings: np.ndarray
+    precaution_embeddings: np.ndarray
+    round: int | None
+    epochs: int | None
+
+
+def _warn(message: str) -> None:
+    print(f"synapse-client: warning: {message}", file=sys.stderr)
+
+
+def pulled_tuned_router(compendium, folder: Path | None) -> PulledTunedRouter | None:
+    """The tuned router in `folder` when it was tuned on `compendium` (its manifest names the
+    compendium's sha256 and lists its files); None when there is none, and None after a warning
+    when the folder is there but cannot be used (routing then goes on with the frozen model).
+    The saved vectors are used when they are aligned with this copy's rows (rows_sha256);
+    otherwise the rows are embedded again with the tuned model."""
+    from compendium.canonical import canonical_form
+    from routing.finetune import load_tuned_router, manifest_problem, read_manifest, rows_digest
+
+    if folder is None or not Path(folder).is_dir():
+        return None
+    folder = Path(folder)
+    manifest = read_manifest(folder)
+    problem = "it has no manifest" if manifest is None else manifest_problem(manifest)
+    if not problem and manifest.get("global_sha256") != canonical_form(compendium).sha256:
+        problem = (
+            f"it was tuned on another global (round {manifest.get('round')}); pull with --router "
+            "again"
+        )
+    if problem:
+        _warn(f"ignoring the tuned router in {folder}: {problem}; routing with the frozen model")
+        return None
+    try:
+        loaded = load_tuned_router(folder)
+    except Exception as exc:  # a damaged folder must not stop routing
+        _warn(
+            f"ignoring the tuned router in {folder}: {exc.__class__.__name__}: {exc}; routing "
+            "with the frozen model"
+        )
+        return None
+    scenarios, precautions = loaded.scenario_embeddings, loaded.precaution_embeddings
+    aligned = (
+        manifest["rows_sha256"] == rows_digest(compendium)
+        and len(scenarios) == len(compendium.scenarios)
+        and len(precautions) == len(compendium.precautions)
+    )
+    if not aligned:
+        scenarios = loaded.engine.embed([s.text for s in compendium.scenarios])
+        precautions = (
+            loaded.engine.embed([p.text for p in compendium.precautions])
+            if compendium.precautions
+            else np.zeros((0, loaded.engine.dimension), dtype=np.float32)
+        )
+    epochs = manifest.get("epochs")
+    return PulledTunedRouter(
+        folder, loaded, scenarios, precautions,
+        manifest.get("round") if isinstance(manifest.get("round"), int) else None,
+        epochs if isinstance(epochs, int) else None,
+    )
+
+
 def pulled_router(
     compendium,
     *,
@@ -68,15 +141,37 @@ def pulled_router(
     escalate_threshold: float | None = None,
     linear_head: bool = True,
     head_path: Path | None = None,
+    tuned: PulledTunedRouter | None = None,
 ):
     """A router over a pulled global compendium that ranks exactly as the server does: scenario
     embeddings by the merge engine (cached on disk per compendium), the linear head the server
     published with it (`head_path`, which `synapse-client pull` saves beside the compendium; when
     it is missing or belongs to other tools, a head fitted here from the compendium alone, cached
-    too, without the server's probe set), the fitted routing parameters. Raises
-    `EmbeddingModelUnavailable` when the model cannot be loaded."""
+    too, without the server's probe set), the fitted routing parameters. With `tuned` (the
+    server's tuned router, `pulled_tuned_router`) it routes as the server does once tuning is
+    ready: queries and rows embedded by the tuned model, its head and fusion weights
+    (`params_path` still overrides the weights). Raises `EmbeddingModelUnavailable` when the
+    model cannot be loaded."""
     from routing.embeddings import embed_cached, get_engine, get_query_engine, model_cache_dir
     from routing.router import Router, RoutingParams
+
+    if tuned is not None:
+        loaded = tuned.loaded
+        router = Router(
+            compendium,
+            loaded.engine,
+            reranker,
+            params=RoutingParams.load(params_path) if params_path else loaded.params,
+            llm=llm,
+            escalate_threshold=escalate_threshold,
+            scenario_embeddings=tuned.scenario_embeddings,
+            precaution_embeddings=tuned.precaution_embeddings,
+        )
+        head = loaded.head if linear_head else None
+        if head is not None and head.tools != router.index.tool_names:
+            _warn(f"the tuned router in {tuned.folder} has a head for other tools; not using it")
+            head = None
+        return router.with_reranker(reranker, head=head) if head is not None else router
 
     engine = get_query_engine(embedding_model)
     # The server's stored scenario embeddings come from the merge engine
@@ -129,7 +224,7 @@ def _served_head(path: Path | None, router):
 
 
 def cmd_route(args: argparse.Namespace) -> int:
-    from compendium.client_api import head_file
+    from compendium.client_api import head_file, router_dir
     from routing.embeddings import EmbeddingModelUnavailable
     from routing.llm import LLMUnavailable, get_llm
 
@@ -140,6 +235,9 @@ def cmd_route(args: argparse.Namespace) -> int:
         raise SystemExit(f"synapse-client: {args.compendium} has no scenarios to route against")
     try:
         llm = get_llm(args.llm_url, args.llm_model) if args.reranker == "llm" else None
+        tuned = (
+            None if args.frozen else pulled_tuned_router(compendium, router_dir(Path(args.compendium)))
+        )
         router = pulled_router(
             compendium,
             embedding_model=args.embedding_model,
@@ -149,15 +247,19 @@ def cmd_route(args: argparse.Namespace) -> int:
             escalate_threshold=args.escalate_below,
             linear_head=not args.no_linear_head,
             head_path=head_file(Path(args.compendium)),
+            tuned=tuned,
         )
     except (EmbeddingModelUnavailable, LLMUnavailable) as exc:
         raise SystemExit(f"synapse-client: {exc}") from None
     decision = router.route(args.query, args.top_k)
-    if args.json:
-        print(json.dumps(decision.as_dict(), indent=2))
+    if args.json:  # "tuned_router" as in the routing API's answers
+        print(json.dumps({**decision.as_dict(), "tuned_router": tuned is not None}, indent=2))
         return 0
     flag = "  ESCALATE to a human" if decision.escalate else ""
     print(f"tool: {decision.tool}  confidence: {decision.confidence:.3f}{flag}")
+    if tuned is not None:
+        epochs = f", {tuned.epochs} epoch(s)" if tuned.epochs else ""
+        print(f"encoder: tuned by the server on the global of round {tuned.round}{epochs}")
     print(f"reranker: {decision.reranker}" + (
         f" ({decision.fallback_reason})" if decision.fallback_reason else ""
     ))
@@ -189,6 +291,11 @@ def add_route_command(subparsers) -> argparse.ArgumentParser:
     route.add_argument(
         "--no-linear-head", action="store_true", dest="no_linear_head",
         help="route without the linear head the server uses (fitted on the compendium, cached)",
+    )
+    route.add_argument(
+        "--frozen", action="store_true",
+        help="route with the frozen model even when COMPENDIUM.router/ holds the encoder the "
+        "server tuned on this global (saved by pull --router)",
     )
     route.set_defaults(func=cmd_route)
     return route

@@ -16,7 +16,10 @@ MetaTool globals lifts top-1 by 1.5 ± 0.5 points over the frozen model. Pure: n
 
 from __future__ import annotations
 
+import hashlib
 import json
+import os
+import tempfile
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -29,6 +32,11 @@ from compendium.schema import Compendium
 
 ROUTER_STATE = "synapse-router.npz"  # beside the model: scenario/precaution vectors, head
 ROUTER_PARAMS = "synapse-router-params.json"
+# What the folder holds, file by file (relative path, size, sha256), with the digest of the
+# compendium rows its vectors are aligned with: what the server publishes for clients to download
+# the tuned router (GET /api/v1/compendium/global/router/) and what they check it against.
+ROUTER_MANIFEST = "synapse-router-manifest.json"
+MANIFEST_FORMAT = 1
 
 
 def fine_tune_encoder(
@@ -150,11 +158,13 @@ def tune_router(
     base_model: str | None = None,
     fit_limit: int | None = 1000,
     device: str | None = None,
+    manifest: dict | None = None,
 ) -> TunedRouter:
     """Fine-tune the encoder on `compendium` and the learn half of the public `probe` ((request,
     tool id) pairs; `routing.router.probe_halves`), then build the router that routes with it
     (`routing.router.fit_router`: its fusion weights are fitted on the half the encoder never
-    saw) and save model, vectors, head and weights in `out_dir`. Raises ValueError when the
+    saw) and save model, vectors, head and weights in `out_dir`, with their manifest
+    (`write_manifest`; `manifest`: fields it records beside the files). Raises ValueError when the
     compendium has scenarios of fewer than two tools."""
     from routing.embeddings import EmbeddingEngine
     from routing.router import fit_router, probe_halves
@@ -183,6 +193,7 @@ def tune_router(
         state["head"] = np.frombuffer(router.head.to_bytes(), dtype=np.uint8)
     np.savez(out / ROUTER_STATE, **state)
     (out / ROUTER_PARAMS).write_text(router.params.to_json())
+    write_manifest(out, compendium, **(manifest or {}))
     return TunedRouter(out, router, len(texts), time.perf_counter() - started)
 
 
@@ -207,3 +218,114 @@ def load_tuned_router(directory: str | Path) -> LoadedTunedRouter:
         head = LinearHead.from_bytes(state["head"].tobytes()) if "head" in state.files else None
     params = RoutingParams.from_dict(json.loads((directory / ROUTER_PARAMS).read_text()))
     return LoadedTunedRouter(EmbeddingEngine(str(directory)), scenarios, precautions, head, params)
+
+
+# --- the manifest: what a client downloads and checks -----------------------------------------
+
+
+def rows_digest(compendium: Compendium) -> str:
+    """sha256 of the compendium's scenario and precaution rows in order (tool id and text): the
+    saved vectors are row-aligned with exactly these rows, so a router may use them for another
+    copy of the compendium only when this digest is the same."""
+    digest = hashlib.sha256(b"synapse-router-rows-v1\0")
+    for kind, rows in (("s", compendium.scenarios), ("p", compendium.precautions)):
+        for row in rows:
+            line = json.dumps([kind, row.tool_id, row.text], ensure_ascii=False)
+            digest.update(line.encode("utf-8", "surrogatepass") + b"\n")
+    return digest.hexdigest()
+
+
+def file_sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as handle:
+        for block in iter(lambda: handle.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def write_manifest(directory: str | Path, compendium: Compendium, **fields) -> dict:
+    """Write `ROUTER_MANIFEST` in `directory` (atomically) and return it: every other file's
+    relative path, size and sha256, the rows digest of `compendium` (the one the vectors were
+    computed for) and `fields` (e.g. round, global_sha256, epochs)."""
+    directory = Path(directory)
+    files = [
+        {
+            "path": path.relative_to(directory).as_posix(),
+            "size": path.stat().st_size,
+            "sha256": file_sha256(path),
+        }
+        for path in sorted(directory.rglob("*"))
+        if path.is_file() and path.name != ROUTER_MANIFEST and not path.name.startswith(".")
+    ]
+    manifest = {
+        "format": MANIFEST_FORMAT,
+        **fields,
+        "rows_sha256": rows_digest(compendium),
+        "scenarios": len(compendium.scenarios),
+        "precautions": len(compendium.precautions),
+        "files": files,
+        "total_bytes": sum(f["size"] for f in files),
+    }
+    data = json.dumps(manifest, indent=1, sort_keys=True).encode("utf-8")
+    fd, tmp = tempfile.mkstemp(prefix=f".{ROUTER_MANIFEST}.", dir=directory)
+    with os.fdopen(fd, "wb") as handle:
+        handle.write(data)
+    os.replace(tmp, directory / ROUTER_MANIFEST)
+    return manifest
+
+
+def read_manifest(directory: str | Path) -> dict | None:
+    """The folder's manifest, or None when it has none (a router tuned before manifests) or it
+    cannot be read."""
+    try:
+        manifest = json.loads((Path(directory) / ROUTER_MANIFEST).read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    return manifest if isinstance(manifest, dict) else None
+
+
+def manifest_problem(manifest: object) -> str | None:
+    """Why `manifest` is not one a client may download by (safe relative paths, sizes, sha256
+    digests, the rows digest), or None."""
+    if not isinstance(manifest, dict):
+        return "not a JSON object"
+    if manifest.get("format") != MANIFEST_FORMAT:
+        return f"format {manifest.get('format')!r}, not {MANIFEST_FORMAT}"
+    if not _is_sha256(manifest.get("rows_sha256")):
+        return "no rows_sha256"
+    files = manifest.get("files")
+    if not isinstance(files, list) or not files:
+        return "no files"
+    seen = set()
+    for entry in files:
+        if not isinstance(entry, dict):
+            return "a file entry is not an object"
+        path, size = entry.get("path"), entry.get("size")
+        if not isinstance(path, str) or not _safe_relative(path):
+            return f"unsafe file path {path!r}"
+        if path in seen:
+            return f"{path} is listed twice"
+        seen.add(path)
+        if not isinstance(size, int) or isinstance(size, bool) or size < 0:
+            return f"{path}: bad size {size!r}"
+        if not _is_sha256(entry.get("sha256")):
+            return f"{path}: bad sha256"
+    for required in (ROUTER_STATE, ROUTER_PARAMS):
+        if required not in seen:
+            return f"no {required}"
+    return None
+
+
+def _is_sha256(value: object) -> bool:
+    return (
+        isinstance(value, str) and len(value) == 64 and all(c in "0123456789abcdef" for c in value)
+    )
+
+
+def _safe_relative(path: str) -> bool:
+    """A plain relative POSIX path inside the folder: no absolute path, drive, '..', '.', empty
+    or hidden part, no backslash, only printable characters."""
+    if not path or len(path) > 255 or "\\" in path or not path.isprintable():
+        return False
+    parts = path.split("/")
+    return all(part and not part.startswith(".") and ":" not in part for part in parts)

@@ -267,7 +267,7 @@ def build_served(version: CompendiumVersion, tuned_directory: str = "") -> Serve
     compendium, scenario_rows, precaution_rows = served_rows(version)
     tuned = _tuned_parts(version, compendium, tuned_directory) if tuned_directory else None
     if tuned is not None:
-        engine, index, params, head = tuned
+        compendium, engine, index, params, head = tuned
         retriever = index.retrieve  # pgvector holds the frozen model's vectors
     else:
         engine, index = _frozen_index(compendium, scenario_rows, precaution_rows)
@@ -323,15 +323,23 @@ def _retriever(version, index: ScenarioIndex, scenario_rows):
     )
 
 
-def _tuned_parts(version, compendium, directory: str):
-    """(engine, index, params, head) of the encoder tuned on `version` (`federation.tuning`):
-    queries and the global embedded by the tuned model, its own head and fusion weights. None,
-    with a warning, when its folder cannot be read or does not match the version: routing goes
-    on with the frozen model."""
-    from routing.finetune import load_tuned_router
+def _tuned_parts(version, served, directory: str):
+    """(compendium, engine, index, params, head) of the encoder tuned on `version`
+    (`federation.tuning`): queries and the global embedded by the tuned model, its own head and
+    fusion weights. The saved vectors are aligned with the published content's rows (what
+    clients pull: their copies use the same files), or, in a folder tuned before its manifest
+    said so, with the `served` rows. None, with a warning, when its folder cannot be read or does
+    not match the version: routing goes on with the frozen model."""
+    from routing.finetune import load_tuned_router, read_manifest, rows_digest
 
     try:
         tuned = load_tuned_router(directory)
+        manifest = read_manifest(directory) or {}
+        compendium = load_compendium(version)
+        if manifest.get("rows_sha256") != rows_digest(compendium):
+            compendium = served
+        if len(tuned.scenario_embeddings) != len(compendium.scenarios):
+            raise ValueError("its vectors do not match the global's scenarios")
         index = ScenarioIndex(
             compendium, tuned.engine, tuned.scenario_embeddings, tuned.precaution_embeddings
         )
@@ -343,7 +351,7 @@ def _tuned_parts(version, compendium, directory: str):
             "model", version.round.number, directory, exc.__class__.__name__, exc,
         )
         return None
-    return tuned.engine, index, tuned.params, tuned.head
+    return compendium, tuned.engine, index, tuned.params, tuned.head
 
 
 def _stored_head(version: CompendiumVersion, index: ScenarioIndex) -> LinearHead | None:

@@ -12,6 +12,12 @@ urlpatterns = [
     path("compendium/probe/", views.ProbeSetView.as_view(), name="compendium-probe"),
     path("compendium/global/", views.GlobalCompendiumView.as_view(), name="compendium-global"),
     path("compendium/global/head/", views.GlobalRoutingHeadView.as_view(), name="compendium-head"),
+    path("compendium/global/router/", views.GlobalRouterView.as_view(), name="compendium-router"),
+    path(
+        "compendium/global/router/files/<path:name>",
+        views.GlobalRouterFileView.as_view(),
+        name="compendium-router-file",
+    ),
     path("admin/organizations/", views.OrganizationListView.as_view(), name="organizations"),
     path("admin/clients/", views.ClientListView.as_view(), name="clients"),
     path("admin/clients/<int:pk>/", views.ClientDetailView.as_view(), name="client-detail"),

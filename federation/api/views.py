@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from django.http import HttpResponse
+from django.http import FileResponse, HttpResponse
 from django.shortcuts import get_object_or_404
 from drf_spectacular.types import OpenApiTypes
 from drf_spectacular.utils import (
@@ -332,6 +332,87 @@ class GlobalRoutingHeadView(FederationView):
             content_type="application/octet-stream",
             headers={"ETag": etag},
         )
+
+
+def _served_global(request):
+    versions, number = _published_globals(request)
+    version = versions.defer("routing_head", "content").first()
+    if version is None:
+        raise _none_published(number)
+    return version
+
+
+class GlobalRouterView(FederationView):
+    authentication_classes = ANY_AUTH
+    permission_classes = [IsAuthenticatedAny]
+
+    @extend_schema(
+        summary="The manifest of the routing encoder tuned on the latest global (or ?round=N)",
+        description=(
+            "After a global is published the server fine-tunes the routing encoder on it "
+            "(SYNAPSE_ROUTER_TUNE_EPOCHS) and routes with it once it is ready. This manifest "
+            "lists the tuned router's files (relative path, size, sha256; about 90 MB with "
+            "MiniLM), the digest of the compendium rows its vectors are aligned with "
+            "(rows_sha256), the global's sha256, the round and the epochs; each file is at "
+            "files/<path>. `synapse-client pull --router` downloads and verifies them, and "
+            "`synapse-client route` then ranks exactly as the server does. 404 with a code "
+            "saying why when there is none: router_off (tuning off), router_tuning (queued or "
+            "running), router_failed, router_retired (a newer global is served)."
+        ),
+        parameters=[OpenApiParameter("round", int, description="round number")],
+        responses={200: OpenApiTypes.OBJECT, 304: None, 400: DETAIL, 404: DETAIL},
+    )
+    def get(self, request):
+        from federation.tuning import downloadable_router
+
+        version = _served_global(request)
+        record, manifest = downloadable_router(version)
+        etag = f'"{version.sha256}-router-{manifest_etag(manifest)}"'
+        if _etag_matches(request.META.get("HTTP_IF_NONE_MATCH", ""), etag):
+            return Response(status=status.HTTP_304_NOT_MODIFIED, headers={"ETag": etag})
+        body = {
+            **manifest,
+            "tuned_at": record.finished_at,
+            "rows": record.rows,
+            "probe_accuracy": record.probe_accuracy,
+            "frozen_probe_accuracy": record.frozen_probe_accuracy,
+        }
+        return Response(body, headers={"ETag": etag})
+
+
+def manifest_etag(manifest: dict) -> str:
+    import hashlib
+    import json
+
+    files = json.dumps(manifest.get("files", []), sort_keys=True).encode("utf-8")
+    return hashlib.sha256(files).hexdigest()[:16]
+
+
+class GlobalRouterFileView(FederationView):
+    authentication_classes = ANY_AUTH
+    permission_classes = [IsAuthenticatedAny]
+
+    @extend_schema(
+        summary="One file of the tuned router's manifest (latest global, or ?round=N)",
+        description="Only the paths the manifest lists. The ETag is the file's sha256.",
+        parameters=[OpenApiParameter("round", int, description="round number")],
+        responses={
+            (200, "application/octet-stream"): OpenApiTypes.BINARY,
+            304: None, 400: DETAIL, 404: DETAIL,
+        },
+    )
+    def get(self, request, name: str):
+        from federation.tuning import router_file
+
+        path, entry = router_file(_served_global(request), name)
+        etag = f'"{entry["sha256"]}"'
+        if _etag_matches(request.META.get("HTTP_IF_NONE_MATCH", ""), etag):
+            return HttpResponse(status=status.HTTP_304_NOT_MODIFIED, headers={"ETag": etag})
+        response = FileResponse(
+            open(path, "rb"), content_type="application/octet-stream",  # noqa: SIM115 (closed by Django)
+        )
+        response["ETag"] = etag
+        return response
 
 
 # --- people: organization-scoped administration ----------------------------------------------

@@ -1,0 +1,215 @@
+"""Clients download the server's tuned router (GET /api/v1/compendium/global/router/ and its files,
+`synapse-client pull --router`) and `synapse-client route` then ranks exactly as the routing API
+does; every case where there is none says why, and a damaged download never replaces a good copy."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from compendium.client_api import ClientError, SynapseClient, router_dir
+from compendium.client_cli import main
+from compendium.schema import Compendium
+from compendium.services import import_registry, store_compendium
+from federation import services as federation_services
+from federation.models import ProbeQuery, Round
+from federation.tuning import tune_published_router
+from routing import services
+from routing.finetune import ROUTER_MANIFEST, file_sha256, read_manifest, rows_digest
+from routing.models import TunedRouter
+from tests.routing_data import published_global_data
+
+pytestmark = [pytest.mark.slow, pytest.mark.django_db(transaction=True)]
+
+SYSTEM = federation_services.Actor(None)
+
+
+@pytest.fixture(autouse=True)
+def _fresh(settings, tmp_path):
+    settings.DATA_DIR = tmp_path / "server"
+    settings.SYNAPSE_ROUTER_TUNE_EPOCHS = 0  # tuned by hand below
+    services.forget_published_version()
+    services._served.clear()
+    yield
+    services.forget_published_version()
+    services._served.clear()
+
+
+@pytest.fixture(scope="module")
+def data():
+    data = published_global_data(10, seed=7, test_fraction=0.3, max_per_tool=8)
+    return {**data, "probe": data["test"][:60], "queries": [q.query for q in data["test"][60:72]]}
+
+
+def _publish(data, number: int, compendium: Compendium | None = None):
+    import_registry(data["tools"])
+    if not ProbeQuery.objects.exists():
+        ProbeQuery.objects.bulk_create(
+            ProbeQuery(dataset="metatool", qid=q.qid, text=q.query, tool_id=q.tool_id)
+            for q in data["probe"]
+        )
+    round_ = Round.objects.create(number=number, state="published")
+    compendium = compendium or data["compendium"]
+    version = store_compendium(
+        compendium, kind="global", round=round_,
+        scenario_embeddings=data["embeddings"][: len(compendium.scenarios)],
+        routing_head=data["head"] if compendium is data["compendium"] else None,
+    )
+    services.forget_published_version()
+    return version
+
+
+def _token() -> str:
+    org = federation_services.create_organization(SYSTEM, "Org", "org")
+    client = federation_services.enroll_client(SYSTEM, org, "c1")
+    return federation_services.approve_client(SYSTEM, client).token
+
+
+def _route_json(compendium_path: Path, query: str, capsys, *extra: str) -> dict:
+    capsys.readouterr()
+    assert main(["route", query, "--compendium", str(compendium_path), "--json", *extra]) == 0
+    return json.loads(capsys.readouterr().out)
+
+
+def test_pull_router_and_route_as_the_server_does(live_server, data, settings, tmp_path, capsys):
+    version = _publish(data, 1)
+    token = _token()
+    out = tmp_path / "client" / "global.json"
+    server = ["--server", live_server.url, "--token", token, "--backoff", "0"]
+
+    # Tuning off: the pull succeeds, says why there is no router, and routing stays frozen.
+    assert main(["pull", "--out", str(out), "--router", *server]) == 0
+    err = capsys.readouterr().err
+    assert "no tuned router to download" in err and "tuning is off" in err
+    assert not router_dir(out).exists()
+    assert _route_json(out, data["queries"][0], capsys)["tuned_router"] is False
+
+    # Being tuned: a clear code the client can act on.
+    running = TunedRouter.objects.create(version=version, state=TunedRouter.State.RUNNING, epochs=1)
+    with SynapseClient(live_server.url, token, backoff=0) as client:
+        pending = client.pull_router(out)
+    assert not pending.available and pending.code == "router_tuning" and "being tuned" in pending.detail
+    running.delete()
+
+    record = tune_published_router(version.pk, 1)
+    assert record.state == TunedRouter.State.READY, record.detail
+    served_folder = Path(record.directory)
+    manifest = read_manifest(served_folder)
+    assert manifest["global_sha256"] == version.sha256 and manifest["round"] == 1
+    assert {f["path"] for f in manifest["files"]} >= {"synapse-router.npz", "config.json"}
+
+    assert main(["pull", "--out", str(out), "--router", *server]) == 0
+    said = capsys.readouterr().out
+    assert "the encoder the server tuned on round 1's global (1 epoch(s)" in said
+    folder = router_dir(out)
+    for entry in manifest["files"]:
+        assert file_sha256(folder / entry["path"]) == entry["sha256"]
+    assert read_manifest(folder)["files"] == manifest["files"]
+    pulled = Compendium.model_validate_json(out.read_bytes())
+    assert rows_digest(pulled) == manifest["rows_sha256"]  # the saved vectors fit the pulled copy
+
+    # The client ranks exactly as the routing API does with the tuned router.
+    services._served.clear()
+    for query in data["queries"]:
+        mine = _route_json(out, query, capsys)
+        theirs = services.route_query(query)
+        assert mine["tuned_router"] is True and theirs["tuned_router"] is True
+        assert mine["tool"] == theirs["tool"]
+        assert mine["confidence"] == pytest.approx(theirs["confidence"], abs=1e-4)
+        assert [c["tool"] for c in mine["candidates"]] == [c["tool"] for c in theirs["candidates"]]
+    assert _route_json(out, data["queries"][0], capsys, "--frozen")["tuned_router"] is False
+    capsys.readouterr()
+    assert main(["route", data["queries"][0], "--compendium", str(out)]) == 0
+    assert "encoder: tuned by the server on the global of round 1, 1 epoch(s)" in capsys.readouterr().out
+
+    # Pulled again: nothing comes over the network; a damaged local file is fetched alone.
+    model = folder / "model.safetensors"
+    stamp = model.stat().st_mtime_ns
+    assert main(["pull", "--out", str(out), "--router", *server]) == 0
+    assert "the tuned router of round 1 is up to date" in capsys.readouterr().out
+    assert model.stat().st_mtime_ns == stamp
+    params = folder / "synapse-router-params.json"
+    params.write_text(params.read_text().replace("{", "{ ", 1))
+    with SynapseClient(live_server.url, token, backoff=0) as client:
+        again = client.pull_router(out)
+    assert again.updated and again.reused_files == len(manifest["files"]) - 1
+    assert again.downloaded_bytes == next(
+        f["size"] for f in manifest["files"] if f["path"] == "synapse-router-params.json"
+    )
+    assert file_sha256(params) == next(
+        f["sha256"] for f in manifest["files"] if f["path"] == "synapse-router-params.json"
+    )
+
+    # A file that does not match the manifest is refused, and the good local copy stays.
+    head = served_folder / "synapse-router-params.json"
+    good = head.read_bytes()
+    head.write_bytes(good + b" ")
+    params.write_text("{}")  # so that the client must download it
+    with SynapseClient(live_server.url, token, backoff=0) as client:
+        with pytest.raises(ClientError, match="does not match its manifest"):
+            client.pull_router(out)
+    assert params.read_text() == "{}" and (folder / ROUTER_MANIFEST).is_file()
+    assert not folder.with_name(folder.name + ".partial").exists()
+    head.write_bytes(good)
+
+    # A damaged local folder: route warns and goes on with the frozen model.
+    (folder / "synapse-router.npz").write_bytes(b"not an archive")
+    capsys.readouterr()
+    assert main(["route", data["queries"][0], "--compendium", str(out), "--json"]) == 0
+    captured = capsys.readouterr()
+    assert json.loads(captured.out)["tuned_router"] is False
+    assert "ignoring the tuned router" in captured.err
+
+    # A newer global without a router yet: the pull says so and drops the old global's router.
+    _publish(data, 2, Compendium(scenarios=data["compendium"].scenarios[:-3],
+                                 metadata=data["compendium"].metadata))
+    settings.SYNAPSE_ROUTER_TUNE_EPOCHS = 1
+    assert main(["pull", "--out", str(out), "--router", *server]) == 0
+    assert "no tuned router yet" in capsys.readouterr().err
+    assert not folder.exists()
+
+
+def test_router_endpoints_check_who_asks_and_serve_only_listed_files(data, settings, client):
+    from django.urls import reverse
+
+    version = _publish(data, 1)
+    manifest_url = reverse("api:compendium-router")
+    assert client.get(manifest_url).status_code in (401, 403)
+    auth = {"HTTP_AUTHORIZATION": f"Bearer {_token()}"}
+
+    off = client.get(manifest_url, **auth)
+    assert off.status_code == 404 and off.json()["code"] == "router_off"
+    failed = TunedRouter.objects.create(
+        version=version, state=TunedRouter.State.FAILED, detail="ValueError: no", epochs=1
+    )
+    answer = client.get(manifest_url, **auth).json()
+    assert answer["code"] == "router_failed" and "ValueError: no" in answer["detail"]
+    failed.delete()
+    assert client.get(manifest_url, {"round": "x"}, **auth).status_code == 400
+    assert client.get(manifest_url, {"round": "9"}, **auth).status_code == 404
+
+    record = tune_published_router(version.pk, 1)
+    folder = Path(record.directory)
+    (folder / ROUTER_MANIFEST).unlink()  # a router tuned before manifests: written on request
+    first = client.get(manifest_url, **auth)
+    assert first.status_code == 200 and (folder / ROUTER_MANIFEST).is_file()
+    body = first.json()
+    assert body["global_sha256"] == version.sha256 and body["rows"] == record.rows
+    assert body["total_bytes"] == sum(f["size"] for f in body["files"]) > 1_000_000
+    assert client.get(manifest_url, HTTP_IF_NONE_MATCH=first["ETag"], **auth).status_code == 304
+
+    entry = next(f for f in body["files"] if f["path"] == "synapse-router-params.json")
+    url = reverse("api:compendium-router-file", args=[entry["path"]])
+    got = client.get(url, **auth)
+    assert got.status_code == 200 and got["ETag"] == f'"{entry["sha256"]}"'
+    assert b"".join(got.streaming_content) == (folder / entry["path"]).read_bytes()
+    assert client.get(url, HTTP_IF_NONE_MATCH=got["ETag"], **auth).status_code == 304
+    assert client.get(url).status_code in (401, 403)
+
+    (folder / "secret.txt").write_text("not listed")
+    for name in ("secret.txt", "../routers", "1_Pooling/../secret.txt", "nothing"):
+        refused = client.get(reverse("api:compendium-router-file", args=[name]), **auth)
+        assert refused.status_code == 404, name
+    assert refused.json()["code"] == "router_file"
