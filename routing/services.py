@@ -380,13 +380,22 @@ def served_compendium() -> ServedCompendium:
         )
     key = (version.pk, version.sha256, tuned_directory)
     served = _served.get(key)
-    if served is None:
-        with _served_lock:
-            served = _served.get(key)
-            if served is None:
-                served = build_served(version, tuned_directory)
-                _served.clear()  # only the current version is kept
-                _served[key] = served
+    if served is not None:
+        return served
+    # A switch (a new global, or its tuned router becoming ready) loads a model and embeds or
+    # reads the global: one request builds it while the others go on with the one served so far
+    # (as stale as the version TTL already allows); only the very first build is waited for.
+    previous = next(iter(_served.values()), None)
+    if not _served_lock.acquire(blocking=previous is None):
+        return previous
+    try:
+        served = _served.get(key)
+        if served is None:
+            served = build_served(version, tuned_directory)
+            _served.clear()  # only the current version is kept
+            _served[key] = served
+    finally:
+        _served_lock.release()
     return served
 
 

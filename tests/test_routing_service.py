@@ -133,6 +133,44 @@ def test_latest_published_round_is_served(data):
     assert services.route_query(data["queries"][0])["compendium_round"] == 1
 
 
+@pytest.mark.django_db(transaction=True)  # the building thread has its own connection
+def test_a_switch_is_built_by_one_request_while_the_others_keep_routing(data, monkeypatch):
+    import threading
+
+    _publish(data, number=1, with_client_copy=False)
+    first = services.served_compendium()
+    second_version = _publish(data, number=2, with_client_copy=False)
+    services.forget_published_version()
+    building, release = threading.Event(), threading.Event()
+    real_build = services.build_served
+
+    def slow_build(version, tuned_directory=""):
+        building.set()
+        assert release.wait(30)
+        return real_build(version, tuned_directory)
+
+    monkeypatch.setattr(services, "build_served", slow_build)
+    built = []
+
+    def request():
+        try:
+            built.append(services.served_compendium())
+        finally:
+            connection.close()
+
+    worker = threading.Thread(target=request)
+    worker.start()
+    try:
+        assert building.wait(30)
+        # While round 2 is being built, another request is answered at once with round 1.
+        assert services.served_compendium() is first
+    finally:
+        release.set()
+        worker.join(30)
+    assert built and built[0].version_id == second_version.pk
+    assert services.served_compendium() is built[0]
+
+
 @pytest.fixture
 def api():
     token, raw = RoutingToken.issue("app")
