@@ -36,3 +36,25 @@ def published_global_data(tools: int, seed: int, test_fraction: float, max_per_t
         "test": split.test,
         "documents": documents,
     }
+
+
+def publish_with_probe(data: dict, number: int = 1, compendium=None):
+    """Publish `data["compendium"]` (or `compendium`, a subset of its scenarios) as round
+    `number`'s global, with its tools and, once, `data["probe"]` as the public probe set, as the
+    tuned-router tests need it. Returns (round, version)."""
+    from compendium.services import import_registry, store_compendium
+    from federation.models import ProbeQuery, Round
+
+    import_registry(data["tools"])
+    if not ProbeQuery.objects.exists():
+        ProbeQuery.objects.bulk_create(
+            ProbeQuery(dataset="metatool", qid=q.qid, text=q.query, tool_id=q.tool_id)
+            for q in data["probe"]
+        )
+    round_ = Round.objects.create(number=number, state="published")
+    compendium = compendium or data["compendium"]
+    return round_, store_compendium(
+        compendium, kind="global", round=round_,
+        scenario_embeddings=data["embeddings"][: len(compendium.scenarios)],
+        routing_head=data["head"] if compendium is data["compendium"] else None,
+    )

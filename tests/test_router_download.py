@@ -12,14 +12,12 @@ import pytest
 from compendium.client_api import ClientError, SynapseClient, router_dir
 from compendium.client_cli import main
 from compendium.schema import Compendium
-from compendium.services import import_registry, store_compendium
 from federation import services as federation_services
-from federation.models import ProbeQuery, Round
 from federation.tuning import tune_published_router
 from routing import services
 from routing.finetune import ROUTER_MANIFEST, file_sha256, read_manifest, rows_digest
 from routing.models import TunedRouter
-from tests.routing_data import published_global_data
+from tests.routing_data import publish_with_probe, published_global_data
 
 pytestmark = [pytest.mark.slow, pytest.mark.django_db(transaction=True)]
 
@@ -44,19 +42,7 @@ def data():
 
 
 def _publish(data, number: int, compendium: Compendium | None = None):
-    import_registry(data["tools"])
-    if not ProbeQuery.objects.exists():
-        ProbeQuery.objects.bulk_create(
-            ProbeQuery(dataset="metatool", qid=q.qid, text=q.query, tool_id=q.tool_id)
-            for q in data["probe"]
-        )
-    round_ = Round.objects.create(number=number, state="published")
-    compendium = compendium or data["compendium"]
-    version = store_compendium(
-        compendium, kind="global", round=round_,
-        scenario_embeddings=data["embeddings"][: len(compendium.scenarios)],
-        routing_head=data["head"] if compendium is data["compendium"] else None,
-    )
+    _, version = publish_with_probe(data, number, compendium)
     services.forget_published_version()
     return version
 

@@ -9,13 +9,12 @@ import pytest
 from django.core.management import call_command
 
 from compendium.schema import Compendium
-from compendium.services import import_registry, store_compendium
-from federation.models import ProbeQuery, Round
+from federation.models import Round
 from federation.signals import global_published
 from federation.tuning import TuningError, tune_published_router
 from routing import services
 from routing.models import TunedRouter
-from tests.routing_data import published_global_data
+from tests.routing_data import publish_with_probe, published_global_data
 
 pytestmark = [pytest.mark.slow, pytest.mark.django_db]
 
@@ -36,19 +35,7 @@ def data():
 
 
 def _publish(data, number=1, compendium=None):
-    import_registry(data["tools"])
-    if not ProbeQuery.objects.exists():
-        ProbeQuery.objects.bulk_create(
-            ProbeQuery(dataset="metatool", qid=q.qid, text=q.query, tool_id=q.tool_id)
-            for q in data["probe"]
-        )
-    round_ = Round.objects.create(number=number, state="published")
-    compendium = compendium or data["compendium"]
-    embeddings = data["embeddings"][: len(compendium.scenarios)]
-    return round_, store_compendium(
-        compendium, kind="global", round=round_, scenario_embeddings=embeddings,
-        routing_head=data["head"] if compendium is data["compendium"] else None,
-    )
+    return publish_with_probe(data, number, compendium)
 
 
 def test_publishing_tunes_the_router_and_the_routing_api_switches_to_it(data, settings):
