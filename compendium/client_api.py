@@ -87,6 +87,8 @@ class RouterPullResult:
     total_bytes: int = 0  # the router's files, all together
     downloaded_bytes: int = 0  # what came over the network this time
     reused_files: int = 0  # files kept from the previous local copy (same sha256)
+    delta_files: int = 0  # files rebuilt from a delta against this client's base model
+    warnings: list[str] = field(default_factory=list)
     detail: str = ""
     code: str = ""
 
@@ -463,6 +465,8 @@ class SynapseClient:
                     shutil.copyfile(source, target)
                     result.reused_files += 1
                     continue
+                if self._rebuild_from_delta(entry, params, target, result):
+                    continue
                 self._download_router_file(entry, params, target)
                 result.downloaded_bytes += entry["size"]
             (partial / ROUTER_MANIFEST).write_text(
@@ -478,6 +482,40 @@ class SynapseClient:
             shutil.rmtree(partial, ignore_errors=True)
         result.updated = True
         return result
+
+    def _rebuild_from_delta(
+        self, entry: dict, params: dict | None, target: Path, result: RouterPullResult
+    ) -> bool:
+        """Rebuild `entry` at `target` from its delta and this client's copy of the base model
+        (`routing.weights_delta`: about 40 MB instead of 91 for MiniLM) when the manifest offers
+        one against a base file this client holds; False when it cannot (no delta, another
+        base, or a rebuilt file that does not match: then the whole file is downloaded)."""
+        from routing.finetune import file_sha256
+        from routing.weights_delta import DeltaError, apply_delta
+
+        delta = entry.get("delta")
+        base = _local_base_file(entry["path"])
+        if not delta or base is None or file_sha256(base) != delta["base_sha256"]:
+            return False
+        packed = target.with_name(target.name + ".delta")
+        try:
+            self._download_router_file(delta, params, packed)
+            result.downloaded_bytes += delta["size"]
+            rebuilt = apply_delta(packed.read_bytes(), base)
+        except (ClientError, DeltaError, OSError) as exc:
+            result.warnings.append(f"{entry['path']}: the delta did not serve ({exc}); downloading it whole")
+            return False
+        finally:
+            packed.unlink(missing_ok=True)
+        if len(rebuilt) != entry["size"] or hashlib.sha256(rebuilt).hexdigest() != entry["sha256"]:
+            result.warnings.append(
+                f"{entry['path']}: the file rebuilt from its delta does not match the manifest; "
+                "downloading it whole"
+            )
+            return False
+        target.write_bytes(rebuilt)
+        result.delta_files += 1
+        return True
 
     def _download_router_file(self, entry: dict, params: dict | None, target: Path) -> None:
         """Stream one file of the manifest to `target`, retried like any request, and check its
@@ -534,6 +572,17 @@ class SynapseClient:
             return
         if manifest.get("global_sha256") != local:
             shutil.rmtree(folder, ignore_errors=True)
+
+
+def _local_base_file(name: str) -> Path | None:
+    """This client's copy of the base model's file `name` (the bundled MiniLM), if any."""
+    try:
+        from routing.embeddings import _bundled_path
+
+        path = Path(_bundled_path()) / name
+    except Exception:  # no bundled model here: the whole file is downloaded
+        return None
+    return path if path.is_file() else None
 
 
 def _same_router(local: dict, remote: dict) -> bool:

@@ -410,6 +410,8 @@ def cmd_pull(args: argparse.Namespace) -> int:
     if args.router:
         with _client(args) as client:
             router = client.pull_router(out, round_number=args.round)
+        for warning in router.warnings:
+            print(f"{PROG}: warning: {warning}", file=sys.stderr)
         if not router.available:
             print(
                 f"{PROG}: warning: no tuned router to download: {router.detail}", file=sys.stderr
@@ -420,8 +422,9 @@ def cmd_pull(args: argparse.Namespace) -> int:
             print(
                 f"{router.path}: the encoder the server tuned on round {router.round}'s global "
                 f"({router.epochs} epoch(s), {router.total_bytes / 1e6:.1f} MB: "
-                f"{router.downloaded_bytes / 1e6:.1f} MB downloaded, {router.reused_files} "
-                "file(s) kept from the previous copy); route now ranks with it"
+                f"{router.downloaded_bytes / 1e6:.1f} MB downloaded, {router.delta_files} "
+                f"file(s) rebuilt from a delta against the bundled model, {router.reused_files} "
+                "kept from the previous copy); route now ranks with it"
             )
     return 0
 

@@ -238,9 +238,11 @@ def downloadable_router(version: CompendiumVersion) -> tuple[TunedRouter, dict]:
 
 def router_file(version: CompendiumVersion, name: str) -> tuple[Path, dict]:
     """The file `name` of the global's downloadable tuned router, with its manifest entry; only
-    files the manifest lists (RouterUnavailable otherwise, as when there is no router)."""
+    files the manifest lists, and their deltas (RouterUnavailable otherwise, as when there is no
+    router)."""
     record, manifest = downloadable_router(version)
-    entry = next((f for f in manifest["files"] if f["path"] == name), None)
+    listed = list(manifest["files"]) + [f["delta"] for f in manifest["files"] if "delta" in f]
+    entry = next((f for f in listed if f["path"] == name), None)
     if entry is None:
         raise RouterUnavailable(
             f"the tuned router of round {version.round.number} has no file {name!r}", "router_file"

@@ -59,7 +59,9 @@ def _route_json(compendium_path: Path, query: str, capsys, *extra: str) -> dict:
     return json.loads(capsys.readouterr().out)
 
 
-def test_pull_router_and_route_as_the_server_does(live_server, data, settings, tmp_path, capsys):
+def test_pull_router_and_route_as_the_server_does(
+    live_server, data, settings, tmp_path, capsys, monkeypatch
+):
     version = _publish(data, 1)
     token = _token()
     out = tmp_path / "client" / "global.json"
@@ -85,10 +87,14 @@ def test_pull_router_and_route_as_the_server_does(live_server, data, settings, t
     manifest = read_manifest(served_folder)
     assert manifest["global_sha256"] == version.sha256 and manifest["round"] == 1
     assert {f["path"] for f in manifest["files"]} >= {"synapse-router.npz", "config.json"}
+    weights = next(f for f in manifest["files"] if f["path"] == "model.safetensors")
+    assert weights["delta"]["size"] < 0.6 * weights["size"]  # 44% on the demo's round-3 router
+    assert not any(f["path"].startswith("deltas/") for f in manifest["files"])
 
     assert main(["pull", "--out", str(out), "--router", *server]) == 0
     said = capsys.readouterr().out
     assert "the encoder the server tuned on round 1's global (1 epoch(s)" in said
+    assert "1 file(s) rebuilt from a delta against the bundled model" in said
     folder = router_dir(out)
     for entry in manifest["files"]:
         assert file_sha256(folder / entry["path"]) == entry["sha256"]
@@ -139,6 +145,34 @@ def test_pull_router_and_route_as_the_server_does(live_server, data, settings, t
     assert params.read_text() == "{}" and (folder / ROUTER_MANIFEST).is_file()
     assert not folder.with_name(folder.name + ".partial").exists()
     head.write_bytes(good)
+
+    # The weights come as a delta against the bundled model when the client holds that base,
+    # whole otherwise, and whole again (with a warning) when the delta does not rebuild them.
+    import shutil
+
+    import compendium.client_api as client_api
+
+    total = sum(f["size"] for f in manifest["files"])
+    shutil.rmtree(folder)
+    with SynapseClient(live_server.url, token, backoff=0) as client:
+        by_delta = client.pull_router(out)
+    assert by_delta.delta_files == 1 and by_delta.downloaded_bytes < 0.6 * total
+    assert file_sha256(folder / "model.safetensors") == weights["sha256"]
+    shutil.rmtree(folder)
+    monkeypatch.setattr(client_api, "_local_base_file", lambda name: None)
+    with SynapseClient(live_server.url, token, backoff=0) as client:
+        whole = client.pull_router(out)
+    assert whole.delta_files == 0 and whole.downloaded_bytes == total
+    monkeypatch.undo()
+    served_delta = served_folder / weights["delta"]["path"]
+    packed = served_delta.read_bytes()
+    served_delta.write_bytes(packed[:-100])
+    shutil.rmtree(folder)
+    with SynapseClient(live_server.url, token, backoff=0) as client:
+        fallback = client.pull_router(out)
+    assert fallback.delta_files == 0 and any("downloading it whole" in w for w in fallback.warnings)
+    assert file_sha256(folder / "model.safetensors") == weights["sha256"]
+    served_delta.write_bytes(packed)
 
     # A damaged local folder: route warns and goes on with the frozen model.
     (folder / "synapse-router.npz").write_bytes(b"not an archive")
