@@ -236,6 +236,25 @@ def downloadable_router(version: CompendiumVersion) -> tuple[TunedRouter, dict]:
     return record, manifest
 
 
+def router_manifest(version: CompendiumVersion) -> tuple[str, dict]:
+    """(ETag, body) of GET /api/v1/compendium/global/router/ for `version`: its manifest with
+    when and how the router was tuned. The ETag changes with the global and the files."""
+    import hashlib
+    import json
+
+    record, manifest = downloadable_router(version)
+    files = json.dumps(manifest.get("files", []), sort_keys=True).encode("utf-8")
+    etag = f'"{version.sha256}-router-{hashlib.sha256(files).hexdigest()[:16]}"'
+    body = {
+        **manifest,
+        "tuned_at": record.finished_at,
+        "rows": record.rows,
+        "probe_accuracy": record.probe_accuracy,
+        "frozen_probe_accuracy": record.frozen_probe_accuracy,
+    }
+    return etag, body
+
+
 def router_file(version: CompendiumVersion, name: str) -> tuple[Path, dict]:
     """The file `name` of the global's downloadable tuned router, with its manifest entry; only
     files the manifest lists, and their deltas (RouterUnavailable otherwise, as when there is no

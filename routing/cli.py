@@ -87,7 +87,13 @@ def pulled_tuned_router(compendium, folder: Path | None) -> PulledTunedRouter | 
     The saved vectors are used when they are aligned with this copy's rows (rows_sha256);
     otherwise the rows are embedded again with the tuned model."""
     from compendium.canonical import canonical_form
-    from routing.finetune import load_tuned_router, manifest_problem, read_manifest, rows_digest
+    from routing.finetune import (
+        embed_rows,
+        load_tuned_router,
+        manifest_problem,
+        read_manifest,
+        rows_digest,
+    )
 
     if folder is None or not Path(folder).is_dir():
         return None
@@ -117,12 +123,7 @@ def pulled_tuned_router(compendium, folder: Path | None) -> PulledTunedRouter | 
         and len(precautions) == len(compendium.precautions)
     )
     if not aligned:
-        scenarios = loaded.engine.embed([s.text for s in compendium.scenarios])
-        precautions = (
-            loaded.engine.embed([p.text for p in compendium.precautions])
-            if compendium.precautions
-            else np.zeros((0, loaded.engine.dimension), dtype=np.float32)
-        )
+        scenarios, precautions = embed_rows(loaded.engine, compendium)
     epochs = manifest.get("epochs")
     return PulledTunedRouter(
         folder, loaded, scenarios, precautions,
@@ -211,14 +212,10 @@ def _served_head(path: Path | None, router):
     try:
         head = LinearHead.from_bytes(Path(path).read_bytes())
     except (OSError, ValueError, KeyError, zipfile.BadZipFile) as exc:
-        print(f"synapse-client: warning: ignoring {path}: {exc}", file=sys.stderr)
+        _warn(f"ignoring {path}: {exc}")
         return None
     if head.tools != router.index.tool_names:
-        print(
-            f"synapse-client: warning: ignoring {path}: it was published for other tools than "
-            "this compendium's",
-            file=sys.stderr,
-        )
+        _warn(f"ignoring {path}: it was published for other tools than this compendium's")
         return None
     return head
 

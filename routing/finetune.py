@@ -182,12 +182,7 @@ def tune_router(
     )
     write_weight_deltas(out, base_model)
     engine = EmbeddingEngine(str(out))
-    scenario_vectors = engine.embed([s.text for s in compendium.scenarios])
-    precaution_vectors = (
-        engine.embed([p.text for p in compendium.precautions])
-        if compendium.precautions
-        else np.zeros((0, engine.dimension), dtype=np.float32)
-    )
+    scenario_vectors, precaution_vectors = embed_rows(engine, compendium)
     router = fit_router(
         compendium, engine, probe, fit_limit=fit_limit,
         scenario_embeddings=scenario_vectors, precaution_embeddings=precaution_vectors,
@@ -200,6 +195,17 @@ def tune_router(
     (out / ROUTER_PARAMS).write_text(router.params.to_json())
     write_manifest(out, compendium, **(manifest or {}))
     return TunedRouter(out, router, len(texts), time.perf_counter() - started)
+
+
+def embed_rows(engine, compendium: Compendium) -> tuple[np.ndarray, np.ndarray]:
+    """The compendium's scenario and precaution vectors by `engine`, row-aligned."""
+    scenarios = engine.embed([s.text for s in compendium.scenarios])
+    precautions = (
+        engine.embed([p.text for p in compendium.precautions])
+        if compendium.precautions
+        else np.zeros((0, engine.dimension), dtype=np.float32)
+    )
+    return scenarios, precautions
 
 
 @dataclass
@@ -317,32 +323,36 @@ def manifest_problem(manifest: object) -> str | None:
         return "no files"
     seen = set()
     for entry in files:
-        if not isinstance(entry, dict):
-            return "a file entry is not an object"
-        path, size = entry.get("path"), entry.get("size")
-        if not isinstance(path, str) or not _safe_relative(path):
-            return f"unsafe file path {path!r}"
-        if path in seen:
-            return f"{path} is listed twice"
-        seen.add(path)
-        if not isinstance(size, int) or isinstance(size, bool) or size < 0:
-            return f"{path}: bad size {size!r}"
-        if not _is_sha256(entry.get("sha256")):
-            return f"{path}: bad sha256"
+        problem = _entry_problem(entry)
+        if problem:
+            return problem
+        if entry["path"] in seen:
+            return f"{entry['path']} is listed twice"
+        seen.add(entry["path"])
         delta = entry.get("delta")
         if delta is not None:
-            if not isinstance(delta, dict) or not isinstance(delta.get("path"), str):
-                return f"{path}: a delta without a path"
-            if not _safe_relative(delta["path"]):
-                return f"{path}: unsafe delta path {delta['path']!r}"
-            size = delta.get("size")
-            if not isinstance(size, int) or isinstance(size, bool) or size < 0:
-                return f"{path}: bad delta size {size!r}"
-            if not (_is_sha256(delta.get("sha256")) and _is_sha256(delta.get("base_sha256"))):
-                return f"{path}: bad delta sha256"
+            problem = _entry_problem(delta)
+            if problem:
+                return f"{entry['path']}: delta: {problem}"
+            if not _is_sha256(delta.get("base_sha256")):
+                return f"{entry['path']}: delta: bad base_sha256"
     for required in (ROUTER_STATE, ROUTER_PARAMS):
         if required not in seen:
             return f"no {required}"
+    return None
+
+
+def _entry_problem(entry: object) -> str | None:
+    """Why a manifest entry ({path, size, sha256}) is unusable, or None."""
+    if not isinstance(entry, dict):
+        return "an entry is not an object"
+    path, size = entry.get("path"), entry.get("size")
+    if not isinstance(path, str) or not _safe_relative(path):
+        return f"unsafe file path {path!r}"
+    if not isinstance(size, int) or isinstance(size, bool) or size < 0:
+        return f"{path}: bad size {size!r}"
+    if not _is_sha256(entry.get("sha256")):
+        return f"{path}: bad sha256"
     return None
 
 

@@ -363,29 +363,12 @@ class GlobalRouterView(FederationView):
         responses={200: OpenApiTypes.OBJECT, 304: None, 400: DETAIL, 404: DETAIL},
     )
     def get(self, request):
-        from federation.tuning import downloadable_router
+        from federation.tuning import router_manifest
 
-        version = _served_global(request)
-        record, manifest = downloadable_router(version)
-        etag = f'"{version.sha256}-router-{manifest_etag(manifest)}"'
+        etag, body = router_manifest(_served_global(request))
         if _etag_matches(request.META.get("HTTP_IF_NONE_MATCH", ""), etag):
             return Response(status=status.HTTP_304_NOT_MODIFIED, headers={"ETag": etag})
-        body = {
-            **manifest,
-            "tuned_at": record.finished_at,
-            "rows": record.rows,
-            "probe_accuracy": record.probe_accuracy,
-            "frozen_probe_accuracy": record.frozen_probe_accuracy,
-        }
         return Response(body, headers={"ETag": etag})
-
-
-def manifest_etag(manifest: dict) -> str:
-    import hashlib
-    import json
-
-    files = json.dumps(manifest.get("files", []), sort_keys=True).encode("utf-8")
-    return hashlib.sha256(files).hexdigest()[:16]
 
 
 class GlobalRouterFileView(FederationView):
