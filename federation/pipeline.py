@@ -302,17 +302,33 @@ def probe_accuracy(probe: ProbeSet | None, scenario_tools: list[str], vectors) -
     return float(np.mean(predicted == np.asarray(probe.labels, dtype=object)))
 
 
-def routing_head(compendium, scenario_embeddings, embed, probe: ProbeSet | None = None) -> bytes | None:
+def routing_head(
+    compendium, scenario_embeddings, embed, probe: ProbeSet | None = None, *,
+    precaution_embeddings=None, engine=None,
+) -> bytes | None:
     """The serialized linear head the routing API uses with this global (None: fewer than two
-    tools, or no embeddings). It learns from the public probe set's labelled requests too, when
-    there is one; clients download it with the global (`GET /api/v1/compendium/global/head/`)."""
-    from routing.router import fit_linear_head
+    tools, or no embeddings); clients download it with the global
+    (`GET /api/v1/compendium/global/head/`). With the public probe set, it learns from its
+    labelled requests too (so tools without scenarios in this global stay routable) and carries
+    the fusion weights and calibration fitted with it on the probe (`routing.router.fit_router`,
+    queries embedded by `engine`, default the routing API's query engine), which the routing
+    API and `synapse-client route` use with this global unless an operator configured their
+    own (SYNAPSE_ROUTING_PARAMS)."""
+    from routing.embeddings import get_query_engine
+    from routing.router import fit_linear_head, fit_router
 
     if scenario_embeddings is None or not len(compendium.scenarios):
         return None
-    examples = (probe.vectors, probe.labels) if probe is not None and len(probe) else None
-    head = fit_linear_head(compendium, scenario_embeddings, embed, examples=examples)
-    return head.to_bytes() if head is not None else None
+    if probe is None or not len(probe):
+        head = fit_linear_head(compendium, scenario_embeddings, embed)
+        return head.to_bytes() if head is not None else None
+    router = fit_router(
+        compendium, engine or get_query_engine(), list(zip(probe.texts, probe.labels, strict=True)),
+        probe_vectors=probe.vectors, describe=embed,
+        scenario_embeddings=scenario_embeddings, precaution_embeddings=precaution_embeddings,
+        fitted_on="the public probe set, at publication",
+    )
+    return router.head.to_bytes() if router.head is not None else None
 
 
 def previous_global(round_: Round) -> CompendiumVersion | None:
@@ -356,7 +372,10 @@ def run_server_merge(round_id: int, *, embed=None) -> str:
     accuracy = probe_accuracy(
         probe, [s.tool_id for s in result.compendium.scenarios], result.scenario_embeddings
     )
-    head = routing_head(result.compendium, result.scenario_embeddings, embed, probe)
+    head = routing_head(
+        result.compendium, result.scenario_embeddings, embed, probe,
+        precaution_embeddings=result.precaution_embeddings,
+    )
     with transaction.atomic():
         locked = Round.objects.select_for_update().get(pk=round_id)
         CompendiumVersion.objects.filter(kind="global", round=locked).delete()

@@ -51,7 +51,7 @@ def _cached_head(router, documents, folder: Path):
     path = folder / f"{key}.npz"
     if path.exists():
         head = LinearHead.from_bytes(path.read_bytes())
-        if head.tools == router.index.tool_names:
+        if router.index.for_tools(head.tools) is not None:
             return head
     head = fit_linear_head(compendium, router.index.embeddings, documents.embed)
     if head is not None:
@@ -148,7 +148,8 @@ def pulled_router(
     embeddings by the merge engine (cached on disk per compendium), the linear head the server
     published with it (`head_path`, which `synapse-client pull` saves beside the compendium; when
     it is missing or belongs to other tools, a head fitted here from the compendium alone, cached
-    too, without the server's probe set), the fitted routing parameters. With `tuned` (the
+    too, without the server's probe set), the routing parameters fitted with that head (else
+    `params_path`, else the defaults; `params_path` wins when given). With `tuned` (the
     server's tuned router, `pulled_tuned_router`) it routes as the server does once tuning is
     ready: queries and rows embedded by the tuned model, its head and fusion weights
     (`params_path` still overrides the weights). Raises `EmbeddingModelUnavailable` when the
@@ -169,7 +170,7 @@ def pulled_router(
             precaution_embeddings=tuned.precaution_embeddings,
         )
         head = loaded.head if linear_head else None
-        if head is not None and head.tools != router.index.tool_names:
+        if head is not None and router.index.for_tools(head.tools) is None:
             _warn(f"the tuned router in {tuned.folder} has a head for other tools; not using it")
             head = None
         return router.with_reranker(reranker, head=head) if head is not None else router
@@ -196,7 +197,9 @@ def pulled_router(
         head = _served_head(head_path, router) or _cached_head(
             router, documents, cache.parent / "routing-heads"
         )
-        router = router.with_reranker(reranker, head=head)
+        # the weights the server fitted with its head, as its routing API uses them
+        fitted = head.params if head is not None and not params_path else None
+        router = router.with_reranker(reranker, head=head, params=fitted or router.params)
     return router
 
 
@@ -214,7 +217,7 @@ def _served_head(path: Path | None, router):
     except (OSError, ValueError, KeyError, zipfile.BadZipFile) as exc:
         _warn(f"ignoring {path}: {exc}")
         return None
-    if head.tools != router.index.tool_names:
+    if router.index.for_tools(head.tools) is None:
         _warn(f"ignoring {path}: it was published for other tools than this compendium's")
         return None
     return head

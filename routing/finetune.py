@@ -127,20 +127,19 @@ def tuning_rows(
     compendium: Compendium, examples: Sequence[tuple[str, str]] = ()
 ) -> tuple[list[str], list[str]]:
     """What the encoder learns from, as (texts, tool ids): every scenario of `compendium` (as the
-    engine reads it, without masking placeholders), the description of every tool that has
-    scenarios, and the labelled `examples` ((request, tool id), public probe requests) whose tool
-    has scenarios (others can never be chosen)."""
-    tools = {s.tool_id for s in compendium.scenarios}
+    engine reads it, without masking placeholders), the labelled `examples` ((request, tool id),
+    public probe requests) and the description of every tool of either: the tools the router's
+    head ranks (`routing.router.head_tools`)."""
     texts = [without_placeholders(s.text) for s in compendium.scenarios]
     labels = [s.tool_id for s in compendium.scenarios]
+    tools = set(labels) | {tool for _, tool in examples}
     for meta in compendium.metadata:
         if meta.description and meta.tool_id in tools:
             texts.append(meta.description)
             labels.append(meta.tool_id)
     for text, tool in examples:
-        if tool in tools:
-            texts.append(text)
-            labels.append(tool)
+        texts.append(text)
+        labels.append(tool)
     return texts, labels
 
 
@@ -169,7 +168,7 @@ def tune_router(
     (`routing.router.fit_router`: its fusion weights are fitted on the half the encoder never
     saw) and save model, vectors, head and weights in `out_dir`, with their manifest
     (`write_manifest`; `manifest`: fields it records beside the files). Raises ValueError when the
-    compendium has scenarios of fewer than two tools."""
+    compendium's scenarios and the probe's requests name fewer than two tools."""
     from routing.embeddings import EmbeddingEngine
     from routing.router import fit_router, probe_halves
 

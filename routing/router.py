@@ -7,9 +7,11 @@ uses the very same decision code with pgvector retrieval plugged in as the retri
 2. Rerank, by name:
    - `none`: the top-1 cosine candidate's tool (the paper's reranker bypass);
    - `fusion` (default without an LLM): per tool of a candidate pool, dense similarity (best
-     cosine), lexical BM25 (normalized in the pool), the tool's share of the top-k, and a penalty
-     for a precaution of the tool that matches the query; a linear score with weights fitted on a
-     labelled probe set (`fit_fusion_weights`, conditional logit);
+     cosine), lexical BM25 (normalized in the pool), the tool's share of the top-k, a penalty
+     for a precaution of the tool that matches the query and the linear head's log-probability
+     (whose best tools join the pool, including tools that the public probe set labels but that
+     have no scenario in the compendium yet); a linear score with weights fitted on a labelled
+     probe set (`fit_fusion_weights`, conditional logit);
    - `llm`: the LLM picks one of the top-k candidates and so its parent tool; a malformed answer or
      a down endpoint falls back to `fusion`, with the reason recorded in the decision.
 3. Confidence: a calibrated probability that the chosen tool is right (Platt scaling over the
@@ -19,11 +21,12 @@ uses the very same decision code with pgvector retrieval plugged in as the retri
 
 from __future__ import annotations
 
+import copy
 import json
 import random
 import re
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 import numpy as np
@@ -80,6 +83,10 @@ class FusionWeights:
     precaution: float = 5.0
     precaution_threshold: float = 0.6
     head: float = 0.0  # weight of the linear head's log-probability (0: no head, or unfitted)
+    # Added to a candidate tool without scenarios in the compendium (one the head knows from the
+    # public probe set only; its dense, bm25 and vote features are 0). Fitted with the others
+    # when the probe has such candidates; unfitted, such a tool wins only on a strong head score.
+    unbacked: float = 0.0
 
 
 @dataclass
@@ -139,11 +146,14 @@ class LinearHead:
     """P(tool | query) by a multinomial logistic regression over the compendium's own scenario
     embeddings (and its tools' published descriptions): a linear read-out that pools every
     scenario of a tool instead of trusting its single nearest one. Row i of `weights` is tool
-    `tools[i]`, the index's tool order."""
+    `tools[i]`, the index's tool order. `params`: the fusion weights and calibration fitted on
+    the probe set with this head (`fit_router`), which routers of its compendium use unless told
+    otherwise; None: the configured ones."""
 
     tools: list[str]
     weights: np.ndarray  # (n_tools, dim), float32
     bias: np.ndarray  # (n_tools,)
+    params: RoutingParams | None = None
 
     def log_proba(self, vectors: np.ndarray) -> np.ndarray:
         z = np.atleast_2d(vectors) @ self.weights.T + self.bias
@@ -154,8 +164,9 @@ class LinearHead:
         import io
 
         buffer = io.BytesIO()
+        extra = {} if self.params is None else {"params": np.array(self.params.to_json())}
         np.savez_compressed(
-            buffer, tools=np.array(self.tools), weights=self.weights, bias=self.bias
+            buffer, tools=np.array(self.tools), weights=self.weights, bias=self.bias, **extra
         )
         return buffer.getvalue()
 
@@ -164,10 +175,22 @@ class LinearHead:
         import io
 
         with np.load(io.BytesIO(bytes(data)), allow_pickle=False) as npz:
-            return cls([str(t) for t in npz["tools"]], npz["weights"], npz["bias"])
+            params = (
+                RoutingParams.from_dict(json.loads(str(npz["params"])))
+                if "params" in npz.files
+                else None
+            )
+            return cls([str(t) for t in npz["tools"]], npz["weights"], npz["bias"], params)
 
 
 HEAD_C = 10.0  # inverse L2 strength of the head, for unit-norm sentence embeddings
+
+
+def head_tools(compendium: Compendium, example_tools: Sequence[str] = ()) -> list[str]:
+    """The tools a linear head ranks: those with scenarios in `compendium`, sorted, then those
+    only labelled examples name, sorted."""
+    backed = sorted({s.tool_id for s in compendium.scenarios})
+    return backed + sorted(set(example_tools) - set(backed))
 
 
 def fit_linear_head(
@@ -178,15 +201,17 @@ def fit_linear_head(
     examples: tuple[np.ndarray, Sequence[str]] | None = None,
 ) -> LinearHead | None:
     """Fit the head on the scenarios' embeddings (row-aligned with `compendium.scenarios`) plus
-    one row per such tool whose description the compendium publishes, embedded by `embed` (the
-    engine that embedded the scenarios), plus `examples`: public labelled requests (the probe
-    set, as (vectors by the same engine, tool ids)) whose tool has scenarios here; they are
-    unmasked, real requests, the kind the router is asked. Its tools are
-    `ScenarioIndex.tool_names` of the same compendium. None when fewer than two tools have
-    scenarios: nothing to choose between."""
+    `examples`: public labelled requests (the probe set, as (vectors by the same engine, tool
+    ids)); they are unmasked, real requests, the kind the router is asked; plus one row per tool
+    of the head whose description the compendium publishes, embedded by `embed` (the engine that
+    embedded the scenarios). Its tools are the compendium's tools with scenarios, sorted (as
+    `ScenarioIndex.tool_names`), then the examples' other tools, sorted: tools the federation has
+    no scenario of yet (a first round that released little, a new tool) stay routable from the
+    public probe set alone (`ScenarioIndex.for_tools`). None when fewer than two tools:
+    nothing to choose between."""
     from sklearn.linear_model import LogisticRegression
 
-    tools = sorted({s.tool_id for s in compendium.scenarios})
+    tools = head_tools(compendium, examples[1] if examples is not None else ())
     if len(tools) < 2:
         return None
     position = {t: i for i, t in enumerate(tools)}
@@ -203,12 +228,11 @@ def fit_linear_head(
         vectors, labels = examples
         if len(vectors) != len(labels):
             raise ValueError(f"{len(vectors)} example vectors for {len(labels)} labels")
-        keep = [i for i, tool in enumerate(labels) if tool in position]
-        if keep:
-            x = np.vstack([x, np.asarray(vectors, dtype=np.float32)[keep]])
-            y = np.concatenate([y, np.array([position[labels[i]] for i in keep], dtype=np.int64)])
+        if len(labels):
+            x = np.vstack([x, np.asarray(vectors, dtype=np.float32)])
+            y = np.concatenate([y, np.array([position[t] for t in labels], dtype=np.int64)])
     model = LogisticRegression(C=c, max_iter=1000).fit(x, y)
-    # Every tool has at least one scenario, so the classes are exactly 0..len(tools)-1.
+    # Every tool has a scenario or an example, so the classes are exactly 0..len(tools)-1.
     coef, intercept = model.coef_, model.intercept_
     if len(tools) == 2:  # sklearn's binary form: logit of class 1 = its softmax with class 0 at 0
         coef = np.vstack([np.zeros_like(coef), coef])
@@ -246,7 +270,7 @@ class ScenarioIndex:
                 f"expected ({len(self.texts)}, {dim})"
             )
         self.bm25 = BM25Okapi([tokenize(t) or ["_"] for t in self.texts]) if self.texts else None
-        # Precautions of tools that have scenarios (others can never be chosen).
+        # Precautions of tools that have scenarios (a tool that only the head knows has none here).
         precautions = [p for p in compendium.precautions if p.tool_id in tool_pos]
         self.precaution_texts = [p.text for p in precautions]
         self.precaution_tool = np.array([tool_pos[p.tool_id] for p in precautions], dtype=np.int64)
@@ -267,9 +291,28 @@ class ScenarioIndex:
         order = np.argsort(self.scenario_tool, kind="stable")
         bounds = np.searchsorted(self.scenario_tool[order], np.arange(len(self.tool_names) + 1))
         self.rows_of_tool = [order[bounds[t] : bounds[t + 1]] for t in range(len(self.tool_names))]
+        self.backed = len(self.tool_names)  # tool_names[:backed] have scenarios
 
     def __len__(self) -> int:
         return len(self.texts)
+
+    def for_tools(self, tools: Sequence[str]) -> ScenarioIndex | None:
+        """This index ranking `tools` (a linear head's): itself when they are its tools, a copy
+        that also knows the tools after them (without scenarios: a head learnt them from the
+        public probe set) when they begin with its tools, else None (a head of another
+        compendium)."""
+        tools = list(tools)
+        backed = self.tool_names[: self.backed]
+        if tools == self.tool_names:
+            return self
+        if tools[: self.backed] != backed or len(set(tools)) != len(tools):
+            return None
+        extended = copy.copy(self)
+        extended.tool_names = tools
+        extended.rows_of_tool = self.rows_of_tool[: self.backed] + [
+            np.zeros(0, dtype=np.int64) for _ in tools[self.backed :]
+        ]
+        return extended
 
     def retrieve(self, query_vector: np.ndarray, n: int) -> Retrieved:
         """Exact top-n by cosine, ties broken by scenario order."""
@@ -291,7 +334,8 @@ def top_n(scores: np.ndarray, n: int) -> Retrieved:
 
 @dataclass
 class _Features:
-    """Per candidate tool of one query: columns dense, bm25, vote, precaution match, head."""
+    """Per candidate tool of one query: columns dense, bm25, vote, precaution match, head,
+    unbacked (1: the tool has no scenario, the head alone put it in the pool)."""
 
     tools: np.ndarray  # tool positions
     matrix: np.ndarray  # (n_tools, 5)
@@ -326,12 +370,15 @@ class Router:
         )
         # Scenarios and precautions are embedded by `document_engine` when given (the engine that
         # embedded the server's stored rows), queries always by `engine`.
-        self.index = index or ScenarioIndex(
+        given = index or ScenarioIndex(
             compendium, document_engine or engine, scenario_embeddings, precaution_embeddings
         )
-        self.retriever = retriever or self.index.retrieve
-        if head is not None and head.tools != self.index.tool_names:
+        self.index = given.for_tools(head.tools) if head is not None else given
+        if self.index is None:
             raise ValueError("the linear head was fitted on another compendium's tools")
+        if retriever is None or getattr(retriever, "__self__", None) is given:
+            retriever = self.index.retrieve  # the same rows: keep batch retrieval in one product
+        self.retriever = retriever
         self.head = head
 
     def with_linear_head(self, embed=None, examples=None) -> Router:
@@ -444,7 +491,9 @@ class Router:
 
     def _weight_vector(self) -> np.ndarray:
         w = self.params.weights
-        return np.array([w.dense, w.bm25, w.vote, -w.precaution, w.head], dtype=np.float64)
+        return np.array(
+            [w.dense, w.bm25, w.vote, -w.precaution, w.head, w.unbacked], dtype=np.float64
+        )
 
     # tools the head ranks highest join the candidate pool (fusion, llm) even when retrieval missed
     HEAD_CANDIDATES = 5
@@ -463,11 +512,16 @@ class Router:
             extra = best[~np.isin(best, retrieved_tools)]
         tools = np.concatenate([retrieved_tools, extra])
         inverse = np.searchsorted(retrieved_tools, tools_of)
-        matrix = np.zeros((len(tools), 5), dtype=np.float64)
+        matrix = np.zeros((len(tools), 6), dtype=np.float64)
         matrix[:, 0] = -np.inf
         np.maximum.at(matrix[:, 0], inverse, scores.astype(np.float64))
         for row, tool in enumerate(extra, start=len(retrieved_tools)):  # their best cosine
-            matrix[row, 0] = float((index.embeddings[index.rows_of_tool[tool]] @ vector).max())
+            rows = index.rows_of_tool[tool]
+            if len(rows):
+                matrix[row, 0] = float((index.embeddings[rows] @ vector).max())
+            else:  # no scenario: only the head knows it
+                matrix[row, 0] = 0.0
+                matrix[row, 5] = 1.0
         if self.reranker != "none" and index.bm25 is not None:
             tokens = tokenize(query)
             if tokens:
@@ -573,17 +627,20 @@ def fit_fusion_weights(
     if not rows:
         return current
     has_head = router.head is not None
+    unbacked = any(m[:, 5].any() for m, _ in rows)
     start = np.array(
         [current.dense, current.bm25, current.vote, -current.precaution,
-         (current.head or 1.0) if has_head else 0.0]
+         (current.head or 1.0) if has_head else 0.0, current.unbacked]
     )
-    free = np.array([True, True, True, any(m[:, 3].any() for m, _ in rows), has_head])
+    free = np.array(
+        [True, True, True, any(m[:, 3].any() for m, _ in rows), has_head, unbacked]
+    )
     fixed = np.where(free, 0.0, start)
 
     def loss(w):
         full = fixed.copy()
         full[free] = w
-        total, grad = 0.0, np.zeros(5)
+        total, grad = 0.0, np.zeros(len(full))
         for m, y in rows:
             z = m @ full
             z -= z.max()
@@ -604,6 +661,7 @@ def fit_fusion_weights(
         precaution=float(-w[3]),
         precaution_threshold=current.precaution_threshold,
         head=float(w[4]),
+        unbacked=float(w[5]),
     )
 
 
@@ -728,6 +786,7 @@ def fit_router(
     scenario_embeddings: np.ndarray | None = None,
     precaution_embeddings: np.ndarray | None = None,
     fitted_on: str = "probe set",
+    describe=None,
 ) -> Router:
     """A router over `compendium` with everything fitted on the public probe set `probe`
     ((request, tool id) pairs, never test data): the linear head (`linear_head`) on the
@@ -735,7 +794,9 @@ def fit_router(
     and calibration cross-fitted: on one half of the probe (`probe_halves`, at most `fit_limit`
     pairs) with a head that learnt from the other half, so that they weigh a head that has not
     seen the requests they are fitted on. `engine` embeds the queries and, unless given, the
-    scenarios and precautions; `probe_vectors`: the probe's requests embedded by `engine`."""
+    scenarios and precautions; `probe_vectors`: the probe's requests as the head learns them
+    (default: embedded by `engine`); `describe`: embeds the tools' descriptions for the head
+    (default: `engine.embed`). The head carries the fitted parameters (`LinearHead.params`)."""
     base = Router(
         compendium, engine, "fusion",
         scenario_embeddings=scenario_embeddings, precaution_embeddings=precaution_embeddings,
@@ -749,14 +810,15 @@ def fit_router(
         learn, held = probe_halves(len(pairs))
         if pairs:
             fitted = base.with_linear_head(
-                examples=(probe_vectors[learn], [labels[i] for i in learn])
+                describe, examples=(probe_vectors[learn], [labels[i] for i in learn])
             )
-            base = base.with_linear_head(examples=(probe_vectors, labels))
+            base = base.with_linear_head(describe, examples=(probe_vectors, labels))
         else:
-            fitted = base = base.with_linear_head()
+            fitted = base = base.with_linear_head(describe)
         pairs = [pairs[i] for i in held]
     if fit_limit and len(pairs) > fit_limit:
         pairs = random.Random(len(pairs)).sample(pairs, fit_limit)
     params = fit_params(fitted, pairs, fitted_on=fitted_on) if pairs else base.params
-    return base.with_reranker(reranker, params=params, llm=llm)
+    head = replace(base.head, params=params) if base.head is not None else None
+    return base.with_reranker(reranker, params=params, llm=llm, head=head)
 

@@ -233,8 +233,14 @@ _served: dict[tuple[int, str, str], ServedCompendium] = {}
 _served_lock = threading.Lock()
 
 
-def routing_params() -> RoutingParams:
-    return RoutingParams.load(getattr(settings, "SYNAPSE_ROUTING_PARAMS", "") or None)
+def routing_params(head: LinearHead | None = None) -> RoutingParams:
+    """The fusion weights and calibration of the frozen model's routers: the operator's file
+    (SYNAPSE_ROUTING_PARAMS) when set; else those fitted with `head` on the probe set when the
+    global was published; else `routing/default_params.json`."""
+    configured = getattr(settings, "SYNAPSE_ROUTING_PARAMS", "")
+    if not configured and head is not None and head.params is not None:
+        return head.params
+    return RoutingParams.load(configured or None)
 
 
 def served_rows(version: CompendiumVersion):
@@ -272,8 +278,8 @@ def build_served(version: CompendiumVersion, tuned_directory: str = "") -> Serve
     else:
         engine, index = _frozen_index(compendium, scenario_rows, precaution_rows)
         retriever = _retriever(version, index, scenario_rows)
-        params = routing_params()
         head = _stored_head(version, index)
+        params = routing_params(head)
     llm = get_llm(
         getattr(settings, "SYNAPSE_LLM_BASE_URL", None),
         getattr(settings, "SYNAPSE_LLM_MODEL", None),
@@ -343,7 +349,7 @@ def _tuned_parts(version, served, directory: str):
         index = ScenarioIndex(
             compendium, tuned.engine, tuned.scenario_embeddings, tuned.precaution_embeddings
         )
-        if tuned.head is not None and tuned.head.tools != index.tool_names:
+        if tuned.head is not None and index.for_tools(tuned.head.tools) is None:
             raise ValueError("its head was fitted on another compendium's tools")
     except Exception as exc:  # a lost or foreign folder must not stop routing
         logging.getLogger(__name__).warning(
@@ -362,7 +368,7 @@ def _stored_head(version: CompendiumVersion, index: ScenarioIndex) -> LinearHead
     if not data:
         return None
     head = LinearHead.from_bytes(data)
-    if head.tools != index.tool_names:
+    if index.for_tools(head.tools) is None:
         logging.getLogger(__name__).warning(
             "round %s: the stored routing head does not match the served scenarios; routing "
             "without it", version.round.number,

@@ -34,6 +34,7 @@ def published_global_data(tools: int, seed: int, test_fraction: float, max_per_t
         "embeddings": embeddings,
         "head": routing_head(compendium, embeddings, documents.embed),
         "test": split.test,
+        "probe_split": split.probe,
         "documents": documents,
     }
 

@@ -70,6 +70,11 @@ def test_full_round_publishes_global_with_embeddings_ledger_and_accuracy(
     taught = LinearHead.from_bytes(pipeline.routing_head(published, vectors, pipeline._embed(), probe))
     assert np.allclose(taught.weights, head.weights, atol=1e-4)
     assert set(probe.labels) <= set(head.tools)
+    # It carries the fusion weights and calibration fitted with it on the probe; without a
+    # probe there is nothing to fit them on.
+    assert head.params is not None and head.params.fitted_on == "the public probe set, at publication"
+    assert head.params.weights.head != 0.0
+    assert blind.params is None
 
     def own_log_proba(h):
         own = [h.tools.index(label) for label in probe.labels]
@@ -199,10 +204,12 @@ def test_erasure_rematerializes_without_the_client_and_keeps_the_ledger(
     glob = CompendiumVersion.objects.get(kind="global", round=round_)
     assert glob.sha256 != before
     assert all("17 multiplied" not in s["text"] for s in glob.content["scenarios"])
-    # The head is refitted on what is published now.
-    assert LinearHead.from_bytes(glob.routing_head).tools == sorted(
-        {s["tool_id"] for s in glob.content["scenarios"]}
-    )
+    # The head is refitted on what is published now; the probe's tools left without scenarios
+    # (calculator: a2 was its only client) stay after them, routable from the probe alone.
+    backed = sorted({s["tool_id"] for s in glob.content["scenarios"]})
+    probe_only = sorted(set(pipeline.load_probe_set().labels) - set(backed))
+    assert "calculator" in probe_only
+    assert LinearHead.from_bytes(glob.routing_head).tools == backed + probe_only
     # Spent budget is kept; the re-release is appended as release 1.
     releases = sorted(set(PrivacyLedgerEntry.objects.filter(
         organization__slug="acme").values_list("release", flat=True)))

@@ -23,6 +23,7 @@ from routing.router import (
     expected_calibration_error,
     fit_linear_head,
     fit_params,
+    fit_router,
 )
 from tests.chat_server import ChatServer
 from tests.routing_data import METATOOL
@@ -372,13 +373,51 @@ def test_linear_head_learns_from_labelled_public_examples(metatool_split, engine
         return float(np.mean(head.log_proba(test_vectors).argmax(axis=1) == gold))
 
     assert accuracy(taught) > accuracy(blind) + 0.03
-    # Examples of a tool without scenarios cannot add a tool: the head stays the index's.
-    foreign = fit_linear_head(
+    # Examples of a tool without scenarios add it after the index's tools.
+    more = fit_linear_head(
         thin, router.index.embeddings, engine.embed,
-        examples=(np.vstack([vectors, vectors[:1]]), labels + ["no_such_tool"]),
+        examples=(np.vstack([vectors, vectors[:1]]), labels + ["zz_new_tool"]),
     )
-    assert foreign.tools == taught.tools
+    assert more.tools == taught.tools + ["zz_new_tool"]
+    extended = router.with_reranker("fusion", head=more)
+    assert extended.index.tool_names == more.tools
+    assert router.index.tool_names == taught.tools  # the original index is left as it was
     with pytest.raises(ValueError, match="3 example vectors for 2 labels"):
         fit_linear_head(thin, router.index.embeddings, engine.embed, examples=(vectors[:3], labels[:2]))
     # Router.with_linear_head passes them through.
     assert np.allclose(router.with_linear_head(examples=(vectors, labels)).head.weights, taught.weights)
+
+
+def test_tools_without_scenarios_are_routed_from_the_public_probe_set(metatool_split, engine):
+    """A global that holds no scenario of some tools (a first round that released little, a new
+    tool) still routes to them: the head learns them from the public probe set, they join the
+    pool when it ranks them high, and the fusion weights learn how far to trust that."""
+    dataset, split = metatool_split
+    full = compendium_from_queries(dataset.tools, split.train, max_per_tool=10)
+    tools = sorted({s.tool_id for s in full.scenarios})
+    missing = set(tools[::3])
+    partial = full.model_copy(
+        update={"scenarios": [s for s in full.scenarios if s.tool_id not in missing]}
+    )
+    probe = [(q.query, q.tool_id) for q in split.probe]
+    router = fit_router(partial, engine, probe)
+    backed = sorted(set(tools) - missing)
+    assert router.index.tool_names == backed + sorted(missing)
+    assert router.params.weights.unbacked != 0.0  # fitted: the probe had such candidates
+    # the same router without them: the probe's requests of those tools left out
+    blind = fit_router(partial, engine, [(q, t) for q, t in probe if t not in missing])
+    assert blind.index.tool_names == backed
+    test = split.test
+    decisions = router.route_batch([q.query for q in test])
+    assert [d.tool for d in decisions[:20]] == [router.route(q.query).tool for q in test[:20]]
+    right = np.array([d.tool == q.tool_id for d, q in zip(decisions, test, strict=True)])
+    of_missing = np.array([q.tool_id in missing for q in test])
+    blind_right = np.array(
+        [d.tool == q.tool_id for d, q in zip(blind.route_batch([q.query for q in test]), test, strict=True)]
+    )
+    assert not blind_right[of_missing].any()  # it can never name them
+    assert right[of_missing].mean() > 0.4
+    assert right.mean() > blind_right.mean() + 0.1
+    chosen = next(d for d, q in zip(decisions, test, strict=True) if d.tool in missing)
+    assert all(c["tool"] in set(backed) for c in chosen.candidates)  # candidates are scenarios
+    assert chosen.precautions == []

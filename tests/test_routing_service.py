@@ -127,6 +127,63 @@ def test_a_global_without_a_stored_head_routes_without_one(data):
     assert plain["tool"] and plain["candidates"] == with_head["candidates"]
 
 
+def test_publication_fits_the_weights_and_tools_without_scenarios_stay_routable(
+    data, settings, tmp_path
+):
+    """A global published with the public probe set: its head carries the fusion weights fitted
+    with it, and the tools the global has no scenario of (here a third of them) are learnt from
+    the probe's requests. The routing API and `synapse-client route` use those weights (unless the
+    operator configured a file) and send such requests to those tools."""
+    from federation.merge.summarize import ProbeSet
+    from federation.pipeline import routing_head
+    from routing.cli import pulled_router
+    from routing.router import LinearHead, RoutingParams
+
+    documents = data["documents"]
+    tools = sorted({s.tool_id for s in data["compendium"].scenarios})
+    missing = set(tools[::3])
+    keep = [i for i, s in enumerate(data["compendium"].scenarios) if s.tool_id not in missing]
+    partial = data["compendium"].model_copy(
+        update={"scenarios": [data["compendium"].scenarios[i] for i in keep]}
+    )
+    vectors = data["embeddings"][keep]
+    probe = data["probe_split"] + data["test"][150:]  # public labelled requests, not the queries
+    probe_set = ProbeSet(
+        [q.query for q in probe], [q.tool_id for q in probe], documents.embed([q.query for q in probe])
+    )
+    blob = routing_head(partial, vectors, documents.embed, probe_set)
+    head = LinearHead.from_bytes(blob)
+    assert head.tools == sorted(set(tools) - missing) + sorted(missing)
+    assert head.params is not None and head.params.weights.unbacked != 0.0
+    import_registry(data["tools"])
+    round_ = Round.objects.create(number=1, state="published")
+    store_compendium(
+        partial, kind="global", round=round_, scenario_embeddings=vectors, routing_head=blob
+    )
+    served = services.served_compendium()
+    assert served.routers["fusion"].params.weights == head.params.weights
+    queries = data["test"][:150]
+    answers = services.route_queries([q.query for q in queries], 5)["results"]
+    right = [a["tool"] == q.tool_id for a, q in zip(answers, queries, strict=True)]
+    of_missing = [r for r, q in zip(right, queries, strict=True) if q.tool_id in missing]
+    assert of_missing and np.mean(of_missing) > 0.4
+    # The client routes as the server does with the head it pulled (`OUT.head.npz`).
+    head_path = tmp_path / "global.head.npz"
+    head_path.write_bytes(blob)
+    local = pulled_router(partial, head_path=head_path)
+    assert local.params.weights == head.params.weights
+    assert [local.route(q.query).tool for q in queries[:40]] == [a["tool"] for a in answers[:40]]
+    # An operator's params file wins, on both sides.
+    own = tmp_path / "params.json"
+    RoutingParams().save(own)
+    settings.SYNAPSE_ROUTING_PARAMS = str(own)
+    services._served.clear()
+    assert services.served_compendium().routers["fusion"].params.weights == RoutingParams().weights
+    assert pulled_router(partial, head_path=head_path, params_path=str(own)).params.weights == (
+        RoutingParams().weights
+    )
+
+
 def test_latest_published_round_is_served(data):
     _publish(data, number=1, with_client_copy=False)
     Round.objects.create(number=2, state="open")

@@ -69,8 +69,9 @@ def tiny_dataset(tmp_path):
 @pytest.fixture
 def twin_dataset(tmp_path):
     """Each tool of TOOLS split in two twins that share one plain description ("Weather
-    service") and half the intents each: descriptions and the public probe set cannot tell twins
-    apart; only the clients' experience, which grows over the rounds, can."""
+    service") and half the intents each: descriptions cannot tell twins apart, and a public probe
+    set of one request per tool (`--probe-fraction 0.05`) covers one of a twin's three intents;
+    only the clients' experience, which grows over the rounds, covers the rest."""
     folder = tmp_path / "twins"
     _write_dataset(folder, [
         (f"{tool_id}_{twin}", category, f"{tool_id.capitalize()} service", own)
@@ -87,7 +88,7 @@ def test_tiny_simulation_end_to_end(twin_dataset, tmp_path):
         "--rounds", "3", "--partition", "category", "--seed", "1", "--out", str(out),
         "--sweep-epsilon", "1", "--sweep-lambda", "0,1", "--sweep-adversarial", "0.5",
         "--sweep-modes", "tool_confusion", "--sweep-rules", "none,krum", "--label", "tiny",
-        "--sweep-min-users", "1,2",
+        "--sweep-min-users", "1,2", "--probe-fraction", "0.05",
         verbosity=0,
     )
     document = json.loads(out.read_text())
@@ -96,8 +97,8 @@ def test_tiny_simulation_end_to_end(twin_dataset, tmp_path):
         assert section in document, section
     rows = document["results"]
     assert {r["method"] for r in rows} == {
-        "synapse", "centralized", "local_only", "description_only", "bm25", "unstructured_pool",
-        "fed_icl", "static_global", "reranker_bypass",
+        "synapse", "centralized", "local_only", "local_only_public_probe", "description_only",
+        "bm25", "unstructured_pool", "fed_icl", "static_global", "reranker_bypass",
     }
     assert all(set(r) >= {"method", "round", "seed", "accuracy", "macro_accuracy"} for r in rows)
     synapse = sorted((r["round"], r["accuracy"]) for r in rows if r["method"] == "synapse")
@@ -392,7 +393,8 @@ def test_cadence_under_drift_frozen_globals_miss_the_new_categories(twin_dataset
     call_command(
         "simulate", "--dataset", str(twin_dataset), "--orgs", "2", "--clients-per-org", "2",
         "--rounds", "4", "--drift-every", "2", "--seed", "1", "--no-baselines", "--no-diagnostics",
-        "--sweep-cadence", "1,0", "--out", str(out), "--no-store", verbosity=0, stdout=stdout,
+        "--sweep-cadence", "1,0", "--probe-fraction", "0.05", "--out", str(out), "--no-store",
+        verbosity=0, stdout=stdout,
     )
     document = json.loads(out.read_text())
     every, frozen = document["cadence"]

@@ -333,14 +333,15 @@ def final_accuracy(summary: list[dict], method: str) -> float | None:
 
 
 def table(document: dict[str, Any]) -> str:
+    width = max([18] + [len(row["method"]) for row in document["summary"]])
     lines = [
-        f"{'method':<18} {'round':>5} {'accuracy':>16} {'macro':>7}",
-        "-" * 50,
+        f"{'method':<{width}} {'round':>5} {'accuracy':>16} {'macro':>7}",
+        "-" * (width + 32),
     ]
     for row in document["summary"]:
         spread = f"{row['accuracy_mean']:.3f} ± {row['accuracy_sd']:.3f}"
         lines.append(
-            f"{row['method']:<18} {row['round'] if row['round'] is not None else '-':>5} "
+            f"{row['method']:<{width}} {row['round'] if row['round'] is not None else '-':>5} "
             f"{spread:>16} {row['macro_accuracy_mean']:>7.3f}"
         )
     comm = document.get("communication", {})

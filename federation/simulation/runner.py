@@ -63,6 +63,7 @@ METHODS = (
     "synapse",
     "centralized",
     "local_only",
+    "local_only_public_probe",
     "description_only",
     "bm25",
     "unstructured_pool",
@@ -283,7 +284,7 @@ class Simulation:
         self.tool_ids = frozenset(schema.tool_ids)
         self.category_of = {t.tool_id: t.category for t in dataset.tools}
         self._transfer_variants: list[TransferVariant] | None = None
-        self._probe_cache: dict[tuple, np.ndarray] = {}
+        self._probe_cache: dict[int, dict[str, np.ndarray]] = {}
         self._summarizer_llm = None
 
     # --- building blocks ---------------------------------------------------------------------
@@ -363,13 +364,18 @@ class Simulation:
         return tuned.router.with_reranker(self.config.reranker)
 
     def _probe_vectors(self, engine, probe: Sequence[LabelledQuery]) -> np.ndarray:
-        """The probe split embedded by `engine`, kept for the seed's later routers."""
-        texts = tuple(q.query for q in probe)
-        key = (id(engine), texts)
-        if key not in self._probe_cache:
-            self._probe_cache.clear()  # one seed's probe (and one engine) at a time
-            self._probe_cache[key] = np.asarray(engine.embed(list(texts)), dtype=np.float32)
-        return self._probe_cache[key]
+        """The probe split (or part of it) embedded by `engine`, kept for later routers."""
+        texts = [q.query for q in probe]
+        if not texts:
+            return np.zeros((0, engine.dimension), dtype=np.float32)
+        if id(engine) not in self._probe_cache:
+            self._probe_cache.clear()  # one engine at a time
+            self._probe_cache[id(engine)] = {}
+        known = self._probe_cache[id(engine)]
+        missing = [t for t in dict.fromkeys(texts) if t not in known]
+        if missing:
+            known.update(zip(missing, np.asarray(engine.embed(missing), dtype=np.float32), strict=True))
+        return np.array([known[t] for t in texts], dtype=np.float32)
 
     def evaluate(self, router: Router, test: Sequence[LabelledQuery]):
         return self._route_and_score(router, test)[0]
@@ -715,12 +721,19 @@ class Simulation:
             central_router = self.router(central_global, split.probe)
         out["centralized"] = self.evaluate(central_router, test)
 
-        local = [
-            self.evaluate(self.router(compendium, split.probe), test)
-            for compendium in final.client_compendiums.values()
-            if compendium.scenarios
-        ]
-        out["local_only"] = _mean_report(local)
+        # Each client alone: its router learns from the probe's requests of its own tools only (a
+        # client outside the federation has no labelled requests of tools it never used); with
+        # the federation's whole public probe set instead, its head also covers every other tool.
+        alone, with_probe = [], []
+        for compendium in final.client_compendiums.values():
+            if not compendium.scenarios:
+                continue
+            own = {s.tool_id for s in compendium.scenarios}
+            own_probe = [q for q in split.probe if q.tool_id in own]
+            alone.append(self.evaluate(self.router(compendium, own_probe), test))
+            with_probe.append(self.evaluate(self.router(compendium, split.probe), test))
+        out["local_only"] = _mean_report(alone)
+        out["local_only_public_probe"] = _mean_report(with_probe)
 
         descriptions = Compendium(
             scenarios=[Scenario(tool_id=t.tool_id, text=t.description) for t in self.dataset.tools]
