@@ -338,7 +338,7 @@ class _Features:
     unbacked (1: the tool has no scenario, the head alone put it in the pool)."""
 
     tools: np.ndarray  # tool positions
-    matrix: np.ndarray  # (n_tools, 5)
+    matrix: np.ndarray  # (n_tools, 6)
     precaution_hits: dict[int, list[tuple[float, str]]]
 
 
