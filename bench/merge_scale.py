@@ -27,7 +27,7 @@ from compendium.schema import Schema
 from federation.merge import MergeInput, ProbeSet, edge_merge, server_merge
 from federation.round_config import RoundConfig
 from routing.embeddings import BF16_MODEL, DEFAULT_MODEL, ONNX_INT8_MODEL, get_engine
-from routing.router import fit_router
+from routing.router import fit_published_head
 
 DATASET = METATOOL
 
@@ -156,10 +156,9 @@ def main(argv=None) -> int:
             # What publication adds (federation.pipeline.routing_head): the routing head and the
             # fusion weights fitted with it on the probe, probe queries embedded by this engine.
             head_start = time.perf_counter()
-            fit_router(
-                glob.compendium, engine, list(zip(probe.texts, probe.labels, strict=True)),
-                probe_vectors=probe.vectors, describe=engine.embed,
-                scenario_embeddings=glob.scenario_embeddings,
+            fit_published_head(
+                glob.compendium, glob.scenario_embeddings, engine.embed, engine,
+                list(zip(probe.texts, probe.labels, strict=True)), probe_vectors=probe.vectors,
                 precaution_embeddings=glob.precaution_embeddings,
             )
             head_s = time.perf_counter() - head_start

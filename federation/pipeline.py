@@ -304,31 +304,25 @@ def probe_accuracy(probe: ProbeSet | None, scenario_tools: list[str], vectors) -
 
 def routing_head(
     compendium, scenario_embeddings, embed, probe: ProbeSet | None = None, *,
-    precaution_embeddings=None, engine=None,
+    precaution_embeddings=None,
 ) -> bytes | None:
     """The serialized linear head the routing API uses with this global (None: fewer than two
     tools, or no embeddings); clients download it with the global
-    (`GET /api/v1/compendium/global/head/`). With the public probe set, it learns from its
-    labelled requests too (so tools without scenarios in this global stay routable) and carries
-    the fusion weights and calibration fitted with it on the probe (`routing.router.fit_router`,
-    queries embedded by `engine`, default the routing API's query engine), which the routing
-    API and `synapse-client route` use with this global unless an operator configured their
-    own (SYNAPSE_ROUTING_PARAMS)."""
+    (`GET /api/v1/compendium/global/head/`). With the public probe set it also learns the
+    probe's tools and carries the fusion weights fitted with it (`routing.router
+    .fit_published_head`, queries embedded by the routing API's query engine)."""
     from routing.embeddings import get_query_engine
-    from routing.router import fit_linear_head, fit_router
+    from routing.router import fit_published_head
 
     if scenario_embeddings is None or not len(compendium.scenarios):
         return None
-    if probe is None or not len(probe):
-        head = fit_linear_head(compendium, scenario_embeddings, embed)
-        return head.to_bytes() if head is not None else None
-    router = fit_router(
-        compendium, engine or get_query_engine(), list(zip(probe.texts, probe.labels, strict=True)),
-        probe_vectors=probe.vectors, describe=embed,
-        scenario_embeddings=scenario_embeddings, precaution_embeddings=precaution_embeddings,
-        fitted_on="the public probe set, at publication",
+    pairs = list(zip(probe.texts, probe.labels, strict=True)) if probe is not None else []
+    head = fit_published_head(
+        compendium, scenario_embeddings, embed, get_query_engine() if pairs else None, pairs,
+        probe_vectors=probe.vectors if pairs else None,
+        precaution_embeddings=precaution_embeddings,
     )
-    return router.head.to_bytes() if router.head is not None else None
+    return head.to_bytes() if head is not None else None
 
 
 def previous_global(round_: Round) -> CompendiumVersion | None:

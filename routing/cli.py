@@ -198,8 +198,9 @@ def pulled_router(
             router, documents, cache.parent / "routing-heads"
         )
         # the weights the server fitted with its head, as its routing API uses them
-        fitted = head.params if head is not None and not params_path else None
-        router = router.with_reranker(reranker, head=head, params=fitted or router.params)
+        router = router.with_reranker(
+            reranker, head=head, params=RoutingParams.for_head(head, params_path)
+        )
     return router
 
 

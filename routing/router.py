@@ -140,6 +140,16 @@ class RoutingParams:
     def save(self, path: str | Path) -> None:
         Path(path).write_text(self.to_json() + "\n", encoding="utf-8")
 
+    @classmethod
+    def for_head(cls, head: LinearHead | None, path: str | Path | None = None) -> RoutingParams:
+        """The parameters a router with `head` uses: the file at `path` when given (an
+        operator's choice); else those fitted with the head when its global was published
+        (`LinearHead.params`); else `routing/default_params.json`. The routing API and
+        `synapse-client route` both decide so."""
+        if not path and head is not None and head.params is not None:
+            return head.params
+        return cls.load(path or None)
+
 
 @dataclass
 class LinearHead:
@@ -764,6 +774,31 @@ def fit_params(
     params.calibration["llm"] = params.calibration["fusion"]
     params.report = report
     return params
+
+
+def fit_published_head(
+    compendium: Compendium,
+    scenario_embeddings: np.ndarray,
+    describe,
+    engine,
+    probe: Sequence[tuple[str, str]] = (),
+    *,
+    probe_vectors: np.ndarray | None = None,
+    precaution_embeddings: np.ndarray | None = None,
+) -> LinearHead | None:
+    """The head a global is published with (`federation.pipeline.routing_head`): with the
+    public probe set `probe` ((request, tool id); `probe_vectors`: its requests as `describe`
+    embeds them), `fit_router`'s head, which learns the probe's tools too and carries the fusion
+    weights and calibration fitted with it (queries embedded by `engine`, the routing API's);
+    without a probe, a head over the compendium alone and no parameters. `describe` embeds the
+    tools' descriptions (the engine of the stored rows). None: fewer than two tools."""
+    if not len(probe):
+        return fit_linear_head(compendium, scenario_embeddings, describe)
+    return fit_router(
+        compendium, engine, probe, probe_vectors=probe_vectors, describe=describe,
+        scenario_embeddings=scenario_embeddings, precaution_embeddings=precaution_embeddings,
+        fitted_on="the public probe set, at publication",
+    ).head
 
 
 def probe_halves(size: int) -> tuple[list[int], list[int]]:

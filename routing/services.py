@@ -234,13 +234,9 @@ _served_lock = threading.Lock()
 
 
 def routing_params(head: LinearHead | None = None) -> RoutingParams:
-    """The fusion weights and calibration of the frozen model's routers: the operator's file
-    (SYNAPSE_ROUTING_PARAMS) when set; else those fitted with `head` on the probe set when the
-    global was published; else `routing/default_params.json`."""
-    configured = getattr(settings, "SYNAPSE_ROUTING_PARAMS", "")
-    if not configured and head is not None and head.params is not None:
-        return head.params
-    return RoutingParams.load(configured or None)
+    """The fusion weights and calibration of the frozen model's routers with `head`
+    (`RoutingParams.for_head`; the operator's file is SYNAPSE_ROUTING_PARAMS)."""
+    return RoutingParams.for_head(head, getattr(settings, "SYNAPSE_ROUTING_PARAMS", "") or None)
 
 
 def served_rows(version: CompendiumVersion):
