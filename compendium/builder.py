@@ -9,6 +9,10 @@
 - Every text is masked at strength λ before anything else looks at it (compendium.masking);
   exact duplicates are merged (support adds up), then near-duplicates of the same tool (and, for
   scenarios, the same preconditions) are collapsed when their embeddings have cosine >= τ.
+- Pooled release (`pool_users` = k > 1), in place of the near-duplicate collapse: the distinct
+  requests of each tool are pooled with their nearest neighbours until a pool holds k distinct
+  users' requests, and a pool is sent as the words that two distinct users in it wrote: no text
+  sent is any one request.
 - k-anonymous release (`min_users` = k > 1): after the collapse, a scenario or precaution is sent
   only when at least k distinct users' requests support it; the rest stays on the client (the
   report counts it). With a looser τ more requests fold together, so more entries reach k.
@@ -35,6 +39,7 @@ from compendium.masking import (
     TextMasker,
     tokenize,
     valid_shared_word_users,
+    without_placeholders,
 )
 from compendium.schema import (
     Compendium,
@@ -76,6 +81,11 @@ class BuildOptions:
     # k-anonymous release: a scenario or precaution leaves the client only when at least this many
     # distinct users' requests support it (after the collapse at τ); 1 releases everything.
     min_users: int = 1
+    # Pooled release (`pool_entries`): entries of a tool are pooled until each pool holds requests
+    # of at least this many distinct users, and a pool is sent as the words at least two of its
+    # requests share; 1: off (every entry is sent as itself).
+    pool_users: int = 1
+    pool_size: int = 0  # at least this many entries in a pool (0: pool_users)
     # Shared words (`shared_words`): a plain word that at least this many distinct users of the
     # log wrote in lower case is not masked (it cannot single out any one of them); 0: off.
     shared_word_users: int = SHARED_WORD_USERS
@@ -112,6 +122,8 @@ class BuildReport:
     min_users: int = 1
     withheld_scenarios: int = 0  # supported by fewer than `min_users` users: not sent
     withheld_precautions: int = 0
+    pool_users: int = 1
+    pooled_scenarios: int = 0  # pools sent in place of the scenarios
     shared_word_users: int = 0  # the shared-words rule's K (0: off)
     shared_words: int = 0  # how many distinct words it released (the words stay on the client)
 
@@ -201,6 +213,92 @@ def collapse_near_duplicates(
     return [(g, t, s, u) for g, t, s, u, _ in kept]
 
 
+def _words(text: str) -> list[str]:
+    return [t.text for t in tokenize(text) if t.kind in ("word", "ident", "number")]
+
+
+def pool_text(entries: Sequence[tuple[str, frozenset]]) -> str:
+    """The words of (text, users) entries that at least two distinct users wrote (compared in
+    lower case; the placeholders never count), each once, in the order they first appear; ''
+    when no word is."""
+    who: dict[str, set] = defaultdict(set)
+    for text, users in entries:
+        for word in _words(text):
+            who[word.lower()].update(users)
+    kept: list[str] = []
+    done: set[str] = set()
+    for text, _ in entries:
+        for word in _words(text):
+            key = word.lower()
+            if len(who[key]) >= 2 and key not in done:
+                done.add(key)
+                kept.append(word)
+    return " ".join(kept)
+
+
+def pool_entries(
+    items: list[tuple[tuple, str, int, frozenset]],
+    embedder: Embedder,
+    users: int,
+    size: int = 0,
+    progress: Callable[[Iterable, str], Iterable] | None = None,
+    label: str = "pooling",
+) -> tuple[list[tuple[tuple, str, int, frozenset]], int]:
+    """Pooled release: within a group, each entry (by descending support, then text) that no pool
+    holds yet seeds a pool, which takes its nearest free entries (cosine) until it holds at least
+    `users` distinct users' requests and at least `users` entries. Entries too few to make a pool
+    of their own join the nearest pool of their group. A pool is sent as `pool_text` of its
+    entries (support and users add up; pools with the same words merge): no sent text is any one
+    request, and each word in it appears in requests of at least two distinct users, provided an
+    entry's users all wrote its text (identical requests merged, never near-duplicates). Returns the
+    pools and how many entries were withheld (a group with too few users or entries, or a pool
+    with no shared word)."""
+    ordered = sorted(items, key=lambda e: (repr(e[0]), -e[2], e[1]))
+    if not ordered:
+        return [], 0
+    size = max(size, users)
+    texts = [without_placeholders(e[1]) for e in ordered]
+    vectors = _embed(embedder, texts, progress or _no_progress, label)
+    by_group: dict[tuple, list[int]] = defaultdict(list)
+    for row, entry in enumerate(ordered):
+        by_group[entry[0]].append(row)
+    pooled: dict[tuple[tuple, str], list] = {}  # two pools with the same words are one entry
+    withheld = 0
+    for group, rows in by_group.items():
+        free = list(rows)
+        pools: list[list[int]] = []
+        while free:
+            seed, rest = free[0], free[1:]
+            rest.sort(key=lambda r: -float(vectors[r] @ vectors[seed]))
+            members, who = [seed], set(ordered[seed][3])
+            for r in rest:
+                if len(who) >= users and len(members) >= size:
+                    break
+                members.append(r)
+                who |= ordered[r][3]
+            if len(who) >= users and len(members) >= size:
+                pools.append(members)
+                taken = set(members)
+                free = [r for r in free if r not in taken]
+                continue
+            if not pools:
+                withheld += len(free)
+                break
+            seeds = np.stack([vectors[p[0]] for p in pools])
+            for r in free:
+                pools[int(np.argmax(seeds @ vectors[r]))].append(r)
+            break
+        for members in pools:
+            text = pool_text([(ordered[r][1], ordered[r][3]) for r in members])
+            if not text:
+                withheld += len(members)
+                continue
+            entry = pooled.setdefault((group, text), [0, frozenset()])
+            entry[0] += sum(ordered[r][2] for r in members)
+            entry[1] = entry[1].union(*(ordered[r][3] for r in members))
+    return [(g, t, n, u) for (g, t), (n, u) in pooled.items()], withheld
+
+
 def shared_words(records: Sequence[UsageRecord], users: int) -> frozenset[str]:
     """The plain words that at least `users` distinct users of the records wrote in their
     queries, in lower case: a word that several users use as a common word cannot single out any
@@ -234,6 +332,7 @@ def build_compendium(
     report = report or BuildReport()
     report.strength, report.seed = options.strength, options.seed
     report.min_users = options.min_users
+    report.pool_users = options.pool_users
     report.shared_word_users = options.shared_word_users
     report.field_cap = options.field_cap
     report.tau = options.tau if options.collapse else None
@@ -246,6 +345,10 @@ def build_compendium(
         raise BuildError(f"the log names tools that are not in the schema: {', '.join(unknown)}")
     if options.min_users < 1:
         raise BuildError("min_users must be at least 1")
+    if options.pool_users < 1 or options.pool_size < 0:
+        raise BuildError("pool_users must be at least 1 and pool_size at least 0")
+    if options.pool_users > 1 and embedder is None:
+        raise BuildError("the pooled release needs an embedding engine")
     if not valid_shared_word_users(options.shared_word_users):
         raise BuildError("shared_word_users must be 0 (off) or at least 2")
     if options.collapse and embedder is None:
@@ -292,30 +395,39 @@ def build_compendium(
     report.word_tokens, report.masked_tokens = mask.word_tokens, mask.masked_tokens
     report.scenarios_in = sum(len(u) for u in scenario_users.values())
     report.precautions_in = sum(len(u) for u in precaution_users.values())
-    engine = embedder if options.collapse else None
-    scenarios = collapse_near_duplicates(
-        [
-            ((tool, flags), text, len(users), frozenset(users))
-            for (tool, flags, text), users in scenario_users.items()
-        ],
-        engine,
-        options.tau,
-        each,
-        "embedding scenarios",
-    )
-    precautions = collapse_near_duplicates(
-        [
-            ((tool, right), text, len(users), frozenset(users))
-            for (tool, right, text), users in precaution_users.items()
-        ],
-        engine,
-        options.tau,
-        each,
-        "embedding precautions",
-    )
+    scenario_items = [
+        ((tool, flags), text, len(users), frozenset(users))
+        for (tool, flags, text), users in scenario_users.items()
+    ]
+    precaution_items = [
+        ((tool, right), text, len(users), frozenset(users))
+        for (tool, right, text), users in precaution_users.items()
+    ]
+    if options.pool_users > 1:
+        # pooling takes the place of the near-duplicate collapse: a word counts for the users who
+        # wrote it, so it needs each distinct request as written (identical ones merged)
+        report.tau = None
+        scenarios, withheld = pool_entries(
+            scenario_items, embedder, options.pool_users, options.pool_size, each, "pooling scenarios"
+        )
+        report.withheld_scenarios += withheld
+        report.pooled_scenarios = len(scenarios)
+        precautions, withheld = pool_entries(
+            precaution_items, embedder, options.pool_users, options.pool_size, each,
+            "pooling precautions",
+        )
+        report.withheld_precautions += withheld
+    else:
+        engine = embedder if options.collapse else None
+        scenarios = collapse_near_duplicates(
+            scenario_items, engine, options.tau, each, "embedding scenarios"
+        )
+        precautions = collapse_near_duplicates(
+            precaution_items, engine, options.tau, each, "embedding precautions"
+        )
     if options.min_users > 1:
-        report.withheld_scenarios = sum(len(u) < options.min_users for *_, u in scenarios)
-        report.withheld_precautions = sum(len(u) < options.min_users for *_, u in precautions)
+        report.withheld_scenarios += sum(len(u) < options.min_users for *_, u in scenarios)
+        report.withheld_precautions += sum(len(u) < options.min_users for *_, u in precautions)
         scenarios = [e for e in scenarios if len(e[3]) >= options.min_users]
         precautions = [e for e in precautions if len(e[3]) >= options.min_users]
     precaution_entries: dict[tuple[str, str], int] = Counter()

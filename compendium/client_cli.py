@@ -113,6 +113,10 @@ def cmd_build(args: argparse.Namespace) -> int:
         raise CliError(f"--since-confidence must be at least 0, not {args.since_confidence:g}")
     if args.min_users < 1:
         raise CliError("--min-users must be at least 1")
+    if args.pool_users < 1:
+        raise CliError("--pool-users must be at least 1")
+    if args.pool_users > 1 and args.no_collapse:
+        raise CliError("--pool-users needs the embedding model: leave out --no-collapse")
     if not valid_shared_word_users(args.shared_word_users):
         raise CliError("--shared-word-users must be 0 (off) or at least 2")
     options = BuildOptions(
@@ -123,6 +127,7 @@ def cmd_build(args: argparse.Namespace) -> int:
         collapse=not args.no_collapse,
         skip_bad_lines=args.skip_bad_lines,
         min_users=args.min_users,
+        pool_users=args.pool_users,
         shared_word_users=args.shared_word_users,
     )
     progress = _progress(args.quiet)
@@ -220,9 +225,15 @@ def cmd_build(args: argparse.Namespace) -> int:
         raise CliError(f"cannot write {out}: {exc.strerror}") from None
     form = canonical_form(compendium)
     counts = ", ".join(f"{n} {k}" for k, n in compendium.entry_counts().items())
-    if report.withheld_scenarios or report.withheld_precautions:
+    if options.pool_users > 1:
         notes += (
-            f" Withheld (fewer than {options.min_users} users): {report.withheld_scenarios} "
+            f" Pooled: {report.pooled_scenarios} pool(s) of at least {options.pool_users} users "
+            "sent in place of the scenarios."
+        )
+    if report.withheld_scenarios or report.withheld_precautions:
+        k = max(options.min_users, options.pool_users)
+        notes += (
+            f" Withheld (fewer than {k} users): {report.withheld_scenarios} "
             f"scenario(s), {report.withheld_precautions} precaution(s)."
         )
     if report.shared_words:
@@ -467,6 +478,12 @@ def build_parser() -> argparse.ArgumentParser:
         "--min-users", type=int, default=1, metavar="K",
         help="send a scenario or precaution only when at least K distinct users' requests "
         "support it (k-anonymous release; default 1: send everything)",
+    )
+    build.add_argument(
+        "--pool-users", type=int, default=1, metavar="K",
+        help="pooled release: pool each tool's requests with their nearest ones until a pool "
+        "holds K distinct users' requests, and send a pool as the words two of its users wrote "
+        "(no text sent is any one request; default 1: off)",
     )
     build.add_argument(
         "--shared-word-users", type=int, default=SHARED_WORD_USERS, metavar="K",

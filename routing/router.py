@@ -455,7 +455,7 @@ class Router:
             }
             for i, s in zip(idx[:top_k], scores[:top_k], strict=True)
         ]
-        if len(idx) == 0:
+        if len(idx) == 0 and not self._head_alone():
             return RoutingDecision(None, 0.0, True, [], [], None, self.reranker, "no scenarios")
         features = self.features(query, vector, idx, scores, top_k)
         fused = features.matrix @ self._weight_vector()
@@ -492,12 +492,17 @@ class Router:
         """The candidate tools (positions in `index.tool_names`) of a query and their fused
         scores (`none`: their best cosine), as `decide` ranks them."""
         idx, scores = self.retriever(vector, self._pool(top_k))
-        if len(idx) == 0:
+        if len(idx) == 0 and not self._head_alone():
             return np.zeros(0, dtype=np.int64), np.zeros(0)
         features = self.features(query, vector, idx, scores, top_k)
         if self.reranker == "none":
             return features.tools, features.matrix[:, 0]
         return features.tools, features.matrix @ self._weight_vector()
+
+    def _head_alone(self) -> bool:
+        """With no scenario retrieved (a global that has none), the linear head still names the
+        tools it learnt from the public probe set, unless the reranker is the bare cosine."""
+        return self.head is not None and self.reranker != "none"
 
     def _weight_vector(self) -> np.ndarray:
         w = self.params.weights
@@ -532,7 +537,7 @@ class Router:
             else:  # no scenario: only the head knows it
                 matrix[row, 0] = 0.0
                 matrix[row, 5] = 1.0
-        if self.reranker != "none" and index.bm25 is not None:
+        if self.reranker != "none" and index.bm25 is not None and len(idx):
             tokens = tokenize(query)
             if tokens:
                 bm = np.asarray(index.bm25.get_batch_scores(tokens, idx.tolist()), dtype=np.float64)
@@ -542,7 +547,8 @@ class Router:
                     np.maximum.at(best_bm, inverse, bm / top)
                     matrix[:, 1] = best_bm
         k = min(top_k, len(idx))
-        np.add.at(matrix[:, 2], inverse[:k], 1.0 / k)
+        if k:
+            np.add.at(matrix[:, 2], inverse[:k], 1.0 / k)
         if log_proba is not None:
             matrix[:, 4] = log_proba[tools]
         hits: dict[int, list[tuple[float, str]]] = {}
@@ -578,6 +584,8 @@ class Router:
 
         if self.llm is None:
             return None, "no LLM configured"
+        if not len(idx):
+            return None, "no scenario to show the LLM; fell back to fusion"
         index = self.index
         options = []
         for i in idx:
@@ -703,6 +711,8 @@ def calibration_data(router: Router, labelled: Sequence[tuple[str, str]], rerank
     feats = _probe_features(r, [q for q, _ in labelled], top_k)
     rows = []
     for f, (_, tool) in zip(feats, labelled, strict=True):
+        if not len(f.tools):  # nothing to choose from (no scenario, and no head in this reranker)
+            continue
         score, margin, chosen = _score_margin(r, f, reranker)
         raw = float(f.matrix[:, 0].max())
         rows.append((score, margin, raw, float(router.index.tool_names[chosen] == tool)))

@@ -225,6 +225,45 @@ def test_k_anonymous_release_sends_only_what_enough_users_support():
         build_compendium(records, schema, BuildOptions(min_users=0), engine)
 
 
+def test_pooled_release_sends_pools_of_enough_users_as_the_words_they_share():
+    from compendium.builder import pool_text
+    from routing.embeddings import get_engine
+
+    assert pool_text([("Book a cheap hotel in Rome", frozenset({"u1"})),
+                      ("find a CHEAP hotel near [NAME]", frozenset({"u2"})),
+                      ("hotel Rome", frozenset({"u1"}))]) == "a cheap hotel"
+    assert pool_text([("rain tomorrow", frozenset({"u1"})), ("sunny today", frozenset({"u2"}))]) == ""
+    schema = metatool_schema()
+    tool, other = sorted(schema.tool_ids)[:2]
+
+    def line(query, user, chosen=tool):
+        return {"query": query, "tool": chosen, "outcome": "success", "latency_ms": 100, "user": user}
+
+    records = parsed([
+        line("Show me the weather forecast for Lisbon tomorrow", "u1"),
+        line("What is the weather forecast for the weekend", "u2"),
+        line("Translate this paragraph into German", "u3"),
+        line("Translate my letter into German", "u1"),
+        line("Play some relaxing jazz music", "u1", chosen=other),  # one user alone for this tool
+    ])
+    engine = get_engine()
+    pooled, report = build_compendium(records, schema, BuildOptions(strength=0, pool_users=2), engine)
+    texts = sorted(s.text for s in pooled.scenarios)
+    assert texts == ["Translate into German", "the weather forecast for"]
+    assert {s.tool_id for s in pooled.scenarios} == {tool}
+    assert sorted(s.support for s in pooled.scenarios) == [2, 2]
+    sent = {r.query for r in records}
+    assert not sent & set(texts)  # no text sent is any one request
+    assert report.pooled_scenarios == 2 and report.withheld_scenarios == 1
+    assert report.as_dict()["pool_users"] == 2
+    alone, report = build_compendium(records, schema, BuildOptions(strength=0, pool_users=4), engine)
+    assert alone.scenarios == [] and report.withheld_scenarios == 5
+    with pytest.raises(BuildError, match="pool_users"):
+        build_compendium(records, schema, BuildOptions(pool_users=0), engine)
+    with pytest.raises(BuildError, match="pooled release needs an embedding engine"):
+        build_compendium(records, schema, BuildOptions(pool_users=2, collapse=False), None)
+
+
 def test_words_that_enough_users_wrote_are_released_and_no_others():
     from compendium.builder import shared_words
 

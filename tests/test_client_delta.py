@@ -182,6 +182,26 @@ def test_cli_build_min_users_withholds_what_one_user_alone_asked(tmp_path, capsy
     assert "--min-users must be at least 1" in capsys.readouterr().err
 
 
+def test_cli_build_pool_users_sends_pools_not_requests(tmp_path, capsys):
+    schema = {"tools": [{"tool_id": "weather", "description": "Weather forecasts for a city"}]}
+    (tmp_path / "schema.json").write_text(json.dumps(schema))
+    queries = [("Will it rain tomorrow in Oslo?", "u1"), ("Will it rain tomorrow?", "u2"),
+               ("UV index in Madrid at noon", "u1")]
+    lines = [{"query": q, "tool": "weather", "outcome": "success", "latency_ms": 90, "user": u}
+             for q, u in queries]
+    (tmp_path / "log.jsonl").write_text("".join(json.dumps(line) + "\n" for line in lines))
+    args = ["build", "--log", str(tmp_path / "log.jsonl"), "--schema", str(tmp_path / "schema.json"),
+            "--lambda", "0", "--quiet", "--out", str(tmp_path / "c.json")]
+    assert main(args + ["--pool-users", "2"]) == 0
+    assert "Pooled: 1 pool(s) of at least 2 users" in capsys.readouterr().out
+    sent = json.loads((tmp_path / "c.json").read_text())
+    assert [(s["text"], s["support"]) for s in sent["scenarios"]] == [("Will it rain tomorrow", 3)]
+    assert main(args + ["--pool-users", "0"]) == 1
+    assert "--pool-users must be at least 1" in capsys.readouterr().err
+    assert main(args + ["--pool-users", "2", "--no-collapse"]) == 1
+    assert "--pool-users needs the embedding model" in capsys.readouterr().err
+
+
 def budget_case():
     """Three tools; weather has three scenarios, the others one each; and this round's stats."""
     return comp(

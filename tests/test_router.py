@@ -421,3 +421,11 @@ def test_tools_without_scenarios_are_routed_from_the_public_probe_set(metatool_s
     chosen = next(d for d, q in zip(decisions, test, strict=True) if d.tool in missing)
     assert all(c["tool"] in set(backed) for c in chosen.candidates)  # candidates are scenarios
     assert chosen.precautions == []
+    # a global with no scenario at all (every client withheld everything): the head alone routes
+    empty = full.model_copy(update={"scenarios": [], "precautions": []})
+    alone = fit_router(empty, engine, probe)
+    assert alone.index.tool_names == sorted({t for _, t in probe})
+    decisions = alone.route_batch([q.query for q in test])
+    assert all(d.tool is not None and d.candidates == [] for d in decisions)
+    assert np.mean([d.tool == q.tool_id for d, q in zip(decisions, test, strict=True)]) > 0.4
+    assert alone.with_reranker("none").route(test[0].query).fallback_reason == "no scenarios"

@@ -323,6 +323,8 @@ def test_unknown_transfer_variant_fails_before_the_federation_runs(tiny_dataset,
 @pytest.mark.parametrize(("flags", "message"), [
     (["--max-bytes", "0"], "--max-bytes must be a positive number of bytes, not 0"),
     (["--shared-word-users", "1"], "--shared-word-users must be 0 [(]off[)] or at least 2"),
+    (["--pool-users", "0"], "--pool-users must be at least 1"),
+    (["--pool-users", "2", "--pool-size", "-1"], "--pool-size must be 0 [(]--pool-users[)] or more"),
 ])
 def test_bad_client_options_are_refused_before_anything_runs(tiny_dataset, capsys, flags, message):
     with pytest.raises(CommandError, match=message):

@@ -117,6 +117,8 @@ class SimulationConfig:
     # k-anonymous release at the clients (compendium.builder): entries supported by fewer distinct
     # users stay local; `client_tau` is the clients' collapse threshold (None: `tau`).
     min_users: int = 1
+    pool_size: int = 0
+    pool_users: int = 1  # pooled release at the clients (compendium.builder.pool_entries); 1: off
     shared_word_users: int = SHARED_WORD_USERS  # compendium.builder.shared_words; 0: off
     client_tau: float | None = None
     linear_head: bool = True  # routers fit the linear head on the compendium they route with
@@ -309,6 +311,8 @@ class Simulation:
             seed=seed,
             tau=self.config.client_tau or self.config.tau,
             min_users=self.config.min_users,
+            pool_users=self.config.pool_users,
+            pool_size=self.config.pool_size,
             shared_word_users=self.config.shared_word_users,
         )
         compendium, _ = build_compendium(

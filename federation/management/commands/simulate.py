@@ -112,6 +112,12 @@ class Command(BaseCommand):
             help="k-anonymous release: clients send only entries that k distinct users support",
         )
         parser.add_argument(
+            "--pool-users", type=int, default=1,
+            help="pooled release: clients pool each tool's requests until every pool holds k "
+            "distinct users' requests and send a pool as the words two of its requests share",
+        )
+        parser.add_argument("--pool-size", type=int, default=0, help="requests per pool (default: --pool-users)")
+        parser.add_argument(
             "--client-tau", type=float, default=None,
             help="the clients' near-duplicate collapse threshold (default: --tau)",
         )
@@ -224,6 +230,10 @@ class Command(BaseCommand):
                 return
         if o["min_users"] < 1:
             raise CommandError("--min-users must be at least 1")
+        if o["pool_users"] < 1:
+            raise CommandError("--pool-users must be at least 1")
+        if o["pool_size"] < 0:
+            raise CommandError("--pool-size must be 0 (--pool-users) or more")
         if not valid_shared_word_users(o["shared_word_users"]):
             raise CommandError("--shared-word-users must be 0 (off) or at least 2")
         if not 0 < o["probe_fraction"] < 0.6:  # 40% is held out for testing
@@ -288,6 +298,8 @@ class Command(BaseCommand):
             since_confidence=o["since_confidence"],
             max_bytes=o["max_bytes"],
             min_users=o["min_users"],
+            pool_users=o["pool_users"],
+            pool_size=o["pool_size"],
             shared_word_users=o["shared_word_users"],
             client_tau=o["client_tau"],
             transfer_models=_names(o["transfer_models"]),
