@@ -162,18 +162,21 @@ def test_cli_build_since_leaves_out_what_the_pulled_global_already_routes(tmp_pa
     assert not (tmp_path / "x.json").exists()
 
 
-def test_cli_build_min_users_withholds_what_one_user_alone_asked(tmp_path, capsys):
+def weather_build_args(tmp_path, queries: list[tuple[str, str]]) -> list[str]:
+    """`synapse-client build` arguments (λ = 0) for a one-tool schema and a log of (query, user)
+    successes."""
     schema = {"tools": [{"tool_id": "weather", "description": "Weather forecasts for a city"}]}
     (tmp_path / "schema.json").write_text(json.dumps(schema))
-    lines = [
-        {"query": "Will it rain tomorrow?", "tool": "weather", "outcome": "success",
-         "latency_ms": 90, "user": user}
-        for user in ("u1", "u2")
-    ] + [{"query": "UV index in Madrid at noon", "tool": "weather", "outcome": "success",
-          "latency_ms": 90, "user": "u1"}]
+    lines = [{"query": q, "tool": "weather", "outcome": "success", "latency_ms": 90, "user": u}
+             for q, u in queries]
     (tmp_path / "log.jsonl").write_text("".join(json.dumps(line) + "\n" for line in lines))
-    args = ["build", "--log", str(tmp_path / "log.jsonl"), "--schema", str(tmp_path / "schema.json"),
+    return ["build", "--log", str(tmp_path / "log.jsonl"), "--schema", str(tmp_path / "schema.json"),
             "--lambda", "0", "--quiet", "--out", str(tmp_path / "c.json")]
+
+
+def test_cli_build_min_users_withholds_what_one_user_alone_asked(tmp_path, capsys):
+    args = weather_build_args(tmp_path, [("Will it rain tomorrow?", "u1"), ("Will it rain tomorrow?", "u2"),
+                                         ("UV index in Madrid at noon", "u1")])
     assert main(args + ["--min-users", "2"]) == 0
     assert "Withheld (fewer than 2 users): 1 scenario(s)" in capsys.readouterr().out
     sent = json.loads((tmp_path / "c.json").read_text())
@@ -183,15 +186,9 @@ def test_cli_build_min_users_withholds_what_one_user_alone_asked(tmp_path, capsy
 
 
 def test_cli_build_pool_users_sends_pools_not_requests(tmp_path, capsys):
-    schema = {"tools": [{"tool_id": "weather", "description": "Weather forecasts for a city"}]}
-    (tmp_path / "schema.json").write_text(json.dumps(schema))
-    queries = [("Will it rain tomorrow in Oslo?", "u1"), ("Will it rain tomorrow?", "u2"),
-               ("UV index in Madrid at noon", "u1")]
-    lines = [{"query": q, "tool": "weather", "outcome": "success", "latency_ms": 90, "user": u}
-             for q, u in queries]
-    (tmp_path / "log.jsonl").write_text("".join(json.dumps(line) + "\n" for line in lines))
-    args = ["build", "--log", str(tmp_path / "log.jsonl"), "--schema", str(tmp_path / "schema.json"),
-            "--lambda", "0", "--quiet", "--out", str(tmp_path / "c.json")]
+    args = weather_build_args(tmp_path, [("Will it rain tomorrow in Oslo?", "u1"),
+                                         ("Will it rain tomorrow?", "u2"),
+                                         ("UV index in Madrid at noon", "u1")])
     assert main(args + ["--pool-users", "2"]) == 0
     assert "Pooled: 1 pool(s) of at least 2 users" in capsys.readouterr().out
     sent = json.loads((tmp_path / "c.json").read_text())
