@@ -232,8 +232,11 @@ def cmd_route(args: argparse.Namespace) -> int:
     if args.top_k < 1:
         raise SystemExit("synapse-client: --top-k must be at least 1")
     compendium = _load_compendium(args.compendium)
-    if not compendium.scenarios:
-        raise SystemExit(f"synapse-client: {args.compendium} has no scenarios to route against")
+    if not compendium.scenarios and not head_file(Path(args.compendium)).exists():
+        raise SystemExit(
+            f"synapse-client: {args.compendium} has no scenarios to route against, and no head "
+            "was pulled with it (the server publishes one that routes from its public probe set)"
+        )
     try:
         llm = get_llm(args.llm_url, args.llm_model) if args.reranker == "llm" else None
         tuned = (

@@ -261,6 +261,18 @@ def test_route_command_uses_the_head_the_server_published(tmp_path, capsys, engi
         assert args.func(args) == 0
         out, err = capsys.readouterr()
         assert out.startswith("tool: weather") and why in err
+    # A global with no scenario routes by the published head alone (as the routing API does);
+    # without a head there is nothing to route with.
+    empty = _currency_compendium(False).model_copy(update={"scenarios": [], "precautions": []})
+    path, parser = _route_command(tmp_path, monkeypatch, empty)
+    args = parser.parse_args(["route", "What is 2 + 2?", "--compendium", str(path)])
+    head_file(path).unlink()
+    with pytest.raises(SystemExit, match="has no scenarios to route against, and no head"):
+        args.func(args)
+    head_file(path).write_bytes(sure.to_bytes())
+    assert args.func(args) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("tool: calc") and "  1. " not in out  # no scenario among the candidates
 
 
 def test_in_process_llm_backend_fails_in_one_clear_line(monkeypatch, tmp_path):
