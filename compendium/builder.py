@@ -81,11 +81,12 @@ class BuildOptions:
     # k-anonymous release: a scenario or precaution leaves the client only when at least this many
     # distinct users' requests support it (after the collapse at τ); 1 releases everything.
     min_users: int = 1
-    # Pooled release (`pool_entries`): entries of a tool are pooled until each pool holds requests
-    # of at least this many distinct users, and a pool is sent as the words at least two of its
-    # requests share; 1: off (every entry is sent as itself).
+    # Pooled release (`pool_entries`), in place of the collapse: a tool's distinct requests are
+    # pooled until each pool holds requests of at least this many distinct users (and at least
+    # `pool_size` requests; 0: as many as `pool_users`), and a pool is sent as the words two
+    # distinct users in it wrote; 1: off.
     pool_users: int = 1
-    pool_size: int = 0  # at least this many entries in a pool (0: pool_users)
+    pool_size: int = 0
     # Shared words (`shared_words`): a plain word that at least this many distinct users of the
     # log wrote in lower case is not masked (it cannot single out any one of them); 0: off.
     shared_word_users: int = SHARED_WORD_USERS
@@ -246,8 +247,9 @@ def pool_entries(
 ) -> tuple[list[tuple[tuple, str, int, frozenset]], int]:
     """Pooled release: within a group, each entry (by descending support, then text) that no pool
     holds yet seeds a pool, which takes its nearest free entries (cosine) until it holds at least
-    `users` distinct users' requests and at least `users` entries. Entries too few to make a pool
-    of their own join the nearest pool of their group. A pool is sent as `pool_text` of its
+    `users` distinct users' requests and at least `size` entries (0: `users`). Entries too few
+    to make a pool of their own join the nearest pool of their group. A pool is sent as
+    `pool_text` of its
     entries (support and users add up; pools with the same words merge): no sent text is any one
     request, and each word in it appears in requests of at least two distinct users, provided an
     entry's users all wrote its text (identical requests merged, never near-duplicates). Returns the
@@ -262,6 +264,9 @@ def pool_entries(
     by_group: dict[tuple, list[int]] = defaultdict(list)
     for row, entry in enumerate(ordered):
         by_group[entry[0]].append(row)
+    def complete(members: list[int], who: set) -> bool:
+        return len(who) >= users and len(members) >= size
+
     pooled: dict[tuple[tuple, str], list] = {}  # two pools with the same words are one entry
     withheld = 0
     for group, rows in by_group.items():
@@ -272,22 +277,21 @@ def pool_entries(
             rest.sort(key=lambda r: -float(vectors[r] @ vectors[seed]))
             members, who = [seed], set(ordered[seed][3])
             for r in rest:
-                if len(who) >= users and len(members) >= size:
+                if complete(members, who):
                     break
                 members.append(r)
                 who |= ordered[r][3]
-            if len(who) >= users and len(members) >= size:
-                pools.append(members)
-                taken = set(members)
-                free = [r for r in free if r not in taken]
-                continue
-            if not pools:
-                withheld += len(free)
-                break
+            if not complete(members, who):
+                break  # what is left cannot make a pool of its own
+            pools.append(members)
+            taken = set(members)
+            free = [r for r in free if r not in taken]
+        if free and pools:  # the leftovers join the nearest pool of their group
             seeds = np.stack([vectors[p[0]] for p in pools])
             for r in free:
                 pools[int(np.argmax(seeds @ vectors[r]))].append(r)
-            break
+        else:
+            withheld += len(free)
         for members in pools:
             text = pool_text([(ordered[r][1], ordered[r][3]) for r in members])
             if not text:

@@ -117,8 +117,8 @@ class SimulationConfig:
     # k-anonymous release at the clients (compendium.builder): entries supported by fewer distinct
     # users stay local; `client_tau` is the clients' collapse threshold (None: `tau`).
     min_users: int = 1
-    pool_size: int = 0
     pool_users: int = 1  # pooled release at the clients (compendium.builder.pool_entries); 1: off
+    pool_size: int = 0  # requests per pool at least (0: pool_users)
     shared_word_users: int = SHARED_WORD_USERS  # compendium.builder.shared_words; 0: off
     client_tau: float | None = None
     linear_head: bool = True  # routers fit the linear head on the compendium they route with

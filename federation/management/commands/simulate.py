@@ -114,9 +114,12 @@ class Command(BaseCommand):
         parser.add_argument(
             "--pool-users", type=int, default=1,
             help="pooled release: clients pool each tool's requests until every pool holds k "
-            "distinct users' requests and send a pool as the words two of its requests share",
+            "distinct users' requests and send a pool as the words two distinct users in it wrote",
         )
-        parser.add_argument("--pool-size", type=int, default=0, help="requests per pool (default: --pool-users)")
+        parser.add_argument(
+            "--pool-size", type=int, default=0,
+            help="with --pool-users: at least this many requests per pool (default: --pool-users)",
+        )
         parser.add_argument(
             "--client-tau", type=float, default=None,
             help="the clients' near-duplicate collapse threshold (default: --tau)",
