@@ -1,9 +1,13 @@
-# The SYNAPSE web app and its CPU worker. The GPU worker runs the same image with the `gpu` queue;
+# The SYNAPSE web app and its CPU worker. The GPU worker is built from this file too, with torch's
+# CUDA build (TORCH_INDEX below), and consumes the `gpu` queue;
 # the LLM is a separate OpenAI-compatible server (vLLM) in docker-compose.yml.
 FROM python:3.11-slim
 ENV PYTHONDONTWRITEBYTECODE=1 PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
 WORKDIR /app
-RUN pip install --no-cache-dir torch==2.13.0 --index-url https://download.pytorch.org/whl/cpu
+# torch's CPU build by default; the GPU worker's image is built with a CUDA index instead
+# (docker-compose.yml: worker-gpu), so that its tuning task (routing.finetune) runs on the GPU.
+ARG TORCH_INDEX=https://download.pytorch.org/whl/cpu
+RUN pip install --no-cache-dir torch==2.13.0 --index-url ${TORCH_INDEX}
 COPY pyproject.toml README.md ./
 COPY synapse_web synapse_web
 COPY compendium compendium

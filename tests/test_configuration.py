@@ -45,3 +45,9 @@ def test_docker_compose_file_declares_the_services():
     assert {"postgres", "redis", "web", "worker-cpu", "worker-gpu", "llm"} <= set(services)
     assert "pgvector" in services["postgres"]["image"]
     assert services["web"]["environment"]["DATABASE_URL"].startswith("postgres")
+    # The GPU worker tunes the router (routing.finetune): its image needs torch's CUDA build,
+    # which the Dockerfile installs from the index the build argument names (CPU by default).
+    gpu_build = services["worker-gpu"]["build"]
+    assert "/whl/cu" in gpu_build["args"]["TORCH_INDEX"]
+    assert "--index-url ${TORCH_INDEX}" in (ROOT / "Dockerfile").read_text()
+    assert "-Q gpu" in services["worker-gpu"]["command"]
