@@ -149,6 +149,7 @@ class TunedRouter:
     router: object  # routing.router.Router, fusion reranker, with the tuned engine
     rows: int  # texts the encoder was tuned on
     seconds: float  # fine-tuning, re-embedding and refitting
+    fine_tune_seconds: float = 0.0  # of which the fine-tuning itself (on `device`)
 
 
 def tune_router(
@@ -179,6 +180,7 @@ def tune_router(
     out = fine_tune_encoder(
         texts, labels, out_dir, base_model=base_model, epochs=epochs, seed=seed, device=device
     )
+    fine_tuned = time.perf_counter() - started
     write_weight_deltas(out, base_model)
     engine = EmbeddingEngine(str(out))
     scenario_vectors, precaution_vectors = embed_rows(engine, compendium)
@@ -193,7 +195,7 @@ def tune_router(
     np.savez(out / ROUTER_STATE, **state)
     (out / ROUTER_PARAMS).write_text(router.params.to_json())
     write_manifest(out, compendium, **(manifest or {}))
-    return TunedRouter(out, router, len(texts), time.perf_counter() - started)
+    return TunedRouter(out, router, len(texts), time.perf_counter() - started, fine_tuned)
 
 
 def embed_rows(engine, compendium: Compendium) -> tuple[np.ndarray, np.ndarray]:

@@ -51,3 +51,44 @@ def test_bad_input_is_refused_before_any_training(tmp_path, texts, labels, epoch
     with pytest.raises(ValueError, match=message):
         fine_tune_encoder(texts, labels, tmp_path / "tuned", epochs=epochs)
     assert not (tmp_path / "tuned").exists()
+
+
+def test_tune_device_bench_tunes_a_saved_global_and_the_folder_routes_as_saved(tmp_path):
+    """bench/tune_device.py tune (what ran on the GPU machine): tune_router on a saved global, top-1
+    for the frozen and the tuned router, and the saved folder reloaded routes the same."""
+    import importlib.util
+    import json
+    import sys
+
+    from compendium.canonical import canonical_bytes
+    from compendium.schema import Compendium, Scenario, ToolMetadata
+    from tests.conftest import ROOT
+
+    sys.path.insert(0, str(ROOT / "bench"))  # the script imports its neighbour _routing_common
+    try:
+        spec = importlib.util.spec_from_file_location("tune_device", ROOT / "bench" / "tune_device.py")
+        bench = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(bench)
+    finally:
+        sys.path.remove(str(ROOT / "bench"))
+    compendium = Compendium(
+        scenarios=[Scenario(tool_id=tool, text=text) for tool in TEXTS for text in TEXTS[tool][:2]],
+        metadata=[ToolMetadata(tool_id=tool, description=f"{tool} tool") for tool in TEXTS],
+    )
+    for name in ("synapse", "centralized"):
+        (tmp_path / f"{name}.json").write_bytes(canonical_bytes(compendium))
+    rows = [{"query": text, "tool_id": tool, "category": ""} for tool in TEXTS for text in TEXTS[tool]]
+    for name in ("probe", "test"):
+        (tmp_path / f"{name}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    (tmp_path / "export.json").write_text(json.dumps({"seed": 0}))
+    out = tmp_path / "out.json"
+    assert bench.main(["tune", "--dir", str(tmp_path), "--device", "cpu", "--globals", "synapse",
+                       "--out", str(out)]) == 0
+    document = json.loads(out.read_text())
+    (row,) = document["rows"]
+    assert document["environment"]["device"] == "cpu" and document["test"] == len(rows)
+    assert row["global"] == "synapse" and row["rows_tuned_on"] > len(compendium.scenarios)
+    assert 0 < row["fine_tune_seconds"] <= row["tune_seconds"]
+    assert 0 <= row["frozen_accuracy"] <= 1 and 0 <= row["tuned_accuracy"] <= 1
+    assert row["reloaded_accuracy"] == row["tuned_accuracy"] and row["reloaded_same_choices"] == 1.0
+    assert row["peak_gpu_mib"] is None
