@@ -149,7 +149,8 @@ def tune_published_router(
     held = [probe[i] for i in held]
     record = _finish(
         record, TunedRouter.State.READY, directory=str(target), rows=tuned.rows,
-        seconds=round(tuned.seconds, 1), probe_accuracy=_accuracy(tuned.router, held),
+        seconds=round(tuned.seconds, 1), fine_tune_seconds=round(tuned.fine_tune_seconds, 1),
+        device=tuned.device, probe_accuracy=_accuracy(tuned.router, held),
         frozen_probe_accuracy=_accuracy(build_served(version).routers["fusion"], held),
     )
     retire_older(record)
@@ -249,6 +250,7 @@ def router_manifest(version: CompendiumVersion) -> tuple[str, dict]:
         **manifest,
         "tuned_at": record.finished_at,
         "rows": record.rows,
+        "device": record.device,
         "probe_accuracy": record.probe_accuracy,
         "frozen_probe_accuracy": record.frozen_probe_accuracy,
     }

@@ -82,7 +82,7 @@ def fine_tune_encoder(
     y = torch.tensor([position[label] for label in labels])
 
     torch.manual_seed(seed)
-    device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+    device = device or default_device()
     model = SentenceTransformer(_resolve(base_model or DEFAULT_MODEL), device=device)
     model.eval()
     with torch.no_grad():
@@ -150,6 +150,7 @@ class TunedRouter:
     rows: int  # texts the encoder was tuned on
     seconds: float  # fine-tuning, re-embedding and refitting
     fine_tune_seconds: float = 0.0  # of which the fine-tuning itself (on `device`)
+    device: str = ""  # where it was fine-tuned, as `torch_device_name` says it
 
 
 def tune_router(
@@ -195,7 +196,29 @@ def tune_router(
     np.savez(out / ROUTER_STATE, **state)
     (out / ROUTER_PARAMS).write_text(router.params.to_json())
     write_manifest(out, compendium, **(manifest or {}))
-    return TunedRouter(out, router, len(texts), time.perf_counter() - started, fine_tuned)
+    return TunedRouter(
+        out, router, len(texts), time.perf_counter() - started, fine_tuned, torch_device_name(device)
+    )
+
+
+def default_device() -> str:
+    """The torch device fine-tuning runs on when none is named: CUDA where torch sees one (a
+    CUDA build of torch and a GPU), else the CPU."""
+    import torch
+
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def torch_device_name(device: str | None = None) -> str:
+    """`device` (default: `default_device()`) as an operator reads it: "cuda:0 (NVIDIA H100 80GB
+    HBM3)" or "cpu"."""
+    import torch
+
+    device = torch.device(device or default_device())
+    if device.type != "cuda":
+        return device.type
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    return f"cuda:{index} ({torch.cuda.get_device_name(index)})"
 
 
 def embed_rows(engine, compendium: Compendium) -> tuple[np.ndarray, np.ndarray]:

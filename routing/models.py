@@ -68,6 +68,8 @@ class TunedRouter(models.Model):
     directory = models.CharField(max_length=500, blank=True)
     rows = models.PositiveIntegerField(null=True)  # texts the encoder learnt from
     seconds = models.FloatField(null=True)  # fine-tuning, re-embedding and refitting
+    fine_tune_seconds = models.FloatField(null=True)  # of which the fine-tuning itself
+    device = models.CharField(max_length=200, blank=True)  # where it was fine-tuned: "cpu", "cuda:0 (…)"
     probe_accuracy = models.FloatField(null=True)  # top-1 on the probe half it did not learn from
     frozen_probe_accuracy = models.FloatField(null=True)  # the frozen router's, same half
     detail = models.TextField(blank=True)  # why it failed or was skipped

@@ -217,6 +217,7 @@ def test_router_endpoints_check_who_asks_and_serve_only_listed_files(data, setti
     assert first.status_code == 200 and (folder / ROUTER_MANIFEST).is_file()
     body = first.json()
     assert body["global_sha256"] == version.sha256 and body["rows"] == record.rows
+    assert body["device"] == record.device and body["device"]  # where the server fine-tuned it
     assert body["total_bytes"] == sum(f["size"] for f in body["files"]) > 1_000_000
     assert client.get(manifest_url, HTTP_IF_NONE_MATCH=first["ETag"], **auth).status_code == 304
 

@@ -65,6 +65,11 @@ def test_publishing_tunes_the_router_and_the_routing_api_switches_to_it(data, se
     scenarios = len(data["compendium"].scenarios)
     assert record.rows >= scenarios + len(data["tools"])  # scenarios, descriptions, probe half
     assert 0.0 <= record.probe_accuracy <= 1.0 and 0.0 <= record.frozen_probe_accuracy <= 1.0
+    # Where it was fine-tuned, as torch saw it: the GPU worker's operator checks this.
+    from routing.finetune import torch_device_name
+
+    assert record.device == torch_device_name() and record.device.split(":")[0] in ("cpu", "cuda")
+    assert 0 < record.fine_tune_seconds <= record.seconds
 
     services.forget_published_version()
     served = services.served_compendium()
@@ -81,6 +86,7 @@ def test_publishing_tunes_the_router_and_the_routing_api_switches_to_it(data, se
     page = http.get(reverse("dashboard:routing")).content.decode()
     assert 'id="router-tuning"' in page and "fine-tuned on it: 1 epoch(s)" in page
     assert f"{record.rows} texts" in page
+    assert f'fine-tuned on <code id="tuning-device">{record.device}</code>' in page
     assert "synapse-client pull --out global.json --router" in page
 
     # Asked again, a ready router is not tuned again.
@@ -141,4 +147,5 @@ def test_tune_router_command(data, capsys):
     call_command("tune_router", "--epochs", "1")
     out = capsys.readouterr().out
     assert "round 1: routing encoder tuned on" in out and "tuned," in out
+    assert f"1 epoch(s) on {TunedRouter.objects.get().device}," in out
     assert TunedRouter.objects.get().state == TunedRouter.State.READY

@@ -31,7 +31,8 @@ class Command(BaseCommand):
             raise CommandError(f"round {version.round.number}: tuning {record and record.state}: {detail}")
         self.stdout.write(
             f"round {version.round.number}: routing encoder tuned on {record.rows} texts, "
-            f"{record.epochs} epoch(s), {record.seconds:.0f} s; probe top-1 (held half) "
+            f"{record.epochs} epoch(s) on {record.device or 'an unrecorded device'}, "
+            f"{record.seconds:.0f} s; probe top-1 (held half) "
             f"{_pct(record.probe_accuracy)} tuned, {_pct(record.frozen_probe_accuracy)} frozen; "
             f"saved in {record.directory}"
         )
