@@ -37,6 +37,27 @@ def federation_parser(description: str) -> argparse.ArgumentParser:
     return parser
 
 
+def federation_simulation(args, name: str, **config):
+    """(dataset, `federation.simulation.runner.Simulation`) for the options `federation_parser`
+    reads (dataset, orgs, clients per org, partition, embedding model), with `config`'s
+    `SimulationConfig` fields on top, reporting progress on stderr as `name`. Needs Django set
+    up."""
+    from compendium.registry import load_dataset
+    from compendium.schema import Schema
+    from federation.simulation.runner import Simulation, SimulationConfig
+    from routing.embeddings import get_engine
+
+    dataset = load_dataset(args.dataset)
+    settings = SimulationConfig(
+        orgs=args.orgs, clients_per_org=args.clients_per_org, partition=args.partition, **config
+    )
+    simulation = Simulation(
+        dataset, Schema(tools=dataset.tools), get_engine(args.embedding_model), settings,
+        lambda message: print(f"{name}: {message}", file=sys.stderr, flush=True),
+    )
+    return dataset, simulation
+
+
 def cached_embed(engine, texts: list[str]) -> np.ndarray:
     """Embeddings of many texts, kept on disk per model so that reruns skip the model."""
     from routing.embeddings import embed_cached

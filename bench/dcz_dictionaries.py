@@ -23,7 +23,7 @@ import time
 import numpy as np
 
 # _routing_common also puts the repository on sys.path.
-from _routing_common import federation_parser, print_table, write_json
+from _routing_common import federation_parser, federation_simulation, print_table, write_json
 
 os.environ.setdefault("DJANGO_SETTINGS_MODULE", "synapse_web.settings")
 
@@ -38,21 +38,10 @@ def main(argv: list[str] | None = None) -> int:
     django.setup()
     from compendium import transport
     from compendium.canonical import canonical_bytes
-    from compendium.registry import load_dataset
-    from compendium.schema import Schema
-    from federation.simulation.runner import Simulation, SimulationConfig, probe_requests
-    from routing.embeddings import get_engine
+    from federation.simulation.runner import probe_requests
 
-    dataset = load_dataset(args.dataset)
-    config = SimulationConfig(
-        orgs=args.orgs, clients_per_org=args.clients_per_org, rounds=args.rounds,
-        partition=args.partition,
-    )
-    schema = Schema(tools=dataset.tools)
-    simulation = Simulation(
-        dataset, schema, get_engine(args.embedding_model), config,
-        lambda message: print(f"dcz_dictionaries: {message}", file=sys.stderr, flush=True),
-    )
+    dataset, simulation = federation_simulation(args, "dcz_dictionaries", rounds=args.rounds)
+    schema = simulation.schema
     rows = []
     started = time.perf_counter()
     for seed in range(args.seed, args.seed + max(1, args.seeds)):

@@ -30,7 +30,7 @@ import tempfile
 import time
 
 # _routing_common also puts the repository on sys.path.
-from _routing_common import federation_parser, print_table, write_json
+from _routing_common import federation_parser, federation_simulation, print_table, write_json
 
 os.environ.setdefault("DJANGO_SETTINGS_MODULE", "synapse_web.settings")
 
@@ -57,22 +57,11 @@ def main(argv: list[str] | None = None) -> int:
     django.setup()
     if args.threads:
         torch.set_num_threads(args.threads)
-    from compendium.registry import load_dataset
-    from compendium.schema import Schema
-    from federation.simulation.runner import Simulation, SimulationConfig
     from routing.embeddings import DEFAULT_MODEL, get_engine
     from routing.finetune import fine_tune_encoder, tuning_rows
     from routing.router import probe_halves
 
-    dataset = load_dataset(args.dataset)
-    config = SimulationConfig(
-        orgs=args.orgs, clients_per_org=args.clients_per_org, partition=args.partition,
-        test_limit=args.test_limit,
-    )
-    simulation = Simulation(
-        dataset, Schema(tools=dataset.tools), get_engine(args.embedding_model), config,
-        lambda message: print(f"finetune_router: {message}", file=sys.stderr, flush=True),
-    )
+    dataset, simulation = federation_simulation(args, "finetune_router", test_limit=args.test_limit)
     rows = []
     started = time.perf_counter()
     for seed in range(args.seed, args.seed + max(1, args.seeds)):

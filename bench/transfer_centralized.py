@@ -20,7 +20,7 @@ import sys
 import time
 
 # _routing_common also puts the repository on sys.path.
-from _routing_common import federation_parser, print_table, write_json
+from _routing_common import federation_parser, federation_simulation, print_table, write_json
 
 os.environ.setdefault("DJANGO_SETTINGS_MODULE", "synapse_web.settings")
 
@@ -36,26 +36,13 @@ def main(argv: list[str] | None = None) -> int:
     import django
 
     django.setup()
-    from compendium.registry import load_dataset
-    from compendium.schema import Schema
-    from federation.simulation.runner import Simulation, SimulationConfig
-    from routing.embeddings import get_engine
-
-    dataset = load_dataset(args.dataset)
-    config = SimulationConfig(
-        orgs=args.orgs,
-        clients_per_org=args.clients_per_org,
-        partition=args.partition,
-        test_limit=args.test_limit,
+    dataset, simulation = federation_simulation(
+        args, "transfer_centralized", test_limit=args.test_limit,
         transfer_models=tuple(m for m in args.transfer_models.split(",") if m),
         transfer_rerankers=tuple(r for r in args.transfer_rerankers.split(",") if r),
         tune_router_epochs=args.tune_router,
     )
-    simulation = Simulation(
-        dataset, Schema(tools=dataset.tools), get_engine(args.embedding_model), config,
-        lambda message: print(f"transfer_centralized: {message}", file=sys.stderr, flush=True),
-    )
-    variants = simulation.transfer_variants() if config.transfer_models else []
+    variants = simulation.transfer_variants() if simulation.config.transfer_models else []
     if not variants and not args.tune_router:
         parser.error("nothing to score: give --transfer-models and/or --tune-router")
     rows = []
@@ -65,14 +52,14 @@ def main(argv: list[str] | None = None) -> int:
         simulation.progress(f"seed {seed}: the centralized compendium")
         central = simulation.centralized_global(setup.shares, setup.logs, setup.split, seed)
         report = simulation.evaluate(simulation.router(central, setup.split.probe), setup.test)
-        rows.append({"seed": seed, "model": "simulation engine", "reranker": config.reranker,
+        rows.append({"seed": seed, "model": "simulation engine", "reranker": simulation.config.reranker,
                      "accuracy": round(report.accuracy, 4),
                      "macro_accuracy": round(report.macro_accuracy, 4)})
         if args.tune_router:
             tuned = simulation.tuned_router(central, setup.split.probe, seed, "centralized")
             report = simulation.evaluate(tuned, setup.test)
             rows.append({"seed": seed, "model": f"tuned router, {args.tune_router} epoch(s)",
-                         "reranker": config.reranker, "accuracy": round(report.accuracy, 4),
+                         "reranker": simulation.config.reranker, "accuracy": round(report.accuracy, 4),
                          "macro_accuracy": round(report.macro_accuracy, 4)})
         if variants:
             simulation.progress(f"seed {seed}: transfer to {len(variants)} variants")

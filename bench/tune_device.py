@@ -32,7 +32,7 @@ import time
 from pathlib import Path
 
 # _routing_common also puts the repository on sys.path.
-from _routing_common import print_table, write_json
+from _routing_common import federation_simulation, print_table, write_json
 
 GLOBALS = ("synapse", "centralized")
 
@@ -43,20 +43,8 @@ def export(args) -> int:
 
     django.setup()
     from compendium.canonical import canonical_bytes
-    from compendium.registry import load_dataset
-    from compendium.schema import Schema
-    from federation.simulation.runner import Simulation, SimulationConfig
-    from routing.embeddings import get_engine
 
-    dataset = load_dataset(args.dataset)
-    config = SimulationConfig(
-        orgs=args.orgs, clients_per_org=args.clients_per_org, partition=args.partition,
-        test_limit=args.test_limit,
-    )
-    simulation = Simulation(
-        dataset, Schema(tools=dataset.tools), get_engine(args.embedding_model), config,
-        lambda message: print(f"tune_device: {message}", file=sys.stderr, flush=True),
-    )
+    dataset, simulation = federation_simulation(args, "tune_device", test_limit=args.test_limit)
     setup = simulation.prepare(args.seed)
     outcomes = simulation.play(setup, args.seed)
     central = simulation.centralized_global(setup.shares, setup.logs, setup.split, args.seed)
