@@ -7,7 +7,10 @@ round compressed as `synapse-client submit` sends them (`compendium.transport`),
   (`--schema --probe`, what simulate measures);
 - later rounds: the pulled global (`--since`), and the probe requests then the pulled global (a
   dictionary the server does not offer; measured to show what it would save);
-and gzip. Paired: the same bodies under every dictionary.
+and gzip. Paired: the same bodies under every dictionary. Where the bytes go: for each section of
+the body (numeric statistics, scenarios, precautions, templates, annex), the dcz bytes the body
+loses without it, under the shipped dictionary (round 1: probe requests + schema; later rounds: the
+pulled global), and how many entries of it a client sends.
 
     python bench/dcz_dictionaries.py --dataset ../shared/data/metatool --seed 0 --seeds 5 \\
         --embedding-model onnx-int8-dynamic:all-MiniLM-L6-v2 --out FILE
@@ -64,13 +67,17 @@ def main(argv: list[str] | None = None) -> int:
                 row[f"dcz: {label}"] = float(
                     np.mean([len(transport.compress(b, dictionary)) for b in bodies])
                 )
+            shipped = probe + base if pulled is None else base
+            row.update(section_bytes(list(outcome.submissions.values()), shipped))
             rows.append(row)
             pulled = outcome.global_compendium
     columns = ["seed", "round", "raw", "gzip", "dcz: schema", "dcz: probe + schema",
                "dcz: pulled global", "dcz: probe + pulled global"]
     print_table(rows, columns)
+    sections = [f"{kind}: {s}" for s in SECTIONS for kind in ("dcz", "entries")]
+    print_table(rows, ["seed", "round", *sections])
     summary = {}
-    for column in columns[2:]:
+    for column in columns[2:] + sections:
         values = [r[column] for r in rows if column in r]
         summary[column] = round(float(np.mean(values)), 1)
     # Per client per round over all rounds, as simulate's dcz figure: round 1 against the schema
@@ -88,6 +95,27 @@ def main(argv: list[str] | None = None) -> int:
         "seconds": round(time.perf_counter() - started, 1),
     })
     return 0
+
+
+SECTIONS = ("metadata", "scenarios", "precautions", "templates", "annex")
+
+
+def section_bytes(compendiums: list, dictionary: bytes) -> dict[str, float]:
+    """Mean over the bodies: the dcz bytes each section adds (the body's dcz size less that of the
+    same body without the section) and how many entries of it the body holds."""
+    from compendium import transport
+    from compendium.canonical import canonical_bytes
+
+    def dcz(compendium) -> int:
+        return len(transport.compress(canonical_bytes(compendium), dictionary))
+
+    out = {}
+    for section in SECTIONS:
+        out[f"dcz: {section}"] = float(np.mean([
+            dcz(c) - dcz(c.model_copy(update={section: []})) for c in compendiums
+        ]))
+        out[f"entries: {section}"] = float(np.mean([len(getattr(c, section)) for c in compendiums]))
+    return out
 
 
 if __name__ == "__main__":

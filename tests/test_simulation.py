@@ -504,8 +504,43 @@ def test_llm_summarizers_speak_to_the_llm_endpoint_or_are_refused(tiny_dataset):
         assert asked and all(r["body"]["model"] == "summary-model" for r in asked)
         texts = [s.text for s in outcome.global_compendium.scenarios]
         assert "Forecasts and weather for a place" in texts
+        counts = [stats["summaries"] for stats in outcome.merge_stats.values()]
+        assert sum(c.get("llm-single-shot", 0) for c in counts) > 0
     finally:
         server.close()
+
+
+@pytest.mark.parametrize("answer, from_llm", [('{"summary": "Forecasts for a place"}', True),
+                                              ("Sure! Here is a summary of the texts.", False)])
+def test_the_summarizer_sweep_counts_what_the_llm_wrote_and_what_fell_back(tiny_dataset, tmp_path,
+                                                                          answer, from_llm):
+    """A weak model that ignores the JSON format falls back to probe-extractive on every cluster;
+    the sweep says so instead of reporting an LLM summarizer's accuracy as if the LLM had written
+    the summaries."""
+    from tests.chat_server import ChatServer
+
+    out = tmp_path / "summarizers.json"
+    stdout = io.StringIO()
+    server = ChatServer(default=answer)
+    try:
+        call_command(
+            "simulate", "--dataset", str(tiny_dataset), "--orgs", "2", "--clients-per-org", "2",
+            "--rounds", "2", "--seed", "1", "--no-baselines", "--no-diagnostics",
+            "--sweep-summarizers", "centroid,llm-single-shot", "--llm", server.url,
+            "--out", str(out), "--no-store", verbosity=0, stdout=stdout,
+        )
+    finally:
+        server.close()
+    centroid, llm = json.loads(out.read_text())["summarizer_sweep"]
+    assert centroid["llm_summaries"] == 0 and centroid["summarizer_fallbacks"] == 0
+    assert centroid["summaries"] > 0 and llm["summaries"] > 0
+    if from_llm:
+        assert llm["llm_summaries"] == llm["summaries"] and llm["summarizer_fallbacks"] == 0
+    else:
+        assert llm["llm_summaries"] == 0 and llm["summarizer_fallbacks"] == llm["summaries"]
+    line = next(x for x in stdout.getvalue().splitlines() if x.strip().startswith("llm-single-shot"))
+    assert (f"an LLM wrote {llm['llm_summaries']:.0f} of {llm['summaries']:.0f} summaries "
+            f"({llm['summarizer_fallbacks']:.0f} fallbacks)") in line
 
 
 def test_contradictory_scenarios_with_and_without_the_conflict_log(twin_dataset, tmp_path):

@@ -105,6 +105,7 @@ def test_textgrad_improves_the_scenario_against_routing_failure(chat_server, emb
     assert [s.text for s in weather] == [IMPROVED]
     assert weather[0].support == 2
     assert result.stats.summarizer_fallbacks == []
+    assert result.stats.summaries == {"textgrad": 1}  # the one two-text cluster, written by textgrad
     assert chat_server.requests and all(r["model"] == "fake" for r in chat_server.requests)
     # each step: loss evaluation, gradient, update (at least three calls per step)
     assert len(chat_server.requests) >= 6
@@ -114,6 +115,7 @@ def test_textgrad_improves_the_scenario_against_routing_failure(chat_server, emb
 def test_llm_single_shot_summary(chat_server, embed):
     result = _merge(chat_server, embed, summarizer="llm-single-shot")
     assert IMPROVED in [s.text for s in result.compendium.scenarios if s.tool_id == "weather"]
+    assert result.stats.summaries == {"llm-single-shot": 1}
 
 
 @pytest.mark.parametrize("chat_server", ["garbage"], indirect=True)
@@ -123,6 +125,7 @@ def test_unparseable_answer_falls_back_and_records_why(chat_server, embed):
     assert [f["summarizer"] for f in fallbacks] == ["textgrad", "llm-single-shot"]
     assert "could not be parsed" in fallbacks[0]["reason"]
     assert "not JSON" in fallbacks[1]["reason"]
+    assert result.stats.summaries == {"probe-extractive": 1}  # no LLM text was kept
     weather = [s for s in result.compendium.scenarios if s.tool_id == "weather"]
     assert weather[0].text in ("Check the weather", "Check the weather.",
                                "Check the weather; check the weather.")

@@ -443,6 +443,7 @@ def _merge(
     scenario_vectors = embed([s.text for s in scenarios]) if scenarios else None
     precaution_vectors = embed([p.text for p in precautions]) if precautions else None
     stats.summarizer_fallbacks = summarizer.fallbacks
+    stats.summaries = dict(summarizer.counts)
     stats.clusters = len(slots)
     stats.conflicts = len(conflicts)
     clock.lap("finalize")

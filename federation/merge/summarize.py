@@ -156,6 +156,9 @@ class Summarizer:
     max_candidates: int = 4
     text_limit: int = 1000
     fallbacks: list[dict] = field(default_factory=list)
+    # Clusters of more than one text summarized, by the method whose text was kept (after any
+    # fallback): how many summaries an LLM actually wrote.
+    counts: dict[str, int] = field(default_factory=dict)
     # Embeddings of candidate texts made by `prepare`, so that many clusters cost one batch.
     _prepared: dict[str, np.ndarray] = field(default_factory=dict, repr=False)
 
@@ -187,6 +190,7 @@ class Summarizer:
                 notes.append({"summarizer": method, "tool_id": cluster.tool_id, "reason": str(exc)})
                 continue
             self.fallbacks.extend(notes)
+            self.counts[method] = self.counts.get(method, 0) + 1
             return Summary(text, method, notes)
         raise AssertionError("the 'none' summarizer cannot fail")
 

@@ -108,6 +108,7 @@ class MergeStats:
     epsilon_spent: float = 0.0
     summarizer: str = ""
     summarizer_fallbacks: list[dict] = field(default_factory=list)
+    summaries: dict[str, int] = field(default_factory=dict)  # multi-text clusters, by method kept
     timings_ms: dict[str, float] = field(default_factory=dict)
 
     @property

@@ -11,6 +11,7 @@ from typing import Any
 
 import numpy as np
 
+from federation.merge.summarize import LLM_SUMMARIZERS
 from federation.simulation.runner import (
     METHODS,
     SCREENING_KEYS,
@@ -248,7 +249,10 @@ def _merge_figures(result) -> dict[str, float]:
     """A seed's SYNAPSE accuracy per round (`accuracy_round_<r>`) and what the merges made of
     the submissions: the final global's scenarios and canonical size, the share of submitted
     scenarios merged away (`dedup_rate`), and the seconds the edge and server merges took per
-    aggregating round."""
+    aggregating round; of the clusters of more than one text that the merges summarized
+    (`summaries`, summed over every edge and server merge of the run), how many kept an LLM's text
+    (`llm_summaries`) and how many times a summarizer fell back to the next one
+    (`summarizer_fallbacks`)."""
     out = {
         f"accuracy_round_{row['round']}": row["accuracy"]
         for row in result.rows
@@ -267,6 +271,11 @@ def _merge_figures(result) -> dict[str, float]:
                            for stats in r["merge"].values()) / 1000 for r in merged]))
         if merged else 0.0
     )
+    merges = [stats for r in merged for stats in r["merge"].values()]
+    counts = [stats.get("summaries", {}) for stats in merges]
+    out["summaries"] = sum(sum(c.values()) for c in counts)
+    out["llm_summaries"] = sum(n for c in counts for method, n in c.items() if method in LLM_SUMMARIZERS)
+    out["summarizer_fallbacks"] = sum(len(stats.get("summarizer_fallbacks", [])) for stats in merges)
     return out
 
 
@@ -277,7 +286,10 @@ _SWEEP_FIGURES = {
 }
 
 
-_MERGE_FIGURES = {"global_scenarios", "global_size_bytes", "dedup_rate", "merge_seconds_per_round"}
+_MERGE_FIGURES = {
+    "global_scenarios", "global_size_bytes", "dedup_rate", "merge_seconds_per_round", "summaries",
+    "llm_summaries", "summarizer_fallbacks",
+}
 
 
 def _is_figure(key: str) -> bool:
@@ -439,9 +451,14 @@ def _sweep_lines(document: dict[str, Any]) -> list[str]:
     if rows:
         lines.append("summarizer sweep (final round, mean over seeds):")
         for row in rows:
+            written = (
+                f"; an LLM wrote {row['llm_summaries']:.0f} of {row['summaries']:.0f} summaries "
+                f"({row.get('summarizer_fallbacks', 0):.0f} fallbacks)"
+                if row["summarizer"] in LLM_SUMMARIZERS and "llm_summaries" in row else ""
+            )
             lines.append(
                 f"  {row['summarizer']:<17} {row['accuracy']:>8.3f} ± {row['accuracy_sd']:.3f}  "
-                f"merges {row.get('merge_seconds_per_round', 0):.2f} s per round"
+                f"merges {row.get('merge_seconds_per_round', 0):.2f} s per round{written}"
             )
     rows = document.get("contradictions") or []
     if rows:
