@@ -213,18 +213,29 @@ def test_organization_page_shows_edge_figures(client, fed):
     MergeRecord.objects.create(
         round=r1, organization=fed.org_a,
         stats={"scenarios_in": 40, "confusion_margin": 0.3719,
-               "dropped_sources": [f"client:{fed.client_a.pk}"]},
+               "dropped_sources": [f"client:{fed.client_a.pk}"], "summarizer": "llm-single-shot",
+               "summaries": {"llm-single-shot": 2, "probe-extractive": 5},
+               "summarizer_fallbacks": [
+                   {"summarizer": "llm-single-shot", "tool_id": "weather",
+                    "reason": "LLM answer is not JSON: 'Sure'"}] * 5},
         flagged=[{"source": "x", "tool_id": "weather", "text": "t"}] * 3,
     )
+    r2 = Round.objects.get(number=2)
+    MergeRecord.objects.create(round=r2, organization=fed.org_a, stats={"scenarios_in": 4})
     response = login(client, fed, "member_a").get(reverse("dashboard:organization", args=["org-a"]))
     page = response.content.decode()
     [fig] = figures_in(page)
-    assert fig["data"][0]["y"] == [1]
+    assert fig["data"][0]["y"] == [1, 0]  # round 2: a merge record, no submission stored
     assert fig["data"][1]["y"][0] > 0
     assert "dropped by the cross-checks" in page
     assert re.search(r'class="num confusion">3 of 40 <span class="meta">\(margin 0\.37\)', page)
     # The client whose whole submission the implausible-source check dropped, by name.
     assert f'class="meta dropped-clients">whole submission of {fed.client_a.name}</span>' in page
+    # What the summarizer did: 7 summaries, 2 of them the LLM's, the reason for the 5 fallbacks.
+    first, second = re.findall(r'<td class="num summaries">(.*?)</td>', page)
+    assert first.startswith("7 ") and "(2 by the LLM, 5 fell back)" in first
+    assert "LLM answer is not JSON" in first
+    assert second == "–"  # a record from before the counts were kept
 
 
 # --- rounds --------------------------------------------------------------------------------------

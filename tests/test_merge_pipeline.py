@@ -93,6 +93,11 @@ def test_full_round_publishes_global_with_embeddings_ledger_and_accuracy(
     record = MergeRecord.objects.get(round=round_, organization__isnull=True)
     assert record.probe_queries == 6 and 0.0 <= record.accuracy <= 1.0
     assert record.stats["scenarios_in"] > 0
+    # acme's two near-identical weather requests are one cluster, summarized by the round's
+    # summarizer; the record keeps what wrote each summary (the organization page shows it).
+    acme_record = MergeRecord.objects.get(round=round_, organization__slug="acme")
+    assert acme_record.stats["summaries"] == {"centroid": 1}
+    assert acme_record.stats["summarizer_fallbacks"] == []
     report = accounting.privacy_report()
     assert report.federation.epsilon == pytest.approx(1.0)  # max over the two edges, one round
 

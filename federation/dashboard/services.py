@@ -8,7 +8,7 @@ published yet are the operator's alone.
 
 from __future__ import annotations
 
-from collections import defaultdict
+from collections import Counter, defaultdict
 from dataclasses import dataclass, field
 
 import plotly.graph_objects as go
@@ -28,6 +28,7 @@ from compendium.models import (
     Tool,
 )
 from federation.dashboard.plots import render_figure, styled
+from federation.merge.summarize import LLM_SUMMARIZERS
 from federation.models import Client, Round
 from federation.simulation.report import summarize_transfer
 
@@ -501,6 +502,7 @@ def organization_page(organization, actor) -> OrganizationPage:
                 "confusion_margin": stats.get("confusion_margin"),
                 "dropped_clients": [names.get(source, source)
                                     for source in stats.get("dropped_sources") or ()],
+                **_summary_figures(stats),
             }
         )
     page = OrganizationPage(organization, clients, can_admin(actor, organization.pk), rows)
@@ -526,6 +528,23 @@ def organization_page(organization, actor) -> OrganizationPage:
         )
         page.chart = render_figure(fig, div_id="edge-figures", label=f"Edge figures of {organization}")
     return page
+
+
+def _summary_figures(stats: dict) -> dict:
+    """What an edge merge's summarizer did (`MergeStats`): the clusters of more than one text it
+    summarized, how many kept an LLM's text, how many times it fell back and the most frequent
+    reason. Records from before the counts were kept give None."""
+    counts = stats.get("summaries")
+    fallbacks = stats.get("summarizer_fallbacks") or []
+    reasons = Counter(f.get("reason", "") for f in fallbacks)
+    return {
+        "summarizer": stats.get("summarizer") or None,
+        "summaries": sum(counts.values()) if counts is not None else None,
+        "llm_summaries": sum(n for m, n in (counts or {}).items() if m in LLM_SUMMARIZERS),
+        "summarizer_fallbacks": len(fallbacks),
+        "fallback_reason": reasons.most_common(1)[0][0] if reasons else "",
+        "llm_summarizer": stats.get("summarizer") in LLM_SUMMARIZERS,
+    }
 
 
 # --- audit log -----------------------------------------------------------------------------------
