@@ -43,7 +43,16 @@ class Judgement:
 class LLMBackend(Protocol):
     name: str
 
-    def complete(self, prompt: str, *, system: str = "", max_tokens: int = 64) -> str: ...
+    def complete(self, prompt: str, *, system: str = "", max_tokens: int = 64,
+                 json_schema: dict | None = None) -> str: ...
+
+
+def json_response_format(schema: dict) -> dict:
+    """The `response_format` that asks an OpenAI-compatible server for a JSON object, with the
+    object's JSON schema: llama.cpp (its server and llama-cpp-python) constrain the decoding to
+    the schema with a grammar; vLLM, Ollama and OpenAI itself give a JSON object. Small models
+    that answer in prose when asked for JSON then answer in JSON."""
+    return {"type": "json_object", "schema": schema}
 
 
 _NUMBER = re.compile(r"\b(\d{1,4})\b")
@@ -121,8 +130,16 @@ class OpenAICompatibleLLM:
         self.temperature = temperature
         headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self._client = httpx.Client(timeout=timeout, headers=headers)
+        # Why the endpoint refused `response_format` (then never sent again), or "" while it
+        # has not.
+        self.json_mode_refused = ""
 
-    def complete(self, prompt: str, *, system: str = "", max_tokens: int = 64) -> str:
+    def complete(self, prompt: str, *, system: str = "", max_tokens: int = 64,
+                 json_schema: dict | None = None) -> str:
+        """The answer's text. With `json_schema`, the server is asked for a JSON object of that
+        schema (`json_response_format`); a server that refuses the parameter (HTTP 400 or 422)
+        is asked again without it, and from then on never with it: the caller parses the
+        answer either way."""
         messages = ([{"role": "system", "content": system}] if system else []) + [
             {"role": "user", "content": prompt}
         ]
@@ -132,11 +149,15 @@ class OpenAICompatibleLLM:
             "max_tokens": max_tokens,
             "temperature": self.temperature,
         }
+        if json_schema is not None and not self.json_mode_refused:
+            body["response_format"] = json_response_format(json_schema)
         url = f"{self.base_url}/chat/completions"
         last = ""
-        for attempt in range(self.retries + 1):
+        attempt = 0
+        while attempt <= self.retries:
             if attempt:
                 time.sleep(self.backoff * 2 ** (attempt - 1))
+            attempt += 1
             try:
                 response = self._client.post(url, json=body)
             except httpx.TimeoutException:
@@ -147,6 +168,11 @@ class OpenAICompatibleLLM:
                 continue
             if response.status_code == 429 or response.status_code >= 500:
                 last = f"HTTP {response.status_code}"
+                continue
+            if response.status_code in (400, 422) and "response_format" in body:
+                self.json_mode_refused = f"HTTP {response.status_code} {response.text[:120]!r}"
+                del body["response_format"]
+                attempt -= 1  # the same question without the JSON mode is not a retry
                 continue
             if response.status_code >= 400:
                 raise LLMUnavailable(
@@ -196,13 +222,15 @@ class LlamaCppLLM:
             model_path=model_path, n_ctx=n_ctx, n_threads=threads, seed=seed, verbose=False
         )
 
-    def complete(self, prompt: str, *, system: str = "", max_tokens: int = 64) -> str:
+    def complete(self, prompt: str, *, system: str = "", max_tokens: int = 64,
+                 json_schema: dict | None = None) -> str:
         messages = ([{"role": "system", "content": system}] if system else []) + [
             {"role": "user", "content": prompt}
         ]
+        extra = {"response_format": json_response_format(json_schema)} if json_schema else {}
         try:
             out = self._llama.create_chat_completion(
-                messages=messages, max_tokens=max_tokens, temperature=0.0
+                messages=messages, max_tokens=max_tokens, temperature=0.0, **extra
             )
         except Exception as exc:  # a native failure becomes one clear line
             raise LLMUnavailable(f"{self.name} failed: {exc.__class__.__name__}: {exc}") from None

@@ -10,11 +10,14 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 class ChatServer:
     """Answers `POST /v1/chat/completions` with the next scripted answer of `answers`, or
-    `default` when none is left; records every request."""
+    `default` when none is left; records every request. With `refuse_response_format`, a
+    request carrying `response_format` is refused with HTTP 400, as a server without a JSON mode
+    refuses the unknown parameter."""
 
-    def __init__(self, default: str = ""):
+    def __init__(self, default: str = "", *, refuse_response_format: bool = False):
         self.answers: list[str] = []
         self.default = default
+        self.refuse_response_format = refuse_response_format
         self.requests: list[dict] = []
         owner = self
 
@@ -25,6 +28,14 @@ class ChatServer:
                 if self.path != "/v1/chat/completions":
                     self.send_response(404)
                     self.end_headers()
+                    return
+                if owner.refuse_response_format and "response_format" in body:
+                    error = b'{"error": {"message": "Unrecognized request argument: response_format"}}'
+                    self.send_response(400)
+                    self.send_header("Content-Type", "application/json")
+                    self.send_header("Content-Length", str(len(error)))
+                    self.end_headers()
+                    self.wfile.write(error)
                     return
                 answer = owner.answers.pop(0) if owner.answers else owner.default
                 payload = json.dumps(

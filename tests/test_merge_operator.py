@@ -465,6 +465,26 @@ def test_annex_and_templates_deduplicated(schema, embed):
     assert len(result.compendium.annex) == 1 and result.stats.annex_in == 2
 
 
+def test_llm_merges_differing_templates_asking_for_the_json_schema(schema, embed):
+    from federation.merge.llm import OpenAICompatibleLLM
+    from tests.chat_server import ChatServer
+
+    subs = [
+        sub(name, templates=[{"tool_id": "weather", "signature": "f(city)", "template": body}])
+        for name, body in (("a", "T1 {city}"), ("b", "T1 {city}"), ("c", "T2 {city}"))
+    ]
+    server = ChatServer(default='{"summary": "Weather for {city}"}')
+    try:
+        result = edge_merge(subs, schema, RoundConfig(summarizer="llm-single-shot"), embed=embed,
+                            llm=OpenAICompatibleLLM(server.url))
+    finally:
+        server.close()
+    assert [t.template for t in result.compendium.templates] == ["Weather for {city}"]
+    [asked] = [r["body"] for r in server.requests if "Merge these prompt templates" in str(r["body"])]
+    assert asked["response_format"]["schema"]["required"] == ["summary"]
+    assert result.stats.summarizer_fallbacks == []
+
+
 def test_server_keeps_the_best_supported_scenarios_per_tool(schema, embed):
     edge = edge_merge(
         [sub(f"c{i}", [sc("weather", "Will it rain tomorrow?")]) for i in range(3)]

@@ -178,6 +178,29 @@ def test_llm_reranker_over_openai_compatible_http(engine, chat_server):
     assert judge_consistency(llm, "use for money", "never use for money").consistent is False
 
 
+@pytest.mark.parametrize("refuses", [False, True])
+def test_json_mode_is_asked_for_and_dropped_where_the_server_refuses_it(refuses):
+    """With a JSON schema the server is asked for a JSON object of it (llama.cpp constrains its
+    decoding to the schema); a server that refuses `response_format` is asked again without it,
+    once, and never with it again."""
+    server = ChatServer(default='{"summary": "ok"}', refuse_response_format=refuses)
+    try:
+        llm = OpenAICompatibleLLM(server.url, retries=0)
+        schema = {"type": "object", "properties": {"summary": {"type": "string"}}}
+        assert llm.complete("Summarize as JSON", json_schema=schema) == '{"summary": "ok"}'
+        assert llm.complete("Summarize as JSON again", json_schema=schema) == '{"summary": "ok"}'
+        assert llm.complete("Plain question") == '{"summary": "ok"}'
+        formats = [r["body"].get("response_format") for r in server.requests]
+        if refuses:
+            assert formats == [{"type": "json_object", "schema": schema}, None, None, None]
+            assert llm.json_mode_refused.startswith("HTTP 400") and "response_format" in llm.json_mode_refused
+        else:
+            assert formats == [{"type": "json_object", "schema": schema}] * 2 + [None]
+            assert llm.json_mode_refused == ""
+    finally:
+        server.close()
+
+
 def test_llm_endpoint_down_is_one_line_and_falls_back(engine):
     import socket
 

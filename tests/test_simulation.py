@@ -502,6 +502,8 @@ def test_llm_summarizers_speak_to_the_llm_endpoint_or_are_refused(tiny_dataset):
         [outcome] = sim.federate(setup.shares, setup.logs, setup.split.probe, 1)
         asked = [r for r in server.requests if "Write one concise text" in json.dumps(r["body"])]
         assert asked and all(r["body"]["model"] == "summary-model" for r in asked)
+        # ... asking for the JSON object the summarizer parses (llama.cpp decodes to the schema).
+        assert all(r["body"]["response_format"]["schema"]["required"] == ["summary"] for r in asked)
         texts = [s.text for s in outcome.global_compendium.scenarios]
         assert "Forecasts and weather for a place" in texts
         counts = [stats["summaries"] for stats in outcome.merge_stats.values()]

@@ -20,9 +20,11 @@ class OpenAICompatibleLLM(routing_llm.OpenAICompatibleLLM):
         super().__init__(base_url, model, api_key, timeout=timeout_s, temperature=temperature)
         self.calls = 0
 
-    def complete(self, prompt: str, system: str | None = None, max_tokens: int = 512) -> str:
+    def complete(self, prompt: str, system: str | None = None, max_tokens: int = 512,
+                 json_schema: dict | None = None) -> str:
         self.calls += 1
-        return super().complete(prompt, system=system or "", max_tokens=max_tokens)
+        return super().complete(prompt, system=system or "", max_tokens=max_tokens,
+                                json_schema=json_schema)
 
 
 _VERDICT = re.compile(r"\b(inconsistent|consistent)\b", re.IGNORECASE)

@@ -46,6 +46,7 @@ from federation.merge.llm import OpenAICompatibleLLM, consistency_probe
 from federation.merge.privacy import BudgetExceeded, laplace_release, round_spend
 from federation.merge.robust import byzantine_count, robust_batches, robust_keep
 from federation.merge.summarize import (
+    SUMMARY_SCHEMA,
     Cluster,
     ProbeSet,
     RoutingContext,
@@ -891,7 +892,8 @@ def _merge_templates(accepted, config, llm, summarizer, schema, stats):
                     answer = llm.complete(
                         f"Merge these prompt templates for tool '{tool_id}' and signature "
                         f"'{signature}' into one, keeping every placeholder. Answer only with "
-                        'JSON {"summary": "..."}.\n' + "\n".join(f"- {t}" for t in texts[:20])
+                        'JSON {"summary": "..."}.\n' + "\n".join(f"- {t}" for t in texts[:20]),
+                        json_schema=SUMMARY_SCHEMA,
                     )
                     text = _parse_summary(answer, schema.strings.template)
                 except Exception as exc:  # unparseable or unreachable: the majority stays

@@ -257,7 +257,8 @@ class Summarizer:
         answer = llm.complete(
             f"These {cluster.kind} texts for the tool '{cluster.tool_id}' say the same thing. "
             "Write one concise text that covers them all. Answer only with JSON "
-            '{"summary": "..."}.\n' + listing
+            '{"summary": "..."}.\n' + listing,
+            json_schema=SUMMARY_SCHEMA,
         )
         return _parse_summary(answer, self.text_limit)
 
@@ -300,6 +301,15 @@ class Summarizer:
             if loss_value < best_loss:
                 best_text, best_loss = text, loss_value
         return best_text
+
+
+# The answer `_parse_summary` reads; servers that can constrain their decoding to it do
+# (`routing.llm.json_response_format`).
+SUMMARY_SCHEMA = {
+    "type": "object",
+    "properties": {"summary": {"type": "string", "minLength": 1}},
+    "required": ["summary"],
+}
 
 
 def _parse_summary(answer: str, limit: int) -> str:
