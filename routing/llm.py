@@ -138,8 +138,9 @@ class OpenAICompatibleLLM:
                  json_schema: dict | None = None) -> str:
         """The answer's text. With `json_schema`, the server is asked for a JSON object of that
         schema (`json_response_format`); a server that refuses the parameter (HTTP 400 or 422)
-        is asked again without it, and from then on never with it: the caller parses the
-        answer either way."""
+        is asked again without it and, when that passes, never with it again: the caller parses
+        the answer either way. A question refused with and without it raises, and leaves the
+        JSON mode on."""
         messages = ([{"role": "system", "content": system}] if system else []) + [
             {"role": "user", "content": prompt}
         ]
@@ -153,6 +154,7 @@ class OpenAICompatibleLLM:
             body["response_format"] = json_response_format(json_schema)
         url = f"{self.base_url}/chat/completions"
         last = ""
+        refusal = ""  # the refusal of `response_format`, kept once the same question without it passes
         attempt = 0
         while attempt <= self.retries:
             if attempt:
@@ -170,7 +172,7 @@ class OpenAICompatibleLLM:
                 last = f"HTTP {response.status_code}"
                 continue
             if response.status_code in (400, 422) and "response_format" in body:
-                self.json_mode_refused = f"HTTP {response.status_code} {response.text[:120]!r}"
+                refusal = f"HTTP {response.status_code} {response.text[:120]!r}"
                 del body["response_format"]
                 attempt -= 1  # the same question without the JSON mode is not a retry
                 continue
@@ -180,11 +182,15 @@ class OpenAICompatibleLLM:
                     f"{response.text[:120]!r}"
                 )
             try:
-                return str(response.json()["choices"][0]["message"]["content"] or "")
+                answer = str(response.json()["choices"][0]["message"]["content"] or "")
             except (ValueError, KeyError, IndexError, TypeError):
                 raise LLMUnavailable(
                     f"LLM endpoint {url} answered something that is not a chat completion"
                 ) from None
+            # Refused with `response_format` and answered without it: the server has no JSON
+            # mode (a refusal of the question itself would have been refused again).
+            self.json_mode_refused = self.json_mode_refused or refusal
+            return answer
         raise LLMUnavailable(
             f"LLM endpoint {url} is down: {last} after {self.retries + 1} attempts; "
             "check SYNAPSE_LLM_BASE_URL or unset it to route without an LLM"

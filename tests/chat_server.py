@@ -12,12 +12,14 @@ class ChatServer:
     """Answers `POST /v1/chat/completions` with the next scripted answer of `answers`, or
     `default` when none is left; records every request. With `refuse_response_format`, a
     request carrying `response_format` is refused with HTTP 400, as a server without a JSON mode
-    refuses the unknown parameter."""
+    refuses the unknown parameter; with `refuse_all`, every request is."""
 
-    def __init__(self, default: str = "", *, refuse_response_format: bool = False):
+    def __init__(self, default: str = "", *, refuse_response_format: bool = False,
+                 refuse_all: bool = False):
         self.answers: list[str] = []
         self.default = default
         self.refuse_response_format = refuse_response_format
+        self.refuse_all = refuse_all  # every request refused with HTTP 400 (a prompt too long)
         self.requests: list[dict] = []
         owner = self
 
@@ -29,8 +31,9 @@ class ChatServer:
                     self.send_response(404)
                     self.end_headers()
                     return
-                if owner.refuse_response_format and "response_format" in body:
-                    error = b'{"error": {"message": "Unrecognized request argument: response_format"}}'
+                if owner.refuse_all or (owner.refuse_response_format and "response_format" in body):
+                    error = (b'{"error": {"message": "the prompt exceeds the context"}}' if owner.refuse_all
+                             else b'{"error": {"message": "Unrecognized request argument: response_format"}}')
                     self.send_response(400)
                     self.send_header("Content-Type", "application/json")
                     self.send_header("Content-Length", str(len(error)))

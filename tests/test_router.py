@@ -14,7 +14,7 @@ from compendium.schema import Compendium, Precaution, PromptTemplate, Scenario
 from routing.cli import add_route_command
 from routing.datasets import compendium_from_queries
 from routing.embeddings import get_query_engine
-from routing.llm import OpenAICompatibleLLM, judge_consistency, parse_choice
+from routing.llm import LLMUnavailable, OpenAICompatibleLLM, judge_consistency, parse_choice
 from routing.router import (
     LinearHead,
     Router,
@@ -201,6 +201,18 @@ def test_json_mode_is_asked_for_and_dropped_where_the_server_refuses_it(refuses)
         server.close()
 
 
+def test_a_question_refused_with_and_without_json_mode_raises_and_keeps_the_json_mode():
+    server = ChatServer(refuse_all=True)
+    try:
+        llm = OpenAICompatibleLLM(server.url, retries=0)
+        with pytest.raises(LLMUnavailable, match="refused the request: HTTP 400"):
+            llm.complete("A prompt far too long", json_schema={"type": "object"})
+        assert [("response_format" in r["body"]) for r in server.requests] == [True, False]
+        assert llm.json_mode_refused == ""  # the question was refused, not the JSON mode
+    finally:
+        server.close()
+
+
 def test_llm_endpoint_down_is_one_line_and_falls_back(engine):
     import socket
 
@@ -299,7 +311,7 @@ def test_route_command_uses_the_head_the_server_published(tmp_path, capsys, engi
 
 
 def test_in_process_llm_backend_fails_in_one_clear_line(monkeypatch, tmp_path):
-    from routing.llm import LLMUnavailable, get_llm
+    from routing.llm import get_llm
 
     monkeypatch.delenv("SYNAPSE_LLM_BASE_URL", raising=False)
     monkeypatch.setenv("SYNAPSE_LLM_GGUF", str(tmp_path / "missing.gguf"))
