@@ -222,6 +222,21 @@ def test_compendium_defaults_to_latest_visible_round(operator_client, member_cli
     assert member_client.get(reverse("dashboard:compendium"), {"round": 3}).status_code == 404
 
 
+def test_compendium_page_says_what_the_server_merge_summarizer_did(member_client):
+    from federation.models import MergeRecord, Round
+
+    page = member_client.get(reverse("dashboard:compendium"), {"round": 2}).content.decode()
+    assert 'id="merge-summaries"' not in page  # no record of the server merge: nothing said
+    MergeRecord.objects.create(round=Round.objects.get(number=2), stats={
+        "summarizer": "llm-single-shot", "summaries": {"llm-single-shot": 3, "probe-extractive": 1},
+        "summarizer_fallbacks": [{"summarizer": "llm-single-shot", "tool_id": "weather",
+                                  "reason": "LLM answer has no non-empty 'summary' string"}]})
+    page = member_client.get(reverse("dashboard:compendium"), {"round": 2}).content.decode()
+    said = re.search(r'<span id="merge-summaries">(.*?)</span></p>', page, re.S).group(1)
+    assert "summarized 4 clusters of more than one text with llm-single-shot" in said
+    assert "3 by the LLM, 1 fell back" in said and "no non-empty" in said
+
+
 def test_operator_sees_unpublished_global_result(operator_client):
     response = operator_client.get(reverse("dashboard:compendium"))
     assert response.context["version"].round.number == 3

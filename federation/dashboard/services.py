@@ -530,6 +530,15 @@ def organization_page(organization, actor) -> OrganizationPage:
     return page
 
 
+def server_merge_summaries(version: CompendiumVersion) -> dict | None:
+    """What the server merge's summarizer did for this global (`_summary_figures`), or None
+    without a record of it."""
+    from federation.models import MergeRecord
+
+    record = MergeRecord.objects.filter(round=version.round, organization__isnull=True).first()
+    return _summary_figures(record.stats) if record is not None else None
+
+
 def _summary_figures(stats: dict) -> dict:
     """What an edge merge's summarizer did (`MergeStats`): the clusters of more than one text it
     summarized, how many kept an LLM's text, how many times it fell back and the most frequent

@@ -82,6 +82,7 @@ class CompendiumView(DashboardView):
         )
         if self.version is None:
             return context
+        context["merge_summaries"] = services.server_merge_summaries(self.version)
         if tab == "annex":
             context["page_obj"] = services.annex_page(
                 self.version, query=query, page=params.get("page")
