@@ -153,13 +153,34 @@ class OpenAICompatibleLLM:
         if json_schema is not None and not self.json_mode_refused:
             body["response_format"] = json_response_format(json_schema)
         url = f"{self.base_url}/chat/completions"
+        response = self._post(url, body)
+        if response.status_code in (400, 422) and "response_format" in body:
+            refusal = f"HTTP {response.status_code} {response.text[:120]!r}"
+            del body["response_format"]
+            response = self._post(url, body)
+            if response.status_code < 400:
+                # Answered without it: the server has no JSON mode (a refusal of the question
+                # itself is refused again, and leaves the JSON mode on).
+                self.json_mode_refused = refusal
+        if response.status_code >= 400:
+            raise LLMUnavailable(
+                f"LLM endpoint {url} refused the request: HTTP {response.status_code} "
+                f"{response.text[:120]!r}"
+            )
+        try:
+            return str(response.json()["choices"][0]["message"]["content"] or "")
+        except (ValueError, KeyError, IndexError, TypeError):
+            raise LLMUnavailable(
+                f"LLM endpoint {url} answered something that is not a chat completion"
+            ) from None
+
+    def _post(self, url: str, body: dict) -> httpx.Response:
+        """The server's response, retried with backoff on timeouts, connection errors, 429 and
+        5xx; LLMUnavailable when every attempt failed so."""
         last = ""
-        refusal = ""  # the refusal of `response_format`, kept once the same question without it passes
-        attempt = 0
-        while attempt <= self.retries:
+        for attempt in range(self.retries + 1):
             if attempt:
                 time.sleep(self.backoff * 2 ** (attempt - 1))
-            attempt += 1
             try:
                 response = self._client.post(url, json=body)
             except httpx.TimeoutException:
@@ -171,26 +192,7 @@ class OpenAICompatibleLLM:
             if response.status_code == 429 or response.status_code >= 500:
                 last = f"HTTP {response.status_code}"
                 continue
-            if response.status_code in (400, 422) and "response_format" in body:
-                refusal = f"HTTP {response.status_code} {response.text[:120]!r}"
-                del body["response_format"]
-                attempt -= 1  # the same question without the JSON mode is not a retry
-                continue
-            if response.status_code >= 400:
-                raise LLMUnavailable(
-                    f"LLM endpoint {url} refused the request: HTTP {response.status_code} "
-                    f"{response.text[:120]!r}"
-                )
-            try:
-                answer = str(response.json()["choices"][0]["message"]["content"] or "")
-            except (ValueError, KeyError, IndexError, TypeError):
-                raise LLMUnavailable(
-                    f"LLM endpoint {url} answered something that is not a chat completion"
-                ) from None
-            # Refused with `response_format` and answered without it: the server has no JSON
-            # mode (a refusal of the question itself would have been refused again).
-            self.json_mode_refused = self.json_mode_refused or refusal
-            return answer
+            return response
         raise LLMUnavailable(
             f"LLM endpoint {url} is down: {last} after {self.retries + 1} attempts; "
             "check SYNAPSE_LLM_BASE_URL or unset it to route without an LLM"

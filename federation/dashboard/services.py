@@ -28,7 +28,7 @@ from compendium.models import (
     Tool,
 )
 from federation.dashboard.plots import render_figure, styled
-from federation.merge.summarize import LLM_SUMMARIZERS
+from federation.merge.summarize import LLM_SUMMARIZERS, summary_counts
 from federation.models import Client, Round
 from federation.simulation.report import summarize_transfer
 
@@ -540,17 +540,12 @@ def server_merge_summaries(version: CompendiumVersion) -> dict | None:
 
 
 def _summary_figures(stats: dict) -> dict:
-    """What an edge merge's summarizer did (`MergeStats`): the clusters of more than one text it
-    summarized, how many kept an LLM's text, how many times it fell back and the most frequent
-    reason. Records from before the counts were kept give None."""
-    counts = stats.get("summaries")
-    fallbacks = stats.get("summarizer_fallbacks") or []
-    reasons = Counter(f.get("reason", "") for f in fallbacks)
+    """What a merge's summarizer did (`summary_counts`), which summarizer it was, and the most
+    frequent reason it fell back."""
+    reasons = Counter(f.get("reason", "") for f in stats.get("summarizer_fallbacks") or [])
     return {
+        **summary_counts(stats),
         "summarizer": stats.get("summarizer") or None,
-        "summaries": sum(counts.values()) if counts is not None else None,
-        "llm_summaries": sum(n for m, n in (counts or {}).items() if m in LLM_SUMMARIZERS),
-        "summarizer_fallbacks": len(fallbacks),
         "fallback_reason": reasons.most_common(1)[0][0] if reasons else "",
         "llm_summarizer": stats.get("summarizer") in LLM_SUMMARIZERS,
     }

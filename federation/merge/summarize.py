@@ -303,6 +303,18 @@ class Summarizer:
         return best_text
 
 
+def summary_counts(stats: dict) -> dict[str, int | None]:
+    """From a merge's `MergeStats.as_dict()`: the clusters of more than one text it summarized
+    (None for a record from before they were counted), how many kept an LLM's text, and how many
+    times a summarizer fell back."""
+    counts = stats.get("summaries")
+    return {
+        "summaries": sum(counts.values()) if counts is not None else None,
+        "llm_summaries": sum(n for m, n in (counts or {}).items() if m in LLM_SUMMARIZERS),
+        "summarizer_fallbacks": len(stats.get("summarizer_fallbacks") or []),
+    }
+
+
 # The answer `_parse_summary` reads; servers that can constrain their decoding to it do
 # (`routing.llm.json_response_format`).
 SUMMARY_SCHEMA = {

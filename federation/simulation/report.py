@@ -11,7 +11,7 @@ from typing import Any
 
 import numpy as np
 
-from federation.merge.summarize import LLM_SUMMARIZERS
+from federation.merge.summarize import LLM_SUMMARIZERS, summary_counts
 from federation.simulation.runner import (
     METHODS,
     SCREENING_KEYS,
@@ -271,11 +271,9 @@ def _merge_figures(result) -> dict[str, float]:
                            for stats in r["merge"].values()) / 1000 for r in merged]))
         if merged else 0.0
     )
-    merges = [stats for r in merged for stats in r["merge"].values()]
-    counts = [stats.get("summaries", {}) for stats in merges]
-    out["summaries"] = sum(sum(c.values()) for c in counts)
-    out["llm_summaries"] = sum(n for c in counts for method, n in c.items() if method in LLM_SUMMARIZERS)
-    out["summarizer_fallbacks"] = sum(len(stats.get("summarizer_fallbacks", [])) for stats in merges)
+    counts = [summary_counts(stats) for r in merged for stats in r["merge"].values()]
+    for key in ("summaries", "llm_summaries", "summarizer_fallbacks"):
+        out[key] = sum(c[key] or 0 for c in counts)
     return out
 
 
