@@ -282,3 +282,21 @@ def test_organization_with_a_long_name_gets_a_slug_that_fits(world):
     # Another long name with the same first 100 characters: its slug clashes, a 409 naming it.
     clash = api.post("/api/v1/admin/organizations/", {"name": "a" * 150 + "b"}, format="json")
     assert clash.status_code == 409 and "slug" in clash.json()["detail"]
+
+
+DEEP_JSON = '{"a": ' + "[" * 100_000 + "]" * 100_000 + "}"
+
+
+@pytest.mark.django_db
+@pytest.mark.parametrize(
+    "method, path",
+    [("post", "/api/v1/route/"), ("post", "/api/v1/route/batch/"), ("post", "/api/v1/admin/clients/"),
+     ("post", "/api/v1/admin/rounds/"), ("patch", "/api/v1/admin/settings/"),
+     ("post", "/api/v1/admin/organizations/")],
+)
+def test_json_body_nested_too_deeply_is_400_naming_it(world, method, path):
+    """Python's JSON parser gives up on deep nesting with a RecursionError; the API says so."""
+    api = person_api(world.operator)
+    response = getattr(api, method)(path, DEEP_JSON, content_type="application/json")
+    assert response.status_code == 400
+    assert response.json()["detail"].endswith("JSON parse error - the body nests too deeply")
