@@ -26,8 +26,8 @@ demo: install
 	$(PY) manage.py demo_rounds --dataset $(DATASET) --rounds 3
 	-$(PY) manage.py tune_router --epochs 1
 	$(PY) manage.py simulate --dataset $(DATASET) --orgs 3 --clients-per-org 2 --rounds 3 \
-		--queries-per-client 100 --test-limit 600 --sweep-epsilon 1 --sweep-lambda 0,1.5 \
-		--label "demo: MetaTool, 3 orgs x 2 clients" --unless-stored
+		--queries-per-client 300 --probe-fraction 0.03 --test-limit 600 --sweep-epsilon 1 \
+		--sweep-lambda 0,1.5 --label "demo: 3 orgs x 2 clients, 3% public probe set" --unless-stored
 	@cat $(DATA_DIR)/demo-logins.txt
 	$(PY) -m gunicorn synapse_web.wsgi:application --bind $(HOST):$(PORT) --workers 2 --threads 4 --access-logfile -
 

@@ -4,7 +4,11 @@ Each demo client gets a share of a routing-benchmark dataset's queries (category
 organization specializes), turns it into a usage log, builds its compendium with the client
 toolkit, keeps what the last published global does not already cover, and submits it through the very submission service the REST API uses; the operator's
 close of each round runs the real merge pipeline (eager Celery without a broker). A new user
-therefore lands on a federation with published rounds, ledger rows and conflicts to look at.
+therefore lands on a federation with published rounds, ledger rows and the cross-checks' figures.
+Its conflict log usually stays empty: the demo's usage logs carry no precondition flags, and a
+request that colleagues report for two tools is mostly dropped by the tool-confusion check before
+it could be logged (measured: with 5% of each client's scenarios contradicted by a colleague for a
+confusable tool, none of three rounds logged a conflict; with 15%, one did).
 """
 
 from __future__ import annotations

@@ -227,7 +227,7 @@ def test_organization_page_shows_edge_figures(client, fed):
     [fig] = figures_in(page)
     assert fig["data"][0]["y"] == [1, 0]  # round 2: a merge record, no submission stored
     assert fig["data"][1]["y"][0] > 0
-    assert "dropped by the cross-checks" in page
+    assert "dropped by<br>the cross-checks" in page
     assert re.search(r'class="num confusion">3 of 40 <span class="meta">\(margin 0\.37\)', page)
     # The client whose whole submission the implausible-source check dropped, by name.
     assert f'class="meta dropped-clients">whole submission of {fed.client_a.name}</span>' in page

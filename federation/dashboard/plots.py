@@ -25,6 +25,14 @@ def styled(fig: go.Figure, **layout) -> go.Figure:
     return fig
 
 
+def right_axis(title: str) -> dict:
+    """A second y axis on the right, over the first, starting at zero, with its own ticks
+    (plotly.js 4 syncs an overlaying axis's ticks to the first one's by default, which puts them
+    at values like 24.947)."""
+    return {"title": {"text": title}, "overlaying": "y", "side": "right", "rangemode": "tozero",
+            "showgrid": False, "tickformat": ".3~f", "tickmode": "auto"}
+
+
 def render_figure(fig: go.Figure, *, div_id: str, label: str = "") -> SafeString:
     """A `<div>` that dashboard.js turns into the plotly chart of `fig`."""
     label = label or (fig.layout.title.text or "chart")

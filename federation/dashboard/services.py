@@ -27,7 +27,7 @@ from compendium.models import (
     TemplateEntry,
     Tool,
 )
-from federation.dashboard.plots import render_figure, styled
+from federation.dashboard.plots import render_figure, right_axis, styled
 from federation.merge.summarize import LLM_SUMMARIZERS, summary_counts
 from federation.models import Client, Round
 from federation.simulation.report import summarize_transfer
@@ -208,14 +208,7 @@ def participation_figure(rows: list[RoundRow]) -> go.Figure:
         title={"text": "Participation and global compendium size"},
         xaxis={"title": {"text": "round"}, "dtick": 1},
         yaxis={"title": {"text": "submissions"}, "rangemode": "tozero"},
-        yaxis2={
-            "title": {"text": "global size (kB)"},
-            "tickformat": ".3~f",
-            "overlaying": "y",
-            "side": "right",
-            "rangemode": "tozero",
-            "showgrid": False,
-        },
+        yaxis2=right_axis("global size (kB)"),
     )
 
 
@@ -523,8 +516,7 @@ def organization_page(organization, actor) -> OrganizationPage:
             title={"text": f"{organization.name}: submissions and edge compendium size"},
             xaxis={"title": {"text": "round"}, "dtick": 1},
             yaxis={"title": {"text": "submissions"}, "rangemode": "tozero"},
-            yaxis2={"title": {"text": "edge size (kB)"}, "overlaying": "y", "side": "right",
-                    "rangemode": "tozero", "showgrid": False, "tickformat": ".3~f"},
+            yaxis2=right_axis("edge size (kB)"),
         )
         page.chart = render_figure(fig, div_id="edge-figures", label=f"Edge figures of {organization}")
     return page
