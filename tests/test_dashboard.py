@@ -20,7 +20,7 @@ from federation.dashboard.plots import render_figure
 from federation.dashboard.scoping import organization_or_404, organization_scoped
 from federation.models import Organization
 from federation.services import visible_organizations
-from tests.dashboard_data import PASSWORD, build_federation
+from tests.dashboard_data import PASSWORD, add_review_data, build_federation
 
 ROOT = Path(__file__).resolve().parent.parent
 PAGES = ["dashboard:overview", "dashboard:compendium", "dashboard:tools"]
@@ -263,6 +263,23 @@ def test_compendium_cards_carry_entries_and_provenance(member_client):
     assert cards["calculator"].precautions[0].text == "Do not use for currency conversion"
     content = response.content.decode()
     assert "calls/round" in content and "since round 1" in content and "since round 2" in content
+
+
+def test_compendium_statistics_carry_their_noise_and_say_when_it_drowns_them(member_client, federation):
+    add_review_data(federation)  # ledger rows at each edge
+    response = member_client.get(reverse("dashboard:compendium"), {"round": 2})
+    cards = {c.tool.tool_id: c for c in response.context["cards"]}
+    weather = {s["field"]: s for s in cards["weather"].stats}
+    # Round 2's ledger: each of the two edges noised calls at b = 2.5 and success_rate at b = 2.
+    assert (weather["calls"]["noise_scale"], weather["calls"]["edges"]) == (2.5, 2)
+    assert not weather["calls"]["noise_dominated"]  # b = 2.5 against a range of 1,000 calls
+    assert weather["success_rate"]["noise_scale"] == 2.0
+    assert weather["success_rate"]["noise_dominated"]  # b = 2 against a range of 1
+    assert cards["weather"].noise_dominated
+    flights = cards["flights"].stats[0]  # no ledger row: nothing to say about its noise
+    assert flights["noise_scale"] is None and not flights["noise_dominated"]
+    content = response.content.decode()
+    assert "noise b 2.5 (2 edges)" in content and 'class="noise-dominated"' in content
 
 
 @pytest.mark.parametrize(

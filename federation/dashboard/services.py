@@ -29,7 +29,7 @@ from compendium.models import (
 )
 from federation.dashboard.plots import render_figure, right_axis, styled
 from federation.merge.summarize import LLM_SUMMARIZERS, summary_counts
-from federation.models import Client, Round
+from federation.models import Client, PrivacyLedgerEntry, Round
 from federation.simulation.report import summarize_transfer
 
 KIND_CLIENT = CompendiumVersion.Kind.CLIENT
@@ -260,6 +260,10 @@ class ToolCard:
     stats: list[dict] = field(default_factory=list)
     annex: list[AnnexEntry] = field(default_factory=list)
 
+    @property
+    def noise_dominated(self) -> bool:
+        return any(s.get("noise_dominated") for s in self.stats)
+
 
 ENTRY_MODELS = (ScenarioEntry, PrecautionEntry, TemplateEntry, StatEntry)
 
@@ -307,6 +311,30 @@ def _first_rounds(model, version: CompendiumVersion, visible: QuerySet, tool_ids
     return {(r["tool_id"], r["text"]): r["first"] for r in rows}
 
 
+def _noise_scales(version: CompendiumVersion, tools: dict[int, str]) -> dict[tuple[int, str], list[float]]:
+    """The Laplace scales behind each published statistic of `version`'s `tools` (pk: tool id),
+    keyed by (pk, field): the ledger rows of the last published round up to the version's that
+    released the (tool, field) (a tool no edge reported keeps the earlier global's figure), of
+    that round's latest release, one per edge that noised it."""
+    pks = {tool_id: pk for pk, tool_id in tools.items()}
+    rows = (
+        PrivacyLedgerEntry.objects.filter(
+            round__number__lte=version.round.number,
+            round__state=Round.State.PUBLISHED,
+            tool_id__in=list(pks),
+        )
+        .order_by("-round__number", "-release")
+        .values_list("tool_id", "field", "round__number", "release", "noise_scale")
+    )
+    chosen: dict[tuple[int, str], tuple[int, int]] = {}
+    scales: dict[tuple[int, str], list[float]] = defaultdict(list)
+    for tool_id, name, number, release, scale in rows:
+        key = (pks[tool_id], name)
+        if chosen.setdefault(key, (number, release)) == (number, release):
+            scales[key].append(scale)
+    return scales
+
+
 def compendium_page(
     version: CompendiumVersion,
     visible: QuerySet,
@@ -349,14 +377,23 @@ def compendium_page(
     for t in TemplateEntry.objects.filter(version=version, tool_id__in=tool_ids).order_by("signature"):
         cards[t.tool_id].templates.append(t)
     fields = {f.name: f for f in NumericField.objects.all()}
+    scales = _noise_scales(version, {t.pk: t.tool_id for t in tools})
     for s in StatEntry.objects.filter(version=version, tool_id__in=tool_ids).order_by("field"):
         spec = fields.get(s.field)
+        noise = scales.get((s.tool_id, s.field), [])  # s.tool_id: the Tool's pk
         cards[s.tool_id].stats.append(
             {
                 "field": s.field,
                 "value": s.value,
                 "unit": spec.unit if spec else "",
                 "description": spec.description if spec else "",
+                "noise_scale": min(noise) if noise else None,
+                "noise_scale_max": max(noise) if noise else None,
+                "edges": len(noise),
+                # A single edge's noise spans the field's whole range: the clipped value sits
+                # anywhere in it whatever the clients reported.
+                "noise_dominated": bool(noise and spec
+                                        and min(noise) >= spec.max_value - spec.min_value),
             }
         )
     by_term = defaultdict(list)
