@@ -21,6 +21,7 @@ Other keys (timestamps, request ids) are ignored. Blank lines are skipped.
 
 from __future__ import annotations
 
+import difflib
 import json
 import math
 import re
@@ -105,6 +106,13 @@ def _string(item: dict, key: str, required: bool = True) -> str | None:
     return value
 
 
+def _suggestion(name: str, known_tools: frozenset[str]) -> str:
+    """' (did you mean ...?)' naming the registry's ids closest to `name` (case first), or ''."""
+    same_case = sorted(t for t in known_tools if t.lower() == name.lower())
+    close = same_case or difflib.get_close_matches(name, sorted(known_tools), n=3, cutoff=0.75)
+    return f" (did you mean {' or '.join(map(repr, close))}?)" if close else ""
+
+
 def parse_record(item: Any, line: int, known_tools: frozenset[str] | None = None) -> UsageRecord:
     """One decoded JSON value to a record, or ValueError saying what is wrong with it."""
     if not isinstance(item, dict):
@@ -123,7 +131,9 @@ def parse_record(item: Any, line: int, known_tools: frozenset[str] | None = None
             raise ValueError("'corrected_to' names the same tool as 'tool'")
     for name, value in (("tool", tool), ("corrected_to", corrected_to)):
         if value is not None and known_tools is not None and value not in known_tools:
-            raise ValueError(f"'{name}' {value!r} is not a tool of the schema's registry")
+            raise ValueError(
+                f"'{name}' {value!r} is not a tool of the schema's registry{_suggestion(value, known_tools)}"
+            )
 
     latency = item.get("latency_ms")
     if latency is None:

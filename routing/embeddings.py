@@ -216,6 +216,16 @@ class _Bf16SentenceTransformer:
         return vectors / np.maximum(np.linalg.norm(vectors, axis=1, keepdims=True), 1e-12)
 
 
+def _no_loading_bars() -> None:
+    """Loading a local model takes well under a second; transformers' "Loading weights" bar
+    would still land on every CLI's stderr and in the server's logs."""
+    try:
+        from transformers.utils import logging as transformers_logging
+    except ImportError:  # the ONNX engines run without transformers' models
+        return
+    transformers_logging.disable_progress_bar()
+
+
 class EmbeddingEngine:
     """A sentence-transformers model with a content-hash cache of normalized embeddings."""
 
@@ -227,6 +237,7 @@ class EmbeddingEngine:
         self._lock = threading.Lock()
         os.environ.setdefault("HF_HUB_OFFLINE", "1")
         os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+        _no_loading_bars()
         try:
             if self.model_name in (ONNX_INT8_MODEL, ONNX_INT8_DYNAMIC_MODEL):
                 dynamic = self.model_name == ONNX_INT8_DYNAMIC_MODEL

@@ -54,6 +54,17 @@ def test_every_bad_line_is_reported_with_its_number():
     assert log.error_lines()[0].startswith("usage.jsonl:2: ")
 
 
+def test_an_unknown_tool_names_the_registry_ids_it_is_closest_to():
+    lines = [line(tool="Weather"), line(tool="flight"), line(tool="teleporter"),
+             line(outcome="corrected", corrected_to="fligths")]
+    log = parse_lines(lines, source="usage.jsonl", known_tools={"weather", "flights", "hotels"})
+    errors = {e.line: e.message for e in log.errors}
+    assert errors[1].endswith("'Weather' is not a tool of the schema's registry (did you mean 'weather'?)")
+    assert errors[2].endswith("(did you mean 'flights'?)")
+    assert errors[3].endswith("'teleporter' is not a tool of the schema's registry")
+    assert errors[4].endswith("'fligths' is not a tool of the schema's registry (did you mean 'flights'?)")
+
+
 def test_invalid_utf8_line_is_reported(tmp_path):
     path = tmp_path / "usage.jsonl"
     path.write_bytes(line().encode() + b"\n" + b'{"query": "\xff\xfe"}\n' + line().encode() + b"\n")
