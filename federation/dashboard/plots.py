@@ -15,7 +15,8 @@ LAYOUT = {
     "margin": {"l": 60, "r": 20, "t": 50, "b": 50},
     "height": 360,
     "font": {"family": "system-ui, -apple-system, 'Segoe UI', sans-serif", "size": 13},
-    "legend": {"orientation": "h", "y": -0.2},
+    # below the x axis title, whatever the plot height (legend rows push the bottom margin)
+    "legend": {"orientation": "h", "y": -0.3, "yanchor": "top"},
 }
 
 

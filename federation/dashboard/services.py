@@ -887,7 +887,7 @@ def accuracy_page(run_id=None) -> AccuracyPage:
             frontier.add_trace(go.Scatter(
                 x=[r.get("membership_auroc") for r in rows], y=[r["accuracy"] for r in rows],
                 text=[f"ε={r.get('epsilon')}" for r in rows], mode="lines+markers+text",
-                textposition="top center", name=f"λ = {lam}",
+                textposition="top center", name=f"λ = {lam}", cliponaxis=False,
             ))
         if page.release_sweep:
             rows = page.release_sweep
@@ -896,7 +896,7 @@ def accuracy_page(run_id=None) -> AccuracyPage:
                 text=[f"k={r.get('min_users')} · {r.get('bytes_per_client_round', 0):,.0f} B"
                       for r in rows],
                 mode="lines+markers+text", textposition="bottom center",
-                name="k-anonymous release", line={"dash": "dash"},
+                name="k-anonymous release", line={"dash": "dash"}, cliponaxis=False,
             ))
         frontier.add_vline(x=0.5, line={"dash": "dot", "color": "#888"},
                            annotation_text="chance (AUROC 0.5)")
@@ -930,6 +930,7 @@ def accuracy_page(run_id=None) -> AccuracyPage:
             text=[f"{r.get('global_scenarios', 0):,.0f} scenarios · dedup {r.get('dedup_rate', 0):.0%}"
                   for r in page.tau_sweep],
             mode="lines+markers+text", textposition="bottom center", name="SYNAPSE",
+            cliponaxis=False,  # a label at the top or bottom point stays whole
         ))
         styled(tau, title={"text": "Sensitivity to the cosine threshold τ (last round)"},
                xaxis={"title": {"text": "τ"}}, yaxis={"title": {"text": "accuracy"}})
