@@ -267,6 +267,13 @@ def cmd_route(args: argparse.Namespace) -> int:
     print(f"reranker: {decision.reranker}" + (
         f" ({decision.fallback_reason})" if decision.fallback_reason else ""
     ))
+    print("tools ranked (score; best scenario cosine; head probability):")
+    for rank, r in enumerate(decision.ranking, start=1):
+        cosine = f"{r['best_cosine']:.4f}" if r["backed"] else "no scenario"
+        head = f"; {r['head_probability']:.3f}" if "head_probability" in r else ""
+        warned = "; a precaution matched" if r["precaution_matched"] else ""
+        print(f"  {rank}. {r['score']:.4f}  {r['tool']} ({cosine}{head}{warned})")
+    print("nearest scenarios:")
     for rank, c in enumerate(decision.candidates, start=1):
         print(f"  {rank}. {c['score']:.4f}  {c['tool']}: {c['scenario']}")
     for text in decision.precautions:

@@ -68,6 +68,8 @@ class RoutingDecision:
     template: str | None = None
     reranker: str = "fusion"
     fallback_reason: str | None = None  # why the requested reranker was not used
+    # The best-scored tools, best first: why the decision went as it did (`Router.ranking`).
+    ranking: list[dict] = field(default_factory=list)
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -111,6 +113,9 @@ class RoutingParams:
         default_factory=lambda: {name: Calibration() for name in RERANKERS}
     )
     pool: int = 20  # scenarios considered by fusion (>= top_k)
+    # Scenarios that vote, and the options the LLM reranker is shown: what the weights and the
+    # calibration were fitted with. A caller's top_k only sets how many candidates are shown.
+    top_k: int = 5
     escalate_threshold: float = 0.5
     fitted_on: str = ""  # what the parameters were fitted on
     report: dict = field(default_factory=dict)  # ECE before/after, accuracy on the probe set
@@ -125,6 +130,7 @@ class RoutingParams:
             calibration={k: Calibration(**v) for k, v in doc.get("calibration", {}).items()}
             or {name: Calibration() for name in RERANKERS},
             pool=int(doc.get("pool", 20)),
+            top_k=int(doc.get("top_k", 5)),
             escalate_threshold=float(doc.get("escalate_threshold", 0.5)),
             fitted_on=str(doc.get("fitted_on", "")),
             report=dict(doc.get("report", {})),
@@ -415,15 +421,17 @@ class Router:
     # --- public API ------------------------------------------------------------------------------
 
     def route(self, query: str, top_k: int = 5) -> RoutingDecision:
+        """The decision for `query`, with its `top_k` nearest scenarios as candidates. The
+        decision itself does not depend on `top_k` (see `RoutingParams.top_k`)."""
         vector = self.engine.embed([query])[0]
         with single_thread_blas():
-            return self.decide(query, vector, self.retriever(vector, self._pool(top_k)), top_k)
+            return self.decide(query, vector, self.retriever(vector, self._retrieve_n(top_k)), top_k)
 
     def route_batch(self, queries: Sequence[str], top_k: int = 5) -> list[RoutingDecision]:
         if not queries:
             return []
         vectors = self.engine.embed(list(queries))
-        pool = self._pool(top_k)
+        pool = self._retrieve_n(top_k)
         with single_thread_blas():
             if self.retriever == self.index.retrieve:  # one matrix product for the whole batch
                 scores = vectors @ self.index.embeddings.T
@@ -442,6 +450,12 @@ class Router:
             raise ValueError("top_k must be at least 1")
         return top_k if self.reranker == "none" else max(top_k, self.params.pool)
 
+    def _retrieve_n(self, top_k: int) -> int:
+        """Scenarios to retrieve: the decision's pool, or more when more are to be shown."""
+        if top_k < 1:
+            raise ValueError("top_k must be at least 1")
+        return max(self._pool(self.params.top_k), top_k)
+
     def decide(
         self, query: str, vector: np.ndarray, retrieved: Retrieved, top_k: int = 5
     ) -> RoutingDecision:
@@ -457,6 +471,10 @@ class Router:
         ]
         if len(idx) == 0 and not self._head_alone():
             return RoutingDecision(None, 0.0, True, [], [], None, self.reranker, "no scenarios")
+        # The decision sees what it was fitted with, whatever the caller wants shown.
+        top_k = self.params.top_k
+        pool = self._pool(top_k)
+        idx, scores = idx[:pool], scores[:pool]
         features = self.features(query, vector, idx, scores, top_k)
         fused = features.matrix @ self._weight_vector()
         fallback = None
@@ -484,7 +502,37 @@ class Router:
             template=index.templates.get(tool),
             reranker=self.reranker,
             fallback_reason=fallback,
+            ranking=self.ranking(features, features.matrix[:, 0] if self.reranker == "none" else fused, chosen),
         )
+
+    RANKED = 5  # tools a decision's ranking lists
+
+    def ranking(self, features: _Features, scores: np.ndarray, chosen: int) -> list[dict]:
+        """The best-scored candidate tools (the chosen one always among them), each with the
+        score the decision ranked by (fusion: the fitted weights over the features; none: the
+        best cosine) and what went into it: the best cosine of any of its scenarios, whether it
+        has any scenario in the compendium (`backed`: false for a tool only the linear head
+        knows, from the public probe set), the head's probability when there is a head, and
+        whether a precaution of the tool matched the query."""
+        order = [int(i) for i in np.argsort(-scores, kind="stable")]
+        top = order[: self.RANKED]
+        pos = int(np.flatnonzero(features.tools == chosen)[0])
+        if pos not in top:
+            top[-1] = pos
+        out = []
+        for row in top:
+            m = features.matrix[row]
+            item = {
+                "tool": self.index.tool_names[int(features.tools[row])],
+                "score": round(float(scores[row]), 6),
+                "best_cosine": round(float(m[0]), 6) if np.isfinite(m[0]) else None,
+                "backed": not m[5],
+                "precaution_matched": bool(m[3] > 0),
+            }
+            if self.head is not None and self.reranker != "none":
+                item["head_probability"] = round(float(np.exp(m[4])), 6)
+            out.append(item)
+        return out
 
     def tool_scores(
         self, query: str, vector: np.ndarray, top_k: int = 5
@@ -774,6 +822,7 @@ def fit_params(
     params = RoutingParams(
         weights=fit_fusion_weights(router, probe, top_k),
         pool=router.params.pool,
+        top_k=top_k,
         escalate_threshold=router.params.escalate_threshold,
         fitted_on=fitted_on,
     )

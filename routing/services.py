@@ -411,6 +411,7 @@ def _payload(decision, served: ServedCompendium, latency_ms: float) -> dict:
         "template": decision.template,
         "reranker": decision.reranker,
         "fallback_reason": decision.fallback_reason,
+        "ranking": decision.ranking,
         "compendium_round": served.round_number,
         "tuned_router": served.tuned,
         "latency_ms": round(latency_ms, 3),

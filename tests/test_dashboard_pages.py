@@ -648,6 +648,13 @@ def test_routing_playground_routes_against_the_published_compendium(client, db):
     body = response.content.decode()
     assert 'id="candidates"' in body and "Will it rain tomorrow in a city?" in body
     assert 0 <= result["confidence"] <= 1
+    # why: the ranked tools, the chosen one marked; the list's length changes nothing else
+    assert 'id="ranking"' in body and '<tr class="chosen"><td><code>weather</code>' in body
+    assert result["ranking"][0]["tool"] == "weather" and result["ranking"][0]["backed"]
+    one = client.get(reverse("dashboard:routing"), {"q": "will it rain in Rome tomorrow?", "top_k": "1"})
+    assert len(one.context["result"]["candidates"]) == 1
+    assert (one.context["result"]["tool"], one.context["result"]["confidence"]) == (
+        result["tool"], result["confidence"])
     routing_services.forget_published_version()
 
 

@@ -70,6 +70,23 @@ def test_in_memory_retrieval_matches_brute_force_cosine(metatool_router, metatoo
         assert decision.tool == decision.candidates[0]["tool"]
 
 
+def test_how_many_candidates_are_shown_does_not_change_the_decision(metatool_router, metatool_split):
+    """top_k lists the nearest scenarios; the decision is what the router was fitted with."""
+    _, split = metatool_split
+    for query in [q.query for q in split.test[:40]]:
+        shown = {k: metatool_router.route(query, k) for k in (1, 5, 50)}
+        assert len({(d.tool, d.confidence) for d in shown.values()}) == 1, query
+        assert [len(d.candidates) for d in shown.values()] == [1, 5, 50]
+        assert shown[1].ranking == shown[50].ranking
+        # the ranking is best first and always holds the chosen tool
+        scores = [r["score"] for r in shown[5].ranking]
+        assert scores == sorted(scores, reverse=True) and len(scores) <= Router.RANKED
+        assert shown[5].tool in [r["tool"] for r in shown[5].ranking]
+        assert shown[5].ranking[0]["tool"] == shown[5].tool
+    batch = metatool_router.route_batch([q.query for q in split.test[:10]], top_k=2)
+    assert [d.tool for d in batch] == [metatool_router.route(q.query).tool for q in split.test[:10]]
+
+
 def test_batch_routing_equals_one_by_one(metatool_router, metatool_split):
     _, split = metatool_split
     queries = [q.query for q in split.test[:25]]
@@ -152,7 +169,8 @@ def chat_server():
 def test_llm_reranker_over_openai_compatible_http(engine, chat_server):
     compendium = _currency_compendium(False)
     llm = OpenAICompatibleLLM(chat_server.url, model="router-model", api_key="k", retries=0)
-    router = Router(compendium, engine, "llm", params=RoutingParams(), llm=llm)
+    # the LLM is shown the params' top_k nearest scenarios
+    router = Router(compendium, engine, "llm", params=RoutingParams(top_k=3), llm=llm)
     query = "Convert 100 US dollars into euros"
     fusion = router.with_reranker("fusion").route(query, top_k=3)
     assert fusion.tool == "fx"
@@ -307,7 +325,8 @@ def test_route_command_uses_the_head_the_server_published(tmp_path, capsys, engi
     head_file(path).write_bytes(sure.to_bytes())
     assert args.func(args) == 0
     out = capsys.readouterr().out
-    assert out.startswith("tool: calc") and "  1. " not in out  # no scenario among the candidates
+    assert out.startswith("tool: calc") and "calc (no scenario" in out  # the head named it
+    assert out.split("nearest scenarios:\n")[1].startswith("template:")  # no scenario listed
 
 
 def test_in_process_llm_backend_fails_in_one_clear_line(monkeypatch, tmp_path):
@@ -468,6 +487,9 @@ def test_tools_without_scenarios_are_routed_from_the_public_probe_set(metatool_s
     chosen = next(d for d, q in zip(decisions, test, strict=True) if d.tool in missing)
     assert all(c["tool"] in set(backed) for c in chosen.candidates)  # candidates are scenarios
     assert chosen.precautions == []
+    # its ranking says why: the chosen tool has no scenario, only the head's probability
+    named = next(r for r in chosen.ranking if r["tool"] == chosen.tool)
+    assert named["backed"] is False and named["best_cosine"] == 0.0 and named["head_probability"] > 0
     # a global with no scenario at all (every client withheld everything): the head alone routes
     empty = full.model_copy(update={"scenarios": [], "precautions": []})
     alone = fit_router(empty, engine, probe)

@@ -419,8 +419,14 @@ class RoutingView(DashboardView):
                 raise RoutingInputError(
                     f"top_k must be a whole number between 1 and 50, not {raw_k[:20]!r}"
                 )
-            context["result"] = route_query(query, top_k=int(raw_k),
-                                            reranker=request.GET.get("reranker") or None)
+            result = route_query(query, top_k=int(raw_k),
+                                 reranker=request.GET.get("reranker") or None)
+            context["result"] = result
+            # Whether the list of nearest scenarios shows why the tool was chosen.
+            context["chosen_in_candidates"] = any(c["tool"] == result["tool"] for c in result["candidates"])
+            context["chosen_ranking"] = next(
+                (r for r in result["ranking"] if r["tool"] == result["tool"]), None
+            )
         except RoutingInputError as error:
             context["error"] = str(error)
             return self.render_to_response(context, status=400)
