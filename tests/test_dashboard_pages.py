@@ -658,6 +658,21 @@ def test_routing_playground_routes_against_the_published_compendium(client, db):
     routing_services.forget_published_version()
 
 
+def test_accuracy_page_says_what_the_run_ran(client, fed):
+    config = {"orgs": 3, "clients_per_org": 2, "rounds": 3, "partition": "category", "epsilon": 1.0,
+              "mask_strength": 1.0, "tau": 0.85, "summarizer": "probe-extractive",
+              "robust_rule": "none", "reranker": "fusion", "probe_fraction": 0.03,
+              "queries_per_client": 300, "test_limit": 600, "tune_router_epochs": 0}
+    SimulationRun.objects.create(label="demo", dataset="metatool", seconds=105,
+                                 document={"config": config, "seeds": [0], "summary": []})
+    body = login(client, fed, "admin_a").get(reverse("dashboard:accuracy")).content.decode()
+    setup = body[body.index('id="run-setup"'):]
+    setup = setup[: setup.index("</p>")]
+    assert "3 organizations × 2 clients, 3 rounds, category partition, 1 seed (0)" in setup
+    assert "at most 300 train queries per client, public probe set 3% of the queries, 600 test queries" in setup
+    assert "ε = 1.0 per round, λ = 1.0, τ = 0.85" in setup and "router tuned" not in setup
+
+
 def test_conflicts_paginate(client, fed):
     r1 = Round.objects.get(number=1)
     for i in range(60):

@@ -334,6 +334,21 @@ def test_bad_client_options_are_refused_before_anything_runs(tiny_dataset, capsy
     assert not SimulationRun.objects.exists()
 
 
+def test_unless_stored_skips_only_a_run_of_the_same_label(tiny_dataset, capsys):
+    from federation.services import store_simulation_run
+
+    store_simulation_run({"dataset": "tiny", "config": {}, "results": []}, label="demo v1")
+    flags = ["--dataset", str(tiny_dataset), "--unless-stored", "--min-users", "0"]
+    call_command("simulate", *flags, "--label", "demo v1")  # stored: nothing runs, nothing checked
+    assert "labelled 'demo v1' is stored already" in capsys.readouterr().out
+    # Another label goes on (and so meets the bad option), as does no label with nothing stored.
+    with pytest.raises(CommandError, match="--min-users must be at least 1"):
+        call_command("simulate", *flags, "--label", "demo v2")
+    SimulationRun.objects.all().delete()
+    with pytest.raises(CommandError, match="--min-users must be at least 1"):
+        call_command("simulate", *flags)
+
+
 def test_the_edges_drop_relabelling_clients_whole_and_spare_honest_ones(tiny_dataset):
     """Half the clients relabel their requests at random: the edges' implausible-source check
     drops their submissions whole, no honest one, and the counts reach the sweep rows."""

@@ -795,6 +795,36 @@ class AccuracyPage:
     contradiction_table: list[dict] = field(default_factory=list)  # per share: with / without
     cadence_table: list[dict] = field(default_factory=list)  # per cadence: last, worst, mean round
     drift_every: int = 0  # the run's workload drift: new categories every D rounds (0: none)
+    setup: list[str] = field(default_factory=list)  # the run's configuration, in words
+
+
+def run_setup(doc: dict) -> list[str]:
+    """What a stored simulation ran, in the words an operator reads its figures with: the
+    federation, the data each client had, and the privacy and merge settings."""
+    config = doc.get("config") or {}
+    if not config:
+        return []
+    seeds = doc.get("seeds") or []
+    out = [
+        f"{config.get('orgs')} organizations × {config.get('clients_per_org')} clients, "
+        f"{config.get('rounds')} rounds, {config.get('partition')} partition, "
+        f"{len(seeds)} seed{'s' if len(seeds) != 1 else ''}"
+        + (f" ({', '.join(map(str, seeds))})" if seeds else ""),
+    ]
+    data = [f"public probe set {config.get('probe_fraction', 0.1):.0%} of the queries"]
+    if config.get("queries_per_client"):
+        data.insert(0, f"at most {config['queries_per_client']} train queries per client")
+    if config.get("test_limit"):
+        data.append(f"{config['test_limit']} test queries")
+    out.append(", ".join(data))
+    out.append(
+        f"ε = {config.get('epsilon')} per round, λ = {config.get('mask_strength')}, "
+        f"τ = {config.get('tau')}, summarizer {config.get('summarizer')}, "
+        f"robust rule {config.get('robust_rule')}, reranker {config.get('reranker')}"
+        + (f", router tuned for {config['tune_router_epochs']} epoch(s)"
+           if config.get("tune_router_epochs") else "")
+    )
+    return out
 
 
 def accuracy_page(run_id=None) -> AccuracyPage:
@@ -815,6 +845,7 @@ def accuracy_page(run_id=None) -> AccuracyPage:
     if run is None:
         return page
     doc = run.document or {}
+    page.setup = run_setup(doc)
     page.summary = list(doc.get("summary") or [])
     page.per_category = [
         {"category": c, **v} for c, v in sorted((doc.get("per_category") or {}).items())

@@ -73,7 +73,8 @@ class Command(BaseCommand):
             "--queries-per-client", type=int, default=None, help="cap each client's train share"
         )
         parser.add_argument(
-            "--unless-stored", action="store_true", help="do nothing if a run is stored already"
+            "--unless-stored", action="store_true",
+            help="do nothing if a run with this --label is stored already (without --label: any run)",
         )
         parser.add_argument("--no-baselines", action="store_true")
         parser.add_argument(
@@ -228,8 +229,12 @@ class Command(BaseCommand):
         if o["unless_stored"]:
             from federation.models import SimulationRun
 
-            if SimulationRun.objects.exists():
-                self.stdout.write("a simulation run is stored already; nothing to do")
+            stored = SimulationRun.objects.all()
+            if o["label"]:
+                stored = stored.filter(label=o["label"])
+            if stored.exists():
+                named = f" labelled {o['label']!r}" if o["label"] else ""
+                self.stdout.write(f"a simulation run{named} is stored already; nothing to do")
                 return
         if o["min_users"] < 1:
             raise CommandError("--min-users must be at least 1")
