@@ -709,7 +709,7 @@ def privacy_page(organizations: QuerySet, *, operator: bool, page=1, next_epsilo
                                           line={"dash": "dash" if name == "federation" else "dot"}))
         composed.add_hline(y=report.budget, line={"color": "#b42318", "width": 2},
                            annotation_text=f"budget cap ε = {report.budget:g}")
-        styled(composed, title={"text": "Composed ε′ over rounds (basic vs advanced)"},
+        styled(composed, title={"text": "Composed ε′ over rounds (the cap applies to the tighter)"},
                xaxis={"title": {"text": "round"}, "dtick": 1},
                yaxis={"title": {"text": "ε′"}, "rangemode": "tozero"})
         result.charts.append(render_figure(composed, div_id="epsilon-composed"))

@@ -322,6 +322,7 @@ class PrivacyView(DashboardView):
             next_epsilon=self.next_epsilon,
         )
         context["page_obj"] = context["privacy"].ledger
+        context["checked"] = self.next_epsilon is not None  # the operator asked about an ε
         return context
 
 
