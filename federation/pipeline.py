@@ -15,11 +15,10 @@ from dataclasses import dataclass
 import numpy as np
 from django.conf import settings
 from django.db import transaction
-from django.utils import timezone
 
 from compendium.models import CompendiumVersion
 from compendium.services import current_schema, load_compendium, store_compendium
-from federation import accounting
+from federation import accounting, services
 from federation.merge import BudgetExceeded, ConflictEntry, MergeInput, ProbeSet, edge_merge
 from federation.merge import server_merge as server_merge_operator
 from federation.merge.llm import OpenAICompatibleLLM
@@ -94,14 +93,24 @@ def _config(round_: Round) -> RoundConfig:
 # --- round state ---------------------------------------------------------------------------------
 
 
+# Every change of a round's state goes through the audited services (services.mark_merging,
+# mark_published, mark_failed: the state machine's checks and one audit entry each, by the system
+# actor "merge pipeline"), inside the pipeline step's own transaction and under its row lock, so a
+# step that fails leaves neither the state nor its audit entry behind.
+
+FAILABLE = (Round.State.CLOSING, Round.State.MERGING)
+
+
 def fail_round(round_id: int, reason: str) -> None:
+    """A closing or merging round -> failed, with the reason (audited as round.fail). A round in
+    another state is left as it is: a published round stays published, a failed one keeps the
+    reason it failed with first (the one its audit entry records)."""
     with transaction.atomic():
         round_ = Round.objects.select_for_update().get(pk=round_id)
-        if round_.state == Round.State.PUBLISHED:
+        if round_.state not in FAILABLE:
+            log.warning("round %s is %s, not failed again: %s", round_id, round_.state, reason)
             return
-        round_.state = Round.State.FAILED
-        round_.failure_reason = reason[:2000]
-        round_.save(update_fields=["state", "failure_reason"])
+        services.mark_failed(round_, reason[:2000])
     log.warning("round %s failed: %s", round_id, reason)
 
 
@@ -139,13 +148,10 @@ def start_round(round_id: int) -> list[int]:
                 else ""
             )
         if reason:
-            round_.state = Round.State.FAILED
-            round_.failure_reason = reason
-            round_.save(update_fields=["state", "failure_reason"])
+            services.mark_failed(round_, reason)
             return []
-        round_.state = Round.State.MERGING
-        round_.failure_reason = ""
-        round_.save(update_fields=["state", "failure_reason"])
+        if round_.state == Round.State.CLOSING:  # a re-delivered start finds it merging already
+            services.mark_merging(round_)
     return organizations
 
 
@@ -340,8 +346,9 @@ def previous_global(round_: Round) -> CompendiumVersion | None:
 
 
 def run_server_merge(round_id: int, *, embed=None) -> str:
-    """Merge the round's edge compendiums into the global one and publish it (one transaction).
-    Returns the global compendium's sha256."""
+    """Merge the round's edge compendiums into the global one and publish it (one transaction:
+    a merging round becomes published, audited; a published round's global is merged again, as an
+    erasure does; a round in another state is refused). Returns the global compendium's sha256."""
     round_ = Round.objects.get(pk=round_id)
     config = _config(round_)
     embed = embed or _embed()
@@ -401,11 +408,10 @@ def run_server_merge(round_id: int, *, embed=None) -> str:
             accuracy=accuracy,
             probe_queries=len(probe) if probe else 0,
         )
-        locked.state = Round.State.PUBLISHED
-        locked.failure_reason = ""
-        if locked.published_at is None:
-            locked.published_at = timezone.now()
-        locked.save(update_fields=["state", "failure_reason", "published_at"])
+        if locked.state == Round.State.MERGING:
+            locked = services.mark_published(locked)
+        elif locked.state != Round.State.PUBLISHED:  # a published round's global is re-merged
+            raise PipelineError(f"round {locked.number} is {locked.state}, not merging")
         transaction.on_commit(
             lambda: global_published.send(sender=Round, round=locked, version=version)
         )
@@ -451,6 +457,10 @@ def erase_client(client: Client, *, embed=None) -> ErasureReport:
         globals_done = []
         for round_id in _globals_to_rematerialize(rounds_touched):
             round_ = Round.objects.get(pk=round_id)
+            if round_.state != Round.State.PUBLISHED:
+                # No global is published yet: the pipeline merges it from the re-materialized
+                # edges when it publishes the round (a failed round: after a retry).
+                continue
             if CompendiumVersion.objects.filter(kind="edge", round=round_).exists():
                 run_server_merge(round_id, embed=embed)
             else:

@@ -309,12 +309,14 @@ def update_settings(actor: Actor, **changes) -> FederationSettings:
                 f"committed ({committed.epsilon:.6g}: recorded in the ledger plus reserved by "
                 f"rounds not released yet)"
             )
-    row.save()
+    changed = {k: {"from": before[k], "to": changes[k]} for k in changes if before[k] != changes[k]}
+    if not changed:
+        # Nothing to write: saving would move updated_at with no settings.change entry to show.
+        return row
+    row.save(update_fields=[*changed, "updated_at"])
     clear_settings_cache()
     transaction.on_commit(clear_settings_cache)
-    changed = {k: {"from": before[k], "to": changes[k]} for k in changes if before[k] != changes[k]}
-    if changed:
-        audit(actor, AuditLog.Action.SETTINGS_CHANGE, target=row, details=changed)
+    audit(actor, AuditLog.Action.SETTINGS_CHANGE, target=row, details=changed)
     return row
 
 

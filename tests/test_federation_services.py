@@ -429,3 +429,21 @@ def test_privacy_defaults_come_from_the_deployment_and_the_row_drives_the_accoun
     assert accounting.epsilon_budget() == 7.0 and accounting.delta_prime() == 1e-4
     services.update_settings(world.actor(world.operator), delta_prime=1e-7)
     assert accounting.delta_prime() == 1e-7
+
+
+def test_settings_are_written_only_with_an_audit_entry(world):
+    """A change writes the row and one settings.change entry; an update that changes nothing (the
+    same values again, or none) writes neither, so updated_at never moves unaudited."""
+    operator = world.actor(world.operator)
+    created = services.get_settings().updated_at  # creating the default row is not a change
+    assert not AuditLog.objects.filter(action="settings.change").exists()
+    for same in ({"allow_admin_approval": False}, {}):
+        row = services.update_settings(operator, **same)
+        row.refresh_from_db()
+        assert row.updated_at == created
+    assert not AuditLog.objects.filter(action="settings.change").exists()
+    row = services.update_settings(operator, allow_admin_approval=True, enrollments_per_hour=20)
+    row.refresh_from_db()
+    assert row.allow_admin_approval and row.updated_at > created
+    entry = AuditLog.objects.get(action="settings.change")
+    assert entry.details == {"allow_admin_approval": {"from": False, "to": True}}

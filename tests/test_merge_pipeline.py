@@ -12,6 +12,7 @@ from compendium.schema import Compendium, Scenario
 from compendium.services import load_compendium
 from federation import accounting, pipeline
 from federation.models import (
+    AuditLog,
     Client,
     ConflictLogEntry,
     MergeRecord,
@@ -351,3 +352,124 @@ def test_ledger_is_append_only():
     row.epsilon = 0.0
     with pytest.raises(PermissionError):
         row.save()
+
+
+# --- the pipeline's state changes are audited -----------------------------------------------------
+
+
+def _round_audit(round_):
+    return list(
+        AuditLog.objects.filter(target_type="round", target_id=str(round_.pk))
+        .order_by("id")
+        .values_list("action", "actor_id", "actor_label")
+    )
+
+
+def _by_pipeline(*actions):
+    return [(action, None, "merge pipeline") for action in actions]
+
+
+def test_merging_and_publication_are_audited_once_each(probes, django_capture_on_commit_callbacks):
+    from rest_framework.test import APIClient
+
+    from federation import services
+    from tests.federation_fixtures import SYSTEM, make_user
+
+    round_, _ = build_federation()
+    close(round_, django_capture_on_commit_callbacks)
+    assert round_.state == "published", round_.failure_reason
+    assert _round_audit(round_) == _by_pipeline("round.merging", "round.publish")
+    # Re-merging a published round's global (as an erasure does) changes no state: no entry.
+    pipeline.run_server_merge(round_.pk)
+    assert _round_audit(round_) == _by_pipeline("round.merging", "round.publish")
+    # What the reviewer asked the API for.
+    api = APIClient()
+    api.credentials(HTTP_AUTHORIZATION="Bearer " + services.issue_user_token(
+        SYSTEM, make_user("op", superuser=True)))
+    for action in ("round.merging", "round.publish"):
+        rows = api.get(f"/api/v1/admin/audit/?action={action}").json()["results"]
+        assert [(r["action"], r["target_id"]) for r in rows] == [(action, str(round_.pk))]
+
+
+def test_a_round_failed_by_the_pipeline_is_audited_with_its_reason(
+    settings, django_capture_on_commit_callbacks
+):
+    settings.SYNAPSE_EPSILON_BUDGET = 0.5
+    round_, _ = build_federation(config={"epsilon": 1.0, "summarizer": "none"})
+    close(round_, django_capture_on_commit_callbacks)
+    assert round_.state == "failed"
+    assert _round_audit(round_) == _by_pipeline("round.fail")
+    entry = AuditLog.objects.get(action="round.fail")
+    assert entry.details == {"reason": round_.failure_reason}
+    assert "epsilon budget of 0.5" in entry.details["reason"]
+
+
+def test_fail_round_audits_the_change_once_and_keeps_the_first_reason():
+    round_, _ = build_federation(state="merging")
+    pipeline.fail_round(round_.pk, "edge merge of organization 1 failed: boom")
+    pipeline.fail_round(round_.pk, "edge merge of organization 2 failed: bang")  # a second edge
+    round_.refresh_from_db()
+    assert round_.state == "failed" and round_.failure_reason.endswith("boom")
+    assert _round_audit(round_) == _by_pipeline("round.fail")
+    assert AuditLog.objects.get(action="round.fail").details == {"reason": round_.failure_reason}
+    # A published round is never failed.
+    published = Round.objects.create(number=2, state="published")
+    pipeline.fail_round(published.pk, "late")
+    published.refresh_from_db()
+    assert published.state == "published" and _round_audit(published) == []
+
+
+def test_a_server_merge_that_fails_leaves_neither_publication_nor_its_entry(
+    probes, monkeypatch
+):
+    """State, audit entry and global are written in one transaction: an audit write that fails
+    leaves the round merging, without a global, and the retried step publishes it once."""
+    from federation import services
+
+    round_, clients = build_federation(state="merging")
+    for org in sorted({c.organization_id for c in clients.values()}):
+        pipeline.run_edge_merge(round_.pk, org)
+    real_audit = services.audit
+
+    def broken(actor, action, **kwargs):
+        if action == "round.publish":
+            raise RuntimeError("audit table unavailable")
+        return real_audit(actor, action, **kwargs)
+
+    with monkeypatch.context() as patch:
+        patch.setattr(services, "audit", broken)
+        with pytest.raises(RuntimeError, match="audit table unavailable"):
+            pipeline.run_server_merge(round_.pk)
+    round_.refresh_from_db()
+    assert round_.state == "merging" and round_.published_at is None
+    assert not CompendiumVersion.objects.filter(kind="global", round=round_).exists()
+    assert not MergeRecord.objects.filter(round=round_, organization__isnull=True).exists()
+    assert _round_audit(round_) == []
+    pipeline.run_server_merge(round_.pk)
+    round_.refresh_from_db()
+    assert round_.state == "published" and round_.published_at is not None
+    assert _round_audit(round_) == _by_pipeline("round.publish")
+
+
+def test_a_server_merge_does_not_publish_a_round_failed_meanwhile(probes):
+    """The operator failed the round while its server merge ran: the merge writes nothing, and
+    the task's fail_round keeps the operator's reason; an erasure of one of its clients still
+    runs (a round without a published global has none to re-merge)."""
+    from federation import services
+
+    round_, clients = build_federation(state="merging")
+    for org in sorted({c.organization_id for c in clients.values()}):
+        pipeline.run_edge_merge(round_.pk, org)
+    services.mark_failed(round_, "operator: edge down")
+    with pytest.raises(pipeline.PipelineError, match="is failed, not merging"):
+        pipeline.run_server_merge(round_.pk)
+    pipeline.fail_round(round_.pk, "server merge failed: round 1 is failed, not merging")
+    round_.refresh_from_db()
+    assert round_.state == "failed" and round_.failure_reason == "operator: edge down"
+    assert not CompendiumVersion.objects.filter(kind="global", round=round_).exists()
+    assert [a for a, _, _ in _round_audit(round_)] == ["round.fail"]
+    report = pipeline.erase_client(clients[("acme", "a2")])
+    assert report.submissions_removed == 1 and report.globals_rematerialized == []
+    round_.refresh_from_db()
+    assert round_.state == "failed"
+    assert not CompendiumVersion.objects.filter(kind="global", round=round_).exists()
