@@ -53,6 +53,17 @@ class SubmissionRejected(ClientError):
         super().__init__(f"the server rejected the compendium: {detail}")
 
 
+class NothingToSubmit(ClientError):
+    """The compendium has no entries at all: the server refuses it (it would replace the client's
+    earlier submission to the round with nothing), so it is not sent."""
+
+
+def nothing_to_submit(compendium: Compendium) -> bool:
+    """True when the compendium has no entry in any collection (metadata, scenarios, precautions,
+    templates, annex): what `build --since` makes when the pulled global covers everything."""
+    return not any(compendium.entry_counts().values())
+
+
 @dataclass
 class SubmissionResult:
     status: int
@@ -238,7 +249,13 @@ class SynapseClient:
         against it (about 30% fewer bytes again); when the server answers that it does not hold
         that dictionary, or does not speak dcz, the same submission goes again gzip-encoded, with
         a warning. The server stores the same canonical bytes either way, and the idempotency key
-        does not depend on the encoding."""
+        does not depend on the encoding. A compendium without entries is not sent
+        (NothingToSubmit)."""
+        if nothing_to_submit(compendium):
+            raise NothingToSubmit(
+                "the compendium has no entries (metadata, scenarios, precautions, templates and "
+                "annex are all empty): nothing to submit"
+            )
         round_info = self.open_round()
         number = round_info["number"]
         key = idempotency_key(compendium, number)

@@ -356,9 +356,14 @@ def _client(args: argparse.Namespace):
 
 
 def cmd_submit(args: argparse.Namespace) -> int:
-    from compendium.client_api import SubmissionRejected
+    from compendium.client_api import SubmissionRejected, nothing_to_submit
 
     compendium = _load_compendium(args.compendium)
+    if nothing_to_submit(compendium):
+        raise CliError(
+            f"{args.compendium} has no entries (metadata, scenarios, precautions, templates and "
+            "annex are all empty): nothing to submit, nothing sent"
+        )
     dictionary = None
     if args.no_gzip and (args.since or args.schema):
         raise CliError("--no-gzip sends the body plain: drop --since and --schema with it")

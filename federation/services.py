@@ -7,6 +7,7 @@ what that actor may do and raise `federation.errors` exceptions otherwise.
 
 from __future__ import annotations
 
+import datetime as dt
 import hashlib
 import math
 import secrets
@@ -17,8 +18,9 @@ from typing import Any
 from django.conf import settings
 from django.contrib.auth import get_user_model
 from django.db import IntegrityError, connection, transaction
-from django.db.models import Sum
+from django.db.models import QuerySet, Sum
 from django.utils import timezone
+from django.utils.dateparse import parse_datetime
 from django.utils.text import slugify
 
 from federation import accounting, ratelimit
@@ -158,6 +160,56 @@ def audit(
         ip=actor.ip,
         details=details or {},
     )
+
+
+def audit_period_filter(name: str, raw: str) -> dict:
+    """The queryset filter of the audit log's `since` or `until` parameter: a plain date
+    (YYYY-MM-DD, as the dashboard takes it) is a whole day, inclusive at both ends; an ISO 8601
+    datetime is an instant (`since` inclusive, `until` exclusive; without an offset, in
+    TIME_ZONE). Raises InvalidRequest naming the parameter."""
+    value = raw.strip()
+    try:
+        day = dt.date.fromisoformat(value)
+    except ValueError:
+        pass
+    else:
+        return {f"created_at__date__{'gte' if name == 'since' else 'lte'}": day}
+    problem = (
+        f"{name} must be a date YYYY-MM-DD or an ISO 8601 datetime (e.g. 2025-01-31T08:00:00Z), "
+        f"not {raw[:40]!r}"
+    )
+    try:
+        instant = parse_datetime(value)
+        if instant is not None:
+            if timezone.is_naive(instant):
+                instant = timezone.make_aware(instant)
+            instant.astimezone(dt.UTC)  # out of range once in UTC: OverflowError
+    except (ValueError, OverflowError):
+        raise InvalidRequest(problem) from None
+    if instant is None:
+        raise InvalidRequest(problem)
+    return {f"created_at__{'gte' if name == 'since' else 'lt'}": instant}
+
+
+def filtered_audit_log(entries: QuerySet, params) -> QuerySet:
+    """The audit entries (already scoped to what the caller may see) narrowed by the API's
+    filters: action, organization (slug), actor (label), target_type, since, until. Raises
+    InvalidRequest naming a malformed filter."""
+    action = params.get("action")
+    if action:
+        if action not in AuditLog.Action.values:
+            raise InvalidRequest(f"action must be one of {', '.join(AuditLog.Action.values)}")
+        entries = entries.filter(action=action)
+    if params.get("organization"):
+        entries = entries.filter(organization__slug=params["organization"])
+    if params.get("actor"):
+        entries = entries.filter(actor_label=params["actor"])
+    if params.get("target_type"):
+        entries = entries.filter(target_type=params["target_type"])
+    for name in ("since", "until"):
+        if params.get(name):
+            entries = entries.filter(**audit_period_filter(name, params[name]))
+    return entries
 
 
 # --- operator and people ----------------------------------------------------------------------

@@ -61,6 +61,20 @@ class SubmissionInvalid(FederationError):
         self.violations = violations
 
 
+class EmptySubmission(InvalidRequest):
+    """A valid compendium with no entries at all: accepting it would replace the client's earlier
+    submission to the round with nothing (a buggy client wiping its contribution)."""
+
+    code = "empty_compendium"
+
+    def __init__(self):
+        super().__init__(
+            "the compendium has no entries (metadata, scenarios, precautions, templates and annex "
+            "are all empty): there is nothing to submit, and the client's earlier submission to "
+            "this round, if any, is kept"
+        )
+
+
 @dataclass(frozen=True)
 class Outcome:
     status_code: int
@@ -388,7 +402,9 @@ def submit(
 ) -> Outcome:
     """Store a client's compendium for the open round (or replay the stored outcome of this
     idempotency key). `body` is the decoded JSON; `wire_bytes` and `content_encoding` say how it
-    came (default: plain, as `body`). Raises FederationError subclasses for every refusal."""
+    came (default: plain, as `body`). Raises FederationError subclasses for every refusal; a
+    compendium without a single entry is one (EmptySubmission), so it never replaces the client's
+    earlier submission."""
     key = check_key(idempotency_key)
     request_sha256 = hashlib.sha256(body).hexdigest()
     limit = max_submission_bytes()
@@ -422,8 +438,11 @@ def submit(
         _count_refusal(client)
         raise SubmissionInvalid(result.violations)
     compendium, scrubbed = scrub_compendium(result.compendium)
-    form = canonical_form(compendium)
     entry_counts = compendium.entry_counts()
+    if not any(entry_counts.values()):
+        _count_refusal(client)
+        raise EmptySubmission()
+    form = canonical_form(compendium)
 
     try:
         with transaction.atomic(), prepared_cursor() as cursor:

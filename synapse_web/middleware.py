@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from django.http import JsonResponse
 from django.shortcuts import render
+from django.views import defaults
+from rest_framework.response import Response as DrfResponse
 
 NUL = "\x00"
 FORM_TYPES = ("application/x-www-form-urlencoded", "multipart/form-data")
@@ -52,3 +54,53 @@ class RejectNulMiddleware:
             {"page_title": "Bad request", "message": problem, "status": 400},
             status=400,
         )
+
+
+API_PREFIX = "/api/"
+
+
+def is_api(request) -> bool:
+    return request.path.startswith(API_PREFIX)
+
+
+def _shown_path(request) -> str:
+    path = request.path
+    return path if len(path) <= 200 else path[:200] + "…"
+
+
+class ApiJsonNotFoundMiddleware:
+    """Every 404 under /api/ answers JSON `{"detail": ...}`, as the API's other errors do.
+
+    A path no URL pattern matches (`/api/v1/rounds/abc/`, an unknown endpoint) raises Resolver404
+    before any view runs, and Django answers it with its HTML 404: with DEBUG the technical page
+    listing every URL pattern (chosen in `response_for_exception` whatever `handler404` says),
+    without it `handler404`'s page. Such an answer under /api/ is replaced here; the views' own
+    404s are JSON already and pass as they are. Listed after CommonMiddleware, so that a path
+    missing its trailing slash still gets CommonMiddleware's redirect. Pages outside /api/ keep
+    their HTML 404; a DRF view's own 404 (JSON, or the browsable API's page) is left as it is."""
+
+    def __init__(self, get_response):
+        self.get_response = get_response
+
+    def __call__(self, request):
+        response = self.get_response(request)
+        if (
+            response.status_code == 404
+            and is_api(request)
+            and not isinstance(response, DrfResponse)  # a view's own 404 (JSON, or browsable)
+            and not response.get("Content-Type", "").startswith("application/json")
+        ):
+            if getattr(request, "resolver_match", None) is None:  # no URL pattern matched
+                detail = f"no API endpoint at {_shown_path(request)} (see /api/docs/)"
+            else:
+                detail = f"not found: {_shown_path(request)}"
+            return JsonResponse({"detail": detail}, status=404)
+        return response
+
+
+def server_error(request, template_name=defaults.ERROR_500_TEMPLATE_NAME):
+    """handler500: JSON `{"detail": ...}` under /api/, Django's page elsewhere (used when DEBUG is
+    off; with DEBUG on Django shows its traceback page)."""
+    if is_api(request):
+        return JsonResponse({"detail": "internal server error"}, status=500)
+    return defaults.server_error(request, template_name)

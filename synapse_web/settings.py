@@ -60,6 +60,9 @@ MIDDLEWARE = [
     "whitenoise.middleware.WhiteNoiseMiddleware",
     "django.contrib.sessions.middleware.SessionMiddleware",
     "django.middleware.common.CommonMiddleware",
+    # A 404 under /api/ is JSON {"detail": ...}, with DEBUG too (after CommonMiddleware: its
+    # trailing-slash redirect still sees the 404).
+    "synapse_web.middleware.ApiJsonNotFoundMiddleware",
     "django.middleware.csrf.CsrfViewMiddleware",
     "django.contrib.auth.middleware.AuthenticationMiddleware",
     "django.contrib.messages.middleware.MessageMiddleware",

@@ -9,6 +9,10 @@ def health(request):
     return JsonResponse({"status": "ok"})
 
 
+# A 500 under /api/ is JSON {"detail": ...} (its 404s: synapse_web.middleware's
+# ApiJsonNotFoundMiddleware, since DEBUG's 404 page does not go through handler404).
+handler500 = "synapse_web.middleware.server_error"
+
 urlpatterns = [
     path("admin/", admin.site.urls),
     path("accounts/login/", auth_views.LoginView.as_view(), name="login"),

@@ -24,9 +24,15 @@ import pytest
 
 from compendium import transport
 from compendium.canonical import canonical_form
-from compendium.client_api import ClientError, SynapseClient, etag_file, head_file
+from compendium.client_api import (
+    ClientError,
+    NothingToSubmit,
+    SynapseClient,
+    etag_file,
+    head_file,
+)
 from compendium.client_cli import main
-from compendium.schema import Compendium, Scenario, Schema, ToolSpec
+from compendium.schema import Compendium, MaskingInfo, Scenario, Schema, ToolSpec
 from compendium.validation import validate_compendium
 from routing.router import LinearHead
 
@@ -308,6 +314,27 @@ def test_no_gzip_with_a_dictionary_is_refused_before_sending(server, tmp_path, c
     assert main(submit_args(url, path) + ["--no-gzip", "--since", str(path)]) == 1
     assert "--no-gzip sends the body plain" in capsys.readouterr().err
     assert state.posts == []
+
+
+@pytest.mark.parametrize(
+    "empty",
+    [Compendium(), Compendium(num_users=3, masking=MaskingInfo(strength=1.0, masked_fraction=0.2))],
+)
+def test_a_compendium_without_entries_is_not_sent(server, tmp_path, capsys, empty):
+    """What `build --since` makes when the pulled global covers everything: the server would
+    refuse it (it would replace the earlier submission with nothing), so nothing is sent."""
+    url, state = server
+    path = write(tmp_path, empty)
+    assert main(submit_args(url, path)) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == [
+        f"synapse-client: {path} has no entries (metadata, scenarios, precautions, templates and "
+        "annex are all empty): nothing to submit, nothing sent"
+    ]
+    with SynapseClient(url, TOKEN, backoff=0) as client:
+        with pytest.raises(NothingToSubmit, match="has no entries"):
+            client.submit(empty)
+    assert state.posts == [] and state.created == 0
 
 
 def test_changed_content_or_round_gives_a_new_key(server, tmp_path):

@@ -3,12 +3,14 @@ organization-scoped administration (every endpoint against every role)."""
 
 from __future__ import annotations
 
+import datetime as dt
 import gzip
 import json
 
 import numpy as np
 import pytest
 from django.test import Client as BrowserClient
+from django.test import RequestFactory, override_settings
 from rest_framework.test import APIClient
 
 from compendium import transport
@@ -16,9 +18,10 @@ from compendium.canonical import canonical_bytes
 from compendium.models import CompendiumVersion, ScenarioEntry
 from compendium.schema import Compendium, Schema
 from compendium.services import store_compendium
-from federation import services
+from federation import services, submissions
 from federation.models import AuditLog, Client, ProbeQuery, Round, Submission
 from routing.router import LinearHead
+from synapse_web.middleware import server_error
 from tests.federation_fixtures import SYSTEM
 
 pytestmark = pytest.mark.django_db
@@ -187,11 +190,80 @@ def test_submission_authentication(world, open_round, valid_doc):
     unknown = post_doc(client_api("garbage"), valid_doc)
     assert unknown.status_code == 401 and unknown.json()["detail"]
     # People may not submit, even the operator.
-    assert post_doc(person_api(world.operator), valid_doc).status_code == 403
+    person = post_doc(person_api(world.operator), valid_doc)
+    assert person.status_code == 403
+    assert person.json()["detail"].startswith("only clients may submit")
     services.revoke_client(SYSTEM, world.client_a)
     revoked = post_doc(client_api(world.token_a), valid_doc)
     assert revoked.status_code == 403 and "revoked" in revoked.json()["detail"]
     assert not Submission.objects.exists()
+
+
+def test_a_logged_in_person_submitting_is_403_not_401(world, open_round, valid_doc):
+    """A browser session (without a CSRF token: the answer is the same) is a person: 403 saying
+    only clients submit, as for a person's token, not 401 "credentials were not provided"."""
+    for user in (world.operator, world.member_a):
+        browser = APIClient(enforce_csrf_checks=True)
+        browser.force_login(user)
+        response = post_doc(browser, valid_doc)
+        assert response.status_code == 403, response.content
+        assert response.json()["detail"] == (
+            "only clients may submit: authenticate with a client's API token (syn_c_…); a "
+            "person's session or token cannot submit a compendium"
+        )
+    assert not Submission.objects.exists()
+    # Nobody at all is still 401, with the Bearer challenge.
+    anonymous = post_doc(APIClient(enforce_csrf_checks=True), valid_doc)
+    assert anonymous.status_code == 401 and anonymous["WWW-Authenticate"] == 'Bearer realm="synapse"'
+
+
+EMPTY_DOCS = [
+    {},
+    {"schema_version": "1.0", "metadata": [], "scenarios": [], "precautions": [], "templates": [],
+     "annex": []},
+    {"num_users": 3, "masking": {"strength": 1.0, "masked_fraction": 0.0}},
+]
+
+
+@pytest.mark.parametrize("empty", EMPTY_DOCS)
+def test_a_compendium_without_entries_is_400_and_keeps_the_earlier_submission(
+    world, open_round, valid_doc, empty
+):
+    api = client_api(world.token_a)
+    first = post_doc(api, valid_doc, key="real")
+    assert first.status_code == 201
+    plain = post_doc(api, empty, key="empty")
+    packed = post_doc(api, gzip.compress(json.dumps(empty).encode()), key="empty-gzip",
+                      HTTP_CONTENT_ENCODING="gzip")
+    for response in (plain, packed):
+        assert response.status_code == 400, response.content
+        assert response.json() == {
+            "detail": "the compendium has no entries (metadata, scenarios, precautions, templates "
+            "and annex are all empty): there is nothing to submit, and the client's earlier "
+            "submission to this round, if any, is kept",
+            "code": "empty_compendium",
+        }
+    version = CompendiumVersion.objects.get(kind="client", client=world.client_a)
+    assert version.sha256 == first.json()["sha256"] and version.round == open_round
+    assert version.entry_counts == first.json()["entry_counts"]
+    assert list(Submission.objects.values_list("idempotency_key", flat=True)) == ["real"]
+    # A refused key is not stored: the same key with a real compendium is a new submission.
+    retry = post_doc(api, valid_doc, key="empty")
+    assert retry.status_code == 201 and retry.json()["replaced"] is True
+
+
+def test_a_first_submission_without_entries_stores_nothing(world, open_round):
+    response = post_doc(client_api(world.token_a), {})
+    assert response.status_code == 400 and response.json()["code"] == "empty_compendium"
+    assert not Submission.objects.exists()
+    assert not CompendiumVersion.objects.filter(kind="client").exists()
+
+
+def test_one_entry_is_enough_to_submit(world, open_round):
+    doc = {"annex": [{"subject": "flights", "relation": "needs", "object": "airport code"}]}
+    response = post_doc(client_api(world.token_a), doc)
+    assert response.status_code == 201, response.content
+    assert response.json()["entry_counts"]["annex"] == 1
 
 
 def test_no_open_round_is_409(world, valid_doc):
@@ -676,6 +748,123 @@ def test_organization_scope(world, role, visible):
     assert {o["slug"] for o in api.get("/api/v1/admin/organizations/").json()["results"]} == visible
     created = api.post("/api/v1/admin/organizations/", {"name": "Org C"}, format="json")
     assert created.status_code == (201 if role == "operator" else 403)
+
+
+def test_audit_period_takes_a_date_or_a_datetime(world):
+    """A plain date is a whole day, inclusive at both ends (as on the dashboard); a datetime is an
+    instant (`since` inclusive, `until` exclusive)."""
+    api = person_api(world.operator)
+
+    def count(**params) -> int:
+        response = api.get("/api/v1/admin/audit/", params)
+        assert response.status_code == 200, response.content
+        return response.json()["count"]
+
+    times = sorted(AuditLog.objects.values_list("created_at", flat=True))
+    total, first, last = len(times), times[0], times[-1]
+    assert total == count() > 0
+    day = dt.timedelta(days=1)
+    assert count(since=first.date().isoformat()) == total
+    assert count(until=last.date().isoformat()) == total  # the whole day, not its first instant
+    assert count(since=(last.date() + day).isoformat()) == 0
+    assert count(until=(first.date() - day).isoformat()) == 0
+    assert count(until=f"{first.date().isoformat()}T00:00:00Z") == 0
+    assert count(since=first.isoformat()) == total
+    assert count(until=first.isoformat()) == 0  # until an instant: before it
+    hour = dt.timedelta(hours=1)
+    assert count(since=(last + hour).isoformat()) == 0
+    assert count(until=(last + hour).replace(tzinfo=None).isoformat()) == total  # naive: UTC
+    assert count(since=(first - hour).strftime("%Y-%m-%dT%H:%M:%SZ")) == total
+
+
+@pytest.mark.parametrize(
+    ("path", "params", "detail"),
+    [
+        ("/api/v1/admin/audit/", {"since": "bad"},
+         "since must be a date YYYY-MM-DD or an ISO 8601 datetime (e.g. 2025-01-31T08:00:00Z), "
+         "not 'bad'"),
+        ("/api/v1/admin/audit/", {"until": "2025-02-30"},
+         "until must be a date YYYY-MM-DD or an ISO 8601 datetime (e.g. 2025-01-31T08:00:00Z), "
+         "not '2025-02-30'"),
+        ("/api/v1/admin/audit/", {"action": "nope"}, "action must be one of "),
+        ("/api/v1/admin/clients/", {"status": "nope"}, "status must be one of "),
+        ("/api/v1/rounds/", {"state": "nope"}, "state must be one of "),
+    ],
+)
+def test_list_filters_answer_a_detail_naming_the_parameter(world, path, params, detail):
+    response = person_api(world.operator).get(path, params)
+    assert response.status_code == 400
+    body = response.json()
+    assert isinstance(body, dict) and set(body) == {"detail"}
+    assert body["detail"].startswith(detail)
+
+
+# --- errors outside the views: unknown paths and 500s ---------------------------------------
+
+
+UNKNOWN_API_PATHS = [
+    "/api/v1/rounds/abc/",
+    "/api/v1/admin/clients/abc/",
+    "/api/v1/no-such-endpoint/",
+    "/api/v2/rounds/",
+    "/api/",
+]
+
+
+@pytest.mark.parametrize("debug", [True, False])
+@pytest.mark.parametrize("path", UNKNOWN_API_PATHS)
+def test_an_unknown_api_path_is_a_json_404_with_or_without_debug(world, path, debug):
+    with override_settings(DEBUG=debug):
+        for api in (person_api(world.operator), client_api()):
+            response = api.get(path)
+            assert response.status_code == 404
+            assert response["Content-Type"] == "application/json"
+            assert response.json() == {"detail": f"no API endpoint at {path} (see /api/docs/)"}
+        posted = person_api(world.operator).post(path, {}, format="json")
+        assert posted.status_code == 404 and posted.json()["detail"].startswith("no API endpoint")
+
+
+@pytest.mark.parametrize("debug", [True, False])
+def test_api_views_keep_their_own_404_and_the_slash_redirect(world, debug):
+    with override_settings(DEBUG=debug):
+        api = person_api(world.operator)
+        missing = api.get("/api/v1/rounds/999/")
+        assert missing.status_code == 404
+        assert missing.json() == {"detail": "No Round matches the given query."}
+        none = api.get("/api/v1/compendium/global/")
+        assert none.json() == {"detail": "no global compendium is published yet"}
+        redirect = api.get("/api/v1/rounds")
+        assert redirect.status_code == 301 and redirect["Location"] == "/api/v1/rounds/"
+
+
+@pytest.mark.parametrize("debug", [True, False])
+def test_dashboard_404_stays_html(client, world, debug):
+    client.force_login(world.operator)
+    with override_settings(DEBUG=debug):
+        response = client.get("/no-such-page/")
+    assert response.status_code == 404
+    assert response["Content-Type"].startswith("text/html")
+
+
+def test_an_api_500_is_json_without_debug(world, monkeypatch):
+    def broken():
+        raise RuntimeError("the schema is gone")
+
+    monkeypatch.setattr(submissions, "schema_in_force", broken)
+    api = person_api(world.operator)
+    api.raise_request_exception = False
+    with override_settings(DEBUG=False):
+        response = api.get("/api/v1/compendium/schema/")
+    assert response.status_code == 500
+    assert response["Content-Type"] == "application/json"
+    assert response.json() == {"detail": "internal server error"}
+
+
+def test_the_500_handler_keeps_html_outside_the_api():
+    api = server_error(RequestFactory().get("/api/v1/rounds/"))
+    assert api.status_code == 500 and json.loads(api.content) == {"detail": "internal server error"}
+    page = server_error(RequestFactory().get("/organizations/"))
+    assert page.status_code == 500 and page["Content-Type"].startswith("text/html")
 
 
 @pytest.mark.parametrize("role", ["admin_a", "member_a", "admin_b"])

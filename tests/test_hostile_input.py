@@ -14,6 +14,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from rest_framework.test import APIClient
 
+from compendium.models import CompendiumVersion
 from compendium.validation import validate_compendium
 from federation import services
 from federation.models import ConflictDecision, ConflictLogEntry, Organization, Round
@@ -208,6 +209,41 @@ def test_api_query_parameter_with_nul_is_400_naming_it(world, path, param):
     response = person_api(world.operator).get(path, {param: "a\x00b"})
     assert response.status_code == 400
     assert response.json()["detail"] == f"query parameter {param!r} must not contain NUL characters"
+
+
+@pytest.mark.django_db
+@pytest.mark.parametrize("name", ["since", "until"])
+@pytest.mark.parametrize(
+    "value",
+    ["bad", "2025-13-01", "2025-01-01T25:00:00", "0001-01-01T00:00:00+01:00",
+     "9999-12-31T23:59:59-01:00", "2025-01-01T00:00:00+25:00", HUGE],
+)
+def test_api_audit_period_that_is_no_date_is_400_naming_it(world, name, value):
+    response = person_api(world.operator).get("/api/v1/admin/audit/", {name: value})
+    assert response.status_code == 400
+    assert response.json() == {
+        "detail": f"{name} must be a date YYYY-MM-DD or an ISO 8601 datetime "
+        f"(e.g. 2025-01-31T08:00:00Z), not {value[:40]!r}"
+    }
+
+
+@pytest.mark.django_db
+@pytest.mark.parametrize("name, value", [("since", "0001-01-01"), ("until", "9999-12-31")])
+def test_api_audit_period_at_the_ends_of_the_calendar_is_not_an_error(world, name, value):
+    response = person_api(world.operator).get("/api/v1/admin/audit/", {name: value})
+    assert response.status_code == 200 and response.json()["count"] > 0
+
+
+@pytest.mark.django_db
+def test_empty_submission_is_400_and_replaces_nothing(world):
+    services.open_round(SYSTEM)
+    api = APIClient()
+    api.credentials(HTTP_AUTHORIZATION=f"Bearer {world.token_a}")
+    for n, body in enumerate(["{}", '{"metadata": [], "annex": []}', '{"num_users": 1}']):
+        response = api.post("/api/v1/submissions/", body, content_type="application/json",
+                            HTTP_IDEMPOTENCY_KEY=f"k{n}")
+        assert response.status_code == 400 and response.json()["code"] == "empty_compendium"
+    assert not CompendiumVersion.objects.filter(kind="client").exists()
 
 
 @pytest.mark.django_db

@@ -87,6 +87,16 @@ class UserTokenAuthentication(BaseAuthentication):
         return 'Bearer realm="synapse"'
 
 
+class PersonSessionRecognition(SessionAuthentication):
+    """A person's browser session, recognized without the CSRF check, only on an endpoint that
+    refuses every person (the submission endpoint): so that a logged-in person gets 403 saying
+    only clients may use it, not 401 "credentials were not provided" (nor a CSRF failure). Such
+    an endpoint does nothing for a person, so there is nothing to forge."""
+
+    def enforce_csrf(self, request):
+        return None
+
+
 class ClientTokenScheme(OpenApiAuthenticationExtension):
     target_class = "federation.api.authentication.ClientTokenAuthentication"
     name = "clientToken"

@@ -11,7 +11,7 @@ from drf_spectacular.utils import (
     extend_schema,
 )
 from pydantic import ValidationError as PydanticValidationError
-from rest_framework import exceptions, generics, serializers, status
+from rest_framework import exceptions, generics, status
 from rest_framework.permissions import BasePermission
 from rest_framework.response import Response
 from rest_framework.views import APIView
@@ -23,6 +23,7 @@ from federation.api.authentication import (
     CLIENT_AUTH,
     PEOPLE_AUTH,
     ClientPrincipal,
+    PersonSessionRecognition,
     UserTokenAuthentication,
 )
 from federation.api.serializers import (
@@ -55,6 +56,13 @@ class IsClient(BasePermission):
 
     def has_permission(self, request, view):
         return isinstance(request.user, ClientPrincipal)
+
+
+class IsSubmittingClient(IsClient):
+    message = (
+        "only clients may submit: authenticate with a client's API token (syn_c_…); a person's "
+        "session or token cannot submit a compendium"
+    )
 
 
 class IsPerson(BasePermission):
@@ -110,9 +118,10 @@ class FederationGenericView(FederationView, generics.GenericAPIView):
 
 
 class SubmissionView(FederationView):
-    # People's tokens are recognized so that a person gets 403 (not a client), not 401.
-    authentication_classes = CLIENT_AUTH + [UserTokenAuthentication]
-    permission_classes = [IsClient]
+    # People's tokens and sessions are recognized so that a person gets 403 (only clients
+    # submit), not 401 (no credentials).
+    authentication_classes = CLIENT_AUTH + [UserTokenAuthentication, PersonSessionRecognition]
+    permission_classes = [IsSubmittingClient]
     parser_classes: list = []  # the body is read raw, after its declared length was checked
 
     @extend_schema(
@@ -124,6 +133,8 @@ class SubmissionView(FederationView):
         "limit once decompressed. A dictionary the server does not hold is a 400 with "
         "`code: unknown_dictionary`.",
         request={"application/json": OpenApiTypes.OBJECT},
+        # Only a client's token submits; people's tokens and sessions are recognized to be refused.
+        auth=[{"clientToken": []}],
         parameters=[
             OpenApiParameter(
                 "Idempotency-Key",
@@ -549,8 +560,16 @@ class ClientRevokeView(_ClientActionView):
         OpenApiParameter("organization", str, description="organization slug"),
         OpenApiParameter("actor", str, description="username (or 'system', 'merge pipeline')"),
         OpenApiParameter("target_type", str),
-        OpenApiParameter("since", OpenApiTypes.DATETIME),
-        OpenApiParameter("until", OpenApiTypes.DATETIME),
+        OpenApiParameter(
+            "since", str,
+            description="a date YYYY-MM-DD (from that day on, inclusive) or an ISO 8601 datetime "
+            "(from that instant on)",
+        ),
+        OpenApiParameter(
+            "until", str,
+            description="a date YYYY-MM-DD (up to that day, inclusive) or an ISO 8601 datetime "
+            "(before that instant)",
+        ),
     ]
 )
 class AuditLogView(FederationView, generics.ListAPIView):
@@ -563,22 +582,7 @@ class AuditLogView(FederationView, generics.ListAPIView):
 
     def get_queryset(self):
         queryset = _scoped(AuditLog.objects.select_related("organization"), self.request.user)
-        params = self.request.query_params
-        if params.get("action"):
-            if params["action"] not in AuditLog.Action.values:
-                raise InvalidRequest(f"action must be one of {', '.join(AuditLog.Action.values)}")
-            queryset = queryset.filter(action=params["action"])
-        if params.get("organization"):
-            queryset = queryset.filter(organization__slug=params["organization"])
-        if params.get("actor"):
-            queryset = queryset.filter(actor_label=params["actor"])
-        if params.get("target_type"):
-            queryset = queryset.filter(target_type=params["target_type"])
-        for name, lookup in (("since", "gte"), ("until", "lt")):
-            if params.get(name):
-                value = serializers.DateTimeField().to_internal_value(params[name])
-                queryset = queryset.filter(**{f"created_at__{lookup}": value})
-        return queryset
+        return services.filtered_audit_log(queryset, self.request.query_params)
 
 
 # --- operator: rounds and settings ------------------------------------------------------------
