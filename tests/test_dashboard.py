@@ -371,3 +371,9 @@ def test_static_assets_are_served(operator_client):
     for path in ("/static/vendor/plotly.min.js", "/static/dashboard/dashboard.css"):
         response = operator_client.get(path)
         assert response.status_code == 200, path
+
+
+def test_sizes_are_shown_in_si_kilobytes_as_the_readme_counts_them():
+    from federation.templatetags.dashboard_tags import kb
+
+    assert [kb(999), kb(2048), kb(150528), kb(None), kb("x")] == ["999 B", "2.0 kB", "150.5 kB", "–", "–"]

@@ -168,8 +168,8 @@ def bytes_per_client_figure(client_rows: dict[int, ClientRow], per_client: dict)
         fig.add_trace(
             go.Scatter(
                 x=[p["round__number"] for p in series],
-                y=[p["size_bytes"] / 1024 for p in series],
-                customdata=[p["gzip_bytes"] / 1024 for p in series],
+                y=[p["size_bytes"] / 1000 for p in series],
+                customdata=[p["gzip_bytes"] / 1000 for p in series],
                 mode="lines+markers",
                 name=name,
                 hovertemplate=(
@@ -196,7 +196,7 @@ def participation_figure(rows: list[RoundRow]) -> go.Figure:
     fig.add_trace(
         go.Scatter(
             x=numbers,
-            y=[r.global_version.size_bytes / 1024 if r.global_version else None for r in ordered],
+            y=[r.global_version.size_bytes / 1000 if r.global_version else None for r in ordered],
             name="global compendium (kB)",
             mode="lines+markers",
             yaxis="y2",
@@ -542,7 +542,7 @@ def organization_page(organization, actor) -> OrganizationPage:
         fig.add_trace(
             go.Scatter(
                 x=numbers,
-                y=[r["edge"].size_bytes / 1024 if r["edge"] else None for r in rows],
+                y=[r["edge"].size_bytes / 1000 if r["edge"] else None for r in rows],
                 name="edge compendium (kB)",
                 mode="lines+markers",
                 yaxis="y2",

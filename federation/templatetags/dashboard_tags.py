@@ -9,16 +9,17 @@ register = template.Library()
 
 @register.filter
 def kb(value) -> str:
-    """Bytes as kB with one decimal ("–" for none): 2048 -> "2.0 kB"."""
+    """Bytes as kB (1 kB = 1,000 bytes, as the README's byte figures) with one decimal ("–" for
+    none): 2048 -> "2.0 kB", 150528 -> "150.5 kB"."""
     if value is None or value == "":
         return "–"
     try:
         number = float(value)
     except (TypeError, ValueError):
         return "–"
-    if number < 1024:
+    if number < 1000:
         return f"{number:.0f} B"
-    return f"{number / 1024:.1f} kB"
+    return f"{number / 1000:.1f} kB"
 
 
 @register.filter
