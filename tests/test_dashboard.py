@@ -280,6 +280,7 @@ def test_compendium_statistics_carry_their_noise_and_say_when_it_drowns_them(mem
     assert flights["noise_scale"] is None and not flights["noise_dominated"]
     content = response.content.decode()
     assert "noise b 2.5 (2 edges)" in content and 'class="noise-dominated"' in content
+    assert content.count('id="noise-note"') == 1  # said once for the page
 
 
 @pytest.mark.parametrize(

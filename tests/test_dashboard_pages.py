@@ -175,6 +175,21 @@ def test_admin_may_approve_when_the_policy_allows(client, fed):
     # approving twice is a clear 409, not a second token
     again = client.post(url)
     assert again.status_code == 409 and "pending" in again.content.decode()
+    # the way back is the page the button was on, not the action's URL
+    page = "http://testserver" + reverse("dashboard:organization", args=["org-a"])
+    again = client.post(url, HTTP_REFERER=page)
+    assert f'<a href="{page}" id="back">Back</a>' in again.content.decode()
+    elsewhere = client.post(url, HTTP_REFERER="https://evil.example/")
+    assert f'<a href="{reverse("dashboard:overview")}" id="back">' in elsewhere.content.decode()
+
+
+def test_a_page_that_is_not_there_is_the_dashboards_not_found(client, fed, settings):
+    settings.DEBUG = False  # as make demo serves it
+    login(client, fed, "admin_a")
+    response = client.get("/organizations/org-b/")  # another organization's page
+    assert response.status_code == 404
+    body = response.content.decode()
+    assert "<h1>Not found</h1>" in body and 'href="/"' in body and "Org B" not in body
 
 
 def test_admin_rotates_and_revokes(client, fed):

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 import plotly.graph_objects as go
 from django.core.paginator import Page, Paginator
 from django.db.models import Count, IntegerField, Min, OuterRef, Q, QuerySet, Subquery, Sum, Value
-from django.db.models.functions import Coalesce
+from django.db.models.functions import Coalesce, Lower
 from django.utils.safestring import SafeString
 
 from compendium.models import (
@@ -291,7 +291,7 @@ def tools_in_version(version: CompendiumVersion, query: str = "") -> QuerySet:
             entries = model.objects.filter(version=version, **{f"{column}__icontains": query})
             match |= Q(pk__in=entries.values("tool_id"))
         tools = tools.filter(match)
-    return tools.order_by("tool_id")
+    return tools.order_by(Lower("tool_id"), "tool_id")
 
 
 def _first_rounds(model, version: CompendiumVersion, visible: QuerySet, tool_ids, texts) -> dict:
@@ -463,7 +463,7 @@ def tool_registry(
     tools = tools.annotate(
         scenario_count=_count_in(ScenarioEntry, latest),
         precaution_count=_count_in(PrecautionEntry, latest),
-    ).order_by("tool_id")
+    ).order_by(Lower("tool_id"), "tool_id")
     return Paginator(tools, per_page).get_page(page)
 
 

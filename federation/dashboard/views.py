@@ -9,6 +9,7 @@ from django.db.models import Count, Q
 from django.http import Http404
 from django.shortcuts import get_object_or_404, redirect, render
 from django.urls import reverse
+from django.utils.http import url_has_allowed_host_and_scheme
 from pydantic import ValidationError
 
 from compendium.models import NumericField, Tool
@@ -94,7 +95,8 @@ class CompendiumView(DashboardView):
                 query=query,
                 page=params.get("page"),
             )
-            context.update(page_obj=page_obj, cards=cards)
+            context.update(page_obj=page_obj, cards=cards,
+                           noise_dominated=any(c.noise_dominated for c in cards))
         return context
 
 
@@ -131,9 +133,20 @@ def bad_request(request, message: str, nav_key: str | None = None, status: int =
         request,
         "dashboard/bad_request.html",
         {"page_title": "Bad request" if status == 400 else "Not allowed", "message": message,
-         "nav_key": nav_key, "status": status},
+         "nav_key": nav_key, "status": status, "back": back_url(request)},
         status=status,
     )
+
+
+def back_url(request) -> str:
+    """Where a person goes back to from an error: the page the form was on (the Referer, when it
+    is this site's), else this page without its parameters (a GET), else the overview."""
+    referer = request.META.get("HTTP_REFERER", "")
+    if referer and url_has_allowed_host_and_scheme(
+        referer, allowed_hosts={request.get_host()}, require_https=request.is_secure()
+    ):
+        return referer
+    return request.path if request.method == "GET" else reverse("dashboard:overview")
 
 
 def actor_for(request) -> Actor:
