@@ -106,6 +106,15 @@ def visible_organization_ids(user) -> list[int] | None:
     return [membership.organization_id] if membership else []
 
 
+def figure_scope(user) -> list[int] | None:
+    """The organizations whose submission figures `user` may see (None: all): a client its own
+    organization's, a person the organizations they belong to, the operator every one."""
+    client = getattr(user, "client", None)
+    if client is not None:
+        return [client.organization_id]
+    return visible_organization_ids(user)
+
+
 def visible_organizations(user):
     """The organizations whose data `user` may see, as a queryset: the single place every
     dashboard page scopes by. The operator (a superuser) sees all; a member sees their own."""
@@ -722,11 +731,14 @@ def mark_failed(rnd: Round | int, reason: str, actor: Actor | None = None) -> Ro
     return rnd
 
 
-def round_figures(queryset):
-    """Annotate rounds with their submission figures in one query."""
+def round_figures(queryset, organization_ids=None):
+    """Annotate rounds with their submission figures in one query: of every organization, or
+    (`organization_ids`) of those only, as the dashboard shows a member its own."""
     from django.db.models import Count, Q
 
     client = Q(compendiums__kind="client")
+    if organization_ids is not None:
+        client &= Q(compendiums__client__organization_id__in=list(organization_ids))
     return queryset.annotate(
         n_submissions=Count("compendiums", filter=client),
         n_organizations=Count("compendiums__client__organization", filter=client, distinct=True),

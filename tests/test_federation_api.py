@@ -511,11 +511,16 @@ def test_rounds_list_and_detail_with_figures(world, open_round, valid_doc):
     assert listing["count"] == 1
     row = listing["results"][0]
     assert {"id", "number", "state", "config"} <= set(row)
-    assert row["submissions"] == 2 and row["organizations"] == 2 and row["submitted_bytes"] > 0
+    # the figures are of what the caller may see, as on the dashboard: a client its organization's
+    assert row["submissions"] == 1 and row["organizations"] == 1 and row["submitted_bytes"] > 0
+    everyone = person_api(world.operator).get("/api/v1/rounds/?state=open").json()["results"][0]
+    assert everyone["submissions"] == 2 and everyone["organizations"] == 2
+    assert everyone["submitted_bytes"] == 2 * row["submitted_bytes"]
     assert api.get("/api/v1/rounds/?state=published").json()["count"] == 0
     assert api.get("/api/v1/rounds/?state=bogus").status_code == 400
     detail = person_api(world.member_a).get(f"/api/v1/rounds/{open_round.pk}/")
     assert detail.status_code == 200 and detail.json()["number"] == 1
+    assert detail.json()["submissions"] == 1  # a member: their organization's
     assert api.get("/api/v1/rounds/999999/").status_code == 404
     assert client_api().get("/api/v1/rounds/").status_code == 401
 

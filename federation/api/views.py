@@ -200,7 +200,8 @@ class RoundListView(FederationView, generics.ListAPIView):
             if state not in Round.State.values:
                 raise InvalidRequest(f"state must be one of {', '.join(Round.State.values)}")
             queryset = queryset.filter(state=state)
-        return services.round_figures(queryset).order_by("-number")
+        scope = services.figure_scope(self.request.user)
+        return services.round_figures(queryset, scope).order_by("-number")
 
 
 class RoundDetailView(FederationView, generics.RetrieveAPIView):
@@ -209,7 +210,7 @@ class RoundDetailView(FederationView, generics.RetrieveAPIView):
     serializer_class = RoundSerializer
 
     def get_queryset(self):
-        return services.round_figures(Round.objects.all())
+        return services.round_figures(Round.objects.all(), services.figure_scope(self.request.user))
 
 
 class SchemaView(FederationView):
