@@ -558,6 +558,16 @@ def test_global_compendium_etag_and_rounds(world, valid_doc):
     assert older.json()["round"] == 1 and older["ETag"] != response["ETag"]
     assert api.get("/api/v1/compendium/global/?round=1", HTTP_IF_NONE_MATCH='"x"').status_code == 200
     assert api.get("/api/v1/compendium/global/?round=abc").status_code == 400
+    # sent gzipped to a caller that takes it, and its (then weak) ETag still answers 304
+    zipped = api.get("/api/v1/compendium/global/", HTTP_ACCEPT_ENCODING="gzip")
+    assert zipped["Content-Encoding"] == "gzip"
+    assert json.loads(gzip.decompress(zipped.content)) == body
+    assert zipped["ETag"] == f'W/"{body["sha256"]}"'
+    again = api.get("/api/v1/compendium/global/", HTTP_ACCEPT_ENCODING="gzip",
+                    HTTP_IF_NONE_MATCH=zipped["ETag"])
+    assert again.status_code == 304
+    schema = api.get("/api/v1/compendium/schema/", HTTP_ACCEPT_ENCODING="gzip")
+    assert schema["Content-Encoding"] == "gzip"  # the probe set too, once it is over 200 bytes
 
 
 def test_unpublished_global_compendium_is_not_served(world, valid_doc):

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from django.http import FileResponse, HttpResponse
 from django.shortcuts import get_object_or_404
+from django.utils.decorators import method_decorator
+from django.views.decorators.gzip import gzip_page
 from drf_spectacular.types import OpenApiTypes
 from drf_spectacular.utils import (
     OpenApiParameter,
@@ -213,6 +215,9 @@ class RoundDetailView(FederationView, generics.RetrieveAPIView):
         return services.round_figures(Round.objects.all(), services.figure_scope(self.request.user))
 
 
+# Public to every member of the federation, large (the global is ~150 KB of JSON, a quarter of
+# that gzipped) and free of secrets: sent gzipped to callers that accept it.
+@method_decorator(gzip_page, name="dispatch")
 class SchemaView(FederationView):
     authentication_classes = ANY_AUTH
     permission_classes = [IsAuthenticatedAny]
@@ -225,6 +230,7 @@ class SchemaView(FederationView):
         return Response(submissions.schema_in_force().model_dump(mode="json"))
 
 
+@method_decorator(gzip_page, name="dispatch")
 class ProbeSetView(FederationView):
     authentication_classes = ANY_AUTH
     permission_classes = [IsAuthenticatedAny]
@@ -281,6 +287,7 @@ def _none_published(number: str | None) -> exceptions.NotFound:
     return exceptions.NotFound(f"no global compendium is published {which}")
 
 
+@method_decorator(gzip_page, name="dispatch")
 class GlobalCompendiumView(FederationView):
     authentication_classes = ANY_AUTH
     permission_classes = [IsAuthenticatedAny]
