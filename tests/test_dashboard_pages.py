@@ -423,6 +423,28 @@ def test_privacy_page_shows_the_committed_figure_with_reservations(client, fed):
     assert "round 2: 1" in body[body.index('id="reserved-epsilon"'):]
 
 
+def test_privacy_ledger_filters_by_round_and_tool(client, fed):
+    r2 = Round.objects.get(number=2)
+    PrivacyLedgerEntry.objects.create(
+        round=r2, organization=fed.org_a, tool_id="flights", field="calls", sensitivity=50.0,
+        contributors=2, epsilon=0.0025, noise_scale=10000.0, mechanism="laplace",
+    )
+    login(client, fed, "operator")
+
+    def rows(**query):
+        page = client.get(reverse("dashboard:privacy"), query).context["page_obj"]
+        return [(e.round.number, e.tool_id) for e in page.object_list]
+
+    assert set(rows()) == {(2, "flights"), (1, "weather")}
+    assert set(rows(round="2")) == {(2, "flights")}
+    assert set(rows(tool="WEATH")) == {(1, "weather")}
+    assert rows(round="2", tool="weather") == []
+    body = client.get(reverse("dashboard:privacy"), {"round": "2"}).content.decode()
+    assert "10,000" in body and "1e+04" not in body  # a column of figures without exponents
+    assert client.get(reverse("dashboard:privacy"), {"round": "two"}).status_code == 400
+    assert client.get(reverse("dashboard:privacy"), {"round": "0"}).status_code == 400
+
+
 def test_privacy_warning_and_bad_epsilon(client, fed):
     login(client, fed, "member_a")
     body = client.get(reverse("dashboard:privacy"), {"epsilon": "60"}).content.decode()

@@ -644,7 +644,10 @@ def _composition_curve(per_round: list[float], delta_prime: float):
     return [compose(per_round[: i + 1], delta_prime) for i in range(len(per_round))]
 
 
-def privacy_page(organizations: QuerySet, *, operator: bool, page=1, next_epsilon=None) -> PrivacyPage:
+def privacy_page(
+    organizations: QuerySet, *, operator: bool, page=1, next_epsilon=None,
+    ledger_round: int | None = None, ledger_tool: str = "",
+) -> PrivacyPage:
     """The ledger (rows of the visible organizations), the composed ε′ per federation and
     organization (basic and advanced) against the cap, the committed ε′ (the ledger plus the
     reservations of rounds not released yet), and whether opening the next round at
@@ -652,7 +655,8 @@ def privacy_page(organizations: QuerySet, *, operator: bool, page=1, next_epsilo
 
     Federation-wide figures are shown to every member: the global compendium is released to
     every organization, so its ε concerns all of them. Per-organization figures and ledger rows
-    are those of `organizations` (the visible ones) only."""
+    are those of `organizations` (the visible ones) only; the ledger's rows of round
+    `ledger_round` and of tools whose id contains `ledger_tool` (case-insensitive), when given."""
     from federation import accounting
     from federation.models import PrivacyLedgerEntry
 
@@ -667,6 +671,8 @@ def privacy_page(organizations: QuerySet, *, operator: bool, page=1, next_epsilo
     names = dict(organizations.values_list("pk", "name"))
     ledger = (
         PrivacyLedgerEntry.objects.filter(organization__in=organizations)
+        .filter(**({"round__number": ledger_round} if ledger_round is not None else {}))
+        .filter(**({"tool_id__icontains": ledger_tool} if ledger_tool else {}))
         .select_related("round", "organization")
         .order_by("-round__number", "organization__name", "release", "tool_id", "field")
     )

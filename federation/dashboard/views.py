@@ -326,13 +326,22 @@ class PrivacyView(DashboardView):
                     request, f"epsilon must be a finite number of at least {MIN_EPSILON:g}",
                     self.nav_key,
                 )
+        raw_round = request.GET.get("round", "").strip()
+        self.ledger_round = None
+        if raw_round:
+            if not (raw_round.isascii() and raw_round.isdigit()) or len(raw_round) > 9 or int(raw_round) < 1:
+                return bad_request(request, f"round must be a round number, not {raw_round[:40]!r}",
+                                   self.nav_key)
+            self.ledger_round = int(raw_round)
+        self.ledger_tool = request.GET.get("tool", "").strip()[:128]
         return super().get(request, *args, **kwargs)
 
     def get_context_data(self, **kwargs):
         context = super().get_context_data(**kwargs)
         context["privacy"] = services.privacy_page(
             self.organizations, operator=self.is_operator, page=self.request.GET.get("page"),
-            next_epsilon=self.next_epsilon,
+            next_epsilon=self.next_epsilon, ledger_round=self.ledger_round,
+            ledger_tool=self.ledger_tool,
         )
         context["page_obj"] = context["privacy"].ledger
         context["checked"] = self.next_epsilon is not None  # the operator asked about an ε

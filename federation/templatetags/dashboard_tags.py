@@ -24,8 +24,12 @@ def kb(value) -> str:
 
 @register.filter
 def figure(value) -> str:
-    """A statistic with 4 significant digits."""
+    """A statistic with 4 significant digits, without an exponent from 0.001 to 10 million
+    (14,800 rather than 1.48e+04, so that a column of them reads at a glance)."""
     try:
-        return f"{float(value):.4g}"
+        number = float(f"{float(value):.4g}")
     except (TypeError, ValueError):
         return "–"
+    if number == 0 or not 1e-3 <= abs(number) < 1e7:
+        return f"{number:.4g}"
+    return f"{number:,f}".rstrip("0").rstrip(".")
