@@ -401,6 +401,26 @@ def served_compendium() -> ServedCompendium:
     return served
 
 
+def warm_up() -> bool:
+    """Build this process's served router and route one request, so that the first real
+    request does not pay for loading the model and the global (seconds). Called by each gunicorn
+    worker as it starts (`gunicorn.conf.py`). True when a router is warm; False when nothing is
+    published yet or the build failed (logged: the first request then builds it and says why)."""
+    from django.db import connections
+
+    try:
+        served_compendium().routers["fusion"].route("warm-up request", 1)
+        return True
+    except NothingPublished:
+        return False
+    except Exception as exc:  # the first request will meet the same error, and report it
+        logging.getLogger(__name__).warning("warming up the router failed: %s: %s",
+                                            exc.__class__.__name__, exc)
+        return False
+    finally:
+        connections.close_all()  # this thread's; it ends here
+
+
 def _payload(decision, served: ServedCompendium, latency_ms: float) -> dict:
     return {
         "tool": decision.tool,

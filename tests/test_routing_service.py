@@ -228,6 +228,30 @@ def test_a_switch_is_built_by_one_request_while_the_others_keep_routing(data, mo
     assert services.served_compendium() is built[0]
 
 
+@pytest.mark.django_db(transaction=True)  # the warm-up thread has its own connection
+def test_a_worker_warms_its_router_before_the_first_request(data):
+    """gunicorn.conf.py starts routing.services.warm_up in a thread of each new worker."""
+    import threading
+
+    results = []
+
+    def warm():
+        results.append(services.warm_up())
+
+    def in_a_thread():
+        thread = threading.Thread(target=warm)
+        thread.start()
+        thread.join(120)
+
+    in_a_thread()
+    assert results == [False] and not services._served  # nothing published: nothing to warm
+    _publish(data, number=1, with_client_copy=False)
+    services.forget_published_version()
+    in_a_thread()
+    assert results[-1] is True and len(services._served) == 1
+    assert services.served_compendium() is next(iter(services._served.values()))
+
+
 @pytest.fixture
 def api():
     token, raw = RoutingToken.issue("app")

@@ -1,0 +1,15 @@
+"""Gunicorn settings, read from the working directory by `make demo` and the Docker image.
+
+Each worker builds its router in the background as soon as it starts (`routing.services.warm_up`),
+so that the first routing request it serves is not the one that loads the embedding model and the
+published global (about 4 seconds on 2 cores); a request that comes before it is done waits for
+the same build.
+"""
+
+import threading
+
+
+def post_worker_init(worker):
+    from routing.services import warm_up
+
+    threading.Thread(target=warm_up, name="synapse-router-warm-up", daemon=True).start()
