@@ -341,6 +341,8 @@ def test_tool_registry_lists_searches_and_paginates(member_client):
     tools = list(weather.context["page_obj"])
     assert [t.tool_id for t in tools] == ["weather"]
     assert tools[0].scenario_count == 1 and tools[0].precaution_count == 0  # round 2, published
+    assert "1 of 33 tools match." in weather.content.decode()
+    assert 'id="tools-matched"' not in first.content.decode()
     misc = member_client.get(url, {"category": "Misc", "page": "2"})
     assert misc.context["page_obj"].paginator.count == 30 and misc.context["page_obj"].number == 1
     assert "calls/round" in first.content.decode()  # declared numeric fields
