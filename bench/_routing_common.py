@@ -58,6 +58,29 @@ def federation_simulation(args, name: str, **config):
     return dataset, simulation
 
 
+def played_rounds(simulation, first_seed: int, seeds: int):
+    """Each round of the federation `manage.py simulate` plays for each seed, as
+    (seed, outcome, probe, base): `outcome` the round's `federate` result (the clients'
+    submissions, the global it published), `probe` the public probe set's requests and `base` the
+    schema (round 1) or the global the clients pulled (later rounds), both as dcz dictionaries.
+    What a client ships against: probe + base in round 1, base later. Needs Django set up."""
+    from compendium import transport
+    from federation.simulation.runner import probe_requests
+
+    for seed in range(first_seed, first_seed + max(1, seeds)):
+        setup = simulation.prepare(seed)
+        outcomes = simulation.federate(setup.shares, setup.logs, setup.split.probe, seed)
+        probe = transport.probe_bytes(probe_requests(setup.split.probe))
+        pulled = None
+        for outcome in outcomes:
+            base = (
+                transport.schema_dictionary(simulation.schema) if pulled is None
+                else transport.global_dictionary(pulled)
+            )
+            yield seed, outcome, probe, base
+            pulled = outcome.global_compendium
+
+
 def cached_embed(engine, texts: list[str]) -> np.ndarray:
     """Embeddings of many texts, kept on disk per model so that reruns skip the model."""
     from routing.embeddings import embed_cached

@@ -26,7 +26,13 @@ import time
 import numpy as np
 
 # _routing_common also puts the repository on sys.path.
-from _routing_common import federation_parser, federation_simulation, print_table, write_json
+from _routing_common import (
+    federation_parser,
+    federation_simulation,
+    played_rounds,
+    print_table,
+    write_json,
+)
 
 os.environ.setdefault("DJANGO_SETTINGS_MODULE", "synapse_web.settings")
 
@@ -41,36 +47,25 @@ def main(argv: list[str] | None = None) -> int:
     django.setup()
     from compendium import transport
     from compendium.canonical import canonical_bytes
-    from federation.simulation.runner import probe_requests
 
     dataset, simulation = federation_simulation(args, "dcz_dictionaries", rounds=args.rounds)
-    schema = simulation.schema
     rows = []
     started = time.perf_counter()
-    for seed in range(args.seed, args.seed + max(1, args.seeds)):
-        setup = simulation.prepare(seed)
-        outcomes = simulation.federate(setup.shares, setup.logs, setup.split.probe, seed)
-        probe = transport.probe_bytes(probe_requests(setup.split.probe))
-        pulled = None
-        for outcome in outcomes:
-            bodies = [canonical_bytes(c) for c in outcome.submissions.values()]
-            base = (
-                transport.schema_dictionary(schema) if pulled is None
-                else transport.global_dictionary(pulled)
+    for seed, outcome, probe, base in played_rounds(simulation, args.seed, args.seeds):
+        bodies = [canonical_bytes(c) for c in outcome.submissions.values()]
+        first = outcome.round == 1
+        name = "schema" if first else "pulled global"
+        dictionaries = {name: base, f"probe + {name}": probe + base}
+        row = {"seed": seed, "round": outcome.round, "clients": len(bodies),
+               "raw": float(np.mean([len(b) for b in bodies])),
+               "gzip": float(np.mean([len(gzip.compress(b, 9, mtime=0)) for b in bodies]))}
+        for label, dictionary in dictionaries.items():
+            row[f"dcz: {label}"] = float(
+                np.mean([len(transport.compress(b, dictionary)) for b in bodies])
             )
-            name = "schema" if pulled is None else "pulled global"
-            dictionaries = {name: base, f"probe + {name}": probe + base}
-            row = {"seed": seed, "round": outcome.round, "clients": len(bodies),
-                   "raw": float(np.mean([len(b) for b in bodies])),
-                   "gzip": float(np.mean([len(gzip.compress(b, 9, mtime=0)) for b in bodies]))}
-            for label, dictionary in dictionaries.items():
-                row[f"dcz: {label}"] = float(
-                    np.mean([len(transport.compress(b, dictionary)) for b in bodies])
-                )
-            shipped = probe + base if pulled is None else base
-            row.update(section_bytes(list(outcome.submissions.values()), shipped))
-            rows.append(row)
-            pulled = outcome.global_compendium
+        shipped = probe + base if first else base
+        row.update(section_bytes(list(outcome.submissions.values()), shipped))
+        rows.append(row)
     columns = ["seed", "round", "raw", "gzip", "dcz: schema", "dcz: probe + schema",
                "dcz: pulled global", "dcz: probe + pulled global"]
     print_table(rows, columns)

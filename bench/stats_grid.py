@@ -19,7 +19,13 @@ import sys
 import time
 
 import numpy as np
-from _routing_common import federation_parser, federation_simulation, print_table, write_json
+from _routing_common import (
+    federation_parser,
+    federation_simulation,
+    played_rounds,
+    print_table,
+    write_json,
+)
 
 os.environ.setdefault("DJANGO_SETTINGS_MODULE", "synapse_web.settings")
 
@@ -53,7 +59,6 @@ def main(argv: list[str] | None = None) -> int:
     django.setup()
     from compendium import transport
     from compendium.canonical import canonical_bytes
-    from federation.simulation.runner import probe_requests
 
     _, simulation = federation_simulation(args, "stats_grid", rounds=args.rounds)
     fields = simulation.schema.fields_by_name
@@ -69,24 +74,15 @@ def main(argv: list[str] | None = None) -> int:
 
     rows = []
     started = time.perf_counter()
-    for seed in range(args.seed, args.seed + max(1, args.seeds)):
-        setup = simulation.prepare(seed)
-        outcomes = simulation.federate(setup.shares, setup.logs, setup.split.probe, seed)
-        probe = transport.probe_bytes(probe_requests(setup.split.probe))
-        pulled = None
-        for outcome in outcomes:
-            dictionary = (
-                probe + transport.schema_dictionary(simulation.schema) if pulled is None
-                else transport.global_dictionary(pulled)
-            )
-            row = {"seed": seed, "round": outcome.round}
-            for name, rule in RULES.items():
-                row[name] = float(np.mean([
-                    len(transport.compress(canonical_bytes(regrid(c, rule)), dictionary))
-                    for c in outcome.submissions.values()
-                ]))
-            rows.append(row)
-            pulled = outcome.global_compendium
+    for seed, outcome, probe, base in played_rounds(simulation, args.seed, args.seeds):
+        dictionary = probe + base if outcome.round == 1 else base
+        row = {"seed": seed, "round": outcome.round}
+        for name, rule in RULES.items():
+            row[name] = float(np.mean([
+                len(transport.compress(canonical_bytes(regrid(c, rule)), dictionary))
+                for c in outcome.submissions.values()
+            ]))
+        rows.append(row)
     print_table(rows, ["seed", "round", *RULES])
     mean = {name: round(float(np.mean([r[name] for r in rows])), 1) for name in RULES}
     print("dcz bytes per client per round:", mean)

@@ -65,6 +65,9 @@ def _bundled_path() -> str:
 
 
 def _resolve(model: str) -> str:
+    """The path or name sentence-transformers loads `model` from (every load goes through here,
+    so transformers' loading bars are turned off here too)."""
+    _no_loading_bars()
     if model in ("", DEFAULT_MODEL):
         return _bundled_path()
     return model
@@ -237,7 +240,6 @@ class EmbeddingEngine:
         self._lock = threading.Lock()
         os.environ.setdefault("HF_HUB_OFFLINE", "1")
         os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
-        _no_loading_bars()
         try:
             if self.model_name in (ONNX_INT8_MODEL, ONNX_INT8_DYNAMIC_MODEL):
                 dynamic = self.model_name == ONNX_INT8_DYNAMIC_MODEL
