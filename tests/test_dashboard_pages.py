@@ -743,7 +743,8 @@ def test_accuracy_page_draws_contradictions_cadence_curves_and_the_tau_and_summa
                     "merge_seconds_per_round": 12.5},
                    {"summarizer": "llm-single-shot", "seeds": 1, "accuracy": 0.76, "accuracy_sd": 0.0,
                     "merge_seconds_per_round": 40.0, "summaries": 120.0, "llm_summaries": 7.0,
-                    "summarizer_fallbacks": 113.0}]
+                    "summarizer_fallbacks": 113.0,
+                    "summarizer_fallback_kinds": {"llm-single-shot: unusable answer": 113.0}}]
     contradictions = [{"contradiction_fraction": share, "conflict_log": log, "seeds": 1,
                        "accuracy": a, "accuracy_sd": 0.0, "global_scenarios": n}
                       for share, log, a, n in ((0.4, False, 0.5, 1634.2), (0.0, True, 0.8, 500.0),
@@ -769,6 +770,7 @@ def test_accuracy_page_draws_contradictions_cadence_curves_and_the_tau_and_summa
     centroid, llm = table[: table.index("</table>")].split("<tr>")[2:]
     assert centroid.count("–") == 2  # a run from before the counts were kept: shown as unknown
     assert "120 (7)" in llm and ">113<" in llm  # an LLM wrote 7 of 120 summaries
+    assert "113 llm-single-shot: unusable answer" in llm  # and why the others fell back
     # The sweeps' figures as tables: per share, with and without the log side by side.
     table = body[body.index('id="accuracy-contradictions-table"'):]
     rows = table[: table.index("</table>")].split("<tr>")[2:]

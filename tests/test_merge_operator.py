@@ -450,6 +450,7 @@ def test_probe_extractive_picks_the_member_that_routes_the_probe_set(schema, emb
     assert len(weather) == 1 and "snow" in weather[0].text
     none = edge_merge(subs, schema, RoundConfig(summarizer="probe-extractive"), embed=embed)
     assert none.stats.summarizer_fallbacks[0]["reason"] == "no public probe set is loaded"
+    assert none.stats.summarizer_fallbacks[0]["kind"] == "no probe set"
 
 
 def test_annex_and_templates_deduplicated(schema, embed):

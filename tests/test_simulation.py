@@ -551,13 +551,20 @@ def test_the_summarizer_sweep_counts_what_the_llm_wrote_and_what_fell_back(tiny_
     centroid, llm = json.loads(out.read_text())["summarizer_sweep"]
     assert centroid["llm_summaries"] == 0 and centroid["summarizer_fallbacks"] == 0
     assert centroid["summaries"] > 0 and llm["summaries"] > 0
+    line = next(x for x in stdout.getvalue().splitlines() if x.strip().startswith("llm-single-shot"))
     if from_llm:
         assert llm["llm_summaries"] == llm["summaries"] and llm["summarizer_fallbacks"] == 0
+        assert llm["summarizer_fallback_kinds"] == {}
+        assert (f"an LLM wrote {llm['llm_summaries']:.0f} of {llm['summaries']:.0f} summaries "
+                "(0 fallbacks)") in line
     else:
         assert llm["llm_summaries"] == 0 and llm["summarizer_fallbacks"] == llm["summaries"]
-    line = next(x for x in stdout.getvalue().splitlines() if x.strip().startswith("llm-single-shot"))
-    assert (f"an LLM wrote {llm['llm_summaries']:.0f} of {llm['summaries']:.0f} summaries "
-            f"({llm['summarizer_fallbacks']:.0f} fallbacks)") in line
+        # why: every fallback was the answer (not JSON), none the endpoint
+        assert llm["summarizer_fallback_kinds"] == {
+            "llm-single-shot: unusable answer": llm["summarizer_fallbacks"]}
+        assert (f"an LLM wrote 0 of {llm['summaries']:.0f} summaries "
+                f"({llm['summarizer_fallbacks']:.0f} fallbacks: {llm['summarizer_fallbacks']:.0f} "
+                "llm-single-shot: unusable answer)") in line
 
 
 def test_contradictory_scenarios_with_and_without_the_conflict_log(twin_dataset, tmp_path):

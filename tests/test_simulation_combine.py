@@ -111,6 +111,23 @@ def test_screening_counts_add_up_over_the_combined_seeds():
     assert (row["dropped_adversarial"], row["adversarial_submissions"]) == (15, 16)
 
 
+def test_summarizer_fallback_causes_are_averaged_over_the_combined_seeds():
+    def sweep(seeds, kinds, fallbacks):
+        return [{"summarizer": "llm-single-shot", "seeds": len(seeds), "accuracy": 0.8,
+                 "accuracy_sd": 0.0, "accuracy_by_seed": [[s, 0.8] for s in seeds],
+                 "summaries": 10.0, "llm_summaries": 10.0 - fallbacks,
+                 "summarizer_fallbacks": fallbacks, "summarizer_fallback_kinds": kinds}]
+
+    a = doc([0, 1], [0.8, 0.8], 1.0, summarizer_sweep=sweep(
+        [0, 1], {"llm-single-shot: unusable answer": 3.0}, 3.0))
+    b = doc([2], [0.8], 1.0, summarizer_sweep=sweep(
+        [2], {"llm-single-shot: unusable answer": 3.0, "llm-single-shot: LLM unavailable": 3.0}, 6.0))
+    [row] = combine([a, b])["summarizer_sweep"]
+    assert row["summarizer_fallbacks"] == pytest.approx(4.0)  # (2 × 3 + 6) / 3 seeds
+    assert row["summarizer_fallback_kinds"] == {"llm-single-shot: LLM unavailable": 1.0,
+                                                "llm-single-shot: unusable answer": 3.0}
+
+
 @pytest.mark.parametrize(
     "second, message",
     [

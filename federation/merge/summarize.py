@@ -20,6 +20,7 @@ import json
 import os
 import re
 import tempfile
+from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
@@ -40,7 +41,18 @@ Embed = Callable[[Sequence[str]], np.ndarray]
 
 
 class SummaryUnparseable(ValueError):
-    """An LLM answer that does not contain a usable summary."""
+    """A summarizer that could not give a summary: an LLM answer without a usable one, or what
+    it needs is missing. `kind` names the cause in a word or two, so that fallbacks can be counted
+    by cause (`fallback_kinds`)."""
+
+    def __init__(self, message: str, kind: str = "unusable answer"):
+        super().__init__(message)
+        self.kind = kind
+
+
+def fallback_kind(exc: Exception) -> str:
+    """The cause of a summarizer's fallback, as counted in sweeps and shown on the dashboard."""
+    return exc.kind if isinstance(exc, SummaryUnparseable) else "LLM unavailable"
 
 
 @dataclass
@@ -187,7 +199,8 @@ class Summarizer:
             try:
                 text = getattr(self, "_" + method.replace("-", "_"))(cluster)
             except (SummaryUnparseable, LLMUnavailable) as exc:
-                notes.append({"summarizer": method, "tool_id": cluster.tool_id, "reason": str(exc)})
+                notes.append({"summarizer": method, "tool_id": cluster.tool_id, "reason": str(exc),
+                              "kind": fallback_kind(exc)})
                 continue
             self.fallbacks.extend(notes)
             self.counts[method] = self.counts.get(method, 0) + 1
@@ -234,7 +247,7 @@ class Summarizer:
 
     def _probe_extractive(self, cluster: Cluster) -> str:
         if self.context is None or not len(self.context.probe):
-            raise SummaryUnparseable("no public probe set is loaded")
+            raise SummaryUnparseable("no public probe set is loaded", kind="no probe set")
         if cluster.kind == "template":
             counts: dict[str, int] = {}
             for text in cluster.texts:
@@ -248,7 +261,7 @@ class Summarizer:
 
     def _require_llm(self) -> OpenAICompatibleLLM:
         if self.llm is None:
-            raise SummaryUnparseable("no LLM endpoint is configured")
+            raise SummaryUnparseable("no LLM endpoint is configured", kind="no LLM endpoint")
         return self.llm
 
     def _llm_single_shot(self, cluster: Cluster) -> str:
@@ -266,7 +279,8 @@ class Summarizer:
         llm = self._require_llm()
         if cluster.kind == "template":
             raise SummaryUnparseable(
-                "textgrad needs a task-success signal for templates; no executor is configured"
+                "textgrad needs a task-success signal for templates; no executor is configured",
+                kind="no template executor",
             )
         engine = _textgrad_engine(llm)
         import textgrad as tg
@@ -301,6 +315,13 @@ class Summarizer:
             if loss_value < best_loss:
                 best_text, best_loss = text, loss_value
         return best_text
+
+
+def fallback_kinds(stats: dict) -> dict[str, int]:
+    """From a merge's `MergeStats.as_dict()`: how many times a summarizer fell back, by cause
+    (records from before causes were kept count as "unrecorded")."""
+    return dict(Counter(f"{f.get('summarizer', '?')}: {f.get('kind', 'unrecorded')}"
+                        for f in stats.get("summarizer_fallbacks") or []))
 
 
 def summary_counts(stats: dict) -> dict[str, int | None]:

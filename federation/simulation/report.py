@@ -5,13 +5,13 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from collections import defaultdict
+from collections import Counter, defaultdict
 from collections.abc import Callable
 from typing import Any
 
 import numpy as np
 
-from federation.merge.summarize import LLM_SUMMARIZERS, summary_counts
+from federation.merge.summarize import LLM_SUMMARIZERS, fallback_kinds, summary_counts
 from federation.simulation.runner import (
     METHODS,
     SCREENING_KEYS,
@@ -240,9 +240,22 @@ def sweep(
                 **_mean_dicts([_merge_figures(r) for r in results]),
                 "accuracy_by_seed": [[seed, acc] for seed, acc in zip(seeds, last, strict=True)],
                 **_sums([r.screening for r in results]),
+                "summarizer_fallback_kinds": _fallback_kinds(results),
             }
         )
     return rows
+
+
+def _fallback_kinds(results) -> dict[str, float]:
+    """How many times a summarizer fell back, by summarizer and cause, over every edge and
+    server merge of a seed, mean over the seeds (as `summarizer_fallbacks`, their total;
+    `federation.merge.summarize.fallback_kinds`)."""
+    total: Counter = Counter()
+    for result in results:
+        for round_ in result.rounds:
+            for stats in (round_.get("merge") or {}).values():
+                total.update(fallback_kinds(stats))
+    return {kind: round(n / len(results), 4) for kind, n in sorted(total.items())} if results else {}
 
 
 def _merge_figures(result) -> dict[str, float]:
@@ -286,7 +299,7 @@ _SWEEP_FIGURES = {
 
 _MERGE_FIGURES = {
     "global_scenarios", "global_size_bytes", "dedup_rate", "merge_seconds_per_round", "summaries",
-    "llm_summaries", "summarizer_fallbacks",
+    "llm_summaries", "summarizer_fallbacks", "summarizer_fallback_kinds",
 }
 
 
@@ -321,7 +334,8 @@ def _combine_sweep(name: str, sections: list[list[dict]]) -> list[dict]:
         combined["accuracy_sd"] = (
             round(float(np.std(accuracies, ddof=1)), 4) if len(accuracies) > 1 else 0.0
         )
-        counted = {"seeds", "accuracy", "accuracy_sd", "accuracy_by_seed", *SCREENING_KEYS}
+        counted = {"seeds", "accuracy", "accuracy_sd", "accuracy_by_seed",
+                   "summarizer_fallback_kinds", *SCREENING_KEYS}
         combined.update(
             _weighted_means(
                 [{k: v for k, v in row.items() if _is_figure(k) and k not in counted} for row in rows],
@@ -329,6 +343,14 @@ def _combine_sweep(name: str, sections: list[list[dict]]) -> list[dict]:
             )
         )
         combined.update(_sums(rows))  # counts add up over the seeds
+        if any("summarizer_fallback_kinds" in row for row in rows):  # mean over all the seeds
+            kinds: Counter = Counter()
+            for row in rows:
+                for kind, n in (row.get("summarizer_fallback_kinds") or {}).items():
+                    kinds[kind] += n * row["seeds"]
+            combined["summarizer_fallback_kinds"] = {
+                kind: round(n / sum(weights), 4) for kind, n in sorted(kinds.items())
+            }
         combined["accuracy_by_seed"] = pairs
         out.append(combined)
     return out
@@ -449,9 +471,11 @@ def _sweep_lines(document: dict[str, Any]) -> list[str]:
     if rows:
         lines.append("summarizer sweep (final round, mean over seeds):")
         for row in rows:
+            kinds = row.get("summarizer_fallback_kinds") or {}
+            why = (": " + ", ".join(f"{n:.0f} {kind}" for kind, n in kinds.items())) if kinds else ""
             written = (
                 f"; an LLM wrote {row['llm_summaries']:.0f} of {row['summaries']:.0f} summaries "
-                f"({row.get('summarizer_fallbacks', 0):.0f} fallbacks)"
+                f"({row.get('summarizer_fallbacks', 0):.0f} fallbacks{why})"
                 if row["summarizer"] in LLM_SUMMARIZERS and "llm_summaries" in row else ""
             )
             lines.append(
