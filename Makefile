@@ -13,8 +13,13 @@ export TRANSFORMERS_OFFLINE := 1
 
 install: $(VENV)/.installed
 
+# torch==2.13.0 must be the CPU build: these machines' pip serves it; where plain PyPI would give
+# the multi-GB CUDA build, name the CPU index: make demo TORCH_INDEX=https://download.pytorch.org/whl/cpu
+TORCH_INDEX ?=
+
 $(VENV)/.installed: pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(if $(TORCH_INDEX),$(PY) -m pip install -q --disable-pip-version-check torch==2.13.0 --index-url $(TORCH_INDEX))
 	$(PY) -m pip install -q --disable-pip-version-check -e '.[dev]'
 	touch $@
 

@@ -537,7 +537,7 @@ def build_parser() -> argparse.ArgumentParser:
     submit.add_argument(
         "--since", default=None, metavar="GLOBAL",
         help="the global compendium last pulled (as for build --since): the body goes as dcz, "
-        "zstd against it, which the server also holds (about 30%% fewer bytes than gzip)",
+        "zstd against it, which the server also holds (about 37%% fewer bytes than gzip)",
     )
     submit.add_argument(
         "--schema", default=None,

@@ -702,6 +702,7 @@ def test_approve_scope(world, role, policy, expected):
     if expected == 200:
         token = response.json()["token"]
         assert services.client_for_token(token) == world.pending_a
+        assert response["Cache-Control"] == "no-store"  # no cache keeps the token
         # Shown once: the client listing never shows it again.
         listing = _api_for(world, role).get(f"/api/v1/admin/clients/{world.pending_a.pk}/")
         assert token not in listing.content.decode()
@@ -717,6 +718,7 @@ def test_rotate_scope(world, role, expected, open_round, valid_doc):
     old_works = post_doc(client_api(world.token_a), valid_doc).status_code == 201
     assert old_works == (expected != 200)
     if expected == 200:
+        assert response["Cache-Control"] == "no-store"
         assert post_doc(client_api(response.json()["token"]), valid_doc, key="k2").status_code == 201
 
 

@@ -525,6 +525,12 @@ class _ClientActionView(FederationGenericView):
         return get_object_or_404(self.get_queryset(), pk=pk)
 
 
+def _token_response(issued) -> Response:
+    """A freshly issued client token, shown once: no cache may keep the answer."""
+    return Response({"client": ClientSerializer(issued.client).data, "token": issued.token},
+                    headers={"Cache-Control": "no-store"})
+
+
 class ClientApproveView(_ClientActionView):
     @extend_schema(
         request=None,
@@ -533,7 +539,7 @@ class ClientApproveView(_ClientActionView):
     )
     def post(self, request, pk):
         issued = services.approve_client(actor_for(request), self.visible_client(pk))
-        return Response({"client": ClientSerializer(issued.client).data, "token": issued.token})
+        return _token_response(issued)
 
 
 class ClientRotateView(_ClientActionView):
@@ -544,7 +550,7 @@ class ClientRotateView(_ClientActionView):
     )
     def post(self, request, pk):
         issued = services.rotate_client_token(actor_for(request), self.visible_client(pk))
-        return Response({"client": ClientSerializer(issued.client).data, "token": issued.token})
+        return _token_response(issued)
 
 
 class ClientRevokeView(_ClientActionView):
