@@ -502,22 +502,20 @@ class Router:
             template=index.templates.get(tool),
             reranker=self.reranker,
             fallback_reason=fallback,
-            ranking=self.ranking(features, features.matrix[:, 0] if self.reranker == "none" else fused, chosen),
+            ranking=self.ranking(features, dense if self.reranker == "none" else fused, pos),
         )
 
     RANKED = 5  # tools a decision's ranking lists
 
-    def ranking(self, features: _Features, scores: np.ndarray, chosen: int) -> list[dict]:
+    def ranking(self, features: _Features, scores: np.ndarray, pos: int) -> list[dict]:
         """The best-scored candidate tools (the chosen one always among them), each with the
         score the decision ranked by (fusion: the fitted weights over the features; none: the
         best cosine) and what went into it: the best cosine of any of its scenarios, whether it
         has any scenario in the compendium (`backed`: false for a tool only the linear head
         knows, from the public probe set), the head's probability when there is a head, and
         whether a precaution of the tool matched the query."""
-        order = [int(i) for i in np.argsort(-scores, kind="stable")]
-        top = order[: self.RANKED]
-        pos = int(np.flatnonzero(features.tools == chosen)[0])
-        if pos not in top:
+        top = [int(i) for i in np.argsort(-scores, kind="stable")[: self.RANKED]]
+        if pos not in top:  # `pos`: the chosen tool's row
             top[-1] = pos
         out = []
         for row in top:
@@ -538,7 +536,8 @@ class Router:
         self, query: str, vector: np.ndarray, top_k: int = 5
     ) -> tuple[np.ndarray, np.ndarray]:
         """The candidate tools (positions in `index.tool_names`) of a query and their fused
-        scores (`none`: their best cosine), as `decide` ranks them."""
+        scores (`none`: their best cosine) with `top_k` scenarios voting: as `decide` ranks them
+        when `top_k` is the params' (`RoutingParams.top_k`, what `decide` always uses)."""
         idx, scores = self.retriever(vector, self._pool(top_k))
         if len(idx) == 0 and not self._head_alone():
             return np.zeros(0, dtype=np.int64), np.zeros(0)

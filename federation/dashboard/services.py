@@ -227,6 +227,17 @@ def global_versions(user) -> QuerySet:
     return versions.defer("content").order_by("-round__number")
 
 
+def round_number(raw: str | None) -> int | None:
+    """A `?round=N` parameter as a round number (None when absent). Raises BadRequest unless it
+    is a whole number of at least 1 written in ASCII digits."""
+    raw = (raw or "").strip()
+    if not raw:
+        return None
+    if not (raw.isascii() and raw.isdigit()) or len(raw) > 9 or int(raw) < 1:
+        raise BadRequest(f"round must be a round number, not {raw[:40]!r}")
+    return int(raw)
+
+
 def choose_global_version(user, round_param: str | None) -> CompendiumVersion | None:
     """The version of `?round=N` (or the latest one when absent); None when there is none.
 
@@ -234,13 +245,8 @@ def choose_global_version(user, round_param: str | None) -> CompendiumVersion | 
     a global compendium this user may see.
     """
     versions = global_versions(user)
-    if round_param in (None, ""):
-        return versions.first()
-    try:
-        number = int(round_param)
-    except ValueError:
-        raise BadRequest(f"round must be a round number, not {round_param[:40]!r}") from None
-    return versions.get(round__number=number)
+    number = round_number(round_param)
+    return versions.first() if number is None else versions.get(round__number=number)
 
 
 @dataclass
@@ -585,11 +591,12 @@ def _summary_figures(stats: dict) -> dict:
 
 def audit_entries(organizations: QuerySet, *, operator: bool, filters: dict) -> QuerySet:
     """Audit entries the user may see (operator: all; others: their organizations' entries),
-    filtered by action, organization slug, actor (substring), and date range (`since`, `until`,
-    ISO dates, inclusive). Raises BadRequest naming a malformed filter."""
-    import datetime as dt
-
+    filtered by action, organization slug, actor (substring), and period (`since`, `until`: dates,
+    inclusive, or datetimes, as the API takes them: `federation.services.audit_period_filter`).
+    Raises BadRequest naming a malformed filter."""
+    from federation.errors import InvalidRequest
     from federation.models import AuditLog
+    from federation.services import audit_period_filter
 
     entries = AuditLog.objects.select_related("organization")
     if not operator:
@@ -605,14 +612,13 @@ def audit_entries(organizations: QuerySet, *, operator: bool, filters: dict) -> 
     actor = (filters.get("actor") or "").strip()
     if actor:
         entries = entries.filter(actor_label__icontains=actor)
-    for key, lookup in (("since", "created_at__date__gte"), ("until", "created_at__date__lte")):
+    for key in ("since", "until"):
         raw = (filters.get(key) or "").strip()
         if raw:
             try:
-                day = dt.date.fromisoformat(raw)
-            except ValueError:
-                raise BadRequest(f"{key} must be a date YYYY-MM-DD, not {raw[:40]!r}") from None
-            entries = entries.filter(**{lookup: day})
+                entries = entries.filter(**audit_period_filter(key, raw))
+            except InvalidRequest as error:
+                raise BadRequest(str(error)) from None
     return entries.order_by("-created_at", "-id")
 
 

@@ -326,13 +326,10 @@ class PrivacyView(DashboardView):
                     request, f"epsilon must be a finite number of at least {MIN_EPSILON:g}",
                     self.nav_key,
                 )
-        raw_round = request.GET.get("round", "").strip()
-        self.ledger_round = None
-        if raw_round:
-            if not (raw_round.isascii() and raw_round.isdigit()) or len(raw_round) > 9 or int(raw_round) < 1:
-                return bad_request(request, f"round must be a round number, not {raw_round[:40]!r}",
-                                   self.nav_key)
-            self.ledger_round = int(raw_round)
+        try:
+            self.ledger_round = services.round_number(request.GET.get("round"))
+        except services.BadRequest as error:
+            return bad_request(request, str(error), self.nav_key)
         self.ledger_tool = request.GET.get("tool", "").strip()[:128]
         return super().get(request, *args, **kwargs)
 
