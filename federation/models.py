@@ -249,6 +249,12 @@ class AuditLog(models.Model):
         SETTINGS_CHANGE = "settings.change"
         MEMBERSHIP_SET = "membership.set"
         CONFLICT_DECIDE = "conflict.decide"
+        PERSON_ADD = "person.add"
+        PERSON_ROLE = "person.role"
+        PERSON_PASSWORD_RESET = "person.password_reset"
+        PERSON_DEACTIVATE = "person.deactivate"
+        PERSON_REACTIVATE = "person.reactivate"
+        PASSWORD_CHANGE = "person.password_change"
 
     created_at = models.DateTimeField(auto_now_add=True, db_index=True)
     actor = models.ForeignKey(

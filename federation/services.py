@@ -10,6 +10,7 @@ from __future__ import annotations
 import datetime as dt
 import hashlib
 import math
+import re
 import secrets
 import time
 from dataclasses import dataclass
@@ -396,6 +397,10 @@ def create_organization(
     slug = slug or slugify(name)[:slug_limit].strip("-")
     if not name or not slug:
         raise InvalidRequest("an organization needs a name (and a slug made of letters/digits)")
+    if not re.fullmatch(r"[-a-zA-Z0-9_]+", slug):
+        raise InvalidRequest(
+            f"slug {slug!r}: use letters, digits, hyphens and underscores only (it is part of URLs)"
+        )
     if len(name) > name_limit or len(slug) > slug_limit:
         raise InvalidRequest(
             f"an organization's name is at most {name_limit} characters and its slug at most "

@@ -4,6 +4,8 @@ from django.http import JsonResponse
 from django.urls import include, path
 from drf_spectacular.views import SpectacularAPIView, SpectacularSwaggerView
 
+from federation.dashboard.views import PasswordChangeView
+
 
 def health(request):
     return JsonResponse({"status": "ok"})
@@ -17,6 +19,9 @@ urlpatterns = [
     path("admin/", admin.site.urls),
     path("accounts/login/", auth_views.LoginView.as_view(), name="login"),
     path("accounts/logout/", auth_views.LogoutView.as_view(), name="logout"),
+    path(
+        "accounts/password_change/", PasswordChangeView.as_view(), name="password_change"
+    ),
     path("healthz", health, name="health"),
     path("api/v1/", include("federation.api.urls")),
     path("api-auth/", include("rest_framework.urls")),  # login for the browsable API

@@ -4,7 +4,14 @@ from __future__ import annotations
 
 from rest_framework import serializers
 
-from federation.models import AuditLog, Client, FederationSettings, Organization, Round
+from federation.models import (
+    AuditLog,
+    Client,
+    FederationSettings,
+    Membership,
+    Organization,
+    Round,
+)
 from federation.round_config import RoundConfig
 
 
@@ -157,6 +164,46 @@ class RevokeSerializer(serializers.Serializer):
 class IssuedTokenSerializer(serializers.Serializer):
     client = ClientSerializer()
     token = serializers.CharField(help_text="shown once; store it now, only its hash is kept")
+
+
+class PersonSerializer(serializers.ModelSerializer):
+    """A person of an organization (its membership and login); never the password."""
+
+    id = serializers.IntegerField(source="user.id", read_only=True)
+    username = serializers.CharField(source="user.username", read_only=True)
+    email = serializers.CharField(source="user.email", read_only=True)
+    organization = serializers.SlugRelatedField(slug_field="slug", read_only=True)
+    is_active = serializers.BooleanField(source="user.is_active", read_only=True)
+    last_login = serializers.DateTimeField(source="user.last_login", read_only=True)
+    date_joined = serializers.DateTimeField(source="user.date_joined", read_only=True)
+
+    class Meta:
+        model = Membership
+        fields = [
+            "id", "username", "email", "organization", "role", "is_active", "last_login",
+            "date_joined",
+        ]
+
+
+class AddPersonSerializer(serializers.Serializer):
+    organization = serializers.SlugField(
+        required=False, help_text="slug; needed by the operator, implied for an organization admin"
+    )
+    username = serializers.CharField(max_length=150)
+    email = serializers.CharField(max_length=254, required=False, allow_blank=True, default="")
+    role = serializers.ChoiceField(choices=Membership.Role.choices, default=Membership.Role.MEMBER)
+
+
+class ChangePersonSerializer(serializers.Serializer):
+    role = serializers.ChoiceField(choices=Membership.Role.choices, required=False)
+    is_active = serializers.BooleanField(required=False)
+
+
+class IssuedPasswordSerializer(serializers.Serializer):
+    person = PersonSerializer()
+    password = serializers.CharField(
+        help_text="shown once; hand it to the person, who can change it after signing in"
+    )
 
 
 class AuditLogSerializer(serializers.ModelSerializer):

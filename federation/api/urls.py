@@ -24,6 +24,13 @@ urlpatterns = [
     path("admin/clients/<int:pk>/approve/", views.ClientApproveView.as_view(), name="client-approve"),
     path("admin/clients/<int:pk>/rotate/", views.ClientRotateView.as_view(), name="client-rotate"),
     path("admin/clients/<int:pk>/revoke/", views.ClientRevokeView.as_view(), name="client-revoke"),
+    path("admin/people/", views.PersonListView.as_view(), name="people"),
+    path("admin/people/<int:pk>/", views.PersonDetailView.as_view(), name="person-detail"),
+    path(
+        "admin/people/<int:pk>/reset-password/",
+        views.PersonResetPasswordView.as_view(),
+        name="person-reset-password",
+    ),
     path("admin/audit/", views.AuditLogView.as_view(), name="audit"),
     path("admin/rounds/", views.RoundOpenView.as_view(), name="round-open"),
     path("admin/rounds/<int:pk>/close/", views.RoundCloseView.as_view(), name="round-close"),

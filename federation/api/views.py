@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from django.db import transaction
 from django.http import FileResponse, HttpResponse
 from django.shortcuts import get_object_or_404
 from django.utils.decorators import method_decorator
@@ -19,7 +20,7 @@ from rest_framework.response import Response
 from rest_framework.views import APIView
 
 from compendium.models import CompendiumVersion
-from federation import services, submissions
+from federation import people, services, submissions
 from federation.api.authentication import (
     ANY_AUTH,
     CLIENT_AUTH,
@@ -29,7 +30,9 @@ from federation.api.authentication import (
     UserTokenAuthentication,
 )
 from federation.api.serializers import (
+    AddPersonSerializer,
     AuditLogSerializer,
+    ChangePersonSerializer,
     ClientSerializer,
     DetailSerializer,
     EnrollSerializer,
@@ -37,15 +40,17 @@ from federation.api.serializers import (
     FederationSettingsSerializer,
     GlobalCompendiumSerializer,
     InvalidSubmissionSerializer,
+    IssuedPasswordSerializer,
     IssuedTokenSerializer,
     OrganizationSerializer,
+    PersonSerializer,
     RevokeSerializer,
     RoundConfigSerializer,
     RoundSerializer,
     SubmissionResultSerializer,
 )
 from federation.errors import FederationError, InvalidRequest, NotAllowed
-from federation.models import AuditLog, Client, Organization, Round
+from federation.models import AuditLog, Client, Membership, Organization, Round
 
 DETAIL = OpenApiResponse(DetailSerializer)
 
@@ -448,6 +453,20 @@ class OrganizationListView(FederationView, generics.ListCreateAPIView):
         return Response(OrganizationSerializer(org).data, status=201)
 
 
+def _target_organization(request, slug: str | None) -> Organization:
+    """The organization a person's POST acts on: the slug given (one they may see), else their
+    own; the operator, a member of none, must name one."""
+    if slug:
+        organization = Organization.objects.filter(slug=slug).first()
+        if organization is None or not services.can_view(actor_for(request), organization.pk):
+            raise InvalidRequest(f"no organization {slug!r} that you may manage")
+        return organization
+    membership = services.membership_of(request.user)
+    if membership is None:
+        raise InvalidRequest("organization (slug) is required")
+    return membership.organization
+
+
 @extend_schema(
     parameters=[
         OpenApiParameter("status", str, enum=Client.Status.values),
@@ -482,16 +501,7 @@ class ClientListView(FederationGenericView, generics.ListAPIView):
         data = EnrollSerializer(data=request.data)
         data.is_valid(raise_exception=True)
         actor = actor_for(request)
-        slug = data.validated_data.get("organization")
-        membership = services.membership_of(request.user)
-        if slug:
-            organization = Organization.objects.filter(slug=slug).first()
-            if organization is None or not services.can_view(actor, organization.pk):
-                raise InvalidRequest(f"no organization {slug!r} that you may manage")
-        elif membership is not None:
-            organization = membership.organization
-        else:
-            raise InvalidRequest("organization (slug) is required")
+        organization = _target_organization(request, data.validated_data.get("organization"))
         client = services.enroll_client(
             actor,
             organization,
@@ -566,6 +576,102 @@ class ClientRevokeView(_ClientActionView):
             actor_for(request), self.visible_client(pk), data.validated_data["reason"]
         )
         return Response(ClientSerializer(client).data)
+
+
+@extend_schema(
+    parameters=[
+        OpenApiParameter("organization", str, description="organization slug"),
+        OpenApiParameter("role", str, enum=Membership.Role.values),
+    ]
+)
+class PersonListView(FederationGenericView, generics.ListAPIView):
+    """The people of the organizations the caller may see; POST adds a login (operator, or an
+    admin of the organization) and answers its generated password once."""
+
+    authentication_classes = PEOPLE_AUTH
+    permission_classes = [IsPerson]
+    serializer_class = PersonSerializer
+
+    def get_queryset(self):
+        queryset = people.people(self.request.user)
+        params = self.request.query_params
+        if params.get("role"):
+            if params["role"] not in Membership.Role.values:
+                raise InvalidRequest(f"role must be one of {', '.join(Membership.Role.values)}")
+            queryset = queryset.filter(role=params["role"])
+        if params.get("organization"):
+            queryset = queryset.filter(organization__slug=params["organization"])
+        return queryset
+
+    @extend_schema(
+        request=AddPersonSerializer,
+        responses={201: IssuedPasswordSerializer, 400: DETAIL, 403: DETAIL, 409: DETAIL},
+        summary="Add a person to an organization; the generated password is in the answer, once",
+    )
+    def post(self, request):
+        data = AddPersonSerializer(data=request.data)
+        data.is_valid(raise_exception=True)
+        organization = _target_organization(request, data.validated_data.get("organization"))
+        issued = people.add_person(
+            actor_for(request),
+            organization,
+            data.validated_data["username"],
+            data.validated_data["role"],
+            data.validated_data["email"],
+        )
+        return _password_response(issued, status=201)
+
+
+def _password_response(issued, status: int = 200) -> Response:
+    """A freshly issued password, shown once: no cache may keep the answer."""
+    body = {"person": PersonSerializer(issued.membership).data, "password": issued.password}
+    return Response(body, status=status, headers={"Cache-Control": "no-store"})
+
+
+class _PersonView(FederationGenericView):
+    """A person visible to the caller (else 404), addressed by the user's id."""
+
+    authentication_classes = PEOPLE_AUTH
+    permission_classes = [IsPerson]
+    serializer_class = PersonSerializer
+
+    def visible_person(self, pk) -> Membership:
+        return get_object_or_404(people.people(self.request.user), user_id=pk)
+
+
+class PersonDetailView(_PersonView):
+    @extend_schema(responses={200: PersonSerializer, 404: DETAIL})
+    def get(self, request, pk):
+        return Response(PersonSerializer(self.visible_person(pk)).data)
+
+    @extend_schema(
+        request=ChangePersonSerializer,
+        responses={200: PersonSerializer, 400: DETAIL, 403: DETAIL, 404: DETAIL},
+        summary="Change a person's role or deactivate / reactivate their login",
+    )
+    def patch(self, request, pk):
+        membership = self.visible_person(pk)
+        data = ChangePersonSerializer(data=request.data)
+        data.is_valid(raise_exception=True)
+        if not data.validated_data:
+            raise InvalidRequest("nothing to change: send role and/or is_active")
+        actor = actor_for(request)
+        with transaction.atomic():
+            if "role" in data.validated_data:
+                people.set_role(actor, membership, data.validated_data["role"])
+            if "is_active" in data.validated_data:
+                people.set_active(actor, membership, data.validated_data["is_active"])
+        return Response(PersonSerializer(self.visible_person(pk)).data)
+
+
+class PersonResetPasswordView(_PersonView):
+    @extend_schema(
+        request=None,
+        responses={200: IssuedPasswordSerializer, 403: DETAIL, 404: DETAIL},
+        summary="Give a person a new password (the old one and their sessions stop); shown once",
+    )
+    def post(self, request, pk):
+        return _password_response(people.reset_password(actor_for(request), self.visible_person(pk)))
 
 
 @extend_schema(

@@ -13,6 +13,17 @@ urlpatterns = [
     path("organizations/", views.OrganizationListView.as_view(), name="organizations"),
     path("organizations/<slug:slug>/", views.OrganizationView.as_view(), name="organization"),
     path(
+        "organizations/<slug:slug>/people/add/",
+        views.PersonActionView.as_view(),
+        {"action": "add"},
+        name="person-add",
+    ),
+    path(
+        "organizations/<slug:slug>/people/<int:user_id>/<str:action>/",
+        views.PersonActionView.as_view(),
+        name="person-action",
+    ),
+    path(
         "organizations/<slug:slug>/enroll/",
         views.OrganizationActionView.as_view(),
         {"action": "enroll"},

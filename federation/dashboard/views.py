@@ -3,26 +3,36 @@
 from __future__ import annotations
 
 from django.contrib import messages
+from django.contrib.auth import views as auth_views
 from django.core.exceptions import ObjectDoesNotExist
 from django.core.paginator import Paginator
 from django.db.models import Count, Q
 from django.http import Http404
 from django.shortcuts import get_object_or_404, redirect, render
-from django.urls import reverse
+from django.urls import reverse, reverse_lazy
 from django.utils.http import url_has_allowed_host_and_scheme
 from pydantic import ValidationError
 
 from compendium.models import NumericField, Tool
+from federation import people
 from federation.conflicts import decide_conflict
 from federation.dashboard import services
 from federation.dashboard.scoping import DashboardView
 from federation.errors import FederationError, InvalidRequest, NotAllowed
-from federation.models import AuditLog, Client, ConflictDecision, ConflictLogEntry, Round
+from federation.models import (
+    AuditLog,
+    Client,
+    ConflictDecision,
+    ConflictLogEntry,
+    Membership,
+    Round,
+)
 from federation.round_config import MIN_EPSILON, RoundConfig
 from federation.services import (
     Actor,
     approve_client,
     close_round,
+    create_organization,
     enroll_client,
     get_settings,
     open_round,
@@ -171,10 +181,26 @@ class ActionView(DashboardView):
 # --- organizations -------------------------------------------------------------------------------
 
 
-class OrganizationListView(DashboardView):
+class OrganizationListView(ActionView):
+    """The visible organizations; the operator creates one with a POST here."""
+
+    http_method_names = ["get", "head", "post"]
     template_name = "dashboard/organizations.html"
     nav_key = "organizations"
     title = "Organizations"
+
+    def act(self, request):
+        organization = create_organization(
+            actor_for(request),
+            request.POST.get("name", ""),
+            request.POST.get("slug", "").strip(),
+            request.POST.get("description", "")[:2000],
+        )
+        messages.success(
+            request,
+            f"Organization {organization.name} created. Add its first admin under People.",
+        )
+        return redirect("dashboard:organization", slug=organization.slug)
 
     def get_context_data(self, **kwargs):
         context = super().get_context_data(**kwargs)
@@ -198,6 +224,8 @@ class OrganizationView(DashboardView):
         context.update(
             organization=organization,
             page_title=organization.name,
+            people=people.people(self.request.user, organization),
+            roles=Membership.Role.choices,
             org=services.organization_page(organization, actor_for(self.request)),
             allow_admin_approval=get_settings().allow_admin_approval,
         )
@@ -235,6 +263,66 @@ class OrganizationActionView(ActionView, OrganizationView):
         context.update(issued_token=token, issued_client=client, issued_action=action)
         response = self.render_to_response(context)
         response["Cache-Control"] = "no-store"
+        return response
+
+
+class PersonActionView(ActionView, OrganizationView):
+    """add / role / reset-password / deactivate / reactivate a person of the organization; a new
+    password is shown once, in this response only."""
+
+    def act(self, request, slug, action, user_id=None):
+        organization = self.get_organization_or_404(slug=slug)
+        actor = actor_for(request)
+        if action == "add":
+            issued = people.add_person(
+                actor,
+                organization,
+                request.POST.get("username", "")[:200],
+                request.POST.get("role", Membership.Role.MEMBER),
+                request.POST.get("email", "")[:254],
+            )
+        else:
+            membership = get_object_or_404(
+                people.people(request.user, organization), user_id=user_id
+            )
+            name = membership.user.get_username()
+            if action == "role":
+                people.set_role(actor, membership, request.POST.get("role", ""))
+                messages.success(request, f"{name} is now {membership.get_role_display()}.")
+                issued = None
+            elif action in ("deactivate", "reactivate"):
+                people.set_active(actor, membership, action == "reactivate")
+                messages.success(
+                    request,
+                    f"{name} reactivated." if action == "reactivate" else
+                    f"{name} deactivated: their sign-in, sessions and personal API tokens stopped.",
+                )
+                issued = None
+            elif action == "reset-password":
+                issued = people.reset_password(actor, membership)
+            else:
+                raise Http404("unknown action")
+        if issued is None:
+            return redirect(reverse("dashboard:organization", args=[organization.slug]) + "#people")
+        context = self.get_context_data(slug=slug)
+        context.update(issued_password=issued.password, issued_person=issued.membership,
+                       issued_action=action)
+        response = self.render_to_response(context)
+        response["Cache-Control"] = "no-store"
+        return response
+
+
+class PasswordChangeView(auth_views.PasswordChangeView):
+    """A signed-in person changes their own password (the current one first); audited. Their
+    other sessions end; this one stays signed in."""
+
+    template_name = "registration/password_change_form.html"
+    success_url = reverse_lazy("dashboard:overview")
+
+    def form_valid(self, form):
+        response = super().form_valid(form)
+        people.password_changed(actor_for(self.request))
+        messages.success(self.request, "Your password was changed.")
         return response
 
 

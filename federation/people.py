@@ -1,0 +1,204 @@
+"""People of an organization: adding a login, its role, a fresh password, deactivating it.
+
+The operator acts on every organization, an organization admin on its own. Nobody changes their
+own role, activity or password here (a person changes their own password after signing in, with
+the current one: `synapse_web.urls`' password change page), so an admin cannot lock themselves
+out and an organization keeps the admin who acted. A new or reset password is returned once and
+stored only as a hash; every change is audited.
+"""
+
+from __future__ import annotations
+
+import secrets
+from dataclasses import dataclass
+
+from django.contrib.auth import get_user_model
+from django.core.exceptions import ValidationError
+from django.core.validators import validate_email
+from django.db import IntegrityError, transaction
+from django.utils import timezone
+
+from federation.errors import Conflict, InvalidRequest, NotAllowed, NotFound
+from federation.models import AuditLog, Membership, Organization, UserToken
+from federation.services import Actor, audit, can_admin, membership_of, visible_organization_ids
+
+
+@dataclass(frozen=True)
+class IssuedPassword:
+    membership: Membership
+    password: str  # shown once; only its hash is stored
+
+
+def people(user, organization: Organization | None = None):
+    """The memberships `user` may see (the operator: every organization's), with their users."""
+    queryset = Membership.objects.select_related("user", "organization").order_by(
+        "organization__name", "user__username"
+    )
+    visible = visible_organization_ids(user)
+    if visible is not None:
+        queryset = queryset.filter(organization_id__in=visible)
+    if organization is not None:
+        queryset = queryset.filter(organization=organization)
+    return queryset
+
+
+def _new_password() -> str:
+    return secrets.token_urlsafe(12)
+
+
+def _require_admin(actor: Actor, organization: Organization, what: str) -> None:
+    if not can_admin(actor, organization.pk):
+        raise NotAllowed(f"only an admin of this organization (or the operator) may {what}")
+
+
+def _role(role: str) -> str:
+    if role not in Membership.Role.values:
+        raise InvalidRequest(f"role must be one of {', '.join(Membership.Role.values)}")
+    return role
+
+
+def _locked(membership: Membership | int) -> Membership:
+    pk = membership.pk if isinstance(membership, Membership) else membership
+    try:
+        return (
+            Membership.objects.select_for_update(of=("self",))
+            .select_related("user", "organization")
+            .get(pk=pk)
+        )
+    except Membership.DoesNotExist as exc:
+        raise NotFound("no such person") from exc
+
+
+def _not_self(actor: Actor, membership: Membership, what: str) -> None:
+    if actor.user is not None and actor.user.pk == membership.user_id:
+        raise NotAllowed(
+            f"you cannot {what} yourself; another admin of the organization or the operator can"
+        )
+
+
+def _details(membership: Membership, **extra) -> dict:
+    return {"user": membership.user.get_username(), "role": membership.role, **extra}
+
+
+@transaction.atomic
+def add_person(
+    actor: Actor, organization: Organization, username: str, role: str, email: str = ""
+) -> IssuedPassword:
+    """A new login in `organization` with a generated password (returned once)."""
+    _require_admin(actor, organization, "add people")
+    user_model = get_user_model()
+    username = username.strip()
+    email = email.strip()
+    limit = user_model._meta.get_field(user_model.USERNAME_FIELD).max_length
+    if not username:
+        raise InvalidRequest("a person needs a username")
+    if len(username) > limit:
+        raise InvalidRequest(f"a username is at most {limit} characters")
+    try:
+        user_model.username_validator(username)
+    except ValidationError as exc:
+        raise InvalidRequest(f"username {username!r}: {' '.join(exc.messages)}") from None
+    if email:
+        try:
+            validate_email(email)
+        except ValidationError:
+            raise InvalidRequest(f"{email!r} is not an e-mail address") from None
+    _role(role)
+    if user_model.objects.filter(username__iexact=username).exists():
+        raise Conflict(f"a login named {username!r} exists; choose another username")
+    password = _new_password()
+    try:
+        with transaction.atomic():
+            user = user_model.objects.create_user(username=username, email=email, password=password)
+    except IntegrityError as exc:  # a concurrent add of the same name
+        raise Conflict(f"a login named {username!r} exists; choose another username") from exc
+    membership = Membership.objects.create(user=user, organization=organization, role=role)
+    audit(
+        actor,
+        AuditLog.Action.PERSON_ADD,
+        target=membership,
+        organization=organization,
+        details=_details(membership, email=email),
+    )
+    return IssuedPassword(membership, password)
+
+
+@transaction.atomic
+def set_role(actor: Actor, membership: Membership | int, role: str) -> Membership:
+    membership = _locked(membership)
+    _require_admin(actor, membership.organization, "change roles")
+    _not_self(actor, membership, "change the role of")
+    previous = membership.role
+    if _role(role) == previous:
+        return membership
+    membership.role = role
+    membership.save(update_fields=["role"])
+    audit(
+        actor,
+        AuditLog.Action.PERSON_ROLE,
+        target=membership,
+        organization=membership.organization,
+        details=_details(membership, previous_role=previous),
+    )
+    return membership
+
+
+@transaction.atomic
+def reset_password(actor: Actor, membership: Membership | int) -> IssuedPassword:
+    """A fresh password (returned once); the old one and the person's open sessions stop."""
+    membership = _locked(membership)
+    _require_admin(actor, membership.organization, "reset passwords")
+    _not_self(actor, membership, "reset the password of")
+    password = _new_password()
+    user = membership.user
+    # Changing the hash also ends the person's sessions: each session carries a hash of it.
+    user.set_password(password)
+    user.save(update_fields=["password"])
+    audit(
+        actor,
+        AuditLog.Action.PERSON_PASSWORD_RESET,
+        target=membership,
+        organization=membership.organization,
+        details=_details(membership),
+    )
+    return IssuedPassword(membership, password)
+
+
+@transaction.atomic
+def set_active(actor: Actor, membership: Membership | int, active: bool) -> Membership:
+    """Deactivate (sign-in, sessions and personal API tokens stop at once) or reactivate."""
+    membership = _locked(membership)
+    verb = "reactivate" if active else "deactivate"
+    _require_admin(actor, membership.organization, f"{verb} people")
+    _not_self(actor, membership, verb)
+    user = membership.user
+    if user.is_active == active:
+        return membership
+    user.is_active = active
+    user.save(update_fields=["is_active"])
+    revoked = 0
+    if not active:
+        revoked = UserToken.objects.filter(user=user, revoked_at__isnull=True).update(
+            revoked_at=timezone.now()
+        )
+    audit(
+        actor,
+        AuditLog.Action.PERSON_REACTIVATE if active else AuditLog.Action.PERSON_DEACTIVATE,
+        target=membership,
+        organization=membership.organization,
+        details=_details(membership, **({} if active else {"tokens_revoked": revoked})),
+    )
+    return membership
+
+
+def password_changed(actor: Actor) -> None:
+    """Audit a person changing their own password (the page has checked the old one)."""
+    membership = membership_of(actor.user)
+    audit(
+        actor,
+        AuditLog.Action.PASSWORD_CHANGE,
+        target=actor.user,
+        target_type="user",
+        target_label=actor.name,
+        organization=membership.organization if membership else None,
+    )

@@ -1,0 +1,342 @@
+"""People of an organization: adding logins, roles, password resets, deactivation and a person's
+own password change, through the services, the API and the dashboard, for every role."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from django.contrib.auth import get_user_model
+from django.test import Client as BrowserClient
+from django.urls import reverse
+from rest_framework.test import APIClient
+
+from federation import people, services
+from federation.errors import Conflict, InvalidRequest, NotAllowed
+from federation.models import AuditLog, Membership, Organization, UserToken
+from tests.federation_fixtures import SYSTEM
+
+pytestmark = pytest.mark.django_db
+
+PEOPLE = "/api/v1/admin/people/"
+
+
+def person_api(user) -> APIClient:
+    api = APIClient()
+    api.credentials(HTTP_AUTHORIZATION=f"Bearer {services.issue_user_token(SYSTEM, user)}")
+    return api
+
+
+def signs_in(username: str, password: str) -> bool:
+    browser = BrowserClient()
+    response = browser.post(reverse("login"), {"username": username, "password": password})
+    return response.status_code == 302 and "_auth_user_id" in browser.session
+
+
+def membership(user) -> Membership:
+    return Membership.objects.select_related("user", "organization").get(user=user)
+
+
+# --- services ----------------------------------------------------------------------------------
+
+
+def test_an_admin_adds_a_person_whose_password_works_once_issued(world):
+    issued = people.add_person(
+        world.actor(world.admin_a), world.org_a, "carol", "member", "carol@a.example"
+    )
+    user = issued.membership.user
+    assert issued.membership.organization == world.org_a and issued.membership.role == "member"
+    assert user.email == "carol@a.example" and issued.password not in user.password
+    assert signs_in("carol", issued.password)
+    entry = AuditLog.objects.get(action="person.add")
+    assert entry.actor == world.admin_a and entry.organization == world.org_a
+    assert entry.details == {"user": "carol", "role": "member", "email": "carol@a.example"}
+    assert issued.password not in json.dumps(entry.details)
+
+
+@pytest.mark.parametrize(
+    ("username", "email", "role", "error", "words"),
+    [
+        ("", "", "member", InvalidRequest, "needs a username"),
+        ("has space", "", "member", InvalidRequest, "username 'has space'"),
+        ("x" * 151, "", "member", InvalidRequest, "at most 150"),
+        ("dora", "not-an-address", "member", InvalidRequest, "not an e-mail"),
+        ("dora", "", "owner", InvalidRequest, "role must be one of admin, member"),
+        ("ADMIN_A", "", "member", Conflict, "exists"),  # usernames differ by more than case
+    ],
+)
+def test_adding_a_person_refuses_bad_input_and_stores_nothing(world, username, email, role, error, words):
+    before = get_user_model().objects.count()
+    with pytest.raises(error, match=words):
+        people.add_person(world.actor(world.operator), world.org_a, username, role, email)
+    assert get_user_model().objects.count() == before
+    assert not AuditLog.objects.filter(action="person.add").exists()
+
+
+@pytest.mark.parametrize("role", ["member_a", "admin_b"])
+def test_only_the_organizations_admins_and_the_operator_manage_its_people(world, role):
+    actor = world.actor(getattr(world, role))
+    target = membership(world.member_a) if role == "admin_b" else membership(world.admin_a)
+    with pytest.raises(NotAllowed):
+        people.add_person(actor, world.org_a, "eve", "admin")
+    with pytest.raises(NotAllowed):
+        people.set_role(actor, target, "member")
+    with pytest.raises(NotAllowed):
+        people.reset_password(actor, target)
+    with pytest.raises(NotAllowed):
+        people.set_active(actor, target, False)
+    assert not get_user_model().objects.filter(username="eve").exists()
+    target.refresh_from_db()
+    target.user.refresh_from_db()
+    assert target.user.is_active and not AuditLog.objects.filter(action__startswith="person.").exists()
+
+
+def test_nobody_changes_their_own_role_activity_or_password_here(world):
+    actor = world.actor(world.admin_a)
+    own = membership(world.admin_a)
+    for act in (
+        lambda: people.set_role(actor, own, "member"),
+        lambda: people.reset_password(actor, own),
+        lambda: people.set_active(actor, own, False),
+    ):
+        with pytest.raises(NotAllowed, match="yourself"):
+            act()
+    own.refresh_from_db()
+    assert own.role == "admin" and get_user_model().objects.get(pk=world.admin_a.pk).is_active
+
+
+def test_role_changes_take_effect_and_are_audited_once(world):
+    target = membership(world.member_a)
+    people.set_role(world.actor(world.admin_a), target, "admin")
+    fresh = get_user_model().objects.get(pk=world.member_a.pk)
+    assert services.can_admin(world.actor(fresh), world.org_a.pk)
+    people.set_role(world.actor(world.admin_a), target, "admin")  # no change: no entry
+    entries = AuditLog.objects.filter(action="person.role")
+    assert entries.count() == 1
+    assert entries.get().details == {"user": "member_a", "role": "admin", "previous_role": "member"}
+
+
+def test_a_reset_password_replaces_the_old_one_and_ends_sessions(world):
+    first = people.add_person(world.actor(world.admin_a), world.org_a, "frank", "member")
+    browser = BrowserClient()
+    browser.post(reverse("login"), {"username": "frank", "password": first.password})
+    assert browser.get(reverse("dashboard:overview")).status_code == 200
+    second = people.reset_password(world.actor(world.operator), first.membership)
+    assert second.password != first.password
+    assert not signs_in("frank", first.password) and signs_in("frank", second.password)
+    # the session opened with the old password is over
+    assert browser.get(reverse("dashboard:overview")).status_code == 302
+    assert AuditLog.objects.filter(action="person.password_reset", actor=world.operator).exists()
+
+
+def test_deactivation_stops_sign_in_sessions_and_tokens_and_reactivation_restores_sign_in(world):
+    issued = people.add_person(world.actor(world.admin_a), world.org_a, "gina", "admin")
+    api = person_api(issued.membership.user)
+    assert api.get(PEOPLE).status_code == 200
+    browser = BrowserClient()
+    browser.post(reverse("login"), {"username": "gina", "password": issued.password})
+    people.set_active(world.actor(world.admin_a), issued.membership, False)
+    assert api.get(PEOPLE).status_code == 401
+    assert browser.get(reverse("dashboard:overview")).status_code == 302
+    assert not signs_in("gina", issued.password)
+    assert not UserToken.objects.filter(user=issued.membership.user, revoked_at__isnull=True).exists()
+    entry = AuditLog.objects.get(action="person.deactivate")
+    assert entry.details["tokens_revoked"] == 1
+    people.set_active(world.actor(world.admin_a), issued.membership, True)
+    assert signs_in("gina", issued.password)
+    assert api.get(PEOPLE).status_code == 401  # a revoked token stays revoked
+    assert AuditLog.objects.filter(action="person.reactivate").count() == 1
+
+
+# --- API ---------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("role", "visible"),
+    [
+        ("operator", {"admin_a", "member_a", "admin_b"}),
+        ("admin_a", {"admin_a", "member_a"}),
+        ("member_a", {"admin_a", "member_a"}),
+        ("admin_b", {"admin_b"}),
+    ],
+)
+def test_people_list_scope(world, role, visible):
+    api = person_api(getattr(world, role))
+    rows = api.get(PEOPLE).json()["results"]
+    assert {r["username"] for r in rows} == visible
+    assert all("password" not in r for r in rows)
+    assert bool(api.get(PEOPLE + "?organization=org-a").json()["results"]) == ("admin_a" in visible)
+    detail = api.get(f"{PEOPLE}{world.member_a.pk}/")
+    assert detail.status_code == (200 if "member_a" in visible else 404)
+    assert api.get(PEOPLE + "?role=owner").status_code == 400
+
+
+@pytest.mark.parametrize(
+    ("role", "expected"),
+    [("operator", 201), ("admin_a", 201), ("member_a", 403), ("admin_b", 400)],
+)
+def test_adding_through_the_api(world, role, expected):
+    response = person_api(getattr(world, role)).post(
+        PEOPLE, {"organization": "org-a", "username": "hal", "role": "admin"}, format="json"
+    )
+    assert response.status_code == expected, response.content
+    assert "detail" in response.json() or expected == 201
+    if expected == 201:
+        body = response.json()
+        assert response["Cache-Control"] == "no-store"
+        assert body["person"]["organization"] == "org-a" and body["person"]["role"] == "admin"
+        assert signs_in("hal", body["password"])
+    else:
+        assert not get_user_model().objects.filter(username="hal").exists()
+
+
+def test_the_operator_names_the_organization_and_an_admin_need_not(world):
+    missing = person_api(world.operator).post(PEOPLE, {"username": "ian"}, format="json")
+    assert missing.status_code == 400 and "organization" in missing.json()["detail"]
+    own = person_api(world.admin_b).post(PEOPLE, {"username": "ian"}, format="json")
+    assert own.status_code == 201 and own.json()["person"]["organization"] == "org-b"
+    assert own.json()["person"]["role"] == "member"
+    again = person_api(world.admin_b).post(PEOPLE, {"username": "ian"}, format="json")
+    assert again.status_code == 409 and "exists" in again.json()["detail"]
+
+
+@pytest.mark.parametrize(
+    ("role", "expected"),
+    [("operator", 200), ("admin_a", 200), ("member_a", 403), ("admin_b", 404)],
+)
+def test_patch_and_reset_scope(world, role, expected):
+    api = person_api(getattr(world, role))
+    url = f"{PEOPLE}{world.member_a.pk}/"
+    response = api.patch(url, {"role": "admin", "is_active": False}, format="json")
+    assert response.status_code == expected, response.content
+    target = membership(world.member_a)
+    assert (target.role, target.user.is_active) == (
+        ("admin", False) if expected == 200 else ("member", True)
+    )
+    reset = api.post(url + "reset-password/")
+    assert reset.status_code == expected
+    if expected == 200:
+        assert reset["Cache-Control"] == "no-store" and len(reset.json()["password"]) >= 16
+
+
+def test_refused_patches_say_why_and_change_nothing(world):
+    api = person_api(world.admin_a)
+    response = api.patch(f"{PEOPLE}{world.admin_a.pk}/", {"is_active": False}, format="json")
+    assert response.status_code == 403 and "yourself" in response.json()["detail"]
+    other = people.add_person(SYSTEM, world.org_a, "jo", "member").membership
+    bad = api.patch(f"{PEOPLE}{other.user_id}/", {"role": "superuser"}, format="json")
+    assert bad.status_code == 400 and "role" in bad.json()
+    empty = api.patch(f"{PEOPLE}{other.user_id}/", {}, format="json")
+    assert empty.status_code == 400 and "nothing to change" in empty.json()["detail"]
+    assert membership(other.user).role == "member" and get_user_model().objects.get(pk=world.admin_a.pk).is_active
+
+
+def test_clients_cannot_reach_the_people_endpoints(world):
+    api = APIClient()
+    api.credentials(HTTP_AUTHORIZATION=f"Bearer {world.token_a}")
+    assert api.get(PEOPLE).status_code == 403
+    assert APIClient().get(PEOPLE).status_code in (401, 403)
+
+
+# --- dashboard ---------------------------------------------------------------------------------
+
+
+def page(client, slug="org-a"):
+    return client.get(reverse("dashboard:organization", args=[slug]))
+
+
+def test_an_admin_adds_a_person_in_the_browser_and_sees_the_password_once(client, world):
+    client.force_login(world.admin_a)
+    body = page(client).content.decode()
+    assert 'id="add-person"' in body and "member_a" in body and "(you)" in body
+    response = client.post(
+        reverse("dashboard:person-add", args=["org-a"]),
+        {"username": "kim", "email": "kim@a.example", "role": "admin"},
+    )
+    assert response.status_code == 200 and response["Cache-Control"] == "no-store"
+    password = response.context["issued_password"]
+    assert password in response.content.decode() and signs_in("kim", password)
+    assert password not in page(client).content.decode()
+    assert membership(get_user_model().objects.get(username="kim")).role == "admin"
+
+
+def test_an_admin_resets_changes_role_and_deactivates_in_the_browser(client, world):
+    client.force_login(world.admin_a)
+    action = lambda name, **data: client.post(  # noqa: E731
+        reverse("dashboard:person-action", args=["org-a", world.member_a.pk, name]), data
+    )
+    reset = action("reset-password")
+    assert reset.status_code == 200 and signs_in("member_a", reset.context["issued_password"])
+    assert action("role", role="admin").status_code == 302
+    assert membership(world.member_a).role == "admin"
+    assert action("deactivate").status_code == 302
+    assert not get_user_model().objects.get(pk=world.member_a.pk).is_active
+    assert "deactivated" in page(client).content.decode()
+    assert action("reactivate").status_code == 302
+    assert get_user_model().objects.get(pk=world.member_a.pk).is_active
+    bad = action("role", role="owner")
+    assert bad.status_code == 400 and "role must be one of" in bad.content.decode()
+    own = client.post(reverse("dashboard:person-action", args=["org-a", world.admin_a.pk, "deactivate"]))
+    assert own.status_code == 403 and "yourself" in own.content.decode()
+
+
+def test_members_see_people_without_buttons_and_others_get_404(client, world):
+    client.force_login(world.member_a)
+    body = page(client).content.decode()
+    assert "admin_a" in body and 'id="add-person"' not in body and "Reset password" not in body
+    denied = client.post(reverse("dashboard:person-add", args=["org-a"]), {"username": "lee"})
+    assert denied.status_code == 403 and not get_user_model().objects.filter(username="lee").exists()
+    client.force_login(world.admin_b)
+    assert page(client).status_code == 404
+    foreign = client.post(reverse("dashboard:person-action", args=["org-a", world.member_a.pk, "deactivate"]))
+    assert foreign.status_code == 404
+    # a person of another organization is not found through one's own organization either
+    across = client.post(reverse("dashboard:person-action", args=["org-b", world.member_a.pk, "deactivate"]))
+    assert across.status_code == 404
+    assert get_user_model().objects.get(pk=world.member_a.pk).is_active
+
+
+def test_the_operator_creates_an_organization_in_the_browser(client, world):
+    client.force_login(world.operator)
+    listing = client.get(reverse("dashboard:organizations")).content.decode()
+    assert 'id="create-organization"' in listing
+    response = client.post(reverse("dashboard:organizations"), {"name": "Initech", "description": "x"})
+    assert response.status_code == 302 and response["Location"] == "/organizations/initech/"
+    assert Organization.objects.filter(slug="initech").exists()
+    bad = client.post(reverse("dashboard:organizations"), {"name": "Bad", "slug": "a b/c"})
+    assert bad.status_code == 400 and "slug" in bad.content.decode()
+    clash = client.post(reverse("dashboard:organizations"), {"name": "Initech"})
+    assert clash.status_code == 409
+    client.force_login(world.admin_a)
+    assert 'id="create-organization"' not in client.get(reverse("dashboard:organizations")).content.decode()
+    assert client.post(reverse("dashboard:organizations"), {"name": "Mine"}).status_code == 403
+    assert not Organization.objects.filter(name="Mine").exists()
+
+
+def test_a_person_changes_their_own_password(client, world):
+    issued = people.add_person(SYSTEM, world.org_a, "max", "member")
+    browser = BrowserClient()
+    browser.post(reverse("login"), {"username": "max", "password": issued.password})
+    form = browser.get(reverse("password_change"))
+    assert form.status_code == 200 and 'name="old_password"' in form.content.decode()
+    wrong = browser.post(
+        reverse("password_change"),
+        {"old_password": "nope", "new_password1": "a-Long-new-pass-42", "new_password2": "a-Long-new-pass-42"},
+    )
+    assert wrong.status_code == 200 and "incorrectly" in wrong.content.decode()
+    weak = browser.post(
+        reverse("password_change"),
+        {"old_password": issued.password, "new_password1": "password", "new_password2": "password"},
+    )
+    assert weak.status_code == 200 and "too common" in weak.content.decode()
+    done = browser.post(
+        reverse("password_change"),
+        {"old_password": issued.password, "new_password1": "a-Long-new-pass-42",
+         "new_password2": "a-Long-new-pass-42"},
+        follow=True,
+    )
+    assert done.status_code == 200 and "Your password was changed." in done.content.decode()
+    assert signs_in("max", "a-Long-new-pass-42") and not signs_in("max", issued.password)
+    entry = AuditLog.objects.get(action="person.password_change")
+    assert entry.actor.username == "max" and entry.organization == world.org_a
+    assert BrowserClient().get(reverse("password_change")).status_code == 302  # login first
