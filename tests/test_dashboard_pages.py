@@ -3,14 +3,16 @@ every role: the operator, an admin of A, a read-only member of A, and an admin o
 
 from __future__ import annotations
 
+import csv
 import html
+import io
 import json
 import re
 
 import pytest
 from django.urls import reverse
 
-from federation import services
+from federation import people, services
 from federation.errors import BudgetExceeded
 from federation.models import (
     AuditLog,
@@ -800,3 +802,33 @@ def test_a_conflict_across_tools_shows_the_losing_tool_and_composes_its_precauti
     composed = composed_precaution(conflict)
     assert composed == "Do not use flights for will it snow in Oslo; weather serves it"
     assert composed in card
+
+
+# --- the audit log as CSV ----------------------------------------------------------------------
+
+
+def test_the_audit_log_downloads_as_csv_with_the_filters_and_scope_of_the_page(client, world):
+    services.enroll_client(world.actor(world.admin_a), world.org_a, "=HYPERLINK(\"http://x\")")
+    people.add_person(world.actor(world.admin_b), world.org_b, "nina", "member")
+    client.force_login(world.admin_a)
+    page = client.get(reverse("dashboard:audit") + "?action=client.enroll")
+    assert 'id="audit-csv"' in page.content.decode()
+    assert "format=csv" in page.context["csv_query"] and "action=client.enroll" in page.context["csv_query"]
+    response = client.get(reverse("dashboard:audit") + "?action=client.enroll&format=csv")
+    assert response.status_code == 200 and response["Content-Type"].startswith("text/csv")
+    assert "attachment" in response["Content-Disposition"]
+    rows = list(csv.DictReader(io.StringIO(b"".join(response.streaming_content).decode())))
+    assert rows and {r["action"] for r in rows} == {"client.enroll"}
+    assert {r["organization"] for r in rows} == {"org-a"}  # org B's entries are not admin A's
+    assert json.loads(rows[0]["details"])["name"] == '=HYPERLINK("http://x")'  # details as JSON
+    everything = client.get(reverse("dashboard:audit") + "?format=csv")
+    text = b"".join(everything.streaming_content).decode()
+    assert "nina" not in text and "person.add" not in text
+    bad = client.get(reverse("dashboard:audit") + "?format=csv&since=yesterday")
+    assert bad.status_code == 400
+    # a cell that a spreadsheet would run as a formula is kept as text
+    services.create_organization(SYSTEM, "=1+1", "formula")
+    client.force_login(world.operator)
+    created = client.get(reverse("dashboard:audit") + "?action=organization.create&format=csv")
+    rows = list(csv.DictReader(io.StringIO(b"".join(created.streaming_content).decode())))
+    assert "'=1+1" in [r["target_label"] for r in rows]

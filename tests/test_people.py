@@ -340,3 +340,4 @@ def test_a_person_changes_their_own_password(client, world):
     entry = AuditLog.objects.get(action="person.password_change")
     assert entry.actor.username == "max" and entry.organization == world.org_a
     assert BrowserClient().get(reverse("password_change")).status_code == 302  # login first
+

@@ -8,6 +8,9 @@ published yet are the operator's alone.
 
 from __future__ import annotations
 
+import csv
+import io
+import json
 from collections import Counter, defaultdict
 from dataclasses import dataclass, field
 
@@ -587,6 +590,40 @@ def _summary_figures(stats: dict) -> dict:
 
 
 # --- audit log -----------------------------------------------------------------------------------
+
+
+AUDIT_CSV_COLUMNS = (
+    "created_at", "actor", "action", "organization", "target_type", "target_id", "target_label",
+    "ip", "details",
+)
+_FORMULA_START = ("=", "+", "-", "@", "\t", "\r")
+
+
+def _csv_cell(value) -> str:
+    """A cell a spreadsheet shows as text: one that would start a formula (a client's name like
+    `=HYPERLINK(...)`) is prefixed with an apostrophe (OWASP's CSV injection advice)."""
+    text = "" if value is None else str(value)
+    return "'" + text if text.startswith(_FORMULA_START) else text
+
+
+def audit_csv_lines(entries: QuerySet):
+    """The audit entries as CSV lines (header first), streamed from the database in chunks."""
+    buffer = io.StringIO()
+    writer = csv.writer(buffer)
+
+    def line(cells) -> str:
+        buffer.seek(0)
+        buffer.truncate()
+        writer.writerow([_csv_cell(cell) for cell in cells])
+        return buffer.getvalue()
+
+    yield line(AUDIT_CSV_COLUMNS)
+    for e in entries.iterator(chunk_size=2000):
+        yield line((
+            e.created_at.isoformat(), e.actor_label, e.action,
+            e.organization.slug if e.organization else "", e.target_type, e.target_id,
+            e.target_label, e.ip or "", json.dumps(e.details, sort_keys=True, ensure_ascii=False),
+        ))
 
 
 def audit_entries(organizations: QuerySet, *, operator: bool, filters: dict) -> QuerySet:

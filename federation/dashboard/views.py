@@ -7,9 +7,10 @@ from django.contrib.auth import views as auth_views
 from django.core.exceptions import ObjectDoesNotExist
 from django.core.paginator import Paginator
 from django.db.models import Count, Q
-from django.http import Http404
+from django.http import Http404, StreamingHttpResponse
 from django.shortcuts import get_object_or_404, redirect, render
 from django.urls import reverse, reverse_lazy
+from django.utils import timezone
 from django.utils.http import url_has_allowed_host_and_scheme
 from pydantic import ValidationError
 
@@ -380,11 +381,23 @@ class AuditView(DashboardView):
             )
         except services.BadRequest as error:
             return bad_request(request, str(error), self.nav_key)
+        if request.GET.get("format") == "csv":
+            response = StreamingHttpResponse(
+                services.audit_csv_lines(self.entries), content_type="text/csv; charset=utf-8"
+            )
+            stamp = timezone.now().strftime("%Y%m%dT%H%M%SZ")
+            response["Content-Disposition"] = f'attachment; filename="synapse-audit-{stamp}.csv"'
+            response["Cache-Control"] = "no-store"
+            return response
         return super().get(request, *args, **kwargs)
 
     def get_context_data(self, **kwargs):
         context = super().get_context_data(**kwargs)
+        csv_query = self.request.GET.copy()
+        csv_query.pop("page", None)
+        csv_query["format"] = "csv"
         context.update(
+            csv_query=csv_query.urlencode(),
             page_obj=Paginator(self.entries, 50).get_page(self.request.GET.get("page")),
             actions=AuditLog.Action.values,
             filters={k: self.request.GET.get(k, "")[:100]
