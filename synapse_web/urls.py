@@ -1,5 +1,6 @@
 from django.contrib import admin
 from django.contrib.auth import views as auth_views
+from django.db import DatabaseError, connection
 from django.http import JsonResponse
 from django.urls import include, path
 from drf_spectacular.views import SpectacularAPIView, SpectacularSwaggerView
@@ -8,7 +9,16 @@ from federation.dashboard.views import PasswordChangeView
 
 
 def health(request):
-    return JsonResponse({"status": "ok"})
+    """Liveness and readiness: 200 when the database answers, 503 naming the failure otherwise
+    (for a load balancer or compose healthcheck; no login, nothing private)."""
+    try:
+        with connection.cursor() as cursor:
+            cursor.execute("SELECT 1")
+    except DatabaseError as exc:
+        return JsonResponse(
+            {"status": "unavailable", "database": type(exc).__name__}, status=503
+        )
+    return JsonResponse({"status": "ok", "database": "ok"})
 
 
 # A 500 under /api/ is JSON {"detail": ...} (its 404s: synapse_web.middleware's

@@ -51,3 +51,21 @@ def test_docker_compose_file_declares_the_services():
     assert "/whl/cu" in gpu_build["args"]["TORCH_INDEX"]
     assert "--index-url ${TORCH_INDEX}" in (ROOT / "Dockerfile").read_text()
     assert "-Q gpu" in services["worker-gpu"]["command"]
+
+
+@pytest.mark.django_db
+def test_healthz_answers_ok_and_503_when_the_database_does_not(client, monkeypatch):
+    from django.db import OperationalError
+
+    from synapse_web import urls
+
+    assert client.get("/healthz").json() == {"status": "ok", "database": "ok"}
+
+    class Down:
+        def cursor(self):
+            raise OperationalError("connection refused")
+
+    monkeypatch.setattr(urls, "connection", Down())  # the database going away under a live server
+    response = client.get("/healthz")
+    assert response.status_code == 503
+    assert response.json() == {"status": "unavailable", "database": "OperationalError"}
