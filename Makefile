@@ -34,6 +34,7 @@ demo: install
 		--queries-per-client 300 --probe-fraction 0.03 --test-limit 600 --sweep-epsilon 1 \
 		--sweep-lambda 0,1.5 --label "demo: 3 orgs x 2 clients, 3% public probe set" --unless-stored
 	@cat $(DATA_DIR)/demo-logins.txt
+	@$(PY) manage.py round_status --last 4
 	@# Served as in production: DEBUG off (no traceback or URL-list pages), with a secret key
 	@# made once for this checkout.
 	@test -s $(DATA_DIR)/secret_key || $(PY) -c "import secrets; print(secrets.token_urlsafe(50))" > $(DATA_DIR)/secret_key

@@ -29,9 +29,9 @@ def registry_file(tmp_path):
 
 
 def run(registry_file) -> str:
-    out = io.StringIO()
-    call_command("bootstrap_demo", "--dataset", str(registry_file), stdout=out)
-    return out.getvalue()
+    out, err = io.StringIO(), io.StringIO()
+    call_command("bootstrap_demo", "--dataset", str(registry_file), stdout=out, stderr=err)
+    return out.getvalue() + err.getvalue()
 
 
 def test_bootstrap_creates_demo_federation_and_is_idempotent(registry_file):
@@ -58,3 +58,21 @@ def test_bootstrap_creates_demo_federation_and_is_idempotent(registry_file):
     with pytest.raises(services.TokenRejected):
         services.client_for_token(tokens[0])
     assert services.client_for_token(new_tokens[0]).status == "approved"
+
+
+def test_round_status_tells_where_the_rounds_stand(registry_file):
+    def status() -> str:
+        out = io.StringIO()
+        call_command("round_status", stdout=out)
+        return out.getvalue()
+
+    assert "no round yet" in status()
+    out = io.StringIO()
+    call_command("bootstrap_demo", "--dataset", str(registry_file), stdout=out, stderr=io.StringIO())
+    # the banner is shown again once the demo's rounds have moved on: it names no round state
+    assert "round 1 is open" not in out.getvalue()
+    assert re.fullmatch(r"round 1: open \(opened [\d-]+ [\d:]+ UTC\), submissions from 0 clients\n", status())
+    services.close_round(services.Actor.system("tests"), Round.objects.get())
+    services.open_round(services.Actor.system("tests"))
+    lines = status().splitlines()
+    assert lines[0].startswith("round 2: open") and lines[1].startswith("round 1: closing (since ")

@@ -298,8 +298,10 @@ def test_members_see_people_without_buttons_and_others_get_404(client, world):
 
 def test_the_operator_creates_an_organization_in_the_browser(client, world):
     client.force_login(world.operator)
-    listing = client.get(reverse("dashboard:organizations")).content.decode()
-    assert 'id="create-organization"' in listing
+    listing = client.get(reverse("dashboard:organizations"))
+    assert 'id="create-organization"' in listing.content.decode()
+    counts = {org.slug: org.n_people for org in listing.context["rows"]}
+    assert counts == {"org-a": 2, "org-b": 1}
     response = client.post(reverse("dashboard:organizations"), {"name": "Initech", "description": "x"})
     assert response.status_code == 302 and response["Location"] == "/organizations/initech/"
     assert Organization.objects.filter(slug="initech").exists()

@@ -206,6 +206,7 @@ class OrganizationListView(ActionView):
     def get_context_data(self, **kwargs):
         context = super().get_context_data(**kwargs)
         context["rows"] = self.organizations.annotate(
+            n_people=Count("memberships", distinct=True),
             n_clients=Count("clients", distinct=True),
             n_pending=Count("clients", filter=Q(clients__status="pending"), distinct=True),
             n_approved=Count("clients", filter=Q(clients__status="approved"), distinct=True),

@@ -31,6 +31,8 @@ class Command(BaseCommand):
         else:
             opened = " (opened now)" if demo.opened_round else ""
             round_line = f"round {demo.round.number} is {demo.round.state}{opened}"
+        # On stderr: the banner (stdout) is shown again later, when the round has moved on.
+        self.stderr.write(f"bootstrap_demo: {round_line}")
         self.stdout.write(
             f"{line}\nSYNAPSE is starting on {url}\n"
             f"  log in at {url} (the dashboard) as the federation operator\n"
@@ -39,7 +41,6 @@ class Command(BaseCommand):
             f"(their organization's clients, conflicts and figures)\n{admins}\n"
             f"  client API tokens (shown once, new on every start; only hashes are stored):\n"
             f"{clients}\n"
-            f"  {round_line}\n"
             f"  API: {url}api/v1/rounds/   schema: {url}api/schema/   docs: {url}api/docs/\n"
             f"{line}"
         )

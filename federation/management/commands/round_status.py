@@ -1,0 +1,26 @@
+from django.core.management.base import BaseCommand
+from django.db.models import Count
+
+from federation.models import Round
+
+
+class Command(BaseCommand):
+    help = "Where the federation's rounds stand: the latest rounds with their state and submissions."
+
+    def add_arguments(self, parser):
+        parser.add_argument("--last", type=int, default=5, help="how many of the latest rounds")
+
+    def handle(self, *args, last, **options):
+        rounds = list(
+            Round.objects.annotate(n=Count("submissions__client", distinct=True)).order_by("-number")[:last]
+        )
+        if not rounds:
+            self.stdout.write("no round yet: the operator opens round 1 on the dashboard's Overview")
+            return
+        for rnd in rounds:
+            when = rnd.published_at or rnd.closed_at or rnd.opened_at
+            verb = {"open": "opened", "published": "published"}.get(rnd.state, "since")
+            self.stdout.write(
+                f"round {rnd.number}: {rnd.state} ({verb} {when:%Y-%m-%d %H:%M} UTC), "
+                f"submissions from {rnd.n} client{'s' if rnd.n != 1 else ''}"
+            )
