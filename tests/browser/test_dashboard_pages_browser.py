@@ -142,3 +142,44 @@ def test_operator_pages(review, page, live_server, shoot):
     shoot(page, "privacy-operator")
     go(page, base, "dashboard:organizations")
     assert page.locator("#organizations tbody tr").count() == 2
+
+
+def test_an_admin_adds_a_person_who_signs_in_and_changes_the_password(review, browser, page, live_server, shoot):
+    base = live_server.url
+    org_url = f"{base}{reverse('dashboard:organization', args=['acme'])}"
+    log_in(page, base, "acme-admin")
+    page.goto(org_url)
+    page.fill("#add-person input[name=username]", "acme-analyst")
+    page.fill("#add-person input[name=email]", "analyst@acme.example")
+    page.click("#add-person button[type=submit]")
+    page.wait_for_selector("#issued-password")
+    password = page.locator("#password-value").inner_text().strip()
+    assert len(password) >= 16 and "only once" in page.locator("#issued-password").inner_text()
+    shoot(page, "organization-person-added")
+
+    # the new person signs in with it, in a browser of their own, and changes it
+    other = browser.new_context(viewport={"width": 1366, "height": 860}).new_page()
+    other.goto(f"{base}{reverse('login')}")
+    other.fill("#id_username", "acme-analyst")
+    other.fill("#id_password", password)
+    other.click("button[type=submit]")
+    other.wait_for_url(f"{base}/")
+    other.click("text=Change password")
+    other.fill("#id_old_password", password)
+    other.fill("#id_new_password1", "Quiet-Orchard-Lamp-58")
+    other.fill("#id_new_password2", "Quiet-Orchard-Lamp-58")
+    other.click("main button[type=submit]")
+    other.wait_for_selector(".messages")
+    assert "Your password was changed." in other.locator(".messages").inner_text()
+    other.goto(org_url)
+    assert "Reset password" not in other.content()  # a read-only member: no buttons
+
+    # the admin resets it (after confirming): the person's session ends
+    page.goto(org_url)
+    page.once("dialog", lambda dialog: dialog.accept())
+    page.locator("#people tr", has_text="acme-analyst").locator("button", has_text="Reset password").click()
+    page.wait_for_selector("#issued-password")
+    assert page.locator("#password-value").inner_text().strip() != password
+    other.goto(org_url)
+    assert other.url.startswith(f"{base}{reverse('login')}")
+    other.context.close()
