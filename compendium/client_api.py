@@ -240,6 +240,28 @@ class SynapseClient:
             raise ClientError("no round is open on the server: nothing to submit to")
         return max(open_rounds, key=lambda r: r["number"])
 
+    def rounds(self, state: str | None = None) -> list[dict[str, Any]]:
+        """The latest rounds (newest first; the server's first page), optionally in one state."""
+        params = {"state": state} if state else {}
+        body = self._get_json("/api/v1/rounds/", "cannot list rounds", "the round list", params=params)
+        results = body.get("results") if isinstance(body, dict) else None
+        if not isinstance(results, list):
+            raise ClientError("the server's round list has no 'results' list")
+        return [r for r in results if isinstance(r, dict) and isinstance(r.get("number"), int)]
+
+    def submissions(self, round_number: int | None = None) -> list[dict[str, Any]]:
+        """This client's own submissions as the server recorded them, newest first (the
+        server's first page): round, time, sha256, sizes, entry counts, whether in effect."""
+        params = {"round": round_number} if round_number is not None else {}
+        body = self._get_json(
+            "/api/v1/submissions/", "cannot list this client's submissions", "the submission list",
+            params=params,
+        )
+        results = body.get("results") if isinstance(body, dict) else None
+        if not isinstance(results, list):
+            raise ClientError("the server's submission list has no 'results' list")
+        return [r for r in results if isinstance(r, dict)]
+
     def submit(
         self, compendium: Compendium, compress: bool = True, dictionary: bytes | None = None
     ) -> SubmissionResult:

@@ -397,6 +397,66 @@ def cmd_submit(args: argparse.Namespace) -> int:
     return 0
 
 
+def _when(stamp: object) -> str:
+    """An ISO time from the server as `YYYY-MM-DD HH:MM UTC` (as given when it does not parse)."""
+    from datetime import UTC, datetime
+
+    try:
+        return datetime.fromisoformat(str(stamp)).astimezone(UTC).strftime("%Y-%m-%d %H:%M UTC")
+    except ValueError:
+        return str(stamp)
+
+
+def cmd_status(args: argparse.Namespace) -> int:
+    """Where this client stands: the open round and what the client submitted to it, and the
+    latest published global. Exit status 0; 3 with --require-submitted when the open round has
+    no submission of this client in effect (for a scheduler to act on)."""
+    with _client(args) as client:
+        open_rounds = client.rounds("open")
+        published = client.rounds("published")
+        current = max(open_rounds, key=lambda r: r["number"]) if open_rounds else None
+        mine = client.submissions(current["number"]) if current else []
+    missing = False
+    if current is None:
+        print("no round is open: nothing to submit to now")
+    else:
+        config = current.get("config") if isinstance(current.get("config"), dict) else {}
+        terms = [
+            f"{label} {config[key]:g}"
+            for key, label in (("epsilon", "ε ="), ("mask_strength", "masking λ ≥"))
+            if isinstance(config.get(key), int | float)
+        ]
+        extra = f"; {', '.join(terms)}" if terms else ""
+        print(f"round {current['number']} is open (opened {_when(current.get('opened_at'))}{extra})")
+        effective = [s for s in mine if s.get("in_effect")]
+        if not effective:
+            missing = True
+            print(f"  this client has not submitted to round {current['number']} yet")
+        for sub in effective:
+            counts = sub.get("entry_counts") or {}
+            entries = ", ".join(f"{n} {k}" for k, n in counts.items() if n)
+            sent = sub.get("wire_bytes")
+            encoding = sub.get("content_encoding") or "plain"
+            print(
+                f"  this client submitted at {_when(sub.get('created_at'))}: sha256 "
+                f"{str(sub.get('sha256', ''))[:12]}…, {sub.get('size_bytes')} bytes"
+                + (f" ({sent} sent, {encoding})" if sent is not None else "")
+                + (f"; {entries}" if entries else "")
+            )
+        replaced = len(mine) - len(effective)
+        if replaced:
+            print(f"  ({replaced} earlier submission(s) of this round replaced by the one above)")
+    if published:
+        latest = max(published, key=lambda r: r["number"])
+        print(
+            f"latest published global: round {latest['number']} "
+            f"(published {_when(latest.get('published_at'))}); `pull` downloads it"
+        )
+    else:
+        print("no global compendium is published yet")
+    return 3 if missing and args.require_submitted else 0
+
+
 def _load_probe(path: str) -> list[str]:
     try:
         return transport.probe_texts_of(json.loads(_read_bytes(path)))
@@ -562,6 +622,17 @@ def build_parser() -> argparse.ArgumentParser:
     )
     _add_server_arguments(pull)
     pull.set_defaults(func=cmd_pull)
+
+    status = sub.add_parser(
+        "status", help="the open round, what this client submitted to it, the latest global"
+    )
+    status.add_argument(
+        "--require-submitted",
+        action="store_true",
+        help="exit with status 3 when the open round has no submission of this client in effect",
+    )
+    _add_server_arguments(status)
+    status.set_defaults(func=cmd_status)
 
     fetch_probe = sub.add_parser(
         "fetch-probe", help="download the public probe set's requests (for submit --probe)"

@@ -67,3 +67,31 @@ def test_first_round_dcz_against_the_probe_set_and_the_schema(live_server, world
     assert stored.content_encoding == "dcz"
     assert stored.wire_bytes == len(transport.compress(data, transport.probe_dictionary(schema, texts)))
     assert stored.wire_bytes < len(transport.compress(data, transport.schema_dictionary(schema)))
+
+
+def test_status_tells_a_client_where_it_stands(live_server, world, valid_doc, tmp_path, capsys):
+    server = ["--server", live_server.url, "--token", world.token_a, "--backoff", "0"]
+    assert main(["status", *server]) == 0
+    out = capsys.readouterr().out
+    assert "no round is open" in out and "no global compendium is published yet" in out
+    services.open_round(services.Actor(None), {"epsilon": 0.5, "mask_strength": 1.5})
+    assert main(["status", "--require-submitted", *server]) == 3
+    out = capsys.readouterr().out
+    assert "round 1 is open (opened " in out and "ε = 0.5, masking λ ≥ 1.5" in out
+    assert "this client has not submitted to round 1 yet" in out
+    doc_path = tmp_path / "c.json"
+    doc_path.write_text(json.dumps(valid_doc), encoding="utf-8")
+    assert main(["submit", str(doc_path), *server]) == 0
+    fewer = dict(valid_doc, scenarios=valid_doc["scenarios"][:1])
+    doc_path.write_text(json.dumps(fewer), encoding="utf-8")
+    assert main(["submit", str(doc_path), *server]) == 0
+    capsys.readouterr()
+    assert main(["status", "--require-submitted", *server]) == 0
+    out = capsys.readouterr().out
+    effective = Submission.objects.filter(client=world.client_a, version__isnull=False).get()
+    sha = effective.response["sha256"]
+    assert "this client submitted at " in out and f"sha256 {sha[:12]}…" in out
+    assert "1 scenarios" in out and "(1 earlier submission(s) of this round replaced" in out
+    # another client of the federation has its own answer
+    assert main(["status", "--require-submitted", "--server", live_server.url, "--token",
+                 world.token_b, "--backoff", "0"]) == 3

@@ -73,6 +73,27 @@ def test_submission_is_stored_and_replayed_with_same_key(world, open_round, vali
     assert CompendiumVersion.objects.filter(kind="client").count() == 1
 
 
+def test_a_client_lists_its_own_submissions(world, open_round, valid_doc):
+    api = client_api(world.token_a)
+    first = post_doc(api, valid_doc, key="first").json()
+    changed = dict(valid_doc, scenarios=valid_doc["scenarios"][:1])
+    second = post_doc(api, changed, key="second").json()
+    assert post_doc(client_api(world.token_b), valid_doc, key="b").status_code == 201
+    rows = api.get(SUBMIT).json()["results"]
+    assert [r["idempotency_key"] for r in rows] == ["second", "first"]  # its own, newest first
+    assert [r["in_effect"] for r in rows] == [True, False]  # the second replaced the first
+    assert rows[0]["sha256"] == second["sha256"] and rows[1]["sha256"] == first["sha256"]
+    assert rows[0]["round"] == 1 and rows[0]["round_state"] == "open"
+    assert rows[0]["entry_counts"]["scenarios"] == 1 and rows[0]["size_bytes"] == second["size_bytes"]
+    assert api.get(SUBMIT + "?round=2").json()["results"] == []
+    assert len(api.get(SUBMIT + "?round=1").json()["results"]) == 2
+    bad = api.get(SUBMIT + "?round=one")
+    assert bad.status_code == 400 and "round" in bad.json()["detail"]
+    person = person_api(world.admin_a).get(SUBMIT)
+    assert person.status_code == 403 and "own submissions" in person.json()["detail"]
+    assert client_api().get(SUBMIT).status_code == 401
+
+
 def test_token_scheme_is_also_accepted(world, open_round, valid_doc):
     assert post_doc(client_api(world.token_a, "Token"), valid_doc).status_code == 201
 

@@ -11,6 +11,7 @@ from federation.models import (
     Membership,
     Organization,
     Round,
+    Submission,
 )
 from federation.round_config import RoundConfig
 
@@ -204,6 +205,38 @@ class IssuedPasswordSerializer(serializers.Serializer):
     password = serializers.CharField(
         help_text="shown once; hand it to the person, who can change it after signing in"
     )
+
+
+class OwnSubmissionSerializer(serializers.ModelSerializer):
+    """One of the calling client's submissions, as the server recorded it."""
+
+    round = serializers.IntegerField(source="round.number", help_text="round number")
+    round_state = serializers.CharField(source="round.state")
+    sha256 = serializers.SerializerMethodField(help_text="SHA-256 of the canonical bytes")
+    size_bytes = serializers.SerializerMethodField()
+    entry_counts = serializers.SerializerMethodField()
+    in_effect = serializers.SerializerMethodField(
+        help_text="false once a later submission in the same round replaced it"
+    )
+
+    class Meta:
+        model = Submission
+        fields = [
+            "id", "round", "round_state", "created_at", "idempotency_key", "sha256", "size_bytes",
+            "wire_bytes", "content_encoding", "entry_counts", "scrubbed", "in_effect",
+        ]
+
+    def get_sha256(self, obj) -> str | None:
+        return obj.response.get("sha256")
+
+    def get_size_bytes(self, obj) -> int | None:
+        return obj.response.get("size_bytes")
+
+    def get_entry_counts(self, obj) -> dict[str, int]:
+        return obj.response.get("entry_counts") or {}
+
+    def get_in_effect(self, obj) -> bool:
+        return obj.version_id is not None
 
 
 class AuditLogSerializer(serializers.ModelSerializer):

@@ -43,6 +43,7 @@ from federation.api.serializers import (
     IssuedPasswordSerializer,
     IssuedTokenSerializer,
     OrganizationSerializer,
+    OwnSubmissionSerializer,
     PersonSerializer,
     RevokeSerializer,
     RoundConfigSerializer,
@@ -50,7 +51,7 @@ from federation.api.serializers import (
     SubmissionResultSerializer,
 )
 from federation.errors import FederationError, InvalidRequest, NotAllowed
-from federation.models import AuditLog, Client, Membership, Organization, Round
+from federation.models import AuditLog, Client, Membership, Organization, Round, Submission
 
 DETAIL = OpenApiResponse(DetailSerializer)
 
@@ -66,10 +67,20 @@ class IsClient(BasePermission):
 
 
 class IsSubmittingClient(IsClient):
-    message = (
-        "only clients may submit: authenticate with a client's API token (syn_c_…); a person's "
-        "session or token cannot submit a compendium"
-    )
+    """Submissions are a client's: a person's session or token cannot submit or list them."""
+
+    def has_permission(self, request, view):
+        if request.method == "GET":
+            self.message = (
+                "this lists the calling client's own submissions: authenticate with a client's "
+                "API token (syn_c_…); people see submissions on the dashboard"
+            )
+        else:
+            self.message = (
+                "only clients may submit: authenticate with a client's API token (syn_c_…); a "
+                "person's session or token cannot submit a compendium"
+            )
+        return super().has_permission(request, view)
 
 
 class IsPerson(BasePermission):
@@ -124,12 +135,32 @@ class FederationGenericView(FederationView, generics.GenericAPIView):
 # --- clients: submissions ---------------------------------------------------------------------
 
 
-class SubmissionView(FederationView):
+@extend_schema(
+    methods=["GET"],
+    summary="The calling client's own submissions, newest first",
+    parameters=[OpenApiParameter("round", int, description="only those of round N")],
+    auth=[{"clientToken": []}],
+)
+class SubmissionView(FederationGenericView):
     # People's tokens and sessions are recognized so that a person gets 403 (only clients
     # submit), not 401 (no credentials).
     authentication_classes = CLIENT_AUTH + [UserTokenAuthentication, PersonSessionRecognition]
     permission_classes = [IsSubmittingClient]
     parser_classes: list = []  # the body is read raw, after its declared length was checked
+    serializer_class = OwnSubmissionSerializer
+
+    def get_queryset(self):
+        queryset = Submission.objects.filter(client=self.request.auth).select_related("round")
+        raw = self.request.query_params.get("round", "").strip()
+        if raw:
+            if not raw.isdigit():
+                raise InvalidRequest(f"round must be a round number, not {raw[:40]!r}")
+            queryset = queryset.filter(round__number=int(raw))
+        return queryset.order_by("-created_at", "-id")
+
+    def get(self, request):
+        page = self.paginate_queryset(self.get_queryset())
+        return self.get_paginated_response(self.get_serializer(page, many=True).data)
 
     @extend_schema(
         summary="Submit the client's compendium for the open round",
