@@ -428,6 +428,8 @@ def cmd_status(args: argparse.Namespace) -> int:
         ]
         extra = f"; {', '.join(terms)}" if terms else ""
         print(f"round {current['number']} is open (opened {_when(current.get('opened_at'))}{extra})")
+        if current.get("closes_at"):
+            print(f"  it takes submissions until {_when(current['closes_at'])}, then closes")
         effective = [s for s in mine if s.get("in_effect")]
         if not effective:
             missing = True

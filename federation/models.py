@@ -62,6 +62,9 @@ class Round(models.Model):
     config = models.JSONField(default=dict, blank=True)
     failure_reason = models.TextField(blank=True)
     opened_at = models.DateTimeField(auto_now_add=True)
+    # The round's deadline: submissions stop then and `close_due_rounds` closes it (null: the
+    # operator closes it by hand).
+    closes_at = models.DateTimeField(null=True, blank=True)
     closed_at = models.DateTimeField(null=True, blank=True)
     published_at = models.DateTimeField(null=True, blank=True)
 
@@ -246,6 +249,7 @@ class AuditLog(models.Model):
         ROUND_PUBLISH = "round.publish"
         ROUND_FAIL = "round.fail"
         ROUND_RETRY = "round.retry"
+        ROUND_DEADLINE = "round.deadline"
         SETTINGS_CHANGE = "settings.change"
         MEMBERSHIP_SET = "membership.set"
         CONFLICT_DECIDE = "conflict.decide"

@@ -606,11 +606,27 @@ def current_round() -> Round | None:
 
 
 @transaction.atomic
-def open_round(actor: Actor, config: RoundConfig | dict | None = None) -> Round:
-    """Open the next round with its replayable configuration; one open round at a time."""
+def _future_deadline(closes_at: dt.datetime | None) -> dt.datetime | None:
+    if closes_at is None:
+        return None
+    if timezone.is_naive(closes_at):
+        raise InvalidRequest("closes_at needs a time zone (e.g. 2026-12-01T12:00:00Z)")
+    if closes_at <= timezone.now():
+        raise InvalidRequest(
+            f"closes_at {closes_at.isoformat()} has passed; a deadline must lie in the future"
+        )
+    return closes_at
+
+
+def open_round(
+    actor: Actor, config: RoundConfig | dict | None = None, closes_at: dt.datetime | None = None
+) -> Round:
+    """Open the next round with its replayable configuration; one open round at a time.
+    `closes_at`: the round's deadline (in the future), when `close_due_rounds` closes it."""
     require_operator(actor, "open rounds")
     if not isinstance(config, RoundConfig):
         config = RoundConfig(**(config or {}))
+    closes_at = _future_deadline(closes_at)
     settings_row = FederationSettings.objects.select_for_update().get(pk=get_settings().pk)
     if Round.objects.filter(state=Round.State.OPEN).exists():
         raise Conflict(f"round {current_round().number} is still open; close it first")
@@ -622,11 +638,60 @@ def open_round(actor: Actor, config: RoundConfig | dict | None = None) -> Round:
     last = Round.objects.order_by("-number").values_list("number", flat=True).first() or 0
     try:
         with transaction.atomic():
-            rnd = Round.objects.create(number=last + 1, config=config.model_dump(mode="json"))
+            rnd = Round.objects.create(
+                number=last + 1, config=config.model_dump(mode="json"), closes_at=closes_at
+            )
     except IntegrityError as exc:
         raise Conflict("another round was opened at the same time") from exc
-    audit(actor, AuditLog.Action.ROUND_OPEN, target=rnd, details={"config": rnd.config})
+    details = {"config": rnd.config}
+    if closes_at is not None:
+        details["closes_at"] = closes_at.isoformat()
+    audit(actor, AuditLog.Action.ROUND_OPEN, target=rnd, details=details)
     return rnd
+
+
+@transaction.atomic
+def set_round_deadline(actor: Actor, rnd: Round | int, closes_at: dt.datetime | None) -> Round:
+    """Set, move or (None) remove the open round's deadline."""
+    require_operator(actor, "set round deadlines")
+    rnd = _locked_round(rnd)
+    if rnd.state != Round.State.OPEN:
+        raise InvalidTransition(f"round {rnd.number} is {rnd.state}; only an open round has a deadline")
+    closes_at = _future_deadline(closes_at)
+    previous = rnd.closes_at
+    if previous == closes_at:
+        return rnd
+    rnd.closes_at = closes_at
+    rnd.save(update_fields=["closes_at"])
+    audit(
+        actor,
+        AuditLog.Action.ROUND_DEADLINE,
+        target=rnd,
+        details={
+            "closes_at": closes_at.isoformat() if closes_at else None,
+            "previous": previous.isoformat() if previous else None,
+        },
+    )
+    return rnd
+
+
+DEADLINE_ACTOR = Actor.system("round deadline")
+
+
+def close_due_rounds(now: dt.datetime | None = None) -> list[Round]:
+    """Close the open round whose deadline has come (the merge pipeline starts after commit).
+    Run every minute or so (Celery beat's `synapse.close_due_rounds`, or
+    `manage.py close_due_rounds --every 60`); a round closed meanwhile is left alone."""
+    now = now or timezone.now()
+    closed = []
+    for pk in Round.objects.filter(state=Round.State.OPEN, closes_at__lte=now).values_list(
+        "pk", flat=True
+    ):
+        try:
+            closed.append(close_round(DEADLINE_ACTOR, pk))
+        except (InvalidTransition, NotFound):
+            continue  # the operator (or another closer) was first
+    return closed
 
 
 def _locked_round(rnd: Round | int | None) -> Round:

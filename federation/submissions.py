@@ -97,7 +97,9 @@ _FINGERPRINT_COLUMNS = (
     f"max_value || ':' || sensitivity, ',' ORDER BY name), '')) AS digest "
     f"FROM {NumericField._meta.db_table}) AS fields"
 )
-_ROUND_OPEN = f"EXISTS (SELECT 1 FROM {Round._meta.db_table} WHERE state = 'open')"
+# A round takes submissions while open and before its deadline (if it has one).
+_TAKES_SUBMISSIONS = "state = 'open' AND (closes_at IS NULL OR closes_at > statement_timestamp())"
+_ROUND_OPEN = f"EXISTS (SELECT 1 FROM {Round._meta.db_table} WHERE {_TAKES_SUBMISSIONS})"
 _FINGERPRINT_SQL = f"SELECT {_FINGERPRINT_COLUMNS}"
 
 
@@ -346,7 +348,7 @@ _LOCK_CLIENT_SQL = f"SELECT id FROM {Client._meta.db_table} WHERE id = %(client)
 # client's rate counter (committed with the submission: one commit, one WAL flush, per request).
 _CLAIM_SQL = f"""
 WITH stored AS ({_STORED}),
-open_round AS (SELECT id, number FROM {Round._meta.db_table} WHERE state = 'open' FOR SHARE),
+open_round AS (SELECT id, number FROM {Round._meta.db_table} WHERE {_TAKES_SUBMISSIONS} FOR SHARE),
 hit AS (
     INSERT INTO {_RATES} (key, window_start, count)
     SELECT %(rate_key)s, %(window_start)s, 1 WHERE NOT EXISTS (SELECT 1 FROM stored)
@@ -392,6 +394,18 @@ RETURNING id, version_id
 """
 
 
+def _no_open_round() -> NoOpenRound:
+    """The refusal when no round takes submissions: past the open round's deadline, it says so
+    (the round closes at the next `close_due_rounds`)."""
+    late = Round.objects.filter(state=Round.State.OPEN, closes_at__lte=timezone.now()).first()
+    if late is None:
+        return NoOpenRound()
+    return NoOpenRound(
+        f"round {late.number} stopped taking submissions at its deadline "
+        f"({late.closes_at.isoformat()}); it closes shortly"
+    )
+
+
 def submit(
     client: Client,
     body: bytes,
@@ -430,7 +444,7 @@ def submit(
         raise _rate_limited(rate_limit, window)
     if not round_open:  # answered before the work of validation; re-checked under lock below
         _count_refusal(client)
-        raise NoOpenRound()
+        raise _no_open_round()
     schema = _schema_for(tuple(fingerprint))
 
     result = validate_compendium(body, schema)
@@ -457,7 +471,7 @@ def submit(
             if count > rate_limit:  # requests of this client that passed the look-ahead together
                 raise _rate_limited(rate_limit, window)
             if round_id is None:
-                raise NoOpenRound()
+                raise _no_open_round()
             if replaced is not None:
                 cursor.execute(_REPLACE_SQL, {"replaced": replaced})
             head = {"round": round_number, "round_id": round_id, "client": client.pk}

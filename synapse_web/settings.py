@@ -225,6 +225,13 @@ CELERY_TASK_SERIALIZER = "json"
 CELERY_RESULT_SERIALIZER = "json"
 CELERY_ACCEPT_CONTENT = ["json"]
 CELERY_TASK_DEFAULT_QUEUE = os.environ.get("CELERY_TASK_DEFAULT_QUEUE", "cpu")
+# `celery -A synapse_web beat` (docker-compose's beat service) closes rounds at their deadline.
+CELERY_BEAT_SCHEDULE = {
+    "close-due-rounds": {
+        "task": "synapse.close_due_rounds",
+        "schedule": float(os.environ.get("SYNAPSE_DEADLINE_CHECK_SECONDS", "30")),
+    }
+}
 
 LOGGING = {
     "version": 1,

@@ -42,7 +42,8 @@ def test_docker_compose_file_declares_the_services():
 
     compose = yaml.safe_load((ROOT / "docker-compose.yml").read_text())
     services = compose["services"]
-    assert {"postgres", "redis", "web", "worker-cpu", "worker-gpu", "llm"} <= set(services)
+    assert {"postgres", "redis", "web", "worker-cpu", "worker-gpu", "llm", "beat"} <= set(services)
+    assert "beat" in services["beat"]["command"]  # rounds close at their deadline
     assert "pgvector" in services["postgres"]["image"]
     assert services["web"]["environment"]["DATABASE_URL"].startswith("postgres")
     # The GPU worker tunes the router (routing.finetune): its image needs torch's CUDA build,

@@ -67,3 +67,11 @@ def tune_router_task(version_id: int, epochs: int) -> dict:
         return {"version": version_id, "state": "gone"}
     return {"version": version_id, "state": record.state, "detail": record.detail,
             "probe_accuracy": record.probe_accuracy}
+
+
+@shared_task(name="synapse.close_due_rounds")
+def close_due_rounds_task() -> list[int]:
+    """Celery beat's every-minute check: close the open round whose deadline has come."""
+    from federation.services import close_due_rounds
+
+    return [rnd.number for rnd in close_due_rounds()]

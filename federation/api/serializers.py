@@ -66,6 +66,7 @@ class RoundSerializer(serializers.ModelSerializer):
             "config",
             "failure_reason",
             "opened_at",
+            "closes_at",
             "closed_at",
             "published_at",
             "submissions",
@@ -94,6 +95,23 @@ class RoundConfigSerializer(serializers.Serializer):
     global_metadata = serializers.ChoiceField(choices=["full", "stats"], required=False)
     max_scenarios_per_tool = serializers.IntegerField(required=False, allow_null=True)
     carry_forward = serializers.BooleanField(required=False)
+
+
+class OpenRoundSerializer(RoundConfigSerializer):
+    """A round's configuration and, optionally, its deadline (not part of the configuration)."""
+
+    closes_at = serializers.DateTimeField(
+        required=False,
+        allow_null=True,
+        help_text="ISO 8601 with a time zone, in the future: submissions stop then and the round "
+        "closes itself",
+    )
+
+
+class DeadlineSerializer(serializers.Serializer):
+    closes_at = serializers.DateTimeField(
+        allow_null=True, help_text="the new deadline (ISO 8601, in the future), or null for none"
+    )
 
 
 class FailRoundSerializer(serializers.Serializer):

@@ -34,6 +34,7 @@ urlpatterns = [
     path("admin/audit/", views.AuditLogView.as_view(), name="audit"),
     path("admin/rounds/", views.RoundOpenView.as_view(), name="round-open"),
     path("admin/rounds/<int:pk>/close/", views.RoundCloseView.as_view(), name="round-close"),
+    path("admin/rounds/<int:pk>/deadline/", views.RoundDeadlineView.as_view(), name="round-deadline"),
     path("admin/rounds/<int:pk>/retry/", views.RoundRetryView.as_view(), name="round-retry"),
     path("admin/rounds/<int:pk>/fail/", views.RoundFailView.as_view(), name="round-fail"),
     path("admin/settings/", views.SettingsView.as_view(), name="settings"),

@@ -34,6 +34,7 @@ from federation.api.serializers import (
     AuditLogSerializer,
     ChangePersonSerializer,
     ClientSerializer,
+    DeadlineSerializer,
     DetailSerializer,
     EnrollSerializer,
     FailRoundSerializer,
@@ -42,11 +43,11 @@ from federation.api.serializers import (
     InvalidSubmissionSerializer,
     IssuedPasswordSerializer,
     IssuedTokenSerializer,
+    OpenRoundSerializer,
     OrganizationSerializer,
     OwnSubmissionSerializer,
     PersonSerializer,
     RevokeSerializer,
-    RoundConfigSerializer,
     RoundSerializer,
     SubmissionResultSerializer,
 )
@@ -751,14 +752,16 @@ class RoundOpenView(FederationView):
     permission_classes = [IsOperator]
 
     @extend_schema(
-        request=RoundConfigSerializer,
+        request=OpenRoundSerializer,
         responses={201: RoundSerializer, 400: DETAIL, 403: DETAIL, 409: DETAIL},
-        summary="Open the next round with its configuration (operator)",
+        summary="Open the next round with its configuration and optional deadline (operator)",
     )
     def post(self, request):
-        data = RoundConfigSerializer(data=request.data)
+        data = OpenRoundSerializer(data=request.data)
         data.is_valid(raise_exception=True)
-        rnd = services.open_round(actor_for(request), dict(data.validated_data))
+        config = dict(data.validated_data)
+        closes_at = config.pop("closes_at", None)
+        rnd = services.open_round(actor_for(request), config, closes_at=closes_at)
         rnd = services.round_figures(Round.objects.filter(pk=rnd.pk)).get()
         return Response(RoundSerializer(rnd).data, status=201)
 
@@ -780,6 +783,20 @@ class RoundCloseView(_RoundActionView):
     )
     def post(self, request, pk):
         return self.respond(services.close_round(actor_for(request), pk))
+
+
+class RoundDeadlineView(_RoundActionView):
+    @extend_schema(
+        request=DeadlineSerializer,
+        responses={200: RoundSerializer, 400: DETAIL, 403: DETAIL, 404: DETAIL, 409: DETAIL},
+        summary="Set, move or remove (null) the open round's deadline (operator)",
+    )
+    def post(self, request, pk):
+        data = DeadlineSerializer(data=request.data)
+        data.is_valid(raise_exception=True)
+        return self.respond(
+            services.set_round_deadline(actor_for(request), pk, data.validated_data["closes_at"])
+        )
 
 
 class RoundRetryView(_RoundActionView):

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import datetime as dt
+
 from django.contrib import messages
 from django.contrib.auth import views as auth_views
 from django.core.exceptions import ObjectDoesNotExist
@@ -11,6 +13,7 @@ from django.http import Http404, StreamingHttpResponse
 from django.shortcuts import get_object_or_404, redirect, render
 from django.urls import reverse, reverse_lazy
 from django.utils import timezone
+from django.utils.dateparse import parse_datetime
 from django.utils.http import url_has_allowed_host_and_scheme
 from pydantic import ValidationError
 
@@ -40,6 +43,7 @@ from federation.services import (
     retry_round,
     revoke_client,
     rotate_client_token,
+    set_round_deadline,
 )
 from routing.services import NothingPublished, RoutingInputError, route_query
 
@@ -336,6 +340,18 @@ ROUND_FIELDS = (
 )
 
 
+def _deadline(raw: str):
+    """A deadline from the dashboard's datetime-local input, read as UTC (the dashboard's times
+    are UTC); empty: none."""
+    raw = raw.strip()
+    if not raw:
+        return None
+    parsed = parse_datetime(raw)
+    if parsed is None:
+        raise InvalidRequest(f"closes_at {raw[:40]!r} is not a date and time (YYYY-MM-DDTHH:MM, UTC)")
+    return parsed if timezone.is_aware(parsed) else parsed.replace(tzinfo=dt.UTC)
+
+
 class RoundActionView(ActionView):
     nav_key = "overview"
 
@@ -352,11 +368,19 @@ class RoundActionView(ActionView):
                     f"{'.'.join(str(p) for p in e['loc'])}: {e['msg']}" for e in error.errors()
                 )
                 raise InvalidRequest(f"invalid round configuration: {problems}") from None
-            rnd = open_round(actor, config)
-            messages.success(request, f"Round {rnd.number} opened (ε = {config.epsilon:g}).")
+            rnd = open_round(actor, config, closes_at=_deadline(request.POST.get("closes_at", "")))
+            due = f"; it closes itself at {rnd.closes_at:%Y-%m-%d %H:%M} UTC" if rnd.closes_at else ""
+            messages.success(request, f"Round {rnd.number} opened (ε = {config.epsilon:g}){due}.")
         else:
             rnd = get_object_or_404(Round, number=number)
-            if action == "close":
+            if action == "deadline":
+                rnd = set_round_deadline(actor, rnd, _deadline(request.POST.get("closes_at", "")))
+                messages.success(
+                    request,
+                    f"Round {rnd.number} closes itself at {rnd.closes_at:%Y-%m-%d %H:%M} UTC."
+                    if rnd.closes_at else f"Round {rnd.number} has no deadline: close it by hand.",
+                )
+            elif action == "close":
                 close_round(actor, rnd)
                 messages.success(request, f"Round {rnd.number} closed; the merge pipeline started.")
             elif action == "retry":

@@ -1,0 +1,28 @@
+import time
+
+from django.core.management.base import BaseCommand
+
+from federation.services import close_due_rounds
+
+
+class Command(BaseCommand):
+    help = (
+        "Close the open round whose deadline has come (its merge pipeline starts). Once, for "
+        "cron, or with --every N in a loop; docker-compose's Celery beat does the same."
+    )
+
+    def add_arguments(self, parser):
+        parser.add_argument(
+            "--every", type=float, default=0, help="check every N seconds until interrupted"
+        )
+
+    def handle(self, *args, every, **options):
+        while True:
+            for rnd in close_due_rounds():
+                self.stdout.write(
+                    f"round {rnd.number} closed at its deadline ({rnd.closes_at:%Y-%m-%d %H:%M} "
+                    "UTC); the merge pipeline was started"
+                )
+            if every <= 0:
+                return
+            time.sleep(every)
