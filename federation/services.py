@@ -605,7 +605,6 @@ def current_round() -> Round | None:
     return Round.objects.filter(state=Round.State.OPEN).first()
 
 
-@transaction.atomic
 def _future_deadline(closes_at: dt.datetime | None) -> dt.datetime | None:
     if closes_at is None:
         return None
@@ -618,6 +617,7 @@ def _future_deadline(closes_at: dt.datetime | None) -> dt.datetime | None:
     return closes_at
 
 
+@transaction.atomic
 def open_round(
     actor: Actor, config: RoundConfig | dict | None = None, closes_at: dt.datetime | None = None
 ) -> Round:

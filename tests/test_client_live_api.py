@@ -3,9 +3,11 @@ server): submit twice without a duplicate row, and pull only what is published."
 
 from __future__ import annotations
 
+import datetime as dt
 import json
 
 import pytest
+from django.utils import timezone
 
 from compendium import transport
 from compendium.canonical import canonical_form
@@ -74,10 +76,12 @@ def test_status_tells_a_client_where_it_stands(live_server, world, valid_doc, tm
     assert main(["status", *server]) == 0
     out = capsys.readouterr().out
     assert "no round is open" in out and "no global compendium is published yet" in out
-    services.open_round(services.Actor(None), {"epsilon": 0.5, "mask_strength": 1.5})
+    deadline = timezone.now() + dt.timedelta(days=2)
+    services.open_round(services.Actor(None), {"epsilon": 0.5, "mask_strength": 1.5}, closes_at=deadline)
     assert main(["status", "--require-submitted", *server]) == 3
     out = capsys.readouterr().out
     assert "round 1 is open (opened " in out and "ε = 0.5, masking λ ≥ 1.5" in out
+    assert f"it takes submissions until {deadline:%Y-%m-%d %H:%M} UTC, then closes" in out
     assert "this client has not submitted to round 1 yet" in out
     doc_path = tmp_path / "c.json"
     doc_path.write_text(json.dumps(valid_doc), encoding="utf-8")
