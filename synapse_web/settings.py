@@ -138,6 +138,22 @@ LOGIN_URL = "/accounts/login/"
 LOGIN_REDIRECT_URL = "/"
 LOGOUT_REDIRECT_URL = "/accounts/login/"
 
+# --- sign-in throttling ---------------------------------------------------------------------------
+# Failed password sign-ins are counted per username (case-insensitive) and per client address in
+# fixed windows of SYNAPSE_LOGIN_FAILURE_WINDOW_SECONDS; at the limit that account or address is
+# refused, right password or not, until the window ends (federation.login_throttle). The backend
+# covers every login form: the dashboard's, the admin's and the browsable API's. 0 turns a count off.
+AUTHENTICATION_BACKENDS = ["federation.auth.ThrottledModelBackend"]
+SYNAPSE_LOGIN_FAILURES_PER_USERNAME = int(os.environ.get("SYNAPSE_LOGIN_FAILURES_PER_USERNAME", "10"))
+SYNAPSE_LOGIN_FAILURES_PER_IP = int(os.environ.get("SYNAPSE_LOGIN_FAILURES_PER_IP", "50"))
+SYNAPSE_LOGIN_FAILURE_WINDOW_SECONDS = int(os.environ.get("SYNAPSE_LOGIN_FAILURE_WINDOW_SECONDS", "900"))
+if min(SYNAPSE_LOGIN_FAILURES_PER_USERNAME, SYNAPSE_LOGIN_FAILURES_PER_IP) < 0:
+    raise ImproperlyConfigured(
+        "SYNAPSE_LOGIN_FAILURES_PER_USERNAME and SYNAPSE_LOGIN_FAILURES_PER_IP must be 0 (off) or more"
+    )
+if SYNAPSE_LOGIN_FAILURE_WINDOW_SECONDS < 1:
+    raise ImproperlyConfigured("SYNAPSE_LOGIN_FAILURE_WINDOW_SECONDS must be at least 1")
+
 # --- HTTPS ----------------------------------------------------------------------------------------
 # SYNAPSE_HTTPS=1 where the site is served over https (in gunicorn or at a proxy in front): cookies
 # only over https, plain http redirected to https (except /healthz, for health checks over http),

@@ -1,6 +1,7 @@
-"""HTTPS deployment settings (SYNAPSE_HTTPS, SYNAPSE_BEHIND_PROXY, SYNAPSE_HSTS_*), read as the
-settings module reads them: from the environment of a fresh process (settings are module-level),
-against a database that is never reached; and the client's address behind a proxy."""
+"""HTTPS deployment settings (SYNAPSE_HTTPS, SYNAPSE_BEHIND_PROXY, SYNAPSE_HSTS_*) and the
+sign-in throttle's settings, read as the settings module reads them: from the environment of a
+fresh process (settings are module-level), against a database that is never reached; and the
+client's address behind a proxy."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import secrets
 import subprocess
 import sys
 
+import pytest
 from django.test import RequestFactory
 
 from federation.services import client_ip
@@ -27,6 +29,9 @@ READ = (
     "SYNAPSE_HSTS_SECONDS",
     "SYNAPSE_HSTS_INCLUDE_SUBDOMAINS",
     "SYNAPSE_HSTS_PRELOAD",
+    "SYNAPSE_LOGIN_FAILURES_PER_USERNAME",
+    "SYNAPSE_LOGIN_FAILURES_PER_IP",
+    "SYNAPSE_LOGIN_FAILURE_WINDOW_SECONDS",
 )
 
 # A production-like environment as `make demo` serves it: DEBUG off, a long random secret key.
@@ -51,6 +56,8 @@ names = [
     "SESSION_COOKIE_SECURE", "CSRF_COOKIE_SECURE", "SECURE_SSL_REDIRECT", "SECURE_HSTS_SECONDS",
     "SECURE_HSTS_INCLUDE_SUBDOMAINS", "SECURE_HSTS_PRELOAD", "SECURE_PROXY_SSL_HEADER",
     "SESSION_COOKIE_HTTPONLY", "SECURE_REFERRER_POLICY", "X_FRAME_OPTIONS",
+    "SYNAPSE_LOGIN_FAILURES_PER_USERNAME", "SYNAPSE_LOGIN_FAILURES_PER_IP",
+    "SYNAPSE_LOGIN_FAILURE_WINDOW_SECONDS",
 ]
 out = {{"settings": {{name: getattr(settings, name, None) for name in names}}}}
 
@@ -121,6 +128,10 @@ def test_without_the_switch_production_stays_on_plain_http():
         SESSION_COOKIE_HTTPONLY=True,
         SECURE_REFERRER_POLICY="same-origin",
         X_FRAME_OPTIONS="DENY",
+        # The sign-in throttle's defaults.
+        SYNAPSE_LOGIN_FAILURES_PER_USERNAME=10,
+        SYNAPSE_LOGIN_FAILURES_PER_IP=50,
+        SYNAPSE_LOGIN_FAILURE_WINDOW_SECONDS=900,
     )
     assert seen["http_root"]["status"] == 302 and seen["http_root"]["location"].startswith(
         "/accounts/login/"
@@ -168,6 +179,35 @@ def test_behind_a_proxy_x_forwarded_proto_says_https():
     assert seen["forwarded_https_root"]["location"].startswith("/accounts/login/")
     assert seen["forwarded_https_root"]["hsts"] == "max-age=3600; includeSubDomains"
     assert seen["http_root"]["status"] == 301
+
+
+def test_sign_in_throttle_settings_come_from_the_environment():
+    custom = probe(
+        **PRODUCTION,
+        SYNAPSE_LOGIN_FAILURES_PER_USERNAME="5",
+        SYNAPSE_LOGIN_FAILURES_PER_IP="0",
+        SYNAPSE_LOGIN_FAILURE_WINDOW_SECONDS="3600",
+    )
+    assert_settings(
+        custom,
+        SYNAPSE_LOGIN_FAILURES_PER_USERNAME=5,
+        SYNAPSE_LOGIN_FAILURES_PER_IP=0,
+        SYNAPSE_LOGIN_FAILURE_WINDOW_SECONDS=3600,
+    )
+
+
+@pytest.mark.parametrize(
+    "env, named",
+    [
+        ({"SYNAPSE_LOGIN_FAILURES_PER_IP": "-1"}, "SYNAPSE_LOGIN_FAILURES_PER_IP"),
+        ({"SYNAPSE_LOGIN_FAILURE_WINDOW_SECONDS": "0"}, "SYNAPSE_LOGIN_FAILURE_WINDOW_SECONDS"),
+    ],
+)
+def test_a_bad_throttle_setting_stops_with_one_line(env, named):
+    proc = check_deploy(**PRODUCTION, **env)
+    assert proc.returncode == 2
+    lines = [line for line in proc.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1 and named in lines[0], proc.stderr
 
 
 def test_check_deploy_passes_with_https_on():
