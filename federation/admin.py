@@ -1,5 +1,6 @@
 from django.contrib import admin
 
+from federation.auth import AdminLoginForm
 from federation.models import (
     AuditLog,
     Client,
@@ -9,6 +10,9 @@ from federation.models import (
     Round,
     Submission,
 )
+
+# The admin's login form says when the sign-in throttle refused (federation.login_throttle).
+admin.site.login_form = AdminLoginForm
 
 
 @admin.register(Organization)

@@ -259,6 +259,7 @@ class AuditLog(models.Model):
         PERSON_DEACTIVATE = "person.deactivate"
         PERSON_REACTIVATE = "person.reactivate"
         PASSWORD_CHANGE = "person.password_change"
+        LOGIN_THROTTLED = "login.throttled"
 
     created_at = models.DateTimeField(auto_now_add=True, db_index=True)
     actor = models.ForeignKey(

@@ -49,6 +49,14 @@ def hit(key: str, limit: int, window_s: int, now: float | None = None) -> Decisi
     return Decision(count <= limit, count, limit, current.retry_after)
 
 
+def count(key: str, window_s: int, now: float | None = None) -> int:
+    """How many events `key` has in the current window, without counting one (a check that must
+    not itself count, as the sign-in throttle's before it tries a password)."""
+    current = window(window_s, now)
+    row = RateCounter.objects.filter(key=key, window_start=current.start).values_list("count")
+    return row[0][0] if row else 0
+
+
 def prune(older_than_s: int = 86400) -> int:
     cutoff = datetime.fromtimestamp(time.time() - older_than_s, UTC)
     deleted, _ = RateCounter.objects.filter(window_start__lt=cutoff).delete()

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import datetime as dt
 import hashlib
+import ipaddress
 import math
 import re
 import secrets
@@ -88,6 +89,23 @@ class Actor:
     def is_operator(self) -> bool:
         # The system (commands, the pipeline) acts with the operator's authority.
         return self.user is None or bool(self.user.is_superuser)
+
+
+def client_ip(request) -> str | None:
+    """The address a request came from, as audited and as the sign-in throttle counts it: the
+    connection's peer (REMOTE_ADDR); with SYNAPSE_BEHIND_PROXY, the last address of
+    X-Forwarded-For, the one the proxy in front appended (earlier ones the client can forge), so
+    that every visitor does not share the proxy's address. Not an IP address: the peer's."""
+    if request is None:
+        return None
+    peer = request.META.get("REMOTE_ADDR") or None
+    if settings.SYNAPSE_BEHIND_PROXY:
+        forwarded = request.META.get("HTTP_X_FORWARDED_FOR", "").split(",")[-1].strip()
+        try:
+            return str(ipaddress.ip_address(forwarded))
+        except ValueError:
+            pass
+    return peer
 
 
 def membership_of(user) -> Membership | None:

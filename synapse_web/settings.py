@@ -138,6 +138,51 @@ LOGIN_URL = "/accounts/login/"
 LOGIN_REDIRECT_URL = "/"
 LOGOUT_REDIRECT_URL = "/accounts/login/"
 
+# --- sign-in throttling ---------------------------------------------------------------------------
+# Failed password sign-ins are counted per username (case-insensitive) and per client address in
+# fixed windows of SYNAPSE_LOGIN_FAILURE_WINDOW_SECONDS; at the limit that account or address is
+# refused, right password or not, until the window ends (federation.login_throttle). The backend
+# covers every login form: the dashboard's, the admin's and the browsable API's. 0 turns a count off.
+AUTHENTICATION_BACKENDS = ["federation.auth.ThrottledModelBackend"]
+SYNAPSE_LOGIN_FAILURES_PER_USERNAME = int(os.environ.get("SYNAPSE_LOGIN_FAILURES_PER_USERNAME", "10"))
+SYNAPSE_LOGIN_FAILURES_PER_IP = int(os.environ.get("SYNAPSE_LOGIN_FAILURES_PER_IP", "50"))
+SYNAPSE_LOGIN_FAILURE_WINDOW_SECONDS = int(os.environ.get("SYNAPSE_LOGIN_FAILURE_WINDOW_SECONDS", "900"))
+if min(SYNAPSE_LOGIN_FAILURES_PER_USERNAME, SYNAPSE_LOGIN_FAILURES_PER_IP) < 0:
+    raise ImproperlyConfigured(
+        "SYNAPSE_LOGIN_FAILURES_PER_USERNAME and SYNAPSE_LOGIN_FAILURES_PER_IP must be 0 (off) or more"
+    )
+if SYNAPSE_LOGIN_FAILURE_WINDOW_SECONDS < 1:
+    raise ImproperlyConfigured("SYNAPSE_LOGIN_FAILURE_WINDOW_SECONDS must be at least 1")
+
+# --- HTTPS ----------------------------------------------------------------------------------------
+# SYNAPSE_HTTPS=1 where the site is served over https (in gunicorn or at a proxy in front): cookies
+# only over https, plain http redirected to https (except /healthz, for health checks over http),
+# HSTS. Off by default, so that `make demo` keeps working over http on 127.0.0.1.
+SYNAPSE_HTTPS = env_bool("SYNAPSE_HTTPS", False)
+# SYNAPSE_BEHIND_PROXY=1 where one reverse proxy in front terminates TLS and sets
+# X-Forwarded-Proto and X-Forwarded-For: a request is https when X-Forwarded-Proto says so, and
+# the client's address (audit log, sign-in throttle) is the last X-Forwarded-For entry. Only when
+# nothing can reach the app except through that proxy: otherwise a client could set both itself.
+SYNAPSE_BEHIND_PROXY = env_bool("SYNAPSE_BEHIND_PROXY", False)
+SESSION_COOKIE_SECURE = SYNAPSE_HTTPS
+CSRF_COOKIE_SECURE = SYNAPSE_HTTPS
+SECURE_SSL_REDIRECT = SYNAPSE_HTTPS
+SECURE_REDIRECT_EXEMPT = [r"^healthz$"]
+SECURE_HSTS_SECONDS = int(os.environ.get("SYNAPSE_HSTS_SECONDS", "31536000")) if SYNAPSE_HTTPS else 0
+SECURE_HSTS_INCLUDE_SUBDOMAINS = env_bool("SYNAPSE_HSTS_INCLUDE_SUBDOMAINS", False)
+SECURE_HSTS_PRELOAD = env_bool("SYNAPSE_HSTS_PRELOAD", False)
+if SYNAPSE_BEHIND_PROXY:
+    SECURE_PROXY_SSL_HEADER = ("HTTP_X_FORWARDED_PROTO", "https")
+SESSION_COOKIE_HTTPONLY = True
+SECURE_CONTENT_TYPE_NOSNIFF = True
+SECURE_REFERRER_POLICY = "same-origin"
+X_FRAME_OPTIONS = "DENY"
+# `check --deploy` would ask for HSTS on every subdomain (W005) and for preloading (W021): both
+# reach beyond this site (other services under the same domain; browsers' built-in lists, slow
+# to leave), so they stay the operator's explicit choice (SYNAPSE_HSTS_INCLUDE_SUBDOMAINS,
+# SYNAPSE_HSTS_PRELOAD) rather than a default.
+SILENCED_SYSTEM_CHECKS = ["security.W005", "security.W021"]
+
 # Request bodies: submissions are capped here (413 above it), see federation issue.
 SYNAPSE_MAX_SUBMISSION_BYTES = int(os.environ.get("SYNAPSE_MAX_SUBMISSION_BYTES", str(2 * 1024 * 1024)))
 DATA_UPLOAD_MAX_MEMORY_SIZE = SYNAPSE_MAX_SUBMISSION_BYTES + 64 * 1024

@@ -5,6 +5,7 @@ from django.http import JsonResponse
 from django.urls import include, path
 from drf_spectacular.views import SpectacularAPIView, SpectacularSwaggerView
 
+from federation.auth import LoginForm
 from federation.dashboard.views import PasswordChangeView
 
 
@@ -27,13 +28,21 @@ handler500 = "synapse_web.middleware.server_error"
 
 urlpatterns = [
     path("admin/", admin.site.urls),
-    path("accounts/login/", auth_views.LoginView.as_view(), name="login"),
+    path("accounts/login/", auth_views.LoginView.as_view(authentication_form=LoginForm), name="login"),
     path("accounts/logout/", auth_views.LogoutView.as_view(), name="logout"),
     path(
         "accounts/password_change/", PasswordChangeView.as_view(), name="password_change"
     ),
     path("healthz", health, name="health"),
     path("api/v1/", include("federation.api.urls")),
+    # The browsable API's login (rest_framework.urls' view, with the form that says when the
+    # sign-in throttle refused); its logout and URL names from the include below.
+    path(
+        "api-auth/login/",
+        auth_views.LoginView.as_view(
+            template_name="rest_framework/login.html", authentication_form=LoginForm
+        ),
+    ),
     path("api-auth/", include("rest_framework.urls")),  # login for the browsable API
     path("api/v1/", include("routing.urls")),
     path("api/schema/", SpectacularAPIView.as_view(), name="api-schema"),

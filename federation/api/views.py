@@ -98,7 +98,7 @@ class IsAuthenticatedAny(BasePermission):
 
 
 def client_ip(request) -> str | None:
-    return request.META.get("REMOTE_ADDR") or None
+    return services.client_ip(request)
 
 
 def actor_for(request) -> services.Actor:

@@ -35,6 +35,7 @@ from federation.round_config import MIN_EPSILON, RoundConfig
 from federation.services import (
     Actor,
     approve_client,
+    client_ip,
     close_round,
     create_organization,
     enroll_client,
@@ -165,7 +166,7 @@ def back_url(request) -> str:
 
 
 def actor_for(request) -> Actor:
-    return Actor.for_user(request.user, request.META.get("REMOTE_ADDR"))
+    return Actor.for_user(request.user, client_ip(request))
 
 
 class ActionView(DashboardView):

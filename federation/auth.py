@@ -1,0 +1,59 @@
+"""Sign-in for people: the authentication backend that enforces the sign-in throttle
+(`federation.login_throttle`) and the login forms that say when it refused."""
+
+from __future__ import annotations
+
+from asgiref.sync import sync_to_async
+from django.contrib.admin.forms import AdminAuthenticationForm
+from django.contrib.auth import get_user_model
+from django.contrib.auth.backends import ModelBackend
+from django.contrib.auth.forms import AuthenticationForm
+from django.core.exceptions import PermissionDenied, ValidationError
+
+from federation import login_throttle
+from federation.services import client_ip
+
+
+class ThrottledModelBackend(ModelBackend):
+    """Django's username and password backend, refusing (PermissionDenied: no other backend is
+    tried) a username or address locked by too many failed sign-ins before it looks at the
+    password, and counting each failure. The lock is checked, never counted: a refused attempt
+    does not extend it."""
+
+    def authenticate(self, request, username=None, password=None, **kwargs):
+        if username is None:
+            username = kwargs.get(get_user_model().USERNAME_FIELD)
+        if username is None or password is None:
+            return None
+        ip = client_ip(request)
+        if login_throttle.lock_for(username, ip) is not None:
+            raise PermissionDenied("too many failed sign-ins")
+        user = super().authenticate(request, username=username, password=password)
+        if user is None:
+            login_throttle.record_failure(username, ip)
+        return user
+
+    async def aauthenticate(self, request, username=None, password=None, **kwargs):
+        return await sync_to_async(self.authenticate)(request, username, password, **kwargs)
+
+
+class ThrottleAwareLoginMixin:
+    """A refused sign-in says it was the throttle ("Too many failed sign-ins for this account;
+    try again in N minutes"), not that the password was wrong."""
+
+    throttle_message = ""
+
+    def get_invalid_login_error(self):
+        lock = login_throttle.lock_for(self.cleaned_data.get("username"), client_ip(self.request))
+        if lock is None:
+            return super().get_invalid_login_error()
+        self.throttle_message = lock.message
+        return ValidationError(lock.message, code="throttled")
+
+
+class LoginForm(ThrottleAwareLoginMixin, AuthenticationForm):
+    pass
+
+
+class AdminLoginForm(ThrottleAwareLoginMixin, AdminAuthenticationForm):
+    pass

@@ -1,0 +1,134 @@
+"""Sign-in throttling: failed password sign-ins are counted per username (case-insensitive) and
+per client address in fixed windows (`federation.ratelimit`). Once either count reaches its limit,
+every sign-in for that username or from that address is refused until the window ends, the right
+password too. `federation.auth.ThrottledModelBackend` enforces it for every login form; the moment
+a username or an address gets locked is audited (`login.throttled`).
+
+Limits: SYNAPSE_LOGIN_FAILURES_PER_USERNAME, SYNAPSE_LOGIN_FAILURES_PER_IP (0: not counted) and
+SYNAPSE_LOGIN_FAILURE_WINDOW_SECONDS.
+"""
+
+from __future__ import annotations
+
+import math
+import unicodedata
+from dataclasses import dataclass
+from datetime import timedelta
+
+from django.conf import settings
+from django.contrib.auth import get_user_model
+
+from federation import ratelimit
+from federation.models import AuditLog
+from federation.services import Actor, audit, membership_of
+
+USERNAME = "username"
+ADDRESS = "address"
+# RateCounter.key holds 200 characters; a username longer than a form accepts (150) is cut.
+_MAX_KEY_USERNAME = 180
+
+
+@dataclass(frozen=True)
+class Lock:
+    """A refusal: which count is at its limit, and for how many more seconds."""
+
+    scope: str  # USERNAME or ADDRESS
+    retry_after: int
+
+    @property
+    def minutes(self) -> int:
+        return max(1, math.ceil(self.retry_after / 60))
+
+    @property
+    def message(self) -> str:
+        whom = "for this account" if self.scope == USERNAME else "from this address"
+        unit = "minute" if self.minutes == 1 else "minutes"
+        return f"Too many failed sign-ins {whom}; try again in {self.minutes} {unit}."
+
+
+def username_key(username: str) -> str:
+    folded = unicodedata.normalize("NFKC", str(username)).casefold()
+    return f"login:user:{folded[:_MAX_KEY_USERNAME]}"
+
+
+def address_key(ip: str) -> str:
+    return f"login:ip:{ip}"
+
+
+def _counts(username: str | None, ip: str | None) -> list[tuple[str, str, int]]:
+    """(scope, rate counter key, limit) of each count that applies."""
+    counts = []
+    if username and settings.SYNAPSE_LOGIN_FAILURES_PER_USERNAME > 0:
+        counts.append(
+            (USERNAME, username_key(username), settings.SYNAPSE_LOGIN_FAILURES_PER_USERNAME)
+        )
+    if ip and settings.SYNAPSE_LOGIN_FAILURES_PER_IP > 0:
+        counts.append((ADDRESS, address_key(ip), settings.SYNAPSE_LOGIN_FAILURES_PER_IP))
+    return counts
+
+
+def lock_for(username: str | None, ip: str | None, now: float | None = None) -> Lock | None:
+    """The lock on this username or address, if either has reached its limit of failures in the
+    current window (the username's first). Reads the counts; counts nothing."""
+    window_s = settings.SYNAPSE_LOGIN_FAILURE_WINDOW_SECONDS
+    for scope, key, limit in _counts(username, ip):
+        if ratelimit.count(key, window_s, now) >= limit:
+            return Lock(scope, ratelimit.window(window_s, now).retry_after)
+    return None
+
+
+def record_failure(username: str | None, ip: str | None, now: float | None = None) -> list[Lock]:
+    """Count one failed sign-in for the username and the address. Returns the locks this failure
+    set (the count that just reached its limit), each audited as `login.throttled`."""
+    window_s = settings.SYNAPSE_LOGIN_FAILURE_WINDOW_SECONDS
+    locks = []
+    for scope, key, limit in _counts(username, ip):
+        decision = ratelimit.hit(key, limit, window_s, now)
+        # Exactly at the limit: concurrent failures past it are counted but audited only once.
+        if decision.count == limit:
+            lock = Lock(scope, decision.retry_after)
+            _audit_lock(lock, username, ip, limit, window_s, now)
+            locks.append(lock)
+    return locks
+
+
+def _account(username: str):
+    users = get_user_model()._default_manager
+    field = get_user_model().USERNAME_FIELD
+    exact = users.filter(**{field: username}).first()
+    return exact or users.filter(**{f"{field}__iexact": username}).order_by("pk").first()
+
+
+def _audit_lock(lock: Lock, username, ip, limit: int, window_s: int, now) -> None:
+    username = str(username or "")[:150]
+    until = ratelimit.window(window_s, now).start + timedelta(seconds=window_s)
+    details = {
+        "scope": lock.scope,
+        "username": username,
+        "ip": ip,
+        "failures": limit,
+        "window_s": window_s,
+        "locked_until": until.isoformat(),
+    }
+    actor = Actor(None, ip, "anonymous sign-in")
+    if lock.scope == USERNAME:
+        # The account's organization (if the username is one) sees its own lock in its audit log.
+        user = _account(username) if username else None
+        membership = membership_of(user) if user is not None else None
+        audit(
+            actor,
+            AuditLog.Action.LOGIN_THROTTLED,
+            target=user,
+            target_type="user",
+            target_label="" if user is not None else username,
+            organization=membership.organization if membership else None,
+            details=details,
+        )
+    else:
+        audit(
+            actor,
+            AuditLog.Action.LOGIN_THROTTLED,
+            target_type="address",
+            target_label=ip or "",
+            details=details,
+        )

@@ -1,0 +1,241 @@
+"""HTTPS deployment settings (SYNAPSE_HTTPS, SYNAPSE_BEHIND_PROXY, SYNAPSE_HSTS_*) and the
+sign-in throttle's settings, read as the settings module reads them: from the environment of a
+fresh process (settings are module-level), against a database that is never reached; and the
+client's address behind a proxy."""
+
+from __future__ import annotations
+
+import json
+import os
+import secrets
+import subprocess
+import sys
+
+import pytest
+from django.test import RequestFactory
+
+from federation.services import client_ip
+from tests.conftest import ROOT
+
+HOST = "synapse.example.org"
+# What the settings read, taken out of the inherited environment so that each case says all of it.
+READ = (
+    "DEBUG",
+    "SECRET_KEY",
+    "ALLOWED_HOSTS",
+    "DATABASE_URL",
+    "SYNAPSE_HTTPS",
+    "SYNAPSE_BEHIND_PROXY",
+    "SYNAPSE_HSTS_SECONDS",
+    "SYNAPSE_HSTS_INCLUDE_SUBDOMAINS",
+    "SYNAPSE_HSTS_PRELOAD",
+    "SYNAPSE_LOGIN_FAILURES_PER_USERNAME",
+    "SYNAPSE_LOGIN_FAILURES_PER_IP",
+    "SYNAPSE_LOGIN_FAILURE_WINDOW_SECONDS",
+)
+
+# A production-like environment as `make demo` serves it: DEBUG off, a long random secret key.
+# The database URL names a port nothing listens on: neither the checks nor the requests below
+# may need a database.
+PRODUCTION = {
+    "DEBUG": "0",
+    "SECRET_KEY": secrets.token_urlsafe(50),
+    "ALLOWED_HOSTS": HOST,
+    "DATABASE_URL": "postgres://synapse:synapse@127.0.0.1:9/synapse",
+}
+
+PROBE = f"""
+import json, os
+import django
+os.environ["DJANGO_SETTINGS_MODULE"] = "synapse_web.settings"
+django.setup()
+from django.conf import settings
+from django.test import Client
+
+names = [
+    "SESSION_COOKIE_SECURE", "CSRF_COOKIE_SECURE", "SECURE_SSL_REDIRECT", "SECURE_HSTS_SECONDS",
+    "SECURE_HSTS_INCLUDE_SUBDOMAINS", "SECURE_HSTS_PRELOAD", "SECURE_PROXY_SSL_HEADER",
+    "SESSION_COOKIE_HTTPONLY", "SECURE_REFERRER_POLICY", "X_FRAME_OPTIONS",
+    "SYNAPSE_LOGIN_FAILURES_PER_USERNAME", "SYNAPSE_LOGIN_FAILURES_PER_IP",
+    "SYNAPSE_LOGIN_FAILURE_WINDOW_SECONDS",
+]
+out = {{"settings": {{name: getattr(settings, name, None) for name in names}}}}
+
+def seen(response):
+    cookie = response.cookies.get("csrftoken")
+    return {{
+        "status": response.status_code,
+        "location": response.get("Location"),
+        "hsts": response.get("Strict-Transport-Security"),
+        "frame": response.get("X-Frame-Options"),
+        "referrer": response.get("Referrer-Policy"),
+        "csrf_cookie_secure": bool(cookie["secure"]) if cookie else None,
+    }}
+
+client = Client(HTTP_HOST="{HOST}")
+out["http_root"] = seen(client.get("/"))
+out["http_health"] = seen(client.get("/healthz"))
+out["http_login"] = seen(client.get("/accounts/login/"))
+out["https_login"] = seen(client.get("/accounts/login/", secure=True))
+out["forwarded_https_root"] = seen(client.get("/", HTTP_X_FORWARDED_PROTO="https"))
+print(json.dumps(out))
+"""
+
+
+def clean_env(**env: str) -> dict:
+    base = {k: v for k, v in os.environ.items() if k not in READ}
+    return {**base, **env}
+
+
+def probe(**env: str) -> dict:
+    proc = subprocess.run(
+        [sys.executable, "-c", PROBE],
+        cwd=ROOT,
+        env=clean_env(**env),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 0, proc.stderr
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def assert_settings(seen: dict, **expected) -> None:
+    assert {name: seen["settings"][name] for name in expected} == expected
+
+
+def check_deploy(**env: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "manage.py", "check", "--deploy", "--fail-level", "WARNING"],
+        cwd=ROOT,
+        env=clean_env(**env),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+
+
+def test_without_the_switch_production_stays_on_plain_http():
+    # `make demo`: DEBUG=0 over http on 127.0.0.1; a secure cookie would never come back.
+    seen = probe(**PRODUCTION)
+    assert_settings(
+        seen,
+        SESSION_COOKIE_SECURE=False,
+        CSRF_COOKIE_SECURE=False,
+        SECURE_SSL_REDIRECT=False,
+        SECURE_HSTS_SECONDS=0,
+        SECURE_PROXY_SSL_HEADER=None,
+        SESSION_COOKIE_HTTPONLY=True,
+        SECURE_REFERRER_POLICY="same-origin",
+        X_FRAME_OPTIONS="DENY",
+        # The sign-in throttle's defaults.
+        SYNAPSE_LOGIN_FAILURES_PER_USERNAME=10,
+        SYNAPSE_LOGIN_FAILURES_PER_IP=50,
+        SYNAPSE_LOGIN_FAILURE_WINDOW_SECONDS=900,
+    )
+    assert seen["http_root"]["status"] == 302 and seen["http_root"]["location"].startswith(
+        "/accounts/login/"
+    )
+    assert seen["http_login"]["status"] == 200 and seen["http_login"]["csrf_cookie_secure"] is False
+    assert seen["http_login"]["hsts"] is None and seen["https_login"]["hsts"] is None
+    assert seen["http_login"]["frame"] == "DENY" and seen["http_login"]["referrer"] == "same-origin"
+
+
+def test_https_switch_secures_cookies_redirects_and_sends_hsts():
+    seen = probe(**PRODUCTION, SYNAPSE_HTTPS="1")
+    assert_settings(
+        seen,
+        SESSION_COOKIE_SECURE=True,
+        CSRF_COOKIE_SECURE=True,
+        SECURE_SSL_REDIRECT=True,
+        SECURE_HSTS_SECONDS=31536000,
+        SECURE_HSTS_INCLUDE_SUBDOMAINS=False,
+        SECURE_HSTS_PRELOAD=False,
+        SECURE_PROXY_SSL_HEADER=None,
+    )
+    assert seen["http_root"]["status"] == 301
+    assert seen["http_root"]["location"] == f"https://{HOST}/"
+    assert seen["http_login"]["status"] == 301
+    # Health checks over plain http are answered, not redirected (503 here: the probe's database
+    # is unreachable on purpose).
+    assert seen["http_health"]["status"] == 503 and seen["http_health"]["location"] is None
+    assert seen["https_login"]["status"] == 200
+    assert seen["https_login"]["hsts"] == "max-age=31536000"
+    assert seen["https_login"]["csrf_cookie_secure"] is True
+    # Without SYNAPSE_BEHIND_PROXY a client's X-Forwarded-Proto is not believed.
+    assert seen["forwarded_https_root"]["status"] == 301
+
+
+def test_behind_a_proxy_x_forwarded_proto_says_https():
+    seen = probe(
+        **PRODUCTION,
+        SYNAPSE_HTTPS="1",
+        SYNAPSE_BEHIND_PROXY="1",
+        SYNAPSE_HSTS_SECONDS="3600",
+        SYNAPSE_HSTS_INCLUDE_SUBDOMAINS="1",
+    )
+    assert seen["settings"]["SECURE_PROXY_SSL_HEADER"] == ["HTTP_X_FORWARDED_PROTO", "https"]
+    assert seen["forwarded_https_root"]["status"] == 302
+    assert seen["forwarded_https_root"]["location"].startswith("/accounts/login/")
+    assert seen["forwarded_https_root"]["hsts"] == "max-age=3600; includeSubDomains"
+    assert seen["http_root"]["status"] == 301
+
+
+def test_sign_in_throttle_settings_come_from_the_environment():
+    custom = probe(
+        **PRODUCTION,
+        SYNAPSE_LOGIN_FAILURES_PER_USERNAME="5",
+        SYNAPSE_LOGIN_FAILURES_PER_IP="0",
+        SYNAPSE_LOGIN_FAILURE_WINDOW_SECONDS="3600",
+    )
+    assert_settings(
+        custom,
+        SYNAPSE_LOGIN_FAILURES_PER_USERNAME=5,
+        SYNAPSE_LOGIN_FAILURES_PER_IP=0,
+        SYNAPSE_LOGIN_FAILURE_WINDOW_SECONDS=3600,
+    )
+
+
+@pytest.mark.parametrize(
+    "env, named",
+    [
+        ({"SYNAPSE_LOGIN_FAILURES_PER_IP": "-1"}, "SYNAPSE_LOGIN_FAILURES_PER_IP"),
+        ({"SYNAPSE_LOGIN_FAILURE_WINDOW_SECONDS": "0"}, "SYNAPSE_LOGIN_FAILURE_WINDOW_SECONDS"),
+    ],
+)
+def test_a_bad_throttle_setting_stops_with_one_line(env, named):
+    proc = check_deploy(**PRODUCTION, **env)
+    assert proc.returncode == 2
+    lines = [line for line in proc.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1 and named in lines[0], proc.stderr
+
+
+def test_check_deploy_passes_with_https_on():
+    proc = check_deploy(**PRODUCTION, SYNAPSE_HTTPS="1")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    output = proc.stdout + proc.stderr
+    # Only the two checks settings.py silences, with its reason (HSTS beyond this site).
+    assert "System check identified no issues (2 silenced)." in output, output
+
+
+def test_check_deploy_names_what_is_missing_without_https():
+    # The same check is not blind: on plain http it lists what SYNAPSE_HTTPS would turn on.
+    proc = check_deploy(**PRODUCTION)
+    assert proc.returncode == 1
+    for check in ("security.W004", "security.W008", "security.W012", "security.W016"):
+        assert check in proc.stderr, proc.stderr
+
+
+def test_client_ip_trusts_x_forwarded_for_only_behind_a_proxy(settings):
+    factory = RequestFactory()
+    request = factory.get(
+        "/", REMOTE_ADDR="10.0.0.2", HTTP_X_FORWARDED_FOR="203.0.113.9, 198.51.100.1"
+    )
+    settings.SYNAPSE_BEHIND_PROXY = False
+    assert client_ip(request) == "10.0.0.2"
+    settings.SYNAPSE_BEHIND_PROXY = True
+    # The last entry is the one the proxy appended; earlier ones the client may have forged.
+    assert client_ip(request) == "198.51.100.1"
+    forged = factory.get("/", REMOTE_ADDR="10.0.0.2", HTTP_X_FORWARDED_FOR="not-an-address")
+    assert client_ip(forged) == "10.0.0.2"
+    assert client_ip(factory.get("/", REMOTE_ADDR="10.0.0.2")) == "10.0.0.2"

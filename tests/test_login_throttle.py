@@ -1,0 +1,252 @@
+"""Sign-in throttling: failed sign-ins counted per username and per address; at the limit that
+username or address is refused, right password too, on every login form, until the window ends."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+from asgiref.sync import async_to_sync
+from django.contrib.auth import SESSION_KEY, aauthenticate, authenticate, get_user_model
+from django.test import Client as DjangoClient
+
+from federation import login_throttle, ratelimit
+from federation.models import AuditLog, Membership, RateCounter
+from federation.services import create_organization
+from tests.federation_fixtures import SYSTEM
+
+PASSWORD = "correct horse battery staple"
+WINDOW = 900
+LOGIN_FORMS = ["/accounts/login/", "/admin/login/", "/api-auth/login/"]
+
+
+@pytest.fixture(autouse=True)
+def small_limits(settings):
+    settings.SYNAPSE_LOGIN_FAILURES_PER_USERNAME = 3
+    settings.SYNAPSE_LOGIN_FAILURES_PER_IP = 5
+    settings.SYNAPSE_LOGIN_FAILURE_WINDOW_SECONDS = WINDOW
+    # Many sign-ins per test: a fast hasher (the throttle does not depend on the hasher).
+    settings.PASSWORD_HASHERS = ["django.contrib.auth.hashers.MD5PasswordHasher"]
+
+
+@pytest.fixture
+def clock(monkeypatch):
+    """The rate limiter's clock, in the middle of a window, movable by the test."""
+    now = SimpleNamespace(t=1_800_000_000.0 + 100)
+    monkeypatch.setattr(ratelimit, "time", SimpleNamespace(time=lambda: now.t))
+    return now
+
+
+@pytest.fixture
+def people(db):
+    users = get_user_model().objects
+    org = create_organization(SYSTEM, "Org A", "org-a")
+    alice = users.create_user("alice", password=PASSWORD)
+    Membership.objects.create(user=alice, organization=org, role=Membership.Role.ADMIN)
+    bob = users.create_user("bob", password=PASSWORD)
+    root = users.create_superuser("root", password=PASSWORD)
+    return SimpleNamespace(org=org, alice=alice, bob=bob, root=root)
+
+
+def sign_in(client, username, password, path="/accounts/login/", ip="127.0.0.1"):
+    return client.post(path, {"username": username, "password": password}, REMOTE_ADDR=ip)
+
+
+def signed_in(client) -> bool:
+    return SESSION_KEY in client.session
+
+
+def counter(key: str) -> int:
+    return sum(RateCounter.objects.filter(key=key).values_list("count", flat=True))
+
+
+# --- per username ---------------------------------------------------------------------------------
+
+
+def test_account_locks_after_limit_and_refuses_the_right_password(client, people, clock):
+    for _ in range(2):
+        response = sign_in(client, "alice", "wrong")
+        assert response.status_code == 200
+        assert "didn't match" in response.content.decode()
+    # The third failure reaches the limit: the form says so at once.
+    third = sign_in(client, "alice", "wrong").content.decode()
+    assert "Too many failed sign-ins for this account; try again in 14 minutes." in third
+    assert "didn't match" not in third
+
+    refused = sign_in(client, "alice", PASSWORD)
+    assert refused.status_code == 200 and not signed_in(client)
+    assert (
+        "Too many failed sign-ins for this account; try again in 14 minutes."
+        in refused.content.decode()
+    )
+    # The same account in another case, from another address: still locked.
+    other = DjangoClient()
+    assert "for this account" in sign_in(other, "ALICE", PASSWORD, ip="10.9.9.9").content.decode()
+    assert not signed_in(other)
+    # Another account is not affected.
+    assert sign_in(DjangoClient(), "bob", PASSWORD).status_code == 302
+
+
+def test_refused_attempts_do_not_count_and_the_lock_ends_with_the_window(client, people, clock):
+    for _ in range(3):
+        sign_in(client, "alice", "wrong")
+    key = login_throttle.username_key("alice")
+    assert counter(key) == 3
+    for _ in range(5):
+        sign_in(client, "alice", "wrong")
+        sign_in(client, "Alice", PASSWORD)
+    assert counter(key) == 3  # checking the lock is not a failure
+    assert AuditLog.objects.filter(action="login.throttled").count() == 1
+
+    clock.t += WINDOW  # the next window
+    response = sign_in(client, "alice", PASSWORD)
+    assert response.status_code == 302 and signed_in(client)
+
+
+def test_success_under_the_limit_is_not_blocked(client, people, clock):
+    sign_in(client, "alice", "wrong")
+    sign_in(client, "alice", "wrong")
+    response = sign_in(client, "alice", PASSWORD)
+    assert response.status_code == 302 and signed_in(client)
+    assert not AuditLog.objects.filter(action="login.throttled").exists()
+
+
+def test_unknown_usernames_are_counted_too(client, people, clock):
+    for _ in range(3):
+        sign_in(client, "nobody", "wrong")
+    page = sign_in(client, "nobody", "anything").content.decode()
+    assert "Too many failed sign-ins for this account" in page
+    entry = AuditLog.objects.get(action="login.throttled")
+    assert entry.target_type == "user" and entry.target_id == "" and entry.target_label == "nobody"
+    assert entry.organization is None
+
+
+def test_lock_is_audited_once_with_username_ip_and_organization(client, people, clock):
+    for _ in range(6):
+        sign_in(client, "Alice", "wrong", ip="192.0.2.7")
+    entry = AuditLog.objects.get(action="login.throttled")
+    assert entry.actor is None and entry.actor_label == "anonymous sign-in"
+    assert entry.ip == "192.0.2.7"
+    assert entry.target_type == "user" and entry.target_id == str(people.alice.pk)
+    assert entry.target_label == "alice"
+    assert entry.organization == people.org  # alice's organization sees it in its audit log
+    assert entry.details["scope"] == "username" and entry.details["username"] == "Alice"
+    assert entry.details["failures"] == 3 and entry.details["window_s"] == WINDOW
+    assert entry.details["ip"] == "192.0.2.7"
+
+
+def test_the_accounts_organization_sees_its_lock_in_the_audit_log(client, people, clock):
+    for _ in range(3):
+        sign_in(client, "alice", "wrong", ip="192.0.2.7")
+    other_org = create_organization(SYSTEM, "Org B", "org-b")
+    bob_admin = DjangoClient()
+    Membership.objects.create(user=people.bob, organization=other_org, role=Membership.Role.ADMIN)
+    bob_admin.force_login(people.bob)
+    assert "login.throttled</code>" not in bob_admin.get("/audit/").content.decode()
+    alice = DjangoClient()
+    alice.force_login(people.alice)
+    page = alice.get("/audit/", {"action": "login.throttled"}).content.decode()
+    assert "login.throttled</code>" in page and "anonymous sign-in" in page and "192.0.2.7" in page
+
+
+@pytest.mark.parametrize("path", LOGIN_FORMS)
+def test_every_login_form_is_throttled_and_says_so(client, people, clock, path):
+    for _ in range(3):
+        sign_in(client, "root", "wrong", path=path)
+    response = sign_in(client, "root", PASSWORD, path=path)
+    assert response.status_code == 200 and not signed_in(client)
+    assert (
+        "Too many failed sign-ins for this account; try again in 14 minutes."
+        in response.content.decode()
+    )
+
+
+def test_authenticate_without_a_request_is_throttled(people, clock):
+    # Client.login, management code: no address, the username still counts.
+    for _ in range(3):
+        assert authenticate(username="bob", password="wrong") is None
+    assert authenticate(username="bob", password=PASSWORD) is None
+    assert async_to_sync(aauthenticate)(username="bob", password=PASSWORD) is None
+    assert authenticate(username="alice", password=PASSWORD) == people.alice
+
+
+def test_limit_zero_turns_a_count_off(client, people, clock, settings):
+    settings.SYNAPSE_LOGIN_FAILURES_PER_USERNAME = 0
+    settings.SYNAPSE_LOGIN_FAILURES_PER_IP = 0
+    for _ in range(10):
+        sign_in(client, "alice", "wrong")
+    assert sign_in(client, "alice", PASSWORD).status_code == 302
+    assert not RateCounter.objects.filter(key__startswith="login:").exists()
+
+
+# --- per address ----------------------------------------------------------------------------------
+
+
+def test_address_locks_after_limit_across_usernames(client, people, clock):
+    for n in range(5):
+        sign_in(client, f"guess{n}", "wrong", ip="198.51.100.4")
+    refused = sign_in(client, "bob", PASSWORD, ip="198.51.100.4")
+    assert not signed_in(client)
+    assert (
+        "Too many failed sign-ins from this address; try again in 14 minutes."
+        in refused.content.decode()
+    )
+    # From another address the account is fine (bob never failed).
+    assert sign_in(DjangoClient(), "bob", PASSWORD, ip="198.51.100.5").status_code == 302
+    entry = AuditLog.objects.get(action="login.throttled", target_type="address")
+    assert entry.target_label == "198.51.100.4" and entry.ip == "198.51.100.4"
+    assert entry.details["scope"] == "address" and entry.organization is None
+
+
+def test_behind_a_proxy_the_address_count_is_per_forwarded_client(client, people, clock, settings):
+    settings.SYNAPSE_BEHIND_PROXY = True
+    for n in range(5):
+        client.post(
+            "/accounts/login/",
+            {"username": f"guess{n}", "password": "wrong"},
+            REMOTE_ADDR="10.0.0.2",
+            HTTP_X_FORWARDED_FOR="203.0.113.9",
+        )
+    locked = DjangoClient()
+    locked.post(
+        "/accounts/login/",
+        {"username": "bob", "password": PASSWORD},
+        REMOTE_ADDR="10.0.0.2",
+        HTTP_X_FORWARDED_FOR="203.0.113.9",
+    )
+    assert not signed_in(locked)
+    # The lock (and the audit log) names the forwarded client, not the proxy.
+    assert AuditLog.objects.get(action="login.throttled").target_label == "203.0.113.9"
+    # Another visitor through the same proxy is not locked out.
+    fine = DjangoClient()
+    response = fine.post(
+        "/accounts/login/",
+        {"username": "bob", "password": PASSWORD},
+        REMOTE_ADDR="10.0.0.2",
+        HTTP_X_FORWARDED_FOR="203.0.113.10",
+    )
+    assert response.status_code == 302 and signed_in(fine)
+
+
+# --- the service ----------------------------------------------------------------------------------
+
+
+def test_lock_for_reads_without_counting(people):
+    now = 1_800_000_000.0
+    for _ in range(2):
+        login_throttle.record_failure("Carol", "192.0.2.1", now=now)
+    for _ in range(10):
+        assert login_throttle.lock_for("carol", "192.0.2.1", now=now) is None
+    locks = login_throttle.record_failure("CAROL", None, now=now)
+    assert [lock.scope for lock in locks] == ["username"]
+    lock = login_throttle.lock_for("carol", "192.0.2.2", now=now + 60)
+    assert lock is not None and lock.retry_after == WINDOW - 60 and lock.minutes == 14
+    assert lock.message == "Too many failed sign-ins for this account; try again in 14 minutes."
+    assert login_throttle.lock_for("carol", None, now=now + WINDOW) is None
+
+
+def test_lock_message_rounds_up_to_whole_minutes():
+    assert login_throttle.Lock("username", 1).message.endswith("try again in 1 minute.")
+    assert login_throttle.Lock("address", 61).message == (
+        "Too many failed sign-ins from this address; try again in 2 minutes."
+    )
