@@ -132,3 +132,16 @@ def _audit_lock(lock: Lock, username, ip, limit: int, window_s: int, now) -> Non
             target_label=ip or "",
             details=details,
         )
+
+
+def unlock(username: str | None = None, ip: str | None = None) -> int:
+    """Clear the failure counts of a username and/or an address (every window): the way back for
+    a locked-out account (a password reset does it, and `manage.py unlock_login`). Returns how
+    many counters were removed."""
+    from federation.models import RateCounter
+
+    keys = ([username_key(username)] if username else []) + ([address_key(ip)] if ip else [])
+    if not keys:
+        return 0
+    deleted, _ = RateCounter.objects.filter(key__in=keys).delete()
+    return deleted

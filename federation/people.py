@@ -18,6 +18,7 @@ from django.core.validators import validate_email
 from django.db import IntegrityError, transaction
 from django.utils import timezone
 
+from federation import login_throttle
 from federation.errors import Conflict, InvalidRequest, NotAllowed, NotFound
 from federation.models import AuditLog, Membership, Organization, UserToken
 from federation.services import Actor, audit, can_admin, membership_of, visible_organization_ids
@@ -154,6 +155,8 @@ def reset_password(actor: Actor, membership: Membership | int) -> IssuedPassword
     # Changing the hash also ends the person's sessions: each session carries a hash of it.
     user.set_password(password)
     user.save(update_fields=["password"])
+    # ... and the new password works at once, even if someone locked the account by guessing.
+    login_throttle.unlock(user.get_username())
     audit(
         actor,
         AuditLog.Action.PERSON_PASSWORD_RESET,

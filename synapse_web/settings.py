@@ -270,12 +270,15 @@ CELERY_TASK_SERIALIZER = "json"
 CELERY_RESULT_SERIALIZER = "json"
 CELERY_ACCEPT_CONTENT = ["json"]
 CELERY_TASK_DEFAULT_QUEUE = os.environ.get("CELERY_TASK_DEFAULT_QUEUE", "cpu")
-# `celery -A synapse_web beat` (docker-compose's beat service) closes rounds at their deadline.
+# `celery -A synapse_web beat` (docker-compose's beat service) closes rounds at their deadline
+# and prunes old rate counters.
 CELERY_BEAT_SCHEDULE = {
     "close-due-rounds": {
         "task": "synapse.close_due_rounds",
         "schedule": float(os.environ.get("SYNAPSE_DEADLINE_CHECK_SECONDS", "30")),
-    }
+    },
+    # Rate-limit and sign-in failure counters older than a day (federation.ratelimit.prune).
+    "prune-rate-counters": {"task": "synapse.prune_rate_counters", "schedule": 3600.0},
 }
 
 LOGGING = {

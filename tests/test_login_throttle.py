@@ -250,3 +250,42 @@ def test_lock_message_rounds_up_to_whole_minutes():
     assert login_throttle.Lock("address", 61).message == (
         "Too many failed sign-ins from this address; try again in 2 minutes."
     )
+
+
+@pytest.mark.django_db
+def test_a_locked_account_is_opened_by_a_password_reset_or_the_unlock_command(people, clock):
+    import io
+
+    from django.core.management import call_command
+
+    from federation import people as people_service
+    from federation.services import Actor
+
+    for _ in range(3):
+        sign_in(DjangoClient(), "Root", "wrong", ip="10.9.9.9")  # someone locks the operator out
+    client = DjangoClient()
+    sign_in(client, "root", PASSWORD)
+    assert not signed_in(client)
+    out = io.StringIO()
+    call_command("unlock_login", "ROOT", stdout=out)
+    assert "username 'ROOT': 1 failure count(s) cleared" in out.getvalue()
+    sign_in(client, "root", PASSWORD)
+    assert signed_in(client)
+
+    for _ in range(3):
+        sign_in(DjangoClient(), "alice", "wrong", ip="10.9.9.8")
+    membership = Membership.objects.get(user=people.alice)
+    issued = people_service.reset_password(Actor.for_user(people.root), membership)
+    fresh = DjangoClient()
+    sign_in(fresh, "alice", issued.password)
+    assert signed_in(fresh)
+    # the address that guessed keeps its own count
+    assert counter(login_throttle.address_key("10.9.9.8")) == 3
+
+
+def test_the_beat_schedule_prunes_old_counters(settings):
+    from synapse_web.celery import app
+    from workers.tasks import prune_rate_counters_task
+
+    task = settings.CELERY_BEAT_SCHEDULE["prune-rate-counters"]["task"]
+    assert task == prune_rate_counters_task.name and task in app.tasks

@@ -75,3 +75,11 @@ def close_due_rounds_task() -> list[int]:
     from federation.services import close_due_rounds
 
     return [rnd.number for rnd in close_due_rounds()]
+
+
+@shared_task(name="synapse.prune_rate_counters")
+def prune_rate_counters_task() -> int:
+    """Celery beat's hourly clean-up: rate-limit and sign-in counters older than a day."""
+    from federation.ratelimit import prune
+
+    return prune()
