@@ -12,7 +12,7 @@ import re
 import pytest
 from django.urls import reverse
 
-from federation import people, services
+from federation import people, services, submissions
 from federation.errors import BudgetExceeded
 from federation.models import (
     AuditLog,
@@ -832,3 +832,20 @@ def test_the_audit_log_downloads_as_csv_with_the_filters_and_scope_of_the_page(c
     created = client.get(reverse("dashboard:audit") + "?action=organization.create&format=csv")
     rows = list(csv.DictReader(io.StringIO(b"".join(created.streaming_content).decode())))
     assert "'=1+1" in [r["target_label"] for r in rows]
+
+
+def test_the_overview_names_the_clients_that_have_not_submitted_to_the_open_round(client, world, valid_doc):
+    rnd = services.open_round(SYSTEM)
+    submissions.submit(world.client_a, json.dumps(valid_doc).encode(), "k1")
+    client.force_login(world.admin_a)  # org A: client a1 submitted; a-pending is not approved
+    response = client.get(reverse("dashboard:overview"))
+    body = html.unescape(response.content.decode())
+    assert f"Round {rnd.number} is open: of 1 approved client, all have submitted." in body
+    rows = {r.client.name: r.submitted_open for r in response.context["overview"].clients}
+    assert rows == {"a1": True, "a-pending": False}
+    client.force_login(world.operator)  # every organization: org B's b1 has not
+    body = html.unescape(client.get(reverse("dashboard:overview")).content.decode())
+    assert "of 2 approved clients, 1 has not submitted yet (org-b/b1)." in body
+    assert "<span class=\"warn-text\">not yet</span>" in body
+    services.close_round(SYSTEM, rnd)
+    assert "open-round-participation" not in client.get(reverse("dashboard:overview")).content.decode()

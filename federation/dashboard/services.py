@@ -62,6 +62,7 @@ class ClientRow:
     last_wire_bytes: int | None = None
     last_encoding: str = ""
     mean_size_bytes: float | None = None
+    submitted_open: bool = False  # has a submission in the open round
 
 
 @dataclass
@@ -72,6 +73,9 @@ class Overview:
     bytes_chart: str = ""
     participation_chart: str = ""
     totals: dict[str, int] = field(default_factory=dict)
+    # The open round, if any, and which of these approved clients have (not) submitted to it.
+    open_round: Round | None = None
+    waiting: list[ClientRow] = field(default_factory=list)
 
 
 def federation_overview(
@@ -149,6 +153,14 @@ def federation_overview(
             "submissions": len(points),
         },
     )
+    overview.open_round = next((r for r in rounds if r.state == Round.State.OPEN), None)
+    if overview.open_round is not None:
+        for row in overview.clients:
+            row.submitted_open = row.last_round == overview.open_round.number
+        overview.waiting = [
+            row for row in overview.clients
+            if row.client.status == Client.Status.APPROVED and not row.submitted_open
+        ]
     if points:
         overview.bytes_chart = render_figure(
             bytes_per_client_figure(client_rows, per_client),
