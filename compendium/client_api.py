@@ -34,7 +34,7 @@ import httpx
 
 from compendium import transport
 from compendium.canonical import canonical_form
-from compendium.schema import Compendium
+from compendium.schema import Compendium, Schema
 
 USER_AGENT = "synapse-client/0.1"
 MAX_RETRY_AFTER_S = 60.0
@@ -51,6 +51,10 @@ class SubmissionRejected(ClientError):
         self.detail = detail
         self.violations = violations
         super().__init__(f"the server rejected the compendium: {detail}")
+
+
+class NothingPublished(ClientError):
+    """The server has published no global compendium yet (the first round)."""
 
 
 class NothingToSubmit(ClientError):
@@ -368,7 +372,7 @@ class SynapseClient:
         if status in (401, 403):
             raise self._auth_error(response)
         if status == 404:
-            raise ClientError(f"no global compendium is published: {_detail(response)}")
+            raise NothingPublished(f"no global compendium is published: {_detail(response)}")
         if status != 200:
             raise ClientError(
                 f"cannot download the global compendium (HTTP {status}): {_detail(response)}"
@@ -404,6 +408,23 @@ class SynapseClient:
             etag_path.unlink()
         self._pull_head(out, result.round if result.round is not None else round_number, result)
         return result
+
+    def fetch_schema(self, out: Path) -> Schema:
+        """Save the schema S in force (registry, numeric fields, limits) to `out`; it is what
+        `build` and `validate` read."""
+        payload = self._get_json(
+            "/api/v1/compendium/schema/", "cannot download the schema", "the schema request"
+        )
+        data = json.dumps(payload, ensure_ascii=False).encode("utf-8")
+        try:
+            schema = Schema.model_validate_json(data)  # as `build` reads the file back
+        except ValueError as exc:
+            first = str(exc).splitlines()[:2]
+            raise ClientError(
+                "the server sent a schema this client cannot read: " + " ".join(first)
+            ) from None
+        write_atomically(Path(out), data)
+        return schema
 
     def fetch_probe(self, out: Path) -> int:
         """Save the public probe set's requests to `out` (for dcz before any global is published:

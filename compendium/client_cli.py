@@ -459,6 +459,58 @@ def cmd_status(args: argparse.Namespace) -> int:
     return 3 if missing and args.require_submitted else 0
 
 
+def cmd_participate(args: argparse.Namespace) -> int:
+    """One client round, as a scheduler runs it: the schema in force, the latest global (or,
+    before any, the public probe set), `build` against it at the round's masking strength, and
+    `submit` as dcz against it. Files go to --dir; running it again in the same round sends the
+    same bytes (replayed by the server, not stored twice) or, after new usage, replaces the
+    round's earlier submission."""
+    from compendium.client_api import NothingPublished, etag_file, head_file, nothing_to_submit
+
+    folder = Path(args.dir)
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise CliError(f"cannot create {folder}: {exc.strerror}") from None
+    schema_path, global_path = folder / "schema.json", folder / "global.json"
+    probe_path, out = folder / "probe.json", folder / "compendium.json"
+    with _client(args) as client:
+        current = client.open_round()  # no open round: one clear error, nothing built
+        client.fetch_schema(schema_path)
+        try:
+            pulled = client.pull(global_path)
+        except NothingPublished:
+            pulled = None
+            for stale in (global_path, etag_file(global_path), head_file(global_path)):
+                stale.unlink(missing_ok=True)  # a global of an earlier federation
+            client.fetch_probe(probe_path)
+    for warning in pulled.warnings if pulled else ():
+        print(f"{PROG}: warning: {warning}", file=sys.stderr)
+    config = current.get("config") if isinstance(current.get("config"), dict) else {}
+    expected = config.get("mask_strength")
+    strength = args.strength
+    if strength is None:
+        strength = float(expected) if isinstance(expected, int | float) else 1.0
+    since = str(global_path) if pulled else None
+    print(
+        f"round {current['number']}: "
+        + (f"against the global of round {pulled.round or '?'}" if pulled
+           else "no global yet: against the public probe set")
+        + f", masking at λ = {strength:g}"
+    )
+    cmd_build(argparse.Namespace(
+        **{**vars(args), "log": args.log, "schema": str(schema_path), "out": str(out),
+           "since": since, "strength": strength},
+    ))
+    if nothing_to_submit(_load_compendium(str(out))):
+        print(f"{out}: nothing new since the global: nothing sent this round")
+        return 0
+    return cmd_submit(argparse.Namespace(
+        **{**vars(args), "compendium": str(out), "no_gzip": False, "since": since,
+           "schema": None if since else str(schema_path), "probe": None if since else str(probe_path)},
+    ))
+
+
 def _load_probe(path: str) -> list[str]:
     try:
         return transport.probe_texts_of(json.loads(_read_bytes(path)))
@@ -518,6 +570,61 @@ def _add_server_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--backoff", type=float, default=0.5, help="first retry delay, seconds")
 
 
+def _add_build_options(
+    parser: argparse.ArgumentParser,
+    lambda_default: float | None = 1.0,
+    lambda_help: str = "masking strength λ >= 0 (0 masks nothing; larger masks more; default 1.0)",
+) -> None:
+    """The options of `build`, shared with `participate`."""
+    parser.add_argument(
+        "--lambda", dest="strength", type=float, default=lambda_default,
+        help=lambda_help,
+    )
+    parser.add_argument("--seed", type=int, default=0, help="seed for masking and cap tie-breaks")
+    parser.add_argument(
+        "--field-cap", type=int, default=None,
+        help="F*: at most this many tools per user feed the numeric statistics (default: no cap)",
+    )
+    parser.add_argument("--tau", type=float, default=0.85, help="cosine for near-duplicate collapse")
+    parser.add_argument(
+        "--min-users", type=int, default=1, metavar="K",
+        help="send a scenario or precaution only when at least K distinct users' requests "
+        "support it (k-anonymous release; default 1: send everything)",
+    )
+    parser.add_argument(
+        "--pool-users", type=int, default=1, metavar="K",
+        help="pooled release: pool each tool's requests with their nearest ones until a pool "
+        "holds K distinct users' requests, and send a pool as the words two of its users wrote "
+        "(no text sent is any one request; default 1: off)",
+    )
+    parser.add_argument(
+        "--shared-word-users", type=int, default=SHARED_WORD_USERS, metavar="K",
+        help="release, unmasked, the ordinary words that at least K distinct users of the log "
+        f"wrote in lower case (0: off; default {SHARED_WORD_USERS})",
+    )
+    parser.add_argument(
+        "--no-collapse", action="store_true",
+        help="merge exact duplicates only; skip the embedding model",
+    )
+    parser.add_argument(
+        "--skip-bad-lines", action="store_true",
+        help="build from the good lines and report the malformed ones (default: fail)",
+    )
+    parser.add_argument(
+        "--since-confidence", type=float, default=DEFAULT_SINCE_CONFIDENCE,
+        dest="since_confidence", metavar="P",
+        help="against the pulled global (--since), also leave out the scenarios it already "
+        "routes to their tool with calibrated confidence >= P (default %(default)s; above 1: off)",
+    )
+    parser.add_argument(
+        "--max-bytes", type=int, default=None, dest="max_bytes", metavar="B",
+        help="send at most B canonical bytes: the statistics, then scenarios in turns over the "
+        "tools, then precautions; the rest waits for a later round",
+    )
+    parser.add_argument("--embedding-model", default=None, help="sentence-transformers model/path")
+    parser.add_argument("--quiet", action="store_true", help="no progress bars")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog=PROG, description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
@@ -532,57 +639,11 @@ def build_parser() -> argparse.ArgumentParser:
     build.add_argument("--schema", required=True, help="schema.json from the server")
     build.add_argument("--out", required=True, help="compendium file to write")
     build.add_argument(
-        "--lambda", dest="strength", type=float, default=1.0,
-        help="masking strength λ >= 0 (0 masks nothing; larger masks more; default 1.0)",
-    )
-    build.add_argument("--seed", type=int, default=0, help="seed for masking and cap tie-breaks")
-    build.add_argument(
-        "--field-cap", type=int, default=None,
-        help="F*: at most this many tools per user feed the numeric statistics (default: no cap)",
-    )
-    build.add_argument("--tau", type=float, default=0.85, help="cosine for near-duplicate collapse")
-    build.add_argument(
-        "--min-users", type=int, default=1, metavar="K",
-        help="send a scenario or precaution only when at least K distinct users' requests "
-        "support it (k-anonymous release; default 1: send everything)",
-    )
-    build.add_argument(
-        "--pool-users", type=int, default=1, metavar="K",
-        help="pooled release: pool each tool's requests with their nearest ones until a pool "
-        "holds K distinct users' requests, and send a pool as the words two of its users wrote "
-        "(no text sent is any one request; default 1: off)",
-    )
-    build.add_argument(
-        "--shared-word-users", type=int, default=SHARED_WORD_USERS, metavar="K",
-        help="release, unmasked, the ordinary words that at least K distinct users of the log "
-        f"wrote in lower case (0: off; default {SHARED_WORD_USERS})",
-    )
-    build.add_argument(
-        "--no-collapse", action="store_true",
-        help="merge exact duplicates only; skip the embedding model",
-    )
-    build.add_argument(
-        "--skip-bad-lines", action="store_true",
-        help="build from the good lines and report the malformed ones (default: fail)",
-    )
-    build.add_argument(
         "--since", default=None, metavar="GLOBAL",
         help="the global compendium last pulled: send only what it does not already cover "
         "(the server carries it forward)",
     )
-    build.add_argument(
-        "--since-confidence", type=float, default=DEFAULT_SINCE_CONFIDENCE,
-        dest="since_confidence", metavar="P",
-        help="with --since, also leave out the scenarios the pulled global already routes to "
-        "their tool with calibrated confidence >= P (default %(default)s; above 1: off)",
-    )
-    build.add_argument(
-        "--max-bytes", type=int, default=None, dest="max_bytes", metavar="B",
-        help="send at most B canonical bytes: the statistics, then scenarios in turns over the "
-        "tools, then precautions; the rest waits for a later round",
-    )
-    build.add_argument("--embedding-model", default=None, help="sentence-transformers model/path")
-    build.add_argument("--quiet", action="store_true", help="no progress bars")
+    _add_build_options(build)
     build.set_defaults(func=cmd_build)
 
     inspect = sub.add_parser("inspect", help="dry run: show exactly what would leave this client")
@@ -625,6 +686,23 @@ def build_parser() -> argparse.ArgumentParser:
     _add_server_arguments(pull)
     pull.set_defaults(func=cmd_pull)
 
+    participate = sub.add_parser(
+        "participate",
+        help="one client round: fetch the schema and the latest global, build, submit (for cron)",
+    )
+    participate.add_argument("--log", required=True, help="usage log, one JSON object per line")
+    participate.add_argument(
+        "--dir", required=True,
+        help="folder for schema.json, global.json, probe.json and compendium.json (kept between "
+        "rounds: the global's ETag saves downloading it again)",
+    )
+    _add_build_options(
+        participate, lambda_default=None,
+        lambda_help="masking strength λ >= 0 (default: the open round's expected λ, else 1.0)",
+    )
+    _add_server_arguments(participate)
+    participate.set_defaults(func=cmd_participate)
+
     status = sub.add_parser(
         "status", help="the open round, what this client submitted to it, the latest global"
     )
@@ -653,7 +731,7 @@ def main(argv: list[str] | None = None) -> int:
     from compendium.client_api import ClientError
 
     args = build_parser().parse_args(argv)
-    if getattr(args, "strength", 0) < 0:
+    if (getattr(args, "strength", 0) or 0) < 0:
         print(f"{PROG}: --lambda must be >= 0", file=sys.stderr)
         return 2
     try:

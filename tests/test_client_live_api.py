@@ -17,7 +17,7 @@ from compendium.models import CompendiumVersion
 from compendium.schema import Compendium
 from compendium.validation import load_valid_compendium
 from federation import services, submissions
-from federation.models import ProbeQuery, Submission
+from federation.models import ProbeQuery, Round, Submission
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
@@ -99,3 +99,54 @@ def test_status_tells_a_client_where_it_stands(live_server, world, valid_doc, tm
     # another client of the federation has its own answer
     assert main(["status", "--require-submitted", "--server", live_server.url, "--token",
                  world.token_b, "--backoff", "0"]) == 3
+
+
+def _usage_log(path) -> None:
+    rows = [
+        {"query": f"Will it rain tomorrow in {city}?", "tool": "weather", "outcome": "success",
+         "latency_ms": 120, "user": f"u{n % 3}"}
+        for n, city in enumerate(["Paris", "Lyon", "Nice", "Lille", "Metz", "Brest"])
+    ] + [
+        {"query": f"Find a cheap flight from {a} to {b}", "tool": "flights", "outcome": "success",
+         "latency_ms": 300, "user": f"u{n % 3}"}
+        for n, (a, b) in enumerate([("Oslo", "Rome"), ("Bern", "Kyiv"), ("Riga", "Faro")])
+    ]
+    path.write_text("\n".join(json.dumps(r) for r in rows) + "\n", encoding="utf-8")
+
+
+def test_participate_runs_a_whole_client_round(live_server, world, tmp_path, capsys):
+    from compendium.services import store_compendium
+
+    log, state = tmp_path / "usage.jsonl", tmp_path / "state"
+    _usage_log(log)
+    server = ["--server", live_server.url, "--token", world.token_a, "--backoff", "0"]
+    command = ["participate", "--log", str(log), "--dir", str(state), "--quiet", *server]
+    assert main(command) == 1
+    assert "no round is open" in capsys.readouterr().err and not (state / "compendium.json").exists()
+
+    ProbeQuery.objects.bulk_create([
+        ProbeQuery(dataset="pub", qid=f"q{n}", text=f"Is it sunny in town {n}?", tool_id="weather")
+        for n in range(5)
+    ])
+    first = services.open_round(services.Actor(None), {"mask_strength": 1.5})
+    assert main(command) == 0
+    out = capsys.readouterr().out
+    assert "round 1: no global yet: against the public probe set, masking at λ = 1.5" in out
+    assert "submitted to round 1" in out and "dcz" in out
+    sent = Submission.objects.get(client=world.client_a)
+    assert sent.content_encoding == "dcz" and sent.round == first
+    built = json.loads((state / "compendium.json").read_text())
+    assert built["masking"]["strength"] == 1.5 and (state / "schema.json").exists()
+    assert main(command) == 0  # the same usage again: the server replays, nothing stored twice
+    assert "replayed" in capsys.readouterr().out and Submission.objects.count() == 1
+
+    # round 1 publishes (here: the client's own compendium as the global), round 2 opens
+    Round.objects.filter(pk=first.pk).update(state=Round.State.PUBLISHED, published_at=timezone.now())
+    store_compendium(load_valid_compendium(built, submissions.schema_in_force()), kind="global",
+                     round=first)
+    services.open_round(services.Actor(None))
+    assert main([*command, "--lambda", "1"]) == 0
+    out = capsys.readouterr().out
+    assert "round 2: against the global of round 1, masking at λ = 1" in out
+    assert (state / "global.json").exists()
+    assert "nothing new since the global" in out or "submitted to round 2" in out
