@@ -131,7 +131,7 @@ def test_nav_shows_only_registered_pages_that_resolve(operator_client):
     labels = re.findall(r'<a href="[^"]*"[^>]*>([^<]+)</a>', nav_html)
     assert labels == [
         "Overview", "Organizations", "Conflicts", "Privacy", "Accuracy", "Compendium",
-        "Tool registry", "Routing", "Audit log",
+        "Tool registry", "Routing", "Audit log", "Settings",
     ]
     assert 'aria-current="page"' in nav_html.split("Compendium")[0]
 
@@ -146,7 +146,7 @@ def test_nav_registry_orders_and_skips_unresolvable(federation):
         keys = [i["key"] for i in nav.items_for(federation.operator, active="privacy")]
         assert keys == [
             "overview", "organizations", "conflicts", "privacy", "accuracy", "compendium",
-            "tools", "routing", "audit", "secret",
+            "tools", "routing", "audit", "settings", "secret",
         ]
         member_keys = [i["key"] for i in nav.items_for(federation.member)]
         assert "secret" not in member_keys and "unbuilt" not in member_keys

@@ -849,3 +849,36 @@ def test_the_overview_names_the_clients_that_have_not_submitted_to_the_open_roun
     assert "<span class=\"warn-text\">not yet</span>" in body
     services.close_round(SYSTEM, rnd)
     assert "open-round-participation" not in client.get(reverse("dashboard:overview")).content.decode()
+
+
+def test_the_operator_changes_the_federation_settings_in_the_browser(client, world):
+    url = reverse("dashboard:settings")
+    client.force_login(world.member_a)
+    page = client.get(url)
+    assert page.status_code == 200 and 'id="settings-form"' not in page.content.decode()
+    assert "allow_admin_approval" in page.content.decode()
+    assert client.post(url, {"epsilon_budget": "99"}).status_code == 403
+    client.force_login(world.operator)
+    current = services.get_settings()
+    form = {
+        "epsilon_budget": "40", "delta_prime": str(current.delta_prime),
+        "max_submission_bytes": "1000000", "submissions_per_minute": "30",
+        "enrollments_per_hour": str(current.enrollments_per_hour), "allow_admin_approval": "on",
+    }
+    response = client.post(url, form, follow=True)
+    assert "Settings saved: epsilon_budget, max_submission_bytes, submissions_per_minute, allow_admin_approval changed." in html.unescape(response.content.decode())
+    row = services.get_settings()
+    assert (row.epsilon_budget, row.allow_admin_approval, row.submissions_per_minute) == (40, True, 30)
+    assert AuditLog.objects.filter(action="settings.change", actor=world.operator).count() == 1
+    for bad, words in (
+        ({"submissions_per_minute": "0"}, "submissions_per_minute must be a whole number of at least 1"),
+        ({"enrollments_per_hour": "2.5"}, "enrollments_per_hour must be a whole number"),
+        ({"epsilon_budget": "-1"}, "epsilon_budget must be a finite number"),
+        ({"epsilon_budget": ""}, "epsilon_budget is required"),
+    ):
+        refused = client.post(url, {**form, **bad})
+        assert refused.status_code == 400 and words in html.unescape(refused.content.decode())
+    assert services.get_settings().submissions_per_minute == 30  # nothing half-written
+    unchecked = {k: v for k, v in form.items() if k != "allow_admin_approval"}
+    client.post(url, unchecked)
+    assert services.get_settings().allow_admin_approval is False

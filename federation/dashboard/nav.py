@@ -25,6 +25,7 @@ NAV_ORDER: tuple[str, ...] = (
     "tools",
     "routing",
     "audit",
+    "settings",
 )
 
 

@@ -42,6 +42,7 @@ urlpatterns = [
     path("tools/", views.ToolRegistryView.as_view(), name="tools"),
     path("routing/", views.RoutingView.as_view(), name="routing"),
     path("audit/", views.AuditView.as_view(), name="audit"),
+    path("settings/", views.SettingsView.as_view(), name="settings"),
 ]
 
 nav.register("overview", "Overview", "dashboard:overview")
@@ -53,3 +54,4 @@ nav.register("compendium", "Compendium", "dashboard:compendium")
 nav.register("tools", "Tool registry", "dashboard:tools")
 nav.register("routing", "Routing", "dashboard:routing")
 nav.register("audit", "Audit log", "dashboard:audit")
+nav.register("settings", "Settings", "dashboard:settings")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import datetime as dt
 
+from django.conf import settings as django_settings
 from django.contrib import messages
 from django.contrib.auth import views as auth_views
 from django.core.exceptions import ObjectDoesNotExist
@@ -28,11 +29,13 @@ from federation.models import (
     Client,
     ConflictDecision,
     ConflictLogEntry,
+    FederationSettings,
     Membership,
     Round,
 )
 from federation.round_config import MIN_EPSILON, RoundConfig
 from federation.services import (
+    SETTINGS_FIELDS,
     Actor,
     approve_client,
     client_ip,
@@ -45,6 +48,7 @@ from federation.services import (
     revoke_client,
     rotate_client_token,
     set_round_deadline,
+    update_settings,
 )
 from routing.services import NothingPublished, RoutingInputError, route_query
 
@@ -317,6 +321,64 @@ class PersonActionView(ActionView, OrganizationView):
         response = self.render_to_response(context)
         response["Cache-Control"] = "no-store"
         return response
+
+
+# --- federation settings -------------------------------------------------------------------------
+
+
+SETTING_INPUTS = {
+    "epsilon_budget": float,
+    "delta_prime": float,
+    "max_submission_bytes": int,
+    "submissions_per_minute": int,
+    "enrollments_per_hour": int,
+}
+
+
+class SettingsView(ActionView):
+    """The federation's policy: every signed-in person reads it, the operator changes it here."""
+
+    http_method_names = ["get", "head", "post"]
+    template_name = "dashboard/settings.html"
+    nav_key = "settings"
+    title = "Federation settings"
+
+    def get_context_data(self, **kwargs):
+        context = super().get_context_data(**kwargs)
+        row = get_settings()
+        context.update(
+            settings_row=row,
+            fields=[
+                {"name": f, "value": getattr(row, f),
+                 "help": FederationSettings._meta.get_field(f).help_text}
+                for f in SETTINGS_FIELDS
+            ],
+            hard_cap=django_settings.SYNAPSE_MAX_SUBMISSION_BYTES,
+        )
+        return context
+
+    def act(self, request):
+        if not self.is_operator:
+            raise NotAllowed("only the federation operator may change the federation's settings")
+        changes = {}
+        for name, kind in SETTING_INPUTS.items():
+            raw = request.POST.get(name, "").strip()
+            if not raw:
+                raise InvalidRequest(f"{name} is required")
+            try:
+                changes[name] = kind(raw)
+            except ValueError:
+                what = "a whole number" if kind is int else "a number"
+                raise InvalidRequest(f"{name} must be {what}, not {raw[:40]!r}") from None
+        changes["allow_admin_approval"] = request.POST.get("allow_admin_approval") == "on"
+        before = get_settings()
+        update_settings(actor_for(request), **changes)
+        changed = [k for k, v in changes.items() if getattr(before, k) != v]
+        messages.success(
+            request,
+            f"Settings saved: {', '.join(changed)} changed." if changed else "Nothing changed.",
+        )
+        return redirect("dashboard:settings")
 
 
 class PasswordChangeView(auth_views.PasswordChangeView):
