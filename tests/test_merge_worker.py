@@ -13,6 +13,7 @@ import signal
 import subprocess
 import sys
 import threading
+import time
 import uuid
 from pathlib import Path
 from urllib.parse import quote
@@ -48,6 +49,7 @@ class Worker:
             SYNAPSE_ROUTER_TUNE_EPOCHS="0",  # with a broker it defaults to 1; one test turns it on
         )
         env.update(extra_env or {})
+        self.env = env
         self.process = subprocess.Popen(
             [str(CELERY), "-A", "synapse_web", "worker", "-l", "info", "-c", "1", "-P", "prefork",
              "-Q", queues or queue_name, "-n", f"{queue_name}@%h", "--without-gossip", "--without-mingle",
@@ -199,3 +201,35 @@ def test_a_published_global_has_its_router_tuned_by_a_worker_task(worker):
     served = routing_services.served_compendium()
     assert served.tuned and served.routers["fusion"].engine.model_name == record.directory
     routing_services._served.clear()
+
+
+def test_beat_closes_a_round_at_its_deadline_and_the_worker_publishes_it(worker, tmp_path):
+    import datetime as dt
+
+    from django.utils import timezone
+
+    from federation.models import AuditLog
+
+    round_, _ = build_federation(state="open")
+    Round.objects.filter(pk=round_.pk).update(closes_at=timezone.now() + dt.timedelta(seconds=3))
+    beat = subprocess.Popen(
+        [str(CELERY), "-A", "synapse_web", "beat", "-l", "info",
+         "--schedule", str(tmp_path / "beat-schedule")],
+        cwd=ROOT, env={**worker.env, "SYNAPSE_DEADLINE_CHECK_SECONDS": "1"},
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+    )
+    give_up = time.monotonic() + 300
+    try:
+        # Beat sends the check every second; one of them finds the deadline passed and closes.
+        closed = f": [{round_.number}]"
+        while not worker.wait_for("synapse.close_due_rounds[", timeout=120).rstrip().endswith(closed):
+            assert time.monotonic() < give_up, "beat's checks never closed the round"
+        while "succeeded" not in worker.wait_for("Task synapse.server_merge[", timeout=600):
+            assert time.monotonic() < give_up + 600, "the merge never finished"
+    finally:
+        beat.terminate()
+        beat.wait(timeout=30)
+    round_.refresh_from_db()
+    assert round_.state == "published", round_.failure_reason
+    close = AuditLog.objects.get(action="round.close", target_id=str(round_.pk))
+    assert close.actor_label == "round deadline" and close.actor is None
