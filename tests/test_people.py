@@ -105,6 +105,34 @@ def test_nobody_changes_their_own_role_activity_or_password_here(world):
     assert own.role == "admin" and get_user_model().objects.get(pk=world.admin_a.pk).is_active
 
 
+@pytest.mark.parametrize("kind", ["superuser", "staff"])
+def test_an_admin_cannot_take_over_an_operator_or_staff_login_that_belongs_to_the_organization(
+    world, kind
+):
+    # A superuser or staff user may also have a membership (the Django admin creates any); an
+    # organization admin who reset its password would sign in as the operator.
+    if kind == "superuser":
+        target = Membership.objects.create(user=world.operator, organization=world.org_a, role="member")
+    else:
+        staff = get_user_model().objects.create_user("staffer", is_staff=True)
+        target = Membership.objects.create(user=staff, organization=world.org_a, role="member")
+    password = target.user.password
+    api = person_api(world.admin_a)
+    url = f"{PEOPLE}{target.user_id}/"
+    for response in (
+        api.post(url + "reset-password/"),
+        api.patch(url, {"is_active": False}, format="json"),
+        api.patch(url, {"role": "admin"}, format="json"),
+    ):
+        assert response.status_code == 403 and "only the operator" in response.json()["detail"]
+        assert "password" not in response.json()
+    user = get_user_model().objects.get(pk=target.user_id)
+    assert user.password == password and user.is_active and membership(user).role == "member"
+    assert not AuditLog.objects.filter(action__startswith="person.").exists()
+    # the operator (here: the system, as a management command) still manages it
+    assert signs_in(user.username, people.reset_password(SYSTEM, target).password)
+
+
 def test_role_changes_take_effect_and_are_audited_once(world):
     target = membership(world.member_a)
     people.set_role(world.actor(world.admin_a), target, "admin")
