@@ -628,6 +628,14 @@ def _future_deadline(closes_at: dt.datetime | None) -> dt.datetime | None:
         return None
     if timezone.is_naive(closes_at):
         raise InvalidRequest("closes_at needs a time zone (e.g. 2026-12-01T12:00:00Z)")
+    try:
+        # Stored and read back in UTC: a time past 9999-12-31 there could be written but never
+        # read again (every page listing rounds would fail).
+        closes_at = closes_at.astimezone(dt.UTC)
+    except OverflowError:
+        raise InvalidRequest(
+            f"closes_at {closes_at.isoformat()} is past 9999-12-31 in UTC; choose an earlier time"
+        ) from None
     if closes_at <= timezone.now():
         raise InvalidRequest(
             f"closes_at {closes_at.isoformat()} has passed; a deadline must lie in the future"

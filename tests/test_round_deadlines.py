@@ -57,6 +57,32 @@ def test_a_deadline_must_lie_in_the_future_and_name_its_time_zone(world):
     assert entry.details["closes_at"] == rnd.closes_at.isoformat()
 
 
+def test_a_deadline_past_the_last_representable_utc_time_is_refused_not_stored(world):
+    # 9999-12-31T23:59-05:00 is 10000-01-01 in UTC: PostgreSQL stores it, Python cannot read it
+    # back, and every page listing rounds failed.
+    beyond = dt.datetime(9999, 12, 31, 23, 59, tzinfo=dt.timezone(dt.timedelta(hours=-5)))
+    with pytest.raises(InvalidRequest, match="past 9999-12-31"):
+        services.open_round(SYSTEM, closes_at=beyond)
+    rnd = services.open_round(SYSTEM)
+    with pytest.raises(InvalidRequest, match="past 9999-12-31"):
+        services.set_round_deadline(SYSTEM, rnd, beyond)
+    assert Round.objects.get().closes_at is None
+    assert not AuditLog.objects.filter(action="round.deadline").exists()
+    # the last minute that is still 9999 in UTC is a (far) deadline like any other
+    last = dt.datetime(9999, 12, 31, 23, 59, tzinfo=dt.timezone(dt.timedelta(hours=5)))
+    assert services.set_round_deadline(SYSTEM, rnd, last).closes_at == last
+    assert Round.objects.get().closes_at == last
+
+
+@pytest.mark.parametrize("raw", ["9999-12-31T23:59-05:00"])
+def test_the_dashboard_refuses_a_deadline_that_is_no_time_with_a_400(client, world, raw):
+    client.force_login(world.operator)
+    response = client.post(reverse("dashboard:round-open"), {"epsilon": "1", "closes_at": raw})
+    assert response.status_code == 400 and "closes_at" in response.content.decode()
+    assert not Round.objects.exists()
+    assert client.get(reverse("dashboard:overview")).status_code == 200
+
+
 def test_submissions_stop_at_the_deadline_with_a_reason(world, valid_doc):
     rnd = services.open_round(SYSTEM, closes_at=later())
     assert submit(world.token_a, valid_doc, "before").status_code == 201
