@@ -74,7 +74,10 @@ def test_a_deadline_past_the_last_representable_utc_time_is_refused_not_stored(w
     assert Round.objects.get().closes_at == last
 
 
-@pytest.mark.parametrize("raw", ["9999-12-31T23:59-05:00"])
+@pytest.mark.parametrize(
+    "raw", ["2030-02-30T10:00", "2030-13-01T10:00", "2030-01-01T25:00", "2030-01-01T10:00+99:00",
+            "9999-12-31T23:59-05:00"],
+)
 def test_the_dashboard_refuses_a_deadline_that_is_no_time_with_a_400(client, world, raw):
     client.force_login(world.operator)
     response = client.post(reverse("dashboard:round-open"), {"epsilon": "1", "closes_at": raw})

@@ -347,7 +347,10 @@ def _deadline(raw: str):
     raw = raw.strip()
     if not raw:
         return None
-    parsed = parse_datetime(raw)
+    try:
+        parsed = parse_datetime(raw)
+    except ValueError:  # well formed, but no such time (2026-02-30, 25:00, an offset of +99:00)
+        parsed = None
     if parsed is None:
         raise InvalidRequest(f"closes_at {raw[:40]!r} is not a date and time (YYYY-MM-DDTHH:MM, UTC)")
     return parsed if timezone.is_aware(parsed) else parsed.replace(tzinfo=dt.UTC)
