@@ -714,10 +714,22 @@ def close_due_rounds(now: dt.datetime | None = None) -> list[Round]:
         "pk", flat=True
     ):
         try:
-            closed.append(close_round(DEADLINE_ACTOR, pk))
+            rnd = _close_if_due(pk, now)
         except (InvalidTransition, NotFound):
             continue  # the operator (or another closer) was first
+        if rnd is not None:
+            closed.append(rnd)
     return closed
+
+
+@transaction.atomic
+def _close_if_due(pk: int, now: dt.datetime) -> Round | None:
+    rnd = _locked_round(pk)
+    # Read again under the lock: the operator may have moved or removed the deadline (or closed
+    # the round) since the round was listed as due.
+    if rnd.state != Round.State.OPEN or rnd.closes_at is None or rnd.closes_at > now:
+        return None
+    return close_round(DEADLINE_ACTOR, rnd)
 
 
 def _locked_round(rnd: Round | int | None) -> Round:

@@ -111,6 +111,27 @@ def test_close_due_rounds_closes_only_the_round_whose_deadline_came(world):
     assert services.close_due_rounds(now=later(7)) == []  # nothing open: nothing to do
 
 
+@pytest.mark.parametrize("moved_to", ["later", "none"])
+def test_a_deadline_moved_while_the_closer_waits_for_the_round_keeps_it_open(
+    world, monkeypatch, moved_to
+):
+    rnd = services.open_round(SYSTEM, closes_at=later())
+    expire(rnd)
+    lock = services._locked_round
+
+    def operator_moves_it_first(pk):
+        # The operator's set_round_deadline commits after the closer listed the round as due
+        # and before the closer gets its lock.
+        monkeypatch.setattr(services, "_locked_round", lock)
+        services.set_round_deadline(SYSTEM, pk, later(60) if moved_to == "later" else None)
+        return lock(pk)
+
+    monkeypatch.setattr(services, "_locked_round", operator_moves_it_first)
+    assert services.close_due_rounds() == []
+    assert Round.objects.get(pk=rnd.pk).state == "open"
+    assert not AuditLog.objects.filter(action="round.close").exists()
+
+
 def test_a_round_without_a_deadline_is_never_closed_by_the_clock(world):
     services.open_round(SYSTEM)
     assert services.close_due_rounds(now=later(10**6)) == []
