@@ -308,6 +308,15 @@ def test_an_admin_resets_changes_role_and_deactivates_in_the_browser(client, wor
     assert own.status_code == 403 and "yourself" in own.content.decode()
 
 
+def test_the_role_message_names_the_new_role(client, world):
+    client.force_login(world.admin_a)
+    url = reverse("dashboard:person-action", args=["org-a", world.member_a.pk, "role"])
+    done = client.post(url, {"role": "admin"}, follow=True)
+    assert [str(m) for m in done.context["messages"]] == ["member_a is now organization admin."]
+    done = client.post(url, {"role": "member"}, follow=True)
+    assert [str(m) for m in done.context["messages"]] == ["member_a is now read-only member."]
+
+
 def test_members_see_people_without_buttons_and_others_get_404(client, world):
     client.force_login(world.member_a)
     body = page(client).content.decode()

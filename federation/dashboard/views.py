@@ -294,7 +294,7 @@ class PersonActionView(ActionView, OrganizationView):
             )
             name = membership.user.get_username()
             if action == "role":
-                people.set_role(actor, membership, request.POST.get("role", ""))
+                membership = people.set_role(actor, membership, request.POST.get("role", ""))
                 messages.success(request, f"{name} is now {membership.get_role_display()}.")
                 issued = None
             elif action in ("deactivate", "reactivate"):
