@@ -99,7 +99,8 @@ def add_person(
     """A new login in `organization` with a generated password (returned once)."""
     _require_admin(actor, organization, "add people")
     user_model = get_user_model()
-    username = username.strip()
+    # As create_user will store it (NFKC: "ｂob" is "bob"), so that the checks below see that name.
+    username = user_model.normalize_username(username.strip())
     email = email.strip()
     limit = user_model._meta.get_field(user_model.USERNAME_FIELD).max_length
     if not username:

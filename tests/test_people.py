@@ -63,6 +63,7 @@ def test_an_admin_adds_a_person_whose_password_works_once_issued(world):
         ("dora", "not-an-address", "member", InvalidRequest, "not an e-mail"),
         ("dora", "", "owner", InvalidRequest, "role must be one of admin, member"),
         ("ADMIN_A", "", "member", Conflict, "exists"),  # usernames differ by more than case
+        ("ａｄｍｉｎ_Ａ", "", "member", Conflict, "exists"),  # or by full-width letters (NFKC)
     ],
 )
 def test_adding_a_person_refuses_bad_input_and_stores_nothing(world, username, email, role, error, words):
