@@ -50,7 +50,10 @@ class MembershipAdmin(admin.ModelAdmin):
 class RoundAdmin(admin.ModelAdmin):
     list_display = ("number", "state", "opened_at", "closed_at", "published_at")
     list_filter = ("state",)
-    readonly_fields = ("number", "state", "config", "failure_reason", "closed_at", "published_at")
+    # Changed only through the audited services (the deadline: set_round_deadline).
+    readonly_fields = (
+        "number", "state", "config", "failure_reason", "closes_at", "closed_at", "published_at"
+    )
 
     def has_add_permission(self, request):
         return False

@@ -77,6 +77,17 @@ def _not_self(actor: Actor, membership: Membership, what: str) -> None:
         )
 
 
+def _not_operator_login(actor: Actor, membership: Membership, what: str) -> None:
+    """A superuser's or staff login (one may also belong to an organization) is the operator's
+    to manage: an organization admin who could reset its password would become the operator."""
+    user = membership.user
+    if (user.is_superuser or user.is_staff) and not actor.is_operator:
+        raise NotAllowed(
+            f"{user.get_username()} is the federation operator's or a staff login: only the "
+            f"operator may {what} it"
+        )
+
+
 def _details(membership: Membership, **extra) -> dict:
     return {"user": membership.user.get_username(), "role": membership.role, **extra}
 
@@ -88,7 +99,8 @@ def add_person(
     """A new login in `organization` with a generated password (returned once)."""
     _require_admin(actor, organization, "add people")
     user_model = get_user_model()
-    username = username.strip()
+    # As create_user will store it (NFKC: "ｂob" is "bob"), so that the checks below see that name.
+    username = user_model.normalize_username(username.strip())
     email = email.strip()
     limit = user_model._meta.get_field(user_model.USERNAME_FIELD).max_length
     if not username:
@@ -129,6 +141,7 @@ def set_role(actor: Actor, membership: Membership | int, role: str) -> Membershi
     membership = _locked(membership)
     _require_admin(actor, membership.organization, "change roles")
     _not_self(actor, membership, "change the role of")
+    _not_operator_login(actor, membership, "change the role of")
     previous = membership.role
     if _role(role) == previous:
         return membership
@@ -150,6 +163,7 @@ def reset_password(actor: Actor, membership: Membership | int) -> IssuedPassword
     membership = _locked(membership)
     _require_admin(actor, membership.organization, "reset passwords")
     _not_self(actor, membership, "reset the password of")
+    _not_operator_login(actor, membership, "reset the password of")
     password = _new_password()
     user = membership.user
     # Changing the hash also ends the person's sessions: each session carries a hash of it.
@@ -174,6 +188,7 @@ def set_active(actor: Actor, membership: Membership | int, active: bool) -> Memb
     verb = "reactivate" if active else "deactivate"
     _require_admin(actor, membership.organization, f"{verb} people")
     _not_self(actor, membership, verb)
+    _not_operator_login(actor, membership, verb)
     user = membership.user
     if user.is_active == active:
         return membership

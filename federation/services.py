@@ -635,6 +635,14 @@ def _future_deadline(closes_at: dt.datetime | None) -> dt.datetime | None:
         return None
     if timezone.is_naive(closes_at):
         raise InvalidRequest("closes_at needs a time zone (e.g. 2026-12-01T12:00:00Z)")
+    try:
+        # Stored and read back in UTC: a time past 9999-12-31 there could be written but never
+        # read again (every page listing rounds would fail).
+        closes_at = closes_at.astimezone(dt.UTC)
+    except OverflowError:
+        raise InvalidRequest(
+            f"closes_at {closes_at.isoformat()} is past 9999-12-31 in UTC; choose an earlier time"
+        ) from None
     if closes_at <= timezone.now():
         raise InvalidRequest(
             f"closes_at {closes_at.isoformat()} has passed; a deadline must lie in the future"
@@ -713,10 +721,22 @@ def close_due_rounds(now: dt.datetime | None = None) -> list[Round]:
         "pk", flat=True
     ):
         try:
-            closed.append(close_round(DEADLINE_ACTOR, pk))
+            rnd = _close_if_due(pk, now)
         except (InvalidTransition, NotFound):
             continue  # the operator (or another closer) was first
+        if rnd is not None:
+            closed.append(rnd)
     return closed
+
+
+@transaction.atomic
+def _close_if_due(pk: int, now: dt.datetime) -> Round | None:
+    rnd = _locked_round(pk)
+    # Read again under the lock: the operator may have moved or removed the deadline (or closed
+    # the round) since the round was listed as due.
+    if rnd.state != Round.State.OPEN or rnd.closes_at is None or rnd.closes_at > now:
+        return None
+    return close_round(DEADLINE_ACTOR, rnd)
 
 
 def _locked_round(rnd: Round | int | None) -> Round:

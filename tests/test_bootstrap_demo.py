@@ -8,7 +8,7 @@ import re
 
 import pytest
 from django.contrib.auth import authenticate
-from django.core.management import call_command
+from django.core.management import CommandError, call_command
 
 from federation import services
 from federation.models import Client, Membership, Organization, Round
@@ -76,3 +76,11 @@ def test_round_status_tells_where_the_rounds_stand(registry_file):
     services.open_round(services.Actor.system("tests"))
     lines = status().splitlines()
     assert lines[0].startswith("round 2: open") and lines[1].startswith("round 1: closing (since ")
+
+
+@pytest.mark.parametrize("last", ["0", "-1"])
+def test_round_status_wants_at_least_one_round(last):
+    # -1 was a ValueError traceback, 0 said "no round yet" whatever the rounds were
+    services.open_round(services.Actor.system("tests"))
+    with pytest.raises(CommandError, match="--last must be 1 or more"):
+        call_command("round_status", "--last", last, stdout=io.StringIO())

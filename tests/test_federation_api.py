@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 from django.test import Client as BrowserClient
 from django.test import RequestFactory, override_settings
+from django.utils import timezone
 from rest_framework.test import APIClient
 
 from compendium import transport
@@ -972,6 +973,20 @@ def test_django_admin_pages_render_for_the_operator(world, open_round, valid_doc
                   "federationsettings"):
         response = api.get(f"/admin/federation/{model}/")
         assert response.status_code == 200, model
+
+
+def test_the_django_admin_does_not_change_a_rounds_deadline(world, open_round):
+    # Deadlines change through set_round_deadline (checked, audited); the admin shows rounds
+    # read-only, the deadline too.
+    services.set_round_deadline(SYSTEM, open_round, timezone.now() + dt.timedelta(hours=1))
+    before = Round.objects.get(pk=open_round.pk).closes_at
+    browser = APIClient()
+    browser.force_login(world.operator)
+    url = f"/admin/federation/round/{open_round.pk}/change/"
+    assert 'name="closes_at' not in browser.get(url).content.decode()
+    browser.post(url, {"closes_at_0": "2001-01-01", "closes_at_1": "00:00:00"})
+    assert Round.objects.get(pk=open_round.pk).closes_at == before
+    assert AuditLog.objects.filter(action="round.deadline").count() == 1
 
 
 def test_organization_admin_can_log_in_to_the_browsable_api(world):

@@ -97,6 +97,16 @@ def test_global_round_that_is_no_round_number_is_400(world, path, number):
 
 
 @pytest.mark.django_db
+@pytest.mark.parametrize("number", ["²", "١", HUGE, "-1", "1.0"])
+def test_own_submissions_round_that_is_no_round_number_is_400(world, number):
+    api = APIClient()
+    api.credentials(HTTP_AUTHORIZATION=f"Bearer {world.token_a}")
+    response = api.get("/api/v1/submissions/", {"round": number})
+    assert response.status_code == 400
+    assert response.json()["detail"].startswith("round must be a round number")
+
+
+@pytest.mark.django_db
 @pytest.mark.parametrize("top_k", ["²", HUGE, "0", "51"])
 def test_routing_playground_top_k_out_of_range_is_400(client, world, top_k):
     response = operator_page(client, world).get(reverse("dashboard:routing"),

@@ -63,6 +63,7 @@ def test_an_admin_adds_a_person_whose_password_works_once_issued(world):
         ("dora", "not-an-address", "member", InvalidRequest, "not an e-mail"),
         ("dora", "", "owner", InvalidRequest, "role must be one of admin, member"),
         ("ADMIN_A", "", "member", Conflict, "exists"),  # usernames differ by more than case
+        ("ａｄｍｉｎ_Ａ", "", "member", Conflict, "exists"),  # or by full-width letters (NFKC)
     ],
 )
 def test_adding_a_person_refuses_bad_input_and_stores_nothing(world, username, email, role, error, words):
@@ -103,6 +104,34 @@ def test_nobody_changes_their_own_role_activity_or_password_here(world):
             act()
     own.refresh_from_db()
     assert own.role == "admin" and get_user_model().objects.get(pk=world.admin_a.pk).is_active
+
+
+@pytest.mark.parametrize("kind", ["superuser", "staff"])
+def test_an_admin_cannot_take_over_an_operator_or_staff_login_that_belongs_to_the_organization(
+    world, kind
+):
+    # A superuser or staff user may also have a membership (the Django admin creates any); an
+    # organization admin who reset its password would sign in as the operator.
+    if kind == "superuser":
+        target = Membership.objects.create(user=world.operator, organization=world.org_a, role="member")
+    else:
+        staff = get_user_model().objects.create_user("staffer", is_staff=True)
+        target = Membership.objects.create(user=staff, organization=world.org_a, role="member")
+    password = target.user.password
+    api = person_api(world.admin_a)
+    url = f"{PEOPLE}{target.user_id}/"
+    for response in (
+        api.post(url + "reset-password/"),
+        api.patch(url, {"is_active": False}, format="json"),
+        api.patch(url, {"role": "admin"}, format="json"),
+    ):
+        assert response.status_code == 403 and "only the operator" in response.json()["detail"]
+        assert "password" not in response.json()
+    user = get_user_model().objects.get(pk=target.user_id)
+    assert user.password == password and user.is_active and membership(user).role == "member"
+    assert not AuditLog.objects.filter(action__startswith="person.").exists()
+    # the operator (here: the system, as a management command) still manages it
+    assert signs_in(user.username, people.reset_password(SYSTEM, target).password)
 
 
 def test_role_changes_take_effect_and_are_audited_once(world):
@@ -278,6 +307,15 @@ def test_an_admin_resets_changes_role_and_deactivates_in_the_browser(client, wor
     assert bad.status_code == 400 and "role must be one of" in bad.content.decode()
     own = client.post(reverse("dashboard:person-action", args=["org-a", world.admin_a.pk, "deactivate"]))
     assert own.status_code == 403 and "yourself" in own.content.decode()
+
+
+def test_the_role_message_names_the_new_role(client, world):
+    client.force_login(world.admin_a)
+    url = reverse("dashboard:person-action", args=["org-a", world.member_a.pk, "role"])
+    done = client.post(url, {"role": "admin"}, follow=True)
+    assert [str(m) for m in done.context["messages"]] == ["member_a is now organization admin."]
+    done = client.post(url, {"role": "member"}, follow=True)
+    assert [str(m) for m in done.context["messages"]] == ["member_a is now read-only member."]
 
 
 def test_members_see_people_without_buttons_and_others_get_404(client, world):

@@ -57,6 +57,35 @@ def test_a_deadline_must_lie_in_the_future_and_name_its_time_zone(world):
     assert entry.details["closes_at"] == rnd.closes_at.isoformat()
 
 
+def test_a_deadline_past_the_last_representable_utc_time_is_refused_not_stored(world):
+    # 9999-12-31T23:59-05:00 is 10000-01-01 in UTC: PostgreSQL stores it, Python cannot read it
+    # back, and every page listing rounds failed.
+    beyond = dt.datetime(9999, 12, 31, 23, 59, tzinfo=dt.timezone(dt.timedelta(hours=-5)))
+    with pytest.raises(InvalidRequest, match="past 9999-12-31"):
+        services.open_round(SYSTEM, closes_at=beyond)
+    rnd = services.open_round(SYSTEM)
+    with pytest.raises(InvalidRequest, match="past 9999-12-31"):
+        services.set_round_deadline(SYSTEM, rnd, beyond)
+    assert Round.objects.get().closes_at is None
+    assert not AuditLog.objects.filter(action="round.deadline").exists()
+    # the last minute that is still 9999 in UTC is a (far) deadline like any other
+    last = dt.datetime(9999, 12, 31, 23, 59, tzinfo=dt.timezone(dt.timedelta(hours=5)))
+    assert services.set_round_deadline(SYSTEM, rnd, last).closes_at == last
+    assert Round.objects.get().closes_at == last
+
+
+@pytest.mark.parametrize(
+    "raw", ["2030-02-30T10:00", "2030-13-01T10:00", "2030-01-01T25:00", "2030-01-01T10:00+99:00",
+            "9999-12-31T23:59-05:00"],
+)
+def test_the_dashboard_refuses_a_deadline_that_is_no_time_with_a_400(client, world, raw):
+    client.force_login(world.operator)
+    response = client.post(reverse("dashboard:round-open"), {"epsilon": "1", "closes_at": raw})
+    assert response.status_code == 400 and "closes_at" in response.content.decode()
+    assert not Round.objects.exists()
+    assert client.get(reverse("dashboard:overview")).status_code == 200
+
+
 def test_submissions_stop_at_the_deadline_with_a_reason(world, valid_doc):
     rnd = services.open_round(SYSTEM, closes_at=later())
     assert submit(world.token_a, valid_doc, "before").status_code == 201
@@ -80,6 +109,27 @@ def test_close_due_rounds_closes_only_the_round_whose_deadline_came(world):
     entry = AuditLog.objects.get(action="round.close")
     assert entry.actor is None and entry.actor_label == "round deadline"
     assert services.close_due_rounds(now=later(7)) == []  # nothing open: nothing to do
+
+
+@pytest.mark.parametrize("moved_to", ["later", "none"])
+def test_a_deadline_moved_while_the_closer_waits_for_the_round_keeps_it_open(
+    world, monkeypatch, moved_to
+):
+    rnd = services.open_round(SYSTEM, closes_at=later())
+    expire(rnd)
+    lock = services._locked_round
+
+    def operator_moves_it_first(pk):
+        # The operator's set_round_deadline commits after the closer listed the round as due
+        # and before the closer gets its lock.
+        monkeypatch.setattr(services, "_locked_round", lock)
+        services.set_round_deadline(SYSTEM, pk, later(60) if moved_to == "later" else None)
+        return lock(pk)
+
+    monkeypatch.setattr(services, "_locked_round", operator_moves_it_first)
+    assert services.close_due_rounds() == []
+    assert Round.objects.get(pk=rnd.pk).state == "open"
+    assert not AuditLog.objects.filter(action="round.close").exists()
 
 
 def test_a_round_without_a_deadline_is_never_closed_by_the_clock(world):

@@ -154,7 +154,8 @@ class SubmissionView(FederationGenericView):
         queryset = Submission.objects.filter(client=self.request.auth).select_related("round")
         raw = self.request.query_params.get("round", "").strip()
         if raw:
-            if not raw.isdigit():
+            # ASCII digits only (str.isdigit takes "²", which int() refuses), of a round's size.
+            if not (raw.isascii() and raw.isdigit()) or len(raw) > 10:
                 raise InvalidRequest(f"round must be a round number, not {raw[:40]!r}")
             queryset = queryset.filter(round__number=int(raw))
         return queryset.order_by("-created_at", "-id")

@@ -298,7 +298,7 @@ class PersonActionView(ActionView, OrganizationView):
             )
             name = membership.user.get_username()
             if action == "role":
-                people.set_role(actor, membership, request.POST.get("role", ""))
+                membership = people.set_role(actor, membership, request.POST.get("role", ""))
                 messages.success(request, f"{name} is now {membership.get_role_display()}.")
                 issued = None
             elif action in ("deactivate", "reactivate"):
@@ -409,7 +409,10 @@ def _deadline(raw: str):
     raw = raw.strip()
     if not raw:
         return None
-    parsed = parse_datetime(raw)
+    try:
+        parsed = parse_datetime(raw)
+    except ValueError:  # well formed, but no such time (2026-02-30, 25:00, an offset of +99:00)
+        parsed = None
     if parsed is None:
         raise InvalidRequest(f"closes_at {raw[:40]!r} is not a date and time (YYYY-MM-DDTHH:MM, UTC)")
     return parsed if timezone.is_aware(parsed) else parsed.replace(tzinfo=dt.UTC)

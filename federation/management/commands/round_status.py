@@ -1,4 +1,4 @@
-from django.core.management.base import BaseCommand
+from django.core.management.base import BaseCommand, CommandError
 from django.db.models import Count
 
 from federation.models import Round
@@ -11,6 +11,8 @@ class Command(BaseCommand):
         parser.add_argument("--last", type=int, default=5, help="how many of the latest rounds")
 
     def handle(self, *args, last, **options):
+        if last < 1:
+            raise CommandError(f"--last must be 1 or more, not {last}")
         rounds = list(
             Round.objects.annotate(n=Count("submissions__client", distinct=True)).order_by("-number")[:last]
         )
