@@ -407,6 +407,15 @@ def _when(stamp: object) -> str:
         return str(stamp)
 
 
+def _past(stamp: object) -> bool:
+    from datetime import UTC, datetime
+
+    try:
+        return datetime.fromisoformat(str(stamp)) <= datetime.now(UTC)
+    except (ValueError, TypeError):  # unreadable, or a time without a zone
+        return False
+
+
 def cmd_status(args: argparse.Namespace) -> int:
     """Where this client stands: the open round and what the client submitted to it, and the
     latest published global. Exit status 0; 3 with --require-submitted when the open round has
@@ -429,7 +438,13 @@ def cmd_status(args: argparse.Namespace) -> int:
         extra = f"; {', '.join(terms)}" if terms else ""
         print(f"round {current['number']} is open (opened {_when(current.get('opened_at'))}{extra})")
         if current.get("closes_at"):
-            print(f"  it takes submissions until {_when(current['closes_at'])}, then closes")
+            if _past(current["closes_at"]):
+                print(
+                    f"  its deadline {_when(current['closes_at'])} has passed: it takes no more "
+                    "submissions and closes at the server's next check"
+                )
+            else:
+                print(f"  it takes submissions until {_when(current['closes_at'])}, then closes")
         effective = [s for s in mine if s.get("in_effect")]
         if not effective:
             missing = True

@@ -7,7 +7,7 @@ from asgiref.sync import sync_to_async
 from django.contrib.admin.forms import AdminAuthenticationForm
 from django.contrib.auth import get_user_model
 from django.contrib.auth.backends import ModelBackend
-from django.contrib.auth.forms import AuthenticationForm
+from django.contrib.auth.forms import AuthenticationForm, PasswordChangeForm
 from django.core.exceptions import PermissionDenied, ValidationError
 
 from federation import login_throttle
@@ -57,3 +57,25 @@ class LoginForm(ThrottleAwareLoginMixin, AuthenticationForm):
 
 class AdminLoginForm(ThrottleAwareLoginMixin, AdminAuthenticationForm):
     pass
+
+
+class ThrottledPasswordChangeForm(PasswordChangeForm):
+    """Changing one's password asks for the current one: a wrong guess counts as a failed
+    sign-in of that username and address, and a locked username or address is refused before
+    the password is checked (a stolen session must not guess the password without limit)."""
+
+    def __init__(self, user, *args, request=None, **kwargs):
+        super().__init__(user, *args, **kwargs)
+        self.request = request
+
+    def clean_old_password(self):
+        username = self.user.get_username()
+        ip = client_ip(self.request) if self.request is not None else None
+        lock = login_throttle.lock_for(username, ip)
+        if lock is not None:
+            raise ValidationError(lock.message, code="throttled")
+        try:
+            return super().clean_old_password()
+        except ValidationError:
+            login_throttle.record_failure(username, ip)
+            raise

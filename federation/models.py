@@ -152,10 +152,14 @@ class FederationSettings(models.Model):
         help_text="largest accepted submission body (also capped by SYNAPSE_MAX_SUBMISSION_BYTES)",
     )
     submissions_per_minute = models.PositiveIntegerField(
-        default=60, help_text="submissions one client may send per minute"
+        default=60,
+        help_text="submissions one client may send per minute (0: none for now, each refused "
+        "with 429)",
     )
     enrollments_per_hour = models.PositiveIntegerField(
-        default=20, help_text="clients one organization may enroll per hour"
+        default=20,
+        help_text="clients one organization's admins may enroll per hour (0: only the operator "
+        "enrolls)",
     )
     updated_at = models.DateTimeField(auto_now=True)
 
@@ -260,6 +264,7 @@ class AuditLog(models.Model):
         PERSON_REACTIVATE = "person.reactivate"
         PASSWORD_CHANGE = "person.password_change"
         LOGIN_THROTTLED = "login.throttled"
+        LOGIN_UNLOCK = "login.unlock"
 
     created_at = models.DateTimeField(auto_now_add=True, db_index=True)
     actor = models.ForeignKey(

@@ -58,16 +58,35 @@ def _role(role: str) -> str:
     return role
 
 
-def _locked(membership: Membership | int) -> Membership:
+def _locked(actor: Actor, membership: Membership | int, what: str) -> Membership:
+    """The target's membership, locked together with the acting admin's own (in one statement,
+    in id order, so that two admins acting on each other wait for one another instead of
+    deadlocking); then the actor's right is checked on what the database holds now: an admin
+    deactivated or demoted a moment ago by another admin may no longer act."""
     pk = membership.pk if isinstance(membership, Membership) else membership
-    try:
-        return (
-            Membership.objects.select_for_update(of=("self",))
-            .select_related("user", "organization")
-            .get(pk=pk)
-        )
-    except Membership.DoesNotExist as exc:
-        raise NotFound("no such person") from exc
+    own = None
+    if not actor.is_operator:
+        own = Membership.objects.filter(user_id=actor.user.pk).values_list("pk", flat=True).first()
+    rows = {
+        m.pk: m
+        for m in Membership.objects.select_for_update(of=("self",))
+        .select_related("user", "organization")
+        .filter(pk__in=[pk] + ([own] if own else []))
+        .order_by("pk")
+    }
+    if pk not in rows:
+        raise NotFound("no such person")
+    target = rows[pk]
+    if not actor.is_operator:
+        mine = rows.get(own)
+        if (
+            mine is None
+            or mine.organization_id != target.organization_id
+            or mine.role != Membership.Role.ADMIN
+            or not type(mine.user).objects.filter(pk=mine.user_id, is_active=True).exists()
+        ):
+            raise NotAllowed(f"only an admin of this organization (or the operator) may {what}")
+    return target
 
 
 def _not_self(actor: Actor, membership: Membership, what: str) -> None:
@@ -138,8 +157,7 @@ def add_person(
 
 @transaction.atomic
 def set_role(actor: Actor, membership: Membership | int, role: str) -> Membership:
-    membership = _locked(membership)
-    _require_admin(actor, membership.organization, "change roles")
+    membership = _locked(actor, membership, "change roles")
     _not_self(actor, membership, "change the role of")
     _not_operator_login(actor, membership, "change the role of")
     previous = membership.role
@@ -160,8 +178,7 @@ def set_role(actor: Actor, membership: Membership | int, role: str) -> Membershi
 @transaction.atomic
 def reset_password(actor: Actor, membership: Membership | int) -> IssuedPassword:
     """A fresh password (returned once); the old one and the person's open sessions stop."""
-    membership = _locked(membership)
-    _require_admin(actor, membership.organization, "reset passwords")
+    membership = _locked(actor, membership, "reset passwords")
     _not_self(actor, membership, "reset the password of")
     _not_operator_login(actor, membership, "reset the password of")
     password = _new_password()
@@ -184,9 +201,8 @@ def reset_password(actor: Actor, membership: Membership | int) -> IssuedPassword
 @transaction.atomic
 def set_active(actor: Actor, membership: Membership | int, active: bool) -> Membership:
     """Deactivate (sign-in, sessions and personal API tokens stop at once) or reactivate."""
-    membership = _locked(membership)
     verb = "reactivate" if active else "deactivate"
-    _require_admin(actor, membership.organization, f"{verb} people")
+    membership = _locked(actor, membership, f"{verb} people")
     _not_self(actor, membership, verb)
     _not_operator_login(actor, membership, verb)
     user = membership.user

@@ -381,11 +381,14 @@ def update_settings(actor: Actor, **changes) -> FederationSettings:
         setattr(row, key, value)
     if not (0 < row.epsilon_budget < math.inf) or not 0 < row.delta_prime < 1:
         raise InvalidRequest("epsilon_budget must be a finite number > 0 and delta_prime in (0, 1)")
-    for key in ("max_submission_bytes", "submissions_per_minute", "enrollments_per_hour"):
+    # 0 is a policy for the rate limits (no submissions for now: each is a 429 saying so; only
+    # the operator enrolls) but not for the size limit, which no compendium could meet.
+    for key, least in (
+        ("max_submission_bytes", 1), ("submissions_per_minute", 0), ("enrollments_per_hour", 0)
+    ):
         value = getattr(row, key)
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            # 0 would refuse every submission or enrollment without saying why.
-            raise InvalidRequest(f"{key} must be a whole number of at least 1, not {value!r}")
+        if isinstance(value, bool) or not isinstance(value, int) or value < least:
+            raise InvalidRequest(f"{key} must be a whole number of at least {least}, not {value!r}")
     if not isinstance(row.allow_admin_approval, bool):
         raise InvalidRequest("allow_admin_approval must be true or false")
     if "epsilon_budget" in changes:

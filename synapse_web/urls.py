@@ -27,6 +27,8 @@ def health(request):
 handler500 = "synapse_web.middleware.server_error"
 
 urlpatterns = [
+    # The admin's own password change is the dashboard's (audited, throttled).
+    path("admin/password_change/", PasswordChangeView.as_view()),
     path("admin/", admin.site.urls),
     path("accounts/login/", auth_views.LoginView.as_view(authentication_form=LoginForm), name="login"),
     path("accounts/logout/", auth_views.LogoutView.as_view(), name="logout"),

@@ -871,7 +871,8 @@ def test_the_operator_changes_the_federation_settings_in_the_browser(client, wor
     assert (row.epsilon_budget, row.allow_admin_approval, row.submissions_per_minute) == (40, True, 30)
     assert AuditLog.objects.filter(action="settings.change", actor=world.operator).count() == 1
     for bad, words in (
-        ({"submissions_per_minute": "0"}, "submissions_per_minute must be a whole number of at least 1"),
+        ({"max_submission_bytes": "0"}, "max_submission_bytes must be a whole number of at least 1"),
+        ({"submissions_per_minute": "-1"}, "submissions_per_minute must be a whole number of at least 0"),
         ({"enrollments_per_hour": "2.5"}, "enrollments_per_hour must be a whole number"),
         ({"epsilon_budget": "-1"}, "epsilon_budget must be a finite number"),
         ({"epsilon_budget": ""}, "epsilon_budget is required"),

@@ -269,6 +269,8 @@ def test_a_locked_account_is_opened_by_a_password_reset_or_the_unlock_command(pe
     out = io.StringIO()
     call_command("unlock_login", "ROOT", stdout=out)
     assert "username 'ROOT': 1 failure count(s) cleared" in out.getvalue()
+    entry = AuditLog.objects.get(action="login.unlock")
+    assert entry.actor_label == "manage.py unlock_login" and entry.details["counters_cleared"] == 1
     sign_in(client, "root", PASSWORD)
     assert signed_in(client)
 
@@ -289,3 +291,37 @@ def test_the_beat_schedule_prunes_old_counters(settings):
 
     task = settings.CELERY_BEAT_SCHEDULE["prune-rate-counters"]["task"]
     assert task == prune_rate_counters_task.name and task in app.tasks
+
+
+@pytest.mark.django_db
+@pytest.mark.parametrize("path", ["/accounts/password_change/", "/admin/password_change/"])
+def test_guessing_the_current_password_on_the_change_page_is_throttled(people, clock, path):
+    client = DjangoClient()
+    client.force_login(people.root)
+    new = {"new_password1": "An-Other-Long-Pass-91", "new_password2": "An-Other-Long-Pass-91"}
+    for _ in range(3):
+        wrong = client.post(path, {"old_password": "guess", **new}, REMOTE_ADDR="10.1.1.1")
+        assert wrong.status_code == 200 and "incorrectly" in wrong.content.decode()
+    refused = client.post(path, {"old_password": PASSWORD, **new}, REMOTE_ADDR="10.1.1.1")
+    assert refused.status_code == 200
+    assert "Too many failed sign-ins for this account" in refused.content.decode()
+    people.root.refresh_from_db()
+    assert people.root.check_password(PASSWORD)  # not changed while locked
+    clock.t += WINDOW
+    done = client.post(path, {"old_password": PASSWORD, **new}, REMOTE_ADDR="10.1.1.1")
+    assert done.status_code == 302
+    assert AuditLog.objects.filter(action="person.password_change", actor=people.root).count() == 1
+
+
+@pytest.mark.django_db
+def test_pruning_keeps_the_counters_of_a_lock_still_running(settings):
+    from datetime import UTC, datetime, timedelta
+
+    from workers.tasks import prune_rate_counters_task
+
+    settings.SYNAPSE_LOGIN_FAILURE_WINDOW_SECONDS = 2 * 86400  # two-day locks
+    now = datetime.now(UTC)
+    RateCounter.objects.create(key="login:user:a", window_start=now - timedelta(days=1.5), count=9)
+    RateCounter.objects.create(key="login:user:b", window_start=now - timedelta(days=3), count=9)
+    assert prune_rate_counters_task.apply().get() == 1
+    assert list(RateCounter.objects.values_list("key", flat=True)) == ["login:user:a"]

@@ -381,3 +381,50 @@ def test_a_person_changes_their_own_password(client, world):
     assert entry.actor.username == "max" and entry.organization == world.org_a
     assert BrowserClient().get(reverse("password_change")).status_code == 302  # login first
 
+
+
+@pytest.mark.django_db(transaction=True)
+def test_two_admins_deactivating_each_other_at_once_leave_one_admin(registry, monkeypatch):
+    import threading
+    import time
+
+    from django.db import connection
+
+    org = services.create_organization(SYSTEM, "Org T", "org-t")
+    one = people.add_person(SYSTEM, org, "ann", "admin").membership
+    two = people.add_person(SYSTEM, org, "ben", "admin").membership
+    real_audit = people.audit
+    first_holds_locks = threading.Event()
+
+    def slow_audit(actor, action, **kwargs):  # the first deactivation holds its locks a while
+        if actor.name == "ann":
+            first_holds_locks.set()
+            time.sleep(0.5)
+        return real_audit(actor, action, **kwargs)
+
+    monkeypatch.setattr(people, "audit", slow_audit)
+    outcomes = {}
+
+    def deactivate(actor_membership, target):
+        if actor_membership.user.username == "ben":
+            first_holds_locks.wait(5)
+        try:
+            actor = services.Actor.for_user(
+                get_user_model().objects.get(pk=actor_membership.user_id)
+            )
+            people.set_active(actor, target, False)
+            outcomes[actor_membership.user.username] = "done"
+        except NotAllowed as exc:
+            outcomes[actor_membership.user.username] = exc.detail
+        finally:
+            connection.close()
+
+    threads = [threading.Thread(target=deactivate, args=(one, two)),
+               threading.Thread(target=deactivate, args=(two, one))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(20)
+    assert outcomes["ann"] == "done" and "only an admin" in outcomes["ben"]
+    active = get_user_model().objects.filter(membership__organization=org, is_active=True)
+    assert list(active.values_list("username", flat=True)) == ["ann"]

@@ -222,3 +222,32 @@ def test_deadlines_on_the_dashboard(client, world):
     assert past.status_code == 400 and "has passed" in past.content.decode()
     client.force_login(world.admin_a)
     assert client.post(action, {"closes_at": ""}).status_code == 403
+
+
+def test_a_deadline_without_a_time_zone_is_read_as_utc_by_the_api(world):
+    naive = later(45).replace(tzinfo=None, microsecond=0)
+    response = api_for(world.operator).post(
+        "/api/v1/admin/rounds/", {"closes_at": naive.isoformat()}, format="json"
+    )
+    assert response.status_code == 201, response.content
+    assert Round.objects.get().closes_at == naive.replace(tzinfo=dt.UTC)
+
+
+def test_the_dashboard_keeps_a_deadline_saved_as_shown_and_says_when_it_passed(client, world):
+    client.force_login(world.operator)
+    rnd = services.open_round(SYSTEM, closes_at=later(90).replace(second=42))
+    action = reverse("dashboard:round-action", args=[rnd.number, "deadline"])
+    shown = rnd.closes_at.strftime("%Y-%m-%dT%H:%M")  # what the form's input holds
+    assert client.post(action, {"closes_at": shown}).status_code == 302
+    assert Round.objects.get().closes_at == rnd.closes_at  # not moved to the minute
+    assert not AuditLog.objects.filter(action="round.deadline").exists()
+    expire(rnd)
+    page = client.get(reverse("dashboard:overview")).content.decode()
+    assert "has passed: it takes no more submissions" in page and "from now" not in page
+
+
+def test_status_says_when_the_open_rounds_deadline_has_passed(capsys):
+    from compendium.client_cli import _past
+
+    assert _past("2001-01-01T00:00:00+00:00") and not _past(later().isoformat())
+    assert not _past("not a time")

@@ -80,6 +80,9 @@ def close_due_rounds_task() -> list[int]:
 @shared_task(name="synapse.prune_rate_counters")
 def prune_rate_counters_task() -> int:
     """Celery beat's hourly clean-up: rate-limit and sign-in counters older than a day."""
+    from django.conf import settings
+
     from federation.ratelimit import prune
 
-    return prune()
+    # A sign-in lock lasts its window: never prune a counter younger than that.
+    return prune(max(86400, settings.SYNAPSE_LOGIN_FAILURE_WINDOW_SECONDS))

@@ -103,14 +103,16 @@ class OpenRoundSerializer(RoundConfigSerializer):
     closes_at = serializers.DateTimeField(
         required=False,
         allow_null=True,
-        help_text="ISO 8601 with a time zone, in the future: submissions stop then and the round "
-        "closes itself",
+        help_text="ISO 8601, in the future (without a time zone: UTC, as on the dashboard): "
+        "submissions stop then and the round closes itself",
     )
 
 
 class DeadlineSerializer(serializers.Serializer):
     closes_at = serializers.DateTimeField(
-        allow_null=True, help_text="the new deadline (ISO 8601, in the future), or null for none"
+        allow_null=True,
+        help_text="the new deadline (ISO 8601, in the future; without a time zone: UTC), or null "
+        "for none",
     )
 
 

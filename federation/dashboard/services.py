@@ -18,6 +18,7 @@ import plotly.graph_objects as go
 from django.core.paginator import Page, Paginator
 from django.db.models import Count, IntegerField, Min, OuterRef, Q, QuerySet, Subquery, Sum, Value
 from django.db.models.functions import Coalesce, Lower
+from django.utils import timezone
 from django.utils.safestring import SafeString
 
 from compendium.models import (
@@ -1126,6 +1127,10 @@ def round_controls() -> dict:
     return {
         "open_round": open_round,
         "open_config": RoundConfig.from_stored(open_round.config) if open_round else None,
+        # Past its deadline, an open round takes no submissions and waits for the next check.
+        "deadline_passed": bool(
+            open_round and open_round.closes_at and open_round.closes_at <= timezone.now()
+        ),
         "round_defaults": defaults,
         "summarizers": get_args(Summarizer),
         "robust_rules": get_args(RobustRule),

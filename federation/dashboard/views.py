@@ -20,6 +20,7 @@ from pydantic import ValidationError
 
 from compendium.models import NumericField, Tool
 from federation import people
+from federation.auth import ThrottledPasswordChangeForm
 from federation.conflicts import decide_conflict
 from federation.dashboard import services
 from federation.dashboard.scoping import DashboardView
@@ -387,6 +388,10 @@ class PasswordChangeView(auth_views.PasswordChangeView):
 
     template_name = "registration/password_change_form.html"
     success_url = reverse_lazy("dashboard:overview")
+    form_class = ThrottledPasswordChangeForm
+
+    def get_form_kwargs(self):
+        return {**super().get_form_kwargs(), "request": self.request}
 
     def form_valid(self, form):
         response = super().form_valid(form)
@@ -440,7 +445,11 @@ class RoundActionView(ActionView):
         else:
             rnd = get_object_or_404(Round, number=number)
             if action == "deadline":
-                rnd = set_round_deadline(actor, rnd, _deadline(request.POST.get("closes_at", "")))
+                closes_at = _deadline(request.POST.get("closes_at", ""))
+                current = rnd.closes_at
+                if closes_at and current and closes_at == current.replace(second=0, microsecond=0):
+                    closes_at = current  # the form shows minutes: saved as shown, unchanged
+                rnd = set_round_deadline(actor, rnd, closes_at)
                 messages.success(
                     request,
                     f"Round {rnd.number} closes itself at {rnd.closes_at:%Y-%m-%d %H:%M} UTC."

@@ -1,6 +1,8 @@
 from django.core.management.base import BaseCommand, CommandError
 
 from federation.login_throttle import unlock
+from federation.models import AuditLog
+from federation.services import Actor, audit
 
 
 class Command(BaseCommand):
@@ -17,6 +19,13 @@ class Command(BaseCommand):
         if not username and not address:
             raise CommandError("name a username, an --address, or both")
         removed = unlock(username, address)
+        audit(
+            Actor.system("manage.py unlock_login"),
+            AuditLog.Action.LOGIN_UNLOCK,
+            target_type="user" if username else "address",
+            target_label=username or address,
+            details={"username": username, "address": address, "counters_cleared": removed},
+        )
         what = " and ".join(
             part for part in (username and f"username {username!r}", address and f"address {address}")
             if part
