@@ -428,3 +428,14 @@ def test_two_admins_deactivating_each_other_at_once_leave_one_admin(registry, mo
     assert outcomes["ann"] == "done" and "only an admin" in outcomes["ben"]
     active = get_user_model().objects.filter(membership__organization=org, is_active=True)
     assert list(active.values_list("username", flat=True)) == ["ann"]
+
+
+def test_an_operator_login_in_an_organization_shows_no_buttons_to_its_admins(client, world):
+    Membership.objects.create(user=world.operator, organization=world.org_a, role="member")
+    client.force_login(world.admin_a)
+    body = page(client).content.decode()
+    row = body.split(f'id="person-{world.operator.pk}"', 1)[1].split("</tr>", 1)[0]
+    assert "the operator manages it" in row and "Reset password" not in row
+    client.force_login(world.operator)
+    row = page(client).content.decode().split(f'id="person-{world.operator.pk}"', 1)[1]
+    assert "(you)" in row.split("</tr>", 1)[0]
