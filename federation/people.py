@@ -208,6 +208,13 @@ def set_active(actor: Actor, membership: Membership | int, active: bool) -> Memb
     user = membership.user
     if user.is_active == active:
         return membership
+    if active and not actor.is_operator and _deactivated_by_operator(membership):
+        # The operator's decision (a compromised login, a person who left) stands until the
+        # operator reverses it.
+        raise NotAllowed(
+            f"the federation operator deactivated {user.get_username()}: only the operator may "
+            "reactivate this login"
+        )
     user.is_active = active
     user.save(update_fields=["is_active"])
     revoked = 0
@@ -223,6 +230,22 @@ def set_active(actor: Actor, membership: Membership | int, active: bool) -> Memb
         details=_details(membership, **({} if active else {"tokens_revoked": revoked})),
     )
     return membership
+
+
+def _deactivated_by_operator(membership: Membership) -> bool:
+    """Whether the latest deactivation of this person was the operator's (a superuser or the
+    system), from the audit log."""
+    last = (
+        AuditLog.objects.filter(
+            action=AuditLog.Action.PERSON_DEACTIVATE,
+            target_type=Membership._meta.model_name,
+            target_id=str(membership.pk),
+        )
+        .select_related("actor")
+        .order_by("-created_at", "-id")
+        .first()
+    )
+    return last is not None and (last.actor is None or last.actor.is_superuser)
 
 
 def password_changed(actor: Actor) -> None:

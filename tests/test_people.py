@@ -439,3 +439,16 @@ def test_an_operator_login_in_an_organization_shows_no_buttons_to_its_admins(cli
     client.force_login(world.operator)
     row = page(client).content.decode().split(f'id="person-{world.operator.pk}"', 1)[1]
     assert "(you)" in row.split("</tr>", 1)[0]
+
+
+def test_only_the_operator_reactivates_a_login_the_operator_deactivated(world):
+    target = membership(world.member_a)
+    people.set_active(world.actor(world.operator), target, False)
+    with pytest.raises(NotAllowed, match="only the operator may reactivate"):
+        people.set_active(world.actor(world.admin_a), target, True)
+    assert not get_user_model().objects.get(pk=world.member_a.pk).is_active
+    people.set_active(world.actor(world.operator), target, True)
+    # an admin's own deactivation is the organization's to reverse
+    people.set_active(world.actor(world.admin_a), target, False)
+    people.set_active(world.actor(world.admin_a), target, True)
+    assert get_user_model().objects.get(pk=world.member_a.pk).is_active
