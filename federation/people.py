@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from django.contrib.auth import get_user_model
 from django.core.exceptions import ValidationError
 from django.core.validators import validate_email
-from django.db import IntegrityError, transaction
+from django.db import IntegrityError, connection, transaction
 from django.utils import timezone
 
 from federation import login_throttle
@@ -136,6 +136,10 @@ def add_person(
         except ValidationError:
             raise InvalidRequest(f"{email!r} is not an e-mail address") from None
     _role(role)
+    # Two adds of `Bob` and `bob` at once: the second waits for the first's commit, then sees it
+    # (the table's unique index is case-sensitive; this lock is held to the transaction's end).
+    with connection.cursor() as cursor:
+        cursor.execute("SELECT pg_advisory_xact_lock(hashtext(lower(%s)))", [username])
     if user_model.objects.filter(username__iexact=username).exists():
         raise Conflict(f"a login named {username!r} exists; choose another username")
     password = _new_password()

@@ -452,3 +452,43 @@ def test_only_the_operator_reactivates_a_login_the_operator_deactivated(world):
     people.set_active(world.actor(world.admin_a), target, False)
     people.set_active(world.actor(world.admin_a), target, True)
     assert get_user_model().objects.get(pk=world.member_a.pk).is_active
+
+
+@pytest.mark.django_db(transaction=True)
+def test_adding_bob_and_BOB_at_once_makes_one_login(registry, monkeypatch):
+    import threading
+    import time
+
+    from django.db import connection
+
+    org = services.create_organization(SYSTEM, "Org R", "org-r")
+    real_create = Membership.objects.create
+    first_inside = threading.Event()
+
+    def slow_create(**kwargs):  # the first add holds its transaction open a while
+        if kwargs["user"].username == "bob":
+            first_inside.set()
+            time.sleep(0.5)
+        return real_create(**kwargs)
+
+    monkeypatch.setattr(Membership.objects, "create", slow_create)
+    outcomes = {}
+
+    def add(name):
+        if name == "BOB":
+            first_inside.wait(5)
+        try:
+            people.add_person(SYSTEM, org, name, "member")
+            outcomes[name] = "added"
+        except Conflict as exc:
+            outcomes[name] = exc.detail
+        finally:
+            connection.close()
+
+    threads = [threading.Thread(target=add, args=(n,)) for n in ("bob", "BOB")]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(20)
+    assert outcomes["bob"] == "added" and "exists" in outcomes["BOB"]
+    assert get_user_model().objects.filter(username__iexact="bob").count() == 1
