@@ -578,7 +578,11 @@ def cmd_pull(args: argparse.Namespace) -> int:
 
 
 def _add_server_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--server", required=True, help="base URL, e.g. https://synapse.example")
+    server = os.environ.get("SYNAPSE_SERVER", "").strip()
+    parser.add_argument(
+        "--server", default=server or None, required=not server,
+        help="base URL, e.g. https://synapse.example (default: $SYNAPSE_SERVER)",
+    )
     parser.add_argument("--token", help="client API token (default: $SYNAPSE_TOKEN)")
     parser.add_argument("--timeout", type=float, default=30.0, help="seconds per request")
     parser.add_argument("--retries", type=int, default=5, help="retries on network errors/5xx")

@@ -71,7 +71,8 @@ def test_first_round_dcz_against_the_probe_set_and_the_schema(live_server, world
     assert stored.wire_bytes < len(transport.compress(data, transport.schema_dictionary(schema)))
 
 
-def test_status_tells_a_client_where_it_stands(live_server, world, valid_doc, tmp_path, capsys):
+def test_status_tells_a_client_where_it_stands(live_server, world, valid_doc, tmp_path, capsys,
+                                               monkeypatch):
     server = ["--server", live_server.url, "--token", world.token_a, "--backoff", "0"]
     assert main(["status", *server]) == 0
     out = capsys.readouterr().out
@@ -96,6 +97,11 @@ def test_status_tells_a_client_where_it_stands(live_server, world, valid_doc, tm
     sha = effective.response["sha256"]
     assert "this client submitted at " in out and f"sha256 {sha[:12]}…" in out
     assert "1 scenarios" in out and "(1 earlier submission(s) of this round replaced" in out
+    # the server from the environment, as the token can be (a short cron line)
+    monkeypatch.setenv("SYNAPSE_SERVER", live_server.url)
+    monkeypatch.setenv("SYNAPSE_TOKEN", world.token_a)
+    assert main(["status", "--require-submitted", "--backoff", "0"]) == 0
+    capsys.readouterr()
     # another client of the federation has its own answer
     assert main(["status", "--require-submitted", "--server", live_server.url, "--token",
                  world.token_b, "--backoff", "0"]) == 3
