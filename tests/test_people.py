@@ -198,6 +198,17 @@ def test_people_list_scope(world, role, visible):
     detail = api.get(f"{PEOPLE}{world.member_a.pk}/")
     assert detail.status_code == (200 if "member_a" in visible else 404)
     assert api.get(PEOPLE + "?role=owner").status_code == 400
+    # e-mail addresses and sign-in times are for the organization's admins and the operator
+    if "admin_a" in visible:
+        world.admin_a.email = "boss@a.example"
+        world.admin_a.save(update_fields=["email"])
+        fresh = {r["username"]: r for r in api.get(PEOPLE).json()["results"]}
+        assert fresh["admin_a"]["email"] == (None if role == "member_a" else "boss@a.example")
+        assert fresh["member_a"]["email"] == ""  # one's own is always shown
+        shown = api.get(f"{PEOPLE}{world.admin_a.pk}/").json()
+        assert (shown["email"], shown["last_login"] is None) == (
+            (None, True) if role == "member_a" else ("boss@a.example", True)
+        )
 
 
 @pytest.mark.parametrize(
@@ -319,9 +330,12 @@ def test_the_role_message_names_the_new_role(client, world):
 
 
 def test_members_see_people_without_buttons_and_others_get_404(client, world):
+    world.admin_a.email = "boss@a.example"
+    world.admin_a.save(update_fields=["email"])
     client.force_login(world.member_a)
     body = page(client).content.decode()
     assert "admin_a" in body and 'id="add-person"' not in body and "Reset password" not in body
+    assert "boss@a.example" not in body and "last sign-in" not in body
     denied = client.post(reverse("dashboard:person-add", args=["org-a"]), {"username": "lee"})
     assert denied.status_code == 403 and not get_user_model().objects.filter(username="lee").exists()
     client.force_login(world.admin_b)

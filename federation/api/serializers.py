@@ -205,6 +205,22 @@ class PersonSerializer(serializers.ModelSerializer):
             "date_joined",
         ]
 
+    def to_representation(self, instance):
+        """A read-only member sees who is in the organization and their roles, not the others'
+        e-mail addresses or when they last signed in (null): those are for its admins and the
+        operator."""
+        from federation.services import Actor, can_admin
+
+        data = super().to_representation(instance)
+        request = self.context.get("request")
+        if (
+            request is not None
+            and instance.user_id != request.user.pk
+            and not can_admin(Actor.for_user(request.user), instance.organization_id)
+        ):
+            data["email"] = data["last_login"] = None
+        return data
+
 
 class AddPersonSerializer(serializers.Serializer):
     organization = serializers.SlugField(

@@ -675,7 +675,9 @@ class _PersonView(FederationGenericView):
 class PersonDetailView(_PersonView):
     @extend_schema(responses={200: PersonSerializer, 404: DETAIL})
     def get(self, request, pk):
-        return Response(PersonSerializer(self.visible_person(pk)).data)
+        return Response(
+            PersonSerializer(self.visible_person(pk), context={"request": request}).data
+        )
 
     @extend_schema(
         request=ChangePersonSerializer,
@@ -694,7 +696,9 @@ class PersonDetailView(_PersonView):
                 people.set_role(actor, membership, data.validated_data["role"])
             if "is_active" in data.validated_data:
                 people.set_active(actor, membership, data.validated_data["is_active"])
-        return Response(PersonSerializer(self.visible_person(pk)).data)
+        return Response(
+            PersonSerializer(self.visible_person(pk), context={"request": request}).data
+        )
 
 
 class PersonResetPasswordView(_PersonView):
