@@ -10,6 +10,7 @@ SYNAPSE_LOGIN_FAILURE_WINDOW_SECONDS.
 
 from __future__ import annotations
 
+import hashlib
 import math
 import unicodedata
 from dataclasses import dataclass
@@ -101,6 +102,12 @@ def _account(username: str):
 
 def _audit_lock(lock: Lock, username, ip, limit: int, window_s: int, now) -> None:
     username = str(username or "")[:150]
+    user = _account(username) if username else None
+    if user is None and username:
+        # Not an account: what was typed may be a password in the wrong field; the log keeps a
+        # digest that tells repeated attempts apart, not the text.
+        digest = hashlib.sha256(username_key(username).encode("utf-8")).hexdigest()[:12]
+        username = f"unknown username (sha256 {digest})"
     until = ratelimit.window(window_s, now).start + timedelta(seconds=window_s)
     details = {
         "scope": lock.scope,
@@ -113,7 +120,6 @@ def _audit_lock(lock: Lock, username, ip, limit: int, window_s: int, now) -> Non
     actor = Actor(None, ip, "anonymous sign-in")
     if lock.scope == USERNAME:
         # The account's organization (if the username is one) sees its own lock in its audit log.
-        user = _account(username) if username else None
         membership = membership_of(user) if user is not None else None
         audit(
             actor,
