@@ -15,20 +15,9 @@ from federation.models import (
 admin.site.login_form = AdminLoginForm
 
 
-@admin.register(Organization)
-class OrganizationAdmin(admin.ModelAdmin):
-    list_display = ("name", "slug", "created_at")
-    search_fields = ("name", "slug")
-    prepopulated_fields = {"slug": ("name",)}
-
-
-@admin.register(Client)
-class ClientAdmin(admin.ModelAdmin):
-    """Read-only here: enrollment, approval, rotation and revocation go through the audited API."""
-
-    list_display = ("name", "organization", "status", "contact", "created_at")
-    list_filter = ("status", "organization")
-    search_fields = ("name", "contact")
+class ReadOnlyAdmin(admin.ModelAdmin):
+    """Shown, never changed here: the change goes through the audited services (dashboard or
+    API), which check it and write the audit log; the Django admin does neither."""
 
     def has_add_permission(self, request):
         return False
@@ -40,8 +29,28 @@ class ClientAdmin(admin.ModelAdmin):
         return False
 
 
+@admin.register(Organization)
+class OrganizationAdmin(ReadOnlyAdmin):
+    """Created on the dashboard's Organizations page or POST /api/v1/admin/organizations/."""
+
+    list_display = ("name", "slug", "created_at")
+    search_fields = ("name", "slug")
+
+
+@admin.register(Client)
+class ClientAdmin(ReadOnlyAdmin):
+    """Enrollment, approval, rotation and revocation go through the audited API and dashboard."""
+
+    list_display = ("name", "organization", "status", "contact", "created_at")
+    list_filter = ("status", "organization")
+    search_fields = ("name", "contact")
+
+
 @admin.register(Membership)
-class MembershipAdmin(admin.ModelAdmin):
+class MembershipAdmin(ReadOnlyAdmin):
+    """People are added, given roles, reset and deactivated on the organization's page (People)
+    or /api/v1/admin/people/: checked (an operator's login stays the operator's) and audited."""
+
     list_display = ("user", "organization", "role", "created_at")
     list_filter = ("role", "organization")
 

@@ -20,7 +20,7 @@ from compendium.models import CompendiumVersion, ScenarioEntry
 from compendium.schema import Compendium, Schema
 from compendium.services import store_compendium
 from federation import services, submissions
-from federation.models import AuditLog, Client, ProbeQuery, Round, Submission
+from federation.models import AuditLog, Client, Organization, ProbeQuery, Round, Submission
 from routing.router import LinearHead
 from synapse_web.middleware import server_error
 from tests.federation_fixtures import SYSTEM
@@ -973,6 +973,21 @@ def test_django_admin_pages_render_for_the_operator(world, open_round, valid_doc
                   "federationsettings"):
         response = api.get(f"/admin/federation/{model}/")
         assert response.status_code == 200, model
+
+
+def test_the_django_admin_does_not_change_people_organizations_or_clients(world):
+    # Those go through the audited services; the admin would skip their checks and the log.
+    browser = APIClient()
+    browser.force_login(world.operator)
+    for model in ("organization", "membership", "client"):
+        assert browser.get(f"/admin/federation/{model}/add/").status_code == 403, model
+    membership = world.member_a.membership
+    url = f"/admin/federation/membership/{membership.pk}/change/"
+    browser.post(url, {"user": world.operator.pk, "organization": world.org_a.pk, "role": "admin"})
+    membership.refresh_from_db()
+    assert (membership.user_id, membership.role) == (world.member_a.pk, "member")
+    browser.post(f"/admin/federation/organization/{world.org_a.pk}/delete/", {"post": "yes"})
+    assert Organization.objects.filter(pk=world.org_a.pk).exists()
 
 
 def test_the_django_admin_does_not_change_a_rounds_deadline(world, open_round):
