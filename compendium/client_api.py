@@ -230,41 +230,34 @@ class SynapseClient:
             raise ClientError(f"{failure} (HTTP {response.status_code}): {_detail(response)}")
         return self._json(response, what)
 
-    def open_round(self) -> dict[str, Any]:
-        body = self._get_json(
-            "/api/v1/rounds/", "cannot list open rounds", "the round list", params={"state": "open"}
-        )
+    def _results(self, path: str, failure: str, what: str, params: dict) -> list[dict[str, Any]]:
+        """The objects of the first page of a paginated list (`{"results": [...]}`)."""
+        body = self._get_json(path, failure, what, params=params)
         results = body.get("results") if isinstance(body, dict) else None
         if not isinstance(results, list):
-            raise ClientError("the server's round list has no 'results' list")
-        open_rounds = [
-            r for r in results if isinstance(r, dict) and isinstance(r.get("number"), int)
-        ]
-        if not open_rounds:
-            raise ClientError("no round is open on the server: nothing to submit to")
-        return max(open_rounds, key=lambda r: r["number"])
+            raise ClientError(f"the server's answer to {what} has no 'results' list")
+        return [r for r in results if isinstance(r, dict)]
 
     def rounds(self, state: str | None = None) -> list[dict[str, Any]]:
         """The latest rounds (newest first; the server's first page), optionally in one state."""
         params = {"state": state} if state else {}
-        body = self._get_json("/api/v1/rounds/", "cannot list rounds", "the round list", params=params)
-        results = body.get("results") if isinstance(body, dict) else None
-        if not isinstance(results, list):
-            raise ClientError("the server's round list has no 'results' list")
-        return [r for r in results if isinstance(r, dict) and isinstance(r.get("number"), int)]
+        rounds = self._results("/api/v1/rounds/", "cannot list rounds", "the round list", params)
+        return [r for r in rounds if isinstance(r.get("number"), int)]
+
+    def open_round(self) -> dict[str, Any]:
+        open_rounds = self.rounds("open")
+        if not open_rounds:
+            raise ClientError("no round is open on the server: nothing to submit to")
+        return max(open_rounds, key=lambda r: r["number"])
 
     def submissions(self, round_number: int | None = None) -> list[dict[str, Any]]:
         """This client's own submissions as the server recorded them, newest first (the
         server's first page): round, time, sha256, sizes, entry counts, whether in effect."""
         params = {"round": round_number} if round_number is not None else {}
-        body = self._get_json(
+        return self._results(
             "/api/v1/submissions/", "cannot list this client's submissions", "the submission list",
-            params=params,
+            params,
         )
-        results = body.get("results") if isinstance(body, dict) else None
-        if not isinstance(results, list):
-            raise ClientError("the server's submission list has no 'results' list")
-        return [r for r in results if isinstance(r, dict)]
 
     def submit(
         self, compendium: Compendium, compress: bool = True, dictionary: bytes | None = None

@@ -13,6 +13,7 @@ import math
 import os
 import sys
 from collections.abc import Iterable
+from datetime import UTC, datetime
 from pathlib import Path
 
 from pydantic import ValidationError
@@ -397,23 +398,24 @@ def cmd_submit(args: argparse.Namespace) -> int:
     return 0
 
 
-def _when(stamp: object) -> str:
-    """An ISO time from the server as `YYYY-MM-DD HH:MM UTC` (as given when it does not parse)."""
-    from datetime import UTC, datetime
-
+def _server_time(stamp: object) -> datetime | None:
+    """An ISO 8601 time from the server (which always names its zone) in UTC; None when it does
+    not parse."""
     try:
-        return datetime.fromisoformat(str(stamp)).astimezone(UTC).strftime("%Y-%m-%d %H:%M UTC")
+        return datetime.fromisoformat(str(stamp)).astimezone(UTC) if stamp else None
     except ValueError:
-        return str(stamp)
+        return None
+
+
+def _when(stamp: object) -> str:
+    """A server time as `YYYY-MM-DD HH:MM UTC` (as given when it does not parse)."""
+    when = _server_time(stamp)
+    return when.strftime("%Y-%m-%d %H:%M UTC") if when else str(stamp)
 
 
 def _past(stamp: object) -> bool:
-    from datetime import UTC, datetime
-
-    try:
-        return datetime.fromisoformat(str(stamp)) <= datetime.now(UTC)
-    except (ValueError, TypeError):  # unreadable, or a time without a zone
-        return False
+    when = _server_time(stamp)
+    return when is not None and when <= datetime.now(UTC)
 
 
 def cmd_status(args: argparse.Namespace) -> int:

@@ -190,6 +190,18 @@ def audit(
     )
 
 
+def round_number(raw: str | None) -> int | None:
+    """A `?round=N` parameter as a round number (None when absent), for the API and the
+    dashboard alike. InvalidRequest unless it is a whole number of at least 1 in ASCII digits
+    (str.isdigit also takes "²", which int() refuses) of a round number's length."""
+    raw = (raw or "").strip()
+    if not raw:
+        return None
+    if not (raw.isascii() and raw.isdigit()) or len(raw) > 9 or int(raw) < 1:
+        raise InvalidRequest(f"round must be a round number, not {raw[:40]!r}")
+    return int(raw)
+
+
 def audit_period_filter(name: str, raw: str) -> dict:
     """The queryset filter of the audit log's `since` or `until` parameter: a plain date
     (YYYY-MM-DD, as the dashboard takes it) is a whole day, inclusive at both ends; an ISO 8601

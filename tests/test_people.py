@@ -302,9 +302,11 @@ def test_an_admin_adds_a_person_in_the_browser_and_sees_the_password_once(client
 
 def test_an_admin_resets_changes_role_and_deactivates_in_the_browser(client, world):
     client.force_login(world.admin_a)
-    action = lambda name, **data: client.post(  # noqa: E731
-        reverse("dashboard:person-action", args=["org-a", world.member_a.pk, name]), data
-    )
+    def action(name, **data):
+        return client.post(
+            reverse("dashboard:person-action", args=["org-a", world.member_a.pk, name]), data
+        )
+
     reset = action("reset-password")
     assert reset.status_code == 200 and signs_in("member_a", reset.context["issued_password"])
     assert action("role", role="admin").status_code == 302
@@ -397,10 +399,28 @@ def test_a_person_changes_their_own_password(client, world):
 
 
 
+def another_waits_on_a_lock(timeout: float = 5.0) -> bool:
+    """Until another database session waits for a lock (the interleaving a race test needs),
+    polled on this thread's connection; False after `timeout` (the code under test took no lock
+    the other session had to wait for)."""
+    import threading
+    import time
+
+    from django.db import connection
+
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        with connection.cursor() as cursor:
+            cursor.execute("SELECT count(*) FROM pg_locks WHERE NOT granted")
+            if cursor.fetchone()[0]:
+                return True
+        threading.Event().wait(0.01)
+    return False
+
+
 @pytest.mark.django_db(transaction=True)
 def test_two_admins_deactivating_each_other_at_once_leave_one_admin(registry, monkeypatch):
     import threading
-    import time
 
     from django.db import connection
 
@@ -410,10 +430,10 @@ def test_two_admins_deactivating_each_other_at_once_leave_one_admin(registry, mo
     real_audit = people.audit
     first_holds_locks = threading.Event()
 
-    def slow_audit(actor, action, **kwargs):  # the first deactivation holds its locks a while
-        if actor.name == "ann":
+    def slow_audit(actor, action, **kwargs):  # the first deactivation holds its locks until
+        if actor.name == "ann":                # the second one waits for them
             first_holds_locks.set()
-            time.sleep(0.5)
+            another_waits_on_a_lock()
         return real_audit(actor, action, **kwargs)
 
     monkeypatch.setattr(people, "audit", slow_audit)
@@ -471,7 +491,6 @@ def test_only_the_operator_reactivates_a_login_the_operator_deactivated(world):
 @pytest.mark.django_db(transaction=True)
 def test_adding_bob_and_BOB_at_once_makes_one_login(registry, monkeypatch):
     import threading
-    import time
 
     from django.db import connection
 
@@ -479,10 +498,10 @@ def test_adding_bob_and_BOB_at_once_makes_one_login(registry, monkeypatch):
     real_create = Membership.objects.create
     first_inside = threading.Event()
 
-    def slow_create(**kwargs):  # the first add holds its transaction open a while
-        if kwargs["user"].username == "bob":
+    def slow_create(**kwargs):  # the first add holds its transaction open until the second
+        if kwargs["user"].username == "bob":  # waits on its lock
             first_inside.set()
-            time.sleep(0.5)
+            another_waits_on_a_lock()
         return real_create(**kwargs)
 
     monkeypatch.setattr(Membership.objects, "create", slow_create)

@@ -152,12 +152,9 @@ class SubmissionView(FederationGenericView):
 
     def get_queryset(self):
         queryset = Submission.objects.filter(client=self.request.auth).select_related("round")
-        raw = self.request.query_params.get("round", "").strip()
-        if raw:
-            # ASCII digits only (str.isdigit takes "²", which int() refuses), of a round's size.
-            if not (raw.isascii() and raw.isdigit()) or len(raw) > 10:
-                raise InvalidRequest(f"round must be a round number, not {raw[:40]!r}")
-            queryset = queryset.filter(round__number=int(raw))
+        number = services.round_number(self.request.query_params.get("round"))
+        if number is not None:
+            queryset = queryset.filter(round__number=number)
         return queryset.order_by("-created_at", "-id")
 
     def get(self, request):
@@ -311,16 +308,13 @@ def _published_globals(request):
     versions = CompendiumVersion.objects.filter(
         kind=CompendiumVersion.Kind.GLOBAL, round__state=Round.State.PUBLISHED
     ).select_related("round")
-    number = request.query_params.get("round")
+    number = services.round_number(request.query_params.get("round"))
     if number is not None:
-        # ASCII digits only (str.isdigit takes "²"), and short enough for a round number.
-        if not (number.isascii() and number.isdigit()) or len(number) > 10:
-            raise InvalidRequest("round must be a round number")
-        versions = versions.filter(round__number=int(number))
+        versions = versions.filter(round__number=number)
     return versions.order_by("-round__number"), number
 
 
-def _none_published(number: str | None) -> exceptions.NotFound:
+def _none_published(number: int | None) -> exceptions.NotFound:
     which = f"for round {number}" if number is not None else "yet"
     return exceptions.NotFound(f"no global compendium is published {which}")
 

@@ -244,14 +244,14 @@ def global_versions(user) -> QuerySet:
 
 
 def round_number(raw: str | None) -> int | None:
-    """A `?round=N` parameter as a round number (None when absent). Raises BadRequest unless it
-    is a whole number of at least 1 written in ASCII digits."""
-    raw = (raw or "").strip()
-    if not raw:
-        return None
-    if not (raw.isascii() and raw.isdigit()) or len(raw) > 9 or int(raw) < 1:
-        raise BadRequest(f"round must be a round number, not {raw[:40]!r}")
-    return int(raw)
+    """`federation.services.round_number`, refusing with this page's BadRequest."""
+    from federation.errors import InvalidRequest
+    from federation.services import round_number as parse
+
+    try:
+        return parse(raw)
+    except InvalidRequest as error:
+        raise BadRequest(error.detail) from None
 
 
 def choose_global_version(user, round_param: str | None) -> CompendiumVersion | None:
