@@ -198,7 +198,7 @@ def round_number(raw: str | None) -> int | None:
     if not raw:
         return None
     if not (raw.isascii() and raw.isdigit()) or len(raw) > 9 or int(raw) < 1:
-        raise InvalidRequest(f"round must be a round number, not {raw[:40]!r}")
+        raise InvalidRequest("round must be a round number")
     return int(raw)
 
 
