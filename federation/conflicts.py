@@ -1,12 +1,14 @@
 """Conflict review: the precaution composed from a logged conflict, and reviewers' decisions.
 
 A decision (federation.models.ConflictDecision) takes effect in the next round's edge merge of the
-same organization (federation.pipeline._previous_conflicts).
+same organization, or for a conflict of the server merge (organization None: between edges) in
+the next server merge (federation.pipeline._previous_conflicts).
 """
 
 from __future__ import annotations
 
 from django.db import transaction
+from django.db.models import Q
 
 from compendium.services import current_schema
 from federation.errors import InvalidRequest, NotAllowed
@@ -14,6 +16,15 @@ from federation.merge import ConflictEntry
 from federation.merge.operator import conflicts_to_precautions
 from federation.models import AuditLog, ConflictDecision, ConflictLogEntry
 from federation.services import Actor, audit, can_admin
+
+
+def visible_conflicts(organizations, actor: Actor):
+    """The conflict log entries `actor` may see: those of the edges of `organizations` (the
+    organizations the actor sees) and, for the operator, the server merge's."""
+    visible = Q(organization__in=organizations)
+    if actor.is_operator:
+        visible |= Q(organization__isnull=True)
+    return ConflictLogEntry.objects.filter(visible)
 
 
 def entry_of(conflict: ConflictLogEntry) -> ConflictEntry:
@@ -52,8 +63,12 @@ def decide_conflict(
     actor: Actor, conflict: ConflictLogEntry, action: str, text: str = ""
 ) -> ConflictDecision:
     """Record (or replace) the decision on `conflict`; audited. Only the operator or an admin of
-    the conflict's organization may decide."""
-    if conflict.organization_id is None or not can_admin(actor, conflict.organization_id):
+    the conflict's organization may decide; a conflict of the server merge (between edges, no
+    organization) is the operator's alone."""
+    if conflict.organization_id is None:
+        if not actor.is_operator:
+            raise NotAllowed("only the operator may decide conflicts of the server merge")
+    elif not can_admin(actor, conflict.organization_id):
         raise NotAllowed("only the operator or this organization's admin may decide conflicts")
     if action not in ConflictDecision.Action.values:
         raise InvalidRequest(f"action must be one of {', '.join(ConflictDecision.Action.values)}")

@@ -345,7 +345,9 @@ class PrivacyLedgerEntry(models.Model):
 
 class ConflictLogEntry(models.Model):
     """An entry of an edge's conflict log L(r), keyed by (tool, centroid id). It stays at its
-    edge (organization) and becomes next round's precautions there."""
+    edge (organization) and becomes next round's precautions there. Entries without an
+    organization are the server merge's (conflicts between edges), reviewed by the operator and
+    composed into the next global's precautions."""
 
     round = models.ForeignKey(Round, on_delete=models.CASCADE, related_name="conflicts")
     organization = models.ForeignKey(
@@ -364,6 +366,7 @@ class ConflictLogEntry(models.Model):
             models.UniqueConstraint(
                 fields=["round", "organization", "tool_id", "centroid_id"],
                 name="one_conflict_per_centroid",
+                nulls_distinct=False,
             )
         ]
 
@@ -431,10 +434,11 @@ class SimulationRun(models.Model):
 
 
 class ConflictDecision(models.Model):
-    """A reviewer's decision on one conflict of an edge's log, keyed like the conflict (round,
-    organization, tool, centroid id) so that it survives a re-materialization of that edge.
+    """A reviewer's decision on one conflict of an edge's log (or of the server merge's, with no
+    organization: the operator's), keyed like the conflict (round, organization, tool, centroid id)
+    so that it survives a re-materialization of that edge.
 
-    The next round's edge merge applies it (federation.pipeline._previous_conflicts): an accepted
+    The next round's edge (or server) merge applies it (federation.pipeline._previous_conflicts): an accepted
     or edited precaution replaces the composed one, a picked scenario wins instead of a precaution
     being composed, a dismissed conflict is left out. A later decision replaces an earlier one;
     every decision is audited."""
@@ -446,8 +450,8 @@ class ConflictDecision(models.Model):
         DISMISS = "dismiss", "dismiss"
 
     round = models.ForeignKey(Round, on_delete=models.CASCADE, related_name="conflict_decisions")
-    organization = models.ForeignKey(
-        Organization, on_delete=models.CASCADE, related_name="conflict_decisions"
+    organization = models.ForeignKey(  # null: a conflict of the server merge (the operator's)
+        Organization, null=True, blank=True, on_delete=models.CASCADE, related_name="conflict_decisions"
     )
     tool_id = models.CharField(max_length=128)
     centroid_id = models.CharField(max_length=64)
@@ -464,6 +468,7 @@ class ConflictDecision(models.Model):
             models.UniqueConstraint(
                 fields=["round", "organization", "tool_id", "centroid_id"],
                 name="one_decision_per_conflict",
+                nulls_distinct=False,  # one decision per conflict of the server merge too
             )
         ]
 

@@ -158,7 +158,9 @@ def start_round(round_id: int) -> list[int]:
 # --- the edge merge ------------------------------------------------------------------------------
 
 
-def _previous_conflicts(round_: Round, organization: Organization) -> list[ConflictEntry]:
+def _previous_conflicts(round_: Round, organization: Organization | None) -> list[ConflictEntry]:
+    """The conflict log of the round before `round_` at this edge (the server's when
+    `organization` is None), with its reviewers' decisions: dismissed conflicts left out."""
     previous = Round.objects.filter(number__lt=round_.number).order_by("-number").first()
     if previous is None:
         return []
@@ -369,6 +371,7 @@ def run_server_merge(round_id: int, *, embed=None) -> str:
         probe_set=probe,
         llm=configured_llm(),
         previous=load_compendium(previous) if previous is not None else None,
+        previous_conflicts=_previous_conflicts(round_, None),
     )
     accuracy = probe_accuracy(
         probe, [s.tool_id for s in result.compendium.scenarios], result.scenario_embeddings

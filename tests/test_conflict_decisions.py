@@ -69,3 +69,62 @@ def test_decision_changes_the_next_rounds_edge_merge(action, django_capture_on_c
         assert (winner, {"has_city": False}) in weather
     else:
         assert not composed and weather == [], (precautions, weather)
+
+
+def test_a_conflict_between_edges_becomes_a_precaution_of_the_next_global(django_capture_on_commit_callbacks):
+    """The server merge is the same operator one level up (paper, Algorithm 1): a request that
+    two organizations' edges claim for different tools is logged in the server's conflict log,
+    and the next server merge composes it into a precaution of the global compendium, or applies
+    the operator's decision on it."""
+    from compendium.schema import ToolSpec
+    from compendium.services import import_registry
+    from federation.models import Client, Organization
+    from tests.merge_helpers import TOOLS
+
+    capture = django_capture_on_commit_callbacks
+    # Two tools a request can honestly be meant for (both pass the confusion check); each edge
+    # sees one of them only.
+    import_registry([*TOOLS, ToolSpec(tool_id="fares", name="AirfareWatch",
+                                      description="Search and compare airline flight prices between airports")])
+    request = "Book a cheap flight from Boston to Denver next week"
+    usage = {
+        "flights": ["Find flights from Rome to Madrid next week", "Search airline tickets to Tokyo in May",
+                    "Is there a direct flight from Chicago to Dallas?", "Cheapest plane ticket to Miami on Friday"],
+        "fares": ["Compare airline ticket prices to Tokyo", "Cheapest flights from Paris to Rome this month",
+                  "Track the fare of a flight to Denver", "Which airline is cheapest to London?"],
+    }
+    claims = {("acme", "a1"): "flights", ("acme", "a2"): "flights", ("globex", "g1"): "fares"}
+    r1 = Round.objects.create(number=1, state="closing", config={"summarizer": "none"})
+    clients = {}
+    for (slug, name), tool in claims.items():
+        org, _ = Organization.objects.get_or_create(slug=slug, defaults={"name": slug})
+        clients[slug] = Client.objects.create(organization=org, name=name, status="approved")
+        scenarios = [{"tool_id": tool, "text": text} for text in [request, *usage[tool]]]
+        store_compendium(Compendium.model_validate({"scenarios": scenarios}), kind="client", round=r1,
+                         client=clients[slug])
+    close(r1, capture)
+    assert not ConflictLogEntry.objects.filter(organization__isnull=False).exists()  # no edge saw two tools
+    [conflict] = ConflictLogEntry.objects.filter(round=r1, organization=None)
+    assert conflict.tool_id == "flights"  # better supported: two clients of acme
+    assert [(d["tool_id"], d["source"]) for d in conflict.dissenters] == [("fares", "org:globex")]
+    first = CompendiumVersion.objects.get(kind="global", round=r1).content
+    assert [s["tool_id"] for s in first["scenarios"] if s["text"] == request] == ["flights"]
+
+    def next_global(number):
+        nxt = Round.objects.create(number=number, state="closing", config={"summarizer": "none"})
+        store_compendium(Compendium.model_validate({"scenarios": [
+            {"tool_id": "weather", "text": "Will it snow in Oslo tomorrow?"}]}), kind="client",
+            round=nxt, client=clients["acme"])
+        close(nxt, capture)
+        return [(p["tool_id"], p["text"]) for p in
+                CompendiumVersion.objects.get(kind="global", round=nxt).content.get("precautions", [])]
+
+    composed = ("fares", "Do not use AirfareWatch for book a cheap flight from Boston to Denver next "
+                         "week; FlightFinder serves it")
+    assert composed in next_global(2)
+    decide_conflict(Actor.system(), conflict, "edit", "Do not use AirfareWatch to book plane tickets")
+    # Round 2 logged no conflict of its own; the decision is on round 1's, so re-merge round 2.
+    Round.objects.filter(number=2).delete()
+    precautions = next_global(2)
+    assert ("fares", "Do not use AirfareWatch to book plane tickets") in precautions
+    assert composed not in precautions

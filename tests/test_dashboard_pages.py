@@ -883,3 +883,58 @@ def test_the_operator_changes_the_federation_settings_in_the_browser(client, wor
     unchecked = {k: v for k, v in form.items() if k != "allow_admin_approval"}
     client.post(url, unchecked)
     assert services.get_settings().allow_admin_approval is False
+
+
+def server_conflict(fed):
+    """A conflict of round 1's server merge: org B's edge claimed A's request for another tool."""
+    return ConflictLogEntry.objects.create(
+        round=Round.objects.get(number=1), organization=None, tool_id="weather", centroid_id="s0",
+        centroid={"source": "org:org-a", "tool_id": "weather", "text": "Is it snowing in Oslo?",
+                  "support": 2},
+        dissenters=[{"source": "org:org-b", "tool_id": "flights", "text": "Is it snowing in Oslo",
+                     "support": 1}],
+        reason="parent tools differ",
+    )
+
+
+def test_the_operator_alone_reviews_the_server_merges_conflicts(client, fed):
+    """Conflicts between edges (no organization) carry other organizations' texts: the operator
+    sees and decides them; organization admins and members neither see nor decide them."""
+    conflict = server_conflict(fed)
+    url = reverse("dashboard:conflict-decide", args=[conflict.pk])
+    for role in ("admin_a", "member_a", "admin_b"):
+        body = login(client, fed, role).get(reverse("dashboard:conflicts")).content.decode()
+        assert "Oslo" not in body and "Server merge" not in body, role
+        assert client.post(url, {"action": "dismiss"}).status_code == 404, role
+    assert not ConflictDecision.objects.exists()
+    body = login(client, fed, "operator").get(reverse("dashboard:conflicts")).content.decode()
+    assert "Server merge (between organizations) · round 1" in body and "Is it snowing in Oslo?" in body
+    assert "Do not use" in body  # the precaution composed for the losing tool
+    response = client.post(url, {"action": "edit", "text": "Do not use Flights for the weather"}, follow=True)
+    assert "next round&#x27;s server merge" in response.content.decode()
+    decision = ConflictDecision.objects.get()
+    assert (decision.organization, decision.action) == (None, "edit")
+    entry = AuditLog.objects.get(action="conflict.decide")
+    assert entry.organization is None and entry.details["conflict"] == conflict.pk
+    # One decision per conflict of the server merge too: a second one replaces it.
+    client.post(url, {"action": "dismiss"})
+    assert list(ConflictDecision.objects.values_list("action", flat=True)) == ["dismiss"]
+
+
+def test_decisions_on_the_server_merges_conflicts_reach_its_next_merge(fed):
+    from federation.conflicts import decide_conflict
+    from federation.errors import NotAllowed
+    from federation.pipeline import _previous_conflicts
+
+    conflict = server_conflict(fed)
+    r2 = Round.objects.get(number=2)
+    [entry] = _previous_conflicts(r2, None)
+    assert (entry.centroid_id, entry.resolution) == ("s0", "")
+    with pytest.raises(NotAllowed, match="only the operator"):
+        decide_conflict(fed.actor(fed.admin_a), conflict, "dismiss")
+    decide_conflict(fed.actor(fed.operator), conflict, "edit", "Do not use Flights for snow")
+    [entry] = _previous_conflicts(r2, None)
+    assert (entry.resolution, entry.resolution_text) == ("precaution", "Do not use Flights for snow")
+    assert [e.centroid_id for e in _previous_conflicts(r2, fed.org_a)] == ["c0"]  # edges apart
+    decide_conflict(fed.actor(fed.operator), conflict, "dismiss")
+    assert _previous_conflicts(r2, None) == []

@@ -587,7 +587,9 @@ def server_merge_summaries(version: CompendiumVersion) -> dict | None:
     from federation.models import MergeRecord
 
     record = MergeRecord.objects.filter(round=version.round, organization__isnull=True).first()
-    return _summary_figures(record.stats) if record is not None else None
+    if record is None:
+        return None
+    return {**_summary_figures(record.stats), "conflicts": record.stats.get("conflicts") or 0}
 
 
 def _summary_figures(stats: dict) -> dict:
@@ -795,15 +797,14 @@ def conflict_groups(
 ):
     """One page of conflicted clusters of the visible edges, grouped per (organization, round),
     newest round first, each with its composed precaution, the scenarios that may win, and its
-    decision. Returns (page, groups)."""
+    decision; the operator also sees the server merge's (organization None: conflicts between
+    edges, whose texts come from several organizations). Returns (page, groups)."""
     from compendium.services import current_schema
-    from federation.conflicts import composed_precaution, scenario_choices
-    from federation.models import ConflictDecision, ConflictLogEntry
+    from federation.conflicts import composed_precaution, scenario_choices, visible_conflicts
+    from federation.models import ConflictDecision
     from federation.services import can_admin
 
-    conflicts = ConflictLogEntry.objects.filter(organization__in=organizations).select_related(
-        "round", "organization"
-    )
+    conflicts = visible_conflicts(organizations, actor).select_related("round", "organization")
     if round_number is not None:
         conflicts = conflicts.filter(round__number=round_number)
     if organization_slug:
@@ -814,14 +815,18 @@ def conflict_groups(
     conflicts = list(page_obj.object_list)
     decisions = {
         (d.round_id, d.organization_id, d.tool_id, d.centroid_id): d
-        for d in ConflictDecision.objects.filter(organization__in=organizations).select_related("decided_by")
+        for d in ConflictDecision.objects.filter(
+            round__in={c.round_id for c in conflicts}
+        ).select_related("decided_by")
     }
     schema = current_schema() if conflicts else None
     groups: dict[tuple, list[ConflictCard]] = {}
     admin = {}
     for c in conflicts:
         if c.organization_id not in admin:
-            admin[c.organization_id] = can_admin(actor, c.organization_id)
+            admin[c.organization_id] = (
+                actor.is_operator if c.organization_id is None else can_admin(actor, c.organization_id)
+            )
         groups.setdefault((c.organization, c.round), []).append(
             ConflictCard(
                 conflict=c,

@@ -21,7 +21,7 @@ from pydantic import ValidationError
 from compendium.models import NumericField, Tool
 from federation import people
 from federation.auth import ThrottledPasswordChangeForm
-from federation.conflicts import decide_conflict
+from federation.conflicts import decide_conflict, visible_conflicts
 from federation.dashboard import services
 from federation.dashboard.scoping import DashboardView
 from federation.errors import FederationError, InvalidRequest, NotAllowed
@@ -29,7 +29,6 @@ from federation.models import (
     AuditLog,
     Client,
     ConflictDecision,
-    ConflictLogEntry,
     FederationSettings,
     Membership,
     Round,
@@ -579,20 +578,21 @@ class ConflictDecideView(ActionView):
     nav_key = "conflicts"
 
     def act(self, request, pk):
+        actor = actor_for(request)
         conflict = get_object_or_404(
-            ConflictLogEntry.objects.select_related("round", "organization"),
-            pk=pk, organization__in=self.organizations,
+            visible_conflicts(self.organizations, actor).select_related("round", "organization"),
+            pk=pk,
         )
         action = request.POST.get("action", "")
         text = request.POST.get("text", "")
         if action == ConflictDecision.Action.SCENARIO:
             text = request.POST.get("scenario", "")
-        decision = decide_conflict(actor_for(request), conflict, action, text)
+        decision = decide_conflict(actor, conflict, action, text)
+        where = f"merge of {conflict.organization}" if conflict.organization else "server merge"
         messages.success(
             request,
             f"Decision on {conflict.tool_id}/{conflict.centroid_id} of round {conflict.round.number}: "
-            f"{decision.get_action_display()}. It applies in the next round's merge of "
-            f"{conflict.organization}.",
+            f"{decision.get_action_display()}. It applies in the next round's {where}.",
         )
         return redirect(f"{reverse('dashboard:conflicts')}#conflict-{conflict.pk}")
 

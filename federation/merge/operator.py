@@ -137,6 +137,7 @@ def server_merge(
     confusion_margin: float = CONFUSION_MARGIN,
     confusion_rank: int = CONFUSION_RANK,
     previous: Compendium | None = None,
+    previous_conflicts: Sequence[ConflictEntry] = (),
     source_limit: float = SOURCE_LIMIT,
 ) -> MergeResult:
     """The same operator one level up: edge compendiums in, the global compendium out. Numeric
@@ -148,12 +149,16 @@ def server_merge(
     ones, so a known scenario is not duplicated and its support adds up), and its statistics stay
     for tools that no edge reported this round (this round's releases replace the others). This is
     what lets a client send only what changed since the compendium it pulled. Entries of tools no
-    longer in the schema are dropped."""
+    longer in the schema are dropped.
+
+    `previous_conflicts` is the server's own conflict log of the last round, L(r−1) one level up
+    (with the operator's decisions): the conflicts between edges become precautions (or, where
+    the operator picked one, winning scenarios) here, as an edge's own do in its next merge."""
     return _merge(
         edge_results,
         schema,
         config,
-        (),
+        previous_conflicts,
         embed=embed,
         probe_set=probe_set,
         llm=llm,

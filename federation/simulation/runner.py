@@ -421,7 +421,7 @@ class Simulation:
             client: _periods(lines, (starts or {}).get(client) or [1] * len(lines), rounds)
             for client, lines in logs.items()
         }
-        conflicts: dict[str, list[ConflictEntry]] = {}
+        conflicts: dict[str | None, list[ConflictEntry]] = {}  # each edge's last log; the server's at None
         outcomes = []
         llm = self.summarizer_llm()
         confusions = confusable_tools(self.dataset.tools, seed)
@@ -489,8 +489,9 @@ class Simulation:
                 stats[org] = result.stats.as_dict()
             merged = server_merge(
                 edges, self.schema, config, embed=self.engine.embed, probe_set=probe_set,
-                llm=llm, previous=pulled,
+                llm=llm, previous=pulled, previous_conflicts=conflicts.get(None, ()),
             )
+            conflicts[None] = merged.conflicts
             published = merged.compendium
             if self.config.carry_forward:
                 pulled = merged.compendium
