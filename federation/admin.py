@@ -1,5 +1,12 @@
 from django.contrib import admin
+from django.contrib.admin.utils import unquote
+from django.contrib.auth import get_user_model
+from django.contrib.auth.admin import UserAdmin
+from django.db import router, transaction
+from django.utils.decorators import method_decorator
+from django.views.decorators.debug import sensitive_post_parameters
 
+from federation import people
 from federation.auth import AdminLoginForm
 from federation.models import (
     AuditLog,
@@ -10,6 +17,7 @@ from federation.models import (
     Round,
     Submission,
 )
+from federation.services import Actor, client_ip
 
 # The admin's login form says when the sign-in throttle refused (federation.login_throttle).
 admin.site.login_form = AdminLoginForm
@@ -113,3 +121,66 @@ class AuditLogAdmin(admin.ModelAdmin):
 
     def has_delete_permission(self, request, obj=None):
         return False
+
+
+User = get_user_model()
+admin.site.unregister(User)
+
+
+@admin.register(User)
+class AuditedUserAdmin(UserAdmin):
+    """Logins, editable here by the operator alone and audited like every other change (see
+    federation.people's admin_login_* functions): adding, changing (what changed, from / to),
+    setting a password (never the password) and deleting. People of an organization are better
+    managed on its People page (roles, generated passwords, the organization admins' rules)."""
+
+    def _actor(self, request) -> Actor:
+        return Actor.for_user(request.user, client_ip(request))
+
+    # A staff login with Django's user permissions could otherwise make itself a superuser.
+    def has_add_permission(self, request):
+        return request.user.is_superuser
+
+    def has_change_permission(self, request, obj=None):
+        return request.user.is_superuser
+
+    def has_delete_permission(self, request, obj=None):
+        return request.user.is_superuser
+
+    def save_model(self, request, obj, form, change):
+        # The login as stored, locked until the change and its audit entry commit together (the
+        # admin's change view is one transaction).
+        form._login_before = (
+            people.login_snapshot(User.objects.select_for_update().get(pk=obj.pk))
+            if change
+            else None
+        )
+        super().save_model(request, obj, form, change)
+
+    def save_related(self, request, form, formsets, change):
+        super().save_related(request, form, formsets, change)  # groups, permissions
+        people.admin_login_saved(
+            self._actor(request), form.instance, getattr(form, "_login_before", None)
+        )
+
+    @method_decorator(sensitive_post_parameters())
+    def user_change_password(self, request, id, form_url=""):
+        with transaction.atomic(using=router.db_for_write(self.model)):
+            user = self.get_object(request, unquote(id))
+            before = user.password if user is not None else None
+            response = super().user_change_password(request, id, form_url)
+            if user is not None and request.method == "POST":
+                user.refresh_from_db()
+                if user.password != before:
+                    people.admin_password_set(self._actor(request), user)
+            return response
+
+    def delete_model(self, request, obj):
+        people.admin_login_deleted(self._actor(request), obj)
+        super().delete_model(request, obj)
+
+    def delete_queryset(self, request, queryset):
+        actor = self._actor(request)
+        for user in queryset:
+            people.admin_login_deleted(actor, user)
+        super().delete_queryset(request, queryset)

@@ -243,6 +243,7 @@ class AuditLog(models.Model):
 
     class Action(models.TextChoices):
         ORGANIZATION_CREATE = "organization.create"
+        ORGANIZATION_RENAME = "organization.rename"
         CLIENT_ENROLL = "client.enroll"
         CLIENT_APPROVE = "client.approve"
         CLIENT_ROTATE = "client.rotate"
@@ -265,6 +266,11 @@ class AuditLog(models.Model):
         PASSWORD_CHANGE = "person.password_change"
         LOGIN_THROTTLED = "login.throttled"
         LOGIN_UNLOCK = "login.unlock"
+        # Changes to logins made in the Django admin (/admin/auth/user/), the operator's.
+        USER_ADD = "user.add"
+        USER_CHANGE = "user.change"
+        USER_PASSWORD = "user.password"
+        USER_DELETE = "user.delete"
 
     created_at = models.DateTimeField(auto_now_add=True, db_index=True)
     actor = models.ForeignKey(

@@ -9,6 +9,7 @@ stored only as a hash; every change is audited.
 
 from __future__ import annotations
 
+import datetime as dt
 import secrets
 from dataclasses import dataclass
 
@@ -262,4 +263,134 @@ def password_changed(actor: Actor) -> None:
         target_type="user",
         target_label=actor.name,
         organization=membership.organization if membership else None,
+    )
+
+
+# --- logins changed in the Django admin ---------------------------------------------------------
+# The operator's tool for what the People pages do not cover (a second operator or staff login, a
+# login in no organization, names and e-mail addresses). Its changes are audited here, with what
+# changed; a deactivation there is recorded as one here is, so that it stands as the operator's.
+
+VIA_DJANGO_ADMIN = "django admin"
+USER_FIELDS = (
+    "username", "first_name", "last_name", "email", "is_active", "is_staff", "is_superuser",
+    "last_login", "date_joined",
+)
+
+
+def login_snapshot(user) -> dict:
+    """What the Django admin can change about a login, as the audit log shows it (never the
+    password: only whether one is usable)."""
+    snapshot = {}
+    for field in USER_FIELDS:
+        value = getattr(user, field, None)
+        if isinstance(value, dt.datetime):
+            # As the admin's form gives it back (to the second, in TIME_ZONE): the same instant.
+            value = value.astimezone(dt.UTC).replace(microsecond=0).isoformat()
+        snapshot[field] = value
+    snapshot["usable_password"] = user.has_usable_password()
+    if user.pk is not None:
+        snapshot["groups"] = sorted(user.groups.values_list("name", flat=True))
+        snapshot["user_permissions"] = sorted(
+            f"{app}.{codename}"
+            for app, codename in user.user_permissions.values_list(
+                "content_type__app_label", "codename"
+            )
+        )
+    return snapshot
+
+
+def _membership_of_login(user) -> Membership | None:
+    return Membership.objects.select_related("organization").filter(user_id=user.pk).first()
+
+
+def admin_login_saved(actor: Actor, user, before: dict | None) -> None:
+    """Audit a login added (`before` None) or changed in the Django admin: `user.add` or
+    `user.change` with each changed field's from / to; a change of is_active is recorded (and
+    acts) as on the People pages: person.deactivate (personal API tokens revoked) or
+    person.reactivate."""
+    after = login_snapshot(user)
+    membership = _membership_of_login(user)
+    organization = membership.organization if membership else None
+    username = user.get_username()
+    if before is None:
+        audit(
+            actor,
+            AuditLog.Action.USER_ADD,
+            target=user,
+            target_type="user",
+            target_label=username,
+            organization=organization,
+            details={"user": username, "via": VIA_DJANGO_ADMIN, "login": after},
+        )
+        return
+    changes = {
+        key: {"from": before.get(key), "to": value}
+        for key, value in after.items()
+        if before.get(key) != value
+    }
+    active = changes.pop("is_active", None)
+    if active is not None:
+        details = {"user": username, "via": VIA_DJANGO_ADMIN}
+        if membership is not None:
+            details["role"] = membership.role
+        if not user.is_active:
+            details["tokens_revoked"] = UserToken.objects.filter(
+                user=user, revoked_at__isnull=True
+            ).update(revoked_at=timezone.now())
+        audit(
+            actor,
+            AuditLog.Action.PERSON_REACTIVATE if user.is_active else AuditLog.Action.PERSON_DEACTIVATE,
+            target=membership if membership is not None else user,
+            target_type="" if membership is not None else "user",
+            target_label="" if membership is not None else username,
+            organization=organization,
+            details=details,
+        )
+    if changes:
+        audit(
+            actor,
+            AuditLog.Action.USER_CHANGE,
+            target=user,
+            target_type="user",
+            target_label=username,
+            organization=organization,
+            details={"user": username, "via": VIA_DJANGO_ADMIN, "changes": changes},
+        )
+
+
+def admin_password_set(actor: Actor, user) -> None:
+    """Audit a password set (or password sign-in disabled) in the Django admin; never the
+    password. As after a reset, the login's failed sign-ins are forgotten."""
+    membership = _membership_of_login(user)
+    login_throttle.unlock(user.get_username())
+    audit(
+        actor,
+        AuditLog.Action.USER_PASSWORD,
+        target=user,
+        target_type="user",
+        target_label=user.get_username(),
+        organization=membership.organization if membership else None,
+        details={
+            "user": user.get_username(),
+            "via": VIA_DJANGO_ADMIN,
+            "usable_password": user.has_usable_password(),
+        },
+    )
+
+
+def admin_login_deleted(actor: Actor, user) -> None:
+    """Audit a login about to be deleted in the Django admin (with its membership)."""
+    membership = _membership_of_login(user)
+    details = {"user": user.get_username(), "via": VIA_DJANGO_ADMIN}
+    if membership is not None:
+        details["role"] = membership.role
+    audit(
+        actor,
+        AuditLog.Action.USER_DELETE,
+        target=user,
+        target_type="user",
+        target_label=user.get_username(),
+        organization=membership.organization if membership else None,
+        details=details,
     )

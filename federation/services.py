@@ -425,33 +425,87 @@ def update_settings(actor: Actor, **changes) -> FederationSettings:
 # --- organizations and clients ----------------------------------------------------------------
 
 
+def organization_name(name: str) -> str:
+    """An organization's name as stored (stripped), for creating and renaming alike; InvalidRequest
+    naming what is wrong when it is empty or longer than the column."""
+    name = (name or "").strip()
+    limit = Organization._meta.get_field("name").max_length
+    if not name:
+        raise InvalidRequest("an organization needs a name")
+    if len(name) > limit:
+        raise InvalidRequest(f"an organization's name is at most {limit} characters, not {len(name)}")
+    return name
+
+
 @transaction.atomic
 def create_organization(
     actor: Actor, name: str, slug: str = "", description: str = ""
 ) -> Organization:
     require_operator(actor, "create organizations")
-    name = name.strip()
-    name_limit = Organization._meta.get_field("name").max_length
+    name = organization_name(name)
     slug_limit = Organization._meta.get_field("slug").max_length
     # A slug derived from a long name is cut to the column's length (a clash is a 409 below).
     slug = slug or slugify(name)[:slug_limit].strip("-")
-    if not name or not slug:
-        raise InvalidRequest("an organization needs a name (and a slug made of letters/digits)")
+    if not slug:
+        raise InvalidRequest(
+            f"the name {name!r} makes no slug: give one of letters, digits, hyphens and underscores"
+        )
     if not re.fullmatch(r"[-a-zA-Z0-9_]+", slug):
         raise InvalidRequest(
             f"slug {slug!r}: use letters, digits, hyphens and underscores only (it is part of URLs)"
         )
-    if len(name) > name_limit or len(slug) > slug_limit:
-        raise InvalidRequest(
-            f"an organization's name is at most {name_limit} characters and its slug at most "
-            f"{slug_limit}"
-        )
+    if len(slug) > slug_limit:
+        raise InvalidRequest(f"an organization's slug is at most {slug_limit} characters")
     try:
         with transaction.atomic():
             org = Organization.objects.create(name=name, slug=slug, description=description)
     except IntegrityError as exc:
         raise Conflict(f"an organization named {name!r} or with slug {slug!r} exists") from exc
     audit(actor, AuditLog.Action.ORGANIZATION_CREATE, target=org, organization=org)
+    return org
+
+
+SLUG_STAYS = (
+    "the slug {slug!r} cannot change: the organization's dashboard links, the API's "
+    "?organization= filters and scripts (erase_client {slug}/CLIENT) name it, and it seeds its "
+    "edge's privacy noise, which a replayed round must draw again; only the name can be changed"
+)
+
+
+@transaction.atomic
+def rename_organization(
+    actor: Actor, organization: Organization | int, name: str, slug: str | None = None
+) -> Organization:
+    """Give an organization a new display name (the operator's decision, as creating one is).
+
+    Its slug never changes (SLUG_STAYS says why); `slug`, when a caller sends one, must be the
+    current one. The row is locked, so that of two renames at once the second waits and its audit
+    entry names the first's name as the previous one: none is lost unrecorded."""
+    require_operator(actor, "rename organizations")
+    pk = organization.pk if isinstance(organization, Organization) else organization
+    try:
+        org = Organization.objects.select_for_update().get(pk=pk)
+    except Organization.DoesNotExist:
+        raise NotFound("no such organization") from None
+    if slug is not None and slug != org.slug:
+        raise InvalidRequest(SLUG_STAYS.format(slug=org.slug))
+    name = organization_name(name)
+    previous = org.name
+    if name == previous:
+        return org
+    org.name = name
+    try:
+        with transaction.atomic():
+            org.save(update_fields=["name"])
+    except IntegrityError as exc:
+        raise Conflict(f"an organization named {name!r} exists; choose another name") from exc
+    audit(
+        actor,
+        AuditLog.Action.ORGANIZATION_RENAME,
+        target=org,
+        organization=org,
+        details={"name": name, "previous_name": previous, "slug": org.slug},
+    )
     return org
 
 

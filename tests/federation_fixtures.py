@@ -94,3 +94,22 @@ def _fresh_settings_cache():
     yield
     services.clear_settings_cache()
     submissions.clear_dictionary_cache()
+
+
+def another_waits_on_a_lock(timeout: float = 5.0) -> bool:
+    """Until another database session waits for a lock (the interleaving a race test needs),
+    polled on this thread's connection; False after `timeout` (the code under test took no lock
+    the other session had to wait for)."""
+    import threading
+    import time
+
+    from django.db import connection
+
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        with connection.cursor() as cursor:
+            cursor.execute("SELECT count(*) FROM pg_locks WHERE NOT granted")
+            if cursor.fetchone()[0]:
+                return True
+        threading.Event().wait(0.01)
+    return False

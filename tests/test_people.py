@@ -14,7 +14,7 @@ from rest_framework.test import APIClient
 from federation import people, services
 from federation.errors import Conflict, InvalidRequest, NotAllowed
 from federation.models import AuditLog, Membership, Organization, UserToken
-from tests.federation_fixtures import SYSTEM
+from tests.federation_fixtures import SYSTEM, another_waits_on_a_lock
 
 pytestmark = pytest.mark.django_db
 
@@ -396,26 +396,6 @@ def test_a_person_changes_their_own_password(client, world):
     entry = AuditLog.objects.get(action="person.password_change")
     assert entry.actor.username == "max" and entry.organization == world.org_a
     assert BrowserClient().get(reverse("password_change")).status_code == 302  # login first
-
-
-
-def another_waits_on_a_lock(timeout: float = 5.0) -> bool:
-    """Until another database session waits for a lock (the interleaving a race test needs),
-    polled on this thread's connection; False after `timeout` (the code under test took no lock
-    the other session had to wait for)."""
-    import threading
-    import time
-
-    from django.db import connection
-
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        with connection.cursor() as cursor:
-            cursor.execute("SELECT count(*) FROM pg_locks WHERE NOT granted")
-            if cursor.fetchone()[0]:
-                return True
-        threading.Event().wait(0.01)
-    return False
 
 
 @pytest.mark.django_db(transaction=True)

@@ -135,6 +135,16 @@ class OrganizationSerializer(serializers.ModelSerializer):
         extra_kwargs = {"slug": {"required": False}, "name": {"validators": []}}
 
 
+class RenameOrganizationSerializer(serializers.Serializer):
+    """Only the name changes; the slug stays (a slug sent must be the current one)."""
+
+    # Checked by the service (empty, too long, taken), which says what is wrong.
+    name = serializers.CharField(allow_blank=True, trim_whitespace=False)
+    slug = serializers.CharField(
+        required=False, help_text="immutable: if sent, it must be the organization's current slug"
+    )
+
+
 class ClientSerializer(serializers.ModelSerializer):
     organization = serializers.SlugRelatedField(slug_field="slug", read_only=True)
     token_prefix = serializers.SerializerMethodField()

@@ -19,6 +19,11 @@ urlpatterns = [
         name="compendium-router-file",
     ),
     path("admin/organizations/", views.OrganizationListView.as_view(), name="organizations"),
+    path(
+        "admin/organizations/<int:pk>/",
+        views.OrganizationDetailView.as_view(),
+        name="organization-detail",
+    ),
     path("admin/clients/", views.ClientListView.as_view(), name="clients"),
     path("admin/clients/<int:pk>/", views.ClientDetailView.as_view(), name="client-detail"),
     path("admin/clients/<int:pk>/approve/", views.ClientApproveView.as_view(), name="client-approve"),

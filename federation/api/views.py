@@ -47,6 +47,7 @@ from federation.api.serializers import (
     OrganizationSerializer,
     OwnSubmissionSerializer,
     PersonSerializer,
+    RenameOrganizationSerializer,
     RevokeSerializer,
     RoundSerializer,
     SubmissionResultSerializer,
@@ -478,6 +479,43 @@ class OrganizationListView(FederationView, generics.ListCreateAPIView):
             data.validated_data.get("description", ""),
         )
         return Response(OrganizationSerializer(org).data, status=201)
+
+
+class OrganizationDetailView(FederationGenericView):
+    """One organization the caller may see (else 404); PATCH renames it (the operator)."""
+
+    authentication_classes = PEOPLE_AUTH
+    permission_classes = [IsPerson]
+    serializer_class = OrganizationSerializer
+
+    def visible_organization(self, pk) -> Organization:
+        return get_object_or_404(_scoped(Organization.objects.all(), self.request.user, "id"), pk=pk)
+
+    @extend_schema(responses={200: OrganizationSerializer, 404: DETAIL})
+    def get(self, request, pk):
+        return Response(OrganizationSerializer(self.visible_organization(pk)).data)
+
+    @extend_schema(
+        request=RenameOrganizationSerializer,
+        responses={200: OrganizationSerializer, 400: DETAIL, 403: DETAIL, 404: DETAIL, 409: DETAIL},
+        summary="Rename an organization (operator); its slug cannot change",
+    )
+    def patch(self, request, pk):
+        organization = self.visible_organization(pk)
+        data = RenameOrganizationSerializer(data=request.data)
+        data.is_valid(raise_exception=True)
+        others = sorted(set(request.data) - set(RenameOrganizationSerializer().fields))
+        if others:
+            raise InvalidRequest(
+                f"only an organization's name can be changed here, not {', '.join(others)}"
+            )
+        organization = services.rename_organization(
+            actor_for(request),
+            organization,
+            data.validated_data["name"],
+            slug=data.validated_data.get("slug"),
+        )
+        return Response(OrganizationSerializer(organization).data)
 
 
 def _target_organization(request, slug: str | None) -> Organization:

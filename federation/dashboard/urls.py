@@ -13,6 +13,11 @@ urlpatterns = [
     path("organizations/", views.OrganizationListView.as_view(), name="organizations"),
     path("organizations/<slug:slug>/", views.OrganizationView.as_view(), name="organization"),
     path(
+        "organizations/<slug:slug>/rename/",
+        views.OrganizationRenameView.as_view(),
+        name="organization-rename",
+    ),
+    path(
         "organizations/<slug:slug>/people/add/",
         views.PersonActionView.as_view(),
         {"action": "add"},

@@ -44,6 +44,7 @@ from federation.services import (
     enroll_client,
     get_settings,
     open_round,
+    rename_organization,
     retry_round,
     revoke_client,
     rotate_client_token,
@@ -241,6 +242,21 @@ class OrganizationView(DashboardView):
             allow_admin_approval=get_settings().allow_admin_approval,
         )
         return context
+
+
+class OrganizationRenameView(ActionView, OrganizationView):
+    """The operator renames the organization; its slug, and so this page's address, stay."""
+
+    def act(self, request, slug):
+        organization = self.get_organization_or_404(slug=slug)
+        previous = organization.name
+        organization = rename_organization(
+            actor_for(request), organization, request.POST.get("name", ""),
+            slug=request.POST.get("slug"),
+        )
+        if organization.name != previous:
+            messages.success(request, f"Organization {previous} renamed to {organization.name}.")
+        return redirect("dashboard:organization", slug=organization.slug)
 
 
 class OrganizationActionView(ActionView, OrganizationView):

@@ -1,0 +1,233 @@
+"""The Django admin's user pages (/admin/auth/user/): the operator's alone, and every change made
+there is in the federation's audit log with what changed (never a password); a deactivation
+there stands as the operator's; `createsuperuser` still makes the first operator."""
+
+from __future__ import annotations
+
+import json
+from html.parser import HTMLParser
+
+import pytest
+from django.contrib.auth import get_user_model
+from django.contrib.auth.models import Permission
+from django.core.management import call_command
+from django.test import Client as BrowserClient
+from django.urls import reverse
+
+from federation import people, services
+from federation.errors import NotAllowed
+from federation.models import AuditLog, Membership, UserToken
+from tests.federation_fixtures import SYSTEM
+
+pytestmark = pytest.mark.django_db
+
+User = get_user_model()
+NEW_PASSWORD = "a-Long-admin-pass-42"
+
+
+class _FormFields(HTMLParser):
+    """The values a browser would submit from the page's main form (inputs, checked boxes,
+    selected options, textareas)."""
+
+    def __init__(self):
+        super().__init__()
+        self.data: dict[str, list[str]] = {}
+        self._select = None
+        self._textarea = None
+
+    def handle_starttag(self, tag, attrs):
+        a = dict(attrs)
+        name = a.get("name")
+        if tag == "input" and name and a.get("type") not in ("submit", "button"):
+            if a.get("type") in ("checkbox", "radio"):
+                if "checked" not in a:
+                    return
+                a.setdefault("value", "on")
+            self.data.setdefault(name, []).append(a.get("value") or "")
+        elif tag == "select" and name:
+            self._select = name
+            self.data.setdefault(name, [])
+        elif tag == "option" and self._select and "selected" in a:
+            self.data[self._select].append(a.get("value") or "")
+        elif tag == "textarea" and name:
+            self._textarea = name
+            self.data[name] = [""]
+
+    def handle_endtag(self, tag):
+        if tag == "select":
+            self._select = None
+        elif tag == "textarea":
+            self._textarea = None
+
+    def handle_data(self, data):
+        if self._textarea:
+            self.data[self._textarea][0] += data
+
+
+def change_form(browser, user) -> dict:
+    page = browser.get(reverse("admin:auth_user_change", args=[user.pk]))
+    assert page.status_code == 200
+    parser = _FormFields()
+    parser.feed(page.content.decode())
+    data = {k: v if len(v) > 1 else v[0] for k, v in parser.data.items() if v}
+    data.pop("_selected_action", None)
+    return data
+
+
+def operator_browser(world) -> BrowserClient:
+    browser = BrowserClient()
+    browser.force_login(world.operator)
+    return browser
+
+
+def entries(action):
+    return AuditLog.objects.filter(action=action).order_by("id")
+
+
+def test_adding_a_login_in_the_admin_is_audited(world):
+    browser = operator_browser(world)
+    response = browser.post(
+        reverse("admin:auth_user_add"),
+        {"username": "second-op", "usable_password": "true",
+         "password1": NEW_PASSWORD, "password2": NEW_PASSWORD},
+    )
+    assert response.status_code == 302, response.content
+    user = User.objects.get(username="second-op")
+    entry = entries("user.add").get()
+    assert entry.actor == world.operator and entry.target_id == str(user.pk)
+    assert entry.target_type == "user" and entry.target_label == "second-op"
+    assert entry.details["user"] == "second-op" and entry.details["via"] == "django admin"
+    assert entry.details["login"]["usable_password"] is True
+    assert entry.details["login"]["is_superuser"] is False
+    assert NEW_PASSWORD not in json.dumps(entry.details) and user.password not in json.dumps(entry.details)
+
+
+def test_making_someone_staff_in_the_admin_is_audited_with_what_changed(world):
+    browser = operator_browser(world)
+    data = change_form(browser, world.member_a)
+    data.update(is_staff="on", email="member@a.example")
+    response = browser.post(reverse("admin:auth_user_change", args=[world.member_a.pk]), data)
+    assert response.status_code == 302, response.content
+    entry = entries("user.change").get()
+    assert entry.actor == world.operator and entry.organization == world.org_a
+    assert entry.details == {
+        "user": "member_a",
+        "via": "django admin",
+        "changes": {
+            "is_staff": {"from": False, "to": True},
+            "email": {"from": "", "to": "member@a.example"},
+        },
+    }
+    # saving the form again unchanged (its dates to the second, in local time) records nothing
+    browser.post(reverse("admin:auth_user_change", args=[world.member_a.pk]),
+                 change_form(browser, world.member_a))
+    assert entries("user.change").count() == 1
+    assert not entries("person.deactivate").exists() and not entries("person.reactivate").exists()
+
+
+def test_a_deactivation_in_the_admin_is_the_operators_and_stands(world):
+    token = services.issue_user_token(SYSTEM, world.member_a)
+    browser = operator_browser(world)
+    data = change_form(browser, world.member_a)
+    data.pop("is_active")
+    response = browser.post(reverse("admin:auth_user_change", args=[world.member_a.pk]), data)
+    assert response.status_code == 302, response.content
+    assert not User.objects.get(pk=world.member_a.pk).is_active
+    entry = entries("person.deactivate").get()
+    assert entry.actor == world.operator and entry.organization == world.org_a
+    assert entry.target_type == "membership" and entry.target_id == str(world.member_a.membership.pk)
+    assert entry.details == {"user": "member_a", "via": "django admin", "role": "member",
+                             "tokens_revoked": 1}
+    assert not entries("user.change").exists()
+    assert services.user_for_token(token) is None
+    assert UserToken.objects.get(user=world.member_a).revoked_at is not None
+    # the organization's admin cannot undo the operator's decision on the People page
+    membership = Membership.objects.get(user=world.member_a)
+    with pytest.raises(NotAllowed, match="only the operator may reactivate"):
+        people.set_active(world.actor(world.admin_a), membership, True)
+    # the operator reactivates there again, also recorded
+    data["is_active"] = "on"
+    browser.post(reverse("admin:auth_user_change", args=[world.member_a.pk]), data)
+    assert User.objects.get(pk=world.member_a.pk).is_active
+    assert entries("person.reactivate").get().details["via"] == "django admin"
+
+
+def test_a_password_set_in_the_admin_is_audited_without_the_password(world):
+    browser = operator_browser(world)
+    url = reverse("admin:auth_user_password_change", args=[world.member_a.pk])
+    assert browser.get(url).status_code == 200
+    mismatch = browser.post(url, {"password1": NEW_PASSWORD, "password2": "something-else-42"})
+    assert mismatch.status_code == 200 and not entries("user.password").exists()
+    done = browser.post(url, {"password1": NEW_PASSWORD, "password2": NEW_PASSWORD})
+    assert done.status_code == 302, done.content
+    user = User.objects.get(pk=world.member_a.pk)
+    assert user.check_password(NEW_PASSWORD)
+    entry = entries("user.password").get()
+    assert entry.actor == world.operator and entry.organization == world.org_a
+    assert entry.details == {"user": "member_a", "via": "django admin", "usable_password": True}
+    assert NEW_PASSWORD not in json.dumps(entry.details)
+    # disabling password sign-in is recorded too
+    browser.post(url, {"usable_password": "false", "unset-password": "1"})
+    assert not User.objects.get(pk=world.member_a.pk).has_usable_password()
+    assert [e.details["usable_password"] for e in entries("user.password")] == [True, False]
+
+
+def test_deleting_logins_in_the_admin_is_audited(world):
+    browser = operator_browser(world)
+    leaver = User.objects.create_user("leaver", email="leaver@example.org")
+    response = browser.post(reverse("admin:auth_user_delete", args=[leaver.pk]), {"post": "yes"})
+    assert response.status_code == 302 and not User.objects.filter(username="leaver").exists()
+    entry = entries("user.delete").get()
+    assert entry.actor == world.operator and entry.organization is None
+    assert entry.target_id == str(leaver.pk) and entry.target_label == "leaver"
+    assert entry.details == {"user": "leaver", "via": "django admin"}
+    # the list's bulk action as well
+    ids = [User.objects.create_user(name).pk for name in ("temp1", "temp2")]
+    browser.post(
+        reverse("admin:auth_user_changelist"),
+        {"action": "delete_selected", "_selected_action": ids, "post": "yes"},
+    )
+    assert not User.objects.filter(pk__in=ids).exists()
+    assert sorted(e.details["user"] for e in entries("user.delete")) == ["leaver", "temp1", "temp2"]
+    # A person of an organization is not deleted here (memberships are read-only in the admin):
+    # they are deactivated on the People page.
+    refused = browser.post(reverse("admin:auth_user_delete", args=[world.member_a.pk]), {"post": "yes"})
+    assert refused.status_code == 403 and User.objects.filter(pk=world.member_a.pk).exists()
+    assert entries("user.delete").count() == 3
+
+
+def test_a_staff_login_with_user_permissions_cannot_change_logins_in_the_admin(world):
+    staff = User.objects.create_user("staffer", is_staff=True)
+    staff.user_permissions.set(
+        Permission.objects.filter(content_type__app_label="auth", codename__endswith="_user")
+    )
+    browser = BrowserClient()
+    browser.force_login(staff)
+    assert browser.get(reverse("admin:auth_user_add")).status_code == 403
+    url = reverse("admin:auth_user_change", args=[staff.pk])
+    browser.post(url, {"username": "staffer", "is_active": "on", "is_staff": "on",
+                       "is_superuser": "on"})
+    assert not User.objects.get(pk=staff.pk).is_superuser
+    password_url = reverse("admin:auth_user_password_change", args=[world.operator.pk])
+    assert browser.post(password_url, {"password1": NEW_PASSWORD, "password2": NEW_PASSWORD}).status_code == 403
+    assert not User.objects.get(pk=world.operator.pk).check_password(NEW_PASSWORD)
+    assert not AuditLog.objects.filter(action__startswith="user.").exists()
+
+
+def test_createsuperuser_still_makes_the_first_operator(monkeypatch):
+    monkeypatch.setenv("DJANGO_SUPERUSER_PASSWORD", NEW_PASSWORD)
+    call_command("createsuperuser", interactive=False, username="root", email="root@example.org",
+                 verbosity=0)
+    root = User.objects.get(username="root")
+    assert root.is_superuser and root.is_staff and root.check_password(NEW_PASSWORD)
+    browser = BrowserClient()
+    assert browser.post(reverse("admin:login"), {"username": "root", "password": NEW_PASSWORD,
+                                                 "next": "/admin/"}).status_code == 302
+    assert browser.get(reverse("admin:auth_user_changelist")).status_code == 200
+    added = browser.post(
+        reverse("admin:auth_user_add"),
+        {"username": "second-op", "usable_password": "true",
+         "password1": NEW_PASSWORD, "password2": NEW_PASSWORD},
+    )
+    assert added.status_code == 302
+    assert entries("user.add").get().actor == root
