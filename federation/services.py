@@ -395,12 +395,23 @@ def update_settings(actor: Actor, **changes) -> FederationSettings:
         raise InvalidRequest("epsilon_budget must be a finite number > 0 and delta_prime in (0, 1)")
     # 0 is a policy for the rate limits (no submissions for now: each is a 429 saying so; only
     # the operator enrolls) but not for the size limit, which no compendium could meet.
+    # The columns hold PostgreSQL integers (a larger value was a 500), and a new size limit may
+    # only lower the server's own cap: a larger one would be shown here but never applied.
+    most_integer = connection.ops.integer_field_range("PositiveIntegerField")[1]
     for key, least in (
         ("max_submission_bytes", 1), ("submissions_per_minute", 0), ("enrollments_per_hour", 0)
     ):
         value = getattr(row, key)
         if isinstance(value, bool) or not isinstance(value, int) or value < least:
             raise InvalidRequest(f"{key} must be a whole number of at least {least}, not {value!r}")
+        if value > most_integer:
+            raise InvalidRequest(f"{key} must be at most {most_integer}, not {value}")
+        cap = settings.SYNAPSE_MAX_SUBMISSION_BYTES
+        if key == "max_submission_bytes" and value > cap and value != before.get(key, value):
+            raise InvalidRequest(
+                f"max_submission_bytes must be at most the server's cap of {cap} bytes "
+                f"(SYNAPSE_MAX_SUBMISSION_BYTES), not {value}: it may only lower that cap"
+            )
     if not isinstance(row.allow_admin_approval, bool):
         raise InvalidRequest("allow_admin_approval must be true or false")
     if "epsilon_budget" in changes:

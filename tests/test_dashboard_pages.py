@@ -938,3 +938,37 @@ def test_decisions_on_the_server_merges_conflicts_reach_its_next_merge(fed):
     assert [e.centroid_id for e in _previous_conflicts(r2, fed.org_a)] == ["c0"]  # edges apart
     decide_conflict(fed.actor(fed.operator), conflict, "dismiss")
     assert _previous_conflicts(r2, None) == []
+
+
+def test_settings_refuse_numbers_past_the_column_and_a_size_limit_past_the_servers_cap(
+    client, world, settings
+):
+    """A rate limit past PostgreSQL's integer was a 500; a size limit above the server's cap was
+    saved and shown although the cap applies. Both are 400s naming the bound; a stored limit
+    above a cap lowered later does not block saving the other settings."""
+    url = reverse("dashboard:settings")
+    client.force_login(world.operator)
+    current = services.get_settings()
+    form = {
+        "epsilon_budget": str(current.epsilon_budget), "delta_prime": str(current.delta_prime),
+        "max_submission_bytes": str(current.max_submission_bytes),
+        "submissions_per_minute": "60", "enrollments_per_hour": "20",
+    }
+    for bad, words in (
+        ({"submissions_per_minute": "99999999999"}, "submissions_per_minute must be at most 2147483647"),
+        ({"enrollments_per_hour": "99999999999999"}, "enrollments_per_hour must be at most 2147483647"),
+        ({"max_submission_bytes": str(settings.SYNAPSE_MAX_SUBMISSION_BYTES + 1)},
+         f"at most the server's cap of {settings.SYNAPSE_MAX_SUBMISSION_BYTES} bytes"),
+    ):
+        refused = client.post(url, {**form, **bad})
+        assert refused.status_code == 400 and words in html.unescape(refused.content.decode())
+    api = client.patch(
+        "/api/v1/admin/settings/",
+        json.dumps({"max_submission_bytes": settings.SYNAPSE_MAX_SUBMISSION_BYTES + 1}),
+        content_type="application/json",
+    )
+    assert api.status_code == 400 and "server's cap" in api.json()["detail"]
+    assert services.get_settings().max_submission_bytes == current.max_submission_bytes
+    settings.SYNAPSE_MAX_SUBMISSION_BYTES = current.max_submission_bytes // 2  # lowered later
+    saved = client.post(url, {**form, "submissions_per_minute": "30"}, follow=True)
+    assert "Settings saved: submissions_per_minute changed." in html.unescape(saved.content.decode())
