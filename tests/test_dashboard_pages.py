@@ -473,6 +473,11 @@ def test_conflicts_are_scoped(client, fed):
     body = login(client, fed, "operator").get(reverse("dashboard:conflicts")).content.decode()
     assert "Paris" in body and "Berlin" in body
     assert client.get(reverse("dashboard:conflicts"), {"round": "x"}).status_code == 400
+    # the same round parser as the other pages: no negative round, none past a round number
+    for raw in ("-1", "0", "99999999999999"):
+        refused = client.get(reverse("dashboard:conflicts"), {"round": raw})
+        assert refused.status_code == 400 and "round must be a round number" in refused.content.decode()
+    assert "Paris" in client.get(reverse("dashboard:conflicts"), {"round": "1"}).content.decode()
     assert "Berlin" not in client.get(reverse("dashboard:conflicts"), {"organization": "org-a"}).content.decode()
 
 

@@ -554,13 +554,10 @@ class ConflictsView(DashboardView):
     title = "Conflict review"
 
     def get(self, request, *args, **kwargs):
-        raw = request.GET.get("round", "").strip()
-        self.round_number = None
-        if raw:
-            try:
-                self.round_number = int(raw)
-            except ValueError:
-                return bad_request(request, f"round must be a round number, not {raw[:40]!r}", self.nav_key)
+        try:
+            self.round_number = services.round_number(request.GET.get("round"))
+        except services.BadRequest as error:
+            return bad_request(request, str(error), self.nav_key)
         return super().get(request, *args, **kwargs)
 
     def get_context_data(self, **kwargs):
