@@ -781,7 +781,8 @@ def _locked_round(rnd: Round | int | None) -> Round:
 def _move(rnd: Round, target: str, verb: str, source: str | None = None) -> str:
     if target not in _TRANSITIONS[rnd.state] or (source is not None and rnd.state != source):
         allowed = ", ".join(sorted(_TRANSITIONS[rnd.state])) or "none (final)"
-        needs = f"; this needs a {source} round" if source else ""
+        article = "an" if source and source[0] in "aeiou" else "a"
+        needs = f"; this needs {article} {source} round" if source else ""
         raise InvalidTransition(
             f"cannot {verb} round {rnd.number}: it is {rnd.state} "
             f"(from {rnd.state} it may go to: {allowed}){needs}"

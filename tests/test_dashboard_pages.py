@@ -133,6 +133,7 @@ def test_member_sees_but_cannot_act(client, fed):
     response = client.post(reverse("dashboard:client-enroll", args=["org-a"]), {"name": "m"})
     assert response.status_code == 403
     assert "admin" in response.content.decode()
+    assert "<h1>Not allowed</h1>" in response.content.decode()
     url = reverse("dashboard:client-action", args=["org-a", fed.client_a.pk, "revoke"])
     assert client.post(url).status_code == 403
     fed.client_a.refresh_from_db()
@@ -279,6 +280,11 @@ def test_operator_closes_opens_and_retries_rounds(client, fed):
     # a second open round is refused with the reason
     again = client.post(reverse("dashboard:round-open"), {"epsilon": "1"})
     assert again.status_code == 409 and "still open" in again.content.decode()
+    # a refusal's page is headed for what it is, not "Bad request" whatever the status
+    assert "<h1>Not possible now</h1>" in again.content.decode()
+    published = client.post(reverse("dashboard:round-action", args=[1, "close"]))
+    assert published.status_code == 409
+    assert "this needs an open round" in html.unescape(published.content.decode())
     services.close_round(SYSTEM, r3)
     services.mark_failed(r3, "worker lost")
     assert client.post(reverse("dashboard:round-action", args=[3, "retry"])).status_code == 302

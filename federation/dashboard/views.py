@@ -148,11 +148,19 @@ class ToolRegistryView(DashboardView):
 # --- helpers for pages that act ------------------------------------------------------------------
 
 
+# The heading of a refused request's page, by its status (a refusal that is no one's mistake, such
+# as a round in the wrong state, is not a "bad request").
+REFUSAL_TITLES = {
+    400: "Bad request", 403: "Not allowed", 404: "Not found", 409: "Not possible now",
+    429: "Too many requests",
+}
+
+
 def bad_request(request, message: str, nav_key: str | None = None, status: int = 400):
     return render(
         request,
         "dashboard/bad_request.html",
-        {"page_title": "Bad request" if status == 400 else "Not allowed", "message": message,
+        {"page_title": REFUSAL_TITLES.get(status, "Refused"), "message": message,
          "nav_key": nav_key, "status": status, "back": back_url(request)},
         status=status,
     )
