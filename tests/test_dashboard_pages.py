@@ -96,6 +96,9 @@ def test_post_actions_need_csrf(fed):
     response = http.post(reverse("dashboard:client-enroll", args=["org-a"]), {"name": "x"})
     assert response.status_code == 403
     assert not Client.objects.filter(name="x").exists()
+    # the dashboard's page saying what happened and what to do, not Django's bare refusal
+    body = response.content.decode()
+    assert "<h1>Form expired</h1>" in body and "reload the page and send the form again" in body
 
 
 # --- organizations -------------------------------------------------------------------------------
