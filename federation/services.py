@@ -190,6 +190,24 @@ def audit(
     )
 
 
+# Audit details for an organization's admins and the operator only: a read-only member sees its
+# colleagues and their roles, not their e-mail addresses (as in the people list and API).
+ADMIN_ONLY_AUDIT_DETAILS = frozenset({"email"})
+
+
+def audit_details_for(user, entry: AuditLog) -> dict:
+    """The details of an audit entry as `user` may read them: without the admin-only ones for a
+    read-only member, unless the entry is about the member themself."""
+    details = entry.details if isinstance(entry.details, dict) else {}
+    if (
+        ADMIN_ONLY_AUDIT_DETAILS.isdisjoint(details)
+        or details.get("user") == user.get_username()
+        or can_admin(Actor.for_user(user), entry.organization_id)
+    ):
+        return details
+    return {k: v for k, v in details.items() if k not in ADMIN_ONLY_AUDIT_DETAILS}
+
+
 def round_number(raw: str | None) -> int | None:
     """A `?round=N` parameter as a round number (None when absent), for the API and the
     dashboard alike. InvalidRequest unless it is a whole number of at least 1 in ASCII digits

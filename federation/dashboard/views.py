@@ -38,6 +38,7 @@ from federation.services import (
     SETTINGS_FIELDS,
     Actor,
     approve_client,
+    audit_details_for,
     client_ip,
     close_round,
     create_organization,
@@ -490,7 +491,8 @@ class AuditView(DashboardView):
             return bad_request(request, str(error), self.nav_key)
         if request.GET.get("format") == "csv":
             response = StreamingHttpResponse(
-                services.audit_csv_lines(self.entries), content_type="text/csv; charset=utf-8"
+                services.audit_csv_lines(self.entries, request.user),
+                content_type="text/csv; charset=utf-8",
             )
             stamp = timezone.now().strftime("%Y%m%dT%H%M%SZ")
             response["Content-Disposition"] = f'attachment; filename="synapse-audit-{stamp}.csv"'
@@ -503,9 +505,12 @@ class AuditView(DashboardView):
         csv_query = self.request.GET.copy()
         csv_query.pop("page", None)
         csv_query["format"] = "csv"
+        page_obj = Paginator(self.entries, 50).get_page(self.request.GET.get("page"))
+        for entry in page_obj:
+            entry.shown_details = audit_details_for(self.request.user, entry)
         context.update(
             csv_query=csv_query.urlencode(),
-            page_obj=Paginator(self.entries, 50).get_page(self.request.GET.get("page")),
+            page_obj=page_obj,
             actions=AuditLog.Action.values,
             filters={k: self.request.GET.get(k, "")[:100]
                      for k in ("action", "organization", "actor", "since", "until")},
