@@ -784,7 +784,8 @@ def test_accuracy_page_draws_contradictions_cadence_curves_and_the_tau_and_summa
     table = body[body.index('id="accuracy-summarizer-table"'):]
     assert "centroid" in table and "12.50" in table[: table.index("</table>")]
     centroid, llm = table[: table.index("</table>")].split("<tr>")[2:]
-    assert centroid.count("–") == 2  # a run from before the counts were kept: shown as unknown
+    # one seed's sd, and a run from before the counts were kept: shown as unknown
+    assert centroid.count("–") == 3 and centroid.count("one seed: no spread") == 1
     assert "120 (7)" in llm and ">113<" in llm  # an LLM wrote 7 of 120 summaries
     assert "113 llm-single-shot: unusable answer" in llm  # and why the others fell back
     # The sweeps' figures as tables: per share, with and without the log side by side.
@@ -986,3 +987,17 @@ def test_settings_refuse_numbers_past_the_column_and_a_size_limit_past_the_serve
     settings.SYNAPSE_MAX_SUBMISSION_BYTES = current.max_submission_bytes // 2  # lowered later
     saved = client.post(url, {**form, "submissions_per_minute": "30"}, follow=True)
     assert "Settings saved: submissions_per_minute changed." in html.unescape(saved.content.decode())
+
+
+def test_accuracy_shows_no_spread_for_a_single_seed(client, fed):
+    """One seed has no standard deviation: the table showed 0.000 (the demo's run), as if the
+    seeds had agreed to the digit."""
+    one_seed = {"summary": [{**row, "seeds": 1, "accuracy_sd": 0.0} for row in DOCUMENT["summary"]]}
+    SimulationRun.objects.create(label="one seed", dataset="tiny", document=one_seed)
+    body = login(client, fed, "operator").get(reverse("dashboard:accuracy")).content.decode()
+    table = body[body.index('id="accuracy-summary"'):].split("</table>")[0]
+    assert "0.000" not in table and table.count("one seed: no spread to show") == 3
+    SimulationRun.objects.create(label="two seeds", dataset="tiny", document=DOCUMENT)
+    body = client.get(reverse("dashboard:accuracy")).content.decode()
+    table = body[body.index('id="accuracy-summary"'):].split("</table>")[0]
+    assert "0.020" in table and "no spread" not in table
