@@ -607,6 +607,10 @@ DOCUMENT = {
 def test_accuracy_empty_state_names_the_command(client, fed):
     body = login(client, fed, "member_a").get(reverse("dashboard:accuracy")).content.decode()
     assert "manage.py simulate" in body and "data-plotly" not in body
+    # only the operator runs commands on the server: a member is not told to run one
+    assert "Run one" not in body and "The federation operator runs one" in body
+    body = login(client, fed, "operator").get(reverse("dashboard:accuracy")).content.decode()
+    assert "Run one, for example" in body and "--sweep-epsilon" in body
 
 
 def test_accuracy_page_draws_the_latest_simulation(client, fed):
@@ -1001,3 +1005,12 @@ def test_accuracy_shows_no_spread_for_a_single_seed(client, fed):
     body = client.get(reverse("dashboard:accuracy")).content.decode()
     table = body[body.index('id="accuracy-summary"'):].split("</table>")[0]
     assert "0.020" in table and "no spread" not in table
+
+
+def test_the_empty_conflict_page_speaks_to_the_operator_and_to_a_member(client, world):
+    client.force_login(world.operator)
+    body = html.unescape(client.get(reverse("dashboard:conflicts")).content.decode())
+    assert "No conflicts have been logged in the edge or server merges." in body
+    client.force_login(world.member_a)
+    body = html.unescape(client.get(reverse("dashboard:conflicts")).content.decode())
+    assert "No conflicts have been logged in your organization's edge merges." in body
