@@ -1014,3 +1014,16 @@ def test_the_empty_conflict_page_speaks_to_the_operator_and_to_a_member(client, 
     client.force_login(world.member_a)
     body = html.unescape(client.get(reverse("dashboard:conflicts")).content.decode())
     assert "No conflicts have been logged in your organization's edge merges." in body
+
+
+def test_a_round_or_run_that_is_not_there_is_named_in_the_404(client, fed):
+    """?round=99 on the compendium and ?run=99 on the accuracy page answered 'There is nothing at
+    /compendium/', as if the page itself were missing."""
+    login(client, fed, "member_a")
+    missing = client.get(reverse("dashboard:compendium"), {"round": "99"})
+    body = missing.content.decode()
+    assert missing.status_code == 404 and "<h1>Not found</h1>" in body
+    assert "no global compendium is published for round 99" in body
+    assert client.get(reverse("dashboard:compendium"), {"round": "2"}).status_code == 404  # open
+    run = client.get(reverse("dashboard:accuracy"), {"run": "99"})
+    assert run.status_code == 404 and "no simulation run 99 is stored" in run.content.decode()

@@ -81,14 +81,13 @@ class CompendiumView(DashboardView):
         try:
             self.version = services.choose_global_version(request.user, request.GET.get("round"))
         except services.BadRequest as error:
-            return render(
-                request,
-                "dashboard/bad_request.html",
-                {"page_title": "Bad request", "message": str(error), "nav_key": self.nav_key},
-                status=400,
-            )
+            return bad_request(request, str(error), self.nav_key)
         except ObjectDoesNotExist:
-            raise Http404("no global compendium for that round") from None
+            number = services.round_number(request.GET.get("round"))
+            return bad_request(
+                request, f"no global compendium is published for round {number}", self.nav_key,
+                status=404,
+            )
         return super().get(request, *args, **kwargs)
 
     def get_context_data(self, **kwargs):
@@ -621,7 +620,10 @@ class AccuracyView(DashboardView):
         except services.BadRequest as error:
             return bad_request(request, str(error), self.nav_key)
         except ObjectDoesNotExist:
-            raise Http404("no such simulation run") from None
+            return bad_request(
+                request, f"no simulation run {request.GET.get('run', '').strip()[:20]} is stored",
+                self.nav_key, status=404,
+            )
         return super().get(request, *args, **kwargs)
 
     def get_context_data(self, **kwargs):
