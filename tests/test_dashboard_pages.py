@@ -79,6 +79,13 @@ def test_anonymous_is_sent_to_login(client, fed, name):
     assert response.status_code == 302 and response["Location"].startswith(reverse("login"))
 
 
+def test_the_login_page_says_where_logins_and_new_passwords_come_from(client, fed):
+    # it named only `make demo`, which a deployed federation's people never run
+    body = html.unescape(client.get(reverse("login")).content.decode())
+    assert "admin of your organization or the federation operator" in body
+    assert "a new password if you forgot yours" in body
+
+
 @pytest.mark.parametrize("role", ROLES)
 @pytest.mark.parametrize("name", PAGES)
 def test_every_page_renders_for_every_role_and_is_in_the_nav(client, fed, role, name):
