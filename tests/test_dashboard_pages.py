@@ -1034,3 +1034,23 @@ def test_a_round_or_run_that_is_not_there_is_named_in_the_404(client, fed):
     assert client.get(reverse("dashboard:compendium"), {"round": "2"}).status_code == 404  # open
     run = client.get(reverse("dashboard:accuracy"), {"run": "99"})
     assert run.status_code == 404 and "no simulation run 99 is stored" in run.content.decode()
+
+
+@pytest.mark.django_db(transaction=True, serialized_rollback=True)
+def test_closing_a_round_says_what_became_of_its_merge(client, fed, without_merge_pipeline):
+    """Without a broker the merge runs in the Close request itself (over a minute in the demo),
+    yet the message said 'the merge pipeline started' when the round was already published, or
+    had already failed."""
+    from federation.signals import round_closed
+    from workers.receivers import start_pipeline_on_close
+
+    login(client, fed, "operator")
+    response = client.post(reverse("dashboard:round-action", args=[2, "close"]), follow=True)
+    assert Round.objects.get(number=2).state == "closing"  # as a worker's pipeline leaves it
+    assert "Round 2 closed; the merge pipeline started." in html.unescape(response.content.decode())
+    services.mark_failed(Round.objects.get(number=2), "worker lost")
+    round_closed.connect(start_pipeline_on_close, dispatch_uid="synapse.start_round_pipeline")
+    response = client.post(reverse("dashboard:round-action", args=[2, "retry"]), follow=True)
+    assert Round.objects.get(number=2).state == "failed"  # eager: over, nobody submitted to it
+    message = html.unescape(response.content.decode())
+    assert "Round 2 retried; its merge failed: " in message and "pipeline started" not in message

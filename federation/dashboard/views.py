@@ -430,6 +430,17 @@ def _deadline(raw: str):
     return parsed if timezone.is_aware(parsed) else parsed.replace(tzinfo=dt.UTC)
 
 
+def pipeline_outcome(rnd: Round) -> str:
+    """What became of a round's merge pipeline once its close or retry is committed: without a
+    broker it ran in this request and is over; with workers it has started."""
+    rnd.refresh_from_db()
+    if rnd.state == Round.State.PUBLISHED:
+        return "its merge ran and published the global compendium"
+    if rnd.state == Round.State.FAILED:
+        return f"its merge failed: {rnd.failure_reason}"
+    return "the merge pipeline started"
+
+
 class RoundActionView(ActionView):
     nav_key = "overview"
 
@@ -464,10 +475,10 @@ class RoundActionView(ActionView):
                 )
             elif action == "close":
                 close_round(actor, rnd)
-                messages.success(request, f"Round {rnd.number} closed; the merge pipeline started.")
+                messages.success(request, f"Round {rnd.number} closed; {pipeline_outcome(rnd)}.")
             elif action == "retry":
                 retry_round(actor, rnd)
-                messages.success(request, f"Round {rnd.number} retried; the merge pipeline started.")
+                messages.success(request, f"Round {rnd.number} retried; {pipeline_outcome(rnd)}.")
             else:
                 raise Http404("unknown action")
         return redirect("dashboard:overview")
