@@ -1036,7 +1036,7 @@ def test_a_round_or_run_that_is_not_there_is_named_in_the_404(client, fed):
     assert run.status_code == 404 and "no simulation run 99 is stored" in run.content.decode()
 
 
-@pytest.mark.django_db(transaction=True, serialized_rollback=True)
+@pytest.mark.django_db(transaction=True)
 def test_closing_a_round_says_what_became_of_its_merge(client, fed, without_merge_pipeline):
     """Without a broker the merge runs in the Close request itself (over a minute in the demo),
     yet the message said 'the merge pipeline started' when the round was already published, or
