@@ -501,6 +501,11 @@ def cmd_participate(args: argparse.Namespace) -> int:
             for stale in (global_path, etag_file(global_path), head_file(global_path)):
                 stale.unlink(missing_ok=True)  # a global of an earlier federation
             client.fetch_probe(probe_path)
+        global_round = pulled.round if pulled else None
+        if pulled and global_round is None:
+            # 304: the copy held is the latest published global, and a 304 names no round
+            published = client.rounds("published")
+            global_round = max((r["number"] for r in published), default=None)
     for warning in pulled.warnings if pulled else ():
         print(f"{PROG}: warning: {warning}", file=sys.stderr)
     config = current.get("config") if isinstance(current.get("config"), dict) else {}
@@ -511,7 +516,8 @@ def cmd_participate(args: argparse.Namespace) -> int:
     since = str(global_path) if pulled else None
     print(
         f"round {current['number']}: "
-        + (f"against the global of round {pulled.round or '?'}" if pulled
+        + (f"against the global of round {global_round}" if global_round is not None
+           else "against the global held (unchanged)" if pulled
            else "no global yet: against the public probe set")
         + f", masking at λ = {strength:g}"
     )

@@ -190,6 +190,24 @@ def audit(
     )
 
 
+# Audit details for an organization's admins and the operator only: a read-only member sees its
+# colleagues and their roles, not their e-mail addresses (as in the people list and API).
+ADMIN_ONLY_AUDIT_DETAILS = frozenset({"email"})
+
+
+def audit_details_for(user, entry: AuditLog) -> dict:
+    """The details of an audit entry as `user` may read them: without the admin-only ones for a
+    read-only member, unless the entry is about the member themself."""
+    details = entry.details if isinstance(entry.details, dict) else {}
+    if (
+        ADMIN_ONLY_AUDIT_DETAILS.isdisjoint(details)
+        or details.get("user") == user.get_username()
+        or can_admin(Actor.for_user(user), entry.organization_id)
+    ):
+        return details
+    return {k: v for k, v in details.items() if k not in ADMIN_ONLY_AUDIT_DETAILS}
+
+
 def round_number(raw: str | None) -> int | None:
     """A `?round=N` parameter as a round number (None when absent), for the API and the
     dashboard alike. InvalidRequest unless it is a whole number of at least 1 in ASCII digits
@@ -395,12 +413,23 @@ def update_settings(actor: Actor, **changes) -> FederationSettings:
         raise InvalidRequest("epsilon_budget must be a finite number > 0 and delta_prime in (0, 1)")
     # 0 is a policy for the rate limits (no submissions for now: each is a 429 saying so; only
     # the operator enrolls) but not for the size limit, which no compendium could meet.
+    # The columns hold PostgreSQL integers (a larger value was a 500), and a new size limit may
+    # only lower the server's own cap: a larger one would be shown here but never applied.
+    most_integer = connection.ops.integer_field_range("PositiveIntegerField")[1]
     for key, least in (
         ("max_submission_bytes", 1), ("submissions_per_minute", 0), ("enrollments_per_hour", 0)
     ):
         value = getattr(row, key)
         if isinstance(value, bool) or not isinstance(value, int) or value < least:
             raise InvalidRequest(f"{key} must be a whole number of at least {least}, not {value!r}")
+        if value > most_integer:
+            raise InvalidRequest(f"{key} must be at most {most_integer}, not {value}")
+        cap = settings.SYNAPSE_MAX_SUBMISSION_BYTES
+        if key == "max_submission_bytes" and value > cap and value != before.get(key, value):
+            raise InvalidRequest(
+                f"max_submission_bytes must be at most the server's cap of {cap} bytes "
+                f"(SYNAPSE_MAX_SUBMISSION_BYTES), not {value}: it may only lower that cap"
+            )
     if not isinstance(row.allow_admin_approval, bool):
         raise InvalidRequest("allow_admin_approval must be true or false")
     if "epsilon_budget" in changes:
@@ -824,7 +853,8 @@ def _locked_round(rnd: Round | int | None) -> Round:
 def _move(rnd: Round, target: str, verb: str, source: str | None = None) -> str:
     if target not in _TRANSITIONS[rnd.state] or (source is not None and rnd.state != source):
         allowed = ", ".join(sorted(_TRANSITIONS[rnd.state])) or "none (final)"
-        needs = f"; this needs a {source} round" if source else ""
+        article = "an" if source and source[0] in "aeiou" else "a"
+        needs = f"; this needs {article} {source} round" if source else ""
         raise InvalidTransition(
             f"cannot {verb} round {rnd.number}: it is {rnd.state} "
             f"(from {rnd.state} it may go to: {allowed}){needs}"

@@ -156,3 +156,6 @@ def test_participate_runs_a_whole_client_round(live_server, world, tmp_path, cap
     assert "round 2: against the global of round 1, masking at λ = 1" in out
     assert (state / "global.json").exists()
     assert "nothing new since the global" in out or "submitted to round 2" in out
+    # again: the global held is current (a 304 names no round) and is still named by its round
+    assert main([*command, "--lambda", "1"]) == 0
+    assert "round 2: against the global of round 1, masking at λ = 1" in capsys.readouterr().out

@@ -79,6 +79,13 @@ def test_anonymous_is_sent_to_login(client, fed, name):
     assert response.status_code == 302 and response["Location"].startswith(reverse("login"))
 
 
+def test_the_login_page_says_where_logins_and_new_passwords_come_from(client, fed):
+    # it named only `make demo`, which a deployed federation's people never run
+    body = html.unescape(client.get(reverse("login")).content.decode())
+    assert "admin of your organization or the federation operator" in body
+    assert "a new password if you forgot yours" in body
+
+
 @pytest.mark.parametrize("role", ROLES)
 @pytest.mark.parametrize("name", PAGES)
 def test_every_page_renders_for_every_role_and_is_in_the_nav(client, fed, role, name):
@@ -96,6 +103,9 @@ def test_post_actions_need_csrf(fed):
     response = http.post(reverse("dashboard:client-enroll", args=["org-a"]), {"name": "x"})
     assert response.status_code == 403
     assert not Client.objects.filter(name="x").exists()
+    # the dashboard's page saying what happened and what to do, not Django's bare refusal
+    body = response.content.decode()
+    assert "<h1>Form expired</h1>" in body and "reload the page and send the form again" in body
 
 
 # --- organizations -------------------------------------------------------------------------------
@@ -133,6 +143,7 @@ def test_member_sees_but_cannot_act(client, fed):
     response = client.post(reverse("dashboard:client-enroll", args=["org-a"]), {"name": "m"})
     assert response.status_code == 403
     assert "admin" in response.content.decode()
+    assert "<h1>Not allowed</h1>" in response.content.decode()
     url = reverse("dashboard:client-action", args=["org-a", fed.client_a.pk, "revoke"])
     assert client.post(url).status_code == 403
     fed.client_a.refresh_from_db()
@@ -279,6 +290,11 @@ def test_operator_closes_opens_and_retries_rounds(client, fed):
     # a second open round is refused with the reason
     again = client.post(reverse("dashboard:round-open"), {"epsilon": "1"})
     assert again.status_code == 409 and "still open" in again.content.decode()
+    # a refusal's page is headed for what it is, not "Bad request" whatever the status
+    assert "<h1>Not possible now</h1>" in again.content.decode()
+    published = client.post(reverse("dashboard:round-action", args=[1, "close"]))
+    assert published.status_code == 409
+    assert "this needs an open round" in html.unescape(published.content.decode())
     services.close_round(SYSTEM, r3)
     services.mark_failed(r3, "worker lost")
     assert client.post(reverse("dashboard:round-action", args=[3, "retry"])).status_code == 302
@@ -473,6 +489,11 @@ def test_conflicts_are_scoped(client, fed):
     body = login(client, fed, "operator").get(reverse("dashboard:conflicts")).content.decode()
     assert "Paris" in body and "Berlin" in body
     assert client.get(reverse("dashboard:conflicts"), {"round": "x"}).status_code == 400
+    # the same round parser as the other pages: no negative round, none past a round number
+    for raw in ("-1", "0", "99999999999999"):
+        refused = client.get(reverse("dashboard:conflicts"), {"round": raw})
+        assert refused.status_code == 400 and "round must be a round number" in refused.content.decode()
+    assert "Paris" in client.get(reverse("dashboard:conflicts"), {"round": "1"}).content.decode()
     assert "Berlin" not in client.get(reverse("dashboard:conflicts"), {"organization": "org-a"}).content.decode()
 
 
@@ -593,6 +614,10 @@ DOCUMENT = {
 def test_accuracy_empty_state_names_the_command(client, fed):
     body = login(client, fed, "member_a").get(reverse("dashboard:accuracy")).content.decode()
     assert "manage.py simulate" in body and "data-plotly" not in body
+    # only the operator runs commands on the server: a member is not told to run one
+    assert "Run one" not in body and "The federation operator runs one" in body
+    body = login(client, fed, "operator").get(reverse("dashboard:accuracy")).content.decode()
+    assert "Run one, for example" in body and "--sweep-epsilon" in body
 
 
 def test_accuracy_page_draws_the_latest_simulation(client, fed):
@@ -770,7 +795,8 @@ def test_accuracy_page_draws_contradictions_cadence_curves_and_the_tau_and_summa
     table = body[body.index('id="accuracy-summarizer-table"'):]
     assert "centroid" in table and "12.50" in table[: table.index("</table>")]
     centroid, llm = table[: table.index("</table>")].split("<tr>")[2:]
-    assert centroid.count("–") == 2  # a run from before the counts were kept: shown as unknown
+    # one seed's sd, and a run from before the counts were kept: shown as unknown
+    assert centroid.count("–") == 3 and centroid.count("one seed: no spread") == 1
     assert "120 (7)" in llm and ">113<" in llm  # an LLM wrote 7 of 120 summaries
     assert "113 llm-single-shot: unusable answer" in llm  # and why the others fell back
     # The sweeps' figures as tables: per share, with and without the log side by side.
@@ -938,3 +964,93 @@ def test_decisions_on_the_server_merges_conflicts_reach_its_next_merge(fed):
     assert [e.centroid_id for e in _previous_conflicts(r2, fed.org_a)] == ["c0"]  # edges apart
     decide_conflict(fed.actor(fed.operator), conflict, "dismiss")
     assert _previous_conflicts(r2, None) == []
+
+
+def test_settings_refuse_numbers_past_the_column_and_a_size_limit_past_the_servers_cap(
+    client, world, settings
+):
+    """A rate limit past PostgreSQL's integer was a 500; a size limit above the server's cap was
+    saved and shown although the cap applies. Both are 400s naming the bound; a stored limit
+    above a cap lowered later does not block saving the other settings."""
+    url = reverse("dashboard:settings")
+    client.force_login(world.operator)
+    current = services.get_settings()
+    form = {
+        "epsilon_budget": str(current.epsilon_budget), "delta_prime": str(current.delta_prime),
+        "max_submission_bytes": str(current.max_submission_bytes),
+        "submissions_per_minute": "60", "enrollments_per_hour": "20",
+    }
+    for bad, words in (
+        ({"submissions_per_minute": "99999999999"}, "submissions_per_minute must be at most 2147483647"),
+        ({"enrollments_per_hour": "99999999999999"}, "enrollments_per_hour must be at most 2147483647"),
+        ({"max_submission_bytes": str(settings.SYNAPSE_MAX_SUBMISSION_BYTES + 1)},
+         f"at most the server's cap of {settings.SYNAPSE_MAX_SUBMISSION_BYTES} bytes"),
+    ):
+        refused = client.post(url, {**form, **bad})
+        assert refused.status_code == 400 and words in html.unescape(refused.content.decode())
+    api = client.patch(
+        "/api/v1/admin/settings/",
+        json.dumps({"max_submission_bytes": settings.SYNAPSE_MAX_SUBMISSION_BYTES + 1}),
+        content_type="application/json",
+    )
+    assert api.status_code == 400 and "server's cap" in api.json()["detail"]
+    assert services.get_settings().max_submission_bytes == current.max_submission_bytes
+    settings.SYNAPSE_MAX_SUBMISSION_BYTES = current.max_submission_bytes // 2  # lowered later
+    saved = client.post(url, {**form, "submissions_per_minute": "30"}, follow=True)
+    assert "Settings saved: submissions_per_minute changed." in html.unescape(saved.content.decode())
+
+
+def test_accuracy_shows_no_spread_for_a_single_seed(client, fed):
+    """One seed has no standard deviation: the table showed 0.000 (the demo's run), as if the
+    seeds had agreed to the digit."""
+    one_seed = {"summary": [{**row, "seeds": 1, "accuracy_sd": 0.0} for row in DOCUMENT["summary"]]}
+    SimulationRun.objects.create(label="one seed", dataset="tiny", document=one_seed)
+    body = login(client, fed, "operator").get(reverse("dashboard:accuracy")).content.decode()
+    table = body[body.index('id="accuracy-summary"'):].split("</table>")[0]
+    assert "0.000" not in table and table.count("one seed: no spread to show") == 3
+    SimulationRun.objects.create(label="two seeds", dataset="tiny", document=DOCUMENT)
+    body = client.get(reverse("dashboard:accuracy")).content.decode()
+    table = body[body.index('id="accuracy-summary"'):].split("</table>")[0]
+    assert "0.020" in table and "no spread" not in table
+
+
+def test_the_empty_conflict_page_speaks_to_the_operator_and_to_a_member(client, world):
+    client.force_login(world.operator)
+    body = html.unescape(client.get(reverse("dashboard:conflicts")).content.decode())
+    assert "No conflicts have been logged in the edge or server merges." in body
+    client.force_login(world.member_a)
+    body = html.unescape(client.get(reverse("dashboard:conflicts")).content.decode())
+    assert "No conflicts have been logged in your organization's edge merges." in body
+
+
+def test_a_round_or_run_that_is_not_there_is_named_in_the_404(client, fed):
+    """?round=99 on the compendium and ?run=99 on the accuracy page answered 'There is nothing at
+    /compendium/', as if the page itself were missing."""
+    login(client, fed, "member_a")
+    missing = client.get(reverse("dashboard:compendium"), {"round": "99"})
+    body = missing.content.decode()
+    assert missing.status_code == 404 and "<h1>Not found</h1>" in body
+    assert "no global compendium is published for round 99" in body
+    assert client.get(reverse("dashboard:compendium"), {"round": "2"}).status_code == 404  # open
+    run = client.get(reverse("dashboard:accuracy"), {"run": "99"})
+    assert run.status_code == 404 and "no simulation run 99 is stored" in run.content.decode()
+
+
+@pytest.mark.django_db(transaction=True)
+def test_closing_a_round_says_what_became_of_its_merge(client, fed, without_merge_pipeline):
+    """Without a broker the merge runs in the Close request itself (over a minute in the demo),
+    yet the message said 'the merge pipeline started' when the round was already published, or
+    had already failed."""
+    from federation.signals import round_closed
+    from workers.receivers import start_pipeline_on_close
+
+    login(client, fed, "operator")
+    response = client.post(reverse("dashboard:round-action", args=[2, "close"]), follow=True)
+    assert Round.objects.get(number=2).state == "closing"  # as a worker's pipeline leaves it
+    assert "Round 2 closed; the merge pipeline started." in html.unescape(response.content.decode())
+    services.mark_failed(Round.objects.get(number=2), "worker lost")
+    round_closed.connect(start_pipeline_on_close, dispatch_uid="synapse.start_round_pipeline")
+    response = client.post(reverse("dashboard:round-action", args=[2, "retry"]), follow=True)
+    assert Round.objects.get(number=2).state == "failed"  # eager: over, nobody submitted to it
+    message = html.unescape(response.content.decode())
+    assert "Round 2 retried; its merge failed: " in message and "pipeline started" not in message

@@ -505,3 +505,24 @@ def test_adding_bob_and_BOB_at_once_makes_one_login(registry, monkeypatch):
         t.join(20)
     assert outcomes["bob"] == "added" and "exists" in outcomes["BOB"]
     assert get_user_model().objects.filter(username__iexact="bob").count() == 1
+
+
+def test_a_read_only_member_reads_no_colleagues_e_mail_in_the_audit_log(client, world):
+    """The people list hides colleagues' e-mail addresses from a read-only member; the audit
+    log's person.add entries showed them anyway (page, CSV and API). Admins and the operator
+    still read them, and a member reads the one of their own entry."""
+    people.add_person(world.actor(world.admin_a), world.org_a, "carol", "member", "carol@a.example")
+    people.add_person(world.actor(world.admin_a), world.org_a, "dave", "member", "dave@a.example")
+    dave = get_user_model().objects.get(username="dave")
+    audit_page, csv_url = reverse("dashboard:audit"), reverse("dashboard:audit") + "?format=csv"
+    for user, sees_carol in ((dave, False), (world.member_a, False), (world.admin_a, True),
+                             (world.operator, True)):
+        client.force_login(user)
+        body = client.get(audit_page).content.decode()
+        csv_text = b"".join(client.get(csv_url).streaming_content).decode()
+        api = person_api(user).get("/api/v1/admin/audit/?action=person.add").json()["results"]
+        details = {entry["details"]["user"]: entry["details"] for entry in api}
+        for shown in (body, csv_text):
+            assert ("carol@a.example" in shown) is sees_carol, user
+        assert ("email" in details["carol"]) is sees_carol and details["carol"]["role"] == "member"
+        assert ("dave@a.example" in body) is (sees_carol or user == dave)

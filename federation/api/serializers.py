@@ -289,6 +289,16 @@ class AuditLogSerializer(serializers.ModelSerializer):
     organization = serializers.SlugRelatedField(slug_field="slug", read_only=True)
     actor = serializers.CharField(source="actor_label")
 
+    def to_representation(self, instance):
+        """`details` as the caller may read them (no colleague's e-mail for a read-only member)."""
+        from federation.services import audit_details_for
+
+        data = super().to_representation(instance)
+        request = self.context.get("request")
+        if request is not None:
+            data["details"] = audit_details_for(request.user, instance)
+        return data
+
     class Meta:
         model = AuditLog
         fields = [

@@ -621,8 +621,11 @@ def _csv_cell(value) -> str:
     return "'" + text if text.startswith(_FORMULA_START) else text
 
 
-def audit_csv_lines(entries: QuerySet):
-    """The audit entries as CSV lines (header first), streamed from the database in chunks."""
+def audit_csv_lines(entries: QuerySet, user):
+    """The audit entries as CSV lines (header first), streamed from the database in chunks, with
+    the details `user` may read."""
+    from federation.services import audit_details_for
+
     buffer = io.StringIO()
     writer = csv.writer(buffer)
 
@@ -637,7 +640,8 @@ def audit_csv_lines(entries: QuerySet):
         yield line((
             e.created_at.isoformat(), e.actor_label, e.action,
             e.organization.slug if e.organization else "", e.target_type, e.target_id,
-            e.target_label, e.ip or "", json.dumps(e.details, sort_keys=True, ensure_ascii=False),
+            e.target_label, e.ip or "",
+            json.dumps(audit_details_for(user, e), sort_keys=True, ensure_ascii=False),
         ))
 
 

@@ -38,6 +38,7 @@ from federation.services import (
     SETTINGS_FIELDS,
     Actor,
     approve_client,
+    audit_details_for,
     client_ip,
     close_round,
     create_organization,
@@ -81,14 +82,13 @@ class CompendiumView(DashboardView):
         try:
             self.version = services.choose_global_version(request.user, request.GET.get("round"))
         except services.BadRequest as error:
-            return render(
-                request,
-                "dashboard/bad_request.html",
-                {"page_title": "Bad request", "message": str(error), "nav_key": self.nav_key},
-                status=400,
-            )
+            return bad_request(request, str(error), self.nav_key)
         except ObjectDoesNotExist:
-            raise Http404("no global compendium for that round") from None
+            number = services.round_number(request.GET.get("round"))
+            return bad_request(
+                request, f"no global compendium is published for round {number}", self.nav_key,
+                status=404,
+            )
         return super().get(request, *args, **kwargs)
 
     def get_context_data(self, **kwargs):
@@ -149,11 +149,19 @@ class ToolRegistryView(DashboardView):
 # --- helpers for pages that act ------------------------------------------------------------------
 
 
+# The heading of a refused request's page, by its status (a refusal that is no one's mistake, such
+# as a round in the wrong state, is not a "bad request").
+REFUSAL_TITLES = {
+    400: "Bad request", 403: "Not allowed", 404: "Not found", 409: "Not possible now",
+    429: "Too many requests",
+}
+
+
 def bad_request(request, message: str, nav_key: str | None = None, status: int = 400):
     return render(
         request,
         "dashboard/bad_request.html",
-        {"page_title": "Bad request" if status == 400 else "Not allowed", "message": message,
+        {"page_title": REFUSAL_TITLES.get(status, "Refused"), "message": message,
          "nav_key": nav_key, "status": status, "back": back_url(request)},
         status=status,
     )
@@ -438,6 +446,17 @@ def _deadline(raw: str):
     return parsed if timezone.is_aware(parsed) else parsed.replace(tzinfo=dt.UTC)
 
 
+def pipeline_outcome(rnd: Round) -> str:
+    """What became of a round's merge pipeline once its close or retry is committed: without a
+    broker it ran in this request and is over; with workers it has started."""
+    rnd.refresh_from_db()
+    if rnd.state == Round.State.PUBLISHED:
+        return "its merge ran and published the global compendium"
+    if rnd.state == Round.State.FAILED:
+        return f"its merge failed: {rnd.failure_reason}"
+    return "the merge pipeline started"
+
+
 class RoundActionView(ActionView):
     nav_key = "overview"
 
@@ -472,10 +491,10 @@ class RoundActionView(ActionView):
                 )
             elif action == "close":
                 close_round(actor, rnd)
-                messages.success(request, f"Round {rnd.number} closed; the merge pipeline started.")
+                messages.success(request, f"Round {rnd.number} closed; {pipeline_outcome(rnd)}.")
             elif action == "retry":
                 retry_round(actor, rnd)
-                messages.success(request, f"Round {rnd.number} retried; the merge pipeline started.")
+                messages.success(request, f"Round {rnd.number} retried; {pipeline_outcome(rnd)}.")
             else:
                 raise Http404("unknown action")
         return redirect("dashboard:overview")
@@ -498,7 +517,8 @@ class AuditView(DashboardView):
             return bad_request(request, str(error), self.nav_key)
         if request.GET.get("format") == "csv":
             response = StreamingHttpResponse(
-                services.audit_csv_lines(self.entries), content_type="text/csv; charset=utf-8"
+                services.audit_csv_lines(self.entries, request.user),
+                content_type="text/csv; charset=utf-8",
             )
             stamp = timezone.now().strftime("%Y%m%dT%H%M%SZ")
             response["Content-Disposition"] = f'attachment; filename="synapse-audit-{stamp}.csv"'
@@ -511,9 +531,12 @@ class AuditView(DashboardView):
         csv_query = self.request.GET.copy()
         csv_query.pop("page", None)
         csv_query["format"] = "csv"
+        page_obj = Paginator(self.entries, 50).get_page(self.request.GET.get("page"))
+        for entry in page_obj:
+            entry.shown_details = audit_details_for(self.request.user, entry)
         context.update(
             csv_query=csv_query.urlencode(),
-            page_obj=Paginator(self.entries, 50).get_page(self.request.GET.get("page")),
+            page_obj=page_obj,
             actions=AuditLog.Action.values,
             filters={k: self.request.GET.get(k, "")[:100]
                      for k in ("action", "organization", "actor", "since", "until")},
@@ -570,13 +593,10 @@ class ConflictsView(DashboardView):
     title = "Conflict review"
 
     def get(self, request, *args, **kwargs):
-        raw = request.GET.get("round", "").strip()
-        self.round_number = None
-        if raw:
-            try:
-                self.round_number = int(raw)
-            except ValueError:
-                return bad_request(request, f"round must be a round number, not {raw[:40]!r}", self.nav_key)
+        try:
+            self.round_number = services.round_number(request.GET.get("round"))
+        except services.BadRequest as error:
+            return bad_request(request, str(error), self.nav_key)
         return super().get(request, *args, **kwargs)
 
     def get_context_data(self, **kwargs):
@@ -627,7 +647,10 @@ class AccuracyView(DashboardView):
         except services.BadRequest as error:
             return bad_request(request, str(error), self.nav_key)
         except ObjectDoesNotExist:
-            raise Http404("no such simulation run") from None
+            return bad_request(
+                request, f"no simulation run {request.GET.get('run', '').strip()[:20]} is stored",
+                self.nav_key, status=404,
+            )
         return super().get(request, *args, **kwargs)
 
     def get_context_data(self, **kwargs):

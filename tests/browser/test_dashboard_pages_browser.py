@@ -183,3 +183,33 @@ def test_an_admin_adds_a_person_who_signs_in_and_changes_the_password(review, br
     other.goto(org_url)
     assert other.url.startswith(f"{base}{reverse('login')}")
     other.context.close()
+
+
+@pytest.fixture
+def long_names(federation):
+    """A pending client whose name, description and contact are single words of their fields'
+    length, as someone may paste them."""
+    from federation.models import Client
+
+    return Client.objects.create(
+        organization=federation.globex, name="n" * 200, description="d" * 2000,
+        contact="c" * 254, status=Client.Status.PENDING,
+    )
+
+
+def test_long_names_wrap_and_leave_the_buttons_in_sight_at_1366px(long_names, page, live_server, shoot):
+    """A 200-character client name widened its table to thousands of pixels: the Approve and
+    Revoke buttons and the overview's columns ran out of sight."""
+    base = live_server.url
+    log_in(page, base, "operator")
+    go(page, base, "dashboard:organization", "globex")
+    width = page.viewport_size["width"]
+    assert width == 1366
+    row = page.locator("table.clients-pending tr", has_text="n" * 50)
+    for label in ("Approve", "Revoke"):
+        box = row.locator("button", has_text=label).bounding_box()
+        assert box is not None and box["x"] + box["width"] <= width, label
+    shoot(page, "organization-long-names")
+    go(page, base, "dashboard:overview")
+    table = page.locator("table#clients").bounding_box()
+    assert table["x"] + table["width"] <= width
