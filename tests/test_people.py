@@ -309,12 +309,18 @@ def test_an_admin_resets_changes_role_and_deactivates_in_the_browser(client, wor
 
     reset = action("reset-password")
     assert reset.status_code == 200 and signs_in("member_a", reset.context["issued_password"])
+    assert "This login is deactivated" not in reset.content.decode()
     assert action("role", role="admin").status_code == 302
     assert membership(world.member_a).role == "admin"
     assert action("deactivate").status_code == 302
     assert not get_user_model().objects.get(pk=world.member_a.pk).is_active
     assert "deactivated" in page(client).content.decode()
+    # A password reset while deactivated says the login must be reactivated first.
+    reset = action("reset-password")
+    assert "This login is deactivated" in reset.content.decode()
+    assert not signs_in("member_a", reset.context["issued_password"])
     assert action("reactivate").status_code == 302
+    assert signs_in("member_a", reset.context["issued_password"])
     assert get_user_model().objects.get(pk=world.member_a.pk).is_active
     bad = action("role", role="owner")
     assert bad.status_code == 400 and "role must be one of" in bad.content.decode()
