@@ -92,19 +92,10 @@ class SubmissionAdmin(admin.ModelAdmin):
 
 
 @admin.register(FederationSettings)
-class FederationSettingsAdmin(admin.ModelAdmin):
-    """Shown read-only: changes go through PATCH /api/v1/admin/settings/, which audits them."""
+class FederationSettingsAdmin(ReadOnlyAdmin):
+    """Changes go through the Settings page or PATCH /api/v1/admin/settings/, which audit them."""
 
     list_display = ("epsilon_budget", "delta_prime", "allow_admin_approval", "updated_at")
-
-    def has_add_permission(self, request):
-        return False
-
-    def has_change_permission(self, request, obj=None):
-        return False
-
-    def has_delete_permission(self, request, obj=None):
-        return False
 
 
 @admin.register(AuditLog)

@@ -304,6 +304,20 @@ def _membership_of_login(user) -> Membership | None:
     return Membership.objects.select_related("organization").filter(user_id=user.pk).first()
 
 
+def _audit_login(actor: Actor, action: str, user, membership: Membership | None, **details) -> None:
+    """One audit entry about a login changed in the Django admin, under its organization if it
+    has one; `details` after the login's name and where it was changed."""
+    audit(
+        actor,
+        action,
+        target=user,
+        target_type="user",
+        target_label=user.get_username(),
+        organization=membership.organization if membership else None,
+        details={"user": user.get_username(), "via": VIA_DJANGO_ADMIN, **details},
+    )
+
+
 def admin_login_saved(actor: Actor, user, before: dict | None) -> None:
     """Audit a login added (`before` None) or changed in the Django admin: `user.add` or
     `user.change` with each changed field's from / to; a change of is_active is recorded (and
@@ -314,15 +328,7 @@ def admin_login_saved(actor: Actor, user, before: dict | None) -> None:
     organization = membership.organization if membership else None
     username = user.get_username()
     if before is None:
-        audit(
-            actor,
-            AuditLog.Action.USER_ADD,
-            target=user,
-            target_type="user",
-            target_label=username,
-            organization=organization,
-            details={"user": username, "via": VIA_DJANGO_ADMIN, "login": after},
-        )
+        _audit_login(actor, AuditLog.Action.USER_ADD, user, membership, login=after)
         return
     changes = {
         key: {"from": before.get(key), "to": value}
@@ -348,15 +354,7 @@ def admin_login_saved(actor: Actor, user, before: dict | None) -> None:
             details=details,
         )
     if changes:
-        audit(
-            actor,
-            AuditLog.Action.USER_CHANGE,
-            target=user,
-            target_type="user",
-            target_label=username,
-            organization=organization,
-            details={"user": username, "via": VIA_DJANGO_ADMIN, "changes": changes},
-        )
+        _audit_login(actor, AuditLog.Action.USER_CHANGE, user, membership, changes=changes)
 
 
 def admin_password_set(actor: Actor, user) -> None:
@@ -364,33 +362,12 @@ def admin_password_set(actor: Actor, user) -> None:
     password. As after a reset, the login's failed sign-ins are forgotten."""
     membership = _membership_of_login(user)
     login_throttle.unlock(user.get_username())
-    audit(
-        actor,
-        AuditLog.Action.USER_PASSWORD,
-        target=user,
-        target_type="user",
-        target_label=user.get_username(),
-        organization=membership.organization if membership else None,
-        details={
-            "user": user.get_username(),
-            "via": VIA_DJANGO_ADMIN,
-            "usable_password": user.has_usable_password(),
-        },
-    )
+    _audit_login(actor, AuditLog.Action.USER_PASSWORD, user, membership,
+                 usable_password=user.has_usable_password())
 
 
 def admin_login_deleted(actor: Actor, user) -> None:
     """Audit a login about to be deleted in the Django admin (with its membership)."""
     membership = _membership_of_login(user)
-    details = {"user": user.get_username(), "via": VIA_DJANGO_ADMIN}
-    if membership is not None:
-        details["role"] = membership.role
-    audit(
-        actor,
-        AuditLog.Action.USER_DELETE,
-        target=user,
-        target_type="user",
-        target_label=user.get_username(),
-        organization=membership.organization if membership else None,
-        details=details,
-    )
+    role = {"role": membership.role} if membership is not None else {}
+    _audit_login(actor, AuditLog.Action.USER_DELETE, user, membership, **role)
