@@ -27,6 +27,15 @@ def visible_conflicts(organizations, actor: Actor):
     return ConflictLogEntry.objects.filter(visible)
 
 
+def can_decide(actor: Actor, organization_id) -> bool:
+    """Whether `actor` may decide conflicts of the edge of `organization_id`: the operator or that
+    organization's admin; a conflict of the server merge (organization None: between edges, its
+    texts from several organizations) is the operator's alone."""
+    if organization_id is None:
+        return actor.is_operator
+    return can_admin(actor, organization_id)
+
+
 def entry_of(conflict: ConflictLogEntry) -> ConflictEntry:
     return ConflictEntry(
         conflict.tool_id, conflict.centroid_id, conflict.centroid, conflict.dissenters, conflict.reason
@@ -65,11 +74,12 @@ def decide_conflict(
     """Record (or replace) the decision on `conflict`; audited. Only the operator or an admin of
     the conflict's organization may decide; a conflict of the server merge (between edges, no
     organization) is the operator's alone."""
-    if conflict.organization_id is None:
-        if not actor.is_operator:
-            raise NotAllowed("only the operator may decide conflicts of the server merge")
-    elif not can_admin(actor, conflict.organization_id):
-        raise NotAllowed("only the operator or this organization's admin may decide conflicts")
+    if not can_decide(actor, conflict.organization_id):
+        raise NotAllowed(
+            "only the operator may decide conflicts of the server merge"
+            if conflict.organization_id is None
+            else "only the operator or this organization's admin may decide conflicts"
+        )
     if action not in ConflictDecision.Action.values:
         raise InvalidRequest(f"action must be one of {', '.join(ConflictDecision.Action.values)}")
     text = " ".join((text or "").split())

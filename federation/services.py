@@ -477,7 +477,9 @@ def create_organization(
     slug = slug or slugify(name)[:slug_limit].strip("-")
     if not slug:
         raise InvalidRequest(
-            f"the name {name!r} makes no slug: give one of letters, digits, hyphens and underscores"
+            f"the name {name!r} has no Latin letters or digits to make a slug from (the "
+            "organization's short name in URLs): give a slug too, of letters, digits, hyphens and "
+            "underscores"
         )
     if not re.fullmatch(r"[-a-zA-Z0-9_]+", slug):
         raise InvalidRequest(

@@ -6,7 +6,7 @@ from django.urls import include, path
 from drf_spectacular.views import SpectacularAPIView, SpectacularSwaggerView
 
 from federation.auth import LoginForm
-from federation.dashboard.views import PasswordChangeView
+from federation.dashboard.views import LogoutView, PasswordChangeView
 
 
 def health(request):
@@ -31,7 +31,7 @@ urlpatterns = [
     path("admin/password_change/", PasswordChangeView.as_view()),
     path("admin/", admin.site.urls),
     path("accounts/login/", auth_views.LoginView.as_view(authentication_form=LoginForm), name="login"),
-    path("accounts/logout/", auth_views.LogoutView.as_view(), name="logout"),
+    path("accounts/logout/", LogoutView.as_view(), name="logout"),
     path(
         "accounts/password_change/", PasswordChangeView.as_view(), name="password_change"
     ),

@@ -64,15 +64,21 @@ def test_site_root_is_the_overview():
     assert reverse("dashboard:overview") == "/"
 
 
-def test_login_page_has_csrf_token_and_logout_needs_post(client, federation):
+def test_login_page_has_csrf_token_and_logout_is_a_post(client, federation):
     page = client.get(reverse("login"))
     assert page.status_code == 200
     assert b'name="csrfmiddlewaretoken"' in page.content
     client.login(username="operator", password=PASSWORD)
-    assert client.get(reverse("logout")).status_code == 405
+    # a GET (a typed or bookmarked address) asks, and leaves the session signed in
+    confirm = client.get(reverse("logout"))
+    assert confirm.status_code == 200
+    assert b"Log out of SYNAPSE?" in confirm.content and b'method="post"' in confirm.content
+    assert client.get("/").status_code == 200
     response = client.post(reverse("logout"))
     assert response.status_code == 302 and response["Location"] == reverse("login")
     assert client.get("/").status_code == 302
+    signed_out = client.get(reverse("logout"))  # nothing to sign out of: the login page
+    assert signed_out.status_code == 302 and signed_out["Location"] == reverse("login")
 
 
 def test_login_is_csrf_protected(federation):

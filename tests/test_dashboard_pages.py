@@ -966,6 +966,18 @@ def test_decisions_on_the_server_merges_conflicts_reach_its_next_merge(fed):
     assert _previous_conflicts(r2, None) == []
 
 
+def test_who_may_decide_a_conflict_is_one_rule_for_the_page_and_the_service(fed):
+    """The Conflicts page offers the decision form exactly to whom decide_conflict allows."""
+    from federation.conflicts import can_decide
+
+    roles = ("operator", "admin_a", "member_a", "admin_b")
+    allowed = {
+        org: [can_decide(fed.actor(getattr(fed, role)), org) for role in roles]
+        for org in (None, fed.org_a.pk)
+    }
+    assert allowed == {None: [True, False, False, False], fed.org_a.pk: [True, True, False, False]}
+
+
 def test_settings_refuse_numbers_past_the_column_and_a_size_limit_past_the_servers_cap(
     client, world, settings
 ):

@@ -588,6 +588,11 @@ def test_global_compendium_etag_and_rounds(world, valid_doc):
     again = api.get("/api/v1/compendium/global/", HTTP_ACCEPT_ENCODING="gzip",
                     HTTP_IF_NONE_MATCH=zipped["ETag"])
     assert again.status_code == 304
+    # a 304 says what the 200 varies with, so that a shared cache keys them alike
+    vary = {v.strip().lower() for v in zipped["Vary"].split(",")}
+    assert "accept-encoding" in vary
+    assert {v.strip().lower() for v in again["Vary"].split(",")} == vary
+    assert {v.strip().lower() for v in cached["Vary"].split(",")} == vary
     schema = api.get("/api/v1/compendium/schema/", HTTP_ACCEPT_ENCODING="gzip")
     assert schema["Content-Encoding"] == "gzip"  # the probe set too, once it is over 200 bytes
 

@@ -330,6 +330,19 @@ def test_organization_with_a_long_name_gets_a_slug_that_fits(world):
     assert clash.status_code == 409 and "slug" in clash.json()["detail"]
 
 
+@pytest.mark.django_db
+def test_organization_named_without_latin_letters_is_asked_for_a_slug(world):
+    api = person_api(world.operator)
+    response = api.post("/api/v1/admin/organizations/", {"name": "東京医療"}, format="json")
+    assert response.status_code == 400
+    assert "has no Latin letters or digits to make a slug from" in response.json()["detail"]
+    assert not Organization.objects.filter(name="東京医療").exists()
+    named = api.post(
+        "/api/v1/admin/organizations/", {"name": "東京医療", "slug": "tokyo-medical"}, format="json"
+    )
+    assert named.status_code == 201 and named.json()["slug"] == "tokyo-medical"
+
+
 DEEP_JSON = '{"a": ' + "[" * 100_000 + "]" * 100_000 + "}"
 
 

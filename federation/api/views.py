@@ -7,6 +7,7 @@ from django.http import FileResponse, HttpResponse
 from django.shortcuts import get_object_or_404
 from django.utils.decorators import method_decorator
 from django.views.decorators.gzip import gzip_page
+from django.views.decorators.vary import vary_on_headers
 from drf_spectacular.types import OpenApiTypes
 from drf_spectacular.utils import (
     OpenApiParameter,
@@ -252,8 +253,13 @@ class RoundDetailView(FederationView, generics.RetrieveAPIView):
 
 
 # Public to every member of the federation, large (the global is ~150 KB of JSON, a quarter of
-# that gzipped) and free of secrets: sent gzipped to callers that accept it.
-@method_decorator(gzip_page, name="dispatch")
+# that gzipped) and free of secrets: sent gzipped to callers that accept it. Every answer, a 304
+# or a body too small to compress included, says it varies with Accept-Encoding, as a cache
+# needs the 304 to say what the 200 said (RFC 9110, 15.4.5).
+GZIPPED = [gzip_page, vary_on_headers("Accept-Encoding")]
+
+
+@method_decorator(GZIPPED, name="dispatch")
 class SchemaView(FederationView):
     authentication_classes = ANY_AUTH
     permission_classes = [IsAuthenticatedAny]
@@ -266,7 +272,7 @@ class SchemaView(FederationView):
         return Response(submissions.schema_in_force().model_dump(mode="json"))
 
 
-@method_decorator(gzip_page, name="dispatch")
+@method_decorator(GZIPPED, name="dispatch")
 class ProbeSetView(FederationView):
     authentication_classes = ANY_AUTH
     permission_classes = [IsAuthenticatedAny]
@@ -320,7 +326,7 @@ def _none_published(number: int | None) -> exceptions.NotFound:
     return exceptions.NotFound(f"no global compendium is published {which}")
 
 
-@method_decorator(gzip_page, name="dispatch")
+@method_decorator(GZIPPED, name="dispatch")
 class GlobalCompendiumView(FederationView):
     authentication_classes = ANY_AUTH
     permission_classes = [IsAuthenticatedAny]

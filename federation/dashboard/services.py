@@ -804,9 +804,13 @@ def conflict_groups(
     decision; the operator also sees the server merge's (organization None: conflicts between
     edges, whose texts come from several organizations). Returns (page, groups)."""
     from compendium.services import current_schema
-    from federation.conflicts import composed_precaution, scenario_choices, visible_conflicts
+    from federation.conflicts import (
+        can_decide,
+        composed_precaution,
+        scenario_choices,
+        visible_conflicts,
+    )
     from federation.models import ConflictDecision
-    from federation.services import can_admin
 
     conflicts = visible_conflicts(organizations, actor).select_related("round", "organization")
     if round_number is not None:
@@ -828,9 +832,7 @@ def conflict_groups(
     admin = {}
     for c in conflicts:
         if c.organization_id not in admin:
-            admin[c.organization_id] = (
-                actor.is_operator if c.organization_id is None else can_admin(actor, c.organization_id)
-            )
+            admin[c.organization_id] = can_decide(actor, c.organization_id)
         groups.setdefault((c.organization, c.round), []).append(
             ConflictCard(
                 conflict=c,

@@ -405,6 +405,19 @@ class SettingsView(ActionView):
         return redirect("dashboard:settings")
 
 
+class LogoutView(auth_views.LogoutView):
+    """Sign-out is a POST (Django's CSRF-safe logout); a GET (a typed or bookmarked
+    /accounts/logout/) shows a page with the button instead of a bare 405, or the login page to
+    someone already signed out."""
+
+    http_method_names = ["get", "post", "options"]
+
+    def get(self, request, *args, **kwargs):
+        if not request.user.is_authenticated:
+            return redirect("login")
+        return render(request, "registration/logout_confirm.html")
+
+
 class PasswordChangeView(auth_views.PasswordChangeView):
     """A signed-in person changes their own password (the current one first); audited. Their
     other sessions end; this one stays signed in."""
