@@ -72,3 +72,17 @@ class RoundConfig(BaseModel):
         """ε_j = ε / F* with a field cap, ε / K_f otherwise (sequential composition)."""
         divisor = self.field_cap if self.field_cap is not None else declared_fields
         return self.epsilon / max(1, min(divisor, declared_fields))
+
+
+def config_problems(values: dict, names: dict[str, str] | None = None) -> str:
+    """"" when RoundConfig accepts `values`; otherwise every problem as "field: message", joined
+    by "; ", a field named as the caller's user knows it through `names` (a flag, a form field)."""
+    try:
+        RoundConfig(**values)
+    except ValidationError as error:
+        names = names or {}
+        return "; ".join(
+            f"{names.get('.'.join(map(str, e['loc'])), '.'.join(map(str, e['loc'])))}: {e['msg']}"
+            for e in error.errors()
+        )
+    return ""

@@ -334,6 +334,28 @@ def test_bad_client_options_are_refused_before_anything_runs(tiny_dataset, capsy
     assert not SimulationRun.objects.exists()
 
 
+@pytest.mark.parametrize(("flags", "message"), [
+    (["--rounds", "0"], "--rounds must be at least 1, not 0"),
+    (["--seeds", "0"], "--seeds must be at least 1, not 0"),
+    (["--test-limit", "0"], "--test-limit must be at least 1, not 0"),
+    (["--adversarial-fraction", "1.5"], r"--adversarial-fraction must be in \[0, 1\], not 1\.5"),
+    (["--lambda", "-1"], "^--lambda: Input should be greater than or equal to 0$"),
+    (["--epsilon", "0"], "^--epsilon: Input should be greater than or equal to"),
+    # A sweep's bad value is refused before the main run, not after it.
+    (["--sweep-lambda", "1,-1"], "^--sweep-lambda: Input should be greater than or equal to 0$"),
+    (["--sweep-adversarial", "0.4", "--sweep-rules", "krum,median"], "^--sweep-rules: Input should be"),
+    (["--sweep-adversarial", "0.4", "--sweep-modes", "nope"], "--sweep-modes: unknown nope; choose from"),
+    (["--sweep-adversarial", "1.2"], "--sweep-adversarial: every fraction must be in"),
+    (["--sweep-min-users", "0"], "--sweep-min-users: every k must be at least 1"),
+])
+def test_bad_run_and_sweep_options_are_refused_by_their_flag_before_the_data_loads(flags, message):
+    """The dataset named does not exist: each refusal came first, naming the flag, in one line
+    (a sweep's bad value used to surface after the main run, a bad λ as pydantic's report)."""
+    with pytest.raises(CommandError, match=message) as error:
+        call_command("simulate", "--dataset", "/no/such/dataset", "--no-store", *flags)
+    assert "\n" not in str(error.value)
+
+
 def test_unless_stored_skips_only_a_run_of_the_same_label(tiny_dataset, capsys):
     from federation.services import store_simulation_run
 

@@ -16,7 +16,6 @@ from django.urls import reverse, reverse_lazy
 from django.utils import timezone
 from django.utils.dateparse import parse_datetime
 from django.utils.http import url_has_allowed_host_and_scheme
-from pydantic import ValidationError
 
 from compendium.models import NumericField, Tool
 from federation import people
@@ -33,7 +32,7 @@ from federation.models import (
     Membership,
     Round,
 )
-from federation.round_config import MIN_EPSILON, RoundConfig
+from federation.round_config import MIN_EPSILON, RoundConfig, config_problems
 from federation.services import (
     SETTINGS_FIELDS,
     Actor,
@@ -479,13 +478,10 @@ class RoundActionView(ActionView):
         actor = actor_for(request)
         if action == "open":
             raw = {k: request.POST[k].strip() for k in ROUND_FIELDS if request.POST.get(k, "").strip()}
-            try:
-                config = RoundConfig(**raw)
-            except ValidationError as error:
-                problems = "; ".join(
-                    f"{'.'.join(str(p) for p in e['loc'])}: {e['msg']}" for e in error.errors()
-                )
-                raise InvalidRequest(f"invalid round configuration: {problems}") from None
+            problems = config_problems(raw)
+            if problems:
+                raise InvalidRequest(f"invalid round configuration: {problems}")
+            config = RoundConfig(**raw)
             rnd = open_round(actor, config, closes_at=_deadline(request.POST.get("closes_at", "")))
             due = f"; it closes itself at {rnd.closes_at:%Y-%m-%d %H:%M} UTC" if rnd.closes_at else ""
             messages.success(request, f"Round {rnd.number} opened (ε = {config.epsilon:g}){due}.")

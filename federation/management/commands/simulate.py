@@ -10,10 +10,17 @@ from compendium.registry import RegistryFormatError, load_dataset
 from compendium.schema import Schema
 from federation.merge.summarize import LLM_SUMMARIZERS
 from federation.merge.summarize import ORDER as SUMMARIZERS
+from federation.round_config import config_problems
 from federation.simulation.report import PlayedRuns, combine, run, sweep, table
 from federation.simulation.runner import ADVERSARIAL_MODES, Simulation, SimulationConfig
 from routing.embeddings import EmbeddingModelUnavailable, get_engine
 from routing.llm import LLMUnavailable
+
+# The round configuration's fields as this command's flags name them.
+FLAGS = {
+    "epsilon": "--epsilon", "mask_strength": "--lambda", "tau": "--tau",
+    "summarizer": "--summarizer", "robust_rule": "--robust-rule", "trim_fraction": "--trim-fraction",
+}
 
 
 def _floats(text: str) -> list[float]:
@@ -236,6 +243,16 @@ class Command(BaseCommand):
                 named = f" labelled {o['label']!r}" if o["label"] else ""
                 self.stdout.write(f"a simulation run{named} is stored already; nothing to do")
                 return
+        for flag, least in (("rounds", 1), ("users_per_client", 1), ("seeds", 1), ("seed", 0)):
+            if o[flag] < least:
+                raise CommandError(f"--{flag.replace('_', '-')} must be at least {least}, not {o[flag]}")
+        for flag in ("queries_per_client", "test_limit"):
+            if o[flag] is not None and o[flag] < 1:
+                raise CommandError(f"--{flag.replace('_', '-')} must be at least 1, not {o[flag]}")
+        if not 0 <= o["adversarial_fraction"] <= 1:
+            raise CommandError(
+                f"--adversarial-fraction must be in [0, 1], not {o['adversarial_fraction']:g}"
+            )
         if o["min_users"] < 1:
             raise CommandError("--min-users must be at least 1")
         if o["pool_users"] < 1:
@@ -276,6 +293,46 @@ class Command(BaseCommand):
         cadences = [int(k) for k in _floats(o["sweep_cadence"])]
         if any(k < 0 for k in cadences):
             raise CommandError("--sweep-cadence: every cadence must be 0 (frozen) or a number of rounds")
+        privacy_variants = []
+        if o["sweep_epsilon"] or o["sweep_lambda"]:
+            epsilons = _floats(o["sweep_epsilon"]) or [o["epsilon"]]
+            lambdas = _floats(o["sweep_lambda"]) or [o["mask_strength"]]
+            privacy_variants = [{"epsilon": e, "mask_strength": m} for e in epsilons for m in lambdas]
+        min_users = [int(k) for k in _floats(o["sweep_min_users"])]
+        if any(k < 1 for k in min_users):
+            raise CommandError("--sweep-min-users: every k must be at least 1")
+        adversarial_variants = []
+        if o["sweep_adversarial"]:
+            fractions = _floats(o["sweep_adversarial"])
+            if any(not 0 <= f <= 1 for f in fractions):
+                raise CommandError("--sweep-adversarial: every fraction must be in [0, 1]")
+            modes = _names(o["sweep_modes"])
+            unknown = set(modes) - set(ADVERSARIAL_MODES)
+            if unknown:
+                raise CommandError(
+                    f"--sweep-modes: unknown {', '.join(sorted(unknown))}; choose from "
+                    f"{', '.join(ADVERSARIAL_MODES)}"
+                )
+            adversarial_variants = [
+                {"adversarial_mode": m, "adversarial_fraction": f, "robust_rule": r}
+                for m in modes
+                for f in fractions
+                for r in _names(o["sweep_rules"])
+            ]
+        # Every round configuration the run and its sweeps will play, checked before the dataset
+        # and the model load: a bad value in a sweep must not surface after an hour's main run.
+        sweep_flags = {
+            "epsilon": "--sweep-epsilon", "mask_strength": "--sweep-lambda",
+            "robust_rule": "--sweep-rules", "tau": "--sweep-tau",
+        }
+        base = {field: o[field] for field in FLAGS}
+        for changes in [{}, *privacy_variants, *adversarial_variants, *({"tau": t} for t in taus)]:
+            swept = {k: v for k, v in changes.items() if k in FLAGS}
+            problem = config_problems(
+                {**base, **swept}, {**FLAGS, **{k: sweep_flags[k] for k in swept}}
+            )
+            if problem:
+                raise CommandError(problem)
         try:
             dataset = load_dataset(o["dataset"])
             engine = get_engine(o["embedding_model"])
@@ -336,7 +393,7 @@ class Command(BaseCommand):
         def make(cfg: SimulationConfig) -> Simulation:
             return Simulation(dataset, schema, engine, cfg, progress)
 
-        seeds = list(range(o["seed"], o["seed"] + max(1, o["seeds"])))
+        seeds = list(range(o["seed"], o["seed"] + o["seeds"]))
         simulation = make(config)
         try:  # transfer models, rerankers and the LLM endpoint: checked before the long run
             simulation.transfer_variants()
@@ -345,32 +402,14 @@ class Command(BaseCommand):
         try:
             played = PlayedRuns()  # a sweep variant equal to a run already played reuses it
             document = run(simulation, seeds, played)
-            if o["sweep_epsilon"] or o["sweep_lambda"]:
-                epsilons = _floats(o["sweep_epsilon"]) or [config.epsilon]
-                lambdas = _floats(o["sweep_lambda"]) or [config.mask_strength]
-                variants = [{"epsilon": e, "mask_strength": m} for e in epsilons for m in lambdas]
-                document["privacy_sweep"] = sweep(make, config, variants, seeds, played)
-            if o["sweep_min_users"]:
-                ks = [int(k) for k in _floats(o["sweep_min_users"])]
-                if any(k < 1 for k in ks):
-                    raise CommandError("--sweep-min-users: every k must be at least 1")
+            if privacy_variants:
+                document["privacy_sweep"] = sweep(make, config, privacy_variants, seeds, played)
+            if min_users:
                 document["release_sweep"] = sweep(
-                    make, config, [{"min_users": k} for k in ks], seeds, played
+                    make, config, [{"min_users": k} for k in min_users], seeds, played
                 )
-            if o["sweep_adversarial"]:
-                fractions = _floats(o["sweep_adversarial"])
-                modes = [m for m in o["sweep_modes"].split(",") if m]
-                unknown = set(modes) - set(ADVERSARIAL_MODES)
-                if unknown:
-                    raise CommandError(f"unknown adversarial modes: {', '.join(sorted(unknown))}")
-                rules = [r for r in o["sweep_rules"].split(",") if r]
-                variants = [
-                    {"adversarial_mode": m, "adversarial_fraction": f, "robust_rule": r}
-                    for m in modes
-                    for f in fractions
-                    for r in rules
-                ]
-                document["adversarial"] = sweep(make, config, variants, seeds, played)
+            if adversarial_variants:
+                document["adversarial"] = sweep(make, config, adversarial_variants, seeds, played)
             if taus:
                 document["tau_sweep"] = sweep(
                     make, config, [{"tau": t} for t in taus], seeds, played
