@@ -45,6 +45,7 @@ urlpatterns = [
             template_name="rest_framework/login.html", authentication_form=LoginForm
         ),
     ),
+    path("api-auth/logout/", LogoutView.as_view()),  # a GET asks, as /accounts/logout/ does
     path("api-auth/", include("rest_framework.urls")),  # login for the browsable API
     path("api/v1/", include("routing.urls")),
     path("api/schema/", SpectacularAPIView.as_view(), name="api-schema"),

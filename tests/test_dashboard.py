@@ -77,6 +77,10 @@ def test_login_page_has_csrf_token_and_logout_is_a_post(client, federation):
     response = client.post(reverse("logout"))
     assert response.status_code == 302 and response["Location"] == reverse("login")
     assert client.get("/").status_code == 302
+    client.login(username="operator", password=PASSWORD)  # the browsable API's logout alike
+    assert b"Log out of SYNAPSE?" in client.get(reverse("rest_framework:logout")).content
+    client.post(reverse("rest_framework:logout"))
+    assert client.get("/").status_code == 302
     signed_out = client.get(reverse("logout"))  # nothing to sign out of: the login page
     assert signed_out.status_code == 302 and signed_out["Location"] == reverse("login")
 
