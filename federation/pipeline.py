@@ -78,11 +78,23 @@ def _stable_int(text: str) -> int:
     return int.from_bytes(hashlib.sha256(text.encode()).digest()[:8], "big")
 
 
+def _noise_secret() -> int:
+    """The server's secret part of every noise seed (SYNAPSE_NOISE_SECRET, else derived from
+    SECRET_KEY), as a 256-bit integer."""
+    from django.utils.crypto import salted_hmac
+
+    secret = settings.SYNAPSE_NOISE_SECRET or settings.SECRET_KEY
+    digest = salted_hmac("synapse.edge-noise", "seed", secret=secret, algorithm="sha256").digest()
+    return int.from_bytes(digest, "big")
+
+
 def edge_seed(config: RoundConfig, round_: Round, organization: Organization, release: int):
     """The noise seed of one edge release: fixed by the round's seed, so a replay (or a retry after
-    a worker died) draws the same noise."""
+    a worker died) on this server draws the same noise. The round's seed, its number and the slug
+    are known to every client (the rounds API shows the configuration), so the server's secret is
+    mixed in: without it anyone could redraw the noise and remove it from the published figures."""
     return np.random.SeedSequence(
-        [config.seed, round_.number, _stable_int(organization.slug), release]
+        [config.seed, round_.number, _stable_int(organization.slug), release, _noise_secret()]
     )
 
 

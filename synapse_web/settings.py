@@ -231,6 +231,11 @@ if SYNAPSE_ROUTING_RETRIEVAL not in ("memory", "exact", "hnsw"):
 # δ' of advanced composition.
 SYNAPSE_EPSILON_BUDGET = float(os.environ.get("SYNAPSE_EPSILON_BUDGET", "10.0"))
 SYNAPSE_DELTA_PRIME = float(os.environ.get("SYNAPSE_DELTA_PRIME", "1e-5"))
+# The secret mixed into every edge release's noise seed (default: derived from SECRET_KEY). The
+# round's seed, number and the organization's slug are known to every client: without a secret
+# any of them could redraw an edge's Laplace noise and subtract it from the published figures.
+# Keep it stable: a retried release draws its noise again from it.
+SYNAPSE_NOISE_SECRET = os.environ.get("SYNAPSE_NOISE_SECRET", "")
 
 # --- REST API -----------------------------------------------------------------------------------
 REST_FRAMEWORK = {
