@@ -10,6 +10,7 @@ from compendium.models import (
     TemplateEntry,
     Tool,
 )
+from synapse_web.readonly_admin import ReadOnlyAdmin
 
 
 @admin.register(Tool)
@@ -55,8 +56,10 @@ class StatInline(_EntryInline):
     readonly_fields = fields
 
 
+# Stored compendiums are content-addressed (sha256) and published globals are what clients
+# pulled: shown here, never edited.
 @admin.register(CompendiumVersion)
-class CompendiumVersionAdmin(admin.ModelAdmin):
+class CompendiumVersionAdmin(ReadOnlyAdmin):
     list_display = ("id", "kind", "round", "client", "organization", "size_bytes", "gzip_bytes", "created_at")
     list_filter = ("kind", "round")
     readonly_fields = ("sha256", "size_bytes", "gzip_bytes", "entry_counts", "created_at")
@@ -65,7 +68,7 @@ class CompendiumVersionAdmin(admin.ModelAdmin):
 
 
 @admin.register(ScenarioEntry)
-class ScenarioEntryAdmin(admin.ModelAdmin):
+class ScenarioEntryAdmin(ReadOnlyAdmin):
     list_display = ("id", "version", "tool", "support", "text")
     search_fields = ("text", "tool__tool_id")
     raw_id_fields = ("version", "tool")
@@ -73,7 +76,7 @@ class ScenarioEntryAdmin(admin.ModelAdmin):
 
 
 @admin.register(PrecautionEntry)
-class PrecautionEntryAdmin(admin.ModelAdmin):
+class PrecautionEntryAdmin(ReadOnlyAdmin):
     list_display = ("id", "version", "tool", "support", "text")
     search_fields = ("text", "tool__tool_id")
     raw_id_fields = ("version", "tool")
@@ -81,7 +84,7 @@ class PrecautionEntryAdmin(admin.ModelAdmin):
 
 
 @admin.register(AnnexEntry)
-class AnnexEntryAdmin(admin.ModelAdmin):
+class AnnexEntryAdmin(ReadOnlyAdmin):
     list_display = ("id", "version", "subject", "relation", "object")
     search_fields = ("subject", "object")
     raw_id_fields = ("version",)

@@ -18,23 +18,10 @@ from federation.models import (
     Submission,
 )
 from federation.services import Actor, client_ip
+from synapse_web.readonly_admin import ReadOnlyAdmin
 
 # The admin's login form says when the sign-in throttle refused (federation.login_throttle).
 admin.site.login_form = AdminLoginForm
-
-
-class ReadOnlyAdmin(admin.ModelAdmin):
-    """Shown, never changed here: the change goes through the audited services (dashboard or
-    API), which check it and write the audit log; the Django admin does neither."""
-
-    def has_add_permission(self, request):
-        return False
-
-    def has_change_permission(self, request, obj=None):
-        return False
-
-    def has_delete_permission(self, request, obj=None):
-        return False
 
 
 @admin.register(Organization)
@@ -64,31 +51,24 @@ class MembershipAdmin(ReadOnlyAdmin):
 
 
 @admin.register(Round)
-class RoundAdmin(admin.ModelAdmin):
+class RoundAdmin(ReadOnlyAdmin):
+    """Opened, closed, retried and given deadlines on the dashboard or /api/v1/admin/rounds/
+    (audited); deleting one would take its ε spend out of the privacy ledger."""
+
     list_display = ("number", "state", "opened_at", "closed_at", "published_at")
     list_filter = ("state",)
-    # Changed only through the audited services (the deadline: set_round_deadline).
-    readonly_fields = (
-        "number", "state", "config", "failure_reason", "closes_at", "closed_at", "published_at"
-    )
-
-    def has_add_permission(self, request):
-        return False
 
 
 @admin.register(Submission)
-class SubmissionAdmin(admin.ModelAdmin):
+class SubmissionAdmin(ReadOnlyAdmin):
+    """What clients sent: erased only with `manage.py erase_client` (audited, with the merges'
+    provenance), never deleted here."""
+
     list_display = (
         "client", "round", "idempotency_key", "status_code", "scrubbed", "wire_bytes",
         "content_encoding", "created_at",
     )
     list_filter = ("round",)
-
-    def has_change_permission(self, request, obj=None):
-        return False
-
-    def has_add_permission(self, request):
-        return False
 
 
 @admin.register(FederationSettings)
@@ -99,19 +79,10 @@ class FederationSettingsAdmin(ReadOnlyAdmin):
 
 
 @admin.register(AuditLog)
-class AuditLogAdmin(admin.ModelAdmin):
+class AuditLogAdmin(ReadOnlyAdmin):
     list_display = ("created_at", "actor_label", "action", "organization", "target_label", "ip")
     list_filter = ("action", "organization")
     search_fields = ("actor_label", "target_label")
-
-    def has_add_permission(self, request):
-        return False
-
-    def has_change_permission(self, request, obj=None):
-        return False
-
-    def has_delete_permission(self, request, obj=None):
-        return False
 
 
 User = get_user_model()

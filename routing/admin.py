@@ -1,10 +1,13 @@
 from django.contrib import admin
 
 from routing.models import RoutingCall, RoutingToken
+from synapse_web.readonly_admin import ReadOnlyAdmin
 
 
 @admin.register(RoutingToken)
-class RoutingTokenAdmin(admin.ModelAdmin):
+class RoutingTokenAdmin(ReadOnlyAdmin):
+    """Issued and revoked with `manage.py routing_token NAME [--revoke]`."""
+
     list_display = ("name", "revoked", "created_at")
     list_filter = ("revoked",)
     readonly_fields = ("token_hash", "created_at")
@@ -12,6 +15,6 @@ class RoutingTokenAdmin(admin.ModelAdmin):
 
 
 @admin.register(RoutingCall)
-class RoutingCallAdmin(admin.ModelAdmin):
+class RoutingCallAdmin(ReadOnlyAdmin):
     list_display = ("at", "latency_ms", "queries", "reranker", "compendium_round")
     list_filter = ("reranker",)

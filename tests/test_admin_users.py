@@ -231,3 +231,42 @@ def test_createsuperuser_still_makes_the_first_operator(monkeypatch):
     )
     assert added.status_code == 302
     assert entries("user.add").get().actor == root
+
+
+def test_the_federations_records_are_read_only_in_the_admin(world):
+    """Rounds (their ε spend), submissions (provenance for erasure), stored compendiums
+    (content-addressed, what clients pulled), routing tokens and calls are shown in the admin but
+    never changed or deleted there: the README says so, and a deleted round took its ε spend out
+    of the privacy ledger without an audit entry."""
+    from compendium.models import CompendiumVersion, ScenarioEntry
+    from compendium.schema import Compendium
+    from compendium.services import store_compendium
+    from federation.models import Round
+    from routing.models import RoutingToken
+
+    rnd = services.open_round(SYSTEM)
+    version = store_compendium(
+        Compendium.model_validate(
+            {"scenarios": [{"tool_id": "weather", "text": "Will it rain in Oslo tomorrow?"}]}
+        ),
+        kind="global", round=rnd,
+    )
+    token, _ = RoutingToken.issue("ops")
+    browser = operator_browser(world)
+    for model, obj in (
+        ("federation_round", rnd), ("compendium_compendiumversion", version),
+        ("compendium_scenarioentry", ScenarioEntry.objects.filter(version=version).first()),
+        ("routing_routingtoken", token),
+    ):
+        assert browser.get(reverse(f"admin:{model}_change", args=[obj.pk])).status_code == 200, model
+        assert browser.post(
+            reverse(f"admin:{model}_delete", args=[obj.pk]), {"post": "yes"}
+        ).status_code == 403, model
+        assert browser.get(reverse(f"admin:{model}_add")).status_code == 403, model
+    assert Round.objects.filter(pk=rnd.pk).exists()
+    assert CompendiumVersion.objects.filter(pk=version.pk).exists()
+    assert RoutingToken.objects.filter(pk=token.pk, revoked=False).exists()
+    revoke = browser.post(
+        reverse("admin:routing_routingtoken_change", args=[token.pk]), {"name": "ops", "revoked": "on"}
+    )
+    assert revoke.status_code == 403 and not RoutingToken.objects.get(pk=token.pk).revoked
