@@ -3,26 +3,15 @@ from django.contrib import admin
 from compendium.models import (
     AnnexEntry,
     CompendiumVersion,
-    NumericField,
     PrecautionEntry,
     ScenarioEntry,
     StatEntry,
     TemplateEntry,
-    Tool,
 )
 from synapse_web.readonly_admin import ReadOnlyAdmin
 
-
-@admin.register(Tool)
-class ToolAdmin(admin.ModelAdmin):
-    list_display = ("tool_id", "name", "category", "active", "updated_at")
-    list_filter = ("category", "active")
-    search_fields = ("tool_id", "name", "description")
-
-
-@admin.register(NumericField)
-class NumericFieldAdmin(admin.ModelAdmin):
-    list_display = ("name", "kind", "min_value", "max_value", "sensitivity", "unit")
+# The tool registry and the declared numeric fields (the schema in force) are edited in the admin
+# by the operator alone, audited: federation.admin registers their pages.
 
 
 class _EntryInline(admin.TabularInline):

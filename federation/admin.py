@@ -6,6 +6,7 @@ from django.db import router, transaction
 from django.utils.decorators import method_decorator
 from django.views.decorators.debug import sensitive_post_parameters
 
+from compendium.models import NumericField, Tool
 from federation import people
 from federation.auth import AdminLoginForm
 from federation.models import (
@@ -17,7 +18,7 @@ from federation.models import (
     Round,
     Submission,
 )
-from federation.services import Actor, client_ip
+from federation.services import Actor, audit_schema_edit, client_ip
 from synapse_web.readonly_admin import ReadOnlyAdmin
 
 # The admin's login form says when the sign-in throttle refused (federation.login_throttle).
@@ -85,6 +86,64 @@ class AuditLogAdmin(ReadOnlyAdmin):
     search_fields = ("actor_label", "target_label")
 
 
+def _actor(request) -> Actor:
+    """Who acts in the admin, as the audit log names them."""
+    return Actor.for_user(request.user, client_ip(request))
+
+
+class AuditedSchemaAdmin(admin.ModelAdmin):
+    """The schema in force: what clients build and validate against, and (numeric fields) the
+    ranges and sensitivities that set the Laplace noise. The operator (a superuser) alone edits
+    it here, and every addition, change (each field from / to) and deletion is audited as
+    schema.change."""
+
+    def has_add_permission(self, request):
+        return request.user.is_superuser
+
+    def has_change_permission(self, request, obj=None):
+        return request.user.is_superuser
+
+    def has_delete_permission(self, request, obj=None):
+        return request.user.is_superuser
+
+    def save_model(self, request, obj, form, change):
+        super().save_model(request, obj, form, change)
+        if change:
+            fields = {
+                name: {"from": form.initial.get(name), "to": form.cleaned_data.get(name)}
+                for name in form.changed_data
+            }
+        else:
+            fields = {name: {"to": value} for name, value in form.cleaned_data.items()}
+        if fields or not change:
+            audit_schema_edit(_actor(request), obj, "change" if change else "add", fields)
+
+    def delete_model(self, request, obj):
+        audit_schema_edit(_actor(request), obj, "delete")
+        super().delete_model(request, obj)
+
+    def delete_queryset(self, request, queryset):
+        actor = _actor(request)
+        for obj in queryset:
+            audit_schema_edit(actor, obj, "delete")
+        super().delete_queryset(request, queryset)
+
+
+@admin.register(Tool)
+class ToolAdmin(AuditedSchemaAdmin):
+    """A tool no longer offered is made inactive rather than deleted (stored compendiums name it;
+    the admin refuses the deletion of a tool they reference)."""
+
+    list_display = ("tool_id", "name", "category", "active", "updated_at")
+    list_filter = ("category", "active")
+    search_fields = ("tool_id", "name", "description")
+
+
+@admin.register(NumericField)
+class NumericFieldAdmin(AuditedSchemaAdmin):
+    list_display = ("name", "kind", "min_value", "max_value", "sensitivity", "unit")
+
+
 User = get_user_model()
 admin.site.unregister(User)
 
@@ -95,9 +154,6 @@ class AuditedUserAdmin(UserAdmin):
     federation.people's admin_login_* functions): adding, changing (what changed, from / to),
     setting a password (never the password) and deleting. People of an organization are better
     managed on its People page (roles, generated passwords, the organization admins' rules)."""
-
-    def _actor(self, request) -> Actor:
-        return Actor.for_user(request.user, client_ip(request))
 
     # A staff login with Django's user permissions could otherwise make itself a superuser.
     def has_add_permission(self, request):
@@ -122,7 +178,7 @@ class AuditedUserAdmin(UserAdmin):
     def save_related(self, request, form, formsets, change):
         super().save_related(request, form, formsets, change)  # groups, permissions
         people.admin_login_saved(
-            self._actor(request), form.instance, getattr(form, "_login_before", None)
+            _actor(request), form.instance, getattr(form, "_login_before", None)
         )
 
     @method_decorator(sensitive_post_parameters())
@@ -134,15 +190,15 @@ class AuditedUserAdmin(UserAdmin):
             if user is not None and request.method == "POST":
                 user.refresh_from_db()
                 if user.password != before:
-                    people.admin_password_set(self._actor(request), user)
+                    people.admin_password_set(_actor(request), user)
             return response
 
     def delete_model(self, request, obj):
-        people.admin_login_deleted(self._actor(request), obj)
+        people.admin_login_deleted(_actor(request), obj)
         super().delete_model(request, obj)
 
     def delete_queryset(self, request, queryset):
-        actor = self._actor(request)
+        actor = _actor(request)
         for user in queryset:
             people.admin_login_deleted(actor, user)
         super().delete_queryset(request, queryset)

@@ -271,6 +271,7 @@ class AuditLog(models.Model):
         USER_CHANGE = "user.change"
         USER_PASSWORD = "user.password"
         USER_DELETE = "user.delete"
+        SCHEMA_CHANGE = "schema.change"
 
     created_at = models.DateTimeField(auto_now_add=True, db_index=True)
     actor = models.ForeignKey(

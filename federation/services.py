@@ -195,6 +195,26 @@ def audit(
 ADMIN_ONLY_AUDIT_DETAILS = frozenset({"email"})
 
 
+def _plain(value):
+    """A value as the audit log's JSON keeps it (numbers, text, flags; anything else as text)."""
+    if value is None or isinstance(value, (str, bool, int, float, list, dict)):
+        return value
+    return str(value)
+
+
+def audit_schema_edit(actor: Actor, obj, operation: str, fields: dict | None = None) -> AuditLog:
+    """Audit a change to the schema in force made in the Django admin: a tool of the registry or
+    a declared numeric field (whose range and sensitivity set the Laplace noise) added, changed
+    (each changed field from / to) or deleted."""
+    details = {"via": "django admin", "operation": operation, "model": obj._meta.verbose_name}
+    if fields:
+        details["fields"] = {
+            name: {key: _plain(value) for key, value in change.items()}
+            for name, change in fields.items()
+        }
+    return audit(actor, AuditLog.Action.SCHEMA_CHANGE, target=obj, details=details)
+
+
 def audit_details_for(user, entry: AuditLog) -> dict:
     """The details of an audit entry as `user` may read them: without the admin-only ones for a
     read-only member, unless the entry is about the member themself."""

@@ -64,8 +64,8 @@ class _FormFields(HTMLParser):
             self.data[self._textarea][0] += data
 
 
-def change_form(browser, user) -> dict:
-    page = browser.get(reverse("admin:auth_user_change", args=[user.pk]))
+def change_form(browser, user, page_name="admin:auth_user_change") -> dict:
+    page = browser.get(reverse(page_name, args=[user.pk]))
     assert page.status_code == 200
     parser = _FormFields()
     parser.feed(page.content.decode())
@@ -270,3 +270,45 @@ def test_the_federations_records_are_read_only_in_the_admin(world):
         reverse("admin:routing_routingtoken_change", args=[token.pk]), {"name": "ops", "revoked": "on"}
     )
     assert revoke.status_code == 403 and not RoutingToken.objects.get(pk=token.pk).revoked
+
+
+def test_the_schemas_numeric_fields_and_tools_are_the_operators_and_audited(world):
+    """A sensitivity sets the Laplace noise of every edge: lowering it in the admin weakens the
+    privacy of every later round, and nothing recorded it. Now each change is schema.change with
+    what changed, and a staff login with the compendium permissions changes nothing."""
+    from compendium.models import NumericField, Tool
+
+    field = NumericField.objects.get(name="calls")
+    before = field.sensitivity
+    url = reverse("admin:compendium_numericfield_change", args=[field.pk])
+    staff = User.objects.create_user("schema-staff", is_staff=True)
+    staff.user_permissions.set(Permission.objects.filter(content_type__app_label="compendium"))
+    browser = BrowserClient()
+    browser.force_login(staff)
+    form = change_form(operator_browser(world), field, "admin:compendium_numericfield_change")
+    assert browser.post(url, {**form, "sensitivity": "0.001"}).status_code == 403
+    assert browser.get(reverse("admin:compendium_tool_add")).status_code == 403
+
+    operator = operator_browser(world)
+    response = operator.post(url, {**form, "sensitivity": "0.001"})
+    assert response.status_code == 302, response.content[:2000]
+    assert NumericField.objects.get(pk=field.pk).sensitivity == 0.001
+    entry = entries("schema.change").get()
+    assert entry.actor == world.operator and (entry.target_type, entry.target_label) == (
+        "numericfield", "calls"
+    )
+    assert entry.details == {
+        "via": "django admin", "operation": "change", "model": "numeric field",
+        "fields": {"sensitivity": {"from": before, "to": 0.001}},
+    }
+    operator.post(url, {**form, "sensitivity": "0.001"})  # saved unchanged: nothing to record
+    assert entries("schema.change").count() == 1
+    # A bad range is the form's error, not a 500, and nothing is recorded.
+    refused = operator.post(url, {**form, "min_value": "5", "max_value": "1"})
+    assert refused.status_code == 200 and entries("schema.change").count() == 1
+
+    tool = Tool.objects.create(tool_id="ghost", name="Ghost", description="Never used")
+    delete = reverse("admin:compendium_tool_delete", args=[tool.pk])
+    assert operator.post(delete, {"post": "yes"}).status_code == 302
+    deleted = entries("schema.change").last()
+    assert deleted.details["operation"] == "delete" and deleted.target_label == "ghost"
