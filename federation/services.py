@@ -91,6 +91,21 @@ class Actor:
         return self.user is None or bool(self.user.is_superuser)
 
 
+FAILURE_FOR_THE_OPERATOR = "the merge failed; the federation operator sees why and may retry it"
+
+
+def failure_reason_for(user, rnd: Round) -> str:
+    """A failed round's reason as `user` may read it. The pipeline's reasons carry an exception's
+    text (a database error's detail, a validation error quoting a submitted text) from any
+    organization's merge: in full for the operator only (as in the round.fail audit entry);
+    everyone else reads that it failed and who can act on it."""
+    if not rnd.failure_reason:
+        return ""
+    if getattr(user, "is_superuser", False):
+        return rnd.failure_reason
+    return FAILURE_FOR_THE_OPERATOR
+
+
 def client_ip(request) -> str | None:
     """The address a request came from, as audited and as the sign-in throttle counts it: the
     connection's peer (REMOTE_ADDR); with SYNAPSE_BEHIND_PROXY, the last address of

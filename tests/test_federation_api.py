@@ -950,6 +950,21 @@ def test_operator_round_lifecycle_over_the_api(world):
     assert api.post(f"/api/v1/admin/rounds/{rid}/close/").status_code == 409
     failed = api.post(f"/api/v1/admin/rounds/{rid}/fail/", {"reason": "edge down"}, format="json")
     assert failed.json()["failure_reason"] == "edge down"
+    # The reason is the operator's (a pipeline's can quote any organization's merge): a client,
+    # an organization admin and a member read that it failed, on the API and the dashboard.
+    listed = {r["id"]: r for r in api.get("/api/v1/rounds/").json()["results"]}
+    assert listed[rid]["failure_reason"] == "edge down"
+    for other in (client_api(world.token_a), person_api(world.admin_a), person_api(world.member_a)):
+        mine = {r["id"]: r for r in other.get("/api/v1/rounds/").json()["results"]}[rid]
+        assert (mine["state"], mine["failure_reason"]) == ("failed", services.FAILURE_FOR_THE_OPERATOR)
+    from django.test import Client as Browser
+
+    browser = Browser()
+    browser.force_login(world.admin_a)
+    page = browser.get("/").content.decode()
+    assert "edge down" not in page and "the federation operator sees why" in page
+    browser.force_login(world.operator)
+    assert "edge down" in browser.get("/").content.decode()
     assert api.post(f"/api/v1/admin/rounds/{rid}/retry/").json()["state"] == "closing"
     entry = AuditLog.objects.filter(action="round.retry").get()
     assert entry.actor == world.operator and entry.ip == "127.0.0.1"

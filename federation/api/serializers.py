@@ -44,6 +44,10 @@ class SubmissionResultSerializer(serializers.Serializer):
 
 
 class RoundSerializer(serializers.ModelSerializer):
+    failure_reason = serializers.SerializerMethodField(
+        help_text="why a failed round failed: in full for the operator; for everyone else that "
+        "it failed (the reason can quote any organization's merge)"
+    )
     submissions = serializers.IntegerField(
         source="n_submissions", read_only=True, help_text="client compendiums stored"
     )
@@ -74,6 +78,13 @@ class RoundSerializer(serializers.ModelSerializer):
             "submitted_bytes",
             "submitted_gzip_bytes",
         ]
+
+
+    def get_failure_reason(self, rnd) -> str:
+        from federation.services import failure_reason_for
+
+        request = self.context.get("request")
+        return failure_reason_for(request.user if request is not None else None, rnd)
 
 
 class RoundConfigSerializer(serializers.Serializer):

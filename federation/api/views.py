@@ -806,7 +806,7 @@ class RoundOpenView(FederationView):
         closes_at = config.pop("closes_at", None)
         rnd = services.open_round(actor_for(request), config, closes_at=closes_at)
         rnd = services.round_figures(Round.objects.filter(pk=rnd.pk)).get()
-        return Response(RoundSerializer(rnd).data, status=201)
+        return Response(RoundSerializer(rnd, context={"request": request}).data, status=201)
 
 
 class _RoundActionView(FederationView):
@@ -815,7 +815,7 @@ class _RoundActionView(FederationView):
 
     def respond(self, rnd: Round) -> Response:
         rnd = services.round_figures(Round.objects.filter(pk=rnd.pk)).get()
-        return Response(RoundSerializer(rnd).data)
+        return Response(RoundSerializer(rnd, context={"request": self.request}).data)
 
 
 class RoundCloseView(_RoundActionView):

@@ -34,6 +34,7 @@ from federation.models import (
 )
 from federation.round_config import MIN_EPSILON, RoundConfig, config_problems
 from federation.services import (
+    FAILURE_FOR_THE_OPERATOR,
     SETTINGS_FIELDS,
     Actor,
     approve_client,
@@ -66,6 +67,7 @@ class OverviewView(DashboardView):
         )
         if self.is_operator:
             context.update(services.round_controls())
+        context["failure_for_others"] = FAILURE_FOR_THE_OPERATOR
         return context
 
 
