@@ -152,8 +152,20 @@ class SynapseClient:
     ):
         if not server.startswith(("http://", "https://")):
             raise ClientError(f"--server must be an http(s) URL; got {server!r}")
+        try:
+            host = httpx.URL(server).host
+        except httpx.InvalidURL as exc:
+            raise ClientError(f"--server is not a valid URL ({exc}); got {server!r}") from None
+        if not host:
+            raise ClientError(f"--server names no host; got {server!r}")
         if not token.strip():
             raise ClientError("the API token is empty")
+        if not all(" " < char < "\x7f" for char in token.strip()):
+            # an HTTP header cannot carry it; a token is printable ASCII (syn_c_…)
+            raise ClientError(
+                "the API token holds a space, a control character or a non-ASCII character, "
+                "which no token has: check --token or SYNAPSE_TOKEN"
+            )
         self.server = server.rstrip("/")
         self.retries = max(0, retries)
         self.backoff = max(0.0, backoff)

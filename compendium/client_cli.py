@@ -351,6 +351,12 @@ def _client(args: argparse.Namespace):
     token = args.token or os.environ.get("SYNAPSE_TOKEN", "")
     if not token:
         raise CliError("no API token: pass --token or set SYNAPSE_TOKEN")
+    if not (math.isfinite(args.timeout) and args.timeout > 0):
+        raise CliError(f"--timeout must be a positive number of seconds, not {args.timeout:g}")
+    if args.retries < 0:
+        raise CliError(f"--retries must be 0 or more, not {args.retries}")
+    if not (math.isfinite(args.backoff) and args.backoff >= 0):
+        raise CliError(f"--backoff must be 0 or more seconds, not {args.backoff:g}")
     return SynapseClient(
         args.server, token, timeout=args.timeout, retries=args.retries, backoff=args.backoff
     )

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import numpy as np
 
-from routing.router import RERANKERS
+from routing.router import RERANKERS, RoutingParams, RoutingParamsError, query_problem
 
 
 def _load_compendium(path: str):
@@ -231,6 +231,14 @@ def cmd_route(args: argparse.Namespace) -> int:
 
     if args.top_k < 1:
         raise SystemExit("synapse-client: --top-k must be at least 1")
+    problem = query_problem(args.query)
+    if problem:
+        raise SystemExit(f"synapse-client: the query {problem}")
+    if args.params:  # a file named and unusable is an error, never the defaults in silence
+        try:
+            RoutingParams.load(args.params)
+        except RoutingParamsError as exc:
+            raise SystemExit(f"synapse-client: --params: {exc}") from None
     compendium = _load_compendium(args.compendium)
     if not compendium.scenarios and not head_file(Path(args.compendium)).exists():
         raise SystemExit(
