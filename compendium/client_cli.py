@@ -216,14 +216,11 @@ def cmd_build(args: argparse.Namespace) -> int:
 
     out = Path(args.out)
     text = json.dumps(canonical_dict(compendium), ensure_ascii=False, indent=1, sort_keys=True)
-    try:
-        write_atomically(out, (text + "\n").encode("utf-8"))
-        write_atomically(
-            report_path(out),
-            (json.dumps(report.as_dict(), indent=1, sort_keys=True) + "\n").encode("utf-8"),
-        )
-    except OSError as exc:
-        raise CliError(f"cannot write {out}: {exc.strerror}") from None
+    write_atomically(out, (text + "\n").encode("utf-8"))  # CannotWrite: one line
+    write_atomically(
+        report_path(out),
+        (json.dumps(report.as_dict(), indent=1, sort_keys=True) + "\n").encode("utf-8"),
+    )
     form = canonical_form(compendium)
     counts = ", ".join(f"{n} {k}" for k, n in compendium.entry_counts().items())
     if options.pool_users > 1:
@@ -774,6 +771,10 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     except BrokenPipeError:  # e.g. `synapse-client inspect c.json | head`
         sys.stderr.close()
+        return 1
+    except OSError as exc:  # a file or folder a command needed (e.g. pull --router's copy)
+        where = f"{exc.filename}: " if exc.filename else ""
+        print(f"{PROG}: {where}{exc.strerror or exc}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
         print(f"{PROG}: interrupted", file=sys.stderr)

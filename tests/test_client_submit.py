@@ -121,6 +121,10 @@ def make_handler(state: ServerState):
                 self.end_headers()
                 self.wfile.write(data)
                 return None
+            if url.path == "/api/v1/compendium/probe/":  # as the real API
+                texts = ["Will it rain in Lisbon?"]
+                sha256 = transport.dictionary_hash(transport.probe_bytes(texts))
+                return self._send(200, {"count": len(texts), "sha256": sha256, "texts": texts})
             if url.path == "/api/v1/compendium/global/":
                 state.global_requests.append(dict(self.headers))
                 if state.published is None:
@@ -498,6 +502,42 @@ def test_pull_without_the_local_file_does_not_send_if_none_match(server, tmp_pat
     with SynapseClient(url, TOKEN, backoff=0) as client:
         result = client.pull(out)
     assert result.updated and "If-None-Match" not in state.global_requests[-1]
+
+
+@pytest.mark.parametrize("damage", ["garbage\n", '{"scenarios": []}', None])
+def test_pull_downloads_again_over_a_local_copy_that_is_not_the_etags(server, tmp_path, capsys,
+                                                                       damage):
+    # Edited, truncated or replaced since it was pulled: a 304 would have kept it ("up to date")
+    # until the next global was published, and `route`/`build --since` would read it.
+    url, state = server
+    published = compendium()
+    state.published = {"round": 4, "sha256": canonical_form(published).sha256,
+                       "published_at": "2026-01-01", "compendium": published.model_dump(mode="json")}
+    out = tmp_path / "global.json"
+    args = ["pull", "--server", url, "--token", TOKEN, "--out", str(out), "--backoff", "0"]
+    assert main(args) == 0
+    good = out.read_bytes()
+    out.write_text(damage if damage is not None else good.decode()[: len(good) // 2])
+    capsys.readouterr()
+    assert main(args) == 0
+    assert "If-None-Match" not in state.global_requests[-1]
+    assert "round 4 saved" in capsys.readouterr().out
+    assert Compendium.model_validate_json(out.read_text()) == published
+
+
+@pytest.mark.parametrize("command", ["pull", "fetch-probe"])
+def test_an_out_path_that_cannot_be_written_is_one_line(server, tmp_path, capsys, command):
+    url, state = server
+    published = compendium()
+    state.published = {"round": 4, "sha256": canonical_form(published).sha256,
+                       "published_at": "2026-01-01", "compendium": published.model_dump(mode="json")}
+    folder = tmp_path / "a-folder"
+    folder.mkdir()
+    args = [command, "--server", url, "--token", TOKEN, "--out", str(folder), "--backoff", "0"]
+    assert main(args) == 1  # was a traceback (IsADirectoryError from os.replace)
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == [f"synapse-client: cannot write {folder}: Is a directory"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a-folder"]  # no temporary file left
 
 
 def test_bad_server_url_is_refused():
