@@ -210,6 +210,10 @@ def parse_lines(
                 continue
         else:
             text = raw
+        if number == 1:
+            # a UTF-8 byte order mark, as Windows tools (PowerShell 5's Out-File, Notepad) write
+            # one: "Unexpected UTF-8 BOM" on line 1 told the user nothing they could act on
+            text = text.removeprefix("\ufeff")
         if not text.strip():
             continue
         try:
