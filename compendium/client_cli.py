@@ -32,14 +32,23 @@ class CliError(Exception):
     """One line for the user; the command exits with status 1."""
 
 
+def validation_summary(exc: ValidationError, shown: int = 3) -> str:
+    """pydantic's errors as `$.path: reason; ...` (the first `shown`, then how many more), without
+    its echo of the input (which may be a whole usage-log line) and its documentation link."""
+    errors = exc.errors()
+    text = "; ".join(f"{format_path(e['loc'])}: {e['msg']}" for e in errors[:shown])
+    return text + (f" (and {len(errors) - shown} more)" if len(errors) > shown else "")
+
+
 def _load_schema(path: str) -> Schema:
     try:
-        return Schema.model_validate_json(Path(path).read_text(encoding="utf-8"))
+        data = Path(path).read_bytes()
     except OSError as exc:
         raise CliError(f"cannot read schema {path}: {exc.strerror}") from None
-    except ValueError as exc:
-        first = str(exc).splitlines()
-        raise CliError(f"{path} is not a schema: {' '.join(first[:3])}") from None
+    try:
+        return Schema.model_validate_json(data)
+    except ValidationError as exc:
+        raise CliError(f"{path} is not a schema: {validation_summary(exc)}") from None
 
 
 def _read_bytes(path: str) -> bytes:

@@ -124,3 +124,22 @@ def test_the_routing_api_refuses_a_lone_surrogate_with_a_400_reason(query):
         services.validate_query(query)
     with pytest.raises(services.RoutingInputError, match=r"queries\[1\] contains a lone surrogate"):
         services.route_queries(["fine", query])
+
+
+def test_a_file_that_is_not_a_schema_is_named_by_path_not_pydantic_echo(tmp_path, capsys):
+    # It was pydantic's text: "1 validation error for Schema Invalid JSON: ... [type=json_invalid,
+    # input_value='{"query": "...', input_type=str] For further information visit https://..."
+    log = tmp_path / "usage.jsonl"
+    log.write_text('{"query": "my secret request", "tool": "weather"}\n{"query": "more"}\n')
+    compendium = tmp_path / "compendium.json"
+    compendium.write_text(json.dumps({"scenarios": [], "annex": []}))
+    assert main(["validate", str(compendium), "--schema", str(log)]) == 1
+    err = capsys.readouterr().err.strip()
+    assert err == (
+        f"synapse-client: {log} is not a schema: $: Invalid JSON: trailing characters at line 2 "
+        "column 1"
+    )
+    assert main(["validate", str(compendium), "--schema", str(compendium)]) == 1
+    err = capsys.readouterr().err.strip()
+    assert err.startswith(f"synapse-client: {compendium} is not a schema: $.scenarios: Extra inputs")
+    assert "errors.pydantic.dev" not in err and "input_value" not in err
