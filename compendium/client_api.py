@@ -357,8 +357,11 @@ class SynapseClient:
         if status == 409:
             raise ClientError(f"the server has no round open for this submission: {_detail(response)}")
         if status == 413:
+            sent = f"{len(body)} sent{f' {encoding}' if encoding else ''}"
             raise ClientError(
-                f"the compendium ({len(body)} bytes) is larger than the server accepts (HTTP 413)"
+                f"the server refused the compendium as too large (HTTP 413): {_detail(response)}; "
+                f"it is {form.size_bytes} bytes ({sent}): build it again with --max-bytes under "
+                "the limit"
             )
         raise ClientError(f"unexpected answer to the submission (HTTP {status}): {_detail(response)}")
 

@@ -393,10 +393,7 @@ def cmd_submit(args: argparse.Namespace) -> int:
         except SubmissionRejected as exc:
             for v in exc.violations:
                 print(f"{args.compendium}: {v['path']}: {v['reason']}", file=sys.stderr)
-            raise CliError(
-                f"the server rejected {args.compendium}: {exc.detail} "
-                f"({len(exc.violations)} violation(s))"
-            ) from None
+            raise CliError(f"the server rejected {args.compendium}: {exc.detail}") from None
     for warning in result.warnings:
         print(f"{PROG}: warning: {warning}", file=sys.stderr)
     body = result.body

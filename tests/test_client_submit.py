@@ -166,6 +166,9 @@ def make_handler(state: ServerState):
                     state.fail_next_posts -= 1
                     if state.fail_status == 429:
                         return self._send(429, {"detail": "slow down"}, {"Retry-After": "7"})
+                    if state.fail_status == 413:  # the real API's words for an inflated body
+                        return self._send(413, {"detail": "the decompressed body exceeds the "
+                                                          "limit of 2097152 bytes"})
                     return self._send(state.fail_status, {"detail": "database restarting"})
                 if key in state.answers:
                     state.posts.append({"key": key, "replayed": True, "encoding": encoding})
@@ -176,7 +179,8 @@ def make_handler(state: ServerState):
                     return self._send(409, {"detail": "no round is open"})
                 result = validate_compendium(raw, SCHEMA)
                 if not result.ok:
-                    body = {"detail": "the compendium is not valid under the schema",
+                    body = {"detail": "the compendium is not valid under the schema: "  # as the API
+                            f"{len(result.violations)} violation(s)",
                             "violations": [v.as_dict() for v in result.violations]}
                     state.answers[key] = (400, body)
                     return self._send(400, body)
@@ -383,6 +387,22 @@ def test_gives_up_after_the_retries_with_one_line(server, tmp_path, capsys):
     assert state.created == 0
 
 
+def test_413_says_the_limit_and_the_real_size_not_only_the_bytes_sent(server, tmp_path, capsys):
+    # It said "the compendium (N bytes) is larger than the server accepts" with N the gzip bytes
+    # sent, a fraction of the size the server measured, and dropped the server's limit.
+    url, state = server
+    state.fail_next_posts, state.fail_status = 1, 413
+    comp = compendium()
+    assert main(submit_args(url, write(tmp_path, comp))) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    size = canonical_form(comp).size_bytes
+    assert len(err) == 1 and err[0].startswith(
+        "synapse-client: the server refused the compendium as too large (HTTP 413): the "
+        f"decompressed body exceeds the limit of 2097152 bytes; it is {size} bytes ("
+    )
+    assert "sent gzip): build it again with --max-bytes under the limit" in err[0]
+
+
 def test_400_prints_every_violation_by_path(server, tmp_path, capsys):
     url, _ = server
     bad = Compendium(scenarios=[Scenario(tool_id="teleporter", text="beam me up"),
@@ -391,7 +411,9 @@ def test_400_prints_every_violation_by_path(server, tmp_path, capsys):
     err = capsys.readouterr().err
     assert "$.scenarios[0].tool_id" in err  # ordering is canonical: teleporter < weather
     assert "$.scenarios[1].text: text is empty" in err
-    assert err.strip().splitlines()[-1].startswith("synapse-client: the server rejected")
+    last = err.strip().splitlines()[-1]
+    assert last.startswith("synapse-client: the server rejected")
+    assert last.count("violation(s)") <= 1  # the count was said twice
 
 
 def test_no_open_round_is_one_clear_line(server, tmp_path, capsys):
