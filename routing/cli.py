@@ -23,6 +23,11 @@ def _load_compendium(path: str):
 
     try:
         doc = json.loads(Path(path).read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise SystemExit(
+            f"synapse-client: no compendium at {path}: pull the global first "
+            f"(synapse-client pull --out {path})"
+        ) from None
     except OSError as exc:
         raise SystemExit(f"synapse-client: cannot read {path}: {exc.strerror}") from None
     except json.JSONDecodeError as exc:
@@ -235,6 +240,10 @@ def cmd_route(args: argparse.Namespace) -> int:
 
     if args.top_k < 1:
         raise SystemExit("synapse-client: --top-k must be at least 1")
+    if args.escalate_below is not None and not 0 <= args.escalate_below <= 1:  # NaN too
+        raise SystemExit(
+            f"synapse-client: --escalate-below is a confidence in [0, 1], not {args.escalate_below:g}"
+        )
     problem = query_problem(args.query)
     if problem:
         raise SystemExit(f"synapse-client: the query {problem}")

@@ -143,3 +143,21 @@ def test_a_file_that_is_not_a_schema_is_named_by_path_not_pydantic_echo(tmp_path
     err = capsys.readouterr().err.strip()
     assert err.startswith(f"synapse-client: {compendium} is not a schema: $.scenarios: Extra inputs")
     assert "errors.pydantic.dev" not in err and "input_value" not in err
+
+
+@pytest.mark.parametrize("value", ["nan", "-0.1", "1.5"])
+def test_route_refuses_an_escalation_threshold_that_is_not_a_confidence(tmp_path, value):
+    # NaN never escalated anything, in silence
+    with pytest.raises(SystemExit) as exit_:
+        main(["route", "weather?", "--compendium", str(tmp_path / "g.json"), "--escalate-below", value])
+    assert str(exit_.value.code).startswith("synapse-client: --escalate-below is a confidence in [0, 1]")
+
+
+def test_route_without_a_pulled_global_says_to_pull_it(tmp_path):
+    missing = tmp_path / "global.json"
+    with pytest.raises(SystemExit) as exit_:
+        main(["route", "weather?", "--compendium", str(missing)])
+    assert str(exit_.value.code) == (
+        f"synapse-client: no compendium at {missing}: pull the global first "
+        f"(synapse-client pull --out {missing})"
+    )
