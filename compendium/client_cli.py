@@ -147,6 +147,7 @@ def cmd_build(args: argparse.Namespace) -> int:
                 progress(handle, "reading log", unit="line"),
                 source=args.log,
                 known_tools=schema.tool_ids,
+                max_flags=schema.limits.preconditions,
             )
     except OSError as exc:
         raise CliError(f"cannot read {args.log}: {exc.strerror}") from None
@@ -242,6 +243,14 @@ def cmd_build(args: argparse.Namespace) -> int:
         notes += (
             f" Withheld (fewer than {k} users): {report.withheld_scenarios} "
             f"scenario(s), {report.withheld_precautions} precaution(s)."
+        )
+    if report.over_limit_scenarios or report.over_limit_precautions:
+        limits = schema.limits
+        notes += (
+            f" Over what one compendium may hold ({limits.scenarios} scenarios, "
+            f"{limits.precautions} precautions, {limits.bytes} bytes): "
+            f"{report.over_limit_scenarios} scenario(s) and {report.over_limit_precautions} "
+            "precaution(s), the least supported, not sent."
         )
     if report.shared_words:
         notes += (
