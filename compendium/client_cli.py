@@ -1,7 +1,7 @@
 """`synapse-client`: the toolkit that runs inside a client organization. No Django needed.
 
 Commands: validate, build, inspect, submit, pull (`--router`: also the encoder the server tuned on
-the global), fetch-probe, route. Every error is one line on stderr and a
+the global), participate, status, fetch-probe, route. Every error is one line on stderr and a
 non-zero exit code (a malformed usage log lists each bad line first, one line each).
 """
 
