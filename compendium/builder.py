@@ -127,6 +127,9 @@ class BuildReport:
     pooled_scenarios: int = 0  # pools sent in place of the scenarios
     shared_word_users: int = 0  # the shared-words rule's K (0: off)
     shared_words: int = 0  # how many distinct words it released (the words stay on the client)
+    # over what one compendium may hold (Schema.limits): the least supported, not sent
+    over_limit_scenarios: int = 0
+    over_limit_precautions: int = 0
 
     @property
     def masked_fraction(self) -> float:
@@ -323,6 +326,26 @@ def precaution_text(tool: str, masked_query: str, corrected_to: str, limit: int)
     return prefix + truncate(masked_query, max(16, limit - len(prefix) - len(suffix))) + suffix
 
 
+def _within_limits(compendium: Compendium, schema: Schema, report: BuildReport) -> Compendium:
+    """A large client's log can give more scenarios or precautions, or more bytes, than one
+    compendium may hold (`Schema.limits`): the least supported are left out, as `--max-bytes`
+    leaves them (they stay in the log for a later round), and the report says how many; the
+    build no longer fails on it with no way round."""
+    from compendium.canonical import canonical_bytes
+    from compendium.delta import fit_budget, fit_counts
+
+    limits = schema.limits
+    compendium, scenarios, precautions = fit_counts(
+        compendium, limits.scenarios, limits.precautions
+    )
+    if len(canonical_bytes(compendium)) > limits.bytes:
+        compendium, budget = fit_budget(compendium, limits.bytes)
+        scenarios += budget.scenarios_deferred
+        precautions += budget.precautions_deferred
+    report.over_limit_scenarios, report.over_limit_precautions = scenarios, precautions
+    return compendium
+
+
 def build_compendium(
     records: Sequence[UsageRecord],
     schema: Schema,
@@ -470,6 +493,7 @@ def build_compendium(
         ),
         num_users=stats.num_users,
     )
+    compendium = _within_limits(compendium, schema, report)
     report.scenarios_out = len(compendium.scenarios)
     report.precautions_out = len(compendium.precautions)
     report.templates_out = len(compendium.templates)
@@ -490,7 +514,9 @@ def build_from_log(
     """Read the log (every bad line reported), then build. Bad lines fail the build unless
     options.skip_bad_lines, in which case they are listed in the report."""
     options = options or BuildOptions()
-    log: UsageLog = read_usage_log(path, known_tools=schema.tool_ids)
+    log: UsageLog = read_usage_log(
+        path, known_tools=schema.tool_ids, max_flags=schema.limits.preconditions
+    )
     if log.errors and not options.skip_bad_lines:
         raise UsageLogError(log)
     report = BuildReport(source=str(path), lines_read=log.lines_read, bad_lines=log.error_lines())

@@ -44,6 +44,14 @@ class ClientError(Exception):
     """Anything that went wrong talking to the server, as one line a person can act on."""
 
 
+class CannotWrite(ClientError):
+    """A file of the client toolkit could not be written (a folder in the way, no space, no
+    permission), named with the reason."""
+
+    def __init__(self, path: Path, exc: OSError):
+        super().__init__(f"cannot write {path}: {exc.strerror or exc}")
+
+
 class SubmissionRejected(ClientError):
     """The server rejected the compendium (400) and said why, by JSON path."""
 
@@ -139,6 +147,18 @@ def _dictionary_refused(response: httpx.Response) -> bool:
     return isinstance(body, dict) and body.get("code") == "unknown_dictionary"
 
 
+def _holds_etag(path: Path, etag: str) -> bool:
+    """True when the file at `path` is the compendium the global's ETag names (the sha256 of its
+    canonical bytes): only then may a 304 leave it alone. A copy edited, truncated or damaged
+    since it was pulled is downloaded again instead of being called up to date."""
+    digest = etag.removeprefix("W/").strip('"')
+    try:
+        held = Compendium.model_validate_json(path.read_bytes(), strict=True)
+    except (OSError, ValueError):
+        return False
+    return canonical_form(held).sha256 == digest
+
+
 class SynapseClient:
     def __init__(
         self,
@@ -152,8 +172,20 @@ class SynapseClient:
     ):
         if not server.startswith(("http://", "https://")):
             raise ClientError(f"--server must be an http(s) URL; got {server!r}")
+        try:
+            host = httpx.URL(server).host
+        except httpx.InvalidURL as exc:
+            raise ClientError(f"--server is not a valid URL ({exc}); got {server!r}") from None
+        if not host:
+            raise ClientError(f"--server names no host; got {server!r}")
         if not token.strip():
             raise ClientError("the API token is empty")
+        if not all(" " < char < "\x7f" for char in token.strip()):
+            # an HTTP header cannot carry it; a token is printable ASCII (syn_c_…)
+            raise ClientError(
+                "the API token holds a space, a control character or a non-ASCII character, "
+                "which no token has: check --token or SYNAPSE_TOKEN"
+            )
         self.server = server.rstrip("/")
         self.retries = max(0, retries)
         self.backoff = max(0.0, backoff)
@@ -325,8 +357,11 @@ class SynapseClient:
         if status == 409:
             raise ClientError(f"the server has no round open for this submission: {_detail(response)}")
         if status == 413:
+            sent = f"{len(body)} sent{f' {encoding}' if encoding else ''}"
             raise ClientError(
-                f"the compendium ({len(body)} bytes) is larger than the server accepts (HTTP 413)"
+                f"the server refused the compendium as too large (HTTP 413): {_detail(response)}; "
+                f"it is {form.size_bytes} bytes ({sent}): build it again with --max-bytes under "
+                "the limit"
             )
         raise ClientError(f"unexpected answer to the submission (HTTP {status}): {_detail(response)}")
 
@@ -350,7 +385,7 @@ class SynapseClient:
         headers = {}
         if out.exists() and etag_path.exists():
             etag = etag_path.read_text(encoding="utf-8").strip()
-            if etag:
+            if etag and _holds_etag(out, etag):
                 headers["If-None-Match"] = etag
         params = {"round": str(round_number)} if round_number is not None else None
         response = self.request("GET", "/api/v1/compendium/global/", params=params, headers=headers)
@@ -689,14 +724,20 @@ def _head_problem(data: bytes) -> str | None:
 
 
 def write_atomically(path: Path, data: bytes) -> None:
-    """Write to a temporary file beside `path` and rename it over: never a half-written file."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
+    """Write to a temporary file beside `path` and rename it over: never a half-written file.
+    An OSError names `path` (not the temporary file), as `cannot write PATH: reason`."""
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
+    except OSError as exc:
+        raise CannotWrite(path, exc) from None
     try:
         with os.fdopen(fd, "wb") as handle:
             handle.write(data)
         os.replace(tmp, path)
-    except BaseException:
+    except BaseException as exc:
         if os.path.exists(tmp):
             os.unlink(tmp)
+        if isinstance(exc, OSError):
+            raise CannotWrite(path, exc) from None
         raise

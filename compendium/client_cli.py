@@ -1,7 +1,7 @@
 """`synapse-client`: the toolkit that runs inside a client organization. No Django needed.
 
 Commands: validate, build, inspect, submit, pull (`--router`: also the encoder the server tuned on
-the global), fetch-probe, route. Every error is one line on stderr and a
+the global), participate, status, fetch-probe, route. Every error is one line on stderr and a
 non-zero exit code (a malformed usage log lists each bad line first, one line each).
 """
 
@@ -32,14 +32,23 @@ class CliError(Exception):
     """One line for the user; the command exits with status 1."""
 
 
+def validation_summary(exc: ValidationError, shown: int = 3) -> str:
+    """pydantic's errors as `$.path: reason; ...` (the first `shown`, then how many more), without
+    its echo of the input (which may be a whole usage-log line) and its documentation link."""
+    errors = exc.errors()
+    text = "; ".join(f"{format_path(e['loc'])}: {e['msg']}" for e in errors[:shown])
+    return text + (f" (and {len(errors) - shown} more)" if len(errors) > shown else "")
+
+
 def _load_schema(path: str) -> Schema:
     try:
-        return Schema.model_validate_json(Path(path).read_text(encoding="utf-8"))
+        data = Path(path).read_bytes()
     except OSError as exc:
         raise CliError(f"cannot read schema {path}: {exc.strerror}") from None
-    except ValueError as exc:
-        first = str(exc).splitlines()
-        raise CliError(f"{path} is not a schema: {' '.join(first[:3])}") from None
+    try:
+        return Schema.model_validate_json(data)
+    except ValidationError as exc:
+        raise CliError(f"{path} is not a schema: {validation_summary(exc)}") from None
 
 
 def _read_bytes(path: str) -> bytes:
@@ -138,6 +147,7 @@ def cmd_build(args: argparse.Namespace) -> int:
                 progress(handle, "reading log", unit="line"),
                 source=args.log,
                 known_tools=schema.tool_ids,
+                max_flags=schema.limits.preconditions,
             )
     except OSError as exc:
         raise CliError(f"cannot read {args.log}: {exc.strerror}") from None
@@ -216,14 +226,11 @@ def cmd_build(args: argparse.Namespace) -> int:
 
     out = Path(args.out)
     text = json.dumps(canonical_dict(compendium), ensure_ascii=False, indent=1, sort_keys=True)
-    try:
-        write_atomically(out, (text + "\n").encode("utf-8"))
-        write_atomically(
-            report_path(out),
-            (json.dumps(report.as_dict(), indent=1, sort_keys=True) + "\n").encode("utf-8"),
-        )
-    except OSError as exc:
-        raise CliError(f"cannot write {out}: {exc.strerror}") from None
+    write_atomically(out, (text + "\n").encode("utf-8"))  # CannotWrite: one line
+    write_atomically(
+        report_path(out),
+        (json.dumps(report.as_dict(), indent=1, sort_keys=True) + "\n").encode("utf-8"),
+    )
     form = canonical_form(compendium)
     counts = ", ".join(f"{n} {k}" for k, n in compendium.entry_counts().items())
     if options.pool_users > 1:
@@ -236,6 +243,14 @@ def cmd_build(args: argparse.Namespace) -> int:
         notes += (
             f" Withheld (fewer than {k} users): {report.withheld_scenarios} "
             f"scenario(s), {report.withheld_precautions} precaution(s)."
+        )
+    if report.over_limit_scenarios or report.over_limit_precautions:
+        limits = schema.limits
+        notes += (
+            f" Over what one compendium may hold ({limits.scenarios} scenarios, "
+            f"{limits.precautions} precautions, {limits.bytes} bytes): "
+            f"{report.over_limit_scenarios} scenario(s) and {report.over_limit_precautions} "
+            "precaution(s), the least supported, not sent."
         )
     if report.shared_words:
         notes += (
@@ -351,6 +366,12 @@ def _client(args: argparse.Namespace):
     token = args.token or os.environ.get("SYNAPSE_TOKEN", "")
     if not token:
         raise CliError("no API token: pass --token or set SYNAPSE_TOKEN")
+    if not (math.isfinite(args.timeout) and args.timeout > 0):
+        raise CliError(f"--timeout must be a positive number of seconds, not {args.timeout:g}")
+    if args.retries < 0:
+        raise CliError(f"--retries must be 0 or more, not {args.retries}")
+    if not (math.isfinite(args.backoff) and args.backoff >= 0):
+        raise CliError(f"--backoff must be 0 or more seconds, not {args.backoff:g}")
     return SynapseClient(
         args.server, token, timeout=args.timeout, retries=args.retries, backoff=args.backoff
     )
@@ -381,10 +402,7 @@ def cmd_submit(args: argparse.Namespace) -> int:
         except SubmissionRejected as exc:
             for v in exc.violations:
                 print(f"{args.compendium}: {v['path']}: {v['reason']}", file=sys.stderr)
-            raise CliError(
-                f"the server rejected {args.compendium}: {exc.detail} "
-                f"({len(exc.violations)} violation(s))"
-            ) from None
+            raise CliError(f"the server rejected {args.compendium}: {exc.detail}") from None
     for warning in result.warnings:
         print(f"{PROG}: warning: {warning}", file=sys.stderr)
     body = result.body
@@ -768,6 +786,10 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     except BrokenPipeError:  # e.g. `synapse-client inspect c.json | head`
         sys.stderr.close()
+        return 1
+    except OSError as exc:  # a file or folder a command needed (e.g. pull --router's copy)
+        where = f"{exc.filename}: " if exc.filename else ""
+        print(f"{PROG}: {where}{exc.strerror or exc}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
         print(f"{PROG}: interrupted", file=sys.stderr)

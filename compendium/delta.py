@@ -208,6 +208,40 @@ def _pack(section: str, entries: Sequence, order: Sequence[int], room: int) -> t
     return kept, room
 
 
+def fit_counts(
+    compendium: Compendium, max_scenarios: int, max_precautions: int
+) -> tuple[Compendium, int, int]:
+    """`compendium` with at most `max_scenarios` scenarios and `max_precautions` precautions
+    (the schema's per-compendium limits), chosen as `fit_budget` chooses: scenarios in turns over
+    the tools, most supported first; precautions most supported first. Also how many of each
+    were left out."""
+    scenarios, precautions = compendium.scenarios, compendium.precautions
+    if len(scenarios) <= max_scenarios and len(precautions) <= max_precautions:
+        return compendium, 0, 0
+    by_support = sorted(
+        range(len(scenarios)),
+        key=lambda i: (-scenarios[i].support, _spread(scenarios[i].tool_id + "\n" + scenarios[i].text)),
+    )
+    kept_scenarios = set(_in_turns(by_support, [s.tool_id for s in scenarios])[:max_scenarios])
+    kept_precautions = set(
+        sorted(
+            range(len(precautions)),
+            key=lambda i: (-precautions[i].support, _spread(precautions[i].text)),
+        )[:max_precautions]
+    )
+    cut = compendium.model_copy(
+        update={
+            "scenarios": [s for i, s in enumerate(scenarios) if i in kept_scenarios],
+            "precautions": [p for i, p in enumerate(precautions) if i in kept_precautions],
+        }
+    )
+    return (
+        cut,
+        len(scenarios) - len(kept_scenarios),
+        len(precautions) - len(kept_precautions),
+    )
+
+
 def fit_budget(compendium: Compendium, max_bytes: int) -> tuple[Compendium, BudgetReport]:
     """`compendium` cut to at most `max_bytes` canonical bytes (see the module docstring). The
     statistics, templates and annex are never cut: when they alone exceed the budget the result

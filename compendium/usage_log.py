@@ -113,8 +113,12 @@ def _suggestion(name: str, known_tools: frozenset[str]) -> str:
     return f" (did you mean {' or '.join(map(repr, close))}?)" if close else ""
 
 
-def parse_record(item: Any, line: int, known_tools: frozenset[str] | None = None) -> UsageRecord:
-    """One decoded JSON value to a record, or ValueError saying what is wrong with it."""
+def parse_record(
+    item: Any, line: int, known_tools: frozenset[str] | None = None, max_flags: int | None = None
+) -> UsageRecord:
+    """One decoded JSON value to a record, or ValueError saying what is wrong with it.
+    `known_tools` and `max_flags` (the schema's registry and its limit on preconditions) make a
+    line the schema could never carry an error of that line, not of the built compendium."""
     if not isinstance(item, dict):
         raise ValueError(f"expected a JSON object, got {type(item).__name__}")
     query = _string(item, "query")
@@ -157,6 +161,10 @@ def parse_record(item: Any, line: int, known_tools: frozenset[str] | None = None
     if flags is not None:
         if not isinstance(flags, dict):
             raise ValueError("'preconditions' must be an object of boolean flags")
+        if max_flags is not None and len(flags) > max_flags:
+            raise ValueError(
+                f"'preconditions' has {len(flags)} flags; the schema allows at most {max_flags}"
+            )
         for key, value in flags.items():
             if not _FLAG.match(key):
                 raise ValueError(f"precondition flag {key!r} is not an identifier")
@@ -191,6 +199,7 @@ def parse_lines(
     lines: Iterable[bytes | str],
     source: str = "usage log",
     known_tools: Iterable[str] | None = None,
+    max_flags: int | None = None,
 ) -> UsageLog:
     """Every line parsed; every bad line kept as an error with its line number (none dropped)."""
     known = frozenset(known_tools) if known_tools is not None else None
@@ -210,6 +219,10 @@ def parse_lines(
                 continue
         else:
             text = raw
+        if number == 1:
+            # a UTF-8 byte order mark, as Windows tools (PowerShell 5's Out-File, Notepad) write
+            # one: "Unexpected UTF-8 BOM" on line 1 told the user nothing they could act on
+            text = text.removeprefix("\ufeff")
         if not text.strip():
             continue
         try:
@@ -221,14 +234,16 @@ def parse_lines(
             log.errors.append(LogLineError(number, "not valid JSON: nested too deeply"))
             continue
         try:
-            log.records.append(parse_record(item, number, known))
+            log.records.append(parse_record(item, number, known, max_flags))
         except ValueError as exc:
             log.errors.append(LogLineError(number, str(exc)))
     return log
 
 
-def read_usage_log(path: str | Path, known_tools: Iterable[str] | None = None) -> UsageLog:
+def read_usage_log(
+    path: str | Path, known_tools: Iterable[str] | None = None, max_flags: int | None = None
+) -> UsageLog:
     """Read a usage log file. Raises OSError when it cannot be opened."""
     path = Path(path)
     with path.open("rb") as handle:
-        return parse_lines(handle, source=str(path), known_tools=known_tools)
+        return parse_lines(handle, source=str(path), known_tools=known_tools, max_flags=max_flags)

@@ -299,6 +299,12 @@ def check_key(key: str | None) -> str:
         raise InvalidRequest("the Idempotency-Key header is required (1 to 200 characters)")
     if len(key) > MAX_KEY_LENGTH:
         raise InvalidRequest(f"the Idempotency-Key is {len(key)} characters; at most 200")
+    if not all(" " <= char <= "~" for char in key):
+        # HTTP carries other bytes as Latin-1: "é" would be stored, and listed back, as "Ã©"
+        raise InvalidRequest(
+            "the Idempotency-Key must be printable ASCII (letters, digits, punctuation), "
+            "e.g. a UUID"
+        )
     return key
 
 

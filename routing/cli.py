@@ -12,14 +12,22 @@ from pathlib import Path
 
 import numpy as np
 
-from routing.router import RERANKERS
+from routing.router import RERANKERS, RoutingParams, RoutingParamsError, query_problem
 
 
 def _load_compendium(path: str):
+    from pydantic import ValidationError
+
+    from compendium.client_cli import validation_summary
     from compendium.schema import Compendium
 
     try:
         doc = json.loads(Path(path).read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise SystemExit(
+            f"synapse-client: no compendium at {path}: pull the global first "
+            f"(synapse-client pull --out {path})"
+        ) from None
     except OSError as exc:
         raise SystemExit(f"synapse-client: cannot read {path}: {exc.strerror}") from None
     except json.JSONDecodeError as exc:
@@ -29,9 +37,10 @@ def _load_compendium(path: str):
         doc = doc["compendium"]
     try:
         return Compendium.model_validate(doc)
-    except ValueError as exc:
-        first = str(exc).splitlines()[:3]
-        raise SystemExit(f"synapse-client: {path} is not a compendium: {' '.join(first)}") from None
+    except ValidationError as exc:
+        raise SystemExit(
+            f"synapse-client: {path} is not a compendium: {validation_summary(exc)}"
+        ) from None
 
 
 def _cached_head(router, documents, folder: Path):
@@ -231,6 +240,18 @@ def cmd_route(args: argparse.Namespace) -> int:
 
     if args.top_k < 1:
         raise SystemExit("synapse-client: --top-k must be at least 1")
+    if args.escalate_below is not None and not 0 <= args.escalate_below <= 1:  # NaN too
+        raise SystemExit(
+            f"synapse-client: --escalate-below is a confidence in [0, 1], not {args.escalate_below:g}"
+        )
+    problem = query_problem(args.query)
+    if problem:
+        raise SystemExit(f"synapse-client: the query {problem}")
+    if args.params:  # a file named and unusable is an error, never the defaults in silence
+        try:
+            RoutingParams.load(args.params)
+        except RoutingParamsError as exc:
+            raise SystemExit(f"synapse-client: --params: {exc}") from None
     compendium = _load_compendium(args.compendium)
     if not compendium.scenarios and not head_file(Path(args.compendium)).exists():
         raise SystemExit(
@@ -287,17 +308,35 @@ def add_route_command(subparsers) -> argparse.ArgumentParser:
     route = subparsers.add_parser(
         "route", help="route a query to a tool with a pulled global compendium (in memory)"
     )
-    route.add_argument("query")
+    route.add_argument("query", help="the request to route (not empty)")
     route.add_argument(
         "--compendium", required=True, help="global.json (GET /api/v1/compendium/global/)"
     )
-    route.add_argument("--reranker", choices=RERANKERS, default="fusion")
-    route.add_argument("--top-k", type=int, default=5, dest="top_k")
-    route.add_argument("--params", default=None, help="fitted routing parameters (JSON)")
-    route.add_argument("--escalate-below", type=float, default=None, dest="escalate_below")
-    route.add_argument("--embedding-model", default=None, dest="embedding_model")
+    route.add_argument(
+        "--reranker", choices=RERANKERS, default="fusion",
+        help="fusion (default), none (the nearest scenario's tool) or llm (an LLM picks; "
+        "falls back to fusion, saying why)",
+    )
+    route.add_argument(
+        "--top-k", type=int, default=5, dest="top_k",
+        help="how many nearest scenarios to list (default 5; the decision does not depend on it)",
+    )
+    route.add_argument(
+        "--params", default=None,
+        help="a fitted routing parameters file (JSON) that overrides the ones published with "
+        "the global",
+    )
+    route.add_argument(
+        "--escalate-below", type=float, default=None, dest="escalate_below",
+        help="flag the decision for a human below this confidence (default: the parameters', 0.5)",
+    )
+    route.add_argument(
+        "--embedding-model", default=None, dest="embedding_model",
+        help="sentence-transformers model/path (default: $SYNAPSE_EMBEDDING_MODEL, else the "
+        "bundled MiniLM)",
+    )
     route.add_argument("--llm-url", default=None, dest="llm_url", help="OpenAI-compatible base URL")
-    route.add_argument("--llm-model", default=None, dest="llm_model")
+    route.add_argument("--llm-model", default=None, dest="llm_model", help="the model to ask there")
     route.add_argument("--json", action="store_true", help="print the decision as JSON")
     route.add_argument(
         "--no-linear-head", action="store_true", dest="no_linear_head",

@@ -58,6 +58,24 @@ def tokenize(text: str) -> list[str]:
     return _TOKEN.findall(text.lower())
 
 
+_SURROGATE = re.compile("[\ud800-\udfff]")
+
+
+def query_problem(query: str) -> str | None:
+    """What makes `query` unroutable, or None: an empty one, or one holding a lone surrogate
+    (a broken escape or a mis-decoded argument), which no tokenizer can read. The routing API
+    and `synapse-client route` refuse both with this reason."""
+    if not query.strip():
+        return "is empty"
+    bad = _SURROGATE.search(query)
+    if bad:
+        return (
+            f"contains a lone surrogate U+{ord(bad.group()):04X} at position {bad.start()} "
+            "(not valid Unicode text; check the encoding of what sent it)"
+        )
+    return None
+
+
 @dataclass
 class RoutingDecision:
     tool: str | None
@@ -104,6 +122,10 @@ class Calibration:
         return float(1.0 / (1.0 + np.exp(-np.clip(z, -50, 50))))
 
 
+class RoutingParamsError(ValueError):
+    """A routing parameters file that was named but cannot be used, with why."""
+
+
 @dataclass
 class RoutingParams:
     """Everything fitted on the probe set, stored as a small JSON file."""
@@ -138,10 +160,31 @@ class RoutingParams:
 
     @classmethod
     def load(cls, path: str | Path | None = None) -> RoutingParams:
-        path = Path(path) if path else DEFAULT_PARAMS_PATH
-        if not path.exists():
-            return cls()
-        return cls.from_dict(json.loads(path.read_text(encoding="utf-8")))
+        """The parameters in the file at `path`; without one, `routing/default_params.json`
+        (the built-in values when that is gone). A named file that cannot be read or is not a
+        parameters file raises `RoutingParamsError` saying so: never the defaults in silence."""
+        if not path:
+            if not DEFAULT_PARAMS_PATH.exists():
+                return cls()
+            path = DEFAULT_PARAMS_PATH
+        path = Path(path)
+        try:
+            doc = json.loads(path.read_text(encoding="utf-8"))
+        except OSError as exc:
+            raise RoutingParamsError(
+                f"cannot read routing parameters {path}: {exc.strerror}"
+            ) from None
+        except ValueError as exc:
+            raise RoutingParamsError(f"{path} is not a routing parameters file: {exc}") from None
+        if not isinstance(doc, dict) or not {"weights", "calibration"} & doc.keys():
+            raise RoutingParamsError(
+                f"{path} is not a routing parameters file (no 'weights' or 'calibration'; "
+                "bench/route_accuracy.py --save-params writes one)"
+            )
+        try:
+            return cls.from_dict(doc)
+        except (TypeError, ValueError, AttributeError) as exc:
+            raise RoutingParamsError(f"{path} is not a routing parameters file: {exc}") from None
 
     def save(self, path: str | Path) -> None:
         Path(path).write_text(self.to_json() + "\n", encoding="utf-8")

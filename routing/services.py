@@ -27,7 +27,15 @@ from compendium.models import CompendiumVersion, PrecautionEntry, ScenarioEntry
 from compendium.schema import Precaution, Scenario
 from compendium.services import load_compendium
 from routing.models import RoutingCall, TunedRouter
-from routing.router import RERANKERS, LinearHead, Router, RoutingParams, ScenarioIndex
+from routing.router import (
+    RERANKERS,
+    LinearHead,
+    Router,
+    RoutingParams,
+    RoutingParamsError,
+    ScenarioIndex,
+    query_problem,
+)
 
 
 class NothingPublished(Exception):
@@ -49,8 +57,9 @@ def max_batch() -> int:
 def validate_query(query, where: str = "query") -> str:
     if not isinstance(query, str):
         raise RoutingInputError(f"{where} must be a string")
-    if not query.strip():
-        raise RoutingInputError(f"{where} is empty")
+    problem = query_problem(query)
+    if problem:
+        raise RoutingInputError(f"{where} {problem}")
     if len(query) > max_query_chars():
         raise RoutingInputError(
             f"{where} is too long: {len(query)} characters, at most {max_query_chars()}"
@@ -236,7 +245,17 @@ _served_lock = threading.Lock()
 def routing_params(head: LinearHead | None = None) -> RoutingParams:
     """The fusion weights and calibration of the frozen model's routers with `head`
     (`RoutingParams.for_head`; the operator's file is SYNAPSE_ROUTING_PARAMS)."""
-    return RoutingParams.for_head(head, getattr(settings, "SYNAPSE_ROUTING_PARAMS", "") or None)
+    configured = getattr(settings, "SYNAPSE_ROUTING_PARAMS", "") or None
+    try:
+        return RoutingParams.for_head(head, configured)
+    except RoutingParamsError as exc:
+        # A broken operator file must not stop routing, nor be ignored without a word.
+        logging.getLogger(__name__).warning(
+            "SYNAPSE_ROUTING_PARAMS: %s; routing with the parameters published with the global "
+            "(else routing/default_params.json) instead",
+            exc,
+        )
+        return RoutingParams.for_head(head)
 
 
 def served_rows(version: CompendiumVersion):

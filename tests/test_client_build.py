@@ -107,6 +107,49 @@ def test_long_queries_are_cut_to_the_declared_limit():
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize(
+    "limits",
+    [{"scenarios": 10}, {"precautions": 3}, {"bytes": 25000}, {"scenarios": 5, "precautions": 2}],
+)
+def test_a_log_bigger_than_one_compendium_may_hold_keeps_the_most_supported(limits):
+    # It failed with "the built compendium is not valid under the schema: $.scenarios: N
+    # entries; the limit is L", and --max-bytes could not help: it runs after that check.
+    schema = metatool_schema()
+    schema = schema.model_copy(update={"limits": schema.limits.model_copy(update=limits)})
+    records = parsed(usage_records(users=6, lines=240))
+    full, _ = build_compendium(records, metatool_schema(), BuildOptions(collapse=False))
+    compendium, report = build_compendium(records, schema, BuildOptions(collapse=False))
+    assert validate_compendium(compendium, schema).ok
+    assert len(compendium.scenarios) <= schema.limits.scenarios
+    assert len(compendium.precautions) <= schema.limits.precautions
+    assert len(canonical_form(compendium).data) <= schema.limits.bytes
+    assert report.over_limit_scenarios == len(full.scenarios) - len(compendium.scenarios)
+    assert report.over_limit_precautions == len(full.precautions) - len(compendium.precautions)
+    assert report.over_limit_scenarios + report.over_limit_precautions > 0
+    assert compendium.metadata == full.metadata  # the statistics always go
+    # the most supported first: nothing left out is supported more than what was kept
+    kept = {(s.tool_id, s.text) for s in compendium.scenarios}
+    left = [s.support for s in full.scenarios if (s.tool_id, s.text) not in kept]
+    if left and compendium.scenarios and "bytes" not in limits:
+        assert max(left) <= max(s.support for s in compendium.scenarios)
+
+
+def test_a_usage_line_with_more_flags_than_the_schema_allows_is_a_bad_line(tmp_path, capsys):
+    # It failed the whole build ("$.scenarios[0].preconditions: 40 flags; the limit is 32")
+    # naming no line, and --skip-bad-lines could not skip it.
+    records = usage_records(users=3, lines=20)
+    records[4] = {**records[4], "preconditions": {f"flag_{i}": True for i in range(40)}}
+    log = write_log(tmp_path / "usage.jsonl", records)
+    schema_path = tmp_path / "schema.json"
+    schema_path.write_text(metatool_schema().model_dump_json(), encoding="utf-8")
+    args = ["build", "--log", str(log), "--schema", str(schema_path), "--out",
+            str(tmp_path / "c.json"), "--no-collapse", "--quiet"]
+    assert main(args) == 1
+    err = capsys.readouterr().err
+    assert f"{log}:5: 'preconditions' has 40 flags; the schema allows at most 32" in err
+    assert main([*args, "--skip-bad-lines"]) == 0
+
+
 def test_near_duplicate_scenarios_are_collapsed_with_the_embedding_engine():
     from routing.embeddings import get_engine
 

@@ -121,6 +121,10 @@ def make_handler(state: ServerState):
                 self.end_headers()
                 self.wfile.write(data)
                 return None
+            if url.path == "/api/v1/compendium/probe/":  # as the real API
+                texts = ["Will it rain in Lisbon?"]
+                sha256 = transport.dictionary_hash(transport.probe_bytes(texts))
+                return self._send(200, {"count": len(texts), "sha256": sha256, "texts": texts})
             if url.path == "/api/v1/compendium/global/":
                 state.global_requests.append(dict(self.headers))
                 if state.published is None:
@@ -162,6 +166,9 @@ def make_handler(state: ServerState):
                     state.fail_next_posts -= 1
                     if state.fail_status == 429:
                         return self._send(429, {"detail": "slow down"}, {"Retry-After": "7"})
+                    if state.fail_status == 413:  # the real API's words for an inflated body
+                        return self._send(413, {"detail": "the decompressed body exceeds the "
+                                                          "limit of 2097152 bytes"})
                     return self._send(state.fail_status, {"detail": "database restarting"})
                 if key in state.answers:
                     state.posts.append({"key": key, "replayed": True, "encoding": encoding})
@@ -172,7 +179,8 @@ def make_handler(state: ServerState):
                     return self._send(409, {"detail": "no round is open"})
                 result = validate_compendium(raw, SCHEMA)
                 if not result.ok:
-                    body = {"detail": "the compendium is not valid under the schema",
+                    body = {"detail": "the compendium is not valid under the schema: "  # as the API
+                            f"{len(result.violations)} violation(s)",
                             "violations": [v.as_dict() for v in result.violations]}
                     state.answers[key] = (400, body)
                     return self._send(400, body)
@@ -379,6 +387,22 @@ def test_gives_up_after_the_retries_with_one_line(server, tmp_path, capsys):
     assert state.created == 0
 
 
+def test_413_says_the_limit_and_the_real_size_not_only_the_bytes_sent(server, tmp_path, capsys):
+    # It said "the compendium (N bytes) is larger than the server accepts" with N the gzip bytes
+    # sent, a fraction of the size the server measured, and dropped the server's limit.
+    url, state = server
+    state.fail_next_posts, state.fail_status = 1, 413
+    comp = compendium()
+    assert main(submit_args(url, write(tmp_path, comp))) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    size = canonical_form(comp).size_bytes
+    assert len(err) == 1 and err[0].startswith(
+        "synapse-client: the server refused the compendium as too large (HTTP 413): the "
+        f"decompressed body exceeds the limit of 2097152 bytes; it is {size} bytes ("
+    )
+    assert "sent gzip): build it again with --max-bytes under the limit" in err[0]
+
+
 def test_400_prints_every_violation_by_path(server, tmp_path, capsys):
     url, _ = server
     bad = Compendium(scenarios=[Scenario(tool_id="teleporter", text="beam me up"),
@@ -387,7 +411,9 @@ def test_400_prints_every_violation_by_path(server, tmp_path, capsys):
     err = capsys.readouterr().err
     assert "$.scenarios[0].tool_id" in err  # ordering is canonical: teleporter < weather
     assert "$.scenarios[1].text: text is empty" in err
-    assert err.strip().splitlines()[-1].startswith("synapse-client: the server rejected")
+    last = err.strip().splitlines()[-1]
+    assert last.startswith("synapse-client: the server rejected")
+    assert last.count("violation(s)") <= 1  # the count was said twice
 
 
 def test_no_open_round_is_one_clear_line(server, tmp_path, capsys):
@@ -498,6 +524,42 @@ def test_pull_without_the_local_file_does_not_send_if_none_match(server, tmp_pat
     with SynapseClient(url, TOKEN, backoff=0) as client:
         result = client.pull(out)
     assert result.updated and "If-None-Match" not in state.global_requests[-1]
+
+
+@pytest.mark.parametrize("damage", ["garbage\n", '{"scenarios": []}', None])
+def test_pull_downloads_again_over_a_local_copy_that_is_not_the_etags(server, tmp_path, capsys,
+                                                                       damage):
+    # Edited, truncated or replaced since it was pulled: a 304 would have kept it ("up to date")
+    # until the next global was published, and `route`/`build --since` would read it.
+    url, state = server
+    published = compendium()
+    state.published = {"round": 4, "sha256": canonical_form(published).sha256,
+                       "published_at": "2026-01-01", "compendium": published.model_dump(mode="json")}
+    out = tmp_path / "global.json"
+    args = ["pull", "--server", url, "--token", TOKEN, "--out", str(out), "--backoff", "0"]
+    assert main(args) == 0
+    good = out.read_bytes()
+    out.write_text(damage if damage is not None else good.decode()[: len(good) // 2])
+    capsys.readouterr()
+    assert main(args) == 0
+    assert "If-None-Match" not in state.global_requests[-1]
+    assert "round 4 saved" in capsys.readouterr().out
+    assert Compendium.model_validate_json(out.read_text()) == published
+
+
+@pytest.mark.parametrize("command", ["pull", "fetch-probe"])
+def test_an_out_path_that_cannot_be_written_is_one_line(server, tmp_path, capsys, command):
+    url, state = server
+    published = compendium()
+    state.published = {"round": 4, "sha256": canonical_form(published).sha256,
+                       "published_at": "2026-01-01", "compendium": published.model_dump(mode="json")}
+    folder = tmp_path / "a-folder"
+    folder.mkdir()
+    args = [command, "--server", url, "--token", TOKEN, "--out", str(folder), "--backoff", "0"]
+    assert main(args) == 1  # was a traceback (IsADirectoryError from os.replace)
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == [f"synapse-client: cannot write {folder}: Is a directory"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a-folder"]  # no temporary file left
 
 
 def test_bad_server_url_is_refused():

@@ -74,6 +74,18 @@ def test_invalid_utf8_line_is_reported(tmp_path):
     assert len(log.records) == 2
 
 
+def test_a_byte_order_mark_before_the_first_line_is_not_an_error(tmp_path):
+    # Windows tools write one (PowerShell 5's Out-File -Encoding UTF8, Notepad); line 1 was
+    # "not valid JSON: Unexpected UTF-8 BOM (decode using utf-8-sig)".
+    path = tmp_path / "usage.jsonl"
+    path.write_bytes(("\n".join([line(), line(user="u2")]) + "\n").encode("utf-8-sig"))
+    log = read_usage_log(path)
+    assert log.errors == [] and [r.user for r in log.records] == ["u1", "u2"]
+    # only as the file's first bytes: elsewhere it is a character the line should not start with
+    path.write_bytes((line() + "\n\ufeff" + line() + "\n").encode("utf-8"))
+    assert [e.line for e in read_usage_log(path).errors] == [2]
+
+
 def test_build_fails_on_bad_lines_unless_asked_to_skip(tmp_path):
     records = usage_records(users=3, lines=40)
     path = write_log(tmp_path / "usage.jsonl", records, {3: "{oops", 9: '{"query": 5}'})
