@@ -58,8 +58,22 @@ def _read_bytes(path: str) -> bytes:
         raise CliError(f"cannot read {path}: {exc.strerror}") from None
 
 
-def _load_compendium(path: str) -> Compendium:
+def _load_pulled(path: str) -> Compendium:
+    """The global compendium a client pulled (--since): the file `pull` saves, or the body of
+    GET /api/v1/compendium/global/ saved as it came (curl -o), whose `compendium` it is (as
+    `route --compendium` reads it)."""
     data = _read_bytes(path)
+    try:
+        doc = json.loads(data)
+    except ValueError:
+        doc = None
+    if isinstance(doc, dict) and isinstance(doc.get("compendium"), dict) and "sha256" in doc:
+        data = json.dumps(doc["compendium"]).encode()
+    return _load_compendium(path, data)
+
+
+def _load_compendium(path: str, data: bytes | None = None) -> Compendium:
+    data = _read_bytes(path) if data is None else data
     try:
         return Compendium.model_validate_json(data, strict=True)
     except ValidationError as exc:
@@ -186,7 +200,7 @@ def cmd_build(args: argparse.Namespace) -> int:
     if args.since:
         if engine is None:
             raise CliError("--since needs the embedding model (drop --no-collapse)")
-        pulled = _load_compendium(args.since)
+        pulled = _load_pulled(args.since)
         route = None
         if args.since_confidence <= 1.0 and pulled.scenarios:
             from compendium.client_api import head_file
@@ -392,7 +406,7 @@ def cmd_submit(args: argparse.Namespace) -> int:
     if args.probe and not args.schema:
         raise CliError("--probe goes with --schema (before any global is published)")
     if args.since:
-        dictionary = transport.global_dictionary(_load_compendium(args.since))
+        dictionary = transport.global_dictionary(_load_pulled(args.since))
     elif args.schema:
         probe = _load_probe(args.probe) if args.probe else []
         dictionary = transport.probe_dictionary(_load_schema(args.schema), probe)
@@ -562,7 +576,14 @@ def _load_probe(path: str) -> list[str]:
 def cmd_fetch_probe(args: argparse.Namespace) -> int:
     with _client(args) as client:
         count = client.fetch_probe(Path(args.out))
-    print(f"{args.out}: the public probe set's {count} requests saved")
+    if count:
+        print(f"{args.out}: the public probe set's {count} requests saved")
+    else:
+        print(
+            f"{args.out}: saved, but the server has no probe set imported (its operator runs "
+            "manage.py import_probe_set); submit --schema --probe then compresses against the "
+            "schema alone"
+        )
     return 0
 
 

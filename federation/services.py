@@ -729,7 +729,11 @@ def client_for_token(token: str) -> Client:
         cursor.execute(_CLIENT_FOR_TOKEN_SQL, [hash_token(token)])
         row = cursor.fetchone()
     if row is None:
-        raise TokenRejected("invalid token", 401)
+        raise TokenRejected(
+            "invalid client token: unknown, or replaced by a rotation (the old token stops at "
+            "once; the new one comes from your organization's admin or the operator)",
+            401,
+        )
     revoked_at, values = row[0], row[1:]
     split = len(_CLIENT_FIELDS)
     client = Client.from_db(connection.alias, _CLIENT_FIELDS, values[:split])

@@ -136,6 +136,13 @@ def test_cli_build_since_a_pulled_global(tmp_path, capsys):
     assert report["delta"]["scenarios_covered"] == 1
     (tmp_path / "broken.json").write_text("{")
     assert main(args[:-1] + [str(tmp_path / "broken.json"), "--out", str(tmp_path / "x.json")]) == 1
+    # The global saved as GET /api/v1/compendium/global/ answers it (curl -o) reads the same.
+    pulled = json.loads((tmp_path / "global.json").read_text())
+    (tmp_path / "body.json").write_text(
+        json.dumps({"round": 1, "sha256": "ab" * 32, "published_at": None, "compendium": pulled})
+    )
+    assert main(args[:-1] + [str(tmp_path / "body.json"), "--out", str(tmp_path / "b.json")]) == 0
+    assert json.loads((tmp_path / "b.json").read_text()) == delta
 
 
 def test_cli_build_since_leaves_out_what_the_pulled_global_already_routes(tmp_path, capsys):

@@ -48,6 +48,10 @@ def test_revoked_token_is_one_clear_error(live_server, world, valid_doc, small_s
 def test_first_round_dcz_against_the_probe_set_and_the_schema(live_server, world, valid_doc, tmp_path,
                                                               capsys):
     services.open_round(services.Actor(None))
+    server = ["--server", live_server.url, "--token", world.token_a, "--backoff", "0"]
+    # Before the operator imports a probe set, fetch-probe says so instead of "0 requests saved".
+    assert main(["fetch-probe", "--out", str(tmp_path / "none.json"), *server]) == 0
+    assert "the server has no probe set imported" in capsys.readouterr().out
     ProbeQuery.objects.bulk_create([
         ProbeQuery(dataset="pub", qid=f"q{n:02d}", text=f"Will it rain tomorrow in city number {n}?",
                    tool_id="weather") for n in range(30)
