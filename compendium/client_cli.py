@@ -282,6 +282,26 @@ def cmd_build(args: argparse.Namespace) -> int:
 # --- inspect ----------------------------------------------------------------------------------
 
 
+def _usable_report(doc) -> dict | None:
+    """The build report beside a compendium as inspect reads it, or None when its shape is not
+    what `build` writes (a report edited by hand)."""
+    if not isinstance(doc, dict):
+        return None
+
+    def number(x) -> bool:
+        return isinstance(x, (int, float)) and not isinstance(x, bool)
+
+    bounds = doc.get("clip_bounds", {})
+    if not isinstance(bounds, dict) or not all(
+        isinstance(b, list) and len(b) == 2 and all(map(number, b)) for b in bounds.values()
+    ):
+        return None
+    kinds = {"clipped_values": dict, "bad_lines": list, "dropped": list}
+    if not all(isinstance(doc.get(key, kind()), kind) for key, kind in kinds.items()):
+        return None
+    return doc
+
+
 def cmd_inspect(args: argparse.Namespace) -> int:
     compendium = _load_compendium(args.compendium)
     schema = _load_schema(args.schema) if args.schema else None
@@ -289,9 +309,14 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     report = None
     if report_path(path).exists():
         try:
-            report = json.loads(report_path(path).read_text(encoding="utf-8"))
+            report = _usable_report(json.loads(report_path(path).read_text(encoding="utf-8")))
         except (OSError, ValueError):
             report = None
+        if report is None:
+            print(
+                f"synapse-client: {report_path(path)} is not a report build wrote: ignored",
+                file=sys.stderr,
+            )
     form = canonical_form(compendium)
     out = sys.stdout
     masking = compendium.masking

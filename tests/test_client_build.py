@@ -202,6 +202,13 @@ def test_cli_build_inspect_and_validate(tmp_path, capsys):
     assert "field cap F*=3" in shown
     assert "validation: valid under the schema" in shown
 
+    # A report edited into another shape is ignored with a word, not a traceback.
+    report = out.with_name(out.name + ".report.json")
+    report.write_text(json.dumps({"clip_bounds": {"calls": [0]}}), encoding="utf-8")
+    assert main(["inspect", str(out), "--schema", str(schema_path)]) == 0
+    shown = capsys.readouterr()
+    assert "is not a report build wrote: ignored" in shown.err and "field cap" not in shown.out
+
     assert main(["validate", str(out), "--schema", str(schema_path)]) == 0
 
 
