@@ -451,6 +451,7 @@ with the descriptions and categories of `bench/cheat_tools.json`:
 ```sh
 python bench/build_cheat_dataset.py --sdist cheat-2.5.1.tar.gz --eg eg-1.2.3.tar.gz \\
     --out bench/datasets/cheat
+# with --check: build elsewhere and say whether the checked-in files are exactly that build
 ```
 
 ## Source

