@@ -2,7 +2,8 @@
 federation, and the federation's budget cap.
 
 Per organization, a round's spend is what one of its users can lose in that round: Σ ε_j over the
-release's fields (F*·ε_j under a field cap), summed over re-materializations. Organizations hold
+release's fields (under a field cap, the F* largest per-tool sums of ε_j), summed over
+re-materializations. Organizations hold
 disjoint clients, so the federation's spend in a round is the largest organization spend (parallel
 composition). Across rounds the basic and the advanced bound are both computed and the tighter is
 reported.
@@ -60,14 +61,16 @@ def _spends(exclude: tuple[int, int, int] | None = None) -> dict[int, dict[int, 
     """{organization id: {round id: ε}} from the ledger, optionally leaving out one release."""
     groups: dict[tuple[int, int, int], list[PrivacyLedgerEntry]] = defaultdict(list)
     for row in PrivacyLedgerEntry.objects.only(
-        "round_id", "organization_id", "release", "epsilon", "field_cap"
+        "round_id", "organization_id", "release", "epsilon", "field_cap", "tool_id"
     ):
         key = (row.organization_id, row.round_id, row.release)
         if key != exclude:
             groups[key].append(row)
     out: dict[int, dict[int, float]] = defaultdict(lambda: defaultdict(float))
     for (org, rnd, _), rows in groups.items():
-        out[org][rnd] += round_spend([r.epsilon for r in rows], rows[0].field_cap)
+        out[org][rnd] += round_spend(
+            [r.epsilon for r in rows], rows[0].field_cap, [r.tool_id for r in rows]
+        )
     return out
 
 
@@ -114,19 +117,20 @@ def declared_numeric_fields() -> int:
 def projected_round_spend(config: RoundConfig | dict | None, fields: int | None = None) -> float:
     """ε one round will cost the federation when its edges release, before it has ledger rows.
 
-    The ledger's formula for one release of that round: round_spend([ε_j] * F, F*), with the
-    merge's per-field ε_j = config.per_field_epsilon(F) (ε/F*, or ε/F without a cap) over the F
-    declared numeric fields (`fields`, default: counted now). That is F*·ε/F* = F·ε/F = ε
-    whenever F ≥ 1 (the merge's own K, the (tool, field) pairs submitted, gives the same ε), and 0
-    when no numeric field is declared (nothing is noised). Organizations release in parallel, so
-    one release is the federation's round spend; an erasure's re-release is counted when it is
-    recorded."""
+    The ledger's formula for one release of that round, applied to one tool's F declared numeric
+    fields: round_spend([ε_j] * F, F*, [tool] * F) with the merge's
+    ε_j = config.per_field_epsilon(F, fields_per_tool=F). That is F·ε/F = ε whenever F ≥ 1
+    (the merge releases every registry tool's F fields, T·F statistics at ε/(T·F) each, or
+    ε/(F*·F) under a cap, which gives the same ε), and 0 when no numeric field is declared
+    (nothing is noised). Organizations release in parallel, so one release is the federation's
+    round spend; an erasure's re-release is counted when it is recorded."""
     if not isinstance(config, RoundConfig):
         config = RoundConfig.from_stored(config)
     f = declared_numeric_fields() if fields is None else fields
     if f <= 0:
         return 0.0
-    return round_spend([config.per_field_epsilon(f)] * f, config.field_cap)
+    eps_j = config.per_field_epsilon(f, fields_per_tool=f)
+    return round_spend([eps_j] * f, config.field_cap, ["tool"] * f)
 
 
 @dataclass(frozen=True)

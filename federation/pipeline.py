@@ -251,13 +251,8 @@ def run_edge_merge(
             raise
         # An erasure must not be blocked by the budget: re-materialize without numeric releases.
         withheld = str(exc)
-        stripped = [
-            MergeInput(i.source, {**i.document, "metadata": [
-                {**m, "stats": {}} for m in i.document.get("metadata", [])]})
-            for i in inputs
-        ]
-        result = edge_merge(stripped, schema, config, _previous_conflicts(round_, organization),
-                            epsilon_remaining=remaining, **common)
+        result = edge_merge(inputs, schema, config, _previous_conflicts(round_, organization),
+                            epsilon_remaining=remaining, release_numeric=False, **common)
     by_source = {f"client:{v.client_id}": v for v in sources}
     with transaction.atomic():
         Round.objects.select_for_update().get(pk=round_id)

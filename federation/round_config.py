@@ -28,7 +28,8 @@ class RoundConfig(BaseModel):
         "makes the Laplace noise scale overflow)",
     )
     field_cap: int | None = Field(
-        None, ge=1, description="F*: numeric fields one user may touch per round (None: K_f)"
+        None, ge=1, description="F*: tools one user may feed per round, each with all its numeric fields "
+        "(None: no cap)"
     )
     mask_strength: float = Field(1.0, ge=0, description="λ the clients are expected to mask with")
     summarizer: Summarizer = "probe-extractive"
@@ -68,10 +69,14 @@ class RoundConfig(BaseModel):
         except ValidationError:
             return cls.model_construct(**(data or {}))
 
-    def per_field_epsilon(self, declared_fields: int) -> float:
-        """ε_j = ε / F* with a field cap, ε / K_f otherwise (sequential composition)."""
-        divisor = self.field_cap if self.field_cap is not None else declared_fields
-        return self.epsilon / max(1, min(divisor, declared_fields))
+    def per_field_epsilon(self, declared_fields: int, fields_per_tool: int = 1) -> float:
+        """ε_j = ε / K_f over the K_f released (tool, field) statistics, or with a field cap
+        ε / (F*·fields_per_tool): the client caps a user at F* *tools*, and a user who feeds a
+        tool moves every one of its `fields_per_tool` numeric fields (sequential composition)."""
+        divisor = declared_fields
+        if self.field_cap is not None:
+            divisor = min(self.field_cap * max(1, fields_per_tool), declared_fields)
+        return self.epsilon / max(1, divisor)
 
 
 def config_problems(values: dict, names: dict[str, str] | None = None) -> str:

@@ -241,11 +241,12 @@ def test_projected_round_spend_is_the_ledger_formula(world):
     f = NumericField.objects.count()  # the declared fields of the schema in force
     assert f >= 3
     capped = RoundConfig(epsilon=1.2, field_cap=2)
-    # ε_j = ε/F*, the round costs F*·ε_j (round_spend of F fields under the cap)
-    assert capped.per_field_epsilon(f) == pytest.approx(0.6)
-    assert accounting.projected_round_spend(capped) == pytest.approx(2 * 0.6)
+    # the cap is on tools, each moving all F fields: ε_j = ε/(F*·F) over T·F statistics, and a
+    # round costs the F* largest per-tool sums (the projection: one tool's F fields at ε/F)
+    assert capped.per_field_epsilon(10 * f, fields_per_tool=f) == pytest.approx(1.2 / (2 * f))
+    assert accounting.projected_round_spend(capped) == pytest.approx(1.2)
     assert accounting.projected_round_spend(capped) == pytest.approx(
-        round_spend([capped.per_field_epsilon(f)] * f, 2)
+        round_spend([capped.per_field_epsilon(f, fields_per_tool=f)] * f, 2, ["t"] * f)
     )
     # no cap: ε_j = ε/F, the round costs Σ_j ε_j
     plain = RoundConfig(epsilon=1.2)
@@ -286,7 +287,7 @@ def test_a_round_with_ledger_rows_is_counted_once(world):
     committed = accounting.commitments()
     assert committed.recorded == {r1.pk: pytest.approx(1.0)} and committed.reserved == {}
     assert accounting.committed_composition().basic_epsilon == pytest.approx(1.0)
-    _ledger_rows(r1, world.org_b, [0.5, 0.5, 0.5], cap=2)  # parallel: still max over orgs
+    _ledger_rows(r1, world.org_b, [0.25, 0.25, 0.25], cap=2)  # parallel: still max over orgs
     services.mark_published(r1)
     r2 = services.open_round(operator, RoundConfig(epsilon=0.5))
     committed = accounting.commitments()

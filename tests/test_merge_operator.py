@@ -382,13 +382,17 @@ def _numeric_subs(values):
 def test_numeric_release_writes_ledger_and_stays_in_range(schema, embed):
     result = edge_merge(_numeric_subs([0.2, 0.4, 0.6, 0.8]), schema,
                         RoundConfig(epsilon=2.0), embed=embed, seed=7)
-    [entry] = result.ledger
-    assert (entry.tool_id, entry.field, entry.contributors) == ("weather", "success_rate", 4)
-    assert entry.epsilon == pytest.approx(2.0)  # one released field: ε_j = ε / 1
-    assert entry.noise_scale == pytest.approx(1.0 / (4 * 2.0))
-    value = result.compendium.metadata[0].stats["success_rate"]
-    assert 0.0 <= value <= 1.0
-    assert result.compendium.metadata[0].description == schema.tools_by_id["weather"].description
+    # every registry tool x declared field is released (a data-independent set), over all K
+    n = len(schema.tools) * len(schema.numeric_fields)
+    assert len(result.ledger) == n == 16
+    [entry] = [e for e in result.ledger if (e.tool_id, e.field) == ("weather", "success_rate")]
+    assert entry.contributors == 4
+    assert entry.epsilon == pytest.approx(2.0 / n)  # ε_j = ε / K_f
+    assert entry.noise_scale == pytest.approx(1.0 / (4 * 2.0 / n))
+    assert result.stats.epsilon_spent == pytest.approx(2.0)
+    weather = {m.tool_id: m for m in result.compendium.metadata}["weather"]
+    assert 0.0 <= weather.stats["success_rate"] <= 1.0
+    assert weather.description == schema.tools_by_id["weather"].description
     again = edge_merge(_numeric_subs([0.2, 0.4, 0.6, 0.8]), schema, RoundConfig(epsilon=2.0),
                        embed=embed, seed=7)
     assert canonical_bytes(again.compendium) == canonical_bytes(result.compendium)
@@ -413,9 +417,10 @@ def test_field_cap_splits_epsilon_by_f_star(schema, embed):
                             {"tool_id": "flights", "stats": {"calls": 2}}]),
     ]
     plain = edge_merge(subs, schema, RoundConfig(epsilon=1.2), embed=embed)
-    assert [e.epsilon for e in plain.ledger] == pytest.approx([0.4, 0.4, 0.4])
+    assert [e.epsilon for e in plain.ledger] == pytest.approx([1.2 / 16] * 16)  # 4 tools x 4
+    # F* = 2 tools, each moving its 4 fields: ε_j = ε / (F*·4)
     capped = edge_merge(subs, schema, RoundConfig(epsilon=1.2, field_cap=2), embed=embed)
-    assert [e.epsilon for e in capped.ledger] == pytest.approx([0.6, 0.6, 0.6])
+    assert [e.epsilon for e in capped.ledger] == pytest.approx([1.2 / 8] * 16)
     assert capped.stats.epsilon_spent == pytest.approx(1.2)
 
 
@@ -428,9 +433,12 @@ def test_server_merge_averages_without_noise_and_merges_text(schema, embed):
                           schema, RoundConfig(summarizer="centroid"), embed=embed)
     assert result.ledger == []
     w1, w2 = e1.compendium.num_users, e2.compendium.num_users
-    expected = (e1.compendium.metadata[0].stats["success_rate"] * w1
-                + e2.compendium.metadata[0].stats["success_rate"] * w2) / (w1 + w2)
-    assert result.compendium.metadata[0].stats["success_rate"] == pytest.approx(expected)
+
+    def rate(comp):
+        return {m.tool_id: m.stats for m in comp.metadata}["weather"]["success_rate"]
+
+    expected = (rate(e1.compendium) * w1 + rate(e2.compendium) * w2) / (w1 + w2)
+    assert rate(result.compendium) == pytest.approx(expected, abs=1e-5)
     assert [s.support for s in result.compendium.scenarios] == [2]
 
 
@@ -504,7 +512,7 @@ def test_server_can_publish_stats_only_metadata(schema, embed):
     assert edge.compendium.metadata[0].description is not None
     result = server_merge([MergeInput("org", edge.compendium)], schema,
                           RoundConfig(global_metadata="stats"), embed=embed)
-    [meta] = result.compendium.metadata
+    meta = {m.tool_id: m for m in result.compendium.metadata}["weather"]
     assert meta.description is None and meta.spec is None and "success_rate" in meta.stats
 
 
@@ -531,9 +539,17 @@ def test_server_merge_carries_the_previous_global_forward(schema, embed):
     assert ("flights", "Cheap flights to Rome") in texts
     rain = [n for (tool, _), n in texts.items() if tool == "weather"]
     assert rain == [2]  # the repeated question joined the carried one: support adds up
+    # an edge releases every registry tool's statistics: this round's replace the carried ones
     stats = {m.tool_id: m.stats for m in carried.metadata}
-    assert stats["weather"] == {m.tool_id: m.stats for m in first.metadata}["weather"]  # carried
-    assert set(stats) == {"weather", "calculator"}  # this round's calculator release is added
+    assert set(stats) == schema.tool_ids
+    assert stats["weather"] == {m.tool_id: m.stats for m in edge.metadata}["weather"]
+    # an edge that released no statistics (an erasure past the budget): all are carried
+    bare = edge_merge([sub("y", [sc("flights", "Cheap flights to Rome")])], schema, config,
+                      embed=embed, seed=2, release_numeric=False).compendium
+    kept = server_merge([MergeInput("org", bare)], schema, config, embed=embed,
+                        previous=first).compendium
+    assert {m.tool_id: m.stats for m in kept.metadata} == {m.tool_id: m.stats
+                                                           for m in first.metadata}
     alone = server_merge([MergeInput("org", edge)], schema, config, embed=embed).compendium
     assert ("recipes", "A vegan lasagna recipe") not in {(s.tool_id, s.text) for s in alone.scenarios}
 
@@ -650,3 +666,82 @@ def test_near_duplicates_claimed_for_different_tools_keep_the_better_supported_o
     flagged = [sub(c, [sc("weather", "Get the weather forecast for a city", has_city=v)])
                for c, v in (("c1", True), ("c2", True), ("c3", False))]
     assert not edge_merge(flagged, schema, RoundConfig(conflict_log=False), embed=embed).conflicts
+
+
+# --- Differential privacy of the numeric release (regressions) -------------------------------
+
+def _stats(calls, rate, freq, latency):
+    return {"calls": calls, "success_rate": rate, "frequency": freq, "latency_ms": latency}
+
+
+def _privacy_loss(a, b):
+    """The Laplace mechanism's worst-case privacy loss between two releases of the same keys:
+    Σ |mean_a − mean_b| / b_key (the released means are recomputed from the clipped inputs)."""
+    la = {(e.tool_id, e.field): e for e in a.ledger}
+    lb = {(e.tool_id, e.field): e for e in b.ledger}
+    assert la.keys() == lb.keys()
+    assert all(la[k].noise_scale == lb[k].noise_scale for k in la)
+    return la, lb
+
+
+def _means(schema, subs, tools):
+    from compendium.clipping import clip_bound
+    out = {}
+    for tool in tools:
+        for spec in schema.numeric_fields:
+            bound = clip_bound(spec)
+            vals = []
+            for s in subs:
+                got = [m["stats"] for m in s.document["metadata"] if m["tool_id"] == tool]
+                vals.append(bound.clip(got[0][spec.name]) if got and spec.name in got[0]
+                            else bound.neutral)
+            out[(tool, spec.name)] = sum(vals) / len(vals)
+    return out
+
+
+def test_field_cap_charges_every_numeric_field_of_each_tool(schema, embed):
+    """F* caps the *tools* a user feeds (compendium.clipping), and a user who feeds a tool moves
+    all of its numeric fields. With F* = 1 and one-user clients, one user moves the 4 fields of
+    one tool by up to Δ/K each: the privacy loss of the release must stay within ε and within
+    what the ledger charges (it was 3.5·ε against a charged ε when ε_j was ε/F*)."""
+    config = RoundConfig(epsilon=1.0, field_cap=1)
+    other = sub("c2", metadata=[{"tool_id": "weather", "stats": _stats(10, 0.5, 0.5, 300)}])
+    high = [sub("c1", metadata=[{"tool_id": "weather", "stats": _stats(50, 1, 1, 10000)}]), other]
+    low = [sub("c1", metadata=[{"tool_id": "weather", "stats": _stats(0, 0, 0, 0)}]), other]
+    a = edge_merge(high, schema, config, embed=embed, seed=1)
+    b = edge_merge(low, schema, config, embed=embed, seed=1)
+    la, _ = _privacy_loss(a, b)
+    ma, mb = _means(schema, high, ["weather"]), _means(schema, low, ["weather"])
+    loss = sum(abs(ma[k] - mb[k]) / la[k].noise_scale for k in ma)
+    assert loss == pytest.approx(3.5 * config.epsilon / 4)
+    assert loss <= config.epsilon + 1e-9
+    assert a.stats.epsilon_spent == pytest.approx(config.epsilon)
+    assert a.stats.epsilon_spent >= loss
+
+
+def test_what_the_edge_releases_does_not_depend_on_which_tools_were_used(schema, embed):
+    """The set of released (tool, field) statistics, their K and their noise scales are public;
+    they must not change when one user's data changes (here: a client's only user used weather,
+    or nothing). Releasing only reported pairs, averaged over the clients that reported them,
+    published which tools were used with certainty (no ε bounds that)."""
+    config = RoundConfig(epsilon=1.0)
+    other = sub("c2", metadata=[{"tool_id": "flights", "stats": _stats(3, 1, 1, 200)}])
+    used = [sub("c1", metadata=[{"tool_id": "weather", "stats": _stats(5, 1, 1, 100)}]), other]
+    unused = [sub("c1"), other]
+    a = edge_merge(used, schema, config, embed=embed, seed=3)
+    b = edge_merge(unused, schema, config, embed=embed, seed=3)
+    _privacy_loss(a, b)
+    assert [m.tool_id for m in a.compendium.metadata] == [m.tool_id for m in b.compendium.metadata]
+    assert {e.contributors for e in a.ledger} == {e.contributors for e in b.ledger} == {2}
+    assert len(a.ledger) == len(schema.tools) * len(schema.numeric_fields)
+    ma, mb = _means(schema, used, schema.tool_ids), _means(schema, unused, schema.tool_ids)
+    scales = {(e.tool_id, e.field): e.noise_scale for e in a.ledger}
+    loss = sum(abs(ma[k] - mb[k]) / scales[k] for k in ma)
+    assert loss <= config.epsilon + 1e-9
+    assert a.stats.epsilon_spent == pytest.approx(config.epsilon)
+
+
+def test_rematerialization_without_numeric_release_draws_no_noise(schema, embed):
+    result = edge_merge(_numeric_subs([0.5]), schema, RoundConfig(), embed=embed,
+                        epsilon_remaining=0.0, release_numeric=False)
+    assert result.ledger == [] and result.compendium.metadata == []

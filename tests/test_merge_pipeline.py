@@ -82,15 +82,17 @@ def test_full_round_publishes_global_with_embeddings_ledger_and_accuracy(
         return np.mean(h.log_proba(probe.vectors)[np.arange(len(probe)), own])
 
     assert own_log_proba(taught) > own_log_proba(blind) + 0.05
-    # acme: 2 released fields (weather.calls, weather.success_rate); globex: 1
+    # each edge releases every registry tool x declared field (what clients reported or not:
+    # the released set must not reveal which tools were used), over all its K submissions
     ledger = PrivacyLedgerEntry.objects.filter(round=round_)
+    schema = pipeline.current_schema()
+    keys = sorted((t.tool_id, f.name) for t in schema.tools for f in schema.numeric_fields)
     assert sorted((e.organization.slug, e.tool_id, e.field) for e in ledger) == [
-        ("acme", "weather", "calls"), ("acme", "weather", "success_rate"),
-        ("globex", "flights", "success_rate"),
+        (org, *key) for org in ("acme", "globex") for key in keys
     ]
-    acme_calls = ledger.get(organization__slug="acme", field="calls")
-    assert acme_calls.contributors == 2 and acme_calls.epsilon == pytest.approx(0.5)
-    assert acme_calls.noise_scale == pytest.approx(50 / (2 * 0.5))
+    acme_calls = ledger.get(organization__slug="acme", tool_id="weather", field="calls")
+    assert acme_calls.contributors == 2 and acme_calls.epsilon == pytest.approx(1 / len(keys))
+    assert acme_calls.noise_scale == pytest.approx(50 / (2 / len(keys)))
     record = MergeRecord.objects.get(round=round_, organization__isnull=True)
     assert record.probe_queries == 6 and 0.0 <= record.accuracy <= 1.0
     assert record.stats["scenarios_in"] > 0
@@ -110,7 +112,10 @@ def test_edge_merge_is_idempotent(probes):
     second = pipeline.run_edge_merge(round_.pk, org.pk)
     assert first.sha256 == second.sha256
     assert CompendiumVersion.objects.filter(kind="edge", round=round_).count() == 1
-    assert PrivacyLedgerEntry.objects.filter(round=round_).count() == 2
+    schema = pipeline.current_schema()
+    assert PrivacyLedgerEntry.objects.filter(round=round_).count() == (
+        len(schema.tools) * len(schema.numeric_fields)
+    )
 
 
 def test_budget_cap_fails_round_before_any_merge(settings, django_capture_on_commit_callbacks):
@@ -473,3 +478,4 @@ def test_a_server_merge_does_not_publish_a_round_failed_meanwhile(probes):
     round_.refresh_from_db()
     assert round_.state == "failed"
     assert not CompendiumVersion.objects.filter(kind="global", round=round_).exists()
+

@@ -123,3 +123,12 @@ def test_robust_batches_drop_the_source_whose_batch_points_elsewhere():
     assert all(tool == "a" for _, tool in trimmed)
     assert robust_batches(batches, "none", 0.25) == set()
     assert robust_batches(batches, "krum", 0.1) == set()  # f = floor(0.1 * 5) = 0
+
+
+def test_round_spend_under_a_field_cap_charges_each_tool_all_its_fields():
+    """The cap is on tools: a user feeding F* tools moves every field of each, so a round costs
+    the F* largest per-tool sums of ε_j, not F*·max ε_j."""
+    tools = ["a", "a", "a", "a", "b", "b", "b", "b", "c", "c", "c", "c"]
+    assert round_spend([0.125] * 12, 2, tools) == pytest.approx(1.0)
+    assert round_spend([0.125] * 12, None, tools) == pytest.approx(1.5)
+    assert round_spend([0.125] * 12, 5, tools) == pytest.approx(1.5)  # only 3 tools

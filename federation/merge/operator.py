@@ -15,6 +15,7 @@ from collections.abc import Callable, Sequence
 
 import numpy as np
 
+from compendium.clipping import clip_bound
 from compendium.schema import (
     AnnexTriple,
     Compendium,
@@ -106,9 +107,11 @@ def edge_merge(
     confusion_margin: float = CONFUSION_MARGIN,
     confusion_rank: int = CONFUSION_RANK,
     source_limit: float = SOURCE_LIMIT,
+    release_numeric: bool = True,
 ) -> MergeResult:
     """Merge client compendiums into one edge compendium (Algorithm 1). `source_limit` above 1
-    turns the implausible-source check off (percentiles are at most 1)."""
+    turns the implausible-source check off (percentiles are at most 1). `release_numeric=False`
+    releases no numeric statistics at all (no noise, no ledger rows)."""
     return _merge(
         submissions,
         schema,
@@ -123,6 +126,7 @@ def edge_merge(
         confusion_margin=confusion_margin,
         confusion_rank=confusion_rank,
         source_limit=source_limit,
+        release_numeric=release_numeric,
     )
 
 
@@ -308,6 +312,7 @@ def _merge(
     confusion_rank: int,
     source_limit: float,
     previous: Compendium | None = None,
+    release_numeric: bool = True,
 ) -> MergeResult:
     stats = MergeStats(summarizer=config.summarizer)
     clock = _Clock(stats)
@@ -317,7 +322,9 @@ def _merge(
 
     # M first: the budget check must refuse before any noise is drawn or any text work is done.
     fresh = [(s, comp) for s, comp in accepted if not (carry and s == PREVIOUS_GLOBAL)]
-    metadata, ledger = _merge_metadata(fresh, schema, config, seed, epsilon_remaining, noise)
+    metadata, ledger = _merge_metadata(
+        fresh, schema, config, seed, epsilon_remaining, noise, release_numeric
+    )
     for source, comp in accepted:
         if carry and source == PREVIOUS_GLOBAL:  # its statistics stay for tools not reported
             reported = {m.tool_id for m in metadata}
@@ -327,7 +334,9 @@ def _merge(
     if not noise and config.global_metadata == "stats":
         metadata = [m.model_copy(update={"description": None, "spec": None}) for m in metadata]
     stats.numeric_releases = len(ledger)
-    stats.epsilon_spent = round_spend([e.epsilon for e in ledger], config.field_cap)
+    stats.epsilon_spent = round_spend(
+        [e.epsilon for e in ledger], config.field_cap, [e.tool_id for e in ledger]
+    )
     clock.lap("metadata")
 
     scenario_items = [
@@ -491,7 +500,10 @@ def _published_number(value: float, noise_scale: float | None = None) -> float:
     return float(f"{value:.6g}")
 
 
-def _merge_metadata(accepted, schema, config, seed, epsilon_remaining, noise):
+def _merge_metadata(accepted, schema, config, seed, epsilon_remaining, noise, release_numeric=True):
+    if noise:
+        return _release_metadata(accepted, schema, config, seed, epsilon_remaining,
+                                 release_numeric)
     values: dict[tuple[str, str], list[float]] = defaultdict(list)
     weights: dict[tuple[str, str], list[float]] = defaultdict(list)
     tools: set[str] = set()
@@ -502,59 +514,88 @@ def _merge_metadata(accepted, schema, config, seed, epsilon_remaining, noise):
                 values[(meta.tool_id, name)].append(float(value))
                 weights[(meta.tool_id, name)].append(float(comp.num_users or 1))
     keys = sorted(values)
-    ledger: list[LedgerEntry] = []
     released: dict[tuple[str, str], float] = {}
-    if noise and keys:
-        eps_j = config.per_field_epsilon(len(keys))
-        spend = round_spend([eps_j] * len(keys), config.field_cap)
-        if epsilon_remaining is not None and spend > epsilon_remaining + 1e-12:
-            raise BudgetExceeded(
-                f"privacy budget exceeded: this release needs ε = {spend:.6g} but only "
-                f"{max(0.0, epsilon_remaining):.6g} of the federation's epsilon budget is left"
-            )
-        rng = np.random.default_rng(seed)
-        for key in keys:
-            spec = schema.fields_by_name[key[1]]
-            # Clip into a window of width Δ inside the declared range so the average's
-            # sensitivity really is Δ/K, whatever a client sent.
-            upper = min(spec.max, spec.min + spec.sensitivity)
-            data = np.clip(np.asarray(values[key]), spec.min, upper)
-            k = len(data)
-            if config.robust_rule != "none":
-                f = byzantine_count(k, config.trim_fraction)
-                data = np.sort(data)[f : k - f] if k - 2 * f >= 1 else data
-            value, scale = laplace_release(
-                data,
-                lower=spec.min,
-                upper=spec.max,
-                sensitivity=spec.sensitivity,
-                epsilon=eps_j,
-                rng=rng,
-            )
-            released[key] = _published_number(value, scale)
-            ledger.append(
-                LedgerEntry(
-                    tool_id=key[0],
-                    field=key[1],
-                    sensitivity=spec.sensitivity,
-                    contributors=len(data),
-                    epsilon=eps_j,
-                    noise_scale=scale,
-                    mechanism="laplace" if config.robust_rule == "none" else "laplace-trimmed-mean",
-                    field_cap=config.field_cap,
-                )
-            )
-    elif keys:
-        for key in keys:
-            spec = schema.fields_by_name[key[1]]
-            w = np.asarray(weights[key])
-            value = float(np.dot(np.asarray(values[key]), w) / w.sum())
-            released[key] = _published_number(min(spec.max, max(spec.min, value)))
+    for key in keys:
+        spec = schema.fields_by_name[key[1]]
+        w = np.asarray(weights[key])
+        value = float(np.dot(np.asarray(values[key]), w) / w.sum())
+        released[key] = _published_number(min(spec.max, max(spec.min, value)))
     metadata = [
         _tool_metadata(
             schema, tool_id, {name: released[(t, name)] for (t, name) in keys if t == tool_id}
         )
         for tool_id in sorted(tools)
+    ]
+    return metadata, []
+
+
+def _release_metadata(accepted, schema, config, seed, epsilon_remaining, release_numeric):
+    """The edge's Laplace release (paper, App. "Edge Merge Operator", stage 2).
+
+    What is released must not depend on the private data except through the noised values: every
+    (tool, field) of the registry and the declared numeric fields is released, each the mean over
+    all K accepted submissions, a submission that did not report it counting the field's neutral
+    value (as a client counts a user who did not use a tool). Releasing only the pairs some
+    client reported, or averaging over the clients that reported a pair, would publish exactly
+    which tools were used (a deterministic function of one user's data: no ε bounds it) and
+    calibrate the noise to a private count."""
+    ledger: list[LedgerEntry] = []
+    k = len(accepted)
+    fields = list(schema.numeric_fields)
+    if not release_numeric or k == 0 or not fields or not schema.tools:
+        return [], ledger
+    reported: dict[tuple[str, str], list[float]] = defaultdict(list)
+    for _, comp in accepted:
+        for meta in comp.metadata:
+            for name, value in meta.stats.items():
+                reported[(meta.tool_id, name)].append(float(value))
+    keys = sorted((t.tool_id, f.name) for t in schema.tools for f in fields)
+    eps_j = config.per_field_epsilon(len(keys), fields_per_tool=len(fields))
+    spend = round_spend([eps_j] * len(keys), config.field_cap, [t for t, _ in keys])
+    if epsilon_remaining is not None and spend > epsilon_remaining + 1e-12:
+        raise BudgetExceeded(
+            f"privacy budget exceeded: this release needs ε = {spend:.6g} but only "
+            f"{max(0.0, epsilon_remaining):.6g} of the federation's epsilon budget is left"
+        )
+    rng = np.random.default_rng(seed)
+    released: dict[tuple[str, str], float] = {}
+    for key in keys:
+        spec = schema.fields_by_name[key[1]]
+        bound = clip_bound(spec)
+        data = reported.get(key, [])
+        data = data + [bound.neutral] * (k - len(data))
+        # Clip into a window of width Δ inside the declared range so the average's
+        # sensitivity really is Δ/K, whatever a client sent.
+        data = np.clip(np.asarray(data), bound.lo, bound.hi)
+        if config.robust_rule != "none":
+            f = byzantine_count(k, config.trim_fraction)
+            data = np.sort(data)[f : k - f] if k - 2 * f >= 1 else data
+        value, scale = laplace_release(
+            data,
+            lower=spec.min,
+            upper=spec.max,
+            sensitivity=spec.sensitivity,
+            epsilon=eps_j,
+            rng=rng,
+        )
+        released[key] = _published_number(value, scale)
+        ledger.append(
+            LedgerEntry(
+                tool_id=key[0],
+                field=key[1],
+                sensitivity=spec.sensitivity,
+                contributors=len(data),
+                epsilon=eps_j,
+                noise_scale=scale,
+                mechanism="laplace" if config.robust_rule == "none" else "laplace-trimmed-mean",
+                field_cap=config.field_cap,
+            )
+        )
+    tools = sorted({t for t, _ in keys})
+    metadata = [
+        _tool_metadata(schema, tool_id, {name: released[(t, name)] for (t, name) in keys
+                                         if t == tool_id})
+        for tool_id in tools
     ]
     return metadata, ledger
 

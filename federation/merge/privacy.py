@@ -7,6 +7,7 @@ result is clipped back into the declared range, which is post-processing and cos
 from __future__ import annotations
 
 import math
+from collections import defaultdict
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
@@ -103,10 +104,20 @@ def compose(round_epsilons: Sequence[float], delta_prime: float = 1e-5) -> Compo
     return Composition(rounds, basic, advanced, delta_prime)
 
 
-def round_spend(per_field_epsilons: Sequence[float], field_cap: int | None) -> float:
-    """ε one user can lose in one round of one edge: Σ ε_j, or F*·ε_j under a field cap."""
+def round_spend(
+    per_field_epsilons: Sequence[float],
+    field_cap: int | None,
+    tools: Sequence[str] | None = None,
+) -> float:
+    """ε one user can lose in one round of one edge: Σ ε_j, or under a field cap the F* largest
+    per-tool sums Σ_{fields of t} ε_j. The cap is enforced per *tool* at the client (a user feeds
+    at most F* tools, and every numeric field of each), so each tool a user feeds costs all of its
+    fields' ε_j. `tools[i]` is the tool of `per_field_epsilons[i]` (None: each its own tool)."""
     if not per_field_epsilons:
         return 0.0
     if field_cap is None:
         return float(sum(per_field_epsilons))
-    return float(min(field_cap, len(per_field_epsilons)) * max(per_field_epsilons))
+    per_tool: dict = defaultdict(float)
+    for i, eps in enumerate(per_field_epsilons):
+        per_tool[tools[i] if tools is not None else i] += float(eps)
+    return float(sum(sorted(per_tool.values(), reverse=True)[:field_cap]))
