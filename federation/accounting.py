@@ -93,18 +93,41 @@ def federation_composition() -> Composition:
 
 
 def remaining_for_release(round_id: int, organization_id: int, release: int) -> float:
-    """ε still available to one edge release (a retry of the same release is not counted twice).
+    """ε still available to one edge release (a retry of the same release is not counted twice):
+    the largest x such that the committed composition with this round at `own + x` stays within
+    the cap.
 
-    cap − the committed composition, where every other round counts as in
-    `committed_composition` (ledger spend, or the reservation of a round that has not released
-    yet: an erasure's re-release must not take budget an open round holds), and this round counts
-    this organization's own earlier releases only (other organizations' releases in the same round
-    cover disjoint clients). Exact under basic composition."""
+    Every other round counts as in `committed_composition` (ledger spend, or the reservation of a
+    round that has not released yet: an erasure's re-release must not take budget an open round
+    holds), and this round counts this organization's own earlier releases only (other
+    organizations' releases in the same round cover disjoint clients). Under basic composition
+    this is cap − the committed ε′; when advanced composition is the tighter, a release adds more
+    than its own ε (it raises max ε_r), so the figure is found by bisection on the composed ε′.
+    Negative when the committed figure is already over the cap."""
     spends = _spends(exclude=(organization_id, round_id, release))
     committed = commitments(spends)
     own = spends.get(organization_id, {}).get(round_id, 0.0)
-    used = compose(committed.spends([own], exclude=round_id), delta_prime())
-    return epsilon_budget() - used.epsilon
+    others = committed.spends(exclude=round_id)
+    cap, delta = epsilon_budget(), delta_prime()
+
+    def total(x: float) -> float:
+        return compose(others + [own + x], delta).epsilon
+
+    now = total(0.0)
+    if now > cap:
+        return cap - now
+    lo, hi = 0.0, max(cap - now, 1e-12)
+    while total(hi) <= cap:  # basic composition grows by x: this ends once hi > cap
+        lo, hi = hi, hi * 2
+    for _ in range(200):
+        mid = (lo + hi) / 2
+        if total(mid) <= cap:
+            lo = mid
+        else:
+            hi = mid
+        if hi - lo <= 1e-12 * max(1.0, hi):
+            break
+    return lo
 
 
 def declared_numeric_fields() -> int:

@@ -479,3 +479,32 @@ def test_a_server_merge_does_not_publish_a_round_failed_meanwhile(probes):
     assert round_.state == "failed"
     assert not CompendiumVersion.objects.filter(kind="global", round=round_).exists()
 
+
+def test_release_headroom_accounts_for_advanced_composition(settings):
+    """When advanced composition is the tighter bound, a release raises max ε_r and the committed
+    ε′ grows by more than the release's own ε: the headroom an edge release is checked against
+    must be what keeps the *composed* figure within the cap (it was cap − ε′, which let an
+    erasure's re-release push ε′ from 3.46 to 4.1 over a cap of 3.9)."""
+    from federation.merge.privacy import compose
+    from federation.models import Organization
+
+    settings.SYNAPSE_EPSILON_BUDGET = 3.9
+    org = Organization.objects.create(name="A", slug="a")
+    rounds = [Round.objects.create(number=n, state="published") for n in range(1, 41)]
+    for r in rounds:
+        _ledger_row(r, org, 0.1)
+    before = accounting.federation_composition()
+    assert before.tighter == "advanced" and before.epsilon < 3.5
+    remaining = accounting.remaining_for_release(rounds[-1].pk, org.pk, 1)
+    # a re-release of the last round at its ε = 0.1 would bring ε′ to 4.1 (basic) > 3.9
+    assert compose([0.1] * 39 + [0.2], 1e-5).epsilon > 3.9
+    assert remaining < 0.1
+    assert compose([0.1] * 39 + [0.1 + remaining], 1e-5).epsilon <= 3.9 + 1e-9
+    assert compose([0.1] * 39 + [0.1 + remaining + 1e-3], 1e-5).epsilon > 3.9
+    # under basic composition the headroom is still cap − ε′ exactly
+    settings.SYNAPSE_EPSILON_BUDGET = 100.0
+    r = Round.objects.create(number=41, state="published")
+    _ledger_row(r, org, 5.0)
+    committed = accounting.committed_composition()
+    assert committed.tighter == "basic"
+    assert accounting.remaining_for_release(r.pk, org.pk, 1) == pytest.approx(100.0 - 9.0)
