@@ -59,18 +59,18 @@ def delta_prime() -> float:
 
 def _spends(exclude: tuple[int, int, int] | None = None) -> dict[int, dict[int, float]]:
     """{organization id: {round id: ε}} from the ledger, optionally leaving out one release."""
-    groups: dict[tuple[int, int, int], list[PrivacyLedgerEntry]] = defaultdict(list)
-    for row in PrivacyLedgerEntry.objects.only(
-        "round_id", "organization_id", "release", "epsilon", "field_cap", "tool_id"
-    ):
-        key = (row.organization_id, row.round_id, row.release)
+    # Tuples, not model instances: an edge releases every registry tool's statistics (199 × 4
+    # rows a release on MetaTool), and every budget check and the Privacy page read them all.
+    groups: dict[tuple[int, int, int], list[tuple]] = defaultdict(list)
+    for org, rnd, release, epsilon, field_cap, tool in PrivacyLedgerEntry.objects.values_list(
+        "organization_id", "round_id", "release", "epsilon", "field_cap", "tool_id"
+    ).order_by():
+        key = (org, rnd, release)
         if key != exclude:
-            groups[key].append(row)
+            groups[key].append((epsilon, field_cap, tool))
     out: dict[int, dict[int, float]] = defaultdict(lambda: defaultdict(float))
     for (org, rnd, _), rows in groups.items():
-        out[org][rnd] += round_spend(
-            [r.epsilon for r in rows], rows[0].field_cap, [r.tool_id for r in rows]
-        )
+        out[org][rnd] += round_spend([r[0] for r in rows], rows[0][1], [r[2] for r in rows])
     return out
 
 
