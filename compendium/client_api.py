@@ -697,6 +697,14 @@ def etag_file(out: Path) -> Path:
     return out.with_name(out.name + ".etag")
 
 
+def global_document(doc):
+    """A pulled global as JSON: the compendium itself (what `pull` saves) or the body of
+    GET /api/v1/compendium/global/ saved as it came (curl -o), whose `compendium` it is."""
+    if isinstance(doc, dict) and isinstance(doc.get("compendium"), dict):
+        return doc["compendium"]
+    return doc
+
+
 def head_file(compendium_path: Path) -> Path:
     """Where `pull` saves the routing head of a pulled global: COMPENDIUM.head.npz."""
     compendium_path = Path(compendium_path)

@@ -62,14 +62,15 @@ def _load_pulled(path: str) -> Compendium:
     """The global compendium a client pulled (--since): the file `pull` saves, or the body of
     GET /api/v1/compendium/global/ saved as it came (curl -o), whose `compendium` it is (as
     `route --compendium` reads it)."""
+    from compendium.client_api import global_document
+
     data = _read_bytes(path)
     try:
         doc = json.loads(data)
     except ValueError:
-        doc = None
-    if isinstance(doc, dict) and isinstance(doc.get("compendium"), dict) and "sha256" in doc:
-        data = json.dumps(doc["compendium"]).encode()
-    return _load_compendium(path, data)
+        return _load_compendium(path, data)  # names what is wrong with it
+    inner = global_document(doc)
+    return _load_compendium(path, data if inner is doc else json.dumps(inner).encode())
 
 
 def _load_compendium(path: str, data: bytes | None = None) -> Compendium:

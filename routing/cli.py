@@ -18,6 +18,7 @@ from routing.router import RERANKERS, RoutingParams, RoutingParamsError, query_p
 def _load_compendium(path: str):
     from pydantic import ValidationError
 
+    from compendium.client_api import global_document
     from compendium.client_cli import validation_summary
     from compendium.schema import Compendium
 
@@ -32,11 +33,8 @@ def _load_compendium(path: str):
         raise SystemExit(f"synapse-client: cannot read {path}: {exc.strerror}") from None
     except json.JSONDecodeError as exc:
         raise SystemExit(f"synapse-client: {path} is not valid JSON ({exc.msg})") from None
-    # Either the compendium itself or the body of GET /api/v1/compendium/global/.
-    if isinstance(doc, dict) and isinstance(doc.get("compendium"), dict):
-        doc = doc["compendium"]
     try:
-        return Compendium.model_validate(doc)
+        return Compendium.model_validate(global_document(doc))
     except ValidationError as exc:
         raise SystemExit(
             f"synapse-client: {path} is not a compendium: {validation_summary(exc)}"

@@ -50,6 +50,7 @@ class RoundRow:
     submitted_bytes: int = 0
     edges: int = 0
     global_version: CompendiumVersion | None = None
+    failure_reason: str = ""  # as the viewer may read it (federation.services.failure_reason_for)
 
 
 @dataclass
@@ -80,17 +81,26 @@ class Overview:
 
 
 def federation_overview(
-    organizations: QuerySet, *, include_unpublished: bool = False, max_rounds: int = 50
+    organizations: QuerySet,
+    *,
+    include_unpublished: bool = False,
+    max_rounds: int = 50,
+    viewer=None,
 ) -> Overview:
     """Rounds with state, participation and compendium sizes; per-client bytes over rounds.
 
     Participation and per-client figures count only clients of `organizations`; the global
-    compendium of a round not yet published is shown only with `include_unpublished` (operator).
-    The table holds the latest `max_rounds` rounds.
+    compendium of a round not yet published is shown only with `include_unpublished` (operator);
+    a failed round's reason as `viewer` may read it. The table holds the latest `max_rounds`
+    rounds.
     """
+    from federation.services import failure_reason_for
+
     rounds = list(Round.objects.order_by("-number")[:max_rounds])
     round_ids = [r.pk for r in rounds]
-    rows = {r.pk: RoundRow(round=r) for r in rounds}
+    rows = {
+        r.pk: RoundRow(round=r, failure_reason=failure_reason_for(viewer, r)) for r in rounds
+    }
 
     submissions = CompendiumVersion.objects.filter(
         kind=KIND_CLIENT, round_id__in=round_ids, client__organization__in=organizations

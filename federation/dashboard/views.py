@@ -34,7 +34,6 @@ from federation.models import (
 )
 from federation.round_config import MIN_EPSILON, RoundConfig, config_problems
 from federation.services import (
-    FAILURE_FOR_THE_OPERATOR,
     SETTINGS_FIELDS,
     Actor,
     approve_client,
@@ -63,11 +62,10 @@ class OverviewView(DashboardView):
     def get_context_data(self, **kwargs):
         context = super().get_context_data(**kwargs)
         context["overview"] = services.federation_overview(
-            self.organizations, include_unpublished=self.is_operator
+            self.organizations, include_unpublished=self.is_operator, viewer=self.request.user
         )
         if self.is_operator:
             context.update(services.round_controls())
-        context["failure_for_others"] = FAILURE_FOR_THE_OPERATOR
         return context
 
 

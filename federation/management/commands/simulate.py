@@ -34,6 +34,16 @@ def _names(text: str) -> tuple[str, ...]:
     return tuple(x.strip() for x in text.split(",") if x.strip())
 
 
+def _known(names: tuple[str, ...], choices, flag: str) -> tuple[str, ...]:
+    """`names`, or a CommandError naming those not among `choices`."""
+    unknown = set(names) - set(choices)
+    if unknown:
+        raise CommandError(
+            f"{flag}: unknown {', '.join(sorted(unknown))}; choose from {', '.join(choices)}"
+        )
+    return names
+
+
 class Command(BaseCommand):
     help = (
         "Simulate a federation on a routing-benchmark dataset with the real client toolkit, merge "
@@ -276,13 +286,7 @@ class Command(BaseCommand):
         taus = _floats(o["sweep_tau"])
         if any(not 0 < t <= 1 for t in taus):
             raise CommandError("--sweep-tau: every τ must be in (0, 1]")
-        summarizers = _names(o["sweep_summarizers"])
-        unknown = set(summarizers) - set(SUMMARIZERS)
-        if unknown:
-            raise CommandError(
-                f"--sweep-summarizers: unknown {', '.join(sorted(unknown))}; choose from "
-                f"{', '.join(SUMMARIZERS)}"
-            )
+        summarizers = _known(_names(o["sweep_summarizers"]), SUMMARIZERS, "--sweep-summarizers")
         if not o["llm_url"] and {o["summarizer"], *summarizers} & set(LLM_SUMMARIZERS):
             raise CommandError(
                 f"the {' and '.join(sorted(LLM_SUMMARIZERS))} summarizers need an LLM endpoint: pass --llm URL"
@@ -306,13 +310,7 @@ class Command(BaseCommand):
             fractions = _floats(o["sweep_adversarial"])
             if any(not 0 <= f <= 1 for f in fractions):
                 raise CommandError("--sweep-adversarial: every fraction must be in [0, 1]")
-            modes = _names(o["sweep_modes"])
-            unknown = set(modes) - set(ADVERSARIAL_MODES)
-            if unknown:
-                raise CommandError(
-                    f"--sweep-modes: unknown {', '.join(sorted(unknown))}; choose from "
-                    f"{', '.join(ADVERSARIAL_MODES)}"
-                )
+            modes = _known(_names(o["sweep_modes"]), ADVERSARIAL_MODES, "--sweep-modes")
             adversarial_variants = [
                 {"adversarial_mode": m, "adversarial_fraction": f, "robust_rule": r}
                 for m in modes
