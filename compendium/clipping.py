@@ -13,7 +13,9 @@ deployments", option (a)), and it runs inside the client:
 4. The client releases, per tool and field, the mean over ALL U users of the client, a user who did
    not use the tool (or whose contribution was capped away) counting the neutral value (0 clipped
    into the bound). The denominator U is the same for every field, so replacing one user's data
-   moves each released value by at most Δ/U, and at most F* tools' values move at all.
+   moves each released value by at most Δ/U, and at most 2·F* tools' values move at all: the
+   replaced user's F* tools fall back to the neutral value, the replacement's F* tools rise from
+   it (the edge splits ε accordingly: federation.merge.privacy.moved_tools).
 5. The mean is released to 4 significant digits, kept inside the clip bound (`released_value`):
    the edge's bound (each client's value in an interval of width Δ) is exact, the per-user bound
    Δ/U holds to within the rounding, half a unit of the 4th digit of each value.

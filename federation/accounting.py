@@ -2,7 +2,7 @@
 federation, and the federation's budget cap.
 
 Per organization, a round's spend is what one of its users can lose in that round: Σ ε_j over the
-release's fields (under a field cap, the F* largest per-tool sums of ε_j), summed over
+release's fields (under a field cap, the 2·F* largest per-tool sums of ε_j), summed over
 re-materializations. Organizations hold
 disjoint clients, so the federation's spend in a round is the largest organization spend (parallel
 composition). Across rounds the basic and the advanced bound are both computed and the tighter is
@@ -144,7 +144,7 @@ def projected_round_spend(config: RoundConfig | dict | None, fields: int | None 
     fields: round_spend([ε_j] * F, F*, [tool] * F) with the merge's
     ε_j = config.per_field_epsilon(F, fields_per_tool=F). That is F·ε/F = ε whenever F ≥ 1
     (the merge releases every registry tool's F fields, T·F statistics at ε/(T·F) each, or
-    ε/(F*·F) under a cap, which gives the same ε), and 0 when no numeric field is declared
+    ε/(2·F*·F) under a cap, which gives the same ε), and 0 when no numeric field is declared
     (nothing is noised). Organizations release in parallel, so one release is the federation's
     round spend; an erasure's re-release is counted when it is recorded."""
     if not isinstance(config, RoundConfig):

@@ -29,7 +29,7 @@ class RoundConfig(BaseModel):
     )
     field_cap: int | None = Field(
         None, ge=1, description="F*: tools one user may feed per round, each with all its numeric fields "
-        "(None: no cap)"
+        "(None: no cap); ε is split over the 2·F* tools' fields one replaced user can move"
     )
     mask_strength: float = Field(1.0, ge=0, description="λ the clients are expected to mask with")
     summarizer: Summarizer = "probe-extractive"
@@ -71,11 +71,17 @@ class RoundConfig(BaseModel):
 
     def per_field_epsilon(self, declared_fields: int, fields_per_tool: int = 1) -> float:
         """ε_j = ε / K_f over the K_f released (tool, field) statistics, or with a field cap
-        ε / (F*·fields_per_tool): the client caps a user at F* *tools*, and a user who feeds a
-        tool moves every one of its `fields_per_tool` numeric fields (sequential composition)."""
+        ε / (2·F*·fields_per_tool): the client caps a user at F* *tools*, and a user who feeds a
+        tool moves every one of its `fields_per_tool` numeric fields (sequential composition).
+        The factor 2 is the adjacency: neighbouring datasets replace one user's record by
+        another (K and every client's U stay fixed), and the replaced user's F* tools and the
+        replacement's F* tools can be different tools, so up to 2·F* tools move
+        (`moved_tools`)."""
+        from federation.merge.privacy import moved_tools  # the merge package imports this one
+
         divisor = declared_fields
         if self.field_cap is not None:
-            divisor = min(self.field_cap * max(1, fields_per_tool), declared_fields)
+            divisor = min(moved_tools(self.field_cap) * max(1, fields_per_tool), declared_fields)
         return self.epsilon / max(1, divisor)
 
 

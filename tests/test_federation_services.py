@@ -241,9 +241,10 @@ def test_projected_round_spend_is_the_ledger_formula(world):
     f = NumericField.objects.count()  # the declared fields of the schema in force
     assert f >= 3
     capped = RoundConfig(epsilon=1.2, field_cap=2)
-    # the cap is on tools, each moving all F fields: ε_j = ε/(F*·F) over T·F statistics, and a
-    # round costs the F* largest per-tool sums (the projection: one tool's F fields at ε/F)
-    assert capped.per_field_epsilon(10 * f, fields_per_tool=f) == pytest.approx(1.2 / (2 * f))
+    # the cap is on tools, each moving all F fields, and a replaced user's tools and the
+    # replacement's can differ: ε_j = ε/(2·F*·F) over T·F statistics, and a round costs the
+    # 2·F* largest per-tool sums (the projection: one tool's F fields at ε/F)
+    assert capped.per_field_epsilon(10 * f, fields_per_tool=f) == pytest.approx(1.2 / (4 * f))
     assert accounting.projected_round_spend(capped) == pytest.approx(1.2)
     assert accounting.projected_round_spend(capped) == pytest.approx(
         round_spend([capped.per_field_epsilon(f, fields_per_tool=f)] * f, 2, ["t"] * f)

@@ -418,10 +418,15 @@ def test_field_cap_splits_epsilon_by_f_star(schema, embed):
     ]
     plain = edge_merge(subs, schema, RoundConfig(epsilon=1.2), embed=embed)
     assert [e.epsilon for e in plain.ledger] == pytest.approx([1.2 / 16] * 16)  # 4 tools x 4
-    # F* = 2 tools, each moving its 4 fields: ε_j = ε / (F*·4)
-    capped = edge_merge(subs, schema, RoundConfig(epsilon=1.2, field_cap=2), embed=embed)
+    # F* = 1 tool, each moving its 4 fields, and a replacement user may feed another: 2·F* tools
+    # move, ε_j = ε / (2·F*·4)
+    capped = edge_merge(subs, schema, RoundConfig(epsilon=1.2, field_cap=1), embed=embed)
     assert [e.epsilon for e in capped.ledger] == pytest.approx([1.2 / 8] * 16)
     assert capped.stats.epsilon_spent == pytest.approx(1.2)
+    # F* = 2: 2·F* = 4 tools is the whole registry, the cap saves nothing
+    wide = edge_merge(subs, schema, RoundConfig(epsilon=1.2, field_cap=2), embed=embed)
+    assert [e.epsilon for e in wide.ledger] == pytest.approx([1.2 / 16] * 16)
+    assert wide.stats.epsilon_spent == pytest.approx(1.2)
 
 
 def test_server_merge_averages_without_noise_and_merges_text(schema, embed):
@@ -713,7 +718,30 @@ def test_field_cap_charges_every_numeric_field_of_each_tool(schema, embed):
     la, _ = _privacy_loss(a, b)
     ma, mb = _means(schema, high, ["weather"]), _means(schema, low, ["weather"])
     loss = sum(abs(ma[k] - mb[k]) / la[k].noise_scale for k in ma)
-    assert loss == pytest.approx(3.5 * config.epsilon / 4)
+    # ε_j = ε/(2·F*·4): one tool's 4 fields moving here cost half the round (the other half is
+    # for a replacement that feeds another tool: the next test)
+    assert loss == pytest.approx(3.5 * config.epsilon / 8)
+    assert loss <= config.epsilon + 1e-9
+    assert a.stats.epsilon_spent == pytest.approx(config.epsilon)
+    assert a.stats.epsilon_spent >= loss
+
+
+def test_field_cap_covers_a_replacement_user_who_feeds_other_tools(schema, embed):
+    """Neighbouring datasets replace one user by another (K and U fixed). Under F* = 1 the
+    replaced user fed weather and the replacement feeds flights: weather falls to the neutral
+    value and flights rises from it, so 2·F* tools move. The release's loss must stay within ε
+    and what the ledger charges; it was 1.75·ε when ε_j was ε/(F*·F)."""
+    config = RoundConfig(epsilon=1.0, field_cap=1)
+    other = sub("c2", metadata=[{"tool_id": "calculator", "stats": _stats(10, 0.5, 0.5, 300)}])
+    before = [sub("c1", metadata=[{"tool_id": "weather", "stats": _stats(50, 1, 1, 10000)}]), other]
+    after = [sub("c1", metadata=[{"tool_id": "flights", "stats": _stats(50, 1, 1, 10000)}]), other]
+    a = edge_merge(before, schema, config, embed=embed, seed=1)
+    b = edge_merge(after, schema, config, embed=embed, seed=1)
+    la, _ = _privacy_loss(a, b)
+    ma, mb = _means(schema, before, schema.tool_ids), _means(schema, after, schema.tool_ids)
+    loss = sum(abs(ma[k] - mb[k]) / la[k].noise_scale for k in ma)
+    assert {t for (t, _), v in ma.items() if v != mb[(t, _)]} == {"weather", "flights"}
+    assert loss == pytest.approx(2 * 3.5 * config.epsilon / 8)
     assert loss <= config.epsilon + 1e-9
     assert a.stats.epsilon_spent == pytest.approx(config.epsilon)
     assert a.stats.epsilon_spent >= loss

@@ -70,7 +70,8 @@ def test_composition_matches_formulas():
 
 def test_round_spend_with_and_without_field_cap():
     assert round_spend([0.25] * 4, None) == pytest.approx(1.0)
-    assert round_spend([0.5] * 4, 2) == pytest.approx(1.0)
+    assert round_spend([0.5] * 4, 1) == pytest.approx(1.0)  # 2·F* = 2 fields, each its own tool
+    assert round_spend([0.5] * 4, 2) == pytest.approx(2.0)
 
 
 def test_krum_drops_planted_outliers():
@@ -127,8 +128,11 @@ def test_robust_batches_drop_the_source_whose_batch_points_elsewhere():
 
 def test_round_spend_under_a_field_cap_charges_each_tool_all_its_fields():
     """The cap is on tools: a user feeding F* tools moves every field of each, so a round costs
-    the F* largest per-tool sums of ε_j, not F*·max ε_j."""
+    the 2·F* largest per-tool sums of ε_j (a replaced user's F* tools and the replacement's),
+    not F*·max ε_j."""
     tools = ["a", "a", "a", "a", "b", "b", "b", "b", "c", "c", "c", "c"]
-    assert round_spend([0.125] * 12, 2, tools) == pytest.approx(1.0)
+    assert round_spend([0.125] * 12, 1, tools) == pytest.approx(1.0)
     assert round_spend([0.125] * 12, None, tools) == pytest.approx(1.5)
-    assert round_spend([0.125] * 12, 5, tools) == pytest.approx(1.5)  # only 3 tools
+    assert round_spend([0.125] * 12, 2, tools) == pytest.approx(1.5)  # only 3 tools
+    uneven = [0.5] * 4 + [0.25] * 4 + [0.125] * 4
+    assert round_spend(uneven, 1, tools) == pytest.approx(2.0 + 1.0)  # the two largest tools

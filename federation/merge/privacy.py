@@ -104,15 +104,28 @@ def compose(round_epsilons: Sequence[float], delta_prime: float = 1e-5) -> Compo
     return Composition(rounds, basic, advanced, delta_prime)
 
 
+def moved_tools(field_cap: int) -> int:
+    """How many tools' statistics one user can move under a field cap F*: 2·F*.
+
+    The adjacency is user-level replace-one (paper, Theorem 1 and App. L: "replacing one user's
+    contribution"; K and every client's user count U stay fixed, which is what makes the
+    average's sensitivity Δ/K). The replaced user fed at most F* tools and so does the
+    replacement, but they need not be the same tools: the old ones fall back to the neutral
+    value and the new ones rise from it, so up to 2·F* tools move (compendium.clipping; the
+    paper's Δ = 2 for a frequency vector is the same argument for one field)."""
+    return 2 * field_cap
+
+
 def round_spend(
     per_field_epsilons: Sequence[float],
     field_cap: int | None,
     tools: Sequence[str] | None = None,
 ) -> float:
-    """ε one user can lose in one round of one edge: Σ ε_j, or under a field cap the F* largest
-    per-tool sums Σ_{fields of t} ε_j. The cap is enforced per *tool* at the client (a user feeds
-    at most F* tools, and every numeric field of each), so each tool a user feeds costs all of its
-    fields' ε_j. `tools[i]` is the tool of `per_field_epsilons[i]` (None: each its own tool)."""
+    """ε one user can lose in one round of one edge: Σ ε_j, or under a field cap the 2·F*
+    largest per-tool sums Σ_{fields of t} ε_j. The cap is enforced per *tool* at the client (a
+    user feeds at most F* tools, and every numeric field of each), so each tool a user feeds
+    costs all of its fields' ε_j, and replacing that user can move 2·F* tools (`moved_tools`).
+    `tools[i]` is the tool of `per_field_epsilons[i]` (None: each its own tool)."""
     if not per_field_epsilons:
         return 0.0
     if field_cap is None:
@@ -120,4 +133,4 @@ def round_spend(
     per_tool: dict = defaultdict(float)
     for i, eps in enumerate(per_field_epsilons):
         per_tool[tools[i] if tools is not None else i] += float(eps)
-    return float(sum(sorted(per_tool.values(), reverse=True)[:field_cap]))
+    return float(sum(sorted(per_tool.values(), reverse=True)[: moved_tools(field_cap)]))
