@@ -33,8 +33,9 @@ from typing import Any
 import httpx
 
 from compendium import transport
-from compendium.canonical import canonical_form
+from compendium.canonical import canonical_form, canonical_positions
 from compendium.schema import Compendium, Schema
+from compendium.validation import reindex_paths
 
 USER_AGENT = "synapse-client/0.1"
 MAX_RETRY_AFTER_S = 60.0
@@ -53,7 +54,9 @@ class CannotWrite(ClientError):
 
 
 class SubmissionRejected(ClientError):
-    """The server rejected the compendium (400) and said why, by JSON path."""
+    """The server rejected the compendium (400) and said why, by JSON path: paths (and the paths
+    quoted in reasons) index the entries of the compendium as `submit` was given it, not the
+    sorted canonical form that was sent."""
 
     def __init__(self, detail: str, violations: list[dict[str, str]]):
         self.detail = detail
@@ -346,8 +349,14 @@ class SynapseClient:
         if status == 400:
             payload = self._json(response, "the submission")
             violations = payload.get("violations") if isinstance(payload, dict) else None
+            # The server's paths index the canonical bytes sent (entries sorted); the caller's
+            # compendium (a file, maybe edited or reordered by hand) has its own order.
+            positions = canonical_positions(compendium)
             clean = [
-                {"path": str(v.get("path", "$")), "reason": str(v.get("reason", ""))}
+                {
+                    "path": reindex_paths(str(v.get("path", "$")), positions),
+                    "reason": reindex_paths(str(v.get("reason", "")), positions),
+                }
                 for v in (violations if isinstance(violations, list) else [])
                 if isinstance(v, dict)
             ]

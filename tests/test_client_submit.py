@@ -579,3 +579,42 @@ def test_probe_goes_with_the_schema_and_must_be_a_probe_set(tmp_path, capsys):
     assert main(submit_args(url, path) + ["--schema", str(schema_path), "--probe",
                                           str(probe_path)]) == 1
     assert f"{probe_path} is not a probe set: its 'sha256' does not match" in capsys.readouterr().err
+
+
+def test_rejected_paths_point_into_the_submitted_file_not_the_canonical_order(server, tmp_path,
+                                                                             capsys):
+    # The body goes in canonical order (entries sorted), which the server's paths index; a file
+    # edited or reordered by hand has its own order, and `validate` reads the file as it is.
+    url, state = server
+    doc = {
+        "metadata": [
+            {"tool_id": "weather", "stats": {"calls": 5000.0}},
+            {"tool_id": "flights", "stats": {"calls": 2.0}},
+            {"tool_id": "weather", "stats": {"calls": 1.0}},
+        ],
+        "scenarios": [
+            {"tool_id": "weather", "text": "Will it snow in the mountains?"},
+            {"tool_id": "teleporter", "text": "Beam me up"},
+            {"tool_id": "weather", "text": "Is it sunny on the coast?"},
+            {"tool_id": "weather", "text": "Is it sunny on the coast?"},
+        ],
+    }
+    path = tmp_path / "edited.json"
+    path.write_text(json.dumps(doc, indent=1), encoding="utf-8")
+    schema_path = tmp_path / "schema.json"
+    schema_path.write_text(SCHEMA.model_dump_json(), encoding="utf-8")
+    assert main(["validate", str(path), "--schema", str(schema_path)]) == 1
+    local = capsys.readouterr().err.strip().splitlines()
+    assert main(submit_args(url, path)) == 1
+    remote = capsys.readouterr().err.strip().splitlines()
+    assert len(state.posts) == 1  # the server saw it, in canonical order
+    assert remote[-1].startswith(f"synapse-client: the server rejected {path}")
+    expected = {
+        f"{path}: $.scenarios[1].tool_id: references unregistered tool 'teleporter': not in the "
+        "tool registry (2 tools); register it or drop the entry",
+        f"{path}: $.scenarios[3]: duplicate scenario: same as $.scenarios[2]",
+        f"{path}: $.metadata[0].stats.calls: value 5000.0 is outside the declared range "
+        "[0, 1000] of field 'calls'",
+        f"{path}: $.metadata[2].tool_id: duplicate tool id 'weather': already at $.metadata[0]",
+    }
+    assert set(remote[:-1]) == expected and set(local) == expected
