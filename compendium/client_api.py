@@ -295,7 +295,11 @@ class SynapseClient:
         )
 
     def submit(
-        self, compendium: Compendium, compress: bool = True, dictionary: bytes | None = None
+        self,
+        compendium: Compendium,
+        compress: bool = True,
+        dictionary: bytes | None = None,
+        check: Callable[[dict[str, Any]], None] | None = None,
     ) -> SubmissionResult:
         """Submit to the open round. `compress`: the body goes gzip-encoded (`Content-Encoding:
         gzip`, about a quarter of the bytes of a MetaTool compendium), or, given a `dictionary`
@@ -304,13 +308,16 @@ class SynapseClient:
         that dictionary, or does not speak dcz, the same submission goes again gzip-encoded, with
         a warning. The server stores the same canonical bytes either way, and the idempotency key
         does not depend on the encoding. A compendium without entries is not sent
-        (NothingToSubmit)."""
+        (NothingToSubmit). `check`, when given, is called with the open round (as `open_round`
+        gives it, with its `config`) before anything is sent; it raises to send nothing."""
         if nothing_to_submit(compendium):
             raise NothingToSubmit(
                 "the compendium has no entries (metadata, scenarios, precautions, templates and "
                 "annex are all empty): nothing to submit"
             )
         round_info = self.open_round()
+        if check is not None:
+            check(round_info)
         number = round_info["number"]
         key = idempotency_key(compendium, number)
         form = canonical_form(compendium)
