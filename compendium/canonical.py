@@ -30,14 +30,19 @@ _SORT_KEYS = {
 }
 
 
-def _scenario_order(scenarios: list[dict]) -> list[dict]:
-    """Scenarios in the order of `_SORT_KEYS["scenarios"]`. Its third part (the preconditions as
-    JSON) only decides between scenarios of the same tool and text, so when no two share both,
-    sorting by the first two gives the same order without a json.dumps per scenario."""
-    pairs = [(s["tool_id"], s["text"]) for s in scenarios]
-    if len(set(pairs)) == len(pairs):
-        return [s for _, s in sorted(zip(pairs, scenarios, strict=True), key=lambda item: item[0])]
-    return sorted(scenarios, key=_SORT_KEYS["scenarios"])
+def _order(name: str, entries: list[dict]) -> list[int]:
+    """The positions of `entries` (one component's, as dumped) in canonical order: a stable sort by
+    `_SORT_KEYS[name]`, so that equal entries keep their relative order. For scenarios the key's
+    third part (the preconditions as JSON) only decides between scenarios of the same tool and
+    text, so when no two share both, sorting by the first two gives the same order without a
+    json.dumps per scenario."""
+    if name == "scenarios":
+        pairs = [(s["tool_id"], s["text"]) for s in entries]
+        if len(set(pairs)) == len(pairs):
+            return sorted(range(len(entries)), key=pairs.__getitem__)
+    key = _SORT_KEYS[name]
+    keys = [key(e) for e in entries]
+    return sorted(range(len(entries)), key=keys.__getitem__)
 
 
 def _canonical_entry(section: str, entry: dict[str, Any]) -> dict[str, Any]:
@@ -55,12 +60,19 @@ def canonical_dict(compendium: Compendium) -> dict[str, Any]:
     for section in ("scenarios", "precautions"):
         for entry in doc.get(section, []):
             _canonical_entry(section, entry)
-    for name, key in _SORT_KEYS.items():
-        if name == "scenarios":
-            doc[name] = _scenario_order(doc.get(name, []))
-        else:
-            doc[name] = sorted(doc.get(name, []), key=key)
+    for name in _SORT_KEYS:
+        entries = doc.get(name, [])
+        doc[name] = [entries[i] for i in _order(name, entries)]
     return doc
+
+
+def canonical_positions(compendium: Compendium) -> dict[str, list[int]]:
+    """Where each entry of the canonical form comes from: for each component ("metadata",
+    "scenarios", ...), the position in `compendium`'s own list of its canonical entry 0, 1, ....
+    A JSON path the server computes on the canonical bytes (`$.scenarios[12]`) names entry
+    `canonical_positions(c)["scenarios"][12]` of the compendium as it was loaded from its file."""
+    doc = compendium.model_dump(mode="json", exclude_none=True)
+    return {name: _order(name, doc.get(name, [])) for name in _SORT_KEYS}
 
 
 def canonical_bytes(compendium: Compendium) -> bytes:

@@ -33,8 +33,9 @@ from typing import Any
 import httpx
 
 from compendium import transport
-from compendium.canonical import canonical_form
+from compendium.canonical import canonical_form, canonical_positions
 from compendium.schema import Compendium, Schema
+from compendium.validation import reindex_paths
 
 USER_AGENT = "synapse-client/0.1"
 MAX_RETRY_AFTER_S = 60.0
@@ -53,7 +54,9 @@ class CannotWrite(ClientError):
 
 
 class SubmissionRejected(ClientError):
-    """The server rejected the compendium (400) and said why, by JSON path."""
+    """The server rejected the compendium (400) and said why, by JSON path: paths (and the paths
+    quoted in reasons) index the entries of the compendium as `submit` was given it, not the
+    sorted canonical form that was sent."""
 
     def __init__(self, detail: str, violations: list[dict[str, str]]):
         self.detail = detail
@@ -292,7 +295,11 @@ class SynapseClient:
         )
 
     def submit(
-        self, compendium: Compendium, compress: bool = True, dictionary: bytes | None = None
+        self,
+        compendium: Compendium,
+        compress: bool = True,
+        dictionary: bytes | None = None,
+        check: Callable[[dict[str, Any]], None] | None = None,
     ) -> SubmissionResult:
         """Submit to the open round. `compress`: the body goes gzip-encoded (`Content-Encoding:
         gzip`, about a quarter of the bytes of a MetaTool compendium), or, given a `dictionary`
@@ -301,13 +308,16 @@ class SynapseClient:
         that dictionary, or does not speak dcz, the same submission goes again gzip-encoded, with
         a warning. The server stores the same canonical bytes either way, and the idempotency key
         does not depend on the encoding. A compendium without entries is not sent
-        (NothingToSubmit)."""
+        (NothingToSubmit). `check`, when given, is called with the open round (as `open_round`
+        gives it, with its `config`) before anything is sent; it raises to send nothing."""
         if nothing_to_submit(compendium):
             raise NothingToSubmit(
                 "the compendium has no entries (metadata, scenarios, precautions, templates and "
                 "annex are all empty): nothing to submit"
             )
         round_info = self.open_round()
+        if check is not None:
+            check(round_info)
         number = round_info["number"]
         key = idempotency_key(compendium, number)
         form = canonical_form(compendium)
@@ -346,8 +356,14 @@ class SynapseClient:
         if status == 400:
             payload = self._json(response, "the submission")
             violations = payload.get("violations") if isinstance(payload, dict) else None
+            # The server's paths index the canonical bytes sent (entries sorted); the caller's
+            # compendium (a file, maybe edited or reordered by hand) has its own order.
+            positions = canonical_positions(compendium)
             clean = [
-                {"path": str(v.get("path", "$")), "reason": str(v.get("reason", ""))}
+                {
+                    "path": reindex_paths(str(v.get("path", "$")), positions),
+                    "reason": reindex_paths(str(v.get("reason", "")), positions),
+                }
                 for v in (violations if isinstance(violations, list) else [])
                 if isinstance(v, dict)
             ]

@@ -300,24 +300,32 @@ def _usable_report(doc) -> dict | None:
     kinds = {"clipped_values": dict, "bad_lines": list, "dropped": list}
     if not all(isinstance(doc.get(key, kind()), kind) for key, kind in kinds.items()):
         return None
+    cap = doc.get("field_cap")
+    if cap is not None and not (isinstance(cap, int) and not isinstance(cap, bool) and cap >= 1):
+        return None
     return doc
+
+
+def _load_report(compendium_path: Path) -> tuple[Path, dict | None]:
+    """Where the build report beside a compendium is, and what it holds: None when there is none,
+    or when it is not a report `build` wrote (said on stderr: ignored)."""
+    where = report_path(compendium_path)
+    if not where.exists():
+        return where, None
+    try:
+        report = _usable_report(json.loads(where.read_text(encoding="utf-8")))
+    except (OSError, ValueError):
+        report = None
+    if report is None:
+        print(f"{PROG}: {where} is not a report build wrote: ignored", file=sys.stderr)
+    return where, report
 
 
 def cmd_inspect(args: argparse.Namespace) -> int:
     compendium = _load_compendium(args.compendium)
     schema = _load_schema(args.schema) if args.schema else None
     path = Path(args.compendium)
-    report = None
-    if report_path(path).exists():
-        try:
-            report = _usable_report(json.loads(report_path(path).read_text(encoding="utf-8")))
-        except (OSError, ValueError):
-            report = None
-        if report is None:
-            print(
-                f"synapse-client: {report_path(path)} is not a report build wrote: ignored",
-                file=sys.stderr,
-            )
+    _, report = _load_report(path)
     form = canonical_form(compendium)
     out = sys.stdout
     masking = compendium.masking
@@ -417,6 +425,53 @@ def _client(args: argparse.Namespace):
     )
 
 
+def _round_config(current: dict) -> dict:
+    config = current.get("config")
+    return config if isinstance(config, dict) else {}
+
+
+def round_field_cap(current: dict) -> int | None:
+    """The round's F* (its configuration's `field_cap`): the most tools one user may feed the
+    numeric statistics, which the edge's noise is calibrated for; None when it sets no cap."""
+    cap = _round_config(current).get("field_cap")
+    return cap if isinstance(cap, int) and not isinstance(cap, bool) and cap >= 1 else None
+
+
+def _cap_words(cap: int | None) -> str:
+    return "no field cap" if cap is None else f"--field-cap {cap}"
+
+
+def _field_cap_check(path: Path, compendium: Compendium):
+    """Before `submit` sends anything: the open round's F* against the field cap the compendium
+    was built with, as its build report says. Built with no cap or a larger one under a capped
+    round, it is refused (the edge would under-charge its statistics); without a report it goes,
+    with a warning. A compendium without numeric statistics has nothing F* bounds."""
+
+    def check(current: dict) -> None:
+        required = round_field_cap(current)
+        if required is None or not any(entry.stats for entry in compendium.metadata):
+            return
+        where, report = _load_report(path)
+        if report is None or "field_cap" not in report:
+            why = f"{where} does not record it" if where.exists() else f"no build report {where}"
+            print(
+                f"{PROG}: warning: cannot check the field cap: {why}; round {current['number']} "
+                f"requires statistics built with --field-cap {required} or less",
+                file=sys.stderr,
+            )
+            return
+        built = report["field_cap"]
+        if built is None or built > required:
+            raise CliError(
+                f"{path} was built with {_cap_words(built)} (its report {where}), but round "
+                f"{current['number']} caps each user at F* = {required} tool(s) (the edge's noise "
+                f"assumes no more): build it again with --field-cap {required} (or less); "
+                "nothing sent"
+            )
+
+    return check
+
+
 def cmd_submit(args: argparse.Namespace) -> int:
     from compendium.client_api import SubmissionRejected, nothing_to_submit
 
@@ -438,7 +493,10 @@ def cmd_submit(args: argparse.Namespace) -> int:
         dictionary = transport.probe_dictionary(_load_schema(args.schema), probe)
     with _client(args) as client:
         try:
-            result = client.submit(compendium, compress=not args.no_gzip, dictionary=dictionary)
+            result = client.submit(
+                compendium, compress=not args.no_gzip, dictionary=dictionary,
+                check=_field_cap_check(Path(args.compendium), compendium),
+            )
         except SubmissionRejected as exc:
             for v in exc.violations:
                 print(f"{args.compendium}: {v['path']}: {v['reason']}", file=sys.stderr)
@@ -489,12 +547,15 @@ def cmd_status(args: argparse.Namespace) -> int:
     if current is None:
         print("no round is open: nothing to submit to now")
     else:
-        config = current.get("config") if isinstance(current.get("config"), dict) else {}
+        config = _round_config(current)
         terms = [
             f"{label} {config[key]:g}"
             for key, label in (("epsilon", "ε ="), ("mask_strength", "masking λ ≥"))
             if isinstance(config.get(key), int | float)
         ]
+        if config:
+            cap = round_field_cap(current)
+            terms.append("no field cap" if cap is None else f"field cap F* = {cap}")
         extra = f"; {', '.join(terms)}" if terms else ""
         print(f"round {current['number']} is open (opened {_when(current.get('opened_at'))}{extra})")
         if current.get("closes_at"):
@@ -542,6 +603,8 @@ def cmd_participate(args: argparse.Namespace) -> int:
     round's earlier submission."""
     from compendium.client_api import NothingPublished, etag_file, head_file, nothing_to_submit
 
+    if args.field_cap is not None and args.field_cap < 1:
+        raise CliError("--field-cap must be at least 1")
     folder = Path(args.dir)
     try:
         folder.mkdir(parents=True, exist_ok=True)
@@ -551,6 +614,14 @@ def cmd_participate(args: argparse.Namespace) -> int:
     probe_path, out = folder / "probe.json", folder / "compendium.json"
     with _client(args) as client:
         current = client.open_round()  # no open round: one clear error, nothing built
+        required = round_field_cap(current)
+        field_cap = required if args.field_cap is None else args.field_cap
+        if required is not None and field_cap > required:
+            raise CliError(
+                f"round {current['number']} caps each user at F* = {required} tool(s) (the edge's "
+                f"noise assumes no more): --field-cap {field_cap} is larger; pass --field-cap "
+                f"{required} or less, or leave it out; nothing built or sent"
+            )
         client.fetch_schema(schema_path)
         try:
             pulled = client.pull(global_path)
@@ -566,8 +637,7 @@ def cmd_participate(args: argparse.Namespace) -> int:
             global_round = max((r["number"] for r in published), default=None)
     for warning in pulled.warnings if pulled else ():
         print(f"{PROG}: warning: {warning}", file=sys.stderr)
-    config = current.get("config") if isinstance(current.get("config"), dict) else {}
-    expected = config.get("mask_strength")
+    expected = _round_config(current).get("mask_strength")
     strength = args.strength
     if strength is None:
         strength = float(expected) if isinstance(expected, int | float) else 1.0
@@ -577,11 +647,13 @@ def cmd_participate(args: argparse.Namespace) -> int:
         + (f"against the global of round {global_round}" if global_round is not None
            else "against the global held (unchanged)" if pulled
            else "no global yet: against the public probe set")
-        + f", masking at λ = {strength:g}"
+        + f", masking at λ = {strength:g}, "
+        + ("no field cap" if field_cap is None else f"field cap F* = {field_cap}")
+        + (f" (the round's is {required})" if required is not None and field_cap < required else "")
     )
     cmd_build(argparse.Namespace(
         **{**vars(args), "log": args.log, "schema": str(schema_path), "out": str(out),
-           "since": since, "strength": strength},
+           "since": since, "strength": strength, "field_cap": field_cap},
     ))
     if nothing_to_submit(_load_compendium(str(out))):
         print(f"{out}: nothing new since the global: nothing sent this round")
@@ -666,6 +738,9 @@ def _add_build_options(
     parser: argparse.ArgumentParser,
     lambda_default: float | None = 1.0,
     lambda_help: str = "masking strength λ >= 0 (0 masks nothing; larger masks more; default 1.0)",
+    field_cap_help: str = "F*: at most this many tools per user feed the numeric statistics "
+    "(default: no cap; a round with a field_cap refuses a submission built with none or a larger "
+    "one)",
 ) -> None:
     """The options of `build`, shared with `participate`."""
     parser.add_argument(
@@ -673,10 +748,7 @@ def _add_build_options(
         help=lambda_help,
     )
     parser.add_argument("--seed", type=int, default=0, help="seed for masking and cap tie-breaks")
-    parser.add_argument(
-        "--field-cap", type=int, default=None,
-        help="F*: at most this many tools per user feed the numeric statistics (default: no cap)",
-    )
+    parser.add_argument("--field-cap", type=int, default=None, help=field_cap_help)
     parser.add_argument("--tau", type=float, default=0.85, help="cosine for near-duplicate collapse")
     parser.add_argument(
         "--min-users", type=int, default=1, metavar="K",
@@ -791,6 +863,8 @@ def build_parser() -> argparse.ArgumentParser:
     _add_build_options(
         participate, lambda_default=None,
         lambda_help="masking strength λ >= 0 (default: the open round's expected λ, else 1.0)",
+        field_cap_help="F*: at most this many tools per user feed the numeric statistics "
+        "(default: the open round's field_cap; a larger one is refused, a smaller one is stricter)",
     )
     _add_server_arguments(participate)
     participate.set_defaults(func=cmd_participate)

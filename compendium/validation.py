@@ -94,6 +94,24 @@ def format_path(parts: tuple[Any, ...] | list[Any]) -> str:
     return out
 
 
+# A path to one entry of a component, as `format_path` writes it: `$.scenarios[12]`.
+_ENTRY_PATH = re.compile(r"\$\.(metadata|scenarios|precautions|templates|annex)\[(\d+)\]")
+
+
+def reindex_paths(text: str, positions: dict[str, list[int]]) -> str:
+    """`text` (a violation's path or reason) with each entry index `$.scenarios[i]` replaced by
+    `positions["scenarios"][i]` (`canonical.canonical_positions`): a path the server computed on
+    the canonical bytes a client sent, made to name the entry in the client's own file. An index
+    that `positions` does not cover is left as it is."""
+
+    def swap(match: re.Match) -> str:
+        order = positions.get(match.group(1), [])
+        index = int(match.group(2))
+        return f"$.{match.group(1)}[{order[index]}]" if index < len(order) else match.group(0)
+
+    return _ENTRY_PATH.sub(swap, text)
+
+
 def _reject_constant(name: str) -> float:
     raise ValueError(f"{name} is not a valid JSON number")
 

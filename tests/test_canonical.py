@@ -141,3 +141,26 @@ def test_fields_at_their_defaults_are_left_out_and_read_back_the_same():
     assert len(canonical_bytes(alone)) - len(canonical_bytes(empty)) == entry_size(
         "scenarios", compendium.scenarios[0]
     ) - 1
+
+
+def test_canonical_positions_name_each_canonical_entry_in_the_compendiums_own_order(valid_doc,
+                                                                                   small_schema):
+    from compendium.canonical import _canonical_entry, canonical_dict, canonical_positions
+    from compendium.schema import Compendium, Scenario
+
+    for seed in range(10):
+        variant = load_valid_compendium(json.dumps(shuffled(valid_doc, seed)), small_schema)
+        mine = variant.model_dump(mode="json", exclude_none=True)
+        canonical = canonical_dict(variant)
+        positions = canonical_positions(variant)
+        for name, order in positions.items():
+            assert sorted(order) == list(range(len(mine[name])))
+            assert [_canonical_entry(name, mine[name][i]) for i in order] == canonical[name]
+    # equal entries (duplicates the server refuses) keep their relative order, as the sort does
+    twins = Compendium(scenarios=[
+        Scenario(tool_id="weather", text="b"), Scenario(tool_id="weather", text="a", support=2),
+        Scenario(tool_id="weather", text="a", support=3),
+        Scenario(tool_id="weather", text="a", preconditions={"f": True}),
+    ])
+    assert canonical_positions(twins)["scenarios"] == [3, 1, 2, 0]  # '{"f"' sorts before '{}'
+    assert [s["support"] for s in canonical_dict(twins)["scenarios"][1:3]] == [2, 3]

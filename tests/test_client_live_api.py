@@ -163,3 +163,45 @@ def test_participate_runs_a_whole_client_round(live_server, world, tmp_path, cap
     # again: the global held is current (a 304 names no round) and is still named by its round
     assert main([*command, "--lambda", "1"]) == 0
     assert "round 2: against the global of round 1, masking at λ = 1" in capsys.readouterr().out
+
+
+def test_participate_and_status_follow_the_rounds_field_cap(live_server, world, tmp_path, capsys):
+    log, state = tmp_path / "usage.jsonl", tmp_path / "state"
+    _usage_log(log)
+    server = ["--server", live_server.url, "--token", world.token_a, "--backoff", "0"]
+    command = ["participate", "--log", str(log), "--dir", str(state), "--quiet", "--no-collapse",
+               *server]
+    services.open_round(services.Actor(None), {"field_cap": 1, "mask_strength": 1.0})
+    assert main(["status", *server]) == 0
+    assert "masking λ ≥ 1, field cap F* = 1)" in capsys.readouterr().out
+    # a larger cap than the round's is refused before anything is fetched, built or sent
+    assert main([*command, "--field-cap", "2"]) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == [
+        "synapse-client: round 1 caps each user at F* = 1 tool(s) (the edge's noise assumes no "
+        "more): --field-cap 2 is larger; pass --field-cap 1 or less, or leave it out; nothing "
+        "built or sent"
+    ]
+    assert not state.exists() or not any(state.iterdir())
+    assert Submission.objects.count() == 0
+    # by default it builds with the round's cap, which submit then checks against the report
+    assert main(command) == 0
+    out = capsys.readouterr().out
+    assert "masking at λ = 1, field cap F* = 1" in out and "submitted to round 1" in out
+    report = json.loads((state / "compendium.json.report.json").read_text())
+    assert report["field_cap"] == 1 and report["capped_contributions"] > 0
+    assert Submission.objects.filter(client=world.client_a).count() == 1
+    # a plain `build` of the same log (no cap) is refused by `submit` under this round
+    schema_path, plain = state / "schema.json", tmp_path / "plain.json"
+    assert main(["build", "--log", str(log), "--schema", str(schema_path), "--out", str(plain),
+                 "--no-collapse", "--quiet"]) == 0
+    capsys.readouterr()
+    assert main(["submit", str(plain), *server]) == 1
+    err = capsys.readouterr().err
+    assert "was built with no field cap" in err and "--field-cap 1" in err
+    assert Submission.objects.filter(client=world.client_a).count() == 1
+    # a round without a cap: status says so, and participate builds without one
+    Round.objects.update(state=Round.State.PUBLISHED, published_at=timezone.now())
+    services.open_round(services.Actor(None))
+    assert main(["status", *server]) == 0
+    assert "no field cap" in capsys.readouterr().out

@@ -48,6 +48,7 @@ SCHEMA = Schema(
 @dataclass
 class ServerState:
     round_number: int | None = 4
+    field_cap: int | None = None  # the open round's F* (config.field_cap)
     drop_next_posts: int = 0  # store, then close the connection without an answer
     fail_next_posts: int = 0  # answer fail_status before doing anything
     fail_status: int = 503
@@ -104,7 +105,8 @@ def make_handler(state: ServerState):
                 if state.round_number is not None and state_filter in ("", "open"):
                     results = [{"id": 10 + state.round_number, "number": state.round_number,
                                 "state": "open",
-                                "config": {"tau": 0.85, "mask_strength": 1.0}}]
+                                "config": {"tau": 0.85, "mask_strength": 1.0,
+                                           "field_cap": state.field_cap}}]
                 return self._send(200, {"count": len(results), "next": None, "previous": None,
                                         "results": results})
             if url.path == "/api/v1/compendium/global/head/":  # as the real API: npz bytes
@@ -579,3 +581,114 @@ def test_probe_goes_with_the_schema_and_must_be_a_probe_set(tmp_path, capsys):
     assert main(submit_args(url, path) + ["--schema", str(schema_path), "--probe",
                                           str(probe_path)]) == 1
     assert f"{probe_path} is not a probe set: its 'sha256' does not match" in capsys.readouterr().err
+
+
+def _build(tmp_path, name: str, *options: str):
+    """`build` (no embedding model) of a log in which every user calls both tools, so a field
+    cap of 1 leaves out part of each user's contribution."""
+    log, schema_path = tmp_path / "usage.jsonl", tmp_path / "schema.json"
+    if not log.exists():
+        rows = [
+            {"query": f"{what} number {n}", "tool": tool, "outcome": "success",
+             "latency_ms": 100 + n, "user": f"u{n % 3}"}
+            for n in range(12)
+            for what, tool in (("Will it rain in town", "weather"), ("Find a flight to", "flights"))
+        ]
+        log.write_text("\n".join(json.dumps(r) for r in rows) + "\n", encoding="utf-8")
+        schema_path.write_text(SCHEMA.model_dump_json(), encoding="utf-8")
+    out = tmp_path / name
+    assert main(["build", "--log", str(log), "--schema", str(schema_path), "--out", str(out),
+                 "--no-collapse", "--quiet", *options]) == 0
+    return out
+
+
+def test_submit_refuses_a_build_over_the_rounds_field_cap_before_sending(server, tmp_path, capsys):
+    # The edge's noise is calibrated for the round's F*: statistics built with no cap, or a
+    # larger one, would be under-charged; the server cannot tell, the build report can.
+    url, state = server
+    state.field_cap = 1
+    for name, options, built in [("none.json", (), "no field cap"),
+                                 ("two.json", ("--field-cap", "2"), "--field-cap 2")]:
+        path = _build(tmp_path, name, *options)
+        capsys.readouterr()
+        assert main(submit_args(url, path)) == 1
+        err = capsys.readouterr().err.strip().splitlines()
+        assert err == [
+            f"synapse-client: {path} was built with {built} (its report {path}.report.json), but "
+            "round 4 caps each user at F* = 1 tool(s) (the edge's noise assumes no more): build "
+            "it again with --field-cap 1 (or less); nothing sent"
+        ]
+    assert state.posts == []
+    # built with the round's cap: sent; a smaller cap than the round's is stricter: sent too
+    assert main(submit_args(url, _build(tmp_path, "one.json", "--field-cap", "1"))) == 0
+    state.field_cap = 3
+    assert main(submit_args(url, _build(tmp_path, "one.json", "--field-cap", "1"))) == 0
+    assert main(submit_args(url, _build(tmp_path, "three.json", "--field-cap", "3"))) == 0
+    captured = capsys.readouterr()
+    assert "field cap" not in captured.err and captured.out.count("submitted to round 4") == 3
+    # a round without a cap takes any build
+    state.field_cap = None
+    assert main(submit_args(url, tmp_path / "none.json")) == 0
+    assert "field cap" not in capsys.readouterr().err
+
+
+def test_submit_without_a_build_report_goes_with_a_warning(server, tmp_path, capsys):
+    url, state = server
+    state.field_cap = 2
+    path = _build(tmp_path, "c.json")
+    (tmp_path / "c.json.report.json").unlink()  # copied here without it, or made by hand
+    capsys.readouterr()
+    assert main(submit_args(url, path)) == 0
+    captured = capsys.readouterr()
+    assert (
+        f"synapse-client: warning: cannot check the field cap: no build report {path}.report.json; "
+        "round 4 requires statistics built with --field-cap 2 or less"
+    ) in captured.err.splitlines()
+    assert "submitted to round 4" in captured.out and len(state.posts) == 1
+    # a report that is not one build wrote is no report: the same warning
+    (tmp_path / "c.json.report.json").write_text('{"field_cap": "two"}', encoding="utf-8")
+    assert main(submit_args(url, path)) == 0
+    err = capsys.readouterr().err
+    assert "is not a report build wrote: ignored" in err and "cannot check the field cap" in err
+    # without numeric statistics there is nothing F* bounds: nothing to check, no warning
+    assert main(submit_args(url, write(tmp_path, compendium(), "text-only.json"))) == 0
+    assert "field cap" not in capsys.readouterr().err
+
+
+def test_rejected_paths_point_into_the_submitted_file_not_the_canonical_order(server, tmp_path,
+                                                                             capsys):
+    # The body goes in canonical order (entries sorted), which the server's paths index; a file
+    # edited or reordered by hand has its own order, and `validate` reads the file as it is.
+    url, state = server
+    doc = {
+        "metadata": [
+            {"tool_id": "weather", "stats": {"calls": 5000.0}},
+            {"tool_id": "flights", "stats": {"calls": 2.0}},
+            {"tool_id": "weather", "stats": {"calls": 1.0}},
+        ],
+        "scenarios": [
+            {"tool_id": "weather", "text": "Will it snow in the mountains?"},
+            {"tool_id": "teleporter", "text": "Beam me up"},
+            {"tool_id": "weather", "text": "Is it sunny on the coast?"},
+            {"tool_id": "weather", "text": "Is it sunny on the coast?"},
+        ],
+    }
+    path = tmp_path / "edited.json"
+    path.write_text(json.dumps(doc, indent=1), encoding="utf-8")
+    schema_path = tmp_path / "schema.json"
+    schema_path.write_text(SCHEMA.model_dump_json(), encoding="utf-8")
+    assert main(["validate", str(path), "--schema", str(schema_path)]) == 1
+    local = capsys.readouterr().err.strip().splitlines()
+    assert main(submit_args(url, path)) == 1
+    remote = capsys.readouterr().err.strip().splitlines()
+    assert len(state.posts) == 1  # the server saw it, in canonical order
+    assert remote[-1].startswith(f"synapse-client: the server rejected {path}")
+    expected = {
+        f"{path}: $.scenarios[1].tool_id: references unregistered tool 'teleporter': not in the "
+        "tool registry (2 tools); register it or drop the entry",
+        f"{path}: $.scenarios[3]: duplicate scenario: same as $.scenarios[2]",
+        f"{path}: $.metadata[0].stats.calls: value 5000.0 is outside the declared range "
+        "[0, 1000] of field 'calls'",
+        f"{path}: $.metadata[2].tool_id: duplicate tool id 'weather': already at $.metadata[0]",
+    }
+    assert set(remote[:-1]) == expected and set(local) == expected
