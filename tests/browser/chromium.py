@@ -23,8 +23,11 @@ LAUNCH_ARGS = [
 
 def _apt_get(*args: str) -> subprocess.CompletedProcess:
     env = dict(os.environ, DEBIAN_FRONTEND="noninteractive")
+    # Two test runs on one machine (two checkouts) may install at once: wait for the other's
+    # dpkg lock instead of failing at once with exit 100.
     return subprocess.run(
-        ["apt-get", *args], env=env, capture_output=True, text=True, check=False
+        ["apt-get", "-o", "DPkg::Lock::Timeout=600", *args],
+        env=env, capture_output=True, text=True, check=False,
     )
 
 
