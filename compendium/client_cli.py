@@ -241,12 +241,15 @@ def cmd_build(args: argparse.Namespace) -> int:
 
     out = Path(args.out)
     text = json.dumps(canonical_dict(compendium), ensure_ascii=False, indent=1, sort_keys=True)
+    form = canonical_form(compendium)
     write_atomically(out, (text + "\n").encode("utf-8"))  # CannotWrite: one line
+    # The report names the compendium it describes: a report left beside another file (a
+    # rebuild that failed half-way, a compendium edited or copied over) is not read as its.
+    described = {**report.as_dict(), "compendium_sha256": form.sha256}
     write_atomically(
         report_path(out),
-        (json.dumps(report.as_dict(), indent=1, sort_keys=True) + "\n").encode("utf-8"),
+        (json.dumps(described, indent=1, sort_keys=True) + "\n").encode("utf-8"),
     )
-    form = canonical_form(compendium)
     counts = ", ".join(f"{n} {k}" for k, n in compendium.entry_counts().items())
     if options.pool_users > 1:
         notes += (
@@ -303,12 +306,16 @@ def _usable_report(doc) -> dict | None:
     cap = doc.get("field_cap")
     if cap is not None and not (isinstance(cap, int) and not isinstance(cap, bool) and cap >= 1):
         return None
+    if not isinstance(doc.get("compendium_sha256", ""), str):
+        return None
     return doc
 
 
-def _load_report(compendium_path: Path) -> tuple[Path, dict | None]:
+def _load_report(compendium_path: Path, compendium: Compendium) -> tuple[Path, dict | None]:
     """Where the build report beside a compendium is, and what it holds: None when there is none,
-    or when it is not a report `build` wrote (said on stderr: ignored)."""
+    when it is not a report `build` wrote, or when it names another compendium than this one
+    (its `compendium_sha256`: the file was edited or replaced since the build); the last two are
+    said on stderr."""
     where = report_path(compendium_path)
     if not where.exists():
         return where, None
@@ -318,6 +325,15 @@ def _load_report(compendium_path: Path) -> tuple[Path, dict | None]:
         report = None
     if report is None:
         print(f"{PROG}: {where} is not a report build wrote: ignored", file=sys.stderr)
+        return where, None
+    described = report.get("compendium_sha256")
+    if described is not None and described != canonical_form(compendium).sha256:
+        print(
+            f"{PROG}: {where} describes another build than {compendium_path} (changed since): "
+            "ignored",
+            file=sys.stderr,
+        )
+        return where, None
     return where, report
 
 
@@ -325,7 +341,7 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     compendium = _load_compendium(args.compendium)
     schema = _load_schema(args.schema) if args.schema else None
     path = Path(args.compendium)
-    _, report = _load_report(path)
+    _, report = _load_report(path, compendium)
     form = canonical_form(compendium)
     out = sys.stdout
     masking = compendium.masking
@@ -451,9 +467,13 @@ def _field_cap_check(path: Path, compendium: Compendium):
         required = round_field_cap(current)
         if required is None or not any(entry.stats for entry in compendium.metadata):
             return
-        where, report = _load_report(path)
+        where, report = _load_report(path, compendium)
         if report is None or "field_cap" not in report:
-            why = f"{where} does not record it" if where.exists() else f"no build report {where}"
+            why = (
+                f"no build report {where}" if not where.exists()
+                else f"{where} is not usable (above)" if report is None
+                else f"{where} does not record it"
+            )
             print(
                 f"{PROG}: warning: cannot check the field cap: {why}; round {current['number']} "
                 f"requires statistics built with --field-cap {required} or less",

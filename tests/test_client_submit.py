@@ -655,6 +655,32 @@ def test_submit_without_a_build_report_goes_with_a_warning(server, tmp_path, cap
     assert "field cap" not in capsys.readouterr().err
 
 
+def test_a_report_of_another_build_does_not_vouch_for_the_field_cap(server, tmp_path, capsys):
+    # The report names the compendium it describes: a capped build's report left beside an
+    # uncapped compendium (copied over, or edited since) is not read as this file's.
+    url, state = server
+    state.field_cap = 1
+    capped = _build(tmp_path, "capped.json", "--field-cap", "1")
+    uncapped = _build(tmp_path, "uncapped.json")
+    stale = (tmp_path / "capped.json.report.json").read_text(encoding="utf-8")
+    (tmp_path / "uncapped.json.report.json").write_text(stale, encoding="utf-8")
+    assert json.loads(stale)["field_cap"] == 1
+    capsys.readouterr()
+    assert main(submit_args(url, uncapped)) == 0
+    err = capsys.readouterr().err.splitlines()
+    assert (
+        f"synapse-client: {uncapped}.report.json describes another build than {uncapped} "
+        "(changed since): ignored"
+    ) in err
+    assert (
+        f"synapse-client: warning: cannot check the field cap: {uncapped}.report.json is not "
+        "usable (above); round 4 requires statistics built with --field-cap 1 or less"
+    ) in err
+    # its own report still vouches for it
+    assert main(submit_args(url, capped)) == 0
+    assert "field cap" not in capsys.readouterr().err
+
+
 def test_rejected_paths_point_into_the_submitted_file_not_the_canonical_order(server, tmp_path,
                                                                              capsys):
     # The body goes in canonical order (entries sorted), which the server's paths index; a file
