@@ -1135,6 +1135,15 @@ def budget_warning(config, check=None) -> str:
     return f"This will be refused: {refusal}." if refusal else ""
 
 
+FIELD_CAP_HELP = (
+    "Field cap F*: each user feeds at most F* tools' statistics (every numeric field of each), so "
+    "the edges split ε over the statistics one user can move instead of over all of them (T "
+    "registry tools × F fields: with T = 199 on MetaTool and no cap, every statistic is noise). "
+    "Clients must build with synapse-client build --field-cap F*: the edge cannot check it, and a "
+    "client building with a larger cap or none is under-charged. Empty: no cap."
+)
+
+
 def round_controls() -> dict:
     """The operator's round form: the open round, defaults (the last round's configuration),
     choices, and a warning when opening the next round with those defaults would be refused for
@@ -1155,6 +1164,8 @@ def round_controls() -> dict:
         "round_defaults": defaults,
         "summarizers": get_args(Summarizer),
         "robust_rules": get_args(RobustRule),
+        "global_metadata_choices": get_args(RoundConfig.model_fields["global_metadata"].annotation),
+        "field_cap_help": FIELD_CAP_HELP,
         "budget_warning": budget_warning(defaults),
     }
 

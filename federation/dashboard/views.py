@@ -438,9 +438,26 @@ class PasswordChangeView(auth_views.PasswordChangeView):
 # --- rounds (operator) ---------------------------------------------------------------------------
 
 
+# The RoundConfig fields the "Open round" form sets, as the REST API does (conflict_log, the
+# ablation switch, is left to the simulation). A blank input takes RoundConfig's default: no cap
+# for field_cap and max_scenarios_per_tool.
 ROUND_FIELDS = (
-    "epsilon", "mask_strength", "tau", "summarizer", "robust_rule", "trim_fraction", "seed"
+    "epsilon", "field_cap", "mask_strength", "tau", "summarizer", "textgrad_steps", "robust_rule",
+    "trim_fraction", "seed", "max_scenarios_per_tool", "global_metadata", "carry_forward",
 )
+
+# How the form's inputs are labelled, for the refusal that names a bad one.
+ROUND_FIELD_LABELS = {
+    "epsilon": "ε (epsilon)",
+    "field_cap": "field cap F* (field_cap)",
+    "mask_strength": "λ (mask_strength)",
+    "tau": "τ (tau)",
+    "textgrad_steps": "TextGrad steps (textgrad_steps)",
+    "trim_fraction": "f share (trim_fraction)",
+    "max_scenarios_per_tool": "scenarios per tool (max_scenarios_per_tool)",
+    "global_metadata": "global M (global_metadata)",
+    "carry_forward": "carry forward (carry_forward)",
+}
 
 
 def _deadline(raw: str):
@@ -478,7 +495,7 @@ class RoundActionView(ActionView):
         actor = actor_for(request)
         if action == "open":
             raw = {k: request.POST[k].strip() for k in ROUND_FIELDS if request.POST.get(k, "").strip()}
-            problems = config_problems(raw)
+            problems = config_problems(raw, ROUND_FIELD_LABELS)
             if problems:
                 raise InvalidRequest(f"invalid round configuration: {problems}")
             config = RoundConfig(**raw)
