@@ -486,6 +486,37 @@ def test_privacy_page_hides_other_organizations_but_shows_the_federation(client,
     assert 'id="privacy-scope"' in body and "released to all of them" in body
 
 
+@pytest.mark.parametrize(
+    "role, edges",
+    [
+        ("operator", {"Org A": ("7", "714.3"), "Org B": ("13", "384.6")}),
+        ("admin_a", {"Org A": ("7", "714.3")}),
+        ("member_a", {"Org A": ("7", "714.3")}),
+        ("admin_b", {"Org B": ("13", "384.6")}),
+    ],
+)
+def test_privacy_ledger_shows_an_edges_k_and_noise_only_to_its_organization_and_the_operator(
+    client, fed, role, edges
+):
+    r1 = Round.objects.get(number=1)
+    for org, k in ((fed.org_a, 7), (fed.org_b, 13)):
+        PrivacyLedgerEntry.objects.create(
+            round=r1, organization=org, tool_id="flights", field="calls", sensitivity=50.0,
+            contributors=k, epsilon=0.01, noise_scale=50.0 / (k * 0.01), mechanism="laplace",
+        )
+    body = login(client, fed, role).get(reverse("dashboard:privacy"), {"tool": "flights"}).content.decode()
+    ledger = body[body.index('id="ledger"'):]
+    ledger = ledger[: ledger.index("</table>")]
+    rows = re.findall(
+        r"<tr><td class=\"num\">1</td><td>([^<]*)</td><td class=\"num\">0</td><td><code>flights.calls"
+        r"</code></td><td class=\"num\">50</td><td class=\"num\">(\d+)</td><td class=\"num\">0.01</td>"
+        r"<td class=\"num\">([\d.,]+)</td>", ledger)
+    assert {name: (k, b) for name, k, b in rows} == edges
+    # nor does another organization's release show anywhere else on the page
+    for _k, b in {("7", "714.3"), ("13", "384.6")} - set(edges.values()):
+        assert b not in body
+
+
 def test_privacy_page_shows_the_committed_figure_with_reservations(client, fed):
     response = login(client, fed, "operator").get(reverse("dashboard:privacy"))
     privacy = response.context["privacy"]

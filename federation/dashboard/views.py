@@ -114,9 +114,13 @@ class CompendiumView(DashboardView):
                 services.global_versions(self.request.user),
                 query=query,
                 page=params.get("page"),
+                # An edge's noise scale tells its K: every edge's for the operator, otherwise
+                # only the viewer's own organization's.
+                release_organizations=None if self.is_operator else self.organizations,
             )
             context.update(page_obj=page_obj, cards=cards,
-                           noise_dominated=any(c.noise_dominated for c in cards))
+                           noise_dominated=any(c.noise_dominated for c in cards),
+                           round_config=RoundConfig.from_stored(self.version.round.config))
         return context
 
 
