@@ -368,7 +368,7 @@ def test_the_round_form_refuses_a_bad_field_cap_naming_the_field(client, fed, va
     response = client.post(reverse("dashboard:round-open"), {"epsilon": "1", "field_cap": value})
     assert response.status_code == 400
     body = html.unescape(response.content.decode())
-    assert "field cap F* (field_cap)" in body and says in body
+    assert "field_cap (field cap F*)" in body and says in body
     assert not Round.objects.filter(number=3).exists()
 
 

@@ -450,17 +450,17 @@ ROUND_FIELDS = (
     "trim_fraction", "seed", "max_scenarios_per_tool", "global_metadata", "carry_forward",
 )
 
-# How the form's inputs are labelled, for the refusal that names a bad one.
+# The refusal names a bad field as RoundConfig (and the API) does, then as the form labels it.
 ROUND_FIELD_LABELS = {
-    "epsilon": "ε (epsilon)",
-    "field_cap": "field cap F* (field_cap)",
-    "mask_strength": "λ (mask_strength)",
-    "tau": "τ (tau)",
-    "textgrad_steps": "TextGrad steps (textgrad_steps)",
-    "trim_fraction": "f share (trim_fraction)",
-    "max_scenarios_per_tool": "scenarios per tool (max_scenarios_per_tool)",
-    "global_metadata": "global M (global_metadata)",
-    "carry_forward": "carry forward (carry_forward)",
+    "epsilon": "epsilon (ε)",
+    "field_cap": "field_cap (field cap F*)",
+    "mask_strength": "mask_strength (λ)",
+    "tau": "tau (τ)",
+    "textgrad_steps": "textgrad_steps (TextGrad steps)",
+    "trim_fraction": "trim_fraction (f share)",
+    "max_scenarios_per_tool": "max_scenarios_per_tool (scenarios per tool)",
+    "global_metadata": "global_metadata (global M)",
+    "carry_forward": "carry_forward (carry forward)",
 }
 
 
