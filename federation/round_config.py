@@ -27,8 +27,11 @@ class RoundConfig(BaseModel):
         description="per-round privacy budget ε for numeric fields (at least 1e-6: a smaller ε "
         "makes the Laplace noise scale overflow)",
     )
+    # At most the ledger's integer column (PrivacyLedgerEntry.field_cap): a larger cap would be
+    # accepted here and fail the round at its first edge release.
     field_cap: int | None = Field(
-        None, ge=1, description="F*: tools one user may feed per round, each with all its numeric fields "
+        None, ge=1, le=2**31 - 1,
+        description="F*: tools one user may feed per round, each with all its numeric fields "
         "(None: no cap); ε is split over the 2·F* tools' fields one replaced user can move"
     )
     mask_strength: float = Field(1.0, ge=0, description="λ the clients are expected to mask with")

@@ -275,9 +275,9 @@ def test_compendium_cards_carry_entries_and_provenance(member_client):
     assert "calls/round" in content and "since round 1" in content and "since round 2" in content
 
 
-def test_compendium_statistics_carry_their_noise_and_say_when_it_drowns_them(member_client, federation):
+def test_compendium_statistics_carry_their_noise_and_say_when_it_drowns_them(operator_client, federation):
     add_review_data(federation)  # ledger rows at each edge
-    response = member_client.get(reverse("dashboard:compendium"), {"round": 2})
+    response = operator_client.get(reverse("dashboard:compendium"), {"round": 2})
     cards = {c.tool.tool_id: c for c in response.context["cards"]}
     weather = {s["field"]: s for s in cards["weather"].stats}
     # Round 2's ledger: each of the two edges noised calls at b = 2.5 and success_rate at b = 2.
@@ -291,6 +291,68 @@ def test_compendium_statistics_carry_their_noise_and_say_when_it_drowns_them(mem
     content = response.content.decode()
     assert "noise b 2.5 (2 edges)" in content and 'class="noise-dominated"' in content
     assert content.count('id="noise-note"') == 1  # said once for the page
+
+
+def release_flights_calls(fed):
+    """Round 2's flights.calls, released by both edges at the same ε_j = 0.025 over their own K
+    submissions: b = Δ / (K · ε_j) = 50 / (8 · 0.025) = 250 at Acme, 50 / (1 · 0.025) = 2,000 at
+    Globex, wider than the field's range of 1,000 calls. Globex re-released it once after an
+    erasure (its K went from 2 to 1): its latest release is the one behind the global."""
+    from federation.models import PrivacyLedgerEntry
+
+    for org, release, k in ((fed.acme, 0, 8), (fed.globex, 0, 2), (fed.globex, 1, 1)):
+        PrivacyLedgerEntry.objects.create(
+            round=fed.rounds[2], organization=org, release=release, tool_id="flights",
+            field="calls", sensitivity=50.0, contributors=k, epsilon=0.025,
+            noise_scale=50.0 / (k * 0.025), mechanism="laplace",
+        )
+
+
+def flights_card(client) -> tuple[dict, str, str]:
+    response = client.get(reverse("dashboard:compendium"), {"round": 2})
+    assert response.status_code == 200
+    card = next(c for c in response.context["cards"] if c.tool.tool_id == "flights")
+    body = response.content.decode()
+    article = body[body.index('id="tool-flights"'):]
+    return card.stats[0], article[: article.index("</article>")], body
+
+
+@pytest.mark.parametrize(
+    "username, scales, shown",
+    [
+        # the operator: every edge's release, as before
+        ("operator", (250.0, 2000.0, 2), "noise b 250–2,000 (2 edges)"),
+        # an organization's people: their own edge's, not the other organization's (its K)
+        ("acme-admin", (250.0, 250.0, 1), "noise b 250 (your edge)"),
+        ("acme-member", (250.0, 250.0, 1), "noise b 250 (your edge)"),
+        ("globex-admin", (2000.0, 2000.0, 1), "noise b 2,000 (your edge)"),
+        # someone in no organization: none
+        ("member", (None, None, 0), None),
+    ],
+)
+def test_compendium_shows_each_viewer_only_the_noise_of_edges_they_may_see(
+    client, federation, username, scales, shown
+):
+    add_review_data(federation)
+    release_flights_calls(federation)
+    assert client.login(username=username, password=PASSWORD)
+    stat, card, body = flights_card(client)
+    assert stat["value"] == 12.25  # the published global figure: the same for everyone
+    assert (stat["noise_scale"], stat["noise_scale_max"], stat["edges"]) == scales
+    others = {"250", "2,000"} - set(re.findall(r"[\d,]+", shown or ""))
+    if shown:
+        assert shown in card
+    else:
+        assert "noise b" not in card
+    for figure in others:  # another organization's scale appears nowhere in its card
+        assert f"b {figure}" not in card and f"–{figure}" not in card
+    # the greying-out follows the scales shown: Globex's own b is wider than the range; Acme's,
+    # and the operator's narrowest edge, are not (else it would tell Globex's K to Acme)
+    assert stat["noise_dominated"] is (username == "globex-admin")
+    if username == "operator":
+        assert 'id="noise-scope"' not in body
+    else:
+        assert 'id="noise-scope"' in body and "which is that organization" in body
 
 
 @pytest.mark.parametrize(

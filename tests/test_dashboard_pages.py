@@ -313,6 +313,65 @@ def test_round_form_rejects_bad_config_naming_the_field(client, fed):
     assert not Round.objects.filter(number=3).exists()
 
 
+def test_the_round_form_sets_the_field_cap_and_the_other_fields_the_api_takes(client, fed):
+    login(client, fed, "operator")
+    services.close_round(SYSTEM, Round.objects.get(number=2))
+    form = client.get(reverse("dashboard:overview")).content.decode()
+    form = html.unescape(form[form.index('id="open-round"'):form.index("</form>", form.index('id="open-round"'))])
+    for name in ("field_cap", "textgrad_steps", "max_scenarios_per_tool", "global_metadata",
+                 "carry_forward"):
+        assert f'name="{name}"' in form
+    # the last round set no cap: the field is empty, and the form says what F* does
+    assert re.search(r'name="field_cap" value=""', form)
+    help_text = client.get(reverse("dashboard:overview")).context["field_cap_help"]
+    assert "at most F* tools' statistics" in help_text and "one user can move" in help_text
+    assert "--field-cap" in help_text
+    response = client.post(reverse("dashboard:round-open"), {
+        "epsilon": "1", "field_cap": " 5 ", "summarizer": "textgrad", "textgrad_steps": "4",
+        "max_scenarios_per_tool": "3", "global_metadata": "stats", "carry_forward": "false"})
+    assert response.status_code == 302
+    r3 = Round.objects.get(number=3)
+    assert r3.config["field_cap"] == 5 and r3.config["textgrad_steps"] == 4
+    assert r3.config["max_scenarios_per_tool"] == 3 and r3.config["global_metadata"] == "stats"
+    assert r3.config["carry_forward"] is False
+    line = html.unescape(client.get(reverse("dashboard:overview")).content.decode())
+    line = line[line.index('id="open-round-config"'):]
+    line = line[: line.index("</p>")]
+    assert "field cap F* = 5" in line and "textgrad (4 steps)" in line
+    assert "global M stats" in line and "at most 3 scenarios per tool" in line
+    assert "carry-forward off" in line
+    # the next round's form proposes this round's cap; left empty, the round has none
+    services.close_round(SYSTEM, r3)
+    assert re.search(r'name="field_cap" value="5"',
+                     client.get(reverse("dashboard:overview")).content.decode())
+    assert client.post(reverse("dashboard:round-open"), {"epsilon": "1", "field_cap": ""}).status_code == 302
+    r4 = Round.objects.get(number=4)
+    assert r4.config["field_cap"] is None and r4.config["carry_forward"] is True
+    line = html.unescape(client.get(reverse("dashboard:overview")).content.decode())
+    assert "no field cap F*" in line[line.index('id="open-round-config"'):]
+
+
+@pytest.mark.parametrize(
+    "value, says",
+    [
+        ("0", "greater than or equal to 1"),
+        ("-2", "greater than or equal to 1"),
+        ("2.5", "valid integer"),
+        ("five", "valid integer"),
+        ("1e3", "valid integer"),
+        ("2147483648", "less than or equal to 2147483647"),  # past the ledger's column
+    ],
+)
+def test_the_round_form_refuses_a_bad_field_cap_naming_the_field(client, fed, value, says):
+    login(client, fed, "operator")
+    services.close_round(SYSTEM, Round.objects.get(number=2))
+    response = client.post(reverse("dashboard:round-open"), {"epsilon": "1", "field_cap": value})
+    assert response.status_code == 400
+    body = html.unescape(response.content.decode())
+    assert "field_cap (field cap F*)" in body and says in body
+    assert not Round.objects.filter(number=3).exists()
+
+
 @pytest.mark.parametrize("role", ["admin_a", "member_a", "admin_b"])
 def test_only_the_operator_drives_rounds(client, fed, role):
     login(client, fed, role)
@@ -425,6 +484,37 @@ def test_privacy_page_hides_other_organizations_but_shows_the_federation(client,
     assert privacy.federation.basic_epsilon == pytest.approx(1.0)
     assert privacy.committed.basic_epsilon == pytest.approx(2.0)
     assert 'id="privacy-scope"' in body and "released to all of them" in body
+
+
+@pytest.mark.parametrize(
+    "role, edges",
+    [
+        ("operator", {"Org A": ("7", "714.3"), "Org B": ("13", "384.6")}),
+        ("admin_a", {"Org A": ("7", "714.3")}),
+        ("member_a", {"Org A": ("7", "714.3")}),
+        ("admin_b", {"Org B": ("13", "384.6")}),
+    ],
+)
+def test_privacy_ledger_shows_an_edges_k_and_noise_only_to_its_organization_and_the_operator(
+    client, fed, role, edges
+):
+    r1 = Round.objects.get(number=1)
+    for org, k in ((fed.org_a, 7), (fed.org_b, 13)):
+        PrivacyLedgerEntry.objects.create(
+            round=r1, organization=org, tool_id="flights", field="calls", sensitivity=50.0,
+            contributors=k, epsilon=0.01, noise_scale=50.0 / (k * 0.01), mechanism="laplace",
+        )
+    body = login(client, fed, role).get(reverse("dashboard:privacy"), {"tool": "flights"}).content.decode()
+    ledger = body[body.index('id="ledger"'):]
+    ledger = ledger[: ledger.index("</table>")]
+    rows = re.findall(
+        r"<tr><td class=\"num\">1</td><td>([^<]*)</td><td class=\"num\">0</td><td><code>flights.calls"
+        r"</code></td><td class=\"num\">50</td><td class=\"num\">(\d+)</td><td class=\"num\">0.01</td>"
+        r"<td class=\"num\">([\d.,]+)</td>", ledger)
+    assert {name: (k, b) for name, k, b in rows} == edges
+    # nor does another organization's release show anywhere else on the page
+    for _k, b in {("7", "714.3"), ("13", "384.6")} - set(edges.values()):
+        assert b not in body
 
 
 def test_privacy_page_shows_the_committed_figure_with_reservations(client, fed):

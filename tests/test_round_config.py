@@ -22,3 +22,21 @@ def test_bad_config_is_rejected():
         RoundConfig(tau=1.5)
     with pytest.raises(ValidationError):
         RoundConfig(summarizer="magic")
+
+
+@pytest.mark.django_db
+def test_field_cap_is_bounded_by_the_ledger_column_it_is_written_to():
+    from django.db import DataError, transaction
+
+    from federation.models import Organization, PrivacyLedgerEntry, Round
+
+    largest = RoundConfig(field_cap=2**31 - 1).field_cap
+    with pytest.raises(ValidationError, match="less than or equal to 2147483647"):
+        RoundConfig(field_cap=2**31)
+    rnd = Round.objects.create(number=1, config={})
+    org = Organization.objects.create(name="Org", slug="org")
+    row = dict(round=rnd, organization=org, tool_id="weather", field="calls", sensitivity=50.0,
+               contributors=3, epsilon=0.1, noise_scale=1.0)
+    PrivacyLedgerEntry.objects.create(**row, field_cap=largest)  # the largest cap an edge writes
+    with pytest.raises(DataError), transaction.atomic():  # one more would fail the edge release
+        PrivacyLedgerEntry.objects.create(**row, release=1, field_cap=largest + 1)

@@ -343,11 +343,19 @@ def _first_rounds(model, version: CompendiumVersion, visible: QuerySet, tool_ids
     return {(r["tool_id"], r["text"]): r["first"] for r in rows}
 
 
-def _noise_scales(version: CompendiumVersion, tools: dict[int, str]) -> dict[tuple[int, str], list[float]]:
+def _noise_scales(
+    version: CompendiumVersion, tools: dict[int, str], organizations: QuerySet | None = None
+) -> dict[tuple[int, str], list[float]]:
     """The Laplace scales behind each published statistic of `version`'s `tools` (pk: tool id),
     keyed by (pk, field): the ledger rows of the last published round up to the version's that
     released the (tool, field) (a tool no edge reported keeps the earlier global's figure), of
-    that round's latest release, one per edge that noised it."""
+    each edge's latest release in that round (a re-release after an erasure replaces only its
+    own edge's), one per edge that noised it.
+
+    `organizations`: only the scales of these organizations' edges (None: every edge, for the
+    operator). An edge's scale is Δ/(K·ε_j) with Δ and ε_j public, so it tells its K, the count of
+    its organization's submissions, which that organization alone (and the operator) may see; the
+    round is still chosen from every edge's rows, as the global compendium is."""
     pks = {tool_id: pk for pk, tool_id in tools.items()}
     rows = (
         PrivacyLedgerEntry.objects.filter(
@@ -355,14 +363,19 @@ def _noise_scales(version: CompendiumVersion, tools: dict[int, str]) -> dict[tup
             round__state=Round.State.PUBLISHED,
             tool_id__in=list(pks),
         )
-        .order_by("-round__number", "-release")
-        .values_list("tool_id", "field", "round__number", "release", "noise_scale")
+        .order_by("-round__number", "organization_id", "-release")
+        .values_list("tool_id", "field", "round__number", "organization_id", "release", "noise_scale")
     )
-    chosen: dict[tuple[int, str], tuple[int, int]] = {}
+    shown = None if organizations is None else set(organizations.values_list("pk", flat=True))
+    chosen_round: dict[tuple[int, str], int] = {}
+    seen: set[tuple[int, str, int]] = set()
     scales: dict[tuple[int, str], list[float]] = defaultdict(list)
-    for tool_id, name, number, release, scale in rows:
+    for tool_id, name, number, organization_id, _release, scale in rows:
         key = (pks[tool_id], name)
-        if chosen.setdefault(key, (number, release)) == (number, release):
+        if chosen_round.setdefault(key, number) != number or (*key, organization_id) in seen:
+            continue  # an earlier round's, or an edge's earlier release
+        seen.add((*key, organization_id))
+        if shown is None or organization_id in shown:
             scales[key].append(scale)
     return scales
 
@@ -374,9 +387,14 @@ def compendium_page(
     query: str = "",
     page: str | int | None = 1,
     per_page: int = 20,
+    release_organizations: QuerySet | None = None,
 ) -> tuple[Page, list[ToolCard]]:
     """One page of tools of `version` with their scenarios, precautions, templates, noisy
-    statistics and annex triples, each text with the round it first appeared in."""
+    statistics and annex triples, each text with the round it first appeared in.
+
+    Each statistic carries the noise scales of the edges that released it: of every edge (the
+    operator, `release_organizations` None) or only of `release_organizations`' edges (anyone
+    else: their own organization's; another organization's scale tells its K)."""
     paginator = Paginator(tools_in_version(version, query), per_page)
     page_obj = paginator.get_page(page)
     tools = list(page_obj.object_list)
@@ -409,7 +427,7 @@ def compendium_page(
     for t in TemplateEntry.objects.filter(version=version, tool_id__in=tool_ids).order_by("signature"):
         cards[t.tool_id].templates.append(t)
     fields = {f.name: f for f in NumericField.objects.all()}
-    scales = _noise_scales(version, {t.pk: t.tool_id for t in tools})
+    scales = _noise_scales(version, {t.pk: t.tool_id for t in tools}, release_organizations)
     for s in StatEntry.objects.filter(version=version, tool_id__in=tool_ids).order_by("field"):
         spec = fields.get(s.field)
         noise = scales.get((s.tool_id, s.field), [])  # s.tool_id: the Tool's pk
@@ -1135,6 +1153,16 @@ def budget_warning(config, check=None) -> str:
     return f"This will be refused: {refusal}." if refusal else ""
 
 
+FIELD_CAP_HELP = (
+    "Field cap F*: each user feeds at most F* tools' statistics (every numeric field of each), so "
+    "the edges split ε over the statistics one user can move, 2·F* tools' fields (a replaced "
+    "user's and the replacement's), instead of over all T registry tools × F fields (on MetaTool "
+    "without a cap: ε/796 each). Clients build with it: synapse-client participate takes the "
+    "round's F*, and submit refuses a build with a larger cap or none (the edge itself cannot "
+    "check it). Empty: no cap."
+)
+
+
 def round_controls() -> dict:
     """The operator's round form: the open round, defaults (the last round's configuration),
     choices, and a warning when opening the next round with those defaults would be refused for
@@ -1155,6 +1183,8 @@ def round_controls() -> dict:
         "round_defaults": defaults,
         "summarizers": get_args(Summarizer),
         "robust_rules": get_args(RobustRule),
+        "global_metadata_choices": get_args(RoundConfig.model_fields["global_metadata"].annotation),
+        "field_cap_help": FIELD_CAP_HELP,
         "budget_warning": budget_warning(defaults),
     }
 

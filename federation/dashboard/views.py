@@ -114,9 +114,13 @@ class CompendiumView(DashboardView):
                 services.global_versions(self.request.user),
                 query=query,
                 page=params.get("page"),
+                # An edge's noise scale tells its K: every edge's for the operator, otherwise
+                # only the viewer's own organization's.
+                release_organizations=None if self.is_operator else self.organizations,
             )
             context.update(page_obj=page_obj, cards=cards,
-                           noise_dominated=any(c.noise_dominated for c in cards))
+                           noise_dominated=any(c.noise_dominated for c in cards),
+                           round_config=RoundConfig.from_stored(self.version.round.config))
         return context
 
 
@@ -438,9 +442,26 @@ class PasswordChangeView(auth_views.PasswordChangeView):
 # --- rounds (operator) ---------------------------------------------------------------------------
 
 
+# The RoundConfig fields the "Open round" form sets, as the REST API does (conflict_log, the
+# ablation switch, is left to the simulation). A blank input takes RoundConfig's default: no cap
+# for field_cap and max_scenarios_per_tool.
 ROUND_FIELDS = (
-    "epsilon", "mask_strength", "tau", "summarizer", "robust_rule", "trim_fraction", "seed"
+    "epsilon", "field_cap", "mask_strength", "tau", "summarizer", "textgrad_steps", "robust_rule",
+    "trim_fraction", "seed", "max_scenarios_per_tool", "global_metadata", "carry_forward",
 )
+
+# The refusal names a bad field as RoundConfig (and the API) does, then as the form labels it.
+ROUND_FIELD_LABELS = {
+    "epsilon": "epsilon (ε)",
+    "field_cap": "field_cap (field cap F*)",
+    "mask_strength": "mask_strength (λ)",
+    "tau": "tau (τ)",
+    "textgrad_steps": "textgrad_steps (TextGrad steps)",
+    "trim_fraction": "trim_fraction (f share)",
+    "max_scenarios_per_tool": "max_scenarios_per_tool (scenarios per tool)",
+    "global_metadata": "global_metadata (global M)",
+    "carry_forward": "carry_forward (carry forward)",
+}
 
 
 def _deadline(raw: str):
@@ -478,7 +499,7 @@ class RoundActionView(ActionView):
         actor = actor_for(request)
         if action == "open":
             raw = {k: request.POST[k].strip() for k in ROUND_FIELDS if request.POST.get(k, "").strip()}
-            problems = config_problems(raw)
+            problems = config_problems(raw, ROUND_FIELD_LABELS)
             if problems:
                 raise InvalidRequest(f"invalid round configuration: {problems}")
             config = RoundConfig(**raw)

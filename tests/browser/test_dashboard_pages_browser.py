@@ -117,10 +117,14 @@ def test_operator_pages(review, page, live_server, shoot):
     page.wait_for_selector(".messages")
     assert "Round 4 closed" in page.locator(".messages").inner_text()
     page.fill("#open-round input[name=epsilon]", "0.5")
+    page.fill("#open-round input[name=field_cap]", "3")
     page.select_option("#open-round select[name=robust_rule]", "krum")
+    assert "one user can move" in page.locator("#field-cap-help").inner_text()
+    shoot(page, "overview-open-round")
     page.click("#open-round button[type=submit]")
     page.wait_for_selector(".messages")
     assert "Round 5 opened (ε = 0.5)" in page.locator(".messages").inner_text()
+    assert "field cap F* = 3" in page.locator("#open-round-config").inner_text()
 
     go(page, base, "dashboard:accuracy")
     for div in ("accuracy-curves", "accuracy-categories", "accuracy-adversarial", "privacy-frontier"):
