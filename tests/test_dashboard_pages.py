@@ -325,7 +325,7 @@ def test_the_round_form_sets_the_field_cap_and_the_other_fields_the_api_takes(cl
     assert re.search(r'name="field_cap" value=""', form)
     help_text = client.get(reverse("dashboard:overview")).context["field_cap_help"]
     assert "at most F* tools' statistics" in help_text and "one user can move" in help_text
-    assert "--field-cap" in help_text
+    assert "2·F* tools' fields" in help_text and "participate takes the round's F*" in help_text
     response = client.post(reverse("dashboard:round-open"), {
         "epsilon": "1", "field_cap": " 5 ", "summarizer": "textgrad", "textgrad_steps": "4",
         "max_scenarios_per_tool": "3", "global_metadata": "stats", "carry_forward": "false"})
