@@ -355,6 +355,23 @@ def test_compendium_shows_each_viewer_only_the_noise_of_edges_they_may_see(
         assert 'id="noise-scope"' in body and "which is that organization" in body
 
 
+def test_an_edge_rematerialized_without_statistics_shows_no_noise_scale(operator_client, federation):
+    """An erasure past the budget re-materializes the edge without statistics (no release, no
+    ledger row); its earlier release's rows stay in the append-only ledger but back nothing
+    published, so the page shows only the other edge's scale."""
+    from compendium.models import CompendiumVersion
+
+    add_review_data(federation)
+    release_flights_calls(federation)
+    edge = CompendiumVersion.objects.get(kind="edge", round=federation.rounds[2],
+                                         organization=federation.globex)
+    edge.entry_counts = {**edge.entry_counts, "metadata": 0}  # as the re-materialization stores it
+    edge.save(update_fields=["entry_counts"])
+    stat, card, _ = flights_card(operator_client)
+    assert (stat["noise_scale"], stat["noise_scale_max"], stat["edges"]) == (250.0, 250.0, 1)
+    assert "noise b 250" in card and "2,000" not in card
+
+
 @pytest.mark.parametrize(
     "query, expected",
     [

@@ -350,7 +350,8 @@ def _noise_scales(
     keyed by (pk, field): the ledger rows of the last published round up to the version's that
     released the (tool, field) (a tool no edge reported keeps the earlier global's figure), of
     each edge's latest release in that round (a re-release after an erasure replaces only its
-    own edge's), one per edge that noised it.
+    own edge's; an edge re-materialized without statistics has none), one per edge that noised
+    it.
 
     `organizations`: only the scales of these organizations' edges (None: every edge, for the
     operator). An edge's scale is Δ/(K·ε_j) with Δ and ε_j public, so it tells its K, the count of
@@ -367,11 +368,22 @@ def _noise_scales(
         .values_list("tool_id", "field", "round__number", "organization_id", "release", "noise_scale")
     )
     shown = None if organizations is None else set(organizations.values_list("pk", flat=True))
+    # An edge re-materialized past the budget (an erasure's) carries no statistics any more, and
+    # its earlier release's rows stay in the ledger: they back nothing published.
+    withdrawn = {
+        (number, organization_id)
+        for number, organization_id, counts in CompendiumVersion.objects.filter(
+            kind=CompendiumVersion.Kind.EDGE, round__number__lte=version.round.number
+        ).values_list("round__number", "organization_id", "entry_counts")
+        if not (counts or {}).get("metadata")
+    }
     chosen_round: dict[tuple[int, str], int] = {}
     seen: set[tuple[int, str, int]] = set()
     scales: dict[tuple[int, str], list[float]] = defaultdict(list)
     for tool_id, name, number, organization_id, _release, scale in rows:
         key = (pks[tool_id], name)
+        if (number, organization_id) in withdrawn:
+            continue
         if chosen_round.setdefault(key, number) != number or (*key, organization_id) in seen:
             continue  # an earlier round's, or an edge's earlier release
         seen.add((*key, organization_id))
