@@ -80,8 +80,11 @@ def run_round(clients, schema, config, embed, probe, edges: int):
         edge_times.append(time.perf_counter() - start)
         edge_results.append(result)
     start = time.perf_counter()
+    # each edge's noise scales, from its ledger rows, as the pipeline passes them
+    scales = {f"edge-{e}": {(x.tool_id, x.field): x.noise_scale for x in r.ledger}
+              for e, r in enumerate(edge_results)}
     glob = server_merge([MergeInput(f"edge-{e}", r.compendium) for e, r in enumerate(edge_results)],
-                        schema, config, embed=embed, probe_set=probe)
+                        schema, config, embed=embed, probe_set=probe, noise_scales=scales)
     server_time = time.perf_counter() - start
     return edge_times, server_time, edge_results, glob
 
@@ -112,6 +115,8 @@ def main(argv=None) -> int:
                              "the same model in bfloat16 (CPUs with native bf16)")
     parser.add_argument("--dataset", default=str(DATASET))
     parser.add_argument("--out", help="write the rows as JSON to this file")
+    parser.add_argument("--save-global", help="write the last global compendium (canonical JSON) "
+                        "to this file, to see where its bytes go")
     args = parser.parse_args(argv)
 
     dataset = load_dataset(args.dataset)
@@ -195,6 +200,8 @@ def main(argv=None) -> int:
             }
             rows.append(row)
             print(json.dumps(row), flush=True)
+            if args.save_global:
+                Path(args.save_global).write_bytes(form.data)
     columns = ["clients", "embeddings", "scenarios_in", "edge_merge_s", "server_merge_s",
                "round_s", "routing_head_s", "global_size_kb", "global_scenarios", "dedup_rate", "probe_accuracy",
                "flagged_confusion", "peak_rss_mb"]

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
+from collections import defaultdict
 from dataclasses import dataclass
 
 import numpy as np
@@ -354,6 +355,20 @@ def previous_global(round_: Round) -> CompendiumVersion | None:
     )
 
 
+def _edge_noise_scales(round_: Round) -> dict[str, dict[tuple[str, str], float]]:
+    """Per edge (`org:<slug>`, its server-merge input) and (tool, field), the scale of the
+    Laplace noise of its latest release in `round_` (an erasure's re-release replaces the
+    earlier): the server publishes the average without the digits below its noise."""
+    scales: dict[str, dict[tuple[str, str], float]] = defaultdict(dict)
+    for slug, tool, field, scale in (
+        PrivacyLedgerEntry.objects.filter(round=round_)
+        .order_by("organization__slug", "release")
+        .values_list("organization__slug", "tool_id", "field", "noise_scale")
+    ):
+        scales[f"org:{slug}"][(tool, field)] = scale  # a later release overwrites
+    return dict(scales)
+
+
 def run_server_merge(round_id: int, *, embed=None) -> str:
     """Merge the round's edge compendiums into the global one and publish it (one transaction:
     a merging round becomes published, audited; a published round's global is merged again, as an
@@ -379,6 +394,7 @@ def run_server_merge(round_id: int, *, embed=None) -> str:
         llm=configured_llm(),
         previous=load_compendium(previous) if previous is not None else None,
         previous_conflicts=_previous_conflicts(round_, None),
+        noise_scales=_edge_noise_scales(round_),
     )
     accuracy = probe_accuracy(
         probe, [s.tool_id for s in result.compendium.scenarios], result.scenario_embeddings

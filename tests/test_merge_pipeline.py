@@ -3,6 +3,8 @@ test_merge_worker.py)."""
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 import pytest
 from django.core.management import call_command
@@ -93,6 +95,24 @@ def test_full_round_publishes_global_with_embeddings_ledger_and_accuracy(
     acme_calls = ledger.get(organization__slug="acme", tool_id="weather", field="calls")
     assert acme_calls.contributors == 2 and acme_calls.epsilon == pytest.approx(1 / len(keys))
     assert acme_calls.noise_scale == pytest.approx(50 / (2 / len(keys)))
+    # The server averages the edges' releases (weighted by users) and publishes the average
+    # without the digits below its own noise, as each edge does: the scale of Σ w_i·x_i / W is
+    # √(Σ (w_i·b_i)²) / W, kept to a hundredth of its order of magnitude.
+    def calls(version):
+        return {m["tool_id"]: m["stats"] for m in version.content["metadata"]}["weather"]["calls"]
+
+    users = {e.organization.slug: e.content["num_users"] for e in edges}
+    total = sum(users.values())
+    average = sum(calls(e) * users[e.organization.slug] for e in edges) / total
+    scale = math.sqrt(sum(
+        (users[e.organization.slug] * ledger.get(organization=e.organization, tool_id="weather",
+                                                 field="calls").noise_scale) ** 2
+        for e in edges)) / total
+    step = 10.0 ** (math.floor(math.log10(scale)) - 2)
+    published = calls(glob)
+    spec = schema.fields_by_name["calls"]
+    assert abs(published - min(spec.max, max(spec.min, average))) <= step / 2 + 1e-9
+    assert published == pytest.approx(round(published / step) * step)
     record = MergeRecord.objects.get(round=round_, organization__isnull=True)
     assert record.probe_queries == 6 and 0.0 <= record.accuracy <= 1.0
     assert record.stats["scenarios_in"] > 0

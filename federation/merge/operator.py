@@ -11,7 +11,7 @@ from __future__ import annotations
 import math
 import time
 from collections import defaultdict
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 import numpy as np
 
@@ -143,10 +143,14 @@ def server_merge(
     previous: Compendium | None = None,
     previous_conflicts: Sequence[ConflictEntry] = (),
     source_limit: float = SOURCE_LIMIT,
+    noise_scales: Mapping[str, Mapping[tuple[str, str], float]] | None = None,
 ) -> MergeResult:
     """The same operator one level up: edge compendiums in, the global compendium out. Numeric
     statistics were noised at the edges; here they are averaged, weighted by each edge's
-    contributor count (post-processing: no new budget, no ledger entries).
+    contributor count (post-processing: no new budget, no ledger entries). `noise_scales`, per
+    edge (its MergeInput source) and (tool, field), is the scale of the Laplace noise that edge
+    added (its ledger row): the average is then published without the digits below its own
+    noise, as each edge's release is (`_published_number`); without it, to 6 significant digits.
 
     `previous` is the last published global compendium, carried forward: its scenarios,
     precautions, templates and annex enter the merge as one more input (clustered with the new
@@ -173,6 +177,7 @@ def server_merge(
         confusion_rank=confusion_rank,
         previous=None if previous is None else _within_schema(previous, schema),
         source_limit=source_limit,
+        noise_scales=noise_scales,
     )
 
 
@@ -313,6 +318,7 @@ def _merge(
     source_limit: float,
     previous: Compendium | None = None,
     release_numeric: bool = True,
+    noise_scales: Mapping[str, Mapping[tuple[str, str], float]] | None = None,
 ) -> MergeResult:
     stats = MergeStats(summarizer=config.summarizer)
     clock = _Clock(stats)
@@ -323,7 +329,7 @@ def _merge(
     # M first: the budget check must refuse before any noise is drawn or any text work is done.
     fresh = [(s, comp) for s, comp in accepted if not (carry and s == PREVIOUS_GLOBAL)]
     metadata, ledger = _merge_metadata(
-        fresh, schema, config, seed, epsilon_remaining, noise, release_numeric
+        fresh, schema, config, seed, epsilon_remaining, noise, release_numeric, noise_scales
     )
     for source, comp in accepted:
         if carry and source == PREVIOUS_GLOBAL:  # its statistics stay for tools not reported
@@ -500,26 +506,43 @@ def _published_number(value: float, noise_scale: float | None = None) -> float:
     return float(f"{value:.6g}")
 
 
-def _merge_metadata(accepted, schema, config, seed, epsilon_remaining, noise, release_numeric=True):
+def _average_noise_scale(scales: Sequence[float | None], weights: np.ndarray) -> float | None:
+    """The scale of the noise in Σ w_i·x_i / Σ w_i when x_i carries Laplace noise of scale b_i,
+    as the scale of one Laplace variable of the same variance (Var = 2·Σ (w_i·b_i)² / W²):
+    what `_published_number` trims the average's digits to. None when an input's scale is not
+    known (then no digit is dropped for noise)."""
+    if not scales or any(b is None or not b > 0 for b in scales):
+        return None
+    w = weights / weights.sum()
+    return float(math.sqrt(float(np.sum((w * np.asarray(scales, dtype=float)) ** 2))))
+
+
+def _merge_metadata(accepted, schema, config, seed, epsilon_remaining, noise, release_numeric=True,
+                    noise_scales=None):
     if noise:
         return _release_metadata(accepted, schema, config, seed, epsilon_remaining,
                                  release_numeric)
     values: dict[tuple[str, str], list[float]] = defaultdict(list)
     weights: dict[tuple[str, str], list[float]] = defaultdict(list)
+    scales: dict[tuple[str, str], list[float | None]] = defaultdict(list)
     tools: set[str] = set()
-    for _, comp in accepted:
+    for source, comp in accepted:
+        edge_scales = (noise_scales or {}).get(source, {})
         for meta in comp.metadata:
             tools.add(meta.tool_id)
             for name, value in meta.stats.items():
                 values[(meta.tool_id, name)].append(float(value))
                 weights[(meta.tool_id, name)].append(float(comp.num_users or 1))
+                scales[(meta.tool_id, name)].append(edge_scales.get((meta.tool_id, name)))
     keys = sorted(values)
     released: dict[tuple[str, str], float] = {}
     for key in keys:
         spec = schema.fields_by_name[key[1]]
         w = np.asarray(weights[key])
         value = float(np.dot(np.asarray(values[key]), w) / w.sum())
-        released[key] = _published_number(min(spec.max, max(spec.min, value)))
+        released[key] = _published_number(
+            min(spec.max, max(spec.min, value)), _average_noise_scale(scales[key], w)
+        )
     metadata = [
         _tool_metadata(
             schema, tool_id, {name: released[(t, name)] for (t, name) in keys if t == tool_id}

@@ -466,6 +466,7 @@ class Simulation:
             self.progress(f"seed {seed}: round {r}: edge and server merges")
             edges = []
             stats = {}
+            scales: dict[str, dict[tuple[str, str], float]] = {}
             for org in sorted({s.organization for s in shares}):
                 inputs = [
                     MergeInput(s.client, sent[s.client])
@@ -486,10 +487,12 @@ class Simulation:
                 )
                 conflicts[org] = result.conflicts
                 edges.append(MergeInput(org, result.compendium))
+                scales[org] = {(e.tool_id, e.field): e.noise_scale for e in result.ledger}
                 stats[org] = result.stats.as_dict()
             merged = server_merge(
                 edges, self.schema, config, embed=self.engine.embed, probe_set=probe_set,
                 llm=llm, previous=pulled, previous_conflicts=conflicts.get(None, ()),
+                noise_scales=scales,
             )
             conflicts[None] = merged.conflicts
             published = merged.compendium
