@@ -81,8 +81,7 @@ def run_round(clients, schema, config, embed, probe, edges: int):
         edge_results.append(result)
     start = time.perf_counter()
     # each edge's noise scales, from its ledger rows, as the pipeline passes them
-    scales = {f"edge-{e}": {(x.tool_id, x.field): x.noise_scale for x in r.ledger}
-              for e, r in enumerate(edge_results)}
+    scales = {f"edge-{e}": r.noise_scales for e, r in enumerate(edge_results)}
     glob = server_merge([MergeInput(f"edge-{e}", r.compendium) for e, r in enumerate(edge_results)],
                         schema, config, embed=embed, probe_set=probe, noise_scales=scales)
     server_time = time.perf_counter() - start

@@ -355,8 +355,13 @@ def previous_global(round_: Round) -> CompendiumVersion | None:
     )
 
 
+def _edge_source(slug: str) -> str:
+    """The name an organization's edge compendium goes by as a server-merge input."""
+    return f"org:{slug}"
+
+
 def _edge_noise_scales(round_: Round) -> dict[str, dict[tuple[str, str], float]]:
-    """Per edge (`org:<slug>`, its server-merge input) and (tool, field), the scale of the
+    """Per edge (`_edge_source`, its server-merge input) and (tool, field), the scale of the
     Laplace noise of its latest release in `round_` (an erasure's re-release replaces the
     earlier): the server publishes the average without the digits below its noise."""
     scales: dict[str, dict[tuple[str, str], float]] = defaultdict(dict)
@@ -365,7 +370,7 @@ def _edge_noise_scales(round_: Round) -> dict[str, dict[tuple[str, str], float]]
         .order_by("organization__slug", "release")
         .values_list("organization__slug", "tool_id", "field", "noise_scale")
     ):
-        scales[f"org:{slug}"][(tool, field)] = scale  # a later release overwrites
+        scales[_edge_source(slug)][(tool, field)] = scale  # a later release overwrites
     return dict(scales)
 
 
@@ -386,7 +391,7 @@ def run_server_merge(round_id: int, *, embed=None) -> str:
     previous = previous_global(round_) if config.carry_forward else None
     probe = load_probe_set(embed)
     result = server_merge_operator(
-        [MergeInput(f"org:{e.organization.slug}", load_compendium(e)) for e in edges],
+        [MergeInput(_edge_source(e.organization.slug), load_compendium(e)) for e in edges],
         current_schema(),
         config,
         embed=embed,

@@ -679,14 +679,19 @@ def _stats(calls, rate, freq, latency):
     return {"calls": calls, "success_rate": rate, "frequency": freq, "latency_ms": latency}
 
 
-def _privacy_loss(a, b):
-    """The Laplace mechanism's worst-case privacy loss between two releases of the same keys:
-    Σ |mean_a − mean_b| / b_key (the released means are recomputed from the clipped inputs)."""
+def _release_loss(schema, embed, config, subs_a, subs_b, tools, seed):
+    """Both edge releases (same seed) and the Laplace mechanism's worst-case privacy loss
+    between them: Σ |mean_a − mean_b| / b over `tools`' fields (the means recomputed from the
+    clipped inputs). The released keys and their noise scales must be the same in both."""
+    a = edge_merge(subs_a, schema, config, embed=embed, seed=seed)
+    b = edge_merge(subs_b, schema, config, embed=embed, seed=seed)
     la = {(e.tool_id, e.field): e for e in a.ledger}
     lb = {(e.tool_id, e.field): e for e in b.ledger}
     assert la.keys() == lb.keys()
     assert all(la[k].noise_scale == lb[k].noise_scale for k in la)
-    return la, lb
+    ma, mb = _means(schema, subs_a, tools), _means(schema, subs_b, tools)
+    moved = {tool for (tool, field), v in ma.items() if v != mb[(tool, field)]}
+    return a, b, sum(abs(ma[k] - mb[k]) / la[k].noise_scale for k in ma), moved
 
 
 def _means(schema, subs, tools):
@@ -713,11 +718,7 @@ def test_field_cap_charges_every_numeric_field_of_each_tool(schema, embed):
     other = sub("c2", metadata=[{"tool_id": "weather", "stats": _stats(10, 0.5, 0.5, 300)}])
     high = [sub("c1", metadata=[{"tool_id": "weather", "stats": _stats(50, 1, 1, 10000)}]), other]
     low = [sub("c1", metadata=[{"tool_id": "weather", "stats": _stats(0, 0, 0, 0)}]), other]
-    a = edge_merge(high, schema, config, embed=embed, seed=1)
-    b = edge_merge(low, schema, config, embed=embed, seed=1)
-    la, _ = _privacy_loss(a, b)
-    ma, mb = _means(schema, high, ["weather"]), _means(schema, low, ["weather"])
-    loss = sum(abs(ma[k] - mb[k]) / la[k].noise_scale for k in ma)
+    a, _, loss, _ = _release_loss(schema, embed, config, high, low, ["weather"], seed=1)
     # ε_j = ε/(2·F*·4): one tool's 4 fields moving here cost half the round (the other half is
     # for a replacement that feeds another tool: the next test)
     assert loss == pytest.approx(3.5 * config.epsilon / 8)
@@ -735,12 +736,9 @@ def test_field_cap_covers_a_replacement_user_who_feeds_other_tools(schema, embed
     other = sub("c2", metadata=[{"tool_id": "calculator", "stats": _stats(10, 0.5, 0.5, 300)}])
     before = [sub("c1", metadata=[{"tool_id": "weather", "stats": _stats(50, 1, 1, 10000)}]), other]
     after = [sub("c1", metadata=[{"tool_id": "flights", "stats": _stats(50, 1, 1, 10000)}]), other]
-    a = edge_merge(before, schema, config, embed=embed, seed=1)
-    b = edge_merge(after, schema, config, embed=embed, seed=1)
-    la, _ = _privacy_loss(a, b)
-    ma, mb = _means(schema, before, schema.tool_ids), _means(schema, after, schema.tool_ids)
-    loss = sum(abs(ma[k] - mb[k]) / la[k].noise_scale for k in ma)
-    assert {t for (t, _), v in ma.items() if v != mb[(t, _)]} == {"weather", "flights"}
+    a, _, loss, moved = _release_loss(schema, embed, config, before, after, schema.tool_ids,
+                                      seed=1)
+    assert moved == {"weather", "flights"}
     assert loss == pytest.approx(2 * 3.5 * config.epsilon / 8)
     assert loss <= config.epsilon + 1e-9
     assert a.stats.epsilon_spent == pytest.approx(config.epsilon)
@@ -756,15 +754,10 @@ def test_what_the_edge_releases_does_not_depend_on_which_tools_were_used(schema,
     other = sub("c2", metadata=[{"tool_id": "flights", "stats": _stats(3, 1, 1, 200)}])
     used = [sub("c1", metadata=[{"tool_id": "weather", "stats": _stats(5, 1, 1, 100)}]), other]
     unused = [sub("c1"), other]
-    a = edge_merge(used, schema, config, embed=embed, seed=3)
-    b = edge_merge(unused, schema, config, embed=embed, seed=3)
-    _privacy_loss(a, b)
+    a, b, loss, _ = _release_loss(schema, embed, config, used, unused, schema.tool_ids, seed=3)
     assert [m.tool_id for m in a.compendium.metadata] == [m.tool_id for m in b.compendium.metadata]
     assert {e.contributors for e in a.ledger} == {e.contributors for e in b.ledger} == {2}
     assert len(a.ledger) == len(schema.tools) * len(schema.numeric_fields)
-    ma, mb = _means(schema, used, schema.tool_ids), _means(schema, unused, schema.tool_ids)
-    scales = {(e.tool_id, e.field): e.noise_scale for e in a.ledger}
-    loss = sum(abs(ma[k] - mb[k]) / scales[k] for k in ma)
     assert loss <= config.epsilon + 1e-9
     assert a.stats.epsilon_spent == pytest.approx(config.epsilon)
 

@@ -134,3 +134,9 @@ class MergeResult:
     accepted_sources: list[str] = field(default_factory=list)
     scenario_embeddings: Any = None  # np.ndarray row-aligned with compendium.scenarios
     precaution_embeddings: Any = None
+
+    @property
+    def noise_scales(self) -> dict[tuple[str, str], float]:
+        """(tool, field) -> the scale of the Laplace noise this (edge) release added: what the
+        server merge takes per edge (`server_merge(noise_scales=...)`)."""
+        return {(e.tool_id, e.field): e.noise_scale for e in self.ledger}

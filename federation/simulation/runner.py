@@ -487,7 +487,7 @@ class Simulation:
                 )
                 conflicts[org] = result.conflicts
                 edges.append(MergeInput(org, result.compendium))
-                scales[org] = {(e.tool_id, e.field): e.noise_scale for e in result.ledger}
+                scales[org] = result.noise_scales
                 stats[org] = result.stats.as_dict()
             merged = server_merge(
                 edges, self.schema, config, embed=self.engine.embed, probe_set=probe_set,
