@@ -492,6 +492,56 @@ def _field_cap_check(path: Path, compendium: Compendium):
     return check
 
 
+def round_mask_strength(current: dict) -> float | None:
+    """The masking strength λ the open round expects clients to mask with (its configuration's
+    `mask_strength`); None when it names none."""
+    expected = _round_config(current).get("mask_strength")
+    if isinstance(expected, bool) or not isinstance(expected, int | float):
+        return None
+    return float(expected) if math.isfinite(expected) else None
+
+
+def _weaker_masking(current: dict, applied: float | None) -> str | None:
+    """What is wrong when text masked at λ = `applied` (None: no masking recorded) goes to the
+    open round, which expects at least its mask_strength; None when nothing is."""
+    expected = round_mask_strength(current)
+    if expected is None or expected <= 0 or (applied is not None and applied >= expected):
+        return None
+    return f"round {current['number']} expects masking strength λ >= {expected:g}"
+
+
+def _masking_check(path: Path, compendium: Compendium, allow_weaker: bool):
+    """Before `submit` sends anything: text masked more weakly than the open round expects (or
+    with no masking recorded) is refused, since once sent it cannot be taken back; the server
+    only stores it. `--allow-weaker-masking` sends it anyway (a compendium masked by other
+    tooling, which records no λ)."""
+
+    def check(current: dict) -> None:
+        applied = compendium.masking.strength if compendium.masking else None
+        problem = _weaker_masking(current, applied)
+        if problem is None or allow_weaker:
+            return
+        expected = round_mask_strength(current)
+        raise CliError(
+            f"{problem}, but {path} "
+            + ("records no masking" if applied is None else f"was masked at λ = {applied:g}")
+            + f": build it again with --lambda {expected:g} (or more), or pass "
+            "--allow-weaker-masking to send it as it is; nothing sent"
+        )
+
+    return check
+
+
+def _checks(*checks):
+    """One `check` for ClientApi.submit that runs each of `checks` in turn."""
+
+    def check(current: dict) -> None:
+        for each in checks:
+            each(current)
+
+    return check
+
+
 def cmd_submit(args: argparse.Namespace) -> int:
     from compendium.client_api import SubmissionRejected, nothing_to_submit
 
@@ -515,7 +565,11 @@ def cmd_submit(args: argparse.Namespace) -> int:
         try:
             result = client.submit(
                 compendium, compress=not args.no_gzip, dictionary=dictionary,
-                check=_field_cap_check(Path(args.compendium), compendium),
+                check=_checks(
+                    _field_cap_check(Path(args.compendium), compendium),
+                    _masking_check(Path(args.compendium), compendium,
+                                   getattr(args, "allow_weaker_masking", False)),
+                ),
             )
         except SubmissionRejected as exc:
             for v in exc.violations:
@@ -642,6 +696,13 @@ def cmd_participate(args: argparse.Namespace) -> int:
                 f"noise assumes no more): --field-cap {field_cap} is larger; pass --field-cap "
                 f"{required} or less, or leave it out; nothing built or sent"
             )
+        weaker = None if args.strength is None else _weaker_masking(current, args.strength)
+        if weaker is not None and not args.allow_weaker_masking:
+            raise CliError(
+                f"{weaker}: --lambda {args.strength:g} is weaker; pass --lambda "
+                f"{round_mask_strength(current):g} or more, or leave it out (or pass "
+                "--allow-weaker-masking); nothing built or sent"
+            )
         client.fetch_schema(schema_path)
         try:
             pulled = client.pull(global_path)
@@ -657,10 +718,10 @@ def cmd_participate(args: argparse.Namespace) -> int:
             global_round = max((r["number"] for r in published), default=None)
     for warning in pulled.warnings if pulled else ():
         print(f"{PROG}: warning: {warning}", file=sys.stderr)
-    expected = _round_config(current).get("mask_strength")
+    expected = round_mask_strength(current)
     strength = args.strength
     if strength is None:
-        strength = float(expected) if isinstance(expected, int | float) else 1.0
+        strength = expected if expected is not None else 1.0
     since = str(global_path) if pulled else None
     print(
         f"round {current['number']}: "
@@ -809,6 +870,14 @@ def _add_build_options(
     parser.add_argument("--quiet", action="store_true", help="no progress bars")
 
 
+def _add_allow_weaker_masking(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--allow-weaker-masking", action="store_true", dest="allow_weaker_masking",
+        help="send text masked more weakly than the open round's expected λ, or with no masking "
+        "recorded (default: refused before anything is sent)",
+    )
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog=PROG, description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
@@ -856,6 +925,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="with --schema: probe.json from fetch-probe goes before the schema in the dictionary "
         "(about a fifth fewer bytes in the first round on MetaTool)",
     )
+    _add_allow_weaker_masking(submit)
     _add_server_arguments(submit)
     submit.set_defaults(func=cmd_submit)
 
@@ -886,6 +956,7 @@ def build_parser() -> argparse.ArgumentParser:
         field_cap_help="F*: at most this many tools per user feed the numeric statistics "
         "(default: the open round's field_cap; a larger one is refused, a smaller one is stricter)",
     )
+    _add_allow_weaker_masking(participate)
     _add_server_arguments(participate)
     participate.set_defaults(func=cmd_participate)
 

@@ -58,7 +58,8 @@ def test_first_round_dcz_against_the_probe_set_and_the_schema(live_server, world
     ])
     schema_path, probe_path, doc_path = (tmp_path / n for n in ("schema.json", "probe.json", "c.json"))
     schema_path.write_text(submissions.schema_in_force().model_dump_json(), encoding="utf-8")
-    doc_path.write_text(json.dumps(valid_doc), encoding="utf-8")
+    masked = dict(valid_doc, masking={"strength": 1.0, "masked_fraction": 0.2})  # the round's λ
+    doc_path.write_text(json.dumps(masked), encoding="utf-8")
     server = ["--server", live_server.url, "--token", world.token_a, "--backoff", "0"]
     assert main(["fetch-probe", "--out", str(probe_path), *server]) == 0
     assert "the public probe set's 30 requests saved" in capsys.readouterr().out
@@ -89,9 +90,10 @@ def test_status_tells_a_client_where_it_stands(live_server, world, valid_doc, tm
     assert f"it takes submissions until {deadline:%Y-%m-%d %H:%M} UTC, then closes" in out
     assert "this client has not submitted to round 1 yet" in out
     doc_path = tmp_path / "c.json"
-    doc_path.write_text(json.dumps(valid_doc), encoding="utf-8")
+    masked = dict(valid_doc, masking={"strength": 1.5, "masked_fraction": 0.3})  # the round's λ
+    doc_path.write_text(json.dumps(masked), encoding="utf-8")
     assert main(["submit", str(doc_path), *server]) == 0
-    fewer = dict(valid_doc, scenarios=valid_doc["scenarios"][:1])
+    fewer = dict(masked, scenarios=valid_doc["scenarios"][:1])
     doc_path.write_text(json.dumps(fewer), encoding="utf-8")
     assert main(["submit", str(doc_path), *server]) == 0
     capsys.readouterr()
@@ -139,6 +141,15 @@ def test_participate_runs_a_whole_client_round(live_server, world, tmp_path, cap
         for n in range(5)
     ])
     first = services.open_round(services.Actor(None), {"mask_strength": 1.5})
+    # a weaker λ than the round expects is refused before anything is fetched, built or sent
+    assert main([*command, "--lambda", "1"]) == 1
+    assert capsys.readouterr().err.strip() == (
+        "synapse-client: round 1 expects masking strength λ >= 1.5: --lambda 1 is weaker; pass "
+        "--lambda 1.5 or more, or leave it out (or pass --allow-weaker-masking); nothing built "
+        "or sent"
+    )
+    assert not state.exists() or not any(state.iterdir())
+    assert Submission.objects.count() == 0
     assert main(command) == 0
     out = capsys.readouterr().out
     assert "round 1: no global yet: against the public probe set, masking at λ = 1.5" in out

@@ -220,7 +220,9 @@ def server() -> Iterator[tuple[str, ServerState]]:
 
 
 def compendium(text: str = "Will it rain tomorrow in a city?") -> Compendium:
-    return Compendium(scenarios=[Scenario(tool_id="weather", text=text)], num_users=3)
+    """Masked at the fake round's expected λ = 1, as `build` records it."""
+    return Compendium(scenarios=[Scenario(tool_id="weather", text=text)], num_users=3,
+                      masking=MaskingInfo(strength=1.0, masked_fraction=0.25))
 
 
 def write(tmp_path, comp: Compendium, name: str = "compendium.json"):
@@ -249,14 +251,41 @@ def test_submit_survives_a_dropped_connection_and_a_duplicate_send(server, tmp_p
     assert main(submit_args(url, path)) == 0  # the operator runs it again
     captured = capsys.readouterr()
     assert "replayed, not stored twice" in captured.out
-    assert "round 4 expects masking strength λ >= 1; this compendium records no masking" in (
-        captured.err
-    )
     assert state.created == 1
     assert len(state.rows) == 1
     key = state.posts[0]["key"]
     assert key == f"r4-{canonical_form(compendium()).sha256}"
     assert state.posts[0]["encoding"] == "gzip"  # the body goes compressed by default
+
+
+def test_weaker_masking_than_the_round_expects_is_refused_before_sending(server, tmp_path,
+                                                                         capsys):
+    url, state = server  # the open round expects λ >= 1
+    unmasked = write(tmp_path, compendium().model_copy(update={"masking": None}), "raw.json")
+    weak = write(tmp_path, compendium().model_copy(
+        update={"masking": MaskingInfo(strength=0.5, masked_fraction=0.1)}), "weak.json")
+
+    assert main(submit_args(url, unmasked)) == 1
+    assert capsys.readouterr().err.strip() == (
+        f"synapse-client: round 4 expects masking strength λ >= 1, but {unmasked} records no "
+        "masking: build it again with --lambda 1 (or more), or pass --allow-weaker-masking to "
+        "send it as it is; nothing sent"
+    )
+    assert main(submit_args(url, weak)) == 1
+    assert f"but {weak} was masked at λ = 0.5: build it again" in capsys.readouterr().err
+    assert state.posts == [] and state.created == 0
+
+    # the override sends it as it is, and says what went
+    assert main(submit_args(url, weak) + ["--allow-weaker-masking"]) == 0
+    captured = capsys.readouterr()
+    assert "submitted to round 4" in captured.out
+    assert "round 4 expects masking strength λ >= 1; this compendium was masked at λ=0.5" in (
+        captured.err
+    )
+    assert state.created == 1
+    # at the expected λ (or more) nothing is said
+    assert main(submit_args(url, write(tmp_path, compendium()))) == 0
+    assert "masking" not in capsys.readouterr().err
 
 
 def test_no_gzip_sends_the_canonical_bytes_plain_under_the_same_key(server, tmp_path, capsys):
@@ -408,7 +437,8 @@ def test_413_says_the_limit_and_the_real_size_not_only_the_bytes_sent(server, tm
 def test_400_prints_every_violation_by_path(server, tmp_path, capsys):
     url, _ = server
     bad = Compendium(scenarios=[Scenario(tool_id="teleporter", text="beam me up"),
-                                Scenario(tool_id="weather", text=" ")])
+                                Scenario(tool_id="weather", text=" ")],
+                     masking=MaskingInfo(strength=1.0, masked_fraction=0.0))
     assert main(submit_args(url, write(tmp_path, bad))) == 1
     err = capsys.readouterr().err
     assert "$.scenarios[0].tool_id" in err  # ordering is canonical: teleporter < weather
@@ -698,6 +728,7 @@ def test_rejected_paths_point_into_the_submitted_file_not_the_canonical_order(se
             {"tool_id": "weather", "text": "Is it sunny on the coast?"},
             {"tool_id": "weather", "text": "Is it sunny on the coast?"},
         ],
+        "masking": {"strength": 1.0, "masked_fraction": 0.0},
     }
     path = tmp_path / "edited.json"
     path.write_text(json.dumps(doc, indent=1), encoding="utf-8")
