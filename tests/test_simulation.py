@@ -124,13 +124,19 @@ def test_tiny_simulation_end_to_end(twin_dataset, tmp_path):
 @pytest.mark.django_db(transaction=True)
 def test_demo_rounds_publish_through_the_real_pipeline(tiny_dataset):
     from compendium.models import CompendiumVersion
-    from federation.models import Round, Submission
+    from federation.models import ConflictLogEntry, Round, Submission
     from federation.services import bootstrap_demo_federation
 
     call_command("import_tools", str(tiny_dataset), verbosity=0)
     bootstrap_demo_federation()
+    out = io.StringIO()
     call_command("demo_rounds", "--dataset", str(tiny_dataset), "--rounds", "2",
-                 "--queries-per-client", "30")
+                 "--queries-per-client", "30", stdout=out)
+    logged = ConflictLogEntry.objects.filter(round__number__in=[1, 2]).count()
+    assert out.getvalue().strip() == (
+        f"demo rounds: published rounds 1, 2 from 12 submissions; {logged} conflict(s) logged "
+        "for review; a new round is open"
+    )
     published = Round.objects.filter(state="published").order_by("number")
     assert [r.number for r in published] == [1, 2]
     assert Round.objects.filter(state="open").count() == 1

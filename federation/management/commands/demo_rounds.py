@@ -3,7 +3,7 @@ import sys
 from django.core.management.base import BaseCommand, CommandError
 
 from compendium.registry import RegistryFormatError
-from federation.demo import DemoError, run_demo_rounds
+from federation.demo import DEMO_QUERIES_PER_CLIENT, DemoError, run_demo_rounds
 
 
 class Command(BaseCommand):
@@ -15,7 +15,9 @@ class Command(BaseCommand):
     def add_arguments(self, parser):
         parser.add_argument("--dataset", required=True)
         parser.add_argument("--rounds", type=int, default=3)
-        parser.add_argument("--queries-per-client", type=int, default=120)
+        parser.add_argument("--queries-per-client", type=int, default=DEMO_QUERIES_PER_CLIENT,
+                            help="each demo client's share of the dataset's requests "
+                                 "(default %(default)s)")
         parser.add_argument("--seed", type=int, default=0)
 
     def handle(self, *args, dataset, rounds, queries_per_client, seed, **options):
@@ -35,5 +37,5 @@ class Command(BaseCommand):
             published = ", ".join(map(str, report.rounds_published))
             self.stdout.write(
                 f"demo rounds: published rounds {published} from {report.submissions} submissions; "
-                "a new round is open"
+                f"{report.conflicts} conflict(s) logged for review; a new round is open"
             )
