@@ -517,6 +517,33 @@ def test_privacy_ledger_shows_an_edges_k_and_noise_only_to_its_organization_and_
         assert b not in body
 
 
+@pytest.mark.parametrize("role", ["operator", "admin_b"])
+def test_privacy_page_says_how_many_released_statistics_the_noise_swamps(client, fed, role):
+    # Org A released again in a later round, once at K·ε = 10 (b = 0.1 < Δ) and once at
+    # K·ε = 1 (b = Δ); Org B's latest is the fixture's round 1, where every b > Δ.
+    r3 = Round.objects.create(number=3, state=Round.State.PUBLISHED, config={"epsilon": 1.0})
+    for field, eps in (("calls", 1.0), ("success_rate", 0.1)):
+        PrivacyLedgerEntry.objects.create(
+            round=r3, organization=fed.org_a, tool_id="weather", field=field, sensitivity=1.0,
+            contributors=10, epsilon=eps, noise_scale=1.0 / (10 * eps), mechanism="laplace",
+            field_cap=2,
+        )
+    body = login(client, fed, role).get(reverse("dashboard:privacy")).content.decode()
+    section = body[body.index('id="release-signal"'):]
+    section = section[: section.index("</section>")]
+    rows = re.findall(r"<tr[^>]*><td>([^<]*)</td><td class=\"num\">(\d+)</td><td class=\"num\">(\d+)"
+                      r"</td><td class=\"num\">([^<]*)</td><td class=\"num\">([^<]*)</td>"
+                      r"<td class=\"num\">([^<]*)</td><td class=\"num\">([^<]*)</td>", section)
+    expected = {
+        "Org A": ("3", "2", "10", "0.1–1", "2", "1 of 2"),
+        "Org B": ("1", "2", "3", "0.4–0.6", "none", "2 of 2"),
+    }
+    if role == "admin_b":  # another organization's K and ε stay hidden
+        expected.pop("Org A")
+        assert "Org A" not in section
+    assert {name: rest for name, *rest in rows} == {k: list(v) for k, v in expected.items()}
+
+
 def test_privacy_page_shows_the_committed_figure_with_reservations(client, fed):
     response = login(client, fed, "operator").get(reverse("dashboard:privacy"))
     privacy = response.context["privacy"]

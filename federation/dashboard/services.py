@@ -734,10 +734,35 @@ class PrivacyPage:
     reserved: list[tuple] = field(default_factory=list)  # (round number, projected ε)
     warning: str = ""
     charts: list[str] = field(default_factory=list)
+    # The latest round's releases per visible edge: what the noise leaves of them (release_signal)
+    signal: list[dict] = field(default_factory=list)
 
     @property
     def reserved_epsilon(self) -> float:
         return sum(eps for _, eps in self.reserved)
+
+
+def release_signal(organizations: QuerySet) -> list[dict]:
+    """Per edge of `organizations`, its releases of the latest round it released in: how many
+    statistics, at which K and ε per statistic, and how many of them carry noise at least as wide
+    as the whole window the clients' clipped values lie in (b >= Δ, that is K·ε <= 1), which
+    leaves a released average next to nothing of what the clients sent. Newest round first, then
+    by organization name."""
+    from django.db.models import Count, F, Max, Min, Q
+
+    rows = PrivacyLedgerEntry.objects.filter(organization__in=organizations)
+    latest = rows.values("organization", "organization__name").annotate(last=Max("round__number"))
+    out = []
+    for item in latest:
+        summary = rows.filter(organization=item["organization"], round__number=item["last"]).aggregate(
+            releases=Count("id"),
+            noisy=Count("id", filter=Q(noise_scale__gte=F("sensitivity"))),
+            k_min=Min("contributors"), k_max=Max("contributors"),
+            eps_min=Min("epsilon"), eps_max=Max("epsilon"),
+            field_cap=Max("field_cap"),
+        )
+        out.append({"organization": item["organization__name"], "round": item["last"], **summary})
+    return sorted(out, key=lambda r: (-r["round"], r["organization"]))
 
 
 def _composition_curve(per_round: list[float], delta_prime: float):
@@ -789,6 +814,7 @@ def privacy_page(
         committed=report.committed,
         reserved=sorted((round_numbers.get(r, r), eps) for r, eps in report.reserved.items()),
         warning=budget_warning(config, check),
+        signal=release_signal(organizations),
     )
     delta = accounting.delta_prime()
     series = [("federation", fed_rounds)] + [
