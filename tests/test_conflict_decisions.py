@@ -119,8 +119,8 @@ def test_a_conflict_between_edges_becomes_a_precaution_of_the_next_global(django
         return [(p["tool_id"], p["text"]) for p in
                 CompendiumVersion.objects.get(kind="global", round=nxt).content.get("precautions", [])]
 
-    composed = ("fares", "Do not use AirfareWatch for book a cheap flight from Boston to Denver next "
-                         "week; FlightFinder serves it")
+    composed = ("fares", "Do not use AirfareWatch for requests like: Book a cheap flight from Boston "
+                         "to Denver next week (use FlightFinder instead)")
     assert composed in next_global(2)
     decide_conflict(Actor.system(), conflict, "edit", "Do not use AirfareWatch to book plane tickets")
     # Round 2 logged no conflict of its own; the decision is on round 1's, so re-merge round 2

@@ -943,7 +943,7 @@ def test_a_conflict_across_tools_shows_the_losing_tool_and_composes_its_precauti
     card = card[: card.index("</article>")]
     assert '<code class="tool">flights</code> Will it snow in Oslo' in card
     composed = composed_precaution(conflict)
-    assert composed == "Do not use flights for will it snow in Oslo; weather serves it"
+    assert composed == "Do not use flights for requests like: Will it snow in Oslo (use weather instead)"
     assert composed in card
 
 

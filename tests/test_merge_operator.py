@@ -645,9 +645,10 @@ def test_near_duplicates_claimed_for_different_tools_keep_the_better_supported_o
                         RoundConfig(summarizer="none"), result.conflicts, embed=embed)
     precautions = sorted((p.tool_id, p.text) for p in second.compendium.precautions)
     assert precautions == [
-        ("calculator", "Do not use Calculator for cheap tickets from Boston to Denver next week; "
-                       "FlightFinder serves it"),
-        ("flights", "Do not use FlightFinder for will it rain in Paris tomorrow; WeatherNow serves it"),
+        ("calculator", "Do not use Calculator for requests like: Cheap tickets from Boston to "
+                       "Denver next week (use FlightFinder instead)"),
+        ("flights", "Do not use FlightFinder for requests like: Will it rain in Paris tomorrow "
+                    "(use WeatherNow instead)"),
     ]
     # A reviewer's own precaution for such a conflict is the losing tool's too.
     edited = ConflictEntry(**{**by_winner["weather"].as_dict(), "resolution": "precaution",

@@ -15,6 +15,7 @@ from collections.abc import Callable, Mapping, Sequence
 
 import numpy as np
 
+from compendium.builder import precaution_text
 from compendium.clipping import clip_bound
 from compendium.schema import (
     AnnexTriple,
@@ -204,11 +205,9 @@ def conflicts_to_precautions(
             other = schema.tools_by_id.get(losing)
             if other is None:
                 continue
-            clauses = list(dict.fromkeys(_clause(d["text"]) for d in entry.dissenters))
-            text = (f"Do not use {other.name or other.tool_id} for {' or for '.join(clauses)}; "
-                    f"{name} serves it")
-            if len(text) > limit:
-                text = text[: limit - 1].rstrip() + "…"
+            # worded as a client words the precaution of a request it had to correct
+            requests = list(dict.fromkeys(" ".join(d["text"].split()) for d in entry.dissenters))
+            text = precaution_text(other.name or other.tool_id, " or ".join(requests), name, limit)
             out.append(Precaution(tool_id=losing, text=text,
                                   support=sum(int(d.get("support") or 1) for d in entry.dissenters)))
             continue
