@@ -751,6 +751,9 @@ def test_accuracy_page_draws_the_latest_simulation(client, fed):
         "random_corruption · none", "random_corruption · krum"}
     assert {t["name"] for t in frontier["data"]} == {"λ = 0.0", "λ = 1.0"}
     assert frontier["data"][0]["x"] == [0.525, 0.6]
+    accuracies = [y for t in frontier["data"] for y in t["y"]]
+    assert frontier["layout"]["yaxis"]["range"] == [
+        pytest.approx(min(accuracies) - 0.05), pytest.approx(max(accuracies) + 0.05)]
     assert "Travel" in body and "demo sim" in body
     assert client.get(reverse("dashboard:accuracy"), {"run": run.pk}).status_code == 200
     assert client.get(reverse("dashboard:accuracy"), {"run": "x"}).status_code == 400

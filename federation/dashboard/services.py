@@ -1070,9 +1070,13 @@ def accuracy_page(run_id=None) -> AccuracyPage:
             ))
         frontier.add_vline(x=0.5, line={"dash": "dot", "color": "#888"},
                            annotation_text="chance (AUROC 0.5)")
+        # At least 5 points of accuracy either side of the points: autorange would stretch a
+        # spread of a tenth of a point (two runs within the noise) over the whole chart.
+        accuracies = [r["accuracy"] for r in [*page.privacy_sweep, *page.release_sweep]]
+        y_range = [max(0.0, min(accuracies) - 0.05), min(1.0, max(accuracies) + 0.05)]
         styled(frontier, title={"text": "Privacy–utility frontier (ε × λ, k-anonymous release)"},
                xaxis={"title": {"text": "membership attack AUROC (lower is more private)"}},
-               yaxis={"title": {"text": "accuracy"}})
+               yaxis={"title": {"text": "accuracy"}, "range": y_range})
         page.charts["frontier"] = render_figure(frontier, div_id="privacy-frontier")
     if page.cadence:
         page.charts["cadence"] = _cadence_figure(page.cadence, page.drift_every)
