@@ -748,20 +748,30 @@ def release_signal(organizations: QuerySet) -> list[dict]:
     as the whole window the clients' clipped values lie in (b >= Δ, that is K·ε <= 1), which
     leaves a released average next to nothing of what the clients sent. Newest round first, then
     by organization name."""
+    from functools import reduce
+    from operator import or_
+
     from django.db.models import Count, F, Max, Min, Q
 
     rows = PrivacyLedgerEntry.objects.filter(organization__in=organizations)
-    latest = rows.values("organization", "organization__name").annotate(last=Max("round__number"))
-    out = []
-    for item in latest:
-        summary = rows.filter(organization=item["organization"], round__number=item["last"]).aggregate(
+    latest = rows.values("organization").annotate(last=Max("round__number"))
+    if not latest:
+        return []
+    wanted = reduce(or_, (Q(organization=item["organization"], round__number=item["last"])
+                          for item in latest))
+    summaries = (
+        rows.filter(wanted)
+        .values("organization", "organization__name", "round__number")
+        .annotate(
             releases=Count("id"),
             noisy=Count("id", filter=Q(noise_scale__gte=F("sensitivity"))),
             k_min=Min("contributors"), k_max=Max("contributors"),
             eps_min=Min("epsilon"), eps_max=Max("epsilon"),
             field_cap=Max("field_cap"),
         )
-        out.append({"organization": item["organization__name"], "round": item["last"], **summary})
+    )
+    out = [{**row, "organization": row["organization__name"], "round": row["round__number"]}
+           for row in summaries]
     return sorted(out, key=lambda r: (-r["round"], r["organization"]))
 
 
