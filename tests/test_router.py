@@ -17,6 +17,7 @@ from routing.embeddings import get_query_engine
 from routing.llm import LLMUnavailable, OpenAICompatibleLLM, judge_consistency, parse_choice
 from routing.router import (
     LinearHead,
+    PoolBM25,
     Router,
     RoutingParams,
     evaluate_calibration,
@@ -498,3 +499,31 @@ def test_tools_without_scenarios_are_routed_from_the_public_probe_set(metatool_s
     assert all(d.tool is not None and d.candidates == [] for d in decisions)
     assert np.mean([d.tool == q.tool_id for d, q in zip(decisions, test, strict=True)]) > 0.4
     assert alone.with_reranker("none").route(test[0].query).fallback_reason == "no scenarios"
+
+
+def test_pool_bm25_scores_are_rank_bm25s_to_the_bit(metatool_split):
+    """The router's BM25 over a decision's pool is rank_bm25's get_batch_scores, computed without
+    its per-call conversion of every document length: the same floats, so the same decisions."""
+    from routing.router import tokenize
+
+    _, split = metatool_split
+    train, test = split.train, split.test
+    corpus = [tokenize(q.query) or ["_"] for q in train]
+    bm25 = PoolBM25(corpus)
+    rng = np.random.default_rng(0)
+    for q in test[:200]:
+        pool = rng.choice(len(corpus), size=30, replace=False).tolist()
+        query = tokenize(q.query) + ["never-a-word"]  # an unknown token scores 0 in both
+        assert bm25.get_batch_scores(query, pool) == bm25.okapi.get_batch_scores(query, pool)
+
+
+def test_int8_engine_embeds_a_list_as_it_embeds_each_text_alone():
+    """The int8-compute engine runs one text per call, a list of texts on several threads at a
+    time: the vectors are those of each text embedded alone, to the bit."""
+    from routing.embeddings import _OnnxMiniLM
+
+    texts = [q.query for q in load_dataset(METATOOL).queries[:120]]
+    parallel = _OnnxMiniLM(threads=2, dynamic=True, workers=3)
+    alone = np.stack([parallel.encode([t])[0] for t in texts])  # the two-thread session
+    assert np.array_equal(parallel.encode(texts), alone)  # single-threaded calls, 3 at a time
+
