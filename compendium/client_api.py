@@ -21,6 +21,7 @@ from __future__ import annotations
 import gzip
 import hashlib
 import json
+import math
 import os
 import shutil
 import tempfile
@@ -117,6 +118,30 @@ class RouterPullResult:
     warnings: list[str] = field(default_factory=list)
     detail: str = ""
     code: str = ""
+
+
+def round_config(round_info: dict[str, Any]) -> dict[str, Any]:
+    """An open round's configuration as the rounds endpoint gives it ({} when it gives none)."""
+    config = round_info.get("config")
+    return config if isinstance(config, dict) else {}
+
+
+def round_mask_strength(round_info: dict[str, Any]) -> float | None:
+    """The masking strength λ the round expects clients to mask with (its configuration's
+    `mask_strength`); None when it names none."""
+    expected = round_config(round_info).get("mask_strength")
+    if isinstance(expected, bool) or not isinstance(expected, int | float):
+        return None
+    return float(expected) if math.isfinite(expected) else None
+
+
+def weaker_masking(round_info: dict[str, Any], applied: float | None) -> str | None:
+    """What is wrong when text masked at λ = `applied` (None: no masking recorded) goes to the
+    round, which expects at least its mask_strength; None when nothing is."""
+    expected = round_mask_strength(round_info)
+    if expected is None or expected <= 0 or (applied is not None and applied >= expected):
+        return None
+    return f"round {round_info['number']} expects masking strength λ >= {expected:g}"
 
 
 def idempotency_key(compendium: Compendium, round_number: int) -> str:
@@ -334,12 +359,11 @@ class SynapseClient:
             response, body = self._post_submission(form.data, key, encoding, None)
         status = response.status_code
         if status in (200, 201):
-            config = round_info.get("config")
-            expected = config.get("mask_strength") if isinstance(config, dict) else None
             applied = compendium.masking.strength if compendium.masking else None
-            if isinstance(expected, int | float) and (applied is None or applied < expected):
+            problem = weaker_masking(round_info, applied)
+            if problem is not None:
                 warnings.append(
-                    f"round {number} expects masking strength λ >= {expected:g}; this compendium "
+                    f"{problem}; this compendium "
                     + ("records no masking" if applied is None else f"was masked at λ={applied:g}")
                 )
             return SubmissionResult(

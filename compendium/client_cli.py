@@ -441,15 +441,12 @@ def _client(args: argparse.Namespace):
     )
 
 
-def _round_config(current: dict) -> dict:
-    config = current.get("config")
-    return config if isinstance(config, dict) else {}
-
-
 def round_field_cap(current: dict) -> int | None:
     """The round's F* (its configuration's `field_cap`): the most tools one user may feed the
     numeric statistics, which the edge's noise is calibrated for; None when it sets no cap."""
-    cap = _round_config(current).get("field_cap")
+    from compendium.client_api import round_config
+
+    cap = round_config(current).get("field_cap")
     return cap if isinstance(cap, int) and not isinstance(cap, bool) and cap >= 1 else None
 
 
@@ -492,33 +489,17 @@ def _field_cap_check(path: Path, compendium: Compendium):
     return check
 
 
-def round_mask_strength(current: dict) -> float | None:
-    """The masking strength λ the open round expects clients to mask with (its configuration's
-    `mask_strength`); None when it names none."""
-    expected = _round_config(current).get("mask_strength")
-    if isinstance(expected, bool) or not isinstance(expected, int | float):
-        return None
-    return float(expected) if math.isfinite(expected) else None
-
-
-def _weaker_masking(current: dict, applied: float | None) -> str | None:
-    """What is wrong when text masked at λ = `applied` (None: no masking recorded) goes to the
-    open round, which expects at least its mask_strength; None when nothing is."""
-    expected = round_mask_strength(current)
-    if expected is None or expected <= 0 or (applied is not None and applied >= expected):
-        return None
-    return f"round {current['number']} expects masking strength λ >= {expected:g}"
-
-
 def _masking_check(path: Path, compendium: Compendium, allow_weaker: bool):
     """Before `submit` sends anything: text masked more weakly than the open round expects (or
     with no masking recorded) is refused, since once sent it cannot be taken back; the server
     only stores it. `--allow-weaker-masking` sends it anyway (a compendium masked by other
     tooling, which records no λ)."""
 
+    from compendium.client_api import round_mask_strength, weaker_masking
+
     def check(current: dict) -> None:
         applied = compendium.masking.strength if compendium.masking else None
-        problem = _weaker_masking(current, applied)
+        problem = weaker_masking(current, applied)
         if problem is None or allow_weaker:
             return
         expected = round_mask_strength(current)
@@ -612,6 +593,8 @@ def cmd_status(args: argparse.Namespace) -> int:
     """Where this client stands: the open round and what the client submitted to it, and the
     latest published global. Exit status 0; 3 with --require-submitted when the open round has
     no submission of this client in effect (for a scheduler to act on)."""
+    from compendium.client_api import round_config
+
     with _client(args) as client:
         open_rounds = client.rounds("open")
         published = client.rounds("published")
@@ -621,7 +604,7 @@ def cmd_status(args: argparse.Namespace) -> int:
     if current is None:
         print("no round is open: nothing to submit to now")
     else:
-        config = _round_config(current)
+        config = round_config(current)
         terms = [
             f"{label} {config[key]:g}"
             for key, label in (("epsilon", "ε ="), ("mask_strength", "masking λ ≥"))
@@ -675,7 +658,14 @@ def cmd_participate(args: argparse.Namespace) -> int:
     `submit` as dcz against it. Files go to --dir; running it again in the same round sends the
     same bytes (replayed by the server, not stored twice) or, after new usage, replaces the
     round's earlier submission."""
-    from compendium.client_api import NothingPublished, etag_file, head_file, nothing_to_submit
+    from compendium.client_api import (
+        NothingPublished,
+        etag_file,
+        head_file,
+        nothing_to_submit,
+        round_mask_strength,
+        weaker_masking,
+    )
 
     if args.field_cap is not None and args.field_cap < 1:
         raise CliError("--field-cap must be at least 1")
@@ -696,7 +686,7 @@ def cmd_participate(args: argparse.Namespace) -> int:
                 f"noise assumes no more): --field-cap {field_cap} is larger; pass --field-cap "
                 f"{required} or less, or leave it out; nothing built or sent"
             )
-        weaker = None if args.strength is None else _weaker_masking(current, args.strength)
+        weaker = None if args.strength is None else weaker_masking(current, args.strength)
         if weaker is not None and not args.allow_weaker_masking:
             raise CliError(
                 f"{weaker}: --lambda {args.strength:g} is weaker; pass --lambda "

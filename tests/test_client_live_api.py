@@ -113,6 +113,12 @@ def test_status_tells_a_client_where_it_stands(live_server, world, valid_doc, tm
                  world.token_b, "--backoff", "0"]) == 3
 
 
+def _nothing_built_or_sent(state) -> None:
+    """participate refused before fetching anything: no file in --dir, no submission stored."""
+    assert not state.exists() or not any(state.iterdir())
+    assert Submission.objects.count() == 0
+
+
 def _usage_log(path) -> None:
     rows = [
         {"query": f"Will it rain tomorrow in {city}?", "tool": "weather", "outcome": "success",
@@ -148,8 +154,7 @@ def test_participate_runs_a_whole_client_round(live_server, world, tmp_path, cap
         "--lambda 1.5 or more, or leave it out (or pass --allow-weaker-masking); nothing built "
         "or sent"
     )
-    assert not state.exists() or not any(state.iterdir())
-    assert Submission.objects.count() == 0
+    _nothing_built_or_sent(state)
     assert main(command) == 0
     out = capsys.readouterr().out
     assert "round 1: no global yet: against the public probe set, masking at λ = 1.5" in out
@@ -193,8 +198,7 @@ def test_participate_and_status_follow_the_rounds_field_cap(live_server, world, 
         "more): --field-cap 2 is larger; pass --field-cap 1 or less, or leave it out; nothing "
         "built or sent"
     ]
-    assert not state.exists() or not any(state.iterdir())
-    assert Submission.objects.count() == 0
+    _nothing_built_or_sent(state)
     # by default it builds with the round's cap, which submit then checks against the report
     assert main(command) == 0
     out = capsys.readouterr().out
