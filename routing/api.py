@@ -65,6 +65,30 @@ _DECISION = inline_serializer(
         "candidates": _CANDIDATE.__class__(many=True),
         "precautions": serializers.ListField(child=serializers.CharField()),
         "template": serializers.CharField(allow_null=True),
+        "reranker": serializers.ChoiceField(
+            choices=["fusion", "none", "llm"], help_text="the reranker that decided"
+        ),
+        "fallback_reason": serializers.CharField(
+            allow_null=True,
+            help_text="why another reranker decided than the one asked for (an LLM that did not "
+            "answer), else null",
+        ),
+        "ranking": inline_serializer(
+            "RouteRanking",
+            {
+                "tool": serializers.CharField(),
+                "score": serializers.FloatField(),
+                "best_cosine": serializers.FloatField(
+                    allow_null=True, help_text="null when the tool has no scenario"
+                ),
+                "backed": serializers.BooleanField(help_text="the tool has a scenario"),
+                "precaution_matched": serializers.BooleanField(),
+                "head_probability": serializers.FloatField(
+                    required=False, help_text="the linear head's probability, where there is one"
+                ),
+            },
+            many=True,
+        ),
         "compendium_round": serializers.IntegerField(),
         "tuned_router": serializers.BooleanField(
             help_text="routed with the encoder fine-tuned on this global (SYNAPSE_ROUTER_TUNE_EPOCHS)"
@@ -80,7 +104,9 @@ _OPTIONS = {
 
 
 @extend_schema(
-    request=inline_serializer("RouteRequest", {"query": serializers.CharField(), **_OPTIONS}),
+    request=inline_serializer(
+        "RouteRequest", {"query": serializers.CharField(min_length=1), **_OPTIONS}
+    ),
     responses={200: _DECISION, 400: _ERROR, 401: _ERROR, 503: _ERROR},
 )
 class RouteView(_RoutingView):
@@ -95,10 +121,19 @@ class RouteView(_RoutingView):
 @extend_schema(
     request=inline_serializer(
         "RouteBatchRequest",
-        {"queries": serializers.ListField(child=serializers.CharField()), **_OPTIONS},
+        {"queries": serializers.ListField(child=serializers.CharField(min_length=1), min_length=1),
+         **_OPTIONS},
     ),
     responses={
-        200: inline_serializer("RouteBatchResponse", {"results": _DECISION.__class__(many=True)}),
+        200: inline_serializer(
+            "RouteBatchResponse",
+            {
+                "compendium_round": serializers.IntegerField(),
+                "tuned_router": serializers.BooleanField(),
+                "latency_ms": serializers.FloatField(help_text="the whole batch"),
+                "results": _DECISION.__class__(many=True),
+            },
+        ),
         400: _ERROR,
         401: _ERROR,
         503: _ERROR,

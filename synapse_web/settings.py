@@ -240,6 +240,7 @@ SYNAPSE_NOISE_SECRET = os.environ.get("SYNAPSE_NOISE_SECRET", "")
 # --- REST API -----------------------------------------------------------------------------------
 REST_FRAMEWORK = {
     "DEFAULT_SCHEMA_CLASS": "drf_spectacular.openapi.AutoSchema",
+    "EXCEPTION_HANDLER": "synapse_web.api_errors.exception_handler",
     "DEFAULT_AUTHENTICATION_CLASSES": [
         "rest_framework.authentication.SessionAuthentication",
     ],
@@ -261,6 +262,10 @@ SPECTACULAR_SETTINGS = {
     "SWAGGER_UI_DIST": "SIDECAR",
     "SWAGGER_UI_FAVICON_HREF": "SIDECAR",
     "REDOC_DIST": "SIDECAR",
+    "POSTPROCESSING_HOOKS": [
+        "drf_spectacular.hooks.postprocess_schema_enums",
+        "synapse_web.openapi.complete_error_responses",
+    ],
 }
 
 # --- Celery -------------------------------------------------------------------------------------

@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from django.contrib.auth import get_user_model
+from django.utils import timezone
 
 from compendium.schema import (
     AnnexTriple,
@@ -96,8 +97,8 @@ def build_federation() -> Federation:
     ]
     clients.append(Client.objects.create(organization=globex, name="globex-pending", status="pending"))
     rounds = {
-        1: Round.objects.create(number=1, state=Round.State.PUBLISHED),
-        2: Round.objects.create(number=2, state=Round.State.PUBLISHED),
+        1: Round.objects.create(number=1, state=Round.State.PUBLISHED, published_at=timezone.now()),
+        2: Round.objects.create(number=2, state=Round.State.PUBLISHED, published_at=timezone.now()),
         3: Round.objects.create(number=3, state=Round.State.MERGING),
         4: Round.objects.create(number=4, state=Round.State.OPEN),
     }

@@ -359,3 +359,18 @@ def test_json_body_nested_too_deeply_is_400_naming_it(world, method, path):
     response = getattr(api, method)(path, DEEP_JSON, content_type="application/json")
     assert response.status_code == 400
     assert response.json()["detail"].endswith("JSON parse error - the body nests too deeply")
+
+
+@pytest.mark.django_db
+@pytest.mark.parametrize(
+    "query, named",
+    [({"limit": "true"}, "limit must be an integer"), ({"limit": "0"}, "limit must be at least 1"),
+     ({"offset": "-5"}, "offset must be at least 0"), ({"offset": "null"}, "offset must be an integer")],
+)
+def test_api_list_refuses_a_page_it_cannot_read(world, query, named):
+    """DRF's pagination ignores a limit or offset it cannot read and answers the first page, which
+    a caller paging through a list would take for the page it asked for."""
+    services.open_round(SYSTEM)
+    response = person_api(world.operator).get("/api/v1/rounds/", query)
+    assert response.status_code == 400 and named in response.json()["detail"]
+    assert person_api(world.operator).get("/api/v1/rounds/", {"limit": ""}).status_code == 200

@@ -767,3 +767,19 @@ def test_rematerialization_without_numeric_release_draws_no_noise(schema, embed)
     result = edge_merge(_numeric_subs([0.5]), schema, RoundConfig(), embed=embed,
                         epsilon_remaining=0.0, release_numeric=False)
     assert result.ledger == [] and result.compendium.metadata == []
+
+
+def test_a_quoted_request_keeps_its_capitals_where_they_are_not_sentence_case(schema):
+    entry = ConflictEntry(
+        tool_id="calculator",
+        centroid_id="abc",
+        centroid={"text": "I'm integrating an expression.", "preconditions": {}},
+        dissenters=[{"text": "PDF pages to convert"}, {"text": "Currency conversion"},
+                    {"text": "iPhone storage sums"}],
+        reason="LLM probe found the scenarios inconsistent",
+    )
+    [p] = conflicts_to_precautions([entry], schema)
+    assert p.text == (
+        "Use Calculator for I'm integrating an expression; do not use Calculator when "
+        "PDF pages to convert or when currency conversion or when iPhone storage sums"
+    )

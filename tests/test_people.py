@@ -265,7 +265,8 @@ def test_refused_patches_say_why_and_change_nothing(world):
     assert response.status_code == 403 and "yourself" in response.json()["detail"]
     other = people.add_person(SYSTEM, world.org_a, "jo", "member").membership
     bad = api.patch(f"{PEOPLE}{other.user_id}/", {"role": "superuser"}, format="json")
-    assert bad.status_code == 400 and "role" in bad.json()
+    assert bad.status_code == 400 and "role" in bad.json()["errors"]
+    assert bad.json()["detail"].startswith("role: ")  # every error has a detail naming the field
     empty = api.patch(f"{PEOPLE}{other.user_id}/", {}, format="json")
     assert empty.status_code == 400 and "nothing to change" in empty.json()["detail"]
     assert membership(other.user).role == "member" and get_user_model().objects.get(pk=world.admin_a.pk).is_active

@@ -17,7 +17,14 @@ from federation.round_config import RoundConfig
 
 
 class DetailSerializer(serializers.Serializer):
-    detail = serializers.CharField()
+    """Every error of the API (synapse_web.api_errors)."""
+
+    detail = serializers.CharField(help_text="what is wrong, in one sentence")
+    code = serializers.CharField(required=False, help_text="a stable code, where one is defined")
+    errors = serializers.JSONField(
+        required=False,
+        help_text="a request's field errors, per field ({\"tau\": [\"A valid number is required.\"]})",
+    )
 
 
 class ViolationSerializer(serializers.Serializer):
@@ -26,7 +33,10 @@ class ViolationSerializer(serializers.Serializer):
 
 
 class InvalidSubmissionSerializer(DetailSerializer):
-    violations = ViolationSerializer(many=True)
+    violations = ViolationSerializer(
+        many=True, required=False,
+        help_text="each rule the compendium breaks, where the body was a compendium to check",
+    )
 
 
 class SubmissionResultSerializer(serializers.Serializer):
@@ -213,10 +223,17 @@ class PersonSerializer(serializers.ModelSerializer):
 
     id = serializers.IntegerField(source="user.id", read_only=True)
     username = serializers.CharField(source="user.username", read_only=True)
-    email = serializers.CharField(source="user.email", read_only=True)
+    email = serializers.CharField(
+        source="user.email", read_only=True, allow_null=True,
+        help_text="null for a read-only member looking at someone else",
+    )
     organization = serializers.SlugRelatedField(slug_field="slug", read_only=True)
     is_active = serializers.BooleanField(source="user.is_active", read_only=True)
-    last_login = serializers.DateTimeField(source="user.last_login", read_only=True)
+    last_login = serializers.DateTimeField(
+        source="user.last_login", read_only=True, allow_null=True,
+        help_text="null before the first sign-in, and for a read-only member looking at someone "
+        "else",
+    )
     date_joined = serializers.DateTimeField(source="user.date_joined", read_only=True)
 
     class Meta:
@@ -297,7 +314,10 @@ class OwnSubmissionSerializer(serializers.ModelSerializer):
 
 
 class AuditLogSerializer(serializers.ModelSerializer):
-    organization = serializers.SlugRelatedField(slug_field="slug", read_only=True)
+    organization = serializers.SlugRelatedField(
+        slug_field="slug", read_only=True, allow_null=True,
+        help_text="null for what concerns the whole federation",
+    )
     actor = serializers.CharField(source="actor_label")
 
     def to_representation(self, instance):

@@ -56,6 +56,8 @@ from federation.api.serializers import (
 from federation.errors import FederationError, InvalidRequest, NotAllowed
 from federation.models import AuditLog, Client, Membership, Organization, Round, Submission
 
+# A round number as a query parameter: 1, 2, ... (services.round_number refuses the rest).
+ROUND_NUMBER = {"type": "integer", "minimum": 1, "maximum": 999_999_999}
 DETAIL = OpenApiResponse(DetailSerializer)
 
 
@@ -141,7 +143,7 @@ class FederationGenericView(FederationView, generics.GenericAPIView):
 @extend_schema(
     methods=["GET"],
     summary="The calling client's own submissions, newest first",
-    parameters=[OpenApiParameter("round", int, description="only those of round N")],
+    parameters=[OpenApiParameter("round", ROUND_NUMBER, description="only those of round N")],
     auth=[{"clientToken": []}],
 )
 class SubmissionView(FederationGenericView):
@@ -159,6 +161,7 @@ class SubmissionView(FederationGenericView):
             queryset = queryset.filter(round__number=number)
         return queryset.order_by("-created_at", "-id")
 
+    @extend_schema(responses={200: OwnSubmissionSerializer(many=True)})
     def get(self, request):
         page = self.paginate_queryset(self.get_queryset())
         return self.get_paginated_response(self.get_serializer(page, many=True).data)
@@ -177,7 +180,7 @@ class SubmissionView(FederationGenericView):
         parameters=[
             OpenApiParameter(
                 "Idempotency-Key",
-                str,
+                {"type": "string", "minLength": 1, "maxLength": 200},
                 OpenApiParameter.HEADER,
                 required=True,
                 description="1-200 characters; a retry with the same key returns the same result",
@@ -333,7 +336,7 @@ class GlobalCompendiumView(FederationView):
 
     @extend_schema(
         summary="The latest published global compendium (or that of ?round=N)",
-        parameters=[OpenApiParameter("round", int, description="round number")],
+        parameters=[OpenApiParameter("round", ROUND_NUMBER, description="round number")],
         responses={200: GlobalCompendiumSerializer, 304: None, 400: DETAIL, 404: DETAIL},
     )
     def get(self, request):
@@ -367,7 +370,7 @@ class GlobalRoutingHeadView(FederationView):
             "so that `synapse-client route` ranks exactly as the server does. The ETag is the "
             "global's sha256 with the suffix -head."
         ),
-        parameters=[OpenApiParameter("round", int, description="round number")],
+        parameters=[OpenApiParameter("round", ROUND_NUMBER, description="round number")],
         responses={
             (200, "application/octet-stream"): OpenApiTypes.BINARY,
             304: None, 400: DETAIL, 404: DETAIL,
@@ -417,7 +420,7 @@ class GlobalRouterView(FederationView):
             "saying why when there is none: router_off (tuning off), router_tuning (queued or "
             "running), router_failed, router_retired (a newer global is served)."
         ),
-        parameters=[OpenApiParameter("round", int, description="round number")],
+        parameters=[OpenApiParameter("round", ROUND_NUMBER, description="round number")],
         responses={200: OpenApiTypes.OBJECT, 304: None, 400: DETAIL, 404: DETAIL},
     )
     def get(self, request):
@@ -436,7 +439,7 @@ class GlobalRouterFileView(FederationView):
     @extend_schema(
         summary="One file of the tuned router's manifest (latest global, or ?round=N)",
         description="Only the paths the manifest lists. The ETag is the file's sha256.",
-        parameters=[OpenApiParameter("round", int, description="round number")],
+        parameters=[OpenApiParameter("round", ROUND_NUMBER, description="round number")],
         responses={
             (200, "application/octet-stream"): OpenApiTypes.BINARY,
             304: None, 400: DETAIL, 404: DETAIL,
@@ -539,6 +542,7 @@ def _target_organization(request, slug: str | None) -> Organization:
 
 
 @extend_schema(
+    methods=["GET"],
     parameters=[
         OpenApiParameter("status", str, enum=Client.Status.values),
         OpenApiParameter("organization", str, description="organization slug (operator)"),
@@ -650,6 +654,7 @@ class ClientRevokeView(_ClientActionView):
 
 
 @extend_schema(
+    methods=["GET"],
     parameters=[
         OpenApiParameter("organization", str, description="organization slug"),
         OpenApiParameter("role", str, enum=Membership.Role.values),

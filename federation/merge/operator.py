@@ -9,6 +9,7 @@ the numeric statistics are already released and are only averaged (post-processi
 from __future__ import annotations
 
 import math
+import re
 import time
 from collections import defaultdict
 from collections.abc import Callable, Mapping, Sequence
@@ -264,8 +265,15 @@ def conflict_winners(conflicts: Sequence[ConflictEntry], schema: Schema) -> list
 
 
 def _clause(text: str) -> str:
+    """A request as a clause inside a sentence: its first letter in lower case when that only
+    undoes sentence case ("Forecast for a city" -> "forecast for a city"). A first word that is
+    "I" ("I'm looking for ..."), an acronym ("PDF to Word") or not a plain capitalized word
+    ("iPhone", a placeholder) is kept as written."""
     text = " ".join(text.split()).rstrip(" .;!?")
-    return text[:1].lower() + text[1:] if text else text
+    first = re.split(r"[\s'’]", text, maxsplit=1)[0] if text else ""
+    if len(first) > 1 and first[0].isupper() and first[1:].islower() and first[1:].isalpha():
+        return text[:1].lower() + text[1:]
+    return text
 
 
 # --- the operator -------------------------------------------------------------------------------
