@@ -108,6 +108,7 @@ _OPTIONS = {
         "RouteRequest", {"query": serializers.CharField(min_length=1), **_OPTIONS}
     ),
     responses={200: _DECISION, 400: _ERROR, 401: _ERROR, 503: _ERROR},
+    summary="Route one query: the tool to call, its calibrated confidence and why",
 )
 class RouteView(_RoutingView):
     """POST {"query", "top_k"?, "reranker"?} -> the routing decision."""
@@ -138,6 +139,7 @@ class RouteView(_RoutingView):
         401: _ERROR,
         503: _ERROR,
     },
+    summary="Route many queries in one request (at most SYNAPSE_MAX_ROUTE_BATCH, 1,000 by default)",
 )
 class RouteBatchView(_RoutingView):
     """POST {"queries": [...], "top_k"?, "reranker"?} -> {"results": [decision, ...], ...}."""

@@ -13,6 +13,7 @@ from drf_spectacular.utils import (
     OpenApiParameter,
     OpenApiResponse,
     extend_schema,
+    extend_schema_view,
 )
 from pydantic import ValidationError as PydanticValidationError
 from rest_framework import exceptions, generics, status
@@ -109,8 +110,10 @@ def actor_for(request) -> services.Actor:
     return services.Actor.for_user(request.user, client_ip(request))
 
 
+# A comment, not a docstring: a view without its own docstring would inherit it, and
+# drf-spectacular would publish it as that operation's description.
 class FederationView(APIView):
-    """Maps the services' domain errors to responses: 400/403/404/409/413/422/429."""
+    # Maps the services' domain errors to responses: 400/403/404/409/413/422/429.
 
     def handle_exception(self, exc):
         if isinstance(exc, submissions.SubmissionInvalid):
@@ -228,6 +231,7 @@ class SubmissionView(FederationGenericView):
         OpenApiParameter("state", str, enum=Round.State.values, description="only rounds in this state")
     ]
 )
+@extend_schema_view(get=extend_schema(summary="Rounds with their state, configuration and submission figures, newest first"))
 class RoundListView(FederationView, generics.ListAPIView):
     """Rounds with their state, configuration and submission figures, newest first."""
 
@@ -246,7 +250,10 @@ class RoundListView(FederationView, generics.ListAPIView):
         return services.round_figures(queryset, scope).order_by("-number")
 
 
+@extend_schema_view(get=extend_schema(summary="One round with its state, configuration and submission figures"))
 class RoundDetailView(FederationView, generics.RetrieveAPIView):
+    """One round: its state, configuration and submission figures (scoped as the list is)."""
+
     authentication_classes = ANY_AUTH
     permission_classes = [IsAuthenticatedAny]
     serializer_class = RoundSerializer
@@ -467,6 +474,7 @@ def _scoped(queryset, user, field: str = "organization_id"):
     return queryset if visible is None else queryset.filter(**{f"{field}__in": visible})
 
 
+@extend_schema_view(get=extend_schema(summary="Organizations the caller may see"), post=extend_schema(summary="Create an organization (operator)"))
 class OrganizationListView(FederationView, generics.ListCreateAPIView):
     """Organizations: the operator sees and creates all; others see their own."""
 
@@ -490,6 +498,7 @@ class OrganizationListView(FederationView, generics.ListCreateAPIView):
         return Response(OrganizationSerializer(org).data, status=201)
 
 
+@extend_schema_view(get=extend_schema(summary="One organization the caller may see"))
 class OrganizationDetailView(FederationGenericView):
     """One organization the caller may see (else 404); PATCH renames it (the operator)."""
 
@@ -548,6 +557,7 @@ def _target_organization(request, slug: str | None) -> Organization:
         OpenApiParameter("organization", str, description="organization slug (operator)"),
     ]
 )
+@extend_schema_view(get=extend_schema(summary="Clients of the organizations the caller may see"), post=extend_schema(summary="Enroll a client (pending until approved)"))
 class ClientListView(FederationGenericView, generics.ListAPIView):
     """Clients of the organizations the caller may see; POST enrolls a new (pending) client."""
 
@@ -587,7 +597,10 @@ class ClientListView(FederationGenericView, generics.ListAPIView):
         return Response(ClientSerializer(client).data, status=201)
 
 
+@extend_schema_view(get=extend_schema(summary="One client the caller may see"))
 class ClientDetailView(FederationGenericView, generics.RetrieveAPIView):
+    """One client of an organization the caller may see (else 404)."""
+
     authentication_classes = PEOPLE_AUTH
     permission_classes = [IsPerson]
     serializer_class = ClientSerializer
@@ -597,7 +610,8 @@ class ClientDetailView(FederationGenericView, generics.RetrieveAPIView):
 
 
 class _ClientActionView(FederationGenericView):
-    """Base of approve/rotate/revoke: the client must be visible to the caller (else 404)."""
+    # Base of approve/rotate/revoke: the client must be visible to the caller (else 404). (A
+    # comment: as a docstring it would be each action's published description.)
 
     authentication_classes = PEOPLE_AUTH
     permission_classes = [IsPerson]
@@ -660,6 +674,7 @@ class ClientRevokeView(_ClientActionView):
         OpenApiParameter("role", str, enum=Membership.Role.values),
     ]
 )
+@extend_schema_view(get=extend_schema(summary="People of the organizations the caller may see"))
 class PersonListView(FederationGenericView, generics.ListAPIView):
     """The people of the organizations the caller may see; POST adds a login (operator, or an
     admin of the organization) and answers its generated password once."""
@@ -715,6 +730,7 @@ class _PersonView(FederationGenericView):
         return get_object_or_404(people.people(self.request.user), user_id=pk)
 
 
+@extend_schema_view(get=extend_schema(summary="One person the caller may see"))
 class PersonDetailView(_PersonView):
     @extend_schema(responses={200: PersonSerializer, 404: DETAIL})
     def get(self, request, pk):
@@ -772,6 +788,7 @@ class PersonResetPasswordView(_PersonView):
         ),
     ]
 )
+@extend_schema_view(get=extend_schema(summary="The audit log, newest first (the caller's organization; the operator: all)"))
 class AuditLogView(FederationView, generics.ListAPIView):
     """The audit log, newest first. Organization admins and members see their organization's
     entries; the operator sees everything (federation-wide entries have no organization)."""
@@ -871,6 +888,7 @@ class RoundFailView(_RoundActionView):
         )
 
 
+@extend_schema_view(get=extend_schema(summary="The federation's policy (budgets, limits, approval)"), patch=extend_schema(summary="Change the federation's policy (operator)"))
 class SettingsView(FederationView):
     """The federation's policy: every person may read it, only the operator changes it."""
 
