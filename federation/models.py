@@ -130,6 +130,7 @@ class UserToken(models.Model):
     )
     token_hash = models.CharField(max_length=64, unique=True)
     prefix = models.CharField(max_length=16)
+    label = models.CharField(max_length=100, blank=True, help_text="what it is for, as its owner named it")
     created_at = models.DateTimeField(auto_now_add=True)
     revoked_at = models.DateTimeField(null=True, blank=True)
 
@@ -264,6 +265,8 @@ class AuditLog(models.Model):
         PERSON_DEACTIVATE = "person.deactivate"
         PERSON_REACTIVATE = "person.reactivate"
         PASSWORD_CHANGE = "person.password_change"
+        TOKEN_ISSUE = "token.issue"
+        TOKEN_REVOKE = "token.revoke"
         LOGIN_THROTTLED = "login.throttled"
         LOGIN_UNLOCK = "login.unlock"
         # Changes to logins made in the Django admin (/admin/auth/user/), the operator's.

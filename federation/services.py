@@ -366,14 +366,58 @@ def hash_token(token: str) -> str:
     return hashlib.sha256(token.encode("utf-8", "surrogatepass")).hexdigest()
 
 
+TOKEN_LABEL_MAX = 100
+
+
 @transaction.atomic
-def issue_user_token(actor: Actor, user) -> str:
-    """A new API token for a person; returned once, stored as a hash."""
+def issue_user_token(actor: Actor, user, label: str = "") -> str:
+    """A new API token for a person; returned once, stored as a hash; audited (never the token,
+    only its first characters)."""
     if actor.user is not None and actor.user.pk != user.pk:
         require_operator(actor, "issue tokens for other people")
+    label = " ".join(str(label or "").split())
+    if len(label) > TOKEN_LABEL_MAX:
+        raise InvalidRequest(f"a token's label is at most {TOKEN_LABEL_MAX} characters")
     token, digest = _new_secret(TOKEN_PREFIX_USER)
-    UserToken.objects.create(user=user, token_hash=digest, prefix=token[:12])
+    row = UserToken.objects.create(user=user, token_hash=digest, prefix=token[:12], label=label)
+    _audit_token(actor, AuditLog.Action.TOKEN_ISSUE, row)
     return token
+
+
+def user_tokens(user):
+    """A person's API tokens, newest first (revoked ones too: when they stopped)."""
+    return UserToken.objects.filter(user=user).order_by("-created_at", "-id")
+
+
+@transaction.atomic
+def revoke_user_token(actor: Actor, token_id: int) -> UserToken:
+    """A person revokes one of their own API tokens (it stops at once); someone else's, or one
+    that does not exist, is not found."""
+    row = (
+        UserToken.objects.select_for_update()
+        .filter(pk=token_id, user_id=getattr(actor.user, "pk", None))
+        .first()
+    )
+    if row is None:
+        raise NotFound("no such token of yours")
+    if row.revoked_at is None:
+        row.revoked_at = timezone.now()
+        row.save(update_fields=["revoked_at"])
+        _audit_token(actor, AuditLog.Action.TOKEN_REVOKE, row)
+    return row
+
+
+def _audit_token(actor: Actor, action: str, row: UserToken) -> None:
+    membership = membership_of(row.user)
+    audit(
+        actor,
+        action,
+        target=row.user,
+        target_type="user",
+        target_label=row.user.get_username(),
+        organization=membership.organization if membership else None,
+        details={"user": row.user.get_username(), "token_prefix": row.prefix, "label": row.label},
+    )
 
 
 def user_for_token(token: str):

@@ -3,7 +3,7 @@ from django.contrib.auth import views as auth_views
 from django.db import DatabaseError, connection
 from django.http import JsonResponse
 from django.urls import include, path
-from drf_spectacular.views import SpectacularAPIView, SpectacularSwaggerView
+from drf_spectacular.views import SpectacularAPIView, SpectacularSwaggerSplitView
 
 from federation.auth import LoginForm
 from federation.dashboard.views import LogoutView, PasswordChangeView
@@ -49,6 +49,6 @@ urlpatterns = [
     path("api-auth/", include("rest_framework.urls")),  # login for the browsable API
     path("api/v1/", include("routing.urls")),
     path("api/schema/", SpectacularAPIView.as_view(), name="api-schema"),
-    path("api/docs/", SpectacularSwaggerView.as_view(url_name="api-schema"), name="api-docs"),
+    path("api/docs/", SpectacularSwaggerSplitView.as_view(url_name="api-schema"), name="api-docs"),
     path("", include("federation.dashboard.urls")),
 ]

@@ -69,6 +69,7 @@ def seen(response):
         "hsts": response.get("Strict-Transport-Security"),
         "frame": response.get("X-Frame-Options"),
         "referrer": response.get("Referrer-Policy"),
+        "csp": response.get("Content-Security-Policy"),
         "csrf_cookie_secure": bool(cookie["secure"]) if cookie else None,
     }}
 
@@ -139,6 +140,10 @@ def test_without_the_switch_production_stays_on_plain_http():
     assert seen["http_login"]["status"] == 200 and seen["http_login"]["csrf_cookie_secure"] is False
     assert seen["http_login"]["hsts"] is None and seen["https_login"]["hsts"] is None
     assert seen["http_login"]["frame"] == "DENY" and seen["http_login"]["referrer"] == "same-origin"
+    # scripts only from the server's own files, never framed (tests/browser: nothing refused)
+    policy = dict(d.strip().split(" ", 1) for d in seen["http_login"]["csp"].split(";"))
+    assert policy["script-src"] == "'self'" and policy["object-src"] == "'none'"
+    assert policy["frame-ancestors"] == "'none'" and policy["form-action"] == "'self'"
 
 
 def test_https_switch_secures_cookies_redirects_and_sends_hsts():

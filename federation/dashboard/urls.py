@@ -48,6 +48,7 @@ urlpatterns = [
     path("routing/", views.RoutingView.as_view(), name="routing"),
     path("audit/", views.AuditView.as_view(), name="audit"),
     path("settings/", views.SettingsView.as_view(), name="settings"),
+    path("account/tokens/", views.TokensView.as_view(), name="tokens"),
 ]
 
 nav.register("overview", "Overview", "dashboard:overview")

@@ -35,6 +35,7 @@ from federation.models import (
 from federation.round_config import MIN_EPSILON, RoundConfig, config_problems
 from federation.services import (
     SETTINGS_FIELDS,
+    TOKEN_LABEL_MAX,
     Actor,
     approve_client,
     audit_details_for,
@@ -43,13 +44,16 @@ from federation.services import (
     create_organization,
     enroll_client,
     get_settings,
+    issue_user_token,
     open_round,
     rename_organization,
     retry_round,
     revoke_client,
+    revoke_user_token,
     rotate_client_token,
     set_round_deadline,
     update_settings,
+    user_tokens,
 )
 from routing.services import NothingPublished, RoutingInputError, route_query
 
@@ -345,6 +349,40 @@ class PersonActionView(ActionView, OrganizationView):
         context = self.get_context_data(slug=slug)
         context.update(issued_password=issued.password, issued_person=issued.membership,
                        issued_action=action)
+        response = self.render_to_response(context)
+        response["Cache-Control"] = "no-store"
+        return response
+
+
+# --- a person's own API tokens -------------------------------------------------------------------
+
+
+class TokensView(ActionView):
+    """The signed-in person's API tokens (for scripts against the REST API, with their own
+    rights): issue one, shown once; revoke one, which stops at once."""
+
+    http_method_names = ["get", "head", "post"]
+    template_name = "dashboard/tokens.html"
+    title = "API tokens"
+
+    def get_context_data(self, **kwargs):
+        context = super().get_context_data(**kwargs)
+        context.update(tokens=user_tokens(self.request.user),
+                       label_max=TOKEN_LABEL_MAX)
+        return context
+
+    def act(self, request):
+        actor = actor_for(request)
+        if request.POST.get("action") == "revoke":
+            raw = request.POST.get("token", "")
+            if not raw.isascii() or not raw.isdigit() or len(raw) > 18:
+                raise InvalidRequest("token must name one of your tokens")
+            row = revoke_user_token(actor, int(raw))
+            messages.success(request, f"Token {row.prefix}… revoked: it has stopped working.")
+            return redirect("dashboard:tokens")
+        token = issue_user_token(actor, request.user, request.POST.get("label", ""))
+        context = self.get_context_data()
+        context.update(issued_token=token)
         response = self.render_to_response(context)
         response["Cache-Control"] = "no-store"
         return response

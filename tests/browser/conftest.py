@@ -53,11 +53,16 @@ def browser(chromium_path, federation, live_server):
 
 @pytest.fixture
 def page(browser):
+    """A page that fails its test if the browser refused anything under the
+    Content-Security-Policy (an inline script, a style or image source it does not allow)."""
     context = browser.new_context(viewport={"width": 1366, "height": 860})
     page = context.new_page()
     page.set_default_timeout(20_000)
+    refused = []
+    page.on("console", lambda m: refused.append(f"{m.text} at {m.location}") if "Content Security Policy" in m.text else None)
     yield page
     context.close()
+    assert not refused, refused
 
 
 @pytest.fixture

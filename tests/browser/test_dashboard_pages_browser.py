@@ -217,3 +217,43 @@ def test_long_names_wrap_and_leave_the_buttons_in_sight_at_1366px(long_names, pa
     go(page, base, "dashboard:overview")
     table = page.locator("table#clients").bounding_box()
     assert table["x"] + table["width"] <= width
+
+
+def test_a_refused_confirmation_sends_nothing(review, page, live_server):
+    """The revoke button asks first (static/dashboard/confirm.js: no inline script under the
+    Content-Security-Policy); dismissing the question leaves the client approved."""
+    base = live_server.url
+    log_in(page, base, "acme-admin")
+    go(page, base, "dashboard:organization", "acme")
+    asked = []
+
+    def dismiss(dialog):
+        asked.append(dialog.message)
+        dialog.dismiss()
+
+    page.once("dialog", dismiss)
+    row = page.locator("tr", has_text="acme-node-1")
+    row.locator("button", has_text="Revoke").click()
+    page.wait_for_timeout(300)
+    assert asked == ["Revoke acme-node-1? Its token stops working at once."]
+    go(page, base, "dashboard:organization", "acme")
+    assert page.locator("tr", has_text="acme-node-1").locator("button", has_text="Revoke").count() == 1
+
+
+def test_api_docs_and_admin_run_under_the_content_security_policy(review, page, live_server):
+    """Swagger UI (served with its initializer as a file) and the Django admin load with the
+    policy in force: the page fixture fails the test on any refusal."""
+    base = live_server.url
+    response = page.goto(f"{base}/api/docs/")
+    assert "script-src 'self'" in response.headers["content-security-policy"]
+    page.wait_for_selector(".swagger-ui .opblock")
+    assert page.locator(".swagger-ui .opblock").count() >= 30
+    log_in(page, base, "operator")
+    page.goto(f"{base}/admin/")
+    page.wait_for_selector("#content")
+    page.goto(f"{base}/admin/federation/organization/")
+    page.wait_for_selector("#result_list")
+    # the browsable API pages, outside the policy (DRF's libraries run an inline event handler)
+    response = page.goto(f"{base}/api/v1/rounds/")
+    assert "content-security-policy" not in response.headers
+    page.wait_for_selector(".response-info")

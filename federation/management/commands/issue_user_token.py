@@ -9,9 +9,10 @@ class Command(BaseCommand):
 
     def add_arguments(self, parser):
         parser.add_argument("username")
+        parser.add_argument("--label", default="", help="what the token is for (shown on the API tokens page)")
 
-    def handle(self, *args, username, **options):
+    def handle(self, *args, username, label, **options):
         user = get_user_model().objects.filter(username=username).first()
         if user is None:
             raise CommandError(f"no user {username!r}")
-        self.stdout.write(issue_user_token(Actor.system("issue_user_token"), user))
+        self.stdout.write(issue_user_token(Actor.system("issue_user_token"), user, label))
