@@ -130,7 +130,9 @@ class UserToken(models.Model):
     )
     token_hash = models.CharField(max_length=64, unique=True)
     prefix = models.CharField(max_length=16)
-    label = models.CharField(max_length=100, blank=True, help_text="what it is for, as its owner named it")
+    label = models.CharField(
+        max_length=100, blank=True, help_text="what it is for, as its owner named it"
+    )
     created_at = models.DateTimeField(auto_now_add=True)
     revoked_at = models.DateTimeField(null=True, blank=True)
 

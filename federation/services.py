@@ -243,6 +243,9 @@ def audit_details_for(user, entry: AuditLog) -> dict:
     return {k: v for k, v in details.items() if k not in ADMIN_ONLY_AUDIT_DETAILS}
 
 
+MAX_ROUND_NUMBER = 999_999_999  # 9 digits: what a `?round=N` parameter may name
+
+
 def round_number(raw: str | None) -> int | None:
     """A `?round=N` parameter as a round number (None when absent), for the API and the
     dashboard alike. InvalidRequest unless it is a whole number of at least 1 in ASCII digits
@@ -250,7 +253,7 @@ def round_number(raw: str | None) -> int | None:
     raw = (raw or "").strip()
     if not raw:
         return None
-    if not (raw.isascii() and raw.isdigit()) or len(raw) > 9 or int(raw) < 1:
+    if not (raw.isascii() and raw.isdigit() and len(raw) <= 9) or not 1 <= int(raw) <= MAX_ROUND_NUMBER:
         raise InvalidRequest("round must be a round number")
     return int(raw)
 

@@ -25,8 +25,7 @@ from schemathesis.specs.openapi.checks import (
 
 from federation import services
 from tests.dashboard_data import add_review_data, build_federation
-
-SYSTEM = services.Actor.system("tests")
+from tests.federation_fixtures import SYSTEM
 
 CHECKS = [
     not_a_server_error,

@@ -58,7 +58,7 @@ from federation.errors import FederationError, InvalidRequest, NotAllowed
 from federation.models import AuditLog, Client, Membership, Organization, Round, Submission
 
 # A round number as a query parameter: 1, 2, ... (services.round_number refuses the rest).
-ROUND_NUMBER = {"type": "integer", "minimum": 1, "maximum": 999_999_999}
+ROUND_NUMBER = {"type": "integer", "minimum": 1, "maximum": services.MAX_ROUND_NUMBER}
 DETAIL = OpenApiResponse(DetailSerializer)
 
 
@@ -227,11 +227,11 @@ class SubmissionView(FederationGenericView):
 
 
 @extend_schema(
+    summary="Rounds with their state, configuration and submission figures, newest first",
     parameters=[
         OpenApiParameter("state", str, enum=Round.State.values, description="only rounds in this state")
-    ]
+    ],
 )
-@extend_schema_view(get=extend_schema(summary="Rounds with their state, configuration and submission figures, newest first"))
 class RoundListView(FederationView, generics.ListAPIView):
     """Rounds with their state, configuration and submission figures, newest first."""
 
@@ -250,7 +250,9 @@ class RoundListView(FederationView, generics.ListAPIView):
         return services.round_figures(queryset, scope).order_by("-number")
 
 
-@extend_schema_view(get=extend_schema(summary="One round with its state, configuration and submission figures"))
+@extend_schema_view(
+    get=extend_schema(summary="One round with its state, configuration and submission figures")
+)
 class RoundDetailView(FederationView, generics.RetrieveAPIView):
     """One round: its state, configuration and submission figures (scoped as the list is)."""
 
@@ -474,7 +476,7 @@ def _scoped(queryset, user, field: str = "organization_id"):
     return queryset if visible is None else queryset.filter(**{f"{field}__in": visible})
 
 
-@extend_schema_view(get=extend_schema(summary="Organizations the caller may see"), post=extend_schema(summary="Create an organization (operator)"))
+@extend_schema_view(get=extend_schema(summary="Organizations the caller may see"))
 class OrganizationListView(FederationView, generics.ListCreateAPIView):
     """Organizations: the operator sees and creates all; others see their own."""
 
@@ -485,7 +487,10 @@ class OrganizationListView(FederationView, generics.ListCreateAPIView):
     def get_queryset(self):
         return _scoped(Organization.objects.all(), self.request.user, "id")
 
-    @extend_schema(responses={201: OrganizationSerializer, 403: DETAIL, 409: DETAIL})
+    @extend_schema(
+        summary="Create an organization (operator)",
+        responses={201: OrganizationSerializer, 403: DETAIL, 409: DETAIL},
+    )
     def post(self, request, *args, **kwargs):
         data = OrganizationSerializer(data=request.data)
         data.is_valid(raise_exception=True)
@@ -498,7 +503,6 @@ class OrganizationListView(FederationView, generics.ListCreateAPIView):
         return Response(OrganizationSerializer(org).data, status=201)
 
 
-@extend_schema_view(get=extend_schema(summary="One organization the caller may see"))
 class OrganizationDetailView(FederationGenericView):
     """One organization the caller may see (else 404); PATCH renames it (the operator)."""
 
@@ -509,7 +513,10 @@ class OrganizationDetailView(FederationGenericView):
     def visible_organization(self, pk) -> Organization:
         return get_object_or_404(_scoped(Organization.objects.all(), self.request.user, "id"), pk=pk)
 
-    @extend_schema(responses={200: OrganizationSerializer, 404: DETAIL})
+    @extend_schema(
+        summary="One organization the caller may see",
+        responses={200: OrganizationSerializer, 404: DETAIL},
+    )
     def get(self, request, pk):
         return Response(OrganizationSerializer(self.visible_organization(pk)).data)
 
@@ -552,12 +559,12 @@ def _target_organization(request, slug: str | None) -> Organization:
 
 @extend_schema(
     methods=["GET"],
+    summary="Clients of the organizations the caller may see",
     parameters=[
         OpenApiParameter("status", str, enum=Client.Status.values),
         OpenApiParameter("organization", str, description="organization slug (operator)"),
     ]
 )
-@extend_schema_view(get=extend_schema(summary="Clients of the organizations the caller may see"), post=extend_schema(summary="Enroll a client (pending until approved)"))
 class ClientListView(FederationGenericView, generics.ListAPIView):
     """Clients of the organizations the caller may see; POST enrolls a new (pending) client."""
 
@@ -579,6 +586,7 @@ class ClientListView(FederationGenericView, generics.ListAPIView):
         return queryset.order_by("organization__name", "name")
 
     @extend_schema(
+        summary="Enroll a client (pending until approved)",
         request=EnrollSerializer,
         responses={201: ClientSerializer, 400: DETAIL, 403: DETAIL, 409: DETAIL, 429: DETAIL},
     )
@@ -669,12 +677,12 @@ class ClientRevokeView(_ClientActionView):
 
 @extend_schema(
     methods=["GET"],
+    summary="People of the organizations the caller may see",
     parameters=[
         OpenApiParameter("organization", str, description="organization slug"),
         OpenApiParameter("role", str, enum=Membership.Role.values),
     ]
 )
-@extend_schema_view(get=extend_schema(summary="People of the organizations the caller may see"))
 class PersonListView(FederationGenericView, generics.ListAPIView):
     """The people of the organizations the caller may see; POST adds a login (operator, or an
     admin of the organization) and answers its generated password once."""
@@ -730,9 +738,10 @@ class _PersonView(FederationGenericView):
         return get_object_or_404(people.people(self.request.user), user_id=pk)
 
 
-@extend_schema_view(get=extend_schema(summary="One person the caller may see"))
 class PersonDetailView(_PersonView):
-    @extend_schema(responses={200: PersonSerializer, 404: DETAIL})
+    @extend_schema(
+        summary="One person the caller may see", responses={200: PersonSerializer, 404: DETAIL}
+    )
     def get(self, request, pk):
         return Response(
             PersonSerializer(self.visible_person(pk), context={"request": request}).data
@@ -771,6 +780,7 @@ class PersonResetPasswordView(_PersonView):
 
 
 @extend_schema(
+    summary="The audit log, newest first (the caller's organization; the operator: all)",
     parameters=[
         OpenApiParameter("action", str, enum=AuditLog.Action.values),
         OpenApiParameter("organization", str, description="organization slug"),
@@ -788,7 +798,6 @@ class PersonResetPasswordView(_PersonView):
         ),
     ]
 )
-@extend_schema_view(get=extend_schema(summary="The audit log, newest first (the caller's organization; the operator: all)"))
 class AuditLogView(FederationView, generics.ListAPIView):
     """The audit log, newest first. Organization admins and members see their organization's
     entries; the operator sees everything (federation-wide entries have no organization)."""
@@ -888,18 +897,21 @@ class RoundFailView(_RoundActionView):
         )
 
 
-@extend_schema_view(get=extend_schema(summary="The federation's policy (budgets, limits, approval)"), patch=extend_schema(summary="Change the federation's policy (operator)"))
 class SettingsView(FederationView):
     """The federation's policy: every person may read it, only the operator changes it."""
 
     authentication_classes = PEOPLE_AUTH
     permission_classes = [IsPerson]
 
-    @extend_schema(responses={200: FederationSettingsSerializer})
+    @extend_schema(
+        summary="The federation's policy (budgets, limits, approval)",
+        responses={200: FederationSettingsSerializer},
+    )
     def get(self, request):
         return Response(FederationSettingsSerializer(services.get_settings()).data)
 
     @extend_schema(
+        summary="Change the federation's policy (operator)",
         request=FederationSettingsSerializer,
         responses={200: FederationSettingsSerializer, 400: DETAIL, 403: DETAIL, 409: DETAIL},
     )

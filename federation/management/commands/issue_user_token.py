@@ -9,7 +9,9 @@ class Command(BaseCommand):
 
     def add_arguments(self, parser):
         parser.add_argument("username")
-        parser.add_argument("--label", default="", help="what the token is for (shown on the API tokens page)")
+        parser.add_argument(
+            "--label", default="", help="what the token is for (shown on the API tokens page)"
+        )
 
     def handle(self, *args, username, label, **options):
         user = get_user_model().objects.filter(username=username).first()
