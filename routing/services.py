@@ -21,6 +21,8 @@ from datetime import timedelta
 import numpy as np
 from django.conf import settings
 from django.db import connection
+from django.db.models import Aggregate, Count, FloatField, Sum
+from django.db.models.functions import TruncHour
 from django.utils import timezone
 
 from compendium.models import CompendiumVersion, PrecautionEntry, ScenarioEntry
@@ -457,8 +459,12 @@ def _payload(decision, served: ServedCompendium, latency_ms: float) -> dict:
     }
 
 
-def route_query(query: str, top_k: int | None = 5, reranker: str | None = None) -> dict:
-    """Route one query against the published global compendium (retrieval in pgvector)."""
+def route_query(
+    query: str, top_k: int | None = 5, reranker: str | None = None, record: bool = True
+) -> dict:
+    """Route one query against the published global compendium (retrieval in pgvector). Its
+    latency joins the routing API's traffic figures unless `record` is false (the dashboard's
+    playground: people trying queries are not the API's traffic)."""
     started = time.perf_counter()
     query = validate_query(query)
     top_k = validate_top_k(top_k)
@@ -466,7 +472,8 @@ def route_query(query: str, top_k: int | None = 5, reranker: str | None = None) 
     served = served_compendium()
     decision = served.routers[reranker].route(query, top_k)
     latency = (time.perf_counter() - started) * 1000
-    recorder.record(latency, 1, reranker, served.round_number)
+    if record:
+        recorder.record(latency, 1, reranker, served.round_number)
     return _payload(decision, served, latency)
 
 
@@ -541,17 +548,119 @@ class LatencyRecorder:
 recorder = LatencyRecorder()
 
 
+class _Percentile(Aggregate):
+    """PostgreSQL's continuous percentile, `percentile_cont(f) WITHIN GROUP (ORDER BY x)`: the
+    figures are computed where the rows are, not by loading a day of calls into Python."""
+
+    function = "percentile_cont"
+    template = "%(function)s(%(fraction)s) WITHIN GROUP (ORDER BY %(expressions)s)"
+    output_field = FloatField()
+
+    def __init__(self, expression: str, fraction: float, **extra):
+        if not 0.0 <= fraction <= 1.0:
+            raise ValueError("a percentile's fraction lies in [0, 1]")
+        super().__init__(expression, fraction=repr(float(fraction)), **extra)
+
+
+QUANTILES = {"p50_ms": 0.5, "p95_ms": 0.95, "p99_ms": 0.99}
+
+
+def _latency_figures(calls) -> dict:
+    """Calls, queries and latency quantiles (ms) of a set of routing calls, in one query."""
+    row = calls.aggregate(
+        calls=Count("id"),
+        queries=Sum("queries"),
+        **{name: _Percentile("latency_ms", q) for name, q in QUANTILES.items()},
+    )
+    row["queries"] = row["queries"] or 0
+    return row
+
+
 def routing_latency(window: timedelta = timedelta(hours=1), reranker: str | None = None) -> dict:
-    """p50/p95 of routing-call latencies over the last `window` (this process's buffer included)."""
+    """Calls, queries and p50/p95/p99 of routing-call latencies over the last `window` (this
+    process's buffer included; other server processes' buffers are at most
+    `recorder.flush_seconds` behind)."""
     recorder.flush()
     calls = RoutingCall.objects.filter(at__gte=timezone.now() - window)
     if reranker:
         calls = calls.filter(reranker=reranker)
-    values = np.array(list(calls.values_list("latency_ms", flat=True)), dtype=np.float64)
-    if not len(values):
-        return {"calls": 0, "p50_ms": None, "p95_ms": None}
-    return {
-        "calls": int(len(values)),
-        "p50_ms": float(np.percentile(values, 50)),
-        "p95_ms": float(np.percentile(values, 95)),
+    return _latency_figures(calls)
+
+
+@dataclass
+class RoutingTraffic:
+    """The routing API's traffic as the operator's dashboard and /metrics show it."""
+
+    window: timedelta
+    # single-query calls per reranker over the last hour and over `window`: the latency a caller
+    # of POST /api/v1/route/ sees
+    recent: list[dict]
+    # batch calls (POST /api/v1/route/batch/) over `window`: their queries per second of latency
+    batch: dict
+    # single-query calls per hour over `window`, oldest first
+    hourly: list[dict]
+    retention_days: int
+
+    @property
+    def calls(self) -> int:
+        return sum(r["calls"] for r in self.recent if r["window"] != "1 h") + self.batch["calls"]
+
+
+def routing_traffic(window: timedelta = timedelta(hours=24), now=None) -> RoutingTraffic:
+    recorder.flush()
+    now = now or timezone.now()
+    since = now - window
+    singles = RoutingCall.objects.filter(at__gte=since, at__lte=now, queries=1)
+    recent = []
+    for label, start in (("1 h", now - timedelta(hours=1)), (_window_label(window), since)):
+        rows = (
+            singles.filter(at__gte=start)
+            .values("reranker")
+            .annotate(
+                calls=Count("id"),
+                queries=Sum("queries"),
+                **{name: _Percentile("latency_ms", q) for name, q in QUANTILES.items()},
+            )
+            .order_by("reranker")
+        )
+        recent += [{"window": label, **row} for row in rows]
+    batches = RoutingCall.objects.filter(at__gte=since, at__lte=now, queries__gt=1).aggregate(
+        calls=Count("id"), queries=Sum("queries"), seconds=Sum("latency_ms")
+    )
+    batch = {
+        "calls": batches["calls"],
+        "queries": batches["queries"] or 0,
+        "queries_per_second": (batches["queries"] / (batches["seconds"] / 1000.0))
+        if batches["calls"] and batches["seconds"]
+        else None,
     }
+    hourly = list(
+        singles.annotate(hour=TruncHour("at"))
+        .values("hour")
+        .annotate(
+            calls=Count("id"),
+            p50_ms=_Percentile("latency_ms", 0.5),
+            p95_ms=_Percentile("latency_ms", 0.95),
+        )
+        .order_by("hour")
+    )
+    return RoutingTraffic(window, recent, batch, hourly, retention_days())
+
+
+def _window_label(window: timedelta) -> str:
+    hours = window.total_seconds() / 3600
+    return f"{hours:g} h"
+
+
+def retention_days() -> int:
+    return int(getattr(settings, "SYNAPSE_ROUTING_CALL_RETENTION_DAYS", 30))
+
+
+def prune_routing_calls(now=None) -> int:
+    """Delete latency records older than SYNAPSE_ROUTING_CALL_RETENTION_DAYS (Celery beat runs
+    this hourly, so that a busy routing API's table holds a bounded number of rows); returns how
+    many went."""
+    recorder.flush()
+    cutoff = (now or timezone.now()) - timedelta(days=retention_days())
+    deleted, _ = RoutingCall.objects.filter(at__lt=cutoff).delete()
+    return deleted

@@ -249,6 +249,16 @@ if SYNAPSE_ROUTING_RETRIEVAL not in ("memory", "exact", "hnsw"):
     raise ImproperlyConfigured(
         f"SYNAPSE_ROUTING_RETRIEVAL={SYNAPSE_ROUTING_RETRIEVAL!r}: choose memory, exact or hnsw"
     )
+# Days a routing call's latency record is kept (Celery beat prunes older ones hourly); the
+# dashboard's traffic figures cover the last day.
+SYNAPSE_ROUTING_CALL_RETENTION_DAYS = int(os.environ.get("SYNAPSE_ROUTING_CALL_RETENTION_DAYS", "30"))
+if SYNAPSE_ROUTING_CALL_RETENTION_DAYS < 1:
+    raise ImproperlyConfigured("SYNAPSE_ROUTING_CALL_RETENTION_DAYS must be at least 1")
+# A bearer token for Prometheus to read /metrics with (""; then only the operator, by session or
+# personal API token, may read it).
+SYNAPSE_METRICS_TOKEN = os.environ.get("SYNAPSE_METRICS_TOKEN", "")
+if SYNAPSE_METRICS_TOKEN and len(SYNAPSE_METRICS_TOKEN) < 24:
+    raise ImproperlyConfigured("SYNAPSE_METRICS_TOKEN must be at least 24 characters (or unset)")
 # --- privacy accounting -------------------------------------------------------------------------
 # The federation's total ε cap (used unless a FederationSettings row sets epsilon_budget) and the
 # δ' of advanced composition.
@@ -304,7 +314,7 @@ CELERY_RESULT_SERIALIZER = "json"
 CELERY_ACCEPT_CONTENT = ["json"]
 CELERY_TASK_DEFAULT_QUEUE = os.environ.get("CELERY_TASK_DEFAULT_QUEUE", "cpu")
 # `celery -A synapse_web beat` (docker-compose's beat service) closes rounds at their deadline
-# and prunes old rate counters.
+# and prunes old rate counters and routing-call records.
 CELERY_BEAT_SCHEDULE = {
     "close-due-rounds": {
         "task": "synapse.close_due_rounds",
@@ -312,6 +322,8 @@ CELERY_BEAT_SCHEDULE = {
     },
     # Rate-limit and sign-in failure counters older than a day (federation.ratelimit.prune).
     "prune-rate-counters": {"task": "synapse.prune_rate_counters", "schedule": 3600.0},
+    # Routing-call latency records older than SYNAPSE_ROUTING_CALL_RETENTION_DAYS.
+    "prune-routing-calls": {"task": "synapse.prune_routing_calls", "schedule": 3600.0},
 }
 
 LOGGING = {

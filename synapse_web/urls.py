@@ -5,6 +5,7 @@ from django.http import JsonResponse
 from django.urls import include, path
 from drf_spectacular.views import SpectacularAPIView, SpectacularSwaggerSplitView
 
+from federation.api.metrics import MetricsView
 from federation.auth import LoginForm
 from federation.dashboard.views import LogoutView, PasswordChangeView
 
@@ -36,6 +37,7 @@ urlpatterns = [
         "accounts/password_change/", PasswordChangeView.as_view(), name="password_change"
     ),
     path("healthz", health, name="health"),
+    path("metrics", MetricsView.as_view(), name="metrics"),
     path("api/v1/", include("federation.api.urls")),
     # The browsable API's login (rest_framework.urls' view, with the form that says when the
     # sign-in throttle refused); its logout and URL names from the include below.

@@ -826,11 +826,17 @@ def test_routing_playground_routes_against_the_published_compendium(client, db):
     from routing import services as routing_services
     from tests.dashboard_data import add_review_data, build_federation
 
+    from routing.models import RoutingCall
+
     routing_services.forget_published_version()
     review = add_review_data(build_federation(), embed=True)
     client.force_login(review.acme_member)
+    routing_services.recorder.flush()
+    calls_before = RoutingCall.objects.count()
     response = client.get(reverse("dashboard:routing"), {"q": "will it rain in Rome tomorrow?"})
     assert response.status_code == 200
+    routing_services.recorder.flush()  # trying a query here is not the routing API's traffic
+    assert RoutingCall.objects.count() == calls_before
     result = response.context["result"]
     assert result["tool"] == "weather" and result["compendium_round"] == 2
     body = response.content.decode()

@@ -86,3 +86,11 @@ def prune_rate_counters_task() -> int:
 
     # A sign-in lock lasts its window: never prune a counter younger than that.
     return prune(max(86400, settings.SYNAPSE_LOGIN_FAILURE_WINDOW_SECONDS))
+
+
+@shared_task(name="synapse.prune_routing_calls")
+def prune_routing_calls_task() -> int:
+    """Celery beat's hourly clean-up: routing-call latency records past their retention."""
+    from routing.services import prune_routing_calls
+
+    return prune_routing_calls()

@@ -1258,3 +1258,45 @@ def router_tuning() -> RouterTuning:
     version = published_global_version()
     record = TunedRouter.objects.filter(version=version).first() if version is not None else None
     return RouterTuning(version.round.number if version else None, tune_epochs(), record)
+
+
+# --- routing API traffic (operator) --------------------------------------------------------------
+
+
+@dataclass
+class TrafficView:
+    traffic: object  # routing.services.RoutingTraffic
+    chart: SafeString | None
+
+
+def routing_traffic_view(now=None) -> TrafficView:
+    """The routing API's last day for the operator: latency per reranker, batch throughput, and
+    p50/p95 per hour."""
+    from routing.services import routing_traffic
+
+    traffic = routing_traffic(now=now)
+    chart = None
+    if traffic.hourly:
+        chart = render_figure(
+            routing_latency_figure(traffic.hourly),
+            div_id="routing-latency",
+            label="Routing API latency (p50, p95) and calls per hour, last 24 hours",
+        )
+    return TrafficView(traffic, chart)
+
+
+def routing_latency_figure(hourly: list[dict]) -> go.Figure:
+    hours = [row["hour"] for row in hourly]
+    fig = go.Figure()
+    fig.add_trace(go.Bar(x=hours, y=[row["calls"] for row in hourly], name="calls",
+                         yaxis="y2", marker={"color": "#9aa7ba"}, opacity=0.35))
+    for key, name in (("p50_ms", "p50"), ("p95_ms", "p95")):
+        fig.add_trace(go.Scatter(x=hours, y=[row[key] for row in hourly], name=f"{name} latency",
+                                 mode="lines+markers"))
+    return styled(
+        fig,
+        title={"text": "Routing API: single-query latency per hour"},
+        xaxis={"title": {"text": "hour"}},
+        yaxis={"title": {"text": "latency (ms)"}, "rangemode": "tozero"},
+        yaxis2=right_axis("calls"),
+    )

@@ -738,6 +738,8 @@ class RoutingView(DashboardView):
     def get(self, request, *args, **kwargs):
         query = request.GET.get("q", "")
         context = self.get_context_data(query=query[:2000], tuning=services.router_tuning())
+        if self.is_operator:
+            context["traffic"] = services.routing_traffic_view()
         if not query.strip():
             return self.render_to_response(context)
         try:
@@ -748,7 +750,7 @@ class RoutingView(DashboardView):
                     f"top_k must be a whole number between 1 and 50, not {raw_k[:20]!r}"
                 )
             result = route_query(query, top_k=int(raw_k),
-                                 reranker=request.GET.get("reranker") or None)
+                                 reranker=request.GET.get("reranker") or None, record=False)
             context["result"] = result
             # Whether the list of nearest scenarios shows why the tool was chosen.
             context["chosen_in_candidates"] = any(c["tool"] == result["tool"] for c in result["candidates"])
