@@ -824,9 +824,8 @@ def test_routing_playground_states(client, fed):
 
 def test_routing_playground_routes_against_the_published_compendium(client, db):
     from routing import services as routing_services
-    from tests.dashboard_data import add_review_data, build_federation
-
     from routing.models import RoutingCall
+    from tests.dashboard_data import add_review_data, build_federation
 
     routing_services.forget_published_version()
     review = add_review_data(build_federation(), embed=True)

@@ -3,7 +3,10 @@ retention, and the Prometheus page of the federation's state."""
 
 from __future__ import annotations
 
-from datetime import timedelta
+import html
+import json
+import re
+from datetime import datetime, timedelta
 
 import numpy as np
 import pytest
@@ -110,6 +113,11 @@ def test_the_operator_sees_the_routing_traffic(client, fed, traffic):
     assert "<td>last 1 h</td><td>fusion</td><td class=\"num\">100</td><td class=\"num\">50.5</td>" in table
     assert "Batch form: 2 calls, 200 queries, 1000 queries per second" in body
     assert 'id="routing-latency"' in body and "vendor/plotly.min.js" in body
+    chart = json.loads(html.unescape(re.search(r'id="routing-latency"[^>]*data-plotly="([^"]*)"', body)[1]))
+    start, end = (datetime.fromisoformat(x) for x in chart["layout"]["xaxis"]["range"])
+    assert end - start == timedelta(hours=24)  # the whole day, however few hours had calls
+    bars = next(t for t in chart["data"] if t["type"] == "bar")
+    assert sum(bars["y"]) == 105 and all(start < datetime.fromisoformat(x) < end for x in bars["x"])
 
 
 def test_the_routing_traffic_is_the_operators_alone(client, fed, traffic):

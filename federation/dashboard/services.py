@@ -13,6 +13,7 @@ import io
 import json
 from collections import Counter, defaultdict
 from dataclasses import dataclass, field
+from datetime import timedelta
 
 import plotly.graph_objects as go
 from django.core.paginator import Page, Paginator
@@ -1274,29 +1275,42 @@ def routing_traffic_view(now=None) -> TrafficView:
     p50/p95 per hour."""
     from routing.services import routing_traffic
 
+    now = now or timezone.now()
     traffic = routing_traffic(now=now)
     chart = None
     if traffic.hourly:
         chart = render_figure(
-            routing_latency_figure(traffic.hourly),
+            routing_latency_figure(traffic.hourly, now),
             div_id="routing-latency",
             label="Routing API latency (p50, p95) and calls per hour, last 24 hours",
         )
     return TrafficView(traffic, chart)
 
 
-def routing_latency_figure(hourly: list[dict]) -> go.Figure:
-    hours = [row["hour"] for row in hourly]
+HOUR_MS = 3_600_000
+
+
+def routing_latency_figure(hourly: list[dict], now) -> go.Figure:
+    """Calls per hour as bars, p50/p95 as lines, over the 24 whole hours up to the current one
+    (a single busy hour would otherwise fill the axis down to milliseconds), in the server's
+    time zone."""
+
+    def local(when):  # plotly.js reads a date string without its UTC offset
+        return timezone.localtime(when).replace(tzinfo=None)
+
+    end = local(now).replace(minute=0, second=0, microsecond=0) + timedelta(hours=1)
+    hours = [local(row["hour"]) + timedelta(minutes=30) for row in hourly]  # a bar over its hour
     fig = go.Figure()
-    fig.add_trace(go.Bar(x=hours, y=[row["calls"] for row in hourly], name="calls",
-                         yaxis="y2", marker={"color": "#9aa7ba"}, opacity=0.35))
+    fig.add_trace(go.Bar(x=hours, y=[row["calls"] for row in hourly], name="calls", yaxis="y2",
+                         width=0.9 * HOUR_MS, marker={"color": "#9aa7ba"}, opacity=0.35))
     for key, name in (("p50_ms", "p50"), ("p95_ms", "p95")):
         fig.add_trace(go.Scatter(x=hours, y=[row[key] for row in hourly], name=f"{name} latency",
                                  mode="lines+markers"))
     return styled(
         fig,
         title={"text": "Routing API: single-query latency per hour"},
-        xaxis={"title": {"text": "hour"}},
+        xaxis={"title": {"text": f"hour ({timezone.get_current_timezone_name()})"}, "type": "date",
+               "range": [end - timedelta(hours=24), end]},
         yaxis={"title": {"text": "latency (ms)"}, "rangemode": "tozero"},
         yaxis2=right_axis("calls"),
     )
