@@ -183,7 +183,7 @@ class FederationCollector:
 
     def _routing(self):
         from routing.models import RoutingCall
-        from routing.services import QUANTILES, _Percentile, recorder
+        from routing.services import QUANTILES, recorder, single_query_latency
 
         recorder.flush()
         calls = RoutingCall.objects.filter(at__gte=self.now - ROUTING_WINDOW, at__lte=self.now)
@@ -215,13 +215,7 @@ class FederationCollector:
             "(the routing service's time, without the network).",
             labels=["reranker", "quantile"],
         )
-        rows = (
-            calls.filter(queries=1)
-            .order_by()
-            .values("reranker")
-            .annotate(**{name: _Percentile("latency_ms", q) for name, q in QUANTILES.items()})
-        )
-        for row in rows:
+        for row in single_query_latency(calls):
             for name, q in QUANTILES.items():
                 latency.add_metric([row["reranker"], f"{q:g}"], row[name] / 1000.0)
         yield latency

@@ -22,7 +22,7 @@ import numpy as np
 from django.conf import settings
 from django.db import connection
 from django.db.models import Aggregate, Count, FloatField, Sum
-from django.db.models.functions import TruncHour
+from django.db.models.functions import Coalesce, TruncHour
 from django.utils import timezone
 
 from compendium.models import CompendiumVersion, PrecautionEntry, ScenarioEntry
@@ -548,7 +548,7 @@ class LatencyRecorder:
 recorder = LatencyRecorder()
 
 
-class _Percentile(Aggregate):
+class Percentile(Aggregate):
     """PostgreSQL's continuous percentile, `percentile_cont(f) WITHIN GROUP (ORDER BY x)`: the
     figures are computed where the rows are, not by loading a day of calls into Python."""
 
@@ -565,15 +565,13 @@ class _Percentile(Aggregate):
 QUANTILES = {"p50_ms": 0.5, "p95_ms": 0.95, "p99_ms": 0.99}
 
 
-def _latency_figures(calls) -> dict:
-    """Calls, queries and latency quantiles (ms) of a set of routing calls, in one query."""
-    row = calls.aggregate(
-        calls=Count("id"),
-        queries=Sum("queries"),
-        **{name: _Percentile("latency_ms", q) for name, q in QUANTILES.items()},
-    )
-    row["queries"] = row["queries"] or 0
-    return row
+def latency_figures(quantiles: dict[str, float] = QUANTILES) -> dict:
+    """Aggregates of a set of routing calls: how many, their queries, latency quantiles (ms)."""
+    return {
+        "calls": Count("id"),
+        "queries": Coalesce(Sum("queries"), 0),
+        **{name: Percentile("latency_ms", q) for name, q in quantiles.items()},
+    }
 
 
 def routing_latency(window: timedelta = timedelta(hours=1), reranker: str | None = None) -> dict:
@@ -584,67 +582,60 @@ def routing_latency(window: timedelta = timedelta(hours=1), reranker: str | None
     calls = RoutingCall.objects.filter(at__gte=timezone.now() - window)
     if reranker:
         calls = calls.filter(reranker=reranker)
-    return _latency_figures(calls)
+    return calls.aggregate(**latency_figures())
+
+
+def single_query_latency(calls) -> list[dict]:
+    """Per reranker, the single-query calls among `calls` (the latency a caller of POST
+    /api/v1/route/ sees; a batch's latency is the whole batch's): one row each, in one query."""
+    return list(
+        calls.filter(queries=1).order_by().values("reranker")
+        .annotate(**latency_figures()).order_by("reranker")
+    )
 
 
 @dataclass
 class RoutingTraffic:
-    """The routing API's traffic as the operator's dashboard and /metrics show it."""
+    """The routing API's traffic as the operator's dashboard shows it."""
 
     window: timedelta
-    # single-query calls per reranker over the last hour and over `window`: the latency a caller
-    # of POST /api/v1/route/ sees
+    # single-query calls per reranker over the last hour and over `window`, each row with its
+    # "window" label
     recent: list[dict]
     # batch calls (POST /api/v1/route/batch/) over `window`: their queries per second of latency
     batch: dict
     # single-query calls per hour over `window`, oldest first
     hourly: list[dict]
     retention_days: int
-
-    @property
-    def calls(self) -> int:
-        return sum(r["calls"] for r in self.recent if r["window"] != "1 h") + self.batch["calls"]
+    calls: int  # every call over `window`, single and batch
 
 
 def routing_traffic(window: timedelta = timedelta(hours=24), now=None) -> RoutingTraffic:
     recorder.flush()
     now = now or timezone.now()
     since = now - window
-    singles = RoutingCall.objects.filter(at__gte=since, at__lte=now, queries=1)
+    calls = RoutingCall.objects.filter(at__gte=since, at__lte=now)
     recent = []
     for label, start in (("1 h", now - timedelta(hours=1)), (_window_label(window), since)):
-        rows = (
-            singles.filter(at__gte=start)
-            .values("reranker")
-            .annotate(
-                calls=Count("id"),
-                queries=Sum("queries"),
-                **{name: _Percentile("latency_ms", q) for name, q in QUANTILES.items()},
-            )
-            .order_by("reranker")
-        )
-        recent += [{"window": label, **row} for row in rows]
-    batches = RoutingCall.objects.filter(at__gte=since, at__lte=now, queries__gt=1).aggregate(
-        calls=Count("id"), queries=Sum("queries"), seconds=Sum("latency_ms")
+        recent += [{"window": label, **row} for row in single_query_latency(calls.filter(at__gte=start))]
+    batches = calls.filter(queries__gt=1).aggregate(
+        calls=Count("id"), queries=Coalesce(Sum("queries"), 0), seconds=Sum("latency_ms")
     )
     batch = {
         "calls": batches["calls"],
-        "queries": batches["queries"] or 0,
-        "queries_per_second": (batches["queries"] / (batches["seconds"] / 1000.0))
-        if batches["calls"] and batches["seconds"]
+        "queries": batches["queries"],
+        "queries_per_second": batches["queries"] / (batches["seconds"] / 1000.0)
+        if batches["seconds"]
         else None,
     }
     hourly = list(
-        singles.annotate(hour=TruncHour("at"))
+        calls.filter(queries=1)
+        .annotate(hour=TruncHour("at"))
         .values("hour")
-        .annotate(
-            calls=Count("id"),
-            p50_ms=_Percentile("latency_ms", 0.5),
-            p95_ms=_Percentile("latency_ms", 0.95),
-        )
+        .annotate(**latency_figures({"p50_ms": 0.5, "p95_ms": 0.95}))
         .order_by("hour")
     )
-    return RoutingTraffic(window, recent, batch, hourly, retention_days())
+    return RoutingTraffic(window, recent, batch, hourly, retention_days(), calls.count())
 
 
 def _window_label(window: timedelta) -> str:
