@@ -293,6 +293,19 @@ def test_compendium_statistics_carry_their_noise_and_say_when_it_drowns_them(ope
     assert content.count('id="noise-note"') == 1  # said once for the page
 
 
+def test_compendium_says_how_many_statistics_the_global_left_out(member_client, federation):
+    from federation.models import MergeRecord
+
+    body = member_client.get(reverse("dashboard:compendium"), {"round": 2}).content.decode()
+    assert 'id="withheld-note"' not in body
+    MergeRecord.objects.create(round=federation.rounds[2], stats={"stats_withheld": 3})
+    body = member_client.get(reverse("dashboard:compendium"), {"round": 2}).content.decode()
+    note = body[body.index('id="withheld-note"'):]
+    note = note[: note.index("</p>")]
+    assert "3 statistics of this round are left out of this global compendium" in note
+    assert "wider than the field's whole range" in note
+
+
 def release_flights_calls(fed):
     """Round 2's flights.calls, released by both edges at the same ε_j = 0.025 over their own K
     submissions: b = Δ / (K · ε_j) = 50 / (8 · 0.025) = 250 at Acme, 50 / (1 · 0.025) = 2,000 at

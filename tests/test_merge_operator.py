@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from compendium.canonical import canonical_bytes
-from compendium.schema import Schema, ToolSpec
+from compendium.schema import Compendium, Schema, ToolSpec
 from federation.merge import (
     BudgetExceeded,
     ConflictEntry,
@@ -783,3 +783,48 @@ def test_a_quoted_request_keeps_its_capitals_where_they_are_not_sentence_case(sc
         "Use Calculator for I'm integrating an expression; do not use Calculator when "
         "PDF pages to convert or when currency conversion or when iPhone storage sums"
     )
+
+
+def test_the_global_leaves_out_figures_its_noise_spans_the_whole_range(schema, embed):
+    """A released value whose Laplace noise is wider than the field's declared range says nothing
+    about the tool; the server merge publishes the others and counts what it left out."""
+    edges = [
+        sub("org-a", metadata=[
+            {"tool_id": "weather", "stats": {"success_rate": 0.1, "calls": 420.0}},
+            {"tool_id": "flights", "stats": {"success_rate": 0.93}},
+            {"tool_id": "recipes", "stats": {"success_rate": 1.0}},
+        ]),
+        sub("org-b", metadata=[
+            {"tool_id": "weather", "stats": {"success_rate": 0.9, "calls": 380.0}},
+            {"tool_id": "flights", "stats": {"success_rate": 0.91}},
+        ]),
+    ]
+    scales = {
+        # success_rate spans [0, 1]: two edges of b = 1.6 average to b = 1.13, still wider
+        "org-a": {("weather", "success_rate"): 1.6, ("weather", "calls"): 2.5,
+                  ("flights", "success_rate"): 0.05, ("recipes", "success_rate"): 5.0},
+        "org-b": {("weather", "success_rate"): 1.6, ("weather", "calls"): 2.5,
+                  ("flights", "success_rate"): 0.05},
+    }
+    previous = Compendium.model_validate({"metadata": [
+        {"tool_id": "recipes", "stats": {"success_rate": 0.5}},  # an older figure: replaced
+        {"tool_id": "calculator", "stats": {"success_rate": 0.7}},  # no edge reported it: stays
+    ]})
+    for mode in ("stats", "full"):
+        result = server_merge(edges, schema, RoundConfig(global_metadata=mode), embed=embed,
+                              noise_scales=scales, previous=previous)
+        stats = {m.tool_id: m.stats for m in result.compendium.metadata}
+        assert stats["weather"] == {"calls": 400.0}  # success_rate left out
+        assert stats["flights"] == {"success_rate": pytest.approx(0.92)}
+        assert stats["calculator"] == {"success_rate": 0.7}
+        assert result.stats.stats_withheld == 2
+        assert result.stats.as_dict()["stats_withheld"] == 2
+        if mode == "stats":  # nothing left to say about recipes
+            assert "recipes" not in stats
+        else:  # its description and spec still
+            assert stats["recipes"] == {}
+    # b = 0.9 at each of two edges averages to 0.64: under the range, published
+    scales["org-a"][("weather", "success_rate")] = scales["org-b"][("weather", "success_rate")] = 0.9
+    result = server_merge(edges, schema, RoundConfig(), embed=embed, noise_scales=scales)
+    weather = {m.tool_id: m.stats for m in result.compendium.metadata}["weather"]
+    assert weather["success_rate"] == pytest.approx(0.5) and result.stats.stats_withheld == 1

@@ -630,7 +630,8 @@ def server_merge_summaries(version: CompendiumVersion) -> dict | None:
     record = MergeRecord.objects.filter(round=version.round, organization__isnull=True).first()
     if record is None:
         return None
-    return {**_summary_figures(record.stats), "conflicts": record.stats.get("conflicts") or 0}
+    return {**_summary_figures(record.stats), "conflicts": record.stats.get("conflicts") or 0,
+            "stats_withheld": record.stats.get("stats_withheld") or 0}
 
 
 def _summary_figures(stats: dict) -> dict:

@@ -335,18 +335,21 @@ def _merge(
 
     # M first: the budget check must refuse before any noise is drawn or any text work is done.
     fresh = [(s, comp) for s, comp in accepted if not (carry and s == PREVIOUS_GLOBAL)]
-    metadata, ledger = _merge_metadata(
+    metadata, ledger, withheld = _merge_metadata(
         fresh, schema, config, seed, epsilon_remaining, noise, release_numeric, noise_scales
     )
+    reported = {m.tool_id for m in metadata}  # a tool whose figures were withheld counts too
     for source, comp in accepted:
         if carry and source == PREVIOUS_GLOBAL:  # its statistics stay for tools not reported
-            reported = {m.tool_id for m in metadata}
             kept = [_tool_metadata(schema, m.tool_id, m.stats) for m in comp.metadata
                     if m.tool_id not in reported]
             metadata = sorted(metadata + kept, key=lambda m: m.tool_id)
     if not noise and config.global_metadata == "stats":
-        metadata = [m.model_copy(update={"description": None, "spec": None}) for m in metadata]
+        # Without description and spec, an entry without statistics says nothing.
+        metadata = [m.model_copy(update={"description": None, "spec": None})
+                    for m in metadata if m.stats]
     stats.numeric_releases = len(ledger)
+    stats.stats_withheld = withheld
     stats.epsilon_spent = round_spend(
         [e.epsilon for e in ledger], config.field_cap, [e.tool_id for e in ledger]
     )
@@ -527,8 +530,8 @@ def _average_noise_scale(scales: Sequence[float | None], weights: np.ndarray) ->
 def _merge_metadata(accepted, schema, config, seed, epsilon_remaining, noise, release_numeric=True,
                     noise_scales=None):
     if noise:
-        return _release_metadata(accepted, schema, config, seed, epsilon_remaining,
-                                 release_numeric)
+        return (*_release_metadata(accepted, schema, config, seed, epsilon_remaining,
+                                   release_numeric), 0)
     values: dict[tuple[str, str], list[float]] = defaultdict(list)
     weights: dict[tuple[str, str], list[float]] = defaultdict(list)
     scales: dict[tuple[str, str], list[float | None]] = defaultdict(list)
@@ -541,22 +544,33 @@ def _merge_metadata(accepted, schema, config, seed, epsilon_remaining, noise, re
                 values[(meta.tool_id, name)].append(float(value))
                 weights[(meta.tool_id, name)].append(float(comp.num_users or 1))
                 scales[(meta.tool_id, name)].append(edge_scales.get((meta.tool_id, name)))
-    keys = sorted(values)
     released: dict[tuple[str, str], float] = {}
-    for key in keys:
+    withheld = 0
+    for key in sorted(values):
         spec = schema.fields_by_name[key[1]]
         w = np.asarray(weights[key])
         value = float(np.dot(np.asarray(values[key]), w) / w.sum())
-        released[key] = _published_number(
-            min(spec.max, max(spec.min, value)), _average_noise_scale(scales[key], w)
-        )
+        scale = _average_noise_scale(scales[key], w)
+        if noise_dominated(scale, spec):
+            withheld += 1
+            continue
+        released[key] = _published_number(min(spec.max, max(spec.min, value)), scale)
     metadata = [
         _tool_metadata(
-            schema, tool_id, {name: released[(t, name)] for (t, name) in keys if t == tool_id}
+            schema, tool_id, {name: v for (t, name), v in released.items() if t == tool_id}
         )
         for tool_id in sorted(tools)
     ]
-    return metadata, []
+    return metadata, [], withheld
+
+
+def noise_dominated(scale: float | None, spec) -> bool:
+    """Whether Laplace noise of `scale` spans the field's whole declared range: the released
+    value, clipped into the range, then says nothing about the tool (it lands near either end
+    whatever the clients reported). The global compendium leaves such a figure out (dropping a
+    released value is post-processing: the ε stays spent, the ledger keeps it); the edges' own
+    releases keep theirs, since the server's average over edges can narrow them."""
+    return scale is not None and scale >= spec.max - spec.min
 
 
 def _release_metadata(accepted, schema, config, seed, epsilon_remaining, release_numeric):

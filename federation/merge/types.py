@@ -105,6 +105,8 @@ class MergeStats:
     annex_in: int = 0
     annex_out: int = 0
     numeric_releases: int = 0
+    # statistics the server merge left out of the global: noise wider than the field's range
+    stats_withheld: int = 0
     epsilon_spent: float = 0.0
     summarizer: str = ""
     summarizer_fallbacks: list[dict] = field(default_factory=list)
