@@ -188,6 +188,8 @@ def main(argv=None) -> int:
                 "global_gzip_kb": round(form.gzip_bytes / 1024, 1),
                 "global_scenarios": len(glob.compendium.scenarios),
                 "global_tools": len({s.tool_id for s in glob.compendium.scenarios}),
+                "global_stats": sum(len(m.stats) for m in glob.compendium.metadata),
+                "stats_withheld": glob.stats.stats_withheld,
                 "dedup_rate": round(1 - len(glob.compendium.scenarios) / scenarios_in, 4),
                 "texts_embedded": engine.computed - computed_before,
                 "edge_conflicts": sum(len(r.conflicts) for r in edge_results),
@@ -202,8 +204,8 @@ def main(argv=None) -> int:
             if args.save_global:
                 Path(args.save_global).write_bytes(form.data)
     columns = ["clients", "embeddings", "scenarios_in", "edge_merge_s", "server_merge_s",
-               "round_s", "routing_head_s", "global_size_kb", "global_scenarios", "dedup_rate", "probe_accuracy",
-               "flagged_confusion", "peak_rss_mb"]
+               "round_s", "routing_head_s", "global_size_kb", "global_scenarios", "global_stats",
+               "stats_withheld", "dedup_rate", "probe_accuracy", "flagged_confusion", "peak_rss_mb"]
     print()
     print(" | ".join(columns))
     for row in rows:
