@@ -29,6 +29,7 @@ from federation.services import Actor, audit, can_admin, membership_of, visible_
 class IssuedPassword:
     membership: Membership
     password: str  # shown once; only its hash is stored
+    tokens_revoked: int = 0  # the person's personal API tokens a reset stopped
 
 
 def people(user, organization: Organization | None = None):
@@ -182,7 +183,10 @@ def set_role(actor: Actor, membership: Membership | int, role: str) -> Membershi
 
 @transaction.atomic
 def reset_password(actor: Actor, membership: Membership | int) -> IssuedPassword:
-    """A fresh password (returned once); the old one and the person's open sessions stop."""
+    """A fresh password (returned once); the old one, the person's open sessions and their
+    personal API tokens stop: a reset is how a login thought compromised is taken back, and a
+    token issued with the old password would outlive it (the person issues new ones after
+    signing in)."""
     membership = _locked(actor, membership, "reset passwords")
     _not_self(actor, membership, "reset the password of")
     _not_operator_login(actor, membership, "reset the password of")
@@ -193,14 +197,17 @@ def reset_password(actor: Actor, membership: Membership | int) -> IssuedPassword
     user.save(update_fields=["password"])
     # ... and the new password works at once, even if someone locked the account by guessing.
     login_throttle.unlock(user.get_username())
+    revoked = UserToken.objects.filter(user=user, revoked_at__isnull=True).update(
+        revoked_at=timezone.now()
+    )
     audit(
         actor,
         AuditLog.Action.PERSON_PASSWORD_RESET,
         target=membership,
         organization=membership.organization,
-        details=_details(membership),
+        details=_details(membership, tokens_revoked=revoked),
     )
-    return IssuedPassword(membership, password)
+    return IssuedPassword(membership, password, revoked)
 
 
 @transaction.atomic

@@ -158,6 +158,30 @@ def test_a_reset_password_replaces_the_old_one_and_ends_sessions(world):
     assert AuditLog.objects.filter(action="person.password_reset", actor=world.operator).exists()
 
 
+def test_a_reset_password_stops_the_persons_api_tokens(world, client):
+    issued = people.add_person(world.actor(world.admin_a), world.org_a, "hugo", "member")
+    user = issued.membership.user
+    api = person_api(user)  # a token issued while the old password held
+    services.issue_user_token(world.actor(user), user, "second script")
+    assert api.get(PEOPLE).status_code == 200
+    reset = people.reset_password(world.actor(world.admin_a), issued.membership)
+    assert reset.tokens_revoked == 2
+    assert api.get(PEOPLE).status_code == 401
+    assert not UserToken.objects.filter(user=user, revoked_at__isnull=True).exists()
+    entry = AuditLog.objects.filter(action="person.password_reset").latest("id")
+    assert entry.details["tokens_revoked"] == 2
+    # a token issued after the reset works; a second reset says it stopped it, in the browser too
+    fresh = person_api(user)
+    assert fresh.get(PEOPLE).status_code == 200
+    client.force_login(world.admin_a)
+    page = client.post(reverse("dashboard:person-action", args=["org-a", user.pk, "reset-password"]))
+    body = page.content.decode()
+    assert "personal API tokens have stopped working (1 token revoked" in body
+    assert fresh.get(PEOPLE).status_code == 401
+    over_api = person_api(world.admin_a).post(f"{PEOPLE}{user.pk}/reset-password/")
+    assert over_api.status_code == 200 and over_api.json()["tokens_revoked"] == 0
+
+
 def test_deactivation_stops_sign_in_sessions_and_tokens_and_reactivation_restores_sign_in(world):
     issued = people.add_person(world.actor(world.admin_a), world.org_a, "gina", "admin")
     api = person_api(issued.membership.user)

@@ -279,6 +279,9 @@ class IssuedPasswordSerializer(serializers.Serializer):
     password = serializers.CharField(
         help_text="shown once; hand it to the person, who can change it after signing in"
     )
+    tokens_revoked = serializers.IntegerField(
+        help_text="the person's personal API tokens this stopped (a reset stops them all)"
+    )
 
 
 class OwnSubmissionSerializer(serializers.ModelSerializer):

@@ -723,7 +723,8 @@ class PersonListView(FederationGenericView, generics.ListAPIView):
 
 def _password_response(issued, status: int = 200) -> Response:
     """A freshly issued password, shown once: no cache may keep the answer."""
-    body = {"person": PersonSerializer(issued.membership).data, "password": issued.password}
+    body = {"person": PersonSerializer(issued.membership).data, "password": issued.password,
+            "tokens_revoked": issued.tokens_revoked}
     return Response(body, status=status, headers={"Cache-Control": "no-store"})
 
 
@@ -773,7 +774,8 @@ class PersonResetPasswordView(_PersonView):
     @extend_schema(
         request=None,
         responses={200: IssuedPasswordSerializer, 403: DETAIL, 404: DETAIL},
-        summary="Give a person a new password (the old one and their sessions stop); shown once",
+        summary="Give a person a new password (the old one, their sessions and personal API "
+        "tokens stop); shown once",
     )
     def post(self, request, pk):
         return _password_response(people.reset_password(actor_for(request), self.visible_person(pk)))

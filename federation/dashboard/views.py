@@ -348,7 +348,7 @@ class PersonActionView(ActionView, OrganizationView):
             return redirect(reverse("dashboard:organization", args=[organization.slug]) + "#people")
         context = self.get_context_data(slug=slug)
         context.update(issued_password=issued.password, issued_person=issued.membership,
-                       issued_action=action)
+                       issued_action=action, issued_tokens_revoked=issued.tokens_revoked)
         response = self.render_to_response(context)
         response["Cache-Control"] = "no-store"
         return response
