@@ -40,6 +40,11 @@ class FederationCollector:
         self.now = now or timezone.now()
 
     def collect(self):
+        # read once per scrape: several families are labelled by them or start from it
+        self.slugs = sorted(Organization.objects.values_list("id", "slug"), key=lambda r: r[1])
+        self.published = (
+            Round.objects.filter(state=Round.State.PUBLISHED).order_by("-number").first()
+        )
         yield from self._rounds()
         yield from self._clients_and_submissions()
         yield from self._privacy()
@@ -52,7 +57,7 @@ class FederationCollector:
         for state in Round.State.values:
             rounds.add_metric([state], by_state.get(state, 0))
         yield rounds
-        published = Round.objects.filter(state=Round.State.PUBLISHED).order_by("-number").first()
+        published = self.published
         yield GaugeMetricFamily(
             "synapse_published_round",
             "Number of the latest published round (0: none yet).",
@@ -92,7 +97,6 @@ class FederationCollector:
         )
 
     def _clients_and_submissions(self):
-        slugs = dict(Organization.objects.values_list("id", "slug"))
         clients = GaugeMetricFamily(
             "synapse_clients", "Enrolled clients by organization and status.",
             labels=["organization", "status"],
@@ -104,7 +108,7 @@ class FederationCollector:
             .annotate(n=Count("id"))
             .values_list("organization", "status", "n")
         }
-        for org_id, slug in sorted(slugs.items(), key=lambda kv: kv[1]):
+        for org_id, slug in self.slugs:
             for status in Client.Status.values:
                 clients.add_metric([slug, status], counts.get((org_id, status), 0))
         yield clients
@@ -124,7 +128,7 @@ class FederationCollector:
             .annotate(n=Count("id"), size=Sum("wire_bytes"))
             .values_list("client__organization", "n", "size")
         }
-        for org_id, slug in sorted(slugs.items(), key=lambda kv: kv[1]):
+        for org_id, slug in self.slugs:
             n, size = rows.get(org_id, (0, 0))
             submissions.add_metric([slug], n)
             wire.add_metric([slug], size)
@@ -151,8 +155,7 @@ class FederationCollector:
             "ε one user of the organization can lose, over all rounds.",
             labels=["organization"],
         )
-        slugs = dict(Organization.objects.values_list("id", "slug"))
-        for org_id, slug in sorted(slugs.items(), key=lambda kv: kv[1]):
+        for org_id, slug in self.slugs:
             composition = report.organizations.get(org_id)
             per_org.add_metric([slug], composition.epsilon if composition else 0.0)
         yield per_org
@@ -166,7 +169,7 @@ class FederationCollector:
             "(scope edge: an organization's; server: between edges, the operator's).",
             labels=["scope"],
         )
-        published = Round.objects.filter(state=Round.State.PUBLISHED).order_by("-number").first()
+        published = self.published
         counts = {"edge": 0, "server": 0}
         if published is not None:
             entries = ConflictLogEntry.objects.filter(round=published)

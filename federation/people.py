@@ -197,9 +197,7 @@ def reset_password(actor: Actor, membership: Membership | int) -> IssuedPassword
     user.save(update_fields=["password"])
     # ... and the new password works at once, even if someone locked the account by guessing.
     login_throttle.unlock(user.get_username())
-    revoked = UserToken.objects.filter(user=user, revoked_at__isnull=True).update(
-        revoked_at=timezone.now()
-    )
+    revoked = _revoke_tokens(user)
     audit(
         actor,
         AuditLog.Action.PERSON_PASSWORD_RESET,
@@ -231,9 +229,7 @@ def set_active(actor: Actor, membership: Membership | int, active: bool) -> Memb
     user.save(update_fields=["is_active"])
     revoked = 0
     if not active:
-        revoked = UserToken.objects.filter(user=user, revoked_at__isnull=True).update(
-            revoked_at=timezone.now()
-        )
+        revoked = _revoke_tokens(user)
     audit(
         actor,
         AuditLog.Action.PERSON_REACTIVATE if active else AuditLog.Action.PERSON_DEACTIVATE,
@@ -242,6 +238,13 @@ def set_active(actor: Actor, membership: Membership | int, active: bool) -> Memb
         details=_details(membership, **({} if active else {"tokens_revoked": revoked})),
     )
     return membership
+
+
+def _revoke_tokens(user) -> int:
+    """Stop every live personal API token of `user` at once; how many there were."""
+    return UserToken.objects.filter(user=user, revoked_at__isnull=True).update(
+        revoked_at=timezone.now()
+    )
 
 
 def _deactivated_by_operator(membership: Membership) -> bool:
@@ -348,9 +351,7 @@ def admin_login_saved(actor: Actor, user, before: dict | None) -> None:
         if membership is not None:
             details["role"] = membership.role
         if not user.is_active:
-            details["tokens_revoked"] = UserToken.objects.filter(
-                user=user, revoked_at__isnull=True
-            ).update(revoked_at=timezone.now())
+            details["tokens_revoked"] = _revoke_tokens(user)
         audit(
             actor,
             AuditLog.Action.PERSON_REACTIVATE if user.is_active else AuditLog.Action.PERSON_DEACTIVATE,

@@ -17,6 +17,7 @@ from rest_framework.response import Response
 from rest_framework.views import APIView
 
 from federation.api.authentication import PEOPLE_AUTH, bearer_token
+from federation.api.views import IsOperator
 from federation.metrics import exposition
 
 
@@ -52,9 +53,8 @@ class MayReadMetrics(BasePermission):
     message = "only the federation operator or the metrics token may read /metrics"
 
     def has_permission(self, request, view):
-        user = request.user
-        return isinstance(user, MetricsScraper) or bool(
-            user and user.is_authenticated and getattr(user, "is_superuser", False)
+        return isinstance(request.user, MetricsScraper) or IsOperator().has_permission(
+            request, view
         )
 
 

@@ -33,6 +33,7 @@ from compendium.models import (
     Tool,
 )
 from federation.dashboard.plots import render_figure, right_axis, styled
+from federation.merge.operator import noise_dominated
 from federation.merge.summarize import LLM_SUMMARIZERS, summary_counts
 from federation.models import Client, PrivacyLedgerEntry, Round
 from federation.simulation.report import summarize_transfer
@@ -455,8 +456,8 @@ def compendium_page(
                 "edges": len(noise),
                 # A single edge's noise spans the field's whole range: the clipped value sits
                 # anywhere in it whatever the clients reported.
-                "noise_dominated": bool(noise and spec
-                                        and min(noise) >= spec.max_value - spec.min_value),
+                "noise_dominated": bool(noise and spec and noise_dominated(
+                    min(noise), spec.min_value, spec.max_value)),
             }
         )
     by_term = defaultdict(list)

@@ -551,7 +551,7 @@ def _merge_metadata(accepted, schema, config, seed, epsilon_remaining, noise, re
         w = np.asarray(weights[key])
         value = float(np.dot(np.asarray(values[key]), w) / w.sum())
         scale = _average_noise_scale(scales[key], w)
-        if noise_dominated(scale, spec):
+        if noise_dominated(scale, spec.min, spec.max):
             withheld += 1
             continue
         released[key] = _published_number(min(spec.max, max(spec.min, value)), scale)
@@ -564,13 +564,13 @@ def _merge_metadata(accepted, schema, config, seed, epsilon_remaining, noise, re
     return metadata, [], withheld
 
 
-def noise_dominated(scale: float | None, spec) -> bool:
-    """Whether Laplace noise of `scale` spans the field's whole declared range: the released
+def noise_dominated(scale: float | None, low: float, high: float) -> bool:
+    """Whether Laplace noise of `scale` spans a field's whole declared range [low, high]: the released
     value, clipped into the range, then says nothing about the tool (it lands near either end
     whatever the clients reported). The global compendium leaves such a figure out (dropping a
     released value is post-processing: the ε stays spent, the ledger keeps it); the edges' own
     releases keep theirs, since the server's average over edges can narrow them."""
-    return scale is not None and scale >= spec.max - spec.min
+    return scale is not None and scale >= high - low
 
 
 def _release_metadata(accepted, schema, config, seed, epsilon_remaining, release_numeric):
