@@ -96,13 +96,18 @@ def setup_federation(n_clients: int, dataset: Path, per_client_requests: int):
 
 
 def build_compendiums(dataset: Path, n: int, tools_per_client: int, per_tool: int, seed: int):
+    from compendium.masking import TextMasker
     from compendium.registry import load_dataset
 
     data = load_dataset(dataset)
+    # Masked at λ = 1 as a client's toolkit masks them (the server refuses text that still holds
+    # what masking at the round's λ removes from any text).
+    masker = TextMasker.for_registry(data.tools, strength=1.0)
     by_tool: dict[str, list[str]] = defaultdict(list)
     for q in data.queries:
-        if len(q.query) <= 1000:  # the schema's limit for a scenario's text
-            by_tool[q.tool_id].append(q.query)
+        text = masker.mask(q.query).text
+        if len(text) <= 1000:  # the schema's limit for a scenario's text
+            by_tool[q.tool_id].append(text)
     tool_ids = sorted(t for t in by_tool if by_tool[t])
     rng = random.Random(seed)
     docs = []
@@ -127,12 +132,12 @@ def build_compendiums(dataset: Path, n: int, tools_per_client: int, per_tool: in
                     seen.add(text)
                     scenarios.append({"tool_id": t, "text": text, "preconditions": {"online": True}})
             if rng.random() < 0.5:
-                precautions.append({"tool_id": t, "text": f"Not for requests outside {t}'s scope"})
+                precautions.append({"tool_id": t, "text": f"Not for requests outside the scope of {t}"})
             if rng.random() < 0.25:
                 templates.append(
                     {"tool_id": t, "signature": f"{t}(query)", "template": f"Use {t} for: {{query}}"}
                 )
-                annex.append({"subject": t, "relation": "used_by", "object": f"client-{c}"})
+                annex.append({"subject": t, "relation": "used_by", "object": "a client"})
         doc = {
             "schema_version": "1.0",
             "metadata": metadata,

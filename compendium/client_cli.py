@@ -491,9 +491,10 @@ def _field_cap_check(path: Path, compendium: Compendium):
 
 def _masking_check(path: Path, compendium: Compendium, allow_weaker: bool):
     """Before `submit` sends anything: text masked more weakly than the open round expects (or
-    with no masking recorded) is refused, since once sent it cannot be taken back; the server
-    only stores it. `--allow-weaker-masking` sends it anyway (a compendium masked by other
-    tooling, which records no λ)."""
+    with no masking recorded) is refused, since once sent it cannot be taken back (the server
+    checks only what masking removes from any text, not the log-dependent rest).
+    `--allow-weaker-masking` sends it anyway (a compendium masked by other tooling, which records
+    no λ)."""
 
     from compendium.client_api import round_mask_strength, weaker_masking
 
@@ -864,7 +865,8 @@ def _add_allow_weaker_masking(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--allow-weaker-masking", action="store_true", dest="allow_weaker_masking",
         help="send text masked more weakly than the open round's expected λ, or with no masking "
-        "recorded (default: refused before anything is sent)",
+        "recorded (default: refused before anything is sent); the server still refuses text "
+        "that holds what masking at the round's λ removes from any text",
     )
 
 

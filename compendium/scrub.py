@@ -1,16 +1,22 @@
-"""Defence-in-depth scrubbing of personal data from submitted text (pure, no Django).
+"""Defence in depth on submitted text (pure, no Django).
 
-Clients mask their text before it leaves them; the server still removes what is obviously
-personal on arrival: e-mail addresses, payment card numbers (Luhn-checked), phone numbers and long
-digit strings (account, ID or order numbers). Each is replaced by a bracketed tag.
+Clients mask their text before it leaves them; the server checks on arrival what it can of that
+masking (`masking_residue`: what masking at the round's λ removes from any text, whatever the
+client's log, must not be there) and still removes what is obviously personal: e-mail addresses,
+payment card numbers (Luhn-checked), phone numbers and long digit strings (account, ID or order
+numbers). Each is replaced by a bracketed tag.
 """
 
 from __future__ import annotations
 
 import re
+from collections import Counter
+from collections.abc import Iterator
 from dataclasses import dataclass
 
+from compendium.masking import TextMasker
 from compendium.schema import AnnexTriple, Compendium, Precaution, PromptTemplate, Scenario
+from compendium.validation import Violation
 
 EMAIL = re.compile(r"(?<![\w.+-])[\w.+-]+@[A-Za-z0-9-]+(?:\.[A-Za-z0-9-]+)*\.[A-Za-z]{2,}")
 # 13-19 digits, optionally grouped by single spaces or dashes.
@@ -83,6 +89,48 @@ def scrub_text(text: str) -> ScrubResult:
     return ScrubResult(text, counts)
 
 
+def free_texts(compendium: Compendium) -> Iterator[tuple[str, str]]:
+    """(path, text) of every free text of a compendium, paths as validation names them."""
+    for index, s in enumerate(compendium.scenarios):
+        yield f"$.scenarios[{index}].text", s.text
+    for index, p in enumerate(compendium.precautions):
+        yield f"$.precautions[{index}].text", p.text
+    for index, t in enumerate(compendium.templates):
+        yield f"$.templates[{index}].signature", t.signature
+        yield f"$.templates[{index}].template", t.template
+    for index, a in enumerate(compendium.annex):
+        for part in ("subject", "relation", "object"):
+            yield f"$.annex[{index}].{part}", getattr(a, part)
+
+
+_RESIDUE_NAMES = {
+    "EMAIL": "e-mail address", "URL": "URL", "PHONE": "phone number", "ID": "identifier",
+    "NUMBER": "number", "NAME": "name",
+}
+
+
+def masking_residue(compendium: Compendium, masker: TextMasker) -> list[Violation]:
+    """A violation for every free text that still holds what `masker` removes from any text
+    (`TextMasker.residue`): text that was not masked at the masker's λ (or not at all). The
+    reason says what kinds, how many and where (character offsets), never the words themselves."""
+    out = []
+    for path, text in free_texts(compendium):
+        found = masker.residue(text)
+        if not found:
+            continue
+        kinds = Counter(r.kind for r in found)
+        what = ", ".join(
+            f"{n} {_RESIDUE_NAMES[kind]}{'s' if n > 1 else ''}" for kind, n in sorted(kinds.items())
+        )
+        where = ", ".join(f"{r.start}-{r.end}" for r in found[:5]) + (", ..." if len(found) > 5 else "")
+        out.append(Violation(
+            path,
+            f"not masked at λ = {masker.strength:g}: holds {what} (characters {where}) that "
+            "masking at that strength removes",
+        ))
+    return out
+
+
 def scrub_compendium(compendium: Compendium) -> tuple[Compendium, int]:
     """The compendium with every free text scrubbed, and how many items were removed. The input
     is not modified; when nothing is found it is returned as it is (no copy).
@@ -91,9 +139,7 @@ def scrub_compendium(compendium: Compendium) -> tuple[Compendium, int]:
     support; the first template of a (tool, signature) key and the first annex triple win), so
     the result stays a set.
     """
-    texts = [s.text for s in compendium.scenarios] + [p.text for p in compendium.precautions]
-    texts += [t.signature for t in compendium.templates] + [t.template for t in compendium.templates]
-    texts += [v for a in compendium.annex for v in (a.subject, a.relation, a.object)]
+    texts = [text for _, text in free_texts(compendium)]
     if not any(_MAY_CONTAIN.search(t) and scrub_text(t).total for t in texts):
         return compendium, 0
     removed = 0

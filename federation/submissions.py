@@ -23,9 +23,10 @@ from django.utils import timezone
 
 from compendium import transport
 from compendium.canonical import canonical_form, encode_document
+from compendium.masking import TextMasker
 from compendium.models import CompendiumVersion, NumericField, Tool
 from compendium.schema import Schema
-from compendium.scrub import scrub_compendium
+from compendium.scrub import masking_residue, scrub_compendium
 from compendium.services import current_schema, versions_delete_sql
 from compendium.validation import Violation, validate_compendium
 from federation import ratelimit
@@ -47,6 +48,7 @@ from federation.models import (
     Round,
     Submission,
 )
+from federation.round_config import RoundConfig
 from federation.services import cached_settings
 from synapse_web.prepared import prepared_cursor
 
@@ -59,6 +61,23 @@ class SubmissionInvalid(FederationError):
     def __init__(self, violations: list[Violation]):
         super().__init__(f"the compendium is not valid under the schema: {len(violations)} violation(s)")
         self.violations = violations
+
+
+class UnmaskedText(SubmissionInvalid):
+    """Text that still holds what masking at the round's λ removes from any text (names, numbers,
+    identifiers, e-mail addresses, URLs, phone numbers): it was not masked as the round expects.
+    Refused whole, so that none of it is stored."""
+
+    code = "unmasked_text"
+
+    def __init__(self, violations: list[Violation], strength: float):
+        super().__init__(violations)
+        self.detail = (
+            f"{len(violations)} text(s) are not masked at this round's strength λ = {strength:g}: "
+            "they hold names, numbers, identifiers or contact details that masking removes from "
+            f"any text; mask them (synapse-client build --lambda {strength:g}) and submit again. "
+            "Nothing was stored"
+        )
 
 
 class EmptySubmission(InvalidRequest):
@@ -99,7 +118,12 @@ _FINGERPRINT_COLUMNS = (
 )
 # A round takes submissions while open and before its deadline (if it has one).
 _TAKES_SUBMISSIONS = "state = 'open' AND (closes_at IS NULL OR closes_at > statement_timestamp())"
-_ROUND_OPEN = f"EXISTS (SELECT 1 FROM {Round._meta.db_table} WHERE {_TAKES_SUBMISSIONS})"
+# The open round's expected masking strength (-1 when its configuration names none); NULL when no
+# round takes submissions. The configuration is written through RoundConfig: a number or nothing.
+_ROUND_OPEN = (
+    f"(SELECT coalesce((config->>'mask_strength')::float8, -1) FROM {Round._meta.db_table} "
+    f"WHERE {_TAKES_SUBMISSIONS} ORDER BY number DESC LIMIT 1)"
+)
 _FINGERPRINT_SQL = f"SELECT {_FINGERPRINT_COLUMNS}"
 
 
@@ -121,6 +145,24 @@ def _schema_for(fingerprint: tuple) -> Schema:
         schema = current_schema()
         _schema_cache = (fingerprint, schema)
     return schema
+
+
+_masker_cache: tuple[tuple, TextMasker] | None = None
+
+
+def _masker_for(fingerprint: tuple, schema: Schema, strength: float) -> TextMasker:
+    """The masker whose residue a submission to a round expecting λ = `strength` (negative: the
+    configuration names none, so its default) must not hold, protecting the registry in force."""
+    global _masker_cache
+    if strength < 0:
+        strength = RoundConfig.model_fields["mask_strength"].default
+    key = (fingerprint, float(strength))
+    cached = _masker_cache
+    if cached is not None and cached[0] == key:
+        return cached[1]
+    masker = TextMasker.for_registry(schema.tools, strength=float(strength))
+    _masker_cache = (key, masker)
+    return masker
 
 
 # --- the limits -------------------------------------------------------------------------------
@@ -439,7 +481,7 @@ def submit(
     with prepared_cursor() as cursor:
         cursor.execute(_LOOK_AHEAD_SQL, params)
         row = cursor.fetchone()
-    stored, (count, round_open, *fingerprint) = row[:4], row[4:]
+    stored, (count, round_strength, *fingerprint) = row[:4], row[4:]
     if stored[0] is not None:
         return _replay(stored, request_sha256)
     if len(body) > limit:
@@ -448,7 +490,7 @@ def submit(
     # any work (a refused request needs no hit: the window stays over the limit).
     if (count or 0) >= rate_limit:
         raise _rate_limited(rate_limit, window)
-    if not round_open:  # answered before the work of validation; re-checked under lock below
+    if round_strength is None:  # answered before the work of validation; re-checked under lock below
         _count_refusal(client)
         raise _no_open_round()
     schema = _schema_for(tuple(fingerprint))
@@ -457,6 +499,11 @@ def submit(
     if not result.ok:
         _count_refusal(client)
         raise SubmissionInvalid(result.violations)
+    masker = _masker_for(tuple(fingerprint), schema, round_strength)
+    residue = masking_residue(result.compendium, masker)
+    if residue:
+        _count_refusal(client)
+        raise UnmaskedText(residue, masker.strength)
     compendium, scrubbed = scrub_compendium(result.compendium)
     entry_counts = compendium.entry_counts()
     if not any(entry_counts.values()):

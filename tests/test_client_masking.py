@@ -169,3 +169,67 @@ def test_shared_words_are_released_except_where_they_stand_as_names():
         assert secret not in shared, shared
     # At the start of a sentence a capitalized word is an ordinary word.
     assert "Ethereum" in masker(1.0).sharing({"ethereum"}).mask("Ethereum price now?").text
+
+
+def test_masked_text_has_no_residue_at_its_strength_whatever_the_shared_words(texts):
+    """What the server checks of a client's masking (`residue`) never refuses what masking at
+    the same λ sent, with or without shared words, on real queries with planted personal data
+    and on the same texts in capitals, across lines and with extra sentences."""
+    variants = texts + [t.upper() for t in texts[:100]] + [t.replace(" ", "\n", 3) for t in texts[100:200]]
+    variants += [t + " Call 555-1234 or Ms. O'Brien-Smith at A1b2. Then 7." for t in texts[200:300]]
+    every_word = {t.text.lower() for v in variants for t in tokenize(v) if t.kind == "word"}
+    for strength in (0.05, 0.5, 1.0, 3.0):
+        for shared in (set(), every_word):
+            m = masker(strength, seed=3).sharing(shared)
+            for text in variants:
+                out = m.mask(text).text
+                assert m.residue(out) == [], (strength, bool(shared), text, out)
+
+
+def test_residue_finds_what_masking_removes_from_any_text():
+    """Unmasked, the planted data is found, by kind and place; plain words are not judged (a word
+    enough users wrote is released, and the server cannot tell), nor are registry words."""
+    m = masker(1.0)
+    text = plant("Find me a weather forecast", 0)
+    found = {(r.kind, text[r.start:r.end]) for r in m.residue(text)}
+    assert found == {
+        ("NAME", "Margaret"), ("NAME", "Thornbury"), ("EMAIL", "margaret.thornbury@example.org"),
+        ("PHONE", "+1 415 555 0199"), ("NUMBER", "48213"),
+    }
+    assert m.residue("horoscope for ethereum dealership bedrooms") == []
+    assert masker(0).residue(text) == []
+    # λ = 0.5 keeps a two-digit number (saliency 0.6 under θ = 0.61); λ = 1 does not
+    assert masker(0.5).residue("rain in 10 days") == []
+    assert [r.kind for r in masker(1.0).residue("rain in 10 days")] == ["NUMBER"]
+
+
+def test_masking_residue_names_each_text_by_path_and_never_its_words():
+    from compendium.schema import Compendium, Precaution, Scenario
+    from compendium.scrub import masking_residue
+
+    leaking = plant("Find me a weather forecast", 1)
+    compendium = Compendium(
+        scenarios=[Scenario(tool_id="a", text="weather please"), Scenario(tool_id="b", text=leaking)],
+        precautions=[Precaution(tool_id="a", text="Do not use a for Ms. Pemberton")],
+    )
+    violations = masking_residue(compendium, masker(1.0))
+    assert [v.path for v in violations] == ["$.scenarios[1].text", "$.precautions[0].text"]
+    assert "2 names" in violations[0].reason and "1 e-mail address" in violations[0].reason
+    for secret in ("Oswald", "Pemberton", "mailhost", "7946", "772910"):
+        assert all(secret not in v.reason for v in violations)
+
+
+def test_the_residue_shortcut_never_hides_what_the_tokens_show(texts):
+    """`residue` skips the tokenizer on texts its pattern clears; on raw, capitalized, re-lined,
+    bracketed and masked texts it finds exactly what tokenizing finds, at three strengths."""
+    variants = texts + [t.title() for t in texts[:200]] + [t.upper() for t in texts[200:300]]
+    variants += [t.replace(" ", "\n", 2) for t in texts[300:400]]
+    variants += [t.replace(". ", ". [NAME] ").replace(" ", "  (", 2) for t in texts[400:500]]
+    variants += ["hi. [NAME] Bob", "x [Bob", "we O'Brien", "a\n Bob", "a \nBob", "a; Bob", "x_Bob"]
+    for strength in (0.3, 1.0):
+        for m in (masker(strength), TextMasker(strength)):
+            masked = [m.mask(t).text for t in variants]
+            for text in variants + masked:
+                assert m.residue(text) == m._tokenized_residue(text), (strength, text)
+    cleared = masker(1.0)
+    assert sum(cleared._clear(cleared.mask(t).text) for t in texts) > 0.8 * len(texts)

@@ -155,7 +155,7 @@ def test_submission_path_prepares_its_statements_unless_told_not_to(
         answers = []
         for key in ("k1", "k2", "k3", "k4", "k5", "k6", "k6"):
             if key != "k6" or len(answers) == 5:
-                valid_doc["scenarios"][0]["text"] = f"Will it rain tomorrow? ({key})"
+                valid_doc["scenarios"][0]["text"] = f"Will it rain tomorrow? (take {key[1:]})"
             answers.append(post_doc(api, valid_doc, key=key))
         after = prepared()
     finally:
@@ -527,14 +527,68 @@ def test_a_limit_of_zero_refuses_before_any_work(world, open_round, valid_doc):
     assert not Submission.objects.exists()
 
 
-def test_personal_data_is_scrubbed_on_arrival(world, open_round, valid_doc):
+def test_personal_data_is_scrubbed_on_arrival(world, valid_doc):
+    """In a round that expects no masking (λ = 0) the text is taken as it comes, and the server
+    still scrubs what is obviously personal."""
+    services.open_round(SYSTEM, {"mask_strength": 0})
     valid_doc["scenarios"][0]["text"] = "Weather for jane@example.org, call +44 20 7946 0958"
     response = post_doc(client_api(world.token_a), valid_doc)
-    assert response.status_code == 201 and response.json()["scrubbed"] == 2
+    assert response.status_code == 201, response.content
+    assert response.json()["scrubbed"] == 2
     stored = CompendiumVersion.objects.get(kind="client")
     texts = [s["text"] for s in stored.content["scenarios"]]
     assert "Weather for [email], call [phone]" in texts
     assert "jane@example.org" not in json.dumps(stored.content)
+
+
+UNMASKED = "Ask my colleague Henrietta Castellanos at henrietta@example.org about ticket 8587766"
+
+
+def test_text_not_masked_at_the_rounds_strength_is_refused_whole(world, open_round, valid_doc):
+    """What masking at the round's λ removes from any text (names, numbers, identifiers, contact
+    details) must not arrive: the submission is a 400 naming each text by path and what it holds
+    (never the words), nothing is stored, and the client's earlier submission stays in effect."""
+    api = client_api(world.token_a)
+    assert post_doc(api, valid_doc, key="clean").status_code == 201
+    before = CompendiumVersion.objects.get(kind="client").content
+    leaking = json.loads(json.dumps(valid_doc))
+    leaking["scenarios"][1]["text"] = UNMASKED
+    leaking["precautions"][0]["text"] = "Do not use it for Mr. Thornbury's account A17-22"
+    response = post_doc(api, leaking, key="leaking")
+    assert response.status_code == 400, response.content
+    body = response.json()
+    assert body["code"] == "unmasked_text" and "λ = 1" in body["detail"]
+    paths = {v["path"]: v["reason"] for v in body["violations"]}
+    assert set(paths) == {"$.scenarios[1].text", "$.precautions[0].text"}
+    assert "2 names" in paths["$.scenarios[1].text"] and "e-mail address" in paths["$.scenarios[1].text"]
+    assert "number" in paths["$.scenarios[1].text"]
+    assert "identifier" in paths["$.precautions[0].text"] and "name" in paths["$.precautions[0].text"]
+    for secret in ("Henrietta", "example.org", "8587766", "Thornbury", "A17"):
+        assert secret not in response.content.decode()
+    assert CompendiumVersion.objects.get(kind="client").content == before
+    assert Submission.objects.filter(client=world.client_a).count() == 1
+
+
+def test_what_the_client_toolkit_masks_is_accepted(world, open_round, valid_doc):
+    """The same text masked by the client toolkit at the round's λ passes the check."""
+    from compendium.masking import TextMasker
+    from compendium.services import current_schema
+
+    masker = TextMasker.for_registry(current_schema().tools)
+    valid_doc["scenarios"][1]["text"] = masker.mask(UNMASKED).text
+    response = post_doc(client_api(world.token_a), valid_doc)
+    assert response.status_code == 201, response.content
+
+
+def test_a_stronger_round_refuses_what_a_weaker_one_takes(world, valid_doc):
+    """The check is at the open round's λ: a short number that λ = 0.5 keeps, λ = 1 removes."""
+    valid_doc["scenarios"][0]["text"] = "Will it rain in 10 days in a city?"
+    services.open_round(SYSTEM, {"mask_strength": 0.5})
+    assert post_doc(client_api(world.token_a), valid_doc, key="a").status_code == 201
+    rnd = Round.objects.get(state=Round.State.OPEN)
+    Round.objects.filter(pk=rnd.pk).update(config={**rnd.config, "mask_strength": 1.0})
+    response = post_doc(client_api(world.token_a), valid_doc, key="b")
+    assert response.status_code == 400 and response.json()["code"] == "unmasked_text"
 
 
 # --- rounds, schema, global compendium ---------------------------------------------------------

@@ -118,6 +118,8 @@ class FederationView(APIView):
     def handle_exception(self, exc):
         if isinstance(exc, submissions.SubmissionInvalid):
             body = {"detail": exc.detail, "violations": [v.as_dict() for v in exc.violations]}
+            if exc.code:
+                body["code"] = exc.code
             return Response(body, status=400)
         if isinstance(exc, FederationError):
             body = {"detail": exc.detail}
