@@ -18,6 +18,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from federation import accounting
 from federation.models import (
+    AuditLog,
     Client,
     ConflictDecision,
     ConflictLogEntry,
@@ -134,6 +135,22 @@ class FederationCollector:
             wire.add_metric([slug], size)
         yield submissions
         yield wire
+        unmasked = CounterMetricFamily(
+            "synapse_submissions_refused_unmasked",
+            "Submissions refused for text not masked at the open round's strength, by organization "
+            "(nothing of them stored; each is in the audit log).",
+            labels=["organization"],
+        )
+        refused = dict(
+            AuditLog.objects.order_by()
+            .filter(action=AuditLog.Action.SUBMISSION_UNMASKED)
+            .values("organization")
+            .annotate(n=Count("id"))
+            .values_list("organization", "n")
+        )
+        for org_id, slug in self.slugs:
+            unmasked.add_metric([slug], refused.get(org_id, 0))
+        yield unmasked
 
     def _privacy(self):
         report = accounting.privacy_report()

@@ -277,6 +277,8 @@ class AuditLog(models.Model):
         USER_PASSWORD = "user.password"
         USER_DELETE = "user.delete"
         SCHEMA_CHANGE = "schema.change"
+        # A client's submission refused for text not masked at the round's λ (nothing stored).
+        SUBMISSION_UNMASKED = "submission.unmasked"
 
     created_at = models.DateTimeField(auto_now_add=True, db_index=True)
     actor = models.ForeignKey(

@@ -41,6 +41,7 @@ from federation.errors import (
     UnsupportedEncoding,
 )
 from federation.models import (
+    AuditLog,
     Client,
     FederationSettings,
     ProbeQuery,
@@ -49,7 +50,7 @@ from federation.models import (
     Submission,
 )
 from federation.round_config import RoundConfig
-from federation.services import cached_settings
+from federation.services import Actor, audit, cached_settings
 from synapse_web.prepared import prepared_cursor
 
 MAX_KEY_LENGTH = 200
@@ -118,11 +119,12 @@ _FINGERPRINT_COLUMNS = (
 )
 # A round takes submissions while open and before its deadline (if it has one).
 _TAKES_SUBMISSIONS = "state = 'open' AND (closes_at IS NULL OR closes_at > statement_timestamp())"
-# The open round's expected masking strength (-1 when its configuration names none); NULL when no
-# round takes submissions. The configuration is written through RoundConfig: a number or nothing.
+# The open round's number and expected masking strength (-1 when its configuration names none);
+# NULL when no round takes submissions. The configuration is written through RoundConfig: its
+# mask_strength is a number or absent.
 _ROUND_OPEN = (
-    f"(SELECT coalesce((config->>'mask_strength')::float8, -1) FROM {Round._meta.db_table} "
-    f"WHERE {_TAKES_SUBMISSIONS} ORDER BY number DESC LIMIT 1)"
+    f"(SELECT ARRAY[number::float8, coalesce((config->>'mask_strength')::float8, -1)] "
+    f"FROM {Round._meta.db_table} WHERE {_TAKES_SUBMISSIONS} ORDER BY number DESC LIMIT 1)"
 )
 _FINGERPRINT_SQL = f"SELECT {_FINGERPRINT_COLUMNS}"
 
@@ -336,6 +338,23 @@ def _count_refusal(client: Client, window_s: int = 60) -> None:
     ratelimit.hit(f"submit:client:{client.pk}", 1, window_s)
 
 
+def _audit_unmasked(client: Client, round_number: int, strength: float, residue: list[Violation]):
+    """The refusal of unmasked text in the audit log, for the operator and the client's
+    organization: the round, λ and each text's path and reason (kinds and offsets, never words)."""
+    audit(
+        Actor.system(f"client {client.name}"),
+        AuditLog.Action.SUBMISSION_UNMASKED,
+        target=client,
+        organization=client.organization,
+        details={
+            "round": round_number,
+            "mask_strength": strength,
+            "texts": len(residue),
+            "violations": [v.as_dict() for v in residue[:20]],
+        },
+    )
+
+
 def check_key(key: str | None) -> str:
     if key is None or not key.strip():
         raise InvalidRequest("the Idempotency-Key header is required (1 to 200 characters)")
@@ -481,7 +500,7 @@ def submit(
     with prepared_cursor() as cursor:
         cursor.execute(_LOOK_AHEAD_SQL, params)
         row = cursor.fetchone()
-    stored, (count, round_strength, *fingerprint) = row[:4], row[4:]
+    stored, (count, open_round, *fingerprint) = row[:4], row[4:]
     if stored[0] is not None:
         return _replay(stored, request_sha256)
     if len(body) > limit:
@@ -490,7 +509,7 @@ def submit(
     # any work (a refused request needs no hit: the window stays over the limit).
     if (count or 0) >= rate_limit:
         raise _rate_limited(rate_limit, window)
-    if round_strength is None:  # answered before the work of validation; re-checked under lock below
+    if open_round is None:  # answered before the work of validation; re-checked under lock below
         _count_refusal(client)
         raise _no_open_round()
     schema = _schema_for(tuple(fingerprint))
@@ -499,10 +518,11 @@ def submit(
     if not result.ok:
         _count_refusal(client)
         raise SubmissionInvalid(result.violations)
-    masker = _masker_for(tuple(fingerprint), schema, round_strength)
+    masker = _masker_for(tuple(fingerprint), schema, open_round[1])
     residue = masking_residue(result.compendium, masker)
     if residue:
         _count_refusal(client)
+        _audit_unmasked(client, int(open_round[0]), masker.strength, residue)
         raise UnmaskedText(residue, masker.strength)
     compendium, scrubbed = scrub_compendium(result.compendium)
     entry_counts = compendium.entry_counts()

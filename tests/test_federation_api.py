@@ -567,6 +567,18 @@ def test_text_not_masked_at_the_rounds_strength_is_refused_whole(world, open_rou
         assert secret not in response.content.decode()
     assert CompendiumVersion.objects.get(kind="client").content == before
     assert Submission.objects.filter(client=world.client_a).count() == 1
+    # the operator and the client's organization see the refusal in the audit log, without words
+    entry = AuditLog.objects.get(action=AuditLog.Action.SUBMISSION_UNMASKED)
+    assert entry.organization == world.client_a.organization and entry.target_id == str(world.client_a.pk)
+    assert entry.details["round"] == open_round.number and entry.details["mask_strength"] == 1.0
+    assert entry.details["texts"] == 2 and entry.details["violations"] == body["violations"]
+    for secret in ("Henrietta", "example.org", "8587766", "Thornbury", "A17"):
+        assert secret not in json.dumps(entry.details)
+    metrics = BrowserClient()
+    metrics.force_login(world.operator)
+    exposition = metrics.get("/metrics").content.decode()
+    slug = world.client_a.organization.slug
+    assert f'synapse_submissions_refused_unmasked_total{{organization="{slug}"}} 1.0' in exposition
 
 
 def test_what_the_client_toolkit_masks_is_accepted(world, open_round, valid_doc):
