@@ -101,16 +101,34 @@ def _progress(quiet: bool):
 
 
 def cmd_validate(args: argparse.Namespace) -> int:
+    from compendium.masking import TextMasker
+    from compendium.scrub import masking_residue
+
     schema = _load_schema(args.schema)
+    if args.strength is not None and not (math.isfinite(args.strength) and args.strength >= 0):
+        raise CliError("--lambda must be a finite number >= 0")
     data = _read_bytes(args.compendium)
     result = validate_compendium(data, schema)
-    if result.ok:
-        counts = ", ".join(f"{n} {k}" for k, n in result.compendium.entry_counts().items())
-        print(f"{args.compendium}: valid ({counts})")
-        return 0
-    for violation in result.violations:
-        print(f"{args.compendium}: {violation}", file=sys.stderr)
-    return 1
+    if not result.ok:
+        for violation in result.violations:
+            print(f"{args.compendium}: {violation}", file=sys.stderr)
+        return 1
+    compendium = result.compendium
+    strength = args.strength
+    if strength is None and compendium.masking is not None:
+        strength = compendium.masking.strength
+    masking = "masking not checked: it records no λ (pass --lambda)"
+    if strength is not None:
+        # what the server checks on arrival at the open round's λ (see "What the server checks")
+        residue = masking_residue(compendium, TextMasker.for_registry(schema.tools, strength=strength))
+        if residue:
+            for violation in residue:
+                print(f"{args.compendium}: {violation}", file=sys.stderr)
+            return 1
+        masking = f"masked at λ = {strength:g} as far as the server checks"
+    counts = ", ".join(f"{n} {k}" for k, n in compendium.entry_counts().items())
+    print(f"{args.compendium}: valid ({counts}); {masking}")
+    return 0
 
 
 # --- build ------------------------------------------------------------------------------------
@@ -877,6 +895,12 @@ def build_parser() -> argparse.ArgumentParser:
     validate = sub.add_parser("validate", help="check a compendium against the federation's schema")
     validate.add_argument("compendium")
     validate.add_argument("--schema", required=True, help="schema.json (python manage.py export_schema)")
+    validate.add_argument(
+        "--lambda", dest="strength", type=float, default=None,
+        help="check the text as the server does against a round expecting this λ: nothing "
+        "masking at λ removes from any text (names, numbers, identifiers, contact details) may "
+        "remain (default: the λ the compendium records)",
+    )
     validate.set_defaults(func=cmd_validate)
 
     build = sub.add_parser("build", help="build the local compendium from a usage log")

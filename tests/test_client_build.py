@@ -210,6 +210,21 @@ def test_cli_build_inspect_and_validate(tmp_path, capsys):
     assert "is not a report build wrote: ignored" in shown.err and "field cap" not in shown.out
 
     assert main(["validate", str(out), "--schema", str(schema_path)]) == 0
+    assert "masked at λ = 1 as far as the server checks" in capsys.readouterr().out
+
+    # validate checks the text as the server will: what masking at λ removes may not remain
+    doc["scenarios"][0]["text"] += " for Mr. Pemberton, ticket 772910"
+    edited = tmp_path / "edited.json"
+    edited.write_text(json.dumps(doc), encoding="utf-8")
+    assert main(["validate", str(edited), "--schema", str(schema_path)]) == 1
+    err = capsys.readouterr().err
+    assert "$.scenarios[0].text: not masked at λ = 1" in err and "Pemberton" not in err
+    assert main(["validate", str(edited), "--schema", str(schema_path), "--lambda", "0"]) == 0
+    del doc["masking"]
+    edited.write_text(json.dumps(doc), encoding="utf-8")
+    assert main(["validate", str(edited), "--schema", str(schema_path)]) == 0
+    assert "masking not checked: it records no λ" in capsys.readouterr().out
+    assert main(["validate", str(edited), "--schema", str(schema_path), "--lambda", "2"]) == 1
 
 
 def test_inspect_reports_violations_and_fails(tmp_path, capsys):
