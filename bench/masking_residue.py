@@ -11,6 +11,8 @@ release), and the output is checked at the same λ. Prints and writes (`--out`):
   away: must be 0);
 - `planted_caught` / `raw_caught`: unmasked texts it refuses at λ = 1, of those with planted data
   and of the plain queries;
+- `pooled_refused`: pooled releases (`pool_text` of 4 masked queries of a tool from 4 users, 30
+  draws per tool) the check would refuse at λ = 1 (must be 0);
 - `check_us_per_text`: the check's mean time per masked text at λ = 1 (`residue` with its
   shortcut), and `tokenized_share`, the share of those texts it had to tokenize.
 
@@ -32,6 +34,7 @@ sys.path.insert(0, str(ROOT / "bench"))
 
 from mask_leakage import plant  # noqa: E402
 
+from compendium.builder import pool_text  # noqa: E402
 from compendium.masking import TextMasker, tokenize  # noqa: E402
 from compendium.registry import load_dataset  # noqa: E402
 
@@ -69,8 +72,21 @@ def run(dataset: Path, lambdas: list[float], plant_every: int, seed: int) -> dic
     for text in masked:
         at_one.residue(text)
     per_text = (time.perf_counter() - start) / len(masked) * 1e6
+    by_tool: dict[str, list[str]] = {}
+    for q in data.queries:
+        by_tool.setdefault(q.tool_id, []).append(at_one.mask(q.query).text)
+    rng = random.Random(seed)
+    pools = []
+    for texts_of_tool in by_tool.values():
+        for _ in range(30):
+            group = rng.sample(texts_of_tool, min(4, len(texts_of_tool)))
+            pooled = pool_text([(t, frozenset({f"u{i}"})) for i, t in enumerate(group)])
+            if pooled:
+                pools.append(pooled)
     result = {
         "dataset": str(dataset),
+        "pooled_texts": len(pools),
+        "pooled_refused": sum(bool(at_one.residue(p)) for p in pools),
         "rows": rows,
         "planted_texts": len(planted),
         "planted_caught": sum(bool(at_one.residue(texts[i])) for i in planted),
@@ -79,6 +95,7 @@ def run(dataset: Path, lambdas: list[float], plant_every: int, seed: int) -> dic
         "check_us_per_text": per_text,
         "tokenized_share": sum(not at_one._clear(t) for t in masked) / len(masked),
     }
+    print(f"pooled releases at λ=1: {result['pooled_refused']} of {len(pools)} refused")
     print(f"unmasked at λ=1: {result['planted_caught']} of {len(planted)} planted texts refused, "
           f"{result['raw_caught']} of {len(queries)} plain queries; check {per_text:.1f} µs a "
           f"masked text, {result['tokenized_share']:.1%} of them tokenized")

@@ -224,7 +224,10 @@ def _words(text: str) -> list[str]:
 def pool_text(entries: Sequence[tuple[str, frozenset]]) -> str:
     """The words of (text, users) entries that at least two distinct users wrote (compared in
     lower case; the placeholders never count), each once, in the order they first appear; ''
-    when no word is."""
+    when no word is. A capitalized word is sent in lower case: one that masking kept stood at the
+    start of a sentence (inside one it would be a name, masked unless the registry has it), and
+    in the middle of a pool it would read as a name, which the server refuses
+    (`TextMasker.residue`); the embedding model is uncased."""
     who: dict[str, set] = defaultdict(set)
     for text, users in entries:
         for word in _words(text):
@@ -236,7 +239,7 @@ def pool_text(entries: Sequence[tuple[str, frozenset]]) -> str:
             key = word.lower()
             if len(who[key]) >= 2 and key not in done:
                 done.add(key)
-                kept.append(word)
+                kept.append(key if word[:1].isupper() and not word.isupper() else word)
     return " ".join(kept)
 
 

@@ -14,6 +14,7 @@ import pytest
 from compendium.builder import BuildError, BuildOptions, build_compendium
 from compendium.canonical import canonical_form
 from compendium.client_cli import main
+from compendium.masking import TextMasker
 from compendium.schema import Compendium
 from compendium.usage_log import parse_lines
 from compendium.validation import validate_compendium
@@ -298,6 +299,13 @@ def test_pooled_release_sends_pools_of_enough_users_as_the_words_they_share():
                       ("find a CHEAP hotel near [NAME]", frozenset({"u2"})),
                       ("hotel Rome", frozenset({"u1"}))]) == "a cheap hotel"
     assert pool_text([("rain tomorrow", frozenset({"u1"})), ("sunny today", frozenset({"u2"}))]) == ""
+    # a word that started a sentence goes in lower case (mid-pool it would read as a name, which
+    # the server refuses); acronyms stay
+    pooled = pool_text([("hotel deals in the USA", frozenset({"u1"})),
+                        ("Show me USA hotel deals", frozenset({"u2"})),
+                        ("Show hotels", frozenset({"u3"}))])
+    assert pooled == "hotel deals USA show"
+    assert TextMasker.for_registry(metatool_schema().tools).residue(pooled) == []
     schema = metatool_schema()
     tool, other = sorted(schema.tool_ids)[:2]
 
@@ -314,7 +322,7 @@ def test_pooled_release_sends_pools_of_enough_users_as_the_words_they_share():
     engine = get_engine()
     pooled, report = build_compendium(records, schema, BuildOptions(strength=0, pool_users=2), engine)
     texts = sorted(s.text for s in pooled.scenarios)
-    assert texts == ["Translate into German", "the weather forecast for"]
+    assert texts == ["the weather forecast for", "translate into german"]
     assert {s.tool_id for s in pooled.scenarios} == {tool}
     assert sorted(s.support for s in pooled.scenarios) == [2, 2]
     sent = {r.query for r in records}
