@@ -178,7 +178,10 @@ class SubmissionView(FederationGenericView):
         "body's first 40 bytes; the dictionary is the canonical bytes of a published global "
         "compendium, or before any, the schema in force as canonical JSON). Held to the same size "
         "limit once decompressed. A dictionary the server does not hold is a 400 with "
-        "`code: unknown_dictionary`.",
+        "`code: unknown_dictionary`; a compendium without entries one with `code: "
+        "empty_compendium`; text that still holds what masking at the open round's λ removes "
+        "from any text (names, numbers, identifiers, e-mails, URLs, phones) one with `code: "
+        "unmasked_text` and a violation per text (nothing stored).",
         request={"application/json": OpenApiTypes.OBJECT},
         # Only a client's token submits; people's tokens and sessions are recognized to be refused.
         auth=[{"clientToken": []}],
