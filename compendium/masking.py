@@ -120,6 +120,12 @@ def zipf(word: str) -> float:
     return zipf_frequency(word, "en")
 
 
+def folded(word: str) -> str:
+    """A word as the vocabularies hold it: lower case, a typographic apostrophe (’) written as
+    ' ("I’m" is the function word "i'm")."""
+    return word.lower().replace("’", "'")
+
+
 def rarity(word: str) -> float:
     return min(1.0, max(0.0, (ZIPF_COMMON - zipf(word.lower())) / ZIPF_COMMON))
 
@@ -224,10 +230,10 @@ class TextMasker:
             raise ValueError(f"masking strength λ must be a finite number >= 0; got {strength!r}")
         self.strength = float(strength)
         self.seed = int(seed)
-        self.protected = frozenset(w.lower() for w in protected) | FUNCTION_WORDS
+        self.protected = frozenset(folded(w) for w in protected) | FUNCTION_WORDS
         # Shared vocabulary (lower case): plain words that enough of the log's users wrote
         # (compendium.builder.shared_words); saliency 0 except where a word stands as a name.
-        self.shared = frozenset(w.lower() for w in shared)
+        self.shared = frozenset(folded(w) for w in shared)
 
     @classmethod
     def for_registry(cls, tools: Iterable[ToolSpec], strength: float = 1.0, seed: int = 0):
@@ -235,7 +241,9 @@ class TextMasker:
 
     def sharing(self, words: Iterable[str]) -> TextMasker:
         """The same masker with `words` released as shared vocabulary (see `shared`)."""
-        return TextMasker(self.strength, self.seed, self.protected, self.shared | frozenset(words))
+        return TextMasker(
+            self.strength, self.seed, self.protected, self.shared | frozenset(folded(w) for w in words)
+        )
 
     def score(self, tokens: list[Token]) -> list[Scored]:
         """Saliency and placeholder of every content token (protected ones score 0)."""
@@ -252,7 +260,7 @@ class TextMasker:
             if kind in ("placeholder", "slot"):
                 sentence_start = False
                 continue
-            lower = token.text.lower()
+            lower = folded(token.text)
             if kind == "email":
                 scored = Scored(index, SCORE_PII, "EMAIL")
             elif kind == "url":

@@ -233,3 +233,12 @@ def test_the_residue_shortcut_never_hides_what_the_tokens_show(texts):
                 assert m.residue(text) == m._tokenized_residue(text), (strength, text)
     cleared = masker(1.0)
     assert sum(cleared._clear(cleared.mask(t).text) for t in texts) > 0.8 * len(texts)
+
+
+def test_typographic_apostrophes_read_as_plain_ones():
+    """"I’m" inside a sentence is the function word "i'm", not a name; a shared word written
+    with either apostrophe is the same word."""
+    out = masker(1.0).mask("Well, I’m sure I’ve seen Margaret’s car").text
+    assert out.startswith("Well, I’m sure I’ve seen ") and "Margaret" not in out
+    shared = masker(3.0).sharing({"dealership’s"}).mask("the dealership's hours").text
+    assert "dealership's" in shared
