@@ -1002,6 +1002,31 @@ def test_the_overview_names_the_clients_that_have_not_submitted_to_the_open_roun
     assert "open-round-participation" not in client.get(reverse("dashboard:overview")).content.decode()
 
 
+def test_the_overview_flags_a_client_whose_submissions_were_refused_for_unmasked_text(
+    client, world, valid_doc
+):
+    """The server refused b1's text (a name and a number at λ = 1): its organization's admin and
+    the operator see it next to the client, linked to the audit entries; org A's admin does not."""
+    services.open_round(SYSTEM)
+    valid_doc["scenarios"][0]["text"] = "Will it rain on Mr. Pemberton's 40 acres?"
+    for key in ("k1", "k2"):
+        with pytest.raises(submissions.UnmaskedText):
+            submissions.submit(world.client_b, json.dumps(valid_doc).encode(), key)
+    client.force_login(world.operator)
+    response = client.get(reverse("dashboard:overview"))
+    rows = {r.client.name: r.refused_unmasked_open for r in response.context["overview"].clients}
+    assert rows["b1"] == 2 and rows["a1"] == 0
+    body = html.unescape(response.content.decode())
+    assert "2 refused: unmasked text" in body and "?action=submission.unmasked" in body
+    assert "Pemberton" not in body
+    client.force_login(world.admin_a)
+    assert "refused: unmasked text" not in client.get(reverse("dashboard:overview")).content.decode()
+    client.force_login(world.admin_b)
+    assert "2 refused: unmasked text" in client.get(reverse("dashboard:overview")).content.decode()
+    audit = html.unescape(client.get(reverse("dashboard:audit") + "?action=submission.unmasked").content.decode())
+    assert "submission.unmasked" in audit and "not masked at λ = 1" in audit and "Pemberton" not in audit
+
+
 def test_the_operator_changes_the_federation_settings_in_the_browser(client, world):
     url = reverse("dashboard:settings")
     client.force_login(world.member_a)

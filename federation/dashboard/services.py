@@ -35,7 +35,7 @@ from compendium.models import (
 from federation.dashboard.plots import render_figure, right_axis, styled
 from federation.merge.operator import noise_dominated
 from federation.merge.summarize import LLM_SUMMARIZERS, summary_counts
-from federation.models import Client, PrivacyLedgerEntry, Round
+from federation.models import AuditLog, Client, PrivacyLedgerEntry, Round
 from federation.simulation.report import summarize_transfer
 
 KIND_CLIENT = CompendiumVersion.Kind.CLIENT
@@ -67,6 +67,8 @@ class ClientRow:
     last_encoding: str = ""
     mean_size_bytes: float | None = None
     submitted_open: bool = False  # has a submission in the open round
+    # submissions to the open round refused for unmasked text (audit entries submission.unmasked)
+    refused_unmasked_open: int = 0
 
 
 @dataclass
@@ -174,6 +176,20 @@ def federation_overview(
             row for row in overview.clients
             if row.client.status == Client.Status.APPROVED and not row.submitted_open
         ]
+        refused = (
+            AuditLog.objects.order_by()
+            .filter(
+                action=AuditLog.Action.SUBMISSION_UNMASKED,
+                organization__in=organizations,
+                details__round=overview.open_round.number,
+            )
+            .values_list("target_id")
+            .annotate(n=Count("id"))
+        )
+        by_client = {row.client.pk: row for row in overview.clients}
+        for target_id, n in refused:
+            if target_id.isdigit() and int(target_id) in by_client:
+                by_client[int(target_id)].refused_unmasked_open = n
     if points:
         overview.bytes_chart = render_figure(
             bytes_per_client_figure(client_rows, per_client),
@@ -694,7 +710,6 @@ def audit_entries(organizations: QuerySet, *, operator: bool, filters: dict) -> 
     inclusive, or datetimes, as the API takes them: `federation.services.audit_period_filter`).
     Raises BadRequest naming a malformed filter."""
     from federation.errors import InvalidRequest
-    from federation.models import AuditLog
     from federation.services import audit_period_filter
 
     entries = AuditLog.objects.select_related("organization")
