@@ -146,7 +146,9 @@ def projected_round_spend(config: RoundConfig | dict | None, fields: int | None 
     (the merge releases every registry tool's F fields, T·F statistics at ε/(T·F) each, or
     ε/(2·F*·F) under a cap, which gives the same ε), and 0 when no numeric field is declared
     (nothing is noised). Organizations release in parallel, so one release is the federation's
-    round spend; an erasure's re-release is counted when it is recorded."""
+    round spend; an erasure's re-release is counted when it is recorded. An upper bound: the edges
+    leave out the fields no release of the round can make useful (`merge.drowned_fields`, which
+    depends on how many clients submit), and the ledger records what they released."""
     if not isinstance(config, RoundConfig):
         config = RoundConfig.from_stored(config)
     f = declared_numeric_fields() if fields is None else fields

@@ -16,11 +16,19 @@ from dataclasses import dataclass
 import numpy as np
 from django.conf import settings
 from django.db import transaction
+from django.db.models import Count
 
 from compendium.models import CompendiumVersion
 from compendium.services import current_schema, load_compendium, store_compendium
 from federation import accounting, services
-from federation.merge import BudgetExceeded, ConflictEntry, MergeInput, ProbeSet, edge_merge
+from federation.merge import (
+    BudgetExceeded,
+    ConflictEntry,
+    MergeInput,
+    ProbeSet,
+    drowned_fields,
+    edge_merge,
+)
 from federation.merge import server_merge as server_merge_operator
 from federation.merge.llm import OpenAICompatibleLLM
 from federation.models import (
@@ -216,6 +224,21 @@ class EdgeOutcome:
     rejected: int
 
 
+def _drowned(round_: Round, schema, config: RoundConfig) -> frozenset[str]:
+    """The numeric fields no edge of the round releases (`drowned_fields`), from the round's
+    submissions: the most any organization has (an upper bound on an edge's accepted K) and how
+    many organizations submitted (at most the edges the server averages)."""
+    per_organization = list(
+        CompendiumVersion.objects.filter(kind="client", round=round_)
+        .exclude(client__status=Client.Status.REVOKED)
+        .order_by()
+        .values("client__organization")
+        .annotate(n=Count("id"))
+        .values_list("n", flat=True)
+    )
+    return drowned_fields(schema, config, max(per_organization, default=0), len(per_organization))
+
+
 def run_edge_merge(
     round_id: int, organization_id: int, *, rematerialize: bool = False, embed=None
 ) -> EdgeOutcome:
@@ -242,6 +265,7 @@ def run_edge_merge(
         probe_set=load_probe_set(embed),
         llm=configured_llm(),
         seed=edge_seed(config, round_, organization, release),
+        drowned=_drowned(round_, schema, config),
     )
     withheld = ""
     try:

@@ -304,6 +304,15 @@ def test_compendium_says_how_many_statistics_the_global_left_out(member_client, 
     note = note[: note.index("</p>")]
     assert "3 statistics of this round are left out of this global compendium" in note
     assert "wider than the field's whole range" in note
+    # the edges' records name the fields no edge released (drowned before any noise was drawn)
+    assert 'id="not-released-note"' not in body
+    MergeRecord.objects.create(round=federation.rounds[2], organization=federation.acme,
+                               stats={"fields_not_released": ["latency_ms", "success_rate"]})
+    body = html.unescape(member_client.get(reverse("dashboard:compendium"), {"round": 2}).content.decode())
+    note = body[body.index('id="not-released-note"'):]
+    note = note[: note.index("</p>")]
+    assert "No edge released latency_ms, success_rate this round" in note
+    assert "No noise was drawn and no ε spent on them" in note
 
 
 def release_flights_calls(fed):

@@ -13,6 +13,7 @@ from federation.merge import (
     MergeInput,
     ProbeSet,
     conflicts_to_precautions,
+    drowned_fields,
     edge_merge,
     server_merge,
 )
@@ -396,6 +397,42 @@ def test_numeric_release_writes_ledger_and_stays_in_range(schema, embed):
     again = edge_merge(_numeric_subs([0.2, 0.4, 0.6, 0.8]), schema, RoundConfig(epsilon=2.0),
                        embed=embed, seed=7)
     assert canonical_bytes(again.compendium) == canonical_bytes(result.compendium)
+
+
+def test_fields_no_release_can_make_useful_are_drowned_by_counts_alone(schema):
+    """A field is drowned when Δ/(K·ε_j)/√E, the narrowest the published average can get, is at
+    least its range: 16 statistics at ε = 2 give ε_j = 1/8; success_rate (range 1, Δ = 1) needs
+    K·√E > 8, latency_ms (range = Δ) too, frequency (Δ = 2) K·√E > 16, calls (range 1,000,
+    Δ = 50) K·√E > 0.4."""
+    config = RoundConfig(epsilon=2.0)
+    assert drowned_fields(schema, config, 4, 1) == {"success_rate", "frequency", "latency_ms"}
+    assert drowned_fields(schema, config, 4, 4) == {"success_rate", "frequency", "latency_ms"}
+    assert drowned_fields(schema, config, 5, 4) == {"frequency"}  # K·√E = 10
+    assert "calls" in drowned_fields(schema, RoundConfig(epsilon=0.01), 4, 1)
+    assert drowned_fields(schema, config, 0, 0) == frozenset()  # nobody submitted
+    # a field cap splits ε over fewer statistics: 2·F*·F = 8, ε_j = 1/4, so K·√E > 4 will do
+    # but for frequency (> 8)
+    assert drowned_fields(schema, RoundConfig(epsilon=2.0, field_cap=1), 4, 4) == {"frequency"}
+
+
+def test_a_drowned_field_is_not_released_nor_charged(schema, embed):
+    """The edge draws no noise, writes no ledger row and spends no ε for the drowned fields; the
+    others are released exactly as without them (same ε_j), and every tool keeps its entry."""
+    drowned = frozenset({"success_rate", "frequency", "latency_ms"})
+    full = edge_merge(_numeric_subs([0.2, 0.4, 0.6, 0.8]), schema, RoundConfig(epsilon=2.0),
+                      embed=embed, seed=7)
+    part = edge_merge(_numeric_subs([0.2, 0.4, 0.6, 0.8]), schema, RoundConfig(epsilon=2.0),
+                      embed=embed, seed=7, drowned=drowned)
+    assert {e.field for e in part.ledger} == {"calls"} and len(part.ledger) == len(schema.tools)
+    assert [e.epsilon for e in part.ledger] == [e.epsilon for e in full.ledger if e.field == "calls"]
+    assert part.stats.epsilon_spent == pytest.approx(2.0 / 4)
+    assert part.stats.fields_not_released == sorted(drowned)
+    assert {m.tool_id: set(m.stats) for m in part.compendium.metadata} == {
+        t.tool_id: {"calls"} for t in schema.tools}
+    nothing = edge_merge(_numeric_subs([0.5]), schema, RoundConfig(epsilon=2.0), embed=embed,
+                         seed=7, drowned=frozenset(f.name for f in schema.numeric_fields))
+    assert nothing.ledger == [] and nothing.stats.epsilon_spent == 0.0
+    assert all(m.stats == {} for m in nothing.compendium.metadata)
 
 
 def test_budget_cap_refuses_before_noise(schema, embed):

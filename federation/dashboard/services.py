@@ -647,8 +647,14 @@ def server_merge_summaries(version: CompendiumVersion) -> dict | None:
     record = MergeRecord.objects.filter(round=version.round, organization__isnull=True).first()
     if record is None:
         return None
+    edges = MergeRecord.objects.filter(round=version.round, organization__isnull=False)
+    not_released = sorted({
+        name for stats in edges.values_list("stats", flat=True)
+        for name in (stats or {}).get("fields_not_released") or ()
+    })
     return {**_summary_figures(record.stats), "conflicts": record.stats.get("conflicts") or 0,
-            "stats_withheld": record.stats.get("stats_withheld") or 0}
+            "stats_withheld": record.stats.get("stats_withheld") or 0,
+            "fields_not_released": not_released}
 
 
 def _summary_figures(stats: dict) -> dict:

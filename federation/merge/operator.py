@@ -46,7 +46,7 @@ from federation.merge.clustering import (
     trusted_profiles,
 )
 from federation.merge.llm import OpenAICompatibleLLM, consistency_probe
-from federation.merge.privacy import BudgetExceeded, laplace_release, round_spend
+from federation.merge.privacy import BudgetExceeded, laplace_release, laplace_scale, round_spend
 from federation.merge.robust import byzantine_count, robust_batches, robust_keep
 from federation.merge.summarize import (
     SUMMARY_SCHEMA,
@@ -110,10 +110,12 @@ def edge_merge(
     confusion_rank: int = CONFUSION_RANK,
     source_limit: float = SOURCE_LIMIT,
     release_numeric: bool = True,
+    drowned: frozenset[str] = frozenset(),
 ) -> MergeResult:
     """Merge client compendiums into one edge compendium (Algorithm 1). `source_limit` above 1
     turns the implausible-source check off (percentiles are at most 1). `release_numeric=False`
-    releases no numeric statistics at all (no noise, no ledger rows)."""
+    releases no numeric statistics at all (no noise, no ledger rows); `drowned` names numeric
+    fields not to release (`drowned_fields`: no release of the round can make them useful)."""
     return _merge(
         submissions,
         schema,
@@ -129,6 +131,7 @@ def edge_merge(
         confusion_rank=confusion_rank,
         source_limit=source_limit,
         release_numeric=release_numeric,
+        drowned=drowned,
     )
 
 
@@ -326,6 +329,7 @@ def _merge(
     previous: Compendium | None = None,
     release_numeric: bool = True,
     noise_scales: Mapping[str, Mapping[tuple[str, str], float]] | None = None,
+    drowned: frozenset[str] = frozenset(),
 ) -> MergeResult:
     stats = MergeStats(summarizer=config.summarizer)
     clock = _Clock(stats)
@@ -336,8 +340,11 @@ def _merge(
     # M first: the budget check must refuse before any noise is drawn or any text work is done.
     fresh = [(s, comp) for s, comp in accepted if not (carry and s == PREVIOUS_GLOBAL)]
     metadata, ledger, withheld = _merge_metadata(
-        fresh, schema, config, seed, epsilon_remaining, noise, release_numeric, noise_scales
+        fresh, schema, config, seed, epsilon_remaining, noise, release_numeric, noise_scales,
+        drowned,
     )
+    if noise and release_numeric:
+        stats.fields_not_released = sorted(drowned & set(schema.fields_by_name))
     reported = {m.tool_id for m in metadata}  # a tool whose figures were withheld counts too
     for source, comp in accepted:
         if carry and source == PREVIOUS_GLOBAL:  # its statistics stay for tools not reported
@@ -528,10 +535,10 @@ def _average_noise_scale(scales: Sequence[float | None], weights: np.ndarray) ->
 
 
 def _merge_metadata(accepted, schema, config, seed, epsilon_remaining, noise, release_numeric=True,
-                    noise_scales=None):
+                    noise_scales=None, drowned=frozenset()):
     if noise:
         return (*_release_metadata(accepted, schema, config, seed, epsilon_remaining,
-                                   release_numeric), 0)
+                                   release_numeric, drowned), 0)
     values: dict[tuple[str, str], list[float]] = defaultdict(list)
     weights: dict[tuple[str, str], list[float]] = defaultdict(list)
     scales: dict[tuple[str, str], list[float | None]] = defaultdict(list)
@@ -573,7 +580,32 @@ def noise_dominated(scale: float | None, low: float, high: float) -> bool:
     return scale is not None and scale >= high - low
 
 
-def _release_metadata(accepted, schema, config, seed, epsilon_remaining, release_numeric):
+def drowned_fields(
+    schema: Schema, config: RoundConfig, most_contributors: int, edges: int
+) -> frozenset[str]:
+    """The numeric fields that no release of a round can make useful: even from the edge with the
+    most contributors (`most_contributors`, an upper bound on any edge's K) and averaged over
+    `edges` edges at best (equal weights, the narrowest the server's average gets: Σ w_i² ≥ 1/E),
+    the published figure's noise spans the field's range (`noise_dominated`), so the global
+    compendium would leave it out. Edges do not release these (no noise drawn, no ε spent, no
+    ledger row): the decision depends on counts and the configuration only, never on a value.
+    ε_j is the one each released statistic gets whatever is skipped (over the registry's T·F
+    statistics, or 2·F*·F under a field cap), so skipping does not change any other figure."""
+    fields = list(schema.numeric_fields)
+    if not fields or not schema.tools or most_contributors < 1 or edges < 1:
+        return frozenset()
+    eps_j = config.per_field_epsilon(len(schema.tools) * len(fields), fields_per_tool=len(fields))
+    return frozenset(
+        spec.name for spec in fields
+        if noise_dominated(
+            laplace_scale(spec.sensitivity, most_contributors, eps_j) / math.sqrt(edges),
+            spec.min, spec.max,
+        )
+    )
+
+
+def _release_metadata(accepted, schema, config, seed, epsilon_remaining, release_numeric,
+                      drowned=frozenset()):
     """The edge's Laplace release (paper, App. "Edge Merge Operator", stage 2).
 
     What is released must not depend on the private data except through the noised values: every
@@ -595,6 +627,8 @@ def _release_metadata(accepted, schema, config, seed, epsilon_remaining, release
                 reported[(meta.tool_id, name)].append(float(value))
     keys = sorted((t.tool_id, f.name) for t in schema.tools for f in fields)
     eps_j = config.per_field_epsilon(len(keys), fields_per_tool=len(fields))
+    tools = sorted({t for t, _ in keys})
+    keys = [key for key in keys if key[1] not in drowned]
     spend = round_spend([eps_j] * len(keys), config.field_cap, [t for t, _ in keys])
     if epsilon_remaining is not None and spend > epsilon_remaining + 1e-12:
         raise BudgetExceeded(
@@ -635,12 +669,10 @@ def _release_metadata(accepted, schema, config, seed, epsilon_remaining, release
                 field_cap=config.field_cap,
             )
         )
-    tools = sorted({t for t, _ in keys})
-    metadata = [
-        _tool_metadata(schema, tool_id, {name: released[(t, name)] for (t, name) in keys
-                                         if t == tool_id})
-        for tool_id in tools
-    ]
+    by_tool: dict[str, dict[str, float]] = {tool_id: {} for tool_id in tools}
+    for (tool_id, name), value in released.items():
+        by_tool[tool_id][name] = value
+    metadata = [_tool_metadata(schema, tool_id, by_tool[tool_id]) for tool_id in tools]
     return metadata, ledger
 
 

@@ -107,6 +107,9 @@ class MergeStats:
     numeric_releases: int = 0
     # statistics the server merge left out of the global: noise wider than the field's range
     stats_withheld: int = 0
+    # numeric fields the edge did not release: no release of the round could make them useful
+    # (operator.drowned_fields; no noise drawn, no ε spent)
+    fields_not_released: list[str] = field(default_factory=list)
     epsilon_spent: float = 0.0
     summarizer: str = ""
     summarizer_fallbacks: list[dict] = field(default_factory=list)

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import gzip
 import random
+from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -32,7 +33,7 @@ from compendium.masking import SHARED_WORD_USERS
 from compendium.registry import LabelledQuery, RoutingDataset, Split
 from compendium.schema import Compendium, Scenario, Schema
 from compendium.usage_log import parse_record
-from federation.merge import edge_merge, server_merge
+from federation.merge import drowned_fields, edge_merge, server_merge
 from federation.merge.llm import OpenAICompatibleLLM
 from federation.merge.summarize import LLM_SUMMARIZERS, ProbeSet
 from federation.merge.types import ConflictEntry, MergeInput
@@ -467,6 +468,10 @@ class Simulation:
             edges = []
             stats = {}
             scales: dict[str, dict[tuple[str, str], float]] = {}
+            senders = Counter(s.organization for s in shares if s.client in sent)
+            drowned = drowned_fields(
+                self.schema, config, max(senders.values(), default=0), len(senders)
+            )
             for org in sorted({s.organization for s in shares}):
                 inputs = [
                     MergeInput(s.client, sent[s.client])
@@ -484,6 +489,7 @@ class Simulation:
                     probe_set=probe_set,
                     llm=llm,
                     seed=np.random.SeedSequence([seed, r, len(edges)]),
+                    drowned=drowned,
                 )
                 conflicts[org] = result.conflicts
                 edges.append(MergeInput(org, result.compendium))
