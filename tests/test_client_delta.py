@@ -199,7 +199,7 @@ def test_cli_build_pool_users_sends_pools_not_requests(tmp_path, capsys):
     assert main(args + ["--pool-users", "2"]) == 0
     assert "Pooled: 1 pool(s) of at least 2 users" in capsys.readouterr().out
     sent = json.loads((tmp_path / "c.json").read_text())
-    assert [(s["text"], s["support"]) for s in sent["scenarios"]] == [("Will it rain tomorrow", 3)]
+    assert [(s["text"], s["support"]) for s in sent["scenarios"]] == [("will it rain tomorrow", 3)]
     assert main(args + ["--pool-users", "0"]) == 1
     assert "--pool-users must be at least 1" in capsys.readouterr().err
     assert main(args + ["--pool-users", "2", "--no-collapse"]) == 1

@@ -20,6 +20,7 @@ from federation.models import (
     ClientToken,
     ConflictDecision,
     ConflictLogEntry,
+    MergeRecord,
     PrivacyLedgerEntry,
     Round,
     SimulationRun,
@@ -556,6 +557,25 @@ def test_privacy_page_shows_the_committed_figure_with_reservations(client, fed):
     assert committed.startswith('id="committed-epsilon"><span class="value">2.000</span>')
     assert "recorded in the ledger plus reserved by rounds not released yet" in committed
     assert "round 2: 1" in body[body.index('id="reserved-epsilon"'):]
+
+
+def test_privacy_page_names_the_fields_no_edge_released(client, fed):
+    """Published rounds whose edges left fields unreleased (drowned before any noise) are named,
+    for every member: a fact of the round's counts and configuration."""
+    r1 = Round.objects.get(number=1)
+    MergeRecord.objects.create(round=r1, organization=fed.org_a,
+                               stats={"fields_not_released": ["frequency", "latency_ms"]})
+    MergeRecord.objects.create(round=r1, organization=fed.org_b,
+                               stats={"fields_not_released": ["latency_ms"]})
+    MergeRecord.objects.create(round=Round.objects.get(number=2), organization=fed.org_a,
+                               stats={"fields_not_released": ["calls"]})  # not published
+    response = login(client, fed, "member_a").get(reverse("dashboard:privacy"))
+    assert response.context["privacy"].not_released == [(1, ["frequency", "latency_ms"])]
+    body = html.unescape(response.content.decode())
+    note = body[body.index('id="not-released"'):]
+    assert note.startswith('id="not-released">Fields no edge released, by round: round 1: '
+                           "frequency, latency_ms.")
+    assert "no noise was drawn and no ε spent on them" in note[: note.index("</p>")]
 
 
 def test_privacy_ledger_filters_by_round_and_tool(client, fed):

@@ -760,10 +760,27 @@ class PrivacyPage:
     charts: list[str] = field(default_factory=list)
     # The latest round's releases per visible edge: what the noise leaves of them (release_signal)
     signal: list[dict] = field(default_factory=list)
+    # (round number, fields no edge released) of the latest published rounds (not_released_fields)
+    not_released: list[tuple[int, list[str]]] = field(default_factory=list)
 
     @property
     def reserved_epsilon(self) -> float:
         return sum(eps for _, eps in self.reserved)
+
+
+def not_released_fields(limit: int = 10) -> list[tuple[int, list[str]]]:
+    """(round number, numeric fields) of the latest `limit` published rounds whose edges left
+    fields unreleased because no release of the round could make them useful
+    (`merge.drowned_fields`): a fact of the round's counts and configuration, the same for every
+    organization, so shown to every member. Newest first."""
+    from federation.models import MergeRecord
+
+    per_round: dict[int, set[str]] = defaultdict(set)
+    for number, names in MergeRecord.objects.filter(
+        organization__isnull=False, round__state=Round.State.PUBLISHED
+    ).values_list("round__number", "stats__fields_not_released"):
+        per_round[number].update(names or ())
+    return [(n, sorted(f)) for n, f in sorted(per_round.items(), reverse=True) if f][:limit]
 
 
 def release_signal(organizations: QuerySet) -> list[dict]:
@@ -849,6 +866,7 @@ def privacy_page(
         reserved=sorted((round_numbers.get(r, r), eps) for r, eps in report.reserved.items()),
         warning=budget_warning(config, check),
         signal=release_signal(organizations),
+        not_released=not_released_fields(),
     )
     delta = accounting.delta_prime()
     series = [("federation", fed_rounds)] + [
