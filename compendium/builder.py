@@ -91,6 +91,9 @@ class BuildOptions:
     # log wrote in lower case is not masked (it cannot single out any one of them); 0: off.
     shared_word_users: int = SHARED_WORD_USERS
     skip_bad_lines: bool = False
+    # Numeric fields the round's edges will not release (the open round's `fields_not_released`:
+    # no release of it could make them useful): not computed, not sent.
+    not_released: frozenset[str] = frozenset()
 
 
 @dataclass
@@ -118,6 +121,7 @@ class BuildReport:
     clipped_values: dict[str, int] = field(default_factory=dict)
     capped_contributions: int = 0
     skipped_fields: list[str] = field(default_factory=list)
+    not_released: list[str] = field(default_factory=list)  # left out: the round will not release them
     delta: dict[str, int] | None = None  # what `--since` left out (compendium.delta)
     budget: dict[str, int] | None = None  # what `--max-bytes` kept for later (compendium.delta)
     min_users: int = 1
@@ -464,8 +468,10 @@ def build_compendium(
     for (tool, right), text, n, _ in precautions:
         precaution_entries[(tool, precaution_text(tool, text, right, limits.precaution))] += n
 
+    fields = [f for f in schema.numeric_fields if f.name not in options.not_released]
+    report.not_released = sorted(options.not_released & {f.name for f in schema.numeric_fields})
     stats: ClientStatistics = client_statistics(
-        records, schema.numeric_fields, field_cap=options.field_cap, seed=options.seed
+        records, fields, field_cap=options.field_cap, seed=options.seed
     )
     report.num_users = stats.num_users
     report.clip_bounds = {name: [b.lo, b.hi] for name, b in stats.bounds.items()}
@@ -479,7 +485,7 @@ def build_compendium(
         templates.append(PromptTemplate(tool_id=tool, signature=signature, template=best))
 
     compendium = Compendium(
-        metadata=[ToolMetadata(tool_id=t, stats=v) for t, v in sorted(stats.stats.items())],
+        metadata=[ToolMetadata(tool_id=t, stats=v) for t, v in sorted(stats.stats.items()) if v],
         scenarios=[
             Scenario(tool_id=tool, text=text, preconditions=dict(flags), support=n)
             for (tool, flags), text, n, _ in scenarios

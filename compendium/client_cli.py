@@ -138,6 +138,18 @@ def report_path(out: Path) -> Path:
     return out.with_name(out.name + ".report.json")
 
 
+def _field_names(value: str | None, schema) -> frozenset[str]:
+    """--not-released: comma-separated declared numeric fields (an unknown name is an error)."""
+    names = frozenset(n.strip() for n in (value or "").split(",") if n.strip())
+    unknown = sorted(names - set(schema.fields_by_name))
+    if unknown:
+        raise CliError(
+            f"--not-released names no declared numeric field: {', '.join(unknown)} (the schema "
+            f"declares {', '.join(sorted(schema.fields_by_name)) or 'none'})"
+        )
+    return names
+
+
 def cmd_build(args: argparse.Namespace) -> int:
     from compendium.builder import BuildError, BuildOptions, BuildReport, build_compendium
     from compendium.client_api import write_atomically
@@ -172,6 +184,7 @@ def cmd_build(args: argparse.Namespace) -> int:
         min_users=args.min_users,
         pool_users=args.pool_users,
         shared_word_users=args.shared_word_users,
+        not_released=_field_names(args.not_released, schema),
     )
     progress = _progress(args.quiet)
     try:
@@ -741,9 +754,15 @@ def cmd_participate(args: argparse.Namespace) -> int:
         + ("no field cap" if field_cap is None else f"field cap F* = {field_cap}")
         + (f" (the round's is {required})" if required is not None and field_cap < required else "")
     )
+    not_released = args.not_released
+    if not_released is None:
+        not_released = ",".join(current.get("fields_not_released") or ())
+        if not_released:
+            print(f"the round will not release {not_released.replace(',', ', ')}: not sent")
     cmd_build(argparse.Namespace(
         **{**vars(args), "log": args.log, "schema": str(schema_path), "out": str(out),
-           "since": since, "strength": strength, "field_cap": field_cap},
+           "since": since, "strength": strength, "field_cap": field_cap,
+           "not_released": not_released},
     ))
     if nothing_to_submit(_load_compendium(str(out))):
         print(f"{out}: nothing new since the global: nothing sent this round")
@@ -839,6 +858,11 @@ def _add_build_options(
     )
     parser.add_argument("--seed", type=int, default=0, help="seed for masking and cap tie-breaks")
     parser.add_argument("--field-cap", type=int, default=None, help=field_cap_help)
+    parser.add_argument(
+        "--not-released", default=None, metavar="FIELD,...",
+        help="numeric fields the round's edges will not release (the open round's "
+        "fields_not_released; participate reads it): not computed, not sent",
+    )
     parser.add_argument("--tau", type=float, default=0.85, help="cosine for near-duplicate collapse")
     parser.add_argument(
         "--min-users", type=int, default=1, metavar="K",

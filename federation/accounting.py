@@ -29,6 +29,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from django.conf import settings
+from django.db.models import Count
 
 from federation.merge.privacy import Composition, compose, round_spend
 from federation.models import PrivacyLedgerEntry, Round
@@ -156,6 +157,29 @@ def projected_round_spend(config: RoundConfig | dict | None, fields: int | None 
         return 0.0
     eps_j = config.per_field_epsilon(f, fields_per_tool=f)
     return round_spend([eps_j] * f, config.field_cap, ["tool"] * f)
+
+
+def fields_not_released(config: RoundConfig | dict | None) -> list[str]:
+    """The declared numeric fields the edges of a round with `config` will not release if every
+    approved client submits (`merge.drowned_fields` at the most approved clients of one
+    organization, over the organizations that have any): no client need compute or send them.
+    Fewer submissions only add fields; clients approved after this is read can take some away,
+    and a client that left a field out then counts its neutral value, as for a tool it did not
+    use."""
+    from federation.merge import drowned_fields
+    from federation.models import Client
+    from federation.submissions import schema_in_force
+
+    if not isinstance(config, RoundConfig):
+        config = RoundConfig.from_stored(config)
+    approved = list(
+        Client.objects.filter(status=Client.Status.APPROVED)
+        .order_by()
+        .values("organization")
+        .annotate(n=Count("id"))
+        .values_list("n", flat=True)
+    )
+    return sorted(drowned_fields(schema_in_force(), config, max(approved, default=0), len(approved)))
 
 
 @dataclass(frozen=True)

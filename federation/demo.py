@@ -25,7 +25,7 @@ from compendium.delta import delta_since, routed_by
 from compendium.registry import load_dataset
 from compendium.services import current_schema, load_compendium
 from compendium.usage_log import parse_record
-from federation import submissions
+from federation import accounting, submissions
 from federation.models import Client, ConflictLogEntry, Round
 from federation.pipeline import import_probe_set
 from federation.round_config import RoundConfig
@@ -93,6 +93,8 @@ def run_demo_rounds(
     for period in range(1, rounds + 1):
         rnd = current_round() or open_round(system, RoundConfig(seed=seed))
         progress(f"demo round {rnd.number}: {len(logs)} clients build and submit")
+        # As `synapse-client participate` does: the fields the round will not release stay out.
+        not_released = frozenset(accounting.fields_not_released(rnd.config))
         # What each client pulled: it sends only what that global does not cover (the server
         # carries the global forward).
         latest = published_global_version()
@@ -108,7 +110,9 @@ def run_demo_rounds(
             experience = lines[: len(lines) * period // rounds]
             records = [parse_record(line, n, schema.tool_ids) for n, line in enumerate(experience, 1)]
             compendium, _ = build_compendium(
-                records, schema, BuildOptions(strength=1.0, seed=seed), embedder=get_engine()
+                records, schema,
+                BuildOptions(strength=1.0, seed=seed, not_released=not_released),
+                embedder=get_engine(),
             )
             if pulled is not None:
                 compendium, _ = delta_since(compendium, pulled, get_engine(), route=route)

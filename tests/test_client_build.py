@@ -374,3 +374,38 @@ def test_shared_words_never_release_planted_personal_data():
     )
     text = canonical_form(compendium).data.decode()
     assert not [s for s in secrets() if s in text]
+
+
+def test_fields_the_round_will_not_release_are_not_computed_nor_sent():
+    records = parsed(usage_records(users=5, lines=100, seed=8))
+    schema = metatool_schema()
+    full, _ = build_compendium(records, schema, BuildOptions(collapse=False))
+    part, report = build_compendium(
+        records, schema,
+        BuildOptions(collapse=False, not_released=frozenset({"latency_ms", "success_rate"})),
+    )
+    assert report.not_released == ["latency_ms", "success_rate"]
+    assert {n for m in part.metadata for n in m.stats} == {"calls", "frequency"}
+    assert {m.tool_id: m.stats["calls"] for m in part.metadata} == {
+        m.tool_id: m.stats["calls"] for m in full.metadata}
+    none, _ = build_compendium(
+        records, schema,
+        BuildOptions(collapse=False, not_released=frozenset(f.name for f in schema.numeric_fields)),
+    )
+    assert none.metadata == [] and none.scenarios == part.scenarios
+
+
+
+def test_cli_build_refuses_a_not_released_field_the_schema_does_not_declare(tmp_path, capsys):
+    schema_path = tmp_path / "schema.json"
+    schema_path.write_text(metatool_schema().model_dump_json(), encoding="utf-8")
+    log = write_log(tmp_path / "usage.jsonl", usage_records(users=3, lines=30, seed=2))
+    out = tmp_path / "c.json"
+    args = ["build", "--log", str(log), "--schema", str(schema_path), "--out", str(out),
+            "--no-collapse", "--quiet"]
+    assert main([*args, "--not-released", "latency_ms,colour"]) == 1
+    assert "--not-released names no declared numeric field: colour" in capsys.readouterr().err
+    assert not out.exists()
+    assert main([*args, "--not-released", "latency_ms, success_rate"]) == 0
+    sent = json.loads(out.read_text())
+    assert {n for m in sent["metadata"] for n in m["stats"]} == {"calls", "frequency"}

@@ -163,6 +163,12 @@ def test_participate_runs_a_whole_client_round(live_server, world, tmp_path, cap
     assert sent.content_encoding == "dcz" and sent.round == first
     built = json.loads((state / "compendium.json").read_text())
     assert built["masking"]["strength"] == 1.5 and (state / "schema.json").exists()
+    # the fields the open round will not release (two organizations of one approved client each:
+    # every field but calls drowns) are neither computed nor sent
+    expected = submissions.schema_in_force()
+    assert "the round will not release frequency, latency_ms, success_rate: not sent" in out
+    assert {name for m in built["metadata"] for name in m["stats"]} == {"calls"}
+    assert set(expected.fields_by_name) == {"calls", "frequency", "latency_ms", "success_rate"}
     assert main(command) == 0  # the same usage again: the server replays, nothing stored twice
     assert "replayed" in capsys.readouterr().out and Submission.objects.count() == 1
 

@@ -306,8 +306,12 @@ class Simulation:
             conflict_log=c.conflict_log,
         )
 
-    def build_client(self, lines: Sequence[dict], seed: int, strength: float | None = None) -> Compendium:
+    def build_client(
+        self, lines: Sequence[dict], seed: int, strength: float | None = None,
+        not_released: frozenset[str] = frozenset(),
+    ) -> Compendium:
         options = BuildOptions(
+            not_released=not_released,
             strength=self.config.mask_strength if strength is None else strength,
             seed=seed,
             tau=self.config.client_tau or self.config.tau,
@@ -430,6 +434,12 @@ class Simulation:
         published: Compendium | None = None  # the last global the server published
         # What `synapse-client submit --since` compresses against (round 1: `--schema --probe`).
         dictionary = transport.probe_dictionary(self.schema, probe_requests(probe))
+        # What the open round says its edges will not release, every client approved
+        # (`accounting.fields_not_released`): the clients leave those fields out.
+        enrolled = Counter(share.organization for share in shares)
+        not_released = drowned_fields(
+            self.schema, config, max(enrolled.values(), default=0), len(enrolled)
+        )
         for r in range(1, rounds + 1):
             if published is not None and not aggregates_in(r, self.config.aggregate_every):
                 outcomes.append(RoundOutcome(r, published, {}, {}, [], [], [], {}))
@@ -445,7 +455,7 @@ class Simulation:
                 experience = [line for period in periods[share.client][:r] for line in period]
                 if not experience:
                     continue
-                compendium = self.build_client(experience, seed)
+                compendium = self.build_client(experience, seed, not_released=not_released)
                 if adversaries and share.client in adversaries:
                     compendium = corrupt(compendium, self.config.adversarial_mode, self.schema, seed)
                 clients[share.client] = compendium
