@@ -25,7 +25,7 @@ from compendium.delta import delta_since, routed_by
 from compendium.registry import load_dataset
 from compendium.services import current_schema, load_compendium
 from compendium.usage_log import parse_record
-from federation import accounting, submissions
+from federation import submissions
 from federation.models import Client, ConflictLogEntry, Round
 from federation.pipeline import import_probe_set
 from federation.round_config import RoundConfig
@@ -94,7 +94,7 @@ def run_demo_rounds(
         rnd = current_round() or open_round(system, RoundConfig(seed=seed))
         progress(f"demo round {rnd.number}: {len(logs)} clients build and submit")
         # As `synapse-client participate` does: the fields the round will not release stay out.
-        not_released = frozenset(accounting.fields_not_released(rnd.config))
+        not_released = frozenset(rnd.fields_not_released)
         # What each client pulled: it sends only what that global does not cover (the server
         # carries the global forward).
         latest = published_global_version()

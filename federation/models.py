@@ -60,6 +60,9 @@ class Round(models.Model):
     state = models.CharField(max_length=16, choices=State.choices, default=State.OPEN)
     # tau, epsilon per field, lambda expected, summarizer, robust rule, seed: enough to replay it.
     config = models.JSONField(default=dict, blank=True)
+    # Numeric fields the round's edges will not release, fixed when it opened (from the approved
+    # clients: accounting.fields_not_released); clients leave them out.
+    fields_not_released = models.JSONField(default=list, blank=True)
     failure_reason = models.TextField(blank=True)
     opened_at = models.DateTimeField(auto_now_add=True)
     # The round's deadline: submissions stop then and `close_due_rounds` closes it (null: the

@@ -225,9 +225,10 @@ class EdgeOutcome:
 
 
 def _drowned(round_: Round, schema, config: RoundConfig) -> frozenset[str]:
-    """The numeric fields no edge of the round releases (`drowned_fields`), from the round's
-    submissions: the most any organization has (an upper bound on an edge's accepted K) and how
-    many organizations submitted (at most the edges the server averages)."""
+    """The numeric fields no edge of the round releases: those the round named when it opened
+    (clients left them out), and `drowned_fields` from its submissions: the most any
+    organization has (an upper bound on an edge's accepted K) and how many organizations
+    submitted (at most the edges the server averages)."""
     per_organization = list(
         CompendiumVersion.objects.filter(kind="client", round=round_)
         .exclude(client__status=Client.Status.REVOKED)
@@ -236,7 +237,8 @@ def _drowned(round_: Round, schema, config: RoundConfig) -> frozenset[str]:
         .annotate(n=Count("id"))
         .values_list("n", flat=True)
     )
-    return drowned_fields(schema, config, max(per_organization, default=0), len(per_organization))
+    drowned = drowned_fields(schema, config, max(per_organization, default=0), len(per_organization))
+    return drowned | frozenset(round_.fields_not_released or ())
 
 
 def run_edge_merge(

@@ -858,11 +858,14 @@ def open_round(
     try:
         with transaction.atomic():
             rnd = Round.objects.create(
-                number=last + 1, config=config.model_dump(mode="json"), closes_at=closes_at
+                number=last + 1, config=config.model_dump(mode="json"), closes_at=closes_at,
+                fields_not_released=accounting.fields_not_released(config),
             )
     except IntegrityError as exc:
         raise Conflict("another round was opened at the same time") from exc
     details = {"config": rnd.config}
+    if rnd.fields_not_released:
+        details["fields_not_released"] = rnd.fields_not_released
     if closes_at is not None:
         details["closes_at"] = closes_at.isoformat()
     audit(actor, AuditLog.Action.ROUND_OPEN, target=rnd, details=details)

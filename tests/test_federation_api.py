@@ -608,8 +608,8 @@ def test_a_stronger_round_refuses_what_a_weaker_one_takes(world, valid_doc):
 
 def test_an_open_round_names_the_fields_its_edges_will_not_release(world, open_round):
     """With every approved client submitting (one in each of two organizations), only calls
-    could come out of its noise at ε = 1: the other fields are named, for clients to leave out;
-    more approved clients bring fields back; other rounds name none."""
+    could come out of its noise at ε = 1: the other fields are named, fixed when the round
+    opened, for clients to leave out; a round opened with more approved clients names fewer."""
     from federation.merge import drowned_fields
 
     api = client_api(world.token_a)
@@ -618,14 +618,19 @@ def test_an_open_round_names_the_fields_its_edges_will_not_release(world, open_r
     config = services.RoundConfig.from_stored(open_round.config)
     assert row["fields_not_released"] == sorted(
         drowned_fields(submissions.schema_in_force(), config, 1, 2))
+    opened = AuditLog.objects.get(action=AuditLog.Action.ROUND_OPEN)
+    assert opened.details["fields_not_released"] == row["fields_not_released"]
     for n in range(40):  # org A with 41 approved clients: K·√E = 41·1.41 = 58
         Client.objects.create(organization=world.client_a.organization, name=f"extra{n}",
                               status=Client.Status.APPROVED)
-    row = api.get(f"/api/v1/rounds/{open_round.pk}/").json()
-    assert row["fields_not_released"] == sorted(drowned_fields(submissions.schema_in_force(), config, 41, 2))
-    assert len(row["fields_not_released"]) < 3
+    # fixed for the round: clients that left fields out are never counted at a neutral value
+    assert api.get(f"/api/v1/rounds/{open_round.pk}/").json()["fields_not_released"] == (
+        row["fields_not_released"])
     Round.objects.filter(pk=open_round.pk).update(state=Round.State.PUBLISHED)
-    assert api.get(f"/api/v1/rounds/{open_round.pk}/").json()["fields_not_released"] is None
+    later = services.open_round(SYSTEM)
+    fewer = api.get(f"/api/v1/rounds/{later.pk}/").json()["fields_not_released"]
+    assert fewer == sorted(drowned_fields(submissions.schema_in_force(), config, 41, 2))
+    assert len(fewer) < 3
 
 
 def test_rounds_list_and_detail_with_figures(world, open_round, valid_doc):

@@ -534,3 +534,16 @@ def test_release_headroom_accounts_for_advanced_composition(settings):
     committed = accounting.committed_composition()
     assert committed.tighter == "basic"
     assert accounting.remaining_for_release(r.pk, org.pk, 1) == pytest.approx(100.0 - 9.0)
+
+
+def test_edges_do_not_release_what_the_round_named_when_it_opened(probes, django_capture_on_commit_callbacks):
+    """calls would come out of its noise at this round's counts, but the round named it when it
+    opened (clients left it out): no edge releases it, so nothing is released or spent."""
+    round_, _ = build_federation()
+    Round.objects.filter(pk=round_.pk).update(fields_not_released=["calls"])
+    close(round_, django_capture_on_commit_callbacks)
+    assert round_.state == "published", round_.failure_reason
+    assert not PrivacyLedgerEntry.objects.filter(round=round_).exists()
+    record = MergeRecord.objects.get(round=round_, organization__slug="acme")
+    assert record.stats["fields_not_released"] == ["calls", "frequency", "latency_ms", "success_rate"]
+    assert record.stats["epsilon_spent"] == 0.0

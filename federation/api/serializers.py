@@ -70,10 +70,11 @@ class RoundSerializer(serializers.ModelSerializer):
     submitted_gzip_bytes = serializers.IntegerField(
         source="n_submitted_gzip_bytes", read_only=True, allow_null=True
     )
-    fields_not_released = serializers.SerializerMethodField(
-        help_text="open rounds: the numeric fields its edges will not release (no release of the "
-        "round could make them useful with the clients approved now: the noise would span each "
-        "field's range); a client need not compute or send them. null for other rounds"
+    fields_not_released = serializers.ListField(
+        child=serializers.CharField(), read_only=True,
+        help_text="the numeric fields the round's edges do not release, fixed when it opened (no "
+        "release of it could make them useful with the clients approved then: the noise would "
+        "span each field's range); a client need not compute or send them",
     )
 
     class Meta:
@@ -95,11 +96,6 @@ class RoundSerializer(serializers.ModelSerializer):
             "fields_not_released",
         ]
 
-
-    def get_fields_not_released(self, rnd) -> list[str] | None:
-        from federation.accounting import fields_not_released
-
-        return fields_not_released(rnd.config) if rnd.state == Round.State.OPEN else None
 
     def get_failure_reason(self, rnd) -> str:
         from federation.services import failure_reason_for

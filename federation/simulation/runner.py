@@ -479,7 +479,7 @@ class Simulation:
             stats = {}
             scales: dict[str, dict[tuple[str, str], float]] = {}
             senders = Counter(s.organization for s in shares if s.client in sent)
-            drowned = drowned_fields(
+            drowned = not_released | drowned_fields(
                 self.schema, config, max(senders.values(), default=0), len(senders)
             )
             for org in sorted({s.organization for s in shares}):
