@@ -647,14 +647,10 @@ def server_merge_summaries(version: CompendiumVersion) -> dict | None:
     record = MergeRecord.objects.filter(round=version.round, organization__isnull=True).first()
     if record is None:
         return None
-    edges = MergeRecord.objects.filter(round=version.round, organization__isnull=False)
-    not_released = sorted({
-        name for stats in edges.values_list("stats", flat=True)
-        for name in (stats or {}).get("fields_not_released") or ()
-    })
+    not_released = not_released_fields(Round.objects.filter(pk=version.round_id))
     return {**_summary_figures(record.stats), "conflicts": record.stats.get("conflicts") or 0,
             "stats_withheld": record.stats.get("stats_withheld") or 0,
-            "fields_not_released": not_released}
+            "fields_not_released": not_released[0][1] if not_released else []}
 
 
 def _summary_figures(stats: dict) -> dict:
@@ -768,16 +764,21 @@ class PrivacyPage:
         return sum(eps for _, eps in self.reserved)
 
 
-def not_released_fields(limit: int = 10) -> list[tuple[int, list[str]]]:
-    """(round number, numeric fields) of the latest `limit` published rounds whose edges left
-    fields unreleased because no release of the round could make them useful
-    (`merge.drowned_fields`): a fact of the round's counts and configuration, the same for every
-    organization, so shown to every member. Newest first."""
+def not_released_fields(
+    rounds: QuerySet | None = None, limit: int = 10
+) -> list[tuple[int, list[str]]]:
+    """(round number, numeric fields) of the latest `limit` of `rounds` (default: the published
+    ones) whose edges left fields unreleased because no release of the round could make them
+    useful (`merge.drowned_fields`), read from the edges' merge records: a fact of the round's
+    counts and configuration, the same for every organization, so shown to every member. Newest
+    first."""
     from federation.models import MergeRecord
 
+    if rounds is None:
+        rounds = Round.objects.filter(state=Round.State.PUBLISHED)
     per_round: dict[int, set[str]] = defaultdict(set)
     for number, names in MergeRecord.objects.filter(
-        organization__isnull=False, round__state=Round.State.PUBLISHED
+        organization__isnull=False, round__in=rounds
     ).values_list("round__number", "stats__fields_not_released"):
         per_round[number].update(names or ())
     return [(n, sorted(f)) for n, f in sorted(per_round.items(), reverse=True) if f][:limit]
