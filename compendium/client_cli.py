@@ -174,6 +174,13 @@ def cmd_build(args: argparse.Namespace) -> int:
         raise CliError("--pool-users needs the embedding model: leave out --no-collapse")
     if not valid_shared_word_users(args.shared_word_users):
         raise CliError("--shared-word-users must be 0 (off) or at least 2")
+    probe = None
+    if getattr(args, "probe", None):
+        if args.since:
+            raise CliError("--probe is for before any global is published: drop it with --since")
+        if args.no_collapse:
+            raise CliError("--probe needs the embedding model (drop --no-collapse)")
+        probe = _load_probe_labelled(args.probe)
     options = BuildOptions(
         strength=args.strength,
         seed=args.seed,
@@ -253,6 +260,19 @@ def cmd_build(args: argparse.Namespace) -> int:
             f" Since {args.since}: {delta.scenarios_covered} scenario(s) "
             f"({delta.scenarios_routed} of them already routed right by it) and "
             f"{delta.precautions_covered} precaution(s) already covered, not sent."
+        )
+    elif probe and args.since_confidence <= 1.0:
+        from routing.cli import probe_router
+
+        route = routed_by(probe_router(probe, embedding_model=args.embedding_model))
+        compendium, delta = delta_since(
+            compendium, Compendium(), engine, options.tau, route=route,
+            confidence=args.since_confidence,
+        )
+        report.delta = delta.as_dict()
+        notes = (
+            f" Against the public probe set ({args.probe}): {delta.scenarios_routed} scenario(s) "
+            "that its router already sends to their tool, not sent."
         )
 
     if args.max_bytes is not None:
@@ -761,8 +781,9 @@ def cmd_participate(args: argparse.Namespace) -> int:
             print(f"the round will not release {not_released.replace(',', ', ')}: not sent")
     cmd_build(argparse.Namespace(
         **{**vars(args), "log": args.log, "schema": str(schema_path), "out": str(out),
-           "since": since, "strength": strength, "field_cap": field_cap,
-           "not_released": not_released},
+           "since": since, "probe": None if since or args.no_collapse else str(probe_path),
+           "strength": strength,
+           "field_cap": field_cap, "not_released": not_released},
     ))
     if nothing_to_submit(_load_compendium(str(out))):
         print(f"{out}: nothing new since the global: nothing sent this round")
@@ -778,6 +799,25 @@ def _load_probe(path: str) -> list[str]:
         return transport.probe_texts_of(json.loads(_read_bytes(path)))
     except ValueError as exc:
         raise CliError(f"{path} is not a probe set: {exc}") from None
+
+
+def _load_probe_labelled(path: str) -> list[tuple[str, str]] | None:
+    """The probe set's (request, tool) pairs for `build --probe`; None (with a warning) when the
+    file has no tools or no requests: nothing is left out then."""
+    try:
+        pairs = transport.probe_labelled_of(json.loads(_read_bytes(path)))
+    except ValueError as exc:
+        raise CliError(f"{path} is not a probe set: {exc}") from None
+    if not pairs:
+        print(
+            f"{PROG}: warning: {path} has "
+            + ("no tools (fetched from an older server; fetch-probe again)" if pairs is None
+               else "no requests (the server has no probe set imported)")
+            + ": every scenario is sent",
+            file=sys.stderr,
+        )
+        return None
+    return pairs
 
 
 def cmd_fetch_probe(args: argparse.Namespace) -> int:
@@ -891,8 +931,9 @@ def _add_build_options(
     parser.add_argument(
         "--since-confidence", type=float, default=DEFAULT_SINCE_CONFIDENCE,
         dest="since_confidence", metavar="P",
-        help="against the pulled global (--since), also leave out the scenarios it already "
-        "routes to their tool with calibrated confidence >= P (default %(default)s; above 1: off)",
+        help="against the pulled global (--since) or the public probe set (--probe), also leave "
+        "out the scenarios it already routes to their tool with calibrated confidence >= P "
+        "(default %(default)s; above 1: off)",
     )
     parser.add_argument(
         "--max-bytes", type=int, default=None, dest="max_bytes", metavar="B",
@@ -935,6 +976,12 @@ def build_parser() -> argparse.ArgumentParser:
         "--since", default=None, metavar="GLOBAL",
         help="the global compendium last pulled: send only what it does not already cover "
         "(the server carries it forward)",
+    )
+    build.add_argument(
+        "--probe", default=None, metavar="PROBE",
+        help="before any global is published: probe.json from fetch-probe; leave out the "
+        "scenarios that its router (the public probe set alone) already sends to their tool "
+        "with calibrated confidence >= --since-confidence, as --since does against a global",
     )
     _add_build_options(build)
     build.set_defaults(func=cmd_build)

@@ -11,7 +11,10 @@ with `previous=`) already holds what the client pulled, so the client need only 
   this case, so sending it teaches the federation nothing. What is left is what the global gets
   wrong or is unsure about: the scenarios that move it (uncertainty sampling, as in active
   learning). Precautions keep the cosine rule only: they say what a tool is *not* for, which a
-  router's top choice does not test;
+  router's top choice does not test. Before any global is published, what every client holds is
+  the public probe set: its router (`routing.cli.probe_router`, the probe alone) plays the
+  pulled router's part against an empty compendium, since the server's router learns from the
+  probe too;
 - prompt templates that differ from the pulled one for the same (tool, signature);
 - annex triples the pulled compendium does not have;
 - the numeric statistics, always: they are this round's per-user averages, released with fresh
@@ -124,7 +127,7 @@ def delta_since(
         tau,
     )
     routed = 0
-    if route is not None and confidence <= 1.0 and pulled.scenarios:
+    if route is not None and confidence <= 1.0:
         rows = [i for i, keep in enumerate(scenario_keep) if keep]
         decisions = route([local.scenarios[i].text for i in rows]) if rows else []
         if len(decisions) != len(rows):

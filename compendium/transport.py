@@ -78,6 +78,21 @@ def probe_texts_of(document: object) -> list[str]:
     return texts
 
 
+def probe_labelled_of(document: object) -> list[tuple[str, str]] | None:
+    """The (request, tool id) pairs of a probe-set document (`probe_texts_of` checks the
+    requests), or None when it has no `tools` (fetched from a server that did not serve them);
+    ValueError naming what is wrong."""
+    texts = probe_texts_of(document)
+    tools = document.get("tools")
+    if tools is None:
+        return None
+    if not isinstance(tools, list) or not all(isinstance(t, str) and t for t in tools):
+        raise ValueError("its 'tools' is not a list of tool ids")
+    if len(tools) != len(texts):
+        raise ValueError(f"it has {len(tools)} tool id(s) for {len(texts)} request(s)")
+    return list(zip(texts, tools, strict=True))
+
+
 def global_dictionary(compendium: Compendium) -> bytes:
     """A published global's dictionary: its canonical bytes, whose SHA-256 is the global's
     published `sha256` (and its ETag)."""

@@ -23,6 +23,7 @@ from compendium.builder import BuildOptions, build_compendium
 from compendium.canonical import canonical_form
 from compendium.delta import delta_since, routed_by
 from compendium.registry import load_dataset
+from compendium.schema import Compendium
 from compendium.services import current_schema, load_compendium
 from compendium.usage_log import parse_record
 from federation import submissions
@@ -31,6 +32,7 @@ from federation.pipeline import import_probe_set
 from federation.round_config import RoundConfig
 from federation.services import DEMO_ORGANIZATIONS, Actor, close_round, current_round, open_round
 from federation.simulation.data import confusable_tools, partition_train, split_dataset, usage_log
+from routing.cli import probe_router
 from routing.embeddings import get_engine
 from routing.services import published_global_version, served_compendium
 
@@ -104,8 +106,14 @@ def run_demo_rounds(
             if pulled
             else transport.probe_dictionary(schema, submissions.probe_texts())
         )
-        # The pulled global's router, as the routing API serves it.
-        route = routed_by(served_compendium().routers["fusion"]) if latest is not None else None
+        # The pulled global's router, as the routing API serves it; before any global, the
+        # public probe set's router (`synapse-client build --probe`).
+        if latest is not None:
+            route = routed_by(served_compendium().routers["fusion"])
+        else:
+            probe = submissions.probe_set()
+            pairs = list(zip(probe["texts"], probe["tools"], strict=True))
+            route = routed_by(probe_router(pairs)) if pairs else None
         for client, lines in logs.items():
             experience = lines[: len(lines) * period // rounds]
             records = [parse_record(line, n, schema.tool_ids) for n, line in enumerate(experience, 1)]
@@ -114,8 +122,10 @@ def run_demo_rounds(
                 BuildOptions(strength=1.0, seed=seed, not_released=not_released),
                 embedder=get_engine(),
             )
-            if pulled is not None:
-                compendium, _ = delta_since(compendium, pulled, get_engine(), route=route)
+            if pulled is not None or route is not None:
+                compendium, _ = delta_since(
+                    compendium, pulled or Compendium(), get_engine(), route=route
+                )
             form = canonical_form(compendium)
             # Sent as `synapse-client submit --since` sends it: dcz against the pulled global
             # (round 1: the probe set's requests and the schema), read back by the server's own

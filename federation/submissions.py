@@ -252,11 +252,21 @@ def probe_texts() -> list[str]:
 
 
 def probe_set() -> dict:
-    """What `GET /api/v1/compendium/probe/` serves: the probe requests and the SHA-256 naming
-    them (`transport.probe_bytes`)."""
-    texts = probe_texts()
+    """What `GET /api/v1/compendium/probe/` serves: the probe requests, the SHA-256 naming them
+    (`transport.probe_bytes`, the dcz dictionary's first part) and each request's tool (the
+    labels are public too: before any global a client routes with them, `build --probe`)."""
+    rows = list(ProbeQuery.objects.order_by("dataset", "qid").values_list("text", "tool_id"))
+    texts = [text for text, _ in rows]
     sha256 = transport.dictionary_hash(transport.probe_bytes(texts))
-    return {"count": len(texts), "sha256": sha256, "texts": texts}
+    return {"count": len(texts), "sha256": sha256, "texts": texts, "tools": [t for _, t in rows]}
+
+
+def probe_etag(probe: dict) -> str:
+    """The probe endpoint's ETag: names the requests and their tools (`sha256` names only the
+    requests, as the dictionary holds them)."""
+    return transport.dictionary_hash(
+        encode_document({"texts": probe["texts"], "tools": probe["tools"]})
+    )
 
 
 _schema_dictionary_cache: tuple[Schema, bytes, str] | None = None

@@ -211,6 +211,27 @@ def pulled_router(
     return router
 
 
+def probe_router(probe: list[tuple[str, str]], *, embedding_model: str | None = None):
+    """What a client routes with before any global is published: the public probe set's
+    labelled requests alone, as the server's router learns from them (`fit_router` over an
+    empty compendium: the head on the whole probe, the fusion weights and calibration
+    cross-fitted on its halves). The probe's vectors are cached on disk (`embed_cached`), so a
+    client embeds them once. Raises `EmbeddingModelUnavailable` when the model cannot be
+    loaded."""
+    from compendium.schema import Compendium
+    from routing.embeddings import embed_cached, get_engine, model_cache_dir
+    from routing.router import fit_router
+
+    engine = get_engine(embedding_model or None)
+    vectors = embed_cached(
+        engine, [text for text, _ in probe], model_cache_dir() / "compendium-embeddings"
+    )
+    return fit_router(
+        Compendium(), engine, probe, "fusion", probe_vectors=vectors,
+        fitted_on="public probe set",
+    )
+
+
 def _served_head(path: Path | None, router):
     """The head the server published with this compendium, when `path` holds it (its tools must
     be the index's); otherwise None, after a warning on stderr if the file is there but unusable."""

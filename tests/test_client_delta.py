@@ -6,6 +6,7 @@ import json
 
 import pytest
 
+from compendium import transport
 from compendium.canonical import canonical_bytes, entry_size
 from compendium.client_cli import main
 from compendium.delta import delta_since, fit_budget
@@ -86,11 +87,17 @@ def test_scenarios_the_pulled_router_already_gets_right_are_left_out(engine):
     ]
     assert (report.scenarios_covered, report.scenarios_routed, report.scenarios_kept) == (1, 1, 2)
     assert asked == [[s.text for s in local.scenarios]]
-    # Above 1 the routing rule is off; with nothing pulled nothing is routed.
+    # Above 1 the routing rule is off; with nothing pulled and no router nothing is left out.
     off, off_report = delta_since(local, pulled, engine, tau=0.99, route=route, confidence=1.01)
     assert off.scenarios == local.scenarios and off_report.scenarios_routed == 0
-    same, _ = delta_since(local, Compendium(), engine, route=route)
+    same, _ = delta_since(local, Compendium(), engine)
     assert same == local and len(asked) == 1
+    # Before any global (nothing pulled, the public probe set's router): the routing rule alone.
+    first, first_report = delta_since(local, Compendium(), engine, route=route, confidence=0.5)
+    assert [s.text for s in first.scenarios] == ["Any seats left to Lisbon next week",
+                                                  "Is the Rome flight on time"]
+    assert (first_report.scenarios_covered, first_report.scenarios_routed) == (1, 1)
+    assert asked[-1] == [s.text for s in local.scenarios]
     # A router that answers for the wrong number of texts is an error, not a silent drop.
     with pytest.raises(ValueError, match="2 decisions for 3 texts"):
         delta_since(local, pulled, engine, tau=0.99, route=lambda texts: route(texts)[:2])
@@ -167,6 +174,66 @@ def test_cli_build_since_leaves_out_what_the_pulled_global_already_routes(tmp_pa
     assert main(args + ["--out", str(tmp_path / "x.json"), "--since-confidence", "-1"]) == 1
     assert "--since-confidence must be at least 0" in capsys.readouterr().err
     assert not (tmp_path / "x.json").exists()
+
+
+def probe_document(pairs: list[tuple[str, str]], *, tools: bool = True) -> dict:
+    """A probe set as GET /api/v1/compendium/probe/ serves it (and fetch-probe saves it)."""
+    texts = [q for q, _ in pairs]
+    doc = {"count": len(texts), "sha256": transport.dictionary_hash(transport.probe_bytes(texts)),
+           "texts": texts}
+    return dict(doc, tools=[t for _, t in pairs]) if tools else doc
+
+
+PROBE = [
+    *[(f"What is the weather forecast for {city} tomorrow?", "weather")
+      for city in ("Paris", "Oslo", "Rome", "Lisbon", "Madrid", "Berlin", "Vienna", "Prague")],
+    *[(f"Find me a cheap flight from {a} to {b}", "flights")
+      for a, b in (("Paris", "Rome"), ("Oslo", "Berlin"), ("Madrid", "Lisbon"), ("Vienna", "Prague"),
+                   ("Rome", "Oslo"), ("Berlin", "Madrid"), ("Lisbon", "Vienna"), ("Prague", "Paris"))],
+]
+
+
+def test_cli_build_probe_leaves_out_what_the_public_probe_set_already_routes(tmp_path, capsys):
+    """Before any global is published, `build --probe` (what participate passes in round 1) routes
+    with the public probe set alone and leaves out what that router already sends to its tool."""
+    queries = [("What is the weather forecast for Zurich tomorrow?", "weather"),
+               ("Find me a cheap flight from Zurich to Athens", "flights"),
+               ("Book a table for two at an Italian restaurant", "flights")]
+    args = write_client(tmp_path, queries, Compendium())[:-2]
+    probe_path = tmp_path / "probe.json"
+    probe_path.write_text(json.dumps(probe_document(PROBE)))
+    assert main(args + ["--out", str(tmp_path / "all.json")]) == 0
+    assert main(args + ["--out", str(tmp_path / "first.json"), "--probe", str(probe_path),
+                        "--since-confidence", "0.5"]) == 0
+    out = capsys.readouterr().out
+    assert f"Against the public probe set ({probe_path}): 2 scenario(s)" in out
+    everything = json.loads((tmp_path / "all.json").read_text())["scenarios"]
+    sent = json.loads((tmp_path / "first.json").read_text())["scenarios"]
+    assert len(everything) == 3
+    # Its router is unsure the restaurant request is for "flights" (no tool fits it): it is sent.
+    assert [s["text"] for s in sent] == ["Book a table for two at an Italian restaurant"]
+    report = json.loads((tmp_path / "first.json.report.json").read_text())
+    assert report["delta"]["scenarios_routed"] == 2
+    # The rule off: everything goes; a probe set without tools (an older server): everything,
+    # with a warning.
+    assert main(args + ["--out", str(tmp_path / "off.json"), "--probe", str(probe_path),
+                        "--since-confidence", "2"]) == 0
+    assert len(json.loads((tmp_path / "off.json").read_text())["scenarios"]) == 3
+    probe_path.write_text(json.dumps(probe_document(PROBE, tools=False)))
+    capsys.readouterr()
+    assert main(args + ["--out", str(tmp_path / "old.json"), "--probe", str(probe_path),
+                        "--since-confidence", "0"]) == 0
+    assert "has no tools (fetched from an older server; fetch-probe again)" in capsys.readouterr().err
+    assert len(json.loads((tmp_path / "old.json").read_text())["scenarios"]) == 3
+    # A damaged probe set, or --probe with --since, is refused before anything is built.
+    probe_path.write_text(json.dumps(dict(probe_document(PROBE), tools=["weather"])))
+    assert main(args + ["--out", str(tmp_path / "bad.json"), "--probe", str(probe_path)]) == 1
+    assert "is not a probe set: it has 1 tool id(s) for 16 request(s)" in capsys.readouterr().err
+    probe_path.write_text(json.dumps(probe_document(PROBE)))
+    assert main(args + ["--out", str(tmp_path / "bad.json"), "--probe", str(probe_path),
+                        "--since", str(tmp_path / "global.json")]) == 1
+    assert "--probe is for before any global is published" in capsys.readouterr().err
+    assert not (tmp_path / "bad.json").exists()
 
 
 def weather_build_args(tmp_path, queries: list[tuple[str, str]]) -> list[str]:

@@ -143,8 +143,10 @@ def test_participate_runs_a_whole_client_round(live_server, world, tmp_path, cap
     assert "no round is open" in capsys.readouterr().err and not (state / "compendium.json").exists()
 
     ProbeQuery.objects.bulk_create([
-        ProbeQuery(dataset="pub", qid=f"q{n}", text=f"Is it sunny in town {n}?", tool_id="weather")
-        for n in range(5)
+        *(ProbeQuery(dataset="pub", qid=f"q{n}", text=f"Will it rain tomorrow in town {n}?",
+                     tool_id="weather") for n in range(5)),
+        *(ProbeQuery(dataset="pub", qid=f"r{n}", text=f"What is {n} times {n + 7}?",
+                     tool_id="calculator") for n in range(5)),
     ])
     first = services.open_round(services.Actor(None), {"mask_strength": 1.5})
     # a weaker λ than the round expects is refused before anything is fetched, built or sent
@@ -163,6 +165,18 @@ def test_participate_runs_a_whole_client_round(live_server, world, tmp_path, cap
     assert sent.content_encoding == "dcz" and sent.round == first
     built = json.loads((state / "compendium.json").read_text())
     assert built["masking"]["strength"] == 1.5 and (state / "schema.json").exists()
+    # Before any global, what the public probe set's router already sends to its tool stays
+    # here: the probe knows no flights, so every flight request goes; the weather requests it
+    # routes right, surely, do not.
+    delta = json.loads((state / "compendium.json.report.json").read_text())["delta"]
+    tools = [s["tool_id"] for s in built["scenarios"]]
+    assert main(["build", "--log", str(log), "--schema", str(state / "schema.json"), "--quiet",
+                 "--lambda", "1.5", "--out", str(tmp_path / "all.json"),
+                 "--not-released", "frequency,latency_ms,success_rate"]) == 0
+    everything = [s["tool_id"] for s in json.loads((tmp_path / "all.json").read_text())["scenarios"]]
+    assert tools.count("flights") == everything.count("flights") > 0
+    assert delta["scenarios_routed"] == delta["scenarios_covered"] > 0
+    assert tools.count("weather") == everything.count("weather") - delta["scenarios_routed"]
     # the fields the open round will not release (two organizations of one approved client each:
     # every field but calls drowns) are neither computed nor sent
     expected = submissions.schema_in_force()

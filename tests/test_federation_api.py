@@ -414,10 +414,18 @@ def test_the_probe_set_is_served_to_clients_and_names_a_first_round_dictionary(
     response = api.get("/api/v1/compendium/probe/")
     assert response.status_code == 200
     body = response.json()
-    assert (body["count"], body["texts"]) == (20, texts)
-    assert response["ETag"] == f'"{body["sha256"]}"'
+    assert (body["count"], body["texts"], body["tools"]) == (20, texts, ["weather"] * 20)
     assert transport.probe_texts_of(body) == texts
+    assert transport.probe_labelled_of(body) == [(t, "weather") for t in texts]
     assert api.get("/api/v1/compendium/probe/", HTTP_IF_NONE_MATCH=response["ETag"]).status_code == 304
+    # The ETag names the labels too: relabelled requests are a new probe set to a client that
+    # routes with it, though the dictionary (`sha256`) is the same.
+    ProbeQuery.objects.filter(qid="q000").update(tool_id="flights")
+    relabelled = api.get("/api/v1/compendium/probe/", HTTP_IF_NONE_MATCH=response["ETag"])
+    assert relabelled.status_code == 200 and relabelled["ETag"] != response["ETag"]
+    assert relabelled.json()["sha256"] == body["sha256"]
+    assert relabelled.json()["tools"][0] == "flights"
+    ProbeQuery.objects.filter(qid="q000").update(tool_id="weather")
     dictionary = transport.probe_dictionary(_schema(api), texts)
     data = canonical_bytes(Compendium.model_validate(valid_doc))
     packed = transport.compress(data, dictionary)

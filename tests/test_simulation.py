@@ -219,7 +219,7 @@ def test_transfer_rows_match_a_freshly_fitted_router_on_the_final_global(tiny_da
 
     from compendium.canonical import canonical_bytes
     from routing.embeddings import get_engine
-    from routing.router import Router, fit_linear_head, fit_params
+    from routing.router import fit_router
 
     sim = _simulation(tiny_dataset, transfer_models=(FP32, ONNX), transfer_rerankers=("none", "fusion"))
     result = sim.run_seed(1)
@@ -236,18 +236,15 @@ def test_transfer_rows_match_a_freshly_fitted_router_on_the_final_global(tiny_da
     synapse = [r for r in result.rows if r["method"] == "synapse"][-1]
     assert by[(FP32, "fusion")]["accuracy"] == synapse["accuracy"]
 
-    # Independently: the same seed's final global, a router per model with its linear head fitted
-    # on the compendium and its fusion weights on the probe split.
+    # Again: the same seed's final global, a router per model fitted afresh as the server fits
+    # one (its linear head on the compendium and the probe split, fusion weights on the probe).
     final = sim.federate(setup.shares, setup.logs, setup.split.probe, 1, setup.adversaries)[-1]
     glob = final.global_compendium
     assert len(canonical_bytes(glob)) == result.rounds[-1]["global_size_bytes"]
     pairs = [(q.query, q.tool_id) for q in setup.split.probe]
     truth = [q.tool_id for q in setup.test]
     for model in (FP32, ONNX):
-        base = Router(glob, get_engine(model), "fusion")
-        head = fit_linear_head(glob, base.index.embeddings, base.engine.embed)
-        base = base.with_reranker("fusion", head=head)
-        fresh = base.with_reranker("fusion", params=fit_params(base, pairs))
+        fresh = fit_router(glob, get_engine(model), pairs, "fusion")
         decisions = fresh.route_batch([q.query for q in setup.test])
         accuracy = float(np.mean([d.tool == t for d, t in zip(decisions, truth, strict=True)]))
         assert by[(model, "fusion")]["accuracy"] == round(accuracy, 4), model

@@ -117,3 +117,13 @@ def test_a_probe_set_document_is_checked_against_its_sha256():
     for bad in ([], {"texts": "Weather in Oslo"}, {"texts": [1, 2]}):
         with pytest.raises(ValueError, match="'texts' is a list of strings"):
             transport.probe_texts_of(bad)
+    # Its labels: (request, tool) pairs, None from a server that does not send them.
+    labelled = {"count": 2, "sha256": sha256, "texts": texts, "tools": ["flights", "weather"]}
+    assert transport.probe_labelled_of(labelled) == [("Book a flight to Rome", "flights"),
+                                                  ("Weather in Oslo", "weather")]
+    assert transport.probe_labelled_of({"sha256": sha256, "texts": texts}) is None
+    with pytest.raises(ValueError, match="1 tool id"):
+        transport.probe_labelled_of(dict(labelled, tools=["flights"]))
+    for tools in ("weather", ["flights", ""], ["flights", 3]):
+        with pytest.raises(ValueError, match="'tools' is not a list of tool ids"):
+            transport.probe_labelled_of(dict(labelled, tools=tools))

@@ -300,14 +300,15 @@ class ProbeSetView(FederationView):
             "The requests of the public probe set the edges use (labelled benchmark queries, "
             "never client data), in the order of the dcz dictionary a client uses before any "
             "global is published: these requests, then the schema (`synapse-client fetch-probe`, "
-            "then `submit --schema schema.json --probe probe.json`). `sha256` (the ETag) names "
-            "this list; If-None-Match gives 304."
+            "then `submit --schema schema.json --probe probe.json`), and `tools`, each request's "
+            "tool (`build --probe` routes with them before any global). `sha256` names the "
+            "requests (the dictionary); the ETag names requests and tools; If-None-Match gives 304."
         ),
         responses={200: OpenApiTypes.OBJECT, 304: None},
     )
     def get(self, request):
         probe = submissions.probe_set()
-        etag = f'"{probe["sha256"]}"'
+        etag = f'"{submissions.probe_etag(probe)}"'
         if _etag_matches(request.META.get("HTTP_IF_NONE_MATCH", ""), etag):
             return Response(status=status.HTTP_304_NOT_MODIFIED, headers={"ETag": etag})
         return Response(probe, headers={"ETag": etag})

@@ -448,9 +448,10 @@ class Simulation:
             clients: dict[str, Compendium] = {}
             sent: dict[str, Compendium] = {}
             route = None
-            if pulled is not None and pulled.scenarios and self.config.since_confidence <= 1.0:
-                # What each client would route with: the pulled global, as published.
-                route = routed_by(self.router(pulled, probe))
+            if self.config.since_confidence <= 1.0 and (pulled is None or pulled.scenarios):
+                # What each client would route with: the pulled global, as published (round 1:
+                # the public probe set alone, which every client holds).
+                route = routed_by(self.router(pulled or Compendium(), probe))
             for share in shares:
                 experience = [line for period in periods[share.client][:r] for line in period]
                 if not experience:
@@ -466,9 +467,9 @@ class Simulation:
                                           self.config.contradiction_fraction, confusions, seed))
             for client, compendium in clients.items():
                 adversary = bool(adversaries) and client in adversaries
-                if pulled is not None:
+                if pulled is not None or route is not None:
                     compendium, _ = delta_since(
-                        compendium, pulled, self.engine, self.config.tau,
+                        compendium, pulled or Compendium(), self.engine, self.config.tau,
                         route=route, confidence=self.config.since_confidence,
                     )
                 if self.config.max_bytes and not adversary:
