@@ -259,7 +259,8 @@ def cmd_build(args: argparse.Namespace) -> int:
         notes = (
             f" Since {args.since}: {delta.scenarios_covered} scenario(s) "
             f"({delta.scenarios_routed} of them already routed right by it) and "
-            f"{delta.precautions_covered} precaution(s) already covered, not sent."
+            f"{delta.precautions_covered} precaution(s) ({delta.precautions_routed} of them "
+            "about requests it already sends to another tool) already covered, not sent."
         )
     elif probe and args.since_confidence <= 1.0:
         from routing.cli import probe_router
@@ -272,7 +273,8 @@ def cmd_build(args: argparse.Namespace) -> int:
         report.delta = delta.as_dict()
         notes = (
             f" Against the public probe set ({args.probe}): {delta.scenarios_routed} scenario(s) "
-            "that its router already sends to their tool, not sent."
+            f"that its router already sends to their tool and {delta.precautions_routed} "
+            "precaution(s) about requests it sends to another tool, not sent."
         )
 
     if args.max_bytes is not None:
@@ -715,6 +717,7 @@ def cmd_participate(args: argparse.Namespace) -> int:
         etag_file,
         head_file,
         nothing_to_submit,
+        round_config,
         round_mask_strength,
         weaker_masking,
     )
@@ -746,12 +749,16 @@ def cmd_participate(args: argparse.Namespace) -> int:
                 "--allow-weaker-masking); nothing built or sent"
             )
         client.fetch_schema(schema_path)
+        # A round that does not carry the previous global forward builds its global from this
+        # round's submissions alone: a client then sends what the global covers too.
+        carried = round_config(current).get("carry_forward") is not False
         try:
             pulled = client.pull(global_path)
         except NothingPublished:
             pulled = None
             for stale in (global_path, etag_file(global_path), head_file(global_path)):
                 stale.unlink(missing_ok=True)  # a global of an earlier federation
+        if pulled is None or not carried:
             client.fetch_probe(probe_path)
         global_round = pulled.round if pulled else None
         if pulled and global_round is None:
@@ -764,12 +771,16 @@ def cmd_participate(args: argparse.Namespace) -> int:
     strength = args.strength
     if strength is None:
         strength = expected if expected is not None else 1.0
-    since = str(global_path) if pulled else None
+    since = str(global_path) if pulled else None  # what the body is compressed against
+    build_since = since if carried else None  # the build leaves out what this one covers
     print(
         f"round {current['number']}: "
         + (f"against the global of round {global_round}" if global_round is not None
            else "against the global held (unchanged)" if pulled
            else "no global yet: against the public probe set")
+        + (" (compressed only: the round does not carry it forward, so what it covers is sent "
+           "too, all but what the public probe set already routes)"
+           if pulled and not carried else "")
         + f", masking at λ = {strength:g}, "
         + ("no field cap" if field_cap is None else f"field cap F* = {field_cap}")
         + (f" (the round's is {required})" if required is not None and field_cap < required else "")
@@ -781,7 +792,8 @@ def cmd_participate(args: argparse.Namespace) -> int:
             print(f"the round will not release {not_released.replace(',', ', ')}: not sent")
     cmd_build(argparse.Namespace(
         **{**vars(args), "log": args.log, "schema": str(schema_path), "out": str(out),
-           "since": since, "probe": None if since or args.no_collapse else str(probe_path),
+           "since": build_since,
+           "probe": None if build_since or args.no_collapse else str(probe_path),
            "strength": strength,
            "field_cap": field_cap, "not_released": not_released},
     ))

@@ -10,8 +10,9 @@ with `previous=`) already holds what the client pulled, so the client need only 
   already sends its text to its tool with calibrated confidence >= `confidence`: the global knows
   this case, so sending it teaches the federation nothing. What is left is what the global gets
   wrong or is unsure about: the scenarios that move it (uncertainty sampling, as in active
-  learning). Precautions keep the cosine rule only: they say what a tool is *not* for, which a
-  router's top choice does not test. Before any global is published, what every client holds is
+  learning). A precaution of tool X ("Do not use X for requests like: ...") is covered when
+  that router already sends its request to another tool with calibrated confidence >=
+  `confidence`: the global already does not use X there. Before any global is published, what every client holds is
   the public probe set: its router (`routing.cli.probe_router`, the probe alone) plays the
   pulled router's part against an empty compendium, since the server's router learns from the
   probe too;
@@ -37,6 +38,7 @@ Pure: no Django. The embedding engine is passed in.
 from __future__ import annotations
 
 import hashlib
+import re
 from collections import defaultdict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -73,6 +75,7 @@ class DeltaReport:
     scenarios_routed: int  # of the covered: left out because the router already gets them right
     precautions_kept: int
     precautions_covered: int
+    precautions_routed: int  # of the covered: the router already sends their request elsewhere
     templates_covered: int
     annex_covered: int
 
@@ -106,6 +109,19 @@ def _uncovered(
         best = float(np.max(known_vectors[rows] @ vectors[row]))
         out.append(best < tau)
     return out
+
+
+def precaution_request(precaution) -> str | None:
+    """The request a client's precaution is about (`builder.precaution_text`: "Do not use X for
+    requests like: <request> (use Y instead)"), or None for other wording."""
+    prefix = f"Do not use {precaution.tool_id} for requests like: "
+    if not precaution.text.startswith(prefix):
+        return None
+    request = _USE_INSTEAD.sub("", precaution.text[len(prefix):])
+    return request or None
+
+
+_USE_INSTEAD = re.compile(r" \(use [^ ()]+ instead\)$")
 
 
 def delta_since(
@@ -142,6 +158,20 @@ def delta_since(
         embed,
         tau,
     )
+    precautions_routed = 0
+    if route is not None and confidence <= 1.0:
+        rows = [
+            (i, request)
+            for i, keep in enumerate(precaution_keep)
+            if keep and (request := precaution_request(local.precautions[i])) is not None
+        ]
+        decisions = route([request for _, request in rows]) if rows else []
+        if len(decisions) != len(rows):
+            raise ValueError(f"the router answered {len(decisions)} decisions for {len(rows)} texts")
+        for (i, _), (tool, conf) in zip(rows, decisions, strict=True):
+            if tool is not None and tool != local.precautions[i].tool_id and conf >= confidence:
+                precaution_keep[i] = False
+                precautions_routed += 1
     pulled_templates = {(t.tool_id, t.signature): t.template for t in pulled.templates}
     templates = [
         t for t in local.templates if pulled_templates.get((t.tool_id, t.signature)) != t.template
@@ -164,6 +194,7 @@ def delta_since(
         scenarios_routed=routed,
         precautions_kept=len(precautions),
         precautions_covered=len(local.precautions) - len(precautions),
+        precautions_routed=precautions_routed,
         templates_covered=len(local.templates) - len(templates),
         annex_covered=len(local.annex) - len(annex),
     )

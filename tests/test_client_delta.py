@@ -103,6 +103,36 @@ def test_scenarios_the_pulled_router_already_gets_right_are_left_out(engine):
         delta_since(local, pulled, engine, tau=0.99, route=lambda texts: route(texts)[:2])
 
 
+def test_precautions_whose_request_the_pulled_router_already_sends_elsewhere_are_left_out(engine):
+    pulled = comp(scenarios=[("weather", "Will it rain tomorrow in Paris?"),
+                             ("flights", "Find a cheap flight to Rome")])
+    avoided = "Do not use weather for requests like: Any seats left to Lisbon (use flights instead)"
+    still_chosen = "Do not use flights for requests like: Is the Rome flight on time"
+    unsure = "Do not use weather for requests like: Cheap hotels near the airport"
+    other_wording = "Never call weather for flight bookings"
+    local = comp(precautions=[("weather", avoided), ("flights", still_chosen),
+                              ("weather", unsure), ("weather", other_wording)])
+    answers = {
+        "Any seats left to Lisbon": ("flights", 0.9),  # the global already avoids weather: out
+        "Is the Rome flight on time": ("flights", 0.95),  # still sent to flights: kept
+        "Cheap hotels near the airport": ("flights", 0.3),  # elsewhere, but unsure: kept
+    }
+    asked = []
+
+    def route(texts):
+        asked.append(list(texts))
+        return [answers[t] for t in texts]
+
+    delta, report = delta_since(local, pulled, engine, tau=0.99, route=route, confidence=0.5)
+    assert [p.text for p in delta.precautions] == [still_chosen, unsure, other_wording]
+    assert (report.precautions_covered, report.precautions_routed) == (1, 1)
+    # Only the requests are routed ("(use Y instead)" is not part of one); other wording is not.
+    assert asked == [["Any seats left to Lisbon", "Is the Rome flight on time",
+                      "Cheap hotels near the airport"]]
+    off, off_report = delta_since(local, pulled, engine, tau=0.99, route=route, confidence=1.01)
+    assert off.precautions == local.precautions and off_report.precautions_routed == 0
+
+
 TWO_TOOLS = {
     "tools": [
         {"tool_id": "weather", "description": "Weather forecasts for a city"},
@@ -133,8 +163,8 @@ def test_cli_build_since_a_pulled_global(tmp_path, capsys):
     )
     assert main(args[:-2] + ["--out", str(tmp_path / "full.json")]) == 0
     assert main(args + ["--out", str(tmp_path / "delta.json")]) == 0
-    assert ("1 scenario(s) (0 of them already routed right by it) and 0 precaution(s) already "
-            "covered") in capsys.readouterr().out
+    assert ("1 scenario(s) (0 of them already routed right by it) and 0 precaution(s) (0 of them "
+            "about requests it already sends to another tool) already covered") in capsys.readouterr().out
     full = json.loads((tmp_path / "full.json").read_text())
     delta = json.loads((tmp_path / "delta.json").read_text())
     assert len(full["scenarios"]) == 2

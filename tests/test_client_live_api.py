@@ -201,6 +201,49 @@ def test_participate_runs_a_whole_client_round(live_server, world, tmp_path, cap
     assert "round 2: against the global of round 1, masking at λ = 1" in capsys.readouterr().out
 
 
+def test_participate_sends_what_the_global_covers_when_the_round_does_not_carry_it_forward(
+    live_server, world, tmp_path, capsys
+):
+    """A round with carry_forward off builds its global from its own submissions: participate
+    compresses against the pulled global but leaves nothing out because the global covers it."""
+    from compendium.services import store_compendium
+
+    log, state = tmp_path / "usage.jsonl", tmp_path / "state"
+    _usage_log(log)
+    server = ["--server", live_server.url, "--token", world.token_a, "--backoff", "0"]
+    command = ["participate", "--log", str(log), "--dir", str(state), "--quiet", "--lambda", "1",
+               *server]
+    first = services.open_round(services.Actor(None), {"mask_strength": 1.0})
+    # The published global of round 1 already holds everything this client would build.
+    schema_path, everything = tmp_path / "schema.json", tmp_path / "all.json"
+    schema_path.write_text(submissions.schema_in_force().model_dump_json(), encoding="utf-8")
+    assert main(["build", "--log", str(log), "--schema", str(schema_path), "--quiet",
+                 "--out", str(everything)]) == 0
+    built = json.loads(everything.read_text())
+    Round.objects.filter(pk=first.pk).update(state=Round.State.PUBLISHED, published_at=timezone.now())
+    store_compendium(load_valid_compendium(built, submissions.schema_in_force()), kind="global",
+                     round=first)
+    capsys.readouterr()
+    # Carried forward (the default): every scenario is covered; this round's statistics go.
+    services.open_round(services.Actor(None), {"mask_strength": 1.0})
+    assert main(command) == 0
+    assert "submitted to round 2" in capsys.readouterr().out
+    assert built["scenarios"] and json.loads((state / "compendium.json").read_text())["scenarios"] == []
+    # Not carried forward: every scenario goes (no probe set is imported here, so its router
+    # leaves nothing out either), compressed against the pulled global.
+    Round.objects.filter(state=Round.State.OPEN).update(state=Round.State.PUBLISHED,
+                                                       published_at=timezone.now())
+    services.open_round(services.Actor(None), {"mask_strength": 1.0, "carry_forward": False})
+    assert main(command) == 0
+    out = capsys.readouterr().out
+    assert "(compressed only: the round does not carry it forward" in out
+    assert "submitted to round 3" in out
+    sent = json.loads((state / "compendium.json").read_text())
+    assert sent["scenarios"] == built["scenarios"]
+    stored = Submission.objects.get(client=world.client_a, round__number=3)
+    assert stored.content_encoding == "dcz"
+
+
 def test_participate_and_status_follow_the_rounds_field_cap(live_server, world, tmp_path, capsys):
     log, state = tmp_path / "usage.jsonl", tmp_path / "state"
     _usage_log(log)

@@ -163,13 +163,15 @@ def test_clients_send_only_what_changed_when_the_global_is_carried_forward(tiny_
     schema = Schema(tools=dataset.tools)
     results = {}
     for carry in (True, False):
+        # Without carrying forward, and with the routing rule off, clients send everything.
         config = SimulationConfig(orgs=2, clients_per_org=2, rounds=3, baselines=False,
-                                  carry_forward=carry)
+                                  carry_forward=carry, since_confidence=0.8 if carry else 1.01)
         result = Simulation(dataset, schema, get_engine(), config).run_seed(1)
         results[carry] = result
     delta, full = results[True], results[False]
-    # Round 1 is the same; afterwards a client sends less than its whole compendium.
-    assert delta.communication["bytes_round_1"] == full.communication["bytes_round_1"]
+    # Round 1 leaves out what the probe set's router already routes; afterwards a client sends
+    # less than its whole compendium.
+    assert delta.communication["bytes_round_1"] < full.communication["bytes_round_1"]
     assert delta.communication["bytes_round_3"] < full.communication["bytes_round_3"]
     assert delta.communication["bytes_per_client_round"] < full.communication["bytes_per_client_round"]
     # ...and the global keeps what earlier rounds taught it: no accuracy is lost.

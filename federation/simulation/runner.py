@@ -106,11 +106,13 @@ class SimulationConfig:
     adversarial_fraction: float = 0.0
     adversarial_mode: str = "random_corruption"
     # The server carries the previous global forward and each client sends only what changed
-    # since the global it pulled (compendium.delta); False: every client resends everything.
+    # since the global it pulled (compendium.delta); False: every client resends everything
+    # but what the public probe set's router already routes (as `participate` does then).
     carry_forward: bool = True
-    # With carry-forward, a client also leaves out the scenarios the pulled global's router
-    # already sends to their tool with at least this calibrated confidence (compendium.delta);
-    # above 1: the cosine rule alone.
+    # A client also leaves out the scenarios the pulled global's router (before any global, or
+    # without carry-forward: the public probe set's) already sends to their tool, and the
+    # precautions whose request it sends to another tool, with at least this calibrated
+    # confidence (compendium.delta); above 1: the cosine rule alone.
     since_confidence: float = DEFAULT_SINCE_CONFIDENCE
     # Each honest client cuts what it sends to at most this many canonical bytes
     # (`compendium.delta.fit_budget`); None: no budget. Adversaries ignore it.
