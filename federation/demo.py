@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from compendium import transport
 from compendium.builder import BuildOptions, build_compendium
 from compendium.canonical import canonical_form
+from compendium.client_api import nothing_to_submit
 from compendium.delta import delta_since, routed_by
 from compendium.registry import load_dataset
 from compendium.schema import Compendium
@@ -126,6 +127,8 @@ def run_demo_rounds(
                 compendium, _ = delta_since(
                     compendium, pulled or Compendium(), get_engine(), route=route
                 )
+            if nothing_to_submit(compendium):
+                continue  # as `synapse-client participate`: nothing new, nothing sent
             form = canonical_form(compendium)
             # Sent as `synapse-client submit --since` sends it: dcz against the pulled global
             # (round 1: the probe set's requests and the schema), read back by the server's own
