@@ -771,6 +771,44 @@ def _head_problem(data: bytes) -> str | None:
     return None
 
 
+def sent_file(folder: Path) -> Path:
+    """Where `participate` records what this client sent, round by round: FOLDER/sent.json."""
+    return Path(folder) / "sent.json"
+
+
+def sent_before(path: Path, up_to_round: int | None) -> set[str]:
+    """The keys (`delta.sent_keys`) of what this client sent in rounds up to `up_to_round` (the
+    round of the global it pulled: those submissions are merged into it); empty without a
+    record, or when the record cannot be read (then everything is offered again: never less)."""
+    if up_to_round is None:
+        return set()
+    try:
+        rounds = json.loads(Path(path).read_bytes()).get("rounds", {})
+        return {
+            key
+            for number, keys in rounds.items()
+            if int(number) <= up_to_round
+            for key in keys
+            if isinstance(key, str)
+        }
+    except (OSError, ValueError, AttributeError, TypeError):
+        return set()
+
+
+def record_sent(path: Path, round_number: int, keys: set[str]) -> None:
+    """Record what this client's submission to `round_number` holds; a new submission to the
+    same round replaces it, as the server replaces the submission."""
+    path = Path(path)
+    try:
+        rounds = json.loads(path.read_bytes()).get("rounds", {})
+        if not isinstance(rounds, dict):
+            rounds = {}
+    except (OSError, ValueError, AttributeError):
+        rounds = {}
+    rounds[str(round_number)] = sorted(keys)
+    write_atomically(path, json.dumps({"rounds": rounds}, sort_keys=True).encode("utf-8"))
+
+
 def write_atomically(path: Path, data: bytes) -> None:
     """Write to a temporary file beside `path` and rename it over: never a half-written file.
     An OSError names `path` (not the temporary file), as `cannot write PATH: reason`."""

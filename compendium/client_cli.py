@@ -20,7 +20,14 @@ from pydantic import ValidationError
 
 from compendium import transport
 from compendium.canonical import canonical_dict, canonical_form
-from compendium.delta import DEFAULT_SINCE_CONFIDENCE, delta_since, fit_budget, routed_by
+from compendium.delta import (
+    DEFAULT_SINCE_CONFIDENCE,
+    delta_since,
+    fit_budget,
+    routed_by,
+    sent_keys,
+    without_sent,
+)
 from compendium.masking import SHARED_WORD_USERS, valid_shared_word_users
 from compendium.schema import DEFAULT_NUMERIC_FIELDS, Compendium, Schema
 from compendium.validation import CompendiumInvalid, format_path, validate_compendium
@@ -262,6 +269,14 @@ def cmd_build(args: argparse.Namespace) -> int:
             f"{delta.precautions_covered} precaution(s) ({delta.precautions_routed} of them "
             "about requests it already sends to another tool) already covered, not sent."
         )
+        earlier = getattr(args, "sent_before", None)
+        if earlier:
+            compendium, again = without_sent(compendium, earlier)
+            report.delta["sent_before"] = again
+            notes += (
+                f" {again} scenario(s) and precaution(s) this client sent in earlier rounds "
+                "(the global holds them, merged), not sent again."
+            )
     elif probe and args.since_confidence <= 1.0:
         from routing.cli import probe_router
 
@@ -709,16 +724,21 @@ def cmd_status(args: argparse.Namespace) -> int:
 def cmd_participate(args: argparse.Namespace) -> int:
     """One client round, as a scheduler runs it: the schema in force, the latest global (or,
     before any, the public probe set), `build` against it at the round's masking strength, and
-    `submit` as dcz against it. Files go to --dir; running it again in the same round sends the
-    same bytes (replayed by the server, not stored twice) or, after new usage, replaces the
-    round's earlier submission."""
+    `submit` as dcz against it. Files go to --dir, with a record of what each round's
+    submission held (sent.json): what the pulled global's rounds already received is not sent
+    again. Running it again in the same round sends the same bytes (replayed by the server, not
+    stored twice) or, after new usage, replaces the round's earlier submission."""
     from compendium.client_api import (
+        CannotWrite,
         NothingPublished,
         etag_file,
         head_file,
         nothing_to_submit,
+        record_sent,
         round_config,
         round_mask_strength,
+        sent_before,
+        sent_file,
         weaker_masking,
     )
 
@@ -756,7 +776,8 @@ def cmd_participate(args: argparse.Namespace) -> int:
             pulled = client.pull(global_path)
         except NothingPublished:
             pulled = None
-            for stale in (global_path, etag_file(global_path), head_file(global_path)):
+            for stale in (global_path, etag_file(global_path), head_file(global_path),
+                          sent_file(folder)):
                 stale.unlink(missing_ok=True)  # a global of an earlier federation
         if pulled is None or not carried:
             client.fetch_probe(probe_path)
@@ -790,20 +811,32 @@ def cmd_participate(args: argparse.Namespace) -> int:
         not_released = ",".join(current.get("fields_not_released") or ())
         if not_released:
             print(f"the round will not release {not_released.replace(',', ', ')}: not sent")
+    # What this client sent in the rounds the pulled global merged (recorded in --dir): a
+    # global carried forward holds it, so the same text is not sent again.
+    ledger = sent_file(folder)
     cmd_build(argparse.Namespace(
         **{**vars(args), "log": args.log, "schema": str(schema_path), "out": str(out),
            "since": build_since,
            "probe": None if build_since or args.no_collapse else str(probe_path),
            "strength": strength,
-           "field_cap": field_cap, "not_released": not_released},
+           "field_cap": field_cap, "not_released": not_released,
+           "sent_before": sent_before(ledger, global_round) if build_since else None},
     ))
-    if nothing_to_submit(_load_compendium(str(out))):
+    built = _load_compendium(str(out))
+    if nothing_to_submit(built):
         print(f"{out}: nothing new since the global: nothing sent this round")
         return 0
-    return cmd_submit(argparse.Namespace(
+    status = cmd_submit(argparse.Namespace(
         **{**vars(args), "compendium": str(out), "no_gzip": False, "since": since,
            "schema": None if since else str(schema_path), "probe": None if since else str(probe_path)},
     ))
+    if status == 0:
+        try:
+            record_sent(ledger, current["number"], sent_keys(built))
+        except CannotWrite as exc:
+            print(f"{PROG}: warning: {exc}: the next round may send some of this again",
+                  file=sys.stderr)
+    return status
 
 
 def _load_probe(path: str) -> list[str]:

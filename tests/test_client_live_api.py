@@ -244,6 +244,54 @@ def test_participate_sends_what_the_global_covers_when_the_round_does_not_carry_
     assert stored.content_encoding == "dcz"
 
 
+def test_participate_does_not_send_again_what_it_sent_in_a_round_the_global_merged(
+    live_server, world, tmp_path, capsys
+):
+    from compendium.client_api import record_sent, sent_before, sent_file
+    from compendium.services import store_compendium
+
+    log, state = tmp_path / "usage.jsonl", tmp_path / "state"
+    _usage_log(log)
+    server = ["--server", live_server.url, "--token", world.token_a, "--backoff", "0"]
+    command = ["participate", "--log", str(log), "--dir", str(state), "--quiet", "--lambda", "1",
+               *server]
+    first = services.open_round(services.Actor(None), {"mask_strength": 1.0})
+    assert main(command) == 0
+    round1 = json.loads((state / "compendium.json").read_text())
+    entries = len(round1["scenarios"]) + len(round1["precautions"])
+    assert round1["scenarios"] and len(sent_before(sent_file(state), 1)) == entries
+    # Round 1 publishes a global that merged other clients' requests (nothing of this client's
+    # wording survives: the cosine rule alone would send all of it again).
+    other = {"scenarios": [{"tool_id": "calculator", "text": "Evaluate two plus two"}]}
+    Round.objects.filter(pk=first.pk).update(state=Round.State.PUBLISHED, published_at=timezone.now())
+    store_compendium(load_valid_compendium(other, submissions.schema_in_force()), kind="global",
+                     round=first)
+    services.open_round(services.Actor(None), {"mask_strength": 1.0})
+    capsys.readouterr()
+    assert main([*command, "--since-confidence", "2"]) == 0
+    out = capsys.readouterr().out
+    assert f"{entries} scenario(s) and precaution(s) this client sent in earlier rounds" in out
+    round2 = json.loads((state / "compendium.json").read_text())
+    assert round2["scenarios"] == [] and round2["precautions"] == []
+    report = json.loads((state / "compendium.json.report.json").read_text())
+    assert report["delta"]["sent_before"] == entries
+    # Again in the same round: the same bytes (round 2's own record does not count).
+    assert main([*command, "--since-confidence", "2"]) == 0
+    assert "replayed" in capsys.readouterr().out
+    # Without the record (another machine, a lost folder) everything goes again: never less.
+    sent_file(state).write_text("not json")
+    assert sent_before(sent_file(state), 1) == set()
+    assert main([*command, "--since-confidence", "2"]) == 0
+    resent = json.loads((state / "compendium.json").read_text())
+    assert resent["scenarios"] == round1["scenarios"]
+    # The record keeps one entry per round, the latest submission's.
+    record_sent(sent_file(state), 1, {"a"})
+    record_sent(sent_file(state), 2, {"b"})
+    record_sent(sent_file(state), 2, {"c"})
+    assert sent_before(sent_file(state), 1) == {"a"} and sent_before(sent_file(state), 2) == {"a", "c"}
+    assert sent_before(sent_file(state), None) == set()
+
+
 def test_participate_and_status_follow_the_rounds_field_cap(live_server, world, tmp_path, capsys):
     log, state = tmp_path / "usage.jsonl", tmp_path / "state"
     _usage_log(log)

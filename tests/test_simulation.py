@@ -599,9 +599,12 @@ def test_the_summarizer_sweep_counts_what_the_llm_wrote_and_what_fell_back(tiny_
 
 def test_contradictory_scenarios_with_and_without_the_conflict_log(twin_dataset, tmp_path):
     """40% of the clients' scenarios contradicted by another client of their organization (the same
-    request for a confusable twin): the conflict log keeps the labels that fit the public probe
-    and routes better than merging everything as it comes; with no contradictions it changes
-    nothing here."""
+    request for a confusable twin): contradictions cost accuracy with or without the conflict
+    log, and the log keeps the global from taking the contradicting copies; with no
+    contradictions it changes nothing here. (On these twins, whose descriptions are the same
+    and whose probe covers one intent in three, the probe cannot tell which label is right:
+    since clients no longer send again what they sent before, keeping both labels routes better
+    than the log's choice, 0.893 against 0.777 on this seed; see EXPERIMENTS.md.)"""
     out = tmp_path / "contradictions.json"
     stdout = io.StringIO()
     call_command(
@@ -612,7 +615,11 @@ def test_contradictory_scenarios_with_and_without_the_conflict_log(twin_dataset,
     rows = {(r["contradiction_fraction"], r["conflict_log"]): r for r in json.loads(out.read_text())["contradictions"]}
     assert set(rows) == {(0.0, True), (0.0, False), (0.4, True), (0.4, False)}
     assert rows[(0.0, True)]["accuracy"] == rows[(0.0, False)]["accuracy"]
-    assert rows[(0.4, True)]["accuracy"] >= rows[(0.4, False)]["accuracy"] + 0.03, rows
+    assert rows[(0.0, True)]["global_scenarios"] == rows[(0.0, False)]["global_scenarios"]
+    for log in (True, False):
+        assert rows[(0.4, log)]["accuracy"] < rows[(0.0, log)]["accuracy"], rows
+        assert rows[(0.4, log)]["global_scenarios"] > rows[(0.0, log)]["global_scenarios"], rows
+    assert rows[(0.4, True)]["global_scenarios"] < rows[(0.4, False)]["global_scenarios"], rows
     assert "contradictory scenarios" in stdout.getvalue()
 
 

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import gzip
 import random
-from collections import Counter
+from collections import Counter, defaultdict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -28,7 +28,14 @@ import numpy as np
 from compendium import transport
 from compendium.builder import BuildOptions, build_compendium
 from compendium.canonical import canonical_bytes
-from compendium.delta import DEFAULT_SINCE_CONFIDENCE, delta_since, fit_budget, routed_by
+from compendium.delta import (
+    DEFAULT_SINCE_CONFIDENCE,
+    delta_since,
+    fit_budget,
+    routed_by,
+    sent_keys,
+    without_sent,
+)
 from compendium.masking import SHARED_WORD_USERS
 from compendium.registry import LabelledQuery, RoutingDataset, Split
 from compendium.schema import Compendium, Scenario, Schema
@@ -442,6 +449,7 @@ class Simulation:
         not_released = drowned_fields(
             self.schema, config, max(enrolled.values(), default=0), len(enrolled)
         )
+        sent_before: dict[str, set[str]] = defaultdict(set)  # each client's record of what it sent
         for r in range(1, rounds + 1):
             if published is not None and not aggregates_in(r, self.config.aggregate_every):
                 outcomes.append(RoundOutcome(r, published, {}, {}, [], [], [], {}))
@@ -474,6 +482,9 @@ class Simulation:
                         compendium, pulled or Compendium(), self.engine, self.config.tau,
                         route=route, confidence=self.config.since_confidence,
                     )
+                if pulled is not None:
+                    compendium, _ = without_sent(compendium, sent_before[client])
+                sent_before[client] |= sent_keys(compendium)
                 if self.config.max_bytes and not adversary:
                     compendium, _ = fit_budget(compendium, self.config.max_bytes)
                 sent[client] = compendium
