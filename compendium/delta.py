@@ -12,10 +12,12 @@ with `previous=`) already holds what the client pulled, so the client need only 
   wrong or is unsure about: the scenarios that move it (uncertainty sampling, as in active
   learning). A precaution of tool X ("Do not use X for requests like: ...") is covered when
   that router already sends its request to another tool with calibrated confidence >=
-  `confidence`: the global already does not use X there. Before any global is published, what every client holds is
-  the public probe set: its router (`routing.cli.probe_router`, the probe alone) plays the
-  pulled router's part against an empty compendium, since the server's router learns from the
-  probe too;
+  `confidence`: the global already does not use X there. Before any global is published, what
+  every client holds is the public probe set: its router (`routing.cli.probe_router`, the probe
+  alone) plays the pulled router's part against an empty compendium, since the server's router
+  learns from the probe too;
+- and (`without_sent`, what `participate` records) the scenarios and precautions the client
+  sent word for word in a round the pulled global merged;
 - prompt templates that differ from the pulled one for the same (tool, signature);
 - annex triples the pulled compendium does not have;
 - the numeric statistics, always: they are this round's per-user averages, released with fresh
@@ -202,7 +204,7 @@ def delta_since(
 
 
 def sent_keys(compendium: Compendium) -> set[str]:
-    """What identifies each scenario and precautions of `compendium` in a client's record of
+    """What identifies each scenario and precaution of `compendium` in a client's record of
     what it sent (`without_sent`): a digest of its kind, tool and text."""
     return {_sent_key("s", s.tool_id, s.text) for s in compendium.scenarios} | {
         _sent_key("p", p.tool_id, p.text) for p in compendium.precautions
