@@ -25,6 +25,7 @@ import copy
 import json
 import random
 import re
+import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
@@ -290,7 +291,14 @@ def fit_linear_head(
         if len(labels):
             x = np.vstack([x, np.asarray(vectors, dtype=np.float32)])
             y = np.concatenate([y, np.array([position[t] for t in labels], dtype=np.int64)])
-    model = LogisticRegression(C=c, max_iter=1000).fit(x, y)
+    with warnings.catch_warnings():
+        # Many tools with one or two rows each (a head over a small probe set alone, before any
+        # global) is still a classification: sklearn's "could represent a regression" guess is not.
+        warnings.filterwarnings(
+            "ignore", message="The number of unique classes is greater than 50%",
+            category=UserWarning,
+        )
+        model = LogisticRegression(C=c, max_iter=1000).fit(x, y)
     # Every tool has a scenario or an example, so the classes are exactly 0..len(tools)-1.
     coef, intercept = model.coef_, model.intercept_
     if len(tools) == 2:  # sklearn's binary form: logit of class 1 = its softmax with class 0 at 0
