@@ -126,6 +126,14 @@ def precaution_request(precaution) -> str | None:
 _USE_INSTEAD = re.compile(r" \(use [^ ()]+ instead\)$")
 
 
+def _routed(route: RouteFn, texts: list[str]) -> list[tuple[str | None, float]]:
+    """`route(texts)`, checked: one decision per text (never a silent drop)."""
+    decisions = route(texts) if texts else []
+    if len(decisions) != len(texts):
+        raise ValueError(f"the router answered {len(decisions)} decisions for {len(texts)} texts")
+    return decisions
+
+
 def delta_since(
     local: Compendium,
     pulled: Compendium,
@@ -147,9 +155,7 @@ def delta_since(
     routed = 0
     if route is not None and confidence <= 1.0:
         rows = [i for i, keep in enumerate(scenario_keep) if keep]
-        decisions = route([local.scenarios[i].text for i in rows]) if rows else []
-        if len(decisions) != len(rows):
-            raise ValueError(f"the router answered {len(decisions)} decisions for {len(rows)} texts")
+        decisions = _routed(route, [local.scenarios[i].text for i in rows])
         for i, (tool, conf) in zip(rows, decisions, strict=True):
             if tool == local.scenarios[i].tool_id and conf >= confidence:
                 scenario_keep[i] = False
@@ -167,9 +173,7 @@ def delta_since(
             for i, keep in enumerate(precaution_keep)
             if keep and (request := precaution_request(local.precautions[i])) is not None
         ]
-        decisions = route([request for _, request in rows]) if rows else []
-        if len(decisions) != len(rows):
-            raise ValueError(f"the router answered {len(decisions)} decisions for {len(rows)} texts")
+        decisions = _routed(route, [request for _, request in rows])
         for (i, _), (tool, conf) in zip(rows, decisions, strict=True):
             if tool is not None and tool != local.precautions[i].tool_id and conf >= confidence:
                 precaution_keep[i] = False
