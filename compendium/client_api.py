@@ -776,6 +776,15 @@ def sent_file(folder: Path) -> Path:
     return Path(folder) / "sent.json"
 
 
+def _sent_rounds(path: Path) -> dict:
+    """The record at `path`: {round number (str): [keys]}; {} when missing or unreadable."""
+    try:
+        rounds = json.loads(Path(path).read_bytes()).get("rounds", {})
+    except (OSError, ValueError, AttributeError):
+        return {}
+    return rounds if isinstance(rounds, dict) else {}
+
+
 def sent_before(path: Path, up_to_round: int | None) -> set[str]:
     """The keys (`delta.sent_keys`) of what this client sent in rounds up to `up_to_round` (the
     round of the global it pulled: those submissions are merged into it); empty without a
@@ -783,30 +792,23 @@ def sent_before(path: Path, up_to_round: int | None) -> set[str]:
     if up_to_round is None:
         return set()
     try:
-        rounds = json.loads(Path(path).read_bytes()).get("rounds", {})
         return {
             key
-            for number, keys in rounds.items()
+            for number, keys in _sent_rounds(path).items()
             if int(number) <= up_to_round
             for key in keys
             if isinstance(key, str)
         }
-    except (OSError, ValueError, AttributeError, TypeError):
+    except (ValueError, TypeError):
         return set()
 
 
 def record_sent(path: Path, round_number: int, keys: set[str]) -> None:
     """Record what this client's submission to `round_number` holds; a new submission to the
     same round replaces it, as the server replaces the submission."""
-    path = Path(path)
-    try:
-        rounds = json.loads(path.read_bytes()).get("rounds", {})
-        if not isinstance(rounds, dict):
-            rounds = {}
-    except (OSError, ValueError, AttributeError):
-        rounds = {}
+    rounds = _sent_rounds(path)
     rounds[str(round_number)] = sorted(keys)
-    write_atomically(path, json.dumps({"rounds": rounds}, sort_keys=True).encode("utf-8"))
+    write_atomically(Path(path), json.dumps({"rounds": rounds}, sort_keys=True).encode("utf-8"))
 
 
 def write_atomically(path: Path, data: bytes) -> None:

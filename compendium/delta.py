@@ -210,21 +210,21 @@ def delta_since(
 def sent_keys(compendium: Compendium) -> set[str]:
     """What identifies each scenario and precaution of `compendium` in a client's record of
     what it sent (`without_sent`): a digest of its kind, tool and text."""
-    return {_sent_key("s", s.tool_id, s.text) for s in compendium.scenarios} | {
-        _sent_key("p", p.tool_id, p.text) for p in compendium.precautions
+    return {_sent_key("s", s) for s in compendium.scenarios} | {
+        _sent_key("p", p) for p in compendium.precautions
     }
 
 
-def _sent_key(kind: str, tool: str, text: str) -> str:
-    return hashlib.sha256(f"{kind}\0{tool}\0{text}".encode()).hexdigest()[:32]
+def _sent_key(kind: str, entry) -> str:
+    return hashlib.sha256(f"{kind}\0{entry.tool_id}\0{entry.text}".encode()).hexdigest()[:32]
 
 
 def without_sent(local: Compendium, sent: set[str]) -> tuple[Compendium, int]:
     """`local` without the scenarios and precautions this client already sent in an earlier round
     of the same federation (`sent`, from `sent_keys`): a server that carries its global forward
     has them, merged; the same text again tells it nothing new. How many were left out."""
-    scenarios = [s for s in local.scenarios if _sent_key("s", s.tool_id, s.text) not in sent]
-    precautions = [p for p in local.precautions if _sent_key("p", p.tool_id, p.text) not in sent]
+    scenarios = [s for s in local.scenarios if _sent_key("s", s) not in sent]
+    precautions = [p for p in local.precautions if _sent_key("p", p) not in sent]
     dropped = len(local.scenarios) - len(scenarios) + len(local.precautions) - len(precautions)
     return local.model_copy(update={"scenarios": scenarios, "precautions": precautions}), dropped
 

@@ -484,9 +484,9 @@ class Simulation:
                     )
                 if pulled is not None:
                     compendium, _ = without_sent(compendium, sent_before[client])
-                sent_before[client] |= sent_keys(compendium)
                 if self.config.max_bytes and not adversary:
                     compendium, _ = fit_budget(compendium, self.config.max_bytes)
+                sent_before[client] |= sent_keys(compendium)  # what the budget deferred is not sent
                 sent[client] = compendium
             self.progress(f"seed {seed}: round {r}: edge and server merges")
             edges = []
