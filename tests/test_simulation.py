@@ -201,6 +201,37 @@ def test_a_byte_budget_holds_each_honest_submission(tiny_dataset):
     assert sum(outcomes[0].bytes_raw) < sum(unbounded[0].bytes_raw)
 
 
+def test_what_the_byte_budget_deferred_is_offered_again_in_a_later_round(tiny_dataset, monkeypatch):
+    """A client's record of what it sent holds what it sent, not what it built: an entry the byte
+    budget left out of round 1 is not "already sent", so a later round offers it again."""
+    from compendium.delta import sent_keys
+    from compendium.schema import Compendium
+    from federation.simulation import runner
+
+    free = _simulation(tiny_dataset, rounds=3)
+    setup = free.prepare(1)
+    unbounded = free.federate(setup.shares, setup.logs, setup.split.probe, 1)
+    first_round = len(unbounded[0].submissions)
+    calls = []
+
+    def defer_round_1(compendium, max_bytes):  # round 1's budget defers every entry
+        calls.append(max_bytes)
+        if len(calls) <= first_round:
+            compendium = compendium.model_copy(update={"scenarios": [], "precautions": []})
+        return compendium, None
+
+    monkeypatch.setattr(runner, "fit_budget", defer_round_1)
+    outcomes = _simulation(tiny_dataset, rounds=3, max_bytes=10**9).federate(
+        setup.shares, setup.logs, setup.split.probe, 1)
+    assert not any(sent.scenarios for sent in outcomes[0].submissions.values())
+    offered_again = {
+        client: sent_keys(built) & set().union(
+            *(sent_keys(o.submissions.get(client, Compendium())) for o in outcomes[1:]))
+        for client, built in unbounded[0].submissions.items()
+    }
+    assert any(offered_again.values()), offered_again
+
+
 # --- transfer: the final global compendium under other models, rerankers and LLMs -------------
 
 FP32 = "bundled:all-MiniLM-L6-v2"
