@@ -45,6 +45,9 @@ def main(argv: list[str] | None = None) -> int:
     variants = simulation.transfer_variants() if simulation.config.transfer_models else []
     if not variants and not args.tune_router:
         parser.error("nothing to score: give --transfer-models and/or --tune-router")
+    from federation.simulation.report import host
+
+    facts = host(simulation.engine)  # where it ran: simulate's documents say the same
     rows = []
     started = time.perf_counter()
     for seed in range(args.seed, args.seed + max(1, args.seeds)):
@@ -69,7 +72,7 @@ def main(argv: list[str] | None = None) -> int:
         write_json(args.out, {
             "command": "python bench/transfer_centralized.py " + " ".join(sys.argv[1:] if argv is None else argv),
             "compendium": "centralized", "rows": rows,
-            "seconds": round(time.perf_counter() - started, 1),
+            "seconds": round(time.perf_counter() - started, 1), "host": facts,
         })
     print_table(rows, ["seed", "model", "reranker", "accuracy", "macro_accuracy"])
     return 0

@@ -114,6 +114,10 @@ def test_tiny_simulation_end_to_end(twin_dataset, tmp_path):
     # dcz against the schema, then against the global each client pulled, beats plain gzip.
     assert communication["dcz_bytes_per_client_round"] < communication["gzip_bytes_per_client_round"]
     assert 0 <= document["privacy"]["membership_auroc"] <= 1
+    # Where it ran: int8 embeddings differ slightly between instruction sets.
+    assert document["host"]["cpu"] and isinstance(document["host"]["isa"], list)
+    assert document["host"]["onnxruntime"] and document["host"]["python"].count(".") == 2
+    assert len(document["host"]["embedding_fingerprint"]) == 16
     assert len(document["privacy_sweep"]) == 2 and len(document["adversarial"]) == 2
     anonymous = {row["min_users"]: row for row in document["release_sweep"]}
     assert anonymous[2]["bytes_per_client_round"] < anonymous[1]["bytes_per_client_round"]
@@ -378,6 +382,7 @@ def test_bad_client_options_are_refused_before_anything_runs(tiny_dataset, capsy
     (["--seeds", "0"], "--seeds must be at least 1, not 0"),
     (["--test-limit", "0"], "--test-limit must be at least 1, not 0"),
     (["--adversarial-fraction", "1.5"], r"--adversarial-fraction must be in \[0, 1\], not 1\.5"),
+    (["--camouflage-share", "-0.1"], r"--camouflage-share must be in \[0, 1\], not -0\.1"),
     (["--lambda", "-1"], "^--lambda: Input should be greater than or equal to 0$"),
     (["--epsilon", "0"], "^--epsilon: Input should be greater than or equal to"),
     # A sweep's bad value is refused before the main run, not after it.
@@ -432,10 +437,43 @@ def test_the_edges_drop_relabelling_clients_whole_and_spare_honest_ones(tiny_dat
     assert row["adversarial_submissions"] == 6 and row["honest_submissions"] == 6
     assert row["dropped_honest"] == 0
     assert row["dropped_adversarial"] == 6
+    # Relabelled at random over 8 tools: most of what they sent carries another tool.
+    assert 0.6 * row["adversarial_scenarios"] < row["relabelled_adversarial_scenarios"] \
+        <= row["adversarial_scenarios"]
     clean = make(config).run_seed(1).screening
     assert clean == {"honest_submissions": 12, "dropped_honest": 0, "adversarial_submissions": 0,
                      "dropped_adversarial": 0, "robust_dropped_honest": 0,
-                     "robust_dropped_adversarial": 0}
+                     "robust_dropped_adversarial": 0, "adversarial_scenarios": 0,
+                     "relabelled_adversarial_scenarios": 0}
+
+
+@pytest.mark.parametrize("share", [0.3, 0.5])
+def test_a_camouflaged_adversary_relabels_that_share_of_every_submission(tiny_dataset, share):
+    """The client rules leave home what the pulled global already routes to its tool, which a
+    relabelled entry never is: the camouflaged adversary relabels a share of what it would send
+    honestly, so that share holds in every round, not only in what it built."""
+    from federation.simulation.runner import _relabelled
+
+    sim = _simulation(tiny_dataset, rounds=3, adversarial_fraction=0.5,
+                      adversarial_mode="camouflaged_poisoning", camouflage_share=share)
+    setup = sim.prepare(1)
+    outcomes = sim.federate(setup.shares, setup.logs, setup.split.probe, 1, setup.adversaries)
+    checked = 0
+    for outcome in outcomes:
+        for client in setup.adversaries:
+            sent = outcome.submissions.get(client)
+            if sent is None or not sent.scenarios:
+                continue
+            honest = outcome.client_compendiums[client]
+            assert outcome.relabelled[client] == _relabelled(honest, sent) \
+                == round(share * len(sent.scenarios)), (outcome.round, client)
+            assert all(s.support == 50 for s in sent.scenarios
+                       if s.tool_id not in {h.tool_id for h in honest.scenarios if h.text == s.text})
+            checked += 1
+    assert checked >= 3
+    assert sum(o.relabelled.get(c, 0) for o in outcomes for c in o.submissions) > 0
+    # Honest clients are not counted.
+    assert all(c in setup.adversaries for o in outcomes for c in o.relabelled)
 
 
 def test_adversarial_modes_are_schema_valid_and_camouflage_poisons_only_a_share():
@@ -455,10 +493,15 @@ def test_adversarial_modes_are_schema_valid_and_camouflage_poisons_only_a_share(
     camouflaged = corrupt(honest, "camouflaged_poisoning", schema, seed=3).scenarios
     relabelled = [s for s in camouflaged if s.tool_id != "t0"]
     kept = [s for s in camouflaged if s.tool_id == "t0" and s.support == 1]
-    # Every text still sent; a share relabelled (a draw may land on t0 itself) with support 50.
+    # Every text still sent; exactly the share relabelled, each to another tool, with support 50.
     assert [s.text for s in camouflaged] == [s.text for s in honest.scenarios]
-    assert 0 < len(relabelled) <= round(CAMOUFLAGE_SHARE * 20) == 6
+    assert len(relabelled) == round(CAMOUFLAGE_SHARE * 20) == 6
     assert all(s.support == 50 for s in relabelled) and len(kept) == 14
+    # Another client or round (salt) draws other scenarios; the share is the caller's.
+    other = corrupt(honest, "camouflaged_poisoning", schema, seed=3, salt="c2|2").scenarios
+    assert [s.tool_id for s in other] != [s.tool_id for s in camouflaged]
+    half = corrupt(honest, "camouflaged_poisoning", schema, seed=3, share=0.5).scenarios
+    assert sum(s.tool_id != "t0" for s in half) == 10
 
 
 def test_cadence_under_drift_frozen_globals_miss_the_new_categories(twin_dataset, tmp_path):

@@ -44,6 +44,14 @@ def test_combined_runs_are_summarized_as_one_run_over_all_their_seeds():
     assert out["communication"]["bytes_per_client_round"] == 250.0
     assert len(out["rounds"]) == 4 and out["seconds"] == 20.0
     assert out["combined_from"][1] == "python manage.py simulate --seed 3"
+    assert out["hosts"] == [None, None]  # written before documents said where they ran
+
+
+def test_a_combined_document_says_where_each_part_ran():
+    epyc = {"cpu": "AMD EPYC", "isa": ["avx2", "avx512_vnni"]}
+    xeon = {"cpu": "Intel Xeon", "isa": ["avx2"]}
+    out = combine([doc([0], [0.7], 1.0, host=epyc), doc([1], [0.8], 1.0, host=xeon)])
+    assert out["hosts"] == [epyc, xeon]
 
 
 @pytest.mark.parametrize(

@@ -4,9 +4,12 @@ command writes and the dashboard draws, and the table it prints. Pure."""
 from __future__ import annotations
 
 import dataclasses
+import hashlib
+import platform
 import time
 from collections import Counter, defaultdict
 from collections.abc import Callable
+from importlib import metadata
 from typing import Any
 
 import numpy as np
@@ -58,7 +61,53 @@ def run(simulation: Simulation, seeds: list[int], played: PlayedRuns | None = No
         "transfer": [row for result in per_seed for row in result.transfer],
         "screening": _sums([r.screening for r in per_seed]),
         "seconds": round(time.perf_counter() - started, 1),
+        "host": host(simulation.engine),
     }
+
+
+# CPU features that change what the int8 embedding kernels compute (onnxruntime picks its MatMul
+# kernels by them) or what the bf16 engine runs on.
+_ISA_FLAGS = ("avx2", "avx512f", "avx512_vnni", "avx_vnni", "avx512_bf16", "amx_int8", "amx_bf16")
+
+
+# Embedded once per run: two runs whose engines give this text bit-identical vectors compute the
+# same embeddings; a different fingerprint on the same code explains figures that moved.
+FINGERPRINT_TEXT = "Find me a cheap flight to Lisbon next Friday and book a hotel near the beach"
+
+
+def host(engine=None) -> dict[str, Any]:
+    """What a run's figures depend on besides the code and the seeds: the same code and packages
+    give slightly different int8 MiniLM embeddings on other hosts (see the README, "Reproducing
+    the figures on another host"), so a document says where it ran and, given the run's
+    embedding `engine`, a fingerprint of what that engine computes there."""
+    cpu, flags = "", set()
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as info:
+            for line in info:
+                key, _, value = line.partition(":")
+                if key.strip() == "model name" and not cpu:
+                    cpu = value.strip()
+                elif key.strip() == "flags" and not flags:
+                    flags = set(value.split())
+    except OSError:  # not Linux
+        cpu = platform.processor()
+    versions = {}
+    for package in ("onnxruntime", "torch", "numpy"):
+        try:
+            versions[package] = metadata.version(package)
+        except metadata.PackageNotFoundError:
+            pass
+    facts = {
+        "cpu": cpu or platform.machine(),
+        "isa": [flag for flag in _ISA_FLAGS if flag in flags],
+        "python": platform.python_version(),
+        **versions,
+    }
+    if engine is not None:
+        vector = np.ascontiguousarray(engine.embed([FINGERPRINT_TEXT])[0], dtype=np.float32)
+        facts["embedding_model"] = engine.model_name
+        facts["embedding_fingerprint"] = hashlib.sha256(vector.tobytes()).hexdigest()[:16]
+    return facts
 
 
 def _sums(items: list[dict[str, int]]) -> dict[str, int]:
@@ -141,6 +190,8 @@ def combine(documents: list[dict[str, Any]]) -> dict[str, Any]:
         "screening": _sums([doc.get("screening", {}) for doc in documents]),
         "seconds": round(sum(float(doc.get("seconds", 0.0)) for doc in documents), 1),
         "combined_from": [doc.get("command", "") for doc in documents],
+        # Each document's host, in order (None: written before documents said where they ran).
+        "hosts": [doc.get("host") for doc in documents],
         **sweeps,
     }
 
@@ -434,6 +485,9 @@ def table(document: dict[str, Any]) -> str:
             if row.get("robust_dropped_honest") or row.get("robust_dropped_adversarial"):
                 dropped += (f"; rule dropped scenarios: honest {row['robust_dropped_honest']}, "
                             f"adversarial {row['robust_dropped_adversarial']}")
+            if row.get("relabelled_adversarial_scenarios"):
+                dropped += (f"; relabelled {row['relabelled_adversarial_scenarios']} of "
+                            f"{row['adversarial_scenarios']} adversarial scenarios sent")
             lines.append(
                 f"  {row['adversarial_mode']:<24} {row['adversarial_fraction']:>4.0%} "
                 f"{row['robust_rule']:<12} {spread:>16}{dropped}"

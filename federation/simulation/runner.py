@@ -87,6 +87,12 @@ def probe_requests(probe: Sequence[LabelledQuery]) -> list[str]:
     return [q.query for q in sorted(probe, key=lambda q: q.qid)]
 
 
+# Camouflaged poisoning relabels this share of what a client would send honestly and sends the
+# rest as it is: an adversary who knows the implausible-source check (whole submissions near
+# chance) and stays under it.
+CAMOUFLAGE_SHARE = 0.3
+
+
 @dataclass
 class SimulationConfig:
     orgs: int = 5
@@ -112,6 +118,8 @@ class SimulationConfig:
     baselines: bool = True
     adversarial_fraction: float = 0.0
     adversarial_mode: str = "random_corruption"
+    # Camouflaged poisoning: the share of each submission's scenarios relabelled (`corrupt`).
+    camouflage_share: float = CAMOUFLAGE_SHARE
     # The server carries the previous global forward and each client sends only what changed
     # since the global it pulled (compendium.delta); False: every client resends everything
     # but what the public probe set's router already routes (as `participate` does then).
@@ -174,6 +182,9 @@ class RoundOutcome:
     bytes_gzip: list[int]
     bytes_dcz: list[int]  # dcz against the dictionary the client holds (compendium.transport)
     merge_stats: dict[str, Any]
+    # Per adversarial client, how many scenarios it sent under another tool than the one its
+    # honest compendium gives their text (`_relabelled`).
+    relabelled: dict[str, int] = field(default_factory=dict)
 
 
 @dataclass
@@ -450,13 +461,16 @@ class Simulation:
             self.schema, config, max(enrolled.values(), default=0), len(enrolled)
         )
         sent_before: dict[str, set[str]] = defaultdict(set)  # each client's record of what it sent
+        camouflage = self.config.adversarial_mode == "camouflaged_poisoning"
         for r in range(1, rounds + 1):
             if published is not None and not aggregates_in(r, self.config.aggregate_every):
                 outcomes.append(RoundOutcome(r, published, {}, {}, [], [], [], {}))
                 continue
             self.progress(f"seed {seed}: round {r}/{rounds}: clients build")
             clients: dict[str, Compendium] = {}
+            honest_of: dict[str, Compendium] = {}  # an adversary's honest compendium
             sent: dict[str, Compendium] = {}
+            relabelled: dict[str, int] = {}
             route = None
             if self.config.since_confidence <= 1.0 and (pulled is None or pulled.scenarios):
                 # What each client would route with: the pulled global, as published (round 1:
@@ -468,7 +482,9 @@ class Simulation:
                     continue
                 compendium = self.build_client(experience, seed, not_released=not_released)
                 if adversaries and share.client in adversaries:
-                    compendium = corrupt(compendium, self.config.adversarial_mode, self.schema, seed)
+                    honest_of[share.client] = compendium
+                    if not camouflage:
+                        compendium = corrupt(compendium, self.config.adversarial_mode, self.schema, seed)
                 clients[share.client] = compendium
             if self.config.contradiction_fraction > 0:
                 honest = [s for s in shares if s.client in clients and s.client not in (adversaries or ())]
@@ -487,6 +503,16 @@ class Simulation:
                 if self.config.max_bytes and not adversary:
                     compendium, _ = fit_budget(compendium, self.config.max_bytes)
                 sent_before[client] |= sent_keys(compendium)  # what the budget deferred is not sent
+                if adversary and camouflage:
+                    # It relabels a share of what it would send honestly, drawn afresh per
+                    # client and round: that share of every submission is poisoned, whatever
+                    # the client rules leave home (its record holds the honest entries).
+                    compendium = corrupt(
+                        compendium, self.config.adversarial_mode, self.schema, seed,
+                        share=self.config.camouflage_share, salt=f"{client}|{r}",
+                    )
+                if adversary:
+                    relabelled[client] = _relabelled(honest_of[client], compendium)
                 sent[client] = compendium
             self.progress(f"seed {seed}: round {r}: edge and server merges")
             edges = []
@@ -540,6 +566,7 @@ class Simulation:
                     bytes_gzip=[len(gzip.compress(b, 9, mtime=0)) for b in payloads],
                     bytes_dcz=[len(transport.compress(b, dictionary)) for b in payloads],
                     merge_stats=stats,
+                    relabelled=relabelled,
                 )
             )
             dictionary = transport.global_dictionary(merged.compendium)
@@ -899,13 +926,15 @@ def transfer_variants(config: SimulationConfig) -> list[TransferVariant]:
 
 
 SCREENING_KEYS = ("honest_submissions", "dropped_honest", "adversarial_submissions",
-                  "dropped_adversarial", "robust_dropped_honest", "robust_dropped_adversarial")
+                  "dropped_adversarial", "robust_dropped_honest", "robust_dropped_adversarial",
+                  "adversarial_scenarios", "relabelled_adversarial_scenarios")
 
 
 def screening(outcomes: Sequence[RoundOutcome], adversaries: set[str]) -> dict[str, int]:
     """How many client submissions, honest and adversarial, the edge merges dropped whole as
     implausible sources (their `dropped_sources`), and how many of their scenarios the robust
-    rule dropped across sources (`robust_sources`), over all rounds."""
+    rule dropped across sources (`robust_sources`), over all rounds; and how many scenarios the
+    adversaries sent, and of those how many under another tool than their honest one."""
     counts = dict.fromkeys(SCREENING_KEYS, 0)
     for outcome in outcomes:
         edges = [stats for org, stats in outcome.merge_stats.items() if org != "server"]
@@ -913,6 +942,9 @@ def screening(outcomes: Sequence[RoundOutcome], adversaries: set[str]) -> dict[s
         for client in outcome.submissions:
             kind = "adversarial" if client in adversaries else "honest"
             counts[f"{kind}_submissions"] += 1
+            if client in adversaries:
+                counts["adversarial_scenarios"] += len(outcome.submissions[client].scenarios)
+                counts["relabelled_adversarial_scenarios"] += outcome.relabelled.get(client, 0)
             counts[f"dropped_{kind}"] += client in dropped
             counts[f"robust_dropped_{kind}"] += sum(
                 stats.get("robust_sources", {}).get(client, 0) for stats in edges
@@ -992,16 +1024,16 @@ ADVERSARIAL_MODES = (
     "coordinated_targeting",
     "camouflaged_poisoning",
 )
-# Camouflaged poisoning relabels this share of a client's scenarios and sends the rest honestly:
-# an adversary who knows the implausible-source check (whole submissions near chance) and stays
-# under it.
-CAMOUFLAGE_SHARE = 0.3
 
 
-def corrupt(compendium: Compendium, mode: str, schema: Schema, seed: int) -> Compendium:
+def corrupt(
+    compendium: Compendium, mode: str, schema: Schema, seed: int,
+    share: float = CAMOUFLAGE_SHARE, salt: str = "",
+) -> Compendium:
     """What an adversarial client submits instead of its honest compendium (schema-valid: the
-    schema check alone cannot stop it)."""
-    rng = random.Random(f"adv|{mode}|{seed}")
+    schema check alone cannot stop it). Camouflaged poisoning relabels `share` of the scenarios,
+    each to another tool than its own; `salt` varies the draw (per client and round)."""
+    rng = random.Random(f"adv|{mode}|{seed}" + (f"|{salt}" if salt else ""))
     tools = sorted(schema.tool_ids)
     scenarios = list(compendium.scenarios)
     if mode == "random_corruption":
@@ -1022,9 +1054,10 @@ def corrupt(compendium: Compendium, mode: str, schema: Schema, seed: int) -> Com
             s.model_copy(update={"text": by_id[rng.choice(tools)].description[:200]}) for s in scenarios
         ]
     elif mode == "camouflaged_poisoning":
-        poisoned = set(rng.sample(range(len(scenarios)), round(CAMOUFLAGE_SHARE * len(scenarios))))
+        poisoned = set(rng.sample(range(len(scenarios)), round(share * len(scenarios))))
         scenarios = [
-            s.model_copy(update={"tool_id": rng.choice(tools), "support": 50}) if i in poisoned else s
+            s.model_copy(update={"tool_id": rng.choice([t for t in tools if t != s.tool_id]),
+                                 "support": 50}) if i in poisoned else s
             for i, s in enumerate(scenarios)
         ]
     elif mode == "coordinated_targeting":
@@ -1070,6 +1103,15 @@ def contradict(
         if added[client] else compendium
         for client, compendium in compendiums.items()
     }
+
+
+def _relabelled(honest: Compendium, sent: Compendium) -> int:
+    """How many scenarios of `sent` carry a text of `honest` under a tool that `honest` does not
+    give it."""
+    tools_of: dict[str, set[str]] = defaultdict(set)
+    for s in honest.scenarios:
+        tools_of[s.text].add(s.tool_id)
+    return sum(1 for s in sent.scenarios if s.text in tools_of and s.tool_id not in tools_of[s.text])
 
 
 def _dedupe(scenarios: list[Scenario]) -> list[Scenario]:

@@ -12,7 +12,12 @@ from federation.merge.summarize import LLM_SUMMARIZERS
 from federation.merge.summarize import ORDER as SUMMARIZERS
 from federation.round_config import config_problems
 from federation.simulation.report import PlayedRuns, combine, run, sweep, table
-from federation.simulation.runner import ADVERSARIAL_MODES, Simulation, SimulationConfig
+from federation.simulation.runner import (
+    ADVERSARIAL_MODES,
+    CAMOUFLAGE_SHARE,
+    Simulation,
+    SimulationConfig,
+)
 from routing.embeddings import EmbeddingModelUnavailable, get_engine
 from routing.llm import LLMUnavailable
 
@@ -125,6 +130,12 @@ class Command(BaseCommand):
         )
         parser.add_argument("--adversarial-fraction", type=float, default=0.0)
         parser.add_argument("--adversarial-mode", choices=ADVERSARIAL_MODES, default="random_corruption")
+        parser.add_argument(
+            "--camouflage-share", type=float, default=CAMOUFLAGE_SHARE,
+            help="camouflaged poisoning: the share of each adversarial submission's scenarios "
+            "relabelled to another tool; the rest is what an honest client would send "
+            f"(default {CAMOUFLAGE_SHARE:g})",
+        )
         parser.add_argument(
             "--min-users", type=int, default=1,
             help="k-anonymous release: clients send only entries that k distinct users support",
@@ -263,6 +274,8 @@ class Command(BaseCommand):
             raise CommandError(
                 f"--adversarial-fraction must be in [0, 1], not {o['adversarial_fraction']:g}"
             )
+        if not 0 <= o["camouflage_share"] <= 1:
+            raise CommandError(f"--camouflage-share must be in [0, 1], not {o['camouflage_share']:g}")
         if o["min_users"] < 1:
             raise CommandError("--min-users must be at least 1")
         if o["pool_users"] < 1:
@@ -357,6 +370,7 @@ class Command(BaseCommand):
             linear_head=not o["no_linear_head"],
             adversarial_fraction=o["adversarial_fraction"],
             adversarial_mode=o["adversarial_mode"],
+            camouflage_share=o["camouflage_share"],
             carry_forward=not o["no_carry_forward"],
             since_confidence=o["since_confidence"],
             max_bytes=o["max_bytes"],
