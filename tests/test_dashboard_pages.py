@@ -780,6 +780,41 @@ def test_accuracy_page_draws_the_latest_simulation(client, fed):
     assert client.get(reverse("dashboard:accuracy"), {"run": run.pk + 99}).status_code == 404
 
 
+def test_accuracy_page_tables_the_adversarial_rows_against_the_clean_run(client, fed):
+    rows = [
+        {"adversarial_mode": "camouflaged_poisoning", "adversarial_fraction": 0.4, "robust_rule": "none",
+         "accuracy": 0.54, "accuracy_sd": 0.02, "honest_submissions": 180, "dropped_honest": 1,
+         "adversarial_submissions": 120, "dropped_adversarial": 21, "adversarial_scenarios": 1159,
+         "relabelled_adversarial_scenarios": 345},
+        # a row from before the sweep counted submissions: dashes, not zeros
+        {"adversarial_mode": "tool_confusion", "adversarial_fraction": 0.2, "robust_rule": "krum",
+         "accuracy": 0.3},
+    ]
+    SimulationRun.objects.create(label="adv", dataset="tiny",
+                                 document={**DOCUMENT, "adversarial": rows})
+    body = login(client, fed, "member_a").get(reverse("dashboard:accuracy")).content.decode()
+    table = body[body.index('id="accuracy-adversarial-table"'):]
+    table = table[: table.index("</table>")]
+    cells = [re.findall(r"<td[^>]*>(.*?)</td>", row) for row in re.findall(r"<tr><td>.*?</tr>", table)]
+    # against the clean run's last SYNAPSE round (0.6)
+    assert cells[0] == ["camouflaged_poisoning", "40%", "none", "0.540", "0.020", "0.900",
+                        "21 / 120", "1 / 180", "30%"]
+    assert cells[1] == ["tool_confusion", "20%", "krum", "0.300", "–", "0.500", "–", "–", "–"]
+
+
+def test_accuracy_page_says_where_the_run_ran(client, fed):
+    epyc = {"cpu": "AMD EPYC", "isa": ["avx2", "avx512_vnni"], "embedding_fingerprint": "a94d2abe2a0e4566"}
+    other = {"cpu": "Intel Xeon", "isa": ["avx2"], "embedding_fingerprint": "0123456789abcdef"}
+    config = {"orgs": 2, "clients_per_org": 2, "rounds": 1, "partition": "iid"}
+    SimulationRun.objects.create(label="joined", dataset="tiny", document={
+        "config": config, "seeds": [0, 1, 2], "summary": [], "hosts": [epyc, epyc, other]})
+    body = login(client, fed, "member_a").get(reverse("dashboard:accuracy")).content.decode()
+    setup = body[body.index('id="run-setup"'):]
+    setup = setup[: setup.index("</p>")]
+    assert ("ran on AMD EPYC (avx2, avx512_vnni), embedding fingerprint a94d2abe2a0e4566; "
+            "Intel Xeon (avx2), embedding fingerprint 0123456789abcdef") in setup
+
+
 def test_accuracy_page_shows_the_transfer_table_as_a_mean_over_seeds(client, fed):
     transfer = [
         {"seed": seed, "model": model, "reranker": reranker, "llm": llm, "accuracy": acc,

@@ -977,6 +977,7 @@ class AccuracyPage:
     per_category: list[dict] = field(default_factory=list)
     charts: dict[str, str] = field(default_factory=dict)
     adversarial: list[dict] = field(default_factory=list)
+    adversarial_table: list[dict] = field(default_factory=list)  # per row: counts in words
     privacy_sweep: list[dict] = field(default_factory=list)
     release_sweep: list[dict] = field(default_factory=list)  # k-anonymous release, per k
     transfer: list[dict] = field(default_factory=list)  # mean over seeds per (model, reranker, llm)
@@ -1016,6 +1017,33 @@ def run_setup(doc: dict) -> list[str]:
         + (f", router tuned for {config['tune_router_epochs']} epoch(s)"
            if config.get("tune_router_epochs") else "")
     )
+    hosts = [h for h in (doc.get("hosts") or [doc.get("host")]) if h]
+    if hosts:
+        # Where it ran: the same code gives slightly different int8 embeddings on other hosts.
+        described = dict.fromkeys(
+            f"{h.get('cpu') or 'unknown CPU'} ({', '.join(h.get('isa') or []) or 'no ISA listed'})"
+            + (f", embedding fingerprint {h['embedding_fingerprint']}"
+               if h.get("embedding_fingerprint") else "")
+            for h in hosts
+        )
+        out.append("ran on " + "; ".join(described))
+    return out
+
+
+def _adversarial_table(rows: list[dict], clean: float | None) -> list[dict]:
+    """The adversarial sweep's rows as an operator reads them: accuracy against the clean run's,
+    submissions the implausible-source check dropped whole, and the share of what the adversaries
+    sent that carried another tool than their honest one."""
+    out = []
+    for row in sorted(rows, key=lambda r: (r.get("adversarial_mode", ""), r.get("robust_rule", ""),
+                                          r.get("adversarial_fraction", 0))):
+        sent = row.get("adversarial_scenarios") or 0
+        out.append({
+            **dict.fromkeys(("accuracy_sd", "adversarial_submissions", "honest_submissions")),
+            **row,
+            "of_clean": row["accuracy"] / clean if clean else None,
+            "relabelled_share": (row.get("relabelled_adversarial_scenarios", 0) / sent) if sent else None,
+        })
     return out
 
 
@@ -1043,6 +1071,9 @@ def accuracy_page(run_id=None) -> AccuracyPage:
         {"category": c, **v} for c, v in sorted((doc.get("per_category") or {}).items())
     ]
     page.adversarial = list(doc.get("adversarial") or [])
+    last = max((r for r in page.summary if r.get("method") == "synapse" and r.get("round") is not None),
+               key=lambda r: r["round"], default=None)
+    page.adversarial_table = _adversarial_table(page.adversarial, last and last["accuracy_mean"])
     page.privacy_sweep = list(doc.get("privacy_sweep") or [])
     page.release_sweep = sorted(doc.get("release_sweep") or [], key=lambda r: r.get("min_users", 1))
     page.transfer = summarize_transfer(list(doc.get("transfer") or []))
