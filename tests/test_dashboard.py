@@ -491,3 +491,46 @@ def test_sizes_are_shown_in_si_kilobytes_as_the_readme_counts_them():
     from federation.templatetags.dashboard_tags import kb
 
     assert [kb(999), kb(2048), kb(150528), kb(None), kb("x")] == ["999 B", "2.0 kB", "150.5 kB", "–", "–"]
+
+
+# --- commands the pages suggest -----------------------------------------------------------------
+
+SUGGESTED = re.compile(r"<code>(?:python )?manage\.py ([a-z_]+)([^<]*)</code>")
+
+
+def _suggested_commands():
+    root = Path(__file__).resolve().parent.parent / "templates"
+    found = {(name, args.strip()) for page in root.rglob("*.html")
+             for name, args in SUGGESTED.findall(page.read_text(encoding="utf-8"))}
+    return sorted(found)
+
+
+def test_the_pages_suggest_commands():
+    assert ("simulate", "--tune-router 1") in _suggested_commands()
+
+
+@pytest.mark.parametrize(("name", "args"), _suggested_commands())
+def test_every_command_a_page_suggests_parses(name, args):
+    """A command an operator copies from a page must run: its name exists and its own parser
+    takes every flag (the Accuracy page once suggested `--robust-rules`, which no command has)."""
+    from django.core.management import load_command_class
+    from django.core.management.base import CommandError
+
+    command = load_command_class(
+        next(app for app, names in _command_apps().items() if name in names), name)
+    parser = command.create_parser("manage.py", name)
+    try:
+        parser.parse_args(html.unescape(args).split())
+    except SystemExit as exit_:  # --help exits 0
+        assert exit_.code == 0, f"manage.py {name} {args}: exit {exit_.code}"
+    except CommandError as error:
+        pytest.fail(f"manage.py {name} {args}: {error}")
+
+
+def _command_apps() -> dict[str, list[str]]:
+    from django.core.management import get_commands
+
+    apps: dict[str, list[str]] = {}
+    for command, app in get_commands().items():
+        apps.setdefault(app, []).append(command)
+    return apps

@@ -176,7 +176,9 @@ class SimulationConfig:
 class RoundOutcome:
     round: int
     global_compendium: Compendium
-    client_compendiums: dict[str, Compendium]  # each client's whole local compendium
+    # Each client's whole local compendium: a flagrant adversary's as it corrupted it, a
+    # camouflaged one's honest (it corrupts only what it sends, `submissions`).
+    client_compendiums: dict[str, Compendium]
     submissions: dict[str, Compendium]  # what each client sent (the change since `pulled`)
     bytes_raw: list[int]
     bytes_gzip: list[int]
