@@ -19,6 +19,10 @@ def _entries(compendium) -> tuple[list, list]:
             sorted((p.tool_id, p.text) for p in compendium.precautions))
 
 
+def _released(compendium) -> list:
+    return sorted((m.tool_id, tuple(sorted(m.stats or {}))) for m in compendium.metadata)
+
+
 def test_the_simulation_publishes_what_the_round_pipeline_publishes(tiny_dataset, tmp_path):  # noqa: F811
     from compendium.canonical import canonical_bytes
     from compendium.client_api import nothing_to_submit
@@ -62,7 +66,7 @@ def test_the_simulation_publishes_what_the_round_pipeline_publishes(tiny_dataset
         clients[share.client] = Client.objects.create(organization=org, name=share.client,
                                                       status=Client.Status.APPROVED)
     system = Actor(None, label="conformance")
-    compared = 0
+    compared = released = 0
     for outcome in outcomes:
         rnd = open_round(system, sim._round_config(1))
         for client, sent in outcome.submissions.items():
@@ -74,5 +78,9 @@ def test_the_simulation_publishes_what_the_round_pipeline_publishes(tiny_dataset
         assert rnd.state == Round.State.PUBLISHED, rnd.failure_reason
         published = load_compendium(CompendiumVersion.objects.get(kind="global", round=rnd))
         assert _entries(published) == _entries(outcome.global_compendium), outcome.round
+        # The same statistics released for the same tools; their values differ by the noise
+        # (the pipeline's seeds hold the server's secret).
+        assert _released(published) == _released(outcome.global_compendium), outcome.round
+        released += sum(len(fields) for _, fields in _released(published))
         compared += len(published.scenarios)
-    assert compared > 0
+    assert compared > 0 and released > 0
