@@ -989,6 +989,7 @@ class AccuracyPage:
     cadence_table: list[dict] = field(default_factory=list)  # per cadence: last, worst, mean round
     drift_every: int = 0  # the run's workload drift: new categories every D rounds (0: none)
     setup: list[str] = field(default_factory=list)  # the run's configuration, in words
+    host: str = ""  # where it ran (`run_host`), shown to the operator
 
 
 def run_setup(doc: dict) -> list[str]:
@@ -1017,17 +1018,21 @@ def run_setup(doc: dict) -> list[str]:
         + (f", router tuned for {config['tune_router_epochs']} epoch(s)"
            if config.get("tune_router_epochs") else "")
     )
-    hosts = [h for h in (doc.get("hosts") or [doc.get("host")]) if h]
-    if hosts:
-        # Where it ran: the same code gives slightly different int8 embeddings on other hosts.
-        described = dict.fromkeys(
-            f"{h.get('cpu') or 'unknown CPU'} ({', '.join(h.get('isa') or []) or 'no ISA listed'})"
-            + (f", embedding fingerprint {h['embedding_fingerprint']}"
-               if h.get("embedding_fingerprint") else "")
-            for h in hosts
-        )
-        out.append("ran on " + "; ".join(described))
     return out
+
+
+def run_host(doc: dict) -> str:
+    """Where a stored simulation ran, for the operator (the server's hardware is theirs to see):
+    the same code gives slightly different int8 embeddings on other hosts, so runs compare best
+    with equal fingerprints. Empty for a document from before documents said where they ran."""
+    hosts = [h for h in (doc.get("hosts") or [doc.get("host")]) if h]
+    described = dict.fromkeys(
+        f"{h.get('cpu') or 'unknown CPU'} ({', '.join(h.get('isa') or []) or 'no ISA listed'})"
+        + (f", embedding fingerprint {h['embedding_fingerprint']}"
+           if h.get("embedding_fingerprint") else "")
+        for h in hosts
+    )
+    return ("ran on " + "; ".join(described)) if described else ""
 
 
 def _adversarial_table(rows: list[dict], clean: float | None) -> list[dict]:
@@ -1066,6 +1071,7 @@ def accuracy_page(run_id=None) -> AccuracyPage:
         return page
     doc = run.document or {}
     page.setup = run_setup(doc)
+    page.host = run_host(doc)
     page.summary = list(doc.get("summary") or [])
     page.per_category = [
         {"category": c, **v} for c, v in sorted((doc.get("per_category") or {}).items())
