@@ -791,8 +791,10 @@ def test_accuracy_page_tables_the_adversarial_rows_against_the_clean_run(client,
          "accuracy": 0.3},
     ]
     SimulationRun.objects.create(label="adv", dataset="tiny",
-                                 document={**DOCUMENT, "adversarial": rows})
+                                 document={**DOCUMENT, "adversarial": rows,
+                                           "config": {"camouflage_share": 0.3}})
     body = login(client, fed, "member_a").get(reverse("dashboard:accuracy")).content.decode()
+    assert "Camouflaged poisoning relabels 30% of what it would send honestly" in body
     table = body[body.index('id="accuracy-adversarial-table"'):]
     table = table[: table.index("</table>")]
     cells = [re.findall(r"<td[^>]*>(.*?)</td>", row) for row in re.findall(r"<tr><td>.*?</tr>", table)]

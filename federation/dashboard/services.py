@@ -978,6 +978,7 @@ class AccuracyPage:
     charts: dict[str, str] = field(default_factory=dict)
     adversarial: list[dict] = field(default_factory=list)
     adversarial_table: list[dict] = field(default_factory=list)  # per row: counts in words
+    camouflage_share: float | None = None  # what camouflaged adversaries relabel, if any ran
     privacy_sweep: list[dict] = field(default_factory=list)
     release_sweep: list[dict] = field(default_factory=list)  # k-anonymous release, per k
     transfer: list[dict] = field(default_factory=list)  # mean over seeds per (model, reranker, llm)
@@ -1080,6 +1081,8 @@ def accuracy_page(run_id=None) -> AccuracyPage:
     last = max((r for r in page.summary if r.get("method") == "synapse" and r.get("round") is not None),
                key=lambda r: r["round"], default=None)
     page.adversarial_table = _adversarial_table(page.adversarial, last and last["accuracy_mean"])
+    if any(r.get("adversarial_mode") == "camouflaged_poisoning" for r in page.adversarial):
+        page.camouflage_share = (doc.get("config") or {}).get("camouflage_share")
     page.privacy_sweep = list(doc.get("privacy_sweep") or [])
     page.release_sweep = sorted(doc.get("release_sweep") or [], key=lambda r: r.get("min_users", 1))
     page.transfer = summarize_transfer(list(doc.get("transfer") or []))
