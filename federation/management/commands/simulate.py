@@ -57,23 +57,35 @@ class Command(BaseCommand):
     )
 
     def add_arguments(self, parser):
-        parser.add_argument("--dataset", default="../shared/data/metatool")
-        parser.add_argument("--orgs", type=int, default=5)
+        parser.add_argument(
+            "--dataset", default="../shared/data/metatool",
+            help="a folder in the routing-benchmark format (tools.jsonl, queries.jsonl)",
+        )
+        parser.add_argument("--orgs", type=int, default=5, help="organizations, one edge each")
         parser.add_argument("--clients-per-org", type=int, default=4)
         parser.add_argument("--rounds", type=int, default=3)
-        parser.add_argument("--partition", choices=["iid", "category", "random"], default="category")
+        parser.add_argument(
+            "--partition", choices=["iid", "category", "random"], default="category",
+            help="how the train queries are dealt: category (each organization specializes in a "
+            "subset of tool categories), iid (at random), random (each client's own tool "
+            "preferences)",
+        )
         parser.add_argument("--seed", type=int, default=0, help="first seed")
         parser.add_argument("--seeds", type=int, default=1, help="number of seeds (mean ± sd)")
         parser.add_argument("--epsilon", type=float, default=1.0, help="per-round ε")
-        parser.add_argument("--lambda", dest="mask_strength", type=float, default=1.0)
-        parser.add_argument("--tau", type=float, default=0.85)
-        parser.add_argument("--reranker", choices=["fusion", "none", "llm"], default="fusion")
+        parser.add_argument("--lambda", dest="mask_strength", type=float, default=1.0,
+                            help="the clients' masking strength λ (0: no masking)")
+        parser.add_argument("--tau", type=float, default=0.85,
+                            help="cosine threshold τ of the merges' clustering")
+        parser.add_argument("--reranker", choices=["fusion", "none", "llm"], default="fusion",
+                            help="how the router reranks the retrieved scenarios (none: top-1 cosine)")
         parser.add_argument(
             "--summarizer",
             choices=SUMMARIZERS,
             default="probe-extractive",
         )
-        parser.add_argument("--robust-rule", choices=["none", "krum", "trimmed-mean"], default="none")
+        parser.add_argument("--robust-rule", choices=["none", "krum", "trimmed-mean"], default="none",
+                            help="the merges' Byzantine-robust rule (f from --trim-fraction)")
         parser.add_argument(
             "--trim-fraction", type=float, default=0.1,
             help="share of the inputs the robust rule assumes adversarial, f = floor(share * n), "
@@ -84,7 +96,8 @@ class Command(BaseCommand):
             "--shared-word-users", type=int, default=SHARED_WORD_USERS, metavar="K",
             help="clients release the plain words that at least K of their users wrote (0: off)",
         )
-        parser.add_argument("--users-per-client", type=int, default=3)
+        parser.add_argument("--users-per-client", type=int, default=3,
+                            help="distinct users in each client's usage log")
         parser.add_argument("--test-limit", type=int, default=None, help="evaluate on a sample")
         parser.add_argument(
             "--probe-fraction", type=float, default=0.1,
@@ -98,7 +111,8 @@ class Command(BaseCommand):
             "--unless-stored", action="store_true",
             help="do nothing if a run with this --label is stored already (without --label: any run)",
         )
-        parser.add_argument("--no-baselines", action="store_true")
+        parser.add_argument("--no-baselines", action="store_true",
+                            help="SYNAPSE's rows only: no Centralized, Local-only, BM25, ... rows")
         parser.add_argument(
             "--no-diagnostics",
             action="store_true",
@@ -128,8 +142,10 @@ class Command(BaseCommand):
             "statistics, then scenarios in turns over the tools, then precautions; the rest waits "
             "for a later round (default: no budget)",
         )
-        parser.add_argument("--adversarial-fraction", type=float, default=0.0)
-        parser.add_argument("--adversarial-mode", choices=ADVERSARIAL_MODES, default="random_corruption")
+        parser.add_argument("--adversarial-fraction", type=float, default=0.0,
+                            help="share of the clients that are adversarial, in [0, 1]")
+        parser.add_argument("--adversarial-mode", choices=ADVERSARIAL_MODES, default="random_corruption",
+                            help="what the adversarial clients send")
         parser.add_argument(
             "--camouflage-share", type=float, default=CAMOUFLAGE_SHARE,
             help="camouflaged poisoning: the share of each adversarial submission's scenarios "
@@ -160,8 +176,10 @@ class Command(BaseCommand):
         parser.add_argument("--sweep-epsilon", default="", help="e.g. 0.5,1,2 (with --sweep-lambda)")
         parser.add_argument("--sweep-lambda", default="", help="e.g. 0.5,1,1.5")
         parser.add_argument("--sweep-adversarial", default="", help="fractions, e.g. 0,0.2,0.4")
-        parser.add_argument("--sweep-modes", default=",".join(ADVERSARIAL_MODES))
-        parser.add_argument("--sweep-rules", default="none,krum,trimmed-mean")
+        parser.add_argument("--sweep-modes", default=",".join(ADVERSARIAL_MODES),
+                            help="adversarial modes of --sweep-adversarial (default: all)")
+        parser.add_argument("--sweep-rules", default="none,krum,trimmed-mean",
+                            help="robust rules of --sweep-adversarial")
         parser.add_argument(
             "--sweep-tau", default="",
             help="e.g. 0.75,0.8,0.85,0.9,0.95: the cosine threshold sweep (accuracy, global "
@@ -208,7 +226,12 @@ class Command(BaseCommand):
             "it for EPOCHS epochs, as the server does with SYNAPSE_ROUTER_TUNE_EPOCHS; rows "
             "synapse_untuned keep the frozen router's accuracy (0: off)",
         )
-        parser.add_argument("--embedding-model", default=None)
+        parser.add_argument(
+            "--embedding-model", default=None,
+            help="the engine clients, merges and routers embed with, e.g. "
+            "onnx-int8-dynamic:all-MiniLM-L6-v2 or a sentence-transformers path (default: "
+            "SYNAPSE_EMBEDDING_MODEL, else the bundled MiniLM)",
+        )
         parser.add_argument(
             "--transfer-models",
             default="",
