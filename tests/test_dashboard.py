@@ -513,24 +513,13 @@ def test_the_pages_suggest_commands():
 def test_every_command_a_page_suggests_parses(name, args):
     """A command an operator copies from a page must run: its name exists and its own parser
     takes every flag (the Accuracy page once suggested `--robust-rules`, which no command has)."""
-    from django.core.management import load_command_class
+    from django.core.management import get_commands, load_command_class
     from django.core.management.base import CommandError
 
-    command = load_command_class(
-        next(app for app, names in _command_apps().items() if name in names), name)
-    parser = command.create_parser("manage.py", name)
+    parser = load_command_class(get_commands()[name], name).create_parser("manage.py", name)
     try:
         parser.parse_args(html.unescape(args).split())
     except SystemExit as exit_:  # --help exits 0
         assert exit_.code == 0, f"manage.py {name} {args}: exit {exit_.code}"
     except CommandError as error:
         pytest.fail(f"manage.py {name} {args}: {error}")
-
-
-def _command_apps() -> dict[str, list[str]]:
-    from django.core.management import get_commands
-
-    apps: dict[str, list[str]] = {}
-    for command, app in get_commands().items():
-        apps.setdefault(app, []).append(command)
-    return apps

@@ -9,8 +9,6 @@ import json
 import pytest
 from django.core.management import call_command
 
-from tests.test_simulation import tiny_dataset  # noqa: F401  (fixture)
-
 pytestmark = [pytest.mark.slow, pytest.mark.django_db(transaction=True)]
 
 
@@ -23,7 +21,7 @@ def _released(compendium) -> list:
     return sorted((m.tool_id, tuple(sorted(m.stats or {}))) for m in compendium.metadata)
 
 
-def test_the_simulation_publishes_what_the_round_pipeline_publishes(tiny_dataset, tmp_path):  # noqa: F811
+def test_the_simulation_publishes_what_the_round_pipeline_publishes(tiny_dataset, tmp_path):
     from compendium.canonical import canonical_bytes
     from compendium.client_api import nothing_to_submit
     from compendium.models import CompendiumVersion, NumericField
