@@ -24,7 +24,14 @@ from compendium.models import (
     TemplateEntry,
     Tool,
 )
-from compendium.schema import Compendium, NumericFieldSpec, NumericKind, Schema, ToolSpec
+from compendium.schema import (
+    DEFAULT_NUMERIC_FIELDS,
+    Compendium,
+    NumericFieldSpec,
+    NumericKind,
+    Schema,
+    ToolSpec,
+)
 
 
 @dataclass(frozen=True)
@@ -66,6 +73,24 @@ def import_registry(tools: Iterable[ToolSpec]) -> ImportResult:
             updated, ["name", "description", "category", "spec", "active"], batch_size=500
         )
     return ImportResult(len(created), len(updated), unchanged)
+
+
+def seed_default_numeric_fields() -> None:
+    """Declare the default numeric fields (DEFAULT_NUMERIC_FIELDS) that are missing, leaving
+    declared ones as they are: what the data migration seeded, back in a flushed database (a
+    transactional test's, a simulation's scratch federation)."""
+    for spec in DEFAULT_NUMERIC_FIELDS:
+        NumericField.objects.get_or_create(
+            name=spec.name,
+            defaults={
+                "kind": spec.kind.value,
+                "min_value": spec.min,
+                "max_value": spec.max,
+                "sensitivity": spec.sensitivity,
+                "unit": spec.unit,
+                "description": spec.description,
+            },
+        )
 
 
 def registry_specs() -> list[ToolSpec]:

@@ -569,11 +569,15 @@ def import_probe_set(path, *, per_tool: int | None = None, seed: int = 0) -> Pro
             picks = sorted(rng.choice(len(queries), size=per_tool, replace=False))
             queries = [queries[i] for i in picks]
         chosen.extend(queries)
-    with transaction.atomic():
-        ProbeQuery.objects.filter(dataset=dataset.name).delete()
-        ProbeQuery.objects.bulk_create(
-            [ProbeQuery(dataset=dataset.name, qid=q.qid, text=q.query, tool_id=q.tool_id)
-             for q in chosen],
-            batch_size=1000,
-        )
+    store_probe_queries(dataset.name, chosen)
     return ProbeImport(dataset.name, len(chosen), len(by_tool))
+
+
+@transaction.atomic
+def store_probe_queries(dataset: str, queries) -> None:
+    """Replace the probe queries of `dataset` by these labelled queries."""
+    ProbeQuery.objects.filter(dataset=dataset).delete()
+    ProbeQuery.objects.bulk_create(
+        [ProbeQuery(dataset=dataset, qid=q.qid, text=q.query, tool_id=q.tool_id) for q in queries],
+        batch_size=1000,
+    )

@@ -10,6 +10,6 @@ app = Celery("synapse")
 app.config_from_object("django.conf:settings", namespace="CELERY")
 if not os.environ.get("CELERY_BROKER_URL"):
     # No broker configured: eager mode needs no transport, keep Celery from dialing AMQP.
-    app.conf.broker_url = "memory://"
+    app.conf.broker_url = "memory://localhost/"  # a host named: kombu warns of none
     app.conf.result_backend = "cache+memory://"
 app.autodiscover_tasks()

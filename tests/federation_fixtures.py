@@ -7,9 +7,7 @@ from dataclasses import dataclass
 import pytest
 from django.contrib.auth import get_user_model
 
-from compendium.models import NumericField
-from compendium.schema import DEFAULT_NUMERIC_FIELDS
-from compendium.services import current_schema, import_registry
+from compendium.services import current_schema, import_registry, seed_default_numeric_fields
 from federation import services, submissions
 from federation.models import Membership
 
@@ -49,18 +47,7 @@ def make_user(username, org=None, role=None, superuser=False):
 def registry(small_schema):
     # The declared numeric fields come from a data migration; a transactional test's flush
     # removes them, so they are put back here for the tests that follow one.
-    for spec in DEFAULT_NUMERIC_FIELDS:
-        NumericField.objects.get_or_create(
-            name=spec.name,
-            defaults={
-                "kind": spec.kind.value,
-                "min_value": spec.min,
-                "max_value": spec.max,
-                "sensitivity": spec.sensitivity,
-                "unit": spec.unit,
-                "description": spec.description,
-            },
-        )
+    seed_default_numeric_fields()
     import_registry(small_schema.tools)
     return current_schema()
 

@@ -5,9 +5,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from compendium.models import NumericField
-from compendium.schema import DEFAULT_NUMERIC_FIELDS, Compendium, ToolSpec
-from compendium.services import import_registry, store_compendium
+from compendium.schema import Compendium, ToolSpec
+from compendium.services import import_registry, seed_default_numeric_fields, store_compendium
 from federation.models import Client, Organization, Round
 
 TOOLS = [
@@ -69,13 +68,7 @@ def build_federation(round_number: int = 1, config: dict | None = None, state: s
     """Registry, two organizations, three clients and their submissions for one round."""
     import_registry(TOOLS)
     # Transactional tests flush the rows the data migration seeded; put the declared fields back.
-    for spec in DEFAULT_NUMERIC_FIELDS:
-        NumericField.objects.get_or_create(
-            name=spec.name,
-            defaults=dict(kind=spec.kind.value, min_value=spec.min, max_value=spec.max,
-                          sensitivity=spec.sensitivity, unit=spec.unit,
-                          description=spec.description),
-        )
+    seed_default_numeric_fields()
     round_ = Round.objects.create(number=round_number, state=state,
                                   config=config or {"summarizer": "centroid", "seed": 11})
     clients = {}

@@ -924,6 +924,13 @@ def test_accuracy_page_says_what_the_run_ran(client, fed):
     assert "3 organizations × 2 clients, 3 rounds, category partition, 1 seed (0)" in setup
     assert "at most 300 train queries per client, public probe set 3% of the queries, 600 test queries" in setup
     assert "ε = 1.0 per round, λ = 1.0, τ = 0.85" in setup and "router tuned" not in setup
+    assert "through the services" not in setup
+    SimulationRun.objects.create(label="services", dataset="metatool", seconds=105, document={
+        "config": {**config, "through_services": True}, "seeds": [0], "summary": []})
+    body = client.get(reverse("dashboard:accuracy")).content.decode()
+    setup = body[body.index('id="run-setup"'):]
+    assert "1 seed (0), rounds closed through the services (submission service, close, merge " \
+        "pipeline)" in setup[: setup.index("</p>")]
 
 
 def test_conflicts_paginate(client, fed):

@@ -4,6 +4,7 @@ publish the same global compendium that `Simulation.federate` computes."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
@@ -24,10 +25,9 @@ def _released(compendium) -> list:
 def test_the_simulation_publishes_what_the_round_pipeline_publishes(tiny_dataset, tmp_path):
     from compendium.canonical import canonical_bytes
     from compendium.client_api import nothing_to_submit
-    from compendium.models import CompendiumVersion, NumericField
+    from compendium.models import CompendiumVersion
     from compendium.registry import load_dataset
-    from compendium.schema import DEFAULT_NUMERIC_FIELDS
-    from compendium.services import current_schema, load_compendium
+    from compendium.services import current_schema, load_compendium, seed_default_numeric_fields
     from federation import submissions
     from federation.models import Client, Organization, Round
     from federation.pipeline import import_probe_set
@@ -36,12 +36,7 @@ def test_the_simulation_publishes_what_the_round_pipeline_publishes(tiny_dataset
     from routing.embeddings import get_engine
 
     call_command("import_tools", str(tiny_dataset), verbosity=0)
-    for spec in DEFAULT_NUMERIC_FIELDS:  # transactional tests flush what the migration seeded
-        NumericField.objects.get_or_create(
-            name=spec.name,
-            defaults=dict(kind=spec.kind.value, min_value=spec.min, max_value=spec.max,
-                          sensitivity=spec.sensitivity, unit=spec.unit, description=spec.description),
-        )
+    seed_default_numeric_fields()  # transactional tests flush what the migration seeded
     dataset = load_dataset(str(tiny_dataset))
     config = SimulationConfig(orgs=2, clients_per_org=2, rounds=3, baselines=False, diagnostics=False)
     sim = Simulation(dataset, current_schema(), get_engine(), config)
@@ -82,3 +77,76 @@ def test_the_simulation_publishes_what_the_round_pipeline_publishes(tiny_dataset
         released += sum(len(fields) for _, fields in _released(published))
         compared += len(published.scenarios)
     assert compared > 0 and released > 0
+
+
+def _synapse_rows(document) -> list:
+    return sorted((r["seed"], r["round"], r["accuracy"], r["macro_accuracy"])
+                  for r in document["results"] if r["method"] == "synapse")
+
+
+def test_simulate_through_services_plays_the_rounds_in_a_scratch_database(tiny_dataset, tmp_path):
+    """`simulate --through-services`: the rounds go through the submission service, the close and
+    the eager merge pipeline in a database of their own, publish what the in-memory rounds
+    publish (the same accuracy round by round), and leave the operator's database with the
+    stored run only."""
+    from django.db import connection
+
+    from federation.models import Client, Organization, Round, SimulationRun
+
+    common = ["--dataset", str(tiny_dataset), "--orgs", "2", "--clients-per-org", "2",
+              "--rounds", "3", "--seed", "1", "--no-baselines", "--no-diagnostics"]
+    memory, services = tmp_path / "memory.json", tmp_path / "services.json"
+    call_command("simulate", *common, "--out", str(memory), "--no-store", verbosity=0)
+    call_command("simulate", *common, "--through-services", "--out", str(services),
+                 "--label", "through services", verbosity=0)
+    in_memory, through = json.loads(memory.read_text()), json.loads(services.read_text())
+    assert through["config"]["through_services"] and not in_memory["config"]["through_services"]
+    assert len(_synapse_rows(through)) == 3
+    assert _synapse_rows(through) == _synapse_rows(in_memory)
+    for ours, theirs in zip(through["rounds"][0], in_memory["rounds"][0], strict=True):
+        assert ours["global_scenarios"] == theirs["global_scenarios"] > 0
+        assert ours["scenarios_submitted"] == theirs["scenarios_submitted"]
+        # The pipeline's merge records, per organization (by slug) and the server's.
+        assert set(ours["merge"]) == set(theirs["merge"]) and "server" in ours["merge"]
+    assert through["screening"]["honest_submissions"] == in_memory["screening"]["honest_submissions"]
+    # The scratch federation stayed in its database, which is gone.
+    assert not Round.objects.exists() and not Client.objects.exists()
+    assert not Organization.objects.exists()
+    assert SimulationRun.objects.get(label="through services").document["config"]["through_services"]
+    with connection.cursor() as cursor:
+        cursor.execute("SELECT count(*) FROM pg_database WHERE datname LIKE %s", ["%\\_simulate\\_%"])
+        assert cursor.fetchone()[0] == 0
+
+
+def test_adversaries_are_screened_alike_through_the_services(tiny_dataset):
+    """Half the clients relabel their requests at random: the pipeline's edges drop the same
+    submissions whole as the in-memory merges do, and the counts name the simulated clients."""
+    from compendium.registry import load_dataset
+    from compendium.schema import Schema
+    from federation.simulation.runner import Simulation, SimulationConfig
+    from federation.simulation.through_services import scratch_database
+    from routing.embeddings import get_engine
+
+    dataset = load_dataset(str(tiny_dataset))
+    config = SimulationConfig(orgs=2, clients_per_org=2, rounds=2, baselines=False,
+                              diagnostics=False, adversarial_fraction=0.5,
+                              adversarial_mode="tool_confusion")
+    schema = Schema(tools=dataset.tools)
+    in_memory = Simulation(dataset, schema, get_engine(), config).run_seed(1).screening
+    with scratch_database():
+        through = Simulation(dataset, schema, get_engine(),
+                             dataclasses.replace(config, through_services=True)).run_seed(1).screening
+    assert through == in_memory
+    assert through["dropped_adversarial"] == through["adversarial_submissions"] == 4
+    assert through["dropped_honest"] == 0
+
+
+def test_a_federation_through_the_services_never_empties_the_operators_database(tiny_dataset):
+    from compendium.registry import load_dataset
+    from federation.models import Organization
+    from federation.simulation.through_services import NotInScratchDatabase, ServiceRounds
+
+    Organization.objects.create(slug="kept", name="kept")
+    with pytest.raises(NotInScratchDatabase, match="scratch_database"):
+        ServiceRounds(load_dataset(str(tiny_dataset))).begin([], [], seed=0)
+    assert Organization.objects.filter(slug="kept").exists()

@@ -1004,7 +1004,9 @@ def run_setup(doc: dict) -> list[str]:
         f"{config.get('orgs')} organizations × {config.get('clients_per_org')} clients, "
         f"{config.get('rounds')} rounds, {config.get('partition')} partition, "
         f"{len(seeds)} seed{'s' if len(seeds) != 1 else ''}"
-        + (f" ({', '.join(map(str, seeds))})" if seeds else ""),
+        + (f" ({', '.join(map(str, seeds))})" if seeds else "")
+        + (", rounds closed through the services (submission service, close, merge pipeline)"
+           if config.get("through_services") else ""),
     ]
     data = [f"public probe set {config.get('probe_fraction', 0.1):.0%} of the queries"]
     if config.get("queries_per_client"):

@@ -427,6 +427,9 @@ def table(document: dict[str, Any]) -> str:
             f"{row['method']:<{width}} {row['round'] if row['round'] is not None else '-':>5} "
             f"{spread:>16} {row['macro_accuracy_mean']:>7.3f}"
         )
+    if document.get("config", {}).get("through_services"):
+        lines.append("rounds closed through the services: submission service, close, merge "
+                     "pipeline, publication (scratch database)")
     comm = document.get("communication", {})
     if comm:
         lines.append(

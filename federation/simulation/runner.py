@@ -64,6 +64,7 @@ from federation.simulation.metrics import (
     membership_scores,
     tokens,
 )
+from federation.simulation.through_services import ServiceRounds
 from routing.embeddings import EmbeddingModelUnavailable, get_engine
 from routing.router import RERANKERS, Router, fit_router
 
@@ -170,6 +171,11 @@ class SimulationConfig:
     # product): with E > 0, every published global (and Centralized's) is routed with an encoder
     # fine-tuned on it for E epochs; `synapse_untuned` rows keep the frozen router's accuracy.
     tune_router_epochs: int = 0
+    # The rounds close through the product's services (`through_services`): submission service,
+    # close, eager Celery merge pipeline, publication, in a scratch database; False: the same
+    # merge operator called in memory (faster; tests/test_simulation_pipeline.py checks that
+    # both publish the same compendium).
+    through_services: bool = False
 
 
 @dataclass
@@ -311,6 +317,9 @@ class Simulation:
         self._transfer_variants: list[TransferVariant] | None = None
         self._probe_cache: dict[int, dict[str, np.ndarray]] = {}
         self._summarizer_llm = None
+        # --through-services: rounds close through the product's services (in the scratch
+        # database that `through_services.scratch_database` holds for the run).
+        self.services = ServiceRounds(dataset) if config.through_services else None
 
     # --- building blocks ---------------------------------------------------------------------
 
@@ -463,6 +472,8 @@ class Simulation:
             self.schema, config, max(enrolled.values(), default=0), len(enrolled)
         )
         sent_before: dict[str, set[str]] = defaultdict(set)  # each client's record of what it sent
+        if self.services is not None:  # a new, empty federation in the scratch database
+            self.services.begin(shares, probe, seed)
         camouflage = self.config.adversarial_mode == "camouflaged_poisoning"
         for r in range(1, rounds + 1):
             if published is not None and not aggregates_in(r, self.config.aggregate_every):
@@ -516,52 +527,25 @@ class Simulation:
                 if adversary:
                     relabelled[client] = _relabelled(honest_of[client], compendium)
                 sent[client] = compendium
-            self.progress(f"seed {seed}: round {r}: edge and server merges")
-            edges = []
-            stats = {}
-            scales: dict[str, dict[tuple[str, str], float]] = {}
-            senders = Counter(s.organization for s in shares if s.client in sent)
-            drowned = not_released | drowned_fields(
-                self.schema, config, max(senders.values(), default=0), len(senders)
-            )
-            for org in sorted({s.organization for s in shares}):
-                inputs = [
-                    MergeInput(s.client, sent[s.client])
-                    for s in shares
-                    if s.organization == org and s.client in sent
-                ]
-                if not inputs:
-                    continue
-                result = edge_merge(
-                    inputs,
-                    self.schema,
-                    config,
-                    conflicts.get(org, ()),
-                    embed=self.engine.embed,
-                    probe_set=probe_set,
-                    llm=llm,
-                    seed=np.random.SeedSequence([seed, r, len(edges)]),
-                    drowned=drowned,
+            if self.services is not None:
+                self.progress(f"seed {seed}: round {r}: submissions, close, merge pipeline")
+                merged, stats = self.services.close(r, config, sent)
+                if merged is None:  # nothing reached a merge: the last global stays
+                    merged = published or Compendium()
+            else:
+                self.progress(f"seed {seed}: round {r}: edge and server merges")
+                merged, stats = self._merge(
+                    r, seed, shares, sent, conflicts, pulled,
+                    dict(config=config, probe_set=probe_set, llm=llm, not_released=not_released),
                 )
-                conflicts[org] = result.conflicts
-                edges.append(MergeInput(org, result.compendium))
-                scales[org] = result.noise_scales
-                stats[org] = result.stats.as_dict()
-            merged = server_merge(
-                edges, self.schema, config, embed=self.engine.embed, probe_set=probe_set,
-                llm=llm, previous=pulled, previous_conflicts=conflicts.get(None, ()),
-                noise_scales=scales,
-            )
-            conflicts[None] = merged.conflicts
-            published = merged.compendium
+            published = merged
             if self.config.carry_forward:
-                pulled = merged.compendium
-            stats["server"] = merged.stats.as_dict()
+                pulled = merged
             payloads = [canonical_bytes(c) for c in sent.values()]
             outcomes.append(
                 RoundOutcome(
                     round=r,
-                    global_compendium=merged.compendium,
+                    global_compendium=merged,
                     client_compendiums=clients,
                     submissions=sent,
                     bytes_raw=[len(b) for b in payloads],
@@ -571,8 +555,52 @@ class Simulation:
                     relabelled=relabelled,
                 )
             )
-            dictionary = transport.global_dictionary(merged.compendium)
+            dictionary = transport.global_dictionary(merged)
         return outcomes
+
+    def _merge(self, r, seed, shares, sent, conflicts, pulled, common) -> tuple[Compendium, dict]:
+        """Round `r`'s edge merges (one per organization) and the server merge, in memory, as
+        the pipeline runs them (tests/test_simulation_pipeline.py holds the two to the same
+        result). `conflicts`: each edge's last log and the server's (at None), updated here."""
+        config, probe_set, llm = common["config"], common["probe_set"], common["llm"]
+        edges = []
+        stats = {}
+        scales: dict[str, dict[tuple[str, str], float]] = {}
+        senders = Counter(s.organization for s in shares if s.client in sent)
+        drowned = common["not_released"] | drowned_fields(
+            self.schema, config, max(senders.values(), default=0), len(senders)
+        )
+        for org in sorted({s.organization for s in shares}):
+            inputs = [
+                MergeInput(s.client, sent[s.client])
+                for s in shares
+                if s.organization == org and s.client in sent
+            ]
+            if not inputs:
+                continue
+            result = edge_merge(
+                inputs,
+                self.schema,
+                config,
+                conflicts.get(org, ()),
+                embed=self.engine.embed,
+                probe_set=probe_set,
+                llm=llm,
+                seed=np.random.SeedSequence([seed, r, len(edges)]),
+                drowned=drowned,
+            )
+            conflicts[org] = result.conflicts
+            edges.append(MergeInput(org, result.compendium))
+            scales[org] = result.noise_scales
+            stats[org] = result.stats.as_dict()
+        merged = server_merge(
+            edges, self.schema, config, embed=self.engine.embed, probe_set=probe_set,
+            llm=llm, previous=pulled, previous_conflicts=conflicts.get(None, ()),
+            noise_scales=scales,
+        )
+        conflicts[None] = merged.conflicts
+        stats["server"] = merged.stats.as_dict()
+        return merged.compendium, stats
 
     # --- one seed ----------------------------------------------------------------------------
 
@@ -934,13 +962,15 @@ SCREENING_KEYS = ("honest_submissions", "dropped_honest", "adversarial_submissio
 
 def screening(outcomes: Sequence[RoundOutcome], adversaries: set[str]) -> dict[str, int]:
     """How many client submissions, honest and adversarial, the edge merges dropped whole as
-    implausible sources (their `dropped_sources`), and how many of their scenarios the robust
+    implausible sources (their `dropped_sources`) or the server refused at arrival (through the
+    services: "refused"), and how many of their scenarios the robust
     rule dropped across sources (`robust_sources`), over all rounds; and how many scenarios the
     adversaries sent, and of those how many under another tool than their honest one."""
     counts = dict.fromkeys(SCREENING_KEYS, 0)
     for outcome in outcomes:
-        edges = [stats for org, stats in outcome.merge_stats.items() if org != "server"]
+        edges = [stats for org, stats in outcome.merge_stats.items() if org not in ("server", "refused")]
         dropped = {source for stats in edges for source in stats.get("dropped_sources", ())}
+        dropped |= set(outcome.merge_stats.get("refused", ()))  # refused at arrival (services)
         for client in outcome.submissions:
             kind = "adversarial" if client in adversaries else "honest"
             counts[f"{kind}_submissions"] += 1

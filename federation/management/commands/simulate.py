@@ -1,3 +1,4 @@
+import contextlib
 import json
 import sys
 from pathlib import Path
@@ -18,6 +19,7 @@ from federation.simulation.runner import (
     Simulation,
     SimulationConfig,
 )
+from federation.simulation.through_services import ScratchDatabaseUnavailable, scratch_database
 from routing.embeddings import EmbeddingModelUnavailable, get_engine
 from routing.llm import LLMUnavailable
 
@@ -221,6 +223,16 @@ class Command(BaseCommand):
             "without the conflict log",
         )
         parser.add_argument(
+            "--through-services", action="store_true",
+            help="close every simulated round through the product's services, as a live "
+            "federation does: each client's compendium through the submission service (the "
+            "server's arrival checks included), the operator's close, the Celery merge pipeline "
+            "(eager, in this process) and publication, in a scratch database created for the run "
+            "and dropped after it (needs a database user allowed to create databases); default: "
+            "the same merge operator called in memory, which publishes the same compendium "
+            "(tests/test_simulation_pipeline.py) and is faster",
+        )
+        parser.add_argument(
             "--tune-router", type=int, default=0, metavar="EPOCHS",
             help="route each published global (and Centralized's) with an encoder fine-tuned on "
             "it for EPOCHS epochs, as the server does with SYNAPSE_ROUTER_TUNE_EPOCHS; rows "
@@ -411,6 +423,7 @@ class Command(BaseCommand):
             contradiction_fraction=o["contradiction_fraction"],
             conflict_log=not o["no_conflict_log"],
             tune_router_epochs=o["tune_router"],
+            through_services=o["through_services"],
         )
         if (config.llm_url and "llm" not in config.transfer_rerankers
                 and not {config.summarizer, *summarizers} & set(LLM_SUMMARIZERS)):
@@ -434,6 +447,24 @@ class Command(BaseCommand):
             simulation.transfer_variants()
         except (ValueError, EmbeddingModelUnavailable, LLMUnavailable) as exc:
             raise CommandError(str(exc)) from None
+        scratch = (
+            scratch_database(embedding_model=o["embedding_model"], llm_url=config.llm_url,
+                             llm_model=config.llm_model)
+            if config.through_services else contextlib.nullcontext()
+        )
+        try:
+            with scratch:
+                document = self._play(o, make, config, simulation, seeds, privacy_variants,
+                                      min_users, adversarial_variants, taus, summarizers,
+                                      contradictions, cadences)
+        except ScratchDatabaseUnavailable as exc:
+            raise CommandError(f"--through-services: {exc}") from None
+        document["command"] = "python manage.py simulate " + " ".join(sys.argv[2:])
+        self._emit(document, o)
+
+    def _play(self, o, make, config, simulation, seeds, privacy_variants, min_users,
+              adversarial_variants, taus, summarizers, contradictions, cadences) -> dict:
+        """The run and the sweeps the options ask for, as one document."""
         try:
             played = PlayedRuns()  # a sweep variant equal to a run already played reuses it
             document = run(simulation, seeds, played)
@@ -463,8 +494,7 @@ class Command(BaseCommand):
                 )
         except ValueError as exc:
             raise CommandError(str(exc)) from None
-        document["command"] = "python manage.py simulate " + " ".join(sys.argv[2:])
-        self._emit(document, o)
+        return document
 
     def _emit(self, document, o):
         self.stdout.write(table(document))

@@ -1,0 +1,192 @@
+"""A simulated federation's rounds through the product's own services (`simulate
+--through-services`), in a scratch database that exists for the run.
+
+Each federation (a seed, a sweep point) starts from an empty federation: the dataset's tools, the
+seed's public probe set, one organization per simulated organization and one approved client per
+simulated client. Each round the server opens the round with the simulation's round
+configuration, every client's compendium goes through the submission service the REST API uses
+(the server's arrival checks included: a refused submission is counted, never merged), the
+operator's close runs the real merge pipeline (Celery tasks run eagerly, in this process, on the
+scratch database), and the clients pull the published global compendium. Nothing of this touches
+the operator's database: it is created before the run and dropped after it.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from typing import Any
+
+from compendium.canonical import canonical_bytes
+from compendium.client_api import nothing_to_submit
+from compendium.registry import LabelledQuery, RoutingDataset
+from compendium.schema import Compendium
+from federation.round_config import RoundConfig
+from federation.simulation.data import ClientShare
+
+# The scratch federation's policy: no cap that the simulated rounds could reach (the simulation
+# reports ε; the budget is the operator's own decision), and no rate limit on a client that
+# submits once per round, many rounds a minute.
+SCRATCH_SETTINGS = {"epsilon_budget": 1e9, "submissions_per_minute": 1_000_000}
+
+_scratch: list[str] = []  # the scratch database in use (`scratch_database`)
+
+
+class ScratchDatabaseUnavailable(RuntimeError):
+    """The scratch database cannot be created; says why."""
+
+
+def _may_create_databases(connection) -> bool:
+    with connection.cursor() as cursor:
+        cursor.execute("SELECT rolcreatedb OR rolsuper FROM pg_roles WHERE rolname = current_user")
+        row = cursor.fetchone()
+    return bool(row and row[0])
+
+
+class NotInScratchDatabase(RuntimeError):
+    """A federation through the services would empty the database it runs on: only a scratch
+    database may be used."""
+
+
+@contextmanager
+def scratch_database(*, embedding_model: str = "", llm_url: str | None = None,
+                     llm_model: str = "") -> Iterator[None]:
+    """Within the block, the default database is a new one, migrated, and Celery runs the merge
+    pipeline's tasks in this process (on that database) with the simulation's embedding model
+    and LLM endpoint; after it, the database is dropped and everything is as it was."""
+    from django.db import connection
+    from django.test.utils import override_settings
+
+    from synapse_web.celery import app
+
+    if not _may_create_databases(connection):
+        raise ScratchDatabaseUnavailable(
+            f"the database user {connection.settings_dict.get('USER') or '(default)'} may not "
+            "create databases, and rounds through the services run in a scratch database"
+        )
+    test_settings = connection.settings_dict.setdefault("TEST", {})
+    saved_name = test_settings.get("NAME")
+    original = connection.settings_dict["NAME"]
+    test_settings["NAME"] = f"{original}_simulate_{os.getpid()}"
+    eager = app.conf.task_always_eager, app.conf.task_eager_propagates
+    app.conf.task_always_eager, app.conf.task_eager_propagates = True, True
+    overrides = override_settings(
+        SYNAPSE_EMBEDDING_MODEL=embedding_model,
+        SYNAPSE_LLM_BASE_URL=llm_url or "",
+        SYNAPSE_LLM_MODEL=llm_model,
+        SYNAPSE_ROUTER_TUNE_EPOCHS=0,  # the simulation tunes its own routers (--tune-router)
+    )
+    try:
+        _scratch.append(connection.creation.create_test_db(
+            verbosity=0, autoclobber=True, serialize=False
+        ))
+        try:
+            with overrides:
+                yield
+        finally:
+            _scratch.pop()
+            connection.creation.destroy_test_db(original, verbosity=0)
+    finally:
+        app.conf.task_always_eager, app.conf.task_eager_propagates = eager
+        if saved_name is None:
+            test_settings.pop("NAME", None)
+        else:
+            test_settings["NAME"] = saved_name
+
+
+class ServiceRounds:
+    """Closes a simulated federation's rounds through the services (see the module). Used inside
+    `scratch_database`: `begin` empties the database for a new federation."""
+
+    def __init__(self, dataset: RoutingDataset):
+        self.dataset = dataset
+        self.clients: dict[str, Any] = {}  # simulated client -> Client
+        self.seed = 0
+
+    def begin(self, shares: Sequence[ClientShare], probe: Sequence[LabelledQuery], seed: int) -> None:
+        from django.core.management import call_command
+        from django.db import connection
+
+        from compendium.services import import_registry, seed_default_numeric_fields
+        from federation import services
+        from federation.pipeline import store_probe_queries
+
+        if not _scratch or connection.settings_dict["NAME"] != _scratch[-1]:
+            raise NotInScratchDatabase(
+                f"refusing to empty {connection.settings_dict['NAME']!r} for a simulated "
+                "federation: run it inside through_services.scratch_database()"
+            )
+        call_command("flush", interactive=False, verbosity=0)
+        services.clear_settings_cache()
+        seed_default_numeric_fields()  # what the migration seeded, gone with the flush
+        system = services.Actor.system("simulate")
+        services.update_settings(system, **SCRATCH_SETTINGS)
+        import_registry(self.dataset.tools)
+        store_probe_queries(self.dataset.name, probe)
+        organizations = {}
+        self.clients = {}
+        for share in shares:
+            if share.organization not in organizations:
+                organizations[share.organization] = services.create_organization(
+                    system, share.organization, slug=share.organization
+                )
+            client = services.enroll_client(system, organizations[share.organization], share.client)
+            services.approve_client(system, client)
+            client.refresh_from_db()
+            self.clients[share.client] = client
+        self.seed = seed
+
+    def close(self, round_: int, config: RoundConfig,
+              sent: dict[str, Compendium]) -> tuple[Compendium | None, dict[str, Any]]:
+        """One round: open it, submit what each client sends, close it, and return the published
+        global compendium with the merges' statistics per organization ("server": the server
+        merge's; "refused": per client, why the server refused its submission at arrival). None
+        when nothing reached a merge (no round is published then)."""
+        from compendium.models import CompendiumVersion
+        from compendium.services import load_compendium
+        from federation import submissions
+        from federation.errors import FederationError
+        from federation.models import MergeRecord, Round
+        from federation.services import Actor, close_round, open_round
+
+        if all(nothing_to_submit(c) for c in sent.values()):
+            return None, {}  # no client has anything new: no round is opened
+        system = Actor.system("simulate")
+        rnd = open_round(system, config)
+        refused: dict[str, str] = {}
+        accepted = 0
+        for name, compendium in sent.items():
+            if nothing_to_submit(compendium):
+                continue  # as `synapse-client participate`: nothing new, nothing sent
+            try:
+                submissions.submit(self.clients[name], canonical_bytes(compendium),
+                                   f"simulate-{self.seed}-{round_}-{name}")
+                accepted += 1
+            except FederationError as exc:
+                refused[name] = str(exc)
+        close_round(system, rnd)
+        rnd.refresh_from_db()
+        if not accepted:  # the server refused every submission: the round failed, unpublished
+            return None, {"refused": refused}
+        if rnd.state != Round.State.PUBLISHED:
+            raise RuntimeError(f"simulated round {round_} ended {rnd.state}: {rnd.failure_reason}")
+        names = {f"client:{client.pk}": name for name, client in self.clients.items()}
+        stats: dict[str, Any] = {}
+        for record in MergeRecord.objects.filter(round=rnd).select_related("organization"):
+            key = record.organization.slug if record.organization else "server"
+            stats[key] = _named(record.stats, names)
+        if refused:
+            stats["refused"] = refused
+        published = load_compendium(CompendiumVersion.objects.get(kind="global", round=rnd))
+        return published, stats
+
+
+def _named(stats: dict[str, Any], names: dict[str, str]) -> dict[str, Any]:
+    """An edge's statistics with its sources named as the simulation names its clients."""
+    out = dict(stats)
+    if "dropped_sources" in out:
+        out["dropped_sources"] = [names.get(s, s) for s in out["dropped_sources"]]
+    if "robust_sources" in out:
+        out["robust_sources"] = {names.get(s, s): n for s, n in out["robust_sources"].items()}
+    return out
