@@ -50,6 +50,7 @@ from compendium.schema import (
     Schema,
     ToolMetadata,
 )
+from compendium.scrub import scrub_text
 from compendium.usage_log import UsageLog, UsageLogError, UsageRecord, read_usage_log
 from compendium.validation import CompendiumInvalid, validate_compendium
 
@@ -111,6 +112,7 @@ class BuildReport:
     tau: float | None = None
     word_tokens: int = 0
     masked_tokens: int = 0
+    scrubbed: int = 0  # e-mails, cards, phones, long digit strings masking left (`_MaskCache`)
     scenarios_in: int = 0
     scenarios_out: int = 0
     precautions_in: int = 0
@@ -162,22 +164,30 @@ def truncate(text: str, limit: int) -> str:
 
 
 class _MaskCache:
-    """Masks each distinct text once and keeps the totals for the masked fraction."""
+    """Masks each distinct text once and keeps the totals for the masked fraction. What masking
+    leaves of an e-mail address, card, phone or long digit string (a number many users share
+    stays unmasked) is then scrubbed as the server scrubs on arrival (`compendium.scrub`), so
+    none leaves the client for the server to remove."""
 
     def __init__(self, masker: TextMasker):
         self.masker = masker
-        self.cache: dict[str, MaskedText] = {}
+        self.cache: dict[str, tuple[MaskedText, str, int]] = {}
         self.word_tokens = 0
         self.masked_tokens = 0
+        self.scrubbed = 0  # items scrubbed, over every occurrence
 
     def __call__(self, text: str) -> str:
-        result = self.cache.get(text)
-        if result is None:
-            result = self.cache[text] = self.masker.mask(clean_text(text))
+        cached = self.cache.get(text)
+        if cached is None:
+            result = self.masker.mask(clean_text(text))
+            scrubbed = scrub_text(result.text)
+            cached = self.cache[text] = (result, scrubbed.text, scrubbed.total)
+        result, out, scrubbed_items = cached
         # every occurrence counts: the fraction is over all the text the log contributes
         self.word_tokens += result.word_tokens
         self.masked_tokens += result.masked_tokens
-        return result.text
+        self.scrubbed += scrubbed_items
+        return out
 
 
 def _embed(embedder: Embedder, texts: list[str], progress, label: str) -> np.ndarray:
@@ -427,6 +437,7 @@ def build_compendium(
                 template_votes[(record.tool, signature)][body] += 1
 
     report.word_tokens, report.masked_tokens = mask.word_tokens, mask.masked_tokens
+    report.scrubbed = mask.scrubbed
     report.scenarios_in = sum(len(u) for u in scenario_users.values())
     report.precautions_in = sum(len(u) for u in precaution_users.values())
     scenario_items = [

@@ -343,6 +343,11 @@ def cmd_build(args: argparse.Namespace) -> int:
             f" Released {report.shared_words} word(s) that at least "
             f"{options.shared_word_users} users wrote (--shared-word-users)."
         )
+    if report.scrubbed:
+        notes += (
+            f" Replaced {report.scrubbed} e-mail address(es), card, phone or long digit "
+            "number(s) that masking left (words many users wrote), as the server scrubs them."
+        )
     print(
         f"{out}: {counts}; {report.num_users} users; masked {report.masked_fraction:.1%} of "
         f"{report.word_tokens} tokens at λ={options.strength:g}; {form.size_bytes} bytes "

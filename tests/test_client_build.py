@@ -376,6 +376,29 @@ def test_shared_words_never_release_planted_personal_data():
     assert not [s for s in secrets() if s in text]
 
 
+def test_what_the_server_would_scrub_never_leaves_the_client():
+    """A study number many users ask about is a shared word, which masking releases; an e-mail
+    the masker's λ leaves: the build scrubs both as the server does on arrival, so the server's
+    scrub finds nothing (MetaTool's NCT05859269 reached the server before)."""
+    from compendium.scrub import scrub_compendium
+
+    schema = metatool_schema()
+    tool = sorted(schema.tool_ids)[0]
+    records = parsed([
+        {"query": f"requirements of the trial nct05859269 for {who}", "tool": tool,
+         "outcome": "success", "latency_ms": 80, "user": who}
+        for who in ("u1", "u2", "u3")
+    ] + [{"query": "write to help@example.org about refunds", "tool": tool, "outcome": "success",
+          "latency_ms": 80, "user": "u1"}])
+    compendium, report = build_compendium(
+        records, schema, BuildOptions(collapse=False, shared_word_users=2, strength=0.05)
+    )
+    text = canonical_form(compendium).data.decode()
+    assert "05859269" not in text and "help@example.org" not in text
+    assert "[number]" in text and report.scrubbed >= 2
+    assert scrub_compendium(compendium) == (compendium, 0)
+
+
 def test_fields_the_round_will_not_release_are_not_computed_nor_sent():
     records = parsed(usage_records(users=5, lines=100, seed=8))
     schema = metatool_schema()
