@@ -54,7 +54,8 @@ def scratch_database(*, embedding_model: str = "", llm_url: str | None = None,
                      llm_model: str = "") -> Iterator[None]:
     """Within the block, the default database is a new one, migrated, and Celery runs the merge
     pipeline's tasks in this process (on that database) with the simulation's embedding model
-    and LLM endpoint; after it, the database is dropped and everything is as it was."""
+    (its engine's `model_name`: the pipeline's engine is then the very same) and LLM endpoint;
+    after it, the database is dropped and everything is as it was."""
     from django.db import connection
     from django.test.utils import override_settings
 

@@ -448,7 +448,7 @@ class Command(BaseCommand):
         except (ValueError, EmbeddingModelUnavailable, LLMUnavailable) as exc:
             raise CommandError(str(exc)) from None
         scratch = (
-            scratch_database(embedding_model=o["embedding_model"], llm_url=config.llm_url,
+            scratch_database(embedding_model=engine.model_name, llm_url=config.llm_url,
                              llm_model=config.llm_model)
             if config.through_services else contextlib.nullcontext()
         )
