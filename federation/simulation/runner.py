@@ -535,8 +535,8 @@ class Simulation:
             else:
                 self.progress(f"seed {seed}: round {r}: edge and server merges")
                 merged, stats = self._merge(
-                    r, seed, shares, sent, conflicts, pulled,
-                    dict(config=config, probe_set=probe_set, llm=llm, not_released=not_released),
+                    r, seed, shares, sent, config=config, probe_set=probe_set, llm=llm,
+                    not_released=not_released, conflicts=conflicts, pulled=pulled,
                 )
             published = merged
             if self.config.carry_forward:
@@ -558,16 +558,19 @@ class Simulation:
             dictionary = transport.global_dictionary(merged)
         return outcomes
 
-    def _merge(self, r, seed, shares, sent, conflicts, pulled, common) -> tuple[Compendium, dict]:
+    def _merge(
+        self, r: int, seed: int, shares: Sequence[ClientShare], sent: dict[str, Compendium], *,
+        config: RoundConfig, probe_set: ProbeSet | None, llm, not_released: frozenset[str],
+        conflicts: dict[str | None, list[ConflictEntry]], pulled: Compendium | None,
+    ) -> tuple[Compendium, dict[str, Any]]:
         """Round `r`'s edge merges (one per organization) and the server merge, in memory, as
         the pipeline runs them (tests/test_simulation_pipeline.py holds the two to the same
         result). `conflicts`: each edge's last log and the server's (at None), updated here."""
-        config, probe_set, llm = common["config"], common["probe_set"], common["llm"]
         edges = []
         stats = {}
         scales: dict[str, dict[tuple[str, str], float]] = {}
         senders = Counter(s.organization for s in shares if s.client in sent)
-        drowned = common["not_released"] | drowned_fields(
+        drowned = not_released | drowned_fields(
             self.schema, config, max(senders.values(), default=0), len(senders)
         )
         for org in sorted({s.organization for s in shares}):
