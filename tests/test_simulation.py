@@ -9,11 +9,12 @@ import tempfile
 import pytest
 from django.core.management import CommandError, call_command
 
-from federation.models import SimulationRun
+from federation.models import Client, Round, SimulationRun
 
 pytestmark = [pytest.mark.slow, pytest.mark.django_db]
 
 
+@pytest.mark.django_db(transaction=True)  # the rounds go through the services (a scratch database)
 def test_tiny_simulation_end_to_end(twin_dataset, tmp_path):
     out = tmp_path / "results.json"
     call_command(
@@ -56,6 +57,10 @@ def test_tiny_simulation_end_to_end(twin_dataset, tmp_path):
     assert anonymous[2]["bytes_per_client_round"] < anonymous[1]["bytes_per_client_round"]
     stored = SimulationRun.objects.get(label="tiny")
     assert stored.document["summary"] == document["summary"]
+    # Every federation of the run and its sweeps closed its rounds through the services, in a
+    # scratch database: the operator's has the stored run and nothing else.
+    assert document["config"]["through_services"]
+    assert not Round.objects.exists() and not Client.objects.exists()
 
 
 @pytest.mark.django_db(transaction=True)
@@ -264,7 +269,7 @@ def test_transfer_in_the_command_document_table_and_store(tiny_dataset, tmp_path
     call_command(
         "simulate", "--dataset", str(tiny_dataset), "--orgs", "2", "--clients-per-org", "2",
         "--rounds", "2", "--seed", "1", "--seeds", "2", "--no-baselines", "--out", str(out),
-        "--transfer-models", f"{FP32},{ONNX}", "--transfer-rerankers", "none,fusion,llm",
+        "--transfer-models", f"{FP32},{ONNX}", "--transfer-rerankers", "none,fusion,llm", "--in-memory",
         "--label", "transfer", verbosity=0, stdout=stdout,
     )
     document = json.loads(out.read_text())
@@ -448,6 +453,7 @@ def test_cadence_under_drift_frozen_globals_miss_the_new_categories(twin_dataset
         "simulate", "--dataset", str(twin_dataset), "--orgs", "2", "--clients-per-org", "2",
         "--rounds", "4", "--drift-every", "2", "--seed", "1", "--no-baselines", "--no-diagnostics",
         "--sweep-cadence", "1,0", "--probe-fraction", "0.05", "--out", str(out), "--no-store",
+        "--in-memory",
         verbosity=0, stdout=stdout,
     )
     document = json.loads(out.read_text())
@@ -477,7 +483,8 @@ def test_tau_and_summarizer_sweeps(tiny_dataset, tmp_path):
     call_command(
         "simulate", "--dataset", str(tiny_dataset), "--orgs", "2", "--clients-per-org", "2",
         "--rounds", "2", "--seed", "1", "--no-baselines", "--no-diagnostics", "--sweep-tau", "0.5,0.95",
-        "--sweep-summarizers", "centroid,none", "--out", str(out), "--no-store", verbosity=0,
+        "--sweep-summarizers", "centroid,none", "--out", str(out), "--no-store", "--in-memory",
+        verbosity=0,
         stdout=stdout,
     )
     document = json.loads(out.read_text())
@@ -564,6 +571,7 @@ def test_llm_summarizers_speak_to_the_llm_endpoint_or_are_refused(tiny_dataset):
         server.close()
 
 
+@pytest.mark.django_db(transaction=True)  # through the services: the pipeline asks the LLM
 @pytest.mark.parametrize("answer, from_llm", [('{"summary": "Forecasts for a place"}', True),
                                               ("Sure! Here is a summary of the texts.", False)])
 def test_the_summarizer_sweep_counts_what_the_llm_wrote_and_what_fell_back(tiny_dataset, tmp_path,
@@ -617,7 +625,8 @@ def test_contradictory_scenarios_with_and_without_the_conflict_log(twin_dataset,
     call_command(
         "simulate", "--dataset", str(twin_dataset), "--orgs", "2", "--clients-per-org", "2",
         "--rounds", "3", "--seed", "1", "--no-baselines", "--no-diagnostics",
-        "--sweep-contradictions", "0,0.4", "--out", str(out), "--no-store", verbosity=0, stdout=stdout,
+        "--sweep-contradictions", "0,0.4", "--out", str(out), "--no-store", "--in-memory",
+        verbosity=0, stdout=stdout,
     )
     rows = {(r["contradiction_fraction"], r["conflict_log"]): r for r in json.loads(out.read_text())["contradictions"]}
     assert set(rows) == {(0.0, True), (0.0, False), (0.4, True), (0.4, False)}

@@ -85,7 +85,7 @@ def _synapse_rows(document) -> list:
 
 
 def test_simulate_through_services_plays_the_rounds_in_a_scratch_database(tiny_dataset, tmp_path):
-    """`simulate --through-services`: the rounds go through the submission service, the close and
+    """`simulate` (without `--in-memory`): the rounds go through the submission service, the close and
     the eager merge pipeline in a database of their own, publish what the in-memory rounds
     publish (the same accuracy round by round), and leave the operator's database with the
     stored run only."""
@@ -96,9 +96,10 @@ def test_simulate_through_services_plays_the_rounds_in_a_scratch_database(tiny_d
     common = ["--dataset", str(tiny_dataset), "--orgs", "2", "--clients-per-org", "2",
               "--rounds", "3", "--seed", "1", "--no-baselines", "--no-diagnostics"]
     memory, services = tmp_path / "memory.json", tmp_path / "services.json"
-    call_command("simulate", *common, "--out", str(memory), "--no-store", verbosity=0)
-    call_command("simulate", *common, "--through-services", "--out", str(services),
-                 "--label", "through services", verbosity=0)
+    call_command("simulate", *common, "--in-memory", "--out", str(memory), "--no-store",
+                 verbosity=0)
+    call_command("simulate", *common, "--out", str(services), "--label", "through services",
+                 verbosity=0)  # the default
     in_memory, through = json.loads(memory.read_text()), json.loads(services.read_text())
     assert through["config"]["through_services"] and not in_memory["config"]["through_services"]
     assert len(_synapse_rows(through)) == 3
