@@ -89,8 +89,6 @@ def test_simulate_through_services_plays_the_rounds_in_a_scratch_database(tiny_d
     the eager merge pipeline in a database of their own, publish what the in-memory rounds
     publish (the same accuracy round by round), and leave the operator's database with the
     stored run only."""
-    from django.db import connection
-
     from federation.models import Client, Organization, Round, SimulationRun
 
     common = ["--dataset", str(tiny_dataset), "--orgs", "2", "--clients-per-org", "2",
@@ -114,9 +112,7 @@ def test_simulate_through_services_plays_the_rounds_in_a_scratch_database(tiny_d
     assert not Round.objects.exists() and not Client.objects.exists()
     assert not Organization.objects.exists()
     assert SimulationRun.objects.get(label="through services").document["config"]["through_services"]
-    with connection.cursor() as cursor:
-        cursor.execute("SELECT count(*) FROM pg_database WHERE datname LIKE %s", ["%\\_simulate\\_%"])
-        assert cursor.fetchone()[0] == 0
+    assert _scratch_databases() == 0
 
 
 def test_adversaries_are_screened_alike_through_the_services(tiny_dataset):
@@ -151,3 +147,44 @@ def test_a_federation_through_the_services_never_empties_the_operators_database(
     with pytest.raises(NotInScratchDatabase, match="scratch_database"):
         ServiceRounds(load_dataset(str(tiny_dataset))).begin([], [], seed=0)
     assert Organization.objects.filter(slug="kept").exists()
+
+
+def _scratch_databases() -> int:
+    from django.db import connection
+
+    with connection.cursor() as cursor:
+        cursor.execute("SELECT count(*) FROM pg_database WHERE datname LIKE %s", ["%\\_simulate\\_%"])
+        return cursor.fetchone()[0]
+
+
+def test_a_round_the_pipeline_fails_ends_the_run_with_its_reason_and_no_scratch_left(
+        tiny_dataset, monkeypatch):
+    from django.core.management import CommandError
+
+    from federation import pipeline
+    from federation.models import SimulationRun
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("the server merge broke")
+
+    monkeypatch.setattr(pipeline, "server_merge_operator", broken)
+    with pytest.raises(CommandError, match=r"^seed 1: round 1 ended failed in the merge pipeline: "
+                                           r".*the server merge broke"):
+        call_command("simulate", "--dataset", str(tiny_dataset), "--orgs", "2",
+                     "--clients-per-org", "2", "--rounds", "2", "--seed", "1", "--no-baselines",
+                     "--no-diagnostics", verbosity=0)
+    assert not SimulationRun.objects.exists() and _scratch_databases() == 0
+
+
+def test_without_the_right_to_create_databases_the_run_says_so_before_it_starts(
+        tiny_dataset, monkeypatch, capsys):
+    from django.core.management import CommandError
+
+    from federation.simulation import through_services
+
+    monkeypatch.setattr(through_services, "_may_create_databases", lambda connection: False)
+    with pytest.raises(CommandError, match="may not create databases.*; pass --in-memory"):
+        call_command("simulate", "--dataset", str(tiny_dataset), "--orgs", "2",
+                     "--clients-per-org", "2", "--rounds", "2", "--no-baselines", "--no-store",
+                     verbosity=1)
+    assert "round 1" not in capsys.readouterr().err

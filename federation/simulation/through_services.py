@@ -1,5 +1,5 @@
-"""A simulated federation's rounds through the product's own services (`simulate
---through-services`), in a scratch database that exists for the run.
+"""A simulated federation's rounds through the product's own services (what `simulate` does
+unless `--in-memory`), in a scratch database that exists for the run.
 
 Each federation (a seed, a sweep point) starts from an empty federation: the dataset's tools, the
 seed's public probe set, one organization per simulated organization and one approved client per
@@ -42,6 +42,10 @@ def _may_create_databases(connection) -> bool:
         cursor.execute("SELECT rolcreatedb OR rolsuper FROM pg_roles WHERE rolname = current_user")
         row = cursor.fetchone()
     return bool(row and row[0])
+
+
+class SimulatedRoundFailed(RuntimeError):
+    """A simulated round ended failed in the pipeline; says which and why."""
 
 
 class NotInScratchDatabase(RuntimeError):
@@ -171,7 +175,10 @@ class ServiceRounds:
         if not accepted:  # the server refused every submission: the round failed, unpublished
             return None, {"refused": refused}
         if rnd.state != Round.State.PUBLISHED:
-            raise RuntimeError(f"simulated round {round_} ended {rnd.state}: {rnd.failure_reason}")
+            raise SimulatedRoundFailed(
+                f"seed {self.seed}: round {round_} ended {rnd.state} in the merge pipeline: "
+                f"{rnd.failure_reason or 'no reason recorded'}"
+            )
         names = {f"client:{client.pk}": name for name, client in self.clients.items()}
         stats: dict[str, Any] = {}
         for record in MergeRecord.objects.filter(round=rnd).select_related("organization"):

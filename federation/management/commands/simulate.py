@@ -19,7 +19,11 @@ from federation.simulation.runner import (
     Simulation,
     SimulationConfig,
 )
-from federation.simulation.through_services import ScratchDatabaseUnavailable, scratch_database
+from federation.simulation.through_services import (
+    ScratchDatabaseUnavailable,
+    SimulatedRoundFailed,
+    scratch_database,
+)
 from routing.embeddings import EmbeddingModelUnavailable, get_engine
 from routing.llm import LLMUnavailable
 
@@ -466,7 +470,9 @@ class Command(BaseCommand):
                                       min_users, adversarial_variants, taus, summarizers,
                                       contradictions, cadences)
         except ScratchDatabaseUnavailable as exc:
-            raise CommandError(f"--through-services: {exc}") from None
+            raise CommandError(f"{exc}; pass --in-memory to call the merge operator directly") from None
+        except SimulatedRoundFailed as exc:
+            raise CommandError(str(exc)) from None
         document["command"] = "python manage.py simulate " + " ".join(sys.argv[2:])
         self._emit(document, o)
 
