@@ -318,8 +318,13 @@ def _published_global_bytes(sha256: str) -> bytes:
 
 
 def clear_dictionary_cache() -> None:
-    """Forget the published globals' bytes kept per process (tests start from an empty one)."""
+    """Forget the dictionaries kept per process: the published globals' bytes, the schema's and
+    the probe set's (tests, and a simulation's scratch federations, start from empty ones; a
+    flushed database numbers its new probe rows from 1 again, which the probe dictionary's
+    fingerprint would not tell from the rows before)."""
+    global _schema_dictionary_cache, _probe_dictionary_cache
     _published_global_bytes.cache_clear()
+    _schema_dictionary_cache = _probe_dictionary_cache = None
 
 
 def check_declared_length(content_length: str | None) -> None:

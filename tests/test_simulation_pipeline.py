@@ -107,6 +107,7 @@ def test_simulate_through_services_plays_the_rounds_in_a_scratch_database(tiny_d
         assert ours["scenarios_submitted"] == theirs["scenarios_submitted"]
         # The pipeline's merge records, per organization (by slug) and the server's.
         assert set(ours["merge"]) == set(theirs["merge"]) and "server" in ours["merge"]
+        assert "refused" not in ours["merge"]  # every dcz body decoded against a known dictionary
     assert through["screening"]["honest_submissions"] == in_memory["screening"]["honest_submissions"]
     # The scratch federation stayed in its database, which is gone.
     assert not Round.objects.exists() and not Client.objects.exists()

@@ -45,6 +45,15 @@ def test_a_dictionary_that_shares_the_text_beats_gzip(valid_doc):
     assert len(with_dictionary) < len(gzip.compress(data, 9)) / 2
 
 
+def test_the_schema_dictionary_does_not_depend_on_the_order_of_the_tools_and_fields(schema):
+    """A client whose schema lists the tools in its registry file's order holds the dictionary
+    of the server's schema, which lists them by tool id."""
+    shuffled = schema.model_copy(update={"tools": list(reversed(schema.tools)),
+                                         "numeric_fields": list(reversed(schema.numeric_fields))})
+    assert [t.tool_id for t in shuffled.tools] != [t.tool_id for t in schema.tools]
+    assert transport.schema_dictionary(shuffled) == transport.schema_dictionary(schema)
+
+
 def test_the_schema_dictionary_is_the_same_bytes_on_both_sides(schema):
     again = Schema.model_validate_json(schema.model_dump_json())  # as schema.json is read back
     assert transport.schema_dictionary(again) == transport.schema_dictionary(schema)

@@ -527,9 +527,13 @@ class Simulation:
                 if adversary:
                     relabelled[client] = _relabelled(honest_of[client], compendium)
                 sent[client] = compendium
+            payloads = [canonical_bytes(c) for c in sent.values()]
+            # What `synapse-client submit --since` puts on the wire: dcz against the dictionary
+            # the client holds (the pulled global; round 1: the probe set's requests and schema).
+            wires = [transport.compress(b, dictionary) for b in payloads]
             if self.services is not None:
                 self.progress(f"seed {seed}: round {r}: submissions, close, merge pipeline")
-                merged, stats = self.services.close(r, config, sent)
+                merged, stats = self.services.close(r, config, sent, dict(zip(sent, wires, strict=True)))
                 if merged is None:  # nothing reached a merge: the last global stays
                     merged = published or Compendium()
             else:
@@ -541,7 +545,6 @@ class Simulation:
             published = merged
             if self.config.carry_forward:
                 pulled = merged
-            payloads = [canonical_bytes(c) for c in sent.values()]
             outcomes.append(
                 RoundOutcome(
                     round=r,
@@ -550,7 +553,7 @@ class Simulation:
                     submissions=sent,
                     bytes_raw=[len(b) for b in payloads],
                     bytes_gzip=[len(gzip.compress(b, 9, mtime=0)) for b in payloads],
-                    bytes_dcz=[len(transport.compress(b, dictionary)) for b in payloads],
+                    bytes_dcz=[len(w) for w in wires],
                     merge_stats=stats,
                     relabelled=relabelled,
                 )

@@ -18,7 +18,6 @@ from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any
 
-from compendium.canonical import canonical_bytes
 from compendium.client_api import nothing_to_submit
 from compendium.registry import LabelledQuery, RoutingDataset
 from compendium.schema import Compendium
@@ -114,7 +113,7 @@ class ServiceRounds:
         from django.db import connection
 
         from compendium.services import import_registry, seed_default_numeric_fields
-        from federation import services
+        from federation import services, submissions
         from federation.pipeline import store_probe_queries
 
         if not _scratch or connection.settings_dict["NAME"] != _scratch[-1]:
@@ -124,6 +123,7 @@ class ServiceRounds:
             )
         call_command("flush", interactive=False, verbosity=0)
         services.clear_settings_cache()
+        submissions.clear_dictionary_cache()
         seed_default_numeric_fields()  # what the migration seeded, gone with the flush
         system = services.Actor.system("simulate")
         services.update_settings(system, **SCRATCH_SETTINGS)
@@ -142,12 +142,15 @@ class ServiceRounds:
             self.clients[share.client] = client
         self.seed = seed
 
-    def close(self, round_: int, config: RoundConfig,
-              sent: dict[str, Compendium]) -> tuple[Compendium | None, dict[str, Any]]:
-        """One round: open it, submit what each client sends, close it, and return the published
-        global compendium with the merges' statistics per organization ("server": the server
-        merge's; "refused": per client, why the server refused its submission at arrival). None
-        when nothing reached a merge (no round is published then)."""
+    def close(self, round_: int, config: RoundConfig, sent: dict[str, Compendium],
+              wires: dict[str, bytes]) -> tuple[Compendium | None, dict[str, Any]]:
+        """One round: open it, submit what each client sends as it travels (`wires`: the dcz
+        body `synapse-client submit --since` sends, which the server decodes against a
+        dictionary it holds, as the REST API does), close it, and return the published global
+        compendium with the merges' statistics per organization ("server": the server merge's;
+        "refused": per client, why the server refused its submission). None when nothing
+        reached a merge (no round is published then)."""
+        from compendium import transport
         from compendium.models import CompendiumVersion
         from compendium.services import load_compendium
         from federation import submissions
@@ -164,9 +167,12 @@ class ServiceRounds:
         for name, compendium in sent.items():
             if nothing_to_submit(compendium):
                 continue  # as `synapse-client participate`: nothing new, nothing sent
+            wire = wires[name]
             try:
-                submissions.submit(self.clients[name], canonical_bytes(compendium),
-                                   f"simulate-{self.seed}-{round_}-{name}")
+                body = submissions.decoded_body(wire, transport.CONTENT_ENCODING,
+                                                submissions.max_submission_bytes())
+                submissions.submit(self.clients[name], body, f"simulate-{self.seed}-{round_}-{name}",
+                                   wire_bytes=len(wire), content_encoding=transport.CONTENT_ENCODING)
                 accepted += 1
             except FederationError as exc:
                 refused[name] = str(exc)
