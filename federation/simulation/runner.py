@@ -479,6 +479,9 @@ class Simulation:
             if published is not None and not aggregates_in(r, self.config.aggregate_every):
                 outcomes.append(RoundOutcome(r, published, {}, {}, [], [], [], {}))
                 continue
+            leave_out = not_released
+            if self.services is not None:  # the open round says what it will not release
+                leave_out = self.services.open(config)
             self.progress(f"seed {seed}: round {r}/{rounds}: clients build")
             clients: dict[str, Compendium] = {}
             honest_of: dict[str, Compendium] = {}  # an adversary's honest compendium
@@ -493,7 +496,7 @@ class Simulation:
                 experience = [line for period in periods[share.client][:r] for line in period]
                 if not experience:
                     continue
-                compendium = self.build_client(experience, seed, not_released=not_released)
+                compendium = self.build_client(experience, seed, not_released=leave_out)
                 if adversaries and share.client in adversaries:
                     honest_of[share.client] = compendium
                     if not camouflage:
@@ -533,7 +536,7 @@ class Simulation:
             wires = [transport.compress(b, dictionary) for b in payloads]
             if self.services is not None:
                 self.progress(f"seed {seed}: round {r}: submissions, close, merge pipeline")
-                merged, stats = self.services.close(r, config, sent, dict(zip(sent, wires, strict=True)))
+                merged, stats = self.services.close(r, sent, dict(zip(sent, wires, strict=True)))
                 if merged is None:  # nothing reached a merge: the last global stays
                     merged = published or Compendium()
             else:

@@ -4,8 +4,10 @@ unless `--in-memory`), in a scratch database that exists for the run.
 Each federation (a seed, a sweep point) starts from an empty federation: the dataset's tools, the
 seed's public probe set, one organization per simulated organization and one approved client per
 simulated client. Each round the server opens the round with the simulation's round
-configuration, every client's compendium goes through the submission service the REST API uses
-(the server's arrival checks included: a refused submission is counted, never merged), the
+configuration, the clients read from it which fields it will not release and build without
+them, every client's compendium goes as the dcz body `synapse-client submit --since` sends
+through the decoder and the submission service the REST API uses (the server's arrival checks
+included: a refused submission is counted, never merged), the
 operator's close runs the real merge pipeline (Celery tasks run eagerly, in this process, on the
 scratch database), and the clients pull the published global compendium. Nothing of this touches
 the operator's database: it is created before the run and dropped after it.
@@ -107,6 +109,7 @@ class ServiceRounds:
         self.dataset = dataset
         self.clients: dict[str, Any] = {}  # simulated client -> Client
         self.seed = 0
+        self.round = None  # the open Round
 
     def begin(self, shares: Sequence[ClientShare], probe: Sequence[LabelledQuery], seed: int) -> None:
         from django.core.management import call_command
@@ -131,6 +134,7 @@ class ServiceRounds:
         store_probe_queries(self.dataset.name, probe)
         organizations = {}
         self.clients = {}
+        self.round = None
         for share in shares:
             if share.organization not in organizations:
                 organizations[share.organization] = services.create_organization(
@@ -142,9 +146,19 @@ class ServiceRounds:
             self.clients[share.client] = client
         self.seed = seed
 
-    def close(self, round_: int, config: RoundConfig, sent: dict[str, Compendium],
+    def open(self, config: RoundConfig) -> frozenset[str]:
+        """The operator opens a round with `config` (unless one is open still: a round to which
+        nobody had anything to send stays open); what the clients read of it before they build:
+        the numeric fields it will not release, which they leave out."""
+        from federation.services import Actor, open_round
+
+        if self.round is None:
+            self.round = open_round(Actor.system("simulate"), config)
+        return frozenset(self.round.fields_not_released)
+
+    def close(self, round_: int, sent: dict[str, Compendium],
               wires: dict[str, bytes]) -> tuple[Compendium | None, dict[str, Any]]:
-        """One round: open it, submit what each client sends as it travels (`wires`: the dcz
+        """The open round (`open`): submit what each client sends as it travels (`wires`: the dcz
         body `synapse-client submit --since` sends, which the server decodes against a
         dictionary it holds, as the REST API does), close it, and return the published global
         compendium with the merges' statistics per organization ("server": the server merge's;
@@ -156,12 +170,12 @@ class ServiceRounds:
         from federation import submissions
         from federation.errors import FederationError
         from federation.models import MergeRecord, Round
-        from federation.services import Actor, close_round, open_round
+        from federation.services import Actor, close_round
 
         if all(nothing_to_submit(c) for c in sent.values()):
-            return None, {}  # no client has anything new: no round is opened
+            return None, {}  # no client has anything new: the round stays open
         system = Actor.system("simulate")
-        rnd = open_round(system, config)
+        rnd, self.round = self.round, None
         refused: dict[str, str] = {}
         accepted = 0
         for name, compendium in sent.items():
