@@ -5,7 +5,9 @@ to another tool's profile than to its own tool's by more than a margin (its own 
 nearest): `CONFUSION_MARGIN` (0.2), raised with the probe set so that at most
 `CONFUSION_HONEST_RATE` (10%) of the probe's honest requests would be flagged. `simulate` has no
 flag for either; this wrapper runs `simulate` with the simulation's `edge_merge` and
-`server_merge` (so SYNAPSE and the Centralized baseline alike) given `--confusion-margin M` (the
+`server_merge` (so SYNAPSE and the Centralized baseline alike; the rounds are played
+`--in-memory`, since the pipeline's merges would not see these settings) given
+`--confusion-margin M` (the
 floor; above 2 the check is off, cosine gaps are at most 2) and, with `--honest-rate R`, that
 rate (1 keeps the margin at its floor: the fixed margin of earlier versions). With
 `--source-limit L` the implausible-source check uses that limit instead of `SOURCE_LIMIT` (above
@@ -58,7 +60,10 @@ def main(argv: list[str] | None = None) -> int:
         checks["source_limit"] = args.source_limit
     runner.edge_merge = functools.partial(runner.edge_merge, **checks)
     runner.server_merge = functools.partial(runner.server_merge, **checks)
-    call_command("simulate", *rest, *(["--out", args.out] if args.out else []))
+    # The settings reach the simulation's merges, called in memory: the pipeline's own (through
+    # the services) would not see them.
+    in_memory = [] if "--in-memory" in rest else ["--in-memory"]
+    call_command("simulate", *rest, *in_memory, *(["--out", args.out] if args.out else []))
     record_wrapper(
         args.out, "simulate_confusion_margin.py", argv,
         confusion_margin=args.confusion_margin if args.confusion_margin is not None

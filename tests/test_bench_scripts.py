@@ -61,3 +61,33 @@ def test_bench_script_product_names_exist(script):
         and importlib.util.find_spec(f"{module}.{name}") is None
     ]
     assert not missing, f"bench/{script} imports names the product no longer has: {missing}"
+
+
+@pytest.mark.slow
+@pytest.mark.django_db
+def test_the_confusion_margin_wrapper_reaches_the_federations_merges(tiny_dataset, tmp_path,
+                                                                     monkeypatch):
+    """Its settings patch the merges the simulation calls in memory, so it plays the rounds
+    `--in-memory`: through the services the pipeline's own merges would ignore them, and the
+    source check it turns off would still drop the adversaries."""
+    monkeypatch.syspath_prepend(str(BENCH))
+    spec = importlib.util.spec_from_file_location("bench_confusion", BENCH / "simulate_confusion_margin.py")
+    module = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, "bench_confusion", module)
+    spec.loader.exec_module(module)
+    import federation.simulation.runner as runner
+
+    # The wrapper patches the runner's merges for the process; undone after the test.
+    monkeypatch.setattr(runner, "edge_merge", runner.edge_merge)
+    monkeypatch.setattr(runner, "server_merge", runner.server_merge)
+    out = tmp_path / "off.json"
+    common = ["--dataset", str(tiny_dataset), "--orgs", "2", "--clients-per-org", "2", "--rounds",
+              "2", "--seed", "1", "--no-baselines", "--no-diagnostics", "--adversarial-fraction",
+              "0.5", "--adversarial-mode", "tool_confusion", "--no-store", "--verbosity", "0"]
+    assert module.main(["--source-limit", "9", *common, "--out", str(out)]) == 0
+    import json
+
+    document = json.loads(out.read_text())
+    assert document["config"]["through_services"] is False
+    assert document["screening"]["adversarial_submissions"] > 0
+    assert document["screening"]["dropped_adversarial"] == 0  # the source check was off
