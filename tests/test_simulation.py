@@ -31,7 +31,7 @@ def test_tiny_simulation_end_to_end(twin_dataset, tmp_path):
         assert section in document, section
     rows = document["results"]
     assert {r["method"] for r in rows} == {
-        "synapse", "centralized", "local_only", "local_only_public_probe", "description_only",
+        "synapse", "synapse_served", "centralized", "local_only", "local_only_public_probe", "description_only",
         "bm25", "unstructured_pool", "fed_icl", "static_global", "reranker_bypass",
     }
     assert all(set(r) >= {"method", "round", "seed", "accuracy", "macro_accuracy"} for r in rows)

@@ -101,6 +101,10 @@ def test_simulate_through_services_plays_the_rounds_in_a_scratch_database(tiny_d
     in_memory, through = json.loads(memory.read_text()), json.loads(services.read_text())
     assert through["config"]["through_services"] and not in_memory["config"]["through_services"]
     assert len(_synapse_rows(through)) == 3
+    # What the routing API serves for the final global, scored on the same test queries.
+    [served] = [r for r in through["results"] if r["method"] == "synapse_served"]
+    assert served["round"] == 3 and 0.5 < served["accuracy"] <= 1
+    assert not [r for r in in_memory["results"] if r["method"] == "synapse_served"]
     assert _synapse_rows(through) == _synapse_rows(in_memory)
     for ours, theirs in zip(through["rounds"][0], in_memory["rounds"][0], strict=True):
         assert ours["global_scenarios"] == theirs["global_scenarios"] > 0

@@ -70,6 +70,9 @@ from routing.router import RERANKERS, Router, fit_router
 
 METHODS = (
     "synapse",
+    # Through the services: the final global as the routing API serves it (`routing.services`:
+    # the head and fusion weights fitted at publication, the query engine of the settings).
+    "synapse_served",
     "centralized",
     "local_only",
     "local_only_public_probe",
@@ -702,6 +705,10 @@ class Simulation:
                 result.rows.append(
                     _row("static_global", outcome.round, seed, self.evaluate(static, scored))
                 )
+        if self.services is not None:
+            served = self.services.served_router(c.reranker)
+            scored = setup.test_at(final.round, self.category_of)
+            result.rows.append(_row("synapse_served", final.round, seed, self.evaluate(served, scored)))
         result.communication = {
             "bytes_per_client_round": float(np.mean([b for o in outcomes for b in o.bytes_raw])),
             "gzip_bytes_per_client_round": float(

@@ -77,6 +77,10 @@ def scratch_database(*, embedding_model: str = "", llm_url: str | None = None,
     test_settings["NAME"] = f"{original}_simulate_{os.getpid()}"
     eager = app.conf.task_always_eager, app.conf.task_eager_propagates
     app.conf.task_always_eager, app.conf.task_eager_propagates = True, True
+    # The served router picks its query engine from the environment (`get_query_engine`).
+    environment = os.environ.get("SYNAPSE_EMBEDDING_MODEL")
+    if embedding_model:
+        os.environ["SYNAPSE_EMBEDDING_MODEL"] = embedding_model
     overrides = override_settings(
         SYNAPSE_EMBEDDING_MODEL=embedding_model,
         SYNAPSE_LLM_BASE_URL=llm_url or "",
@@ -95,6 +99,10 @@ def scratch_database(*, embedding_model: str = "", llm_url: str | None = None,
             connection.creation.destroy_test_db(original, verbosity=0)
     finally:
         app.conf.task_always_eager, app.conf.task_eager_propagates = eager
+        if environment is None:
+            os.environ.pop("SYNAPSE_EMBEDDING_MODEL", None)
+        else:
+            os.environ["SYNAPSE_EMBEDDING_MODEL"] = environment
         if saved_name is None:
             test_settings.pop("NAME", None)
         else:
@@ -208,6 +216,15 @@ class ServiceRounds:
             stats["refused"] = refused
         published = load_compendium(CompendiumVersion.objects.get(kind="global", round=rnd))
         return published, stats
+
+
+    def served_router(self, reranker: str):
+        """The router the routing API serves for the last published global, built as the
+        product builds it (`routing.services.served_compendium`)."""
+        from routing import services as routing
+
+        routing.forget_published_version()  # the last federation's version is not this one's
+        return routing.served_compendium().routers[reranker]
 
 
 def _named(stats: dict[str, Any], names: dict[str, str]) -> dict[str, Any]:
