@@ -174,10 +174,11 @@ class SimulationConfig:
     # product): with E > 0, every published global (and Centralized's) is routed with an encoder
     # fine-tuned on it for E epochs; `synapse_untuned` rows keep the frozen router's accuracy.
     tune_router_epochs: int = 0
-    # The rounds close through the product's services (`through_services`): submission service,
-    # close, eager Celery merge pipeline, publication, in a scratch database; False: the same
-    # merge operator called in memory (faster; tests/test_simulation_pipeline.py checks that
-    # both publish the same compendium).
+    # The rounds close through the product's services (`through_services`; what `simulate` does
+    # unless --in-memory): submission service, close, eager Celery merge pipeline, publication,
+    # in a scratch database; False (the default here, for the benchmarks that build a Simulation
+    # themselves): the same merge operator called in memory (faster;
+    # tests/test_simulation_pipeline.py checks that both publish the same compendium).
     through_services: bool = False
 
 
@@ -320,8 +321,8 @@ class Simulation:
         self._transfer_variants: list[TransferVariant] | None = None
         self._probe_cache: dict[int, dict[str, np.ndarray]] = {}
         self._summarizer_llm = None
-        # --through-services: rounds close through the product's services (in the scratch
-        # database that `through_services.scratch_database` holds for the run).
+        # Rounds closed through the product's services (in the scratch database that
+        # `through_services.scratch_database` holds for the run).
         self.services = ServiceRounds(dataset) if config.through_services else None
 
     # --- building blocks ---------------------------------------------------------------------
