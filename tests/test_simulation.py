@@ -442,6 +442,7 @@ def test_adversarial_modes_are_schema_valid_and_camouflage_poisons_only_a_share(
     assert sum(s.tool_id != "t0" for s in half) == 10
 
 
+@pytest.mark.django_db(transaction=True)  # through the services: rounds without aggregation
 def test_cadence_under_drift_frozen_globals_miss_the_new_categories(twin_dataset, tmp_path):
     """Half the categories come into use at round 3. Twins can be told apart only by the clients'
     experience, so a global frozen after round 1 routes the new categories' twins no better than a
@@ -453,7 +454,6 @@ def test_cadence_under_drift_frozen_globals_miss_the_new_categories(twin_dataset
         "simulate", "--dataset", str(twin_dataset), "--orgs", "2", "--clients-per-org", "2",
         "--rounds", "4", "--drift-every", "2", "--seed", "1", "--no-baselines", "--no-diagnostics",
         "--sweep-cadence", "1,0", "--probe-fraction", "0.05", "--out", str(out), "--no-store",
-        "--in-memory",
         verbosity=0, stdout=stdout,
     )
     document = json.loads(out.read_text())
@@ -612,6 +612,7 @@ def test_the_summarizer_sweep_counts_what_the_llm_wrote_and_what_fell_back(tiny_
                 "llm-single-shot: unusable answer)") in line
 
 
+@pytest.mark.django_db(transaction=True)  # through the services: the edges' conflict logs
 def test_contradictory_scenarios_with_and_without_the_conflict_log(twin_dataset, tmp_path):
     """40% of the clients' scenarios contradicted by another client of their organization (the same
     request for a confusable twin): contradictions cost accuracy with or without the conflict
@@ -625,7 +626,7 @@ def test_contradictory_scenarios_with_and_without_the_conflict_log(twin_dataset,
     call_command(
         "simulate", "--dataset", str(twin_dataset), "--orgs", "2", "--clients-per-org", "2",
         "--rounds", "3", "--seed", "1", "--no-baselines", "--no-diagnostics",
-        "--sweep-contradictions", "0,0.4", "--out", str(out), "--no-store", "--in-memory",
+        "--sweep-contradictions", "0,0.4", "--out", str(out), "--no-store",
         verbosity=0, stdout=stdout,
     )
     rows = {(r["contradiction_fraction"], r["conflict_log"]): r for r in json.loads(out.read_text())["contradictions"]}
