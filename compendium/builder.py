@@ -165,8 +165,8 @@ def truncate(text: str, limit: int) -> str:
 
 class _MaskCache:
     """Masks each distinct text once and keeps the totals for the masked fraction. What masking
-    leaves of an e-mail address, card, phone or long digit string (a number many users share
-    stays unmasked) is then scrubbed as the server scrubs on arrival (`compendium.scrub`), so
+    leaves of an e-mail address, card, phone or long digit string (masking keeps a word the
+    registry covers, such as a trial number a tool's description names) is then scrubbed as the server scrubs on arrival (`compendium.scrub`), so
     none leaves the client for the server to remove."""
 
     def __init__(self, masker: TextMasker):

@@ -346,7 +346,8 @@ def cmd_build(args: argparse.Namespace) -> int:
     if report.scrubbed:
         notes += (
             f" Replaced {report.scrubbed} e-mail address(es), card, phone or long digit "
-            "number(s) that masking left (words many users wrote), as the server scrubs them."
+            "number(s) that masking left (words the registry covers or many users wrote), as "
+            "the server scrubs them."
         )
     print(
         f"{out}: {counts}; {report.num_users} users; masked {report.masked_fraction:.1%} of "

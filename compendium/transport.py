@@ -50,8 +50,8 @@ def schema_dictionary(schema: Schema) -> bytes:
     """The dictionary before any global is published: the schema's canonical JSON (sorted keys,
     compact; the tools in tool-id order and the numeric fields in name order, as the server
     serves them), which client and server derive alike from the same schema, however a client's
-    copy orders its tools (a registry file in the dataset's order gave another dictionary, which
-    the server refused as unknown)."""
+    copy orders its tools (the simulation's clients, whose schema listed the tools in the
+    dataset's order, held another dictionary, which the server refused as unknown)."""
     document = schema.model_dump(mode="json")
     document["tools"] = sorted(document["tools"], key=lambda tool: tool["tool_id"])
     document["numeric_fields"] = sorted(document["numeric_fields"], key=lambda f: f["name"])
