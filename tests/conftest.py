@@ -42,11 +42,9 @@ def valid_doc() -> dict:
     }
 
 
-# Federation fixtures (two organizations with people of every role): tests/federation_fixtures.py
-from tests.federation_fixtures import _fresh_settings_cache, registry, world  # noqa: E402, F401
-
-# Small datasets for the simulation tests: tests/simulation_fixtures.py
-from tests.simulation_fixtures import tiny_dataset, twin_dataset  # noqa: E402, F401
+# Fixture modules: the federation (two organizations with people of every role) and the small
+# datasets of the simulation tests.
+pytest_plugins = ("tests.federation_fixtures", "tests.simulation_fixtures")
 
 
 @pytest.fixture

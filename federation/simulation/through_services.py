@@ -17,8 +17,9 @@ from __future__ import annotations
 
 import os
 from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from typing import Any
+from unittest import mock
 
 from compendium.client_api import nothing_to_submit
 from compendium.registry import LabelledQuery, RoutingDataset
@@ -71,42 +72,29 @@ def scratch_database(*, embedding_model: str = "", llm_url: str | None = None,
             f"the database user {connection.settings_dict.get('USER') or '(default)'} may not "
             "create databases, and rounds through the services run in a scratch database"
         )
-    test_settings = connection.settings_dict.setdefault("TEST", {})
-    saved_name = test_settings.get("NAME")
     original = connection.settings_dict["NAME"]
-    test_settings["NAME"] = f"{original}_simulate_{os.getpid()}"
-    eager = app.conf.task_always_eager, app.conf.task_eager_propagates
-    app.conf.task_always_eager, app.conf.task_eager_propagates = True, True
-    # The served router picks its query engine from the environment (`get_query_engine`).
-    environment = os.environ.get("SYNAPSE_EMBEDDING_MODEL")
-    if embedding_model:
-        os.environ["SYNAPSE_EMBEDDING_MODEL"] = embedding_model
-    overrides = override_settings(
-        SYNAPSE_EMBEDDING_MODEL=embedding_model,
-        SYNAPSE_LLM_BASE_URL=llm_url or "",
-        SYNAPSE_LLM_MODEL=llm_model,
-        SYNAPSE_ROUTER_TUNE_EPOCHS=0,  # the simulation tunes its own routers (--tune-router)
-    )
-    try:
+    environment = {"SYNAPSE_EMBEDDING_MODEL": embedding_model} if embedding_model else {}
+    with ExitStack() as undo:  # everything below is put back on the way out
+        # create_test_db makes the database under TEST's NAME and points the connection at it.
+        undo.enter_context(mock.patch.dict(connection.settings_dict.setdefault("TEST", {}),
+                                           {"NAME": f"{original}_simulate_{os.getpid()}"}))
+        eager = {key: app.conf[key] for key in ("task_always_eager", "task_eager_propagates")}
+        app.conf.update(task_always_eager=True, task_eager_propagates=True)
+        undo.callback(app.conf.update, eager)
+        # The served router picks its query engine from the environment (`get_query_engine`).
+        undo.enter_context(mock.patch.dict(os.environ, environment))
         _scratch.append(connection.creation.create_test_db(
             verbosity=0, autoclobber=True, serialize=False
         ))
-        try:
-            with overrides:
-                yield
-        finally:
-            _scratch.pop()
-            connection.creation.destroy_test_db(original, verbosity=0)
-    finally:
-        app.conf.task_always_eager, app.conf.task_eager_propagates = eager
-        if environment is None:
-            os.environ.pop("SYNAPSE_EMBEDDING_MODEL", None)
-        else:
-            os.environ["SYNAPSE_EMBEDDING_MODEL"] = environment
-        if saved_name is None:
-            test_settings.pop("NAME", None)
-        else:
-            test_settings["NAME"] = saved_name
+        undo.callback(connection.creation.destroy_test_db, original, verbosity=0)
+        undo.callback(_scratch.pop)
+        undo.enter_context(override_settings(
+            SYNAPSE_EMBEDDING_MODEL=embedding_model,
+            SYNAPSE_LLM_BASE_URL=llm_url or "",
+            SYNAPSE_LLM_MODEL=llm_model,
+            SYNAPSE_ROUTER_TUNE_EPOCHS=0,  # the simulation tunes its own routers (--tune-router)
+        ))
+        yield
 
 
 class ServiceRounds:

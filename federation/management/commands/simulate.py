@@ -464,51 +464,29 @@ class Command(BaseCommand):
                              llm_model=config.llm_model)
             if config.through_services else contextlib.nullcontext()
         )
+        sweeps = {  # the document's section -> the federations it plays (none: no section)
+            "privacy_sweep": privacy_variants,
+            "release_sweep": [{"min_users": k} for k in min_users],
+            "adversarial": adversarial_variants,
+            "tau_sweep": [{"tau": t} for t in taus],
+            "summarizer_sweep": [{"summarizer": name} for name in summarizers],
+            "contradictions": [{"contradiction_fraction": share, "conflict_log": log}
+                               for share in contradictions for log in (True, False)],
+            "cadence": [{"aggregate_every": k} for k in cadences],
+        }
         try:
             with scratch:
-                document = self._play(o, make, config, simulation, seeds, privacy_variants,
-                                      min_users, adversarial_variants, taus, summarizers,
-                                      contradictions, cadences)
+                played = PlayedRuns()  # a sweep variant equal to a run already played reuses it
+                document = run(simulation, seeds, played)
+                for section, variants in sweeps.items():
+                    if variants:
+                        document[section] = sweep(make, config, variants, seeds, played)
         except ScratchDatabaseUnavailable as exc:
             raise CommandError(f"{exc}; pass --in-memory to call the merge operator directly") from None
-        except SimulatedRoundFailed as exc:
+        except (SimulatedRoundFailed, ValueError) as exc:
             raise CommandError(str(exc)) from None
         document["command"] = "python manage.py simulate " + " ".join(sys.argv[2:])
         self._emit(document, o)
-
-    def _play(self, o, make, config, simulation, seeds, privacy_variants, min_users,
-              adversarial_variants, taus, summarizers, contradictions, cadences) -> dict:
-        """The run and the sweeps the options ask for, as one document."""
-        try:
-            played = PlayedRuns()  # a sweep variant equal to a run already played reuses it
-            document = run(simulation, seeds, played)
-            if privacy_variants:
-                document["privacy_sweep"] = sweep(make, config, privacy_variants, seeds, played)
-            if min_users:
-                document["release_sweep"] = sweep(
-                    make, config, [{"min_users": k} for k in min_users], seeds, played
-                )
-            if adversarial_variants:
-                document["adversarial"] = sweep(make, config, adversarial_variants, seeds, played)
-            if taus:
-                document["tau_sweep"] = sweep(
-                    make, config, [{"tau": t} for t in taus], seeds, played
-                )
-            if summarizers:
-                document["summarizer_sweep"] = sweep(
-                    make, config, [{"summarizer": name} for name in summarizers], seeds, played
-                )
-            if contradictions:
-                variants = [{"contradiction_fraction": share, "conflict_log": log}
-                            for share in contradictions for log in (True, False)]
-                document["contradictions"] = sweep(make, config, variants, seeds, played)
-            if cadences:
-                document["cadence"] = sweep(
-                    make, config, [{"aggregate_every": k} for k in cadences], seeds, played
-                )
-        except ValueError as exc:
-            raise CommandError(str(exc)) from None
-        return document
 
     def _emit(self, document, o):
         self.stdout.write(table(document))
