@@ -11,6 +11,9 @@ create_qr_code and qreator), which clients of one organization, or of two, claim
 tools. How many a demo logs depends on how much usage each client has (measured on MetaTool, seed
 0, three rounds: 120 requests per client logged none, 400 five, all between organizations, 500
 eight, two of them inside one organization's edge), hence DEMO_QUERIES_PER_CLIENT.
+
+The demo's rounds are opened with `demo_round_config` (a field cap F*, so that the edges release
+statistics and the privacy ledger a new user sees fills).
 """
 
 from __future__ import annotations
@@ -31,7 +34,14 @@ from federation import submissions
 from federation.models import Client, ConflictLogEntry, Round
 from federation.pipeline import import_probe_set
 from federation.round_config import RoundConfig
-from federation.services import DEMO_ORGANIZATIONS, Actor, close_round, current_round, open_round
+from federation.services import (
+    DEMO_ORGANIZATIONS,
+    Actor,
+    close_round,
+    current_round,
+    demo_round_config,
+    open_round,
+)
 from federation.simulation.data import confusable_tools, partition_train, split_dataset, usage_log
 from routing.cli import probe_router
 from routing.embeddings import get_engine
@@ -94,10 +104,11 @@ def run_demo_rounds(
 
     published, sent = [], 0
     for period in range(1, rounds + 1):
-        rnd = current_round() or open_round(system, RoundConfig(seed=seed))
+        rnd = current_round() or open_round(system, demo_round_config(seed))
         progress(f"demo round {rnd.number}: {len(logs)} clients build and submit")
         # As `synapse-client participate` does: the fields the round will not release stay out.
         not_released = frozenset(rnd.fields_not_released)
+        field_cap = RoundConfig.from_stored(rnd.config).field_cap
         # What each client pulled: it sends only what that global does not cover (the server
         # carries the global forward).
         latest = published_global_version()
@@ -120,7 +131,8 @@ def run_demo_rounds(
             records = [parse_record(line, n, schema.tool_ids) for n, line in enumerate(experience, 1)]
             compendium, _ = build_compendium(
                 records, schema,
-                BuildOptions(strength=1.0, seed=seed, not_released=not_released),
+                BuildOptions(strength=1.0, seed=seed, not_released=not_released,
+                             field_cap=field_cap),
                 embedder=get_engine(),
             )
             if pulled is not None or route is not None:
@@ -146,6 +158,6 @@ def run_demo_rounds(
         if rnd.state != Round.State.PUBLISHED:
             raise DemoError(f"demo round {rnd.number} ended {rnd.state}: {rnd.failure_reason}")
         published.append(rnd.number)
-    open_round(system, RoundConfig(seed=seed))
+    open_round(system, demo_round_config(seed))
     conflicts = ConflictLogEntry.objects.filter(round__number__in=published).count()
     return DemoReport(published, sent, skipped=False, conflicts=conflicts)

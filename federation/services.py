@@ -25,6 +25,8 @@ from django.utils import timezone
 from django.utils.dateparse import parse_datetime
 from django.utils.text import slugify
 
+from compendium.models import NumericField
+from compendium.services import seed_default_numeric_fields
 from federation import accounting, ratelimit
 from federation.errors import (
     BudgetExceeded,
@@ -1059,6 +1061,17 @@ DEMO_ORGANIZATIONS = (
     ("Contoso Logistics", "contoso", ("dispatch", "warehouse")),
     ("Fabrikam Research", "fabrikam", ("notebooks", "library")),
 )
+# Each user's statistics capped at one tool (F*). With two clients an organization and no cap,
+# ε = 1 split over every tool's every field leaves noise wider than any field's range, so no edge
+# would release anything and the privacy ledger a new user looks at would stay empty. Under the
+# cap the call counts are released, with noise far wider than what two clients report (which the
+# privacy page says): the accounting at work, as it is.
+DEMO_FIELD_CAP = 1
+
+
+def demo_round_config(seed: int = 0) -> RoundConfig:
+    """The configuration the demo federation's rounds are opened with."""
+    return RoundConfig(seed=seed, field_cap=DEMO_FIELD_CAP)
 
 
 @dataclass(frozen=True)
@@ -1076,6 +1089,10 @@ def bootstrap_demo_federation() -> DemoFederation:
     approved clients, an operator login, and round 1 when no round exists. Passwords and client
     tokens are re-issued (printed once) on every run; only their hashes are stored."""
     actor = Actor.system("bootstrap_demo")
+    if not NumericField.objects.exists():
+        # A flushed database has lost what the data migration declared: the demo's statistics,
+        # ledger and privacy pages need fields. Fields an operator declared are left alone.
+        seed_default_numeric_fields()
     operator = reset_operator()
     admins: list[tuple[str, Credentials]] = []
     clients: list[tuple[str, str, str]] = []
@@ -1098,7 +1115,7 @@ def bootstrap_demo_federation() -> DemoFederation:
     opened = False
     rnd = Round.objects.order_by("-number").first()
     if rnd is None:
-        rnd = open_round(actor, RoundConfig())
+        rnd = open_round(actor, demo_round_config())
         opened = True
     return DemoFederation(operator, admins, clients, rnd, opened)
 

@@ -84,3 +84,21 @@ def test_round_status_wants_at_least_one_round(last):
     services.open_round(services.Actor.system("tests"))
     with pytest.raises(CommandError, match="--last must be 1 or more"):
         call_command("round_status", "--last", last, stdout=io.StringIO())
+
+
+def test_bootstrap_declares_the_default_numeric_fields_in_a_flushed_database(registry_file):
+    from compendium.models import NumericField
+    from compendium.schema import DEFAULT_NUMERIC_FIELDS
+
+    NumericField.objects.all().delete()  # what `manage.py flush` leaves
+    run(registry_file)
+    assert set(NumericField.objects.values_list("name", flat=True)) == {
+        spec.name for spec in DEFAULT_NUMERIC_FIELDS}
+    # the demo's first round is opened with its field cap, and will release statistics
+    rnd = Round.objects.get(number=1)
+    assert rnd.config["field_cap"] == services.DEMO_FIELD_CAP
+    assert "calls" not in rnd.fields_not_released
+    # fields an operator declared are theirs: the demo adds none beside them
+    NumericField.objects.exclude(name="calls").delete()
+    run(registry_file)
+    assert list(NumericField.objects.values_list("name", flat=True)) == ["calls"]

@@ -780,6 +780,45 @@ def test_accuracy_page_draws_the_latest_simulation(client, fed):
     assert client.get(reverse("dashboard:accuracy"), {"run": run.pk + 99}).status_code == 404
 
 
+def test_accuracy_curves_give_every_method_its_own_colour(client, fed):
+    from federation.simulation.runner import METHODS
+
+    summary = [{"method": m, "round": 1 if m in ("synapse", "reranker_bypass") else None,
+                "seeds": 1, "accuracy_mean": 0.5, "accuracy_sd": 0.0, "macro_accuracy_mean": 0.5}
+               for m in [*METHODS, "a_method_of_another_version"]]
+    SimulationRun.objects.create(label="all methods", dataset="tiny",
+                                 document={**DOCUMENT, "summary": summary})
+    body = login(client, fed, "member_a").get(reverse("dashboard:accuracy")).content.decode()
+    curves = figures_in(body)[0]
+    colors = {t["name"]: t["line"]["color"] for t in curves["data"]}
+    assert set(colors) == {row["method"] for row in summary}
+    assert len(set(colors.values())) == len(colors)  # 12 methods, 12 colours
+    # SYNAPSE is drawn over the others and listed first
+    assert curves["data"][-1]["name"] == "synapse" and curves["data"][-1]["legendrank"] == 1
+    # and a method keeps its colour from one run to the next
+    SimulationRun.objects.create(label="two methods", dataset="tiny", document=DOCUMENT)
+    body = client.get(reverse("dashboard:accuracy")).content.decode()
+    again = {t["name"]: t["line"]["color"] for t in figures_in(body)[0]["data"]}
+    assert again == {m: colors[m] for m in ("synapse", "centralized")}
+
+
+def test_frontier_marks_the_runs_own_configuration(client, fed):
+    document = {**DOCUMENT, "config": {"epsilon": 1.0, "mask_strength": 0.5},
+                "privacy": {"membership_auroc": 0.7}}
+    SimulationRun.objects.create(label="own point", dataset="tiny", document=document)
+    body = login(client, fed, "member_a").get(reverse("dashboard:accuracy")).content.decode()
+    frontier = figures_in(body)[-1]
+    [own] = [t for t in frontier["data"] if t["name"] == "this run's configuration"]
+    # the last round of SYNAPSE (0.6) at the run's own attack AUROC
+    assert own["x"] == [0.7] and own["y"] == [0.6] and own["text"] == ["ε=1.0, λ=0.5"]
+    # a run whose configuration is one of its sweep's rows: that row is the point already
+    SimulationRun.objects.create(label="swept", dataset="tiny", document={
+        **document, "config": {"epsilon": 2.0, "mask_strength": 1.0}})
+    body = client.get(reverse("dashboard:accuracy")).content.decode()
+    names = {t["name"] for t in figures_in(body)[-1]["data"]}
+    assert names == {"λ = 0.0", "λ = 1.0"}
+
+
 def test_accuracy_page_tables_the_adversarial_rows_against_the_clean_run(client, fed):
     rows = [
         {"adversarial_mode": "camouflaged_poisoning", "adversarial_fraction": 0.4, "robust_rule": "none",

@@ -66,7 +66,7 @@ def test_tiny_simulation_end_to_end(twin_dataset, tmp_path):
 @pytest.mark.django_db(transaction=True)
 def test_demo_rounds_publish_through_the_real_pipeline(tiny_dataset):
     from compendium.models import CompendiumVersion
-    from federation.models import ConflictLogEntry, Round, Submission
+    from federation.models import ConflictLogEntry, PrivacyLedgerEntry, Round, Submission
     from federation.services import bootstrap_demo_federation
 
     call_command("import_tools", str(tiny_dataset), verbosity=0)
@@ -93,9 +93,17 @@ def test_demo_rounds_publish_through_the_real_pipeline(tiny_dataset):
         sent = Submission.objects.filter(round=rnd)
         assert {s.content_encoding for s in sent} == {"dcz"}
         assert all(0 < s.wire_bytes < s.version.size_bytes for s in sent)
+    # The demo's field cap lets the edges release the call counts, so the privacy ledger a new
+    # user opens has rows; without it no field would be released with two clients an edge.
+    for rnd in published:
+        assert rnd.config["field_cap"] == 1 and "calls" not in rnd.fields_not_released
+        released = PrivacyLedgerEntry.objects.filter(round=rnd)
+        assert released.exists() and set(released.values_list("field", flat=True)) == {"calls"}
+    spent = PrivacyLedgerEntry.objects.count()
     # Restarting the demo spends no more budget.
     call_command("demo_rounds", "--dataset", str(tiny_dataset), "--rounds", "2")
     assert Round.objects.filter(state="published").count() == 2
+    assert PrivacyLedgerEntry.objects.count() == spent
 
 
 def test_clients_send_only_what_changed_when_the_global_is_carried_forward(tiny_dataset):
@@ -521,8 +529,10 @@ def test_a_sweep_reuses_a_federation_already_played_and_only_that(tiny_dataset):
             played_seeds.append((self.config.tau, self.config.baselines, seed))
             return super().run_seed(seed)
 
+    progress = []
+
     def make(cfg):
-        return Counted(dataset, schema, get_engine(), cfg)
+        return Counted(dataset, schema, get_engine(), cfg, progress.append)
 
     config = SimulationConfig(orgs=2, clients_per_org=2, rounds=2, baselines=False,
                               diagnostics=False)
@@ -532,8 +542,12 @@ def test_a_sweep_reuses_a_federation_already_played_and_only_that(tiny_dataset):
     assert played_seeds == [(config.tau, False, 1), (0.6, False, 1)]
     main_last = [r for r in document["results"] if r["method"] == "synapse"][-1]["accuracy"]
     assert rows[0]["accuracy"] == main_last
-    # Played anew, the same variant gives the same figures: reusing it changes nothing.
-    [again] = sweep(make, config, [{"tau": config.tau}], [1])
+    # Played anew, the same variant gives the same figures: reusing it changes nothing. A named
+    # sweep's progress lines say which sweep and variant is playing.
+    del progress[:]
+    [again] = sweep(make, config, [{"tau": config.tau}], [1], name="tau_sweep")
+    assert progress and all(
+        line.startswith(f"tau_sweep 1/1 (tau={config.tau}): seed 1: ") for line in progress)
     timing = "merge_seconds_per_round"
     assert {k: v for k, v in again.items() if k != timing} == {
         k: v for k, v in rows[0].items() if k != timing}

@@ -21,6 +21,7 @@ from django.db.models import Count, IntegerField, Min, OuterRef, Q, QuerySet, Su
 from django.db.models.functions import Coalesce, Lower
 from django.utils import timezone
 from django.utils.safestring import SafeString
+from plotly.colors import qualitative
 
 from compendium.models import (
     AnnexEntry,
@@ -37,6 +38,7 @@ from federation.merge.operator import noise_dominated
 from federation.merge.summarize import LLM_SUMMARIZERS, summary_counts
 from federation.models import AuditLog, Client, PrivacyLedgerEntry, Round
 from federation.simulation.report import summarize_transfer
+from federation.simulation.runner import METHODS
 
 KIND_CLIENT = CompendiumVersion.Kind.CLIENT
 KIND_EDGE = CompendiumVersion.Kind.EDGE
@@ -1055,6 +1057,16 @@ def _adversarial_table(rows: list[dict], clean: float | None) -> list[dict]:
     return out
 
 
+def method_colors(methods) -> dict[str, str]:
+    """One colour per method, the same on every run's chart: the simulation's methods by their
+    fixed place in METHODS, then any other (a run stored by another version) in the order given.
+    Plotly's default cycle has 10 colours for the 11 methods: the last took SYNAPSE's."""
+    others = [m for m in methods if m not in METHODS]
+    place = {m: i for i, m in enumerate([*METHODS, *others])}
+    palette = qualitative.Dark24
+    return {m: palette[place[m] % len(palette)] for m in methods}
+
+
 def accuracy_page(run_id=None) -> AccuracyPage:
     """Figures of the latest (or a chosen) SimulationRun: accuracy over rounds per method
     (methods without rounds as horizontal lines), per category, adversarial curves, the
@@ -1102,20 +1114,23 @@ def accuracy_page(run_id=None) -> AccuracyPage:
     for row in page.summary:
         by_method[row["method"]].append(row)
     all_rounds = sorted({r["round"] for r in page.summary if r["round"] is not None})
-    for method, rows in by_method.items():
+    colors = method_colors(by_method)
+    # SYNAPSE drawn last, over the baselines that start where its first round does (the frozen
+    # round-1 global), and listed first.
+    for method, rows in sorted(by_method.items(), key=lambda item: item[0] == "synapse"):
         stepped = sorted((r for r in rows if r["round"] is not None), key=lambda r: r["round"])
         if stepped:
             curves.add_trace(go.Scatter(
                 x=[r["round"] for r in stepped], y=[r["accuracy_mean"] for r in stepped],
                 error_y={"type": "data", "array": [r.get("accuracy_sd", 0) for r in stepped]},
-                mode="lines+markers", name=method,
-                line={"width": 3 if method == "synapse" else 2},
+                mode="lines+markers", name=method, legendrank=1 if method == "synapse" else 1000,
+                line={"width": 3 if method == "synapse" else 2, "color": colors[method]},
             ))
         for r in rows:
             if r["round"] is None and all_rounds:
                 curves.add_trace(go.Scatter(
                     x=[all_rounds[0], all_rounds[-1]], y=[r["accuracy_mean"]] * 2, mode="lines",
-                    name=method, line={"dash": "dash"},
+                    name=method, line={"dash": "dash", "color": colors[method]},
                 ))
     if page.summary:
         styled(curves, title={"text": "Routing accuracy over rounds"},
@@ -1163,11 +1178,24 @@ def accuracy_page(run_id=None) -> AccuracyPage:
                 mode="lines+markers+text", textposition="bottom center",
                 name="k-anonymous release", line={"dash": "dash"}, cliponaxis=False,
             ))
+        accuracies = [r["accuracy"] for r in [*page.privacy_sweep, *page.release_sweep]]
+        config = doc.get("config") or {}
+        auroc = (doc.get("privacy") or {}).get("membership_auroc")
+        swept = {(r.get("epsilon"), r.get("mask_strength")) for r in page.privacy_sweep}
+        if last and auroc is not None and (config.get("epsilon"), config.get("mask_strength")) not in swept:
+            # The run's own configuration, played on the same splits as its sweeps: where the
+            # operating point sits among them.
+            frontier.add_trace(go.Scatter(
+                x=[auroc], y=[last["accuracy_mean"]], mode="markers+text",
+                marker={"symbol": "star", "size": 14, "color": "#111"},
+                text=[f"ε={config.get('epsilon')}, λ={config.get('mask_strength')}"],
+                textposition="middle right", name="this run's configuration", cliponaxis=False,
+            ))
+            accuracies.append(last["accuracy_mean"])
         frontier.add_vline(x=0.5, line={"dash": "dot", "color": "#888"},
                            annotation_text="chance (AUROC 0.5)")
         # At least 5 points of accuracy either side of the points: autorange would stretch a
         # spread of a tenth of a point (two runs within the noise) over the whole chart.
-        accuracies = [r["accuracy"] for r in [*page.privacy_sweep, *page.release_sweep]]
         y_range = [max(0.0, min(accuracies) - 0.05), min(1.0, max(accuracies) + 0.05)]
         styled(frontier, title={"text": "Privacy–utility frontier (ε × λ, k-anonymous release)"},
                xaxis={"title": {"text": "membership attack AUROC (lower is more private)"}},

@@ -4,6 +4,7 @@ command writes and the dashboard draws, and the table it prints. Pure."""
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
 import platform
 import time
@@ -264,19 +265,27 @@ def sweep(
     variants: list[dict[str, Any]],
     seeds: list[int],
     played: PlayedRuns | None = None,
+    name: str = "",
 ) -> list[dict[str, Any]]:
     """Run SYNAPSE alone (no baselines) under each variant of the configuration; one row per
     variant with final-round accuracy (mean over seeds) and the privacy figures. No transfer
     evaluation inside a sweep. With `played`, a variant already played (the main run without
-    baselines, diagnostics or transfer, or another sweep's row) is not played again."""
+    baselines, diagnostics or transfer, or another sweep's row) is not played again. With
+    `name`, each variant's progress lines say which sweep and variant they belong to."""
     played = played or PlayedRuns()
     rows = []
-    for changes in variants:
+    for number, changes in enumerate(variants, 1):
         config = dataclasses.replace(
             base, baselines=False, diagnostics=False, transfer_models=(), transfer_rerankers=(),
             **changes,
         )
-        results = played.results(make(config), seeds)
+        simulation = make(config)
+        if name:
+            described = ", ".join(f"{key}={value}" for key, value in changes.items())
+            simulation.progress = functools.partial(
+                _prefixed, simulation.progress, f"{name} {number}/{len(variants)} ({described})"
+            )
+        results = played.results(simulation, seeds)
         last = [r.rows[-1]["accuracy"] for r in results]
         privacy = _mean_dicts([r.privacy for r in results])
         communication = _mean_dicts([r.communication for r in results])
@@ -295,6 +304,10 @@ def sweep(
             }
         )
     return rows
+
+
+def _prefixed(progress, prefix: str, message: str) -> None:
+    progress(f"{prefix}: {message}")
 
 
 def _fallback_kinds(results) -> dict[str, float]:

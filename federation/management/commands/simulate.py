@@ -480,7 +480,7 @@ class Command(BaseCommand):
                 document = run(simulation, seeds, played)
                 for section, variants in sweeps.items():
                     if variants:
-                        document[section] = sweep(make, config, variants, seeds, played)
+                        document[section] = sweep(make, config, variants, seeds, played, name=section)
         except ScratchDatabaseUnavailable as exc:
             raise CommandError(f"{exc}; pass --in-memory to call the merge operator directly") from None
         except (SimulatedRoundFailed, ValueError) as exc:
