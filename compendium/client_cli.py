@@ -96,9 +96,11 @@ def _progress(quiet: bool):
             return iterable
         from tqdm import tqdm
 
+        # disable=None: no bars where stderr is not a terminal (cron, a log file), whose
+        # carriage returns would leave every frame of them in the log.
         return tqdm(
             iterable, desc=label, total=total, unit=unit, file=sys.stderr, leave=False,
-            dynamic_ncols=True,
+            dynamic_ncols=True, disable=None,
         )
 
     return wrap

@@ -151,6 +151,19 @@ def test_a_usage_line_with_more_flags_than_the_schema_allows_is_a_bad_line(tmp_p
     assert main([*args, "--skip-bad-lines"]) == 0
 
 
+def test_build_draws_no_progress_bars_into_a_log_file(tmp_path, capsys):
+    # Run from cron with stderr to a file, every frame of the bars (carriage returns) stayed in
+    # the log. Bars are for a terminal; the summary lines are for everyone.
+    log = write_log(tmp_path / "usage.jsonl", usage_records(users=3, lines=20))
+    schema_path = tmp_path / "schema.json"
+    schema_path.write_text(metatool_schema().model_dump_json(), encoding="utf-8")
+    assert main(["build", "--log", str(log), "--schema", str(schema_path), "--out",
+                 str(tmp_path / "c.json"), "--no-collapse"]) == 0
+    captured = capsys.readouterr()
+    assert "\r" not in captured.err and "it/s" not in captured.err
+    assert "c.json: " in captured.out + captured.err
+
+
 def test_near_duplicate_scenarios_are_collapsed_with_the_embedding_engine():
     from routing.embeddings import get_engine
 

@@ -15,10 +15,11 @@ from django.http import Http404
 from django.test import RequestFactory
 from django.urls import reverse
 
+from compendium.models import CompendiumVersion
 from federation.dashboard import nav
 from federation.dashboard.plots import render_figure
 from federation.dashboard.scoping import organization_or_404, organization_scoped
-from federation.models import Organization
+from federation.models import Organization, Submission
 from federation.services import visible_organizations
 from tests.dashboard_data import PASSWORD, add_review_data, build_federation
 
@@ -187,12 +188,24 @@ def test_overview_for_the_operator(operator_client, federation):
 
     figures = figures_in(response.content.decode())
     assert len(figures) == 2
-    bytes_fig = next(f for f in figures if "per client" in f["layout"]["title"]["text"])
+    bytes_fig = next(f for f in figures if "each client sent" in f["layout"]["title"]["text"])
     traces = {t["name"]: t for t in bytes_fig["data"]}
     assert set(traces) == {"acme/acme-node-1", "acme/acme-node-2", "globex/globex-node-1", "globex/globex-node-2"}
     node = traces["acme/acme-node-1"]
     assert list(node["x"]) == [1, 2, 3]
     assert node["y"][0] < node["y"][1] < node["y"][2]  # the submissions grow over rounds
+    # Sent plain, a body is its canonical bytes; sent as dcz, the chart shows the dcz bytes.
+    assert [row[0] for row in node["customdata"]] == ["identity"] * 3
+    assert node["y"] == [row[1] for row in node["customdata"]]
+    version = CompendiumVersion.objects.get(kind="client", client__name="acme-node-1",
+                                            round__number=2)
+    Submission.objects.create(client=version.client, round=version.round, idempotency_key="k",
+                              request_sha256="0" * 64, version=version, response={},
+                              wire_bytes=1234, content_encoding="dcz")
+    figures = figures_in(operator_client.get("/").content.decode())
+    bytes_fig = next(f for f in figures if "each client sent" in f["layout"]["title"]["text"])
+    node = next(t for t in bytes_fig["data"] if t["name"] == "acme/acme-node-1")
+    assert node["y"][1] == 1.234 and node["customdata"][1][0] == "dcz"
     content = response.content.decode()
     assert "vendor/plotly.min.js" in content and "Globex Health" in content
 
@@ -209,7 +222,7 @@ def test_overview_for_a_user_without_organizations(member_client, federation):
     by_number = {row.round.number: row for row in overview.rounds}
     assert by_number[2].global_version is not None
     assert by_number[3].global_version is None  # merged, not published: the operator's alone
-    assert not any("per client" in f["layout"]["title"]["text"] for f in figures_in(content))
+    assert not any("each client sent" in f["layout"]["title"]["text"] for f in figures_in(content))
 
 
 def test_overview_without_rounds(client, db):

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import io
 import json
+import re
 import tempfile
 
 import pytest
@@ -558,6 +559,17 @@ def test_a_sweep_reuses_a_federation_already_played_and_only_that(tiny_dataset):
         with_baselines)
     sweep(make, config, [{"tau": config.tau}], [1], with_baselines)
     assert played_seeds[3:] == [(config.tau, True, 1), (config.tau, False, 1)]
+
+
+def test_progress_lines_say_how_long_the_run_has_taken(tiny_dataset, capsys):
+    call_command("simulate", "--dataset", str(tiny_dataset), "--orgs", "2", "--clients-per-org",
+                 "2", "--rounds", "2", "--no-baselines", "--no-diagnostics", "--in-memory",
+                 "--sweep-tau", "0.6", "--no-store", verbosity=1)
+    lines = capsys.readouterr().err.splitlines()
+    assert "simulate: [0:00:00] seed 0: round 1/2: clients build" in lines[:1]
+    assert all(re.fullmatch(r"simulate: \[\d+:\d\d:\d\d\] .+", line) for line in lines), lines
+    assert any(re.fullmatch(r"simulate: \[[^]]+\] tau_sweep 1/1 \(tau=0\.6\): seed 0: evaluating", line)
+               for line in lines)
 
 
 def test_llm_summarizers_speak_to_the_llm_endpoint_or_are_refused(tiny_dataset):

@@ -196,7 +196,7 @@ def federation_overview(
         overview.bytes_chart = render_figure(
             bytes_per_client_figure(client_rows, per_client),
             div_id="bytes-per-client",
-            label="Canonical compendium bytes per client over rounds",
+            label="Bytes each client sent per round",
         )
     if any(row.submissions or row.global_version for row in overview.rounds):
         overview.participation_chart = render_figure(
@@ -208,27 +208,35 @@ def federation_overview(
 
 
 def bytes_per_client_figure(client_rows: dict[int, ClientRow], per_client: dict) -> go.Figure:
+    """What each client put on the wire per round (a dcz or gzip body's bytes; the canonical bytes
+    where it sent them plain or the server did not record it), with the canonical and gzip sizes
+    on hover."""
     fig = go.Figure()
     for client_id, series in sorted(per_client.items(), key=lambda kv: str(client_rows[kv[0]].client)):
         name = str(client_rows[client_id].client)
         fig.add_trace(
             go.Scatter(
                 x=[p["round__number"] for p in series],
-                y=[p["size_bytes"] / 1000 for p in series],
-                customdata=[p["gzip_bytes"] / 1000 for p in series],
+                y=[(p["submission__wire_bytes"] or p["size_bytes"]) / 1000 for p in series],
+                customdata=[
+                    [p["submission__content_encoding"] or "identity", p["size_bytes"] / 1000,
+                     p["gzip_bytes"] / 1000]
+                    for p in series
+                ],
                 mode="lines+markers",
                 name=name,
                 hovertemplate=(
-                    f"{name}<br>round %{{x}}<br>%{{y:.1f}} kB canonical"
-                    "<br>%{customdata:.1f} kB gzip<extra></extra>"
+                    f"{name}<br>round %{{x}}<br>%{{y:.1f}} kB sent (%{{customdata[0]}})"
+                    "<br>%{customdata[1]:.1f} kB canonical, %{customdata[2]:.1f} kB gzip"
+                    "<extra></extra>"
                 ),
             )
         )
     return styled(
         fig,
-        title={"text": "Bytes per client per round (canonical form)"},
+        title={"text": "Bytes each client sent per round"},
         xaxis={"title": {"text": "round"}, "dtick": 1},
-        yaxis={"title": {"text": "size (kB)"}, "rangemode": "tozero", "tickformat": ".3~f"},
+        yaxis={"title": {"text": "sent (kB)"}, "rangemode": "tozero", "tickformat": ".3~f"},
     )
 
 

@@ -1,6 +1,8 @@
 import contextlib
+import datetime
 import json
 import sys
+import time
 from pathlib import Path
 
 from django.core.management.base import BaseCommand, CommandError
@@ -446,9 +448,12 @@ class Command(BaseCommand):
         schema = Schema(tools=dataset.tools)
         quiet = o["verbosity"] == 0
 
+        started = time.monotonic()
+
         def progress(message: str) -> None:
-            if not quiet:
-                print(f"simulate: {message}", file=sys.stderr, flush=True)
+            if not quiet:  # with the time since the start: a long run's lines say how it goes
+                elapsed = datetime.timedelta(seconds=int(time.monotonic() - started))
+                print(f"simulate: [{elapsed}] {message}", file=sys.stderr, flush=True)
 
         def make(cfg: SimulationConfig) -> Simulation:
             return Simulation(dataset, schema, engine, cfg, progress)
