@@ -225,6 +225,32 @@ def test_overview_for_a_user_without_organizations(member_client, federation):
     assert not any("each client sent" in f["layout"]["title"]["text"] for f in figures_in(content))
 
 
+def test_overview_draws_the_globals_on_the_public_probe_set(client, federation):
+    from federation.models import MergeRecord
+
+    for number, accuracy in ((1, 0.41), (2, 0.53), (3, 0.6)):
+        MergeRecord.objects.create(round=federation.rounds[number], accuracy=accuracy,
+                                   probe_queries=597)
+    MergeRecord.objects.create(round=federation.rounds[2], organization=federation.acme)  # an edge's
+    assert client.login(username="operator", password=PASSWORD)
+    response = client.get("/")
+    rows = {row.round.number: row for row in response.context["overview"].rounds}
+    assert [rows[n].probe_accuracy for n in (1, 2, 3, 4)] == [0.41, 0.53, 0.6, None]
+    chart = next(f for f in figures_in(response.content.decode())
+                 if "public probe set" in f["layout"]["title"]["text"])
+    assert chart["data"][0]["x"] == [1, 2, 3] and chart["data"][0]["y"] == [0.41, 0.53, 0.6]
+    assert chart["data"][0]["customdata"] == [597] * 3
+    assert 'title="on 597 probe requests">0.530<' in response.content.decode()
+    # a member sees the published rounds' figures only, as it sees their globals only
+    assert client.login(username="member", password=PASSWORD)
+    response = client.get("/")
+    rows = {row.round.number: row for row in response.context["overview"].rounds}
+    assert [rows[n].probe_accuracy for n in (1, 2, 3)] == [0.41, 0.53, None]
+    chart = next(f for f in figures_in(response.content.decode())
+                 if "public probe set" in f["layout"]["title"]["text"])
+    assert chart["data"][0]["x"] == [1, 2]
+
+
 def test_overview_without_rounds(client, db):
     get_user_model().objects.create_superuser("op", "op@example.org", PASSWORD)
     client.login(username="op", password=PASSWORD)

@@ -36,7 +36,7 @@ from compendium.models import (
 from federation.dashboard.plots import render_figure, right_axis, styled
 from federation.merge.operator import noise_dominated
 from federation.merge.summarize import LLM_SUMMARIZERS, summary_counts
-from federation.models import AuditLog, Client, PrivacyLedgerEntry, Round
+from federation.models import AuditLog, Client, MergeRecord, PrivacyLedgerEntry, Round
 from federation.simulation.report import summarize_transfer
 from federation.simulation.runner import METHODS
 
@@ -55,6 +55,10 @@ class RoundRow:
     edges: int = 0
     global_version: CompendiumVersion | None = None
     failure_reason: str = ""  # as the viewer may read it (federation.services.failure_reason_for)
+    # The global's top-1 on the public probe set (nearest scenario; the server merge's record),
+    # and over how many probe requests.
+    probe_accuracy: float | None = None
+    probe_queries: int = 0
 
 
 @dataclass
@@ -80,6 +84,7 @@ class Overview:
     state_counts: dict[str, int]
     bytes_chart: str = ""
     participation_chart: str = ""
+    probe_chart: str = ""
     totals: dict[str, int] = field(default_factory=dict)
     # The open round, if any, and which of these approved clients have (not) submitted to it.
     open_round: Round | None = None
@@ -132,6 +137,12 @@ def federation_overview(
         global_results = global_results.filter(round__state=Round.State.PUBLISHED)
     for version in global_results.defer("content"):
         rows[version.round_id].global_version = version
+    shown = [row.round.pk for row in rows.values() if row.global_version is not None]
+    for record in MergeRecord.objects.filter(
+        round_id__in=shown, organization__isnull=True, accuracy__isnull=False
+    ).only("round_id", "accuracy", "probe_queries"):
+        rows[record.round_id].probe_accuracy = record.accuracy
+        rows[record.round_id].probe_queries = record.probe_queries
 
     points = list(
         submissions.order_by("round__number").values(
@@ -204,6 +215,12 @@ def federation_overview(
             div_id="participation",
             label="Submissions and global compendium size per round",
         )
+    if any(row.probe_accuracy is not None for row in overview.rounds):
+        overview.probe_chart = render_figure(
+            probe_accuracy_figure(overview.rounds),
+            div_id="probe-accuracy",
+            label="The global compendium's top-1 on the public probe set per round",
+        )
     return overview
 
 
@@ -263,6 +280,26 @@ def participation_figure(rows: list[RoundRow]) -> go.Figure:
         xaxis={"title": {"text": "round"}, "dtick": 1},
         yaxis={"title": {"text": "submissions"}, "rangemode": "tozero"},
         yaxis2=right_axis("global size (kB)"),
+    )
+
+
+def probe_accuracy_figure(rows: list[RoundRow]) -> go.Figure:
+    """The live federation's accuracy curve: each published global routed by its nearest scenario
+    on the public probe set, as the server merge measured it. The probe set also chooses the
+    probe-extractive summaries and trains the routing head, so this is a health check of the
+    rounds, not a held-out accuracy (`manage.py simulate` measures that)."""
+    ordered = sorted((r for r in rows if r.probe_accuracy is not None), key=lambda r: r.round.number)
+    fig = go.Figure(go.Scatter(
+        x=[r.round.number for r in ordered], y=[r.probe_accuracy for r in ordered],
+        customdata=[r.probe_queries for r in ordered], mode="lines+markers",
+        name="nearest-scenario top-1",
+        hovertemplate="round %{x}<br>top-1 %{y:.3f} on %{customdata} probe requests<extra></extra>",
+    ))
+    return styled(
+        fig,
+        title={"text": "Global compendium on the public probe set"},
+        xaxis={"title": {"text": "round"}, "dtick": 1},
+        yaxis={"title": {"text": "top-1 (nearest scenario)"}, "range": [0, 1]},
     )
 
 
