@@ -720,9 +720,13 @@ def cmd_status(args: argparse.Namespace) -> int:
             print(f"  ({replaced} earlier submission(s) of this round replaced by the one above)")
     if published:
         latest = max(published, key=lambda r: r["number"])
+        probe = latest.get("probe_accuracy")
         print(
             f"latest published global: round {latest['number']} "
-            f"(published {_when(latest.get('published_at'))}); `pull` downloads it"
+            f"(published {_when(latest.get('published_at'))}"
+            + (f"; top-1 {probe:.3f} on {latest.get('probe_queries')} public probe requests"
+               if isinstance(probe, int | float) else "")
+            + "); `pull` downloads it"
         )
     else:
         print("no global compendium is published yet")

@@ -44,6 +44,7 @@ from federation.models import (
     ClientToken,
     FederationSettings,
     Membership,
+    MergeRecord,
     Organization,
     Round,
     SimulationRun,
@@ -1040,17 +1041,21 @@ def mark_failed(rnd: Round | int, reason: str, actor: Actor | None = None) -> Ro
 
 def round_figures(queryset, organization_ids=None):
     """Annotate rounds with their submission figures in one query: of every organization, or
-    (`organization_ids`) of those only, as the dashboard shows a member its own."""
-    from django.db.models import Count, Q
+    (`organization_ids`) of those only, as the dashboard shows a member its own; and with the
+    global's top-1 on the public probe set as the server merge recorded it."""
+    from django.db.models import Count, OuterRef, Q, Subquery
 
     client = Q(compendiums__kind="client")
     if organization_ids is not None:
         client &= Q(compendiums__client__organization_id__in=list(organization_ids))
+    server_merge = MergeRecord.objects.filter(round=OuterRef("pk"), organization__isnull=True)
     return queryset.annotate(
         n_submissions=Count("compendiums", filter=client),
         n_organizations=Count("compendiums__client__organization", filter=client, distinct=True),
         n_submitted_bytes=Sum("compendiums__size_bytes", filter=client),
         n_submitted_gzip_bytes=Sum("compendiums__gzip_bytes", filter=client),
+        merge_probe_accuracy=Subquery(server_merge.values("accuracy")[:1]),
+        merge_probe_queries=Subquery(server_merge.values("probe_queries")[:1]),
     )
 
 

@@ -113,6 +113,20 @@ def test_status_tells_a_client_where_it_stands(live_server, world, valid_doc, tm
                  world.token_b, "--backoff", "0"]) == 3
 
 
+def test_status_names_how_the_latest_global_routes_the_probe_set(live_server, world, capsys):
+    from federation.models import MergeRecord
+
+    published = Round.objects.create(number=1, state=Round.State.PUBLISHED,
+                                     published_at=timezone.now())
+    server = ["--server", live_server.url, "--token", world.token_a, "--backoff", "0"]
+    assert main(["status", *server]) == 0
+    assert "latest published global: round 1 (published " in capsys.readouterr().out
+    MergeRecord.objects.create(round=published, accuracy=0.598, probe_queries=597)
+    assert main(["status", *server]) == 0
+    out = capsys.readouterr().out
+    assert "; top-1 0.598 on 597 public probe requests); `pull` downloads it" in out
+
+
 def _nothing_built_or_sent(state) -> None:
     """participate refused before fetching anything: no file in --dir, no submission stored."""
     assert not state.exists() or not any(state.iterdir())

@@ -663,6 +663,24 @@ def test_rounds_list_and_detail_with_figures(world, open_round, valid_doc):
     assert client_api().get("/api/v1/rounds/").status_code == 401
 
 
+def test_a_published_round_says_how_its_global_routes_the_probe_set(world, open_round):
+    from federation.models import MergeRecord
+
+    MergeRecord.objects.create(round=open_round, accuracy=0.61234, probe_queries=597)
+    api = client_api(world.token_a)
+    # recorded at the server merge, shown once the round is published
+    row = api.get(f"/api/v1/rounds/{open_round.pk}/").json()
+    assert (row["probe_accuracy"], row["probe_queries"]) == (None, 0)
+    Round.objects.filter(pk=open_round.pk).update(state=Round.State.PUBLISHED)
+    row = api.get("/api/v1/rounds/?state=published").json()["results"][0]
+    assert (row["probe_accuracy"], row["probe_queries"]) == (0.6123, 597)
+    # an edge's record is not the global's
+    later = services.open_round(SYSTEM)
+    MergeRecord.objects.create(round=later, organization=world.client_a.organization)
+    row = api.get(f"/api/v1/rounds/{later.pk}/").json()
+    assert (row["probe_accuracy"], row["probe_queries"]) == (None, 0)
+
+
 def test_schema_endpoint(world):
     response = client_api(world.token_a).get("/api/v1/compendium/schema/")
     assert response.status_code == 200

@@ -77,6 +77,17 @@ class RoundSerializer(serializers.ModelSerializer):
         "span each field's range); a client need not compute or send them",
     )
 
+    probe_accuracy = serializers.SerializerMethodField(
+        help_text="once the round is published: its global's top-1 on the public probe set "
+        "(each probe request routed to the tool of its nearest scenario), as the server merge "
+        "measured it; a health check of the rounds, not a held-out accuracy (the probe set also "
+        "picks the summaries and trains the routing head). Null before publication or without a "
+        "probe set"
+    )
+    probe_queries = serializers.SerializerMethodField(
+        help_text="how many public probe requests probe_accuracy is over (0 when it is null)"
+    )
+
     class Meta:
         model = Round
         fields = [
@@ -94,7 +105,22 @@ class RoundSerializer(serializers.ModelSerializer):
             "submitted_bytes",
             "submitted_gzip_bytes",
             "fields_not_released",
+            "probe_accuracy",
+            "probe_queries",
         ]
+
+    def get_probe_accuracy(self, rnd) -> float | None:
+        return self._probe(rnd)[0]
+
+    def get_probe_queries(self, rnd) -> int:
+        return self._probe(rnd)[1]
+
+    @staticmethod
+    def _probe(rnd) -> tuple[float | None, int]:
+        accuracy = getattr(rnd, "merge_probe_accuracy", None)
+        if rnd.state != Round.State.PUBLISHED or accuracy is None:
+            return None, 0
+        return round(accuracy, 4), int(getattr(rnd, "merge_probe_queries", 0) or 0)
 
 
     def get_failure_reason(self, rnd) -> str:
