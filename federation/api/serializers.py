@@ -122,7 +122,6 @@ class RoundSerializer(serializers.ModelSerializer):
             return None, 0
         return round(accuracy, 4), int(getattr(rnd, "merge_probe_queries", 0) or 0)
 
-
     def get_failure_reason(self, rnd) -> str:
         from federation.services import failure_reason_for
 
