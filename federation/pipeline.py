@@ -353,14 +353,14 @@ def routing_head(
     (`GET /api/v1/compendium/global/head/`). With the public probe set it also learns the
     probe's tools and carries the fusion weights fitted with it (`routing.router
     .fit_published_head`, queries embedded by the routing API's query engine)."""
-    from routing.embeddings import get_query_engine
     from routing.router import fit_published_head
+    from routing.services import query_engine
 
     if scenario_embeddings is None or not len(compendium.scenarios):
         return None
     pairs = list(zip(probe.texts, probe.labels, strict=True)) if probe is not None else []
     head = fit_published_head(
-        compendium, scenario_embeddings, embed, get_query_engine() if pairs else None, pairs,
+        compendium, scenario_embeddings, embed, query_engine() if pairs else None, pairs,
         probe_vectors=probe.vectors if pairs else None,
         precaution_embeddings=precaution_embeddings,
     )

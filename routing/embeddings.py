@@ -417,18 +417,21 @@ MINILM_BUILDS = frozenset(
 )
 
 
-def get_query_engine(model: str | None = None) -> EmbeddingEngine:
+def get_query_engine(model: str | None = None, *, documents_model: str | None = None) -> EmbeddingEngine:
     """The engine that embeds routing queries: SYNAPSE_QUERY_EMBEDDING_MODEL, else MiniLM with
     int8 compute (about 3x faster per query than fp32 torch, top-1 within 0.2 pt on MetaTool);
     when it cannot be built (no writable cache folder), the same export in fp32 compute; when the
-    ONNX packages are missing, the default engine, which is the same model again. When
-    SYNAPSE_EMBEDDING_MODEL names another model than MiniLM (the stored vectors are that
-    model's), queries are embedded by that same model."""
+    ONNX packages are missing, the default engine, which is the same model again. When the model
+    that embedded the stored vectors (`documents_model`; default SYNAPSE_EMBEDDING_MODEL from the
+    environment, the server passes its setting) is another model than MiniLM, queries are
+    embedded by that same model."""
     name = model if model is not None else os.environ.get("SYNAPSE_QUERY_EMBEDDING_MODEL", "")
     if name:
         return get_engine(name)
-    if os.environ.get("SYNAPSE_EMBEDDING_MODEL", "") not in MINILM_BUILDS:
-        return get_engine()
+    if documents_model is None:
+        documents_model = os.environ.get("SYNAPSE_EMBEDDING_MODEL", "")
+    if documents_model not in MINILM_BUILDS:
+        return get_engine(documents_model)
     for name in (DEFAULT_QUERY_MODEL, ONNX_INT8_MODEL):
         try:
             return get_engine(name)

@@ -315,11 +315,19 @@ def build_served(version: CompendiumVersion, tuned_directory: str = "") -> Serve
     )
 
 
+def query_engine():
+    """The engine the server embeds routing queries with, for the stored vectors of the
+    configured SYNAPSE_EMBEDDING_MODEL (`embeddings.get_query_engine`)."""
+    from routing.embeddings import get_query_engine
+
+    return get_query_engine(documents_model=settings.SYNAPSE_EMBEDDING_MODEL)
+
+
 def _frozen_index(compendium, scenario_rows, precaution_rows):
     """The query engine and the index over the stored (frozen model's) vectors."""
-    from routing.embeddings import get_engine, get_query_engine
+    from routing.embeddings import get_engine
 
-    engine = get_query_engine()
+    engine = query_engine()
     scenario_vectors = np.array([r.embedding for r in scenario_rows], dtype=np.float32).reshape(
         len(scenario_rows), engine.dimension
     )

@@ -123,6 +123,21 @@ def test_query_engine_follows_a_stored_embedding_model_other_than_minilm(monkeyp
     assert get_query_engine().model_name == ONNX_INT8_DYNAMIC_MODEL
 
 
+def test_the_servers_query_engine_follows_its_setting_not_the_environment(monkeypatch, settings):
+    # The server's stored vectors are of settings.SYNAPSE_EMBEDDING_MODEL (a simulation's scratch
+    # federation overrides the setting alone); its queries must be embedded in that space.
+    from routing.services import query_engine
+
+    other = object()
+    monkeypatch.setattr("routing.embeddings._engines", {"/models/all-mpnet-base-v2": other})
+    monkeypatch.delenv("SYNAPSE_QUERY_EMBEDDING_MODEL", raising=False)
+    monkeypatch.setenv("SYNAPSE_EMBEDDING_MODEL", DEFAULT_MODEL)
+    settings.SYNAPSE_EMBEDDING_MODEL = "/models/all-mpnet-base-v2"
+    assert query_engine() is other
+    settings.SYNAPSE_EMBEDDING_MODEL = ""
+    assert query_engine().model_name == ONNX_INT8_DYNAMIC_MODEL
+
+
 def test_bf16_engine_is_faithful_to_fp32_where_the_cpu_has_bf16():
     if not bf16_native():
         with pytest.raises(EmbeddingModelUnavailable, match="no native bfloat16"):

@@ -17,7 +17,7 @@ from datetime import timedelta
 
 import plotly.graph_objects as go
 from django.core.paginator import Page, Paginator
-from django.db.models import Count, IntegerField, Min, OuterRef, Q, QuerySet, Subquery, Sum, Value
+from django.db.models import Count, IntegerField, Min, OuterRef, Q, QuerySet, Subquery, Value
 from django.db.models.functions import Coalesce, Lower
 from django.utils import timezone
 from django.utils.safestring import SafeString
@@ -36,7 +36,7 @@ from compendium.models import (
 from federation.dashboard.plots import render_figure, right_axis, styled
 from federation.merge.operator import noise_dominated
 from federation.merge.summarize import LLM_SUMMARIZERS, summary_counts
-from federation.models import AuditLog, Client, MergeRecord, PrivacyLedgerEntry, Round
+from federation.models import AuditLog, Client, PrivacyLedgerEntry, Round
 from federation.simulation.report import summarize_transfer
 from federation.simulation.runner import METHODS
 
@@ -105,24 +105,22 @@ def federation_overview(
     a failed round's reason as `viewer` may read it. The table holds the latest `max_rounds`
     rounds.
     """
-    from federation.services import failure_reason_for
+    from federation.services import failure_reason_for, round_figures
 
-    rounds = list(Round.objects.order_by("-number")[:max_rounds])
+    rounds = list(
+        round_figures(Round.objects.order_by("-number"), organizations.values_list("pk", flat=True))
+        [:max_rounds]
+    )
     round_ids = [r.pk for r in rounds]
     rows = {
-        r.pk: RoundRow(round=r, failure_reason=failure_reason_for(viewer, r)) for r in rounds
+        r.pk: RoundRow(round=r, failure_reason=failure_reason_for(viewer, r),
+                       submissions=r.n_submissions, submitted_bytes=r.n_submitted_bytes or 0)
+        for r in rounds
     }
 
     submissions = CompendiumVersion.objects.filter(
         kind=KIND_CLIENT, round_id__in=round_ids, client__organization__in=organizations
     )
-    for item in (
-        submissions.order_by()
-        .values("round_id")
-        .annotate(n=Count("id"), total=Sum("size_bytes"))
-    ):
-        rows[item["round_id"]].submissions = item["n"]
-        rows[item["round_id"]].submitted_bytes = item["total"] or 0
     for item in (
         CompendiumVersion.objects.filter(
             kind=KIND_EDGE, round_id__in=round_ids, organization__in=organizations
@@ -136,13 +134,11 @@ def federation_overview(
     if not include_unpublished:
         global_results = global_results.filter(round__state=Round.State.PUBLISHED)
     for version in global_results.defer("content"):
-        rows[version.round_id].global_version = version
-    shown = [row.round.pk for row in rows.values() if row.global_version is not None]
-    for record in MergeRecord.objects.filter(
-        round_id__in=shown, organization__isnull=True, accuracy__isnull=False
-    ).only("round_id", "accuracy", "probe_queries"):
-        rows[record.round_id].probe_accuracy = record.accuracy
-        rows[record.round_id].probe_queries = record.probe_queries
+        row = rows[version.round_id]
+        row.global_version = version
+        # shown with the global it measured
+        row.probe_accuracy = row.round.merge_probe_accuracy
+        row.probe_queries = row.round.merge_probe_queries or 0
 
     points = list(
         submissions.order_by("round__number").values(

@@ -73,16 +73,16 @@ def scratch_database(*, embedding_model: str = "", llm_url: str | None = None,
             "create databases, and rounds through the services run in a scratch database"
         )
     original = connection.settings_dict["NAME"]
-    environment = {"SYNAPSE_EMBEDDING_MODEL": embedding_model} if embedding_model else {}
     with ExitStack() as undo:  # everything below is put back on the way out
-        # create_test_db makes the database under TEST's NAME and points the connection at it.
+        # create_test_db makes the database under TEST's NAME and points the connection at it;
+        # a name of this process's own, never the test suite's test_<name>, which autoclobber
+        # would drop. (mock.patch.dict sets the key and puts back what was there, absent or not;
+        # nothing is mocked.)
         undo.enter_context(mock.patch.dict(connection.settings_dict.setdefault("TEST", {}),
                                            {"NAME": f"{original}_simulate_{os.getpid()}"}))
         eager = {key: app.conf[key] for key in ("task_always_eager", "task_eager_propagates")}
         app.conf.update(task_always_eager=True, task_eager_propagates=True)
         undo.callback(app.conf.update, eager)
-        # The served router picks its query engine from the environment (`get_query_engine`).
-        undo.enter_context(mock.patch.dict(os.environ, environment))
         _scratch.append(connection.creation.create_test_db(
             verbosity=0, autoclobber=True, serialize=False
         ))
