@@ -7,8 +7,10 @@
 - Prompt templates come from the `template` field of successful lines; for each (tool, signature)
   the most frequent template is kept (ties: the lexicographically smallest).
 - Every text is masked at strength λ before anything else looks at it (compendium.masking);
-  exact duplicates are merged (support adds up), then near-duplicates of the same tool (and, for
-  scenarios, the same preconditions) are collapsed when their embeddings have cosine >= τ.
+  with `max_words` = N > 0 a masked request is then cut to its first N words (fewer bytes, less
+  of each request sent, some accuracy: README "Communication"); exact duplicates are merged
+  (support adds up), then near-duplicates of the same tool (and, for scenarios, the same
+  preconditions) are collapsed when their embeddings have cosine >= τ.
 - Pooled release (`pool_users` = k > 1), in place of the near-duplicate collapse: the distinct
   requests of each tool are pooled with their nearest neighbours until a pool holds k distinct
   users' requests, and a pool is sent as the words that two distinct users in it wrote: no text
@@ -91,6 +93,9 @@ class BuildOptions:
     # Shared words (`shared_words`): a plain word that at least this many distinct users of the
     # log wrote in lower case is not masked (it cannot single out any one of them); 0: off.
     shared_word_users: int = SHARED_WORD_USERS
+    # A request leaves the client (in a scenario or a precaution) as its first `max_words` words
+    # at most, after masking; 0: whole. Fewer bytes, and less of each request leaves.
+    max_words: int = 0
     skip_bad_lines: bool = False
     # Numeric fields the round's edges will not release (the open round's `fields_not_released`:
     # no release of it could make them useful): not computed, not sent.
@@ -132,6 +137,8 @@ class BuildReport:
     pool_users: int = 1
     pooled_scenarios: int = 0  # pools sent in place of the scenarios
     shared_word_users: int = 0  # the shared-words rule's K (0: off)
+    max_words: int = 0  # BuildOptions.max_words (0: whole requests)
+    cut_requests: int = 0  # requests cut to their first max_words words
     shared_words: int = 0  # how many distinct words it released (the words stay on the client)
     # over what one compendium may hold (Schema.limits): the least supported, not sent
     over_limit_scenarios: int = 0
@@ -378,6 +385,7 @@ def build_compendium(
     report.min_users = options.min_users
     report.pool_users = options.pool_users
     report.shared_word_users = options.shared_word_users
+    report.max_words = options.max_words
     report.field_cap = options.field_cap
     report.tau = options.tau if options.collapse else None
     report.records = len(records)
@@ -395,6 +403,8 @@ def build_compendium(
         raise BuildError("the pooled release needs an embedding engine")
     if not valid_shared_word_users(options.shared_word_users):
         raise BuildError("shared_word_users must be 0 (off) or at least 2")
+    if options.max_words < 0:
+        raise BuildError("max_words must be 0 (whole requests) or at least 1")
     if options.collapse and embedder is None:
         raise BuildError("near-duplicate collapse needs an embedding engine (or collapse=False)")
     each = progress or _no_progress
@@ -414,6 +424,9 @@ def build_compendium(
     template_votes: dict[tuple[str, str], Counter] = defaultdict(Counter)
     for record in each(records, "masking"):
         masked_query = mask(record.query)
+        if options.max_words and len(words := masked_query.split()) > options.max_words:
+            masked_query = " ".join(words[: options.max_words])
+            report.cut_requests += 1
         if not masked_query.strip():
             report.dropped.append(f"line {record.line}: query is empty after cleaning")
             continue

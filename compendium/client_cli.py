@@ -183,6 +183,8 @@ def cmd_build(args: argparse.Namespace) -> int:
         raise CliError("--pool-users needs the embedding model: leave out --no-collapse")
     if not valid_shared_word_users(args.shared_word_users):
         raise CliError("--shared-word-users must be 0 (off) or at least 2")
+    if args.max_words < 0:
+        raise CliError(f"--max-words must be 0 (whole requests) or at least 1, not {args.max_words}")
     probe = None
     if getattr(args, "probe", None):
         if args.since:
@@ -200,6 +202,7 @@ def cmd_build(args: argparse.Namespace) -> int:
         min_users=args.min_users,
         pool_users=args.pool_users,
         shared_word_users=args.shared_word_users,
+        max_words=args.max_words,
         not_released=_field_names(args.not_released, schema),
     )
     progress = _progress(args.quiet)
@@ -344,6 +347,11 @@ def cmd_build(args: argparse.Namespace) -> int:
         notes += (
             f" Released {report.shared_words} word(s) that at least "
             f"{options.shared_word_users} users wrote (--shared-word-users)."
+        )
+    if report.cut_requests:
+        notes += (
+            f" Cut {report.cut_requests} request(s) to their first {options.max_words} words "
+            "(--max-words)."
         )
     if report.scrubbed:
         notes += (
@@ -976,6 +984,12 @@ def _add_build_options(
         "--shared-word-users", type=int, default=SHARED_WORD_USERS, metavar="K",
         help="release, unmasked, the ordinary words that at least K distinct users of the log "
         f"wrote in lower case (0: off; default {SHARED_WORD_USERS})",
+    )
+    parser.add_argument(
+        "--max-words", type=int, default=0, dest="max_words", metavar="N",
+        help="send each request (in a scenario or a precaution) as its first N words at most, "
+        "after masking: fewer bytes and less of each request leaves, at some accuracy (see the "
+        "README, \"Communication\"; default 0: whole requests)",
     )
     parser.add_argument(
         "--no-collapse", action="store_true",

@@ -8,6 +8,7 @@ import os
 import subprocess
 import sys
 from collections import Counter
+from dataclasses import replace
 
 import pytest
 
@@ -445,3 +446,43 @@ def test_cli_build_refuses_a_not_released_field_the_schema_does_not_declare(tmp_
     assert main([*args, "--not-released", "latency_ms, success_rate"]) == 0
     sent = json.loads(out.read_text())
     assert {n for m in sent["metadata"] for n in m["stats"]} == {"calls", "frequency"}
+
+
+def test_max_words_sends_each_request_as_its_first_words():
+    schema = metatool_schema()
+    query = "Can you find me a cheap flight from Lisbon to Oslo for next weekend please"
+    records = parsed([
+        {"query": query, "tool": "MapTool", "outcome": "success", "latency_ms": 5, "user": 1},
+        {"query": "weather tomorrow", "tool": "WeatherTool", "outcome": "success",
+         "latency_ms": 5, "user": 1},
+        {"query": query, "tool": "WeatherTool", "outcome": "corrected", "corrected_to": "MapTool",
+         "latency_ms": 5, "user": 2},
+    ])
+    options = BuildOptions(collapse=False, strength=0)
+    whole, _ = build_compendium(records, schema, options)
+    cut, report = build_compendium(records, schema, replace(options, max_words=5))
+    assert {s.text for s in whole.scenarios} == {query, "weather tomorrow"}
+    assert {s.text for s in cut.scenarios} == {"Can you find me a", "weather tomorrow"}
+    assert [p.text for p in cut.precautions] == [
+        "Do not use WeatherTool for requests like: Can you find me a (use MapTool instead)"
+    ]
+    assert report.max_words == 5 and report.cut_requests == 2  # the short request stays whole
+    assert validate_compendium(cut, schema).ok
+    with pytest.raises(BuildError, match="max_words must be 0"):
+        build_compendium(records, schema, replace(options, max_words=-1))
+
+
+def test_cli_build_max_words(tmp_path, capsys):
+    schema_path = tmp_path / "schema.json"
+    schema_path.write_text(metatool_schema().model_dump_json(), encoding="utf-8")
+    log = write_log(tmp_path / "usage.jsonl", usage_records(users=3, lines=40, seed=4))
+    out = tmp_path / "c.json"
+    args = ["build", "--log", str(log), "--schema", str(schema_path), "--out", str(out),
+            "--no-collapse", "--quiet"]
+    assert main([*args, "--max-words", "-2"]) == 1
+    assert "--max-words must be 0 (whole requests) or at least 1, not -2" in capsys.readouterr().err
+    assert not out.exists()
+    assert main([*args, "--max-words", "4"]) == 0
+    assert "request(s) to their first 4 words (--max-words)" in capsys.readouterr().out
+    sent = json.loads(out.read_text())
+    assert sent["scenarios"] and all(len(s["text"].split()) <= 4 for s in sent["scenarios"])

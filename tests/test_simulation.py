@@ -313,6 +313,7 @@ def test_unknown_transfer_variant_fails_before_the_federation_runs(tiny_dataset,
 @pytest.mark.parametrize(("flags", "message"), [
     (["--max-bytes", "0"], "--max-bytes must be a positive number of bytes, not 0"),
     (["--shared-word-users", "1"], "--shared-word-users must be 0 [(]off[)] or at least 2"),
+    (["--max-words", "-1"], "--max-words must be 0 [(]whole requests[)] or at least 1, not -1"),
     (["--pool-users", "0"], "--pool-users must be at least 1"),
     (["--pool-users", "2", "--pool-size", "-1"], "--pool-size must be 0 [(]--pool-users[)] or more"),
 ])
@@ -687,3 +688,16 @@ def test_tuned_router_rows_route_each_global_with_an_encoder_tuned_on_it(tiny_da
     # The frozen router's rows are those of a run without tuning: same federation, same router.
     assert [r["accuracy"] for r in result.rows if r["method"] == "synapse_untuned"] == [
         r["accuracy"] for r in untuned.rows if r["method"] == "synapse"]
+
+
+def test_max_words_cuts_what_clients_send_and_not_centralized(tiny_dataset):
+    """`--max-words`: every simulated client sends its requests cut to their first N words (the
+    client toolkit's `BuildOptions.max_words`); Centralized, which sends nothing over a wire,
+    pools the whole requests."""
+    sim = _simulation(tiny_dataset, rounds=1, max_words=3)
+    setup = sim.prepare(1)
+    outcome = sim.federate(setup.shares, setup.logs, setup.split.probe, 1)[0]
+    sent = [s.text for c in outcome.submissions.values() for s in c.scenarios]
+    assert sent and all(len(text.split()) <= 3 for text in sent)
+    central = sim.centralized_global(setup.shares, setup.logs, setup.split, 1)
+    assert max(len(s.text.split()) for s in central.scenarios) > 3

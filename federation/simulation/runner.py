@@ -142,6 +142,7 @@ class SimulationConfig:
     pool_users: int = 1  # pooled release at the clients (compendium.builder.pool_entries); 1: off
     pool_size: int = 0  # requests per pool at least (0: pool_users)
     shared_word_users: int = SHARED_WORD_USERS  # compendium.builder.shared_words; 0: off
+    max_words: int = 0  # BuildOptions.max_words: what clients send; Centralized pools whole requests
     client_tau: float | None = None
     linear_head: bool = True  # routers fit the linear head on the compendium they route with
     diagnostics: bool = True  # the paper's Lipschitz, contraction and margin diagnostics
@@ -343,7 +344,7 @@ class Simulation:
 
     def build_client(
         self, lines: Sequence[dict], seed: int, strength: float | None = None,
-        not_released: frozenset[str] = frozenset(),
+        not_released: frozenset[str] = frozenset(), max_words: int | None = None,
     ) -> Compendium:
         options = BuildOptions(
             not_released=not_released,
@@ -354,6 +355,7 @@ class Simulation:
             pool_users=self.config.pool_users,
             pool_size=self.config.pool_size,
             shared_word_users=self.config.shared_word_users,
+            max_words=self.config.max_words if max_words is None else max_words,
         )
         compendium, _ = build_compendium(
             _records(lines, self.tool_ids), self.schema, options, embedder=self.engine
@@ -815,7 +817,8 @@ class Simulation:
         """The paper's Centralized-SYNAPSE: one client toolkit build over every client's log, then
         one server merge (no edges, no rounds)."""
         every_line = [line for s in shares for line in logs[s.client]]
-        central = self.build_client(every_line, seed)
+        # nothing crosses a wire here, so nothing is cut to save bytes
+        central = self.build_client(every_line, seed, max_words=0)
         return server_merge(
             [MergeInput("centralized", central)],
             self.schema,

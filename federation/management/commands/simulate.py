@@ -104,6 +104,9 @@ class Command(BaseCommand):
             "--shared-word-users", type=int, default=SHARED_WORD_USERS, metavar="K",
             help="clients release the plain words that at least K of their users wrote (0: off)",
         )
+        parser.add_argument("--max-words", type=int, default=0, metavar="N",
+                            help="clients send each request's first N words at most (synapse-client "
+                            "build --max-words; 0: whole requests)")
         parser.add_argument("--users-per-client", type=int, default=3,
                             help="distinct users in each client's usage log")
         parser.add_argument("--test-limit", type=int, default=None, help="evaluate on a sample")
@@ -331,6 +334,10 @@ class Command(BaseCommand):
             raise CommandError("--pool-size must be 0 (--pool-users) or more")
         if not valid_shared_word_users(o["shared_word_users"]):
             raise CommandError("--shared-word-users must be 0 (off) or at least 2")
+        if o["max_words"] < 0:
+            raise CommandError(
+                f"--max-words must be 0 (whole requests) or at least 1, not {o['max_words']}"
+            )
         if not 0 < o["probe_fraction"] < 0.6:  # 40% is held out for testing
             raise CommandError(f"--probe-fraction must be in (0, 0.6), not {o['probe_fraction']:g}")
         if not 0 <= o["trim_fraction"] < 0.5:
@@ -427,6 +434,7 @@ class Command(BaseCommand):
             pool_users=o["pool_users"],
             pool_size=o["pool_size"],
             shared_word_users=o["shared_word_users"],
+            max_words=o["max_words"],
             client_tau=o["client_tau"],
             transfer_models=_names(o["transfer_models"]),
             transfer_rerankers=_names(o["transfer_rerankers"]),
