@@ -489,6 +489,12 @@ def cmd_inspect(args: argparse.Namespace) -> int:
             f"deduplication (τ={report.get('tau')})",
             file=out,
         )
+        if report.get("max_words"):
+            print(
+                f"  each request sent as its first {report['max_words']} words (--max-words): "
+                f"{report.get('cut_requests', 0)} cut",
+                file=out,
+            )
         for note in report.get("dropped", []):
             print(f"  dropped: {note}", file=out)
 

@@ -486,3 +486,7 @@ def test_cli_build_max_words(tmp_path, capsys):
     assert "request(s) to their first 4 words (--max-words)" in capsys.readouterr().out
     sent = json.loads(out.read_text())
     assert sent["scenarios"] and all(len(s["text"].split()) <= 4 for s in sent["scenarios"])
+    cut = json.loads(out.with_name(out.name + ".report.json").read_text())["cut_requests"]
+    assert cut > 0
+    assert main(["inspect", str(out)]) == 0
+    assert f"each request sent as its first 4 words (--max-words): {cut} cut" in capsys.readouterr().out
