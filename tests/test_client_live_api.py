@@ -345,3 +345,20 @@ def test_participate_and_status_follow_the_rounds_field_cap(live_server, world, 
     services.open_round(services.Actor(None))
     assert main(["status", *server]) == 0
     assert "no field cap" in capsys.readouterr().out
+
+
+def test_participate_with_max_words_sends_each_request_cut(live_server, world, tmp_path, capsys):
+    """`--max-words`: what the server decodes and stores holds each request as its first N words,
+    and the server takes it as masked (a prefix of masked text is masked)."""
+    log, state = tmp_path / "usage.jsonl", tmp_path / "state"
+    _usage_log(log)
+    server = ["--server", live_server.url, "--token", world.token_a, "--backoff", "0"]
+    services.open_round(services.Actor(None), {"mask_strength": 1.0})
+    assert main(["participate", "--log", str(log), "--dir", str(state), "--quiet",
+                 "--no-collapse", "--max-words", "3", *server]) == 0
+    out = capsys.readouterr().out
+    assert "submitted to round 1" in out and "to their first 3 words (--max-words)" in out
+    stored = Submission.objects.get(client=world.client_a).version.content
+    texts = [s["text"] for s in stored["scenarios"]]
+    assert texts and all(len(text.split()) <= 3 for text in texts)
+    assert any(text.startswith("Find a cheap") for text in texts)
