@@ -9,6 +9,7 @@ import subprocess
 import sys
 from collections import Counter
 from dataclasses import replace
+from pathlib import Path
 
 import pytest
 
@@ -433,13 +434,19 @@ def test_fields_the_round_will_not_release_are_not_computed_nor_sent():
 
 
 
-def test_cli_build_refuses_a_not_released_field_the_schema_does_not_declare(tmp_path, capsys):
+def _cli_build(tmp_path: Path, lines: int, seed: int) -> tuple[list[str], Path]:
+    """`synapse-client build` arguments for a log of three users (no collapse, quiet), and the
+    compendium file they write."""
     schema_path = tmp_path / "schema.json"
     schema_path.write_text(metatool_schema().model_dump_json(), encoding="utf-8")
-    log = write_log(tmp_path / "usage.jsonl", usage_records(users=3, lines=30, seed=2))
+    log = write_log(tmp_path / "usage.jsonl", usage_records(users=3, lines=lines, seed=seed))
     out = tmp_path / "c.json"
-    args = ["build", "--log", str(log), "--schema", str(schema_path), "--out", str(out),
-            "--no-collapse", "--quiet"]
+    return ["build", "--log", str(log), "--schema", str(schema_path), "--out", str(out),
+            "--no-collapse", "--quiet"], out
+
+
+def test_cli_build_refuses_a_not_released_field_the_schema_does_not_declare(tmp_path, capsys):
+    args, out = _cli_build(tmp_path, lines=30, seed=2)
     assert main([*args, "--not-released", "latency_ms,colour"]) == 1
     assert "--not-released names no declared numeric field: colour" in capsys.readouterr().err
     assert not out.exists()
@@ -473,12 +480,7 @@ def test_max_words_sends_each_request_as_its_first_words():
 
 
 def test_cli_build_max_words(tmp_path, capsys):
-    schema_path = tmp_path / "schema.json"
-    schema_path.write_text(metatool_schema().model_dump_json(), encoding="utf-8")
-    log = write_log(tmp_path / "usage.jsonl", usage_records(users=3, lines=40, seed=4))
-    out = tmp_path / "c.json"
-    args = ["build", "--log", str(log), "--schema", str(schema_path), "--out", str(out),
-            "--no-collapse", "--quiet"]
+    args, out = _cli_build(tmp_path, lines=40, seed=4)
     assert main([*args, "--max-words", "-2"]) == 1
     assert "--max-words must be 0 (whole requests) or at least 1, not -2" in capsys.readouterr().err
     assert not out.exists()
