@@ -10,7 +10,8 @@ round compressed as `synapse-client submit` sends them (`compendium.transport`),
 and gzip. Paired: the same bodies under every dictionary. Where the bytes go: for each section of
 the body (numeric statistics, scenarios, precautions, templates, annex), the dcz bytes the body
 loses without it, under the shipped dictionary (round 1: probe requests + schema; later rounds: the
-pulled global), and how many entries of it a client sends.
+pulled global), and how many entries of it a client sends; and the scenarios' texts alone (one per
+line, no tool ids, no JSON) under the same dictionary: the floor the requests' own words set.
 
     python bench/dcz_dictionaries.py --dataset ../shared/data/metatool --seed 0 --seeds 5 \\
         --embedding-model onnx-int8-dynamic:all-MiniLM-L6-v2 --out FILE
@@ -70,6 +71,7 @@ def main(argv: list[str] | None = None) -> int:
                "dcz: pulled global", "dcz: probe + pulled global"]
     print_table(rows, columns)
     sections = [f"{kind}: {s}" for s in SECTIONS for kind in ("dcz", "entries")]
+    sections.append("dcz: scenario texts alone")
     print_table(rows, ["seed", "round", *sections])
     summary = {}
     for column in columns[2:] + sections:
@@ -110,6 +112,10 @@ def section_bytes(compendiums: list, dictionary: bytes) -> dict[str, float]:
             dcz(c) - dcz(c.model_copy(update={section: []})) for c in compendiums
         ]))
         out[f"entries: {section}"] = float(np.mean([len(getattr(c, section)) for c in compendiums]))
+    out["dcz: scenario texts alone"] = float(np.mean([
+        len(transport.compress("\n".join(s.text for s in c.scenarios).encode(), dictionary))
+        for c in compendiums
+    ]))
     return out
 
 
