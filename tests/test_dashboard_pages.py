@@ -963,13 +963,22 @@ def test_accuracy_page_says_what_the_run_ran(client, fed):
     assert "3 organizations × 2 clients, 3 rounds, category partition, 1 seed (0)" in setup
     assert "at most 300 train queries per client, public probe set 3% of the queries, 600 test queries" in setup
     assert "ε = 1.0 per round, λ = 1.0, τ = 0.85" in setup and "router tuned" not in setup
-    assert "through the services" not in setup
+    assert "through the services" not in setup and "clients:" not in setup  # client defaults
     SimulationRun.objects.create(label="services", dataset="metatool", seconds=105, document={
         "config": {**config, "through_services": True}, "seeds": [0], "summary": []})
     body = client.get(reverse("dashboard:accuracy")).content.decode()
     setup = body[body.index('id="run-setup"'):]
     assert "1 seed (0), rounds closed through the services (submission service, close, merge " \
         "pipeline)" in setup[: setup.index("</p>")]
+    # what the clients did differently from the defaults is said, or two runs would look alike
+    SimulationRun.objects.create(label="cut", dataset="metatool", seconds=105, document={
+        "config": {**config, "max_words": 15, "shared_word_users": 0, "since_confidence": 1.01,
+                   "adversarial_fraction": 0.4, "adversarial_mode": "coordinated_targeting"},
+        "seeds": [0], "summary": []})
+    body = client.get(reverse("dashboard:accuracy")).content.decode()
+    setup = html.unescape(body[body.index('id="run-setup"'):])
+    assert ("; clients: the pulled router's rule off, each request as its first 15 words, shared "
+            "words off, 40% adversarial (coordinated_targeting).") in setup[: setup.index("</p>") + 4]
 
 
 def test_conflicts_paginate(client, fed):

@@ -38,7 +38,7 @@ from federation.merge.operator import noise_dominated
 from federation.merge.summarize import LLM_SUMMARIZERS, summary_counts
 from federation.models import AuditLog, Client, PrivacyLedgerEntry, Round
 from federation.simulation.report import summarize_transfer
-from federation.simulation.runner import METHODS
+from federation.simulation.runner import METHODS, SimulationConfig
 
 KIND_CLIENT = CompendiumVersion.Kind.CLIENT
 KIND_EDGE = CompendiumVersion.Kind.EDGE
@@ -1064,6 +1064,41 @@ def run_setup(doc: dict) -> list[str]:
         + (f", router tuned for {config['tune_router_epochs']} epoch(s)"
            if config.get("tune_router_epochs") else "")
     )
+    clients = client_setup(config)
+    if clients:
+        out.append("clients: " + ", ".join(clients))
+    return out
+
+
+def client_setup(config: dict) -> list[str]:
+    """The client-side settings of a stored simulation that differ from the defaults, in words
+    (what each client left out, cut or withheld, and the adversaries among them): two runs
+    that differ only there look alike otherwise. A setting a document does not name ran at its
+    default."""
+    default = SimulationConfig()
+
+    def get(name: str):
+        return config.get(name, getattr(default, name))
+
+    out = []
+    since = get("since_confidence")
+    if since != default.since_confidence:
+        out.append("the pulled router's rule off" if since > 1 else f"the pulled router's rule at {since:g}")
+    if get("max_bytes"):
+        out.append(f"at most {get('max_bytes'):,} canonical bytes each")
+    if get("max_words"):
+        out.append(f"each request as its first {get('max_words')} words")
+    if get("min_users") > 1:
+        out.append(f"k-anonymous release K = {get('min_users')}")
+    if get("pool_users") > 1:
+        out.append(f"pooled release of {get('pool_users')} users")
+    if get("shared_word_users") != default.shared_word_users:
+        shared = get("shared_word_users")
+        out.append("shared words off" if not shared else f"shared words at {shared} users")
+    if get("client_tau") is not None:
+        out.append(f"collapse at τ = {get('client_tau')}")
+    if get("adversarial_fraction"):
+        out.append(f"{get('adversarial_fraction'):.0%} adversarial ({get('adversarial_mode')})")
     return out
 
 
