@@ -123,6 +123,8 @@ def test_simulate_through_services_plays_the_rounds_in_a_scratch_database(tiny_d
 def test_adversaries_are_screened_alike_through_the_services(tiny_dataset):
     """Half the clients relabel their requests at random: the pipeline's edges drop the same
     submissions whole as the in-memory merges do, and the counts name the simulated clients."""
+    from django.db import connection
+
     from compendium.registry import load_dataset
     from compendium.schema import Schema
     from federation.simulation.runner import Simulation, SimulationConfig
@@ -135,9 +137,11 @@ def test_adversaries_are_screened_alike_through_the_services(tiny_dataset):
                               adversarial_mode="tool_confusion")
     schema = Schema(tools=dataset.tools)
     in_memory = Simulation(dataset, schema, get_engine(), config).run_seed(1).screening
+    test_settings = dict(connection.settings_dict["TEST"])
     with scratch_database():
         through = Simulation(dataset, schema, get_engine(),
                              dataclasses.replace(config, through_services=True)).run_seed(1).screening
+    assert connection.settings_dict["TEST"] == test_settings  # its own TEST name put back
     assert through == in_memory
     assert through["dropped_adversarial"] == through["adversarial_submissions"] == 4
     assert through["dropped_honest"] == 0

@@ -19,7 +19,6 @@ import os
 from collections.abc import Iterator, Sequence
 from contextlib import ExitStack, contextmanager
 from typing import Any
-from unittest import mock
 
 from compendium.client_api import nothing_to_submit
 from compendium.registry import LabelledQuery, RoutingDataset
@@ -76,10 +75,10 @@ def scratch_database(*, embedding_model: str = "", llm_url: str | None = None,
     with ExitStack() as undo:  # everything below is put back on the way out
         # create_test_db makes the database under TEST's NAME and points the connection at it;
         # a name of this process's own, never the test suite's test_<name>, which autoclobber
-        # would drop. (mock.patch.dict sets the key and puts back what was there, absent or not;
-        # nothing is mocked.)
-        undo.enter_context(mock.patch.dict(connection.settings_dict.setdefault("TEST", {}),
-                                           {"NAME": f"{original}_simulate_{os.getpid()}"}))
+        # would drop. (Django fills every connection's TEST settings, so there is one to put back.)
+        test = connection.settings_dict["TEST"]
+        connection.settings_dict["TEST"] = {**test, "NAME": f"{original}_simulate_{os.getpid()}"}
+        undo.callback(connection.settings_dict.__setitem__, "TEST", test)
         eager = {key: app.conf[key] for key in ("task_always_eager", "task_eager_propagates")}
         app.conf.update(task_always_eager=True, task_eager_propagates=True)
         undo.callback(app.conf.update, eager)
