@@ -811,6 +811,14 @@ def test_frontier_marks_the_runs_own_configuration(client, fed):
     [own] = [t for t in frontier["data"] if t["name"] == "this run's configuration"]
     # the last round of SYNAPSE (0.6) at the run's own attack AUROC
     assert own["x"] == [0.7] and own["y"] == [0.6] and own["text"] == ["ε=1.0, λ=0.5"]
+    # right of every swept point: labelled on its left, inside the chart
+    assert own["textposition"] == "middle left"
+    assert frontier["layout"]["title"]["text"] == "Privacy–utility frontier (ε × λ)"
+    SimulationRun.objects.create(label="inside", dataset="tiny", document={
+        **document, "privacy": {"membership_auroc": 0.55}})
+    body = client.get(reverse("dashboard:accuracy")).content.decode()
+    [own] = [t for t in figures_in(body)[-1]["data"] if t["name"] == "this run's configuration"]
+    assert own["textposition"] == "middle right"
     # a run whose configuration is one of its sweep's rows: that row is the point already
     SimulationRun.objects.create(label="swept", dataset="tiny", document={
         **document, "config": {"epsilon": 2.0, "mask_strength": 1.0}})
@@ -899,6 +907,8 @@ def test_accuracy_page_puts_the_release_sweep_on_the_frontier(client, fed):
     trace = next(t for t in frontier["data"] if t["name"] == "k-anonymous release")
     assert trace["x"] == [0.72, 0.55] and trace["y"] == [0.75, 0.61]  # ordered by k
     assert "k=2 · 9,000 B" in trace["text"]
+    assert frontier["layout"]["title"]["text"] == (
+        "Privacy–utility frontier (ε × λ, k-anonymous release)")
     assert "k-anonymous release</h2>" in body and "34000" in body
 
 

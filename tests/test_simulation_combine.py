@@ -7,7 +7,7 @@ import json
 import pytest
 from django.core.management import CommandError, call_command
 
-from federation.simulation.report import combine
+from federation.simulation.report import combine, summarize, table
 
 
 def doc(seeds, accuracy, bytes_raw, **extra):
@@ -45,6 +45,16 @@ def test_combined_runs_are_summarized_as_one_run_over_all_their_seeds():
     assert len(out["rounds"]) == 4 and out["seconds"] == 20.0
     assert out["combined_from"][1] == "python manage.py simulate --seed 3"
     assert out["hosts"] == [None, None]  # written before documents said where they ran
+
+
+def test_the_printed_table_states_a_spread_only_over_several_seeds():
+    one = doc([0], [0.7], 1.0)
+    one["summary"] = summarize(one["results"])
+    row = next(line for line in table(one).splitlines() if line.startswith("synapse"))
+    assert row.split()[2:] == ["0.700", "0.700"]  # one seed: no "± 0.000", which reads as measured
+    several = combine([doc([0, 1, 2], [0.7, 0.8, 0.9], 300.0)])
+    row = next(line for line in table(several).splitlines() if line.startswith("synapse"))
+    assert row.split()[2:] == ["0.800", "±", "0.100", "0.800"]
 
 
 def test_a_combined_document_says_where_each_part_ran():

@@ -1258,6 +1258,8 @@ def accuracy_page(run_id=None) -> AccuracyPage:
         config = doc.get("config") or {}
         auroc = (doc.get("privacy") or {}).get("membership_auroc")
         swept = {(r.get("epsilon"), r.get("mask_strength")) for r in page.privacy_sweep}
+        swept_auroc = [r["membership_auroc"] for r in [*page.privacy_sweep, *page.release_sweep]
+                       if r.get("membership_auroc") is not None]
         if last and auroc is not None and (config.get("epsilon"), config.get("mask_strength")) not in swept:
             # The run's own configuration, played on the same splits as its sweeps: where the
             # operating point sits among them.
@@ -1265,7 +1267,10 @@ def accuracy_page(run_id=None) -> AccuracyPage:
                 x=[auroc], y=[last["accuracy_mean"]], mode="markers+text",
                 marker={"symbol": "star", "size": 14, "color": "#111"},
                 text=[f"ε={config.get('epsilon')}, λ={config.get('mask_strength')}"],
-                textposition="middle right", name="this run's configuration", cliponaxis=False,
+                # labelled on the side away from the chart's edge, where it would be cut off
+                textposition="middle left" if auroc >= max(swept_auroc, default=auroc)
+                else "middle right",
+                name="this run's configuration", cliponaxis=False,
             ))
             accuracies.append(last["accuracy_mean"])
         frontier.add_vline(x=0.5, line={"dash": "dot", "color": "#888"},
@@ -1273,7 +1278,10 @@ def accuracy_page(run_id=None) -> AccuracyPage:
         # At least 5 points of accuracy either side of the points: autorange would stretch a
         # spread of a tenth of a point (two runs within the noise) over the whole chart.
         y_range = [max(0.0, min(accuracies) - 0.05), min(1.0, max(accuracies) + 0.05)]
-        styled(frontier, title={"text": "Privacy–utility frontier (ε × λ, k-anonymous release)"},
+        swept_what = "ε × λ" if page.privacy_sweep else ""
+        if page.release_sweep:
+            swept_what += (", " if swept_what else "") + "k-anonymous release"
+        styled(frontier, title={"text": f"Privacy–utility frontier ({swept_what})"},
                xaxis={"title": {"text": "membership attack AUROC (lower is more private)"}},
                yaxis={"title": {"text": "accuracy"}, "range": y_range})
         page.charts["frontier"] = render_figure(frontier, div_id="privacy-frontier")

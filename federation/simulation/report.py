@@ -428,14 +428,21 @@ def final_accuracy(summary: list[dict], method: str) -> float | None:
     return max(rows, key=lambda r: r["round"] or 0)["accuracy_mean"]
 
 
+def _spread(mean: float, sd: float, one_seed: bool) -> str:
+    """A figure as mean ± sd over the seeds; with one seed there is no spread to state (0.000
+    would read as none measured), so the figure alone."""
+    return f"{mean:.3f}" if one_seed else f"{mean:.3f} ± {sd:.3f}"
+
+
 def table(document: dict[str, Any]) -> str:
     width = max([18] + [len(row["method"]) for row in document["summary"]])
+    one_seed = len(document.get("seeds") or []) == 1
     lines = [
         f"{'method':<{width}} {'round':>5} {'accuracy':>16} {'macro':>7}",
         "-" * (width + 32),
     ]
     for row in document["summary"]:
-        spread = f"{row['accuracy_mean']:.3f} ± {row['accuracy_sd']:.3f}"
+        spread = _spread(row["accuracy_mean"], row["accuracy_sd"], one_seed)
         lines.append(
             f"{row['method']:<{width}} {row['round'] if row['round'] is not None else '-':>5} "
             f"{spread:>16} {row['macro_accuracy_mean']:>7.3f}"
@@ -492,7 +499,7 @@ def table(document: dict[str, Any]) -> str:
     if adversarial:
         lines.append("adversarial clients (final round, mean over seeds; submissions dropped whole):")
         for row in adversarial:
-            spread = f"{row['accuracy']:.3f} ± {row['accuracy_sd']:.3f}"
+            spread = _spread(row["accuracy"], row["accuracy_sd"], one_seed)
             dropped = (
                 f"  honest {row['dropped_honest']}/{row['honest_submissions']}, adversarial "
                 f"{row['dropped_adversarial']}/{row['adversarial_submissions']}"
@@ -508,7 +515,7 @@ def table(document: dict[str, Any]) -> str:
                 f"  {row['adversarial_mode']:<24} {row['adversarial_fraction']:>4.0%} "
                 f"{row['robust_rule']:<12} {spread:>16}{dropped}"
             )
-    lines += _sweep_lines(document)
+    lines += _sweep_lines(document, one_seed)
     transfer = summarize_transfer(document.get("transfer") or [])
     if transfer:
         lines.append("transfer of the final global compendium (mean over seeds):")
@@ -516,7 +523,7 @@ def table(document: dict[str, Any]) -> str:
             f"  {'model':<36} {'reranker':<8} {'accuracy':>16} {'macro':>7} {'fallbacks':>11}  llm"
         )
         for row in transfer:
-            spread = f"{row['accuracy_mean']:.3f} ± {row['accuracy_sd']:.3f}"
+            spread = _spread(row["accuracy_mean"], row["accuracy_sd"], one_seed)
             fallbacks = f"{row['fallbacks']}/{row['queries']}"
             lines.append(
                 f"  {row['model']:<36} {row['reranker']:<8} {spread:>16} "
@@ -525,7 +532,7 @@ def table(document: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def _sweep_lines(document: dict[str, Any]) -> list[str]:
+def _sweep_lines(document: dict[str, Any], one_seed: bool) -> list[str]:
     """The τ, summarizer and cadence sweeps, one line per variant."""
     lines = []
     for row in document.get("tau_sweep") or []:
@@ -533,7 +540,7 @@ def _sweep_lines(document: dict[str, Any]) -> list[str]:
             lines.append("τ sweep (final round, mean over seeds):")
             lines.append(f"  {'τ':>5} {'accuracy':>16} {'scenarios':>10} {'KB':>8} {'dedup':>6}")
         lines.append(
-            f"  {row['tau']:>5g} {row['accuracy']:>8.3f} ± {row['accuracy_sd']:.3f} "
+            f"  {row['tau']:>5g} {_spread(row['accuracy'], row['accuracy_sd'], one_seed):>16} "
             f"{row.get('global_scenarios', 0):>10.0f} {row.get('global_size_bytes', 0) / 1000:>8.1f} "
             f"{row.get('dedup_rate', 0):>6.1%}"
         )
@@ -549,7 +556,7 @@ def _sweep_lines(document: dict[str, Any]) -> list[str]:
                 if row["summarizer"] in LLM_SUMMARIZERS and "llm_summaries" in row else ""
             )
             lines.append(
-                f"  {row['summarizer']:<17} {row['accuracy']:>8.3f} ± {row['accuracy_sd']:.3f}  "
+                f"  {row['summarizer']:<17} {_spread(row['accuracy'], row['accuracy_sd'], one_seed):>16}  "
                 f"merges {row.get('merge_seconds_per_round', 0):.2f} s per round{written}"
             )
     rows = document.get("contradictions") or []
@@ -557,7 +564,7 @@ def _sweep_lines(document: dict[str, Any]) -> list[str]:
         lines.append("contradictory scenarios (final round, mean over seeds):")
         lines.append(f"  {'share':>5}  {'with the conflict log':>21}  {'without':>16}")
         for share in sorted({row["contradiction_fraction"] for row in rows}):
-            cells = {row["conflict_log"]: f"{row['accuracy']:.3f} ± {row['accuracy_sd']:.3f}"
+            cells = {row["conflict_log"]: _spread(row["accuracy"], row["accuracy_sd"], one_seed)
                      for row in rows if row["contradiction_fraction"] == share}
             lines.append(f"  {share:>5.0%}  {cells.get(True, '-'):>21}  {cells.get(False, '-'):>16}")
     rows = document.get("cadence") or []
