@@ -86,7 +86,8 @@ def test_publishing_tunes_the_router_and_the_routing_api_switches_to_it(data, se
     page = http.get(reverse("dashboard:routing")).content.decode()
     assert 'id="router-tuning"' in page and "fine-tuned on it: 1 epoch(s)" in page
     assert f"{record.rows} texts" in page
-    assert f'fine-tuned on <code id="tuning-device">{record.device}</code>' in page
+    assert f's on <code id="tuning-device">{record.device}</code>' in page
+    assert " s in all, the fine-tuning itself " in page
     assert "synapse-client pull --out global.json --router" in page
 
     # Asked again, a ready router is not tuned again.
