@@ -58,8 +58,8 @@ def routers_dir() -> Path:
     return Path(settings.DATA_DIR) / "routers"
 
 
-def _folder(version: CompendiumVersion) -> Path:
-    return routers_dir() / f"round-{version.round.number}-v{version.pk}-{version.sha256[:12]}"
+def _folder(version: CompendiumVersion, routers: Path) -> Path:
+    return routers / f"round-{version.round.number}-v{version.pk}-{version.sha256[:12]}"
 
 
 def _finish(record: TunedRouter, state: str, detail: str = "", **fields) -> TunedRouter:
@@ -87,12 +87,14 @@ def queue_tuning(version: CompendiumVersion, epochs: int) -> TunedRouter:
 
 
 def tune_published_router(
-    version_id: int, epochs: int | None = None, *, force: bool = False
+    version_id: int, epochs: int | None = None, *, force: bool = False, routers: Path | None = None
 ) -> TunedRouter | None:
     """Tune the routing encoder on the published global `version_id` (`epochs`, default
     SYNAPSE_ROUTER_TUNE_EPOCHS, at least 1). Returns its TunedRouter row: `ready`, `skipped`
     (it is no longer the served global) or `failed` (with the reason); None when the version no
-    longer exists (a re-materialized round replaced it). `force`: tune again even when ready."""
+    longer exists (a re-materialized round replaced it). `force`: tune again even when ready.
+    `routers`: the folder that holds the tuned routers (default `routers_dir()`; a simulation's
+    scratch federation keeps its own, away from the operator's)."""
     epochs = epochs if epochs is not None else tune_epochs()
     if epochs < 1:
         raise TuningError(f"epochs must be at least 1, not {epochs}")
@@ -122,7 +124,7 @@ def tune_published_router(
 
     from routing.finetune import tune_router
 
-    target = _folder(version)
+    target = _folder(version, routers or routers_dir())
     partial = target.with_name(target.name + ".partial")
     try:
         # The published content's rows, in its order: what clients pull (the saved vectors then
@@ -166,15 +168,16 @@ def _accuracy(router, pairs: list[tuple[str, str]]) -> float | None:
 
 def retire_older(current: TunedRouter) -> int:
     """Only the served global's tuned router is kept on disk: ready routers of other versions are
-    retired and every other folder under routers_dir() is removed (those of versions deleted by
-    a re-materialized round included; a process still serving an older router keeps it in
-    memory until it sees the new one). Returns the folders removed."""
+    retired and every other folder beside it (under routers_dir(), or the folder it was tuned
+    into) is removed (those of versions deleted by a re-materialized round included; a process
+    still serving an older router keeps it in memory until it sees the new one). Returns the
+    folders removed."""
     for other in TunedRouter.objects.filter(state=TunedRouter.State.READY).exclude(pk=current.pk):
         _finish(other, TunedRouter.State.RETIRED, f"replaced by the router of {current.version}")
     removed = 0
-    keep = Path(current.directory).name
-    for folder in routers_dir().iterdir():
-        if folder.name == keep or folder.name.endswith(".partial"):  # .partial: one being tuned
+    keep = Path(current.directory)
+    for folder in keep.parent.iterdir():
+        if folder.name == keep.name or folder.name.endswith(".partial"):  # .partial: one being tuned
             continue
         shutil.rmtree(folder, ignore_errors=True)
         removed += 1

@@ -197,3 +197,53 @@ def test_without_the_right_to_create_databases_the_run_says_so_before_it_starts(
                      "--clients-per-org", "2", "--rounds", "2", "--no-baselines", "--no-store",
                      verbosity=1)
     assert "round 1" not in capsys.readouterr().err
+
+
+def test_with_tune_router_the_served_row_is_the_servers_tuned_router(tiny_dataset, settings,
+                                                                      tmp_path, monkeypatch):
+    """`--tune-router` through the services: the `synapse_served` row routes with the router the
+    server's tuning service (`federation.tuning`, what a worker runs after a publication) tuned
+    on the final global, in a folder of the run's own; the operator's tuned routers stay."""
+    import dataclasses
+    import tempfile
+
+    from compendium.registry import load_dataset
+    from compendium.schema import Schema
+    from federation import tuning
+    from federation.simulation.runner import Simulation, SimulationConfig
+    from federation.simulation.through_services import ServiceRounds, scratch_database
+    from routing.embeddings import get_engine
+
+    settings.DATA_DIR = str(tmp_path)
+    operators = tmp_path / "routers" / "round-7-v3-0123456789ab"
+    operators.mkdir(parents=True)
+    tuned_into, served = [], []
+    tune, serve = tuning.tune_published_router, ServiceRounds.served_router
+
+    def tune_spy(version_id, epochs=None, **kwargs):
+        record = tune(version_id, epochs, **kwargs)
+        tuned_into.append((epochs, kwargs.get("routers"), record.state, record.directory))
+        return record
+
+    def serve_spy(self, reranker, tune_epochs=0):
+        router = serve(self, reranker, tune_epochs)
+        served.append(router.engine.model_name)
+        return router
+
+    monkeypatch.setattr(tuning, "tune_published_router", tune_spy)
+    monkeypatch.setattr(ServiceRounds, "served_router", serve_spy)
+    dataset = load_dataset(str(tiny_dataset))
+    config = SimulationConfig(orgs=2, clients_per_org=2, rounds=2, baselines=False,
+                              diagnostics=False, through_services=True)
+    with scratch_database():
+        frozen = Simulation(dataset, Schema(tools=dataset.tools), get_engine(), config).run_seed(1)
+        result = Simulation(dataset, Schema(tools=dataset.tools), get_engine(),
+                            dataclasses.replace(config, tune_router_epochs=1)).run_seed(1)
+    [(epochs, routers, state, directory)] = tuned_into  # once, on the final global
+    assert epochs == 1 and state == "ready" and directory.startswith(str(routers))
+    assert str(routers).startswith(tempfile.gettempdir()) and not routers.exists()  # removed after
+    assert served[0] != served[1] and served[1] == directory  # the frozen model, then the tuned one
+    assert operators.is_dir()  # the operator's routers are not the run's to retire
+    [row] = [r for r in result.rows if r["method"] == "synapse_served"]
+    [untuned] = [r for r in frozen.rows if r["method"] == "synapse_served"]
+    assert row["round"] == untuned["round"] == 2 and 0 < row["accuracy"] <= 1

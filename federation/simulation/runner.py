@@ -71,7 +71,8 @@ from routing.router import RERANKERS, Router, fit_router
 METHODS = (
     "synapse",
     # Through the services: the final global as the routing API serves it (`routing.services`:
-    # the head and fusion weights fitted at publication, the query engine of the settings).
+    # the head and fusion weights fitted at publication, the query engine of the settings; with
+    # --tune-router, once the server's tuning service has tuned its encoder on it).
     "synapse_served",
     "centralized",
     "local_only",
@@ -709,7 +710,10 @@ class Simulation:
                     _row("static_global", outcome.round, seed, self.evaluate(static, scored))
                 )
         if self.services is not None:
-            served = self.services.served_router(c.reranker)
+            if c.tune_router_epochs:
+                self.progress(f"seed {seed}: the server tunes its router on the final global "
+                              f"({c.tune_router_epochs} epoch(s))")
+            served = self.services.served_router(c.reranker, c.tune_router_epochs)
             scored = setup.test_at(final.round, self.category_of)
             result.rows.append(_row("synapse_served", final.round, seed, self.evaluate(served, scored)))
         result.communication = {

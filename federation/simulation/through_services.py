@@ -205,13 +205,35 @@ class ServiceRounds:
         return published, stats
 
 
-    def served_router(self, reranker: str):
+    def served_router(self, reranker: str, tune_epochs: int = 0):
         """The router the routing API serves for the last published global, built as the
-        product builds it (`routing.services.served_compendium`)."""
+        product builds it (`routing.services.served_compendium`). With `tune_epochs`, once the
+        server has tuned its routing encoder on that global as a worker does after a publication
+        (`federation.tuning.tune_published_router`, into a folder of the run's own that is
+        removed after: the router is in memory by then)."""
+        import tempfile
+        from pathlib import Path
+
+        from federation.tuning import tune_published_router
         from routing import services as routing
+        from routing.models import TunedRouter
 
         routing.forget_published_version()  # the last federation's version is not this one's
-        return routing.served_compendium().routers[reranker]
+        if not tune_epochs:
+            return routing.served_compendium().routers[reranker]
+        with tempfile.TemporaryDirectory(prefix="synapse-served-router-") as folder:
+            version = routing.published_global_version()
+            record = tune_published_router(version.pk, tune_epochs, routers=Path(folder))
+            if record is None or record.state != TunedRouter.State.READY:
+                raise SimulatedRoundFailed(
+                    f"seed {self.seed}: the server could not tune the router of round "
+                    f"{version.round.number}: {record.detail if record else 'no global'}"
+                )
+            routing.forget_published_version()  # now with its tuned router
+            served = routing.served_compendium()
+            if not served.tuned:
+                raise SimulatedRoundFailed(f"seed {self.seed}: the tuned router is not served")
+            return served.routers[reranker]
 
 
 def _named(stats: dict[str, Any], names: dict[str, str]) -> dict[str, Any]:
