@@ -251,7 +251,8 @@ class Command(BaseCommand):
             "--tune-router", type=int, default=0, metavar="EPOCHS",
             help="route each published global (and Centralized's) with an encoder fine-tuned on "
             "it for EPOCHS epochs, as the server does with SYNAPSE_ROUTER_TUNE_EPOCHS; rows "
-            "synapse_untuned keep the frozen router's accuracy (0: off)",
+            "synapse_untuned keep the frozen router's accuracy; through the services, the "
+            "synapse_served row is the router the server's own tuning serves (0: off)",
         )
         parser.add_argument(
             "--embedding-model", default=None,
