@@ -113,11 +113,12 @@ def _zstd_dictionary(dictionary: bytes) -> zstandard.ZstdCompressionDict:
     return zstandard.ZstdCompressionDict(dictionary, dict_type=zstandard.DICT_TYPE_RAWCONTENT)
 
 
-def compress(data: bytes, dictionary: bytes) -> bytes:
-    """`data` as a dcz body against `dictionary` (at least 8 bytes, zstd's minimum)."""
+def compress(data: bytes, dictionary: bytes, level: int = LEVEL) -> bytes:
+    """`data` as a dcz body against `dictionary` (at least 8 bytes, zstd's minimum), at zstd
+    `level` (any level's body decodes alike)."""
     if len(dictionary) < 8:
         raise ValueError("a zstd dictionary needs at least 8 bytes")
-    compressor = zstandard.ZstdCompressor(level=LEVEL, dict_data=_zstd_dictionary(dictionary))
+    compressor = zstandard.ZstdCompressor(level=level, dict_data=_zstd_dictionary(dictionary))
     return HEADER_MAGIC + hashlib.sha256(dictionary).digest() + compressor.compress(data)
 
 

@@ -35,6 +35,10 @@ def test_round_trip_names_the_dictionary_by_its_sha256(valid_doc):
     # Any standard zstd decoder reads the stream after the header with the same raw dictionary.
     raw = zstandard.ZstdCompressionDict(dictionary, dict_type=zstandard.DICT_TYPE_RAWCONTENT)
     assert zstandard.ZstdDecompressor(dict_data=raw).decompress(body[40:]) == data
+    # zstd's strongest level (bench/dcz_dictionaries.py measures it): the server decodes it alike
+    strongest = transport.compress(data, dictionary, level=22)
+    assert strongest[:40] == body[:40]
+    assert transport.decompress(strongest, dictionary, limit=len(data)) == data
 
 
 def test_a_dictionary_that_shares_the_text_beats_gzip(valid_doc):

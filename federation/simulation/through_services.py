@@ -223,11 +223,13 @@ class ServiceRounds:
             return routing.served_compendium().routers[reranker]
         with tempfile.TemporaryDirectory(prefix="synapse-served-router-") as folder:
             version = routing.published_global_version()
-            record = tune_published_router(version.pk, tune_epochs, routers=Path(folder))
+            record = (tune_published_router(version.pk, tune_epochs, routers=Path(folder))
+                      if version is not None else None)
             if record is None or record.state != TunedRouter.State.READY:
+                why = record.detail if record is not None else "no global is published"
                 raise SimulatedRoundFailed(
-                    f"seed {self.seed}: the server could not tune the router of round "
-                    f"{version.round.number}: {record.detail if record else 'no global'}"
+                    f"seed {self.seed}: the server could not tune its router on the final "
+                    f"global: {why}"
                 )
             routing.forget_published_version()  # now with its tuned router
             served = routing.served_compendium()
