@@ -204,7 +204,6 @@ def test_with_tune_router_the_served_row_is_the_servers_tuned_router(tiny_datase
     """`--tune-router` through the services: the `synapse_served` row routes with the router the
     server's tuning service (`federation.tuning`, what a worker runs after a publication) tuned
     on the final global, in a folder of the run's own; the operator's tuned routers stay."""
-    import dataclasses
     import tempfile
 
     from compendium.registry import load_dataset

@@ -1278,10 +1278,9 @@ def accuracy_page(run_id=None) -> AccuracyPage:
         # At least 5 points of accuracy either side of the points: autorange would stretch a
         # spread of a tenth of a point (two runs within the noise) over the whole chart.
         y_range = [max(0.0, min(accuracies) - 0.05), min(1.0, max(accuracies) + 0.05)]
-        swept_what = "ε × λ" if page.privacy_sweep else ""
-        if page.release_sweep:
-            swept_what += (", " if swept_what else "") + "k-anonymous release"
-        styled(frontier, title={"text": f"Privacy–utility frontier ({swept_what})"},
+        sweeps = [name for name, rows in (("ε × λ", page.privacy_sweep),
+                                          ("k-anonymous release", page.release_sweep)) if rows]
+        styled(frontier, title={"text": f"Privacy–utility frontier ({', '.join(sweeps)})"},
                xaxis={"title": {"text": "membership attack AUROC (lower is more private)"}},
                yaxis={"title": {"text": "accuracy"}, "range": y_range})
         page.charts["frontier"] = render_figure(frontier, div_id="privacy-frontier")

@@ -16,8 +16,10 @@ the operator's database: it is created before the run and dropped after it.
 from __future__ import annotations
 
 import os
+import tempfile
 from collections.abc import Iterator, Sequence
 from contextlib import ExitStack, contextmanager
+from pathlib import Path
 from typing import Any
 
 from compendium.client_api import nothing_to_submit
@@ -211,9 +213,6 @@ class ServiceRounds:
         server has tuned its routing encoder on that global as a worker does after a publication
         (`federation.tuning.tune_published_router`, into a folder of the run's own that is
         removed after: the router is in memory by then)."""
-        import tempfile
-        from pathlib import Path
-
         from federation.tuning import tune_published_router
         from routing import services as routing
         from routing.models import TunedRouter
