@@ -177,8 +177,8 @@ def retire_older(current: TunedRouter) -> int:
     removed = 0
     keep = Path(current.directory)
     for folder in keep.parent.iterdir():
-        if folder.name == keep.name or folder.name.endswith(".partial"):  # .partial: one being tuned
-            continue
+        if folder.name == keep.name or folder.name.endswith(".partial") or not folder.is_dir():
+            continue  # .partial: one being tuned; a file there is none of this function's
         shutil.rmtree(folder, ignore_errors=True)
         removed += 1
     return removed

@@ -105,11 +105,16 @@ def test_publishing_tunes_the_router_and_the_routing_api_switches_to_it(data, se
 def test_a_global_no_longer_served_is_skipped_and_newer_routers_retire_older_ones(data, settings):
     _, first = _publish(data, 1)
     assert tune_published_router(first.pk, 1).state == TunedRouter.State.READY
+    # A file beside the routers (an operator's note) is no router: retiring leaves it.
+    (settings.DATA_DIR / "routers" / "README.txt").write_text("routers tuned on the globals\n")
     _, second = _publish(data, 2)
     newer = tune_published_router(second.pk, 1)
     assert newer.state == TunedRouter.State.READY
     assert TunedRouter.objects.get(version=first).state == TunedRouter.State.RETIRED
-    assert [p.name for p in (settings.DATA_DIR / "routers").iterdir()] == [Path(newer.directory).name]
+    assert {p.name for p in (settings.DATA_DIR / "routers").iterdir()} == {
+        "README.txt", Path(newer.directory).name
+    }
+    (settings.DATA_DIR / "routers" / "README.txt").unlink()
     services.forget_published_version()
     assert services.served_compendium().version_id == second.pk and services.served_compendium().tuned
 
