@@ -188,6 +188,13 @@ def test_overview_for_the_operator(operator_client, federation):
 
     figures = figures_in(response.content.decode())
     assert len(figures) == 2
+    participation = next(f for f in figures if "Participation" in f["layout"]["title"]["text"])
+    assert participation["data"][0]["y"] == [3, 4, 4, 0]  # rounds 1-4
+    # Both axes leave room above the largest value: a full round's bar and the latest global's
+    # marker do not sit on the frame.
+    assert participation["layout"]["yaxis"]["range"] == [0, pytest.approx(4.4)]
+    largest = max(y for y in participation["data"][1]["y"] if y is not None)
+    assert participation["layout"]["yaxis2"]["range"] == [0, pytest.approx(1.1 * largest)]
     bytes_fig = next(f for f in figures if "each client sent" in f["layout"]["title"]["text"])
     traces = {t["name"]: t for t in bytes_fig["data"]}
     assert set(traces) == {"acme/acme-node-1", "acme/acme-node-2", "globex/globex-node-1", "globex/globex-node-2"}

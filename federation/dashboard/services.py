@@ -254,28 +254,33 @@ def bytes_per_client_figure(client_rows: dict[int, ClientRow], per_client: dict)
 
 
 def participation_figure(rows: list[RoundRow]) -> go.Figure:
+    """Submissions per round (bars) and the published global's size (line, right axis). Both
+    axes run from zero to a tenth above their largest value, so that a full round's bar and the
+    latest global's marker do not sit on the frame."""
     ordered = sorted(rows, key=lambda r: r.round.number)
     numbers = [r.round.number for r in ordered]
+    submissions = [r.submissions for r in ordered]
+    sizes = [r.global_version.size_bytes / 1000 if r.global_version else None for r in ordered]
     fig = go.Figure()
-    fig.add_trace(
-        go.Bar(x=numbers, y=[r.submissions for r in ordered], name="client submissions", yaxis="y")
-    )
+    fig.add_trace(go.Bar(x=numbers, y=submissions, name="client submissions", yaxis="y"))
     fig.add_trace(
         go.Scatter(
-            x=numbers,
-            y=[r.global_version.size_bytes / 1000 if r.global_version else None for r in ordered],
-            name="global compendium (kB)",
-            mode="lines+markers",
-            yaxis="y2",
+            x=numbers, y=sizes, name="global compendium (kB)", mode="lines+markers", yaxis="y2",
             connectgaps=False,
         )
     )
+    yaxis = {"title": {"text": "submissions"}, "rangemode": "tozero"}
+    yaxis2 = right_axis("global size (kB)")
+    if max(submissions, default=0) > 0:
+        yaxis["range"] = [0, 1.1 * max(submissions)]
+    if any(sizes):
+        yaxis2["range"] = [0, 1.1 * max(s for s in sizes if s is not None)]
     return styled(
         fig,
         title={"text": "Participation and global compendium size"},
         xaxis={"title": {"text": "round"}, "dtick": 1},
-        yaxis={"title": {"text": "submissions"}, "rangemode": "tozero"},
-        yaxis2=right_axis("global size (kB)"),
+        yaxis=yaxis,
+        yaxis2=yaxis2,
     )
 
 
