@@ -123,6 +123,9 @@ class CollectionLimits(_Strict):
     depth: int = 24  # nesting depth of the whole JSON document
     nodes: int = 500_000  # total JSON values in the document
     bytes: int = 8 * 1024 * 1024
+    # The largest count a compendium may state: an entry's support, its num_users. A merge adds
+    # its inputs' counts up and publishes at most this.
+    counts: int = 1_000_000
 
 
 class ToolSpec(_Strict):

@@ -311,8 +311,9 @@ def _finite_number(value: Any) -> float | None:
 
 
 def _semantic_checks(doc: dict, schema: Schema) -> list[Violation]:
-    """Rules (a)-(c) and uniqueness, on the raw document so that every item is checked even when
-    another item has a structural error."""
+    """Rules (a)-(c), uniqueness and the counts' limit, on the raw document so that every item
+    is checked even when another item has a structural error. Its collections are within their
+    limits (`_oversized_collections`)."""
     out: list[Violation] = []
     registry = schema.tool_ids
     limits = schema.limits
@@ -330,14 +331,16 @@ def _semantic_checks(doc: dict, schema: Schema) -> list[Violation]:
         seq = doc.get(name)
         if not isinstance(seq, list):
             return
-        cap = getattr(limits, name)
-        if len(seq) > cap:
-            out.append(
-                Violation(f"$.{name}", f"{len(seq)} entries; the limit is {cap} per compendium")
-            )
-        for index, item in enumerate(seq[:cap]):
+        for index, item in enumerate(seq):  # within its limit: `_oversized_collections`
             if isinstance(item, dict):
                 yield index, item
+
+    def too_large(count: Any, path: str, what: str) -> None:
+        if isinstance(count, int) and not isinstance(count, bool) and count > limits.counts:
+            shown = count if count < 10**12 else f"a number of {len(str(count))} digits"
+            out.append(Violation(path, f"{what} {shown} exceeds the limit of {limits.counts}"))
+
+    too_large(doc.get("num_users"), "$.num_users", "num_users")
 
     def unknown_tool(name: str, index: int, tool: Any, rule: str) -> None:
         if isinstance(tool, str) and tool not in registry:
@@ -402,6 +405,7 @@ def _semantic_checks(doc: dict, schema: Schema) -> list[Violation]:
                 text = item.get("text")
                 if isinstance(text, str) and not text.strip():
                     out.append(Violation(f"$.{name}[{index}].text", "text is empty"))
+                too_large(item.get("support"), f"$.{name}[{index}].support", "support")
             if all(isinstance(k, str | tuple | type(None)) for k in key):
                 try:
                     if key in seen:
@@ -462,6 +466,9 @@ def validate_compendium(data: bytes | str | dict | Compendium, schema: Schema) -
     if not isinstance(doc, dict):
         return ValidationResult(None, [Violation("$", "a compendium must be a JSON object")])
 
+    oversized = _oversized_collections(doc, schema)
+    if oversized:  # refused whole: the model validator would look at every entry first
+        return ValidationResult(None, _reported(violations + oversized))
     model: Compendium | None = None
     try:
         model = Compendium.model_validate(doc, strict=True)
@@ -469,9 +476,37 @@ def validate_compendium(data: bytes | str | dict | Compendium, schema: Schema) -
         violations.extend(_pydantic_violations(exc))
     violations.extend(_semantic_checks(doc, schema))
 
-    # One violation per (path, reason), in document order of discovery.
-    unique = list(dict.fromkeys(violations))
+    unique = _reported(violations)
     return ValidationResult(model if not unique else None, unique)
+
+
+# At most this many violations are listed; one more says how many were left out.
+MAX_REPORTED_VIOLATIONS = 200
+
+
+def _reported(violations: list[Violation]) -> list[Violation]:
+    """One violation per (path, reason), in document order of discovery, at most
+    MAX_REPORTED_VIOLATIONS of them and then one that counts the rest (a document of a million
+    bad entries gets an answer of a few kilobytes, not one line per entry)."""
+    unique = list(dict.fromkeys(violations))
+    if len(unique) <= MAX_REPORTED_VIOLATIONS:
+        return unique
+    left = len(unique) - MAX_REPORTED_VIOLATIONS
+    return unique[:MAX_REPORTED_VIOLATIONS] + [
+        Violation("$", f"{left} more violation(s) not listed; fix those above and validate again")
+    ]
+
+
+def _oversized_collections(doc: dict, schema: Schema) -> list[Violation]:
+    """A violation for each of the compendium's collections that holds more entries than its
+    limit (`CollectionLimits`)."""
+    out = []
+    for name in _COLLECTIONS:
+        seq = doc.get(name)
+        cap = getattr(schema.limits, name)
+        if isinstance(seq, list) and len(seq) > cap:
+            out.append(Violation(f"$.{name}", f"{len(seq)} entries; the limit is {cap} per compendium"))
+    return out
 
 
 def load_valid_compendium(data: bytes | str | dict | Compendium, schema: Schema) -> Compendium:

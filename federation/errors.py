@@ -67,3 +67,14 @@ class PayloadTooLarge(FederationError):
 
 class UnsupportedEncoding(FederationError):
     status_code = 415
+
+
+class LengthRequired(FederationError):
+    status_code = 411
+
+
+class RoundChanged(Conflict):
+    """The round a submission was checked against stopped taking submissions and another one
+    opened meanwhile: its masking strength and schema were not checked for that one."""
+
+    code = "round_changed"

@@ -469,8 +469,12 @@ def run_server_merge(round_id: int, *, embed=None) -> str:
             locked = services.mark_published(locked)
         elif locked.state != Round.State.PUBLISHED:  # a published round's global is re-merged
             raise PipelineError(f"round {locked.number} is {locked.state}, not merging")
+        # robust: the global is published once this commits; a receiver that fails after (the
+        # broker down when the router's tuning is queued) is logged, and neither turns the
+        # publication into a failure nor keeps the other hooks of the transaction (an erasure
+        # re-publishes several globals in one) from running.
         transaction.on_commit(
-            lambda: global_published.send(sender=Round, round=locked, version=version)
+            lambda: global_published.send(sender=Round, round=locked, version=version), robust=True
         )
     return version.sha256
 

@@ -34,9 +34,12 @@ from federation.errors import (
     FederationError,
     IdempotencyMismatch,
     InvalidRequest,
+    LengthRequired,
     NoOpenRound,
+    NotAllowed,
     PayloadTooLarge,
     RateLimited,
+    RoundChanged,
     UnknownDictionary,
     UnsupportedEncoding,
 )
@@ -327,9 +330,17 @@ def clear_dictionary_cache() -> None:
     _schema_dictionary_cache = _probe_dictionary_cache = None
 
 
-def check_declared_length(content_length: str | None) -> None:
-    """413 from the Content-Length header alone, before any of the body is read."""
+def check_declared_length(content_length: str | None, transfer_encoding: str | None = None) -> None:
+    """413 from the Content-Length header alone, before any of the body is read; 411 for a body
+    sent with a Transfer-Encoding (chunked) instead of a length: Django reads no further than the
+    declared length, so it would read an empty body and answer that it is not JSON. Without
+    either header the body is empty (RFC 9110, 6.3)."""
     if not content_length:
+        if transfer_encoding:
+            raise LengthRequired(
+                f"a submission needs a Content-Length header, not Transfer-Encoding: "
+                f"{transfer_encoding[:40]}: send the body with its length"
+            )
         return
     try:
         declared = int(content_length)
@@ -422,7 +433,9 @@ SELECT stored.id, stored.request_sha256, stored.status_code, stored.response,
 LEFT JOIN stored ON TRUE
 """
 
-_LOCK_CLIENT_SQL = f"SELECT id FROM {Client._meta.db_table} WHERE id = %(client)s FOR UPDATE"
+# The client's status under its lock: revoked (or otherwise no longer approved) while its
+# request was being checked, it stores nothing.
+_LOCK_CLIENT_SQL = f"SELECT status FROM {Client._meta.db_table} WHERE id = %(client)s FOR UPDATE"
 
 # Under the client's lock: the stored answer of this key again (a concurrent request with it may
 # have committed meanwhile), the open round read FOR SHARE (closing it waits for us), the client's
@@ -549,8 +562,14 @@ def submit(
     try:
         with transaction.atomic(), prepared_cursor() as cursor:
             cursor.execute(_LOCK_CLIENT_SQL, params)
-            if cursor.fetchone() is None:
-                raise Client.DoesNotExist(f"client {client.pk} no longer exists")
+            locked = cursor.fetchone()
+            if locked is None:
+                raise NotAllowed("this client was deleted while its submission was being checked")
+            if locked[0] != Client.Status.APPROVED:
+                raise NotAllowed(
+                    f"this client was {locked[0]} while its submission was being checked; "
+                    "nothing was stored"
+                )
             cursor.execute(_CLAIM_SQL, params)
             row = cursor.fetchone()
             stored, (round_id, round_number, replaced, count) = row[:4], row[4:]
@@ -560,6 +579,12 @@ def submit(
                 raise _rate_limited(rate_limit, window)
             if round_id is None:
                 raise _no_open_round()
+            if round_number != int(open_round[0]):
+                raise RoundChanged(
+                    f"round {int(open_round[0])}, which this submission was checked against, "
+                    f"stopped taking submissions meanwhile and round {round_number} is open: "
+                    "build against its configuration and submit again (nothing was stored)"
+                )
             if replaced is not None:
                 cursor.execute(_REPLACE_SQL, {"replaced": replaced})
             head = {"round": round_number, "round_id": round_id, "client": client.pk}
@@ -592,7 +617,7 @@ def submit(
                 },
             )
             submission_id, version_id = cursor.fetchone()
-    except NoOpenRound:
+    except (NoOpenRound, RoundChanged):
         _count_refusal(client)  # the round closed meanwhile; the hit went with the rollback
         raise
     except IntegrityError:

@@ -138,11 +138,24 @@ def tune_published_router(
             compendium, probe, partial, epochs=epochs, seed=seed,
             manifest=_manifest_fields(version, epochs),
         )
-        shutil.rmtree(target, ignore_errors=True)
-        partial.rename(target)  # the folder appears whole or not at all
     except Exception as exc:
         shutil.rmtree(partial, ignore_errors=True)
         log.warning("tuning the router of round %s failed: %s", version.round.number, exc)
+        return _finish(record, TunedRouter.State.FAILED, f"{exc.__class__.__name__}: {exc}")
+    latest = published_global_version()
+    if latest is None or latest.pk != version.pk:
+        # A newer global was published while this one was tuned (and its router may be ready
+        # already): this router would serve nothing, and retiring the others would retire that one.
+        shutil.rmtree(partial, ignore_errors=True)
+        return _finish(
+            record, TunedRouter.State.SKIPPED,
+            "a newer global was published while this one was tuned: its router was not kept",
+        )
+    try:
+        shutil.rmtree(target, ignore_errors=True)
+        partial.rename(target)  # the folder appears whole or not at all
+    except OSError as exc:
+        shutil.rmtree(partial, ignore_errors=True)
         return _finish(record, TunedRouter.State.FAILED, f"{exc.__class__.__name__}: {exc}")
     # Both routers on the probe half the encoder did not learn from (the tuned router's fusion
     # weights were fitted on it, and both heads learnt from the whole probe: a check that tuning

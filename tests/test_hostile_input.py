@@ -17,7 +17,7 @@ from rest_framework.test import APIClient
 from compendium.models import CompendiumVersion
 from compendium.validation import validate_compendium
 from federation import services
-from federation.models import ConflictDecision, ConflictLogEntry, Organization, Round
+from federation.models import ConflictDecision, ConflictLogEntry, Organization, Round, Submission
 from tests.federation_fixtures import SYSTEM
 
 json_values = st.recursive(
@@ -374,3 +374,130 @@ def test_api_list_refuses_a_page_it_cannot_read(world, query, named):
     response = person_api(world.operator).get("/api/v1/rounds/", query)
     assert response.status_code == 400 and named in response.json()["detail"]
     assert person_api(world.operator).get("/api/v1/rounds/", {"limit": ""}).status_code == 200
+
+
+# --- the submission path under races and oversized documents ------------------------------------
+
+
+def _client_api(token: str) -> APIClient:
+    api = APIClient()
+    api.credentials(HTTP_AUTHORIZATION=f"Bearer {token}")
+    return api
+
+
+@pytest.mark.django_db
+@pytest.mark.parametrize("header", ["\xa0", "\x85", " \xa0 "])
+def test_an_authorization_header_of_unicode_spaces_is_no_credential_not_a_500(world, header):
+    """Python's str.split() takes U+00A0 and U+0085 for white space; a server passes such bytes
+    through (decoded as Latin-1), and the header then splits into nothing."""
+    response = APIClient().get("/api/v1/rounds/", HTTP_AUTHORIZATION=header)
+    assert response.status_code in (401, 403)
+
+
+@pytest.mark.django_db
+def test_a_chunked_submission_without_content_length_is_411(world, valid_doc):
+    services.open_round(SYSTEM)
+    from django.test import RequestFactory
+
+    from federation.api.views import SubmissionView
+
+    request = RequestFactory().post(
+        "/api/v1/submissions/", json.dumps(valid_doc), content_type="application/json",
+        HTTP_AUTHORIZATION=f"Bearer {world.token_a}", HTTP_IDEMPOTENCY_KEY="chunked",
+    )
+    del request.META["CONTENT_LENGTH"]  # as a chunked body arrives
+    request.META["HTTP_TRANSFER_ENCODING"] = "chunked"
+    response = SubmissionView.as_view()(request)
+    assert response.status_code == 411 and "Content-Length" in response.data["detail"]
+    assert not CompendiumVersion.objects.filter(kind="client").exists()
+
+
+@pytest.mark.django_db
+def test_a_round_that_changes_while_a_submission_is_checked_stores_nothing(world, valid_doc, monkeypatch,
+                                                                          without_merge_pipeline):
+    """The body was checked against round 1 (its λ, its schema); round 1 closes and round 2 opens
+    before the claim: 409 `round_changed`, nothing stored, and a resubmission goes to round 2."""
+    import federation.submissions as submissions
+
+    first = services.open_round(SYSTEM)
+    check = submissions.validate_compendium
+
+    def validate_then_switch_rounds(body, schema):
+        result = check(body, schema)
+        monkeypatch.setattr(submissions, "validate_compendium", check)
+        services.close_round(SYSTEM, first)
+        services.open_round(SYSTEM)
+        return result
+
+    monkeypatch.setattr(submissions, "validate_compendium", validate_then_switch_rounds)
+    api = _client_api(world.token_a)
+    response = api.post("/api/v1/submissions/", json.dumps(valid_doc), content_type="application/json",
+                        HTTP_IDEMPOTENCY_KEY="k1")
+    assert response.status_code == 409 and response.json()["code"] == "round_changed"
+    assert "round 1" in response.json()["detail"] and "round 2 is open" in response.json()["detail"]
+    assert not CompendiumVersion.objects.filter(kind="client").exists()
+    again = api.post("/api/v1/submissions/", json.dumps(valid_doc), content_type="application/json",
+                     HTTP_IDEMPOTENCY_KEY="k2")
+    assert again.status_code == 201 and again.json()["round"] == 2
+
+
+@pytest.mark.django_db
+def test_a_client_revoked_while_its_submission_is_checked_stores_nothing(world, valid_doc, monkeypatch):
+    import federation.submissions as submissions
+
+    services.open_round(SYSTEM)
+    api = _client_api(world.token_a)
+    earlier = api.post("/api/v1/submissions/", json.dumps(valid_doc), content_type="application/json",
+                       HTTP_IDEMPOTENCY_KEY="k1")
+    assert earlier.status_code == 201
+    check = submissions.validate_compendium
+
+    def validate_then_revoke(body, schema):
+        services.revoke_client(SYSTEM, world.client_a, "revoked under the submission, for the test")
+        return check(body, schema)
+
+    monkeypatch.setattr(submissions, "validate_compendium", validate_then_revoke)
+    doc = json.loads(json.dumps(valid_doc))
+    doc["scenarios"][0]["text"] = "Will it snow tomorrow in a city?"
+    response = api.post("/api/v1/submissions/", json.dumps(doc), content_type="application/json",
+                        HTTP_IDEMPOTENCY_KEY="k2")
+    assert response.status_code == 403 and "revoked" in response.json()["detail"]
+    # The earlier submission stays as it was: nothing replaced, nothing half-written.
+    kept = CompendiumVersion.objects.get(kind="client")
+    assert kept.pk == earlier.json()["version"]
+    assert Submission.objects.filter(client=world.client_a).count() == 1
+
+
+def test_a_collection_over_its_limit_is_refused_before_its_entries_are_checked(small_schema):
+    cap = small_schema.limits.scenarios
+    result = validate_compendium({"scenarios": [0] * (cap + 1), "annex": [0] * 3}, small_schema)
+    assert [str(v) for v in result.violations] == [
+        f"$.scenarios: {cap + 1} entries; the limit is {cap} per compendium"
+    ]
+
+
+def test_many_violations_are_listed_up_to_a_bound_and_counted(small_schema):
+    from compendium.validation import MAX_REPORTED_VIOLATIONS
+
+    result = validate_compendium({"scenarios": [0] * 1000}, small_schema)
+    assert len(result.violations) == MAX_REPORTED_VIOLATIONS + 1
+    assert str(result.violations[-1]) == (
+        f"$: {1000 - MAX_REPORTED_VIOLATIONS} more violation(s) not listed; fix those above and "
+        "validate again"
+    )
+
+
+@pytest.mark.parametrize("count", [10**6 + 1, 10**400])
+def test_a_support_or_user_count_over_the_limit_is_a_violation(small_schema, count):
+    doc = {
+        "scenarios": [{"tool_id": "weather", "text": "Will it rain?", "support": count}],
+        "precautions": [{"tool_id": "weather", "text": "Not for tides", "support": count}],
+        "num_users": count,
+    }
+    result = validate_compendium(json.dumps(doc).encode(), small_schema)
+    paths = {v.path for v in result.violations}
+    assert {"$.scenarios[0].support", "$.precautions[0].support", "$.num_users"} <= paths
+    assert all("exceeds the limit of 1000000" in v.reason for v in result.violations
+               if v.path.endswith(("support", "num_users")))
+    doc["scenarios"][0]["support"] = doc["precautions"][0]["support"] = doc["num_users"] = 10**6
+    assert validate_compendium(doc, small_schema).ok

@@ -76,6 +76,26 @@ def test_paraphrases_cluster_into_one_scenario_with_summed_support(schema, embed
     assert not result.conflicts
 
 
+def test_counts_that_add_up_past_the_limit_are_published_at_the_limit(schema, embed):
+    """Each input is within the counts' limit; their sums are not, and the merge publishes at
+    most the limit (the stored support is a 32-bit column, and the merge validates its output)."""
+    cap = schema.limits.counts
+    subs = [
+        MergeInput(source, {
+            "scenarios": [{**sc("weather", "Will it rain tomorrow in Paris?"), "support": cap}],
+            "precautions": [{"tool_id": "weather", "text": "Not for tide tables", "support": cap}],
+            "num_users": cap,
+        })
+        for source in ("c1", "c2", "c3")
+    ]
+    for merge in (edge_merge, server_merge):  # the server merge adds up its edges' num_users
+        result = merge(subs, schema, RoundConfig(summarizer="centroid"), embed=embed)
+        assert not result.rejected
+        assert [s.support for s in result.compendium.scenarios] == [cap]
+        assert [p.support for p in result.compendium.precautions] == [cap]
+    assert result.compendium.num_users == cap
+
+
 def test_contradictory_preconditions_make_a_conflict_with_majority_centroid(schema, embed):
     subs = [
         sub("c1", [sc("weather", "Get the weather forecast for a city", has_city=True)]),

@@ -400,6 +400,30 @@ def _by_pipeline(*actions):
     return [(action, None, "merge pipeline") for action in actions]
 
 
+def test_a_publication_hook_that_fails_does_not_fail_the_published_round(
+    probes, django_capture_on_commit_callbacks
+):
+    """What runs on `global_published` (queueing the router's tuning) may fail after the
+    publication committed (the broker down): the round stays published and the close that ran
+    the pipeline does not fail."""
+    from federation.signals import global_published
+
+    heard = []
+
+    def broker_down(version, **kwargs):
+        heard.append(version.pk)
+        raise ConnectionError("the broker is down")
+
+    global_published.connect(broker_down, dispatch_uid="test.broker_down")
+    try:
+        round_, _ = build_federation()
+        close(round_, django_capture_on_commit_callbacks)
+    finally:
+        global_published.disconnect(dispatch_uid="test.broker_down")
+    assert round_.state == "published", round_.failure_reason
+    assert heard == [CompendiumVersion.objects.get(kind="global", round=round_).pk]
+
+
 def test_merging_and_publication_are_audited_once_each(probes, django_capture_on_commit_callbacks):
     from rest_framework.test import APIClient
 

@@ -123,6 +123,32 @@ def test_a_global_no_longer_served_is_skipped_and_newer_routers_retire_older_one
     assert [p.name for p in (settings.DATA_DIR / "routers").iterdir()] == [Path(newer.directory).name]
 
 
+def test_a_global_superseded_while_it_is_tuned_keeps_no_router_and_retires_none(data, settings, monkeypatch):
+    """Round 1's global is tuning when round 2's is published and its router made ready (by
+    another worker or `manage.py tune_router`): round 1's tuning finishes after, keeps nothing
+    and leaves round 2's router served."""
+    import routing.finetune
+
+    _, first = _publish(data, 1)
+    tune = routing.finetune.tune_router
+    newer = {}
+
+    def tune_while_round_2_publishes(*args, **kwargs):
+        tuned = tune(*args, **kwargs)
+        monkeypatch.setattr(routing.finetune, "tune_router", tune)
+        _, second = _publish(data, 2)
+        services.forget_published_version()
+        newer["record"] = tune_published_router(second.pk, 1)
+        return tuned
+
+    monkeypatch.setattr(routing.finetune, "tune_router", tune_while_round_2_publishes)
+    stale = tune_published_router(first.pk, 1)
+    assert stale.state == TunedRouter.State.SKIPPED and "published while" in stale.detail
+    served = TunedRouter.objects.get(pk=newer["record"].pk)
+    assert served.state == TunedRouter.State.READY
+    assert [p.name for p in (settings.DATA_DIR / "routers").iterdir()] == [Path(served.directory).name]
+
+
 def test_a_failed_tuning_is_recorded_and_routing_stays_frozen(data):
     one_tool = data["compendium"].scenarios[0].tool_id
     compendium = Compendium(

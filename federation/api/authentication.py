@@ -23,8 +23,8 @@ def bearer_token(request) -> str | None:
     header = request.META.get("HTTP_AUTHORIZATION", "")
     if not header:
         return None
-    parts = header.split()
-    if parts[0].lower() not in SCHEMES:
+    parts = header.split()  # Python's whitespace: also bytes like 0xA0 a server passes through
+    if not parts or parts[0].lower() not in SCHEMES:
         return None
     if len(parts) != 2:
         raise exceptions.AuthenticationFailed("malformed Authorization header: use 'Bearer <token>'")

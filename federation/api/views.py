@@ -113,7 +113,7 @@ def actor_for(request) -> services.Actor:
 # A comment, not a docstring: a view without its own docstring would inherit it, and
 # drf-spectacular would publish it as that operation's description.
 class FederationView(APIView):
-    # Maps the services' domain errors to responses: 400/403/404/409/413/422/429.
+    # Maps the services' domain errors to responses: 400/403/404/409/411/413/415/422/429.
 
     def handle_exception(self, exc):
         if isinstance(exc, submissions.SubmissionInvalid):
@@ -181,7 +181,10 @@ class SubmissionView(FederationGenericView):
         "`code: unknown_dictionary`; a compendium without entries one with `code: "
         "empty_compendium`; text that still holds what masking at the open round's λ removes "
         "from any text (names, numbers, identifiers, e-mails, URLs, phones) one with `code: "
-        "unmasked_text` and a violation per text (nothing stored).",
+        "unmasked_text` and a violation per text (nothing stored). A body sent chunked, "
+        "without `Content-Length`, is a 411; one checked against a round that stopped taking "
+        "submissions while another opened is a 409 with `code: round_changed` (build against "
+        "the new round and submit again).",
         request={"application/json": OpenApiTypes.OBJECT},
         # Only a client's token submits; people's tokens and sessions are recognized to be refused.
         auth=[{"clientToken": []}],
@@ -200,6 +203,7 @@ class SubmissionView(FederationGenericView):
             401: DETAIL,
             403: DETAIL,
             409: DETAIL,
+            411: DETAIL,
             413: DETAIL,
             415: DETAIL,
             422: DETAIL,
@@ -207,7 +211,9 @@ class SubmissionView(FederationGenericView):
         },
     )
     def post(self, request):
-        submissions.check_declared_length(request.META.get("CONTENT_LENGTH"))
+        submissions.check_declared_length(
+            request.META.get("CONTENT_LENGTH"), request.META.get("HTTP_TRANSFER_ENCODING")
+        )
         limit = submissions.max_submission_bytes()
         body = request._request.read(limit + 1)
         if len(body) > limit:

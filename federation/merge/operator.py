@@ -467,13 +467,14 @@ def _merge(
     num_users = (
         (sum(contributors) if contributors else None) if not noise else (len(accepted) or None)
     )
+    cap = schema.limits.counts  # the counts add up over the inputs; published at most the limit
     compendium = Compendium(
         metadata=metadata,
-        scenarios=scenarios,
-        precautions=precautions,
+        scenarios=_counts_capped(scenarios, cap),
+        precautions=_counts_capped(precautions, cap),
         templates=templates,
         annex=annex,
-        num_users=num_users,
+        num_users=None if num_users is None else min(num_users, cap),
     )
     check = validate_compendium(compendium.model_dump(mode="json", exclude_none=True), schema)
     if not check.ok:  # the operator only emits valid compendiums; this is a bug if it fires
@@ -943,6 +944,12 @@ def _dedupe_exact_scenarios(scenarios: list[Scenario]) -> list[Scenario]:
         else:
             merged[key] = s
     return list(merged.values())
+
+
+def _counts_capped(entries: list, cap: int) -> list:
+    """Scenarios or precautions with their support at most `cap` (a merged entry's support is
+    the sum of its members')."""
+    return [e if e.support <= cap else e.model_copy(update={"support": cap}) for e in entries]
 
 
 def _top_supported(scenarios: list[Scenario], k: int) -> list[Scenario]:
