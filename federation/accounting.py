@@ -217,10 +217,11 @@ def commitments(spends: dict[int, dict[int, float]] | None = None) -> Commitment
     return Commitments(dict(recorded), reservations(set(recorded)))
 
 
-def committed_composition(extra: Sequence[float] = ()) -> Composition:
+def committed_composition(extra: Sequence[float] = (), delta: float | None = None) -> Composition:
     """The federation's committed ε′: the ledger's rounds, the reservations of rounds that have
-    not released yet, and `extra` (round spends not yet reserved), composed."""
-    return compose(commitments().spends(extra), delta_prime())
+    not released yet, and `extra` (round spends not yet reserved), composed at δ′ = `delta`
+    (default: the federation's)."""
+    return compose(commitments().spends(extra), delta_prime() if delta is None else delta)
 
 
 def round_reservation(round_: Round) -> float:

@@ -35,6 +35,7 @@ from federation.models import (
     Client,
     ConflictDecision,
     ConflictLogEntry,
+    FederationSettings,
     MergeRecord,
     Organization,
     PrivacyLedgerEntry,
@@ -269,20 +270,32 @@ def run_edge_merge(
         seed=edge_seed(config, round_, organization, release),
         drowned=_drowned(round_, schema, config),
     )
-    withheld = ""
-    try:
-        result = edge_merge(inputs, schema, config, _previous_conflicts(round_, organization),
-                            epsilon_remaining=remaining, **common)
-    except BudgetExceeded as exc:
-        if not rematerialize:
-            raise
-        # An erasure must not be blocked by the budget: re-materialize without numeric releases.
-        withheld = str(exc)
-        result = edge_merge(inputs, schema, config, _previous_conflicts(round_, organization),
-                            epsilon_remaining=remaining, release_numeric=False, **common)
+
+    def merge(remaining: float):
+        """The edge merge within `remaining` ε, and why its numeric releases were withheld."""
+        try:
+            return edge_merge(inputs, schema, config, _previous_conflicts(round_, organization),
+                              epsilon_remaining=remaining, **common), ""
+        except BudgetExceeded as exc:
+            if not rematerialize:
+                raise
+            # An erasure must not be blocked by the budget: re-materialize without numeric
+            # releases.
+            return edge_merge(inputs, schema, config, _previous_conflicts(round_, organization),
+                              epsilon_remaining=remaining, release_numeric=False, **common), str(exc)
+
+    result, withheld = merge(remaining)
     by_source = {f"client:{v.client_id}": v for v in sources}
     with transaction.atomic():
         Round.objects.select_for_update().get(pk=round_id)
+        if rematerialize and result.ledger:
+            # A new release, beyond what the round reserved: checked again under the lock that
+            # opening a round, retrying one and changing the budget take, so that none of them
+            # commits ε the release takes meanwhile (or the release ε they take).
+            FederationSettings.objects.select_for_update().get(pk=services.get_settings().pk)
+            now_remaining = accounting.remaining_for_release(round_.pk, organization.pk, release)
+            if now_remaining < remaining:
+                result, withheld = merge(now_remaining)
         CompendiumVersion.objects.filter(kind="edge", round=round_, organization=organization).delete()
         ConflictLogEntry.objects.filter(round=round_, organization=organization).delete()
         MergeRecord.objects.filter(round=round_, organization=organization).delete()

@@ -517,13 +517,15 @@ def update_settings(actor: Actor, **changes) -> FederationSettings:
             )
     if not isinstance(row.allow_admin_approval, bool):
         raise InvalidRequest("allow_admin_approval must be true or false")
-    if "epsilon_budget" in changes:
-        committed = accounting.committed_composition()
+    if "epsilon_budget" in changes or "delta_prime" in changes:
+        # Under the new δ′ (a smaller one loosens the advanced composition, so the committed ε′
+        # can pass the cap without the cap moving).
+        committed = accounting.committed_composition(delta=row.delta_prime)
         if row.epsilon_budget < committed.epsilon - 1e-12:
             raise BudgetExceeded(
                 f"epsilon_budget {row.epsilon_budget:g} is below the ε′ the federation has "
-                f"committed ({committed.epsilon:.6g}: recorded in the ledger plus reserved by "
-                f"rounds not released yet)"
+                f"committed ({committed.epsilon:.6g} at δ′ = {row.delta_prime:g}: recorded in the "
+                f"ledger plus reserved by rounds not released yet)"
             )
     changed = {k: {"from": before[k], "to": changes[k]} for k in changes if before[k] != changes[k]}
     if not changed:

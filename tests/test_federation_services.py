@@ -329,7 +329,7 @@ def test_update_settings_refuses_a_budget_below_the_committed_figure(world):
     _ledger_rows(r1, world.org_a, [0.25] * 4)
     services.mark_published(r1)
     r2 = services.open_round(operator, RoundConfig(epsilon=0.5))  # reserved, not in the ledger
-    with pytest.raises(BudgetExceeded, match=r"committed \(1.5: recorded in the ledger plus reserved"):
+    with pytest.raises(BudgetExceeded, match=r"committed \(1.5 at δ′ = 1e-05: recorded in the ledger plus reserved"):
         services.update_settings(operator, epsilon_budget=1.4)
     assert services.get_settings().epsilon_budget == django_settings.SYNAPSE_EPSILON_BUDGET
     services.update_settings(operator, epsilon_budget=1.5)  # exactly the committed figure
@@ -338,6 +338,24 @@ def test_update_settings_refuses_a_budget_below_the_committed_figure(world):
     with pytest.raises(BudgetExceeded, match="privacy budget of 1.5"):
         services.open_round(operator, RoundConfig(epsilon=0.1))
     services.update_settings(operator, allow_admin_approval=True)  # other settings: no check
+
+
+def test_update_settings_refuses_a_delta_prime_that_takes_the_committed_figure_past_the_cap(world):
+    """Many small rounds compose tighter under advanced composition; a smaller δ′ loosens it, so
+    changing δ′ alone can take the committed ε′ past an unchanged cap."""
+    operator = world.actor(world.operator)
+    for number in range(1, 51):
+        rnd = Round.objects.create(number=number, state=Round.State.PUBLISHED)
+        _ledger_rows(rnd, world.org_a, [0.01])
+    services.update_settings(operator, epsilon_budget=0.45, delta_prime=1e-5)
+    assert accounting.committed_composition().epsilon < 0.45  # advanced: about 0.34
+    with pytest.raises(BudgetExceeded, match=r"committed \(0.5 at δ′ = 1e-12"):
+        services.update_settings(operator, delta_prime=1e-12)
+    assert services.get_settings().delta_prime == 1e-5
+    with pytest.raises(BudgetExceeded, match=r"committed \(0.5 at δ′ = 1e-12"):
+        services.update_settings(operator, epsilon_budget=0.46, delta_prime=1e-12)
+    services.update_settings(operator, epsilon_budget=0.5, delta_prime=1e-12)
+    assert accounting.committed_composition().epsilon == pytest.approx(0.5)
 
 
 def test_retry_takes_the_reservation_again(world):

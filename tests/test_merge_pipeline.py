@@ -254,6 +254,31 @@ def test_erasure_rematerializes_without_the_client_and_keeps_the_ledger(
     assert accounting.privacy_report().federation.epsilon >= spent_before
 
 
+def test_an_erasure_release_is_checked_again_under_the_budget_lock(
+    probes, django_capture_on_commit_callbacks, monkeypatch
+):
+    """An erasure's re-release is new ε beyond the round's reservation. What remained when its
+    merge began may have been committed meanwhile (a round opened): under the lock that opening
+    a round takes, the remainder is read again, and a release that no longer fits is withheld."""
+    from django.db import connection
+    from django.test.utils import CaptureQueriesContext
+
+    round_, _ = build_federation()
+    close(round_, django_capture_on_commit_callbacks)
+    ledger_before = PrivacyLedgerEntry.objects.count()
+    readings = iter([100.0, 0.0])  # when the merge began; under the lock, after a round opened
+    monkeypatch.setattr(accounting, "remaining_for_release", lambda *args: next(readings))
+    acme = CompendiumVersion.objects.filter(
+        kind="edge", round=round_, organization__slug="acme").get().organization
+    with CaptureQueriesContext(connection) as queries:
+        pipeline.run_edge_merge(round_.pk, acme.pk, rematerialize=True)
+    settings_table = pipeline.FederationSettings._meta.db_table
+    assert any(settings_table in q["sql"] and "FOR UPDATE" in q["sql"] for q in queries.captured_queries)
+    assert PrivacyLedgerEntry.objects.count() == ledger_before  # nothing released past the cap
+    record = MergeRecord.objects.get(round=round_, organization=acme)
+    assert record.stats["release"] == 1 and "epsilon budget" in record.stats["numeric_withheld"]
+
+
 def test_erasure_that_fails_changes_nothing_and_can_be_run_again(
     probes, django_capture_on_commit_callbacks, monkeypatch
 ):
