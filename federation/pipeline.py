@@ -205,7 +205,15 @@ def _previous_conflicts(round_: Round, organization: Organization | None) -> lis
     return entries
 
 
-def _release_number(round_: Round, organization: Organization, rematerialize: bool) -> int:
+def _release_number(
+    round_: Round, organization: Organization, rematerialize: bool, inputs: list[int]
+) -> int:
+    """The release this edge merge makes: 0 for the first; the last one again for a replay of it
+    (a retry, a task delivered twice) over the same inputs, which redraws the same noise and so
+    tells nothing new; a new one, with fresh noise and its own ε, for a re-materialization or
+    when the inputs (`inputs`: the client versions merged) changed since the last release (a
+    client revoked meanwhile): the same noise over other inputs would let anyone who saw both
+    releases difference it away."""
     last = (
         PrivacyLedgerEntry.objects.filter(round=round_, organization=organization)
         .order_by("-release")
@@ -214,7 +222,13 @@ def _release_number(round_: Round, organization: Organization, rematerialize: bo
     )
     if last is None:
         return 0
-    return last + 1 if rematerialize else last
+    if rematerialize:
+        return last + 1
+    record = MergeRecord.objects.filter(round=round_, organization=organization).first()
+    released_from = record.stats.get("inputs") if record is not None else None
+    if released_from is not None and released_from != inputs:
+        return last + 1
+    return last
 
 
 @dataclass(frozen=True)
@@ -260,7 +274,16 @@ def run_edge_merge(
         .select_related("client")
         .order_by("client_id")
     )
-    release = _release_number(round_, organization, rematerialize)
+    source_ids = [v.pk for v in sources]
+    release = _release_number(round_, organization, rematerialize, source_ids)
+    # A release beyond the round's first is ε the round did not reserve: an erasure's, or a
+    # retry's over changed inputs. Over the budget it is made without numeric statistics.
+    extra = release > 0 and (
+        rematerialize
+        or not PrivacyLedgerEntry.objects.filter(
+            round=round_, organization=organization, release=release
+        ).exists()
+    )
     remaining = accounting.remaining_for_release(round_.pk, organization.pk, release)
     inputs = [MergeInput(f"client:{v.client_id}", v.content) for v in sources]
     common = dict(
@@ -277,10 +300,10 @@ def run_edge_merge(
             return edge_merge(inputs, schema, config, _previous_conflicts(round_, organization),
                               epsilon_remaining=remaining, **common), ""
         except BudgetExceeded as exc:
-            if not rematerialize:
+            if not extra:
                 raise
-            # An erasure must not be blocked by the budget: re-materialize without numeric
-            # releases.
+            # An erasure (or a retry over changed inputs) must not be blocked by the budget:
+            # merge without numeric releases.
             return edge_merge(inputs, schema, config, _previous_conflicts(round_, organization),
                               epsilon_remaining=remaining, release_numeric=False, **common), str(exc)
 
@@ -288,7 +311,7 @@ def run_edge_merge(
     by_source = {f"client:{v.client_id}": v for v in sources}
     with transaction.atomic():
         Round.objects.select_for_update().get(pk=round_id)
-        if rematerialize and result.ledger:
+        if extra and result.ledger:
             # A new release, beyond what the round reserved: checked again under the lock that
             # opening a round, retrying one and changing the budget take, so that none of them
             # commits ε the release takes meanwhile (or the release ε they take).
@@ -328,6 +351,7 @@ def run_edge_merge(
         )
         stats = result.stats.as_dict()
         stats["release"] = release
+        stats["inputs"] = source_ids
         if withheld:
             stats["numeric_withheld"] = withheld
         MergeRecord.objects.create(

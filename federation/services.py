@@ -996,6 +996,7 @@ def retry_round(actor: Actor, rnd: Round | int) -> Round:
     rnd = _locked_round(rnd)
     reason = rnd.failure_reason
     _move(rnd, Round.State.CLOSING, "retry", source=Round.State.FAILED)
+    _refuse_after_a_later_publication(rnd, "retried")
     _refuse_over_budget(
         accounting.epsilon_budget(), accounting.round_reservation(rnd), f"retrying round {rnd.number}"
     )
@@ -1017,12 +1018,29 @@ def mark_merging(rnd: Round | int, actor: Actor | None = None) -> Round:
     return rnd
 
 
+def _refuse_after_a_later_publication(rnd: Round, what: str) -> None:
+    """Globals are published in round order: each carries the one before it forward, and the
+    latest round's is the one served. A round published after a later one would be in no global
+    ever served (the later global was merged without it), so it cannot be `what`."""
+    later = (
+        Round.objects.filter(number__gt=rnd.number, state=Round.State.PUBLISHED)
+        .order_by("number").values_list("number", flat=True).first()
+    )
+    if later is not None:
+        raise InvalidTransition(
+            f"round {rnd.number} cannot be {what}: round {later} is published already and its "
+            f"global was merged without round {rnd.number}'s (globals are published in round "
+            f"order); its clients submit again to the open round"
+        )
+
+
 @transaction.atomic
 def mark_published(rnd: Round | int, actor: Actor | None = None) -> Round:
     actor = actor or Actor.system("merge pipeline")
     require_operator(actor, "publish rounds")
     rnd = _locked_round(rnd)
     _move(rnd, Round.State.PUBLISHED, "publish")
+    _refuse_after_a_later_publication(rnd, "published")
     rnd.published_at = timezone.now()
     rnd.save(update_fields=["state", "published_at"])
     audit(actor, AuditLog.Action.ROUND_PUBLISH, target=rnd)

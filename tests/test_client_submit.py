@@ -168,6 +168,13 @@ def make_handler(state: ServerState):
                     state.fail_next_posts -= 1
                     if state.fail_status == 429:
                         return self._send(429, {"detail": "slow down"}, {"Retry-After": "7"})
+                    if state.fail_status == 409:  # the real API's answer when the round changed
+                        return self._send(409, {
+                            "detail": "round 4, which this submission was checked against, stopped "
+                                      "taking submissions meanwhile and round 5 is open: build "
+                                      "against its configuration and submit again (nothing was "
+                                      "stored)",
+                            "code": "round_changed"})
                     if state.fail_status == 413:  # the real API's words for an inflated body
                         return self._send(413, {"detail": "the decompressed body exceeds the "
                                                           "limit of 2097152 bytes"})
@@ -454,6 +461,16 @@ def test_no_open_round_is_one_clear_line(server, tmp_path, capsys):
     assert main(submit_args(url, write(tmp_path, compendium()))) == 1
     err = capsys.readouterr().err.strip().splitlines()
     assert err == ["synapse-client: no round is open on the server: nothing to submit to"]
+
+
+def test_a_round_that_changed_under_the_submission_is_one_clear_line(server, tmp_path, capsys):
+    url, state = server
+    state.fail_next_posts, state.fail_status = 1, 409
+    assert main(submit_args(url, write(tmp_path, compendium()))) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith(
+        "synapse-client: the open round changed while the server checked the submission: round 4, "
+    ) and err[0].endswith("submit again (nothing was stored)")
 
 
 def test_wrong_token_is_one_clear_line(server, tmp_path, capsys):

@@ -375,6 +375,38 @@ def test_retry_takes_the_reservation_again(world):
     assert accounting.commitments().reserved == {r1.pk: pytest.approx(1.0)}
 
 
+def test_a_round_is_not_published_or_retried_after_a_later_one_was_published(world):
+    """Each global carries the one before it forward and the latest is served: round 1, merging
+    slowly or failed while round 2 was opened and published, would be in no served global."""
+    operator = world.actor(world.operator)
+    r1 = services.open_round(operator, RoundConfig(epsilon=0.1))
+    services.close_round(operator, r1)
+    services.mark_merging(r1)
+    r2 = services.open_round(operator, RoundConfig(epsilon=0.1))
+    services.close_round(operator, r2)
+    services.mark_merging(r2)
+    services.mark_published(r2)
+    with pytest.raises(services.InvalidTransition,
+                       match="round 1 cannot be published: round 2 is published already"):
+        services.mark_published(r1)
+    r1.refresh_from_db()
+    assert r1.state == Round.State.MERGING
+    services.mark_failed(r1, "worker lost")
+    with pytest.raises(services.InvalidTransition,
+                       match="round 1 cannot be retried: round 2 is published already.*submit again"):
+        services.retry_round(operator, r1)
+    r1.refresh_from_db()
+    assert r1.state == Round.State.FAILED and r1.failure_reason == "worker lost"
+    # A later round that is not published yet does not stand in the way.
+    r3 = services.open_round(operator, RoundConfig(epsilon=0.1))
+    services.close_round(operator, r3)
+    services.mark_failed(r3, "worker lost")
+    r4 = services.open_round(operator, RoundConfig(epsilon=0.1))
+    services.close_round(operator, r4)
+    services.retry_round(operator, r3)
+    assert Round.objects.get(pk=r3.pk).state == Round.State.CLOSING
+
+
 def test_an_erasure_rerelease_cannot_take_an_open_rounds_reservation(world):
     operator = world.actor(world.operator)
     services.update_settings(operator, epsilon_budget=2.5)

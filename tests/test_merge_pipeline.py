@@ -144,6 +144,30 @@ def test_edge_merge_is_idempotent(probes):
     assert PrivacyLedgerEntry.objects.filter(round=round_).count() == len(schema.tools)  # calls
 
 
+def test_a_retry_over_changed_inputs_is_a_new_release_with_fresh_noise(probes):
+    """The same noise over other inputs would give away the difference (three clients' average
+    and two clients' average under one draw yield the third client's value): an edge merge run
+    again after a client was revoked makes a new release, with another seed and its own ε; run
+    again over the same inputs, it replays its release."""
+    from federation.models import Client
+
+    round_, clients = build_federation(state="merging")
+    org = clients[("acme", "a1")].organization
+    pipeline.run_edge_merge(round_.pk, org.pk)
+    pipeline.run_edge_merge(round_.pk, org.pk)  # a replay: the same release
+    releases = PrivacyLedgerEntry.objects.filter(round=round_, organization=org)
+    assert sorted(set(releases.values_list("release", flat=True))) == [0]
+    Client.objects.filter(pk=clients[("acme", "a2")].pk).update(status=Client.Status.REVOKED)
+    pipeline.run_edge_merge(round_.pk, org.pk)
+    assert sorted(set(releases.values_list("release", flat=True))) == [0, 1]
+    record = MergeRecord.objects.get(round=round_, organization=org)
+    assert record.stats["release"] == 1 and record.stats["inputs"] == [
+        CompendiumVersion.objects.get(kind="client", round=round_, client=clients[("acme", "a1")]).pk
+    ]
+    pipeline.run_edge_merge(round_.pk, org.pk)  # again over those inputs: release 1 replayed
+    assert sorted(set(releases.values_list("release", flat=True))) == [0, 1]
+
+
 def test_budget_cap_fails_round_before_any_merge(settings, django_capture_on_commit_callbacks):
     settings.SYNAPSE_EPSILON_BUDGET = 0.5
     round_, _ = build_federation(config={"epsilon": 1.0, "summarizer": "none"})
