@@ -168,6 +168,24 @@ def test_a_retry_over_changed_inputs_is_a_new_release_with_fresh_noise(probes):
     assert sorted(set(releases.values_list("release", flat=True))) == [0, 1]
 
 
+def test_merges_that_cannot_be_dispatched_fail_the_round(probes, monkeypatch):
+    """The round is merging once started; if its merges cannot be queued (the broker down),
+    nothing would ever run them: the round fails with the reason instead of staying merging."""
+    from workers import tasks
+
+    round_, _ = build_federation()
+
+    def broker_down(*args, **kwargs):
+        raise ConnectionError("the broker is down")
+
+    monkeypatch.setattr(tasks, "chord", broker_down)
+    with pytest.raises(ConnectionError):
+        tasks.start_round_pipeline(round_.pk)
+    round_.refresh_from_db()
+    assert round_.state == "failed"
+    assert round_.failure_reason == "dispatching the merges failed: the broker is down"
+
+
 def test_budget_cap_fails_round_before_any_merge(settings, django_capture_on_commit_callbacks):
     settings.SYNAPSE_EPSILON_BUDGET = 0.5
     round_, _ = build_federation(config={"epsilon": 1.0, "summarizer": "none"})

@@ -30,7 +30,11 @@ def start_round_pipeline(round_id: int) -> dict:
     if not organizations:
         return {"organizations": [], "edge_tasks": [], "server_task": None}
     header = group(edge_merge_task.si(round_id, org) for org in organizations)
-    result = chord(header)(server_merge_task.si(round_id))
+    try:
+        result = chord(header)(server_merge_task.si(round_id))
+    except Exception as exc:  # the broker unreachable: the round is merging and nothing would run
+        pipeline.fail_round(round_id, f"dispatching the merges failed: {exc}")
+        raise
     edge_ids = [child.id for child in (result.parent.results if result.parent else [])]
     return {"organizations": organizations, "edge_tasks": edge_ids, "server_task": result.id}
 
