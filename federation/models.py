@@ -64,6 +64,10 @@ class Round(models.Model):
     # clients: accounting.fields_not_released); clients leave them out.
     fields_not_released = models.JSONField(default=list, blank=True)
     failure_reason = models.TextField(blank=True)
+    # Which run of the merge pipeline is the round's: 1 at the close, one more at each retry. The
+    # pipeline's tasks carry it, and those of an earlier run (still running, or delivered late,
+    # when the operator failed the round and retried it) change nothing.
+    attempt = models.PositiveIntegerField(default=1)
     opened_at = models.DateTimeField(auto_now_add=True)
     # The round's deadline: submissions stop then and `close_due_rounds` closes it (null: the
     # operator closes it by hand).

@@ -52,6 +52,23 @@ class PipelineError(RuntimeError):
     """A round cannot proceed; the message is the failure reason shown to the operator."""
 
 
+class StaleAttempt(Exception):
+    """A task of an earlier run of the round's pipeline (the operator failed the round and
+    retried it since, or failed it while this task ran): it changes nothing and fails nothing."""
+
+
+def _check_attempt(round_: Round, attempt: int | None, *, states: tuple[str, ...]) -> None:
+    """Under the round's row lock: refuse (StaleAttempt) a step of another run than the round's
+    current one (`attempt`; None: a direct call, not a task, which is always current) or a round
+    that is not in one of `states` any more."""
+    if attempt is not None and attempt != round_.attempt:
+        raise StaleAttempt(
+            f"round {round_.number}: a task of run {attempt}, the round is on run {round_.attempt}"
+        )
+    if round_.state not in states:
+        raise StaleAttempt(f"round {round_.number} is {round_.state} now")
+
+
 # --- shared inputs -------------------------------------------------------------------------------
 
 
@@ -123,12 +140,17 @@ def _config(round_: Round) -> RoundConfig:
 FAILABLE = (Round.State.CLOSING, Round.State.MERGING)
 
 
-def fail_round(round_id: int, reason: str) -> None:
+def fail_round(round_id: int, reason: str, attempt: int | None = None) -> None:
     """A closing or merging round -> failed, with the reason (audited as round.fail). A round in
     another state is left as it is: a published round stays published, a failed one keeps the
-    reason it failed with first (the one its audit entry records)."""
+    reason it failed with first (the one its audit entry records); so is a round on another run
+    of the pipeline than `attempt` (a late failure of an earlier run does not fail the retry)."""
     with transaction.atomic():
         round_ = Round.objects.select_for_update().get(pk=round_id)
+        if attempt is not None and attempt != round_.attempt:
+            log.warning("round %s is on run %s, not failed by run %s: %s",
+                        round_id, round_.attempt, attempt, reason)
+            return
         if round_.state not in FAILABLE:
             log.warning("round %s is %s, not failed again: %s", round_id, round_.state, reason)
             return
@@ -146,11 +168,14 @@ def organizations_with_submissions(round_: Round) -> list[int]:
     )
 
 
-def start_round(round_id: int) -> list[int]:
+def start_round(round_id: int, attempt: int | None = None) -> list[int]:
     """closing -> merging; the organizations whose edges merge. A round that would exceed the
-    privacy budget fails here, before any merge runs or any noise is drawn."""
+    privacy budget fails here, before any merge runs or any noise is drawn. A start of an earlier
+    run than the round's (`attempt`) raises StaleAttempt."""
     with transaction.atomic():
         round_ = Round.objects.select_for_update().get(pk=round_id)
+        if attempt is not None and attempt != round_.attempt:
+            _check_attempt(round_, attempt, states=(round_.state,))
         if round_.state not in (Round.State.CLOSING, Round.State.MERGING):
             raise PipelineError(f"round {round_.number} is {round_.state}, not closing")
         config = _config(round_)
@@ -257,10 +282,14 @@ def _drowned(round_: Round, schema, config: RoundConfig) -> frozenset[str]:
 
 
 def run_edge_merge(
-    round_id: int, organization_id: int, *, rematerialize: bool = False, embed=None
+    round_id: int, organization_id: int, *, rematerialize: bool = False, embed=None,
+    attempt: int | None = None,
 ) -> EdgeOutcome:
     """Merge one organization's submissions of a round into its edge compendium (one
-    transaction). Without client submissions left, the edge version is removed."""
+    transaction). Without client submissions left, the edge version is removed. A task of the
+    pipeline passes its run (`attempt`): a task of another run than the round's, or of a round
+    that is no longer merging, raises StaleAttempt and writes nothing (None: a direct call, an
+    erasure's re-materialization or a replay, which any state allows)."""
     round_ = Round.objects.get(pk=round_id)
     organization = Organization.objects.get(pk=organization_id)
     config = _config(round_)
@@ -310,7 +339,9 @@ def run_edge_merge(
     result, withheld = merge(remaining)
     by_source = {f"client:{v.client_id}": v for v in sources}
     with transaction.atomic():
-        Round.objects.select_for_update().get(pk=round_id)
+        locked = Round.objects.select_for_update().get(pk=round_id)
+        if attempt is not None:  # a task of the pipeline: its run, and the round still merging
+            _check_attempt(locked, attempt, states=(Round.State.MERGING,))
         if extra and result.ledger:
             # A new release, beyond what the round reserved: checked again under the lock that
             # opening a round, retrying one and changing the budget take, so that none of them
@@ -437,10 +468,12 @@ def _edge_noise_scales(round_: Round) -> dict[str, dict[tuple[str, str], float]]
     return dict(scales)
 
 
-def run_server_merge(round_id: int, *, embed=None) -> str:
+def run_server_merge(round_id: int, *, embed=None, attempt: int | None = None) -> str:
     """Merge the round's edge compendiums into the global one and publish it (one transaction:
     a merging round becomes published, audited; a published round's global is merged again, as an
-    erasure does; a round in another state is refused). Returns the global compendium's sha256."""
+    erasure does; a round in another state is refused). Returns the global compendium's sha256.
+    A task of another pipeline run than the round's (`attempt`) raises StaleAttempt and writes
+    nothing."""
     round_ = Round.objects.get(pk=round_id)
     config = _config(round_)
     embed = embed or _embed()
@@ -473,6 +506,8 @@ def run_server_merge(round_id: int, *, embed=None) -> str:
     )
     with transaction.atomic():
         locked = Round.objects.select_for_update().get(pk=round_id)
+        if attempt is not None:
+            _check_attempt(locked, attempt, states=(Round.State.MERGING,))
         CompendiumVersion.objects.filter(kind="global", round=locked).delete()
         ConflictLogEntry.objects.filter(round=locked, organization__isnull=True).delete()
         MergeRecord.objects.filter(round=locked, organization__isnull=True).delete()

@@ -1001,7 +1001,8 @@ def retry_round(actor: Actor, rnd: Round | int) -> Round:
         accounting.epsilon_budget(), accounting.round_reservation(rnd), f"retrying round {rnd.number}"
     )
     rnd.failure_reason = ""
-    rnd.save(update_fields=["state", "failure_reason"])
+    rnd.attempt += 1
+    rnd.save(update_fields=["state", "failure_reason", "attempt"])
     audit(actor, AuditLog.Action.ROUND_RETRY, target=rnd, details={"previous_failure": reason})
     _send_round_closed(rnd)
     return rnd

@@ -168,6 +168,44 @@ def test_a_retry_over_changed_inputs_is_a_new_release_with_fresh_noise(probes):
     assert sorted(set(releases.values_list("release", flat=True))) == [0, 1]
 
 
+def test_tasks_of_an_earlier_pipeline_run_change_nothing(probes):
+    """The operator fails a round whose merge hangs and retries it: the first run's tasks, still
+    running or delivered late, neither write edges or a global nor fail the retry."""
+    from federation import services
+    from tests.federation_fixtures import SYSTEM
+    from workers import tasks
+
+    round_, clients = build_federation()
+    org = clients[("acme", "a1")].organization
+    assert round_.attempt == 1
+    assert pipeline.start_round(round_.pk, 1)
+    services.mark_failed(round_, "the merge hangs")
+    services.retry_round(SYSTEM, round_)
+    round_.refresh_from_db()
+    assert (round_.state, round_.attempt) == ("closing", 2)
+
+    late = tasks.edge_merge_task(round_.pk, org.pk, 1)
+    assert "run 1" in late["stale"] and "run 2" in late["stale"]
+    assert tasks.start_round_pipeline(round_.pk, 1)["stale"]
+    pipeline.fail_round(round_.pk, "edge merge of organization 1 failed: worker lost", 1)
+    round_.refresh_from_db()
+    assert round_.state == "closing" and round_.failure_reason == ""
+    assert not CompendiumVersion.objects.filter(kind="edge", round=round_).exists()
+    assert not PrivacyLedgerEntry.objects.filter(round=round_).exists()
+
+    organizations = pipeline.start_round(round_.pk, 2)
+    for organization in organizations:
+        assert "sha256" in tasks.edge_merge_task(round_.pk, organization, 2)
+    assert tasks.server_merge_task(round_.pk, 1) is None  # the first run's server merge
+    round_.refresh_from_db()
+    assert round_.state == "merging" and not CompendiumVersion.objects.filter(
+        kind="global", round=round_).exists()
+    sha = tasks.server_merge_task(round_.pk, 2)
+    round_.refresh_from_db()
+    assert round_.state == "published"
+    assert CompendiumVersion.objects.get(kind="global", round=round_).sha256 == sha
+
+
 def test_merges_that_cannot_be_dispatched_fail_the_round(probes, monkeypatch):
     """The round is merging once started; if its merges cannot be queued (the broker down),
     nothing would ever run them: the round fails with the reason instead of staying merging."""

@@ -12,7 +12,7 @@ from federation.signals import global_published, round_closed
 def start_pipeline_on_close(sender, round, **kwargs):
     from workers.tasks import start_round_pipeline
 
-    return start_round_pipeline.delay(round.pk)
+    return start_round_pipeline.delay(round.pk, round.attempt)
 
 
 @receiver(global_published, dispatch_uid="synapse.tune_router")

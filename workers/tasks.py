@@ -19,44 +19,61 @@ log = get_task_logger(__name__)
 TASK_OPTIONS = dict(acks_late=True, reject_on_worker_lost=True)
 
 
+# Each task carries the pipeline run (`Round.attempt`) it belongs to; a task of an earlier run
+# (delivered late, or still running when the operator failed the round and retried it) raises
+# pipeline.StaleAttempt under the round's lock, writes nothing and fails nothing. `attempt` None:
+# a task queued before runs were counted, treated as the current run.
+
+
 @shared_task(name="synapse.start_round_pipeline", **TASK_OPTIONS)
-def start_round_pipeline(round_id: int) -> dict:
+def start_round_pipeline(round_id: int, attempt: int | None = None) -> dict:
     """Start the chord; returns the ids of its edge tasks and of the server task."""
     try:
-        organizations = pipeline.start_round(round_id)
+        organizations = pipeline.start_round(round_id, attempt)
+    except pipeline.StaleAttempt as stale:
+        log.warning("not started: %s", stale)
+        return {"organizations": [], "edge_tasks": [], "server_task": None, "stale": str(stale)}
     except Exception as exc:
-        pipeline.fail_round(round_id, f"starting the merge failed: {exc}")
+        pipeline.fail_round(round_id, f"starting the merge failed: {exc}", attempt)
         raise
     if not organizations:
         return {"organizations": [], "edge_tasks": [], "server_task": None}
-    header = group(edge_merge_task.si(round_id, org) for org in organizations)
+    header = group(edge_merge_task.si(round_id, org, attempt) for org in organizations)
     try:
-        result = chord(header)(server_merge_task.si(round_id))
+        result = chord(header)(server_merge_task.si(round_id, attempt))
     except Exception as exc:  # the broker unreachable: the round is merging and nothing would run
-        pipeline.fail_round(round_id, f"dispatching the merges failed: {exc}")
+        pipeline.fail_round(round_id, f"dispatching the merges failed: {exc}", attempt)
         raise
     edge_ids = [child.id for child in (result.parent.results if result.parent else [])]
     return {"organizations": organizations, "edge_tasks": edge_ids, "server_task": result.id}
 
 
 @shared_task(name="synapse.edge_merge", **TASK_OPTIONS)
-def edge_merge_task(round_id: int, organization_id: int) -> dict:
+def edge_merge_task(round_id: int, organization_id: int, attempt: int | None = None) -> dict:
     log.info("edge merge started: round %s organization %s", round_id, organization_id)
     try:
-        outcome = pipeline.run_edge_merge(round_id, organization_id)
+        outcome = pipeline.run_edge_merge(round_id, organization_id, attempt=attempt)
+    except pipeline.StaleAttempt as stale:
+        log.warning("edge merge of organization %s not written: %s", organization_id, stale)
+        return {"organization": organization_id, "stale": str(stale)}
     except Exception as exc:
-        pipeline.fail_round(round_id, f"edge merge of organization {organization_id} failed: {exc}")
+        pipeline.fail_round(
+            round_id, f"edge merge of organization {organization_id} failed: {exc}", attempt
+        )
         raise
     return {"organization": organization_id, "sha256": outcome.sha256,
             "accepted": outcome.accepted, "rejected": outcome.rejected}
 
 
 @shared_task(name="synapse.server_merge", **TASK_OPTIONS)
-def server_merge_task(round_id: int) -> str:
+def server_merge_task(round_id: int, attempt: int | None = None) -> str | None:
     try:
-        return pipeline.run_server_merge(round_id)
+        return pipeline.run_server_merge(round_id, attempt=attempt)
+    except pipeline.StaleAttempt as stale:
+        log.warning("server merge not written: %s", stale)
+        return None
     except Exception as exc:
-        pipeline.fail_round(round_id, f"server merge failed: {exc}")
+        pipeline.fail_round(round_id, f"server merge failed: {exc}", attempt)
         raise
 
 
