@@ -57,15 +57,17 @@ class StaleAttempt(Exception):
     retried it since, or failed it while this task ran): it changes nothing and fails nothing."""
 
 
-def _check_attempt(round_: Round, attempt: int | None, *, states: tuple[str, ...]) -> None:
+def _check_attempt(
+    round_: Round, attempt: int | None, *, states: tuple[str, ...] | None = None
+) -> None:
     """Under the round's row lock: refuse (StaleAttempt) a step of another run than the round's
-    current one (`attempt`; None: a direct call, not a task, which is always current) or a round
-    that is not in one of `states` any more."""
+    current one (`attempt`; None: a direct call, not a task, which is always current) or of a
+    round that is no longer in one of `states` (None: any state)."""
     if attempt is not None and attempt != round_.attempt:
         raise StaleAttempt(
             f"round {round_.number}: a task of run {attempt}, the round is on run {round_.attempt}"
         )
-    if round_.state not in states:
+    if states is not None and round_.state not in states:
         raise StaleAttempt(f"round {round_.number} is {round_.state} now")
 
 
@@ -174,8 +176,7 @@ def start_round(round_id: int, attempt: int | None = None) -> list[int]:
     run than the round's (`attempt`) raises StaleAttempt."""
     with transaction.atomic():
         round_ = Round.objects.select_for_update().get(pk=round_id)
-        if attempt is not None and attempt != round_.attempt:
-            _check_attempt(round_, attempt, states=(round_.state,))
+        _check_attempt(round_, attempt)
         if round_.state not in (Round.State.CLOSING, Round.State.MERGING):
             raise PipelineError(f"round {round_.number} is {round_.state}, not closing")
         config = _config(round_)
