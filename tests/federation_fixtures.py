@@ -33,6 +33,16 @@ class World:
         return services.Actor.for_user(user, "10.0.0.1")
 
 
+def client_api(token: str | None = None, scheme: str = "Bearer"):
+    """A REST API client sending `Authorization: <scheme> <token>` (none without a token)."""
+    from rest_framework.test import APIClient
+
+    api = APIClient()
+    if token:
+        api.credentials(HTTP_AUTHORIZATION=f"{scheme} {token}")
+    return api
+
+
 def make_user(username, org=None, role=None, superuser=False):
     user = get_user_model().objects.create_user(username)  # unusable password: fast
     if superuser:

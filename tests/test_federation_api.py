@@ -23,18 +23,11 @@ from federation import services, submissions
 from federation.models import AuditLog, Client, Organization, ProbeQuery, Round, Submission
 from routing.router import LinearHead
 from synapse_web.middleware import server_error
-from tests.federation_fixtures import SYSTEM
+from tests.federation_fixtures import SYSTEM, client_api
 
 pytestmark = pytest.mark.django_db
 
 SUBMIT = "/api/v1/submissions/"
-
-
-def client_api(token: str | None = None, scheme: str = "Bearer") -> APIClient:
-    api = APIClient()
-    if token:
-        api.credentials(HTTP_AUTHORIZATION=f"{scheme} {token}")
-    return api
 
 
 def person_api(user) -> APIClient:

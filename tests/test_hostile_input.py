@@ -18,7 +18,7 @@ from compendium.models import CompendiumVersion
 from compendium.validation import validate_compendium
 from federation import services
 from federation.models import ConflictDecision, ConflictLogEntry, Organization, Round, Submission
-from tests.federation_fixtures import SYSTEM
+from tests.federation_fixtures import SYSTEM, client_api
 
 json_values = st.recursive(
     st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False) | st.text(max_size=30),
@@ -188,7 +188,7 @@ def test_pipeline_that_fails_at_once_does_not_turn_a_committed_close_into_a_500(
     is recorded on the round and the request answers normally."""
     from federation import pipeline
 
-    def broken(round_id):
+    def broken(round_id, attempt=None):
         raise RuntimeError("merge machinery broke")
 
     monkeypatch.setattr(pipeline, "start_round", broken)
@@ -379,12 +379,6 @@ def test_api_list_refuses_a_page_it_cannot_read(world, query, named):
 # --- the submission path under races and oversized documents ------------------------------------
 
 
-def _client_api(token: str) -> APIClient:
-    api = APIClient()
-    api.credentials(HTTP_AUTHORIZATION=f"Bearer {token}")
-    return api
-
-
 @pytest.mark.django_db
 @pytest.mark.parametrize("header", ["\xa0", "\x85", " \xa0 "])
 def test_an_authorization_header_of_unicode_spaces_is_no_credential_not_a_500(world, header):
@@ -430,7 +424,7 @@ def test_a_round_that_changes_while_a_submission_is_checked_stores_nothing(world
         return result
 
     monkeypatch.setattr(submissions, "validate_compendium", validate_then_switch_rounds)
-    api = _client_api(world.token_a)
+    api = client_api(world.token_a)
     response = api.post("/api/v1/submissions/", json.dumps(valid_doc), content_type="application/json",
                         HTTP_IDEMPOTENCY_KEY="k1")
     assert response.status_code == 409 and response.json()["code"] == "round_changed"
@@ -446,7 +440,7 @@ def test_a_client_revoked_while_its_submission_is_checked_stores_nothing(world, 
     import federation.submissions as submissions
 
     services.open_round(SYSTEM)
-    api = _client_api(world.token_a)
+    api = client_api(world.token_a)
     earlier = api.post("/api/v1/submissions/", json.dumps(valid_doc), content_type="application/json",
                        HTTP_IDEMPOTENCY_KEY="k1")
     assert earlier.status_code == 201
