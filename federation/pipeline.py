@@ -233,9 +233,10 @@ def _previous_conflicts(round_: Round, organization: Organization | None) -> lis
 
 def _release_number(
     round_: Round, organization: Organization, rematerialize: bool, inputs: list[int]
-) -> int:
-    """The release this edge merge makes: 0 for the first; the last one again for a replay of it
-    (a retry, a task delivered twice) over the same inputs, which redraws the same noise and so
+) -> tuple[int, bool]:
+    """The release this edge merge makes, and whether it is a new one beyond the round's first
+    (ε the round did not reserve). 0 for the first; the last one again for a replay of it (a
+    retry, a task delivered twice) over the same inputs, which redraws the same noise and so
     tells nothing new; a new one, with fresh noise and its own ε, for a re-materialization or
     when the inputs (`inputs`: the client versions merged) changed since the last release (a
     client revoked meanwhile): the same noise over other inputs would let anyone who saw both
@@ -247,14 +248,14 @@ def _release_number(
         .first()
     )
     if last is None:
-        return 0
+        return 0, False
     if rematerialize:
-        return last + 1
+        return last + 1, True
     record = MergeRecord.objects.filter(round=round_, organization=organization).first()
     released_from = record.stats.get("inputs") if record is not None else None
     if released_from is not None and released_from != inputs:
-        return last + 1
-    return last
+        return last + 1, True
+    return last, False
 
 
 @dataclass(frozen=True)
@@ -305,15 +306,9 @@ def run_edge_merge(
         .order_by("client_id")
     )
     source_ids = [v.pk for v in sources]
-    release = _release_number(round_, organization, rematerialize, source_ids)
-    # A release beyond the round's first is ε the round did not reserve: an erasure's, or a
-    # retry's over changed inputs. Over the budget it is made without numeric statistics.
-    extra = release > 0 and (
-        rematerialize
-        or not PrivacyLedgerEntry.objects.filter(
-            round=round_, organization=organization, release=release
-        ).exists()
-    )
+    # A release beyond the round's first (`extra`) is ε the round did not reserve: an erasure's,
+    # or a retry's over changed inputs. Over the budget it is made without numeric statistics.
+    release, extra = _release_number(round_, organization, rematerialize, source_ids)
     remaining = accounting.remaining_for_release(round_.pk, organization.pk, release)
     inputs = [MergeInput(f"client:{v.client_id}", v.content) for v in sources]
     common = dict(

@@ -108,8 +108,7 @@ def tune_published_router(
     record = queue_tuning(version, epochs)
     folder = Path(record.directory) if record.directory else None
     ready = record.state == TunedRouter.State.READY and folder is not None and folder.is_dir()
-    latest = published_global_version()
-    if latest is None or latest.pk != version.pk:
+    if not _served(version):
         if ready:  # a newer global's router retires it
             return record
         return _finish(
@@ -142,8 +141,7 @@ def tune_published_router(
         shutil.rmtree(partial, ignore_errors=True)
         log.warning("tuning the router of round %s failed: %s", version.round.number, exc)
         return _finish(record, TunedRouter.State.FAILED, f"{exc.__class__.__name__}: {exc}")
-    latest = published_global_version()
-    if latest is None or latest.pk != version.pk:
+    if not _served(version):
         # A newer global was published while this one was tuned (and its router may be ready
         # already): this router would serve nothing, and retiring the others would retire that one.
         shutil.rmtree(partial, ignore_errors=True)
@@ -170,6 +168,12 @@ def tune_published_router(
     )
     retire_older(record)
     return record
+
+
+def _served(version: CompendiumVersion) -> bool:
+    """Whether `version` is the published global the routing API serves (the latest)."""
+    latest = published_global_version()
+    return latest is not None and latest.pk == version.pk
 
 
 def _accuracy(router, pairs: list[tuple[str, str]]) -> float | None:
