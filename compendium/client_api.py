@@ -4,7 +4,8 @@ Speaks the REST API exactly as the server defines it:
 - `GET /api/v1/rounds/?state=open` -> {"count", "results": [{"number", ...}]}
 - `POST /api/v1/submissions/` with `Idempotency-Key`; 201, or the same answer again with
   `Idempotent-Replayed: true`; 400 {"detail", "violations": [{"path", "reason"}]}; 401/403; 409
-  when no round is open (`code: round_changed` when another opened while the body was checked);
+  when no round is open (`code: round_changed` when another opened while the body was checked,
+  `code: schema_changed` when the registry or the numeric fields changed meanwhile);
   413; 429 with `Retry-After`.
 - `GET /api/v1/compendium/global/` -> {"round", "sha256", "published_at", "compendium"} with an
   ETag; 304 when `If-None-Match` matches; 404 when nothing is published.
@@ -402,6 +403,9 @@ class SynapseClient:
                 code = None
             if code == "round_changed":
                 raise ClientError(f"the open round changed while the server checked the submission: "
+                                  f"{_detail(response)}")
+            if code == "schema_changed":
+                raise ClientError(f"the server's schema changed while it checked the submission: "
                                   f"{_detail(response)}")
             raise ClientError(f"the server has no round open for this submission: {_detail(response)}")
         if status == 413:

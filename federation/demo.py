@@ -146,10 +146,9 @@ def run_demo_rounds(
             # (round 1: the probe set's requests and the schema), read back by the server's own
             # decoder.
             wire = transport.compress(form.data, dictionary)
-            body = submissions.decoded_body(wire, transport.CONTENT_ENCODING, len(form.data))
             submissions.submit(
-                client, body, f"demo-r{rnd.number}-{form.sha256[:32]}",
-                wire_bytes=len(wire), content_encoding=transport.CONTENT_ENCODING,
+                client, wire, f"demo-r{rnd.number}-{form.sha256[:32]}",
+                content_encoding=transport.CONTENT_ENCODING,
             )
             sent += 1
         progress(f"demo round {rnd.number}: closing; edges and the server merge")

@@ -78,3 +78,10 @@ class RoundChanged(Conflict):
     opened meanwhile: its masking strength and schema were not checked for that one."""
 
     code = "round_changed"
+
+
+class SchemaChanged(Conflict):
+    """The tool registry or the declared numeric fields changed while a submission was checked
+    against them: the merge would hold it to another schema."""
+
+    code = "schema_changed"

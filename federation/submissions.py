@@ -40,6 +40,7 @@ from federation.errors import (
     PayloadTooLarge,
     RateLimited,
     RoundChanged,
+    SchemaChanged,
     UnknownDictionary,
     UnsupportedEncoding,
 )
@@ -439,8 +440,10 @@ _LOCK_CLIENT_SQL = f"SELECT status FROM {Client._meta.db_table} WHERE id = %(cli
 
 # Under the client's lock: the stored answer of this key again (a concurrent request with it may
 # have committed meanwhile), the open round read FOR SHARE (closing it waits for us), the client's
-# current version of that round, if any, and unless the key is stored, the request's hit on the
-# client's rate counter (committed with the submission: one commit, one WAL flush, per request).
+# current version of that round, if any, unless the key is stored the request's hit on the
+# client's rate counter (committed with the submission: one commit, one WAL flush, per request),
+# and the schema's fingerprint again (a tool deactivated or a numeric field changed while the body
+# was checked: it was checked against another schema than the merge will use).
 _CLAIM_SQL = f"""
 WITH stored AS ({_STORED}),
 open_round AS (SELECT id, number FROM {Round._meta.db_table} WHERE {_TAKES_SUBMISSIONS} FOR SHARE),
@@ -454,8 +457,9 @@ SELECT stored.id, stored.request_sha256, stored.status_code, stored.response,
        open_round.id, open_round.number,
        (SELECT id FROM {_VERSIONS}
         WHERE kind = 'client' AND client_id = %(client)s AND round_id = open_round.id),
-       (SELECT count FROM hit)
-FROM (SELECT 1) AS one LEFT JOIN stored ON TRUE LEFT JOIN open_round ON TRUE
+       (SELECT count FROM hit), schema.*
+FROM (SELECT 1) AS one LEFT JOIN stored ON TRUE LEFT JOIN open_round ON TRUE,
+     (SELECT {_FINGERPRINT_COLUMNS}) AS schema
 """
 
 # A replacing submission's earlier version, with what the ORM's cascade would delete or null (one
@@ -503,19 +507,18 @@ def _no_open_round() -> NoOpenRound:
 
 def submit(
     client: Client,
-    body: bytes,
+    wire: bytes,
     idempotency_key: str,
     *,
-    wire_bytes: int | None = None,
-    content_encoding: str = "",
+    content_encoding: str | None = None,
 ) -> Outcome:
     """Store a client's compendium for the open round (or replay the stored outcome of this
-    idempotency key). `body` is the decoded JSON; `wire_bytes` and `content_encoding` say how it
-    came (default: plain, as `body`). Raises FederationError subclasses for every refusal; a
-    compendium without a single entry is one (EmptySubmission), so it never replaces the client's
-    earlier submission."""
+    idempotency key). `wire` is the body as it came and `content_encoding` its Content-Encoding
+    header (None: plain); it is decoded only once the look-ahead has found the request within
+    the client's rate, so a client past its rate costs no decompression. Raises FederationError
+    subclasses for every refusal; a compendium without a single entry is one
+    (EmptySubmission), so it never replaces the client's earlier submission."""
     key = check_key(idempotency_key)
-    request_sha256 = hashlib.sha256(body).hexdigest()
     limit = max_submission_bytes()
     rate_limit = federation_settings().submissions_per_minute
     window = ratelimit.window(60)
@@ -530,9 +533,8 @@ def submit(
         row = cursor.fetchone()
     stored, (count, open_round, *fingerprint) = row[:4], row[4:]
     if stored[0] is not None:
-        return _replay(stored, request_sha256)
-    if len(body) > limit:
-        raise PayloadTooLarge(f"the body is {len(body)} bytes; the limit is {limit} bytes")
+        body = decoded_body(wire, content_encoding, limit)
+        return _replay(stored, hashlib.sha256(body).hexdigest())
     # This request would be hit number count + 1 of the window: refused past the limit, before
     # any work (a refused request needs no hit: the window stays over the limit).
     if (count or 0) >= rate_limit:
@@ -540,6 +542,14 @@ def submit(
     if open_round is None:  # answered before the work of validation; re-checked under lock below
         _count_refusal(client)
         raise _no_open_round()
+    try:
+        body = decoded_body(wire, content_encoding, limit)
+        if len(body) > limit:
+            raise PayloadTooLarge(f"the body is {len(body)} bytes; the limit is {limit} bytes")
+    except FederationError:  # not gzip, an unknown dictionary, a bomb: work done, counted
+        _count_refusal(client)
+        raise
+    request_sha256 = hashlib.sha256(body).hexdigest()
     schema = _schema_for(tuple(fingerprint))
 
     result = validate_compendium(body, schema)
@@ -572,7 +582,7 @@ def submit(
                 )
             cursor.execute(_CLAIM_SQL, params)
             row = cursor.fetchone()
-            stored, (round_id, round_number, replaced, count) = row[:4], row[4:]
+            stored, (round_id, round_number, replaced, count, *claimed_schema) = row[:4], row[4:]
             if stored[0] is not None:  # a concurrent request with this key won the race
                 return _replay(stored, request_sha256)
             if count > rate_limit:  # requests of this client that passed the look-ahead together
@@ -584,6 +594,12 @@ def submit(
                     f"round {int(open_round[0])}, which this submission was checked against, "
                     f"stopped taking submissions meanwhile and round {round_number} is open: "
                     "build against its configuration and submit again (nothing was stored)"
+                )
+            if claimed_schema != fingerprint:
+                raise SchemaChanged(
+                    "the tool registry or the declared numeric fields changed while this "
+                    "submission was being checked: pull the schema, build again and submit "
+                    "(nothing was stored)"
                 )
             if replaced is not None:
                 cursor.execute(_REPLACE_SQL, {"replaced": replaced})
@@ -612,13 +628,13 @@ def submit(
                     "request_sha256": request_sha256,
                     "response": json.dumps({**head, **tail}),
                     "scrubbed": scrubbed,
-                    "wire_bytes": len(body) if wire_bytes is None else wire_bytes,
-                    "content_encoding": content_encoding,
+                    "wire_bytes": len(wire),
+                    "content_encoding": encoding_name(content_encoding),
                 },
             )
             submission_id, version_id = cursor.fetchone()
-    except (NoOpenRound, RoundChanged):
-        _count_refusal(client)  # the round closed meanwhile; the hit went with the rollback
+    except (NoOpenRound, RoundChanged, SchemaChanged):
+        _count_refusal(client)  # the round or schema changed meanwhile; the hit was rolled back
         raise
     except IntegrityError:
         # Only reachable if the row lock was bypassed: the unique key decides, we replay.

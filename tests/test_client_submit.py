@@ -52,6 +52,7 @@ class ServerState:
     drop_next_posts: int = 0  # store, then close the connection without an answer
     fail_next_posts: int = 0  # answer fail_status before doing anything
     fail_status: int = 503
+    conflict_code: str = "round_changed"  # the code of a 409 answered by fail_next_posts
     posts: list[dict] = field(default_factory=list)  # every POST seen: key, replayed
     created: int = 0  # rows ever created (a replacement also counts)
     rows: dict[tuple[int, str], dict] = field(default_factory=dict)  # one per (round, client)
@@ -168,6 +169,12 @@ def make_handler(state: ServerState):
                     state.fail_next_posts -= 1
                     if state.fail_status == 429:
                         return self._send(429, {"detail": "slow down"}, {"Retry-After": "7"})
+                    if state.fail_status == 409 and state.conflict_code == "schema_changed":
+                        return self._send(409, {  # the real API's answer
+                            "detail": "the tool registry or the declared numeric fields changed "
+                                      "while this submission was being checked: pull the schema, "
+                                      "build again and submit (nothing was stored)",
+                            "code": "schema_changed"})
                     if state.fail_status == 409:  # the real API's answer when the round changed
                         return self._send(409, {
                             "detail": "round 4, which this submission was checked against, stopped "
@@ -471,6 +478,18 @@ def test_a_round_that_changed_under_the_submission_is_one_clear_line(server, tmp
     assert len(err) == 1 and err[0].startswith(
         "synapse-client: the open round changed while the server checked the submission: round 4, "
     ) and err[0].endswith("submit again (nothing was stored)")
+
+
+def test_a_schema_that_changed_under_the_submission_is_one_clear_line(server, tmp_path, capsys):
+    url, state = server
+    state.fail_next_posts, state.fail_status, state.conflict_code = 1, 409, "schema_changed"
+    assert main(submit_args(url, write(tmp_path, compendium()))) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == [
+        "synapse-client: the server's schema changed while it checked the submission: the tool "
+        "registry or the declared numeric fields changed while this submission was being checked: "
+        "pull the schema, build again and submit (nothing was stored)"
+    ]
 
 
 def test_wrong_token_is_one_clear_line(server, tmp_path, capsys):

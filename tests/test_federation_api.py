@@ -520,6 +520,40 @@ def test_refused_submissions_count_towards_the_rate_limit(
     assert counter.count == 3
 
 
+def test_a_client_past_its_rate_costs_no_decompression(world, open_round, valid_doc, one_window,
+                                                        monkeypatch):
+    """The rate is checked before the body is inflated: a client past its rate that sends a
+    compressed body (here one that is not even gzip) gets its 429 with nothing decoded."""
+    services.update_settings(SYSTEM, submissions_per_minute=1)
+    api = client_api(world.token_a)
+    assert post_doc(api, valid_doc, key="a").status_code == 201
+    decoded = []
+    original = submissions.decoded_body
+    monkeypatch.setattr(submissions, "decoded_body",
+                        lambda *args: decoded.append(args) or original(*args))
+    limited = post_doc(api, b"not gzip at all", key="b", HTTP_CONTENT_ENCODING="gzip")
+    assert limited.status_code == 429, limited.content
+    assert decoded == []
+    # A replay is still answered past the rate: its body is decoded to compare it with the key's.
+    replay = post_doc(api, gzip.compress(json.dumps(valid_doc).encode()), key="a",
+                      HTTP_CONTENT_ENCODING="gzip")
+    assert replay.status_code == 201 and replay["Idempotent-Replayed"] == "true"
+
+
+def test_a_body_that_does_not_decode_counts_towards_the_rate(world, open_round, valid_doc,
+                                                            one_window):
+    from federation.models import RateCounter
+
+    services.update_settings(SYSTEM, submissions_per_minute=2)
+    api = client_api(world.token_a)
+    assert post_doc(api, b"not gzip at all", key="a", HTTP_CONTENT_ENCODING="gzip").status_code == 400
+    bomb = gzip.compress(b" " * (submissions.max_submission_bytes() + 10))
+    assert post_doc(api, bomb, key="b", HTTP_CONTENT_ENCODING="gzip").status_code == 413
+    assert post_doc(api, valid_doc, key="c").status_code == 429
+    assert RateCounter.objects.get(key=f"submit:client:{world.client_a.pk}").count == 2
+    assert not Submission.objects.exists()
+
+
 def test_a_limit_of_zero_refuses_before_any_work(world, open_round, valid_doc):
     services.update_settings(SYSTEM, submissions_per_minute=0)
     api = client_api(world.token_a)

@@ -436,6 +436,38 @@ def test_a_round_that_changes_while_a_submission_is_checked_stores_nothing(world
 
 
 @pytest.mark.django_db
+def test_a_schema_that_changes_while_a_submission_is_checked_stores_nothing(world, valid_doc, monkeypatch,
+                                                                           without_merge_pipeline):
+    """The body was checked against the schema of the look-ahead; a numeric field changes (as a
+    tool deactivated in the admin would) before the claim: 409 `schema_changed`, nothing
+    stored, and the same body sent again is checked against the new schema and stored."""
+    import federation.submissions as submissions
+    from compendium.models import NumericField
+
+    services.open_round(SYSTEM)
+    check = submissions.validate_compendium
+
+    def validate_then_change_the_schema(body, schema):
+        result = check(body, schema)
+        monkeypatch.setattr(submissions, "validate_compendium", check)
+        field = NumericField.objects.order_by("name").first()
+        field.sensitivity *= 2
+        field.save()
+        return result
+
+    monkeypatch.setattr(submissions, "validate_compendium", validate_then_change_the_schema)
+    api = client_api(world.token_a)
+    response = api.post("/api/v1/submissions/", json.dumps(valid_doc), content_type="application/json",
+                        HTTP_IDEMPOTENCY_KEY="k1")
+    assert response.status_code == 409 and response.json()["code"] == "schema_changed"
+    assert "nothing was stored" in response.json()["detail"]
+    assert not CompendiumVersion.objects.filter(kind="client").exists()
+    again = api.post("/api/v1/submissions/", json.dumps(valid_doc), content_type="application/json",
+                     HTTP_IDEMPOTENCY_KEY="k1")
+    assert again.status_code == 201, again.content
+
+
+@pytest.mark.django_db
 def test_a_client_revoked_while_its_submission_is_checked_stores_nothing(world, valid_doc, monkeypatch):
     import federation.submissions as submissions
 

@@ -184,7 +184,9 @@ class SubmissionView(FederationGenericView):
         "unmasked_text` and a violation per text (nothing stored). A body sent chunked, "
         "without `Content-Length`, is a 411; one checked against a round that stopped taking "
         "submissions while another opened is a 409 with `code: round_changed` (build against "
-        "the new round and submit again).",
+        "the new round and submit again); one checked against a tool registry or numeric fields "
+        "that changed meanwhile a 409 with `code: schema_changed`. The client's rate is checked "
+        "before the body is inflated.",
         request={"application/json": OpenApiTypes.OBJECT},
         # Only a client's token submits; people's tokens and sessions are recognized to be refused.
         auth=[{"clientToken": []}],
@@ -218,15 +220,11 @@ class SubmissionView(FederationGenericView):
         body = request._request.read(limit + 1)
         if len(body) > limit:
             raise submissions.PayloadTooLarge(f"the body exceeds the limit of {limit} bytes")
-        encoding = request.META.get("HTTP_CONTENT_ENCODING")
-        wire_bytes = len(body)
-        body = submissions.decoded_body(body, encoding, limit)
         outcome = submissions.submit(
             request.auth,
             body,
             request.META.get("HTTP_IDEMPOTENCY_KEY"),
-            wire_bytes=wire_bytes,
-            content_encoding=submissions.encoding_name(encoding),
+            content_encoding=request.META.get("HTTP_CONTENT_ENCODING"),
         )
         response = Response(outcome.body, status=outcome.status_code)
         if outcome.replayed:

@@ -180,10 +180,8 @@ class ServiceRounds:
                 continue  # as `synapse-client participate`: nothing new, nothing sent
             wire = wires[name]
             try:
-                body = submissions.decoded_body(wire, transport.CONTENT_ENCODING,
-                                                submissions.max_submission_bytes())
-                submissions.submit(self.clients[name], body, f"simulate-{self.seed}-{round_}-{name}",
-                                   wire_bytes=len(wire), content_encoding=transport.CONTENT_ENCODING)
+                submissions.submit(self.clients[name], wire, f"simulate-{self.seed}-{round_}-{name}",
+                                   content_encoding=transport.CONTENT_ENCODING)
                 accepted += 1
             except FederationError as exc:
                 refused[name] = str(exc)
