@@ -170,6 +170,16 @@ def tune_published_router(
     return record
 
 
+def give_up_tuning(version_id: int, reason: str) -> TunedRouter | None:
+    """The tuning of `version_id`'s router is not tried again (its worker died every time):
+    its row -> failed with `reason`, unless it is ready (None: no row)."""
+    record = TunedRouter.objects.filter(version_id=version_id).first()
+    if record is None or record.state == TunedRouter.State.READY:
+        return record
+    log.warning("tuning the router of version %s given up: %s", version_id, reason)
+    return _finish(record, TunedRouter.State.FAILED, reason)
+
+
 def _served(version: CompendiumVersion) -> bool:
     """Whether `version` is the published global the routing API serves (the latest)."""
     latest = published_global_version()

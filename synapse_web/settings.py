@@ -309,6 +309,9 @@ CELERY_TASK_EAGER_PROPAGATES = True
 CELERY_TASK_ACKS_LATE = True
 CELERY_TASK_REJECT_ON_WORKER_LOST = True
 CELERY_WORKER_PREFETCH_MULTIPLIER = 1
+# A task whose worker dies (killed for memory) is delivered again; after this many deliveries it
+# gives up and fails its round (a tuning: its router) with that reason (workers.deliveries).
+SYNAPSE_TASK_MAX_DELIVERIES = int(os.environ.get("SYNAPSE_TASK_MAX_DELIVERIES", "3"))
 CELERY_TASK_SERIALIZER = "json"
 CELERY_RESULT_SERIALIZER = "json"
 CELERY_ACCEPT_CONTENT = ["json"]
@@ -322,6 +325,8 @@ CELERY_BEAT_SCHEDULE = {
     },
     # Rate-limit and sign-in failure counters older than a day (federation.ratelimit.prune).
     "prune-rate-counters": {"task": "synapse.prune_rate_counters", "schedule": 3600.0},
+    # Delivery counts of task messages last delivered more than a day ago (workers.deliveries).
+    "prune-task-deliveries": {"task": "synapse.prune_task_deliveries", "schedule": 3600.0},
     # Routing-call latency records older than SYNAPSE_ROUTING_CALL_RETENTION_DAYS.
     "prune-routing-calls": {"task": "synapse.prune_routing_calls", "schedule": 3600.0},
 }

@@ -183,6 +183,28 @@ def test_worker_killed_mid_merge_yields_the_same_global_compendium(worker):
     assert pipeline.run_server_merge(round_.pk) == sha
 
 
+@pytest.mark.parametrize("worker", [({"SYNAPSE_TASK_MAX_DELIVERIES": "2"}, None)], indirect=True)
+def test_an_edge_merge_whose_worker_always_dies_fails_the_round_instead_of_looping(worker):
+    """Every edge merge's pool process is killed as it starts (as the OOM killer would, every
+    time): each message is delivered again until its third delivery, which gives up and fails the
+    round with the reason, instead of being delivered forever."""
+    round_, _ = build_federation()
+    _close_round(round_)
+    killed, deadline = 0, time.monotonic() + 400
+    while time.monotonic() < deadline:
+        line = worker.lines.get(timeout=max(1.0, deadline - time.monotonic()))
+        if "edge merge started" in line:
+            worker.kill_pool_child()  # the line comes from the pool process, before its merge
+            killed += 1
+        elif "failed: the edge merge of organization" in line:
+            break
+    round_.refresh_from_db()
+    assert round_.state == "failed", "".join(worker.log[-50:])
+    assert "was delivered 3 times and its worker died every time" in round_.failure_reason
+    assert 2 <= killed <= 4, killed  # each message ran at most twice
+    assert not CompendiumVersion.objects.filter(kind="global", round=round_).exists()
+
+
 TUNE_QUEUE = f"synapse-test-tune-{uuid.uuid4().hex[:10]}"
 
 

@@ -159,10 +159,15 @@ def test_a_federation_through_the_services_never_empties_the_operators_database(
 
 
 def _scratch_databases() -> int:
+    """This process's scratch databases (a simulation run beside the tests on the same server
+    has its own, named after its process)."""
+    import os
+
     from django.db import connection
 
     with connection.cursor() as cursor:
-        cursor.execute("SELECT count(*) FROM pg_database WHERE datname LIKE %s", ["%\\_simulate\\_%"])
+        cursor.execute("SELECT count(*) FROM pg_database WHERE datname LIKE %s",
+                       [f"%\\_simulate\\_{os.getpid()}"])
         return cursor.fetchone()[0]
 
 

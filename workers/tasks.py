@@ -3,8 +3,10 @@
 Closing a round runs a group of edge merges (one per organization with submissions) and then the
 server merge as a chord. Tasks are acknowledged late and rejected when their worker dies, so a
 merge interrupted by a killed worker is delivered again; the services are idempotent, so the
-retry produces the same compendium. A task that fails for any other reason sets the round to
-`failed` with the reason.
+retry produces the same compendium. Each delivery is counted (workers.deliveries): a task whose
+worker died SYNAPSE_TASK_MAX_DELIVERIES times fails its round (a tuning: its router) with that
+reason instead of being delivered forever. A task that fails for any other reason sets the round
+to `failed` with the reason.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ from celery import chord, group, shared_task
 from celery.utils.log import get_task_logger
 
 from federation import pipeline
+from workers import deliveries
 
 log = get_task_logger(__name__)
 
@@ -25,9 +28,18 @@ TASK_OPTIONS = dict(acks_late=True, reject_on_worker_lost=True)
 # a task queued before runs were counted, treated as the current run.
 
 
-@shared_task(name="synapse.start_round_pipeline", **TASK_OPTIONS)
-def start_round_pipeline(round_id: int, attempt: int | None = None) -> dict:
-    """Start the chord; returns the ids of its edge tasks and of the server task."""
+@shared_task(name="synapse.start_round_pipeline", bind=True, **TASK_OPTIONS)
+def start_round_pipeline(self, round_id: int, attempt: int | None = None) -> dict:
+    """Start the chord; returns the ids of its edge tasks and of the server task. A redelivery
+    of a start that dispatched its chord answers what it dispatched, without a second chord."""
+    delivery = deliveries.count(self)
+    if delivery.exhausted:
+        reason = delivery.reason("the start of the merges")
+        pipeline.fail_round(round_id, reason, attempt)
+        return {"organizations": [], "edge_tasks": [], "server_task": None, "given_up": reason}
+    if delivery.outcome is not None:
+        log.warning("start of round %s delivered again: its merges were dispatched", round_id)
+        return delivery.outcome
     try:
         organizations = pipeline.start_round(round_id, attempt)
     except pipeline.StaleAttempt as stale:
@@ -45,11 +57,18 @@ def start_round_pipeline(round_id: int, attempt: int | None = None) -> dict:
         pipeline.fail_round(round_id, f"dispatching the merges failed: {exc}", attempt)
         raise
     edge_ids = [child.id for child in (result.parent.results if result.parent else [])]
-    return {"organizations": organizations, "edge_tasks": edge_ids, "server_task": result.id}
+    outcome = {"organizations": organizations, "edge_tasks": edge_ids, "server_task": result.id}
+    deliveries.record_outcome(self, outcome)
+    return outcome
 
 
-@shared_task(name="synapse.edge_merge", **TASK_OPTIONS)
-def edge_merge_task(round_id: int, organization_id: int, attempt: int | None = None) -> dict:
+@shared_task(name="synapse.edge_merge", bind=True, **TASK_OPTIONS)
+def edge_merge_task(self, round_id: int, organization_id: int, attempt: int | None = None) -> dict:
+    delivery = deliveries.count(self)
+    if delivery.exhausted:
+        reason = delivery.reason(f"the edge merge of organization {organization_id}")
+        pipeline.fail_round(round_id, reason, attempt)
+        return {"organization": organization_id, "given_up": reason}
     log.info("edge merge started: round %s organization %s", round_id, organization_id)
     try:
         outcome = pipeline.run_edge_merge(round_id, organization_id, attempt=attempt)
@@ -65,8 +84,12 @@ def edge_merge_task(round_id: int, organization_id: int, attempt: int | None = N
             "accepted": outcome.accepted, "rejected": outcome.rejected}
 
 
-@shared_task(name="synapse.server_merge", **TASK_OPTIONS)
-def server_merge_task(round_id: int, attempt: int | None = None) -> str | None:
+@shared_task(name="synapse.server_merge", bind=True, **TASK_OPTIONS)
+def server_merge_task(self, round_id: int, attempt: int | None = None) -> str | None:
+    delivery = deliveries.count(self)
+    if delivery.exhausted:
+        pipeline.fail_round(round_id, delivery.reason("the server merge"), attempt)
+        return None
     try:
         return pipeline.run_server_merge(round_id, attempt=attempt)
     except pipeline.StaleAttempt as stale:
@@ -77,12 +100,17 @@ def server_merge_task(round_id: int, attempt: int | None = None) -> str | None:
         raise
 
 
-@shared_task(name="synapse.tune_router", **TASK_OPTIONS)
-def tune_router_task(version_id: int, epochs: int) -> dict:
+@shared_task(name="synapse.tune_router", bind=True, **TASK_OPTIONS)
+def tune_router_task(self, version_id: int, epochs: int) -> dict:
     """Fine-tune the routing encoder on a published global (federation.tuning); the outcome,
     failures included, is recorded on its TunedRouter row."""
-    from federation.tuning import tune_published_router
+    from federation.tuning import give_up_tuning, tune_published_router
 
+    delivery = deliveries.count(self)
+    if delivery.exhausted:
+        record = give_up_tuning(version_id, delivery.reason("the tuning of this router"))
+        return {"version": version_id, "state": record.state if record else "gone",
+                "detail": record.detail if record else ""}
     record = tune_published_router(version_id, epochs)
     if record is None:
         return {"version": version_id, "state": "gone"}
@@ -107,6 +135,12 @@ def prune_rate_counters_task() -> int:
 
     # A sign-in lock lasts its window: never prune a counter younger than that.
     return prune(max(86400, settings.SYNAPSE_LOGIN_FAILURE_WINDOW_SECONDS))
+
+
+@shared_task(name="synapse.prune_task_deliveries")
+def prune_task_deliveries_task() -> int:
+    """Celery beat's hourly clean-up: delivery counts of messages last delivered a day ago."""
+    return deliveries.prune()
 
 
 @shared_task(name="synapse.prune_routing_calls")
