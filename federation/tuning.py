@@ -21,6 +21,7 @@ from __future__ import annotations
 import logging
 import shutil
 from pathlib import Path
+from typing import BinaryIO
 
 from django.conf import settings
 from django.utils import timezone
@@ -160,11 +161,18 @@ def tune_published_router(
     # went well, not an unbiased estimate; `manage.py simulate --tune-router` gives that).
     _, held = probe_halves(len(probe))
     held = [probe[i] for i in held]
+    try:
+        checks = {
+            "probe_accuracy": _accuracy(tuned.router, held),
+            "frozen_probe_accuracy": _accuracy(build_served(version).routers["fusion"], held),
+        }
+    except Exception as exc:  # the router is kept, without its check (not left `running`)
+        log.warning("the probe check of round %s's tuned router failed: %s", version.round.number, exc)
+        checks = {}
     record = _finish(
         record, TunedRouter.State.READY, directory=str(target), rows=tuned.rows,
         seconds=round(tuned.seconds, 1), fine_tune_seconds=round(tuned.fine_tune_seconds, 1),
-        device=tuned.device, probe_accuracy=_accuracy(tuned.router, held),
-        frozen_probe_accuracy=_accuracy(build_served(version).routers["fusion"], held),
+        device=tuned.device, **checks,
     )
     retire_older(record)
     return record
@@ -263,7 +271,14 @@ def downloadable_router(version: CompendiumVersion) -> tuple[TunedRouter, dict]:
         # Tuned before manifests: its vectors follow the served rows' order (a client whose copy
         # is in the published order embeds its rows again with the tuned model).
         compendium, _, _ = served_rows(version)
-        manifest = write_manifest(folder, compendium, **_manifest_fields(version, record.epochs))
+        try:
+            manifest = write_manifest(folder, compendium, **_manifest_fields(version, record.epochs))
+        except OSError:  # the folder was retired while this request read it
+            raise RouterUnavailable(
+                f"the tuned router of round {number} was retired while it was asked for; pull "
+                "the latest global",
+                "router_retired",
+            ) from None
     return record, manifest
 
 
@@ -287,10 +302,10 @@ def router_manifest(version: CompendiumVersion) -> tuple[str, dict]:
     return etag, body
 
 
-def router_file(version: CompendiumVersion, name: str) -> tuple[Path, dict]:
-    """The file `name` of the global's downloadable tuned router, with its manifest entry; only
-    files the manifest lists, and their deltas (RouterUnavailable otherwise, as when there is no
-    router)."""
+def router_file(version: CompendiumVersion, name: str) -> tuple[BinaryIO, dict]:
+    """The file `name` of the global's downloadable tuned router, open for reading, with its
+    manifest entry; only files the manifest lists, and their deltas (RouterUnavailable otherwise,
+    as when there is no router, or when the router was retired while this request read it)."""
     record, manifest = downloadable_router(version)
     listed = list(manifest["files"]) + [f["delta"] for f in manifest["files"] if "delta" in f]
     entry = next((f for f in listed if f["path"] == name), None)
@@ -299,9 +314,12 @@ def router_file(version: CompendiumVersion, name: str) -> tuple[Path, dict]:
             f"the tuned router of round {version.round.number} has no file {name!r}", "router_file"
         )
     path = Path(record.directory) / entry["path"]
-    if not path.is_file():
+    try:
+        handle = path.open("rb")  # open before answering: the folder may be retired any time
+    except OSError:
         raise RouterUnavailable(
-            f"the tuned router of round {version.round.number} lost its file {name!r}",
+            f"the tuned router of round {version.round.number} lost its file {name!r} (retired "
+            "while it was asked for); pull the latest global",
             "router_retired",
-        )
-    return path, entry
+        ) from None
+    return handle, entry

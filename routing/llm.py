@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import os
 import re
+import threading
 import time
 from dataclasses import dataclass
 from typing import Protocol
@@ -226,6 +227,9 @@ class LlamaCppLLM:
         if not os.path.exists(model_path):
             raise LLMUnavailable(f"GGUF model file not found: {model_path}")
         self.name = f"llama.cpp:{os.path.basename(model_path)}"
+        # One llama.cpp context is not safe to use from two threads at once (gunicorn's threads
+        # share the served router): calls take turns.
+        self._lock = threading.Lock()
         self._llama = Llama(
             model_path=model_path, n_ctx=n_ctx, n_threads=threads, seed=seed, verbose=False
         )
@@ -237,12 +241,27 @@ class LlamaCppLLM:
         ]
         extra = {"response_format": json_response_format(json_schema)} if json_schema else {}
         try:
-            out = self._llama.create_chat_completion(
-                messages=messages, max_tokens=max_tokens, temperature=0.0, **extra
-            )
+            with self._lock:
+                out = self._llama.create_chat_completion(
+                    messages=messages, max_tokens=max_tokens, temperature=0.0, **extra
+                )
         except Exception as exc:  # a native failure becomes one clear line
             raise LLMUnavailable(f"{self.name} failed: {exc.__class__.__name__}: {exc}") from None
         return str(out["choices"][0]["message"]["content"] or "")
+
+
+class UnusableLLM:
+    """A configured LLM that could not be loaded (its package missing, its file gone or broken):
+    each call raises LLMUnavailable with that reason, so that a router built with it falls back
+    to fusion and says why, instead of the whole service failing to build."""
+
+    def __init__(self, reason: str):
+        self.name = "unusable"
+        self.reason = reason
+
+    def complete(self, prompt: str, *, system: str = "", max_tokens: int = 64,
+                 json_schema: dict | None = None) -> str:
+        raise LLMUnavailable(self.reason)
 
 
 def get_llm(

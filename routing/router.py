@@ -573,7 +573,7 @@ class Router:
             candidates=candidates,
             precautions=self._precautions_of(chosen, vector),
             template=index.templates.get(tool),
-            reranker=self.reranker,
+            reranker="fusion" if fallback is not None else self.reranker,  # the one that decided
             fallback_reason=fallback,
             ranking=self.ranking(features, dense if self.reranker == "none" else fused, pos),
         )

@@ -283,10 +283,24 @@ def served_rows(version: CompendiumVersion):
     return compendium, scenario_rows, precaution_rows
 
 
+def served_llm():
+    """The configured LLM for the LLM reranker, or None; one that cannot be loaded is an
+    UnusableLLM (routing with `reranker: llm` then falls back to fusion, saying why)."""
+    from routing.llm import UnusableLLM, get_llm
+
+    try:
+        return get_llm(
+            getattr(settings, "SYNAPSE_LLM_BASE_URL", None),
+            getattr(settings, "SYNAPSE_LLM_MODEL", None),
+            getattr(settings, "SYNAPSE_LLM_API_KEY", None),
+        )
+    except Exception as exc:  # LLMUnavailable, or llama.cpp refusing a broken file
+        logging.getLogger(__name__).warning("routing without its LLM: %s", exc)
+        return UnusableLLM(f"the configured LLM could not be loaded: {exc}")
+
+
 def build_served(version: CompendiumVersion, tuned_directory: str = "") -> ServedCompendium:
     """The routers of `version` (with the encoder tuned on it when `tuned_directory` holds one)."""
-    from routing.llm import get_llm
-
     compendium, scenario_rows, precaution_rows = served_rows(version)
     tuned = _tuned_parts(version, compendium, tuned_directory) if tuned_directory else None
     if tuned is not None:
@@ -297,11 +311,7 @@ def build_served(version: CompendiumVersion, tuned_directory: str = "") -> Serve
         retriever = _retriever(version, index, scenario_rows)
         head = _stored_head(version, index)
         params = routing_params(head)
-    llm = get_llm(
-        getattr(settings, "SYNAPSE_LLM_BASE_URL", None),
-        getattr(settings, "SYNAPSE_LLM_MODEL", None),
-        getattr(settings, "SYNAPSE_LLM_API_KEY", None),
-    )
+    llm = served_llm()
     routers = {
         name: Router(
             compendium, engine, name, params=params, llm=llm, index=index, retriever=retriever,

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from django.conf import settings
+from django.core.exceptions import RequestDataTooBig
 from django.http import JsonResponse
 from django.shortcuts import render
 from django.views import defaults
@@ -104,3 +106,19 @@ def server_error(request, template_name=defaults.ERROR_500_TEMPLATE_NAME):
     if is_api(request):
         return JsonResponse({"detail": "internal server error"}, status=500)
     return defaults.server_error(request, template_name)
+
+
+def bad_request(request, exception, template_name=defaults.ERROR_400_TEMPLATE_NAME):
+    """handler400 (a SuspiciousOperation or BadRequest that no view answered): JSON under /api/,
+    where a body past DATA_UPLOAD_MAX_MEMORY_SIZE (one that DRF or Django read whole, as a
+    routing batch) is a 413 naming the limit; Django's page elsewhere."""
+    if is_api(request):
+        if isinstance(exception, RequestDataTooBig):
+            return JsonResponse(
+                {"detail": f"the request body is over {settings.DATA_UPLOAD_MAX_MEMORY_SIZE} "
+                           "bytes, the server's limit for one request: send less (a routing "
+                           "batch: fewer queries)"},
+                status=413,
+            )
+        return JsonResponse({"detail": "bad request"}, status=400)
+    return defaults.bad_request(request, exception, template_name)

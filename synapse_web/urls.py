@@ -23,9 +23,10 @@ def health(request):
     return JsonResponse({"status": "ok", "database": "ok"})
 
 
-# A 500 under /api/ is JSON {"detail": ...} (its 404s: synapse_web.middleware's
+# A 500 or 400 under /api/ is JSON {"detail": ...} (its 404s: synapse_web.middleware's
 # ApiJsonNotFoundMiddleware, since DEBUG's 404 page does not go through handler404).
 handler500 = "synapse_web.middleware.server_error"
+handler400 = "synapse_web.middleware.bad_request"
 
 urlpatterns = [
     # The admin's own password change is the dashboard's (audited, throttled).

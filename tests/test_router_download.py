@@ -191,7 +191,7 @@ def test_pull_router_and_route_as_the_server_does(
     assert not folder.exists()
 
 
-def test_router_endpoints_check_who_asks_and_serve_only_listed_files(data, settings, client):
+def test_router_endpoints_check_who_asks_and_serve_only_listed_files(data, settings, client, monkeypatch):
     from django.urls import reverse
 
     version = _publish(data, 1)
@@ -234,3 +234,27 @@ def test_router_endpoints_check_who_asks_and_serve_only_listed_files(data, setti
         refused = client.get(reverse("api:compendium-router-file", args=[name]), **auth)
         assert refused.status_code == 404, name
     assert refused.json()["code"] == "router_file"
+
+    # Retired (its folder removed by a newer router) while a request reads it: 404, not a 500.
+    from federation import tuning
+
+    found = tuning.downloadable_router
+
+    def then_retired(version):
+        answer = found(version)
+        import shutil
+
+        shutil.rmtree(folder)
+        return answer
+
+    monkeypatch.setattr(tuning, "downloadable_router", then_retired)
+    gone = client.get(url, **auth)
+    assert gone.status_code == 404 and gone.json()["code"] == "router_retired", gone.content
+    monkeypatch.undo()
+    folder.mkdir(parents=True)  # the row still says ready; its manifest must be written again
+    import routing.finetune
+
+    monkeypatch.setattr(routing.finetune, "write_manifest", lambda *a, **k: (_ for _ in ()).throw(
+        FileNotFoundError("retired meanwhile")))
+    gone = client.get(manifest_url, **auth)
+    assert gone.status_code == 404 and gone.json()["code"] == "router_retired", gone.content

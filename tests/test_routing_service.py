@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import numpy as np
 import pytest
 from django.db import connection
@@ -326,6 +328,42 @@ def test_route_api_bad_input_is_400_naming_the_problem(data, api, settings):
     settings.SYNAPSE_MAX_ROUTE_BATCH = 2
     response = _post(http, "/api/v1/route/batch/", {"queries": ["a", "b", "c"]}, raw)
     assert response.status_code == 400 and "too many queries" in response.json()["detail"]
+
+
+def test_a_body_over_the_request_limit_is_a_json_413(data, api, settings):
+    """A batch body past DATA_UPLOAD_MAX_MEMORY_SIZE (escaped non-Latin text is six bytes a
+    character) is a JSON 413 naming the limit, not Django's HTML 400 page."""
+    http, raw, _ = api
+    _publish(data, with_client_copy=False)
+    settings.DATA_UPLOAD_MAX_MEMORY_SIZE = 10_000
+    body = json.dumps({"queries": ["天" * 500] * 4})  # ascii-escaped: 12,000+ bytes
+    response = _post(http, "/api/v1/route/batch/", body, raw)
+    assert response.status_code == 413, response.content
+    assert response["Content-Type"].startswith("application/json")
+    assert "10000 bytes" in response.json()["detail"]
+    # Elsewhere under /api/ too: a person's request past the limit answers JSON.
+    from django.contrib.auth.models import User
+
+    http.force_login(User.objects.create_superuser("op", password="pw-long-enough-1"))
+    other = http.post("/api/v1/admin/organizations/", json.dumps({"name": "x" * 20_000}),
+                      content_type="application/json")
+    assert other.status_code == 413 and other["Content-Type"].startswith("application/json")
+    assert "10000 bytes" in other.json()["detail"]
+
+
+def test_an_llm_that_cannot_be_loaded_leaves_routing_up_and_says_why(data, api, settings, monkeypatch):
+    http, raw, _ = api
+    monkeypatch.setenv("SYNAPSE_LLM_GGUF", "/nonexistent/model.gguf")
+    settings.SYNAPSE_LLM_BASE_URL = ""
+    _publish(data, with_client_copy=False)
+    fused = _post(http, "/api/v1/route/", {"query": data["queries"][0]}, raw)
+    assert fused.status_code == 200, fused.content
+    asked = _post(http, "/api/v1/route/", {"query": data["queries"][0], "reranker": "llm"}, raw)
+    assert asked.status_code == 200, asked.content
+    body = asked.json()
+    assert body["reranker"] == "fusion" and body["tool"] == fused.json()["tool"]
+    # (llama-cpp-python missing, or the file: either way the reason is said)
+    assert "the configured LLM could not be loaded: " in body["fallback_reason"]
 
 
 def test_route_api_503_until_something_is_published(data, api):

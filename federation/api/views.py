@@ -467,13 +467,12 @@ class GlobalRouterFileView(FederationView):
     def get(self, request, name: str):
         from federation.tuning import router_file
 
-        path, entry = router_file(_served_global(request), name)
+        handle, entry = router_file(_served_global(request), name)
         etag = f'"{entry["sha256"]}"'
         if _etag_matches(request.META.get("HTTP_IF_NONE_MATCH", ""), etag):
+            handle.close()
             return HttpResponse(status=status.HTTP_304_NOT_MODIFIED, headers={"ETag": etag})
-        response = FileResponse(
-            open(path, "rb"), content_type="application/octet-stream",  # noqa: SIM115 (closed by Django)
-        )
+        response = FileResponse(handle, content_type="application/octet-stream")  # closes it
         response["ETag"] = etag
         return response
 
