@@ -120,9 +120,13 @@ def client_ip(request) -> str | None:
     if settings.SYNAPSE_BEHIND_PROXY:
         forwarded = request.META.get("HTTP_X_FORWARDED_FOR", "").split(",")[-1].strip()
         try:
-            return str(ipaddress.ip_address(forwarded))
+            address = ipaddress.ip_address(forwarded)
         except ValueError:
-            pass
+            address = None
+        # An IPv6 zone ("fe80::1%eth0") names a link of the proxy's host, not a visitor, and
+        # neither PostgreSQL's inet nor the throttle's key takes one of any length.
+        if address is not None and not getattr(address, "scope_id", None):
+            return str(address)
     return peer
 
 
@@ -209,8 +213,10 @@ def audit(
 
 
 # Audit details for an organization's admins and the operator only: a read-only member sees its
-# colleagues and their roles, not their e-mail addresses (as in the people list and API).
-ADMIN_ONLY_AUDIT_DETAILS = frozenset({"email"})
+# colleagues and their roles, not their e-mail addresses or sign-in times (as in the people list
+# and API), at whatever depth an entry holds them (a login changed in the Django admin keeps its
+# fields under `changes` and `login`).
+ADMIN_ONLY_AUDIT_DETAILS = frozenset({"email", "last_login"})
 
 
 def _plain(value):
@@ -237,13 +243,21 @@ def audit_details_for(user, entry: AuditLog) -> dict:
     """The details of an audit entry as `user` may read them: without the admin-only ones for a
     read-only member, unless the entry is about the member themself."""
     details = entry.details if isinstance(entry.details, dict) else {}
-    if (
-        ADMIN_ONLY_AUDIT_DETAILS.isdisjoint(details)
-        or details.get("user") == user.get_username()
-        or can_admin(Actor.for_user(user), entry.organization_id)
+    if details.get("user") == user.get_username() or can_admin(
+        Actor.for_user(user), entry.organization_id
     ):
         return details
-    return {k: v for k, v in details.items() if k not in ADMIN_ONLY_AUDIT_DETAILS}
+    return _without_admin_only(details)
+
+
+def _without_admin_only(value):
+    if isinstance(value, dict):
+        return {
+            k: _without_admin_only(v) for k, v in value.items() if k not in ADMIN_ONLY_AUDIT_DETAILS
+        }
+    if isinstance(value, list):
+        return [_without_admin_only(v) for v in value]
+    return value
 
 
 MAX_ROUND_NUMBER = 999_999_999  # 9 digits: what a `?round=N` parameter may name

@@ -102,6 +102,29 @@ def test_adding_a_login_in_the_admin_is_audited(world):
     assert NEW_PASSWORD not in json.dumps(entry.details) and user.password not in json.dumps(entry.details)
 
 
+def test_a_colleagues_address_changed_in_the_admin_is_not_shown_to_a_read_only_member(world):
+    """The entry keeps the change under `changes`; a read-only member of the organization reads
+    that the login changed, not the addresses, on the page, in its CSV and through the API; the
+    organization's admin and the member it is about read them."""
+    from tests.federation_fixtures import client_api, make_user
+
+    browser = operator_browser(world)
+    data = change_form(browser, world.member_a)
+    data.update(email="member@a.example")
+    assert browser.post(reverse("admin:auth_user_change", args=[world.member_a.pk]), data).status_code == 302
+    colleague = make_user("member_a2", world.org_a, Membership.Role.MEMBER)
+    for reader, shown in ((colleague, False), (world.admin_a, True), (world.member_a, True)):
+        page = BrowserClient()
+        page.force_login(reader)
+        html = page.get(reverse("dashboard:audit")).content.decode()
+        csv = b"".join(page.get(reverse("dashboard:audit"), {"format": "csv"}).streaming_content).decode()
+        token = services.issue_user_token(services.Actor.for_user(reader), reader, "t")
+        api = client_api(token).get("/api/v1/admin/audit/").content.decode()
+        for text in (html, csv, api):
+            assert ("member@a.example" in text) is shown, (reader.username, text[:300])
+        assert "member_a" in api and "user.change" in api
+
+
 def test_making_someone_staff_in_the_admin_is_audited_with_what_changed(world):
     browser = operator_browser(world)
     data = change_form(browser, world.member_a)

@@ -569,3 +569,24 @@ def test_every_command_a_page_suggests_parses(name, args):
         assert exit_.code == 0, f"manage.py {name} {args}: exit {exit_.code}"
     except CommandError as error:
         pytest.fail(f"manage.py {name} {args}: {error}")
+
+
+def test_names_in_charts_are_shown_as_written_not_read_as_plotly_markup():
+    """A client named like a link (an organization admin names its clients) is a name in the
+    legend and hover of the operator's chart, not a link: plotly.js reads <a href> and entities in
+    those texts, so the name goes in escaped (plotly decodes the entities back to the characters)
+    and the hover names the trace instead of holding the name as a template."""
+    from types import SimpleNamespace
+
+    from federation.dashboard.services import bytes_per_client_figure
+
+    name = '<a href="https://evil.example/login">Session expired</a> & %{y}'
+    fig = bytes_per_client_figure(
+        {1: SimpleNamespace(client=name)},
+        {1: [{"round__number": 1, "submission__wire_bytes": 900, "size_bytes": 2000,
+              "gzip_bytes": 800, "submission__content_encoding": "dcz"}]},
+    )
+    trace = fig.data[0]
+    assert trace.name == html.escape(name, quote=False)
+    assert "<a " not in fig.to_json() and "evil.example" in fig.to_json()
+    assert trace.hovertemplate.startswith("%{fullData.name}<br>") and "evil" not in trace.hovertemplate

@@ -244,3 +244,7 @@ def test_client_ip_trusts_x_forwarded_for_only_behind_a_proxy(settings):
     forged = factory.get("/", REMOTE_ADDR="10.0.0.2", HTTP_X_FORWARDED_FOR="not-an-address")
     assert client_ip(forged) == "10.0.0.2"
     assert client_ip(factory.get("/", REMOTE_ADDR="10.0.0.2")) == "10.0.0.2"
+    # An IPv6 zone of any length is not a visitor's address (nor one PostgreSQL's inet takes).
+    zoned = factory.get("/", REMOTE_ADDR="10.0.0.2", HTTP_X_FORWARDED_FOR="fe80::1%" + "a" * 300)
+    assert client_ip(zoned) == "10.0.0.2"
+    assert client_ip(factory.get("/", REMOTE_ADDR="10.0.0.2", HTTP_X_FORWARDED_FOR="2001:db8::7")) == "2001:db8::7"

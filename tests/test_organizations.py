@@ -4,6 +4,7 @@ once."""
 
 from __future__ import annotations
 
+import json
 import threading
 
 import pytest
@@ -130,6 +131,19 @@ def test_two_renames_at_once_are_both_recorded_in_order(registry, monkeypatch):
 
 
 # --- the API -----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("role", ["admin_a", "member_a", "admin_b"])
+def test_creating_an_organization_tells_no_one_but_the_operator_which_slugs_exist(world, role):
+    """Who asks is checked before the body: a taken slug and a free one are the same 403."""
+    api = person_api(getattr(world, role))
+    for slug in ("org-b", "org-a", "nothing-here"):
+        response = api.post(ORGANIZATIONS, {"name": "X", "slug": slug}, format="json")
+        assert response.status_code == 403, (slug, response.content)
+        assert "slug" not in response.json()["detail"]
+    assert Organization.objects.count() == 2
+    taken = person_api(world.operator).post(ORGANIZATIONS, {"name": "X", "slug": "org-b"}, format="json")
+    assert taken.status_code in (400, 409) and "slug" in json.dumps(taken.json())
 
 
 @pytest.mark.parametrize(

@@ -429,6 +429,25 @@ def test_a_person_changes_their_own_password(client, world):
     assert BrowserClient().get(reverse("password_change")).status_code == 302  # login first
 
 
+def test_a_password_change_whose_audit_fails_is_not_kept(world, monkeypatch):
+    issued = people.add_person(SYSTEM, world.org_a, "max", "member")
+    browser = BrowserClient(raise_request_exception=False)
+    browser.post(reverse("login"), {"username": "max", "password": issued.password})
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("the audit log is unreachable")
+
+    monkeypatch.setattr(people, "audit", broken)
+    failed = browser.post(
+        reverse("password_change"),
+        {"old_password": issued.password, "new_password1": "a-Long-new-pass-42",
+         "new_password2": "a-Long-new-pass-42"},
+    )
+    assert failed.status_code == 500
+    assert signs_in("max", issued.password) and not signs_in("max", "a-Long-new-pass-42")
+    assert not AuditLog.objects.filter(action="person.password_change").exists()
+
+
 @pytest.mark.django_db(transaction=True)
 def test_two_admins_deactivating_each_other_at_once_leave_one_admin(registry, monkeypatch):
     import threading

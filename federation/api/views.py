@@ -501,10 +501,14 @@ class OrganizationListView(FederationView, generics.ListCreateAPIView):
         responses={201: OrganizationSerializer, 403: DETAIL, 409: DETAIL},
     )
     def post(self, request, *args, **kwargs):
+        actor = actor_for(request)
+        # Who asks first: the body's check (a slug already taken) would otherwise tell anyone
+        # signed in which organizations exist.
+        services.require_operator(actor, "create organizations")
         data = OrganizationSerializer(data=request.data)
         data.is_valid(raise_exception=True)
         org = services.create_organization(
-            actor_for(request),
+            actor,
             data.validated_data["name"],
             data.validated_data.get("slug", ""),
             data.validated_data.get("description", ""),

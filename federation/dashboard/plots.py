@@ -6,6 +6,8 @@ such div with the plotly.js served from `static/vendor/` (no CDN, no inline scri
 
 from __future__ import annotations
 
+import html
+
 import plotly.graph_objects as go
 from django.utils.html import format_html
 from django.utils.safestring import SafeString
@@ -18,6 +20,13 @@ LAYOUT = {
     # below the x axis title, whatever the plot height (legend rows push the bottom margin)
     "legend": {"orientation": "h", "y": -0.3, "yanchor": "top"},
 }
+
+
+def literal(text) -> str:
+    """`text` (a client's or an organization's name) as plotly shows it, character for
+    character: plotly.js reads its own markup (<a href>, <b>, <br>, <span style>) and entities in
+    legend, hover, title and tick text, so a name would otherwise become a link or lose its "<"."""
+    return html.escape(str(text), quote=False)  # plotly decodes &amp; &lt; &gt; back
 
 
 def styled(fig: go.Figure, **layout) -> go.Figure:

@@ -33,7 +33,7 @@ from compendium.models import (
     TemplateEntry,
     Tool,
 )
-from federation.dashboard.plots import render_figure, right_axis, styled
+from federation.dashboard.plots import literal, render_figure, right_axis, styled
 from federation.merge.operator import noise_dominated
 from federation.merge.summarize import LLM_SUMMARIZERS, summary_counts
 from federation.models import AuditLog, Client, PrivacyLedgerEntry, Round
@@ -226,7 +226,7 @@ def bytes_per_client_figure(client_rows: dict[int, ClientRow], per_client: dict)
     on hover."""
     fig = go.Figure()
     for client_id, series in sorted(per_client.items(), key=lambda kv: str(client_rows[kv[0]].client)):
-        name = str(client_rows[client_id].client)
+        name = literal(client_rows[client_id].client)
         fig.add_trace(
             go.Scatter(
                 x=[p["round__number"] for p in series],
@@ -239,7 +239,7 @@ def bytes_per_client_figure(client_rows: dict[int, ClientRow], per_client: dict)
                 mode="lines+markers",
                 name=name,
                 hovertemplate=(
-                    f"{name}<br>round %{{x}}<br>%{{y:.1f}} kB sent (%{{customdata[0]}})"
+                    "%{fullData.name}<br>round %{x}<br>%{y:.1f} kB sent (%{customdata[0]})"
                     "<br>%{customdata[1]:.1f} kB canonical, %{customdata[2]:.1f} kB gzip"
                     "<extra></extra>"
                 ),
@@ -678,7 +678,7 @@ def organization_page(organization, actor) -> OrganizationPage:
         )
         styled(
             fig,
-            title={"text": f"{organization.name}: submissions and edge compendium size"},
+            title={"text": f"{literal(organization.name)}: submissions and edge compendium size"},
             xaxis={"title": {"text": "round"}, "dtick": 1},
             yaxis={"title": {"text": "submissions"}, "rangemode": "tozero"},
             yaxis2=right_axis("edge size (kB)"),
@@ -919,7 +919,7 @@ def privacy_page(
     )
     delta = accounting.delta_prime()
     series = [("federation", fed_rounds)] + [
-        (names[k], spends[k]) for k in sorted(spends) if k in visible_ids
+        (literal(names[k]), spends[k]) for k in sorted(spends) if k in visible_ids
     ]
     if fed_rounds:
         spent = go.Figure()

@@ -9,6 +9,7 @@ from django.contrib import messages
 from django.contrib.auth import views as auth_views
 from django.core.exceptions import ObjectDoesNotExist
 from django.core.paginator import Paginator
+from django.db import transaction
 from django.db.models import Count, Q
 from django.http import Http404, StreamingHttpResponse
 from django.shortcuts import get_object_or_404, redirect, render
@@ -471,8 +472,9 @@ class PasswordChangeView(auth_views.PasswordChangeView):
         return {**super().get_form_kwargs(), "request": self.request}
 
     def form_valid(self, form):
-        response = super().form_valid(form)
-        people.password_changed(actor_for(self.request))
+        with transaction.atomic():  # the new password and its audit entry, or neither
+            response = super().form_valid(form)
+            people.password_changed(actor_for(self.request))
         messages.success(self.request, "Your password was changed.")
         return response
 
