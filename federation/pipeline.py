@@ -583,7 +583,7 @@ def erase_client(client: Client, *, embed=None) -> ErasureReport:
         for round_id, organization_id in affected_edges:
             run_edge_merge(round_id, organization_id, rematerialize=True, embed=embed)
             edges_done.append((Round.objects.get(pk=round_id).number, organization_id))
-        globals_done = []
+        globals_done, merged_again = [], set()
         for round_id in _globals_to_rematerialize(rounds_touched):
             round_ = Round.objects.get(pk=round_id)
             if round_.state != Round.State.PUBLISHED:
@@ -591,10 +591,23 @@ def erase_client(client: Client, *, embed=None) -> ErasureReport:
                 # edges when it publishes the round (a failed round: after a retry).
                 continue
             if CompendiumVersion.objects.filter(kind="edge", round=round_).exists():
-                run_server_merge(round_id, embed=embed)
+                run_server_merge(round_id, embed=embed)  # sends global_published for it
+                merged_again.add(round_.number)
             else:
                 CompendiumVersion.objects.filter(kind="global", round=round_).delete()
             globals_done.append(round_.number)
+        if set(globals_done) - merged_again:
+            # A global was deleted: if that was the served one, an earlier global is served
+            # again, whose tuned router was retired. It is announced as published again, so that
+            # its router is tuned again instead of the routing API serving the frozen model.
+            from routing.services import published_global_version
+
+            served = published_global_version()
+            if served is not None and served.round.number not in merged_again:
+                transaction.on_commit(
+                    lambda: global_published.send(sender=Round, round=served.round, version=served),
+                    robust=True,
+                )
     return ErasureReport(str(client), len(submissions), edges_done, globals_done)
 
 

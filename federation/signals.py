@@ -5,7 +5,8 @@
 
 `global_published(sender=Round, round=<Round>, version=<CompendiumVersion>)` is sent after the
 transaction that published a round's global compendium has committed (also when a round is
-re-materialized). The tuned router (federation.tuning) connects a receiver to it.
+re-materialized, and when an erasure deleted the served global so that an earlier one is served
+again). The tuned router (federation.tuning) connects a receiver to it.
 """
 
 from django.dispatch import Signal

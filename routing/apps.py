@@ -11,7 +11,7 @@ class RoutingConfig(AppConfig):
         from compendium.models import CompendiumVersion
         from federation.models import Round
         from routing.models import TunedRouter
-        from routing.services import forget_published_version
+        from routing.services import forget_published_version, remove_router_folder
 
         for model in (CompendiumVersion, Round, TunedRouter):
             post_save.connect(
@@ -24,3 +24,8 @@ class RoutingConfig(AppConfig):
                 sender=model,
                 dispatch_uid=f"routing-{model.__name__}-delete",
             )
+        # A tuned router's folder goes with its row (its global deleted by an erasure or
+        # re-materialized): the encoder learnt from what was erased.
+        post_delete.connect(
+            remove_router_folder, sender=TunedRouter, dispatch_uid="routing-tuned-router-folder"
+        )

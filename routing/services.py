@@ -85,6 +85,17 @@ def validate_reranker(reranker) -> str:
     return reranker
 
 
+def remove_router_folder(instance, **_signal) -> None:
+    """post_delete of a TunedRouter: its folder is removed once the deletion commits."""
+    import shutil
+
+    from django.db import transaction
+
+    directory = instance.directory
+    if directory:
+        transaction.on_commit(lambda: shutil.rmtree(directory, ignore_errors=True))
+
+
 def published_global_version() -> CompendiumVersion | None:
     """The latest global compendium whose round is published."""
     return (

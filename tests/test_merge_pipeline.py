@@ -432,6 +432,52 @@ def test_global_carries_the_previous_one_forward_and_erasure_reaches_it(
     assert "Which airline flies nonstop to Lisbon?" in texts
 
 
+def test_an_erasure_that_deletes_the_served_global_has_the_earlier_one_tuned_again(
+    probes, django_capture_on_commit_callbacks, tmp_path
+):
+    """Round 2's only submitter is erased: round 2's global is deleted, with its tuned router's
+    folder (the encoder learnt from what was erased), and round 1's global, served again, is
+    announced as published again so that its retired router is tuned again."""
+    from compendium.schema import Compendium
+    from compendium.services import store_compendium
+    from federation.signals import global_published
+    from routing.models import TunedRouter
+
+    round1, _ = build_federation()
+    close(round1, django_capture_on_commit_callbacks)
+    first = CompendiumVersion.objects.get(kind="global", round=round1)
+    round2 = Round.objects.create(number=2, state="closing", config={"summarizer": "centroid", "seed": 12})
+    late = Client.objects.create(organization=Client.objects.get(name="g1").organization, name="g9",
+                                 status=Client.Status.APPROVED)
+    store_compendium(Compendium.model_validate({"scenarios": [
+        {"tool_id": "flights", "text": "Which airline flies nonstop to Lisbon?"}]}),
+        kind="client", round=round2, client=late)
+    close(round2, django_capture_on_commit_callbacks)
+    assert round2.state == "published", round2.failure_reason
+    second = CompendiumVersion.objects.get(kind="global", round=round2)
+    folder = tmp_path / "round-2"
+    folder.mkdir()
+    (folder / "model.safetensors").write_bytes(b"weights")
+    TunedRouter.objects.create(version=second, state="ready", epochs=1, directory=str(folder))
+    TunedRouter.objects.create(version=first, state="retired", epochs=1, directory="")
+
+    announced = []
+
+    def seen(sender, round, version, **kwargs):
+        announced.append(version.pk)
+
+    global_published.connect(seen, dispatch_uid="test-erasure-announce")
+    try:
+        with django_capture_on_commit_callbacks(execute=True):
+            report = pipeline.erase_client(late)
+    finally:
+        global_published.disconnect(dispatch_uid="test-erasure-announce")
+    assert report.globals_rematerialized == [2]
+    assert not CompendiumVersion.objects.filter(kind="global", round=round2).exists()
+    assert not folder.exists()
+    assert announced == [first.pk]
+
+
 def test_a_round_without_carry_forward_publishes_only_its_own_submissions(
     probes, django_capture_on_commit_callbacks
 ):
