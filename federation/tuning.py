@@ -18,12 +18,14 @@ router is ready is not tuned again; a failed or skipped one is retried by the co
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import shutil
 from pathlib import Path
 from typing import BinaryIO
 
 from django.conf import settings
+from django.db import connection
 from django.utils import timezone
 
 from compendium.models import CompendiumVersion
@@ -39,6 +41,11 @@ log = logging.getLogger(__name__)
 
 class TuningError(ValueError):
     """A tuning request that cannot be run, with what is wrong."""
+
+
+class TuningBusy(TuningError):
+    """Another process is tuning the same global's router (a second worker, a redelivered
+    message, `manage.py tune_router` beside a worker): this one does not start."""
 
 
 class RouterUnavailable(NotFound):
@@ -106,6 +113,38 @@ def tune_published_router(
     )
     if version is None:
         return None
+    with _tuning_lock(version.pk) as held:
+        if not held:
+            raise TuningBusy(
+                f"the router of round {version.round.number} is being tuned by another process; "
+                "its row says when it is done"
+            )
+        return _tune_locked(version, epochs, force, routers)
+
+
+# One tuning of a global's router at a time, across processes: a PostgreSQL session lock, which
+# the server releases by itself when the process holding it dies (a worker killed mid-tuning does
+# not keep the next delivery from taking over, as a `running` state in a row would).
+_TUNING_LOCK = 0x53594E54  # "SYNT"
+
+
+@contextlib.contextmanager
+def _tuning_lock(version_id: int):
+    key = [_TUNING_LOCK, version_id & 0x7FFFFFFF]
+    with connection.cursor() as cursor:
+        cursor.execute("SELECT pg_try_advisory_lock(%s, %s)", key)
+        (held,) = cursor.fetchone()
+    try:
+        yield held
+    finally:
+        if held:
+            with connection.cursor() as cursor:
+                cursor.execute("SELECT pg_advisory_unlock(%s, %s)", key)
+
+
+def _tune_locked(
+    version: CompendiumVersion, epochs: int, force: bool, routers: Path | None
+) -> TunedRouter:
     record = queue_tuning(version, epochs)
     folder = Path(record.directory) if record.directory else None
     ready = record.state == TunedRouter.State.READY and folder is not None and folder.is_dir()

@@ -149,6 +149,38 @@ def test_a_global_superseded_while_it_is_tuned_keeps_no_router_and_retires_none(
     assert [p.name for p in (settings.DATA_DIR / "routers").iterdir()] == [Path(served.directory).name]
 
 
+def test_a_second_tuning_of_the_same_router_does_not_start_while_one_runs(data, capsys):
+    """Another process holds the global's tuning (here: a second database session holding its
+    lock): a tuning asked for meanwhile, by the worker's task or the command, does not start and
+    says why, leaving the row alone; once that process is gone (its session ended, as when a
+    worker is killed) the next one tunes."""
+    import psycopg
+    from django.core.management.base import CommandError
+    from django.db import connection
+
+    from federation import tuning
+    from workers.tasks import tune_router_task
+
+    _, version = _publish(data, 1)
+    params = connection.get_connection_params()
+    params.pop("cursor_factory", None)
+    params.pop("context", None)
+    other = psycopg.connect(**params, autocommit=True)
+    try:
+        other.execute("SELECT pg_advisory_lock(%s, %s)", [tuning._TUNING_LOCK, version.pk])
+        with pytest.raises(tuning.TuningBusy, match="being tuned by another process"):
+            tune_published_router(version.pk, 1)
+        assert not TunedRouter.objects.filter(version=version).exists()
+        answer = tune_router_task(version.pk, 1)
+        assert answer["state"] == "busy" and "another process" in answer["detail"]
+        with pytest.raises(CommandError, match="being tuned by another process"):
+            call_command("tune_router", "--epochs", "1")
+    finally:
+        other.close()  # the holder goes away: the server releases its lock
+    record = tune_published_router(version.pk, 1)
+    assert record.state == TunedRouter.State.READY
+
+
 def test_a_failed_tuning_is_recorded_and_routing_stays_frozen(data):
     one_tool = data["compendium"].scenarios[0].tool_id
     compendium = Compendium(

@@ -104,14 +104,18 @@ def server_merge_task(self, round_id: int, attempt: int | None = None) -> str | 
 def tune_router_task(self, version_id: int, epochs: int) -> dict:
     """Fine-tune the routing encoder on a published global (federation.tuning); the outcome,
     failures included, is recorded on its TunedRouter row."""
-    from federation.tuning import give_up_tuning, tune_published_router
+    from federation.tuning import TuningBusy, give_up_tuning, tune_published_router
 
     delivery = deliveries.count(self)
     if delivery.exhausted:
         record = give_up_tuning(version_id, delivery.reason("the tuning of this router"))
         return {"version": version_id, "state": record.state if record else "gone",
                 "detail": record.detail if record else ""}
-    record = tune_published_router(version_id, epochs)
+    try:
+        record = tune_published_router(version_id, epochs)
+    except TuningBusy as busy:  # another worker (or the command) is tuning it: that one reports
+        log.warning("%s", busy)
+        return {"version": version_id, "state": "busy", "detail": str(busy)}
     if record is None:
         return {"version": version_id, "state": "gone"}
     return {"version": version_id, "state": record.state, "detail": record.detail,
