@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import secrets
 import shutil
 from pathlib import Path
 from typing import BinaryIO
@@ -66,8 +67,14 @@ def routers_dir() -> Path:
     return Path(settings.DATA_DIR) / "routers"
 
 
+def _folder_prefix(version: CompendiumVersion) -> str:
+    return f"round-{version.round.number}-v{version.pk}-{version.sha256[:12]}-"
+
+
 def _folder(version: CompendiumVersion, routers: Path) -> Path:
-    return routers / f"round-{version.round.number}-v{version.pk}-{version.sha256[:12]}"
+    """A folder of its own for each tuning of `version` (a forced retune gets a new name, so
+    that every server process sees a new router, not the old one it keeps in memory)."""
+    return routers / f"{_folder_prefix(version)}{secrets.token_hex(4)}"
 
 
 def _finish(record: TunedRouter, state: str, detail: str = "", **fields) -> TunedRouter:
@@ -157,14 +164,21 @@ def _tune_locked(
         )
     if ready and not force:
         return record
-    record.state = TunedRouter.State.RUNNING
-    record.epochs = epochs
-    record.save(update_fields=["state", "epochs"])
+    # A forced retune of a ready router leaves it ready and served until the new one replaces
+    # it (or keeps serving it if tuning again fails).
+    retune = ready
+    if not retune:
+        record.state = TunedRouter.State.RUNNING
+        record.epochs = epochs
+        record.save(update_fields=["state", "epochs"])
 
     from routing.finetune import tune_router
 
     target = _folder(version, routers or routers_dir())
     partial = target.with_name(target.name + ".partial")
+    # What a tuning of this global killed before it finished left (this one holds its lock).
+    for stale in target.parent.glob(f"{_folder_prefix(version)}*.partial"):
+        shutil.rmtree(stale, ignore_errors=True)
     try:
         # The published content's rows, in its order: what clients pull (the saved vectors then
         # serve their copies as they are) and what the routing API routes with it.
@@ -180,6 +194,13 @@ def _tune_locked(
     except Exception as exc:
         shutil.rmtree(partial, ignore_errors=True)
         log.warning("tuning the router of round %s failed: %s", version.round.number, exc)
+        if retune:
+            record.detail = (
+                f"tuning again failed ({exc.__class__.__name__}: {exc}); the router tuned "
+                f"before is still served"
+            )[:2000]
+            record.save(update_fields=["detail"])
+            return record
         return _finish(record, TunedRouter.State.FAILED, f"{exc.__class__.__name__}: {exc}")
     if not _served(version):
         # A newer global was published while this one was tuned (and its router may be ready
@@ -190,10 +211,13 @@ def _tune_locked(
             "a newer global was published while this one was tuned: its router was not kept",
         )
     try:
-        shutil.rmtree(target, ignore_errors=True)
         partial.rename(target)  # the folder appears whole or not at all
     except OSError as exc:
         shutil.rmtree(partial, ignore_errors=True)
+        if retune:
+            record.detail = f"tuning again failed ({exc}); the router tuned before is still served"
+            record.save(update_fields=["detail"])
+            return record
         return _finish(record, TunedRouter.State.FAILED, f"{exc.__class__.__name__}: {exc}")
     # Both routers on the probe half the encoder did not learn from (the tuned router's fusion
     # weights were fitted on it, and both heads learnt from the whole probe: a check that tuning

@@ -181,6 +181,46 @@ def test_a_second_tuning_of_the_same_router_does_not_start_while_one_runs(data, 
     assert record.state == TunedRouter.State.READY
 
 
+def test_a_forced_retune_serves_the_old_router_until_the_new_one_replaces_it(data, monkeypatch):
+    """`tune_router --force`: the ready router stays ready and served while it runs; the new one
+    gets a folder of its own, so every process's cached router changes, and the old folder goes;
+    a retune that fails keeps the old router served and says so."""
+    import routing.finetune
+
+    _, version = _publish(data, 1)
+    first = tune_published_router(version.pk, 1)
+    old = Path(first.directory)
+    services.forget_published_version()
+    assert services.route_query(data["queries"][0])["tuned_router"] is True
+    key = next(iter(services._served))
+    tune = routing.finetune.tune_router
+    seen = {}
+
+    def tune_and_look(*args, **kwargs):
+        row = TunedRouter.objects.get(pk=first.pk)
+        seen["state"], seen["directory"] = row.state, row.directory
+        return tune(*args, **kwargs)
+
+    monkeypatch.setattr(routing.finetune, "tune_router", tune_and_look)
+    again = tune_published_router(version.pk, 1, force=True)
+    assert seen == {"state": TunedRouter.State.READY, "directory": str(old)}  # served meanwhile
+    assert again.state == TunedRouter.State.READY and again.directory != str(old)
+    assert Path(again.directory).is_dir() and not old.exists()
+    services.forget_published_version()
+    assert services.route_query(data["queries"][0])["tuned_router"] is True
+    assert key not in services._served and next(iter(services._served))[2] == again.directory
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("out of memory")
+
+    monkeypatch.setattr(routing.finetune, "tune_router", broken)
+    failed = tune_published_router(version.pk, 1, force=True)
+    assert failed.state == TunedRouter.State.READY and failed.directory == again.directory
+    assert "tuning again failed (RuntimeError: out of memory)" in failed.detail
+    assert Path(again.directory).is_dir()
+    assert [p.name for p in Path(again.directory).parent.iterdir()] == [Path(again.directory).name]
+
+
 def test_a_failed_tuning_is_recorded_and_routing_stays_frozen(data):
     one_tool = data["compendium"].scenarios[0].tool_id
     compendium = Compendium(
