@@ -264,6 +264,35 @@ class UnusableLLM:
         raise LLMUnavailable(self.reason)
 
 
+class BudgetedLLM:
+    """An LLM for one batch of routing requests: once `seconds` of the batch have gone on its
+    calls, or once it was unavailable (down after its retries), every further call raises
+    LLMUnavailable at once, so that the rest of the batch falls back to fusion, each decision
+    saying why, instead of a batch of a thousand holding a server thread for hours."""
+
+    def __init__(self, llm: LLMBackend, seconds: float, clock=time.monotonic):
+        self.name = llm.name
+        self._llm = llm
+        self._seconds = seconds
+        self._clock = clock
+        self._started = clock()
+        self._down: str | None = None
+
+    def complete(self, prompt: str, **kwargs) -> str:
+        if self._down is not None:
+            raise LLMUnavailable(f"unavailable earlier in this batch ({self._down})")
+        if self._clock() - self._started > self._seconds:
+            raise LLMUnavailable(
+                f"this batch's LLM time budget of {self._seconds:g} s (SYNAPSE_LLM_BATCH_SECONDS) "
+                "is spent"
+            )
+        try:
+            return self._llm.complete(prompt, **kwargs)
+        except LLMUnavailable as exc:
+            self._down = str(exc)
+            raise
+
+
 def get_llm(
     base_url: str | None = None, model: str | None = None, api_key: str | None = None
 ) -> LLMBackend | None:

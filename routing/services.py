@@ -56,6 +56,11 @@ def max_batch() -> int:
     return int(getattr(settings, "SYNAPSE_MAX_ROUTE_BATCH", 1000))
 
 
+def llm_batch_seconds() -> float:
+    """How long one batch may spend on LLM calls before its other queries fall back to fusion."""
+    return float(getattr(settings, "SYNAPSE_LLM_BATCH_SECONDS", 30))
+
+
 def validate_query(query, where: str = "query") -> str:
     if not isinstance(query, str):
         raise RoutingInputError(f"{where} must be a string")
@@ -518,8 +523,13 @@ def route_queries(queries, top_k: int | None = 5, reranker: str | None = None) -
     top_k = validate_top_k(top_k)
     reranker = validate_reranker(reranker)
     served = served_compendium()
-    router = served.routers[reranker].with_reranker(reranker, retriever=None)
-    decisions = router.route_batch(queries, top_k)
+    router = served.routers[reranker]
+    overrides = {}
+    if reranker == "llm" and router.llm is not None:
+        from routing.llm import BudgetedLLM
+
+        overrides["llm"] = BudgetedLLM(router.llm, llm_batch_seconds())
+    decisions = router.with_reranker(reranker, retriever=None, **overrides).route_batch(queries, top_k)
     latency = (time.perf_counter() - started) * 1000
     recorder.record(latency, len(queries), reranker, served.round_number)
     return {

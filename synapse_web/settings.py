@@ -239,6 +239,9 @@ SYNAPSE_ROUTER_TUNE_EPOCHS = int(
 SYNAPSE_ROUTER_TUNE_QUEUE = os.environ.get("SYNAPSE_ROUTER_TUNE_QUEUE", "")
 SYNAPSE_MAX_QUERY_CHARS = int(os.environ.get("SYNAPSE_MAX_QUERY_CHARS", "2000"))
 SYNAPSE_MAX_ROUTE_BATCH = int(os.environ.get("SYNAPSE_MAX_ROUTE_BATCH", "1000"))
+# A routing batch with `reranker: llm` spends at most this long on LLM calls; the rest of the
+# batch, and all of it once the LLM was found down, falls back to fusion, saying why.
+SYNAPSE_LLM_BATCH_SECONDS = float(os.environ.get("SYNAPSE_LLM_BATCH_SECONDS", "30"))
 # Seconds a process keeps the published version before asking the database again.
 SYNAPSE_ROUTING_VERSION_TTL = float(os.environ.get("SYNAPSE_ROUTING_VERSION_TTL", "2"))
 # Retrieval of the routing API: memory (exact, over the served version's embeddings loaded from

@@ -366,6 +366,52 @@ def test_an_llm_that_cannot_be_loaded_leaves_routing_up_and_says_why(data, api, 
     assert "the configured LLM could not be loaded: " in body["fallback_reason"]
 
 
+class _CountingLLM:
+    """An LLM that answers "1" after `delay` seconds, or is down (LLMUnavailable)."""
+
+    name = "counting"
+
+    def __init__(self, delay: float = 0.0, down: bool = False):
+        self.delay, self.down, self.calls = delay, down, 0
+
+    def complete(self, prompt, **kwargs):
+        import time
+
+        from routing.llm import LLMUnavailable
+
+        self.calls += 1
+        time.sleep(self.delay)
+        if self.down:
+            raise LLMUnavailable("LLM endpoint http://llm:8000/v1 is down: ConnectError after 3 attempts")
+        return "1"
+
+
+def test_an_llm_batch_stops_calling_a_down_llm_and_keeps_to_its_time_budget(data, api, settings,
+                                                                            monkeypatch):
+    http, raw, _ = api
+    down = _CountingLLM(down=True)
+    monkeypatch.setattr(services, "served_llm", lambda: down)
+    _publish(data, with_client_copy=False)
+    queries = data["queries"][:6]
+    batch = _post(http, "/api/v1/route/batch/", {"queries": queries, "reranker": "llm"}, raw).json()
+    assert down.calls == 1, "a down LLM is asked once a batch, not once a query"
+    reasons = [r["fallback_reason"] for r in batch["results"]]
+    assert "is down" in reasons[0] and all("unavailable earlier in this batch" in r for r in reasons[1:])
+    assert {r["reranker"] for r in batch["results"]} == {"fusion"}
+
+    slow = _CountingLLM(delay=0.05)
+    monkeypatch.setattr(services, "served_llm", lambda: slow)
+    services._served.clear()
+    settings.SYNAPSE_LLM_BATCH_SECONDS = 0.01
+    batch = _post(http, "/api/v1/route/batch/", {"queries": queries, "reranker": "llm"}, raw).json()
+    assert slow.calls == 1
+    assert batch["results"][0]["reranker"] == "llm" and batch["results"][0]["fallback_reason"] is None
+    assert all("time budget of 0.01 s" in r["fallback_reason"] for r in batch["results"][1:])
+    # A single request is not a batch: it asks the LLM whatever the batches spent.
+    one = _post(http, "/api/v1/route/", {"query": queries[0], "reranker": "llm"}, raw).json()
+    assert one["reranker"] == "llm" and slow.calls == 2
+
+
 def test_route_api_503_until_something_is_published(data, api):
     http, raw, _ = api
     response = _post(http, "/api/v1/route/", {"query": "hello"}, raw)
