@@ -39,6 +39,7 @@ from compendium.masking import (
     SHARED_WORD_USERS,
     MaskedText,
     TextMasker,
+    normalized,
     tokenize,
     valid_shared_word_users,
     without_placeholders,
@@ -155,8 +156,10 @@ class BuildReport:
 
 
 def clean_text(text: str) -> str:
-    """Control characters and bidirectional overrides out, whitespace runs to one space."""
-    text = _UNSAFE.sub(" ", text.replace("\r\n", "\n"))
+    """NFKC form (masking.normalized: a full-width ＠ or digit is the plain one, so masking finds
+    what it spells), control characters and bidirectional overrides out, whitespace runs to one
+    space."""
+    text = _UNSAFE.sub(" ", normalized(text).replace("\r\n", "\n"))
     return _SPACES.sub(" ", text).strip()
 
 

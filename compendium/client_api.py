@@ -248,7 +248,7 @@ class SynapseClient:
                 return min(MAX_RETRY_AFTER_S, max(0.0, float(retry_after)))
             except ValueError:
                 pass
-        return min(30.0, self.backoff * (2**attempt))
+        return min(30.0, self.backoff * (2 ** min(attempt, 16)))  # 2**1025 is past a float
 
     def request(self, method: str, path: str, **kwargs: Any) -> httpx.Response:
         """One logical request: retried on network errors, 5xx and 429."""
@@ -259,7 +259,7 @@ class SynapseClient:
             response = None
             try:
                 response = self._http.request(method, path, **kwargs)
-            except httpx.TransportError as exc:
+            except httpx.RequestError as exc:  # network, or a body that does not decode (a proxy)
                 last = f"{exc.__class__.__name__}: {exc}" if str(exc) else exc.__class__.__name__
             else:
                 if response.status_code < 500 and response.status_code != 429:
@@ -481,6 +481,10 @@ class SynapseClient:
                 f"the server's sha256 {result.sha256[:12]}… differs from this client's canonical "
                 f"form {local[:12]}…"
             )
+        # The head beside `out` was published with the global it replaces: gone before the new
+        # global is written, so that a head download that fails now leaves none (fetched again
+        # on the next pull, even a 304) rather than the old round's head beside the new global.
+        head_file(out).unlink(missing_ok=True)
         write_atomically(out, json.dumps(doc, ensure_ascii=False, indent=1).encode("utf-8"))
         if result.etag:
             write_atomically(etag_path, (result.etag + "\n").encode("utf-8"))
@@ -565,7 +569,7 @@ class SynapseClient:
         if response.status_code == 404:
             body = self._json(response, "the tuned router request")
             code = body.get("code", "") if isinstance(body, dict) else ""
-            if code.startswith("router_"):
+            if isinstance(code, str) and code.startswith("router_"):
                 self._drop_stale_router(folder, out)
                 return RouterPullResult(
                     available=False, path=folder, detail=_detail(response), code=code
@@ -686,7 +690,7 @@ class SynapseClient:
                     if response.status_code < 500 and response.status_code != 429:
                         raise ClientError(f"cannot download the tuned router's {entry['path']} ({last})")
                     failed = response
-            except httpx.TransportError as exc:
+            except httpx.RequestError as exc:
                 last = f"{exc.__class__.__name__}: {exc}" if str(exc) else exc.__class__.__name__
             if attempt < self.retries:
                 self._sleep(self._delay(attempt, failed))

@@ -38,6 +38,7 @@ from __future__ import annotations
 import hashlib
 import math
 import re
+import unicodedata
 from collections.abc import Iterable
 from dataclasses import dataclass
 from functools import lru_cache
@@ -69,6 +70,16 @@ _TOKEN = re.compile(
 )
 
 _SENTENCE_END = re.compile(r"[.!?:;\n]")
+# Titles whose full stop starts no sentence: the capitalized word after one is a name.
+TITLES = frozenset("mr mrs ms mx dr prof rev st sr jr hon capt col gen lt sgt".split())
+_TITLE_BEFORE = re.compile(r"(?<![A-Za-z])(?:" + "|".join(sorted(TITLES)) + r")\.$", re.IGNORECASE)
+
+
+def normalized(text: str) -> str:
+    """The text in NFKC form: compatibility characters as their plain ones (a full-width ＠ or
+    digit, superscript and circled digits, no-break spaces), so that what masking and scrubbing
+    look for is found however the characters spell it. ASCII is returned as it is."""
+    return text if text.isascii() else unicodedata.normalize("NFKC", text)
 # What `TextMasker.residue` looks for before it tokenizes: an ASCII text with no `hard` match
 # holds no e-mail, URL, phone, identifier or number, and every name (a capitalized word after a
 # token of the same sentence) starts at a `capital` match whose group is the word itself (where
@@ -249,18 +260,24 @@ class TextMasker:
         """Saliency and placeholder of every content token (protected ones score 0)."""
         out = []
         sentence_start = True
+        previous = ""  # the last word, folded ("" after anything else)
         for index, token in enumerate(tokens):
             kind = token.kind
             if kind in ("space", "other"):
                 if kind == "other" and _SENTENCE_END.match(token.text):
-                    sentence_start = True
+                    # "Dr. Miller": the full stop of a title starts no sentence
+                    if not (token.text == "." and previous in TITLES):
+                        sentence_start = True
+                    previous = ""
                 elif kind == "space" and "\n" in token.text:
                     sentence_start = True
                 continue
             if kind in ("placeholder", "slot"):
                 sentence_start = False
+                previous = ""
                 continue
             lower = folded(token.text)
+            previous = lower if kind == "word" else ""
             if kind == "email":
                 scored = Scored(index, SCORE_PII, "EMAIL")
             elif kind == "url":
@@ -326,6 +343,8 @@ class TextMasker:
                 j -= 1
             if j >= 0 and text[j] not in ".!?:;\n":
                 return False
+            if j >= 0 and text[j] == "." and _TITLE_BEFORE.search(text, 0, j + 1):
+                return False  # after a title's full stop: the tokens decide
         return True
 
     def residue(self, text: str) -> list[Residue]:

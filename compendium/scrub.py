@@ -14,7 +14,7 @@ from collections import Counter
 from collections.abc import Iterator
 from dataclasses import dataclass
 
-from compendium.masking import TextMasker
+from compendium.masking import TextMasker, normalized
 from compendium.schema import AnnexTriple, Compendium, Precaution, PromptTemplate, Scenario
 from compendium.validation import Violation
 
@@ -56,8 +56,10 @@ class ScrubResult:
 
 
 def scrub_text(text: str) -> ScrubResult:
-    """Replace e-mail addresses, card numbers, phone numbers and long digit strings."""
+    """Replace e-mail addresses, card numbers, phone numbers and long digit strings, in the
+    text's NFKC form (a full-width ＠, a card grouped by no-break spaces)."""
     counts = {"email": 0, "card": 0, "phone": 0, "number": 0}
+    text = normalized(text)
     if not _MAY_CONTAIN.search(text):
         return ScrubResult(text, counts)
 
@@ -115,7 +117,7 @@ def masking_residue(compendium: Compendium, masker: TextMasker) -> list[Violatio
     reason says what kinds, how many and where (character offsets), never the words themselves."""
     out = []
     for path, text in free_texts(compendium):
-        found = masker.residue(text)
+        found = masker.residue(normalized(text))  # offsets: in the NFKC form
         if not found:
             continue
         kinds = Counter(r.kind for r in found)
@@ -140,14 +142,12 @@ def scrub_compendium(compendium: Compendium) -> tuple[Compendium, int]:
     the result stays a set.
     """
     texts = [text for _, text in free_texts(compendium)]
-    if not any(_MAY_CONTAIN.search(t) and scrub_text(t).total for t in texts):
+    if not any(scrub_text(t).total for t in texts):
         return compendium, 0
     removed = 0
 
     def clean(text: str) -> str:
         nonlocal removed
-        if not _MAY_CONTAIN.search(text):
-            return text
         result = scrub_text(text)
         removed += result.total
         return result.text

@@ -94,6 +94,19 @@ class UsageLogError(ValueError):
         )
 
 
+def _unicode(key: str, value: str) -> str:
+    """`value`, unless it holds a lone surrogate (JSON can escape half an emoji: "\\ud83d"),
+    which is not text: nothing could encode or store it."""
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise ValueError(
+            f"'{key}' holds a lone surrogate at character {exc.start} (half of an escaped "
+            "character), which is not text"
+        ) from None
+    return value
+
+
 def _string(item: dict, key: str, required: bool = True) -> str | None:
     value = item.get(key)
     if value is None and not required:
@@ -103,7 +116,7 @@ def _string(item: dict, key: str, required: bool = True) -> str | None:
         raise ValueError(f"'{key}' is {kind}")
     if not value.strip():
         raise ValueError(f"'{key}' is empty")
-    return value
+    return _unicode(key, value)
 
 
 def _suggestion(name: str, known_tools: frozenset[str]) -> str:
@@ -144,15 +157,20 @@ def parse_record(
         raise ValueError("'latency_ms' is missing")
     if isinstance(latency, bool) or not isinstance(latency, int | float):
         raise ValueError("'latency_ms' must be a number")
-    if not math.isfinite(latency) or latency < 0:
-        raise ValueError(f"'latency_ms' must be a finite number >= 0; got {latency}")
+    try:
+        finite = math.isfinite(latency)
+    except OverflowError:  # an integer too large for a float
+        finite = False
+    if not finite or latency < 0:
+        shown = str(latency) if len(str(latency)) <= 40 else f"{str(latency)[:20]}… ({len(str(latency))} digits)"
+        raise ValueError(f"'latency_ms' must be a finite number >= 0; got {shown}")
 
     user = item.get("user")
     if user is None:
         raise ValueError("'user' is missing (a stable pseudonymous id of the end user)")
     if isinstance(user, bool) or not isinstance(user, str | int):
         raise ValueError("'user' must be a string or an integer")
-    user = str(user).strip()
+    user = _unicode("user", str(user).strip())
     if not user:
         raise ValueError("'user' is empty")
 
@@ -232,6 +250,9 @@ def parse_lines(
             continue
         except RecursionError:
             log.errors.append(LogLineError(number, "not valid JSON: nested too deeply"))
+            continue
+        except ValueError:  # an integer of more digits than Python reads (4,300)
+            log.errors.append(LogLineError(number, "not readable: it holds a number of more than 4,300 digits"))
             continue
         try:
             log.records.append(parse_record(item, number, known, max_flags))

@@ -39,6 +39,17 @@ from federation.round_config import RoundConfig
 RESERVING_STATES = (Round.State.OPEN, Round.State.CLOSING, Round.State.MERGING)
 
 
+# How far past the cap a composed ε′ may be and still count as within it: the same figure summed
+# in another order (a round's reservation, ε, against its ledger rows, T·F shares of it) differs
+# in its last bits, and a round accepted at open must not fail at its release for that.
+RELATIVE_TOLERANCE = 1e-9
+
+
+def over_cap(value: float, cap: float) -> bool:
+    """Whether `value` exceeds `cap` by more than float summation could (RELATIVE_TOLERANCE)."""
+    return value > cap + RELATIVE_TOLERANCE * max(1.0, abs(cap))
+
+
 def _policy(field: str, fallback: float) -> float:
     """A privacy setting from the federation's settings row (operators change it there, audited),
     else the deployment's setting, which also seeds the row."""
@@ -115,7 +126,7 @@ def remaining_for_release(round_id: int, organization_id: int, release: int) -> 
         return compose(others + [own + x], delta).epsilon
 
     now = total(0.0)
-    if now > cap:
+    if over_cap(now, cap):
         return cap - now
     lo, hi = 0.0, max(cap - now, 1e-12)
     while total(hi) <= cap:  # basic composition grows by x: this ends once hi > cap
@@ -250,7 +261,7 @@ class BudgetCheck:
 
     @property
     def exceeded(self) -> bool:
-        return self.after.epsilon > self.cap + 1e-12
+        return over_cap(self.after.epsilon, self.cap)
 
     def refusal(self, what: str) -> str:
         """The accountant's one refusal message: "" within the cap, else a sentence naming both

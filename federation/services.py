@@ -531,11 +531,12 @@ def update_settings(actor: Actor, **changes) -> FederationSettings:
             )
     if not isinstance(row.allow_admin_approval, bool):
         raise InvalidRequest("allow_admin_approval must be true or false")
-    if "epsilon_budget" in changes or "delta_prime" in changes:
+    if any(k in changes and changes[k] != before[k] for k in ("epsilon_budget", "delta_prime")):
         # Under the new δ′ (a smaller one loosens the advanced composition, so the committed ε′
-        # can pass the cap without the cap moving).
+        # can pass the cap without the cap moving). Only when one of them changes: a form that
+        # sends both as they were, with a rate limit changed, is not a budget change.
         committed = accounting.committed_composition(delta=row.delta_prime)
-        if row.epsilon_budget < committed.epsilon - 1e-12:
+        if accounting.over_cap(committed.epsilon, row.epsilon_budget):
             raise BudgetExceeded(
                 f"epsilon_budget {row.epsilon_budget:g} is below the ε′ the federation has "
                 f"committed ({committed.epsilon:.6g} at δ′ = {row.delta_prime:g}: recorded in the "
@@ -866,8 +867,10 @@ def open_round(
         config = RoundConfig(**(config or {}))
     closes_at = _future_deadline(closes_at)
     settings_row = FederationSettings.objects.select_for_update().get(pk=get_settings().pk)
-    if Round.objects.filter(state=Round.State.OPEN).exists():
-        raise Conflict(f"round {current_round().number} is still open; close it first")
+    # One read: a close committing between two would leave nothing to name (a 500).
+    still_open = Round.objects.filter(state=Round.State.OPEN).values_list("number", flat=True).first()
+    if still_open is not None:
+        raise Conflict(f"round {still_open} is still open; close it first")
     _refuse_over_budget(
         settings_row.epsilon_budget,
         accounting.projected_round_spend(config),
@@ -1005,9 +1008,11 @@ def retry_round(actor: Actor, rnd: Round | int) -> Round:
     """failed -> closing, and the pipeline is started again. A failed round holds no privacy
     reservation, so the retry takes it again and is refused if that would exceed the budget."""
     require_operator(actor, "retry rounds")
-    # Serialize with open_round and update_settings (without creating the settings row here).
-    FederationSettings.objects.select_for_update().filter(pk=1).first()
+    # The round's lock, then the settings' (serializing with open_round and update_settings,
+    # without creating the settings row here): the order the pipeline takes them in, so that a
+    # retry and a merge's release (an erasure's re-release) cannot deadlock.
     rnd = _locked_round(rnd)
+    FederationSettings.objects.select_for_update().filter(pk=1).first()
     reason = rnd.failure_reason
     _move(rnd, Round.State.CLOSING, "retry", source=Round.State.FAILED)
     _refuse_after_a_later_publication(rnd, "retried")

@@ -161,3 +161,87 @@ def test_route_without_a_pulled_global_says_to_pull_it(tmp_path):
         f"synapse-client: no compendium at {missing}: pull the global first "
         f"(synapse-client pull --out {missing})"
     )
+
+
+def test_a_garbled_answer_is_retried_then_one_clear_error_and_backoff_never_overflows():
+    """A proxy that says gzip and sends something else: httpx cannot decode the body. That is
+    retried as a network error is (a submission carries its idempotency key), then one clear
+    error; and the backoff of attempt 1,100 is the 30 s cap, not an OverflowError."""
+    import httpx
+
+
+
+    calls = []
+
+    def garbled(request):
+        calls.append(request.url.path)
+        return httpx.Response(200, headers={"Content-Encoding": "gzip"}, content=b"not gzip at all")
+
+    client = SynapseClient("http://server.test", "syn_c_token", retries=2, backoff=0,
+                           sleep=lambda s: None, transport=httpx.MockTransport(garbled))
+    with pytest.raises(ClientError, match=r"failed after 3 attempt\(s\): DecodingError"):
+        client.request("GET", "/api/v1/rounds/")
+    assert len(calls) == 3
+    slow = SynapseClient("http://server.test", "syn_c_token", backoff=0.5)
+    assert slow._delay(1100, None) == 30.0
+
+
+def test_a_router_answer_with_a_code_that_is_not_text_is_a_clear_error(tmp_path):
+    import httpx
+
+
+
+    def odd(request):
+        return httpx.Response(404, json={"detail": "no", "code": 7})
+
+    client = SynapseClient("http://server.test", "syn_c_token", retries=0,
+                           transport=httpx.MockTransport(odd))
+    with pytest.raises(ClientError, match="no tuned router to download: no"):
+        client.pull_router(tmp_path / "global.json")
+
+
+def test_a_head_that_fails_to_download_leaves_no_older_head_beside_the_new_global(tmp_path):
+    """Round 2's global arrives but its head download fails: round 1's head is not left beside
+    it (route and build --since would use it), and the next pull, a 304, fetches round 2's."""
+    import httpx
+    import numpy as np
+
+    from compendium.canonical import canonical_form
+    from compendium.client_api import head_file
+    from compendium.schema import Compendium
+    from routing.router import LinearHead
+
+    state = {"round": 1, "head_down": False}
+
+    def head_bytes(round_number):
+        weights = np.full((2, 3), float(round_number), "float32")
+        return LinearHead(["a", "b"], weights, np.zeros(2, "float32")).to_bytes()
+
+    def server(request):
+        path = request.url.path
+        if path == "/api/v1/compendium/global/":
+            compendium = Compendium.model_validate(
+                {"scenarios": [{"tool_id": "a", "text": f"what round {state['round']} learnt"}]})
+            etag = f'"{canonical_form(compendium).sha256}"'
+            if request.headers.get("If-None-Match") == etag:
+                return httpx.Response(304, headers={"ETag": etag})
+            body = {"round": state["round"], "compendium": compendium.model_dump(mode="json")}
+            return httpx.Response(200, json=body, headers={"ETag": etag})
+        if path == "/api/v1/compendium/global/head/":
+            if state["head_down"]:
+                return httpx.Response(503, json={"detail": "restarting"})
+            return httpx.Response(200, content=head_bytes(state["round"]))
+        return httpx.Response(404, json={"detail": "no"})
+
+    client = SynapseClient("http://server.test", "syn_c_token", retries=0,
+                           transport=httpx.MockTransport(server))
+    out = tmp_path / "global.json"
+    assert client.pull(out).head == head_file(out)
+    state.update(round=2, head_down=True)
+    second = client.pull(out)
+    assert second.updated and second.head is None and not head_file(out).exists()
+    assert any("routing head was not downloaded" in w for w in second.warnings)
+    state["head_down"] = False
+    third = client.pull(out)
+    assert not third.updated and third.head == head_file(out)
+    assert head_file(out).read_bytes() == head_bytes(2)

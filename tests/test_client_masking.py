@@ -242,3 +242,53 @@ def test_typographic_apostrophes_read_as_plain_ones():
     assert out.startswith("Well, I’m sure I’ve seen ") and "Margaret" not in out
     shared = masker(3.0).sharing({"dealership’s"}).mask("the dealership's hours").text
     assert "dealership's" in shared
+
+
+@pytest.mark.parametrize(
+    ("text", "kept"),
+    [
+        ("will it rain at the office of Dr. Miller tomorrow", "Miller"),
+        ("book a table for Mrs. Davis at eight", "Davis"),
+        ("ask prof. Okonkwo about the schedule", "Okonkwo"),
+    ],
+)
+def test_the_name_after_a_title_is_masked_as_a_name(text, kept):
+    """A title's full stop starts no sentence: the surname after it is a name (before, it was
+    scored as the first word of a sentence, and 72 of 80 common surnames stayed at λ = 1)."""
+    m = masker(1.0)
+    out = m.mask(text).text
+    assert kept not in out and "[NAME]" in out
+    assert m.residue(out) == []  # what masking leaves, the server's check takes
+    # In raw text the server finds the surname as a name to remove.
+    assert any(r.kind == "NAME" and text[r.start:r.end] == kept for r in m.residue(text))
+    # A sentence that ends before a capitalized word is still a sentence.
+    assert m.residue("It rained. Then it stopped") == []
+
+
+@pytest.mark.parametrize(
+    ("text", "secret", "kind"),
+    [
+        ("reach me at john.smith＠example．com", "john", "EMAIL"),
+        ("call ⁴¹⁵⁵⁵⁵⁰¹⁹⁹ after lunch", "⁴¹⁵", "NUMBER"),
+        ("the code is ①②③④⑤⑥⑦⑧⑨", "①", "NUMBER"),
+        ("phone ４１５ ５５５ ０１９９ tonight", "５５５", "PHONE"),
+    ],
+)
+def test_look_alike_characters_are_masked_and_checked_as_what_they_spell(text, secret, kind):
+    """Full-width, superscript and circled characters spell an address or a number as well as
+    plain ones: the client masks the text's NFKC form, and the server checks that form."""
+    from compendium.builder import clean_text
+    from compendium.masking import normalized
+
+    m = masker(1.0)
+    out = m.mask(clean_text(text)).text
+    assert secret not in out and f"[{kind}]" in out
+    assert kind in {r.kind for r in m.residue(normalized(text))}
+
+
+def test_the_server_scrubs_what_look_alike_characters_spell():
+    from compendium.scrub import scrub_text
+
+    assert scrub_text("write to jane.doe＠gmail.com").text == "write to [email]"
+    assert scrub_text("card 4111\u00a01111\u00a01111\u00a01111 please").text == "card [card] please"
+    assert scrub_text("plain text stays as it is").counts == {"email": 0, "card": 0, "phone": 0, "number": 0}

@@ -123,3 +123,24 @@ def test_cli_reports_bad_line_numbers_and_exits_non_zero(tmp_path, capsys):
     report = json.loads((tmp_path / "c.json.report.json").read_text())
     assert report["bad_lines"] == [f"{log}:5: not valid JSON: Expecting value (column 1)"]
     assert report["records"] == 20
+
+
+def test_huge_numbers_and_lone_surrogates_are_bad_lines_not_a_crash():
+    """A number too large for a float or for Python to read, and half an escaped emoji in a text,
+    are each reported as the line's error (build then stops, or skips them), never a traceback."""
+    good = b'{"query":"q","tool":"t","outcome":"success","latency_ms":1,"user":"u"}'
+    lines = [
+        b'{"query":"q","tool":"t","outcome":"success","latency_ms":1' + b"0" * 400 + b',"user":"u"}',
+        b'{"query":"q","tool":"t","outcome":"success","latency_ms":1,"user":' + b"1" * 5000 + b"}",
+        b'{"query":"q","tool":"t","outcome":"success","latency_ms":1,"user":"anna\\ud83d"}',
+        b'{"query":"rain in Oslo\\udc00","tool":"t","outcome":"success","latency_ms":1,"user":"u"}',
+        good,
+    ]
+    log = parse_lines(lines)
+    assert len(log.records) == 1
+    messages = {e.line: e.message for e in log.errors}
+    assert set(messages) == {1, 2, 3, 4}
+    assert "finite number" in messages[1] and "(401 digits)" in messages[1] and len(messages[1]) < 120
+    assert "more than 4,300 digits" in messages[2]
+    assert "'user' holds a lone surrogate" in messages[3]
+    assert "'query' holds a lone surrogate at character 12" in messages[4]

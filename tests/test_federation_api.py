@@ -616,6 +616,18 @@ def test_text_not_masked_at_the_rounds_strength_is_refused_whole(world, open_rou
     assert f'synapse_submissions_refused_unmasked_total{{organization="{slug}"}} 1.0' in exposition
 
 
+def test_text_spelt_in_look_alike_characters_is_refused_as_unmasked(world, open_round, valid_doc):
+    """A full-width ＠ and full-width digits spell an e-mail address and a phone number: the
+    server checks the text's NFKC form, as the client masks it."""
+    leaking = json.loads(json.dumps(valid_doc))
+    leaking["scenarios"][0]["text"] = "write to jane.doe＠gmail．com or call ４１５ ５５５ ０１９９"
+    response = post_doc(client_api(world.token_a), leaking)
+    assert response.status_code == 400, response.content
+    reason = response.json()["violations"][0]["reason"]
+    assert response.json()["code"] == "unmasked_text" and "e-mail address" in reason and "phone" in reason
+    assert not Submission.objects.exists()
+
+
 def test_what_the_client_toolkit_masks_is_accepted(world, open_round, valid_doc):
     """The same text masked by the client toolkit at the round's λ passes the check."""
     from compendium.masking import TextMasker

@@ -340,6 +340,43 @@ def test_update_settings_refuses_a_budget_below_the_committed_figure(world):
     services.update_settings(operator, allow_admin_approval=True)  # other settings: no check
 
 
+def test_a_settings_form_that_sends_the_budget_unchanged_is_no_budget_change(world):
+    """Once the committed ε′ is past the cap (a round opened before any numeric field was
+    declared reserves nothing; one declared after, its ε), the dashboard's settings form, which
+    sends the budget and δ′ as they are with every save, still changes a rate limit."""
+    operator = world.actor(world.operator)
+    services.update_settings(operator, epsilon_budget=1.0)
+    Round.objects.create(number=1, state=Round.State.OPEN, config=RoundConfig(epsilon=2.0).model_dump(mode="json"))
+    assert accounting.committed_composition().epsilon > 1.0
+    row = services.get_settings()
+    services.update_settings(operator, epsilon_budget=row.epsilon_budget, delta_prime=row.delta_prime,
+                             submissions_per_minute=30)
+    assert services.get_settings().submissions_per_minute == 30
+    with pytest.raises(BudgetExceeded):
+        services.update_settings(operator, epsilon_budget=1.5)  # a change is still checked
+
+
+def test_a_round_that_fills_the_budget_exactly_is_released(world):
+    """ε = 99.3 over 199 tools x 4 fields sums, share by share, to 99.30000000000115: the release
+    that open_round accepted (the reservation is ε itself) is not refused at the merge for its
+    last bits (the accountant's relative tolerance)."""
+    from compendium.schema import DEFAULT_NUMERIC_FIELDS, Compendium, Schema, ToolSpec
+    from federation.merge.operator import _release_metadata
+
+    schema = Schema(
+        tools=[ToolSpec(tool_id=f"t{i}", name=f"T{i}", description="d", category="c") for i in range(199)],
+        numeric_fields=list(DEFAULT_NUMERIC_FIELDS),
+    )
+    _, ledger = _release_metadata([("c", Compendium())], schema, RoundConfig(epsilon=99.3), 1, 99.3, True)
+    assert len(ledger) == 796
+    assert not accounting.over_cap(0.7 + 99.30000000000115, 100.0)
+    assert accounting.over_cap(100.001, 100.0)
+    from federation.merge.privacy import BudgetExceeded as ReleaseOverBudget
+
+    with pytest.raises(ReleaseOverBudget):
+        _release_metadata([("c", Compendium())], schema, RoundConfig(epsilon=99.3), 1, 99.29, True)
+
+
 def test_update_settings_refuses_a_delta_prime_that_takes_the_committed_figure_past_the_cap(world):
     """Many small rounds compose tighter under advanced composition; a smaller δ′ loosens it, so
     changing δ′ alone can take the committed ε′ past an unchanged cap."""
