@@ -406,24 +406,35 @@ def test_a_chunked_submission_without_content_length_is_411(world, valid_doc):
     assert not CompendiumVersion.objects.filter(kind="client").exists()
 
 
+def _once_checked(monkeypatch, then):
+    """The next submission's body is checked, then `then()` runs before its claim (as another
+    request would commit meanwhile); later submissions are checked as usual."""
+    import federation.submissions as submissions
+
+    check = submissions.validate_compendium
+
+    def check_then(body, schema):
+        result = check(body, schema)
+        monkeypatch.setattr(submissions, "validate_compendium", check)
+        then()
+        return result
+
+    monkeypatch.setattr(submissions, "validate_compendium", check_then)
+
+
 @pytest.mark.django_db
 def test_a_round_that_changes_while_a_submission_is_checked_stores_nothing(world, valid_doc, monkeypatch,
                                                                           without_merge_pipeline):
     """The body was checked against round 1 (its λ, its schema); round 1 closes and round 2 opens
     before the claim: 409 `round_changed`, nothing stored, and a resubmission goes to round 2."""
-    import federation.submissions as submissions
 
     first = services.open_round(SYSTEM)
-    check = submissions.validate_compendium
 
-    def validate_then_switch_rounds(body, schema):
-        result = check(body, schema)
-        monkeypatch.setattr(submissions, "validate_compendium", check)
+    def switch_rounds():
         services.close_round(SYSTEM, first)
         services.open_round(SYSTEM)
-        return result
 
-    monkeypatch.setattr(submissions, "validate_compendium", validate_then_switch_rounds)
+    _once_checked(monkeypatch, switch_rounds)
     api = client_api(world.token_a)
     response = api.post("/api/v1/submissions/", json.dumps(valid_doc), content_type="application/json",
                         HTTP_IDEMPOTENCY_KEY="k1")
@@ -441,21 +452,16 @@ def test_a_schema_that_changes_while_a_submission_is_checked_stores_nothing(worl
     """The body was checked against the schema of the look-ahead; a numeric field changes (as a
     tool deactivated in the admin would) before the claim: 409 `schema_changed`, nothing
     stored, and the same body sent again is checked against the new schema and stored."""
-    import federation.submissions as submissions
     from compendium.models import NumericField
 
     services.open_round(SYSTEM)
-    check = submissions.validate_compendium
 
-    def validate_then_change_the_schema(body, schema):
-        result = check(body, schema)
-        monkeypatch.setattr(submissions, "validate_compendium", check)
+    def change_the_schema():
         field = NumericField.objects.order_by("name").first()
         field.sensitivity *= 2
         field.save()
-        return result
 
-    monkeypatch.setattr(submissions, "validate_compendium", validate_then_change_the_schema)
+    _once_checked(monkeypatch, change_the_schema)
     api = client_api(world.token_a)
     response = api.post("/api/v1/submissions/", json.dumps(valid_doc), content_type="application/json",
                         HTTP_IDEMPOTENCY_KEY="k1")
