@@ -62,6 +62,9 @@ def test_a_combined_document_says_where_each_part_ran():
     xeon = {"cpu": "Intel Xeon", "isa": ["avx2"]}
     out = combine([doc([0], [0.7], 1.0, host=epyc), doc([1], [0.8], 1.0, host=xeon)])
     assert out["hosts"] == [epyc, xeon]
+    # A combined document combined again brings the hosts of its runs, not a None for itself.
+    again = combine([out, doc([2], [0.9], 1.0, host=xeon)])
+    assert again["hosts"] == [epyc, xeon, xeon] and again["seeds"] == [0, 1, 2]
 
 
 @pytest.mark.parametrize(

@@ -191,8 +191,9 @@ def combine(documents: list[dict[str, Any]]) -> dict[str, Any]:
         "screening": _sums([doc.get("screening", {}) for doc in documents]),
         "seconds": round(sum(float(doc.get("seconds", 0.0)) for doc in documents), 1),
         "combined_from": [doc.get("command", "") for doc in documents],
-        # Each document's host, in order (None: written before documents said where they ran).
-        "hosts": [doc.get("host") for doc in documents],
+        # Each run's host, in order (None: written before documents said where they ran); a
+        # document that is itself combined brings its runs' hosts.
+        "hosts": [h for doc in documents for h in doc.get("hosts", [doc.get("host")])],
         **sweeps,
     }
 
