@@ -162,7 +162,9 @@ def parse_record(
     except OverflowError:  # an integer too large for a float
         finite = False
     if not finite or latency < 0:
-        shown = str(latency) if len(str(latency)) <= 40 else f"{str(latency)[:20]}… ({len(str(latency))} digits)"
+        shown = str(latency)
+        if len(shown) > 40:
+            shown = f"{shown[:20]}… ({len(shown)} digits)"
         raise ValueError(f"'latency_ms' must be a finite number >= 0; got {shown}")
 
     user = item.get("user")

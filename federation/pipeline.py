@@ -583,7 +583,7 @@ def erase_client(client: Client, *, embed=None) -> ErasureReport:
         for round_id, organization_id in affected_edges:
             run_edge_merge(round_id, organization_id, rematerialize=True, embed=embed)
             edges_done.append((Round.objects.get(pk=round_id).number, organization_id))
-        globals_done, merged_again = [], set()
+        globals_done, merged_again, deleted = [], set(), False
         for round_id in _globals_to_rematerialize(rounds_touched):
             round_ = Round.objects.get(pk=round_id)
             if round_.state != Round.State.PUBLISHED:
@@ -595,8 +595,9 @@ def erase_client(client: Client, *, embed=None) -> ErasureReport:
                 merged_again.add(round_.number)
             else:
                 CompendiumVersion.objects.filter(kind="global", round=round_).delete()
+                deleted = True
             globals_done.append(round_.number)
-        if set(globals_done) - merged_again:
+        if deleted:
             # A global was deleted: if that was the served one, an earlier global is served
             # again, whose tuned router was retired. It is announced as published again, so that
             # its router is tuned again instead of the routing API serving the frozen model.

@@ -194,14 +194,7 @@ def _tune_locked(
     except Exception as exc:
         shutil.rmtree(partial, ignore_errors=True)
         log.warning("tuning the router of round %s failed: %s", version.round.number, exc)
-        if retune:
-            record.detail = (
-                f"tuning again failed ({exc.__class__.__name__}: {exc}); the router tuned "
-                f"before is still served"
-            )[:2000]
-            record.save(update_fields=["detail"])
-            return record
-        return _finish(record, TunedRouter.State.FAILED, f"{exc.__class__.__name__}: {exc}")
+        return _failed(record, exc, retune)
     if not _served(version):
         # A newer global was published while this one was tuned (and its router may be ready
         # already): this router would serve nothing, and retiring the others would retire that one.
@@ -214,11 +207,7 @@ def _tune_locked(
         partial.rename(target)  # the folder appears whole or not at all
     except OSError as exc:
         shutil.rmtree(partial, ignore_errors=True)
-        if retune:
-            record.detail = f"tuning again failed ({exc}); the router tuned before is still served"
-            record.save(update_fields=["detail"])
-            return record
-        return _finish(record, TunedRouter.State.FAILED, f"{exc.__class__.__name__}: {exc}")
+        return _failed(record, exc, retune)
     # Both routers on the probe half the encoder did not learn from (the tuned router's fusion
     # weights were fitted on it, and both heads learnt from the whole probe: a check that tuning
     # went well, not an unbiased estimate; `manage.py simulate --tune-router` gives that).
@@ -238,6 +227,17 @@ def _tune_locked(
         device=tuned.device, **checks,
     )
     retire_older(record)
+    return record
+
+
+def _failed(record: TunedRouter, exc: Exception, retune: bool) -> TunedRouter:
+    """A tuning that failed: its row failed with the reason, or for a forced retune of a ready
+    router, still ready (its router served) and saying that tuning again failed."""
+    reason = f"{exc.__class__.__name__}: {exc}"
+    if not retune:
+        return _finish(record, TunedRouter.State.FAILED, reason)
+    record.detail = f"tuning again failed ({reason}); the router tuned before is still served"[:2000]
+    record.save(update_fields=["detail"])
     return record
 
 

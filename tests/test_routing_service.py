@@ -367,27 +367,28 @@ def test_an_llm_that_cannot_be_loaded_leaves_routing_up_and_says_why(data, api, 
 
 
 class _CountingLLM:
-    """An LLM that answers "1" after `delay` seconds, or is down (LLMUnavailable)."""
+    """An LLM that answers "1", or is down (LLMUnavailable); each call moves `clock` on by
+    `seconds` (what a call costs, without waiting for it)."""
 
     name = "counting"
 
-    def __init__(self, delay: float = 0.0, down: bool = False):
-        self.delay, self.down, self.calls = delay, down, 0
+    def __init__(self, down: bool = False, seconds: float = 0.0):
+        self.down, self.seconds, self.calls, self.now = down, seconds, 0, 0.0
+
+    def clock(self) -> float:
+        return self.now
 
     def complete(self, prompt, **kwargs):
-        import time
-
         from routing.llm import LLMUnavailable
 
         self.calls += 1
-        time.sleep(self.delay)
+        self.now += self.seconds
         if self.down:
             raise LLMUnavailable("LLM endpoint http://llm:8000/v1 is down: ConnectError after 3 attempts")
         return "1"
 
 
-def test_an_llm_batch_stops_calling_a_down_llm_and_keeps_to_its_time_budget(data, api, settings,
-                                                                            monkeypatch):
+def test_an_llm_batch_stops_calling_a_down_llm(data, api, monkeypatch):
     http, raw, _ = api
     down = _CountingLLM(down=True)
     monkeypatch.setattr(services, "served_llm", lambda: down)
@@ -399,17 +400,25 @@ def test_an_llm_batch_stops_calling_a_down_llm_and_keeps_to_its_time_budget(data
     assert "is down" in reasons[0] and all("unavailable earlier in this batch" in r for r in reasons[1:])
     assert {r["reranker"] for r in batch["results"]} == {"fusion"}
 
-    slow = _CountingLLM(delay=0.05)
-    monkeypatch.setattr(services, "served_llm", lambda: slow)
+    up = _CountingLLM()
+    monkeypatch.setattr(services, "served_llm", lambda: up)
     services._served.clear()
-    settings.SYNAPSE_LLM_BATCH_SECONDS = 0.01
     batch = _post(http, "/api/v1/route/batch/", {"queries": queries, "reranker": "llm"}, raw).json()
-    assert slow.calls == 1
-    assert batch["results"][0]["reranker"] == "llm" and batch["results"][0]["fallback_reason"] is None
-    assert all("time budget of 0.01 s" in r["fallback_reason"] for r in batch["results"][1:])
-    # A single request is not a batch: it asks the LLM whatever the batches spent.
-    one = _post(http, "/api/v1/route/", {"query": queries[0], "reranker": "llm"}, raw).json()
-    assert one["reranker"] == "llm" and slow.calls == 2
+    assert up.calls == len(queries) and {r["reranker"] for r in batch["results"]} == {"llm"}
+
+
+def test_an_llm_batch_keeps_to_its_time_budget():
+    """Once the batch's calls took its budget, the rest are refused at once (each query then
+    falls back to fusion with this reason); a new batch has a budget of its own."""
+    from routing.llm import BudgetedLLM, LLMUnavailable
+
+    slow = _CountingLLM(seconds=20.0)
+    batch = BudgetedLLM(slow, 30.0, clock=slow.clock)
+    assert batch.complete("a") == "1" and batch.complete("b") == "1"  # 0 s, then 20 s spent
+    with pytest.raises(LLMUnavailable, match=r"time budget of 30 s \(SYNAPSE_LLM_BATCH_SECONDS\) is spent"):
+        batch.complete("c")  # 40 s spent
+    assert slow.calls == 2
+    assert BudgetedLLM(slow, 30.0, clock=slow.clock).complete("d") == "1"
 
 
 def test_route_api_503_until_something_is_published(data, api):

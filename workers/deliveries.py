@@ -47,15 +47,21 @@ def max_deliveries() -> int:
     return max(1, int(getattr(settings, "SYNAPSE_TASK_MAX_DELIVERIES", 3)))
 
 
+def _message_id(task) -> str | None:
+    """The id of the broker message `task` runs for; None for an eager call (no broker)."""
+    request = task.request
+    return None if request.is_eager else request.id or None
+
+
 def count(task) -> Delivery:
     """Count this delivery of `task`'s message (a bound Celery task, inside its run)."""
     limit = max_deliveries()
-    request = task.request
-    if request.is_eager or not request.id:
+    message = _message_id(task)
+    if message is None:
         return Delivery(1, limit, None)
     now = timezone.now()
     with connection.cursor() as cursor:
-        cursor.execute(_UPSERT, [request.id, task.name[:200], now, now])
+        cursor.execute(_UPSERT, [message, task.name[:200], now, now])
         number, outcome = cursor.fetchone()
     if isinstance(outcome, str):  # jsonb may come back as text
         outcome = json.loads(outcome)
@@ -64,9 +70,9 @@ def count(task) -> Delivery:
 
 def record_outcome(task, outcome) -> None:
     """Keep what this delivery did, for a redelivery of the same message to answer with."""
-    if task.request.is_eager or not task.request.id:
-        return
-    TaskDelivery.objects.filter(task_id=task.request.id).update(outcome=outcome)
+    message = _message_id(task)
+    if message is not None:
+        TaskDelivery.objects.filter(task_id=message).update(outcome=outcome)
 
 
 def prune(older_than_s: int = 86400, now: float | None = None) -> int:

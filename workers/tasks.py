@@ -22,6 +22,17 @@ log = get_task_logger(__name__)
 TASK_OPTIONS = dict(acks_late=True, reject_on_worker_lost=True)
 
 
+def _counted(task, round_id: int, attempt: int | None, what: str):
+    """Count this delivery of a pipeline task's message: (the delivery, None), or past
+    SYNAPSE_TASK_MAX_DELIVERIES (the delivery, the reason) with the round failed for it."""
+    delivery = deliveries.count(task)
+    if not delivery.exhausted:
+        return delivery, None
+    reason = delivery.reason(what)
+    pipeline.fail_round(round_id, reason, attempt)
+    return delivery, reason
+
+
 # Each task carries the pipeline run (`Round.attempt`) it belongs to; a task of an earlier run
 # (delivered late, or still running when the operator failed the round and retried it) raises
 # pipeline.StaleAttempt under the round's lock, writes nothing and fails nothing. `attempt` None:
@@ -32,11 +43,9 @@ TASK_OPTIONS = dict(acks_late=True, reject_on_worker_lost=True)
 def start_round_pipeline(self, round_id: int, attempt: int | None = None) -> dict:
     """Start the chord; returns the ids of its edge tasks and of the server task. A redelivery
     of a start that dispatched its chord answers what it dispatched, without a second chord."""
-    delivery = deliveries.count(self)
-    if delivery.exhausted:
-        reason = delivery.reason("the start of the merges")
-        pipeline.fail_round(round_id, reason, attempt)
-        return {"organizations": [], "edge_tasks": [], "server_task": None, "given_up": reason}
+    delivery, given_up = _counted(self, round_id, attempt, "the start of the merges")
+    if given_up:
+        return {"organizations": [], "edge_tasks": [], "server_task": None, "given_up": given_up}
     if delivery.outcome is not None:
         log.warning("start of round %s delivered again: its merges were dispatched", round_id)
         return delivery.outcome
@@ -64,11 +73,9 @@ def start_round_pipeline(self, round_id: int, attempt: int | None = None) -> dic
 
 @shared_task(name="synapse.edge_merge", bind=True, **TASK_OPTIONS)
 def edge_merge_task(self, round_id: int, organization_id: int, attempt: int | None = None) -> dict:
-    delivery = deliveries.count(self)
-    if delivery.exhausted:
-        reason = delivery.reason(f"the edge merge of organization {organization_id}")
-        pipeline.fail_round(round_id, reason, attempt)
-        return {"organization": organization_id, "given_up": reason}
+    _, given_up = _counted(self, round_id, attempt, f"the edge merge of organization {organization_id}")
+    if given_up:
+        return {"organization": organization_id, "given_up": given_up}
     log.info("edge merge started: round %s organization %s", round_id, organization_id)
     try:
         outcome = pipeline.run_edge_merge(round_id, organization_id, attempt=attempt)
@@ -86,9 +93,7 @@ def edge_merge_task(self, round_id: int, organization_id: int, attempt: int | No
 
 @shared_task(name="synapse.server_merge", bind=True, **TASK_OPTIONS)
 def server_merge_task(self, round_id: int, attempt: int | None = None) -> str | None:
-    delivery = deliveries.count(self)
-    if delivery.exhausted:
-        pipeline.fail_round(round_id, delivery.reason("the server merge"), attempt)
+    if _counted(self, round_id, attempt, "the server merge")[1]:
         return None
     try:
         return pipeline.run_server_merge(round_id, attempt=attempt)
