@@ -801,17 +801,34 @@ def _sent_rounds(path: Path) -> dict:
     return rounds if isinstance(rounds, dict) else {}
 
 
-def sent_before(path: Path, up_to_round: int | None) -> set[str]:
-    """The keys (`delta.sent_keys`) of what this client sent in rounds up to `up_to_round` (the
-    round of the global it pulled: those submissions are merged into it); empty without a
-    record, or when the record cannot be read (then everything is offered again: never less)."""
-    if up_to_round is None:
+def merged_rounds(published: list[dict[str, Any]], global_round: int | None) -> set[int]:
+    """The rounds whose submissions the global of `global_round` holds, from the published
+    rounds (`ClientAPI.rounds("published")`, each with its `config`): that round and the
+    published rounds before it, back to the latest one that did not carry the previous global
+    forward (its global holds its own submissions alone), that one included. Rounds that failed
+    or never published hold nothing. Rounds older than the list reaches are left out (what was
+    sent then is offered again: never less)."""
+    if global_round is None:
         return set()
+    held: set[int] = set()
+    for info in sorted(published, key=lambda r: r["number"], reverse=True):
+        if info["number"] > global_round:
+            continue
+        held.add(info["number"])
+        if round_config(info).get("carry_forward") is False:
+            break
+    return held
+
+
+def sent_before(path: Path, rounds: set[int]) -> set[str]:
+    """The keys (`delta.sent_keys`) of what this client sent in `rounds` (`merged_rounds`: those
+    the global it pulled holds, merged); empty without a record, or when the record cannot be
+    read (then everything is offered again: never less)."""
     try:
         return {
             key
             for number, keys in _sent_rounds(path).items()
-            if int(number) <= up_to_round
+            if int(number) in rounds
             for key in keys
             if isinstance(key, str)
         }

@@ -759,6 +759,7 @@ def cmd_participate(args: argparse.Namespace) -> int:
         NothingPublished,
         etag_file,
         head_file,
+        merged_rounds,
         nothing_to_submit,
         record_sent,
         round_config,
@@ -808,9 +809,11 @@ def cmd_participate(args: argparse.Namespace) -> int:
         if pulled is None or not carried:
             client.fetch_probe(probe_path)
         global_round = pulled.round if pulled else None
+        # the published rounds: which of them the pulled global holds (see merged_rounds)
+        published = client.rounds("published") if pulled and carried else []
         if pulled and global_round is None:
             # 304: the copy held is the latest published global, and a 304 names no round
-            published = client.rounds("published")
+            published = published or client.rounds("published")
             global_round = max((r["number"] for r in published), default=None)
     for warning in pulled.warnings if pulled else ():
         print(f"{PROG}: warning: {warning}", file=sys.stderr)
@@ -846,7 +849,8 @@ def cmd_participate(args: argparse.Namespace) -> int:
            "probe": None if build_since or args.no_collapse else str(probe_path),
            "strength": strength,
            "field_cap": field_cap, "not_released": not_released,
-           "sent_before": sent_before(ledger, global_round) if build_since else None},
+           "sent_before": sent_before(ledger, merged_rounds(published, global_round))
+           if build_since else None},
     ))
     built = _load_compendium(str(out))
     if nothing_to_submit(built):

@@ -273,7 +273,7 @@ def test_participate_does_not_send_again_what_it_sent_in_a_round_the_global_merg
     assert main(command) == 0
     round1 = json.loads((state / "compendium.json").read_text())
     entries = len(round1["scenarios"]) + len(round1["precautions"])
-    assert round1["scenarios"] and len(sent_before(sent_file(state), 1)) == entries
+    assert round1["scenarios"] and len(sent_before(sent_file(state), {1})) == entries
     # Round 1 publishes a global that merged other clients' requests (nothing of this client's
     # wording survives: the cosine rule alone would send all of it again).
     other = {"scenarios": [{"tool_id": "calculator", "text": "Evaluate two plus two"}]}
@@ -294,7 +294,7 @@ def test_participate_does_not_send_again_what_it_sent_in_a_round_the_global_merg
     assert "replayed" in capsys.readouterr().out
     # Without the record (another machine, a lost folder) everything goes again: never less.
     sent_file(state).write_text("not json")
-    assert sent_before(sent_file(state), 1) == set()
+    assert sent_before(sent_file(state), {1}) == set()
     assert main([*command, "--since-confidence", "2"]) == 0
     resent = json.loads((state / "compendium.json").read_text())
     assert resent["scenarios"] == round1["scenarios"]
@@ -302,8 +302,57 @@ def test_participate_does_not_send_again_what_it_sent_in_a_round_the_global_merg
     record_sent(sent_file(state), 1, {"a"})
     record_sent(sent_file(state), 2, {"b"})
     record_sent(sent_file(state), 2, {"c"})
-    assert sent_before(sent_file(state), 1) == {"a"} and sent_before(sent_file(state), 2) == {"a", "c"}
-    assert sent_before(sent_file(state), None) == set()
+    assert sent_before(sent_file(state), {1}) == {"a"}
+    assert sent_before(sent_file(state), {1, 2}) == {"a", "c"}
+    assert sent_before(sent_file(state), {2}) == {"c"} and sent_before(sent_file(state), set()) == set()
+
+
+def test_merged_rounds_stop_at_a_round_that_did_not_carry_the_global_forward():
+    from compendium.client_api import merged_rounds
+
+    def published(number, carry=None):
+        return {"number": number, "config": {} if carry is None else {"carry_forward": carry}}
+
+    rounds = [published(5), published(4), published(3, carry=False), published(1)]  # 2 failed
+    assert merged_rounds(rounds, 5) == {3, 4, 5}
+    assert merged_rounds(rounds, 4) == {3, 4}
+    assert merged_rounds(rounds, 3) == {3}
+    assert merged_rounds(rounds, 1) == {1}
+    assert merged_rounds(rounds, None) == set() and merged_rounds([], 5) == set()
+    assert merged_rounds([published(2, carry=True), published(1)], 2) == {1, 2}
+
+
+def test_participate_sends_again_what_a_global_that_was_not_carried_forward_dropped(
+    live_server, world, tmp_path, capsys
+):
+    """Sent in round 1; round 2 builds its global from its own submissions (carry_forward off)
+    and this client sat it out: round 3 pulls round 2's global, which holds nothing of round 1's,
+    so what was sent in round 1 goes again."""
+    from compendium.services import store_compendium
+
+    log, state = tmp_path / "usage.jsonl", tmp_path / "state"
+    _usage_log(log)
+    server = ["--server", live_server.url, "--token", world.token_a, "--backoff", "0"]
+    command = ["participate", "--log", str(log), "--dir", str(state), "--quiet", "--lambda", "1",
+               "--since-confidence", "2", *server]
+    other = {"scenarios": [{"tool_id": "calculator", "text": "Evaluate two plus two"}]}
+    first = services.open_round(services.Actor(None), {"mask_strength": 1.0})
+    assert main(command) == 0
+    round1 = json.loads((state / "compendium.json").read_text())
+    assert round1["scenarios"]
+    for number, config in ((1, None), (2, {"mask_strength": 1.0, "carry_forward": False})):
+        rnd = first if number == 1 else services.open_round(services.Actor(None), config)
+        Round.objects.filter(pk=rnd.pk).update(state=Round.State.PUBLISHED,
+                                               published_at=timezone.now())
+        store_compendium(load_valid_compendium(other, submissions.schema_in_force()),
+                         kind="global", round=rnd)
+    services.open_round(services.Actor(None), {"mask_strength": 1.0})
+    capsys.readouterr()
+    assert main(command) == 0
+    out = capsys.readouterr().out
+    assert "round 3: against the global of round 2" in out and "submitted to round 3" in out
+    assert "this client sent in earlier rounds" not in out
+    assert json.loads((state / "compendium.json").read_text())["scenarios"] == round1["scenarios"]
 
 
 def test_participate_and_status_follow_the_rounds_field_cap(live_server, world, tmp_path, capsys):
