@@ -36,6 +36,13 @@ class Conflict(FederationError):
     status_code = 409
 
 
+class Busy(Conflict):
+    """A lock the operation needs is held by a long operation (an erasure re-merging holds the
+    rounds' and the settings' locks until it commits): try again once it has finished."""
+
+    code = "busy"
+
+
 class InvalidTransition(Conflict):
     """A round or client cannot go from its current state to the requested one."""
 

@@ -614,18 +614,19 @@ def erase_client(client: Client, *, embed=None) -> ErasureReport:
 
 def _globals_to_rematerialize(rounds_touched: list[int]) -> list[int]:
     """The rounds whose global compendium must be merged again, in round order: those whose edges
-    changed, and every later published round that carried a global forward (it holds what the
-    earlier one held)."""
+    changed, and every later published round that carried forward a global merged again (it
+    holds what that one held; a round that did not carry the previous global forward holds its
+    own submissions alone)."""
     if not rounds_touched:
         return []
-    first = min(Round.objects.filter(pk__in=rounds_touched).values_list("number", flat=True))
-    later = [
-        r.pk
-        for r in Round.objects.filter(number__gt=first, state=Round.State.PUBLISHED)
-        if _config(r).carry_forward
-    ]
-    ids = set(rounds_touched) | set(later)
-    return list(Round.objects.filter(pk__in=ids).order_by("number").values_list("pk", flat=True))
+    needed = set(rounds_touched)
+    first = min(Round.objects.filter(pk__in=needed).values_list("number", flat=True))
+    previous = None  # the latest published round so far: what `previous_global` carries forward
+    for r in Round.objects.filter(number__gte=first, state=Round.State.PUBLISHED).order_by("number"):
+        if previous in needed and _config(r).carry_forward:
+            needed.add(r.pk)
+        previous = r.pk
+    return list(Round.objects.filter(pk__in=needed).order_by("number").values_list("pk", flat=True))
 
 
 # --- the public probe set ------------------------------------------------------------------------

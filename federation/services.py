@@ -14,12 +14,13 @@ import math
 import re
 import secrets
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
 from django.conf import settings
 from django.contrib.auth import get_user_model
-from django.db import IntegrityError, connection, transaction
+from django.db import IntegrityError, OperationalError, connection, transaction
 from django.db.models import QuerySet, Sum
 from django.utils import timezone
 from django.utils.dateparse import parse_datetime
@@ -30,6 +31,7 @@ from compendium.services import seed_default_numeric_fields
 from federation import accounting, ratelimit
 from federation.errors import (
     BudgetExceeded,
+    Busy,
     Conflict,
     InvalidRequest,
     InvalidTransition,
@@ -504,7 +506,8 @@ def update_settings(actor: Actor, **changes) -> FederationSettings:
     if unknown:
         raise InvalidRequest(f"unknown settings: {', '.join(sorted(unknown))}")
     get_settings()
-    row = FederationSettings.objects.select_for_update().get(pk=1)
+    with waiting_briefly("change the federation's settings"):
+        row = FederationSettings.objects.select_for_update().get(pk=1)
     before = {k: getattr(row, k) for k in changes}
     for key, value in changes.items():
         setattr(row, key, value)
@@ -866,7 +869,9 @@ def open_round(
     if not isinstance(config, RoundConfig):
         config = RoundConfig(**(config or {}))
     closes_at = _future_deadline(closes_at)
-    settings_row = FederationSettings.objects.select_for_update().get(pk=get_settings().pk)
+    settings_pk = get_settings().pk
+    with waiting_briefly("open a round"):
+        settings_row = FederationSettings.objects.select_for_update().get(pk=settings_pk)
     # One read: a close committing between two would leave nothing to name (a 500).
     still_open = Round.objects.filter(state=Round.State.OPEN).values_list("number", flat=True).first()
     if still_open is not None:
@@ -950,6 +955,32 @@ def _close_if_due(pk: int, now: dt.datetime) -> Round | None:
     return close_round(DEADLINE_ACTOR, rnd)
 
 
+@contextmanager
+def waiting_briefly(what: str):
+    """Within the block (inside a transaction), a lock another transaction holds is waited for at
+    most SYNAPSE_LOCK_WAIT_SECONDS; longer is a Busy (409) naming `what`. For the operator's
+    requests: an erasure holds the locks of the rounds it re-merges and the settings' until all
+    its merges commit (minutes with an LLM summarizer), and a request waiting that long would be
+    cut off by the web server instead of answered."""
+    wait_ms = max(1, round(settings.SYNAPSE_LOCK_WAIT_SECONDS * 1000))
+    with connection.cursor() as cur:
+        cur.execute("SELECT current_setting('lock_timeout')")
+        (before,) = cur.fetchone()
+        cur.execute("SELECT set_config('lock_timeout', %s, true)", [f"{wait_ms}ms"])
+    try:
+        yield
+    except OperationalError as exc:
+        if getattr(exc.__cause__, "sqlstate", None) == "55P03":  # lock_not_available
+            raise Busy(
+                f"cannot {what} now: a long operation (an erasure re-merging rounds, or a merge "
+                f"releasing statistics) holds what it needs for more than "
+                f"{settings.SYNAPSE_LOCK_WAIT_SECONDS:g} s; try again once it has finished"
+            ) from None
+        raise
+    with connection.cursor() as cur:
+        cur.execute("SELECT set_config('lock_timeout', %s, true)", [before])
+
+
 def _locked_round(rnd: Round | int | None) -> Round:
     if rnd is None:
         found = Round.objects.select_for_update().filter(state=Round.State.OPEN).first()
@@ -1011,8 +1042,9 @@ def retry_round(actor: Actor, rnd: Round | int) -> Round:
     # The round's lock, then the settings' (serializing with open_round and update_settings,
     # without creating the settings row here): the order the pipeline takes them in, so that a
     # retry and a merge's release (an erasure's re-release) cannot deadlock.
-    rnd = _locked_round(rnd)
-    FederationSettings.objects.select_for_update().filter(pk=1).first()
+    with waiting_briefly("retry the round"):
+        rnd = _locked_round(rnd)
+        FederationSettings.objects.select_for_update().filter(pk=1).first()
     reason = rnd.failure_reason
     _move(rnd, Round.State.CLOSING, "retry", source=Round.State.FAILED)
     _refuse_after_a_later_publication(rnd, "retried")

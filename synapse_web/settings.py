@@ -207,6 +207,11 @@ CONTENT_SECURITY_POLICY = {
 SILENCED_SYSTEM_CHECKS = ["security.W005", "security.W021"]
 
 # Request bodies: submissions are capped here (413 above it), see federation issue.
+# How long an operator's request (open a round, retry one, change the settings) waits for a lock
+# that a long operation holds (an erasure re-merging) before it answers 409 busy.
+SYNAPSE_LOCK_WAIT_SECONDS = float(os.environ.get("SYNAPSE_LOCK_WAIT_SECONDS", "5"))
+if not 0 < SYNAPSE_LOCK_WAIT_SECONDS <= 600:
+    raise ImproperlyConfigured("SYNAPSE_LOCK_WAIT_SECONDS must be in (0, 600]")
 SYNAPSE_MAX_SUBMISSION_BYTES = int(os.environ.get("SYNAPSE_MAX_SUBMISSION_BYTES", str(2 * 1024 * 1024)))
 DATA_UPLOAD_MAX_MEMORY_SIZE = SYNAPSE_MAX_SUBMISSION_BYTES + 64 * 1024
 

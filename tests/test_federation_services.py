@@ -536,3 +536,79 @@ def test_settings_are_written_only_with_an_audit_entry(world):
     assert row.allow_admin_approval and row.updated_at > created
     entry = AuditLog.objects.get(action="settings.change")
     assert entry.details == {"allow_admin_approval": {"from": False, "to": True}}
+
+
+def _held_elsewhere(lock):
+    """Run `lock()` (which takes row locks) in a transaction on another connection and hold them
+    until the returned `release` is called."""
+    import threading
+
+    held, done = threading.Event(), threading.Event()
+
+    def hold():
+        try:
+            with transaction.atomic():
+                lock()
+                held.set()
+                done.wait(30)
+        finally:
+            connection.close()
+
+    thread = threading.Thread(target=hold, daemon=True)
+    thread.start()
+    assert held.wait(30)
+
+    def release():
+        done.set()
+        thread.join(30)
+
+    return release
+
+
+@pytest.mark.django_db(transaction=True)
+def test_operator_requests_answer_busy_instead_of_waiting_out_a_long_lock(world, settings):
+    """An erasure holds the settings' lock (and its rounds') until all its re-merges commit:
+    opening a round, retrying one or changing the settings then answers 409 busy after
+    SYNAPSE_LOCK_WAIT_SECONDS instead of waiting minutes, changes nothing, and works once the
+    lock is free."""
+    from federation.errors import Busy
+    from federation.models import FederationSettings
+
+    settings.SYNAPSE_LOCK_WAIT_SECONDS = 0.2
+    operator = world.actor(world.operator)
+    failed = services.open_round(operator)
+    Round.objects.filter(pk=failed.pk).update(state=Round.State.FAILED, failure_reason="boom")
+    budget = services.get_settings().epsilon_budget
+    release = _held_elsewhere(
+        lambda: FederationSettings.objects.select_for_update().get(pk=services.get_settings().pk)
+    )
+    try:
+        with pytest.raises(Busy, match="cannot open a round now") as busy:
+            services.open_round(operator)
+        assert busy.value.status_code == 409 and busy.value.code == "busy"
+        with pytest.raises(Busy, match="cannot change the federation's settings now"):
+            services.update_settings(operator, epsilon_budget=budget + 1)
+        with pytest.raises(Busy, match="cannot retry the round now"):
+            services.retry_round(operator, failed)
+    finally:
+        release()
+    assert services.get_settings().epsilon_budget == budget
+    assert Round.objects.get(pk=failed.pk).state == Round.State.FAILED
+    assert Round.objects.count() == 1
+    # the round's own lock (an erasure re-merging that round) is waited for the same way
+    release = _held_elsewhere(lambda: Round.objects.select_for_update().get(pk=failed.pk))
+    try:
+        with pytest.raises(Busy, match="cannot retry the round now"):
+            services.retry_round(operator, failed)
+    finally:
+        release()
+    # free again: the same requests go through, and a later lock in the same transaction is
+    # not limited (the wait applies to the request's own locks only)
+    services.update_settings(operator, epsilon_budget=budget + 1)
+    with transaction.atomic():
+        with services.waiting_briefly("test"):
+            pass
+        with connection.cursor() as cur:
+            cur.execute("SELECT current_setting('lock_timeout')")
+            assert cur.fetchone()[0] == "0"
+    assert services.retry_round(operator, failed).attempt == failed.attempt + 1

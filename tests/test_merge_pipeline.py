@@ -394,15 +394,14 @@ def test_erasure_that_fails_changes_nothing_and_can_be_run_again(
     assert all("17 multiplied" not in s["text"] for s in glob.content["scenarios"])
 
 
-def _second_round(config=None):
+def _second_round(config=None, number=2, text="Which airline flies nonstop to Lisbon?"):
     from compendium.schema import Compendium
     from compendium.services import store_compendium
 
-    round2 = Round.objects.create(number=2, state="closing",
+    round2 = Round.objects.create(number=number, state="closing",
                                   config=config or {"summarizer": "centroid", "seed": 12})
     store_compendium(
-        Compendium.model_validate({"scenarios": [
-            {"tool_id": "flights", "text": "Which airline flies nonstop to Lisbon?"}]}),
+        Compendium.model_validate({"scenarios": [{"tool_id": "flights", "text": text}]}),
         kind="client", round=round2, client=Client.objects.get(name="g1"),
     )
     return round2
@@ -487,6 +486,14 @@ def test_a_round_without_carry_forward_publishes_only_its_own_submissions(
     close(round2, django_capture_on_commit_callbacks)
     glob = CompendiumVersion.objects.get(kind="global", round=round2)
     assert [s["text"] for s in glob.content["scenarios"]] == ["Which airline flies nonstop to Lisbon?"]
+    # Round 3 carries round 2's global forward, which holds nothing of round 1's: erasing a
+    # round-1 client merges round 1 again, and neither round 2 nor round 3.
+    round3 = _second_round(number=3, text="Book me a flight to Oslo tomorrow")
+    close(round3, django_capture_on_commit_callbacks)
+    assert round3.state == "published", round3.failure_reason
+    third = CompendiumVersion.objects.get(kind="global", round=round3)
+    assert pipeline.erase_client(Client.objects.get(name="a2")).globals_rematerialized == [1]
+    assert CompendiumVersion.objects.get(kind="global", round=round3).pk == third.pk
 
 
 def _ledger_row(round_, org, eps, field="calls", release=0, cap=None):
