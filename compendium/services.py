@@ -11,6 +11,7 @@ from django.core.exceptions import ImproperlyConfigured
 from django.db import connection, models, transaction
 from django.db.models import ExpressionWrapper, F, FloatField, Value
 from pgvector.django import CosineDistance
+from pydantic import ValidationError
 
 from compendium.canonical import canonical_form
 from compendium.models import (
@@ -93,28 +94,56 @@ def seed_default_numeric_fields() -> None:
         )
 
 
+def tool_spec(t: Tool) -> ToolSpec:
+    return ToolSpec(
+        tool_id=t.tool_id, name=t.name, description=t.description, category=t.category, spec=t.spec
+    )
+
+
+def numeric_field_spec(f: NumericField) -> NumericFieldSpec:
+    return NumericFieldSpec(
+        name=f.name,
+        kind=NumericKind(f.kind),
+        min=f.min_value,
+        max=f.max_value,
+        sensitivity=f.sensitivity,
+        unit=f.unit,
+        description=f.description,
+    )
+
+
 def registry_specs() -> list[ToolSpec]:
-    return [
-        ToolSpec(
-            tool_id=t.tool_id, name=t.name, description=t.description, category=t.category, spec=t.spec
-        )
-        for t in Tool.objects.filter(active=True).order_by("tool_id")
-    ]
+    return [tool_spec(t) for t in Tool.objects.filter(active=True).order_by("tool_id")]
 
 
 def numeric_field_specs() -> list[NumericFieldSpec]:
-    return [
-        NumericFieldSpec(
-            name=f.name,
-            kind=NumericKind(f.kind),
-            min=f.min_value,
-            max=f.max_value,
-            sensitivity=f.sensitivity,
-            unit=f.unit,
-            description=f.description,
+    return [numeric_field_spec(f) for f in NumericField.objects.order_by("name")]
+
+
+def schema_problem(changed: Tool | NumericField) -> str | None:
+    """What would be wrong with the schema in force if `changed` (a registry row or numeric
+    field, edited or new, not saved yet) replaced its stored row; None when it would load. A row
+    the schema refuses would make every submission, schema download and merge fail."""
+    tools = [t for t in Tool.objects.filter(active=True)
+             if not (isinstance(changed, Tool) and t.pk == changed.pk)]
+    fields = [f for f in NumericField.objects.all()
+              if not (isinstance(changed, NumericField) and f.pk == changed.pk)]
+    if isinstance(changed, Tool) and changed.active:
+        tools.append(changed)
+    elif isinstance(changed, NumericField):
+        fields.append(changed)
+    try:
+        Schema(
+            tools=[tool_spec(t) for t in sorted(tools, key=lambda t: t.tool_id)],
+            numeric_fields=[numeric_field_spec(f) for f in sorted(fields, key=lambda f: f.name)],
         )
-        for f in NumericField.objects.order_by("name")
-    ]
+    except ValidationError as exc:
+        return "; ".join(
+            f"{e['loc'][-1] if e['loc'] else 'schema'}: {e['msg']}" for e in exc.errors()[:3]
+        )
+    except ValueError as exc:  # a kind NumericKind does not know
+        return str(exc)
+    return None
 
 
 def current_schema() -> Schema:

@@ -1,3 +1,4 @@
+from django import forms
 from django.contrib import admin
 from django.contrib.admin.utils import unquote
 from django.contrib.auth import get_user_model
@@ -7,6 +8,7 @@ from django.utils.decorators import method_decorator
 from django.views.decorators.debug import sensitive_post_parameters
 
 from compendium.models import NumericField, Tool
+from compendium.services import schema_problem
 from federation import people
 from federation.auth import AdminLoginForm
 from federation.models import (
@@ -25,6 +27,16 @@ from synapse_web.readonly_admin import ReadOnlyAdmin
 admin.site.login_form = AdminLoginForm
 
 
+def _operator_only(request) -> bool:
+    """The Django admin is the operator's (a superuser's) alone: its pages show every
+    organization's records, and a staff login given view permissions (directly or by a group)
+    would see across organizations, which the dashboard never shows an organization's people."""
+    return request.user.is_active and request.user.is_superuser
+
+
+admin.site.has_permission = _operator_only
+
+
 @admin.register(Organization)
 class OrganizationAdmin(ReadOnlyAdmin):
     """Created on the dashboard's Organizations page or POST /api/v1/admin/organizations/."""
@@ -38,6 +50,7 @@ class ClientAdmin(ReadOnlyAdmin):
     """Enrollment, approval, rotation and revocation go through the audited API and dashboard."""
 
     list_display = ("name", "organization", "status", "contact", "created_at")
+    list_select_related = ("organization",)
     list_filter = ("status", "organization")
     search_fields = ("name", "contact")
 
@@ -65,6 +78,7 @@ class SubmissionAdmin(ReadOnlyAdmin):
     """What clients sent: erased only with `manage.py erase_client` (audited, with the merges'
     provenance), never deleted here."""
 
+    list_select_related = ("client__organization", "round")
     list_display = (
         "client", "round", "idempotency_key", "status_code", "scrubbed", "wire_bytes",
         "content_encoding", "created_at",
@@ -82,6 +96,7 @@ class FederationSettingsAdmin(ReadOnlyAdmin):
 @admin.register(AuditLog)
 class AuditLogAdmin(ReadOnlyAdmin):
     list_display = ("created_at", "actor_label", "action", "organization", "target_label", "ip")
+    list_select_related = ("organization",)
     list_filter = ("action", "organization")
     search_fields = ("actor_label", "target_label")
 
@@ -91,11 +106,33 @@ def _actor(request) -> Actor:
     return Actor.for_user(request.user, client_ip(request))
 
 
+class SchemaRowForm(forms.ModelForm):
+    """A registry row or numeric field as the schema in force will read it: a value the schema
+    refuses (a field name that is not an identifier, a spec that is not an object) is a form
+    error here, not a schema that every submission, download and merge then fails to load."""
+
+    def _post_clean(self):
+        super()._post_clean()  # the instance now holds the form's values
+        if not self.errors:
+            problem = schema_problem(self.instance)
+            if problem:
+                self.add_error(None, f"the schema in force would not load: {problem}")
+
+
 class AuditedSchemaAdmin(admin.ModelAdmin):
     """The schema in force: what clients build and validate against, and (numeric fields) the
     ranges and sensitivities that set the Laplace noise. The operator (a superuser) alone edits
     it here, and every addition, change (each field from / to) and deletion is audited as
-    schema.change."""
+    schema.change. The identifier (`identity`) is fixed once created: stored compendiums, the
+    conflict log and the privacy ledger name rows by it; a tool or field is renamed by adding
+    the new one and deactivating (a tool) or deleting (a field) the old."""
+
+    form = SchemaRowForm
+    identity = ""
+
+    def get_readonly_fields(self, request, obj=None):
+        fixed = (self.identity,) if obj is not None else ()
+        return (*super().get_readonly_fields(request, obj), *fixed)
 
     def has_add_permission(self, request):
         return request.user.is_superuser
@@ -134,6 +171,7 @@ class ToolAdmin(AuditedSchemaAdmin):
     """A tool no longer offered is made inactive rather than deleted (stored compendiums name it;
     the admin refuses the deletion of a tool they reference)."""
 
+    identity = "tool_id"
     list_display = ("tool_id", "name", "category", "active", "updated_at")
     list_filter = ("category", "active")
     search_fields = ("tool_id", "name", "description")
@@ -141,6 +179,7 @@ class ToolAdmin(AuditedSchemaAdmin):
 
 @admin.register(NumericField)
 class NumericFieldAdmin(AuditedSchemaAdmin):
+    identity = "name"
     list_display = ("name", "kind", "min_value", "max_value", "sensitivity", "unit")
 
 

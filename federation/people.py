@@ -367,11 +367,13 @@ def admin_login_saved(actor: Actor, user, before: dict | None) -> None:
 
 def admin_password_set(actor: Actor, user) -> None:
     """Audit a password set (or password sign-in disabled) in the Django admin; never the
-    password. As after a reset, the login's failed sign-ins are forgotten."""
+    password. As after a reset (the way a login thought compromised is taken back), the login's
+    personal API tokens are revoked and its failed sign-ins forgotten."""
     membership = _membership_of_login(user)
+    revoked = _revoke_tokens(user)
     login_throttle.unlock(user.get_username())
     _audit_login(actor, AuditLog.Action.USER_PASSWORD, user, membership,
-                 usable_password=user.has_usable_password())
+                 usable_password=user.has_usable_password(), tokens_revoked=revoked)
 
 
 def admin_login_deleted(actor: Actor, user) -> None:

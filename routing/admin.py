@@ -17,4 +17,6 @@ class RoutingTokenAdmin(ReadOnlyAdmin):
 @admin.register(RoutingCall)
 class RoutingCallAdmin(ReadOnlyAdmin):
     list_display = ("at", "latency_ms", "queries", "reranker", "compendium_round")
-    list_filter = ("reranker",)
+    # thirty days of calls: no DISTINCT over the table for a filter, no exact count per page
+    date_hierarchy = "at"
+    show_full_result_count = False

@@ -74,6 +74,11 @@ def change_form(browser, user, page_name="admin:auth_user_change") -> dict:
     return data
 
 
+def _to_login(response) -> bool:
+    """The admin turned the request away to its sign-in page (it is the operator's alone)."""
+    return response.status_code == 302 and response["Location"].startswith(reverse("admin:login"))
+
+
 def operator_browser(world) -> BrowserClient:
     browser = BrowserClient()
     browser.force_login(world.operator)
@@ -176,6 +181,7 @@ def test_a_deactivation_in_the_admin_is_the_operators_and_stands(world):
 
 
 def test_a_password_set_in_the_admin_is_audited_without_the_password(world):
+    token = services.issue_user_token(services.Actor.for_user(world.member_a), world.member_a)
     browser = operator_browser(world)
     url = reverse("admin:auth_user_password_change", args=[world.member_a.pk])
     assert browser.get(url).status_code == 200
@@ -187,8 +193,12 @@ def test_a_password_set_in_the_admin_is_audited_without_the_password(world):
     assert user.check_password(NEW_PASSWORD)
     entry = entries("user.password").get()
     assert entry.actor == world.operator and entry.organization == world.org_a
-    assert entry.details == {"user": "member_a", "via": "django admin", "usable_password": True}
+    # as after a reset (how a login thought compromised is taken back): its API tokens stop
+    assert entry.details == {"user": "member_a", "via": "django admin", "usable_password": True,
+                             "tokens_revoked": 1}
     assert NEW_PASSWORD not in json.dumps(entry.details)
+    assert not UserToken.objects.filter(user=world.member_a, revoked_at__isnull=True).exists()
+    assert services.user_for_token(token) is None
     # disabling password sign-in is recorded too
     browser.post(url, {"usable_password": "false", "unset-password": "1"})
     assert not User.objects.get(pk=world.member_a.pk).has_usable_password()
@@ -226,13 +236,13 @@ def test_a_staff_login_with_user_permissions_cannot_change_logins_in_the_admin(w
     )
     browser = BrowserClient()
     browser.force_login(staff)
-    assert browser.get(reverse("admin:auth_user_add")).status_code == 403
+    assert _to_login(browser.get(reverse("admin:auth_user_add")))
     url = reverse("admin:auth_user_change", args=[staff.pk])
     browser.post(url, {"username": "staffer", "is_active": "on", "is_staff": "on",
                        "is_superuser": "on"})
     assert not User.objects.get(pk=staff.pk).is_superuser
     password_url = reverse("admin:auth_user_password_change", args=[world.operator.pk])
-    assert browser.post(password_url, {"password1": NEW_PASSWORD, "password2": NEW_PASSWORD}).status_code == 403
+    assert _to_login(browser.post(password_url, {"password1": NEW_PASSWORD, "password2": NEW_PASSWORD}))
     assert not User.objects.get(pk=world.operator.pk).check_password(NEW_PASSWORD)
     assert not AuditLog.objects.filter(action__startswith="user.").exists()
 
@@ -309,8 +319,8 @@ def test_the_schemas_numeric_fields_and_tools_are_the_operators_and_audited(worl
     browser = BrowserClient()
     browser.force_login(staff)
     form = change_form(operator_browser(world), field, "admin:compendium_numericfield_change")
-    assert browser.post(url, {**form, "sensitivity": "0.001"}).status_code == 403
-    assert browser.get(reverse("admin:compendium_tool_add")).status_code == 403
+    assert _to_login(browser.post(url, {**form, "sensitivity": "0.001"}))
+    assert _to_login(browser.get(reverse("admin:compendium_tool_add")))
 
     operator = operator_browser(world)
     response = operator.post(url, {**form, "sensitivity": "0.001"})
@@ -335,3 +345,90 @@ def test_the_schemas_numeric_fields_and_tools_are_the_operators_and_audited(worl
     assert operator.post(delete, {"post": "yes"}).status_code == 302
     deleted = entries("schema.change").last()
     assert deleted.details["operation"] == "delete" and deleted.target_label == "ghost"
+
+
+def test_the_admin_is_the_operators_alone_whatever_permissions_a_staff_login_holds(world):
+    """Its pages show every organization's clients, audit entries and submissions: a staff login
+    given view permissions (here by a group) sees none of them."""
+    from django.contrib.auth.models import Group
+
+    viewers = Group.objects.create(name="viewers")
+    viewers.permissions.set(Permission.objects.filter(codename__startswith="view_"))
+    staff = User.objects.create_user("looker", is_staff=True)
+    staff.groups.add(viewers)
+    browser = BrowserClient()
+    browser.force_login(staff)
+    for page in ("admin:index", "admin:federation_client_changelist",
+                 "admin:federation_auditlog_changelist", "admin:compendium_compendiumversion_changelist",
+                 "admin:auth_group_changelist"):
+        assert _to_login(browser.get(reverse(page))), page
+    assert operator_browser(world).get(reverse("admin:federation_client_changelist")).status_code == 200
+
+
+def test_a_schema_row_the_schema_would_refuse_is_a_form_error_and_ids_are_fixed(world):
+    """A numeric field named like "p95 latency" or a tool spec that is not an object was saved,
+    and then the schema in force failed to load: every submission, schema download and merge
+    failed. Now each is the form's error and nothing is saved; and the identifier a stored
+    compendium, the conflict log and the ledger name a row by is not editable once created."""
+    from compendium.models import NumericField, Tool
+    from compendium.services import current_schema
+
+    operator = operator_browser(world)
+    add = reverse("admin:compendium_numericfield_add")
+    refused = operator.post(add, {"name": "p95 latency", "kind": "latency", "min_value": "0",
+                                  "max_value": "10", "sensitivity": "10", "unit": "",
+                                  "description": ""})
+    assert refused.status_code == 200
+    assert "the schema in force would not load" in refused.content.decode()
+    assert not NumericField.objects.filter(name="p95 latency").exists()
+    tool = Tool.objects.get(tool_id="weather")
+    url = reverse("admin:compendium_tool_change", args=[tool.pk])
+    form = change_form(operator, tool, "admin:compendium_tool_change")
+    assert "tool_id" not in form  # shown, not editable
+    refused = operator.post(url, {**form, "spec": "[]"})
+    assert refused.status_code == 200 and "the schema in force would not load" in refused.content.decode()
+    assert Tool.objects.get(pk=tool.pk).spec == tool.spec
+    assert not entries("schema.change").exists()
+    current_schema()  # still loads
+    # the identifier sent with the form is ignored; other fields change
+    saved = operator.post(url, {**form, "tool_id": "renamed", "name": "Weather now"})
+    assert saved.status_code == 302, saved.content[:2000]
+    assert Tool.objects.get(pk=tool.pk).tool_id == "weather"
+    assert Tool.objects.get(pk=tool.pk).name == "Weather now"
+    field = NumericField.objects.get(name="calls")
+    assert "name" not in change_form(operator, field, "admin:compendium_numericfield_change")
+
+
+def test_a_compendiums_admin_page_links_its_entries_instead_of_listing_them(world):
+    from compendium.models import CompendiumVersion
+    from compendium.schema import Compendium
+    from compendium.services import store_compendium
+
+    rnd = services.open_round(SYSTEM)
+    version = store_compendium(
+        Compendium.model_validate({"scenarios": [
+            {"tool_id": "weather", "text": f"Will it rain in Oslo in {n} days?"} for n in range(3)]}),
+        kind="global", round=rnd,
+    )
+    other = store_compendium(
+        Compendium.model_validate({"scenarios": [{"tool_id": "weather", "text": "Sun in Rome?"}]}),
+        kind="client", round=rnd, client=world.client_a,
+    )
+    operator = operator_browser(world)
+    page = operator.get(reverse("admin:compendium_compendiumversion_change", args=[version.pk]))
+    html = page.content.decode()
+    assert page.status_code == 200
+    link = f"{reverse('admin:compendium_scenarioentry_changelist')}?version__id__exact={version.pk}"
+    assert f'<a href="{link}">3 scenarios</a>' in html
+    assert "Will it rain in Oslo in 1 days?" in html  # in the content's head, once
+    listed = operator.get(link)
+    assert listed.status_code == 200
+    assert listed.content.decode().count("Will it rain in Oslo") == 3
+    assert "Sun in Rome" not in listed.content.decode()
+    assert CompendiumVersion.objects.filter(pk=other.pk).exists()
+    for page_name in ("admin:compendium_compendiumversion_changelist",
+                      "admin:compendium_statentry_changelist",
+                      "admin:compendium_templateentry_changelist",
+                      "admin:routing_routingcall_changelist",
+                      "admin:federation_auditlog_changelist"):
+        assert operator.get(reverse(page_name)).status_code == 200, page_name
