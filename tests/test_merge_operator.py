@@ -113,6 +113,53 @@ def test_contradictory_preconditions_make_a_conflict_with_majority_centroid(sche
     assert len(kept) == 1 and kept[0].support == 2 and kept[0].preconditions == {"has_city": True}
 
 
+def test_one_source_stating_a_huge_support_does_not_outvote_the_others(schema, embed):
+    """The support an entry states is its submitter's word: nine clients that agree outvote one
+    that disagrees however large a support it states (before, the one with 1,000,000 won and the
+    nine were logged as its dissenters)."""
+    honest = [sub(f"c{i}", [sc("weather", "Will it rain tomorrow in Paris", online=True)])
+              for i in range(9)]
+    liar = sub("a0", [{**sc("weather", "Will it rain tomorrow in Paris", online=False),
+                       "support": 1_000_000}])
+    for rule in ("none", "krum", "trimmed-mean"):
+        result = edge_merge([liar, *honest], schema, RoundConfig(summarizer="centroid",
+                                                                 robust_rule=rule), embed=embed)
+        entry = result.conflicts[0]
+        assert entry.centroid["preconditions"] == {"online": True}, rule
+        assert [d["source"] for d in entry.dissenters] == ["a0"], rule
+        kept = [s for s in result.compendium.scenarios if s.tool_id == "weather"]
+        assert len(kept) == 1 and kept[0].preconditions == {"online": True}, rule
+
+
+def test_an_edge_merge_of_precautions_alone_with_a_probe_set(schema, embed):
+    """Clients that send only precautions (a delta that changes nothing else): the probe-scored
+    summarizer found no scenario to score against and the merge raised AttributeError."""
+    probe_texts = ["Is it going to snow in Berlin?", "Cheapest flight to Tokyo next week"]
+    probe = ProbeSet(probe_texts, ["weather", "flights"], embed(probe_texts))
+    subs = [sub(f"c{i}", precautions=[{"tool_id": "weather", "text": text}])
+            for i, text in enumerate(["Do not use it for flight delays",
+                                      "Do not use it for flight delays."])]
+    result = edge_merge(subs, schema, RoundConfig(), embed=embed, probe_set=probe)
+    assert [(p.tool_id, p.support) for p in result.compendium.precautions] == [("weather", 2)]
+    assert result.compendium.scenarios == []
+
+
+def test_a_released_figure_stays_in_its_fields_range_after_rounding(schema, embed):
+    """A noised figure is rounded to a hundredth of its noise's order of magnitude: for a field
+    whose range is narrower than that step (a rating in [1, 5] under a scale in the thousands)
+    the rounding took it out of range, the merge refused its own compendium, and the round (and
+    every retry, with the same seed) failed."""
+    from compendium.schema import NumericFieldSpec, NumericKind
+
+    narrow = Schema(tools=schema.tools, numeric_fields=[
+        NumericFieldSpec(name="rating", kind=NumericKind.OTHER, min=1, max=5, sensitivity=4)])
+    subs = [sub("c1", metadata=[{"tool_id": "weather", "stats": {"rating": 4.5}}])]
+    for seed in range(12):
+        result = edge_merge(subs, narrow, RoundConfig(epsilon=0.001, seed=seed), embed=embed)
+        released = [m.stats["rating"] for m in result.compendium.metadata if "rating" in m.stats]
+        assert released and all(1 <= v <= 5 for v in released), seed
+
+
 def test_is_consistent_structural_rules(embed):
     v = embed(["a", "b"])
     a = Item("x", "weather", "a", {"f": True}, 1, v[0])

@@ -82,9 +82,9 @@ SCHEMA = Schema(tools=[
 ])
 
 
-def _merge(server, embed, summarizer="textgrad"):
+def _merge(server, embed, summarizer="textgrad", with_probe=True):
     probe_texts = ["Will it snow in Oslo tomorrow?"]
-    probe = ProbeSet(probe_texts, ["weather"], embed(probe_texts))
+    probe = ProbeSet(probe_texts, ["weather"], embed(probe_texts)) if with_probe else None
     subs = [
         MergeInput("a", {"scenarios": [{"tool_id": "weather", "text": "Check the weather"}]}),
         MergeInput("b", {"scenarios": [{"tool_id": "weather", "text": "Check the weather."}]}),
@@ -129,3 +129,13 @@ def test_unparseable_answer_falls_back_and_records_why(chat_server, embed):
     weather = [s for s in result.compendium.scenarios if s.tool_id == "weather"]
     assert weather[0].text in ("Check the weather", "Check the weather.",
                                "Check the weather; check the weather.")
+
+
+@pytest.mark.parametrize("chat_server", ["good"], indirect=True)
+def test_textgrad_without_a_probe_set_falls_back_and_says_why(chat_server, embed):
+    """TextGrad scores its texts on the public probe set: without one the merge failed with an
+    AttributeError (the round with it); now the single-shot summary is written instead."""
+    result = _merge(chat_server, embed, with_probe=False)
+    fallbacks = result.stats.summarizer_fallbacks
+    assert [(f["summarizer"], f["kind"]) for f in fallbacks] == [("textgrad", "no probe set")]
+    assert result.stats.summaries == {"llm-single-shot": 1}

@@ -115,7 +115,9 @@ def decide_cluster(
 ) -> ClusterDecision:
     """IsConsistent (same parent tool, jointly satisfiable flags, optional LLM probe against the
     centroid) and, when it fails, the majority decision: the anchor is the member compatible with
-    the most support; members incompatible with it are the dissenters."""
+    the most sources (one vote each: the support an entry states is the submitter's word, and one
+    Byzantine client stating a huge one must not outvote the others), then the most support;
+    members incompatible with it are the dissenters."""
     vectors = np.stack([m.vector for m in members])
     n = len(members)
     tools_agree = len({m.tool_id for m in members}) == 1
@@ -146,8 +148,9 @@ def decide_cluster(
     support = [m.support for m in members]
     best, best_key = 0, None
     for i in range(n):
-        agreeing_support = sum(support[j] for j in range(n) if j == i or compatible(i, j))
-        key = (agreeing_support, i == center_index, -i)
+        with_i = [j for j in range(n) if j == i or compatible(i, j)]
+        sources = len({members[j].source for j in with_i})
+        key = (sources, sum(support[j] for j in with_i), i == center_index, -i)
         if best_key is None or key > best_key:
             best, best_key = i, key
     agreeing = [j for j in range(n) if j == best or compatible(best, j)]

@@ -514,14 +514,17 @@ def _within_schema(compendium: Compendium, schema: Schema) -> Compendium:
     )
 
 
-def _published_number(value: float, noise_scale: float | None = None) -> float:
+def _published_number(value: float, noise_scale: float | None = None, low: float = -math.inf,
+                      high: float = math.inf) -> float:
     """A released statistic without digits that carry nothing: a noised value is kept to a
     hundredth of its noise scale's order of magnitude (post-processing: no privacy cost), any
-    other to 6 significant digits. A 17-digit float per field was a sixth of a global compendium."""
+    other to 6 significant digits. A 17-digit float per field was a sixth of a global compendium.
+    Kept within the field's range [low, high] after rounding (a step wider than the range would
+    round a value out of it, and the compendium would be refused)."""
     if noise_scale is not None and noise_scale > 0:
         step = 10.0 ** (math.floor(math.log10(noise_scale)) - 2)
         value = round(value / step) * step
-    return float(f"{value:.6g}")
+    return min(high, max(low, float(f"{value:.6g}")))
 
 
 def _average_noise_scale(scales: Sequence[float | None], weights: np.ndarray) -> float | None:
@@ -562,7 +565,7 @@ def _merge_metadata(accepted, schema, config, seed, epsilon_remaining, noise, re
         if noise_dominated(scale, spec.min, spec.max):
             withheld += 1
             continue
-        released[key] = _published_number(min(spec.max, max(spec.min, value)), scale)
+        released[key] = _published_number(value, scale, spec.min, spec.max)
     metadata = [
         _tool_metadata(
             schema, tool_id, {name: v for (t, name), v in released.items() if t == tool_id}
@@ -659,7 +662,7 @@ def _release_metadata(accepted, schema, config, seed, epsilon_remaining, release
             epsilon=eps_j,
             rng=rng,
         )
-        released[key] = _published_number(value, scale)
+        released[key] = _published_number(value, scale, spec.min, spec.max)
         ledger.append(
             LedgerEntry(
                 tool_id=key[0],

@@ -114,6 +114,8 @@ class RoutingContext:
             else:
                 self._top2 = np.zeros(len(order), dtype=int)
                 self._top2_score = np.full(len(order), -np.inf)
+        else:  # no scenario slot (a merge of precautions alone): no query has a best scenario
+            self._top1_score = np.full(len(self.probe), -np.inf)
 
     def scenario_failures(self, slot: int, candidates: np.ndarray) -> np.ndarray:
         """Routing failure rate on the probe set for each candidate vector placed at `slot`."""
@@ -282,9 +284,12 @@ class Summarizer:
                 "textgrad needs a task-success signal for templates; no executor is configured",
                 kind="no template executor",
             )
+        if self.context is None or not len(self.context.probe):
+            raise SummaryUnparseable("textgrad scores its texts on the public probe set: none is "
+                                     "loaded", kind="no probe set")
         engine = _textgrad_engine(llm)
         import textgrad as tg
-        start = self._probe_extractive(cluster) if self.context is not None else cluster.texts[0]
+        start = self._probe_extractive(cluster)
         best_text = start
         best_loss = float(self._failures(cluster, self.embed([start]))[0])
         variable = tg.Variable(
