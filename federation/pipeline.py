@@ -198,6 +198,13 @@ def start_round(round_id: int, attempt: int | None = None) -> list[int]:
         if reason:
             services.mark_failed(round_, reason)
             return []
+        # An edge of an earlier run of the pipeline (a retry) for an organization whose clients
+        # have all been revoked since: no edge merge replaces it, and the server merge reads
+        # every edge of the round, so it would publish what those clients sent.
+        for model, kind in ((CompendiumVersion, {"kind": "edge"}), (ConflictLogEntry, {}),
+                            (MergeRecord, {})):
+            model.objects.filter(round=round_, organization__isnull=False, **kind).exclude(
+                organization_id__in=organizations).delete()
         if round_.state == Round.State.CLOSING:  # a re-delivered start finds it merging already
             services.mark_merging(round_)
     return organizations
@@ -207,9 +214,18 @@ def start_round(round_id: int, attempt: int | None = None) -> list[int]:
 
 
 def _previous_conflicts(round_: Round, organization: Organization | None) -> list[ConflictEntry]:
-    """The conflict log of the round before `round_` at this edge (the server's when
-    `organization` is None), with its reviewers' decisions: dismissed conflicts left out."""
-    previous = Round.objects.filter(number__lt=round_.number).order_by("-number").first()
+    """The conflict log of this edge (the server's when `organization` is None) in the latest
+    published round before `round_` that it merged in, with its reviewers' decisions: dismissed
+    conflicts left out. Not simply the round before: an organization that sat a round out, or a
+    round that failed, would otherwise lose the log (and the reviewers' decisions) for good."""
+    record = (
+        MergeRecord.objects.filter(round__number__lt=round_.number,
+                                   round__state=Round.State.PUBLISHED, organization=organization)
+        .select_related("round")
+        .order_by("-round__number")
+        .first()
+    )
+    previous = record.round if record is not None else None
     if previous is None:
         return []
     decisions = {

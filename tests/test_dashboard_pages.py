@@ -686,6 +686,8 @@ def test_decisions_change_the_next_rounds_merge_input(fed):
     from federation.pipeline import _previous_conflicts
 
     r2 = Round.objects.get(number=2)
+    for org in (fed.org_a, fed.org_b):  # both edges merged in round 1
+        MergeRecord.objects.create(round=Round.objects.get(number=1), organization=org)
     conflict = conflict_of(fed, fed.org_a)
     [entry] = _previous_conflicts(r2, fed.org_a)
     assert (entry.resolution, entry.resolution_text) == ("", "")
@@ -1222,6 +1224,29 @@ def test_the_operator_alone_reviews_the_server_merges_conflicts(client, fed):
     assert list(ConflictDecision.objects.values_list("action", flat=True)) == ["dismiss"]
 
 
+def test_an_edge_that_sat_a_round_out_or_merged_in_a_failed_one_gets_its_last_published_log(fed):
+    """Org A merged in round 1 and logged a conflict, then sat round 2 out (org B merged in it),
+    and merged in round 3, which failed: round 4's edge merge at A gets round 1's log (before, the
+    round just before, whatever it was: the log and its reviewers' decisions were lost); B's
+    edge gets round 2's, where it logged nothing."""
+    from federation.pipeline import _previous_conflicts
+
+    r1, r2 = Round.objects.get(number=1), Round.objects.get(number=2)
+    Round.objects.filter(pk=r2.pk).update(state=Round.State.PUBLISHED)
+    r3 = Round.objects.create(number=3, state=Round.State.FAILED)
+    r4 = Round.objects.create(number=4, state=Round.State.MERGING)
+    for rnd, org in ((r1, fed.org_a), (r1, fed.org_b), (r2, fed.org_b), (r3, fed.org_a)):
+        MergeRecord.objects.create(round=rnd, organization=org)
+    ConflictLogEntry.objects.create(
+        round=r3, organization=fed.org_a, tool_id="weather", centroid_id="c3", centroid={},
+        dissenters=[], reason="a failed round's log",
+    )
+    assert [e.centroid_id for e in _previous_conflicts(r4, fed.org_a)] == ["c0"]
+    assert "Paris" in _previous_conflicts(r4, fed.org_a)[0].centroid["text"]
+    assert _previous_conflicts(r4, fed.org_b) == []
+    assert _previous_conflicts(r1, fed.org_a) == []
+
+
 def test_decisions_on_the_server_merges_conflicts_reach_its_next_merge(fed):
     from federation.conflicts import decide_conflict
     from federation.errors import NotAllowed
@@ -1229,6 +1254,8 @@ def test_decisions_on_the_server_merges_conflicts_reach_its_next_merge(fed):
 
     conflict = server_conflict(fed)
     r2 = Round.objects.get(number=2)
+    for org in (None, fed.org_a):  # the server merged round 1, and org A's edge
+        MergeRecord.objects.create(round=Round.objects.get(number=1), organization=org)
     [entry] = _previous_conflicts(r2, None)
     assert (entry.centroid_id, entry.resolution) == ("s0", "")
     with pytest.raises(NotAllowed, match="only the operator"):

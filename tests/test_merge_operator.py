@@ -679,6 +679,34 @@ def test_carried_global_drops_tools_the_schema_no_longer_has(schema, embed):
     assert {s.tool_id for s in result.compendium.scenarios} == {"weather", "flights"}
 
 
+def test_carried_global_keeps_its_entries_when_a_numeric_field_is_removed_or_narrowed(
+    schema, embed
+):
+    """The operator removes a numeric field, or narrows one's range, between rounds: the carried
+    global's statistics of it made the whole global rejected, and every scenario it carried was
+    lost while clients sent only what changed."""
+    config = RoundConfig(summarizer="none", epsilon=5.0)
+    first = server_merge(
+        [MergeInput("org", edge_merge(
+            [sub("x", [sc("weather", "Rain in Oslo?")],
+                 metadata=[{"tool_id": "weather", "stats": {"calls": 40, "success_rate": 0.9}}])],
+            schema, config, embed=embed).compendium)],
+        schema, config, embed=embed,
+    ).compendium
+    assert {"calls", "success_rate"} <= set(first.metadata[0].stats)
+    fields = {f.name: f for f in schema.numeric_fields}
+    narrowed = fields["calls"].model_copy(update={"max": 1.0})
+    changed = Schema(tools=schema.tools, numeric_fields=[narrowed, *(
+        f for name, f in fields.items() if name not in ("calls", "success_rate"))])
+    edge = edge_merge([sub("y", [sc("flights", "Cheap flights to Rome")])], changed, config,
+                      embed=embed).compendium
+    result = server_merge([MergeInput("org", edge)], changed, config, embed=embed, previous=first)
+    assert result.rejected == []
+    assert {s.tool_id for s in result.compendium.scenarios} == {"weather", "flights"}
+    for m in result.compendium.metadata:
+        assert "success_rate" not in m.stats and m.stats.get("calls", 0) <= 1.0
+
+
 def test_centrality_ties_do_not_depend_on_float_noise():
     from federation.merge.clustering import central_order
 

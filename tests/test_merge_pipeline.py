@@ -168,6 +168,35 @@ def test_a_retry_over_changed_inputs_is_a_new_release_with_fresh_noise(probes):
     assert sorted(set(releases.values_list("release", flat=True))) == [0, 1]
 
 
+def test_a_retry_after_an_organizations_clients_were_all_revoked_publishes_nothing_of_theirs(
+    probes
+):
+    """The first run merged both edges, then the round failed; every client of globex was then
+    revoked (thought malicious) and the round retried: globex's edge of the first run is
+    removed, not published by the retry's server merge."""
+    from federation import services
+    from tests.federation_fixtures import SYSTEM
+
+    round_, clients = build_federation()
+    for organization in pipeline.start_round(round_.pk, 1):
+        pipeline.run_edge_merge(round_.pk, organization, attempt=1)
+    globex = clients[("globex", "g1")].organization
+    assert CompendiumVersion.objects.filter(kind="edge", round=round_, organization=globex).exists()
+    services.mark_failed(round_, "the server merge failed")
+    Client.objects.filter(organization=globex).update(status=Client.Status.REVOKED)
+    services.retry_round(SYSTEM, round_)
+    organizations = pipeline.start_round(round_.pk, 2)
+    assert organizations == [clients[("acme", "a1")].organization_id]
+    assert not CompendiumVersion.objects.filter(kind="edge", round=round_, organization=globex).exists()
+    assert not MergeRecord.objects.filter(round=round_, organization=globex).exists()
+    for organization in organizations:
+        pipeline.run_edge_merge(round_.pk, organization, attempt=2)
+    pipeline.run_server_merge(round_.pk, attempt=2)
+    glob = CompendiumVersion.objects.get(kind="global", round=round_)
+    assert {v.organization_id for v in glob.sources.all()} == set(organizations)
+    assert PrivacyLedgerEntry.objects.filter(round=round_, organization=globex).exists()  # spent
+
+
 def test_tasks_of_an_earlier_pipeline_run_change_nothing(probes):
     """The operator fails a round whose merge hangs and retries it: the first run's tasks, still
     running or delivered late, neither write edges or a global nor fail the retry."""

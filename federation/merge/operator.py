@@ -501,12 +501,21 @@ def _merge(
 
 
 def _within_schema(compendium: Compendium, schema: Schema) -> Compendium:
-    """The entries of `compendium` whose tools the schema still has (a carried-forward global
-    must not be rejected whole because the registry dropped a tool)."""
-    known = schema.tool_ids
+    """`compendium` as the schema in force reads it: the entries of the tools it still has, the
+    statistics of the fields it still declares, each within the field's range as declared now
+    (post-processing of a released figure). A carried-forward global must not be rejected
+    whole, and every entry it carried lost, because the registry dropped a tool or the operator
+    removed a numeric field or narrowed its range."""
+    known, fields = schema.tool_ids, schema.fields_by_name
+
+    def within(stats: dict[str, float]) -> dict[str, float]:
+        return {name: min(fields[name].max, max(fields[name].min, value))
+                for name, value in stats.items() if name in fields}
+
     return compendium.model_copy(
         update={
-            "metadata": [m for m in compendium.metadata if m.tool_id in known],
+            "metadata": [m.model_copy(update={"stats": within(m.stats)})
+                         for m in compendium.metadata if m.tool_id in known],
             "scenarios": [s for s in compendium.scenarios if s.tool_id in known],
             "precautions": [p for p in compendium.precautions if p.tool_id in known],
             "templates": [t for t in compendium.templates if t.tool_id in known],
