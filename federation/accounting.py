@@ -29,7 +29,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from django.conf import settings
-from django.db.models import Count
+from django.db.models import Count, Sum
 
 from federation.merge.privacy import Composition, compose, round_spend
 from federation.models import PrivacyLedgerEntry, Round
@@ -70,19 +70,34 @@ def delta_prime() -> float:
 
 
 def _spends(exclude: tuple[int, int, int] | None = None) -> dict[int, dict[int, float]]:
-    """{organization id: {round id: ε}} from the ledger, optionally leaving out one release."""
-    # Tuples, not model instances: an edge releases every registry tool's statistics (199 × 4
-    # rows a release on MetaTool), and every budget check and the Privacy page read them all.
-    groups: dict[tuple[int, int, int], list[tuple]] = defaultdict(list)
-    for org, rnd, release, epsilon, field_cap, tool in PrivacyLedgerEntry.objects.values_list(
-        "organization_id", "round_id", "release", "epsilon", "field_cap", "tool_id"
-    ).order_by():
-        key = (org, rnd, release)
-        if key != exclude:
-            groups[key].append((epsilon, field_cap, tool))
+    """{organization id: {round id: ε}} from the ledger, optionally leaving out one release
+    (organization, round, release)."""
+    # Summed in the database: an edge releases every registry tool's statistics (199 × 4 rows a
+    # release on MetaTool), and every budget check, the Privacy page and each /metrics scrape
+    # read them. Without a field cap a release costs the sum of its ε_j (one row back per
+    # release); under one, the 2·F* largest per-tool sums (`round_spend`: one row per tool).
+    rows = PrivacyLedgerEntry.objects.order_by()
+    if exclude is not None:
+        org, rnd, release = exclude
+        rows = rows.exclude(organization_id=org, round_id=rnd, release=release)
     out: dict[int, dict[int, float]] = defaultdict(lambda: defaultdict(float))
-    for (org, rnd, _), rows in groups.items():
-        out[org][rnd] += round_spend([r[0] for r in rows], rows[0][1], [r[2] for r in rows])
+    for org, rnd, _, total in (
+        rows.filter(field_cap__isnull=True)
+        .values("organization_id", "round_id", "release")
+        .annotate(total=Sum("epsilon"))
+        .values_list("organization_id", "round_id", "release", "total")
+    ):
+        out[org][rnd] += float(total)
+    per_tool: dict[tuple[int, int, int, int], list[float]] = defaultdict(list)
+    for org, rnd, release, cap, total in (
+        rows.filter(field_cap__isnull=False)
+        .values("organization_id", "round_id", "release", "field_cap", "tool_id")
+        .annotate(total=Sum("epsilon"))
+        .values_list("organization_id", "round_id", "release", "field_cap", "total")
+    ):
+        per_tool[(org, rnd, release, cap)].append(float(total))
+    for (org, rnd, _, cap), sums in per_tool.items():
+        out[org][rnd] += round_spend(sums, cap)  # each sum its own tool
     return out
 
 

@@ -560,6 +560,54 @@ def test_accountant_composes_per_organization_and_federation(settings):
     assert not accounting.would_exceed(1.25)[0]
 
 
+def test_the_ledgers_spends_summed_in_the_database_are_the_per_release_rule():
+    """`_spends` sums in the database (one row per release, or per tool under a field cap) what
+    `round_spend` defines per release over the ledger's rows; the same figures, with one release
+    left out as a retry's check leaves it out."""
+    import random
+    from collections import defaultdict
+
+    from federation.merge.privacy import round_spend
+    from federation.models import Organization
+
+    rng = random.Random(5)
+    orgs = [Organization.objects.create(name=n, slug=n) for n in ("a", "b")]
+    rounds = [Round.objects.create(number=n, state="published") for n in (1, 2, 3)]
+    rows = []
+    for org in orgs:
+        for rnd in rounds:
+            for release in range(rng.randint(1, 2)):
+                cap = rng.choice([None, 1, 2])
+                for tool in ("weather", "flights", "calculator", "recipes"):
+                    for field in ("calls", "success_rate"):
+                        eps = rng.choice([0.01, 0.02, 0.05, 0.125])
+                        PrivacyLedgerEntry.objects.create(
+                            round=rnd, organization=org, release=release, tool_id=tool,
+                            field=field, sensitivity=1.0, contributors=3, epsilon=eps,
+                            noise_scale=1.0 / eps, field_cap=cap)
+                        rows.append((org.pk, rnd.pk, release, cap, tool, eps))
+
+    def expected(leave_out=None):
+        releases = defaultdict(list)
+        for org, rnd, release, cap, tool, eps in rows:
+            if (org, rnd, release) != leave_out:
+                releases[(org, rnd, release)].append((eps, cap, tool))
+        out = defaultdict(lambda: defaultdict(float))
+        for (org, rnd, _), entries in releases.items():
+            out[org][rnd] += round_spend([e[0] for e in entries], entries[0][1],
+                                         [e[2] for e in entries])
+        return {o: dict(r) for o, r in out.items()}
+
+    def measured(**kwargs):
+        return {o: dict(r) for o, r in accounting._spends(**kwargs).items()}
+
+    for leave_out in (None, (orgs[0].pk, rounds[1].pk, 0)):
+        got, want = measured(exclude=leave_out), expected(leave_out)
+        assert got.keys() == want.keys()
+        for org in want:
+            assert got[org] == pytest.approx(want[org], rel=1e-12)
+
+
 def test_ledger_is_append_only():
     from federation.models import Organization
 
