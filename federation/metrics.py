@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from datetime import timedelta
 
-from django.db.models import Count, Exists, OuterRef, Q, Sum
+from django.db.models import Count, Exists, OuterRef, Sum
 from django.utils import timezone
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
@@ -219,10 +219,9 @@ class FederationCollector:
         )
         for reranker, is_batch, n, q in (
             calls.order_by()
-            .annotate(is_batch=Q(queries__gt=1))
-            .values("reranker", "is_batch")
+            .values("reranker", "batch")
             .annotate(n=Count("id"), q=Sum("queries"))
-            .values_list("reranker", "is_batch", "n", "q")
+            .values_list("reranker", "batch", "n", "q")
         ):
             form = "batch" if is_batch else "single"
             count.add_metric([reranker, form], n)

@@ -39,7 +39,9 @@ class RoutingCall(models.Model):
     at = models.DateTimeField(db_index=True)
     latency_ms = models.FloatField()
     queries = models.PositiveIntegerField(default=1)
-    reranker = models.CharField(max_length=16)
+    # POST /api/v1/route/batch/ (whatever its number of queries), not /route/
+    batch = models.BooleanField(default=False)
+    reranker = models.CharField(max_length=16)  # the one that decided (most of a batch)
     compendium_round = models.PositiveIntegerField(null=True)
 
     class Meta:

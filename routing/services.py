@@ -13,7 +13,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections import deque
+from collections import Counter, deque
 from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
@@ -507,7 +507,7 @@ def route_query(
     decision = served.routers[reranker].route(query, top_k)
     latency = (time.perf_counter() - started) * 1000
     if record:
-        recorder.record(latency, 1, reranker, served.round_number)
+        recorder.record(latency, 1, decision.reranker, served.round_number)
     return _payload(decision, served, latency)
 
 
@@ -531,7 +531,8 @@ def route_queries(queries, top_k: int | None = 5, reranker: str | None = None) -
         overrides["llm"] = BudgetedLLM(router.llm, llm_batch_seconds())
     decisions = router.with_reranker(reranker, retriever=None, **overrides).route_batch(queries, top_k)
     latency = (time.perf_counter() - started) * 1000
-    recorder.record(latency, len(queries), reranker, served.round_number)
+    deciding = Counter(d.reranker for d in decisions).most_common(1)[0][0]
+    recorder.record(latency, len(queries), deciding, served.round_number, batch=True)
     return {
         "compendium_round": served.round_number,
         "tuned_router": served.tuned,
@@ -544,42 +545,67 @@ def route_queries(queries, top_k: int | None = 5, reranker: str | None = None) -
 
 
 class LatencyRecorder:
-    """An in-memory buffer of routing-call latencies, bulk-inserted every `flush_every` calls or
-    `flush_seconds`, so that recording costs a list append on the request path."""
+    """An in-memory buffer of routing-call latencies, bulk-inserted every `flush_every` calls and,
+    by a background thread of each process that records, within `flush_seconds` of a call (an
+    idle process's calls must not wait for its next call to be counted), so that recording costs
+    a list append on the request path."""
 
     def __init__(self, flush_every: int = 200, flush_seconds: float = 5.0, maxlen: int = 100_000):
         self.flush_every = flush_every
         self.flush_seconds = flush_seconds
         self._buffer: deque[RoutingCall] = deque(maxlen=maxlen)
         self._lock = threading.Lock()
-        self._last_flush = time.monotonic()
+        self._flusher: threading.Thread | None = None
+        self._wake = threading.Event()
+        self.background = True  # the tests flush explicitly, inside their transactions
 
-    def record(self, latency_ms: float, queries: int, reranker: str, round_number: int | None):
+    def record(self, latency_ms: float, queries: int, reranker: str, round_number: int | None,
+               batch: bool = False):
         self._buffer.append(
             RoutingCall(
                 at=timezone.now(),
                 latency_ms=latency_ms,
                 queries=queries,
+                batch=batch,
                 reranker=reranker,
                 compendium_round=round_number,
             )
         )
-        if (
-            len(self._buffer) >= self.flush_every
-            or time.monotonic() - self._last_flush >= self.flush_seconds
-        ):
+        if len(self._buffer) >= self.flush_every:
             self.flush()
+        else:
+            self._start_flusher()
+
+    def _start_flusher(self) -> None:
+        # Started on the first call of each process (a thread does not survive a fork: each
+        # gunicorn worker starts its own).
+        if not self.background or (self._flusher is not None and self._flusher.is_alive()):
+            return
+        with self._lock:
+            if self._flusher is None or not self._flusher.is_alive():
+                self._flusher = threading.Thread(target=self._flush_loop, daemon=True,
+                                                 name="routing-latency-flush")
+                self._flusher.start()
+
+    def _flush_loop(self) -> None:
+        while True:
+            self._wake.wait(self.flush_seconds)
+            self._wake.clear()
+            if self._buffer:
+                self.flush()
+                connection.close()  # this thread's own connection: not held between flushes
 
     def flush(self) -> int:
         with self._lock:
             rows = []
             while self._buffer:
                 rows.append(self._buffer.popleft())
-            self._last_flush = time.monotonic()
         if rows:
             try:
                 RoutingCall.objects.bulk_create(rows, batch_size=1000)
             except Exception:  # a failed flush must never fail a routing call
+                logging.getLogger(__name__).warning("routing latency records lost: %s could not be stored", len(rows),
+                            exc_info=True)
                 return 0
         return len(rows)
 
@@ -615,7 +641,7 @@ def latency_figures(quantiles: dict[str, float] = QUANTILES) -> dict:
 
 def routing_latency(window: timedelta = timedelta(hours=1), reranker: str | None = None) -> dict:
     """Calls, queries and p50/p95/p99 of routing-call latencies over the last `window` (this
-    process's buffer included; other server processes' buffers are at most
+    process's buffer included; other server processes' buffers are at most about
     `recorder.flush_seconds` behind)."""
     recorder.flush()
     calls = RoutingCall.objects.filter(at__gte=timezone.now() - window)
@@ -628,7 +654,7 @@ def single_query_latency(calls) -> list[dict]:
     """Per reranker, the single-query calls among `calls` (the latency a caller of POST
     /api/v1/route/ sees; a batch's latency is the whole batch's): one row each, in one query."""
     return list(
-        calls.filter(queries=1).order_by().values("reranker")
+        calls.filter(batch=False).order_by().values("reranker")
         .annotate(**latency_figures()).order_by("reranker")
     )
 
@@ -657,7 +683,7 @@ def routing_traffic(window: timedelta = timedelta(hours=24), now=None) -> Routin
     recent = []
     for label, start in (("1 h", now - timedelta(hours=1)), (_window_label(window), since)):
         recent += [{"window": label, **row} for row in single_query_latency(calls.filter(at__gte=start))]
-    batches = calls.filter(queries__gt=1).aggregate(
+    batches = calls.filter(batch=True).aggregate(
         calls=Count("id"), queries=Coalesce(Sum("queries"), 0), seconds=Sum("latency_ms")
     )
     batch = {
@@ -668,7 +694,7 @@ def routing_traffic(window: timedelta = timedelta(hours=24), now=None) -> Routin
         else None,
     }
     hourly = list(
-        calls.filter(queries=1)
+        calls.filter(batch=False)
         .annotate(hour=TruncHour("at"))
         .values("hour")
         .annotate(**latency_figures({"p50_ms": 0.5, "p95_ms": 0.95}))

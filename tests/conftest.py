@@ -11,6 +11,16 @@ SHARED_DATA = ROOT.parent / "shared" / "data"
 METATOOL = SHARED_DATA / "metatool"
 
 
+@pytest.fixture(autouse=True, scope="session")
+def _latencies_flushed_by_the_tests():
+    """The routing API's latency records are flushed by the tests that read them, inside their
+    transactions: the background flush of a server process (its own connection) would commit
+    them outside, for later tests to find. tests/test_observability.py runs the flush thread."""
+    from routing import services
+
+    services.recorder.background = False
+
+
 @pytest.fixture(scope="session")
 def small_schema() -> Schema:
     return Schema(

@@ -24,10 +24,11 @@ from tests.dashboard_data import add_review_data, build_federation
 METRICS_TOKEN = "m" * 32
 
 
-def _calls(now, latencies, *, ago: timedelta, reranker: str = "fusion", queries: int = 1):
+def _calls(now, latencies, *, ago: timedelta, reranker: str = "fusion", queries: int = 1,
+           batch: bool | None = None):
     RoutingCall.objects.bulk_create(
         RoutingCall(at=now - ago, latency_ms=ms, queries=queries, reranker=reranker,
-                    compendium_round=2)
+                    compendium_round=2, batch=queries > 1 if batch is None else batch)
         for ms in latencies
     )
 
@@ -225,3 +226,33 @@ def test_metrics_are_not_part_of_the_json_api_document(client, fed):
     client.force_login(fed[0].operator)
     schema = client.get("/api/schema/", HTTP_ACCEPT="application/json").json()
     assert "/metrics" not in schema["paths"]
+
+
+@pytest.mark.django_db(transaction=True)
+def test_an_idle_processs_calls_are_flushed_by_its_own_thread():
+    """A server process records a call and then gets none for a while: its records reached the
+    database only with its next call, so /metrics and the dashboard (read by another process)
+    missed them, or never counted them once they fell out of the five-minute window."""
+    import time as clock
+
+    recorder = routing_services.LatencyRecorder(flush_seconds=0.05)
+    recorder.record(12.5, 1, "fusion", 3)
+    recorder.record(40.0, 1, "none", 3, batch=True)
+    deadline = clock.monotonic() + 30  # waits for the thread; not a measure of its speed
+    while RoutingCall.objects.count() < 2 and clock.monotonic() < deadline:
+        clock.sleep(0.05)
+    assert sorted(RoutingCall.objects.values_list("reranker", "batch", "latency_ms")) == [
+        ("fusion", False, 12.5), ("none", True, 40.0)]
+    # the module's recorder runs no thread in the tests (they flush inside their transactions)
+    assert routing_services.recorder.background is False
+
+
+def test_a_batch_of_one_query_is_a_batch_and_the_deciding_reranker_is_recorded(traffic):
+    """POST /route/batch/ with one query counted as a /route/ call, its whole-batch latency
+    (LLM batch budget included) in the single-query percentiles."""
+    now, recent, _ = traffic
+    _calls(now, [5000.0], ago=timedelta(minutes=1), batch=True)  # one query, by the batch endpoint
+    t = routing_services.routing_traffic(now=now)
+    hour = {r["reranker"]: r for r in t.recent if r["window"] == "1 h"}
+    assert hour["fusion"]["calls"] == len(recent)
+    assert t.batch["calls"] == 3 and t.batch["queries"] == 201

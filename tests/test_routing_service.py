@@ -356,6 +356,8 @@ def test_an_llm_that_cannot_be_loaded_leaves_routing_up_and_says_why(data, api, 
     monkeypatch.setenv("SYNAPSE_LLM_GGUF", "/nonexistent/model.gguf")
     settings.SYNAPSE_LLM_BASE_URL = ""
     _publish(data, with_client_copy=False)
+    services.recorder.flush()
+    RoutingCall.objects.all().delete()
     fused = _post(http, "/api/v1/route/", {"query": data["queries"][0]}, raw)
     assert fused.status_code == 200, fused.content
     asked = _post(http, "/api/v1/route/", {"query": data["queries"][0], "reranker": "llm"}, raw)
@@ -364,6 +366,12 @@ def test_an_llm_that_cannot_be_loaded_leaves_routing_up_and_says_why(data, api, 
     assert body["reranker"] == "fusion" and body["tool"] == fused.json()["tool"]
     # (llama-cpp-python missing, or the file: either way the reason is said)
     assert "the configured LLM could not be loaded: " in body["fallback_reason"]
+    # the traffic figures count the call under the reranker that decided it, and a batch of one
+    # query as a batch
+    _post(http, "/api/v1/route/batch/", {"queries": data["queries"][:1], "reranker": "llm"}, raw)
+    services.recorder.flush()
+    assert sorted(RoutingCall.objects.values_list("reranker", "batch", "queries")) == [
+        ("fusion", False, 1), ("fusion", False, 1), ("fusion", True, 1)]
 
 
 class _CountingLLM:
