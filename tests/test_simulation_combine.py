@@ -225,3 +225,47 @@ def test_cadence_curves_are_joined_per_round_and_keep_their_variant():
     assert every["accuracy_round_1"] == pytest.approx(0.7) and every["accuracy_round_2"] == pytest.approx(0.8)
     assert frozen["accuracy_round_2"] == pytest.approx(0.4) and every["global_scenarios"] == pytest.approx(120)
     assert every["seeds"] == 3 and every["accuracy_by_seed"] == [[0, 0.9], [1, 0.9], [2, 0.6]]
+
+
+@pytest.mark.parametrize(("target", "message"), [
+    (lambda tmp: tmp, "is a folder; name a file"),
+    (lambda tmp: tmp / "a.json" / "out.json", "a.json is a file, not a folder"),
+    (lambda tmp: "/proc/synapse-out.json", "/proc/synapse-out.json cannot be written"),
+])
+def test_an_out_that_cannot_be_written_is_refused_before_anything_runs(tmp_path, target, message):
+    """Before the dataset loads (it does not exist here) and before a combine reads its files."""
+    for flags in (["--dataset", "/no/such/dataset"], ["--combine", str(_written(tmp_path))]):
+        with pytest.raises(CommandError, match=message) as error:
+            call_command("simulate", *flags, "--out", str(target(tmp_path)), "--no-store")
+        assert "\n" not in str(error.value)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a.json"]  # nothing left behind
+
+
+def test_out_is_written_whole_into_a_new_folder_without_a_scratch_file(tmp_path):
+    out = tmp_path / "new" / "out.json"
+    call_command("simulate", "--combine", str(_written(tmp_path)), "--out", str(out), "--no-store")
+    assert json.loads(out.read_text())["seeds"] == [0]
+    assert sorted(p.name for p in out.parent.iterdir()) == ["out.json"]  # no scratch file
+
+
+def _written(tmp_path):
+    path = tmp_path / "a.json"
+    path.write_text(json.dumps(doc([0], [0.7], 200.0)))
+    return path
+
+
+@pytest.mark.django_db
+def test_a_run_whose_out_fails_at_the_end_is_stored_first_and_says_so(tmp_path, monkeypatch):
+    """--out became unwritable after the check (here: the check is skipped and --out is a
+    folder): the run is stored, and the error names the stored run and the file."""
+    from federation.management.commands import simulate
+    from federation.models import SimulationRun
+
+    monkeypatch.setattr(simulate, "_check_out", lambda path: None)
+    with pytest.raises(CommandError) as error:
+        call_command("simulate", "--combine", str(_written(tmp_path)), "--out", str(tmp_path),
+                     "--label", "late")
+    stored = SimulationRun.objects.get(label="late")
+    assert str(error.value).startswith(f"the run is stored as simulation run {stored.pk}, but --out ")
+    assert "could not be written" in str(error.value)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a.json"]  # no scratch file left

@@ -1,6 +1,7 @@
 import contextlib
 import datetime
 import json
+import os
 import sys
 import time
 from pathlib import Path
@@ -291,6 +292,8 @@ class Command(BaseCommand):
         if not o["no_store"]:
             _check_storable()
         if o["combine"]:
+            if o["out"]:
+                _check_out(o["out"])
             documents = []
             for path in o["combine"]:
                 try:
@@ -315,6 +318,8 @@ class Command(BaseCommand):
                 named = f" labelled {o['label']!r}" if o["label"] else ""
                 self.stdout.write(f"a simulation run{named} is stored already; nothing to do")
                 return
+        if o["out"]:
+            _check_out(o["out"])
         for flag, least in (("rounds", 1), ("users_per_client", 1), ("seeds", 1), ("seed", 0)):
             if o[flag] < least:
                 raise CommandError(f"--{flag.replace('_', '-')} must be at least {least}, not {o[flag]}")
@@ -503,16 +508,64 @@ class Command(BaseCommand):
         self._emit(document, o)
 
     def _emit(self, document, o):
+        """Print the table, store the run, then write --out: a file that cannot be written at
+        the end (checked at the start, `_check_out`) does not cost the stored run."""
         self.stdout.write(table(document))
-        if o["out"]:
-            Path(o["out"]).parent.mkdir(parents=True, exist_ok=True)
-            Path(o["out"]).write_text(json.dumps(document, indent=2))
-            self.stdout.write(f"results written to {o['out']}")
+        stored = None
         if not o["no_store"]:
             from federation.services import store_simulation_run
 
-            run_row = store_simulation_run(document, label=o["label"])
-            self.stdout.write(f"stored as simulation run {run_row.pk} (shown on the dashboard)")
+            stored = store_simulation_run(document, label=o["label"]).pk
+            self.stdout.write(f"stored as simulation run {stored} (shown on the dashboard)")
+        if o["out"]:
+            try:
+                _write_atomically(Path(o["out"]), json.dumps(document, indent=2))
+            except OSError as exc:
+                kept = f"the run is stored as simulation run {stored}, but " if stored else ""
+                raise CommandError(
+                    f"{kept}--out {o['out']} could not be written ({exc.strerror or exc})"
+                ) from None
+            self.stdout.write(f"results written to {o['out']}")
+
+
+def _scratch_name(out: Path) -> Path:
+    """The file --out is written to before it is renamed over `out` (in its folder, so that the
+    rename is atomic)."""
+    return out.with_name(f".{out.name}.{os.getpid()}.tmp")
+
+
+def _check_out(path: str) -> None:
+    """Refuse, before anything runs, an --out the run could not write at its end: a folder, a
+    parent that is a file, a folder that cannot be created or written to. Creates the parent
+    folder; leaves no file behind."""
+    out = Path(path)
+    if out.is_dir():
+        raise CommandError(f"--out {path} is a folder; name a file")
+    if out.parent.exists() and not out.parent.is_dir():
+        raise CommandError(f"--out {path}: {out.parent} is a file, not a folder")
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise CommandError(
+            f"--out {path}: cannot create its folder {out.parent} ({exc.strerror or exc})"
+        ) from None
+    scratch = _scratch_name(out)
+    try:
+        scratch.open("x").close()
+        scratch.unlink()
+    except OSError as exc:
+        raise CommandError(f"--out {path} cannot be written ({exc.strerror or exc})") from None
+
+
+def _write_atomically(out: Path, text: str) -> None:
+    """`text` to `out` through a file beside it renamed over it: a reader never sees half a
+    file, and a failed write leaves what was there."""
+    scratch = _scratch_name(out)
+    try:
+        scratch.write_text(text, encoding="utf-8")
+        os.replace(scratch, out)
+    finally:
+        scratch.unlink(missing_ok=True)
 
 
 def _check_storable() -> None:
