@@ -339,6 +339,26 @@ def test_bad_client_options_are_refused_before_anything_runs(tiny_dataset, capsy
     (["--sweep-adversarial", "0.4", "--sweep-modes", "nope"], "--sweep-modes: unknown nope; choose from"),
     (["--sweep-adversarial", "1.2"], "--sweep-adversarial: every fraction must be in"),
     (["--sweep-min-users", "0"], "--sweep-min-users: every k must be at least 1"),
+    (["--sweep-min-users", "nan"], "^--sweep-min-users: expected whole numbers, got 'nan'$"),
+    (["--sweep-min-users", "inf"], "^--sweep-min-users: expected whole numbers, got 'inf'$"),
+    (["--sweep-min-users", "1,1.5"], "^--sweep-min-users: expected whole numbers, got '1.5'$"),
+    (["--sweep-cadence", "1,2.5"], "^--sweep-cadence: expected whole numbers, got '2.5'$"),
+    (["--since-confidence", "inf"], "^--since-confidence must be a finite number, at least 0, not inf$"),
+    (["--since-confidence", "nan"], "^--since-confidence must be a finite number, at least 0, not nan$"),
+    (["--since-confidence", "-0.5"], "^--since-confidence must be a finite number, at least 0, not -0.5$"),
+    (["--orgs", "0"], "^--orgs must be at least 1, not 0$"),
+    (["--clients-per-org", "-2"], "^--clients-per-org must be at least 1, not -2$"),
+    (["--tune-router", "-1"], "^--tune-router must be at least 0, not -1$"),
+    (["--seed", str(2**63 - 2), "--seeds", "3"], "^the last seed [(]--seed [+] --seeds - 1[)] must be below 2[*][*]63"),
+    # Thresholds more distinct users than a client has: nothing would ever be released.
+    (["--min-users", "4"], "^--min-users 4 is more than --users-per-client 3: no client could release"),
+    (["--pool-users", "5", "--users-per-client", "4"], "^--pool-users 5 is more than --users-per-client 4"),
+    (["--sweep-min-users", "1,4"], "^--sweep-min-users 4 is more than --users-per-client 3"),
+    # A share that rounds to no adversarial client (4 clients: 0.4 of one rounds to 0).
+    (["--orgs", "2", "--clients-per-org", "2", "--adversarial-fraction", "0.1"],
+     r"^--adversarial-fraction 0\.1 of 4 clients is no adversarial client \(it rounds to 0\); use 0 or a share above 0\.125$"),
+    (["--orgs", "2", "--clients-per-org", "2", "--sweep-adversarial", "0,0.1,0.5"],
+     "^--sweep-adversarial 0.1 of 4 clients is no adversarial client"),
 ])
 def test_bad_run_and_sweep_options_are_refused_by_their_flag_before_the_data_loads(flags, message):
     """The dataset named does not exist: each refusal came first, naming the flag, in one line

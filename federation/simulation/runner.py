@@ -98,6 +98,12 @@ def probe_requests(probe: Sequence[LabelledQuery]) -> list[str]:
 CAMOUFLAGE_SHARE = 0.3
 
 
+def adversary_count(clients: int, fraction: float) -> int:
+    """How many of `clients` are adversarial at `fraction` (rounded to the nearest, half to
+    even): what `Simulation.prepare` draws."""
+    return round(clients * fraction)
+
+
 @dataclass
 class SimulationConfig:
     orgs: int = 5
@@ -645,7 +651,7 @@ class Simulation:
         }
         adversaries = None
         if c.adversarial_fraction > 0:
-            count = round(len(shares) * c.adversarial_fraction)
+            count = adversary_count(len(shares), c.adversarial_fraction)
             adversaries = set(random.Random(seed).sample([s.client for s in shares], count))
         plan = {}
         if c.drift_every > 0:

@@ -1,6 +1,7 @@
 import contextlib
 import datetime
 import json
+import math
 import os
 import sys
 import time
@@ -21,6 +22,7 @@ from federation.simulation.runner import (
     CAMOUFLAGE_SHARE,
     Simulation,
     SimulationConfig,
+    adversary_count,
 )
 from federation.simulation.through_services import (
     ScratchDatabaseUnavailable,
@@ -42,6 +44,19 @@ def _floats(text: str) -> list[float]:
         return [float(x) for x in text.split(",") if x.strip()]
     except ValueError:
         raise CommandError(f"expected comma-separated numbers, got {text!r}") from None
+
+
+def _integers(text: str, flag: str) -> list[int]:
+    """A comma-separated list of whole numbers, or a CommandError naming the flag and the value."""
+    values = []
+    for item in (x.strip() for x in text.split(",")):
+        if not item:
+            continue
+        try:
+            values.append(int(item))
+        except ValueError:
+            raise CommandError(f"{flag}: expected whole numbers, got {item!r}") from None
+    return values
 
 
 def _names(text: str) -> tuple[str, ...]:
@@ -320,9 +335,13 @@ class Command(BaseCommand):
                 return
         if o["out"]:
             _check_out(o["out"])
-        for flag, least in (("rounds", 1), ("users_per_client", 1), ("seeds", 1), ("seed", 0)):
+        for flag, least in (("rounds", 1), ("users_per_client", 1), ("seeds", 1), ("seed", 0),
+                            ("orgs", 1), ("clients_per_org", 1), ("tune_router", 0)):
             if o[flag] < least:
                 raise CommandError(f"--{flag.replace('_', '-')} must be at least {least}, not {o[flag]}")
+        last_seed = o["seed"] + o["seeds"] - 1
+        if last_seed >= 2**63:  # a round's seed (RoundConfig.seed) is a 64-bit integer
+            raise CommandError(f"the last seed (--seed + --seeds - 1) must be below 2**63, not {last_seed}")
         for flag in ("queries_per_client", "test_limit"):
             if o[flag] is not None and o[flag] < 1:
                 raise CommandError(f"--{flag.replace('_', '-')} must be at least 1, not {o[flag]}")
@@ -330,12 +349,20 @@ class Command(BaseCommand):
             raise CommandError(
                 f"--adversarial-fraction must be in [0, 1], not {o['adversarial_fraction']:g}"
             )
+        if not math.isfinite(o["since_confidence"]) or o["since_confidence"] < 0:
+            raise CommandError(
+                f"--since-confidence must be a finite number, at least 0, not {o['since_confidence']:g}"
+            )
+        clients = o["orgs"] * o["clients_per_org"]
+        _some_adversary(o["adversarial_fraction"], "--adversarial-fraction", clients)
         if not 0 <= o["camouflage_share"] <= 1:
             raise CommandError(f"--camouflage-share must be in [0, 1], not {o['camouflage_share']:g}")
         if o["min_users"] < 1:
             raise CommandError("--min-users must be at least 1")
         if o["pool_users"] < 1:
             raise CommandError("--pool-users must be at least 1")
+        for flag in ("min_users", "pool_users"):
+            _releases(o[flag], f"--{flag.replace('_', '-')}", o["users_per_client"])
         if o["pool_size"] < 0:
             raise CommandError("--pool-size must be 0 (--pool-users) or more")
         if not valid_shared_word_users(o["shared_word_users"]):
@@ -369,7 +396,7 @@ class Command(BaseCommand):
         contradictions = _floats(o["sweep_contradictions"])
         if any(not 0 <= p <= 1 for p in [*contradictions, o["contradiction_fraction"]]):
             raise CommandError("contradiction shares must be in [0, 1]")
-        cadences = [int(k) for k in _floats(o["sweep_cadence"])]
+        cadences = _integers(o["sweep_cadence"], "--sweep-cadence")
         if any(k < 0 for k in cadences):
             raise CommandError("--sweep-cadence: every cadence must be 0 (frozen) or a number of rounds")
         privacy_variants = []
@@ -377,14 +404,18 @@ class Command(BaseCommand):
             epsilons = _floats(o["sweep_epsilon"]) or [o["epsilon"]]
             lambdas = _floats(o["sweep_lambda"]) or [o["mask_strength"]]
             privacy_variants = [{"epsilon": e, "mask_strength": m} for e in epsilons for m in lambdas]
-        min_users = [int(k) for k in _floats(o["sweep_min_users"])]
+        min_users = _integers(o["sweep_min_users"], "--sweep-min-users")
         if any(k < 1 for k in min_users):
             raise CommandError("--sweep-min-users: every k must be at least 1")
+        for k in min_users:
+            _releases(k, "--sweep-min-users", o["users_per_client"])
         adversarial_variants = []
         if o["sweep_adversarial"]:
             fractions = _floats(o["sweep_adversarial"])
             if any(not 0 <= f <= 1 for f in fractions):
                 raise CommandError("--sweep-adversarial: every fraction must be in [0, 1]")
+            for fraction in fractions:
+                _some_adversary(fraction, "--sweep-adversarial", clients)
             modes = _known(_names(o["sweep_modes"]), ADVERSARIAL_MODES, "--sweep-modes")
             adversarial_variants = [
                 {"adversarial_mode": m, "adversarial_fraction": f, "robust_rule": r}
@@ -566,6 +597,24 @@ def _write_atomically(out: Path, text: str) -> None:
         os.replace(scratch, out)
     finally:
         scratch.unlink(missing_ok=True)
+
+
+def _releases(k: int, flag: str, users: int) -> None:
+    """Refuse a release threshold of more distinct users than a client has: every entry would
+    stay on the clients and SYNAPSE's rows would be the public probe set's accuracy."""
+    if k > users:
+        raise CommandError(
+            f"{flag} {k} is more than --users-per-client {users}: no client could release anything"
+        )
+
+
+def _some_adversary(fraction: float, flag: str, clients: int) -> None:
+    """Refuse a nonzero adversarial share that rounds to no adversarial client."""
+    if fraction > 0 and adversary_count(clients, fraction) == 0:
+        raise CommandError(
+            f"{flag} {fraction:g} of {clients} clients is no adversarial client (it rounds to 0); "
+            f"use 0 or a share above {0.5 / clients:g}"
+        )
 
 
 def _check_storable() -> None:
