@@ -721,3 +721,42 @@ def test_max_words_cuts_what_clients_send_and_not_centralized(tiny_dataset):
     assert sent and all(len(text.split()) <= 3 for text in sent)
     central = sim.centralized_global(setup.shares, setup.logs, setup.split, 1)
     assert max(len(s.text.split()) for s in central.scenarios) > 3
+
+
+def _small_dataset(folder, tools, queries_per_tool):
+    """tools: (tool_id, category) pairs; queries_per_tool: how many queries each has."""
+    folder.mkdir()
+    (folder / "tools.jsonl").write_text("".join(
+        json.dumps({"tool_id": t, "description": f"{t} service", "category": c}) + "\n" for t, c in tools))
+    (folder / "queries.jsonl").write_text("".join(
+        json.dumps({"query": f"request {n} for {t}", "tool_id": t}) + "\n"
+        for (t, _), count in zip(tools, queries_per_tool, strict=True) for n in range(count)))
+    return folder
+
+
+@pytest.mark.parametrize(("tools", "counts", "flags", "message"), [
+    ([("a", "x")], [10], [], "^the dataset d has 1 tool; routing needs at least 2$"),
+    ([("a", "x"), ("b", "y")], [2, 1], [], "^the dataset d has no tool with 3 or more queries: nothing to test"),
+    ([("a", "x"), ("b", "x"), ("c", "x")], [20, 20, 20], ["--orgs", "2"],
+     "^--partition category: the train queries' tools have 1 category for --orgs 2, so 1 organization[(]s[)] "
+     "would get no queries; use fewer --orgs or --partition iid or random$"),
+    ([("a", "x"), ("b", "y")], [20, 20], ["--partition", "iid", "--orgs", "5", "--clients-per-org", "5"],
+     "^seed 0: 5 of 25 clients get no train queries [(]20 dealt by --partition iid[)]; use fewer --orgs"),
+])
+def test_a_dataset_that_cannot_make_the_federation_is_refused_before_the_model_loads(
+        tmp_path, tools, counts, flags, message):
+    """Before: an IndexError in the merge (one tool), every method at 0.000 as if measured (no
+    test split), organizations or clients with nothing, reported as the federation asked for."""
+    folder = _small_dataset(tmp_path / "d", tools, counts)
+    with pytest.raises(CommandError, match=message):
+        call_command("simulate", "--dataset", str(folder), "--rounds", "1", "--no-store",
+                     "--embedding-model", "no-such-model-xyz", *flags, verbosity=1)
+
+
+def test_tools_that_are_never_tested_are_counted_on_stderr(tmp_path, capsys):
+    folder = _small_dataset(tmp_path / "d", [("a", "x"), ("b", "y"), ("c", "z")], [20, 2, 1])
+    with pytest.raises(CommandError, match="no-such-model-xyz"):  # after the warning, before a round
+        call_command("simulate", "--dataset", str(folder), "--orgs", "1", "--clients-per-org", "2",
+                     "--no-store", "--embedding-model", "no-such-model-xyz")
+    assert ("simulate: 2 of 3 tools have fewer than 3 queries (3 queries in all): they stay in "
+            "train and are never tested") in capsys.readouterr().err

@@ -16,6 +16,7 @@ from compendium.schema import Schema
 from federation.merge.summarize import LLM_SUMMARIZERS
 from federation.merge.summarize import ORDER as SUMMARIZERS
 from federation.round_config import config_problems
+from federation.simulation.data import TESTED_FROM, federation_problem, untested_tools
 from federation.simulation.report import PlayedRuns, combine, run, sweep, table
 from federation.simulation.runner import (
     ADVERSARIAL_MODES,
@@ -437,11 +438,6 @@ class Command(BaseCommand):
             )
             if problem:
                 raise CommandError(problem)
-        try:
-            dataset = load_dataset(o["dataset"])
-            engine = get_engine(o["embedding_model"])
-        except (RegistryFormatError, EmbeddingModelUnavailable) as exc:
-            raise CommandError(str(exc)) from None
         config = SimulationConfig(
             orgs=o["orgs"],
             clients_per_org=o["clients_per_org"],
@@ -484,6 +480,28 @@ class Command(BaseCommand):
             tune_router_epochs=o["tune_router"],
             through_services=not o["in_memory"],
         )
+        seeds = list(range(o["seed"], o["seed"] + o["seeds"]))
+        try:
+            dataset = load_dataset(o["dataset"])
+        except RegistryFormatError as exc:
+            raise CommandError(str(exc)) from None
+        problem = federation_problem(
+            dataset, seeds, orgs=config.orgs, clients_per_org=config.clients_per_org,
+            partition=config.partition, probe_fraction=config.probe_fraction,
+            test_fraction=config.test_fraction,
+        )
+        if problem:
+            raise CommandError(problem)
+        untested, few = untested_tools(dataset)
+        if untested:
+            self.stderr.write(
+                f"simulate: {untested} of {len(dataset.tools)} tools have fewer than {TESTED_FROM} "
+                f"queries ({few} queries in all): they stay in train and are never tested"
+            )
+        try:
+            engine = get_engine(o["embedding_model"])
+        except EmbeddingModelUnavailable as exc:
+            raise CommandError(str(exc)) from None
         if (config.llm_url and "llm" not in config.transfer_rerankers
                 and not {config.summarizer, *summarizers} & set(LLM_SUMMARIZERS)):
             self.stderr.write(
@@ -503,7 +521,6 @@ class Command(BaseCommand):
         def make(cfg: SimulationConfig) -> Simulation:
             return Simulation(dataset, schema, engine, cfg, progress)
 
-        seeds = list(range(o["seed"], o["seed"] + o["seeds"]))
         simulation = make(config)
         try:  # transfer models, rerankers and the LLM endpoint: checked before the long run
             simulation.transfer_variants()
