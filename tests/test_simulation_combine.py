@@ -269,3 +269,30 @@ def test_a_run_whose_out_fails_at_the_end_is_stored_first_and_says_so(tmp_path, 
     assert str(error.value).startswith(f"the run is stored as simulation run {stored.pk}, but --out ")
     assert "could not be written" in str(error.value)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["a.json"]  # no scratch file left
+
+
+def test_a_run_in_which_no_client_sent_anything_has_no_byte_figure_not_nan():
+    from compendium.schema import Compendium
+    from federation.simulation.runner import RoundOutcome, communication
+
+    silent = [RoundOutcome(r, Compendium(), {}, {}, [], [], [], {}) for r in (1, 2)]
+    figures = communication(silent)
+    assert figures["bytes_per_client_round"] is None and figures["dcz_bytes_per_client_round"] is None
+    assert figures["bytes_round_1"] == 0.0
+    one = doc([0], [0.7], None)
+    several = combine([one, doc([1], [0.8], None)])
+    assert several["communication"]["bytes_per_client_round"] is None
+    assert "bytes per client per round: none, no client sent anything" in table(several)
+    json.dumps(several, allow_nan=False)  # no NaN anywhere
+    # Beside a run that sent something, the figure is that run's.
+    assert combine([one, doc([1], [0.8], 300.0)])["communication"]["bytes_per_client_round"] == 300.0
+
+
+@pytest.mark.django_db
+def test_a_nan_is_neither_written_nor_stored(tmp_path):
+    from federation.models import SimulationRun
+
+    (tmp_path / "a.json").write_text(json.dumps(doc([0], [0.7], float("nan"))))  # NaN, as Python writes it
+    with pytest.raises(CommandError, match="hold a NaN or an infinity, which JSON cannot represent"):
+        call_command("simulate", "--combine", str(tmp_path / "a.json"), "--out", str(tmp_path / "x.json"))
+    assert not (tmp_path / "x.json").exists() and not SimulationRun.objects.exists()

@@ -202,14 +202,23 @@ def _weighted_means(items: list[dict[str, float]], weights: list[int]) -> dict[s
     """Per key, the mean over the dicts that have it, each weighted (by its seeds)."""
     out = {}
     for k in sorted({k for item in items for k in item}):
-        pairs = [(item[k], w) for item, w in zip(items, weights, strict=True) if k in item]
-        out[k] = round(float(np.average([v for v, _ in pairs], weights=[w for _, w in pairs])), 4)
+        pairs = [(item[k], w) for item, w in zip(items, weights, strict=True)
+                 if item.get(k) is not None]
+        out[k] = (
+            round(float(np.average([v for v, _ in pairs], weights=[w for _, w in pairs])), 4)
+            if pairs else None
+        )
     return out
 
 
-def _mean_dicts(items: list[dict[str, float]]) -> dict[str, float]:
+def _mean_dicts(items: list[dict[str, float | None]]) -> dict[str, float | None]:
+    """Per key, the mean over the dicts that have a figure for it (None: none has)."""
     keys = sorted({k for item in items for k in item})
-    return {k: round(float(np.mean([item[k] for item in items if k in item])), 4) for k in keys}
+    out = {}
+    for k in keys:
+        values = [item[k] for item in items if item.get(k) is not None]
+        out[k] = round(float(np.mean(values)), 4) if values else None
+    return out
 
 
 def summarize(rows: list[dict]) -> list[dict]:
@@ -453,12 +462,15 @@ def table(document: dict[str, Any]) -> str:
                      "pipeline, publication (scratch database)")
     comm = document.get("communication", {})
     if comm:
-        lines.append(
-            f"bytes per client per round: {comm.get('bytes_per_client_round', 0):.0f} raw, "
-            f"{comm.get('gzip_bytes_per_client_round', 0):.0f} gzip, "
-            f"{comm.get('dcz_bytes_per_client_round', 0):.0f} dcz (zstd against the pulled "
-            "global; round 1: the probe set's requests and the schema)"
-        )
+        if comm.get("bytes_per_client_round", 0) is None:
+            lines.append("bytes per client per round: none, no client sent anything")
+        else:
+            lines.append(
+                f"bytes per client per round: {comm.get('bytes_per_client_round', 0):.0f} raw, "
+                f"{comm.get('gzip_bytes_per_client_round', 0):.0f} gzip, "
+                f"{comm.get('dcz_bytes_per_client_round', 0):.0f} dcz (zstd against the pulled "
+                "global; round 1: the probe set's requests and the schema)"
+            )
         per_round = sorted(
             ((k, v) for k, v in comm.items() if k.startswith("bytes_round_")),
             key=lambda kv: int(kv[0].removeprefix("bytes_round_")),

@@ -98,6 +98,25 @@ def probe_requests(probe: Sequence[LabelledQuery]) -> list[str]:
 CAMOUFLAGE_SHARE = 0.3
 
 
+def _mean(values: Sequence[float]) -> float | None:
+    """The mean; None of nothing (never NaN, which JSON and the stored run cannot hold)."""
+    return float(np.mean(values)) if len(values) else None
+
+
+def communication(outcomes: Sequence[RoundOutcome]) -> dict[str, float | None]:
+    """Bytes per client submission over the rounds (None: no client sent anything), and per
+    round (0 in a round without submissions)."""
+    out = {
+        "bytes_per_client_round": _mean([b for o in outcomes for b in o.bytes_raw]),
+        "gzip_bytes_per_client_round": _mean([b for o in outcomes for b in o.bytes_gzip]),
+        "dcz_bytes_per_client_round": _mean([b for o in outcomes for b in o.bytes_dcz]),
+    }
+    for o in outcomes:  # the first round sends everything; later ones only what changed
+        out[f"bytes_round_{o.round}"] = float(np.mean(o.bytes_raw or [0]))
+        out[f"dcz_bytes_round_{o.round}"] = float(np.mean(o.bytes_dcz or [0]))
+    return out
+
+
 def adversary_count(clients: int, fraction: float) -> int:
     """How many of `clients` are adversarial at `fraction` (rounded to the nearest, half to
     even): what `Simulation.prepare` draws."""
@@ -722,18 +741,7 @@ class Simulation:
             served = self.services.served_router(c.reranker, c.tune_router_epochs)
             scored = setup.test_at(final.round, self.category_of)
             result.rows.append(_row("synapse_served", final.round, seed, self.evaluate(served, scored)))
-        result.communication = {
-            "bytes_per_client_round": float(np.mean([b for o in outcomes for b in o.bytes_raw])),
-            "gzip_bytes_per_client_round": float(
-                np.mean([b for o in outcomes for b in o.bytes_gzip])
-            ),
-            "dcz_bytes_per_client_round": float(
-                np.mean([b for o in outcomes for b in o.bytes_dcz])
-            ),
-        }
-        for o in outcomes:  # the first round sends everything; later ones only what changed
-            result.communication[f"bytes_round_{o.round}"] = float(np.mean(o.bytes_raw or [0]))
-            result.communication[f"dcz_bytes_round_{o.round}"] = float(np.mean(o.bytes_dcz or [0]))
+        result.communication = communication(outcomes)
         if c.diagnostics:
             self.progress(f"seed {seed}: diagnostics")
             result.diagnostics = self.diagnostics(final_router, split, test, seed)

@@ -559,6 +559,13 @@ class Command(BaseCommand):
         """Print the table, store the run, then write --out: a file that cannot be written at
         the end (checked at the start, `_check_out`) does not cost the stored run."""
         self.stdout.write(table(document))
+        try:  # a NaN or an infinity: not JSON, and no stored run (jsonb) can hold it
+            text = json.dumps(document, indent=2, allow_nan=False)
+        except ValueError:
+            raise CommandError(
+                "the results hold a NaN or an infinity, which JSON cannot represent: nothing "
+                "stored or written"
+            ) from None
         stored = None
         if not o["no_store"]:
             from federation.services import store_simulation_run
@@ -567,7 +574,7 @@ class Command(BaseCommand):
             self.stdout.write(f"stored as simulation run {stored} (shown on the dashboard)")
         if o["out"]:
             try:
-                _write_atomically(Path(o["out"]), json.dumps(document, indent=2))
+                _write_atomically(Path(o["out"]), text)
             except OSError as exc:
                 kept = f"the run is stored as simulation run {stored}, but " if stored else ""
                 raise CommandError(
