@@ -296,3 +296,50 @@ def test_a_nan_is_neither_written_nor_stored(tmp_path):
     with pytest.raises(CommandError, match="hold a NaN or an infinity, which JSON cannot represent"):
         call_command("simulate", "--combine", str(tmp_path / "a.json"), "--out", str(tmp_path / "x.json"))
     assert not (tmp_path / "x.json").exists() and not SimulationRun.objects.exists()
+
+
+class _Played:
+    """A stand-in for a Simulation: each seed's result is given, not played."""
+
+    def __init__(self, config, results):
+        from types import SimpleNamespace
+
+        self.config, self.results = config, results
+        self.dataset, self.engine, self.progress = SimpleNamespace(name="tiny"), None, print
+
+    def run_seed(self, seed):
+        return self.results[seed]
+
+
+def _result(seed, synapse, last_row, per_category=None):
+    from federation.simulation.runner import SeedResult
+
+    rows = [{"method": "synapse", "round": r, "seed": seed, "accuracy": a, "macro_accuracy": a}
+            for r, a in enumerate(synapse, start=1)]
+    rows.append({"method": last_row, "round": len(synapse), "seed": seed, "accuracy": 0.1,
+                 "macro_accuracy": 0.1})
+    return SeedResult(seed, rows=rows, per_category=per_category or {})
+
+
+@pytest.mark.parametrize("last_row", ["synapse_served", "synapse_untuned"])
+def test_a_sweep_reads_synapse_at_the_final_round_not_the_last_row(last_row):
+    from federation.simulation.report import sweep
+    from federation.simulation.runner import SimulationConfig
+
+    results = {0: _result(0, [0.5, 0.8], last_row), 1: _result(1, [0.4, 0.6], last_row)}
+    [row] = sweep(lambda config: _Played(config, results), SimulationConfig(), [{"tau": 0.8}], [0, 1])
+    assert row["accuracy"] == 0.7 and row["accuracy_by_seed"] == [[0, 0.8], [1, 0.6]]
+
+
+def test_the_per_category_table_is_over_every_seed_weighted_by_its_queries():
+    from federation.simulation.report import run
+    from federation.simulation.runner import SimulationConfig
+
+    results = {
+        0: _result(0, [0.5], "bm25", {"Travel": {"accuracy": 1.0, "n": 3}, "Math": {"accuracy": 0.5, "n": 2}}),
+        1: _result(1, [0.5], "bm25", {"Travel": {"accuracy": 0.0, "n": 1}}),
+    }
+    document = run(_Played(SimulationConfig(), results), [0, 1])
+    assert document["per_category"] == {"Math": {"accuracy": 0.5, "n": 2}, "Travel": {"accuracy": 0.75, "n": 4}}
+    first, second = (dict(doc([s], [0.5], 1.0), per_category=results[s].per_category) for s in (0, 1))
+    assert combine([first, second])["per_category"] == document["per_category"]

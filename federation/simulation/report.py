@@ -54,7 +54,7 @@ def run(simulation: Simulation, seeds: list[int], played: PlayedRuns | None = No
         "seeds": seeds,
         "results": rows,
         "summary": summarize(rows),
-        "per_category": per_seed[-1].per_category if per_seed else {},
+        "per_category": pooled_per_category([r.per_category for r in per_seed]),
         "communication": _mean_dicts([r.communication for r in per_seed]),
         "privacy": _mean_dicts([r.privacy for r in per_seed]),
         "diagnostics": _mean_dicts([r.diagnostics for r in per_seed]),
@@ -182,7 +182,7 @@ def combine(documents: list[dict[str, Any]]) -> dict[str, Any]:
         "seeds": [seed for doc in documents for seed in doc["seeds"]],
         "results": rows,
         "summary": summarize(rows),
-        "per_category": documents[-1].get("per_category", {}),
+        "per_category": pooled_per_category([doc.get("per_category") or {} for doc in documents]),
         "communication": weighted("communication"),
         "privacy": weighted("privacy"),
         "diagnostics": weighted("diagnostics"),
@@ -196,6 +196,27 @@ def combine(documents: list[dict[str, Any]]) -> dict[str, Any]:
         "hosts": [h for doc in documents for h in doc.get("hosts", [doc.get("host")])],
         **sweeps,
     }
+
+
+def pooled_per_category(tables: list[dict[str, dict]]) -> dict[str, dict]:
+    """The final round's per-category accuracy over every seed's test queries: each seed's
+    table weighted by its queries in the category (`n`, summed), so that the table belongs to
+    all the seeds the figures beside it are mean ± sd over, not to the last one."""
+    hits: dict[str, float] = defaultdict(float)
+    counts: dict[str, int] = defaultdict(int)
+    for per_category in tables:
+        for category, row in per_category.items():
+            hits[category] += row["accuracy"] * row["n"]
+            counts[category] += row["n"]
+    return {c: {"accuracy": round(hits[c] / counts[c], 4) if counts[c] else 0.0, "n": counts[c]}
+            for c in sorted(counts)}
+
+
+def _final_synapse_accuracy(result: SeedResult) -> float:
+    """A seed's SYNAPSE accuracy at its final round (not whichever row came last: through the
+    services that is synapse_served, with --tune-router in memory synapse_untuned)."""
+    return max((row for row in result.rows if row["method"] == "synapse"),
+               key=lambda row: row["round"])["accuracy"]
 
 
 def _weighted_means(items: list[dict[str, float]], weights: list[int]) -> dict[str, float]:
@@ -296,7 +317,7 @@ def sweep(
                 _prefixed, simulation.progress, f"{name} {number}/{len(variants)} ({described})"
             )
         results = played.results(simulation, seeds)
-        last = [r.rows[-1]["accuracy"] for r in results]
+        last = [_final_synapse_accuracy(r) for r in results]
         privacy = _mean_dicts([r.privacy for r in results])
         communication = _mean_dicts([r.communication for r in results])
         rows.append(
