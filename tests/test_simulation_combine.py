@@ -75,12 +75,31 @@ def test_a_combined_document_says_where_each_part_ran():
         (doc([0], [0.5], 1.0), "seed 0 is in more than one document"),
         (doc([1], [0.5], 1.0, privacy_sweep=[{"epsilon": 1}]),
          "has sweeps (privacy_sweep) that document 1 has not (none)"),
-        ({"dataset": "tiny"}, "has no 'config'"),
+        ({"dataset": "tiny"}, "document 2 is not a simulate --out file: no 'config'"),
+        (5, "document 2 is not a simulate --out file: a JSON int, not an object"),
+        (doc([1], [0.5], 1.0, config=None), "document 2 is not a simulate --out file: 'config' is not a JSON object"),
+        (dict(doc([1], [0.5], 1.0), seeds=None), "'seeds' is not a JSON list"),
+        (dict(doc([1], [0.5], 1.0), seeds=["1"]), "'seeds' holds something other than whole numbers"),
+        (doc([1], [0.5], 1.0, results=[{"round": 1, "accuracy": 0.5}]), "result 1 has no 'method'"),
+        (doc([1], [0.5], 1.0, results=[{"method": "synapse", "round": 1}]),
+         "result 1 has no 'accuracy' and 'macro_accuracy' figures"),
+        (doc([1], [0.5], 1.0, communication=[1]), "'communication' is not a JSON object"),
+        (doc([1], [0.5], 1.0, host={"embedding_model": "all-mpnet-base-v2"}),
+         "the runs embedded with different models (all-MiniLM-L6-v2, all-mpnet-base-v2)"),
     ],
 )
 def test_runs_that_do_not_belong_together_are_refused(second, message):
     with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(")", r"\)")):
-        combine([doc([0], [0.7], 1.0), second])
+        combine([doc([0], [0.7], 1.0, host={"embedding_model": "all-MiniLM-L6-v2"}), second])
+
+
+def test_the_command_names_the_file_that_is_not_a_simulate_document(tmp_path):
+    (tmp_path / "a.json").write_text(json.dumps(doc([0], [0.7], 1.0)))
+    (tmp_path / "b.json").write_text(json.dumps(doc([1], [0.7], 1.0, config=None)))
+    with pytest.raises(CommandError, match=f"^{tmp_path / 'b.json'} is not a simulate --out file: "
+                       "'config' is not a JSON object$"):
+        call_command("simulate", "--combine", str(tmp_path / "a.json"), str(tmp_path / "b.json"),
+                     "--no-store")
 
 
 def test_a_file_from_before_an_option_existed_combines_with_runs_at_its_default():

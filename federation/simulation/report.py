@@ -130,36 +130,43 @@ def with_defaults(config: dict[str, Any]) -> dict[str, Any]:
     return {**{k: v for k, v in defaults.items() if k not in config}, **config}
 
 
-def combine(documents: list[dict[str, Any]]) -> dict[str, Any]:
+def combine(documents: list[dict[str, Any]], sources: list[str] | None = None) -> dict[str, Any]:
     """One document from runs of the same dataset and configuration on disjoint seeds (e.g. the
     seeds of a long run split over processes or machines), as if one run had played them all:
     rows concatenated and summarized again, per-seed figures averaged with each run weighted by
     its seeds, and sweeps (the same variants in every document) joined per variant. Raises
-    ValueError naming what does not match."""
+    ValueError naming the document (by its `sources` name, e.g. its file) and what does not
+    match: a document of another shape, dataset, configuration, embedding model or sweeps."""
     if not documents:
         raise ValueError("nothing to combine")
-    for number, doc in enumerate(documents, start=1):
-        for key in ("dataset", "config", "seeds", "results"):
-            if key not in doc:
-                raise ValueError(f"document {number} has no {key!r}: not a simulate --out file")
+    names = list(sources) if sources else [f"document {n}" for n in range(1, len(documents) + 1)]
+    for name, doc in zip(names, documents, strict=True):
+        problem = _shape_problem(doc)
+        if problem:
+            raise ValueError(f"{name} is not a simulate --out file: {problem}")
+    models = sorted({h["embedding_model"] for doc in documents for h in _hosts(doc)
+                     if isinstance(h, dict) and h.get("embedding_model")})
+    if len(models) > 1:
+        raise ValueError(f"the runs embedded with different models ({', '.join(models)}); "
+                         "combine runs of one embedding model only")
     documents = [{**doc, "config": with_defaults(doc["config"])} for doc in documents]
     first = documents[0]
     seen: set[int] = set()
-    for number, doc in enumerate(documents, start=1):
+    for name, doc in zip(names, documents, strict=True):
         if doc["dataset"] != first["dataset"]:
-            raise ValueError(f"document {number} is of dataset {doc['dataset']!r}, not {first['dataset']!r}")
+            raise ValueError(f"{name} is of dataset {doc['dataset']!r}, not {first['dataset']!r}")
         if doc["config"] != first["config"]:
             differ = sorted(
                 k for k in set(doc["config"]) | set(first["config"])
                 if doc["config"].get(k) != first["config"].get(k)
             )
-            raise ValueError(f"document {number} has another configuration ({', '.join(differ)})")
+            raise ValueError(f"{name} has another configuration ({', '.join(differ)})")
         swept = {k for k in SWEEP_SECTIONS if doc.get(k)}
         first_swept = {k for k in SWEEP_SECTIONS if first.get(k)}
         if swept != first_swept:
             raise ValueError(
-                f"document {number} has sweeps ({', '.join(sorted(swept)) or 'none'}) that "
-                f"document 1 has not ({', '.join(sorted(first_swept)) or 'none'})"
+                f"{name} has sweeps ({', '.join(sorted(swept)) or 'none'}) that "
+                f"{names[0]} has not ({', '.join(sorted(first_swept)) or 'none'})"
             )
         overlap = seen & set(doc["seeds"])
         if overlap:
@@ -193,9 +200,43 @@ def combine(documents: list[dict[str, Any]]) -> dict[str, Any]:
         "combined_from": [doc.get("command", "") for doc in documents],
         # Each run's host, in order (None: written before documents said where they ran); a
         # document that is itself combined brings its runs' hosts.
-        "hosts": [h for doc in documents for h in doc.get("hosts", [doc.get("host")])],
+        "hosts": [h for doc in documents for h in _hosts(doc)],
         **sweeps,
     }
+
+
+def _hosts(doc: dict[str, Any]) -> list:
+    """Where a document's runs ran: a combined document's hosts, or its own."""
+    return doc["hosts"] if doc.get("hosts") is not None else [doc.get("host")]
+
+
+def _shape_problem(doc: Any) -> str | None:
+    """What keeps `doc` from being combined as a simulate document (None: nothing)."""
+    if not isinstance(doc, dict):
+        return f"a JSON {type(doc).__name__}, not an object"
+    kinds = {"dataset": (str, "string"), "config": (dict, "object"), "seeds": (list, "list"),
+             "results": (list, "list")}
+    for key, (kind, named) in kinds.items():
+        if key not in doc:
+            return f"no {key!r}"
+        if not isinstance(doc[key], kind):
+            return f"{key!r} is not a JSON {named}"
+    if not all(isinstance(seed, int) and not isinstance(seed, bool) for seed in doc["seeds"]):
+        return "'seeds' holds something other than whole numbers"
+    for number, row in enumerate(doc["results"], start=1):
+        if not isinstance(row, dict) or not isinstance(row.get("method"), str):
+            return f"result {number} has no 'method'"
+        if not all(isinstance(row.get(k), int | float) for k in ("accuracy", "macro_accuracy")):
+            return f"result {number} has no 'accuracy' and 'macro_accuracy' figures"
+        if not (row.get("round") is None or isinstance(row["round"], int)):
+            return f"result {number} has a 'round' that is not a whole number"
+    for key in ("communication", "privacy", "diagnostics", "per_category", "screening", "host"):
+        if doc.get(key) is not None and not isinstance(doc[key], dict):
+            return f"{key!r} is not a JSON object"
+    for key in ("rounds", "transfer", "hosts", *SWEEP_SECTIONS):
+        if doc.get(key) is not None and not isinstance(doc[key], list):
+            return f"{key!r} is not a JSON list"
+    return None
 
 
 def pooled_per_category(tables: list[dict[str, dict]]) -> dict[str, dict]:

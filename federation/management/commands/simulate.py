@@ -319,7 +319,7 @@ class Command(BaseCommand):
                 except json.JSONDecodeError as exc:
                     raise CommandError(f"{path} is not JSON ({exc.msg})") from None
             try:
-                document = combine(documents)
+                document = combine(documents, o["combine"])
             except ValueError as exc:
                 raise CommandError(str(exc)) from None
             document["command"] = "python manage.py simulate " + " ".join(sys.argv[2:])
