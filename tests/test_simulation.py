@@ -587,9 +587,9 @@ def test_progress_lines_say_how_long_the_run_has_taken(tiny_dataset, capsys):
                  "2", "--rounds", "2", "--no-baselines", "--no-diagnostics", "--in-memory",
                  "--sweep-tau", "0.6", "--no-store", verbosity=1)
     lines = capsys.readouterr().err.splitlines()
-    assert "simulate: [0:00:00] seed 0: round 1/2: clients build" in lines[:1]
+    assert "simulate: [0:00:00] seed 0 (1/1): round 1/2: clients build" in lines[:1]
     assert all(re.fullmatch(r"simulate: \[\d+:\d\d:\d\d\] .+", line) for line in lines), lines
-    assert any(re.fullmatch(r"simulate: \[[^]]+\] tau_sweep 1/1 \(tau=0\.6\): seed 0: evaluating", line)
+    assert any(re.fullmatch(r"simulate: \[[^]]+\] tau_sweep 1/1 \(tau=0\.6\): seed 0 \(1/1\): evaluating", line)
                for line in lines)
 
 

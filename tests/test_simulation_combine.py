@@ -362,3 +362,23 @@ def test_the_per_category_table_is_over_every_seed_weighted_by_its_queries():
     assert document["per_category"] == {"Math": {"accuracy": 0.5, "n": 2}, "Travel": {"accuracy": 0.75, "n": 4}}
     first, second = (dict(doc([s], [0.5], 1.0), per_category=results[s].per_category) for s in (0, 1))
     assert combine([first, second])["per_category"] == document["per_category"]
+
+
+def test_an_error_in_a_run_says_which_seed_and_round_it_came_from():
+    from federation.simulation.report import PlayedRuns, sweep
+    from federation.simulation.runner import Simulation, SimulationConfig
+
+    class Failing(_Played):
+        seed_name = Simulation.seed_name
+
+        def run_seed(self, seed):
+            if seed == 8:
+                self.at_round = 2
+                raise ValueError("no scenario to route with")
+            self.at_round = None
+            return _result(seed, [0.5], "bm25")
+
+    with pytest.raises(ValueError, match=r"^seed 8 \(2/2\): round 2: no scenario to route with$"):
+        PlayedRuns().results(Failing(SimulationConfig(), {}), [7, 8])
+    with pytest.raises(ValueError, match=r"^tau_sweep 1/1: seed 8 \(2/2\): round 2: no scenario"):
+        sweep(lambda config: Failing(config, {}), SimulationConfig(), [{"tau": 0.8}], [7, 8], name="tau_sweep")

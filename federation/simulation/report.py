@@ -38,9 +38,14 @@ class PlayedRuns:
         if by_seed is None:
             by_seed = {}
             self._played.append((dataclasses.replace(simulation.config), by_seed))
+        simulation.seeds = list(seeds)
         for seed in seeds:
             if seed not in by_seed:
-                by_seed[seed] = simulation.run_seed(seed)
+                try:
+                    by_seed[seed] = simulation.run_seed(seed)
+                except ValueError as exc:  # which seed (and round) it was, not only what
+                    at = f": round {simulation.at_round}" if simulation.at_round else ""
+                    raise ValueError(f"{simulation.seed_name(seed)}{at}: {exc}") from exc
         return [by_seed[seed] for seed in seeds]
 
 
@@ -357,7 +362,10 @@ def sweep(
             simulation.progress = functools.partial(
                 _prefixed, simulation.progress, f"{name} {number}/{len(variants)} ({described})"
             )
-        results = played.results(simulation, seeds)
+        try:
+            results = played.results(simulation, seeds)
+        except ValueError as exc:
+            raise ValueError(f"{name or 'sweep'} {number}/{len(variants)}: {exc}") from exc
         last = [_final_synapse_accuracy(r) for r in results]
         privacy = _mean_dicts([r.privacy for r in results])
         communication = _mean_dicts([r.communication for r in results])
