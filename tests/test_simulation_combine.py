@@ -382,3 +382,23 @@ def test_an_error_in_a_run_says_which_seed_and_round_it_came_from():
         PlayedRuns().results(Failing(SimulationConfig(), {}), [7, 8])
     with pytest.raises(ValueError, match=r"^tau_sweep 1/1: seed 8 \(2/2\): round 2: no scenario"):
         sweep(lambda config: Failing(config, {}), SimulationConfig(), [{"tau": 0.8}], [7, 8], name="tau_sweep")
+
+
+def test_runs_and_sweep_rows_say_how_many_clients_played_adversarial():
+    from federation.simulation.report import run, sweep
+    from federation.simulation.runner import SimulationConfig
+
+    results = {0: _result(0, [0.5], "bm25")}
+    config = SimulationConfig(orgs=2, clients_per_org=5, adversarial_fraction=0.25,
+                              adversarial_mode="tool_confusion")
+    document = run(_Played(config, results), [0])
+    assert document["adversarial_clients"] == 2  # 10 x 0.25 = 2.5, rounded to even
+    document["summary"] = summarize(document["results"])
+    assert "adversarial clients: 2 of 10 (tool_confusion, --adversarial-fraction 0.25)" in table(document)
+    rows = sweep(lambda c: _Played(c, results), config,
+                 [{"adversarial_mode": "tool_confusion", "adversarial_fraction": f, "robust_rule": "none"}
+                  for f in (0.0, 0.3)], [0])
+    assert [row["adversarial_clients"] for row in rows] == [0, 3]
+    document["adversarial"] = rows
+    assert "  tool_confusion            30% (3 clients) none" in table(document)
+    assert combine([document])["adversarial"][1]["adversarial_clients"] == 3

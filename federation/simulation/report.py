@@ -22,6 +22,7 @@ from federation.simulation.runner import (
     SeedResult,
     Simulation,
     SimulationConfig,
+    adversary_count,
 )
 
 
@@ -57,6 +58,7 @@ def run(simulation: Simulation, seeds: list[int], played: PlayedRuns | None = No
         "dataset": simulation.dataset.name,
         "config": dataclasses.asdict(simulation.config),
         "seeds": seeds,
+        "adversarial_clients": _adversaries(simulation.config),
         "results": rows,
         "summary": summarize(rows),
         "per_category": pooled_per_category([r.per_category for r in per_seed]),
@@ -202,12 +204,19 @@ def combine(documents: list[dict[str, Any]], sources: list[str] | None = None) -
         "transfer": [row for doc in documents for row in doc.get("transfer", [])],
         "screening": _sums([doc.get("screening", {}) for doc in documents]),
         "seconds": round(sum(float(doc.get("seconds", 0.0)) for doc in documents), 1),
+        **({"adversarial_clients": first["adversarial_clients"]}
+           if "adversarial_clients" in first else {}),
         "combined_from": [doc.get("command", "") for doc in documents],
         # Each run's host, in order (None: written before documents said where they ran); a
         # document that is itself combined brings its runs' hosts.
         "hosts": [h for doc in documents for h in _hosts(doc)],
         **sweeps,
     }
+
+
+def _adversaries(config: SimulationConfig) -> int:
+    """How many of the federation's clients played adversarial (the fraction, rounded)."""
+    return adversary_count(config.orgs * config.clients_per_org, config.adversarial_fraction)
 
 
 def _hosts(doc: dict[str, Any]) -> list:
@@ -373,6 +382,7 @@ def sweep(
             {
                 **changes,
                 "seeds": len(seeds),
+                "adversarial_clients": _adversaries(config),
                 "accuracy": round(float(np.mean(last)), 4),
                 "accuracy_sd": round(float(np.std(last, ddof=1)) if len(last) > 1 else 0.0, 4),
                 **privacy,
@@ -436,7 +446,8 @@ def _merge_figures(result) -> dict[str, float]:
 
 # What a sweep row measured; every other key of the row names its variant.
 _SWEEP_FIGURES = {
-    "seeds", "accuracy", "accuracy_sd", "accuracy_by_seed", "membership_auroc", "token_overlap",
+    "seeds", "adversarial_clients", "accuracy", "accuracy_sd", "accuracy_by_seed",
+    "membership_auroc", "token_overlap",
     "share_clients_overlap_below_0_10", "bytes_per_client_round", *SCREENING_KEYS,
 }
 
@@ -570,6 +581,14 @@ def table(document: dict[str, Any]) -> str:
             "membership-inference AUROC {membership_auroc:.3f}, token overlap {token_overlap:.3f}, "
             "clients under 0.10 overlap {share_clients_overlap_below_0_10:.0%}".format(**privacy)
         )
+    if document.get("adversarial_clients"):
+        config = document.get("config") or {}
+        lines.append(
+            f"adversarial clients: {document['adversarial_clients']} of "
+            f"{config.get('orgs', 0) * config.get('clients_per_org', 0)} "
+            f"({config.get('adversarial_mode', '')}, --adversarial-fraction "
+            f"{config.get('adversarial_fraction', 0):g})"
+        )
     screened = document.get("screening") or {}
     if screened.get("dropped_honest") or screened.get("adversarial_submissions"):
         lines.append(
@@ -594,8 +613,10 @@ def table(document: dict[str, Any]) -> str:
             if row.get("relabelled_adversarial_scenarios"):
                 dropped += (f"; relabelled {row['relabelled_adversarial_scenarios']} of "
                             f"{row['adversarial_scenarios']} adversarial scenarios sent")
+            played = (f" ({row['adversarial_clients']:.0f} clients)"
+                      if row.get("adversarial_clients") is not None else "")
             lines.append(
-                f"  {row['adversarial_mode']:<24} {row['adversarial_fraction']:>4.0%} "
+                f"  {row['adversarial_mode']:<24} {row['adversarial_fraction']:>4.0%}{played} "
                 f"{row['robust_rule']:<12} {spread:>16}{dropped}"
             )
     lines += _sweep_lines(document, one_seed)
