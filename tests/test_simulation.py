@@ -569,7 +569,7 @@ def test_a_sweep_reuses_a_federation_already_played_and_only_that(tiny_dataset):
     del progress[:]
     [again] = sweep(make, config, [{"tau": config.tau}], [1], name="tau_sweep")
     assert progress and all(
-        line.startswith(f"tau_sweep 1/1 (tau={config.tau}): seed 1: ") for line in progress)
+        line.startswith(f"tau_sweep 1/1 (tau={config.tau}): seed 1 (1/1): ") for line in progress)
     timing = "merge_seconds_per_round"
     assert {k: v for k, v in again.items() if k != timing} == {
         k: v for k, v in rows[0].items() if k != timing}
