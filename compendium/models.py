@@ -11,16 +11,18 @@ from django.conf import settings
 from django.db import models
 from pgvector.django import HnswIndex, VectorField
 
+from compendium.registry import CATEGORY_MAX_LENGTH, TOOL_ID_MAX_LENGTH, TOOL_NAME_MAX_LENGTH
+
 EMBEDDING_DIM = settings.SYNAPSE_EMBEDDING_DIM
 
 
 class Tool(models.Model):
     """A registry entry: the canonical (id, description, spec) of the compendium's M."""
 
-    tool_id = models.CharField(max_length=128, unique=True)
-    name = models.CharField(max_length=200, blank=True)
+    tool_id = models.CharField(max_length=TOOL_ID_MAX_LENGTH, unique=True)
+    name = models.CharField(max_length=TOOL_NAME_MAX_LENGTH, blank=True)
     description = models.TextField()
-    category = models.CharField(max_length=200, blank=True, db_index=True)
+    category = models.CharField(max_length=CATEGORY_MAX_LENGTH, blank=True, db_index=True)
     spec = models.JSONField(default=dict, blank=True)
     active = models.BooleanField(default=True)
     created_at = models.DateTimeField(auto_now_add=True)

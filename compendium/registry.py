@@ -21,23 +21,57 @@ from pydantic import ValidationError
 
 from compendium.schema import ToolSpec
 
+# What the database stores of a tool (compendium.models.Tool) and of a probe query
+# (federation.models.ProbeQuery): longer values are refused when a registry or dataset is read,
+# not when a run or an import stores them.
+TOOL_ID_MAX_LENGTH = 128
+TOOL_NAME_MAX_LENGTH = 200
+CATEGORY_MAX_LENGTH = 200
+QID_MAX_LENGTH = 200
+DATASET_NAME_MAX_LENGTH = 100
+
 
 class RegistryFormatError(ValueError):
     """A registry or query file that cannot be read, with where and why."""
 
 
+def _read_bytes(path: Path) -> bytes:
+    try:
+        return path.read_bytes()
+    except OSError as exc:  # a folder, unreadable, ...
+        raise RegistryFormatError(f"{path}: cannot be read ({exc.strerror or exc})") from None
+
+
+def _read_text(path: Path) -> str:
+    """A whole UTF-8 file, or a RegistryFormatError naming it."""
+    try:
+        return _read_bytes(path).decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise RegistryFormatError(f"{path}: not UTF-8 text ({exc.reason})") from None
+
+
 def _read_jsonl(path: Path) -> Iterator[tuple[int, dict[str, Any]]]:
-    with path.open("r", encoding="utf-8") as handle:
-        for number, line in enumerate(handle, start=1):
-            if not line.strip():
-                continue
-            try:
-                item = json.loads(line)
-            except json.JSONDecodeError as exc:
-                raise RegistryFormatError(f"{path}:{number}: not valid JSON ({exc.msg})") from None
-            if not isinstance(item, dict):
-                raise RegistryFormatError(f"{path}:{number}: expected a JSON object per line")
-            yield number, item
+    for number, raw in enumerate(_read_bytes(path).splitlines(), start=1):
+        try:
+            line = raw.decode("utf-8")
+        except UnicodeDecodeError as exc:
+            raise RegistryFormatError(f"{path}:{number}: not UTF-8 text ({exc.reason})") from None
+        if not line.strip():
+            continue
+        try:
+            item = json.loads(line)
+        except json.JSONDecodeError as exc:
+            raise RegistryFormatError(f"{path}:{number}: not valid JSON ({exc.msg})") from None
+        if not isinstance(item, dict):
+            raise RegistryFormatError(f"{path}:{number}: expected a JSON object per line")
+        yield number, item
+
+
+def _too_long(where: str, what: str, value: str, limit: int) -> None:
+    if len(value) > limit:
+        raise RegistryFormatError(
+            f"{where}: {what} is {len(value)} characters long; at most {limit} can be stored"
+        )
 
 
 def _tool(item: dict[str, Any], where: str) -> ToolSpec:
@@ -45,13 +79,21 @@ def _tool(item: dict[str, Any], where: str) -> ToolSpec:
     missing = [k for k in ("tool_id", "description") if not isinstance(item.get(k), str)]
     if missing:
         raise RegistryFormatError(f"{where}: missing or non-string {', '.join(missing)}")
+    tool_id = item["tool_id"].strip()
+    if not tool_id:
+        raise RegistryFormatError(f"{where}: blank tool_id")
+    name = str(item.get("name") or item.get("display_name") or item["tool_id"])
+    category = str(item.get("category") or "")
+    _too_long(where, "tool_id", tool_id, TOOL_ID_MAX_LENGTH)
+    _too_long(where, "name", name, TOOL_NAME_MAX_LENGTH)
+    _too_long(where, "category", category, CATEGORY_MAX_LENGTH)
     extra = {k: v for k, v in item.items() if k not in known}
     try:
         return ToolSpec(
-            tool_id=item["tool_id"].strip(),
-            name=str(item.get("name") or item.get("display_name") or item["tool_id"]),
+            tool_id=tool_id,
+            name=name,
             description=item["description"].strip(),
-            category=str(item.get("category") or ""),
+            category=category,
             spec=extra,
         )
     except ValidationError as exc:
@@ -126,7 +168,7 @@ def load_registry(path: str | Path) -> list[ToolSpec]:
     if path.suffix == ".jsonl":
         return load_tools_jsonl(path)
     try:
-        doc = json.loads(path.read_text(encoding="utf-8"))
+        doc = json.loads(_read_text(path))
     except json.JSONDecodeError as exc:
         raise RegistryFormatError(f"{path}: not valid JSON ({exc.msg})") from None
     return tools_from_mcp(doc, str(path))
@@ -194,23 +236,40 @@ def stratified_split(
 
 
 def load_queries(path: Path, tool_ids: Iterable[str] | None = None) -> list[LabelledQuery]:
+    """The labelled queries of a queries.jsonl; with `tool_ids`, every label (and every tool of a
+    `label_conflict`) must be one of them. Refuses, naming the line, what the simulation and the
+    probe set could not use or store: a blank query, a qid seen before or too long to store."""
     known = set(tool_ids) if tool_ids is not None else None
     queries = []
+    line_of: dict[str, int] = {}  # qid -> the line that had it first
     for number, item in _read_jsonl(path):
+        where = f"{path}:{number}"
         if not isinstance(item.get("query"), str) or not isinstance(item.get("tool_id"), str):
-            raise RegistryFormatError(f"{path}:{number}: 'query' and 'tool_id' must be strings")
+            raise RegistryFormatError(f"{where}: 'query' and 'tool_id' must be strings")
+        if not item["query"].strip():
+            raise RegistryFormatError(f"{where}: blank query")
         if known is not None and item["tool_id"] not in known:
+            raise RegistryFormatError(f"{where}: tool_id {item['tool_id']!r} is not in tools.jsonl")
+        conflict = item.get("label_conflict") or []
+        if not isinstance(conflict, list) or not all(isinstance(t, str) for t in conflict):
+            raise RegistryFormatError(f"{where}: 'label_conflict' must be a list of tool ids")
+        unknown = sorted(set(conflict) - known) if known is not None else []
+        if unknown:
             raise RegistryFormatError(
-                f"{path}:{number}: tool_id {item['tool_id']!r} is not in tools.jsonl"
+                f"{where}: label_conflict names {', '.join(map(repr, unknown))}, not in tools.jsonl"
             )
-        conflict = item.get("label_conflict") or ()
+        qid = str(item.get("qid") or f"{path.parent.name}-{number}")
+        _too_long(where, "qid", qid, QID_MAX_LENGTH)
+        if qid in line_of:
+            raise RegistryFormatError(f"{where}: qid {qid!r} is already on line {line_of[qid]}")
+        line_of[qid] = number
         queries.append(
             LabelledQuery(
                 query=item["query"],
                 tool_id=item["tool_id"],
                 category=str(item.get("category") or ""),
-                qid=str(item.get("qid") or f"{path.parent.name}-{number}"),
-                label_conflict=tuple(str(t) for t in conflict),
+                qid=qid,
+                label_conflict=tuple(conflict),
             )
         )
     return queries
@@ -218,10 +277,12 @@ def load_queries(path: Path, tool_ids: Iterable[str] | None = None) -> list[Labe
 
 def load_dataset(folder: str | Path) -> RoutingDataset:
     folder = Path(folder)
+    _too_long(str(folder), "the dataset's name (its folder's)", folder.name, DATASET_NAME_MAX_LENGTH)
     tools = load_registry(folder)
     queries_path = folder / "queries.jsonl"
     if not queries_path.exists():
         raise RegistryFormatError(f"{folder}: no queries.jsonl in this folder")
-    return RoutingDataset(
-        name=folder.name, tools=tools, queries=load_queries(queries_path, {t.tool_id for t in tools})
-    )
+    queries = load_queries(queries_path, {t.tool_id for t in tools})
+    if not queries:
+        raise RegistryFormatError(f"{queries_path}: no queries")
+    return RoutingDataset(name=folder.name, tools=tools, queries=queries)

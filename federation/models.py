@@ -5,6 +5,8 @@ from __future__ import annotations
 from django.conf import settings
 from django.db import models
 
+from compendium.registry import DATASET_NAME_MAX_LENGTH, QID_MAX_LENGTH, TOOL_ID_MAX_LENGTH
+
 
 class Organization(models.Model):
     """A member organization; it runs one edge aggregator over its clients."""
@@ -424,10 +426,10 @@ class ProbeQuery(models.Model):
     """A public labelled query (from a routing benchmark, never client data) used by the
     summarizers and to measure a global compendium's routing accuracy."""
 
-    dataset = models.CharField(max_length=100)
-    qid = models.CharField(max_length=200)
+    dataset = models.CharField(max_length=DATASET_NAME_MAX_LENGTH)
+    qid = models.CharField(max_length=QID_MAX_LENGTH)
     text = models.TextField()
-    tool_id = models.CharField(max_length=128, db_index=True)
+    tool_id = models.CharField(max_length=TOOL_ID_MAX_LENGTH, db_index=True)
 
     class Meta:
         ordering = ["dataset", "qid"]

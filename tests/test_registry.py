@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 from django.core.management import CommandError, call_command
@@ -99,3 +100,97 @@ def test_exported_schema_validates_with_the_client_cli(tmp_path, valid_doc, smal
     bad = tmp_path / "bad.json"
     bad.write_text(json.dumps(valid_doc))
     assert main(["validate", str(bad), "--schema", str(schema_path)]) == 1
+
+
+def _dataset(folder, queries, tools=('{"tool_id": "a", "description": "x"}',
+                                    '{"tool_id": "b", "description": "y"}')):
+    folder.mkdir(exist_ok=True)
+    (folder / "tools.jsonl").write_text("\n".join(tools) + "\n")
+    (folder / "queries.jsonl").write_text("".join(json.dumps(q) + "\n" for q in queries))
+    return folder
+
+
+@pytest.mark.parametrize(("queries", "message"), [
+    ([{"query": "hi", "tool_id": "a", "label_conflict": 5}], ":1: 'label_conflict' must be a list of tool ids"),
+    ([{"query": "hi", "tool_id": "a", "label_conflict": "b"}], ":1: 'label_conflict' must be a list of tool ids"),
+    ([{"query": "hi", "tool_id": "a", "label_conflict": ["a", 3]}], ":1: 'label_conflict' must be a list"),
+    ([{"query": "hi", "tool_id": "a"}, {"query": "ho", "tool_id": "a", "label_conflict": ["a", "zz"]}],
+     ":2: label_conflict names 'zz', not in tools.jsonl"),
+    ([{"query": "hi", "tool_id": "a"}, {"query": "", "tool_id": "a"}], ":2: blank query"),
+    ([{"query": " \t", "tool_id": "b"}], ":1: blank query"),
+    ([{"query": "hi", "tool_id": "a", "qid": "q1"}, {"query": "ho", "tool_id": "b", "qid": "q1"}],
+     ":2: qid 'q1' is already on line 1"),
+    ([{"query": "hi", "tool_id": "a", "qid": "q" * 201}], ":1: qid is 201 characters long; at most 200"),
+    ([], "queries.jsonl: no queries"),
+])
+def test_bad_queries_are_refused_naming_the_file_and_line(tmp_path, queries, message):
+    with pytest.raises(RegistryFormatError, match=re.escape(message)) as error:
+        load_dataset(_dataset(tmp_path / "d", queries))
+    assert str(error.value).startswith(str(tmp_path / "d"))
+
+
+def test_conflicting_labels_are_kept_as_tool_ids(tmp_path):
+    dataset = load_dataset(_dataset(tmp_path / "d", [
+        {"query": "hi", "tool_id": "a", "label_conflict": ["a", "b"]},
+        {"query": "ho", "tool_id": "b", "label_conflict": []}]))
+    assert [q.label_conflict for q in dataset.queries] == [("a", "b"), ()]
+
+
+@pytest.mark.parametrize(("tool", "message"), [
+    ('{"tool_id": "  ", "description": "x"}', "tools.jsonl:2: blank tool_id"),
+    (json.dumps({"tool_id": "t" * 129, "description": "x"}), "tools.jsonl:2: tool_id is 129 characters long; at most 128"),
+    (json.dumps({"tool_id": "t", "name": "n" * 201, "description": "x"}), "tools.jsonl:2: name is 201 characters"),
+    (json.dumps({"tool_id": "t", "category": "c" * 201, "description": "x"}), "tools.jsonl:2: category is 201"),
+])
+def test_tools_the_database_cannot_store_are_refused_at_load(tmp_path, tool, message):
+    folder = _dataset(tmp_path / "d", [{"query": "hi", "tool_id": "a"}],
+                      tools=('{"tool_id": "a", "description": "x"}', tool))
+    with pytest.raises(RegistryFormatError, match=re.escape(message)):
+        load_registry(folder)
+
+
+def test_a_dataset_name_too_long_to_store_is_refused(tmp_path):
+    folder = _dataset(tmp_path / ("d" * 101), [{"query": "hi", "tool_id": "a"}])
+    with pytest.raises(RegistryFormatError, match="name [(]its folder's[)] is 101 characters long; at most 100"):
+        load_dataset(folder)
+
+
+def test_files_that_cannot_be_read_are_refused_naming_them(tmp_path):
+    folder = _dataset(tmp_path / "d", [{"query": "hi", "tool_id": "a"}])
+    queries = folder / "queries.jsonl"
+    queries.write_bytes('{"query": "hi", "tool_id": "a"}\n{"query": "caf\xe9", "tool_id": "a"}\n'.encode("latin-1"))
+    with pytest.raises(RegistryFormatError, match=re.escape(f"{queries}:2: not UTF-8 text")):
+        load_dataset(folder)
+    queries.unlink()
+    queries.mkdir()
+    with pytest.raises(RegistryFormatError, match=re.escape(f"{queries}: cannot be read (Is a directory)")):
+        load_dataset(folder)
+    mcp = tmp_path / "tools_list.json"
+    mcp.write_bytes('{"tools": [{"name": "caf\xe9"}]}'.encode("latin-1"))
+    with pytest.raises(RegistryFormatError, match=re.escape(f"{mcp}: not UTF-8 text")):
+        load_registry(mcp)
+
+
+@pytest.mark.django_db
+def test_the_stored_lengths_are_the_ones_the_reader_checks():
+    from compendium import registry
+    from federation.models import ProbeQuery
+
+    def length(model, name):
+        return model._meta.get_field(name).max_length
+
+    assert (length(Tool, "tool_id"), length(Tool, "name"), length(Tool, "category")) == (
+        registry.TOOL_ID_MAX_LENGTH, registry.TOOL_NAME_MAX_LENGTH, registry.CATEGORY_MAX_LENGTH)
+    assert (length(ProbeQuery, "dataset"), length(ProbeQuery, "qid")) == (
+        registry.DATASET_NAME_MAX_LENGTH, registry.QID_MAX_LENGTH)
+
+
+@pytest.mark.django_db
+def test_import_probe_set_refuses_duplicate_qids_before_storing(tmp_path):
+    from federation.models import ProbeQuery
+
+    folder = _dataset(tmp_path / "d", [{"query": "hi", "tool_id": "a", "qid": "q"},
+                                       {"query": "ho", "tool_id": "a", "qid": "q"}])
+    with pytest.raises(CommandError, match="qid 'q' is already on line 1"):
+        call_command("import_probe_set", str(folder))
+    assert not ProbeQuery.objects.exists()

@@ -339,6 +339,26 @@ def test_bad_client_options_are_refused_before_anything_runs(tiny_dataset, capsy
     (["--sweep-adversarial", "0.4", "--sweep-modes", "nope"], "--sweep-modes: unknown nope; choose from"),
     (["--sweep-adversarial", "1.2"], "--sweep-adversarial: every fraction must be in"),
     (["--sweep-min-users", "0"], "--sweep-min-users: every k must be at least 1"),
+    (["--sweep-min-users", "nan"], "^--sweep-min-users: expected whole numbers, got 'nan'$"),
+    (["--sweep-min-users", "inf"], "^--sweep-min-users: expected whole numbers, got 'inf'$"),
+    (["--sweep-min-users", "1,1.5"], "^--sweep-min-users: expected whole numbers, got '1.5'$"),
+    (["--sweep-cadence", "1,2.5"], "^--sweep-cadence: expected whole numbers, got '2.5'$"),
+    (["--since-confidence", "inf"], "^--since-confidence must be a finite number, at least 0, not inf$"),
+    (["--since-confidence", "nan"], "^--since-confidence must be a finite number, at least 0, not nan$"),
+    (["--since-confidence", "-0.5"], "^--since-confidence must be a finite number, at least 0, not -0.5$"),
+    (["--orgs", "0"], "^--orgs must be at least 1, not 0$"),
+    (["--clients-per-org", "-2"], "^--clients-per-org must be at least 1, not -2$"),
+    (["--tune-router", "-1"], "^--tune-router must be at least 0, not -1$"),
+    (["--seed", str(2**63 - 2), "--seeds", "3"], "^the last seed [(]--seed [+] --seeds - 1[)] must be below 2[*][*]63"),
+    # Thresholds more distinct users than a client has: nothing would ever be released.
+    (["--min-users", "4"], "^--min-users 4 is more than --users-per-client 3: no client could release"),
+    (["--pool-users", "5", "--users-per-client", "4"], "^--pool-users 5 is more than --users-per-client 4"),
+    (["--sweep-min-users", "1,4"], "^--sweep-min-users 4 is more than --users-per-client 3"),
+    # A share that rounds to no adversarial client (4 clients: 0.4 of one rounds to 0).
+    (["--orgs", "2", "--clients-per-org", "2", "--adversarial-fraction", "0.1"],
+     r"^--adversarial-fraction 0\.1 of 4 clients is no adversarial client \(it rounds to 0\); use 0 or a share above 0\.125$"),
+    (["--orgs", "2", "--clients-per-org", "2", "--sweep-adversarial", "0,0.1,0.5"],
+     "^--sweep-adversarial 0.1 of 4 clients is no adversarial client"),
 ])
 def test_bad_run_and_sweep_options_are_refused_by_their_flag_before_the_data_loads(flags, message):
     """The dataset named does not exist: each refusal came first, naming the flag, in one line
@@ -549,7 +569,7 @@ def test_a_sweep_reuses_a_federation_already_played_and_only_that(tiny_dataset):
     del progress[:]
     [again] = sweep(make, config, [{"tau": config.tau}], [1], name="tau_sweep")
     assert progress and all(
-        line.startswith(f"tau_sweep 1/1 (tau={config.tau}): seed 1: ") for line in progress)
+        line.startswith(f"tau_sweep 1/1 (tau={config.tau}): seed 1 (1/1): ") for line in progress)
     timing = "merge_seconds_per_round"
     assert {k: v for k, v in again.items() if k != timing} == {
         k: v for k, v in rows[0].items() if k != timing}
@@ -567,9 +587,9 @@ def test_progress_lines_say_how_long_the_run_has_taken(tiny_dataset, capsys):
                  "2", "--rounds", "2", "--no-baselines", "--no-diagnostics", "--in-memory",
                  "--sweep-tau", "0.6", "--no-store", verbosity=1)
     lines = capsys.readouterr().err.splitlines()
-    assert "simulate: [0:00:00] seed 0: round 1/2: clients build" in lines[:1]
+    assert "simulate: [0:00:00] seed 0 (1/1): round 1/2: clients build" in lines[:1]
     assert all(re.fullmatch(r"simulate: \[\d+:\d\d:\d\d\] .+", line) for line in lines), lines
-    assert any(re.fullmatch(r"simulate: \[[^]]+\] tau_sweep 1/1 \(tau=0\.6\): seed 0: evaluating", line)
+    assert any(re.fullmatch(r"simulate: \[[^]]+\] tau_sweep 1/1 \(tau=0\.6\): seed 0 \(1/1\): evaluating", line)
                for line in lines)
 
 
@@ -701,3 +721,42 @@ def test_max_words_cuts_what_clients_send_and_not_centralized(tiny_dataset):
     assert sent and all(len(text.split()) <= 3 for text in sent)
     central = sim.centralized_global(setup.shares, setup.logs, setup.split, 1)
     assert max(len(s.text.split()) for s in central.scenarios) > 3
+
+
+def _small_dataset(folder, tools, queries_per_tool):
+    """tools: (tool_id, category) pairs; queries_per_tool: how many queries each has."""
+    folder.mkdir()
+    (folder / "tools.jsonl").write_text("".join(
+        json.dumps({"tool_id": t, "description": f"{t} service", "category": c}) + "\n" for t, c in tools))
+    (folder / "queries.jsonl").write_text("".join(
+        json.dumps({"query": f"request {n} for {t}", "tool_id": t}) + "\n"
+        for (t, _), count in zip(tools, queries_per_tool, strict=True) for n in range(count)))
+    return folder
+
+
+@pytest.mark.parametrize(("tools", "counts", "flags", "message"), [
+    ([("a", "x")], [10], [], "^the dataset d has 1 tool; routing needs at least 2$"),
+    ([("a", "x"), ("b", "y")], [2, 1], [], "^the dataset d has no tool with 3 or more queries: nothing to test"),
+    ([("a", "x"), ("b", "x"), ("c", "x")], [20, 20, 20], ["--orgs", "2"],
+     "^--partition category: the train queries' tools have 1 category for --orgs 2, so 1 organization[(]s[)] "
+     "would get no queries; use fewer --orgs or --partition iid or random$"),
+    ([("a", "x"), ("b", "y")], [20, 20], ["--partition", "iid", "--orgs", "5", "--clients-per-org", "5"],
+     "^seed 0: 5 of 25 clients get no train queries [(]20 dealt by --partition iid[)]; use fewer --orgs"),
+])
+def test_a_dataset_that_cannot_make_the_federation_is_refused_before_the_model_loads(
+        tmp_path, tools, counts, flags, message):
+    """Before: an IndexError in the merge (one tool), every method at 0.000 as if measured (no
+    test split), organizations or clients with nothing, reported as the federation asked for."""
+    folder = _small_dataset(tmp_path / "d", tools, counts)
+    with pytest.raises(CommandError, match=message):
+        call_command("simulate", "--dataset", str(folder), "--rounds", "1", "--no-store",
+                     "--embedding-model", "no-such-model-xyz", *flags, verbosity=1)
+
+
+def test_tools_that_are_never_tested_are_counted_on_stderr(tmp_path, capsys):
+    folder = _small_dataset(tmp_path / "d", [("a", "x"), ("b", "y"), ("c", "z")], [20, 2, 1])
+    with pytest.raises(CommandError, match="no-such-model-xyz"):  # after the warning, before a round
+        call_command("simulate", "--dataset", str(folder), "--orgs", "1", "--clients-per-org", "2",
+                     "--no-store", "--embedding-model", "no-such-model-xyz")
+    assert ("simulate: 2 of 3 tools have fewer than 3 queries (3 queries in all): they stay in "
+            "train and are never tested") in capsys.readouterr().err

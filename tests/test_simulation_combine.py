@@ -75,12 +75,31 @@ def test_a_combined_document_says_where_each_part_ran():
         (doc([0], [0.5], 1.0), "seed 0 is in more than one document"),
         (doc([1], [0.5], 1.0, privacy_sweep=[{"epsilon": 1}]),
          "has sweeps (privacy_sweep) that document 1 has not (none)"),
-        ({"dataset": "tiny"}, "has no 'config'"),
+        ({"dataset": "tiny"}, "document 2 is not a simulate --out file: no 'config'"),
+        (5, "document 2 is not a simulate --out file: a JSON int, not an object"),
+        (doc([1], [0.5], 1.0, config=None), "document 2 is not a simulate --out file: 'config' is not a JSON object"),
+        (dict(doc([1], [0.5], 1.0), seeds=None), "'seeds' is not a JSON list"),
+        (dict(doc([1], [0.5], 1.0), seeds=["1"]), "'seeds' holds something other than whole numbers"),
+        (doc([1], [0.5], 1.0, results=[{"round": 1, "accuracy": 0.5}]), "result 1 has no 'method'"),
+        (doc([1], [0.5], 1.0, results=[{"method": "synapse", "round": 1}]),
+         "result 1 has no 'accuracy' and 'macro_accuracy' figures"),
+        (doc([1], [0.5], 1.0, communication=[1]), "'communication' is not a JSON object"),
+        (doc([1], [0.5], 1.0, host={"embedding_model": "all-mpnet-base-v2"}),
+         "the runs embedded with different models (all-MiniLM-L6-v2, all-mpnet-base-v2)"),
     ],
 )
 def test_runs_that_do_not_belong_together_are_refused(second, message):
     with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(")", r"\)")):
-        combine([doc([0], [0.7], 1.0), second])
+        combine([doc([0], [0.7], 1.0, host={"embedding_model": "all-MiniLM-L6-v2"}), second])
+
+
+def test_the_command_names_the_file_that_is_not_a_simulate_document(tmp_path):
+    (tmp_path / "a.json").write_text(json.dumps(doc([0], [0.7], 1.0)))
+    (tmp_path / "b.json").write_text(json.dumps(doc([1], [0.7], 1.0, config=None)))
+    with pytest.raises(CommandError, match=f"^{tmp_path / 'b.json'} is not a simulate --out file: "
+                       "'config' is not a JSON object$"):
+        call_command("simulate", "--combine", str(tmp_path / "a.json"), str(tmp_path / "b.json"),
+                     "--no-store")
 
 
 def test_a_file_from_before_an_option_existed_combines_with_runs_at_its_default():
@@ -225,3 +244,161 @@ def test_cadence_curves_are_joined_per_round_and_keep_their_variant():
     assert every["accuracy_round_1"] == pytest.approx(0.7) and every["accuracy_round_2"] == pytest.approx(0.8)
     assert frozen["accuracy_round_2"] == pytest.approx(0.4) and every["global_scenarios"] == pytest.approx(120)
     assert every["seeds"] == 3 and every["accuracy_by_seed"] == [[0, 0.9], [1, 0.9], [2, 0.6]]
+
+
+@pytest.mark.parametrize(("target", "message"), [
+    (lambda tmp: tmp, "is a folder; name a file"),
+    (lambda tmp: tmp / "a.json" / "out.json", "a.json is a file, not a folder"),
+    (lambda tmp: "/proc/synapse-out.json", "/proc/synapse-out.json cannot be written"),
+])
+def test_an_out_that_cannot_be_written_is_refused_before_anything_runs(tmp_path, target, message):
+    """Before the dataset loads (it does not exist here) and before a combine reads its files."""
+    for flags in (["--dataset", "/no/such/dataset"], ["--combine", str(_written(tmp_path))]):
+        with pytest.raises(CommandError, match=message) as error:
+            call_command("simulate", *flags, "--out", str(target(tmp_path)), "--no-store")
+        assert "\n" not in str(error.value)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a.json"]  # nothing left behind
+
+
+def test_out_is_written_whole_into_a_new_folder_without_a_scratch_file(tmp_path):
+    out = tmp_path / "new" / "out.json"
+    call_command("simulate", "--combine", str(_written(tmp_path)), "--out", str(out), "--no-store")
+    assert json.loads(out.read_text())["seeds"] == [0]
+    assert sorted(p.name for p in out.parent.iterdir()) == ["out.json"]  # no scratch file
+
+
+def _written(tmp_path):
+    path = tmp_path / "a.json"
+    path.write_text(json.dumps(doc([0], [0.7], 200.0)))
+    return path
+
+
+@pytest.mark.django_db
+def test_a_run_whose_out_fails_at_the_end_is_stored_first_and_says_so(tmp_path, monkeypatch):
+    """--out became unwritable after the check (here: the check is skipped and --out is a
+    folder): the run is stored, and the error names the stored run and the file."""
+    from federation.management.commands import simulate
+    from federation.models import SimulationRun
+
+    monkeypatch.setattr(simulate, "_check_out", lambda path: None)
+    with pytest.raises(CommandError) as error:
+        call_command("simulate", "--combine", str(_written(tmp_path)), "--out", str(tmp_path),
+                     "--label", "late")
+    stored = SimulationRun.objects.get(label="late")
+    assert str(error.value).startswith(f"the run is stored as simulation run {stored.pk}, but --out ")
+    assert "could not be written" in str(error.value)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a.json"]  # no scratch file left
+
+
+def test_a_run_in_which_no_client_sent_anything_has_no_byte_figure_not_nan():
+    from compendium.schema import Compendium
+    from federation.simulation.runner import RoundOutcome, communication
+
+    silent = [RoundOutcome(r, Compendium(), {}, {}, [], [], [], {}) for r in (1, 2)]
+    figures = communication(silent)
+    assert figures["bytes_per_client_round"] is None and figures["dcz_bytes_per_client_round"] is None
+    assert figures["bytes_round_1"] == 0.0
+    one = doc([0], [0.7], None)
+    several = combine([one, doc([1], [0.8], None)])
+    assert several["communication"]["bytes_per_client_round"] is None
+    assert "bytes per client per round: none, no client sent anything" in table(several)
+    json.dumps(several, allow_nan=False)  # no NaN anywhere
+    # Beside a run that sent something, the figure is that run's.
+    assert combine([one, doc([1], [0.8], 300.0)])["communication"]["bytes_per_client_round"] == 300.0
+
+
+@pytest.mark.django_db
+def test_a_nan_is_neither_written_nor_stored(tmp_path):
+    from federation.models import SimulationRun
+
+    (tmp_path / "a.json").write_text(json.dumps(doc([0], [0.7], float("nan"))))  # NaN, as Python writes it
+    with pytest.raises(CommandError, match="hold a NaN or an infinity, which JSON cannot represent"):
+        call_command("simulate", "--combine", str(tmp_path / "a.json"), "--out", str(tmp_path / "x.json"))
+    assert not (tmp_path / "x.json").exists() and not SimulationRun.objects.exists()
+
+
+class _Played:
+    """A stand-in for a Simulation: each seed's result is given, not played."""
+
+    def __init__(self, config, results):
+        from types import SimpleNamespace
+
+        self.config, self.results = config, results
+        self.dataset, self.engine, self.progress = SimpleNamespace(name="tiny"), None, print
+
+    def run_seed(self, seed):
+        return self.results[seed]
+
+
+def _result(seed, synapse, last_row, per_category=None):
+    from federation.simulation.runner import SeedResult
+
+    rows = [{"method": "synapse", "round": r, "seed": seed, "accuracy": a, "macro_accuracy": a}
+            for r, a in enumerate(synapse, start=1)]
+    rows.append({"method": last_row, "round": len(synapse), "seed": seed, "accuracy": 0.1,
+                 "macro_accuracy": 0.1})
+    return SeedResult(seed, rows=rows, per_category=per_category or {})
+
+
+@pytest.mark.parametrize("last_row", ["synapse_served", "synapse_untuned"])
+def test_a_sweep_reads_synapse_at_the_final_round_not_the_last_row(last_row):
+    from federation.simulation.report import sweep
+    from federation.simulation.runner import SimulationConfig
+
+    results = {0: _result(0, [0.5, 0.8], last_row), 1: _result(1, [0.4, 0.6], last_row)}
+    [row] = sweep(lambda config: _Played(config, results), SimulationConfig(), [{"tau": 0.8}], [0, 1])
+    assert row["accuracy"] == 0.7 and row["accuracy_by_seed"] == [[0, 0.8], [1, 0.6]]
+
+
+def test_the_per_category_table_is_over_every_seed_weighted_by_its_queries():
+    from federation.simulation.report import run
+    from federation.simulation.runner import SimulationConfig
+
+    results = {
+        0: _result(0, [0.5], "bm25", {"Travel": {"accuracy": 1.0, "n": 3}, "Math": {"accuracy": 0.5, "n": 2}}),
+        1: _result(1, [0.5], "bm25", {"Travel": {"accuracy": 0.0, "n": 1}}),
+    }
+    document = run(_Played(SimulationConfig(), results), [0, 1])
+    assert document["per_category"] == {"Math": {"accuracy": 0.5, "n": 2}, "Travel": {"accuracy": 0.75, "n": 4}}
+    first, second = (dict(doc([s], [0.5], 1.0), per_category=results[s].per_category) for s in (0, 1))
+    assert combine([first, second])["per_category"] == document["per_category"]
+
+
+def test_an_error_in_a_run_says_which_seed_and_round_it_came_from():
+    from federation.simulation.report import PlayedRuns, sweep
+    from federation.simulation.runner import Simulation, SimulationConfig
+
+    class Failing(_Played):
+        seed_name = Simulation.seed_name
+
+        def run_seed(self, seed):
+            if seed == 8:
+                self.at_round = 2
+                raise ValueError("no scenario to route with")
+            self.at_round = None
+            return _result(seed, [0.5], "bm25")
+
+    with pytest.raises(ValueError, match=r"^seed 8 \(2/2\): round 2: no scenario to route with$"):
+        PlayedRuns().results(Failing(SimulationConfig(), {}), [7, 8])
+    with pytest.raises(ValueError, match=r"^tau_sweep 1/1: seed 8 \(2/2\): round 2: no scenario"):
+        sweep(lambda config: Failing(config, {}), SimulationConfig(), [{"tau": 0.8}], [7, 8], name="tau_sweep")
+
+
+def test_runs_and_sweep_rows_say_how_many_clients_played_adversarial():
+    from federation.simulation.report import run, sweep
+    from federation.simulation.runner import SimulationConfig
+
+    results = {0: _result(0, [0.5], "bm25")}
+    config = SimulationConfig(orgs=2, clients_per_org=5, adversarial_fraction=0.25,
+                              adversarial_mode="tool_confusion")
+    document = run(_Played(config, results), [0])
+    assert document["adversarial_clients"] == 2  # 10 x 0.25 = 2.5, rounded to even
+    document["summary"] = summarize(document["results"])
+    assert "adversarial clients: 2 of 10 (tool_confusion, --adversarial-fraction 0.25)" in table(document)
+    rows = sweep(lambda c: _Played(c, results), config,
+                 [{"adversarial_mode": "tool_confusion", "adversarial_fraction": f, "robust_rule": "none"}
+                  for f in (0.0, 0.3)], [0])
+    assert [row["adversarial_clients"] for row in rows] == [0, 3]
+    document["adversarial"] = rows
+    assert "  tool_confusion            30% (3 clients) none" in table(document)
+    assert combine([document])["adversarial"][1]["adversarial_clients"] == 3

@@ -1254,8 +1254,9 @@ def accuracy_page(run_id=None) -> AccuracyPage:
             rows = page.release_sweep
             frontier.add_trace(go.Scatter(
                 x=[r.get("membership_auroc") for r in rows], y=[r["accuracy"] for r in rows],
-                text=[f"k={r.get('min_users')} · {r.get('bytes_per_client_round', 0):,.0f} B"
-                      for r in rows],
+                text=[f"k={r.get('min_users')} · " + (
+                          "nothing sent" if r.get("bytes_per_client_round", 0) is None
+                          else f"{r.get('bytes_per_client_round', 0):,.0f} B") for r in rows],
                 mode="lines+markers+text", textposition="bottom center",
                 name="k-anonymous release", line={"dash": "dash"}, cliponaxis=False,
             ))

@@ -69,7 +69,7 @@ def partition_train(
         for index, query in enumerate(queries):
             shares[index % len(shares)].queries.append(query)
     elif mode == "category":
-        category_of = {t.tool_id: t.category or "uncategorized" for t in tools}
+        category_of = _categories(tools)
         categories = sorted({category_of.get(q.tool_id, "uncategorized") for q in queries})
         rng.shuffle(categories)
         owner = {cat: i % orgs for i, cat in enumerate(categories)}
@@ -90,6 +90,64 @@ def partition_train(
     else:
         raise ValueError(f"unknown partition {mode!r}: use iid, category or random")
     return shares
+
+
+def _categories(tools: Sequence[ToolSpec]) -> dict[str, str]:
+    """Each tool's category as the category partition deals it."""
+    return {t.tool_id: t.category or "uncategorized" for t in tools}
+
+
+# stratified_split: a tool with fewer queries stays in train and is never tested.
+TESTED_FROM = 3
+
+
+def untested_tools(dataset: RoutingDataset) -> tuple[int, int]:
+    """How many of the dataset's tools have fewer than TESTED_FROM queries (never tested), and
+    how many queries they have."""
+    counts = defaultdict(int)
+    for query in dataset.queries:
+        counts[query.tool_id] += 1
+    few = [counts[t.tool_id] for t in dataset.tools if counts[t.tool_id] < TESTED_FROM]
+    return len(few), sum(few)
+
+
+def federation_problem(
+    dataset: RoutingDataset, seeds: Sequence[int], *, orgs: int, clients_per_org: int,
+    partition: Partition, probe_fraction: float, test_fraction: float,
+) -> str | None:
+    """Why the dataset cannot make this simulated federation (None: it can), from each seed's
+    split and partition (cheap, before any model loads): fewer than two tools, no query to test
+    or probe with, fewer categories than organizations to deal them to, a client dealt nothing."""
+    if len(dataset.tools) < 2:
+        return f"the dataset {dataset.name} has {len(dataset.tools)} tool; routing needs at least 2"
+    for seed in seeds:
+        split = split_dataset(dataset, seed=seed, probe_fraction=probe_fraction,
+                              test_fraction=test_fraction)
+        if not split.test or not split.probe:
+            return (
+                f"the dataset {dataset.name} has no tool with {TESTED_FROM} or more queries: "
+                "nothing to test on or to put in the public probe set"
+            )
+        if partition == "category":
+            category_of = _categories(dataset.tools)
+            categories = {category_of[q.tool_id] for q in split.train}
+            if len(categories) < orgs:
+                return (
+                    f"--partition category: the train queries' tools have {len(categories)} "
+                    f"categor{'y' if len(categories) == 1 else 'ies'} for --orgs {orgs}, so "
+                    f"{orgs - len(categories)} organization(s) would get no queries; use fewer "
+                    "--orgs or --partition iid or random"
+                )
+        shares = partition_train(split.train, dataset.tools, orgs=orgs,
+                                 clients_per_org=clients_per_org, mode=partition, seed=seed)
+        empty = sum(not share.queries for share in shares)
+        if empty:
+            return (
+                f"seed {seed}: {empty} of {len(shares)} clients get no train queries "
+                f"({len(split.train)} dealt by --partition {partition}); use fewer --orgs or "
+                "--clients-per-org"
+            )
+    return None
 
 
 def stable_unit(*parts: object) -> float:

@@ -22,6 +22,7 @@ from federation.simulation.runner import (
     SeedResult,
     Simulation,
     SimulationConfig,
+    adversary_count,
 )
 
 
@@ -38,9 +39,14 @@ class PlayedRuns:
         if by_seed is None:
             by_seed = {}
             self._played.append((dataclasses.replace(simulation.config), by_seed))
+        simulation.seeds = list(seeds)
         for seed in seeds:
             if seed not in by_seed:
-                by_seed[seed] = simulation.run_seed(seed)
+                try:
+                    by_seed[seed] = simulation.run_seed(seed)
+                except ValueError as exc:  # which seed (and round) it was, not only what
+                    at = f": round {simulation.at_round}" if simulation.at_round else ""
+                    raise ValueError(f"{simulation.seed_name(seed)}{at}: {exc}") from exc
         return [by_seed[seed] for seed in seeds]
 
 
@@ -52,9 +58,10 @@ def run(simulation: Simulation, seeds: list[int], played: PlayedRuns | None = No
         "dataset": simulation.dataset.name,
         "config": dataclasses.asdict(simulation.config),
         "seeds": seeds,
+        "adversarial_clients": _adversaries(simulation.config),
         "results": rows,
         "summary": summarize(rows),
-        "per_category": per_seed[-1].per_category if per_seed else {},
+        "per_category": pooled_per_category([r.per_category for r in per_seed]),
         "communication": _mean_dicts([r.communication for r in per_seed]),
         "privacy": _mean_dicts([r.privacy for r in per_seed]),
         "diagnostics": _mean_dicts([r.diagnostics for r in per_seed]),
@@ -130,36 +137,43 @@ def with_defaults(config: dict[str, Any]) -> dict[str, Any]:
     return {**{k: v for k, v in defaults.items() if k not in config}, **config}
 
 
-def combine(documents: list[dict[str, Any]]) -> dict[str, Any]:
+def combine(documents: list[dict[str, Any]], sources: list[str] | None = None) -> dict[str, Any]:
     """One document from runs of the same dataset and configuration on disjoint seeds (e.g. the
     seeds of a long run split over processes or machines), as if one run had played them all:
     rows concatenated and summarized again, per-seed figures averaged with each run weighted by
     its seeds, and sweeps (the same variants in every document) joined per variant. Raises
-    ValueError naming what does not match."""
+    ValueError naming the document (by its `sources` name, e.g. its file) and what does not
+    match: a document of another shape, dataset, configuration, embedding model or sweeps."""
     if not documents:
         raise ValueError("nothing to combine")
-    for number, doc in enumerate(documents, start=1):
-        for key in ("dataset", "config", "seeds", "results"):
-            if key not in doc:
-                raise ValueError(f"document {number} has no {key!r}: not a simulate --out file")
+    names = list(sources) if sources else [f"document {n}" for n in range(1, len(documents) + 1)]
+    for name, doc in zip(names, documents, strict=True):
+        problem = _shape_problem(doc)
+        if problem:
+            raise ValueError(f"{name} is not a simulate --out file: {problem}")
+    models = sorted({h["embedding_model"] for doc in documents for h in _hosts(doc)
+                     if isinstance(h, dict) and h.get("embedding_model")})
+    if len(models) > 1:
+        raise ValueError(f"the runs embedded with different models ({', '.join(models)}); "
+                         "combine runs of one embedding model only")
     documents = [{**doc, "config": with_defaults(doc["config"])} for doc in documents]
     first = documents[0]
     seen: set[int] = set()
-    for number, doc in enumerate(documents, start=1):
+    for name, doc in zip(names, documents, strict=True):
         if doc["dataset"] != first["dataset"]:
-            raise ValueError(f"document {number} is of dataset {doc['dataset']!r}, not {first['dataset']!r}")
+            raise ValueError(f"{name} is of dataset {doc['dataset']!r}, not {first['dataset']!r}")
         if doc["config"] != first["config"]:
             differ = sorted(
                 k for k in set(doc["config"]) | set(first["config"])
                 if doc["config"].get(k) != first["config"].get(k)
             )
-            raise ValueError(f"document {number} has another configuration ({', '.join(differ)})")
+            raise ValueError(f"{name} has another configuration ({', '.join(differ)})")
         swept = {k for k in SWEEP_SECTIONS if doc.get(k)}
         first_swept = {k for k in SWEEP_SECTIONS if first.get(k)}
         if swept != first_swept:
             raise ValueError(
-                f"document {number} has sweeps ({', '.join(sorted(swept)) or 'none'}) that "
-                f"document 1 has not ({', '.join(sorted(first_swept)) or 'none'})"
+                f"{name} has sweeps ({', '.join(sorted(swept)) or 'none'}) that "
+                f"{names[0]} has not ({', '.join(sorted(first_swept)) or 'none'})"
             )
         overlap = seen & set(doc["seeds"])
         if overlap:
@@ -182,7 +196,7 @@ def combine(documents: list[dict[str, Any]]) -> dict[str, Any]:
         "seeds": [seed for doc in documents for seed in doc["seeds"]],
         "results": rows,
         "summary": summarize(rows),
-        "per_category": documents[-1].get("per_category", {}),
+        "per_category": pooled_per_category([doc.get("per_category") or {} for doc in documents]),
         "communication": weighted("communication"),
         "privacy": weighted("privacy"),
         "diagnostics": weighted("diagnostics"),
@@ -190,26 +204,97 @@ def combine(documents: list[dict[str, Any]]) -> dict[str, Any]:
         "transfer": [row for doc in documents for row in doc.get("transfer", [])],
         "screening": _sums([doc.get("screening", {}) for doc in documents]),
         "seconds": round(sum(float(doc.get("seconds", 0.0)) for doc in documents), 1),
+        **({"adversarial_clients": first["adversarial_clients"]}
+           if "adversarial_clients" in first else {}),
         "combined_from": [doc.get("command", "") for doc in documents],
         # Each run's host, in order (None: written before documents said where they ran); a
         # document that is itself combined brings its runs' hosts.
-        "hosts": [h for doc in documents for h in doc.get("hosts", [doc.get("host")])],
+        "hosts": [h for doc in documents for h in _hosts(doc)],
         **sweeps,
     }
+
+
+def _adversaries(config: SimulationConfig) -> int:
+    """How many of the federation's clients played adversarial (the fraction, rounded)."""
+    return adversary_count(config.orgs * config.clients_per_org, config.adversarial_fraction)
+
+
+def _hosts(doc: dict[str, Any]) -> list:
+    """Where a document's runs ran: a combined document's hosts, or its own."""
+    return doc["hosts"] if doc.get("hosts") is not None else [doc.get("host")]
+
+
+def _shape_problem(doc: Any) -> str | None:
+    """What keeps `doc` from being combined as a simulate document (None: nothing)."""
+    if not isinstance(doc, dict):
+        return f"a JSON {type(doc).__name__}, not an object"
+    kinds = {"dataset": (str, "string"), "config": (dict, "object"), "seeds": (list, "list"),
+             "results": (list, "list")}
+    for key, (kind, named) in kinds.items():
+        if key not in doc:
+            return f"no {key!r}"
+        if not isinstance(doc[key], kind):
+            return f"{key!r} is not a JSON {named}"
+    if not all(isinstance(seed, int) and not isinstance(seed, bool) for seed in doc["seeds"]):
+        return "'seeds' holds something other than whole numbers"
+    for number, row in enumerate(doc["results"], start=1):
+        if not isinstance(row, dict) or not isinstance(row.get("method"), str):
+            return f"result {number} has no 'method'"
+        if not all(isinstance(row.get(k), int | float) for k in ("accuracy", "macro_accuracy")):
+            return f"result {number} has no 'accuracy' and 'macro_accuracy' figures"
+        if not (row.get("round") is None or isinstance(row["round"], int)):
+            return f"result {number} has a 'round' that is not a whole number"
+    for key in ("communication", "privacy", "diagnostics", "per_category", "screening", "host"):
+        if doc.get(key) is not None and not isinstance(doc[key], dict):
+            return f"{key!r} is not a JSON object"
+    for key in ("rounds", "transfer", "hosts", *SWEEP_SECTIONS):
+        if doc.get(key) is not None and not isinstance(doc[key], list):
+            return f"{key!r} is not a JSON list"
+    return None
+
+
+def pooled_per_category(tables: list[dict[str, dict]]) -> dict[str, dict]:
+    """The final round's per-category accuracy over every seed's test queries: each seed's
+    table weighted by its queries in the category (`n`, summed), so that the table belongs to
+    all the seeds the figures beside it are mean ± sd over, not to the last one."""
+    hits: dict[str, float] = defaultdict(float)
+    counts: dict[str, int] = defaultdict(int)
+    for per_category in tables:
+        for category, row in per_category.items():
+            hits[category] += row["accuracy"] * row["n"]
+            counts[category] += row["n"]
+    return {c: {"accuracy": round(hits[c] / counts[c], 4) if counts[c] else 0.0, "n": counts[c]}
+            for c in sorted(counts)}
+
+
+def _final_synapse_accuracy(result: SeedResult) -> float:
+    """A seed's SYNAPSE accuracy at its final round (not whichever row came last: through the
+    services that is synapse_served, with --tune-router in memory synapse_untuned)."""
+    return max((row for row in result.rows if row["method"] == "synapse"),
+               key=lambda row: row["round"])["accuracy"]
 
 
 def _weighted_means(items: list[dict[str, float]], weights: list[int]) -> dict[str, float]:
     """Per key, the mean over the dicts that have it, each weighted (by its seeds)."""
     out = {}
     for k in sorted({k for item in items for k in item}):
-        pairs = [(item[k], w) for item, w in zip(items, weights, strict=True) if k in item]
-        out[k] = round(float(np.average([v for v, _ in pairs], weights=[w for _, w in pairs])), 4)
+        pairs = [(item[k], w) for item, w in zip(items, weights, strict=True)
+                 if item.get(k) is not None]
+        out[k] = (
+            round(float(np.average([v for v, _ in pairs], weights=[w for _, w in pairs])), 4)
+            if pairs else None
+        )
     return out
 
 
-def _mean_dicts(items: list[dict[str, float]]) -> dict[str, float]:
+def _mean_dicts(items: list[dict[str, float | None]]) -> dict[str, float | None]:
+    """Per key, the mean over the dicts that have a figure for it (None: none has)."""
     keys = sorted({k for item in items for k in item})
-    return {k: round(float(np.mean([item[k] for item in items if k in item])), 4) for k in keys}
+    out = {}
+    for k in keys:
+        values = [item[k] for item in items if item.get(k) is not None]
+        out[k] = round(float(np.mean(values)), 4) if values else None
+    return out
 
 
 def summarize(rows: list[dict]) -> list[dict]:
@@ -286,14 +371,18 @@ def sweep(
             simulation.progress = functools.partial(
                 _prefixed, simulation.progress, f"{name} {number}/{len(variants)} ({described})"
             )
-        results = played.results(simulation, seeds)
-        last = [r.rows[-1]["accuracy"] for r in results]
+        try:
+            results = played.results(simulation, seeds)
+        except ValueError as exc:
+            raise ValueError(f"{name or 'sweep'} {number}/{len(variants)}: {exc}") from exc
+        last = [_final_synapse_accuracy(r) for r in results]
         privacy = _mean_dicts([r.privacy for r in results])
         communication = _mean_dicts([r.communication for r in results])
         rows.append(
             {
                 **changes,
                 "seeds": len(seeds),
+                "adversarial_clients": _adversaries(config),
                 "accuracy": round(float(np.mean(last)), 4),
                 "accuracy_sd": round(float(np.std(last, ddof=1)) if len(last) > 1 else 0.0, 4),
                 **privacy,
@@ -357,7 +446,8 @@ def _merge_figures(result) -> dict[str, float]:
 
 # What a sweep row measured; every other key of the row names its variant.
 _SWEEP_FIGURES = {
-    "seeds", "accuracy", "accuracy_sd", "accuracy_by_seed", "membership_auroc", "token_overlap",
+    "seeds", "adversarial_clients", "accuracy", "accuracy_sd", "accuracy_by_seed",
+    "membership_auroc", "token_overlap",
     "share_clients_overlap_below_0_10", "bytes_per_client_round", *SCREENING_KEYS,
 }
 
@@ -453,12 +543,15 @@ def table(document: dict[str, Any]) -> str:
                      "pipeline, publication (scratch database)")
     comm = document.get("communication", {})
     if comm:
-        lines.append(
-            f"bytes per client per round: {comm.get('bytes_per_client_round', 0):.0f} raw, "
-            f"{comm.get('gzip_bytes_per_client_round', 0):.0f} gzip, "
-            f"{comm.get('dcz_bytes_per_client_round', 0):.0f} dcz (zstd against the pulled "
-            "global; round 1: the probe set's requests and the schema)"
-        )
+        if comm.get("bytes_per_client_round", 0) is None:
+            lines.append("bytes per client per round: none, no client sent anything")
+        else:
+            lines.append(
+                f"bytes per client per round: {comm.get('bytes_per_client_round', 0):.0f} raw, "
+                f"{comm.get('gzip_bytes_per_client_round', 0):.0f} gzip, "
+                f"{comm.get('dcz_bytes_per_client_round', 0):.0f} dcz (zstd against the pulled "
+                "global; round 1: the probe set's requests and the schema)"
+            )
         per_round = sorted(
             ((k, v) for k, v in comm.items() if k.startswith("bytes_round_")),
             key=lambda kv: int(kv[0].removeprefix("bytes_round_")),
@@ -488,6 +581,14 @@ def table(document: dict[str, Any]) -> str:
             "membership-inference AUROC {membership_auroc:.3f}, token overlap {token_overlap:.3f}, "
             "clients under 0.10 overlap {share_clients_overlap_below_0_10:.0%}".format(**privacy)
         )
+    if document.get("adversarial_clients"):
+        config = document.get("config") or {}
+        lines.append(
+            f"adversarial clients: {document['adversarial_clients']} of "
+            f"{config.get('orgs', 0) * config.get('clients_per_org', 0)} "
+            f"({config.get('adversarial_mode', '')}, --adversarial-fraction "
+            f"{config.get('adversarial_fraction', 0):g})"
+        )
     screened = document.get("screening") or {}
     if screened.get("dropped_honest") or screened.get("adversarial_submissions"):
         lines.append(
@@ -512,8 +613,10 @@ def table(document: dict[str, Any]) -> str:
             if row.get("relabelled_adversarial_scenarios"):
                 dropped += (f"; relabelled {row['relabelled_adversarial_scenarios']} of "
                             f"{row['adversarial_scenarios']} adversarial scenarios sent")
+            played = (f" ({row['adversarial_clients']:.0f} clients)"
+                      if row.get("adversarial_clients") is not None else "")
             lines.append(
-                f"  {row['adversarial_mode']:<24} {row['adversarial_fraction']:>4.0%} "
+                f"  {row['adversarial_mode']:<24} {row['adversarial_fraction']:>4.0%}{played} "
                 f"{row['robust_rule']:<12} {spread:>16}{dropped}"
             )
     lines += _sweep_lines(document, one_seed)

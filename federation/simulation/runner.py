@@ -98,6 +98,31 @@ def probe_requests(probe: Sequence[LabelledQuery]) -> list[str]:
 CAMOUFLAGE_SHARE = 0.3
 
 
+def _mean(values: Sequence[float]) -> float | None:
+    """The mean; None of nothing (never NaN, which JSON and the stored run cannot hold)."""
+    return float(np.mean(values)) if len(values) else None
+
+
+def communication(outcomes: Sequence[RoundOutcome]) -> dict[str, float | None]:
+    """Bytes per client submission over the rounds (None: no client sent anything), and per
+    round (0 in a round without submissions)."""
+    out = {
+        "bytes_per_client_round": _mean([b for o in outcomes for b in o.bytes_raw]),
+        "gzip_bytes_per_client_round": _mean([b for o in outcomes for b in o.bytes_gzip]),
+        "dcz_bytes_per_client_round": _mean([b for o in outcomes for b in o.bytes_dcz]),
+    }
+    for o in outcomes:  # the first round sends everything; later ones only what changed
+        out[f"bytes_round_{o.round}"] = float(np.mean(o.bytes_raw or [0]))
+        out[f"dcz_bytes_round_{o.round}"] = float(np.mean(o.bytes_dcz or [0]))
+    return out
+
+
+def adversary_count(clients: int, fraction: float) -> int:
+    """How many of `clients` are adversarial at `fraction` (rounded to the nearest, half to
+    even): what `Simulation.prepare` draws."""
+    return round(clients * fraction)
+
+
 @dataclass
 class SimulationConfig:
     orgs: int = 5
@@ -326,6 +351,16 @@ class Simulation:
         # Rounds closed through the product's services (in the scratch database that
         # `through_services.scratch_database` holds for the run).
         self.services = ServiceRounds(dataset) if config.through_services else None
+        # The seeds of the run in play order (`seed_name`), and the round being played (None:
+        # none): what a progress line or an error says.
+        self.seeds: list[int] = []
+        self.at_round: int | None = None
+
+    def seed_name(self, seed: int) -> str:
+        """'seed 7 (2/5)': the seed and its place among the run's seeds."""
+        if seed not in self.seeds:
+            return f"seed {seed}"
+        return f"seed {seed} ({self.seeds.index(seed) + 1}/{len(self.seeds)})"
 
     # --- building blocks ---------------------------------------------------------------------
 
@@ -402,7 +437,7 @@ class Simulation:
         name = getattr(self.engine, "model_name", "")
         base = None if name in MINILM_BUILDS else name
         epochs = self.config.tune_router_epochs
-        self.progress(f"seed {seed}: {what}: tuning the routing encoder ({epochs} epoch(s))")
+        self.progress(f"{self.seed_name(seed)}: {what}: tuning the routing encoder ({epochs} epoch(s))")
         with tempfile.TemporaryDirectory(prefix="synapse-tuned-router-") as path:
             tuned = tune_router(
                 compendium, [(q.query, q.tool_id) for q in probe], path, epochs=epochs,
@@ -483,13 +518,14 @@ class Simulation:
             self.services.begin(shares, probe, seed)
         camouflage = self.config.adversarial_mode == "camouflaged_poisoning"
         for r in range(1, rounds + 1):
+            self.at_round = r
             if published is not None and not aggregates_in(r, self.config.aggregate_every):
                 outcomes.append(RoundOutcome(r, published, {}, {}, [], [], [], {}))
                 continue
             leave_out = not_released
             if self.services is not None:  # the open round says what it will not release
                 leave_out = self.services.open(config)
-            self.progress(f"seed {seed}: round {r}/{rounds}: clients build")
+            self.progress(f"{self.seed_name(seed)}: round {r}/{rounds}: clients build")
             clients: dict[str, Compendium] = {}
             honest_of: dict[str, Compendium] = {}  # an adversary's honest compendium
             sent: dict[str, Compendium] = {}
@@ -542,12 +578,12 @@ class Simulation:
             # the client holds (the pulled global; round 1: the probe set's requests and schema).
             wires = [transport.compress(b, dictionary) for b in payloads]
             if self.services is not None:
-                self.progress(f"seed {seed}: round {r}: submissions, close, merge pipeline")
+                self.progress(f"{self.seed_name(seed)}: round {r}: submissions, close, merge pipeline")
                 merged, stats = self.services.close(r, sent, dict(zip(sent, wires, strict=True)))
                 if merged is None:  # nothing reached a merge: the last global stays
                     merged = published or Compendium()
             else:
-                self.progress(f"seed {seed}: round {r}: edge and server merges")
+                self.progress(f"{self.seed_name(seed)}: round {r}: edge and server merges")
                 merged, stats = self._merge(
                     r, seed, shares, sent, config=config, probe_set=probe_set, llm=llm,
                     not_released=not_released, conflicts=conflicts, pulled=pulled,
@@ -569,6 +605,7 @@ class Simulation:
                 )
             )
             dictionary = transport.global_dictionary(merged)
+        self.at_round = None
         return outcomes
 
     def _merge(
@@ -645,7 +682,7 @@ class Simulation:
         }
         adversaries = None
         if c.adversarial_fraction > 0:
-            count = round(len(shares) * c.adversarial_fraction)
+            count = adversary_count(len(shares), c.adversarial_fraction)
             adversaries = set(random.Random(seed).sample([s.client for s in shares], count))
         plan = {}
         if c.drift_every > 0:
@@ -672,7 +709,7 @@ class Simulation:
         outcomes = self.play(setup, seed)
         result.screening = screening(outcomes, setup.adversaries or set())
         final = outcomes[-1]
-        self.progress(f"seed {seed}: evaluating")
+        self.progress(f"{self.seed_name(seed)}: evaluating")
         router = untuned = static = routed = None
         for outcome in outcomes:
             if outcome.global_compendium is not routed:  # a round without aggregation keeps it
@@ -711,33 +748,22 @@ class Simulation:
                 )
         if self.services is not None:
             if c.tune_router_epochs:
-                self.progress(f"seed {seed}: the server tunes its router on the final global "
+                self.progress(f"{self.seed_name(seed)}: the server tunes its router on the final global "
                               f"({c.tune_router_epochs} epoch(s))")
             served = self.services.served_router(c.reranker, c.tune_router_epochs)
             scored = setup.test_at(final.round, self.category_of)
             result.rows.append(_row("synapse_served", final.round, seed, self.evaluate(served, scored)))
-        result.communication = {
-            "bytes_per_client_round": float(np.mean([b for o in outcomes for b in o.bytes_raw])),
-            "gzip_bytes_per_client_round": float(
-                np.mean([b for o in outcomes for b in o.bytes_gzip])
-            ),
-            "dcz_bytes_per_client_round": float(
-                np.mean([b for o in outcomes for b in o.bytes_dcz])
-            ),
-        }
-        for o in outcomes:  # the first round sends everything; later ones only what changed
-            result.communication[f"bytes_round_{o.round}"] = float(np.mean(o.bytes_raw or [0]))
-            result.communication[f"dcz_bytes_round_{o.round}"] = float(np.mean(o.bytes_dcz or [0]))
+        result.communication = communication(outcomes)
         if c.diagnostics:
-            self.progress(f"seed {seed}: diagnostics")
+            self.progress(f"{self.seed_name(seed)}: diagnostics")
             result.diagnostics = self.diagnostics(final_router, split, test, seed)
         result.privacy = self.membership_attack(shares, _everything_sent(outcomes), split.test, seed)
         if variants:
-            self.progress(f"seed {seed}: transfer of the final global to {len(variants)} variants")
+            self.progress(f"{self.seed_name(seed)}: transfer of the final global to {len(variants)} variants")
             rows = self.transfer(final.global_compendium, split.probe, test, variants)
             result.transfer = [{"seed": seed, **row} for row in rows]
         if c.baselines:
-            self.progress(f"seed {seed}: baselines")
+            self.progress(f"{self.seed_name(seed)}: baselines")
             for method, report in self.baselines(shares, logs, final, split, test, seed).items():
                 result.rows.append(_row(method, None, seed, report))
         return result

@@ -1,6 +1,8 @@
 import contextlib
 import datetime
 import json
+import math
+import os
 import sys
 import time
 from pathlib import Path
@@ -14,12 +16,14 @@ from compendium.schema import Schema
 from federation.merge.summarize import LLM_SUMMARIZERS
 from federation.merge.summarize import ORDER as SUMMARIZERS
 from federation.round_config import config_problems
+from federation.simulation.data import TESTED_FROM, federation_problem, untested_tools
 from federation.simulation.report import PlayedRuns, combine, run, sweep, table
 from federation.simulation.runner import (
     ADVERSARIAL_MODES,
     CAMOUFLAGE_SHARE,
     Simulation,
     SimulationConfig,
+    adversary_count,
 )
 from federation.simulation.through_services import (
     ScratchDatabaseUnavailable,
@@ -41,6 +45,19 @@ def _floats(text: str) -> list[float]:
         return [float(x) for x in text.split(",") if x.strip()]
     except ValueError:
         raise CommandError(f"expected comma-separated numbers, got {text!r}") from None
+
+
+def _integers(text: str, flag: str) -> list[int]:
+    """A comma-separated list of whole numbers, or a CommandError naming the flag and the value."""
+    values = []
+    for item in (x.strip() for x in text.split(",")):
+        if not item:
+            continue
+        try:
+            values.append(int(item))
+        except ValueError:
+            raise CommandError(f"{flag}: expected whole numbers, got {item!r}") from None
+    return values
 
 
 def _names(text: str) -> tuple[str, ...]:
@@ -291,6 +308,8 @@ class Command(BaseCommand):
         if not o["no_store"]:
             _check_storable()
         if o["combine"]:
+            if o["out"]:
+                _check_out(o["out"])
             documents = []
             for path in o["combine"]:
                 try:
@@ -300,7 +319,7 @@ class Command(BaseCommand):
                 except json.JSONDecodeError as exc:
                     raise CommandError(f"{path} is not JSON ({exc.msg})") from None
             try:
-                document = combine(documents)
+                document = combine(documents, o["combine"])
             except ValueError as exc:
                 raise CommandError(str(exc)) from None
             document["command"] = "python manage.py simulate " + " ".join(sys.argv[2:])
@@ -315,9 +334,15 @@ class Command(BaseCommand):
                 named = f" labelled {o['label']!r}" if o["label"] else ""
                 self.stdout.write(f"a simulation run{named} is stored already; nothing to do")
                 return
-        for flag, least in (("rounds", 1), ("users_per_client", 1), ("seeds", 1), ("seed", 0)):
+        if o["out"]:
+            _check_out(o["out"])
+        for flag, least in (("rounds", 1), ("users_per_client", 1), ("seeds", 1), ("seed", 0),
+                            ("orgs", 1), ("clients_per_org", 1), ("tune_router", 0)):
             if o[flag] < least:
                 raise CommandError(f"--{flag.replace('_', '-')} must be at least {least}, not {o[flag]}")
+        last_seed = o["seed"] + o["seeds"] - 1
+        if last_seed >= 2**63:  # a round's seed (RoundConfig.seed) is a 64-bit integer
+            raise CommandError(f"the last seed (--seed + --seeds - 1) must be below 2**63, not {last_seed}")
         for flag in ("queries_per_client", "test_limit"):
             if o[flag] is not None and o[flag] < 1:
                 raise CommandError(f"--{flag.replace('_', '-')} must be at least 1, not {o[flag]}")
@@ -325,12 +350,20 @@ class Command(BaseCommand):
             raise CommandError(
                 f"--adversarial-fraction must be in [0, 1], not {o['adversarial_fraction']:g}"
             )
+        if not math.isfinite(o["since_confidence"]) or o["since_confidence"] < 0:
+            raise CommandError(
+                f"--since-confidence must be a finite number, at least 0, not {o['since_confidence']:g}"
+            )
+        clients = o["orgs"] * o["clients_per_org"]
+        _some_adversary(o["adversarial_fraction"], "--adversarial-fraction", clients)
         if not 0 <= o["camouflage_share"] <= 1:
             raise CommandError(f"--camouflage-share must be in [0, 1], not {o['camouflage_share']:g}")
         if o["min_users"] < 1:
             raise CommandError("--min-users must be at least 1")
         if o["pool_users"] < 1:
             raise CommandError("--pool-users must be at least 1")
+        for flag in ("min_users", "pool_users"):
+            _releases(o[flag], f"--{flag.replace('_', '-')}", o["users_per_client"])
         if o["pool_size"] < 0:
             raise CommandError("--pool-size must be 0 (--pool-users) or more")
         if not valid_shared_word_users(o["shared_word_users"]):
@@ -364,7 +397,7 @@ class Command(BaseCommand):
         contradictions = _floats(o["sweep_contradictions"])
         if any(not 0 <= p <= 1 for p in [*contradictions, o["contradiction_fraction"]]):
             raise CommandError("contradiction shares must be in [0, 1]")
-        cadences = [int(k) for k in _floats(o["sweep_cadence"])]
+        cadences = _integers(o["sweep_cadence"], "--sweep-cadence")
         if any(k < 0 for k in cadences):
             raise CommandError("--sweep-cadence: every cadence must be 0 (frozen) or a number of rounds")
         privacy_variants = []
@@ -372,14 +405,18 @@ class Command(BaseCommand):
             epsilons = _floats(o["sweep_epsilon"]) or [o["epsilon"]]
             lambdas = _floats(o["sweep_lambda"]) or [o["mask_strength"]]
             privacy_variants = [{"epsilon": e, "mask_strength": m} for e in epsilons for m in lambdas]
-        min_users = [int(k) for k in _floats(o["sweep_min_users"])]
+        min_users = _integers(o["sweep_min_users"], "--sweep-min-users")
         if any(k < 1 for k in min_users):
             raise CommandError("--sweep-min-users: every k must be at least 1")
+        for k in min_users:
+            _releases(k, "--sweep-min-users", o["users_per_client"])
         adversarial_variants = []
         if o["sweep_adversarial"]:
             fractions = _floats(o["sweep_adversarial"])
             if any(not 0 <= f <= 1 for f in fractions):
                 raise CommandError("--sweep-adversarial: every fraction must be in [0, 1]")
+            for fraction in fractions:
+                _some_adversary(fraction, "--sweep-adversarial", clients)
             modes = _known(_names(o["sweep_modes"]), ADVERSARIAL_MODES, "--sweep-modes")
             adversarial_variants = [
                 {"adversarial_mode": m, "adversarial_fraction": f, "robust_rule": r}
@@ -401,11 +438,6 @@ class Command(BaseCommand):
             )
             if problem:
                 raise CommandError(problem)
-        try:
-            dataset = load_dataset(o["dataset"])
-            engine = get_engine(o["embedding_model"])
-        except (RegistryFormatError, EmbeddingModelUnavailable) as exc:
-            raise CommandError(str(exc)) from None
         config = SimulationConfig(
             orgs=o["orgs"],
             clients_per_org=o["clients_per_org"],
@@ -448,6 +480,28 @@ class Command(BaseCommand):
             tune_router_epochs=o["tune_router"],
             through_services=not o["in_memory"],
         )
+        seeds = list(range(o["seed"], o["seed"] + o["seeds"]))
+        try:
+            dataset = load_dataset(o["dataset"])
+        except RegistryFormatError as exc:
+            raise CommandError(str(exc)) from None
+        problem = federation_problem(
+            dataset, seeds, orgs=config.orgs, clients_per_org=config.clients_per_org,
+            partition=config.partition, probe_fraction=config.probe_fraction,
+            test_fraction=config.test_fraction,
+        )
+        if problem:
+            raise CommandError(problem)
+        untested, few = untested_tools(dataset)
+        if untested:
+            self.stderr.write(
+                f"simulate: {untested} of {len(dataset.tools)} tools have fewer than {TESTED_FROM} "
+                f"queries ({few} queries in all): they stay in train and are never tested"
+            )
+        try:
+            engine = get_engine(o["embedding_model"])
+        except EmbeddingModelUnavailable as exc:
+            raise CommandError(str(exc)) from None
         if (config.llm_url and "llm" not in config.transfer_rerankers
                 and not {config.summarizer, *summarizers} & set(LLM_SUMMARIZERS)):
             self.stderr.write(
@@ -467,7 +521,6 @@ class Command(BaseCommand):
         def make(cfg: SimulationConfig) -> Simulation:
             return Simulation(dataset, schema, engine, cfg, progress)
 
-        seeds = list(range(o["seed"], o["seed"] + o["seeds"]))
         simulation = make(config)
         try:  # transfer models, rerankers and the LLM endpoint: checked before the long run
             simulation.transfer_variants()
@@ -503,16 +556,89 @@ class Command(BaseCommand):
         self._emit(document, o)
 
     def _emit(self, document, o):
+        """Print the table, store the run, then write --out: a file that cannot be written at
+        the end (checked at the start, `_check_out`) does not cost the stored run."""
         self.stdout.write(table(document))
-        if o["out"]:
-            Path(o["out"]).parent.mkdir(parents=True, exist_ok=True)
-            Path(o["out"]).write_text(json.dumps(document, indent=2))
-            self.stdout.write(f"results written to {o['out']}")
+        try:  # a NaN or an infinity: not JSON, and no stored run (jsonb) can hold it
+            text = json.dumps(document, indent=2, allow_nan=False)
+        except ValueError:
+            raise CommandError(
+                "the results hold a NaN or an infinity, which JSON cannot represent: nothing "
+                "stored or written"
+            ) from None
+        stored = None
         if not o["no_store"]:
             from federation.services import store_simulation_run
 
-            run_row = store_simulation_run(document, label=o["label"])
-            self.stdout.write(f"stored as simulation run {run_row.pk} (shown on the dashboard)")
+            stored = store_simulation_run(document, label=o["label"]).pk
+            self.stdout.write(f"stored as simulation run {stored} (shown on the dashboard)")
+        if o["out"]:
+            try:
+                _write_atomically(Path(o["out"]), text)
+            except OSError as exc:
+                kept = f"the run is stored as simulation run {stored}, but " if stored else ""
+                raise CommandError(
+                    f"{kept}--out {o['out']} could not be written ({exc.strerror or exc})"
+                ) from None
+            self.stdout.write(f"results written to {o['out']}")
+
+
+def _scratch_name(out: Path) -> Path:
+    """The file --out is written to before it is renamed over `out` (in its folder, so that the
+    rename is atomic)."""
+    return out.with_name(f".{out.name}.{os.getpid()}.tmp")
+
+
+def _check_out(path: str) -> None:
+    """Refuse, before anything runs, an --out the run could not write at its end: a folder, a
+    parent that is a file, a folder that cannot be created or written to. Creates the parent
+    folder; leaves no file behind."""
+    out = Path(path)
+    if out.is_dir():
+        raise CommandError(f"--out {path} is a folder; name a file")
+    if out.parent.exists() and not out.parent.is_dir():
+        raise CommandError(f"--out {path}: {out.parent} is a file, not a folder")
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise CommandError(
+            f"--out {path}: cannot create its folder {out.parent} ({exc.strerror or exc})"
+        ) from None
+    scratch = _scratch_name(out)
+    try:
+        scratch.open("x").close()
+        scratch.unlink()
+    except OSError as exc:
+        raise CommandError(f"--out {path} cannot be written ({exc.strerror or exc})") from None
+
+
+def _write_atomically(out: Path, text: str) -> None:
+    """`text` to `out` through a file beside it renamed over it: a reader never sees half a
+    file, and a failed write leaves what was there."""
+    scratch = _scratch_name(out)
+    try:
+        scratch.write_text(text, encoding="utf-8")
+        os.replace(scratch, out)
+    finally:
+        scratch.unlink(missing_ok=True)
+
+
+def _releases(k: int, flag: str, users: int) -> None:
+    """Refuse a release threshold of more distinct users than a client has: every entry would
+    stay on the clients and SYNAPSE's rows would be the public probe set's accuracy."""
+    if k > users:
+        raise CommandError(
+            f"{flag} {k} is more than --users-per-client {users}: no client could release anything"
+        )
+
+
+def _some_adversary(fraction: float, flag: str, clients: int) -> None:
+    """Refuse a nonzero adversarial share that rounds to no adversarial client."""
+    if fraction > 0 and adversary_count(clients, fraction) == 0:
+        raise CommandError(
+            f"{flag} {fraction:g} of {clients} clients is no adversarial client (it rounds to 0); "
+            f"use 0 or a share above {0.5 / clients:g}"
+        )
 
 
 def _check_storable() -> None:
