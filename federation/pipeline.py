@@ -247,16 +247,24 @@ def _previous_conflicts(round_: Round, organization: Organization | None) -> lis
     return entries
 
 
+def _schema_digest(schema) -> str:
+    """What the numeric release of an edge depends on besides its inputs: the tools and the
+    declared fields (which statistics are drawn, in which order, at which scale)."""
+    return hashlib.sha256(schema.model_dump_json().encode("utf-8")).hexdigest()[:16]
+
+
 def _release_number(
-    round_: Round, organization: Organization, rematerialize: bool, inputs: list[int]
+    round_: Round, organization: Organization, rematerialize: bool, inputs: list[int],
+    schema_digest: str = "",
 ) -> tuple[int, bool]:
     """The release this edge merge makes, and whether it is a new one beyond the round's first
     (ε the round did not reserve). 0 for the first; the last one again for a replay of it (a
-    retry, a task delivered twice) over the same inputs, which redraws the same noise and so
-    tells nothing new; a new one, with fresh noise and its own ε, for a re-materialization or
-    when the inputs (`inputs`: the client versions merged) changed since the last release (a
-    client revoked meanwhile): the same noise over other inputs would let anyone who saw both
-    releases difference it away."""
+    retry, a task delivered twice) over the same inputs and schema, which redraws the same noise
+    and so tells nothing new; a new one, with fresh noise and its own ε, for a
+    re-materialization or when the inputs (`inputs`: the client versions merged) or the schema
+    (`schema_digest`: a tool or numeric field added, removed or changed) changed since the last
+    release (a client revoked meanwhile): the same noise over other inputs, or drawn for other
+    statistics in another order, would let anyone who saw both releases difference it away."""
     last = (
         PrivacyLedgerEntry.objects.filter(round=round_, organization=organization)
         .order_by("-release")
@@ -270,6 +278,9 @@ def _release_number(
     record = MergeRecord.objects.filter(round=round_, organization=organization).first()
     released_from = record.stats.get("inputs") if record is not None else None
     if released_from is not None and released_from != inputs:
+        return last + 1, True
+    released_under = record.stats.get("schema") if record is not None else None
+    if released_under is not None and released_under != schema_digest:
         return last + 1, True
     return last, False
 
@@ -324,7 +335,8 @@ def run_edge_merge(
     source_ids = [v.pk for v in sources]
     # A release beyond the round's first (`extra`) is ε the round did not reserve: an erasure's,
     # or a retry's over changed inputs. Over the budget it is made without numeric statistics.
-    release, extra = _release_number(round_, organization, rematerialize, source_ids)
+    release, extra = _release_number(round_, organization, rematerialize, source_ids,
+                                     _schema_digest(schema))
     remaining = accounting.remaining_for_release(round_.pk, organization.pk, release)
     inputs = [MergeInput(f"client:{v.client_id}", v.content) for v in sources]
     common = dict(
@@ -395,6 +407,7 @@ def run_edge_merge(
         stats = result.stats.as_dict()
         stats["release"] = release
         stats["inputs"] = source_ids
+        stats["schema"] = _schema_digest(schema)
         if withheld:
             stats["numeric_withheld"] = withheld
         MergeRecord.objects.create(

@@ -166,6 +166,15 @@ def test_a_retry_over_changed_inputs_is_a_new_release_with_fresh_noise(probes):
     ]
     pipeline.run_edge_merge(round_.pk, org.pk)  # again over those inputs: release 1 replayed
     assert sorted(set(releases.values_list("release", flat=True))) == [0, 1]
+    # The same inputs under another schema (a numeric field removed): the same seed would draw
+    # the same noise for other statistics, in another order; a new release, fresh noise.
+    from compendium.models import NumericField
+
+    NumericField.objects.filter(name="latency_ms").delete()
+    pipeline.run_edge_merge(round_.pk, org.pk)
+    assert sorted(set(releases.values_list("release", flat=True))) == [0, 1, 2]
+    pipeline.run_edge_merge(round_.pk, org.pk)  # and replayed as such
+    assert sorted(set(releases.values_list("release", flat=True))) == [0, 1, 2]
 
 
 def test_a_retry_after_an_organizations_clients_were_all_revoked_publishes_nothing_of_theirs(
