@@ -2,13 +2,14 @@ import contextlib
 import datetime
 import json
 import math
-import os
 import sys
+import tempfile
 import time
 from pathlib import Path
 
 from django.core.management.base import BaseCommand, CommandError
 
+from compendium.client_api import CannotWrite, write_atomically
 from compendium.delta import DEFAULT_SINCE_CONFIDENCE
 from compendium.masking import SHARED_WORD_USERS, valid_shared_word_users
 from compendium.registry import RegistryFormatError, load_dataset
@@ -573,20 +574,12 @@ class Command(BaseCommand):
             stored = store_simulation_run(document, label=o["label"]).pk
             self.stdout.write(f"stored as simulation run {stored} (shown on the dashboard)")
         if o["out"]:
-            try:
-                _write_atomically(Path(o["out"]), text)
-            except OSError as exc:
+            try:  # through a file beside it renamed over it: never half a file
+                write_atomically(Path(o["out"]), text.encode("utf-8"))
+            except CannotWrite as exc:
                 kept = f"the run is stored as simulation run {stored}, but " if stored else ""
-                raise CommandError(
-                    f"{kept}--out {o['out']} could not be written ({exc.strerror or exc})"
-                ) from None
+                raise CommandError(f"{kept}--out: {exc}") from None
             self.stdout.write(f"results written to {o['out']}")
-
-
-def _scratch_name(out: Path) -> Path:
-    """The file --out is written to before it is renamed over `out` (in its folder, so that the
-    rename is atomic)."""
-    return out.with_name(f".{out.name}.{os.getpid()}.tmp")
 
 
 def _check_out(path: str) -> None:
@@ -600,27 +593,10 @@ def _check_out(path: str) -> None:
         raise CommandError(f"--out {path}: {out.parent} is a file, not a folder")
     try:
         out.parent.mkdir(parents=True, exist_ok=True)
-    except OSError as exc:
-        raise CommandError(
-            f"--out {path}: cannot create its folder {out.parent} ({exc.strerror or exc})"
-        ) from None
-    scratch = _scratch_name(out)
-    try:
-        scratch.open("x").close()
-        scratch.unlink()
+        with tempfile.TemporaryFile(dir=out.parent):
+            pass
     except OSError as exc:
         raise CommandError(f"--out {path} cannot be written ({exc.strerror or exc})") from None
-
-
-def _write_atomically(out: Path, text: str) -> None:
-    """`text` to `out` through a file beside it renamed over it: a reader never sees half a
-    file, and a failed write leaves what was there."""
-    scratch = _scratch_name(out)
-    try:
-        scratch.write_text(text, encoding="utf-8")
-        os.replace(scratch, out)
-    finally:
-        scratch.unlink(missing_ok=True)
 
 
 def _releases(k: int, flag: str, users: int) -> None:
