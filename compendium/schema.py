@@ -215,7 +215,7 @@ class MaskingInfo(_Strict):
 
     strength: float = Field(ge=0)  # λ
     masked_fraction: float = Field(ge=0, le=1)
-    seed: int | None = None
+    seed: int | None = Field(default=None, ge=-(2**63), lt=2**63)  # what a database stores
 
 
 class Compendium(_Strict):

@@ -76,6 +76,10 @@ class UnsupportedEncoding(FederationError):
     status_code = 415
 
 
+class UnsupportedMediaType(FederationError):
+    status_code = 415
+
+
 class LengthRequired(FederationError):
     status_code = 411
 

@@ -43,6 +43,7 @@ from federation.errors import (
     SchemaChanged,
     UnknownDictionary,
     UnsupportedEncoding,
+    UnsupportedMediaType,
 )
 from federation.models import (
     AuditLog,
@@ -203,18 +204,25 @@ def decoded_body(body: bytes, content_encoding: str | None, limit: int) -> bytes
         raise UnsupportedEncoding(
             f"Content-Encoding {content_encoding!r} is not supported; send gzip, dcz or no encoding"
         )
-    inflater = zlib.decompressobj(16 + zlib.MAX_WBITS)  # the gzip container
-    try:
-        data = inflater.decompress(body, limit + 1)
-    except zlib.error as exc:
-        raise InvalidRequest(f"the body is not valid gzip ({exc})") from None
-    if len(data) > limit or inflater.unconsumed_tail:
-        raise PayloadTooLarge(f"the decompressed body exceeds the limit of {limit} bytes")
-    if not inflater.eof:
-        raise InvalidRequest("the gzip body is truncated")
-    if inflater.unused_data:
-        raise InvalidRequest("the body has bytes after its gzip stream")
-    return data
+    # A gzip body may be several members one after the other (RFC 1952; pigz, cat a.gz b.gz):
+    # their contents, concatenated.
+    data, rest = b"", body
+    while True:
+        inflater = zlib.decompressobj(16 + zlib.MAX_WBITS)  # the gzip container
+        try:
+            data += inflater.decompress(rest, limit + 1 - len(data))
+        except zlib.error as exc:
+            raise InvalidRequest(
+                f"the body is not valid gzip ({exc})" if not data and rest is body
+                else "the body has bytes after its gzip stream that are not another gzip member"
+            ) from None
+        if len(data) > limit or inflater.unconsumed_tail:
+            raise PayloadTooLarge(f"the decompressed body exceeds the limit of {limit} bytes")
+        if not inflater.eof:
+            raise InvalidRequest("the gzip body is truncated")
+        rest = inflater.unused_data
+        if not rest:
+            return data
 
 
 def _dcz_body(body: bytes, limit: int) -> bytes:
@@ -331,6 +339,17 @@ def clear_dictionary_cache() -> None:
     _schema_dictionary_cache = _probe_dictionary_cache = None
 
 
+def check_content_type(content_type: str | None) -> None:
+    """415 for a body declared as anything but JSON (a form, text): it would otherwise be read as
+    JSON anyway. No Content-Type is taken as JSON."""
+    media = (content_type or "").split(";", 1)[0].strip().lower()
+    if media and media != "application/json":
+        raise UnsupportedMediaType(
+            f"a submission is JSON: send it with Content-Type: application/json, not "
+            f"{media[:60]!r} (compress it with Content-Encoding: gzip)"
+        )
+
+
 def check_declared_length(content_length: str | None, transfer_encoding: str | None = None) -> None:
     """413 from the Content-Length header alone, before any of the body is read; 411 for a body
     sent with a Transfer-Encoding (chunked) instead of a length: Django reads no further than the
@@ -359,9 +378,23 @@ def _rate_limited(limit: int, window: ratelimit.Window) -> RateLimited:
     )
 
 
+def registry_texts(compendium) -> list[Violation]:
+    """A client's metadata entry carries its statistics only: a description or spec there is
+    free text that no masking check or scrub reads (the registry's are canonical, and the merge
+    drops a client's), so it is refused rather than stored."""
+    return [
+        Violation(f"$.metadata[{i}].{name}", "a client sends only its statistics here; the "
+                  "tool's description and spec are the registry's")
+        for i, entry in enumerate(compendium.metadata)
+        for name in ("description", "spec")
+        if getattr(entry, name) is not None
+    ]
+
+
 def _count_refusal(client: Client, window_s: int = 60) -> None:
-    """One hit on the client's rate counter for a request refused after the look-ahead (invalid,
-    or no round open): such requests count, as accepted ones do in their transaction."""
+    """One hit on the client's rate counter for a request past the look-ahead that stores nothing
+    (invalid, no round open, a replay): such requests count, as accepted ones do in their
+    transaction."""
     ratelimit.hit(f"submit:client:{client.pk}", 1, window_s)
 
 
@@ -532,13 +565,15 @@ def submit(
         cursor.execute(_LOOK_AHEAD_SQL, params)
         row = cursor.fetchone()
     stored, (count, open_round, *fingerprint) = row[:4], row[4:]
-    if stored[0] is not None:
-        body = decoded_body(wire, content_encoding, limit)
-        return _replay(stored, hashlib.sha256(body).hexdigest())
     # This request would be hit number count + 1 of the window: refused past the limit, before
-    # any work (a refused request needs no hit: the window stays over the limit).
+    # any work (a refused request needs no hit: the window stays over the limit). A replay too:
+    # its body is decoded to compare it with the key's, which a stored key must not make free.
     if (count or 0) >= rate_limit:
         raise _rate_limited(rate_limit, window)
+    if stored[0] is not None:
+        _count_refusal(client)  # a hit, as any request past the look-ahead
+        body = decoded_body(wire, content_encoding, limit)
+        return _replay(stored, hashlib.sha256(body).hexdigest())
     if open_round is None:  # answered before the work of validation; re-checked under lock below
         _count_refusal(client)
         raise _no_open_round()
@@ -553,9 +588,10 @@ def submit(
     schema = _schema_for(tuple(fingerprint))
 
     result = validate_compendium(body, schema)
-    if not result.ok:
+    violations = result.violations if not result.ok else registry_texts(result.compendium)
+    if violations:
         _count_refusal(client)
-        raise SubmissionInvalid(result.violations)
+        raise SubmissionInvalid(violations)
     masker = _masker_for(tuple(fingerprint), schema, open_round[1])
     residue = masking_residue(result.compendium, masker)
     if residue:
@@ -563,6 +599,13 @@ def submit(
         _audit_unmasked(client, int(open_round[0]), masker.strength, residue)
         raise UnmaskedText(residue, masker.strength)
     compendium, scrubbed = scrub_compendium(result.compendium)
+    if scrubbed:  # a scrubbed text can grow past its limit, merged entries' supports past theirs
+        after = validate_compendium(compendium, schema)
+        if not after.ok:
+            _count_refusal(client)
+            raise SubmissionInvalid([
+                Violation(v.path, f"after the server's scrub of what looked like personal data: "
+                                  f"{v.reason}") for v in after.violations])
     entry_counts = compendium.entry_counts()
     if not any(entry_counts.values()):
         _count_refusal(client)

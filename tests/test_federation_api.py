@@ -493,8 +493,9 @@ def test_rate_limit_is_429_with_retry_after(world, open_round, valid_doc, one_wi
     limited = post_doc(api, valid_doc, key="b")
     assert limited.status_code == 429
     assert 1 <= int(limited["Retry-After"]) <= 60
-    # A replay of a stored key is still answered: it stores nothing.
-    assert post_doc(api, valid_doc, key="a").status_code == 201
+    # A replay past the rate is a 429 too (its body would be decoded to compare it with the
+    # key's); it is answered in the next window.
+    assert post_doc(api, valid_doc, key="a").status_code == 429
     # Another client has its own budget.
     assert post_doc(client_api(world.token_b), valid_doc, key="a").status_code == 201
 
@@ -502,11 +503,12 @@ def test_rate_limit_is_429_with_retry_after(world, open_round, valid_doc, one_wi
 def test_refused_submissions_count_towards_the_rate_limit(
     world, open_round, valid_doc, without_merge_pipeline, one_window
 ):
-    """An accepted submission's hit is committed with it; an invalid one, or one refused for want
-    of an open round, is counted on its own; replays and requests refused for the rate are not."""
+    """An accepted submission's hit is committed with it; an invalid one, one refused for want of
+    an open round, and a replay (its body is decoded) are counted on their own; requests refused
+    for the rate are not."""
     from federation.models import RateCounter
 
-    services.update_settings(SYSTEM, submissions_per_minute=3)
+    services.update_settings(SYSTEM, submissions_per_minute=4)
     api = client_api(world.token_a)
     assert post_doc(api, b"{not json", key="bad").status_code == 400
     assert post_doc(api, valid_doc, key="a").status_code == 201
@@ -515,9 +517,9 @@ def test_refused_submissions_count_towards_the_rate_limit(
     assert post_doc(api, valid_doc, key="b").status_code == 409
     services.open_round(SYSTEM)
     assert post_doc(api, valid_doc, key="c").status_code == 429
-    assert post_doc(api, valid_doc, key="d").status_code == 429
+    assert post_doc(api, valid_doc, key="a").status_code == 429  # a replay past the rate
     counter = RateCounter.objects.get(key=f"submit:client:{world.client_a.pk}")
-    assert counter.count == 3
+    assert counter.count == 4
 
 
 def test_a_client_past_its_rate_costs_no_decompression(world, open_round, valid_doc, one_window,
@@ -534,10 +536,10 @@ def test_a_client_past_its_rate_costs_no_decompression(world, open_round, valid_
     limited = post_doc(api, b"not gzip at all", key="b", HTTP_CONTENT_ENCODING="gzip")
     assert limited.status_code == 429, limited.content
     assert decoded == []
-    # A replay is still answered past the rate: its body is decoded to compare it with the key's.
+    # Nor a replay past the rate (a stored key would otherwise make decoding free).
     replay = post_doc(api, gzip.compress(json.dumps(valid_doc).encode()), key="a",
                       HTTP_CONTENT_ENCODING="gzip")
-    assert replay.status_code == 201 and replay["Idempotent-Replayed"] == "true"
+    assert replay.status_code == 429 and decoded == []
 
 
 def test_a_body_that_does_not_decode_counts_towards_the_rate(world, open_round, valid_doc,
@@ -574,6 +576,62 @@ def test_personal_data_is_scrubbed_on_arrival(world, valid_doc):
     texts = [s["text"] for s in stored.content["scenarios"]]
     assert "Weather for [email], call [phone]" in texts
     assert "jane@example.org" not in json.dumps(stored.content)
+
+
+def test_a_scrub_that_breaks_a_limit_is_a_400_not_a_submission_the_merge_drops(world, valid_doc):
+    """The scrub writes NFKC text and tags, which can be longer (U+FDFA is 18 characters), and
+    merges entries that became one (their supports add up): the result was stored with a 201 and
+    then rejected at the round's merge, the client's contribution silently lost."""
+    services.open_round(SYSTEM, {"mask_strength": 0})
+    api = client_api(world.token_a)
+    assert post_doc(api, valid_doc, key="clean").status_code == 201
+    long = json.loads(json.dumps(valid_doc))
+    long["scenarios"][0]["text"] = "\ufdfa" * 55 + " call +44 20 7946 0958"
+    response = post_doc(api, long, key="long")
+    assert response.status_code == 400, response.content
+    [violation] = response.json()["violations"]
+    assert violation["path"] == "$.scenarios[0].text"
+    assert violation["reason"].startswith("after the server's scrub of what looked like personal")
+    assert "1000" in violation["reason"]
+    heavy = json.loads(json.dumps(valid_doc))
+    heavy["scenarios"] = [{"tool_id": "weather", "text": f"Rain for order {n}?", "support": 1_000_000}
+                          for n in (48151623, 42424242)]
+    response = post_doc(api, heavy, key="heavy")
+    assert response.status_code == 400 and "exceeds" in json.dumps(response.json()["violations"])
+    assert Submission.objects.filter(status_code=201).count() == 1  # the clean one stays
+
+
+def test_a_clients_metadata_carries_statistics_only(world, open_round, valid_doc):
+    """A description or spec in a client's metadata is free text no masking check or scrub
+    reads (and the merge drops): it was stored as sent, names and addresses included."""
+    api = client_api(world.token_a)
+    for field, value in (("description", "Patient John Smith, john.smith@example.com"),
+                         ("spec", {"note": "Alice Jones, 12 Main St"})):
+        doc = json.loads(json.dumps(valid_doc))
+        doc["metadata"][0][field] = value
+        response = post_doc(api, doc, key=field)
+        assert response.status_code == 400, response.content
+        [violation] = response.json()["violations"]
+        assert violation["path"] == f"$.metadata[0].{field}"
+        assert "only its statistics" in violation["reason"]
+    assert not Submission.objects.exists() and not CompendiumVersion.objects.exists()
+
+
+def test_a_submission_declared_as_another_media_type_is_a_415_and_gzip_members_join(
+    world, open_round, valid_doc
+):
+    api = client_api(world.token_a)
+    body = json.dumps(valid_doc)
+    for media in ("text/plain", "application/x-www-form-urlencoded"):
+        response = api.post(SUBMIT, body, content_type=media, HTTP_IDEMPOTENCY_KEY="m")
+        assert response.status_code == 415 and "Content-Type: application/json" in response.json()["detail"]
+    assert not Submission.objects.exists()
+    # several gzip members (pigz, cat a.gz b.gz) are one body, their contents joined
+    raw = body.encode()
+    members = gzip.compress(raw[:40]) + gzip.compress(raw[40:])
+    response = api.post(SUBMIT, members, content_type="application/json; charset=utf-8",
+                        HTTP_IDEMPOTENCY_KEY="m", HTTP_CONTENT_ENCODING="gzip")
+    assert response.status_code == 201, response.content
 
 
 UNMASKED = "Ask my colleague Henrietta Castellanos at henrietta@example.org about ticket 8587766"

@@ -158,6 +158,10 @@ def test_a_released_figure_stays_in_its_fields_range_after_rounding(schema, embe
         result = edge_merge(subs, narrow, RoundConfig(epsilon=0.001, seed=seed), embed=embed)
         released = [m.stats["rating"] for m in result.compendium.metadata if "rating" in m.stats]
         assert released and all(1 <= v <= 5 for v in released), seed
+    # and never -0.0, which jsonb stores as 0 (the stored global would not hash to its sha256)
+    from federation.merge.operator import _published_number
+
+    assert str(_published_number(-0.0001, 1.0, -1.0, 1.0)) == "0.0"
 
 
 def test_is_consistent_structural_rules(embed):

@@ -266,3 +266,12 @@ def test_fast_parser_gives_what_the_standard_parser_gives(valid_doc, small_schem
     assert with_orjson.compendium == without.compendium
     if raw is None:
         assert validation._orjson_parse(data) is not validation._UNPARSED  # the fast path ran
+
+
+def test_a_masking_seed_past_what_a_database_stores_is_a_violation(valid_doc, small_schema):
+    doc = copy.deepcopy(valid_doc)
+    doc["masking"] = {"strength": 1.0, "masked_fraction": 0.1, "seed": 10**4000}
+    result = validate_compendium(json.dumps(doc), small_schema)
+    assert not result.ok and any(v.path == "$.masking.seed" for v in result.violations)
+    doc["masking"]["seed"] = 2**63 - 1
+    assert validate_compendium(json.dumps(doc), small_schema).ok

@@ -213,6 +213,7 @@ class SubmissionView(FederationGenericView):
         },
     )
     def post(self, request):
+        submissions.check_content_type(request.META.get("CONTENT_TYPE"))
         submissions.check_declared_length(
             request.META.get("CONTENT_LENGTH"), request.META.get("HTTP_TRANSFER_ENCODING")
         )
@@ -366,7 +367,12 @@ class GlobalCompendiumView(FederationView):
         etag = f'"{etag_only["sha256"]}"'
         if _etag_matches(request.META.get("HTTP_IF_NONE_MATCH", ""), etag):
             return Response(status=status.HTTP_304_NOT_MODIFIED, headers={"ETag": etag})
+        # Read again for the body (a 304 loads no content): a publication or an erasure between
+        # the two reads answers that version, under its own ETag.
         version = versions.defer("routing_head").first()
+        if version is None:
+            raise _none_published(number)
+        etag = f'"{version.sha256}"'
         body = {
             "round": version.round.number,
             "sha256": version.sha256,

@@ -533,7 +533,9 @@ def _published_number(value: float, noise_scale: float | None = None, low: float
     if noise_scale is not None and noise_scale > 0:
         step = 10.0 ** (math.floor(math.log10(noise_scale)) - 2)
         value = round(value / step) * step
-    return min(high, max(low, float(f"{value:.6g}")))
+    # + 0.0: no -0.0, which jsonb stores as 0 (the stored global would no longer hash to its
+    # sha256, and clients' dcz bodies against it would be refused)
+    return float(min(high, max(low, float(f"{value:.6g}")))) + 0.0
 
 
 def _average_noise_scale(scales: Sequence[float | None], weights: np.ndarray) -> float | None:
