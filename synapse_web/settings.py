@@ -36,6 +36,16 @@ if not SECRET_KEY:
         raise ImproperlyConfigured("SECRET_KEY must be set when DEBUG=0")
     SECRET_KEY = "dev-only-insecure-key-set-SECRET_KEY-in-production"
 ALLOWED_HOSTS = env_list("ALLOWED_HOSTS", "127.0.0.1,localhost,testserver")
+# DEBUG is on unless set: right on a developer's machine, not where other hosts are served (a
+# server error would show a traceback with the rows it read, any organization's). Serving another
+# host with DEBUG on is refused unless DEBUG=1 says so.
+_LOCAL_HOSTS = {"127.0.0.1", "localhost", "testserver", "::1", "[::1]"}
+if DEBUG and "DEBUG" not in os.environ and set(ALLOWED_HOSTS) - _LOCAL_HOSTS:
+    raise ImproperlyConfigured(
+        f"ALLOWED_HOSTS names {', '.join(sorted(set(ALLOWED_HOSTS) - _LOCAL_HOSTS))} while DEBUG "
+        "is on by default: set DEBUG=0 (and a SECRET_KEY) to serve it, or DEBUG=1 to keep "
+        "Django's debug pages on it on purpose"
+    )
 CSRF_TRUSTED_ORIGINS = env_list("CSRF_TRUSTED_ORIGINS", "http://127.0.0.1:8000,http://localhost:8000")
 
 INSTALLED_APPS = [

@@ -215,6 +215,20 @@ def test_a_bad_throttle_setting_stops_with_one_line(env, named):
     assert len(lines) == 1 and named in lines[0], proc.stderr
 
 
+def test_serving_another_host_with_debug_on_by_default_stops_with_one_line():
+    """A deployment that sets ALLOWED_HOSTS and a SECRET_KEY but forgets DEBUG=0 would show
+    Django's traceback pages (the rows a view read, any organization's) on its host."""
+    forgot = {k: v for k, v in PRODUCTION.items() if k != "DEBUG"}
+    proc = check_deploy(**forgot)
+    assert proc.returncode == 2
+    lines = [line for line in proc.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1 and f"ALLOWED_HOSTS names {HOST}" in lines[0], proc.stderr
+    assert "DEBUG=0" in lines[0]
+    # DEBUG=1 on purpose, or only local hosts, start as before
+    assert probe(**{**forgot, "DEBUG": "1"})["settings"]
+    assert probe(**{**forgot, "ALLOWED_HOSTS": "127.0.0.1,localhost"})["settings"]
+
+
 def test_check_deploy_passes_with_https_on():
     proc = check_deploy(**PRODUCTION, SYNAPSE_HTTPS="1")
     assert proc.returncode == 0, proc.stdout + proc.stderr
