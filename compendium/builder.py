@@ -47,6 +47,7 @@ from compendium.masking import (
 from compendium.schema import (
     Compendium,
     MaskingInfo,
+    NumericKind,
     Precaution,
     PromptTemplate,
     Scenario,
@@ -135,6 +136,7 @@ class BuildReport:
     min_users: int = 1
     withheld_scenarios: int = 0  # supported by fewer than `min_users` users: not sent
     withheld_precautions: int = 0
+    withheld_templates: int = 0  # the most used body of a (tool, signature) had fewer users
     pool_users: int = 1
     pooled_scenarios: int = 0  # pools sent in place of the scenarios
     shared_word_users: int = 0  # the shared-words rule's K (0: off)
@@ -353,6 +355,21 @@ def precaution_text(tool: str, masked_query: str, corrected_to: str, limit: int)
     return prefix + truncate(masked_query, max(16, limit - len(prefix) - len(suffix))) + suffix
 
 
+def support_cap(schema: Schema) -> float | None:
+    """N_max: how many of one user's requests an entry's support counts (the paper's per-user
+    clipping of usage counts), the Δ of the schema's count field; None without one."""
+    return min((f.sensitivity for f in schema.numeric_fields if f.kind == NumericKind.COUNT),
+               default=None)
+
+
+def clipped_support(users: Sequence[str], per_user: float | None) -> int:
+    """An entry's support from the user behind each of its records: each user counts for at
+    most `per_user` of them (one user repeating a request 5,000 times is not 5,000 uses)."""
+    if per_user is None:
+        return len(users)
+    return int(sum(min(n, per_user) for n in Counter(users).values()))
+
+
 def _within_limits(compendium: Compendium, schema: Schema, report: BuildReport) -> Compendium:
     """A large client's log can give more scenarios or precautions, or more bytes, than one
     compendium may hold (`Schema.limits`): the least supported are left out, as `--max-bytes`
@@ -424,7 +441,9 @@ def build_compendium(
     # the entry's support, its distinct values the users who asked (k-anonymous release)
     scenario_users: dict[tuple, list[str]] = defaultdict(list)
     precaution_users: dict[tuple, list[str]] = defaultdict(list)
-    template_votes: dict[tuple[str, str], Counter] = defaultdict(Counter)
+    # (tool, signature) -> body -> the user of each record that used it
+    template_users: dict[tuple[str, str], dict[str, list[str]]] = defaultdict(
+        lambda: defaultdict(list))
     for record in each(records, "masking"):
         masked_query = mask(record.query)
         if options.max_words and len(words := masked_query.split()) > options.max_words:
@@ -450,18 +469,19 @@ def build_compendium(
                     f"allows ({limits.signature}/{limits.template} characters); not sent"
                 )
             elif signature and body.strip():
-                template_votes[(record.tool, signature)][body] += 1
+                template_users[(record.tool, signature)][body].append(record.user)
 
     report.word_tokens, report.masked_tokens = mask.word_tokens, mask.masked_tokens
     report.scrubbed = mask.scrubbed
     report.scenarios_in = sum(len(u) for u in scenario_users.values())
     report.precautions_in = sum(len(u) for u in precaution_users.values())
+    per_user = support_cap(schema)
     scenario_items = [
-        ((tool, flags), text, len(users), frozenset(users))
+        ((tool, flags), text, clipped_support(users, per_user), frozenset(users))
         for (tool, flags, text), users in scenario_users.items()
     ]
     precaution_items = [
-        ((tool, right), text, len(users), frozenset(users))
+        ((tool, right), text, clipped_support(users, per_user), frozenset(users))
         for (tool, right, text), users in precaution_users.items()
     ]
     if options.pool_users > 1:
@@ -506,19 +526,27 @@ def build_compendium(
     report.capped_contributions = stats.capped_contributions
     report.skipped_fields = stats.skipped_fields
 
+    # A template is text too: the body most users used (one user repeating theirs does not
+    # outvote others), sent only when used by as many distinct users as a scenario needs.
     templates = []
-    for (tool, signature), votes in sorted(template_votes.items()):
-        best = min(votes.items(), key=lambda kv: (-kv[1], kv[0]))[0]
+    least = max(options.min_users, options.pool_users)
+    for (tool, signature), bodies in sorted(template_users.items()):
+        best, users = min(bodies.items(),
+                          key=lambda kv: (-len(set(kv[1])), -len(kv[1]), kv[0]))
+        if len(set(users)) < least:
+            report.withheld_templates += 1
+            continue
         templates.append(PromptTemplate(tool_id=tool, signature=signature, template=best))
 
     compendium = Compendium(
         metadata=[ToolMetadata(tool_id=t, stats=v) for t, v in sorted(stats.stats.items()) if v],
         scenarios=[
-            Scenario(tool_id=tool, text=text, preconditions=dict(flags), support=n)
+            Scenario(tool_id=tool, text=text, preconditions=dict(flags),
+                     support=min(n, schema.limits.counts))
             for (tool, flags), text, n, _ in scenarios
         ],
         precautions=[
-            Precaution(tool_id=tool, text=text, support=n)
+            Precaution(tool_id=tool, text=text, support=min(n, schema.limits.counts))
             for (tool, text), n in sorted(precaution_entries.items())
         ],
         templates=templates,

@@ -329,11 +329,12 @@ def cmd_build(args: argparse.Namespace) -> int:
             f" Pooled: {report.pooled_scenarios} pool(s) of at least {options.pool_users} users "
             "sent in place of the scenarios."
         )
-    if report.withheld_scenarios or report.withheld_precautions:
+    if report.withheld_scenarios or report.withheld_precautions or report.withheld_templates:
         k = max(options.min_users, options.pool_users)
         notes += (
             f" Withheld (fewer than {k} users): {report.withheld_scenarios} "
-            f"scenario(s), {report.withheld_precautions} precaution(s)."
+            f"scenario(s), {report.withheld_precautions} precaution(s), "
+            f"{report.withheld_templates} template(s)."
         )
     if report.over_limit_scenarios or report.over_limit_precautions:
         limits = schema.limits

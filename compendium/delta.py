@@ -42,7 +42,7 @@ from __future__ import annotations
 import hashlib
 import re
 from collections import defaultdict
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -86,13 +86,13 @@ class DeltaReport:
 
 
 def _uncovered(
-    entries: Sequence[tuple[str, str]],
-    known: Sequence[tuple[str, str]],
+    entries: Sequence[tuple[Hashable, str]],
+    known: Sequence[tuple[Hashable, str]],
     embed,
     tau: float,
 ) -> list[bool]:
-    """For each (tool, text) of `entries`: True when no `known` entry of the same tool has cosine
-    >= tau with it."""
+    """For each (group, text) of `entries`: True when no `known` entry of the same group (a tool;
+    for scenarios a tool and its preconditions) has cosine >= tau with it."""
     if not entries:
         return []
     if not known:
@@ -146,9 +146,11 @@ def delta_since(
     pulled global's router (None: the cosine rule alone); `confidence` above 1 turns the routing
     rule off."""
     embed = embedder.embed
+    # A scenario under other preconditions is another case (its disagreement is the edge's to
+    # see), however alike the wording.
     scenario_keep = _uncovered(
-        [(s.tool_id, s.text) for s in local.scenarios],
-        [(s.tool_id, s.text) for s in pulled.scenarios],
+        [(_case(s), s.text) for s in local.scenarios],
+        [(_case(s), s.text) for s in pulled.scenarios],
         embed,
         tau,
     )
@@ -215,8 +217,15 @@ def sent_keys(compendium: Compendium) -> set[str]:
     }
 
 
+def _case(scenario) -> tuple[str, tuple[tuple[str, bool], ...]]:
+    return scenario.tool_id, tuple(sorted(scenario.preconditions.items()))
+
+
 def _sent_key(kind: str, entry) -> str:
-    return hashlib.sha256(f"{kind}\0{entry.tool_id}\0{entry.text}".encode()).hexdigest()[:32]
+    flags = getattr(entry, "preconditions", None)
+    # the preconditions only when there are some: records written before them still match
+    case = "".join(f"\0{k}={v}" for k, v in sorted(flags.items())) if flags else ""
+    return hashlib.sha256(f"{kind}\0{entry.tool_id}\0{entry.text}{case}".encode()).hexdigest()[:32]
 
 
 def without_sent(local: Compendium, sent: set[str]) -> tuple[Compendium, int]:

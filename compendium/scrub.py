@@ -4,7 +4,7 @@ Clients mask their text before it leaves them; the server checks on arrival what
 masking (`masking_residue`: what masking at the round's λ removes from any text, whatever the
 client's log, must not be there) and still removes what is obviously personal: e-mail addresses,
 payment card numbers (Luhn-checked), phone numbers and long digit strings (account, ID or order
-numbers). Each is replaced by a bracketed tag.
+numbers, also written a digit at a time). Each is replaced by a bracketed tag.
 """
 
 from __future__ import annotations
@@ -27,6 +27,9 @@ PHONE = re.compile(
     r"(?<![\w+])(?:\+\d{1,3}[ .-]?)?(?:\(\d{1,4}\)[ .-]?)?\d{2,5}(?:[ .-]\d{2,5}){1,4}(?![\w])"
 )
 LONG_DIGITS = re.compile(r"(?<!\d)\d{8,}(?!\d)")
+# A number written a digit at a time ("ssn 1 2 3 4 5 6 7 8 9"): 6 or more single digits split by
+# a space, dot or dash (masking leaves one-character tokens alone).
+SPACED_DIGITS = re.compile(r"(?<![\w.-])\d(?:[ .-]\d){5,}(?![\w])")
 
 _MAY_CONTAIN = re.compile(r"[\d@]")
 
@@ -88,6 +91,7 @@ def scrub_text(text: str) -> ScrubResult:
     text = CARD.sub(card, text)
     text = PHONE.sub(phone, text)
     text = LONG_DIGITS.sub(number, text)
+    text = SPACED_DIGITS.sub(number, text)
     return ScrubResult(text, counts)
 
 

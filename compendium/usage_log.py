@@ -25,6 +25,7 @@ import difflib
 import json
 import math
 import re
+import unicodedata
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -172,7 +173,9 @@ def parse_record(
         raise ValueError("'user' is missing (a stable pseudonymous id of the end user)")
     if isinstance(user, bool) or not isinstance(user, str | int):
         raise ValueError("'user' must be a string or an integer")
-    user = _unicode("user", str(user).strip())
+    # One person, one id: "Alice", "alice ", "ＡＬＩＣＥ" are the same user (two ids would give
+    # that person twice the clipping's Δ and F*, and pass a k-users threshold alone).
+    user = " ".join(unicodedata.normalize("NFKC", _unicode("user", str(user))).casefold().split())
     if not user:
         raise ValueError("'user' is empty")
 

@@ -492,3 +492,64 @@ def test_cli_build_max_words(tmp_path, capsys):
     assert cut > 0
     assert main(["inspect", str(out)]) == 0
     assert f"each request sent as its first 4 words (--max-words): {cut} cut" in capsys.readouterr().out
+
+
+def _line(query, user, tool, **extra):
+    return {"query": query, "tool": tool, "outcome": "success", "latency_ms": 100, "user": user,
+            **extra}
+
+
+def test_one_user_is_one_user_however_the_log_writes_the_id():
+    """"Alice", " alice " and a full-width "ＡＬＩＣＥ" counted as three users: three times the
+    clipping's Δ and F* for one person, and a k-users threshold passed alone."""
+    schema = metatool_schema()
+    tool = sorted(schema.tool_ids)[0]
+    records = parsed([_line("Show me the weather forecast for tomorrow", user, tool)
+                      for user in ("Alice", " alice ", "ＡＬＩＣＥ", "alice\u00a0")])
+    assert {r.user for r in records} == {"alice"}
+    compendium, report = build_compendium(records, schema, BuildOptions(strength=0, min_users=2,
+                                                                        collapse=False))
+    assert report.num_users == 1 and compendium.scenarios == []
+
+
+def test_one_users_repeats_count_at_most_n_max_towards_an_entrys_support():
+    """Support counted log lines: one user sending a request 5,000 times gave it a support of
+    5,000 (the paper clips a user's usage counts at N_max, the count field's Δ: 50), and past the
+    schema's count limit the build failed."""
+    from compendium.builder import clipped_support, support_cap
+
+    schema = metatool_schema()
+    tool = sorted(schema.tool_ids)[0]
+    assert support_cap(schema) == 50
+    assert clipped_support(["a"] * 5000 + ["b"] * 3, 50) == 53
+    assert clipped_support(["a"] * 5000, None) == 5000
+    records = parsed([_line("Show me the weather forecast for tomorrow", "heavy", tool)] * 120
+                     + [_line("Show me the weather forecast for tomorrow", "light", tool)] * 2)
+    compendium, _ = build_compendium(records, schema, BuildOptions(strength=0, collapse=False))
+    assert [s.support for s in compendium.scenarios] == [52]
+    small = schema.model_copy(update={"limits": schema.limits.model_copy(update={"counts": 10})})
+    compendium, _ = build_compendium(records, small, BuildOptions(strength=0, collapse=False))
+    assert [s.support for s in compendium.scenarios] == [10]  # at the limit, not a failed build
+
+
+def test_a_template_is_sent_by_the_users_who_used_it_not_by_one_users_repeats():
+    """Templates skipped the k-users rule (one user's template went out at min_users=3) and
+    their vote counted log lines (one user repeating a body chose it)."""
+    schema = metatool_schema()
+    tool = sorted(schema.tool_ids)[0]
+
+    def used(user, body):
+        return _line("Show me the weather forecast for tomorrow", user, tool,
+                     template={"signature": "forecast(city)", "template": body})
+
+    records = parsed([used("a", "Forecast for {city}, for my boss")] * 5
+                     + [used("b", "Forecast for {city}"), used("c", "Forecast for {city}")])
+    compendium, _ = build_compendium(records, schema, BuildOptions(strength=0, collapse=False))
+    assert [t.template for t in compendium.templates] == ["Forecast for {city}"]
+    k3, report = build_compendium(records, schema, BuildOptions(strength=0, collapse=False,
+                                                               min_users=3))
+    assert k3.templates == [] and report.withheld_templates == 1
+    k2, report = build_compendium(records, schema, BuildOptions(strength=0, collapse=False,
+                                                               min_users=2))
+    assert [t.template for t in k2.templates] == ["Forecast for {city}"]
+    assert report.withheld_templates == 0

@@ -62,6 +62,30 @@ def test_covered_entries_are_left_out_and_new_ones_kept(engine):
     assert same == local
 
 
+def test_a_scenario_under_other_preconditions_is_not_covered_nor_taken_as_sent(engine):
+    """The pulled global's "rain in Paris" needs a city; this client's says it does not: another
+    case, which the edge's consistency check must see, not a paraphrase left out as covered."""
+    from compendium.delta import sent_keys, without_sent
+
+    def flagged(has_city):
+        return Compendium.model_validate({"scenarios": [
+            {"tool_id": "weather", "text": "Will it rain tomorrow in Paris?",
+             "preconditions": {"has_city": has_city}}]})
+
+    delta, report = delta_since(flagged(False), flagged(True), engine, tau=0.85)
+    assert len(delta.scenarios) == 1 and report.scenarios_covered == 0
+    delta, report = delta_since(flagged(True), flagged(True), engine, tau=0.85)
+    assert delta.scenarios == [] and report.scenarios_covered == 1
+    kept, dropped = without_sent(flagged(False), sent_keys(flagged(True)))
+    assert dropped == 0 and len(kept.scenarios) == 1
+    # a scenario without preconditions keeps the key it had (records written before still match)
+    plain = comp(scenarios=[("weather", "Will it rain tomorrow in Paris?")])
+    import hashlib
+
+    assert sent_keys(plain) == {hashlib.sha256(
+        b"s\0weather\0Will it rain tomorrow in Paris?").hexdigest()[:32]}
+
+
 def test_scenarios_the_pulled_router_already_gets_right_are_left_out(engine):
     pulled = comp(scenarios=[("weather", "Will it rain tomorrow in Paris?"),
                              ("flights", "Find a cheap flight to Rome")])

@@ -67,3 +67,13 @@ def test_compendium_texts_are_scrubbed_and_collisions_merged():
     assert scrubbed.annex[0].object == "[email]"
     # The input is not modified.
     assert compendium.scenarios[0].text == "write to a@b.org about the invoice"
+
+
+def test_a_number_written_a_digit_at_a_time_is_scrubbed():
+    """Masking leaves one-character tokens alone: "ssn 1 2 3 4 5 6 7 8 9" went out as it was."""
+    from compendium.scrub import scrub_text
+
+    assert scrub_text("ssn 1 2 3 4 5 6 7 8 9 please").text == "ssn [number] please"
+    assert scrub_text("code 4-7-1-9-2-2").text == "code [number]"
+    for kept in ("rate it 4 5 stars", "version 1.2.3 of the app", "top 5 movies of 2023"):
+        assert scrub_text(kept).text == kept
