@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import BinaryIO
 
 from django.conf import settings
-from django.db import connection
+from django.db import DatabaseError, connection
 from django.utils import timezone
 
 from compendium.models import CompendiumVersion
@@ -145,8 +145,11 @@ def _tuning_lock(version_id: int):
         yield held
     finally:
         if held:
-            with connection.cursor() as cursor:
-                cursor.execute("SELECT pg_advisory_unlock(%s, %s)", key)
+            try:
+                with connection.cursor() as cursor:
+                    cursor.execute("SELECT pg_advisory_unlock(%s, %s)", key)
+            except DatabaseError as exc:  # a lost connection took the lock with it
+                log.warning("releasing the tuning lock of version %s: %s", version_id, exc)
 
 
 def _tune_locked(
@@ -156,6 +159,7 @@ def _tune_locked(
     folder = Path(record.directory) if record.directory else None
     ready = record.state == TunedRouter.State.READY and folder is not None and folder.is_dir()
     if not _served(version):
+        _remove_partials(version, routers)  # what a killed tuning of it left: it holds the lock
         if ready:  # a newer global's router retires it
             return record
         return _finish(
@@ -176,9 +180,7 @@ def _tune_locked(
 
     target = _folder(version, routers or routers_dir())
     partial = target.with_name(target.name + ".partial")
-    # What a tuning of this global killed before it finished left (this one holds its lock).
-    for stale in target.parent.glob(f"{_folder_prefix(version)}*.partial"):
-        shutil.rmtree(stale, ignore_errors=True)
+    _remove_partials(version, routers)  # what a killed tuning left (this one holds its lock)
     try:
         # The published content's rows, in its order: what clients pull (the saved vectors then
         # serve their copies as they are) and what the routing API routes with it.
@@ -195,6 +197,30 @@ def _tune_locked(
         shutil.rmtree(partial, ignore_errors=True)
         log.warning("tuning the router of round %s failed: %s", version.round.number, exc)
         return _failed(record, exc, retune)
+    # Minutes of tuning without a query: a connection the server closed meanwhile (its lock went
+    # with it) is replaced rather than failing every query below. A live one is kept: it holds
+    # the lock.
+    if connection.connection is not None and not connection.is_usable():
+        connection.close()
+    try:
+        record = _keep(version, record, tuned, probe, partial, target, retune)
+    except Exception as exc:  # never left `running`, nor a folder no row names
+        for folder in (partial, target):
+            shutil.rmtree(folder, ignore_errors=True)
+        log.warning("keeping the tuned router of round %s failed: %s", version.round.number, exc)
+        return _failed(record, exc, retune)
+    if record.state == TunedRouter.State.READY:
+        try:
+            retire_older(record)
+        except Exception as exc:  # the new router is served; the old ones go next time
+            log.warning("retiring the routers before round %s's failed: %s", version.round.number,
+                        exc)
+    return record
+
+
+def _keep(version, record, tuned, probe, partial: Path, target: Path, retune: bool) -> TunedRouter:
+    """The tuned router in `partial` made the served one (or dropped when a newer global was
+    published meanwhile)."""
     if not _served(version):
         # A newer global was published while this one was tuned (and its router may be ready
         # already): this router would serve nothing, and retiring the others would retire that one.
@@ -226,7 +252,6 @@ def _tune_locked(
         seconds=round(tuned.seconds, 1), fine_tune_seconds=round(tuned.fine_tune_seconds, 1),
         device=tuned.device, **checks,
     )
-    retire_older(record)
     return record
 
 
@@ -243,12 +268,23 @@ def _failed(record: TunedRouter, exc: Exception, retune: bool) -> TunedRouter:
 
 def give_up_tuning(version_id: int, reason: str) -> TunedRouter | None:
     """The tuning of `version_id`'s router is not tried again (its worker died every time):
-    its row -> failed with `reason`, unless it is ready (None: no row)."""
+    its row -> failed with `reason` and what the killed runs left removed, unless it is ready,
+    or a tuning of it is running after all (it holds the lock: left to finish). None: no row."""
     record = TunedRouter.objects.filter(version_id=version_id).first()
     if record is None or record.state == TunedRouter.State.READY:
         return record
-    log.warning("tuning the router of version %s given up: %s", version_id, reason)
-    return _finish(record, TunedRouter.State.FAILED, reason)
+    with _tuning_lock(version_id) as held:
+        if not held:
+            return record
+        _remove_partials(record.version, None)
+        log.warning("tuning the router of version %s given up: %s", version_id, reason)
+        return _finish(record, TunedRouter.State.FAILED, reason)
+
+
+def _remove_partials(version: CompendiumVersion, routers: Path | None) -> None:
+    """Remove the unfinished folders of tunings of `version` (the caller holds its lock)."""
+    for stale in (routers or routers_dir()).glob(f"{_folder_prefix(version)}*.partial"):
+        shutil.rmtree(stale, ignore_errors=True)
 
 
 def _served(version: CompendiumVersion) -> bool:

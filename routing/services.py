@@ -131,8 +131,9 @@ def _current_version() -> tuple[CompendiumVersion | None, str]:
     """The published global and the folder of its ready tuned router ("" when there is none)."""
     global _published
     now = time.monotonic()
-    if _published is not None and now - _published[0] < version_ttl():
-        return _published[1], _published[2]
+    remembered = _published  # one read: another thread may forget it meanwhile
+    if remembered is not None and now - remembered[0] < version_ttl():
+        return remembered[1], remembered[2]
     version = published_global_version()
     directory = ""
     if version is not None:  # "nothing published" is not remembered: the first publish is seen

@@ -330,6 +330,12 @@ CELERY_WORKER_PREFETCH_MULTIPLIER = 1
 # A task whose worker dies (killed for memory) is delivered again; after this many deliveries it
 # gives up and fails its round (a tuning: its router) with that reason (workers.deliveries).
 SYNAPSE_TASK_MAX_DELIVERIES = int(os.environ.get("SYNAPSE_TASK_MAX_DELIVERIES", "3"))
+# With acks_late, Redis delivers a message again when its task has run longer than the
+# visibility timeout (kombu's default: an hour) although the first run goes on: longer than any
+# merge or tuning runs, so that a long one is not run twice meanwhile. (RabbitMQ has no such
+# timeout: a message waits for its worker's connection.)
+SYNAPSE_TASK_VISIBILITY_SECONDS = int(os.environ.get("SYNAPSE_TASK_VISIBILITY_SECONDS", "43200"))
+CELERY_BROKER_TRANSPORT_OPTIONS = {"visibility_timeout": SYNAPSE_TASK_VISIBILITY_SECONDS}
 CELERY_TASK_SERIALIZER = "json"
 CELERY_RESULT_SERIALIZER = "json"
 CELERY_ACCEPT_CONTENT = ["json"]
@@ -340,6 +346,8 @@ CELERY_BEAT_SCHEDULE = {
     "close-due-rounds": {
         "task": "synapse.close_due_rounds",
         "schedule": float(os.environ.get("SYNAPSE_DEADLINE_CHECK_SECONDS", "30")),
+        # a check no worker took before the next one is dropped, not run in a burst later
+        "options": {"expires": float(os.environ.get("SYNAPSE_DEADLINE_CHECK_SECONDS", "30"))},
     },
     # Rate-limit and sign-in failure counters older than a day (federation.ratelimit.prune).
     "prune-rate-counters": {"task": "synapse.prune_rate_counters", "schedule": 3600.0},

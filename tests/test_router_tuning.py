@@ -221,6 +221,58 @@ def test_a_forced_retune_serves_the_old_router_until_the_new_one_replaces_it(dat
     assert [p.name for p in Path(again.directory).parent.iterdir()] == [Path(again.directory).name]
 
 
+def test_a_failure_after_the_fine_tuning_leaves_the_row_failed_and_no_folder(data, settings,
+                                                                           monkeypatch):
+    """The database connection lost during minutes of tuning (here: the check that the global is
+    still served raising) left the row `running` for good, and a folder no row named."""
+    from django.db import OperationalError
+
+    from federation import tuning
+
+    _, version = _publish(data, 1)
+    served, calls = tuning._served, []
+
+    def lost_after_tuning(v):
+        calls.append(v.pk)
+        if len(calls) > 1:
+            raise OperationalError("server closed the connection unexpectedly")
+        return served(v)
+
+    monkeypatch.setattr(tuning, "_served", lost_after_tuning)
+    record = tune_published_router(version.pk, 1)
+    assert record.state == TunedRouter.State.FAILED and "OperationalError" in record.detail
+    assert TunedRouter.objects.get(pk=record.pk).state == TunedRouter.State.FAILED
+    routers = settings.DATA_DIR / "routers"
+    assert not routers.exists() or list(routers.iterdir()) == []
+
+
+def test_giving_up_a_tuning_removes_what_killed_runs_left_unless_one_still_runs(data, settings):
+    """A worker killed mid-tuning leaves a .partial folder (about 130 MB); giving up after the
+    last delivery left it for good, and failed the row even while a run still held the tuning."""
+    import psycopg
+    from django.db import connection
+
+    from federation import tuning
+
+    _, version = _publish(data, 1)
+    record = tuning.queue_tuning(version, 1)
+    leftover = settings.DATA_DIR / "routers" / f"{tuning._folder_prefix(version)}dead.partial"
+    leftover.mkdir(parents=True)
+    params = connection.get_connection_params()
+    params.pop("cursor_factory", None)
+    params.pop("context", None)
+    other = psycopg.connect(**params, autocommit=True)
+    try:
+        other.execute("SELECT pg_advisory_lock(%s, %s)", [tuning._TUNING_LOCK, version.pk])
+        running = tuning.give_up_tuning(version.pk, "worker lost 3 times")
+        assert running.state == record.state and leftover.is_dir()  # left to the running one
+    finally:
+        other.close()
+    given_up = tuning.give_up_tuning(version.pk, "worker lost 3 times")
+    assert given_up.state == TunedRouter.State.FAILED and given_up.detail == "worker lost 3 times"
+    assert not leftover.exists()
+
+
 def test_a_failed_tuning_is_recorded_and_routing_stays_frozen(data):
     one_tool = data["compendium"].scenarios[0].tool_id
     compendium = Compendium(
