@@ -367,7 +367,7 @@ def clipped_support(users: Sequence[str], per_user: float | None) -> int:
     most `per_user` of them (one user repeating a request 5,000 times is not 5,000 uses)."""
     if per_user is None:
         return len(users)
-    return int(sum(min(n, per_user) for n in Counter(users).values()))
+    return max(1, int(sum(min(n, per_user) for n in Counter(users).values())))
 
 
 def _within_limits(compendium: Compendium, schema: Schema, report: BuildReport) -> Compendium:
@@ -437,8 +437,8 @@ def build_compendium(
     mask = _MaskCache(masker)
     limits = schema.strings
 
-    # (tool, flags or corrected_to, text) -> the user of each record behind it: its length is
-    # the entry's support, its distinct values the users who asked (k-anonymous release)
+    # (tool, flags or corrected_to, text) -> the user of each record behind it: the entry's
+    # support (`clipped_support`), its distinct values the users who asked (k-anonymous release)
     scenario_users: dict[tuple, list[str]] = defaultdict(list)
     precaution_users: dict[tuple, list[str]] = defaultdict(list)
     # (tool, signature) -> body -> the user of each record that used it

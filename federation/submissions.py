@@ -378,7 +378,7 @@ def _rate_limited(limit: int, window: ratelimit.Window) -> RateLimited:
     )
 
 
-def registry_texts(compendium) -> list[Violation]:
+def _metadata_free_text(compendium) -> list[Violation]:
     """A client's metadata entry carries its statistics only: a description or spec there is
     free text that no masking check or scrub reads (the registry's are canonical, and the merge
     drops a client's), so it is refused rather than stored."""
@@ -588,7 +588,7 @@ def submit(
     schema = _schema_for(tuple(fingerprint))
 
     result = validate_compendium(body, schema)
-    violations = result.violations if not result.ok else registry_texts(result.compendium)
+    violations = result.violations if not result.ok else _metadata_free_text(result.compendium)
     if violations:
         _count_refusal(client)
         raise SubmissionInvalid(violations)
