@@ -38,6 +38,22 @@ def _publish(data, number=1, compendium=None):
     return publish_with_probe(data, number, compendium)
 
 
+def _holding_the_tuning_lock(version):
+    """Another database session (another process, as far as the server knows) holding the lock
+    of `version`'s tuning; closing it releases the lock, as a killed worker's session would."""
+    import psycopg
+    from django.db import connection
+
+    from federation import tuning
+
+    params = connection.get_connection_params()
+    params.pop("cursor_factory", None)
+    params.pop("context", None)
+    other = psycopg.connect(**params, autocommit=True)
+    other.execute("SELECT pg_advisory_lock(%s, %s)", [tuning._TUNING_LOCK, version.pk])
+    return other
+
+
 def test_publishing_tunes_the_router_and_the_routing_api_switches_to_it(data, settings):
     round_, version = _publish(data)
     before = services.route_query(data["queries"][0])
@@ -154,20 +170,14 @@ def test_a_second_tuning_of_the_same_router_does_not_start_while_one_runs(data, 
     lock): a tuning asked for meanwhile, by the worker's task or the command, does not start and
     says why, leaving the row alone; once that process is gone (its session ended, as when a
     worker is killed) the next one tunes."""
-    import psycopg
     from django.core.management.base import CommandError
-    from django.db import connection
 
     from federation import tuning
     from workers.tasks import tune_router_task
 
     _, version = _publish(data, 1)
-    params = connection.get_connection_params()
-    params.pop("cursor_factory", None)
-    params.pop("context", None)
-    other = psycopg.connect(**params, autocommit=True)
+    other = _holding_the_tuning_lock(version)
     try:
-        other.execute("SELECT pg_advisory_lock(%s, %s)", [tuning._TUNING_LOCK, version.pk])
         with pytest.raises(tuning.TuningBusy, match="being tuned by another process"):
             tune_published_router(version.pk, 1)
         assert not TunedRouter.objects.filter(version=version).exists()
@@ -249,21 +259,14 @@ def test_a_failure_after_the_fine_tuning_leaves_the_row_failed_and_no_folder(dat
 def test_giving_up_a_tuning_removes_what_killed_runs_left_unless_one_still_runs(data, settings):
     """A worker killed mid-tuning leaves a .partial folder (about 130 MB); giving up after the
     last delivery left it for good, and failed the row even while a run still held the tuning."""
-    import psycopg
-    from django.db import connection
-
     from federation import tuning
 
     _, version = _publish(data, 1)
     record = tuning.queue_tuning(version, 1)
     leftover = settings.DATA_DIR / "routers" / f"{tuning._folder_prefix(version)}dead.partial"
     leftover.mkdir(parents=True)
-    params = connection.get_connection_params()
-    params.pop("cursor_factory", None)
-    params.pop("context", None)
-    other = psycopg.connect(**params, autocommit=True)
+    other = _holding_the_tuning_lock(version)
     try:
-        other.execute("SELECT pg_advisory_lock(%s, %s)", [tuning._TUNING_LOCK, version.pk])
         running = tuning.give_up_tuning(version.pk, "worker lost 3 times")
         assert running.state == record.state and leftover.is_dir()  # left to the running one
     finally:
