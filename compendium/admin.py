@@ -65,8 +65,7 @@ class CompendiumVersionAdmin(ReadOnlyAdmin):
 
     @admin.display(description="content (canonical JSON, its head)")
     def content_preview(self, obj):
-        text = json.dumps(CompendiumVersion.objects.values_list("content", flat=True).get(pk=obj.pk),
-                          ensure_ascii=False)
+        text = json.dumps(obj.content, ensure_ascii=False)  # deferred in lists: loaded here
         more = f" … ({len(text) - CONTENT_PREVIEW_CHARS:,} more characters)" if len(
             text) > CONTENT_PREVIEW_CHARS else ""
         return format_html("<pre style='white-space: pre-wrap'>{}{}</pre>",

@@ -557,7 +557,6 @@ class LatencyRecorder:
         self._buffer: deque[RoutingCall] = deque(maxlen=maxlen)
         self._lock = threading.Lock()
         self._flusher: threading.Thread | None = None
-        self._wake = threading.Event()
         self.background = True  # the tests flush explicitly, inside their transactions
 
     def record(self, latency_ms: float, queries: int, reranker: str, round_number: int | None,
@@ -590,8 +589,7 @@ class LatencyRecorder:
 
     def _flush_loop(self) -> None:
         while True:
-            self._wake.wait(self.flush_seconds)
-            self._wake.clear()
+            time.sleep(self.flush_seconds)
             if self._buffer:
                 self.flush()
                 connection.close()  # this thread's own connection: not held between flushes
