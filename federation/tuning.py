@@ -81,6 +81,7 @@ def _finish(record: TunedRouter, state: str, detail: str = "", **fields) -> Tune
     record.state = state
     record.detail = detail[:2000]
     record.finished_at = timezone.now()
+    record.requeues = 0
     for name, value in fields.items():
         setattr(record, name, value)
     record.save()
@@ -90,15 +91,64 @@ def _finish(record: TunedRouter, state: str, detail: str = "", **fields) -> Tune
 def queue_tuning(version: CompendiumVersion, epochs: int) -> TunedRouter:
     """The version's TunedRouter row, (re)set to `queued` unless it is ready or running."""
     record, created = TunedRouter.objects.get_or_create(
-        version=version, defaults={"epochs": epochs}
+        version=version, defaults={"epochs": epochs, "queued_at": timezone.now()}
     )
     if not created and record.state not in (TunedRouter.State.READY, TunedRouter.State.RUNNING):
         record.state = TunedRouter.State.QUEUED
         record.epochs = epochs
         record.detail = ""
+        record.queued_at = timezone.now()
         record.finished_at = None
         record.save()
     return record
+
+
+def requeue_lost_tuning(after_seconds: float) -> TunedRouter | None:
+    """The served global's tuning, to queue again when its message was lost: a row `queued` for
+    more than `after_seconds` (the broker was down when the global was published, or lost the
+    message), a row `running` while no process holds its lock (its worker died, and Redis would
+    deliver the message again only after its visibility timeout) or no row at all while tuning is
+    on (it was turned on after the publication). The row is set back to `queued` now, so that it
+    is not queued again at every check while its task waits; the caller queues the task. None:
+    nothing to queue (tuning off, no published global, its tuning recent, running, or done: a
+    failed one is retried by `manage.py tune_router`), or given up: queued again
+    SYNAPSE_TASK_MAX_DELIVERIES times since it last finished, it fails saying so. A message that
+    was only slow is harmless to queue twice: the second run finds the router ready, or the
+    tuning busy."""
+    epochs = tune_epochs()
+    version = published_global_version()
+    if epochs < 1 or version is None:
+        return None
+    record = TunedRouter.objects.filter(version=version).first()
+    if record is None:
+        return queue_tuning(version, epochs)
+    if record.state not in (TunedRouter.State.QUEUED, TunedRouter.State.RUNNING):
+        return None
+    since = record.queued_at or record.created_at
+    if (timezone.now() - since).total_seconds() < after_seconds:
+        return None
+    with _tuning_lock(version.pk) as held:
+        if not held:  # a tuning of it runs
+            return None
+        record.refresh_from_db()
+        if record.state not in (TunedRouter.State.QUEUED, TunedRouter.State.RUNNING):
+            return None  # it finished between the two reads
+        _remove_partials(version, None)  # what a dead run left (this process holds the lock)
+        lost = f"its task was lost ({record.state} since {since:%Y-%m-%d %H:%M:%S %Z})"
+        if record.requeues >= settings.SYNAPSE_TASK_MAX_DELIVERIES:
+            log.warning("the tuning of round %s's router is given up: %s", version.round.number, lost)
+            _finish(record, TunedRouter.State.FAILED,
+                    f"{lost} after being queued again {record.requeues} times; "
+                    "manage.py tune_router tries again")
+            return None
+        log.warning("the tuning of round %s's router is queued again: %s", version.round.number,
+                    lost)
+        record.state = TunedRouter.State.QUEUED
+        record.epochs = epochs
+        record.queued_at = timezone.now()
+        record.requeues += 1
+        record.save(update_fields=["state", "epochs", "queued_at", "requeues"])
+        return record
 
 
 def tune_published_router(

@@ -76,6 +76,12 @@ class TunedRouter(models.Model):
     frozen_probe_accuracy = models.FloatField(null=True)  # the frozen router's, same half
     detail = models.TextField(blank=True)  # why it failed or was skipped
     created_at = models.DateTimeField(auto_now_add=True)
+    # when its task was last queued (a lost message is queued again an hour later:
+    # federation.tuning.requeue_lost_tuning); null for rows queued before the field
+    queued_at = models.DateTimeField(null=True)
+    # times that check queued it again since it last finished (past SYNAPSE_TASK_MAX_DELIVERIES
+    # it fails instead: a tuning that kills its worker is not queued again every hour)
+    requeues = models.PositiveSmallIntegerField(default=0)
     finished_at = models.DateTimeField(null=True)
 
     class Meta:

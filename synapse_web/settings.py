@@ -252,6 +252,11 @@ SYNAPSE_ROUTER_TUNE_EPOCHS = int(
     os.environ.get("SYNAPSE_ROUTER_TUNE_EPOCHS", "1" if os.environ.get("CELERY_BROKER_URL") else "0")
 )
 SYNAPSE_ROUTER_TUNE_QUEUE = os.environ.get("SYNAPSE_ROUTER_TUNE_QUEUE", "")
+# The served global's tuning still queued after this long (its message lost: the broker was down
+# at the publication), or `running` with no process holding it (its worker died), is queued
+# again by Celery beat's check (synapse.requeue_lost_tuning, every SYNAPSE_TUNING_CHECK_SECONDS).
+SYNAPSE_TUNING_REQUEUE_SECONDS = float(os.environ.get("SYNAPSE_TUNING_REQUEUE_SECONDS", "3600"))
+SYNAPSE_TUNING_CHECK_SECONDS = float(os.environ.get("SYNAPSE_TUNING_CHECK_SECONDS", "600"))
 SYNAPSE_MAX_QUERY_CHARS = int(os.environ.get("SYNAPSE_MAX_QUERY_CHARS", "2000"))
 SYNAPSE_MAX_ROUTE_BATCH = int(os.environ.get("SYNAPSE_MAX_ROUTE_BATCH", "1000"))
 # A routing batch with `reranker: llm` spends at most this long on LLM calls; the rest of the
@@ -348,6 +353,12 @@ CELERY_BEAT_SCHEDULE = {
         "schedule": float(os.environ.get("SYNAPSE_DEADLINE_CHECK_SECONDS", "30")),
         # a check no worker took before the next one is dropped, not run in a burst later
         "options": {"expires": float(os.environ.get("SYNAPSE_DEADLINE_CHECK_SECONDS", "30"))},
+    },
+    # The served global's tuning whose message was lost, queued again (federation.tuning).
+    "requeue-lost-tuning": {
+        "task": "synapse.requeue_lost_tuning",
+        "schedule": SYNAPSE_TUNING_CHECK_SECONDS,
+        "options": {"expires": SYNAPSE_TUNING_CHECK_SECONDS},
     },
     # Rate-limit and sign-in failure counters older than a day (federation.ratelimit.prune).
     "prune-rate-counters": {"task": "synapse.prune_rate_counters", "schedule": 3600.0},

@@ -276,6 +276,74 @@ def test_giving_up_a_tuning_removes_what_killed_runs_left_unless_one_still_runs(
     assert not leftover.exists()
 
 
+def test_a_lost_tuning_is_queued_again_by_the_beat_check_and_given_up_after_the_limit(data, settings):
+    """A tuning whose message was lost (the broker down at the publication: the row stayed
+    `queued` for good) or whose worker died mid-run (`running`, no lock held) was never tried
+    again; the routing page said 'being tuned' forever."""
+    from datetime import timedelta
+
+    from django.utils import timezone
+
+    from federation import tuning
+    from workers.tasks import requeue_lost_tuning_task
+
+    settings.SYNAPSE_ROUTER_TUNE_EPOCHS = 1
+    settings.SYNAPSE_TASK_MAX_DELIVERIES = 2
+    _, version = _publish(data, 1)
+    record = tuning.queue_tuning(version, 1)
+    assert record.queued_at is not None and record.requeues == 0
+    assert tuning.requeue_lost_tuning(3600) is None  # queued a moment ago: its task may wait
+
+    an_hour_ago = timezone.now() - timedelta(seconds=3601)
+    TunedRouter.objects.filter(pk=record.pk).update(queued_at=an_hour_ago)
+    other = _holding_the_tuning_lock(version)
+    try:
+        assert tuning.requeue_lost_tuning(3600) is None  # a process is tuning it after all
+    finally:
+        other.close()
+    again = tuning.requeue_lost_tuning(3600)
+    assert again.state == TunedRouter.State.QUEUED and again.requeues == 1
+    assert again.queued_at > an_hour_ago
+    assert tuning.requeue_lost_tuning(3600) is None  # not queued again at every check
+
+    # A worker that died mid-run: `running`, nobody holding the lock, its partial folder left.
+    TunedRouter.objects.filter(pk=record.pk).update(state=TunedRouter.State.RUNNING,
+                                                    queued_at=an_hour_ago)
+    leftover = settings.DATA_DIR / "routers" / f"{tuning._folder_prefix(version)}dead.partial"
+    leftover.mkdir(parents=True)
+    again = tuning.requeue_lost_tuning(3600)
+    assert again.state == TunedRouter.State.QUEUED and again.requeues == 2
+    assert not leftover.exists()
+
+    # Past SYNAPSE_TASK_MAX_DELIVERIES requeues it fails, saying why, instead of every hour.
+    TunedRouter.objects.filter(pk=record.pk).update(queued_at=an_hour_ago)
+    assert tuning.requeue_lost_tuning(3600) is None
+    record.refresh_from_db()
+    assert record.state == TunedRouter.State.FAILED and "queued again 2 times" in record.detail
+    assert "its task was lost (queued since" in record.detail
+    assert tuning.requeue_lost_tuning(0) is None  # failed: left to manage.py tune_router
+
+    # The beat task queues the tuning (eager here) and it runs: ready, its count reset.
+    TunedRouter.objects.filter(pk=record.pk).update(state=TunedRouter.State.QUEUED,
+                                                    queued_at=an_hour_ago, requeues=0)
+    assert requeue_lost_tuning_task.delay().get() == version.pk
+    record.refresh_from_db()
+    assert record.state == TunedRouter.State.READY and record.requeues == 0, record.detail
+    assert requeue_lost_tuning_task.delay().get() is None  # ready: nothing to do
+
+
+def test_the_beat_check_tunes_the_served_global_when_tuning_was_turned_on_after_it(data, settings):
+    from federation import tuning
+
+    settings.SYNAPSE_ROUTER_TUNE_EPOCHS = 0
+    _, first = _publish(data, 1)
+    assert tuning.requeue_lost_tuning(0) is None  # tuning off: nothing
+    settings.SYNAPSE_ROUTER_TUNE_EPOCHS = 2
+    queued = tuning.requeue_lost_tuning(3600)  # no row at all: queued at once
+    assert queued.version_id == first.pk and queued.state == TunedRouter.State.QUEUED
+    assert queued.epochs == 2 and queued.requeues == 0
+
+
 def test_a_failed_tuning_is_recorded_and_routing_stays_frozen(data):
     one_tool = data["compendium"].scenarios[0].tool_id
     compendium = Compendium(

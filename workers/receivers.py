@@ -19,14 +19,11 @@ def start_pipeline_on_close(sender, round, **kwargs):
 def tune_router_on_publish(sender, round, version, **kwargs):
     """Queue the tuning of the routing encoder on the new global when SYNAPSE_ROUTER_TUNE_EPOCHS
     > 0, on SYNAPSE_ROUTER_TUNE_QUEUE (docker-compose: the GPU worker's)."""
-    from django.conf import settings
-
     from federation.tuning import queue_tuning, tune_epochs
-    from workers.tasks import tune_router_task
+    from workers.tasks import send_tuning
 
     epochs = tune_epochs()
     if epochs < 1:
         return None
-    queue_tuning(version, epochs)
-    queue = getattr(settings, "SYNAPSE_ROUTER_TUNE_QUEUE", "") or None
-    return tune_router_task.apply_async((version.pk, epochs), queue=queue)
+    # A broker down now leaves the row queued: synapse.requeue_lost_tuning queues it again.
+    return send_tuning(queue_tuning(version, epochs))

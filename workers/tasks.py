@@ -127,6 +127,29 @@ def tune_router_task(self, version_id: int, epochs: int) -> dict:
             "probe_accuracy": record.probe_accuracy}
 
 
+def send_tuning(record):
+    """Queue the tuning task of a TunedRouter row on SYNAPSE_ROUTER_TUNE_QUEUE."""
+    from django.conf import settings
+
+    queue = getattr(settings, "SYNAPSE_ROUTER_TUNE_QUEUE", "") or None
+    return tune_router_task.apply_async((record.version_id, record.epochs), queue=queue)
+
+
+@shared_task(name="synapse.requeue_lost_tuning")
+def requeue_lost_tuning_task() -> int | None:
+    """Celery beat's check for a lost tuning of the served global's router (its message lost, its
+    worker dead): queued again (federation.tuning.requeue_lost_tuning). Returns its version."""
+    from django.conf import settings
+
+    from federation.tuning import requeue_lost_tuning
+
+    record = requeue_lost_tuning(settings.SYNAPSE_TUNING_REQUEUE_SECONDS)
+    if record is None:
+        return None
+    send_tuning(record)
+    return record.version_id
+
+
 @shared_task(name="synapse.close_due_rounds")
 def close_due_rounds_task() -> list[int]:
     """Celery beat's every-minute check: close the open round whose deadline has come."""
