@@ -36,7 +36,7 @@ class _RoutingView(APIView):
             return Response(self.route(body))
         except services.RoutingInputError as exc:
             return Response({"detail": str(exc)}, status=status.HTTP_400_BAD_REQUEST)
-        except services.NothingPublished as exc:
+        except services.RoutingUnavailable as exc:
             return Response({"detail": str(exc)}, status=status.HTTP_503_SERVICE_UNAVAILABLE)
 
 

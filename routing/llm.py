@@ -120,7 +120,11 @@ class OpenAICompatibleLLM:
         retries: int = 2,
         backoff: float = 0.2,
         temperature: float = 0.0,
+        pause: float = 0.0,
     ):
+        """`pause`: seconds during which an endpoint found down (every attempt of a request
+        failed to connect, timed out or answered 429/5xx) is not asked again: the callers fall
+        back at once, instead of each waiting through its own timeouts and retries."""
         self.base_url = base_url.rstrip("/")
         if not self.base_url.endswith("/v1"):
             self.base_url += "/v1"
@@ -129,6 +133,9 @@ class OpenAICompatibleLLM:
         self.retries = retries
         self.backoff = backoff
         self.temperature = temperature
+        self.pause = pause
+        self._down: tuple[float, str] | None = None  # (until when, why) on `_clock`
+        self._clock = time.monotonic
         headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self._client = httpx.Client(timeout=timeout, headers=headers)
         # Why the endpoint refused `response_format` (then never sent again), or "" while it
@@ -177,7 +184,11 @@ class OpenAICompatibleLLM:
 
     def _post(self, url: str, body: dict) -> httpx.Response:
         """The server's response, retried with backoff on timeouts, connection errors, 429 and
-        5xx; LLMUnavailable when every attempt failed so."""
+        5xx; LLMUnavailable when every attempt failed so (and, for `pause` seconds after,
+        without asking), or when the answer cannot be read."""
+        down, now = self._down, self._clock()
+        if down is not None and now < down[0]:
+            raise LLMUnavailable(f"{down[1]}; not asked again for {down[0] - now:.0f} s")
         last = ""
         for attempt in range(self.retries + 1):
             if attempt:
@@ -190,14 +201,22 @@ class OpenAICompatibleLLM:
             except httpx.TransportError as exc:
                 last = f"cannot connect ({exc.__class__.__name__})"
                 continue
+            except (httpx.HTTPError, httpx.InvalidURL) as exc:  # a body that does not decode
+                raise LLMUnavailable(
+                    f"LLM endpoint {url} answered unreadably: {exc.__class__.__name__}: {exc}"
+                ) from None
             if response.status_code == 429 or response.status_code >= 500:
                 last = f"HTTP {response.status_code}"
                 continue
+            self._down = None
             return response
-        raise LLMUnavailable(
+        reason = (
             f"LLM endpoint {url} is down: {last} after {self.retries + 1} attempts; "
             "check SYNAPSE_LLM_BASE_URL or unset it to route without an LLM"
         )
+        if self.pause > 0:
+            self._down = (self._clock() + self.pause, reason)
+        raise LLMUnavailable(reason)
 
 
 def smollm2_gguf_path() -> str:
@@ -301,7 +320,9 @@ def get_llm(
     model = model if model is not None else os.environ.get("SYNAPSE_LLM_MODEL", "")
     api_key = api_key if api_key is not None else os.environ.get("SYNAPSE_LLM_API_KEY", "")
     if base_url:
-        return OpenAICompatibleLLM(base_url, model, api_key)
+        # An endpoint found down is not asked again for SYNAPSE_LLM_PAUSE_SECONDS (30).
+        pause = float(os.environ.get("SYNAPSE_LLM_PAUSE_SECONDS", "30") or 0)
+        return OpenAICompatibleLLM(base_url, model, api_key, pause=pause)
     gguf = os.environ.get("SYNAPSE_LLM_GGUF", "")
     if gguf:
         return LlamaCppLLM(smollm2_gguf_path() if gguf == "smollm2" else gguf)

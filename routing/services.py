@@ -40,8 +40,17 @@ from routing.router import (
 )
 
 
-class NothingPublished(Exception):
+class RoutingUnavailable(Exception):
+    """The routing API cannot route now (503), saying why."""
+
+
+class NothingPublished(RoutingUnavailable):
     """No global compendium has been published yet."""
+
+
+class RouterBuildFailed(RoutingUnavailable):
+    """The published global's router could not be built, and no router was served before it
+    (or the one served before is of a global that no longer exists: an erasure deleted it)."""
 
 
 class RoutingInputError(ValueError):
@@ -259,6 +268,21 @@ class ServedCompendium:
 
 _served: dict[tuple[int, str, str], ServedCompendium] = {}
 _served_lock = threading.Lock()
+# The last build that failed: (key, when, why, whether the router served before may go on).
+_failed: tuple[tuple[int, str, str], float, str, bool] | None = None
+
+
+def forget_served() -> None:
+    """Drop this process's router and the memory of a failed build: the next request builds."""
+    global _failed
+    with _served_lock:
+        _served.clear()
+        _failed = None
+
+
+def rebuild_seconds() -> float:
+    """SYNAPSE_ROUTING_REBUILD_SECONDS: how long after a failed build the next one is tried."""
+    return float(getattr(settings, "SYNAPSE_ROUTING_REBUILD_SECONDS", 30))
 
 
 def routing_params(head: LinearHead | None = None) -> RoutingParams:
@@ -443,18 +467,65 @@ def served_compendium() -> ServedCompendium:
     # A switch (a new global, or its tuned router becoming ready) loads a model and embeds or
     # reads the global: one request builds it while the others go on with the one served so far
     # (as stale as the version TTL already allows); only the very first build is waited for.
-    previous = next(iter(_served.values()), None)
+    previous = next(iter(tuple(_served.values())), None)
+    if _recently_failed(key):
+        return _instead_of_failed(version, previous)
     if not _served_lock.acquire(blocking=previous is None):
         return previous
     try:
         served = _served.get(key)
         if served is None:
-            served = build_served(version, tuned_directory)
+            if _recently_failed(key):  # it failed while this request waited for the lock
+                return _instead_of_failed(version, previous)
+            served = _build(key, version, tuned_directory, previous)
+            if served is previous:
+                return _instead_of_failed(version, previous)
             _served.clear()  # only the current version is kept
             _served[key] = served
     finally:
         _served_lock.release()
     return served
+
+
+def _recently_failed(key) -> bool:
+    failed = _failed
+    return failed is not None and failed[0] == key and time.monotonic() - failed[1] < rebuild_seconds()
+
+
+def _build(key, version: CompendiumVersion, tuned_directory: str, previous):
+    """`build_served`, or `previous` when it fails (remembered in `_failed`: the next build is
+    tried SYNAPSE_ROUTING_REBUILD_SECONDS later, not by every request meanwhile)."""
+    global _failed
+    try:
+        served = build_served(version, tuned_directory)
+    except Exception as exc:
+        reason = f"{exc.__class__.__name__}: {exc}"
+        logging.getLogger(__name__).exception(
+            "building the router of round %s failed; tried again in %.0f s",
+            version.round.number, rebuild_seconds(),
+        )
+        # The router served before goes on only while its global exists (not after an erasure
+        # deleted it: it would route with an erased client's scenarios).
+        alive = previous is not None and CompendiumVersion.objects.filter(
+            pk=previous.version_id
+        ).exists()
+        _failed = (key, time.monotonic(), reason, alive)
+        return previous
+    _failed = None
+    return served
+
+
+def _instead_of_failed(version: CompendiumVersion, previous):
+    """What a request gets while the build of `version`'s router is failing: the router served
+    before (when its global still exists), else RouterBuildFailed saying why."""
+    failed = _failed
+    if previous is not None and failed is not None and failed[3]:
+        return previous
+    reason = failed[2] if failed is not None else "unknown error"
+    raise RouterBuildFailed(
+        f"the router of round {version.round.number}'s global could not be built ({reason}); "
+        f"it is tried again within {rebuild_seconds():.0f} s"
+    )
 
 
 def warm_up() -> bool:

@@ -242,6 +242,10 @@ SYNAPSE_ROUTING_AUTHENTICATION = [
 
 # --- routing ------------------------------------------------------------------------------------
 SYNAPSE_ROUTING_RERANKER = os.environ.get("SYNAPSE_ROUTING_RERANKER", "fusion")  # fusion|none|llm
+if SYNAPSE_ROUTING_RERANKER not in ("fusion", "none", "llm"):  # routing.router.RERANKERS
+    raise ImproperlyConfigured(
+        f"SYNAPSE_ROUTING_RERANKER={SYNAPSE_ROUTING_RERANKER!r}: choose fusion, none or llm"
+    )
 SYNAPSE_ROUTING_PARAMS = os.environ.get("SYNAPSE_ROUTING_PARAMS", "")  # "" = routing/default_params.json
 # The tuned router (federation.tuning): after each publish, fine-tune the routing encoder on the
 # global for this many epochs (0: off; about 7 minutes per epoch on one CPU core at MetaTool's
@@ -262,6 +266,9 @@ SYNAPSE_MAX_ROUTE_BATCH = int(os.environ.get("SYNAPSE_MAX_ROUTE_BATCH", "1000"))
 # A routing batch with `reranker: llm` spends at most this long on LLM calls; the rest of the
 # batch, and all of it once the LLM was found down, falls back to fusion, saying why.
 SYNAPSE_LLM_BATCH_SECONDS = float(os.environ.get("SYNAPSE_LLM_BATCH_SECONDS", "30"))
+# Seconds after a failed build of the served router (logged) before a request tries again;
+# meanwhile the router served before answers, or the routing API a 503 saying why.
+SYNAPSE_ROUTING_REBUILD_SECONDS = float(os.environ.get("SYNAPSE_ROUTING_REBUILD_SECONDS", "30"))
 # Seconds a process keeps the published version before asking the database again.
 SYNAPSE_ROUTING_VERSION_TTL = float(os.environ.get("SYNAPSE_ROUTING_VERSION_TTL", "2"))
 # Retrieval of the routing API: memory (exact, over the served version's embeddings loaded from

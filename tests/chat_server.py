@@ -21,6 +21,8 @@ class ChatServer:
         self.refuse_response_format = refuse_response_format
         self.refuse_all = refuse_all  # every request refused with HTTP 400 (a prompt too long)
         self.requests: list[dict] = []
+        self.status: int | None = None  # every request answered with this HTTP status (503)
+        self.garbled = False  # answers say they are gzip and are not (a broken proxy)
         owner = self
 
         class Handler(BaseHTTPRequestHandler):
@@ -29,6 +31,11 @@ class ChatServer:
                 owner.requests.append({"path": self.path, "body": body, "auth": self.headers.get("Authorization")})
                 if self.path != "/v1/chat/completions":
                     self.send_response(404)
+                    self.end_headers()
+                    return
+                if owner.status is not None:
+                    self.send_response(owner.status)
+                    self.send_header("Content-Length", "0")
                     self.end_headers()
                     return
                 if owner.refuse_all or (owner.refuse_response_format and "response_format" in body):
@@ -46,6 +53,8 @@ class ChatServer:
                 ).encode()
                 self.send_response(200)
                 self.send_header("Content-Type", "application/json")
+                if owner.garbled:
+                    self.send_header("Content-Encoding", "gzip")
                 self.send_header("Content-Length", str(len(payload)))
                 self.end_headers()
                 self.wfile.write(payload)

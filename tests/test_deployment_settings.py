@@ -206,9 +206,11 @@ def test_sign_in_throttle_settings_come_from_the_environment():
     [
         ({"SYNAPSE_LOGIN_FAILURES_PER_IP": "-1"}, "SYNAPSE_LOGIN_FAILURES_PER_IP"),
         ({"SYNAPSE_LOGIN_FAILURE_WINDOW_SECONDS": "0"}, "SYNAPSE_LOGIN_FAILURE_WINDOW_SECONDS"),
+        # answered 500 to every routing request that named no reranker
+        ({"SYNAPSE_ROUTING_RERANKER": "Fusion"}, "SYNAPSE_ROUTING_RERANKER='Fusion'"),
     ],
 )
-def test_a_bad_throttle_setting_stops_with_one_line(env, named):
+def test_a_bad_setting_stops_with_one_line(env, named):
     proc = check_deploy(**PRODUCTION, **env)
     assert proc.returncode == 2
     lines = [line for line in proc.stderr.splitlines() if line.strip()]

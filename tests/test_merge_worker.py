@@ -231,10 +231,10 @@ def test_a_published_global_has_its_router_tuned_by_a_worker_task(worker):
     record = TunedRouter.objects.get(version=glob)
     assert record.state == TunedRouter.State.READY and Path(record.directory).is_dir()
     routing_services.forget_published_version()
-    routing_services._served.clear()
+    routing_services.forget_served()
     served = routing_services.served_compendium()
     assert served.tuned and served.routers["fusion"].engine.model_name == record.directory
-    routing_services._served.clear()
+    routing_services.forget_served()
 
 
 def test_beat_closes_a_round_at_its_deadline_and_the_worker_publishes_it(worker, tmp_path):

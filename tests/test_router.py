@@ -245,6 +245,43 @@ def test_llm_endpoint_down_is_one_line_and_falls_back(engine):
     assert "is down" in decision.fallback_reason and "\n" not in decision.fallback_reason
 
 
+def test_an_endpoint_found_down_is_not_asked_again_for_a_pause_and_a_garbled_answer_falls_back(engine):
+    """Each routing request waited through its own timeouts and retries against an endpoint
+    already found down (16 such requests held every gunicorn thread); an answer that did not
+    decode (Content-Encoding: gzip over a plain body) was a 500, not a fallback."""
+    server = ChatServer(default="1")
+    try:
+        llm = OpenAICompatibleLLM(server.url, retries=1, backoff=0.0, pause=30)
+        clock = [100.0]
+        llm._clock = lambda: clock[0]
+        server.status = 503
+        with pytest.raises(LLMUnavailable, match="is down: HTTP 503 after 2 attempts"):
+            llm.complete("Which option?")
+        assert len(server.requests) == 2
+        router = Router(_currency_compendium(False), engine, "llm", params=RoutingParams(), llm=llm)
+        decision = router.route("Convert 100 US dollars into euros")
+        assert decision.tool == "fx" and "not asked again for 30 s" in decision.fallback_reason
+        assert len(server.requests) == 2  # not asked
+        server.status = None
+        clock[0] += 31
+        assert llm.complete("Which option?") == "1" and len(server.requests) == 3
+        server.status = 503
+        clock[0] += 1
+        with pytest.raises(LLMUnavailable, match="after 2 attempts"):  # found down again
+            llm.complete("Which option?")
+
+        server.status, server.garbled = None, True
+        garbled = OpenAICompatibleLLM(server.url, retries=0)
+        with pytest.raises(LLMUnavailable, match="answered unreadably: DecodingError"):
+            garbled.complete("Which option?")
+        router = Router(_currency_compendium(False), engine, "llm", params=RoutingParams(),
+                        llm=garbled)
+        decision = router.route("Convert 100 US dollars into euros")
+        assert decision.tool == "fx" and "unreadably" in decision.fallback_reason
+    finally:
+        server.close()
+
+
 def test_parse_choice():
     assert parse_choice("2", 3).index == 1
     assert parse_choice("Option 3.", 3).index == 2

@@ -29,10 +29,10 @@ def _fresh(settings, tmp_path):
     settings.DATA_DIR = tmp_path / "server"
     settings.SYNAPSE_ROUTER_TUNE_EPOCHS = 0  # tuned by hand below
     services.forget_published_version()
-    services._served.clear()
+    services.forget_served()
     yield
     services.forget_published_version()
-    services._served.clear()
+    services.forget_served()
 
 
 @pytest.fixture(scope="module")
@@ -103,7 +103,7 @@ def test_pull_router_and_route_as_the_server_does(
     assert rows_digest(pulled) == manifest["rows_sha256"]  # the saved vectors fit the pulled copy
 
     # The client ranks exactly as the routing API does with the tuned router.
-    services._served.clear()
+    services.forget_served()
     for query in data["queries"]:
         mine = _route_json(out, query, capsys)
         theirs = services.route_query(query)

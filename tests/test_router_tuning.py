@@ -23,9 +23,9 @@ pytestmark = [pytest.mark.slow, pytest.mark.django_db]
 def _fresh(settings, tmp_path):
     settings.DATA_DIR = tmp_path
     services.forget_published_version()
-    services._served.clear()
+    services.forget_served()
     yield
-    services._served.clear()
+    services.forget_served()
 
 
 @pytest.fixture(scope="module")
@@ -114,7 +114,7 @@ def test_publishing_tunes_the_router_and_the_routing_api_switches_to_it(data, se
     for path in sorted(folder.rglob("*"), reverse=True):
         path.unlink() if path.is_file() else path.rmdir()
     folder.rmdir()
-    services._served.clear()
+    services.forget_served()
     assert services.route_query(data["queries"][1])["tuned_router"] is False
 
 

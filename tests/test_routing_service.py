@@ -123,7 +123,7 @@ def test_a_global_without_a_stored_head_routes_without_one(data):
     with_head = services.route_query(data["queries"][0])
     # Published before heads existed (or the head is of other scenarios): served without it.
     CompendiumVersion.objects.filter(pk=version.pk).update(routing_head=None)
-    services._served.clear()  # a version's build is kept for as long as it is served
+    services.forget_served()  # a version's build is kept for as long as it is served
     assert services.served_compendium().routers["fusion"].head is None
     plain = services.route_query(data["queries"][0])
     assert plain["tool"] and plain["candidates"] == with_head["candidates"]
@@ -179,7 +179,7 @@ def test_publication_fits_the_weights_and_tools_without_scenarios_stay_routable(
     own = tmp_path / "params.json"
     RoutingParams().save(own)
     settings.SYNAPSE_ROUTING_PARAMS = str(own)
-    services._served.clear()
+    services.forget_served()
     assert services.served_compendium().routers["fusion"].params.weights == RoutingParams().weights
     assert pulled_router(partial, head_path=head_path, params_path=str(own)).params.weights == (
         RoutingParams().weights
@@ -230,6 +230,60 @@ def test_a_switch_is_built_by_one_request_while_the_others_keep_routing(data, mo
     assert services.served_compendium() is built[0]
 
 
+def test_a_router_that_cannot_be_built_is_tried_again_later_not_by_every_request(
+    data, monkeypatch, settings
+):
+    """A build that kept failing (a stored head that does not load, a model of another dimension)
+    answered 500 to every request, each of them building again for seconds."""
+    settings.SYNAPSE_ROUTING_REBUILD_SECONDS = 3600
+    services.forget_served()
+    _publish(data, number=1, with_client_copy=False)
+    real_build, builds = services.build_served, []
+
+    def broken(version, tuned_directory=""):
+        builds.append(version.pk)
+        raise ValueError("the stored routing head does not load")
+
+    monkeypatch.setattr(services, "build_served", broken)
+    # No router served before: a 503 naming why, and the build is not tried by the next request.
+    for _ in range(2):
+        with pytest.raises(services.RouterBuildFailed, match="does not load.*tried again within 3600 s"):
+            services.served_compendium()
+    assert len(builds) == 1
+    _, raw = RoutingToken.issue("app")
+    answer = _post(HttpClient(), "/api/v1/route/", {"query": data["queries"][0]}, raw)
+    assert answer.status_code == 503 and "could not be built" in answer.json()["detail"]
+
+    # Once it builds again, a failing switch to round 2 keeps serving round 1's router.
+    monkeypatch.setattr(services, "build_served", real_build)
+    services.forget_served()
+    first = services.served_compendium()
+    second = _publish(data, number=2, with_client_copy=False)
+    services.forget_published_version()
+    monkeypatch.setattr(services, "build_served", broken)
+    assert services.served_compendium() is first and services.served_compendium() is first
+    assert builds[-1] == second.pk and builds.count(second.pk) == 1
+
+    # ... unless round 1's global is gone (an erasure deleted it): then it is a 503, not routing
+    # with an erased client's scenarios.
+    services.forget_served()
+    monkeypatch.setattr(services, "build_served", real_build)
+    services.forget_published_version()
+    CompendiumVersion.objects.filter(pk=second.pk).delete()  # round 1 served again
+    stale = services.served_compendium()
+    assert stale.version_id == first.version_id
+    CompendiumVersion.objects.filter(pk=first.version_id).delete()
+    third = _publish(data, number=3, with_client_copy=False)
+    services.forget_published_version()
+    monkeypatch.setattr(services, "build_served", broken)
+    with pytest.raises(services.RouterBuildFailed):
+        services.served_compendium()
+    # After SYNAPSE_ROUTING_REBUILD_SECONDS it is built again.
+    settings.SYNAPSE_ROUTING_REBUILD_SECONDS = 0
+    monkeypatch.setattr(services, "build_served", real_build)
+    assert services.served_compendium().version_id == third.pk
+
+
 @pytest.mark.django_db(transaction=True)  # the warm-up thread has its own connection
 def test_a_worker_warms_its_router_before_the_first_request(data):
     """gunicorn.conf.py starts routing.services.warm_up in a thread of each new worker."""
@@ -245,7 +299,7 @@ def test_a_worker_warms_its_router_before_the_first_request(data):
         thread.start()
         thread.join(120)
 
-    services._served.clear()  # what earlier tests built in this process
+    services.forget_served()  # what earlier tests built in this process
     in_a_thread()
     assert results == [False] and not services._served  # nothing published: nothing to warm
     _publish(data, number=1, with_client_copy=False)
@@ -410,7 +464,7 @@ def test_an_llm_batch_stops_calling_a_down_llm(data, api, monkeypatch):
 
     up = _CountingLLM()
     monkeypatch.setattr(services, "served_llm", lambda: up)
-    services._served.clear()
+    services.forget_served()
     batch = _post(http, "/api/v1/route/batch/", {"queries": queries, "reranker": "llm"}, raw).json()
     assert up.calls == len(queries) and {r["reranker"] for r in batch["results"]} == {"llm"}
 

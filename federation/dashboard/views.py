@@ -56,7 +56,7 @@ from federation.services import (
     update_settings,
     user_tokens,
 )
-from routing.services import NothingPublished, RoutingInputError, route_query
+from routing.services import RoutingInputError, RoutingUnavailable, route_query
 
 
 class OverviewView(DashboardView):
@@ -762,7 +762,7 @@ class RoutingView(DashboardView):
         except RoutingInputError as error:
             context["error"] = str(error)
             return self.render_to_response(context, status=400)
-        except NothingPublished as error:
+        except RoutingUnavailable as error:
             context["error"] = str(error) or "no global compendium is published yet"
             return self.render_to_response(context, status=503)
         return self.render_to_response(context)
