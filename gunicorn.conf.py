@@ -6,7 +6,12 @@ published global (about 4 seconds on 2 cores); a request that comes before it is
 the same build.
 """
 
+import os
 import threading
+
+# Each routing request's query vector is cached by its text: at the engine's default (200,000
+# texts, about 360 MB per worker) distinct queries would fill every worker's memory.
+os.environ.setdefault("SYNAPSE_EMBEDDING_CACHE_ENTRIES", "10000")
 
 
 def post_worker_init(worker):

@@ -264,11 +264,16 @@ def _no_loading_bars() -> None:
 class EmbeddingEngine:
     """A sentence-transformers model with a content-hash cache of normalized embeddings."""
 
-    def __init__(self, model: str = DEFAULT_MODEL, cache_size: int = 200_000, batch_size: int = 64):
+    def __init__(self, model: str = DEFAULT_MODEL, cache_size: int | None = None, batch_size: int = 64):
+        """`cache_size`: texts whose vectors are kept (1.8 KiB each at 384 dimensions); default
+        SYNAPSE_EMBEDDING_CACHE_ENTRIES, else 200,000 (a simulation re-embeds a dataset's
+        queries every seed; the server's gunicorn workers keep 10,000: gunicorn.conf.py)."""
         self.model_name = model or DEFAULT_MODEL
         self.batch_size = batch_size
         self._cache: OrderedDict[bytes, np.ndarray] = OrderedDict()
-        self._cache_size = cache_size
+        if cache_size is None:
+            cache_size = int(os.environ.get("SYNAPSE_EMBEDDING_CACHE_ENTRIES", "") or 200_000)
+        self._cache_size = max(0, cache_size)
         self._lock = threading.Lock()
         os.environ.setdefault("HF_HUB_OFFLINE", "1")
         os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")

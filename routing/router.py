@@ -596,7 +596,8 @@ class Router:
             item = {
                 "tool": self.index.tool_names[int(features.tools[row])],
                 "score": round(float(scores[row]), 6),
-                "best_cosine": round(float(m[0]), 6) if np.isfinite(m[0]) else None,
+                # null for a tool without a scenario (its feature is 0.0 for the fusion weights)
+                "best_cosine": round(float(m[0]), 6) if np.isfinite(m[0]) and not m[5] else None,
                 "backed": not m[5],
                 "precaution_matched": bool(m[3] > 0),
             }

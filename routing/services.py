@@ -48,6 +48,11 @@ class NothingPublished(RoutingUnavailable):
     """No global compendium has been published yet."""
 
 
+class ServedVersionGone(RoutingUnavailable):
+    """pgvector holds no row of the served version any more (an erasure or a re-materialized
+    round deleted it while a process still served it)."""
+
+
 class RouterBuildFailed(RoutingUnavailable):
     """The published global's router could not be built, and no router was served before it
     (or the one served before is of a global that no longer exists: an erasure deleted it)."""
@@ -247,6 +252,11 @@ class PgvectorRetriever:
         if len(rows) < n:
             self.exact_fallbacks += 1
             rows = self._query(vector, n, exact=True)
+            if len(rows) < n:
+                raise ServedVersionGone(
+                    f"the served global (version {self.version_id}) was deleted while this "
+                    "request routed with it; ask again"
+                )
         idx = np.array([self.position[pk] for pk, _ in rows], dtype=np.int64)
         scores = np.array([1.0 - d for _, d in rows], dtype=np.float32)
         return idx, scores
@@ -285,20 +295,22 @@ def rebuild_seconds() -> float:
     return float(getattr(settings, "SYNAPSE_ROUTING_REBUILD_SECONDS", 30))
 
 
-def routing_params(head: LinearHead | None = None) -> RoutingParams:
-    """The fusion weights and calibration of the frozen model's routers with `head`
-    (`RoutingParams.for_head`; the operator's file is SYNAPSE_ROUTING_PARAMS)."""
+def routing_params(head: LinearHead | None = None, fitted: RoutingParams | None = None) -> RoutingParams:
+    """The fusion weights and calibration of the served routers: the operator's file
+    SYNAPSE_ROUTING_PARAMS when set, else `fitted` (the tuned router's), else those published
+    with `head` (`RoutingParams.for_head`), as `synapse-client route --params` decides."""
     configured = getattr(settings, "SYNAPSE_ROUTING_PARAMS", "") or None
-    try:
-        return RoutingParams.for_head(head, configured)
-    except RoutingParamsError as exc:
-        # A broken operator file must not stop routing, nor be ignored without a word.
-        logging.getLogger(__name__).warning(
-            "SYNAPSE_ROUTING_PARAMS: %s; routing with the parameters published with the global "
-            "(else routing/default_params.json) instead",
-            exc,
-        )
-        return RoutingParams.for_head(head)
+    if configured:
+        try:
+            return RoutingParams.load(configured)
+        except RoutingParamsError as exc:
+            # A broken operator file must not stop routing, nor be ignored without a word.
+            logging.getLogger(__name__).warning(
+                "SYNAPSE_ROUTING_PARAMS: %s; routing with the parameters fitted with the global "
+                "(else routing/default_params.json) instead",
+                exc,
+            )
+    return fitted if fitted is not None else RoutingParams.for_head(head)
 
 
 def served_rows(version: CompendiumVersion):
@@ -345,8 +357,9 @@ def build_served(version: CompendiumVersion, tuned_directory: str = "") -> Serve
     compendium, scenario_rows, precaution_rows = served_rows(version)
     tuned = _tuned_parts(version, compendium, tuned_directory) if tuned_directory else None
     if tuned is not None:
-        compendium, engine, index, params, head = tuned
+        compendium, engine, index, fitted, head = tuned
         retriever = index.retrieve  # pgvector holds the frozen model's vectors
+        params = routing_params(head, fitted)
     else:
         engine, index = _frozen_index(compendium, scenario_rows, precaution_rows)
         retriever = _retriever(version, index, scenario_rows)
@@ -487,6 +500,15 @@ def served_compendium() -> ServedCompendium:
     return served
 
 
+def _drop(served: ServedCompendium) -> None:
+    """Forget `served` (its global is gone) and which global is published: the next request
+    asks the database and builds the current one, rather than going on with `served`."""
+    for key, value in tuple(_served.items()):
+        if value is served:
+            _served.pop(key, None)
+    forget_published_version()
+
+
 def _recently_failed(key) -> bool:
     failed = _failed
     return failed is not None and failed[0] == key and time.monotonic() - failed[1] < rebuild_seconds()
@@ -576,7 +598,12 @@ def route_query(
     top_k = validate_top_k(top_k)
     reranker = validate_reranker(reranker)
     served = served_compendium()
-    decision = served.routers[reranker].route(query, top_k)
+    try:
+        decision = served.routers[reranker].route(query, top_k)
+    except ServedVersionGone:  # a router of a deleted global (pgvector retrieval): the current one
+        _drop(served)
+        served = served_compendium()
+        decision = served.routers[reranker].route(query, top_k)
     latency = (time.perf_counter() - started) * 1000
     if record:
         recorder.record(latency, 1, decision.reranker, served.round_number)

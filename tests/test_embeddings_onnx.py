@@ -5,6 +5,8 @@ share the engine API."""
 from __future__ import annotations
 
 import json
+import os
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -111,6 +113,25 @@ def test_query_engine_defaults_to_int8_compute_and_caches():
     engine.embed_one("route this query please")
     assert engine.computed == before + 1
     assert engine.dimension == 384
+
+
+def test_the_vector_cache_keeps_at_most_its_configured_number_of_texts(monkeypatch):
+    """A server worker's cache held 200,000 query vectors (about 360 MB measured); gunicorn
+    workers keep 10,000."""
+    import runpy
+
+    monkeypatch.delenv("SYNAPSE_EMBEDDING_CACHE_ENTRIES", raising=False)
+    assert EmbeddingEngine(ONNX_INT8_DYNAMIC_MODEL)._cache_size == 200_000
+    runpy.run_path(str(Path(__file__).resolve().parent.parent / "gunicorn.conf.py"))
+    assert os.environ["SYNAPSE_EMBEDDING_CACHE_ENTRIES"] == "10000"
+    monkeypatch.setenv("SYNAPSE_EMBEDDING_CACHE_ENTRIES", "3")
+    engine = EmbeddingEngine(ONNX_INT8_DYNAMIC_MODEL)
+    engine.embed([f"route query number {i}" for i in range(5)])
+    assert len(engine._cache) == 3
+    before = engine.computed
+    engine.embed_one("route query number 4")  # the latest kept
+    engine.embed_one("route query number 0")  # the oldest dropped
+    assert engine.computed == before + 1
 
 
 def test_query_engine_follows_a_stored_embedding_model_other_than_minilm(monkeypatch):

@@ -527,7 +527,7 @@ def test_tools_without_scenarios_are_routed_from_the_public_probe_set(metatool_s
     assert chosen.precautions == []
     # its ranking says why: the chosen tool has no scenario, only the head's probability
     named = next(r for r in chosen.ranking if r["tool"] == chosen.tool)
-    assert named["backed"] is False and named["best_cosine"] == 0.0 and named["head_probability"] > 0
+    assert named["backed"] is False and named["best_cosine"] is None and named["head_probability"] > 0
     # a global with no scenario at all (every client withheld everything): the head alone routes
     empty = full.model_copy(update={"scenarios": [], "precautions": []})
     alone = fit_router(empty, engine, probe)

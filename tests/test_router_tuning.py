@@ -95,6 +95,18 @@ def test_publishing_tunes_the_router_and_the_routing_api_switches_to_it(data, se
     assert abs(served.index.embeddings - data["embeddings"]).max() > 1e-3
     after = services.route_query(data["queries"][0])
     assert after["tuned_router"] is True and after["compendium_round"] == 1
+    # An operator's params file overrides the tuned router's weights too, as the README says
+    # and as `synapse-client route --params` does (it was ignored once the tuned router served).
+    from routing.router import RoutingParams
+
+    assert served.routers["fusion"].params.weights != RoutingParams().weights
+    RoutingParams().save(settings.DATA_DIR / "params.json")
+    settings.SYNAPSE_ROUTING_PARAMS = str(settings.DATA_DIR / "params.json")
+    services.forget_served()
+    overridden = services.served_compendium()
+    assert overridden.tuned and overridden.routers["fusion"].params.weights == RoutingParams().weights
+    settings.SYNAPSE_ROUTING_PARAMS = ""
+    services.forget_served()
     batch = services.route_queries(data["queries"])
     assert batch["tuned_router"] is True and len(batch["results"]) == len(data["queries"])
 

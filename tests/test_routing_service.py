@@ -186,6 +186,22 @@ def test_publication_fits_the_weights_and_tools_without_scenarios_stay_routable(
     )
 
 
+@pytest.mark.parametrize("retrieval", ["exact", "hnsw"])
+def test_a_router_of_a_deleted_global_gives_way_to_the_current_one(data, settings, retrieval):
+    """With pgvector retrieval, a process that still served an erased (deleted) global found
+    none of its rows and answered 'no scenarios' until its version TTL ran out."""
+    settings.SYNAPSE_ROUTING_RETRIEVAL = retrieval
+    settings.SYNAPSE_ROUTING_VERSION_TTL = 3600
+    services.forget_served()
+    first = _publish(data, number=1, with_client_copy=False)
+    assert services.route_query(data["queries"][0])["compendium_round"] == 1
+    second = _publish(data, number=2, with_client_copy=False)
+    CompendiumVersion.objects.filter(pk=first.pk).delete()  # this process still serves round 1
+    answer = services.route_query(data["queries"][0])
+    assert answer["compendium_round"] == 2 and answer["tool"] and answer["candidates"]
+    assert services.served_compendium().version_id == second.pk
+
+
 def test_latest_published_round_is_served(data):
     _publish(data, number=1, with_client_copy=False)
     Round.objects.create(number=2, state="open")
