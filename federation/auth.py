@@ -17,20 +17,24 @@ from federation.services import client_ip
 class ThrottledModelBackend(ModelBackend):
     """Django's username and password backend, refusing (PermissionDenied: no other backend is
     tried) a username or address locked by too many failed sign-ins before it looks at the
-    password, and counting each failure. The lock is checked, never counted: a refused attempt
-    does not extend it."""
+    password. Each attempt is counted as a failure before the password is checked and uncounted
+    when it was right (`login_throttle.begin_attempt`): guesses sent in parallel cannot all pass
+    the check. A refused attempt counts nothing: it does not extend the lock."""
 
     def authenticate(self, request, username=None, password=None, **kwargs):
         if username is None:
             username = kwargs.get(get_user_model().USERNAME_FIELD)
         if username is None or password is None:
             return None
-        ip = client_ip(request)
-        if login_throttle.lock_for(username, ip) is not None:
+        attempt = login_throttle.begin_attempt(username, client_ip(request))
+        if attempt.lock is not None:
+            login_throttle.end_attempt(attempt, succeeded=False)
             raise PermissionDenied("too many failed sign-ins")
-        user = super().authenticate(request, username=username, password=password)
-        if user is None:
-            login_throttle.record_failure(username, ip)
+        user = None
+        try:
+            user = super().authenticate(request, username=username, password=password)
+        finally:
+            login_throttle.end_attempt(attempt, succeeded=user is not None)
         return user
 
     async def aauthenticate(self, request, username=None, password=None, **kwargs):
@@ -71,11 +75,15 @@ class ThrottledPasswordChangeForm(PasswordChangeForm):
     def clean_old_password(self):
         username = self.user.get_username()
         ip = client_ip(self.request) if self.request is not None else None
-        lock = login_throttle.lock_for(username, ip)
+        attempt = login_throttle.begin_attempt(username, ip)
+        lock = attempt.lock
         if lock is not None:
+            login_throttle.end_attempt(attempt, succeeded=False)
             raise ValidationError(lock.message, code="throttled")
+        succeeded = False
         try:
-            return super().clean_old_password()
-        except ValidationError:
-            login_throttle.record_failure(username, ip)
-            raise
+            old = super().clean_old_password()
+            succeeded = True
+            return old
+        finally:
+            login_throttle.end_attempt(attempt, succeeded)

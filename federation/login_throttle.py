@@ -11,6 +11,7 @@ SYNAPSE_LOGIN_FAILURE_WINDOW_SECONDS.
 from __future__ import annotations
 
 import hashlib
+import ipaddress
 import math
 import unicodedata
 from dataclasses import dataclass
@@ -53,7 +54,17 @@ def username_key(username: str) -> str:
 
 
 def address_key(ip: str) -> str:
-    return f"login:ip:{ip}"
+    """An IPv4 address is counted alone; an IPv6 one with its /64 (what one host or subscriber
+    is given: counting each address would let it rotate through 2^64 of them)."""
+    try:
+        address = ipaddress.ip_address(str(ip).split("%", 1)[0])
+    except ValueError:
+        return f"login:ip:{ip}"
+    if address.version == 6 and address.ipv4_mapped is not None:
+        address = address.ipv4_mapped
+    if address.version == 6:
+        return f"login:ip:{ipaddress.ip_network(f'{address}/64', strict=False)}"
+    return f"login:ip:{address}"
 
 
 def _counts(username: str | None, ip: str | None) -> list[tuple[str, str, int]]:
@@ -78,17 +89,50 @@ def lock_for(username: str | None, ip: str | None, now: float | None = None) -> 
     return None
 
 
-def record_failure(username: str | None, ip: str | None, now: float | None = None) -> list[Lock]:
-    """Count one failed sign-in for the username and the address. Returns the locks this failure
-    set (the count that just reached its limit), each audited as `login.throttled`."""
+@dataclass
+class Attempt:
+    """A password check counted as a failure before it runs (`begin_attempt`), settled after it
+    (`end_attempt`). `lock`: the count that was already at its limit (the attempt is refused)."""
+
+    username: str | None
+    ip: str | None
+    hits: list[tuple[str, str, int, ratelimit.Decision]]  # scope, key, limit, decision
+    window_start: object
+    now: float | None
+
+    @property
+    def lock(self) -> Lock | None:
+        for scope, _, _, decision in self.hits:
+            if not decision.allowed:
+                return Lock(scope, decision.retry_after)
+        return None
+
+
+def begin_attempt(username: str | None, ip: str | None, now: float | None = None) -> Attempt:
+    """Count a sign-in attempt as a failure of the username and the address before its password
+    is checked, each count in one atomic upsert: of guesses sent in parallel, only as many as the
+    limit get their password checked (checking the counts first and counting after the hash let
+    every one of them through). `end_attempt` takes the counts back when the password was right,
+    or when the attempt was refused (a refused attempt counts nothing)."""
+    window_s = settings.SYNAPSE_LOGIN_FAILURE_WINDOW_SECONDS
+    hits = [(scope, key, limit, ratelimit.hit(key, limit, window_s, now))
+            for scope, key, limit in _counts(username, ip)]
+    return Attempt(username, ip, hits, ratelimit.window(window_s, now).start, now)
+
+
+def end_attempt(attempt: Attempt, succeeded: bool) -> list[Lock]:
+    """Settle `attempt`: a success or a refusal uncounts it; a failure stays counted, and the
+    count it brought to its limit is a lock, audited as `login.throttled` (returned)."""
+    if succeeded or attempt.lock is not None:
+        for _, key, _, _ in attempt.hits:
+            ratelimit.take_back(key, attempt.window_start)
+        return []
     window_s = settings.SYNAPSE_LOGIN_FAILURE_WINDOW_SECONDS
     locks = []
-    for scope, key, limit in _counts(username, ip):
-        decision = ratelimit.hit(key, limit, window_s, now)
-        # Exactly at the limit: concurrent failures past it are counted but audited only once.
+    for scope, _, limit, decision in attempt.hits:
         if decision.count == limit:
             lock = Lock(scope, decision.retry_after)
-            _audit_lock(lock, username, ip, limit, window_s, now)
+            _audit_lock(lock, attempt.username, attempt.ip, limit, window_s, attempt.now)
             locks.append(lock)
     return locks
 

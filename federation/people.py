@@ -263,9 +263,13 @@ def _deactivated_by_operator(membership: Membership) -> bool:
     return last is not None and (last.actor is None or last.actor.is_superuser)
 
 
-def password_changed(actor: Actor) -> None:
-    """Audit a person changing their own password (the page has checked the old one)."""
+def password_changed(actor: Actor) -> int:
+    """A person changed their own password (the page has checked the old one): audited, and
+    their personal API tokens revoked, as after a reset: a password is changed because it may be
+    known to someone else, and a token issued under it (by a stolen session, without the
+    password) would outlive it. Returns how many tokens were revoked."""
     membership = membership_of(actor.user)
+    revoked = _revoke_tokens(actor.user)
     audit(
         actor,
         AuditLog.Action.PASSWORD_CHANGE,
@@ -273,7 +277,9 @@ def password_changed(actor: Actor) -> None:
         target_type="user",
         target_label=actor.name,
         organization=membership.organization if membership else None,
+        details={"tokens_revoked": revoked},
     )
+    return revoked
 
 
 # --- logins changed in the Django admin ---------------------------------------------------------

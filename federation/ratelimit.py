@@ -7,7 +7,7 @@ import time
 from dataclasses import dataclass
 from datetime import UTC, datetime
 
-from django.db import connection
+from django.db import connection, models
 
 from federation.models import RateCounter
 
@@ -47,6 +47,14 @@ def hit(key: str, limit: int, window_s: int, now: float | None = None) -> Decisi
         cursor.execute(_UPSERT, [key, current.start])
         (count,) = cursor.fetchone()
     return Decision(count <= limit, count, limit, current.retry_after)
+
+
+def take_back(key: str, window_start: datetime) -> None:
+    """Uncount one event `hit` counted for `key` in the window starting at `window_start` (an
+    attempt counted before it was known whether it should count: a sign-in that succeeded)."""
+    RateCounter.objects.filter(key=key, window_start=window_start, count__gt=0).update(
+        count=models.F("count") - 1
+    )
 
 
 def count(key: str, window_s: int, now: float | None = None) -> int:

@@ -109,6 +109,68 @@ def test_success_under_the_limit_is_not_blocked(client, people, clock):
     response = sign_in(client, "alice", PASSWORD)
     assert response.status_code == 302 and signed_in(client)
     assert not AuditLog.objects.filter(action="login.throttled").exists()
+    # The right password was counted before it was checked, and uncounted after.
+    assert counter(login_throttle.username_key("alice")) == 2
+
+
+@pytest.mark.django_db(transaction=True)  # each guessing thread has its own connection
+def test_guesses_sent_in_parallel_get_at_most_the_limit_of_password_checks(people, monkeypatch):
+    """The lock was read before the (slow) password hash and the failure counted after it: 16
+    guesses sent together all had their password checked, with the limit at 3."""
+    import threading
+
+    from django.contrib.auth.backends import ModelBackend
+    from django.db import connection
+    from django.test import RequestFactory
+
+    checked, go = [], threading.Event()
+    real = ModelBackend.authenticate
+
+    def slow_check(self, request, username=None, password=None, **kwargs):
+        checked.append(password)
+        go.wait(5)  # every guess that gets this far waits for the others to arrive
+        return real(self, request, username=username, password=password, **kwargs)
+
+    monkeypatch.setattr(ModelBackend, "authenticate", slow_check)
+    outcomes = []
+
+    def guess(i):
+        try:
+            request = RequestFactory().post("/accounts/login/", REMOTE_ADDR=f"10.0.0.{i + 1}")
+            try:
+                outcomes.append(authenticate(request, username="alice", password=f"guess {i}"))
+            except Exception as exc:  # noqa: BLE001 - PermissionDenied ends authenticate()
+                outcomes.append(exc)
+        finally:
+            connection.close()
+
+    threads = [threading.Thread(target=guess, args=(i,)) for i in range(8)]
+    for thread in threads:
+        thread.start()
+    for _ in range(200):  # until every guess was checked or refused (the refused return at once)
+        if len(checked) + len(outcomes) >= 8:
+            break
+        threading.Event().wait(0.05)
+    go.set()
+    for thread in threads:
+        thread.join(10)
+    assert len(checked) == 3 and len(outcomes) == 8
+    assert counter(login_throttle.username_key("alice")) == 3
+    assert AuditLog.objects.filter(action="login.throttled").count() == 1
+
+
+@pytest.mark.parametrize(
+    "first, second, same",
+    [
+        ("2001:db8:1:2::1", "2001:db8:1:2:ffff::9", True),  # one /64: one host or subscriber
+        ("2001:db8:1:2::1", "2001:db8:1:3::1", False),
+        ("::ffff:192.0.2.1", "192.0.2.1", True),  # an IPv4 client seen through a v6 socket
+        ("192.0.2.1", "192.0.2.2", False),
+    ],
+)
+def test_an_ipv6_address_is_counted_with_its_slash_64(first, second, same):
+    """Counted per full address, a host given a /64 could try 2^64 addresses' worth of guesses."""
+    assert (login_throttle.address_key(first) == login_throttle.address_key(second)) is same
 
 
 def test_unknown_usernames_are_counted_too(client, people, clock):
@@ -235,13 +297,17 @@ def test_behind_a_proxy_the_address_count_is_per_forwarded_client(client, people
 # --- the service ----------------------------------------------------------------------------------
 
 
+def _failure(username, ip, now):
+    return login_throttle.end_attempt(login_throttle.begin_attempt(username, ip, now=now), False)
+
+
 def test_lock_for_reads_without_counting(people):
     now = 1_800_000_000.0
     for _ in range(2):
-        login_throttle.record_failure("Carol", "192.0.2.1", now=now)
+        _failure("Carol", "192.0.2.1", now)
     for _ in range(10):
         assert login_throttle.lock_for("carol", "192.0.2.1", now=now) is None
-    locks = login_throttle.record_failure("CAROL", None, now=now)
+    locks = _failure("CAROL", None, now)
     assert [lock.scope for lock in locks] == ["username"]
     lock = login_throttle.lock_for("carol", "192.0.2.2", now=now + 60)
     assert lock is not None and lock.retry_after == WINDOW - 60 and lock.minutes == 14

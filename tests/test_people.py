@@ -426,6 +426,22 @@ def test_a_person_changes_their_own_password(client, world):
     assert signs_in("max", "a-Long-new-pass-42") and not signs_in("max", issued.password)
     entry = AuditLog.objects.get(action="person.password_change")
     assert entry.actor.username == "max" and entry.organization == world.org_a
+    assert entry.details == {"tokens_revoked": 0}
+
+    # A token issued under the old password (by a stolen session: no password asked) kept working
+    # after the change; it is revoked with it, as after a reset, and the page says so.
+    user = get_user_model().objects.get(username="max")
+    raw = services.issue_user_token(services.Actor.for_user(user), user, "script")
+    api = BrowserClient()
+    assert api.get("/api/v1/rounds/", HTTP_AUTHORIZATION=f"Bearer {raw}").status_code == 200
+    again = browser.post(
+        reverse("password_change"),
+        {"old_password": "a-Long-new-pass-42", "new_password1": "b-Long-new-pass-43",
+         "new_password2": "b-Long-new-pass-43"},
+        follow=True,
+    )
+    assert "your 1 API token(s) revoked" in again.content.decode()
+    assert api.get("/api/v1/rounds/", HTTP_AUTHORIZATION=f"Bearer {raw}").status_code == 401
     assert BrowserClient().get(reverse("password_change")).status_code == 302  # login first
 
 

@@ -474,8 +474,15 @@ class PasswordChangeView(auth_views.PasswordChangeView):
     def form_valid(self, form):
         with transaction.atomic():  # the new password and its audit entry, or neither
             response = super().form_valid(form)
-            people.password_changed(actor_for(self.request))
-        messages.success(self.request, "Your password was changed.")
+            revoked = people.password_changed(actor_for(self.request))
+        if revoked:
+            messages.success(
+                self.request,
+                f"Your password was changed, and your {revoked} API token(s) revoked: issue new "
+                "ones under Account → API tokens.",
+            )
+        else:
+            messages.success(self.request, "Your password was changed.")
         return response
 
 
