@@ -500,10 +500,30 @@ def test_a_drowned_field_is_not_released_nor_charged(schema, embed):
     assert part.stats.fields_not_released == sorted(drowned)
     assert {m.tool_id: set(m.stats) for m in part.compendium.metadata} == {
         t.tool_id: {"calls"} for t in schema.tools}
+    # A statistic's noise is its own: leaving other fields out does not shift the draws (one
+    # stream in key order put one statistic's draw on another's value, so two runs of a release
+    # with different drowned sets told a difference of private figures exactly).
+    calls = {m.tool_id: m.stats["calls"] for m in full.compendium.metadata}
+    assert {m.tool_id: m.stats["calls"] for m in part.compendium.metadata} == calls
     nothing = edge_merge(_numeric_subs([0.5]), schema, RoundConfig(epsilon=2.0), embed=embed,
                          seed=7, drowned=frozenset(f.name for f in schema.numeric_fields))
     assert nothing.ledger == [] and nothing.stats.epsilon_spent == 0.0
     assert all(m.stats == {} for m in nothing.compendium.metadata)
+
+
+def test_an_edge_merge_without_a_seed_draws_fresh_noise_not_the_rounds_public_seed(schema, embed):
+    """edge_merge's seed defaulted to RoundConfig.seed, which the rounds API shows to every
+    client: a caller that passed none published noise anyone could draw again."""
+    config = RoundConfig(epsilon=2.0, seed=0)
+
+    def released(**seed):
+        result = edge_merge(_numeric_subs([0.2, 0.4, 0.6, 0.8]), schema, config, embed=embed,
+                            drowned=frozenset({"success_rate", "frequency", "latency_ms"}), **seed)
+        return {m.tool_id: m.stats["calls"] for m in result.compendium.metadata}
+
+    assert released() != released()
+    assert released(seed=config.seed) == released(seed=config.seed)  # a seed given: replayable
+    assert released() != released(seed=config.seed)
 
 
 def test_budget_cap_refuses_before_noise(schema, embed):

@@ -8,6 +8,7 @@ the numeric statistics are already released and are only averaged (post-processi
 
 from __future__ import annotations
 
+import hashlib
 import math
 import re
 import time
@@ -124,7 +125,9 @@ def edge_merge(
         embed=embed,
         probe_set=probe_set,
         llm=llm,
-        seed=config.seed if seed is None else seed,
+        # No seed: fresh entropy. The round's seed is public (the rounds API shows it): noise
+        # drawn from it alone could be drawn again by anyone and subtracted.
+        seed=np.random.SeedSequence() if seed is None else seed,
         epsilon_remaining=epsilon_remaining,
         noise=True,
         confusion_margin=confusion_margin,
@@ -652,9 +655,10 @@ def _release_metadata(accepted, schema, config, seed, epsilon_remaining, release
             f"privacy budget exceeded: this release needs ε = {spend:.6g} but only "
             f"{max(0.0, epsilon_remaining):.6g} of the federation's epsilon budget is left"
         )
-    rng = np.random.default_rng(seed)
+    base = seed if isinstance(seed, np.random.SeedSequence) else np.random.SeedSequence(seed)
     released: dict[tuple[str, str], float] = {}
     for key in keys:
+        rng = _statistic_rng(base, *key)
         spec = schema.fields_by_name[key[1]]
         bound = clip_bound(spec)
         data = reported.get(key, [])
@@ -691,6 +695,14 @@ def _release_metadata(accepted, schema, config, seed, epsilon_remaining, release
         by_tool[tool_id][name] = value
     metadata = [_tool_metadata(schema, tool_id, by_tool[tool_id]) for tool_id in tools]
     return metadata, ledger
+
+
+def _statistic_rng(base: np.random.SeedSequence, tool_id: str, field: str) -> np.random.Generator:
+    """The noise of one statistic, drawn from the release's seed and the statistic's name alone:
+    which other statistics a release leaves out (drowned fields, a schema change) cannot shift
+    one statistic's draw onto another's value, as one stream drawn in key order would."""
+    name = hashlib.sha256(f"{tool_id}\x00{field}".encode()).digest()
+    return np.random.default_rng([*base.generate_state(8), *np.frombuffer(name, dtype=np.uint32)])
 
 
 def _tool_metadata(schema: Schema, tool_id: str, stats: dict[str, float]) -> ToolMetadata:
