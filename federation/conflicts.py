@@ -15,7 +15,7 @@ from federation.errors import InvalidRequest, NotAllowed
 from federation.merge import ConflictEntry
 from federation.merge.operator import conflicts_to_precautions
 from federation.models import AuditLog, ConflictDecision, ConflictLogEntry
-from federation.services import Actor, audit, can_admin
+from federation.services import Actor, audit, can_admin, require_admin_now
 
 
 def visible_conflicts(organizations, actor: Actor):
@@ -73,12 +73,16 @@ def decide_conflict(
 ) -> ConflictDecision:
     """Record (or replace) the decision on `conflict`; audited. Only the operator or an admin of
     the conflict's organization may decide; a conflict of the server merge (between edges, no
-    organization) is the operator's alone."""
-    if not can_decide(actor, conflict.organization_id):
-        raise NotAllowed(
-            "only the operator may decide conflicts of the server merge"
-            if conflict.organization_id is None
-            else "only the operator or this organization's admin may decide conflicts"
+    organization) is the operator's alone. An admin's right is checked under a lock of their
+    membership row (services.require_admin_now): one demoted or deactivated a moment ago may no
+    longer decide."""
+    if conflict.organization_id is None:
+        if not actor.is_operator:
+            raise NotAllowed("only the operator may decide conflicts of the server merge")
+    else:
+        require_admin_now(
+            actor, conflict.organization_id,
+            "only the operator or this organization's admin may decide conflicts",
         )
     if action not in ConflictDecision.Action.values:
         raise InvalidRequest(f"action must be one of {', '.join(ConflictDecision.Action.values)}")

@@ -22,7 +22,14 @@ from django.utils import timezone
 from federation import login_throttle
 from federation.errors import Conflict, InvalidRequest, NotAllowed, NotFound
 from federation.models import AuditLog, Membership, Organization, UserToken
-from federation.services import Actor, audit, can_admin, membership_of, visible_organization_ids
+from federation.services import (
+    Actor,
+    admin_right_holds,
+    audit,
+    membership_of,
+    require_admin_now,
+    visible_organization_ids,
+)
 
 
 @dataclass(frozen=True)
@@ -50,8 +57,11 @@ def _new_password() -> str:
 
 
 def _require_admin(actor: Actor, organization: Organization, what: str) -> None:
-    if not can_admin(actor, organization.pk):
-        raise NotAllowed(f"only an admin of this organization (or the operator) may {what}")
+    """Checked under a lock of the actor's membership row, as _locked does (services.
+    require_admin_now): an admin demoted or deactivated a moment ago may no longer act."""
+    require_admin_now(
+        actor, organization.pk, f"only an admin of this organization (or the operator) may {what}"
+    )
 
 
 def _role(role: str) -> str:
@@ -63,8 +73,9 @@ def _role(role: str) -> str:
 def _locked(actor: Actor, membership: Membership | int, what: str) -> Membership:
     """The target's membership, locked together with the acting admin's own (in one statement,
     in id order, so that two admins acting on each other wait for one another instead of
-    deadlocking); then the actor's right is checked on what the database holds now: an admin
-    deactivated or demoted a moment ago by another admin may no longer act."""
+    deadlocking); then the actor's right is checked on what the database holds now
+    (services.admin_right_holds, as for every admin action): an admin deactivated or demoted a
+    moment ago by another admin may no longer act."""
     pk = membership.pk if isinstance(membership, Membership) else membership
     own = None
     if not actor.is_operator:
@@ -79,15 +90,8 @@ def _locked(actor: Actor, membership: Membership | int, what: str) -> Membership
     if pk not in rows:
         raise NotFound("no such person")
     target = rows[pk]
-    if not actor.is_operator:
-        mine = rows.get(own)
-        if (
-            mine is None
-            or mine.organization_id != target.organization_id
-            or mine.role != Membership.Role.ADMIN
-            or not type(mine.user).objects.filter(pk=mine.user_id, is_active=True).exists()
-        ):
-            raise NotAllowed(f"only an admin of this organization (or the operator) may {what}")
+    if not admin_right_holds(actor, rows.get(own), target.organization_id):
+        raise NotAllowed(f"only an admin of this organization (or the operator) may {what}")
     return target
 
 

@@ -183,6 +183,46 @@ def can_admin(actor: Actor, organization_id: int) -> bool:
     )
 
 
+def admin_right_holds(actor: Actor, mine: Membership | None, organization_id: int) -> bool:
+    """Whether `actor` may administer `organization_id`, judged on `mine`, the actor's membership
+    as locked by the calling transaction (select_for_update): an admin of that organization whose
+    login is active now. The login's activity is read after the lock, so a deactivation that
+    held the row (people.set_active locks it) is seen once committed. The operator always may."""
+    if actor.is_operator:
+        return True
+    return (
+        mine is not None
+        and mine.user_id == actor.user.pk
+        and mine.organization_id == organization_id
+        and mine.role == Membership.Role.ADMIN
+        and get_user_model().objects.filter(pk=mine.user_id, is_active=True).exists()
+    )
+
+
+def lock_own_membership(actor: Actor) -> Membership | None:
+    """The acting person's membership, locked to the end of the calling transaction (None for the
+    operator or a login in no organization): a demotion or deactivation of the actor by another
+    admin waits for the action, or the action waits for it and sees it. A client action takes it
+    after the client's lock (people._locked takes the target's and the actor's in one statement);
+    no action locks an existing client after a membership, so the order cannot deadlock."""
+    if actor.is_operator:
+        return None
+    return Membership.objects.select_for_update().filter(user_id=actor.user.pk).first()
+
+
+def require_admin_now(actor: Actor, organization_id: int, refusal: str) -> None:
+    """Inside an admin action's transaction: refuse (NotAllowed `refusal`) unless the actor is
+    the operator or, as the database holds it under a lock of their membership row, an active
+    admin of `organization_id`. can_admin answers from the actor as authenticated (what a page
+    offers); an admin demoted or deactivated by another while their request was in flight must
+    not still act. people._locked locks the actor's row with its target's and judges it the same
+    way (admin_right_holds)."""
+    if actor.is_operator:
+        return
+    if not admin_right_holds(actor, lock_own_membership(actor), organization_id):
+        raise NotAllowed(refusal)
+
+
 def require_operator(actor: Actor, what: str) -> None:
     if not actor.is_operator:
         raise NotAllowed(f"only the federation operator may {what}")
@@ -655,8 +695,9 @@ class IssuedToken:
 def enroll_client(
     actor: Actor, organization: Organization, name: str, description: str = "", contact: str = ""
 ) -> Client:
-    if not can_admin(actor, organization.pk):
-        raise NotAllowed("only an admin of this organization (or the operator) may enroll clients")
+    require_admin_now(
+        actor, organization.pk, "only an admin of this organization (or the operator) may enroll clients"
+    )
     name = name.strip()
     if not name:
         raise InvalidRequest("a client needs a name")
@@ -710,9 +751,11 @@ def _issue_client_token(client: Client) -> str:
 @transaction.atomic
 def approve_client(actor: Actor, client: Client | int) -> IssuedToken:
     client = _locked_client(client)
+    require_admin_now(
+        actor, client.organization_id,
+        "only the operator or this organization's admin may approve clients",
+    )
     if not actor.is_operator:
-        if not can_admin(actor, client.organization_id):
-            raise NotAllowed("only the operator or this organization's admin may approve clients")
         if not get_settings().allow_admin_approval:
             raise NotAllowed(
                 "the federation's policy lets only the operator approve clients "
@@ -730,8 +773,9 @@ def approve_client(actor: Actor, client: Client | int) -> IssuedToken:
 @transaction.atomic
 def rotate_client_token(actor: Actor, client: Client | int) -> IssuedToken:
     client = _locked_client(client)
-    if not can_admin(actor, client.organization_id):
-        raise NotAllowed("only the operator or this organization's admin may rotate tokens")
+    require_admin_now(
+        actor, client.organization_id, "only the operator or this organization's admin may rotate tokens"
+    )
     if client.status != Client.Status.APPROVED:
         raise InvalidTransition(f"client is {client.status}; only an approved client has a token")
     token = _issue_client_token(client)
@@ -742,8 +786,9 @@ def rotate_client_token(actor: Actor, client: Client | int) -> IssuedToken:
 @transaction.atomic
 def revoke_client(actor: Actor, client: Client | int, reason: str = "") -> Client:
     client = _locked_client(client)
-    if not can_admin(actor, client.organization_id):
-        raise NotAllowed("only the operator or this organization's admin may revoke clients")
+    require_admin_now(
+        actor, client.organization_id, "only the operator or this organization's admin may revoke clients"
+    )
     if client.status == Client.Status.REVOKED:
         raise InvalidTransition("client is already revoked")
     previous = client.status
