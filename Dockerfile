@@ -2,7 +2,9 @@
 # CUDA build (TORCH_INDEX below), and consumes the `gpu` queue;
 # the LLM is a separate OpenAI-compatible server (vLLM) in docker-compose.yml.
 FROM python:3.11-slim
-ENV PYTHONDONTWRITEBYTECODE=1 PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
+# DEBUG off: an image started without SECRET_KEY stops saying so instead of serving debug pages
+# signed with the development key (.dockerignore keeps .data, .venv and .git out of the image).
+ENV PYTHONDONTWRITEBYTECODE=1 PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 DEBUG=0
 WORKDIR /app
 # torch's CPU build by default; the GPU worker's image is built with a CUDA index instead
 # (docker-compose.yml: worker-gpu), so that its tuning task (routing.finetune) runs on the GPU.
@@ -16,7 +18,7 @@ COPY federation federation
 COPY workers workers
 RUN pip install --no-cache-dir .
 COPY . .
-RUN DEBUG=1 DATABASE_URL=postgres://unused/unused python manage.py collectstatic --noinput -v 0
+RUN DEBUG=1 SECRET_KEY=build-only DATABASE_URL=postgres://unused/unused python manage.py collectstatic --noinput -v 0
 # Build the int8-compute query model once, into the image (otherwise the first query builds it).
 RUN python -c "from routing.embeddings import get_query_engine; get_query_engine()"
 EXPOSE 8000

@@ -41,11 +41,18 @@ def ensure_embedded_database(data_dir: Path) -> dict:
         "NAME": DB_NAME,
         "USER": "postgres",
         "PASSWORD": "",
-        "HOST": str(data_dir),
+        # Where the server put its socket: the data folder, or, when that path would be too long
+        # for a Unix socket (a checkout deeper than about 80 characters), a runtime folder.
+        "HOST": str(_socket_dir(server, data_dir)),
         "PORT": "",
         "CONN_MAX_AGE": int(os.environ.get("SYNAPSE_CONN_MAX_AGE", "60")),
         "CONN_HEALTH_CHECKS": True,
     }
+
+
+def _socket_dir(server, data_dir: Path) -> Path:
+    info = server.get_postmaster_info()
+    return Path(info.socket_dir) if info is not None and info.socket_dir else data_dir
 
 
 def stop_embedded_database(data_dir: Path) -> bool:

@@ -30,11 +30,37 @@ def env_list(name: str, default: str) -> list[str]:
 DATA_DIR = Path(os.environ.get("SYNAPSE_DATA_DIR", BASE_DIR / ".data"))
 
 DEBUG = env_bool("DEBUG", True)
+
+
+def _development_key(path: Path) -> str:
+    """A key of this checkout's own, made once in the data folder (mode 0600) and read by every
+    process of it: sessions and the merge pipeline's noise secret (derived from SECRET_KEY) are
+    not a key published with the code, which anyone could use to draw the demo's noise again.
+    The published development key only where the folder cannot be written."""
+    import secrets
+
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        try:
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        except FileExistsError:
+            key = path.read_text(encoding="utf-8").strip()
+            if key:
+                return key
+            fd = os.open(path, os.O_WRONLY | os.O_TRUNC)
+        with os.fdopen(fd, "w", encoding="utf-8") as out:
+            key = secrets.token_urlsafe(50)
+            out.write(key + "\n")
+        return key
+    except OSError:
+        return "dev-only-insecure-key-set-SECRET_KEY-in-production"
+
+
 SECRET_KEY = os.environ.get("SECRET_KEY", "")
 if not SECRET_KEY:
     if not DEBUG:
         raise ImproperlyConfigured("SECRET_KEY must be set when DEBUG=0")
-    SECRET_KEY = "dev-only-insecure-key-set-SECRET_KEY-in-production"
+    SECRET_KEY = _development_key(DATA_DIR / "secret_key")
 ALLOWED_HOSTS = env_list("ALLOWED_HOSTS", "127.0.0.1,localhost,testserver")
 # DEBUG is on unless set: right on a developer's machine, not where other hosts are served (a
 # server error would show a traceback with the rows it read, any organization's). Serving another
@@ -333,7 +359,17 @@ SPECTACULAR_SETTINGS = {
 
 # --- Celery -------------------------------------------------------------------------------------
 CELERY_BROKER_URL = os.environ.get("CELERY_BROKER_URL", "")
-CELERY_RESULT_BACKEND = os.environ.get("CELERY_RESULT_BACKEND", CELERY_BROKER_URL)
+# The merge pipeline is a chord (edge merges, then the server merge), which needs a result backend
+# that joins chords: Redis (the broker's own URL when it is Redis). A RabbitMQ broker has none
+# Celery can use for chords (`amqp` is no result backend, `rpc` runs no chords): name one.
+CELERY_RESULT_BACKEND = os.environ.get("CELERY_RESULT_BACKEND", "") or (
+    CELERY_BROKER_URL if CELERY_BROKER_URL.startswith(("redis://", "rediss://")) else ""
+)
+if CELERY_BROKER_URL and not CELERY_RESULT_BACKEND:
+    raise ImproperlyConfigured(
+        f"CELERY_BROKER_URL={CELERY_BROKER_URL.split('://', 1)[0]}://… needs CELERY_RESULT_BACKEND: "
+        "the merge pipeline's chord needs a result backend that joins chords (redis://HOST:6379/1)"
+    )
 CELERY_TASK_ALWAYS_EAGER = not CELERY_BROKER_URL
 CELERY_TASK_EAGER_PROPAGATES = True
 CELERY_TASK_ACKS_LATE = True

@@ -52,6 +52,26 @@ def test_docker_compose_file_declares_the_services():
     assert "/whl/cu" in gpu_build["args"]["TORCH_INDEX"]
     assert "--index-url ${TORCH_INDEX}" in (ROOT / "Dockerfile").read_text()
     assert "-Q gpu" in services["worker-gpu"]["command"]
+    # Found by review: migrations run once before anything uses the database (the workers and
+    # beat did not wait for web's migrate); gunicorn gets SIGTERM (sh was PID 1); the GPU
+    # services are a profile (a CPU-only host could not start them, and tuning went to a queue
+    # nothing consumed); vLLM is served as `vllm serve MODEL`.
+    assert "migrate" in services["migrate"]["command"]
+    for name in ("web", "worker-cpu", "worker-gpu", "beat"):
+        assert services[name]["depends_on"]["migrate"] == {
+            "condition": "service_completed_successfully"}, name
+        assert "migrate" not in str(services[name]["command"])
+    assert "exec gunicorn" in services["web"]["command"]
+    assert services["worker-gpu"]["profiles"] == services["llm"]["profiles"] == ["gpu"]
+    assert not any("profiles" in services[n] for n in ("postgres", "redis", "migrate", "web",
+                                                       "worker-cpu", "beat"))
+    env = compose["x-synapse-env"]
+    assert env["SYNAPSE_ROUTER_TUNE_QUEUE"] == "${SYNAPSE_ROUTER_TUNE_QUEUE:-cpu}"
+    assert "-Q cpu" in services["worker-cpu"]["command"]
+    assert env["SYNAPSE_LLM_BASE_URL"] == "${SYNAPSE_LLM_BASE_URL:-}"
+    assert services["llm"]["entrypoint"] == ["vllm", "serve"]
+    assert not services["llm"]["command"][0].startswith("-")  # the model, positional
+    assert not services["llm"]["image"].endswith(":latest")
 
 
 @pytest.mark.django_db

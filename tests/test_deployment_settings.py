@@ -20,6 +20,8 @@ from tests.conftest import ROOT
 HOST = "synapse.example.org"
 # What the settings read, taken out of the inherited environment so that each case says all of it.
 READ = (
+    "CELERY_BROKER_URL",
+    "CELERY_RESULT_BACKEND",
     "DEBUG",
     "SECRET_KEY",
     "ALLOWED_HOSTS",
@@ -57,7 +59,7 @@ names = [
     "SECURE_HSTS_INCLUDE_SUBDOMAINS", "SECURE_HSTS_PRELOAD", "SECURE_PROXY_SSL_HEADER",
     "SESSION_COOKIE_HTTPONLY", "SECURE_REFERRER_POLICY", "X_FRAME_OPTIONS",
     "SYNAPSE_LOGIN_FAILURES_PER_USERNAME", "SYNAPSE_LOGIN_FAILURES_PER_IP",
-    "SYNAPSE_LOGIN_FAILURE_WINDOW_SECONDS",
+    "SYNAPSE_LOGIN_FAILURE_WINDOW_SECONDS", "CELERY_RESULT_BACKEND", "SECRET_KEY",
 ]
 out = {{"settings": {{name: getattr(settings, name, None) for name in names}}}}
 
@@ -208,6 +210,9 @@ def test_sign_in_throttle_settings_come_from_the_environment():
         ({"SYNAPSE_LOGIN_FAILURE_WINDOW_SECONDS": "0"}, "SYNAPSE_LOGIN_FAILURE_WINDOW_SECONDS"),
         # answered 500 to every routing request that named no reranker
         ({"SYNAPSE_ROUTING_RERANKER": "Fusion"}, "SYNAPSE_ROUTING_RERANKER='Fusion'"),
+        # a RabbitMQ broker left the result backend `amqp`, which Celery refused at every task
+        ({"CELERY_BROKER_URL": "amqp://guest:secret@127.0.0.1:5672//"},
+         "CELERY_BROKER_URL=amqp://… needs CELERY_RESULT_BACKEND"),
     ],
 )
 def test_a_bad_setting_stops_with_one_line(env, named):
@@ -215,6 +220,29 @@ def test_a_bad_setting_stops_with_one_line(env, named):
     assert proc.returncode == 2
     lines = [line for line in proc.stderr.splitlines() if line.strip()]
     assert len(lines) == 1 and named in lines[0], proc.stderr
+    assert "secret@" not in proc.stderr  # a broker's password is not printed
+
+
+def test_without_a_secret_key_a_developer_checkout_makes_its_own_once(tmp_path):
+    """The development key was a constant in the code: `make demo`'s rounds drew their noise from
+    a secret anyone could read (the pipeline derives it from SECRET_KEY)."""
+    import stat
+
+    local = {"DEBUG": "1", "SYNAPSE_DATA_DIR": str(tmp_path), "DATABASE_URL": PRODUCTION["DATABASE_URL"]}
+    first = probe(**local)["settings"]["SECRET_KEY"]
+    path = tmp_path / "secret_key"
+    assert path.read_text().strip() == first and len(first) >= 50
+    assert "dev-only" not in first and stat.S_IMODE(path.stat().st_mode) == 0o600
+    assert probe(**local)["settings"]["SECRET_KEY"] == first  # every process of the checkout
+    assert probe(**local, SECRET_KEY="given")["settings"]["SECRET_KEY"] == "given"
+
+
+def test_the_result_backend_is_a_redis_broker_or_named():
+    redis = probe(**PRODUCTION, CELERY_BROKER_URL="redis://127.0.0.1:6379/0")
+    assert redis["settings"]["CELERY_RESULT_BACKEND"] == "redis://127.0.0.1:6379/0"
+    rabbit = probe(**PRODUCTION, CELERY_BROKER_URL="amqp://guest:guest@127.0.0.1:5672//",
+                   CELERY_RESULT_BACKEND="redis://127.0.0.1:6379/1")
+    assert rabbit["settings"]["CELERY_RESULT_BACKEND"] == "redis://127.0.0.1:6379/1"
 
 
 def test_serving_another_host_with_debug_on_by_default_stops_with_one_line():
