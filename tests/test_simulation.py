@@ -33,7 +33,8 @@ def test_tiny_simulation_end_to_end(twin_dataset, tmp_path):
     rows = document["results"]
     assert {r["method"] for r in rows} == {
         "synapse", "synapse_served", "centralized", "local_only", "local_only_public_probe", "description_only",
-        "bm25", "unstructured_pool", "fed_icl", "static_global", "reranker_bypass",
+        "bm25", "unstructured_pool", "unstructured_pool_bypass", "fed_icl", "static_global",
+        "reranker_bypass",
     }
     assert all(set(r) >= {"method", "round", "seed", "accuracy", "macro_accuracy"} for r in rows)
     synapse = sorted((r["round"], r["accuracy"]) for r in rows if r["method"] == "synapse")
@@ -307,6 +308,15 @@ def test_unknown_transfer_variant_fails_before_the_federation_runs(tiny_dataset,
     message = str(error.value)
     assert named in message and "\n" not in message
     assert "round 1" not in capsys.readouterr().err  # no federation round was started
+    assert not SimulationRun.objects.exists()
+
+
+def test_baselines_under_a_cadence_whose_last_round_does_not_aggregate_are_refused(tiny_dataset):
+    """The baselines are built from the last round's client compendiums: a last round that does
+    not aggregate has none, and Local-only and the pool scored 0.0 without a word."""
+    with pytest.raises(CommandError, match="round 2, the last, does not aggregate"):
+        call_command("simulate", "--dataset", str(tiny_dataset), "--orgs", "2", "--clients-per-org",
+                     "2", "--rounds", "2", "--aggregate-every", "0", verbosity=0)
     assert not SimulationRun.objects.exists()
 
 

@@ -80,6 +80,7 @@ METHODS = (
     "description_only",
     "bm25",
     "unstructured_pool",
+    "unstructured_pool_bypass",
     "fed_icl",
     "static_global",
     "reranker_bypass",
@@ -757,14 +758,15 @@ class Simulation:
         if c.diagnostics:
             self.progress(f"{self.seed_name(seed)}: diagnostics")
             result.diagnostics = self.diagnostics(final_router, split, test, seed)
-        result.privacy = self.membership_attack(shares, _everything_sent(outcomes), split.test, seed)
+        sent = _everything_sent(outcomes)
+        result.privacy = self.membership_attack(shares, sent, split.test, seed)
         if variants:
             self.progress(f"{self.seed_name(seed)}: transfer of the final global to {len(variants)} variants")
             rows = self.transfer(final.global_compendium, split.probe, test, variants)
             result.transfer = [{"seed": seed, **row} for row in rows]
         if c.baselines:
             self.progress(f"{self.seed_name(seed)}: baselines")
-            for method, report in self.baselines(shares, logs, final, split, test, seed).items():
+            for method, report in self.baselines(shares, logs, final, split, test, seed, sent).items():
                 result.rows.append(_row(method, None, seed, report))
         return result
 
@@ -857,7 +859,16 @@ class Simulation:
             probe_set=self._probe_set(split.probe),
         ).compendium
 
-    def baselines(self, shares, logs, final: RoundOutcome, split, test, seed) -> dict[str, Any]:
+    def baselines(
+        self, shares, logs, final: RoundOutcome, split, test, seed, sent: dict[str, Compendium]
+    ) -> dict[str, Any]:
+        """Every baseline on the run's split and test sample. The ones that share data instead of
+        a merged compendium (the unstructured pool, Fed-ICL) are routed by the same router as
+        SYNAPSE (linear head and fusion weights fitted on the public probe split, which every
+        participant has): what differs is what is shared, not the router. Description-only and
+        BM25 are the paper's public-knowledge references (top-1 cosine over the descriptions,
+        lexical retrieval over the global); `unstructured_pool_bypass` is the pool under top-1
+        cosine, beside SYNAPSE's `reranker_bypass`."""
         out = {}
         central_global = self.centralized_global(shares, logs, split, seed)
         if self.config.tune_router_epochs:
@@ -885,20 +896,23 @@ class Simulation:
         )
         out["description_only"] = self.evaluate(Router(descriptions, self.engine, "none"), test)
         out["bm25"] = self.bm25(final.global_compendium, test)
+        # Every scenario the clients submitted over the rounds (masked, as sent), pooled
+        # without a merge.
         pool = Compendium(
-            scenarios=_unique_scenarios(
-                s for c in final.client_compendiums.values() for s in c.scenarios
-            )
+            scenarios=_unique_scenarios(s for c in sent.values() for s in c.scenarios)
         )
-        out["unstructured_pool"] = self.evaluate(Router(pool, self.engine, "none"), test)
+        out["unstructured_pool"] = self.evaluate(self.router(pool, split.probe), test)
+        out["unstructured_pool_bypass"] = self.evaluate(Router(pool, self.engine, "none"), test)
+        # Fed-ICL: each client shares k raw requests its log routed successfully, and the prompt
+        # lists the tools (their descriptions), as any in-context routing prompt does.
         rng = random.Random(seed)
         exemplars = []
         for share in shares:
-            successes = [q for q in share.queries]
-            for q in rng.sample(successes, min(self.config.fed_icl_exemplars, len(successes))):
-                exemplars.append(Scenario(tool_id=q.tool_id, text=q.query))
-        icl = Compendium(scenarios=_unique_scenarios(exemplars))
-        out["fed_icl"] = self.evaluate(Router(icl, self.engine, "none"), test)
+            successes = [line for line in logs[share.client] if line["outcome"] == "success"]
+            for line in rng.sample(successes, min(self.config.fed_icl_exemplars, len(successes))):
+                exemplars.append(Scenario(tool_id=line["tool"], text=line["query"]))
+        icl = Compendium(scenarios=_unique_scenarios([*exemplars, *descriptions.scenarios]))
+        out["fed_icl"] = self.evaluate(self.router(icl, split.probe), test)
         return out
 
     def bm25(self, compendium: Compendium, test: Sequence[LabelledQuery]):

@@ -25,6 +25,7 @@ from federation.simulation.runner import (
     Simulation,
     SimulationConfig,
     adversary_count,
+    aggregates_in,
 )
 from federation.simulation.through_services import (
     ScratchDatabaseUnavailable,
@@ -385,6 +386,13 @@ class Command(BaseCommand):
             raise CommandError("--in-memory and --through-services exclude each other")
         if o["aggregate_every"] < 0:
             raise CommandError("--aggregate-every must be 0 (frozen after round 1) or a number of rounds")
+        if not o["no_baselines"] and not aggregates_in(o["rounds"], o["aggregate_every"]):
+            # the baselines are built from the last round's client compendiums: none exist then
+            raise CommandError(
+                f"--aggregate-every {o['aggregate_every']}: round {o['rounds']}, the last, does not "
+                "aggregate, and the baselines are built from the last round's client compendiums; "
+                "add --no-baselines or choose a number of rounds the cadence aggregates in"
+            )
         if o["drift_every"] < 0:
             raise CommandError("--drift-every must be 0 (no drift) or a number of rounds")
         taus = _floats(o["sweep_tau"])
