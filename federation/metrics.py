@@ -12,6 +12,7 @@ from __future__ import annotations
 from datetime import timedelta
 
 from django.db.models import Count, Exists, OuterRef, Sum
+from django.db.models.functions import Coalesce
 from django.utils import timezone
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
@@ -85,15 +86,19 @@ class FederationCollector:
             "The open round's deadline (Unix time; 0: no round open or no deadline).",
             value=_seconds(open_round.closes_at if open_round else None),
         )
+        # From the start of the pipeline's current run: a round retried today after failing
+        # yesterday is not a merge stuck for a day.
         waiting = (
             Round.objects.filter(state__in=[Round.State.CLOSING, Round.State.MERGING])
-            .order_by("closed_at")
-            .values_list("closed_at", flat=True)
+            .annotate(started=Coalesce("attempt_started_at", "closed_at"))
+            .order_by("started")
+            .values_list("started", flat=True)
             .first()
         )
         yield GaugeMetricFamily(
             "synapse_merge_pending_seconds",
-            "Seconds since the oldest round that is closing or merging was closed (0: none).",
+            "Seconds since the merge pipeline of the oldest closing or merging round started "
+            "(its close, or its latest retry; 0: none).",
             value=max(0.0, (self.now - waiting).total_seconds()) if waiting else 0.0,
         )
 

@@ -75,6 +75,9 @@ class Round(models.Model):
     # operator closes it by hand).
     closes_at = models.DateTimeField(null=True, blank=True)
     closed_at = models.DateTimeField(null=True, blank=True)
+    # When the current run of the merge pipeline started: the close, or the latest retry (what
+    # /metrics' synapse_merge_pending_seconds counts from; closed_at stays the close).
+    attempt_started_at = models.DateTimeField(null=True, blank=True)
     published_at = models.DateTimeField(null=True, blank=True)
 
     class Meta:

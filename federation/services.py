@@ -1071,8 +1071,8 @@ def close_round(actor: Actor, rnd: Round | int | None = None) -> Round:
     require_operator(actor, "close rounds")
     rnd = _locked_round(rnd)
     _move(rnd, Round.State.CLOSING, "close", source=Round.State.OPEN)
-    rnd.closed_at = timezone.now()
-    rnd.save(update_fields=["state", "closed_at"])
+    rnd.closed_at = rnd.attempt_started_at = timezone.now()
+    rnd.save(update_fields=["state", "closed_at", "attempt_started_at"])
     submissions = rnd.compendiums.filter(kind="client").count()
     audit(actor, AuditLog.Action.ROUND_CLOSE, target=rnd, details={"submissions": submissions})
     _send_round_closed(rnd)
@@ -1098,7 +1098,8 @@ def retry_round(actor: Actor, rnd: Round | int) -> Round:
     )
     rnd.failure_reason = ""
     rnd.attempt += 1
-    rnd.save(update_fields=["state", "failure_reason", "attempt"])
+    rnd.attempt_started_at = timezone.now()
+    rnd.save(update_fields=["state", "failure_reason", "attempt", "attempt_started_at"])
     audit(actor, AuditLog.Action.ROUND_RETRY, target=rnd, details={"previous_failure": reason})
     _send_round_closed(rnd)
     return rnd

@@ -217,6 +217,24 @@ def test_overview_for_the_operator(operator_client, federation):
     assert "vendor/plotly.min.js" in content and "Globex Health" in content
 
 
+def test_overview_totals_and_client_figures_count_every_round_not_only_the_tables(federation):
+    """The table holds the latest `max_rounds` rounds; the submission total and each client's
+    rounds submitted and mean size were counted over those alone (past 50 daily rounds, the
+    Overview under-counted without a word)."""
+    from federation.dashboard.services import federation_overview
+    from federation.models import Organization
+
+    everything = federation_overview(Organization.objects.all(), include_unpublished=True)
+    latest_two = federation_overview(Organization.objects.all(), include_unpublished=True,
+                                     max_rounds=2)
+    assert [row.round.number for row in latest_two.rounds] == [4, 3]
+    assert latest_two.totals["submissions"] == everything.totals["submissions"] == 11
+    node = {str(r.client): r for r in latest_two.clients}["acme/acme-node-1"]
+    whole = {str(r.client): r for r in everything.clients}["acme/acme-node-1"]
+    assert node.rounds == whole.rounds == 3 and node.last_round == 3
+    assert node.mean_size_bytes == whole.mean_size_bytes
+
+
 def test_overview_for_a_user_without_organizations(member_client, federation):
     response = member_client.get("/")
     assert response.status_code == 200
@@ -503,6 +521,20 @@ def test_tool_registry_lists_searches_and_paginates(member_client):
     misc = member_client.get(url, {"category": "Misc", "page": "2"})
     assert misc.context["page_obj"].paginator.count == 30 and misc.context["page_obj"].number == 1
     assert "calls/round" in first.content.decode()  # declared numeric fields
+    assert 'id="tools-no-global"' not in first.content.decode()
+
+
+def test_tool_registry_before_any_publication_shows_no_counts(member_client):
+    """Before a global is published every tool showed 0 scenarios and 0 precautions, as if the
+    federation had published one without them."""
+    from compendium.models import CompendiumVersion
+
+    CompendiumVersion.objects.filter(kind="global").delete()
+    page = member_client.get(reverse("dashboard:tools"), {"q": "forecast"}).content.decode()
+    assert 'id="tools-no-global"' in page
+    row = page[page.index('id="tools"'):]
+    cells = re.findall(r'<td class="num">([^<]*)</td>', row[: row.index("</table>")])
+    assert cells == ["–", "–"]
 
 
 # --- plots and static files -------------------------------------------------------------------------

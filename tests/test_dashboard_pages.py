@@ -543,6 +543,21 @@ def test_privacy_page_says_how_many_released_statistics_the_noise_swamps(client,
         expected.pop("Org A")
         assert "Org A" not in section
     assert {name: rest for name, *rest in rows} == {k: list(v) for k, v in expected.items()}
+    if role == "operator":
+        # An erasure re-released Org A's round 3 over 9 clients: the page shows that release,
+        # not the superseded one's statistics and K mixed in with it.
+        PrivacyLedgerEntry.objects.create(
+            round=r3, organization=fed.org_a, release=1, tool_id="weather", field="calls",
+            sensitivity=1.0, contributors=9, epsilon=1.0, noise_scale=1.0 / 9, mechanism="laplace",
+            field_cap=2,
+        )
+        body = login(client, fed, role).get(reverse("dashboard:privacy")).content.decode()
+        section = body[body.index('id="release-signal"'):]
+        section = section[: section.index("</section>")]
+        rows = re.findall(r"<tr[^>]*><td>([^<]*)</td><td class=\"num\">(\d+)</td><td class=\"num\">(\d+)"
+                          r"</td><td class=\"num\">([^<]*)</td><td class=\"num\">([^<]*)</td>"
+                          r"<td class=\"num\">([^<]*)</td><td class=\"num\">([^<]*)</td>", section)
+        assert {name: rest for name, *rest in rows}["Org A"] == ["3", "1", "9", "1", "2", "0 of 1"]
 
 
 def test_privacy_page_shows_the_committed_figure_with_reservations(client, fed):
@@ -794,7 +809,7 @@ def test_accuracy_curves_give_every_method_its_own_colour(client, fed):
     curves = figures_in(body)[0]
     colors = {t["name"]: t["line"]["color"] for t in curves["data"]}
     assert set(colors) == {row["method"] for row in summary}
-    assert len(set(colors.values())) == len(colors)  # 12 methods, 12 colours
+    assert len(set(colors.values())) == len(colors)  # a colour each
     # SYNAPSE is drawn over the others and listed first
     assert curves["data"][-1]["name"] == "synapse" and curves["data"][-1]["legendrank"] == 1
     # and a method keeps its colour from one run to the next
@@ -851,6 +866,19 @@ def test_accuracy_page_tables_the_adversarial_rows_against_the_clean_run(client,
     assert cells[0] == ["camouflaged_poisoning", "40%", "none", "0.540", "0.020", "0.900",
                         "21 / 120", "1 / 180", "30%"]
     assert cells[1] == ["tool_confusion", "20%", "krum", "0.300", "–", "0.500", "–", "–", "–"]
+    # the curves carry each row's sd as error bars
+    [adversarial] = [f for f in figures_in(body) if f["layout"]["title"]["text"].startswith(
+        "Accuracy under adversarial")]
+    bars = {t["name"]: t["error_y"]["array"] for t in adversarial["data"]}
+    assert bars == {"camouflaged_poisoning · none": [0.02], "tool_confusion · krum": [0]}
+    # A run that itself had adversaries is no clean run to divide by: no "× clean".
+    SimulationRun.objects.create(label="adv under attack", dataset="tiny", document={
+        **DOCUMENT, "adversarial": rows, "config": {"adversarial_fraction": 0.4}})
+    body = client.get(reverse("dashboard:accuracy")).content.decode()
+    table = body[body.index('id="accuracy-adversarial-table"'):]
+    table = table[: table.index("</table>")]
+    cells = [re.findall(r"<td[^>]*>(.*?)</td>", row) for row in re.findall(r"<tr><td>.*?</tr>", table)]
+    assert [row[5] for row in cells] == ["–", "–"]
 
 
 def test_accuracy_page_says_where_the_run_ran(client, fed):

@@ -475,6 +475,9 @@ def test_round_closed_signal_is_sent_after_commit_on_close_and_retry(
             services.close_round(operator, rnd)
             assert received == []  # not before the transaction commits
         assert len(callbacks) == 1
+        rnd.refresh_from_db()
+        closed = rnd.closed_at
+        assert rnd.attempt_started_at == closed
         services.mark_failed(rnd, "edge 2 timed out")
         with django_capture_on_commit_callbacks(execute=True):
             services.retry_round(operator, rnd)
@@ -483,6 +486,8 @@ def test_round_closed_signal_is_sent_after_commit_on_close_and_retry(
     assert received == [(Round, 1, "closing"), (Round, 1, "closing")]
     rnd.refresh_from_db()
     assert rnd.failure_reason == ""
+    # The retry starts a new run of the pipeline; the round was still closed at its close.
+    assert rnd.closed_at == closed and rnd.attempt_started_at > closed
 
 
 def test_close_rolled_back_sends_nothing(world, django_capture_on_commit_callbacks):

@@ -17,7 +17,7 @@ from datetime import timedelta
 
 import plotly.graph_objects as go
 from django.core.paginator import Page, Paginator
-from django.db.models import Count, IntegerField, Min, OuterRef, Q, QuerySet, Subquery, Value
+from django.db.models import Avg, Count, IntegerField, Min, OuterRef, Q, QuerySet, Subquery, Value
 from django.db.models.functions import Coalesce, Lower
 from django.utils import timezone
 from django.utils.safestring import SafeString
@@ -140,6 +140,7 @@ def federation_overview(
         row.probe_accuracy = row.round.merge_probe_accuracy
         row.probe_queries = row.round.merge_probe_queries or 0
 
+    # The bytes chart's points: the table's rounds.
     points = list(
         submissions.order_by("round__number").values(
             "client_id", "round__number", "size_bytes", "gzip_bytes",
@@ -153,15 +154,22 @@ def federation_overview(
     per_client: dict[int, list[dict]] = defaultdict(list)
     for point in points:
         per_client[point["client_id"]].append(point)
-    for client_id, series in per_client.items():
-        row = client_rows[client_id]
-        row.rounds = len(series)
-        row.last_round = series[-1]["round__number"]
-        row.last_size_bytes = series[-1]["size_bytes"]
-        row.last_gzip_bytes = series[-1]["gzip_bytes"]
-        row.last_wire_bytes = series[-1]["submission__wire_bytes"]
-        row.last_encoding = series[-1]["submission__content_encoding"] or ""
-        row.mean_size_bytes = sum(p["size_bytes"] for p in series) / len(series)
+    # Each client's figures over every round, not only the table's latest `max_rounds`: its
+    # rounds submitted and mean size (one aggregate) and its last submission (DISTINCT ON).
+    every = CompendiumVersion.objects.filter(kind=KIND_CLIENT, client__organization__in=organizations)
+    for item in every.order_by().values("client_id").annotate(n=Count("id"), mean=Avg("size_bytes")):
+        row = client_rows[item["client_id"]]
+        row.rounds, row.mean_size_bytes = item["n"], item["mean"]
+    for last in every.order_by("client_id", "-round__number").distinct("client_id").values(
+        "client_id", "round__number", "size_bytes", "gzip_bytes",
+        "submission__wire_bytes", "submission__content_encoding",
+    ):
+        row = client_rows[last["client_id"]]
+        row.last_round = last["round__number"]
+        row.last_size_bytes = last["size_bytes"]
+        row.last_gzip_bytes = last["gzip_bytes"]
+        row.last_wire_bytes = last["submission__wire_bytes"]
+        row.last_encoding = last["submission__content_encoding"] or ""
 
     state_counts = dict(
         Round.objects.order_by().values_list("state").annotate(n=Count("id")).values_list("state", "n")
@@ -174,7 +182,7 @@ def federation_overview(
             "rounds": sum(state_counts.values()),
             "clients": len(clients),
             "approved_clients": sum(c.status == Client.Status.APPROVED for c in clients),
-            "submissions": len(points),
+            "submissions": sum(row.rounds for row in client_rows.values()),
         },
     )
     overview.open_round = next((r for r in rounds if r.state == Round.State.OPEN), None)
@@ -833,7 +841,7 @@ def not_released_fields(
 
 
 def release_signal(organizations: QuerySet) -> list[dict]:
-    """Per edge of `organizations`, its releases of the latest round it released in: how many
+    """Per edge of `organizations`, its latest release of the latest round it released in: how many
     statistics, at which K and ε per statistic, and how many of them carry noise at least as wide
     as the whole window the clients' clipped values lie in (b >= Δ, that is K·ε <= 1), which
     leaves a released average next to nothing of what the clients sent. Newest round first, then
@@ -847,8 +855,14 @@ def release_signal(organizations: QuerySet) -> list[dict]:
     latest = rows.values("organization").annotate(last=Max("round__number"))
     if not latest:
         return []
-    wanted = reduce(or_, (Q(organization=item["organization"], round__number=item["last"])
-                          for item in latest))
+    in_round = reduce(or_, (Q(organization=item["organization"], round__number=item["last"])
+                            for item in latest))
+    # The latest release of that round: an erasure's re-release supersedes the one before (whose
+    # rows stay in the ledger, spent), and mixing them counted statistics twice and their K.
+    releases = rows.filter(in_round).values("organization").annotate(last=Max("release"))
+    last_release = {item["organization"]: item["last"] for item in releases}
+    wanted = reduce(or_, (Q(organization=item["organization"], round__number=item["last"],
+                            release=last_release[item["organization"]]) for item in latest))
     summaries = (
         rows.filter(wanted)
         .values("organization", "organization__name", "round__number")
@@ -1175,7 +1189,10 @@ def accuracy_page(run_id=None) -> AccuracyPage:
     page.adversarial = list(doc.get("adversarial") or [])
     last = max((r for r in page.summary if r.get("method") == "synapse" and r.get("round") is not None),
                key=lambda r: r["round"], default=None)
-    page.adversarial_table = _adversarial_table(page.adversarial, last and last["accuracy_mean"])
+    # "× clean" against the run's own SYNAPSE only when that run had no adversaries; else none
+    # (a ratio to a poisoned run would flatter the sweep).
+    clean = last and not (doc.get("config") or {}).get("adversarial_fraction")
+    page.adversarial_table = _adversarial_table(page.adversarial, clean and last["accuracy_mean"])
     if any(r.get("adversarial_mode") == "camouflaged_poisoning" for r in page.adversarial):
         page.camouflage_share = (doc.get("config") or {}).get("camouflage_share")
     page.privacy_sweep = list(doc.get("privacy_sweep") or [])
@@ -1209,8 +1226,10 @@ def accuracy_page(run_id=None) -> AccuracyPage:
             ))
         for r in rows:
             if r["round"] is None and all_rounds:
+                # markers too: a one-round run's line has no length
                 curves.add_trace(go.Scatter(
-                    x=[all_rounds[0], all_rounds[-1]], y=[r["accuracy_mean"]] * 2, mode="lines",
+                    x=[all_rounds[0], all_rounds[-1]], y=[r["accuracy_mean"]] * 2,
+                    mode="lines+markers" if len(all_rounds) == 1 else "lines",
                     name=method, line={"dash": "dash", "color": colors[method]},
                 ))
     if page.summary:
@@ -1231,9 +1250,10 @@ def accuracy_page(run_id=None) -> AccuracyPage:
             groups[(row.get("adversarial_mode", ""), row.get("robust_rule", "none"))].append(row)
         for (mode, rule), rows in sorted(groups.items()):
             rows = sorted(rows, key=lambda r: r.get("adversarial_fraction", 0))
-            adv.add_trace(go.Scatter(x=[r.get("adversarial_fraction", 0) for r in rows],
-                                     y=[r["accuracy"] for r in rows], mode="lines+markers",
-                                     name=f"{mode} · {rule}"))
+            adv.add_trace(go.Scatter(
+                x=[r.get("adversarial_fraction", 0) for r in rows], y=[r["accuracy"] for r in rows],
+                error_y={"type": "data", "array": [r.get("accuracy_sd") or 0 for r in rows]},
+                mode="lines+markers", name=f"{mode} · {rule}"))
         styled(adv, title={"text": "Accuracy under adversarial clients"},
                xaxis={"title": {"text": "adversarial fraction"}},
                yaxis={"title": {"text": "accuracy"}, "range": [0, 1]})
@@ -1247,6 +1267,7 @@ def accuracy_page(run_id=None) -> AccuracyPage:
             rows = sorted(rows, key=lambda r: r.get("epsilon", 0))
             frontier.add_trace(go.Scatter(
                 x=[r.get("membership_auroc") for r in rows], y=[r["accuracy"] for r in rows],
+                error_y={"type": "data", "array": [r.get("accuracy_sd") or 0 for r in rows]},
                 text=[f"ε={r.get('epsilon')}" for r in rows], mode="lines+markers+text",
                 textposition="top center", name=f"λ = {lam}", cliponaxis=False,
             ))
@@ -1483,7 +1504,7 @@ def routing_traffic_view(now=None) -> TrafficView:
         chart = render_figure(
             routing_latency_figure(traffic.hourly, now),
             div_id="routing-latency",
-            label="Routing API latency (p50, p95) and calls per hour, last 24 hours",
+            label="Routing API single-query latency (p50, p95) and calls per hour, last 24 hours",
         )
     return TrafficView(traffic, chart)
 
@@ -1492,7 +1513,7 @@ HOUR_MS = 3_600_000
 
 
 def routing_latency_figure(hourly: list[dict], now) -> go.Figure:
-    """Calls per hour as bars, p50/p95 as lines, over the 24 whole hours up to the current one
+    """Single-query calls per hour as bars (the batch form is not in it), p50/p95 as lines, over the 24 whole hours up to the current one
     (a single busy hour would otherwise fill the axis down to milliseconds), in the server's
     time zone."""
 
@@ -1502,7 +1523,7 @@ def routing_latency_figure(hourly: list[dict], now) -> go.Figure:
     end = local(now).replace(minute=0, second=0, microsecond=0) + timedelta(hours=1)
     hours = [local(row["hour"]) + timedelta(minutes=30) for row in hourly]  # a bar over its hour
     fig = go.Figure()
-    fig.add_trace(go.Bar(x=hours, y=[row["calls"] for row in hourly], name="calls", yaxis="y2",
+    fig.add_trace(go.Bar(x=hours, y=[row["calls"] for row in hourly], name="single-query calls", yaxis="y2",
                          width=0.9 * HOUR_MS, marker={"color": "#9aa7ba"}, opacity=0.35))
     for key, name in (("p50_ms", "p50"), ("p95_ms", "p95")):
         fig.add_trace(go.Scatter(x=hours, y=[row[key] for row in hourly], name=f"{name} latency",
@@ -1513,5 +1534,5 @@ def routing_latency_figure(hourly: list[dict], now) -> go.Figure:
         xaxis={"title": {"text": f"hour ({timezone.get_current_timezone_name()})"}, "type": "date",
                "range": [end - timedelta(hours=24), end]},
         yaxis={"title": {"text": "latency (ms)"}, "rangemode": "tozero"},
-        yaxis2=right_axis("calls"),
+        yaxis2=right_axis("single-query calls"),
     )
