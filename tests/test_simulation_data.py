@@ -125,6 +125,12 @@ def test_diagnostics_measure_masking_distortion_and_reranker_contraction():
     assert masked["masking_lipschitz_lambda_1.5_share_changed"] >= masked["masking_lipschitz_lambda_0.5_share_changed"] > 0
     assert masked["masking_lipschitz_lambda_1.5_mean_text_distance"] >= masked["masking_lipschitz_lambda_0.5_mean_text_distance"]
     assert masked["masking_lipschitz_lambda_1.5_p99"] > 0
+    # Masked as a client masks: the words enough of its users wrote are released, so its texts
+    # change less (the diagnostic masked every client's words, a harsher masking than sent).
+    words = [frozenset(w.lower() for w in t.replace("?", " ").split()) for t in texts]
+    released = masking_lipschitz(texts, tools, [1.5], engine.embed, seed=0, shared=words)
+    assert (released["masking_lipschitz_lambda_1.5_mean_text_distance"]
+            < masked["masking_lipschitz_lambda_1.5_mean_text_distance"])
     pairs = scenario_pair_lipschitz(texts, engine.embed, pairs=20, seed=0)
     assert pairs["scenario_lipschitz_pairs"] == 20 and pairs["scenario_lipschitz_p99"] > 0
     compendium = Compendium(scenarios=[

@@ -72,13 +72,18 @@ def _summary(prefix: str, ratios, dist_t, dist_e, total: int) -> dict[str, float
 
 
 def masking_lipschitz(
-    texts: Sequence[str], tools: Sequence[ToolSpec], strengths: Sequence[float], embed, seed: int
+    texts: Sequence[str], tools: Sequence[ToolSpec], strengths: Sequence[float], embed, seed: int,
+    shared: Sequence[frozenset[str]] | None = None,
 ) -> dict[str, float]:
-    """L_e of the masking transformation at each λ: pairs (text, masked text)."""
+    """L_e of the masking transformation at each λ: pairs (text, masked text). `shared`: per
+    text, the words its client releases (those enough of its users wrote,
+    `compendium.builder.shared_words`), so that each text is masked as its client masks it."""
     out: dict[str, float] = {}
+    releases = shared if shared is not None else [frozenset()] * len(texts)
     for strength in strengths:
-        masker = TextMasker.for_registry(tools, strength=strength, seed=seed)
-        masked = [masker.mask(t).text for t in texts]
+        base = TextMasker.for_registry(tools, strength=strength, seed=seed)
+        maskers = {id(words): base.sharing(words) if words else base for words in releases}
+        masked = [maskers[id(words)].mask(t).text for t, words in zip(texts, releases, strict=True)]
         ratios, dist_t, dist_e = lipschitz_ratios(texts, masked, embed)
         out.update(_summary(f"masking_lipschitz_lambda_{strength:g}", ratios, dist_t, dist_e, len(texts)))
     return out
@@ -133,7 +138,8 @@ def reranker_contraction(
         b = np.array([q.get(t, 0.0) for t in tools])
         ratios.append(float(np.linalg.norm(a - b) / np.linalg.norm(vector - noisy)))
         top = np.sort(np.array(list(p.values())))[::-1]
-        margins.append(float(top[0] - top[1]) if len(top) > 1 else float(top[0]))
+        if len(top) > 1:  # a lone candidate has no runner-up to keep a margin from
+            margins.append(float(top[0] - top[1]))
         unchanged.append(max(p, key=p.get) == max(q, key=q.get))
     if not ratios:
         return {}
@@ -141,8 +147,8 @@ def reranker_contraction(
         "reranker_contraction_p99": float(np.percentile(ratios, 99)),
         "reranker_contraction_p50": float(np.percentile(ratios, 50)),
         "share_contracting": float(np.mean(np.array(ratios) < 1.0)),
-        "margin_p5": float(np.percentile(margins, 5)),
-        "margin_p50": float(np.percentile(margins, 50)),
+        "margin_p5": float(np.percentile(margins, 5)) if margins else None,
+        "margin_p50": float(np.percentile(margins, 50)) if margins else None,
         "decisions_unchanged_under_noise": float(np.mean(unchanged)),
         "noise_sigma": sigma,
         "queries": float(len(ratios)),

@@ -572,7 +572,9 @@ def table(document: dict[str, Any]) -> str:
         lines.append(
             (f"masking L_e (99%) at λ={lam:g}: {lipschitz:.3f}; " if lipschitz is not None else "")
             + f"reranker contraction L_R (99%): {diag['reranker_contraction_p99']:.3f}, "
-            f"margin Δ (5%): {diag['margin_p5']:.3f}, decisions unchanged under noise: "
+            + (f"margin Δ (5%): {diag['margin_p5']:.3f}, " if diag.get("margin_p5") is not None
+               else "")
+            + "decisions unchanged under noise: "
             f"{diag['decisions_unchanged_under_noise']:.1%}"
         )
     privacy = document.get("privacy", {})

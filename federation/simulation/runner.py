@@ -26,7 +26,7 @@ from typing import Any
 import numpy as np
 
 from compendium import transport
-from compendium.builder import BuildOptions, build_compendium
+from compendium.builder import BuildOptions, build_compendium, shared_words
 from compendium.canonical import canonical_bytes
 from compendium.delta import (
     DEFAULT_SINCE_CONFIDENCE,
@@ -757,7 +757,7 @@ class Simulation:
         result.communication = communication(outcomes)
         if c.diagnostics:
             self.progress(f"{self.seed_name(seed)}: diagnostics")
-            result.diagnostics = self.diagnostics(final_router, split, test, seed)
+            result.diagnostics = self.diagnostics(final_router, split, test, seed, logs)
         sent = _everything_sent(outcomes)
         result.privacy = self.membership_attack(shares, sent, split.test, seed)
         if variants:
@@ -772,15 +772,24 @@ class Simulation:
 
     # --- diagnostics --------------------------------------------------------------------------
 
-    def diagnostics(self, router: Router, split, test, seed: int) -> dict[str, float]:
+    def diagnostics(self, router: Router, split, test, seed: int, logs) -> dict[str, float]:
         """federation.simulation.diagnostics on this seed: masking distortion of the clients'
-        private queries at λ in {0.5, 1, 1.5} and the configured λ, scenario pairs of the final
+        private queries at λ in {0.5, 1, 1.5} and the configured λ, each masked as its client
+        masks it (with the words enough of its users wrote released), scenario pairs of the final
         global compendium, and the fusion reranker's contraction and margin on held-out queries."""
         c = self.config
         rng = random.Random(f"diagnostics|{seed}")
-        private = [q.query for q in rng.sample(split.train, min(c.diagnostic_pairs, len(split.train)))]
+        released = {
+            client: shared_words(_records(lines, self.tool_ids), c.shared_word_users)
+            if c.shared_word_users else frozenset()
+            for client, lines in logs.items()
+        }
+        pairs = [(line["query"], client) for client, lines in sorted(logs.items()) for line in lines]
+        picked = rng.sample(pairs, min(c.diagnostic_pairs, len(pairs)))
+        private = [text for text, _ in picked]
         strengths = sorted({0.5, 1.0, 1.5, c.mask_strength} - {0.0})
-        out = masking_lipschitz(private, self.dataset.tools, strengths, self.engine.embed, seed)
+        out = masking_lipschitz(private, self.dataset.tools, strengths, self.engine.embed, seed,
+                                shared=[released[client] for _, client in picked])
         out.update(
             scenario_pair_lipschitz(
                 [s.text for s in router.index.compendium.scenarios], self.engine.embed,
