@@ -518,6 +518,16 @@ def test_privacy_ledger_shows_an_edges_k_and_noise_only_to_its_organization_and_
         assert b not in body
 
 
+def _release_signal_rows(body: str) -> list[tuple]:
+    """The rows of the Privacy page's "What the noise leaves" table: (edge, round, statistics,
+    K, ε per statistic, F*, noisy)."""
+    section = body[body.index('id="release-signal"'):]
+    section = section[: section.index("</section>")]
+    return re.findall(r"<tr[^>]*><td>([^<]*)</td><td class=\"num\">(\d+)</td><td class=\"num\">(\d+)"
+                      r"</td><td class=\"num\">([^<]*)</td><td class=\"num\">([^<]*)</td>"
+                      r"<td class=\"num\">([^<]*)</td><td class=\"num\">([^<]*)</td>", section)
+
+
 @pytest.mark.parametrize("role", ["operator", "admin_b"])
 def test_privacy_page_says_how_many_released_statistics_the_noise_swamps(client, fed, role):
     # Org A released again in a later round, once at K·ε = 10 (b = 0.1 < Δ) and once at
@@ -532,9 +542,7 @@ def test_privacy_page_says_how_many_released_statistics_the_noise_swamps(client,
     body = login(client, fed, role).get(reverse("dashboard:privacy")).content.decode()
     section = body[body.index('id="release-signal"'):]
     section = section[: section.index("</section>")]
-    rows = re.findall(r"<tr[^>]*><td>([^<]*)</td><td class=\"num\">(\d+)</td><td class=\"num\">(\d+)"
-                      r"</td><td class=\"num\">([^<]*)</td><td class=\"num\">([^<]*)</td>"
-                      r"<td class=\"num\">([^<]*)</td><td class=\"num\">([^<]*)</td>", section)
+    rows = _release_signal_rows(body)
     expected = {
         "Org A": ("3", "2", "10", "0.1–1", "2", "1 of 2"),
         "Org B": ("1", "2", "3", "0.4–0.6", "none", "2 of 2"),
@@ -552,11 +560,7 @@ def test_privacy_page_says_how_many_released_statistics_the_noise_swamps(client,
             field_cap=2,
         )
         body = login(client, fed, role).get(reverse("dashboard:privacy")).content.decode()
-        section = body[body.index('id="release-signal"'):]
-        section = section[: section.index("</section>")]
-        rows = re.findall(r"<tr[^>]*><td>([^<]*)</td><td class=\"num\">(\d+)</td><td class=\"num\">(\d+)"
-                          r"</td><td class=\"num\">([^<]*)</td><td class=\"num\">([^<]*)</td>"
-                          r"<td class=\"num\">([^<]*)</td><td class=\"num\">([^<]*)</td>", section)
+        rows = _release_signal_rows(body)
         assert {name: rest for name, *rest in rows}["Org A"] == ["3", "1", "9", "1", "2", "0 of 1"]
 
 
