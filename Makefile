@@ -35,10 +35,10 @@ demo: install
 		--sweep-lambda 0,1.5 --label "demo: 3 orgs x 2 clients, 3% public probe set" --unless-stored
 	@cat $(DATA_DIR)/demo-logins.txt
 	@$(PY) manage.py round_status --last 4
-	@# Served as in production: DEBUG off (no traceback or URL-list pages), with a secret key
-	@# made once for this checkout.
-	@test -s $(DATA_DIR)/secret_key || $(PY) -c "import secrets; print(secrets.token_urlsafe(50))" > $(DATA_DIR)/secret_key
-	DEBUG=0 SECRET_KEY="$$(cat $(DATA_DIR)/secret_key)" $(PY) -m gunicorn synapse_web.wsgi:application \
+	@# Served as in production: DEBUG off (no traceback or URL-list pages), with the checkout's
+	@# own secret key, which the settings made in $(DATA_DIR)/secret_key at the first command above
+	@# (or the SECRET_KEY the environment gives, which the commands above used too).
+	DEBUG=0 SECRET_KEY="$${SECRET_KEY:-$$(cat $(DATA_DIR)/secret_key)}" $(PY) -m gunicorn synapse_web.wsgi:application \
 		--bind $(HOST):$(PORT) --workers 2 --threads 4 --access-logfile -
 
 test: install

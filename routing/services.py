@@ -491,7 +491,7 @@ def served_compendium() -> ServedCompendium:
             if _recently_failed(key):  # it failed while this request waited for the lock
                 return _instead_of_failed(version, previous)
             served = _build(key, version, tuned_directory, previous)
-            if served is previous:
+            if served is None:
                 return _instead_of_failed(version, previous)
             _served.clear()  # only the current version is kept
             _served[key] = served
@@ -515,8 +515,9 @@ def _recently_failed(key) -> bool:
 
 
 def _build(key, version: CompendiumVersion, tuned_directory: str, previous):
-    """`build_served`, or `previous` when it fails (remembered in `_failed`: the next build is
-    tried SYNAPSE_ROUTING_REBUILD_SECONDS later, not by every request meanwhile)."""
+    """`build_served`, or None when it fails (remembered in `_failed`, with whether `previous`
+    may go on: the next build is tried SYNAPSE_ROUTING_REBUILD_SECONDS later, not by every
+    request meanwhile)."""
     global _failed
     try:
         served = build_served(version, tuned_directory)
@@ -532,7 +533,7 @@ def _build(key, version: CompendiumVersion, tuned_directory: str, previous):
             pk=previous.version_id
         ).exists()
         _failed = (key, time.monotonic(), reason, alive)
-        return previous
+        return None
     _failed = None
     return served
 

@@ -120,37 +120,41 @@ def test_guesses_sent_in_parallel_get_at_most_the_limit_of_password_checks(peopl
     import threading
 
     from django.contrib.auth.backends import ModelBackend
+    from django.core.exceptions import PermissionDenied
     from django.db import connection
     from django.test import RequestFactory
 
-    checked, go = [], threading.Event()
+    checked, outcomes, go = [], [], threading.Event()
+    arrived = threading.Condition()
     real = ModelBackend.authenticate
 
     def slow_check(self, request, username=None, password=None, **kwargs):
-        checked.append(password)
+        with arrived:
+            checked.append(password)
+            arrived.notify_all()
         go.wait(5)  # every guess that gets this far waits for the others to arrive
         return real(self, request, username=username, password=password, **kwargs)
 
     monkeypatch.setattr(ModelBackend, "authenticate", slow_check)
-    outcomes = []
 
     def guess(i):
         try:
             request = RequestFactory().post("/accounts/login/", REMOTE_ADDR=f"10.0.0.{i + 1}")
             try:
-                outcomes.append(authenticate(request, username="alice", password=f"guess {i}"))
-            except Exception as exc:  # noqa: BLE001 - PermissionDenied ends authenticate()
-                outcomes.append(exc)
+                outcome = authenticate(request, username="alice", password=f"guess {i}")
+            except PermissionDenied as refused:  # the throttle ends authenticate() so
+                outcome = refused
+            with arrived:
+                outcomes.append(outcome)
+                arrived.notify_all()
         finally:
             connection.close()
 
     threads = [threading.Thread(target=guess, args=(i,)) for i in range(8)]
     for thread in threads:
         thread.start()
-    for _ in range(200):  # until every guess was checked or refused (the refused return at once)
-        if len(checked) + len(outcomes) >= 8:
-            break
-        threading.Event().wait(0.05)
+    with arrived:  # every guess checked (waiting) or refused (returned at once)
+        assert arrived.wait_for(lambda: len(checked) + len(outcomes) >= 8, timeout=30)
     go.set()
     for thread in threads:
         thread.join(10)
