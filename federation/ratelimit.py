@@ -12,8 +12,8 @@ from django.db import connection, models
 from federation.models import RateCounter
 
 _UPSERT = f"""
-INSERT INTO {RateCounter._meta.db_table} (key, window_start, count) VALUES (%s, %s, 1)
-ON CONFLICT (key, window_start) DO UPDATE SET count = {RateCounter._meta.db_table}.count + 1
+INSERT INTO {RateCounter._meta.db_table} (key, window_start, count) VALUES (%s, %s, %s)
+ON CONFLICT (key, window_start) DO UPDATE SET count = {RateCounter._meta.db_table}.count + %s
 RETURNING count
 """
 
@@ -40,20 +40,22 @@ class Decision:
     retry_after: int  # seconds until the window ends (meaningful when refused)
 
 
-def hit(key: str, limit: int, window_s: int, now: float | None = None) -> Decision:
-    """Count one event for `key` in the current window; refused once the count exceeds limit."""
+def hit(key: str, limit: int, window_s: int, now: float | None = None, amount: int = 1) -> Decision:
+    """Count `amount` events (one by default) for `key` in the current window; refused once the
+    count exceeds limit."""
     current = window(window_s, now)
     with connection.cursor() as cursor:
-        cursor.execute(_UPSERT, [key, current.start])
+        cursor.execute(_UPSERT, [key, current.start, amount, amount])
         (count,) = cursor.fetchone()
     return Decision(count <= limit, count, limit, current.retry_after)
 
 
-def take_back(key: str, window_start: datetime) -> None:
-    """Uncount one event `hit` counted for `key` in the window starting at `window_start` (an
-    attempt counted before it was known whether it should count: a sign-in that succeeded)."""
-    RateCounter.objects.filter(key=key, window_start=window_start, count__gt=0).update(
-        count=models.F("count") - 1
+def take_back(key: str, window_start: datetime, amount: int = 1) -> None:
+    """Uncount `amount` events `hit` counted for `key` in the window starting at `window_start`
+    (an attempt counted before it was known whether it should count: a sign-in that succeeded, a
+    batch refused whole)."""
+    RateCounter.objects.filter(key=key, window_start=window_start, count__gte=amount).update(
+        count=models.F("count") - amount
     )
 
 

@@ -33,9 +33,15 @@ class _RoutingView(APIView):
     def post(self, request):
         try:
             body = self._body(request)
-            return Response(self.route(body))
+            return Response(self.route(body, services.caller_key(request.user)))
         except services.RoutingInputError as exc:
             return Response({"detail": str(exc)}, status=status.HTTP_400_BAD_REQUEST)
+        except services.RateLimited as exc:
+            return Response(
+                {"detail": str(exc)},
+                status=status.HTTP_429_TOO_MANY_REQUESTS,
+                headers={"Retry-After": str(exc.retry_after)},
+            )
         except services.RoutingUnavailable as exc:
             return Response({"detail": str(exc)}, status=status.HTTP_503_SERVICE_UNAVAILABLE)
 
@@ -107,16 +113,18 @@ _OPTIONS = {
     request=inline_serializer(
         "RouteRequest", {"query": serializers.CharField(min_length=1), **_OPTIONS}
     ),
-    responses={200: _DECISION, 400: _ERROR, 401: _ERROR, 503: _ERROR},
+    responses={200: _DECISION, 400: _ERROR, 401: _ERROR, 429: _ERROR, 503: _ERROR},
     summary="Route one query: the tool to call, its calibrated confidence and why",
 )
 class RouteView(_RoutingView):
     """POST {"query", "top_k"?, "reranker"?} -> the routing decision."""
 
-    def route(self, body: dict) -> dict:
+    def route(self, body: dict, caller: str) -> dict:
         if "query" not in body:
             raise services.RoutingInputError("query is required")
-        return services.route_query(body["query"], body.get("top_k"), body.get("reranker"))
+        return services.route_query(
+            body["query"], body.get("top_k"), body.get("reranker"), caller=caller
+        )
 
 
 @extend_schema(
@@ -137,6 +145,7 @@ class RouteView(_RoutingView):
         ),
         400: _ERROR,
         401: _ERROR,
+        429: _ERROR,
         503: _ERROR,
     },
     summary="Route many queries in one request (at most SYNAPSE_MAX_ROUTE_BATCH, 1,000 by default)",
@@ -144,7 +153,9 @@ class RouteView(_RoutingView):
 class RouteBatchView(_RoutingView):
     """POST {"queries": [...], "top_k"?, "reranker"?} -> {"results": [decision, ...], ...}."""
 
-    def route(self, body: dict) -> dict:
+    def route(self, body: dict, caller: str) -> dict:
         if "queries" not in body:
             raise services.RoutingInputError("queries is required")
-        return services.route_queries(body["queries"], body.get("top_k"), body.get("reranker"))
+        return services.route_queries(
+            body["queries"], body.get("top_k"), body.get("reranker"), caller=caller
+        )

@@ -58,6 +58,14 @@ class RouterBuildFailed(RoutingUnavailable):
     (or the one served before is of a global that no longer exists: an erasure deleted it)."""
 
 
+class RateLimited(Exception):
+    """The caller routed more queries this minute than SYNAPSE_ROUTE_RATE_LIMIT allows."""
+
+    def __init__(self, message: str, retry_after: int):
+        super().__init__(message)
+        self.retry_after = retry_after
+
+
 class RoutingInputError(ValueError):
     """A request the router cannot take, with what is wrong."""
 
@@ -68,6 +76,53 @@ def max_query_chars() -> int:
 
 def max_batch() -> int:
     return int(getattr(settings, "SYNAPSE_MAX_ROUTE_BATCH", 1000))
+
+
+def rate_limit() -> int:
+    """Queries one caller may route a minute (a batch counts each query); 0: no limit."""
+    return settings.SYNAPSE_ROUTE_RATE_LIMIT
+
+
+def caller_key(user) -> str:
+    """Who is routing, for the rate limit: a routing token, a federation client, or a person
+    (their tokens and browser sessions share one allowance)."""
+    token = getattr(user, "token", None)  # routing.authentication.RoutingPrincipal
+    if token is not None:
+        return f"routing-token:{token.pk}"
+    client = getattr(user, "client", None)  # federation.api.authentication.ClientPrincipal
+    if client is not None:
+        return f"client:{client.pk}"
+    return f"user:{user.pk}"
+
+
+def admit(caller: str, queries: int, now: float | None = None) -> None:
+    """Count `queries` routed queries against `caller`'s allowance for the current minute,
+    shared by every server process (`federation.ratelimit`). Over it, the request is refused
+    whole (RateLimited, with the seconds until the minute ends) and counts nothing; a batch larger
+    than the allowance itself could never pass, so it is bad input."""
+    from federation import ratelimit
+
+    limit = rate_limit()
+    if limit <= 0:
+        return
+    if queries > limit:
+        raise RoutingInputError(
+            f"a batch of {queries} queries is more than one caller may route in a minute "
+            f"({limit}, SYNAPSE_ROUTE_RATE_LIMIT): send at most {limit} at a time"
+        )
+    now = time.time() if now is None else now
+    key = f"route:{caller}"
+    decision = ratelimit.hit(key, limit, 60, now, amount=queries)
+    if decision.allowed:
+        return
+    ratelimit.take_back(key, ratelimit.window(60, now).start, amount=queries)
+    used = decision.count - queries
+    raise RateLimited(
+        f"rate limit: this caller routed {used} of its {limit} queries a minute "
+        f"(SYNAPSE_ROUTE_RATE_LIMIT) and asked for {queries} more; retry in "
+        f"{decision.retry_after} s",
+        decision.retry_after,
+    )
 
 
 def llm_batch_seconds() -> float:
@@ -589,15 +644,22 @@ def _payload(decision, served: ServedCompendium, latency_ms: float) -> dict:
 
 
 def route_query(
-    query: str, top_k: int | None = 5, reranker: str | None = None, record: bool = True
+    query: str,
+    top_k: int | None = 5,
+    reranker: str | None = None,
+    record: bool = True,
+    caller: str | None = None,
 ) -> dict:
     """Route one query against the published global compendium (retrieval in pgvector). Its
     latency joins the routing API's traffic figures unless `record` is false (the dashboard's
-    playground: people trying queries are not the API's traffic)."""
+    playground: people trying queries are not the API's traffic). With a `caller` (the API's),
+    a valid query counts against its rate limit (`admit`)."""
     started = time.perf_counter()
     query = validate_query(query)
     top_k = validate_top_k(top_k)
     reranker = validate_reranker(reranker)
+    if caller is not None:
+        admit(caller, 1)
     served = served_compendium()
     try:
         decision = served.routers[reranker].route(query, top_k)
@@ -611,8 +673,11 @@ def route_query(
     return _payload(decision, served, latency)
 
 
-def route_queries(queries, top_k: int | None = 5, reranker: str | None = None) -> dict:
-    """Route many queries at once: one embedding batch, one matrix product (exact cosine)."""
+def route_queries(
+    queries, top_k: int | None = 5, reranker: str | None = None, caller: str | None = None
+) -> dict:
+    """Route many queries at once: one embedding batch, one matrix product (exact cosine). With a
+    `caller`, a valid batch counts each of its queries against its rate limit (`admit`)."""
     started = time.perf_counter()
     if not isinstance(queries, list) or not queries:
         raise RoutingInputError("queries must be a non-empty list of strings")
@@ -622,6 +687,8 @@ def route_queries(queries, top_k: int | None = 5, reranker: str | None = None) -
         validate_query(q, f"queries[{i}]")
     top_k = validate_top_k(top_k)
     reranker = validate_reranker(reranker)
+    if caller is not None:
+        admit(caller, len(queries))
     served = served_compendium()
     router = served.routers[reranker]
     overrides = {}

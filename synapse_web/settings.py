@@ -289,6 +289,9 @@ SYNAPSE_TUNING_REQUEUE_SECONDS = float(os.environ.get("SYNAPSE_TUNING_REQUEUE_SE
 SYNAPSE_TUNING_CHECK_SECONDS = float(os.environ.get("SYNAPSE_TUNING_CHECK_SECONDS", "600"))
 SYNAPSE_MAX_QUERY_CHARS = int(os.environ.get("SYNAPSE_MAX_QUERY_CHARS", "2000"))
 SYNAPSE_MAX_ROUTE_BATCH = int(os.environ.get("SYNAPSE_MAX_ROUTE_BATCH", "1000"))
+# Queries one caller (routing token, client, or person) may route through the API a minute, a
+# batch counting each query; shared by every server process (one upsert per request). 0: no limit.
+SYNAPSE_ROUTE_RATE_LIMIT = int(os.environ.get("SYNAPSE_ROUTE_RATE_LIMIT", "6000"))
 # A routing batch with `reranker: llm` spends at most this long on LLM calls; the rest of the
 # batch, and all of it once the LLM was found down, falls back to fusion, saying why.
 SYNAPSE_LLM_BATCH_SECONDS = float(os.environ.get("SYNAPSE_LLM_BATCH_SECONDS", "30"))

@@ -537,3 +537,54 @@ def test_route_api_accepts_a_federation_client_token(data, api):
     response = _post(http, "/api/v1/route/", {"query": data["queries"][0]}, token)
     assert response.status_code == 200, response.content
     assert response.json()["tool"]
+
+
+def test_route_api_rate_limits_each_caller_by_queries_a_minute(data, api, settings):
+    """SYNAPSE_ROUTE_RATE_LIMIT: each caller's queries a minute, a batch counting each query; a
+    refused request is refused whole (429, Retry-After) and counts nothing; another caller keeps its
+    own allowance; a batch larger than the allowance is bad input; invalid input counts nothing."""
+    from federation.models import RateCounter
+
+    http, raw, token = api
+    _publish(data, with_client_copy=False)
+    settings.SYNAPSE_ROUTE_RATE_LIMIT = 5
+    queries = data["queries"]
+    assert _post(http, "/api/v1/route/batch/", {"queries": queries[:3]}, raw).status_code == 200
+    assert _post(http, "/api/v1/route/", {"query": ""}, raw).status_code == 400  # not counted
+    assert _post(http, "/api/v1/route/", {"query": queries[3]}, raw).status_code == 200
+    refused = _post(http, "/api/v1/route/batch/", {"queries": queries[4:6]}, raw)
+    assert refused.status_code == 429, refused.content
+    assert "4 of its 5 queries a minute" in refused.json()["detail"]
+    assert "SYNAPSE_ROUTE_RATE_LIMIT" in refused.json()["detail"]
+    assert 1 <= int(refused["Retry-After"]) <= 60
+    # The refused batch took nothing: one query still fits, then nothing does.
+    assert _post(http, "/api/v1/route/", {"query": queries[4]}, raw).status_code == 200
+    assert _post(http, "/api/v1/route/", {"query": queries[5]}, raw).status_code == 429
+    assert RateCounter.objects.get(key=f"route:routing-token:{token.pk}").count == 5
+    # Another routing token has its own allowance; a batch over the whole allowance is a 400.
+    _other, other_raw = RoutingToken.issue("other-app")
+    assert _post(http, "/api/v1/route/", {"query": queries[0]}, other_raw).status_code == 200
+    too_big = _post(http, "/api/v1/route/batch/", {"queries": queries[:6]}, other_raw)
+    assert too_big.status_code == 400 and "at most 5 at a time" in too_big.json()["detail"]
+    # 0 turns the limit off.
+    settings.SYNAPSE_ROUTE_RATE_LIMIT = 0
+    assert _post(http, "/api/v1/route/", {"query": queries[6]}, raw).status_code == 200
+
+
+def test_rate_limit_windows_and_callers(db):
+    """`admit` counts per caller and minute; the next minute starts afresh; people, clients and
+    routing tokens are told apart."""
+    from types import SimpleNamespace
+
+    from django.test import override_settings
+
+    with override_settings(SYNAPSE_ROUTE_RATE_LIMIT=2):
+        services.admit("user:1", 2, now=120.0)
+        with pytest.raises(services.RateLimited) as refused:
+            services.admit("user:1", 1, now=150.0)
+        assert refused.value.retry_after == 30
+        services.admit("user:2", 2, now=150.0)
+        services.admit("user:1", 2, now=180.0)
+    assert services.caller_key(SimpleNamespace(token=SimpleNamespace(pk=7))) == "routing-token:7"
+    assert services.caller_key(SimpleNamespace(client=SimpleNamespace(pk=8))) == "client:8"
+    assert services.caller_key(SimpleNamespace(pk=9)) == "user:9"
