@@ -17,6 +17,7 @@ from django.utils import timezone
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
+from compendium.models import CompendiumVersion
 from federation import accounting
 from federation.models import (
     AuditLog,
@@ -79,7 +80,13 @@ class FederationCollector:
         yield GaugeMetricFamily(
             "synapse_open_round_submitting_clients",
             "Clients with a submission in the open round.",
-            value=open_round.submissions.values("client").distinct().count() if open_round else 0,
+            # Their stored compendiums, as the dashboard counts them: a replaced submission's row
+            # and an erased client's rows are left without one.
+            value=(
+                CompendiumVersion.objects.filter(kind="client", round=open_round)
+                .values("client").distinct().count()
+                if open_round else 0
+            ),
         )
         yield GaugeMetricFamily(
             "synapse_open_round_deadline_timestamp_seconds",

@@ -19,7 +19,8 @@ from federation import accounting, services
 from federation.models import ConflictDecision, Round, Submission
 from routing import services as routing_services
 from routing.models import RoutingCall
-from tests.dashboard_data import add_review_data, build_federation
+from compendium.services import store_compendium
+from tests.dashboard_data import add_review_data, build_federation, client_compendium
 
 METRICS_TOKEN = "m" * 32
 
@@ -178,9 +179,16 @@ def test_metrics_need_the_operator_or_the_metrics_token(client, fed, settings):
 def test_metrics_report_the_federations_state(client, fed, traffic):
     federation, review = fed
     acme_client = federation.clients[0]
-    for key, size in (("a", 1200), ("b", 800)):
+    stored = store_compendium(client_compendium(0, 4), kind="client", round=federation.rounds[4],
+                              client=acme_client)
+    for key, size, version in (("a", 1200, None), ("b", 800, stored)):  # "a" was replaced by "b"
         Submission.objects.create(client=acme_client, round=federation.rounds[4], idempotency_key=key,
-                                  request_sha256="0" * 64, response={}, wire_bytes=size)
+                                  request_sha256="0" * 64, response={}, wire_bytes=size,
+                                  version=version)
+    # An erased client's row stays (its compendium is gone): not a client submitting now.
+    Submission.objects.create(client=federation.clients[2], round=federation.rounds[4],
+                              idempotency_key="erased", request_sha256="0" * 64, response={},
+                              wire_bytes=0)
     # Round 3 was closed yesterday, failed, and was retried 7 minutes ago: its merge has been
     # pending 7 minutes, not a day (the alert on a stuck merge fired at every retry).
     retried = timezone.now() - timedelta(minutes=7)
@@ -199,7 +207,7 @@ def test_metrics_report_the_federations_state(client, fed, traffic):
     assert m[("synapse_clients", (("organization", "globex"), ("status", "pending")))] == 1
     assert m[("synapse_clients", (("organization", "acme"), ("status", "approved")))] == 2
     assert m[("synapse_submissions_total", (("organization", "acme"),))] == 2
-    assert m[("synapse_submissions_total", (("organization", "globex"),))] == 0
+    assert m[("synapse_submissions_total", (("organization", "globex"),))] == 1  # accepted, then erased
     assert m[("synapse_submission_wire_bytes_total", (("organization", "acme"),))] == 2000
     report = accounting.privacy_report()
     assert m[("synapse_privacy_epsilon_budget", ())] == report.budget
