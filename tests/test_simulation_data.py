@@ -150,6 +150,39 @@ def test_diagnostics_measure_masking_distortion_and_reranker_contraction():
     assert loud["decisions_unchanged_under_noise"] <= result["decisions_unchanged_under_noise"]
 
 
+def test_contraction_reports_apart_the_queries_whose_candidates_the_noise_changed():
+    """A tool outside the candidates has probability 0 (the router cannot pick it), so a candidate
+    set that changes under the perturbation is a jump of the map, not a contraction figure:
+    reported as a share, and L_R over the queries whose candidates stayed is reported apart."""
+    from types import SimpleNamespace
+
+    import numpy as np
+
+    from federation.simulation.diagnostics import reranker_contraction
+
+    class Stub:
+        engine = SimpleNamespace(embed=lambda texts: np.eye(8)[: len(texts)])
+
+        def __init__(self, swap: bool):
+            self.swap, self.calls = swap, 0
+
+        def tool_scores(self, query, vector, top_k):
+            self.calls += 1  # odd calls: the clean embedding, even: the perturbed one
+            runner_up = 2 if self.swap and self.calls % 2 == 0 else 1
+            return np.array([0, runner_up]), np.array([1.0, 0.5 + 0.01 * float(vector[0])])
+
+    queries = ["a", "b", "c", "d"]
+    steady = reranker_contraction(Stub(swap=False), queries, seed=0)
+    assert steady["candidates_changed_under_noise"] == 0.0
+    assert steady["reranker_contraction_p99_same_candidates"] == pytest.approx(
+        steady["reranker_contraction_p99"])
+    swapped = reranker_contraction(Stub(swap=True), queries, seed=0)
+    assert swapped["candidates_changed_under_noise"] == 1.0
+    assert swapped["reranker_contraction_p99_same_candidates"] is None
+    # The swap moves the runner-up's whole mass: far more than the smooth map ever does.
+    assert swapped["reranker_contraction_p50"] > 10 * steady["reranker_contraction_p50"]
+
+
 def test_drift_brings_half_the_categories_in_at_round_one_and_the_rest_at_the_events():
     from federation.simulation.runner import aggregates_in, drift_plan
 

@@ -12,8 +12,13 @@ for this embedding model, reranker and data; they prove nothing.
   distribution over tools (the softmax of the fused per-tool scores, the conditional logit the
   fusion weights are fitted as). For each held-out query, the embedding is perturbed by Gaussian
   noise (σ = 0.05 per coordinate, renormalized) and the ratio ||p(e) - p(e')||_2 / ||e - e'||_2
-  is taken; L_R is its 99th percentile (the routing-stability premise asks L_R < 1). Also
-  reported: the share of decisions the perturbation leaves unchanged.
+  is taken; L_R is its 99th percentile (the routing-stability premise asks L_R < 1). The
+  distributions are over every tool, a tool outside the reranker's candidates having probability 0
+  (the router's actual output: it cannot pick one), so a perturbation that changes the candidate
+  set moves probability mass across that boundary; the map is not continuous there. Reported
+  apart: the share of queries whose candidates the perturbation changed, and L_R over the queries
+  whose candidates it left the same (where the map is the smooth softmax). Also reported: the
+  share of decisions the perturbation leaves unchanged.
 - Margin Δ: top-1 minus top-2 probability of the reranker over held-out queries; its 5th
   percentile is the buffer that keeps the selection stable under noise.
 
@@ -125,7 +130,7 @@ def reranker_contraction(
         return {}
     rng = np.random.default_rng(seed)
     vectors = np.asarray(router.engine.embed(list(queries)), dtype=np.float64)
-    ratios, margins, unchanged = [], [], []
+    ratios, margins, unchanged, same_candidates = [], [], [], []
     for query, vector in zip(queries, vectors, strict=True):
         noisy = vector + rng.normal(0.0, sigma, size=vector.shape)
         noisy /= np.linalg.norm(noisy)
@@ -133,7 +138,8 @@ def reranker_contraction(
         q = _distribution(router, query, noisy.astype(np.float32), top_k)
         if not p or not q:
             continue
-        tools = sorted(set(p) | set(q))
+        same_candidates.append(set(p) == set(q))
+        tools = sorted(set(p) | set(q))  # every other tool has probability 0 in both
         a = np.array([p.get(t, 0.0) for t in tools])
         b = np.array([q.get(t, 0.0) for t in tools])
         ratios.append(float(np.linalg.norm(a - b) / np.linalg.norm(vector - noisy)))
@@ -143,9 +149,15 @@ def reranker_contraction(
         unchanged.append(max(p, key=p.get) == max(q, key=q.get))
     if not ratios:
         return {}
+    same = np.array(same_candidates)
+    smooth = np.array(ratios)[same]
     return {
         "reranker_contraction_p99": float(np.percentile(ratios, 99)),
         "reranker_contraction_p50": float(np.percentile(ratios, 50)),
+        "candidates_changed_under_noise": float(1.0 - same.mean()),
+        "reranker_contraction_p99_same_candidates": (
+            float(np.percentile(smooth, 99)) if len(smooth) else None
+        ),
         "share_contracting": float(np.mean(np.array(ratios) < 1.0)),
         "margin_p5": float(np.percentile(margins, 5)) if margins else None,
         "margin_p50": float(np.percentile(margins, 50)) if margins else None,

@@ -576,6 +576,10 @@ def table(document: dict[str, Any]) -> str:
                else "")
             + "decisions unchanged under noise: "
             f"{diag['decisions_unchanged_under_noise']:.1%}"
+            + (f"; candidates changed under noise: {diag['candidates_changed_under_noise']:.1%}"
+               if diag.get("candidates_changed_under_noise") is not None else "")
+            + (f", L_R (99%) where they did not: {diag['reranker_contraction_p99_same_candidates']:.3f}"
+               if diag.get("reranker_contraction_p99_same_candidates") is not None else "")
         )
     privacy = document.get("privacy", {})
     if privacy:
