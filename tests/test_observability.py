@@ -15,11 +15,11 @@ from django.urls import reverse
 from django.utils import timezone
 from prometheus_client.parser import text_string_to_metric_families
 
+from compendium.services import store_compendium
 from federation import accounting, services
 from federation.models import ConflictDecision, Round, Submission
 from routing import services as routing_services
 from routing.models import RoutingCall
-from compendium.services import store_compendium
 from tests.dashboard_data import add_review_data, build_federation, client_compendium
 
 METRICS_TOKEN = "m" * 32
