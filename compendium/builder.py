@@ -19,7 +19,8 @@
   only when at least k distinct users' requests support it; the rest stays on the client (the
   report counts it). With a looser τ more requests fold together, so more entries reach k.
 - Numeric statistics per tool: compendium.clipping (per-user clipping at Δ, field cap F*,
-  average over the client's users).
+  average over the client's users). The compendium records the F* it was built with
+  (`Compendium.field_cap`), which a capped round's server checks.
 
 Pure: no Django. The embedding engine is passed in (routing.embeddings.get_engine() by default).
 """
@@ -556,6 +557,9 @@ def build_compendium(
             seed=options.seed,
         ),
         num_users=stats.num_users,
+        # what the statistics were capped at, so the server can refuse them under a round
+        # with a smaller cap (or stats built with none) without trusting a file beside this one
+        field_cap=options.field_cap,
     )
     compendium = _within_limits(compendium, schema, report)
     report.scenarios_out = len(compendium.scenarios)

@@ -29,7 +29,7 @@ from compendium.delta import (
     without_sent,
 )
 from compendium.masking import SHARED_WORD_USERS, valid_shared_word_users
-from compendium.schema import DEFAULT_NUMERIC_FIELDS, Compendium, Schema
+from compendium.schema import DEFAULT_NUMERIC_FIELDS, Compendium, Schema, exceeds_field_cap
 from compendium.validation import CompendiumInvalid, format_path, validate_compendium
 
 PROG = "synapse-client"
@@ -445,6 +445,13 @@ def cmd_inspect(args: argparse.Namespace) -> int:
             file=out,
         )
     print(f"users averaged over: {compendium.num_users or 'not recorded'}", file=out)
+    cap = compendium.field_cap
+    print(
+        "field cap: "
+        + (f"F*={cap} recorded" if cap is not None
+           else "none recorded: a round with a field cap refuses its numeric statistics"),
+        file=out,
+    )
 
     fields = {f.name: f for f in (schema.numeric_fields if schema else DEFAULT_NUMERIC_FIELDS)}
     bounds = (report or {}).get("clip_bounds", {})
@@ -541,41 +548,27 @@ def round_field_cap(current: dict) -> int | None:
     return cap if isinstance(cap, int) and not isinstance(cap, bool) and cap >= 1 else None
 
 
-def _cap_words(cap: int | None) -> str:
-    return "no field cap" if cap is None else f"--field-cap {cap}"
-
-
 def _field_cap_check(path: Path, compendium: Compendium):
     """Before `submit` sends anything: the open round's F* against the field cap the compendium
-    was built with, as its build report says. Built with no cap or a larger one under a capped
-    round, it is refused (the edge would under-charge its statistics); without a report it goes,
-    with a warning. A compendium without numeric statistics has nothing F* bounds."""
+    records it was built with (`Compendium.field_cap`), as the server checks on arrival. With
+    numeric statistics and no cap recorded (built without one, by an older synapse-client or by
+    other tooling) or a larger one under a capped round, it is refused (the edge would
+    under-charge its statistics). A compendium without numeric statistics has nothing F* bounds."""
 
     def check(current: dict) -> None:
         required = round_field_cap(current)
-        if required is None or not any(entry.stats for entry in compendium.metadata):
+        if not exceeds_field_cap(compendium, required):
             return
-        where, report = _load_report(path, compendium)
-        if report is None or "field_cap" not in report:
-            why = (
-                f"no build report {where}" if not where.exists()
-                else f"{where} is not usable (above)" if report is None
-                else f"{where} does not record it"
-            )
-            print(
-                f"{PROG}: warning: cannot check the field cap: {why}; round {current['number']} "
-                f"requires statistics built with --field-cap {required} or less",
-                file=sys.stderr,
-            )
-            return
-        built = report["field_cap"]
-        if built is None or built > required:
-            raise CliError(
-                f"{path} was built with {_cap_words(built)} (its report {where}), but round "
-                f"{current['number']} caps each user at F* = {required} tool(s) (the edge's noise "
-                f"assumes no more): build it again with --field-cap {required} (or less); "
-                "nothing sent"
-            )
+        built = compendium.field_cap
+        recorded = (
+            "records no field cap (built without --field-cap, or by an older synapse-client "
+            "or other tooling)" if built is None else f"was built with --field-cap {built}"
+        )
+        raise CliError(
+            f"{path} {recorded}, but round {current['number']} caps each user at F* = "
+            f"{required} tool(s) (the edge's noise assumes no more, and the server refuses it): "
+            f"build it again with --field-cap {required} (or less); nothing sent"
+        )
 
     return check
 

@@ -229,6 +229,11 @@ class Compendium(_Strict):
     annex: list[AnnexTriple] = Field(default_factory=list)
     masking: MaskingInfo | None = None
     num_users: int | None = Field(default=None, ge=1)
+    # F*: the most tools whose numeric statistics one user fed when the client built it (step 3
+    # of the numbers, `clipping.capped_tools`); None: built with no cap, or by tooling that does
+    # not record it. A round with a field cap takes statistics only from a compendium that records
+    # one no larger than its own (`exceeds_field_cap`). At most the ledger's integer column.
+    field_cap: int | None = Field(default=None, ge=1, le=2**31 - 1)
 
     def tools_referenced(self) -> set[str]:
         refs = {m.tool_id for m in self.metadata}
@@ -244,3 +249,18 @@ class Compendium(_Strict):
             "templates": len(self.templates),
             "annex": len(self.annex),
         }
+
+
+def exceeds_field_cap(compendium: Compendium, round_cap: int | None) -> bool:
+    """Whether `compendium` may feed more tools' numeric statistics per user than a round capped
+    at F* = `round_cap` is charged for: it carries statistics and records no field cap, or a
+    larger one. A round without a cap, or a compendium without statistics, never does. What it
+    records is what the client says it built with: whether it clipped so, no server can see."""
+    if round_cap is None or not any(entry.stats for entry in compendium.metadata):
+        return False
+    return compendium.field_cap is None or compendium.field_cap > round_cap
+
+
+def field_cap_words(cap: int | None) -> str:
+    """A recorded field cap as a person reads it."""
+    return "no field cap" if cap is None else f"field cap F* = {cap}"

@@ -86,7 +86,8 @@ class LengthRequired(FederationError):
 
 class RoundChanged(Conflict):
     """The round a submission was checked against stopped taking submissions and another one
-    opened meanwhile: its masking strength and schema were not checked for that one."""
+    opened meanwhile: its masking strength, field cap and schema were not checked for that
+    one."""
 
     code = "round_changed"
 

@@ -25,7 +25,7 @@ from compendium import transport
 from compendium.canonical import canonical_form, encode_document
 from compendium.masking import TextMasker
 from compendium.models import CompendiumVersion, NumericField, Tool
-from compendium.schema import Schema
+from compendium.schema import Schema, exceeds_field_cap, field_cap_words
 from compendium.scrub import masking_residue, scrub_compendium
 from compendium.services import current_schema, versions_delete_sql
 from compendium.validation import Violation, validate_compendium
@@ -100,6 +100,27 @@ class EmptySubmission(InvalidRequest):
         )
 
 
+class FieldCapExceeded(InvalidRequest):
+    """Numeric statistics for a round with a field cap F* from a compendium that does not record
+    a cap no larger than F*: the edge's noise is calibrated for 2·F* tools' fields per user, so
+    statistics capped more loosely (or not at all) would be under-charged. Refused whole."""
+
+    code = "field_cap_exceeded"
+
+    def __init__(self, round_number: int, round_cap: int, recorded: int | None):
+        says = (
+            "records no field cap (built without one, or by tooling that does not record it)"
+            if recorded is None
+            else f"records {field_cap_words(recorded)}"
+        )
+        super().__init__(
+            f"round {round_number} caps each user's numeric statistics at F* = {round_cap} "
+            f"tool(s), but this compendium carries statistics and {says}: build it again "
+            f"with synapse-client build --field-cap {round_cap} (or less) and submit; nothing "
+            "was stored"
+        )
+
+
 @dataclass(frozen=True)
 class Outcome:
     status_code: int
@@ -124,11 +145,13 @@ _FINGERPRINT_COLUMNS = (
 )
 # A round takes submissions while open and before its deadline (if it has one).
 _TAKES_SUBMISSIONS = "state = 'open' AND (closes_at IS NULL OR closes_at > statement_timestamp())"
-# The open round's number and expected masking strength (-1 when its configuration names none);
-# NULL when no round takes submissions. The configuration is written through RoundConfig: its
-# mask_strength is a number or absent.
+# The open round's number, expected masking strength and field cap F* (each -1 when its
+# configuration names none); NULL when no round takes submissions. The configuration is written
+# through RoundConfig: its mask_strength is a number or absent, its field_cap an integer, null or
+# absent.
 _ROUND_OPEN = (
-    f"(SELECT ARRAY[number::float8, coalesce((config->>'mask_strength')::float8, -1)] "
+    f"(SELECT ARRAY[number::float8, coalesce((config->>'mask_strength')::float8, -1), "
+    f"coalesce((config->>'field_cap')::float8, -1)] "
     f"FROM {Round._meta.db_table} WHERE {_TAKES_SUBMISSIONS} ORDER BY number DESC LIMIT 1)"
 )
 _FINGERPRINT_SQL = f"SELECT {_FINGERPRINT_COLUMNS}"
@@ -550,7 +573,9 @@ def submit(
     header (None: plain); it is decoded only once the look-ahead has found the request within
     the client's rate, so a client past its rate costs no decompression. Raises FederationError
     subclasses for every refusal; a compendium without a single entry is one
-    (EmptySubmission), so it never replaces the client's earlier submission."""
+    (EmptySubmission), so it never replaces the client's earlier submission, and so are numeric
+    statistics for a round with a field cap from a compendium that records no cap or a larger
+    one (FieldCapExceeded), checked before anything is stored."""
     key = check_key(idempotency_key)
     limit = max_submission_bytes()
     rate_limit = federation_settings().submissions_per_minute
@@ -592,6 +617,10 @@ def submit(
     if violations:
         _count_refusal(client)
         raise SubmissionInvalid(violations)
+    round_cap = int(open_round[2]) if open_round[2] >= 1 else None
+    if exceeds_field_cap(result.compendium, round_cap):
+        _count_refusal(client)
+        raise FieldCapExceeded(int(open_round[0]), round_cap, result.compendium.field_cap)
     masker = _masker_for(tuple(fingerprint), schema, open_round[1])
     residue = masking_residue(result.compendium, masker)
     if residue:

@@ -84,6 +84,22 @@ def test_same_log_and_seed_give_the_same_bytes():
     assert canonical_form(a).sha256 == canonical_form(b).sha256
 
 
+def test_the_compendium_records_the_field_cap_it_was_built_with():
+    # The server refuses a capped round's statistics unless the compendium records a cap no
+    # larger than the round's: the build writes it into the typed artifact, not only the report.
+    records = parsed(usage_records(users=4, lines=120, seed=9))
+    schema = metatool_schema()
+    capped, report = build_compendium(records, schema, BuildOptions(collapse=False, field_cap=2))
+    assert capped.field_cap == report.field_cap == 2
+    assert canonical_form(capped).document["field_cap"] == 2
+    uncapped, _ = build_compendium(records, schema, BuildOptions(collapse=False))
+    assert uncapped.field_cap is None
+    # no cap, nothing recorded: the canonical bytes of an uncapped build (and of every compendium
+    # from before the field) are what they were
+    assert "field_cap" not in canonical_form(uncapped).document
+    assert Compendium.model_validate_json(canonical_form(capped).data).field_cap == 2
+
+
 def test_masked_fraction_grows_with_lambda():
     records = parsed(usage_records(users=3, lines=150, seed=4))
     schema = metatool_schema()
@@ -216,6 +232,7 @@ def test_cli_build_inspect_and_validate(tmp_path, capsys):
         assert precaution["text"] in shown
     assert "calls: per-user values clipped to [0, 50] (Δ=50)" in shown
     assert "field cap F*=3" in shown
+    assert "field cap: F*=3 recorded" in shown  # the compendium's own record
     assert "validation: valid under the schema" in shown
 
     # A report edited into another shape is ignored with a word, not a traceback.
@@ -223,7 +240,8 @@ def test_cli_build_inspect_and_validate(tmp_path, capsys):
     report.write_text(json.dumps({"clip_bounds": {"calls": [0]}}), encoding="utf-8")
     assert main(["inspect", str(out), "--schema", str(schema_path)]) == 0
     shown = capsys.readouterr()
-    assert "is not a report build wrote: ignored" in shown.err and "field cap" not in shown.out
+    assert "is not a report build wrote: ignored" in shown.err
+    assert "contribution(s) left out" not in shown.out and "field cap: F*=3 recorded" in shown.out
 
     assert main(["validate", str(out), "--schema", str(schema_path)]) == 0
     assert "masked at λ = 1 as far as the server checks" in capsys.readouterr().out

@@ -11,10 +11,13 @@ from compendium.builder import BuildOptions, build_compendium
 from compendium.clipping import RELEASED_DIGITS, client_statistics, clip_bound, released_value
 from compendium.schema import (
     DEFAULT_NUMERIC_FIELDS,
+    Compendium,
     NumericFieldSpec,
     NumericKind,
     Schema,
+    ToolMetadata,
     ToolSpec,
+    exceeds_field_cap,
 )
 from compendium.usage_log import UsageRecord
 from compendium.validation import validate_compendium
@@ -193,3 +196,16 @@ def test_built_metadata_is_in_range_and_valid():
     for entry in compendium.metadata:
         for name, number in entry.stats.items():
             assert SPECS[name].min <= number <= SPECS[name].max
+
+
+def test_exceeds_field_cap_needs_statistics_and_a_recorded_cap_no_larger_than_the_rounds():
+    stats = [ToolMetadata(tool_id="weather", stats={"calls": 1.0})]
+    for recorded, round_cap, exceeds in [
+        (None, 2, True), (3, 2, True), (2, 2, False), (1, 2, False),
+        (None, None, False), (9, None, False),  # a round without a cap takes any
+    ]:
+        compendium = Compendium(metadata=stats, field_cap=recorded)
+        assert exceeds_field_cap(compendium, round_cap) is exceeds, (recorded, round_cap)
+    # nothing F* bounds: text, or metadata without statistics
+    assert not exceeds_field_cap(Compendium(metadata=[ToolMetadata(tool_id="weather")]), 1)
+    assert not exceeds_field_cap(Compendium(field_cap=5), 1)

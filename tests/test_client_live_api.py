@@ -11,7 +11,7 @@ from django.utils import timezone
 
 from compendium import transport
 from compendium.canonical import canonical_form
-from compendium.client_api import ClientError, SynapseClient
+from compendium.client_api import ClientError, SubmissionRejected, SynapseClient
 from compendium.client_cli import main
 from compendium.models import CompendiumVersion
 from compendium.schema import Compendium
@@ -373,12 +373,14 @@ def test_participate_and_status_follow_the_rounds_field_cap(live_server, world, 
         "built or sent"
     ]
     _nothing_built_or_sent(state)
-    # by default it builds with the round's cap, which submit then checks against the report
+    # by default it builds with the round's cap, which the compendium records and submit and the
+    # server check
     assert main(command) == 0
     out = capsys.readouterr().out
     assert "masking at λ = 1, field cap F* = 1" in out and "submitted to round 1" in out
     report = json.loads((state / "compendium.json.report.json").read_text())
     assert report["field_cap"] == 1 and report["capped_contributions"] > 0
+    assert json.loads((state / "compendium.json").read_text())["field_cap"] == 1
     assert Submission.objects.filter(client=world.client_a).count() == 1
     # a plain `build` of the same log (no cap) is refused by `submit` under this round
     schema_path, plain = state / "schema.json", tmp_path / "plain.json"
@@ -387,7 +389,16 @@ def test_participate_and_status_follow_the_rounds_field_cap(live_server, world, 
     capsys.readouterr()
     assert main(["submit", str(plain), *server]) == 1
     err = capsys.readouterr().err
-    assert "was built with no field cap" in err and "--field-cap 1" in err
+    assert "records no field cap" in err and "--field-cap 1" in err
+    assert Submission.objects.filter(client=world.client_a).count() == 1
+    # sent past the client's check (other tooling, an older client), the server refuses it
+    with SynapseClient(live_server.url, world.token_a, backoff=0) as client:
+        with pytest.raises(SubmissionRejected) as refused:
+            client.submit(Compendium.model_validate_json(plain.read_text()))
+    assert refused.value.detail.startswith(
+        "round 1 caps each user's numeric statistics at F* = 1 tool(s), but this compendium "
+        "carries statistics and records no field cap"
+    )
     assert Submission.objects.filter(client=world.client_a).count() == 1
     # a round without a cap: status says so, and participate builds without one
     Round.objects.update(state=Round.State.PUBLISHED, published_at=timezone.now())

@@ -670,19 +670,23 @@ def _build(tmp_path, name: str, *options: str):
 
 def test_submit_refuses_a_build_over_the_rounds_field_cap_before_sending(server, tmp_path, capsys):
     # The edge's noise is calibrated for the round's F*: statistics built with no cap, or a
-    # larger one, would be under-charged; the server cannot tell, the build report can.
+    # larger one, would be under-charged. The compendium records the cap it was built with, and
+    # submit reads that (as the server does), not the report beside it.
     url, state = server
     state.field_cap = 1
-    for name, options, built in [("none.json", (), "no field cap"),
-                                 ("two.json", ("--field-cap", "2"), "--field-cap 2")]:
+    for name, options, built in [
+        ("none.json", (), "records no field cap (built without --field-cap, or by an older "
+                          "synapse-client or other tooling)"),
+        ("two.json", ("--field-cap", "2"), "was built with --field-cap 2"),
+    ]:
         path = _build(tmp_path, name, *options)
         capsys.readouterr()
         assert main(submit_args(url, path)) == 1
         err = capsys.readouterr().err.strip().splitlines()
         assert err == [
-            f"synapse-client: {path} was built with {built} (its report {path}.report.json), but "
-            "round 4 caps each user at F* = 1 tool(s) (the edge's noise assumes no more): build "
-            "it again with --field-cap 1 (or less); nothing sent"
+            f"synapse-client: {path} {built}, but round 4 caps each user at F* = 1 tool(s) (the "
+            "edge's noise assumes no more, and the server refuses it): build it again with "
+            "--field-cap 1 (or less); nothing sent"
         ]
     assert state.posts == []
     # built with the round's cap: sent; a smaller cap than the round's is stricter: sent too
@@ -698,53 +702,29 @@ def test_submit_refuses_a_build_over_the_rounds_field_cap_before_sending(server,
     assert "field cap" not in capsys.readouterr().err
 
 
-def test_submit_without_a_build_report_goes_with_a_warning(server, tmp_path, capsys):
+def test_submit_reads_the_field_cap_the_compendium_records_not_its_report(server, tmp_path, capsys):
+    # The record travels inside the compendium: a capped build goes without its report (copied
+    # here without it), and no report vouches for a compendium that records no cap (a capped
+    # build's report left beside an uncapped one, or a build of an older client).
     url, state = server
     state.field_cap = 2
-    path = _build(tmp_path, "c.json")
-    (tmp_path / "c.json.report.json").unlink()  # copied here without it, or made by hand
+    capped = _build(tmp_path, "capped.json", "--field-cap", "2")
+    assert json.loads(capped.read_text(encoding="utf-8"))["field_cap"] == 2
+    (tmp_path / "capped.json.report.json").unlink()
     capsys.readouterr()
-    assert main(submit_args(url, path)) == 0
-    captured = capsys.readouterr()
-    assert (
-        f"synapse-client: warning: cannot check the field cap: no build report {path}.report.json; "
-        "round 4 requires statistics built with --field-cap 2 or less"
-    ) in captured.err.splitlines()
-    assert "submitted to round 4" in captured.out and len(state.posts) == 1
-    # a report that is not one build wrote is no report: the same warning
-    (tmp_path / "c.json.report.json").write_text('{"field_cap": "two"}', encoding="utf-8")
-    assert main(submit_args(url, path)) == 0
-    err = capsys.readouterr().err
-    assert "is not a report build wrote: ignored" in err and "cannot check the field cap" in err
-    # without numeric statistics there is nothing F* bounds: nothing to check, no warning
-    assert main(submit_args(url, write(tmp_path, compendium(), "text-only.json"))) == 0
-    assert "field cap" not in capsys.readouterr().err
-
-
-def test_a_report_of_another_build_does_not_vouch_for_the_field_cap(server, tmp_path, capsys):
-    # The report names the compendium it describes: a capped build's report left beside an
-    # uncapped compendium (copied over, or edited since) is not read as this file's.
-    url, state = server
-    state.field_cap = 1
-    capped = _build(tmp_path, "capped.json", "--field-cap", "1")
-    uncapped = _build(tmp_path, "uncapped.json")
-    stale = (tmp_path / "capped.json.report.json").read_text(encoding="utf-8")
-    (tmp_path / "uncapped.json.report.json").write_text(stale, encoding="utf-8")
-    assert json.loads(stale)["field_cap"] == 1
-    capsys.readouterr()
-    assert main(submit_args(url, uncapped)) == 0
-    err = capsys.readouterr().err.splitlines()
-    assert (
-        f"synapse-client: {uncapped}.report.json describes another build than {uncapped} "
-        "(changed since): ignored"
-    ) in err
-    assert (
-        f"synapse-client: warning: cannot check the field cap: {uncapped}.report.json is not "
-        "usable (above); round 4 requires statistics built with --field-cap 1 or less"
-    ) in err
-    # its own report still vouches for it
     assert main(submit_args(url, capped)) == 0
-    assert "field cap" not in capsys.readouterr().err
+    captured = capsys.readouterr()
+    assert "field cap" not in captured.err and "submitted to round 4" in captured.out
+    uncapped = _build(tmp_path, "uncapped.json")
+    report = json.loads((tmp_path / "uncapped.json.report.json").read_text(encoding="utf-8"))
+    report["field_cap"] = 2  # what the report says does not count
+    (tmp_path / "uncapped.json.report.json").write_text(json.dumps(report), encoding="utf-8")
+    capsys.readouterr()
+    assert main(submit_args(url, uncapped)) == 1
+    assert "records no field cap" in capsys.readouterr().err and len(state.posts) == 1
+    # without numeric statistics there is nothing F* bounds: sent whatever it records
+    assert main(submit_args(url, write(tmp_path, compendium(), "text-only.json"))) == 0
+    assert "field cap" not in capsys.readouterr().err and len(state.posts) == 2
 
 
 def test_rejected_paths_point_into_the_submitted_file_not_the_canonical_order(server, tmp_path,

@@ -282,6 +282,70 @@ def test_one_entry_is_enough_to_submit(world, open_round):
     assert response.json()["entry_counts"]["annex"] == 1
 
 
+def test_a_capped_round_refuses_statistics_whose_compendium_records_no_cap_or_a_larger_one(world):
+    # The edge charges ε for 2·F* tools' fields per user: statistics built with no cap, or a
+    # larger one, would be under-charged. The compendium says what it was built with.
+    services.open_round(SYSTEM, {"field_cap": 2})
+    api = client_api(world.token_a)
+    doc = {
+        "metadata": [{"tool_id": "weather", "stats": {"calls": 12.0}}],
+        "scenarios": [{"tool_id": "weather", "text": "Will it rain tomorrow in a city?"}],
+    }
+    accepted = post_doc(api, {**doc, "field_cap": 2}, key="capped")
+    assert accepted.status_code == 201, accepted.content
+    for recorded, says in [
+        (None, "records no field cap (built without one, or by tooling that does not record it)"),
+        (3, "records field cap F* = 3"),
+    ]:
+        body = doc if recorded is None else {**doc, "field_cap": recorded}
+        for response in (
+            post_doc(api, body, key=f"over-{recorded}"),
+            post_doc(api, gzip.compress(json.dumps(body).encode()), key=f"over-{recorded}-gzip",
+                     HTTP_CONTENT_ENCODING="gzip"),
+        ):
+            assert response.status_code == 400, response.content
+            assert response.json() == {
+                "detail": f"round 1 caps each user's numeric statistics at F* = 2 tool(s), but "
+                f"this compendium carries statistics and {says}: build it again with "
+                "synapse-client build --field-cap 2 (or less) and submit; nothing was stored",
+                "code": "field_cap_exceeded",
+            }
+    # nothing stored: the accepted submission is still the client's only one, unreplaced
+    assert list(Submission.objects.values_list("idempotency_key", flat=True)) == ["capped"]
+    version = CompendiumVersion.objects.get(kind="client", client=world.client_a)
+    assert version.sha256 == accepted.json()["sha256"] and version.content["field_cap"] == 2
+
+
+def test_a_capped_round_takes_an_equal_or_smaller_cap_and_text_without_statistics(world):
+    services.open_round(SYSTEM, {"field_cap": 2})
+    api = client_api(world.token_a)
+    scenarios = [{"tool_id": "weather", "text": "Will it rain tomorrow in a city?"}]
+    stats = [{"tool_id": "weather", "stats": {"calls": 12.0}}]
+    for key, doc in [
+        ("equal", {"metadata": stats, "scenarios": scenarios, "field_cap": 2}),
+        ("smaller", {"metadata": stats, "scenarios": scenarios, "field_cap": 1}),
+        # F* bounds numeric statistics only: text, or metadata entries without statistics, pass
+        # whatever the compendium records
+        ("text", {"scenarios": scenarios}),
+        ("no-stats", {"metadata": [{"tool_id": "weather"}], "scenarios": scenarios}),
+        ("text-larger", {"scenarios": scenarios, "field_cap": 5}),
+    ]:
+        response = post_doc(api, doc, key=key)
+        assert response.status_code == 201, (key, response.content)
+    stored = CompendiumVersion.objects.get(kind="client", client=world.client_a)
+    assert stored.content["field_cap"] == 5  # what the compendium records is kept as it is
+
+
+@pytest.mark.parametrize("cap", [0, -1, 2**31, "2", True, 2.0])
+def test_a_field_cap_that_is_not_a_positive_integer_is_a_violation(world, open_round, cap):
+    doc = {"scenarios": [{"tool_id": "weather", "text": "Will it rain tomorrow in a city?"}],
+           "field_cap": cap}
+    response = post_doc(client_api(world.token_a), doc)
+    assert response.status_code == 400, response.content
+    assert [v["path"] for v in response.json()["violations"]] == ["$.field_cap"]
+    assert not Submission.objects.exists()
+
+
 def test_no_open_round_is_409(world, valid_doc):
     response = post_doc(client_api(world.token_a), valid_doc)
     assert response.status_code == 409

@@ -1433,8 +1433,9 @@ FIELD_CAP_HELP = (
     "the edges split ε over the statistics one user can move, 2·F* tools' fields (a replaced "
     "user's and the replacement's), instead of over all T registry tools × F fields (on MetaTool "
     "without a cap: ε/796 each). Clients build with it: synapse-client participate takes the "
-    "round's F*, and submit refuses a build with a larger cap or none (the edge itself cannot "
-    "check it). Empty: no cap."
+    "round's F*, the compendium records the cap it was built with, and the server refuses "
+    "statistics whose compendium records a larger cap or none (that the client did clip so, "
+    "no server can check). Empty: no cap."
 )
 
 
