@@ -2,7 +2,9 @@
 
 A decision (federation.models.ConflictDecision) takes effect in the next round's edge merge of the
 same organization, or for a conflict of the server merge (organization None: between edges) in
-the next server merge (federation.pipeline._previous_conflicts).
+the next server merge (federation.pipeline._previous_conflicts). Once a later round's merge of
+that edge has been published, no merge reads the log again: deciding is refused then (`closed_by`),
+and while a later round is merging, whose merges read the logs as they start.
 """
 
 from __future__ import annotations
@@ -11,10 +13,10 @@ from django.db import transaction
 from django.db.models import Q
 
 from compendium.services import current_schema
-from federation.errors import InvalidRequest, NotAllowed
+from federation.errors import Conflict, InvalidRequest, NotAllowed
 from federation.merge import ConflictEntry
 from federation.merge.operator import conflicts_to_precautions
-from federation.models import AuditLog, ConflictDecision, ConflictLogEntry
+from federation.models import AuditLog, ConflictDecision, ConflictLogEntry, MergeRecord, Round
 from federation.services import Actor, audit, can_admin, require_admin_now
 
 
@@ -58,6 +60,48 @@ def scenario_choices(conflict: ConflictLogEntry) -> list[str]:
     return texts
 
 
+def closed_by(conflict: ConflictLogEntry) -> Round | None:
+    """The later published round whose merge of this conflict's edge (the server merge's, for a
+    conflict between edges) read the log after the conflict's round, or a later one: no merge will
+    read this conflict again, so a decision on it would never apply. None while one still may."""
+    return (
+        Round.objects.filter(
+            number__gt=conflict.round.number,
+            state=Round.State.PUBLISHED,
+            pk__in=MergeRecord.objects.filter(organization_id=conflict.organization_id)
+            .values("round_id"),
+        )
+        .order_by("number")
+        .first()
+    )
+
+
+def _still_decidable(conflict: ConflictLogEntry) -> None:
+    """Refuse (409) a decision that could never apply, or that a merge running now may miss. The
+    later rounds are locked until the decision commits, so none starts merging (closes) in
+    between and reads the log without it."""
+    later = list(
+        Round.objects.select_for_update().filter(number__gt=conflict.round.number).order_by("number")
+    )
+    closing = [r for r in later if r.state in (Round.State.CLOSING, Round.State.MERGING)]
+    if closing:
+        raise Conflict(
+            f"round {closing[0].number} is merging: its merges read the conflict logs as they "
+            "start, so a decision now may miss it; decide once it has been published or has "
+            "failed"
+        )
+    closed = closed_by(conflict)
+    if closed is not None:
+        where = (f"merge of {conflict.organization}" if conflict.organization_id is not None
+                 else "server merge")
+        raise Conflict(
+            f"round {closed.number}'s {where} has been published since round "
+            f"{conflict.round.number}, so no merge reads round {conflict.round.number}'s conflict "
+            f"log again and a decision on it would never apply; review round {closed.number}'s "
+            "conflicts instead"
+        )
+
+
 def decision_for(conflict: ConflictLogEntry) -> ConflictDecision | None:
     return ConflictDecision.objects.filter(
         round_id=conflict.round_id,
@@ -86,6 +130,7 @@ def decide_conflict(
         )
     if action not in ConflictDecision.Action.values:
         raise InvalidRequest(f"action must be one of {', '.join(ConflictDecision.Action.values)}")
+    _still_decidable(conflict)
     text = " ".join((text or "").split())
     schema = current_schema()
     if action == ConflictDecision.Action.ACCEPT:

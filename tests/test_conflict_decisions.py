@@ -10,7 +10,8 @@ from compendium.models import CompendiumVersion
 from compendium.schema import Compendium
 from compendium.services import store_compendium
 from federation.conflicts import decide_conflict
-from federation.models import ConflictLogEntry, PrivacyLedgerEntry, Round
+from federation.errors import Conflict
+from federation.models import ConflictDecision, ConflictLogEntry, PrivacyLedgerEntry, Round
 from federation.services import Actor
 from federation.signals import round_closed
 from tests.merge_helpers import build_federation, plant_weather_conflict
@@ -122,11 +123,57 @@ def test_a_conflict_between_edges_becomes_a_precaution_of_the_next_global(django
     composed = ("fares", "Do not use AirfareWatch for requests like: Book a cheap flight from Boston "
                          "to Denver next week (use FlightFinder instead)")
     assert composed in next_global(2)
-    decide_conflict(Actor.system(), conflict, "edit", "Do not use AirfareWatch to book plane tickets")
-    # Round 2 logged no conflict of its own; the decision is on round 1's, so re-merge round 2
-    # from scratch (a test's shortcut: the product never deletes ledger rows, which protect it).
+    # Round 2's server merge has been published: no merge reads round 1's log again, so a
+    # decision on it would never apply and is refused, saying why.
+    with pytest.raises(Conflict, match="round 2's server merge has been published since round 1"):
+        decide_conflict(Actor.system(), conflict, "edit", "Do not use AirfareWatch to book plane tickets")
+    # Re-merge round 2 from scratch (a test's shortcut: the product never deletes ledger rows,
+    # which protect it), deciding before it merges this time.
     PrivacyLedgerEntry.objects.filter(round__number=2).delete()
     Round.objects.filter(number=2).delete()
+    decide_conflict(Actor.system(), conflict, "edit", "Do not use AirfareWatch to book plane tickets")
     precautions = next_global(2)
     assert ("fares", "Do not use AirfareWatch to book plane tickets") in precautions
     assert composed not in precautions
+
+
+def test_a_decision_that_no_merge_would_read_is_refused(django_capture_on_commit_callbacks, client):
+    """A decision applies in the next merge of the conflict's edge that reads its round's log. A
+    round in which the organization sat out does not read it (the next one still does); once a
+    later round's merge of the organization has been published, none will, so deciding is refused
+    (409 on the dashboard, naming the round), and so it is while a later round is merging. The
+    conflict review shows such a conflict as closed, without the forms."""
+    from django.contrib.auth.models import User
+
+    capture = django_capture_on_commit_callbacks
+    org, clients, conflict = conflicted_round(capture)
+    # Round 2: only globex submits; acme's edge sat it out, so round 1's log is still to be read.
+    r2 = Round.objects.create(number=2, state="closing", config={"summarizer": "none"})
+    store_compendium(Compendium.model_validate({"scenarios": [
+        {"tool_id": "flights", "text": "Book a flight"}]}), kind="client", round=r2,
+        client=clients[("globex", "g1")])
+    close(r2, capture)
+    decide_conflict(Actor.system(), conflict, "dismiss")
+    # Round 3 is merging: refused until it has been published or has failed.
+    r3 = Round.objects.create(number=3, state="merging", config={"summarizer": "none"})
+    with pytest.raises(Conflict, match="round 3 is merging"):
+        decide_conflict(Actor.system(), conflict, "edit", "Ask for the city first")
+    # Round 3 merges acme's edge (it read the dismissal) and is published: closed for good.
+    r3.state = "closing"
+    r3.save()
+    store_compendium(Compendium.model_validate({"scenarios": [
+        {"tool_id": "flights", "text": "Book a flight"}]}), kind="client", round=r3,
+        client=clients[("acme", "a1")])
+    close(r3, capture)
+    edge = CompendiumVersion.objects.get(kind="edge", round=r3, organization=org).content
+    assert not any(p["text"].startswith(COMPOSED_PREFIX) for p in edge.get("precautions", []))
+    with pytest.raises(Conflict, match="round 3's merge of acme has been published since round 1"):
+        decide_conflict(Actor.system(), conflict, "edit", "Ask for the city first")
+    assert ConflictDecision.objects.get().action == "dismiss"  # the earlier decision stands
+    operator = User.objects.create_superuser("op", password="pw-long-enough-1")
+    client.force_login(operator)
+    page = client.get("/conflicts/").content.decode()
+    assert "closed: round 3 merged after it" in page
+    assert f'action="/conflicts/{conflict.pk}/decide/"' not in page
+    refused = client.post(f"/conflicts/{conflict.pk}/decide/", {"action": "dismiss"})
+    assert refused.status_code == 409

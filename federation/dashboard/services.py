@@ -975,6 +975,7 @@ class ConflictCard:
     choices: list[str]
     decision: object | None
     can_decide: bool
+    closed_by: object | None = None  # the later round after whose merge no decision applies
 
 
 def conflict_groups(
@@ -987,6 +988,7 @@ def conflict_groups(
     from compendium.services import current_schema
     from federation.conflicts import (
         can_decide,
+        closed_by,
         composed_precaution,
         scenario_choices,
         visible_conflicts,
@@ -1010,17 +1012,21 @@ def conflict_groups(
     }
     schema = current_schema() if conflicts else None
     groups: dict[tuple, list[ConflictCard]] = {}
-    admin = {}
+    admin, closed = {}, {}
     for c in conflicts:
         if c.organization_id not in admin:
             admin[c.organization_id] = can_decide(actor, c.organization_id)
+        if (c.organization_id, c.round_id) not in closed:
+            closed[(c.organization_id, c.round_id)] = closed_by(c)
         groups.setdefault((c.organization, c.round), []).append(
             ConflictCard(
                 conflict=c,
                 composed=composed_precaution(c, schema),
                 choices=scenario_choices(c),
                 decision=decisions.get((c.round_id, c.organization_id, c.tool_id, c.centroid_id)),
-                can_decide=admin[c.organization_id],
+                can_decide=admin[c.organization_id]
+                and closed[(c.organization_id, c.round_id)] is None,
+                closed_by=closed[(c.organization_id, c.round_id)],
             )
         )
     return page_obj, [
