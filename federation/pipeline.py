@@ -2,8 +2,9 @@
 
 Services called by thin Celery tasks (workers/tasks.py) and management commands. Every step is one
 database transaction and idempotent: a retried edge merge recomputes the same result from the same
-inputs and seed and replaces its edge CompendiumVersion; ledger rows of the same release are
-written once.
+inputs and seed (an edge that comes out the same keeps its row; another replaces it); ledger rows
+of the same release are written once. Each step reads again under its locks what it merged from,
+and merges again if that changed meanwhile (see run_edge_merge, run_server_merge).
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from django.conf import settings
 from django.db import transaction
 from django.db.models import Count
 
+from compendium.canonical import canonical_form
 from compendium.models import CompendiumVersion
 from compendium.services import current_schema, load_compendium, store_compendium
 from federation import accounting, services
@@ -257,32 +259,38 @@ def _release_number(
     round_: Round, organization: Organization, rematerialize: bool, inputs: list[int],
     schema_digest: str = "",
 ) -> tuple[int, bool]:
-    """The release this edge merge makes, and whether it is a new one beyond the round's first
-    (ε the round did not reserve). 0 for the first; the last one again for a replay of it (a
-    retry, a task delivered twice) over the same inputs and schema, which redraws the same noise
-    and so tells nothing new; a new one, with fresh noise and its own ε, for a
-    re-materialization or when the inputs (`inputs`: the client versions merged) or the schema
-    (`schema_digest`: a tool or numeric field added, removed or changed) changed since the last
-    release (a client revoked meanwhile): the same noise over other inputs, or drawn for other
-    statistics in another order, would let anyone who saw both releases difference it away."""
+    """The release this edge merge makes, and whether it is one beyond the round's first (ε the
+    round did not reserve). 0 for the first; the last one again for a replay of it (a retry, a
+    task delivered twice) over exactly the inputs and schema that release was made from, which
+    redraws the same noise and so tells nothing new; a new one, with fresh noise and its own ε,
+    for a re-materialization or when the inputs (`inputs`: the client versions merged) or the
+    schema (`schema_digest`: a tool or numeric field added, removed or changed) differ from the
+    last release's (a client revoked meanwhile): the same noise over other inputs, or drawn for
+    other statistics in another order, would let anyone who saw both releases difference it away.
+
+    The last release is the larger of the ledger's last and the edge's merge record's: a release
+    whose numeric statistics were withheld (an erasure past the budget) writes no ledger rows but
+    takes its number all the same, and what it was made from is in the record (`release`,
+    `inputs`, `schema`), which always describes the edge's latest merge. Only that release is
+    ever replayed, and only when the record names it: an earlier release's noise is never drawn
+    again over what a later release was made from."""
     last = (
         PrivacyLedgerEntry.objects.filter(round=round_, organization=organization)
         .order_by("-release")
         .values_list("release", flat=True)
         .first()
     )
-    if last is None:
-        return 0, False
-    if rematerialize:
-        return last + 1, True
     record = MergeRecord.objects.filter(round=round_, organization=organization).first()
-    released_from = record.stats.get("inputs") if record is not None else None
-    if released_from is not None and released_from != inputs:
-        return last + 1, True
-    released_under = record.stats.get("schema") if record is not None else None
-    if released_under is not None and released_under != schema_digest:
-        return last + 1, True
-    return last, False
+    made = record.stats if record is not None else {}
+    recorded = made.get("release")
+    if last is None and recorded is None:
+        return 0, False
+    top = max(r for r in (last, recorded) if r is not None)
+    if rematerialize:
+        return top + 1, True
+    if recorded == top and made.get("inputs") == inputs and made.get("schema") == schema_digest:
+        return top, top > 0  # a replay; beyond release 0 it is ε the round did not reserve
+    return top + 1, True
 
 
 @dataclass(frozen=True)
@@ -310,6 +318,22 @@ def _drowned(round_: Round, schema, config: RoundConfig) -> frozenset[str]:
     return drowned | frozenset(round_.fields_not_released or ())
 
 
+# How many times a merge is computed again when what it read changed before it could write (an
+# edge replaced or an erasure committed meanwhile) before it gives up with a PipelineError.
+MERGE_TRIES = 3
+
+
+def _edge_sources(round_: Round, organization: Organization) -> list[CompendiumVersion]:
+    return list(
+        CompendiumVersion.objects.filter(
+            kind="client", round=round_, client__organization=organization
+        )
+        .exclude(client__status=Client.Status.REVOKED)
+        .select_related("client")
+        .order_by("client_id")
+    )
+
+
 def run_edge_merge(
     round_id: int, organization_id: int, *, rematerialize: bool = False, embed=None,
     attempt: int | None = None,
@@ -318,105 +342,137 @@ def run_edge_merge(
     transaction). Without client submissions left, the edge version is removed. A task of the
     pipeline passes its run (`attempt`): a task of another run than the round's, or of a round
     that is no longer merging, raises StaleAttempt and writes nothing (None: a direct call, an
-    erasure's re-materialization or a replay, which any state allows)."""
+    erasure's re-materialization or a replay, which any state allows).
+
+    A replay whose edge comes out the same (sha256 and sources) keeps the stored edge row, so a
+    server merge that read it meanwhile still finds it. The inputs and the release are read again
+    under the round's lock: changed meanwhile (a client revoked or erased, another merge of this
+    edge committed), the merge is computed again (MERGE_TRIES times at most)."""
     round_ = Round.objects.get(pk=round_id)
     organization = Organization.objects.get(pk=organization_id)
     config = _config(round_)
     embed = embed or _embed()
-    schema = current_schema()
-    sources = list(
-        CompendiumVersion.objects.filter(
-            kind="client", round=round_, client__organization=organization
+    probe = load_probe_set(embed)
+    llm = configured_llm()
+    for _ in range(MERGE_TRIES):
+        schema = current_schema()
+        digest = _schema_digest(schema)
+        sources = _edge_sources(round_, organization)
+        source_ids = [v.pk for v in sources]
+        # A release beyond the round's first (`extra`) is ε the round did not reserve: an
+        # erasure's, or a retry's over changed inputs. Over the budget it is made without numeric
+        # statistics.
+        release, extra = _release_number(round_, organization, rematerialize, source_ids, digest)
+        remaining = accounting.remaining_for_release(round_.pk, organization.pk, release)
+        inputs = [MergeInput(f"client:{v.client_id}", v.content) for v in sources]
+        common = dict(
+            embed=embed,
+            probe_set=probe,
+            llm=llm,
+            seed=edge_seed(config, round_, organization, release),
+            drowned=_drowned(round_, schema, config),
         )
-        .exclude(client__status=Client.Status.REVOKED)
-        .select_related("client")
-        .order_by("client_id")
-    )
-    source_ids = [v.pk for v in sources]
-    # A release beyond the round's first (`extra`) is ε the round did not reserve: an erasure's,
-    # or a retry's over changed inputs. Over the budget it is made without numeric statistics.
-    release, extra = _release_number(round_, organization, rematerialize, source_ids,
-                                     _schema_digest(schema))
-    remaining = accounting.remaining_for_release(round_.pk, organization.pk, release)
-    inputs = [MergeInput(f"client:{v.client_id}", v.content) for v in sources]
-    common = dict(
-        embed=embed,
-        probe_set=load_probe_set(embed),
-        llm=configured_llm(),
-        seed=edge_seed(config, round_, organization, release),
-        drowned=_drowned(round_, schema, config),
+
+        def merge(remaining: float, inputs=inputs, schema=schema, common=common, extra=extra):
+            """The edge merge within `remaining` ε, and why its numeric releases were withheld."""
+            try:
+                return edge_merge(inputs, schema, config, _previous_conflicts(round_, organization),
+                                  epsilon_remaining=remaining, **common), ""
+            except BudgetExceeded as exc:
+                if not extra:
+                    raise
+                # An erasure (or a retry over changed inputs) must not be blocked by the budget:
+                # merge without numeric releases.
+                return edge_merge(inputs, schema, config,
+                                  _previous_conflicts(round_, organization),
+                                  epsilon_remaining=remaining, release_numeric=False,
+                                  **common), str(exc)
+
+        result, withheld = merge(remaining)
+        by_source = {f"client:{v.client_id}": v for v in sources}
+        with transaction.atomic():
+            locked = Round.objects.select_for_update().get(pk=round_id)
+            if attempt is not None:  # a task of the pipeline: its run, and the round still merging
+                _check_attempt(locked, attempt, states=(Round.State.MERGING,))
+            now_ids = [v.pk for v in _edge_sources(round_, organization)]
+            now_digest = _schema_digest(current_schema())
+            if (now_ids, now_digest) != (source_ids, digest) or _release_number(
+                round_, organization, rematerialize, source_ids, digest
+            ) != (release, extra):
+                log.warning("round %s, organization %s: the edge's inputs or release changed "
+                            "while it merged; merged again", round_.number, organization.slug)
+                continue
+            outcome = _write_edge(round_, organization, result, withheld, release, extra,
+                                  remaining, merge, by_source, source_ids, digest)
+        return outcome
+    raise PipelineError(
+        f"round {round_.number}: the edge merge of organization {organization.slug} found its "
+        f"inputs changed (clients revoked or erased, or another merge of the edge) each of the "
+        f"{MERGE_TRIES} times it ran; retry the round"
     )
 
-    def merge(remaining: float):
-        """The edge merge within `remaining` ε, and why its numeric releases were withheld."""
-        try:
-            return edge_merge(inputs, schema, config, _previous_conflicts(round_, organization),
-                              epsilon_remaining=remaining, **common), ""
-        except BudgetExceeded as exc:
-            if not extra:
-                raise
-            # An erasure (or a retry over changed inputs) must not be blocked by the budget:
-            # merge without numeric releases.
-            return edge_merge(inputs, schema, config, _previous_conflicts(round_, organization),
-                              epsilon_remaining=remaining, release_numeric=False, **common), str(exc)
 
-    result, withheld = merge(remaining)
-    by_source = {f"client:{v.client_id}": v for v in sources}
-    with transaction.atomic():
-        locked = Round.objects.select_for_update().get(pk=round_id)
-        if attempt is not None:  # a task of the pipeline: its run, and the round still merging
-            _check_attempt(locked, attempt, states=(Round.State.MERGING,))
-        if extra and result.ledger:
-            # A new release, beyond what the round reserved: checked again under the lock that
-            # opening a round, retrying one and changing the budget take, so that none of them
-            # commits ε the release takes meanwhile (or the release ε they take).
-            FederationSettings.objects.select_for_update().get(pk=services.get_settings().pk)
-            now_remaining = accounting.remaining_for_release(round_.pk, organization.pk, release)
-            if now_remaining < remaining:
-                result, withheld = merge(now_remaining)
-        CompendiumVersion.objects.filter(kind="edge", round=round_, organization=organization).delete()
-        ConflictLogEntry.objects.filter(round=round_, organization=organization).delete()
-        MergeRecord.objects.filter(round=round_, organization=organization).delete()
-        version = None
-        if result.accepted_sources:
-            version = store_compendium(
-                result.compendium,
-                kind="edge",
-                round=round_,
-                organization=organization,
-                sources=[by_source[s] for s in result.accepted_sources],
-                scenario_embeddings=result.scenario_embeddings,
-                precaution_embeddings=result.precaution_embeddings,
-            )
-        PrivacyLedgerEntry.objects.bulk_create(
-            [
-                PrivacyLedgerEntry(round=round_, organization=organization, release=release,
-                                   **entry.as_dict())
-                for entry in result.ledger
-            ],
-            ignore_conflicts=True,  # a retry of the same release records it once
-        )
-        ConflictLogEntry.objects.bulk_create(
-            [
-                ConflictLogEntry(round=round_, organization=organization, tool_id=c.tool_id,
-                                 centroid_id=c.centroid_id, centroid=c.centroid,
-                                 dissenters=c.dissenters, reason=c.reason)
-                for c in result.conflicts
-            ]
-        )
-        stats = result.stats.as_dict()
-        stats["release"] = release
-        stats["inputs"] = source_ids
-        stats["schema"] = _schema_digest(schema)
-        if withheld:
-            stats["numeric_withheld"] = withheld
-        MergeRecord.objects.create(
+def _write_edge(round_, organization, result, withheld, release, extra, remaining, merge,
+                by_source, source_ids, digest) -> EdgeOutcome:
+    """Write one edge merge, in the caller's transaction and under its round's lock."""
+    if extra and result.ledger:
+        # A new release, beyond what the round reserved: checked again under the lock that
+        # opening a round, retrying one and changing the budget take, so that none of them
+        # commits ε the release takes meanwhile (or the release ε they take).
+        FederationSettings.objects.select_for_update().get(pk=services.get_settings().pk)
+        now_remaining = accounting.remaining_for_release(round_.pk, organization.pk, release)
+        if now_remaining < remaining:
+            result, withheld = merge(now_remaining)
+    stored = CompendiumVersion.objects.filter(kind="edge", round=round_, organization=organization)
+    sources = [by_source[s] for s in result.accepted_sources]
+    version = None
+    if result.accepted_sources:
+        same = stored.filter(sha256=canonical_form(result.compendium).sha256).first()
+        if same is not None and {v.pk for v in same.sources.all()} == {v.pk for v in sources}:
+            # A replay that comes out the same keeps the row: a server merge may have read it.
+            version = same
+    stored.exclude(pk=version.pk if version else None).delete()
+    ConflictLogEntry.objects.filter(round=round_, organization=organization).delete()
+    MergeRecord.objects.filter(round=round_, organization=organization).delete()
+    if result.accepted_sources and version is None:
+        version = store_compendium(
+            result.compendium,
+            kind="edge",
             round=round_,
             organization=organization,
-            stats=stats,
-            rejected=[{"source": r.source, "reasons": r.reasons[:20]} for r in result.rejected],
-            flagged=[f.__dict__ for f in result.flagged],
+            sources=sources,
+            scenario_embeddings=result.scenario_embeddings,
+            precaution_embeddings=result.precaution_embeddings,
         )
+    PrivacyLedgerEntry.objects.bulk_create(
+        [
+            PrivacyLedgerEntry(round=round_, organization=organization, release=release,
+                               **entry.as_dict())
+            for entry in result.ledger
+        ],
+        ignore_conflicts=True,  # a replay of the same release records it once
+    )
+    ConflictLogEntry.objects.bulk_create(
+        [
+            ConflictLogEntry(round=round_, organization=organization, tool_id=c.tool_id,
+                             centroid_id=c.centroid_id, centroid=c.centroid,
+                             dissenters=c.dissenters, reason=c.reason)
+            for c in result.conflicts
+        ]
+    )
+    stats = result.stats.as_dict()
+    stats["release"] = release
+    stats["inputs"] = source_ids
+    stats["schema"] = digest
+    if withheld:
+        stats["numeric_withheld"] = withheld
+    MergeRecord.objects.create(
+        round=round_,
+        organization=organization,
+        stats=stats,
+        rejected=[{"source": r.source, "reasons": r.reasons[:20]} for r in result.rejected],
+        flagged=[f.__dict__ for f in result.flagged],
+    )
     return EdgeOutcome(
         version.pk if version else None,
         version.sha256 if version else None,
@@ -493,86 +549,134 @@ def _edge_noise_scales(round_: Round) -> dict[str, dict[tuple[str, str], float]]
     return dict(scales)
 
 
+def _server_inputs(round_: Round, config: RoundConfig, *, lock: bool = False):
+    """The edges of a round's server merge and the previous global it carries forward (None
+    without carry-forward, or before any published global); with `lock`, the edges are locked
+    (to the end of the calling transaction)."""
+    edges = CompendiumVersion.objects.filter(kind="edge", round=round_)
+    if lock:
+        edges = edges.select_for_update(of=("self",))
+    edges = list(edges.select_related("organization").order_by("organization__slug"))
+    previous = previous_global(round_) if config.carry_forward else None
+    return edges, previous
+
+
+def _fingerprint(round_: Round, edges, previous) -> tuple:
+    """What a server merge read: its edges, the global it carries forward, and the latest
+    published round before it (whose server conflict log it turns into precautions)."""
+    latest = (
+        Round.objects.filter(number__lt=round_.number, state=Round.State.PUBLISHED)
+        .order_by("-number").values_list("pk", flat=True).first()
+    )
+    return (
+        [(e.pk, e.sha256) for e in edges],
+        (previous.pk, previous.sha256) if previous is not None else None,
+        latest,
+    )
+
+
 def run_server_merge(round_id: int, *, embed=None, attempt: int | None = None) -> str:
     """Merge the round's edge compendiums into the global one and publish it (one transaction:
     a merging round becomes published, audited; a published round's global is merged again, as an
     erasure does; a round in another state is refused). Returns the global compendium's sha256.
     A task of another pipeline run than the round's (`attempt`) raises StaleAttempt and writes
-    nothing."""
+    nothing.
+
+    The merge is computed outside the transaction; the write takes the publication lock
+    (`services.lock_publication`, which an erasure holds throughout) and the round's, and reads
+    the edges (locked) and the previous global again: if either changed meanwhile (an edge merged
+    again over other inputs, an erasure that re-merged or deleted the previous global, an earlier
+    round published since), the merge is computed again over what is there now, MERGE_TRIES
+    times at most, then fails with a PipelineError that says so. A global is thus never written
+    over edges that are gone, nor carries forward a global that is not the latest published."""
     round_ = Round.objects.get(pk=round_id)
     config = _config(round_)
     embed = embed or _embed()
-    edges = list(
-        CompendiumVersion.objects.filter(kind="edge", round=round_)
-        .select_related("organization")
-        .order_by("organization__slug")
-    )
-    if not edges:
-        raise PipelineError(f"round {round_.number}: no edge accepted any submission")
-    previous = previous_global(round_) if config.carry_forward else None
     probe = load_probe_set(embed)
-    result = server_merge_operator(
-        [MergeInput(_edge_source(e.organization.slug), load_compendium(e)) for e in edges],
-        current_schema(),
-        config,
-        embed=embed,
-        probe_set=probe,
-        llm=configured_llm(),
-        previous=load_compendium(previous) if previous is not None else None,
-        previous_conflicts=_previous_conflicts(round_, None),
-        noise_scales=_edge_noise_scales(round_),
-    )
-    accuracy = probe_accuracy(
-        probe, [s.tool_id for s in result.compendium.scenarios], result.scenario_embeddings
-    )
-    head = routing_head(
-        result.compendium, result.scenario_embeddings, embed, probe,
-        precaution_embeddings=result.precaution_embeddings,
-    )
-    with transaction.atomic():
-        locked = Round.objects.select_for_update().get(pk=round_id)
-        if attempt is not None:
-            _check_attempt(locked, attempt, states=(Round.State.MERGING,))
-        CompendiumVersion.objects.filter(kind="global", round=locked).delete()
-        ConflictLogEntry.objects.filter(round=locked, organization__isnull=True).delete()
-        MergeRecord.objects.filter(round=locked, organization__isnull=True).delete()
-        version = store_compendium(
-            result.compendium,
-            kind="global",
-            round=locked,
-            sources=edges + ([previous] if previous is not None else []),
-            scenario_embeddings=result.scenario_embeddings,
+    for _ in range(MERGE_TRIES):
+        edges, previous = _server_inputs(round_, config)
+        read = _fingerprint(round_, edges, previous)
+        if not edges:
+            raise PipelineError(f"round {round_.number}: no edge accepted any submission")
+        result = server_merge_operator(
+            [MergeInput(_edge_source(e.organization.slug), load_compendium(e)) for e in edges],
+            current_schema(),
+            config,
+            embed=embed,
+            probe_set=probe,
+            llm=configured_llm(),
+            previous=load_compendium(previous) if previous is not None else None,
+            previous_conflicts=_previous_conflicts(round_, None),
+            noise_scales=_edge_noise_scales(round_),
+        )
+        accuracy = probe_accuracy(
+            probe, [s.tool_id for s in result.compendium.scenarios], result.scenario_embeddings
+        )
+        head = routing_head(
+            result.compendium, result.scenario_embeddings, embed, probe,
             precaution_embeddings=result.precaution_embeddings,
-            routing_head=head,
         )
-        ConflictLogEntry.objects.bulk_create(
-            [
-                ConflictLogEntry(round=locked, organization=None, tool_id=c.tool_id,
-                                 centroid_id=c.centroid_id, centroid=c.centroid,
-                                 dissenters=c.dissenters, reason=c.reason)
-                for c in result.conflicts
-            ]
-        )
-        MergeRecord.objects.create(
-            round=locked,
-            organization=None,
-            stats=result.stats.as_dict(),
-            rejected=[{"source": r.source, "reasons": r.reasons[:20]} for r in result.rejected],
-            flagged=[f.__dict__ for f in result.flagged],
-            accuracy=accuracy,
-            probe_queries=len(probe) if probe else 0,
-        )
-        if locked.state == Round.State.MERGING:
-            locked = services.mark_published(locked)
-        elif locked.state != Round.State.PUBLISHED:  # a published round's global is re-merged
-            raise PipelineError(f"round {locked.number} is {locked.state}, not merging")
-        # robust: the global is published once this commits; a receiver that fails after (the
-        # broker down when the router's tuning is queued) is logged, and neither turns the
-        # publication into a failure nor keeps the other hooks of the transaction (an erasure
-        # re-publishes several globals in one) from running.
-        transaction.on_commit(
-            lambda: global_published.send(sender=Round, round=locked, version=version), robust=True
-        )
+        with transaction.atomic():
+            # The publication lock first, then the round's: the order an erasure takes them in.
+            services.lock_publication()
+            locked = Round.objects.select_for_update().get(pk=round_id)
+            if attempt is not None:
+                _check_attempt(locked, attempt, states=(Round.State.MERGING,))
+            if locked.state not in (Round.State.MERGING, Round.State.PUBLISHED):
+                # a published round's global is re-merged (an erasure); nothing else is merged
+                raise PipelineError(f"round {locked.number} is {locked.state}, not merging")
+            if _fingerprint(locked, *_server_inputs(locked, config, lock=True)) != read:
+                log.warning("round %s: its edges or the previous global changed while its server "
+                            "merge ran; merged again", round_.number)
+                continue
+            return _write_global(locked, result, edges, previous, accuracy, probe, head)
+    raise PipelineError(
+        f"round {round_.number}: its edges or the previous global it carries forward changed "
+        f"(an edge merged again, an erasure, an earlier round published) each of the "
+        f"{MERGE_TRIES} times its server merge ran; retry the round"
+    )
+
+
+def _write_global(locked: Round, result, edges, previous, accuracy, probe, head) -> str:
+    """Write and publish a server merge, in the caller's transaction under its locks."""
+    CompendiumVersion.objects.filter(kind="global", round=locked).delete()
+    ConflictLogEntry.objects.filter(round=locked, organization__isnull=True).delete()
+    MergeRecord.objects.filter(round=locked, organization__isnull=True).delete()
+    version = store_compendium(
+        result.compendium,
+        kind="global",
+        round=locked,
+        sources=edges + ([previous] if previous is not None else []),
+        scenario_embeddings=result.scenario_embeddings,
+        precaution_embeddings=result.precaution_embeddings,
+        routing_head=head,
+    )
+    ConflictLogEntry.objects.bulk_create(
+        [
+            ConflictLogEntry(round=locked, organization=None, tool_id=c.tool_id,
+                             centroid_id=c.centroid_id, centroid=c.centroid,
+                             dissenters=c.dissenters, reason=c.reason)
+            for c in result.conflicts
+        ]
+    )
+    MergeRecord.objects.create(
+        round=locked,
+        organization=None,
+        stats=result.stats.as_dict(),
+        rejected=[{"source": r.source, "reasons": r.reasons[:20]} for r in result.rejected],
+        flagged=[f.__dict__ for f in result.flagged],
+        accuracy=accuracy,
+        probe_queries=len(probe) if probe else 0,
+    )
+    if locked.state == Round.State.MERGING:
+        locked = services.mark_published(locked)
+    # robust: the global is published once this commits; a receiver that fails after (the
+    # broker down when the router's tuning is queued) is logged, and neither turns the
+    # publication into a failure nor keeps the other hooks of the transaction (an erasure
+    # re-publishes several globals in one) from running.
+    transaction.on_commit(
+        lambda: global_published.send(sender=Round, round=locked, version=version), robust=True
+    )
     return version.sha256
 
 
@@ -598,6 +702,9 @@ def erase_client(client: Client, *, embed=None) -> ErasureReport:
     can simply be run again."""
     embed = embed or _embed()
     with transaction.atomic():
+        # Serialized with every publication: a server merge that read a global this erasure
+        # merges again or deletes sees it changed under this lock and merges again.
+        services.lock_publication()
         submissions = list(CompendiumVersion.objects.filter(kind="client", client=client))
         affected_edges = sorted(
             {

@@ -1132,6 +1132,22 @@ def _refuse_after_a_later_publication(rnd: Round, what: str) -> None:
         )
 
 
+# The publication lock's key (pg_advisory_xact_lock's two int4 keys): "SYNP", 1.
+_PUBLICATION_LOCK = (0x53594E50, 1)
+
+
+def lock_publication() -> None:
+    """Take the publication lock, held to the end of the calling transaction: every write of a
+    global compendium (`pipeline.run_server_merge`) and every erasure (`pipeline.erase_client`,
+    for its whole transaction) take it, so that a server merge checks under it that the previous
+    global it carried forward is still the latest published one, and no erasure re-merges or
+    deletes a global between that check and the commit. Taken before any round's row lock (an
+    erasure locks several rounds after it), so the two orders cannot deadlock; taking it again
+    in the same transaction is free."""
+    with connection.cursor() as cur:
+        cur.execute("SELECT pg_advisory_xact_lock(%s, %s)", list(_PUBLICATION_LOCK))
+
+
 @transaction.atomic
 def mark_published(rnd: Round | int, actor: Actor | None = None) -> Round:
     actor = actor or Actor.system("merge pipeline")
