@@ -1017,3 +1017,5 @@ def test_an_erasure_that_deletes_a_global_deletes_its_server_log_and_record(
     assert page.status_code == 200 and "Zorblat" not in page.content.decode()
     page = client.get(reverse("dashboard:compendium"), {"round": "2"})
     assert page.status_code == 404 and "no global compendium is published for round 2" in page.content.decode()
+    for name in ("overview", "accuracy", "compendium"):
+        assert client.get(reverse(f"dashboard:{name}")).status_code == 200, name
