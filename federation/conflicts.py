@@ -4,7 +4,8 @@ A decision (federation.models.ConflictDecision) takes effect in the next round's
 same organization, or for a conflict of the server merge (organization None: between edges) in
 the next server merge (federation.pipeline._previous_conflicts). Once a later round's merge of
 that edge has been published, no merge reads the log again: deciding is refused then (`closed_by`),
-and while a later round is merging, whose merges read the logs as they start.
+and while a later round is merging, whose merges read the logs as they start. An erasure that
+merges a log again removes the decisions that no longer fit it (`remove_unfit_decisions`).
 """
 
 from __future__ import annotations
@@ -165,3 +166,41 @@ def decide_conflict(
         details={"action": action, "text": text, "conflict": conflict.pk},
     )
     return decision
+
+
+def remove_unfit_decisions(round_, organization_id, cause: str) -> int:
+    """Delete the decisions on the conflict log of `round_`'s merge of `organization_id` (None:
+    the server's) that no longer fit the log, after it was merged again (an erasure): one whose
+    conflict is no longer logged, a picked scenario no longer among its conflict's texts, an
+    accepted precaution no longer the one composed from it. Each such text may be an erased
+    client's. An edited precaution or a dismissal stays while its conflict is logged: the text
+    is the reviewer's own. Each removal is audited, without the text; returns how many."""
+    conflicts = {
+        (c.tool_id, c.centroid_id): c
+        for c in ConflictLogEntry.objects.filter(round=round_, organization_id=organization_id)
+    }
+    removed = 0
+    for decision in ConflictDecision.objects.filter(round=round_, organization_id=organization_id):
+        conflict = conflicts.get((decision.tool_id, decision.centroid_id))
+        if conflict is None:
+            why = "its conflict is no longer logged"
+        elif (decision.action == ConflictDecision.Action.SCENARIO
+              and decision.text not in scenario_choices(conflict)):
+            why = "the picked scenario is no longer one of its conflict's texts"
+        elif (decision.action == ConflictDecision.Action.ACCEPT
+              and decision.text != composed_precaution(conflict)):
+            why = "the accepted precaution is no longer the one composed"
+        else:
+            continue
+        audit(
+            Actor.system(),
+            AuditLog.Action.CONFLICT_DECIDE,
+            target=decision,
+            organization=decision.organization,
+            target_label=f"{decision.tool_id}/{decision.centroid_id} of round {round_.number}",
+            details={"action": "removed", "decision": decision.action, "reason": why,
+                     "cause": cause},
+        )
+        decision.delete()
+        removed += 1
+    return removed

@@ -466,8 +466,10 @@ class ConflictDecision(models.Model):
 
     The next round's edge (or server) merge applies it (federation.pipeline._previous_conflicts): an accepted
     or edited precaution replaces the composed one, a picked scenario wins instead of a precaution
-    being composed, a dismissed conflict is left out. A later decision replaces an earlier one;
-    every decision is audited."""
+    being composed (only while its text is still one of the conflict's), a dismissed conflict is
+    left out. A later decision replaces an earlier one; every decision is audited. An erasure
+    that merges the log again removes the decisions that no longer fit it
+    (federation.conflicts.remove_unfit_decisions)."""
 
     class Action(models.TextChoices):
         ACCEPT = "accept", "accept the composed precaution"

@@ -215,10 +215,10 @@ def start_round(round_id: int, attempt: int | None = None) -> list[int]:
 # --- the edge merge ------------------------------------------------------------------------------
 
 
-def _previous_conflicts(round_: Round, organization: Organization | None) -> list[ConflictEntry]:
-    """The conflict log of this edge (the server's when `organization` is None) in the latest
-    published round before `round_` that it merged in, with its reviewers' decisions: dismissed
-    conflicts left out. Not simply the round before: an organization that sat a round out, or a
+def _conflict_source(round_: Round, organization) -> Round | None:
+    """The round whose conflict log of this edge (the server's when `organization` is None) the
+    merge of `round_` reads (`_previous_conflicts`): the latest published round before `round_`
+    that it merged in. Not simply the round before: an organization that sat a round out, or a
     round that failed, would otherwise lose the log (and the reviewers' decisions) for good."""
     record = (
         MergeRecord.objects.filter(round__number__lt=round_.number,
@@ -227,7 +227,13 @@ def _previous_conflicts(round_: Round, organization: Organization | None) -> lis
         .order_by("-round__number")
         .first()
     )
-    previous = record.round if record is not None else None
+    return record.round if record is not None else None
+
+
+def _previous_conflicts(round_: Round, organization) -> list[ConflictEntry]:
+    """The conflict log the merge of `round_` turns into precautions (`_conflict_source`), with
+    its reviewers' decisions: dismissed conflicts left out."""
+    previous = _conflict_source(round_, organization)
     if previous is None:
         return []
     decisions = {
@@ -689,48 +695,78 @@ class ErasureReport:
     submissions_removed: int
     edges_rematerialized: list[tuple[int, int]]  # (round number, organization id)
     globals_rematerialized: list[int]  # round numbers
+    decisions_removed: int = 0  # reviewers' decisions that no longer fit a re-merged log
 
 
 def erase_client(client: Client, *, embed=None) -> ErasureReport:
-    """Remove every submission of one client and re-materialize each edge and global compendium
-    that was built from them (found through the provenance links). The ledger keeps the budget
-    already spent; re-materialized releases are appended as new releases.
+    """Remove every submission of one client and merge again, in round order, every compendium
+    that held what it sent:
+    - each edge built from its submissions (found through the provenance links), as a new
+      release; the ledger keeps the budget already spent;
+    - each later merge that read a re-merged conflict log and now reads another
+      (`_previous_conflicts`: the next rounds' merges of that edge, or of the server, turn the
+      log's dissenters into precautions): edges as a replay of their release, no new ε;
+    - the global of every published round with a re-merged edge or server log, and of every
+      later round that carried a re-merged global forward; a round left without edges loses its
+      global, its server conflict log and its server merge record.
+    Reviewers' decisions on a re-merged log that no longer fit it are removed, audited
+    (`federation.conflicts.remove_unfit_decisions`).
 
     All or nothing: the submissions are deleted in the same transaction as the re-materialized
     compendiums are written, so a re-merge that fails leaves everything as it was (the client's
     submissions and the provenance that finds the affected compendiums included) and the erasure
     can simply be run again."""
+    from federation.conflicts import remove_unfit_decisions
+
     embed = embed or _embed()
     with transaction.atomic():
         # Serialized with every publication: a server merge that read a global this erasure
         # merges again or deletes sees it changed under this lock and merges again.
         services.lock_publication()
         submissions = list(CompendiumVersion.objects.filter(kind="client", client=client))
-        affected_edges = sorted(
-            {
-                (edge.round_id, edge.organization_id)
-                for sub in submissions
-                for edge in sub.derived.filter(kind="edge")
-            }
-        )
+        built_from = {
+            (edge.round_id, edge.organization_id)
+            for sub in submissions
+            for edge in sub.derived.filter(kind="edge")
+        }
         CompendiumVersion.objects.filter(pk__in=[s.pk for s in submissions]).delete()
-        rounds_touched = sorted({r for r, _ in affected_edges})
-        edges_done = []
-        for round_id, organization_id in affected_edges:
-            run_edge_merge(round_id, organization_id, rematerialize=True, embed=embed)
-            edges_done.append((Round.objects.get(pk=round_id).number, organization_id))
-        globals_done, merged_again, deleted = [], set(), False
-        for round_id in _globals_to_rematerialize(rounds_touched):
-            round_ = Round.objects.get(pk=round_id)
+        # The merges to do again: (round id, organization id; None for the server's).
+        stale = set(built_from)
+        edges_done, globals_done, merged_again, deleted = [], [], set(), False
+        removed = 0
+
+        def redo(round_: Round, organization_id, rewrite) -> None:
+            """Rewrite one merge of `round_` and remove the decisions that no longer fit its
+            log; the later merges that read that log and now read another become stale too."""
+            nonlocal removed
+            readers = _conflict_readers(round_, organization_id)
+            rewrite()
+            removed += remove_unfit_decisions(round_, organization_id, f"erasure of {client}")
+            stale.update((reader.pk, organization_id) for reader, read in readers
+                         if _previous_conflicts(reader, organization_id) != read)
+
+        first = min(Round.objects.filter(pk__in={r for r, _ in stale}).values_list(
+            "number", flat=True), default=None)
+        rounds = Round.objects.filter(number__gte=first).order_by("number") if stale else []
+        carried = False  # the previous published round's global was merged again or deleted
+        for round_ in rounds:
+            for organization_id in sorted(o for r, o in stale if r == round_.pk and o is not None):
+                redo(round_, organization_id, lambda o=organization_id, r=round_: run_edge_merge(
+                    r.pk, o, rematerialize=(r.pk, o) in built_from, embed=embed))
+                edges_done.append((round_.number, organization_id))
             if round_.state != Round.State.PUBLISHED:
                 # No global is published yet: the pipeline merges it from the re-materialized
                 # edges when it publishes the round (a failed round: after a retry).
                 continue
+            carried = any(r == round_.pk for r, _ in stale) or (carried and _config(round_).carry_forward)
+            if not carried:
+                continue
             if CompendiumVersion.objects.filter(kind="edge", round=round_).exists():
-                run_server_merge(round_id, embed=embed)  # sends global_published for it
+                # sends global_published for it
+                redo(round_, None, lambda r=round_: run_server_merge(r.pk, embed=embed))
                 merged_again.add(round_.number)
             else:
-                CompendiumVersion.objects.filter(kind="global", round=round_).delete()
+                redo(round_, None, lambda r=round_: _delete_global(r))
                 deleted = True
             globals_done.append(round_.number)
         if deleted:
@@ -745,24 +781,27 @@ def erase_client(client: Client, *, embed=None) -> ErasureReport:
                     lambda: global_published.send(sender=Round, round=served.round, version=served),
                     robust=True,
                 )
-    return ErasureReport(str(client), len(submissions), edges_done, globals_done)
+    return ErasureReport(str(client), len(submissions), edges_done, globals_done, removed)
 
 
-def _globals_to_rematerialize(rounds_touched: list[int]) -> list[int]:
-    """The rounds whose global compendium must be merged again, in round order: those whose edges
-    changed, and every later published round that carried forward a global merged again (it
-    holds what that one held; a round that did not carry the previous global forward holds its
-    own submissions alone)."""
-    if not rounds_touched:
-        return []
-    needed = set(rounds_touched)
-    first = min(Round.objects.filter(pk__in=needed).values_list("number", flat=True))
-    previous = None  # the latest published round so far: what `previous_global` carries forward
-    for r in Round.objects.filter(number__gte=first, state=Round.State.PUBLISHED).order_by("number"):
-        if previous in needed and _config(r).carry_forward:
-            needed.add(r.pk)
-        previous = r.pk
-    return list(Round.objects.filter(pk__in=needed).order_by("number").values_list("pk", flat=True))
+def _conflict_readers(round_: Round, organization) -> list[tuple[Round, list[ConflictEntry]]]:
+    """The later merges of this edge (the server's when `organization` is None) that read
+    `round_`'s conflict log (`_conflict_source`), each with what it reads now."""
+    readers = []
+    for record in (MergeRecord.objects.filter(organization=organization, round__number__gt=round_.number)
+                   .select_related("round").order_by("round__number")):
+        if _conflict_source(record.round, organization) != round_:
+            break  # this one reads a later round's log, and so does every one after it
+        readers.append((record.round, _previous_conflicts(record.round, organization)))
+    return readers
+
+
+def _delete_global(round_: Round) -> None:
+    """A published round left without edges: its global goes, with what its server merge logged
+    (its conflicts and merge record hold the edges' texts)."""
+    CompendiumVersion.objects.filter(kind="global", round=round_).delete()
+    ConflictLogEntry.objects.filter(round=round_, organization__isnull=True).delete()
+    MergeRecord.objects.filter(round=round_, organization__isnull=True).delete()
 
 
 # --- the public probe set ------------------------------------------------------------------------

@@ -429,6 +429,32 @@ def test_conflicts_to_precautions_composes_use_and_exception(schema):
     )
 
 
+def test_a_picked_scenario_wins_only_while_it_is_one_of_the_conflicts_candidates(schema):
+    """A reviewer's winning scenario is applied only if its text is still the centroid's or a
+    dissenter's: after an erasure re-merged the log without the client that wrote it, the text
+    is not published; the conflict is composed as if undecided, from what the log holds now."""
+    from federation.merge.operator import conflict_winners
+
+    centroid = {"source": "client:1", "tool_id": "weather", "text": "Rain in Paris",
+                "preconditions": {"outdoor": True}, "support": 1}
+    other = {"source": "client:3", "tool_id": "weather", "text": "Rain in Paris now",
+             "preconditions": {"outdoor": False}, "support": 1}
+
+    def picked(text):
+        return ConflictEntry("weather", "abc", centroid, [other], "precondition flags contradict",
+                             "scenario", text)
+
+    current = picked("Rain in Paris now")
+    assert [(s.tool_id, s.text) for s in conflict_winners([current], schema)] == [
+        ("weather", "Rain in Paris now")]
+    assert conflicts_to_precautions([current], schema) == []
+    gone = picked("Rain in Paris ERASEDSECRET")  # the erased client's dissenter, no longer logged
+    assert conflict_winners([gone], schema) == []
+    assert [p.text for p in conflicts_to_precautions([gone], schema)] == [
+        "Use WeatherNow for rain in Paris; do not use WeatherNow when rain in Paris now and "
+        "outdoor is false"]
+
+
 def test_previous_conflicts_become_precautions_in_the_next_edge_merge(schema, embed):
     first = edge_merge(
         [sub("a", [sc("weather", "Forecast for a city", has_city=True)]),

@@ -815,3 +815,207 @@ def test_edges_do_not_release_what_the_round_named_when_it_opened(probes, django
     record = MergeRecord.objects.get(round=round_, organization__slug="acme")
     assert record.stats["fields_not_released"] == ["calls", "frequency", "latency_ms", "success_rate"]
     assert record.stats["epsilon_spent"] == 0.0
+
+
+# --- erasure reaches what the conflict logs carried into later rounds --------------------------
+
+SECRET = "Will it rain tomorrow in Paris, Zorblat?"
+
+
+def _leaks(secret: str) -> list[str]:
+    """Where `secret` is still stored: compendiums, conflict logs, merge records, decisions."""
+    from federation.models import ConflictDecision
+
+    def has(value) -> bool:
+        return secret in str(value)
+
+    return (
+        [f"{v.kind} {v.round.number} {v.organization_id}" for v in CompendiumVersion.objects.all()
+         if has(v.content)]
+        + [f"conflict {c.round.number} {c.organization_id}"
+           for c in ConflictLogEntry.objects.all() if has([c.centroid, c.dissenters])]
+        + [f"record {m.round.number} {m.organization_id}" for m in MergeRecord.objects.all()
+           if has([m.flagged, m.rejected])]
+        + [f"decision {d.round.number}" for d in ConflictDecision.objects.all() if has(d.text)]
+    )
+
+
+def _weather_conflict(capture, dissenters: dict[str, str]):
+    """Round 1 (no summarizer): at acme, a1 and a2 say the weather request needs a city and each
+    client of `dissenters` (name -> its text) says it does not: acme's edge logs one conflict."""
+    from compendium.schema import Compendium
+    from compendium.services import store_compendium
+
+    round_, clients = build_federation(config={"summarizer": "none"})
+    org = plant_weather_conflict(round_, clients)
+    # plant_weather_conflict's own dissenter (a3) is replaced by `dissenters`
+    CompendiumVersion.objects.filter(kind="client", client__name="a3").delete()
+    for name, text in dissenters.items():
+        clients[("acme", name)], _ = Client.objects.get_or_create(
+            organization=org, name=name, defaults={"status": "approved"})
+        store_compendium(Compendium.model_validate({"scenarios": [
+            {"tool_id": "weather", "text": text, "preconditions": {"has_city": False}}]}),
+            kind="client", round=round_, client=clients[("acme", name)])
+    close(round_, capture)
+    assert round_.state == "published", round_.failure_reason
+    [conflict] = ConflictLogEntry.objects.filter(round=round_, organization=org)
+    assert sorted(d["text"] for d in conflict.dissenters) == sorted(dissenters.values())
+    return org, clients, conflict
+
+
+def _round_with(number, client, text, capture, **config):
+    from compendium.schema import Compendium
+    from compendium.services import store_compendium
+
+    round_ = Round.objects.create(number=number, state="closing",
+                                  config={"summarizer": "none", **config})
+    store_compendium(Compendium.model_validate({"scenarios": [{"tool_id": "flights", "text": text}]}),
+                     kind="client", round=round_, client=client)
+    close(round_, capture)
+    assert round_.state == "published", round_.failure_reason
+    return round_
+
+
+def test_erasure_merges_again_the_later_edges_that_made_precautions_of_its_conflicts(
+    django_capture_on_commit_callbacks,
+):
+    """Round 1's conflict log keeps the erased client's dissent; round 2's edge (the client sat
+    it out) composed it into a precaution, and round 3's global carried it forward. The erasure
+    merges round 2's edge again (a replay of its release: no new ε) and every global after."""
+    capture = django_capture_on_commit_callbacks
+    org, clients, _ = _weather_conflict(capture, {"a3": SECRET})
+    _round_with(2, clients[("acme", "a1")], "Book a flight to Rome", capture)
+    _round_with(3, clients[("globex", "g1")], "Book a flight to Oslo", capture)
+    assert any(where.startswith("global 3") for where in _leaks("Zorblat")), _leaks("Zorblat")
+    report = pipeline.erase_client(clients[("acme", "a3")])
+    assert _leaks("Zorblat") == []
+    assert report.edges_rematerialized == [(1, org.pk), (2, org.pk)]
+    assert report.globals_rematerialized == [1, 2, 3]
+    releases = dict(PrivacyLedgerEntry.objects.filter(organization=org).values_list(
+        "round__number", "release").order_by("release"))
+    assert releases == {1: 1, 2: 0}  # round 1 released again; round 2's release replayed
+
+
+def test_erasure_merges_again_a_global_that_made_precautions_of_the_servers_conflicts(
+    django_capture_on_commit_callbacks,
+):
+    """The server's own log does the same one level up: round 1's conflict between edges (globex
+    alone claims a request for another tool) became a precaution of round 2's global, which does
+    not carry round 1's forward. Erasing globex's client merges round 2's global again."""
+    from compendium.schema import Compendium, ToolSpec
+    from compendium.services import import_registry, store_compendium
+    from federation.models import Organization
+    from tests.merge_helpers import TOOLS
+
+    capture = django_capture_on_commit_callbacks
+    import_registry([*TOOLS, ToolSpec(tool_id="fares", name="AirfareWatch",
+                                      description="Search and compare airline flight prices between airports")])
+    request = "Book a cheap flight from Boston to Denver next week"
+    usage = {
+        "flights": ["Find flights from Rome to Madrid next week", "Search airline tickets to Tokyo in May",
+                    "Is there a direct flight from Chicago to Dallas?", "Cheapest plane ticket to Miami on Friday"],
+        "fares": ["Compare airline ticket prices to Tokyo", "Cheapest flights from Paris to Rome this month",
+                  "Track the fare of a flight to Denver", "Which airline is cheapest to London?"],
+    }
+    r1 = Round.objects.create(number=1, state="closing", config={"summarizer": "none"})
+    clients = {}
+    for (slug, name), tool in {("acme", "a1"): "flights", ("acme", "a2"): "flights",
+                               ("globex", "g1"): "fares"}.items():
+        org, _ = Organization.objects.get_or_create(slug=slug, defaults={"name": slug})
+        clients[name] = Client.objects.create(organization=org, name=name, status="approved")
+        store_compendium(Compendium.model_validate({"scenarios": [
+            {"tool_id": tool, "text": text} for text in [request, *usage[tool]]]}),
+            kind="client", round=r1, client=clients[name])
+    close(r1, capture)
+    assert ConflictLogEntry.objects.filter(round=r1, organization=None).count() == 1
+    r2 = _round_with(2, clients["a1"], "Book a flight to Rome", capture, carry_forward=False)
+
+    def fares_precautions():
+        glob = CompendiumVersion.objects.get(kind="global", round=r2).content
+        return [p["text"] for p in glob.get("precautions", []) if p["tool_id"] == "fares"]
+
+    assert fares_precautions() == [f"Do not use AirfareWatch for requests like: {request} "
+                                   "(use FlightFinder instead)"]
+    report = pipeline.erase_client(clients["g1"])
+    assert fares_precautions() == []
+    assert not ConflictLogEntry.objects.filter(organization=None).exists()
+    assert report.globals_rematerialized == [1, 2]
+
+
+def test_erasure_removes_a_decision_that_picked_the_erased_clients_text(
+    django_capture_on_commit_callbacks,
+):
+    """A reviewer picked the erased client's dissent as the winning scenario. The conflict stays
+    after the erasure (another client dissents too) under the same centroid id, so the decision
+    would still match it: the erasure removes it (audited), and round 2's edge, which published
+    the pick, is merged again and composes the conflict as it stands now."""
+    from federation.conflicts import decide_conflict
+    from federation.models import ConflictDecision
+    from federation.services import Actor
+
+    capture = django_capture_on_commit_callbacks
+    other = "Is rain expected in Paris tomorrow?"
+    org, clients, conflict = _weather_conflict(capture, {"a3": SECRET, "a4": other})
+    decide_conflict(Actor.system(), conflict, "scenario", SECRET)
+    _round_with(2, clients[("acme", "a1")], "Book a flight to Rome", capture)
+    assert f"edge 2 {org.pk}" in _leaks("Zorblat")
+    report = pipeline.erase_client(clients[("acme", "a3")])
+    assert _leaks("Zorblat") == []
+    assert report.decisions_removed == 1 and not ConflictDecision.objects.exists()
+    [after] = ConflictLogEntry.objects.filter(round__number=1, organization=org)
+    assert after.centroid_id == conflict.centroid_id  # the decision's key still matched
+    assert [d["text"] for d in after.dissenters] == [other]
+    [removal] = AuditLog.objects.filter(action="conflict.decide", details__action="removed")
+    assert removal.details["decision"] == "scenario" and "Zorblat" not in str(removal.details)
+    edge = CompendiumVersion.objects.get(kind="edge", round__number=2, organization=org).content
+    assert any("has_city is false" in p["text"] for p in edge["precautions"])
+
+
+def test_an_erasure_that_deletes_a_global_deletes_its_server_log_and_record(
+    probes, django_capture_on_commit_callbacks, client
+):
+    """Round 2's only submitter is erased: its global goes, and so do its server merge's conflict
+    log and merge record (they hold the edges' texts): round 3's global no longer composes
+    precautions from them, and the dashboard still shows round 2."""
+    from django.contrib.auth import get_user_model
+    from django.urls import reverse
+
+    from compendium.schema import Compendium
+    from compendium.services import store_compendium
+
+    capture = django_capture_on_commit_callbacks
+    round1, _ = build_federation()
+    close(round1, capture)
+    globex = Client.objects.get(name="g1").organization
+    late = Client.objects.create(organization=globex, name="g9", status=Client.Status.APPROVED)
+    round2 = Round.objects.create(number=2, state="closing", config={"summarizer": "centroid", "seed": 12})
+    store_compendium(Compendium.model_validate({"scenarios": [
+        {"tool_id": "weather", "text": "Will it rain tomorrow in Paris, Zorblat?"}]}),
+        kind="client", round=round2, client=late)
+    close(round2, capture)
+    # As round 2's server merge logs a conflict between its edge and another input (a test's
+    # shortcut: the rows are written directly) and flags an edge's scenario.
+    ConflictLogEntry.objects.create(
+        round=round2, organization=None, tool_id="weather", centroid_id="c0",
+        centroid={"source": "org:acme", "tool_id": "weather", "text": "Will it rain tomorrow in Paris?",
+                  "preconditions": {"has_city": True}},
+        dissenters=[{"source": "org:globex", "tool_id": "weather", "text": SECRET,
+                     "preconditions": {"has_city": False}}],
+        reason="precondition flags contradict")
+    MergeRecord.objects.filter(round=round2, organization=None).update(
+        flagged=[{"source": "org:globex", "tool_id": "weather", "text": SECRET}])
+    _round_with(3, Client.objects.get(name="a1"), "Book a flight to Rome", capture,
+                carry_forward=False)
+    assert "global 3 None" in _leaks("Zorblat")
+    report = pipeline.erase_client(late)
+    assert _leaks("Zorblat") == []
+    assert report.globals_rematerialized == [2, 3]
+    assert not MergeRecord.objects.filter(round=round2, organization=None).exists()
+    assert pipeline._conflict_source(Round.objects.get(number=3), None).number == 1
+    client.force_login(get_user_model().objects.create_superuser("op", "op@example.org", "pw"))
+    page = client.get(reverse("dashboard:conflicts"), {"round": "2"})
+    assert page.status_code == 200 and "Zorblat" not in page.content.decode()
+    page = client.get(reverse("dashboard:compendium"), {"round": "2"})
+    assert page.status_code == 404 and "no global compendium is published for round 2" in page.content.decode()
+    for name in ("overview", "accuracy", "compendium"):
+        assert client.get(reverse(f"dashboard:{name}")).status_code == 200, name

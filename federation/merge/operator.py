@@ -197,8 +197,8 @@ def conflicts_to_precautions(
     out = []
     for entry in sorted(conflicts, key=lambda c: (c.tool_id, c.centroid_id)):
         tool = schema.tools_by_id.get(entry.tool_id)
-        if tool is None or entry.resolution == "scenario":
-            continue
+        if tool is None or (entry.resolution == "scenario" and _picked(entry) is not None):
+            continue  # a picked scenario no longer among the candidates: as if undecided
         losing = _losing_tool(entry)  # across tools, the precaution is the losing tool's
         if entry.resolution == "precaution":
             text = " ".join(entry.resolution_text.split())
@@ -243,20 +243,30 @@ def conflicts_to_precautions(
     return out
 
 
+def _picked(entry: ConflictEntry) -> dict | None:
+    """The candidate (the centroid or a dissenter) whose text a reviewer picked as the winning
+    scenario, or None: no text picked, or one that is no longer among the conflict's candidates
+    (an erasure re-merged the log without the client that wrote it)."""
+    text = " ".join(entry.resolution_text.split())
+    for candidate in [entry.centroid, *entry.dissenters] if text else []:
+        if " ".join(str(candidate.get("text", "")).split()) == text:
+            return candidate
+    return None
+
+
 def conflict_winners(conflicts: Sequence[ConflictEntry], schema: Schema) -> list[Scenario]:
     """The scenarios a reviewer picked as winners of last round's conflicts (resolution
-    "scenario"): each enters the merge's scenarios with the conflict's support."""
+    "scenario"): each enters the merge's scenarios with the conflict's support. Only a text that
+    is still one of the conflict's candidates wins; any other text is ignored (and the conflict
+    is composed into a precaution as if undecided, `conflicts_to_precautions`)."""
     out = []
     for entry in sorted(conflicts, key=lambda c: (c.tool_id, c.centroid_id)):
-        text = " ".join(entry.resolution_text.split())
-        if entry.resolution != "scenario" or not text or entry.tool_id not in schema.tools_by_id:
+        picked = _picked(entry) if entry.resolution == "scenario" else None
+        if picked is None or entry.tool_id not in schema.tools_by_id:
             continue
-        preconditions, tool_id = {}, entry.tool_id
-        for candidate in [entry.centroid, *entry.dissenters]:
-            if " ".join(str(candidate.get("text", "")).split()) == text:
-                preconditions = dict(candidate.get("preconditions") or {})
-                tool_id = candidate.get("tool_id") or entry.tool_id  # across tools: its own tool
-                break
+        text = " ".join(entry.resolution_text.split())
+        preconditions = dict(picked.get("preconditions") or {})
+        tool_id = picked.get("tool_id") or entry.tool_id  # across tools: its own tool
         if tool_id not in schema.tools_by_id:
             continue
         out.append(

@@ -55,7 +55,8 @@ class ConflictEntry:
     reason: str
     # A reviewer's decision applied by the next round's merge: "" (none: the composed precaution),
     # "precaution" (resolution_text replaces the composed precaution) or "scenario"
-    # (resolution_text, the centroid's or a dissenter's text, wins; no precaution is composed).
+    # (resolution_text, the centroid's or a dissenter's text, wins; no precaution is composed;
+    # a text no longer among them is ignored, and the precaution composed as if undecided).
     resolution: str = ""
     resolution_text: str = ""
 

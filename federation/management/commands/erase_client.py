@@ -7,7 +7,8 @@ from federation.pipeline import erase_client
 class Command(BaseCommand):
     help = (
         "Right to erasure: remove every submission of one client and re-materialize the edge and "
-        "global compendiums built from them. CLIENT is a client id or ORG-SLUG/NAME."
+        "global compendiums built from them or from the conflict logs that held them, removing "
+        "reviewers' decisions that no longer fit. CLIENT is a client id or ORG-SLUG/NAME."
     )
 
     def add_arguments(self, parser):
@@ -33,5 +34,6 @@ class Command(BaseCommand):
         self.stdout.write(
             f"erased {report.submissions_removed} submission(s) of {report.client}; "
             f"re-materialized {len(report.edges_rematerialized)} edge and "
-            f"{len(report.globals_rematerialized)} global compendium(s)"
+            f"{len(report.globals_rematerialized)} global compendium(s); removed "
+            f"{report.decisions_removed} conflict decision(s)"
         )
