@@ -359,7 +359,12 @@ class SynapseClient:
         a warning. The server stores the same canonical bytes either way, and the idempotency key
         does not depend on the encoding. A compendium without entries is not sent
         (NothingToSubmit). `check`, when given, is called with the open round (as `open_round`
-        gives it, with its `config`) before anything is sent; it raises to send nothing."""
+        gives it, with its `config`) before anything is sent; it raises to send nothing. Every POST
+        names that round (`X-Synapse-Round`), so one that reaches the server once another round is
+        open stores nothing (ClientError: the round changed). When the server answers that this
+        content's key was replaced by a later submission in the round (409 `replaced`: the user
+        submits an earlier compendium again), it goes again under the next key
+        (`idempotency_key(..., attempt)`), which puts it back in effect (`reinstated`)."""
         if nothing_to_submit(compendium):
             raise NothingToSubmit(
                 "the compendium has no entries (metadata, scenarios, precautions, templates and "
