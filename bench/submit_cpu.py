@@ -50,7 +50,8 @@ def main(argv=None):
     dataset = Path(args.dataset)
     _, _org, clients, rnd = setup_federation(args.clients, dataset, args.rounds + 2)
     docs = build_compendiums(
-        dataset, args.clients, args.tools_per_client, args.scenarios_per_tool, args.seed
+        dataset, args.clients, args.tools_per_client, args.scenarios_per_tool, args.seed,
+        not_released=frozenset(rnd.fields_not_released),
     )
     from django.db import connection
     from django.test import Client as HttpClient

@@ -95,7 +95,10 @@ def setup_federation(n_clients: int, dataset: Path, per_client_requests: int):
     return run_id, org, clients, Round.objects.get(pk=rnd.pk)
 
 
-def build_compendiums(dataset: Path, n: int, tools_per_client: int, per_tool: int, seed: int):
+def build_compendiums(dataset: Path, n: int, tools_per_client: int, per_tool: int, seed: int,
+                      not_released=()):
+    """`n` compendium bodies; without statistics for the fields in `not_released` (the open
+    round's `fields_not_released`, which the server refuses, as a client's toolkit leaves out)."""
     from compendium.masking import TextMasker
     from compendium.registry import load_dataset
 
@@ -115,16 +118,14 @@ def build_compendiums(dataset: Path, n: int, tools_per_client: int, per_tool: in
         chosen = rng.sample(tool_ids, min(tools_per_client, len(tool_ids)))
         metadata, scenarios, precautions, templates, annex = [], [], [], [], []
         for t in chosen:
+            stats = {
+                "calls": float(rng.randint(1, 50)),
+                "success_rate": round(rng.random(), 3),
+                "frequency": round(rng.random() / tools_per_client, 4),
+                "latency_ms": float(rng.randint(50, 3000)),
+            }
             metadata.append(
-                {
-                    "tool_id": t,
-                    "stats": {
-                        "calls": float(rng.randint(1, 50)),
-                        "success_rate": round(rng.random(), 3),
-                        "frequency": round(rng.random() / tools_per_client, 4),
-                        "latency_ms": float(rng.randint(50, 3000)),
-                    },
-                }
+                {"tool_id": t, "stats": {k: v for k, v in stats.items() if k not in not_released}}
             )
             seen = set()
             for text in rng.sample(by_tool[t], min(per_tool, len(by_tool[t]))):
@@ -442,7 +443,8 @@ def main(argv=None):
         args.clients, dataset, args.submissions * args.duplicates
     )
     docs = build_compendiums(
-        dataset, args.clients, args.tools_per_client, args.scenarios_per_tool, args.seed
+        dataset, args.clients, args.tools_per_client, args.scenarios_per_tool, args.seed,
+        not_released=frozenset(rnd.fields_not_released),
     )
     mean_kb = statistics.mean(len(d) for d in docs) / 1024
     print(f"round {rnd.number}; compendium body {mean_kb:.1f} KB on average; sending ...", flush=True)

@@ -2,11 +2,14 @@
 
 Speaks the REST API exactly as the server defines it:
 - `GET /api/v1/rounds/?state=open` -> {"count", "results": [{"number", ...}]}
-- `POST /api/v1/submissions/` with `Idempotency-Key`; 201, or the same answer again with
-  `Idempotent-Replayed: true`; 400 {"detail", "violations": [{"path", "reason"}]}; 401/403; 409
-  when no round is open (`code: round_changed` when another opened while the body was checked,
-  `code: schema_changed` when the registry or the numeric fields changed meanwhile);
-  413; 429 with `Retry-After`.
+- `POST /api/v1/submissions/` with `Idempotency-Key` and `X-Synapse-Round` (the round the body
+  was checked for); 201, or the same answer again with `Idempotent-Replayed: true`; 400
+  {"detail", "violations": [{"path", "reason"}]}; 401/403; 409 when no round is open
+  (`code: round_changed` when another round is open than the one named, or opened while the body
+  was checked, `code: schema_changed` when the registry or the numeric fields changed meanwhile,
+  `code: replaced` when the key's submission was replaced by a later one in the open round: then
+  the same body goes again under the next key, `r<round>-<sha256>-2`, `-3`, ...); 413; 429 with
+  `Retry-After`.
 - `GET /api/v1/compendium/global/` -> {"round", "sha256", "published_at", "compendium"} with an
   ETag; 304 when `If-None-Match` matches; 404 when nothing is published.
 - `GET /api/v1/compendium/probe/` -> {"count", "sha256", "texts"}: the public probe set's requests.
@@ -92,6 +95,9 @@ class SubmissionResult:
     attempts: int
     warnings: list[str] = field(default_factory=list)
     sent_bytes: int = 0  # the body as it went on the wire
+    # True: the submission of this content under its first key had been replaced by a later one
+    # in the round, so it went again under the next key (`idempotency_key`) and is in effect now
+    reinstated: bool = False
     content_encoding: str | None = None  # gzip, dcz or None (plain)
 
 
@@ -146,10 +152,27 @@ def weaker_masking(round_info: dict[str, Any], applied: float | None) -> str | N
     return f"round {round_info['number']} expects masking strength λ >= {expected:g}"
 
 
-def idempotency_key(compendium: Compendium, round_number: int) -> str:
-    """Same content for the same round -> same key; anything else -> another key."""
+# How many times one submit sends a compendium again under a new key when the server says the
+# key's submission was replaced by a later one (A, then B, then A again: A's key is replaced).
+MAX_RESUBMISSIONS = 50
+
+
+def idempotency_key(compendium: Compendium, round_number: int, attempt: int = 1) -> str:
+    """Same content for the same round -> same key; anything else -> another key. `attempt` > 1:
+    the key of the same content sent again after the submission under the previous one was
+    replaced by a later one (`r<round>-<sha256>-<attempt>`): deterministic, so that a retry after
+    a lost answer finds the submission that is in effect."""
     digest = canonical_form(compendium).sha256
-    return f"r{round_number}-{digest}"
+    return f"r{round_number}-{digest}" + (f"-{attempt}" if attempt > 1 else "")
+
+
+def _code(response: httpx.Response) -> str | None:
+    """The `code` of a JSON error answer; None for another answer (a proxy's)."""
+    try:
+        code = response.json().get("code")
+    except (ValueError, AttributeError):
+        return None
+    return code if isinstance(code, str) else None
 
 
 def _detail(response: httpx.Response) -> str:
@@ -336,7 +359,12 @@ class SynapseClient:
         a warning. The server stores the same canonical bytes either way, and the idempotency key
         does not depend on the encoding. A compendium without entries is not sent
         (NothingToSubmit). `check`, when given, is called with the open round (as `open_round`
-        gives it, with its `config`) before anything is sent; it raises to send nothing."""
+        gives it, with its `config`) before anything is sent; it raises to send nothing. Every POST
+        names that round (`X-Synapse-Round`), so one that reaches the server once another round is
+        open stores nothing (ClientError: the round changed). When the server answers that this
+        content's key was replaced by a later submission in the round (409 `replaced`: the user
+        submits an earlier compendium again), it goes again under the next key
+        (`idempotency_key(..., attempt)`), which puts it back in effect (`reinstated`)."""
         if nothing_to_submit(compendium):
             raise NothingToSubmit(
                 "the compendium has no entries (metadata, scenarios, precautions, templates and "
@@ -346,19 +374,35 @@ class SynapseClient:
         if check is not None:
             check(round_info)
         number = round_info["number"]
-        key = idempotency_key(compendium, number)
         form = canonical_form(compendium)
         warnings = []
         encoding = None
         if compress:
             encoding = transport.CONTENT_ENCODING if dictionary else "gzip"
-        response, body = self._post_submission(form.data, key, encoding, dictionary)
-        if encoding == transport.CONTENT_ENCODING and _dictionary_refused(response):
-            warnings.append(
-                f"the server cannot read this dictionary ({_detail(response)}); sent gzip instead"
+        attempts = 0
+        reinstated = False
+        for attempt in range(1, MAX_RESUBMISSIONS + 2):
+            key = idempotency_key(compendium, number, attempt)
+            response, body = self._post_submission(form.data, key, number, encoding, dictionary)
+            attempts += self.attempts
+            if encoding == transport.CONTENT_ENCODING and _dictionary_refused(response):
+                warnings.append(
+                    f"the server cannot read this dictionary ({_detail(response)}); sent gzip "
+                    "instead"
+                )
+                encoding = "gzip"
+                response, body = self._post_submission(form.data, key, number, encoding, None)
+                attempts += self.attempts
+            if response.status_code != 409 or _code(response) != "replaced":
+                break
+            # This content's submission under `key` was replaced by a later one: the user wants
+            # it in effect again, which the next key does (or finds, when it was already done).
+            reinstated = True
+        else:
+            raise ClientError(
+                f"the server answered that this compendium's submission was replaced "
+                f"{MAX_RESUBMISSIONS + 1} times in round {number}: {_detail(response)}"
             )
-            encoding = "gzip"
-            response, body = self._post_submission(form.data, key, encoding, None)
         status = response.status_code
         if status in (200, 201):
             applied = compendium.masking.strength if compendium.masking else None
@@ -375,7 +419,8 @@ class SynapseClient:
                 replayed=response.headers.get("Idempotent-Replayed", "").lower() == "true",
                 idempotency_key=key,
                 round=number,
-                attempts=self.attempts,
+                attempts=attempts,
+                reinstated=reinstated,
                 sent_bytes=len(body),
                 content_encoding=encoding,
             )
@@ -397,13 +442,10 @@ class SynapseClient:
         if status in (401, 403):
             raise self._auth_error(response)
         if status == 409:
-            try:
-                code = response.json().get("code")
-            except (ValueError, AttributeError):  # not a JSON object: an answer from a proxy
-                code = None
+            code = _code(response)
             if code == "round_changed":
-                raise ClientError(f"the open round changed while the server checked the submission: "
-                                  f"{_detail(response)}")
+                raise ClientError(f"the open round changed after this client checked the "
+                                  f"submission for round {number}: {_detail(response)}")
             if code == "schema_changed":
                 raise ClientError(f"the server's schema changed while it checked the submission: "
                                   f"{_detail(response)}")
@@ -418,9 +460,16 @@ class SynapseClient:
         raise ClientError(f"unexpected answer to the submission (HTTP {status}): {_detail(response)}")
 
     def _post_submission(
-        self, data: bytes, key: str, encoding: str | None, dictionary: bytes | None
+        self, data: bytes, key: str, round_number: int, encoding: str | None,
+        dictionary: bytes | None,
     ) -> tuple[httpx.Response, bytes]:
-        headers = {"Content-Type": "application/json", "Idempotency-Key": key}
+        # X-Synapse-Round: the round the body was checked for; a retry that reaches the server
+        # after that round closed and another opened is refused (round_changed), not stored there.
+        headers = {
+            "Content-Type": "application/json",
+            "Idempotency-Key": key,
+            "X-Synapse-Round": str(round_number),
+        }
         body = data
         if encoding == "gzip":
             body = gzip.compress(data, 9, mtime=0)
@@ -436,7 +485,10 @@ class SynapseClient:
         etag_path = etag_file(out)
         headers = {}
         if out.exists() and etag_path.exists():
-            etag = etag_path.read_text(encoding="utf-8").strip()
+            try:
+                etag = etag_path.read_text(encoding="utf-8").strip()
+            except (OSError, UnicodeDecodeError):  # unreadable or damaged: as if there were none
+                etag = ""
             if etag and _holds_etag(out, etag):
                 headers["If-None-Match"] = etag
         params = {"round": str(round_number)} if round_number is not None else None

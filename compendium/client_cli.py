@@ -162,7 +162,7 @@ def _field_names(value: str | None, schema) -> frozenset[str]:
 def cmd_build(args: argparse.Namespace) -> int:
     from compendium.builder import BuildError, BuildOptions, BuildReport, build_compendium
     from compendium.client_api import write_atomically
-    from compendium.usage_log import parse_lines
+    from compendium.usage_log import NotUtf8Log, log_lines, parse_lines
 
     schema = _load_schema(args.schema)
     if not math.isfinite(args.strength):
@@ -185,6 +185,8 @@ def cmd_build(args: argparse.Namespace) -> int:
         raise CliError("--shared-word-users must be 0 (off) or at least 2")
     if args.max_words < 0:
         raise CliError(f"--max-words must be 0 (whole requests) or at least 1, not {args.max_words}")
+    if args.since and args.no_collapse:  # before any work: it needs the engine the build skips
+        raise CliError("--since needs the embedding model (drop --no-collapse)")
     probe = None
     if getattr(args, "probe", None):
         if args.since:
@@ -209,13 +211,15 @@ def cmd_build(args: argparse.Namespace) -> int:
     try:
         with open(args.log, "rb") as handle:
             log = parse_lines(
-                progress(handle, "reading log", unit="line"),
+                progress(log_lines(handle), "reading log", unit="line"),
                 source=args.log,
                 known_tools=schema.tool_ids,
                 max_flags=schema.limits.preconditions,
             )
     except OSError as exc:
         raise CliError(f"cannot read {args.log}: {exc.strerror}") from None
+    except NotUtf8Log as exc:
+        raise CliError(str(exc)) from None
     if log.errors:
         for line in log.error_lines():
             print(line, file=sys.stderr)
@@ -249,8 +253,6 @@ def cmd_build(args: argparse.Namespace) -> int:
         raise CliError(f"the built compendium is not valid under the schema: {exc}") from None
     notes = ""
     if args.since:
-        if engine is None:
-            raise CliError("--since needs the embedding model (drop --no-collapse)")
         pulled = _load_pulled(args.since)
         route = None
         if args.since_confidence <= 1.0 and pulled.scenarios:
@@ -573,6 +575,36 @@ def _field_cap_check(path: Path, compendium: Compendium):
     return check
 
 
+def round_not_released(current: dict) -> list[str]:
+    """The numeric fields the open round says its edges will not release (`fields_not_released`
+    of the rounds endpoint), sorted; [] when it names none."""
+    names = current.get("fields_not_released")
+    return sorted({n for n in names if isinstance(n, str)}) if isinstance(names, list) else []
+
+
+def _not_released_check(path: Path, compendium: Compendium):
+    """Before `submit` sends anything: statistics for numeric fields the open round will not
+    release are refused, as the server refuses them (the merge would drop them, and the server
+    would keep the client's numbers as sent until then). `build --not-released` leaves them out;
+    `participate` passes the round's."""
+
+    def check(current: dict) -> None:
+        unreleased = set(round_not_released(current))
+        carried = sorted(
+            {name for entry in compendium.metadata for name in entry.stats} & unreleased
+        )
+        if not carried:
+            return
+        raise CliError(
+            f"round {current['number']} will not release the numeric field(s) "
+            f"{', '.join(carried)}, but {path} carries statistics for them: build it again with "
+            f"--not-released {','.join(round_not_released(current))} (participate does); "
+            "nothing sent"
+        )
+
+    return check
+
+
 def _masking_check(path: Path, compendium: Compendium, allow_weaker: bool):
     """Before `submit` sends anything: text masked more weakly than the open round expects (or
     with no masking recorded) is refused, since once sent it cannot be taken back (the server
@@ -633,6 +665,7 @@ def cmd_submit(args: argparse.Namespace) -> int:
                 compendium, compress=not args.no_gzip, dictionary=dictionary,
                 check=_checks(
                     _field_cap_check(Path(args.compendium), compendium),
+                    _not_released_check(Path(args.compendium), compendium),
                     _masking_check(Path(args.compendium), compendium,
                                    getattr(args, "allow_weaker_masking", False)),
                 ),
@@ -645,6 +678,12 @@ def cmd_submit(args: argparse.Namespace) -> int:
         print(f"{PROG}: warning: {warning}", file=sys.stderr)
     body = result.body
     again = " (the server already had it: replayed, not stored twice)" if result.replayed else ""
+    if result.reinstated:
+        again = (
+            "; its earlier submission to this round had been replaced by a later one, so it "
+            "went again under a new key and is in effect again"
+            + (" (the server already had it under that key: replayed)" if result.replayed else "")
+        )
     print(
         f"{args.compendium}: submitted to round {result.round} as submission {body.get('id')}, "
         f"sha256 {str(body.get('sha256', ''))[:12]}…, {body.get('size_bytes')} bytes "
@@ -816,7 +855,9 @@ def cmd_participate(args: argparse.Namespace) -> int:
     if strength is None:
         strength = expected if expected is not None else 1.0
     since = str(global_path) if pulled else None  # what the body is compressed against
-    build_since = since if carried else None  # the build leaves out what this one covers
+    # the build leaves out what this one covers; that takes the embedding model, so without it
+    # (--no-collapse) everything is built, as before any global (the body is still dcz against it)
+    build_since = since if carried and not args.no_collapse else None
     print(
         f"round {current['number']}: "
         + (f"against the global of round {global_round}" if global_round is not None
@@ -825,6 +866,9 @@ def cmd_participate(args: argparse.Namespace) -> int:
         + (" (compressed only: the round does not carry it forward, so what it covers is sent "
            "too, all but what the public probe set already routes)"
            if pulled and not carried else "")
+        + (" (compressed only: --no-collapse builds without the embedding model, which leaving "
+           "out what the global covers needs, so that is sent too)"
+           if pulled and carried and args.no_collapse else "")
         + f", masking at λ = {strength:g}, "
         + ("no field cap" if field_cap is None else f"field cap F* = {field_cap}")
         + (f" (the round's is {required})" if required is not None and field_cap < required else "")

@@ -95,6 +95,52 @@ class UsageLogError(ValueError):
         )
 
 
+class NotUtf8Log(ValueError):
+    """The log is not UTF-8 at all (UTF-16, as Windows PowerShell 5.1 writes with `>` or
+    Out-File): one error for the file, not one per line."""
+
+    def __init__(self, source: str):
+        super().__init__(
+            f"{source} is UTF-16, not UTF-8; save it as UTF-8 (e.g. Out-File -Encoding utf8) and "
+            "build again"
+        )
+
+
+class OverlongLine(int):
+    """What `log_lines` yields in place of a line longer than MAX_LINE_BYTES: its length in
+    bytes (the line itself is never held in memory)."""
+
+
+_CHUNK = 1 << 16
+
+
+def log_lines(handle) -> Iterable[bytes | OverlongLine]:
+    """The lines of a binary file, each read with at most MAX_LINE_BYTES + 1 bytes in memory: a
+    longer line is skipped to its newline a chunk at a time and yielded as its `OverlongLine`
+    length, which `parse_lines` reports."""
+    while True:
+        line = handle.readline(MAX_LINE_BYTES + 1)
+        if not line:
+            return
+        if len(line) <= MAX_LINE_BYTES or line.endswith(b"\n"):
+            yield line
+            continue
+        length = len(line)
+        del line  # only its length is kept
+        while True:
+            chunk = handle.readline(_CHUNK)
+            length += len(chunk)
+            if not chunk or chunk.endswith(b"\n"):
+                break
+        yield OverlongLine(length)
+
+
+def _utf16(first: bytes) -> bool:
+    """Line 1 of a UTF-16 file: its byte order mark, or (without one) the NUL bytes every ASCII
+    character brings along, which no UTF-8 JSON line holds."""
+    return first.startswith((b"\xff\xfe", b"\xfe\xff")) or b"\x00" in first
+
+
 def _unicode(key: str, value: str) -> str:
     """`value`, unless it holds a lone surrogate (JSON can escape half an emoji: "\\ud83d"),
     which is not text: nothing could encode or store it."""
@@ -224,12 +270,21 @@ def parse_lines(
     known_tools: Iterable[str] | None = None,
     max_flags: int | None = None,
 ) -> UsageLog:
-    """Every line parsed; every bad line kept as an error with its line number (none dropped)."""
+    """Every line parsed; every bad line kept as an error with its line number (none dropped).
+    Bytes lines are UTF-8; a log whose first line is UTF-16 raises NotUtf8Log. `lines` may hold
+    `OverlongLine`s (`log_lines`), reported as too long."""
     known = frozenset(known_tools) if known_tools is not None else None
     log = UsageLog(source=source)
     for number, raw in enumerate(lines, start=1):
         log.lines_read = number
+        if isinstance(raw, OverlongLine):
+            log.errors.append(
+                LogLineError(number, f"line is {int(raw)} bytes; the limit is {MAX_LINE_BYTES}")
+            )
+            continue
         if isinstance(raw, bytes):
+            if number == 1 and _utf16(raw):
+                raise NotUtf8Log(source)
             if len(raw) > MAX_LINE_BYTES:
                 log.errors.append(
                     LogLineError(number, f"line is {len(raw)} bytes; the limit is {MAX_LINE_BYTES}")
@@ -269,7 +324,10 @@ def parse_lines(
 def read_usage_log(
     path: str | Path, known_tools: Iterable[str] | None = None, max_flags: int | None = None
 ) -> UsageLog:
-    """Read a usage log file. Raises OSError when it cannot be opened."""
+    """Read a usage log file. Raises OSError when it cannot be opened, NotUtf8Log when it is
+    UTF-16."""
     path = Path(path)
     with path.open("rb") as handle:
-        return parse_lines(handle, source=str(path), known_tools=known_tools, max_flags=max_flags)
+        return parse_lines(
+            log_lines(handle), source=str(path), known_tools=known_tools, max_flags=max_flags
+        )

@@ -97,3 +97,11 @@ class SchemaChanged(Conflict):
     against them: the merge would hold it to another schema."""
 
     code = "schema_changed"
+
+
+class Replaced(Conflict):
+    """A submission replayed under its Idempotency-Key was replaced by a later submission of the
+    same client in the open round: replaying its answer would tell the client it is in effect
+    while the later one is. A new key submits it again, and it replaces the later one."""
+
+    code = "replaced"

@@ -39,6 +39,7 @@ from federation.errors import (
     NotAllowed,
     PayloadTooLarge,
     RateLimited,
+    Replaced,
     RoundChanged,
     SchemaChanged,
     UnknownDictionary,
@@ -121,6 +122,22 @@ class FieldCapExceeded(InvalidRequest):
         )
 
 
+class FieldsNotReleased(InvalidRequest):
+    """Numeric statistics for fields the open round will not release (its
+    `fields_not_released`, fixed when it opened): the merge drops them, so storing them would
+    only keep a client's un-noised numbers where the operator reads them. Refused whole."""
+
+    code = "fields_not_released"
+
+    def __init__(self, round_number: int, fields: list[str]):
+        names = ", ".join(fields)
+        super().__init__(
+            f"round {round_number} will not release the numeric field(s) {names}, but this "
+            f"compendium carries statistics for them: build it again with synapse-client build "
+            f"--not-released {','.join(fields)} (participate does) and submit; nothing was stored"
+        )
+
+
 @dataclass(frozen=True)
 class Outcome:
     status_code: int
@@ -153,6 +170,11 @@ _ROUND_OPEN = (
     f"(SELECT ARRAY[number::float8, coalesce((config->>'mask_strength')::float8, -1), "
     f"coalesce((config->>'field_cap')::float8, -1)] "
     f"FROM {Round._meta.db_table} WHERE {_TAKES_SUBMISSIONS} ORDER BY number DESC LIMIT 1)"
+)
+# The numeric fields the open round will not release (fixed when it opened), as JSON text.
+_ROUND_NOT_RELEASED = (
+    f"(SELECT fields_not_released::text FROM {Round._meta.db_table} WHERE {_TAKES_SUBMISSIONS} "
+    "ORDER BY number DESC LIMIT 1)"
 )
 _FINGERPRINT_SQL = f"SELECT {_FINGERPRINT_COLUMNS}"
 
@@ -414,6 +436,17 @@ def _metadata_free_text(compendium) -> list[Violation]:
     ]
 
 
+def _unreleased_stats(compendium, not_released) -> list[str]:
+    """The fields of the open round's `fields_not_released` (its JSON, as text or decoded) that
+    the compendium carries statistics for, sorted."""
+    if isinstance(not_released, str | bytes):
+        not_released = json.loads(not_released)
+    names = frozenset(n for n in not_released or () if isinstance(n, str))
+    if not names:
+        return []
+    return sorted({name for entry in compendium.metadata for name in entry.stats} & names)
+
+
 def _count_refusal(client: Client, window_s: int = 60) -> None:
     """One hit on the client's rate counter for a request past the look-ahead that stores nothing
     (invalid, no round open, a replay): such requests count, as accepted ones do in their
@@ -438,6 +471,19 @@ def _audit_unmasked(client: Client, round_number: int, strength: float, residue:
     )
 
 
+def expected_round(header: str | None) -> int | None:
+    """The `X-Synapse-Round` header: the round the client built and checked its body for (None
+    when it sends none: other tooling need not)."""
+    if header is None or not header.strip():
+        return None
+    text = header.strip()
+    if not (text.isascii() and text.isdigit()) or len(text) > 9 or int(text) < 1:
+        raise InvalidRequest(
+            f"X-Synapse-Round must be a round number (a whole number >= 1), not {header[:40]!r}"
+        )
+    return int(text)
+
+
 def check_key(key: str | None) -> str:
     if key is None or not key.strip():
         raise InvalidRequest("the Idempotency-Key header is required (1 to 200 characters)")
@@ -456,10 +502,17 @@ def check_key(key: str | None) -> str:
 
 
 def _replay(stored: tuple, request_sha256: str) -> Outcome:
-    pk, stored_sha256, status_code, response = stored
+    pk, stored_sha256, status_code, response, superseded = stored
     if stored_sha256 != request_sha256:
         raise IdempotencyMismatch(
             "this Idempotency-Key was already used with a different body; use a new key"
+        )
+    if superseded:
+        # Replaying the 201 would tell the client that this compendium is in effect: it is not.
+        raise Replaced(
+            "this Idempotency-Key's submission was replaced by a later submission of this client "
+            "in the open round, which is in effect: nothing was stored. Submit it again under a "
+            "new Idempotency-Key to put it back in effect (synapse-client does)"
         )
     if isinstance(response, str | bytes):  # jsonb may come back as text
         response = json.loads(response)
@@ -474,9 +527,15 @@ def _replay(stored: tuple, request_sha256: str) -> Outcome:
 _SUBMISSIONS = Submission._meta.db_table
 _VERSIONS = CompendiumVersion._meta.db_table
 _RATES = RateCounter._meta.db_table
+# The key's stored answer, and whether its submission was replaced by a later one of the client
+# in the round that is open (its version gone: a replay would not put it back in effect).
 _STORED = (
-    f"SELECT id, request_sha256, status_code, response FROM {_SUBMISSIONS} "
-    "WHERE client_id = %(client)s AND idempotency_key = %(key)s"
+    f"SELECT s.id, s.request_sha256, s.status_code, s.response, "
+    f"s.version_id IS NULL "
+    f"AND EXISTS (SELECT 1 FROM {_SUBMISSIONS} later WHERE later.client_id = s.client_id "
+    f"AND later.round_id = s.round_id AND later.id > s.id) "
+    f"AND s.round_id IN (SELECT id FROM {Round._meta.db_table} WHERE {_TAKES_SUBMISSIONS}) AS superseded "
+    f"FROM {_SUBMISSIONS} s WHERE s.client_id = %(client)s AND s.idempotency_key = %(key)s"
 )
 
 # Before the transaction, reading only: the stored answer of this key (a replay needs nothing
@@ -484,9 +543,9 @@ _STORED = (
 # schema's fingerprint.
 _LOOK_AHEAD_SQL = f"""
 WITH stored AS ({_STORED})
-SELECT stored.id, stored.request_sha256, stored.status_code, stored.response,
+SELECT stored.*,
        (SELECT count FROM {_RATES} WHERE key = %(rate_key)s AND window_start = %(window_start)s),
-       {_ROUND_OPEN}, {_FINGERPRINT_COLUMNS}
+       {_ROUND_OPEN}, {_ROUND_NOT_RELEASED}, {_FINGERPRINT_COLUMNS}
 LEFT JOIN stored ON TRUE
 """
 
@@ -509,7 +568,7 @@ hit AS (
     ON CONFLICT (key, window_start) DO UPDATE SET count = {_RATES}.count + 1
     RETURNING count
 )
-SELECT stored.id, stored.request_sha256, stored.status_code, stored.response,
+SELECT stored.*,
        open_round.id, open_round.number,
        (SELECT id FROM {_VERSIONS}
         WHERE kind = 'client' AND client_id = %(client)s AND round_id = open_round.id),
@@ -567,6 +626,7 @@ def submit(
     idempotency_key: str,
     *,
     content_encoding: str | None = None,
+    expected_round: int | None = None,
 ) -> Outcome:
     """Store a client's compendium for the open round (or replay the stored outcome of this
     idempotency key). `wire` is the body as it came and `content_encoding` its Content-Encoding
@@ -575,7 +635,12 @@ def submit(
     subclasses for every refusal; a compendium without a single entry is one
     (EmptySubmission), so it never replaces the client's earlier submission, and so are numeric
     statistics for a round with a field cap from a compendium that records no cap or a larger
-    one (FieldCapExceeded), checked before anything is stored."""
+    one (FieldCapExceeded), and statistics for fields the open round will not release
+    (FieldsNotReleased), checked before anything is stored. `expected_round` (the request's
+    `X-Synapse-Round` header; None: not sent) is the round the client built and checked the body
+    for: another round open is a RoundChanged, nothing stored. A key whose submission a later one
+    of the client replaced in the open round is not replayed but refused (Replaced): a new key
+    puts it back in effect."""
     key = check_key(idempotency_key)
     limit = max_submission_bytes()
     rate_limit = federation_settings().submissions_per_minute
@@ -589,7 +654,7 @@ def submit(
     with prepared_cursor() as cursor:
         cursor.execute(_LOOK_AHEAD_SQL, params)
         row = cursor.fetchone()
-    stored, (count, open_round, *fingerprint) = row[:4], row[4:]
+    stored, (count, open_round, not_released, *fingerprint) = row[:5], row[5:]
     # This request would be hit number count + 1 of the window: refused past the limit, before
     # any work (a refused request needs no hit: the window stays over the limit). A replay too:
     # its body is decoded to compare it with the key's, which a stored key must not make free.
@@ -602,6 +667,13 @@ def submit(
     if open_round is None:  # answered before the work of validation; re-checked under lock below
         _count_refusal(client)
         raise _no_open_round()
+    if expected_round is not None and expected_round != int(open_round[0]):
+        _count_refusal(client)
+        raise RoundChanged(
+            f"this submission was built and checked for round {expected_round} "
+            f"(X-Synapse-Round), but round {int(open_round[0])} is open: build against its "
+            "configuration and submit again (nothing was stored)"
+        )
     try:
         body = decoded_body(wire, content_encoding, limit)
         if len(body) > limit:
@@ -621,6 +693,10 @@ def submit(
     if exceeds_field_cap(result.compendium, round_cap):
         _count_refusal(client)
         raise FieldCapExceeded(int(open_round[0]), round_cap, result.compendium.field_cap)
+    withheld = _unreleased_stats(result.compendium, not_released)
+    if withheld:
+        _count_refusal(client)
+        raise FieldsNotReleased(int(open_round[0]), withheld)
     masker = _masker_for(tuple(fingerprint), schema, open_round[1])
     residue = masking_residue(result.compendium, masker)
     if residue:
@@ -654,7 +730,7 @@ def submit(
                 )
             cursor.execute(_CLAIM_SQL, params)
             row = cursor.fetchone()
-            stored, (round_id, round_number, replaced, count, *claimed_schema) = row[:4], row[4:]
+            stored, (round_id, round_number, replaced, count, *claimed_schema) = row[:5], row[5:]
             if stored[0] is not None:  # a concurrent request with this key won the race
                 return _replay(stored, request_sha256)
             if count > rate_limit:  # requests of this client that passed the look-ahead together

@@ -245,3 +245,17 @@ def test_a_head_that_fails_to_download_leaves_no_older_head_beside_the_new_globa
     third = client.pull(out)
     assert not third.updated and third.head == head_file(out)
     assert head_file(out).read_bytes() == head_bytes(2)
+
+
+def test_build_since_without_the_embedding_model_is_refused_before_any_work(tmp_path, capsys):
+    """`--since` needs the embedding model that `--no-collapse` skips: said before the log is
+    read (here it does not even exist), not after the whole build ran."""
+    schema = tmp_path / "schema.json"
+    schema.write_text('{"tools": [{"tool_id": "weather", "description": "Weather"}]}', "utf-8")
+    assert main(["build", "--log", str(tmp_path / "missing.jsonl"), "--schema", str(schema),
+                 "--out", str(tmp_path / "c.json"), "--since", str(tmp_path / "global.json"),
+                 "--no-collapse", "--quiet"]) == 1
+    assert capsys.readouterr().err.strip() == (
+        "synapse-client: --since needs the embedding model (drop --no-collapse)"
+    )
+    assert not (tmp_path / "c.json").exists()

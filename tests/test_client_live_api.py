@@ -422,3 +422,100 @@ def test_participate_with_max_words_sends_each_request_cut(live_server, world, t
     texts = [s["text"] for s in stored["scenarios"]]
     assert texts and all(len(text.split()) <= 3 for text in texts)
     assert any(text.startswith("Find a cheap") for text in texts)
+
+
+def test_submitting_an_earlier_compendium_again_puts_it_back_in_effect(
+    live_server, world, valid_doc, small_schema, tmp_path, capsys
+):
+    """A, then B (replaces A), then A again: the server does not replay A's old answer (B would
+    stay in effect while the client is told A is); it answers 409 `replaced` and the client sends
+    A again under the next key, r<round>-<sha256>-2, which puts it back in effect. The keys are
+    deterministic, so a retry finds that submission instead of storing another."""
+    services.open_round(services.Actor(None))
+    a = load_valid_compendium(valid_doc, small_schema)
+    b = load_valid_compendium(dict(valid_doc, scenarios=valid_doc["scenarios"][:1]), small_schema)
+
+    def in_effect() -> str:
+        return CompendiumVersion.objects.get(kind="client", client=world.client_a).sha256
+
+    with SynapseClient(live_server.url, world.token_a, backoff=0) as client:
+        first = client.submit(a)
+        client.submit(b)
+        assert in_effect() == canonical_form(b).sha256
+        third = client.submit(a)
+        assert third.status == 201 and third.reinstated and not third.replayed
+        assert third.idempotency_key == first.idempotency_key + "-2"
+        assert in_effect() == canonical_form(a).sha256
+        again = client.submit(a)  # run again (or its answer was lost): found, not stored twice
+        assert again.replayed and again.idempotency_key == third.idempotency_key
+        assert Submission.objects.filter(client=world.client_a).count() == 3
+        client.submit(b)
+        assert client.submit(a).idempotency_key == first.idempotency_key + "-3"
+        assert in_effect() == canonical_form(a).sha256
+    # the CLI says what happened
+    server = ["--server", live_server.url, "--token", world.token_a, "--backoff", "0"]
+    paths = {}
+    for name, doc in (("a", valid_doc), ("b", dict(valid_doc, scenarios=valid_doc["scenarios"][1:]))):
+        paths[name] = tmp_path / f"{name}.json"
+        paths[name].write_text(json.dumps(
+            dict(doc, masking={"strength": 1.0, "masked_fraction": 0.2})), encoding="utf-8")
+    assert main(["submit", str(paths["a"]), *server]) == 0
+    assert main(["submit", str(paths["b"]), *server]) == 0
+    capsys.readouterr()
+    assert main(["submit", str(paths["a"]), *server]) == 0
+    out = capsys.readouterr().out
+    assert "had been replaced by a later one" in out and "is in effect again" in out
+    assert "the server already had it" not in out
+    assert in_effect() == canonical_form(load_valid_compendium(
+        json.loads(paths["a"].read_text()), small_schema)).sha256
+
+
+def test_a_submission_checked_for_a_round_that_closed_meanwhile_is_not_stored_in_the_next(
+    live_server, world, valid_doc, small_schema
+):
+    """The client checks the open round's configuration (F*, λ, fields not released) before it
+    sends; the POST names that round (X-Synapse-Round), so a send or a retry that reaches the
+    server once another round is open stores nothing there."""
+    first = services.open_round(services.Actor(None))
+    compendium = load_valid_compendium(valid_doc, small_schema)
+
+    def the_round_turns(current: dict) -> None:  # between the client's checks and its POST
+        assert current["number"] == 1
+        Round.objects.filter(pk=first.pk).update(
+            state=Round.State.PUBLISHED, published_at=timezone.now()
+        )
+        services.open_round(services.Actor(None), {"field_cap": 1})
+
+    with SynapseClient(live_server.url, world.token_a, backoff=0) as client:
+        with pytest.raises(ClientError, match="checked the submission for round 1: .*round 2 is open"):
+            client.submit(compendium, check=the_round_turns)
+    assert not Submission.objects.exists()
+
+
+def test_participate_without_the_embedding_model_works_once_a_global_is_published(
+    live_server, world, tmp_path, capsys
+):
+    """`--no-collapse` cannot leave out what the global covers (that needs the embedding model):
+    participate builds everything, as before any global, and still compresses against it."""
+    from compendium.services import store_compendium
+
+    log, state = tmp_path / "usage.jsonl", tmp_path / "state"
+    _usage_log(log)
+    server = ["--server", live_server.url, "--token", world.token_a, "--backoff", "0"]
+    command = ["participate", "--log", str(log), "--dir", str(state), "--quiet", "--lambda", "1",
+               "--no-collapse", *server]
+    first = services.open_round(services.Actor(None), {"mask_strength": 1.0})
+    assert main(command) == 0
+    built = json.loads((state / "compendium.json").read_text())
+    Round.objects.filter(pk=first.pk).update(state=Round.State.PUBLISHED, published_at=timezone.now())
+    store_compendium(load_valid_compendium(built, submissions.schema_in_force()), kind="global",
+                     round=first)
+    services.open_round(services.Actor(None), {"mask_strength": 1.0})
+    capsys.readouterr()
+    assert main(command) == 0
+    out = capsys.readouterr().out
+    assert "round 2: against the global of round 1" in out and "--no-collapse builds" in out
+    assert "submitted to round 2" in out
+    stored = Submission.objects.get(client=world.client_a, round__number=2)
+    assert stored.content_encoding == "dcz"
+    assert json.loads((state / "compendium.json").read_text())["scenarios"] == built["scenarios"]

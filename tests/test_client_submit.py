@@ -49,6 +49,7 @@ SCHEMA = Schema(
 class ServerState:
     round_number: int | None = 4
     field_cap: int | None = None  # the open round's F* (config.field_cap)
+    not_released: list[str] = field(default_factory=list)  # the open round's fields_not_released
     drop_next_posts: int = 0  # store, then close the connection without an answer
     fail_next_posts: int = 0  # answer fail_status before doing anything
     fail_status: int = 503
@@ -107,7 +108,8 @@ def make_handler(state: ServerState):
                     results = [{"id": 10 + state.round_number, "number": state.round_number,
                                 "state": "open",
                                 "config": {"tau": 0.85, "mask_strength": 1.0,
-                                           "field_cap": state.field_cap}}]
+                                           "field_cap": state.field_cap},
+                                "fields_not_released": state.not_released}]
                 return self._send(200, {"count": len(results), "next": None, "previous": None,
                                         "results": results})
             if url.path == "/api/v1/compendium/global/head/":  # as the real API: npz bytes
@@ -190,7 +192,8 @@ def make_handler(state: ServerState):
                     state.posts.append({"key": key, "replayed": True, "encoding": encoding})
                     status, body = state.answers[key]
                     return self._send(status, body, {"Idempotent-Replayed": "true"})
-                state.posts.append({"key": key, "replayed": False, "encoding": encoding})
+                state.posts.append({"key": key, "replayed": False, "encoding": encoding,
+                                    "round": self.headers.get("X-Synapse-Round")})
                 if state.round_number is None:
                     return self._send(409, {"detail": "no round is open"})
                 result = validate_compendium(raw, SCHEMA)
@@ -270,6 +273,7 @@ def test_submit_survives_a_dropped_connection_and_a_duplicate_send(server, tmp_p
     key = state.posts[0]["key"]
     assert key == f"r4-{canonical_form(compendium()).sha256}"
     assert state.posts[0]["encoding"] == "gzip"  # the body goes compressed by default
+    assert state.posts[0]["round"] == "4"  # the round it was checked for (X-Synapse-Round)
 
 
 def test_weaker_masking_than_the_round_expects_is_refused_before_sending(server, tmp_path,
@@ -476,7 +480,8 @@ def test_a_round_that_changed_under_the_submission_is_one_clear_line(server, tmp
     assert main(submit_args(url, write(tmp_path, compendium()))) == 1
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith(
-        "synapse-client: the open round changed while the server checked the submission: round 4, "
+        "synapse-client: the open round changed after this client checked the submission for "
+        "round 4: round 4, "
     ) and err[0].endswith("submit again (nothing was stored)")
 
 
@@ -700,6 +705,45 @@ def test_submit_refuses_a_build_over_the_rounds_field_cap_before_sending(server,
     state.field_cap = None
     assert main(submit_args(url, tmp_path / "none.json")) == 0
     assert "field cap" not in capsys.readouterr().err
+
+
+def test_submit_refuses_statistics_the_open_round_will_not_release_before_sending(
+    server, tmp_path, capsys
+):
+    """A plain `build` computes every declared field; the round says which it will not release
+    (`fields_not_released`): submit names them and the build option that leaves them out, and
+    sends nothing (the server refuses them too)."""
+    url, state = server
+    state.not_released = ["latency_ms", "success_rate"]
+    path = _build(tmp_path, "all.json")
+    capsys.readouterr()
+    assert main(submit_args(url, path)) == 1
+    assert capsys.readouterr().err.strip().splitlines() == [
+        f"synapse-client: round 4 will not release the numeric field(s) latency_ms, success_rate, "
+        f"but {path} carries statistics for them: build it again with --not-released "
+        "latency_ms,success_rate (participate does); nothing sent"
+    ]
+    assert state.posts == []
+    lean = _build(tmp_path, "lean.json", "--not-released", "latency_ms,success_rate")
+    assert main(submit_args(url, lean)) == 0
+    assert len(state.posts) == 1
+
+
+def test_pull_treats_an_unreadable_etag_file_as_none(server, tmp_path, capsys):
+    url, state = server
+    published = compendium("Check tomorrow's forecast for a city")
+    form = canonical_form(published)
+    state.published = {"round": 4, "sha256": form.sha256, "published_at": "2026-01-01T00:00:00Z",
+                       "compendium": published.model_dump(mode="json")}
+    out = tmp_path / "global.json"
+    args = ["pull", "--server", url, "--token", TOKEN, "--out", str(out), "--backoff", "0"]
+    assert main(args) == 0
+    etag_file(out).write_bytes(b"\xff\xfe\x00garbage\x81")  # not UTF-8: damaged on disk
+    capsys.readouterr()
+    assert main(args) == 0
+    assert "round 4 saved" in capsys.readouterr().out
+    assert "If-None-Match" not in state.global_requests[-1]
+    assert etag_file(out).read_text().strip() == f'"{form.sha256}"'
 
 
 def test_submit_reads_the_field_cap_the_compendium_records_not_its_report(server, tmp_path, capsys):

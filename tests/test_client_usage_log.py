@@ -144,3 +144,53 @@ def test_huge_numbers_and_lone_surrogates_are_bad_lines_not_a_crash():
     assert "more than 4,300 digits" in messages[2]
     assert "'user' holds a lone surrogate" in messages[3]
     assert "'query' holds a lone surrogate at character 12" in messages[4]
+
+
+def test_an_overlong_line_is_reported_without_reading_it_into_memory(tmp_path):
+    """A line over the 1 MB limit is reported with its length and skipped to its newline a chunk
+    at a time: the lines after it are read, and memory never holds the whole line."""
+    import tracemalloc
+
+    from compendium.usage_log import MAX_LINE_BYTES
+
+    path = tmp_path / "usage.jsonl"
+    big = b'{"query": "' + b"x" * (5 * MAX_LINE_BYTES) + b'"}\n'  # 5 MB and its newline
+    with path.open("wb") as handle:
+        handle.write(line().encode() + b"\n")
+        handle.write(big)
+        handle.write(line(user="u2").encode() + b"\n")
+        handle.write(b"y" * (2 * MAX_LINE_BYTES))  # the last line, without a newline
+    tracemalloc.start()
+    try:
+        log = read_usage_log(path)
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert [r.user for r in log.records] == ["u1", "u2"]
+    assert [(e.line, e.message) for e in log.errors] == [
+        (2, f"line is {len(big)} bytes; the limit is {MAX_LINE_BYTES}"),
+        (4, f"line is {2 * MAX_LINE_BYTES} bytes; the limit is {MAX_LINE_BYTES}"),
+    ]
+    del big
+    assert peak < 3 * MAX_LINE_BYTES  # a line and a chunk at most, never the 5 MB line
+
+
+@pytest.mark.parametrize("encoding", ["utf-16", "utf-16-le", "utf-16-be"])
+def test_a_utf16_log_is_one_clear_error_not_one_per_line(tmp_path, capsys, encoding):
+    """Windows PowerShell 5.1 writes UTF-16 (with a byte order mark) with `>` and Out-File: one
+    error saying so and how to save it as UTF-8, for the whole file."""
+    from compendium.usage_log import NotUtf8Log
+
+    path = tmp_path / "usage.jsonl"
+    path.write_bytes(("\n".join([line(), line(user="u2")]) + "\n").encode(encoding))
+    with pytest.raises(NotUtf8Log, match="UTF-16"):
+        read_usage_log(path)
+    schema = tmp_path / "schema.json"
+    schema.write_text(metatool_schema().model_dump_json(), encoding="utf-8")
+    assert main(["build", "--log", str(path), "--schema", str(schema), "--out",
+                 str(tmp_path / "c.json"), "--no-collapse", "--quiet", "--skip-bad-lines"]) == 1
+    assert capsys.readouterr().err.strip() == (
+        f"synapse-client: {path} is UTF-16, not UTF-8; save it as UTF-8 (e.g. Out-File "
+        "-Encoding utf8) and build again"
+    )
+    assert not (tmp_path / "c.json").exists()

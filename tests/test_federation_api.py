@@ -121,6 +121,75 @@ def test_new_key_replaces_earlier_submission_of_the_round(world, open_round, val
     assert Submission.objects.filter(client=world.client_a).count() == 2
 
 
+def test_a_replaced_submissions_key_is_refused_not_replayed(world, open_round, valid_doc):
+    """A, then B (replaces A), then A again under A's key: replaying A's 201 would tell the client
+    that A is in effect while B is. The server answers 409 `replaced` and stores nothing; a new
+    key puts A back in effect. Once the round is closed, the key replays as before."""
+    api = client_api(world.token_a)
+    first = post_doc(api, valid_doc, key="a")
+    other = dict(valid_doc, scenarios=valid_doc["scenarios"][:1])
+    second = post_doc(api, other, key="b")
+    assert first.status_code == second.status_code == 201
+    again = post_doc(api, valid_doc, key="a")
+    assert again.status_code == 409 and again.json()["code"] == "replaced"
+    assert "new Idempotency-Key" in again.json()["detail"]
+    assert "Idempotent-Replayed" not in again
+    in_effect = CompendiumVersion.objects.get(kind="client", client=world.client_a)
+    assert in_effect.sha256 == second.json()["sha256"]
+    # the same key with another body is still a misuse of the key
+    assert post_doc(api, other, key="a").status_code == 422
+    # B's key replays: B is in effect
+    assert post_doc(api, other, key="b")["Idempotent-Replayed"] == "true"
+    back = post_doc(api, valid_doc, key="a-2")
+    assert back.status_code == 201 and back.json()["replaced"] is True
+    assert CompendiumVersion.objects.get(kind="client", client=world.client_a).sha256 == (
+        first.json()["sha256"])
+    # a round that takes no more submissions: what its keys got is replayed as it was
+    Round.objects.filter(pk=open_round.pk).update(state=Round.State.CLOSING)
+    late = post_doc(api, valid_doc, key="a")
+    assert late.status_code == 201 and late["Idempotent-Replayed"] == "true"
+
+
+def test_a_submission_for_another_round_than_the_open_one_is_refused(world, open_round, valid_doc):
+    """`X-Synapse-Round` names the round the client checked its body for: a retry that lands
+    after that round closed and another opened stores nothing (409 round_changed)."""
+    api = client_api(world.token_a)
+    stale = post_doc(api, valid_doc, key="r", HTTP_X_SYNAPSE_ROUND="7")
+    assert stale.status_code == 409 and stale.json()["code"] == "round_changed"
+    assert "round 7" in stale.json()["detail"] and "round 1 is open" in stale.json()["detail"]
+    assert not Submission.objects.exists()
+    bad = post_doc(api, valid_doc, key="r", HTTP_X_SYNAPSE_ROUND="one")
+    assert bad.status_code == 400 and "X-Synapse-Round" in bad.json()["detail"]
+    ok = post_doc(api, valid_doc, key="r", HTTP_X_SYNAPSE_ROUND="1")
+    assert ok.status_code == 201 and ok.json()["round"] == 1
+    # round 1 published, round 2 open: the key's stored answer (of round 1) is replayed, a new
+    # key checked for round 1 is refused
+    Round.objects.filter(pk=open_round.pk).update(state=Round.State.PUBLISHED)
+    services.open_round(SYSTEM)
+    replay = post_doc(api, valid_doc, key="r", HTTP_X_SYNAPSE_ROUND="1")
+    assert replay.status_code == 201 and replay["Idempotent-Replayed"] == "true"
+    late = post_doc(api, valid_doc, key="r-late", HTTP_X_SYNAPSE_ROUND="1")
+    assert late.status_code == 409 and late.json()["code"] == "round_changed"
+    assert Submission.objects.count() == 1
+
+
+def test_statistics_the_open_round_will_not_release_are_refused(world, open_round, valid_doc):
+    """The world's rounds (two organizations of one approved client each) release `calls` only:
+    statistics for another field would be dropped by the merge and kept un-noised until then,
+    so they are refused, naming the fields, and nothing is stored."""
+    assert open_round.fields_not_released == ["frequency", "latency_ms", "success_rate"]
+    api = client_api(world.token_a)
+    valid_doc["metadata"][0]["stats"].update({"success_rate": 0.9, "latency_ms": 320})
+    refused = post_doc(api, valid_doc, key="s")
+    assert refused.status_code == 400, refused.content
+    assert refused.json()["code"] == "fields_not_released"
+    assert "latency_ms, success_rate" in refused.json()["detail"]
+    assert "--not-released latency_ms,success_rate" in refused.json()["detail"]
+    assert not Submission.objects.exists() and not CompendiumVersion.objects.exists()
+    del valid_doc["metadata"][0]["stats"]["success_rate"], valid_doc["metadata"][0]["stats"]["latency_ms"]
+    assert post_doc(api, valid_doc, key="s").status_code == 201
+
+
 @pytest.mark.parametrize("prepare", [True, False])
 def test_submission_path_prepares_its_statements_unless_told_not_to(
     world, open_round, valid_doc, prepare

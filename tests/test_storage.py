@@ -48,6 +48,7 @@ def test_current_schema_reflects_registry_and_declared_fields(stored_registry):
 def test_client_submission_round_trip(stored_registry, valid_doc, round1):
     org = Organization.objects.create(name="Acme", slug="acme")
     client = Client.objects.create(organization=org, name="c1")
+    valid_doc["metadata"][0]["stats"].update({"success_rate": 0.9, "latency_ms": 320})
     compendium = load_valid_compendium(valid_doc, stored_registry)
     version = store_compendium(compendium, kind="client", round=round1, client=client)
     version.refresh_from_db()

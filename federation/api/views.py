@@ -187,8 +187,13 @@ class SubmissionView(FederationGenericView):
         "chunked, without `Content-Length`, is a 411; one checked against a round that stopped taking "
         "submissions while another opened is a 409 with `code: round_changed` (build against "
         "the new round and submit again); one checked against a tool registry or numeric fields "
-        "that changed meanwhile a 409 with `code: schema_changed`. The client's rate is checked "
-        "before the body is inflated.",
+        "that changed meanwhile a 409 with `code: schema_changed`; one sent with `X-Synapse-Round: N` "
+        "while another round is open a 409 with `code: round_changed`. Numeric statistics for a "
+        "field the open round will not release (its `fields_not_released`) are a 400 with `code: "
+        "fields_not_released` naming them (nothing stored). An Idempotency-Key whose submission "
+        "a later one of the client replaced in the open round is not replayed: a 409 with `code: "
+        "replaced` (nothing stored; a new key submits it again and puts it back in effect). The "
+        "client's rate is checked before the body is inflated.",
         request={"application/json": OpenApiTypes.OBJECT},
         # Only a client's token submits; people's tokens and sessions are recognized to be refused.
         auth=[{"clientToken": []}],
@@ -199,7 +204,15 @@ class SubmissionView(FederationGenericView):
                 OpenApiParameter.HEADER,
                 required=True,
                 description="1-200 characters; a retry with the same key returns the same result",
-            )
+            ),
+            OpenApiParameter(
+                "X-Synapse-Round",
+                {"type": "integer", "minimum": 1},
+                OpenApiParameter.HEADER,
+                required=False,
+                description="the round the body was built and checked for: when another round is "
+                "open the answer is a 409 with `code: round_changed` and nothing is stored",
+            ),
         ],
         responses={
             201: SubmissionResultSerializer,
@@ -228,6 +241,7 @@ class SubmissionView(FederationGenericView):
             body,
             request.META.get("HTTP_IDEMPOTENCY_KEY"),
             content_encoding=request.META.get("HTTP_CONTENT_ENCODING"),
+            expected_round=submissions.expected_round(request.META.get("HTTP_X_SYNAPSE_ROUND")),
         )
         response = Response(outcome.body, status=outcome.status_code)
         if outcome.replayed:
