@@ -55,12 +55,20 @@ from compendium.schema import (
     Schema,
     ToolMetadata,
 )
-from compendium.scrub import scrub_text
+from compendium.scrub import masking_residue, scrub_text
 from compendium.usage_log import UsageLog, UsageLogError, UsageRecord, read_usage_log
 from compendium.validation import CompendiumInvalid, validate_compendium
 
 DEFAULT_TAU = 0.85
 EMBED_CHUNK = 256
+# A request is masked up to this many times the longest text it can be sent in (a scenario or a
+# precaution: Schema.strings, 1,000 characters by default), cut at a space: no more of it can
+# leave, and masking a 900 KB log line whole took minutes. Masking can shorten a text (a run of
+# one placeholder becomes one), hence the margin.
+MASKED_REQUEST_FACTOR = 8
+# The server's residue check, run at the end of the build on every text it sends: how many times
+# what it finds is masked before the entry is withheld instead.
+RESIDUE_ROUNDS = 4
 _UNSAFE = re.compile("[\x00-\x1f\x7f-\x9f\u202a-\u202e\u2066-\u2069\ud800-\udfff]")
 _SPACES = re.compile(r"[ \t]+")
 
@@ -121,6 +129,12 @@ class BuildReport:
     word_tokens: int = 0
     masked_tokens: int = 0
     scrubbed: int = 0  # e-mails, cards, phones, long digit strings masking left (`_MaskCache`)
+    capped_requests: int = 0  # longer than can be sent: masked up to MASKED_REQUEST_FACTOR × limit
+    # the server's residue check (`compendium.scrub.masking_residue`) run on every text sent:
+    # tokens it found that were masked then, and entries withheld because it still found some
+    # (or because masking them made the text longer than the schema allows)
+    residue_masked: int = 0
+    residue_withheld: int = 0
     scenarios_in: int = 0
     scenarios_out: int = 0
     precautions_in: int = 0
@@ -176,6 +190,16 @@ def truncate(text: str, limit: int) -> str:
     return cut.rstrip() + "…"
 
 
+def cap(text: str, limit: int) -> str:
+    """The first `limit` characters of `text`, cut before the last space among them when it is
+    in their second half (a token is then not cut in two)."""
+    if len(text) <= limit:
+        return text
+    cut = text[:limit]
+    space = max(cut.rfind(" "), cut.rfind("\n"))
+    return cut[:space] if space > limit // 2 else cut
+
+
 class _MaskCache:
     """Masks each distinct text once and keeps the totals for the masked fraction. What masking
     leaves of an e-mail address, card, phone or long digit string (masking keeps a word the
@@ -184,23 +208,73 @@ class _MaskCache:
 
     def __init__(self, masker: TextMasker):
         self.masker = masker
-        self.cache: dict[str, tuple[MaskedText, str, int]] = {}
+        self.cache: dict[tuple[str, bool, int], tuple[MaskedText, str, int, bool]] = {}
         self.word_tokens = 0
         self.masked_tokens = 0
         self.scrubbed = 0  # items scrubbed, over every occurrence
+        self.capped = 0  # texts masked only up to `limit` characters, over every occurrence
 
-    def __call__(self, text: str) -> str:
-        cached = self.cache.get(text)
+    def __call__(self, text: str, slots: bool = False, limit: int = 0) -> str:
+        """`text` cleaned, masked (`slots`: a template body or signature) and scrubbed; with
+        `limit` > 0 only its first `limit` characters, cut at a space where one is in the
+        second half (`cap`)."""
+        key = (text, slots, limit)
+        cached = self.cache.get(key)
         if cached is None:
-            result = self.masker.mask(clean_text(text))
+            cleaned = clean_text(text)
+            capped = bool(limit) and len(cleaned) > limit
+            if capped:
+                cleaned = cap(cleaned, limit)
+            result = self.masker.mask(cleaned, slots=slots)
             scrubbed = scrub_text(result.text)
-            cached = self.cache[text] = (result, scrubbed.text, scrubbed.total)
-        result, out, scrubbed_items = cached
+            cached = self.cache[key] = (result, scrubbed.text, scrubbed.total, capped)
+        result, out, scrubbed_items, capped = cached
+        self.capped += capped
         # every occurrence counts: the fraction is over all the text the log contributes
         self.word_tokens += result.word_tokens
         self.masked_tokens += result.masked_tokens
         self.scrubbed += scrubbed_items
         return out
+
+
+def released_fraction(value: float) -> float:
+    """A fraction as `Compendium.masking` sends it: 3 significant digits, as released statistics
+    are rounded (the exact ratio, 4/19, says how many tokens the log held)."""
+    return float(f"{value:.3g}")
+
+
+class _ResidueCheck:
+    """The server's check of a client's masking (`compendium.scrub.masking_residue`, at the
+    build's λ, with the registry's protected words and no shared words: the server knows none),
+    run on a text as it will be sent. What it finds is replaced by its placeholder and the text
+    scrubbed again, until it finds nothing (at most RESIDUE_ROUNDS times); a text it still
+    flags, or that masking made longer than `limit`, is withheld (None). Needed because what
+    happens to a masked text after masking (a cut, a precaution's wording around it, the scrub's
+    tags, a pool of words) can leave tokens that read differently; the report counts both."""
+
+    def __init__(self, checker: TextMasker, report: BuildReport):
+        self.checker = checker
+        self.report = report
+
+    def __call__(self, text: str, limit: int, slots: bool = False) -> str | None:
+        text = normalized(text)  # as the server reads it
+        for round_ in range(RESIDUE_ROUNDS + 1):
+            found = self.checker.residue(text, slots=slots)
+            if not found:
+                if len(text) > limit:
+                    break
+                return text
+            if round_ == RESIDUE_ROUNDS:
+                break
+            parts, last = [], 0
+            for r in found:  # tokens: in order, never overlapping
+                parts += [text[last:r.start], f"[{r.kind}]"]
+                last = r.end
+            parts.append(text[last:])
+            text = scrub_text("".join(parts)).text
+            self.report.residue_masked += len(found)
+        self.report.residue_withheld += 1
+        return None
 
 
 def _embed(embedder: Embedder, texts: list[str], progress, label: str) -> np.ndarray:
@@ -224,24 +298,37 @@ def collapse_near_duplicates(
     if embedder is None or not ordered:
         return ordered
     vectors = _embed(embedder, [e[1] for e in ordered], progress or _no_progress, label)
-    kept: list[list] = []  # [group, text, support, users, row]
-    by_group: dict[tuple, list[int]] = defaultdict(list)
-    for row, (group, text, support, users) in enumerate(ordered):
-        target = None
-        candidates = by_group[group]
-        if candidates:
-            rows = [kept[i][4] for i in candidates]
-            sims = vectors[rows] @ vectors[row]
-            best = int(np.argmax(sims))
-            if float(sims[best]) >= tau:
-                target = candidates[best]
-        if target is None:
-            by_group[group].append(len(kept))
-            kept.append([group, text, support, users, row])
-        else:
-            kept[target][2] += support
-            kept[target][3] = kept[target][3] | users
-    return [(g, t, s, u) for g, t, s, u, _ in kept]
+    kept: list[list] = []  # [group, text, support, users]
+    # A group's entries are consecutive (sorted by it): its kept vectors fill a matrix allocated
+    # once for the group, compared with each new entry in one product, never copied (the kept
+    # rows copied for every entry made this quadratic in memory traffic: 8,000 distinct
+    # requests of a tool took 53 s).
+    start = 0
+    while start < len(ordered):
+        group = ordered[start][0]
+        end = start
+        while end < len(ordered) and ordered[end][0] == group:
+            end += 1
+        matrix = np.empty((end - start, vectors.shape[1]), dtype=vectors.dtype)
+        count = 0
+        first = len(kept)  # kept[first + i] is matrix row i
+        for row in range(start, end):
+            _, text, support, users = ordered[row]
+            target = None
+            if count:
+                sims = matrix[:count] @ vectors[row]
+                best = int(np.argmax(sims))
+                if float(sims[best]) >= tau:
+                    target = first + best
+            if target is None:
+                matrix[count] = vectors[row]
+                count += 1
+                kept.append([group, text, support, users])
+            else:
+                kept[target][2] += support
+                kept[target][3] = kept[target][3] | users
+        start = end
+    return [(g, t, s, u) for g, t, s, u in kept]
 
 
 def _words(text: str) -> list[str]:
@@ -431,12 +518,14 @@ def build_compendium(
     each = progress or _no_progress
 
     masker = TextMasker.for_registry(schema.tools, strength=options.strength, seed=options.seed)
+    checker = masker  # what the server checks with (no shared words: it cannot know them)
     if options.shared_word_users:
         shared = shared_words(records, options.shared_word_users)
         report.shared_words = len(shared)
         masker = masker.sharing(shared)
     mask = _MaskCache(masker)
     limits = schema.strings
+    request_chars = MASKED_REQUEST_FACTOR * max(limits.scenario, limits.precaution)
 
     # (tool, flags or corrected_to, text) -> the user of each record behind it: the entry's
     # support (`clipped_support`), its distinct values the users who asked (k-anonymous release)
@@ -446,7 +535,7 @@ def build_compendium(
     template_users: dict[tuple[str, str], dict[str, list[str]]] = defaultdict(
         lambda: defaultdict(list))
     for record in each(records, "masking"):
-        masked_query = mask(record.query)
+        masked_query = mask(record.query, limit=request_chars)
         if options.max_words and len(words := masked_query.split()) > options.max_words:
             masked_query = " ".join(words[: options.max_words])
             report.cut_requests += 1
@@ -462,8 +551,8 @@ def build_compendium(
             # wording around it would make unrelated precautions of a tool look alike
             precaution_users[(record.tool, record.corrected_to or "", masked_query)].append(record.user)
         if record.outcome == "success" and record.template is not None:
-            signature = mask(record.template.signature)
-            body = mask(record.template.template)
+            signature = mask(record.template.signature, slots=True)
+            body = mask(record.template.template, slots=True)
             if len(signature) > limits.signature or len(body) > limits.template:
                 report.dropped.append(
                     f"line {record.line}: template of {record.tool} is longer than the schema "
@@ -474,6 +563,7 @@ def build_compendium(
 
     report.word_tokens, report.masked_tokens = mask.word_tokens, mask.masked_tokens
     report.scrubbed = mask.scrubbed
+    report.capped_requests = mask.capped
     report.scenarios_in = sum(len(u) for u in scenario_users.values())
     report.precautions_in = sum(len(u) for u in precaution_users.values())
     per_user = support_cap(schema)
@@ -512,9 +602,23 @@ def build_compendium(
         report.withheld_precautions += sum(len(u) < options.min_users for *_, u in precautions)
         scenarios = [e for e in scenarios if len(e[3]) >= options.min_users]
         precautions = [e for e in precautions if len(e[3]) >= options.min_users]
+    # The server's residue check on every text as it will be sent (cut, wrapped in a
+    # precaution's words, pooled, scrubbed): what it finds is masked, or the entry withheld.
+    clear = _ResidueCheck(checker, report)
+    merged_scenarios: dict[tuple, list] = {}
+    for group, text, n, users in scenarios:
+        text = clear(text, limits.scenario)
+        if text is None:
+            continue
+        entry = merged_scenarios.setdefault((group, text), [0, frozenset()])
+        entry[0] += n
+        entry[1] = entry[1] | users
+    scenarios = [(g, t, n, u) for (g, t), (n, u) in merged_scenarios.items()]
     precaution_entries: dict[tuple[str, str], int] = Counter()
     for (tool, right), text, n, _ in precautions:
-        precaution_entries[(tool, precaution_text(tool, text, right, limits.precaution))] += n
+        text = clear(precaution_text(tool, text, right, limits.precaution), limits.precaution)
+        if text is not None:
+            precaution_entries[(tool, text)] += n
 
     fields = [f for f in schema.numeric_fields if f.name not in options.not_released]
     report.not_released = sorted(options.not_released & {f.name for f in schema.numeric_fields})
@@ -537,6 +641,12 @@ def build_compendium(
         if len(set(users)) < least:
             report.withheld_templates += 1
             continue
+        signature = clear(signature, limits.signature, slots=True)
+        best = clear(best, limits.template, slots=True) if signature is not None else None
+        if signature is None or best is None or any(
+            t.tool_id == tool and t.signature == signature for t in templates
+        ):
+            continue
         templates.append(PromptTemplate(tool_id=tool, signature=signature, template=best))
 
     compendium = Compendium(
@@ -553,7 +663,8 @@ def build_compendium(
         templates=templates,
         masking=MaskingInfo(
             strength=options.strength,
-            masked_fraction=report.masked_fraction,
+            # to 3 significant digits: 4/19 = 0.21052631578947367 in full gives the counts away
+            masked_fraction=released_fraction(report.masked_fraction),
             seed=options.seed,
         ),
         num_users=stats.num_users,
@@ -569,6 +680,10 @@ def build_compendium(
     result = validate_compendium(compendium, schema)
     if not result.ok:
         raise CompendiumInvalid(result.violations)
+    residue = masking_residue(compendium, checker)
+    if residue:  # `_ResidueCheck` took all of it; never sent if not
+        raise BuildError(f"{len(residue)} texts still hold what masking at λ = "
+                         f"{options.strength:g} removes: {residue[0]}")
     return compendium, report
 
 

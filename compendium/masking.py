@@ -23,12 +23,15 @@ is among the top ⌊ρ(λ)·n⌋ of the text's n unprotected tokens by saliency,
 (the adaptive part: every text loses its most identifying tokens, whatever their absolute score).
 θ falls and ρ grows with λ, and the ranking does not depend on λ, so the masked set of a text at a
 larger λ contains the masked set at a smaller one: masking is monotone in λ. λ = 0 masks nothing
-(θ = 1 and no saliency exceeds 1; ρ = 0). Equal saliencies are ranked by a hash of (seed, text,
-position): the same text, λ and seed always give the same output.
+(θ = 1 and no saliency exceeds 1; ρ = 0). Equal saliencies are ranked by a keyed hash of the
+position under a hash of (seed, text), the text hashed once: the same text, λ and seed always
+give the same output.
 
 A masked token becomes a typed placeholder ([EMAIL], [URL], [PHONE], [ID], [NUMBER], [NAME],
-[MASK]); a run of the same placeholder separated only by spaces becomes one. Placeholders and
-template slots like {city} are never masked again.
+[MASK]); a run of the same placeholder separated only by spaces becomes one. Placeholders are
+never masked again, nor, in template bodies and signatures (`slots=True`), slots like {city}; in
+any other text (a request, a scenario, a precaution) braces are punctuation and the words they
+hold are masked as any other ("{margaret_thornbury}" is a name, not a slot).
 
 Pure: standard library + wordfreq.
 """
@@ -51,23 +54,35 @@ PLACEHOLDERS = ("EMAIL", "URL", "PHONE", "ID", "NUMBER", "NAME", "MASK")
 # bounded (RFC lengths for e-mail parts and domain labels) so that tokenizing stays linear in the
 # length of the text whatever it contains.
 _LABEL = r"[A-Za-z0-9\-]{1,63}"
-_TOKEN = re.compile(
-    r"(?P<placeholder>\[(?:" + "|".join(PLACEHOLDERS) + r")\])"
-    r"|(?P<slot>\{[A-Za-z_][A-Za-z0-9_]{0,63}\})"
+# A template slot: only in template bodies and signatures (`slots=True`), where a {name} stands
+# for what the template fills in. Anywhere else (queries, scenarios, precautions) braces are
+# ordinary characters and the words inside them are words: "{margaret_thornbury}" in a request
+# is a name to mask, not a slot to keep.
+_SLOT = r"(?P<slot>\{[A-Za-z_][A-Za-z0-9_]{0,63}\})"
+# An identifier: a run of letters (any script), digits, '_', '-' and '#' holding at least one
+# digit and one letter ("AB-99812", "Hauptstraße4b", "Ré5ABC123"), taken whole: with ASCII-only
+# classes a non-ASCII letter split the run, and the server's check then found the rest
+# ("[NAME]4b") as an identifier the client had not masked.
+_IDENT = (
+    r"(?P<ident>\b(?=[\w\-#]{0,63}\d)(?=[\w\-#]{0,63}[^\W\d_])"
+    r"(?:[^\W_]|#)[\w\-#]{0,127})"
+)
+_REST = (
     r"|(?P<email>[A-Za-z0-9._%+\-]{1,64}@" + _LABEL + r"(?:\." + _LABEL + r"){0,8}\.[A-Za-z]{2,24})"
     r"|(?P<url>(?:https?://|www\.)[^\s<>\"'\]\)]{0,2000}[^\s<>\"'\]\).,;:!?]"
     r"|\b" + _LABEL + r"(?:\." + _LABEL + r"){0,8}\.(?:com|org|net|io|edu|gov|co|ai|dev|app|info"
     r"|biz|me|us|uk|de|fr|eu)\b(?:/[^\s<>\"'\]\)]{0,2000}[^\s<>\"'\]\).,;:!?])?)"
     r"|(?P<phone>(?<![\w.])(?:\+\d{1,3}[\s.\-]?)?(?:\(\d{2,4}\)[\s.\-]?)?\d{2,4}[\s.\-]\d{3,4}"
     r"(?:[\s.\-]\d{2,4}){1,4}(?![\w]))"
-    r"|(?P<ident>\b(?=[A-Za-z0-9_\-#]{0,63}\d)(?=[A-Za-z0-9_\-#]{0,63}[A-Za-z])"
-    r"[A-Za-z0-9#][A-Za-z0-9_\-#]{0,127})"
+    r"|" + _IDENT +
     r"|(?P<number>\d{1,64}(?:[.,:/]\d{1,64}){0,16})"
     r"|(?P<word>[^\W\d_]{1,128}(?:['’][^\W\d_]{1,128}){0,4})"
     r"|(?P<space>\s+)"
-    r"|(?P<other>.)",
-    re.DOTALL,
+    r"|(?P<other>.)"
 )
+_PLACEHOLDER_TOKEN = r"(?P<placeholder>\[(?:" + "|".join(PLACEHOLDERS) + r")\])"
+_TOKEN = re.compile(_PLACEHOLDER_TOKEN + _REST, re.DOTALL)
+_TOKEN_WITH_SLOTS = re.compile(_PLACEHOLDER_TOKEN + "|" + _SLOT + _REST, re.DOTALL)
 
 _SENTENCE_END = re.compile(r"[.!?:;\n]")
 # Titles whose full stop starts no sentence: the capitalized word after one is a name.
@@ -175,8 +190,12 @@ class Token:
         return self.kind not in ("space", "other", "placeholder", "slot")
 
 
-def tokenize(text: str) -> list[Token]:
-    return [Token(m.group(), m.lastgroup or "other", m.start()) for m in _TOKEN.finditer(text)]
+def tokenize(text: str, slots: bool = False) -> list[Token]:
+    """The tokens of a text. `slots`: a template body or signature, where `{name}` is a slot
+    (kept whole, never masked); elsewhere braces are punctuation and what they hold is read as
+    any other word, identifier or number."""
+    pattern = _TOKEN_WITH_SLOTS if slots else _TOKEN
+    return [Token(m.group(), m.lastgroup or "other", m.start()) for m in pattern.finditer(text)]
 
 
 def _split_identifier(text: str) -> list[str]:
@@ -306,10 +325,16 @@ class TextMasker:
             out.append(scored)
         return out
 
-    def _tie(self, text: str, index: int) -> bytes:
+    def _text_digest(self, text: str) -> bytes:
+        """A hash of (seed, text), computed once per text: the ties of its tokens derive from it
+        (hashing the whole text again for every token made masking quadratic in its length)."""
         return hashlib.blake2b(
-            f"{self.seed}\x00{index}\x00{text}".encode("utf-8", "surrogatepass"), digest_size=8
+            f"{self.seed}\x00{text}".encode("utf-8", "surrogatepass"), digest_size=16
         ).digest()
+
+    @staticmethod
+    def _tie(digest: bytes, index: int) -> bytes:
+        return hashlib.blake2b(index.to_bytes(8, "big"), key=digest, digest_size=8).digest()
 
     def select(self, text: str, scored: list[Scored]) -> dict[int, str]:
         """Token index -> placeholder of the tokens to mask at this strength."""
@@ -320,7 +345,8 @@ class TextMasker:
         candidates = [s for s in scored if s.saliency > 0]
         k = math.floor(share(self.strength) * len(candidates))
         if k:
-            ranked = sorted(candidates, key=lambda s: (-s.saliency, self._tie(text, s.index)))
+            digest = self._text_digest(text)
+            ranked = sorted(candidates, key=lambda s: (-s.saliency, self._tie(digest, s.index)))
             chosen.update((s.index, s.placeholder) for s in ranked[:k])
         return chosen
 
@@ -347,7 +373,7 @@ class TextMasker:
                 return False  # after a title's full stop: the tokens decide
         return True
 
-    def residue(self, text: str) -> list[Residue]:
+    def residue(self, text: str, slots: bool = False) -> list[Residue]:
         """What an already masked `text` still holds that masking at this strength removes from
         any text, whatever the log: e-mails, URLs, phone numbers, identifiers, numbers and names
         (capitalized inside a sentence) whose saliency exceeds θ(λ) and that the protected
@@ -356,15 +382,17 @@ class TextMasker:
         who wrote what stays on the client), nor the adaptive share ρ(λ) (its ranking is of the
         text before masking). Masking's output keeps the tokens it leaves and their sentence
         positions, so `mask(t).text` has no residue at the same strength and protected vocabulary,
-        whatever the shared words (tested on MetaTool's queries)."""
+        whatever the shared words (tested on MetaTool's queries). `slots`: `text` is a template
+        body or signature, whose `{slot}`s are kept (`tokenize`); anywhere else what braces hold
+        is judged as any other token."""
         if self.strength == 0 or self._clear(text):
             return []
-        return self._tokenized_residue(text)
+        return self._tokenized_residue(text, slots)
 
-    def _tokenized_residue(self, text: str) -> list[Residue]:
+    def _tokenized_residue(self, text: str, slots: bool = False) -> list[Residue]:
         """`residue` from the tokens themselves, without the shortcut of `_clear`."""
         theta = threshold(self.strength)
-        tokens = tokenize(text)
+        tokens = tokenize(text, slots)
         out = []
         for s in self.score(tokens):
             if s.placeholder != "MASK" and s.saliency > theta:
@@ -372,8 +400,10 @@ class TextMasker:
                 out.append(Residue(s.placeholder, token.start, token.start + len(token.text)))
         return out
 
-    def mask(self, text: str) -> MaskedText:
-        tokens = tokenize(text)
+    def mask(self, text: str, slots: bool = False) -> MaskedText:
+        """`text` masked at this strength. `slots`: a template body or signature, whose
+        `{slot}`s are kept as they are (`tokenize`)."""
+        tokens = tokenize(text, slots)
         scored = self.score(tokens)
         chosen = self.select(text, scored)
         parts: list[str] = []

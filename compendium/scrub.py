@@ -109,6 +109,12 @@ def free_texts(compendium: Compendium) -> Iterator[tuple[str, str]]:
             yield f"$.annex[{index}].{part}", getattr(a, part)
 
 
+def holds_slots(path: str) -> bool:
+    """Whether the free text at `path` (as `free_texts` names it) is a template's body or
+    signature, the only texts where a `{slot}` is a slot (compendium.masking.tokenize)."""
+    return path.startswith("$.templates[")
+
+
 _RESIDUE_NAMES = {
     "EMAIL": "e-mail address", "URL": "URL", "PHONE": "phone number", "ID": "identifier",
     "NUMBER": "number", "NAME": "name",
@@ -118,10 +124,13 @@ _RESIDUE_NAMES = {
 def masking_residue(compendium: Compendium, masker: TextMasker) -> list[Violation]:
     """A violation for every free text that still holds what `masker` removes from any text
     (`TextMasker.residue`): text that was not masked at the masker's λ (or not at all). The
-    reason says what kinds, how many and where (character offsets), never the words themselves."""
+    reason says what kinds, how many and where (character offsets), never the words themselves.
+    A `{slot}` is kept only in a template's body and signature: in a scenario or a precaution
+    what braces hold is judged as any other text."""
     out = []
     for path, text in free_texts(compendium):
-        found = masker.residue(normalized(text))  # offsets: in the NFKC form
+        # offsets: in the NFKC form
+        found = masker.residue(normalized(text), slots=holds_slots(path))
         if not found:
             continue
         kinds = Counter(r.kind for r in found)

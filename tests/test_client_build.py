@@ -571,3 +571,161 @@ def test_a_template_is_sent_by_the_users_who_used_it_not_by_one_users_repeats():
                                                                min_users=2))
     assert [t.template for t in k2.templates] == ["Forecast for {city}"]
     assert report.withheld_templates == 0
+
+
+def _fuzz_records(schema, count: int, seed: int) -> list:
+    """`count` seeded usage lines whose queries and templates mix non-ASCII letters, digits,
+    braces, underscores, names, placeholders and punctuation, glued together or spaced."""
+    import random
+
+    rng = random.Random(seed)
+    atoms = ["Hauptstraße", "4b", "Ré", "5ABC123", "{", "}", "_", "Oswald", "Pemberton",
+             "07700900123", "margaret_thornbury", "{city}", "Øresund", "12", "José", "ÉCOLE",
+             "O'Neil", "a1b2", "x@y.com", "www.foo.com", "[NAME]", "[MASK]", "Dr.", "the",
+             "weather", "in", "Lisbon", ".", ":", "#42", "ＡＢＣ", "I’m", "-", "(", ")", "1 2 3 4 5 6 7",
+             "4111 1111 1111 1111", "call", "Straße", "naïve", "Ωmega7", "ß9", "\n"]
+    tools = sorted(schema.tool_ids)
+
+    def text() -> str:
+        parts = [rng.choice(atoms) for _ in range(rng.randint(1, 12))]
+        glue = [rng.choice(["", " ", " ", "_"]) for _ in parts]
+        return "".join(p + g for p, g in zip(parts, glue, strict=True)).strip() or "weather"
+
+    lines = []
+    for i in range(count):
+        outcome = rng.choice(["success", "failure", "corrected"])
+        tool, right = rng.sample(tools, 2)
+        line = {"query": text(), "tool": tool, "outcome": outcome,
+                "latency_ms": 50, "user": f"u{i % 7}"}
+        if outcome == "corrected":
+            line["corrected_to"] = right
+        if outcome == "success" and i % 3 == 0:
+            line["template"] = {"signature": f"ask({rng.choice(['q', 'Oswald7', 'city'])})",
+                                "template": text() + " {question}"}
+        lines.append(line)
+    return parsed(lines)
+
+
+@pytest.mark.parametrize("strength", [0.3, 1.0, 2.0])
+def test_every_built_compendium_passes_the_servers_residue_check(strength):
+    """Fuzz (seeded): whatever the log holds, build never writes what the server refuses whole
+    (before, "Hauptstraße4b" went out as "[NAME]4b", "Ré5ABC123" as "[NAME]5ABC[NUMBER]", and
+    "{Oswald_Pemberton_07700900123}" as "{Oswald_Pemberton_[number]}", all flagged)."""
+    from compendium.scrub import masking_residue
+
+    schema = metatool_schema()
+    server = TextMasker.for_registry(schema.tools, strength=strength)
+    withheld = 0
+    for seed in range(3):
+        records = _fuzz_records(schema, 150, seed)
+        for shared in (0, 2):
+            compendium, report = build_compendium(
+                records, schema,
+                BuildOptions(strength=strength, collapse=False, shared_word_users=shared),
+            )
+            assert masking_residue(compendium, server) == [], (strength, seed, shared)
+            assert compendium.scenarios and compendium.precautions
+            withheld += report.residue_withheld
+    assert withheld == 0  # masking what the check finds is enough; nothing had to stay
+
+
+def test_braces_in_a_request_are_masked_and_template_slots_kept():
+    schema = metatool_schema()
+    tool = sorted(schema.tool_ids)[0]
+    records = parsed([
+        {"query": "email the contract to {Margaret_Thornbury} today", "tool": tool,
+         "outcome": "success", "latency_ms": 80, "user": "u1",
+         "template": {"signature": "ask(question)", "template": "Answer {question} for {city}"}},
+        {"query": "remind me to call {Oswald_Pemberton_07700900123}", "tool": tool,
+         "outcome": "failure", "latency_ms": 80, "user": "u2"},
+    ])
+    compendium, report = build_compendium(records, schema, BuildOptions(collapse=False))
+    sent = canonical_form(compendium).data.decode()
+    for secret in ("Margaret", "Thornbury", "Oswald", "Pemberton", "0770"):
+        assert secret not in sent
+    assert compendium.templates[0].template == "Answer {question} for {city}"
+    assert report.residue_withheld == 0
+
+
+def test_masked_fraction_is_sent_to_three_significant_digits():
+    """The exact ratio (4/19 = 0.21052631578947367) says how many tokens the log held."""
+    compendium, report = build_compendium(
+        parsed(usage_records(users=3, lines=60)), metatool_schema(), BuildOptions(collapse=False)
+    )
+    sent = compendium.masking.masked_fraction
+    assert sent == float(f"{report.masked_fraction:.3g}")
+    assert sent != report.masked_fraction and len(repr(sent)) <= 5
+    assert abs(sent - report.masked_fraction) <= 0.0005
+
+
+def test_a_huge_request_is_masked_only_as_far_as_it_can_be_sent():
+    """A 900 KB log line took minutes to mask (ties hashed the whole text per token); only
+    the first 1,000 characters can be sent, so a request is masked up to 8 times that."""
+    schema = metatool_schema()
+    tool = sorted(schema.tool_ids)[0]
+    words = ["weather", "Oswald", "kayak", "a1b2", "the", "forecast", "12345"]
+    huge = " ".join(words[i % len(words)] for i in range(150_000))
+    records = parsed([{"query": huge, "tool": tool, "outcome": "corrected",
+                       "corrected_to": sorted(schema.tool_ids)[1], "latency_ms": 1, "user": "u"}])
+    compendium, report = build_compendium(records, schema, BuildOptions(collapse=False))
+    assert report.capped_requests == 1
+    assert report.word_tokens < 2_000  # what was masked: the first 8,000 characters
+    (scenario,) = compendium.scenarios
+    assert scenario.text.startswith("weather [NAME] ")
+    assert "[ID] the forecast [NUMBER] weather" in scenario.text
+    assert len(scenario.text) <= schema.strings.scenario
+    assert "Oswald" not in canonical_form(compendium).data.decode()
+
+
+def _collapse_reference(items, embedder, tau):
+    """collapse_near_duplicates as it was (the kept rows copied for every entry)."""
+    from collections import defaultdict
+
+    import numpy as np
+
+    ordered = sorted(items, key=lambda e: (repr(e[0]), -e[2], e[1]))
+    vectors = embedder.embed([e[1] for e in ordered])
+    kept, by_group = [], defaultdict(list)
+    for row, (group, text, support, users) in enumerate(ordered):
+        target = None
+        candidates = by_group[group]
+        if candidates:
+            sims = vectors[[kept[i][4] for i in candidates]] @ vectors[row]
+            best = int(np.argmax(sims))
+            if float(sims[best]) >= tau:
+                target = candidates[best]
+        if target is None:
+            by_group[group].append(len(kept))
+            kept.append([group, text, support, users, row])
+        else:
+            kept[target][2] += support
+            kept[target][3] = kept[target][3] | users
+    return [(g, t, s, u) for g, t, s, u, _ in kept]
+
+
+def test_near_duplicate_collapse_gives_what_it_gave_before():
+    """The collapse compares each entry with its group's kept vectors in a matrix grown in
+    place (copying them for every entry was quadratic: 8,000 distinct requests, 53 s); the
+    result is the same, entry for entry (`bench/collapse_scaling.py` has the timings)."""
+    import numpy as np
+
+    from compendium.builder import collapse_near_duplicates
+
+    rng = np.random.default_rng(4)
+    centres = rng.standard_normal((40, 32))
+
+    class Clustered:
+        def embed(self, texts):
+            out = np.stack([centres[hash(t) % 40] + 0.45 * rng.standard_normal(32) for t in texts])
+            return (out / np.linalg.norm(out, axis=1, keepdims=True)).astype(np.float32)
+
+    items = [((f"tool{i % 3}", (("flag", bool(i % 2)),) if i % 5 else ()), f"request {i}",
+              1 + i % 4, frozenset({f"u{i % 9}"})) for i in range(1500)]
+    for tau in (0.6, 0.85):
+        embedder = Clustered()
+        state = rng.bit_generator.state
+        expected = _collapse_reference(items, embedder, tau)
+        rng.bit_generator.state = state
+        got = collapse_near_duplicates(items, embedder, tau)
+        assert got == expected
+        assert len(expected) < len(items)

@@ -128,9 +128,9 @@ def test_seed_breaks_ties():
 
 def test_placeholders_and_template_slots_are_never_masked_again():
     m = masker(10.0)
-    first = m.mask("Send the forecast for {city} to Oswald Pemberton at o.p@mail.net")
+    first = m.mask("Send the forecast for {city} to Oswald Pemberton at o.p@mail.net", slots=True)
     assert "{city}" in first.text
-    second = m.mask(first.text)
+    second = m.mask(first.text, slots=True)
     assert second.text == first.text
     for token in tokenize(first.text):
         if token.kind == "placeholder":
@@ -292,3 +292,93 @@ def test_the_server_scrubs_what_look_alike_characters_spell():
     assert scrub_text("write to jane.doe＠gmail.com").text == "write to [email]"
     assert scrub_text("card 4111\u00a01111\u00a01111\u00a01111 please").text == "card [card] please"
     assert scrub_text("plain text stays as it is").counts == {"email": 0, "card": 0, "phone": 0, "number": 0}
+
+
+@pytest.mark.parametrize(
+    ("text", "secrets"),
+    [
+        ("email the contract to {margaret_thornbury} today", ["thornbury"]),
+        ("remind me to call {Oswald_Pemberton_07700900123}", ["Oswald", "Pemberton", "0770"]),
+        ("send the invoice for account {acct_4417123456789113}", ["4417"]),
+        ("book a table for {Margaret} tonight", ["Margaret"]),
+    ],
+)
+def test_braces_in_a_request_hold_words_not_slots(text, secrets):
+    """`{slot}` is kept only in templates: in a request, braces are punctuation and what they
+    hold is masked as any other word (before, "{margaret_thornbury}" left at λ = 1 as written,
+    and the server's check skipped it too)."""
+    m = masker(1.0)
+    result = m.mask(text)
+    assert result.masked_tokens > 0
+    assert not [s for s in secrets if s in result.text], result.text
+    assert m.residue(result.text) == []
+    if text != text.lower():  # plain lower-case words are not the server's to judge
+        assert m.residue(text) != []  # sent unmasked, the server finds it
+    # in a template body the same braces are a slot, kept, and the server does not judge it
+    template = m.mask("Call {city_name} with {query}", slots=True).text
+    assert "{city_name}" in template and "{query}" in template
+    assert m.residue("Call {Oswald_Pemberton} with {query}", slots=True) == []
+
+
+def test_the_server_flags_brace_wrapped_names_in_scenarios_but_not_template_slots():
+    from compendium.schema import Compendium, PromptTemplate, Scenario
+    from compendium.scrub import masking_residue
+
+    compendium = Compendium(
+        scenarios=[Scenario(tool_id="a", text="remind me to call {Oswald_Pemberton} tomorrow")],
+        templates=[PromptTemplate(tool_id="a", signature="call(name)",
+                                  template="Call {Oswald_Pemberton} now")],
+    )
+    violations = masking_residue(compendium, masker(1.0))
+    assert [v.path for v in violations] == ["$.scenarios[0].text"]
+    assert "2 names" in violations[0].reason
+
+
+@pytest.mark.parametrize(
+    ("text", "secret"),
+    [
+        ("deliver to Hauptstraße4b tomorrow", "4b"),
+        ("ticket Ré5ABC123 status", "5ABC"),
+        ("parcel for Øresund12 depot", "12"),
+        ("the order ÄÖ-7731x arrived", "7731"),
+    ],
+)
+def test_identifiers_with_letters_of_any_script_are_one_token(text, secret):
+    """A run of letters and digits is an identifier whatever its letters: with ASCII-only
+    classes "Hauptstraße4b" was a name and "4b", masked "[NAME]4b", which the server's check
+    flags as an identifier."""
+    m = masker(1.0)
+    idents = [t.text for t in tokenize(text) if t.kind == "ident"]
+    assert len(idents) == 1 and secret in idents[0]
+    out = m.mask(text).text
+    assert secret not in out and "[ID]" in out
+    assert m.residue(out) == []
+
+
+def test_masking_hashes_a_text_once_not_once_per_token(monkeypatch):
+    """Ties were broken by hashing (seed, position, whole text) for every candidate token:
+    quadratic in the text's length (20,000 tokens: 4.8 s). The bytes hashed are now linear."""
+    import hashlib
+
+    import compendium.masking as masking
+
+    hashed = []
+
+    class Counting:
+        def blake2b(self, data=b"", **kwargs):
+            hashed.append(len(data))
+            return hashlib.blake2b(data, **kwargs)
+
+    monkeypatch.setattr(masking, "hashlib", Counting())
+    rng = random.Random(5)
+    words = ["kayak", "Bravo", "lantern", "delta123", "harbor", "foxtrot", "Hotel", "57"]
+    text = " ".join(rng.choice(words) for _ in range(3000))
+    m = TextMasker(strength=0.5, seed=2)
+    first = m.mask(text)
+    assert first.masked_tokens > 0
+    assert sum(hashed) < 2 * len(text.encode()) + 64 * 3000
+    assert m.mask(text) == first  # deterministic
+    # equal saliencies: the seed picks which of them the share rule takes
+    kayaks = " ".join(["kayak"] * 3000)
+    picks = {TextMasker(strength=0.3, seed=s).mask(kayaks).masked_indices for s in range(3)}
+    assert len(picks) == 3
