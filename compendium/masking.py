@@ -325,16 +325,25 @@ class TextMasker:
             out.append(scored)
         return out
 
-    def _text_digest(self, text: str) -> bytes:
-        """A hash of (seed, text), computed once per text: the ties of its tokens derive from it
-        (hashing the whole text again for every token made masking quadratic in its length)."""
-        return hashlib.blake2b(
+    # Up to this many characters a token's tie is drawn as it always was, from (seed, position,
+    # text): every compendium built before keeps its masking, and with it every figure measured
+    # on it. Beyond, hashing the whole text again for every token grows with the square of its
+    # length (20,000 tokens: 4.8 s), so a longer text is hashed once and its tokens' ties derive
+    # from that digest.
+    TIE_WHOLE_TEXT_CHARS = 4096
+
+    def _tie_key(self, text: str):
+        """The tie-break of each token position of `text` (seeded, deterministic)."""
+        if len(text) <= self.TIE_WHOLE_TEXT_CHARS:
+            return lambda index: hashlib.blake2b(
+                f"{self.seed}\x00{index}\x00{text}".encode("utf-8", "surrogatepass"), digest_size=8
+            ).digest()
+        digest = hashlib.blake2b(
             f"{self.seed}\x00{text}".encode("utf-8", "surrogatepass"), digest_size=16
         ).digest()
-
-    @staticmethod
-    def _tie(digest: bytes, index: int) -> bytes:
-        return hashlib.blake2b(index.to_bytes(8, "big"), key=digest, digest_size=8).digest()
+        return lambda index: hashlib.blake2b(
+            index.to_bytes(8, "big"), key=digest, digest_size=8
+        ).digest()
 
     def select(self, text: str, scored: list[Scored]) -> dict[int, str]:
         """Token index -> placeholder of the tokens to mask at this strength."""
@@ -345,8 +354,8 @@ class TextMasker:
         candidates = [s for s in scored if s.saliency > 0]
         k = math.floor(share(self.strength) * len(candidates))
         if k:
-            digest = self._text_digest(text)
-            ranked = sorted(candidates, key=lambda s: (-s.saliency, self._tie(digest, s.index)))
+            tie = self._tie_key(text)
+            ranked = sorted(candidates, key=lambda s: (-s.saliency, tie(s.index)))
             chosen.update((s.index, s.placeholder) for s in ranked[:k])
         return chosen
 
