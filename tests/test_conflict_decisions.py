@@ -158,6 +158,11 @@ def test_a_decision_that_no_merge_would_read_is_refused(django_capture_on_commit
     r3 = Round.objects.create(number=3, state="merging", config={"summarizer": "none"})
     with pytest.raises(Conflict, match="round 3 is merging"):
         decide_conflict(Actor.system(), conflict, "edit", "Ask for the city first")
+    operator = User.objects.create_superuser("op", password="pw-long-enough-1")
+    client.force_login(operator)
+    page = client.get("/conflicts/").content.decode()
+    assert "round 3 is merging: decide once it is done" in page
+    assert f'action="/conflicts/{conflict.pk}/decide/"' not in page
     # Round 3 merges acme's edge (it read the dismissal) and is published: closed for good.
     r3.state = "closing"
     r3.save()
@@ -170,8 +175,6 @@ def test_a_decision_that_no_merge_would_read_is_refused(django_capture_on_commit
     with pytest.raises(Conflict, match="round 3's merge of acme has been published since round 1"):
         decide_conflict(Actor.system(), conflict, "edit", "Ask for the city first")
     assert ConflictDecision.objects.get().action == "dismiss"  # the earlier decision stands
-    operator = User.objects.create_superuser("op", password="pw-long-enough-1")
-    client.force_login(operator)
     page = client.get("/conflicts/").content.decode()
     assert "closed: round 3 merged after it" in page
     assert f'action="/conflicts/{conflict.pk}/decide/"' not in page

@@ -976,6 +976,7 @@ class ConflictCard:
     decision: object | None
     can_decide: bool
     closed_by: object | None = None  # the later round after whose merge no decision applies
+    paused_by: object | None = None  # a later round merging now: decide once it is done
 
 
 def conflict_groups(
@@ -1013,11 +1014,14 @@ def conflict_groups(
     schema = current_schema() if conflicts else None
     groups: dict[tuple, list[ConflictCard]] = {}
     admin, closed = {}, {}
+    merging = list(Round.objects.filter(
+        state__in=[Round.State.CLOSING, Round.State.MERGING]).order_by("number"))
     for c in conflicts:
         if c.organization_id not in admin:
             admin[c.organization_id] = can_decide(actor, c.organization_id)
         if (c.organization_id, c.round_id) not in closed:
             closed[(c.organization_id, c.round_id)] = closed_by(c)
+        paused = next((r for r in merging if r.number > c.round.number), None)
         groups.setdefault((c.organization, c.round), []).append(
             ConflictCard(
                 conflict=c,
@@ -1025,8 +1029,10 @@ def conflict_groups(
                 choices=scenario_choices(c),
                 decision=decisions.get((c.round_id, c.organization_id, c.tool_id, c.centroid_id)),
                 can_decide=admin[c.organization_id]
-                and closed[(c.organization_id, c.round_id)] is None,
+                and closed[(c.organization_id, c.round_id)] is None
+                and paused is None,
                 closed_by=closed[(c.organization_id, c.round_id)],
+                paused_by=paused,
             )
         )
     return page_obj, [

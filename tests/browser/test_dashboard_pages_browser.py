@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import threading
+
 import pytest
 from django.urls import reverse
 
+from federation.models import Round
 from tests.browser.test_dashboard_browser import log_in
 
 pytestmark = [pytest.mark.slow, pytest.mark.django_db(transaction=True, serialized_rollback=True)]
@@ -48,9 +51,20 @@ def test_organization_admin_tour(review, page, live_server, shoot):
     assert token not in page.content()
     assert token[:12] in page.content()  # the prefix, to recognize it
 
-    # resolve a conflict, then find the decision in the audit log
+    # resolve a conflict, then find the decision in the audit log. While round 3 merges (its
+    # merges read round 2's conflict log as they start) deciding waits; once it has failed, round
+    # 2's log is still to be read and the decision is taken.
     page.click("nav >> text=Conflicts")
     assert "Berlin" not in page.locator("main").inner_text()
+    card = page.locator("article.conflict", has_text="Paris")
+    assert "round 3 is merging" in card.inner_text()
+    assert card.locator("button", has_text="Accept precaution").count() == 0
+    # (the ORM off Playwright's event loop: a thread of its own, with its own connection)
+    failed = threading.Thread(
+        target=lambda: Round.objects.filter(number=3).update(state=Round.State.FAILED))
+    failed.start()
+    failed.join()
+    page.reload()
     card = page.locator("article.conflict", has_text="Paris")
     assert "Use Weather for will it rain tomorrow in Paris" in card.locator(".composed").inner_text()
     shoot(page, "conflicts")
