@@ -69,3 +69,15 @@ def without_merge_pipeline():
     round_closed.disconnect(dispatch_uid="synapse.start_round_pipeline")
     yield
     round_closed.connect(start_pipeline_on_close, dispatch_uid="synapse.start_round_pipeline")
+
+
+@pytest.fixture
+def probes(tmp_path):
+    """The public probe set of tests.merge_helpers imported; its number of queries."""
+    from django.core.management import call_command
+
+    from federation.models import ProbeQuery
+    from tests.merge_helpers import write_probe_dataset
+
+    call_command("import_probe_set", str(write_probe_dataset(tmp_path / "probe")))
+    return ProbeQuery.objects.count()

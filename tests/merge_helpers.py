@@ -105,3 +105,41 @@ def plant_weather_conflict(round_: Round, clients: dict) -> Organization:
         store_compendium(Compendium.model_validate(content), kind="client", round=round_,
                          client=client)
     return org
+
+
+# A request two tools can honestly be meant for (both pass the confusion check), claimed at acme
+# for one and at globex for the other: each edge sees one tool only, the server merge both.
+CROSS_EDGE_REQUEST = "Book a cheap flight from Boston to Denver next week"
+_CROSS_EDGE_USAGE = {
+    "flights": ["Find flights from Rome to Madrid next week", "Search airline tickets to Tokyo in May",
+                "Is there a direct flight from Chicago to Dallas?", "Cheapest plane ticket to Miami on Friday"],
+    "fares": ["Compare airline ticket prices to Tokyo", "Cheapest flights from Paris to Rome this month",
+              "Track the fare of a flight to Denver", "Which airline is cheapest to London?"],
+}
+
+
+def plant_cross_edge_conflict(round_: Round) -> dict[str, Client]:
+    """Registry with a second flight tool (`fares`); acme's clients a1 and a2 claim
+    CROSS_EDGE_REQUEST for `flights`, globex's g1 for `fares`, each with its usage, in `round_`:
+    the server merge of the round logs a conflict between edges. Returns the clients by name."""
+    import_registry([*TOOLS, ToolSpec(tool_id="fares", name="AirfareWatch",
+                                      description="Search and compare airline flight prices between airports")])
+    clients = {}
+    for (slug, name), tool in {("acme", "a1"): "flights", ("acme", "a2"): "flights",
+                               ("globex", "g1"): "fares"}.items():
+        org, _ = Organization.objects.get_or_create(slug=slug, defaults={"name": slug})
+        clients[name] = Client.objects.create(organization=org, name=name, status="approved")
+        scenarios = [{"tool_id": tool, "text": text}
+                     for text in [CROSS_EDGE_REQUEST, *_CROSS_EDGE_USAGE[tool]]]
+        store_compendium(Compendium.model_validate({"scenarios": scenarios}), kind="client",
+                         round=round_, client=clients[name])
+    return clients
+
+
+def close_round(round_: Round, capture) -> None:
+    """Close `round_` through the pipeline (its on-commit tasks run eagerly) and reload it."""
+    from federation.signals import round_closed
+
+    with capture(execute=True):
+        round_closed.send(sender=Round, round=round_)
+    round_.refresh_from_db()

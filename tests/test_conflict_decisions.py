@@ -77,32 +77,13 @@ def test_a_conflict_between_edges_becomes_a_precaution_of_the_next_global(django
     two organizations' edges claim for different tools is logged in the server's conflict log,
     and the next server merge composes it into a precaution of the global compendium, or applies
     the operator's decision on it."""
-    from compendium.schema import ToolSpec
-    from compendium.services import import_registry
-    from federation.models import Client, Organization
-    from tests.merge_helpers import TOOLS
+    from tests.merge_helpers import CROSS_EDGE_REQUEST as request
+    from tests.merge_helpers import plant_cross_edge_conflict
 
     capture = django_capture_on_commit_callbacks
-    # Two tools a request can honestly be meant for (both pass the confusion check); each edge
-    # sees one of them only.
-    import_registry([*TOOLS, ToolSpec(tool_id="fares", name="AirfareWatch",
-                                      description="Search and compare airline flight prices between airports")])
-    request = "Book a cheap flight from Boston to Denver next week"
-    usage = {
-        "flights": ["Find flights from Rome to Madrid next week", "Search airline tickets to Tokyo in May",
-                    "Is there a direct flight from Chicago to Dallas?", "Cheapest plane ticket to Miami on Friday"],
-        "fares": ["Compare airline ticket prices to Tokyo", "Cheapest flights from Paris to Rome this month",
-                  "Track the fare of a flight to Denver", "Which airline is cheapest to London?"],
-    }
-    claims = {("acme", "a1"): "flights", ("acme", "a2"): "flights", ("globex", "g1"): "fares"}
+    # Two tools a request can honestly be meant for; each edge sees one of them only.
     r1 = Round.objects.create(number=1, state="closing", config={"summarizer": "none"})
-    clients = {}
-    for (slug, name), tool in claims.items():
-        org, _ = Organization.objects.get_or_create(slug=slug, defaults={"name": slug})
-        clients[slug] = Client.objects.create(organization=org, name=name, status="approved")
-        scenarios = [{"tool_id": tool, "text": text} for text in [request, *usage[tool]]]
-        store_compendium(Compendium.model_validate({"scenarios": scenarios}), kind="client", round=r1,
-                         client=clients[slug])
+    clients = plant_cross_edge_conflict(r1)
     close(r1, capture)
     assert not ConflictLogEntry.objects.filter(organization__isnull=False).exists()  # no edge saw two tools
     [conflict] = ConflictLogEntry.objects.filter(round=r1, organization=None)
@@ -115,7 +96,7 @@ def test_a_conflict_between_edges_becomes_a_precaution_of_the_next_global(django
         nxt = Round.objects.create(number=number, state="closing", config={"summarizer": "none"})
         store_compendium(Compendium.model_validate({"scenarios": [
             {"tool_id": "weather", "text": "Will it snow in Oslo tomorrow?"}]}), kind="client",
-            round=nxt, client=clients["acme"])
+            round=nxt, client=clients["a2"])
         close(nxt, capture)
         return [(p["tool_id"], p["text"]) for p in
                 CompendiumVersion.objects.get(kind="global", round=nxt).content.get("precautions", [])]

@@ -20,26 +20,15 @@ from federation.models import (
     ConflictLogEntry,
     MergeRecord,
     PrivacyLedgerEntry,
-    ProbeQuery,
     Round,
 )
-from federation.signals import round_closed
 from routing.router import LinearHead
-from tests.merge_helpers import build_federation, plant_weather_conflict, write_probe_dataset
+from tests.merge_helpers import build_federation, plant_weather_conflict
+from tests.merge_helpers import close_round as close
 
 pytestmark = pytest.mark.django_db
 
 
-@pytest.fixture
-def probes(tmp_path):
-    call_command("import_probe_set", str(write_probe_dataset(tmp_path / "probe")))
-    return ProbeQuery.objects.count()
-
-
-def close(round_, capture):
-    with capture(execute=True):
-        round_closed.send(sender=Round, round=round_)
-    round_.refresh_from_db()
 
 
 def test_full_round_publishes_global_with_embeddings_ledger_and_accuracy(
@@ -902,30 +891,12 @@ def test_erasure_merges_again_a_global_that_made_precautions_of_the_servers_conf
     """The server's own log does the same one level up: round 1's conflict between edges (globex
     alone claims a request for another tool) became a precaution of round 2's global, which does
     not carry round 1's forward. Erasing globex's client merges round 2's global again."""
-    from compendium.schema import Compendium, ToolSpec
-    from compendium.services import import_registry, store_compendium
-    from federation.models import Organization
-    from tests.merge_helpers import TOOLS
+    from tests.merge_helpers import CROSS_EDGE_REQUEST as request
+    from tests.merge_helpers import plant_cross_edge_conflict
 
     capture = django_capture_on_commit_callbacks
-    import_registry([*TOOLS, ToolSpec(tool_id="fares", name="AirfareWatch",
-                                      description="Search and compare airline flight prices between airports")])
-    request = "Book a cheap flight from Boston to Denver next week"
-    usage = {
-        "flights": ["Find flights from Rome to Madrid next week", "Search airline tickets to Tokyo in May",
-                    "Is there a direct flight from Chicago to Dallas?", "Cheapest plane ticket to Miami on Friday"],
-        "fares": ["Compare airline ticket prices to Tokyo", "Cheapest flights from Paris to Rome this month",
-                  "Track the fare of a flight to Denver", "Which airline is cheapest to London?"],
-    }
     r1 = Round.objects.create(number=1, state="closing", config={"summarizer": "none"})
-    clients = {}
-    for (slug, name), tool in {("acme", "a1"): "flights", ("acme", "a2"): "flights",
-                               ("globex", "g1"): "fares"}.items():
-        org, _ = Organization.objects.get_or_create(slug=slug, defaults={"name": slug})
-        clients[name] = Client.objects.create(organization=org, name=name, status="approved")
-        store_compendium(Compendium.model_validate({"scenarios": [
-            {"tool_id": tool, "text": text} for text in [request, *usage[tool]]]}),
-            kind="client", round=r1, client=clients[name])
+    clients = plant_cross_edge_conflict(r1)
     close(r1, capture)
     assert ConflictLogEntry.objects.filter(round=r1, organization=None).count() == 1
     r2 = _round_with(2, clients["a1"], "Book a flight to Rome", capture, carry_forward=False)

@@ -6,30 +6,19 @@ competing step from inside the first one's merge computation, after it has read 
 from __future__ import annotations
 
 import pytest
-from django.core.management import call_command
 from django.db import connection
 
 from compendium.models import CompendiumVersion
 from compendium.schema import Compendium
 from compendium.services import store_compendium
 from federation import pipeline
-from federation.models import Client, MergeRecord, PrivacyLedgerEntry, ProbeQuery, Round
-from federation.signals import round_closed
-from tests.merge_helpers import build_federation, write_probe_dataset
+from federation.models import Client, MergeRecord, PrivacyLedgerEntry, Round
+from tests.merge_helpers import build_federation
+from tests.merge_helpers import close_round as close
 
 pytestmark = pytest.mark.django_db
 
 
-@pytest.fixture
-def probes(tmp_path):
-    call_command("import_probe_set", str(write_probe_dataset(tmp_path / "probe")))
-    return ProbeQuery.objects.count()
-
-
-def close(round_, capture):
-    with capture(execute=True):
-        round_closed.send(sender=Round, round=round_)
-    round_.refresh_from_db()
 
 
 def interleave(monkeypatch, name: str, step):
