@@ -163,6 +163,23 @@ class FederationCollector:
         for org_id, slug in self.slugs:
             unmasked.add_metric([slug], refused.get(org_id, 0))
         yield unmasked
+        policy = CounterMetricFamily(
+            "synapse_submissions_refused_policy",
+            "Submissions refused by the open round's release policy (statistics built without its "
+            "field cap or for fields it will not release), by organization (nothing of them "
+            "stored; each is in the audit log).",
+            labels=["organization"],
+        )
+        refused = dict(
+            AuditLog.objects.order_by()
+            .filter(action=AuditLog.Action.SUBMISSION_POLICY)
+            .values("organization")
+            .annotate(n=Count("id"))
+            .values_list("organization", "n")
+        )
+        for org_id, slug in self.slugs:
+            policy.add_metric([slug], refused.get(org_id, 0))
+        yield policy
 
     def _privacy(self):
         report = accounting.privacy_report()

@@ -291,6 +291,10 @@ class AuditLog(models.Model):
         SCHEMA_CHANGE = "schema.change"
         # A client's submission refused for text not masked at the round's λ (nothing stored).
         SUBMISSION_UNMASKED = "submission.unmasked"
+        # A client's submission refused by the round's release policy: numeric statistics built
+        # without its field cap F* (or a larger one), or for fields it will not release (nothing
+        # stored).
+        SUBMISSION_POLICY = "submission.policy"
 
     created_at = models.DateTimeField(auto_now_add=True, db_index=True)
     actor = models.ForeignKey(

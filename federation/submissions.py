@@ -471,6 +471,19 @@ def _audit_unmasked(client: Client, round_number: int, strength: float, residue:
     )
 
 
+def _audit_policy(client: Client, round_number: int, refusal: InvalidRequest) -> None:
+    """A refusal by the round's release policy (field cap, fields not released) in the audit log,
+    for the operator and the client's organization: a client built against another configuration
+    than the round's, which its people should hear of."""
+    audit(
+        Actor.system(f"client {client.name}"),
+        AuditLog.Action.SUBMISSION_POLICY,
+        target=client,
+        organization=client.organization,
+        details={"round": round_number, "code": refusal.code, "detail": str(refusal)},
+    )
+
+
 def expected_round(header: str | None) -> int | None:
     """The `X-Synapse-Round` header: the round the client built and checked its body for (None
     when it sends none: other tooling need not)."""
@@ -690,13 +703,15 @@ def submit(
         _count_refusal(client)
         raise SubmissionInvalid(violations)
     round_cap = int(open_round[2]) if open_round[2] >= 1 else None
+    policy = None
     if exceeds_field_cap(result.compendium, round_cap):
+        policy = FieldCapExceeded(int(open_round[0]), round_cap, result.compendium.field_cap)
+    elif withheld := _unreleased_stats(result.compendium, not_released):
+        policy = FieldsNotReleased(int(open_round[0]), withheld)
+    if policy is not None:
         _count_refusal(client)
-        raise FieldCapExceeded(int(open_round[0]), round_cap, result.compendium.field_cap)
-    withheld = _unreleased_stats(result.compendium, not_released)
-    if withheld:
-        _count_refusal(client)
-        raise FieldsNotReleased(int(open_round[0]), withheld)
+        _audit_policy(client, int(open_round[0]), policy)
+        raise policy
     masker = _masker_for(tuple(fingerprint), schema, open_round[1])
     residue = masking_residue(result.compendium, masker)
     if residue:

@@ -186,6 +186,16 @@ def test_statistics_the_open_round_will_not_release_are_refused(world, open_roun
     assert "latency_ms, success_rate" in refused.json()["detail"]
     assert "--not-released latency_ms,success_rate" in refused.json()["detail"]
     assert not Submission.objects.exists() and not CompendiumVersion.objects.exists()
+    # audited for the operator and the client's organization: a client built against another
+    # configuration than the round's
+    entry = AuditLog.objects.get(action="submission.policy")
+    assert entry.organization == world.client_a.organization
+    assert entry.details["code"] == "fields_not_released" and entry.details["round"] == 1
+    metrics = BrowserClient()
+    metrics.force_login(world.operator)
+    exposition = metrics.get("/metrics").content.decode()
+    slug = world.client_a.organization.slug
+    assert f'synapse_submissions_refused_policy_total{{organization="{slug}"}} 1.0' in exposition
     del valid_doc["metadata"][0]["stats"]["success_rate"], valid_doc["metadata"][0]["stats"]["latency_ms"]
     assert post_doc(api, valid_doc, key="s").status_code == 201
 
@@ -381,6 +391,9 @@ def test_a_capped_round_refuses_statistics_whose_compendium_records_no_cap_or_a_
             }
     # nothing stored: the accepted submission is still the client's only one, unreplaced
     assert list(Submission.objects.values_list("idempotency_key", flat=True)) == ["capped"]
+    refusals = AuditLog.objects.filter(action="submission.policy")
+    assert refusals.count() == 4
+    assert {e.details["code"] for e in refusals} == {"field_cap_exceeded"}
     version = CompendiumVersion.objects.get(kind="client", client=world.client_a)
     assert version.sha256 == accepted.json()["sha256"] and version.content["field_cap"] == 2
 
