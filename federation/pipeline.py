@@ -351,9 +351,10 @@ def run_edge_merge(
     erasure's re-materialization or a replay, which any state allows).
 
     A replay whose edge comes out the same (sha256 and sources) keeps the stored edge row, so a
-    server merge that read it meanwhile still finds it. The inputs and the release are read again
-    under the round's lock: changed meanwhile (a client revoked or erased, another merge of this
-    edge committed), the merge is computed again (MERGE_TRIES times at most)."""
+    server merge that read it meanwhile still finds it. The inputs, the release and the round
+    whose conflict log it read are read again under the publication lock and the round's:
+    changed meanwhile (a client revoked or erased, another merge of this edge committed, an
+    earlier round published), the merge is computed again (MERGE_TRIES times at most)."""
     round_ = Round.objects.get(pk=round_id)
     organization = Organization.objects.get(pk=organization_id)
     config = _config(round_)
@@ -394,9 +395,13 @@ def run_edge_merge(
                                   epsilon_remaining=remaining, release_numeric=False,
                                   **common), str(exc)
 
+        log_from = _conflict_source(round_, organization)
         result, withheld = merge(remaining)
         by_source = {f"client:{v.client_id}": v for v in sources}
         with transaction.atomic():
+            # The publication lock first (as the server merge and an erasure take it): no earlier
+            # round publishes between the check of the conflict log read below and the commit.
+            services.lock_publication()
             locked = Round.objects.select_for_update().get(pk=round_id)
             if attempt is not None:  # a task of the pipeline: its run, and the round still merging
                 _check_attempt(locked, attempt, states=(Round.State.MERGING,))
@@ -404,9 +409,13 @@ def run_edge_merge(
             now_digest = _schema_digest(current_schema())
             if (now_ids, now_digest) != (source_ids, digest) or _release_number(
                 round_, organization, rematerialize, source_ids, digest
-            ) != (release, extra):
-                log.warning("round %s, organization %s: the edge's inputs or release changed "
-                            "while it merged; merged again", round_.number, organization.slug)
+            ) != (release, extra) or _conflict_source(round_, organization) != log_from:
+                # An earlier round published meanwhile (a retried round merging beside this
+                # one) changes the conflict log this edge turns into precautions: the next
+                # round reads this round's log, so the earlier one's would be lost for good.
+                log.warning("round %s, organization %s: the edge's inputs, release or previous "
+                            "conflict log changed while it merged; merged again", round_.number,
+                            organization.slug)
                 continue
             outcome = _write_edge(round_, organization, result, withheld, release, extra,
                                   remaining, merge, by_source, source_ids, digest)

@@ -12,7 +12,7 @@ from compendium.models import CompendiumVersion
 from compendium.schema import Compendium
 from compendium.services import store_compendium
 from federation import pipeline
-from federation.models import Client, MergeRecord, PrivacyLedgerEntry, Round
+from federation.models import Client, ConflictLogEntry, MergeRecord, PrivacyLedgerEntry, Round
 from tests.merge_helpers import build_federation
 from tests.merge_helpers import close_round as close
 
@@ -274,3 +274,30 @@ def test_an_earlier_round_published_during_a_later_ones_server_merge_is_carried_
     assert "Which airline flies nonstop to Lisbon?" in texts(third)
     assert "What is 5 plus 7?" in texts(third)
     assert len(calls) == 3
+
+
+def test_an_earlier_round_published_during_a_later_ones_edge_merge_reaches_its_precautions(
+    probes, django_capture_on_commit_callbacks, monkeypatch
+):
+    """Rounds 2 and 3 merge at once; round 2's acme edge logged a conflict. Round 3's acme edge
+    reads the latest published round's log (round 1's, without it) and round 2 publishes before
+    it writes: round 4 will read round 3's log, so round 2's conflict would never become a
+    precaution. Under the publication lock the edge finds the log it read superseded and merges
+    again over round 2's."""
+    from tests.merge_helpers import plant_weather_conflict
+
+    round1, _ = build_federation()
+    close(round1, django_capture_on_commit_callbacks)
+    round2, clients = build_federation(round_number=2, state="merging",
+                                       config={"summarizer": "none"})
+    acme = plant_weather_conflict(round2, clients)
+    merge_edges(round2)
+    assert ConflictLogEntry.objects.filter(round=round2, organization=acme).exists()
+    round3 = later_round(3, "Which airline flies nonstop to Lisbon?", client="a1")
+    calls = interleave(monkeypatch, "edge_merge",
+                       lambda: Round.objects.filter(pk=round2.pk).update(state="published"))
+    pipeline.run_edge_merge(round3.pk, acme.pk)
+    edge = CompendiumVersion.objects.get(kind="edge", round=round3, organization=acme)
+    assert any(p["text"].startswith("Use WeatherNow for will it rain tomorrow in Paris")
+               for p in edge.content.get("precautions", [])), edge.content.get("precautions")
+    assert len(calls) == 2
