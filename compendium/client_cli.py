@@ -873,11 +873,15 @@ def cmd_participate(args: argparse.Namespace) -> int:
         + ("no field cap" if field_cap is None else f"field cap F* = {field_cap}")
         + (f" (the round's is {required})" if required is not None and field_cap < required else "")
     )
-    not_released = args.not_released
-    if not_released is None:
-        not_released = ",".join(current.get("fields_not_released") or ())
-        if not_released:
-            print(f"the round will not release {not_released.replace(',', ', ')}: not sent")
+    # The round's fields are never sent (the server refuses them); --not-released may leave out
+    # more, never fewer.
+    withheld = list(round_not_released(current))
+    if withheld:
+        print(f"the round will not release {', '.join(withheld)}: not sent")
+    for name in (args.not_released or "").split(","):
+        if name.strip() and name.strip() not in withheld:
+            withheld.append(name.strip())
+    not_released = ",".join(withheld) or None
     # What this client sent in the rounds the pulled global merged (recorded in --dir): a
     # global carried forward holds it, so the same text is not sent again.
     ledger = sent_file(folder)
