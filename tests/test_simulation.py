@@ -50,6 +50,14 @@ def test_tiny_simulation_end_to_end(twin_dataset, tmp_path):
     # dcz against the schema, then against the global each client pulled, beats plain gzip.
     assert communication["dcz_bytes_per_client_round"] < communication["gzip_bytes_per_client_round"]
     assert 0 <= document["privacy"]["membership_auroc"] <= 1
+    # Token overlap against its chance level: the same measure on the paired non-members (the
+    # same tools' held-out requests, never sent) shares vocabulary too, so the excess is what
+    # says something about leakage.
+    privacy = document["privacy"]
+    assert 0 < privacy["token_overlap_nonmember"] < privacy["token_overlap"]
+    assert privacy["token_overlap_excess"] == pytest.approx(
+        privacy["token_overlap"] - privacy["token_overlap_nonmember"])
+    assert 0 <= privacy["share_clients_excess_below_0_10"] <= 1
     # Where it ran: int8 embeddings differ slightly between instruction sets.
     assert document["host"]["cpu"] and isinstance(document["host"]["isa"], list)
     assert document["host"]["onnxruntime"] and document["host"]["python"].count(".") == 2
@@ -480,6 +488,27 @@ def test_adversarial_modes_are_schema_valid_and_camouflage_poisons_only_a_share(
     assert [s.tool_id for s in other] != [s.tool_id for s in camouflaged]
     half = corrupt(honest, "camouflaged_poisoning", schema, seed=3, share=0.5).scenarios
     assert sum(s.tool_id != "t0" for s in half) == 10
+
+
+def test_tool_confusion_labels_with_tools_plausibly_mistaken_for_the_right_one():
+    """Tool confusion is the mistake a weaker frozen LLM makes: each scenario labelled with a tool
+    of its own tool's category (`confusable_tools`), never any tool at random (that is
+    schema-valid poisoning), which the implausible-source check finds far more easily."""
+    from compendium.schema import Compendium, Schema, ToolSpec
+    from federation.simulation.runner import corrupt
+
+    schema = Schema(tools=[ToolSpec(tool_id=f"t{i}", name=f"t{i}", description=f"tool {i}",
+                                    category=f"c{i // 4}") for i in range(40)])
+    honest = Compendium.model_validate(
+        {"scenarios": [{"tool_id": f"t{i % 8}", "text": f"request number {i}"} for i in range(40)]}
+    )
+    confused = corrupt(honest, "tool_confusion", schema, seed=3).scenarios
+    category = {t.tool_id: t.category for t in schema.tools}
+    assert all(c.tool_id != h.tool_id and category[c.tool_id] == category[h.tool_id]
+               for c, h in zip(confused, honest.scenarios, strict=True))
+    poisoned = corrupt(honest, "schema_valid_poisoning", schema, seed=3).scenarios
+    assert sum(category[p.tool_id] != category[h.tool_id]
+               for p, h in zip(poisoned, honest.scenarios, strict=True)) > 20
 
 
 @pytest.mark.django_db(transaction=True)  # through the services: rounds without aggregation

@@ -448,7 +448,8 @@ def _merge_figures(result) -> dict[str, float]:
 _SWEEP_FIGURES = {
     "seeds", "adversarial_clients", "accuracy", "accuracy_sd", "accuracy_by_seed",
     "membership_auroc", "token_overlap",
-    "share_clients_overlap_below_0_10", "bytes_per_client_round", *SCREENING_KEYS,
+    "share_clients_overlap_below_0_10", "token_overlap_nonmember", "token_overlap_excess",
+    "share_clients_excess_below_0_10", "bytes_per_client_round", *SCREENING_KEYS,
 }
 
 
@@ -586,6 +587,10 @@ def table(document: dict[str, Any]) -> str:
         lines.append(
             "membership-inference AUROC {membership_auroc:.3f}, token overlap {token_overlap:.3f}, "
             "clients under 0.10 overlap {share_clients_overlap_below_0_10:.0%}".format(**privacy)
+            + ("; non-members (same tools, never in the log) {token_overlap_nonmember:.3f}, "
+               "excess {token_overlap_excess:.3f}, clients under 0.10 excess "
+               "{share_clients_excess_below_0_10:.0%}".format(**privacy)
+               if "token_overlap_excess" in privacy else "")
         )
     if document.get("adversarial_clients"):
         config = document.get("config") or {}

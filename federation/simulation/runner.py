@@ -954,7 +954,7 @@ class Simulation:
             by_tool.setdefault(q.tool_id, []).append(q)
         member_scores: list[float] = []
         nonmember_scores: list[float] = []
-        overlaps = []
+        overlaps, baselines = [], []
         for share in shares:
             compendium = released.get(share.client)
             if compendium is None or not share.queries:
@@ -975,11 +975,23 @@ class Simulation:
             overlaps.append(
                 float(np.mean([_best_overlap(q.query, texts, token_sets) for q in members]))
             )
+            # The same measure for the paired non-members (held-out requests of the same tools,
+            # never in the log): what shared vocabulary alone scores. Overlap says something
+            # about leakage only above it.
+            baselines.append(
+                float(np.mean([_best_overlap(q.query, texts, token_sets) for q in nonmembers]))
+            )
+        excess = [o - b for o, b in zip(overlaps, baselines, strict=True)]
         return {
             "membership_auroc": auroc(member_scores, nonmember_scores) if member_scores else 0.5,
             "token_overlap": float(np.mean(overlaps)) if overlaps else 0.0,
             "share_clients_overlap_below_0_10": float(np.mean([o < 0.10 for o in overlaps]))
             if overlaps
+            else 0.0,
+            "token_overlap_nonmember": float(np.mean(baselines)) if baselines else 0.0,
+            "token_overlap_excess": float(np.mean(excess)) if excess else 0.0,
+            "share_clients_excess_below_0_10": float(np.mean([e < 0.10 for e in excess]))
+            if excess
             else 0.0,
         }
 
@@ -1147,11 +1159,21 @@ def corrupt(
             s.model_copy(update={"text": " ".join(rng.choice(words) for _ in range(8))})
             for s in scenarios
         ]
-    elif mode in ("tool_confusion", "schema_valid_poisoning"):
-        # Real scenarios, wrong parent tools: the text says one thing, the label another.
-        scenarios = [s.model_copy(update={"tool_id": rng.choice(tools)}) for s in scenarios]
-        if mode == "schema_valid_poisoning":
-            scenarios = [s.model_copy(update={"support": 50}) for s in scenarios]
+    elif mode == "tool_confusion":
+        # Real scenarios labelled with a tool they are plausibly mistaken for (the same
+        # category first, `confusable_tools`): the confusion a weaker frozen LLM makes, on
+        # every scenario. Until 2026-11-30 the label was any tool, which is what
+        # schema_valid_poisoning still draws.
+        confusions = confusable_tools(list(schema.tools), seed)
+        scenarios = [
+            s.model_copy(update={"tool_id": rng.choice(confusions[s.tool_id])})
+            if confusions.get(s.tool_id) else s
+            for s in scenarios
+        ]
+    elif mode == "schema_valid_poisoning":
+        # Real scenarios, wrong parent tools (any tool), with a large claimed support.
+        scenarios = [s.model_copy(update={"tool_id": rng.choice(tools), "support": 50})
+                     for s in scenarios]
     elif mode == "cross_source":
         # Scenarios copied from another tool's description: contamination across sources.
         by_id = schema.tools_by_id
