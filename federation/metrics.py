@@ -147,39 +147,33 @@ class FederationCollector:
             wire.add_metric([slug], size)
         yield submissions
         yield wire
-        unmasked = CounterMetricFamily(
+        yield self._refusals(
             "synapse_submissions_refused_unmasked",
             "Submissions refused for text not masked at the open round's strength, by organization "
             "(nothing of them stored; each is in the audit log).",
-            labels=["organization"],
+            AuditLog.Action.SUBMISSION_UNMASKED,
         )
-        refused = dict(
-            AuditLog.objects.order_by()
-            .filter(action=AuditLog.Action.SUBMISSION_UNMASKED)
-            .values("organization")
-            .annotate(n=Count("id"))
-            .values_list("organization", "n")
-        )
-        for org_id, slug in self.slugs:
-            unmasked.add_metric([slug], refused.get(org_id, 0))
-        yield unmasked
-        policy = CounterMetricFamily(
+        yield self._refusals(
             "synapse_submissions_refused_policy",
             "Submissions refused by the open round's release policy (statistics built without its "
             "field cap or for fields it will not release), by organization (nothing of them "
             "stored; each is in the audit log).",
-            labels=["organization"],
+            AuditLog.Action.SUBMISSION_POLICY,
         )
+
+    def _refusals(self, name: str, documentation: str, action: str) -> CounterMetricFamily:
+        """Refused submissions per organization, counted from their audit entries (`action`)."""
+        family = CounterMetricFamily(name, documentation, labels=["organization"])
         refused = dict(
             AuditLog.objects.order_by()
-            .filter(action=AuditLog.Action.SUBMISSION_POLICY)
+            .filter(action=action)
             .values("organization")
             .annotate(n=Count("id"))
             .values_list("organization", "n")
         )
         for org_id, slug in self.slugs:
-            policy.add_metric([slug], refused.get(org_id, 0))
-        yield policy
+            family.add_metric([slug], refused.get(org_id, 0))
+        return family
 
     def _privacy(self):
         report = accounting.privacy_report()
