@@ -55,8 +55,8 @@ def test_tiny_simulation_end_to_end(twin_dataset, tmp_path):
     # says something about leakage.
     privacy = document["privacy"]
     assert 0 < privacy["token_overlap_nonmember"] < privacy["token_overlap"]
-    assert privacy["token_overlap_excess"] == pytest.approx(
-        privacy["token_overlap"] - privacy["token_overlap_nonmember"])
+    assert privacy["token_overlap_excess"] == pytest.approx(  # each rounded to 4 places
+        privacy["token_overlap"] - privacy["token_overlap_nonmember"], abs=2e-4)
     assert 0 <= privacy["share_clients_excess_below_0_10"] <= 1
     # Where it ran: int8 embeddings differ slightly between instruction sets.
     assert document["host"]["cpu"] and isinstance(document["host"]["isa"], list)
