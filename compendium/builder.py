@@ -31,6 +31,7 @@ import re
 from collections import Counter, defaultdict
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
+from itertools import groupby
 from typing import Any, Protocol
 
 import numpy as np
@@ -303,31 +304,22 @@ def collapse_near_duplicates(
     # once for the group, compared with each new entry in one product, never copied (the kept
     # rows copied for every entry made this quadratic in memory traffic: 8,000 distinct
     # requests of a tool took 53 s).
-    start = 0
-    while start < len(ordered):
-        group = ordered[start][0]
-        end = start
-        while end < len(ordered) and ordered[end][0] == group:
-            end += 1
-        matrix = np.empty((end - start, vectors.shape[1]), dtype=vectors.dtype)
-        count = 0
-        first = len(kept)  # kept[first + i] is matrix row i
-        for row in range(start, end):
+    for group, rows in groupby(range(len(ordered)), key=lambda row: ordered[row][0]):
+        rows = list(rows)
+        matrix = np.empty((len(rows), vectors.shape[1]), dtype=vectors.dtype)
+        count, first = 0, len(kept)  # kept[first + i] is matrix row i
+        for row in rows:
             _, text, support, users = ordered[row]
-            target = None
             if count:
                 sims = matrix[:count] @ vectors[row]
                 best = int(np.argmax(sims))
                 if float(sims[best]) >= tau:
-                    target = first + best
-            if target is None:
-                matrix[count] = vectors[row]
-                count += 1
-                kept.append([group, text, support, users])
-            else:
-                kept[target][2] += support
-                kept[target][3] = kept[target][3] | users
-        start = end
+                    kept[first + best][2] += support
+                    kept[first + best][3] = kept[first + best][3] | users
+                    continue
+            matrix[count] = vectors[row]
+            count += 1
+            kept.append([group, text, support, users])
     return [(g, t, s, u) for g, t, s, u in kept]
 
 

@@ -77,6 +77,15 @@ def closed_by(conflict: ConflictLogEntry) -> Round | None:
     )
 
 
+MERGING_STATES = (Round.State.CLOSING, Round.State.MERGING)
+
+
+def paused_by(conflict: ConflictLogEntry, merging) -> Round | None:
+    """The first of `merging` (rounds closing or merging, in number order) after the conflict's
+    round: its merges read the conflict logs as they start, so a decision waits until it is done."""
+    return next((r for r in merging if r.number > conflict.round.number), None)
+
+
 def _still_decidable(conflict: ConflictLogEntry) -> None:
     """Refuse (409) a decision that could never apply, or that a merge running now may miss. The
     later rounds are locked until the decision commits, so none starts merging (closes) in
@@ -84,10 +93,10 @@ def _still_decidable(conflict: ConflictLogEntry) -> None:
     later = list(
         Round.objects.select_for_update().filter(number__gt=conflict.round.number).order_by("number")
     )
-    closing = [r for r in later if r.state in (Round.State.CLOSING, Round.State.MERGING)]
-    if closing:
+    paused = paused_by(conflict, [r for r in later if r.state in MERGING_STATES])
+    if paused is not None:
         raise Conflict(
-            f"round {closing[0].number} is merging: its merges read the conflict logs as they "
+            f"round {paused.number} is merging: its merges read the conflict logs as they "
             "start, so a decision now may miss it; decide once it has been published or has "
             "failed"
         )

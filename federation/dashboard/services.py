@@ -988,9 +988,11 @@ def conflict_groups(
     edges, whose texts come from several organizations). Returns (page, groups)."""
     from compendium.services import current_schema
     from federation.conflicts import (
+        MERGING_STATES,
         can_decide,
         closed_by,
         composed_precaution,
+        paused_by,
         scenario_choices,
         visible_conflicts,
     )
@@ -1014,14 +1016,13 @@ def conflict_groups(
     schema = current_schema() if conflicts else None
     groups: dict[tuple, list[ConflictCard]] = {}
     admin, closed = {}, {}
-    merging = list(Round.objects.filter(
-        state__in=[Round.State.CLOSING, Round.State.MERGING]).order_by("number"))
+    merging = list(Round.objects.filter(state__in=MERGING_STATES).order_by("number"))
     for c in conflicts:
         if c.organization_id not in admin:
             admin[c.organization_id] = can_decide(actor, c.organization_id)
         if (c.organization_id, c.round_id) not in closed:
             closed[(c.organization_id, c.round_id)] = closed_by(c)
-        paused = next((r for r in merging if r.number > c.round.number), None)
+        paused = paused_by(c, merging)
         groups.setdefault((c.organization, c.round), []).append(
             ConflictCard(
                 conflict=c,
