@@ -802,7 +802,7 @@ def test_the_robust_rule_drops_a_relabelled_batch_across_sources(schema, embed):
 
 def test_near_duplicates_claimed_for_different_tools_keep_the_better_supported_one(schema, embed):
     """IsConsistent across tools: the same request reported for two tools is a contradiction.
-    More support wins; at equal support, the text nearer its tool's public profile. The losers
+    More sources win; at equal sources, the text nearer its tool's public profile. The losers
     are logged and, next round, become precautions on their own tools."""
     checks_off = {"confusion_margin": 10.0, "source_limit": 2.0}  # leave it to the conflict log
     subs = [
@@ -854,6 +854,35 @@ def test_near_duplicates_claimed_for_different_tools_keep_the_better_supported_o
     flagged = [sub(c, [sc("weather", "Get the weather forecast for a city", has_city=v)])
                for c, v in (("c1", True), ("c2", True), ("c3", False))]
     assert not edge_merge(flagged, schema, RoundConfig(conflict_log=False), embed=embed).conflicts
+
+
+def test_a_huge_stated_support_does_not_win_a_conflict_across_tools(schema, embed):
+    """Support is the submitter's word. One client claiming a flight request for the calculator
+    with support 50 loses to one honest client's single claim for flights (equal sources, and
+    the honest text is nearer the flights profile); two honest sources beat it even where the
+    adversary's text would be nearer its own tool."""
+    checks_off = {"confusion_margin": 10.0, "source_limit": 2.0}  # leave it to the conflict log
+    config = RoundConfig(summarizer="none")
+    loud = {**sc("calculator", "Cheap tickets from Boston to Denver next week"), "support": 50}
+    one_each = [sub("honest", [sc("flights", "Cheap tickets from Boston to Denver next week.")]),
+                sub("adversary", [loud])]
+    result = edge_merge(one_each, schema, config, embed=embed, **checks_off)
+    assert [(s.tool_id, s.support) for s in result.compendium.scenarios] == [("flights", 1)]
+    [conflict] = result.conflicts
+    assert conflict.tool_id == "flights"
+    assert [(d["tool_id"], d["source"], d["support"]) for d in conflict.dissenters] == [
+        ("calculator", "adversary", 50)]
+
+    # Sources come first: the calculator's text is nearer its own profile here, and still loses
+    # to two sources.
+    numeric = {**sc("calculator", "compute 15% of the 420 dollar flight price"), "support": 50}
+    two = [sub("h1", [sc("flights", "compute 15% of the 420 dollar flight price")]),
+           sub("h2", [sc("flights", "Compute 15% of the 420 dollar flight price")]),
+           sub("adversary", [numeric])]
+    result = edge_merge(two, schema, config, embed=embed, **checks_off)
+    assert [(s.tool_id, s.support) for s in result.compendium.scenarios] == [("flights", 2)]
+    alone = edge_merge(two[:1] + two[2:], schema, config, embed=embed, **checks_off)
+    assert [s.tool_id for s in alone.compendium.scenarios] == ["calculator"]
 
 
 # --- Differential privacy of the numeric release (regressions) -------------------------------

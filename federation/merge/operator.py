@@ -913,18 +913,22 @@ CROSS_TOOL_REASON = "parent tools differ"
 def _cross_tool_conflicts(slots: list[dict], tool_ids: Sequence[str], profiles: np.ndarray,
                           tau: float) -> tuple[list[dict], list[ConflictEntry]]:
     """IsConsistent across tools: scenarios that say the same thing (cosine >= τ) for different
-    tools contradict each other. Taken from the strongest (most support, then nearest its own
-    tool's public profile: description and probe requests) down, a scenario with a stronger
+    tools contradict each other. Taken from the strongest down, a scenario with a stronger
     near-duplicate already kept for another tool is dropped and logged as a dissenter of the
     strongest such one; next round its tool gets the precaution "do not use it for that"
-    (`conflicts_to_precautions`)."""
+    (`conflicts_to_precautions`). Strongest: the most sources (one vote each, as within a tool
+    in `decide_cluster`), then nearest its own tool's public profile (description and probe
+    requests), then the most support. Support comes after the profile because it is the
+    submitter's word: one client stating a huge support for a confusable tool must not beat an
+    honest claim it cannot outvote in sources."""
     if len({s["tool_id"] for s in slots}) < 2:
         return slots, []
     index = {t: i for i, t in enumerate(tool_ids)}
     vectors = np.stack([s["vector"] for s in slots]).astype(np.float32)
     codes = np.array([index[s["tool_id"]] for s in slots])
     typical = np.einsum("ij,ij->i", vectors, profiles[codes].astype(np.float32))
-    order = sorted(range(len(slots)), key=lambda i: (-slots[i]["support"], -float(typical[i]), i))
+    order = sorted(range(len(slots)), key=lambda i: (
+        -len(slots[i]["sources"]), -float(typical[i]), -slots[i]["support"], i))
     rank = np.empty(len(slots), dtype=np.int64)
     rank[order] = np.arange(len(slots))
     rivals: list[list[int]] = [[] for _ in slots]
