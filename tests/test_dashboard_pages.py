@@ -853,23 +853,27 @@ def test_accuracy_page_tables_the_adversarial_rows_against_the_clean_run(client,
         {"adversarial_mode": "camouflaged_poisoning", "adversarial_fraction": 0.4, "robust_rule": "none",
          "accuracy": 0.54, "accuracy_sd": 0.02, "honest_submissions": 180, "dropped_honest": 1,
          "adversarial_submissions": 120, "dropped_adversarial": 21, "adversarial_scenarios": 1159,
-         "relabelled_adversarial_scenarios": 345},
+         "relabelled_adversarial_scenarios": 345, "victim_queries": 80,
+         "victims_routed_to_target": 6},
         # a row from before the sweep counted submissions: dashes, not zeros
         {"adversarial_mode": "tool_confusion", "adversarial_fraction": 0.2, "robust_rule": "krum",
          "accuracy": 0.3},
     ]
     SimulationRun.objects.create(label="adv", dataset="tiny",
                                  document={**DOCUMENT, "adversarial": rows,
-                                           "config": {"camouflage_share": 0.3}})
+                                           "config": {"camouflage_share": 0.3},
+                                           "targeting": {"victim_queries": 80,
+                                                         "victims_routed_to_target": 2}})
     body = login(client, fed, "member_a").get(reverse("dashboard:accuracy")).content.decode()
     assert "Camouflaged poisoning relabels 30% of what it would send honestly" in body
+    assert "routes to its target tool (2% in this run without adversaries)" in body
     table = body[body.index('id="accuracy-adversarial-table"'):]
     table = table[: table.index("</table>")]
     cells = [re.findall(r"<td[^>]*>(.*?)</td>", row) for row in re.findall(r"<tr><td>.*?</tr>", table)]
     # against the clean run's last SYNAPSE round (0.6)
     assert cells[0] == ["camouflaged_poisoning", "40%", "none", "0.540", "0.020", "0.900",
-                        "21 / 120", "1 / 180", "30%"]
-    assert cells[1] == ["tool_confusion", "20%", "krum", "0.300", "–", "0.500", "–", "–", "–"]
+                        "21 / 120", "1 / 180", "30%", "0.075"]
+    assert cells[1] == ["tool_confusion", "20%", "krum", "0.300", "–", "0.500", "–", "–", "–", "–"]
     # the curves carry each row's sd as error bars
     [adversarial] = [f for f in figures_in(body) if f["layout"]["title"]["text"].startswith(
         "Accuracy under adversarial")]
@@ -883,6 +887,7 @@ def test_accuracy_page_tables_the_adversarial_rows_against_the_clean_run(client,
     table = table[: table.index("</table>")]
     cells = [re.findall(r"<td[^>]*>(.*?)</td>", row) for row in re.findall(r"<tr><td>.*?</tr>", table)]
     assert [row[5] for row in cells] == ["–", "–"]
+    assert "in this run without adversaries" not in body
 
 
 def test_accuracy_page_says_where_the_run_ran(client, fed):

@@ -465,7 +465,13 @@ def test_a_camouflaged_adversary_relabels_that_share_of_every_submission(tiny_da
 def test_adversarial_modes_are_schema_valid_and_camouflage_poisons_only_a_share():
     from compendium.schema import Compendium, Schema, ToolSpec
     from compendium.validation import validate_compendium
-    from federation.simulation.runner import ADVERSARIAL_MODES, CAMOUFLAGE_SHARE, corrupt
+    from federation.simulation.runner import (
+        ADVERSARIAL_MODES,
+        CAMOUFLAGE_SHARE,
+        coordinated_poison,
+        corrupt,
+        plant,
+    )
 
     schema = Schema(tools=[ToolSpec(tool_id=f"t{i}", name=f"t{i}", description=f"tool {i}")
                            for i in range(40)])
@@ -474,7 +480,10 @@ def test_adversarial_modes_are_schema_valid_and_camouflage_poisons_only_a_share(
                        for i in range(20)]}
     )
     for mode in ADVERSARIAL_MODES:
-        sent = corrupt(honest, mode, schema, seed=3)
+        if mode == "coordinated_camouflage":  # plants what the adversaries agreed on
+            sent, _ = plant(honest, coordinated_poison([honest], [], "t5", ["t0"]), CAMOUFLAGE_SHARE)
+        else:
+            sent = corrupt(honest, mode, schema, seed=3)
         assert validate_compendium(sent.model_dump(mode="json", exclude_none=True), schema).ok, mode
     camouflaged = corrupt(honest, "camouflaged_poisoning", schema, seed=3).scenarios
     relabelled = [s for s in camouflaged if s.tool_id != "t0"]
@@ -488,6 +497,83 @@ def test_adversarial_modes_are_schema_valid_and_camouflage_poisons_only_a_share(
     assert [s.tool_id for s in other] != [s.tool_id for s in camouflaged]
     half = corrupt(honest, "camouflaged_poisoning", schema, seed=3, share=0.5).scenarios
     assert sum(s.tool_id != "t0" for s in half) == 10
+
+
+def test_coordinated_adversaries_plant_the_same_few_entries_among_honest_ones():
+    """Coordinated camouflage: colluders pool their requests of the victim tools, order them one
+    way they all share, and each adds the head of that list, labelled with the target, to what
+    it would send honestly; the first entries are identical across adversaries (as many sources
+    as adversaries). Without requests of the victims among them, the public probe set's."""
+    from compendium.registry import LabelledQuery
+    from compendium.schema import Compendium
+    from federation.simulation.runner import coordinated_poison, plant
+
+    def comp(tool, texts):
+        return Compendium.model_validate(
+            {"scenarios": [{"tool_id": tool, "text": t} for t in texts]})
+
+    a = comp("v1", [f"victim request {i}" for i in range(6)])
+    b = comp("v2", [f"other victim request {i}" for i in range(4)])
+    c = comp("x", [f"unrelated request {i}" for i in range(10)])
+    poison = coordinated_poison([a, b, c], [], "target", ["v1", "v2"])
+    assert sorted(p.text for p in poison) == sorted(
+        [f"victim request {i}" for i in range(6)] + [f"other victim request {i}" for i in range(4)])
+    assert all(p.tool_id == "target" and p.support == 20 for p in poison)
+    assert coordinated_poison([c, b, a], [], "target", ["v1", "v2"]) == poison  # one shared order
+
+    planted, added = plant(c, poison, 0.3)
+    assert added == 3 and planted.scenarios[:10] == c.scenarios
+    assert [s.text for s in planted.scenarios[10:]] == [p.text for p in poison[:3]]
+    other, _ = plant(b, poison, 0.3)  # another adversary: the same first entries
+    assert [s for s in other.scenarios if s.tool_id == "target"] == poison[:1]
+    assert plant(Compendium(), poison, 0.3)[1] == 1  # at least one
+
+    probe = [LabelledQuery(qid="p1", query="public victim request", tool_id="v1"),
+             LabelledQuery(qid="p2", query="public other request", tool_id="x")]
+    assert [p.text for p in coordinated_poison([c], probe, "target", ["v1"])] == [
+        "public victim request"]
+
+
+def test_coordinated_camouflage_runs_through_a_federation_and_counts_its_aim(tiny_dataset):
+    """In a federation, every adversary sends its honest entries plus the planted ones, the
+    same texts as the other adversaries' in that round; every run reports how many of the
+    victim tools' test queries the final global routes to the target, and the sweep rows carry
+    it."""
+    from federation.simulation.report import sweep
+    from federation.simulation.runner import Simulation, attack_target
+
+    sim = _simulation(tiny_dataset, rounds=2, adversarial_fraction=0.5,
+                      adversarial_mode="coordinated_camouflage", camouflage_share=0.3,
+                      diagnostics=False)
+    setup = sim.prepare(1)
+    target, victims = attack_target(sim.dataset.tools, 1)
+    assert victims and target not in victims
+    outcomes = sim.federate(setup.shares, setup.logs, setup.split.probe, 1, setup.adversaries)
+    for outcome in outcomes:
+        planted = {}
+        for client in setup.adversaries:
+            sent = outcome.submissions.get(client)
+            if sent is None:
+                continue
+            honest = {(s.tool_id, s.text) for s in outcome.client_compendiums[client].scenarios}
+            extra = [s for s in sent.scenarios if (s.tool_id, s.text) not in honest]
+            assert extra and all(s.tool_id == target and s.support == 20 for s in extra)
+            assert outcome.relabelled[client] == len(extra) == max(
+                1, round(0.3 * (len(sent.scenarios) - len(extra))))
+            planted[client] = [s.text for s in extra]
+        assert len(planted) == 2
+        first = [texts[0] for texts in planted.values()]
+        assert len(set(first)) == 1, outcome.round  # identical across the adversaries
+
+    result = sim.run_seed(1)
+    victim_tests = [q for q in setup.test_at(2, sim.category_of) if q.tool_id in victims]
+    assert result.targeting["victim_queries"] == len(victim_tests) > 0
+    assert 0 <= result.targeting["victims_routed_to_target"] <= len(victim_tests)
+
+    [row] = sweep(lambda cfg: Simulation(sim.dataset, sim.schema, sim.engine, cfg), sim.config,
+                  [{}], [1])
+    assert row["victim_queries"] == len(victim_tests)
+    assert row["victims_routed_to_target"] == result.targeting["victims_routed_to_target"]
 
 
 def test_tool_confusion_labels_with_tools_plausibly_mistaken_for_the_right_one():

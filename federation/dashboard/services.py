@@ -38,7 +38,7 @@ from federation.merge.operator import noise_dominated
 from federation.merge.summarize import LLM_SUMMARIZERS, summary_counts
 from federation.models import AuditLog, Client, PrivacyLedgerEntry, Round
 from federation.simulation.report import summarize_transfer
-from federation.simulation.runner import METHODS, SimulationConfig
+from federation.simulation.runner import CAMOUFLAGED_MODES, METHODS, SimulationConfig
 
 KIND_CLIENT = CompendiumVersion.Kind.CLIENT
 KIND_EDGE = CompendiumVersion.Kind.EDGE
@@ -1054,6 +1054,7 @@ class AccuracyPage:
     adversarial: list[dict] = field(default_factory=list)
     adversarial_table: list[dict] = field(default_factory=list)  # per row: counts in words
     camouflage_share: float | None = None  # what camouflaged adversaries relabel, if any ran
+    clean_to_target: float | None = None  # the targeting share of the run without adversaries
     privacy_sweep: list[dict] = field(default_factory=list)
     release_sweep: list[dict] = field(default_factory=list)  # k-anonymous release, per k
     transfer: list[dict] = field(default_factory=list)  # mean over seeds per (model, reranker, llm)
@@ -1150,8 +1151,9 @@ def run_host(doc: dict) -> str:
 
 def _adversarial_table(rows: list[dict], clean: float | None) -> list[dict]:
     """The adversarial sweep's rows as an operator reads them: accuracy against the clean run's,
-    submissions the implausible-source check dropped whole, and the share of what the adversaries
-    sent that carried another tool than their honest one."""
+    submissions the implausible-source check dropped whole, the share of what the adversaries
+    sent that carried another tool than their honest one, and the share of the attack's victim
+    tools' test queries routed to its target."""
     out = []
     for row in sorted(rows, key=lambda r: (r.get("adversarial_mode", ""), r.get("robust_rule", ""),
                                           r.get("adversarial_fraction", 0))):
@@ -1161,8 +1163,15 @@ def _adversarial_table(rows: list[dict], clean: float | None) -> list[dict]:
             **row,
             "of_clean": row["accuracy"] / clean if clean else None,
             "relabelled_share": (row.get("relabelled_adversarial_scenarios", 0) / sent) if sent else None,
+            "to_target": _share(row),
         })
     return out
+
+
+def _share(counts: dict) -> float | None:
+    """The share of victim-tool test queries routed to the attack's target (None: not measured)."""
+    victims = counts.get("victim_queries") or 0
+    return counts.get("victims_routed_to_target", 0) / victims if victims else None
 
 
 def method_colors(methods) -> dict[str, str]:
@@ -1206,7 +1215,8 @@ def accuracy_page(run_id=None) -> AccuracyPage:
     # (a ratio to a poisoned run would flatter the sweep).
     clean = last and not (doc.get("config") or {}).get("adversarial_fraction")
     page.adversarial_table = _adversarial_table(page.adversarial, clean and last["accuracy_mean"])
-    if any(r.get("adversarial_mode") == "camouflaged_poisoning" for r in page.adversarial):
+    page.clean_to_target = _share(doc.get("targeting") or {}) if clean else None
+    if any(r.get("adversarial_mode") in CAMOUFLAGED_MODES for r in page.adversarial):
         page.camouflage_share = (doc.get("config") or {}).get("camouflage_share")
     page.privacy_sweep = list(doc.get("privacy_sweep") or [])
     page.release_sweep = sorted(doc.get("release_sweep") or [], key=lambda r: r.get("min_users", 1))

@@ -19,6 +19,7 @@ from federation.merge.summarize import LLM_SUMMARIZERS, fallback_kinds, summary_
 from federation.simulation.runner import (
     METHODS,
     SCREENING_KEYS,
+    TARGETING_KEYS,
     SeedResult,
     Simulation,
     SimulationConfig,
@@ -67,7 +68,8 @@ def run(simulation: Simulation, seeds: list[int], played: PlayedRuns | None = No
         "diagnostics": _mean_dicts([r.diagnostics for r in per_seed]),
         "rounds": [r.rounds for r in per_seed],
         "transfer": [row for result in per_seed for row in result.transfer],
-        "screening": _sums([r.screening for r in per_seed]),
+        "screening": _sums([r.screening for r in per_seed], SCREENING_KEYS),
+        "targeting": _sums([r.targeting for r in per_seed], TARGETING_KEYS),
         "seconds": round(time.perf_counter() - started, 1),
         "host": host(simulation.engine),
     }
@@ -118,8 +120,10 @@ def host(engine=None) -> dict[str, Any]:
     return facts
 
 
-def _sums(items: list[dict[str, int]]) -> dict[str, int]:
-    return {k: int(sum(item.get(k, 0) for item in items)) for k in SCREENING_KEYS
+def _sums(items: list[dict[str, int]], keys: tuple[str, ...] = SCREENING_KEYS + TARGETING_KEYS
+          ) -> dict[str, int]:
+    """The counts of `keys` added up over `items` (the keys none of them has left out)."""
+    return {k: int(sum(item.get(k, 0) for item in items)) for k in keys
             if any(k in item for item in items)}
 
 
@@ -202,7 +206,8 @@ def combine(documents: list[dict[str, Any]], sources: list[str] | None = None) -
         "diagnostics": weighted("diagnostics"),
         "rounds": [r for doc in documents for r in doc.get("rounds", [])],
         "transfer": [row for doc in documents for row in doc.get("transfer", [])],
-        "screening": _sums([doc.get("screening", {}) for doc in documents]),
+        "screening": _sums([doc.get("screening", {}) for doc in documents], SCREENING_KEYS),
+        "targeting": _sums([doc.get("targeting", {}) for doc in documents], TARGETING_KEYS),
         "seconds": round(sum(float(doc.get("seconds", 0.0)) for doc in documents), 1),
         **({"adversarial_clients": first["adversarial_clients"]}
            if "adversarial_clients" in first else {}),
@@ -389,7 +394,8 @@ def sweep(
                 "bytes_per_client_round": communication.get("bytes_per_client_round", 0.0),
                 **_mean_dicts([_merge_figures(r) for r in results]),
                 "accuracy_by_seed": [[seed, acc] for seed, acc in zip(seeds, last, strict=True)],
-                **_sums([r.screening for r in results]),
+                **_sums([r.screening for r in results], SCREENING_KEYS),
+                **_sums([r.targeting for r in results], TARGETING_KEYS),
                 "summarizer_fallback_kinds": _fallback_kinds(results),
             }
         )
@@ -491,7 +497,7 @@ def _combine_sweep(name: str, sections: list[list[dict]]) -> list[dict]:
             round(float(np.std(accuracies, ddof=1)), 4) if len(accuracies) > 1 else 0.0
         )
         counted = {"seeds", "accuracy", "accuracy_sd", "accuracy_by_seed",
-                   "summarizer_fallback_kinds", *SCREENING_KEYS}
+                   "summarizer_fallback_kinds", *SCREENING_KEYS, *TARGETING_KEYS}
         combined.update(
             _weighted_means(
                 [{k: v for k, v in row.items() if _is_figure(k) and k not in counted} for row in rows],
@@ -608,6 +614,9 @@ def table(document: dict[str, Any]) -> str:
             + (", {dropped_adversarial} of {adversarial_submissions} adversarial".format(**screened)
                if screened.get("adversarial_submissions") else "")
         )
+    if (document.get("targeting") or {}).get("victim_queries"):
+        lines.append(f"targeted attack's aim (its target tool, whether attacked or not): "
+                     f"{_targeted(document['targeting'])}")
     adversarial = document.get("adversarial") or []
     if adversarial:
         lines.append("adversarial clients (final round, mean over seeds; submissions dropped whole):")
@@ -624,6 +633,8 @@ def table(document: dict[str, Any]) -> str:
             if row.get("relabelled_adversarial_scenarios"):
                 dropped += (f"; relabelled {row['relabelled_adversarial_scenarios']} of "
                             f"{row['adversarial_scenarios']} adversarial scenarios sent")
+            if row.get("victim_queries"):
+                dropped += f"; {_targeted(row)}"
             played = (f" ({row['adversarial_clients']:.0f} clients)"
                       if row.get("adversarial_clients") is not None else "")
             lines.append(
@@ -645,6 +656,11 @@ def table(document: dict[str, Any]) -> str:
                 f"{row['macro_accuracy_mean']:>7.3f} {fallbacks:>11}  {row['llm'] or '-'}"
             )
     return "\n".join(lines)
+
+
+def _targeted(counts: dict[str, int]) -> str:
+    return (f"{counts['victims_routed_to_target']} of {counts['victim_queries']} victim-tool test "
+            f"queries routed to the target")
 
 
 def _sweep_lines(document: dict[str, Any], one_seed: bool) -> list[str]:

@@ -38,7 +38,7 @@ from compendium.delta import (
 )
 from compendium.masking import SHARED_WORD_USERS
 from compendium.registry import LabelledQuery, RoutingDataset, Split
-from compendium.schema import Compendium, Scenario, Schema
+from compendium.schema import Compendium, Scenario, Schema, ToolSpec
 from compendium.usage_log import parse_record
 from federation.merge import drowned_fields, edge_merge, server_merge
 from federation.merge.llm import OpenAICompatibleLLM
@@ -240,6 +240,9 @@ class SeedResult:
     # Client submissions over the rounds, honest and adversarial, and how many of each the edges'
     # implausible-source check dropped whole (`screening`).
     screening: dict[str, int] = field(default_factory=dict)
+    # The final round's test queries of the attack's victim tools and how many of them were
+    # routed to its target (`attack_target`; measured in every run, attacked or not).
+    targeting: dict[str, int] = field(default_factory=dict)
 
 
 @dataclass
@@ -517,7 +520,9 @@ class Simulation:
         sent_before: dict[str, set[str]] = defaultdict(set)  # each client's record of what it sent
         if self.services is not None:  # a new, empty federation in the scratch database
             self.services.begin(shares, probe, seed)
-        camouflage = self.config.adversarial_mode == "camouflaged_poisoning"
+        mode = self.config.adversarial_mode
+        camouflage = mode in CAMOUFLAGED_MODES
+        target, victims = attack_target(self.dataset.tools, seed)
         for r in range(1, rounds + 1):
             self.at_round = r
             if published is not None and not aggregates_in(r, self.config.aggregate_every):
@@ -551,6 +556,8 @@ class Simulation:
                 clients.update(contradict({s.client: clients[s.client] for s in honest},
                                           {s.client: s.organization for s in honest},
                                           self.config.contradiction_fraction, confusions, seed))
+            poison = (coordinated_poison(list(honest_of.values()), probe, target, victims)
+                      if mode == "coordinated_camouflage" else [])
             for client, compendium in clients.items():
                 adversary = bool(adversaries) and client in adversaries
                 if pulled is not None or route is not None:
@@ -563,15 +570,20 @@ class Simulation:
                 if self.config.max_bytes and not adversary:
                     compendium, _ = fit_budget(compendium, self.config.max_bytes)
                 sent_before[client] |= sent_keys(compendium)  # what the budget deferred is not sent
-                if adversary and camouflage:
+                if adversary and mode == "coordinated_camouflage":
+                    # It adds the share of what it sends that the colluders agreed on, the
+                    # same entries as every other adversary's (its record holds the honest ones).
+                    compendium, relabelled[client] = plant(
+                        compendium, poison, self.config.camouflage_share)
+                elif adversary and camouflage:
                     # It relabels a share of what it would send honestly, drawn afresh per
                     # client and round: that share of every submission is poisoned, whatever
                     # the client rules leave home (its record holds the honest entries).
                     compendium = corrupt(
-                        compendium, self.config.adversarial_mode, self.schema, seed,
+                        compendium, mode, self.schema, seed,
                         share=self.config.camouflage_share, salt=f"{client}|{r}",
                     )
-                if adversary:
+                if adversary and client not in relabelled:
                     relabelled[client] = _relabelled(honest_of[client], compendium)
                 sent[client] = compendium
             payloads = [canonical_bytes(c) for c in sent.values()]
@@ -721,8 +733,10 @@ class Simulation:
                 if static is None:  # the round-1 global's router, frozen
                     static = router
             scored = setup.test_at(outcome.round, self.category_of)
-            report = self.evaluate(router, scored)
+            report, decisions = self._route_and_score(router, scored)
             result.rows.append(_row("synapse", outcome.round, seed, report))
+            if outcome is final:
+                result.targeting = targeting(scored, decisions, *attack_target(self.dataset.tools, seed))
             if c.tune_router_epochs:
                 result.rows.append(
                     _row("synapse_untuned", outcome.round, seed, self.evaluate(untuned, scored))
@@ -1040,6 +1054,18 @@ def transfer_variants(config: SimulationConfig) -> list[TransferVariant]:
     ]
 
 
+TARGETING_KEYS = ("victim_queries", "victims_routed_to_target")
+
+
+def targeting(test: Sequence[LabelledQuery], decisions, target: str,
+              victims: Sequence[str]) -> dict[str, int]:
+    """How many of `test`'s queries belong to a victim tool, and how many of those were routed
+    to the target: what a targeted attack wants, which accuracy over every tool hides."""
+    wanted = set(victims)
+    hits = [d.tool == target for q, d in zip(test, decisions, strict=True) if q.tool_id in wanted]
+    return {"victim_queries": len(hits), "victims_routed_to_target": sum(hits)}
+
+
 SCREENING_KEYS = ("honest_submissions", "dropped_honest", "adversarial_submissions",
                   "dropped_adversarial", "robust_dropped_honest", "robust_dropped_adversarial",
                   "adversarial_scenarios", "relabelled_adversarial_scenarios")
@@ -1140,7 +1166,44 @@ ADVERSARIAL_MODES = (
     "schema_valid_poisoning",
     "coordinated_targeting",
     "camouflaged_poisoning",
+    "coordinated_camouflage",
 )
+# Modes that corrupt what the client would send honestly (after the client rules), not what it
+# built.
+CAMOUFLAGED_MODES = ("camouflaged_poisoning", "coordinated_camouflage")
+
+
+def attack_target(tools: Sequence[ToolSpec], seed: int) -> tuple[str, list[str]]:
+    """The tool coordinated adversaries push (the same for every adversary of a seed) and the
+    tools whose requests they want it to take: its confusable tools (`confusable_tools`)."""
+    ids = sorted(t.tool_id for t in tools)
+    target = ids[seed % len(ids)]
+    return target, confusable_tools(tools, seed).get(target, [])
+
+
+def coordinated_poison(
+    honest: Sequence[Compendium], probe: Sequence[LabelledQuery], target: str, victims: Sequence[str],
+) -> list[Scenario]:
+    """What colluding adversaries agree to plant (`coordinated_camouflage`): requests of the
+    victim tools labelled with the target, in one order they all share, so that the first ones
+    are identical across adversaries and count as that many sources. The requests come from
+    their own honest compendiums, pooled among them; where those hold none of the victims', from
+    the public probe set."""
+    wanted = set(victims)
+    texts = {s.text for c in honest for s in c.scenarios if s.tool_id in wanted}
+    if not texts:
+        texts = {q.query for q in probe if q.tool_id in wanted}
+    ordered = sorted(texts, key=lambda t: (stable_unit("poison", target, t), t))
+    return [Scenario(tool_id=target, text=t, support=20) for t in ordered]
+
+
+def plant(compendium: Compendium, poison: Sequence[Scenario], share: float) -> tuple[Compendium, int]:
+    """`compendium` with the first `share` of its size (at least one) of `poison` added, and how
+    many it added (a text it already holds under the target is not added twice)."""
+    count = max(1, round(share * len(compendium.scenarios)))
+    scenarios = _dedupe(list(compendium.scenarios) + list(poison[:count]))
+    return compendium.model_copy(update={"scenarios": scenarios}), len(scenarios) - len(
+        compendium.scenarios)
 
 
 def corrupt(
@@ -1180,6 +1243,9 @@ def corrupt(
         scenarios = [
             s.model_copy(update={"text": by_id[rng.choice(tools)].description[:200]}) for s in scenarios
         ]
+    elif mode == "coordinated_camouflage":
+        raise ValueError("coordinated_camouflage needs every adversary's compendium: "
+                         "coordinated_poison and plant")
     elif mode == "camouflaged_poisoning":
         poisoned = set(rng.sample(range(len(scenarios)), round(share * len(scenarios))))
         scenarios = [
@@ -1189,7 +1255,7 @@ def corrupt(
         ]
     elif mode == "coordinated_targeting":
         # Every adversary pushes the same target tool for every scenario it has.
-        target = tools[seed % len(tools)]
+        target, _ = attack_target(list(schema.tools), seed)
         scenarios = [s.model_copy(update={"tool_id": target, "support": 20}) for s in scenarios]
     else:
         raise ValueError(f"unknown adversarial mode {mode!r}: {', '.join(ADVERSARIAL_MODES)}")

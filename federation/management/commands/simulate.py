@@ -179,8 +179,9 @@ class Command(BaseCommand):
         parser.add_argument(
             "--camouflage-share", type=float, default=CAMOUFLAGE_SHARE,
             help="camouflaged poisoning: the share of each adversarial submission's scenarios "
-            "relabelled to another tool; the rest is what an honest client would send "
-            f"(default {CAMOUFLAGE_SHARE:g})",
+            "relabelled to another tool; the rest is what an honest client would send. "
+            "Coordinated camouflage: the share added of planted entries, identical across the "
+            f"adversaries (default {CAMOUFLAGE_SHARE:g})",
         )
         parser.add_argument(
             "--min-users", type=int, default=1,
