@@ -4,6 +4,7 @@ every role: the operator, an admin of A, a read-only member of A, and an admin o
 from __future__ import annotations
 
 import csv
+import hashlib
 import html
 import io
 import json
@@ -674,6 +675,11 @@ def test_admin_accepts_edits_picks_and_dismisses(client, fed):
     assert (decision.action, decision.text) == ("dismiss", "")
     audited = AuditLog.objects.filter(action="conflict.decide", organization=fed.org_a)
     assert [e.details["action"] for e in audited.order_by("id")] == ["accept", "edit", "scenario", "dismiss"]
+    # The texts by digest and length, never their words (a picked scenario is a client's text).
+    picked = audited.get(details__action="scenario").details
+    assert picked["text_sha256"] == hashlib.sha256(b"Rain in Paris without a city").hexdigest()
+    assert picked["chars"] == len("Rain in Paris without a city")
+    assert "Paris" not in str([e.details for e in audited])
     page = client.get(reverse("dashboard:conflicts")).content.decode()
     assert "decided: dismiss" in page
 

@@ -812,8 +812,9 @@ SECRET = "Will it rain tomorrow in Paris, Zorblat?"
 
 
 def _leaks(secret: str) -> list[str]:
-    """Where `secret` is still stored: compendiums, conflict logs, merge records, decisions."""
-    from federation.models import ConflictDecision
+    """Where `secret` is still stored: compendiums, conflict logs, merge records, decisions, the
+    audit log."""
+    from federation.models import AuditLog, ConflictDecision
 
     def has(value) -> bool:
         return secret in str(value)
@@ -826,6 +827,7 @@ def _leaks(secret: str) -> list[str]:
         + [f"record {m.round.number} {m.organization_id}" for m in MergeRecord.objects.all()
            if has([m.flagged, m.rejected])]
         + [f"decision {d.round.number}" for d in ConflictDecision.objects.all() if has(d.text)]
+        + [f"audit {e.action}" for e in AuditLog.objects.all() if has([e.details, e.target_label])]
     )
 
 
