@@ -203,6 +203,37 @@ def test_tool_confusion_entry_is_dropped_and_honest_entries_kept(schema, embed):
     assert sum(s.support for s in result.compendium.scenarios if s.tool_id == "weather") == 3
 
 
+def test_copies_of_one_relabelled_text_do_not_vouch_for_each_other(schema, embed):
+    """Colluding clients send the same weather request labelled with the calculator. Each copy is
+    judged by profiles without the others (its copies), so the copies cannot pull the
+    calculator's profile towards weather and pass as plausible: all three are dropped, as one
+    would be. Nor can they make the honest weather request of the same meaning look like the
+    calculator's: profiles leave an entry's near duplicates (cosine >= τ) out, under any tool."""
+    from federation.merge.clustering import confusion_verdicts, tool_profiles
+
+    honest = [sub(f"h{i}", [sc("weather", t)]) for i, t in enumerate(
+        ["Will it rain tomorrow in Paris?", "What is the temperature in Berlin today?"])]
+    colluders = [sub(f"evil{i}", [sc("calculator", "Will it rain this weekend in Paris?")])
+                 for i in range(3)]
+    result = edge_merge(honest + colluders, schema, RoundConfig(summarizer="centroid"),
+                        embed=embed, source_limit=2.0)
+    assert sorted((f.source, f.tool_id, f.closest_tool) for f in result.flagged) == [
+        (f"evil{i}", "calculator", "weather") for i in range(3)]
+    assert all(s.tool_id != "calculator" for s in result.compendium.scenarios)
+    assert sorted(s.support for s in result.compendium.scenarios if s.tool_id == "weather") == [1, 1]
+
+    # What only the copies' exclusion changes: each copy alone left out, they vouch for each other.
+    tools = [t.tool_id for t in schema.tools]
+    descriptions = np.stack(embed([t.description for t in schema.tools]))
+    text = "Will it rain this weekend in Paris?"
+    items = [Item(f"evil{i}", "calculator", text, {}, 1, embed([text])[0]) for i in range(3)]
+    profiles = tool_profiles(tools, descriptions, items)
+    assert all(v.flagged for v in confusion_verdicts(items, tools, profiles, margin=0.2, rank=1))
+    copies_apart = [confusion_verdicts([item], tools, profiles, margin=0.2, rank=1)[0]
+                    for item in items]
+    assert not any(v.flagged for v in copies_apart)
+
+
 def test_honest_gaps_and_the_calibrated_margin():
     """Profiles from the descriptions (the axes) and the labelled requests themselves, each request
     left out of its own tool's profile."""
@@ -250,11 +281,13 @@ def test_the_confusion_margin_is_raised_where_honest_requests_overlap(schema):
     probe = ProbeSet(probe_texts, ["weather", "flights"], embed(probe_texts))
     calibrated = edge_merge(inputs, schema, config, embed=embed, probe_set=probe)
     assert [f.source for f in calibrated.flagged] == ["evil"]
-    # Two probe requests, gaps about 0.60 (weather) and -0.44 (flights): the margin sits at the
-    # (1 - rate) quantile between them, above the honest entries' 0.22 and below evil's 2.
+    # Two probe requests, gaps about 0.60 (weather) and -1.0 (flights; the two requests are near
+    # duplicates, cosine 0.91 >= τ, so neither enters the profiles that judge the other): the
+    # margin sits at the (1 - rate) quantile between them, above the honest entries' 0.22 and
+    # below evil's 2.
     from federation.merge.operator import CONFUSION_HONEST_RATE
 
-    expected = -0.442 + (1 - CONFUSION_HONEST_RATE) * (0.603 + 0.442)
+    expected = -1.0 + (1 - CONFUSION_HONEST_RATE) * (0.603 + 1.0)
     assert calibrated.stats.confusion_margin == pytest.approx(expected, abs=0.01)
     # The margin depends on the registry and the probe only: what is submitted cannot move it.
     flood = inputs + [sub(f"x{i}", [sc("weather", "flights case")]) for i in range(5)]

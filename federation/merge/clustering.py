@@ -208,23 +208,39 @@ def _probe_items(vectors: np.ndarray, labels: Sequence[str], tool_ids: Sequence[
             for vector, label in zip(vectors, labels, strict=True) if label in known]
 
 
+def _near_entries(vectors: np.ndarray, near: float) -> list[np.ndarray]:
+    """For each entry, the indices of the entries at cosine >= `near` to it, itself included
+    (exact copies always, whatever `near`)."""
+    unit = vectors.astype(np.float32)
+    threshold = min(near, 1.0 - 1e-6)
+    out: list[np.ndarray] = []
+    for start in range(0, len(unit), 1024):
+        close = (unit[start:start + 1024] @ unit.T) >= threshold
+        out += [np.flatnonzero(row) for row in close]
+    for i, found in enumerate(out):
+        if i not in found:  # rounding: an entry is always its own copy
+            out[i] = np.append(found, i)
+    return out
+
+
 def honest_gaps(
     vectors: np.ndarray,
     labels: Sequence[str],
     tool_ids: Sequence[str],
     description_vectors: np.ndarray,
+    near: float = 1.0,
 ) -> np.ndarray:
     """For labelled requests known to be honest (the public probe set): how much closer the
     nearest other tool's profile is than their own tool's (negative: their own is nearest), the
     quantity `confusion_verdicts` compares with its margin, with profiles made of the registry's
-    descriptions and these requests alone (each left out of its own tool's profile, as a
-    submitted entry is). Nothing submitted enters, so no client can move it. Labels outside
+    descriptions and these requests alone (each, and those at cosine >= `near` to it, left out of
+    the profiles that judge it, as a submitted entry is). Nothing submitted enters, so no client can move it. Labels outside
     `tool_ids` are skipped."""
     items = _probe_items(vectors, labels, tool_ids)
     if not items or len(tool_ids) < 2:
         return np.zeros(0)
     profiles = tool_profiles(tool_ids, description_vectors, items)
-    verdicts = confusion_verdicts(items, tool_ids, profiles, margin=0.0, rank=1)
+    verdicts = confusion_verdicts(items, tool_ids, profiles, margin=0.0, rank=1, near=near)
     return np.array([v.best_other - v.own_similarity for v in verdicts])
 
 
@@ -354,24 +370,33 @@ def confusion_verdicts(
     *,
     margin: float,
     rank: int,
+    near: float = 1.0,
 ) -> list[ConfusionVerdict]:
     """Flag an entry whose text is closer to another tool's profile than to its parent's by more
-    than `margin` and whose parent is not among the `rank` nearest profiles. The entry itself is
-    left out of its parent's profile, so it cannot vouch for itself."""
+    than `margin` and whose parent is not among the `rank` nearest profiles. The profiles that
+    judge an entry leave out the entry itself and every entry at cosine >= `near` to it, under
+    any tool: it cannot vouch for itself, copies sent by colluding clients for a tool they do not
+    belong to cannot vouch for each other, and they cannot pull that tool's profile over an
+    honest entry of the same request either."""
     if not items:
         return []
     sums, counts = profiles
     means = _normalized(sums / counts[:, None])
     index = {t: i for i, t in enumerate(tool_ids)}
+    parents = np.array([index[it.tool_id] for it in items])
     vectors = np.stack([it.vector for it in items]).astype(np.float64)
     matrix = vectors @ means.T
     rank = max(1, min(rank, len(tool_ids) - 1))
     out = []
-    for row, vector, item in zip(matrix, vectors, items, strict=True):
+    for row, vector, item, close in zip(matrix, vectors, items, _near_entries(vectors, near),
+                                        strict=True):
         own_index = index[item.tool_id]
-        own_profile = _normalized((sums[own_index] - vector) / max(counts[own_index] - 1, 1))
         row = row.copy()
-        row[own_index] = float(vector @ own_profile)
+        for tool in np.unique(parents[close]):
+            mine = close[parents[close] == tool]
+            left = counts[tool] - len(mine)
+            profile = _normalized((sums[tool] - vectors[mine].sum(axis=0)) / max(left, 1))
+            row[tool] = float(vector @ profile)
         own = float(row[own_index])
         order = np.argsort(-row, kind="stable")
         best = int(order[0])

@@ -410,7 +410,7 @@ def _merge(
         )
         scenario_items, more = _cross_check(
             scenario_items, tool_ids, descriptions, probe_set, confusion_margin, confusion_rank,
-            stats,
+            stats, config.tau,
         )
         flagged += more
         scenario_items, more = _robust_sources(scenario_items, config, stats)
@@ -766,16 +766,19 @@ def _cross_check(
     confusion_margin: float,
     confusion_rank: int,
     stats: MergeStats,
+    near: float,
 ) -> tuple[list[Item], list[FlaggedEntry]]:
     """The scenarios that pass the cross-checks, and those dropped: tool-confusion entries (margin
-    calibrated on the probe when there is one), then, with a probe, incoherent batches."""
+    calibrated on the probe when there is one; an entry is judged by profiles without its near
+    duplicates, cosine >= `near`, under any tool), then, with a probe, incoherent batches."""
     profiles = tool_profiles(tool_ids, descriptions, items)
     margin = confusion_margin
     if probe_set:
-        gaps = probe_set.honest_gaps(tool_ids, descriptions)
+        gaps = probe_set.honest_gaps(tool_ids, descriptions, near)
         margin = calibrated_margin(gaps, confusion_margin, CONFUSION_HONEST_RATE)
     stats.confusion_margin = round(margin, 6)
-    verdicts = confusion_verdicts(items, tool_ids, profiles, margin=margin, rank=confusion_rank)
+    verdicts = confusion_verdicts(items, tool_ids, profiles, margin=margin, rank=confusion_rank,
+                                  near=near)
     flagged = [
         FlaggedEntry(item.source, item.tool_id, item.text, v.closest_tool,
                      round(v.own_similarity, 6), round(v.closest_similarity, 6))

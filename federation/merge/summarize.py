@@ -69,11 +69,13 @@ class ProbeSet:
     def __len__(self) -> int:
         return len(self.texts)
 
-    def honest_gaps(self, tool_ids: Sequence[str], descriptions: np.ndarray) -> np.ndarray:
+    def honest_gaps(self, tool_ids: Sequence[str], descriptions: np.ndarray,
+                    near: float = 1.0) -> np.ndarray:
         """`clustering.honest_gaps` of these requests against the registry given."""
-        key = ("gaps", tuple(tool_ids), np.ascontiguousarray(descriptions).tobytes())
+        key = ("gaps", tuple(tool_ids), np.ascontiguousarray(descriptions).tobytes(), near)
         if key not in self._derived:
-            self._derived[key] = honest_gaps(self.vectors, self.labels, tool_ids, descriptions)
+            self._derived[key] = honest_gaps(self.vectors, self.labels, tool_ids, descriptions,
+                                             near=near)
         return self._derived[key]
 
     def profiles(self, tool_ids: Sequence[str], descriptions: np.ndarray) -> np.ndarray:
