@@ -10,8 +10,6 @@ merges a log again removes the decisions that no longer fit it (`remove_unfit_de
 
 from __future__ import annotations
 
-import hashlib
-
 from django.db import transaction
 from django.db.models import Q
 
@@ -131,9 +129,10 @@ def decide_conflict(
     the conflict's organization may decide; a conflict of the server merge (between edges, no
     organization) is the operator's alone. An admin's right is checked under a lock of their
     membership row (services.require_admin_now): one demoted or deactivated a moment ago may no
-    longer decide. The audit entry names the text by its digest and length, never its words: a
-    picked scenario is a client's text, which an erasure must be able to remove, and the audit
-    log is append-only (the decision row holds the text while it stands)."""
+    longer decide. The audit entry records the text's length, never its words nor a digest of
+    them (a short text is easily guessed and a digest would confirm the guess): a picked scenario
+    is a client's text, which an erasure must be able to remove, and the audit log is
+    append-only. The decision row, the entry's target, holds the text while it stands."""
     if conflict.organization_id is None:
         if not actor.is_operator:
             raise NotAllowed("only the operator may decide conflicts of the server merge")
@@ -176,8 +175,7 @@ def decide_conflict(
         target=decision,
         organization=conflict.organization,
         target_label=f"{conflict.tool_id}/{conflict.centroid_id} of round {conflict.round.number}",
-        details={"action": action, "conflict": conflict.pk, "chars": len(text),
-                 "text_sha256": hashlib.sha256(text.encode("utf-8")).hexdigest() if text else ""},
+        details={"action": action, "conflict": conflict.pk, "chars": len(text)},
     )
     return decision
 

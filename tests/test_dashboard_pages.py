@@ -4,7 +4,6 @@ every role: the operator, an admin of A, a read-only member of A, and an admin o
 from __future__ import annotations
 
 import csv
-import hashlib
 import html
 import io
 import json
@@ -675,10 +674,11 @@ def test_admin_accepts_edits_picks_and_dismisses(client, fed):
     assert (decision.action, decision.text) == ("dismiss", "")
     audited = AuditLog.objects.filter(action="conflict.decide", organization=fed.org_a)
     assert [e.details["action"] for e in audited.order_by("id")] == ["accept", "edit", "scenario", "dismiss"]
-    # The texts by digest and length, never their words (a picked scenario is a client's text).
+    # The texts' lengths, never their words nor a digest that would confirm a guess (a picked
+    # scenario is a client's text).
     picked = audited.get(details__action="scenario").details
-    assert picked["text_sha256"] == hashlib.sha256(b"Rain in Paris without a city").hexdigest()
-    assert picked["chars"] == len("Rain in Paris without a city")
+    assert picked == {"action": "scenario", "conflict": conflict.pk,
+                      "chars": len("Rain in Paris without a city")}
     assert "Paris" not in str([e.details for e in audited])
     page = client.get(reverse("dashboard:conflicts")).content.decode()
     assert "decided: dismiss" in page
@@ -861,6 +861,9 @@ def test_accuracy_page_tables_the_adversarial_rows_against_the_clean_run(client,
          "adversarial_submissions": 120, "dropped_adversarial": 21, "adversarial_scenarios": 1159,
          "relabelled_adversarial_scenarios": 345, "victim_queries": 80,
          "victims_routed_to_target": 6},
+        {"adversarial_mode": "coordinated_camouflage", "adversarial_fraction": 0.4,
+         "robust_rule": "none", "accuracy": 0.58, "victim_queries": 80,
+         "victims_routed_to_target": 6},
         # a row from before the sweep counted submissions: dashes, not zeros
         {"adversarial_mode": "tool_confusion", "adversarial_fraction": 0.2, "robust_rule": "krum",
          "accuracy": 0.3},
@@ -872,19 +875,22 @@ def test_accuracy_page_tables_the_adversarial_rows_against_the_clean_run(client,
                                                          "victims_routed_to_target": 2}})
     body = login(client, fed, "member_a").get(reverse("dashboard:accuracy")).content.decode()
     assert "Camouflaged poisoning relabels 30% of what it would send honestly" in body
-    assert "routes to its target tool (2% in this run without adversaries)" in body
+    assert "routes to the target (2.5% in this run without adversaries)" in body
     table = body[body.index('id="accuracy-adversarial-table"'):]
     table = table[: table.index("</table>")]
     cells = [re.findall(r"<td[^>]*>(.*?)</td>", row) for row in re.findall(r"<tr><td>.*?</tr>", table)]
     # against the clean run's last SYNAPSE round (0.6)
     assert cells[0] == ["camouflaged_poisoning", "40%", "none", "0.540", "0.020", "0.900",
-                        "21 / 120", "1 / 180", "30%", "0.075"]
-    assert cells[1] == ["tool_confusion", "20%", "krum", "0.300", "–", "0.500", "–", "–", "–", "–"]
+                        "21 / 120", "1 / 180", "30%", "–"]  # it aims at no one tool
+    assert cells[1] == ["coordinated_camouflage", "40%", "none", "0.580", "–", "0.967", "–", "–",
+                        "–", "7.5%"]
+    assert cells[2] == ["tool_confusion", "20%", "krum", "0.300", "–", "0.500", "–", "–", "–", "–"]
     # the curves carry each row's sd as error bars
     [adversarial] = [f for f in figures_in(body) if f["layout"]["title"]["text"].startswith(
         "Accuracy under adversarial")]
     bars = {t["name"]: t["error_y"]["array"] for t in adversarial["data"]}
-    assert bars == {"camouflaged_poisoning · none": [0.02], "tool_confusion · krum": [0]}
+    assert bars == {"camouflaged_poisoning · none": [0.02], "coordinated_camouflage · none": [0],
+                    "tool_confusion · krum": [0]}
     # A run that itself had adversaries is no clean run to divide by: no "× clean".
     SimulationRun.objects.create(label="adv under attack", dataset="tiny", document={
         **DOCUMENT, "adversarial": rows, "config": {"adversarial_fraction": 0.4}})
@@ -892,7 +898,7 @@ def test_accuracy_page_tables_the_adversarial_rows_against_the_clean_run(client,
     table = body[body.index('id="accuracy-adversarial-table"'):]
     table = table[: table.index("</table>")]
     cells = [re.findall(r"<td[^>]*>(.*?)</td>", row) for row in re.findall(r"<tr><td>.*?</tr>", table)]
-    assert [row[5] for row in cells] == ["–", "–"]
+    assert [row[5] for row in cells] == ["–", "–", "–"]
     assert "in this run without adversaries" not in body
 
 

@@ -232,6 +232,26 @@ def test_copies_of_one_relabelled_text_do_not_vouch_for_each_other(schema, embed
     copies_apart = [confusion_verdicts([item], tools, profiles, margin=0.2, rank=1)[0]
                     for item in items]
     assert not any(v.flagged for v in copies_apart)
+    # And the honest entry: judged with the copies in the calculator's profile it looks like the
+    # calculator's; without its near duplicates (cosine >= τ) it is weather's again.
+    honest = Item("h0", "weather", "", {}, 1, embed(["Will it rain tomorrow in Paris?"])[0])
+    everyone = items + [honest]
+    profiles = tool_profiles(tools, descriptions, everyone)
+    *_, pulled = confusion_verdicts(everyone, tools, profiles, margin=0.2, rank=1)
+    assert pulled.flagged and pulled.closest_tool == "calculator"
+    *copies, judged = confusion_verdicts(everyone, tools, profiles, margin=0.2, rank=1,
+                                         near=RoundConfig().tau)
+    assert not judged.flagged and judged.closest_tool == "weather"
+    assert all(v.flagged for v in copies)
+
+
+def test_a_registry_of_one_tool_confuses_nothing():
+    from federation.merge.clustering import confusion_verdicts, tool_profiles
+
+    items = [Item(f"c{i}", "only", "", {}, 1, np.eye(3)[i]) for i in range(3)]
+    profiles = tool_profiles(["only"], np.eye(3)[:1], items)
+    verdicts = confusion_verdicts(items, ["only"], profiles, margin=0.0, rank=1, near=0.5)
+    assert [(v.flagged, v.closest_tool) for v in verdicts] == [(False, "only")] * 3
 
 
 def test_honest_gaps_and_the_calibrated_margin():
@@ -833,7 +853,7 @@ def test_the_robust_rule_drops_a_relabelled_batch_across_sources(schema, embed):
     assert not plain.flagged and set(cooking) <= {s.text for s in plain.compendium.scenarios}
 
 
-def test_near_duplicates_claimed_for_different_tools_keep_the_better_supported_one(schema, embed):
+def test_near_duplicates_claimed_for_different_tools_keep_the_claim_of_more_sources(schema, embed):
     """IsConsistent across tools: the same request reported for two tools is a contradiction.
     More sources win; at equal sources, the text nearer its tool's public profile. The losers
     are logged and, next round, become precautions on their own tools."""
@@ -916,6 +936,18 @@ def test_a_huge_stated_support_does_not_win_a_conflict_across_tools(schema, embe
     assert [(s.tool_id, s.support) for s in result.compendium.scenarios] == [("flights", 2)]
     alone = edge_merge(two[:1] + two[2:], schema, config, embed=embed, **checks_off)
     assert [s.tool_id for s in alone.compendium.scenarios] == ["calculator"]
+
+    # At the server the sources are edges, and an edge's support counts the clients that agreed
+    # there: 30 of one edge's clients outweigh one client of another, though the calculator's
+    # text is nearer its own profile (at an edge, the profile would decide between one source
+    # each, as just above).
+    text = "compute 15% of the 420 dollar flight price"
+    edges = [sub("org-a", [{**sc("flights", text), "support": 30}]),
+             sub("org-b", [sc("calculator", text)])]
+    served = server_merge(edges, schema, config, embed=embed, **checks_off)
+    assert [(s.tool_id, s.support) for s in served.compendium.scenarios] == [("flights", 30)]
+    at_edge = edge_merge(edges, schema, config, embed=embed, **checks_off)
+    assert [s.tool_id for s in at_edge.compendium.scenarios] == ["calculator"]
 
 
 # --- Differential privacy of the numeric release (regressions) -------------------------------

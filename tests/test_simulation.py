@@ -526,6 +526,12 @@ def test_coordinated_adversaries_plant_the_same_few_entries_among_honest_ones():
     assert [s.text for s in planted.scenarios[10:]] == [p.text for p in poison[:3]]
     other, _ = plant(b, poison, 0.3)  # another adversary: the same first entries
     assert [s for s in other.scenarios if s.tool_id == "target"] == poison[:1]
+    # An adversary holding a planted text under its victim tool leaves that entry out.
+    own, added = plant(a, poison, 1.0)
+    assert added == 6 and len({s.text for s in own.scenarios}) == len(own.scenarios)
+    planted_texts = {p.text for p in poison[:6]}
+    assert planted_texts & {s.text for s in a.scenarios}  # it held some of them under v1
+    assert all(s.tool_id == "target" for s in own.scenarios if s.text in planted_texts)
     assert plant(Compendium(), poison, 0.3)[1] == 1  # at least one
 
     probe = [LabelledQuery(qid="p1", query="public victim request", tool_id="v1"),
@@ -539,7 +545,7 @@ def test_coordinated_camouflage_runs_through_a_federation_and_counts_its_aim(tin
     same texts as the other adversaries' in that round; every run reports how many of the
     victim tools' test queries the final global routes to the target, and the sweep rows carry
     it."""
-    from federation.simulation.report import sweep
+    from federation.simulation.report import PlayedRuns, sweep
     from federation.simulation.runner import Simulation, attack_target
 
     sim = _simulation(tiny_dataset, rounds=2, adversarial_fraction=0.5,
@@ -558,22 +564,27 @@ def test_coordinated_camouflage_runs_through_a_federation_and_counts_its_aim(tin
             honest = {(s.tool_id, s.text) for s in outcome.client_compendiums[client].scenarios}
             extra = [s for s in sent.scenarios if (s.tool_id, s.text) not in honest]
             assert extra and all(s.tool_id == target and s.support == 20 for s in extra)
-            assert outcome.relabelled[client] == len(extra) == max(
-                1, round(0.3 * (len(sent.scenarios) - len(extra))))
+            assert outcome.relabelled[client] == len(extra)
+            texts = [s.text for s in sent.scenarios]
+            assert len(set(texts)) == len(texts)  # never on both sides of its own claim
             planted[client] = [s.text for s in extra]
         assert len(planted) == 2
         first = [texts[0] for texts in planted.values()]
         assert len(set(first)) == 1, outcome.round  # identical across the adversaries
 
-    result = sim.run_seed(1)
+    played = PlayedRuns()
+    [result] = played.results(sim, [1])
     victim_tests = [q for q in setup.test_at(2, sim.category_of) if q.tool_id in victims]
-    assert result.targeting["victim_queries"] == len(victim_tests) > 0
-    assert 0 <= result.targeting["victims_routed_to_target"] <= len(victim_tests)
+    router = sim.router(outcomes[-1].global_compendium, setup.split.probe)  # deterministic
+    routed = [d.tool for d in router.route_batch([q.query for q in victim_tests])]
+    assert result.targeting == {"victim_queries": len(victim_tests),
+                                "victims_routed_to_target": routed.count(target)}
+    assert len(victim_tests) > 0
 
     [row] = sweep(lambda cfg: Simulation(sim.dataset, sim.schema, sim.engine, cfg), sim.config,
-                  [{}], [1])
-    assert row["victim_queries"] == len(victim_tests)
-    assert row["victims_routed_to_target"] == result.targeting["victims_routed_to_target"]
+                  [{}], [1], played)  # the run just played, not played again
+    assert (row["victim_queries"], row["victims_routed_to_target"]) == (
+        len(victim_tests), routed.count(target))
 
 
 def test_tool_confusion_labels_with_tools_plausibly_mistaken_for_the_right_one():

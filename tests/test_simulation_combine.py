@@ -7,7 +7,7 @@ import json
 import pytest
 from django.core.management import CommandError, call_command
 
-from federation.simulation.report import combine, summarize, table
+from federation.simulation.report import _shape_problem, combine, summarize, table
 
 
 def doc(seeds, accuracy, bytes_raw, **extra):
@@ -149,6 +149,29 @@ def test_screening_counts_add_up_over_the_combined_seeds():
                                 "adversarial_submissions": 16, "dropped_adversarial": 14}
     [row] = out["adversarial"]
     assert (row["dropped_adversarial"], row["adversarial_submissions"]) == (15, 16)
+
+
+def test_targeting_counts_add_up_and_a_run_without_them_leaves_them_out():
+    """Each run counts its own victim queries: the counts differ from seed to seed and are
+    figures, not part of a sweep variant's name. A run written before they were counted has
+    none, and a sum over some of the seeds would read as all of them: then there is none."""
+    a = doc([0, 1], [0.8, 0.8], 1.0, targeting={"victim_queries": 80, "victims_routed_to_target": 3},
+            adversarial=[{**row, "victim_queries": 80, "victims_routed_to_target": 9}
+                         for row in adversarial({0.4: [0.7, 0.8]}, [0, 1], 0.6)])
+    b = doc([2], [0.8], 1.0, targeting={"victim_queries": 75, "victims_routed_to_target": 1},
+            adversarial=[{**row, "victim_queries": 75, "victims_routed_to_target": 4}
+                         for row in adversarial({0.4: [0.9]}, [2], 0.9)])
+    out = combine([a, b])
+    assert out["targeting"] == {"victim_queries": 155, "victims_routed_to_target": 4}
+    [row] = out["adversarial"]
+    assert (row["victim_queries"], row["victims_routed_to_target"], row["seeds"]) == (155, 13, 3)
+
+    older = doc([2], [0.8], 1.0, adversarial=adversarial({0.4: [0.9]}, [2], 0.9))
+    out = combine([a, older])
+    assert out["targeting"] == {}
+    [row] = out["adversarial"]
+    assert row["seeds"] == 3 and "victim_queries" not in row
+    assert _shape_problem({**b, "targeting": [1]}) == "'targeting' is not a JSON object"
 
 
 def test_summarizer_fallback_causes_are_averaged_over_the_combined_seeds():

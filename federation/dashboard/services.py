@@ -38,7 +38,12 @@ from federation.merge.operator import noise_dominated
 from federation.merge.summarize import LLM_SUMMARIZERS, summary_counts
 from federation.models import AuditLog, Client, PrivacyLedgerEntry, Round
 from federation.simulation.report import summarize_transfer
-from federation.simulation.runner import CAMOUFLAGED_MODES, METHODS, SimulationConfig
+from federation.simulation.runner import (
+    CAMOUFLAGED_MODES,
+    METHODS,
+    TARGETED_MODES,
+    SimulationConfig,
+)
 
 KIND_CLIENT = CompendiumVersion.Kind.CLIENT
 KIND_EDGE = CompendiumVersion.Kind.EDGE
@@ -1163,15 +1168,17 @@ def _adversarial_table(rows: list[dict], clean: float | None) -> list[dict]:
             **row,
             "of_clean": row["accuracy"] / clean if clean else None,
             "relabelled_share": (row.get("relabelled_adversarial_scenarios", 0) / sent) if sent else None,
-            "to_target": _share(row),
+            # only where the mode aims at the target: for the others it is an unrelated tool
+            "to_target": _share(row) if row.get("adversarial_mode") in TARGETED_MODES else None,
         })
     return out
 
 
 def _share(counts: dict) -> float | None:
-    """The share of victim-tool test queries routed to the attack's target (None: not measured)."""
+    """The percentage of victim-tool test queries routed to the attack's target (None: not
+    measured)."""
     victims = counts.get("victim_queries") or 0
-    return counts.get("victims_routed_to_target", 0) / victims if victims else None
+    return 100 * counts.get("victims_routed_to_target", 0) / victims if victims else None
 
 
 def method_colors(methods) -> dict[str, str]:

@@ -208,18 +208,31 @@ def _probe_items(vectors: np.ndarray, labels: Sequence[str], tool_ids: Sequence[
             for vector, label in zip(vectors, labels, strict=True) if label in known]
 
 
-def _near_entries(vectors: np.ndarray, near: float) -> list[np.ndarray]:
-    """For each entry, the indices of the entries at cosine >= `near` to it, itself included
-    (exact copies always, whatever `near`)."""
+def judging_scores(vectors: np.ndarray, parents: np.ndarray, profiles: tuple[np.ndarray, np.ndarray],
+                   near: float) -> np.ndarray:
+    """[i, t]: the cosine of entry i to tool t's profile (`tool_profiles`) without entry i and
+    without the entries of t at cosine >= `near` to it (exact copies always, whatever `near`).
+    In chunks of entries and, within one, per tool: memory and time stay those of the similarity
+    matrix however many entries are near one another."""
+    sums, counts = profiles
+    out = vectors @ _normalized(sums / counts[:, None]).T
     unit = vectors.astype(np.float32)
     threshold = min(near, 1.0 - 1e-6)
-    out: list[np.ndarray] = []
+    members = {int(t): np.flatnonzero(parents == t) for t in np.unique(parents)}
     for start in range(0, len(unit), 1024):
-        close = (unit[start:start + 1024] @ unit.T) >= threshold
-        out += [np.flatnonzero(row) for row in close]
-    for i, found in enumerate(out):
-        if i not in found:  # rounding: an entry is always its own copy
-            out[i] = np.append(found, i)
+        stop = min(start + 1024, len(unit))
+        close = (unit[start:stop] @ unit.T) >= threshold
+        close[np.arange(stop - start), np.arange(start, stop)] = True  # itself, whatever rounding
+        for tool, idx in members.items():
+            near_here = close[:, idx]
+            n = near_here.sum(axis=1)
+            rows = np.flatnonzero(n)
+            if not len(rows):
+                continue
+            removed = near_here[rows].astype(np.float64) @ vectors[idx]
+            left = np.maximum(counts[tool] - n[rows], 1)[:, None]
+            profile = _normalized((sums[tool] - removed) / left)
+            out[start + rows, tool] = np.einsum("ij,ij->i", vectors[start + rows], profile)
     return out
 
 
@@ -380,23 +393,16 @@ def confusion_verdicts(
     honest entry of the same request either."""
     if not items:
         return []
-    sums, counts = profiles
-    means = _normalized(sums / counts[:, None])
     index = {t: i for i, t in enumerate(tool_ids)}
     parents = np.array([index[it.tool_id] for it in items])
+    if len(tool_ids) < 2:  # nothing to confuse it with
+        return [ConfusionVerdict(False, item.tool_id, 1.0, 1.0) for item in items]
     vectors = np.stack([it.vector for it in items]).astype(np.float64)
-    matrix = vectors @ means.T
+    matrix = judging_scores(vectors, parents, profiles, near)
     rank = max(1, min(rank, len(tool_ids) - 1))
     out = []
-    for row, vector, item, close in zip(matrix, vectors, items, _near_entries(vectors, near),
-                                        strict=True):
+    for row, item in zip(matrix, items, strict=True):
         own_index = index[item.tool_id]
-        row = row.copy()
-        for tool in np.unique(parents[close]):
-            mine = close[parents[close] == tool]
-            left = counts[tool] - len(mine)
-            profile = _normalized((sums[tool] - vectors[mine].sum(axis=0)) / max(left, 1))
-            row[tool] = float(vector @ profile)
         own = float(row[own_index])
         order = np.argsort(-row, kind="stable")
         best = int(order[0])

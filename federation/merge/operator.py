@@ -420,7 +420,10 @@ def _merge(
     probe = consistency_probe(llm) if llm is not None else None
     slots, conflicts = _cluster_scenarios(scenario_items, config, probe, stats)
     if config.conflict_log and profiles is not None:
-        slots, crossed = _cross_tool_conflicts(slots, tool_ids, profiles, config.tau)
+        # An edge's sources are clients, whose stated support is their own word; the server's
+        # are edges, whose support counts the clients that agreed there.
+        slots, crossed = _cross_tool_conflicts(slots, tool_ids, profiles, config.tau,
+                                               support_first=not noise)
         conflicts += crossed
         stats.cross_tool_dropped = sum(len(c.dissenters) for c in crossed)
     clock.lap("cluster")
@@ -914,24 +917,30 @@ CROSS_TOOL_REASON = "parent tools differ"
 
 
 def _cross_tool_conflicts(slots: list[dict], tool_ids: Sequence[str], profiles: np.ndarray,
-                          tau: float) -> tuple[list[dict], list[ConflictEntry]]:
+                          tau: float, support_first: bool = False,
+                          ) -> tuple[list[dict], list[ConflictEntry]]:
     """IsConsistent across tools: scenarios that say the same thing (cosine >= τ) for different
     tools contradict each other. Taken from the strongest down, a scenario with a stronger
     near-duplicate already kept for another tool is dropped and logged as a dissenter of the
     strongest such one; next round its tool gets the precaution "do not use it for that"
     (`conflicts_to_precautions`). Strongest: the most sources (one vote each, as within a tool
     in `decide_cluster`), then nearest its own tool's public profile (description and probe
-    requests), then the most support. Support comes after the profile because it is the
-    submitter's word: one client stating a huge support for a confusable tool must not beat an
-    honest claim it cannot outvote in sources."""
+    requests), then the most support. Support comes after the profile at an edge, where it is
+    the submitter's word: one client stating a huge support for a confusable tool must not beat
+    an honest claim it cannot outvote in sources. At the server (`support_first`), where the
+    sources are edges and an edge's support counts the clients that agreed on it there, support
+    comes before the profile."""
     if len({s["tool_id"] for s in slots}) < 2:
         return slots, []
     index = {t: i for i, t in enumerate(tool_ids)}
     vectors = np.stack([s["vector"] for s in slots]).astype(np.float32)
     codes = np.array([index[s["tool_id"]] for s in slots])
     typical = np.einsum("ij,ij->i", vectors, profiles[codes].astype(np.float32))
-    order = sorted(range(len(slots)), key=lambda i: (
-        -len(slots[i]["sources"]), -float(typical[i]), -slots[i]["support"], i))
+    def strength(i: int) -> tuple:
+        sources, support, near = -len(slots[i]["sources"]), -slots[i]["support"], -float(typical[i])
+        return (sources, support, near, i) if support_first else (sources, near, support, i)
+
+    order = sorted(range(len(slots)), key=strength)
     rank = np.empty(len(slots), dtype=np.int64)
     rank[order] = np.arange(len(slots))
     rivals: list[list[int]] = [[] for _ in slots]

@@ -120,6 +120,14 @@ def host(engine=None) -> dict[str, Any]:
     return facts
 
 
+def _all_counted(items: list[dict]) -> dict[str, int]:
+    """The targeting counts added up, where every item has them (a run written before they were
+    counted has none: a sum over some of the seeds would read as all of them)."""
+    if not items or not all("victim_queries" in item for item in items):
+        return {}
+    return _sums(items, TARGETING_KEYS)
+
+
 def _sums(items: list[dict[str, int]], keys: tuple[str, ...] = SCREENING_KEYS + TARGETING_KEYS
           ) -> dict[str, int]:
     """The counts of `keys` added up over `items` (the keys none of them has left out)."""
@@ -207,7 +215,7 @@ def combine(documents: list[dict[str, Any]], sources: list[str] | None = None) -
         "rounds": [r for doc in documents for r in doc.get("rounds", [])],
         "transfer": [row for doc in documents for row in doc.get("transfer", [])],
         "screening": _sums([doc.get("screening", {}) for doc in documents], SCREENING_KEYS),
-        "targeting": _sums([doc.get("targeting", {}) for doc in documents], TARGETING_KEYS),
+        "targeting": _all_counted([doc.get("targeting") or {} for doc in documents]),
         "seconds": round(sum(float(doc.get("seconds", 0.0)) for doc in documents), 1),
         **({"adversarial_clients": first["adversarial_clients"]}
            if "adversarial_clients" in first else {}),
@@ -249,7 +257,8 @@ def _shape_problem(doc: Any) -> str | None:
             return f"result {number} has no 'accuracy' and 'macro_accuracy' figures"
         if not (row.get("round") is None or isinstance(row["round"], int)):
             return f"result {number} has a 'round' that is not a whole number"
-    for key in ("communication", "privacy", "diagnostics", "per_category", "screening", "host"):
+    for key in ("communication", "privacy", "diagnostics", "per_category", "screening", "targeting",
+                "host"):
         if doc.get(key) is not None and not isinstance(doc[key], dict):
             return f"{key!r} is not a JSON object"
     for key in ("rounds", "transfer", "hosts", *SWEEP_SECTIONS):
@@ -456,6 +465,7 @@ _SWEEP_FIGURES = {
     "membership_auroc", "token_overlap",
     "share_clients_overlap_below_0_10", "token_overlap_nonmember", "token_overlap_excess",
     "share_clients_excess_below_0_10", "bytes_per_client_round", *SCREENING_KEYS,
+    *TARGETING_KEYS,
 }
 
 
@@ -504,7 +514,8 @@ def _combine_sweep(name: str, sections: list[list[dict]]) -> list[dict]:
                 weights,
             )
         )
-        combined.update(_sums(rows))  # counts add up over the seeds
+        combined.update(_sums(rows, SCREENING_KEYS))  # counts add up over the seeds
+        combined.update(_all_counted(rows))
         if any("summarizer_fallback_kinds" in row for row in rows):  # mean over all the seeds
             kinds: Counter = Counter()
             for row in rows:

@@ -1168,6 +1168,8 @@ ADVERSARIAL_MODES = (
     "camouflaged_poisoning",
     "coordinated_camouflage",
 )
+# Modes that aim at one target tool (`attack_target`): their rows' targeting counts measure them.
+TARGETED_MODES = ("coordinated_targeting", "coordinated_camouflage")
 # Modes that corrupt what the client would send honestly (after the client rules), not what it
 # built.
 CAMOUFLAGED_MODES = ("camouflaged_poisoning", "coordinated_camouflage")
@@ -1199,11 +1201,12 @@ def coordinated_poison(
 
 def plant(compendium: Compendium, poison: Sequence[Scenario], share: float) -> tuple[Compendium, int]:
     """`compendium` with the first `share` of its size (at least one) of `poison` added, and how
-    many it added (a text it already holds under the target is not added twice)."""
-    count = max(1, round(share * len(compendium.scenarios)))
-    scenarios = _dedupe(list(compendium.scenarios) + list(poison[:count]))
-    return compendium.model_copy(update={"scenarios": scenarios}), len(scenarios) - len(
-        compendium.scenarios)
+    many it added. Its own entries of a planted text go: an adversary does not vote against
+    itself."""
+    planted = list(poison[:max(1, round(share * len(compendium.scenarios)))])
+    texts = {p.text for p in planted}
+    kept = [s for s in compendium.scenarios if s.text not in texts]
+    return compendium.model_copy(update={"scenarios": _dedupe(kept + planted)}), len(planted)
 
 
 def corrupt(
