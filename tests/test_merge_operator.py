@@ -205,10 +205,12 @@ def test_tool_confusion_entry_is_dropped_and_honest_entries_kept(schema, embed):
 
 def test_copies_of_one_relabelled_text_do_not_vouch_for_each_other(schema, embed):
     """Colluding clients send the same weather request labelled with the calculator. Each copy is
-    judged by profiles without the others (its copies), so the copies cannot pull the
-    calculator's profile towards weather and pass as plausible: all three are dropped, as one
-    would be. Nor can they make the honest weather request of the same meaning look like the
-    calculator's: profiles leave an entry's near duplicates (cosine >= τ) out, under any tool."""
+    judged by a calculator profile without its copies (the tool's entries at cosine >= τ to it),
+    so they cannot pull that profile towards weather and pass as plausible: all three are
+    dropped, as one would be. Other tools' profiles keep their entries near it (the evidence
+    against it). What remains: the copies still sit in the calculator's profile when the honest
+    weather request of the same meaning is judged, and it goes too; the conflict log would have
+    kept it against them, had it reached it."""
     from federation.merge.clustering import confusion_verdicts, tool_profiles
 
     honest = [sub(f"h{i}", [sc("weather", t)]) for i, t in enumerate(
@@ -218,9 +220,8 @@ def test_copies_of_one_relabelled_text_do_not_vouch_for_each_other(schema, embed
     result = edge_merge(honest + colluders, schema, RoundConfig(summarizer="centroid"),
                         embed=embed, source_limit=2.0)
     assert sorted((f.source, f.tool_id, f.closest_tool) for f in result.flagged) == [
-        (f"evil{i}", "calculator", "weather") for i in range(3)]
-    assert all(s.tool_id != "calculator" for s in result.compendium.scenarios)
-    assert sorted(s.support for s in result.compendium.scenarios if s.tool_id == "weather") == [1, 1]
+        (f"evil{i}", "calculator", "weather") for i in range(3)] + [("h0", "weather", "calculator")]
+    assert [(s.tool_id, s.support) for s in result.compendium.scenarios] == [("weather", 1)]
 
     # What only the copies' exclusion changes: each copy alone left out, they vouch for each other.
     tools = [t.tool_id for t in schema.tools]
@@ -232,17 +233,13 @@ def test_copies_of_one_relabelled_text_do_not_vouch_for_each_other(schema, embed
     copies_apart = [confusion_verdicts([item], tools, profiles, margin=0.2, rank=1)[0]
                     for item in items]
     assert not any(v.flagged for v in copies_apart)
-    # And the honest entry: judged with the copies in the calculator's profile it looks like the
-    # calculator's; without its near duplicates (cosine >= τ) it is weather's again.
-    honest = Item("h0", "weather", "", {}, 1, embed(["Will it rain tomorrow in Paris?"])[0])
-    everyone = items + [honest]
-    profiles = tool_profiles(tools, descriptions, everyone)
-    *_, pulled = confusion_verdicts(everyone, tools, profiles, margin=0.2, rank=1)
-    assert pulled.flagged and pulled.closest_tool == "calculator"
-    *copies, judged = confusion_verdicts(everyone, tools, profiles, margin=0.2, rank=1,
-                                         near=RoundConfig().tau)
-    assert not judged.flagged and judged.closest_tool == "weather"
-    assert all(v.flagged for v in copies)
+    # A near paraphrase counts as a copy at τ, not at the default (exact copies only).
+    paraphrase = Item("evil3", "calculator", "", {}, 1, embed(["Will it rain this weekend in Paris"])[0])
+    pair = [items[0], paraphrase]
+    profiles = tool_profiles(tools, descriptions, pair)
+    assert not any(v.flagged for v in confusion_verdicts(pair, tools, profiles, margin=0.2, rank=1))
+    assert all(v.flagged for v in confusion_verdicts(pair, tools, profiles, margin=0.2, rank=1,
+                                                     near=RoundConfig().tau))
 
 
 def test_a_registry_of_one_tool_confuses_nothing():
@@ -301,13 +298,11 @@ def test_the_confusion_margin_is_raised_where_honest_requests_overlap(schema):
     probe = ProbeSet(probe_texts, ["weather", "flights"], embed(probe_texts))
     calibrated = edge_merge(inputs, schema, config, embed=embed, probe_set=probe)
     assert [f.source for f in calibrated.flagged] == ["evil"]
-    # Two probe requests, gaps about 0.60 (weather) and -1.0 (flights; the two requests are near
-    # duplicates, cosine 0.91 >= τ, so neither enters the profiles that judge the other): the
-    # margin sits at the (1 - rate) quantile between them, above the honest entries' 0.22 and
-    # below evil's 2.
+    # Two probe requests, gaps about 0.60 (weather) and -0.44 (flights): the margin sits at the
+    # (1 - rate) quantile between them, above the honest entries' 0.22 and below evil's 2.
     from federation.merge.operator import CONFUSION_HONEST_RATE
 
-    expected = -1.0 + (1 - CONFUSION_HONEST_RATE) * (0.603 + 1.0)
+    expected = -0.442 + (1 - CONFUSION_HONEST_RATE) * (0.603 + 0.442)
     assert calibrated.stats.confusion_margin == pytest.approx(expected, abs=0.01)
     # The margin depends on the registry and the probe only: what is submitted cannot move it.
     flood = inputs + [sub(f"x{i}", [sc("weather", "flights case")]) for i in range(5)]

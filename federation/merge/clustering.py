@@ -210,29 +210,24 @@ def _probe_items(vectors: np.ndarray, labels: Sequence[str], tool_ids: Sequence[
 
 def judging_scores(vectors: np.ndarray, parents: np.ndarray, profiles: tuple[np.ndarray, np.ndarray],
                    near: float) -> np.ndarray:
-    """[i, t]: the cosine of entry i to tool t's profile (`tool_profiles`) without entry i and
-    without the entries of t at cosine >= `near` to it (exact copies always, whatever `near`).
-    In chunks of entries and, within one, per tool: memory and time stay those of the similarity
-    matrix however many entries are near one another."""
+    """[i, t]: the cosine of entry i to tool t's profile (`tool_profiles`), where i's own tool's
+    profile leaves out i and the entries of that tool at cosine >= `near` to it (exact copies
+    always, whatever `near`). In chunks of entries, per tool: memory and time stay those of the
+    similarity matrix however many entries are near one another."""
     sums, counts = profiles
     out = vectors @ _normalized(sums / counts[:, None]).T
     unit = vectors.astype(np.float32)
     threshold = min(near, 1.0 - 1e-6)
-    members = {int(t): np.flatnonzero(parents == t) for t in np.unique(parents)}
-    for start in range(0, len(unit), 1024):
-        stop = min(start + 1024, len(unit))
-        close = (unit[start:stop] @ unit.T) >= threshold
-        close[np.arange(stop - start), np.arange(start, stop)] = True  # itself, whatever rounding
-        for tool, idx in members.items():
-            near_here = close[:, idx]
-            n = near_here.sum(axis=1)
-            rows = np.flatnonzero(n)
-            if not len(rows):
-                continue
-            removed = near_here[rows].astype(np.float64) @ vectors[idx]
-            left = np.maximum(counts[tool] - n[rows], 1)[:, None]
+    for tool in np.unique(parents):
+        idx = np.flatnonzero(parents == tool)
+        for start in range(0, len(idx), 1024):
+            rows = idx[start:start + 1024]
+            close = (unit[rows] @ unit[idx].T) >= threshold
+            close[np.arange(len(rows)), np.arange(start, start + len(rows))] = True  # itself
+            removed = close.astype(np.float64) @ vectors[idx]
+            left = np.maximum(counts[tool] - close.sum(axis=1), 1)[:, None]
             profile = _normalized((sums[tool] - removed) / left)
-            out[start + rows, tool] = np.einsum("ij,ij->i", vectors[start + rows], profile)
+            out[rows, tool] = np.einsum("ij,ij->i", vectors[rows], profile)
     return out
 
 
@@ -246,8 +241,8 @@ def honest_gaps(
     """For labelled requests known to be honest (the public probe set): how much closer the
     nearest other tool's profile is than their own tool's (negative: their own is nearest), the
     quantity `confusion_verdicts` compares with its margin, with profiles made of the registry's
-    descriptions and these requests alone (each, and those at cosine >= `near` to it, left out of
-    the profiles that judge it, as a submitted entry is). Nothing submitted enters, so no client can move it. Labels outside
+    descriptions and these requests alone (each, and those of its tool at cosine >= `near` to it,
+    left out of its own tool's profile, as a submitted entry is). Nothing submitted enters, so no client can move it. Labels outside
     `tool_ids` are skipped."""
     items = _probe_items(vectors, labels, tool_ids)
     if not items or len(tool_ids) < 2:
@@ -386,11 +381,12 @@ def confusion_verdicts(
     near: float = 1.0,
 ) -> list[ConfusionVerdict]:
     """Flag an entry whose text is closer to another tool's profile than to its parent's by more
-    than `margin` and whose parent is not among the `rank` nearest profiles. The profiles that
-    judge an entry leave out the entry itself and every entry at cosine >= `near` to it, under
-    any tool: it cannot vouch for itself, copies sent by colluding clients for a tool they do not
-    belong to cannot vouch for each other, and they cannot pull that tool's profile over an
-    honest entry of the same request either."""
+    than `margin` and whose parent is not among the `rank` nearest profiles. Its parent's profile
+    leaves out the entry itself and that tool's entries at cosine >= `near` to it: it cannot
+    vouch for itself, and copies of one text sent by colluding clients for a tool it does not
+    belong to cannot vouch for each other. Other tools' profiles keep their entries near it:
+    they are the evidence against it (leaving them out too let more relabelled entries pass:
+    tool confusion on MetaTool, 0.918x clean -> 0.907x, measured on 2026-11-30)."""
     if not items:
         return []
     index = {t: i for i, t in enumerate(tool_ids)}

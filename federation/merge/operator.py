@@ -773,7 +773,7 @@ def _cross_check(
 ) -> tuple[list[Item], list[FlaggedEntry]]:
     """The scenarios that pass the cross-checks, and those dropped: tool-confusion entries (margin
     calibrated on the probe when there is one; an entry is judged by profiles without its near
-    duplicates, cosine >= `near`, under any tool), then, with a probe, incoherent batches."""
+    duplicates of its own tool, cosine >= `near`), then, with a probe, incoherent batches."""
     profiles = tool_profiles(tool_ids, descriptions, items)
     margin = confusion_margin
     if probe_set:
