@@ -799,11 +799,10 @@ def test_the_summarizer_sweep_counts_what_the_llm_wrote_and_what_fell_back(tiny_
 def test_contradictory_scenarios_with_and_without_the_conflict_log(twin_dataset, tmp_path):
     """40% of the clients' scenarios contradicted by another client of their organization (the same
     request for a confusable twin): contradictions cost accuracy with or without the conflict
-    log, and the log keeps the global from taking the contradicting copies; with no
-    contradictions it changes nothing here. (On these twins, whose descriptions are the same
-    and whose probe covers one intent in three, the probe cannot tell which label is right:
-    since clients no longer send again what they sent before, keeping both labels routes better
-    than the log's choice, 0.893 against 0.777 on this seed; see EXPERIMENTS.md.)"""
+    log, and the global does not take the contradicting copies; with no contradictions the log
+    changes nothing here. (On these twins, whose descriptions are the same and whose probe
+    covers one intent in three, the probe cannot tell which label is right; see
+    EXPERIMENTS.md.)"""
     out = tmp_path / "contradictions.json"
     stdout = io.StringIO()
     call_command(
@@ -818,8 +817,13 @@ def test_contradictory_scenarios_with_and_without_the_conflict_log(twin_dataset,
     assert rows[(0.0, True)]["global_scenarios"] == rows[(0.0, False)]["global_scenarios"]
     for log in (True, False):
         assert rows[(0.4, log)]["accuracy"] < rows[(0.0, log)]["accuracy"], rows
-        assert rows[(0.4, log)]["global_scenarios"] > rows[(0.0, log)]["global_scenarios"], rows
-    assert rows[(0.4, True)]["global_scenarios"] < rows[(0.4, False)]["global_scenarios"], rows
+    # Neither global takes the contradicting copies here: the log resolves them, and without it
+    # the confusion check drops both claims of each contradicted request (the twins' profiles
+    # differ only by what was submitted, and an entry's own tool no longer counts its near
+    # duplicates; until 2026-11-30 the copies entered without the log, which routed better on
+    # these twins: 0.893 against 0.777 with the log, now 0.786 either way).
+    for log in (True, False):
+        assert rows[(0.4, log)]["global_scenarios"] <= rows[(0.0, log)]["global_scenarios"], rows
     assert "contradictory scenarios" in stdout.getvalue()
 
 
