@@ -242,8 +242,8 @@ def honest_gaps(
     nearest other tool's profile is than their own tool's (negative: their own is nearest), the
     quantity `confusion_verdicts` compares with its margin, with profiles made of the registry's
     descriptions and these requests alone (each, and those of its tool at cosine >= `near` to it,
-    left out of its own tool's profile, as a submitted entry is). Nothing submitted enters, so no client can move it. Labels outside
-    `tool_ids` are skipped."""
+    left out of its own tool's profile, as a submitted entry is). Nothing submitted enters, so no
+    client can move it. Labels outside `tool_ids` are skipped."""
     items = _probe_items(vectors, labels, tool_ids)
     if not items or len(tool_ids) < 2:
         return np.zeros(0)

@@ -936,6 +936,7 @@ def _cross_tool_conflicts(slots: list[dict], tool_ids: Sequence[str], profiles: 
     vectors = np.stack([s["vector"] for s in slots]).astype(np.float32)
     codes = np.array([index[s["tool_id"]] for s in slots])
     typical = np.einsum("ij,ij->i", vectors, profiles[codes].astype(np.float32))
+
     def strength(i: int) -> tuple:
         sources, support, near = -len(slots[i]["sources"]), -slots[i]["support"], -float(typical[i])
         return (sources, support, near, i) if support_first else (sources, near, support, i)

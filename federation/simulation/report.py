@@ -69,7 +69,7 @@ def run(simulation: Simulation, seeds: list[int], played: PlayedRuns | None = No
         "rounds": [r.rounds for r in per_seed],
         "transfer": [row for result in per_seed for row in result.transfer],
         "screening": _sums([r.screening for r in per_seed], SCREENING_KEYS),
-        "targeting": _sums([r.targeting for r in per_seed], TARGETING_KEYS),
+        "targeting": _targeting_sums([r.targeting for r in per_seed]),
         "seconds": round(time.perf_counter() - started, 1),
         "host": host(simulation.engine),
     }
@@ -120,16 +120,15 @@ def host(engine=None) -> dict[str, Any]:
     return facts
 
 
-def _all_counted(items: list[dict]) -> dict[str, int]:
+def _targeting_sums(items: list[dict]) -> dict[str, int]:
     """The targeting counts added up, where every item has them (a run written before they were
     counted has none: a sum over some of the seeds would read as all of them)."""
-    if not items or not all("victim_queries" in item for item in items):
+    if not items or not all(k in item for item in items for k in TARGETING_KEYS):
         return {}
     return _sums(items, TARGETING_KEYS)
 
 
-def _sums(items: list[dict[str, int]], keys: tuple[str, ...] = SCREENING_KEYS + TARGETING_KEYS
-          ) -> dict[str, int]:
+def _sums(items: list[dict[str, int]], keys: tuple[str, ...]) -> dict[str, int]:
     """The counts of `keys` added up over `items` (the keys none of them has left out)."""
     return {k: int(sum(item.get(k, 0) for item in items)) for k in keys
             if any(k in item for item in items)}
@@ -215,7 +214,7 @@ def combine(documents: list[dict[str, Any]], sources: list[str] | None = None) -
         "rounds": [r for doc in documents for r in doc.get("rounds", [])],
         "transfer": [row for doc in documents for row in doc.get("transfer", [])],
         "screening": _sums([doc.get("screening", {}) for doc in documents], SCREENING_KEYS),
-        "targeting": _all_counted([doc.get("targeting") or {} for doc in documents]),
+        "targeting": _targeting_sums([doc.get("targeting") or {} for doc in documents]),
         "seconds": round(sum(float(doc.get("seconds", 0.0)) for doc in documents), 1),
         **({"adversarial_clients": first["adversarial_clients"]}
            if "adversarial_clients" in first else {}),
@@ -404,7 +403,7 @@ def sweep(
                 **_mean_dicts([_merge_figures(r) for r in results]),
                 "accuracy_by_seed": [[seed, acc] for seed, acc in zip(seeds, last, strict=True)],
                 **_sums([r.screening for r in results], SCREENING_KEYS),
-                **_sums([r.targeting for r in results], TARGETING_KEYS),
+                **_targeting_sums([r.targeting for r in results]),
                 "summarizer_fallback_kinds": _fallback_kinds(results),
             }
         )
@@ -515,7 +514,7 @@ def _combine_sweep(name: str, sections: list[list[dict]]) -> list[dict]:
             )
         )
         combined.update(_sums(rows, SCREENING_KEYS))  # counts add up over the seeds
-        combined.update(_all_counted(rows))
+        combined.update(_targeting_sums(rows))
         if any("summarizer_fallback_kinds" in row for row in rows):  # mean over all the seeds
             kinds: Counter = Counter()
             for row in rows:

@@ -575,15 +575,15 @@ class Simulation:
                     # same entries as every other adversary's (its record holds the honest ones).
                     compendium, relabelled[client] = plant(
                         compendium, poison, self.config.camouflage_share)
-                elif adversary and camouflage:
-                    # It relabels a share of what it would send honestly, drawn afresh per
-                    # client and round: that share of every submission is poisoned, whatever
-                    # the client rules leave home (its record holds the honest entries).
-                    compendium = corrupt(
-                        compendium, mode, self.schema, seed,
-                        share=self.config.camouflage_share, salt=f"{client}|{r}",
-                    )
-                if adversary and client not in relabelled:
+                elif adversary:
+                    if camouflage:
+                        # It relabels a share of what it would send honestly, drawn afresh per
+                        # client and round: that share of every submission is poisoned, whatever
+                        # the client rules leave home (its record holds the honest entries).
+                        compendium = corrupt(
+                            compendium, mode, self.schema, seed,
+                            share=self.config.camouflage_share, salt=f"{client}|{r}",
+                        )
                     relabelled[client] = _relabelled(honest_of[client], compendium)
                 sent[client] = compendium
             payloads = [canonical_bytes(c) for c in sent.values()]
