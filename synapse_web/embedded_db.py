@@ -7,9 +7,11 @@ commands share one server); `python manage.py embedded_db stop` stops it.
 
 from __future__ import annotations
 
+import fcntl
 import os
 import signal
 import warnings
+from contextlib import contextmanager
 from pathlib import Path
 
 DB_NAME = "synapse"
@@ -23,19 +25,34 @@ def _server(data_dir: Path):
     return pgserver.get_server(data_dir, cleanup_mode=None)
 
 
+@contextmanager
+def _start_lock(data_dir: Path):
+    """One process at a time creates and starts the server of a data folder: two commands started
+    together on a new checkout (two `simulate` runs, a server and a worker) both ran initdb on
+    the same folder, and one failed with FileExistsError."""
+    data_dir.parent.mkdir(parents=True, exist_ok=True)
+    with open(data_dir.parent / f".{data_dir.name}.start-lock", "a") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
+
+
 def ensure_embedded_database(data_dir: Path) -> dict:
     """Start (if needed) the embedded server and return Django DATABASES settings for it."""
     data_dir = Path(data_dir).resolve()
     marker = data_dir / ".synapse_db_created"
-    server = _server(data_dir)
-    if not marker.exists():
-        exists = server.psql(f"SELECT 1 FROM pg_database WHERE datname = '{DB_NAME}';")
-        if "1 row" not in exists:
-            server.psql(f"CREATE DATABASE {DB_NAME};")
-        # The test database is created from template1; pgvector goes there too so that
-        # every database of this server can hold vectors.
-        server.psql("\\c template1\nCREATE EXTENSION IF NOT EXISTS vector;")
-        marker.touch()
+    with _start_lock(data_dir):
+        server = _server(data_dir)
+        if not marker.exists():
+            exists = server.psql(f"SELECT 1 FROM pg_database WHERE datname = '{DB_NAME}';")
+            if "1 row" not in exists:
+                server.psql(f"CREATE DATABASE {DB_NAME};")
+            # The test database is created from template1; pgvector goes there too so that
+            # every database of this server can hold vectors.
+            server.psql("\\c template1\nCREATE EXTENSION IF NOT EXISTS vector;")
+            marker.touch()
     return {
         "ENGINE": "django.db.backends.postgresql",
         "NAME": DB_NAME,

@@ -25,3 +25,51 @@ def test_a_data_folder_too_deep_for_a_unix_socket_still_connects(tmp_path):
             assert connection.execute("SELECT 1").fetchone() == (1,)
     finally:
         stop_embedded_database(data_dir)
+
+
+_START_TOGETHER = """
+import pathlib, sys, time
+from pathlib import Path
+from synapse_web.embedded_db import ensure_embedded_database
+
+# pgserver checks that the folder is missing, then makes it: the delay widens that window to what
+# a loaded machine gives it, so that the race shows every time rather than now and then.
+real_mkdir = pathlib.Path.mkdir
+def slow_mkdir(self, *args, **kwargs):
+    if self.name == "pgdata":
+        time.sleep(0.5)
+    return real_mkdir(self, *args, **kwargs)
+pathlib.Path.mkdir = slow_mkdir
+
+time.sleep(max(0.0, float(sys.argv[2]) - time.time()))
+print(ensure_embedded_database(Path(sys.argv[1]))["NAME"])
+"""
+
+
+def test_commands_started_together_on_a_new_folder_share_one_server(tmp_path):
+    """Two `simulate` runs started at once on a new checkout both ran initdb on the same data
+    folder, and the second failed with FileExistsError; now the first creates and starts the
+    server while the others wait for it, and all of them connect to it."""
+    import subprocess
+    import sys
+    import time
+
+    import psycopg
+
+    data_dir = tmp_path / "pgdata"
+    go = time.time() + 3.0  # every process past its imports before any of them starts the server
+    runs = [subprocess.Popen([sys.executable, "-c", _START_TOGETHER, str(data_dir), str(go)],
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+            for _ in range(3)]
+    try:
+        outcomes = [run.communicate(timeout=180) for run in runs]
+        for run, (out, err) in zip(runs, outcomes, strict=True):
+            assert run.returncode == 0, err
+            assert out.strip() == "synapse"
+        settings = ensure_embedded_database(data_dir)
+        with psycopg.connect(host=settings["HOST"], dbname="template1",
+                             user=settings["USER"]) as connection:
+            assert connection.execute(
+                "SELECT count(*) FROM pg_extension WHERE extname = 'vector'").fetchone() == (1,)
+    finally:
+        stop_embedded_database(data_dir)
