@@ -7,7 +7,8 @@ catalogue as a global compendium (store_compendium with embeddings), starts guni
 127.0.0.1:--port (default 8306) and measures sequential requests. Query embedding is included in
 every figure (the engine's cache is cleared before each timed run and every query is distinct),
 except the `router_function_embedding_cached` rows, which repeat the same queries to show what the
-router costs beside the query embedding.
+router costs beside the query embedding. The `rate_limit_admit` row is the rate limit's own share
+of a request (`routing.services.admit`, under SYNAPSE_ROUTE_RATE_LIMIT as the server runs it).
 
     python bench/route_latency.py [--queries 300] [--batch 500] [--out FILE]
 """
@@ -25,6 +26,9 @@ import numpy as np
 from _routing_common import METATOOL, ROOT, cached_embed, print_table, write_json
 
 SCENARIOS_PER_TOOL = 8
+# The bench's one token routes far more than a caller's default allowance a minute; the limit
+# stays on (its counter's upsert is part of every request's latency), out of reach.
+BENCH_RATE_LIMIT = "1000000000"
 VARIANT_PLACES = ("for my team", "on my phone", "for a client")
 
 
@@ -107,9 +111,7 @@ def start_gunicorn(port: int, data_dir: Path, workers: int) -> subprocess.Popen:
         SECRET_KEY="route-latency-bench",
         ALLOWED_HOSTS="127.0.0.1",
         HF_HUB_OFFLINE="1",
-        # The bench's one token routes far more than a caller's default allowance a minute; the
-        # limit stays on (its counter's upsert is part of every request's latency), out of reach.
-        SYNAPSE_ROUTE_RATE_LIMIT=os.environ.get("SYNAPSE_ROUTE_RATE_LIMIT", "1000000000"),
+        SYNAPSE_ROUTE_RATE_LIMIT=os.environ.get("SYNAPSE_ROUTE_RATE_LIMIT", BENCH_RATE_LIMIT),
     )
     proc = subprocess.Popen(
         [
@@ -133,6 +135,25 @@ def start_gunicorn(port: int, data_dir: Path, workers: int) -> subprocess.Popen:
             raise SystemExit(f"gunicorn exited with {proc.returncode}")
     proc.terminate()
     raise SystemExit("gunicorn did not answer /healthz within 120 s")
+
+
+def time_admit(requests: int) -> dict:
+    """What the rate limit adds to a routing request: `routing.services.admit` as the API calls it
+    (one upsert of the caller's counter for the minute, in the bench's database), under the limit
+    the server runs with (0: off, nothing to count)."""
+    from django.test import override_settings
+
+    from routing.services import admit
+
+    limit = int(os.environ.get("SYNAPSE_ROUTE_RATE_LIMIT", BENCH_RATE_LIMIT))
+    timings = []
+    with override_settings(SYNAPSE_ROUTE_RATE_LIMIT=limit):
+        for _ in range(requests):
+            started = time.perf_counter()
+            admit("route-latency-bench:admit", 1)
+            timings.append((time.perf_counter() - started) * 1000)
+    return {"catalogue": "-", "target": "rate_limit_admit", "rate_limit": limit,
+            "requests": requests, **percentiles(timings)}
 
 
 def main(argv=None) -> int:
@@ -236,6 +257,9 @@ def main(argv=None) -> int:
                                  "requests": 3, "batch_size": len(batch),
                                  "queries_per_s": round(float(np.median(rates)), 1)})
                     print_table(rows[-2:], ["catalogue", "target", "reranker", "batch_size", "queries_per_s"])
+        # Last, with the workers idle (they build their routers in the background as they start).
+        rows.insert(0, time_admit(args.queries))
+        print_table(rows[:1], ["target", "rate_limit", "p50_ms", "p95_ms", "p99_ms"])
     finally:
         server.terminate()
         server.wait(timeout=30)
@@ -250,7 +274,7 @@ def main(argv=None) -> int:
     print_table(
         rows,
         ["catalogue", "tools", "target", "reranker", "p50_ms", "p95_ms", "p99_ms", "batch_size",
-         "queries_per_s"],
+         "queries_per_s", "rate_limit"],
     )
     write_json(args.out, rows)
     return 0
