@@ -1,0 +1,151 @@
+"""The pipeline's locks between real connections: a step running in another thread (its own
+database connection, committing on its own) while the server merge holds its locks.
+`test_pipeline_races.py` forces the interleavings inside one connection; these show that the
+locks really make the other step wait."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+from django.db import connection
+
+from compendium.models import CompendiumVersion
+from federation import pipeline
+from federation.models import Client, Round
+from tests.merge_helpers import build_federation
+
+pytestmark = pytest.mark.django_db(transaction=True)
+
+
+def _waiting_on_a_lock(done: threading.Event, timeout: float = 60.0) -> bool:
+    """Whether another backend of this database waits on a lock (pg_stat_activity), polled until
+    `done` is set (the other step finished without waiting) or `timeout` passes."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline and not done.is_set():
+        with connection.cursor() as cursor:
+            # The caller is inside its transaction, where the activity view is read once and
+            # kept: clear that snapshot so that each poll reads the backends as they are now.
+            cursor.execute("SELECT pg_stat_clear_snapshot()")
+            cursor.execute(
+                "SELECT count(*) FROM pg_stat_activity WHERE datname = current_database() "
+                "AND pid <> pg_backend_pid() AND wait_event_type = 'Lock'")
+            if cursor.fetchone()[0]:
+                return True
+        time.sleep(0.02)
+    return False
+
+
+def test_an_edge_task_during_the_server_merges_write_waits_and_then_writes_nothing(
+    probes, monkeypatch
+):
+    """acme's edge task (redelivered, after a client was revoked) runs while the server merge
+    writes the global under the publication lock and the round's. It waits for them, and once
+    the round is published it is a task of a round no longer merging: it writes nothing, so the
+    published global's edges stay the ones it was merged from."""
+    round_, clients = build_federation(state="merging")
+    for org in pipeline.organizations_with_submissions(round_):
+        pipeline.run_edge_merge(round_.pk, org, attempt=round_.attempt)
+    acme = clients[("acme", "a1")].organization
+    edges_before = set(CompendiumVersion.objects.filter(kind="edge", round=round_)
+                       .values_list("pk", flat=True))
+
+    holding, finished = threading.Event(), threading.Event()
+    outcome: list = []
+    waited: list[bool] = []
+
+    def edge_task():
+        try:
+            assert holding.wait(60)
+            Client.objects.filter(pk=clients[("acme", "a2")].pk).update(
+                status=Client.Status.REVOKED)
+            pipeline.run_edge_merge(round_.pk, acme.pk, attempt=round_.attempt)
+            outcome.append("wrote")
+        except Exception as exc:  # noqa: BLE001 - the outcome is what the test checks
+            outcome.append(exc)
+        finally:
+            finished.set()
+            connection.close()
+
+    real_write = pipeline._write_global
+
+    def write_while_the_edge_task_waits(*args, **kwargs):
+        holding.set()
+        waited.append(_waiting_on_a_lock(finished))
+        return real_write(*args, **kwargs)
+
+    monkeypatch.setattr(pipeline, "_write_global", write_while_the_edge_task_waits)
+    worker = threading.Thread(target=edge_task)
+    worker.start()
+    try:
+        pipeline.run_server_merge(round_.pk, attempt=round_.attempt)
+    finally:
+        holding.set()
+        worker.join(120)
+    assert waited == [True], "the edge task did not wait on the server merge's locks"
+    assert len(outcome) == 1 and isinstance(outcome[0], pipeline.StaleAttempt), outcome
+    round_.refresh_from_db()
+    assert round_.state == Round.State.PUBLISHED
+    edges = set(CompendiumVersion.objects.filter(kind="edge", round=round_)
+                .values_list("pk", flat=True))
+    assert edges == edges_before
+    glob = CompendiumVersion.objects.get(kind="global", round=round_)
+    assert set(glob.sources.values_list("pk", flat=True)) == edges
+
+
+def test_an_erasure_during_the_server_merges_write_waits_and_then_reaches_the_published_global(
+    probes, monkeypatch
+):
+    """A client is erased while the server merge writes the global from edges that hold what it
+    sent. The erasure waits for the publication lock; once the round is published it finds the
+    new global among the compendiums built from the client's submissions and merges it again:
+    nothing the client sent is left in any compendium, and the global's edges are the ones now
+    stored."""
+    round_, clients = build_federation(state="merging")
+    for org in pipeline.organizations_with_submissions(round_):
+        pipeline.run_edge_merge(round_.pk, org, attempt=round_.attempt)
+    erased = clients[("acme", "a2")]
+    erased_texts = {s["text"] for v in CompendiumVersion.objects.filter(kind="client", client=erased)
+                    for s in v.content["scenarios"]}
+    assert erased_texts
+
+    holding, finished = threading.Event(), threading.Event()
+    outcome: list = []
+    waited: list[bool] = []
+
+    def erasure():
+        try:
+            assert holding.wait(60)
+            outcome.append(pipeline.erase_client(Client.objects.get(pk=erased.pk)))
+        except Exception as exc:  # noqa: BLE001 - the outcome is what the test checks
+            outcome.append(exc)
+        finally:
+            finished.set()
+            connection.close()
+
+    real_write = pipeline._write_global
+
+    def write_while_the_erasure_waits(*args, **kwargs):
+        if not waited:  # the server merge's write; the erasure writes the global again later
+            holding.set()
+            waited.append(_waiting_on_a_lock(finished))
+        return real_write(*args, **kwargs)
+
+    monkeypatch.setattr(pipeline, "_write_global", write_while_the_erasure_waits)
+    worker = threading.Thread(target=erasure)
+    worker.start()
+    try:
+        pipeline.run_server_merge(round_.pk, attempt=round_.attempt)
+    finally:
+        holding.set()
+        worker.join(120)
+    assert waited == [True], "the erasure did not wait on the server merge's locks"
+    assert len(outcome) == 1 and isinstance(outcome[0], pipeline.ErasureReport), outcome
+    round_.refresh_from_db()
+    assert round_.state == Round.State.PUBLISHED
+    assert not CompendiumVersion.objects.filter(kind="client", client=erased).exists()
+    glob = CompendiumVersion.objects.get(kind="global", round=round_)
+    assert set(glob.sources.all()) == set(CompendiumVersion.objects.filter(kind="edge", round=round_))
+    for version in CompendiumVersion.objects.filter(round=round_).exclude(kind="client"):
+        assert not erased_texts & {s["text"] for s in version.content["scenarios"]}, version.kind
