@@ -37,6 +37,45 @@ def _waiting_on_a_lock(done: threading.Event, timeout: float = 60.0) -> bool:
     return False
 
 
+def server_merge_while(monkeypatch, round_: Round, step) -> tuple[bool, object]:
+    """Run the round's server merge; once it holds its locks and is about to write the global,
+    run `step` in another thread (its own connection) and let the write go on only when that
+    thread waits on a lock, or has finished without waiting. Returns whether it waited and what
+    `step` returned (or raised)."""
+    holding, finished = threading.Event(), threading.Event()
+    outcome: list = []
+    waited: list[bool] = []
+
+    def other_connection():
+        try:
+            assert holding.wait(60)
+            outcome.append(step())
+        except Exception as exc:  # noqa: BLE001 - the outcome is what the tests check
+            outcome.append(exc)
+        finally:
+            finished.set()
+            connection.close()
+
+    real_write = pipeline._write_global
+
+    def write_while_the_other_waits(*args, **kwargs):
+        if not waited:  # the server merge's write (`step` may write a global again later)
+            holding.set()
+            waited.append(_waiting_on_a_lock(finished))
+        return real_write(*args, **kwargs)
+
+    monkeypatch.setattr(pipeline, "_write_global", write_while_the_other_waits)
+    worker = threading.Thread(target=other_connection)
+    worker.start()
+    try:
+        pipeline.run_server_merge(round_.pk, attempt=round_.attempt)
+    finally:
+        holding.set()
+        worker.join(120)
+    assert len(waited) == 1 and len(outcome) == 1, (waited, outcome)
+    return waited[0], outcome[0]
+
+
 def test_an_edge_task_during_the_server_merges_write_waits_and_then_writes_nothing(
     probes, monkeypatch
 ):
@@ -51,40 +90,13 @@ def test_an_edge_task_during_the_server_merges_write_waits_and_then_writes_nothi
     edges_before = set(CompendiumVersion.objects.filter(kind="edge", round=round_)
                        .values_list("pk", flat=True))
 
-    holding, finished = threading.Event(), threading.Event()
-    outcome: list = []
-    waited: list[bool] = []
-
     def edge_task():
-        try:
-            assert holding.wait(60)
-            Client.objects.filter(pk=clients[("acme", "a2")].pk).update(
-                status=Client.Status.REVOKED)
-            pipeline.run_edge_merge(round_.pk, acme.pk, attempt=round_.attempt)
-            outcome.append("wrote")
-        except Exception as exc:  # noqa: BLE001 - the outcome is what the test checks
-            outcome.append(exc)
-        finally:
-            finished.set()
-            connection.close()
+        Client.objects.filter(pk=clients[("acme", "a2")].pk).update(status=Client.Status.REVOKED)
+        return pipeline.run_edge_merge(round_.pk, acme.pk, attempt=round_.attempt)
 
-    real_write = pipeline._write_global
-
-    def write_while_the_edge_task_waits(*args, **kwargs):
-        holding.set()
-        waited.append(_waiting_on_a_lock(finished))
-        return real_write(*args, **kwargs)
-
-    monkeypatch.setattr(pipeline, "_write_global", write_while_the_edge_task_waits)
-    worker = threading.Thread(target=edge_task)
-    worker.start()
-    try:
-        pipeline.run_server_merge(round_.pk, attempt=round_.attempt)
-    finally:
-        holding.set()
-        worker.join(120)
-    assert waited == [True], "the edge task did not wait on the server merge's locks"
-    assert len(outcome) == 1 and isinstance(outcome[0], pipeline.StaleAttempt), outcome
+    waited, outcome = server_merge_while(monkeypatch, round_, edge_task)
+    assert waited, "the edge task did not wait on the server merge's locks"
+    assert isinstance(outcome, pipeline.StaleAttempt), outcome
     round_.refresh_from_db()
     assert round_.state == Round.State.PUBLISHED
     edges = set(CompendiumVersion.objects.filter(kind="edge", round=round_)
@@ -110,38 +122,10 @@ def test_an_erasure_during_the_server_merges_write_waits_and_then_reaches_the_pu
                     for s in v.content["scenarios"]}
     assert erased_texts
 
-    holding, finished = threading.Event(), threading.Event()
-    outcome: list = []
-    waited: list[bool] = []
-
-    def erasure():
-        try:
-            assert holding.wait(60)
-            outcome.append(pipeline.erase_client(Client.objects.get(pk=erased.pk)))
-        except Exception as exc:  # noqa: BLE001 - the outcome is what the test checks
-            outcome.append(exc)
-        finally:
-            finished.set()
-            connection.close()
-
-    real_write = pipeline._write_global
-
-    def write_while_the_erasure_waits(*args, **kwargs):
-        if not waited:  # the server merge's write; the erasure writes the global again later
-            holding.set()
-            waited.append(_waiting_on_a_lock(finished))
-        return real_write(*args, **kwargs)
-
-    monkeypatch.setattr(pipeline, "_write_global", write_while_the_erasure_waits)
-    worker = threading.Thread(target=erasure)
-    worker.start()
-    try:
-        pipeline.run_server_merge(round_.pk, attempt=round_.attempt)
-    finally:
-        holding.set()
-        worker.join(120)
-    assert waited == [True], "the erasure did not wait on the server merge's locks"
-    assert len(outcome) == 1 and isinstance(outcome[0], pipeline.ErasureReport), outcome
+    waited, outcome = server_merge_while(
+        monkeypatch, round_, lambda: pipeline.erase_client(Client.objects.get(pk=erased.pk)))
+    assert waited, "the erasure did not wait on the server merge's locks"
+    assert isinstance(outcome, pipeline.ErasureReport), outcome
     round_.refresh_from_db()
     assert round_.state == Round.State.PUBLISHED
     assert not CompendiumVersion.objects.filter(kind="client", client=erased).exists()
