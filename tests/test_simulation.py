@@ -356,6 +356,16 @@ def test_bad_client_options_are_refused_before_anything_runs(tiny_dataset, capsy
     (["--sweep-adversarial", "0.4", "--sweep-rules", "krum,median"], "^--sweep-rules: Input should be"),
     (["--sweep-adversarial", "0.4", "--sweep-modes", "nope"], "--sweep-modes: unknown nope; choose from"),
     (["--sweep-adversarial", "1.2"], "--sweep-adversarial: every fraction must be in"),
+    # A flag for something the run does not have was silently ignored.
+    (["--sweep-modes", "nope"], "^--sweep-modes applies only with --sweep-adversarial FRACTIONS; "),
+    (["--sweep-rules", "krum"], "^--sweep-rules applies only with --sweep-adversarial FRACTIONS; "),
+    (["--adversarial-mode", "tool_confusion"],
+     "^--adversarial-mode applies only with --adversarial-fraction above 0; "),
+    (["--camouflage-share", "0.5"], "^--camouflage-share applies only with adversaries of a camouflaged mode"),
+    (["--camouflage-share", "0.5", "--adversarial-fraction", "0.4", "--adversarial-mode", "tool_confusion",
+      "--sweep-adversarial", "0.2", "--sweep-modes", "cross_source"],
+     "^--camouflage-share applies only with adversaries of a camouflaged mode"),
+    (["--pool-size", "4"], "^--pool-size applies only with --pool-users 2 or more; "),
     (["--sweep-min-users", "0"], "--sweep-min-users: every k must be at least 1"),
     (["--sweep-min-users", "nan"], "^--sweep-min-users: expected whole numbers, got 'nan'$"),
     (["--sweep-min-users", "inf"], "^--sweep-min-users: expected whole numbers, got 'inf'$"),
@@ -384,6 +394,21 @@ def test_bad_run_and_sweep_options_are_refused_by_their_flag_before_the_data_loa
     with pytest.raises(CommandError, match=message) as error:
         call_command("simulate", "--dataset", "/no/such/dataset", "--no-store", *flags)
     assert "\n" not in str(error.value)
+
+
+@pytest.mark.parametrize("flags", [
+    ["--camouflage-share", "0.5", "--sweep-adversarial", "0.4", "--sweep-modes", "camouflaged_poisoning"],
+    ["--camouflage-share", "0.5", "--adversarial-fraction", "0.4", "--adversarial-mode",
+     "coordinated_camouflage"],
+    ["--sweep-adversarial", "0.4", "--sweep-rules", "krum", "--sweep-modes", "tool_confusion"],
+    ["--adversarial-fraction", "0.4", "--adversarial-mode", "tool_confusion"],
+    ["--pool-users", "2", "--pool-size", "4"],
+])
+def test_flags_that_apply_to_the_run_pass_the_checks(flags):
+    """The other side of the refusals above: where the run has what a flag applies to, the
+    checks let it through (the first problem is then the dataset that does not exist)."""
+    with pytest.raises(CommandError, match="^/no/such/dataset: no such file or folder$"):
+        call_command("simulate", "--dataset", "/no/such/dataset", "--no-store", *flags)
 
 
 def test_unless_stored_skips_only_a_run_of_the_same_label(tiny_dataset, capsys):

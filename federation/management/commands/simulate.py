@@ -22,6 +22,7 @@ from federation.simulation.report import PlayedRuns, combine, run, sweep, table
 from federation.simulation.runner import (
     ADVERSARIAL_MODES,
     CAMOUFLAGE_SHARE,
+    CAMOUFLAGED_MODES,
     Simulation,
     SimulationConfig,
     adversary_count,
@@ -34,6 +35,9 @@ from federation.simulation.through_services import (
 )
 from routing.embeddings import EmbeddingModelUnavailable, get_engine
 from routing.llm import LLMUnavailable
+
+ADVERSARIAL_MODE = "random_corruption"
+SWEEP_RULES = "none,krum,trimmed-mean"
 
 # The round configuration's fields as this command's flags name them.
 FLAGS = {
@@ -174,7 +178,7 @@ class Command(BaseCommand):
         )
         parser.add_argument("--adversarial-fraction", type=float, default=0.0,
                             help="share of the clients that are adversarial, in [0, 1]")
-        parser.add_argument("--adversarial-mode", choices=ADVERSARIAL_MODES, default="random_corruption",
+        parser.add_argument("--adversarial-mode", choices=ADVERSARIAL_MODES, default=ADVERSARIAL_MODE,
                             help="what the adversarial clients send")
         parser.add_argument(
             "--camouflage-share", type=float, default=CAMOUFLAGE_SHARE,
@@ -209,7 +213,7 @@ class Command(BaseCommand):
         parser.add_argument("--sweep-adversarial", default="", help="fractions, e.g. 0,0.2,0.4")
         parser.add_argument("--sweep-modes", default=",".join(ADVERSARIAL_MODES),
                             help="adversarial modes of --sweep-adversarial (default: all)")
-        parser.add_argument("--sweep-rules", default="none,krum,trimmed-mean",
+        parser.add_argument("--sweep-rules", default=SWEEP_RULES,
                             help="robust rules of --sweep-adversarial")
         parser.add_argument(
             "--sweep-tau", default="",
@@ -369,6 +373,9 @@ class Command(BaseCommand):
             _releases(o[flag], f"--{flag.replace('_', '-')}", o["users_per_client"])
         if o["pool_size"] < 0:
             raise CommandError("--pool-size must be 0 (--pool-users) or more")
+        unused = _unused_flag(o)
+        if unused:
+            raise CommandError(unused)
         if not valid_shared_word_users(o["shared_word_users"]):
             raise CommandError("--shared-word-users must be 0 (off) or at least 2")
         if o["max_words"] < 0:
@@ -615,6 +622,29 @@ def _releases(k: int, flag: str, users: int) -> None:
         raise CommandError(
             f"{flag} {k} is more than --users-per-client {users}: no client could release anything"
         )
+
+
+def _unused_flag(o: dict) -> str | None:
+    """A flag given a value of its own where the run has nothing it applies to (it would be
+    silently ignored): what to pass with it, or None."""
+    sweep_modes = _names(o["sweep_modes"]) if o["sweep_adversarial"] else ()
+    camouflaged = ((o["adversarial_fraction"] > 0 and o["adversarial_mode"] in CAMOUFLAGED_MODES)
+                   or bool(set(sweep_modes) & set(CAMOUFLAGED_MODES)))
+    for flag, given, applies, needs in (
+        ("--sweep-modes", o["sweep_modes"] != ",".join(ADVERSARIAL_MODES), o["sweep_adversarial"],
+         "--sweep-adversarial FRACTIONS"),
+        ("--sweep-rules", o["sweep_rules"] != SWEEP_RULES, o["sweep_adversarial"],
+         "--sweep-adversarial FRACTIONS"),
+        ("--adversarial-mode", o["adversarial_mode"] != ADVERSARIAL_MODE,
+         o["adversarial_fraction"] > 0, "--adversarial-fraction above 0"),
+        ("--camouflage-share", o["camouflage_share"] != CAMOUFLAGE_SHARE, camouflaged,
+         f"adversaries of a camouflaged mode ({' or '.join(CAMOUFLAGED_MODES)}, in "
+         "--adversarial-mode or --sweep-modes)"),
+        ("--pool-size", o["pool_size"] > 0, o["pool_users"] > 1, "--pool-users 2 or more"),
+    ):
+        if given and not applies:
+            return f"{flag} applies only with {needs}; this run has none, so it would be ignored"
+    return None
 
 
 def _some_adversary(fraction: float, flag: str, clients: int) -> None:
