@@ -24,6 +24,9 @@ class Command(BaseCommand):
         def progress(message: str) -> None:
             print(f"demo: {message}", file=sys.stderr, flush=True)
 
+        for flag, value in (("--rounds", rounds), ("--queries-per-client", queries_per_client)):
+            if value < 1:
+                raise CommandError(f"{flag} must be at least 1, not {value}")
         try:
             report = run_demo_rounds(
                 dataset, rounds=rounds, queries_per_client=queries_per_client, seed=seed,
