@@ -18,10 +18,11 @@ DB_NAME = "synapse"
 
 
 def _server(data_dir: Path):
+    """pgserver's handle on the data folder's server (under `_start_lock`, which makes the
+    folder's parent)."""
     warnings.filterwarnings("ignore", message=".*XDG_RUNTIME_DIR.*")
     import pgserver  # imported lazily: only the embedded default needs it
 
-    data_dir.parent.mkdir(parents=True, exist_ok=True)
     return pgserver.get_server(data_dir, cleanup_mode=None)
 
 
