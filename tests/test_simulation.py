@@ -73,7 +73,6 @@ def test_tiny_simulation_end_to_end(twin_dataset, tmp_path):
     assert not Round.objects.exists() and not Client.objects.exists()
 
 
-@pytest.mark.django_db(transaction=True)
 @pytest.mark.parametrize(("flags", "message"), [
     (["--rounds", "0"], "^--rounds must be at least 1, not 0$"),
     (["--queries-per-client", "-5"], "^--queries-per-client must be at least 1, not -5$"),
@@ -84,6 +83,7 @@ def test_demo_rounds_refuse_a_count_below_one(tiny_dataset, flags, message):
         call_command("demo_rounds", "--dataset", str(tiny_dataset), *flags)
 
 
+@pytest.mark.django_db(transaction=True)
 def test_demo_rounds_publish_through_the_real_pipeline(tiny_dataset):
     from compendium.models import CompendiumVersion
     from federation.models import ConflictLogEntry, PrivacyLedgerEntry, Round, Submission
