@@ -6,6 +6,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import get_args
 
 from django.core.management.base import BaseCommand, CommandError
 
@@ -16,7 +17,7 @@ from compendium.registry import RegistryFormatError, load_dataset
 from compendium.schema import Schema
 from federation.merge.summarize import LLM_SUMMARIZERS
 from federation.merge.summarize import ORDER as SUMMARIZERS
-from federation.round_config import config_problems
+from federation.round_config import RobustRule, config_problems
 from federation.simulation.data import TESTED_FROM, federation_problem, untested_tools
 from federation.simulation.report import PlayedRuns, combine, run, sweep, table
 from federation.simulation.runner import (
@@ -36,8 +37,8 @@ from federation.simulation.through_services import (
 from routing.embeddings import EmbeddingModelUnavailable, get_engine
 from routing.llm import LLMUnavailable
 
-ADVERSARIAL_MODE = "random_corruption"
-SWEEP_RULES = "none,krum,trimmed-mean"
+ADVERSARIAL_MODE = SimulationConfig.adversarial_mode
+SWEEP_RULES = ",".join(get_args(RobustRule))  # every rule the round configuration takes
 
 # The round configuration's fields as this command's flags name them.
 FLAGS = {
