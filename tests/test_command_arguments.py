@@ -1,0 +1,31 @@
+"""Management commands an operator runs by hand: a bad argument is one line (CommandError), never a
+traceback, and changes nothing."""
+
+from __future__ import annotations
+
+import io
+
+import pytest
+from django.core.management import call_command
+from django.core.management.base import CommandError
+
+from federation.models import AuditLog, UserToken
+from tests.federation_fixtures import make_user
+
+pytestmark = pytest.mark.django_db
+
+
+def run(*args) -> str:
+    out = io.StringIO()
+    call_command(*args, stdout=out, stderr=io.StringIO())
+    return out.getvalue()
+
+
+def test_issue_user_token_refuses_a_label_too_long_in_one_line():
+    # was a traceback of federation.errors.InvalidRequest
+    user = make_user("carol")
+    with pytest.raises(CommandError, match="label is at most 100 characters"):
+        run("issue_user_token", "carol", "--label", "x" * 101)
+    assert not UserToken.objects.filter(user=user).exists()
+    assert not AuditLog.objects.filter(action=AuditLog.Action.TOKEN_ISSUE).exists()
+    assert run("issue_user_token", "carol", "--label", "x" * 100).startswith("syn_u_")
