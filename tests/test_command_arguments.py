@@ -29,3 +29,13 @@ def test_issue_user_token_refuses_a_label_too_long_in_one_line():
     assert not UserToken.objects.filter(user=user).exists()
     assert not AuditLog.objects.filter(action=AuditLog.Action.TOKEN_ISSUE).exists()
     assert run("issue_user_token", "carol", "--label", "x" * 100).startswith("syn_u_")
+
+
+def test_routing_token_refuses_a_name_longer_than_its_column_in_one_line():
+    from routing.models import RoutingToken
+
+    # was a traceback of django.db.DataError (value too long for character varying(200))
+    with pytest.raises(CommandError, match="at most 200 characters"):
+        run("routing_token", "x" * 201)
+    assert not RoutingToken.objects.exists()
+    assert run("routing_token", "x" * 200).startswith("rt_")
