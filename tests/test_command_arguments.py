@@ -39,3 +39,12 @@ def test_routing_token_refuses_a_name_longer_than_its_column_in_one_line():
         run("routing_token", "x" * 201)
     assert not RoutingToken.objects.exists()
     assert run("routing_token", "x" * 200).startswith("rt_")
+
+
+@pytest.mark.parametrize("where", ["missing/schema.json", "."])
+def test_export_schema_to_a_path_it_cannot_write_says_so_in_one_line(registry, tmp_path, where):
+    # a folder that does not exist, or a folder itself: was a FileNotFoundError / IsADirectoryError
+    # traceback
+    with pytest.raises(CommandError, match="cannot write the schema to"):
+        run("export_schema", "--out", str(tmp_path / where))
+    assert not (tmp_path / "missing").exists()
