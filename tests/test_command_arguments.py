@@ -48,3 +48,15 @@ def test_export_schema_to_a_path_it_cannot_write_says_so_in_one_line(registry, t
     with pytest.raises(CommandError, match="cannot write the schema to"):
         run("export_schema", "--out", str(tmp_path / where))
     assert not (tmp_path / "missing").exists()
+
+
+def test_import_probe_set_refuses_a_negative_seed_in_one_line(registry, tmp_path):
+    from federation.models import ProbeQuery
+    from tests.merge_helpers import write_probe_dataset
+
+    folder = write_probe_dataset(tmp_path / "probe")
+    # was a traceback of numpy's ValueError "expected non-negative integer"
+    with pytest.raises(CommandError, match="--seed must be 0 or more"):
+        run("import_probe_set", str(folder), "--seed", "-1")
+    assert not ProbeQuery.objects.exists()
+
