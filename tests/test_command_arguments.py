@@ -60,3 +60,15 @@ def test_import_probe_set_refuses_a_negative_seed_in_one_line(registry, tmp_path
         run("import_probe_set", str(folder), "--seed", "-1")
     assert not ProbeQuery.objects.exists()
 
+
+@pytest.mark.parametrize("seed", ["-1", str(2**63)])
+def test_demo_rounds_refuses_a_seed_no_round_can_take_before_doing_anything(registry, tmp_path, seed):
+    from federation.models import ProbeQuery, Round
+    from tests.merge_helpers import write_probe_dataset
+
+    folder = write_probe_dataset(tmp_path / "probe")
+    # -1 was numpy's ValueError traceback; 2**63 replaced the probe set, then was a traceback of
+    # RoundConfig's ValidationError when the first round was opened
+    with pytest.raises(CommandError, match="--seed"):
+        run("demo_rounds", "--dataset", str(folder), "--seed", seed)
+    assert not ProbeQuery.objects.exists() and not Round.objects.exists()
