@@ -72,3 +72,11 @@ def test_demo_rounds_refuses_a_seed_no_round_can_take_before_doing_anything(regi
     with pytest.raises(CommandError, match="--seed"):
         run("demo_rounds", "--dataset", str(folder), "--seed", seed)
     assert not ProbeQuery.objects.exists() and not Round.objects.exists()
+
+
+def test_round_status_with_more_rounds_than_any_federation_has_lists_them_all():
+    from federation import services
+
+    services.open_round(services.Actor.system("tests"))
+    # was a traceback of django.db.DataError (bigint out of range, in the query's LIMIT)
+    assert run("round_status", "--last", str(10**20)).startswith("round 1: open")
