@@ -87,3 +87,9 @@ def test_close_due_rounds_refuses_an_interval_that_is_not_a_finite_number(every)
     # was a traceback of time.sleep's ValueError (nan) or OverflowError (inf), after one check
     with pytest.raises(CommandError, match="--every must be a finite number of seconds"):
         run("close_due_rounds", "--every", every)
+
+
+def test_erase_client_reads_only_ascii_digits_as_an_id():
+    # "²" passes str.isdigit but not int(): was a ValueError traceback
+    with pytest.raises(CommandError, match="no client '²'"):
+        run("erase_client", "²")
