@@ -1,6 +1,6 @@
 from pathlib import Path
 
-from django.core.management.base import BaseCommand
+from django.core.management.base import BaseCommand, CommandError
 
 from compendium.services import current_schema
 
@@ -16,5 +16,10 @@ class Command(BaseCommand):
         if out == "-":
             self.stdout.write(text)
         else:
-            Path(out).write_text(text, encoding="utf-8")
+            try:
+                Path(out).write_text(text, encoding="utf-8")
+            except OSError as exc:
+                raise CommandError(
+                    f"cannot write the schema to {out}: {exc.strerror or exc}"
+                ) from None
             self.stdout.write(f"schema written to {out}")

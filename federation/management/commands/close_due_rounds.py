@@ -1,6 +1,7 @@
+import math
 import time
 
-from django.core.management.base import BaseCommand
+from django.core.management.base import BaseCommand, CommandError
 
 from federation.services import close_due_rounds
 
@@ -17,6 +18,8 @@ class Command(BaseCommand):
         )
 
     def handle(self, *args, every, **options):
+        if not math.isfinite(every):
+            raise CommandError(f"--every must be a finite number of seconds, not {every}")
         while True:
             for rnd in close_due_rounds():
                 self.stdout.write(

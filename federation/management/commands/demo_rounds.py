@@ -1,9 +1,11 @@
 import sys
 
 from django.core.management.base import BaseCommand, CommandError
+from pydantic import ValidationError
 
 from compendium.registry import RegistryFormatError
 from federation.demo import DEMO_QUERIES_PER_CLIENT, DemoError, run_demo_rounds
+from federation.services import demo_round_config
 
 
 class Command(BaseCommand):
@@ -27,6 +29,11 @@ class Command(BaseCommand):
         for flag, value in (("--rounds", rounds), ("--queries-per-client", queries_per_client)):
             if value < 1:
                 raise CommandError(f"{flag} must be at least 1, not {value}")
+        try:
+            # The seed of every round the demo opens: refused before anything is imported.
+            demo_round_config(seed)
+        except ValidationError as exc:
+            raise CommandError(f"--seed {seed}: {exc.errors()[0]['msg']}") from None
         try:
             report = run_demo_rounds(
                 dataset, rounds=rounds, queries_per_client=queries_per_client, seed=seed,

@@ -16,7 +16,7 @@ class Command(BaseCommand):
 
     def handle(self, *args, client, **options):
         try:
-            if client.isdigit():
+            if client.isascii() and client.isdigit():
                 target = Client.objects.get(pk=int(client))
             else:
                 slug, _, name = client.partition("/")

@@ -15,6 +15,8 @@ class Command(BaseCommand):
     def handle(self, *args, path, per_tool, seed, **options):
         if per_tool is not None and per_tool < 1:
             raise CommandError("--per-tool must be at least 1")
+        if seed < 0:
+            raise CommandError(f"--seed must be 0 or more, not {seed}")
         try:
             result = import_probe_set(path, per_tool=per_tool, seed=seed)
         except RegistryFormatError as exc:

@@ -1,6 +1,7 @@
 from django.contrib.auth import get_user_model
 from django.core.management.base import BaseCommand, CommandError
 
+from federation.errors import FederationError
 from federation.services import Actor, issue_user_token
 
 
@@ -17,4 +18,8 @@ class Command(BaseCommand):
         user = get_user_model().objects.filter(username=username).first()
         if user is None:
             raise CommandError(f"no user {username!r}")
-        self.stdout.write(issue_user_token(Actor.system("issue_user_token"), user, label))
+        try:
+            token = issue_user_token(Actor.system("issue_user_token"), user, label)
+        except FederationError as exc:
+            raise CommandError(exc.detail) from None
+        self.stdout.write(token)

@@ -2,6 +2,7 @@ from django.core.management.base import BaseCommand, CommandError
 from django.db.models import Count
 
 from federation.models import Round
+from federation.services import MAX_ROUND_NUMBER
 
 
 class Command(BaseCommand):
@@ -13,6 +14,7 @@ class Command(BaseCommand):
     def handle(self, *args, last, **options):
         if last < 1:
             raise CommandError(f"--last must be 1 or more, not {last}")
+        last = min(last, MAX_ROUND_NUMBER)  # no federation has more; a larger LIMIT is a DataError
         rounds = list(
             Round.objects.annotate(n=Count("submissions__client", distinct=True)).order_by("-number")[:last]
         )

@@ -18,6 +18,9 @@ class Command(BaseCommand):
                 raise CommandError(f"no routing token named {name!r}")
             self.stdout.write(f"revoked routing token {name}")
             return
+        limit = RoutingToken._meta.get_field("name").max_length
+        if len(name) > limit:
+            raise CommandError(f"a routing token's name is at most {limit} characters, not {len(name)}")
         if RoutingToken.objects.filter(name=name).exists():
             raise CommandError(f"a routing token named {name!r} exists; pick another name")
         _, raw = RoutingToken.issue(name)
