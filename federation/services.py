@@ -292,6 +292,15 @@ def audit_details_for(user, entry: AuditLog) -> dict:
     return _without_admin_only(details)
 
 
+def audit_ip_for(user, entry: AuditLog) -> str | None:
+    """The address an audit entry came from, as `user` may read it: an organization's admins and
+    the operator read every one they see; a read-only member only those of their own actions (a
+    colleague's address is personal data, as their e-mail address and sign-in times are)."""
+    if entry.actor_id is not None and entry.actor_id == user.pk:
+        return entry.ip
+    return entry.ip if can_admin(Actor.for_user(user), entry.organization_id) else None
+
+
 def _without_admin_only(value):
     if isinstance(value, dict):
         return {

@@ -592,3 +592,25 @@ def test_a_read_only_member_reads_no_colleagues_e_mail_in_the_audit_log(client, 
             assert ("carol@a.example" in shown) is sees_carol, user
         assert ("email" in details["carol"]) is sees_carol and details["carol"]["role"] == "member"
         assert ("dave@a.example" in body) is (sees_carol or user == dave)
+
+
+def test_a_read_only_member_reads_no_colleagues_address_in_the_audit_log(client, world):
+    """The audit log's `from` column showed a read-only member every colleague's IP address (page,
+    CSV and API), where their e-mail addresses and sign-in times are hidden from them. Admins and
+    the operator still read it, and a member reads the address of their own action."""
+    services.audit(services.Actor.for_user(world.admin_a, "203.0.113.7"), "person.role",
+                   organization=world.org_a, target_label="admin's action")
+    services.audit(services.Actor.for_user(world.member_a, "198.51.100.9"), "person.password_change",
+                   organization=world.org_a, target_label="member's action")
+    audit_page, csv_url = reverse("dashboard:audit"), reverse("dashboard:audit") + "?format=csv"
+    for user, sees_admins in ((world.member_a, False), (world.admin_a, True), (world.operator, True)):
+        client.force_login(user)
+        body = client.get(audit_page).content.decode()
+        csv_text = b"".join(client.get(csv_url).streaming_content).decode()
+        api = person_api(user).get("/api/v1/admin/audit/").json()["results"]
+        ips = {entry["target_label"]: entry["ip"] for entry in api}
+        for shown in (body, csv_text):
+            assert ("203.0.113.7" in shown) is sees_admins, user
+            assert "198.51.100.9" in shown, user
+        assert ips["admin's action"] == ("203.0.113.7" if sees_admins else None)
+        assert ips["member's action"] == "198.51.100.9"

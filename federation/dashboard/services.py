@@ -746,7 +746,7 @@ def _csv_cell(value) -> str:
 def audit_csv_lines(entries: QuerySet, user):
     """The audit entries as CSV lines (header first), streamed from the database in chunks, with
     the details `user` may read."""
-    from federation.services import audit_details_for
+    from federation.services import audit_details_for, audit_ip_for
 
     buffer = io.StringIO()
     writer = csv.writer(buffer)
@@ -762,7 +762,7 @@ def audit_csv_lines(entries: QuerySet, user):
         yield line((
             e.created_at.isoformat(), e.actor_label, e.action,
             e.organization.slug if e.organization else "", e.target_type, e.target_id,
-            e.target_label, e.ip or "",
+            e.target_label, audit_ip_for(user, e) or "",
             json.dumps(audit_details_for(user, e), sort_keys=True, ensure_ascii=False),
         ))
 
