@@ -41,6 +41,16 @@ def test_routing_token_refuses_a_name_longer_than_its_column_in_one_line():
     assert run("routing_token", "x" * 200).startswith("rt_")
 
 
+@pytest.mark.parametrize("name", ["", "   "])
+def test_routing_token_refuses_an_empty_name(name):
+    from routing.models import RoutingToken
+
+    # was a token named "" (what `routing_token "$NAME"` issues with NAME unset)
+    with pytest.raises(CommandError, match="needs a name"):
+        run("routing_token", name)
+    assert not RoutingToken.objects.exists()
+
+
 @pytest.mark.parametrize("where", ["missing/schema.json", "."])
 def test_export_schema_to_a_path_it_cannot_write_says_so_in_one_line(registry, tmp_path, where):
     # a folder that does not exist, or a folder itself: was a FileNotFoundError / IsADirectoryError

@@ -18,6 +18,9 @@ class Command(BaseCommand):
                 raise CommandError(f"no routing token named {name!r}")
             self.stdout.write(f"revoked routing token {name}")
             return
+        if not name.strip():
+            # `routing_token "$NAME"` with NAME unset: a token nobody could tell from another
+            raise CommandError("a routing token needs a name (it is how the token is revoked)")
         limit = RoutingToken._meta.get_field("name").max_length
         if len(name) > limit:
             raise CommandError(f"a routing token's name is at most {limit} characters, not {len(name)}")
