@@ -303,6 +303,17 @@ def test_operator_closes_opens_and_retries_rounds(client, fed):
     assert AuditLog.objects.filter(action="round.retry", actor=fed.operator).exists()
 
 
+def test_a_rounds_own_url_does_not_open_a_round(client, fed):
+    """rounds/<N>/open/ opened the next round whatever N named (the round-action route took
+    "open" as an action); opening a round is rounds/open/ alone."""
+    login(client, fed, "operator")
+    services.close_round(SYSTEM, Round.objects.get(number=2))
+    before = Round.objects.count()
+    response = client.post(reverse("dashboard:round-action", args=[1, "open"]), {"epsilon": "1"})
+    assert response.status_code == 404
+    assert Round.objects.count() == before
+
+
 def test_round_form_rejects_bad_config_naming_the_field(client, fed):
     login(client, fed, "operator")
     services.close_round(SYSTEM, Round.objects.get(number=2))

@@ -545,6 +545,10 @@ class RoundActionView(ActionView):
         if not self.is_operator:
             raise NotAllowed(f"only the federation operator may {action} rounds")
         actor = actor_for(request)
+        if action == "open" and number is not None:
+            # rounds/<N>/open/ would open the next round whatever N named: opening is
+            # rounds/open/ alone
+            raise Http404("unknown action")
         if action == "open":
             raw = {k: request.POST[k].strip() for k in ROUND_FIELDS if request.POST.get(k, "").strip()}
             problems = config_problems(raw, ROUND_FIELD_LABELS)
