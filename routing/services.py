@@ -653,14 +653,15 @@ def route_query(
     """Route one query against the published global compendium (retrieval in pgvector). Its
     latency joins the routing API's traffic figures unless `record` is false (the dashboard's
     playground: people trying queries are not the API's traffic). With a `caller` (the API's),
-    a valid query counts against its rate limit (`admit`)."""
+    a valid query counts against its rate limit (`admit`) once there is a global to route it
+    against."""
     started = time.perf_counter()
     query = validate_query(query)
     top_k = validate_top_k(top_k)
     reranker = validate_reranker(reranker)
+    served = served_compendium()  # before admit: a 503 (nothing published) routed nothing
     if caller is not None:
         admit(caller, 1)
-    served = served_compendium()
     try:
         decision = served.routers[reranker].route(query, top_k)
     except ServedVersionGone:  # a router of a deleted global (pgvector retrieval): the current one
@@ -687,9 +688,9 @@ def route_queries(
         validate_query(q, f"queries[{i}]")
     top_k = validate_top_k(top_k)
     reranker = validate_reranker(reranker)
+    served = served_compendium()  # before admit: a 503 (nothing published) routed nothing
     if caller is not None:
         admit(caller, len(queries))
-    served = served_compendium()
     router = served.routers[reranker]
     overrides = {}
     if reranker == "llm" and router.llm is not None:

@@ -780,6 +780,27 @@ def test_a_submission_declared_as_another_media_type_is_a_415_and_gzip_members_j
     assert response.status_code == 201, response.content
 
 
+def test_the_submission_endpoint_answers_json_whatever_the_client_accepts(
+    world, open_round, valid_doc
+):
+    """A client whose requests say `Accept: text/html` (a browser's, curl -H, ?format=api) gets
+    the endpoint's JSON: DRF's browsable API cannot build its forms for a view that reads its
+    body raw, and its answer was a 500 after the submission had been stored."""
+    api = client_api(world.token_a)
+    stored = post_doc(api, valid_doc, key="html", HTTP_ACCEPT="text/html")
+    assert stored.status_code == 201, stored.content
+    assert stored["Content-Type"].startswith("application/json")
+    assert stored.json()["round"] == open_round.number
+    replayed = post_doc(api, valid_doc, key="html", HTTP_ACCEPT="text/html")
+    assert replayed.status_code == 201 and replayed["Idempotent-Replayed"] == "true"
+    assert Submission.objects.count() == 1
+    refused = post_doc(api, b"{nope", key="bad", HTTP_ACCEPT="text/html")
+    assert refused.status_code == 400 and refused.json()["violations"]
+    for listed in (api.get(SUBMIT, HTTP_ACCEPT="text/html"), api.get(SUBMIT + "?format=api")):
+        assert listed.status_code == 200 and listed.json()["count"] == 1
+    assert api.options(SUBMIT, HTTP_ACCEPT="text/html").status_code == 200
+
+
 UNMASKED = "Ask my colleague Henrietta Castellanos at henrietta@example.org about ticket 8587766"
 
 

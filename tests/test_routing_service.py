@@ -571,6 +571,25 @@ def test_route_api_rate_limits_each_caller_by_queries_a_minute(data, api, settin
     assert _post(http, "/api/v1/route/", {"query": queries[6]}, raw).status_code == 200
 
 
+def test_a_503_before_anything_is_published_counts_nothing_against_the_rate(data, api, settings):
+    """A caller routes SYNAPSE_ROUTE_RATE_LIMIT queries a minute: one answered 503 (nothing
+    published yet, so nothing routed) is no query routed, and an application that called while
+    waiting for the first publication may route as soon as it is published."""
+    from federation.models import RateCounter
+
+    http, raw, token = api
+    settings.SYNAPSE_ROUTE_RATE_LIMIT = 2
+    for body, path in [({"query": "hello"}, "/api/v1/route/")] * 2 + [
+        ({"queries": ["a", "b"]}, "/api/v1/route/batch/")
+    ]:
+        assert _post(http, path, body, raw).status_code == 503
+    assert not RateCounter.objects.filter(key=f"route:routing-token:{token.pk}", count__gt=0).exists()
+    _publish(data, with_client_copy=False)
+    services.forget_published_version()
+    assert _post(http, "/api/v1/route/", {"query": data["queries"][0]}, raw).status_code == 200
+    assert _post(http, "/api/v1/route/batch/", {"queries": data["queries"][1:3]}, raw).status_code == 429
+
+
 def test_rate_limit_windows_and_callers(db):
     """`admit` counts per caller and minute; the next minute starts afresh; people, clients and
     routing tokens are told apart."""

@@ -17,7 +17,9 @@ from drf_spectacular.utils import (
 )
 from pydantic import ValidationError as PydanticValidationError
 from rest_framework import exceptions, generics, status
+from rest_framework.negotiation import BaseContentNegotiation
 from rest_framework.permissions import BasePermission
+from rest_framework.renderers import JSONRenderer
 from rest_framework.response import Response
 from rest_framework.views import APIView
 
@@ -145,6 +147,20 @@ class FederationGenericView(FederationView, generics.GenericAPIView):
 # --- clients: submissions ---------------------------------------------------------------------
 
 
+class AlwaysJSON(BaseContentNegotiation):
+    """JSON whatever the request's Accept header or ?format= asks for (RFC 9110 12.5.1 lets a
+    server disregard Accept). The submission endpoint reads its body raw (no parser), which DRF's
+    browsable API cannot build its forms from: its HTML answer to a client was a 500, after the
+    submission had been stored."""
+
+    def select_parser(self, request, parsers):
+        return parsers[0] if parsers else None
+
+    def select_renderer(self, request, renderers, format_suffix=None):
+        return renderers[0], renderers[0].media_type
+
+
+
 @extend_schema(
     methods=["GET"],
     summary="The calling client's own submissions, newest first",
@@ -157,6 +173,8 @@ class SubmissionView(FederationGenericView):
     authentication_classes = CLIENT_AUTH + [UserTokenAuthentication, PersonSessionRecognition]
     permission_classes = [IsSubmittingClient]
     parser_classes: list = []  # the body is read raw, after its declared length was checked
+    renderer_classes = [JSONRenderer]  # a machine's endpoint: no browsable API (see AlwaysJSON)
+    content_negotiation_class = AlwaysJSON
     serializer_class = OwnSubmissionSerializer
 
     def get_queryset(self):
