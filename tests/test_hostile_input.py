@@ -365,7 +365,10 @@ def test_json_body_nested_too_deeply_is_400_naming_it(world, method, path):
 @pytest.mark.parametrize(
     "query, named",
     [({"limit": "true"}, "limit must be an integer"), ({"limit": "0"}, "limit must be at least 1"),
-     ({"offset": "-5"}, "offset must be at least 0"), ({"offset": "null"}, "offset must be an integer")],
+     ({"offset": "-5"}, "offset must be at least 0"), ({"offset": "null"}, "offset must be an integer"),
+     # int() reads these as whole numbers; the README says a whole number
+     ({"limit": "+5"}, "limit must be an integer"), ({"limit": "1_0"}, "limit must be an integer"),
+     ({"offset": " 5"}, "offset must be an integer"), ({"limit": "５"}, "limit must be an integer")],
 )
 def test_api_list_refuses_a_page_it_cannot_read(world, query, named):
     """DRF's pagination ignores a limit or offset it cannot read and answers the first page, which

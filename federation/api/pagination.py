@@ -13,14 +13,14 @@ def _count_param(request, name: str, *, minimum: int) -> int | None:
     raw = request.query_params.get(name)
     if raw is None or raw == "":
         return None
-    if raw.isascii() and raw.isdigit() and len(raw) > 18:  # past any list: the cap, or the end
-        return 10**18
-    try:
-        value = int(raw)
-    except ValueError:
-        raise ValidationError({"detail": f"{name} must be an integer, not {raw[:40]!r}"}) from None
-    if value < minimum:
-        raise ValidationError({"detail": f"{name} must be at least {minimum}, not {value}"})
+    digits = raw[1:] if raw.startswith("-") else raw
+    # ASCII digits only: int() also reads "+5", " 5", "1_0" and full-width "５"
+    if not (digits.isascii() and digits.isdigit()):
+        raise ValidationError({"detail": f"{name} must be an integer, not {raw[:40]!r}"})
+    significant = digits.lstrip("0") or "0"
+    value = 10**18 if len(significant) > 18 else int(significant)  # past any list: the cap, or the end
+    if (raw.startswith("-") and value) or value < minimum:
+        raise ValidationError({"detail": f"{name} must be at least {minimum}, not {raw[:40]}"})
     return value
 
 
