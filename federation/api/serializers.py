@@ -185,7 +185,8 @@ class OrganizationSerializer(serializers.ModelSerializer):
         model = Organization
         fields = ["id", "name", "slug", "description", "created_at"]
         read_only_fields = ["id", "created_at"]
-        extra_kwargs = {"slug": {"required": False}, "name": {"validators": []}}
+        # Uniqueness is the service's to check: a taken name or slug is a 409, as a rename's is.
+        extra_kwargs = {"slug": {"required": False, "validators": []}, "name": {"validators": []}}
 
 
 class RenameOrganizationSerializer(serializers.Serializer):
