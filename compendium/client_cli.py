@@ -29,7 +29,15 @@ from compendium.delta import (
     without_sent,
 )
 from compendium.masking import SHARED_WORD_USERS, valid_shared_word_users
-from compendium.schema import DEFAULT_NUMERIC_FIELDS, Compendium, Schema, exceeds_field_cap
+from compendium.schema import (
+    DEFAULT_NUMERIC_FIELDS,
+    FIELD_CAP_MAX,
+    SEED_MAX,
+    SEED_MIN,
+    Compendium,
+    Schema,
+    exceeds_field_cap,
+)
 from compendium.validation import CompendiumInvalid, format_path, validate_compendium
 
 PROG = "synapse-client"
@@ -159,6 +167,15 @@ def _field_names(value: str | None, schema) -> frozenset[str]:
     return names
 
 
+def _check_seed_and_field_cap(args: argparse.Namespace) -> None:
+    """--seed and --field-cap as the compendium records them (a bigint, an integer column):
+    refused before any work, not as the built compendium's validation error at its end."""
+    if not SEED_MIN <= args.seed <= SEED_MAX:
+        raise CliError(f"--seed must be a whole number from {SEED_MIN} to {SEED_MAX}")
+    if args.field_cap is not None and not 1 <= args.field_cap <= FIELD_CAP_MAX:
+        raise CliError(f"--field-cap must be from 1 to {FIELD_CAP_MAX}")
+
+
 def cmd_build(args: argparse.Namespace) -> int:
     from compendium.builder import BuildError, BuildOptions, BuildReport, build_compendium
     from compendium.client_api import write_atomically
@@ -167,8 +184,7 @@ def cmd_build(args: argparse.Namespace) -> int:
     schema = _load_schema(args.schema)
     if not math.isfinite(args.strength):
         raise CliError("--lambda must be a finite number")
-    if args.field_cap is not None and args.field_cap < 1:
-        raise CliError("--field-cap must be at least 1")
+    _check_seed_and_field_cap(args)
     if not 0 < args.tau <= 1:
         raise CliError("--tau must be in (0, 1]")
     if args.max_bytes is not None and args.max_bytes < 1:
@@ -802,8 +818,7 @@ def cmd_participate(args: argparse.Namespace) -> int:
         weaker_masking,
     )
 
-    if args.field_cap is not None and args.field_cap < 1:
-        raise CliError("--field-cap must be at least 1")
+    _check_seed_and_field_cap(args)
     folder = Path(args.dir)
     try:
         folder.mkdir(parents=True, exist_ok=True)

@@ -259,3 +259,33 @@ def test_build_since_without_the_embedding_model_is_refused_before_any_work(tmp_
         "synapse-client: --since needs the embedding model (drop --no-collapse)"
     )
     assert not (tmp_path / "c.json").exists()
+
+
+@pytest.mark.parametrize(
+    "flag, value, message",
+    [
+        ("--seed", str(2**63), "--seed must be a whole number from -9223372036854775808 to "
+         "9223372036854775807"),
+        ("--seed", str(-(2**63) - 1), "--seed must be a whole number from -9223372036854775808 to "
+         "9223372036854775807"),
+        ("--field-cap", str(2**31), "--field-cap must be from 1 to 2147483647"),
+    ],
+)
+def test_build_refuses_a_seed_or_field_cap_no_compendium_can_record(tmp_path, capsys, flag, value,
+                                                                    message):
+    """A seed past 64 bits or a field cap past the ledger's integer was pydantic's traceback
+    once the whole log had been masked (MaskingInfo.seed, Compendium.field_cap); now one line
+    before the log is read (here it does not even exist), and nothing is written."""
+    schema = tmp_path / "schema.json"
+    schema.write_text('{"tools": [{"tool_id": "weather", "description": "Weather"}]}', "utf-8")
+    out = tmp_path / "c.json"
+    assert main(["build", "--log", str(tmp_path / "missing.jsonl"), "--schema", str(schema),
+                 "--out", str(out), "--no-collapse", "--quiet", flag, value]) == 1
+    assert capsys.readouterr().err.strip() == f"synapse-client: {message}"
+    assert not out.exists()
+
+
+def test_participate_refuses_a_seed_no_compendium_can_record_before_any_request(tmp_path, capsys):
+    assert main(["participate", "--log", str(tmp_path / "usage.jsonl"), "--dir", str(tmp_path / "s"),
+                 "--server", NOWHERE, "--token", TOKEN, "--seed", str(2**64)]) == 1
+    assert capsys.readouterr().err.strip().startswith("synapse-client: --seed must be a whole number")
