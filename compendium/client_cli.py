@@ -82,7 +82,7 @@ def _load_pulled(path: str) -> Compendium:
     data = _read_bytes(path)
     try:
         doc = json.loads(data)
-    except ValueError:
+    except (ValueError, RecursionError):  # RecursionError: nested too deeply for json
         return _load_compendium(path, data)  # names what is wrong with it
     inner = global_document(doc)
     return _load_compendium(path, data if inner is doc else json.dumps(inner).encode())
@@ -424,7 +424,7 @@ def _load_report(compendium_path: Path, compendium: Compendium) -> tuple[Path, d
         return where, None
     try:
         report = _usable_report(json.loads(where.read_text(encoding="utf-8")))
-    except (OSError, ValueError):
+    except (OSError, ValueError, RecursionError):
         report = None
     if report is None:
         print(f"{PROG}: {where} is not a report build wrote: ignored", file=sys.stderr)
@@ -926,9 +926,20 @@ def cmd_participate(args: argparse.Namespace) -> int:
     return status
 
 
+def _probe_document(path: str):
+    """The JSON of a probe.json (`fetch-probe`), or a CliError naming the file."""
+    data = _read_bytes(path)
+    try:
+        return json.loads(data)
+    except RecursionError:
+        raise CliError(f"{path} is not a probe set: it nests too deeply") from None
+    except ValueError as exc:
+        raise CliError(f"{path} is not a probe set: {exc}") from None
+
+
 def _load_probe(path: str) -> list[str]:
     try:
-        return transport.probe_texts_of(json.loads(_read_bytes(path)))
+        return transport.probe_texts_of(_probe_document(path))
     except ValueError as exc:
         raise CliError(f"{path} is not a probe set: {exc}") from None
 
@@ -937,7 +948,7 @@ def _load_probe_labelled(path: str) -> list[tuple[str, str]] | None:
     """The probe set's (request, tool) pairs for `build --probe`; None (with a warning) when the
     file has no tools or no requests: nothing is left out then."""
     try:
-        pairs = transport.probe_labelled_of(json.loads(_read_bytes(path)))
+        pairs = transport.probe_labelled_of(_probe_document(path))
     except ValueError as exc:
         raise CliError(f"{path} is not a probe set: {exc}") from None
     if not pairs:

@@ -289,3 +289,40 @@ def test_participate_refuses_a_seed_no_compendium_can_record_before_any_request(
     assert main(["participate", "--log", str(tmp_path / "usage.jsonl"), "--dir", str(tmp_path / "s"),
                  "--server", NOWHERE, "--token", TOKEN, "--seed", str(2**64)]) == 1
     assert capsys.readouterr().err.strip().startswith("synapse-client: --seed must be a whole number")
+
+
+def test_a_json_file_nested_too_deeply_is_one_clear_line_not_a_recursion_error(tmp_path, capsys):
+    """A --since, --probe, route --compendium or build report nested deeper than Python's json
+    reads was a RecursionError traceback (a number of 5,000 digits a ValueError one, a file that
+    is not UTF-8 a UnicodeDecodeError one for route)."""
+    deep = tmp_path / "deep.json"
+    deep.write_text("[" * 100_000, encoding="utf-8")
+    compendium = tmp_path / "c.json"
+    compendium.write_text(json.dumps({"scenarios": [{"tool_id": "weather", "text": "forecast"}]}))
+    schema = tmp_path / "schema.json"
+    schema.write_text('{"tools": [{"tool_id": "weather", "description": "Weather"}]}', "utf-8")
+    server = ["--server", NOWHERE, "--token", TOKEN, "--retries", "0"]
+
+    assert main(["submit", str(compendium), "--since", str(deep), *server]) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1] == f"synapse-client: {deep} is not a compendium (1 error(s))"
+    assert main(["submit", str(compendium), "--schema", str(schema), "--probe", str(deep),
+                 *server]) == 1
+    assert capsys.readouterr().err.strip() == (
+        f"synapse-client: {deep} is not a probe set: it nests too deeply"
+    )
+
+    (tmp_path / "c.json.report.json").write_text("[" * 100_000, encoding="utf-8")
+    assert main(["inspect", str(compendium)]) == 0
+    assert "c.json.report.json is not a report build wrote: ignored" in capsys.readouterr().err
+
+    huge = tmp_path / "huge.json"
+    huge.write_text('{"num_users": ' + "9" * 5000 + "}", encoding="utf-8")
+    latin = tmp_path / "latin.json"
+    latin.write_bytes('{"scenarios": [{"tool_id": "weather", "text": "caf\xe9"}]}'.encode("latin-1"))
+    for path, reason in [(deep, "is not a compendium: it nests too deeply"),
+                         (huge, "is not a compendium: it holds a number of more than 4,300 digits"),
+                         (latin, "is not UTF-8 text (invalid continuation byte)")]:
+        with pytest.raises(SystemExit) as exit_:
+            main(["route", "weather?", "--compendium", str(path)])
+        assert str(exit_.value.code) == f"synapse-client: {path} {reason}"
