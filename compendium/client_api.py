@@ -226,9 +226,14 @@ class SynapseClient:
         if not server.startswith(("http://", "https://")):
             raise ClientError(f"--server must be an http(s) URL; got {server!r}")
         try:
-            host = httpx.URL(server).host
+            url = httpx.URL(server)
+            host = url.host  # decodes punycode: an invalid "xn--" label is a UnicodeError
+            # as the socket layer encodes it: an empty or overlong label ("a..b") is one too
+            url.raw_host.decode("ascii").encode("idna")
         except httpx.InvalidURL as exc:
             raise ClientError(f"--server is not a valid URL ({exc}); got {server!r}") from None
+        except UnicodeError:
+            raise ClientError(f"--server names a host that is not a valid domain name; got {server!r}") from None
         if not host:
             raise ClientError(f"--server names no host; got {server!r}")
         if not token.strip():

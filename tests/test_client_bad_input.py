@@ -20,7 +20,15 @@ NOWHERE = "http://127.0.0.1:9"  # never reached: every case is refused before a 
 
 @pytest.mark.parametrize(
     "server, reason",
-    [("http://[::1", "is not a valid URL"), ("http://", "names no host"), ("https:///x", "names no host")],
+    [
+        ("http://[::1", "is not a valid URL"), ("http://", "names no host"),
+        ("https:///x", "names no host"),
+        # UnicodeError tracebacks before: from the socket layer at the first request (an empty
+        # or overlong label) and from httpx decoding an invalid punycode label
+        ("http://synapse..example", "names a host that is not a valid domain name"),
+        ("http://" + "a" * 64 + ".example", "names a host that is not a valid domain name"),
+        ("http://xn--zz.example", "names a host that is not a valid domain name"),
+    ],
 )
 def test_a_server_url_httpx_cannot_use_is_one_clear_error(server, reason):
     with pytest.raises(ClientError, match=reason):
@@ -49,7 +57,7 @@ def test_bad_network_options_are_refused_before_any_request(capsys, flag, value,
     assert code == 1 and err == [f"synapse-client: {message}"]
 
 
-@pytest.mark.parametrize("server", ["http://[::1", "http://"])
+@pytest.mark.parametrize("server", ["http://[::1", "http://", "http://synapse..example"])
 def test_the_cli_reports_a_bad_server_url_in_one_line(capsys, server):
     assert main(["status", "--server", server, "--token", TOKEN]) == 1
     err = capsys.readouterr().err.strip().splitlines()
