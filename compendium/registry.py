@@ -50,6 +50,29 @@ def _read_text(path: Path) -> str:
         raise RegistryFormatError(f"{path}: not UTF-8 text ({exc.reason})") from None
 
 
+class _NotJson(ValueError):
+    """NaN, Infinity or -Infinity: Python's json reads them, JSON has no such numbers, and no
+    database column (jsonb, a float) stores them."""
+
+
+def _not_json(name: str) -> Any:
+    raise _NotJson(f"{name} is not a JSON number")
+
+
+def _parse_json(text: str, where: str) -> Any:
+    """`text` as JSON, or a RegistryFormatError naming `where` (a file, or a file and line)."""
+    try:
+        return json.loads(text, parse_constant=_not_json)
+    except json.JSONDecodeError as exc:
+        raise RegistryFormatError(f"{where}: not valid JSON ({exc.msg})") from None
+    except _NotJson as exc:
+        raise RegistryFormatError(f"{where}: not valid JSON ({exc})") from None
+    except RecursionError:
+        raise RegistryFormatError(f"{where}: not valid JSON (nested too deeply)") from None
+    except ValueError:  # an integer of more digits than Python reads (4,300)
+        raise RegistryFormatError(f"{where}: holds a number of more than 4,300 digits") from None
+
+
 def _read_jsonl(path: Path) -> Iterator[tuple[int, dict[str, Any]]]:
     for number, raw in enumerate(_read_bytes(path).splitlines(), start=1):
         try:
@@ -58,10 +81,7 @@ def _read_jsonl(path: Path) -> Iterator[tuple[int, dict[str, Any]]]:
             raise RegistryFormatError(f"{path}:{number}: not UTF-8 text ({exc.reason})") from None
         if not line.strip():
             continue
-        try:
-            item = json.loads(line)
-        except json.JSONDecodeError as exc:
-            raise RegistryFormatError(f"{path}:{number}: not valid JSON ({exc.msg})") from None
+        item = _parse_json(line, f"{path}:{number}")
         if not isinstance(item, dict):
             raise RegistryFormatError(f"{path}:{number}: expected a JSON object per line")
         yield number, item
@@ -167,11 +187,7 @@ def load_registry(path: str | Path) -> list[ToolSpec]:
         raise RegistryFormatError(f"{path}: no such file or folder")
     if path.suffix == ".jsonl":
         return load_tools_jsonl(path)
-    try:
-        doc = json.loads(_read_text(path))
-    except json.JSONDecodeError as exc:
-        raise RegistryFormatError(f"{path}: not valid JSON ({exc.msg})") from None
-    return tools_from_mcp(doc, str(path))
+    return tools_from_mcp(_parse_json(_read_text(path), str(path)), str(path))
 
 
 @dataclass(frozen=True)

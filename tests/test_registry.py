@@ -194,3 +194,37 @@ def test_import_probe_set_refuses_duplicate_qids_before_storing(tmp_path):
     with pytest.raises(CommandError, match="qid 'q' is already on line 1"):
         call_command("import_probe_set", str(folder))
     assert not ProbeQuery.objects.exists()
+
+
+@pytest.mark.parametrize(("value", "message"), [
+    ("NaN", "not valid JSON (NaN is not a JSON number)"),
+    ("-Infinity", "not valid JSON (-Infinity is not a JSON number)"),
+    ("9" * 5000, "holds a number of more than 4,300 digits"),
+    ("[" * 100_000, "not valid JSON (nested too deeply)"),
+])
+def test_what_json_cannot_hold_is_refused_naming_the_file_and_line(tmp_path, value, message):
+    """NaN and Infinity (which Python's json reads, and jsonb refuses: a DataError at import),
+    a number of more digits than Python reads (ValueError) and JSON nested too deeply
+    (RecursionError) were tracebacks of import_tools, import_probe_set and simulate."""
+    tool = '{"tool_id": "b", "description": "y", "weight": ' + value + "}"
+    folder = _dataset(tmp_path / "d", [{"query": "hi", "tool_id": "a"}],
+                      tools=('{"tool_id": "a", "description": "x"}', tool))
+    with pytest.raises(RegistryFormatError, match=re.escape(f"tools.jsonl:2: {message}")):
+        load_dataset(folder)
+    folder = _dataset(tmp_path / "d", [{"query": "hi", "tool_id": "a"}])
+    (folder / "queries.jsonl").write_text('{"query": "hi", "tool_id": "a", "qid": ' + value + "}\n")
+    with pytest.raises(RegistryFormatError, match=re.escape(f"queries.jsonl:1: {message}")):
+        load_dataset(folder)
+    mcp = tmp_path / "tools_list.json"
+    mcp.write_text('{"tools": [{"name": "a", "inputSchema": {"default": ' + value + "}}]}")
+    with pytest.raises(RegistryFormatError, match=re.escape(f"{mcp}: {message}")):
+        load_registry(mcp)
+
+
+@pytest.mark.django_db
+def test_import_tools_refuses_nan_in_one_line_and_stores_nothing(tmp_path):
+    folder = _dataset(tmp_path / "d", [{"query": "hi", "tool_id": "a"}],
+                      tools=('{"tool_id": "a", "description": "x", "weight": NaN}',))
+    with pytest.raises(CommandError, match=re.escape("tools.jsonl:1: not valid JSON (NaN is not")):
+        call_command("import_tools", str(folder))
+    assert not Tool.objects.exists()
