@@ -73,6 +73,37 @@ def _parse_json(text: str, where: str) -> Any:
         raise RegistryFormatError(f"{where}: holds a number of more than 4,300 digits") from None
 
 
+def _text_problem(value: str) -> str | None:
+    """What PostgreSQL cannot store in `value` (text or jsonb): a NUL character, or a lone
+    surrogate (JSON can escape half a character: "\\ud800"), which is not text."""
+    if "\x00" in value:
+        return "holds a NUL character"
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        return f"holds a lone surrogate at character {exc.start}"
+    return None
+
+
+def _storable(where: str, what: str, value: Any) -> None:
+    """Refuse, naming `where` and `what`, a string in `value` (or in the lists and objects it
+    holds, keys included) that the database cannot store."""
+    stack = [value]
+    while stack:  # not recursive: the JSON may nest as deeply as json reads
+        item = stack.pop()
+        if isinstance(item, str):
+            problem = _text_problem(item)
+            if problem:
+                raise RegistryFormatError(
+                    f"{where}: {what} {problem}, which the database cannot store"
+                )
+        elif isinstance(item, dict):
+            stack.extend(item.keys())
+            stack.extend(item.values())
+        elif isinstance(item, list):
+            stack.extend(item)
+
+
 def _read_jsonl(path: Path) -> Iterator[tuple[int, dict[str, Any]]]:
     for number, raw in enumerate(_read_bytes(path).splitlines(), start=1):
         try:
@@ -104,10 +135,16 @@ def _tool(item: dict[str, Any], where: str) -> ToolSpec:
         raise RegistryFormatError(f"{where}: blank tool_id")
     name = str(item.get("name") or item.get("display_name") or item["tool_id"])
     category = str(item.get("category") or "")
+    for what, value in (("tool_id", tool_id), ("name", name), ("description", item["description"]),
+                        ("category", category)):
+        _storable(where, what, value)
     _too_long(where, "tool_id", tool_id, TOOL_ID_MAX_LENGTH)
     _too_long(where, "name", name, TOOL_NAME_MAX_LENGTH)
     _too_long(where, "category", category, CATEGORY_MAX_LENGTH)
     extra = {k: v for k, v in item.items() if k not in known}
+    for key, value in extra.items():
+        _storable(where, "a key", key)
+        _storable(where, repr(key), value)
     try:
         return ToolSpec(
             tool_id=tool_id,
@@ -264,6 +301,8 @@ def load_queries(path: Path, tool_ids: Iterable[str] | None = None) -> list[Labe
             raise RegistryFormatError(f"{where}: 'query' and 'tool_id' must be strings")
         if not item["query"].strip():
             raise RegistryFormatError(f"{where}: blank query")
+        for key in ("query", "tool_id", "qid", "category"):
+            _storable(where, key, item.get(key))
         if known is not None and item["tool_id"] not in known:
             raise RegistryFormatError(f"{where}: tool_id {item['tool_id']!r} is not in tools.jsonl")
         conflict = item.get("label_conflict") or []

@@ -228,3 +228,47 @@ def test_import_tools_refuses_nan_in_one_line_and_stores_nothing(tmp_path):
     with pytest.raises(CommandError, match=re.escape("tools.jsonl:1: not valid JSON (NaN is not")):
         call_command("import_tools", str(folder))
     assert not Tool.objects.exists()
+
+
+@pytest.mark.parametrize(("tool", "message"), [
+    ('{"tool_id": "b\\u0000", "description": "y"}', "tools.jsonl:2: tool_id holds a NUL character"),
+    ('{"tool_id": "b", "description": "y\\ud800"}',
+     "tools.jsonl:2: description holds a lone surrogate at character 1"),
+    ('{"tool_id": "b", "description": "y", "notes": "B\\u0000"}',
+     "tools.jsonl:2: 'notes' holds a NUL character"),
+    ('{"tool_id": "b", "description": "y", "args": {"x": ["\\u0000"]}}',
+     "tools.jsonl:2: 'args' holds a NUL character"),
+])
+def test_text_the_database_cannot_store_is_refused_at_load(tmp_path, tool, message):
+    folder = _dataset(tmp_path / "d", [{"query": "hi", "tool_id": "a"}],
+                      tools=('{"tool_id": "a", "description": "x"}', tool))
+    with pytest.raises(RegistryFormatError, match=re.escape(message + ", which the database cannot")):
+        load_registry(folder)
+
+
+@pytest.mark.django_db
+@pytest.mark.parametrize(("command", "tools", "query", "message"), [
+    ("import_tools", '{"tool_id": "a", "description": "x\\u0000"}', '{"query": "hi", "tool_id": "a"}',
+     "tools.jsonl:1: description holds a NUL character"),
+    ("import_tools", '{"tool_id": "a", "description": "x", "inputSchema": {"d": "\\ud83d"}}',
+     '{"query": "hi", "tool_id": "a"}', "tools.jsonl:1: 'inputSchema' holds a lone surrogate"),
+    ("import_probe_set", '{"tool_id": "a", "description": "x"}', '{"query": "hi\\u0000", "tool_id": "a"}',
+     "queries.jsonl:1: query holds a NUL character"),
+    ("import_probe_set", '{"tool_id": "a", "description": "x"}', '{"query": "hi \\udfff", "tool_id": "a"}',
+     "queries.jsonl:1: query holds a lone surrogate at character 3"),
+    ("import_probe_set", '{"tool_id": "a", "description": "x"}',
+     '{"query": "hi", "tool_id": "a", "qid": "q\\u0000"}', "queries.jsonl:1: qid holds a NUL"),
+])
+def test_import_commands_refuse_text_the_database_cannot_store_in_one_line(tmp_path, command, tools,
+                                                                          query, message):
+    """A NUL character or a lone surrogate (an escaped half emoji) was PostgreSQL's DataError or
+    psycopg's UnicodeEncodeError traceback when the command stored the tool or probe query."""
+    from federation.models import ProbeQuery
+
+    folder = tmp_path / "d"
+    folder.mkdir()
+    (folder / "tools.jsonl").write_text(tools + "\n")
+    (folder / "queries.jsonl").write_text(query + "\n")
+    with pytest.raises(CommandError, match=re.escape(message)):
+        call_command(command, str(folder))
+    assert not Tool.objects.exists() and not ProbeQuery.objects.exists()
