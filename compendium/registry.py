@@ -162,7 +162,7 @@ def load_tools_jsonl(path: Path) -> list[ToolSpec]:
     return _unique(tools, str(path))
 
 
-def _mcp_tools(doc: Any) -> list[dict[str, Any]]:
+def _mcp_tools(doc: Any, source: str) -> list[dict[str, Any]]:
     if isinstance(doc, dict) and "result" in doc and isinstance(doc["result"], dict):
         doc = doc["result"]
     if isinstance(doc, dict) and isinstance(doc.get("tools"), list):
@@ -170,14 +170,14 @@ def _mcp_tools(doc: Any) -> list[dict[str, Any]]:
     if isinstance(doc, list):
         return doc
     raise RegistryFormatError(
-        "not an MCP tools/list result: expected {\"tools\": [...]} or a JSON-RPC response with "
-        "result.tools"
+        f"{source}: not an MCP tools/list result: expected {{\"tools\": [...]}} or a JSON-RPC "
+        "response with result.tools"
     )
 
 
 def tools_from_mcp(doc: Any, source: str = "MCP result") -> list[ToolSpec]:
     tools = []
-    for index, item in enumerate(_mcp_tools(doc)):
+    for index, item in enumerate(_mcp_tools(doc, source)):
         where = f"{source}: tools[{index}]"
         if not isinstance(item, dict) or not isinstance(item.get("name"), str):
             raise RegistryFormatError(f"{where}: a tool needs a string 'name'")

@@ -272,3 +272,12 @@ def test_import_commands_refuse_text_the_database_cannot_store_in_one_line(tmp_p
     with pytest.raises(CommandError, match=re.escape(message)):
         call_command(command, str(folder))
     assert not Tool.objects.exists() and not ProbeQuery.objects.exists()
+
+
+@pytest.mark.django_db
+def test_import_tools_names_the_file_that_is_not_an_mcp_result(tmp_path):
+    """It said only "not an MCP tools/list result: ..." without naming the file imported."""
+    mcp = tmp_path / "tools_list.json"
+    mcp.write_text(json.dumps({"result": {"tools": "weather"}}))
+    with pytest.raises(CommandError, match=re.escape(f"{mcp}: not an MCP tools/list result")):
+        call_command("import_tools", str(mcp))
