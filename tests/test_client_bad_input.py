@@ -334,3 +334,32 @@ def test_a_json_file_nested_too_deeply_is_one_clear_line_not_a_recursion_error(t
         with pytest.raises(SystemExit) as exit_:
             main(["route", "weather?", "--compendium", str(path)])
         assert str(exit_.value.code) == f"synapse-client: {path} {reason}"
+
+
+def test_a_404_page_that_is_not_the_apis_is_not_taken_for_nothing_published(tmp_path):
+    """A proxy's or another site's 404 page was NothingPublished: `pull` said "no global
+    compendium is published", and `participate` took it for a new federation and deleted the
+    global it held, its ETag and head, and its record of what it sent (sent.json)."""
+    import httpx
+
+    from compendium.client_api import NothingPublished
+
+    def server(request):
+        if request.url.path == "/api/v1/compendium/global/":
+            return httpx.Response(404, headers={"Content-Type": "text/html"},
+                                  content=b"<html><body>404 Not Found</body></html>")
+        return httpx.Response(404, json={"detail": "no global compendium is published yet"})
+
+    client = SynapseClient("http://server.test", TOKEN, retries=0,
+                           transport=httpx.MockTransport(server))
+    with pytest.raises(ClientError, match="not an answer of the SYNAPSE API .* check --server") as err:
+        client.pull(tmp_path / "global.json")
+    assert not isinstance(err.value, NothingPublished)
+
+    def api(request):
+        return httpx.Response(404, json={"detail": "no global compendium is published yet"})
+
+    client = SynapseClient("http://server.test", TOKEN, retries=0,
+                           transport=httpx.MockTransport(api))
+    with pytest.raises(NothingPublished, match="no global compendium is published yet"):
+        client.pull(tmp_path / "global.json")
