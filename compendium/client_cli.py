@@ -201,6 +201,17 @@ def cmd_build(args: argparse.Namespace) -> int:
         raise CliError("--shared-word-users must be 0 (off) or at least 2")
     if args.max_words < 0:
         raise CliError(f"--max-words must be 0 (whole requests) or at least 1, not {args.max_words}")
+    out = Path(args.out)
+    for flag in ("log", "schema", "since", "probe"):  # a typo would overwrite what it reads
+        given = getattr(args, flag, None)
+        for written in (out, report_path(out)):
+            if given and os.path.exists(given) and os.path.exists(written) and os.path.samefile(
+                given, written
+            ):
+                raise CliError(
+                    f"--out {args.out} would overwrite the --{flag} file {written}: name another "
+                    "file; nothing built"
+                )
     if args.since and args.no_collapse:  # before any work: it needs the engine the build skips
         raise CliError("--since needs the embedding model (drop --no-collapse)")
     probe = None
@@ -330,7 +341,6 @@ def cmd_build(args: argparse.Namespace) -> int:
                 "budget."
             )
 
-    out = Path(args.out)
     text = json.dumps(canonical_dict(compendium), ensure_ascii=False, indent=1, sort_keys=True)
     form = canonical_form(compendium)
     write_atomically(out, (text + "\n").encode("utf-8"))  # CannotWrite: one line

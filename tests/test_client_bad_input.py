@@ -363,3 +363,24 @@ def test_a_404_page_that_is_not_the_apis_is_not_taken_for_nothing_published(tmp_
                            transport=httpx.MockTransport(api))
     with pytest.raises(NothingPublished, match="no global compendium is published yet"):
         client.pull(tmp_path / "global.json")
+
+
+@pytest.mark.parametrize("flag", ["--log", "--schema"])
+def test_build_refuses_an_out_that_is_the_file_it_reads(tmp_path, capsys, flag):
+    """`build --log usage.jsonl --out usage.jsonl` wrote the compendium over the usage log it
+    had just read (and --out schema.json over the schema): the log was gone."""
+    schema = tmp_path / "schema.json"
+    schema.write_text('{"tools": [{"tool_id": "weather", "description": "Weather"}]}', "utf-8")
+    log = tmp_path / "usage.jsonl"
+    line = {"query": "rain in Lisbon?", "tool": "weather", "outcome": "success",
+            "latency_ms": 120, "user": "u1"}
+    log.write_text(json.dumps(line) + "\n", "utf-8")
+    before = {path: path.read_bytes() for path in (log, schema)}
+    out = log if flag == "--log" else schema
+    assert main(["build", "--log", str(log), "--schema", str(schema), "--out", str(out),
+                 "--no-collapse", "--quiet"]) == 1
+    assert capsys.readouterr().err.strip() == (
+        f"synapse-client: --out {out} would overwrite the {flag} file {out}: name another file; "
+        "nothing built"
+    )
+    assert {path: path.read_bytes() for path in (log, schema)} == before
