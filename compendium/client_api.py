@@ -186,6 +186,16 @@ def _detail(response: httpx.Response) -> str:
     return json.dumps(body)[:200]
 
 
+def _api_answer(response: httpx.Response) -> bool:
+    """The answer is the SYNAPSE API's own (a JSON object with a `detail`), not a page of a
+    proxy or another site at --server: a 404 of those says nothing about what is published."""
+    try:
+        body = response.json()
+    except ValueError:
+        return False
+    return isinstance(body, dict) and isinstance(body.get("detail"), str)
+
+
 def _dictionary_refused(response: httpx.Response) -> bool:
     """The server does not hold the dcz body's dictionary (400, code unknown_dictionary) or does
     not speak dcz (415)."""
@@ -226,9 +236,14 @@ class SynapseClient:
         if not server.startswith(("http://", "https://")):
             raise ClientError(f"--server must be an http(s) URL; got {server!r}")
         try:
-            host = httpx.URL(server).host
+            url = httpx.URL(server)
+            host = url.host  # decodes punycode: an invalid "xn--" label is a UnicodeError
+            # as the socket layer encodes it: an empty or overlong label ("a..b") is one too
+            url.raw_host.decode("ascii").encode("idna")
         except httpx.InvalidURL as exc:
             raise ClientError(f"--server is not a valid URL ({exc}); got {server!r}") from None
+        except UnicodeError:
+            raise ClientError(f"--server names a host that is not a valid domain name; got {server!r}") from None
         if not host:
             raise ClientError(f"--server names no host; got {server!r}")
         if not token.strip():
@@ -503,8 +518,13 @@ class SynapseClient:
             return result
         if status in (401, 403):
             raise self._auth_error(response)
-        if status == 404:
+        if status == 404 and _api_answer(response):
             raise NothingPublished(f"no global compendium is published: {_detail(response)}")
+        if status == 404:  # a proxy's page, or another site at --server
+            raise ClientError(
+                f"cannot download the global compendium: HTTP 404 from {self.server}, not an "
+                f"answer of the SYNAPSE API ({_detail(response)}): check --server"
+            )
         if status != 200:
             raise ClientError(
                 f"cannot download the global compendium (HTTP {status}): {_detail(response)}"

@@ -29,7 +29,15 @@ from compendium.delta import (
     without_sent,
 )
 from compendium.masking import SHARED_WORD_USERS, valid_shared_word_users
-from compendium.schema import DEFAULT_NUMERIC_FIELDS, Compendium, Schema, exceeds_field_cap
+from compendium.schema import (
+    DEFAULT_NUMERIC_FIELDS,
+    FIELD_CAP_MAX,
+    SEED_MAX,
+    SEED_MIN,
+    Compendium,
+    Schema,
+    exceeds_field_cap,
+)
 from compendium.validation import CompendiumInvalid, format_path, validate_compendium
 
 PROG = "synapse-client"
@@ -74,7 +82,7 @@ def _load_pulled(path: str) -> Compendium:
     data = _read_bytes(path)
     try:
         doc = json.loads(data)
-    except ValueError:
+    except (ValueError, RecursionError):  # RecursionError: nested too deeply for json
         return _load_compendium(path, data)  # names what is wrong with it
     inner = global_document(doc)
     return _load_compendium(path, data if inner is doc else json.dumps(inner).encode())
@@ -159,6 +167,15 @@ def _field_names(value: str | None, schema) -> frozenset[str]:
     return names
 
 
+def _check_seed_and_field_cap(args: argparse.Namespace) -> None:
+    """--seed and --field-cap as the compendium records them (a bigint, an integer column):
+    refused before any work, not as the built compendium's validation error at its end."""
+    if not SEED_MIN <= args.seed <= SEED_MAX:
+        raise CliError(f"--seed must be a whole number from {SEED_MIN} to {SEED_MAX}")
+    if args.field_cap is not None and not 1 <= args.field_cap <= FIELD_CAP_MAX:
+        raise CliError(f"--field-cap must be from 1 to {FIELD_CAP_MAX}")
+
+
 def cmd_build(args: argparse.Namespace) -> int:
     from compendium.builder import BuildError, BuildOptions, BuildReport, build_compendium
     from compendium.client_api import write_atomically
@@ -167,8 +184,7 @@ def cmd_build(args: argparse.Namespace) -> int:
     schema = _load_schema(args.schema)
     if not math.isfinite(args.strength):
         raise CliError("--lambda must be a finite number")
-    if args.field_cap is not None and args.field_cap < 1:
-        raise CliError("--field-cap must be at least 1")
+    _check_seed_and_field_cap(args)
     if not 0 < args.tau <= 1:
         raise CliError("--tau must be in (0, 1]")
     if args.max_bytes is not None and args.max_bytes < 1:
@@ -185,6 +201,17 @@ def cmd_build(args: argparse.Namespace) -> int:
         raise CliError("--shared-word-users must be 0 (off) or at least 2")
     if args.max_words < 0:
         raise CliError(f"--max-words must be 0 (whole requests) or at least 1, not {args.max_words}")
+    out = Path(args.out)
+    for flag in ("log", "schema", "since", "probe"):  # a typo would overwrite what it reads
+        given = getattr(args, flag, None)
+        for written in (out, report_path(out)):
+            if given and os.path.exists(given) and os.path.exists(written) and os.path.samefile(
+                given, written
+            ):
+                raise CliError(
+                    f"--out {args.out} would overwrite the --{flag} file {written}: name another "
+                    "file; nothing built"
+                )
     if args.since and args.no_collapse:  # before any work: it needs the engine the build skips
         raise CliError("--since needs the embedding model (drop --no-collapse)")
     probe = None
@@ -314,7 +341,6 @@ def cmd_build(args: argparse.Namespace) -> int:
                 "budget."
             )
 
-    out = Path(args.out)
     text = json.dumps(canonical_dict(compendium), ensure_ascii=False, indent=1, sort_keys=True)
     form = canonical_form(compendium)
     write_atomically(out, (text + "\n").encode("utf-8"))  # CannotWrite: one line
@@ -408,7 +434,7 @@ def _load_report(compendium_path: Path, compendium: Compendium) -> tuple[Path, d
         return where, None
     try:
         report = _usable_report(json.loads(where.read_text(encoding="utf-8")))
-    except (OSError, ValueError):
+    except (OSError, ValueError, RecursionError):
         report = None
     if report is None:
         print(f"{PROG}: {where} is not a report build wrote: ignored", file=sys.stderr)
@@ -802,8 +828,7 @@ def cmd_participate(args: argparse.Namespace) -> int:
         weaker_masking,
     )
 
-    if args.field_cap is not None and args.field_cap < 1:
-        raise CliError("--field-cap must be at least 1")
+    _check_seed_and_field_cap(args)
     folder = Path(args.dir)
     try:
         folder.mkdir(parents=True, exist_ok=True)
@@ -911,9 +936,20 @@ def cmd_participate(args: argparse.Namespace) -> int:
     return status
 
 
+def _probe_document(path: str):
+    """The JSON of a probe.json (`fetch-probe`), or a CliError naming the file."""
+    data = _read_bytes(path)
+    try:
+        return json.loads(data)
+    except RecursionError:
+        raise CliError(f"{path} is not a probe set: it nests too deeply") from None
+    except ValueError as exc:
+        raise CliError(f"{path} is not a probe set: {exc}") from None
+
+
 def _load_probe(path: str) -> list[str]:
     try:
-        return transport.probe_texts_of(json.loads(_read_bytes(path)))
+        return transport.probe_texts_of(_probe_document(path))
     except ValueError as exc:
         raise CliError(f"{path} is not a probe set: {exc}") from None
 
@@ -922,7 +958,7 @@ def _load_probe_labelled(path: str) -> list[tuple[str, str]] | None:
     """The probe set's (request, tool) pairs for `build --probe`; None (with a warning) when the
     file has no tools or no requests: nothing is left out then."""
     try:
-        pairs = transport.probe_labelled_of(json.loads(_read_bytes(path)))
+        pairs = transport.probe_labelled_of(_probe_document(path))
     except ValueError as exc:
         raise CliError(f"{path} is not a probe set: {exc}") from None
     if not pairs:

@@ -50,6 +50,60 @@ def _read_text(path: Path) -> str:
         raise RegistryFormatError(f"{path}: not UTF-8 text ({exc.reason})") from None
 
 
+class _NotJson(ValueError):
+    """NaN, Infinity or -Infinity: Python's json reads them, JSON has no such numbers, and no
+    database column (jsonb, a float) stores them."""
+
+
+def _not_json(name: str) -> Any:
+    raise _NotJson(f"{name} is not a JSON number")
+
+
+def _parse_json(text: str, where: str) -> Any:
+    """`text` as JSON, or a RegistryFormatError naming `where` (a file, or a file and line)."""
+    try:
+        return json.loads(text, parse_constant=_not_json)
+    except json.JSONDecodeError as exc:
+        raise RegistryFormatError(f"{where}: not valid JSON ({exc.msg})") from None
+    except _NotJson as exc:
+        raise RegistryFormatError(f"{where}: not valid JSON ({exc})") from None
+    except RecursionError:
+        raise RegistryFormatError(f"{where}: not valid JSON (nested too deeply)") from None
+    except ValueError:  # an integer of more digits than Python reads (4,300)
+        raise RegistryFormatError(f"{where}: holds a number of more than 4,300 digits") from None
+
+
+def _text_problem(value: str) -> str | None:
+    """What PostgreSQL cannot store in `value` (text or jsonb): a NUL character, or a lone
+    surrogate (JSON can escape half a character: "\\ud800"), which is not text."""
+    if "\x00" in value:
+        return "holds a NUL character"
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        return f"holds a lone surrogate at character {exc.start}"
+    return None
+
+
+def _storable(where: str, what: str, value: Any) -> None:
+    """Refuse, naming `where` and `what`, a string in `value` (or in the lists and objects it
+    holds, keys included) that the database cannot store."""
+    stack = [value]
+    while stack:  # not recursive: the JSON may nest as deeply as json reads
+        item = stack.pop()
+        if isinstance(item, str):
+            problem = _text_problem(item)
+            if problem:
+                raise RegistryFormatError(
+                    f"{where}: {what} {problem}, which the database cannot store"
+                )
+        elif isinstance(item, dict):
+            stack.extend(item.keys())
+            stack.extend(item.values())
+        elif isinstance(item, list):
+            stack.extend(item)
+
+
 def _read_jsonl(path: Path) -> Iterator[tuple[int, dict[str, Any]]]:
     for number, raw in enumerate(_read_bytes(path).splitlines(), start=1):
         try:
@@ -58,10 +112,7 @@ def _read_jsonl(path: Path) -> Iterator[tuple[int, dict[str, Any]]]:
             raise RegistryFormatError(f"{path}:{number}: not UTF-8 text ({exc.reason})") from None
         if not line.strip():
             continue
-        try:
-            item = json.loads(line)
-        except json.JSONDecodeError as exc:
-            raise RegistryFormatError(f"{path}:{number}: not valid JSON ({exc.msg})") from None
+        item = _parse_json(line, f"{path}:{number}")
         if not isinstance(item, dict):
             raise RegistryFormatError(f"{path}:{number}: expected a JSON object per line")
         yield number, item
@@ -84,10 +135,16 @@ def _tool(item: dict[str, Any], where: str) -> ToolSpec:
         raise RegistryFormatError(f"{where}: blank tool_id")
     name = str(item.get("name") or item.get("display_name") or item["tool_id"])
     category = str(item.get("category") or "")
+    for what, value in (("tool_id", tool_id), ("name", name), ("description", item["description"]),
+                        ("category", category)):
+        _storable(where, what, value)
     _too_long(where, "tool_id", tool_id, TOOL_ID_MAX_LENGTH)
     _too_long(where, "name", name, TOOL_NAME_MAX_LENGTH)
     _too_long(where, "category", category, CATEGORY_MAX_LENGTH)
     extra = {k: v for k, v in item.items() if k not in known}
+    for key, value in extra.items():
+        _storable(where, "a key", key)
+        _storable(where, repr(key), value)
     try:
         return ToolSpec(
             tool_id=tool_id,
@@ -105,7 +162,7 @@ def load_tools_jsonl(path: Path) -> list[ToolSpec]:
     return _unique(tools, str(path))
 
 
-def _mcp_tools(doc: Any) -> list[dict[str, Any]]:
+def _mcp_tools(doc: Any, source: str) -> list[dict[str, Any]]:
     if isinstance(doc, dict) and "result" in doc and isinstance(doc["result"], dict):
         doc = doc["result"]
     if isinstance(doc, dict) and isinstance(doc.get("tools"), list):
@@ -113,14 +170,14 @@ def _mcp_tools(doc: Any) -> list[dict[str, Any]]:
     if isinstance(doc, list):
         return doc
     raise RegistryFormatError(
-        "not an MCP tools/list result: expected {\"tools\": [...]} or a JSON-RPC response with "
-        "result.tools"
+        f"{source}: not an MCP tools/list result: expected {{\"tools\": [...]}} or a JSON-RPC "
+        "response with result.tools"
     )
 
 
 def tools_from_mcp(doc: Any, source: str = "MCP result") -> list[ToolSpec]:
     tools = []
-    for index, item in enumerate(_mcp_tools(doc)):
+    for index, item in enumerate(_mcp_tools(doc, source)):
         where = f"{source}: tools[{index}]"
         if not isinstance(item, dict) or not isinstance(item.get("name"), str):
             raise RegistryFormatError(f"{where}: a tool needs a string 'name'")
@@ -167,11 +224,7 @@ def load_registry(path: str | Path) -> list[ToolSpec]:
         raise RegistryFormatError(f"{path}: no such file or folder")
     if path.suffix == ".jsonl":
         return load_tools_jsonl(path)
-    try:
-        doc = json.loads(_read_text(path))
-    except json.JSONDecodeError as exc:
-        raise RegistryFormatError(f"{path}: not valid JSON ({exc.msg})") from None
-    return tools_from_mcp(doc, str(path))
+    return tools_from_mcp(_parse_json(_read_text(path), str(path)), str(path))
 
 
 @dataclass(frozen=True)
@@ -248,6 +301,8 @@ def load_queries(path: Path, tool_ids: Iterable[str] | None = None) -> list[Labe
             raise RegistryFormatError(f"{where}: 'query' and 'tool_id' must be strings")
         if not item["query"].strip():
             raise RegistryFormatError(f"{where}: blank query")
+        for key in ("query", "tool_id", "qid", "category"):
+            _storable(where, key, item.get(key))
         if known is not None and item["tool_id"] not in known:
             raise RegistryFormatError(f"{where}: tool_id {item['tool_id']!r} is not in tools.jsonl")
         conflict = item.get("label_conflict") or []

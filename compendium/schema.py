@@ -210,12 +210,17 @@ class AnnexTriple(_Strict):
     object: str
 
 
+# What a database stores of a masking seed (bigint) and of a field cap F* (the ledger's integer).
+SEED_MIN, SEED_MAX = -(2**63), 2**63 - 1
+FIELD_CAP_MAX = 2**31 - 1
+
+
 class MaskingInfo(_Strict):
     """What the client's text masking did before the compendium left it."""
 
     strength: float = Field(ge=0)  # λ
     masked_fraction: float = Field(ge=0, le=1)
-    seed: int | None = Field(default=None, ge=-(2**63), lt=2**63)  # what a database stores
+    seed: int | None = Field(default=None, ge=SEED_MIN, le=SEED_MAX)
 
 
 class Compendium(_Strict):
@@ -233,7 +238,7 @@ class Compendium(_Strict):
     # of the numbers, `clipping.capped_tools`); None: built with no cap, or by tooling that does
     # not record it. A round with a field cap takes statistics only from a compendium that records
     # one no larger than its own (`exceeds_field_cap`). At most the ledger's integer column.
-    field_cap: int | None = Field(default=None, ge=1, le=2**31 - 1)
+    field_cap: int | None = Field(default=None, ge=1, le=FIELD_CAP_MAX)
 
     def tools_referenced(self) -> set[str]:
         refs = {m.tool_id for m in self.metadata}

@@ -31,8 +31,17 @@ def _load_compendium(path: str):
         ) from None
     except OSError as exc:
         raise SystemExit(f"synapse-client: cannot read {path}: {exc.strerror}") from None
+    except UnicodeDecodeError as exc:
+        raise SystemExit(f"synapse-client: {path} is not UTF-8 text ({exc.reason})") from None
     except json.JSONDecodeError as exc:
         raise SystemExit(f"synapse-client: {path} is not valid JSON ({exc.msg})") from None
+    except RecursionError:
+        raise SystemExit(f"synapse-client: {path} is not a compendium: it nests too deeply") from None
+    except ValueError:  # an integer of more digits than Python reads (4,300)
+        raise SystemExit(
+            f"synapse-client: {path} is not a compendium: it holds a number of more than 4,300 "
+            "digits"
+        ) from None
     try:
         return Compendium.model_validate(global_document(doc))
     except ValidationError as exc:

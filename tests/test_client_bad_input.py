@@ -20,7 +20,15 @@ NOWHERE = "http://127.0.0.1:9"  # never reached: every case is refused before a 
 
 @pytest.mark.parametrize(
     "server, reason",
-    [("http://[::1", "is not a valid URL"), ("http://", "names no host"), ("https:///x", "names no host")],
+    [
+        ("http://[::1", "is not a valid URL"), ("http://", "names no host"),
+        ("https:///x", "names no host"),
+        # UnicodeError tracebacks before: from the socket layer at the first request (an empty
+        # or overlong label) and from httpx decoding an invalid punycode label
+        ("http://synapse..example", "names a host that is not a valid domain name"),
+        ("http://" + "a" * 64 + ".example", "names a host that is not a valid domain name"),
+        ("http://xn--zz.example", "names a host that is not a valid domain name"),
+    ],
 )
 def test_a_server_url_httpx_cannot_use_is_one_clear_error(server, reason):
     with pytest.raises(ClientError, match=reason):
@@ -49,7 +57,7 @@ def test_bad_network_options_are_refused_before_any_request(capsys, flag, value,
     assert code == 1 and err == [f"synapse-client: {message}"]
 
 
-@pytest.mark.parametrize("server", ["http://[::1", "http://"])
+@pytest.mark.parametrize("server", ["http://[::1", "http://", "http://synapse..example"])
 def test_the_cli_reports_a_bad_server_url_in_one_line(capsys, server):
     assert main(["status", "--server", server, "--token", TOKEN]) == 1
     err = capsys.readouterr().err.strip().splitlines()
@@ -259,3 +267,120 @@ def test_build_since_without_the_embedding_model_is_refused_before_any_work(tmp_
         "synapse-client: --since needs the embedding model (drop --no-collapse)"
     )
     assert not (tmp_path / "c.json").exists()
+
+
+@pytest.mark.parametrize(
+    "flag, value, message",
+    [
+        ("--seed", str(2**63), "--seed must be a whole number from -9223372036854775808 to "
+         "9223372036854775807"),
+        ("--seed", str(-(2**63) - 1), "--seed must be a whole number from -9223372036854775808 to "
+         "9223372036854775807"),
+        ("--field-cap", str(2**31), "--field-cap must be from 1 to 2147483647"),
+    ],
+)
+def test_build_refuses_a_seed_or_field_cap_no_compendium_can_record(tmp_path, capsys, flag, value,
+                                                                    message):
+    """A seed past 64 bits or a field cap past the ledger's integer was pydantic's traceback
+    once the whole log had been masked (MaskingInfo.seed, Compendium.field_cap); now one line
+    before the log is read (here it does not even exist), and nothing is written."""
+    schema = tmp_path / "schema.json"
+    schema.write_text('{"tools": [{"tool_id": "weather", "description": "Weather"}]}', "utf-8")
+    out = tmp_path / "c.json"
+    assert main(["build", "--log", str(tmp_path / "missing.jsonl"), "--schema", str(schema),
+                 "--out", str(out), "--no-collapse", "--quiet", flag, value]) == 1
+    assert capsys.readouterr().err.strip() == f"synapse-client: {message}"
+    assert not out.exists()
+
+
+def test_participate_refuses_a_seed_no_compendium_can_record_before_any_request(tmp_path, capsys):
+    assert main(["participate", "--log", str(tmp_path / "usage.jsonl"), "--dir", str(tmp_path / "s"),
+                 "--server", NOWHERE, "--token", TOKEN, "--seed", str(2**64)]) == 1
+    assert capsys.readouterr().err.strip().startswith("synapse-client: --seed must be a whole number")
+
+
+def test_a_json_file_nested_too_deeply_is_one_clear_line_not_a_recursion_error(tmp_path, capsys):
+    """A --since, --probe, route --compendium or build report nested deeper than Python's json
+    reads was a RecursionError traceback (a number of 5,000 digits a ValueError one, a file that
+    is not UTF-8 a UnicodeDecodeError one for route)."""
+    deep = tmp_path / "deep.json"
+    deep.write_text("[" * 100_000, encoding="utf-8")
+    compendium = tmp_path / "c.json"
+    compendium.write_text(json.dumps({"scenarios": [{"tool_id": "weather", "text": "forecast"}]}))
+    schema = tmp_path / "schema.json"
+    schema.write_text('{"tools": [{"tool_id": "weather", "description": "Weather"}]}', "utf-8")
+    server = ["--server", NOWHERE, "--token", TOKEN, "--retries", "0"]
+
+    assert main(["submit", str(compendium), "--since", str(deep), *server]) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1] == f"synapse-client: {deep} is not a compendium (1 error(s))"
+    assert main(["submit", str(compendium), "--schema", str(schema), "--probe", str(deep),
+                 *server]) == 1
+    assert capsys.readouterr().err.strip() == (
+        f"synapse-client: {deep} is not a probe set: it nests too deeply"
+    )
+
+    (tmp_path / "c.json.report.json").write_text("[" * 100_000, encoding="utf-8")
+    assert main(["inspect", str(compendium)]) == 0
+    assert "c.json.report.json is not a report build wrote: ignored" in capsys.readouterr().err
+
+    huge = tmp_path / "huge.json"
+    huge.write_text('{"num_users": ' + "9" * 5000 + "}", encoding="utf-8")
+    latin = tmp_path / "latin.json"
+    latin.write_bytes('{"scenarios": [{"tool_id": "weather", "text": "caf\xe9"}]}'.encode("latin-1"))
+    for path, reason in [(deep, "is not a compendium: it nests too deeply"),
+                         (huge, "is not a compendium: it holds a number of more than 4,300 digits"),
+                         (latin, "is not UTF-8 text (invalid continuation byte)")]:
+        with pytest.raises(SystemExit) as exit_:
+            main(["route", "weather?", "--compendium", str(path)])
+        assert str(exit_.value.code) == f"synapse-client: {path} {reason}"
+
+
+def test_a_404_page_that_is_not_the_apis_is_not_taken_for_nothing_published(tmp_path):
+    """A proxy's or another site's 404 page was NothingPublished: `pull` said "no global
+    compendium is published", and `participate` took it for a new federation and deleted the
+    global it held, its ETag and head, and its record of what it sent (sent.json)."""
+    import httpx
+
+    from compendium.client_api import NothingPublished
+
+    def server(request):
+        if request.url.path == "/api/v1/compendium/global/":
+            return httpx.Response(404, headers={"Content-Type": "text/html"},
+                                  content=b"<html><body>404 Not Found</body></html>")
+        return httpx.Response(404, json={"detail": "no global compendium is published yet"})
+
+    client = SynapseClient("http://server.test", TOKEN, retries=0,
+                           transport=httpx.MockTransport(server))
+    with pytest.raises(ClientError, match="not an answer of the SYNAPSE API .* check --server") as err:
+        client.pull(tmp_path / "global.json")
+    assert not isinstance(err.value, NothingPublished)
+
+    def api(request):
+        return httpx.Response(404, json={"detail": "no global compendium is published yet"})
+
+    client = SynapseClient("http://server.test", TOKEN, retries=0,
+                           transport=httpx.MockTransport(api))
+    with pytest.raises(NothingPublished, match="no global compendium is published yet"):
+        client.pull(tmp_path / "global.json")
+
+
+@pytest.mark.parametrize("flag", ["--log", "--schema"])
+def test_build_refuses_an_out_that_is_the_file_it_reads(tmp_path, capsys, flag):
+    """`build --log usage.jsonl --out usage.jsonl` wrote the compendium over the usage log it
+    had just read (and --out schema.json over the schema): the log was gone."""
+    schema = tmp_path / "schema.json"
+    schema.write_text('{"tools": [{"tool_id": "weather", "description": "Weather"}]}', "utf-8")
+    log = tmp_path / "usage.jsonl"
+    line = {"query": "rain in Lisbon?", "tool": "weather", "outcome": "success",
+            "latency_ms": 120, "user": "u1"}
+    log.write_text(json.dumps(line) + "\n", "utf-8")
+    before = {path: path.read_bytes() for path in (log, schema)}
+    out = log if flag == "--log" else schema
+    assert main(["build", "--log", str(log), "--schema", str(schema), "--out", str(out),
+                 "--no-collapse", "--quiet"]) == 1
+    assert capsys.readouterr().err.strip() == (
+        f"synapse-client: --out {out} would overwrite the {flag} file {out}: name another file; "
+        "nothing built"
+    )
+    assert {path: path.read_bytes() for path in (log, schema)} == before

@@ -194,3 +194,90 @@ def test_import_probe_set_refuses_duplicate_qids_before_storing(tmp_path):
     with pytest.raises(CommandError, match="qid 'q' is already on line 1"):
         call_command("import_probe_set", str(folder))
     assert not ProbeQuery.objects.exists()
+
+
+@pytest.mark.parametrize(("value", "message"), [
+    ("NaN", "not valid JSON (NaN is not a JSON number)"),
+    ("-Infinity", "not valid JSON (-Infinity is not a JSON number)"),
+    ("9" * 5000, "holds a number of more than 4,300 digits"),
+    ("[" * 100_000, "not valid JSON (nested too deeply)"),
+])
+def test_what_json_cannot_hold_is_refused_naming_the_file_and_line(tmp_path, value, message):
+    """NaN and Infinity (which Python's json reads, and jsonb refuses: a DataError at import),
+    a number of more digits than Python reads (ValueError) and JSON nested too deeply
+    (RecursionError) were tracebacks of import_tools, import_probe_set and simulate."""
+    tool = '{"tool_id": "b", "description": "y", "weight": ' + value + "}"
+    folder = _dataset(tmp_path / "d", [{"query": "hi", "tool_id": "a"}],
+                      tools=('{"tool_id": "a", "description": "x"}', tool))
+    with pytest.raises(RegistryFormatError, match=re.escape(f"tools.jsonl:2: {message}")):
+        load_dataset(folder)
+    folder = _dataset(tmp_path / "d", [{"query": "hi", "tool_id": "a"}])
+    (folder / "queries.jsonl").write_text('{"query": "hi", "tool_id": "a", "qid": ' + value + "}\n")
+    with pytest.raises(RegistryFormatError, match=re.escape(f"queries.jsonl:1: {message}")):
+        load_dataset(folder)
+    mcp = tmp_path / "tools_list.json"
+    mcp.write_text('{"tools": [{"name": "a", "inputSchema": {"default": ' + value + "}}]}")
+    with pytest.raises(RegistryFormatError, match=re.escape(f"{mcp}: {message}")):
+        load_registry(mcp)
+
+
+@pytest.mark.django_db
+def test_import_tools_refuses_nan_in_one_line_and_stores_nothing(tmp_path):
+    folder = _dataset(tmp_path / "d", [{"query": "hi", "tool_id": "a"}],
+                      tools=('{"tool_id": "a", "description": "x", "weight": NaN}',))
+    with pytest.raises(CommandError, match=re.escape("tools.jsonl:1: not valid JSON (NaN is not")):
+        call_command("import_tools", str(folder))
+    assert not Tool.objects.exists()
+
+
+@pytest.mark.parametrize(("tool", "message"), [
+    ('{"tool_id": "b\\u0000", "description": "y"}', "tools.jsonl:2: tool_id holds a NUL character"),
+    ('{"tool_id": "b", "description": "y\\ud800"}',
+     "tools.jsonl:2: description holds a lone surrogate at character 1"),
+    ('{"tool_id": "b", "description": "y", "notes": "B\\u0000"}',
+     "tools.jsonl:2: 'notes' holds a NUL character"),
+    ('{"tool_id": "b", "description": "y", "args": {"x": ["\\u0000"]}}',
+     "tools.jsonl:2: 'args' holds a NUL character"),
+])
+def test_text_the_database_cannot_store_is_refused_at_load(tmp_path, tool, message):
+    folder = _dataset(tmp_path / "d", [{"query": "hi", "tool_id": "a"}],
+                      tools=('{"tool_id": "a", "description": "x"}', tool))
+    with pytest.raises(RegistryFormatError, match=re.escape(message + ", which the database cannot")):
+        load_registry(folder)
+
+
+@pytest.mark.django_db
+@pytest.mark.parametrize(("command", "tools", "query", "message"), [
+    ("import_tools", '{"tool_id": "a", "description": "x\\u0000"}', '{"query": "hi", "tool_id": "a"}',
+     "tools.jsonl:1: description holds a NUL character"),
+    ("import_tools", '{"tool_id": "a", "description": "x", "inputSchema": {"d": "\\ud83d"}}',
+     '{"query": "hi", "tool_id": "a"}', "tools.jsonl:1: 'inputSchema' holds a lone surrogate"),
+    ("import_probe_set", '{"tool_id": "a", "description": "x"}', '{"query": "hi\\u0000", "tool_id": "a"}',
+     "queries.jsonl:1: query holds a NUL character"),
+    ("import_probe_set", '{"tool_id": "a", "description": "x"}', '{"query": "hi \\udfff", "tool_id": "a"}',
+     "queries.jsonl:1: query holds a lone surrogate at character 3"),
+    ("import_probe_set", '{"tool_id": "a", "description": "x"}',
+     '{"query": "hi", "tool_id": "a", "qid": "q\\u0000"}', "queries.jsonl:1: qid holds a NUL"),
+])
+def test_import_commands_refuse_text_the_database_cannot_store_in_one_line(tmp_path, command, tools,
+                                                                          query, message):
+    """A NUL character or a lone surrogate (an escaped half emoji) was PostgreSQL's DataError or
+    psycopg's UnicodeEncodeError traceback when the command stored the tool or probe query."""
+    from federation.models import ProbeQuery
+
+    folder = tmp_path / "d"
+    folder.mkdir()
+    (folder / "tools.jsonl").write_text(tools + "\n")
+    (folder / "queries.jsonl").write_text(query + "\n")
+    with pytest.raises(CommandError, match=re.escape(message)):
+        call_command(command, str(folder))
+    assert not Tool.objects.exists() and not ProbeQuery.objects.exists()
+
+
+@pytest.mark.django_db
+def test_import_tools_names_the_file_that_is_not_an_mcp_result(tmp_path):
+    """It said only "not an MCP tools/list result: ..." without naming the file imported."""
+    mcp = tmp_path / "tools_list.json"
+    mcp.write_text(json.dumps({"result": {"tools": "weather"}}))
+    with pytest.raises(CommandError, match=re.escape(f"{mcp}: not an MCP tools/list result")):
+        call_command("import_tools", str(mcp))
