@@ -246,6 +246,13 @@ class SynapseClient:
             raise ClientError(f"--server names a host that is not a valid domain name; got {server!r}") from None
         if not host:
             raise ClientError(f"--server names no host; got {server!r}")
+        if url.userinfo:
+            # httpx would send it as Basic credentials in place of the API token (every request
+            # a 401), and it would be printed in every error naming the server
+            raise ClientError(
+                "--server carries a user name or password (user:password@host): the API token "
+                "is what authenticates; give the URL without them"
+            )
         if not token.strip():
             raise ClientError("the API token is empty")
         if not all(" " < char < "\x7f" for char in token.strip()):

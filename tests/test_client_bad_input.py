@@ -35,6 +35,15 @@ def test_a_server_url_httpx_cannot_use_is_one_clear_error(server, reason):
         SynapseClient(server, TOKEN)
 
 
+@pytest.mark.parametrize("server", ["https://bob:s3cret@synapse.example", "https://bob@synapse.example"])
+def test_a_server_url_with_credentials_is_refused_without_echoing_them(server):
+    """httpx sent a URL's user:password as Basic credentials in place of the API token (every
+    request a 401), and every error that names the server printed the password."""
+    with pytest.raises(ClientError, match="carries a user name or password") as refused:
+        SynapseClient(server, TOKEN)
+    assert "s3cret" not in str(refused.value) and "bob" not in str(refused.value)
+
+
 @pytest.mark.parametrize("token", ["syn_c_é", "syn_c_a\nb", "syn_c_a b", "syn_c_\x00"])
 def test_a_token_no_http_header_can_carry_is_one_clear_error(token):
     with pytest.raises(ClientError, match="check --token or SYNAPSE_TOKEN"):
