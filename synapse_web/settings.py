@@ -7,6 +7,7 @@ DEBUG=0, ALLOWED_HOSTS (see docker-compose.yml).
 
 from __future__ import annotations
 
+import math
 import os
 from pathlib import Path
 
@@ -21,6 +22,51 @@ def env_bool(name: str, default: bool) -> bool:
     if value is None:
         return default
     return value.strip().lower() in {"1", "true", "yes", "on"}
+
+
+def _shown(bound: int | float) -> str:
+    return f"{bound:g}" if isinstance(bound, float) else str(bound)
+
+
+def env_number(
+    name: str,
+    default: int | float,
+    *,
+    whole: bool = True,
+    least: int | float | None = None,
+    above: int | float | None = None,
+    most: int | float | None = None,
+    below: int | float | None = None,
+    note: str = "",
+) -> int | float:
+    """A whole number (`whole`) or a finite number from the environment, unset or empty: `default`.
+    Anything else (text, NaN, infinity, a value out of its bounds) stops start-up with one line
+    naming the variable and what it takes, not a ValueError traceback nor a meaningless value."""
+    raw = os.environ.get(name, "").strip()
+    if not raw:
+        return default
+    try:
+        value = int(raw) if whole else float(raw)
+    except ValueError:
+        value = None
+    if (
+        value is None
+        or not math.isfinite(value)
+        or (least is not None and value < least)
+        or (above is not None and value <= above)
+        or (most is not None and value > most)
+        or (below is not None and value >= below)
+    ):
+        bounds = [
+            f"{word} {_shown(bound)}"
+            for word, bound in (
+                ("at least", least), ("greater than", above), ("at most", most), ("less than", below)
+            )
+            if bound is not None
+        ]
+        takes = ("a whole number" if whole else "a number") + (" " + " and ".join(bounds) if bounds else "")
+        raise ImproperlyConfigured(f"{name}={raw!r}: takes {takes}{note}")
+    return value
 
 
 def env_list(name: str, default: str) -> list[str]:
@@ -130,18 +176,19 @@ TEMPLATES = [
 ]
 
 # --- database -------------------------------------------------------------------------------
+SYNAPSE_CONN_MAX_AGE = env_number("SYNAPSE_CONN_MAX_AGE", 60, least=0)
 if os.environ.get("DATABASE_URL"):
     DATABASES = {
         "default": dj_database_url.parse(
             os.environ["DATABASE_URL"],
-            conn_max_age=int(os.environ.get("SYNAPSE_CONN_MAX_AGE", "60")),
+            conn_max_age=SYNAPSE_CONN_MAX_AGE,
             conn_health_checks=True,
         )
     }
 else:
     from synapse_web.embedded_db import ensure_embedded_database
 
-    DATABASES = {"default": ensure_embedded_database(DATA_DIR / "pgdata")}
+    DATABASES = {"default": ensure_embedded_database(DATA_DIR / "pgdata", SYNAPSE_CONN_MAX_AGE)}
 
 # The request hot paths (client token lookup, submissions) have their statements prepared on the
 # server (synapse_web/prepared.py; Django's own cursors never prepare); 0 for a connection pooler
@@ -182,15 +229,11 @@ LOGOUT_REDIRECT_URL = "/accounts/login/"
 # refused, right password or not, until the window ends (federation.login_throttle). The backend
 # covers every login form: the dashboard's, the admin's and the browsable API's. 0 turns a count off.
 AUTHENTICATION_BACKENDS = ["federation.auth.ThrottledModelBackend"]
-SYNAPSE_LOGIN_FAILURES_PER_USERNAME = int(os.environ.get("SYNAPSE_LOGIN_FAILURES_PER_USERNAME", "10"))
-SYNAPSE_LOGIN_FAILURES_PER_IP = int(os.environ.get("SYNAPSE_LOGIN_FAILURES_PER_IP", "50"))
-SYNAPSE_LOGIN_FAILURE_WINDOW_SECONDS = int(os.environ.get("SYNAPSE_LOGIN_FAILURE_WINDOW_SECONDS", "900"))
-if min(SYNAPSE_LOGIN_FAILURES_PER_USERNAME, SYNAPSE_LOGIN_FAILURES_PER_IP) < 0:
-    raise ImproperlyConfigured(
-        "SYNAPSE_LOGIN_FAILURES_PER_USERNAME and SYNAPSE_LOGIN_FAILURES_PER_IP must be 0 (off) or more"
-    )
-if SYNAPSE_LOGIN_FAILURE_WINDOW_SECONDS < 1:
-    raise ImproperlyConfigured("SYNAPSE_LOGIN_FAILURE_WINDOW_SECONDS must be at least 1")
+SYNAPSE_LOGIN_FAILURES_PER_USERNAME = env_number(
+    "SYNAPSE_LOGIN_FAILURES_PER_USERNAME", 10, least=0, note=" (0: not counted)"
+)
+SYNAPSE_LOGIN_FAILURES_PER_IP = env_number("SYNAPSE_LOGIN_FAILURES_PER_IP", 50, least=0, note=" (0: not counted)")
+SYNAPSE_LOGIN_FAILURE_WINDOW_SECONDS = env_number("SYNAPSE_LOGIN_FAILURE_WINDOW_SECONDS", 900, least=1)
 
 # --- HTTPS ----------------------------------------------------------------------------------------
 # SYNAPSE_HTTPS=1 where the site is served over https (in gunicorn or at a proxy in front): cookies
@@ -206,7 +249,8 @@ SESSION_COOKIE_SECURE = SYNAPSE_HTTPS
 CSRF_COOKIE_SECURE = SYNAPSE_HTTPS
 SECURE_SSL_REDIRECT = SYNAPSE_HTTPS
 SECURE_REDIRECT_EXEMPT = [r"^healthz$"]
-SECURE_HSTS_SECONDS = int(os.environ.get("SYNAPSE_HSTS_SECONDS", "31536000")) if SYNAPSE_HTTPS else 0
+SYNAPSE_HSTS_SECONDS = env_number("SYNAPSE_HSTS_SECONDS", 31536000, least=0, note=" (0: no HSTS)")
+SECURE_HSTS_SECONDS = SYNAPSE_HSTS_SECONDS if SYNAPSE_HTTPS else 0
 SECURE_HSTS_INCLUDE_SUBDOMAINS = env_bool("SYNAPSE_HSTS_INCLUDE_SUBDOMAINS", False)
 SECURE_HSTS_PRELOAD = env_bool("SYNAPSE_HSTS_PRELOAD", False)
 if SYNAPSE_BEHIND_PROXY:
@@ -245,19 +289,24 @@ SILENCED_SYSTEM_CHECKS = ["security.W005", "security.W021"]
 # Request bodies: submissions are capped here (413 above it), see federation issue.
 # How long an operator's request (open a round, retry one, change the settings) waits for a lock
 # that a long operation holds (an erasure re-merging) before it answers 409 busy.
-SYNAPSE_LOCK_WAIT_SECONDS = float(os.environ.get("SYNAPSE_LOCK_WAIT_SECONDS", "5"))
-if not 0 < SYNAPSE_LOCK_WAIT_SECONDS <= 600:
-    raise ImproperlyConfigured("SYNAPSE_LOCK_WAIT_SECONDS must be in (0, 600]")
-SYNAPSE_MAX_SUBMISSION_BYTES = int(os.environ.get("SYNAPSE_MAX_SUBMISSION_BYTES", str(2 * 1024 * 1024)))
+SYNAPSE_LOCK_WAIT_SECONDS = env_number("SYNAPSE_LOCK_WAIT_SECONDS", 5.0, whole=False, above=0, most=600)
+SYNAPSE_MAX_SUBMISSION_BYTES = env_number("SYNAPSE_MAX_SUBMISSION_BYTES", 2 * 1024 * 1024, least=1)
 DATA_UPLOAD_MAX_MEMORY_SIZE = SYNAPSE_MAX_SUBMISSION_BYTES + 64 * 1024
 
 # --- embeddings and LLM -----------------------------------------------------------------------
 # Dimension of the pgvector columns; must match the embedding model (all-MiniLM-L6-v2: 384).
-SYNAPSE_EMBEDDING_DIM = int(os.environ.get("SYNAPSE_EMBEDDING_DIM", "384"))
+SYNAPSE_EMBEDDING_DIM = env_number(
+    "SYNAPSE_EMBEDDING_DIM", 384, least=1, most=2000, note=" (pgvector's HNSW index takes at most 2000)"
+)
 SYNAPSE_EMBEDDING_MODEL = os.environ.get("SYNAPSE_EMBEDDING_MODEL", "")  # "" = bundled MiniLM
 SYNAPSE_LLM_BASE_URL = os.environ.get("SYNAPSE_LLM_BASE_URL", "")  # OpenAI-compatible, optional
 SYNAPSE_LLM_MODEL = os.environ.get("SYNAPSE_LLM_MODEL", "")
 SYNAPSE_LLM_API_KEY = os.environ.get("SYNAPSE_LLM_API_KEY", "")
+# Read where they are used (routing.embeddings, routing.llm, which the client toolkit shares),
+# checked here so that a bad value stops start-up rather than the first request that needs it.
+env_number("SYNAPSE_ONNX_THREADS", 0, least=0, note=" (0: chosen from the cores)")
+env_number("SYNAPSE_EMBEDDING_CACHE_ENTRIES", 200_000, least=0, note=" (0: no cache)")
+env_number("SYNAPSE_LLM_PAUSE_SECONDS", 30.0, whole=False, least=0)
 
 SYNAPSE_ROUTING_AUTHENTICATION = [
     "routing.authentication.RoutingTokenAuthentication",
@@ -278,28 +327,28 @@ SYNAPSE_ROUTING_PARAMS = os.environ.get("SYNAPSE_ROUTING_PARAMS", "")  # "" = ro
 # size) in a task on SYNAPSE_ROUTER_TUNE_QUEUE ("" = the default queue). Default: 1 with a broker
 # (a worker tunes in the background), 0 without one (eager tasks would hold up publication for
 # minutes; `manage.py tune_router` tunes by hand).
-SYNAPSE_ROUTER_TUNE_EPOCHS = int(
-    os.environ.get("SYNAPSE_ROUTER_TUNE_EPOCHS", "1" if os.environ.get("CELERY_BROKER_URL") else "0")
+SYNAPSE_ROUTER_TUNE_EPOCHS = env_number(
+    "SYNAPSE_ROUTER_TUNE_EPOCHS", 1 if os.environ.get("CELERY_BROKER_URL") else 0, least=0, note=" (0: off)"
 )
 SYNAPSE_ROUTER_TUNE_QUEUE = os.environ.get("SYNAPSE_ROUTER_TUNE_QUEUE", "")
 # The served global's tuning still queued after this long (its message lost: the broker was down
 # at the publication), or `running` with no process holding it (its worker died), is queued
 # again by Celery beat's check (synapse.requeue_lost_tuning, every SYNAPSE_TUNING_CHECK_SECONDS).
-SYNAPSE_TUNING_REQUEUE_SECONDS = float(os.environ.get("SYNAPSE_TUNING_REQUEUE_SECONDS", "3600"))
-SYNAPSE_TUNING_CHECK_SECONDS = float(os.environ.get("SYNAPSE_TUNING_CHECK_SECONDS", "600"))
-SYNAPSE_MAX_QUERY_CHARS = int(os.environ.get("SYNAPSE_MAX_QUERY_CHARS", "2000"))
-SYNAPSE_MAX_ROUTE_BATCH = int(os.environ.get("SYNAPSE_MAX_ROUTE_BATCH", "1000"))
+SYNAPSE_TUNING_REQUEUE_SECONDS = env_number("SYNAPSE_TUNING_REQUEUE_SECONDS", 3600.0, whole=False, above=0)
+SYNAPSE_TUNING_CHECK_SECONDS = env_number("SYNAPSE_TUNING_CHECK_SECONDS", 600.0, whole=False, above=0)
+SYNAPSE_MAX_QUERY_CHARS = env_number("SYNAPSE_MAX_QUERY_CHARS", 2000, least=1)
+SYNAPSE_MAX_ROUTE_BATCH = env_number("SYNAPSE_MAX_ROUTE_BATCH", 1000, least=1)
 # Queries one caller (routing token, client, or person) may route through the API a minute, a
 # batch counting each query; shared by every server process (one upsert per request). 0: no limit.
-SYNAPSE_ROUTE_RATE_LIMIT = int(os.environ.get("SYNAPSE_ROUTE_RATE_LIMIT", "6000"))
+SYNAPSE_ROUTE_RATE_LIMIT = env_number("SYNAPSE_ROUTE_RATE_LIMIT", 6000, least=0, note=" (0: no limit)")
 # A routing batch with `reranker: llm` spends at most this long on LLM calls; the rest of the
 # batch, and all of it once the LLM was found down, falls back to fusion, saying why.
-SYNAPSE_LLM_BATCH_SECONDS = float(os.environ.get("SYNAPSE_LLM_BATCH_SECONDS", "30"))
+SYNAPSE_LLM_BATCH_SECONDS = env_number("SYNAPSE_LLM_BATCH_SECONDS", 30.0, whole=False, least=0)
 # Seconds after a failed build of the served router (logged) before a request tries again;
 # meanwhile the router served before answers, or the routing API a 503 saying why.
-SYNAPSE_ROUTING_REBUILD_SECONDS = float(os.environ.get("SYNAPSE_ROUTING_REBUILD_SECONDS", "30"))
+SYNAPSE_ROUTING_REBUILD_SECONDS = env_number("SYNAPSE_ROUTING_REBUILD_SECONDS", 30.0, whole=False, least=0)
 # Seconds a process keeps the published version before asking the database again.
-SYNAPSE_ROUTING_VERSION_TTL = float(os.environ.get("SYNAPSE_ROUTING_VERSION_TTL", "2"))
+SYNAPSE_ROUTING_VERSION_TTL = env_number("SYNAPSE_ROUTING_VERSION_TTL", 2.0, whole=False, least=0)
 # Retrieval of the routing API: memory (exact, over the served version's embeddings loaded from
 # pgvector; the client's own ranking), exact (a pgvector scan per query) or hnsw (pgvector's HNSW
 # index, approximate).
@@ -310,9 +359,7 @@ if SYNAPSE_ROUTING_RETRIEVAL not in ("memory", "exact", "hnsw"):
     )
 # Days a routing call's latency record is kept (Celery beat prunes older ones hourly); the
 # dashboard's traffic figures cover the last day.
-SYNAPSE_ROUTING_CALL_RETENTION_DAYS = int(os.environ.get("SYNAPSE_ROUTING_CALL_RETENTION_DAYS", "30"))
-if SYNAPSE_ROUTING_CALL_RETENTION_DAYS < 1:
-    raise ImproperlyConfigured("SYNAPSE_ROUTING_CALL_RETENTION_DAYS must be at least 1")
+SYNAPSE_ROUTING_CALL_RETENTION_DAYS = env_number("SYNAPSE_ROUTING_CALL_RETENTION_DAYS", 30, least=1)
 # A bearer token for Prometheus to read /metrics with (""; then only the operator, by session or
 # personal API token, may read it).
 SYNAPSE_METRICS_TOKEN = os.environ.get("SYNAPSE_METRICS_TOKEN", "")
@@ -321,8 +368,9 @@ if SYNAPSE_METRICS_TOKEN and len(SYNAPSE_METRICS_TOKEN) < 24:
 # --- privacy accounting -------------------------------------------------------------------------
 # The federation's total ε cap (used unless a FederationSettings row sets epsilon_budget) and the
 # δ' of advanced composition.
-SYNAPSE_EPSILON_BUDGET = float(os.environ.get("SYNAPSE_EPSILON_BUDGET", "10.0"))
-SYNAPSE_DELTA_PRIME = float(os.environ.get("SYNAPSE_DELTA_PRIME", "1e-5"))
+# The same bounds as the operator's settings form (federation.services.update_settings).
+SYNAPSE_EPSILON_BUDGET = env_number("SYNAPSE_EPSILON_BUDGET", 10.0, whole=False, above=0)
+SYNAPSE_DELTA_PRIME = env_number("SYNAPSE_DELTA_PRIME", 1e-5, whole=False, above=0, below=1)
 # The secret mixed into every edge release's noise seed (default: derived from SECRET_KEY). The
 # round's seed, number and the organization's slug are known to every client: without a secret
 # any of them could redraw an edge's Laplace noise and subtract it from the published figures.
@@ -380,25 +428,26 @@ CELERY_TASK_REJECT_ON_WORKER_LOST = True
 CELERY_WORKER_PREFETCH_MULTIPLIER = 1
 # A task whose worker dies (killed for memory) is delivered again; after this many deliveries it
 # gives up and fails its round (a tuning: its router) with that reason (workers.deliveries).
-SYNAPSE_TASK_MAX_DELIVERIES = int(os.environ.get("SYNAPSE_TASK_MAX_DELIVERIES", "3"))
+SYNAPSE_TASK_MAX_DELIVERIES = env_number("SYNAPSE_TASK_MAX_DELIVERIES", 3, least=1)
 # With acks_late, Redis delivers a message again when its task has run longer than the
 # visibility timeout (kombu's default: an hour) although the first run goes on: longer than any
 # merge or tuning runs, so that a long one is not run twice meanwhile. (RabbitMQ has no such
 # timeout: a message waits for its worker's connection.)
-SYNAPSE_TASK_VISIBILITY_SECONDS = int(os.environ.get("SYNAPSE_TASK_VISIBILITY_SECONDS", "43200"))
+SYNAPSE_TASK_VISIBILITY_SECONDS = env_number("SYNAPSE_TASK_VISIBILITY_SECONDS", 43200, least=1)
 CELERY_BROKER_TRANSPORT_OPTIONS = {"visibility_timeout": SYNAPSE_TASK_VISIBILITY_SECONDS}
 CELERY_TASK_SERIALIZER = "json"
 CELERY_RESULT_SERIALIZER = "json"
 CELERY_ACCEPT_CONTENT = ["json"]
 CELERY_TASK_DEFAULT_QUEUE = os.environ.get("CELERY_TASK_DEFAULT_QUEUE", "cpu")
+SYNAPSE_DEADLINE_CHECK_SECONDS = env_number("SYNAPSE_DEADLINE_CHECK_SECONDS", 30.0, whole=False, above=0)
 # `celery -A synapse_web beat` (docker-compose's beat service) closes rounds at their deadline
 # and prunes old rate counters and routing-call records.
 CELERY_BEAT_SCHEDULE = {
     "close-due-rounds": {
         "task": "synapse.close_due_rounds",
-        "schedule": float(os.environ.get("SYNAPSE_DEADLINE_CHECK_SECONDS", "30")),
+        "schedule": SYNAPSE_DEADLINE_CHECK_SECONDS,
         # a check no worker took before the next one is dropped, not run in a burst later
-        "options": {"expires": float(os.environ.get("SYNAPSE_DEADLINE_CHECK_SECONDS", "30"))},
+        "options": {"expires": SYNAPSE_DEADLINE_CHECK_SECONDS},
     },
     # The served global's tuning whose message was lost, queued again (federation.tuning).
     "requeue-lost-tuning": {

@@ -208,6 +208,9 @@ def test_sign_in_throttle_settings_come_from_the_environment():
     [
         ({"SYNAPSE_LOGIN_FAILURES_PER_IP": "-1"}, "SYNAPSE_LOGIN_FAILURES_PER_IP"),
         ({"SYNAPSE_LOGIN_FAILURE_WINDOW_SECONDS": "0"}, "SYNAPSE_LOGIN_FAILURE_WINDOW_SECONDS"),
+        # was a ValueError traceback; NaN was taken as the federation's ε budget
+        ({"SYNAPSE_CONN_MAX_AGE": "1m"}, "SYNAPSE_CONN_MAX_AGE='1m': takes a whole number"),
+        ({"SYNAPSE_EPSILON_BUDGET": "nan"}, "SYNAPSE_EPSILON_BUDGET='nan': takes a number"),
         # answered 500 to every routing request that named no reranker
         ({"SYNAPSE_ROUTING_RERANKER": "Fusion"}, "SYNAPSE_ROUTING_RERANKER='Fusion'"),
         # a RabbitMQ broker left the result backend `amqp`, which Celery refused at every task
@@ -292,3 +295,92 @@ def test_client_ip_trusts_x_forwarded_for_only_behind_a_proxy(settings):
     zoned = factory.get("/", REMOTE_ADDR="10.0.0.2", HTTP_X_FORWARDED_FOR="fe80::1%" + "a" * 300)
     assert client_ip(zoned) == "10.0.0.2"
     assert client_ip(factory.get("/", REMOTE_ADDR="10.0.0.2", HTTP_X_FORWARDED_FOR="2001:db8::7")) == "2001:db8::7"
+
+
+# --- every variable the settings read, set to a bad value ------------------------------------------
+# Found by review: a number that was not one stopped start-up with a ValueError traceback, and NaN,
+# infinity, a negative number or 0 where it means nothing were taken as they were (a NaN ε budget
+# seeded the federation's policy row; SYNAPSE_TASK_VISIBILITY_SECONDS=0 had Redis hand every task
+# to a second worker at once; SYNAPSE_TUNING_CHECK_SECONDS=0 expired beat's check before any
+# worker could take it; SYNAPSE_ROUTING_VERSION_TTL=inf kept a process on its first global).
+SETTINGS_FILE = ROOT / "synapse_web" / "settings.py"
+
+
+def settings_from(monkeypatch, **env: str) -> dict:
+    """The settings module run afresh in this process under `env` (with PRODUCTION), the rest of
+    what it reads taken out of the environment."""
+    import runpy
+
+    for name in list(os.environ):
+        if name in READ or name.startswith(("SYNAPSE_", "CELERY_")) or name in (
+            "CSRF_TRUSTED_ORIGINS", "STATIC_ROOT", "LOG_LEVEL"
+        ):
+            monkeypatch.delenv(name)
+    for name, value in {**PRODUCTION, **env}.items():
+        monkeypatch.setenv(name, value)
+    return runpy.run_path(str(SETTINGS_FILE))
+
+
+def refused(monkeypatch, **env: str) -> str:
+    from django.core.exceptions import ImproperlyConfigured
+
+    with pytest.raises(ImproperlyConfigured) as caught:
+        settings_from(monkeypatch, **env)
+    message = str(caught.value)
+    assert "\n" not in message
+    return message
+
+
+NUMBERS = {
+    # variable: (values refused, a value taken, what it is read as)
+    "SYNAPSE_CONN_MAX_AGE": (["abc", "-5", "1.5"], "0", 0),
+    "SYNAPSE_LOGIN_FAILURES_PER_USERNAME": (["ten", "-1"], "0", 0),
+    "SYNAPSE_LOGIN_FAILURES_PER_IP": (["abc", "-1"], "0", 0),
+    "SYNAPSE_LOGIN_FAILURE_WINDOW_SECONDS": (["15m", "0"], "60", 60),
+    "SYNAPSE_HSTS_SECONDS": (["one year", "-1"], "0", 0),
+    "SYNAPSE_LOCK_WAIT_SECONDS": (["abc", "nan", "0", "601"], "0.5", 0.5),
+    "SYNAPSE_MAX_SUBMISSION_BYTES": (["2MB", "0", "-1"], "1024", 1024),
+    "SYNAPSE_EMBEDDING_DIM": (["abc", "0", "3072"], "768", 768),
+    "SYNAPSE_ROUTER_TUNE_EPOCHS": (["x", "-1"], "2", 2),
+    "SYNAPSE_TUNING_REQUEUE_SECONDS": (["nan", "0", "-1"], "60", 60.0),
+    "SYNAPSE_TUNING_CHECK_SECONDS": (["0", "-1", "inf"], "5", 5.0),
+    "SYNAPSE_MAX_QUERY_CHARS": (["0", "x"], "100", 100),
+    "SYNAPSE_MAX_ROUTE_BATCH": (["0", "-3"], "10", 10),
+    "SYNAPSE_ROUTE_RATE_LIMIT": (["-1", "lots"], "0", 0),
+    "SYNAPSE_LLM_BATCH_SECONDS": (["nan", "-1"], "0", 0.0),
+    "SYNAPSE_ROUTING_REBUILD_SECONDS": (["-1", "soon"], "0", 0.0),
+    "SYNAPSE_ROUTING_VERSION_TTL": (["inf", "-2"], "0", 0.0),
+    "SYNAPSE_ROUTING_CALL_RETENTION_DAYS": (["x", "0"], "7", 7),
+    "SYNAPSE_EPSILON_BUDGET": (["nan", "inf", "0", "-1"], "2.5", 2.5),
+    "SYNAPSE_DELTA_PRIME": (["0", "1", "2", "nan"], "1e-6", 1e-6),
+    "SYNAPSE_TASK_MAX_DELIVERIES": (["0", "three"], "1", 1),
+    "SYNAPSE_TASK_VISIBILITY_SECONDS": (["0", "12h"], "3600", 3600),
+    "SYNAPSE_DEADLINE_CHECK_SECONDS": (["0", "x", "nan"], "1", 1.0),
+    # read outside the settings (routing.embeddings, routing.llm), checked at start-up all the same
+    "SYNAPSE_ONNX_THREADS": (["two", "-1"], "1", 1),
+    "SYNAPSE_EMBEDDING_CACHE_ENTRIES": (["-1", "10k"], "0", 0),
+    "SYNAPSE_LLM_PAUSE_SECONDS": (["-1", "nan", "x"], "0", 0.0),
+}
+
+
+@pytest.mark.parametrize(
+    "name, value", [(name, value) for name, (bad, _, _) in NUMBERS.items() for value in bad]
+)
+def test_a_bad_number_stops_with_one_line_naming_the_variable(monkeypatch, name, value):
+    message = refused(monkeypatch, **{name: value})
+    assert message.startswith(f"{name}={value!r}: takes "), message
+
+
+@pytest.mark.parametrize("name", sorted(NUMBERS))
+def test_a_good_number_is_taken_and_empty_means_the_default(monkeypatch, name):
+    _, good, read = NUMBERS[name]
+    seen = settings_from(monkeypatch, **{name: good})
+    if name in seen:  # the three read elsewhere are only checked here
+        assert seen[name] == read and type(seen[name]) is type(read)
+    default = settings_from(monkeypatch)
+    assert settings_from(monkeypatch, **{name: ""}).get(name) == default.get(name)
+
+
+def test_the_database_connection_age_reaches_the_database_settings(monkeypatch):
+    seen = settings_from(monkeypatch, SYNAPSE_CONN_MAX_AGE="7")
+    assert seen["DATABASES"]["default"]["CONN_MAX_AGE"] == 7
