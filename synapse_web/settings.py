@@ -18,10 +18,17 @@ BASE_DIR = Path(__file__).resolve().parent.parent
 
 
 def env_bool(name: str, default: bool) -> bool:
+    """A switch: 1/true/yes/on or 0/false/no/off (or empty), any case; unset: `default`. Anything
+    else stops start-up saying so: a misspelt SYNAPSE_HTTPS=ture was silently off."""
     value = os.environ.get(name)
     if value is None:
         return default
-    return value.strip().lower() in {"1", "true", "yes", "on"}
+    word = value.strip().lower()
+    if word in {"1", "true", "yes", "on"}:
+        return True
+    if word in {"0", "false", "no", "off", ""}:
+        return False
+    raise ImproperlyConfigured(f"{name}={value!r}: takes 1 or 0 (true or false, yes or no, on or off)")
 
 
 def _shown(bound: int | float) -> str:

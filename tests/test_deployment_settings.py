@@ -384,3 +384,19 @@ def test_a_good_number_is_taken_and_empty_means_the_default(monkeypatch, name):
 def test_the_database_connection_age_reaches_the_database_settings(monkeypatch):
     seen = settings_from(monkeypatch, SYNAPSE_CONN_MAX_AGE="7")
     assert seen["DATABASES"]["default"]["CONN_MAX_AGE"] == 7
+
+
+@pytest.mark.parametrize(
+    "name", ["DEBUG", "SYNAPSE_HTTPS", "SYNAPSE_BEHIND_PROXY", "SYNAPSE_HSTS_INCLUDE_SUBDOMAINS",
+             "SYNAPSE_HSTS_PRELOAD", "SYNAPSE_DB_PREPARE"],
+)
+def test_a_switch_takes_yes_or_no_and_nothing_else(monkeypatch, name):
+    """Found by review: anything but 1/true/yes/on was off, without a word: SYNAPSE_HTTPS=ture
+    served session cookies without Secure and no HSTS, as if https had not been asked for."""
+    for value in ("ture", "2", "enabled", "y"):
+        assert refused(monkeypatch, **{name: value}).startswith(f"{name}={value!r}: takes 1 or 0"), value
+    setting = {"SYNAPSE_HSTS_INCLUDE_SUBDOMAINS": "SECURE_HSTS_INCLUDE_SUBDOMAINS",
+               "SYNAPSE_HSTS_PRELOAD": "SECURE_HSTS_PRELOAD"}.get(name, name)
+    for value, read in (("1", True), (" Yes", True), ("ON", True), ("true", True),
+                        ("0", False), ("no", False), ("Off", False), ("FALSE", False), ("", False)):
+        assert settings_from(monkeypatch, **{name: value})[setting] is read, value
