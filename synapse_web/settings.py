@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 import os
+import re
 from pathlib import Path
 
 import dj_database_url
@@ -184,14 +185,35 @@ TEMPLATES = [
 
 # --- database -------------------------------------------------------------------------------
 SYNAPSE_CONN_MAX_AGE = env_number("SYNAPSE_CONN_MAX_AGE", 60, least=0)
-if os.environ.get("DATABASE_URL"):
-    DATABASES = {
-        "default": dj_database_url.parse(
-            os.environ["DATABASE_URL"],
-            conn_max_age=SYNAPSE_CONN_MAX_AGE,
-            conn_health_checks=True,
+
+
+def _database_from_url(url: str) -> dict:
+    """DATABASE_URL as Django's settings; one line naming what is wrong, its scheme at most (the
+    rest holds the password), for a URL that cannot be read or is not PostgreSQL's."""
+    takes = "it takes postgres://USER:PASSWORD@HOST:5432/NAME (PostgreSQL with pgvector)"
+    scheme, separator, _ = url.strip().partition("://")
+    if not separator or not re.fullmatch(r"[A-Za-z][A-Za-z0-9+.-]*", scheme):
+        raise ImproperlyConfigured(f"DATABASE_URL is not a URL: {takes}")
+    try:
+        database = dj_database_url.parse(
+            url.strip(), conn_max_age=SYNAPSE_CONN_MAX_AGE, conn_health_checks=True
         )
-    }
+    except dj_database_url.UnknownSchemeError:
+        database = {}
+    except ValueError:
+        raise ImproperlyConfigured(
+            f"DATABASE_URL={scheme}://… cannot be read: quote a password's special characters "
+            f"(urllib.parse.quote) and give the port as a number; {takes}"
+        ) from None
+    if database.get("ENGINE") not in (
+        "django.db.backends.postgresql", "django.contrib.gis.db.backends.postgis"
+    ):
+        raise ImproperlyConfigured(f"DATABASE_URL={scheme}://… is not PostgreSQL: {takes}")
+    return database
+
+
+if os.environ.get("DATABASE_URL"):
+    DATABASES = {"default": _database_from_url(os.environ["DATABASE_URL"])}
 else:
     from synapse_web.embedded_db import ensure_embedded_database
 

@@ -400,3 +400,33 @@ def test_a_switch_takes_yes_or_no_and_nothing_else(monkeypatch, name):
     for value, read in (("1", True), (" Yes", True), ("ON", True), ("true", True),
                         ("0", False), ("no", False), ("Off", False), ("FALSE", False), ("", False)):
         assert settings_from(monkeypatch, **{name: value})[setting] is read, value
+
+
+@pytest.mark.parametrize(
+    "url, named",
+    [
+        ("notaurl", "DATABASE_URL is not a URL"),
+        ("postgres//synapse:secret@db/synapse", "DATABASE_URL is not a URL"),
+        ("mysql://synapse:secret@db/synapse", "DATABASE_URL=mysql://… is not PostgreSQL"),
+        ("sqlite:///synapse.db", "DATABASE_URL=sqlite://… is not PostgreSQL"),
+        ("redis://:secret@db:6379/0", "DATABASE_URL=redis://… is not PostgreSQL"),
+        # a password with an unquoted character the URL cannot hold, a port that is no number
+        ("postgres://synapse:se[cret@db/synapse", "DATABASE_URL=postgres://… cannot be read"),
+        ("postgres://synapse:secret@db:port/synapse", "DATABASE_URL=postgres://… cannot be read"),
+    ],
+)
+def test_a_database_url_that_is_not_postgresql_stops_with_one_line(monkeypatch, url, named):
+    """Found by review: a URL of no scheme dj-database-url knows was an UnknownSchemeError
+    traceback, one it could not parse a ParseError traceback, and one of another database
+    (mysql, sqlite) went on to fail later on a missing driver or pgvector."""
+    message = refused(monkeypatch, DATABASE_URL=url)
+    assert message.startswith(named), message
+    assert "secret" not in message  # the password is not printed
+
+
+def test_a_bad_database_url_is_one_line_from_manage_py():
+    proc = check_deploy(**{**PRODUCTION, "DATABASE_URL": "postgresql:/synapse:secret@db:5432/synapse"})
+    assert proc.returncode == 2
+    lines = [line for line in proc.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1 and "DATABASE_URL" in lines[0], proc.stderr
+    assert "secret" not in proc.stderr
