@@ -438,7 +438,25 @@ SPECTACULAR_SETTINGS = {
 }
 
 # --- Celery -------------------------------------------------------------------------------------
+def _celery_scheme(name: str, url: str, known, what: str, example: str) -> str:
+    """The scheme of a Celery URL (the part before `+` of `db+postgresql://`), one line naming
+    the variable when it is no URL or names nothing Celery has; never the rest (the password)."""
+    scheme, separator, _ = url.partition("://")
+    if not separator or not re.fullmatch(r"[A-Za-z][A-Za-z0-9+.-]*", scheme):
+        raise ImproperlyConfigured(f"{name} is not a URL: it takes a {what}'s URL ({example})")
+    if scheme.split("+", 1)[0].lower() not in known:
+        raise ImproperlyConfigured(f"{name}={scheme}://… names no {what} Celery knows ({example})")
+    return scheme.split("+", 1)[0].lower()
+
+
 CELERY_BROKER_URL = os.environ.get("CELERY_BROKER_URL", "")
+if CELERY_BROKER_URL:
+    from kombu.transport import TRANSPORT_ALIASES
+
+    _celery_scheme(
+        "CELERY_BROKER_URL", CELERY_BROKER_URL, {alias.lower() for alias in TRANSPORT_ALIASES},
+        "broker", "redis://HOST:6379/0, amqp://USER:PASSWORD@HOST:5672//",
+    )
 # The merge pipeline is a chord (edge merges, then the server merge), which needs a result backend
 # that joins chords: Redis (the broker's own URL when it is Redis). A RabbitMQ broker has none
 # Celery can use for chords (`amqp` is no result backend, `rpc` runs no chords): name one.
@@ -450,6 +468,17 @@ if CELERY_BROKER_URL and not CELERY_RESULT_BACKEND:
         f"CELERY_BROKER_URL={CELERY_BROKER_URL.split('://', 1)[0]}://… needs CELERY_RESULT_BACKEND: "
         "the merge pipeline's chord needs a result backend that joins chords (redis://HOST:6379/1)"
     )
+if CELERY_RESULT_BACKEND:
+    from celery.app.backends import BACKEND_ALIASES
+
+    if _celery_scheme(
+        "CELERY_RESULT_BACKEND", CELERY_RESULT_BACKEND, set(BACKEND_ALIASES),
+        "result backend", "redis://HOST:6379/1",
+    ) in ("rpc", "disabled"):
+        raise ImproperlyConfigured(
+            f"CELERY_RESULT_BACKEND={CELERY_RESULT_BACKEND.split('://', 1)[0]}://… joins no chords, "
+            "and the merge pipeline is one: name a result backend that does (redis://HOST:6379/1)"
+        )
 CELERY_TASK_ALWAYS_EAGER = not CELERY_BROKER_URL
 CELERY_TASK_EAGER_PROPAGATES = True
 CELERY_TASK_ACKS_LATE = True

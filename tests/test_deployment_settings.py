@@ -430,3 +430,46 @@ def test_a_bad_database_url_is_one_line_from_manage_py():
     lines = [line for line in proc.stderr.splitlines() if line.strip()]
     assert len(lines) == 1 and "DATABASE_URL" in lines[0], proc.stderr
     assert "secret" not in proc.stderr
+
+
+@pytest.mark.parametrize(
+    "env, named",
+    [
+        # no URL at all: the line said `notaurl://… needs CELERY_RESULT_BACKEND`, and a URL
+        # missing its `:` was printed whole, password included
+        ({"CELERY_BROKER_URL": "notaurl"}, "CELERY_BROKER_URL is not a URL"),
+        ({"CELERY_BROKER_URL": "redis//:secret@redis:6379/0"}, "CELERY_BROKER_URL is not a URL"),
+        # a transport kombu does not have: the first task sent failed
+        ({"CELERY_BROKER_URL": "reddis://:secret@redis:6379/0",
+          "CELERY_RESULT_BACKEND": "redis://redis:6379/1"},
+         "CELERY_BROKER_URL=reddis://… names no broker Celery knows"),
+        ({"CELERY_BROKER_URL": "amqp://guest:secret@rabbit:5672//",
+          "CELERY_RESULT_BACKEND": "rpc://"}, "CELERY_RESULT_BACKEND=rpc://… joins no chords"),
+        ({"CELERY_BROKER_URL": "amqp://guest:secret@rabbit:5672//",
+          "CELERY_RESULT_BACKEND": "amqp://guest:secret@rabbit:5672//"},
+         "CELERY_RESULT_BACKEND=amqp://… names no result backend Celery knows"),
+        ({"CELERY_BROKER_URL": "redis://:secret@redis:6379/0", "CELERY_RESULT_BACKEND": "redis"},
+         "CELERY_RESULT_BACKEND is not a URL"),
+    ],
+)
+def test_a_broker_or_result_backend_celery_cannot_use_stops_with_one_line(monkeypatch, env, named):
+    """Found by review: the merge pipeline is a chord; a result backend that joins none (rpc://,
+    which the comment in the settings names) or a transport Celery does not have was taken, and
+    every round's close failed when it sent its tasks."""
+    message = refused(monkeypatch, **env)
+    assert message.startswith(named), message
+    assert "secret" not in message
+
+
+def test_celery_urls_that_work_are_taken(monkeypatch):
+    for env in (
+        {"CELERY_BROKER_URL": "redis://redis:6379/0"},
+        {"CELERY_BROKER_URL": "rediss://:pw@redis:6380/0?ssl_cert_reqs=required"},
+        {"CELERY_BROKER_URL": "sentinel://s1:26379;sentinel://s2:26379",
+         "CELERY_RESULT_BACKEND": "redis://redis:6379/1"},
+        {"CELERY_BROKER_URL": "amqp://guest:guest@rabbit:5672//",
+         "CELERY_RESULT_BACKEND": "db+postgresql://synapse:pw@postgres/celery"},
+        {"CELERY_BROKER_URL": "pyamqp://guest@rabbit//", "CELERY_RESULT_BACKEND": "redis://r:6379/1"},
+    ):
+        seen = settings_from(monkeypatch, **env)
+        assert seen["CELERY_BROKER_URL"] == env["CELERY_BROKER_URL"]
