@@ -521,9 +521,14 @@ CELERY_BEAT_SCHEDULE = {
     "prune-routing-calls": {"task": "synapse.prune_routing_calls", "schedule": 3600.0},
 }
 
+LOG_LEVEL = os.environ.get("LOG_LEVEL", "").strip().upper() or "WARNING"
+if LOG_LEVEL not in ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"):
+    raise ImproperlyConfigured(
+        f"LOG_LEVEL={os.environ['LOG_LEVEL']!r}: takes DEBUG, INFO, WARNING, ERROR or CRITICAL"
+    )
 LOGGING = {
     "version": 1,
     "disable_existing_loggers": False,
     "handlers": {"console": {"class": "logging.StreamHandler"}},
-    "root": {"handlers": ["console"], "level": os.environ.get("LOG_LEVEL", "WARNING")},
+    "root": {"handlers": ["console"], "level": LOG_LEVEL},
 }

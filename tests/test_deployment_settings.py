@@ -473,3 +473,15 @@ def test_celery_urls_that_work_are_taken(monkeypatch):
     ):
         seen = settings_from(monkeypatch, **env)
         assert seen["CELERY_BROKER_URL"] == env["CELERY_BROKER_URL"]
+
+
+def test_log_level_is_a_level_name_in_any_case(monkeypatch):
+    """Found by review: LOG_LEVEL=info (or a misspelt level) stopped every command with a
+    traceback ending in `ValueError: Unable to configure root logger`."""
+    assert settings_from(monkeypatch, LOG_LEVEL="info")["LOGGING"]["root"]["level"] == "INFO"
+    assert settings_from(monkeypatch)["LOGGING"]["root"]["level"] == "WARNING"
+    message = refused(monkeypatch, LOG_LEVEL="LOUD")
+    assert message.startswith("LOG_LEVEL='LOUD': takes DEBUG, INFO, WARNING, ERROR or CRITICAL"), message
+    proc = check_deploy(**PRODUCTION, LOG_LEVEL="verbose")
+    lines = [line for line in proc.stderr.splitlines() if line.strip()]
+    assert proc.returncode == 2 and len(lines) == 1 and "LOG_LEVEL" in lines[0], proc.stderr
