@@ -116,6 +116,19 @@ if not SECRET_KEY:
         raise ImproperlyConfigured("SECRET_KEY must be set when DEBUG=0")
     SECRET_KEY = _development_key(DATA_DIR / "secret_key")
 ALLOWED_HOSTS = env_list("ALLOWED_HOSTS", "127.0.0.1,localhost,testserver")
+# Django compares a request's host, without its port, to each entry: a URL, a path or a port in
+# one matches no request (every one a 400), nor does an empty list with DEBUG off.
+for _host in ALLOWED_HOSTS:
+    if "/" in _host or re.fullmatch(r"[^\[\]:]+:\d*|\[[^\]]*\]:\d*", _host):
+        raise ImproperlyConfigured(
+            f"ALLOWED_HOSTS names {_host!r}: a host name or address matches requests only without "
+            "scheme, port or path (synapse.example.org, .example.org for its subdomains, 10.0.0.5)"
+        )
+if not ALLOWED_HOSTS and not DEBUG:
+    raise ImproperlyConfigured(
+        "ALLOWED_HOSTS is empty: with DEBUG=0 every request would be refused; name the hosts "
+        "served, comma-separated (keep 127.0.0.1 for the healthcheck)"
+    )
 # DEBUG is on unless set: right on a developer's machine, not where other hosts are served (a
 # server error would show a traceback with the rows it read, any organization's). Serving another
 # host with DEBUG on is refused unless DEBUG=1 says so.

@@ -485,3 +485,28 @@ def test_log_level_is_a_level_name_in_any_case(monkeypatch):
     proc = check_deploy(**PRODUCTION, LOG_LEVEL="verbose")
     lines = [line for line in proc.stderr.splitlines() if line.strip()]
     assert proc.returncode == 2 and len(lines) == 1 and "LOG_LEVEL" in lines[0], proc.stderr
+
+
+@pytest.mark.parametrize(
+    "hosts, named",
+    [
+        ("https://synapse.example.org", "ALLOWED_HOSTS names 'https://synapse.example.org': a host"),
+        ("synapse.example.org/", "ALLOWED_HOSTS names 'synapse.example.org/': a host"),
+        ("127.0.0.1,synapse.example.org:8000", "ALLOWED_HOSTS names 'synapse.example.org:8000': a host"),
+        ("[::1]:8000", "ALLOWED_HOSTS names '[::1]:8000': a host"),
+        (" , ", "ALLOWED_HOSTS is empty"),
+    ],
+)
+def test_allowed_hosts_that_match_no_request_stop_with_one_line(monkeypatch, hosts, named):
+    """Found by review: a URL, a path or a port in ALLOWED_HOSTS matches no Host header (Django
+    compares the host without its port), and an empty list with DEBUG off matches none: every
+    request was a 400, the compose healthcheck's too, with nothing said at start-up."""
+    message = refused(monkeypatch, ALLOWED_HOSTS=hosts)
+    assert message.startswith(named), message
+
+
+def test_allowed_hosts_django_takes_are_taken(monkeypatch):
+    hosts = "synapse.example.org,.example.net,127.0.0.1,[::1],*"
+    assert settings_from(monkeypatch, ALLOWED_HOSTS=hosts)["ALLOWED_HOSTS"] == hosts.split(",")
+    # DEBUG on, where Django itself lets an empty list mean the local hosts
+    assert settings_from(monkeypatch, DEBUG="1", ALLOWED_HOSTS="")["ALLOWED_HOSTS"] == []
