@@ -140,6 +140,14 @@ if DEBUG and "DEBUG" not in os.environ and set(ALLOWED_HOSTS) - _LOCAL_HOSTS:
         "Django's debug pages on it on purpose"
     )
 CSRF_TRUSTED_ORIGINS = env_list("CSRF_TRUSTED_ORIGINS", "http://127.0.0.1:8000,http://localhost:8000")
+# A browser's Origin is scheme://host[:port], compared whole: an entry with a path (a trailing
+# slash) or no scheme matches none.
+for _origin in CSRF_TRUSTED_ORIGINS:
+    if not re.fullmatch(r"https?://[^/?#\s]+", _origin):
+        raise ImproperlyConfigured(
+            f"CSRF_TRUSTED_ORIGINS names {_origin!r}: an origin is http:// or https://, a host and "
+            "an optional port, no path (https://synapse.example.org, https://*.example.org)"
+        )
 
 INSTALLED_APPS = [
     "django.contrib.admin",

@@ -510,3 +510,22 @@ def test_allowed_hosts_django_takes_are_taken(monkeypatch):
     assert settings_from(monkeypatch, ALLOWED_HOSTS=hosts)["ALLOWED_HOSTS"] == hosts.split(",")
     # DEBUG on, where Django itself lets an empty list mean the local hosts
     assert settings_from(monkeypatch, DEBUG="1", ALLOWED_HOSTS="")["ALLOWED_HOSTS"] == []
+
+
+@pytest.mark.parametrize(
+    "origins",
+    ["synapse.example.org", "https://synapse.example.org/", "https://synapse.example.org/login",
+     "ftp://synapse.example.org", "https://"],
+)
+def test_csrf_trusted_origins_that_match_no_origin_stop_with_one_line(monkeypatch, origins):
+    """Found by review: an origin is compared as scheme://host[:port]; one with a path (a trailing
+    slash) or without a scheme matched no browser's Origin, and every form posted through a proxy
+    that rewrites Host was a 403 (the missing scheme only in `manage.py check`, not gunicorn)."""
+    message = refused(monkeypatch, CSRF_TRUSTED_ORIGINS=f"http://127.0.0.1:8000,{origins}")
+    assert message.startswith(f"CSRF_TRUSTED_ORIGINS names {origins!r}: "), message
+
+
+def test_csrf_trusted_origins_django_takes_are_taken(monkeypatch):
+    origins = "https://synapse.example.org,http://10.0.0.5:8000,https://*.example.net"
+    assert settings_from(monkeypatch, CSRF_TRUSTED_ORIGINS=origins)["CSRF_TRUSTED_ORIGINS"] == (
+        origins.split(","))
