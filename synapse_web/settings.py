@@ -81,7 +81,8 @@ def env_list(name: str, default: str) -> list[str]:
     return [item.strip() for item in os.environ.get(name, default).split(",") if item.strip()]
 
 
-DATA_DIR = Path(os.environ.get("SYNAPSE_DATA_DIR", BASE_DIR / ".data"))
+# Set to nothing: the default, not the current directory (as the Makefile reads it too).
+DATA_DIR = Path(os.environ.get("SYNAPSE_DATA_DIR", "").strip() or BASE_DIR / ".data")
 
 DEBUG = env_bool("DEBUG", True)
 
@@ -261,7 +262,7 @@ USE_TZ = True
 
 STATIC_URL = "static/"
 STATICFILES_DIRS = [BASE_DIR / "static"]
-STATIC_ROOT = Path(os.environ.get("STATIC_ROOT", BASE_DIR / "staticfiles"))
+STATIC_ROOT = Path(os.environ.get("STATIC_ROOT", "").strip() or BASE_DIR / "staticfiles")
 STORAGES = {
     "default": {"BACKEND": "django.core.files.storage.FileSystemStorage"},
     "staticfiles": {"BACKEND": "whitenoise.storage.CompressedStaticFilesStorage"},
@@ -517,7 +518,7 @@ CELERY_BROKER_TRANSPORT_OPTIONS = {"visibility_timeout": SYNAPSE_TASK_VISIBILITY
 CELERY_TASK_SERIALIZER = "json"
 CELERY_RESULT_SERIALIZER = "json"
 CELERY_ACCEPT_CONTENT = ["json"]
-CELERY_TASK_DEFAULT_QUEUE = os.environ.get("CELERY_TASK_DEFAULT_QUEUE", "cpu")
+CELERY_TASK_DEFAULT_QUEUE = os.environ.get("CELERY_TASK_DEFAULT_QUEUE", "").strip() or "cpu"
 SYNAPSE_DEADLINE_CHECK_SECONDS = env_number("SYNAPSE_DEADLINE_CHECK_SECONDS", 30.0, whole=False, above=0)
 # `celery -A synapse_web beat` (docker-compose's beat service) closes rounds at their deadline
 # and prunes old rate counters and routing-call records.

@@ -10,6 +10,7 @@ import os
 import secrets
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 from django.test import RequestFactory
@@ -529,3 +530,19 @@ def test_csrf_trusted_origins_django_takes_are_taken(monkeypatch):
     origins = "https://synapse.example.org,http://10.0.0.5:8000,https://*.example.net"
     assert settings_from(monkeypatch, CSRF_TRUSTED_ORIGINS=origins)["CSRF_TRUSTED_ORIGINS"] == (
         origins.split(","))
+
+
+def test_an_empty_folder_or_queue_is_the_default_not_the_current_directory(monkeypatch):
+    """Found by review: SYNAPSE_DATA_DIR= (as `make demo` reads it too: `$(or ...,.data)`) put the
+    embedded database, the tuned routers and a development secret key in the current directory,
+    the checkout's root, where git does not ignore them, while the Makefile read .data/secret_key;
+    STATIC_ROOT= had collectstatic write into the current directory; CELERY_TASK_DEFAULT_QUEUE=
+    sent the merge tasks to a queue named '' that no worker consumes."""
+    seen = settings_from(monkeypatch, SYNAPSE_DATA_DIR="", STATIC_ROOT="", CELERY_TASK_DEFAULT_QUEUE="")
+    assert seen["DATA_DIR"] == ROOT / ".data"
+    assert seen["STATIC_ROOT"] == ROOT / "staticfiles"
+    assert seen["CELERY_TASK_DEFAULT_QUEUE"] == "cpu"
+    given = settings_from(monkeypatch, SYNAPSE_DATA_DIR="/srv/synapse", STATIC_ROOT="/srv/static",
+                          CELERY_TASK_DEFAULT_QUEUE="merges")
+    assert given["DATA_DIR"] == Path("/srv/synapse") and given["STATIC_ROOT"] == Path("/srv/static")
+    assert given["CELERY_TASK_DEFAULT_QUEUE"] == "merges"
