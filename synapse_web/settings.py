@@ -373,6 +373,11 @@ if SYNAPSE_ROUTING_RERANKER not in ("fusion", "none", "llm"):  # routing.router.
         f"SYNAPSE_ROUTING_RERANKER={SYNAPSE_ROUTING_RERANKER!r}: choose fusion, none or llm"
     )
 SYNAPSE_ROUTING_PARAMS = os.environ.get("SYNAPSE_ROUTING_PARAMS", "")  # "" = routing/default_params.json
+if SYNAPSE_ROUTING_PARAMS and not Path(SYNAPSE_ROUTING_PARAMS).is_file():
+    raise ImproperlyConfigured(
+        f"SYNAPSE_ROUTING_PARAMS={SYNAPSE_ROUTING_PARAMS!r}: no such file; it takes a routing "
+        "parameters file (bench/route_accuracy.py --save-params writes one), or nothing"
+    )
 # The tuned router (federation.tuning): after each publish, fine-tune the routing encoder on the
 # global for this many epochs (0: off; about 7 minutes per epoch on one CPU core at MetaTool's
 # size) in a task on SYNAPSE_ROUTER_TUNE_QUEUE ("" = the default queue). Default: 1 with a broker

@@ -546,3 +546,17 @@ def test_an_empty_folder_or_queue_is_the_default_not_the_current_directory(monke
                           CELERY_TASK_DEFAULT_QUEUE="merges")
     assert given["DATA_DIR"] == Path("/srv/synapse") and given["STATIC_ROOT"] == Path("/srv/static")
     assert given["CELERY_TASK_DEFAULT_QUEUE"] == "merges"
+
+
+def test_a_routing_params_file_that_is_not_there_stops_with_one_line(monkeypatch, tmp_path):
+    """Found by review: a misspelt SYNAPSE_ROUTING_PARAMS started, and every router build logged a
+    warning and routed with other weights than the operator's (a file broken later still does,
+    routing.services.routing_params: routing goes on)."""
+    missing = tmp_path / "params.jsn"
+    message = refused(monkeypatch, SYNAPSE_ROUTING_PARAMS=str(missing))
+    assert message.startswith(f"SYNAPSE_ROUTING_PARAMS={str(missing)!r}: no such file"), message
+    assert refused(monkeypatch, SYNAPSE_ROUTING_PARAMS=str(tmp_path)).startswith("SYNAPSE_ROUTING_PARAMS=")
+    given = tmp_path / "params.json"
+    given.write_text("{}")
+    assert settings_from(monkeypatch, SYNAPSE_ROUTING_PARAMS=str(given))["SYNAPSE_ROUTING_PARAMS"] == str(given)
+    assert settings_from(monkeypatch, SYNAPSE_ROUTING_PARAMS="")["SYNAPSE_ROUTING_PARAMS"] == ""
