@@ -280,7 +280,7 @@ class EmbeddingEngine:
         try:
             if self.model_name in (ONNX_INT8_MODEL, ONNX_INT8_DYNAMIC_MODEL):
                 dynamic = self.model_name == ONNX_INT8_DYNAMIC_MODEL
-                configured = int(os.environ.get("SYNAPSE_ONNX_THREADS", "0"))
+                configured = int(os.environ.get("SYNAPSE_ONNX_THREADS", "") or 0)
                 self._model = _OnnxMiniLM(
                     threads=configured or _default_threads(), dynamic=dynamic,
                     workers=configured or max(1, min(8, os.cpu_count() or 1)),

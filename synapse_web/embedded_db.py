@@ -40,8 +40,9 @@ def _start_lock(data_dir: Path):
             fcntl.flock(handle, fcntl.LOCK_UN)
 
 
-def ensure_embedded_database(data_dir: Path) -> dict:
-    """Start (if needed) the embedded server and return Django DATABASES settings for it."""
+def ensure_embedded_database(data_dir: Path, conn_max_age: int = 60) -> dict:
+    """Start (if needed) the embedded server and return Django DATABASES settings for it
+    (`conn_max_age`: SYNAPSE_CONN_MAX_AGE, which the settings read and check)."""
     data_dir = Path(data_dir).resolve()
     marker = data_dir / ".synapse_db_created"
     with _start_lock(data_dir):
@@ -63,7 +64,7 @@ def ensure_embedded_database(data_dir: Path) -> dict:
         # for a Unix socket (a checkout deeper than about 80 characters), a runtime folder.
         "HOST": str(_socket_dir(server, data_dir)),
         "PORT": "",
-        "CONN_MAX_AGE": int(os.environ.get("SYNAPSE_CONN_MAX_AGE", "60")),
+        "CONN_MAX_AGE": conn_max_age,
         "CONN_HEALTH_CHECKS": True,
     }
 

@@ -7,7 +7,9 @@ DEBUG=0, ALLOWED_HOSTS (see docker-compose.yml).
 
 from __future__ import annotations
 
+import math
 import os
+import re
 from pathlib import Path
 
 import dj_database_url
@@ -17,17 +19,70 @@ BASE_DIR = Path(__file__).resolve().parent.parent
 
 
 def env_bool(name: str, default: bool) -> bool:
+    """A switch: 1/true/yes/on or 0/false/no/off (or empty), any case; unset: `default`. Anything
+    else stops start-up saying so: a misspelt SYNAPSE_HTTPS=ture was silently off."""
     value = os.environ.get(name)
     if value is None:
         return default
-    return value.strip().lower() in {"1", "true", "yes", "on"}
+    word = value.strip().lower()
+    if word in {"1", "true", "yes", "on"}:
+        return True
+    if word in {"0", "false", "no", "off", ""}:
+        return False
+    raise ImproperlyConfigured(f"{name}={value!r}: takes 1 or 0 (true or false, yes or no, on or off)")
+
+
+def _shown(bound: int | float) -> str:
+    return f"{bound:g}" if isinstance(bound, float) else str(bound)
+
+
+def env_number(
+    name: str,
+    default: int | float,
+    *,
+    whole: bool = True,
+    least: int | float | None = None,
+    above: int | float | None = None,
+    most: int | float | None = None,
+    below: int | float | None = None,
+    note: str = "",
+) -> int | float:
+    """A whole number (`whole`) or a finite number from the environment, unset or empty: `default`.
+    Anything else (text, NaN, infinity, a value out of its bounds) stops start-up with one line
+    naming the variable and what it takes, not a ValueError traceback nor a meaningless value."""
+    raw = os.environ.get(name, "").strip()
+    if not raw:
+        return default
+    try:
+        value = int(raw) if whole else float(raw)
+    except ValueError:
+        value = None
+    if (
+        value is None
+        or not math.isfinite(value)
+        or (least is not None and value < least)
+        or (above is not None and value <= above)
+        or (most is not None and value > most)
+        or (below is not None and value >= below)
+    ):
+        bounds = [
+            f"{word} {_shown(bound)}"
+            for word, bound in (
+                ("at least", least), ("greater than", above), ("at most", most), ("less than", below)
+            )
+            if bound is not None
+        ]
+        takes = ("a whole number" if whole else "a number") + (" " + " and ".join(bounds) if bounds else "")
+        raise ImproperlyConfigured(f"{name}={raw!r}: takes {takes}{note}")
+    return value
 
 
 def env_list(name: str, default: str) -> list[str]:
     return [item.strip() for item in os.environ.get(name, default).split(",") if item.strip()]
 
 
-DATA_DIR = Path(os.environ.get("SYNAPSE_DATA_DIR", BASE_DIR / ".data"))
+# Set to nothing: the default, not the current directory (as the Makefile reads it too).
+DATA_DIR = Path(os.environ.get("SYNAPSE_DATA_DIR", "").strip() or BASE_DIR / ".data")
 
 DEBUG = env_bool("DEBUG", True)
 
@@ -62,6 +117,19 @@ if not SECRET_KEY:
         raise ImproperlyConfigured("SECRET_KEY must be set when DEBUG=0")
     SECRET_KEY = _development_key(DATA_DIR / "secret_key")
 ALLOWED_HOSTS = env_list("ALLOWED_HOSTS", "127.0.0.1,localhost,testserver")
+# Django compares a request's host, without its port, to each entry: a URL, a path or a port in
+# one matches no request (every one a 400), nor does an empty list with DEBUG off.
+for _host in ALLOWED_HOSTS:
+    if "/" in _host or re.fullmatch(r"[^\[\]:]+:\d*|\[[^\]]*\]:\d*", _host):
+        raise ImproperlyConfigured(
+            f"ALLOWED_HOSTS names {_host!r}: a host name or address matches requests only without "
+            "scheme, port or path (synapse.example.org, .example.org for its subdomains, 10.0.0.5)"
+        )
+if not ALLOWED_HOSTS and not DEBUG:
+    raise ImproperlyConfigured(
+        "ALLOWED_HOSTS is empty: with DEBUG=0 every request would be refused; name the hosts "
+        "served, comma-separated (keep 127.0.0.1 for the healthcheck)"
+    )
 # DEBUG is on unless set: right on a developer's machine, not where other hosts are served (a
 # server error would show a traceback with the rows it read, any organization's). Serving another
 # host with DEBUG on is refused unless DEBUG=1 says so.
@@ -73,6 +141,14 @@ if DEBUG and "DEBUG" not in os.environ and set(ALLOWED_HOSTS) - _LOCAL_HOSTS:
         "Django's debug pages on it on purpose"
     )
 CSRF_TRUSTED_ORIGINS = env_list("CSRF_TRUSTED_ORIGINS", "http://127.0.0.1:8000,http://localhost:8000")
+# A browser's Origin is scheme://host[:port], compared whole: an entry with a path (a trailing
+# slash) or no scheme matches none.
+for _origin in CSRF_TRUSTED_ORIGINS:
+    if not re.fullmatch(r"https?://[^/?#\s]+", _origin):
+        raise ImproperlyConfigured(
+            f"CSRF_TRUSTED_ORIGINS names {_origin!r}: an origin is http:// or https://, a host and "
+            "an optional port, no path (https://synapse.example.org, https://*.example.org)"
+        )
 
 INSTALLED_APPS = [
     "django.contrib.admin",
@@ -130,18 +206,40 @@ TEMPLATES = [
 ]
 
 # --- database -------------------------------------------------------------------------------
-if os.environ.get("DATABASE_URL"):
-    DATABASES = {
-        "default": dj_database_url.parse(
-            os.environ["DATABASE_URL"],
-            conn_max_age=int(os.environ.get("SYNAPSE_CONN_MAX_AGE", "60")),
-            conn_health_checks=True,
+SYNAPSE_CONN_MAX_AGE = env_number("SYNAPSE_CONN_MAX_AGE", 60, least=0)
+
+
+def _database_from_url(url: str) -> dict:
+    """DATABASE_URL as Django's settings; one line naming what is wrong, its scheme at most (the
+    rest holds the password), for a URL that cannot be read or is not PostgreSQL's."""
+    takes = "it takes postgres://USER:PASSWORD@HOST:5432/NAME (PostgreSQL with pgvector)"
+    scheme, separator, _ = url.strip().partition("://")
+    if not separator or not re.fullmatch(r"[A-Za-z][A-Za-z0-9+.-]*", scheme):
+        raise ImproperlyConfigured(f"DATABASE_URL is not a URL: {takes}")
+    try:
+        database = dj_database_url.parse(
+            url.strip(), conn_max_age=SYNAPSE_CONN_MAX_AGE, conn_health_checks=True
         )
-    }
+    except dj_database_url.UnknownSchemeError:
+        database = {}
+    except ValueError:
+        raise ImproperlyConfigured(
+            f"DATABASE_URL={scheme}://… cannot be read: quote a password's special characters "
+            f"(urllib.parse.quote) and give the port as a number; {takes}"
+        ) from None
+    if database.get("ENGINE") not in (
+        "django.db.backends.postgresql", "django.contrib.gis.db.backends.postgis"
+    ):
+        raise ImproperlyConfigured(f"DATABASE_URL={scheme}://… is not PostgreSQL: {takes}")
+    return database
+
+
+if os.environ.get("DATABASE_URL"):
+    DATABASES = {"default": _database_from_url(os.environ["DATABASE_URL"])}
 else:
     from synapse_web.embedded_db import ensure_embedded_database
 
-    DATABASES = {"default": ensure_embedded_database(DATA_DIR / "pgdata")}
+    DATABASES = {"default": ensure_embedded_database(DATA_DIR / "pgdata", SYNAPSE_CONN_MAX_AGE)}
 
 # The request hot paths (client token lookup, submissions) have their statements prepared on the
 # server (synapse_web/prepared.py; Django's own cursors never prepare); 0 for a connection pooler
@@ -164,7 +262,7 @@ USE_TZ = True
 
 STATIC_URL = "static/"
 STATICFILES_DIRS = [BASE_DIR / "static"]
-STATIC_ROOT = Path(os.environ.get("STATIC_ROOT", BASE_DIR / "staticfiles"))
+STATIC_ROOT = Path(os.environ.get("STATIC_ROOT", "").strip() or BASE_DIR / "staticfiles")
 STORAGES = {
     "default": {"BACKEND": "django.core.files.storage.FileSystemStorage"},
     "staticfiles": {"BACKEND": "whitenoise.storage.CompressedStaticFilesStorage"},
@@ -182,15 +280,11 @@ LOGOUT_REDIRECT_URL = "/accounts/login/"
 # refused, right password or not, until the window ends (federation.login_throttle). The backend
 # covers every login form: the dashboard's, the admin's and the browsable API's. 0 turns a count off.
 AUTHENTICATION_BACKENDS = ["federation.auth.ThrottledModelBackend"]
-SYNAPSE_LOGIN_FAILURES_PER_USERNAME = int(os.environ.get("SYNAPSE_LOGIN_FAILURES_PER_USERNAME", "10"))
-SYNAPSE_LOGIN_FAILURES_PER_IP = int(os.environ.get("SYNAPSE_LOGIN_FAILURES_PER_IP", "50"))
-SYNAPSE_LOGIN_FAILURE_WINDOW_SECONDS = int(os.environ.get("SYNAPSE_LOGIN_FAILURE_WINDOW_SECONDS", "900"))
-if min(SYNAPSE_LOGIN_FAILURES_PER_USERNAME, SYNAPSE_LOGIN_FAILURES_PER_IP) < 0:
-    raise ImproperlyConfigured(
-        "SYNAPSE_LOGIN_FAILURES_PER_USERNAME and SYNAPSE_LOGIN_FAILURES_PER_IP must be 0 (off) or more"
-    )
-if SYNAPSE_LOGIN_FAILURE_WINDOW_SECONDS < 1:
-    raise ImproperlyConfigured("SYNAPSE_LOGIN_FAILURE_WINDOW_SECONDS must be at least 1")
+SYNAPSE_LOGIN_FAILURES_PER_USERNAME = env_number(
+    "SYNAPSE_LOGIN_FAILURES_PER_USERNAME", 10, least=0, note=" (0: not counted)"
+)
+SYNAPSE_LOGIN_FAILURES_PER_IP = env_number("SYNAPSE_LOGIN_FAILURES_PER_IP", 50, least=0, note=" (0: not counted)")
+SYNAPSE_LOGIN_FAILURE_WINDOW_SECONDS = env_number("SYNAPSE_LOGIN_FAILURE_WINDOW_SECONDS", 900, least=1)
 
 # --- HTTPS ----------------------------------------------------------------------------------------
 # SYNAPSE_HTTPS=1 where the site is served over https (in gunicorn or at a proxy in front): cookies
@@ -206,7 +300,8 @@ SESSION_COOKIE_SECURE = SYNAPSE_HTTPS
 CSRF_COOKIE_SECURE = SYNAPSE_HTTPS
 SECURE_SSL_REDIRECT = SYNAPSE_HTTPS
 SECURE_REDIRECT_EXEMPT = [r"^healthz$"]
-SECURE_HSTS_SECONDS = int(os.environ.get("SYNAPSE_HSTS_SECONDS", "31536000")) if SYNAPSE_HTTPS else 0
+SYNAPSE_HSTS_SECONDS = env_number("SYNAPSE_HSTS_SECONDS", 31536000, least=0, note=" (0: no HSTS)")
+SECURE_HSTS_SECONDS = SYNAPSE_HSTS_SECONDS if SYNAPSE_HTTPS else 0
 SECURE_HSTS_INCLUDE_SUBDOMAINS = env_bool("SYNAPSE_HSTS_INCLUDE_SUBDOMAINS", False)
 SECURE_HSTS_PRELOAD = env_bool("SYNAPSE_HSTS_PRELOAD", False)
 if SYNAPSE_BEHIND_PROXY:
@@ -245,19 +340,24 @@ SILENCED_SYSTEM_CHECKS = ["security.W005", "security.W021"]
 # Request bodies: submissions are capped here (413 above it), see federation issue.
 # How long an operator's request (open a round, retry one, change the settings) waits for a lock
 # that a long operation holds (an erasure re-merging) before it answers 409 busy.
-SYNAPSE_LOCK_WAIT_SECONDS = float(os.environ.get("SYNAPSE_LOCK_WAIT_SECONDS", "5"))
-if not 0 < SYNAPSE_LOCK_WAIT_SECONDS <= 600:
-    raise ImproperlyConfigured("SYNAPSE_LOCK_WAIT_SECONDS must be in (0, 600]")
-SYNAPSE_MAX_SUBMISSION_BYTES = int(os.environ.get("SYNAPSE_MAX_SUBMISSION_BYTES", str(2 * 1024 * 1024)))
+SYNAPSE_LOCK_WAIT_SECONDS = env_number("SYNAPSE_LOCK_WAIT_SECONDS", 5.0, whole=False, above=0, most=600)
+SYNAPSE_MAX_SUBMISSION_BYTES = env_number("SYNAPSE_MAX_SUBMISSION_BYTES", 2 * 1024 * 1024, least=1)
 DATA_UPLOAD_MAX_MEMORY_SIZE = SYNAPSE_MAX_SUBMISSION_BYTES + 64 * 1024
 
 # --- embeddings and LLM -----------------------------------------------------------------------
 # Dimension of the pgvector columns; must match the embedding model (all-MiniLM-L6-v2: 384).
-SYNAPSE_EMBEDDING_DIM = int(os.environ.get("SYNAPSE_EMBEDDING_DIM", "384"))
+SYNAPSE_EMBEDDING_DIM = env_number(
+    "SYNAPSE_EMBEDDING_DIM", 384, least=1, most=2000, note=" (pgvector's HNSW index takes at most 2000)"
+)
 SYNAPSE_EMBEDDING_MODEL = os.environ.get("SYNAPSE_EMBEDDING_MODEL", "")  # "" = bundled MiniLM
 SYNAPSE_LLM_BASE_URL = os.environ.get("SYNAPSE_LLM_BASE_URL", "")  # OpenAI-compatible, optional
 SYNAPSE_LLM_MODEL = os.environ.get("SYNAPSE_LLM_MODEL", "")
 SYNAPSE_LLM_API_KEY = os.environ.get("SYNAPSE_LLM_API_KEY", "")
+# Read where they are used (routing.embeddings, routing.llm, which the client toolkit shares),
+# checked here so that a bad value stops start-up rather than the first request that needs it.
+env_number("SYNAPSE_ONNX_THREADS", 0, least=0, note=" (0: chosen from the cores)")
+env_number("SYNAPSE_EMBEDDING_CACHE_ENTRIES", 200_000, least=0, note=" (0: no cache)")
+env_number("SYNAPSE_LLM_PAUSE_SECONDS", 30.0, whole=False, least=0)
 
 SYNAPSE_ROUTING_AUTHENTICATION = [
     "routing.authentication.RoutingTokenAuthentication",
@@ -273,33 +373,38 @@ if SYNAPSE_ROUTING_RERANKER not in ("fusion", "none", "llm"):  # routing.router.
         f"SYNAPSE_ROUTING_RERANKER={SYNAPSE_ROUTING_RERANKER!r}: choose fusion, none or llm"
     )
 SYNAPSE_ROUTING_PARAMS = os.environ.get("SYNAPSE_ROUTING_PARAMS", "")  # "" = routing/default_params.json
+if SYNAPSE_ROUTING_PARAMS and not Path(SYNAPSE_ROUTING_PARAMS).is_file():
+    raise ImproperlyConfigured(
+        f"SYNAPSE_ROUTING_PARAMS={SYNAPSE_ROUTING_PARAMS!r}: no such file; it takes a routing "
+        "parameters file (bench/route_accuracy.py --save-params writes one), or nothing"
+    )
 # The tuned router (federation.tuning): after each publish, fine-tune the routing encoder on the
 # global for this many epochs (0: off; about 7 minutes per epoch on one CPU core at MetaTool's
 # size) in a task on SYNAPSE_ROUTER_TUNE_QUEUE ("" = the default queue). Default: 1 with a broker
 # (a worker tunes in the background), 0 without one (eager tasks would hold up publication for
 # minutes; `manage.py tune_router` tunes by hand).
-SYNAPSE_ROUTER_TUNE_EPOCHS = int(
-    os.environ.get("SYNAPSE_ROUTER_TUNE_EPOCHS", "1" if os.environ.get("CELERY_BROKER_URL") else "0")
+SYNAPSE_ROUTER_TUNE_EPOCHS = env_number(
+    "SYNAPSE_ROUTER_TUNE_EPOCHS", 1 if os.environ.get("CELERY_BROKER_URL") else 0, least=0, note=" (0: off)"
 )
 SYNAPSE_ROUTER_TUNE_QUEUE = os.environ.get("SYNAPSE_ROUTER_TUNE_QUEUE", "")
 # The served global's tuning still queued after this long (its message lost: the broker was down
 # at the publication), or `running` with no process holding it (its worker died), is queued
 # again by Celery beat's check (synapse.requeue_lost_tuning, every SYNAPSE_TUNING_CHECK_SECONDS).
-SYNAPSE_TUNING_REQUEUE_SECONDS = float(os.environ.get("SYNAPSE_TUNING_REQUEUE_SECONDS", "3600"))
-SYNAPSE_TUNING_CHECK_SECONDS = float(os.environ.get("SYNAPSE_TUNING_CHECK_SECONDS", "600"))
-SYNAPSE_MAX_QUERY_CHARS = int(os.environ.get("SYNAPSE_MAX_QUERY_CHARS", "2000"))
-SYNAPSE_MAX_ROUTE_BATCH = int(os.environ.get("SYNAPSE_MAX_ROUTE_BATCH", "1000"))
+SYNAPSE_TUNING_REQUEUE_SECONDS = env_number("SYNAPSE_TUNING_REQUEUE_SECONDS", 3600.0, whole=False, above=0)
+SYNAPSE_TUNING_CHECK_SECONDS = env_number("SYNAPSE_TUNING_CHECK_SECONDS", 600.0, whole=False, above=0)
+SYNAPSE_MAX_QUERY_CHARS = env_number("SYNAPSE_MAX_QUERY_CHARS", 2000, least=1)
+SYNAPSE_MAX_ROUTE_BATCH = env_number("SYNAPSE_MAX_ROUTE_BATCH", 1000, least=1)
 # Queries one caller (routing token, client, or person) may route through the API a minute, a
 # batch counting each query; shared by every server process (one upsert per request). 0: no limit.
-SYNAPSE_ROUTE_RATE_LIMIT = int(os.environ.get("SYNAPSE_ROUTE_RATE_LIMIT", "6000"))
+SYNAPSE_ROUTE_RATE_LIMIT = env_number("SYNAPSE_ROUTE_RATE_LIMIT", 6000, least=0, note=" (0: no limit)")
 # A routing batch with `reranker: llm` spends at most this long on LLM calls; the rest of the
 # batch, and all of it once the LLM was found down, falls back to fusion, saying why.
-SYNAPSE_LLM_BATCH_SECONDS = float(os.environ.get("SYNAPSE_LLM_BATCH_SECONDS", "30"))
+SYNAPSE_LLM_BATCH_SECONDS = env_number("SYNAPSE_LLM_BATCH_SECONDS", 30.0, whole=False, least=0)
 # Seconds after a failed build of the served router (logged) before a request tries again;
 # meanwhile the router served before answers, or the routing API a 503 saying why.
-SYNAPSE_ROUTING_REBUILD_SECONDS = float(os.environ.get("SYNAPSE_ROUTING_REBUILD_SECONDS", "30"))
+SYNAPSE_ROUTING_REBUILD_SECONDS = env_number("SYNAPSE_ROUTING_REBUILD_SECONDS", 30.0, whole=False, least=0)
 # Seconds a process keeps the published version before asking the database again.
-SYNAPSE_ROUTING_VERSION_TTL = float(os.environ.get("SYNAPSE_ROUTING_VERSION_TTL", "2"))
+SYNAPSE_ROUTING_VERSION_TTL = env_number("SYNAPSE_ROUTING_VERSION_TTL", 2.0, whole=False, least=0)
 # Retrieval of the routing API: memory (exact, over the served version's embeddings loaded from
 # pgvector; the client's own ranking), exact (a pgvector scan per query) or hnsw (pgvector's HNSW
 # index, approximate).
@@ -310,9 +415,7 @@ if SYNAPSE_ROUTING_RETRIEVAL not in ("memory", "exact", "hnsw"):
     )
 # Days a routing call's latency record is kept (Celery beat prunes older ones hourly); the
 # dashboard's traffic figures cover the last day.
-SYNAPSE_ROUTING_CALL_RETENTION_DAYS = int(os.environ.get("SYNAPSE_ROUTING_CALL_RETENTION_DAYS", "30"))
-if SYNAPSE_ROUTING_CALL_RETENTION_DAYS < 1:
-    raise ImproperlyConfigured("SYNAPSE_ROUTING_CALL_RETENTION_DAYS must be at least 1")
+SYNAPSE_ROUTING_CALL_RETENTION_DAYS = env_number("SYNAPSE_ROUTING_CALL_RETENTION_DAYS", 30, least=1)
 # A bearer token for Prometheus to read /metrics with (""; then only the operator, by session or
 # personal API token, may read it).
 SYNAPSE_METRICS_TOKEN = os.environ.get("SYNAPSE_METRICS_TOKEN", "")
@@ -321,8 +424,9 @@ if SYNAPSE_METRICS_TOKEN and len(SYNAPSE_METRICS_TOKEN) < 24:
 # --- privacy accounting -------------------------------------------------------------------------
 # The federation's total ε cap (used unless a FederationSettings row sets epsilon_budget) and the
 # δ' of advanced composition.
-SYNAPSE_EPSILON_BUDGET = float(os.environ.get("SYNAPSE_EPSILON_BUDGET", "10.0"))
-SYNAPSE_DELTA_PRIME = float(os.environ.get("SYNAPSE_DELTA_PRIME", "1e-5"))
+# The same bounds as the operator's settings form (federation.services.update_settings).
+SYNAPSE_EPSILON_BUDGET = env_number("SYNAPSE_EPSILON_BUDGET", 10.0, whole=False, above=0)
+SYNAPSE_DELTA_PRIME = env_number("SYNAPSE_DELTA_PRIME", 1e-5, whole=False, above=0, below=1)
 # The secret mixed into every edge release's noise seed (default: derived from SECRET_KEY). The
 # round's seed, number and the organization's slug are known to every client: without a secret
 # any of them could redraw an edge's Laplace noise and subtract it from the published figures.
@@ -361,7 +465,25 @@ SPECTACULAR_SETTINGS = {
 }
 
 # --- Celery -------------------------------------------------------------------------------------
+def _celery_scheme(name: str, url: str, known, what: str, example: str) -> str:
+    """The scheme of a Celery URL (the part before `+` of `db+postgresql://`), one line naming
+    the variable when it is no URL or names nothing Celery has; never the rest (the password)."""
+    scheme, separator, _ = url.partition("://")
+    if not separator or not re.fullmatch(r"[A-Za-z][A-Za-z0-9+.-]*", scheme):
+        raise ImproperlyConfigured(f"{name} is not a URL: it takes a {what}'s URL ({example})")
+    if scheme.split("+", 1)[0].lower() not in known:
+        raise ImproperlyConfigured(f"{name}={scheme}://… names no {what} Celery knows ({example})")
+    return scheme.split("+", 1)[0].lower()
+
+
 CELERY_BROKER_URL = os.environ.get("CELERY_BROKER_URL", "")
+if CELERY_BROKER_URL:
+    from kombu.transport import TRANSPORT_ALIASES
+
+    _celery_scheme(
+        "CELERY_BROKER_URL", CELERY_BROKER_URL, {alias.lower() for alias in TRANSPORT_ALIASES},
+        "broker", "redis://HOST:6379/0, amqp://USER:PASSWORD@HOST:5672//",
+    )
 # The merge pipeline is a chord (edge merges, then the server merge), which needs a result backend
 # that joins chords: Redis (the broker's own URL when it is Redis). A RabbitMQ broker has none
 # Celery can use for chords (`amqp` is no result backend, `rpc` runs no chords): name one.
@@ -373,6 +495,17 @@ if CELERY_BROKER_URL and not CELERY_RESULT_BACKEND:
         f"CELERY_BROKER_URL={CELERY_BROKER_URL.split('://', 1)[0]}://… needs CELERY_RESULT_BACKEND: "
         "the merge pipeline's chord needs a result backend that joins chords (redis://HOST:6379/1)"
     )
+if CELERY_RESULT_BACKEND:
+    from celery.app.backends import BACKEND_ALIASES
+
+    if _celery_scheme(
+        "CELERY_RESULT_BACKEND", CELERY_RESULT_BACKEND, set(BACKEND_ALIASES),
+        "result backend", "redis://HOST:6379/1",
+    ) in ("rpc", "disabled"):
+        raise ImproperlyConfigured(
+            f"CELERY_RESULT_BACKEND={CELERY_RESULT_BACKEND.split('://', 1)[0]}://… joins no chords, "
+            "and the merge pipeline is one: name a result backend that does (redis://HOST:6379/1)"
+        )
 CELERY_TASK_ALWAYS_EAGER = not CELERY_BROKER_URL
 CELERY_TASK_EAGER_PROPAGATES = True
 CELERY_TASK_ACKS_LATE = True
@@ -380,25 +513,26 @@ CELERY_TASK_REJECT_ON_WORKER_LOST = True
 CELERY_WORKER_PREFETCH_MULTIPLIER = 1
 # A task whose worker dies (killed for memory) is delivered again; after this many deliveries it
 # gives up and fails its round (a tuning: its router) with that reason (workers.deliveries).
-SYNAPSE_TASK_MAX_DELIVERIES = int(os.environ.get("SYNAPSE_TASK_MAX_DELIVERIES", "3"))
+SYNAPSE_TASK_MAX_DELIVERIES = env_number("SYNAPSE_TASK_MAX_DELIVERIES", 3, least=1)
 # With acks_late, Redis delivers a message again when its task has run longer than the
 # visibility timeout (kombu's default: an hour) although the first run goes on: longer than any
 # merge or tuning runs, so that a long one is not run twice meanwhile. (RabbitMQ has no such
 # timeout: a message waits for its worker's connection.)
-SYNAPSE_TASK_VISIBILITY_SECONDS = int(os.environ.get("SYNAPSE_TASK_VISIBILITY_SECONDS", "43200"))
+SYNAPSE_TASK_VISIBILITY_SECONDS = env_number("SYNAPSE_TASK_VISIBILITY_SECONDS", 43200, least=1)
 CELERY_BROKER_TRANSPORT_OPTIONS = {"visibility_timeout": SYNAPSE_TASK_VISIBILITY_SECONDS}
 CELERY_TASK_SERIALIZER = "json"
 CELERY_RESULT_SERIALIZER = "json"
 CELERY_ACCEPT_CONTENT = ["json"]
-CELERY_TASK_DEFAULT_QUEUE = os.environ.get("CELERY_TASK_DEFAULT_QUEUE", "cpu")
+CELERY_TASK_DEFAULT_QUEUE = os.environ.get("CELERY_TASK_DEFAULT_QUEUE", "").strip() or "cpu"
+SYNAPSE_DEADLINE_CHECK_SECONDS = env_number("SYNAPSE_DEADLINE_CHECK_SECONDS", 30.0, whole=False, above=0)
 # `celery -A synapse_web beat` (docker-compose's beat service) closes rounds at their deadline
 # and prunes old rate counters and routing-call records.
 CELERY_BEAT_SCHEDULE = {
     "close-due-rounds": {
         "task": "synapse.close_due_rounds",
-        "schedule": float(os.environ.get("SYNAPSE_DEADLINE_CHECK_SECONDS", "30")),
+        "schedule": SYNAPSE_DEADLINE_CHECK_SECONDS,
         # a check no worker took before the next one is dropped, not run in a burst later
-        "options": {"expires": float(os.environ.get("SYNAPSE_DEADLINE_CHECK_SECONDS", "30"))},
+        "options": {"expires": SYNAPSE_DEADLINE_CHECK_SECONDS},
     },
     # The served global's tuning whose message was lost, queued again (federation.tuning).
     "requeue-lost-tuning": {
@@ -414,9 +548,14 @@ CELERY_BEAT_SCHEDULE = {
     "prune-routing-calls": {"task": "synapse.prune_routing_calls", "schedule": 3600.0},
 }
 
+LOG_LEVEL = os.environ.get("LOG_LEVEL", "").strip().upper() or "WARNING"
+if LOG_LEVEL not in ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"):
+    raise ImproperlyConfigured(
+        f"LOG_LEVEL={os.environ['LOG_LEVEL']!r}: takes DEBUG, INFO, WARNING, ERROR or CRITICAL"
+    )
 LOGGING = {
     "version": 1,
     "disable_existing_loggers": False,
     "handlers": {"console": {"class": "logging.StreamHandler"}},
-    "root": {"handlers": ["console"], "level": os.environ.get("LOG_LEVEL", "WARNING")},
+    "root": {"handlers": ["console"], "level": LOG_LEVEL},
 }

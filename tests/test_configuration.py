@@ -90,3 +90,46 @@ def test_healthz_answers_ok_and_503_when_the_database_does_not(client, monkeypat
     response = client.get("/healthz")
     assert response.status_code == 503
     assert response.json() == {"status": "unavailable", "database": "OperationalError"}
+
+
+def test_every_variable_the_server_reads_is_in_the_readme_configuration_table():
+    """Found by review: SYNAPSE_EMBEDDING_CACHE_ENTRIES (routing.embeddings; gunicorn.conf.py
+    sets it) was read but not in the table."""
+    import re
+
+    readme = (ROOT / "README.md").read_text(encoding="utf-8")
+    section = readme.split("\n## Configuration\n", 1)[1].split("\n## ", 1)[0]
+    table = {name for row in section.splitlines() if row.startswith("| `")
+             for name in re.findall(r"`([A-Z][A-Z0-9_]+)`", row.split(" | ")[0])}
+    read = set()
+    for folder in ("synapse_web", "routing", "federation", "workers", "compendium"):
+        for path in (ROOT / folder).rglob("*.py"):
+            if "client_cli" in path.name:  # the client toolkit's own (its own section)
+                continue
+            source = path.read_text(encoding="utf-8")
+            read |= set(re.findall(r"""(?:environ\.get\(|environ\[|env_\w+\()\s*["']([A-Z][A-Z0-9_]+)["']""",
+                                   source))
+    read -= {"XDG_CACHE_HOME", "TEXTGRAD_LOG_DIR", "DJANGO_SETTINGS_MODULE"}  # not ours to set
+    assert read - table == set(), "read but not in README's Configuration table"
+    documented_elsewhere = {"SYNAPSE_VLLM_GPU_MEMORY"}  # docker-compose.yml's, for vLLM
+    assert table - read - documented_elsewhere == set(), "in the table but read nowhere"
+
+
+def test_docker_compose_passes_what_a_deployment_behind_a_proxy_or_with_a_hosted_llm_sets():
+    """Found by review: x-synapse-env passed SYNAPSE_LLM_BASE_URL but not its SYNAPSE_LLM_API_KEY
+    (a hosted endpoint was asked without the key), nor CSRF_TRUSTED_ORIGINS (which the README
+    says to set behind a proxy that rewrites Host) or the HSTS choices beside SYNAPSE_HSTS_SECONDS:
+    set in the shell or .env, they never reached the containers."""
+    import re
+
+    import yaml
+
+    env = yaml.safe_load((ROOT / "docker-compose.yml").read_text())["x-synapse-env"]
+    assert env["SYNAPSE_LLM_API_KEY"] == "${SYNAPSE_LLM_API_KEY:-}"
+    assert env["CSRF_TRUSTED_ORIGINS"] == "${CSRF_TRUSTED_ORIGINS:-http://127.0.0.1:8000,http://localhost:8000}"
+    assert env["SYNAPSE_HSTS_INCLUDE_SUBDOMAINS"] == "${SYNAPSE_HSTS_INCLUDE_SUBDOMAINS:-0}"
+    assert env["SYNAPSE_HSTS_PRELOAD"] == "${SYNAPSE_HSTS_PRELOAD:-0}"
+    # and every name it sets is one the server reads
+    settings = (ROOT / "synapse_web" / "settings.py").read_text()
+    for name in env:
+        assert re.search(rf"""["']{name}["']""", settings), name

@@ -10,6 +10,7 @@ import os
 import secrets
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 from django.test import RequestFactory
@@ -208,6 +209,9 @@ def test_sign_in_throttle_settings_come_from_the_environment():
     [
         ({"SYNAPSE_LOGIN_FAILURES_PER_IP": "-1"}, "SYNAPSE_LOGIN_FAILURES_PER_IP"),
         ({"SYNAPSE_LOGIN_FAILURE_WINDOW_SECONDS": "0"}, "SYNAPSE_LOGIN_FAILURE_WINDOW_SECONDS"),
+        # was a ValueError traceback; NaN was taken as the federation's ε budget
+        ({"SYNAPSE_CONN_MAX_AGE": "1m"}, "SYNAPSE_CONN_MAX_AGE='1m': takes a whole number"),
+        ({"SYNAPSE_EPSILON_BUDGET": "nan"}, "SYNAPSE_EPSILON_BUDGET='nan': takes a number"),
         # answered 500 to every routing request that named no reranker
         ({"SYNAPSE_ROUTING_RERANKER": "Fusion"}, "SYNAPSE_ROUTING_RERANKER='Fusion'"),
         # a RabbitMQ broker left the result backend `amqp`, which Celery refused at every task
@@ -292,3 +296,267 @@ def test_client_ip_trusts_x_forwarded_for_only_behind_a_proxy(settings):
     zoned = factory.get("/", REMOTE_ADDR="10.0.0.2", HTTP_X_FORWARDED_FOR="fe80::1%" + "a" * 300)
     assert client_ip(zoned) == "10.0.0.2"
     assert client_ip(factory.get("/", REMOTE_ADDR="10.0.0.2", HTTP_X_FORWARDED_FOR="2001:db8::7")) == "2001:db8::7"
+
+
+# --- every variable the settings read, set to a bad value ------------------------------------------
+# Found by review: a number that was not one stopped start-up with a ValueError traceback, and NaN,
+# infinity, a negative number or 0 where it means nothing were taken as they were (a NaN ε budget
+# seeded the federation's policy row; SYNAPSE_TASK_VISIBILITY_SECONDS=0 had Redis hand every task
+# to a second worker at once; SYNAPSE_TUNING_CHECK_SECONDS=0 expired beat's check before any
+# worker could take it; SYNAPSE_ROUTING_VERSION_TTL=inf kept a process on its first global).
+SETTINGS_FILE = ROOT / "synapse_web" / "settings.py"
+
+
+def settings_from(monkeypatch, **env: str) -> dict:
+    """The settings module run afresh in this process under `env` (with PRODUCTION), the rest of
+    what it reads taken out of the environment."""
+    import runpy
+
+    for name in list(os.environ):
+        if name in READ or name.startswith(("SYNAPSE_", "CELERY_")) or name in (
+            "CSRF_TRUSTED_ORIGINS", "STATIC_ROOT", "LOG_LEVEL"
+        ):
+            monkeypatch.delenv(name)
+    for name, value in {**PRODUCTION, **env}.items():
+        monkeypatch.setenv(name, value)
+    return runpy.run_path(str(SETTINGS_FILE))
+
+
+def refused(monkeypatch, **env: str) -> str:
+    from django.core.exceptions import ImproperlyConfigured
+
+    with pytest.raises(ImproperlyConfigured) as caught:
+        settings_from(monkeypatch, **env)
+    message = str(caught.value)
+    assert "\n" not in message
+    return message
+
+
+NUMBERS = {
+    # variable: (values refused, a value taken, what it is read as)
+    "SYNAPSE_CONN_MAX_AGE": (["abc", "-5", "1.5"], "0", 0),
+    "SYNAPSE_LOGIN_FAILURES_PER_USERNAME": (["ten", "-1"], "0", 0),
+    "SYNAPSE_LOGIN_FAILURES_PER_IP": (["abc", "-1"], "0", 0),
+    "SYNAPSE_LOGIN_FAILURE_WINDOW_SECONDS": (["15m", "0"], "60", 60),
+    "SYNAPSE_HSTS_SECONDS": (["one year", "-1"], "0", 0),
+    "SYNAPSE_LOCK_WAIT_SECONDS": (["abc", "nan", "0", "601"], "0.5", 0.5),
+    "SYNAPSE_MAX_SUBMISSION_BYTES": (["2MB", "0", "-1"], "1024", 1024),
+    "SYNAPSE_EMBEDDING_DIM": (["abc", "0", "3072"], "768", 768),
+    "SYNAPSE_ROUTER_TUNE_EPOCHS": (["x", "-1"], "2", 2),
+    "SYNAPSE_TUNING_REQUEUE_SECONDS": (["nan", "0", "-1"], "60", 60.0),
+    "SYNAPSE_TUNING_CHECK_SECONDS": (["0", "-1", "inf"], "5", 5.0),
+    "SYNAPSE_MAX_QUERY_CHARS": (["0", "x"], "100", 100),
+    "SYNAPSE_MAX_ROUTE_BATCH": (["0", "-3"], "10", 10),
+    "SYNAPSE_ROUTE_RATE_LIMIT": (["-1", "lots"], "0", 0),
+    "SYNAPSE_LLM_BATCH_SECONDS": (["nan", "-1"], "0", 0.0),
+    "SYNAPSE_ROUTING_REBUILD_SECONDS": (["-1", "soon"], "0", 0.0),
+    "SYNAPSE_ROUTING_VERSION_TTL": (["inf", "-2"], "0", 0.0),
+    "SYNAPSE_ROUTING_CALL_RETENTION_DAYS": (["x", "0"], "7", 7),
+    "SYNAPSE_EPSILON_BUDGET": (["nan", "inf", "0", "-1"], "2.5", 2.5),
+    "SYNAPSE_DELTA_PRIME": (["0", "1", "2", "nan"], "1e-6", 1e-6),
+    "SYNAPSE_TASK_MAX_DELIVERIES": (["0", "three"], "1", 1),
+    "SYNAPSE_TASK_VISIBILITY_SECONDS": (["0", "12h"], "3600", 3600),
+    "SYNAPSE_DEADLINE_CHECK_SECONDS": (["0", "x", "nan"], "1", 1.0),
+    # read outside the settings (routing.embeddings, routing.llm), checked at start-up all the same
+    "SYNAPSE_ONNX_THREADS": (["two", "-1"], "1", 1),
+    "SYNAPSE_EMBEDDING_CACHE_ENTRIES": (["-1", "10k"], "0", 0),
+    "SYNAPSE_LLM_PAUSE_SECONDS": (["-1", "nan", "x"], "0", 0.0),
+}
+
+
+@pytest.mark.parametrize(
+    "name, value", [(name, value) for name, (bad, _, _) in NUMBERS.items() for value in bad]
+)
+def test_a_bad_number_stops_with_one_line_naming_the_variable(monkeypatch, name, value):
+    message = refused(monkeypatch, **{name: value})
+    assert message.startswith(f"{name}={value!r}: takes "), message
+
+
+@pytest.mark.parametrize("name", sorted(NUMBERS))
+def test_a_good_number_is_taken_and_empty_means_the_default(monkeypatch, name):
+    _, good, read = NUMBERS[name]
+    seen = settings_from(monkeypatch, **{name: good})
+    if name in seen:  # the three read elsewhere are only checked here
+        assert seen[name] == read and type(seen[name]) is type(read)
+    default = settings_from(monkeypatch)
+    assert settings_from(monkeypatch, **{name: ""}).get(name) == default.get(name)
+
+
+def test_the_database_connection_age_reaches_the_database_settings(monkeypatch):
+    seen = settings_from(monkeypatch, SYNAPSE_CONN_MAX_AGE="7")
+    assert seen["DATABASES"]["default"]["CONN_MAX_AGE"] == 7
+
+
+@pytest.mark.parametrize(
+    "name", ["DEBUG", "SYNAPSE_HTTPS", "SYNAPSE_BEHIND_PROXY", "SYNAPSE_HSTS_INCLUDE_SUBDOMAINS",
+             "SYNAPSE_HSTS_PRELOAD", "SYNAPSE_DB_PREPARE"],
+)
+def test_a_switch_takes_yes_or_no_and_nothing_else(monkeypatch, name):
+    """Found by review: anything but 1/true/yes/on was off, without a word: SYNAPSE_HTTPS=ture
+    served session cookies without Secure and no HSTS, as if https had not been asked for."""
+    for value in ("ture", "2", "enabled", "y"):
+        assert refused(monkeypatch, **{name: value}).startswith(f"{name}={value!r}: takes 1 or 0"), value
+    setting = {"SYNAPSE_HSTS_INCLUDE_SUBDOMAINS": "SECURE_HSTS_INCLUDE_SUBDOMAINS",
+               "SYNAPSE_HSTS_PRELOAD": "SECURE_HSTS_PRELOAD"}.get(name, name)
+    for value, read in (("1", True), (" Yes", True), ("ON", True), ("true", True),
+                        ("0", False), ("no", False), ("Off", False), ("FALSE", False), ("", False)):
+        assert settings_from(monkeypatch, **{name: value})[setting] is read, value
+
+
+@pytest.mark.parametrize(
+    "url, named",
+    [
+        ("notaurl", "DATABASE_URL is not a URL"),
+        ("postgres//synapse:secret@db/synapse", "DATABASE_URL is not a URL"),
+        ("mysql://synapse:secret@db/synapse", "DATABASE_URL=mysql://… is not PostgreSQL"),
+        ("sqlite:///synapse.db", "DATABASE_URL=sqlite://… is not PostgreSQL"),
+        ("redis://:secret@db:6379/0", "DATABASE_URL=redis://… is not PostgreSQL"),
+        # a password with an unquoted character the URL cannot hold, a port that is no number
+        ("postgres://synapse:se[cret@db/synapse", "DATABASE_URL=postgres://… cannot be read"),
+        ("postgres://synapse:secret@db:port/synapse", "DATABASE_URL=postgres://… cannot be read"),
+    ],
+)
+def test_a_database_url_that_is_not_postgresql_stops_with_one_line(monkeypatch, url, named):
+    """Found by review: a URL of no scheme dj-database-url knows was an UnknownSchemeError
+    traceback, one it could not parse a ParseError traceback, and one of another database
+    (mysql, sqlite) went on to fail later on a missing driver or pgvector."""
+    message = refused(monkeypatch, DATABASE_URL=url)
+    assert message.startswith(named), message
+    assert "secret" not in message  # the password is not printed
+
+
+def test_a_bad_database_url_is_one_line_from_manage_py():
+    proc = check_deploy(**{**PRODUCTION, "DATABASE_URL": "postgresql:/synapse:secret@db:5432/synapse"})
+    assert proc.returncode == 2
+    lines = [line for line in proc.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1 and "DATABASE_URL" in lines[0], proc.stderr
+    assert "secret" not in proc.stderr
+
+
+@pytest.mark.parametrize(
+    "env, named",
+    [
+        # no URL at all: the line said `notaurl://… needs CELERY_RESULT_BACKEND`, and a URL
+        # missing its `:` was printed whole, password included
+        ({"CELERY_BROKER_URL": "notaurl"}, "CELERY_BROKER_URL is not a URL"),
+        ({"CELERY_BROKER_URL": "redis//:secret@redis:6379/0"}, "CELERY_BROKER_URL is not a URL"),
+        # a transport kombu does not have: the first task sent failed
+        ({"CELERY_BROKER_URL": "reddis://:secret@redis:6379/0",
+          "CELERY_RESULT_BACKEND": "redis://redis:6379/1"},
+         "CELERY_BROKER_URL=reddis://… names no broker Celery knows"),
+        ({"CELERY_BROKER_URL": "amqp://guest:secret@rabbit:5672//",
+          "CELERY_RESULT_BACKEND": "rpc://"}, "CELERY_RESULT_BACKEND=rpc://… joins no chords"),
+        ({"CELERY_BROKER_URL": "amqp://guest:secret@rabbit:5672//",
+          "CELERY_RESULT_BACKEND": "amqp://guest:secret@rabbit:5672//"},
+         "CELERY_RESULT_BACKEND=amqp://… names no result backend Celery knows"),
+        ({"CELERY_BROKER_URL": "redis://:secret@redis:6379/0", "CELERY_RESULT_BACKEND": "redis"},
+         "CELERY_RESULT_BACKEND is not a URL"),
+    ],
+)
+def test_a_broker_or_result_backend_celery_cannot_use_stops_with_one_line(monkeypatch, env, named):
+    """Found by review: the merge pipeline is a chord; a result backend that joins none (rpc://,
+    which the comment in the settings names) or a transport Celery does not have was taken, and
+    every round's close failed when it sent its tasks."""
+    message = refused(monkeypatch, **env)
+    assert message.startswith(named), message
+    assert "secret" not in message
+
+
+def test_celery_urls_that_work_are_taken(monkeypatch):
+    for env in (
+        {"CELERY_BROKER_URL": "redis://redis:6379/0"},
+        {"CELERY_BROKER_URL": "rediss://:pw@redis:6380/0?ssl_cert_reqs=required"},
+        {"CELERY_BROKER_URL": "sentinel://s1:26379;sentinel://s2:26379",
+         "CELERY_RESULT_BACKEND": "redis://redis:6379/1"},
+        {"CELERY_BROKER_URL": "amqp://guest:guest@rabbit:5672//",
+         "CELERY_RESULT_BACKEND": "db+postgresql://synapse:pw@postgres/celery"},
+        {"CELERY_BROKER_URL": "pyamqp://guest@rabbit//", "CELERY_RESULT_BACKEND": "redis://r:6379/1"},
+    ):
+        seen = settings_from(monkeypatch, **env)
+        assert seen["CELERY_BROKER_URL"] == env["CELERY_BROKER_URL"]
+
+
+def test_log_level_is_a_level_name_in_any_case(monkeypatch):
+    """Found by review: LOG_LEVEL=info (or a misspelt level) stopped every command with a
+    traceback ending in `ValueError: Unable to configure root logger`."""
+    assert settings_from(monkeypatch, LOG_LEVEL="info")["LOGGING"]["root"]["level"] == "INFO"
+    assert settings_from(monkeypatch)["LOGGING"]["root"]["level"] == "WARNING"
+    message = refused(monkeypatch, LOG_LEVEL="LOUD")
+    assert message.startswith("LOG_LEVEL='LOUD': takes DEBUG, INFO, WARNING, ERROR or CRITICAL"), message
+    proc = check_deploy(**PRODUCTION, LOG_LEVEL="verbose")
+    lines = [line for line in proc.stderr.splitlines() if line.strip()]
+    assert proc.returncode == 2 and len(lines) == 1 and "LOG_LEVEL" in lines[0], proc.stderr
+
+
+@pytest.mark.parametrize(
+    "hosts, named",
+    [
+        ("https://synapse.example.org", "ALLOWED_HOSTS names 'https://synapse.example.org': a host"),
+        ("synapse.example.org/", "ALLOWED_HOSTS names 'synapse.example.org/': a host"),
+        ("127.0.0.1,synapse.example.org:8000", "ALLOWED_HOSTS names 'synapse.example.org:8000': a host"),
+        ("[::1]:8000", "ALLOWED_HOSTS names '[::1]:8000': a host"),
+        (" , ", "ALLOWED_HOSTS is empty"),
+    ],
+)
+def test_allowed_hosts_that_match_no_request_stop_with_one_line(monkeypatch, hosts, named):
+    """Found by review: a URL, a path or a port in ALLOWED_HOSTS matches no Host header (Django
+    compares the host without its port), and an empty list with DEBUG off matches none: every
+    request was a 400, the compose healthcheck's too, with nothing said at start-up."""
+    message = refused(monkeypatch, ALLOWED_HOSTS=hosts)
+    assert message.startswith(named), message
+
+
+def test_allowed_hosts_django_takes_are_taken(monkeypatch):
+    hosts = "synapse.example.org,.example.net,127.0.0.1,[::1],*"
+    assert settings_from(monkeypatch, ALLOWED_HOSTS=hosts)["ALLOWED_HOSTS"] == hosts.split(",")
+    # DEBUG on, where Django itself lets an empty list mean the local hosts
+    assert settings_from(monkeypatch, DEBUG="1", ALLOWED_HOSTS="")["ALLOWED_HOSTS"] == []
+
+
+@pytest.mark.parametrize(
+    "origins",
+    ["synapse.example.org", "https://synapse.example.org/", "https://synapse.example.org/login",
+     "ftp://synapse.example.org", "https://"],
+)
+def test_csrf_trusted_origins_that_match_no_origin_stop_with_one_line(monkeypatch, origins):
+    """Found by review: an origin is compared as scheme://host[:port]; one with a path (a trailing
+    slash) or without a scheme matched no browser's Origin, and every form posted through a proxy
+    that rewrites Host was a 403 (the missing scheme only in `manage.py check`, not gunicorn)."""
+    message = refused(monkeypatch, CSRF_TRUSTED_ORIGINS=f"http://127.0.0.1:8000,{origins}")
+    assert message.startswith(f"CSRF_TRUSTED_ORIGINS names {origins!r}: "), message
+
+
+def test_csrf_trusted_origins_django_takes_are_taken(monkeypatch):
+    origins = "https://synapse.example.org,http://10.0.0.5:8000,https://*.example.net"
+    assert settings_from(monkeypatch, CSRF_TRUSTED_ORIGINS=origins)["CSRF_TRUSTED_ORIGINS"] == (
+        origins.split(","))
+
+
+def test_an_empty_folder_or_queue_is_the_default_not_the_current_directory(monkeypatch):
+    """Found by review: SYNAPSE_DATA_DIR= (as `make demo` reads it too: `$(or ...,.data)`) put the
+    embedded database, the tuned routers and a development secret key in the current directory,
+    the checkout's root, where git does not ignore them, while the Makefile read .data/secret_key;
+    STATIC_ROOT= had collectstatic write into the current directory; CELERY_TASK_DEFAULT_QUEUE=
+    sent the merge tasks to a queue named '' that no worker consumes."""
+    seen = settings_from(monkeypatch, SYNAPSE_DATA_DIR="", STATIC_ROOT="", CELERY_TASK_DEFAULT_QUEUE="")
+    assert seen["DATA_DIR"] == ROOT / ".data"
+    assert seen["STATIC_ROOT"] == ROOT / "staticfiles"
+    assert seen["CELERY_TASK_DEFAULT_QUEUE"] == "cpu"
+    given = settings_from(monkeypatch, SYNAPSE_DATA_DIR="/srv/synapse", STATIC_ROOT="/srv/static",
+                          CELERY_TASK_DEFAULT_QUEUE="merges")
+    assert given["DATA_DIR"] == Path("/srv/synapse") and given["STATIC_ROOT"] == Path("/srv/static")
+    assert given["CELERY_TASK_DEFAULT_QUEUE"] == "merges"
+
+
+def test_a_routing_params_file_that_is_not_there_stops_with_one_line(monkeypatch, tmp_path):
+    """Found by review: a misspelt SYNAPSE_ROUTING_PARAMS started, and every router build logged a
+    warning and routed with other weights than the operator's (a file broken later still does,
+    routing.services.routing_params: routing goes on)."""
+    missing = tmp_path / "params.jsn"
+    message = refused(monkeypatch, SYNAPSE_ROUTING_PARAMS=str(missing))
+    assert message.startswith(f"SYNAPSE_ROUTING_PARAMS={str(missing)!r}: no such file"), message
+    assert refused(monkeypatch, SYNAPSE_ROUTING_PARAMS=str(tmp_path)).startswith("SYNAPSE_ROUTING_PARAMS=")
+    given = tmp_path / "params.json"
+    given.write_text("{}")
+    assert settings_from(monkeypatch, SYNAPSE_ROUTING_PARAMS=str(given))["SYNAPSE_ROUTING_PARAMS"] == str(given)
+    assert settings_from(monkeypatch, SYNAPSE_ROUTING_PARAMS="")["SYNAPSE_ROUTING_PARAMS"] == ""
