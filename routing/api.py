@@ -113,7 +113,7 @@ _OPTIONS = {
     request=inline_serializer(
         "RouteRequest", {"query": serializers.CharField(min_length=1), **_OPTIONS}
     ),
-    responses={200: _DECISION, 400: _ERROR, 401: _ERROR, 429: _ERROR, 503: _ERROR},
+    responses={200: _DECISION, 400: _ERROR, 401: _ERROR, 413: _ERROR, 429: _ERROR, 503: _ERROR},
     summary="Route one query: the tool to call, its calibrated confidence and why",
 )
 class RouteView(_RoutingView):
@@ -145,6 +145,7 @@ class RouteView(_RoutingView):
         ),
         400: _ERROR,
         401: _ERROR,
+        413: _ERROR,  # a body past DATA_UPLOAD_MAX_MEMORY_SIZE (synapse_web.middleware)
         429: _ERROR,
         503: _ERROR,
     },
