@@ -18,6 +18,7 @@ from federation.merge import (
     server_merge,
 )
 from federation.merge.clustering import Item, decide_cluster, flags_satisfiable, greedy_cluster
+from federation.merge.robust import byzantine_count
 from federation.round_config import RoundConfig
 from routing.embeddings import get_engine
 
@@ -1032,6 +1033,91 @@ def test_what_the_edge_releases_does_not_depend_on_which_tools_were_used(schema,
     assert len(a.ledger) == len(schema.tools) * len(schema.numeric_fields)
     assert loss <= config.epsilon + 1e-9
     assert a.stats.epsilon_spent == pytest.approx(config.epsilon)
+
+
+@pytest.mark.parametrize("field_cap", [None, 1])
+@pytest.mark.parametrize("robust_rule", ["none", "trimmed-mean"])
+def test_replacing_one_user_of_a_multi_user_client_costs_at_most_what_the_ledger_charges(
+    schema, embed, field_cap, robust_rule
+):
+    """Both stages together, from usage logs: per-user clipping, the field cap and the average
+    over U users at the client (compendium.clipping), then the edge's (trimmed) mean and Laplace
+    noise. Replacing one user (U and K fixed) by one with extreme numbers must cost at most the
+    ε the ledger charges, and that at most the round's ε; the trimmed mean's scale Δ/((K−2f)·ε_j)
+    must cover the order statistics it keeps."""
+    import random
+
+    from compendium.clipping import client_statistics, clip_bound
+    from compendium.usage_log import UsageRecord
+
+    fields = list(schema.numeric_fields)
+    config = RoundConfig(epsilon=1.0, field_cap=field_cap, robust_rule=robust_rule,
+                         trim_fraction=0.2)
+
+    def user_log(rng, user, extreme):
+        out = []
+        for tool in rng.sample(sorted(schema.tool_ids), rng.randint(1, len(schema.tool_ids))):
+            for _ in range(rng.choice([1, 200]) if extreme else rng.randint(1, 8)):
+                out.append(UsageRecord(
+                    line=0, query="q", tool=tool, user=user,
+                    outcome=rng.choice(["success", "failure"]),
+                    latency_ms=rng.choice([0.0, 5e4]) if extreme else rng.uniform(10, 900)))
+        return out
+
+    def subs(logs):
+        return [
+            sub(f"c{i}", metadata=[{"tool_id": t, "stats": s} for t, s in client_statistics(
+                log, fields, field_cap=field_cap).stats.items()])
+            for i, log in enumerate(logs)
+        ]
+
+    def kept_means(submissions):
+        k = len(submissions)
+        f = byzantine_count(k, config.trim_fraction) if robust_rule != "none" else 0
+        out = {}
+        for tool in schema.tool_ids:
+            for spec in fields:
+                bound = clip_bound(spec)
+                vals = []
+                for s in submissions:
+                    got = [m["stats"] for m in s.document["metadata"] if m["tool_id"] == tool]
+                    vals.append(bound.clip(got[0][spec.name]) if got else bound.neutral)
+                kept = sorted(vals)[f:k - f]
+                out[(tool, spec.name)] = sum(kept) / len(kept)
+        return out
+
+    def fixed(user, high):  # every tool: 1 failed call at 0 ms, or 200 successful at 50,000 ms
+        return [UsageRecord(line=0, query="q", tool=tool, user=user,
+                            outcome="success" if high else "failure",
+                            latency_ms=5e4 if high else 0.0)
+                for tool in sorted(schema.tool_ids) for _ in range(200 if high else 1)]
+
+    # The worst case for a trimmed mean first: five one-user clients, two low and two high, and
+    # the victim moves from low to high, so the kept middle three move by a whole window.
+    pairs = [([fixed(f"u{c}", c >= 3) for c in range(5)],
+              [fixed("u0", True)] + [fixed(f"u{c}", c >= 3) for c in range(1, 5)])]
+    rng = random.Random(11)
+    for _ in range(12):
+        logs = [[r for u in range(rng.randint(1, 3))
+                 for r in user_log(rng, f"u{c}-{u}", rng.random() < 0.5)]
+                for c in range(rng.randint(1, 5))]
+        victim = rng.choice(sorted({r.user for r in logs[0]}))
+        neighbour = [list(log) for log in logs]
+        neighbour[0] = [r for r in logs[0] if r.user != victim] + user_log(rng, victim, True)
+        pairs.append((logs, neighbour))
+    worst = 0.0
+    for logs, neighbour in pairs:
+        a_subs, b_subs = subs(logs), subs(neighbour)
+        a = edge_merge(a_subs, schema, config, embed=embed, seed=5)
+        b = edge_merge(b_subs, schema, config, embed=embed, seed=5)
+        scales = {(e.tool_id, e.field): e.noise_scale for e in a.ledger}
+        assert scales == {(e.tool_id, e.field): e.noise_scale for e in b.ledger}
+        ma, mb = kept_means(a_subs), kept_means(b_subs)
+        loss = sum(abs(ma[key] - mb[key]) / scales[key] for key in scales)
+        assert loss <= a.stats.epsilon_spent * (1 + 1e-9) + 1e-12
+        assert a.stats.epsilon_spent <= config.epsilon * (1 + 1e-9)
+        worst = max(worst, loss)
+    assert worst > 0  # the neighbours did differ
 
 
 def test_rematerialization_without_numeric_release_draws_no_noise(schema, embed):
