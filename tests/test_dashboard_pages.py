@@ -1388,6 +1388,47 @@ def test_accuracy_shows_no_spread_for_a_single_seed(client, fed):
     assert "0.020" in table and "no spread" not in table
 
 
+def test_one_seeds_sweeps_and_curves_show_no_spread(client, fed):
+    """A run of one seed has no standard deviation anywhere: the adversarial and contradiction
+    tables showed its sweeps' 0.000, and every chart drew (and on hover wrote) "± 0" error bars,
+    as if the seeds had agreed to the digit."""
+    one = {"seeds": 1, "accuracy_sd": 0.0}
+    document = {
+        "seeds": [0],
+        "summary": [{**row, **one} for row in DOCUMENT["summary"]],
+        "adversarial": [{**row, **one} for row in DOCUMENT["adversarial"]],
+        "privacy_sweep": [{**row, **one} for row in DOCUMENT["privacy_sweep"]],
+        "contradictions": [{"contradiction_fraction": share, "conflict_log": log,
+                            "accuracy": 0.65 if log else 0.6,
+                            "global_scenarios": 500.0, **one}
+                           for share in (0.0, 0.4) for log in (True, False)],
+        "tau_sweep": [{"tau": t, "accuracy": 0.6, "global_scenarios": 500.0,
+                       "global_size_bytes": 50000.0, "dedup_rate": 0.2, **one} for t in (0.8, 0.9)],
+    }
+    SimulationRun.objects.create(label="one seed", dataset="tiny", document=document)
+    body = login(client, fed, "member_a").get(reverse("dashboard:accuracy")).content.decode()
+    for name in ("accuracy-adversarial-table", "accuracy-contradictions-table"):
+        table = body[body.index(f'id="{name}"'):].split("</table>")[0]
+        assert "0.000" not in table, name
+    traces = [(figure["layout"]["title"]["text"], trace) for figure in figures_in(body)
+              for trace in figure["data"]]
+    assert [(title, trace["name"]) for title, trace in traces if trace.get("error_y")] == []
+    # with more seeds, the sweeps' spread is shown and drawn
+    two = {"seeds": 2, "accuracy_sd": 0.02}
+    SimulationRun.objects.create(label="two seeds", dataset="tiny", document={
+        **document, "seeds": [0, 1],
+        **{key: [{**row, **two} for row in document[key]]
+           for key in ("adversarial", "privacy_sweep", "contradictions", "tau_sweep")}})
+    body = client.get(reverse("dashboard:accuracy")).content.decode()
+    for name in ("accuracy-adversarial-table", "accuracy-contradictions-table"):
+        assert "0.020" in body[body.index(f'id="{name}"'):].split("</table>")[0], name
+    drawn = {figure["layout"]["title"]["text"] for figure in figures_in(body)
+             for trace in figure["data"] if trace.get("error_y")}
+    assert drawn == {"Accuracy under adversarial clients", "Privacy–utility frontier (ε × λ)",
+                     "Accuracy under contradictory scenarios",
+                     "Sensitivity to the cosine threshold τ (last round)"}
+
+
 def test_the_empty_conflict_page_speaks_to_the_operator_and_to_a_member(client, world):
     client.force_login(world.operator)
     body = html.unescape(client.get(reverse("dashboard:conflicts")).content.decode())

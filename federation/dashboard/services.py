@@ -1181,6 +1181,14 @@ def _share(counts: dict) -> float | None:
     return 100 * counts.get("victims_routed_to_target", 0) / victims if victims else None
 
 
+def _error_bars(rows: list[dict], sds: list) -> dict | None:
+    """A trace's error bars, each row's sd over its seeds (`sds`); none where every row is of one
+    seed: there is no spread to draw, and plotly would draw and hover "± 0"."""
+    if rows and all(row.get("seeds") == 1 for row in rows):
+        return None
+    return {"type": "data", "array": sds}
+
+
 def method_colors(methods) -> dict[str, str]:
     """One colour per method, the same on every run's chart: the simulation's methods by their
     fixed place in METHODS, then any other (a run stored by another version) in the order given.
@@ -1250,7 +1258,7 @@ def accuracy_page(run_id=None) -> AccuracyPage:
         if stepped:
             curves.add_trace(go.Scatter(
                 x=[r["round"] for r in stepped], y=[r["accuracy_mean"] for r in stepped],
-                error_y={"type": "data", "array": [r.get("accuracy_sd", 0) for r in stepped]},
+                error_y=_error_bars(stepped, [r.get("accuracy_sd", 0) for r in stepped]),
                 mode="lines+markers", name=method, legendrank=1 if method == "synapse" else 1000,
                 line={"width": 3 if method == "synapse" else 2, "color": colors[method]},
             ))
@@ -1282,7 +1290,7 @@ def accuracy_page(run_id=None) -> AccuracyPage:
             rows = sorted(rows, key=lambda r: r.get("adversarial_fraction", 0))
             adv.add_trace(go.Scatter(
                 x=[r.get("adversarial_fraction", 0) for r in rows], y=[r["accuracy"] for r in rows],
-                error_y={"type": "data", "array": [r.get("accuracy_sd") or 0 for r in rows]},
+                error_y=_error_bars(rows, [r.get("accuracy_sd") or 0 for r in rows]),
                 mode="lines+markers", name=f"{mode} · {rule}"))
         styled(adv, title={"text": "Accuracy under adversarial clients"},
                xaxis={"title": {"text": "adversarial fraction"}},
@@ -1297,7 +1305,7 @@ def accuracy_page(run_id=None) -> AccuracyPage:
             rows = sorted(rows, key=lambda r: r.get("epsilon", 0))
             frontier.add_trace(go.Scatter(
                 x=[r.get("membership_auroc") for r in rows], y=[r["accuracy"] for r in rows],
-                error_y={"type": "data", "array": [r.get("accuracy_sd") or 0 for r in rows]},
+                error_y=_error_bars(rows, [r.get("accuracy_sd") or 0 for r in rows]),
                 text=[f"ε={r.get('epsilon')}" for r in rows], mode="lines+markers+text",
                 textposition="top center", name=f"λ = {lam}", cliponaxis=False,
             ))
@@ -1351,7 +1359,7 @@ def accuracy_page(run_id=None) -> AccuracyPage:
                 conflicts.add_trace(go.Scatter(
                     x=[r.get("contradiction_fraction", 0) for r in rows],
                     y=[r["accuracy"] for r in rows],
-                    error_y={"type": "data", "array": [r.get("accuracy_sd", 0) for r in rows]},
+                    error_y=_error_bars(rows, [r.get("accuracy_sd", 0) for r in rows]),
                     mode="lines+markers",
                     name="with the conflict log" if log else "without the conflict log",
                     line={"dash": "solid" if log else "dash"},
@@ -1363,7 +1371,7 @@ def accuracy_page(run_id=None) -> AccuracyPage:
     if page.tau_sweep:
         tau = go.Figure(go.Scatter(
             x=[r.get("tau") for r in page.tau_sweep], y=[r["accuracy"] for r in page.tau_sweep],
-            error_y={"type": "data", "array": [r.get("accuracy_sd", 0) for r in page.tau_sweep]},
+            error_y=_error_bars(page.tau_sweep, [r.get("accuracy_sd", 0) for r in page.tau_sweep]),
             text=[f"{r.get('global_scenarios', 0):,.0f} scenarios · dedup {r.get('dedup_rate', 0):.0%}"
                   for r in page.tau_sweep],
             mode="lines+markers+text", textposition="bottom center", name="SYNAPSE",
