@@ -1076,14 +1076,28 @@ class AccuracyPage:
 
 def run_setup(doc: dict) -> list[str]:
     """What a stored simulation ran, in the words an operator reads its figures with: the
-    federation, the data each client had, and the privacy and merge settings."""
+    federation, the data each client had, and the privacy and merge settings (the cadence, the
+    drift, contradictions, users per client, the robust rules' share, the linear head, conflict
+    log and carry-forward where they are not the defaults: runs that differ there look alike
+    otherwise)."""
     config = doc.get("config") or {}
     if not config:
         return []
+    default = SimulationConfig()
+
+    def changed(name: str):
+        """The run's setting where it is not the default (a setting not named ran at it)."""
+        value = config.get(name, getattr(default, name))
+        return value if value != getattr(default, name) else None
+
     seeds = doc.get("seeds") or []
+    every = changed("aggregate_every")
     out = [
         f"{config.get('orgs')} organizations × {config.get('clients_per_org')} clients, "
-        f"{config.get('rounds')} rounds, {config.get('partition')} partition, "
+        f"{config.get('rounds')} rounds, "
+        + ("" if every is None else "frozen after round 1, " if every == 0
+           else f"aggregating every {every} rounds, ")
+        + f"{config.get('partition')} partition, "
         f"{len(seeds)} seed{'s' if len(seeds) != 1 else ''}"
         + (f" ({', '.join(map(str, seeds))})" if seeds else "")
         + (", rounds closed through the services (submission service, close, merge pipeline)"
@@ -1094,11 +1108,24 @@ def run_setup(doc: dict) -> list[str]:
         data.insert(0, f"at most {config['queries_per_client']} train queries per client")
     if config.get("test_limit"):
         data.append(f"{config['test_limit']} test queries")
+    if changed("users_per_client"):
+        data.insert(0, f"{config['users_per_client']} users per client")
+    if changed("drift_every"):
+        data.append(f"new categories come into use every {config['drift_every']} rounds")
+    if changed("contradiction_fraction"):
+        data.append(f"{config['contradiction_fraction']:.0%} of each honest client's scenarios "
+                    "contradicted")
     out.append(", ".join(data))
+    trim = changed("trim_fraction")
     out.append(
         f"ε = {config.get('epsilon')} per round, λ = {config.get('mask_strength')}, "
         f"τ = {config.get('tau')}, summarizer {config.get('summarizer')}, "
-        f"robust rule {config.get('robust_rule')}, reranker {config.get('reranker')}"
+        f"robust rule {config.get('robust_rule')}"
+        + (f" (share of possibly adversarial sources f = {trim:g})" if trim is not None else "")
+        + f", reranker {config.get('reranker')}"
+        + (", without the linear head" if changed("linear_head") is False else "")
+        + (", without the conflict log" if changed("conflict_log") is False else "")
+        + (", without carry-forward" if changed("carry_forward") is False else "")
         + (f", router tuned for {config['tune_router_epochs']} epoch(s)"
            if config.get("tune_router_epochs") else "")
     )
