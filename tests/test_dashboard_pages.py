@@ -1053,6 +1053,43 @@ def test_accuracy_page_says_what_the_run_ran(client, fed):
             "words off, 40% adversarial (coordinated_targeting).") in setup[: setup.index("</p>") + 4]
 
 
+def test_accuracy_page_says_how_the_federation_and_its_merges_ran_where_not_the_defaults(client, fed):
+    """The drift runs (new categories every 3 rounds, one without the linear head) read like a
+    default run: their curves fall and rise with the categories coming into use, and the page
+    named neither the drift nor the missing head, nor a cadence, contradictions, the conflict
+    log or carry-forward turned off, the users per client or the robust rules' share f."""
+    config = {"orgs": 5, "clients_per_org": 4, "rounds": 10, "partition": "category",
+              "epsilon": 1.0, "mask_strength": 1.0, "tau": 0.85, "summarizer": "probe-extractive",
+              "robust_rule": "none", "reranker": "fusion", "test_limit": 1000}
+    SimulationRun.objects.create(label="drift", dataset="metatool", document={
+        "config": {**config, "drift_every": 3, "linear_head": False}, "seeds": [0], "summary": []})
+    body = login(client, fed, "member_a").get(reverse("dashboard:accuracy")).content.decode()
+    setup = html.unescape(body[body.index('id="run-setup"'):].split("</p>")[0])
+    assert "1000 test queries, new categories come into use every 3 rounds;" in setup
+    assert "reranker fusion, without the linear head." in setup
+    SimulationRun.objects.create(label="all", dataset="metatool", document={
+        "config": {**config, "aggregate_every": 0, "users_per_client": 20,
+                   "contradiction_fraction": 0.4, "conflict_log": False, "carry_forward": False,
+                   "trim_fraction": 0.25},
+        "seeds": [0], "summary": []})
+    setup = html.unescape(client.get(reverse("dashboard:accuracy")).content.decode())
+    setup = setup[setup.index('id="run-setup"'):].split("</p>")[0]
+    assert "10 rounds, frozen after round 1, category partition" in setup
+    assert ("20 users per client, public probe set 10% of the queries, 1000 test queries, 40% of "
+            "each honest client's scenarios contradicted;") in setup
+    assert ("robust rule none (share of possibly adversarial sources f = 0.25), reranker fusion, "
+            "without the conflict log, without carry-forward.") in setup
+    # at the defaults, named or not, none of it is said
+    SimulationRun.objects.create(label="defaults", dataset="metatool", document={
+        "config": {**config, "aggregate_every": 1, "drift_every": 0, "linear_head": True},
+        "seeds": [0], "summary": []})
+    setup = html.unescape(client.get(reverse("dashboard:accuracy")).content.decode())
+    setup = setup[setup.index('id="run-setup"'):].split("</p>")[0]
+    for word in ("frozen", "every", "categories", "users per client", "contradicted", "without",
+                 "adversarial sources"):
+        assert word not in setup
+
+
 def test_conflicts_paginate(client, fed):
     r1 = Round.objects.get(number=1)
     for i in range(60):
@@ -1386,6 +1423,47 @@ def test_accuracy_shows_no_spread_for_a_single_seed(client, fed):
     body = client.get(reverse("dashboard:accuracy")).content.decode()
     table = body[body.index('id="accuracy-summary"'):].split("</table>")[0]
     assert "0.020" in table and "no spread" not in table
+
+
+def test_one_seeds_sweeps_and_curves_show_no_spread(client, fed):
+    """A run of one seed has no standard deviation anywhere: the adversarial and contradiction
+    tables showed its sweeps' 0.000, and every chart drew (and on hover wrote) "± 0" error bars,
+    as if the seeds had agreed to the digit."""
+    one = {"seeds": 1, "accuracy_sd": 0.0}
+    document = {
+        "seeds": [0],
+        "summary": [{**row, **one} for row in DOCUMENT["summary"]],
+        "adversarial": [{**row, **one} for row in DOCUMENT["adversarial"]],
+        "privacy_sweep": [{**row, **one} for row in DOCUMENT["privacy_sweep"]],
+        "contradictions": [{"contradiction_fraction": share, "conflict_log": log,
+                            "accuracy": 0.65 if log else 0.6,
+                            "global_scenarios": 500.0, **one}
+                           for share in (0.0, 0.4) for log in (True, False)],
+        "tau_sweep": [{"tau": t, "accuracy": 0.6, "global_scenarios": 500.0,
+                       "global_size_bytes": 50000.0, "dedup_rate": 0.2, **one} for t in (0.8, 0.9)],
+    }
+    SimulationRun.objects.create(label="one seed", dataset="tiny", document=document)
+    body = login(client, fed, "member_a").get(reverse("dashboard:accuracy")).content.decode()
+    for name in ("accuracy-adversarial-table", "accuracy-contradictions-table"):
+        table = body[body.index(f'id="{name}"'):].split("</table>")[0]
+        assert "0.000" not in table, name
+    traces = [(figure["layout"]["title"]["text"], trace) for figure in figures_in(body)
+              for trace in figure["data"]]
+    assert [(title, trace["name"]) for title, trace in traces if trace.get("error_y")] == []
+    # with more seeds, the sweeps' spread is shown and drawn
+    two = {"seeds": 2, "accuracy_sd": 0.02}
+    SimulationRun.objects.create(label="two seeds", dataset="tiny", document={
+        **document, "seeds": [0, 1],
+        **{key: [{**row, **two} for row in document[key]]
+           for key in ("adversarial", "privacy_sweep", "contradictions", "tau_sweep")}})
+    body = client.get(reverse("dashboard:accuracy")).content.decode()
+    for name in ("accuracy-adversarial-table", "accuracy-contradictions-table"):
+        assert "0.020" in body[body.index(f'id="{name}"'):].split("</table>")[0], name
+    drawn = {figure["layout"]["title"]["text"] for figure in figures_in(body)
+             for trace in figure["data"] if trace.get("error_y")}
+    assert drawn == {"Accuracy under adversarial clients", "Privacy–utility frontier (ε × λ)",
+                     "Accuracy under contradictory scenarios",
+                     "Sensitivity to the cosine threshold τ (last round)"}
 
 
 def test_the_empty_conflict_page_speaks_to_the_operator_and_to_a_member(client, world):

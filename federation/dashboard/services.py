@@ -1076,14 +1076,28 @@ class AccuracyPage:
 
 def run_setup(doc: dict) -> list[str]:
     """What a stored simulation ran, in the words an operator reads its figures with: the
-    federation, the data each client had, and the privacy and merge settings."""
+    federation, the data each client had, and the privacy and merge settings (the cadence, the
+    drift, contradictions, users per client, the robust rules' share, the linear head, conflict
+    log and carry-forward where they are not the defaults: runs that differ there look alike
+    otherwise)."""
     config = doc.get("config") or {}
     if not config:
         return []
+    default = SimulationConfig()
+
+    def changed(name: str):
+        """The run's setting where it is not the default (a setting not named ran at it)."""
+        value = config.get(name, getattr(default, name))
+        return value if value != getattr(default, name) else None
+
     seeds = doc.get("seeds") or []
+    every = changed("aggregate_every")
     out = [
         f"{config.get('orgs')} organizations × {config.get('clients_per_org')} clients, "
-        f"{config.get('rounds')} rounds, {config.get('partition')} partition, "
+        f"{config.get('rounds')} rounds, "
+        + ("" if every is None else "frozen after round 1, " if every == 0
+           else f"aggregating every {every} rounds, ")
+        + f"{config.get('partition')} partition, "
         f"{len(seeds)} seed{'s' if len(seeds) != 1 else ''}"
         + (f" ({', '.join(map(str, seeds))})" if seeds else "")
         + (", rounds closed through the services (submission service, close, merge pipeline)"
@@ -1094,11 +1108,24 @@ def run_setup(doc: dict) -> list[str]:
         data.insert(0, f"at most {config['queries_per_client']} train queries per client")
     if config.get("test_limit"):
         data.append(f"{config['test_limit']} test queries")
+    if changed("users_per_client"):
+        data.insert(0, f"{config['users_per_client']} users per client")
+    if changed("drift_every"):
+        data.append(f"new categories come into use every {config['drift_every']} rounds")
+    if changed("contradiction_fraction"):
+        data.append(f"{config['contradiction_fraction']:.0%} of each honest client's scenarios "
+                    "contradicted")
     out.append(", ".join(data))
+    trim = changed("trim_fraction")
     out.append(
         f"ε = {config.get('epsilon')} per round, λ = {config.get('mask_strength')}, "
         f"τ = {config.get('tau')}, summarizer {config.get('summarizer')}, "
-        f"robust rule {config.get('robust_rule')}, reranker {config.get('reranker')}"
+        f"robust rule {config.get('robust_rule')}"
+        + (f" (share of possibly adversarial sources f = {trim:g})" if trim is not None else "")
+        + f", reranker {config.get('reranker')}"
+        + (", without the linear head" if changed("linear_head") is False else "")
+        + (", without the conflict log" if changed("conflict_log") is False else "")
+        + (", without carry-forward" if changed("carry_forward") is False else "")
         + (f", router tuned for {config['tune_router_epochs']} epoch(s)"
            if config.get("tune_router_epochs") else "")
     )
@@ -1181,6 +1208,14 @@ def _share(counts: dict) -> float | None:
     return 100 * counts.get("victims_routed_to_target", 0) / victims if victims else None
 
 
+def _error_bars(rows: list[dict], sds: list) -> dict | None:
+    """A trace's error bars, each row's sd over its seeds (`sds`); none where every row is of one
+    seed: there is no spread to draw, and plotly would draw and hover "± 0"."""
+    if rows and all(row.get("seeds") == 1 for row in rows):
+        return None
+    return {"type": "data", "array": sds}
+
+
 def method_colors(methods) -> dict[str, str]:
     """One colour per method, the same on every run's chart: the simulation's methods by their
     fixed place in METHODS, then any other (a run stored by another version) in the order given.
@@ -1250,7 +1285,7 @@ def accuracy_page(run_id=None) -> AccuracyPage:
         if stepped:
             curves.add_trace(go.Scatter(
                 x=[r["round"] for r in stepped], y=[r["accuracy_mean"] for r in stepped],
-                error_y={"type": "data", "array": [r.get("accuracy_sd", 0) for r in stepped]},
+                error_y=_error_bars(stepped, [r.get("accuracy_sd", 0) for r in stepped]),
                 mode="lines+markers", name=method, legendrank=1 if method == "synapse" else 1000,
                 line={"width": 3 if method == "synapse" else 2, "color": colors[method]},
             ))
@@ -1282,7 +1317,7 @@ def accuracy_page(run_id=None) -> AccuracyPage:
             rows = sorted(rows, key=lambda r: r.get("adversarial_fraction", 0))
             adv.add_trace(go.Scatter(
                 x=[r.get("adversarial_fraction", 0) for r in rows], y=[r["accuracy"] for r in rows],
-                error_y={"type": "data", "array": [r.get("accuracy_sd") or 0 for r in rows]},
+                error_y=_error_bars(rows, [r.get("accuracy_sd") or 0 for r in rows]),
                 mode="lines+markers", name=f"{mode} · {rule}"))
         styled(adv, title={"text": "Accuracy under adversarial clients"},
                xaxis={"title": {"text": "adversarial fraction"}},
@@ -1297,7 +1332,7 @@ def accuracy_page(run_id=None) -> AccuracyPage:
             rows = sorted(rows, key=lambda r: r.get("epsilon", 0))
             frontier.add_trace(go.Scatter(
                 x=[r.get("membership_auroc") for r in rows], y=[r["accuracy"] for r in rows],
-                error_y={"type": "data", "array": [r.get("accuracy_sd") or 0 for r in rows]},
+                error_y=_error_bars(rows, [r.get("accuracy_sd") or 0 for r in rows]),
                 text=[f"ε={r.get('epsilon')}" for r in rows], mode="lines+markers+text",
                 textposition="top center", name=f"λ = {lam}", cliponaxis=False,
             ))
@@ -1351,7 +1386,7 @@ def accuracy_page(run_id=None) -> AccuracyPage:
                 conflicts.add_trace(go.Scatter(
                     x=[r.get("contradiction_fraction", 0) for r in rows],
                     y=[r["accuracy"] for r in rows],
-                    error_y={"type": "data", "array": [r.get("accuracy_sd", 0) for r in rows]},
+                    error_y=_error_bars(rows, [r.get("accuracy_sd", 0) for r in rows]),
                     mode="lines+markers",
                     name="with the conflict log" if log else "without the conflict log",
                     line={"dash": "solid" if log else "dash"},
@@ -1363,7 +1398,7 @@ def accuracy_page(run_id=None) -> AccuracyPage:
     if page.tau_sweep:
         tau = go.Figure(go.Scatter(
             x=[r.get("tau") for r in page.tau_sweep], y=[r["accuracy"] for r in page.tau_sweep],
-            error_y={"type": "data", "array": [r.get("accuracy_sd", 0) for r in page.tau_sweep]},
+            error_y=_error_bars(page.tau_sweep, [r.get("accuracy_sd", 0) for r in page.tau_sweep]),
             text=[f"{r.get('global_scenarios', 0):,.0f} scenarios · dedup {r.get('dedup_rate', 0):.0%}"
                   for r in page.tau_sweep],
             mode="lines+markers+text", textposition="bottom center", name="SYNAPSE",
