@@ -114,6 +114,38 @@ def test_contradictory_preconditions_make_a_conflict_with_majority_centroid(sche
     assert len(kept) == 1 and kept[0].support == 2 and kept[0].preconditions == {"has_city": True}
 
 
+def test_a_member_without_the_flag_does_not_merge_both_sides_of_a_contradiction(schema, embed):
+    """Compatibility is not transitive: a member that states no `has_city` agrees with `has_city`
+    and with `not has_city`. Before, it was taken as the anchor (compatible with all three
+    sources), all three were merged into it with support 3, and the conflict was logged with
+    no dissenter at all, so ConflictsToPrecautions had nothing to compose. The agreeing
+    members must agree with each other: one side of the contradiction is a dissenter."""
+    subs = [
+        sub("c1", [sc("weather", "Get the weather forecast for a city", has_city=True)]),
+        sub("c2", [sc("weather", "Get the weather forecast for a city.", has_city=False)]),
+        sub("c3", [sc("weather", "Get the weather forecast for a city!")]),
+    ]
+    result = edge_merge(subs, schema, RoundConfig(summarizer="centroid"), embed=embed)
+    assert len(result.conflicts) == 1
+    entry = result.conflicts[0]
+    assert "precondition flags contradict" in entry.reason
+    assert len(entry.dissenters) == 1
+    assert entry.dissenters[0]["source"] in ("c1", "c2")
+    agreeing = {"c1", "c2", "c3"} - {entry.dissenters[0]["source"]}
+    assert entry.centroid["source"] in agreeing
+    kept = [s for s in result.compendium.scenarios if s.tool_id == "weather"]
+    assert len(kept) == 1 and kept[0].support == 2
+    # The same with an LLM probe that finds one member ("other") inconsistent with the
+    # cluster's center: the member the probe did not judge against it must not merge the two.
+    vectors = np.array([[1.0, 0.0], [0.9, 0.436], [0.9, -0.436]])
+    vectors /= np.linalg.norm(vectors, axis=1, keepdims=True)
+    members = [Item(f"c{i}", "weather", text, {}, 1, vectors[i])
+               for i, text in enumerate(["center", "other", "both"])]
+    decision = decide_cluster(members, probe=lambda a, b: "other" not in (a, b))
+    assert not decision.consistent
+    assert decision.dissenters and not {0, 1} <= set(decision.agreeing)
+
+
 def test_one_source_stating_a_huge_support_does_not_outvote_the_others(schema, embed):
     """The support an entry states is its submitter's word: nine clients that agree outvote one
     that disagrees however large a support it states (before, the one with 1,000,000 won and the

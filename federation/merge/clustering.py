@@ -117,7 +117,8 @@ def decide_cluster(
     centroid) and, when it fails, the majority decision: the anchor is the member compatible with
     the most sources (one vote each: the support an entry states is the submitter's word, and one
     Byzantine client stating a huge one must not outvote the others), then the most support;
-    members incompatible with it are the dissenters."""
+    the agreeing members are compatible with it and with each other (from the strongest down),
+    the others are the dissenters: a conflicted cluster always has at least one."""
     vectors = np.stack([m.vector for m in members])
     n = len(members)
     tools_agree = len({m.tool_id for m in members}) == 1
@@ -146,14 +147,21 @@ def decide_cluster(
         return True
 
     support = [m.support for m in members]
-    best, best_key = 0, None
+    keys = []
     for i in range(n):
         with_i = [j for j in range(n) if j == i or compatible(i, j)]
         sources = len({members[j].source for j in with_i})
-        key = (sources, sum(support[j] for j in with_i), i == center_index, -i)
-        if best_key is None or key > best_key:
-            best, best_key = i, key
-    agreeing = [j for j in range(n) if j == best or compatible(best, j)]
+        keys.append((sources, sum(support[j] for j in with_i), i == center_index, -i))
+    best = max(range(n), key=lambda i: keys[i])
+    # Compatibility is not transitive (a member without the flag agrees with both f and ¬f):
+    # the members merged into the anchor must agree with each other too, or a contradiction
+    # would be merged with no dissenter logged. From the strongest down, a member joins when it
+    # is compatible with every member that joined before it.
+    agreeing = [best]
+    for j in sorted(range(n), key=lambda i: keys[i], reverse=True):
+        if j != best and all(compatible(j, a) for a in agreeing):
+            agreeing.append(j)
+    agreeing.sort()
     dissenters = [j for j in range(n) if j not in agreeing]
     reasons = []
     if not tools_agree:
