@@ -135,6 +135,11 @@ def test_a_member_without_the_flag_does_not_merge_both_sides_of_a_contradiction(
     assert entry.centroid["source"] in agreeing
     kept = [s for s in result.compendium.scenarios if s.tool_id == "weather"]
     assert len(kept) == 1 and kept[0].support == 2
+    # and the next round has the exception as a precaution (the centroid states no flag: the
+    # dissenter's own flag is the exception)
+    flag = str(entry.dissenters[0]["preconditions"]["has_city"]).lower()
+    [precaution] = conflicts_to_precautions(result.conflicts, schema)
+    assert precaution.tool_id == "weather" and precaution.text.endswith(f"has_city is {flag}")
     # The same with an LLM probe that finds one member ("other") inconsistent with the
     # cluster's center: the member the probe did not judge against it must not merge the two.
     vectors = np.array([[1.0, 0.0], [0.9, 0.436], [0.9, -0.436]])

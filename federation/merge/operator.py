@@ -228,6 +228,12 @@ def conflicts_to_precautions(
                 for k, v in sorted((dissenter.get("preconditions") or {}).items())
                 if centroid_flags.get(k) is not None and centroid_flags[k] != v
             }
+            if not differing and clause == affirmative:
+                # The same request, contradicting not the centroid's flags but those of a
+                # member merged into it (the centroid states none): its own flags are the
+                # exception.
+                differing = {k: v for k, v in sorted((dissenter.get("preconditions") or {}).items())
+                             if k not in centroid_flags}
             if differing:
                 flags = ", ".join(f"{k} is {str(v).lower()}" for k, v in differing.items())
                 clause = f"{clause} and {flags}"
