@@ -216,6 +216,58 @@ def test_is_consistent_structural_rules(embed):
     assert decide_cluster([a, b], probe=lambda x, y: None).consistent  # unusable answer: ignored
 
 
+def test_the_merge_does_not_depend_on_the_order_of_its_inputs(schema, embed):
+    """Edge and server merges over the same inputs in another order publish the same bytes and
+    log the same conflicts, with conflicted clusters, paraphrases, precautions, templates and
+    annex triples, a robust rule and a probe set; and every conflicted cluster logs a dissenter."""
+    import json
+    import random
+
+    pool = {
+        "weather": ["Will it rain tomorrow in Paris?", "Will it rain tomorrow in Paris",
+                    "Get the weather forecast for a city", "Get the weather forecast for a city."],
+        "flights": ["Book a cheap flight from Boston to Denver",
+                    "Book a cheap flight from Boston to Denver.", "Search airline tickets to Tokyo"],
+        "recipes": ["Find a recipe for lasagna", "Find a recipe for lasagna."],
+    }
+    rng = random.Random(0)
+    subs = []
+    for i in range(6):
+        scenarios = [
+            {**sc(tool, text, **rng.choice([{}, {"online": True}, {"online": False}])),
+             "support": rng.randint(1, 3)}
+            for tool, texts in pool.items() for text in rng.sample(texts, 2)
+        ]
+        subs.append(sub(
+            f"c{i}", scenarios,
+            precautions=[{"tool_id": "weather",
+                          "text": rng.choice(["Not for tide tables", "Not for tide tables."])}],
+            templates=[{"tool_id": "weather", "signature": "city",
+                        "template": rng.choice(["Weather in {city}", "Forecast {city}"])}],
+            annex=[{"subject": "weather", "relation": rng.choice(["needs", "requires"]),
+                    "object": "city"}],
+        ))
+    probe_texts = ["Is it going to rain in London tomorrow?", "Find me a flight to Tokyo",
+                   "How do I make pancakes?"]
+    probe = ProbeSet(probe_texts, ["weather", "flights", "recipes"], embed(probe_texts))
+    config = RoundConfig(summarizer="probe-extractive", robust_rule="krum")
+
+    def merged(merge, inputs, **kwargs):
+        result = merge(inputs, schema, config, embed=embed, probe_set=probe, **kwargs)
+        return result, (canonical_bytes(result.compendium),
+                        json.dumps([c.as_dict() for c in result.conflicts], sort_keys=True))
+
+    first, expected = merged(edge_merge, subs, seed=3)
+    assert first.conflicts and all(c.dissenters for c in first.conflicts)
+    shuffled = subs[:]
+    for _ in range(3):
+        rng.shuffle(shuffled)
+        assert merged(edge_merge, shuffled, seed=3)[1] == expected
+    edges = [MergeInput("org:a", first.compendium),
+             MergeInput("org:b", edge_merge(subs[:3], schema, config, embed=embed, seed=4).compendium)]
+    assert merged(server_merge, edges)[1] == merged(server_merge, edges[::-1])[1]
+
+
 def test_greedy_clustering_is_deterministic_and_thresholded():
     vectors = np.array([[1, 0], [0.99, 0.141], [0, 1], [0.1, 0.995]], dtype=np.float32)
     vectors /= np.linalg.norm(vectors, axis=1, keepdims=True)
