@@ -176,6 +176,14 @@ def _check_seed_and_field_cap(args: argparse.Namespace) -> None:
         raise CliError(f"--field-cap must be from 1 to {FIELD_CAP_MAX}")
 
 
+def _same_file(a, b) -> bool:
+    """Whether the paths `a` and `b` name one existing file."""
+    try:
+        return os.path.samefile(a, b)
+    except OSError:  # either is not there
+        return False
+
+
 def cmd_build(args: argparse.Namespace) -> int:
     from compendium.builder import BuildError, BuildOptions, BuildReport, build_compendium
     from compendium.client_api import write_atomically
@@ -205,9 +213,7 @@ def cmd_build(args: argparse.Namespace) -> int:
     for flag in ("log", "schema", "since", "probe"):  # a typo would overwrite what it reads
         given = getattr(args, flag, None)
         for written in (out, report_path(out)):
-            if given and os.path.exists(given) and os.path.exists(written) and os.path.samefile(
-                given, written
-            ):
+            if given and _same_file(given, written):
                 raise CliError(
                     f"--out {args.out} would overwrite the --{flag} file {written}: name another "
                     "file; nothing built"

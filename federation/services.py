@@ -16,7 +16,7 @@ import secrets
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 from django.conf import settings
 from django.contrib.auth import get_user_model
@@ -281,24 +281,24 @@ def audit_schema_edit(actor: Actor, obj, operation: str, fields: dict | None = N
     return audit(actor, AuditLog.Action.SCHEMA_CHANGE, target=obj, details=details)
 
 
-def audit_details_for(user, entry: AuditLog) -> dict:
-    """The details of an audit entry as `user` may read them: without the admin-only ones for a
-    read-only member, unless the entry is about the member themself."""
+class ShownAudit(NamedTuple):
+    details: dict
+    ip: str | None
+
+
+def audit_entry_for(user, entry: AuditLog) -> ShownAudit:
+    """An audit entry's details and address as `user` may read them. An organization's admins and
+    the operator read them whole; a read-only member reads no colleague's e-mail address or sign-in
+    times in the details (unless the entry is about the member themself) and the address only of
+    their own actions (a colleague's address is personal data as well)."""
     details = entry.details if isinstance(entry.details, dict) else {}
-    if details.get("user") == user.get_username() or can_admin(
-        Actor.for_user(user), entry.organization_id
-    ):
-        return details
-    return _without_admin_only(details)
-
-
-def audit_ip_for(user, entry: AuditLog) -> str | None:
-    """The address an audit entry came from, as `user` may read it: an organization's admins and
-    the operator read every one they see; a read-only member only those of their own actions (a
-    colleague's address is personal data, as their e-mail address and sign-in times are)."""
-    if entry.actor_id is not None and entry.actor_id == user.pk:
-        return entry.ip
-    return entry.ip if can_admin(Actor.for_user(user), entry.organization_id) else None
+    if can_admin(Actor.for_user(user), entry.organization_id):
+        return ShownAudit(details, entry.ip)
+    own_action = entry.actor_id is not None and entry.actor_id == user.pk
+    return ShownAudit(
+        details if details.get("user") == user.get_username() else _without_admin_only(details),
+        entry.ip if own_action else None,
+    )
 
 
 def _without_admin_only(value):

@@ -359,13 +359,12 @@ class AuditLogSerializer(serializers.ModelSerializer):
     def to_representation(self, instance):
         """`details` and `ip` as the caller may read them (no colleague's e-mail address or
         address for a read-only member)."""
-        from federation.services import audit_details_for, audit_ip_for
+        from federation.services import audit_entry_for
 
         data = super().to_representation(instance)
         request = self.context.get("request")
         if request is not None:
-            data["details"] = audit_details_for(request.user, instance)
-            data["ip"] = audit_ip_for(request.user, instance)
+            data["details"], data["ip"] = audit_entry_for(request.user, instance)
         return data
 
     class Meta:

@@ -746,7 +746,7 @@ def _csv_cell(value) -> str:
 def audit_csv_lines(entries: QuerySet, user):
     """The audit entries as CSV lines (header first), streamed from the database in chunks, with
     the details `user` may read."""
-    from federation.services import audit_details_for, audit_ip_for
+    from federation.services import audit_entry_for
 
     buffer = io.StringIO()
     writer = csv.writer(buffer)
@@ -759,11 +759,12 @@ def audit_csv_lines(entries: QuerySet, user):
 
     yield line(AUDIT_CSV_COLUMNS)
     for e in entries.iterator(chunk_size=2000):
+        shown = audit_entry_for(user, e)
         yield line((
             e.created_at.isoformat(), e.actor_label, e.action,
             e.organization.slug if e.organization else "", e.target_type, e.target_id,
-            e.target_label, audit_ip_for(user, e) or "",
-            json.dumps(audit_details_for(user, e), sort_keys=True, ensure_ascii=False),
+            e.target_label, shown.ip or "",
+            json.dumps(shown.details, sort_keys=True, ensure_ascii=False),
         ))
 
 
@@ -1208,12 +1209,13 @@ def _share(counts: dict) -> float | None:
     return 100 * counts.get("victims_routed_to_target", 0) / victims if victims else None
 
 
-def _error_bars(rows: list[dict], sds: list) -> dict | None:
-    """A trace's error bars, each row's sd over its seeds (`sds`); none where every row is of one
-    seed: there is no spread to draw, and plotly would draw and hover "± 0"."""
+def _error_bars(rows: list[dict]) -> dict | None:
+    """A trace's error bars, each row's accuracy sd over its seeds (0 where none is stored); none
+    where every row is of one seed: there is no spread to draw, and plotly would draw and hover
+    "± 0"."""
     if rows and all(row.get("seeds") == 1 for row in rows):
         return None
-    return {"type": "data", "array": sds}
+    return {"type": "data", "array": [row.get("accuracy_sd") or 0 for row in rows]}
 
 
 def method_colors(methods) -> dict[str, str]:
@@ -1285,7 +1287,7 @@ def accuracy_page(run_id=None) -> AccuracyPage:
         if stepped:
             curves.add_trace(go.Scatter(
                 x=[r["round"] for r in stepped], y=[r["accuracy_mean"] for r in stepped],
-                error_y=_error_bars(stepped, [r.get("accuracy_sd", 0) for r in stepped]),
+                error_y=_error_bars(stepped),
                 mode="lines+markers", name=method, legendrank=1 if method == "synapse" else 1000,
                 line={"width": 3 if method == "synapse" else 2, "color": colors[method]},
             ))
@@ -1317,7 +1319,7 @@ def accuracy_page(run_id=None) -> AccuracyPage:
             rows = sorted(rows, key=lambda r: r.get("adversarial_fraction", 0))
             adv.add_trace(go.Scatter(
                 x=[r.get("adversarial_fraction", 0) for r in rows], y=[r["accuracy"] for r in rows],
-                error_y=_error_bars(rows, [r.get("accuracy_sd") or 0 for r in rows]),
+                error_y=_error_bars(rows),
                 mode="lines+markers", name=f"{mode} · {rule}"))
         styled(adv, title={"text": "Accuracy under adversarial clients"},
                xaxis={"title": {"text": "adversarial fraction"}},
@@ -1332,7 +1334,7 @@ def accuracy_page(run_id=None) -> AccuracyPage:
             rows = sorted(rows, key=lambda r: r.get("epsilon", 0))
             frontier.add_trace(go.Scatter(
                 x=[r.get("membership_auroc") for r in rows], y=[r["accuracy"] for r in rows],
-                error_y=_error_bars(rows, [r.get("accuracy_sd") or 0 for r in rows]),
+                error_y=_error_bars(rows),
                 text=[f"ε={r.get('epsilon')}" for r in rows], mode="lines+markers+text",
                 textposition="top center", name=f"λ = {lam}", cliponaxis=False,
             ))
@@ -1386,7 +1388,7 @@ def accuracy_page(run_id=None) -> AccuracyPage:
                 conflicts.add_trace(go.Scatter(
                     x=[r.get("contradiction_fraction", 0) for r in rows],
                     y=[r["accuracy"] for r in rows],
-                    error_y=_error_bars(rows, [r.get("accuracy_sd", 0) for r in rows]),
+                    error_y=_error_bars(rows),
                     mode="lines+markers",
                     name="with the conflict log" if log else "without the conflict log",
                     line={"dash": "solid" if log else "dash"},
@@ -1398,7 +1400,7 @@ def accuracy_page(run_id=None) -> AccuracyPage:
     if page.tau_sweep:
         tau = go.Figure(go.Scatter(
             x=[r.get("tau") for r in page.tau_sweep], y=[r["accuracy"] for r in page.tau_sweep],
-            error_y=_error_bars(page.tau_sweep, [r.get("accuracy_sd", 0) for r in page.tau_sweep]),
+            error_y=_error_bars(page.tau_sweep),
             text=[f"{r.get('global_scenarios', 0):,.0f} scenarios · dedup {r.get('dedup_rate', 0):.0%}"
                   for r in page.tau_sweep],
             mode="lines+markers+text", textposition="bottom center", name="SYNAPSE",

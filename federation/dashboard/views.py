@@ -39,8 +39,7 @@ from federation.services import (
     TOKEN_LABEL_MAX,
     Actor,
     approve_client,
-    audit_details_for,
-    audit_ip_for,
+    audit_entry_for,
     client_ip,
     close_round,
     create_organization,
@@ -615,8 +614,7 @@ class AuditView(DashboardView):
         csv_query["format"] = "csv"
         page_obj = Paginator(self.entries, 50).get_page(self.request.GET.get("page"))
         for entry in page_obj:
-            entry.shown_details = audit_details_for(self.request.user, entry)
-            entry.shown_ip = audit_ip_for(self.request.user, entry)
+            entry.shown_details, entry.shown_ip = audit_entry_for(self.request.user, entry)
         context.update(
             csv_query=csv_query.urlencode(),
             page_obj=page_obj,
