@@ -1068,9 +1068,10 @@ def _send_round_closed(rnd: Round) -> None:
     def send() -> None:
         round_closed.send(sender=Round, round=Round.objects.get(pk=round_id))
 
-    # robust: a pipeline that fails at once (Celery eager mode runs it here, in the request)
-    # records the failure on the round (the tasks call fail_round) and must not turn the
-    # committed close or retry into an error; Django logs the exception.
+    # robust: a pipeline that fails at once (Celery eager mode runs it here, in the request), or
+    # whose start cannot be queued (the broker down), records the failure on the round (the
+    # tasks and the receiver call fail_round) and must not turn the committed close or retry
+    # into an error; Django logs the exception.
     transaction.on_commit(send, robust=True)
 
 

@@ -251,6 +251,35 @@ def test_merges_that_cannot_be_dispatched_fail_the_round(probes, monkeypatch):
     assert round_.failure_reason == "dispatching the merges failed: the broker is down"
 
 
+def test_a_close_whose_pipeline_cannot_be_queued_fails_the_round_for_a_retry(
+    probes, monkeypatch, django_capture_on_commit_callbacks
+):
+    """The broker down when the round closes: its start task is never queued, so nothing would
+    ever move the round on from closing (which no retry accepts). It fails saying why, and the
+    operator's retry, once the broker is back, publishes it."""
+    from federation import services
+    from tests.federation_fixtures import SYSTEM
+    from workers import tasks
+
+    round_, _ = build_federation(state="open")
+    queue = tasks.start_round_pipeline.delay
+
+    def broker_down(*args, **kwargs):
+        raise ConnectionError("the broker is down")
+
+    monkeypatch.setattr(tasks.start_round_pipeline, "delay", broker_down)
+    with django_capture_on_commit_callbacks(execute=True):
+        services.close_round(SYSTEM, round_)  # the close itself commits
+    round_.refresh_from_db()
+    assert round_.state == "failed"
+    assert round_.failure_reason == "the merge pipeline could not be queued: the broker is down"
+    monkeypatch.setattr(tasks.start_round_pipeline, "delay", queue)
+    with django_capture_on_commit_callbacks(execute=True):
+        services.retry_round(SYSTEM, round_)
+    round_.refresh_from_db()
+    assert round_.state == "published", round_.failure_reason
+
+
 def test_budget_cap_fails_round_before_any_merge(settings, django_capture_on_commit_callbacks):
     settings.SYNAPSE_EPSILON_BUDGET = 0.5
     round_, _ = build_federation(config={"epsilon": 1.0, "summarizer": "none"})

@@ -10,9 +10,18 @@ from federation.signals import global_published, round_closed
 
 @receiver(round_closed, dispatch_uid="synapse.start_round_pipeline")
 def start_pipeline_on_close(sender, round, **kwargs):
+    """Queue the start of the round's merges. A start that cannot be queued (the broker down)
+    would leave the round closing for good, with no task to move it on and no retry accepted:
+    it fails the round, saying why, for the operator to retry. (Eager, the pipeline runs here
+    and records its own failures; the round is failed already and stays as it failed.)"""
+    from federation.pipeline import fail_round
     from workers.tasks import start_round_pipeline
 
-    return start_round_pipeline.delay(round.pk, round.attempt)
+    try:
+        return start_round_pipeline.delay(round.pk, round.attempt)
+    except Exception as exc:
+        fail_round(round.pk, f"the merge pipeline could not be queued: {exc}", round.attempt)
+        raise
 
 
 @receiver(global_published, dispatch_uid="synapse.tune_router")
