@@ -63,6 +63,11 @@ def tune_epochs() -> int:
     return int(getattr(settings, "SYNAPSE_ROUTER_TUNE_EPOCHS", 0) or 0)
 
 
+def max_epochs() -> int:
+    """The most epochs a tuning may run: what its row's column (TunedRouter.epochs) holds."""
+    return connection.ops.integer_field_range(TunedRouter._meta.get_field("epochs").get_internal_type())[1]
+
+
 def routers_dir() -> Path:
     return Path(settings.DATA_DIR) / "routers"
 
@@ -163,6 +168,9 @@ def tune_published_router(
     epochs = epochs if epochs is not None else tune_epochs()
     if epochs < 1:
         raise TuningError(f"epochs must be at least 1, not {epochs}")
+    most = max_epochs()
+    if epochs > most:  # the row's column holds no more (a larger figure was a DataError)
+        raise TuningError(f"epochs must be at most {most}, not {epochs}")
     version = (
         CompendiumVersion.objects.filter(pk=version_id, kind=CompendiumVersion.Kind.GLOBAL)
         .select_related("round")

@@ -383,8 +383,11 @@ if SYNAPSE_ROUTING_PARAMS and not Path(SYNAPSE_ROUTING_PARAMS).is_file():
 # size) in a task on SYNAPSE_ROUTER_TUNE_QUEUE ("" = the default queue). Default: 1 with a broker
 # (a worker tunes in the background), 0 without one (eager tasks would hold up publication for
 # minutes; `manage.py tune_router` tunes by hand).
+# At most what a tuning's row records (TunedRouter.epochs, a smallint): more failed the queuing of
+# every publication's tuning.
 SYNAPSE_ROUTER_TUNE_EPOCHS = env_number(
-    "SYNAPSE_ROUTER_TUNE_EPOCHS", 1 if os.environ.get("CELERY_BROKER_URL") else 0, least=0, note=" (0: off)"
+    "SYNAPSE_ROUTER_TUNE_EPOCHS", 1 if os.environ.get("CELERY_BROKER_URL") else 0, least=0,
+    most=32767, note=" (0: off)"
 )
 SYNAPSE_ROUTER_TUNE_QUEUE = os.environ.get("SYNAPSE_ROUTER_TUNE_QUEUE", "")
 # The served global's tuning still queued after this long (its message lost: the broker was down

@@ -103,3 +103,23 @@ def test_erase_client_reads_only_ascii_digits_as_an_id():
     # "²" passes str.isdigit but not int(): was a ValueError traceback
     with pytest.raises(CommandError, match="no client '²'"):
         run("erase_client", "²")
+
+
+@pytest.mark.parametrize("epochs", ["32768", str(10**12)])
+def test_tune_router_refuses_more_epochs_than_its_row_can_record_in_one_line(epochs, settings,
+                                                                             tmp_path):
+    from compendium.schema import Compendium, Scenario
+    from compendium.services import import_registry, store_compendium
+    from federation.models import Round
+    from routing.models import TunedRouter
+    from tests.merge_helpers import TOOLS
+
+    settings.DATA_DIR = tmp_path
+    import_registry(TOOLS)
+    rnd = Round.objects.create(number=1, state="published")
+    store_compendium(Compendium(scenarios=[Scenario(tool_id="weather", text="rain in Paris?")]),
+                     kind="global", round=rnd)
+    # was a traceback of django.db.DataError (smallint out of range) writing the tuning's row
+    with pytest.raises(CommandError, match="epochs must be at most 32767, not "):
+        run("tune_router", "--epochs", epochs)
+    assert not TunedRouter.objects.exists()

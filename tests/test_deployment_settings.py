@@ -342,7 +342,7 @@ NUMBERS = {
     "SYNAPSE_LOCK_WAIT_SECONDS": (["abc", "nan", "0", "601"], "0.5", 0.5),
     "SYNAPSE_MAX_SUBMISSION_BYTES": (["2MB", "0", "-1"], "1024", 1024),
     "SYNAPSE_EMBEDDING_DIM": (["abc", "0", "3072"], "768", 768),
-    "SYNAPSE_ROUTER_TUNE_EPOCHS": (["x", "-1"], "2", 2),
+    "SYNAPSE_ROUTER_TUNE_EPOCHS": (["x", "-1", "32768"], "2", 2),
     "SYNAPSE_TUNING_REQUEUE_SECONDS": (["nan", "0", "-1"], "60", 60.0),
     "SYNAPSE_TUNING_CHECK_SECONDS": (["0", "-1", "inf"], "5", 5.0),
     "SYNAPSE_MAX_QUERY_CHARS": (["0", "x"], "100", 100),
