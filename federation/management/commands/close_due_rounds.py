@@ -14,12 +14,16 @@ class Command(BaseCommand):
 
     def add_arguments(self, parser):
         parser.add_argument(
-            "--every", type=float, default=0, help="check every N seconds until interrupted"
+            "--every", type=float, default=0,
+            help="check every N seconds until interrupted (default 0: check once)"
         )
 
     def handle(self, *args, every, **options):
-        if not math.isfinite(every):
-            raise CommandError(f"--every must be a finite number of seconds, not {every}")
+        if not math.isfinite(every) or every < 0:
+            # a negative interval was read as "once", silently
+            raise CommandError(
+                f"--every must be a finite number of seconds, 0 or more (0: check once), not {every:g}"
+            )
         while True:
             for rnd in close_due_rounds():
                 self.stdout.write(
