@@ -262,19 +262,19 @@ def test_a_close_whose_pipeline_cannot_be_queued_fails_the_round_for_a_retry(
     from workers import tasks
 
     round_, _ = build_federation(state="open")
-    queue = tasks.start_round_pipeline.delay
 
     def broker_down(*args, **kwargs):
         raise ConnectionError("the broker is down")
 
-    monkeypatch.setattr(tasks.start_round_pipeline, "delay", broker_down)
-    with django_capture_on_commit_callbacks(execute=True):
-        services.close_round(SYSTEM, round_)  # the close itself commits
+    with monkeypatch.context() as patch:  # with a broker (not eager), which is down
+        patch.setitem(tasks.start_round_pipeline.app.conf, "task_always_eager", False)
+        patch.setattr(tasks.start_round_pipeline, "delay", broker_down)
+        with django_capture_on_commit_callbacks(execute=True):
+            services.close_round(SYSTEM, round_)  # the close itself commits
     round_.refresh_from_db()
     assert round_.state == "failed"
     assert round_.failure_reason == "the merge pipeline could not be queued: the broker is down"
-    monkeypatch.setattr(tasks.start_round_pipeline, "delay", queue)
-    with django_capture_on_commit_callbacks(execute=True):
+    with django_capture_on_commit_callbacks(execute=True):  # the broker back (eager here)
         services.retry_round(SYSTEM, round_)
     round_.refresh_from_db()
     assert round_.state == "published", round_.failure_reason
