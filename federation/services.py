@@ -1115,6 +1115,17 @@ def retry_round(actor: Actor, rnd: Round | int) -> Round:
     return rnd
 
 
+def pipeline_outcome(rnd: Round) -> str:
+    """What became of a round's merge pipeline once its close or retry is committed: without a
+    broker it ran in the caller (a request, a command) and is over; with workers it has started."""
+    rnd.refresh_from_db()
+    if rnd.state == Round.State.PUBLISHED:
+        return "its merge ran and published the global compendium"
+    if rnd.state == Round.State.FAILED:
+        return f"its merge failed: {rnd.failure_reason}"
+    return "the merge pipeline started"
+
+
 @transaction.atomic
 def mark_merging(rnd: Round | int, actor: Actor | None = None) -> Round:
     actor = actor or Actor.system("merge pipeline")

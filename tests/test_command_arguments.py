@@ -124,3 +124,19 @@ def test_tune_router_refuses_more_epochs_than_its_row_can_record_in_one_line(epo
     with pytest.raises(CommandError, match="epochs must be at most 32767, not "):
         run("tune_router", "--epochs", epochs)
     assert not TunedRouter.objects.exists()
+
+
+@pytest.mark.django_db(transaction=True)  # as the command runs: the retry commits, then returns
+def test_retry_round_says_how_the_retry_ended_without_a_broker():
+    from federation import services
+    from federation.models import Round
+
+    system = services.Actor.system("tests")
+    rnd = services.open_round(system)
+    services.close_round(system, rnd)  # nothing was submitted: the pipeline fails it
+    assert Round.objects.get(number=1).state == "failed"
+    out = run("retry_round", "1")
+    # was "round 1 is closing again; the merge pipeline was started": the eager pipeline had
+    # already failed it again, and the reason was not said
+    assert Round.objects.get(number=1).state == "failed"
+    assert out.strip() == "round 1 retried; its merge failed: round 1 has no submissions to merge"

@@ -47,6 +47,7 @@ from federation.services import (
     get_settings,
     issue_user_token,
     open_round,
+    pipeline_outcome,
     rename_organization,
     retry_round,
     revoke_client,
@@ -524,17 +525,6 @@ def _deadline(raw: str):
     if parsed is None:
         raise InvalidRequest(f"closes_at {raw[:40]!r} is not a date and time (YYYY-MM-DDTHH:MM, UTC)")
     return parsed if timezone.is_aware(parsed) else parsed.replace(tzinfo=dt.UTC)
-
-
-def pipeline_outcome(rnd: Round) -> str:
-    """What became of a round's merge pipeline once its close or retry is committed: without a
-    broker it ran in this request and is over; with workers it has started."""
-    rnd.refresh_from_db()
-    if rnd.state == Round.State.PUBLISHED:
-        return "its merge ran and published the global compendium"
-    if rnd.state == Round.State.FAILED:
-        return f"its merge failed: {rnd.failure_reason}"
-    return "the merge pipeline started"
 
 
 class RoundActionView(ActionView):

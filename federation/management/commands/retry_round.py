@@ -2,7 +2,7 @@ from django.core.management.base import BaseCommand, CommandError
 
 from federation.errors import FederationError
 from federation.models import Round
-from federation.services import Actor, retry_round
+from federation.services import Actor, pipeline_outcome, retry_round
 
 
 class Command(BaseCommand):
@@ -13,9 +13,10 @@ class Command(BaseCommand):
 
     def handle(self, *args, number, **options):
         try:
-            retry_round(Actor(None, label="manage.py retry_round"), Round.objects.get(number=number))
+            rnd = retry_round(Actor(None, label="manage.py retry_round"), Round.objects.get(number=number))
         except Round.DoesNotExist:
             raise CommandError(f"no round {number}") from None
         except FederationError as exc:
             raise CommandError(exc.detail) from None
-        self.stdout.write(f"round {number} is closing again; the merge pipeline was started")
+        # Without a broker the pipeline has run by now: said as it ended, not "closing again".
+        self.stdout.write(f"round {number} retried; {pipeline_outcome(rnd)}")
