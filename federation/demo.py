@@ -70,9 +70,11 @@ def run_demo_rounds(
     seed: int = 0,
     progress: Callable[[str], None] = lambda message: None,
 ) -> DemoReport:
-    """Play `rounds` rounds with the demo clients, unless that many rounds are published already
-    (so restarting the demo does not spend more privacy budget). Leaves a round open."""
-    if Round.objects.filter(state=Round.State.PUBLISHED).count() >= rounds:
+    """Play the demo clients' rounds until `rounds` rounds are published: none when that many are
+    published already, and a demo stopped midway resumes where it stopped (so restarting the
+    demo spends no more privacy budget than the rounds asked for). Leaves a round open."""
+    already = Round.objects.filter(state=Round.State.PUBLISHED).count()
+    if already >= rounds:
         return DemoReport([], 0, skipped=True)
     system = Actor(None, label="demo")
     dataset = load_dataset(dataset_path)
@@ -103,7 +105,8 @@ def run_demo_rounds(
     import_probe_set(dataset_path, per_tool=3, seed=seed)
 
     published, sent = [], 0
-    for period in range(1, rounds + 1):
+    # Each round a client has seen more of its log: period p of `rounds` holds the first p parts.
+    for period in range(already + 1, rounds + 1):
         rnd = current_round() or open_round(system, demo_round_config(seed))
         progress(f"demo round {rnd.number}: {len(logs)} clients build and submit")
         # As `synapse-client participate` does: the fields the round will not release stay out.

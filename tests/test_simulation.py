@@ -126,6 +126,24 @@ def test_demo_rounds_publish_through_the_real_pipeline(tiny_dataset):
     assert PrivacyLedgerEntry.objects.count() == spent
 
 
+@pytest.mark.django_db(transaction=True)
+def test_demo_rounds_stopped_midway_resume_where_they_stopped(tiny_dataset):
+    """A demo stopped after its first round played every round again when restarted (3 asked
+    for, 4 published), spending privacy budget on a round nobody asked for."""
+    from federation.models import Round
+    from federation.services import bootstrap_demo_federation
+
+    call_command("import_tools", str(tiny_dataset), verbosity=0)
+    bootstrap_demo_federation()
+    call_command("demo_rounds", "--dataset", str(tiny_dataset), "--rounds", "1",
+                 "--queries-per-client", "30", stdout=io.StringIO())
+    out = io.StringIO()
+    call_command("demo_rounds", "--dataset", str(tiny_dataset), "--rounds", "2",
+                 "--queries-per-client", "30", stdout=out)
+    assert out.getvalue().startswith("demo rounds: published rounds 2 from "), out.getvalue()
+    assert [r.number for r in Round.objects.filter(state="published").order_by("number")] == [1, 2]
+
+
 def test_clients_send_only_what_changed_when_the_global_is_carried_forward(tiny_dataset):
     from compendium.registry import load_dataset
     from compendium.schema import Schema

@@ -11,7 +11,7 @@ from federation.services import demo_round_config
 class Command(BaseCommand):
     help = (
         "Play live demo rounds: the demo federation's clients build and submit real compendiums, "
-        "the merge pipeline publishes them (skipped when enough rounds are already published)."
+        "the merge pipeline publishes them, until that many rounds are published (a stopped demo resumes)."
     )
 
     def add_arguments(self, parser):
