@@ -5,6 +5,7 @@ from __future__ import annotations
 import io
 import json
 import re
+from datetime import timedelta
 
 import pytest
 from django.contrib.auth import authenticate
@@ -76,6 +77,32 @@ def test_round_status_tells_where_the_rounds_stand(registry_file):
     services.open_round(services.Actor.system("tests"))
     lines = status().splitlines()
     assert lines[0].startswith("round 2: open") and lines[1].startswith("round 1: closing (since ")
+
+
+def test_round_status_names_why_a_round_failed_and_its_retry():
+    """A failed round was listed as 'failed (since <close>)', with neither its reason nor what to
+    run; a retried one showed the time of its first close."""
+    from federation.pipeline import fail_round
+
+    system = services.Actor.system("tests")
+    rnd = services.open_round(system)
+    services.close_round(system, rnd)
+    fail_round(rnd.pk, "no accepted submission")
+    out = io.StringIO()
+    call_command("round_status", stdout=out)
+    assert re.fullmatch(
+        r"round 1: failed \(since [\d-]+ [\d:]+ UTC\), submissions from 0 clients; failed: no accepted "
+        r"submission \(manage.py retry_round 1 runs it again\)\n", out.getvalue()
+    ), out.getvalue()
+    Round.objects.filter(pk=rnd.pk).update(closed_at=Round.objects.get(pk=rnd.pk).closed_at - timedelta(days=3))
+    services.retry_round(system, rnd.pk)
+    retried = Round.objects.get(pk=rnd.pk)
+    out = io.StringIO()
+    call_command("round_status", stdout=out)
+    since = f"{retried.attempt_started_at:%Y-%m-%d %H:%M}"
+    assert out.getvalue().startswith(
+        f"round 1: {retried.state} (since {since} UTC), submissions from 0 clients, merge run 2"
+    ), out.getvalue()
 
 
 @pytest.mark.parametrize("last", ["0", "-1"])

@@ -22,9 +22,15 @@ class Command(BaseCommand):
             self.stdout.write("no round yet: the operator opens round 1 on the dashboard's Overview")
             return
         for rnd in rounds:
-            when = rnd.published_at or rnd.closed_at or rnd.opened_at
+            # a retried round's merge runs since the retry, not since the close
+            when = rnd.published_at or rnd.attempt_started_at or rnd.closed_at or rnd.opened_at
             verb = {"open": "opened", "published": "published"}.get(rnd.state, "since")
-            self.stdout.write(
+            line = (
                 f"round {rnd.number}: {rnd.state} ({verb} {when:%Y-%m-%d %H:%M} UTC), "
                 f"submissions from {rnd.n} client{'s' if rnd.n != 1 else ''}"
             )
+            if rnd.attempt > 1:
+                line += f", merge run {rnd.attempt}"
+            if rnd.state == Round.State.FAILED:
+                line += f"; failed: {rnd.failure_reason} (manage.py retry_round {rnd.number} runs it again)"
+            self.stdout.write(line)
