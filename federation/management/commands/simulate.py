@@ -313,6 +313,7 @@ class Command(BaseCommand):
         parser.add_argument("--label", default="", help="a name for the stored run")
 
     def handle(self, *args, **o):
+        _check_label(o["label"])
         if not o["no_store"]:
             _check_storable()
         if o["combine"]:
@@ -655,6 +656,16 @@ def _some_adversary(fraction: float, flag: str, clients: int) -> None:
             f"{flag} {fraction:g} of {clients} clients is no adversarial client (it rounds to 0); "
             f"use 0 or a share above {0.5 / clients:g}"
         )
+
+
+def _check_label(label: str) -> None:
+    """Refuse a --label longer than a stored run's label can be: it would be stored cut short,
+    and `--unless-stored --label` (which looks for the whole label) would never find the run."""
+    from federation.models import SimulationRun
+
+    longest = SimulationRun._meta.get_field("label").max_length
+    if len(label) > longest:
+        raise CommandError(f"--label is at most {longest} characters, not {len(label)}")
 
 
 def _check_storable() -> None:
