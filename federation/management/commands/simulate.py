@@ -547,7 +547,7 @@ class Command(BaseCommand):
             raise CommandError(str(exc)) from None
         scratch = (
             scratch_database(embedding_model=engine.model_name, llm_url=config.llm_url,
-                             llm_model=config.llm_model)
+                             llm_model=config.llm_model, dropped=self._dropped)
             if config.through_services else contextlib.nullcontext()
         )
         sweeps = {  # the document's section -> the federations it plays (none: no section)
@@ -573,6 +573,12 @@ class Command(BaseCommand):
             raise CommandError(str(exc)) from None
         document["command"] = "python manage.py simulate " + " ".join(sys.argv[2:])
         self._emit(document, o)
+
+    def _dropped(self, names: list[str]) -> None:
+        self.stderr.write(
+            f"simulate: dropped {len(names)} scratch database(s) that killed runs left behind: "
+            + ", ".join(names)
+        )
 
     def _emit(self, document, o):
         """Print the table, store the run, then write --out: a file that cannot be written at
