@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 from django.core.management import CommandError, call_command
@@ -425,3 +426,26 @@ def test_runs_and_sweep_rows_say_how_many_clients_played_adversarial():
     document["adversarial"] = rows
     assert "  tool_confusion            30% (3 clients) none" in table(document)
     assert combine([document])["adversarial"][1]["adversarial_clients"] == 3
+
+
+@pytest.mark.parametrize(("changes", "problem"), [
+    ({"seeds": [], "results": []}, "'seeds' is empty"),
+    ({"seeds": [0, 0]}, "'seeds' names a seed twice"),
+    ({"communication": {"bytes_per_client_round": "100"}},
+     "'communication' has 'bytes_per_client_round' that is not a number"),
+    ({"privacy": {"membership_auroc": True}}, "'privacy' has 'membership_auroc' that is not a number"),
+    ({"per_category": {"Travel": {"accuracy": 0.5}}},
+     "'per_category' has 'Travel' without an 'accuracy' and a whole 'n'"),
+    ({"seeds": [3]}, "result 1 is of seed 0, not one of its 'seeds'"),
+])
+def test_a_hand_edited_file_is_refused_in_one_line_naming_what_is_wrong(tmp_path, changes, problem):
+    """Before: a ZeroDivisionError (no seeds), a numpy TypeError (a figure that is text), a
+    KeyError (a category row without 'n') traceback; rows of seeds the file does not list, or a
+    seed listed twice, were combined into a summary of the wrong seeds."""
+    (tmp_path / "a.json").write_text(json.dumps({**doc([0], [0.7], 1.0), **changes}))
+    (tmp_path / "b.json").write_text(json.dumps({**doc([1], [0.7], 1.0), **{
+        k: v for k, v in changes.items() if k not in ("seeds", "results")}}))
+    with pytest.raises(CommandError, match=f"^{tmp_path / 'a.json'} is not a simulate --out file: "
+                       f"{re.escape(problem)}$"):
+        call_command("simulate", "--combine", str(tmp_path / "a.json"), str(tmp_path / "b.json"),
+                     "--no-store")
