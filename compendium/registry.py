@@ -306,11 +306,13 @@ def load_queries(path: Path, tool_ids: Iterable[str] | None = None) -> list[Labe
             raise RegistryFormatError(f"{where}: blank query")
         for key in ("query", "tool_id", "qid", "category"):
             _storable(where, key, item.get(key))
-        if known is not None and item["tool_id"] not in known:
+        tool_id = item["tool_id"].strip()  # as tools.jsonl's ids are read (`_tool`)
+        if known is not None and tool_id not in known:
             raise RegistryFormatError(f"{where}: tool_id {item['tool_id']!r} is not in tools.jsonl")
         conflict = item.get("label_conflict") or []
         if not isinstance(conflict, list) or not all(isinstance(t, str) for t in conflict):
             raise RegistryFormatError(f"{where}: 'label_conflict' must be a list of tool ids")
+        conflict = [t.strip() for t in conflict]
         unknown = sorted(set(conflict) - known) if known is not None else []
         if unknown:
             raise RegistryFormatError(
@@ -324,7 +326,7 @@ def load_queries(path: Path, tool_ids: Iterable[str] | None = None) -> list[Labe
         queries.append(
             LabelledQuery(
                 query=item["query"],
-                tool_id=item["tool_id"],
+                tool_id=tool_id,
                 category=str(item.get("category") or ""),
                 qid=qid,
                 label_conflict=tuple(conflict),
