@@ -449,3 +449,20 @@ def test_a_hand_edited_file_is_refused_in_one_line_naming_what_is_wrong(tmp_path
                        f"{re.escape(problem)}$"):
         call_command("simulate", "--combine", str(tmp_path / "a.json"), str(tmp_path / "b.json"),
                      "--no-store")
+
+
+@pytest.mark.django_db
+def test_unless_stored_combines_and_stores_a_label_once(tmp_path, capsys):
+    """`--combine ... --label L --unless-stored` (a script's last step, run again) stored the
+    combined run again on every call: --unless-stored was not looked at with --combine."""
+    from federation.models import SimulationRun
+
+    (tmp_path / "a.json").write_text(json.dumps(doc([0], [0.7], 200.0)))
+    (tmp_path / "b.json").write_text(json.dumps(doc([1], [0.9], 400.0)))
+    flags = ["--combine", str(tmp_path / "a.json"), str(tmp_path / "b.json"), "--label", "all seeds",
+             "--unless-stored"]
+    call_command("simulate", *flags)
+    call_command("simulate", *flags, "--out", str(tmp_path / "all.json"))
+    assert SimulationRun.objects.filter(label="all seeds").count() == 1
+    assert "labelled 'all seeds' is stored already; nothing to do" in capsys.readouterr().out
+    assert not (tmp_path / "all.json").exists()

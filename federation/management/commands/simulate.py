@@ -316,6 +316,16 @@ class Command(BaseCommand):
         _check_label(o["label"])
         if not o["no_store"]:
             _check_storable()
+        if o["unless_stored"]:
+            from federation.models import SimulationRun
+
+            stored = SimulationRun.objects.all()
+            if o["label"]:
+                stored = stored.filter(label=o["label"])
+            if stored.exists():
+                named = f" labelled {o['label']!r}" if o["label"] else ""
+                self.stdout.write(f"a simulation run{named} is stored already; nothing to do")
+                return
         if o["combine"]:
             if o["out"]:
                 _check_out(o["out"])
@@ -333,16 +343,6 @@ class Command(BaseCommand):
                 raise CommandError(str(exc)) from None
             document["command"] = "python manage.py simulate " + " ".join(sys.argv[2:])
             return self._emit(document, o)
-        if o["unless_stored"]:
-            from federation.models import SimulationRun
-
-            stored = SimulationRun.objects.all()
-            if o["label"]:
-                stored = stored.filter(label=o["label"])
-            if stored.exists():
-                named = f" labelled {o['label']!r}" if o["label"] else ""
-                self.stdout.write(f"a simulation run{named} is stored already; nothing to do")
-                return
         if o["out"]:
             _check_out(o["out"])
         for flag, least in (("rounds", 1), ("users_per_client", 1), ("seeds", 1), ("seed", 0),
