@@ -10,6 +10,7 @@ Two registry formats:
 from __future__ import annotations
 
 import json
+import os
 import random
 from collections import defaultdict
 from collections.abc import Iterable, Iterator
@@ -318,7 +319,7 @@ def load_queries(path: Path, tool_ids: Iterable[str] | None = None) -> list[Labe
             raise RegistryFormatError(
                 f"{where}: label_conflict names {', '.join(map(repr, unknown))}, not in tools.jsonl"
             )
-        qid = str(item.get("qid") or f"{path.parent.name}-{number}")
+        qid = str(item.get("qid") or f"{Path(os.path.abspath(path)).parent.name}-{number}")
         _too_long(where, "qid", qid, QID_MAX_LENGTH)
         if qid in line_of:
             raise RegistryFormatError(f"{where}: qid {qid!r} is already on line {line_of[qid]}")
@@ -336,8 +337,10 @@ def load_queries(path: Path, tool_ids: Iterable[str] | None = None) -> list[Labe
 
 
 def load_dataset(folder: str | Path) -> RoutingDataset:
+    """The dataset in `folder`, named after the folder (what "." or ".." name, not "" or "..")."""
     folder = Path(folder)
-    _too_long(str(folder), "the dataset's name (its folder's)", folder.name, DATASET_NAME_MAX_LENGTH)
+    name = Path(os.path.abspath(folder)).name
+    _too_long(str(folder), "the dataset's name (its folder's)", name, DATASET_NAME_MAX_LENGTH)
     tools = load_registry(folder)
     queries_path = folder / "queries.jsonl"
     if not queries_path.exists():
@@ -345,4 +348,4 @@ def load_dataset(folder: str | Path) -> RoutingDataset:
     queries = load_queries(queries_path, {t.tool_id for t in tools})
     if not queries:
         raise RegistryFormatError(f"{queries_path}: no queries")
-    return RoutingDataset(name=folder.name, tools=tools, queries=queries)
+    return RoutingDataset(name=name, tools=tools, queries=queries)

@@ -292,3 +292,15 @@ def test_import_tools_names_the_file_that_is_not_an_mcp_result(tmp_path):
     mcp.write_text(json.dumps({"result": {"tools": "weather"}}))
     with pytest.raises(CommandError, match=re.escape(f"{mcp}: not an MCP tools/list result")):
         call_command("import_tools", str(mcp))
+
+
+@pytest.mark.parametrize("where", [".", "sub/..", "./"])
+def test_a_dataset_read_as_dot_is_named_after_its_folder(tmp_path, monkeypatch, where):
+    """`--dataset .` (run from inside the dataset's folder) named the dataset "" (and "sub/.."
+    named it ".."): the stored run, the probe set and `--combine` (which matches runs by dataset
+    name) all had a blank or meaningless name."""
+    folder = _dataset(tmp_path / "mydata", [{"query": "hi", "tool_id": "a"}])
+    (folder / "sub").mkdir()
+    monkeypatch.chdir(folder)
+    dataset = load_dataset(where)
+    assert dataset.name == "mydata" and dataset.queries[0].qid == "mydata-1"
