@@ -10,6 +10,7 @@ Two registry formats:
 from __future__ import annotations
 
 import json
+import os
 import random
 from collections import defaultdict
 from collections.abc import Iterable, Iterator
@@ -303,17 +304,19 @@ def load_queries(path: Path, tool_ids: Iterable[str] | None = None) -> list[Labe
             raise RegistryFormatError(f"{where}: blank query")
         for key in ("query", "tool_id", "qid", "category"):
             _storable(where, key, item.get(key))
-        if known is not None and item["tool_id"] not in known:
+        tool_id = item["tool_id"].strip()  # as tools.jsonl's ids are read (`_tool`)
+        if known is not None and tool_id not in known:
             raise RegistryFormatError(f"{where}: tool_id {item['tool_id']!r} is not in tools.jsonl")
         conflict = item.get("label_conflict") or []
         if not isinstance(conflict, list) or not all(isinstance(t, str) for t in conflict):
             raise RegistryFormatError(f"{where}: 'label_conflict' must be a list of tool ids")
+        conflict = [t.strip() for t in conflict]
         unknown = sorted(set(conflict) - known) if known is not None else []
         if unknown:
             raise RegistryFormatError(
                 f"{where}: label_conflict names {', '.join(map(repr, unknown))}, not in tools.jsonl"
             )
-        qid = str(item.get("qid") or f"{path.parent.name}-{number}")
+        qid = str(item.get("qid") or f"{Path(os.path.abspath(path)).parent.name}-{number}")
         _too_long(where, "qid", qid, QID_MAX_LENGTH)
         if qid in line_of:
             raise RegistryFormatError(f"{where}: qid {qid!r} is already on line {line_of[qid]}")
@@ -321,7 +324,7 @@ def load_queries(path: Path, tool_ids: Iterable[str] | None = None) -> list[Labe
         queries.append(
             LabelledQuery(
                 query=item["query"],
-                tool_id=item["tool_id"],
+                tool_id=tool_id,
                 category=str(item.get("category") or ""),
                 qid=qid,
                 label_conflict=tuple(conflict),
@@ -331,8 +334,10 @@ def load_queries(path: Path, tool_ids: Iterable[str] | None = None) -> list[Labe
 
 
 def load_dataset(folder: str | Path) -> RoutingDataset:
+    """The dataset in `folder`, named after the folder (what "." or ".." name, not "" or "..")."""
     folder = Path(folder)
-    _too_long(str(folder), "the dataset's name (its folder's)", folder.name, DATASET_NAME_MAX_LENGTH)
+    name = Path(os.path.abspath(folder)).name
+    _too_long(str(folder), "the dataset's name (its folder's)", name, DATASET_NAME_MAX_LENGTH)
     tools = load_registry(folder)
     queries_path = folder / "queries.jsonl"
     if not queries_path.exists():
@@ -340,4 +345,4 @@ def load_dataset(folder: str | Path) -> RoutingDataset:
     queries = load_queries(queries_path, {t.tool_id for t in tools})
     if not queries:
         raise RegistryFormatError(f"{queries_path}: no queries")
-    return RoutingDataset(name=folder.name, tools=tools, queries=queries)
+    return RoutingDataset(name=name, tools=tools, queries=queries)

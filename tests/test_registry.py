@@ -136,6 +136,17 @@ def test_conflicting_labels_are_kept_as_tool_ids(tmp_path):
     assert [q.label_conflict for q in dataset.queries] == [("a", "b"), ()]
 
 
+def test_labels_are_read_as_the_tools_ids_are_with_surrounding_spaces_left_out(tmp_path):
+    """tools.jsonl's ids are read stripped; the labels were not, so a dataset that wrote ' a'
+    in both files was refused: "tool_id ' a' is not in tools.jsonl", which has it."""
+    dataset = load_dataset(_dataset(tmp_path / "d", [
+        {"query": "hi", "tool_id": " a", "label_conflict": [" a", "b\t"]},
+        {"query": "ho", "tool_id": "b "}],
+        tools=('{"tool_id": " a", "description": "x"}', '{"tool_id": "b ", "description": "y"}')))
+    assert [t.tool_id for t in dataset.tools] == ["a", "b"]
+    assert [(q.tool_id, q.label_conflict) for q in dataset.queries] == [("a", ("a", "b")), ("b", ())]
+
+
 @pytest.mark.parametrize(("tool", "message"), [
     ('{"tool_id": "  ", "description": "x"}', "tools.jsonl:2: blank tool_id"),
     (json.dumps({"tool_id": "t" * 129, "description": "x"}), "tools.jsonl:2: tool_id is 129 characters long; at most 128"),
@@ -281,3 +292,15 @@ def test_import_tools_names_the_file_that_is_not_an_mcp_result(tmp_path):
     mcp.write_text(json.dumps({"result": {"tools": "weather"}}))
     with pytest.raises(CommandError, match=re.escape(f"{mcp}: not an MCP tools/list result")):
         call_command("import_tools", str(mcp))
+
+
+@pytest.mark.parametrize("where", [".", "sub/..", "./"])
+def test_a_dataset_read_as_dot_is_named_after_its_folder(tmp_path, monkeypatch, where):
+    """`--dataset .` (run from inside the dataset's folder) named the dataset "" (and "sub/.."
+    named it ".."): the stored run, the probe set and `--combine` (which matches runs by dataset
+    name) all had a blank or meaningless name."""
+    folder = _dataset(tmp_path / "mydata", [{"query": "hi", "tool_id": "a"}])
+    (folder / "sub").mkdir()
+    monkeypatch.chdir(folder)
+    dataset = load_dataset(where)
+    assert dataset.name == "mydata" and dataset.queries[0].qid == "mydata-1"

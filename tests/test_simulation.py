@@ -953,3 +953,16 @@ def test_tools_that_are_never_tested_are_counted_on_stderr(tmp_path, capsys):
                      "--no-store", "--embedding-model", "no-such-model-xyz")
     assert ("simulate: 2 of 3 tools have fewer than 3 queries (3 queries in all): they stay in "
             "train and are never tested") in capsys.readouterr().err
+
+
+def test_a_label_too_long_to_store_whole_is_refused_before_anything_runs(tiny_dataset):
+    """A label was stored cut to its column's 200 characters, and `--unless-stored` with the
+    same label (which looks for all of it) never found the run: every call ran it again."""
+    label = "x" * 201
+    # (--min-users 0: were the label let through, the run would stop there, not play)
+    flags = ["--dataset", str(tiny_dataset), "--unless-stored", "--label", label, "--min-users", "0"]
+    with pytest.raises(CommandError, match="^--label is at most 200 characters, not 201$"):
+        call_command("simulate", *flags)
+    with pytest.raises(CommandError, match="^--label is at most 200 characters"):
+        call_command("simulate", "--combine", "a.json", "--label", label)
+    assert not SimulationRun.objects.exists()

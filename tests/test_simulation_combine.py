@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 from django.core.management import CommandError, call_command
@@ -425,3 +426,43 @@ def test_runs_and_sweep_rows_say_how_many_clients_played_adversarial():
     document["adversarial"] = rows
     assert "  tool_confusion            30% (3 clients) none" in table(document)
     assert combine([document])["adversarial"][1]["adversarial_clients"] == 3
+
+
+@pytest.mark.parametrize(("changes", "problem"), [
+    ({"seeds": [], "results": []}, "'seeds' is empty"),
+    ({"seeds": [0, 0]}, "'seeds' names a seed twice"),
+    ({"communication": {"bytes_per_client_round": "100"}},
+     "'communication' has 'bytes_per_client_round' that is not a number"),
+    ({"privacy": {"membership_auroc": True}}, "'privacy' has 'membership_auroc' that is not a number"),
+    ({"per_category": {"Travel": {"accuracy": 0.5}}},
+     "'per_category' has 'Travel' without an 'accuracy' and a whole 'n'"),
+    ({"seeds": [3]}, "result 1 is of seed 0, not one of its 'seeds'"),
+])
+def test_a_hand_edited_file_is_refused_in_one_line_naming_what_is_wrong(tmp_path, changes, problem):
+    """Before: a ZeroDivisionError (no seeds), a numpy TypeError (a figure that is text), a
+    KeyError (a category row without 'n') traceback; rows of seeds the file does not list, or a
+    seed listed twice, were combined into a summary of the wrong seeds."""
+    (tmp_path / "a.json").write_text(json.dumps({**doc([0], [0.7], 1.0), **changes}))
+    (tmp_path / "b.json").write_text(json.dumps({**doc([1], [0.7], 1.0), **{
+        k: v for k, v in changes.items() if k not in ("seeds", "results")}}))
+    with pytest.raises(CommandError, match=f"^{tmp_path / 'a.json'} is not a simulate --out file: "
+                       f"{re.escape(problem)}$"):
+        call_command("simulate", "--combine", str(tmp_path / "a.json"), str(tmp_path / "b.json"),
+                     "--no-store")
+
+
+@pytest.mark.django_db
+def test_unless_stored_combines_and_stores_a_label_once(tmp_path, capsys):
+    """`--combine ... --label L --unless-stored` (a script's last step, run again) stored the
+    combined run again on every call: --unless-stored was not looked at with --combine."""
+    from federation.models import SimulationRun
+
+    (tmp_path / "a.json").write_text(json.dumps(doc([0], [0.7], 200.0)))
+    (tmp_path / "b.json").write_text(json.dumps(doc([1], [0.9], 400.0)))
+    flags = ["--combine", str(tmp_path / "a.json"), str(tmp_path / "b.json"), "--label", "all seeds",
+             "--unless-stored"]
+    call_command("simulate", *flags)
+    call_command("simulate", *flags, "--out", str(tmp_path / "all.json"))
+    assert SimulationRun.objects.filter(label="all seeds").count() == 1
+    assert "labelled 'all seeds' is stored already; nothing to do" in capsys.readouterr().out
+    assert not (tmp_path / "all.json").exists()

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 
 import pytest
 from django.core.management import call_command
@@ -169,6 +170,52 @@ def _scratch_databases() -> int:
         cursor.execute("SELECT count(*) FROM pg_database WHERE datname LIKE %s",
                        [f"%\\_simulate\\_{os.getpid()}"])
         return cursor.fetchone()[0]
+
+
+def test_the_next_run_drops_the_scratch_databases_that_killed_runs_left_behind():
+    """A run killed inside the scratch database (SIGKILL, SIGTERM, the machine's memory) never
+    dropped it, and no later run did (each names its own after its process): they piled up on
+    the server for good. The next run drops those of processes that are gone; a database of a
+    process still running, one a session is connected to, or another name are left alone."""
+    import subprocess
+    import sys
+
+    from django.db import connection
+
+    from federation.simulation.through_services import scratch_database
+
+    gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
+                          capture_output=True, text=True, check=True)
+    original = connection.settings_dict["NAME"]
+    killed = f"{original}_simulate_{int(gone.stdout)}"
+    running = f"{original}_simulate_{os.getppid()}"  # a process that runs: this one's parent
+    other = f"{original}_simulate_{int(gone.stdout)}_mine"
+    quote = connection.ops.quote_name
+    with connection._nodb_cursor() as cursor:
+        for name in (killed, running, other):
+            cursor.execute(f"CREATE DATABASE {quote(name)}")
+    reported = []
+    try:
+        with scratch_database(dropped=reported.append):
+            pass
+        assert reported == [[killed]]
+        assert _databases(killed, running, other) == {running, other}
+        with scratch_database(dropped=reported.append):  # nothing left to drop: nothing said
+            pass
+        assert reported == [[killed]]
+    finally:
+        with connection._nodb_cursor() as cursor:
+            for name in (killed, running, other):
+                cursor.execute(f"DROP DATABASE IF EXISTS {quote(name)}")
+
+
+def _databases(*names: str) -> set[str]:
+    """Those of `names` that are databases on the server."""
+    from django.db import connection
+
+    with connection.cursor() as cursor:
+        cursor.execute("SELECT datname FROM pg_database WHERE datname = ANY(%s)", [list(names)])
+        return {name for (name,) in cursor.fetchall()}
 
 
 def test_a_round_the_pipeline_fails_ends_the_run_with_its_reason_and_no_scratch_left(

@@ -247,23 +247,44 @@ def _shape_problem(doc: Any) -> str | None:
             return f"no {key!r}"
         if not isinstance(doc[key], kind):
             return f"{key!r} is not a JSON {named}"
-    if not all(isinstance(seed, int) and not isinstance(seed, bool) for seed in doc["seeds"]):
+    if not all(_whole(seed) for seed in doc["seeds"]):
         return "'seeds' holds something other than whole numbers"
+    if not doc["seeds"]:
+        return "'seeds' is empty"
+    if len(set(doc["seeds"])) < len(doc["seeds"]):
+        return "'seeds' names a seed twice"
     for number, row in enumerate(doc["results"], start=1):
         if not isinstance(row, dict) or not isinstance(row.get("method"), str):
             return f"result {number} has no 'method'"
-        if not all(isinstance(row.get(k), int | float) for k in ("accuracy", "macro_accuracy")):
+        if not all(_number(row.get(k)) for k in ("accuracy", "macro_accuracy")):
             return f"result {number} has no 'accuracy' and 'macro_accuracy' figures"
-        if not (row.get("round") is None or isinstance(row["round"], int)):
+        if not (row.get("round") is None or _whole(row["round"])):
             return f"result {number} has a 'round' that is not a whole number"
+        if "seed" in row and row["seed"] not in doc["seeds"]:
+            return f"result {number} is of seed {row['seed']!r}, not one of its 'seeds'"
     for key in ("communication", "privacy", "diagnostics", "per_category", "screening", "targeting",
                 "host"):
         if doc.get(key) is not None and not isinstance(doc[key], dict):
             return f"{key!r} is not a JSON object"
+    for key in ("communication", "privacy", "diagnostics"):  # averaged: numbers (None: none)
+        for name, value in (doc.get(key) or {}).items():
+            if value is not None and not _number(value):
+                return f"{key!r} has {name!r} that is not a number"
+    for category, row in (doc.get("per_category") or {}).items():
+        if not (isinstance(row, dict) and _number(row.get("accuracy")) and _whole(row.get("n"))):
+            return f"'per_category' has {category!r} without an 'accuracy' and a whole 'n'"
     for key in ("rounds", "transfer", "hosts", *SWEEP_SECTIONS):
         if doc.get(key) is not None and not isinstance(doc[key], list):
             return f"{key!r} is not a JSON list"
     return None
+
+
+def _number(value: Any) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool)
+
+
+def _whole(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
 
 
 def pooled_per_category(tables: list[dict[str, dict]]) -> dict[str, dict]:

@@ -16,8 +16,9 @@ the operator's database: it is created before the run and dropped after it.
 from __future__ import annotations
 
 import os
+import re
 import tempfile
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import ExitStack, contextmanager
 from pathlib import Path
 from typing import Any
@@ -56,13 +57,54 @@ class NotInScratchDatabase(RuntimeError):
     database may be used."""
 
 
+def _process_alive(pid: int) -> bool:
+    """Whether a process `pid` runs on this machine (one of another user's counts)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def drop_leftover_scratch_databases(connection, original: str) -> list[str]:
+    """Drop the scratch databases of `original` that runs killed before they could drop them
+    left behind (`<original>_simulate_<pid>`; a run of this machine's that still runs, or any
+    database a session is connected to, is left alone), and return their names. One that cannot
+    be dropped (connected to since, another user's) is left too."""
+    from django.db import DatabaseError
+
+    pattern = re.compile(rf"{re.escape(original)}_simulate_(\d+)")
+    with connection._nodb_cursor() as cursor:  # DROP DATABASE runs outside any transaction
+        cursor.execute(
+            "SELECT datname FROM pg_database d WHERE NOT EXISTS "
+            "(SELECT 1 FROM pg_stat_activity a WHERE a.datname = d.datname) ORDER BY datname"
+        )
+        names = [name for (name,) in cursor.fetchall()]
+        dropped = []
+        for name in names:
+            match = pattern.fullmatch(name)
+            if not match or int(match[1]) == os.getpid() or _process_alive(int(match[1])):
+                continue
+            try:  # refused while a session is connected: a run that has just created it
+                cursor.execute(f"DROP DATABASE {connection.ops.quote_name(name)}")
+            except DatabaseError:
+                continue
+            dropped.append(name)
+    return dropped
+
+
 @contextmanager
 def scratch_database(*, embedding_model: str = "", llm_url: str | None = None,
-                     llm_model: str = "") -> Iterator[None]:
+                     llm_model: str = "",
+                     dropped: Callable[[list[str]], None] | None = None) -> Iterator[None]:
     """Within the block, the default database is a new one, migrated, and Celery runs the merge
     pipeline's tasks in this process (on that database) with the simulation's embedding model
     (its engine's `model_name`: the pipeline's engine is then the very same) and LLM endpoint;
-    after it, the database is dropped and everything is as it was."""
+    after it, the database is dropped and everything is as it was. A run killed inside the block
+    leaves its database behind: the next one drops it first
+    (`drop_leftover_scratch_databases`), and tells `dropped` which it dropped."""
     from django.db import connection
     from django.test.utils import override_settings
 
@@ -74,6 +116,9 @@ def scratch_database(*, embedding_model: str = "", llm_url: str | None = None,
             "create databases, and rounds through the services run in a scratch database"
         )
     original = connection.settings_dict["NAME"]
+    leftovers = drop_leftover_scratch_databases(connection, original)
+    if leftovers and dropped is not None:
+        dropped(leftovers)
     with ExitStack() as undo:  # everything below is put back on the way out
         # create_test_db makes the database under TEST's NAME and points the connection at it;
         # a name of this process's own, never the test suite's test_<name>, which autoclobber

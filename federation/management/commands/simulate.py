@@ -313,8 +313,19 @@ class Command(BaseCommand):
         parser.add_argument("--label", default="", help="a name for the stored run")
 
     def handle(self, *args, **o):
+        _check_label(o["label"])
         if not o["no_store"]:
             _check_storable()
+        if o["unless_stored"]:
+            from federation.models import SimulationRun
+
+            stored = SimulationRun.objects.all()
+            if o["label"]:
+                stored = stored.filter(label=o["label"])
+            if stored.exists():
+                named = f" labelled {o['label']!r}" if o["label"] else ""
+                self.stdout.write(f"a simulation run{named} is stored already; nothing to do")
+                return
         if o["combine"]:
             if o["out"]:
                 _check_out(o["out"])
@@ -332,16 +343,6 @@ class Command(BaseCommand):
                 raise CommandError(str(exc)) from None
             document["command"] = "python manage.py simulate " + " ".join(sys.argv[2:])
             return self._emit(document, o)
-        if o["unless_stored"]:
-            from federation.models import SimulationRun
-
-            stored = SimulationRun.objects.all()
-            if o["label"]:
-                stored = stored.filter(label=o["label"])
-            if stored.exists():
-                named = f" labelled {o['label']!r}" if o["label"] else ""
-                self.stdout.write(f"a simulation run{named} is stored already; nothing to do")
-                return
         if o["out"]:
             _check_out(o["out"])
         for flag, least in (("rounds", 1), ("users_per_client", 1), ("seeds", 1), ("seed", 0),
@@ -546,7 +547,7 @@ class Command(BaseCommand):
             raise CommandError(str(exc)) from None
         scratch = (
             scratch_database(embedding_model=engine.model_name, llm_url=config.llm_url,
-                             llm_model=config.llm_model)
+                             llm_model=config.llm_model, dropped=self._dropped)
             if config.through_services else contextlib.nullcontext()
         )
         sweeps = {  # the document's section -> the federations it plays (none: no section)
@@ -572,6 +573,12 @@ class Command(BaseCommand):
             raise CommandError(str(exc)) from None
         document["command"] = "python manage.py simulate " + " ".join(sys.argv[2:])
         self._emit(document, o)
+
+    def _dropped(self, names: list[str]) -> None:
+        self.stderr.write(
+            f"simulate: dropped {len(names)} scratch database(s) that killed runs left behind: "
+            + ", ".join(names)
+        )
 
     def _emit(self, document, o):
         """Print the table, store the run, then write --out: a file that cannot be written at
@@ -655,6 +662,16 @@ def _some_adversary(fraction: float, flag: str, clients: int) -> None:
             f"{flag} {fraction:g} of {clients} clients is no adversarial client (it rounds to 0); "
             f"use 0 or a share above {0.5 / clients:g}"
         )
+
+
+def _check_label(label: str) -> None:
+    """Refuse a --label longer than a stored run's label can be: it would be stored cut short,
+    and `--unless-stored --label` (which looks for the whole label) would never find the run."""
+    from federation.models import SimulationRun
+
+    longest = SimulationRun._meta.get_field("label").max_length
+    if len(label) > longest:
+        raise CommandError(f"--label is at most {longest} characters, not {len(label)}")
 
 
 def _check_storable() -> None:
