@@ -290,15 +290,17 @@ def audit_entry_for(user, entry: AuditLog) -> ShownAudit:
     """An audit entry's details and address as `user` may read them. An organization's admins and
     the operator read them whole; a read-only member reads no colleague's e-mail address or sign-in
     times in the details (unless the entry is about the member themself) and the address only of
-    their own actions (a colleague's address is personal data as well)."""
+    their own actions, the entry's and the copy a sign-in lock's details hold (a colleague's
+    address is personal data as well)."""
     details = entry.details if isinstance(entry.details, dict) else {}
     if can_admin(Actor.for_user(user), entry.organization_id):
         return ShownAudit(details, entry.ip)
     own_action = entry.actor_id is not None and entry.actor_id == user.pk
-    return ShownAudit(
-        details if details.get("user") == user.get_username() else _without_admin_only(details),
-        entry.ip if own_action else None,
-    )
+    shown = details if details.get("user") == user.get_username() else _without_admin_only(details)
+    if not own_action and "ip" in shown:
+        # The entry's address again (a sign-in lock's details name it): hidden as it is.
+        shown = {key: value for key, value in shown.items() if key != "ip"}
+    return ShownAudit(shown, entry.ip if own_action else None)
 
 
 def _without_admin_only(value):
