@@ -383,6 +383,34 @@ def test_a_locked_account_is_opened_by_a_password_reset_or_the_unlock_command(pe
     assert counter(login_throttle.address_key("10.9.9.8")) == 3
 
 
+@pytest.mark.parametrize("typed", ["198.51.100.400", "198.51.100", "host.example", "198.51.100.4/32"])
+def test_unlock_refuses_an_address_that_is_not_one(people, clock, typed):
+    """A mistyped --address cleared nothing and said "sign-in is open again" (and audited an
+    unlock): the operator left the address locked believing it open."""
+    from django.core.management import call_command
+    from django.core.management.base import CommandError
+
+    for n in range(5):
+        sign_in(DjangoClient(), f"guess{n}", "wrong", ip="198.51.100.4")
+    with pytest.raises(CommandError, match=f"--address {typed!r} is not an IP address"):
+        call_command("unlock_login", "--address", typed)
+    assert not AuditLog.objects.filter(action="login.unlock").exists()
+    assert counter(login_throttle.address_key("198.51.100.4")) == 5
+
+
+def test_unlock_takes_an_address_as_pasted_from_the_audit_log(people, clock):
+    import io
+
+    from django.core.management import call_command
+
+    for n in range(5):
+        sign_in(DjangoClient(), f"guess{n}", "wrong", ip="2001:db8:0:1::7")
+    out = io.StringIO()
+    call_command("unlock_login", "--address", " 2001:db8:0:1::7 ", stdout=out)
+    assert "address 2001:db8:0:1::7: 1 failure count(s) cleared" in out.getvalue()
+    assert counter(login_throttle.address_key("2001:db8:0:1::7")) == 0
+
+
 def test_the_beat_schedule_prunes_old_counters(settings):
     from synapse_web.celery import app
     from workers.tasks import prune_rate_counters_task
