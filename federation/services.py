@@ -448,6 +448,14 @@ def issue_user_token(actor: Actor, user, label: str = "") -> str:
     only its first characters)."""
     if actor.user is not None and actor.user.pk != user.pk:
         require_operator(actor, "issue tokens for other people")
+    # Read under a lock of the login's row, not from `user` (a request's, authenticated before a
+    # deactivation that committed since): a token of a deactivated login would answer 401 while
+    # the login is off, then start working on a reactivation, which is meant to find every token
+    # of the login stopped. A deactivation in flight waits for this token and revokes it.
+    if not get_user_model().objects.select_for_update().filter(pk=user.pk, is_active=True).exists():
+        raise InvalidRequest(
+            f"{user.get_username()} is deactivated: reactivate the login first, then issue it a token"
+        )
     label = " ".join(str(label or "").split())
     if len(label) > TOKEN_LABEL_MAX:
         raise InvalidRequest(f"a token's label is at most {TOKEN_LABEL_MAX} characters")
