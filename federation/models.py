@@ -263,6 +263,8 @@ class AuditLog(models.Model):
         CLIENT_APPROVE = "client.approve"
         CLIENT_ROTATE = "client.rotate"
         CLIENT_REVOKE = "client.revoke"
+        # `manage.py erase_client`: the client's submissions removed, what held them merged again.
+        CLIENT_ERASE = "client.erase"
         ROUND_OPEN = "round.open"
         ROUND_CLOSE = "round.close"
         ROUND_MERGING = "round.merging"

@@ -34,6 +34,7 @@ from federation.merge import (
 from federation.merge import server_merge as server_merge_operator
 from federation.merge.llm import OpenAICompatibleLLM
 from federation.models import (
+    AuditLog,
     Client,
     ConflictDecision,
     ConflictLogEntry,
@@ -707,7 +708,7 @@ class ErasureReport:
     decisions_removed: int = 0  # reviewers' decisions that no longer fit a re-merged log
 
 
-def erase_client(client: Client, *, embed=None) -> ErasureReport:
+def erase_client(client: Client, *, actor: services.Actor | None = None, embed=None) -> ErasureReport:
     """Remove every submission of one client and merge again, in round order, every compendium
     that held what it sent:
     - each edge built from its submissions (found through the provenance links), as a new
@@ -724,7 +725,8 @@ def erase_client(client: Client, *, embed=None) -> ErasureReport:
     All or nothing: the submissions are deleted in the same transaction as the re-materialized
     compendiums are written, so a re-merge that fails leaves everything as it was (the client's
     submissions and the provenance that finds the affected compendiums included) and the erasure
-    can simply be run again."""
+    can simply be run again. Audited (`client.erase`, by `actor`, the system by default) in the
+    same transaction, under the client's organization."""
     from federation.conflicts import remove_unfit_decisions
 
     embed = embed or _embed()
@@ -790,7 +792,20 @@ def erase_client(client: Client, *, embed=None) -> ErasureReport:
                     lambda: global_published.send(sender=Round, round=served.round, version=served),
                     robust=True,
                 )
-    return ErasureReport(str(client), len(submissions), edges_done, globals_done, removed)
+        report = ErasureReport(str(client), len(submissions), edges_done, globals_done, removed)
+        services.audit(
+            actor or services.Actor.system("erasure"),
+            AuditLog.Action.CLIENT_ERASE,
+            target=client,
+            organization=client.organization,
+            details={
+                "submissions_removed": report.submissions_removed,
+                "edges_rematerialized": [list(edge) for edge in report.edges_rematerialized],
+                "globals_rematerialized": report.globals_rematerialized,
+                "decisions_removed": report.decisions_removed,
+            },
+        )
+    return report
 
 
 def _conflict_readers(round_: Round, organization) -> list[tuple[Round, list[ConflictEntry]]]:

@@ -290,15 +290,17 @@ def audit_entry_for(user, entry: AuditLog) -> ShownAudit:
     """An audit entry's details and address as `user` may read them. An organization's admins and
     the operator read them whole; a read-only member reads no colleague's e-mail address or sign-in
     times in the details (unless the entry is about the member themself) and the address only of
-    their own actions (a colleague's address is personal data as well)."""
+    their own actions, the entry's and the copy a sign-in lock's details hold (a colleague's
+    address is personal data as well)."""
     details = entry.details if isinstance(entry.details, dict) else {}
     if can_admin(Actor.for_user(user), entry.organization_id):
         return ShownAudit(details, entry.ip)
     own_action = entry.actor_id is not None and entry.actor_id == user.pk
-    return ShownAudit(
-        details if details.get("user") == user.get_username() else _without_admin_only(details),
-        entry.ip if own_action else None,
-    )
+    shown = details if details.get("user") == user.get_username() else _without_admin_only(details)
+    if not own_action and "ip" in shown:
+        # The entry's address again (a sign-in lock's details name it): hidden as it is.
+        shown = {key: value for key, value in shown.items() if key != "ip"}
+    return ShownAudit(shown, entry.ip if own_action else None)
 
 
 def _without_admin_only(value):
@@ -446,6 +448,14 @@ def issue_user_token(actor: Actor, user, label: str = "") -> str:
     only its first characters)."""
     if actor.user is not None and actor.user.pk != user.pk:
         require_operator(actor, "issue tokens for other people")
+    # Read under a lock of the login's row, not from `user` (a request's, authenticated before a
+    # deactivation that committed since): a token of a deactivated login would answer 401 while
+    # the login is off, then start working on a reactivation, which is meant to find every token
+    # of the login stopped. A deactivation in flight waits for this token and revokes it.
+    if not get_user_model().objects.select_for_update().filter(pk=user.pk, is_active=True).exists():
+        raise InvalidRequest(
+            f"{user.get_username()} is deactivated: reactivate the login first, then issue it a token"
+        )
     label = " ".join(str(label or "").split())
     if len(label) > TOKEN_LABEL_MAX:
         raise InvalidRequest(f"a token's label is at most {TOKEN_LABEL_MAX} characters")

@@ -10,7 +10,7 @@ from django.core.management import call_command
 from django.core.management.base import CommandError
 
 from federation.models import AuditLog, UserToken
-from tests.federation_fixtures import make_user
+from tests.federation_fixtures import SYSTEM, make_user
 
 pytestmark = pytest.mark.django_db
 
@@ -29,6 +29,36 @@ def test_issue_user_token_refuses_a_label_too_long_in_one_line():
     assert not UserToken.objects.filter(user=user).exists()
     assert not AuditLog.objects.filter(action=AuditLog.Action.TOKEN_ISSUE).exists()
     assert run("issue_user_token", "carol", "--label", "x" * 100).startswith("syn_u_")
+
+
+def test_issue_user_token_refuses_a_deactivated_login(world):
+    """It printed a token for a deactivated login: one that answered 401 "invalid token" while
+    the login stayed off, then started working on any reactivation (by an admin of the
+    organization too), although a deactivation is meant to stop every token of that login."""
+    from federation import people
+
+    people.set_active(SYSTEM, world.member_a.membership, False)
+    with pytest.raises(CommandError, match="member_a is deactivated"):
+        run("issue_user_token", "member_a")
+    assert not UserToken.objects.filter(user=world.member_a).exists()
+    assert not AuditLog.objects.filter(action=AuditLog.Action.TOKEN_ISSUE).exists()
+    people.set_active(SYSTEM, world.member_a.membership, True)
+    assert run("issue_user_token", "member_a").startswith("syn_u_")
+
+
+def test_a_person_deactivated_while_their_request_runs_gets_no_token(world):
+    """The dashboard issues a token to request.user, authenticated before a deactivation that
+    may have committed since: the service reads the login as the database holds it."""
+    from django.contrib.auth import get_user_model
+
+    from federation import services
+    from federation.errors import InvalidRequest
+
+    stale = get_user_model().objects.get(pk=world.member_a.pk)
+    get_user_model().objects.filter(pk=stale.pk).update(is_active=False)
+    with pytest.raises(InvalidRequest, match="deactivated"):
+        services.issue_user_token(services.Actor.for_user(stale), stale)
+    assert not UserToken.objects.filter(user=stale).exists()
 
 
 def test_routing_token_refuses_a_name_longer_than_its_column_in_one_line():

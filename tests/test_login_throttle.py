@@ -298,6 +298,30 @@ def test_behind_a_proxy_the_address_count_is_per_forwarded_client(client, people
     assert response.status_code == 302 and signed_in(fine)
 
 
+def test_neither_spelling_nor_a_forged_forwarded_for_escapes_a_count(client, people, clock, settings):
+    """Guesses at one account spelt in other cases and look-alike (NFKC) characters, each with a
+    forged X-Forwarded-For, count for that account and for the connection's address; behind a
+    proxy, an address the visitor puts before the proxy's own entry does not split the count."""
+    for name, forged in (("alice", "192.0.2.1"), ("ALICE", "192.0.2.2"), ("Ａｌｉｃｅ", "192.0.2.3")):
+        client.post("/accounts/login/", {"username": name, "password": "wrong"},
+                    REMOTE_ADDR="198.51.100.20", HTTP_X_FORWARDED_FOR=forged)
+    assert counter(login_throttle.username_key("alice")) == 3
+    assert counter(login_throttle.address_key("198.51.100.20")) == 3
+    fresh = DjangoClient()
+    fresh.post("/accounts/login/", {"username": "alice", "password": PASSWORD},
+               REMOTE_ADDR="198.51.100.21", HTTP_X_FORWARDED_FOR="192.0.2.9")
+    assert not signed_in(fresh)
+
+    settings.SYNAPSE_BEHIND_PROXY = True
+    for n in range(5):
+        client.post("/accounts/login/", {"username": f"guess{n}", "password": "wrong"},
+                    REMOTE_ADDR="10.0.0.2", HTTP_X_FORWARDED_FOR=f"192.0.2.{50 + n}, 203.0.113.30")
+    bob = DjangoClient()
+    bob.post("/accounts/login/", {"username": "bob", "password": PASSWORD},
+             REMOTE_ADDR="10.0.0.2", HTTP_X_FORWARDED_FOR="192.0.2.99, 203.0.113.30")
+    assert not signed_in(bob)
+
+
 # --- the service ----------------------------------------------------------------------------------
 
 
@@ -357,6 +381,34 @@ def test_a_locked_account_is_opened_by_a_password_reset_or_the_unlock_command(pe
     assert signed_in(fresh)
     # the address that guessed keeps its own count
     assert counter(login_throttle.address_key("10.9.9.8")) == 3
+
+
+@pytest.mark.parametrize("typed", ["198.51.100.400", "198.51.100", "host.example", "198.51.100.4/32"])
+def test_unlock_refuses_an_address_that_is_not_one(people, clock, typed):
+    """A mistyped --address cleared nothing and said "sign-in is open again" (and audited an
+    unlock): the operator left the address locked believing it open."""
+    from django.core.management import call_command
+    from django.core.management.base import CommandError
+
+    for n in range(5):
+        sign_in(DjangoClient(), f"guess{n}", "wrong", ip="198.51.100.4")
+    with pytest.raises(CommandError, match=f"--address {typed!r} is not an IP address"):
+        call_command("unlock_login", "--address", typed)
+    assert not AuditLog.objects.filter(action="login.unlock").exists()
+    assert counter(login_throttle.address_key("198.51.100.4")) == 5
+
+
+def test_unlock_takes_an_address_as_pasted_from_the_audit_log(people, clock):
+    import io
+
+    from django.core.management import call_command
+
+    for n in range(5):
+        sign_in(DjangoClient(), f"guess{n}", "wrong", ip="2001:db8:0:1::7")
+    out = io.StringIO()
+    call_command("unlock_login", "--address", " 2001:db8:0:1::7 ", stdout=out)
+    assert "address 2001:db8:0:1::7: 1 failure count(s) cleared" in out.getvalue()
+    assert counter(login_throttle.address_key("2001:db8:0:1::7")) == 0
 
 
 def test_the_beat_schedule_prunes_old_counters(settings):

@@ -1021,3 +1021,31 @@ def test_an_erasure_that_deletes_a_global_deletes_its_server_log_and_record(
     assert page.status_code == 404 and "no global compendium is published for round 2" in page.content.decode()
     for name in ("overview", "accuracy", "compendium"):
         assert client.get(reverse(f"dashboard:{name}")).status_code == 200, name
+
+
+def test_an_erasure_is_audited_in_the_clients_organization(world, valid_doc):
+    """`erase_client` removed a client's submissions and re-published what held them without a
+    trace in the audit log (the README and the Django admin say it is audited): who erased which
+    client, when, and what it took, for the operator and the client's organization."""
+    from compendium.services import store_compendium
+    from federation import services
+    from federation.models import Round
+    from tests.federation_fixtures import SYSTEM, client_api
+
+    Round.objects.create(number=1, state=Round.State.OPEN, config={"epsilon": 1.0})
+    store_compendium(Compendium.model_validate(valid_doc), kind="client",
+                     round=Round.objects.get(number=1), client=world.client_a)
+    call_command("erase_client", "org-a/a1")
+    assert not CompendiumVersion.objects.filter(kind="client", client=world.client_a).exists()
+    entry = AuditLog.objects.get(action="client.erase")
+    assert entry.actor is None and entry.actor_label == "manage.py erase_client"
+    assert entry.organization == world.org_a and entry.target_id == str(world.client_a.pk)
+    assert entry.details["submissions_removed"] == 1
+    assert entry.details["edges_rematerialized"] == [] and entry.details["decisions_removed"] == 0
+
+    def actions(user):
+        api = client_api(services.issue_user_token(SYSTEM, user))
+        return [e["action"] for e in api.get("/api/v1/admin/audit/").json()["results"]]
+
+    assert "client.erase" in actions(world.admin_a) and "client.erase" in actions(world.operator)
+    assert "client.erase" not in actions(world.admin_b)

@@ -614,3 +614,30 @@ def test_a_read_only_member_reads_no_colleagues_address_in_the_audit_log(client,
             assert "198.51.100.9" in shown, user
         assert ips["admin's action"] == ("203.0.113.7" if sees_admins else None)
         assert ips["member's action"] == "198.51.100.9"
+
+
+def test_a_read_only_member_reads_no_colleagues_sign_in_address_in_a_lock_entry(
+    client, world, settings
+):
+    """A lock of a colleague's username (login.throttled, in the colleague's organization's log)
+    names the address the failed sign-ins came from twice: as the entry's address, hidden from a
+    read-only member, and in its details, which showed it to them anyway (page, CSV and API).
+    Admins and the operator still read both."""
+    from federation import login_throttle
+
+    settings.SYNAPSE_LOGIN_FAILURES_PER_USERNAME = 2
+    for _ in range(2):
+        attempt = login_throttle.begin_attempt("admin_a", "203.0.113.45")
+        login_throttle.end_attempt(attempt, succeeded=False)
+    audit_page = reverse("dashboard:audit") + "?action=login.throttled"
+    csv_url = audit_page + "&format=csv"
+    for user, sees in ((world.member_a, False), (world.admin_a, True), (world.operator, True)):
+        client.force_login(user)
+        body = client.get(audit_page).content.decode()
+        csv_text = b"".join(client.get(csv_url).streaming_content).decode()
+        (entry,) = person_api(user).get("/api/v1/admin/audit/?action=login.throttled").json()[
+            "results"
+        ]
+        assert entry["target_label"] == "admin_a" and entry["details"]["scope"] == "username"
+        for shown in (body, csv_text, json.dumps(entry)):
+            assert ("203.0.113.45" in shown) is sees, user

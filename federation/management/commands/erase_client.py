@@ -2,6 +2,7 @@ from django.core.management.base import BaseCommand, CommandError
 
 from federation.models import Client
 from federation.pipeline import erase_client
+from federation.services import Actor
 
 
 class Command(BaseCommand):
@@ -24,7 +25,7 @@ class Command(BaseCommand):
         except Client.DoesNotExist:
             raise CommandError(f"no client {client!r} (give an id or ORG-SLUG/NAME)") from None
         try:
-            report = erase_client(target)
+            report = erase_client(target, actor=Actor.system("manage.py erase_client"))
         except Exception as exc:
             # erase_client is all or nothing: nothing was deleted or re-published.
             raise CommandError(

@@ -1,3 +1,5 @@
+import ipaddress
+
 from django.core.management.base import BaseCommand, CommandError
 
 from federation.login_throttle import unlock
@@ -13,11 +15,24 @@ class Command(BaseCommand):
 
     def add_arguments(self, parser):
         parser.add_argument("username", nargs="?", help="the locked username (any case)")
-        parser.add_argument("--address", help="also clear this client address's count")
+        parser.add_argument(
+            "--address", help="also clear this client address's count (as the login.throttled "
+            "audit entry names it)"
+        )
 
     def handle(self, *args, username, address, **options):
+        address = (address or "").strip() or None
         if not username and not address:
             raise CommandError("name a username, an --address, or both")
+        if address:
+            try:
+                ipaddress.ip_address(address.split("%", 1)[0])
+            except ValueError:
+                # Counted under no key: clearing it would clear nothing and say sign-in is open.
+                raise CommandError(
+                    f"--address {address!r} is not an IP address (give it as the login.throttled "
+                    "audit entry names it)"
+                ) from None
         removed = unlock(username, address)
         audit(
             Actor.system("manage.py unlock_login"),
