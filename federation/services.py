@@ -501,6 +501,44 @@ def _audit_token(actor: Actor, action: str, row: UserToken) -> None:
     )
 
 
+@transaction.atomic
+def issue_routing_token(actor: Actor, name: str) -> str:
+    """A new routing-API token named `name` (an application's); returned once, stored as a hash;
+    audited as token.issue (its name, never the token)."""
+    from routing.models import RoutingToken
+
+    require_operator(actor, "issue routing tokens")
+    if not name.strip():
+        # `routing_token "$NAME"` with NAME unset: a token nobody could tell from another
+        raise InvalidRequest("a routing token needs a name (it is how the token is revoked)")
+    limit = RoutingToken._meta.get_field("name").max_length
+    if len(name) > limit:
+        raise InvalidRequest(f"a routing token's name is at most {limit} characters, not {len(name)}")
+    if RoutingToken.objects.filter(name=name).exists():
+        raise Conflict(f"a routing token named {name!r} exists; pick another name")
+    row, raw = RoutingToken.issue(name)
+    audit(actor, AuditLog.Action.TOKEN_ISSUE, target=row, target_label=name,
+          details={"routing_token": name})
+    return raw
+
+
+@transaction.atomic
+def revoke_routing_token(actor: Actor, name: str) -> None:
+    """The routing token named `name` stops at once; audited as token.revoke (once: revoking a
+    revoked token again changes and audits nothing)."""
+    from routing.models import RoutingToken
+
+    require_operator(actor, "revoke routing tokens")
+    row = RoutingToken.objects.select_for_update().filter(name=name).first()
+    if row is None:
+        raise NotFound(f"no routing token named {name!r}")
+    if not row.revoked:
+        row.revoked = True
+        row.save(update_fields=["revoked"])
+        audit(actor, AuditLog.Action.TOKEN_REVOKE, target=row, target_label=name,
+              details={"routing_token": name})
+
+
 def user_for_token(token: str):
     row = (
         UserToken.objects.select_related("user")

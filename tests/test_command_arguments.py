@@ -81,6 +81,29 @@ def test_routing_token_refuses_an_empty_name(name):
     assert not RoutingToken.objects.exists()
 
 
+def test_routing_token_issue_and_revoke_are_audited_without_the_token():
+    """The README says the routing-token command is audited; neither issuing nor revoking wrote
+    an entry, so nobody could tell who let an application route or when it was stopped."""
+    from routing.models import RoutingToken
+
+    raw = run("routing_token", "my-app").strip()
+    issued = AuditLog.objects.get(action=AuditLog.Action.TOKEN_ISSUE)
+    row = RoutingToken.objects.get(name="my-app")
+    assert (issued.actor_label, issued.target_type, issued.target_id, issued.details) == (
+        "manage.py routing_token", "routingtoken", str(row.pk), {"routing_token": "my-app"}
+    )
+    assert raw not in str(issued.details) and raw not in issued.target_label
+    with pytest.raises(CommandError, match="a routing token named 'my-app' exists"):
+        run("routing_token", "my-app")
+    assert run("routing_token", "my-app", "--revoke") == "revoked routing token my-app\n"
+    run("routing_token", "my-app", "--revoke")  # again: nothing changes, nothing more audited
+    revoked = AuditLog.objects.get(action=AuditLog.Action.TOKEN_REVOKE)
+    assert revoked.target_id == str(row.pk) and revoked.details == {"routing_token": "my-app"}
+    with pytest.raises(CommandError, match="no routing token named 'other'"):
+        run("routing_token", "other", "--revoke")
+    assert AuditLog.objects.count() == 2
+
+
 @pytest.mark.parametrize("where", ["missing/schema.json", "."])
 def test_export_schema_to_a_path_it_cannot_write_says_so_in_one_line(registry, tmp_path, where):
     # a folder that does not exist, or a folder itself: was a FileNotFoundError / IsADirectoryError

@@ -2,29 +2,24 @@
 
 from django.core.management.base import BaseCommand, CommandError
 
-from routing.models import RoutingToken
+from federation.errors import FederationError
+from federation.services import Actor, issue_routing_token, revoke_routing_token
 
 
 class Command(BaseCommand):
-    help = "Issue a bearer token for the routing API (printed once), or revoke one by name."
+    help = "Issue a bearer token for the routing API (printed once), or revoke one by name; both audited."
 
     def add_arguments(self, parser):
         parser.add_argument("name")
         parser.add_argument("--revoke", action="store_true")
 
     def handle(self, *args, name, revoke, **options):
-        if revoke:
-            if not RoutingToken.objects.filter(name=name).update(revoked=True):
-                raise CommandError(f"no routing token named {name!r}")
-            self.stdout.write(f"revoked routing token {name}")
-            return
-        if not name.strip():
-            # `routing_token "$NAME"` with NAME unset: a token nobody could tell from another
-            raise CommandError("a routing token needs a name (it is how the token is revoked)")
-        limit = RoutingToken._meta.get_field("name").max_length
-        if len(name) > limit:
-            raise CommandError(f"a routing token's name is at most {limit} characters, not {len(name)}")
-        if RoutingToken.objects.filter(name=name).exists():
-            raise CommandError(f"a routing token named {name!r} exists; pick another name")
-        _, raw = RoutingToken.issue(name)
-        self.stdout.write(raw)
+        actor = Actor.system("manage.py routing_token")
+        try:
+            if revoke:
+                revoke_routing_token(actor, name)
+                self.stdout.write(f"revoked routing token {name}")
+                return
+            self.stdout.write(issue_routing_token(actor, name))
+        except FederationError as exc:
+            raise CommandError(str(exc)) from None
