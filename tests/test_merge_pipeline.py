@@ -3,6 +3,7 @@ test_merge_worker.py)."""
 
 from __future__ import annotations
 
+import io
 import math
 
 import numpy as np
@@ -368,8 +369,11 @@ def test_erasure_rematerializes_without_the_client_and_keeps_the_ledger(
     before = CompendiumVersion.objects.get(kind="global", round=round_).sha256
     spent_before = accounting.privacy_report().federation.epsilon
     target = clients[("acme", "a2")]
-    call_command("erase_client", "acme/a2")
+    out = io.StringIO()
+    call_command("erase_client", "acme/a2", stdout=out)
     assert not CompendiumVersion.objects.filter(kind="client", client=target).exists()
+    # Erasure does not revoke: the command says the client may still submit, and how to stop it.
+    assert out.getvalue().splitlines()[-1].startswith(f"{target} is still enrolled (approved)")
     edge = CompendiumVersion.objects.get(kind="edge", round=round_, organization__slug="acme")
     assert [v.client_id for v in edge.sources.all()] == [clients[("acme", "a1")].pk]
     texts = [s["text"] for s in edge.content["scenarios"]]

@@ -38,3 +38,10 @@ class Command(BaseCommand):
             f"{len(report.globals_rematerialized)} global compendium(s); removed "
             f"{report.decisions_removed} conflict decision(s)"
         )
+        target.refresh_from_db()
+        if target.status != Client.Status.REVOKED:
+            # Erasure removes what the client sent; it does not stop the client sending again.
+            self.stdout.write(
+                f"{target} is still enrolled ({target.status}) and its token still submits: revoke it "
+                "on its organization's page if it is to send nothing more"
+            )
