@@ -929,7 +929,7 @@ def _small_dataset(folder, tools, queries_per_tool):
 
 @pytest.mark.parametrize(("tools", "counts", "flags", "message"), [
     ([("a", "x")], [10], [], "^the dataset d has 1 tool; routing needs at least 2$"),
-    ([("a", "x"), ("b", "y")], [2, 1], [], "^the dataset d has no tool with 3 or more queries: nothing to test"),
+    ([("a", "x"), ("b", "y")], [2, 1], [], "^the dataset d has no tool with 3 or more distinct queries: nothing to test"),
     ([("a", "x"), ("b", "x"), ("c", "x")], [20, 20, 20], ["--orgs", "2"],
      "^--partition category: the train queries' tools have 1 category for --orgs 2, so 1 organization[(]s[)] "
      "would get no queries; use fewer --orgs or --partition iid or random$"),
@@ -951,8 +951,21 @@ def test_tools_that_are_never_tested_are_counted_on_stderr(tmp_path, capsys):
     with pytest.raises(CommandError, match="no-such-model-xyz"):  # after the warning, before a round
         call_command("simulate", "--dataset", str(folder), "--orgs", "1", "--clients-per-org", "2",
                      "--no-store", "--embedding-model", "no-such-model-xyz")
-    assert ("simulate: 2 of 3 tools have fewer than 3 queries (3 queries in all): they stay in "
-            "train and are never tested") in capsys.readouterr().err
+    assert ("simulate: 2 of 3 tools have fewer than 3 distinct queries (3 queries in all): they "
+            "stay in train and are never tested") in capsys.readouterr().err
+
+
+def test_a_tool_of_many_copies_of_few_texts_is_counted_as_never_tested(tmp_path, capsys):
+    """Tool b has five queries, all one text: one distinct query, which stays in train."""
+    folder = _small_dataset(tmp_path / "d", [("a", "x"), ("b", "y")], [20, 0])
+    with (folder / "queries.jsonl").open("a") as queries:
+        queries.writelines(json.dumps({"query": "the same request", "tool_id": "b"}) + "\n"
+                           for _ in range(5))
+    with pytest.raises(CommandError, match="no-such-model-xyz"):
+        call_command("simulate", "--dataset", str(folder), "--orgs", "1", "--clients-per-org", "2",
+                     "--no-store", "--embedding-model", "no-such-model-xyz")
+    assert ("simulate: 1 of 2 tools have fewer than 3 distinct queries (5 queries in all)"
+            in capsys.readouterr().err)
 
 
 def test_a_label_too_long_to_store_whole_is_refused_before_anything_runs(tiny_dataset):
