@@ -265,27 +265,30 @@ def stratified_split(
     test_fraction: float = 0.4,
 ) -> Split:
     """A seeded split stratified by gold tool: every tool keeps the same shares in train, probe
-    and test (a tool with fewer than 3 queries stays in train). The simulation, the benchmarks
-    and the tests all split with this one function.
+    and test (a tool with fewer than 3 distinct queries stays in train). The copies of one text
+    labelled with one tool go to the same split, counted once: a held-out query is never one a
+    client's log holds word for word. The simulation, the benchmarks and the tests all split
+    with this one function.
 
     In a federation the probe split is the public probe set the edges use (never client data);
     the test split is held out from everything."""
     if not 0 < test_fraction < 1 or not 0 <= probe_fraction < 1 - test_fraction:
         raise ValueError("fractions must leave a non-empty train split")
     rng = random.Random(seed)
-    by_tool: dict[str, list[LabelledQuery]] = defaultdict(list)
+    by_tool: dict[str, dict[str, list[LabelledQuery]]] = defaultdict(dict)
     for query in queries:
-        by_tool[query.tool_id].append(query)
+        by_tool[query.tool_id].setdefault(query.query, []).append(query)
     split = Split([], [], [])
     for tool in sorted(by_tool):
-        items = list(by_tool[tool])
+        items = list(by_tool[tool].values())  # each text's copies, in the order they came
         rng.shuffle(items)
         n = len(items)
         n_test = max(1, round(n * test_fraction)) if n >= 3 else 0
         n_probe = max(1, round(n * probe_fraction)) if n >= 3 and probe_fraction > 0 else 0
-        split.test.extend(items[:n_test])
-        split.probe.extend(items[n_test : n_test + n_probe])
-        split.train.extend(items[n_test + n_probe :])
+        for part, copies in ((split.test, items[:n_test]),
+                             (split.probe, items[n_test : n_test + n_probe]),
+                             (split.train, items[n_test + n_probe :])):
+            part.extend(query for group in copies for query in group)
     return split
 
 

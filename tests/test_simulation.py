@@ -791,16 +791,20 @@ def test_llm_summarizers_speak_to_the_llm_endpoint_or_are_refused(tiny_dataset):
                      "centroid,llm-single-shot", "--no-store", verbosity=0)
     server = ChatServer(default='{"summary": "Forecasts and weather for a place"}')
     try:
+        # The clients send all they built (since_confidence above 1): which clusters reach an
+        # edge with two members must not hang on what the probe's router already routes. The
+        # canned answer fits only a weather cluster; written for another tool's cluster, the
+        # server's confusion check drops it (closest to weather, not to its own tool).
         sim = _simulation(tiny_dataset, rounds=1, summarizer="llm-single-shot", llm_url=server.url,
-                          llm_model="summary-model")
+                          llm_model="summary-model", since_confidence=1.01)
         setup = sim.prepare(1)
         [outcome] = sim.federate(setup.shares, setup.logs, setup.split.probe, 1)
         asked = [r for r in server.requests if "Write one concise text" in json.dumps(r["body"])]
         assert asked and all(r["body"]["model"] == "summary-model" for r in asked)
         # ... asking for the JSON object the summarizer parses (llama.cpp decodes to the schema).
         assert all(r["body"]["response_format"]["schema"]["required"] == ["summary"] for r in asked)
-        texts = [s.text for s in outcome.global_compendium.scenarios]
-        assert "Forecasts and weather for a place" in texts
+        texts = [(s.tool_id, s.text) for s in outcome.global_compendium.scenarios]
+        assert ("weather", "Forecasts and weather for a place") in texts
         counts = [stats["summaries"] for stats in outcome.merge_stats.values()]
         assert sum(c.get("llm-single-shot", 0) for c in counts) > 0
     finally:
@@ -929,7 +933,7 @@ def _small_dataset(folder, tools, queries_per_tool):
 
 @pytest.mark.parametrize(("tools", "counts", "flags", "message"), [
     ([("a", "x")], [10], [], "^the dataset d has 1 tool; routing needs at least 2$"),
-    ([("a", "x"), ("b", "y")], [2, 1], [], "^the dataset d has no tool with 3 or more queries: nothing to test"),
+    ([("a", "x"), ("b", "y")], [2, 1], [], "^the dataset d has no tool with 3 or more distinct queries: nothing to test"),
     ([("a", "x"), ("b", "x"), ("c", "x")], [20, 20, 20], ["--orgs", "2"],
      "^--partition category: the train queries' tools have 1 category for --orgs 2, so 1 organization[(]s[)] "
      "would get no queries; use fewer --orgs or --partition iid or random$"),
@@ -951,8 +955,21 @@ def test_tools_that_are_never_tested_are_counted_on_stderr(tmp_path, capsys):
     with pytest.raises(CommandError, match="no-such-model-xyz"):  # after the warning, before a round
         call_command("simulate", "--dataset", str(folder), "--orgs", "1", "--clients-per-org", "2",
                      "--no-store", "--embedding-model", "no-such-model-xyz")
-    assert ("simulate: 2 of 3 tools have fewer than 3 queries (3 queries in all): they stay in "
-            "train and are never tested") in capsys.readouterr().err
+    assert ("simulate: 2 of 3 tools have fewer than 3 distinct queries (3 queries in all): they "
+            "stay in train and are never tested") in capsys.readouterr().err
+
+
+def test_a_tool_of_many_copies_of_few_texts_is_counted_as_never_tested(tmp_path, capsys):
+    """Tool b has five queries, all one text: one distinct query, which stays in train."""
+    folder = _small_dataset(tmp_path / "d", [("a", "x"), ("b", "y")], [20, 0])
+    with (folder / "queries.jsonl").open("a") as queries:
+        queries.writelines(json.dumps({"query": "the same request", "tool_id": "b"}) + "\n"
+                           for _ in range(5))
+    with pytest.raises(CommandError, match="no-such-model-xyz"):
+        call_command("simulate", "--dataset", str(folder), "--orgs", "1", "--clients-per-org", "2",
+                     "--no-store", "--embedding-model", "no-such-model-xyz")
+    assert ("simulate: 1 of 2 tools have fewer than 3 distinct queries (5 queries in all)"
+            in capsys.readouterr().err)
 
 
 def test_a_label_too_long_to_store_whole_is_refused_before_anything_runs(tiny_dataset):

@@ -11,6 +11,7 @@ from federation.simulation.data import (
     confusable_tools,
     partition_train,
     split_dataset,
+    untested_tools,
     usage_log,
 )
 from federation.simulation.metrics import accuracy_report, auroc, membership_scores, token_overlap
@@ -41,6 +42,30 @@ def test_split_is_stratified_disjoint_and_seeded(dataset):
     assert [q.query for q in again.test] == [q.query for q in split.test]
     other = split_dataset(dataset, seed=4, probe_fraction=0.1, test_fraction=0.4)
     assert [q.query for q in other.test] != [q.query for q in split.test]
+
+
+def test_the_copies_of_a_text_go_to_one_split_and_count_once():
+    """A dataset drawn from usage logs repeats requests ("weather tomorrow" a hundred times):
+    the split dealt each copy on its own, so the test split held requests that were, word for
+    word, in the clients' logs (and the probe set), and a tool of three copies of one text was
+    'tested' on the text it trained on."""
+    tools = [ToolSpec(tool_id=t, description=t, category="c") for t in ("a", "b", "c")]
+    queries = [LabelledQuery(query=f"request {n % 10} for a", tool_id="a", qid=f"a{n}")
+               for n in range(60)]  # ten texts, six copies each
+    queries += [LabelledQuery(query="one request for b", tool_id="b", qid=f"b{n}") for n in range(4)]
+    queries += [LabelledQuery(query=f"request {n} for c", tool_id="c", qid=f"c{n}") for n in range(10)]
+    dataset = RoutingDataset("logs", tools, queries)
+    for seed in range(5):
+        split = split_dataset(dataset, seed=seed)
+        texts = [{(q.tool_id, q.query) for q in part} for part in (split.train, split.probe, split.test)]
+        assert not texts[0] & texts[1] and not texts[0] & texts[2] and not texts[1] & texts[2]
+        assert sorted(q.qid for q in [*split.train, *split.probe, *split.test]) == sorted(
+            q.qid for q in queries)  # every copy dealt, once
+        # a's ten texts shared as ten distinct queries are: 4 tested, 1 probe, 5 train
+        assert Counter(q.tool_id for q in split.test) == {"a": 24, "c": 4}
+        assert Counter(q.tool_id for q in split.probe) == {"a": 6, "c": 1}
+        assert [q.tool_id for q in split.train].count("b") == 4  # one text: never tested
+    assert untested_tools(dataset) == (1, 4)
 
 
 @pytest.mark.parametrize("mode", ["iid", "category", "random"])

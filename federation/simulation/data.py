@@ -97,17 +97,19 @@ def _categories(tools: Sequence[ToolSpec]) -> dict[str, str]:
     return {t.tool_id: t.category or "uncategorized" for t in tools}
 
 
-# stratified_split: a tool with fewer queries stays in train and is never tested.
+# stratified_split: a tool with fewer distinct queries stays in train and is never tested.
 TESTED_FROM = 3
 
 
 def untested_tools(dataset: RoutingDataset) -> tuple[int, int]:
-    """How many of the dataset's tools have fewer than TESTED_FROM queries (never tested), and
-    how many queries they have."""
-    counts = defaultdict(int)
+    """How many of the dataset's tools have fewer than TESTED_FROM distinct queries (never
+    tested), and how many queries they have."""
+    texts: dict[str, set[str]] = defaultdict(set)
+    counts: dict[str, int] = defaultdict(int)
     for query in dataset.queries:
+        texts[query.tool_id].add(query.query)
         counts[query.tool_id] += 1
-    few = [counts[t.tool_id] for t in dataset.tools if counts[t.tool_id] < TESTED_FROM]
+    few = [counts[t.tool_id] for t in dataset.tools if len(texts[t.tool_id]) < TESTED_FROM]
     return len(few), sum(few)
 
 
@@ -125,7 +127,7 @@ def federation_problem(
                               test_fraction=test_fraction)
         if not split.test or not split.probe:
             return (
-                f"the dataset {dataset.name} has no tool with {TESTED_FROM} or more queries: "
+                f"the dataset {dataset.name} has no tool with {TESTED_FROM} or more distinct queries: "
                 "nothing to test on or to put in the public probe set"
             )
         if partition == "category":

@@ -515,7 +515,7 @@ class Command(BaseCommand):
         if untested:
             self.stderr.write(
                 f"simulate: {untested} of {len(dataset.tools)} tools have fewer than {TESTED_FROM} "
-                f"queries ({few} queries in all): they stay in train and are never tested"
+                f"distinct queries ({few} queries in all): they stay in train and are never tested"
             )
         try:
             engine = get_engine(o["embedding_model"])
