@@ -20,6 +20,7 @@ class _RoutingView(APIView):
     # settings so that routing does not import the federation app.
     authentication_classes = [import_string(path) for path in settings.SYNAPSE_ROUTING_AUTHENTICATION]
     permission_classes = [IsAuthenticated]
+    fields: tuple[str, ...] = ()  # what the body may hold
 
     def _body(self, request) -> dict:
         try:
@@ -28,6 +29,14 @@ class _RoutingView(APIView):
             raise services.RoutingInputError(f"the body is not valid JSON: {exc.detail}") from None
         if not isinstance(data, dict):
             raise services.RoutingInputError("the body must be a JSON object")
+        # A misspelt option ("topk", "re_ranker") would otherwise be routed without, in silence.
+        unknown = [str(name) for name in data if name not in self.fields]
+        if unknown:
+            shown = ", ".join(repr(name[:40]) for name in unknown[:5])
+            more = f" and {len(unknown) - 5} more" if len(unknown) > 5 else ""
+            raise services.RoutingInputError(
+                f"unknown field {shown}{more}: the body takes {', '.join(self.fields)}"
+            )
         return data
 
     def post(self, request):
@@ -119,6 +128,8 @@ _OPTIONS = {
 class RouteView(_RoutingView):
     """POST {"query", "top_k"?, "reranker"?} -> the routing decision."""
 
+    fields = ("query", "top_k", "reranker")
+
     def route(self, body: dict, caller: str) -> dict:
         if "query" not in body:
             raise services.RoutingInputError("query is required")
@@ -153,6 +164,8 @@ class RouteView(_RoutingView):
 )
 class RouteBatchView(_RoutingView):
     """POST {"queries": [...], "top_k"?, "reranker"?} -> {"results": [decision, ...], ...}."""
+
+    fields = ("queries", "top_k", "reranker")
 
     def route(self, body: dict, caller: str) -> dict:
         if "queries" not in body:

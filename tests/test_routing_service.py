@@ -400,6 +400,27 @@ def test_route_api_bad_input_is_400_naming_the_problem(data, api, settings):
     assert response.status_code == 400 and "too many queries" in response.json()["detail"]
 
 
+def test_route_api_refuses_unknown_fields_naming_them(data, api):
+    # A misspelt option was routed without it, in silence: {"topk": 1} answered five candidates.
+    http, raw, _ = api
+    _publish(data, with_client_copy=False)
+    query = data["queries"][0]
+    for path, body, message in [
+        ("/api/v1/route/", {"query": query, "topk": 1},
+         "unknown field 'topk': the body takes query, top_k, reranker"),
+        ("/api/v1/route/", {"query": query, "queries": [query]}, "unknown field 'queries'"),
+        ("/api/v1/route/batch/", {"queries": [query], "rerank": "none"},
+         "unknown field 'rerank': the body takes queries, top_k, reranker"),
+        ("/api/v1/route/batch/", {"queries": [query], **{f"f{i}": 1 for i in range(7)}},
+         "unknown field 'f0', 'f1', 'f2', 'f3', 'f4' and 2 more"),
+    ]:
+        response = _post(http, path, body, raw)
+        assert response.status_code == 400, (body, response.content)
+        assert message in response.json()["detail"]
+    assert _post(http, "/api/v1/route/", {"query": query, "top_k": 1, "reranker": "none"},
+                 raw).status_code == 200
+
+
 def test_a_body_over_the_request_limit_is_a_json_413(data, api, settings):
     """A batch body past DATA_UPLOAD_MAX_MEMORY_SIZE (escaped non-Latin text is six bytes a
     character) is a JSON 413 naming the limit, not Django's HTML 400 page."""
