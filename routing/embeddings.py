@@ -361,8 +361,11 @@ def embed_cached(engine: EmbeddingEngine, texts: Sequence[str], directory: str |
         digest.update(text.encode("utf-8", "surrogatepass") + b"\0")
     path = Path(directory) / f"embeddings-{digest.hexdigest()[:32]}.npy"
     if path.exists():
-        vectors = np.load(path)
-        if vectors.shape == (len(texts), engine.dimension):
+        try:
+            vectors = np.load(path)
+        except (OSError, ValueError, EOFError):  # a damaged file: embedded and written again
+            vectors = None
+        if vectors is not None and vectors.shape == (len(texts), engine.dimension):
             return vectors
     vectors = engine.embed(list(texts)) if texts else np.zeros((0, engine.dimension), np.float32)
     path.parent.mkdir(parents=True, exist_ok=True)

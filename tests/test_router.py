@@ -330,6 +330,28 @@ def test_route_command(tmp_path, capsys, engine, monkeypatch):
         args.func(args)
 
 
+def test_route_command_refits_damaged_cache_files(tmp_path, capsys, engine, monkeypatch):
+    """A cached head or embeddings file cut short (a full disk, a killed write: the head was
+    written in place) was read back by every later call: a BadZipFile or ValueError traceback
+    until the file was found and removed by hand."""
+    path, parser = _route_command(tmp_path, monkeypatch, _currency_compendium(True))
+    args = parser.parse_args(["route", "Will it rain in Paris tomorrow?", "--compendium", str(path)])
+    assert args.func(args) == 0
+    first = capsys.readouterr().out
+    cache = tmp_path / "cache"
+    damaged = sorted(cache.glob("routing-heads/*.npz")) + sorted(
+        cache.glob("compendium-embeddings/*.npy")
+    )
+    assert len(damaged) == 3  # the head, the scenarios', the precautions'
+    whole = {f: f.read_bytes() for f in damaged}
+    for f in damaged:
+        f.write_bytes(whole[f][:50])
+    assert args.func(args) == 0
+    assert capsys.readouterr().out == first  # routed as before
+    assert {f: f.read_bytes() for f in damaged} == whole  # and written whole again
+    assert not [f for f in cache.rglob("*") if f.name.startswith(".")]  # no temporary left
+
+
 def test_route_command_uses_the_head_the_server_published(tmp_path, capsys, engine, monkeypatch):
     from compendium.client_api import head_file
 
