@@ -262,6 +262,14 @@ def _served_head(path: Path | None, router):
     if router.index.for_tools(head.tools) is None:
         _warn(f"ignoring {path}: it was published for other tools than this compendium's")
         return None
+    dimension = router.index.embeddings.shape[1]
+    if head.weights.shape != (len(head.tools), dimension) or head.bias.shape != (len(head.tools),):
+        # e.g. --embedding-model names another model than the server's: every route would fail
+        _warn(
+            f"ignoring {path}: its weights have shape {head.weights.shape}, not "
+            f"({len(head.tools)}, {dimension}) for this embedding model's vectors"
+        )
+        return None
     return head
 
 

@@ -366,10 +366,15 @@ def test_route_command_uses_the_head_the_server_published(tmp_path, capsys, engi
     head_file(path).write_bytes(sure.to_bytes())
     assert args.func(args) == 0
     assert capsys.readouterr().out.startswith("tool: calc")
-    # A head for other tools, or a broken file, is ignored with a warning: the head fitted here.
+    # A head for other tools, or of another model's vectors (a traceback of a matmul before: an
+    # --embedding-model other than the server's), or a broken file, is ignored with a warning:
+    # the head fitted here.
     other = LinearHead(["a", "b"], np.zeros((2, engine.dimension), dtype=np.float32),
                        np.array([60.0, 0.0], dtype=np.float32))
-    for data, why in ((other.to_bytes(), "other tools"), (b"broken", "ignoring")):
+    wider = LinearHead(tools, np.zeros((3, 768), dtype=np.float32),
+                       np.array([60.0, 0.0, 0.0], dtype=np.float32))
+    for data, why in ((other.to_bytes(), "other tools"), (b"broken", "ignoring"),
+                      (wider.to_bytes(), f"shape (3, 768), not (3, {engine.dimension})")):
         head_file(path).write_bytes(data)
         assert args.func(args) == 0
         out, err = capsys.readouterr()
