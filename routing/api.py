@@ -13,6 +13,7 @@ from rest_framework.response import Response
 from rest_framework.views import APIView
 
 from routing import services
+from synapse_web.parsers import BoundedJSONParser
 
 
 class _RoutingView(APIView):
@@ -20,6 +21,9 @@ class _RoutingView(APIView):
     # settings so that routing does not import the federation app.
     authentication_classes = [import_string(path) for path in settings.SYNAPSE_ROUTING_AUTHENTICATION]
     permission_classes = [IsAuthenticated]
+    # JSON only: a form's values are all strings (top_k=3 was refused as not an integer, a
+    # form's list of queries read as its last one), yet the API document offered both forms.
+    parser_classes = [BoundedJSONParser]
     fields: tuple[str, ...] = ()  # what the body may hold
 
     def _body(self, request) -> dict:
@@ -122,7 +126,8 @@ _OPTIONS = {
     request=inline_serializer(
         "RouteRequest", {"query": serializers.CharField(min_length=1), **_OPTIONS}
     ),
-    responses={200: _DECISION, 400: _ERROR, 401: _ERROR, 413: _ERROR, 429: _ERROR, 503: _ERROR},
+    responses={200: _DECISION, 400: _ERROR, 401: _ERROR, 413: _ERROR, 415: _ERROR, 429: _ERROR,
+               503: _ERROR},
     summary="Route one query: the tool to call, its calibrated confidence and why",
 )
 class RouteView(_RoutingView):
@@ -157,6 +162,7 @@ class RouteView(_RoutingView):
         400: _ERROR,
         401: _ERROR,
         413: _ERROR,  # a body past DATA_UPLOAD_MAX_MEMORY_SIZE (synapse_web.middleware)
+        415: _ERROR,  # not application/json
         429: _ERROR,
         503: _ERROR,
     },

@@ -421,6 +421,30 @@ def test_route_api_refuses_unknown_fields_naming_them(data, api):
                  raw).status_code == 200
 
 
+def test_route_api_takes_json_only_and_its_document_says_so(data, api):
+    # A form was parsed too, though its values are all strings: top_k=3 was refused as "must be
+    # an integer", and a form's repeated `queries` read as its last one; the API document offered
+    # both form encodings for these operations.
+    http, raw, _ = api
+    _publish(data, with_client_copy=False)
+    auth = {"HTTP_AUTHORIZATION": f"Bearer {raw}"}
+    for path, form in (("/api/v1/route/", "query=hello&top_k=3"),
+                       ("/api/v1/route/batch/", "queries=a&queries=b")):
+        response = http.generic("POST", path, form.encode(),
+                                content_type="application/x-www-form-urlencoded", **auth)
+        assert response.status_code == 415, response.content
+        assert "application/x-www-form-urlencoded" in response.json()["detail"]
+    multipart = http.post("/api/v1/route/", {"query": "hello"}, **auth)  # the test client's form
+    assert multipart.status_code == 415 and "multipart/form-data" in multipart.json()["detail"]
+    from drf_spectacular.generators import SchemaGenerator
+
+    paths = SchemaGenerator().get_schema(request=None, public=True)["paths"]
+    for path in ("/api/v1/route/", "/api/v1/route/batch/"):
+        operation = paths[path]["post"]
+        assert list(operation["requestBody"]["content"]) == ["application/json"], path
+        assert "415" in operation["responses"], path
+
+
 def test_a_body_over_the_request_limit_is_a_json_413(data, api, settings):
     """A batch body past DATA_UPLOAD_MAX_MEMORY_SIZE (escaped non-Latin text is six bytes a
     character) is a JSON 413 naming the limit, not Django's HTML 400 page."""
