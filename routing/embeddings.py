@@ -321,6 +321,10 @@ class EmbeddingEngine:
             for key, text in zip(keys, texts, strict=True):
                 if key not in self._cache and key not in missing:
                     missing[key] = text
+        # This call's own vectors are read from here, not back from the cache: a cache smaller
+        # than the call (0: none) has already dropped some of them, which were computed again
+        # one by one.
+        computed: dict[bytes, np.ndarray] = {}
         if missing:
             vectors = self._model.encode(
                 list(missing.values()),
@@ -329,16 +333,18 @@ class EmbeddingEngine:
                 convert_to_numpy=True,
                 show_progress_bar=False,
             ).astype(np.float32)
+            computed = dict(zip(missing, vectors, strict=True))
             with self._lock:
                 self.computed += len(missing)
-                for key, vector in zip(missing, vectors, strict=True):
-                    self._cache[key] = vector
+                self._cache.update(computed)
                 while len(self._cache) > self._cache_size:
                     self._cache.popitem(last=False)
         with self._lock:
             out = np.empty((len(texts), self.dimension), dtype=np.float32)
             for row, key in enumerate(keys):
-                vector = self._cache.get(key)
+                vector = computed.get(key)
+                if vector is None:
+                    vector = self._cache.get(key)
                 if vector is None:  # evicted between the two steps under heavy load
                     vector = np.asarray(
                         self._model.encode(
