@@ -246,6 +246,56 @@ def test_a_switch_is_built_by_one_request_while_the_others_keep_routing(data, mo
     assert services.served_compendium() is built[0]
 
 
+@pytest.mark.django_db(transaction=True)  # the building thread has its own connection
+def test_while_a_switch_is_built_no_request_routes_with_a_deleted_global(data, monkeypatch):
+    """While one request built the router of the global that replaced an erased one, the others
+    were answered at once with the erased global's router: its scenarios (an erased client's
+    text) as candidates, until the build was done."""
+    import threading
+
+    _publish(data, number=1, with_client_copy=False)
+    first = services.served_compendium()
+    second = _publish(data, number=2, with_client_copy=False)
+    CompendiumVersion.objects.filter(pk=first.version_id).delete()  # an erasure re-made it
+    services.forget_published_version()
+    building, release = threading.Event(), threading.Event()
+    real_build, real_lock = services.build_served, services._served_lock
+
+    def slow_build(version, tuned_directory=""):
+        building.set()
+        assert release.wait(30)
+        return real_build(version, tuned_directory)
+
+    class Lock:  # lets the build finish once this test's request waits for it
+        def acquire(self, blocking=True):
+            if blocking and threading.current_thread() is threading.main_thread():
+                release.set()
+            return real_lock.acquire(blocking)
+
+        def release(self):
+            real_lock.release()
+
+    monkeypatch.setattr(services, "build_served", slow_build)
+    monkeypatch.setattr(services, "_served_lock", Lock())
+    built = []
+
+    def request():
+        try:
+            built.append(services.served_compendium())
+        finally:
+            connection.close()
+
+    worker = threading.Thread(target=request)
+    worker.start()
+    try:
+        assert building.wait(30)
+        asked = services.served_compendium()  # while round 2 is being built
+    finally:
+        release.set()
+        worker.join(30)
+    assert asked.version_id == second.pk and built and asked is built[0]
+
+
 def test_a_router_that_cannot_be_built_is_tried_again_later_not_by_every_request(
     data, monkeypatch, settings
 ):
