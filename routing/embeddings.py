@@ -374,10 +374,16 @@ def embed_cached(engine: EmbeddingEngine, texts: Sequence[str], directory: str |
         if vectors is not None and vectors.shape == (len(texts), engine.dimension):
             return vectors
     vectors = engine.embed(list(texts)) if texts else np.zeros((0, engine.dimension), np.float32)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.NamedTemporaryFile(dir=path.parent, suffix=".npy", delete=False) as handle:
-        np.save(handle, vectors)
-    os.replace(handle.name, path)
+    temporary = None
+    try:  # the cache is optional: one that cannot be written only costs the next call the model
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with tempfile.NamedTemporaryFile(dir=path.parent, suffix=".npy", delete=False) as handle:
+            temporary = handle.name
+            np.save(handle, vectors)
+        os.replace(temporary, path)
+    except OSError:
+        if temporary is not None and os.path.exists(temporary):
+            os.unlink(temporary)
     return vectors
 
 

@@ -352,6 +352,22 @@ def test_route_command_refits_damaged_cache_files(tmp_path, capsys, engine, monk
     assert not [f for f in cache.rglob("*") if f.name.startswith(".")]  # no temporary left
 
 
+def test_route_command_routes_when_its_cache_cannot_be_written(tmp_path, capsys, engine, monkeypatch):
+    """SYNAPSE_MODEL_CACHE (or ~/.cache) not writable: the query engine already fell back, and the
+    head's cache was skipped, but the compendium's embeddings cache was a NotADirectoryError or
+    PermissionError traceback."""
+    path, parser = _route_command(tmp_path, monkeypatch, _currency_compendium(True))
+    args = parser.parse_args(["route", "Will it rain in Paris tomorrow?", "--compendium", str(path)])
+    assert args.func(args) == 0
+    cached = capsys.readouterr().out
+    blocker = tmp_path / "a-file"
+    blocker.write_text("not a folder", encoding="utf-8")
+    monkeypatch.setenv("SYNAPSE_MODEL_CACHE", str(blocker / "cache"))
+    assert args.func(args) == 0
+    assert capsys.readouterr().out == cached
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a-file", "cache", "global.json"]
+
+
 def test_route_command_uses_the_head_the_server_published(tmp_path, capsys, engine, monkeypatch):
     from compendium.client_api import head_file
 
