@@ -13,6 +13,7 @@ from rest_framework.response import Response
 from rest_framework.views import APIView
 
 from routing import services
+from synapse_web.parsers import BoundedJSONParser
 
 
 class _RoutingView(APIView):
@@ -20,6 +21,10 @@ class _RoutingView(APIView):
     # settings so that routing does not import the federation app.
     authentication_classes = [import_string(path) for path in settings.SYNAPSE_ROUTING_AUTHENTICATION]
     permission_classes = [IsAuthenticated]
+    # JSON only: a form's values are all strings (top_k=3 was refused as not an integer, a
+    # form's list of queries read as its last one), yet the API document offered both forms.
+    parser_classes = [BoundedJSONParser]
+    fields: tuple[str, ...] = ()  # what the body may hold
 
     def _body(self, request) -> dict:
         try:
@@ -28,6 +33,14 @@ class _RoutingView(APIView):
             raise services.RoutingInputError(f"the body is not valid JSON: {exc.detail}") from None
         if not isinstance(data, dict):
             raise services.RoutingInputError("the body must be a JSON object")
+        # A misspelt option ("topk", "re_ranker") would otherwise be routed without, in silence.
+        unknown = [str(name) for name in data if name not in self.fields]
+        if unknown:
+            shown = ", ".join(repr(name[:40]) for name in unknown[:5])
+            more = f" and {len(unknown) - 5} more" if len(unknown) > 5 else ""
+            raise services.RoutingInputError(
+                f"unknown field {shown}{more}: the body takes {', '.join(self.fields)}"
+            )
         return data
 
     def post(self, request):
@@ -113,11 +126,14 @@ _OPTIONS = {
     request=inline_serializer(
         "RouteRequest", {"query": serializers.CharField(min_length=1), **_OPTIONS}
     ),
-    responses={200: _DECISION, 400: _ERROR, 401: _ERROR, 413: _ERROR, 429: _ERROR, 503: _ERROR},
+    responses={200: _DECISION, 400: _ERROR, 401: _ERROR, 413: _ERROR, 415: _ERROR, 429: _ERROR,
+               503: _ERROR},
     summary="Route one query: the tool to call, its calibrated confidence and why",
 )
 class RouteView(_RoutingView):
     """POST {"query", "top_k"?, "reranker"?} -> the routing decision."""
+
+    fields = ("query", "top_k", "reranker")
 
     def route(self, body: dict, caller: str) -> dict:
         if "query" not in body:
@@ -146,6 +162,7 @@ class RouteView(_RoutingView):
         400: _ERROR,
         401: _ERROR,
         413: _ERROR,  # a body past DATA_UPLOAD_MAX_MEMORY_SIZE (synapse_web.middleware)
+        415: _ERROR,  # not application/json
         429: _ERROR,
         503: _ERROR,
     },
@@ -153,6 +170,8 @@ class RouteView(_RoutingView):
 )
 class RouteBatchView(_RoutingView):
     """POST {"queries": [...], "top_k"?, "reranker"?} -> {"results": [decision, ...], ...}."""
+
+    fields = ("queries", "top_k", "reranker")
 
     def route(self, body: dict, caller: str) -> dict:
         if "queries" not in body:

@@ -54,8 +54,10 @@ def _cached_head(router, documents, folder: Path):
     """The compendium's linear head as the server fits it at publication (scenario and
     description embeddings by the merge engine), kept on disk per compendium and engine."""
     import hashlib
+    import zipfile
 
     from compendium.canonical import canonical_form
+    from compendium.client_api import ClientError, write_atomically
     from routing.embeddings import TEXT_FORM
     from routing.router import LinearHead, fit_linear_head
 
@@ -66,15 +68,17 @@ def _cached_head(router, documents, folder: Path):
     ).hexdigest()[:32]
     path = folder / f"{key}.npz"
     if path.exists():
-        head = LinearHead.from_bytes(path.read_bytes())
-        if router.index.for_tools(head.tools) is not None:
+        try:
+            head = LinearHead.from_bytes(path.read_bytes())
+        except (OSError, ValueError, KeyError, EOFError, zipfile.BadZipFile):
+            head = None  # a damaged cache file is fitted and written again
+        if head is not None and router.index.for_tools(head.tools) is not None:
             return head
     head = fit_linear_head(compendium, router.index.embeddings, documents.embed)
     if head is not None:
-        try:
-            folder.mkdir(parents=True, exist_ok=True)
-            path.write_bytes(head.to_bytes())
-        except OSError:  # a read-only cache only costs the next call a refit
+        try:  # whole or not at all: a file cut short would be read back by every later call
+            write_atomically(path, head.to_bytes())
+        except ClientError:  # a read-only cache only costs the next call a refit
             pass
     return head
 
@@ -257,6 +261,14 @@ def _served_head(path: Path | None, router):
         return None
     if router.index.for_tools(head.tools) is None:
         _warn(f"ignoring {path}: it was published for other tools than this compendium's")
+        return None
+    dimension = router.index.embeddings.shape[1]
+    if head.weights.shape != (len(head.tools), dimension) or head.bias.shape != (len(head.tools),):
+        # e.g. --embedding-model names another model than the server's: every route would fail
+        _warn(
+            f"ignoring {path}: its weights have shape {head.weights.shape}, not "
+            f"({len(head.tools)}, {dimension}) for this embedding model's vectors"
+        )
         return None
     return head
 

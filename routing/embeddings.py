@@ -321,6 +321,10 @@ class EmbeddingEngine:
             for key, text in zip(keys, texts, strict=True):
                 if key not in self._cache and key not in missing:
                     missing[key] = text
+        # This call's own vectors are read from here, not back from the cache: a cache smaller
+        # than the call (0: none) has already dropped some of them, which were computed again
+        # one by one.
+        computed: dict[bytes, np.ndarray] = {}
         if missing:
             vectors = self._model.encode(
                 list(missing.values()),
@@ -329,16 +333,18 @@ class EmbeddingEngine:
                 convert_to_numpy=True,
                 show_progress_bar=False,
             ).astype(np.float32)
+            computed = dict(zip(missing, vectors, strict=True))
             with self._lock:
                 self.computed += len(missing)
-                for key, vector in zip(missing, vectors, strict=True):
-                    self._cache[key] = vector
+                self._cache.update(computed)
                 while len(self._cache) > self._cache_size:
                     self._cache.popitem(last=False)
         with self._lock:
             out = np.empty((len(texts), self.dimension), dtype=np.float32)
             for row, key in enumerate(keys):
-                vector = self._cache.get(key)
+                vector = computed.get(key)
+                if vector is None:
+                    vector = self._cache.get(key)
                 if vector is None:  # evicted between the two steps under heavy load
                     vector = np.asarray(
                         self._model.encode(
@@ -361,14 +367,23 @@ def embed_cached(engine: EmbeddingEngine, texts: Sequence[str], directory: str |
         digest.update(text.encode("utf-8", "surrogatepass") + b"\0")
     path = Path(directory) / f"embeddings-{digest.hexdigest()[:32]}.npy"
     if path.exists():
-        vectors = np.load(path)
-        if vectors.shape == (len(texts), engine.dimension):
+        try:
+            vectors = np.load(path)
+        except (OSError, ValueError, EOFError):  # a damaged file: embedded and written again
+            vectors = None
+        if vectors is not None and vectors.shape == (len(texts), engine.dimension):
             return vectors
     vectors = engine.embed(list(texts)) if texts else np.zeros((0, engine.dimension), np.float32)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.NamedTemporaryFile(dir=path.parent, suffix=".npy", delete=False) as handle:
-        np.save(handle, vectors)
-    os.replace(handle.name, path)
+    temporary = None
+    try:  # the cache is optional: one that cannot be written only costs the next call the model
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with tempfile.NamedTemporaryFile(dir=path.parent, suffix=".npy", delete=False) as handle:
+            temporary = handle.name
+            np.save(handle, vectors)
+        os.replace(temporary, path)
+    except OSError:
+        if temporary is not None and os.path.exists(temporary):
+            os.unlink(temporary)
     return vectors
 
 

@@ -148,7 +148,11 @@ class RoutingParams:
 
     @classmethod
     def from_dict(cls, doc: dict) -> RoutingParams:
-        return cls(
+        """The parameters `doc` holds; ValueError naming the first value no router can route
+        with (a weight that is not a finite number, a top_k or pool below 1, an escalation
+        threshold outside [0, 1]), so that a broken file is refused where it is read, not by
+        every routing call that uses it."""
+        params = cls(
             weights=FusionWeights(**doc.get("weights", {})),
             calibration={k: Calibration(**v) for k, v in doc.get("calibration", {}).items()}
             or {name: Calibration() for name in RERANKERS},
@@ -158,6 +162,22 @@ class RoutingParams:
             fitted_on=str(doc.get("fitted_on", "")),
             report=dict(doc.get("report", {})),
         )
+        numbers = [(f"weights.{k}", v) for k, v in asdict(params.weights).items()] + [
+            (f"calibration.{name}.{k}", v)
+            for name, cal in params.calibration.items()
+            for k, v in asdict(cal).items()
+        ]
+        for where, value in numbers:
+            if isinstance(value, bool) or not isinstance(value, int | float) or not np.isfinite(value):
+                raise ValueError(f"{where} must be a finite number, not {value!r}")
+        for where, value in (("pool", params.pool), ("top_k", params.top_k)):
+            if value < 1:
+                raise ValueError(f"{where} must be at least 1, not {value}")
+        if not 0.0 <= params.escalate_threshold <= 1.0:  # NaN too
+            raise ValueError(
+                f"escalate_threshold is a confidence in [0, 1], not {params.escalate_threshold:g}"
+            )
+        return params
 
     @classmethod
     def load(cls, path: str | Path | None = None) -> RoutingParams:

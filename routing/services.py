@@ -534,8 +534,13 @@ def served_compendium() -> ServedCompendium:
         return served
     # A switch (a new global, or its tuned router becoming ready) loads a model and embeds or
     # reads the global: one request builds it while the others go on with the one served so far
-    # (as stale as the version TTL already allows); only the very first build is waited for.
+    # (as stale as the version TTL already allows); only the very first build, and one that
+    # replaces a deleted global, is waited for.
     previous = next(iter(tuple(_served.values())), None)
+    if previous is not None and previous.version_id != version.pk and not _alive(previous):
+        # Its global was deleted (an erasure re-materialized it): this request waits for the
+        # current one rather than route with an erased client's scenarios meanwhile.
+        previous = None
     if _recently_failed(key):
         return _instead_of_failed(version, previous)
     if not _served_lock.acquire(blocking=previous is None):
@@ -564,6 +569,11 @@ def _drop(served: ServedCompendium) -> None:
     forget_published_version()
 
 
+def _alive(served: ServedCompendium) -> bool:
+    """Whether `served`'s global still exists (an erasure deletes the globals it re-makes)."""
+    return CompendiumVersion.objects.filter(pk=served.version_id).exists()
+
+
 def _recently_failed(key) -> bool:
     failed = _failed
     return failed is not None and failed[0] == key and time.monotonic() - failed[1] < rebuild_seconds()
@@ -584,9 +594,7 @@ def _build(key, version: CompendiumVersion, tuned_directory: str, previous):
         )
         # The router served before goes on only while its global exists (not after an erasure
         # deleted it: it would route with an erased client's scenarios).
-        alive = previous is not None and CompendiumVersion.objects.filter(
-            pk=previous.version_id
-        ).exists()
+        alive = previous is not None and _alive(previous)
         _failed = (key, time.monotonic(), reason, alive)
         return None
     _failed = None

@@ -134,6 +134,35 @@ def test_a_broken_server_params_file_is_logged_not_ignored(settings, tmp_path, c
     assert "SYNAPSE_ROUTING_PARAMS: cannot read routing parameters" in caplog.text
 
 
+@pytest.mark.parametrize(
+    "doc, problem",
+    [
+        ({"weights": {}, "top_k": 0}, "top_k must be at least 1, not 0"),
+        ({"weights": {}, "pool": -2}, "pool must be at least 1, not -2"),
+        ({"weights": {"dense": "high"}}, "weights.dense must be a finite number, not 'high'"),
+        ({"weights": {"bm25": True}}, "weights.bm25 must be a finite number, not True"),
+        ({"calibration": {"fusion": {"score_coef": "x"}}}, "calibration.fusion.score_coef"),
+        ({"calibration": {"llm": {"intercept": None}}}, "calibration.llm.intercept"),
+        ({"weights": {}, "escalate_threshold": 1.5}, "escalate_threshold is a confidence in"),
+    ],
+)
+def test_routing_params_that_no_router_can_route_with_are_refused_when_read(
+    settings, tmp_path, caplog, doc, problem
+):
+    # Each was read without a word, then every routing call failed: a traceback of
+    # `synapse-client route --params`, and a 500 from every routing API call when it was the
+    # server's SYNAPSE_ROUTING_PARAMS.
+    bad = tmp_path / "params.json"
+    bad.write_text(json.dumps(doc), encoding="utf-8")
+    with pytest.raises(RoutingParamsError, match="is not a routing parameters file: " + problem):
+        RoutingParams.load(bad)
+    settings.SYNAPSE_ROUTING_PARAMS = str(bad)
+    with caplog.at_level(logging.WARNING, logger="routing.services"):
+        assert services.routing_params() == RoutingParams.load()
+    assert problem in caplog.text
+    RoutingParams.from_dict(json.loads(RoutingParams.load().to_json()))  # the defaults pass
+
+
 @pytest.mark.parametrize("query", ["\ud800", "ok \udfff"])
 def test_the_routing_api_refuses_a_lone_surrogate_with_a_400_reason(query):
     # The tokenizer raised TypeError on it: a 500 from POST /api/v1/route/ and /route/batch/.

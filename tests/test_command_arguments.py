@@ -104,6 +104,17 @@ def test_routing_token_issue_and_revoke_are_audited_without_the_token():
     assert AuditLog.objects.count() == 2
 
 
+@pytest.mark.parametrize("revoke", [False, True])
+def test_routing_token_refuses_a_name_that_is_not_utf8_in_one_line(revoke):
+    from routing.models import RoutingToken
+
+    # `routing_token $'app\xff'`: Python hands argv's undecodable byte on as a lone surrogate,
+    # which was a UnicodeEncodeError traceback from the database driver
+    with pytest.raises(CommandError, match="must be UTF-8 text: 'app\\\\udcff' holds an undecodable"):
+        run("routing_token", "app\udcff", *(["--revoke"] if revoke else []))
+    assert not RoutingToken.objects.exists()
+
+
 @pytest.mark.parametrize("where", ["missing/schema.json", "."])
 def test_export_schema_to_a_path_it_cannot_write_says_so_in_one_line(registry, tmp_path, where):
     # a folder that does not exist, or a folder itself: was a FileNotFoundError / IsADirectoryError

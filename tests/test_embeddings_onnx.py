@@ -134,6 +134,29 @@ def test_the_vector_cache_keeps_at_most_its_configured_number_of_texts(monkeypat
     assert engine.computed == before + 1
 
 
+@pytest.mark.parametrize("entries", ["0", "3"])
+def test_a_cache_smaller_than_the_call_computes_each_text_once(monkeypatch, entries):
+    """With SYNAPSE_EMBEDDING_CACHE_ENTRIES=0 ("no cache"), or fewer entries than a call's texts,
+    the call read its vectors back from the cache after storing them: those already dropped
+    were computed a second time, one text per call (every text twice without a cache)."""
+    monkeypatch.setenv("SYNAPSE_EMBEDDING_CACHE_ENTRIES", entries)
+    engine = EmbeddingEngine(ONNX_INT8_DYNAMIC_MODEL)
+    texts = [f"route query number {i}" for i in range(5)]
+    encoded: list[str] = []
+    encode = engine._model.encode
+
+    def counting(batch, **kwargs):
+        encoded.extend(batch)
+        return encode(batch, **kwargs)
+
+    monkeypatch.setattr(engine._model, "encode", counting)
+    vectors = engine.embed(texts)
+    assert encoded == texts and engine.computed == 5
+    assert len(engine._cache) == int(entries)
+    alone = np.stack([encode([text])[0] for text in texts])
+    assert np.allclose(vectors, alone, atol=1e-6)
+
+
 def test_query_engine_follows_a_stored_embedding_model_other_than_minilm(monkeypatch):
     other = object()  # stands for a loaded engine of another model (e.g. all-mpnet-base-v2)
     monkeypatch.setattr("routing.embeddings._engines", {"/models/all-mpnet-base-v2": other})

@@ -359,6 +359,44 @@ def test_route_command(tmp_path, capsys, engine, monkeypatch):
         args.func(args)
 
 
+def test_route_command_refits_damaged_cache_files(tmp_path, capsys, engine, monkeypatch):
+    """A cached head or embeddings file cut short (a full disk, a killed write: the head was
+    written in place) was read back by every later call: a BadZipFile or ValueError traceback
+    until the file was found and removed by hand."""
+    path, parser = _route_command(tmp_path, monkeypatch, _currency_compendium(True))
+    args = parser.parse_args(["route", "Will it rain in Paris tomorrow?", "--compendium", str(path)])
+    assert args.func(args) == 0
+    first = capsys.readouterr().out
+    cache = tmp_path / "cache"
+    damaged = sorted(cache.glob("routing-heads/*.npz")) + sorted(
+        cache.glob("compendium-embeddings/*.npy")
+    )
+    assert len(damaged) == 3  # the head, the scenarios', the precautions'
+    whole = {f: f.read_bytes() for f in damaged}
+    for f in damaged:
+        f.write_bytes(whole[f][:50])
+    assert args.func(args) == 0
+    assert capsys.readouterr().out == first  # routed as before
+    assert {f: f.read_bytes() for f in damaged} == whole  # and written whole again
+    assert not [f for f in cache.rglob("*") if f.name.startswith(".")]  # no temporary left
+
+
+def test_route_command_routes_when_its_cache_cannot_be_written(tmp_path, capsys, engine, monkeypatch):
+    """SYNAPSE_MODEL_CACHE (or ~/.cache) not writable: the query engine already fell back, and the
+    head's cache was skipped, but the compendium's embeddings cache was a NotADirectoryError or
+    PermissionError traceback."""
+    path, parser = _route_command(tmp_path, monkeypatch, _currency_compendium(True))
+    args = parser.parse_args(["route", "Will it rain in Paris tomorrow?", "--compendium", str(path)])
+    assert args.func(args) == 0
+    cached = capsys.readouterr().out
+    blocker = tmp_path / "a-file"
+    blocker.write_text("not a folder", encoding="utf-8")
+    monkeypatch.setenv("SYNAPSE_MODEL_CACHE", str(blocker / "cache"))
+    assert args.func(args) == 0
+    assert capsys.readouterr().out == cached
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a-file", "cache", "global.json"]
+
+
 def test_route_command_uses_the_head_the_server_published(tmp_path, capsys, engine, monkeypatch):
     from compendium.client_api import head_file
 
@@ -373,10 +411,15 @@ def test_route_command_uses_the_head_the_server_published(tmp_path, capsys, engi
     head_file(path).write_bytes(sure.to_bytes())
     assert args.func(args) == 0
     assert capsys.readouterr().out.startswith("tool: calc")
-    # A head for other tools, or a broken file, is ignored with a warning: the head fitted here.
+    # A head for other tools, or of another model's vectors (a traceback of a matmul before: an
+    # --embedding-model other than the server's), or a broken file, is ignored with a warning:
+    # the head fitted here.
     other = LinearHead(["a", "b"], np.zeros((2, engine.dimension), dtype=np.float32),
                        np.array([60.0, 0.0], dtype=np.float32))
-    for data, why in ((other.to_bytes(), "other tools"), (b"broken", "ignoring")):
+    wider = LinearHead(tools, np.zeros((3, 768), dtype=np.float32),
+                       np.array([60.0, 0.0, 0.0], dtype=np.float32))
+    for data, why in ((other.to_bytes(), "other tools"), (b"broken", "ignoring"),
+                      (wider.to_bytes(), f"shape (3, 768), not (3, {engine.dimension})")):
         head_file(path).write_bytes(data)
         assert args.func(args) == 0
         out, err = capsys.readouterr()

@@ -246,6 +246,56 @@ def test_a_switch_is_built_by_one_request_while_the_others_keep_routing(data, mo
     assert services.served_compendium() is built[0]
 
 
+@pytest.mark.django_db(transaction=True)  # the building thread has its own connection
+def test_while_a_switch_is_built_no_request_routes_with_a_deleted_global(data, monkeypatch):
+    """While one request built the router of the global that replaced an erased one, the others
+    were answered at once with the erased global's router: its scenarios (an erased client's
+    text) as candidates, until the build was done."""
+    import threading
+
+    _publish(data, number=1, with_client_copy=False)
+    first = services.served_compendium()
+    second = _publish(data, number=2, with_client_copy=False)
+    CompendiumVersion.objects.filter(pk=first.version_id).delete()  # an erasure re-made it
+    services.forget_published_version()
+    building, release = threading.Event(), threading.Event()
+    real_build, real_lock = services.build_served, services._served_lock
+
+    def slow_build(version, tuned_directory=""):
+        building.set()
+        assert release.wait(30)
+        return real_build(version, tuned_directory)
+
+    class Lock:  # lets the build finish once this test's request waits for it
+        def acquire(self, blocking=True):
+            if blocking and threading.current_thread() is threading.main_thread():
+                release.set()
+            return real_lock.acquire(blocking)
+
+        def release(self):
+            real_lock.release()
+
+    monkeypatch.setattr(services, "build_served", slow_build)
+    monkeypatch.setattr(services, "_served_lock", Lock())
+    built = []
+
+    def request():
+        try:
+            built.append(services.served_compendium())
+        finally:
+            connection.close()
+
+    worker = threading.Thread(target=request)
+    worker.start()
+    try:
+        assert building.wait(30)
+        asked = services.served_compendium()  # while round 2 is being built
+    finally:
+        release.set()
+        worker.join(30)
+    assert asked.version_id == second.pk and built and asked is built[0]
+
+
 def test_a_router_that_cannot_be_built_is_tried_again_later_not_by_every_request(
     data, monkeypatch, settings
 ):
@@ -398,6 +448,51 @@ def test_route_api_bad_input_is_400_naming_the_problem(data, api, settings):
     settings.SYNAPSE_MAX_ROUTE_BATCH = 2
     response = _post(http, "/api/v1/route/batch/", {"queries": ["a", "b", "c"]}, raw)
     assert response.status_code == 400 and "too many queries" in response.json()["detail"]
+
+
+def test_route_api_refuses_unknown_fields_naming_them(data, api):
+    # A misspelt option was routed without it, in silence: {"topk": 1} answered five candidates.
+    http, raw, _ = api
+    _publish(data, with_client_copy=False)
+    query = data["queries"][0]
+    for path, body, message in [
+        ("/api/v1/route/", {"query": query, "topk": 1},
+         "unknown field 'topk': the body takes query, top_k, reranker"),
+        ("/api/v1/route/", {"query": query, "queries": [query]}, "unknown field 'queries'"),
+        ("/api/v1/route/batch/", {"queries": [query], "rerank": "none"},
+         "unknown field 'rerank': the body takes queries, top_k, reranker"),
+        ("/api/v1/route/batch/", {"queries": [query], **{f"f{i}": 1 for i in range(7)}},
+         "unknown field 'f0', 'f1', 'f2', 'f3', 'f4' and 2 more"),
+    ]:
+        response = _post(http, path, body, raw)
+        assert response.status_code == 400, (body, response.content)
+        assert message in response.json()["detail"]
+    assert _post(http, "/api/v1/route/", {"query": query, "top_k": 1, "reranker": "none"},
+                 raw).status_code == 200
+
+
+def test_route_api_takes_json_only_and_its_document_says_so(data, api):
+    # A form was parsed too, though its values are all strings: top_k=3 was refused as "must be
+    # an integer", and a form's repeated `queries` read as its last one; the API document offered
+    # both form encodings for these operations.
+    http, raw, _ = api
+    _publish(data, with_client_copy=False)
+    auth = {"HTTP_AUTHORIZATION": f"Bearer {raw}"}
+    for path, form in (("/api/v1/route/", "query=hello&top_k=3"),
+                       ("/api/v1/route/batch/", "queries=a&queries=b")):
+        response = http.generic("POST", path, form.encode(),
+                                content_type="application/x-www-form-urlencoded", **auth)
+        assert response.status_code == 415, response.content
+        assert "application/x-www-form-urlencoded" in response.json()["detail"]
+    multipart = http.post("/api/v1/route/", {"query": "hello"}, **auth)  # the test client's form
+    assert multipart.status_code == 415 and "multipart/form-data" in multipart.json()["detail"]
+    from drf_spectacular.generators import SchemaGenerator
+
+    paths = SchemaGenerator().get_schema(request=None, public=True)["paths"]
+    for path in ("/api/v1/route/", "/api/v1/route/batch/"):
+        operation = paths[path]["post"]
+        assert list(operation["requestBody"]["content"]) == ["application/json"], path
+        assert "415" in operation["responses"], path
 
 
 def test_a_body_over_the_request_limit_is_a_json_413(data, api, settings):

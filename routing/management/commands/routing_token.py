@@ -14,6 +14,13 @@ class Command(BaseCommand):
         parser.add_argument("--revoke", action="store_true")
 
     def handle(self, *args, name, revoke, **options):
+        try:  # bytes that were not UTF-8 in the shell's argument come as lone surrogates
+            name.encode("utf-8")
+        except UnicodeEncodeError as exc:
+            raise CommandError(
+                f"a routing token's name must be UTF-8 text: {name!r} holds an undecodable byte "
+                f"at position {exc.start}"
+            ) from None
         actor = Actor.system("manage.py routing_token")
         try:
             if revoke:
