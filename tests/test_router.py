@@ -21,8 +21,10 @@ from routing.router import (
     PoolBM25,
     Router,
     RoutingParams,
+    calibration_data,
     evaluate_calibration,
     expected_calibration_error,
+    fit_calibration,
     fit_linear_head,
     fit_params,
     fit_router,
@@ -181,6 +183,39 @@ def test_a_small_probe_moves_the_fusion_weights_only_as_far_as_it_has_evidence_t
     assert fitted.dense > 0, fitted
     for name in ("dense", "bm25", "vote", "head"):
         assert abs(getattr(fitted, name) - getattr(start, name)) < 2.0, (name, fitted)
+
+
+def test_a_small_probe_calibrates_confidences_short_of_certainty(engine):
+    """Platt's targets: on 16 probe requests, one of them routed wrong, the score separates right
+    from wrong, and 0/1 targets have no finite fit: it ran off and the confidences came out 0 or
+    1, which clients' delta rule read as certainty. With (N+ + 1) / (N+ + 2) and 1 / (N- + 2) as
+    targets none is."""
+    from tests.simulation_fixtures import OPENERS, SUFFIXES, TOOLS
+
+    rng = random.Random(3)
+
+    def ask(intent: str) -> str:
+        return f"{rng.choice(OPENERS)} {intent}{rng.choice(SUFFIXES)}"
+
+    compendium = Compendium(scenarios=[
+        Scenario(tool_id=tool, text=ask(intent)) for tool, (_, intents) in TOOLS.items() for intent in intents[:2]
+    ])
+    probe = [(ask(intent), tool) for tool, (_, intents) in TOOLS.items() for intent in intents[:2]][:16]
+    router = Router(compendium, engine, "fusion")
+    # The request the router is least sure of is labelled with another tool: routed wrong, and
+    # the score separates it from the 15 routed right.
+    least = int(np.argmin(calibration_data(router, probe, "fusion")[:, 0]))
+    tools = list(TOOLS)
+    probe[least] = (probe[least][0], tools[(tools.index(probe[least][1]) + 1) % len(tools)])
+    data = calibration_data(router, probe, "fusion")
+    right = int(data[:, 3].sum())
+    assert 0 < right < len(data)
+    cal, report = fit_calibration(router, probe, "fusion")
+    confidences = np.array([cal.probability(s, m) for s, m in data[:, :2]])
+    # 0/1 targets: a score weight of 24 and confidences of 1.0000 and 0.002; Platt's: 2.4, 0.67
+    # to 0.99
+    assert 0.005 < confidences.min() and confidences.max() < 0.995, (confidences, cal)
+    assert report["probe_accuracy"] == right / len(data)  # the outcomes, not the targets
 
 
 def test_expected_calibration_error_definition():
