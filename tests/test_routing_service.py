@@ -208,14 +208,12 @@ def test_latest_published_round_is_served(data):
     assert services.route_query(data["queries"][0])["compendium_round"] == 1
 
 
-@pytest.mark.django_db(transaction=True)  # the building thread has its own connection
-def test_a_switch_is_built_by_one_request_while_the_others_keep_routing(data, monkeypatch):
+def _request_while_building(monkeypatch):
+    """A request in a thread of its own that builds the served router slowly: the build starts
+    (`building` is set) and waits for `release`. Returns the thread (not started), the routers it
+    got, and the two events."""
     import threading
 
-    _publish(data, number=1, with_client_copy=False)
-    first = services.served_compendium()
-    second_version = _publish(data, number=2, with_client_copy=False)
-    services.forget_published_version()
     building, release = threading.Event(), threading.Event()
     real_build = services.build_served
 
@@ -233,7 +231,16 @@ def test_a_switch_is_built_by_one_request_while_the_others_keep_routing(data, mo
         finally:
             connection.close()
 
-    worker = threading.Thread(target=request)
+    return threading.Thread(target=request), built, building, release
+
+
+@pytest.mark.django_db(transaction=True)  # the building thread has its own connection
+def test_a_switch_is_built_by_one_request_while_the_others_keep_routing(data, monkeypatch):
+    _publish(data, number=1, with_client_copy=False)
+    first = services.served_compendium()
+    second_version = _publish(data, number=2, with_client_copy=False)
+    services.forget_published_version()
+    worker, built, building, release = _request_while_building(monkeypatch)
     worker.start()
     try:
         assert building.wait(30)
@@ -258,13 +265,8 @@ def test_while_a_switch_is_built_no_request_routes_with_a_deleted_global(data, m
     second = _publish(data, number=2, with_client_copy=False)
     CompendiumVersion.objects.filter(pk=first.version_id).delete()  # an erasure re-made it
     services.forget_published_version()
-    building, release = threading.Event(), threading.Event()
-    real_build, real_lock = services.build_served, services._served_lock
-
-    def slow_build(version, tuned_directory=""):
-        building.set()
-        assert release.wait(30)
-        return real_build(version, tuned_directory)
+    real_lock = services._served_lock
+    worker, built, building, release = _request_while_building(monkeypatch)
 
     class Lock:  # lets the build finish once this test's request waits for it
         def acquire(self, blocking=True):
@@ -275,17 +277,7 @@ def test_while_a_switch_is_built_no_request_routes_with_a_deleted_global(data, m
         def release(self):
             real_lock.release()
 
-    monkeypatch.setattr(services, "build_served", slow_build)
     monkeypatch.setattr(services, "_served_lock", Lock())
-    built = []
-
-    def request():
-        try:
-            built.append(services.served_compendium())
-        finally:
-            connection.close()
-
-    worker = threading.Thread(target=request)
     worker.start()
     try:
         assert building.wait(30)
