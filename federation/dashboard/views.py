@@ -375,7 +375,14 @@ class TokensView(ActionView):
 
     def act(self, request):
         actor = actor_for(request)
-        if request.POST.get("action") == "revoke":
+        action = request.POST.get("action", "")
+        if action not in ("", "issue", "revoke"):
+            # A mistyped revoke must not issue a token while the one meant to stop keeps working.
+            raise InvalidRequest(
+                f"action must be revoke (with token), or issue or none to issue a token, "
+                f"not {action[:40]!r}"
+            )
+        if action == "revoke":
             raw = request.POST.get("token", "")
             if not raw.isascii() or not raw.isdigit() or len(raw) > 18:
                 raise InvalidRequest("token must name one of your tokens")
