@@ -695,6 +695,31 @@ def test_admin_accepts_edits_picks_and_dismisses(client, fed):
     assert "decided: dismiss" in page
 
 
+@pytest.mark.parametrize("data", [
+    {"action": "accept"},
+    {"action": "edit", "text": "Ask for the city first"},
+    {"action": "scenario", "scenario": "Rain in Paris without a city"},
+    {"action": "dismiss"},
+])
+def test_a_decision_posted_twice_is_recorded_and_audited_once(client, fed, data):
+    """A double click (or a reload that posts again) repeats the same decision: nothing changes,
+    so nothing more is written to the append-only audit log; a different decision still is."""
+    url = reverse("dashboard:conflict-decide", args=[conflict_of(fed, fed.org_a).pk])
+    login(client, fed, "admin_a")
+    assert client.post(url, data).status_code == 302
+    assert client.post(url, {**data, "text": f"  {data.get('text', '')} "}).status_code == 302
+    login(client, fed, "operator")
+    assert client.post(url, data).status_code == 302  # the same decision confirmed: unchanged
+    decision = ConflictDecision.objects.get()
+    assert decision.action == data["action"] and decision.decided_by == fed.admin_a
+    audited = AuditLog.objects.filter(action="conflict.decide")
+    assert [e.details["action"] for e in audited] == [data["action"]]
+    other = "dismiss" if data["action"] != "dismiss" else "accept"
+    assert client.post(url, {"action": other}).status_code == 302
+    assert [e.details["action"] for e in audited.order_by("id")] == [data["action"], other]
+    assert ConflictDecision.objects.get().decided_by == fed.operator
+
+
 @pytest.mark.parametrize("data,word", [
     ({"action": "edit", "text": "  "}, "needs a text"),
     ({"action": "scenario", "scenario": "something else"}, "winning scenario"),
