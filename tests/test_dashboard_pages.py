@@ -180,6 +180,41 @@ def test_admin_enrolls_and_operator_approves_with_the_token_shown_once(client, f
     assert token not in json.dumps(list(AuditLog.objects.values("details", "target_label")))
 
 
+@pytest.mark.parametrize(("url_name", "args", "data", "words"), [
+    ("dashboard:client-enroll", ["org-a"], {"name": "l" * 201}, "name is at most 200 characters"),
+    ("dashboard:client-enroll", ["org-a"], {"name": "lab-8", "contact": "c" * 255},
+     "contact is at most 254 characters"),
+    ("dashboard:client-enroll", ["org-a"], {"name": "lab-9", "description": "d" * 2001},
+     "description is at most 2000 characters"),
+    ("dashboard:organizations", [], {"name": "Org C", "description": "d" * 2001},
+     "description is at most 2000 characters"),
+    ("dashboard:person-add", ["org-a"],
+     # cut at 254 characters it would be another valid address, ending in "abcde"
+     {"username": "carol", "email": "carol@" + "abcdefgh." * 30 + "org"},
+     "e-mail address is at most 254 characters"),
+])
+def test_an_over_long_form_value_is_refused_not_cut(client, fed, url_name, args, data, words):
+    """A value longer than the form allows (a script, a pasted text) is a 400 naming the field:
+    cutting it would store a name, contact or address other than the one given."""
+    login(client, fed, "operator")
+    before = AuditLog.objects.count()
+    response = client.post(reverse(url_name, args=args), data)
+    assert response.status_code == 400 and words in response.content.decode()
+    assert AuditLog.objects.count() == before
+    assert not Client.objects.filter(name__startswith="l" * 20).exists()
+    assert not Client.objects.filter(name__in=["lab-8", "lab-9"]).exists()
+    assert not fed.org_a.memberships.filter(user__username="carol").exists()
+
+
+def test_an_over_long_revoke_reason_is_refused_and_the_client_stays(client, fed):
+    login(client, fed, "admin_a")
+    url = reverse("dashboard:client-action", args=["org-a", fed.client_a.pk, "revoke"])
+    response = client.post(url, {"reason": "r" * 501})
+    assert response.status_code == 400 and "reason is at most 500 characters" in response.content.decode()
+    fed.client_a.refresh_from_db()
+    assert fed.client_a.status == "approved" and not AuditLog.objects.filter(action="client.revoke").exists()
+
+
 def test_admin_may_approve_when_the_policy_allows(client, fed):
     services.update_settings(SYSTEM, allow_admin_approval=True)
     login(client, fed, "admin_a")

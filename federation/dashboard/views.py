@@ -191,6 +191,15 @@ def actor_for(request) -> Actor:
     return Actor.for_user(request.user, client_ip(request))
 
 
+def posted_text(request, name: str, limit: int) -> str:
+    """A form's text field, refused (400 naming it) when longer than `limit`: cut, it would store
+    something other than what was given."""
+    value = request.POST.get(name, "")
+    if len(value) > limit:
+        raise InvalidRequest(f"{name} is at most {limit} characters, not {len(value)}")
+    return value
+
+
 class ActionView(DashboardView):
     """A POST-only page action (CSRF by the middleware): a federation error becomes its 4xx page."""
 
@@ -222,7 +231,7 @@ class OrganizationListView(ActionView):
             actor_for(request),
             request.POST.get("name", ""),
             request.POST.get("slug", "").strip(),
-            request.POST.get("description", "")[:2000],
+            posted_text(request, "description", 2000),
         )
         messages.success(
             request,
@@ -285,9 +294,9 @@ class OrganizationActionView(ActionView, OrganizationView):
         token = None
         if action == "enroll":
             client = enroll_client(
-                actor, organization, request.POST.get("name", "")[:200],
-                description=request.POST.get("description", "")[:2000],
-                contact=request.POST.get("contact", "")[:254],
+                actor, organization, request.POST.get("name", ""),
+                description=posted_text(request, "description", 2000),
+                contact=request.POST.get("contact", ""),
             )
             messages.success(request, f"Client {client.name} enrolled; it waits for approval.")
         else:
@@ -297,7 +306,7 @@ class OrganizationActionView(ActionView, OrganizationView):
             elif action == "rotate":
                 token = rotate_client_token(actor, client).token
             elif action == "revoke":
-                revoke_client(actor, client, request.POST.get("reason", "")[:500])
+                revoke_client(actor, client, posted_text(request, "reason", 500))
                 messages.success(request, f"Client {client.name} revoked; its token stops working.")
             else:
                 raise Http404("unknown action")
@@ -321,9 +330,9 @@ class PersonActionView(ActionView, OrganizationView):
             issued = people.add_person(
                 actor,
                 organization,
-                request.POST.get("username", "")[:200],
+                request.POST.get("username", ""),
                 request.POST.get("role", Membership.Role.MEMBER),
-                request.POST.get("email", "")[:254],
+                request.POST.get("email", ""),
             )
         else:
             membership = get_object_or_404(
