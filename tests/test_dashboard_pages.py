@@ -1437,6 +1437,28 @@ def test_who_may_decide_a_conflict_is_one_rule_for_the_page_and_the_service(fed)
     assert allowed == {None: [True, False, False, False], fed.org_a.pk: [True, True, False, False]}
 
 
+@pytest.mark.parametrize("raw", ["true", "yes", "checked", "1"])
+def test_an_unknown_admin_approval_value_is_refused_not_read_as_off(client, world, raw):
+    """The checkbox sends "on" or nothing; a script's "true" was read as off and turned admin
+    approval off while saying "Settings saved"."""
+    services.update_settings(SYSTEM, allow_admin_approval=True)
+    current = services.get_settings()
+    form = {name: str(getattr(current, name)) for name in (
+        "epsilon_budget", "delta_prime", "max_submission_bytes", "submissions_per_minute",
+        "enrollments_per_hour")}
+    client.force_login(world.operator)
+    before = AuditLog.objects.count()
+    refused = client.post(reverse("dashboard:settings"), {**form, "allow_admin_approval": raw})
+    assert refused.status_code == 400
+    assert "allow_admin_approval must be" in html.unescape(refused.content.decode())
+    assert services.get_settings().allow_admin_approval is True
+    assert AuditLog.objects.count() == before
+    for value, expected in (("off", False), ("on", True), ("", False)):
+        assert client.post(reverse("dashboard:settings"),
+                           {**form, "allow_admin_approval": value}).status_code == 302
+        assert services.get_settings().allow_admin_approval is expected, value
+
+
 def test_settings_refuse_numbers_past_the_column_and_a_size_limit_past_the_servers_cap(
     client, world, settings
 ):

@@ -453,7 +453,14 @@ class SettingsView(ActionView):
             except ValueError:
                 what = "a whole number" if kind is int else "a number"
                 raise InvalidRequest(f"{name} must be {what}, not {raw[:40]!r}") from None
-        changes["allow_admin_approval"] = request.POST.get("allow_admin_approval") == "on"
+        # The checkbox sends "on", or nothing when unchecked; any other value (a script's "true")
+        # is refused rather than read as off.
+        approval = request.POST.get("allow_admin_approval", "").strip()
+        if approval not in ("", "on", "off"):
+            raise InvalidRequest(
+                f"allow_admin_approval must be on, off or absent (off), not {approval[:40]!r}"
+            )
+        changes["allow_admin_approval"] = approval == "on"
         before = get_settings()
         update_settings(actor_for(request), **changes)
         changed = [k for k, v in changes.items() if getattr(before, k) != v]
