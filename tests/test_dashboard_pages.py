@@ -232,6 +232,23 @@ def test_admin_may_approve_when_the_policy_allows(client, fed):
     assert f'<a href="{reverse("dashboard:overview")}" id="back">' in elsewhere.content.decode()
 
 
+@pytest.mark.parametrize("url", [
+    "/rounds/open/", "/rounds/2/close/", "/organizations/org-a/enroll/",
+    "/organizations/org-a/people/add/", "/conflicts/1/decide/",
+])
+def test_a_get_on_a_forms_action_is_a_page_that_says_so(client, fed, url):
+    """A form's action opened with a GET (a sign-in's ?next= after the session ran out, a
+    bookmark, a reload) was a blank 405: it says what the address is and leads back."""
+    login(client, fed, "operator")
+    before = AuditLog.objects.count()
+    response = client.get(url)
+    assert response.status_code == 405 and response["Allow"] == "POST"
+    body = html.unescape(response.content.decode())
+    assert "takes a POST" in body and "<h1>Not possible here</h1>" in body
+    assert f'<a href="{reverse("dashboard:overview")}" id="back">' in body
+    assert AuditLog.objects.count() == before
+
+
 def test_a_page_that_is_not_there_is_the_dashboards_not_found(client, fed, settings):
     settings.DEBUG = False  # as make demo serves it
     login(client, fed, "admin_a")

@@ -161,17 +161,19 @@ class ToolRegistryView(DashboardView):
 # The heading of a refused request's page, by its status (a refusal that is no one's mistake, such
 # as a round in the wrong state, is not a "bad request").
 REFUSAL_TITLES = {
-    400: "Bad request", 403: "Not allowed", 404: "Not found", 409: "Not possible now",
-    429: "Too many requests",
+    400: "Bad request", 403: "Not allowed", 404: "Not found", 405: "Not possible here",
+    409: "Not possible now", 429: "Too many requests",
 }
 
 
-def bad_request(request, message: str, nav_key: str | None = None, status: int = 400):
+def bad_request(
+    request, message: str, nav_key: str | None = None, status: int = 400, back: str | None = None
+):
     return render(
         request,
         "dashboard/bad_request.html",
         {"page_title": REFUSAL_TITLES.get(status, "Refused"), "message": message,
-         "nav_key": nav_key, "status": status, "back": back_url(request)},
+         "nav_key": nav_key, "status": status, "back": back or back_url(request)},
         status=status,
     )
 
@@ -210,6 +212,21 @@ class ActionView(DashboardView):
             return self.act(request, *args, **kwargs)
         except FederationError as error:
             return bad_request(request, str(error), self.nav_key, status=error.status_code)
+
+    def http_method_not_allowed(self, request, *args, **kwargs):
+        """A form's action opened otherwise (a sign-in's ?next= after the session ran out, a
+        bookmark): a page saying so, not a blank 405; back to the page it came from, if this
+        site's, else the overview (never this address again)."""
+        back = back_url(request)
+        response = bad_request(
+            request,
+            f"{request.path} is a form's action: it takes a POST from its page's button, not a "
+            f"{request.method}. Go back to the page and use the button there.",
+            self.nav_key, status=405,
+            back=reverse("dashboard:overview") if back == request.path else back,
+        )
+        response["Allow"] = ", ".join(self._allowed_methods())
+        return response
 
     def act(self, request, *args, **kwargs):  # pragma: no cover - every subclass defines it
         raise NotImplementedError
