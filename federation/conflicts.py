@@ -125,7 +125,8 @@ def decision_for(conflict: ConflictLogEntry) -> ConflictDecision | None:
 def decide_conflict(
     actor: Actor, conflict: ConflictLogEntry, action: str, text: str = ""
 ) -> ConflictDecision:
-    """Record (or replace) the decision on `conflict`; audited. Only the operator or an admin of
+    """Record (or replace) the decision on `conflict`; audited (the same decision again changes
+    and audits nothing). Only the operator or an admin of
     the conflict's organization may decide; a conflict of the server merge (between edges, no
     organization) is the operator's alone. An admin's right is checked under a lock of their
     membership row (services.require_admin_now): one demoted or deactivated a moment ago may no
@@ -162,6 +163,16 @@ def decide_conflict(
             raise InvalidRequest("the winning scenario must be the centroid or one of the dissenters")
     else:
         text = ""
+    standing = (
+        ConflictDecision.objects.select_for_update()
+        .filter(round_id=conflict.round_id, organization_id=conflict.organization_id,
+                tool_id=conflict.tool_id, centroid_id=conflict.centroid_id)
+        .first()
+    )
+    if standing is not None and (standing.action, standing.text) == (action, text):
+        # The same decision again (a double click, a reload that posts again): nothing changes,
+        # so nothing more is written to the append-only audit log.
+        return standing
     decision, _ = ConflictDecision.objects.update_or_create(
         round_id=conflict.round_id,
         organization_id=conflict.organization_id,

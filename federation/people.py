@@ -136,6 +136,9 @@ def add_person(
         user_model.username_validator(username)
     except ValidationError as exc:
         raise InvalidRequest(f"username {username!r}: {' '.join(exc.messages)}") from None
+    email_limit = user_model._meta.get_field("email").max_length
+    if len(email) > email_limit:
+        raise InvalidRequest(f"an e-mail address is at most {email_limit} characters, not {len(email)}")
     if email:
         try:
             validate_email(email)

@@ -758,6 +758,10 @@ def enroll_client(
     name = name.strip()
     if not name:
         raise InvalidRequest("a client needs a name")
+    for what, value in (("name", name), ("contact", contact)):
+        limit = Client._meta.get_field(what).max_length
+        if len(value) > limit:
+            raise InvalidRequest(f"a client's {what} is at most {limit} characters, not {len(value)}")
     if not actor.is_operator:
         limit = get_settings().enrollments_per_hour
         decision = ratelimit.hit(f"enroll:org:{organization.pk}", limit, 3600)

@@ -180,6 +180,41 @@ def test_admin_enrolls_and_operator_approves_with_the_token_shown_once(client, f
     assert token not in json.dumps(list(AuditLog.objects.values("details", "target_label")))
 
 
+@pytest.mark.parametrize(("url_name", "args", "data", "words"), [
+    ("dashboard:client-enroll", ["org-a"], {"name": "l" * 201}, "name is at most 200 characters"),
+    ("dashboard:client-enroll", ["org-a"], {"name": "lab-8", "contact": "c" * 255},
+     "contact is at most 254 characters"),
+    ("dashboard:client-enroll", ["org-a"], {"name": "lab-9", "description": "d" * 2001},
+     "description is at most 2000 characters"),
+    ("dashboard:organizations", [], {"name": "Org C", "description": "d" * 2001},
+     "description is at most 2000 characters"),
+    ("dashboard:person-add", ["org-a"],
+     # cut at 254 characters it would be another valid address, ending in "abcde"
+     {"username": "carol", "email": "carol@" + "abcdefgh." * 30 + "org"},
+     "e-mail address is at most 254 characters"),
+])
+def test_an_over_long_form_value_is_refused_not_cut(client, fed, url_name, args, data, words):
+    """A value longer than the form allows (a script, a pasted text) is a 400 naming the field:
+    cutting it would store a name, contact or address other than the one given."""
+    login(client, fed, "operator")
+    before = AuditLog.objects.count()
+    response = client.post(reverse(url_name, args=args), data)
+    assert response.status_code == 400 and words in response.content.decode()
+    assert AuditLog.objects.count() == before
+    assert not Client.objects.filter(name__startswith="l" * 20).exists()
+    assert not Client.objects.filter(name__in=["lab-8", "lab-9"]).exists()
+    assert not fed.org_a.memberships.filter(user__username="carol").exists()
+
+
+def test_an_over_long_revoke_reason_is_refused_and_the_client_stays(client, fed):
+    login(client, fed, "admin_a")
+    url = reverse("dashboard:client-action", args=["org-a", fed.client_a.pk, "revoke"])
+    response = client.post(url, {"reason": "r" * 501})
+    assert response.status_code == 400 and "reason is at most 500 characters" in response.content.decode()
+    fed.client_a.refresh_from_db()
+    assert fed.client_a.status == "approved" and not AuditLog.objects.filter(action="client.revoke").exists()
+
+
 def test_admin_may_approve_when_the_policy_allows(client, fed):
     services.update_settings(SYSTEM, allow_admin_approval=True)
     login(client, fed, "admin_a")
@@ -195,6 +230,23 @@ def test_admin_may_approve_when_the_policy_allows(client, fed):
     assert f'<a href="{page}" id="back">Back</a>' in again.content.decode()
     elsewhere = client.post(url, HTTP_REFERER="https://evil.example/")
     assert f'<a href="{reverse("dashboard:overview")}" id="back">' in elsewhere.content.decode()
+
+
+@pytest.mark.parametrize("url", [
+    "/rounds/open/", "/rounds/2/close/", "/organizations/org-a/enroll/",
+    "/organizations/org-a/people/add/", "/conflicts/1/decide/",
+])
+def test_a_get_on_a_forms_action_is_a_page_that_says_so(client, fed, url):
+    """A form's action opened with a GET (a sign-in's ?next= after the session ran out, a
+    bookmark, a reload) was a blank 405: it says what the address is and leads back."""
+    login(client, fed, "operator")
+    before = AuditLog.objects.count()
+    response = client.get(url)
+    assert response.status_code == 405 and response["Allow"] == "POST"
+    body = html.unescape(response.content.decode())
+    assert "takes a POST" in body and "<h1>Not possible here</h1>" in body
+    assert f'<a href="{reverse("dashboard:overview")}" id="back">' in body
+    assert AuditLog.objects.count() == before
 
 
 def test_a_page_that_is_not_there_is_the_dashboards_not_found(client, fed, settings):
@@ -693,6 +745,31 @@ def test_admin_accepts_edits_picks_and_dismisses(client, fed):
     assert "Paris" not in str([e.details for e in audited])
     page = client.get(reverse("dashboard:conflicts")).content.decode()
     assert "decided: dismiss" in page
+
+
+@pytest.mark.parametrize("data", [
+    {"action": "accept"},
+    {"action": "edit", "text": "Ask for the city first"},
+    {"action": "scenario", "scenario": "Rain in Paris without a city"},
+    {"action": "dismiss"},
+])
+def test_a_decision_posted_twice_is_recorded_and_audited_once(client, fed, data):
+    """A double click (or a reload that posts again) repeats the same decision: nothing changes,
+    so nothing more is written to the append-only audit log; a different decision still is."""
+    url = reverse("dashboard:conflict-decide", args=[conflict_of(fed, fed.org_a).pk])
+    login(client, fed, "admin_a")
+    assert client.post(url, data).status_code == 302
+    assert client.post(url, {**data, "text": f"  {data.get('text', '')} "}).status_code == 302
+    login(client, fed, "operator")
+    assert client.post(url, data).status_code == 302  # the same decision confirmed: unchanged
+    decision = ConflictDecision.objects.get()
+    assert decision.action == data["action"] and decision.decided_by == fed.admin_a
+    audited = AuditLog.objects.filter(action="conflict.decide")
+    assert [e.details["action"] for e in audited] == [data["action"]]
+    other = "dismiss" if data["action"] != "dismiss" else "accept"
+    assert client.post(url, {"action": other}).status_code == 302
+    assert [e.details["action"] for e in audited.order_by("id")] == [data["action"], other]
+    assert ConflictDecision.objects.get().decided_by == fed.operator
 
 
 @pytest.mark.parametrize("data,word", [
@@ -1375,6 +1452,28 @@ def test_who_may_decide_a_conflict_is_one_rule_for_the_page_and_the_service(fed)
         for org in (None, fed.org_a.pk)
     }
     assert allowed == {None: [True, False, False, False], fed.org_a.pk: [True, True, False, False]}
+
+
+@pytest.mark.parametrize("raw", ["true", "yes", "checked", "1"])
+def test_an_unknown_admin_approval_value_is_refused_not_read_as_off(client, world, raw):
+    """The checkbox sends "on" or nothing; a script's "true" was read as off and turned admin
+    approval off while saying "Settings saved"."""
+    services.update_settings(SYSTEM, allow_admin_approval=True)
+    current = services.get_settings()
+    form = {name: str(getattr(current, name)) for name in (
+        "epsilon_budget", "delta_prime", "max_submission_bytes", "submissions_per_minute",
+        "enrollments_per_hour")}
+    client.force_login(world.operator)
+    before = AuditLog.objects.count()
+    refused = client.post(reverse("dashboard:settings"), {**form, "allow_admin_approval": raw})
+    assert refused.status_code == 400
+    assert "allow_admin_approval must be" in html.unescape(refused.content.decode())
+    assert services.get_settings().allow_admin_approval is True
+    assert AuditLog.objects.count() == before
+    for value, expected in (("off", False), ("on", True), ("", False)):
+        assert client.post(reverse("dashboard:settings"),
+                           {**form, "allow_admin_approval": value}).status_code == 302
+        assert services.get_settings().allow_admin_approval is expected, value
 
 
 def test_settings_refuse_numbers_past_the_column_and_a_size_limit_past_the_servers_cap(

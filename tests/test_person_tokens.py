@@ -87,3 +87,16 @@ def test_bad_label_and_anonymous_visitor(world):
     assert anonymous.status_code == 302 and anonymous["Location"].startswith(reverse("login"))
     assert BrowserClient().post(PAGE, {"label": "x"}).status_code == 302
     assert not UserToken.objects.exists()
+
+
+@pytest.mark.parametrize("action", ["Revoke", "revoke ", "delete", "bogus"])
+def test_an_unknown_action_is_refused_and_issues_nothing(world, action):
+    """A mistyped revoke (a script's `Revoke`, a trailing blank) must not issue a fresh token
+    while the one it meant to stop keeps working."""
+    token = services.issue_user_token(services.Actor.for_user(world.member_a), world.member_a)
+    row = UserToken.objects.get(user=world.member_a)
+    response = browser(world.member_a).post(PAGE, {"action": action, "token": str(row.pk)})
+    assert response.status_code == 400 and "action must be" in response.content.decode()
+    assert UserToken.objects.filter(user=world.member_a).count() == 1
+    assert AuditLog.objects.filter(action=AuditLog.Action.TOKEN_ISSUE).count() == 1
+    assert calls_api(token) == 200  # nothing revoked either: the refusal says so

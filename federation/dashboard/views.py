@@ -161,17 +161,19 @@ class ToolRegistryView(DashboardView):
 # The heading of a refused request's page, by its status (a refusal that is no one's mistake, such
 # as a round in the wrong state, is not a "bad request").
 REFUSAL_TITLES = {
-    400: "Bad request", 403: "Not allowed", 404: "Not found", 409: "Not possible now",
-    429: "Too many requests",
+    400: "Bad request", 403: "Not allowed", 404: "Not found", 405: "Not possible here",
+    409: "Not possible now", 429: "Too many requests",
 }
 
 
-def bad_request(request, message: str, nav_key: str | None = None, status: int = 400):
+def bad_request(
+    request, message: str, nav_key: str | None = None, status: int = 400, back: str | None = None
+):
     return render(
         request,
         "dashboard/bad_request.html",
         {"page_title": REFUSAL_TITLES.get(status, "Refused"), "message": message,
-         "nav_key": nav_key, "status": status, "back": back_url(request)},
+         "nav_key": nav_key, "status": status, "back": back or back_url(request)},
         status=status,
     )
 
@@ -191,6 +193,15 @@ def actor_for(request) -> Actor:
     return Actor.for_user(request.user, client_ip(request))
 
 
+def posted_text(request, name: str, limit: int) -> str:
+    """A form's text field, refused (400 naming it) when longer than `limit`: cut, it would store
+    something other than what was given."""
+    value = request.POST.get(name, "")
+    if len(value) > limit:
+        raise InvalidRequest(f"{name} is at most {limit} characters, not {len(value)}")
+    return value
+
+
 class ActionView(DashboardView):
     """A POST-only page action (CSRF by the middleware): a federation error becomes its 4xx page."""
 
@@ -201,6 +212,21 @@ class ActionView(DashboardView):
             return self.act(request, *args, **kwargs)
         except FederationError as error:
             return bad_request(request, str(error), self.nav_key, status=error.status_code)
+
+    def http_method_not_allowed(self, request, *args, **kwargs):
+        """A form's action opened otherwise (a sign-in's ?next= after the session ran out, a
+        bookmark): a page saying so, not a blank 405; back to the page it came from, if this
+        site's, else the overview (never this address again)."""
+        back = back_url(request)
+        response = bad_request(
+            request,
+            f"{request.path} is a form's action: it takes a POST from its page's button, not a "
+            f"{request.method}. Go back to the page and use the button there.",
+            self.nav_key, status=405,
+            back=reverse("dashboard:overview") if back == request.path else back,
+        )
+        response["Allow"] = ", ".join(self._allowed_methods())
+        return response
 
     def act(self, request, *args, **kwargs):  # pragma: no cover - every subclass defines it
         raise NotImplementedError
@@ -222,7 +248,7 @@ class OrganizationListView(ActionView):
             actor_for(request),
             request.POST.get("name", ""),
             request.POST.get("slug", "").strip(),
-            request.POST.get("description", "")[:2000],
+            posted_text(request, "description", 2000),
         )
         messages.success(
             request,
@@ -285,9 +311,9 @@ class OrganizationActionView(ActionView, OrganizationView):
         token = None
         if action == "enroll":
             client = enroll_client(
-                actor, organization, request.POST.get("name", "")[:200],
-                description=request.POST.get("description", "")[:2000],
-                contact=request.POST.get("contact", "")[:254],
+                actor, organization, request.POST.get("name", ""),
+                description=posted_text(request, "description", 2000),
+                contact=request.POST.get("contact", ""),
             )
             messages.success(request, f"Client {client.name} enrolled; it waits for approval.")
         else:
@@ -297,7 +323,7 @@ class OrganizationActionView(ActionView, OrganizationView):
             elif action == "rotate":
                 token = rotate_client_token(actor, client).token
             elif action == "revoke":
-                revoke_client(actor, client, request.POST.get("reason", "")[:500])
+                revoke_client(actor, client, posted_text(request, "reason", 500))
                 messages.success(request, f"Client {client.name} revoked; its token stops working.")
             else:
                 raise Http404("unknown action")
@@ -321,9 +347,9 @@ class PersonActionView(ActionView, OrganizationView):
             issued = people.add_person(
                 actor,
                 organization,
-                request.POST.get("username", "")[:200],
+                request.POST.get("username", ""),
                 request.POST.get("role", Membership.Role.MEMBER),
-                request.POST.get("email", "")[:254],
+                request.POST.get("email", ""),
             )
         else:
             membership = get_object_or_404(
@@ -375,7 +401,14 @@ class TokensView(ActionView):
 
     def act(self, request):
         actor = actor_for(request)
-        if request.POST.get("action") == "revoke":
+        action = request.POST.get("action", "")
+        if action not in ("", "issue", "revoke"):
+            # A mistyped revoke must not issue a token while the one meant to stop keeps working.
+            raise InvalidRequest(
+                f"action must be revoke (with token), or issue or none to issue a token, "
+                f"not {action[:40]!r}"
+            )
+        if action == "revoke":
             raw = request.POST.get("token", "")
             if not raw.isascii() or not raw.isdigit() or len(raw) > 18:
                 raise InvalidRequest("token must name one of your tokens")
@@ -437,7 +470,14 @@ class SettingsView(ActionView):
             except ValueError:
                 what = "a whole number" if kind is int else "a number"
                 raise InvalidRequest(f"{name} must be {what}, not {raw[:40]!r}") from None
-        changes["allow_admin_approval"] = request.POST.get("allow_admin_approval") == "on"
+        # The checkbox sends "on", or nothing when unchecked; any other value (a script's "true")
+        # is refused rather than read as off.
+        approval = request.POST.get("allow_admin_approval", "").strip()
+        if approval not in ("", "on", "off"):
+            raise InvalidRequest(
+                f"allow_admin_approval must be on, off or absent (off), not {approval[:40]!r}"
+            )
+        changes["allow_admin_approval"] = approval == "on"
         before = get_settings()
         update_settings(actor_for(request), **changes)
         changed = [k for k, v in changes.items() if getattr(before, k) != v]
