@@ -21,7 +21,7 @@ from typing import Any, NamedTuple
 from django.conf import settings
 from django.contrib.auth import get_user_model
 from django.db import IntegrityError, OperationalError, connection, transaction
-from django.db.models import QuerySet, Sum
+from django.db.models import Q, QuerySet, Sum
 from django.utils import timezone
 from django.utils.dateparse import parse_datetime
 from django.utils.text import slugify
@@ -689,6 +689,14 @@ def create_organization(
         )
     if len(slug) > slug_limit:
         raise InvalidRequest(f"an organization's slug is at most {slug_limit} characters")
+    # Told apart by case alone, two organizations would be one to whoever reads or types them
+    # ("ORG-A" next to "org-a", "Acme" next to "ACME").
+    same = Organization.objects.filter(Q(slug__iexact=slug) | Q(name__iexact=name)).first()
+    if same is not None and (same.slug != slug and same.name != name):
+        raise Conflict(
+            f"the organization {same.name!r} (slug {same.slug!r}) differs from {name!r} (slug "
+            f"{slug!r}) only in case; choose another name and slug"
+        )
     try:
         with transaction.atomic():
             org = Organization.objects.create(name=name, slug=slug, description=description)
@@ -726,6 +734,9 @@ def rename_organization(
     previous = org.name
     if name == previous:
         return org
+    other = Organization.objects.filter(name__iexact=name).exclude(pk=org.pk).first()
+    if other is not None and other.name != name:
+        raise Conflict(f"the organization {other.name!r} differs from {name!r} only in case; choose another name")
     org.name = name
     try:
         with transaction.atomic():

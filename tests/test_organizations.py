@@ -246,3 +246,30 @@ def test_others_see_no_rename_form_and_cannot_rename(client, world, role, status
     response = client.post(reverse("dashboard:organization-rename", args=["org-a"]), {"name": "Mine"})
     assert response.status_code == status
     assert Organization.objects.get(pk=world.org_a.pk).name == "Org A" and not renames().exists()
+
+
+@pytest.mark.parametrize(
+    ("body", "clash"),
+    [
+        ({"name": "Elsewhere", "slug": "ORG-B"}, "'org-b'"),
+        ({"name": "ORG B", "slug": "elsewhere"}, "'Org B'"),
+    ],
+)
+def test_an_organization_that_differs_from_another_only_in_case_is_refused(world, body, clash):
+    """'ORG-B' was created next to 'org-b' (and 'ORG B' next to 'Org B'): two organizations
+    that read and type as one."""
+    response = person_api(world.operator).post(ORGANIZATIONS, body, format="json")
+    assert response.status_code == 409, response.content
+    assert "only in case" in response.json()["detail"] and clash in response.json()["detail"]
+    assert Organization.objects.count() == 2
+
+
+def test_a_rename_to_another_organizations_name_in_other_case_is_refused(world):
+    org_a = Organization.objects.get(slug="org-a")
+    response = person_api(world.operator).patch(f"{ORGANIZATIONS}{org_a.pk}/", {"name": "org b"}, format="json")
+    assert response.status_code == 409 and "only in case" in response.json()["detail"], response.content
+    org_a.refresh_from_db()
+    assert org_a.name != "org b"
+    # its own name in another case is a rename like any other
+    assert person_api(world.operator).patch(
+        f"{ORGANIZATIONS}{org_a.pk}/", {"name": org_a.name.upper()}, format="json").status_code == 200
