@@ -1042,6 +1042,18 @@ def _add_server_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--backoff", type=float, default=0.5, help="first retry delay, seconds")
 
 
+def _strength(value: str) -> float:
+    """--lambda's type: a masking strength argparse refuses (usage, error, status 2) unless it is
+    a finite number >= 0."""
+    try:
+        strength = float(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"invalid float value: {value!r}") from None
+    if not (math.isfinite(strength) and strength >= 0):
+        raise argparse.ArgumentTypeError(f"must be a finite number >= 0, not {value}")
+    return strength
+
+
 def _add_build_options(
     parser: argparse.ArgumentParser,
     lambda_default: float | None = 1.0,
@@ -1052,7 +1064,7 @@ def _add_build_options(
 ) -> None:
     """The options of `build`, shared with `participate`."""
     parser.add_argument(
-        "--lambda", dest="strength", type=float, default=lambda_default,
+        "--lambda", dest="strength", type=_strength, default=lambda_default,
         help=lambda_help,
     )
     parser.add_argument("--seed", type=int, default=0, help="seed for masking and cap tie-breaks")
@@ -1126,7 +1138,7 @@ def build_parser() -> argparse.ArgumentParser:
     validate.add_argument("compendium")
     validate.add_argument("--schema", required=True, help="schema.json (python manage.py export_schema)")
     validate.add_argument(
-        "--lambda", dest="strength", type=float, default=None,
+        "--lambda", dest="strength", type=_strength, default=None,
         help="check the text as the server does against a round expecting this λ: nothing "
         "masking at λ removes from any text (names, numbers, identifiers, contact details) may "
         "remain (default: the λ the compendium records)",
@@ -1240,9 +1252,6 @@ def main(argv: list[str] | None = None) -> int:
     from compendium.client_api import ClientError
 
     args = build_parser().parse_args(argv)
-    if (getattr(args, "strength", 0) or 0) < 0:
-        print(f"{PROG}: --lambda must be >= 0", file=sys.stderr)
-        return 2
     try:
         return args.func(args)
     except (CliError, ClientError) as exc:

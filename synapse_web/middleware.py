@@ -108,17 +108,39 @@ def server_error(request, template_name=defaults.ERROR_500_TEMPLATE_NAME):
     return defaults.server_error(request, template_name)
 
 
+def _body_too_big() -> JsonResponse:
+    return JsonResponse(
+        {"detail": f"the request body is over {settings.DATA_UPLOAD_MAX_MEMORY_SIZE} "
+                   "bytes, the server's limit for one request: send less (a routing "
+                   "batch: fewer queries)"},
+        status=413,
+    )
+
+
 def bad_request(request, exception, template_name=defaults.ERROR_400_TEMPLATE_NAME):
     """handler400 (a SuspiciousOperation or BadRequest that no view answered): JSON under /api/,
     where a body past DATA_UPLOAD_MAX_MEMORY_SIZE (one that DRF or Django read whole, as a
     routing batch) is a 413 naming the limit; Django's page elsewhere."""
     if is_api(request):
         if isinstance(exception, RequestDataTooBig):
-            return JsonResponse(
-                {"detail": f"the request body is over {settings.DATA_UPLOAD_MAX_MEMORY_SIZE} "
-                           "bytes, the server's limit for one request: send less (a routing "
-                           "batch: fewer queries)"},
-                status=413,
-            )
+            return _body_too_big()
         return JsonResponse({"detail": "bad request"}, status=400)
     return defaults.bad_request(request, exception, template_name)
+
+
+class ApiBodyTooBigMiddleware:
+    """A view under /api/ that reads a body past DATA_UPLOAD_MAX_MEMORY_SIZE answers the JSON
+    413 naming the limit with DEBUG on too. `handler400` says so only with DEBUG off: with DEBUG
+    on Django answers a SuspiciousOperation with its HTML debug page, status 400 (the default
+    configuration, `runserver`, where client developers try the API)."""
+
+    def __init__(self, get_response):
+        self.get_response = get_response
+
+    def __call__(self, request):
+        return self.get_response(request)
+
+    def process_exception(self, request, exception):
+        if isinstance(exception, RequestDataTooBig) and is_api(request):
+            return _body_too_big()
+        return None

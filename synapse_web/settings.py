@@ -175,6 +175,8 @@ MIDDLEWARE = [
     # A 404 under /api/ is JSON {"detail": ...}, with DEBUG too (after CommonMiddleware: its
     # trailing-slash redirect still sees the 404).
     "synapse_web.middleware.ApiJsonNotFoundMiddleware",
+    # A body past DATA_UPLOAD_MAX_MEMORY_SIZE under /api/ is a JSON 413, with DEBUG too.
+    "synapse_web.middleware.ApiBodyTooBigMiddleware",
     "django.middleware.csrf.CsrfViewMiddleware",
     "django.contrib.auth.middleware.AuthenticationMiddleware",
     "django.contrib.messages.middleware.MessageMiddleware",

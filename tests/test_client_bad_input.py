@@ -66,6 +66,29 @@ def test_bad_network_options_are_refused_before_any_request(capsys, flag, value,
     assert code == 1 and err == [f"synapse-client: {message}"]
 
 
+@pytest.mark.parametrize("command", ["build", "validate", "participate"])
+@pytest.mark.parametrize("value", ["-1", "nan", "inf"])
+def test_a_lambda_no_masking_can_use_is_a_usage_error(tmp_path, capsys, command, value):
+    """README: a negative --lambda gets the usage and the error, status 2, as anything argparse
+    cannot parse. Before, main() printed one line without the usage for a negative one, and a NaN
+    or infinite one was an ordinary error (status 1) found only once the command had begun."""
+    args = {
+        "build": ["build", "--log", "u.jsonl", "--schema", "s.json", "--out", "o.json"],
+        "validate": ["validate", "c.json", "--schema", "s.json"],
+        "participate": ["participate", "--log", "u.jsonl", "--dir", str(tmp_path),
+                        "--server", NOWHERE, "--token", TOKEN],
+    }[command]
+    with pytest.raises(SystemExit) as stopped:
+        main(args + ["--lambda", value])
+    err = capsys.readouterr().err
+    assert stopped.value.code == 2
+    assert err.startswith(f"usage: synapse-client {command} ")
+    assert err.strip().splitlines()[-1] == (
+        f"synapse-client {command}: error: argument --lambda: must be a finite number >= 0, "
+        f"not {value}"
+    )
+
+
 @pytest.mark.parametrize("server", ["http://[::1", "http://", "http://synapse..example"])
 def test_the_cli_reports_a_bad_server_url_in_one_line(capsys, server):
     assert main(["status", "--server", server, "--token", TOKEN]) == 1

@@ -487,6 +487,22 @@ def test_route_api_takes_json_only_and_its_document_says_so(data, api):
         assert "415" in operation["responses"], path
 
 
+def test_a_body_over_the_request_limit_is_a_json_413_with_debug_on(data, api, settings):
+    """The README's 413 (JSON, naming the limit) holds with DEBUG on, the default configuration
+    (`runserver`, where client developers try the API): before, handler400 made it only with
+    DEBUG off, and with DEBUG on a routing batch past the limit got Django's HTML debug page,
+    status 400."""
+    http, raw, _ = api
+    _publish(data, with_client_copy=False)
+    settings.DEBUG = True
+    settings.DATA_UPLOAD_MAX_MEMORY_SIZE = 10_000
+    body = json.dumps({"queries": ["天" * 500] * 4})  # ascii-escaped: 12,000+ bytes
+    response = _post(http, "/api/v1/route/batch/", body, raw)
+    assert response.status_code == 413, response.content[:200]
+    assert response["Content-Type"].startswith("application/json")
+    assert "10000 bytes" in response.json()["detail"]
+
+
 def test_a_body_over_the_request_limit_is_a_json_413(data, api, settings):
     """A batch body past DATA_UPLOAD_MAX_MEMORY_SIZE (escaped non-Latin text is six bytes a
     character) is a JSON 413 naming the limit, not Django's HTML 400 page."""
