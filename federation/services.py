@@ -514,9 +514,15 @@ def issue_routing_token(actor: Actor, name: str) -> str:
     limit = RoutingToken._meta.get_field("name").max_length
     if len(name) > limit:
         raise InvalidRequest(f"a routing token's name is at most {limit} characters, not {len(name)}")
-    if RoutingToken.objects.filter(name=name).exists():
-        raise Conflict(f"a routing token named {name!r} exists; pick another name")
-    row, raw = RoutingToken.issue(name)
+    row = RoutingToken.objects.select_for_update().filter(name=name).first()
+    if row is not None and not row.revoked:
+        raise Conflict(f"a routing token named {name!r} exists; revoke it first to replace it, or pick another name")
+    if row is None:
+        row, raw = RoutingToken.issue(name)
+    else:
+        # A revoked name is issued again (an application's leaked token replaced): the same row,
+        # so its audit entries stay together, with a new secret; the old one stays refused.
+        raw = row.reissue()
     audit(actor, AuditLog.Action.TOKEN_ISSUE, target=row, target_label=name,
           details={"routing_token": name})
     return raw

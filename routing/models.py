@@ -32,6 +32,14 @@ class RoutingToken(models.Model):
         raw = "rt_" + secrets.token_urlsafe(32)
         return cls.objects.create(name=name, token_hash=hash_token(raw)), raw
 
+    def reissue(self) -> str:
+        """A new secret for this (revoked) token's name, in force at once; the old one stays
+        refused. Returned once and never stored."""
+        raw = "rt_" + secrets.token_urlsafe(32)
+        self.token_hash, self.revoked = hash_token(raw), False
+        self.save(update_fields=["token_hash", "revoked"])
+        return raw
+
 
 class RoutingCall(models.Model):
     """One routing call's latency, inserted in batches from an in-memory buffer."""

@@ -104,6 +104,33 @@ def test_routing_token_issue_and_revoke_are_audited_without_the_token():
     assert AuditLog.objects.count() == 2
 
 
+def test_a_revoked_routing_token_name_is_issued_again_with_a_new_secret():
+    """An operator replacing an application's leaked token revoked it, then was told the name
+    'exists; pick another name'. The name is issued again: the new token routes, the old one
+    stays refused, and both issues are audited on the one row."""
+    from routing.authentication import RoutingTokenAuthentication
+    from routing.models import RoutingToken
+
+    old = run("routing_token", "my-app").strip()
+    with pytest.raises(CommandError, match="revoke it first"):
+        run("routing_token", "my-app")
+    run("routing_token", "my-app", "--revoke")
+    new = run("routing_token", "my-app").strip()
+    assert new.startswith("rt_") and new != old
+    row = RoutingToken.objects.get(name="my-app")
+    assert not row.revoked
+    assert list(AuditLog.objects.order_by("pk").values_list("action", "target_id")) == [
+        ("token.issue", str(row.pk)), ("token.revoke", str(row.pk)), ("token.issue", str(row.pk))]
+    from rest_framework.test import APIRequestFactory
+
+    def caller(token):
+        request = APIRequestFactory().get("/", HTTP_AUTHORIZATION=f"Bearer {token}")
+        return RoutingTokenAuthentication().authenticate(request)
+
+    assert caller(new)[1].pk == row.pk
+    assert caller(old) is None  # refused: left to the next authenticator, which answers 401
+
+
 @pytest.mark.parametrize("revoke", [False, True])
 def test_routing_token_refuses_a_name_that_is_not_utf8_in_one_line(revoke):
     from routing.models import RoutingToken
