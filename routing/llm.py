@@ -212,7 +212,8 @@ class OpenAICompatibleLLM:
             return response
         reason = (
             f"LLM endpoint {url} is down: {last} after {self.retries + 1} attempts; "
-            "check SYNAPSE_LLM_BASE_URL or unset it to route without an LLM"
+            "check the endpoint's URL (the server's SYNAPSE_LLM_BASE_URL, synapse-client's "
+            "--llm-url) or route without an LLM"
         )
         if self.pause > 0:
             self._down = (self._clock() + self.pause, reason)

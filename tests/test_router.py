@@ -319,7 +319,8 @@ def test_an_endpoint_found_down_is_not_asked_again_for_a_pause_and_a_garbled_ans
         clock = [100.0]
         llm._clock = lambda: clock[0]
         server.status = 503
-        with pytest.raises(LLMUnavailable, match="is down: HTTP 503 after 2 attempts"):
+        # names where its URL comes from on the server and in the client (was the server's alone)
+        with pytest.raises(LLMUnavailable, match="is down: HTTP 503 after 2 attempts; .*SYNAPSE_LLM_BASE_URL.*--llm-url"):
             llm.complete("Which option?")
         assert len(server.requests) == 2
         router = Router(_currency_compendium(False), engine, "llm", params=RoutingParams(), llm=llm)
