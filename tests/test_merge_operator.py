@@ -18,6 +18,7 @@ from federation.merge import (
     server_merge,
 )
 from federation.merge.clustering import Item, decide_cluster, flags_satisfiable, greedy_cluster
+from federation.merge.operator import noise_dominated
 from federation.merge.robust import byzantine_count
 from federation.round_config import RoundConfig
 from routing.embeddings import get_engine
@@ -1274,3 +1275,29 @@ def test_the_global_leaves_out_figures_its_noise_spans_the_whole_range(schema, e
     result = server_merge(edges, schema, RoundConfig(), embed=embed, noise_scales=scales)
     weather = {m.tool_id: m.stats for m in result.compendium.metadata}["weather"]
     assert weather["success_rate"] == pytest.approx(0.5) and result.stats.stats_withheld == 1
+
+
+@pytest.mark.parametrize("rule", ["trimmed-mean", "krum"])
+def test_under_a_robust_rule_no_released_statistic_is_one_the_global_would_withhold(
+    schema, embed, rule
+):
+    """With a robust rule the edge's mean is trimmed: K − 2f of K values, noise Δ/((K−2f)·ε_j).
+    Drowned fields were judged at Δ/(K·ε_j), so a field whose trimmed release spans its whole
+    range was still released and charged, and the global left it out: ε spent for nothing. Ten
+    clients at f share 0.2 (ε_j = 1/8): success_rate (range 1, Δ 1) keeps 6, scale 4/3 ≥ 1; an
+    edge of 9 would keep 7 (scale 8/7 ≥ 1), the most any edge of at most 10 keeps."""
+    config = RoundConfig(epsilon=2.0, robust_rule=rule, trim_fraction=0.2)
+    drowned = drowned_fields(schema, config, 10, 1)
+    assert "success_rate" in drowned
+    assert "success_rate" not in drowned_fields(schema, RoundConfig(epsilon=2.0), 10, 1)
+    for k in range(1, 11):  # every edge a round of at most 10 clients an edge can have
+        result = edge_merge(_numeric_subs([0.5] * k), schema, config, embed=embed, seed=3,
+                            drowned=drowned)
+        specs = schema.fields_by_name
+        assert not [(e.tool_id, e.field) for e in result.ledger
+                    if noise_dominated(e.noise_scale, specs[e.field].min, specs[e.field].max)]
+    # the bound is the best any edge of at most K gets, not the K−2f of K itself: 9 keeps 7 of 9,
+    # more than 10 keeps (6), so a field useful only at 7 kept is not drowned at K = 10
+    assert max(k - 2 * byzantine_count(k, 0.2) for k in range(1, 11)) == 7
+    assert "success_rate" not in drowned_fields(
+        schema, RoundConfig(epsilon=2.0 * 8 / 7 * 1.01, robust_rule=rule, trim_fraction=0.2), 10, 1)

@@ -48,7 +48,7 @@ from federation.merge.clustering import (
 )
 from federation.merge.llm import OpenAICompatibleLLM, consistency_probe
 from federation.merge.privacy import BudgetExceeded, laplace_release, laplace_scale, round_spend
-from federation.merge.robust import byzantine_count, robust_batches, robust_keep
+from federation.merge.robust import byzantine_count, most_kept, robust_batches, robust_keep
 from federation.merge.summarize import (
     SUMMARY_SCHEMA,
     Cluster,
@@ -621,7 +621,8 @@ def drowned_fields(
     schema: Schema, config: RoundConfig, most_contributors: int, edges: int
 ) -> frozenset[str]:
     """The numeric fields that no release of a round can make useful: even from the edge with the
-    most contributors (`most_contributors`, an upper bound on any edge's K) and averaged over
+    most contributors (`most_contributors`, an upper bound on any edge's K; under a robust rule
+    the most values any edge's trimmed mean keeps, `robust.most_kept`) and averaged over
     `edges` edges at best (equal weights, the narrowest the server's average gets: Σ w_i² ≥ 1/E),
     the published figure's noise spans the field's range (`noise_dominated`), so the global
     compendium would leave it out. Edges do not release these (no noise drawn, no ε spent, no
@@ -632,10 +633,13 @@ def drowned_fields(
     if not fields or not schema.tools or most_contributors < 1 or edges < 1:
         return frozenset()
     eps_j = config.per_field_epsilon(len(schema.tools) * len(fields), fields_per_tool=len(fields))
+    # Under a robust rule an edge averages the K − 2f values its trimmed mean keeps.
+    kept = (most_contributors if config.robust_rule == "none"
+            else most_kept(most_contributors, config.trim_fraction))
     return frozenset(
         spec.name for spec in fields
         if noise_dominated(
-            laplace_scale(spec.sensitivity, most_contributors, eps_j) / math.sqrt(edges),
+            laplace_scale(spec.sensitivity, kept, eps_j) / math.sqrt(edges),
             spec.min, spec.max,
         )
     )
