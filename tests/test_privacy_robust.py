@@ -136,3 +136,16 @@ def test_round_spend_under_a_field_cap_charges_each_tool_all_its_fields():
     assert round_spend([0.125] * 12, 2, tools) == pytest.approx(1.5)  # only 3 tools
     uneven = [0.5] * 4 + [0.25] * 4 + [0.125] * 4
     assert round_spend(uneven, 1, tools) == pytest.approx(2.0 + 1.0)  # the two largest tools
+
+
+def test_byzantine_count_is_the_floor_of_the_share_as_written():
+    """f = ⌊share·n⌋ of the share the operator wrote: 0.29 of 100 sources is 29, but 0.29·100 is
+    28.999999999999996 in floating point, and the floor of that trimmed one too few each side
+    (0.35 of 180, 0.29 of 200 likewise)."""
+    assert byzantine_count(100, 0.29) == 29
+    assert byzantine_count(180, 0.35) == 63
+    assert byzantine_count(200, 0.29) == 58
+    assert byzantine_count(3, 1 / 3) == 1 and byzantine_count(10, 0.1) == 1
+    assert byzantine_count(9, 0.1) == 0 and byzantine_count(4, 0.25) == 1
+    assert byzantine_count(4, 0.49) == 1  # at most (n − 1) // 2: something is always kept
+    assert byzantine_count(1, 0.4) == 0 and byzantine_count(0, 0.4) == 0
