@@ -1301,3 +1301,39 @@ def test_under_a_robust_rule_no_released_statistic_is_one_the_global_would_withh
     assert max(k - 2 * byzantine_count(k, 0.2) for k in range(1, 11)) == 7
     assert "success_rate" not in drowned_fields(
         schema, RoundConfig(epsilon=2.0 * 8 / 7 * 1.01, robust_rule=rule, trim_fraction=0.2), 10, 1)
+
+
+@pytest.mark.parametrize("rule", ["krum", "trimmed-mean"])
+def test_the_robust_rule_inside_a_cluster_does_not_judge_the_carried_forward_global(
+    schema, embed, rule
+):
+    """The carried-forward global is the last published compendium, no source's submission: the
+    rule across sources leaves it out, but inside a cluster it was one more member, so three edges'
+    paraphrases outvoted it and a scenario's support accumulated over rounds (50) fell to this
+    round's (6). It stays a member and keeps its support; the rule judges the edges' members."""
+    previous = Compendium.model_validate({
+        "schema_version": "1.0",
+        "scenarios": [{**sc("weather", "Is rain expected tomorrow in Paris?"), "support": 50}],
+    })
+    edges = [
+        MergeInput(f"org:{i}", Compendium.model_validate({
+            "schema_version": "1.0", "scenarios": [{**sc("weather", text), "support": 2}]}))
+        for i, text in enumerate(["Will it rain tomorrow in Paris?",
+                                  "Will it rain tomorrow in Paris",
+                                  "will it rain tomorrow in paris?"])
+    ]
+    config = RoundConfig(summarizer="centroid", robust_rule=rule, trim_fraction=0.25, tau=0.8)
+    result = server_merge(edges, schema, config, embed=embed, previous=previous, source_limit=2.0)
+    [weather] = [s for s in result.compendium.scenarios if s.tool_id == "weather"]
+    assert weather.support == 56
+    assert result.stats.robust_dropped == 0  # f = ⌊0.25·3⌋ = 0 over the three edges' members
+    # A fourth edge makes f = 1: the rules still judge the edges (across sources Krum drops one
+    # edge's batch, the trimmed mean two) and the carried scenario keeps its 50.
+    edges.append(MergeInput("org:3", Compendium.model_validate({
+        "schema_version": "1.0",
+        "scenarios": [{**sc("weather", "Is it going to rain in Paris tomorrow?"), "support": 2}]})))
+    result = server_merge(edges, schema, config, embed=embed, previous=previous, source_limit=2.0)
+    [weather] = [s for s in result.compendium.scenarios if s.tool_id == "weather"]
+    dropped = {"krum": 1, "trimmed-mean": 2}[rule]
+    assert result.stats.robust_dropped == dropped
+    assert weather.support == 50 + 2 * (4 - dropped)

@@ -874,10 +874,15 @@ def _cluster_scenarios(items: list[Item], config: RoundConfig, probe: Consistenc
         matrix = np.stack([i.vector for i in group])
         for cluster in greedy_cluster(matrix, config.tau):
             members = [group[i] for i in cluster]
-            keep = robust_keep(np.stack([m.vector for m in members]), config.robust_rule,
-                               config.trim_fraction)
-            stats.robust_dropped += len(members) - len(keep)
-            members = [members[i] for i in keep]
+            # The rule judges this round's sources; the carried-forward global (the last published
+            # compendium) stays a member with its support, as it takes no part across sources.
+            judged = [i for i, m in enumerate(members) if m.source != PREVIOUS_GLOBAL]
+            keep = (robust_keep(np.stack([members[i].vector for i in judged]),
+                                config.robust_rule, config.trim_fraction) if judged else [])
+            stats.robust_dropped += len(judged) - len(keep)
+            kept = {judged[i] for i in keep}
+            members = [m for i, m in enumerate(members)
+                       if i in kept or m.source == PREVIOUS_GLOBAL]
             decision = (decide_cluster(members, probe) if config.conflict_log
                         else ClusterDecision(True, 0, list(range(len(members))), [], "consistent"))
             agreeing = [members[i] for i in decision.agreeing]
