@@ -90,11 +90,27 @@ TITLES = frozenset("mr mrs ms mx dr prof rev st sr jr hon capt col gen lt sgt".s
 _TITLE_BEFORE = re.compile(r"(?<![A-Za-z])(?:" + "|".join(sorted(TITLES)) + r")\.$", re.IGNORECASE)
 
 
+# Characters a reader does not see (Unicode's Default_Ignorable_Code_Point: the zero-width space
+# and joiners, the word joiner, the soft hyphen, the byte-order mark, variation selectors, Hangul
+# fillers, tag characters...), but which split the tokens masking and scrubbing look for:
+# "john.doe@example<U+200B>.com" reads as an address and was tokenized as three words. The
+# bidirectional controls among them are left to the cleaning of the client (a space) and the
+# server's validation (refused).
+_INVISIBLE = re.compile(
+    "[\u00ad\u034f\u061c\u115f\u1160\u17b4\u17b5\u180b-\u180f\u200b-\u200f"
+    "\u2060-\u2065\u206a-\u206f\u3164\ufe00-\ufe0f\ufeff\uffa0\ufff0-\ufff8"
+    "\U0001bca0-\U0001bca3\U0001d173-\U0001d17a\U000e0000-\U000e0fff]"
+)
+
+
 def normalized(text: str) -> str:
-    """The text in NFKC form: compatibility characters as their plain ones (a full-width ＠ or
-    digit, superscript and circled digits, no-break spaces), so that what masking and scrubbing
-    look for is found however the characters spell it. ASCII is returned as it is."""
-    return text if text.isascii() else unicodedata.normalize("NFKC", text)
+    """The text in NFKC form (compatibility characters as their plain ones: a full-width ＠ or
+    digit, superscript and circled digits, no-break spaces) without the characters a reader does
+    not see (`_INVISIBLE`), so that what masking and scrubbing look for is found however the
+    characters spell it. ASCII is returned as it is."""
+    if text.isascii():
+        return text
+    return _INVISIBLE.sub("", unicodedata.normalize("NFKC", _INVISIBLE.sub("", text)))
 # What `TextMasker.residue` looks for before it tokenizes: an ASCII text with no `hard` match
 # holds no e-mail, URL, phone, identifier or number, and every name (a capitalized word after a
 # token of the same sentence) starts at a `capital` match whose group is the word itself (where

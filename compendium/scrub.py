@@ -129,7 +129,7 @@ def masking_residue(compendium: Compendium, masker: TextMasker) -> list[Violatio
     what braces hold is judged as any other text."""
     out = []
     for path, text in free_texts(compendium):
-        # offsets: in the NFKC form
+        # offsets: in the normalized form (NFKC, without the characters no reader sees)
         found = masker.residue(normalized(text), slots=holds_slots(path))
         if not found:
             continue

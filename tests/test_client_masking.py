@@ -382,3 +382,32 @@ def test_masking_hashes_a_text_once_not_once_per_token(monkeypatch):
     kayaks = " ".join(["kayak"] * 3000)
     picks = {TextMasker(strength=0.3, seed=s).mask(kayaks).masked_indices for s in range(3)}
     assert len(picks) == 3
+
+
+@pytest.mark.parametrize(
+    ("text", "secret", "kind"),
+    [
+        ("reply to john.doe@example\u200b.com about it", "john", "EMAIL"),
+        ("reply to john.doe@example\u2060.com about it", "john", "EMAIL"),
+        ("reply to jo\u00adhn.doe@example\ufeff.com about it", "john", "EMAIL"),
+        ("see ticket 4\u200b8\u200b2\u200b1\u200b3 please", "8", "NUMBER"),
+        ("the code is 9\U000e00208\U000e00207\U000e00206\U000e00205 today", "8", "NUMBER"),
+    ],
+)
+def test_invisible_characters_do_not_hide_what_a_text_spells(text, secret, kind):
+    """A zero-width space, word joiner, soft hyphen, byte-order mark or tag character is not
+    seen by whoever reads the text, but it split the tokens masking looks for: "john.doe@example
+    [ZWSP].com" left the client whole at λ = 1 (its words are common), and the server's check
+    found nothing in it. The client masks, and the server checks, the text without them."""
+    from compendium.builder import clean_text
+    from compendium.masking import normalized
+    from compendium.schema import Compendium, Scenario
+    from compendium.scrub import masking_residue
+
+    m = masker(1.0)
+    out = m.mask(clean_text(text)).text
+    assert secret not in out and f"[{kind}]" in out, out
+    assert kind in {r.kind for r in m.residue(normalized(text))}
+    sent = Compendium(scenarios=[Scenario(tool_id="a", text=text)])  # as a submission's check
+    assert [v.path for v in masking_residue(sent, m)] == ["$.scenarios[0].text"]
+
