@@ -67,8 +67,13 @@ _IDENT = (
     r"(?P<ident>\b(?=[\w\-#]{0,63}\d)(?=[\w\-#]{0,63}[^\W\d_])"
     r"(?:[^\W_]|#)[\w\-#]{0,127})"
 )
+# An e-mail address: its local part and domain in letters of any script (RFC 6531 and IDNA:
+# "josé.garcía@empresa.es"); with ASCII-only classes the address was two words and a domain, and
+# a name in it could leave the client. On ASCII text the classes are those of `_LABEL`.
+_MAIL_LABEL = r"(?:[^\W_]|-){1,63}"
 _REST = (
-    r"|(?P<email>[A-Za-z0-9._%+\-]{1,64}@" + _LABEL + r"(?:\." + _LABEL + r"){0,8}\.[A-Za-z]{2,24})"
+    r"|(?P<email>[\w.%+\-]{1,64}@" + _MAIL_LABEL + r"(?:\." + _MAIL_LABEL + r"){0,8}"
+    r"\.[^\W\d_]{2,24})"
     r"|(?P<url>(?:https?://|www\.)[^\s<>\"'\]\)]{0,2000}[^\s<>\"'\]\).,;:!?]"
     r"|\b" + _LABEL + r"(?:\." + _LABEL + r"){0,8}\.(?:com|org|net|io|edu|gov|co|ai|dev|app|info"
     r"|biz|me|us|uk|de|fr|eu)\b(?:/[^\s<>\"'\]\)]{0,2000}[^\s<>\"'\]\).,;:!?])?)"

@@ -411,3 +411,26 @@ def test_invisible_characters_do_not_hide_what_a_text_spells(text, secret, kind)
     sent = Compendium(scenarios=[Scenario(tool_id="a", text=text)])  # as a submission's check
     assert [v.path for v in masking_residue(sent, m)] == ["$.scenarios[0].text"]
 
+
+@pytest.mark.parametrize(
+    ("text", "secret"),
+    [
+        ("please reply to josé.garcía@empresa.es about it", "garcía"),
+        ("please reply to müller.anna@example.de about it", "müller"),
+        ("please reply to jоhn.smith@example.com about it", "smith"),  # a Cyrillic о
+        ("please reply to anna.berg@bücherei.de about it", "berg"),
+    ],
+)
+@pytest.mark.parametrize("strength", [0.5, 1.0])
+def test_an_email_address_with_letters_of_any_script_is_an_email_address(text, secret, strength):
+    """The local part of an address may hold any letters (RFC 6531): with ASCII-only classes
+    "josé.garcía@empresa.es" was two words and a domain, and at λ = 0.5 the name left the
+    client; the server's check, reading the same tokens, found nothing to refuse, and its scrub
+    took no address with a domain in other letters ("bücherei.de")."""
+    from compendium.scrub import scrub_text
+
+    m = masker(strength)
+    out = m.mask(text).text
+    assert secret not in out and "[EMAIL]" in out, out
+    assert [r.kind for r in m.residue(text)] == ["EMAIL"]
+    assert scrub_text(text).counts["email"] == 1  # and the server's scrub removes it
