@@ -550,6 +550,28 @@ def test_one_users_repeats_count_at_most_n_max_towards_an_entrys_support():
     assert [s.support for s in compendium.scenarios] == [10]  # at the limit, not a failed build
 
 
+def test_one_user_counts_at_most_n_max_in_an_entry_whatever_requests_fold_into_it():
+    """Each distinct request was clipped at N_max on its own, and entries then added up as they
+    folded together (near-duplicates at τ, texts the residue check made equal): one user's 60
+    requests worded two ways gave a scenario a support of 100, past the N_max = 50 the paper
+    clips a user's usage counts at. The clip is of the user's requests in the entry sent."""
+    from routing.embeddings import get_engine
+
+    schema = metatool_schema()
+    first = "What will the weather be like tomorrow in Lisbon?"
+    second = "What will the weather be like in Lisbon tomorrow?"
+    records = parsed(
+        [_line(first, "heavy", "WeatherTool")] * 60 + [_line(second, "heavy", "WeatherTool")] * 60
+        + [_line(first, "light", "WeatherTool")] * 2
+        + [{**_line(q, "heavy", "WeatherTool"), "outcome": "failure"} for q in (first, second)] * 60
+    )
+    compendium, _ = build_compendium(records, schema, BuildOptions(tau=0.85), get_engine())
+    assert [s.support for s in compendium.scenarios] == [52]
+    assert [p.support for p in compendium.precautions] == [50]
+    separate, _ = build_compendium(records, schema, BuildOptions(collapse=False))
+    assert sorted(s.support for s in separate.scenarios) == [50, 52]
+
+
 def test_a_template_is_sent_by_the_users_who_used_it_not_by_one_users_repeats():
     """Templates skipped the k-users rule (one user's template went out at min_users=3) and
     their vote counted log lines (one user repeating a body chose it)."""
