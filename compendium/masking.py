@@ -54,6 +54,26 @@ PLACEHOLDERS = ("EMAIL", "URL", "PHONE", "ID", "NUMBER", "NAME", "MASK")
 # bounded (RFC lengths for e-mail parts and domain labels) so that tokenizing stays linear in the
 # length of the text whatever it contains.
 _LABEL = r"[A-Za-z0-9\-]{1,63}"
+
+
+def _combining_marks() -> str:
+    """The combining marks (Unicode category M) of the first two planes, as the body of a regex
+    character class. Python's \\w leaves them out, so a mark NFKC cannot fold into its letter
+    (a strike-through, an underline; the vowel signs of Indic scripts) split a word into pieces:
+    "M̶a̶r̶g̶a̶r̶e̶t̶" was eight one-letter words, which masking never takes."""
+    ranges: list[tuple[int, int]] = []
+    for code in range(0x20000):
+        if unicodedata.category(chr(code))[0] == "M":
+            if ranges and ranges[-1][1] == code - 1:
+                ranges[-1] = (ranges[-1][0], code)
+            else:
+                ranges.append((code, code))
+    return "".join(chr(a) if a == b else f"{chr(a)}-{chr(b)}" for a, b in ranges)
+
+
+_MARK = _combining_marks()
+# A letter or a combining mark: what a word holds after its first letter.
+_LETTER_OR_MARK = r"(?:[^\W\d_]|[" + _MARK + r"])"
 # A template slot: only in template bodies and signatures (`slots=True`), where a {name} stands
 # for what the template fills in. Anywhere else (queries, scenarios, precautions) braces are
 # ordinary characters and the words inside them are words: "{margaret_thornbury}" in a request
@@ -64,8 +84,8 @@ _SLOT = r"(?P<slot>\{[A-Za-z_][A-Za-z0-9_]{0,63}\})"
 # classes a non-ASCII letter split the run, and the server's check then found the rest
 # ("[NAME]4b") as an identifier the client had not masked.
 _IDENT = (
-    r"(?P<ident>\b(?=[\w\-#]{0,63}\d)(?=[\w\-#]{0,63}[^\W\d_])"
-    r"(?:[^\W_]|#)[\w\-#]{0,127})"
+    r"(?P<ident>\b(?=[\w\-#" + _MARK + r"]{0,63}\d)(?=[\w\-#" + _MARK + r"]{0,63}[^\W\d_])"
+    r"(?:[^\W_]|#)[\w\-#" + _MARK + r"]{0,127})"
 )
 # An e-mail address: its local part and domain in letters of any script (RFC 6531 and IDNA:
 # "josé.garcía@empresa.es"); with ASCII-only classes the address was two words and a domain, and
@@ -81,7 +101,8 @@ _REST = (
     r"(?:[\s.\-]\d{2,4}){1,4}(?![\w]))"
     r"|" + _IDENT +
     r"|(?P<number>\d{1,64}(?:[.,:/]\d{1,64}){0,16})"
-    r"|(?P<word>[^\W\d_]{1,128}(?:['’][^\W\d_]{1,128}){0,4})"
+    r"|(?P<word>[^\W\d_]" + _LETTER_OR_MARK + r"{0,127}(?:['’][^\W\d_]" + _LETTER_OR_MARK
+    + r"{0,127}){0,4})"
     r"|(?P<space>\s+)"
     r"|(?P<other>.)"
 )
