@@ -530,6 +530,19 @@ def test_one_user_is_one_user_however_the_log_writes_the_id():
     assert report.num_users == 1 and compendium.scenarios == []
 
 
+def test_characters_no_reader_sees_do_not_make_one_user_two():
+    """An id with a zero-width space or a byte-order mark in it reads as the same id, and was
+    another user: one person passed the k-users threshold (and had twice the clipping's Δ)."""
+    schema = metatool_schema()
+    tool = sorted(schema.tool_ids)[0]
+    records = parsed([_line("Show me the weather forecast for tomorrow", user, tool)
+                      for user in ("alice", "ali\u200bce", "\ufeffalice", "alice\u2060")])
+    assert {r.user for r in records} == {"alice"}
+    compendium, report = build_compendium(records, schema, BuildOptions(strength=0, min_users=2,
+                                                                        collapse=False))
+    assert report.num_users == 1 and compendium.scenarios == []
+
+
 def test_one_users_repeats_count_at_most_n_max_towards_an_entrys_support():
     """Support counted log lines: one user sending a request 5,000 times gave it a support of
     5,000 (the paper clips a user's usage counts at N_max, the count field's Δ: 50), and past the
