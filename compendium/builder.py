@@ -290,16 +290,21 @@ def collapse_near_duplicates(
     tau: float,
     progress: Callable[[Iterable, str], Iterable] | None = None,
     label: str = "embedding",
+    members: dict[tuple, list[tuple]] | None = None,
 ) -> list[tuple[tuple, str, int, frozenset]]:
     """(group key, text, support, users) entries; within a group, an entry whose embedding has
     cosine >= tau with an already kept one is folded into it (support adds up, users join).
     Entries are visited by descending support then text, so the result does not depend on input
-    order."""
+    order. `members`, when given, receives for each returned (group, text) the (group, text) of
+    every entry it holds (itself first)."""
     ordered = sorted(items, key=lambda e: (repr(e[0]), -e[2], e[1]))
     if embedder is None or not ordered:
+        if members is not None:
+            members.update(((g, t), [(g, t)]) for g, t, *_ in ordered)
         return ordered
     vectors = _embed(embedder, [e[1] for e in ordered], progress or _no_progress, label)
     kept: list[list] = []  # [group, text, support, users]
+    folded: list[list[tuple]] = []  # the (group, text) of the entries each kept one holds
     # A group's entries are consecutive (sorted by it): its kept vectors fill a matrix allocated
     # once for the group, compared with each new entry in one product, never copied (the kept
     # rows copied for every entry made this quadratic in memory traffic: 8,000 distinct
@@ -316,10 +321,14 @@ def collapse_near_duplicates(
                 if float(sims[best]) >= tau:
                     kept[first + best][2] += support
                     kept[first + best][3] = kept[first + best][3] | users
+                    folded[first + best].append((group, text))
                     continue
             matrix[count] = vectors[row]
             count += 1
             kept.append([group, text, support, users])
+            folded.append([(group, text)])
+    if members is not None:
+        members.update(((g, t), held) for (g, t, *_), held in zip(kept, folded, strict=True))
     return [(g, t, s, u) for g, t, s, u in kept]
 
 
@@ -356,6 +365,7 @@ def pool_entries(
     size: int = 0,
     progress: Callable[[Iterable, str], Iterable] | None = None,
     label: str = "pooling",
+    members: dict[tuple, list[tuple]] | None = None,
 ) -> tuple[list[tuple[tuple, str, int, frozenset]], int]:
     """Pooled release: within a group, each entry (by descending support, then text) that no pool
     holds yet seeds a pool, which takes its nearest free entries (cosine) until it holds at least
@@ -366,11 +376,13 @@ def pool_entries(
     request, and each word in it appears in requests of at least two distinct users, provided an
     entry's users all wrote its text (identical requests merged, never near-duplicates). Returns the
     pools and how many entries were withheld (a group with too few users or entries, or a pool
-    with no shared word)."""
+    with no shared word). `members`, when given, receives for each returned (group, text) the
+    (group, text) of every entry it holds."""
     ordered = sorted(items, key=lambda e: (repr(e[0]), -e[2], e[1]))
     if not ordered:
         return [], 0
     size = max(size, users)
+    held = members  # the parameter's name is taken by each pool's rows below
     texts = [without_placeholders(e[1]) for e in ordered]
     vectors = _embed(embedder, texts, progress or _no_progress, label)
     by_group: dict[tuple, list[int]] = defaultdict(list)
@@ -412,6 +424,8 @@ def pool_entries(
             entry = pooled.setdefault((group, text), [0, frozenset()])
             entry[0] += sum(ordered[r][2] for r in members)
             entry[1] = entry[1].union(*(ordered[r][3] for r in members))
+            if held is not None:
+                held.setdefault((group, text), []).extend(ordered[r][:2] for r in members)
     return [(g, t, n, u) for (g, t), (n, u) in pooled.items()], withheld
 
 
@@ -445,9 +459,14 @@ def support_cap(schema: Schema) -> float | None:
 def clipped_support(users: Sequence[str], per_user: float | None) -> int:
     """An entry's support from the user behind each of its records: each user counts for at
     most `per_user` of them (one user repeating a request 5,000 times is not 5,000 uses)."""
+    return clipped_count(Counter(users), per_user)
+
+
+def clipped_count(requests: Counter, per_user: float | None) -> int:
+    """`clipped_support` from how many of an entry's requests each user made."""
     if per_user is None:
-        return len(users)
-    return max(1, int(sum(min(n, per_user) for n in Counter(users).values())))
+        return sum(requests.values())
+    return max(1, int(sum(min(n, per_user) for n in requests.values())))
 
 
 def _within_limits(compendium: Compendium, schema: Schema, report: BuildReport) -> Compendium:
@@ -567,28 +586,50 @@ def build_compendium(
         ((tool, right), text, clipped_support(users, per_user), frozenset(users))
         for (tool, right, text), users in precaution_users.items()
     ]
+    # How many of each entry's requests each user made: an entry sent (near-duplicates folded
+    # together, a pool, texts the residue check makes equal) counts each user at most N_max
+    # times in all, not N_max times for each distinct request folded into it.
+    scenario_requests = {
+        ((tool, flags), text): Counter(users)
+        for (tool, flags, text), users in scenario_users.items()
+    }
+    precaution_requests_in = {
+        ((tool, right), text): Counter(users)
+        for (tool, right, text), users in precaution_users.items()
+    }
+    scenario_members: dict[tuple, list[tuple]] = {}
+    precaution_members: dict[tuple, list[tuple]] = {}
     if options.pool_users > 1:
         # pooling takes the place of the near-duplicate collapse: a word counts for the users who
         # wrote it, so it needs each distinct request as written (identical ones merged)
         report.tau = None
         scenarios, withheld = pool_entries(
-            scenario_items, embedder, options.pool_users, options.pool_size, each, "pooling scenarios"
+            scenario_items, embedder, options.pool_users, options.pool_size, each,
+            "pooling scenarios", scenario_members,
         )
         report.withheld_scenarios += withheld
         report.pooled_scenarios = len(scenarios)
         precautions, withheld = pool_entries(
             precaution_items, embedder, options.pool_users, options.pool_size, each,
-            "pooling precautions",
+            "pooling precautions", precaution_members,
         )
         report.withheld_precautions += withheld
     else:
         engine = embedder if options.collapse else None
         scenarios = collapse_near_duplicates(
-            scenario_items, engine, options.tau, each, "embedding scenarios"
+            scenario_items, engine, options.tau, each, "embedding scenarios", scenario_members
         )
         precautions = collapse_near_duplicates(
-            precaution_items, engine, options.tau, each, "embedding precautions"
+            precaution_items, engine, options.tau, each, "embedding precautions",
+            precaution_members,
         )
+
+    def held_requests(requests: dict, members: dict, group: tuple, text: str) -> Counter:
+        held: Counter = Counter()
+        for member in members[(group, text)]:
+            held.update(requests[member])
+        return held
+
     if options.min_users > 1:
         report.withheld_scenarios += sum(len(u) < options.min_users for *_, u in scenarios)
         report.withheld_precautions += sum(len(u) < options.min_users for *_, u in precautions)
@@ -598,19 +639,24 @@ def build_compendium(
     # precaution's words, pooled, scrubbed): what it finds is masked, or the entry withheld.
     clear = _ResidueCheck(checker, report)
     merged_scenarios: dict[tuple, list] = {}
-    for group, text, n, users in scenarios:
+    for group, text, _, users in scenarios:
+        held = held_requests(scenario_requests, scenario_members, group, text)
         text = clear(text, limits.scenario)
         if text is None:
             continue
-        entry = merged_scenarios.setdefault((group, text), [0, frozenset()])
-        entry[0] += n
+        entry = merged_scenarios.setdefault((group, text), [Counter(), frozenset()])
+        entry[0] += held
         entry[1] = entry[1] | users
-    scenarios = [(g, t, n, u) for (g, t), (n, u) in merged_scenarios.items()]
-    precaution_entries: dict[tuple[str, str], int] = Counter()
-    for (tool, right), text, n, _ in precautions:
+    scenarios = [(g, t, clipped_count(n, per_user), u) for (g, t), (n, u) in merged_scenarios.items()]
+    precaution_requests: dict[tuple[str, str], Counter] = defaultdict(Counter)
+    for (tool, right), text, _, _ in precautions:
+        held = held_requests(precaution_requests_in, precaution_members, (tool, right), text)
         text = clear(precaution_text(tool, text, right, limits.precaution), limits.precaution)
         if text is not None:
-            precaution_entries[(tool, text)] += n
+            precaution_requests[(tool, text)] += held
+    precaution_entries = {
+        key: clipped_count(held, per_user) for key, held in precaution_requests.items()
+    }
 
     fields = [f for f in schema.numeric_fields if f.name not in options.not_released]
     report.not_released = sorted(options.not_released & {f.name for f in schema.numeric_fields})

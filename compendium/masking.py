@@ -54,6 +54,26 @@ PLACEHOLDERS = ("EMAIL", "URL", "PHONE", "ID", "NUMBER", "NAME", "MASK")
 # bounded (RFC lengths for e-mail parts and domain labels) so that tokenizing stays linear in the
 # length of the text whatever it contains.
 _LABEL = r"[A-Za-z0-9\-]{1,63}"
+
+
+def _combining_marks() -> str:
+    """The combining marks (Unicode category M) of the first two planes, as the body of a regex
+    character class. Python's \\w leaves them out, so a mark NFKC cannot fold into its letter
+    (a strike-through, an underline; the vowel signs of Indic scripts) split a word into pieces:
+    "M̶a̶r̶g̶a̶r̶e̶t̶" was eight one-letter words, which masking never takes."""
+    ranges: list[tuple[int, int]] = []
+    for code in range(0x20000):
+        if unicodedata.category(chr(code))[0] == "M":
+            if ranges and ranges[-1][1] == code - 1:
+                ranges[-1] = (ranges[-1][0], code)
+            else:
+                ranges.append((code, code))
+    return "".join(chr(a) if a == b else f"{chr(a)}-{chr(b)}" for a, b in ranges)
+
+
+_MARK = _combining_marks()
+# A letter or a combining mark: what a word holds after its first letter.
+_LETTER_OR_MARK = r"(?:[^\W\d_]|[" + _MARK + r"])"
 # A template slot: only in template bodies and signatures (`slots=True`), where a {name} stands
 # for what the template fills in. Anywhere else (queries, scenarios, precautions) braces are
 # ordinary characters and the words inside them are words: "{margaret_thornbury}" in a request
@@ -64,11 +84,16 @@ _SLOT = r"(?P<slot>\{[A-Za-z_][A-Za-z0-9_]{0,63}\})"
 # classes a non-ASCII letter split the run, and the server's check then found the rest
 # ("[NAME]4b") as an identifier the client had not masked.
 _IDENT = (
-    r"(?P<ident>\b(?=[\w\-#]{0,63}\d)(?=[\w\-#]{0,63}[^\W\d_])"
-    r"(?:[^\W_]|#)[\w\-#]{0,127})"
+    r"(?P<ident>\b(?=[\w\-#" + _MARK + r"]{0,63}\d)(?=[\w\-#" + _MARK + r"]{0,63}[^\W\d_])"
+    r"(?:[^\W_]|#)[\w\-#" + _MARK + r"]{0,127})"
 )
+# An e-mail address: its local part and domain in letters of any script (RFC 6531 and IDNA:
+# "josé.garcía@empresa.es"); with ASCII-only classes the address was two words and a domain, and
+# a name in it could leave the client. On ASCII text the classes are those of `_LABEL`.
+_MAIL_LABEL = r"(?:[^\W_]|-){1,63}"
 _REST = (
-    r"|(?P<email>[A-Za-z0-9._%+\-]{1,64}@" + _LABEL + r"(?:\." + _LABEL + r"){0,8}\.[A-Za-z]{2,24})"
+    r"|(?P<email>[\w.%+\-]{1,64}@" + _MAIL_LABEL + r"(?:\." + _MAIL_LABEL + r"){0,8}"
+    r"\.[^\W\d_]{2,24})"
     r"|(?P<url>(?:https?://|www\.)[^\s<>\"'\]\)]{0,2000}[^\s<>\"'\]\).,;:!?]"
     r"|\b" + _LABEL + r"(?:\." + _LABEL + r"){0,8}\.(?:com|org|net|io|edu|gov|co|ai|dev|app|info"
     r"|biz|me|us|uk|de|fr|eu)\b(?:/[^\s<>\"'\]\)]{0,2000}[^\s<>\"'\]\).,;:!?])?)"
@@ -76,7 +101,8 @@ _REST = (
     r"(?:[\s.\-]\d{2,4}){1,4}(?![\w]))"
     r"|" + _IDENT +
     r"|(?P<number>\d{1,64}(?:[.,:/]\d{1,64}){0,16})"
-    r"|(?P<word>[^\W\d_]{1,128}(?:['’][^\W\d_]{1,128}){0,4})"
+    r"|(?P<word>[^\W\d_]" + _LETTER_OR_MARK + r"{0,127}(?:['’][^\W\d_]" + _LETTER_OR_MARK
+    + r"{0,127}){0,4})"
     r"|(?P<space>\s+)"
     r"|(?P<other>.)"
 )
@@ -90,11 +116,27 @@ TITLES = frozenset("mr mrs ms mx dr prof rev st sr jr hon capt col gen lt sgt".s
 _TITLE_BEFORE = re.compile(r"(?<![A-Za-z])(?:" + "|".join(sorted(TITLES)) + r")\.$", re.IGNORECASE)
 
 
+# Characters a reader does not see (Unicode's Default_Ignorable_Code_Point: the zero-width space
+# and joiners, the word joiner, the soft hyphen, the byte-order mark, variation selectors, Hangul
+# fillers, tag characters...), but which split the tokens masking and scrubbing look for:
+# "john.doe@example<U+200B>.com" reads as an address and was tokenized as three words. The
+# bidirectional controls among them are left to the cleaning of the client (a space) and the
+# server's validation (refused).
+_INVISIBLE = re.compile(
+    "[\u00ad\u034f\u061c\u115f\u1160\u17b4\u17b5\u180b-\u180f\u200b-\u200f"
+    "\u2060-\u2065\u206a-\u206f\u3164\ufe00-\ufe0f\ufeff\uffa0\ufff0-\ufff8"
+    "\U0001bca0-\U0001bca3\U0001d173-\U0001d17a\U000e0000-\U000e0fff]"
+)
+
+
 def normalized(text: str) -> str:
-    """The text in NFKC form: compatibility characters as their plain ones (a full-width ＠ or
-    digit, superscript and circled digits, no-break spaces), so that what masking and scrubbing
-    look for is found however the characters spell it. ASCII is returned as it is."""
-    return text if text.isascii() else unicodedata.normalize("NFKC", text)
+    """The text in NFKC form (compatibility characters as their plain ones: a full-width ＠ or
+    digit, superscript and circled digits, no-break spaces) without the characters a reader does
+    not see (`_INVISIBLE`), so that what masking and scrubbing look for is found however the
+    characters spell it. ASCII is returned as it is."""
+    if text.isascii():
+        return text
+    return _INVISIBLE.sub("", unicodedata.normalize("NFKC", _INVISIBLE.sub("", text)))
 # What `TextMasker.residue` looks for before it tokenizes: an ASCII text with no `hard` match
 # holds no e-mail, URL, phone, identifier or number, and every name (a capitalized word after a
 # token of the same sentence) starts at a `capital` match whose group is the word itself (where

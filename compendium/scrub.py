@@ -18,7 +18,8 @@ from compendium.masking import TextMasker, normalized
 from compendium.schema import AnnexTriple, Compendium, Precaution, PromptTemplate, Scenario
 from compendium.validation import Violation
 
-EMAIL = re.compile(r"(?<![\w.+-])[\w.+-]+@[A-Za-z0-9-]+(?:\.[A-Za-z0-9-]+)*\.[A-Za-z]{2,}")
+# The local part and the domain in letters of any script (RFC 6531, IDNA), as masking reads them.
+EMAIL = re.compile(r"(?<![\w.+-])[\w.+-]+@(?:[^\W_]|-)+(?:\.(?:[^\W_]|-)+)*\.[^\W\d_]{2,}")
 # 13-19 digits, optionally grouped by single spaces or dashes.
 CARD = re.compile(r"(?<![\d])\d(?:[ -]?\d){12,18}(?![\d])")
 # International or national phone numbers: optional +CC, optional (area), groups split by
@@ -129,7 +130,7 @@ def masking_residue(compendium: Compendium, masker: TextMasker) -> list[Violatio
     what braces hold is judged as any other text."""
     out = []
     for path, text in free_texts(compendium):
-        # offsets: in the NFKC form
+        # offsets: in the normalized form (NFKC, without the characters no reader sees)
         found = masker.residue(normalized(text), slots=holds_slots(path))
         if not found:
             continue

@@ -1,6 +1,7 @@
 """The client's usage log: one routed request a line, read with every bad line reported.
 
-Pure (standard library only). The format, one JSON object per line:
+Pure (standard library; user ids normalized as compendium.masking reads text). The format, one
+JSON object per line:
 
     {"query": "...", "tool": "weather", "outcome": "success", "latency_ms": 320, "user": "u17",
      "corrected_to": null, "preconditions": {"has_city": true},
@@ -25,11 +26,12 @@ import difflib
 import json
 import math
 import re
-import unicodedata
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+from compendium.masking import normalized
 
 OUTCOMES = ("success", "failure", "corrected")
 _FLAG = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.:\-]{0,63}$")
@@ -219,9 +221,10 @@ def parse_record(
         raise ValueError("'user' is missing (a stable pseudonymous id of the end user)")
     if isinstance(user, bool) or not isinstance(user, str | int):
         raise ValueError("'user' must be a string or an integer")
-    # One person, one id: "Alice", "alice ", "ＡＬＩＣＥ" are the same user (two ids would give
-    # that person twice the clipping's Δ and F*, and pass a k-users threshold alone).
-    user = " ".join(unicodedata.normalize("NFKC", _unicode("user", str(user))).casefold().split())
+    # One person, one id: "Alice", "alice ", "ＡＬＩＣＥ", "ali<U+200B>ce" are the same user (two
+    # ids would give that person twice the clipping's Δ and F*, and pass a k-users threshold
+    # alone): NFKC, without the characters no reader sees (masking.normalized), case-folded.
+    user = " ".join(normalized(_unicode("user", str(user))).casefold().split())
     if not user:
         raise ValueError("'user' is empty")
 

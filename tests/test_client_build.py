@@ -530,6 +530,19 @@ def test_one_user_is_one_user_however_the_log_writes_the_id():
     assert report.num_users == 1 and compendium.scenarios == []
 
 
+def test_characters_no_reader_sees_do_not_make_one_user_two():
+    """An id with a zero-width space or a byte-order mark in it reads as the same id, and was
+    another user: one person passed the k-users threshold (and had twice the clipping's Δ)."""
+    schema = metatool_schema()
+    tool = sorted(schema.tool_ids)[0]
+    records = parsed([_line("Show me the weather forecast for tomorrow", user, tool)
+                      for user in ("alice", "ali\u200bce", "\ufeffalice", "alice\u2060")])
+    assert {r.user for r in records} == {"alice"}
+    compendium, report = build_compendium(records, schema, BuildOptions(strength=0, min_users=2,
+                                                                        collapse=False))
+    assert report.num_users == 1 and compendium.scenarios == []
+
+
 def test_one_users_repeats_count_at_most_n_max_towards_an_entrys_support():
     """Support counted log lines: one user sending a request 5,000 times gave it a support of
     5,000 (the paper clips a user's usage counts at N_max, the count field's Δ: 50), and past the
@@ -548,6 +561,28 @@ def test_one_users_repeats_count_at_most_n_max_towards_an_entrys_support():
     small = schema.model_copy(update={"limits": schema.limits.model_copy(update={"counts": 10})})
     compendium, _ = build_compendium(records, small, BuildOptions(strength=0, collapse=False))
     assert [s.support for s in compendium.scenarios] == [10]  # at the limit, not a failed build
+
+
+def test_one_user_counts_at_most_n_max_in_an_entry_whatever_requests_fold_into_it():
+    """Each distinct request was clipped at N_max on its own, and entries then added up as they
+    folded together (near-duplicates at τ, texts the residue check made equal): one user's 60
+    requests worded two ways gave a scenario a support of 100, past the N_max = 50 the paper
+    clips a user's usage counts at. The clip is of the user's requests in the entry sent."""
+    from routing.embeddings import get_engine
+
+    schema = metatool_schema()
+    first = "What will the weather be like tomorrow in Lisbon?"
+    second = "What will the weather be like in Lisbon tomorrow?"
+    records = parsed(
+        [_line(first, "heavy", "WeatherTool")] * 60 + [_line(second, "heavy", "WeatherTool")] * 60
+        + [_line(first, "light", "WeatherTool")] * 2
+        + [{**_line(q, "heavy", "WeatherTool"), "outcome": "failure"} for q in (first, second)] * 60
+    )
+    compendium, _ = build_compendium(records, schema, BuildOptions(tau=0.85), get_engine())
+    assert [s.support for s in compendium.scenarios] == [52]
+    assert [p.support for p in compendium.precautions] == [50]
+    separate, _ = build_compendium(records, schema, BuildOptions(collapse=False))
+    assert sorted(s.support for s in separate.scenarios) == [50, 52]
 
 
 def test_a_template_is_sent_by_the_users_who_used_it_not_by_one_users_repeats():

@@ -382,3 +382,76 @@ def test_masking_hashes_a_text_once_not_once_per_token(monkeypatch):
     kayaks = " ".join(["kayak"] * 3000)
     picks = {TextMasker(strength=0.3, seed=s).mask(kayaks).masked_indices for s in range(3)}
     assert len(picks) == 3
+
+
+@pytest.mark.parametrize(
+    ("text", "secret", "kind"),
+    [
+        ("reply to john.doe@example\u200b.com about it", "john", "EMAIL"),
+        ("reply to john.doe@example\u2060.com about it", "john", "EMAIL"),
+        ("reply to jo\u00adhn.doe@example\ufeff.com about it", "john", "EMAIL"),
+        ("see ticket 4\u200b8\u200b2\u200b1\u200b3 please", "8", "NUMBER"),
+        ("the code is 9\U000e00208\U000e00207\U000e00206\U000e00205 today", "8", "NUMBER"),
+    ],
+)
+def test_invisible_characters_do_not_hide_what_a_text_spells(text, secret, kind):
+    """A zero-width space, word joiner, soft hyphen, byte-order mark or tag character is not
+    seen by whoever reads the text, but it split the tokens masking looks for: "john.doe@example
+    [ZWSP].com" left the client whole at λ = 1 (its words are common), and the server's check
+    found nothing in it. The client masks, and the server checks, the text without them."""
+    from compendium.builder import clean_text
+    from compendium.masking import normalized
+    from compendium.schema import Compendium, Scenario
+    from compendium.scrub import masking_residue
+
+    m = masker(1.0)
+    out = m.mask(clean_text(text)).text
+    assert secret not in out and f"[{kind}]" in out, out
+    assert kind in {r.kind for r in m.residue(normalized(text))}
+    sent = Compendium(scenarios=[Scenario(tool_id="a", text=text)])  # as a submission's check
+    assert [v.path for v in masking_residue(sent, m)] == ["$.scenarios[0].text"]
+
+
+@pytest.mark.parametrize(
+    ("text", "secret"),
+    [
+        ("please reply to josé.garcía@empresa.es about it", "garcía"),
+        ("please reply to müller.anna@example.de about it", "müller"),
+        ("please reply to jоhn.smith@example.com about it", "smith"),  # a Cyrillic о
+        ("please reply to anna.berg@bücherei.de about it", "berg"),
+    ],
+)
+@pytest.mark.parametrize("strength", [0.5, 1.0])
+def test_an_email_address_with_letters_of_any_script_is_an_email_address(text, secret, strength):
+    """The local part of an address may hold any letters (RFC 6531): with ASCII-only classes
+    "josé.garcía@empresa.es" was two words and a domain, and at λ = 0.5 the name left the
+    client; the server's check, reading the same tokens, found nothing to refuse, and its scrub
+    took no address with a domain in other letters ("bücherei.de")."""
+    from compendium.scrub import scrub_text
+
+    m = masker(strength)
+    out = m.mask(text).text
+    assert secret not in out and "[EMAIL]" in out, out
+    assert [r.kind for r in m.residue(text)] == ["EMAIL"]
+    assert scrub_text(text).counts["email"] == 1  # and the server's scrub removes it
+
+
+@pytest.mark.parametrize(
+    ("text", "secret"),
+    [
+        ("please call M\u0336a\u0336r\u0336g\u0336a\u0336r\u0336e\u0336t\u0336 now", "a\u0336r\u0336g"),
+        ("please call Marg\u0332aret Thornbury now", "aret"),
+        ("please call m\u0336a\u0336r\u0336g\u0336a\u0336r\u0336e\u0336t\u0336 now", "a\u0336r\u0336g"),
+        ("order AB\u0332-99812 arrived", "99812"),
+    ],
+)
+def test_a_word_with_combining_marks_is_one_word(text, secret):
+    """A combining mark NFKC cannot fold into its letter (a strike-through or an underline) is
+    part of the word it marks: before, "M̶a̶r̶g̶a̶r̶e̶t̶" was eight one-letter words, which masking
+    never takes, and it left the client whole at any λ, the server's check finding nothing."""
+    m = masker(1.0)
+    out = m.mask(text).text
+    assert secret not in out, out
+    assert m.residue(out) == []
+    if text != text.lower():  # plain lower-case words are not the server's to judge
+        assert m.residue(text) != []

@@ -853,6 +853,29 @@ def test_text_spelt_in_look_alike_characters_is_refused_as_unmasked(world, open_
     assert not Submission.objects.exists()
 
 
+@pytest.mark.parametrize(
+    ("text", "kind"),
+    [
+        ("write to jane.doe@gmail\u200b.com about it", "e-mail address"),
+        ("write to josé.garcía@empresa.es about it", "e-mail address"),
+        ("please call M\u0336a\u0336r\u0336g\u0336a\u0336r\u0336e\u0336t\u0336 now", "name"),
+    ],
+)
+def test_text_split_by_invisible_or_combining_characters_is_refused_as_unmasked(
+    world, open_round, valid_doc, text, kind
+):
+    """A zero-width space inside an address, an address in letters of any script, a name struck
+    through with combining marks: the server's check read them as pieces that masking never
+    takes, and stored them."""
+    leaking = json.loads(json.dumps(valid_doc))
+    leaking["scenarios"][0]["text"] = text
+    response = post_doc(client_api(world.token_a), leaking)
+    assert response.status_code == 400, response.content
+    assert response.json()["code"] == "unmasked_text"
+    assert kind in response.json()["violations"][0]["reason"]
+    assert not Submission.objects.exists()
+
+
 def test_what_the_client_toolkit_masks_is_accepted(world, open_round, valid_doc):
     """The same text masked by the client toolkit at the round's λ passes the check."""
     from compendium.masking import TextMasker
