@@ -517,26 +517,18 @@ def _line(query, user, tool, **extra):
             **extra}
 
 
-def test_one_user_is_one_user_however_the_log_writes_the_id():
-    """"Alice", " alice " and a full-width "ＡＬＩＣＥ" counted as three users: three times the
-    clipping's Δ and F* for one person, and a k-users threshold passed alone."""
+@pytest.mark.parametrize("ids", [
+    # "Alice", " alice " and a full-width "ＡＬＩＣＥ" counted as three users: three times the
+    # clipping's Δ and F* for one person, and a k-users threshold passed alone.
+    ("Alice", " alice ", "ＡＬＩＣＥ", "alice\u00a0"),
+    # An id with a zero-width space or a byte-order mark in it reads as the same id, and was
+    # another user.
+    ("alice", "ali\u200bce", "\ufeffalice", "alice\u2060"),
+])
+def test_one_user_is_one_user_however_the_log_writes_the_id(ids):
     schema = metatool_schema()
     tool = sorted(schema.tool_ids)[0]
-    records = parsed([_line("Show me the weather forecast for tomorrow", user, tool)
-                      for user in ("Alice", " alice ", "ＡＬＩＣＥ", "alice\u00a0")])
-    assert {r.user for r in records} == {"alice"}
-    compendium, report = build_compendium(records, schema, BuildOptions(strength=0, min_users=2,
-                                                                        collapse=False))
-    assert report.num_users == 1 and compendium.scenarios == []
-
-
-def test_characters_no_reader_sees_do_not_make_one_user_two():
-    """An id with a zero-width space or a byte-order mark in it reads as the same id, and was
-    another user: one person passed the k-users threshold (and had twice the clipping's Δ)."""
-    schema = metatool_schema()
-    tool = sorted(schema.tool_ids)[0]
-    records = parsed([_line("Show me the weather forecast for tomorrow", user, tool)
-                      for user in ("alice", "ali\u200bce", "\ufeffalice", "alice\u2060")])
+    records = parsed([_line("Show me the weather forecast for tomorrow", user, tool) for user in ids])
     assert {r.user for r in records} == {"alice"}
     compendium, report = build_compendium(records, schema, BuildOptions(strength=0, min_users=2,
                                                                         collapse=False))
