@@ -53,12 +53,19 @@ def username_key(username: str) -> str:
     return f"login:user:{folded[:_MAX_KEY_USERNAME]}"
 
 
+def parsed_address(ip: str) -> ipaddress.IPv4Address | ipaddress.IPv6Address | None:
+    """The IP address `ip` names (an IPv6 zone left out), or None when it names none."""
+    try:
+        return ipaddress.ip_address(str(ip).split("%", 1)[0])
+    except ValueError:
+        return None
+
+
 def address_key(ip: str) -> str:
     """An IPv4 address is counted alone; an IPv6 one with its /64 (what one host or subscriber
     is given: counting each address would let it rotate through 2^64 of them)."""
-    try:
-        address = ipaddress.ip_address(str(ip).split("%", 1)[0])
-    except ValueError:
+    address = parsed_address(ip)
+    if address is None:
         return f"login:ip:{ip}"
     if address.version == 6 and address.ipv4_mapped is not None:
         address = address.ipv4_mapped

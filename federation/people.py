@@ -28,6 +28,7 @@ from federation.services import (
     audit,
     membership_of,
     require_admin_now,
+    require_operator,
     visible_organization_ids,
 )
 
@@ -394,3 +395,20 @@ def admin_login_deleted(actor: Actor, user) -> None:
     membership = _membership_of_login(user)
     role = {"role": membership.role} if membership is not None else {}
     _audit_login(actor, AuditLog.Action.USER_DELETE, user, membership, **role)
+
+
+@transaction.atomic
+def unlock_sign_in(actor: Actor, username: str | None, address: str | None) -> int:
+    """Clear the failed sign-in counts of a username and/or a client address (the operator's way
+    back for a locked-out account, theirs too); audited as login.unlock with how many counters it
+    cleared. Returns that number."""
+    require_operator(actor, "unlock sign-in")
+    removed = login_throttle.unlock(username, address)
+    audit(
+        actor,
+        AuditLog.Action.LOGIN_UNLOCK,
+        target_type="user" if username else "address",
+        target_label=username or address,
+        details={"username": username, "address": address, "counters_cleared": removed},
+    )
+    return removed

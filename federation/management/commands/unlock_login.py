@@ -1,10 +1,8 @@
-import ipaddress
-
 from django.core.management.base import BaseCommand, CommandError
 
-from federation.login_throttle import unlock
-from federation.models import AuditLog
-from federation.services import Actor, audit
+from federation.login_throttle import parsed_address
+from federation.people import unlock_sign_in
+from federation.services import Actor
 
 
 class Command(BaseCommand):
@@ -24,23 +22,13 @@ class Command(BaseCommand):
         address = (address or "").strip() or None
         if not username and not address:
             raise CommandError("name a username, an --address, or both")
-        if address:
-            try:
-                ipaddress.ip_address(address.split("%", 1)[0])
-            except ValueError:
-                # Counted under no key: clearing it would clear nothing and say sign-in is open.
-                raise CommandError(
-                    f"--address {address!r} is not an IP address (give it as the login.throttled "
-                    "audit entry names it)"
-                ) from None
-        removed = unlock(username, address)
-        audit(
-            Actor.system("manage.py unlock_login"),
-            AuditLog.Action.LOGIN_UNLOCK,
-            target_type="user" if username else "address",
-            target_label=username or address,
-            details={"username": username, "address": address, "counters_cleared": removed},
-        )
+        if address and parsed_address(address) is None:
+            # Counted under no key: clearing it would clear nothing and say sign-in is open.
+            raise CommandError(
+                f"--address {address!r} is not an IP address (give it as the login.throttled "
+                "audit entry names it)"
+            )
+        removed = unlock_sign_in(Actor.system("manage.py unlock_login"), username, address)
         what = " and ".join(
             part for part in (username and f"username {username!r}", address and f"address {address}")
             if part
