@@ -674,6 +674,24 @@ def organization_name(name: str) -> str:
     return name
 
 
+def _refuse_case_twin(name: str, slug: str | None = None, other_than: Organization | None = None) -> None:
+    """Conflict when another organization's name (or slug) differs from `name` (`slug`) only in
+    case: told apart by case alone, two organizations would be one to whoever reads or types them
+    ("ORG-A" next to "org-a", "Acme" next to "ACME"). An exact match is left to the unique
+    constraints, which say it exists."""
+    same = Q(name__iexact=name) & ~Q(name=name)
+    if slug is not None:
+        same |= Q(slug__iexact=slug) & ~Q(slug=slug)
+    others = Organization.objects.exclude(pk=other_than.pk) if other_than else Organization.objects
+    twin = others.filter(same).first()
+    if twin is not None:
+        raise Conflict(
+            f"the organization {twin.name!r} (slug {twin.slug!r}) differs from {name!r}"
+            + (f" (slug {slug!r})" if slug is not None else "")
+            + " only in case; choose another name" + (" and slug" if slug is not None else "")
+        )
+
+
 @transaction.atomic
 def create_organization(
     actor: Actor, name: str, slug: str = "", description: str = ""
@@ -695,14 +713,7 @@ def create_organization(
         )
     if len(slug) > slug_limit:
         raise InvalidRequest(f"an organization's slug is at most {slug_limit} characters")
-    # Told apart by case alone, two organizations would be one to whoever reads or types them
-    # ("ORG-A" next to "org-a", "Acme" next to "ACME").
-    same = Organization.objects.filter(Q(slug__iexact=slug) | Q(name__iexact=name)).first()
-    if same is not None and (same.slug != slug and same.name != name):
-        raise Conflict(
-            f"the organization {same.name!r} (slug {same.slug!r}) differs from {name!r} (slug "
-            f"{slug!r}) only in case; choose another name and slug"
-        )
+    _refuse_case_twin(name, slug)
     try:
         with transaction.atomic():
             org = Organization.objects.create(name=name, slug=slug, description=description)
@@ -740,9 +751,7 @@ def rename_organization(
     previous = org.name
     if name == previous:
         return org
-    other = Organization.objects.filter(name__iexact=name).exclude(pk=org.pk).first()
-    if other is not None and other.name != name:
-        raise Conflict(f"the organization {other.name!r} differs from {name!r} only in case; choose another name")
+    _refuse_case_twin(name, other_than=org)
     org.name = name
     try:
         with transaction.atomic():
