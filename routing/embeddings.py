@@ -26,6 +26,7 @@ Two ONNX builds of the same model run on onnxruntime with the bundled model's to
 from __future__ import annotations
 
 import hashlib
+import io
 import logging
 import os
 import tempfile
@@ -373,17 +374,15 @@ def embed_cached(engine: EmbeddingEngine, texts: Sequence[str], directory: str |
             vectors = None
         if vectors is not None and vectors.shape == (len(texts), engine.dimension):
             return vectors
+    from compendium.client_api import CannotWrite, write_atomically
+
     vectors = engine.embed(list(texts)) if texts else np.zeros((0, engine.dimension), np.float32)
-    temporary = None
+    buffer = io.BytesIO()
+    np.save(buffer, vectors)
     try:  # the cache is optional: one that cannot be written only costs the next call the model
-        path.parent.mkdir(parents=True, exist_ok=True)
-        with tempfile.NamedTemporaryFile(dir=path.parent, suffix=".npy", delete=False) as handle:
-            temporary = handle.name
-            np.save(handle, vectors)
-        os.replace(temporary, path)
-    except OSError:
-        if temporary is not None and os.path.exists(temporary):
-            os.unlink(temporary)
+        write_atomically(path, buffer.getvalue())
+    except CannotWrite:
+        pass
     return vectors
 
 
