@@ -5,7 +5,8 @@ how much it could identify a person or an organization:
 
 - personal-data patterns: e-mail address, URL or domain, phone number -> 1.0; identifiers that mix
   letters and digits (order numbers, account ids) -> 0.95; numbers of 3 or more digits -> 0.9,
-  shorter numbers -> 0.6;
+  shorter numbers -> 0.6 (a run of three or more digit groups split by spaces or dashes, "4 8 2 1",
+  is one number);
 - capitalized words inside a sentence (names of people, places, companies) -> 0.55 + 0.4 r;
 - any other word -> its rarity r in a public reference vocabulary: r = clip((6 - z) / 6, 0, 1)
   where z is the word's Zipf frequency in English (log10 of occurrences per billion words) from the
@@ -87,6 +88,12 @@ _IDENT = (
     r"(?P<ident>\b(?=[\w\-#" + _MARK + r"]{0,63}\d)(?=[\w\-#" + _MARK + r"]{0,63}[^\W\d_])"
     r"(?:[^\W_]|#)[\w\-#" + _MARK + r"]{0,127})"
 )
+# A number written in groups of up to four digits split by spaces or dashes, three groups or
+# more ("4 8 2 1", "123 45 6789", "4-8-2-1-3", "2021-01-01"), taken as one number: as separate
+# tokens each single digit was a one-character token, which masking never takes, so a PIN or a
+# phone number spelled a digit at a time left the client whole (and "45" of "123 45 6789" stayed
+# at low λ). Its saliency counts all its digits.
+_DIGIT_RUN = r"\d{1,4}(?:(?:[ \t]{1,3}|[ \t]{0,3}-[ \t]{0,3})\d{1,4}){2,15}(?![\w])"
 # An e-mail address: its local part and domain in letters of any script (RFC 6531 and IDNA:
 # "josé.garcía@empresa.es"); with ASCII-only classes the address was two words and a domain, and
 # a name in it could leave the client. On ASCII text the classes are those of `_LABEL`.
@@ -100,7 +107,7 @@ _REST = (
     r"|(?P<phone>(?<![\w.])(?:\+\d{1,3}[\s.\-]?)?(?:\(\d{2,4}\)[\s.\-]?)?\d{2,4}[\s.\-]\d{3,4}"
     r"(?:[\s.\-]\d{2,4}){1,4}(?![\w]))"
     r"|" + _IDENT +
-    r"|(?P<number>\d{1,64}(?:[.,:/]\d{1,64}){0,16})"
+    r"|(?P<number>" + _DIGIT_RUN + r"|\d{1,64}(?:[.,:/]\d{1,64}){0,16})"
     r"|(?P<word>[^\W\d_]" + _LETTER_OR_MARK + r"{0,127}(?:['’][^\W\d_]" + _LETTER_OR_MARK
     + r"{0,127}){0,4})"
     r"|(?P<space>\s+)"
