@@ -1337,3 +1337,30 @@ def test_the_robust_rule_inside_a_cluster_does_not_judge_the_carried_forward_glo
     dropped = {"krum": 1, "trimmed-mean": 2}[rule]
     assert result.stats.robust_dropped == dropped
     assert weather.support == 50 + 2 * (4 - dropped)
+
+
+@pytest.mark.parametrize("rule", ["krum", "trimmed-mean"])
+def test_members_the_robust_rule_drops_inside_a_cluster_are_flagged(schema, embed, rule):
+    """Inside a cluster the rule drops members too (one source's five paraphrases: no tool has
+    three sources, so nothing is judged across sources). Each dropped member is in
+    `result.flagged`, as the entries dropped across sources are, so that the operator's count of
+    flagged entries accounts for every scenario the rule took out (before, `robust_dropped`
+    counted them and `flagged` did not list them)."""
+    texts = ["Will it rain tomorrow in Paris?", "Will it rain tomorrow in Paris",
+             "will it rain tomorrow in paris?", "Is rain expected tomorrow in Paris?",
+             "Is it going to rain in Paris tomorrow?"]
+    inputs = [sub("c1", [sc("weather", t) for t in texts]),
+              sub("c2", [sc("flights", "Book a cheap flight from Boston to Denver")])]
+    config = RoundConfig(summarizer="centroid", tau=0.8, robust_rule=rule, trim_fraction=0.25)
+    result = edge_merge(inputs, schema, config, embed=embed, confusion_margin=9.0,
+                        source_limit=9.0)
+    dropped = {"krum": 1, "trimmed-mean": 2}[rule]  # f = ⌊0.25·5⌋ = 1
+    assert result.stats.robust_dropped == dropped
+    robust = [f for f in result.flagged if f.reason.startswith("robust rule")]
+    assert len(robust) == dropped
+    assert all(f.reason == f"robust rule ({rule}) within a cluster" for f in robust)
+    assert {(f.source, f.tool_id) for f in robust} == {("c1", "weather")}
+    assert {f.text for f in robust} <= set(texts)
+    assert all(f.own_similarity <= f.closest_similarity for f in robust)
+    [weather] = [s for s in result.compendium.scenarios if s.tool_id == "weather"]
+    assert weather.support == len(texts) - dropped
