@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import numpy as np
 import pytest
 
@@ -1364,3 +1366,32 @@ def test_members_the_robust_rule_drops_inside_a_cluster_are_flagged(schema, embe
     assert all(f.own_similarity <= f.closest_similarity for f in robust)
     [weather] = [s for s in result.compendium.scenarios if s.tool_id == "weather"]
     assert weather.support == len(texts) - dropped
+
+
+@pytest.mark.parametrize("bad", ["\u202e", "\x1b", "\x00", "\x85"])
+def test_an_llm_summary_with_a_forbidden_character_falls_back(schema, embed, bad):
+    """A summary (or merged template) an LLM answers with a control character or a bidirectional
+    override is no text the compendium may hold: before, the merge emitted it and then refused
+    its own compendium ("merge produced an invalid compendium"), failing the round. It is an
+    unusable answer, and the summarizer falls back as for any other."""
+
+    class Answers:
+        def complete(self, prompt, system=None, max_tokens=512, json_schema=None):
+            if "Answer with exactly one word" in prompt:
+                return "Consistent"
+            return json.dumps({"summary": f"Rain in Paris{bad} tomorrow"})
+
+    subs = [
+        sub("a", [sc("weather", "Will it rain tomorrow in Paris?")],
+            templates=[{"tool_id": "weather", "signature": "f(city)", "template": "T1 {city}"}]),
+        sub("b", [sc("weather", "Will it rain tomorrow in Paris")],
+            templates=[{"tool_id": "weather", "signature": "f(city)", "template": "T2 {city}"}]),
+    ]
+    result = edge_merge(subs, schema, RoundConfig(summarizer="llm-single-shot"), embed=embed,
+                        llm=Answers())
+    [weather] = result.compendium.scenarios
+    assert bad not in weather.text and weather.support == 2
+    assert [t.template for t in result.compendium.templates] == ["T1 {city}"]
+    kinds = [f.get("kind") for f in result.stats.summarizer_fallbacks
+             if f["summarizer"] == "llm-single-shot"]
+    assert "unusable answer" in kinds
