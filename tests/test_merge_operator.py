@@ -870,6 +870,34 @@ def test_carried_global_drops_tools_the_schema_no_longer_has(schema, embed):
     assert {s.tool_id for s in result.compendium.scenarios} == {"weather", "flights"}
 
 
+def test_an_edge_merged_before_the_schema_changed_is_not_rejected_whole(schema, embed):
+    """An edge compendium is merged at the server under the schema in force then: an erasure
+    merges a published round's global again long after its edges were merged, and every edge
+    releases statistics for every registry tool. A tool the registry dropped since, or a numeric
+    field removed or narrowed, made each untouched edge invalid and rejected whole, and the
+    re-published global lost every organization's entries. An edge is read as the schema in
+    force reads it, as the carried-forward global is: the dropped tool's entries go, the rest
+    stays."""
+    config = RoundConfig(summarizer="none", epsilon=5.0)
+    edge = edge_merge(
+        [sub("x", [sc("recipes", "A vegan lasagna recipe"), sc("weather", "Rain in Oslo?")],
+             metadata=[{"tool_id": "weather", "stats": {"calls": 40}}])],
+        schema, config, embed=embed,
+    ).compendium
+    fields = {f.name: f for f in schema.numeric_fields}
+    smaller = Schema(
+        tools=[t for t in schema.tools if t.tool_id != "recipes"],
+        numeric_fields=[fields["calls"].model_copy(update={"max": 1.0}),
+                        *(f for name, f in fields.items() if name not in ("calls", "success_rate"))],
+    )
+    result = server_merge([MergeInput("org:a", edge)], smaller, config, embed=embed)
+    assert result.rejected == [] and result.accepted_sources == ["org:a"]
+    assert {(s.tool_id, s.text) for s in result.compendium.scenarios} == {("weather", "Rain in Oslo?")}
+    for m in result.compendium.metadata:
+        assert m.tool_id != "recipes"
+        assert "success_rate" not in m.stats and m.stats.get("calls", 0) <= 1.0
+
+
 def test_carried_global_keeps_its_entries_when_a_numeric_field_is_removed_or_narrowed(
     schema, embed
 ):

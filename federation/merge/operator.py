@@ -169,7 +169,17 @@ def server_merge(
 
     `previous_conflicts` is the server's own conflict log of the last round, L(r−1) one level up
     (with the operator's decisions): the conflicts between edges become precautions (or, where
-    the operator picked one, winning scenarios) here, as an edge's own do in its next merge."""
+    the operator picked one, winning scenarios) here, as an edge's own do in its next merge.
+
+    An edge given as a Compendium is read as the schema in force reads it (`_within_schema`), as
+    the carried-forward global is: it was merged under the schema of its time (an erasure merges
+    a published round's global again long after), and every edge holds statistics for every
+    registry tool, so a tool dropped since would otherwise have every edge rejected whole."""
+    edge_results = [
+        MergeInput(e.source, _within_schema(e.document, schema))
+        if isinstance(e.document, Compendium) else e
+        for e in edge_results
+    ]
     return _merge(
         edge_results,
         schema,
