@@ -14,6 +14,7 @@ from django.db import transaction
 from django.db.models import Q
 
 from compendium.services import current_schema
+from compendium.validation import _FORBIDDEN_CHARS
 from federation.errors import Conflict, InvalidRequest, NotAllowed
 from federation.merge import ConflictEntry
 from federation.merge.operator import conflicts_to_precautions
@@ -157,6 +158,14 @@ def decide_conflict(
         if len(text) > schema.strings.precaution:
             raise InvalidRequest(
                 f"the precaution is {len(text)} characters; at most {schema.strings.precaution}"
+            )
+        # It enters the next merge as it is: a character no compendium may hold would make that
+        # merge refuse its own compendium and fail the round (every retry too).
+        bad = _FORBIDDEN_CHARS.search(text)
+        if bad is not None:
+            raise InvalidRequest(
+                f"the precaution contains a control character or bidirectional override "
+                f"U+{ord(bad.group()):04X} at position {bad.start()}; remove it"
             )
     elif action == ConflictDecision.Action.SCENARIO:
         if text not in scenario_choices(conflict):

@@ -161,3 +161,20 @@ def test_a_decision_that_no_merge_would_read_is_refused(django_capture_on_commit
     assert f'action="/conflicts/{conflict.pk}/decide/"' not in page
     refused = client.post(f"/conflicts/{conflict.pk}/decide/", {"action": "dismiss"})
     assert refused.status_code == 409
+
+
+@pytest.mark.parametrize("bad", ["\u202e", "\x00", "\x1b"])
+def test_an_edited_precaution_with_a_forbidden_character_is_refused(
+    bad, django_capture_on_commit_callbacks
+):
+    """An edited precaution enters the next round's merge as it is. One holding a character no
+    compendium may (a bidirectional override, a control character) made that merge refuse its
+    own compendium and fail the round, every retry too while the decision stood; a NUL could not
+    even be stored (a 500). It is refused with a 400 naming the character, and nothing is
+    recorded."""
+    from federation.errors import InvalidRequest
+
+    org, clients, conflict = conflicted_round(django_capture_on_commit_callbacks)
+    with pytest.raises(InvalidRequest, match=f"U\\+{ord(bad):04X}"):
+        decide_conflict(Actor.system(), conflict, "edit", f"Ask for the city{bad} first")
+    assert not ConflictDecision.objects.exists()

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import numpy as np
 import pytest
 
@@ -868,6 +870,34 @@ def test_carried_global_drops_tools_the_schema_no_longer_has(schema, embed):
     assert {s.tool_id for s in result.compendium.scenarios} == {"weather", "flights"}
 
 
+def test_an_edge_merged_before_the_schema_changed_is_not_rejected_whole(schema, embed):
+    """An edge compendium is merged at the server under the schema in force then: an erasure
+    merges a published round's global again long after its edges were merged, and every edge
+    releases statistics for every registry tool. A tool the registry dropped since, or a numeric
+    field removed or narrowed, made each untouched edge invalid and rejected whole, and the
+    re-published global lost every organization's entries. An edge is read as the schema in
+    force reads it, as the carried-forward global is: the dropped tool's entries go, the rest
+    stays."""
+    config = RoundConfig(summarizer="none", epsilon=5.0)
+    edge = edge_merge(
+        [sub("x", [sc("recipes", "A vegan lasagna recipe"), sc("weather", "Rain in Oslo?")],
+             metadata=[{"tool_id": "weather", "stats": {"calls": 40}}])],
+        schema, config, embed=embed,
+    ).compendium
+    fields = {f.name: f for f in schema.numeric_fields}
+    smaller = Schema(
+        tools=[t for t in schema.tools if t.tool_id != "recipes"],
+        numeric_fields=[fields["calls"].model_copy(update={"max": 1.0}),
+                        *(f for name, f in fields.items() if name not in ("calls", "success_rate"))],
+    )
+    result = server_merge([MergeInput("org:a", edge)], smaller, config, embed=embed)
+    assert result.rejected == [] and result.accepted_sources == ["org:a"]
+    assert {(s.tool_id, s.text) for s in result.compendium.scenarios} == {("weather", "Rain in Oslo?")}
+    for m in result.compendium.metadata:
+        assert m.tool_id != "recipes"
+        assert "success_rate" not in m.stats and m.stats.get("calls", 0) <= 1.0
+
+
 def test_carried_global_keeps_its_entries_when_a_numeric_field_is_removed_or_narrowed(
     schema, embed
 ):
@@ -1337,3 +1367,59 @@ def test_the_robust_rule_inside_a_cluster_does_not_judge_the_carried_forward_glo
     dropped = {"krum": 1, "trimmed-mean": 2}[rule]
     assert result.stats.robust_dropped == dropped
     assert weather.support == 50 + 2 * (4 - dropped)
+
+
+@pytest.mark.parametrize("rule", ["krum", "trimmed-mean"])
+def test_members_the_robust_rule_drops_inside_a_cluster_are_flagged(schema, embed, rule):
+    """Inside a cluster the rule drops members too (one source's five paraphrases: no tool has
+    three sources, so nothing is judged across sources). Each dropped member is in
+    `result.flagged`, as the entries dropped across sources are, so that the operator's count of
+    flagged entries accounts for every scenario the rule took out (before, `robust_dropped`
+    counted them and `flagged` did not list them)."""
+    texts = ["Will it rain tomorrow in Paris?", "Will it rain tomorrow in Paris",
+             "will it rain tomorrow in paris?", "Is rain expected tomorrow in Paris?",
+             "Is it going to rain in Paris tomorrow?"]
+    inputs = [sub("c1", [sc("weather", t) for t in texts]),
+              sub("c2", [sc("flights", "Book a cheap flight from Boston to Denver")])]
+    config = RoundConfig(summarizer="centroid", tau=0.8, robust_rule=rule, trim_fraction=0.25)
+    result = edge_merge(inputs, schema, config, embed=embed, confusion_margin=9.0,
+                        source_limit=9.0)
+    dropped = {"krum": 1, "trimmed-mean": 2}[rule]  # f = ⌊0.25·5⌋ = 1
+    assert result.stats.robust_dropped == dropped
+    robust = [f for f in result.flagged if f.reason.startswith("robust rule")]
+    assert len(robust) == dropped
+    assert all(f.reason == f"robust rule ({rule}) within a cluster" for f in robust)
+    assert {(f.source, f.tool_id) for f in robust} == {("c1", "weather")}
+    assert {f.text for f in robust} <= set(texts)
+    assert all(f.own_similarity <= f.closest_similarity for f in robust)
+    [weather] = [s for s in result.compendium.scenarios if s.tool_id == "weather"]
+    assert weather.support == len(texts) - dropped
+
+
+@pytest.mark.parametrize("bad", ["\u202e", "\x1b", "\x00", "\x85"])
+def test_an_llm_summary_with_a_forbidden_character_falls_back(schema, embed, bad):
+    """A summary (or merged template) an LLM answers with a control character or a bidirectional
+    override is no text the compendium may hold: before, the merge emitted it and then refused
+    its own compendium ("merge produced an invalid compendium"), failing the round. It is an
+    unusable answer, and the summarizer falls back as for any other."""
+
+    class Answers:
+        def complete(self, prompt, system=None, max_tokens=512, json_schema=None):
+            if "Answer with exactly one word" in prompt:
+                return "Consistent"
+            return json.dumps({"summary": f"Rain in Paris{bad} tomorrow"})
+
+    subs = [
+        sub("a", [sc("weather", "Will it rain tomorrow in Paris?")],
+            templates=[{"tool_id": "weather", "signature": "f(city)", "template": "T1 {city}"}]),
+        sub("b", [sc("weather", "Will it rain tomorrow in Paris")],
+            templates=[{"tool_id": "weather", "signature": "f(city)", "template": "T2 {city}"}]),
+    ]
+    result = edge_merge(subs, schema, RoundConfig(summarizer="llm-single-shot"), embed=embed,
+                        llm=Answers())
+    [weather] = result.compendium.scenarios
+    assert bad not in weather.text and weather.support == 2
+    assert [t.template for t in result.compendium.templates] == ["T1 {city}"]
+    kinds = [f.get("kind") for f in result.stats.summarizer_fallbacks
+             if f["summarizer"] == "llm-single-shot"]
+    assert "unusable answer" in kinds

@@ -169,7 +169,17 @@ def server_merge(
 
     `previous_conflicts` is the server's own conflict log of the last round, L(r−1) one level up
     (with the operator's decisions): the conflicts between edges become precautions (or, where
-    the operator picked one, winning scenarios) here, as an edge's own do in its next merge."""
+    the operator picked one, winning scenarios) here, as an edge's own do in its next merge.
+
+    An edge given as a Compendium is read as the schema in force reads it (`_within_schema`), as
+    the carried-forward global is: it was merged under the schema of its time (an erasure merges
+    a published round's global again long after), and every edge holds statistics for every
+    registry tool, so a tool dropped since would otherwise have every edge rejected whole."""
+    edge_results = [
+        MergeInput(e.source, _within_schema(e.document, schema))
+        if isinstance(e.document, Compendium) else e
+        for e in edge_results
+    ]
     return _merge(
         edge_results,
         schema,
@@ -424,7 +434,8 @@ def _merge(
     clock.lap("cross_validate")
 
     probe = consistency_probe(llm) if llm is not None else None
-    slots, conflicts = _cluster_scenarios(scenario_items, config, probe, stats)
+    slots, conflicts, more = _cluster_scenarios(scenario_items, config, probe, stats)
+    flagged += more
     if config.conflict_log and profiles is not None:
         # An edge's sources are clients, whose stated support is their own word; the server's
         # are edges, whose support counts the clients that agreed there.
@@ -864,11 +875,16 @@ def _robust_sources(
 
 def _cluster_scenarios(items: list[Item], config: RoundConfig, probe: ConsistencyProbe | None,
                        stats: MergeStats):
+    """The cluster slots, the conflict log, and a flagged entry for each member the robust rule
+    drops inside a cluster (reason "robust rule (<rule>) within a cluster"; `own_similarity`: its
+    cosine to the mean direction of the members kept, `closest_similarity`: the least cosine of a
+    kept member to it), so that `result.flagged` lists every scenario the rule took out."""
     by_tool: dict[str, list[Item]] = defaultdict(list)
     for item in items:
         by_tool[item.tool_id].append(item)
     slots: list[dict] = []
     conflicts: list[ConflictEntry] = []
+    flagged: list[FlaggedEntry] = []
     for tool_id in sorted(by_tool):
         group = sorted(by_tool[tool_id], key=item_order_key)
         matrix = np.stack([i.vector for i in group])
@@ -881,6 +897,8 @@ def _cluster_scenarios(items: list[Item], config: RoundConfig, probe: Consistenc
                                 config.robust_rule, config.trim_fraction) if judged else [])
             stats.robust_dropped += len(judged) - len(keep)
             kept = {judged[i] for i in keep}
+            if len(kept) < len(judged):
+                flagged += _dropped_in_cluster(members, kept, config.robust_rule)
             members = [m for i, m in enumerate(members)
                        if i in kept or m.source == PREVIOUS_GLOBAL]
             decision = (decide_cluster(members, probe) if config.conflict_log
@@ -925,7 +943,22 @@ def _cluster_scenarios(items: list[Item], config: RoundConfig, probe: Consistenc
                     reason=decision.reason,
                 )
             )
-    return slots, conflicts
+    return slots, conflicts, flagged
+
+
+def _dropped_in_cluster(members: list[Item], kept: set[int], rule: str) -> list[FlaggedEntry]:
+    """A flagged entry for each member of a cluster the robust rule did not keep (`kept`:
+    the indices of the members it kept)."""
+    vectors = np.stack([members[i].vector for i in sorted(kept)]).astype(np.float64)
+    mean = vectors.mean(axis=0)
+    mean /= max(float(np.linalg.norm(mean)), 1e-12)
+    least = round(float(np.min(vectors @ mean)), 6)
+    return [
+        FlaggedEntry(m.source, m.tool_id, m.text, "", round(float(m.vector @ mean), 6), least,
+                     reason=f"robust rule ({rule}) within a cluster")
+        for i, m in enumerate(members)
+        if i not in kept and m.source != PREVIOUS_GLOBAL
+    ]
 
 
 CROSS_TOOL_REASON = "parent tools differ"

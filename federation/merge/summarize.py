@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from compendium.validation import _FORBIDDEN_CHARS
 from federation.merge.clustering import (
     central_order,
     honest_gaps,
@@ -318,6 +319,7 @@ class Summarizer:
             text = variable.value.strip()[: self.text_limit]
             if not text:
                 raise SummaryUnparseable("textgrad produced an empty text")
+            _storable(text, "textgrad's text")
             loss_value = float(self._failures(cluster, self.embed([text]))[0])
             if loss_value < best_loss:
                 best_text, best_loss = text, loss_value
@@ -362,7 +364,19 @@ def _parse_summary(answer: str, limit: int) -> str:
         raise SummaryUnparseable(f"LLM answer is not valid JSON: {answer[:120]!r}") from None
     if not isinstance(summary, str) or not summary.strip():
         raise SummaryUnparseable("LLM answer has no non-empty 'summary' string")
-    return summary.strip()[:limit]
+    return _storable(summary.strip()[:limit], "LLM answer's summary")
+
+
+def _storable(text: str, what: str) -> str:
+    """`text`, refused (SummaryUnparseable) when it holds a character no compendium string may
+    (`compendium.validation`: a control character, a bidirectional override, a lone surrogate):
+    the merge would emit it and then refuse its own compendium, failing the round."""
+    bad = _FORBIDDEN_CHARS.search(text)
+    if bad is not None:
+        raise SummaryUnparseable(
+            f"{what} contains the character U+{ord(bad.group()):04X}, which a compendium may not hold"
+        )
+    return text
 
 
 def _textgrad_engine(llm: OpenAICompatibleLLM):

@@ -33,7 +33,8 @@ class FlaggedEntry:
     limit), by the tool-confusion check (its text sits closer to another tool), or as part of an
     incoherent batch (one source's scenarios for one tool that are far less alike than the tool's
     public probe requests; `own_similarity` is then the batch's mean pairwise cosine and
-    `closest_similarity` what the probe expects)."""
+    `closest_similarity` what the probe expects), or by a robust rule (across sources, or
+    "within a cluster": `operator._robust_sources`, `operator._dropped_in_cluster`)."""
 
     source: str
     tool_id: str
