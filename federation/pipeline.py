@@ -18,9 +18,11 @@ import numpy as np
 from django.conf import settings
 from django.db import transaction
 from django.db.models import Count
+from pydantic import ValidationError
 
 from compendium.canonical import canonical_form
 from compendium.models import CompendiumVersion
+from compendium.schema import Compendium
 from compendium.services import current_schema, load_compendium, store_compendium
 from federation import accounting, services
 from federation.merge import (
@@ -30,6 +32,7 @@ from federation.merge import (
     ProbeSet,
     drowned_fields,
     edge_merge,
+    within_schema,
 )
 from federation.merge import server_merge as server_merge_operator
 from federation.merge.llm import OpenAICompatibleLLM
@@ -341,6 +344,19 @@ def _edge_sources(round_: Round, organization: Organization) -> list[CompendiumV
     )
 
 
+def _as_schema_reads(content: dict, schema) -> Compendium | dict:
+    """A stored client submission as the schema in force reads it (`within_schema`). It was
+    checked against the schema when it arrived; a tool deactivated, or a numeric field removed or
+    narrowed, while the round was open made it invalid at the merge, and the edge rejected the
+    honest client's every entry with it. Statistics are clipped into the range in force before
+    the noise, whose scale that range sets. Content that does not parse is left as stored: the
+    merge rejects it, naming why."""
+    try:
+        return within_schema(Compendium.model_validate(content), schema)
+    except ValidationError:
+        return content
+
+
 def run_edge_merge(
     round_id: int, organization_id: int, *, rematerialize: bool = False, embed=None,
     attempt: int | None = None,
@@ -372,7 +388,8 @@ def run_edge_merge(
         # statistics.
         release, extra = _release_number(round_, organization, rematerialize, source_ids, digest)
         remaining = accounting.remaining_for_release(round_.pk, organization.pk, release)
-        inputs = [MergeInput(f"client:{v.client_id}", v.content) for v in sources]
+        inputs = [MergeInput(f"client:{v.client_id}", _as_schema_reads(v.content, schema))
+                  for v in sources]
         common = dict(
             embed=embed,
             probe_set=probe,

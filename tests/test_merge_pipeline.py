@@ -1053,3 +1053,23 @@ def test_an_erasure_is_audited_in_the_clients_organization(world, valid_doc):
 
     assert "client.erase" in actions(world.admin_a) and "client.erase" in actions(world.operator)
     assert "client.erase" not in actions(world.admin_b)
+
+
+def test_a_submission_stored_before_a_tool_left_the_registry_is_merged_without_it(probes):
+    """A client's submission was checked against the schema in force when it arrived; the
+    operator may deactivate a tool while the round is still open. The edge merge validated the
+    stored submission against the schema of the merge, so an honest client that had used the
+    tool lost its whole submission (rejected, its other entries with it). It is read as the
+    schema in force reads it, as the server merge reads its edges: the tool's entries go."""
+    from compendium.models import Tool
+
+    round_, clients = build_federation(state="merging")
+    Tool.objects.filter(tool_id="calculator").update(active=False)
+    org = clients[("acme", "a1")].organization
+    pipeline.run_edge_merge(round_.pk, org.pk)
+    edge = CompendiumVersion.objects.get(kind="edge", round=round_, organization=org)
+    assert edge.sources.count() == 2
+    texts = {(s["tool_id"], s["text"]) for s in edge.content["scenarios"]}
+    assert ("flights", "Book a cheap flight from Boston to Denver") in texts
+    assert all(tool != "calculator" for tool, _ in texts)
+    assert all(p["tool_id"] != "calculator" for p in edge.content.get("precautions", []))

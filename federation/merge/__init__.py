@@ -6,6 +6,7 @@ from federation.merge.operator import (
     drowned_fields,
     edge_merge,
     server_merge,
+    within_schema,
 )
 from federation.merge.privacy import BudgetExceeded, compose, laplace_scale
 from federation.merge.summarize import ProbeSet
@@ -26,4 +27,5 @@ __all__ = [
     "greedy_cluster",
     "laplace_scale",
     "server_merge",
+    "within_schema",
 ]

@@ -171,12 +171,12 @@ def server_merge(
     (with the operator's decisions): the conflicts between edges become precautions (or, where
     the operator picked one, winning scenarios) here, as an edge's own do in its next merge.
 
-    An edge given as a Compendium is read as the schema in force reads it (`_within_schema`), as
+    An edge given as a Compendium is read as the schema in force reads it (`within_schema`), as
     the carried-forward global is: it was merged under the schema of its time (an erasure merges
     a published round's global again long after), and every edge holds statistics for every
     registry tool, so a tool dropped since would otherwise have every edge rejected whole."""
     edge_results = [
-        MergeInput(e.source, _within_schema(e.document, schema))
+        MergeInput(e.source, within_schema(e.document, schema))
         if isinstance(e.document, Compendium) else e
         for e in edge_results
     ]
@@ -193,7 +193,7 @@ def server_merge(
         noise=False,
         confusion_margin=confusion_margin,
         confusion_rank=confusion_rank,
-        previous=None if previous is None else _within_schema(previous, schema),
+        previous=None if previous is None else within_schema(previous, schema),
         source_limit=source_limit,
         noise_scales=noise_scales,
     )
@@ -533,7 +533,7 @@ def _merge(
     )
 
 
-def _within_schema(compendium: Compendium, schema: Schema) -> Compendium:
+def within_schema(compendium: Compendium, schema: Schema) -> Compendium:
     """`compendium` as the schema in force reads it: the entries of the tools it still has, the
     statistics of the fields it still declares, each within the field's range as declared now
     (post-processing of a released figure). A carried-forward global must not be rejected
