@@ -1605,3 +1605,19 @@ def test_closing_a_round_says_what_became_of_its_merge(client, fed, without_merg
     assert Round.objects.get(number=2).state == "failed"  # eager: over, nobody submitted to it
     message = html.unescape(response.content.decode())
     assert "Round 2 retried; its merge failed: " in message and "pipeline started" not in message
+
+
+def test_the_simulation_picker_selects_the_run_shown_even_past_the_latest_twenty(client, fed):
+    """The picker listed the latest 20 runs only: ?run= of an older one drew that run while the
+    picker, without it, showed the newest as chosen (and Show went back to the newest)."""
+    runs = [SimulationRun.objects.create(label=f"run {i}", dataset="tiny", document=DOCUMENT)
+            for i in range(22)]
+    login(client, fed, "member_a")
+    body = client.get(reverse("dashboard:accuracy"), {"run": runs[0].pk}).content.decode()
+    selected = re.findall(r'<option value="(\d+)" selected>', body)
+    assert selected == [str(runs[0].pk)]
+    assert "run 0 on tiny" in body
+    body = client.get(reverse("dashboard:accuracy")).content.decode()  # the latest 20, as before
+    options = re.findall(r'<option value="(\d+)"', body)
+    assert len(options) == 20 and re.findall(r'<option value="(\d+)" selected>', body) == [
+        str(runs[-1].pk)]
