@@ -1621,3 +1621,21 @@ def test_the_simulation_picker_selects_the_run_shown_even_past_the_latest_twenty
     options = re.findall(r'<option value="(\d+)"', body)
     assert len(options) == 20 and re.findall(r'<option value="(\d+)" selected>', body) == [
         str(runs[-1].pk)]
+
+
+def test_a_decision_returns_to_the_page_and_filter_it_was_made_on(client, fed):
+    """Deciding a conflict on page 2, or under a round or organization filter, went back to the
+    unfiltered first page, where the conflict and its anchor are not: the reviewer lost their
+    place and did not see the decision."""
+    conflict = conflict_of(fed, fed.org_a)
+    url = reverse("dashboard:conflict-decide", args=[conflict.pk])
+    page = "http://testserver" + reverse("dashboard:conflicts") + "?round=1&organization=org-a&page=2"
+    login(client, fed, "admin_a")
+    response = client.post(url, {"action": "dismiss"}, HTTP_REFERER=page)
+    assert response.status_code == 302
+    assert response["Location"] == page + f"#conflict-{conflict.pk}"
+    # from elsewhere (another site, another page, or no Referer): the conflict page
+    for referer in ("https://evil.example/conflicts/?page=2", "http://testserver/privacy/", None):
+        extra = {"HTTP_REFERER": referer} if referer else {}
+        response = client.post(url, {"action": "accept"}, **extra)
+        assert response["Location"] == reverse("dashboard:conflicts") + f"#conflict-{conflict.pk}"
