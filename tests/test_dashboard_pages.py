@@ -1639,3 +1639,24 @@ def test_a_decision_returns_to_the_page_and_filter_it_was_made_on(client, fed):
         extra = {"HTTP_REFERER": referer} if referer else {}
         response = client.post(url, {"action": "accept"}, **extra)
         assert response["Location"] == reverse("dashboard:conflicts") + f"#conflict-{conflict.pk}"
+
+
+def test_the_release_and_cadence_tables_say_when_nothing_was_sent(client, fed):
+    """A run in which no client sent anything stores no byte figure (None): the frontier's label
+    said "nothing sent", but the k-anonymous release and cadence tables showed an empty cell."""
+    release = [{"min_users": 50, "seeds": 1, "accuracy": 0.4, "membership_auroc": 0.5,
+                "token_overlap": 0.0, "bytes_per_client_round": None}]
+    cadence = [{"aggregate_every": 2, "seeds": 1, "accuracy": 0.5, "accuracy_round_1": 0.5,
+                "bytes_per_client_round": None, "global_scenarios": 0}]
+    SimulationRun.objects.create(label="silent", dataset="tiny", document={
+        **DOCUMENT, "release_sweep": release, "cadence": cadence})
+    body = login(client, fed, "member_a").get(reverse("dashboard:accuracy")).content.decode()
+
+    def cells(table_id):
+        table = body[body.index(f'id="{table_id}"'):]
+        table = table[: table.index("</table>")]
+        return re.findall(r"<td[^>]*>(.*?)</td>", table)
+
+    assert cells("accuracy-release-table")[-1] == "nothing sent"
+    assert cells("accuracy-cadence-table")[-2] == "nothing sent"
+    assert "k=50 · nothing sent" in figures_in(body)[-2]["data"][-1]["text"]
