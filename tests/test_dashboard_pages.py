@@ -1660,3 +1660,55 @@ def test_the_release_and_cadence_tables_say_when_nothing_was_sent(client, fed):
     assert cells("accuracy-release-table")[-1] == "nothing sent"
     assert cells("accuracy-cadence-table")[-2] == "nothing sent"
     assert "k=50 · nothing sent" in figures_in(body)[-2]["data"][-1]["text"]
+
+
+@pytest.mark.django_db(transaction=True)
+def test_the_same_decision_posted_twice_at_once_is_audited_once(world, monkeypatch):
+    """A double click sends the same decision twice at once. With no later round to lock (the
+    conflict's round is the latest), both requests read "no decision yet": the second waited on
+    the first's insert, then updated the row to the same values and audited the decision again
+    in the append-only log. The conflict's row is now locked while a decision is made, so the
+    second finds the first's decision and changes and audits nothing."""
+    import threading
+
+    from django.db import connection
+
+    from federation import conflicts
+    from tests.federation_fixtures import another_waits_on_a_lock
+
+    rnd = Round.objects.create(number=1, state=Round.State.PUBLISHED, config={"epsilon": 1.0})
+    conflict = ConflictLogEntry.objects.create(
+        round=rnd, organization=world.org_a, tool_id="weather", centroid_id="c0",
+        centroid={"text": "Will it rain tomorrow in Paris?"}, dissenters=[{"text": "Rain in Paris"}],
+    )
+    real_audit = conflicts.audit
+    first_writes = threading.Event()
+
+    def slow_audit(actor, action, **kwargs):  # the first decision holds its transaction open
+        if not first_writes.is_set():        # until the second waits on it
+            first_writes.set()
+            another_waits_on_a_lock()
+        return real_audit(actor, action, **kwargs)
+
+    monkeypatch.setattr(conflicts, "audit", slow_audit)
+    errors = []
+
+    def decide(wait: bool):
+        if wait:
+            first_writes.wait(5)
+        try:
+            conflicts.decide_conflict(world.actor(world.operator), conflict, "dismiss")
+        except Exception as exc:  # noqa: BLE001 - reported by the assertion below
+            errors.append(exc)
+        finally:
+            connection.close()
+
+    threads = [threading.Thread(target=decide, args=(False,)),
+               threading.Thread(target=decide, args=(True,))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(20)
+    assert not errors
+    assert ConflictDecision.objects.get().action == "dismiss"
+    assert AuditLog.objects.filter(action="conflict.decide").count() == 1
