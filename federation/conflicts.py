@@ -145,6 +145,11 @@ def decide_conflict(
         )
     if action not in ConflictDecision.Action.values:
         raise InvalidRequest(f"action must be one of {', '.join(ConflictDecision.Action.values)}")
+    # Decisions on one conflict one at a time: two at once (a double click) with no later round
+    # to lock both read "no decision yet", and the second audited the same decision again. Locked
+    # before the later rounds: an erasure that merges this round's log again holds the row to its
+    # end and goes on to lock the later rounds, so a decision waiting for the row holds none.
+    list(ConflictLogEntry.objects.select_for_update().filter(pk=conflict.pk).values_list("pk"))
     _still_decidable(conflict)
     text = " ".join((text or "").split())
     schema = current_schema()

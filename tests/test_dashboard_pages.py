@@ -1605,3 +1605,110 @@ def test_closing_a_round_says_what_became_of_its_merge(client, fed, without_merg
     assert Round.objects.get(number=2).state == "failed"  # eager: over, nobody submitted to it
     message = html.unescape(response.content.decode())
     assert "Round 2 retried; its merge failed: " in message and "pipeline started" not in message
+
+
+def test_the_simulation_picker_selects_the_run_shown_even_past_the_latest_twenty(client, fed):
+    """The picker listed the latest 20 runs only: ?run= of an older one drew that run while the
+    picker, without it, showed the newest as chosen (and Show went back to the newest)."""
+    runs = [SimulationRun.objects.create(label=f"run {i}", dataset="tiny", document=DOCUMENT)
+            for i in range(22)]
+    login(client, fed, "member_a")
+    body = client.get(reverse("dashboard:accuracy"), {"run": runs[0].pk}).content.decode()
+    selected = re.findall(r'<option value="(\d+)" selected>', body)
+    assert selected == [str(runs[0].pk)]
+    assert "run 0 on tiny" in body
+    body = client.get(reverse("dashboard:accuracy")).content.decode()  # the latest 20, as before
+    options = re.findall(r'<option value="(\d+)"', body)
+    assert len(options) == 20 and re.findall(r'<option value="(\d+)" selected>', body) == [
+        str(runs[-1].pk)]
+
+
+def test_a_decision_returns_to_the_page_and_filter_it_was_made_on(client, fed):
+    """Deciding a conflict on page 2, or under a round or organization filter, went back to the
+    unfiltered first page, where the conflict and its anchor are not: the reviewer lost their
+    place and did not see the decision."""
+    conflict = conflict_of(fed, fed.org_a)
+    url = reverse("dashboard:conflict-decide", args=[conflict.pk])
+    page = "http://testserver" + reverse("dashboard:conflicts") + "?round=1&organization=org-a&page=2"
+    login(client, fed, "admin_a")
+    response = client.post(url, {"action": "dismiss"}, HTTP_REFERER=page)
+    assert response.status_code == 302
+    assert response["Location"] == page + f"#conflict-{conflict.pk}"
+    # from elsewhere (another site, another page, or no Referer): the conflict page
+    for referer in ("https://evil.example/conflicts/?page=2", "http://testserver/privacy/", None):
+        extra = {"HTTP_REFERER": referer} if referer else {}
+        response = client.post(url, {"action": "accept"}, **extra)
+        assert response["Location"] == reverse("dashboard:conflicts") + f"#conflict-{conflict.pk}"
+
+
+def test_the_release_and_cadence_tables_say_when_nothing_was_sent(client, fed):
+    """A run in which no client sent anything stores no byte figure (None): the frontier's label
+    said "nothing sent", but the k-anonymous release and cadence tables showed an empty cell."""
+    release = [{"min_users": 50, "seeds": 1, "accuracy": 0.4, "membership_auroc": 0.5,
+                "token_overlap": 0.0, "bytes_per_client_round": None}]
+    cadence = [{"aggregate_every": 2, "seeds": 1, "accuracy": 0.5, "accuracy_round_1": 0.5,
+                "bytes_per_client_round": None, "global_scenarios": 0}]
+    SimulationRun.objects.create(label="silent", dataset="tiny", document={
+        **DOCUMENT, "release_sweep": release, "cadence": cadence})
+    body = login(client, fed, "member_a").get(reverse("dashboard:accuracy")).content.decode()
+
+    def cells(table_id):
+        table = body[body.index(f'id="{table_id}"'):]
+        table = table[: table.index("</table>")]
+        return re.findall(r"<td[^>]*>(.*?)</td>", table)
+
+    assert cells("accuracy-release-table")[-1] == "nothing sent"
+    assert cells("accuracy-cadence-table")[-2] == "nothing sent"
+    assert "k=50 · nothing sent" in figures_in(body)[-2]["data"][-1]["text"]
+
+
+@pytest.mark.django_db(transaction=True)
+def test_the_same_decision_posted_twice_at_once_is_audited_once(world, monkeypatch):
+    """A double click sends the same decision twice at once. With no later round to lock (the
+    conflict's round is the latest), both requests read "no decision yet": the second waited on
+    the first's insert, then updated the row to the same values and audited the decision again
+    in the append-only log. The conflict's row is now locked while a decision is made, so the
+    second finds the first's decision and changes and audits nothing."""
+    import threading
+
+    from django.db import connection
+
+    from federation import conflicts
+    from tests.federation_fixtures import another_waits_on_a_lock
+
+    rnd = Round.objects.create(number=1, state=Round.State.PUBLISHED, config={"epsilon": 1.0})
+    conflict = ConflictLogEntry.objects.create(
+        round=rnd, organization=world.org_a, tool_id="weather", centroid_id="c0",
+        centroid={"text": "Will it rain tomorrow in Paris?"}, dissenters=[{"text": "Rain in Paris"}],
+    )
+    real_audit = conflicts.audit
+    first_writes = threading.Event()
+
+    def slow_audit(actor, action, **kwargs):  # the first decision holds its transaction open
+        if not first_writes.is_set():        # until the second waits on it
+            first_writes.set()
+            another_waits_on_a_lock()
+        return real_audit(actor, action, **kwargs)
+
+    monkeypatch.setattr(conflicts, "audit", slow_audit)
+    errors = []
+
+    def decide(wait: bool):
+        if wait:
+            first_writes.wait(5)
+        try:
+            conflicts.decide_conflict(world.actor(world.operator), conflict, "dismiss")
+        except Exception as exc:  # noqa: BLE001 - reported by the assertion below
+            errors.append(exc)
+        finally:
+            connection.close()
+
+    threads = [threading.Thread(target=decide, args=(False,)),
+               threading.Thread(target=decide, args=(True,))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(20)
+    assert not errors
+    assert ConflictDecision.objects.get().action == "dismiss"
+    assert AuditLog.objects.filter(action="conflict.decide").count() == 1

@@ -1242,6 +1242,8 @@ def accuracy_page(run_id=None) -> AccuracyPage:
             raise BadRequest(f"run must be a simulation id, not {str(run_id)[:40]!r}") from None
     else:
         run = SimulationRun.objects.order_by("-created_at").first()
+    if run is not None and run.pk not in {r.pk for r in runs}:
+        runs.append(run)  # an older run chosen by ?run=: the picker names the run it shows
     page = AccuracyPage(run=run, runs=runs)
     if run is None:
         return page

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import datetime as dt
+from urllib.parse import urlsplit
 
 from django.conf import settings as django_settings
 from django.contrib import messages
@@ -741,7 +742,12 @@ class ConflictDecideView(ActionView):
             f"Decision on {conflict.tool_id}/{conflict.centroid_id} of round {conflict.round.number}: "
             f"{decision.get_action_display()}. It applies in the next round's {where}.",
         )
-        return redirect(f"{reverse('dashboard:conflicts')}#conflict-{conflict.pk}")
+        # Back to the page the form was on (its page and filters), at the conflict decided.
+        page = reverse("dashboard:conflicts")
+        back = back_url(request).split("#")[0]
+        if urlsplit(back).path != page:
+            back = page
+        return redirect(f"{back}#conflict-{conflict.pk}")
 
 
 # --- accuracy ------------------------------------------------------------------------------------
