@@ -631,7 +631,7 @@ def organization_page(organization, actor) -> OrganizationPage:
     figures per round: submissions, edge compendium size and entries, conflicts, rejected
     submissions, and scenarios dropped by the merge's cross-checks (whole submissions of
     implausible clients, by name; tool confusion, with the margin used; incoherent batches; batches
-    a robust rule dropped across clients)."""
+    a robust rule dropped across clients, and members it dropped inside a cluster)."""
     from federation.models import MergeRecord
     from federation.services import can_admin
 
