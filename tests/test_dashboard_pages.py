@@ -714,6 +714,11 @@ def test_conflicts_are_scoped(client, fed):
         assert refused.status_code == 400 and "round must be a round number" in refused.content.decode()
     assert "Paris" in client.get(reverse("dashboard:conflicts"), {"round": "1"}).content.decode()
     assert "Berlin" not in client.get(reverse("dashboard:conflicts"), {"organization": "org-a"}).content.decode()
+    # a filtered page says so and links to the whole review
+    filtered = client.get(reverse("dashboard:conflicts"), {"round": "1", "organization": "org-a"}).content.decode()
+    assert "Showing only the conflicts of round 1, organization <code>org-a</code>" in filtered
+    assert f'<a href="{reverse("dashboard:conflicts")}">show all conflicts</a>' in filtered
+    assert "Showing only" not in client.get(reverse("dashboard:conflicts")).content.decode()
 
 
 def test_admin_accepts_edits_picks_and_dismisses(client, fed):

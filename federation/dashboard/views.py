@@ -713,12 +713,15 @@ class ConflictsView(DashboardView):
 
     def get_context_data(self, **kwargs):
         context = super().get_context_data(**kwargs)
+        organization_slug = self.request.GET.get("organization", "")[:100]
         page_obj, groups = services.conflict_groups(
             self.organizations, actor_for(self.request), round_number=self.round_number,
-            organization_slug=self.request.GET.get("organization", "")[:100],
-            page=self.request.GET.get("page"),
+            organization_slug=organization_slug, page=self.request.GET.get("page"),
         )
-        context.update(page_obj=page_obj, groups=groups)
+        # A filter the page is under is said, with the way out of it: a decision returns to the
+        # filtered page it was made on, which otherwise looked like the whole review.
+        context.update(page_obj=page_obj, groups=groups, round_filter=self.round_number,
+                       organization_filter=organization_slug)
         return context
 
 
