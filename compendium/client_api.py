@@ -427,13 +427,6 @@ class SynapseClient:
             )
         status = response.status_code
         if status in (200, 201):
-            applied = compendium.masking.strength if compendium.masking else None
-            problem = weaker_masking(round_info, applied)
-            if problem is not None:
-                warnings.append(
-                    f"{problem}; this compendium "
-                    + ("records no masking" if applied is None else f"was masked at λ={applied:g}")
-                )
             return SubmissionResult(
                 warnings=warnings,
                 status=status,

@@ -642,14 +642,23 @@ def _masking_check(path: Path, compendium: Compendium, allow_weaker: bool):
     with no masking recorded) is refused, since once sent it cannot be taken back (the server
     checks only what masking removes from any text, not the log-dependent rest).
     `--allow-weaker-masking` sends it anyway (a compendium masked by other tooling, which records
-    no λ)."""
+    no λ), with a warning on stderr before it is sent: whatever the server answers (a refusal, an
+    error, no answer at all), the text may have reached it."""
 
     from compendium.client_api import round_mask_strength, weaker_masking
 
     def check(current: dict) -> None:
         applied = compendium.masking.strength if compendium.masking else None
         problem = weaker_masking(current, applied)
-        if problem is None or allow_weaker:
+        if problem is None:
+            return
+        if allow_weaker:
+            print(
+                f"{PROG}: warning: {problem}; this compendium "
+                + ("records no masking" if applied is None else f"was masked at λ={applied:g}")
+                + ": sent as it is (--allow-weaker-masking)",
+                file=sys.stderr,
+            )
             return
         expected = round_mask_strength(current)
         raise CliError(

@@ -306,6 +306,21 @@ def test_weaker_masking_than_the_round_expects_is_refused_before_sending(server,
     assert "masking" not in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("status", [400, 409, 503])
+def test_allow_weaker_masking_warns_whatever_the_server_answers(server, tmp_path, capsys, status):
+    """The warning that weakly masked text is sent goes out before it is sent: a refused, failed
+    or lost submission may have reached the server, and the user must know what went."""
+    url, state = server
+    state.fail_next_posts, state.fail_status = 10, status
+    weak = write(tmp_path, compendium().model_copy(
+        update={"masking": MaskingInfo(strength=0.5, masked_fraction=0.1)}), "weak.json")
+    assert main(submit_args(url, weak) + ["--allow-weaker-masking"]) == 1
+    err = capsys.readouterr().err
+    assert err.count("round 4 expects masking strength λ >= 1; this compendium was masked at "
+                     "λ=0.5") == 1
+    assert state.fail_next_posts < 10  # it was sent
+
+
 def test_no_gzip_sends_the_canonical_bytes_plain_under_the_same_key(server, tmp_path, capsys):
     url, state = server
     path = write(tmp_path, compendium())
