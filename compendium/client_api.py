@@ -427,10 +427,16 @@ class SynapseClient:
             )
         status = response.status_code
         if status in (200, 201):
+            answer = self._json(response, "the submission")
+            if not isinstance(answer, dict):
+                raise ClientError(
+                    f"the server's answer to the submission (HTTP {status}) is not a JSON object: "
+                    f"{_detail(response)}; `synapse-client status` shows whether it was stored"
+                )
             return SubmissionResult(
                 warnings=warnings,
                 status=status,
-                body=self._json(response, "the submission"),
+                body=answer,
                 replayed=response.headers.get("Idempotent-Replayed", "").lower() == "true",
                 idempotency_key=key,
                 round=number,

@@ -445,3 +445,25 @@ def test_build_refuses_an_out_that_is_the_file_it_reads(tmp_path, capsys, flag):
         "nothing built"
     )
     assert {path: path.read_bytes() for path in (log, schema)} == before
+
+
+@pytest.mark.parametrize("answer", [[], "stored", 7, None])
+def test_an_accepted_submission_whose_answer_is_not_an_object_is_one_clear_error(answer):
+    """A 201 whose body is JSON but not an object (a proxy, another service at --server): one
+    line saying so, not an AttributeError traceback from printing the submission's id."""
+    import httpx
+
+    from compendium.schema import Compendium, MaskingInfo, Scenario
+
+    def server(request):
+        if request.url.path == "/api/v1/rounds/":
+            return httpx.Response(200, json={"results": [{"number": 4, "config": {}}]})
+        return httpx.Response(201, content=json.dumps(answer).encode())
+
+    compendium = Compendium(scenarios=[Scenario(tool_id="weather", text="rain in a city?")],
+                            masking=MaskingInfo(strength=1.0, masked_fraction=0.2))
+    client = SynapseClient("http://server.test", TOKEN, retries=0,
+                           transport=httpx.MockTransport(server))
+    with pytest.raises(ClientError, match=r"the server's answer to the submission \(HTTP 201\) "
+                                          r"is not a JSON object"):
+        client.submit(compendium)
