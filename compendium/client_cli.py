@@ -793,7 +793,8 @@ def cmd_status(args: argparse.Namespace) -> int:
             missing = True
             print(f"  this client has not submitted to round {current['number']} yet")
         for sub in effective:
-            counts = sub.get("entry_counts") or {}
+            counts = sub.get("entry_counts")
+            counts = counts if isinstance(counts, dict) else {}  # another shape: not shown
             entries = ", ".join(f"{n} {k}" for k, n in counts.items() if n)
             sent = sub.get("wire_bytes")
             encoding = sub.get("content_encoding") or "plain"

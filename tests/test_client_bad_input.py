@@ -467,3 +467,16 @@ def test_an_accepted_submission_whose_answer_is_not_an_object_is_one_clear_error
     with pytest.raises(ClientError, match=r"the server's answer to the submission \(HTTP 201\) "
                                           r"is not a JSON object"):
         client.submit(compendium)
+
+
+@pytest.mark.parametrize("counts", [[1, 2], "3 scenarios", 5])
+def test_status_reads_a_submission_whose_entry_counts_are_not_an_object(monkeypatch, capsys,
+                                                                        counts):
+    """The submission list's `entry_counts` as another shape than an object: status says the
+    rest of what it knows, not an AttributeError traceback."""
+    monkeypatch.setattr(SynapseClient, "rounds", lambda self, state=None: [{"number": 4}])
+    monkeypatch.setattr(SynapseClient, "submissions", lambda self, number=None: [
+        {"in_effect": True, "sha256": "ab" * 32, "size_bytes": 10, "entry_counts": counts}])
+    assert main(["status", "--server", NOWHERE, "--token", TOKEN]) == 0
+    out = capsys.readouterr().out
+    assert "this client submitted at None: sha256 abababababab…, 10 bytes\n" in out
