@@ -44,6 +44,8 @@ from compendium.schema import Compendium, Schema
 from compendium.validation import reindex_paths
 
 USER_AGENT = "synapse-client/0.1"
+# JSON can escape half of a character ("\ud800"), which no UTF-8 file or canonical form holds
+LONE_SURROGATE = "it holds a lone surrogate (half of an escaped character), which is not text"
 MAX_RETRY_AFTER_S = 60.0
 
 
@@ -541,6 +543,11 @@ class SynapseClient:
             raise ClientError("the server's answer has no 'compendium' object")
         try:
             compendium = Compendium.model_validate(doc, strict=True)
+            local = canonical_form(compendium).sha256
+        except UnicodeEncodeError:
+            raise ClientError(
+                f"the server sent a compendium this client cannot read: {LONE_SURROGATE}"
+            ) from None
         except ValueError as exc:
             first = str(exc).splitlines()[:2]
             raise ClientError(
@@ -553,7 +560,6 @@ class SynapseClient:
             etag=response.headers.get("ETag"),
             path=out,
         )
-        local = canonical_form(compendium).sha256
         if result.sha256 and result.sha256 != local:
             result.warnings.append(
                 f"the server's sha256 {result.sha256[:12]}… differs from this client's canonical "
@@ -577,9 +583,13 @@ class SynapseClient:
         payload = self._get_json(
             "/api/v1/compendium/schema/", "cannot download the schema", "the schema request"
         )
-        data = json.dumps(payload, ensure_ascii=False).encode("utf-8")
         try:
+            data = json.dumps(payload, ensure_ascii=False).encode("utf-8")
             schema = Schema.model_validate_json(data)  # as `build` reads the file back
+        except UnicodeEncodeError:
+            raise ClientError(
+                f"the server sent a schema this client cannot read: {LONE_SURROGATE}"
+            ) from None
         except ValueError as exc:
             first = str(exc).splitlines()[:2]
             raise ClientError(

@@ -480,3 +480,28 @@ def test_status_reads_a_submission_whose_entry_counts_are_not_an_object(monkeypa
     assert main(["status", "--server", NOWHERE, "--token", TOKEN]) == 0
     out = capsys.readouterr().out
     assert "this client submitted at None: sha256 abababababab…, 10 bytes\n" in out
+
+
+def test_a_global_or_schema_holding_a_lone_surrogate_is_one_clear_error(tmp_path):
+    """JSON can escape half of a character ("\\ud800"), which no file can hold: a global or a
+    schema from the server with one was a UnicodeEncodeError traceback, and nothing is saved."""
+    import httpx
+
+    surrogate = b'"\\ud800"'
+
+    def server(request):
+        if request.url.path == "/api/v1/compendium/global/":
+            return httpx.Response(200, content=b'{"round": 3, "compendium": {"scenarios": '
+                                  b'[{"tool_id": "weather", "text": ' + surrogate + b"}]}}")
+        return httpx.Response(200, content=b'{"tools": [{"tool_id": "weather", "description": '
+                              + surrogate + b"}]}")
+
+    client = SynapseClient("http://server.test", TOKEN, retries=0,
+                           transport=httpx.MockTransport(server))
+    with pytest.raises(ClientError, match="the server sent a compendium this client cannot read: "
+                                          "it holds a lone surrogate"):
+        client.pull(tmp_path / "global.json")
+    with pytest.raises(ClientError, match="the server sent a schema this client cannot read: it "
+                                          "holds a lone surrogate"):
+        client.fetch_schema(tmp_path / "schema.json")
+    assert list(tmp_path.iterdir()) == []
