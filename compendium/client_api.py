@@ -37,6 +37,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+from pydantic import ValidationError
 
 from compendium import transport
 from compendium.canonical import canonical_form, canonical_positions
@@ -548,10 +549,11 @@ class SynapseClient:
             raise ClientError(
                 f"the server sent a compendium this client cannot read: {LONE_SURROGATE}"
             ) from None
-        except ValueError as exc:
-            first = str(exc).splitlines()[:2]
+        except ValidationError as exc:
+            from compendium.client_cli import validation_summary  # its paths, without the echo
+
             raise ClientError(
-                "the server sent a compendium this client cannot read: " + " ".join(first)
+                f"the server sent a compendium this client cannot read: {validation_summary(exc)}"
             ) from None
         result = PullResult(
             updated=True,
@@ -590,10 +592,11 @@ class SynapseClient:
             raise ClientError(
                 f"the server sent a schema this client cannot read: {LONE_SURROGATE}"
             ) from None
-        except ValueError as exc:
-            first = str(exc).splitlines()[:2]
+        except ValidationError as exc:
+            from compendium.client_cli import validation_summary  # its paths, without the echo
+
             raise ClientError(
-                "the server sent a schema this client cannot read: " + " ".join(first)
+                f"the server sent a schema this client cannot read: {validation_summary(exc)}"
             ) from None
         write_atomically(Path(out), data)
         return schema

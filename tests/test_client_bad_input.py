@@ -505,3 +505,27 @@ def test_a_global_or_schema_holding_a_lone_surrogate_is_one_clear_error(tmp_path
                                           "holds a lone surrogate"):
         client.fetch_schema(tmp_path / "schema.json")
     assert list(tmp_path.iterdir()) == []
+
+
+def test_a_global_or_schema_the_client_cannot_read_is_named_with_what_is_wrong(tmp_path):
+    """The server's compendium or schema that does not validate: each error by its path with
+    its reason (only the first line of pydantic's text named the field, without the reason, and
+    its echo of the input was printed)."""
+    import httpx
+
+    def server(request):
+        if request.url.path == "/api/v1/compendium/global/":
+            return httpx.Response(200, json={"round": 3, "compendium": {
+                "scenarios": [{"tool_id": "weather", "text": 5}]}})
+        return httpx.Response(200, json=["not", "a", "schema"])
+
+    client = SynapseClient("http://server.test", TOKEN, retries=0,
+                           transport=httpx.MockTransport(server))
+    with pytest.raises(ClientError) as pulled:
+        client.pull(tmp_path / "global.json")
+    assert str(pulled.value) == ("the server sent a compendium this client cannot read: "
+                                 "$.scenarios[0].text: Input should be a valid string")
+    with pytest.raises(ClientError) as fetched:
+        client.fetch_schema(tmp_path / "schema.json")
+    assert str(fetched.value) == ("the server sent a schema this client cannot read: $: Input "
+                                  "should be an object")
