@@ -865,6 +865,9 @@ def _head_problem(data: bytes) -> str | None:
 
     import numpy as np
 
+    if not zipfile.is_zipfile(io.BytesIO(data)):
+        # what np.load says of other bytes is its advice to load them as a pickle, unsafely
+        return "not an .npz archive"
     try:
         with np.load(io.BytesIO(data), allow_pickle=False) as npz:
             missing = {"tools", "weights", "bias"} - set(npz.files)

@@ -590,7 +590,9 @@ def test_pull_saves_the_routing_head_beside_the_global(server, tmp_path, capsys)
     head_file(out).unlink()
     state.heads[4] = b"not an archive"
     assert main(args) == 0
-    assert "routing head is unusable (not an .npz archive" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "routing head is unusable (not an .npz archive); not saved" in err
+    assert "pickle" not in err  # numpy's advice to load a file of the server's unsafely
     assert not head_file(out).exists()
     # A newer global without a head: the old head goes, it belongs to another compendium.
     state.heads[4] = head.to_bytes()
