@@ -227,6 +227,9 @@ def cmd_build(args: argparse.Namespace) -> int:
         if args.no_collapse:
             raise CliError("--probe needs the embedding model (drop --no-collapse)")
         probe = _load_probe_labelled(args.probe)
+    # read before the log and the embedding model: a --since it cannot use is said before the
+    # build's work, not after it
+    pulled = _load_pulled(args.since) if args.since else None
     options = BuildOptions(
         strength=args.strength,
         seed=args.seed,
@@ -285,8 +288,7 @@ def cmd_build(args: argparse.Namespace) -> int:
     except CompendiumInvalid as exc:
         raise CliError(f"the built compendium is not valid under the schema: {exc}") from None
     notes = ""
-    if args.since:
-        pulled = _load_pulled(args.since)
+    if pulled is not None:
         route = None
         if args.since_confidence <= 1.0 and pulled.scenarios:
             from compendium.client_api import head_file

@@ -529,3 +529,29 @@ def test_a_global_or_schema_the_client_cannot_read_is_named_with_what_is_wrong(t
         client.fetch_schema(tmp_path / "schema.json")
     assert str(fetched.value) == ("the server sent a schema this client cannot read: $: Input "
                                   "should be an object")
+
+
+@pytest.mark.parametrize("since", ["missing.json", "log.jsonl"])
+def test_build_since_a_file_it_cannot_read_is_refused_before_any_work(tmp_path, capsys,
+                                                                      monkeypatch, since):
+    """A --since that is missing or not a global is found before the log is read and the
+    embedding model loaded (which take minutes on a big log), not after the whole build."""
+    from routing import embeddings
+
+    def no_model(*args, **kwargs):
+        raise AssertionError("the embedding model was loaded before --since was read")
+
+    monkeypatch.setattr(embeddings, "get_engine", no_model)
+    schema = tmp_path / "schema.json"
+    schema.write_text('{"tools": [{"tool_id": "weather", "description": "Weather"}]}', "utf-8")
+    log = tmp_path / "log.jsonl"
+    log.write_text('{"query": "rain in Lisbon?", "tool": "weather", "outcome": "success", '
+                   '"latency_ms": 3, "user": "u1"}\n', "utf-8")
+    assert main(["build", "--log", str(log), "--schema", str(schema), "--out",
+                 str(tmp_path / "c.json"), "--since", str(tmp_path / since), "--quiet"]) == 1
+    path = tmp_path / since
+    assert capsys.readouterr().err.strip().splitlines()[-1] == (
+        f"synapse-client: cannot read {path}: No such file or directory"
+        if since == "missing.json" else f"synapse-client: {path} is not a compendium (5 error(s))"
+    )
+    assert not (tmp_path / "c.json").exists()
