@@ -98,11 +98,16 @@ class UsageLogError(ValueError):
 
 
 class NotUtf8Log(ValueError):
-    """The log is not UTF-8 at all (UTF-16, as Windows PowerShell 5.1 writes with `>` or
-    Out-File): one error for the file, not one per line."""
+    """The log is not UTF-8 text at all (UTF-16, as Windows PowerShell 5.1 writes with `>` or
+    Out-File; a gzip-compressed log; another binary file): one error for the file, not one per
+    line. `problem` is what it is instead (`_not_utf8`)."""
 
-    def __init__(self, source: str):
+    def __init__(self, source: str, problem: str = "utf-16"):
         super().__init__(
+            f"{source} is gzip-compressed, not UTF-8 text; decompress it (gunzip) and build again"
+            if problem == "gzip" else
+            f"{source} is not a text file (it holds NUL bytes): a usage log is UTF-8 text, one "
+            "JSON object a line" if problem == "binary" else
             f"{source} is UTF-16, not UTF-8; save it as UTF-8 (e.g. Out-File -Encoding utf8) and "
             "build again"
         )
@@ -137,10 +142,22 @@ def log_lines(handle) -> Iterable[bytes | OverlongLine]:
         yield OverlongLine(length)
 
 
-def _utf16(first: bytes) -> bool:
-    """Line 1 of a UTF-16 file: its byte order mark, or (without one) the NUL bytes every ASCII
-    character brings along, which no UTF-8 JSON line holds."""
-    return first.startswith((b"\xff\xfe", b"\xfe\xff")) or b"\x00" in first
+def _not_utf8(first: bytes) -> str | None:
+    """What line 1 shows the file is instead of UTF-8 text ("utf-16", "gzip", "binary"), or None.
+    UTF-16: its byte order mark, or (without one) the NUL bytes every ASCII character brings
+    along, all on one side of each character's two bytes. Any other NUL byte, which no UTF-8
+    JSON line holds: a compressed or binary file (not to be told to save it as UTF-8)."""
+    if first.startswith((b"\xff\xfe", b"\xfe\xff")):
+        return "utf-16"
+    if first.startswith(b"\x1f\x8b"):
+        return "gzip"
+    if b"\x00" not in first:
+        return None
+    even, odd = first[0::2], first[1::2]
+    for nuls, other in ((even, odd), (odd, even)):
+        if b"\x00" not in other and nuls.count(0) * 2 >= len(nuls):
+            return "utf-16"
+    return "binary"
 
 
 def _unicode(key: str, value: str) -> str:
@@ -274,7 +291,8 @@ def parse_lines(
     max_flags: int | None = None,
 ) -> UsageLog:
     """Every line parsed; every bad line kept as an error with its line number (none dropped).
-    Bytes lines are UTF-8; a log whose first line is UTF-16 raises NotUtf8Log. `lines` may hold
+    Bytes lines are UTF-8; a log whose first line is UTF-16, compressed or binary raises
+    NotUtf8Log. `lines` may hold
     `OverlongLine`s (`log_lines`), reported as too long."""
     known = frozenset(known_tools) if known_tools is not None else None
     log = UsageLog(source=source)
@@ -286,8 +304,8 @@ def parse_lines(
             )
             continue
         if isinstance(raw, bytes):
-            if number == 1 and _utf16(raw):
-                raise NotUtf8Log(source)
+            if number == 1 and (problem := _not_utf8(raw)):
+                raise NotUtf8Log(source, problem)
             if len(raw) > MAX_LINE_BYTES:
                 log.errors.append(
                     LogLineError(number, f"line is {len(raw)} bytes; the limit is {MAX_LINE_BYTES}")
@@ -328,7 +346,7 @@ def read_usage_log(
     path: str | Path, known_tools: Iterable[str] | None = None, max_flags: int | None = None
 ) -> UsageLog:
     """Read a usage log file. Raises OSError when it cannot be opened, NotUtf8Log when it is
-    UTF-16."""
+    UTF-16, compressed or binary."""
     path = Path(path)
     with path.open("rb") as handle:
         return parse_lines(

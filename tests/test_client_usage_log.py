@@ -194,3 +194,29 @@ def test_a_utf16_log_is_one_clear_error_not_one_per_line(tmp_path, capsys, encod
         "-Encoding utf8) and build again"
     )
     assert not (tmp_path / "c.json").exists()
+
+
+@pytest.mark.parametrize(
+    "kind, message",
+    [("gzip", "is gzip-compressed, not UTF-8 text; decompress it (gunzip) and build again"),
+     ("binary", "is not a text file (it holds NUL bytes): a usage log is UTF-8 text, one JSON "
+                "object a line")],
+)
+def test_a_compressed_or_binary_log_is_not_called_utf16(tmp_path, capsys, kind, message):
+    """Any NUL byte on line 1 was taken for UTF-16: a gzip-compressed log (usage.jsonl.gz) or
+    another binary file was told to be saved as UTF-8 with PowerShell's Out-File."""
+    import gzip
+
+    from compendium.usage_log import NotUtf8Log
+
+    text = ("\n".join([line(), line(user="u2")]) + "\n").encode()
+    path = tmp_path / "usage.jsonl.gz"
+    path.write_bytes(gzip.compress(text) if kind == "gzip" else b"\x07\x00\x00\x01\xff\x00" * 40)
+    with pytest.raises(NotUtf8Log, match="not"):
+        read_usage_log(path)
+    schema = tmp_path / "schema.json"
+    schema.write_text(metatool_schema().model_dump_json(), encoding="utf-8")
+    assert main(["build", "--log", str(path), "--schema", str(schema), "--out",
+                 str(tmp_path / "c.json"), "--no-collapse", "--quiet"]) == 1
+    assert capsys.readouterr().err.strip() == f"synapse-client: {path} {message}"
+    assert not (tmp_path / "c.json").exists()
