@@ -871,7 +871,7 @@ def cmd_participate(args: argparse.Namespace) -> int:
                 f"{round_mask_strength(current):g} or more, or leave it out (or pass "
                 "--allow-weaker-masking); nothing built or sent"
             )
-        client.fetch_schema(schema_path)
+        schema = client.fetch_schema(schema_path)
         # A round that does not carry the previous global forward builds its global from this
         # round's submissions alone: a client then sends what the global covers too.
         carried = round_config(current).get("carry_forward") is not False
@@ -917,8 +917,9 @@ def cmd_participate(args: argparse.Namespace) -> int:
         + (f" (the round's is {required})" if required is not None and field_cap < required else "")
     )
     # The round's fields are never sent (the server refuses them); --not-released may leave out
-    # more, never fewer.
-    withheld = list(round_not_released(current))
+    # more, never fewer. A field of the round's that the schema in force no longer declares (the
+    # round read them when it opened) is not computed anyway.
+    withheld = [n for n in round_not_released(current) if n in schema.fields_by_name]
     if withheld:
         print(f"the round will not release {', '.join(withheld)}: not sent")
     for name in (args.not_released or "").split(","):

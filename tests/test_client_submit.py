@@ -126,6 +126,8 @@ def make_handler(state: ServerState):
                 self.end_headers()
                 self.wfile.write(data)
                 return None
+            if url.path == "/api/v1/compendium/schema/":
+                return self._send(200, SCHEMA.model_dump(mode="json"))
             if url.path == "/api/v1/compendium/probe/":  # as the real API
                 texts = ["Will it rain in Lisbon?"]
                 sha256 = transport.dictionary_hash(transport.probe_bytes(texts))
@@ -744,6 +746,29 @@ def test_submit_refuses_statistics_the_open_round_will_not_release_before_sendin
     lean = _build(tmp_path, "lean.json", "--not-released", "latency_ms,success_rate")
     assert main(submit_args(url, lean)) == 0
     assert len(state.posts) == 1
+
+
+def test_participate_leaves_out_a_field_the_round_will_not_release_that_the_schema_dropped(
+    server, tmp_path, capsys
+):
+    """The round's fields_not_released were read when it opened; a field the schema in force no
+    longer declares is not computed anyway. participate refused the round with "--not-released
+    names no declared numeric field", a flag the user never passed."""
+    url, state = server
+    state.not_released = ["latency_ms", "retired_field"]
+    log = tmp_path / "usage.jsonl"
+    log.write_text(json.dumps({"query": "Will it rain tomorrow in a city?", "tool": "weather",
+                               "outcome": "success", "latency_ms": 3, "user": "u1"}) + "\n",
+                   encoding="utf-8")
+    assert main(["participate", "--log", str(log), "--dir", str(tmp_path / "state"),
+                 "--no-collapse", "--quiet", "--server", url, "--token", TOKEN,
+                 "--backoff", "0"]) == 0
+    captured = capsys.readouterr()
+    assert "the round will not release latency_ms: not sent" in captured.out
+    assert "retired_field" not in captured.out + captured.err
+    assert state.created == 1
+    assert all("latency_ms" not in entry["stats"] for entry in json.loads(
+        (tmp_path / "state" / "compendium.json").read_text(encoding="utf-8"))["metadata"])
 
 
 def test_pull_treats_an_unreadable_etag_file_as_none(server, tmp_path, capsys):
