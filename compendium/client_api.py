@@ -139,11 +139,12 @@ def round_config(round_info: dict[str, Any]) -> dict[str, Any]:
 
 def round_mask_strength(round_info: dict[str, Any]) -> float | None:
     """The masking strength λ the round expects clients to mask with (its configuration's
-    `mask_strength`); None when it names none."""
+    `mask_strength`); None when it names none, or a value that is no masking strength (not a
+    finite number >= 0: participate would mask at it, which masking refuses)."""
     expected = round_config(round_info).get("mask_strength")
     if isinstance(expected, bool) or not isinstance(expected, int | float):
         return None
-    return float(expected) if math.isfinite(expected) else None
+    return float(expected) if math.isfinite(expected) and expected >= 0 else None
 
 
 def weaker_masking(round_info: dict[str, Any], applied: float | None) -> str | None:

@@ -555,3 +555,15 @@ def test_build_since_a_file_it_cannot_read_is_refused_before_any_work(tmp_path, 
         if since == "missing.json" else f"synapse-client: {path} is not a compendium (5 error(s))"
     )
     assert not (tmp_path / "c.json").exists()
+
+
+@pytest.mark.parametrize("value", [-1, -0.5, float("-inf"), float("nan"), True, "1"])
+def test_a_round_mask_strength_no_masking_can_use_is_none(value):
+    """A round's mask_strength that is no masking strength (negative, not a number) is as if it
+    named none: participate masked at it, and a negative one was masking's ValueError traceback
+    in the middle of the build."""
+    from compendium.client_api import round_mask_strength, weaker_masking
+
+    info = {"number": 5, "config": {"mask_strength": value}}
+    assert round_mask_strength(info) is None
+    assert weaker_masking(info, None) is None
