@@ -450,7 +450,13 @@ class SynapseClient:
                 content_encoding=encoding,
             )
         if status == 400:
-            payload = self._json(response, "the submission")
+            try:
+                payload = response.json()
+            except ValueError:  # a proxy's page, not the API's violations
+                raise ClientError(
+                    "the submission was refused (HTTP 400), by an answer that is not the SYNAPSE "
+                    f"API's: {_detail(response)}"
+                ) from None
             violations = payload.get("violations") if isinstance(payload, dict) else None
             # The server's paths index the canonical bytes sent (entries sorted); the caller's
             # compendium (a file, maybe edited or reordered by hand) has its own order.

@@ -567,3 +567,25 @@ def test_a_round_mask_strength_no_masking_can_use_is_none(value):
     info = {"number": 5, "config": {"mask_strength": value}}
     assert round_mask_strength(info) is None
     assert weaker_masking(info, None) is None
+
+
+def test_a_400_to_a_submission_that_is_not_json_says_it_was_refused():
+    """A proxy's 400 page (a body too large for it, a header it refuses): the error said only
+    that the answer is not JSON, not that the submission was refused, nor the page's words."""
+    import httpx
+
+    from compendium.schema import Compendium, MaskingInfo, Scenario
+
+    def server(request):
+        if request.url.path == "/api/v1/rounds/":
+            return httpx.Response(200, json={"results": [{"number": 4, "config": {}}]})
+        return httpx.Response(400, content=b"400 Bad Request: request header too large\n<hr>")
+
+    compendium = Compendium(scenarios=[Scenario(tool_id="weather", text="rain in a city?")],
+                            masking=MaskingInfo(strength=1.0, masked_fraction=0.2))
+    client = SynapseClient("http://server.test", TOKEN, retries=0,
+                           transport=httpx.MockTransport(server))
+    with pytest.raises(ClientError) as refused:
+        client.submit(compendium)
+    assert str(refused.value) == ("the submission was refused (HTTP 400), by an answer that is not "
+                                  "the SYNAPSE API's: 400 Bad Request: request header too large")
