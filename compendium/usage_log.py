@@ -185,6 +185,18 @@ def _string(item: dict, key: str, required: bool = True) -> str | None:
     return _unicode(key, value)
 
 
+SHOWN_CHARS = 40
+
+
+def _shown(value: Any) -> str:
+    """`value` as an error line quotes it: its repr, a long string as its first SHOWN_CHARS
+    characters and its length (a line of up to 1 MB would otherwise be echoed whole)."""
+    if isinstance(value, str) and len(value) > SHOWN_CHARS:
+        return f"{value[:SHOWN_CHARS]!r}… ({len(value)} characters)"
+    shown = repr(value)
+    return shown if len(shown) <= 2 * SHOWN_CHARS else shown[: 2 * SHOWN_CHARS] + "…"
+
+
 def _suggestion(name: str, known_tools: frozenset[str]) -> str:
     """' (did you mean ...?)' naming the registry's ids closest to `name` (case first), or ''."""
     same_case = sorted(t for t in known_tools if t.lower() == name.lower())
@@ -204,7 +216,7 @@ def parse_record(
     tool = _string(item, "tool").strip()
     outcome = item.get("outcome")
     if outcome not in OUTCOMES:
-        raise ValueError(f"'outcome' must be one of {', '.join(OUTCOMES)}; got {outcome!r}")
+        raise ValueError(f"'outcome' must be one of {', '.join(OUTCOMES)}; got {_shown(outcome)}")
     corrected_to = _string(item, "corrected_to", required=outcome == "corrected")
     if outcome != "corrected" and corrected_to is not None:
         raise ValueError("'corrected_to' is only allowed when 'outcome' is \"corrected\"")
@@ -215,7 +227,7 @@ def parse_record(
     for name, value in (("tool", tool), ("corrected_to", corrected_to)):
         if value is not None and known_tools is not None and value not in known_tools:
             raise ValueError(
-                f"'{name}' {value!r} is not a tool of the schema's registry{_suggestion(value, known_tools)}"
+                f"'{name}' {_shown(value)} is not a tool of the schema's registry{_suggestion(value, known_tools)}"
             )
 
     latency = item.get("latency_ms")
@@ -256,9 +268,9 @@ def parse_record(
             )
         for key, value in flags.items():
             if not _FLAG.match(key):
-                raise ValueError(f"precondition flag {key!r} is not an identifier")
+                raise ValueError(f"precondition flag {_shown(key)} is not an identifier")
             if not isinstance(value, bool):
-                raise ValueError(f"precondition flag {key!r} must be true or false")
+                raise ValueError(f"precondition flag {_shown(key)} must be true or false")
         preconditions = tuple(sorted(flags.items()))
 
     template = None

@@ -220,3 +220,19 @@ def test_a_compressed_or_binary_log_is_not_called_utf16(tmp_path, capsys, kind, 
                  str(tmp_path / "c.json"), "--no-collapse", "--quiet"]) == 1
     assert capsys.readouterr().err.strip() == f"synapse-client: {path} {message}"
     assert not (tmp_path / "c.json").exists()
+
+
+def test_a_huge_value_is_shown_cut_in_its_error_line():
+    """A bad line's error quotes what is wrong, not the whole of it: an unknown tool, outcome or
+    flag name of half a megabyte was echoed whole, a 500 kB error line on the terminal and in
+    the build report."""
+    big = "x" * 500_000
+    lines = [line(tool=big), line(outcome=big), line(preconditions={big: True}),
+             line(outcome="corrected", corrected_to=big)]
+    log = parse_lines(lines, known_tools=["weather", "flights"])
+    assert [e.line for e in log.errors] == [1, 2, 3, 4]
+    for error in log.errors:
+        assert len(error.message) < 200
+        assert "… (500000 characters)" in error.message
+    assert log.errors[0].message == (f"'tool' '{'x' * 40}'… (500000 characters) is not a tool "
+                                     "of the schema's registry")
