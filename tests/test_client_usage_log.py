@@ -236,3 +236,28 @@ def test_a_huge_value_is_shown_cut_in_its_error_line():
         assert "… (500000 characters)" in error.message
     assert log.errors[0].message == (f"'tool' '{'x' * 40}'… (500000 characters) is not a tool "
                                      "of the schema's registry")
+
+
+@pytest.mark.parametrize(
+    "changes, message",
+    [({"outcome": "corrected", "corrected_to": None}, "'corrected_to' is null, not a string"),
+     ({"tool": 5}, "'tool' is a number, not a string"),
+     ({"query": ["a"]}, "'query' is an array, not a string"),
+     ({"query": {"a": 1}}, "'query' is an object, not a string"),
+     ({"query": False}, "'query' is true or false, not a string"),
+     ({"template": {"signature": 2.5, "template": "t"}}, "'signature' is a number, not a string")],
+)
+def test_a_value_of_the_wrong_type_is_named_by_its_json_type(changes, message):
+    """A JSON null was "a NoneType", a list "a list", 5 "a int": Python's names, not what the
+    line holds."""
+    item = {**GOOD, **changes}
+    log = parse_lines([json.dumps(item)], known_tools=["weather", "flights"])
+    assert [e.message for e in log.errors] == [message]
+
+
+def test_a_line_that_is_no_object_is_named_by_its_json_type():
+    log = parse_lines(["[1, 2]", "7", '"text"', "null"])
+    assert [e.message for e in log.errors] == [
+        f"expected a JSON object, got {kind}" for kind in ("an array", "a number", "a string",
+                                                             "null")
+    ]
