@@ -525,6 +525,11 @@ class SynapseClient:
         params = {"round": str(round_number)} if round_number is not None else None
         response = self.request("GET", "/api/v1/compendium/global/", params=params, headers=headers)
         status = response.status_code
+        if status == 304 and "If-None-Match" not in headers:  # a proxy's cache: nothing held
+            raise ClientError(
+                f"the server answered 304 (not modified) though this client holds no copy of the "
+                f"global compendium at {out} (it asked for it whole): check --server, or pull again"
+            )
         if status == 304:
             result = PullResult(updated=False, etag=headers.get("If-None-Match"), path=out)
             if head_file(out).exists():

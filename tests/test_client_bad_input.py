@@ -589,3 +589,17 @@ def test_a_400_to_a_submission_that_is_not_json_says_it_was_refused():
         client.submit(compendium)
     assert str(refused.value) == ("the submission was refused (HTTP 400), by an answer that is not "
                                   "the SYNAPSE API's: 400 Bad Request: request header too large")
+
+
+def test_a_304_to_a_pull_that_asked_nothing_conditional_is_not_up_to_date(tmp_path):
+    """A 304 (a proxy's cache) when this client holds no copy to keep: pull said
+    "up to date (ETag None)" with no global saved, and build --since then found no file."""
+    import httpx
+
+    client = SynapseClient("http://server.test", TOKEN, retries=0,
+                           transport=httpx.MockTransport(lambda request: httpx.Response(304)))
+    out = tmp_path / "global.json"
+    with pytest.raises(ClientError, match=r"answered 304 \(not modified\) though this client "
+                                          r"holds no copy of the global compendium"):
+        client.pull(out)
+    assert not out.exists()
