@@ -88,14 +88,35 @@ def _load_pulled(path: str) -> Compendium:
     return _load_compendium(path, data if inner is doc else json.dumps(inner).encode())
 
 
+def _non_finite(compendium: Compendium) -> list[str]:
+    """The paths of the numbers a compendium read from JSON holds that no JSON can write (1e999
+    reads as infinity): its canonical form, which inspect shows and submit sends, cannot."""
+    paths = []
+    if compendium.masking is not None and not math.isfinite(compendium.masking.strength):
+        paths.append("$.masking.strength")
+    for index, entry in enumerate(compendium.metadata):
+        paths += [
+            f"$.metadata[{index}].stats.{name}"
+            for name, value in entry.stats.items()
+            if not math.isfinite(value)
+        ]
+    return paths
+
+
 def _load_compendium(path: str, data: bytes | None = None) -> Compendium:
     data = _read_bytes(path) if data is None else data
     try:
-        return Compendium.model_validate_json(data, strict=True)
+        compendium = Compendium.model_validate_json(data, strict=True)
     except ValidationError as exc:
         for error in exc.errors()[:20]:
             print(f"{path}: {format_path(error['loc'])}: {error['msg']}", file=sys.stderr)
         raise CliError(f"{path} is not a compendium ({exc.error_count()} error(s))") from None
+    infinite = _non_finite(compendium)
+    if infinite:
+        for where in infinite[:20]:
+            print(f"{path}: {where}: number is not finite", file=sys.stderr)
+        raise CliError(f"{path} is not a compendium ({len(infinite)} error(s))")
+    return compendium
 
 
 def _progress(quiet: bool):

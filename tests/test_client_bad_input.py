@@ -603,3 +603,23 @@ def test_a_304_to_a_pull_that_asked_nothing_conditional_is_not_up_to_date(tmp_pa
                                           r"holds no copy of the global compendium"):
         client.pull(out)
     assert not out.exists()
+
+
+@pytest.mark.parametrize("field", ["strength", "calls"])
+@pytest.mark.parametrize("command", ["inspect", "submit"])
+def test_a_compendium_with_a_number_past_a_float_is_one_clear_error(tmp_path, capsys, field,
+                                                                     command):
+    """1e999 reads as infinity, which the canonical form (what inspect shows, what submit sends
+    and keys) cannot write: a ValueError traceback before, and nothing sent."""
+    text = ('{"masking": {"strength": %s, "masked_fraction": 0.2}, "metadata": [{"tool_id": '
+            '"weather", "stats": {"calls": %s}}]}')
+    path = tmp_path / "c.json"
+    path.write_text(text % (("1e999", "1.0") if field == "strength" else ("1.0", "1e999")), "utf-8")
+    args = [command, str(path)] + (["--server", NOWHERE, "--token", TOKEN, "--retries", "0"]
+                                   if command == "submit" else [])
+    assert main(args) == 1
+    where = "$.masking.strength" if field == "strength" else "$.metadata[0].stats.calls"
+    assert capsys.readouterr().err.strip().splitlines() == [
+        f"{path}: {where}: number is not finite",
+        f"synapse-client: {path} is not a compendium (1 error(s))",
+    ]
