@@ -567,6 +567,11 @@ class SynapseClient:
             raise ClientError(
                 f"the server sent a compendium this client cannot read: {validation_summary(exc)}"
             ) from None
+        except ValueError:  # the canonical form's: 1e999 reads as infinity, which JSON cannot write
+            raise ClientError(
+                "the server sent a compendium this client cannot read: it holds a number that is "
+                "not finite"
+            ) from None
         result = PullResult(
             updated=True,
             round=payload.get("round") if isinstance(payload.get("round"), int) else None,

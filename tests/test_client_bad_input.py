@@ -623,3 +623,18 @@ def test_a_compendium_with_a_number_past_a_float_is_one_clear_error(tmp_path, ca
         f"{path}: {where}: number is not finite",
         f"synapse-client: {path} is not a compendium (1 error(s))",
     ]
+
+
+def test_a_pulled_global_with_a_number_past_a_float_is_one_clear_error(tmp_path):
+    import httpx
+
+    def server(request):
+        return httpx.Response(200, content=b'{"round": 3, "compendium": {"metadata": [{"tool_id": '
+                              b'"weather", "stats": {"calls": 1e999}}]}}')
+
+    client = SynapseClient("http://server.test", TOKEN, retries=0,
+                           transport=httpx.MockTransport(server))
+    with pytest.raises(ClientError, match="the server sent a compendium this client cannot read: "
+                                          "it holds a number that is not finite"):
+        client.pull(tmp_path / "global.json")
+    assert list(tmp_path.iterdir()) == []
