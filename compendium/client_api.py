@@ -250,6 +250,12 @@ class SynapseClient:
             raise ClientError(f"--server names a host that is not a valid domain name; got {server!r}") from None
         if not host:
             raise ClientError(f"--server names no host; got {server!r}")
+        if url.port is not None and not 1 <= url.port <= 65535:
+            # the socket layer takes the port modulo 65536: 99999 would reach port 34463, with
+            # the token, whatever listens there
+            raise ClientError(
+                f"--server names port {url.port}, which no TCP port is (1 to 65535); got {server!r}"
+            )
         if url.userinfo:
             # httpx would send it as Basic credentials in place of the API token (every request
             # a 401), and it would be printed in every error naming the server

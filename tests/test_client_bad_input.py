@@ -28,6 +28,11 @@ NOWHERE = "http://127.0.0.1:9"  # never reached: every case is refused before a 
         ("http://synapse..example", "names a host that is not a valid domain name"),
         ("http://" + "a" * 64 + ".example", "names a host that is not a valid domain name"),
         ("http://xn--zz.example", "names a host that is not a valid domain name"),
+        # httpx takes any number: the socket layer connected port 99999 to 34463 (99999 mod
+        # 65536), and sent the token to whatever listens there
+        ("http://127.0.0.1:99999", "names port 99999, which no TCP port is"),
+        ("http://127.0.0.1:0", "names port 0, which no TCP port is"),
+        ("http://127.0.0.1:-1", "names port -1, which no TCP port is"),
     ],
 )
 def test_a_server_url_httpx_cannot_use_is_one_clear_error(server, reason):
