@@ -237,7 +237,7 @@ class SynapseClient:
         sleep: Callable[[float], None] = time.sleep,
         transport: httpx.BaseTransport | None = None,
     ):
-        if not server.startswith(("http://", "https://")):
+        if not server.lower().startswith(("http://", "https://")):  # schemes ignore case
             raise ClientError(f"--server must be an http(s) URL; got {server!r}")
         try:
             url = httpx.URL(server)

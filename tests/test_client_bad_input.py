@@ -643,3 +643,12 @@ def test_a_pulled_global_with_a_number_past_a_float_is_one_clear_error(tmp_path)
                                           "it holds a number that is not finite"):
         client.pull(tmp_path / "global.json")
     assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("server", ["HTTPS://synapse.example", "Http://127.0.0.1:9"])
+def test_a_server_url_whose_scheme_is_in_capitals_is_an_http_url(server):
+    """URL schemes are case-insensitive (RFC 3986): "HTTPS://..." was refused as "must be an
+    http(s) URL"."""
+    client = SynapseClient(server, TOKEN)
+    assert client._http.base_url.scheme in ("http", "https")
+    client.close()
