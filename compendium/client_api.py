@@ -632,9 +632,14 @@ class SynapseClient:
         )
         try:
             texts = transport.probe_texts_of(payload)
+            data = json.dumps(payload, ensure_ascii=False).encode("utf-8")
+        except UnicodeEncodeError:
+            raise ClientError(
+                f"the server sent a probe set this client cannot read: {LONE_SURROGATE}"
+            ) from None
         except ValueError as exc:
             raise ClientError(f"the server sent a probe set this client cannot read: {exc}") from None
-        write_atomically(Path(out), json.dumps(payload, ensure_ascii=False).encode("utf-8"))
+        write_atomically(Path(out), data)
         return len(texts)
 
     def _pull_head(self, out: Path, round_number: int | None, result: PullResult) -> None:

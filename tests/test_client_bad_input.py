@@ -652,3 +652,24 @@ def test_a_server_url_whose_scheme_is_in_capitals_is_an_http_url(server):
     client = SynapseClient(server, TOKEN)
     assert client._http.base_url.scheme in ("http", "https")
     client.close()
+
+
+@pytest.mark.parametrize("where", ["texts", "tools"])
+def test_a_probe_set_holding_a_lone_surrogate_is_one_clear_error(tmp_path, where):
+    """A lone surrogate in the probe set's tools (which its sha256 does not cover) was a
+    UnicodeEncodeError traceback as the file was saved; in its texts, Python's codec message."""
+    import httpx
+
+    from compendium import transport
+
+    texts = ["\ud800"] if where == "texts" else ["a"]
+    sha256 = transport.dictionary_hash(transport.probe_bytes(["a"]))
+    body = json.dumps({"texts": texts, "sha256": sha256, "tools": ["\ud800"]})  # escaped
+    client = SynapseClient("http://server.test", TOKEN, retries=0, transport=httpx.MockTransport(
+        lambda request: httpx.Response(200, content=body.encode())))
+    with pytest.raises(ClientError) as refused:
+        client.fetch_probe(tmp_path / "probe.json")
+    assert str(refused.value) == ("the server sent a probe set this client cannot read: it holds "
+                                  "a lone surrogate (half of an escaped character), which is not "
+                                  "text")
+    assert list(tmp_path.iterdir()) == []
