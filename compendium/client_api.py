@@ -667,7 +667,11 @@ class SynapseClient:
         if problem:
             result.warnings.append(f"the server's routing head is unusable ({problem}); not saved")
             return
-        write_atomically(path, response.content)
+        try:
+            write_atomically(path, response.content)
+        except CannotWrite as exc:
+            result.warnings.append(f"the routing head was not saved: {exc}")
+            return
         result.head = path
 
 

@@ -673,3 +673,42 @@ def test_a_probe_set_holding_a_lone_surrogate_is_one_clear_error(tmp_path, where
                                   "a lone surrogate (half of an escaped character), which is not "
                                   "text")
     assert list(tmp_path.iterdir()) == []
+
+
+def test_a_head_that_cannot_be_written_only_warns_and_the_pull_succeeds(tmp_path, monkeypatch):
+    """_pull_head's contract: a failure there only warns (the router fits a head of its own).
+    A head that downloaded but could not be written (no space left) failed the whole pull,
+    after the global itself was saved."""
+    import httpx
+    import numpy as np
+
+    from compendium import client_api
+    from compendium.schema import Compendium
+    from routing.router import LinearHead
+
+    head = LinearHead(["a", "b"], np.ones((2, 3), "float32"), np.zeros(2, "float32")).to_bytes()
+
+    def server(request):
+        if request.url.path == "/api/v1/compendium/global/":
+            body = {"round": 1, "compendium": Compendium.model_validate(
+                {"scenarios": [{"tool_id": "a", "text": "what round 1 learnt"}]}
+            ).model_dump(mode="json")}
+            return httpx.Response(200, json=body)
+        return httpx.Response(200, content=head)
+
+    written = client_api.write_atomically
+
+    def no_space_for_heads(path, data):
+        if path.name.endswith(".head.npz"):
+            raise client_api.CannotWrite(path, OSError(28, "No space left on device"))
+        written(path, data)
+
+    monkeypatch.setattr(client_api, "write_atomically", no_space_for_heads)
+    client = SynapseClient("http://server.test", TOKEN, retries=0,
+                           transport=httpx.MockTransport(server))
+    out = tmp_path / "global.json"
+    result = client.pull(out)
+    assert result.updated and out.exists() and result.head is None
+    assert result.warnings == [
+        f"the routing head was not saved: cannot write {out}.head.npz: No space left on device"
+    ]
