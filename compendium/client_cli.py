@@ -871,6 +871,8 @@ def cmd_participate(args: argparse.Namespace) -> int:
     folder = Path(args.dir)
     try:
         folder.mkdir(parents=True, exist_ok=True)
+    except FileExistsError:  # a file (mkdir's "File exists" read as if the folder were there)
+        raise CliError(f"--dir {folder} is a file, not a folder") from None
     except OSError as exc:
         raise CliError(f"cannot create {folder}: {exc.strerror}") from None
     schema_path, global_path = folder / "schema.json", folder / "global.json"

@@ -712,3 +712,15 @@ def test_a_head_that_cannot_be_written_only_warns_and_the_pull_succeeds(tmp_path
     assert result.warnings == [
         f"the routing head was not saved: cannot write {out}.head.npz: No space left on device"
     ]
+
+
+def test_participate_with_a_dir_that_is_a_file_says_so(tmp_path, capsys):
+    """mkdir's "File exists" read as if the folder existed, which is fine; what is wrong is that
+    --dir names a file. Said before any request."""
+    log = tmp_path / "usage.jsonl"
+    log.write_text("", "utf-8")
+    assert main(["participate", "--log", str(log), "--dir", str(log), "--server", NOWHERE,
+                 "--token", TOKEN]) == 1
+    assert capsys.readouterr().err.strip() == (
+        f"synapse-client: --dir {log} is a file, not a folder"
+    )
