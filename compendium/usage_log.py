@@ -145,8 +145,9 @@ def log_lines(handle) -> Iterable[bytes | OverlongLine]:
 def _not_utf8(first: bytes) -> str | None:
     """What line 1 shows the file is instead of UTF-8 text ("utf-16", "gzip", "binary"), or None.
     UTF-16: its byte order mark, or (without one) the NUL bytes every ASCII character brings
-    along, all on one side of each character's two bytes. Any other NUL byte, which no UTF-8
-    JSON line holds: a compressed or binary file (not to be told to save it as UTF-8)."""
+    along: on one side of each character's two bytes at least half of them NUL, on the other
+    few (a character such as U+4E00 has one there too). Any other NUL byte, which no UTF-8 JSON
+    line holds: a compressed or binary file (not to be told to save it as UTF-8)."""
     if first.startswith((b"\xff\xfe", b"\xfe\xff")):
         return "utf-16"
     if first.startswith(b"\x1f\x8b"):
@@ -155,7 +156,7 @@ def _not_utf8(first: bytes) -> str | None:
         return None
     even, odd = first[0::2], first[1::2]
     for nuls, other in ((even, odd), (odd, even)):
-        if b"\x00" not in other and nuls.count(0) * 2 >= len(nuls):
+        if nuls.count(0) * 2 >= len(nuls) and other.count(0) * 4 < len(other):
             return "utf-16"
     return "binary"
 
