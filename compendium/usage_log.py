@@ -144,19 +144,20 @@ def log_lines(handle) -> Iterable[bytes | OverlongLine]:
 
 def _not_utf8(first: bytes) -> str | None:
     """What line 1 shows the file is instead of UTF-8 text ("utf-16", "gzip", "binary"), or None.
-    UTF-16: its byte order mark, or (without one) the NUL bytes every ASCII character brings
-    along: on one side of each character's two bytes at least half of them NUL, on the other
-    few (a character such as U+4E00 has one there too). Any other NUL byte, which no UTF-8 JSON
-    line holds: a compressed or binary file (not to be told to save it as UTF-8)."""
+    UTF-16: its byte order mark, or (without one) NUL bytes in a line that reads as a JSON object
+    in UTF-16 (ASCII characters bring one along each; a line of mostly Chinese has few). Any
+    other NUL byte, which no UTF-8 JSON line holds: a compressed or binary file (not to be told
+    to save it as UTF-8)."""
     if first.startswith((b"\xff\xfe", b"\xfe\xff")):
         return "utf-16"
     if first.startswith(b"\x1f\x8b"):
         return "gzip"
     if b"\x00" not in first:
         return None
-    even, odd = first[0::2], first[1::2]
-    for nuls, other in ((even, odd), (odd, even)):
-        if nuls.count(0) * 2 >= len(nuls) and other.count(0) * 4 < len(other):
+    # readline splits UTF-16-LE's newline (0A 00) after its first byte: an odd line
+    even = first[: len(first) // 2 * 2]
+    for codec in ("utf-16-le", "utf-16-be"):
+        if even.decode(codec, errors="replace").lstrip()[:1] == "{":
             return "utf-16"
     return "binary"
 

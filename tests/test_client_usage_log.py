@@ -217,10 +217,12 @@ def test_a_compressed_or_binary_log_is_not_called_utf16(tmp_path, capsys, kind, 
     # UTF-16 without a byte order mark whose characters put a NUL in the other byte too (一 is
     # U+4E00): still UTF-16, not a binary file
     chinese = tmp_path / "chinese.jsonl"
-    chinese.write_bytes((json.dumps({**GOOD, "query": "一天的天气 in a city"}, ensure_ascii=False)
-                         + "\n").encode("utf-16-le"))
-    with pytest.raises(NotUtf8Log, match="is UTF-16, not UTF-8"):
-        read_usage_log(chinese)
+    for query in ("一天的天气 in a city", "一天的天气" * 100):  # mostly not ASCII: few NULs
+        for encoding in ("utf-16-le", "utf-16-be"):
+            chinese.write_bytes((json.dumps({**GOOD, "query": query}, ensure_ascii=False)
+                                 + "\n").encode(encoding))
+            with pytest.raises(NotUtf8Log, match="is UTF-16, not UTF-8"):
+                read_usage_log(chinese)
     schema = tmp_path / "schema.json"
     schema.write_text(metatool_schema().model_dump_json(), encoding="utf-8")
     assert main(["build", "--log", str(path), "--schema", str(schema), "--out",
