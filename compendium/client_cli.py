@@ -1288,6 +1288,11 @@ def main(argv: list[str] | None = None) -> int:
     from compendium.client_api import ClientError
 
     args = build_parser().parse_args(argv)
+    for stream in (sys.stdout, sys.stderr):
+        # a stream in another encoding than UTF-8 (stdout redirected to a file on Windows is
+        # cp1252): λ and the users' text as escapes, not a UnicodeEncodeError traceback
+        if hasattr(stream, "reconfigure"):
+            stream.reconfigure(errors="backslashreplace")
     try:
         return args.func(args)
     except (CliError, ClientError) as exc:

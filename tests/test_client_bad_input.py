@@ -724,3 +724,26 @@ def test_participate_with_a_dir_that_is_a_file_says_so(tmp_path, capsys):
     assert capsys.readouterr().err.strip() == (
         f"synapse-client: --dir {log} is a file, not a folder"
     )
+
+
+@pytest.mark.parametrize("encoding", ["ascii", "cp1252"])
+def test_output_to_a_stream_that_is_not_utf8_is_escaped_not_a_traceback(tmp_path, monkeypatch,
+                                                                       encoding):
+    """stdout redirected to a file on Windows is cp1252 (a latin-1 locale elsewhere): the λ of
+    every report, and the users' text inspect shows, were a UnicodeEncodeError traceback."""
+    import io
+    import sys
+
+    schema = tmp_path / "schema.json"
+    schema.write_text('{"tools": [{"tool_id": "weather", "description": "Weather"}]}', "utf-8")
+    path = tmp_path / "c.json"
+    path.write_text('{"masking": {"strength": 1.0, "masked_fraction": 0.2}, "scenarios": '
+                    '[{"tool_id": "weather", "text": "天气 in a city"}]}', "utf-8")
+    out = io.TextIOWrapper(io.BytesIO(), encoding=encoding)
+    monkeypatch.setattr(sys, "stdout", out)
+    assert main(["validate", str(path), "--schema", str(schema)]) == 0
+    assert main(["inspect", str(path)]) == 0
+    out.flush()
+    text = out.buffer.getvalue().decode(encoding)
+    assert "masked at \\u03bb = 1 as far as the server checks" in text
+    assert "\\u5929\\u6c14 in a city" in text
