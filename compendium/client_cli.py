@@ -1287,12 +1287,12 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     from compendium.client_api import ClientError
 
-    args = build_parser().parse_args(argv)
     for stream in (sys.stdout, sys.stderr):
         # a stream in another encoding than UTF-8 (stdout redirected to a file on Windows is
-        # cp1252): λ and the users' text as escapes, not a UnicodeEncodeError traceback
+        # cp1252): λ (--help's too) and the users' text as escapes, not a UnicodeEncodeError
         if hasattr(stream, "reconfigure"):
             stream.reconfigure(errors="backslashreplace")
+    args = build_parser().parse_args(argv)
     try:
         return args.func(args)
     except (CliError, ClientError) as exc:

@@ -747,3 +747,10 @@ def test_output_to_a_stream_that_is_not_utf8_is_escaped_not_a_traceback(tmp_path
     text = out.buffer.getvalue().decode(encoding)
     assert "masked at \\u03bb = 1 as far as the server checks" in text
     assert "\\u5929\\u6c14 in a city" in text
+    fresh = io.TextIOWrapper(io.BytesIO(), encoding=encoding)  # --help, before any command
+    monkeypatch.setattr(sys, "stdout", fresh)
+    with pytest.raises(SystemExit) as helped:
+        main(["build", "--help"])
+    assert helped.value.code == 0
+    fresh.flush()
+    assert "masking strength \\u03bb >= 0" in fresh.buffer.getvalue().decode(encoding)
