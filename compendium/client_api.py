@@ -28,6 +28,7 @@ import hashlib
 import json
 import math
 import os
+import re
 import shutil
 import tempfile
 import time
@@ -179,12 +180,20 @@ def _code(response: httpx.Response) -> str | None:
     return code if isinstance(code, str) else None
 
 
+_HTML_TITLE = re.compile(r"<title[^>]*>(.*?)</title>", re.IGNORECASE | re.DOTALL)
+
+
 def _detail(response: httpx.Response) -> str:
     try:
         body = response.json()
     except ValueError:
-        text = response.text.strip().splitlines()
-        return text[0][:200] if text else response.reason_phrase
+        text = response.text.strip()
+        if text.startswith("<"):  # a proxy's HTML page: its title, not its first tag
+            title = _HTML_TITLE.search(text)
+            named = " ".join(title.group(1).split()) if title else ""
+            return named[:200] or response.reason_phrase
+        lines = text.splitlines()
+        return lines[0][:200] if lines else response.reason_phrase
     if isinstance(body, dict) and isinstance(body.get("detail"), str):
         return body["detail"]
     return json.dumps(body)[:200]

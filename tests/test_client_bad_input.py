@@ -754,3 +754,21 @@ def test_output_to_a_stream_that_is_not_utf8_is_escaped_not_a_traceback(tmp_path
     assert helped.value.code == 0
     fresh.flush()
     assert "masking strength \\u03bb >= 0" in fresh.buffer.getvalue().decode(encoding)
+
+
+@pytest.mark.parametrize(
+    "page, said",
+    [("<html>\r\n<head><title>502 Bad Gateway</title></head>\r\n<body>nginx</body></html>",
+      "HTTP 502: 502 Bad Gateway"),
+     ("<!DOCTYPE html>\n<html><body>down</body></html>", "HTTP 502: Bad Gateway")],
+)
+def test_a_proxys_html_error_page_is_named_by_its_title_not_its_first_tag(page, said):
+    """nginx's 502 page: the error said "HTTP 502: <html>", its first line."""
+    import httpx
+
+    client = SynapseClient("http://server.test", TOKEN, retries=0, transport=httpx.MockTransport(
+        lambda request: httpx.Response(502, content=page.encode(),
+                                       headers={"Content-Type": "text/html"})))
+    with pytest.raises(ClientError) as failed:
+        client.rounds("open")
+    assert str(failed.value).endswith(f"failed after 1 attempt(s): {said}")
