@@ -28,6 +28,7 @@ import hashlib
 import json
 import math
 import os
+import re
 import shutil
 import tempfile
 import time
@@ -37,6 +38,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+from pydantic import ValidationError
 
 from compendium import transport
 from compendium.canonical import canonical_form, canonical_positions
@@ -44,6 +46,8 @@ from compendium.schema import Compendium, Schema
 from compendium.validation import reindex_paths
 
 USER_AGENT = "synapse-client/0.1"
+# JSON can escape half of a character ("\ud800"), which no UTF-8 file or canonical form holds
+LONE_SURROGATE = "it holds a lone surrogate (half of an escaped character), which is not text"
 MAX_RETRY_AFTER_S = 60.0
 
 
@@ -136,11 +140,12 @@ def round_config(round_info: dict[str, Any]) -> dict[str, Any]:
 
 def round_mask_strength(round_info: dict[str, Any]) -> float | None:
     """The masking strength λ the round expects clients to mask with (its configuration's
-    `mask_strength`); None when it names none."""
+    `mask_strength`); None when it names none, or a value that is no masking strength (not a
+    finite number >= 0: participate would mask at it, which masking refuses)."""
     expected = round_config(round_info).get("mask_strength")
     if isinstance(expected, bool) or not isinstance(expected, int | float):
         return None
-    return float(expected) if math.isfinite(expected) else None
+    return float(expected) if math.isfinite(expected) and expected >= 0 else None
 
 
 def weaker_masking(round_info: dict[str, Any], applied: float | None) -> str | None:
@@ -175,12 +180,20 @@ def _code(response: httpx.Response) -> str | None:
     return code if isinstance(code, str) else None
 
 
+_HTML_TITLE = re.compile(r"<title[^>]*>(.*?)</title>", re.IGNORECASE | re.DOTALL)
+
+
 def _detail(response: httpx.Response) -> str:
     try:
         body = response.json()
     except ValueError:
-        text = response.text.strip().splitlines()
-        return text[0][:200] if text else response.reason_phrase
+        text = response.text.strip()
+        if text.startswith("<"):  # a proxy's HTML page: its title, not its first tag
+            title = _HTML_TITLE.search(text)
+            named = " ".join(title.group(1).split()) if title else ""
+            return named[:200] or response.reason_phrase
+        lines = text.splitlines()
+        return lines[0][:200] if lines else response.reason_phrase
     if isinstance(body, dict) and isinstance(body.get("detail"), str):
         return body["detail"]
     return json.dumps(body)[:200]
@@ -233,7 +246,7 @@ class SynapseClient:
         sleep: Callable[[float], None] = time.sleep,
         transport: httpx.BaseTransport | None = None,
     ):
-        if not server.startswith(("http://", "https://")):
+        if not server.lower().startswith(("http://", "https://")):  # schemes ignore case
             raise ClientError(f"--server must be an http(s) URL; got {server!r}")
         try:
             url = httpx.URL(server)
@@ -246,6 +259,12 @@ class SynapseClient:
             raise ClientError(f"--server names a host that is not a valid domain name; got {server!r}") from None
         if not host:
             raise ClientError(f"--server names no host; got {server!r}")
+        if url.port is not None and not 1 <= url.port <= 65535:
+            # the socket layer takes the port modulo 65536: 99999 would reach port 34463, with
+            # the token, whatever listens there
+            raise ClientError(
+                f"--server names port {url.port}, which no TCP port is (1 to 65535); got {server!r}"
+            )
         if url.userinfo:
             # httpx would send it as Basic credentials in place of the API token (every request
             # a 401), and it would be printed in every error naming the server
@@ -427,17 +446,16 @@ class SynapseClient:
             )
         status = response.status_code
         if status in (200, 201):
-            applied = compendium.masking.strength if compendium.masking else None
-            problem = weaker_masking(round_info, applied)
-            if problem is not None:
-                warnings.append(
-                    f"{problem}; this compendium "
-                    + ("records no masking" if applied is None else f"was masked at λ={applied:g}")
+            answer = self._json(response, "the submission")
+            if not isinstance(answer, dict):
+                raise ClientError(
+                    f"the server's answer to the submission (HTTP {status}) is not a JSON object: "
+                    f"{_detail(response)}; `synapse-client status` shows whether it was stored"
                 )
             return SubmissionResult(
                 warnings=warnings,
                 status=status,
-                body=self._json(response, "the submission"),
+                body=answer,
                 replayed=response.headers.get("Idempotent-Replayed", "").lower() == "true",
                 idempotency_key=key,
                 round=number,
@@ -447,7 +465,13 @@ class SynapseClient:
                 content_encoding=encoding,
             )
         if status == 400:
-            payload = self._json(response, "the submission")
+            try:
+                payload = response.json()
+            except ValueError:  # a proxy's page, not the API's violations
+                raise ClientError(
+                    "the submission was refused (HTTP 400), by an answer that is not the SYNAPSE "
+                    f"API's: {_detail(response)}"
+                ) from None
             violations = payload.get("violations") if isinstance(payload, dict) else None
             # The server's paths index the canonical bytes sent (entries sorted); the caller's
             # compendium (a file, maybe edited or reordered by hand) has its own order.
@@ -516,6 +540,11 @@ class SynapseClient:
         params = {"round": str(round_number)} if round_number is not None else None
         response = self.request("GET", "/api/v1/compendium/global/", params=params, headers=headers)
         status = response.status_code
+        if status == 304 and "If-None-Match" not in headers:  # a proxy's cache: nothing held
+            raise ClientError(
+                f"the server answered 304 (not modified) though this client holds no copy of the "
+                f"global compendium at {out} (it asked for it whole): check --server, or pull again"
+            )
         if status == 304:
             result = PullResult(updated=False, etag=headers.get("If-None-Match"), path=out)
             if head_file(out).exists():
@@ -542,10 +571,21 @@ class SynapseClient:
             raise ClientError("the server's answer has no 'compendium' object")
         try:
             compendium = Compendium.model_validate(doc, strict=True)
-        except ValueError as exc:
-            first = str(exc).splitlines()[:2]
+            local = canonical_form(compendium).sha256
+        except UnicodeEncodeError:
             raise ClientError(
-                "the server sent a compendium this client cannot read: " + " ".join(first)
+                f"the server sent a compendium this client cannot read: {LONE_SURROGATE}"
+            ) from None
+        except ValidationError as exc:
+            from compendium.client_cli import validation_summary  # its paths, without the echo
+
+            raise ClientError(
+                f"the server sent a compendium this client cannot read: {validation_summary(exc)}"
+            ) from None
+        except ValueError:  # the canonical form's: 1e999 reads as infinity, which JSON cannot write
+            raise ClientError(
+                "the server sent a compendium this client cannot read: it holds a number that is "
+                "not finite"
             ) from None
         result = PullResult(
             updated=True,
@@ -554,7 +594,6 @@ class SynapseClient:
             etag=response.headers.get("ETag"),
             path=out,
         )
-        local = canonical_form(compendium).sha256
         if result.sha256 and result.sha256 != local:
             result.warnings.append(
                 f"the server's sha256 {result.sha256[:12]}… differs from this client's canonical "
@@ -578,13 +617,18 @@ class SynapseClient:
         payload = self._get_json(
             "/api/v1/compendium/schema/", "cannot download the schema", "the schema request"
         )
-        data = json.dumps(payload, ensure_ascii=False).encode("utf-8")
         try:
+            data = json.dumps(payload, ensure_ascii=False).encode("utf-8")
             schema = Schema.model_validate_json(data)  # as `build` reads the file back
-        except ValueError as exc:
-            first = str(exc).splitlines()[:2]
+        except UnicodeEncodeError:
             raise ClientError(
-                "the server sent a schema this client cannot read: " + " ".join(first)
+                f"the server sent a schema this client cannot read: {LONE_SURROGATE}"
+            ) from None
+        except ValidationError as exc:
+            from compendium.client_cli import validation_summary  # its paths, without the echo
+
+            raise ClientError(
+                f"the server sent a schema this client cannot read: {validation_summary(exc)}"
             ) from None
         write_atomically(Path(out), data)
         return schema
@@ -597,9 +641,14 @@ class SynapseClient:
         )
         try:
             texts = transport.probe_texts_of(payload)
+            data = json.dumps(payload, ensure_ascii=False).encode("utf-8")
+        except UnicodeEncodeError:
+            raise ClientError(
+                f"the server sent a probe set this client cannot read: {LONE_SURROGATE}"
+            ) from None
         except ValueError as exc:
             raise ClientError(f"the server sent a probe set this client cannot read: {exc}") from None
-        write_atomically(Path(out), json.dumps(payload, ensure_ascii=False).encode("utf-8"))
+        write_atomically(Path(out), data)
         return len(texts)
 
     def _pull_head(self, out: Path, round_number: int | None, result: PullResult) -> None:
@@ -627,7 +676,11 @@ class SynapseClient:
         if problem:
             result.warnings.append(f"the server's routing head is unusable ({problem}); not saved")
             return
-        write_atomically(path, response.content)
+        try:
+            write_atomically(path, response.content)
+        except CannotWrite as exc:
+            result.warnings.append(f"the routing head was not saved: {exc}")
+            return
         result.head = path
 
 
@@ -853,6 +906,9 @@ def _head_problem(data: bytes) -> str | None:
 
     import numpy as np
 
+    if not zipfile.is_zipfile(io.BytesIO(data)):
+        # what np.load says of other bytes is its advice to load them as a pickle, unsafely
+        return "not an .npz archive"
     try:
         with np.load(io.BytesIO(data), allow_pickle=False) as npz:
             missing = {"tools", "weights", "bias"} - set(npz.files)

@@ -88,14 +88,35 @@ def _load_pulled(path: str) -> Compendium:
     return _load_compendium(path, data if inner is doc else json.dumps(inner).encode())
 
 
+def _non_finite(compendium: Compendium) -> list[str]:
+    """The paths of the numbers a compendium read from JSON holds that no JSON can write (1e999
+    reads as infinity): its canonical form, which inspect shows and submit sends, cannot."""
+    paths = []
+    if compendium.masking is not None and not math.isfinite(compendium.masking.strength):
+        paths.append("$.masking.strength")
+    for index, entry in enumerate(compendium.metadata):
+        paths += [
+            f"$.metadata[{index}].stats.{name}"
+            for name, value in entry.stats.items()
+            if not math.isfinite(value)
+        ]
+    return paths
+
+
 def _load_compendium(path: str, data: bytes | None = None) -> Compendium:
     data = _read_bytes(path) if data is None else data
     try:
-        return Compendium.model_validate_json(data, strict=True)
+        compendium = Compendium.model_validate_json(data, strict=True)
     except ValidationError as exc:
         for error in exc.errors()[:20]:
             print(f"{path}: {format_path(error['loc'])}: {error['msg']}", file=sys.stderr)
         raise CliError(f"{path} is not a compendium ({exc.error_count()} error(s))") from None
+    infinite = _non_finite(compendium)
+    if infinite:
+        for where in infinite[:20]:
+            print(f"{path}: {where}: number is not finite", file=sys.stderr)
+        raise CliError(f"{path} is not a compendium ({len(infinite)} error(s))")
+    return compendium
 
 
 def _progress(quiet: bool):
@@ -227,6 +248,9 @@ def cmd_build(args: argparse.Namespace) -> int:
         if args.no_collapse:
             raise CliError("--probe needs the embedding model (drop --no-collapse)")
         probe = _load_probe_labelled(args.probe)
+    # read before the log and the embedding model: a --since it cannot use is said before the
+    # build's work, not after it
+    pulled = _load_pulled(args.since) if args.since else None
     options = BuildOptions(
         strength=args.strength,
         seed=args.seed,
@@ -285,8 +309,7 @@ def cmd_build(args: argparse.Namespace) -> int:
     except CompendiumInvalid as exc:
         raise CliError(f"the built compendium is not valid under the schema: {exc}") from None
     notes = ""
-    if args.since:
-        pulled = _load_pulled(args.since)
+    if pulled is not None:
         route = None
         if args.since_confidence <= 1.0 and pulled.scenarios:
             from compendium.client_api import head_file
@@ -642,14 +665,23 @@ def _masking_check(path: Path, compendium: Compendium, allow_weaker: bool):
     with no masking recorded) is refused, since once sent it cannot be taken back (the server
     checks only what masking removes from any text, not the log-dependent rest).
     `--allow-weaker-masking` sends it anyway (a compendium masked by other tooling, which records
-    no λ)."""
+    no λ), with a warning on stderr before it is sent: whatever the server answers (a refusal, an
+    error, no answer at all), the text may have reached it."""
 
     from compendium.client_api import round_mask_strength, weaker_masking
 
     def check(current: dict) -> None:
         applied = compendium.masking.strength if compendium.masking else None
         problem = weaker_masking(current, applied)
-        if problem is None or allow_weaker:
+        if problem is None:
+            return
+        if allow_weaker:
+            print(
+                f"{PROG}: warning: {problem}; this compendium "
+                + ("records no masking" if applied is None else f"was masked at λ={applied:g}")
+                + ": sent as it is (--allow-weaker-masking)",
+                file=sys.stderr,
+            )
             return
         expected = round_mask_strength(current)
         raise CliError(
@@ -784,7 +816,8 @@ def cmd_status(args: argparse.Namespace) -> int:
             missing = True
             print(f"  this client has not submitted to round {current['number']} yet")
         for sub in effective:
-            counts = sub.get("entry_counts") or {}
+            counts = sub.get("entry_counts")
+            counts = counts if isinstance(counts, dict) else {}  # another shape: not shown
             entries = ", ".join(f"{n} {k}" for k, n in counts.items() if n)
             sent = sub.get("wire_bytes")
             encoding = sub.get("content_encoding") or "plain"
@@ -838,6 +871,8 @@ def cmd_participate(args: argparse.Namespace) -> int:
     folder = Path(args.dir)
     try:
         folder.mkdir(parents=True, exist_ok=True)
+    except FileExistsError:  # a file (mkdir's "File exists" read as if the folder were there)
+        raise CliError(f"--dir {folder} is a file, not a folder") from None
     except OSError as exc:
         raise CliError(f"cannot create {folder}: {exc.strerror}") from None
     schema_path, global_path = folder / "schema.json", folder / "global.json"
@@ -859,7 +894,7 @@ def cmd_participate(args: argparse.Namespace) -> int:
                 f"{round_mask_strength(current):g} or more, or leave it out (or pass "
                 "--allow-weaker-masking); nothing built or sent"
             )
-        client.fetch_schema(schema_path)
+        schema = client.fetch_schema(schema_path)
         # A round that does not carry the previous global forward builds its global from this
         # round's submissions alone: a client then sends what the global covers too.
         carried = round_config(current).get("carry_forward") is not False
@@ -905,8 +940,9 @@ def cmd_participate(args: argparse.Namespace) -> int:
         + (f" (the round's is {required})" if required is not None and field_cap < required else "")
     )
     # The round's fields are never sent (the server refuses them); --not-released may leave out
-    # more, never fewer.
-    withheld = list(round_not_released(current))
+    # more, never fewer. A field of the round's that the schema in force no longer declares (the
+    # round read them when it opened) is not computed anyway.
+    withheld = [n for n in round_not_released(current) if n in schema.fields_by_name]
     if withheld:
         print(f"the round will not release {', '.join(withheld)}: not sent")
     for name in (args.not_released or "").split(","):
@@ -1251,6 +1287,11 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     from compendium.client_api import ClientError
 
+    for stream in (sys.stdout, sys.stderr):
+        # a stream in another encoding than UTF-8 (stdout redirected to a file on Windows is
+        # cp1252): λ (--help's too) and the users' text as escapes, not a UnicodeEncodeError
+        if hasattr(stream, "reconfigure"):
+            stream.reconfigure(errors="backslashreplace")
     args = build_parser().parse_args(argv)
     try:
         return args.func(args)

@@ -98,11 +98,16 @@ class UsageLogError(ValueError):
 
 
 class NotUtf8Log(ValueError):
-    """The log is not UTF-8 at all (UTF-16, as Windows PowerShell 5.1 writes with `>` or
-    Out-File): one error for the file, not one per line."""
+    """The log is not UTF-8 text at all (UTF-16, as Windows PowerShell 5.1 writes with `>` or
+    Out-File; a gzip-compressed log; another binary file): one error for the file, not one per
+    line. `problem` is what it is instead (`_not_utf8`)."""
 
-    def __init__(self, source: str):
+    def __init__(self, source: str, problem: str = "utf-16"):
         super().__init__(
+            f"{source} is gzip-compressed, not UTF-8 text; decompress it (gunzip) and build again"
+            if problem == "gzip" else
+            f"{source} is not a text file (it holds NUL bytes): a usage log is UTF-8 text, one "
+            "JSON object a line" if problem == "binary" else
             f"{source} is UTF-16, not UTF-8; save it as UTF-8 (e.g. Out-File -Encoding utf8) and "
             "build again"
         )
@@ -137,10 +142,24 @@ def log_lines(handle) -> Iterable[bytes | OverlongLine]:
         yield OverlongLine(length)
 
 
-def _utf16(first: bytes) -> bool:
-    """Line 1 of a UTF-16 file: its byte order mark, or (without one) the NUL bytes every ASCII
-    character brings along, which no UTF-8 JSON line holds."""
-    return first.startswith((b"\xff\xfe", b"\xfe\xff")) or b"\x00" in first
+def _not_utf8(first: bytes) -> str | None:
+    """What line 1 shows the file is instead of UTF-8 text ("utf-16", "gzip", "binary"), or None.
+    UTF-16: its byte order mark, or (without one) NUL bytes in a line that reads as a JSON object
+    in UTF-16 (ASCII characters bring one along each; a line of mostly Chinese has few). Any
+    other NUL byte, which no UTF-8 JSON line holds: a compressed or binary file (not to be told
+    to save it as UTF-8)."""
+    if first.startswith((b"\xff\xfe", b"\xfe\xff")):
+        return "utf-16"
+    if first.startswith(b"\x1f\x8b"):
+        return "gzip"
+    if b"\x00" not in first:
+        return None
+    # readline splits UTF-16-LE's newline (0A 00) after its first byte: an odd line
+    even = first[: len(first) // 2 * 2]
+    for codec in ("utf-16-le", "utf-16-be"):
+        if even.decode(codec, errors="replace").lstrip()[:1] == "{":
+            return "utf-16"
+    return "binary"
 
 
 def _unicode(key: str, value: str) -> str:
@@ -156,16 +175,41 @@ def _unicode(key: str, value: str) -> str:
     return value
 
 
+def _json_type(value: Any) -> str:
+    """What a decoded JSON value is, in JSON's words (not Python's "NoneType", "list", "int")."""
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return "true or false"
+    if isinstance(value, int | float):
+        return "a number"
+    if isinstance(value, str):
+        return "a string"
+    return "an array" if isinstance(value, list) else "an object"
+
+
 def _string(item: dict, key: str, required: bool = True) -> str | None:
     value = item.get(key)
     if value is None and not required:
         return None
     if not isinstance(value, str):
-        kind = "missing" if key not in item else f"a {type(value).__name__}, not a string"
+        kind = "missing" if key not in item else f"{_json_type(value)}, not a string"
         raise ValueError(f"'{key}' is {kind}")
     if not value.strip():
         raise ValueError(f"'{key}' is empty")
     return _unicode(key, value)
+
+
+SHOWN_CHARS = 40
+
+
+def _shown(value: Any) -> str:
+    """`value` as an error line quotes it: its repr, a long string as its first SHOWN_CHARS
+    characters and its length (a line of up to 1 MB would otherwise be echoed whole)."""
+    if isinstance(value, str) and len(value) > SHOWN_CHARS:
+        return f"{value[:SHOWN_CHARS]!r}… ({len(value)} characters)"
+    shown = repr(value)
+    return shown if len(shown) <= 2 * SHOWN_CHARS else shown[: 2 * SHOWN_CHARS] + "…"
 
 
 def _suggestion(name: str, known_tools: frozenset[str]) -> str:
@@ -182,12 +226,12 @@ def parse_record(
     `known_tools` and `max_flags` (the schema's registry and its limit on preconditions) make a
     line the schema could never carry an error of that line, not of the built compendium."""
     if not isinstance(item, dict):
-        raise ValueError(f"expected a JSON object, got {type(item).__name__}")
+        raise ValueError(f"expected a JSON object, got {_json_type(item)}")
     query = _string(item, "query")
     tool = _string(item, "tool").strip()
     outcome = item.get("outcome")
     if outcome not in OUTCOMES:
-        raise ValueError(f"'outcome' must be one of {', '.join(OUTCOMES)}; got {outcome!r}")
+        raise ValueError(f"'outcome' must be one of {', '.join(OUTCOMES)}; got {_shown(outcome)}")
     corrected_to = _string(item, "corrected_to", required=outcome == "corrected")
     if outcome != "corrected" and corrected_to is not None:
         raise ValueError("'corrected_to' is only allowed when 'outcome' is \"corrected\"")
@@ -198,7 +242,7 @@ def parse_record(
     for name, value in (("tool", tool), ("corrected_to", corrected_to)):
         if value is not None and known_tools is not None and value not in known_tools:
             raise ValueError(
-                f"'{name}' {value!r} is not a tool of the schema's registry{_suggestion(value, known_tools)}"
+                f"'{name}' {_shown(value)} is not a tool of the schema's registry{_suggestion(value, known_tools)}"
             )
 
     latency = item.get("latency_ms")
@@ -239,9 +283,9 @@ def parse_record(
             )
         for key, value in flags.items():
             if not _FLAG.match(key):
-                raise ValueError(f"precondition flag {key!r} is not an identifier")
+                raise ValueError(f"precondition flag {_shown(key)} is not an identifier")
             if not isinstance(value, bool):
-                raise ValueError(f"precondition flag {key!r} must be true or false")
+                raise ValueError(f"precondition flag {_shown(key)} must be true or false")
         preconditions = tuple(sorted(flags.items()))
 
     template = None
@@ -274,7 +318,8 @@ def parse_lines(
     max_flags: int | None = None,
 ) -> UsageLog:
     """Every line parsed; every bad line kept as an error with its line number (none dropped).
-    Bytes lines are UTF-8; a log whose first line is UTF-16 raises NotUtf8Log. `lines` may hold
+    Bytes lines are UTF-8; a log whose first line is UTF-16, compressed or binary raises
+    NotUtf8Log. `lines` may hold
     `OverlongLine`s (`log_lines`), reported as too long."""
     known = frozenset(known_tools) if known_tools is not None else None
     log = UsageLog(source=source)
@@ -286,8 +331,8 @@ def parse_lines(
             )
             continue
         if isinstance(raw, bytes):
-            if number == 1 and _utf16(raw):
-                raise NotUtf8Log(source)
+            if number == 1 and (problem := _not_utf8(raw)):
+                raise NotUtf8Log(source, problem)
             if len(raw) > MAX_LINE_BYTES:
                 log.errors.append(
                     LogLineError(number, f"line is {len(raw)} bytes; the limit is {MAX_LINE_BYTES}")
@@ -328,7 +373,7 @@ def read_usage_log(
     path: str | Path, known_tools: Iterable[str] | None = None, max_flags: int | None = None
 ) -> UsageLog:
     """Read a usage log file. Raises OSError when it cannot be opened, NotUtf8Log when it is
-    UTF-16."""
+    UTF-16, compressed or binary."""
     path = Path(path)
     with path.open("rb") as handle:
         return parse_lines(

@@ -28,6 +28,11 @@ NOWHERE = "http://127.0.0.1:9"  # never reached: every case is refused before a 
         ("http://synapse..example", "names a host that is not a valid domain name"),
         ("http://" + "a" * 64 + ".example", "names a host that is not a valid domain name"),
         ("http://xn--zz.example", "names a host that is not a valid domain name"),
+        # httpx takes any number: the socket layer connected port 99999 to 34463 (99999 mod
+        # 65536), and sent the token to whatever listens there
+        ("http://127.0.0.1:99999", "names port 99999, which no TCP port is"),
+        ("http://127.0.0.1:0", "names port 0, which no TCP port is"),
+        ("http://127.0.0.1:-1", "names port -1, which no TCP port is"),
     ],
 )
 def test_a_server_url_httpx_cannot_use_is_one_clear_error(server, reason):
@@ -445,3 +450,325 @@ def test_build_refuses_an_out_that_is_the_file_it_reads(tmp_path, capsys, flag):
         "nothing built"
     )
     assert {path: path.read_bytes() for path in (log, schema)} == before
+
+
+@pytest.mark.parametrize("answer", [[], "stored", 7, None])
+def test_an_accepted_submission_whose_answer_is_not_an_object_is_one_clear_error(answer):
+    """A 201 whose body is JSON but not an object (a proxy, another service at --server): one
+    line saying so, not an AttributeError traceback from printing the submission's id."""
+    import httpx
+
+    from compendium.schema import Compendium, MaskingInfo, Scenario
+
+    def server(request):
+        if request.url.path == "/api/v1/rounds/":
+            return httpx.Response(200, json={"results": [{"number": 4, "config": {}}]})
+        return httpx.Response(201, content=json.dumps(answer).encode())
+
+    compendium = Compendium(scenarios=[Scenario(tool_id="weather", text="rain in a city?")],
+                            masking=MaskingInfo(strength=1.0, masked_fraction=0.2))
+    client = SynapseClient("http://server.test", TOKEN, retries=0,
+                           transport=httpx.MockTransport(server))
+    with pytest.raises(ClientError, match=r"the server's answer to the submission \(HTTP 201\) "
+                                          r"is not a JSON object"):
+        client.submit(compendium)
+
+
+@pytest.mark.parametrize("counts", [[1, 2], "3 scenarios", 5])
+def test_status_reads_a_submission_whose_entry_counts_are_not_an_object(monkeypatch, capsys,
+                                                                        counts):
+    """The submission list's `entry_counts` as another shape than an object: status says the
+    rest of what it knows, not an AttributeError traceback."""
+    monkeypatch.setattr(SynapseClient, "rounds", lambda self, state=None: [{"number": 4}])
+    monkeypatch.setattr(SynapseClient, "submissions", lambda self, number=None: [
+        {"in_effect": True, "sha256": "ab" * 32, "size_bytes": 10, "entry_counts": counts}])
+    assert main(["status", "--server", NOWHERE, "--token", TOKEN]) == 0
+    out = capsys.readouterr().out
+    assert "this client submitted at None: sha256 abababababab…, 10 bytes\n" in out
+
+
+def test_a_global_or_schema_holding_a_lone_surrogate_is_one_clear_error(tmp_path):
+    """JSON can escape half of a character ("\\ud800"), which no file can hold: a global or a
+    schema from the server with one was a UnicodeEncodeError traceback, and nothing is saved."""
+    import httpx
+
+    surrogate = b'"\\ud800"'
+
+    def server(request):
+        if request.url.path == "/api/v1/compendium/global/":
+            return httpx.Response(200, content=b'{"round": 3, "compendium": {"scenarios": '
+                                  b'[{"tool_id": "weather", "text": ' + surrogate + b"}]}}")
+        return httpx.Response(200, content=b'{"tools": [{"tool_id": "weather", "description": '
+                              + surrogate + b"}]}")
+
+    client = SynapseClient("http://server.test", TOKEN, retries=0,
+                           transport=httpx.MockTransport(server))
+    with pytest.raises(ClientError, match="the server sent a compendium this client cannot read: "
+                                          "it holds a lone surrogate"):
+        client.pull(tmp_path / "global.json")
+    with pytest.raises(ClientError, match="the server sent a schema this client cannot read: it "
+                                          "holds a lone surrogate"):
+        client.fetch_schema(tmp_path / "schema.json")
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_a_global_or_schema_the_client_cannot_read_is_named_with_what_is_wrong(tmp_path):
+    """The server's compendium or schema that does not validate: each error by its path with
+    its reason (only the first line of pydantic's text named the field, without the reason, and
+    its echo of the input was printed)."""
+    import httpx
+
+    def server(request):
+        if request.url.path == "/api/v1/compendium/global/":
+            return httpx.Response(200, json={"round": 3, "compendium": {
+                "scenarios": [{"tool_id": "weather", "text": 5}]}})
+        return httpx.Response(200, json=["not", "a", "schema"])
+
+    client = SynapseClient("http://server.test", TOKEN, retries=0,
+                           transport=httpx.MockTransport(server))
+    with pytest.raises(ClientError) as pulled:
+        client.pull(tmp_path / "global.json")
+    assert str(pulled.value) == ("the server sent a compendium this client cannot read: "
+                                 "$.scenarios[0].text: Input should be a valid string")
+    with pytest.raises(ClientError) as fetched:
+        client.fetch_schema(tmp_path / "schema.json")
+    assert str(fetched.value) == ("the server sent a schema this client cannot read: $: Input "
+                                  "should be an object")
+
+
+@pytest.mark.parametrize("since", ["missing.json", "log.jsonl"])
+def test_build_since_a_file_it_cannot_read_is_refused_before_any_work(tmp_path, capsys,
+                                                                      monkeypatch, since):
+    """A --since that is missing or not a global is found before the log is read and the
+    embedding model loaded (which take minutes on a big log), not after the whole build."""
+    from routing import embeddings
+
+    def no_model(*args, **kwargs):
+        raise AssertionError("the embedding model was loaded before --since was read")
+
+    monkeypatch.setattr(embeddings, "get_engine", no_model)
+    schema = tmp_path / "schema.json"
+    schema.write_text('{"tools": [{"tool_id": "weather", "description": "Weather"}]}', "utf-8")
+    log = tmp_path / "log.jsonl"
+    log.write_text('{"query": "rain in Lisbon?", "tool": "weather", "outcome": "success", '
+                   '"latency_ms": 3, "user": "u1"}\n', "utf-8")
+    assert main(["build", "--log", str(log), "--schema", str(schema), "--out",
+                 str(tmp_path / "c.json"), "--since", str(tmp_path / since), "--quiet"]) == 1
+    path = tmp_path / since
+    assert capsys.readouterr().err.strip().splitlines()[-1] == (
+        f"synapse-client: cannot read {path}: No such file or directory"
+        if since == "missing.json" else f"synapse-client: {path} is not a compendium (5 error(s))"
+    )
+    assert not (tmp_path / "c.json").exists()
+
+
+@pytest.mark.parametrize("value", [-1, -0.5, float("-inf"), float("nan"), True, "1"])
+def test_a_round_mask_strength_no_masking_can_use_is_none(value):
+    """A round's mask_strength that is no masking strength (negative, not a number) is as if it
+    named none: participate masked at it, and a negative one was masking's ValueError traceback
+    in the middle of the build."""
+    from compendium.client_api import round_mask_strength, weaker_masking
+
+    info = {"number": 5, "config": {"mask_strength": value}}
+    assert round_mask_strength(info) is None
+    assert weaker_masking(info, None) is None
+
+
+def test_a_400_to_a_submission_that_is_not_json_says_it_was_refused():
+    """A proxy's 400 page (a body too large for it, a header it refuses): the error said only
+    that the answer is not JSON, not that the submission was refused, nor the page's words."""
+    import httpx
+
+    from compendium.schema import Compendium, MaskingInfo, Scenario
+
+    def server(request):
+        if request.url.path == "/api/v1/rounds/":
+            return httpx.Response(200, json={"results": [{"number": 4, "config": {}}]})
+        return httpx.Response(400, content=b"400 Bad Request: request header too large\n<hr>")
+
+    compendium = Compendium(scenarios=[Scenario(tool_id="weather", text="rain in a city?")],
+                            masking=MaskingInfo(strength=1.0, masked_fraction=0.2))
+    client = SynapseClient("http://server.test", TOKEN, retries=0,
+                           transport=httpx.MockTransport(server))
+    with pytest.raises(ClientError) as refused:
+        client.submit(compendium)
+    assert str(refused.value) == ("the submission was refused (HTTP 400), by an answer that is not "
+                                  "the SYNAPSE API's: 400 Bad Request: request header too large")
+
+
+def test_a_304_to_a_pull_that_asked_nothing_conditional_is_not_up_to_date(tmp_path):
+    """A 304 (a proxy's cache) when this client holds no copy to keep: pull said
+    "up to date (ETag None)" with no global saved, and build --since then found no file."""
+    import httpx
+
+    client = SynapseClient("http://server.test", TOKEN, retries=0,
+                           transport=httpx.MockTransport(lambda request: httpx.Response(304)))
+    out = tmp_path / "global.json"
+    with pytest.raises(ClientError, match=r"answered 304 \(not modified\) though this client "
+                                          r"holds no copy of the global compendium"):
+        client.pull(out)
+    assert not out.exists()
+
+
+@pytest.mark.parametrize("field", ["strength", "calls"])
+@pytest.mark.parametrize("command", ["inspect", "submit"])
+def test_a_compendium_with_a_number_past_a_float_is_one_clear_error(tmp_path, capsys, field,
+                                                                     command):
+    """1e999 reads as infinity, which the canonical form (what inspect shows, what submit sends
+    and keys) cannot write: a ValueError traceback before, and nothing sent."""
+    text = ('{"masking": {"strength": %s, "masked_fraction": 0.2}, "metadata": [{"tool_id": '
+            '"weather", "stats": {"calls": %s}}]}')
+    path = tmp_path / "c.json"
+    path.write_text(text % (("1e999", "1.0") if field == "strength" else ("1.0", "1e999")), "utf-8")
+    args = [command, str(path)] + (["--server", NOWHERE, "--token", TOKEN, "--retries", "0"]
+                                   if command == "submit" else [])
+    assert main(args) == 1
+    where = "$.masking.strength" if field == "strength" else "$.metadata[0].stats.calls"
+    assert capsys.readouterr().err.strip().splitlines() == [
+        f"{path}: {where}: number is not finite",
+        f"synapse-client: {path} is not a compendium (1 error(s))",
+    ]
+
+
+def test_a_pulled_global_with_a_number_past_a_float_is_one_clear_error(tmp_path):
+    import httpx
+
+    def server(request):
+        return httpx.Response(200, content=b'{"round": 3, "compendium": {"metadata": [{"tool_id": '
+                              b'"weather", "stats": {"calls": 1e999}}]}}')
+
+    client = SynapseClient("http://server.test", TOKEN, retries=0,
+                           transport=httpx.MockTransport(server))
+    with pytest.raises(ClientError, match="the server sent a compendium this client cannot read: "
+                                          "it holds a number that is not finite"):
+        client.pull(tmp_path / "global.json")
+    assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("server", ["HTTPS://synapse.example", "Http://127.0.0.1:9"])
+def test_a_server_url_whose_scheme_is_in_capitals_is_an_http_url(server):
+    """URL schemes are case-insensitive (RFC 3986): "HTTPS://..." was refused as "must be an
+    http(s) URL"."""
+    client = SynapseClient(server, TOKEN)
+    assert client._http.base_url.scheme in ("http", "https")
+    client.close()
+
+
+@pytest.mark.parametrize("where", ["texts", "tools"])
+def test_a_probe_set_holding_a_lone_surrogate_is_one_clear_error(tmp_path, where):
+    """A lone surrogate in the probe set's tools (which its sha256 does not cover) was a
+    UnicodeEncodeError traceback as the file was saved; in its texts, Python's codec message."""
+    import httpx
+
+    from compendium import transport
+
+    texts = ["\ud800"] if where == "texts" else ["a"]
+    sha256 = transport.dictionary_hash(transport.probe_bytes(["a"]))
+    body = json.dumps({"texts": texts, "sha256": sha256, "tools": ["\ud800"]})  # escaped
+    client = SynapseClient("http://server.test", TOKEN, retries=0, transport=httpx.MockTransport(
+        lambda request: httpx.Response(200, content=body.encode())))
+    with pytest.raises(ClientError) as refused:
+        client.fetch_probe(tmp_path / "probe.json")
+    assert str(refused.value) == ("the server sent a probe set this client cannot read: it holds "
+                                  "a lone surrogate (half of an escaped character), which is not "
+                                  "text")
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_a_head_that_cannot_be_written_only_warns_and_the_pull_succeeds(tmp_path, monkeypatch):
+    """_pull_head's contract: a failure there only warns (the router fits a head of its own).
+    A head that downloaded but could not be written (no space left) failed the whole pull,
+    after the global itself was saved."""
+    import httpx
+    import numpy as np
+
+    from compendium import client_api
+    from compendium.schema import Compendium
+    from routing.router import LinearHead
+
+    head = LinearHead(["a", "b"], np.ones((2, 3), "float32"), np.zeros(2, "float32")).to_bytes()
+
+    def server(request):
+        if request.url.path == "/api/v1/compendium/global/":
+            body = {"round": 1, "compendium": Compendium.model_validate(
+                {"scenarios": [{"tool_id": "a", "text": "what round 1 learnt"}]}
+            ).model_dump(mode="json")}
+            return httpx.Response(200, json=body)
+        return httpx.Response(200, content=head)
+
+    written = client_api.write_atomically
+
+    def no_space_for_heads(path, data):
+        if path.name.endswith(".head.npz"):
+            raise client_api.CannotWrite(path, OSError(28, "No space left on device"))
+        written(path, data)
+
+    monkeypatch.setattr(client_api, "write_atomically", no_space_for_heads)
+    client = SynapseClient("http://server.test", TOKEN, retries=0,
+                           transport=httpx.MockTransport(server))
+    out = tmp_path / "global.json"
+    result = client.pull(out)
+    assert result.updated and out.exists() and result.head is None
+    assert result.warnings == [
+        f"the routing head was not saved: cannot write {out}.head.npz: No space left on device"
+    ]
+
+
+def test_participate_with_a_dir_that_is_a_file_says_so(tmp_path, capsys):
+    """mkdir's "File exists" read as if the folder existed, which is fine; what is wrong is that
+    --dir names a file. Said before any request."""
+    log = tmp_path / "usage.jsonl"
+    log.write_text("", "utf-8")
+    assert main(["participate", "--log", str(log), "--dir", str(log), "--server", NOWHERE,
+                 "--token", TOKEN]) == 1
+    assert capsys.readouterr().err.strip() == (
+        f"synapse-client: --dir {log} is a file, not a folder"
+    )
+
+
+@pytest.mark.parametrize("encoding", ["ascii", "cp1252"])
+def test_output_to_a_stream_that_is_not_utf8_is_escaped_not_a_traceback(tmp_path, monkeypatch,
+                                                                       encoding):
+    """stdout redirected to a file on Windows is cp1252 (a latin-1 locale elsewhere): the λ of
+    every report, and the users' text inspect shows, were a UnicodeEncodeError traceback."""
+    import io
+    import sys
+
+    schema = tmp_path / "schema.json"
+    schema.write_text('{"tools": [{"tool_id": "weather", "description": "Weather"}]}', "utf-8")
+    path = tmp_path / "c.json"
+    path.write_text('{"masking": {"strength": 1.0, "masked_fraction": 0.2}, "scenarios": '
+                    '[{"tool_id": "weather", "text": "天气 in a city"}]}', "utf-8")
+    out = io.TextIOWrapper(io.BytesIO(), encoding=encoding)
+    monkeypatch.setattr(sys, "stdout", out)
+    assert main(["validate", str(path), "--schema", str(schema)]) == 0
+    assert main(["inspect", str(path)]) == 0
+    out.flush()
+    text = out.buffer.getvalue().decode(encoding)
+    assert "masked at \\u03bb = 1 as far as the server checks" in text
+    assert "\\u5929\\u6c14 in a city" in text
+    fresh = io.TextIOWrapper(io.BytesIO(), encoding=encoding)  # --help, before any command
+    monkeypatch.setattr(sys, "stdout", fresh)
+    with pytest.raises(SystemExit) as helped:
+        main(["build", "--help"])
+    assert helped.value.code == 0
+    fresh.flush()
+    assert "masking strength \\u03bb >= 0" in fresh.buffer.getvalue().decode(encoding)
+
+
+@pytest.mark.parametrize(
+    "page, said",
+    [("<html>\r\n<head><title>502 Bad Gateway</title></head>\r\n<body>nginx</body></html>",
+      "HTTP 502: 502 Bad Gateway"),
+     ("<!DOCTYPE html>\n<html><body>down</body></html>", "HTTP 502: Bad Gateway")],
+)
+def test_a_proxys_html_error_page_is_named_by_its_title_not_its_first_tag(page, said):
+    """nginx's 502 page: the error said "HTTP 502: <html>", its first line."""
+    import httpx
+
+    client = SynapseClient("http://server.test", TOKEN, retries=0, transport=httpx.MockTransport(
+        lambda request: httpx.Response(502, content=page.encode(),
+                                       headers={"Content-Type": "text/html"})))
+    with pytest.raises(ClientError) as failed:
+        client.rounds("open")
+    assert str(failed.value).endswith(f"failed after 1 attempt(s): {said}")

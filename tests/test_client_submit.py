@@ -126,6 +126,8 @@ def make_handler(state: ServerState):
                 self.end_headers()
                 self.wfile.write(data)
                 return None
+            if url.path == "/api/v1/compendium/schema/":
+                return self._send(200, SCHEMA.model_dump(mode="json"))
             if url.path == "/api/v1/compendium/probe/":  # as the real API
                 texts = ["Will it rain in Lisbon?"]
                 sha256 = transport.dictionary_hash(transport.probe_bytes(texts))
@@ -304,6 +306,21 @@ def test_weaker_masking_than_the_round_expects_is_refused_before_sending(server,
     # at the expected λ (or more) nothing is said
     assert main(submit_args(url, write(tmp_path, compendium()))) == 0
     assert "masking" not in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("status", [400, 409, 503])
+def test_allow_weaker_masking_warns_whatever_the_server_answers(server, tmp_path, capsys, status):
+    """The warning that weakly masked text is sent goes out before it is sent: a refused, failed
+    or lost submission may have reached the server, and the user must know what went."""
+    url, state = server
+    state.fail_next_posts, state.fail_status = 10, status
+    weak = write(tmp_path, compendium().model_copy(
+        update={"masking": MaskingInfo(strength=0.5, masked_fraction=0.1)}), "weak.json")
+    assert main(submit_args(url, weak) + ["--allow-weaker-masking"]) == 1
+    err = capsys.readouterr().err
+    assert err.count("round 4 expects masking strength λ >= 1; this compendium was masked at "
+                     "λ=0.5") == 1
+    assert state.fail_next_posts < 10  # it was sent
 
 
 def test_no_gzip_sends_the_canonical_bytes_plain_under_the_same_key(server, tmp_path, capsys):
@@ -575,7 +592,9 @@ def test_pull_saves_the_routing_head_beside_the_global(server, tmp_path, capsys)
     head_file(out).unlink()
     state.heads[4] = b"not an archive"
     assert main(args) == 0
-    assert "routing head is unusable (not an .npz archive" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "routing head is unusable (not an .npz archive); not saved" in err
+    assert "pickle" not in err  # numpy's advice to load a file of the server's unsafely
     assert not head_file(out).exists()
     # A newer global without a head: the old head goes, it belongs to another compendium.
     state.heads[4] = head.to_bytes()
@@ -727,6 +746,29 @@ def test_submit_refuses_statistics_the_open_round_will_not_release_before_sendin
     lean = _build(tmp_path, "lean.json", "--not-released", "latency_ms,success_rate")
     assert main(submit_args(url, lean)) == 0
     assert len(state.posts) == 1
+
+
+def test_participate_leaves_out_a_field_the_round_will_not_release_that_the_schema_dropped(
+    server, tmp_path, capsys
+):
+    """The round's fields_not_released were read when it opened; a field the schema in force no
+    longer declares is not computed anyway. participate refused the round with "--not-released
+    names no declared numeric field", a flag the user never passed."""
+    url, state = server
+    state.not_released = ["latency_ms", "retired_field"]
+    log = tmp_path / "usage.jsonl"
+    log.write_text(json.dumps({"query": "Will it rain tomorrow in a city?", "tool": "weather",
+                               "outcome": "success", "latency_ms": 3, "user": "u1"}) + "\n",
+                   encoding="utf-8")
+    assert main(["participate", "--log", str(log), "--dir", str(tmp_path / "state"),
+                 "--no-collapse", "--quiet", "--server", url, "--token", TOKEN,
+                 "--backoff", "0"]) == 0
+    captured = capsys.readouterr()
+    assert "the round will not release latency_ms: not sent" in captured.out
+    assert "retired_field" not in captured.out + captured.err
+    assert state.created == 1
+    assert all("latency_ms" not in entry["stats"] for entry in json.loads(
+        (tmp_path / "state" / "compendium.json").read_text(encoding="utf-8"))["metadata"])
 
 
 def test_pull_treats_an_unreadable_etag_file_as_none(server, tmp_path, capsys):

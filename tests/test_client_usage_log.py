@@ -194,3 +194,79 @@ def test_a_utf16_log_is_one_clear_error_not_one_per_line(tmp_path, capsys, encod
         "-Encoding utf8) and build again"
     )
     assert not (tmp_path / "c.json").exists()
+
+
+@pytest.mark.parametrize(
+    "kind, message",
+    [("gzip", "is gzip-compressed, not UTF-8 text; decompress it (gunzip) and build again"),
+     ("binary", "is not a text file (it holds NUL bytes): a usage log is UTF-8 text, one JSON "
+                "object a line")],
+)
+def test_a_compressed_or_binary_log_is_not_called_utf16(tmp_path, capsys, kind, message):
+    """Any NUL byte on line 1 was taken for UTF-16: a gzip-compressed log (usage.jsonl.gz) or
+    another binary file was told to be saved as UTF-8 with PowerShell's Out-File."""
+    import gzip
+
+    from compendium.usage_log import NotUtf8Log
+
+    text = ("\n".join([line(), line(user="u2")]) + "\n").encode()
+    path = tmp_path / "usage.jsonl.gz"
+    path.write_bytes(gzip.compress(text) if kind == "gzip" else b"\x07\x00\x00\x01\xff\x00" * 40)
+    with pytest.raises(NotUtf8Log, match="not"):
+        read_usage_log(path)
+    # UTF-16 without a byte order mark whose characters put a NUL in the other byte too (一 is
+    # U+4E00): still UTF-16, not a binary file
+    chinese = tmp_path / "chinese.jsonl"
+    for query in ("一天的天气 in a city", "一天的天气" * 100):  # mostly not ASCII: few NULs
+        for encoding in ("utf-16-le", "utf-16-be"):
+            chinese.write_bytes((json.dumps({**GOOD, "query": query}, ensure_ascii=False)
+                                 + "\n").encode(encoding))
+            with pytest.raises(NotUtf8Log, match="is UTF-16, not UTF-8"):
+                read_usage_log(chinese)
+    schema = tmp_path / "schema.json"
+    schema.write_text(metatool_schema().model_dump_json(), encoding="utf-8")
+    assert main(["build", "--log", str(path), "--schema", str(schema), "--out",
+                 str(tmp_path / "c.json"), "--no-collapse", "--quiet"]) == 1
+    assert capsys.readouterr().err.strip() == f"synapse-client: {path} {message}"
+    assert not (tmp_path / "c.json").exists()
+
+
+def test_a_huge_value_is_shown_cut_in_its_error_line():
+    """A bad line's error quotes what is wrong, not the whole of it: an unknown tool, outcome or
+    flag name of half a megabyte was echoed whole, a 500 kB error line on the terminal and in
+    the build report."""
+    big = "x" * 500_000
+    lines = [line(tool=big), line(outcome=big), line(preconditions={big: True}),
+             line(outcome="corrected", corrected_to=big)]
+    log = parse_lines(lines, known_tools=["weather", "flights"])
+    assert [e.line for e in log.errors] == [1, 2, 3, 4]
+    for error in log.errors:
+        assert len(error.message) < 200
+        assert "… (500000 characters)" in error.message
+    assert log.errors[0].message == (f"'tool' '{'x' * 40}'… (500000 characters) is not a tool "
+                                     "of the schema's registry")
+
+
+@pytest.mark.parametrize(
+    "changes, message",
+    [({"outcome": "corrected", "corrected_to": None}, "'corrected_to' is null, not a string"),
+     ({"tool": 5}, "'tool' is a number, not a string"),
+     ({"query": ["a"]}, "'query' is an array, not a string"),
+     ({"query": {"a": 1}}, "'query' is an object, not a string"),
+     ({"query": False}, "'query' is true or false, not a string"),
+     ({"template": {"signature": 2.5, "template": "t"}}, "'signature' is a number, not a string")],
+)
+def test_a_value_of_the_wrong_type_is_named_by_its_json_type(changes, message):
+    """A JSON null was "a NoneType", a list "a list", 5 "a int": Python's names, not what the
+    line holds."""
+    item = {**GOOD, **changes}
+    log = parse_lines([json.dumps(item)], known_tools=["weather", "flights"])
+    assert [e.message for e in log.errors] == [message]
+
+
+def test_a_line_that_is_no_object_is_named_by_its_json_type():
+    log = parse_lines(["[1, 2]", "7", '"text"', "null"])
+    assert [e.message for e in log.errors] == [
+        f"expected a JSON object, got {kind}" for kind in ("an array", "a number", "a string",
+                                                             "null")
+    ]
