@@ -30,6 +30,7 @@ import math
 import os
 import re
 import shutil
+import stat
 import tempfile
 import time
 from collections.abc import Callable
@@ -981,13 +982,20 @@ def record_sent(path: Path, round_number: int, keys: set[str]) -> None:
 
 def write_atomically(path: Path, data: bytes) -> None:
     """Write to a temporary file beside `path` and rename it over: never a half-written file.
-    An OSError names `path` (not the temporary file), as `cannot write PATH: reason`."""
+    A new file is readable by its owner only (mkstemp's 0600: what a client writes may hold its
+    own masked text); a file replaced keeps the mode it had, so a global.json its owner opened to
+    another account (the one its LLM runs as) stays readable after the next pull. An OSError
+    names `path` (not the temporary file), as `cannot write PATH: reason`."""
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
     except OSError as exc:
         raise CannotWrite(path, exc) from None
     try:
+        try:
+            os.chmod(tmp, stat.S_IMODE(os.stat(path).st_mode))
+        except FileNotFoundError:
+            pass
         with os.fdopen(fd, "wb") as handle:
             handle.write(data)
         os.replace(tmp, path)

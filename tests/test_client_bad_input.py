@@ -772,3 +772,19 @@ def test_a_proxys_html_error_page_is_named_by_its_title_not_its_first_tag(page, 
     with pytest.raises(ClientError) as failed:
         client.rounds("open")
     assert str(failed.value).endswith(f"failed after 1 attempt(s): {said}")
+
+
+def test_a_file_written_again_keeps_its_mode_and_a_new_one_is_the_owners(tmp_path):
+    """write_atomically renames a fresh mkstemp file over the old one: every pull made the file
+    0600 whatever its owner had set, so a global.json opened to the account an LLM runs as was
+    unreadable to it after each pull. A replaced file keeps its mode; a new one is 0600."""
+    import stat
+
+    from compendium import client_api
+
+    target = tmp_path / "global.json"
+    client_api.write_atomically(target, b"{}")
+    assert stat.S_IMODE(target.stat().st_mode) == 0o600
+    target.chmod(0o644)
+    client_api.write_atomically(target, b'{"a": 1}')
+    assert stat.S_IMODE(target.stat().st_mode) == 0o644 and target.read_bytes() == b'{"a": 1}'
