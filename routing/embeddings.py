@@ -299,8 +299,11 @@ class EmbeddingEngine:
         except EmbeddingModelUnavailable:
             raise
         except Exception as exc:  # any loader failure becomes one clear line
+            # Hugging Face's errors run over several lines (advice, links): the first says what
+            first = next((line.strip() for line in str(exc).splitlines() if line.strip()), "")
             raise EmbeddingModelUnavailable(
-                f"cannot load embedding model {self.model_name!r}: {exc.__class__.__name__}: {exc}. "
+                f"cannot load embedding model {self.model_name!r}: {exc.__class__.__name__}: "
+                f"{first.rstrip('.')}. "
                 "Set SYNAPSE_EMBEDDING_MODEL to a local sentence-transformers model path"
             ) from None
         self.dimension = int(self._model.get_embedding_dimension())

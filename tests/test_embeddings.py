@@ -62,5 +62,22 @@ def test_the_model_reads_masked_text_without_its_placeholders():
 
 
 def test_unknown_model_is_one_clear_error(tmp_path):
-    with pytest.raises(EmbeddingModelUnavailable, match="cannot load embedding model"):
+    with pytest.raises(EmbeddingModelUnavailable, match="cannot load embedding model") as caught:
         get_engine(str(tmp_path / "no-such-model"))
+    assert "\n" not in str(caught.value)
+
+
+def test_a_loader_error_over_several_lines_is_one_line(monkeypatch, tmp_path):
+    """Hugging Face's loader errors run over several lines of advice: the message was those
+    lines whole, not the one line every command prints for a model it cannot load."""
+    import sentence_transformers
+
+    def refuse(*args, **kwargs):
+        raise OSError("We couldn't connect to 'https://huggingface.co'.\nCheck your connection or\n"
+                      "see https://huggingface.co/docs/offline-mode")
+
+    monkeypatch.setattr(sentence_transformers, "SentenceTransformer", refuse)
+    with pytest.raises(EmbeddingModelUnavailable) as caught:
+        get_engine(str(tmp_path / "yet-another-model"))
+    message = str(caught.value)
+    assert "\n" not in message and "couldn't connect" in message and "SYNAPSE_EMBEDDING_MODEL" in message
