@@ -1396,6 +1396,17 @@ def test_operator_round_lifecycle_over_the_api(world):
     assert entry.actor == world.operator and entry.ip == "127.0.0.1"
 
 
+def test_a_round_opened_with_a_form_keeps_the_defaults_it_does_not_send(world):
+    # A form body without carry_forward opens the round with RoundConfig's default (True), as a
+    # JSON body does: a field a form does not send is not an unchecked box.
+    api = person_api(world.operator)
+    opened = api.post("/api/v1/admin/rounds/", "epsilon=0.5",
+                      content_type="application/x-www-form-urlencoded")
+    assert opened.status_code == 201, opened.content
+    assert Round.objects.get().config["carry_forward"] is True
+    assert opened.json()["config"]["epsilon"] == 0.5
+
+
 def test_session_login_works_for_people(world):
     api = APIClient()
     api.force_login(world.admin_a)

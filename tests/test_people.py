@@ -296,6 +296,20 @@ def test_refused_patches_say_why_and_change_nothing(world):
     assert membership(other.user).role == "member" and get_user_model().objects.get(pk=world.admin_a.pk).is_active
 
 
+@pytest.mark.parametrize("form", ["multipart", None])
+def test_a_form_patch_changes_only_the_fields_it_sends(world, form):
+    # A form (or multipart) body that names only the role leaves the login active: a field it
+    # does not send is not an unchecked box.
+    api = person_api(world.admin_a)
+    url = f"{PEOPLE}{world.member_a.pk}/"
+    response = (api.patch(url, {"role": "admin"}, format=form) if form else
+                api.patch(url, "role=admin", content_type="application/x-www-form-urlencoded"))
+    assert response.status_code == 200, response.content
+    assert response.json()["is_active"] is True and response.json()["role"] == "admin"
+    target = membership(world.member_a)
+    assert (target.role, target.user.is_active) == ("admin", True)
+
+
 def test_clients_cannot_reach_the_people_endpoints(world):
     api = APIClient()
     api.credentials(HTTP_AUTHORIZATION=f"Bearer {world.token_a}")

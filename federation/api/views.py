@@ -808,7 +808,10 @@ class PersonDetailView(_PersonView):
     )
     def patch(self, request, pk):
         membership = self.visible_person(pk)
-        data = ChangePersonSerializer(data=request.data)
+        # partial: a form body (FormParser, MultiPartParser) without is_active is not an
+        # unchecked box (DRF reads a missing boolean of a form as false): it changes only the
+        # fields it sends, as a JSON body does.
+        data = ChangePersonSerializer(data=request.data, partial=True)
         data.is_valid(raise_exception=True)
         if not data.validated_data:
             raise InvalidRequest("nothing to change: send role and/or is_active")
@@ -886,7 +889,9 @@ class RoundOpenView(FederationView):
         summary="Open the next round with its configuration and optional deadline (operator)",
     )
     def post(self, request):
-        data = OpenRoundSerializer(data=request.data)
+        # partial: a form body without carry_forward takes RoundConfig's default (true), as a
+        # JSON body does, not the false DRF reads for a form's missing boolean.
+        data = OpenRoundSerializer(data=request.data, partial=True)
         data.is_valid(raise_exception=True)
         config = dict(data.validated_data)
         closes_at = config.pop("closes_at", None)
