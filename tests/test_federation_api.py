@@ -1407,6 +1407,25 @@ def test_a_round_opened_with_a_form_keeps_the_defaults_it_does_not_send(world):
     assert opened.json()["config"]["epsilon"] == 0.5
 
 
+@pytest.mark.parametrize(
+    ("path", "body", "named"),
+    [
+        ("/api/v1/admin/rounds/", {"epsilom": 0.1}, "epsilom"),
+        ("/api/v1/admin/rounds/", {"epsilon": 0.5, "conflict_log": False}, "conflict_log"),
+        ("/api/v1/admin/settings/", {"epsilon_budjet": 5}, "epsilon_budjet"),
+    ],
+)
+def test_a_field_the_operator_cannot_set_is_refused_naming_it_not_ignored(world, path, body, named):
+    # A misspelt ε would otherwise open the round at the default ε (or leave the budget as it was)
+    # under a 2xx, as if the request had been applied.
+    api = person_api(world.operator)
+    send = api.post if path.endswith("rounds/") else api.patch
+    response = send(path, body, format="json")
+    assert response.status_code == 400, response.content
+    assert named in response.json()["detail"]
+    assert not Round.objects.exists() and not AuditLog.objects.filter(action="settings.change").exists()
+
+
 def test_session_login_works_for_people(world):
     api = APIClient()
     api.force_login(world.admin_a)

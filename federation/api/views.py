@@ -144,6 +144,16 @@ class FederationGenericView(FederationView, generics.GenericAPIView):
     pass
 
 
+def _refuse_unknown_fields(data, refusal: str) -> None:
+    """400 naming the body's fields that the (validated) serializer `data` does not have: DRF
+    drops them silently, and a misspelt field ("epsilom") would otherwise leave its default or
+    the current value under a 2xx, as if the request had been applied."""
+    # (The browsable API's HTML forms carry their CSRF token as a field.)
+    others = sorted(set(data.initial_data) - set(data.fields) - {"csrfmiddlewaretoken"})
+    if others:
+        raise InvalidRequest(f"{refusal} {', '.join(others)}")
+
+
 # --- clients: submissions ---------------------------------------------------------------------
 
 
@@ -582,11 +592,7 @@ class OrganizationDetailView(FederationGenericView):
         organization = self.visible_organization(pk)
         data = RenameOrganizationSerializer(data=request.data)
         data.is_valid(raise_exception=True)
-        others = sorted(set(request.data) - set(RenameOrganizationSerializer().fields))
-        if others:
-            raise InvalidRequest(
-                f"only an organization's name can be changed here, not {', '.join(others)}"
-            )
+        _refuse_unknown_fields(data, "only an organization's name can be changed here, not")
         organization = services.rename_organization(
             actor_for(request),
             organization,
@@ -893,6 +899,7 @@ class RoundOpenView(FederationView):
         # JSON body does, not the false DRF reads for a form's missing boolean.
         data = OpenRoundSerializer(data=request.data, partial=True)
         data.is_valid(raise_exception=True)
+        _refuse_unknown_fields(data, "not a round configuration field the API sets:")
         config = dict(data.validated_data)
         closes_at = config.pop("closes_at", None)
         rnd = services.open_round(actor_for(request), config, closes_at=closes_at)
@@ -980,6 +987,7 @@ class SettingsView(FederationView):
             raise NotAllowed("only the federation operator may change the federation's settings")
         data = FederationSettingsSerializer(services.get_settings(), data=request.data, partial=True)
         data.is_valid(raise_exception=True)
+        _refuse_unknown_fields(data, "unknown settings:")
         row = services.update_settings(actor_for(request), **data.validated_data)
         return Response(FederationSettingsSerializer(row).data)
 
