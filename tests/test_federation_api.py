@@ -173,6 +173,27 @@ def test_a_submission_for_another_round_than_the_open_one_is_refused(world, open
     assert Submission.objects.count() == 1
 
 
+def test_the_submission_headers_are_published_as_they_are_checked(world, open_round, valid_doc):
+    """The OpenAPI document bounds X-Synapse-Round and Idempotency-Key as the endpoint does: a
+    round number past MAX_ROUND_NUMBER and a key of spaces or of other than printable ASCII,
+    which it refuses, are outside what it publishes."""
+    import re
+
+    from drf_spectacular.generators import SchemaGenerator
+
+    document = SchemaGenerator().get_schema(request=None, public=True)
+    headers = {p["name"]: p["schema"] for p in document["paths"][SUBMIT]["post"]["parameters"]}
+    assert headers["X-Synapse-Round"]["maximum"] == services.MAX_ROUND_NUMBER
+    pattern = re.compile(headers["Idempotency-Key"]["pattern"])
+    api = client_api(world.token_a)
+    past = post_doc(api, valid_doc, key="r", HTTP_X_SYNAPSE_ROUND=str(services.MAX_ROUND_NUMBER + 1))
+    assert past.status_code == 400 and "X-Synapse-Round" in past.json()["detail"]
+    for key in ("   ", "clé"):
+        assert not pattern.search(key)
+        assert post_doc(api, valid_doc, key=key).status_code == 400
+    assert pattern.search("a b-1") and post_doc(api, valid_doc, key="a b-1").status_code == 201
+
+
 def test_statistics_the_open_round_will_not_release_are_refused(world, open_round, valid_doc):
     """The world's rounds (two organizations of one approved client each) release `calls` only:
     statistics for another field would be dropped by the merge and kept un-noised until then,

@@ -228,14 +228,17 @@ class SubmissionView(FederationGenericView):
         parameters=[
             OpenApiParameter(
                 "Idempotency-Key",
-                {"type": "string", "minLength": 1, "maxLength": 200},
+                # printable ASCII, not only spaces (submissions.check_key)
+                {"type": "string", "minLength": 1, "maxLength": submissions.MAX_KEY_LENGTH,
+                 "pattern": "^[ -~]*[!-~][ -~]*$"},
                 OpenApiParameter.HEADER,
                 required=True,
-                description="1-200 characters; a retry with the same key returns the same result",
+                description="1-200 printable ASCII characters (e.g. a UUID); a retry with the same "
+                "key returns the same result",
             ),
             OpenApiParameter(
                 "X-Synapse-Round",
-                {"type": "integer", "minimum": 1},
+                ROUND_NUMBER,
                 OpenApiParameter.HEADER,
                 required=False,
                 description="the round the body was built and checked for: when another round is "
