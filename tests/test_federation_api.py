@@ -1447,6 +1447,18 @@ def test_a_field_the_operator_cannot_set_is_refused_naming_it_not_ignored(world,
     assert not Round.objects.exists() and not AuditLog.objects.filter(action="settings.change").exists()
 
 
+def test_a_rounds_deadline_or_failure_with_a_field_it_does_not_take_is_refused(world, open_round):
+    api = person_api(world.operator)
+    url = f"/api/v1/admin/rounds/{open_round.pk}/"
+    deadline = api.post(url + "deadline/", {"closes_at": None, "closes": "2999-01-01"}, format="json")
+    assert deadline.status_code == 400 and "closes" in deadline.json()["detail"]
+    services.close_round(SYSTEM, open_round)
+    failed = api.post(url + "fail/", {"reason": "edge down", "retry": True}, format="json")
+    assert failed.status_code == 400 and "retry" in failed.json()["detail"]
+    open_round.refresh_from_db()
+    assert open_round.state == Round.State.CLOSING and not open_round.failure_reason
+
+
 def test_session_login_works_for_people(world):
     api = APIClient()
     api.force_login(world.admin_a)

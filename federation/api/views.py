@@ -144,13 +144,17 @@ class FederationGenericView(FederationView, generics.GenericAPIView):
     pass
 
 
-def _refuse_unknown_fields(data, refusal: str) -> None:
+def _refuse_unknown_fields(data, refusal: str | None = None) -> None:
     """400 naming the body's fields that the (validated) serializer `data` does not have: DRF
-    drops them silently, and a misspelt field ("epsilom") would otherwise leave its default or
-    the current value under a 2xx, as if the request had been applied."""
+    drops them silently, and a misspelt field ("epsilom", "is_activ") would otherwise leave its
+    default or the current value under a 2xx, as if the request had been applied. `refusal`
+    opens the message; by default it says which fields the request takes."""
     # (The browsable API's HTML forms carry their CSRF token as a field.)
     others = sorted(set(data.initial_data) - set(data.fields) - {"csrfmiddlewaretoken"})
     if others:
+        if refusal is None:
+            takes = ", ".join(name for name, field in data.fields.items() if not field.read_only)
+            refusal = f"this request takes {takes}; unknown field(s):"
         raise InvalidRequest(f"{refusal} {', '.join(others)}")
 
 
@@ -560,6 +564,7 @@ class OrganizationListView(FederationView, generics.ListCreateAPIView):
         services.require_operator(actor, "create organizations")
         data = OrganizationSerializer(data=request.data)
         data.is_valid(raise_exception=True)
+        _refuse_unknown_fields(data)
         org = services.create_organization(
             actor,
             data.validated_data["name"],
@@ -655,6 +660,7 @@ class ClientListView(FederationGenericView, generics.ListAPIView):
     def post(self, request):
         data = EnrollSerializer(data=request.data)
         data.is_valid(raise_exception=True)
+        _refuse_unknown_fields(data)
         actor = actor_for(request)
         organization = _target_organization(request, data.validated_data.get("organization"))
         client = services.enroll_client(
@@ -731,6 +737,7 @@ class ClientRevokeView(_ClientActionView):
     def post(self, request, pk):
         data = RevokeSerializer(data=request.data)
         data.is_valid(raise_exception=True)
+        _refuse_unknown_fields(data)
         client = services.revoke_client(
             actor_for(request), self.visible_client(pk), data.validated_data["reason"]
         )
@@ -772,6 +779,7 @@ class PersonListView(FederationGenericView, generics.ListAPIView):
     def post(self, request):
         data = AddPersonSerializer(data=request.data)
         data.is_valid(raise_exception=True)
+        _refuse_unknown_fields(data)
         organization = _target_organization(request, data.validated_data.get("organization"))
         issued = people.add_person(
             actor_for(request),
@@ -822,6 +830,7 @@ class PersonDetailView(_PersonView):
         # fields it sends, as a JSON body does.
         data = ChangePersonSerializer(data=request.data, partial=True)
         data.is_valid(raise_exception=True)
+        _refuse_unknown_fields(data)
         if not data.validated_data:
             raise InvalidRequest("nothing to change: send role and/or is_active")
         actor = actor_for(request)
@@ -938,6 +947,7 @@ class RoundDeadlineView(_RoundActionView):
     def post(self, request, pk):
         data = DeadlineSerializer(data=request.data)
         data.is_valid(raise_exception=True)
+        _refuse_unknown_fields(data)
         return self.respond(
             services.set_round_deadline(actor_for(request), pk, data.validated_data["closes_at"])
         )
@@ -962,6 +972,7 @@ class RoundFailView(_RoundActionView):
     def post(self, request, pk):
         data = FailRoundSerializer(data=request.data)
         data.is_valid(raise_exception=True)
+        _refuse_unknown_fields(data)
         return self.respond(
             services.mark_failed(pk, data.validated_data["reason"], actor_for(request))
         )
