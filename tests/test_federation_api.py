@@ -1459,6 +1459,13 @@ def test_a_rounds_deadline_or_failure_with_a_field_it_does_not_take_is_refused(w
     assert open_round.state == Round.State.CLOSING and not open_round.failure_reason
 
 
+@pytest.mark.parametrize("name", ["a1\u202e", "a\x1b[31m2"])
+def test_a_client_named_with_a_control_or_bidi_character_is_refused(world, name):
+    response = person_api(world.admin_a).post("/api/v1/admin/clients/", {"name": name}, format="json")
+    assert response.status_code == 400 and "a client's name contains" in response.json()["detail"]
+    assert not Client.objects.filter(name=name).exists()
+
+
 def test_session_login_works_for_people(world):
     api = APIClient()
     api.force_login(world.admin_a)
