@@ -1532,6 +1532,24 @@ def test_organization_admin_can_log_in_to_the_browsable_api(world):
     assert page.status_code == 200 and b"a-pending" in page.content and b"b-pending" not in page.content
 
 
+def test_the_browsable_apis_forms_offer_the_fields_each_request_takes(world):
+    # Its HTML forms are built from the view's serializer: the enrollment and revocation forms
+    # offered a client's fields (status among them), which those requests refuse as unknown.
+    browser = APIClient()
+    browser.force_login(world.admin_a)
+    enroll = browser.get("/api/v1/admin/clients/", HTTP_ACCEPT="text/html").content.decode()
+    assert 'name="contact"' in enroll and 'name="status"' not in enroll
+    revoke_url = f"/api/v1/admin/clients/{world.client_a.pk}/revoke/"
+    revoke = browser.get(revoke_url, HTTP_ACCEPT="text/html").content.decode()
+    assert 'name="reason"' in revoke and 'name="status"' not in revoke
+    people = browser.get("/api/v1/admin/people/", HTTP_ACCEPT="text/html").content.decode()
+    assert 'name="username"' in people
+    revoked = browser.post(revoke_url, {"reason": "lost laptop"}, HTTP_ACCEPT="text/html")
+    assert revoked.status_code == 200
+    world.client_a.refresh_from_db()
+    assert world.client_a.status == "revoked"
+
+
 def test_openapi_schema_has_no_warnings_or_errors(tmp_path):
     from django.core.management import call_command
 

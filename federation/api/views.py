@@ -141,7 +141,16 @@ class FederationView(APIView):
 
 
 class FederationGenericView(FederationView, generics.GenericAPIView):
-    pass
+    # The serializer of a method's request body where it is not the answer's (serializer_class):
+    # the browsable API builds its forms from get_serializer_class(), and a form of the answer's
+    # fields sent fields the request refuses (_refuse_unknown_fields). The OpenAPI document
+    # takes each operation's request from its extend_schema.
+    request_serializers: dict = {}
+
+    def get_serializer_class(self):
+        request = getattr(self, "request", None)
+        method = request.method if request is not None else None
+        return self.request_serializers.get(method) or super().get_serializer_class()
 
 
 def _refuse_unknown_fields(data, refusal: str | None = None) -> None:
@@ -580,6 +589,7 @@ class OrganizationDetailView(FederationGenericView):
     authentication_classes = PEOPLE_AUTH
     permission_classes = [IsPerson]
     serializer_class = OrganizationSerializer
+    request_serializers = {"PATCH": RenameOrganizationSerializer}
 
     def visible_organization(self, pk) -> Organization:
         return get_object_or_404(_scoped(Organization.objects.all(), self.request.user, "id"), pk=pk)
@@ -638,6 +648,7 @@ class ClientListView(FederationGenericView, generics.ListAPIView):
     authentication_classes = PEOPLE_AUTH
     permission_classes = [IsPerson]
     serializer_class = ClientSerializer
+    request_serializers = {"POST": EnrollSerializer}
 
     def get_queryset(self):
         queryset = _scoped(
@@ -729,6 +740,8 @@ class ClientRotateView(_ClientActionView):
 
 
 class ClientRevokeView(_ClientActionView):
+    request_serializers = {"POST": RevokeSerializer}
+
     @extend_schema(
         request=RevokeSerializer,
         responses={200: ClientSerializer, 403: DETAIL, 404: DETAIL, 409: DETAIL},
@@ -759,6 +772,7 @@ class PersonListView(FederationGenericView, generics.ListAPIView):
     authentication_classes = PEOPLE_AUTH
     permission_classes = [IsPerson]
     serializer_class = PersonSerializer
+    request_serializers = {"POST": AddPersonSerializer}
 
     def get_queryset(self):
         queryset = people.people(self.request.user)
@@ -810,6 +824,8 @@ class _PersonView(FederationGenericView):
 
 
 class PersonDetailView(_PersonView):
+    request_serializers = {"PATCH": ChangePersonSerializer}
+
     @extend_schema(
         summary="One person the caller may see", responses={200: PersonSerializer, 404: DETAIL}
     )
