@@ -1466,6 +1466,25 @@ def test_a_client_named_with_a_control_or_bidi_character_is_refused(world, name)
     assert not Client.objects.filter(name=name).exists()
 
 
+@pytest.mark.parametrize(
+    ("path", "body", "named"),
+    [
+        ("/api/v1/admin/rounds/", {"mask_strength": False}, "mask_strength"),
+        ("/api/v1/admin/rounds/", {"tau": True}, "tau"),
+        ("/api/v1/admin/settings/", {"epsilon_budget": True}, "epsilon_budget"),
+    ],
+)
+def test_true_or_false_for_a_number_is_refused_not_read_as_one_or_zero(world, path, body, named):
+    # Python reads true as 1.0 and false as 0.0: a round opened with λ = 0 (no masking expected),
+    # τ = 1, an ε budget of 1, from a body that sent no number at all.
+    api = person_api(world.operator)
+    send = api.post if path.endswith("rounds/") else api.patch
+    response = send(path, body, format="json")
+    assert response.status_code == 400, response.content
+    assert response.json()["detail"].startswith(f"{named}: ")
+    assert not Round.objects.exists() and not AuditLog.objects.filter(action="settings.change").exists()
+
+
 def test_session_login_works_for_people(world):
     api = APIClient()
     api.force_login(world.admin_a)
