@@ -202,19 +202,25 @@ def _string_limit(path: tuple, schema: Schema, is_key: bool = False) -> tuple[st
     return "other", schema.strings.other
 
 
-def _check_string(text: str, path: tuple, schema: Schema, is_key: bool) -> Iterator[Violation]:
+def forbidden_character(text: str) -> str | None:
+    """The first character of `text` that no stored text may hold (_FORBIDDEN_CHARS), in words
+    ("a control character U+0007 at position 3"); None when there is none. Compendium strings
+    and the names people give organizations and clients are held to it alike."""
     bad = _FORBIDDEN_CHARS.search(text)
+    if bad is None:
+        return None
+    char = bad.group()
+    what = "a lone surrogate (not encodable as UTF-8)" if "\ud800" <= char <= "\udfff" else (
+        "a bidirectional override" if "\u202a" <= char <= "\u2069" else "a control character"
+    )
+    return f"{what} U+{ord(char):04X} at position {bad.start()}"
+
+
+def _check_string(text: str, path: tuple, schema: Schema, is_key: bool) -> Iterator[Violation]:
+    bad = forbidden_character(text)
     if bad:
         where = format_path(path)  # formatted only for a violation: this runs for every string
-        char = bad.group()
-        what = "a lone surrogate (not encodable as UTF-8)" if "\ud800" <= char <= "\udfff" else (
-            "a bidirectional override" if "\u202a" <= char <= "\u2069" else "a control character"
-        )
-        yield Violation(
-            where,
-            f"{'key' if is_key else 'string'} contains {what} U+{ord(char):04X} "
-            f"at position {bad.start()}; remove it",
-        )
+        yield Violation(where, f"{'key' if is_key else 'string'} contains {bad}; remove it")
     limit_name, limit = _string_limit(path, schema, is_key)
     if len(text) > limit:
         yield Violation(

@@ -28,6 +28,7 @@ from django.utils.text import slugify
 
 from compendium.models import NumericField
 from compendium.services import seed_default_numeric_fields
+from compendium.validation import forbidden_character
 from federation import accounting, ratelimit
 from federation.errors import (
     BudgetExceeded,
@@ -671,6 +672,10 @@ def organization_name(name: str) -> str:
         raise InvalidRequest("an organization needs a name")
     if len(name) > limit:
         raise InvalidRequest(f"an organization's name is at most {limit} characters, not {len(name)}")
+    # A bidi override makes a name read otherwise than it is stored (another organization's, to
+    # whoever reads the dashboard or the audit log); a control character is seen by no one.
+    if bad := forbidden_character(name):
+        raise InvalidRequest(f"an organization's name contains {bad}; remove it")
     return name
 
 
@@ -784,6 +789,8 @@ def enroll_client(
     name = name.strip()
     if not name:
         raise InvalidRequest("a client needs a name")
+    if bad := forbidden_character(name):  # as an organization's name (organization_name)
+        raise InvalidRequest(f"a client's name contains {bad}; remove it")
     for what, value in (("name", name), ("contact", contact)):
         limit = Client._meta.get_field(what).max_length
         if len(value) > limit:

@@ -173,6 +173,27 @@ def test_a_submission_for_another_round_than_the_open_one_is_refused(world, open
     assert Submission.objects.count() == 1
 
 
+def test_the_submission_headers_are_published_as_they_are_checked(world, open_round, valid_doc):
+    """The OpenAPI document bounds X-Synapse-Round and Idempotency-Key as the endpoint does: a
+    round number past MAX_ROUND_NUMBER and a key of spaces or of other than printable ASCII,
+    which it refuses, are outside what it publishes."""
+    import re
+
+    from drf_spectacular.generators import SchemaGenerator
+
+    document = SchemaGenerator().get_schema(request=None, public=True)
+    headers = {p["name"]: p["schema"] for p in document["paths"][SUBMIT]["post"]["parameters"]}
+    assert headers["X-Synapse-Round"]["maximum"] == services.MAX_ROUND_NUMBER
+    pattern = re.compile(headers["Idempotency-Key"]["pattern"])
+    api = client_api(world.token_a)
+    past = post_doc(api, valid_doc, key="r", HTTP_X_SYNAPSE_ROUND=str(services.MAX_ROUND_NUMBER + 1))
+    assert past.status_code == 400 and "X-Synapse-Round" in past.json()["detail"]
+    for key in ("   ", "clé"):
+        assert not pattern.search(key)
+        assert post_doc(api, valid_doc, key=key).status_code == 400
+    assert pattern.search("a b-1") and post_doc(api, valid_doc, key="a b-1").status_code == 201
+
+
 def test_statistics_the_open_round_will_not_release_are_refused(world, open_round, valid_doc):
     """The world's rounds (two organizations of one approved client each) release `calls` only:
     statistics for another field would be dropped by the merge and kept un-noised until then,
@@ -1396,6 +1417,74 @@ def test_operator_round_lifecycle_over_the_api(world):
     assert entry.actor == world.operator and entry.ip == "127.0.0.1"
 
 
+def test_a_round_opened_with_a_form_keeps_the_defaults_it_does_not_send(world):
+    # A form body without carry_forward opens the round with RoundConfig's default (True), as a
+    # JSON body does: a field a form does not send is not an unchecked box.
+    api = person_api(world.operator)
+    opened = api.post("/api/v1/admin/rounds/", "epsilon=0.5",
+                      content_type="application/x-www-form-urlencoded")
+    assert opened.status_code == 201, opened.content
+    assert Round.objects.get().config["carry_forward"] is True
+    assert opened.json()["config"]["epsilon"] == 0.5
+
+
+@pytest.mark.parametrize(
+    ("path", "body", "named"),
+    [
+        ("/api/v1/admin/rounds/", {"epsilom": 0.1}, "epsilom"),
+        ("/api/v1/admin/rounds/", {"epsilon": 0.5, "conflict_log": False}, "conflict_log"),
+        ("/api/v1/admin/settings/", {"epsilon_budjet": 5}, "epsilon_budjet"),
+    ],
+)
+def test_a_field_the_operator_cannot_set_is_refused_naming_it_not_ignored(world, path, body, named):
+    # A misspelt ε would otherwise open the round at the default ε (or leave the budget as it was)
+    # under a 2xx, as if the request had been applied.
+    api = person_api(world.operator)
+    send = api.post if path.endswith("rounds/") else api.patch
+    response = send(path, body, format="json")
+    assert response.status_code == 400, response.content
+    assert named in response.json()["detail"]
+    assert not Round.objects.exists() and not AuditLog.objects.filter(action="settings.change").exists()
+
+
+def test_a_rounds_deadline_or_failure_with_a_field_it_does_not_take_is_refused(world, open_round):
+    api = person_api(world.operator)
+    url = f"/api/v1/admin/rounds/{open_round.pk}/"
+    deadline = api.post(url + "deadline/", {"closes_at": None, "closes": "2999-01-01"}, format="json")
+    assert deadline.status_code == 400 and "closes" in deadline.json()["detail"]
+    services.close_round(SYSTEM, open_round)
+    failed = api.post(url + "fail/", {"reason": "edge down", "retry": True}, format="json")
+    assert failed.status_code == 400 and "retry" in failed.json()["detail"]
+    open_round.refresh_from_db()
+    assert open_round.state == Round.State.CLOSING and not open_round.failure_reason
+
+
+@pytest.mark.parametrize("name", ["a1\u202e", "a\x1b[31m2"])
+def test_a_client_named_with_a_control_or_bidi_character_is_refused(world, name):
+    response = person_api(world.admin_a).post("/api/v1/admin/clients/", {"name": name}, format="json")
+    assert response.status_code == 400 and "a client's name contains" in response.json()["detail"]
+    assert not Client.objects.filter(name=name).exists()
+
+
+@pytest.mark.parametrize(
+    ("path", "body", "named"),
+    [
+        ("/api/v1/admin/rounds/", {"mask_strength": False}, "mask_strength"),
+        ("/api/v1/admin/rounds/", {"tau": True}, "tau"),
+        ("/api/v1/admin/settings/", {"epsilon_budget": True}, "epsilon_budget"),
+    ],
+)
+def test_true_or_false_for_a_number_is_refused_not_read_as_one_or_zero(world, path, body, named):
+    # Python reads true as 1.0 and false as 0.0: a round opened with λ = 0 (no masking expected),
+    # τ = 1, an ε budget of 1, from a body that sent no number at all.
+    api = person_api(world.operator)
+    send = api.post if path.endswith("rounds/") else api.patch
+    response = send(path, body, format="json")
+    assert response.status_code == 400, response.content
+    assert response.json()["detail"].startswith(f"{named}: ")
+    assert not Round.objects.exists() and not AuditLog.objects.filter(action="settings.change").exists()
+
+
 def test_session_login_works_for_people(world):
     api = APIClient()
     api.force_login(world.admin_a)
@@ -1460,6 +1549,24 @@ def test_organization_admin_can_log_in_to_the_browsable_api(world):
     )
     page = browser.get("/api/v1/admin/clients/", HTTP_ACCEPT="text/html")
     assert page.status_code == 200 and b"a-pending" in page.content and b"b-pending" not in page.content
+
+
+def test_the_browsable_apis_forms_offer_the_fields_each_request_takes(world):
+    # Its HTML forms are built from the view's serializer: the enrollment and revocation forms
+    # offered a client's fields (status among them), which those requests refuse as unknown.
+    browser = APIClient()
+    browser.force_login(world.admin_a)
+    enroll = browser.get("/api/v1/admin/clients/", HTTP_ACCEPT="text/html").content.decode()
+    assert 'name="contact"' in enroll and 'name="status"' not in enroll
+    revoke_url = f"/api/v1/admin/clients/{world.client_a.pk}/revoke/"
+    revoke = browser.get(revoke_url, HTTP_ACCEPT="text/html").content.decode()
+    assert 'name="reason"' in revoke and 'name="status"' not in revoke
+    people = browser.get("/api/v1/admin/people/", HTTP_ACCEPT="text/html").content.decode()
+    assert 'name="username"' in people
+    revoked = browser.post(revoke_url, {"reason": "lost laptop"}, HTTP_ACCEPT="text/html")
+    assert revoked.status_code == 200
+    world.client_a.refresh_from_db()
+    assert world.client_a.status == "revoked"
 
 
 def test_openapi_schema_has_no_warnings_or_errors(tmp_path):

@@ -60,6 +60,9 @@ def test_the_operator_renames_an_organization_and_its_slug_clients_and_links_sta
         ("x" * 201, None, InvalidRequest, "at most 200 characters"),
         ("Org B", None, Conflict, "an organization named 'Org B' exists"),
         ("Org Alpha", "org-alpha", InvalidRequest, "slug 'org-a' cannot change"),
+        # what reads as "Org A-Bank" but is stored otherwise; a bell no one sees
+        ("Org \u202eknaB-A", None, InvalidRequest, "bidirectional override U\\+202E at position 4"),
+        ("Org\x07 A", None, InvalidRequest, "control character U\\+0007 at position 3"),
     ],
 )
 def test_a_bad_rename_says_what_is_wrong_and_changes_nothing(world, name, slug, error, words):
@@ -72,7 +75,7 @@ def test_a_bad_rename_says_what_is_wrong_and_changes_nothing(world, name, slug, 
 
 def test_creation_and_renaming_check_a_name_alike(world):
     operator = world.actor(world.operator)
-    for bad in ("", "x" * 201):
+    for bad in ("", "x" * 201, "Org\u2066 C"):
         with pytest.raises(InvalidRequest) as created:
             services.create_organization(operator, bad, "some-slug")
         with pytest.raises(InvalidRequest) as renamed:

@@ -296,6 +296,53 @@ def test_refused_patches_say_why_and_change_nothing(world):
     assert membership(other.user).role == "member" and get_user_model().objects.get(pk=world.admin_a.pk).is_active
 
 
+@pytest.mark.parametrize("form", ["multipart", None])
+def test_a_form_patch_changes_only_the_fields_it_sends(world, form):
+    # A form (or multipart) body that names only the role leaves the login active: a field it
+    # does not send is not an unchecked box.
+    api = person_api(world.admin_a)
+    url = f"{PEOPLE}{world.member_a.pk}/"
+    response = (api.patch(url, {"role": "admin"}, format=form) if form else
+                api.patch(url, "role=admin", content_type="application/x-www-form-urlencoded"))
+    assert response.status_code == 200, response.content
+    assert response.json()["is_active"] is True and response.json()["role"] == "admin"
+    target = membership(world.member_a)
+    assert (target.role, target.user.is_active) == ("admin", True)
+
+
+@pytest.mark.parametrize(
+    ("method", "path", "body", "named"),
+    [
+        ("patch", "person", {"role": "admin", "is_activ": False}, "is_activ"),
+        ("post", "people", {"username": "kim", "rol": "admin"}, "rol"),
+        ("post", "clients", {"name": "a9", "contacts": "ops@a.example"}, "contacts"),
+        ("post", "revoke", {"reasons": "token leaked"}, "reasons"),
+        ("post", "organizations", {"name": "Org C", "descripton": "x"}, "descripton"),
+    ],
+)
+def test_a_field_an_admin_endpoint_does_not_have_is_refused_naming_it(world, method, path, body, named):
+    # A misspelt field was dropped under a 2xx: the role changed but the login stayed active, a
+    # person was added as a member, a client enrolled without its contact, revoked without the
+    # reason in the audit log. Nothing is done.
+    url = {
+        "person": f"{PEOPLE}{world.member_a.pk}/",
+        "people": PEOPLE,
+        "clients": "/api/v1/admin/clients/",
+        "revoke": f"/api/v1/admin/clients/{world.client_a.pk}/revoke/",
+        "organizations": "/api/v1/admin/organizations/",
+    }[path]
+    api = person_api(world.operator if path == "organizations" else world.admin_a)
+    before = AuditLog.objects.count()
+    response = getattr(api, method)(url, body, format="json")
+    assert response.status_code == 400, response.content
+    assert named in response.json()["detail"]
+    assert AuditLog.objects.count() == before
+    target = membership(world.member_a)
+    assert (target.role, target.user.is_active) == ("member", True)
+    world.client_a.refresh_from_db()
+    assert world.client_a.status == "approved" and not Organization.objects.filter(name="Org C")
+
+
 def test_clients_cannot_reach_the_people_endpoints(world):
     api = APIClient()
     api.credentials(HTTP_AUTHORIZATION=f"Bearer {world.token_a}")

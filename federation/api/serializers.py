@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from django.db import models
 from rest_framework import serializers
 
 from federation.models import (
@@ -14,6 +15,16 @@ from federation.models import (
     Submission,
 )
 from federation.round_config import RoundConfig
+
+
+class NumberField(serializers.FloatField):
+    """A number: DRF's FloatField, refusing true and false, which Python reads as 1.0 and 0.0
+    (a round's λ of false was opened as 0)."""
+
+    def to_internal_value(self, data):
+        if isinstance(data, bool):
+            self.fail("invalid")
+        return super().to_internal_value(data)
 
 
 class DetailSerializer(serializers.Serializer):
@@ -132,10 +143,10 @@ class RoundSerializer(serializers.ModelSerializer):
 class RoundConfigSerializer(serializers.Serializer):
     """The replayable configuration of a round (every field optional: defaults apply)."""
 
-    tau = serializers.FloatField(required=False)
-    epsilon = serializers.FloatField(required=False)
+    tau = NumberField(required=False)
+    epsilon = NumberField(required=False)
     field_cap = serializers.IntegerField(required=False, allow_null=True)
-    mask_strength = serializers.FloatField(required=False)
+    mask_strength = NumberField(required=False)
     summarizer = serializers.ChoiceField(
         choices=list(RoundConfig.model_fields["summarizer"].annotation.__args__), required=False
     )
@@ -143,7 +154,7 @@ class RoundConfigSerializer(serializers.Serializer):
     robust_rule = serializers.ChoiceField(
         choices=list(RoundConfig.model_fields["robust_rule"].annotation.__args__), required=False
     )
-    trim_fraction = serializers.FloatField(required=False)
+    trim_fraction = NumberField(required=False)
     seed = serializers.IntegerField(required=False)
     global_metadata = serializers.ChoiceField(choices=["full", "stats"], required=False)
     max_scenarios_per_tool = serializers.IntegerField(required=False, allow_null=True)
@@ -384,6 +395,10 @@ class AuditLogSerializer(serializers.ModelSerializer):
 
 
 class FederationSettingsSerializer(serializers.ModelSerializer):
+    serializer_field_mapping = {
+        **serializers.ModelSerializer.serializer_field_mapping, models.FloatField: NumberField
+    }
+
     class Meta:
         model = FederationSettings
         fields = [

@@ -141,7 +141,30 @@ class FederationView(APIView):
 
 
 class FederationGenericView(FederationView, generics.GenericAPIView):
-    pass
+    # The serializer of a method's request body where it is not the answer's (serializer_class):
+    # the browsable API builds its forms from get_serializer_class(), and a form of the answer's
+    # fields sent fields the request refuses (_refuse_unknown_fields). The OpenAPI document
+    # takes each operation's request from its extend_schema.
+    request_serializers: dict = {}
+
+    def get_serializer_class(self):
+        request = getattr(self, "request", None)
+        method = request.method if request is not None else None
+        return self.request_serializers.get(method) or super().get_serializer_class()
+
+
+def _refuse_unknown_fields(data, refusal: str | None = None) -> None:
+    """400 naming the body's fields that the (validated) serializer `data` does not have: DRF
+    drops them silently, and a misspelt field ("epsilom", "is_activ") would otherwise leave its
+    default or the current value under a 2xx, as if the request had been applied. `refusal`
+    opens the message; by default it says which fields the request takes."""
+    # (The browsable API's HTML forms carry their CSRF token as a field.)
+    others = sorted(set(data.initial_data) - set(data.fields) - {"csrfmiddlewaretoken"})
+    if others:
+        if refusal is None:
+            takes = ", ".join(name for name, field in data.fields.items() if not field.read_only)
+            refusal = f"this request takes {takes}; unknown field(s):"
+        raise InvalidRequest(f"{refusal} {', '.join(others)}")
 
 
 # --- clients: submissions ---------------------------------------------------------------------
@@ -218,14 +241,17 @@ class SubmissionView(FederationGenericView):
         parameters=[
             OpenApiParameter(
                 "Idempotency-Key",
-                {"type": "string", "minLength": 1, "maxLength": 200},
+                # printable ASCII, not only spaces (submissions.check_key)
+                {"type": "string", "minLength": 1, "maxLength": submissions.MAX_KEY_LENGTH,
+                 "pattern": "^[ -~]*[!-~][ -~]*$"},
                 OpenApiParameter.HEADER,
                 required=True,
-                description="1-200 characters; a retry with the same key returns the same result",
+                description="1-200 printable ASCII characters (e.g. a UUID); a retry with the same "
+                "key returns the same result",
             ),
             OpenApiParameter(
                 "X-Synapse-Round",
-                {"type": "integer", "minimum": 1},
+                ROUND_NUMBER,
                 OpenApiParameter.HEADER,
                 required=False,
                 description="the round the body was built and checked for: when another round is "
@@ -547,6 +573,7 @@ class OrganizationListView(FederationView, generics.ListCreateAPIView):
         services.require_operator(actor, "create organizations")
         data = OrganizationSerializer(data=request.data)
         data.is_valid(raise_exception=True)
+        _refuse_unknown_fields(data)
         org = services.create_organization(
             actor,
             data.validated_data["name"],
@@ -562,6 +589,7 @@ class OrganizationDetailView(FederationGenericView):
     authentication_classes = PEOPLE_AUTH
     permission_classes = [IsPerson]
     serializer_class = OrganizationSerializer
+    request_serializers = {"PATCH": RenameOrganizationSerializer}
 
     def visible_organization(self, pk) -> Organization:
         return get_object_or_404(_scoped(Organization.objects.all(), self.request.user, "id"), pk=pk)
@@ -582,11 +610,7 @@ class OrganizationDetailView(FederationGenericView):
         organization = self.visible_organization(pk)
         data = RenameOrganizationSerializer(data=request.data)
         data.is_valid(raise_exception=True)
-        others = sorted(set(request.data) - set(RenameOrganizationSerializer().fields))
-        if others:
-            raise InvalidRequest(
-                f"only an organization's name can be changed here, not {', '.join(others)}"
-            )
+        _refuse_unknown_fields(data, "only an organization's name can be changed here, not")
         organization = services.rename_organization(
             actor_for(request),
             organization,
@@ -624,6 +648,7 @@ class ClientListView(FederationGenericView, generics.ListAPIView):
     authentication_classes = PEOPLE_AUTH
     permission_classes = [IsPerson]
     serializer_class = ClientSerializer
+    request_serializers = {"POST": EnrollSerializer}
 
     def get_queryset(self):
         queryset = _scoped(
@@ -646,6 +671,7 @@ class ClientListView(FederationGenericView, generics.ListAPIView):
     def post(self, request):
         data = EnrollSerializer(data=request.data)
         data.is_valid(raise_exception=True)
+        _refuse_unknown_fields(data)
         actor = actor_for(request)
         organization = _target_organization(request, data.validated_data.get("organization"))
         client = services.enroll_client(
@@ -714,6 +740,8 @@ class ClientRotateView(_ClientActionView):
 
 
 class ClientRevokeView(_ClientActionView):
+    request_serializers = {"POST": RevokeSerializer}
+
     @extend_schema(
         request=RevokeSerializer,
         responses={200: ClientSerializer, 403: DETAIL, 404: DETAIL, 409: DETAIL},
@@ -722,6 +750,7 @@ class ClientRevokeView(_ClientActionView):
     def post(self, request, pk):
         data = RevokeSerializer(data=request.data)
         data.is_valid(raise_exception=True)
+        _refuse_unknown_fields(data)
         client = services.revoke_client(
             actor_for(request), self.visible_client(pk), data.validated_data["reason"]
         )
@@ -743,6 +772,7 @@ class PersonListView(FederationGenericView, generics.ListAPIView):
     authentication_classes = PEOPLE_AUTH
     permission_classes = [IsPerson]
     serializer_class = PersonSerializer
+    request_serializers = {"POST": AddPersonSerializer}
 
     def get_queryset(self):
         queryset = people.people(self.request.user)
@@ -763,6 +793,7 @@ class PersonListView(FederationGenericView, generics.ListAPIView):
     def post(self, request):
         data = AddPersonSerializer(data=request.data)
         data.is_valid(raise_exception=True)
+        _refuse_unknown_fields(data)
         organization = _target_organization(request, data.validated_data.get("organization"))
         issued = people.add_person(
             actor_for(request),
@@ -793,6 +824,8 @@ class _PersonView(FederationGenericView):
 
 
 class PersonDetailView(_PersonView):
+    request_serializers = {"PATCH": ChangePersonSerializer}
+
     @extend_schema(
         summary="One person the caller may see", responses={200: PersonSerializer, 404: DETAIL}
     )
@@ -808,8 +841,12 @@ class PersonDetailView(_PersonView):
     )
     def patch(self, request, pk):
         membership = self.visible_person(pk)
-        data = ChangePersonSerializer(data=request.data)
+        # partial: a form body (FormParser, MultiPartParser) without is_active is not an
+        # unchecked box (DRF reads a missing boolean of a form as false): it changes only the
+        # fields it sends, as a JSON body does.
+        data = ChangePersonSerializer(data=request.data, partial=True)
         data.is_valid(raise_exception=True)
+        _refuse_unknown_fields(data)
         if not data.validated_data:
             raise InvalidRequest("nothing to change: send role and/or is_active")
         actor = actor_for(request)
@@ -886,8 +923,11 @@ class RoundOpenView(FederationView):
         summary="Open the next round with its configuration and optional deadline (operator)",
     )
     def post(self, request):
-        data = OpenRoundSerializer(data=request.data)
+        # partial: a form body without carry_forward takes RoundConfig's default (true), as a
+        # JSON body does, not the false DRF reads for a form's missing boolean.
+        data = OpenRoundSerializer(data=request.data, partial=True)
         data.is_valid(raise_exception=True)
+        _refuse_unknown_fields(data, "not a round configuration field the API sets:")
         config = dict(data.validated_data)
         closes_at = config.pop("closes_at", None)
         rnd = services.open_round(actor_for(request), config, closes_at=closes_at)
@@ -923,6 +963,7 @@ class RoundDeadlineView(_RoundActionView):
     def post(self, request, pk):
         data = DeadlineSerializer(data=request.data)
         data.is_valid(raise_exception=True)
+        _refuse_unknown_fields(data)
         return self.respond(
             services.set_round_deadline(actor_for(request), pk, data.validated_data["closes_at"])
         )
@@ -947,6 +988,7 @@ class RoundFailView(_RoundActionView):
     def post(self, request, pk):
         data = FailRoundSerializer(data=request.data)
         data.is_valid(raise_exception=True)
+        _refuse_unknown_fields(data)
         return self.respond(
             services.mark_failed(pk, data.validated_data["reason"], actor_for(request))
         )
@@ -975,6 +1017,7 @@ class SettingsView(FederationView):
             raise NotAllowed("only the federation operator may change the federation's settings")
         data = FederationSettingsSerializer(services.get_settings(), data=request.data, partial=True)
         data.is_valid(raise_exception=True)
+        _refuse_unknown_fields(data, "unknown settings:")
         row = services.update_settings(actor_for(request), **data.validated_data)
         return Response(FederationSettingsSerializer(row).data)
 
