@@ -399,6 +399,12 @@ def test_bad_client_options_are_refused_before_anything_runs(tiny_dataset, capsy
     (["--sweep-min-users", "inf"], "^--sweep-min-users: expected whole numbers, got 'inf'$"),
     (["--sweep-min-users", "1,1.5"], "^--sweep-min-users: expected whole numbers, got '1.5'$"),
     (["--sweep-cadence", "1,2.5"], "^--sweep-cadence: expected whole numbers, got '2.5'$"),
+    # A list of numbers that holds something else is refused naming its flag.
+    (["--sweep-tau", "0.8,abc"], "^--sweep-tau: expected comma-separated numbers, got 'abc'$"),
+    (["--sweep-epsilon", "1;2"], "^--sweep-epsilon: expected comma-separated numbers, got '1;2'$"),
+    (["--sweep-lambda", "x"], "^--sweep-lambda: expected comma-separated numbers, got 'x'$"),
+    (["--sweep-adversarial", "0.2,a"], "^--sweep-adversarial: expected comma-separated numbers, got 'a'$"),
+    (["--sweep-contradictions", "0,b"], "^--sweep-contradictions: expected comma-separated numbers, got 'b'$"),
     (["--since-confidence", "inf"], "^--since-confidence must be a finite number, at least 0, not inf$"),
     (["--since-confidence", "nan"], "^--since-confidence must be a finite number, at least 0, not nan$"),
     (["--since-confidence", "-0.5"], "^--since-confidence must be a finite number, at least 0, not -0.5$"),

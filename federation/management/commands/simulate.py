@@ -47,24 +47,26 @@ FLAGS = {
 }
 
 
-def _floats(text: str) -> list[float]:
-    try:
-        return [float(x) for x in text.split(",") if x.strip()]
-    except ValueError:
-        raise CommandError(f"expected comma-separated numbers, got {text!r}") from None
-
-
-def _integers(text: str, flag: str) -> list[int]:
-    """A comma-separated list of whole numbers, or a CommandError naming the flag and the value."""
+def _listed(text: str, flag: str, parse, expected: str) -> list:
+    """A comma-separated list, each item read by `parse`, or a CommandError naming the flag and
+    the item it cannot read."""
     values = []
     for item in (x.strip() for x in text.split(",")):
         if not item:
             continue
         try:
-            values.append(int(item))
+            values.append(parse(item))
         except ValueError:
-            raise CommandError(f"{flag}: expected whole numbers, got {item!r}") from None
+            raise CommandError(f"{flag}: expected {expected}, got {item!r}") from None
     return values
+
+
+def _floats(text: str, flag: str) -> list[float]:
+    return _listed(text, flag, float, "comma-separated numbers")
+
+
+def _integers(text: str, flag: str) -> list[int]:
+    return _listed(text, flag, int, "whole numbers")
 
 
 def _names(text: str) -> tuple[str, ...]:
@@ -405,7 +407,7 @@ class Command(BaseCommand):
             )
         if o["drift_every"] < 0:
             raise CommandError("--drift-every must be 0 (no drift) or a number of rounds")
-        taus = _floats(o["sweep_tau"])
+        taus = _floats(o["sweep_tau"], "--sweep-tau")
         if any(not 0 < t <= 1 for t in taus):
             raise CommandError("--sweep-tau: every τ must be in (0, 1]")
         summarizers = _known(_names(o["sweep_summarizers"]), SUMMARIZERS, "--sweep-summarizers")
@@ -413,7 +415,7 @@ class Command(BaseCommand):
             raise CommandError(
                 f"the {' and '.join(sorted(LLM_SUMMARIZERS))} summarizers need an LLM endpoint: pass --llm URL"
             )
-        contradictions = _floats(o["sweep_contradictions"])
+        contradictions = _floats(o["sweep_contradictions"], "--sweep-contradictions")
         if any(not 0 <= p <= 1 for p in [*contradictions, o["contradiction_fraction"]]):
             raise CommandError("contradiction shares must be in [0, 1]")
         cadences = _integers(o["sweep_cadence"], "--sweep-cadence")
@@ -421,8 +423,8 @@ class Command(BaseCommand):
             raise CommandError("--sweep-cadence: every cadence must be 0 (frozen) or a number of rounds")
         privacy_variants = []
         if o["sweep_epsilon"] or o["sweep_lambda"]:
-            epsilons = _floats(o["sweep_epsilon"]) or [o["epsilon"]]
-            lambdas = _floats(o["sweep_lambda"]) or [o["mask_strength"]]
+            epsilons = _floats(o["sweep_epsilon"], "--sweep-epsilon") or [o["epsilon"]]
+            lambdas = _floats(o["sweep_lambda"], "--sweep-lambda") or [o["mask_strength"]]
             privacy_variants = [{"epsilon": e, "mask_strength": m} for e in epsilons for m in lambdas]
         min_users = _integers(o["sweep_min_users"], "--sweep-min-users")
         if any(k < 1 for k in min_users):
@@ -431,7 +433,7 @@ class Command(BaseCommand):
             _releases(k, "--sweep-min-users", o["users_per_client"])
         adversarial_variants = []
         if o["sweep_adversarial"]:
-            fractions = _floats(o["sweep_adversarial"])
+            fractions = _floats(o["sweep_adversarial"], "--sweep-adversarial")
             if any(not 0 <= f <= 1 for f in fractions):
                 raise CommandError("--sweep-adversarial: every fraction must be in [0, 1]")
             for fraction in fractions:
