@@ -399,6 +399,9 @@ def test_bad_client_options_are_refused_before_anything_runs(tiny_dataset, capsy
     (["--sweep-min-users", "inf"], "^--sweep-min-users: expected whole numbers, got 'inf'$"),
     (["--sweep-min-users", "1,1.5"], "^--sweep-min-users: expected whole numbers, got '1.5'$"),
     (["--sweep-cadence", "1,2.5"], "^--sweep-cadence: expected whole numbers, got '2.5'$"),
+    (["--contradiction-fraction", "1.5"], r"^--contradiction-fraction must be in \[0, 1\], not 1\.5$"),
+    (["--contradiction-fraction", "nan"], r"^--contradiction-fraction must be in \[0, 1\], not nan$"),
+    (["--sweep-contradictions", "0,0.2,2"], r"^--sweep-contradictions: every share must be in \[0, 1\]$"),
     # A list of numbers that holds something else is refused naming its flag.
     (["--sweep-tau", "0.8,abc"], "^--sweep-tau: expected comma-separated numbers, got 'abc'$"),
     (["--sweep-epsilon", "1;2"], "^--sweep-epsilon: expected comma-separated numbers, got '1;2'$"),

@@ -416,8 +416,12 @@ class Command(BaseCommand):
                 f"the {' and '.join(sorted(LLM_SUMMARIZERS))} summarizers need an LLM endpoint: pass --llm URL"
             )
         contradictions = _floats(o["sweep_contradictions"], "--sweep-contradictions")
-        if any(not 0 <= p <= 1 for p in [*contradictions, o["contradiction_fraction"]]):
-            raise CommandError("contradiction shares must be in [0, 1]")
+        if not 0 <= o["contradiction_fraction"] <= 1:
+            raise CommandError(
+                f"--contradiction-fraction must be in [0, 1], not {o['contradiction_fraction']:g}"
+            )
+        if any(not 0 <= p <= 1 for p in contradictions):
+            raise CommandError("--sweep-contradictions: every share must be in [0, 1]")
         cadences = _integers(o["sweep_cadence"], "--sweep-cadence")
         if any(k < 0 for k in cadences):
             raise CommandError("--sweep-cadence: every cadence must be 0 (frozen) or a number of rounds")
