@@ -394,6 +394,7 @@ def test_bad_client_options_are_refused_before_anything_runs(tiny_dataset, capsy
       "--sweep-adversarial", "0.2", "--sweep-modes", "cross_source"],
      "^--camouflage-share applies only with adversaries of a camouflaged mode"),
     (["--pool-size", "4"], "^--pool-size applies only with --pool-users 2 or more; "),
+    (["--llm-model", "smollm2"], "^--llm-model applies only with --llm URL; "),
     (["--sweep-min-users", "0"], "--sweep-min-users: every k must be at least 1"),
     (["--sweep-min-users", "nan"], "^--sweep-min-users: expected whole numbers, got 'nan'$"),
     (["--sweep-min-users", "inf"], "^--sweep-min-users: expected whole numbers, got 'inf'$"),
@@ -440,6 +441,7 @@ def test_bad_run_and_sweep_options_are_refused_by_their_flag_before_the_data_loa
     ["--sweep-adversarial", "0.4", "--sweep-rules", "krum", "--sweep-modes", "tool_confusion"],
     ["--adversarial-fraction", "0.4", "--adversarial-mode", "tool_confusion"],
     ["--pool-users", "2", "--pool-size", "4"],
+    ["--llm", "http://127.0.0.1:9/v1", "--llm-model", "smollm2"],
 ])
 def test_flags_that_apply_to_the_run_pass_the_checks(flags):
     """The other side of the refusals above: where the run has what a flag applies to, the

@@ -655,6 +655,7 @@ def _unused_flag(o: dict) -> str | None:
          f"adversaries of a camouflaged mode ({' or '.join(CAMOUFLAGED_MODES)}, in "
          "--adversarial-mode or --sweep-modes)"),
         ("--pool-size", o["pool_size"] > 0, o["pool_users"] > 1, "--pool-users 2 or more"),
+        ("--llm-model", bool(o["llm_model"]), bool(o["llm_url"]), "--llm URL"),
     ):
         if given and not applies:
             return f"{flag} applies only with {needs}; this run has none, so it would be ignored"
