@@ -395,6 +395,10 @@ def test_bad_client_options_are_refused_before_anything_runs(tiny_dataset, capsy
      "^--camouflage-share applies only with adversaries of a camouflaged mode"),
     (["--pool-size", "4"], "^--pool-size applies only with --pool-users 2 or more; "),
     (["--llm-model", "smollm2"], "^--llm-model applies only with --llm URL; "),
+    # The simulation's own routers are never given an LLM: every decision fell back to fusion,
+    # and the run was stored as the LLM reranker's.
+    (["--reranker", "llm"], "^--reranker llm: the simulation's own routers have no LLM"),
+    (["--reranker", "llm", "--llm", "http://127.0.0.1:9/v1"], "^--reranker llm: the simulation's own routers have no LLM"),
     (["--sweep-min-users", "0"], "--sweep-min-users: every k must be at least 1"),
     (["--sweep-min-users", "nan"], "^--sweep-min-users: expected whole numbers, got 'nan'$"),
     (["--sweep-min-users", "inf"], "^--sweep-min-users: expected whole numbers, got 'inf'$"),

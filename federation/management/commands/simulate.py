@@ -112,7 +112,8 @@ class Command(BaseCommand):
         parser.add_argument("--tau", type=float, default=0.85,
                             help="cosine threshold τ of the merges' clustering")
         parser.add_argument("--reranker", choices=["fusion", "none", "llm"], default="fusion",
-                            help="how the router reranks the retrieved scenarios (none: top-1 cosine)")
+                            help="how the router reranks the retrieved scenarios (none: top-1 cosine; llm is "
+                            "refused: the LLM reranker is measured by --transfer-rerankers llm)")
         parser.add_argument(
             "--summarizer",
             choices=SUMMARIZERS,
@@ -380,6 +381,12 @@ class Command(BaseCommand):
         unused = _unused_flag(o)
         if unused:
             raise CommandError(unused)
+        if o["reranker"] == "llm":  # Simulation.router gives its routers no LLM backend
+            raise CommandError(
+                "--reranker llm: the simulation's own routers have no LLM, so every decision "
+                "would fall back to fusion; evaluate the LLM reranker on the final global with "
+                "--transfer-rerankers llm --llm URL"
+            )
         if not valid_shared_word_users(o["shared_word_users"]):
             raise CommandError("--shared-word-users must be 0 (off) or at least 2")
         if o["max_words"] < 0:
