@@ -74,7 +74,7 @@ def test_a_combined_document_says_where_each_part_ran():
         (doc([1], [0.5], 1.0, dataset="other"), "dataset 'other'"),
         (doc([1], [0.5], 1.0, config={"orgs": 3, "rounds": 1}), "another configuration (orgs)"),
         (doc([0], [0.5], 1.0), "seed 0 is in more than one document"),
-        (doc([1], [0.5], 1.0, privacy_sweep=[{"epsilon": 1}]),
+        (doc([1], [0.5], 1.0, privacy_sweep=[{"epsilon": 1, "seeds": 1, "accuracy": 0.5}]),
          "has sweeps (privacy_sweep) that document 1 has not (none)"),
         ({"dataset": "tiny"}, "document 2 is not a simulate --out file: no 'config'"),
         (5, "document 2 is not a simulate --out file: a JSON int, not an object"),
@@ -437,6 +437,14 @@ def test_runs_and_sweep_rows_say_how_many_clients_played_adversarial():
     ({"per_category": {"Travel": {"accuracy": 0.5}}},
      "'per_category' has 'Travel' without an 'accuracy' and a whole 'n'"),
     ({"seeds": [3]}, "result 1 is of seed 0, not one of its 'seeds'"),
+    ({"results": [{"method": "synapse", "seed": 0, "accuracy": 0.7, "macro_accuracy": 0.7}]},
+     "result 1 has no 'round'"),
+    ({"transfer": [{"reranker": "fusion", "accuracy": 0.7, "macro_accuracy": 0.7}]},
+     "transfer row 1 has no 'model' and 'reranker' or no 'accuracy' and 'macro_accuracy' figures"),
+    ({"tau_sweep": [1]}, "'tau_sweep' row 1 is not a JSON object"),
+    ({"tau_sweep": [{"tau": 0.8, "accuracy": 0.5, "accuracy_by_seed": [[0, 0.5]]}]},
+     "'tau_sweep' row 1 has no whole 'seeds' and 'accuracy' figure"),
+    ({"screening": {"dropped_honest": "3"}}, "'screening' has 'dropped_honest' that is not a whole number"),
 ])
 def test_a_hand_edited_file_is_refused_in_one_line_naming_what_is_wrong(tmp_path, changes, problem):
     """Before: a ZeroDivisionError (no seeds), a numpy TypeError (a figure that is text), a

@@ -258,7 +258,9 @@ def _shape_problem(doc: Any) -> str | None:
             return f"result {number} has no 'method'"
         if not all(_number(row.get(k)) for k in ("accuracy", "macro_accuracy")):
             return f"result {number} has no 'accuracy' and 'macro_accuracy' figures"
-        if not (row.get("round") is None or _whole(row["round"])):
+        if "round" not in row:  # summarized per (method, round); null: a method of no rounds
+            return f"result {number} has no 'round'"
+        if not (row["round"] is None or _whole(row["round"])):
             return f"result {number} has a 'round' that is not a whole number"
         if "seed" in row and row["seed"] not in doc["seeds"]:
             return f"result {number} is of seed {row['seed']!r}, not one of its 'seeds'"
@@ -273,9 +275,25 @@ def _shape_problem(doc: Any) -> str | None:
     for category, row in (doc.get("per_category") or {}).items():
         if not (isinstance(row, dict) and _number(row.get("accuracy")) and _whole(row.get("n"))):
             return f"'per_category' has {category!r} without an 'accuracy' and a whole 'n'"
+    for key in ("screening", "targeting"):  # counts: added up
+        for name, value in (doc.get(key) or {}).items():
+            if not _whole(value):
+                return f"{key!r} has {name!r} that is not a whole number"
     for key in ("rounds", "transfer", "hosts", *SWEEP_SECTIONS):
         if doc.get(key) is not None and not isinstance(doc[key], list):
             return f"{key!r} is not a JSON list"
+    for number, row in enumerate(doc.get("transfer") or [], start=1):  # summarize_transfer's
+        if not (isinstance(row, dict) and isinstance(row.get("model"), str)
+                and isinstance(row.get("reranker"), str)
+                and all(_number(row.get(k)) for k in ("accuracy", "macro_accuracy"))):
+            return (f"transfer row {number} has no 'model' and 'reranker' or no 'accuracy' and "
+                    "'macro_accuracy' figures")
+    for key in SWEEP_SECTIONS:  # _combine_sweep's
+        for number, row in enumerate(doc.get(key) or [], start=1):
+            if not isinstance(row, dict):
+                return f"{key!r} row {number} is not a JSON object"
+            if not (_whole(row.get("seeds")) and _number(row.get("accuracy"))):
+                return f"{key!r} row {number} has no whole 'seeds' and 'accuracy' figure"
     return None
 
 
