@@ -228,6 +228,23 @@ def test_the_command_writes_the_combined_document(tmp_path, capsys):
                      "--no-store")
 
 
+@pytest.mark.parametrize(("flags", "named"), [
+    (["--seeds", "5"], "--seeds"),
+    (["--lambda", "0.5", "--dataset", "elsewhere"], "--dataset, --lambda"),
+    (["--in-memory"], "--in-memory"),
+    (["--llm", "http://127.0.0.1:9/v1"], "--llm"),
+])
+def test_run_flags_given_with_combine_are_refused_not_ignored(tmp_path, flags, named):
+    """--combine runs nothing: a run's flag beside it (--seeds 5, --lambda 0.5) was silently
+    ignored, and the combined document kept the configuration its files were played with."""
+    (tmp_path / "a.json").write_text(json.dumps(doc([0], [0.7], 200.0)))
+    (tmp_path / "b.json").write_text(json.dumps(doc([1], [0.9], 400.0)))
+    with pytest.raises(CommandError, match=f"^{re.escape(named)}: --combine runs nothing"):
+        call_command("simulate", "--combine", str(tmp_path / "a.json"), str(tmp_path / "b.json"),
+                     "--out", str(tmp_path / "all.json"), "--no-store", *flags)
+    assert not (tmp_path / "all.json").exists()
+
+
 @pytest.mark.django_db
 def test_a_run_that_cannot_be_stored_is_refused_before_it_starts(tmp_path):
     """Without the dashboard's table (an unmigrated database) the command says what to do before

@@ -38,6 +38,8 @@ from routing.embeddings import EmbeddingModelUnavailable, get_engine
 from routing.llm import LLMUnavailable
 
 ADVERSARIAL_MODE = SimulationConfig.adversarial_mode
+# The flags --combine reads; every other flag of the command is a run's.
+COMBINE_FLAGS = ("combine", "out", "no_store", "label", "unless_stored")
 SWEEP_RULES = ",".join(get_args(RobustRule))  # every rule the round configuration takes
 
 # The round configuration's fields as this command's flags name them.
@@ -91,6 +93,7 @@ class Command(BaseCommand):
     )
 
     def add_arguments(self, parser):
+        common = {action.dest for action in parser._actions}  # Django's own: --verbosity, ...
         parser.add_argument(
             "--dataset", default="../shared/data/metatool",
             help="a folder in the routing-benchmark format (tools.jsonl, queries.jsonl)",
@@ -314,6 +317,12 @@ class Command(BaseCommand):
         parser.add_argument("--out", default=None, help="write the JSON results here")
         parser.add_argument("--no-store", action="store_true", help="do not keep the run for the dashboard")
         parser.add_argument("--label", default="", help="a name for the stored run")
+        # What a run reads and --combine does not (it joins the files as they were played).
+        self.run_flags = {
+            action.dest: (action.option_strings[0], action.default)
+            for action in parser._actions
+            if action.dest not in common and action.dest not in COMBINE_FLAGS
+        }
 
     def handle(self, *args, **o):
         _check_label(o["label"])
@@ -330,6 +339,13 @@ class Command(BaseCommand):
                 self.stdout.write(f"a simulation run{named} is stored already; nothing to do")
                 return
         if o["combine"]:
+            given = sorted(flag for dest, (flag, default) in self.run_flags.items()
+                           if o[dest] != default)
+            if given:
+                raise CommandError(
+                    f"{', '.join(given)}: --combine runs nothing, it joins the --out files as they "
+                    "were played; leave out the flags of a run"
+                )
             if o["out"]:
                 _check_out(o["out"])
             documents = []
