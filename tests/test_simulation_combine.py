@@ -245,6 +245,19 @@ def test_run_flags_given_with_combine_are_refused_not_ignored(tmp_path, flags, n
     assert not (tmp_path / "all.json").exists()
 
 
+@pytest.mark.parametrize(("flags", "message"), [
+    (["--label", "all seeds"], "^--label names the stored run; with --no-store nothing is stored"),
+    (["--unless-stored"], "^--unless-stored looks for this run stored; with --no-store it never is"),
+])
+@pytest.mark.parametrize("mode", [["--combine", "a.json"], ["--dataset", "/no/such/dataset"]])
+def test_store_flags_with_no_store_are_refused_not_ignored(tmp_path, mode, flags, message):
+    """--label with --no-store was silently dropped; --unless-stored with --no-store read the
+    database it was told not to store in (a traceback where it has no table) and ran again on
+    every call, since this run is never stored."""
+    with pytest.raises(CommandError, match=message):
+        call_command("simulate", *mode, "--no-store", *flags)
+
+
 @pytest.mark.django_db
 def test_a_run_that_cannot_be_stored_is_refused_before_it_starts(tmp_path):
     """Without the dashboard's table (an unmigrated database) the command says what to do before

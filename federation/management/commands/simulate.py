@@ -325,6 +325,13 @@ class Command(BaseCommand):
         }
 
     def handle(self, *args, **o):
+        if o["no_store"] and o["label"]:
+            raise CommandError("--label names the stored run; with --no-store nothing is stored")
+        if o["no_store"] and o["unless_stored"]:
+            raise CommandError(
+                "--unless-stored looks for this run stored; with --no-store it never is, so every "
+                "call would run it again"
+            )
         _check_label(o["label"])
         if not o["no_store"]:
             _check_storable()
