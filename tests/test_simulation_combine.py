@@ -73,7 +73,7 @@ def test_a_combined_document_says_where_each_part_ran():
     [
         (doc([1], [0.5], 1.0, dataset="other"), "dataset 'other'"),
         (doc([1], [0.5], 1.0, config={"orgs": 3, "rounds": 1}), "another configuration (orgs)"),
-        (doc([0], [0.5], 1.0), "seed 0 is in more than one document"),
+        (doc([0], [0.5], 1.0), "document 2: seed 0 is in document 1 too"),
         (doc([1], [0.5], 1.0, privacy_sweep=[{"epsilon": 1, "seeds": 1, "accuracy": 0.5}]),
          "has sweeps (privacy_sweep) that document 1 has not (none)"),
         ({"dataset": "tiny"}, "document 2 is not a simulate --out file: no 'config'"),
@@ -223,9 +223,16 @@ def test_the_command_writes_the_combined_document(tmp_path, capsys):
     (tmp_path / "bad.json").write_text("{")
     with pytest.raises(CommandError, match="is not JSON"):
         call_command("simulate", "--combine", str(tmp_path / "bad.json"), "--no-store")
-    with pytest.raises(CommandError, match="seed 0 is in more than one"):
-        call_command("simulate", "--combine", str(tmp_path / "a.json"), str(tmp_path / "a.json"),
+    (tmp_path / "a2.json").write_text(json.dumps(doc([2, 0], [0.7, 0.7], 200.0)))
+    with pytest.raises(CommandError, match=f"^{re.escape(str(tmp_path / 'a2.json'))}: seed 0 is in "
+                       f"{re.escape(str(tmp_path / 'a.json'))} too$"):
+        call_command("simulate", "--combine", str(tmp_path / "a.json"), str(tmp_path / "a2.json"),
                      "--no-store")
+    # The same file twice (under another spelling too) is named as such, not as a seed clash.
+    with pytest.raises(CommandError, match=f"^--combine names {re.escape(str(tmp_path / 'a.json'))} "
+                       "twice$"):
+        call_command("simulate", "--combine", str(tmp_path / "a.json"), str(tmp_path / "b.json"),
+                     f"{tmp_path}/./a.json", "--no-store")
 
 
 @pytest.mark.parametrize(("flags", "named"), [

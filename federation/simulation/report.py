@@ -169,7 +169,7 @@ def combine(documents: list[dict[str, Any]], sources: list[str] | None = None) -
                          "combine runs of one embedding model only")
     documents = [{**doc, "config": with_defaults(doc["config"])} for doc in documents]
     first = documents[0]
-    seen: set[int] = set()
+    seen: dict[int, str] = {}  # each seed's document
     for name, doc in zip(names, documents, strict=True):
         if doc["dataset"] != first["dataset"]:
             raise ValueError(f"{name} is of dataset {doc['dataset']!r}, not {first['dataset']!r}")
@@ -186,10 +186,10 @@ def combine(documents: list[dict[str, Any]], sources: list[str] | None = None) -
                 f"{name} has sweeps ({', '.join(sorted(swept)) or 'none'}) that "
                 f"{names[0]} has not ({', '.join(sorted(first_swept)) or 'none'})"
             )
-        overlap = seen & set(doc["seeds"])
+        overlap = set(seen) & set(doc["seeds"])
         if overlap:
-            raise ValueError(f"seed {min(overlap)} is in more than one document")
-        seen |= set(doc["seeds"])
+            raise ValueError(f"{name}: seed {min(overlap)} is in {seen[min(overlap)]} too")
+        seen.update(dict.fromkeys(doc["seeds"], name))
     weights = [len(doc["seeds"]) for doc in documents]
 
     def weighted(key: str) -> dict[str, float]:

@@ -353,6 +353,12 @@ class Command(BaseCommand):
                     f"{', '.join(given)}: --combine runs nothing, it joins the --out files as they "
                     "were played; leave out the flags of a run"
                 )
+            files: dict[Path, str] = {}  # each file as the command line first names it
+            for path in o["combine"]:
+                resolved = Path(path).resolve()
+                if resolved in files:  # its seeds would be in two documents
+                    raise CommandError(f"--combine names {files[resolved]} twice")
+                files[resolved] = path
             if o["out"]:
                 _check_out(o["out"])
             documents = []
