@@ -482,6 +482,15 @@ def test_runs_and_sweep_rows_say_how_many_clients_played_adversarial():
     ({"tau_sweep": [{"tau": 0.8, "accuracy": 0.5, "accuracy_by_seed": [[0, 0.5]]}]},
      "'tau_sweep' row 1 has no whole 'seeds' and 'accuracy' figure"),
     ({"screening": {"dropped_honest": "3"}}, "'screening' has 'dropped_honest' that is not a whole number"),
+    # What the dashboard then reads of the stored run: a host that is not an object, a setting
+    # of another type than the configuration's (its accuracy page failed on both).
+    ({"hosts": ["epyc"]}, "'hosts' holds something other than objects"),
+    ({"config": {"orgs": 2, "rounds": 1, "min_users": "2"}},
+     "'config' has 'min_users' that is not a whole number"),
+    ({"config": {"orgs": 2, "rounds": 1, "client_tau": "0.8"}},
+     "'config' has 'client_tau' that is not a number or null"),
+    ({"config": {"orgs": 2, "rounds": 1, "transfer_models": "bf16"}},
+     "'config' has 'transfer_models' that is not a list of strings"),
 ])
 def test_a_hand_edited_file_is_refused_in_one_line_naming_what_is_wrong(tmp_path, changes, problem):
     """Before: a ZeroDivisionError (no seeds), a numpy TypeError (a figure that is text), a

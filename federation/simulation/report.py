@@ -8,6 +8,8 @@ import functools
 import hashlib
 import platform
 import time
+import types
+import typing
 from collections import Counter, defaultdict
 from collections.abc import Callable
 from importlib import metadata
@@ -275,6 +277,12 @@ def _shape_problem(doc: Any) -> str | None:
     for category, row in (doc.get("per_category") or {}).items():
         if not (isinstance(row, dict) and _number(row.get("accuracy")) and _whole(row.get("n"))):
             return f"'per_category' has {category!r} without an 'accuracy' and a whole 'n'"
+    for name, value in doc["config"].items():  # what the dashboard reads of the stored run
+        hint = _CONFIG_TYPES.get(name)
+        if hint is not None and not _fits(value, hint):
+            return f"'config' has {name!r} that is not {_kind(hint)}"
+    if not all(h is None or isinstance(h, dict) for h in doc.get("hosts") or []):
+        return "'hosts' holds something other than objects"
     for key in ("screening", "targeting"):  # counts: added up
         for name, value in (doc.get(key) or {}).items():
             if not _whole(value):
@@ -295,6 +303,31 @@ def _shape_problem(doc: Any) -> str | None:
             if not (_whole(row.get("seeds")) and _number(row.get("accuracy"))):
                 return f"{key!r} row {number} has no whole 'seeds' and 'accuracy' figure"
     return None
+
+
+# The configuration's settings and their types, as a document's 'config' must hold them.
+_CONFIG_TYPES = typing.get_type_hints(SimulationConfig)
+
+
+def _fits(value: Any, hint: Any) -> bool:
+    """Whether a JSON `value` is of the type `hint` of a SimulationConfig field."""
+    if isinstance(hint, types.UnionType):
+        return any(_fits(value, h) for h in typing.get_args(hint))
+    if typing.get_origin(hint) is tuple:  # a list in JSON
+        return isinstance(value, list | tuple) and all(
+            _fits(v, typing.get_args(hint)[0]) for v in value)
+    return {type(None): value is None, bool: isinstance(value, bool), int: _whole(value),
+            float: _number(value), str: isinstance(value, str)}.get(hint, True)
+
+
+def _kind(hint: Any) -> str:
+    """A SimulationConfig field's type in words."""
+    if isinstance(hint, types.UnionType):
+        return " or ".join(_kind(h) for h in typing.get_args(hint))
+    if typing.get_origin(hint) is tuple:
+        return f"a list of {_kind(typing.get_args(hint)[0]).removeprefix('a ')}s"
+    return {type(None): "null", bool: "true or false", int: "a whole number", float: "a number",
+            str: "a string"}.get(hint, str(hint))
 
 
 def _number(value: Any) -> bool:
