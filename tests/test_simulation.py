@@ -395,6 +395,8 @@ def test_bad_client_options_are_refused_before_anything_runs(tiny_dataset, capsy
      "^--camouflage-share applies only with adversaries of a camouflaged mode"),
     (["--pool-size", "4"], "^--pool-size applies only with --pool-users 2 or more; "),
     (["--llm-model", "smollm2"], "^--llm-model applies only with --llm URL; "),
+    # An unknown transfer reranker is named before the dataset and the model load.
+    (["--transfer-rerankers", "fusion,bm25"], "^--transfer-rerankers: unknown bm25; choose from "),
     # The simulation's own routers are never given an LLM: every decision fell back to fusion,
     # and the run was stored as the LLM reranker's.
     (["--reranker", "llm"], "^--reranker llm: the simulation's own routers have no LLM"),

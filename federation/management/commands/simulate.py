@@ -36,6 +36,7 @@ from federation.simulation.through_services import (
 )
 from routing.embeddings import EmbeddingModelUnavailable, get_engine
 from routing.llm import LLMUnavailable
+from routing.router import RERANKERS
 
 ADVERSARIAL_MODE = SimulationConfig.adversarial_mode
 # The flags --combine reads; every other flag of the command is a run's.
@@ -447,6 +448,7 @@ class Command(BaseCommand):
         if any(not 0 < t <= 1 for t in taus):
             raise CommandError("--sweep-tau: every τ must be in (0, 1]")
         summarizers = _known(_names(o["sweep_summarizers"]), SUMMARIZERS, "--sweep-summarizers")
+        _known(_names(o["transfer_rerankers"]), RERANKERS, "--transfer-rerankers")
         if not o["llm_url"] and {o["summarizer"], *summarizers} & set(LLM_SUMMARIZERS):
             raise CommandError(
                 f"the {' and '.join(sorted(LLM_SUMMARIZERS))} summarizers need an LLM endpoint: pass --llm URL"
