@@ -395,6 +395,9 @@ def test_bad_client_options_are_refused_before_anything_runs(tiny_dataset, capsy
      "^--camouflage-share applies only with adversaries of a camouflaged mode"),
     (["--pool-size", "4"], "^--pool-size applies only with --pool-users 2 or more; "),
     (["--llm-model", "smollm2"], "^--llm-model applies only with --llm URL; "),
+    # No drift event within the rounds: the drift was silently none.
+    (["--drift-every", "3", "--rounds", "3"],
+     "^--drift-every 3: the first categories would come into use at round 4, after --rounds 3"),
     # An unknown transfer reranker is named before the dataset and the model load.
     (["--transfer-rerankers", "fusion,bm25"], "^--transfer-rerankers: unknown bm25; choose from "),
     # The simulation's own routers are never given an LLM: every decision fell back to fusion,

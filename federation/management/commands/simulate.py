@@ -444,6 +444,12 @@ class Command(BaseCommand):
             )
         if o["drift_every"] < 0:
             raise CommandError("--drift-every must be 0 (no drift) or a number of rounds")
+        if 0 < o["rounds"] <= o["drift_every"]:  # drift_plan: no event, every category from round 1
+            raise CommandError(
+                f"--drift-every {o['drift_every']}: the first categories would come into use at "
+                f"round {1 + o['drift_every']}, after --rounds {o['rounds']}, so there would be no "
+                "drift; use more --rounds or a shorter interval"
+            )
         taus = _floats(o["sweep_tau"], "--sweep-tau")
         if any(not 0 < t <= 1 for t in taus):
             raise CommandError("--sweep-tau: every τ must be in (0, 1]")
