@@ -32,6 +32,7 @@ from federation.simulation.runner import (
 from federation.simulation.through_services import (
     ScratchDatabaseUnavailable,
     SimulatedRoundFailed,
+    check_scratch_database,
     scratch_database,
 )
 from routing.embeddings import EmbeddingModelUnavailable, get_engine
@@ -39,6 +40,7 @@ from routing.llm import LLMUnavailable
 from routing.router import RERANKERS
 
 ADVERSARIAL_MODE = SimulationConfig.adversarial_mode
+IN_MEMORY_HINT = "pass --in-memory to call the merge operator directly"
 # The flags --combine reads; every other flag of the command is a run's.
 COMBINE_FLAGS = ("combine", "out", "no_store", "label", "unless_stored")
 SWEEP_RULES = ",".join(get_args(RobustRule))  # every rule the round configuration takes
@@ -550,6 +552,11 @@ class Command(BaseCommand):
             through_services=not o["in_memory"],
         )
         seeds = list(range(o["seed"], o["seed"] + o["seeds"]))
+        if config.through_services:  # checked when storing (_check_storable), not with --no-store
+            try:
+                check_scratch_database()
+            except ScratchDatabaseUnavailable as exc:
+                raise CommandError(f"{exc}; {IN_MEMORY_HINT}") from None
         try:
             dataset = load_dataset(o["dataset"])
         except RegistryFormatError as exc:
@@ -618,7 +625,7 @@ class Command(BaseCommand):
                     if variants:
                         document[section] = sweep(make, config, variants, seeds, played, name=section)
         except ScratchDatabaseUnavailable as exc:
-            raise CommandError(f"{exc}; pass --in-memory to call the merge operator directly") from None
+            raise CommandError(f"{exc}; {IN_MEMORY_HINT}") from None
         except (SimulatedRoundFailed, ValueError) as exc:
             raise CommandError(str(exc)) from None
         document["command"] = "python manage.py simulate " + " ".join(sys.argv[2:])
@@ -736,8 +743,8 @@ def _check_storable() -> None:
         tables = connection.introspection.table_names()
     except DatabaseError as exc:
         raise CommandError(
-            f"cannot reach the database to store the run ({str(exc).strip()}); pass --no-store "
-            "to write --out only"
+            f"cannot reach the database to store the run ({str(exc).strip().splitlines()[0]}); "
+            "pass --no-store to write --out only"
         ) from None
     if SimulationRun._meta.db_table not in tables:
         raise CommandError(
