@@ -228,6 +228,13 @@ def test_the_command_writes_the_combined_document(tmp_path, capsys):
                        f"{re.escape(str(tmp_path / 'a.json'))} too$"):
         call_command("simulate", "--combine", str(tmp_path / "a.json"), str(tmp_path / "a2.json"),
                      "--no-store")
+    # --out over one of the parts would replace it by the whole: the part is refused as --out.
+    before = (tmp_path / "b.json").read_text()
+    with pytest.raises(CommandError, match=f"^--out {re.escape(str(tmp_path))}/[.]/b[.]json is one "
+                       "of the files --combine joins; name another file$"):
+        call_command("simulate", "--combine", str(tmp_path / "a.json"), str(tmp_path / "b.json"),
+                     "--out", f"{tmp_path}/./b.json", "--no-store")
+    assert (tmp_path / "b.json").read_text() == before
     # The same file twice (under another spelling too) is named as such, not as a seed clash.
     with pytest.raises(CommandError, match=f"^--combine names {re.escape(str(tmp_path / 'a.json'))} "
                        "twice$"):

@@ -362,6 +362,10 @@ class Command(BaseCommand):
                 if resolved in files:  # its seeds would be in two documents
                     raise CommandError(f"--combine names {files[resolved]} twice")
                 files[resolved] = path
+            if o["out"] and Path(o["out"]).resolve() in files:  # the part replaced by the whole
+                raise CommandError(
+                    f"--out {o['out']} is one of the files --combine joins; name another file"
+                )
             if o["out"]:
                 _check_out(o["out"])
             documents = []
