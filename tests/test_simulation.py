@@ -994,6 +994,16 @@ def test_a_dataset_that_cannot_make_the_federation_is_refused_before_the_model_l
                      "--embedding-model", "no-such-model-xyz", *flags, verbosity=1)
 
 
+@pytest.mark.parametrize("name", ["tools.jsonl", "queries.jsonl"])
+def test_a_dataset_named_by_one_of_its_files_is_refused_as_not_a_folder(tmp_path, name):
+    """--dataset d/tools.jsonl said 'no queries.jsonl in this folder' of a file; --dataset
+    d/queries.jsonl read the queries as tools ('missing or non-string description')."""
+    folder = _small_dataset(tmp_path / "d", [("a", "x"), ("b", "y")], [5, 5])
+    with pytest.raises(CommandError, match=f"^{re.escape(str(folder / name))}: a file, not a dataset "
+                       "folder [(]one holding tools.jsonl and queries.jsonl[)]$"):
+        call_command("simulate", "--dataset", str(folder / name), "--no-store", "--in-memory")
+
+
 def test_tools_that_are_never_tested_are_counted_on_stderr(tmp_path, capsys):
     folder = _small_dataset(tmp_path / "d", [("a", "x"), ("b", "y"), ("c", "z")], [20, 2, 1])
     with pytest.raises(CommandError, match="no-such-model-xyz"):  # after the warning, before a round
