@@ -1004,6 +1004,27 @@ def test_a_dataset_named_by_one_of_its_files_is_refused_as_not_a_folder(tmp_path
         call_command("simulate", "--dataset", str(folder / name), "--no-store", "--in-memory")
 
 
+def test_an_embedding_model_that_cannot_load_is_said_in_one_line_naming_the_flag(
+        tiny_dataset, monkeypatch):
+    """--embedding-model NAME that cannot load printed the loader's two-line error and told to
+    set SYNAPSE_EMBEDDING_MODEL, not the flag that named it."""
+    from federation.management.commands import simulate
+    from routing.embeddings import EmbeddingModelUnavailable
+
+    def unavailable(name=None):
+        raise EmbeddingModelUnavailable(
+            f"cannot load embedding model {name!r}: OSError: We couldn't connect to the hub.\n"
+            "Check your internet connection.. Set SYNAPSE_EMBEDDING_MODEL to a local model path")
+
+    monkeypatch.setattr(simulate, "get_engine", unavailable)
+    with pytest.raises(CommandError, match="^cannot load embedding model 'no-such-model-xyz': "
+                       "OSError: We couldn't connect to the hub; --embedding-model takes "
+                       "sentence-transformers names or local paths, or bundled:") as error:
+        call_command("simulate", "--dataset", str(tiny_dataset), "--orgs", "2", "--clients-per-org",
+                     "2", "--no-store", "--in-memory", "--embedding-model", "no-such-model-xyz")
+    assert "\n" not in str(error.value)
+
+
 def test_tools_that_are_never_tested_are_counted_on_stderr(tmp_path, capsys):
     folder = _small_dataset(tmp_path / "d", [("a", "x"), ("b", "y"), ("c", "z")], [20, 2, 1])
     with pytest.raises(CommandError, match="no-such-model-xyz"):  # after the warning, before a round

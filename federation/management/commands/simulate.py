@@ -24,10 +24,12 @@ from federation.simulation.runner import (
     ADVERSARIAL_MODES,
     CAMOUFLAGE_SHARE,
     CAMOUFLAGED_MODES,
+    MODEL_NAMES,
     Simulation,
     SimulationConfig,
     adversary_count,
     aggregates_in,
+    unavailable_model,
 )
 from federation.simulation.through_services import (
     ScratchDatabaseUnavailable,
@@ -581,7 +583,10 @@ class Command(BaseCommand):
         try:
             engine = get_engine(o["embedding_model"])
         except EmbeddingModelUnavailable as exc:
-            raise CommandError(str(exc)) from None
+            if not o["embedding_model"]:  # the setting's model: the message says to set it
+                raise CommandError(str(exc)) from None
+            raise CommandError(unavailable_model(
+                o["embedding_model"], exc, f"--embedding-model takes {MODEL_NAMES}")) from None
         if (config.llm_url and "llm" not in config.transfer_rerankers
                 and not {config.summarizer, *summarizers} & set(LLM_SUMMARIZERS)):
             self.stderr.write(
