@@ -395,6 +395,9 @@ def test_bad_client_options_are_refused_before_anything_runs(tiny_dataset, capsy
      "^--camouflage-share applies only with adversaries of a camouflaged mode"),
     (["--pool-size", "4"], "^--pool-size applies only with --pool-users 2 or more; "),
     (["--llm-model", "smollm2"], "^--llm-model applies only with --llm URL; "),
+    # Pooling takes the place of the clients' near-duplicate collapse, whose threshold it is.
+    (["--client-tau", "0.9", "--pool-users", "2"],
+     "^--client-tau applies only with the clients' near-duplicate collapse [(]--pool-users 1[)]; "),
     # No drift event within the rounds: the drift was silently none.
     (["--drift-every", "3", "--rounds", "3"],
      "^--drift-every 3: the first categories would come into use at round 4, after --rounds 3"),
@@ -451,6 +454,7 @@ def test_bad_run_and_sweep_options_are_refused_by_their_flag_before_the_data_loa
     ["--adversarial-fraction", "0.4", "--adversarial-mode", "tool_confusion"],
     ["--pool-users", "2", "--pool-size", "4"],
     ["--llm", "http://127.0.0.1:9/v1", "--llm-model", "smollm2"],
+    ["--client-tau", "0.9", "--pool-users", "1"],
 ])
 def test_flags_that_apply_to_the_run_pass_the_checks(flags):
     """The other side of the refusals above: where the run has what a flag applies to, the

@@ -716,6 +716,8 @@ def _unused_flag(o: dict) -> str | None:
          "--adversarial-mode or --sweep-modes)"),
         ("--pool-size", o["pool_size"] > 0, o["pool_users"] > 1, "--pool-users 2 or more"),
         ("--llm-model", bool(o["llm_model"]), bool(o["llm_url"]), "--llm URL"),
+        ("--client-tau", o["client_tau"] is not None, o["pool_users"] <= 1,  # pooling replaces it
+         "the clients' near-duplicate collapse (--pool-users 1)"),
     ):
         if given and not applies:
             return f"{flag} applies only with {needs}; this run has none, so it would be ignored"
