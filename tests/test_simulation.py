@@ -395,6 +395,11 @@ def test_bad_client_options_are_refused_before_anything_runs(tiny_dataset, capsy
      "^--camouflage-share applies only with adversaries of a camouflaged mode"),
     (["--pool-size", "4"], "^--pool-size applies only with --pool-users 2 or more; "),
     (["--llm-model", "smollm2"], "^--llm-model applies only with --llm URL; "),
+    # f of a robust rule, where no merge applies one.
+    (["--trim-fraction", "0.2"], "^--trim-fraction applies only with a robust rule [(]--robust-rule "
+     "or --sweep-rules with --sweep-adversarial[)]; "),
+    (["--trim-fraction", "0.2", "--sweep-adversarial", "0.4", "--sweep-rules", "none"],
+     "^--trim-fraction applies only with a robust rule"),
     # Pooling takes the place of the clients' near-duplicate collapse, whose threshold it is.
     (["--client-tau", "0.9", "--pool-users", "2"],
      "^--client-tau applies only with the clients' near-duplicate collapse [(]--pool-users 1[)]; "),
@@ -455,6 +460,8 @@ def test_bad_run_and_sweep_options_are_refused_by_their_flag_before_the_data_loa
     ["--pool-users", "2", "--pool-size", "4"],
     ["--llm", "http://127.0.0.1:9/v1", "--llm-model", "smollm2"],
     ["--client-tau", "0.9", "--pool-users", "1"],
+    ["--trim-fraction", "0.2", "--robust-rule", "krum"],
+    ["--trim-fraction", "0.2", "--sweep-adversarial", "0.4", "--sweep-rules", "none,trimmed-mean"],
 ])
 def test_flags_that_apply_to_the_run_pass_the_checks(flags):
     """The other side of the refusals above: where the run has what a flag applies to, the

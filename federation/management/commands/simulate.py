@@ -702,6 +702,7 @@ def _unused_flag(o: dict) -> str | None:
     """A flag given a value of its own where the run has nothing it applies to (it would be
     silently ignored): what to pass with it, or None."""
     sweep_modes = _names(o["sweep_modes"]) if o["sweep_adversarial"] else ()
+    sweep_rules = _names(o["sweep_rules"]) if o["sweep_adversarial"] else ()
     camouflaged = ((o["adversarial_fraction"] > 0 and o["adversarial_mode"] in CAMOUFLAGED_MODES)
                    or bool(set(sweep_modes) & set(CAMOUFLAGED_MODES)))
     for flag, given, applies, needs in (
@@ -716,6 +717,9 @@ def _unused_flag(o: dict) -> str | None:
          "--adversarial-mode or --sweep-modes)"),
         ("--pool-size", o["pool_size"] > 0, o["pool_users"] > 1, "--pool-users 2 or more"),
         ("--llm-model", bool(o["llm_model"]), bool(o["llm_url"]), "--llm URL"),
+        ("--trim-fraction", o["trim_fraction"] != SimulationConfig.trim_fraction,
+         any(rule != "none" for rule in (o["robust_rule"], *sweep_rules)),
+         "a robust rule (--robust-rule or --sweep-rules with --sweep-adversarial)"),
         ("--client-tau", o["client_tau"] is not None, o["pool_users"] <= 1,  # pooling replaces it
          "the clients' near-duplicate collapse (--pool-users 1)"),
     ):
