@@ -277,6 +277,8 @@ def _shape_problem(doc: Any) -> str | None:
     for category, row in (doc.get("per_category") or {}).items():
         if not (isinstance(row, dict) and _number(row.get("accuracy")) and _whole(row.get("n"))):
             return f"'per_category' has {category!r} without an 'accuracy' and a whole 'n'"
+    if "seconds" in doc and not _number(doc["seconds"]):  # added up
+        return "'seconds' is not a number"
     for name, value in doc["config"].items():  # what the dashboard reads of the stored run
         hint = _CONFIG_TYPES.get(name)
         if hint is not None and not _fits(value, hint):
