@@ -490,6 +490,8 @@ def test_runs_and_sweep_rows_say_how_many_clients_played_adversarial():
      "'tau_sweep' row 1 has no whole 'seeds' and 'accuracy' figure"),
     ({"screening": {"dropped_honest": "3"}}, "'screening' has 'dropped_honest' that is not a whole number"),
     ({"seconds": "ten"}, "'seconds' is not a number"),
+    ({"tau_sweep": [{"tau": 0.8, "seeds": 1, "accuracy": 0.5, "accuracy_by_seed": [[0]]}]},
+     "'tau_sweep' row 1 has 'accuracy_by_seed' that is not a list of [seed, accuracy] pairs"),
     # What the dashboard then reads of the stored run: a host that is not an object, a setting
     # of another type than the configuration's (its accuracy page failed on both).
     ({"hosts": ["epyc"]}, "'hosts' holds something other than objects"),

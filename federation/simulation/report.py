@@ -304,6 +304,12 @@ def _shape_problem(doc: Any) -> str | None:
                 return f"{key!r} row {number} is not a JSON object"
             if not (_whole(row.get("seeds")) and _number(row.get("accuracy"))):
                 return f"{key!r} row {number} has no whole 'seeds' and 'accuracy' figure"
+            pairs = row.get("accuracy_by_seed", [])
+            if not (isinstance(pairs, list) and all(
+                    isinstance(p, list) and len(p) == 2 and _whole(p[0]) and _number(p[1])
+                    for p in pairs)):
+                return (f"{key!r} row {number} has 'accuracy_by_seed' that is not a list of "
+                        "[seed, accuracy] pairs")
     return None
 
 
