@@ -74,7 +74,7 @@ def test_a_combined_document_says_where_each_part_ran():
         (doc([1], [0.5], 1.0, dataset="other"), "dataset 'other'"),
         (doc([1], [0.5], 1.0, config={"orgs": 3, "rounds": 1}), "another configuration (orgs)"),
         (doc([0], [0.5], 1.0), "document 2: seed 0 is in document 1 too"),
-        (doc([1], [0.5], 1.0, privacy_sweep=[{"epsilon": 1, "seeds": 1, "accuracy": 0.5}]),
+        (doc([1], [0.5], 1.0, privacy_sweep=[{"epsilon": 1, "mask_strength": 1, "seeds": 1, "accuracy": 0.5}]),
          "has sweeps (privacy_sweep) that document 1 has not (none)"),
         ({"dataset": "tiny"}, "document 2 is not a simulate --out file: no 'config'"),
         (5, "document 2 is not a simulate --out file: a JSON int, not an object"),
@@ -490,6 +490,9 @@ def test_runs_and_sweep_rows_say_how_many_clients_played_adversarial():
      "'tau_sweep' row 1 has no whole 'seeds' and 'accuracy' figure"),
     ({"screening": {"dropped_honest": "3"}}, "'screening' has 'dropped_honest' that is not a whole number"),
     ({"seconds": "ten"}, "'seconds' is not a number"),
+    ({"adversarial": [{"adversarial_fraction": 0.2, "robust_rule": "none", "seeds": 1, "accuracy": 0.5}]},
+     "'adversarial' row 1 has no 'adversarial_mode'"),
+    ({"cadence": [{"seeds": 1, "accuracy": 0.5}]}, "'cadence' row 1 has no 'aggregate_every'"),
     ({"tau_sweep": [{"tau": 0.8, "seeds": 1, "accuracy": 0.5, "accuracy_by_seed": [[0]]}]},
      "'tau_sweep' row 1 has 'accuracy_by_seed' that is not a list of [seed, accuracy] pairs"),
     # What the dashboard then reads of the stored run: a host that is not an object, a setting

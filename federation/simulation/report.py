@@ -136,10 +136,17 @@ def _sums(items: list[dict[str, int]], keys: tuple[str, ...]) -> dict[str, int]:
             if any(k in item for item in items)}
 
 
-SWEEP_SECTIONS = (
-    "privacy_sweep", "release_sweep", "adversarial", "tau_sweep", "summarizer_sweep", "cadence",
-    "contradictions",
-)
+# Each sweep section and the settings its rows vary (every row names its variant by them).
+SWEEP_VARIANTS = {
+    "privacy_sweep": ("epsilon", "mask_strength"),
+    "release_sweep": ("min_users",),
+    "adversarial": ("adversarial_mode", "adversarial_fraction", "robust_rule"),
+    "tau_sweep": ("tau",),
+    "summarizer_sweep": ("summarizer",),
+    "cadence": ("aggregate_every",),
+    "contradictions": ("contradiction_fraction", "conflict_log"),
+}
+SWEEP_SECTIONS = tuple(SWEEP_VARIANTS)
 
 
 def with_defaults(config: dict[str, Any]) -> dict[str, Any]:
@@ -304,6 +311,9 @@ def _shape_problem(doc: Any) -> str | None:
                 return f"{key!r} row {number} is not a JSON object"
             if not (_whole(row.get("seeds")) and _number(row.get("accuracy"))):
                 return f"{key!r} row {number} has no whole 'seeds' and 'accuracy' figure"
+            missing = [name for name in SWEEP_VARIANTS[key] if name not in row]
+            if missing:  # the printed table and the dashboard read the variant by them
+                return f"{key!r} row {number} has no {' and '.join(map(repr, missing))}"
             pairs = row.get("accuracy_by_seed", [])
             if not (isinstance(pairs, list) and all(
                     isinstance(p, list) and len(p) == 2 and _whole(p[0]) and _number(p[1])
