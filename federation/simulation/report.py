@@ -281,6 +281,11 @@ def _shape_problem(doc: Any) -> str | None:
         for name, value in (doc.get(key) or {}).items():
             if value is not None and not _number(value):
                 return f"{key!r} has {name!r} that is not a number"
+    for key, first, then in _PRINTED_TOGETHER:  # the printed table reads them together
+        section = doc.get(key) or {}
+        missing = [name for name in then if section.get(name) is None]
+        if (section if first is None else section.get(first) is not None) and missing:
+            return f"{key!r} has no {' and '.join(map(repr, missing))}"
     for category, row in (doc.get("per_category") or {}).items():
         if not (isinstance(row, dict) and _number(row.get("accuracy")) and _whole(row.get("n"))):
             return f"'per_category' has {category!r} without an 'accuracy' and a whole 'n'"
@@ -346,6 +351,16 @@ def _kind(hint: Any) -> str:
         return f"a list of {_kind(typing.get_args(hint)[0]).removeprefix('a ')}s"
     return {type(None): "null", bool: "true or false", int: "a whole number", float: "a number",
             str: "a string"}.get(hint, str(hint))
+
+
+# (section, a figure or None for any, the figures `table` prints where it is): a run writes
+# them together.
+_PRINTED_TOGETHER = (
+    ("privacy", None, ("membership_auroc", "token_overlap", "share_clients_overlap_below_0_10")),
+    ("privacy", "token_overlap_excess",
+     ("token_overlap_nonmember", "share_clients_excess_below_0_10")),
+    ("diagnostics", "reranker_contraction_p99", ("decisions_unchanged_under_noise",)),
+)
 
 
 def _number(value: Any) -> bool:
