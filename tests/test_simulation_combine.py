@@ -490,6 +490,8 @@ def test_runs_and_sweep_rows_say_how_many_clients_played_adversarial():
      "'tau_sweep' row 1 has no whole 'seeds' and 'accuracy' figure"),
     ({"screening": {"dropped_honest": "3"}}, "'screening' has 'dropped_honest' that is not a whole number"),
     ({"seconds": "ten"}, "'seconds' is not a number"),
+    ({"communication": {"bytes_per_client_round": 5.0, "bytes_round_two": 5.0}},
+     "'communication' has 'bytes_round_two', not a round's figure"),
     ({"privacy": {"membership_auroc": 0.6}},
      "'privacy' has no 'token_overlap' and 'share_clients_overlap_below_0_10'"),
     ({"privacy": {"membership_auroc": None, "token_overlap": 0.5, "share_clients_overlap_below_0_10": 0.1}},

@@ -281,6 +281,9 @@ def _shape_problem(doc: Any) -> str | None:
         for name, value in (doc.get(key) or {}).items():
             if value is not None and not _number(value):
                 return f"{key!r} has {name!r} that is not a number"
+    for name in doc.get("communication") or {}:  # the table orders them by their round
+        if name.startswith("bytes_round_") and not name.removeprefix("bytes_round_").isdecimal():
+            return f"'communication' has {name!r}, not a round's figure"
     for key, first, then in _PRINTED_TOGETHER:  # the printed table reads them together
         section = doc.get(key) or {}
         missing = [name for name in then if section.get(name) is None]
