@@ -340,6 +340,10 @@ def load_dataset(folder: str | Path) -> RoutingDataset:
     """The dataset in `folder`, named after the folder (what "." or ".." name, not "" or "..")."""
     folder = Path(folder)
     name = Path(os.path.abspath(folder)).name
+    if folder.exists() and not folder.is_dir():  # load_registry reads a file as a registry
+        raise RegistryFormatError(
+            f"{folder}: a file, not a dataset folder (one holding tools.jsonl and queries.jsonl)"
+        )
     _too_long(str(folder), "the dataset's name (its folder's)", name, DATASET_NAME_MAX_LENGTH)
     tools = load_registry(folder)
     queries_path = folder / "queries.jsonl"

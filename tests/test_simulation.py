@@ -394,11 +394,38 @@ def test_bad_client_options_are_refused_before_anything_runs(tiny_dataset, capsy
       "--sweep-adversarial", "0.2", "--sweep-modes", "cross_source"],
      "^--camouflage-share applies only with adversaries of a camouflaged mode"),
     (["--pool-size", "4"], "^--pool-size applies only with --pool-users 2 or more; "),
+    (["--llm-model", "smollm2"], "^--llm-model applies only with --llm URL; "),
+    # f of a robust rule, where no merge applies one.
+    (["--trim-fraction", "0.2"], "^--trim-fraction applies only with a robust rule [(]--robust-rule "
+     "or --sweep-rules with --sweep-adversarial[)]; "),
+    (["--trim-fraction", "0.2", "--sweep-adversarial", "0.4", "--sweep-rules", "none"],
+     "^--trim-fraction applies only with a robust rule"),
+    # Pooling takes the place of the clients' near-duplicate collapse, whose threshold it is.
+    (["--client-tau", "0.9", "--pool-users", "2"],
+     "^--client-tau applies only with the clients' near-duplicate collapse [(]--pool-users 1[)]; "),
+    # No drift event within the rounds: the drift was silently none.
+    (["--drift-every", "3", "--rounds", "3"],
+     "^--drift-every 3: the first categories would come into use at round 4, after --rounds 3"),
+    # An unknown transfer reranker is named before the dataset and the model load.
+    (["--transfer-rerankers", "fusion,bm25"], "^--transfer-rerankers: unknown bm25; choose from "),
+    # The simulation's own routers are never given an LLM: every decision fell back to fusion,
+    # and the run was stored as the LLM reranker's.
+    (["--reranker", "llm"], "^--reranker llm: the simulation's own routers have no LLM"),
+    (["--reranker", "llm", "--llm", "http://127.0.0.1:9/v1"], "^--reranker llm: the simulation's own routers have no LLM"),
     (["--sweep-min-users", "0"], "--sweep-min-users: every k must be at least 1"),
     (["--sweep-min-users", "nan"], "^--sweep-min-users: expected whole numbers, got 'nan'$"),
     (["--sweep-min-users", "inf"], "^--sweep-min-users: expected whole numbers, got 'inf'$"),
     (["--sweep-min-users", "1,1.5"], "^--sweep-min-users: expected whole numbers, got '1.5'$"),
     (["--sweep-cadence", "1,2.5"], "^--sweep-cadence: expected whole numbers, got '2.5'$"),
+    (["--contradiction-fraction", "1.5"], r"^--contradiction-fraction must be in \[0, 1\], not 1\.5$"),
+    (["--contradiction-fraction", "nan"], r"^--contradiction-fraction must be in \[0, 1\], not nan$"),
+    (["--sweep-contradictions", "0,0.2,2"], r"^--sweep-contradictions: every share must be in \[0, 1\]$"),
+    # A list of numbers that holds something else is refused naming its flag.
+    (["--sweep-tau", "0.8,abc"], "^--sweep-tau: expected comma-separated numbers, got 'abc'$"),
+    (["--sweep-epsilon", "1;2"], "^--sweep-epsilon: expected comma-separated numbers, got '1;2'$"),
+    (["--sweep-lambda", "x"], "^--sweep-lambda: expected comma-separated numbers, got 'x'$"),
+    (["--sweep-adversarial", "0.2,a"], "^--sweep-adversarial: expected comma-separated numbers, got 'a'$"),
+    (["--sweep-contradictions", "0,b"], "^--sweep-contradictions: expected comma-separated numbers, got 'b'$"),
     (["--since-confidence", "inf"], "^--since-confidence must be a finite number, at least 0, not inf$"),
     (["--since-confidence", "nan"], "^--since-confidence must be a finite number, at least 0, not nan$"),
     (["--since-confidence", "-0.5"], "^--since-confidence must be a finite number, at least 0, not -0.5$"),
@@ -431,6 +458,10 @@ def test_bad_run_and_sweep_options_are_refused_by_their_flag_before_the_data_loa
     ["--sweep-adversarial", "0.4", "--sweep-rules", "krum", "--sweep-modes", "tool_confusion"],
     ["--adversarial-fraction", "0.4", "--adversarial-mode", "tool_confusion"],
     ["--pool-users", "2", "--pool-size", "4"],
+    ["--llm", "http://127.0.0.1:9/v1", "--llm-model", "smollm2"],
+    ["--client-tau", "0.9", "--pool-users", "1"],
+    ["--trim-fraction", "0.2", "--robust-rule", "krum"],
+    ["--trim-fraction", "0.2", "--sweep-adversarial", "0.4", "--sweep-rules", "none,trimmed-mean"],
 ])
 def test_flags_that_apply_to_the_run_pass_the_checks(flags):
     """The other side of the refusals above: where the run has what a flag applies to, the
@@ -972,6 +1003,37 @@ def test_a_dataset_that_cannot_make_the_federation_is_refused_before_the_model_l
     with pytest.raises(CommandError, match=message):
         call_command("simulate", "--dataset", str(folder), "--rounds", "1", "--no-store",
                      "--embedding-model", "no-such-model-xyz", *flags, verbosity=1)
+
+
+@pytest.mark.parametrize("name", ["tools.jsonl", "queries.jsonl"])
+def test_a_dataset_named_by_one_of_its_files_is_refused_as_not_a_folder(tmp_path, name):
+    """--dataset d/tools.jsonl said 'no queries.jsonl in this folder' of a file; --dataset
+    d/queries.jsonl read the queries as tools ('missing or non-string description')."""
+    folder = _small_dataset(tmp_path / "d", [("a", "x"), ("b", "y")], [5, 5])
+    with pytest.raises(CommandError, match=f"^{re.escape(str(folder / name))}: a file, not a dataset "
+                       "folder [(]one holding tools.jsonl and queries.jsonl[)]$"):
+        call_command("simulate", "--dataset", str(folder / name), "--no-store", "--in-memory")
+
+
+def test_an_embedding_model_that_cannot_load_is_said_in_one_line_naming_the_flag(
+        tiny_dataset, monkeypatch):
+    """--embedding-model NAME that cannot load printed the loader's two-line error and told to
+    set SYNAPSE_EMBEDDING_MODEL, not the flag that named it."""
+    from federation.management.commands import simulate
+    from routing.embeddings import EmbeddingModelUnavailable
+
+    def unavailable(name=None):
+        raise EmbeddingModelUnavailable(
+            f"cannot load embedding model {name!r}: OSError: We couldn't connect to the hub.\n"
+            "Check your internet connection.. Set SYNAPSE_EMBEDDING_MODEL to a local model path")
+
+    monkeypatch.setattr(simulate, "get_engine", unavailable)
+    with pytest.raises(CommandError, match="^cannot load embedding model 'no-such-model-xyz': "
+                       "OSError: We couldn't connect to the hub; --embedding-model takes "
+                       "sentence-transformers names or local paths, or bundled:") as error:
+        call_command("simulate", "--dataset", str(tiny_dataset), "--orgs", "2", "--clients-per-org",
+                     "2", "--no-store", "--in-memory", "--embedding-model", "no-such-model-xyz")
+    assert "\n" not in str(error.value)
 
 
 def test_tools_that_are_never_tested_are_counted_on_stderr(tmp_path, capsys):

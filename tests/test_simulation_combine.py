@@ -73,8 +73,8 @@ def test_a_combined_document_says_where_each_part_ran():
     [
         (doc([1], [0.5], 1.0, dataset="other"), "dataset 'other'"),
         (doc([1], [0.5], 1.0, config={"orgs": 3, "rounds": 1}), "another configuration (orgs)"),
-        (doc([0], [0.5], 1.0), "seed 0 is in more than one document"),
-        (doc([1], [0.5], 1.0, privacy_sweep=[{"epsilon": 1}]),
+        (doc([0], [0.5], 1.0), "document 2: seed 0 is in document 1 too"),
+        (doc([1], [0.5], 1.0, privacy_sweep=[{"epsilon": 1, "mask_strength": 1, "seeds": 1, "accuracy": 0.5}]),
          "has sweeps (privacy_sweep) that document 1 has not (none)"),
         ({"dataset": "tiny"}, "document 2 is not a simulate --out file: no 'config'"),
         (5, "document 2 is not a simulate --out file: a JSON int, not an object"),
@@ -223,9 +223,53 @@ def test_the_command_writes_the_combined_document(tmp_path, capsys):
     (tmp_path / "bad.json").write_text("{")
     with pytest.raises(CommandError, match="is not JSON"):
         call_command("simulate", "--combine", str(tmp_path / "bad.json"), "--no-store")
-    with pytest.raises(CommandError, match="seed 0 is in more than one"):
-        call_command("simulate", "--combine", str(tmp_path / "a.json"), str(tmp_path / "a.json"),
+    (tmp_path / "a2.json").write_text(json.dumps(doc([2, 0], [0.7, 0.7], 200.0)))
+    with pytest.raises(CommandError, match=f"^{re.escape(str(tmp_path / 'a2.json'))}: seed 0 is in "
+                       f"{re.escape(str(tmp_path / 'a.json'))} too$"):
+        call_command("simulate", "--combine", str(tmp_path / "a.json"), str(tmp_path / "a2.json"),
                      "--no-store")
+    # --out over one of the parts would replace it by the whole: the part is refused as --out.
+    before = (tmp_path / "b.json").read_text()
+    with pytest.raises(CommandError, match=f"^--out {re.escape(str(tmp_path))}/[.]/b[.]json is one "
+                       "of the files --combine joins; name another file$"):
+        call_command("simulate", "--combine", str(tmp_path / "a.json"), str(tmp_path / "b.json"),
+                     "--out", f"{tmp_path}/./b.json", "--no-store")
+    assert (tmp_path / "b.json").read_text() == before
+    # The same file twice (under another spelling too) is named as such, not as a seed clash.
+    with pytest.raises(CommandError, match=f"^--combine names {re.escape(str(tmp_path / 'a.json'))} "
+                       "twice$"):
+        call_command("simulate", "--combine", str(tmp_path / "a.json"), str(tmp_path / "b.json"),
+                     f"{tmp_path}/./a.json", "--no-store")
+
+
+@pytest.mark.parametrize(("flags", "named"), [
+    (["--seeds", "5"], "--seeds"),
+    (["--lambda", "0.5", "--dataset", "elsewhere"], "--dataset, --lambda"),
+    (["--in-memory"], "--in-memory"),
+    (["--llm", "http://127.0.0.1:9/v1"], "--llm"),
+])
+def test_run_flags_given_with_combine_are_refused_not_ignored(tmp_path, flags, named):
+    """--combine runs nothing: a run's flag beside it (--seeds 5, --lambda 0.5) was silently
+    ignored, and the combined document kept the configuration its files were played with."""
+    (tmp_path / "a.json").write_text(json.dumps(doc([0], [0.7], 200.0)))
+    (tmp_path / "b.json").write_text(json.dumps(doc([1], [0.9], 400.0)))
+    with pytest.raises(CommandError, match=f"^{re.escape(named)}: --combine runs nothing"):
+        call_command("simulate", "--combine", str(tmp_path / "a.json"), str(tmp_path / "b.json"),
+                     "--out", str(tmp_path / "all.json"), "--no-store", *flags)
+    assert not (tmp_path / "all.json").exists()
+
+
+@pytest.mark.parametrize(("flags", "message"), [
+    (["--label", "all seeds"], "^--label names the stored run; with --no-store nothing is stored"),
+    (["--unless-stored"], "^--unless-stored looks for this run stored; with --no-store it never is"),
+])
+@pytest.mark.parametrize("mode", [["--combine", "a.json"], ["--dataset", "/no/such/dataset"]])
+def test_store_flags_with_no_store_are_refused_not_ignored(tmp_path, mode, flags, message):
+    """--label with --no-store was silently dropped; --unless-stored with --no-store read the
+    database it was told not to store in (a traceback where it has no table) and ran again on
+    every call, since this run is never stored."""
+    with pytest.raises(CommandError, match=message):
+        call_command("simulate", *mode, "--no-store", *flags)
 
 
 @pytest.mark.django_db
@@ -437,6 +481,37 @@ def test_runs_and_sweep_rows_say_how_many_clients_played_adversarial():
     ({"per_category": {"Travel": {"accuracy": 0.5}}},
      "'per_category' has 'Travel' without an 'accuracy' and a whole 'n'"),
     ({"seeds": [3]}, "result 1 is of seed 0, not one of its 'seeds'"),
+    ({"results": [{"method": "synapse", "seed": 0, "accuracy": 0.7, "macro_accuracy": 0.7}]},
+     "result 1 has no 'round'"),
+    ({"transfer": [{"reranker": "fusion", "accuracy": 0.7, "macro_accuracy": 0.7}]},
+     "transfer row 1 has no 'model' and 'reranker' or no 'accuracy' and 'macro_accuracy' figures"),
+    ({"tau_sweep": [1]}, "'tau_sweep' row 1 is not a JSON object"),
+    ({"tau_sweep": [{"tau": 0.8, "accuracy": 0.5, "accuracy_by_seed": [[0, 0.5]]}]},
+     "'tau_sweep' row 1 has no whole 'seeds' and 'accuracy' figure"),
+    ({"screening": {"dropped_honest": "3"}}, "'screening' has 'dropped_honest' that is not a whole number"),
+    ({"seconds": "ten"}, "'seconds' is not a number"),
+    ({"communication": {"bytes_per_client_round": 5.0, "bytes_round_two": 5.0}},
+     "'communication' has 'bytes_round_two', not a round's figure"),
+    ({"privacy": {"membership_auroc": 0.6}},
+     "'privacy' has no 'token_overlap' and 'share_clients_overlap_below_0_10'"),
+    ({"privacy": {"membership_auroc": None, "token_overlap": 0.5, "share_clients_overlap_below_0_10": 0.1}},
+     "'privacy' has no 'membership_auroc'"),
+    ({"diagnostics": {"reranker_contraction_p99": 0.4}},
+     "'diagnostics' has no 'decisions_unchanged_under_noise'"),
+    ({"adversarial": [{"adversarial_fraction": 0.2, "robust_rule": "none", "seeds": 1, "accuracy": 0.5}]},
+     "'adversarial' row 1 has no 'adversarial_mode'"),
+    ({"cadence": [{"seeds": 1, "accuracy": 0.5}]}, "'cadence' row 1 has no 'aggregate_every'"),
+    ({"tau_sweep": [{"tau": 0.8, "seeds": 1, "accuracy": 0.5, "accuracy_by_seed": [[0]]}]},
+     "'tau_sweep' row 1 has 'accuracy_by_seed' that is not a list of [seed, accuracy] pairs"),
+    # What the dashboard then reads of the stored run: a host that is not an object, a setting
+    # of another type than the configuration's (its accuracy page failed on both).
+    ({"hosts": ["epyc"]}, "'hosts' holds something other than objects"),
+    ({"config": {"orgs": 2, "rounds": 1, "min_users": "2"}},
+     "'config' has 'min_users' that is not a whole number"),
+    ({"config": {"orgs": 2, "rounds": 1, "client_tau": "0.8"}},
+     "'config' has 'client_tau' that is not a number or null"),
+    ({"config": {"orgs": 2, "rounds": 1, "transfer_models": "bf16"}},
+     "'config' has 'transfer_models' that is not a list of strings"),
 ])
 def test_a_hand_edited_file_is_refused_in_one_line_naming_what_is_wrong(tmp_path, changes, problem):
     """Before: a ZeroDivisionError (no seeds), a numpy TypeError (a figure that is text), a

@@ -251,6 +251,31 @@ def test_without_the_right_to_create_databases_the_run_says_so_before_it_starts(
     assert "round 1" not in capsys.readouterr().err
 
 
+def test_a_database_out_of_reach_is_said_in_one_line_before_the_data_loads(monkeypatch):
+    """Through the services with --no-store (the store's check skipped), a database out of reach
+    was an OperationalError traceback once the dataset and the model had loaded; the store's
+    check said it in two lines (psycopg's hint on a line of its own)."""
+    from django.core.management import CommandError
+    from django.db import OperationalError, connection
+
+    from federation.simulation import through_services
+
+    def unreachable(*args, **kwargs):
+        raise OperationalError('connection failed: connection to server at "127.0.0.1", port 1 '
+                               "failed: Connection refused\n\tIs the server running on that host?")
+
+    monkeypatch.setattr(through_services, "_may_create_databases", unreachable)
+    with pytest.raises(CommandError, match="^cannot reach the database to make the run's scratch "
+                       "database [(]connection failed: .*Connection refused[)]; pass --in-memory") as error:
+        call_command("simulate", "--dataset", "/no/such/dataset", "--no-store")
+    assert "\n" not in str(error.value)
+    monkeypatch.setattr(connection.introspection, "table_names", unreachable)
+    with pytest.raises(CommandError, match="^cannot reach the database to store the run "
+                       "[(]connection failed: .*Connection refused[)]; pass --no-store") as error:
+        call_command("simulate", "--dataset", "/no/such/dataset", "--in-memory")
+    assert "\n" not in str(error.value)
+
+
 def test_with_tune_router_the_served_row_is_the_servers_tuned_router(tiny_dataset, settings,
                                                                       tmp_path, monkeypatch):
     """`--tune-router` through the services: the `synapse_served` row routes with the router the

@@ -8,6 +8,8 @@ import functools
 import hashlib
 import platform
 import time
+import types
+import typing
 from collections import Counter, defaultdict
 from collections.abc import Callable
 from importlib import metadata
@@ -134,10 +136,17 @@ def _sums(items: list[dict[str, int]], keys: tuple[str, ...]) -> dict[str, int]:
             if any(k in item for item in items)}
 
 
-SWEEP_SECTIONS = (
-    "privacy_sweep", "release_sweep", "adversarial", "tau_sweep", "summarizer_sweep", "cadence",
-    "contradictions",
-)
+# Each sweep section and the settings its rows vary (every row names its variant by them).
+SWEEP_VARIANTS = {
+    "privacy_sweep": ("epsilon", "mask_strength"),
+    "release_sweep": ("min_users",),
+    "adversarial": ("adversarial_mode", "adversarial_fraction", "robust_rule"),
+    "tau_sweep": ("tau",),
+    "summarizer_sweep": ("summarizer",),
+    "cadence": ("aggregate_every",),
+    "contradictions": ("contradiction_fraction", "conflict_log"),
+}
+SWEEP_SECTIONS = tuple(SWEEP_VARIANTS)
 
 
 def with_defaults(config: dict[str, Any]) -> dict[str, Any]:
@@ -169,7 +178,7 @@ def combine(documents: list[dict[str, Any]], sources: list[str] | None = None) -
                          "combine runs of one embedding model only")
     documents = [{**doc, "config": with_defaults(doc["config"])} for doc in documents]
     first = documents[0]
-    seen: set[int] = set()
+    seen: dict[int, str] = {}  # each seed's document
     for name, doc in zip(names, documents, strict=True):
         if doc["dataset"] != first["dataset"]:
             raise ValueError(f"{name} is of dataset {doc['dataset']!r}, not {first['dataset']!r}")
@@ -186,10 +195,10 @@ def combine(documents: list[dict[str, Any]], sources: list[str] | None = None) -
                 f"{name} has sweeps ({', '.join(sorted(swept)) or 'none'}) that "
                 f"{names[0]} has not ({', '.join(sorted(first_swept)) or 'none'})"
             )
-        overlap = seen & set(doc["seeds"])
+        overlap = set(seen) & set(doc["seeds"])
         if overlap:
-            raise ValueError(f"seed {min(overlap)} is in more than one document")
-        seen |= set(doc["seeds"])
+            raise ValueError(f"{name}: seed {min(overlap)} is in {seen[min(overlap)]} too")
+        seen.update(dict.fromkeys(doc["seeds"], name))
     weights = [len(doc["seeds"]) for doc in documents]
 
     def weighted(key: str) -> dict[str, float]:
@@ -258,7 +267,9 @@ def _shape_problem(doc: Any) -> str | None:
             return f"result {number} has no 'method'"
         if not all(_number(row.get(k)) for k in ("accuracy", "macro_accuracy")):
             return f"result {number} has no 'accuracy' and 'macro_accuracy' figures"
-        if not (row.get("round") is None or _whole(row["round"])):
+        if "round" not in row:  # summarized per (method, round); null: a method of no rounds
+            return f"result {number} has no 'round'"
+        if not (row["round"] is None or _whole(row["round"])):
             return f"result {number} has a 'round' that is not a whole number"
         if "seed" in row and row["seed"] not in doc["seeds"]:
             return f"result {number} is of seed {row['seed']!r}, not one of its 'seeds'"
@@ -270,13 +281,89 @@ def _shape_problem(doc: Any) -> str | None:
         for name, value in (doc.get(key) or {}).items():
             if value is not None and not _number(value):
                 return f"{key!r} has {name!r} that is not a number"
+    for name in doc.get("communication") or {}:  # the table orders them by their round
+        if name.startswith("bytes_round_") and not name.removeprefix("bytes_round_").isdecimal():
+            return f"'communication' has {name!r}, not a round's figure"
+    for key, first, then in _PRINTED_TOGETHER:  # the printed table reads them together
+        section = doc.get(key) or {}
+        missing = [name for name in then if section.get(name) is None]
+        if (section if first is None else section.get(first) is not None) and missing:
+            return f"{key!r} has no {' and '.join(map(repr, missing))}"
     for category, row in (doc.get("per_category") or {}).items():
         if not (isinstance(row, dict) and _number(row.get("accuracy")) and _whole(row.get("n"))):
             return f"'per_category' has {category!r} without an 'accuracy' and a whole 'n'"
+    if "seconds" in doc and not _number(doc["seconds"]):  # added up
+        return "'seconds' is not a number"
+    for name, value in doc["config"].items():  # what the dashboard reads of the stored run
+        hint = _CONFIG_TYPES.get(name)
+        if hint is not None and not _fits(value, hint):
+            return f"'config' has {name!r} that is not {_kind(hint)}"
+    if not all(h is None or isinstance(h, dict) for h in doc.get("hosts") or []):
+        return "'hosts' holds something other than objects"
+    for key in ("screening", "targeting"):  # counts: added up
+        for name, value in (doc.get(key) or {}).items():
+            if not _whole(value):
+                return f"{key!r} has {name!r} that is not a whole number"
     for key in ("rounds", "transfer", "hosts", *SWEEP_SECTIONS):
         if doc.get(key) is not None and not isinstance(doc[key], list):
             return f"{key!r} is not a JSON list"
+    for number, row in enumerate(doc.get("transfer") or [], start=1):  # summarize_transfer's
+        if not (isinstance(row, dict) and isinstance(row.get("model"), str)
+                and isinstance(row.get("reranker"), str)
+                and all(_number(row.get(k)) for k in ("accuracy", "macro_accuracy"))):
+            return (f"transfer row {number} has no 'model' and 'reranker' or no 'accuracy' and "
+                    "'macro_accuracy' figures")
+    for key in SWEEP_SECTIONS:  # _combine_sweep's
+        for number, row in enumerate(doc.get(key) or [], start=1):
+            if not isinstance(row, dict):
+                return f"{key!r} row {number} is not a JSON object"
+            if not (_whole(row.get("seeds")) and _number(row.get("accuracy"))):
+                return f"{key!r} row {number} has no whole 'seeds' and 'accuracy' figure"
+            missing = [name for name in SWEEP_VARIANTS[key] if name not in row]
+            if missing:  # the printed table and the dashboard read the variant by them
+                return f"{key!r} row {number} has no {' and '.join(map(repr, missing))}"
+            pairs = row.get("accuracy_by_seed", [])
+            if not (isinstance(pairs, list) and all(
+                    isinstance(p, list) and len(p) == 2 and _whole(p[0]) and _number(p[1])
+                    for p in pairs)):
+                return (f"{key!r} row {number} has 'accuracy_by_seed' that is not a list of "
+                        "[seed, accuracy] pairs")
     return None
+
+
+# The configuration's settings and their types, as a document's 'config' must hold them.
+_CONFIG_TYPES = typing.get_type_hints(SimulationConfig)
+
+
+def _fits(value: Any, hint: Any) -> bool:
+    """Whether a JSON `value` is of the type `hint` of a SimulationConfig field."""
+    if isinstance(hint, types.UnionType):
+        return any(_fits(value, h) for h in typing.get_args(hint))
+    if typing.get_origin(hint) is tuple:  # a list in JSON
+        return isinstance(value, list | tuple) and all(
+            _fits(v, typing.get_args(hint)[0]) for v in value)
+    return {type(None): value is None, bool: isinstance(value, bool), int: _whole(value),
+            float: _number(value), str: isinstance(value, str)}.get(hint, True)
+
+
+def _kind(hint: Any) -> str:
+    """A SimulationConfig field's type in words."""
+    if isinstance(hint, types.UnionType):
+        return " or ".join(_kind(h) for h in typing.get_args(hint))
+    if typing.get_origin(hint) is tuple:
+        return f"a list of {_kind(typing.get_args(hint)[0]).removeprefix('a ')}s"
+    return {type(None): "null", bool: "true or false", int: "a whole number", float: "a number",
+            str: "a string"}.get(hint, str(hint))
+
+
+# (section, a figure or None for any, the figures `table` prints where it is): a run writes
+# them together.
+_PRINTED_TOGETHER = (
+    ("privacy", None, ("membership_auroc", "token_overlap", "share_clients_overlap_below_0_10")),
+    ("privacy", "token_overlap_excess",
+     ("token_overlap_nonmember", "share_clients_excess_below_0_10")),
+    ("diagnostics", "reranker_contraction_p99", ("decisions_unchanged_under_noise",)),
+)
 
 
 def _number(value: Any) -> bool:

@@ -1010,10 +1010,21 @@ class Simulation:
         }
 
 
-TRANSFER_MODEL_HINT = (
-    "--transfer-models takes sentence-transformers names or local paths, or bundled:all-MiniLM-L6-v2, "
+MODEL_NAMES = (
+    "sentence-transformers names or local paths, or bundled:all-MiniLM-L6-v2, "
     "bf16:all-MiniLM-L6-v2, onnx-int8:all-MiniLM-L6-v2, onnx-int8-dynamic:all-MiniLM-L6-v2"
 )
+TRANSFER_MODEL_HINT = f"--transfer-models takes {MODEL_NAMES}"
+
+
+def unavailable_model(model: str, exc: Exception, hint: str) -> str:
+    """One line for an embedding model that cannot be loaded: the first line of why (the
+    loader's message may run over several), naming the model, then `hint` (what the flag that
+    named it takes)."""
+    first = (str(exc).splitlines() or [""])[0].rstrip(".")
+    if model not in first:
+        first = f"embedding model {model!r}: {first}"
+    return f"{first}; {hint}"
 
 
 def transfer_variants(config: SimulationConfig) -> list[TransferVariant]:
@@ -1036,10 +1047,8 @@ def transfer_variants(config: SimulationConfig) -> list[TransferVariant]:
         try:
             get_engine(model)
         except EmbeddingModelUnavailable as exc:
-            first = (str(exc).splitlines() or [""])[0].rstrip(".")
-            if model not in first:
-                first = f"embedding model {model!r}: {first}"
-            raise EmbeddingModelUnavailable(f"{first}; {TRANSFER_MODEL_HINT}") from None
+            raise EmbeddingModelUnavailable(
+                unavailable_model(model, exc, TRANSFER_MODEL_HINT)) from None
     llm = None
     if config.llm_url and "llm" in rerankers:
         from routing.llm import get_llm

@@ -95,6 +95,25 @@ def drop_leftover_scratch_databases(connection, original: str) -> list[str]:
     return dropped
 
 
+def check_scratch_database() -> None:
+    """Raise ScratchDatabaseUnavailable, saying why in one line, where `scratch_database` cannot
+    make its database: the database is out of reach, or its user may not create databases."""
+    from django.db import DatabaseError, connection
+
+    try:
+        allowed = _may_create_databases(connection)
+    except DatabaseError as exc:  # psycopg's hint on a line of its own: the first line says it
+        raise ScratchDatabaseUnavailable(
+            "cannot reach the database to make the run's scratch database "
+            f"({str(exc).strip().splitlines()[0]})"
+        ) from None
+    if not allowed:
+        raise ScratchDatabaseUnavailable(
+            f"the database user {connection.settings_dict.get('USER') or '(default)'} may not "
+            "create databases, and rounds through the services run in a scratch database"
+        )
+
+
 @contextmanager
 def scratch_database(*, embedding_model: str = "", llm_url: str | None = None,
                      llm_model: str = "",
@@ -110,11 +129,7 @@ def scratch_database(*, embedding_model: str = "", llm_url: str | None = None,
 
     from synapse_web.celery import app
 
-    if not _may_create_databases(connection):
-        raise ScratchDatabaseUnavailable(
-            f"the database user {connection.settings_dict.get('USER') or '(default)'} may not "
-            "create databases, and rounds through the services run in a scratch database"
-        )
+    check_scratch_database()
     original = connection.settings_dict["NAME"]
     leftovers = drop_leftover_scratch_databases(connection, original)
     if leftovers and dropped is not None:

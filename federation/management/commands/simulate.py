@@ -24,20 +24,27 @@ from federation.simulation.runner import (
     ADVERSARIAL_MODES,
     CAMOUFLAGE_SHARE,
     CAMOUFLAGED_MODES,
+    MODEL_NAMES,
     Simulation,
     SimulationConfig,
     adversary_count,
     aggregates_in,
+    unavailable_model,
 )
 from federation.simulation.through_services import (
     ScratchDatabaseUnavailable,
     SimulatedRoundFailed,
+    check_scratch_database,
     scratch_database,
 )
 from routing.embeddings import EmbeddingModelUnavailable, get_engine
 from routing.llm import LLMUnavailable
+from routing.router import RERANKERS
 
 ADVERSARIAL_MODE = SimulationConfig.adversarial_mode
+IN_MEMORY_HINT = "pass --in-memory to call the merge operator directly"
+# The flags --combine reads; every other flag of the command is a run's.
+COMBINE_FLAGS = ("combine", "out", "no_store", "label", "unless_stored")
 SWEEP_RULES = ",".join(get_args(RobustRule))  # every rule the round configuration takes
 
 # The round configuration's fields as this command's flags name them.
@@ -47,24 +54,26 @@ FLAGS = {
 }
 
 
-def _floats(text: str) -> list[float]:
-    try:
-        return [float(x) for x in text.split(",") if x.strip()]
-    except ValueError:
-        raise CommandError(f"expected comma-separated numbers, got {text!r}") from None
-
-
-def _integers(text: str, flag: str) -> list[int]:
-    """A comma-separated list of whole numbers, or a CommandError naming the flag and the value."""
+def _listed(text: str, flag: str, parse, expected: str) -> list:
+    """A comma-separated list, each item read by `parse`, or a CommandError naming the flag and
+    the item it cannot read."""
     values = []
     for item in (x.strip() for x in text.split(",")):
         if not item:
             continue
         try:
-            values.append(int(item))
+            values.append(parse(item))
         except ValueError:
-            raise CommandError(f"{flag}: expected whole numbers, got {item!r}") from None
+            raise CommandError(f"{flag}: expected {expected}, got {item!r}") from None
     return values
+
+
+def _floats(text: str, flag: str) -> list[float]:
+    return _listed(text, flag, float, "comma-separated numbers")
+
+
+def _integers(text: str, flag: str) -> list[int]:
+    return _listed(text, flag, int, "whole numbers")
 
 
 def _names(text: str) -> tuple[str, ...]:
@@ -89,6 +98,7 @@ class Command(BaseCommand):
     )
 
     def add_arguments(self, parser):
+        common = {action.dest for action in parser._actions}  # Django's own: --verbosity, ...
         parser.add_argument(
             "--dataset", default="../shared/data/metatool",
             help="a folder in the routing-benchmark format (tools.jsonl, queries.jsonl)",
@@ -110,7 +120,8 @@ class Command(BaseCommand):
         parser.add_argument("--tau", type=float, default=0.85,
                             help="cosine threshold τ of the merges' clustering")
         parser.add_argument("--reranker", choices=["fusion", "none", "llm"], default="fusion",
-                            help="how the router reranks the retrieved scenarios (none: top-1 cosine)")
+                            help="how the router reranks the retrieved scenarios (none: top-1 cosine; llm is "
+                            "refused: the LLM reranker is measured by --transfer-rerankers llm)")
         parser.add_argument(
             "--summarizer",
             choices=SUMMARIZERS,
@@ -311,8 +322,21 @@ class Command(BaseCommand):
         parser.add_argument("--out", default=None, help="write the JSON results here")
         parser.add_argument("--no-store", action="store_true", help="do not keep the run for the dashboard")
         parser.add_argument("--label", default="", help="a name for the stored run")
+        # What a run reads and --combine does not (it joins the files as they were played).
+        self.run_flags = {
+            action.dest: (action.option_strings[0], action.default)
+            for action in parser._actions
+            if action.dest not in common and action.dest not in COMBINE_FLAGS
+        }
 
     def handle(self, *args, **o):
+        if o["no_store"] and o["label"]:
+            raise CommandError("--label names the stored run; with --no-store nothing is stored")
+        if o["no_store"] and o["unless_stored"]:
+            raise CommandError(
+                "--unless-stored looks for this run stored; with --no-store it never is, so every "
+                "call would run it again"
+            )
         _check_label(o["label"])
         if not o["no_store"]:
             _check_storable()
@@ -327,6 +351,23 @@ class Command(BaseCommand):
                 self.stdout.write(f"a simulation run{named} is stored already; nothing to do")
                 return
         if o["combine"]:
+            given = sorted(flag for dest, (flag, default) in self.run_flags.items()
+                           if o[dest] != default)
+            if given:
+                raise CommandError(
+                    f"{', '.join(given)}: --combine runs nothing, it joins the --out files as they "
+                    "were played; leave out the flags of a run"
+                )
+            files: dict[Path, str] = {}  # each file as the command line first names it
+            for path in o["combine"]:
+                resolved = Path(path).resolve()
+                if resolved in files:  # its seeds would be in two documents
+                    raise CommandError(f"--combine names {files[resolved]} twice")
+                files[resolved] = path
+            if o["out"] and Path(o["out"]).resolve() in files:  # the part replaced by the whole
+                raise CommandError(
+                    f"--out {o['out']} is one of the files --combine joins; name another file"
+                )
             if o["out"]:
                 _check_out(o["out"])
             documents = []
@@ -378,6 +419,12 @@ class Command(BaseCommand):
         unused = _unused_flag(o)
         if unused:
             raise CommandError(unused)
+        if o["reranker"] == "llm":  # Simulation.router gives its routers no LLM backend
+            raise CommandError(
+                "--reranker llm: the simulation's own routers have no LLM, so every decision "
+                "would fall back to fusion; evaluate the LLM reranker on the final global with "
+                "--transfer-rerankers llm --llm URL"
+            )
         if not valid_shared_word_users(o["shared_word_users"]):
             raise CommandError("--shared-word-users must be 0 (off) or at least 2")
         if o["max_words"] < 0:
@@ -405,24 +452,35 @@ class Command(BaseCommand):
             )
         if o["drift_every"] < 0:
             raise CommandError("--drift-every must be 0 (no drift) or a number of rounds")
-        taus = _floats(o["sweep_tau"])
+        if 0 < o["rounds"] <= o["drift_every"]:  # drift_plan: no event, every category from round 1
+            raise CommandError(
+                f"--drift-every {o['drift_every']}: the first categories would come into use at "
+                f"round {1 + o['drift_every']}, after --rounds {o['rounds']}, so there would be no "
+                "drift; use more --rounds or a shorter interval"
+            )
+        taus = _floats(o["sweep_tau"], "--sweep-tau")
         if any(not 0 < t <= 1 for t in taus):
             raise CommandError("--sweep-tau: every τ must be in (0, 1]")
         summarizers = _known(_names(o["sweep_summarizers"]), SUMMARIZERS, "--sweep-summarizers")
+        _known(_names(o["transfer_rerankers"]), RERANKERS, "--transfer-rerankers")
         if not o["llm_url"] and {o["summarizer"], *summarizers} & set(LLM_SUMMARIZERS):
             raise CommandError(
                 f"the {' and '.join(sorted(LLM_SUMMARIZERS))} summarizers need an LLM endpoint: pass --llm URL"
             )
-        contradictions = _floats(o["sweep_contradictions"])
-        if any(not 0 <= p <= 1 for p in [*contradictions, o["contradiction_fraction"]]):
-            raise CommandError("contradiction shares must be in [0, 1]")
+        contradictions = _floats(o["sweep_contradictions"], "--sweep-contradictions")
+        if not 0 <= o["contradiction_fraction"] <= 1:
+            raise CommandError(
+                f"--contradiction-fraction must be in [0, 1], not {o['contradiction_fraction']:g}"
+            )
+        if any(not 0 <= p <= 1 for p in contradictions):
+            raise CommandError("--sweep-contradictions: every share must be in [0, 1]")
         cadences = _integers(o["sweep_cadence"], "--sweep-cadence")
         if any(k < 0 for k in cadences):
             raise CommandError("--sweep-cadence: every cadence must be 0 (frozen) or a number of rounds")
         privacy_variants = []
         if o["sweep_epsilon"] or o["sweep_lambda"]:
-            epsilons = _floats(o["sweep_epsilon"]) or [o["epsilon"]]
-            lambdas = _floats(o["sweep_lambda"]) or [o["mask_strength"]]
+            epsilons = _floats(o["sweep_epsilon"], "--sweep-epsilon") or [o["epsilon"]]
+            lambdas = _floats(o["sweep_lambda"], "--sweep-lambda") or [o["mask_strength"]]
             privacy_variants = [{"epsilon": e, "mask_strength": m} for e in epsilons for m in lambdas]
         min_users = _integers(o["sweep_min_users"], "--sweep-min-users")
         if any(k < 1 for k in min_users):
@@ -431,7 +489,7 @@ class Command(BaseCommand):
             _releases(k, "--sweep-min-users", o["users_per_client"])
         adversarial_variants = []
         if o["sweep_adversarial"]:
-            fractions = _floats(o["sweep_adversarial"])
+            fractions = _floats(o["sweep_adversarial"], "--sweep-adversarial")
             if any(not 0 <= f <= 1 for f in fractions):
                 raise CommandError("--sweep-adversarial: every fraction must be in [0, 1]")
             for fraction in fractions:
@@ -500,6 +558,11 @@ class Command(BaseCommand):
             through_services=not o["in_memory"],
         )
         seeds = list(range(o["seed"], o["seed"] + o["seeds"]))
+        if config.through_services:  # checked when storing (_check_storable), not with --no-store
+            try:
+                check_scratch_database()
+            except ScratchDatabaseUnavailable as exc:
+                raise CommandError(f"{exc}; {IN_MEMORY_HINT}") from None
         try:
             dataset = load_dataset(o["dataset"])
         except RegistryFormatError as exc:
@@ -520,7 +583,10 @@ class Command(BaseCommand):
         try:
             engine = get_engine(o["embedding_model"])
         except EmbeddingModelUnavailable as exc:
-            raise CommandError(str(exc)) from None
+            if not o["embedding_model"]:  # the setting's model: the message says to set it
+                raise CommandError(str(exc)) from None
+            raise CommandError(unavailable_model(
+                o["embedding_model"], exc, f"--embedding-model takes {MODEL_NAMES}")) from None
         if (config.llm_url and "llm" not in config.transfer_rerankers
                 and not {config.summarizer, *summarizers} & set(LLM_SUMMARIZERS)):
             self.stderr.write(
@@ -568,7 +634,7 @@ class Command(BaseCommand):
                     if variants:
                         document[section] = sweep(make, config, variants, seeds, played, name=section)
         except ScratchDatabaseUnavailable as exc:
-            raise CommandError(f"{exc}; pass --in-memory to call the merge operator directly") from None
+            raise CommandError(f"{exc}; {IN_MEMORY_HINT}") from None
         except (SimulatedRoundFailed, ValueError) as exc:
             raise CommandError(str(exc)) from None
         document["command"] = "python manage.py simulate " + " ".join(sys.argv[2:])
@@ -636,6 +702,7 @@ def _unused_flag(o: dict) -> str | None:
     """A flag given a value of its own where the run has nothing it applies to (it would be
     silently ignored): what to pass with it, or None."""
     sweep_modes = _names(o["sweep_modes"]) if o["sweep_adversarial"] else ()
+    sweep_rules = _names(o["sweep_rules"]) if o["sweep_adversarial"] else ()
     camouflaged = ((o["adversarial_fraction"] > 0 and o["adversarial_mode"] in CAMOUFLAGED_MODES)
                    or bool(set(sweep_modes) & set(CAMOUFLAGED_MODES)))
     for flag, given, applies, needs in (
@@ -649,6 +716,12 @@ def _unused_flag(o: dict) -> str | None:
          f"adversaries of a camouflaged mode ({' or '.join(CAMOUFLAGED_MODES)}, in "
          "--adversarial-mode or --sweep-modes)"),
         ("--pool-size", o["pool_size"] > 0, o["pool_users"] > 1, "--pool-users 2 or more"),
+        ("--llm-model", bool(o["llm_model"]), bool(o["llm_url"]), "--llm URL"),
+        ("--trim-fraction", o["trim_fraction"] != SimulationConfig.trim_fraction,
+         any(rule != "none" for rule in (o["robust_rule"], *sweep_rules)),
+         "a robust rule (--robust-rule or --sweep-rules with --sweep-adversarial)"),
+        ("--client-tau", o["client_tau"] is not None, o["pool_users"] <= 1,  # pooling replaces it
+         "the clients' near-duplicate collapse (--pool-users 1)"),
     ):
         if given and not applies:
             return f"{flag} applies only with {needs}; this run has none, so it would be ignored"
@@ -685,8 +758,8 @@ def _check_storable() -> None:
         tables = connection.introspection.table_names()
     except DatabaseError as exc:
         raise CommandError(
-            f"cannot reach the database to store the run ({str(exc).strip()}); pass --no-store "
-            "to write --out only"
+            f"cannot reach the database to store the run ({str(exc).strip().splitlines()[0]}); "
+            "pass --no-store to write --out only"
         ) from None
     if SimulationRun._meta.db_table not in tables:
         raise CommandError(
