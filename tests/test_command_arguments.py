@@ -142,6 +142,24 @@ def test_routing_token_refuses_a_name_that_is_not_utf8_in_one_line(revoke):
     assert not RoutingToken.objects.exists()
 
 
+@pytest.mark.parametrize(
+    "args, what",
+    [
+        (["erase_client", "acme/app\udcff"], "a client"),
+        (["issue_user_token", "root\udcff"], "a username"),
+        (["issue_user_token", "root", "--label", "ci\udcff"], "a token's label"),
+        (["unlock_login", "root\udcff"], "a username"),
+    ],
+)
+def test_commands_refuse_text_that_is_not_utf8_in_one_line(args, what):
+    # a shell argument's undecodable byte reaches the command as a lone surrogate: these were a
+    # UnicodeEncodeError traceback from the database driver, as routing_token's name had been
+    make_user("root", superuser=True)
+    with pytest.raises(CommandError, match=f"{what} must be UTF-8 text: .* holds an undecodable byte"):
+        run(*args)
+    assert not UserToken.objects.exists() and not AuditLog.objects.exists()
+
+
 @pytest.mark.parametrize("where", ["missing/schema.json", "."])
 def test_export_schema_to_a_path_it_cannot_write_says_so_in_one_line(registry, tmp_path, where):
     # a folder that does not exist, or a folder itself: was a FileNotFoundError / IsADirectoryError
