@@ -10,6 +10,7 @@ from __future__ import annotations
 import math
 import os
 import re
+import sys
 from pathlib import Path
 
 import dj_database_url
@@ -238,6 +239,12 @@ def _database_from_url(url: str) -> dict:
 
 if os.environ.get("DATABASE_URL"):
     DATABASES = {"default": _database_from_url(os.environ["DATABASE_URL"])}
+elif sys.argv[1:2] == ["embedded_db"]:
+    # `manage.py embedded_db status|stop` looks at the embedded server: starting it first made
+    # `status` say "running" and `stop` stop the server it had just started, always.
+    from synapse_web.embedded_db import embedded_database_settings
+
+    DATABASES = {"default": embedded_database_settings(DATA_DIR / "pgdata", SYNAPSE_CONN_MAX_AGE)}
 else:
     from synapse_web.embedded_db import ensure_embedded_database
 
