@@ -129,3 +129,16 @@ def test_bootstrap_declares_the_default_numeric_fields_in_a_flushed_database(reg
     NumericField.objects.exclude(name="calls").delete()
     run(registry_file)
     assert list(NumericField.objects.values_list("name", flat=True)) == ["calls"]
+
+
+def test_bootstrap_refused_its_first_round_by_the_budget_says_so_and_changes_nothing(
+    registry_file, settings
+):
+    """A privacy budget below one demo round's ε (an operator's choice) was a BudgetExceeded
+    traceback after the operator's and the admins' passwords had been reset and the clients'
+    tokens rotated, none of them shown: the logins that worked before were lost."""
+    settings.SYNAPSE_EPSILON_BUDGET = 0.0001
+    with pytest.raises(CommandError, match="above its privacy budget of 0.0001"):
+        run(registry_file)
+    assert not Organization.objects.exists() and not Round.objects.exists()
+    assert not Client.objects.exists()

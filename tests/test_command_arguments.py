@@ -193,6 +193,20 @@ def test_demo_rounds_refuses_a_seed_no_round_can_take_before_doing_anything(regi
     assert not ProbeQuery.objects.exists() and not Round.objects.exists()
 
 
+def test_demo_rounds_refused_a_round_by_the_budget_says_so_in_one_line(registry, tmp_path,
+                                                                     settings):
+    from federation.models import Round
+    from tests.merge_helpers import write_probe_dataset
+
+    folder = write_probe_dataset(tmp_path / "probe")
+    settings.SYNAPSE_EPSILON_BUDGET = 0.0001
+    # `demo_rounds --rounds 12` under the default budget of 10: the round past it was a traceback
+    # of BudgetExceeded from opening it
+    with pytest.raises(CommandError, match="above its privacy budget of 0.0001"):
+        run("demo_rounds", "--dataset", str(folder), "--rounds", "1")
+    assert not Round.objects.exists()
+
+
 def test_round_status_with_more_rounds_than_any_federation_has_lists_them_all():
     from federation import services
 

@@ -5,6 +5,7 @@ from pydantic import ValidationError
 
 from compendium.registry import RegistryFormatError
 from federation.demo import DEMO_QUERIES_PER_CLIENT, DemoError, run_demo_rounds
+from federation.errors import FederationError
 from federation.services import demo_round_config
 
 
@@ -41,6 +42,8 @@ class Command(BaseCommand):
             )
         except (DemoError, RegistryFormatError) as exc:
             raise CommandError(str(exc)) from None
+        except FederationError as exc:  # a round refused (over the privacy budget, say)
+            raise CommandError(f"demo rounds stopped: {exc.detail}") from None
         if report.skipped:
             self.stdout.write(f"demo rounds: {rounds} rounds are already published; nothing to do")
         else:
