@@ -37,6 +37,29 @@ def test_database_without_pgvector_stops_with_one_line():
     assert "has no pgvector extension" in lines[0] and "unset DATABASE_URL" in lines[0]
 
 
+@pytest.mark.parametrize(
+    "command",
+    [
+        ["-m", "gunicorn", "synapse_web.wsgi:application", "--bind", "127.0.0.1:0", "--workers", "1"],
+        ["-m", "celery", "-A", "synapse_web", "worker", "-Q", "cpu", "--concurrency", "1"],
+        ["-m", "celery", "-A", "synapse_web", "beat", "--schedule", "/dev/null"],
+    ],
+    ids=["gunicorn", "celery worker", "celery beat"],
+)
+def test_a_bad_setting_stops_gunicorn_and_celery_with_one_line(command):
+    """Found by review: the README says a bad value stops gunicorn at start-up with one line; it
+    printed the settings' traceback from each worker it booted, and a Celery worker or beat
+    (docker-compose's worker-cpu, worker-gpu, beat) a traceback through click and kombu."""
+    env = {name: value for name, value in os.environ.items()
+           if not name.startswith(("SYNAPSE_", "CELERY_")) and name != "SECRET_KEY"}
+    env["DEBUG"] = "0"
+    proc = subprocess.run([sys.executable, *command], cwd=ROOT, env=env, capture_output=True,
+                          text=True, timeout=120)
+    assert proc.returncode != 0
+    lines = [line for line in proc.stderr.splitlines() if line.strip()]
+    assert lines == ["synapse: SECRET_KEY must be set when DEBUG=0"], proc.stderr
+
+
 def test_docker_compose_file_declares_the_services():
     import yaml
 
