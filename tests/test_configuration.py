@@ -138,6 +138,19 @@ def test_every_variable_the_server_reads_is_in_the_readme_configuration_table():
     assert table - read - documented_elsewhere == set(), "in the table but read nowhere"
 
 
+def test_the_image_leaves_out_the_env_file_that_holds_the_deployment_secrets():
+    """Found by review: the README has the compose settings (SECRET_KEY, SYNAPSE_LLM_API_KEY,
+    SYNAPSE_METRICS_TOKEN) put in an `.env` file next to docker-compose.yml, which is the build
+    context: the Dockerfile's `COPY . .` put it in the image, for anyone who pulls it to read."""
+    import fnmatch
+
+    patterns = [line.strip() for line in (ROOT / ".dockerignore").read_text().splitlines()
+                if line.strip() and not line.startswith("#")]
+    for path in (".env", ".env.production", ".data/secret_key", ".venv/bin/python"):
+        assert any(fnmatch.fnmatch(path, p) or path.startswith(p + "/") for p in patterns), path
+    assert ".env" in (ROOT / ".gitignore").read_text().split()
+
+
 def test_docker_compose_passes_what_a_deployment_behind_a_proxy_or_with_a_hosted_llm_sets():
     """Found by review: x-synapse-env passed SYNAPSE_LLM_BASE_URL but not its SYNAPSE_LLM_API_KEY
     (a hosted endpoint was asked without the key), nor CSRF_TRUSTED_ORIGINS (which the README
