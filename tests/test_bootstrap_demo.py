@@ -172,3 +172,13 @@ def test_make_demo_keeps_the_printed_logins_to_the_owner(tmp_path):
     logins = data / "demo-logins.txt"
     assert logins.read_text().startswith("ran manage.py bootstrap_demo --dataset")
     assert stat.S_IMODE(logins.stat().st_mode) == 0o600
+
+
+def test_bootstrap_prints_working_addresses_for_a_url_given_without_its_final_slash(registry_file):
+    # `--url http://127.0.0.1:8000` printed "http://127.0.0.1:8000api/v1/rounds/" and the like
+    out, err = io.StringIO(), io.StringIO()
+    call_command("bootstrap_demo", "--dataset", str(registry_file), "--url", "http://127.0.0.1:8000",
+                 stdout=out, stderr=err)
+    banner = out.getvalue()
+    assert "SYNAPSE is starting on http://127.0.0.1:8000/\n" in banner
+    assert "API: http://127.0.0.1:8000/api/v1/rounds/   schema: http://127.0.0.1:8000/api/schema/" in banner

@@ -16,6 +16,7 @@ class Command(BaseCommand):
         parser.add_argument("--url", default="http://127.0.0.1:8000/", help="where the site is served")
 
     def handle(self, *args, dataset, url, **options):
+        url = url.rstrip("/") + "/"  # the banner appends the pages' paths to it
         call_command("import_tools", dataset, stdout=self.stdout)
         try:
             demo = bootstrap_demo_federation()
