@@ -249,6 +249,30 @@ def test_tune_router_refuses_more_epochs_than_its_row_can_record_in_one_line(epo
     assert not TunedRouter.objects.exists()
 
 
+def test_tune_router_says_so_when_the_global_was_replaced_before_its_tuning(monkeypatch, settings,
+                                                                          tmp_path):
+    from compendium.schema import Compendium, Scenario
+    from compendium.services import import_registry, store_compendium
+    from federation.management.commands import tune_router
+    from federation.models import Round
+    from tests.merge_helpers import TOOLS
+
+    settings.DATA_DIR = tmp_path
+    import_registry(TOOLS)
+    rnd = Round.objects.create(number=1, state="published")
+    store_compendium(Compendium(scenarios=[Scenario(tool_id="weather", text="rain in Paris?")]),
+                     kind="global", round=rnd)
+    # an erasure re-materialized the round meanwhile: the version is gone (None)
+    monkeypatch.setattr(tune_router, "tune_published_router", lambda *args, **kwargs: None)
+    # was "round 1: tuning None: the version disappeared"
+    with pytest.raises(CommandError) as refused:
+        run("tune_router", "--epochs", "1")
+    assert str(refused.value) == (
+        "round 1: its global compendium was replaced (re-materialized) before it could be tuned; "
+        "run tune_router again to tune the one published now"
+    )
+
+
 @pytest.mark.django_db(transaction=True)  # as the command runs: the retry commits, then returns
 def test_retry_round_says_how_the_retry_ended_without_a_broker():
     from federation import services
