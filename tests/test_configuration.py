@@ -60,6 +60,20 @@ def test_a_bad_setting_stops_gunicorn_and_celery_with_one_line(command):
     assert lines == ["synapse: SECRET_KEY must be set when DEBUG=0"], proc.stderr
 
 
+@pytest.mark.parametrize("command", [["round_status"], ["migrate", "--noinput"]])
+def test_a_database_that_cannot_be_reached_stops_a_command_with_one_line(command):
+    """Found by review: a DATABASE_URL naming a host where no PostgreSQL answers (or a wrong
+    port, a server down) stopped every command with psycopg's traceback."""
+    env = dict(os.environ, DATABASE_URL="postgres://synapse:secret-password@127.0.0.1:1/synapse")
+    proc = subprocess.run([sys.executable, "manage.py", *command], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2
+    lines = [line for line in proc.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1, proc.stderr
+    assert lines[0].startswith("synapse: cannot connect to the database DATABASE_URL names: "), lines
+    assert "Connection refused" in lines[0] and "secret-password" not in lines[0]
+
+
 def test_docker_compose_file_declares_the_services():
     import yaml
 
