@@ -144,6 +144,7 @@ def test_bootstrap_refused_its_first_round_by_the_budget_says_so_and_changes_not
     assert not Client.objects.exists()
 
 
+@pytest.mark.slow
 def test_make_demo_keeps_the_printed_logins_to_the_owner(tmp_path):
     """`make demo` writes the operator's and the admins' passwords and the clients' tokens to
     SYNAPSE_DATA_DIR/demo-logins.txt: under the usual umask (022) any user of the machine could

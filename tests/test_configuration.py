@@ -37,6 +37,7 @@ def test_database_without_pgvector_stops_with_one_line():
     assert "has no pgvector extension" in lines[0] and "unset DATABASE_URL" in lines[0]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "command",
     [
@@ -60,6 +61,7 @@ def test_a_bad_setting_stops_gunicorn_and_celery_with_one_line(command):
     assert lines == ["synapse: SECRET_KEY must be set when DEBUG=0"], proc.stderr
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("command", [["round_status"], ["migrate", "--noinput"]])
 def test_a_database_that_cannot_be_reached_stops_a_command_with_one_line(command):
     """Found by review: a DATABASE_URL naming a host where no PostgreSQL answers (or a wrong
