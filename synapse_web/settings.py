@@ -248,6 +248,14 @@ elif sys.argv[1:2] == ["embedded_db"]:
 else:
     from synapse_web.embedded_db import ensure_embedded_database
 
+    try:
+        DATA_DIR.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:  # under a file, on a read-only disk, not ours
+        raise ImproperlyConfigured(
+            f"SYNAPSE_DATA_DIR={str(DATA_DIR)!r}: the embedded database cannot be kept there "
+            f"({exc.strerror or exc}); name a folder that can be made and written, or set "
+            "DATABASE_URL"
+        ) from None
     DATABASES = {"default": ensure_embedded_database(DATA_DIR / "pgdata", SYNAPSE_CONN_MAX_AGE)}
 
 # The request hot paths (client token lookup, submissions) have their statements prepared on the

@@ -76,6 +76,22 @@ def test_a_database_that_cannot_be_reached_stops_a_command_with_one_line(command
     assert "Connection refused" in lines[0] and "secret-password" not in lines[0]
 
 
+@pytest.mark.slow
+def test_a_data_folder_that_cannot_be_made_stops_a_command_with_one_line(tmp_path):
+    """Found by review: a SYNAPSE_DATA_DIR that cannot be made (under a file, say) stopped every
+    command with a NotADirectoryError traceback from starting the embedded database."""
+    (tmp_path / "a-file").write_text("")
+    env = {name: value for name, value in os.environ.items() if name != "DATABASE_URL"}
+    env["SYNAPSE_DATA_DIR"] = str(tmp_path / "a-file" / "data")
+    proc = subprocess.run([sys.executable, "manage.py", "round_status"], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2
+    lines = [line for line in proc.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1, proc.stderr
+    assert lines[0].startswith(f"synapse: SYNAPSE_DATA_DIR={env['SYNAPSE_DATA_DIR']!r}: "), lines
+    assert "Not a directory" in lines[0]
+
+
 def test_docker_compose_file_declares_the_services():
     import yaml
 
