@@ -207,6 +207,18 @@ def test_demo_rounds_refused_a_round_by_the_budget_says_so_in_one_line(registry,
     assert not Round.objects.exists()
 
 
+def test_demo_rounds_with_an_embedding_model_that_cannot_be_loaded_says_so_in_one_line(
+    registry, tmp_path, monkeypatch
+):
+    from tests.merge_helpers import write_probe_dataset
+
+    folder = write_probe_dataset(tmp_path / "probe")
+    monkeypatch.setenv("SYNAPSE_EMBEDDING_MODEL", str(tmp_path / "no-such-model"))
+    # was a traceback of EmbeddingModelUnavailable (simulate says it in one line)
+    with pytest.raises(CommandError, match="cannot load embedding model .*no-such-model"):
+        run("demo_rounds", "--dataset", str(folder), "--rounds", "1")
+
+
 def test_round_status_with_more_rounds_than_any_federation_has_lists_them_all():
     from federation import services
 

@@ -7,6 +7,7 @@ from compendium.registry import RegistryFormatError
 from federation.demo import DEMO_QUERIES_PER_CLIENT, DemoError, run_demo_rounds
 from federation.errors import FederationError
 from federation.services import demo_round_config
+from routing.embeddings import EmbeddingModelUnavailable
 
 
 class Command(BaseCommand):
@@ -40,7 +41,7 @@ class Command(BaseCommand):
                 dataset, rounds=rounds, queries_per_client=queries_per_client, seed=seed,
                 progress=progress,
             )
-        except (DemoError, RegistryFormatError) as exc:
+        except (DemoError, RegistryFormatError, EmbeddingModelUnavailable) as exc:
             raise CommandError(str(exc)) from None
         except FederationError as exc:  # a round refused (over the privacy budget, say)
             raise CommandError(f"demo rounds stopped: {exc.detail}") from None
