@@ -10,6 +10,7 @@ from __future__ import annotations
 import fcntl
 import os
 import signal
+import time
 import warnings
 from contextlib import contextmanager
 from pathlib import Path
@@ -95,8 +96,10 @@ def embedded_database_pid(data_dir: Path) -> int | None:
     return pid
 
 
-def stop_embedded_database(data_dir: Path) -> bool:
-    """Fast shutdown of the embedded server (SIGINT to the postmaster). False if none was running."""
+def stop_embedded_database(data_dir: Path, wait_seconds: float = 60.0) -> bool:
+    """Fast shutdown of the embedded server (SIGINT to the postmaster), waited for (at most
+    `wait_seconds`) so that a command right after it starts a new server instead of finding the
+    old one shutting down. False if none was running."""
     pid = embedded_database_pid(data_dir)
     if pid is None:
         return False
@@ -104,4 +107,7 @@ def stop_embedded_database(data_dir: Path) -> bool:
         os.kill(pid, signal.SIGINT)
     except ProcessLookupError:
         return False
+    deadline = time.monotonic() + wait_seconds
+    while embedded_database_pid(data_dir) == pid and time.monotonic() < deadline:
+        time.sleep(0.05)
     return True
