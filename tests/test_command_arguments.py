@@ -193,12 +193,23 @@ def test_demo_rounds_refuses_a_seed_no_round_can_take_before_doing_anything(regi
     assert not ProbeQuery.objects.exists() and not Round.objects.exists()
 
 
+def _demo_clients():
+    """The demo federation's organizations and approved clients, without its round."""
+    from federation import services
+
+    for name, slug, client_names in services.DEMO_ORGANIZATIONS:
+        org = services.create_organization(SYSTEM, name, slug)
+        for client_name in client_names:
+            services.approve_client(SYSTEM, services.enroll_client(SYSTEM, org, client_name, ""))
+
+
 def test_demo_rounds_refused_a_round_by_the_budget_says_so_in_one_line(registry, tmp_path,
                                                                      settings):
     from federation.models import Round
     from tests.merge_helpers import write_probe_dataset
 
     folder = write_probe_dataset(tmp_path / "probe")
+    _demo_clients()
     settings.SYNAPSE_EPSILON_BUDGET = 0.0001
     # `demo_rounds --rounds 12` under the default budget of 10: the round past it was a traceback
     # of BudgetExceeded from opening it
@@ -213,10 +224,23 @@ def test_demo_rounds_with_an_embedding_model_that_cannot_be_loaded_says_so_in_on
     from tests.merge_helpers import write_probe_dataset
 
     folder = write_probe_dataset(tmp_path / "probe")
+    _demo_clients()
     monkeypatch.setenv("SYNAPSE_EMBEDDING_MODEL", str(tmp_path / "no-such-model"))
     # was a traceback of EmbeddingModelUnavailable (simulate says it in one line)
     with pytest.raises(CommandError, match="cannot load embedding model .*no-such-model"):
         run("demo_rounds", "--dataset", str(folder), "--rounds", "1")
+
+
+def test_demo_rounds_without_the_demo_federation_says_to_bootstrap_it_first(registry, tmp_path):
+    from federation.models import ProbeQuery, Round
+    from tests.merge_helpers import write_probe_dataset
+
+    folder = write_probe_dataset(tmp_path / "probe")
+    # was "demo round 1 ended failed: round 1 has no submissions to merge", after opening (and
+    # failing) a round at every run
+    with pytest.raises(CommandError, match="no approved demo clients.*manage.py bootstrap_demo"):
+        run("demo_rounds", "--dataset", str(folder), "--rounds", "1")
+    assert not Round.objects.exists() and not ProbeQuery.objects.exists()
 
 
 def test_round_status_with_more_rounds_than_any_federation_has_lists_them_all():
