@@ -259,6 +259,23 @@ def test_close_due_rounds_refuses_an_interval_that_is_not_a_finite_number(every)
         run("close_due_rounds", "--every", every)
 
 
+def test_close_due_rounds_in_a_loop_ends_quietly_when_interrupted(monkeypatch):
+    from federation.management.commands import close_due_rounds
+
+    def interrupted(seconds):
+        assert seconds == 60
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(close_due_rounds.time, "sleep", interrupted)
+    # "check every N seconds until interrupted": Ctrl-C, the documented way to end it, was a
+    # KeyboardInterrupt traceback
+    try:
+        out = run("close_due_rounds", "--every", "60")
+    except KeyboardInterrupt:
+        pytest.fail("the interrupt escaped the command: a traceback")
+    assert out == ""
+
+
 def test_erase_client_reads_only_ascii_digits_as_an_id():
     # "²" passes str.isdigit but not int(): was a ValueError traceback
     with pytest.raises(CommandError, match="no client '²'"):
