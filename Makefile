@@ -27,7 +27,10 @@ demo: install
 	$(PY) manage.py migrate --noinput
 	$(PY) manage.py collectstatic --noinput -v 0
 	@mkdir -p $(DATA_DIR)
-	$(PY) manage.py bootstrap_demo --dataset $(DATASET) --url http://$(HOST):$(PORT)/ > $(DATA_DIR)/demo-logins.txt
+	@# The logins (passwords, client tokens) for the owner only, as the secret key beside them;
+	@# removed first: a redirect keeps the mode of a file an earlier demo left.
+	umask 077 && rm -f $(DATA_DIR)/demo-logins.txt && $(PY) manage.py bootstrap_demo --dataset $(DATASET) \
+		--url http://$(HOST):$(PORT)/ > $(DATA_DIR)/demo-logins.txt
 	$(PY) manage.py demo_rounds --dataset $(DATASET) --rounds 3
 	-$(PY) manage.py tune_router --epochs 1
 	$(PY) manage.py simulate --dataset $(DATASET) --orgs 3 --clients-per-org 2 --rounds 3 \

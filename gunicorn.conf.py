@@ -13,6 +13,11 @@ import threading
 # texts, about 360 MB per worker) distinct queries would fill every worker's memory.
 os.environ.setdefault("SYNAPSE_EMBEDDING_CACHE_ENTRIES", "10000")
 
+# A bad setting stops gunicorn here, in one line: in a worker it was a traceback from each one.
+from synapse_web.celery import settings_or_exit  # noqa: E402
+
+settings_or_exit()
+
 
 def post_worker_init(worker):
     from routing.services import warm_up

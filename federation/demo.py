@@ -102,6 +102,11 @@ def run_demo_rounds(
             continue
         share.queries = share.queries[:queries_per_client]
         logs[client] = usage_log(share, confusions, seed=seed)
+    if not logs:  # every round would open, have no submissions and fail
+        raise DemoError(
+            "no approved demo clients to play the rounds: run manage.py bootstrap_demo first "
+            "(make demo does)"
+        )
     import_probe_set(dataset_path, per_tool=3, seed=seed)
 
     published, sent = [], 0

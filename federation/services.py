@@ -1329,10 +1329,12 @@ class DemoFederation:
 
 
 @transaction.atomic
+@transaction.atomic
 def bootstrap_demo_federation() -> DemoFederation:
     """A demo federation, idempotent across restarts: organizations with an admin login each,
     approved clients, an operator login, and round 1 when no round exists. Passwords and client
-    tokens are re-issued (printed once) on every run; only their hashes are stored."""
+    tokens are re-issued (printed once) on every run; only their hashes are stored. All or
+    nothing: a refusal (round 1 over the privacy budget) leaves the logins that worked before."""
     actor = Actor.system("bootstrap_demo")
     if not NumericField.objects.exists():
         # A flushed database has lost what the data migration declared: the demo's statistics,

@@ -273,7 +273,7 @@ class EmbeddingEngine:
         self.batch_size = batch_size
         self._cache: OrderedDict[bytes, np.ndarray] = OrderedDict()
         if cache_size is None:
-            cache_size = int(os.environ.get("SYNAPSE_EMBEDDING_CACHE_ENTRIES", "") or 200_000)
+            cache_size = int(os.environ.get("SYNAPSE_EMBEDDING_CACHE_ENTRIES", "").strip() or 200_000)
         self._cache_size = max(0, cache_size)
         self._lock = threading.Lock()
         os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -281,7 +281,7 @@ class EmbeddingEngine:
         try:
             if self.model_name in (ONNX_INT8_MODEL, ONNX_INT8_DYNAMIC_MODEL):
                 dynamic = self.model_name == ONNX_INT8_DYNAMIC_MODEL
-                configured = int(os.environ.get("SYNAPSE_ONNX_THREADS", "") or 0)
+                configured = int(os.environ.get("SYNAPSE_ONNX_THREADS", "").strip() or 0)
                 self._model = _OnnxMiniLM(
                     threads=configured or _default_threads(), dynamic=dynamic,
                     workers=configured or max(1, min(8, os.cpu_count() or 1)),

@@ -321,8 +321,9 @@ def get_llm(
     model = model if model is not None else os.environ.get("SYNAPSE_LLM_MODEL", "")
     api_key = api_key if api_key is not None else os.environ.get("SYNAPSE_LLM_API_KEY", "")
     if base_url:
-        # An endpoint found down is not asked again for SYNAPSE_LLM_PAUSE_SECONDS (30).
-        pause = float(os.environ.get("SYNAPSE_LLM_PAUSE_SECONDS", "30") or 0)
+        # An endpoint found down is not asked again for SYNAPSE_LLM_PAUSE_SECONDS (30; set to
+        # nothing: 30 too, as the settings read it).
+        pause = float(os.environ.get("SYNAPSE_LLM_PAUSE_SECONDS", "").strip() or 30)
         return OpenAICompatibleLLM(base_url, model, api_key, pause=pause)
     gguf = os.environ.get("SYNAPSE_LLM_GGUF", "")
     if gguf:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import fcntl
 import os
 import signal
+import time
 import warnings
 from contextlib import contextmanager
 from pathlib import Path
@@ -55,14 +56,24 @@ def ensure_embedded_database(data_dir: Path, conn_max_age: int = 60) -> dict:
             # every database of this server can hold vectors.
             server.psql("\\c template1\nCREATE EXTENSION IF NOT EXISTS vector;")
             marker.touch()
+    # Where the server put its socket: the data folder, or, when that path would be too long
+    # for a Unix socket (a checkout deeper than about 80 characters), a runtime folder.
+    return _settings(_socket_dir(server, data_dir), conn_max_age)
+
+
+def embedded_database_settings(data_dir: Path, conn_max_age: int = 60) -> dict:
+    """Django DATABASES settings for the embedded server, without starting it: for
+    `manage.py embedded_db`, which looks at the server (status, stop) and must not start it."""
+    return _settings(Path(data_dir).resolve(), conn_max_age)
+
+
+def _settings(host: Path, conn_max_age: int) -> dict:
     return {
         "ENGINE": "django.db.backends.postgresql",
         "NAME": DB_NAME,
         "USER": "postgres",
         "PASSWORD": "",
-        # Where the server put its socket: the data folder, or, when that path would be too long
-        # for a Unix socket (a checkout deeper than about 80 characters), a runtime folder.
-        "HOST": str(_socket_dir(server, data_dir)),
+        "HOST": str(host),
         "PORT": "",
         "CONN_MAX_AGE": conn_max_age,
         "CONN_HEALTH_CHECKS": True,
@@ -74,14 +85,29 @@ def _socket_dir(server, data_dir: Path) -> Path:
     return Path(info.socket_dir) if info is not None and info.socket_dir else data_dir
 
 
-def stop_embedded_database(data_dir: Path) -> bool:
-    """Fast shutdown of the embedded server (SIGINT to the postmaster). False if none was running."""
-    pid_file = Path(data_dir).resolve() / "postmaster.pid"
-    if not pid_file.exists():
+def embedded_database_pid(data_dir: Path) -> int | None:
+    """The process id of the embedded server running from `data_dir`, or None: no pid file, or
+    one a server killed left behind (its process gone)."""
+    try:
+        pid = int(((Path(data_dir).resolve() / "postmaster.pid").read_text().splitlines() or [""])[0])
+        os.kill(pid, 0)
+    except (OSError, ValueError):  # no file, no such process, not ours, not a pid
+        return None
+    return pid
+
+
+def stop_embedded_database(data_dir: Path, wait_seconds: float = 60.0) -> bool:
+    """Fast shutdown of the embedded server (SIGINT to the postmaster), waited for (at most
+    `wait_seconds`) so that a command right after it starts a new server instead of finding the
+    old one shutting down. False if none was running."""
+    pid = embedded_database_pid(data_dir)
+    if pid is None:
         return False
-    pid = int(pid_file.read_text().splitlines()[0])
     try:
         os.kill(pid, signal.SIGINT)
     except ProcessLookupError:
         return False
+    deadline = time.monotonic() + wait_seconds
+    while embedded_database_pid(data_dir) == pid and time.monotonic() < deadline:
+        time.sleep(0.05)
     return True

@@ -10,6 +10,7 @@ from __future__ import annotations
 import math
 import os
 import re
+import sys
 from pathlib import Path
 
 import dj_database_url
@@ -238,9 +239,23 @@ def _database_from_url(url: str) -> dict:
 
 if os.environ.get("DATABASE_URL"):
     DATABASES = {"default": _database_from_url(os.environ["DATABASE_URL"])}
+elif sys.argv[1:2] == ["embedded_db"]:
+    # `manage.py embedded_db status|stop` looks at the embedded server: starting it first made
+    # `status` say "running" and `stop` stop the server it had just started, always.
+    from synapse_web.embedded_db import embedded_database_settings
+
+    DATABASES = {"default": embedded_database_settings(DATA_DIR / "pgdata", SYNAPSE_CONN_MAX_AGE)}
 else:
     from synapse_web.embedded_db import ensure_embedded_database
 
+    try:
+        DATA_DIR.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:  # under a file, on a read-only disk, not ours
+        raise ImproperlyConfigured(
+            f"SYNAPSE_DATA_DIR={str(DATA_DIR)!r}: the embedded database cannot be kept there "
+            f"({exc.strerror or exc}); name a folder that can be made and written, or set "
+            "DATABASE_URL"
+        ) from None
     DATABASES = {"default": ensure_embedded_database(DATA_DIR / "pgdata", SYNAPSE_CONN_MAX_AGE)}
 
 # The request hot paths (client token lookup, submissions) have their statements prepared on the

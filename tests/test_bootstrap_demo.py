@@ -129,3 +129,57 @@ def test_bootstrap_declares_the_default_numeric_fields_in_a_flushed_database(reg
     NumericField.objects.exclude(name="calls").delete()
     run(registry_file)
     assert list(NumericField.objects.values_list("name", flat=True)) == ["calls"]
+
+
+def test_bootstrap_refused_its_first_round_by_the_budget_says_so_and_changes_nothing(
+    registry_file, settings
+):
+    """A privacy budget below one demo round's ε (an operator's choice) was a BudgetExceeded
+    traceback after the operator's and the admins' passwords had been reset and the clients'
+    tokens rotated, none of them shown: the logins that worked before were lost."""
+    settings.SYNAPSE_EPSILON_BUDGET = 0.0001
+    with pytest.raises(CommandError, match="above its privacy budget of 0.0001"):
+        run(registry_file)
+    assert not Organization.objects.exists() and not Round.objects.exists()
+    assert not Client.objects.exists()
+
+
+@pytest.mark.slow
+def test_make_demo_keeps_the_printed_logins_to_the_owner(tmp_path):
+    """`make demo` writes the operator's and the admins' passwords and the clients' tokens to
+    SYNAPSE_DATA_DIR/demo-logins.txt: under the usual umask (022) any user of the machine could
+    read them, where the secret key beside it is made 0600. The recipe is run with a stand-in
+    for the virtualenv's python that prints what it is asked to run."""
+    import os
+    import stat
+    import subprocess
+
+    from tests.conftest import ROOT
+
+    python = tmp_path / "python"
+    python.write_text("#!/bin/sh\necho \"ran $*\"\n")
+    python.chmod(0o755)
+    installed = tmp_path / "venv" / ".installed"
+    installed.parent.mkdir()
+    installed.touch()
+    data = tmp_path / "data"
+    env = dict(os.environ, SYNAPSE_DATA_DIR=str(data), SECRET_KEY="test-only")
+    done = subprocess.run(
+        ["sh", "-c", 'umask 022 && exec make -s -o "$1" demo VENV="$2" PY="$3"', "make",
+         str(installed), str(installed.parent), str(python)],
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=60,
+    )
+    assert done.returncode == 0, done.stderr
+    logins = data / "demo-logins.txt"
+    assert logins.read_text().startswith("ran manage.py bootstrap_demo --dataset")
+    assert stat.S_IMODE(logins.stat().st_mode) == 0o600
+
+
+def test_bootstrap_prints_working_addresses_for_a_url_given_without_its_final_slash(registry_file):
+    # `--url http://127.0.0.1:8000` printed "http://127.0.0.1:8000api/v1/rounds/" and the like
+    out, err = io.StringIO(), io.StringIO()
+    call_command("bootstrap_demo", "--dataset", str(registry_file), "--url", "http://127.0.0.1:8000",
+                 stdout=out, stderr=err)
+    banner = out.getvalue()
+    assert "SYNAPSE is starting on http://127.0.0.1:8000/\n" in banner
+    assert "API: http://127.0.0.1:8000/api/v1/rounds/   schema: http://127.0.0.1:8000/api/schema/" in banner

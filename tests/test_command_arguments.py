@@ -142,6 +142,24 @@ def test_routing_token_refuses_a_name_that_is_not_utf8_in_one_line(revoke):
     assert not RoutingToken.objects.exists()
 
 
+@pytest.mark.parametrize(
+    "args, what",
+    [
+        (["erase_client", "acme/app\udcff"], "a client"),
+        (["issue_user_token", "root\udcff"], "a username"),
+        (["issue_user_token", "root", "--label", "ci\udcff"], "a token's label"),
+        (["unlock_login", "root\udcff"], "a username"),
+    ],
+)
+def test_commands_refuse_text_that_is_not_utf8_in_one_line(args, what):
+    # a shell argument's undecodable byte reaches the command as a lone surrogate: these were a
+    # UnicodeEncodeError traceback from the database driver, as routing_token's name had been
+    make_user("root", superuser=True)
+    with pytest.raises(CommandError, match=f"{what} must be UTF-8 text: .* holds an undecodable byte"):
+        run(*args)
+    assert not UserToken.objects.exists() and not AuditLog.objects.exists()
+
+
 @pytest.mark.parametrize("where", ["missing/schema.json", "."])
 def test_export_schema_to_a_path_it_cannot_write_says_so_in_one_line(registry, tmp_path, where):
     # a folder that does not exist, or a folder itself: was a FileNotFoundError / IsADirectoryError
@@ -175,6 +193,56 @@ def test_demo_rounds_refuses_a_seed_no_round_can_take_before_doing_anything(regi
     assert not ProbeQuery.objects.exists() and not Round.objects.exists()
 
 
+def _demo_clients():
+    """The demo federation's organizations and approved clients, without its round."""
+    from federation import services
+
+    for name, slug, client_names in services.DEMO_ORGANIZATIONS:
+        org = services.create_organization(SYSTEM, name, slug)
+        for client_name in client_names:
+            services.approve_client(SYSTEM, services.enroll_client(SYSTEM, org, client_name, ""))
+
+
+def test_demo_rounds_refused_a_round_by_the_budget_says_so_in_one_line(registry, tmp_path,
+                                                                     settings):
+    from federation.models import Round
+    from tests.merge_helpers import write_probe_dataset
+
+    folder = write_probe_dataset(tmp_path / "probe")
+    _demo_clients()
+    settings.SYNAPSE_EPSILON_BUDGET = 0.0001
+    # `demo_rounds --rounds 12` under the default budget of 10: the round past it was a traceback
+    # of BudgetExceeded from opening it
+    with pytest.raises(CommandError, match="above its privacy budget of 0.0001"):
+        run("demo_rounds", "--dataset", str(folder), "--rounds", "1")
+    assert not Round.objects.exists()
+
+
+def test_demo_rounds_with_an_embedding_model_that_cannot_be_loaded_says_so_in_one_line(
+    registry, tmp_path, monkeypatch
+):
+    from tests.merge_helpers import write_probe_dataset
+
+    folder = write_probe_dataset(tmp_path / "probe")
+    _demo_clients()
+    monkeypatch.setenv("SYNAPSE_EMBEDDING_MODEL", str(tmp_path / "no-such-model"))
+    # was a traceback of EmbeddingModelUnavailable (simulate says it in one line)
+    with pytest.raises(CommandError, match="cannot load embedding model .*no-such-model"):
+        run("demo_rounds", "--dataset", str(folder), "--rounds", "1")
+
+
+def test_demo_rounds_without_the_demo_federation_says_to_bootstrap_it_first(registry, tmp_path):
+    from federation.models import ProbeQuery, Round
+    from tests.merge_helpers import write_probe_dataset
+
+    folder = write_probe_dataset(tmp_path / "probe")
+    # was "demo round 1 ended failed: round 1 has no submissions to merge", after opening (and
+    # failing) a round at every run
+    with pytest.raises(CommandError, match="no approved demo clients.*manage.py bootstrap_demo"):
+        run("demo_rounds", "--dataset", str(folder), "--rounds", "1")
+    assert not Round.objects.exists() and not ProbeQuery.objects.exists()
+
+
 def test_round_status_with_more_rounds_than_any_federation_has_lists_them_all():
     from federation import services
 
@@ -189,6 +257,23 @@ def test_close_due_rounds_refuses_an_interval_that_is_not_a_finite_number(every)
     # a negative interval checked once and ended without a word
     with pytest.raises(CommandError, match="--every must be a finite number of seconds"):
         run("close_due_rounds", "--every", every)
+
+
+def test_close_due_rounds_in_a_loop_ends_quietly_when_interrupted(monkeypatch):
+    from federation.management.commands import close_due_rounds
+
+    def interrupted(seconds):
+        assert seconds == 60
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(close_due_rounds.time, "sleep", interrupted)
+    # "check every N seconds until interrupted": Ctrl-C, the documented way to end it, was a
+    # KeyboardInterrupt traceback
+    try:
+        out = run("close_due_rounds", "--every", "60")
+    except KeyboardInterrupt:
+        pytest.fail("the interrupt escaped the command: a traceback")
+    assert out == ""
 
 
 def test_erase_client_reads_only_ascii_digits_as_an_id():
@@ -215,6 +300,30 @@ def test_tune_router_refuses_more_epochs_than_its_row_can_record_in_one_line(epo
     with pytest.raises(CommandError, match="epochs must be at most 32767, not "):
         run("tune_router", "--epochs", epochs)
     assert not TunedRouter.objects.exists()
+
+
+def test_tune_router_says_so_when_the_global_was_replaced_before_its_tuning(monkeypatch, settings,
+                                                                          tmp_path):
+    from compendium.schema import Compendium, Scenario
+    from compendium.services import import_registry, store_compendium
+    from federation.management.commands import tune_router
+    from federation.models import Round
+    from tests.merge_helpers import TOOLS
+
+    settings.DATA_DIR = tmp_path
+    import_registry(TOOLS)
+    rnd = Round.objects.create(number=1, state="published")
+    store_compendium(Compendium(scenarios=[Scenario(tool_id="weather", text="rain in Paris?")]),
+                     kind="global", round=rnd)
+    # an erasure re-materialized the round meanwhile: the version is gone (None)
+    monkeypatch.setattr(tune_router, "tune_published_router", lambda *args, **kwargs: None)
+    # was "round 1: tuning None: the version disappeared"
+    with pytest.raises(CommandError) as refused:
+        run("tune_router", "--epochs", "1")
+    assert str(refused.value) == (
+        "round 1: its global compendium was replaced (re-materialized) before it could be tuned; "
+        "run tune_router again to tune the one published now"
+    )
 
 
 @pytest.mark.django_db(transaction=True)  # as the command runs: the retry commits, then returns

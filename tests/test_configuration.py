@@ -37,6 +37,61 @@ def test_database_without_pgvector_stops_with_one_line():
     assert "has no pgvector extension" in lines[0] and "unset DATABASE_URL" in lines[0]
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "command",
+    [
+        ["-m", "gunicorn", "synapse_web.wsgi:application", "--bind", "127.0.0.1:0", "--workers", "1"],
+        ["-m", "celery", "-A", "synapse_web", "worker", "-Q", "cpu", "--concurrency", "1"],
+        ["-m", "celery", "-A", "synapse_web", "beat", "--schedule", "/dev/null"],
+    ],
+    ids=["gunicorn", "celery worker", "celery beat"],
+)
+def test_a_bad_setting_stops_gunicorn_and_celery_with_one_line(command):
+    """Found by review: the README says a bad value stops gunicorn at start-up with one line; it
+    printed the settings' traceback from each worker it booted, and a Celery worker or beat
+    (docker-compose's worker-cpu, worker-gpu, beat) a traceback through click and kombu."""
+    env = {name: value for name, value in os.environ.items()
+           if not name.startswith(("SYNAPSE_", "CELERY_")) and name != "SECRET_KEY"}
+    env["DEBUG"] = "0"
+    proc = subprocess.run([sys.executable, *command], cwd=ROOT, env=env, capture_output=True,
+                          text=True, timeout=120)
+    assert proc.returncode != 0
+    lines = [line for line in proc.stderr.splitlines() if line.strip()]
+    assert lines == ["synapse: SECRET_KEY must be set when DEBUG=0"], proc.stderr
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("command", [["round_status"], ["migrate", "--noinput"]])
+def test_a_database_that_cannot_be_reached_stops_a_command_with_one_line(command):
+    """Found by review: a DATABASE_URL naming a host where no PostgreSQL answers (or a wrong
+    port, a server down) stopped every command with psycopg's traceback."""
+    env = dict(os.environ, DATABASE_URL="postgres://synapse:secret-password@127.0.0.1:1/synapse")
+    proc = subprocess.run([sys.executable, "manage.py", *command], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2
+    lines = [line for line in proc.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1, proc.stderr
+    assert lines[0].startswith("synapse: cannot connect to the database DATABASE_URL names: "), lines
+    assert "Connection refused" in lines[0] and "secret-password" not in lines[0]
+
+
+@pytest.mark.slow
+def test_a_data_folder_that_cannot_be_made_stops_a_command_with_one_line(tmp_path):
+    """Found by review: a SYNAPSE_DATA_DIR that cannot be made (under a file, say) stopped every
+    command with a NotADirectoryError traceback from starting the embedded database."""
+    (tmp_path / "a-file").write_text("")
+    env = {name: value for name, value in os.environ.items() if name != "DATABASE_URL"}
+    env["SYNAPSE_DATA_DIR"] = str(tmp_path / "a-file" / "data")
+    proc = subprocess.run([sys.executable, "manage.py", "round_status"], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2
+    lines = [line for line in proc.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1, proc.stderr
+    assert lines[0].startswith(f"synapse: SYNAPSE_DATA_DIR={env['SYNAPSE_DATA_DIR']!r}: "), lines
+    assert "Not a directory" in lines[0]
+
+
 def test_docker_compose_file_declares_the_services():
     import yaml
 
@@ -113,6 +168,19 @@ def test_every_variable_the_server_reads_is_in_the_readme_configuration_table():
     assert read - table == set(), "read but not in README's Configuration table"
     documented_elsewhere = {"SYNAPSE_VLLM_GPU_MEMORY"}  # docker-compose.yml's, for vLLM
     assert table - read - documented_elsewhere == set(), "in the table but read nowhere"
+
+
+def test_the_image_leaves_out_the_env_file_that_holds_the_deployment_secrets():
+    """Found by review: the README has the compose settings (SECRET_KEY, SYNAPSE_LLM_API_KEY,
+    SYNAPSE_METRICS_TOKEN) put in an `.env` file next to docker-compose.yml, which is the build
+    context: the Dockerfile's `COPY . .` put it in the image, for anyone who pulls it to read."""
+    import fnmatch
+
+    patterns = [line.strip() for line in (ROOT / ".dockerignore").read_text().splitlines()
+                if line.strip() and not line.startswith("#")]
+    for path in (".env", ".env.production", ".data/secret_key", ".venv/bin/python"):
+        assert any(fnmatch.fnmatch(path, p) or path.startswith(p + "/") for p in patterns), path
+    assert ".env" in (ROOT / ".gitignore").read_text().split()
 
 
 def test_docker_compose_passes_what_a_deployment_behind_a_proxy_or_with_a_hosted_llm_sets():

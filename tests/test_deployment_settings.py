@@ -382,6 +382,24 @@ def test_a_good_number_is_taken_and_empty_means_the_default(monkeypatch, name):
     assert settings_from(monkeypatch, **{name: ""}).get(name) == default.get(name)
 
 
+@pytest.mark.parametrize("value", ["", "  "])
+def test_the_numbers_read_outside_the_settings_take_their_default_when_set_to_nothing(
+    monkeypatch, value
+):
+    """Found by review: the settings read SYNAPSE_LLM_PAUSE_SECONDS= as its default (30), as the
+    README says, but routing.llm read it as 0 (the LLM asked again at every call after it was
+    found down); set to spaces, it and the two routing.embeddings reads were a ValueError at the
+    first routing request, after start-up had let them through."""
+    from routing.embeddings import ONNX_INT8_DYNAMIC_MODEL, EmbeddingEngine
+    from routing.llm import get_llm
+
+    # start-up takes them, and leaves them set for their readers
+    settings_from(monkeypatch, SYNAPSE_LLM_PAUSE_SECONDS=value, SYNAPSE_ONNX_THREADS=value,
+                  SYNAPSE_EMBEDDING_CACHE_ENTRIES=value)
+    assert get_llm(base_url="http://127.0.0.1:9/v1", model="m").pause == 30.0
+    assert EmbeddingEngine(ONNX_INT8_DYNAMIC_MODEL)._cache_size == 200_000
+
+
 def test_the_database_connection_age_reaches_the_database_settings(monkeypatch):
     seen = settings_from(monkeypatch, SYNAPSE_CONN_MAX_AGE="7")
     assert seen["DATABASES"]["default"]["CONN_MAX_AGE"] == 7

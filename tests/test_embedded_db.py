@@ -73,3 +73,47 @@ def test_commands_started_together_on_a_new_folder_share_one_server(tmp_path):
                 "SELECT count(*) FROM pg_extension WHERE extname = 'vector'").fetchone() == (1,)
     finally:
         stop_embedded_database(data_dir)
+
+
+def test_embedded_db_status_and_stop_look_at_the_server_without_starting_it(tmp_path):
+    """`manage.py embedded_db status` always said "running" and `stop` always "stopped": the
+    settings the command loads started the server first (on a new data folder, initdb too), so
+    a stopped server was started to be reported or stopped, and "no embedded PostgreSQL is
+    running" could never be said."""
+    import os
+    import subprocess
+    import sys
+
+    from tests.conftest import ROOT
+
+    env = {name: value for name, value in os.environ.items() if name != "DATABASE_URL"}
+    env["SYNAPSE_DATA_DIR"] = str(tmp_path)
+
+    def embedded_db(action):
+        return subprocess.run([sys.executable, "manage.py", "embedded_db", action], cwd=ROOT,
+                              env=env, capture_output=True, text=True, timeout=120)
+
+    status = embedded_db("status")
+    assert status.returncode == 0, status.stderr
+    assert status.stdout.strip() == f"embedded PostgreSQL in {tmp_path / 'pgdata'}: stopped"
+    stop = embedded_db("stop")
+    assert stop.returncode == 1
+    assert stop.stderr.strip() == f"CommandError: no embedded PostgreSQL is running in {tmp_path / 'pgdata'}"
+    assert not (tmp_path / "pgdata").exists()  # nothing started, nothing made
+
+    data_dir = tmp_path / "pgdata"
+    try:
+        ensure_embedded_database(data_dir)
+        assert embedded_db("status").stdout.strip().endswith(": running")
+        # a stale pid file (the server killed, its pid file left) is a stopped server
+        pid_file = data_dir / "postmaster.pid"
+        lines = pid_file.read_text().splitlines()
+        # stopped when it returns, not stopping: a command right after it started nothing new
+        # while the old server was still shutting down (and failed to connect to it)
+        assert stop_embedded_database(data_dir)
+        assert not pid_file.exists()
+        pid_file.write_text("\n".join(["999999999", *lines[1:]]) + "\n")
+        assert embedded_db("status").stdout.strip().endswith(": stopped")
+        assert embedded_db("stop").returncode == 1
+    finally:
+        stop_embedded_database(data_dir)

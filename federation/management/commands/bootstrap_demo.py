@@ -1,6 +1,7 @@
 from django.core.management import call_command
-from django.core.management.base import BaseCommand
+from django.core.management.base import BaseCommand, CommandError
 
+from federation.errors import FederationError
 from federation.services import bootstrap_demo_federation
 
 
@@ -15,8 +16,12 @@ class Command(BaseCommand):
         parser.add_argument("--url", default="http://127.0.0.1:8000/", help="where the site is served")
 
     def handle(self, *args, dataset, url, **options):
+        url = url.rstrip("/") + "/"  # the banner appends the pages' paths to it
         call_command("import_tools", dataset, stdout=self.stdout)
-        demo = bootstrap_demo_federation()
+        try:
+            demo = bootstrap_demo_federation()
+        except FederationError as exc:  # nothing was changed: the logins before still work
+            raise CommandError(f"the demo federation was not set up: {exc.detail}") from None
         creds = demo.operator
         line = "=" * 72
         admins = "\n".join(

@@ -32,4 +32,7 @@ class Command(BaseCommand):
                 )
             if every <= 0:
                 return
-            time.sleep(every)
+            try:
+                time.sleep(every)
+            except KeyboardInterrupt:  # Ctrl-C, the way to end the loop: between two checks
+                return

@@ -5,7 +5,9 @@ from pydantic import ValidationError
 
 from compendium.registry import RegistryFormatError
 from federation.demo import DEMO_QUERIES_PER_CLIENT, DemoError, run_demo_rounds
+from federation.errors import FederationError
 from federation.services import demo_round_config
+from routing.embeddings import EmbeddingModelUnavailable
 
 
 class Command(BaseCommand):
@@ -39,8 +41,10 @@ class Command(BaseCommand):
                 dataset, rounds=rounds, queries_per_client=queries_per_client, seed=seed,
                 progress=progress,
             )
-        except (DemoError, RegistryFormatError) as exc:
+        except (DemoError, RegistryFormatError, EmbeddingModelUnavailable) as exc:
             raise CommandError(str(exc)) from None
+        except FederationError as exc:  # a round refused (over the privacy budget, say)
+            raise CommandError(f"demo rounds stopped: {exc.detail}") from None
         if report.skipped:
             self.stdout.write(f"demo rounds: {rounds} rounds are already published; nothing to do")
         else:

@@ -3,6 +3,7 @@ from django.core.management.base import BaseCommand, CommandError
 from federation.models import Client
 from federation.pipeline import erase_client
 from federation.services import Actor
+from synapse_web.command_arguments import utf8_text
 
 
 class Command(BaseCommand):
@@ -16,6 +17,7 @@ class Command(BaseCommand):
         parser.add_argument("client")
 
     def handle(self, *args, client, **options):
+        utf8_text("a client", client)
         try:
             if client.isascii() and client.isdigit():
                 target = Client.objects.get(pk=int(client))

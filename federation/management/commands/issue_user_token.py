@@ -3,6 +3,7 @@ from django.core.management.base import BaseCommand, CommandError
 
 from federation.errors import FederationError
 from federation.services import Actor, issue_user_token
+from synapse_web.command_arguments import utf8_text
 
 
 class Command(BaseCommand):
@@ -15,6 +16,8 @@ class Command(BaseCommand):
         )
 
     def handle(self, *args, username, label, **options):
+        utf8_text("a username", username)
+        utf8_text("a token's label", label)
         user = get_user_model().objects.filter(username=username).first()
         if user is None:
             raise CommandError(f"no user {username!r}")

@@ -26,9 +26,14 @@ class Command(BaseCommand):
             record = tune_published_router(version.pk, epochs, force=force)
         except TuningError as exc:
             raise CommandError(str(exc)) from None
-        if record is None or record.state != record.State.READY:
-            detail = record.detail if record is not None else "the version disappeared"
-            raise CommandError(f"round {version.round.number}: tuning {record and record.state}: {detail}")
+        if record is None:
+            raise CommandError(
+                f"round {version.round.number}: its global compendium was replaced "
+                "(re-materialized) before it could be tuned; run tune_router again to tune the "
+                "one published now"
+            )
+        if record.state != record.State.READY:
+            raise CommandError(f"round {version.round.number}: tuning {record.state}: {record.detail}")
         self.stdout.write(
             f"round {version.round.number}: routing encoder tuned on {record.rows} texts, "
             f"{record.epochs} epoch(s) on {record.device or 'an unrecorded device'}, "

@@ -3,6 +3,7 @@ from django.core.management.base import BaseCommand, CommandError
 from federation.login_throttle import parsed_address
 from federation.people import unlock_sign_in
 from federation.services import Actor
+from synapse_web.command_arguments import utf8_text
 
 
 class Command(BaseCommand):
@@ -20,6 +21,8 @@ class Command(BaseCommand):
 
     def handle(self, *args, username, address, **options):
         address = (address or "").strip() or None
+        if username:
+            utf8_text("a username", username)
         if not username and not address:
             raise CommandError("name a username, an --address, or both")
         if address and parsed_address(address) is None:

@@ -4,6 +4,7 @@ from django.core.management.base import BaseCommand, CommandError
 
 from federation.errors import FederationError
 from federation.services import Actor, issue_routing_token, revoke_routing_token
+from synapse_web.command_arguments import utf8_text
 
 
 class Command(BaseCommand):
@@ -14,13 +15,7 @@ class Command(BaseCommand):
         parser.add_argument("--revoke", action="store_true")
 
     def handle(self, *args, name, revoke, **options):
-        try:  # bytes that were not UTF-8 in the shell's argument come as lone surrogates
-            name.encode("utf-8")
-        except UnicodeEncodeError as exc:
-            raise CommandError(
-                f"a routing token's name must be UTF-8 text: {name!r} holds an undecodable byte "
-                f"at position {exc.start}"
-            ) from None
+        utf8_text("a routing token's name", name)
         actor = Actor.system("manage.py routing_token")
         try:
             if revoke:
