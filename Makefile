@@ -9,7 +9,7 @@ DATA_DIR := $(or $(SYNAPSE_DATA_DIR),.data)
 export HF_HUB_OFFLINE := 1
 export TRANSFORMERS_OFFLINE := 1
 
-.PHONY: install demo test lint serve db-stop clean
+.PHONY: install demo test lint db-stop clean
 
 install: $(VENV)/.installed
 

@@ -406,7 +406,7 @@ SYNAPSE_ROUTER_TUNE_EPOCHS = env_number(
     "SYNAPSE_ROUTER_TUNE_EPOCHS", 1 if os.environ.get("CELERY_BROKER_URL") else 0, least=0,
     most=32767, note=" (0: off)"
 )
-SYNAPSE_ROUTER_TUNE_QUEUE = os.environ.get("SYNAPSE_ROUTER_TUNE_QUEUE", "")
+SYNAPSE_ROUTER_TUNE_QUEUE = os.environ.get("SYNAPSE_ROUTER_TUNE_QUEUE", "").strip()
 # The served global's tuning still queued after this long (its message lost: the broker was down
 # at the publication), or `running` with no process holding it (its worker died), is queued
 # again by Celery beat's check (synapse.requeue_lost_tuning, every SYNAPSE_TUNING_CHECK_SECONDS).

@@ -5,6 +5,8 @@ from django.core.management.base import BaseCommand, CommandError
 
 from federation.services import close_due_rounds
 
+MAX_EVERY = 86_400.0  # a day: rounds' deadlines are checked at least that often
+
 
 class Command(BaseCommand):
     help = (
@@ -19,10 +21,12 @@ class Command(BaseCommand):
         )
 
     def handle(self, *args, every, **options):
-        if not math.isfinite(every) or every < 0:
-            # a negative interval was read as "once", silently
+        if not math.isfinite(every) or every < 0 or every > MAX_EVERY:
+            # a negative interval was read as "once", silently; one past what time.sleep takes
+            # failed with an OverflowError after the first check
             raise CommandError(
-                f"--every must be a finite number of seconds, 0 or more (0: check once), not {every:g}"
+                f"--every must be a number of seconds from 0 to {MAX_EVERY:g} (0: check once), "
+                f"not {every:g}"
             )
         while True:
             for rnd in close_due_rounds():
