@@ -282,13 +282,12 @@ def test_erase_client_reads_only_ascii_digits_as_an_id():
         run("erase_client", "²")
 
 
-@pytest.mark.parametrize("epochs", ["32768", str(10**12)])
-def test_tune_router_refuses_more_epochs_than_its_row_can_record_in_one_line(epochs, settings,
-                                                                             tmp_path):
+def published_global(settings, tmp_path):
+    """Round 1 published with a one-scenario global over the pipeline tests' registry; the data
+    folder (where tuned routers go) in `tmp_path`."""
     from compendium.schema import Compendium, Scenario
     from compendium.services import import_registry, store_compendium
     from federation.models import Round
-    from routing.models import TunedRouter
     from tests.merge_helpers import TOOLS
 
     settings.DATA_DIR = tmp_path
@@ -296,6 +295,15 @@ def test_tune_router_refuses_more_epochs_than_its_row_can_record_in_one_line(epo
     rnd = Round.objects.create(number=1, state="published")
     store_compendium(Compendium(scenarios=[Scenario(tool_id="weather", text="rain in Paris?")]),
                      kind="global", round=rnd)
+    return rnd
+
+
+@pytest.mark.parametrize("epochs", ["32768", str(10**12)])
+def test_tune_router_refuses_more_epochs_than_its_row_can_record_in_one_line(epochs, settings,
+                                                                             tmp_path):
+    from routing.models import TunedRouter
+
+    published_global(settings, tmp_path)
     # was a traceback of django.db.DataError (smallint out of range) writing the tuning's row
     with pytest.raises(CommandError, match="epochs must be at most 32767, not "):
         run("tune_router", "--epochs", epochs)
@@ -304,17 +312,9 @@ def test_tune_router_refuses_more_epochs_than_its_row_can_record_in_one_line(epo
 
 def test_tune_router_says_so_when_the_global_was_replaced_before_its_tuning(monkeypatch, settings,
                                                                           tmp_path):
-    from compendium.schema import Compendium, Scenario
-    from compendium.services import import_registry, store_compendium
     from federation.management.commands import tune_router
-    from federation.models import Round
-    from tests.merge_helpers import TOOLS
 
-    settings.DATA_DIR = tmp_path
-    import_registry(TOOLS)
-    rnd = Round.objects.create(number=1, state="published")
-    store_compendium(Compendium(scenarios=[Scenario(tool_id="weather", text="rain in Paris?")]),
-                     kind="global", round=rnd)
+    published_global(settings, tmp_path)
     # an erasure re-materialized the round meanwhile: the version is gone (None)
     monkeypatch.setattr(tune_router, "tune_published_router", lambda *args, **kwargs: None)
     # was "round 1: tuning None: the version disappeared"
