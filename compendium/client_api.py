@@ -44,7 +44,7 @@ from pydantic import ValidationError
 from compendium import transport
 from compendium.canonical import canonical_form, canonical_positions
 from compendium.schema import Compendium, Schema
-from compendium.validation import reindex_paths
+from compendium.validation import reindex_paths, validation_summary
 
 USER_AGENT = "synapse-client/0.1"
 # JSON can escape half of a character ("\ud800"), which no UTF-8 file or canonical form holds
@@ -578,8 +578,6 @@ class SynapseClient:
                 f"the server sent a compendium this client cannot read: {LONE_SURROGATE}"
             ) from None
         except ValidationError as exc:
-            from compendium.client_cli import validation_summary  # its paths, without the echo
-
             raise ClientError(
                 f"the server sent a compendium this client cannot read: {validation_summary(exc)}"
             ) from None
@@ -626,8 +624,6 @@ class SynapseClient:
                 f"the server sent a schema this client cannot read: {LONE_SURROGATE}"
             ) from None
         except ValidationError as exc:
-            from compendium.client_cli import validation_summary  # its paths, without the echo
-
             raise ClientError(
                 f"the server sent a schema this client cannot read: {validation_summary(exc)}"
             ) from None

@@ -38,21 +38,18 @@ from compendium.schema import (
     Schema,
     exceeds_field_cap,
 )
-from compendium.validation import CompendiumInvalid, format_path, validate_compendium
+from compendium.validation import (
+    CompendiumInvalid,
+    format_path,
+    validate_compendium,
+    validation_summary,
+)
 
 PROG = "synapse-client"
 
 
 class CliError(Exception):
     """One line for the user; the command exits with status 1."""
-
-
-def validation_summary(exc: ValidationError, shown: int = 3) -> str:
-    """pydantic's errors as `$.path: reason; ...` (the first `shown`, then how many more), without
-    its echo of the input (which may be a whole usage-log line) and its documentation link."""
-    errors = exc.errors()
-    text = "; ".join(f"{format_path(e['loc'])}: {e['msg']}" for e in errors[:shown])
-    return text + (f" (and {len(errors) - shown} more)" if len(errors) > shown else "")
 
 
 def _load_schema(path: str) -> Schema:

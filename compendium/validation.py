@@ -94,6 +94,14 @@ def format_path(parts: tuple[Any, ...] | list[Any]) -> str:
     return out
 
 
+def validation_summary(exc: ValidationError, shown: int = 3) -> str:
+    """pydantic's errors as `$.path: reason; ...` (the first `shown`, then how many more), without
+    its echo of the input (which may be a whole usage-log line) and its documentation link."""
+    errors = exc.errors()
+    text = "; ".join(f"{format_path(e['loc'])}: {e['msg']}" for e in errors[:shown])
+    return text + (f" (and {len(errors) - shown} more)" if len(errors) > shown else "")
+
+
 # A path to one entry of a component, as `format_path` writes it: `$.scenarios[12]`.
 _ENTRY_PATH = re.compile(r"\$\.(metadata|scenarios|precautions|templates|annex)\[(\d+)\]")
 

@@ -19,8 +19,8 @@ def _load_compendium(path: str):
     from pydantic import ValidationError
 
     from compendium.client_api import global_document
-    from compendium.client_cli import validation_summary
     from compendium.schema import Compendium
+    from compendium.validation import validation_summary
 
     try:
         doc = json.loads(Path(path).read_text(encoding="utf-8"))
