@@ -14,7 +14,8 @@ import threading
 os.environ.setdefault("SYNAPSE_EMBEDDING_CACHE_ENTRIES", "10000")
 
 # A bad setting stops gunicorn here, in one line: in a worker it was a traceback from each one.
-from synapse_web.celery import settings_or_exit  # noqa: E402
+# (Not from synapse_web.celery: that would build the Celery app in gunicorn's master.)
+from synapse_web.startup import settings_or_exit  # noqa: E402
 
 settings_or_exit()
 

@@ -1,26 +1,12 @@
 """The Celery app. Without CELERY_BROKER_URL, tasks run eagerly in the calling process."""
 
 import os
-import sys
 
 from celery import Celery
 
+from synapse_web.startup import settings_or_exit
+
 os.environ.setdefault("DJANGO_SETTINGS_MODULE", "synapse_web.settings")
-
-
-def settings_or_exit(*args, **kwargs) -> None:
-    """Load the settings, or stop the process with their one line (as manage.py does) when a
-    variable is bad: `celery worker` and `celery beat` read the settings first while parsing
-    their options, and gunicorn (gunicorn.conf.py) before it boots a worker, each of which
-    printed the traceback."""
-    from django.conf import settings
-    from django.core.exceptions import ImproperlyConfigured
-
-    try:
-        settings.INSTALLED_APPS  # noqa: B018  (loads the settings module)
-    except ImproperlyConfigured as exc:
-        sys.exit(f"synapse: {exc}")
-
 
 app = Celery("synapse")
 # Sent just before the app reads the settings, the first time anything asks for its conf.
