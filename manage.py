@@ -9,7 +9,7 @@ def main():
     os.environ.setdefault("DJANGO_SETTINGS_MODULE", "synapse_web.settings")
     from django.core.exceptions import ImproperlyConfigured
     from django.core.management import execute_from_command_line
-    from django.db import OperationalError, connections
+    from django.db import OperationalError, ProgrammingError, connections
 
     try:
         execute_from_command_line(sys.argv)
@@ -27,6 +27,31 @@ def main():
         )
         print(f"synapse: cannot connect to {where}: {' '.join(str(exc).split())}", file=sys.stderr)
         sys.exit(2)
+    except ProgrammingError:
+        # A command run on a database that was never migrated (or is behind the code) failed on
+        # a missing table with a traceback: say what to run instead.
+        pending = _unapplied_migrations()
+        if not pending:
+            raise
+        print(
+            f"synapse: the database is not migrated ({pending} migration"
+            f"{'s' if pending != 1 else ''} not applied): run `python manage.py migrate` first",
+            file=sys.stderr,
+        )
+        sys.exit(2)
+
+
+def _unapplied_migrations() -> int:
+    """How many of the code's migrations the database lacks; 0 when that cannot be told."""
+    from django.db import DatabaseError, connections
+    from django.db.migrations.executor import MigrationExecutor
+
+    try:
+        connections["default"].close()  # a failed statement may have left it in a transaction
+        executor = MigrationExecutor(connections["default"])
+        return len(executor.migration_plan(executor.loader.graph.leaf_nodes()))
+    except DatabaseError:
+        return 0
 
 
 if __name__ == "__main__":

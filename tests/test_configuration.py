@@ -92,6 +92,27 @@ def test_a_data_folder_that_cannot_be_made_stops_a_command_with_one_line(tmp_pat
     assert "Not a directory" in lines[0]
 
 
+@pytest.mark.slow
+def test_a_command_on_an_unmigrated_database_says_to_migrate(tmp_path):
+    """Found by review: round_status, erase_client or issue_user_token run before `migrate`
+    (a fresh SYNAPSE_DATA_DIR, a new DATABASE_URL) stopped with psycopg's traceback about a
+    missing relation."""
+    env = {name: value for name, value in os.environ.items() if name != "DATABASE_URL"}
+    env["SYNAPSE_DATA_DIR"] = str(tmp_path / "data")
+    try:
+        for command in (["round_status"], ["erase_client", "acme/one"]):
+            proc = subprocess.run([sys.executable, "manage.py", *command], cwd=ROOT, env=env,
+                                  capture_output=True, text=True, timeout=180)
+            assert proc.returncode == 2, proc.stderr
+            lines = [line for line in proc.stderr.splitlines() if line.strip()]
+            assert len(lines) == 1, proc.stderr
+            assert lines[0].startswith("synapse: the database is not migrated ("), lines
+            assert lines[0].endswith("run `python manage.py migrate` first"), lines
+    finally:
+        subprocess.run([sys.executable, "manage.py", "embedded_db", "stop"], cwd=ROOT, env=env,
+                       capture_output=True, timeout=120)
+
+
 def test_docker_compose_file_declares_the_services():
     import yaml
 
