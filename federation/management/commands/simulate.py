@@ -56,16 +56,22 @@ FLAGS = {
 
 def _listed(text: str, flag: str, parse, expected: str) -> list:
     """A comma-separated list, each item read by `parse`, or a CommandError naming the flag and
-    the item it cannot read."""
-    values = []
+    the item it cannot read, or the value it lists twice (a sweep would play and store its row
+    twice)."""
+    values: dict = {}  # each value read -> the item that first gave it
     for item in (x.strip() for x in text.split(",")):
         if not item:
             continue
         try:
-            values.append(parse(item))
+            value = parse(item)
         except ValueError:
             raise CommandError(f"{flag}: expected {expected}, got {item!r}") from None
-    return values
+        if value in values:
+            first = values[value]
+            also = "" if item == first else f" (again as {item})"
+            raise CommandError(f"{flag} lists {first} twice{also}: give each value once")
+        values[value] = item
+    return list(values)
 
 
 def _floats(text: str, flag: str) -> list[float]:
@@ -76,8 +82,8 @@ def _integers(text: str, flag: str) -> list[int]:
     return _listed(text, flag, int, "whole numbers")
 
 
-def _names(text: str) -> tuple[str, ...]:
-    return tuple(x.strip() for x in text.split(",") if x.strip())
+def _names(text: str, flag: str) -> tuple[str, ...]:
+    return tuple(_listed(text, flag, str, "names"))
 
 
 def _known(names: tuple[str, ...], choices, flag: str) -> tuple[str, ...]:
@@ -461,8 +467,10 @@ class Command(BaseCommand):
         taus = _floats(o["sweep_tau"], "--sweep-tau")
         if any(not 0 < t <= 1 for t in taus):
             raise CommandError("--sweep-tau: every τ must be in (0, 1]")
-        summarizers = _known(_names(o["sweep_summarizers"]), SUMMARIZERS, "--sweep-summarizers")
-        _known(_names(o["transfer_rerankers"]), RERANKERS, "--transfer-rerankers")
+        flag = "--sweep-summarizers"
+        summarizers = _known(_names(o["sweep_summarizers"], flag), SUMMARIZERS, flag)
+        flag = "--transfer-rerankers"
+        _known(_names(o["transfer_rerankers"], flag), RERANKERS, flag)
         if not o["llm_url"] and {o["summarizer"], *summarizers} & set(LLM_SUMMARIZERS):
             raise CommandError(
                 f"the {' and '.join(sorted(LLM_SUMMARIZERS))} summarizers need an LLM endpoint: pass --llm URL"
@@ -494,12 +502,13 @@ class Command(BaseCommand):
                 raise CommandError("--sweep-adversarial: every fraction must be in [0, 1]")
             for fraction in fractions:
                 _some_adversary(fraction, "--sweep-adversarial", clients)
-            modes = _known(_names(o["sweep_modes"]), ADVERSARIAL_MODES, "--sweep-modes")
+            flag = "--sweep-modes"
+            modes = _known(_names(o["sweep_modes"], flag), ADVERSARIAL_MODES, flag)
             adversarial_variants = [
                 {"adversarial_mode": m, "adversarial_fraction": f, "robust_rule": r}
                 for m in modes
                 for f in fractions
-                for r in _names(o["sweep_rules"])
+                for r in _names(o["sweep_rules"], "--sweep-rules")
             ]
         # Every round configuration the run and its sweeps will play, checked before the dataset
         # and the model load: a bad value in a sweep must not surface after an hour's main run.
@@ -546,8 +555,8 @@ class Command(BaseCommand):
             shared_word_users=o["shared_word_users"],
             max_words=o["max_words"],
             client_tau=o["client_tau"],
-            transfer_models=_names(o["transfer_models"]),
-            transfer_rerankers=_names(o["transfer_rerankers"]),
+            transfer_models=_names(o["transfer_models"], "--transfer-models"),
+            transfer_rerankers=_names(o["transfer_rerankers"], "--transfer-rerankers"),
             llm_url=o["llm_url"] or None,
             llm_model=o["llm_model"] or "",
             aggregate_every=o["aggregate_every"],
@@ -701,8 +710,8 @@ def _releases(k: int, flag: str, users: int) -> None:
 def _unused_flag(o: dict) -> str | None:
     """A flag given a value of its own where the run has nothing it applies to (it would be
     silently ignored): what to pass with it, or None."""
-    sweep_modes = _names(o["sweep_modes"]) if o["sweep_adversarial"] else ()
-    sweep_rules = _names(o["sweep_rules"]) if o["sweep_adversarial"] else ()
+    sweep_modes = _names(o["sweep_modes"], "--sweep-modes") if o["sweep_adversarial"] else ()
+    sweep_rules = _names(o["sweep_rules"], "--sweep-rules") if o["sweep_adversarial"] else ()
     camouflaged = ((o["adversarial_fraction"] > 0 and o["adversarial_mode"] in CAMOUFLAGED_MODES)
                    or bool(set(sweep_modes) & set(CAMOUFLAGED_MODES)))
     for flag, given, applies, needs in (
