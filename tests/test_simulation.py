@@ -395,6 +395,11 @@ def test_bad_client_options_are_refused_before_anything_runs(tiny_dataset, capsy
      "^--camouflage-share applies only with adversaries of a camouflaged mode"),
     (["--pool-size", "4"], "^--pool-size applies only with --pool-users 2 or more; "),
     (["--llm-model", "smollm2"], "^--llm-model applies only with --llm URL; "),
+    # An endpoint nothing in the run asks: the run did not use what the user pointed at.
+    (["--llm", "http://127.0.0.1:9/v1"], "^--llm applies only with an LLM summarizer [(]--summarizer "
+     "or --sweep-summarizers llm-single-shot or textgrad[)] or --transfer-rerankers llm; "),
+    (["--llm", "http://127.0.0.1:9/v1", "--llm-model", "smollm2", "--transfer-rerankers", "none,fusion",
+      "--sweep-summarizers", "centroid,none"], "^--llm applies only with an LLM summarizer"),
     # f of a robust rule, where no merge applies one.
     (["--trim-fraction", "0.2"], "^--trim-fraction applies only with a robust rule [(]--robust-rule "
      "or --sweep-rules with --sweep-adversarial[)]; "),
@@ -473,7 +478,9 @@ def test_bad_run_and_sweep_options_are_refused_by_their_flag_before_the_data_loa
     ["--sweep-adversarial", "0.4", "--sweep-rules", "krum", "--sweep-modes", "tool_confusion"],
     ["--adversarial-fraction", "0.4", "--adversarial-mode", "tool_confusion"],
     ["--pool-users", "2", "--pool-size", "4"],
-    ["--llm", "http://127.0.0.1:9/v1", "--llm-model", "smollm2"],
+    ["--llm", "http://127.0.0.1:9/v1", "--llm-model", "smollm2", "--transfer-rerankers", "llm"],
+    ["--llm", "http://127.0.0.1:9/v1", "--summarizer", "llm-single-shot"],
+    ["--llm", "http://127.0.0.1:9/v1", "--sweep-summarizers", "centroid,textgrad"],
     ["--client-tau", "0.9", "--pool-users", "1"],
     ["--trim-fraction", "0.2", "--robust-rule", "krum"],
     ["--trim-fraction", "0.2", "--sweep-adversarial", "0.4", "--sweep-rules", "none,trimmed-mean"],

@@ -470,10 +470,18 @@ class Command(BaseCommand):
         flag = "--sweep-summarizers"
         summarizers = _known(_names(o["sweep_summarizers"], flag), SUMMARIZERS, flag)
         flag = "--transfer-rerankers"
-        _known(_names(o["transfer_rerankers"], flag), RERANKERS, flag)
-        if not o["llm_url"] and {o["summarizer"], *summarizers} & set(LLM_SUMMARIZERS):
+        rerankers = _known(_names(o["transfer_rerankers"], flag), RERANKERS, flag)
+        llm_summarizer = bool({o["summarizer"], *summarizers} & set(LLM_SUMMARIZERS))
+        if not o["llm_url"] and llm_summarizer:
             raise CommandError(
                 f"the {' and '.join(sorted(LLM_SUMMARIZERS))} summarizers need an LLM endpoint: pass --llm URL"
+            )
+        if o["llm_url"] and not llm_summarizer and "llm" not in rerankers:
+            # Nothing else asks it (the merges through the services neither: ServiceRounds).
+            raise CommandError(
+                "--llm applies only with an LLM summarizer (--summarizer or --sweep-summarizers "
+                f"{' or '.join(sorted(LLM_SUMMARIZERS))}) or --transfer-rerankers llm; this run "
+                "has none, so it would be ignored"
             )
         contradictions = _floats(o["sweep_contradictions"], "--sweep-contradictions")
         if not 0 <= o["contradiction_fraction"] <= 1:
@@ -596,12 +604,6 @@ class Command(BaseCommand):
                 raise CommandError(str(exc)) from None
             raise CommandError(unavailable_model(
                 o["embedding_model"], exc, f"--embedding-model takes {MODEL_NAMES}")) from None
-        if (config.llm_url and "llm" not in config.transfer_rerankers
-                and not {config.summarizer, *summarizers} & set(LLM_SUMMARIZERS)):
-            self.stderr.write(
-                "simulate: --llm is used by --transfer-rerankers llm and the LLM summarizers "
-                "only; ignored"
-            )
         schema = Schema(tools=dataset.tools)
         quiet = o["verbosity"] == 0
 
