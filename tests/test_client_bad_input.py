@@ -274,6 +274,74 @@ def test_a_router_answer_with_a_code_that_is_not_text_is_a_clear_error(tmp_path)
         client.pull_router(tmp_path / "global.json")
 
 
+def _router_server(files: dict[str, bytes]):
+    """A server publishing a tuned router of `files` (path -> bytes), as an httpx transport."""
+    import hashlib
+
+    import httpx
+
+    from routing.finetune import MANIFEST_FORMAT
+
+    def answer(request):
+        if request.url.path == "/api/v1/compendium/global/router/":
+            return httpx.Response(200, json={
+                "format": MANIFEST_FORMAT, "round": 1, "epochs": 1, "global_sha256": "a" * 64,
+                "rows_sha256": hashlib.sha256(b"".join(files.values())).hexdigest(),
+                "files": [{"path": name, "size": len(data), "sha256": hashlib.sha256(data).hexdigest()}
+                          for name, data in sorted(files.items())],
+            })
+        name = request.url.path.removeprefix("/api/v1/compendium/global/router/files/")
+        return httpx.Response(200, content=files[name]) if name in files else httpx.Response(404)
+
+    return httpx.MockTransport(answer)
+
+
+def test_a_router_that_cannot_be_put_in_place_leaves_the_previous_copy(tmp_path, monkeypatch):
+    """pull --router renamed the router folder to .old, then the new one into place: when that
+    last rename failed, the user was left with no router folder (its files in .old, which the
+    next pull deleted first). The previous copy stays in place now, and a .old a killed pull left
+    behind is put back, not deleted."""
+    import pathlib
+
+    from compendium.client_api import router_dir
+    from routing.finetune import ROUTER_MANIFEST, ROUTER_PARAMS, ROUTER_STATE, read_manifest
+
+    out = tmp_path / "global.json"
+    folder = router_dir(out)
+    first = {ROUTER_STATE: b"state one", ROUTER_PARAMS: b'{"one": 1}'}
+    second = {ROUTER_STATE: b"state two", ROUTER_PARAMS: b'{"two": 2}'}
+
+    def pull(files):
+        with SynapseClient("http://server.test", "syn_c_token", retries=0,
+                           transport=_router_server(files)) as client:
+            return client.pull_router(out)
+
+    assert pull(first).updated
+    manifest = (folder / ROUTER_MANIFEST).read_bytes()
+    rename = pathlib.Path.rename
+
+    def failing(self, target):
+        if self.name.endswith(".partial"):
+            raise PermissionError(13, "Permission denied", str(target))
+        return rename(self, target)
+
+    monkeypatch.setattr(pathlib.Path, "rename", failing)
+    with pytest.raises(ClientError, match=f"^cannot put the tuned router in place at {folder} "
+                       r"\(Permission denied\); the previous copy is kept$"):
+        pull(second)
+    monkeypatch.undo()
+    assert {p.name for p in tmp_path.iterdir()} == {folder.name}  # no .old, no .partial
+    assert (folder / ROUTER_STATE).read_bytes() == b"state one"
+    assert (folder / ROUTER_MANIFEST).read_bytes() == manifest
+    # A pull killed between its two renames left the copy in .old alone: the next one puts it
+    # back, and it is up to date (it was deleted and downloaded again).
+    folder.rename(folder.with_name(folder.name + ".old"))
+    again = pull(first)
+    assert not again.updated and again.downloaded_bytes == 0
+    assert (folder / ROUTER_STATE).read_bytes() == b"state one"
+    assert read_manifest(folder) is not None and {p.name for p in tmp_path.iterdir()} == {folder.name}
+
+
 def test_a_head_that_fails_to_download_leaves_no_older_head_beside_the_new_global(tmp_path):
     """Round 2's global arrives but its head download fails: round 1's head is not left beside
     it (route and build --since would use it), and the next pull, a 304, fetches round 2's."""
