@@ -238,6 +238,12 @@ def cmd_build(args: argparse.Namespace) -> int:
                 )
     if args.since and args.no_collapse:  # before any work: it needs the engine the build skips
         raise CliError("--since needs the embedding model (drop --no-collapse)")
+    if (args.since_confidence != DEFAULT_SINCE_CONFIDENCE and not args.since
+            and not getattr(args, "probe", None)):
+        raise CliError(
+            "--since-confidence applies only with --since GLOBAL or --probe PROBE; this build "
+            "has neither, so it would be ignored"
+        )
     probe = None
     if getattr(args, "probe", None):
         if args.since:
@@ -875,6 +881,12 @@ def cmd_participate(args: argparse.Namespace) -> int:
     )
 
     _check_seed_and_field_cap(args)
+    if args.no_collapse and args.since_confidence != DEFAULT_SINCE_CONFIDENCE:
+        # what the global or the probe set routes is left out with the embedding model only
+        raise CliError(
+            "--since-confidence needs the embedding model, which --no-collapse skips: leave out "
+            "one of them"
+        )
     folder = Path(args.dir)
     try:
         folder.mkdir(parents=True, exist_ok=True)

@@ -389,6 +389,30 @@ def test_a_head_that_fails_to_download_leaves_no_older_head_beside_the_new_globa
     assert head_file(out).read_bytes() == head_bytes(2)
 
 
+def test_since_confidence_with_nothing_it_leaves_out_against_is_refused(tmp_path, capsys):
+    """--since-confidence leaves out what the pulled global (--since) or the probe set's router
+    (--probe) already routes: build without either, or participate with --no-collapse (which
+    builds without the embedding model either needs), ignored it without a word."""
+    schema = tmp_path / "schema.json"
+    schema.write_text('{"tools": [{"tool_id": "weather", "description": "Weather"}]}', "utf-8")
+    out = tmp_path / "c.json"
+    assert main(["build", "--log", str(tmp_path / "missing.jsonl"), "--schema", str(schema),
+                 "--out", str(out), "--since-confidence", "0.5", "--quiet"]) == 1
+    assert capsys.readouterr().err.strip() == (
+        "synapse-client: --since-confidence applies only with --since GLOBAL or --probe PROBE; "
+        "this build has neither, so it would be ignored"
+    )
+    assert not out.exists()
+    assert main(["participate", "--log", str(tmp_path / "usage.jsonl"), "--dir", str(tmp_path / "s"),
+                 "--server", NOWHERE, "--token", TOKEN, "--no-collapse",
+                 "--since-confidence", "0.5"]) == 1
+    assert capsys.readouterr().err.strip() == (
+        "synapse-client: --since-confidence needs the embedding model, which --no-collapse "
+        "skips: leave out one of them"
+    )
+    assert not (tmp_path / "s").exists()
+
+
 def test_build_since_without_the_embedding_model_is_refused_before_any_work(tmp_path, capsys):
     """`--since` needs the embedding model that `--no-collapse` skips: said before the log is
     read (here it does not even exist), not after the whole build ran."""
