@@ -432,6 +432,12 @@ def test_bad_client_options_are_refused_before_anything_runs(tiny_dataset, capsy
     (["--transfer-rerankers", "fusion,fusion"], "^--transfer-rerankers lists fusion twice: "),
     (["--transfer-models", "bundled:all-MiniLM-L6-v2,bundled:all-MiniLM-L6-v2"],
      "^--transfer-models lists bundled:all-MiniLM-L6-v2 twice: "),
+    # A contradiction comes from another client of the same organization: with one client per
+    # organization none was injected, and the rows were those of share 0.
+    (["--clients-per-org", "1", "--contradiction-fraction", "0.4"],
+     "^--contradiction-fraction 0.4 needs 2 or more --clients-per-org"),
+    (["--clients-per-org", "1", "--sweep-contradictions", "0,0.4"],
+     "^--sweep-contradictions 0.4 needs 2 or more --clients-per-org"),
     (["--sweep-min-users", "0"], "--sweep-min-users: every k must be at least 1"),
     (["--sweep-min-users", "nan"], "^--sweep-min-users: expected whole numbers, got 'nan'$"),
     (["--sweep-min-users", "inf"], "^--sweep-min-users: expected whole numbers, got 'inf'$"),
@@ -483,6 +489,8 @@ def test_bad_run_and_sweep_options_are_refused_by_their_flag_before_the_data_loa
     ["--llm", "http://127.0.0.1:9/v1", "--sweep-summarizers", "centroid,textgrad"],
     ["--client-tau", "0.9", "--pool-users", "1"],
     ["--trim-fraction", "0.2", "--robust-rule", "krum"],
+    ["--clients-per-org", "2", "--contradiction-fraction", "0.4", "--sweep-contradictions", "0,0.4"],
+    ["--clients-per-org", "1", "--sweep-contradictions", "0"],
     ["--trim-fraction", "0.2", "--sweep-adversarial", "0.4", "--sweep-rules", "none,trimmed-mean"],
 ])
 def test_flags_that_apply_to_the_run_pass_the_checks(flags):

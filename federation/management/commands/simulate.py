@@ -490,6 +490,15 @@ class Command(BaseCommand):
             )
         if any(not 0 <= p <= 1 for p in contradictions):
             raise CommandError("--sweep-contradictions: every share must be in [0, 1]")
+        if o["clients_per_org"] < 2:  # `contradict`: another client of the same organization
+            for flag, share in (("--contradiction-fraction", o["contradiction_fraction"]),
+                                *(("--sweep-contradictions", p) for p in contradictions)):
+                if share > 0:
+                    raise CommandError(
+                        f"{flag} {share:g} needs 2 or more --clients-per-org: a contradiction "
+                        f"comes from another client of the same organization, and with "
+                        f"--clients-per-org {o['clients_per_org']} there is none"
+                    )
         cadences = _integers(o["sweep_cadence"], "--sweep-cadence")
         if any(k < 0 for k in cadences):
             raise CommandError("--sweep-cadence: every cadence must be 0 (frozen) or a number of rounds")
