@@ -438,6 +438,12 @@ def test_bad_client_options_are_refused_before_anything_runs(tiny_dataset, capsy
      "^--contradiction-fraction 0.4 needs 2 or more --clients-per-org"),
     (["--clients-per-org", "1", "--sweep-contradictions", "0,0.4"],
      "^--sweep-contradictions 0.4 needs 2 or more --clients-per-org"),
+    # A list flag given nothing but commas, or the adversarial sweep's modes or rules emptied:
+    # the sweep was silently none.
+    (["--sweep-tau", ","], "^--sweep-tau: expected comma-separated numbers, got ','$"),
+    (["--sweep-adversarial", " , "], "^--sweep-adversarial: expected comma-separated numbers, got ' , '$"),
+    (["--sweep-adversarial", "0.5", "--sweep-rules", ""], "^--sweep-rules: expected names, got ''$"),
+    (["--sweep-adversarial", "0.5", "--sweep-modes", ","], "^--sweep-modes: expected names, got ','$"),
     (["--sweep-min-users", "0"], "--sweep-min-users: every k must be at least 1"),
     (["--sweep-min-users", "nan"], "^--sweep-min-users: expected whole numbers, got 'nan'$"),
     (["--sweep-min-users", "inf"], "^--sweep-min-users: expected whole numbers, got 'inf'$"),

@@ -71,6 +71,8 @@ def _listed(text: str, flag: str, parse, expected: str) -> list:
             also = "" if item == first else f" (again as {item})"
             raise CommandError(f"{flag} lists {first} twice{also}: give each value once")
         values[value] = item
+    if not values and text:  # commas alone (a default is never this): the flag would be off
+        raise CommandError(f"{flag}: expected {expected}, got {text!r}")
     return list(values)
 
 
@@ -521,11 +523,15 @@ class Command(BaseCommand):
                 _some_adversary(fraction, "--sweep-adversarial", clients)
             flag = "--sweep-modes"
             modes = _known(_names(o["sweep_modes"], flag), ADVERSARIAL_MODES, flag)
+            rules = _names(o["sweep_rules"], "--sweep-rules")
+            for flag, names in (("--sweep-modes", modes), ("--sweep-rules", rules)):
+                if not names:  # emptied (the defaults hold every one): no adversarial row
+                    raise CommandError(f"{flag}: expected names, got ''")
             adversarial_variants = [
                 {"adversarial_mode": m, "adversarial_fraction": f, "robust_rule": r}
                 for m in modes
                 for f in fractions
-                for r in _names(o["sweep_rules"], "--sweep-rules")
+                for r in rules
             ]
         # Every round configuration the run and its sweeps will play, checked before the dataset
         # and the model load: a bad value in a sweep must not surface after an hour's main run.
