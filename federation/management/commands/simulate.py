@@ -319,7 +319,8 @@ class Command(BaseCommand):
         parser.add_argument(
             "--llm", dest="llm_url", default=None,
             help="OpenAI-compatible endpoint for the llm transfer reranker (without it every "
-            "llm decision falls back to fusion) and the LLM summarizers of the merges",
+            "llm decision falls back to fusion) and the LLM summarizers of the merges (whose "
+            "IsConsistent probe asks it too); refused where the run has neither",
         )
         parser.add_argument("--llm-model", default="", help="model name sent to --llm")
         parser.add_argument(
