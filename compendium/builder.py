@@ -47,6 +47,9 @@ from compendium.masking import (
     without_placeholders,
 )
 from compendium.schema import (
+    FIELD_CAP_MAX,
+    SEED_MAX,
+    SEED_MIN,
     Compendium,
     MaskingInfo,
     NumericKind,
@@ -524,6 +527,14 @@ def build_compendium(
         raise BuildError("shared_word_users must be 0 (off) or at least 2")
     if options.max_words < 0:
         raise BuildError("max_words must be 0 (whole requests) or at least 1")
+    # What the compendium records them in (a bigint, the ledger's integer column): refused here,
+    # not as the built compendium's validation error once the work is done.
+    if options.field_cap is not None and not 1 <= options.field_cap <= FIELD_CAP_MAX:
+        raise BuildError(
+            f"field_cap must be a whole number from 1 to {FIELD_CAP_MAX}, not {options.field_cap}"
+        )
+    if not SEED_MIN <= options.seed <= SEED_MAX:
+        raise BuildError(f"seed must be a whole number from -2**63 to 2**63-1, not {options.seed}")
     if options.collapse and embedder is None:
         raise BuildError("near-duplicate collapse needs an embedding engine (or collapse=False)")
     each = progress or _no_progress

@@ -691,6 +691,7 @@ class SynapseClient:
         from routing.finetune import ROUTER_MANIFEST, manifest_problem, read_manifest
 
         folder = router_dir(out)
+        _restore_retired(folder)
         params = {"round": str(round_number)} if round_number is not None else None
         response = self.request("GET", "/api/v1/compendium/global/router/", params=params)
         if response.status_code in (401, 403):
@@ -743,12 +744,7 @@ class SynapseClient:
             (partial / ROUTER_MANIFEST).write_text(
                 json.dumps(manifest, indent=1, sort_keys=True), encoding="utf-8"
             )
-            retired = folder.with_name(folder.name + ".old")
-            shutil.rmtree(retired, ignore_errors=True)
-            if folder.exists():
-                folder.rename(retired)
-            partial.rename(folder)
-            shutil.rmtree(retired, ignore_errors=True)
+            _replace_folder(partial, folder)
         finally:
             shutil.rmtree(partial, ignore_errors=True)
         result.updated = True
@@ -843,6 +839,46 @@ class SynapseClient:
             return
         if manifest.get("global_sha256") != local:
             shutil.rmtree(folder, ignore_errors=True)
+
+
+def _retired(folder: Path) -> Path:
+    return folder.with_name(folder.name + ".old")
+
+
+def _restore_retired(folder: Path) -> None:
+    """Put back the copy a pull killed between `_replace_folder`'s two renames left in .old
+    (its only copy then); a .old beside a folder in place is a leftover of no use."""
+    retired = _retired(folder)
+    if not retired.is_dir():
+        return
+    if folder.exists():
+        shutil.rmtree(retired, ignore_errors=True)
+    else:
+        retired.rename(folder)
+
+
+def _replace_folder(new: Path, folder: Path) -> None:
+    """Put the folder `new` in place of `folder` (a folder cannot be renamed over another that
+    holds files): the old one moves aside to .old, the new one in, and the old one is removed.
+    When the new one cannot be moved in, the old one goes back: the previous copy is kept, and
+    the error says so."""
+    retired = _retired(folder)
+    shutil.rmtree(retired, ignore_errors=True)
+    try:
+        if folder.exists():
+            folder.rename(retired)
+        try:
+            new.rename(folder)
+        except OSError:
+            if retired.exists() and not folder.exists():
+                retired.rename(folder)
+            raise
+    except OSError as exc:
+        raise ClientError(
+            f"cannot put the tuned router in place at {folder} ({exc.strerror or exc}); the "
+            "previous copy is kept"
+        ) from None
+    shutil.rmtree(retired, ignore_errors=True)
 
 
 def _local_base_file(name: str) -> Path | None:

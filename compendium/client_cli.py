@@ -238,6 +238,12 @@ def cmd_build(args: argparse.Namespace) -> int:
                 )
     if args.since and args.no_collapse:  # before any work: it needs the engine the build skips
         raise CliError("--since needs the embedding model (drop --no-collapse)")
+    if (args.since_confidence != DEFAULT_SINCE_CONFIDENCE and not args.since
+            and not getattr(args, "probe", None)):
+        raise CliError(
+            "--since-confidence applies only with --since GLOBAL or --probe PROBE; this build "
+            "has neither, so it would be ignored"
+        )
     probe = None
     if getattr(args, "probe", None):
         if args.since:
@@ -593,13 +599,23 @@ def _client(args: argparse.Namespace):
     )
 
 
-def round_field_cap(current: dict) -> int | None:
+def round_field_cap(current: dict, refused: str = "") -> int | None:
     """The round's F* (its configuration's `field_cap`): the most tools one user may feed the
-    numeric statistics, which the edge's noise is calibrated for; None when it sets no cap."""
+    numeric statistics, which the edge's noise is calibrated for; None when it sets no cap. One
+    that no compendium can record (not a whole number from 1 to FIELD_CAP_MAX) is a CliError
+    naming the round's field_cap (not --field-cap, which the user may not have passed), ending
+    with `refused` (what was not done)."""
     from compendium.client_api import round_config
 
     cap = round_config(current).get("field_cap")
-    return cap if isinstance(cap, int) and not isinstance(cap, bool) and cap >= 1 else None
+    if cap is None or (isinstance(cap, int) and not isinstance(cap, bool)
+                       and 1 <= cap <= FIELD_CAP_MAX):
+        return cap
+    raise CliError(
+        f"round {current.get('number')} sets field_cap {cap!r}, which no compendium can record "
+        f"(F* is a whole number from 1 to {FIELD_CAP_MAX}): ask the server's operator to "
+        "correct the round" + (f"; {refused}" if refused else "")
+    )
 
 
 def _field_cap_check(path: Path, compendium: Compendium):
@@ -610,7 +626,7 @@ def _field_cap_check(path: Path, compendium: Compendium):
     under-charge its statistics). A compendium without numeric statistics has nothing F* bounds."""
 
     def check(current: dict) -> None:
-        required = round_field_cap(current)
+        required = round_field_cap(current, "nothing sent")
         if not exceeds_field_cap(compendium, required):
             return
         built = compendium.field_cap
@@ -865,6 +881,12 @@ def cmd_participate(args: argparse.Namespace) -> int:
     )
 
     _check_seed_and_field_cap(args)
+    if args.no_collapse and args.since_confidence != DEFAULT_SINCE_CONFIDENCE:
+        # what the global or the probe set routes is left out with the embedding model only
+        raise CliError(
+            "--since-confidence needs the embedding model, which --no-collapse skips: leave out "
+            "one of them"
+        )
     folder = Path(args.dir)
     try:
         folder.mkdir(parents=True, exist_ok=True)
@@ -876,7 +898,7 @@ def cmd_participate(args: argparse.Namespace) -> int:
     probe_path, out = folder / "probe.json", folder / "compendium.json"
     with _client(args) as client:
         current = client.open_round()  # no open round: one clear error, nothing built
-        required = round_field_cap(current)
+        required = round_field_cap(current, "nothing built or sent")
         field_cap = required if args.field_cap is None else args.field_cap
         if required is not None and field_cap > required:
             raise CliError(

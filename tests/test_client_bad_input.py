@@ -274,6 +274,74 @@ def test_a_router_answer_with_a_code_that_is_not_text_is_a_clear_error(tmp_path)
         client.pull_router(tmp_path / "global.json")
 
 
+def _router_server(files: dict[str, bytes]):
+    """A server publishing a tuned router of `files` (path -> bytes), as an httpx transport."""
+    import hashlib
+
+    import httpx
+
+    from routing.finetune import MANIFEST_FORMAT
+
+    def answer(request):
+        if request.url.path == "/api/v1/compendium/global/router/":
+            return httpx.Response(200, json={
+                "format": MANIFEST_FORMAT, "round": 1, "epochs": 1, "global_sha256": "a" * 64,
+                "rows_sha256": hashlib.sha256(b"".join(files.values())).hexdigest(),
+                "files": [{"path": name, "size": len(data), "sha256": hashlib.sha256(data).hexdigest()}
+                          for name, data in sorted(files.items())],
+            })
+        name = request.url.path.removeprefix("/api/v1/compendium/global/router/files/")
+        return httpx.Response(200, content=files[name]) if name in files else httpx.Response(404)
+
+    return httpx.MockTransport(answer)
+
+
+def test_a_router_that_cannot_be_put_in_place_leaves_the_previous_copy(tmp_path, monkeypatch):
+    """pull --router renamed the router folder to .old, then the new one into place: when that
+    last rename failed, the user was left with no router folder (its files in .old, which the
+    next pull deleted first). The previous copy stays in place now, and a .old a killed pull left
+    behind is put back, not deleted."""
+    import pathlib
+
+    from compendium.client_api import router_dir
+    from routing.finetune import ROUTER_MANIFEST, ROUTER_PARAMS, ROUTER_STATE, read_manifest
+
+    out = tmp_path / "global.json"
+    folder = router_dir(out)
+    first = {ROUTER_STATE: b"state one", ROUTER_PARAMS: b'{"one": 1}'}
+    second = {ROUTER_STATE: b"state two", ROUTER_PARAMS: b'{"two": 2}'}
+
+    def pull(files):
+        with SynapseClient("http://server.test", "syn_c_token", retries=0,
+                           transport=_router_server(files)) as client:
+            return client.pull_router(out)
+
+    assert pull(first).updated
+    manifest = (folder / ROUTER_MANIFEST).read_bytes()
+    rename = pathlib.Path.rename
+
+    def failing(self, target):
+        if self.name.endswith(".partial"):
+            raise PermissionError(13, "Permission denied", str(target))
+        return rename(self, target)
+
+    monkeypatch.setattr(pathlib.Path, "rename", failing)
+    with pytest.raises(ClientError, match=f"^cannot put the tuned router in place at {folder} "
+                       r"\(Permission denied\); the previous copy is kept$"):
+        pull(second)
+    monkeypatch.undo()
+    assert {p.name for p in tmp_path.iterdir()} == {folder.name}  # no .old, no .partial
+    assert (folder / ROUTER_STATE).read_bytes() == b"state one"
+    assert (folder / ROUTER_MANIFEST).read_bytes() == manifest
+    # A pull killed between its two renames left the copy in .old alone: the next one puts it
+    # back, and it is up to date (it was deleted and downloaded again).
+    folder.rename(folder.with_name(folder.name + ".old"))
+    again = pull(first)
+    assert not again.updated and again.downloaded_bytes == 0
+    assert (folder / ROUTER_STATE).read_bytes() == b"state one"
+    assert read_manifest(folder) is not None and {p.name for p in tmp_path.iterdir()} == {folder.name}
+
+
 def test_a_head_that_fails_to_download_leaves_no_older_head_beside_the_new_global(tmp_path):
     """Round 2's global arrives but its head download fails: round 1's head is not left beside
     it (route and build --since would use it), and the next pull, a 304, fetches round 2's."""
@@ -319,6 +387,30 @@ def test_a_head_that_fails_to_download_leaves_no_older_head_beside_the_new_globa
     third = client.pull(out)
     assert not third.updated and third.head == head_file(out)
     assert head_file(out).read_bytes() == head_bytes(2)
+
+
+def test_since_confidence_with_nothing_it_leaves_out_against_is_refused(tmp_path, capsys):
+    """--since-confidence leaves out what the pulled global (--since) or the probe set's router
+    (--probe) already routes: build without either, or participate with --no-collapse (which
+    builds without the embedding model either needs), ignored it without a word."""
+    schema = tmp_path / "schema.json"
+    schema.write_text('{"tools": [{"tool_id": "weather", "description": "Weather"}]}', "utf-8")
+    out = tmp_path / "c.json"
+    assert main(["build", "--log", str(tmp_path / "missing.jsonl"), "--schema", str(schema),
+                 "--out", str(out), "--since-confidence", "0.5", "--quiet"]) == 1
+    assert capsys.readouterr().err.strip() == (
+        "synapse-client: --since-confidence applies only with --since GLOBAL or --probe PROBE; "
+        "this build has neither, so it would be ignored"
+    )
+    assert not out.exists()
+    assert main(["participate", "--log", str(tmp_path / "usage.jsonl"), "--dir", str(tmp_path / "s"),
+                 "--server", NOWHERE, "--token", TOKEN, "--no-collapse",
+                 "--since-confidence", "0.5"]) == 1
+    assert capsys.readouterr().err.strip() == (
+        "synapse-client: --since-confidence needs the embedding model, which --no-collapse "
+        "skips: leave out one of them"
+    )
+    assert not (tmp_path / "s").exists()
 
 
 def test_build_since_without_the_embedding_model_is_refused_before_any_work(tmp_path, capsys):

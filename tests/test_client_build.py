@@ -35,6 +35,22 @@ def parsed(records):
     return log.records
 
 
+@pytest.mark.parametrize(("options", "says"), [
+    ({"field_cap": 2**31}, "^field_cap must be a whole number from 1 to 2147483647, not 2147483648$"),
+    ({"field_cap": 0}, "^field_cap must be a whole number from 1 to 2147483647, not 0$"),
+    ({"seed": 2**63}, r"^seed must be a whole number from -2\*\*63 to 2\*\*63-1, not 9223372036854775808$"),
+])
+def test_build_options_no_compendium_can_record_are_refused_by_their_name_before_any_work(
+        options, says):
+    """The library's callers (the simulation, the demo, tooling) pass F* and the seed as
+    BuildOptions: past the columns a compendium records them in, the build ran to its end and
+    failed there as pydantic's report on Compendium, several lines (F* = 0 as clipping's
+    "the field cap F* must be at least 1")."""
+    with pytest.raises(BuildError, match=says):
+        build_compendium(parsed(usage_records(users=2, lines=20)), metatool_schema(),
+                         BuildOptions(collapse=False, **options))
+
+
 def test_a_log_of_several_users_builds_a_valid_compendium():
     records = usage_records(users=6, lines=240)
     schema = metatool_schema()

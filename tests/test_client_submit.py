@@ -126,6 +126,8 @@ def make_handler(state: ServerState):
                 self.end_headers()
                 self.wfile.write(data)
                 return None
+            if url.path == "/api/v1/submissions/":  # status: this client's, none shown
+                return self._send(200, {"count": 0, "next": None, "previous": None, "results": []})
             if url.path == "/api/v1/compendium/schema/":
                 return self._send(200, SCHEMA.model_dump(mode="json"))
             if url.path == "/api/v1/compendium/probe/":  # as the real API
@@ -724,6 +726,40 @@ def test_submit_refuses_a_build_over_the_rounds_field_cap_before_sending(server,
     state.field_cap = None
     assert main(submit_args(url, tmp_path / "none.json")) == 0
     assert "field cap" not in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("cap", [2**31, 0, 2.0, "2", True])
+def test_a_rounds_field_cap_no_compendium_can_record_is_named_as_the_rounds(
+    server, tmp_path, capsys, cap
+):
+    """The round's F* comes from the server (GET /api/v1/rounds/): one past the compendium's
+    integer column was refused by participate as "--field-cap must be from 1 to ...", a flag the
+    user never passed; submit advised building again with that --field-cap; one of another type
+    read as no cap. Each names the round's field_cap now, and nothing is built or sent."""
+    url, state = server
+    built = _build(tmp_path, "uncapped.json")
+    state.field_cap = cap
+    log = tmp_path / "usage.jsonl"
+    said = (f"synapse-client: round 4 sets field_cap {cap!r}, which no compendium can record "
+            "(F* is a whole number from 1 to 2147483647): ask the server's operator to correct "
+            "the round")
+    capsys.readouterr()
+    assert main(["participate", "--log", str(log), "--dir", str(tmp_path / "state"),
+                 "--no-collapse", "--quiet", "--server", url, "--token", TOKEN,
+                 "--backoff", "0"]) == 1
+    assert capsys.readouterr().err.strip().splitlines() == [f"{said}; nothing built or sent"]
+    assert not (tmp_path / "state" / "compendium.json").exists()
+    assert main(submit_args(url, built)) == 1
+    assert capsys.readouterr().err.strip().splitlines() == [f"{said}; nothing sent"]
+    assert main(["status", "--server", url, "--token", TOKEN, "--backoff", "0"]) == 1
+    assert capsys.readouterr().err.strip().splitlines() == [said]
+    assert state.posts == []
+    # The user's own --field-cap past the column is named as the flag, before any request.
+    state.field_cap = None
+    assert main(["participate", "--log", str(log), "--dir", str(tmp_path / "state"),
+                 "--no-collapse", "--quiet", "--server", url, "--token", TOKEN,
+                 "--backoff", "0", "--field-cap", str(2**31)]) == 1
+    assert capsys.readouterr().err.strip() == "synapse-client: --field-cap must be from 1 to 2147483647"
 
 
 def test_submit_refuses_statistics_the_open_round_will_not_release_before_sending(

@@ -395,6 +395,11 @@ def test_bad_client_options_are_refused_before_anything_runs(tiny_dataset, capsy
      "^--camouflage-share applies only with adversaries of a camouflaged mode"),
     (["--pool-size", "4"], "^--pool-size applies only with --pool-users 2 or more; "),
     (["--llm-model", "smollm2"], "^--llm-model applies only with --llm URL; "),
+    # An endpoint nothing in the run asks: the run did not use what the user pointed at.
+    (["--llm", "http://127.0.0.1:9/v1"], "^--llm applies only with an LLM summarizer [(]--summarizer "
+     "or --sweep-summarizers llm-single-shot or textgrad[)] or --transfer-rerankers llm; "),
+    (["--llm", "http://127.0.0.1:9/v1", "--llm-model", "smollm2", "--transfer-rerankers", "none,fusion",
+      "--sweep-summarizers", "centroid,none"], "^--llm applies only with an LLM summarizer"),
     # f of a robust rule, where no merge applies one.
     (["--trim-fraction", "0.2"], "^--trim-fraction applies only with a robust rule [(]--robust-rule "
      "or --sweep-rules with --sweep-adversarial[)]; "),
@@ -412,6 +417,33 @@ def test_bad_client_options_are_refused_before_anything_runs(tiny_dataset, capsy
     # and the run was stored as the LLM reranker's.
     (["--reranker", "llm"], "^--reranker llm: the simulation's own routers have no LLM"),
     (["--reranker", "llm", "--llm", "http://127.0.0.1:9/v1"], "^--reranker llm: the simulation's own routers have no LLM"),
+    # A value a sweep lists twice: its row was played (or reused) and stored twice.
+    (["--sweep-epsilon", "1,1,2"], "^--sweep-epsilon lists 1 twice: give each value once$"),
+    (["--sweep-lambda", "0.5,1,0.50"], "^--sweep-lambda lists 0.5 twice [(]again as 0.50[)]: "),
+    (["--sweep-tau", "0.8,0.9,0.8"], "^--sweep-tau lists 0.8 twice: "),
+    (["--sweep-adversarial", "0.5,0.5"], "^--sweep-adversarial lists 0.5 twice: "),
+    (["--sweep-adversarial", "0.5", "--sweep-modes", "tool_confusion,tool_confusion"],
+     "^--sweep-modes lists tool_confusion twice: "),
+    (["--sweep-adversarial", "0.5", "--sweep-rules", "krum,none,krum"], "^--sweep-rules lists krum twice: "),
+    (["--sweep-min-users", "1,2,1"], "^--sweep-min-users lists 1 twice: "),
+    (["--sweep-contradictions", "0,0.2,0"], "^--sweep-contradictions lists 0 twice: "),
+    (["--sweep-cadence", "1,01"], "^--sweep-cadence lists 1 twice [(]again as 01[)]: "),
+    (["--sweep-summarizers", "centroid,none,centroid"], "^--sweep-summarizers lists centroid twice: "),
+    (["--transfer-rerankers", "fusion,fusion"], "^--transfer-rerankers lists fusion twice: "),
+    (["--transfer-models", "bundled:all-MiniLM-L6-v2,bundled:all-MiniLM-L6-v2"],
+     "^--transfer-models lists bundled:all-MiniLM-L6-v2 twice: "),
+    # A contradiction comes from another client of the same organization: with one client per
+    # organization none was injected, and the rows were those of share 0.
+    (["--clients-per-org", "1", "--contradiction-fraction", "0.4"],
+     "^--contradiction-fraction 0.4 needs 2 or more --clients-per-org"),
+    (["--clients-per-org", "1", "--sweep-contradictions", "0,0.4"],
+     "^--sweep-contradictions 0.4 needs 2 or more --clients-per-org"),
+    # A list flag given nothing but commas, or the adversarial sweep's modes or rules emptied:
+    # the sweep was silently none.
+    (["--sweep-tau", ","], "^--sweep-tau: expected comma-separated numbers, got ','$"),
+    (["--sweep-adversarial", " , "], "^--sweep-adversarial: expected comma-separated numbers, got ' , '$"),
+    (["--sweep-adversarial", "0.5", "--sweep-rules", ""], "^--sweep-rules: expected names, got ''$"),
+    (["--sweep-adversarial", "0.5", "--sweep-modes", ","], "^--sweep-modes: expected names, got ','$"),
     (["--sweep-min-users", "0"], "--sweep-min-users: every k must be at least 1"),
     (["--sweep-min-users", "nan"], "^--sweep-min-users: expected whole numbers, got 'nan'$"),
     (["--sweep-min-users", "inf"], "^--sweep-min-users: expected whole numbers, got 'inf'$"),
@@ -458,9 +490,13 @@ def test_bad_run_and_sweep_options_are_refused_by_their_flag_before_the_data_loa
     ["--sweep-adversarial", "0.4", "--sweep-rules", "krum", "--sweep-modes", "tool_confusion"],
     ["--adversarial-fraction", "0.4", "--adversarial-mode", "tool_confusion"],
     ["--pool-users", "2", "--pool-size", "4"],
-    ["--llm", "http://127.0.0.1:9/v1", "--llm-model", "smollm2"],
+    ["--llm", "http://127.0.0.1:9/v1", "--llm-model", "smollm2", "--transfer-rerankers", "llm"],
+    ["--llm", "http://127.0.0.1:9/v1", "--summarizer", "llm-single-shot"],
+    ["--llm", "http://127.0.0.1:9/v1", "--sweep-summarizers", "centroid,textgrad"],
     ["--client-tau", "0.9", "--pool-users", "1"],
     ["--trim-fraction", "0.2", "--robust-rule", "krum"],
+    ["--clients-per-org", "2", "--contradiction-fraction", "0.4", "--sweep-contradictions", "0,0.4"],
+    ["--clients-per-org", "1", "--sweep-contradictions", "0"],
     ["--trim-fraction", "0.2", "--sweep-adversarial", "0.4", "--sweep-rules", "none,trimmed-mean"],
 ])
 def test_flags_that_apply_to_the_run_pass_the_checks(flags):

@@ -148,6 +148,41 @@ def test_adversaries_are_screened_alike_through_the_services(tiny_dataset):
     assert through["dropped_honest"] == 0
 
 
+def test_the_llm_reaches_the_pipelines_merges_only_where_the_in_memory_merges_get_it(
+        tiny_dataset):
+    """`--llm` is the endpoint of the LLM summarizers and of the llm transfer reranker. The
+    in-memory merges get it only with an LLM summarizer (`Simulation.summarizer_llm`); through
+    the services the scratch database configured it for the pipeline, whose merges then asked it
+    IsConsistent of every cluster whatever the summarizer: another compendium than in memory."""
+    from compendium.registry import load_dataset
+    from compendium.schema import Schema
+    from federation.merge.llm import CONSISTENCY_PROMPT
+    from federation.simulation.runner import Simulation, SimulationConfig
+    from federation.simulation.through_services import scratch_database
+    from routing.embeddings import get_engine
+    from tests.chat_server import ChatServer
+
+    asks_consistency = CONSISTENCY_PROMPT.split("\n")[0]
+
+    def consistency_questions(server) -> int:
+        return sum(asks_consistency in json.dumps(r["body"]) for r in server.requests)
+
+    dataset = load_dataset(str(tiny_dataset))
+    schema = Schema(tools=dataset.tools)
+    server = ChatServer(default="Inconsistent")
+    try:
+        for summarizer, asked in (("probe-extractive", False), ("llm-single-shot", True)):
+            config = SimulationConfig(orgs=2, clients_per_org=2, rounds=2, baselines=False,
+                                      diagnostics=False, summarizer=summarizer,
+                                      llm_url=server.url, through_services=True)
+            server.requests.clear()
+            with scratch_database(llm_url=server.url):
+                Simulation(dataset, schema, get_engine(), config).run_seed(1)
+            assert (consistency_questions(server) > 0) == asked, summarizer
+    finally:
+        server.close()
+
+
 def test_a_federation_through_the_services_never_empties_the_operators_database(tiny_dataset):
     from compendium.registry import load_dataset
     from federation.models import Organization

@@ -354,7 +354,10 @@ class Simulation:
         self._summarizer_llm = None
         # Rounds closed through the product's services (in the scratch database that
         # `through_services.scratch_database` holds for the run).
-        self.services = ServiceRounds(dataset) if config.through_services else None
+        merges_llm = config.llm_url if config.summarizer in LLM_SUMMARIZERS else None
+        self.services = (
+            ServiceRounds(dataset, llm_url=merges_llm) if config.through_services else None
+        )
         # The seeds of the run in play order (`seed_name`), and the round being played (None:
         # none): what a progress line or an error says.
         self.seeds: list[int] = []

@@ -162,8 +162,14 @@ class ServiceRounds:
     """Closes a simulated federation's rounds through the services (see the module). Used inside
     `scratch_database`: `begin` empties the database for a new federation."""
 
-    def __init__(self, dataset: RoutingDataset):
+    def __init__(self, dataset: RoutingDataset, llm_url: str | None = None):
         self.dataset = dataset
+        # The merges' LLM (summarizer and IsConsistent probe), as the in-memory merges get it
+        # (`Simulation.summarizer_llm`): the run's --llm only with an LLM summarizer. The
+        # scratch database configures --llm for the whole run, whose other federations (a
+        # summarizer sweep's non-LLM variants, a run for the llm transfer reranker) merge
+        # without it.
+        self.llm_url = llm_url or ""
         self.clients: dict[str, Any] = {}  # simulated client -> Client
         self.seed = 0
         self.round = None  # the open Round
@@ -221,6 +227,8 @@ class ServiceRounds:
         compendium with the merges' statistics per organization ("server": the server merge's;
         "refused": per client, why the server refused its submission). None when nothing
         reached a merge (no round is published then)."""
+        from django.test.utils import override_settings
+
         from compendium import transport
         from compendium.models import CompendiumVersion
         from compendium.services import load_compendium
@@ -245,7 +253,8 @@ class ServiceRounds:
                 accepted += 1
             except FederationError as exc:
                 refused[name] = str(exc)
-        close_round(system, rnd)
+        with override_settings(SYNAPSE_LLM_BASE_URL=self.llm_url):  # the eager merge pipeline
+            close_round(system, rnd)
         rnd.refresh_from_db()
         if not accepted:  # the server refused every submission: the round failed, unpublished
             return None, {"refused": refused}

@@ -56,16 +56,24 @@ FLAGS = {
 
 def _listed(text: str, flag: str, parse, expected: str) -> list:
     """A comma-separated list, each item read by `parse`, or a CommandError naming the flag and
-    the item it cannot read."""
-    values = []
+    the item it cannot read, or the value it lists twice (a sweep would play and store its row
+    twice)."""
+    values: dict = {}  # each value read -> the item that first gave it
     for item in (x.strip() for x in text.split(",")):
         if not item:
             continue
         try:
-            values.append(parse(item))
+            value = parse(item)
         except ValueError:
             raise CommandError(f"{flag}: expected {expected}, got {item!r}") from None
-    return values
+        if value in values:
+            first = values[value]
+            also = "" if item == first else f" (again as {item})"
+            raise CommandError(f"{flag} lists {first} twice{also}: give each value once")
+        values[value] = item
+    if not values and text:  # commas alone (a default is never this): the flag would be off
+        raise CommandError(f"{flag}: expected {expected}, got {text!r}")
+    return list(values)
 
 
 def _floats(text: str, flag: str) -> list[float]:
@@ -76,8 +84,8 @@ def _integers(text: str, flag: str) -> list[int]:
     return _listed(text, flag, int, "whole numbers")
 
 
-def _names(text: str) -> tuple[str, ...]:
-    return tuple(x.strip() for x in text.split(",") if x.strip())
+def _names(text: str, flag: str) -> tuple[str, ...]:
+    return tuple(_listed(text, flag, str, "names"))
 
 
 def _known(names: tuple[str, ...], choices, flag: str) -> tuple[str, ...]:
@@ -311,7 +319,8 @@ class Command(BaseCommand):
         parser.add_argument(
             "--llm", dest="llm_url", default=None,
             help="OpenAI-compatible endpoint for the llm transfer reranker (without it every "
-            "llm decision falls back to fusion) and the LLM summarizers of the merges",
+            "llm decision falls back to fusion) and the LLM summarizers of the merges (whose "
+            "IsConsistent probe asks it too); refused where the run has neither",
         )
         parser.add_argument("--llm-model", default="", help="model name sent to --llm")
         parser.add_argument(
@@ -461,11 +470,21 @@ class Command(BaseCommand):
         taus = _floats(o["sweep_tau"], "--sweep-tau")
         if any(not 0 < t <= 1 for t in taus):
             raise CommandError("--sweep-tau: every τ must be in (0, 1]")
-        summarizers = _known(_names(o["sweep_summarizers"]), SUMMARIZERS, "--sweep-summarizers")
-        _known(_names(o["transfer_rerankers"]), RERANKERS, "--transfer-rerankers")
-        if not o["llm_url"] and {o["summarizer"], *summarizers} & set(LLM_SUMMARIZERS):
+        flag = "--sweep-summarizers"
+        summarizers = _known(_names(o["sweep_summarizers"], flag), SUMMARIZERS, flag)
+        flag = "--transfer-rerankers"
+        rerankers = _known(_names(o["transfer_rerankers"], flag), RERANKERS, flag)
+        llm_summarizer = bool({o["summarizer"], *summarizers} & set(LLM_SUMMARIZERS))
+        if not o["llm_url"] and llm_summarizer:
             raise CommandError(
                 f"the {' and '.join(sorted(LLM_SUMMARIZERS))} summarizers need an LLM endpoint: pass --llm URL"
+            )
+        if o["llm_url"] and not llm_summarizer and "llm" not in rerankers:
+            # Nothing else asks it (the merges through the services neither: ServiceRounds).
+            raise CommandError(
+                "--llm applies only with an LLM summarizer (--summarizer or --sweep-summarizers "
+                f"{' or '.join(sorted(LLM_SUMMARIZERS))}) or --transfer-rerankers llm; this run "
+                "has none, so it would be ignored"
             )
         contradictions = _floats(o["sweep_contradictions"], "--sweep-contradictions")
         if not 0 <= o["contradiction_fraction"] <= 1:
@@ -474,6 +493,15 @@ class Command(BaseCommand):
             )
         if any(not 0 <= p <= 1 for p in contradictions):
             raise CommandError("--sweep-contradictions: every share must be in [0, 1]")
+        if o["clients_per_org"] < 2:  # `contradict`: another client of the same organization
+            for flag, share in (("--contradiction-fraction", o["contradiction_fraction"]),
+                                *(("--sweep-contradictions", p) for p in contradictions)):
+                if share > 0:
+                    raise CommandError(
+                        f"{flag} {share:g} needs 2 or more --clients-per-org: a contradiction "
+                        f"comes from another client of the same organization, and with "
+                        f"--clients-per-org {o['clients_per_org']} there is none"
+                    )
         cadences = _integers(o["sweep_cadence"], "--sweep-cadence")
         if any(k < 0 for k in cadences):
             raise CommandError("--sweep-cadence: every cadence must be 0 (frozen) or a number of rounds")
@@ -494,12 +522,17 @@ class Command(BaseCommand):
                 raise CommandError("--sweep-adversarial: every fraction must be in [0, 1]")
             for fraction in fractions:
                 _some_adversary(fraction, "--sweep-adversarial", clients)
-            modes = _known(_names(o["sweep_modes"]), ADVERSARIAL_MODES, "--sweep-modes")
+            flag = "--sweep-modes"
+            modes = _known(_names(o["sweep_modes"], flag), ADVERSARIAL_MODES, flag)
+            rules = _names(o["sweep_rules"], "--sweep-rules")
+            for flag, names in (("--sweep-modes", modes), ("--sweep-rules", rules)):
+                if not names:  # emptied (the defaults hold every one): no adversarial row
+                    raise CommandError(f"{flag}: expected names, got ''")
             adversarial_variants = [
                 {"adversarial_mode": m, "adversarial_fraction": f, "robust_rule": r}
                 for m in modes
                 for f in fractions
-                for r in _names(o["sweep_rules"])
+                for r in rules
             ]
         # Every round configuration the run and its sweeps will play, checked before the dataset
         # and the model load: a bad value in a sweep must not surface after an hour's main run.
@@ -546,8 +579,8 @@ class Command(BaseCommand):
             shared_word_users=o["shared_word_users"],
             max_words=o["max_words"],
             client_tau=o["client_tau"],
-            transfer_models=_names(o["transfer_models"]),
-            transfer_rerankers=_names(o["transfer_rerankers"]),
+            transfer_models=_names(o["transfer_models"], "--transfer-models"),
+            transfer_rerankers=_names(o["transfer_rerankers"], "--transfer-rerankers"),
             llm_url=o["llm_url"] or None,
             llm_model=o["llm_model"] or "",
             aggregate_every=o["aggregate_every"],
@@ -587,12 +620,6 @@ class Command(BaseCommand):
                 raise CommandError(str(exc)) from None
             raise CommandError(unavailable_model(
                 o["embedding_model"], exc, f"--embedding-model takes {MODEL_NAMES}")) from None
-        if (config.llm_url and "llm" not in config.transfer_rerankers
-                and not {config.summarizer, *summarizers} & set(LLM_SUMMARIZERS)):
-            self.stderr.write(
-                "simulate: --llm is used by --transfer-rerankers llm and the LLM summarizers "
-                "only; ignored"
-            )
         schema = Schema(tools=dataset.tools)
         quiet = o["verbosity"] == 0
 
@@ -701,8 +728,8 @@ def _releases(k: int, flag: str, users: int) -> None:
 def _unused_flag(o: dict) -> str | None:
     """A flag given a value of its own where the run has nothing it applies to (it would be
     silently ignored): what to pass with it, or None."""
-    sweep_modes = _names(o["sweep_modes"]) if o["sweep_adversarial"] else ()
-    sweep_rules = _names(o["sweep_rules"]) if o["sweep_adversarial"] else ()
+    sweep_modes = _names(o["sweep_modes"], "--sweep-modes") if o["sweep_adversarial"] else ()
+    sweep_rules = _names(o["sweep_rules"], "--sweep-rules") if o["sweep_adversarial"] else ()
     camouflaged = ((o["adversarial_fraction"] > 0 and o["adversarial_mode"] in CAMOUFLAGED_MODES)
                    or bool(set(sweep_modes) & set(CAMOUFLAGED_MODES)))
     for flag, given, applies, needs in (
