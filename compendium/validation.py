@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import math
 import re
+import unicodedata
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -222,6 +223,31 @@ def forbidden_character(text: str) -> str | None:
         "a bidirectional override" if "\u202a" <= char <= "\u2069" else "a control character"
     )
     return f"{what} U+{ord(char):04X} at position {bad.start()}"
+
+
+# Characters that render as nothing beside the format (Cf) characters: the combining grapheme
+# joiner and the Hangul fillers (a "blank" letter).
+_BLANK_NON_FORMAT = frozenset("\u034f\u115f\u1160\u3164\uffa0")
+
+
+def is_invisible(char: str) -> bool:
+    """Whether `char` is drawn as nothing: a format character (Unicode category Cf: zero-width
+    space and joiners, word joiner, soft hyphen, byte-order mark, bidirectional marks, ...) or a
+    blank filler (_BLANK_NON_FORMAT)."""
+    return unicodedata.category(char) == "Cf" or char in _BLANK_NON_FORMAT
+
+
+def invisible_character(text: str) -> str | None:
+    """The first character of `text` that is drawn as nothing (is_invisible), in words ("an
+    invisible character U+200B (ZERO WIDTH SPACE) at position 4"); None when there is none.
+    For the names people give organizations and clients, which must not have an invisible twin
+    (not for compendium text, where a zero-width joiner belongs to an emoji)."""
+    for position, char in enumerate(text):
+        if is_invisible(char):
+            name = unicodedata.name(char, "")
+            named = f" ({name})" if name else ""
+            return f"an invisible character U+{ord(char):04X}{named} at position {position}"
+    return None
 
 
 def _check_string(text: str, path: tuple, schema: Schema, is_key: bool) -> Iterator[Violation]:

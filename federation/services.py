@@ -14,6 +14,7 @@ import math
 import re
 import secrets
 import time
+import unicodedata
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any, NamedTuple
@@ -28,7 +29,7 @@ from django.utils.text import slugify
 
 from compendium.models import NumericField
 from compendium.services import seed_default_numeric_fields
-from compendium.validation import forbidden_character
+from compendium.validation import forbidden_character, invisible_character, is_invisible
 from federation import accounting, ratelimit
 from federation.errors import (
     BudgetExceeded,
@@ -663,38 +664,79 @@ def update_settings(actor: Actor, **changes) -> FederationSettings:
 # --- organizations and clients ----------------------------------------------------------------
 
 
+def name_key(name: str) -> str:
+    """The form in which two names of organizations (or two clients of one organization) are
+    compared: without invisible characters, NFKC (a no-break space is a space, a full-width "Ａ"
+    an "A"), whitespace runs as one space, casefolded. Two names with one key read as one name
+    on the dashboard and in the audit log."""
+    visible = "".join(char for char in name if not is_invisible(char))
+    spaced = " ".join(unicodedata.normalize("NFKC", visible).split())
+    return unicodedata.normalize("NFKC", spaced.casefold())
+
+
+def name_problem(name: str) -> str | None:
+    """What makes `name` unfit for an organization or a client, in words (None when nothing):
+    a control character or bidi override makes it read otherwise than it is stored (another
+    organization's, to whoever reads the dashboard or the audit log), and an invisible character
+    makes a twin of a name that reads the same."""
+    return forbidden_character(name) or invisible_character(name)
+
+
+def _lock_name(scope: str, name: str) -> None:
+    """Hold to the transaction's end the lock of a name's key in `scope`: of two creations or
+    renames to names with one key at once, the second waits for the first's commit, then sees
+    it (the unique index compares names as stored)."""
+    with connection.cursor() as cursor:
+        cursor.execute("SELECT pg_advisory_xact_lock(hashtext(%s))", [f"{scope}:{name_key(name)}"])
+
+
+def _twin_message(exists: str, other: str, name: str) -> str:
+    """`exists` (saying what holds `other`), and when `name` is not `other` itself, how the two
+    differ: in nothing a reader sees."""
+    if other == name:
+        return f"{exists}; choose another name"
+    return (
+        f"{exists}; {name!r} differs from it only in case, spacing or invisible characters; "
+        "choose another name"
+    )
+
+
 def organization_name(name: str) -> str:
     """An organization's name as stored (stripped), for creating and renaming alike; InvalidRequest
-    naming what is wrong when it is empty or longer than the column."""
+    naming what is wrong when it is empty, longer than the column or holds a character it may
+    not (name_problem)."""
     name = (name or "").strip()
     limit = Organization._meta.get_field("name").max_length
     if not name:
         raise InvalidRequest("an organization needs a name")
     if len(name) > limit:
         raise InvalidRequest(f"an organization's name is at most {limit} characters, not {len(name)}")
-    # A bidi override makes a name read otherwise than it is stored (another organization's, to
-    # whoever reads the dashboard or the audit log); a control character is seen by no one.
-    if bad := forbidden_character(name):
+    if bad := name_problem(name):
         raise InvalidRequest(f"an organization's name contains {bad}; remove it")
     return name
 
 
-def _refuse_case_twin(name: str, slug: str | None = None, other_than: Organization | None = None) -> None:
-    """Conflict when another organization's name (or slug) differs from `name` (`slug`) only in
-    case: told apart by case alone, two organizations would be one to whoever reads or types them
-    ("ORG-A" next to "org-a", "Acme" next to "ACME"). An exact match is left to the unique
-    constraints, which say it exists."""
-    same = Q(name__iexact=name) & ~Q(name=name)
-    if slug is not None:
-        same |= Q(slug__iexact=slug) & ~Q(slug=slug)
+def _refuse_twin(name: str, slug: str | None = None, other_than: Organization | None = None) -> None:
+    """Conflict when another organization's name has the key of `name` (name_key: the same but
+    for case, spacing or invisible characters), or its slug differs from `slug` only in case:
+    two organizations would be one to whoever reads or types them ("ORG-A" next to "org-a",
+    "Acme Labs" next to "Acme\u00a0Labs"). A slug taken as it is is left to the unique
+    constraint, which says it exists. The caller holds _lock_name("organization", name)."""
     others = Organization.objects.exclude(pk=other_than.pk) if other_than else Organization.objects
-    twin = others.filter(same).first()
-    if twin is not None:
-        raise Conflict(
-            f"the organization {twin.name!r} (slug {twin.slug!r}) differs from {name!r}"
-            + (f" (slug {slug!r})" if slug is not None else "")
-            + " only in case; choose another name" + (" and slug" if slug is not None else "")
-        )
+    key = name_key(name)
+    for other, other_slug in others.values_list("name", "slug").order_by("pk"):
+        if name_key(other) == key:
+            slug_shown = "" if other == name else f" (slug {other_slug!r})"
+            raise Conflict(_twin_message(
+                f"an organization named {other!r} exists{slug_shown}", other, name
+            ))
+    if slug is not None:
+        twin = others.filter(Q(slug__iexact=slug) & ~Q(slug=slug)).first()
+        if twin is not None:
+            raise Conflict(
+                f"the organization {twin.name!r} (slug {twin.slug!r}) has a slug that differs "
+                f"from {slug!r} only in case; choose another slug"
+            )
 
 
 @transaction.atomic
@@ -718,7 +760,8 @@ def create_organization(
         )
     if len(slug) > slug_limit:
         raise InvalidRequest(f"an organization's slug is at most {slug_limit} characters")
-    _refuse_case_twin(name, slug)
+    _lock_name("organization", name)
+    _refuse_twin(name, slug)
     try:
         with transaction.atomic():
             org = Organization.objects.create(name=name, slug=slug, description=description)
@@ -756,7 +799,8 @@ def rename_organization(
     previous = org.name
     if name == previous:
         return org
-    _refuse_case_twin(name, other_than=org)
+    _lock_name("organization", name)
+    _refuse_twin(name, other_than=org)
     org.name = name
     try:
         with transaction.atomic():
@@ -789,7 +833,7 @@ def enroll_client(
     name = name.strip()
     if not name:
         raise InvalidRequest("a client needs a name")
-    if bad := forbidden_character(name):  # as an organization's name (organization_name)
+    if bad := name_problem(name):  # as an organization's name (organization_name)
         raise InvalidRequest(f"a client's name contains {bad}; remove it")
     for what, value in (("name", name), ("contact", contact)):
         limit = Client._meta.get_field(what).max_length
@@ -803,6 +847,15 @@ def enroll_client(
                 f"enrollment is limited to {limit} clients per organization and hour",
                 decision.retry_after,
             )
+    # Another client of the organization by a name that reads as this one (name_key): two
+    # clients the dashboard, the audit log and erase_client's ORG/CLIENT cannot tell apart.
+    _lock_name(f"client:{organization.pk}", name)
+    key = name_key(name)
+    for other in organization.clients.values_list("name", flat=True).order_by("pk"):
+        if name_key(other) == key:
+            raise Conflict(_twin_message(
+                f"organization {organization.slug!r} already has a client {other!r}", other, name
+            ))
     try:
         with transaction.atomic():
             client = Client.objects.create(

@@ -1466,6 +1466,32 @@ def test_a_client_named_with_a_control_or_bidi_character_is_refused(world, name)
     assert not Client.objects.filter(name=name).exists()
 
 
+@pytest.mark.parametrize("char", ["\u200b", "\u200d", "\u2060", "\ufeff", "\u00ad"])
+def test_a_client_named_with_an_invisible_character_is_refused(world, char):
+    response = person_api(world.admin_a).post(
+        "/api/v1/admin/clients/", {"name": f"laptop{char}7"}, format="json"
+    )
+    assert response.status_code == 400, response.content
+    assert response.json()["detail"].startswith(
+        f"a client's name contains an invisible character U+{ord(char):04X}"
+    )
+    assert not Client.objects.filter(name__startswith="laptop").exists()
+
+
+@pytest.mark.parametrize("twin", ["a\u00a01", "a\u202f1", "A 1", "a  1"])
+def test_a_client_named_as_another_of_its_organization_but_for_spacing_is_a_conflict(world, twin):
+    api = person_api(world.admin_a)
+    assert api.post("/api/v1/admin/clients/", {"name": "a 1"}, format="json").status_code == 201
+    response = api.post("/api/v1/admin/clients/", {"name": twin}, format="json")
+    assert response.status_code == 409, response.content
+    assert response.json()["detail"].startswith("organization 'org-a' already has a client 'a 1'")
+    assert "only in case, spacing or invisible characters" in response.json()["detail"]
+    assert not Client.objects.filter(name=twin).exists()
+    # another organization's client may bear the name
+    other = person_api(world.admin_b).post("/api/v1/admin/clients/", {"name": twin}, format="json")
+    assert other.status_code == 201, other.content
+
+
 @pytest.mark.parametrize(
     ("path", "body", "named"),
     [

@@ -276,3 +276,56 @@ def test_a_rename_to_another_organizations_name_in_other_case_is_refused(world):
     # its own name in another case is a rename like any other
     assert person_api(world.operator).patch(
         f"{ORGANIZATIONS}{org_a.pk}/", {"name": org_a.name.upper()}, format="json").status_code == 200
+
+
+# --- invisible twins ---------------------------------------------------------------------------
+
+# What reads as "Org C" (or as "Org A", an existing name) but is stored otherwise: a zero-width
+# space, non-joiner, joiner, word joiner, byte-order mark, soft hyphen, a Hangul filler.
+INVISIBLE = ["\u200b", "\u200c", "\u200d", "\u2060", "\ufeff", "\u00ad", "\u3164"]
+
+
+@pytest.mark.parametrize("char", INVISIBLE)
+def test_a_name_with_an_invisible_character_is_refused_naming_it(world, char):
+    operator = world.actor(world.operator)
+    for name in (f"Org{char} C", f"Org{char} A"):
+        with pytest.raises(InvalidRequest, match=f"an organization's name contains an invisible "
+                           f"character U\\+{ord(char):04X} .*at position 3"):
+            services.create_organization(operator, name, "org-c")
+        with pytest.raises(InvalidRequest, match="organization's name contains an invisible"):
+            services.rename_organization(operator, world.org_b, name)
+    assert sorted(Organization.objects.values_list("name", flat=True)) == ["Org A", "Org B"]
+    assert not renames().exists()
+
+
+@pytest.mark.parametrize(
+    "twin",
+    ["Org\u00a0A", "Org\u202fA", "Org  A", "org a", "ＯＲＧ Ａ", "\tOrg \n A"],
+)
+def test_an_organization_named_as_another_but_for_spacing_or_width_is_a_conflict(world, twin):
+    """A no-break space for a space, two spaces for one, full-width letters: the dashboard shows
+    the same name twice."""
+    api = person_api(world.operator)
+    created = api.post(ORGANIZATIONS, {"name": twin, "slug": "org-twin"}, format="json")
+    assert created.status_code == 409, created.content
+    detail = created.json()["detail"]
+    assert detail.startswith("an organization named 'Org A' exists (slug 'org-a')")
+    assert "differs from it only in case, spacing or invisible characters" in detail
+    renamed = api.patch(f"{ORGANIZATIONS}{world.org_b.pk}/", {"name": twin}, format="json")
+    assert renamed.status_code == 409 and renamed.json()["detail"] == detail, renamed.content
+    assert sorted(Organization.objects.values_list("name", flat=True)) == ["Org A", "Org B"]
+    assert not renames().exists()
+
+
+def test_the_dashboard_refuses_invisible_twins_as_the_api_does(client, world):
+    client.force_login(world.operator)
+    created = client.post(reverse("dashboard:organizations"), {"name": "Org\u00a0A", "slug": "x"})
+    assert created.status_code == 409 and "only in case, spacing" in created.content.decode()
+    renamed = client.post(
+        reverse("dashboard:organization-rename", args=["org-b"]), {"name": "Org\u200bA"}
+    )
+    assert renamed.status_code == 400 and "invisible character U+200B" in renamed.content.decode()
+    enrolled = client.post(reverse("dashboard:client-enroll", args=["org-a"]), {"name": "A1"})
+    assert enrolled.status_code == 409 and "already has a client" in enrolled.content.decode()
+    assert Organization.objects.count() == 2
+    assert world.org_a.clients.count() == 2 and world.org_b.name == "Org B"
