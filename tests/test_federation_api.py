@@ -822,6 +822,21 @@ def test_the_submission_endpoint_answers_json_whatever_the_client_accepts(
     assert api.options(SUBMIT, HTTP_ACCEPT="text/html").status_code == 200
 
 
+def test_the_submission_endpoints_options_describe_the_compendium_a_client_posts(world):
+    """OPTIONS described a POST by the fields of the list's rows (id, round_state, idempotency_key,
+    in_effect, ...), none of which a client sends, and said the endpoint parses nothing."""
+    response = client_api(world.token_a).options(SUBMIT)
+    assert response.status_code == 200, response.content
+    body = response.json()
+    assert body["parses"] == ["application/json"]
+    post = body["actions"]["POST"]
+    assert set(post) == set(Compendium.model_fields)
+    assert not any(field["required"] or field["read_only"] for field in post.values())
+    assert post["scenarios"]["type"] == "list"
+    assert "tool_id, text, preconditions, support" in post["scenarios"]["help_text"]
+    assert post["field_cap"]["min_value"] == 1
+
+
 UNMASKED = "Ask my colleague Henrietta Castellanos at henrietta@example.org about ticket 8587766"
 
 

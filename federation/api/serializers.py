@@ -5,6 +5,15 @@ from __future__ import annotations
 from django.db import models
 from rest_framework import serializers
 
+from compendium.schema import (
+    FIELD_CAP_MAX,
+    AnnexTriple,
+    MaskingInfo,
+    Precaution,
+    PromptTemplate,
+    Scenario,
+    ToolMetadata,
+)
 from federation.models import (
     AuditLog,
     Client,
@@ -47,6 +56,40 @@ class InvalidSubmissionSerializer(DetailSerializer):
     violations = ViolationSerializer(
         many=True, required=False,
         help_text="each rule the compendium breaks, where the body was a compendium to check",
+    )
+
+
+def _entries(model, what: str) -> serializers.ListField:
+    return serializers.ListField(
+        child=serializers.DictField(), required=False,
+        help_text=f"{what}: objects with {', '.join(model.model_fields)}",
+    )
+
+
+class CompendiumBodySerializer(serializers.Serializer):
+    """What a client POSTs to /api/v1/submissions/: its compendium C = (M, U, P, T, A) as JSON
+    (compendium.schema.Compendium, whose fields these mirror; the limits are the schema's, GET
+    /api/v1/compendium/schema/). It describes the body to OPTIONS and the browsable API only:
+    the view reads the body raw and the submission checks it whole."""
+
+    schema_version = serializers.CharField(
+        required=False, help_text="the schema version it was built under (default: the current)"
+    )
+    metadata = _entries(ToolMetadata, "M, per tool")
+    scenarios = _entries(Scenario, "U, usage scenarios")
+    precautions = _entries(Precaution, "P, precautions")
+    templates = _entries(PromptTemplate, "T, prompt templates")
+    annex = _entries(AnnexTriple, "A, annex triples")
+    masking = serializers.DictField(
+        required=False, allow_null=True,
+        help_text=f"how its texts were masked: {', '.join(MaskingInfo.model_fields)}",
+    )
+    num_users = serializers.IntegerField(
+        required=False, allow_null=True, min_value=1, help_text="users its statistics are over"
+    )
+    field_cap = serializers.IntegerField(
+        required=False, allow_null=True, min_value=1, max_value=FIELD_CAP_MAX,
+        help_text="F*: the most tools whose numeric statistics one user fed",
     )
 
 

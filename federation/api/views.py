@@ -17,6 +17,7 @@ from drf_spectacular.utils import (
 )
 from pydantic import ValidationError as PydanticValidationError
 from rest_framework import exceptions, generics, status
+from rest_framework.metadata import SimpleMetadata
 from rest_framework.negotiation import BaseContentNegotiation
 from rest_framework.permissions import BasePermission
 from rest_framework.renderers import JSONRenderer
@@ -38,6 +39,7 @@ from federation.api.serializers import (
     AuditLogSerializer,
     ChangePersonSerializer,
     ClientSerializer,
+    CompendiumBodySerializer,
     DeadlineSerializer,
     DetailSerializer,
     EnrollSerializer,
@@ -183,6 +185,12 @@ class AlwaysJSON(BaseContentNegotiation):
         return renderers[0], renderers[0].media_type
 
 
+class RawJSONMetadata(SimpleMetadata):
+    """OPTIONS of a view that reads its JSON body raw (no parser): it parses JSON all the same."""
+
+    def determine_metadata(self, request, view):
+        return {**super().determine_metadata(request, view), "parses": ["application/json"]}
+
 
 @extend_schema(
     methods=["GET"],
@@ -198,7 +206,10 @@ class SubmissionView(FederationGenericView):
     parser_classes: list = []  # the body is read raw, after its declared length was checked
     renderer_classes = [JSONRenderer]  # a machine's endpoint: no browsable API (see AlwaysJSON)
     content_negotiation_class = AlwaysJSON
+    metadata_class = RawJSONMetadata
     serializer_class = OwnSubmissionSerializer
+    # OPTIONS describes a POST by the compendium a client sends, not by the list's rows.
+    request_serializers = {"POST": CompendiumBodySerializer}
 
     def get_queryset(self):
         queryset = Submission.objects.filter(client=self.request.auth).select_related("round")
