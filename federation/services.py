@@ -346,6 +346,9 @@ def audit_period_filter(name: str, raw: str) -> dict:
         f"{name} must be a date YYYY-MM-DD or an ISO 8601 datetime (e.g. 2025-01-31T08:00:00Z), "
         f"not {raw[:40]!r}"
     )
+    if re.search(r"\d\d:\d\d(:\d\d(\.\d*)?)? \d\d(:?\d\d)?$", value):
+        # "…T10:00:00+01:00" sent unencoded: a query string reads the offset's "+" as a space
+        problem += " (in a URL, write '+' as %2B)"
     try:
         instant = parse_datetime(value)
         if instant is not None:

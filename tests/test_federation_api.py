@@ -1280,6 +1280,19 @@ def test_audit_period_takes_a_date_or_a_datetime(world):
     assert count(since=(first - hour).strftime("%Y-%m-%dT%H:%M:%SZ")) == total
 
 
+def test_an_audit_period_given_as_a_datetime_is_never_silently_dropped(world):
+    """`since=2026-11-30T10:00:00Z` filters; an offset's '+' left unencoded in the URL (a query
+    string reads it as a space) is a 400 saying so."""
+    api = person_api(world.operator)
+    assert api.get("/api/v1/admin/audit/?since=2026-11-30T10:00:00Z").status_code == 200
+    assert api.get("/api/v1/admin/audit/?since=2999-11-30T10:00:00Z").json()["count"] == 0
+    assert api.get("/api/v1/admin/audit/?since=2999-11-30T10:00:00%2B01:00").json()["count"] == 0
+    unencoded = api.get("/api/v1/admin/audit/?since=2999-11-30T10:00:00+01:00")
+    assert unencoded.status_code == 400, unencoded.content
+    assert unencoded.json()["detail"].startswith("since must be a date YYYY-MM-DD or an ISO 8601 ")
+    assert "write '+' as %2B" in unencoded.json()["detail"]
+
+
 @pytest.mark.parametrize(
     ("path", "params", "detail"),
     [
