@@ -1315,6 +1315,50 @@ def test_list_filters_answer_a_detail_naming_the_parameter(world, path, params, 
     assert body["detail"].startswith(detail)
 
 
+@pytest.mark.parametrize(
+    ("path", "params", "unknown", "takes"),
+    [
+        ("/api/v1/admin/audit/", {"sinse": "2999-01-01"}, "sinse",
+         "action, organization, actor, target_type, since, until, limit, offset"),
+        ("/api/v1/admin/audit/", {"organisation": "org-a", "limit": "5"}, "organisation", "since"),
+        ("/api/v1/admin/clients/", {"state": "revoked"}, "state", "status, organization, limit"),
+        ("/api/v1/admin/people/", {"status": "admin"}, "status", "organization, role, limit"),
+        ("/api/v1/admin/organizations/", {"slug": "org-a"}, "slug", "limit, offset"),
+        ("/api/v1/rounds/", {"status": "open"}, "status", "state, limit, offset"),
+        ("/api/v1/admin/settings/", {"fields": "epsilon_budget"}, "fields", "none"),
+        ("/api/v1/compendium/global/", {"rnd": "1"}, "rnd", "round"),
+    ],
+)
+def test_a_query_parameter_a_list_does_not_take_is_refused_not_ignored(
+    world, path, params, unknown, takes
+):
+    """A misspelt filter (?sinse=, ?organisation=, ?status= for ?state=) was ignored: the answer
+    was the whole list, as if it had been filtered."""
+    response = person_api(world.operator).get(path, params)
+    assert response.status_code == 400, response.content
+    detail = response.json()["detail"]
+    assert detail.startswith(f"unknown query parameter(s): {unknown}; ")
+    assert takes in detail
+
+
+def test_the_query_parameters_a_list_takes_are_still_taken(world):
+    api = person_api(world.operator)
+    for path, params in [
+        ("/api/v1/admin/audit/", {"action": "client.approve", "since": "2000-01-01",
+                                  "limit": "1", "offset": "0", "format": "json"}),
+        ("/api/v1/admin/clients/", {"status": "approved", "organization": "org-a"}),
+        ("/api/v1/admin/people/", {"role": "admin", "organization": "org-a"}),
+        ("/api/v1/rounds/", {"state": "open", "format": "json"}),
+        ("/api/v1/admin/settings/", {}),
+    ]:
+        response = api.get(path, params)
+        assert response.status_code == 200, (path, response.content)
+    listed = client_api(world.token_a).get(SUBMIT, {"round": "1", "limit": "2"})
+    assert listed.status_code == 200, listed.content
+    refused = client_api(world.token_a).get(SUBMIT, {"rounds": "1"})
+    assert refused.status_code == 400 and "rounds" in refused.json()["detail"]
+
+
 # --- errors outside the views: unknown paths and 500s ---------------------------------------
 
 

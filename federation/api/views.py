@@ -119,6 +119,16 @@ def actor_for(request) -> services.Actor:
 class FederationView(APIView):
     # Maps the services' domain errors to responses: 400/403/404/409/411/413/415/422/429.
 
+    # The query parameters a GET takes (besides ?format=): any other is refused, as a body's
+    # unknown field is (_refuse_unknown_fields): a misspelt filter (?sinse=, ?organisation=)
+    # would otherwise answer the whole list as if it had been filtered.
+    query_parameters: tuple[str, ...] = ()
+
+    def initial(self, request, *args, **kwargs):
+        super().initial(request, *args, **kwargs)
+        if request.method in ("GET", "HEAD"):
+            _refuse_unknown_query_parameters(request, self.query_parameters)
+
     def handle_exception(self, exc):
         if isinstance(exc, submissions.SubmissionInvalid):
             body = {"detail": exc.detail, "violations": [v.as_dict() for v in exc.violations]}
@@ -169,6 +179,19 @@ def _refuse_unknown_fields(data, refusal: str | None = None) -> None:
         raise InvalidRequest(f"{refusal} {', '.join(others)}")
 
 
+PAGINATION = ("limit", "offset")  # BoundedLimitOffsetPagination's
+
+
+def _refuse_unknown_query_parameters(request, taken: tuple[str, ...]) -> None:
+    """400 naming the query parameters of `request` outside `taken` (and DRF's ?format=)."""
+    unknown = sorted(set(request.query_params) - set(taken) - {"format"})
+    if unknown:
+        raise InvalidRequest(
+            f"unknown query parameter(s): {', '.join(unknown)[:200]}; this takes "
+            f"{', '.join(taken) or 'none'}"
+        )
+
+
 # --- clients: submissions ---------------------------------------------------------------------
 
 
@@ -203,6 +226,7 @@ class SubmissionView(FederationGenericView):
     # submit), not 401 (no credentials).
     authentication_classes = CLIENT_AUTH + [UserTokenAuthentication, PersonSessionRecognition]
     permission_classes = [IsSubmittingClient]
+    query_parameters = ("round", *PAGINATION)
     parser_classes: list = []  # the body is read raw, after its declared length was checked
     renderer_classes = [JSONRenderer]  # a machine's endpoint: no browsable API (see AlwaysJSON)
     content_negotiation_class = AlwaysJSON
@@ -318,6 +342,7 @@ class RoundListView(FederationView, generics.ListAPIView):
 
     authentication_classes = ANY_AUTH
     permission_classes = [IsAuthenticatedAny]
+    query_parameters = ("state", *PAGINATION)
     serializer_class = RoundSerializer
 
     def get_queryset(self):
@@ -424,6 +449,7 @@ def _none_published(number: int | None) -> exceptions.NotFound:
 class GlobalCompendiumView(FederationView):
     authentication_classes = ANY_AUTH
     permission_classes = [IsAuthenticatedAny]
+    query_parameters = ("round",)
 
     @extend_schema(
         summary="The latest published global compendium (or that of ?round=N)",
@@ -456,6 +482,7 @@ class GlobalCompendiumView(FederationView):
 class GlobalRoutingHeadView(FederationView):
     authentication_classes = ANY_AUTH
     permission_classes = [IsAuthenticatedAny]
+    query_parameters = ("round",)
 
     @extend_schema(
         summary="The routing head published with the latest global compendium (or ?round=N)",
@@ -502,6 +529,7 @@ def _served_global(request):
 class GlobalRouterView(FederationView):
     authentication_classes = ANY_AUTH
     permission_classes = [IsAuthenticatedAny]
+    query_parameters = ("round",)
 
     @extend_schema(
         summary="The manifest of the routing encoder tuned on the latest global (or ?round=N)",
@@ -531,6 +559,7 @@ class GlobalRouterView(FederationView):
 class GlobalRouterFileView(FederationView):
     authentication_classes = ANY_AUTH
     permission_classes = [IsAuthenticatedAny]
+    query_parameters = ("round",)
 
     @extend_schema(
         summary="One file of the tuned router's manifest (latest global, or ?round=N)",
@@ -568,6 +597,7 @@ class OrganizationListView(FederationView, generics.ListCreateAPIView):
 
     authentication_classes = PEOPLE_AUTH
     permission_classes = [IsPerson]
+    query_parameters = PAGINATION
     serializer_class = OrganizationSerializer
 
     def get_queryset(self):
@@ -658,6 +688,7 @@ class ClientListView(FederationGenericView, generics.ListAPIView):
 
     authentication_classes = PEOPLE_AUTH
     permission_classes = [IsPerson]
+    query_parameters = ("status", "organization", *PAGINATION)
     serializer_class = ClientSerializer
     request_serializers = {"POST": EnrollSerializer}
 
@@ -782,6 +813,7 @@ class PersonListView(FederationGenericView, generics.ListAPIView):
 
     authentication_classes = PEOPLE_AUTH
     permission_classes = [IsPerson]
+    query_parameters = ("organization", "role", *PAGINATION)
     serializer_class = PersonSerializer
     request_serializers = {"POST": AddPersonSerializer}
 
@@ -907,6 +939,9 @@ class AuditLogView(FederationView, generics.ListAPIView):
 
     authentication_classes = PEOPLE_AUTH
     permission_classes = [IsPerson]
+    query_parameters = (
+        "action", "organization", "actor", "target_type", "since", "until", *PAGINATION
+    )
     serializer_class = AuditLogSerializer
 
     def get_queryset(self):
