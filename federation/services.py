@@ -666,6 +666,18 @@ def update_settings(actor: Actor, **changes) -> FederationSettings:
 
 # --- organizations and clients ----------------------------------------------------------------
 
+# Free texts people give, held to one limit on the dashboard and the API alike.
+DESCRIPTION_LIMIT = 2000  # an organization's or a client's description
+REASON_LIMIT = 500  # a revocation's reason (kept in the audit log)
+
+
+def text_within(name: str, value: str, limit: int) -> str:
+    """`value` when it is at most `limit` characters; InvalidRequest naming `name` otherwise (cut,
+    it would store something other than what was given)."""
+    if len(value) > limit:
+        raise InvalidRequest(f"{name} is at most {limit} characters, not {len(value)}")
+    return value
+
 
 def name_key(name: str) -> str:
     """The form in which two names of organizations (or two clients of one organization) are
@@ -748,6 +760,7 @@ def create_organization(
 ) -> Organization:
     require_operator(actor, "create organizations")
     name = organization_name(name)
+    text_within("description", description, DESCRIPTION_LIMIT)
     slug_limit = Organization._meta.get_field("slug").max_length
     # A slug derived from a long name is cut to the column's length (a clash is a 409 below).
     slug = slug or slugify(name)[:slug_limit].strip("-")
@@ -842,6 +855,7 @@ def enroll_client(
         limit = Client._meta.get_field(what).max_length
         if len(value) > limit:
             raise InvalidRequest(f"a client's {what} is at most {limit} characters, not {len(value)}")
+    text_within("description", description, DESCRIPTION_LIMIT)
     if not actor.is_operator:
         limit = get_settings().enrollments_per_hour
         decision = ratelimit.hit(f"enroll:org:{organization.pk}", limit, 3600)
@@ -939,6 +953,7 @@ def revoke_client(actor: Actor, client: Client | int, reason: str = "") -> Clien
     require_admin_now(
         actor, client.organization_id, "only the operator or this organization's admin may revoke clients"
     )
+    text_within("reason", reason, REASON_LIMIT)
     if client.status == Client.Status.REVOKED:
         raise InvalidTransition("client is already revoked")
     previous = client.status

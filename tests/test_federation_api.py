@@ -1564,6 +1564,35 @@ def test_a_client_named_as_another_of_its_organization_but_for_spacing_is_a_conf
     assert other.status_code == 201, other.content
 
 
+def test_descriptions_and_reasons_past_the_dashboards_limits_are_refused_over_the_api(world):
+    """The dashboard refused a description past 2000 characters and a revocation's reason past
+    500; the API stored them up to the body's limit (megabytes, a reason in the audit log)."""
+    operator = person_api(world.operator)
+    org = operator.post(
+        "/api/v1/admin/organizations/", {"name": "Org C", "description": "d" * 2001}, format="json"
+    )
+    assert org.status_code == 400, org.content
+    assert org.json()["detail"] == "description is at most 2000 characters, not 2001"
+    assert not Organization.objects.filter(name="Org C").exists()
+    client = person_api(world.admin_a).post(
+        "/api/v1/admin/clients/", {"name": "laptop-9", "description": "d" * 2001}, format="json"
+    )
+    assert client.status_code == 400, client.content
+    assert client.json()["detail"] == "description is at most 2000 characters, not 2001"
+    assert not Client.objects.filter(name="laptop-9").exists()
+    revoked = operator.post(
+        f"/api/v1/admin/clients/{world.client_a.pk}/revoke/", {"reason": "r" * 501}, format="json"
+    )
+    assert revoked.status_code == 400, revoked.content
+    assert revoked.json()["detail"] == "reason is at most 500 characters, not 501"
+    world.client_a.refresh_from_db()
+    assert world.client_a.status == Client.Status.APPROVED
+    assert not AuditLog.objects.filter(action="client.revoke").exists()
+    # at the limits, as on the dashboard
+    assert operator.post("/api/v1/admin/organizations/", {"name": "Org C", "description": "d" * 2000},
+                         format="json").status_code == 201
+
+
 @pytest.mark.parametrize(
     ("path", "body", "named"),
     [

@@ -36,6 +36,8 @@ from federation.models import (
 )
 from federation.round_config import MIN_EPSILON, RoundConfig, config_problems
 from federation.services import (
+    DESCRIPTION_LIMIT,
+    REASON_LIMIT,
     SETTINGS_FIELDS,
     TOKEN_LABEL_MAX,
     Actor,
@@ -55,6 +57,7 @@ from federation.services import (
     revoke_user_token,
     rotate_client_token,
     set_round_deadline,
+    text_within,
     update_settings,
     user_tokens,
 )
@@ -197,10 +200,7 @@ def actor_for(request) -> Actor:
 def posted_text(request, name: str, limit: int) -> str:
     """A form's text field, refused (400 naming it) when longer than `limit`: cut, it would store
     something other than what was given."""
-    value = request.POST.get(name, "")
-    if len(value) > limit:
-        raise InvalidRequest(f"{name} is at most {limit} characters, not {len(value)}")
-    return value
+    return text_within(name, request.POST.get(name, ""), limit)
 
 
 class ActionView(DashboardView):
@@ -249,7 +249,7 @@ class OrganizationListView(ActionView):
             actor_for(request),
             request.POST.get("name", ""),
             request.POST.get("slug", "").strip(),
-            posted_text(request, "description", 2000),
+            posted_text(request, "description", DESCRIPTION_LIMIT),
         )
         messages.success(
             request,
@@ -313,7 +313,7 @@ class OrganizationActionView(ActionView, OrganizationView):
         if action == "enroll":
             client = enroll_client(
                 actor, organization, request.POST.get("name", ""),
-                description=posted_text(request, "description", 2000),
+                description=posted_text(request, "description", DESCRIPTION_LIMIT),
                 contact=request.POST.get("contact", ""),
             )
             messages.success(request, f"Client {client.name} enrolled; it waits for approval.")
@@ -324,7 +324,7 @@ class OrganizationActionView(ActionView, OrganizationView):
             elif action == "rotate":
                 token = rotate_client_token(actor, client).token
             elif action == "revoke":
-                revoke_client(actor, client, posted_text(request, "reason", 500))
+                revoke_client(actor, client, posted_text(request, "reason", REASON_LIMIT))
                 messages.success(request, f"Client {client.name} revoked; its token stops working.")
             else:
                 raise Http404("unknown action")
