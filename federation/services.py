@@ -464,6 +464,8 @@ def issue_user_token(actor: Actor, user, label: str = "") -> str:
     label = " ".join(str(label or "").split())
     if len(label) > TOKEN_LABEL_MAX:
         raise InvalidRequest(f"a token's label is at most {TOKEN_LABEL_MAX} characters")
+    if bad := name_problem(label):  # shown in the audit log: as a name, it must read as stored
+        raise InvalidRequest(f"a token's label contains {bad}; remove it")
     token, digest = _new_secret(TOKEN_PREFIX_USER)
     row = UserToken.objects.create(user=user, token_hash=digest, prefix=token[:12], label=label)
     _audit_token(actor, AuditLog.Action.TOKEN_ISSUE, row)
@@ -519,6 +521,8 @@ def issue_routing_token(actor: Actor, name: str) -> str:
     limit = RoutingToken._meta.get_field("name").max_length
     if len(name) > limit:
         raise InvalidRequest(f"a routing token's name is at most {limit} characters, not {len(name)}")
+    if bad := name_problem(name):  # how it is revoked and audited: it must read as stored
+        raise InvalidRequest(f"a routing token's name contains {bad}; remove it")
     row = RoutingToken.objects.select_for_update().filter(name=name).first()
     if row is not None and not row.revoked:
         raise Conflict(f"a routing token named {name!r} exists; revoke it first to replace it, or pick another name")

@@ -100,3 +100,32 @@ def test_an_unknown_action_is_refused_and_issues_nothing(world, action):
     assert UserToken.objects.filter(user=world.member_a).count() == 1
     assert AuditLog.objects.filter(action=AuditLog.Action.TOKEN_ISSUE).count() == 1
     assert calls_api(token) == 200  # nothing revoked either: the refusal says so
+
+
+@pytest.mark.parametrize(
+    ("label", "words"),
+    [
+        ("nightly\x00export", "control character U+0000 at position 7"),
+        ("nightly \u202etropxe", "bidirectional override U+202E at position 8"),
+        ("nightly\u200bexport", "invisible character U+200B"),
+    ],
+)
+def test_a_label_with_a_nul_bidi_or_invisible_character_is_refused(world, label, words):
+    """An override or an invisible character made the label read otherwise than it is stored
+    (on the tokens page and in the audit log, which the organization's admins and the operator
+    read); a NUL reached the database (DataError) from a caller other than the web's forms."""
+    with pytest.raises(InvalidRequest, match=f"a token's label contains an? {re.escape(words)}"):
+        services.issue_user_token(world.actor(world.admin_a), world.admin_a, label)
+    if "\x00" not in label:  # (the web's middleware refuses a NUL in any field)
+        page = browser(world.admin_a).post(PAGE, {"label": label})
+        assert page.status_code == 400, page.content[:300]
+        assert "a token&#x27;s label contains" in page.content.decode()
+    assert not UserToken.objects.exists()
+    assert not AuditLog.objects.filter(action=AuditLog.Action.TOKEN_ISSUE).exists()
+
+
+@pytest.mark.parametrize("name", ["app\u202e", "app\u200b", "app\x07"])
+def test_a_routing_token_named_with_a_bidi_invisible_or_control_character_is_refused(world, name):
+    with pytest.raises(InvalidRequest, match="a routing token's name contains"):
+        services.issue_routing_token(world.actor(world.operator), name)
+    assert not AuditLog.objects.filter(action=AuditLog.Action.TOKEN_ISSUE).exists()
