@@ -675,11 +675,15 @@ DESCRIPTION_LIMIT = 2000  # an organization's or a client's description
 REASON_LIMIT = 500  # a revocation's reason (kept in the audit log)
 
 
-def text_within(name: str, value: str, limit: int) -> str:
-    """`value` when it is at most `limit` characters; InvalidRequest naming `name` otherwise (cut,
-    it would store something other than what was given)."""
+def free_text(name: str, value: str, limit: int) -> str:
+    """`value` when it is at most `limit` characters and holds no control character (but tab and
+    newlines) nor bidi override (forbidden_character: on the dashboard, in the audit log or a
+    terminal it would read otherwise than it is stored, as a name or a compendium text would);
+    InvalidRequest naming `name` otherwise (cut, it would store something other than given)."""
     if len(value) > limit:
         raise InvalidRequest(f"{name} is at most {limit} characters, not {len(value)}")
+    if bad := forbidden_character(value):
+        raise InvalidRequest(f"{name} contains {bad}; remove it")
     return value
 
 
@@ -764,7 +768,7 @@ def create_organization(
 ) -> Organization:
     require_operator(actor, "create organizations")
     name = organization_name(name)
-    text_within("description", description, DESCRIPTION_LIMIT)
+    free_text("description", description, DESCRIPTION_LIMIT)
     slug_limit = Organization._meta.get_field("slug").max_length
     # A slug derived from a long name is cut to the column's length (a clash is a 409 below).
     slug = slug or slugify(name)[:slug_limit].strip("-")
@@ -859,7 +863,8 @@ def enroll_client(
         limit = Client._meta.get_field(what).max_length
         if len(value) > limit:
             raise InvalidRequest(f"a client's {what} is at most {limit} characters, not {len(value)}")
-    text_within("description", description, DESCRIPTION_LIMIT)
+    free_text("contact", contact, Client._meta.get_field("contact").max_length)
+    free_text("description", description, DESCRIPTION_LIMIT)
     if not actor.is_operator:
         limit = get_settings().enrollments_per_hour
         decision = ratelimit.hit(f"enroll:org:{organization.pk}", limit, 3600)
@@ -957,7 +962,7 @@ def revoke_client(actor: Actor, client: Client | int, reason: str = "") -> Clien
     require_admin_now(
         actor, client.organization_id, "only the operator or this organization's admin may revoke clients"
     )
-    text_within("reason", reason, REASON_LIMIT)
+    free_text("reason", reason, REASON_LIMIT)
     if client.status == Client.Status.REVOKED:
         raise InvalidTransition("client is already revoked")
     previous = client.status

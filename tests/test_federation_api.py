@@ -1594,6 +1594,40 @@ def test_descriptions_and_reasons_past_the_dashboards_limits_are_refused_over_th
 
 
 @pytest.mark.parametrize(
+    ("text", "words"),
+    [("lab \u202eknab", "a bidirectional override U+202E at position 4"),
+     ("\x1b[2Jlab", "a control character U+001B at position 0")],
+)
+def test_a_description_contact_or_reason_that_reads_otherwise_than_stored_is_refused(
+    world, text, words
+):
+    """An organization's or client's description, a client's contact and a revocation's reason
+    (kept in the audit log) took bidi overrides and terminal escapes, which names and compendium
+    texts refuse: shown on the dashboard, in the audit log or a terminal, they read otherwise
+    than they are stored. Newlines and tabs stay allowed."""
+    operator = person_api(world.operator)
+    org = operator.post("/api/v1/admin/organizations/", {"name": "Org C", "description": text},
+                        format="json")
+    assert org.status_code == 400, org.content
+    assert org.json()["detail"] == f"description contains {words}; remove it"
+    admin = person_api(world.admin_a)
+    for field in ("description", "contact"):
+        client = admin.post("/api/v1/admin/clients/", {"name": "laptop-9", field: text}, format="json")
+        assert client.status_code == 400, client.content
+        assert client.json()["detail"] == f"{field} contains {words}; remove it"
+    revoked = operator.post(
+        f"/api/v1/admin/clients/{world.client_a.pk}/revoke/", {"reason": text}, format="json"
+    )
+    assert revoked.status_code == 400 and revoked.json()["detail"] == f"reason contains {words}; remove it"
+    assert not Organization.objects.filter(name="Org C").exists()
+    assert not Client.objects.filter(name="laptop-9").exists()
+    assert not AuditLog.objects.filter(action="client.revoke").exists()
+    fine = admin.post("/api/v1/admin/clients/", {"name": "laptop-9", "description": "two\nlines\tok"},
+                      format="json")
+    assert fine.status_code == 201, fine.content
+
+
+@pytest.mark.parametrize(
     ("path", "body", "named"),
     [
         ("/api/v1/admin/rounds/", {"mask_strength": False}, "mask_strength"),

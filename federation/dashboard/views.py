@@ -47,6 +47,7 @@ from federation.services import (
     close_round,
     create_organization,
     enroll_client,
+    free_text,
     get_settings,
     issue_user_token,
     open_round,
@@ -57,7 +58,6 @@ from federation.services import (
     revoke_user_token,
     rotate_client_token,
     set_round_deadline,
-    text_within,
     update_settings,
     user_tokens,
 )
@@ -200,7 +200,7 @@ def actor_for(request) -> Actor:
 def posted_text(request, name: str, limit: int) -> str:
     """A form's text field, refused (400 naming it) when longer than `limit`: cut, it would store
     something other than what was given."""
-    return text_within(name, request.POST.get(name, ""), limit)
+    return free_text(name, request.POST.get(name, ""), limit)
 
 
 class ActionView(DashboardView):
