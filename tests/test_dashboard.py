@@ -581,6 +581,15 @@ def test_tool_registry_before_any_publication_shows_no_counts(member_client):
     assert cells == ["–", "–"]
 
 
+def test_tool_registry_says_when_its_counts_are_of_a_global_not_published(operator_client):
+    """The operator's latest global may be a merged round not yet published (or failed): its
+    counts were labelled 'the global compendium of round 3' as if clients were served it."""
+    response = operator_client.get(reverse("dashboard:tools"))
+    assert response.context["latest"].round.number == 3
+    page = response.content.decode()
+    assert "Counts are from the global compendium of round 3 (merging, not published)." in page
+
+
 # --- plots and static files -------------------------------------------------------------------------
 
 
