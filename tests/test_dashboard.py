@@ -502,6 +502,32 @@ def test_compendium_statistics_carried_forward_name_the_round_that_released_them
     assert (weather["success_rate"]["round"], weather["success_rate"]["carried"]) == (2, True)
 
 
+def test_the_noise_note_does_not_give_a_carried_figure_the_browsed_rounds_epsilon(
+    operator_client, federation
+):
+    """The note on greyed statistics explained their noise by 'this round's ε': a figure
+    carried forward was noised at the ε of the round that released it."""
+    from federation.models import PrivacyLedgerEntry
+
+    add_review_data(federation)
+    PrivacyLedgerEntry.objects.create(  # flights.calls released in round 1 only, noise-dominated
+        round=federation.rounds[1], organization=federation.acme, tool_id="flights",
+        field="calls", sensitivity=50.0, contributors=1, epsilon=0.025, noise_scale=2000.0,
+        mechanism="laplace",
+    )
+    body = html.unescape(
+        operator_client.get(reverse("dashboard:compendium"), {"round": 2}).content.decode())
+    note = body[body.index('id="noise-note"'):]
+    note = note[: note.index("</p>")]
+    assert "Greyed figures carried forward from round 1 were noised at the ε of that round" in note
+    # without a carried figure among the greyed ones, nothing is said of it
+    PrivacyLedgerEntry.objects.filter(tool_id="flights").delete()
+    body = html.unescape(
+        operator_client.get(reverse("dashboard:compendium"), {"round": 2}).content.decode())
+    note = body[body.index('id="noise-note"'):]
+    assert "carried forward" not in note[: note.index("</p>")]
+
+
 @pytest.mark.parametrize(
     "query, expected",
     [
