@@ -36,11 +36,50 @@ class RegistryFormatError(ValueError):
     """A registry or query file that cannot be read, with where and why."""
 
 
+def _cannot_read(path: Path, exc: OSError) -> RegistryFormatError:
+    return RegistryFormatError(f"{path}: cannot be read ({exc.strerror or exc})")
+
+
 def _read_bytes(path: Path) -> bytes:
     try:
         return path.read_bytes()
     except OSError as exc:  # a folder, unreadable, ...
-        raise RegistryFormatError(f"{path}: cannot be read ({exc.strerror or exc})") from None
+        raise _cannot_read(path, exc) from None
+
+
+# How much of a JSONL file is read at a time: the reader holds a block and the line it is in.
+_BLOCK = 1 << 16
+
+
+def _read_lines(path: Path) -> Iterator[bytes]:
+    """The lines of `path`, without their ends, read a block at a time: a file of any size is
+    read in the memory of one line. A line ends where bytes.splitlines ends it (LF, CRLF or a
+    lone CR), so line numbers are those an editor shows."""
+    try:
+        file = path.open("rb")
+    except OSError as exc:  # a folder, unreadable, ...
+        raise _cannot_read(path, exc) from None
+    with file:
+        parts: list[bytes] = []  # the line read so far, not yet ended
+        while True:
+            try:
+                block = file.read(_BLOCK)
+            except OSError as exc:
+                raise _cannot_read(path, exc) from None
+            if not block:
+                break
+            ended_by_cr = bool(parts) and parts[-1].endswith(b"\r")
+            parts.append(block)
+            if b"\n" not in block and b"\r" not in block and not ended_by_cr:
+                continue  # a long line goes on
+            lines = b"".join(parts).splitlines(keepends=True)
+            # The last line is whole only once its LF is read: a CR may be the first half of a
+            # CRLF whose LF starts the next block.
+            parts = [] if lines[-1].endswith(b"\n") else [lines.pop()]
+            for line in lines:
+                yield line.rstrip(b"\r\n")
+        if parts:
+            yield b"".join(parts).rstrip(b"\r\n")
 
 
 def _read_text(path: Path) -> str:
@@ -106,7 +145,7 @@ def _storable(where: str, what: str, value: Any) -> None:
 
 
 def _read_jsonl(path: Path) -> Iterator[tuple[int, dict[str, Any]]]:
-    for number, raw in enumerate(_read_bytes(path).splitlines(), start=1):
+    for number, raw in enumerate(_read_lines(path), start=1):
         try:
             line = raw.decode("utf-8")
         except UnicodeDecodeError as exc:

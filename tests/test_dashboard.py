@@ -458,6 +458,76 @@ def test_an_edge_rematerialized_without_statistics_shows_no_noise_scale(operator
     assert "noise b 250" in card and "2,000" not in card
 
 
+def test_compendium_statistics_carried_forward_name_the_round_that_released_them(
+    operator_client, federation
+):
+    """A tool no edge reported this round keeps the earlier global's statistics (server_merge
+    carries them forward): the page must say which round released them, not label them with the
+    round being browsed."""
+    from federation.models import PrivacyLedgerEntry
+
+    add_review_data(federation)  # weather released by both edges in rounds 1 and 2
+    PrivacyLedgerEntry.objects.create(  # flights.calls released in round 1 only
+        round=federation.rounds[1], organization=federation.acme, tool_id="flights",
+        field="calls", sensitivity=50.0, contributors=4, epsilon=0.5, noise_scale=25.0,
+        mechanism="laplace",
+    )
+    response = operator_client.get(reverse("dashboard:compendium"), {"round": 2})
+    cards = {c.tool.tool_id: c for c in response.context["cards"]}
+    flights = cards["flights"].stats[0]
+    assert (flights["round"], flights["carried"]) == (1, True)
+    assert {(s["field"], s["round"], s["carried"]) for s in cards["weather"].stats} == {
+        ("calls", 2, False), ("success_rate", 2, False)}
+    body = response.content.decode()
+    article = body[body.index('id="tool-flights"'):]
+    article = article[: article.index("</article>")]
+    assert "carried forward from round 1" in article
+    assert "release, round 2" not in article  # not labelled with the browsed round
+    weather = body[body.index('id="tool-weather"'):]
+    weather = weather[: weather.index("</article>")]
+    assert "carried forward" not in weather and "released in round 2" in weather
+
+    # The operator's view of round 3 (merged, not yet published): its own releases are its own,
+    # not carried forward from round 2.
+    PrivacyLedgerEntry.objects.create(
+        round=federation.rounds[3], organization=federation.acme, tool_id="weather",
+        field="calls", sensitivity=1.0, contributors=5, epsilon=0.4, noise_scale=3.0,
+        mechanism="laplace",
+    )
+    response = operator_client.get(reverse("dashboard:compendium"), {"round": 3})
+    weather = {s["field"]: s for s in next(
+        c for c in response.context["cards"] if c.tool.tool_id == "weather").stats}
+    assert (weather["calls"]["round"], weather["calls"]["carried"]) == (3, False)
+    assert weather["calls"]["noise_scale"] == 3.0
+    assert (weather["success_rate"]["round"], weather["success_rate"]["carried"]) == (2, True)
+
+
+def test_the_noise_note_does_not_give_a_carried_figure_the_browsed_rounds_epsilon(
+    operator_client, federation
+):
+    """The note on greyed statistics explained their noise by 'this round's ε': a figure
+    carried forward was noised at the ε of the round that released it."""
+    from federation.models import PrivacyLedgerEntry
+
+    add_review_data(federation)
+    PrivacyLedgerEntry.objects.create(  # flights.calls released in round 1 only, noise-dominated
+        round=federation.rounds[1], organization=federation.acme, tool_id="flights",
+        field="calls", sensitivity=50.0, contributors=1, epsilon=0.025, noise_scale=2000.0,
+        mechanism="laplace",
+    )
+    body = html.unescape(
+        operator_client.get(reverse("dashboard:compendium"), {"round": 2}).content.decode())
+    note = body[body.index('id="noise-note"'):]
+    note = note[: note.index("</p>")]
+    assert "Greyed figures carried forward from round 1 were noised at the ε of that round" in note
+    # without a carried figure among the greyed ones, nothing is said of it
+    PrivacyLedgerEntry.objects.filter(tool_id="flights").delete()
+    body = html.unescape(
+        operator_client.get(reverse("dashboard:compendium"), {"round": 2}).content.decode())
+    note = body[body.index('id="noise-note"'):]
+    assert "carried forward" not in note[: note.index("</p>")]
+
+
 @pytest.mark.parametrize(
     "query, expected",
     [
@@ -535,6 +605,15 @@ def test_tool_registry_before_any_publication_shows_no_counts(member_client):
     row = page[page.index('id="tools"'):]
     cells = re.findall(r'<td class="num">([^<]*)</td>', row[: row.index("</table>")])
     assert cells == ["–", "–"]
+
+
+def test_tool_registry_says_when_its_counts_are_of_a_global_not_published(operator_client):
+    """The operator's latest global may be a merged round not yet published (or failed): its
+    counts were labelled 'the global compendium of round 3' as if clients were served it."""
+    response = operator_client.get(reverse("dashboard:tools"))
+    assert response.context["latest"].round.number == 3
+    page = response.content.decode()
+    assert "Counts are from the global compendium of round 3 (merging, not published)." in page
 
 
 # --- plots and static files -------------------------------------------------------------------------

@@ -304,3 +304,43 @@ def test_a_dataset_read_as_dot_is_named_after_its_folder(tmp_path, monkeypatch, 
     monkeypatch.chdir(folder)
     dataset = load_dataset(where)
     assert dataset.name == "mydata" and dataset.queries[0].qid == "mydata-1"
+
+
+def test_queries_are_read_line_by_line_not_whole(tmp_path):
+    """A multi-GB queries.jsonl must not be held in memory whole (let alone several times over,
+    as bytes, then split into lines): the reader streams it, so reading through a file takes
+    memory of the order of one line, whatever the file's size."""
+    import tracemalloc
+
+    from compendium.registry import _read_jsonl
+
+    path = tmp_path / "queries.jsonl"
+    line = json.dumps({"query": "x" * 200, "tool_id": "a"}) + "\n"
+    path.write_text(line * 40_000)  # about 9 MB
+    tracemalloc.start()
+    try:
+        count = sum(1 for _ in _read_jsonl(path))
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert count == 40_000
+    assert peak < 1_000_000, f"reading a {path.stat().st_size:,}-byte file peaked at {peak:,} bytes"
+
+
+def test_lines_are_numbered_as_before_whatever_ends_them(tmp_path):
+    """Lines end at LF, CRLF or a lone CR, as they always did: the line an error names is the
+    line an editor shows."""
+    from compendium.registry import _read_jsonl
+
+    path = tmp_path / "queries.jsonl"
+    # 1 CRLF, 2 CR, 3 (blank) CR, 4 LF, 5 (spaces) CRLF, 6 LF, 7 without an end
+    data = b'{"n": 1}\r\n{"n": 2}\r\r{"n": 4}\n  \r\n{"n": 6}\n{"n": 7}'
+    assert len(data.splitlines()) == 7
+    path.write_bytes(data)
+    assert [(n, item["n"]) for n, item in _read_jsonl(path)] == [(1, 1), (2, 2), (4, 4), (6, 6), (7, 7)]
+    path.write_bytes(b'{"n": 1}\r{"n": 2}\r\n\xff\n')
+    with pytest.raises(RegistryFormatError, match=re.escape(f"{path}:3: not UTF-8 text")):
+        list(_read_jsonl(path))
+    path.write_bytes(b'{"n": 1}\r\n\r\n{"n": 3\r\n')
+    with pytest.raises(RegistryFormatError, match=re.escape(f"{path}:3: not valid JSON")):
+        list(_read_jsonl(path))

@@ -422,15 +422,18 @@ def _first_rounds(model, version: CompendiumVersion, visible: QuerySet, tool_ids
     return {(r["tool_id"], r["text"]): r["first"] for r in rows}
 
 
-def _noise_scales(
+def _releases(
     version: CompendiumVersion, tools: dict[int, str], organizations: QuerySet | None = None
-) -> dict[tuple[int, str], list[float]]:
+) -> tuple[dict[tuple[int, str], list[float]], dict[tuple[int, str], int]]:
     """The Laplace scales behind each published statistic of `version`'s `tools` (pk: tool id),
-    keyed by (pk, field): the ledger rows of the last published round up to the version's that
-    released the (tool, field) (a tool no edge reported keeps the earlier global's figure), of
-    each edge's latest release in that round (a re-release after an erasure replaces only its
-    own edge's; an edge re-materialized without statistics has none), one per edge that noised
-    it.
+    and the round that released it, both keyed by (pk, field). The round is the last one up to
+    the version's (the version's own, published or not, and published ones before it) whose
+    edges released the (tool, field): a tool no edge reported keeps the earlier global's figure
+    (server_merge carries it forward), so an earlier round than the version's means the figure
+    is carried forward from it. The scales are that round's ledger rows, of each edge's latest
+    release in it (a re-release after an erasure replaces only its own edge's; an edge
+    re-materialized without statistics has none), one per edge that noised it. A statistic
+    without a ledger row has neither.
 
     `organizations`: only the scales of these organizations' edges (None: every edge, for the
     operator). An edge's scale is Δ/(K·ε_j) with Δ and ε_j public, so it tells its K, the count of
@@ -439,8 +442,8 @@ def _noise_scales(
     pks = {tool_id: pk for pk, tool_id in tools.items()}
     rows = (
         PrivacyLedgerEntry.objects.filter(
+            Q(round__state=Round.State.PUBLISHED) | Q(round_id=version.round_id),
             round__number__lte=version.round.number,
-            round__state=Round.State.PUBLISHED,
             tool_id__in=list(pks),
         )
         .order_by("-round__number", "organization_id", "-release")
@@ -468,7 +471,7 @@ def _noise_scales(
         seen.add((*key, organization_id))
         if shown is None or organization_id in shown:
             scales[key].append(scale)
-    return scales
+    return scales, chosen_round
 
 
 def compendium_page(
@@ -485,7 +488,8 @@ def compendium_page(
 
     Each statistic carries the noise scales of the edges that released it: of every edge (the
     operator, `release_organizations` None) or only of `release_organizations`' edges (anyone
-    else: their own organization's; another organization's scale tells its K)."""
+    else: their own organization's; another organization's scale tells its K), and the round
+    that released it: an earlier one than the version's for a figure carried forward."""
     paginator = Paginator(tools_in_version(version, query), per_page)
     page_obj = paginator.get_page(page)
     tools = list(page_obj.object_list)
@@ -518,14 +522,19 @@ def compendium_page(
     for t in TemplateEntry.objects.filter(version=version, tool_id__in=tool_ids).order_by("signature"):
         cards[t.tool_id].templates.append(t)
     fields = {f.name: f for f in NumericField.objects.all()}
-    scales = _noise_scales(version, {t.pk: t.tool_id for t in tools}, release_organizations)
+    scales, rounds = _releases(version, {t.pk: t.tool_id for t in tools}, release_organizations)
     for s in StatEntry.objects.filter(version=version, tool_id__in=tool_ids).order_by("field"):
         spec = fields.get(s.field)
         noise = scales.get((s.tool_id, s.field), [])  # s.tool_id: the Tool's pk
+        released = rounds.get((s.tool_id, s.field))
         cards[s.tool_id].stats.append(
             {
                 "field": s.field,
                 "value": s.value,
+                # the round whose edges released it (None: no ledger row says), and whether
+                # that is an earlier round's figure carried forward into this global
+                "round": released,
+                "carried": released is not None and released < version.round.number,
                 "unit": spec.unit if spec else "",
                 "description": spec.description if spec else "",
                 "noise_scale": min(noise) if noise else None,

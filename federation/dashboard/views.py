@@ -130,6 +130,10 @@ class CompendiumView(DashboardView):
             )
             context.update(page_obj=page_obj, cards=cards,
                            noise_dominated=any(c.noise_dominated for c in cards),
+                           # greyed figures noised at an earlier round's ε, not this round's
+                           noise_dominated_carried=sorted({
+                               s["round"] for c in cards for s in c.stats
+                               if s["noise_dominated"] and s["carried"]}),
                            round_config=RoundConfig.from_stored(self.version.round.config))
         return context
 
