@@ -6,7 +6,8 @@ how much it could identify a person or an organization:
 - personal-data patterns: e-mail address, URL or domain, phone number -> 1.0; identifiers that mix
   letters and digits (order numbers, account ids) -> 0.95; numbers of 3 or more digits -> 0.9,
   shorter numbers -> 0.6 (a run of three or more digit groups split by spaces or dashes, "4 8 2 1",
-  is one number);
+  is one number, and so is a run of three or more number words, "four eight two one", scored as
+  the digits it spells);
 - capitalized words inside a sentence (names of people, places, companies) -> 0.55 + 0.4 r;
 - any other word -> its rarity r in a public reference vocabulary: r = clip((6 - z) / 6, 0, 1)
   where z is the word's Zipf frequency in English (log10 of occurrences per billion words) from the
@@ -94,6 +95,20 @@ _IDENT = (
 # phone number spelled a digit at a time left the client whole (and "45" of "123 45 6789" stayed
 # at low λ). Its saliency counts all its digits.
 _DIGIT_RUN = r"\d{1,4}(?:(?:[ \t]{1,3}|[ \t]{0,3}-[ \t]{0,3})\d{1,4}){2,15}(?![\w])"
+# A number spelled out in number words, three or more ("four eight two one", "five five five, one
+# two three four", "Nine-Zero-Seven"), taken as one number: each is a common word (rarity 0), so a
+# PIN or a phone number written so left the client whole at any λ. One or two number words stay
+# words ("one or two", "top five", "twenty twenty"). Its saliency counts each word as a digit.
+NUMBER_WORDS = frozenset(
+    """zero one two three four five six seven eight nine ten eleven twelve thirteen fourteen
+    fifteen sixteen seventeen eighteen nineteen twenty thirty forty fifty sixty seventy eighty
+    ninety hundred thousand""".split()
+)
+_NUMBER_WORD = r"(?:" + "|".join(sorted(NUMBER_WORDS, key=lambda w: (-len(w), w))) + r")"
+_WORD_RUN = (
+    r"(?<![^\W\d_])(?i:" + _NUMBER_WORD + r"(?:(?:[ \t]{1,3}|[ \t]{0,3}[,\-][ \t]{0,3})"
+    + _NUMBER_WORD + r"){2,15})(?![^\W\d_])"
+)
 # An e-mail address: its local part and domain in letters of any script (RFC 6531 and IDNA:
 # "josé.garcía@empresa.es"); with ASCII-only classes the address was two words and a domain, and
 # a name in it could leave the client. On ASCII text the classes are those of `_LABEL`.
@@ -107,7 +122,7 @@ _REST = (
     r"|(?P<phone>(?<![\w.])(?:\+\d{1,3}[\s.\-]?)?(?:\(\d{2,4}\)[\s.\-]?)?\d{2,4}[\s.\-]\d{3,4}"
     r"(?:[\s.\-]\d{2,4}){1,4}(?![\w]))"
     r"|" + _IDENT +
-    r"|(?P<number>" + _DIGIT_RUN + r"|\d{1,64}(?:[.,:/]\d{1,64}){0,16})"
+    r"|(?P<number>" + _DIGIT_RUN + r"|" + _WORD_RUN + r"|\d{1,64}(?:[.,:/]\d{1,64}){0,16})"
     r"|(?P<word>[^\W\d_]" + _LETTER_OR_MARK + r"{0,127}(?:['’][^\W\d_]" + _LETTER_OR_MARK
     + r"{0,127}){0,4})"
     r"|(?P<space>\s+)"
@@ -148,7 +163,8 @@ def normalized(text: str) -> str:
 # holds no e-mail, URL, phone, identifier or number, and every name (a capitalized word after a
 # token of the same sentence) starts at a `capital` match whose group is the word itself (where
 # it is not, the check tokenizes).
-_RESIDUE_CANDIDATE = re.compile(r"(?P<hard>[\d@]|://|www|\.[A-Za-z])|(?<![A-Za-z])(?P<capital>[A-Z][A-Za-z']*)")
+_RESIDUE_CANDIDATE = re.compile(r"(?P<hard>[\d@]|://|www|\.[A-Za-z]|" + _WORD_RUN + r")|(?<![A-Za-z])(?P<capital>[A-Z][A-Za-z']*)")
+_LETTERS = re.compile(r"[^\W\d_]+")
 _PLACEHOLDER = re.compile(r"\[(?:" + "|".join(PLACEHOLDERS) + r")\]")
 
 # English function words (closed classes: pronouns, determiners, prepositions, conjunctions,
@@ -357,7 +373,8 @@ class TextMasker:
             elif kind == "ident":
                 scored = Scored(index, SCORE_ID, "ID")
             elif kind == "number":
-                digits = sum(c.isdigit() for c in token.text)
+                # a run of number words: each word a digit
+                digits = sum(c.isdigit() for c in token.text) or len(_LETTERS.findall(token.text))
                 scored = Scored(
                     index, SCORE_LONG_NUMBER if digits >= 3 else SCORE_SHORT_NUMBER, "NUMBER"
                 )
