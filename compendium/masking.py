@@ -3,7 +3,8 @@
 An empirical defence, not differential privacy. Every token of a text gets a saliency in [0, 1],
 how much it could identify a person or an organization:
 
-- personal-data patterns: e-mail address, URL or domain, phone number -> 1.0; identifiers that mix
+- personal-data patterns: e-mail address (also written to dodge filters: "john(at)example(dot)org",
+  "john dot smith at gmail dot com", "john @ example . com"), URL or domain, phone number -> 1.0; identifiers that mix
   letters and digits (order numbers, account ids) -> 0.95; numbers of 3 or more digits -> 0.9,
   shorter numbers -> 0.6 (a run of three or more digit groups split by spaces or dashes, "4 8 2 1",
   is one number, and so is a run of three or more number words, "four eight two one", scored as
@@ -113,9 +114,41 @@ _WORD_RUN = (
 # "josé.garcía@empresa.es"); with ASCII-only classes the address was two words and a domain, and
 # a name in it could leave the client. On ASCII text the classes are those of `_LABEL`.
 _MAIL_LABEL = r"(?:[^\W_]|-){1,63}"
+# An e-mail address written to dodge filters: "@" and "." spelled "at" and "dot", bracketed
+# ("(at)", "[dot]", "{AT}", "<at>") or spaced ("john @ example . com"). Each piece was a common word
+# or punctuation, so "john(at)example(dot)org" left the client whole. An "@" spaced or bracketed
+# "at" makes the run an address (`_OBFUSCATED_MAIL`); the word "at" only with a "dot" word or a
+# bracketed dot in it, and not before a determiner ("stocks at the dot com bubble"): "at" and
+# "dot" alone are ordinary words.
+_BRACKETED = r"[ \t]{0,3}[\(\[\{<][ \t]{0,2}(?i:%s)[ \t]{0,2}[\)\]\}>][ \t]{0,3}"
+_STRONG_AT = r"(?:[ \t]{0,3}@[ \t]{0,3}|" + _BRACKETED % "at" + r")"
+_WORD_AT = r"[ \t]{1,3}(?i:at)[ \t]{1,3}(?!(?i:the|a|an|this|that|these|those|my|your|his|her|its|our|their)\b)"
+_SPELLED_DOT = r"(?:" + _BRACKETED % "dot" + r"|[ \t]{1,3}(?i:dot)[ \t]{1,3})"
+# a "." with spaces after it only before a lower-case label ("example . com", not "home. Then")
+_ANY_DOT = r"(?:[ \t]{0,3}\.(?:[ \t]{1,3}(?=[a-z]))?|" + _SPELLED_DOT + r")"
+_LOCAL_DOT = r"(?:\.|" + _SPELLED_DOT + r")"
+# possessive: a plain word gives back none of its letters trying them all as a local part
+_MAIL_LOCAL = r"[\w%+\-]{1,64}+"
+_OBF_LABEL = r"(?:[^\W_]|-){1,63}+"
+_TLD = r"[^\W\d_]{2,24}+(?![\w@])"
+_OBFUSCATED_MAIL = (
+    # (the lookahead: most words, followed by none of these, are passed over at once)
+    r"(?<![\w.%+\-])(?=[\w%+\-]{1,64}+(?:[ \t]{0,3}[@(\[{<.]|[ \t]{1,3}(?i:at|dot)[ \t]))(?:"
+    # an "@" however spaced, or "at" in brackets
+    + _MAIL_LOCAL + r"(?:" + _LOCAL_DOT + _MAIL_LOCAL + r"){0,4}" + _STRONG_AT
+    + _OBF_LABEL + r"(?:" + _ANY_DOT + _OBF_LABEL + r"){0,7}" + _ANY_DOT + _TLD
+    # the word "at", with a spelled dot in the local part or in the domain
+    + r"|" + _MAIL_LOCAL + r"(?:" + _LOCAL_DOT + _MAIL_LOCAL + r"){0,3}" + _SPELLED_DOT
+    + _MAIL_LOCAL + r"(?:" + _LOCAL_DOT + _MAIL_LOCAL + r"){0,3}" + _WORD_AT
+    + _OBF_LABEL + r"(?:" + _ANY_DOT + _OBF_LABEL + r"){0,7}" + _ANY_DOT + _TLD
+    + r"|" + _MAIL_LOCAL + r"(?:\." + _MAIL_LOCAL + r"){0,4}" + _WORD_AT
+    + _OBF_LABEL + r"(?:" + _ANY_DOT + _OBF_LABEL + r"){0,3}" + _SPELLED_DOT
+    + r"(?:" + _OBF_LABEL + _ANY_DOT + r"){0,3}" + _TLD
+    + r")"
+)
 _REST = (
     r"|(?P<email>[\w.%+\-]{1,64}@" + _MAIL_LABEL + r"(?:\." + _MAIL_LABEL + r"){0,8}"
-    r"\.[^\W\d_]{2,24})"
+    r"\.[^\W\d_]{2,24}|" + _OBFUSCATED_MAIL + r")"
     r"|(?P<url>(?:https?://|www\.)[^\s<>\"'\]\)]{0,2000}[^\s<>\"'\]\).,;:!?]"
     r"|\b" + _LABEL + r"(?:\." + _LABEL + r"){0,8}\.(?:com|org|net|io|edu|gov|co|ai|dev|app|info"
     r"|biz|me|us|uk|de|fr|eu)\b(?:/[^\s<>\"'\]\)]{0,2000}[^\s<>\"'\]\).,;:!?])?)"
@@ -163,7 +196,7 @@ def normalized(text: str) -> str:
 # holds no e-mail, URL, phone, identifier or number, and every name (a capitalized word after a
 # token of the same sentence) starts at a `capital` match whose group is the word itself (where
 # it is not, the check tokenizes).
-_RESIDUE_CANDIDATE = re.compile(r"(?P<hard>[\d@]|://|www|\.[A-Za-z]|" + _WORD_RUN + r")|(?<![A-Za-z])(?P<capital>[A-Z][A-Za-z']*)")
+_RESIDUE_CANDIDATE = re.compile(r"(?P<hard>[\d@]|://|www|\.[A-Za-z]|" + _WORD_RUN + r"|\b(?i:dot)\b|[\(\[\{<][ \t]{0,2}(?i:at)[ \t]{0,2}[\)\]\}>])|(?<![A-Za-z])(?P<capital>[A-Z][A-Za-z']*)")
 _LETTERS = re.compile(r"[^\W\d_]+")
 _PLACEHOLDER = re.compile(r"\[(?:" + "|".join(PLACEHOLDERS) + r")\]")
 

@@ -502,3 +502,31 @@ def test_a_number_spelled_out_in_words_is_one_number(text, secrets):
     assert [r.kind for r in m.residue(text)] == ["NUMBER"]
     for kept in ("book one or two rooms for ten nights", "the top five games of twenty twenty"):
         assert m.mask(kept).text == kept
+
+
+@pytest.mark.parametrize(
+    ("text", "secrets"),
+    [
+        ("mail john dot smith at gmail dot com about the invoice", ("john", "smith", "gmail")),
+        ("write to john(at)example(dot)org for the refund", ("john", "example")),
+        ("write to john [at] example.com for the refund", ("john", "example")),
+        ("send it to jane.doe [at] corp [dot] co [dot] uk tonight", ("jane", "doe", "corp")),
+        ("reply to john @ example . com today", ("john", "example")),
+        ("contact Margaret {AT} thornbury {DOT} net please", ("Margaret", "thornbury")),
+    ],
+)
+def test_an_email_address_written_out_to_dodge_filters_is_an_email_address(text, secrets):
+    """An address spelled "at"/"dot", bracketed "(at)" or spaced around "@" and "." was a row of
+    common words and punctuation: "john(at)example(dot)org" and "john @ example . com" left the
+    client whole, and of "john [at] example.com" the name did. The whole run is one e-mail
+    address now; "at" and "dot" alone stay words."""
+    m = masker(1.0)
+    out = m.mask(text).text
+    for secret in secrets:
+        assert secret not in out, out
+    assert "[EMAIL]" in out, out
+    assert m.residue(out) == []
+    assert [r.kind for r in m.residue(text)] == ["EMAIL"]
+    for kept in ("meet at the station at noon", "a polka dot dress at the shop",
+                 "stocks at the dot com bubble"):
+        assert "[EMAIL]" not in m.mask(kept).text
