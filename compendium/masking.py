@@ -6,8 +6,8 @@ how much it could identify a person or an organization:
 - personal-data patterns: e-mail address (also written to dodge filters: "john(at)example(dot)org",
   "john dot smith at gmail dot com", "john @ example . com"), URL or domain, phone number -> 1.0; identifiers that mix
   letters and digits (order numbers, account ids) -> 0.95; numbers of 3 or more digits -> 0.9,
-  shorter numbers -> 0.6 (a run of three or more digit groups split by spaces or dashes, "4 8 2 1",
-  is one number, and so is a run of three or more number words, "four eight two one", scored as
+  shorter numbers -> 0.6 (a run of three or more digit groups split by spaces, dashes or the
+  punctuation a digit string is written with, "4 8 2 1", "4, 8, 2, 1", "4_8_2_1", is one number, and so is a run of three or more number words, "four eight two one", scored as
   the digits it spells);
 - capitalized words inside a sentence (names of people, places, companies) -> 0.55 + 0.4 r;
 - any other word -> its rarity r in a public reference vocabulary: r = clip((6 - z) / 6, 0, 1)
@@ -95,7 +95,11 @@ _IDENT = (
 # tokens each single digit was a one-character token, which masking never takes, so a PIN or a
 # phone number spelled a digit at a time left the client whole (and "45" of "123 45 6789" stayed
 # at low λ). Its saliency counts all its digits.
-_DIGIT_RUN = r"\d{1,4}(?:(?:[ \t]{1,3}|[ \t]{0,3}-[ \t]{0,3})\d{1,4}){2,15}(?![\w])"
+# Between groups: spaces, or up to three of the punctuation a digit string is written with
+# (dashes of any kind, "_", ".", ",", "/", ":", quotes), spaces around them: "4, 8, 2, 1",
+# "4. 8. 2. 1", "4_8_2_1", "4–8–2–1" and JSON's ["4","8","2","1"] were one-character tokens too.
+_DIGIT_SEP = r"(?:[ \t]{1,3}|[ \t]{0,3}(?:[\-\u2010-\u2015\u2212_.,/:'\"][ \t]{0,3}){1,3})"
+_DIGIT_RUN = r"\d{1,4}(?:" + _DIGIT_SEP + r"\d{1,4}){2,15}(?![\w])"
 # A number spelled out in number words, three or more ("four eight two one", "five five five, one
 # two three four", "Nine-Zero-Seven"), taken as one number: each is a common word (rarity 0), so a
 # PIN or a phone number written so left the client whole at any λ. One or two number words stay

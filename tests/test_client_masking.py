@@ -530,3 +530,26 @@ def test_an_email_address_written_out_to_dodge_filters_is_an_email_address(text,
     for kept in ("meet at the station at noon", "a polka dot dress at the shop",
                  "stocks at the dot com bubble"):
         assert "[EMAIL]" not in m.mask(kept).text
+
+
+@pytest.mark.parametrize(
+    ("text", "secret"),
+    [
+        ("my pin is 4, 8, 2, 1 please unlock the card", "8, 2"),
+        ("my pin is 4. 8. 2. 1 please unlock the card", "8. 2"),
+        ("my pin is 4_8_2_1 please unlock the card", "8_2"),
+        ("my pin is 4–8–2–1 please unlock the card", "8–2"),  # en dash
+        ('unlock with {"pin": ["4","8","2","1"]} please', '"8","2"'),
+    ],
+)
+def test_a_number_written_a_digit_at_a_time_with_punctuation_is_one_number(text, secret):
+    """The spaced-groups rule joined digits split by spaces or a hyphen only: split by commas,
+    full stops, underscores, other dashes or JSON's quotes, each digit was still a
+    one-character token that masking never takes, and "4, 8, 2, 1" left whole at any λ."""
+    m = masker(1.0)
+    out = m.mask(text).text
+    assert secret not in out, out
+    assert "[NUMBER]" in out, out
+    assert m.residue(out) == []
+    assert [r.kind for r in m.residue(text)] == ["NUMBER"]
+    assert m.mask("rooms 2 and 3 for 4 nights").text == "rooms 2 and 3 for 4 nights"
