@@ -4,7 +4,9 @@ An empirical defence, not differential privacy. Every token of a text gets a sal
 how much it could identify a person or an organization:
 
 - personal-data patterns: e-mail address (also written to dodge filters: "john(at)example(dot)org",
-  "john dot smith at gmail dot com", "john @ example . com"), URL or domain, phone number -> 1.0; identifiers that mix
+  "john dot smith at gmail dot com", "john @ example . com"), URL or domain (any scheme,
+  "ftp://host/john"; a common top-level domain in any case; any top-level domain before a path,
+  "my.blog/posts/john-smith"), phone number -> 1.0; identifiers that mix
   letters and digits (order numbers, account ids) -> 0.95; numbers of 3 or more digits -> 0.9,
   shorter numbers -> 0.6 (a run of three or more digit groups split by spaces, dashes or the
   punctuation a digit string is written with, "4 8 2 1", "4, 8, 2, 1", "4_8_2_1", is one number, and so is a run of three or more number words, "four eight two one", scored as
@@ -150,12 +152,19 @@ _OBFUSCATED_MAIL = (
     + r"(?:" + _OBF_LABEL + _ANY_DOT + r"){0,3}" + _TLD
     + r")"
 )
+# A URL: after any scheme ("ftp://fileserver/john", "file:///home/...", not only http(s)://), after
+# www., a domain ending in a common top-level domain in any case ("EXAMPLE.COM"), or a domain with
+# any top-level domain followed by a path ("my.blog/posts/john-smith", "best.pizza/order?id=..."):
+# those left the client with the names in them.
+_SCHEME = r"(?<![A-Za-z0-9+.\-])[A-Za-z][A-Za-z0-9+.\-]{0,15}://"
+_PATH = r"/[^\s<>\"'\]\)]{0,2000}[^\s<>\"'\]\).,;:!?]"
 _REST = (
     r"|(?P<email>[\w.%+\-]{1,64}@" + _MAIL_LABEL + r"(?:\." + _MAIL_LABEL + r"){0,8}"
     r"\.[^\W\d_]{2,24}|" + _OBFUSCATED_MAIL + r")"
-    r"|(?P<url>(?:https?://|www\.)[^\s<>\"'\]\)]{0,2000}[^\s<>\"'\]\).,;:!?]"
-    r"|\b" + _LABEL + r"(?:\." + _LABEL + r"){0,8}\.(?:com|org|net|io|edu|gov|co|ai|dev|app|info"
-    r"|biz|me|us|uk|de|fr|eu)\b(?:/[^\s<>\"'\]\)]{0,2000}[^\s<>\"'\]\).,;:!?])?)"
+    r"|(?P<url>(?:" + _SCHEME + r"|www\.)[^\s<>\"'\]\)]{0,2000}[^\s<>\"'\]\).,;:!?]"
+    r"|\b" + _LABEL + r"(?:\." + _LABEL + r"){0,8}\.(?i:com|org|net|io|edu|gov|co|ai|dev|app|info"
+    r"|biz|me|us|uk|de|fr|eu)\b(?:" + _PATH + r")?"
+    r"|\b" + _LABEL + r"(?:\." + _LABEL + r"){0,8}\.[A-Za-z]{2,24}" + _PATH + r")"
     r"|(?P<phone>(?<![\w.])(?:\+\d{1,3}[\s.\-]?)?(?:\(\d{2,4}\)[\s.\-]?)?\d{2,4}[\s.\-]\d{3,4}"
     r"(?:[\s.\-]\d{2,4}){1,4}(?![\w]))"
     r"|" + _IDENT +

@@ -553,3 +553,29 @@ def test_a_number_written_a_digit_at_a_time_with_punctuation_is_one_number(text,
     assert m.residue(out) == []
     assert [r.kind for r in m.residue(text)] == ["NUMBER"]
     assert m.mask("rooms 2 and 3 for 4 nights").text == "rooms 2 and 3 for 4 nights"
+
+
+@pytest.mark.parametrize(
+    ("text", "secrets"),
+    [
+        ("fetch ftp://fileserver/john/taxes for the report", ("fileserver", "john", "taxes")),
+        ("sync sftp://backup.local/home/jsmith tonight", ("backup.local", "jsmith")),
+        ("open file:///home/jsmith/salary.txt please", ("jsmith", "salary")),
+        ("see my.blog/posts/john-smith for details", ("my.blog", "john-smith")),
+        ("order from best.pizza/order?id=smith please", ("best.pizza", "smith")),
+        ("go to EXAMPLE.COM/john for the form", ("EXAMPLE.COM", "john")),
+    ],
+)
+def test_a_url_with_any_scheme_or_any_domain_before_a_path_is_a_url(text, secrets):
+    """A URL was one only after http(s)://, www. or a domain ending in one of a few lower-case
+    top-level domains: ftp://, sftp:// or file:// paths, a domain like "my.blog/posts/..." and
+    "EXAMPLE.COM/john" left the client with the names in them."""
+    m = masker(1.0)
+    out = m.mask(text).text
+    for secret in secrets:
+        assert secret not in out, out
+    assert "[URL]" in out, out
+    assert m.residue(out) == []
+    assert [r.kind for r in m.residue(text)] == ["URL"]
+    for kept in ("convert report.pdf to word", "read the docs at 5 p.m. today"):
+        assert "[URL]" not in m.mask(kept).text
