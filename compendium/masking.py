@@ -4,7 +4,8 @@ An empirical defence, not differential privacy. Every token of a text gets a sal
 how much it could identify a person or an organization:
 
 - personal-data patterns: e-mail address (also written to dodge filters: "john(at)example(dot)org",
-  "john dot smith at gmail dot com", "john @ example . com"), URL or domain (any scheme,
+  "john dot smith at gmail dot com", "john @ example . com"; on a host without a top-level domain,
+  "john@localhost"; a handle, "@john_smith"), URL or domain (any scheme,
   "ftp://host/john"; a common top-level domain in any case; any top-level domain before a path,
   "my.blog/posts/john-smith"), phone number -> 1.0; identifiers that mix
   letters and digits (order numbers, account ids) -> 0.95; numbers of 3 or more digits -> 0.9,
@@ -127,7 +128,8 @@ _MAIL_LABEL = r"(?:[^\W_]|-){1,63}"
 # bracketed dot in it, and not before a determiner ("stocks at the dot com bubble"): "at" and
 # "dot" alone are ordinary words.
 _BRACKETED = r"[ \t]{0,3}[\(\[\{<][ \t]{0,2}(?i:%s)[ \t]{0,2}[\)\]\}>][ \t]{0,3}"
-_STRONG_AT = r"(?:[ \t]{0,3}@[ \t]{0,3}|" + _BRACKETED % "at" + r")"
+# (an "@" with a space before it and none after starts a handle: "ask @jane.doe")
+_STRONG_AT = r"(?:[ \t]{0,3}@[ \t]{1,3}|" + _BRACKETED % "at" + r")"
 _WORD_AT = r"[ \t]{1,3}(?i:at)[ \t]{1,3}(?!(?i:the|a|an|this|that|these|those|my|your|his|her|its|our|their)\b)"
 _SPELLED_DOT = r"(?:" + _BRACKETED % "dot" + r"|[ \t]{1,3}(?i:dot)[ \t]{1,3})"
 # a "." with spaces after it only before a lower-case label ("example . com", not "home. Then")
@@ -152,6 +154,14 @@ _OBFUSCATED_MAIL = (
     + r"(?:" + _OBF_LABEL + _ANY_DOT + r"){0,3}" + _TLD
     + r")"
 )
+# An address on a host without a top-level domain ("john@localhost", the "hunter@dbserver" of
+# "admin:hunter@dbserver") and a handle ("@john_smith", "@jane.doe"): the "@" was punctuation and
+# the lower-case name beside it a common word. A host or a handle holds a letter ("2@3.99", "@5"
+# stay as they are), and an "@" with a space after it is not one.
+_BARE_ADDRESS = (
+    r"[\w.%+\-]{1,64}+@[^\W\d_](?:[^\W_]|-){0,62}+(?![\w@])"
+    r"|(?<![\w.%+\-@])@(?=[\w.\-]{0,63}[^\W\d_])\w(?:[\w.\-]{0,62}\w)?+(?![\w@])"
+)
 # A URL: after any scheme ("ftp://fileserver/john", "file:///home/...", not only http(s)://), after
 # www., a domain ending in a common top-level domain in any case ("EXAMPLE.COM"), or a domain with
 # any top-level domain followed by a path ("my.blog/posts/john-smith", "best.pizza/order?id=..."):
@@ -160,7 +170,7 @@ _SCHEME = r"(?<![A-Za-z0-9+.\-])[A-Za-z][A-Za-z0-9+.\-]{0,15}://"
 _PATH = r"/[^\s<>\"'\]\)]{0,2000}[^\s<>\"'\]\).,;:!?]"
 _REST = (
     r"|(?P<email>[\w.%+\-]{1,64}@" + _MAIL_LABEL + r"(?:\." + _MAIL_LABEL + r"){0,8}"
-    r"\.[^\W\d_]{2,24}|" + _OBFUSCATED_MAIL + r")"
+    r"\.[^\W\d_]{2,24}|" + _OBFUSCATED_MAIL + r"|" + _BARE_ADDRESS + r")"
     r"|(?P<url>(?:" + _SCHEME + r"|www\.)[^\s<>\"'\]\)]{0,2000}[^\s<>\"'\]\).,;:!?]"
     r"|\b" + _LABEL + r"(?:\." + _LABEL + r"){0,8}\.(?i:com|org|net|io|edu|gov|co|ai|dev|app|info"
     r"|biz|me|us|uk|de|fr|eu)\b(?:" + _PATH + r")?"

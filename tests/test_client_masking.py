@@ -579,3 +579,27 @@ def test_a_url_with_any_scheme_or_any_domain_before_a_path_is_a_url(text, secret
     assert [r.kind for r in m.residue(text)] == ["URL"]
     for kept in ("convert report.pdf to word", "read the docs at 5 p.m. today"):
         assert "[URL]" not in m.mask(kept).text
+
+
+@pytest.mark.parametrize(
+    ("text", "secrets"),
+    [
+        ("mail root at john@localhost about the backup", ("john",)),
+        ("connect as admin:hunter@dbserver tonight", ("hunter", "dbserver")),
+        ("follow @john_smith for the weather updates", ("john", "smith")),
+        ("ask @jane.doe about the flight", ("jane", "doe")),
+    ],
+)
+def test_an_address_without_a_top_level_domain_or_a_handle_is_an_email_address(text, secrets):
+    """An e-mail address needed a dotted domain: "john@localhost" and the password of
+    "admin:hunter@dbserver" went out, and so did a handle ("@john_smith"): the "@" was
+    punctuation and the name beside it a lower-case word."""
+    m = masker(1.0)
+    out = m.mask(text).text
+    for secret in secrets:
+        assert secret not in out, out
+    assert "[EMAIL]" in out, out
+    assert m.residue(out) == []
+    assert [r.kind for r in m.residue(text)] == ["EMAIL"]
+    for kept in ("meet @ 5pm for 2 @ 3.99 each", "the weather @ home"):
+        assert "[EMAIL]" not in m.mask(kept).text
