@@ -10,8 +10,8 @@ how much it could identify a person or an organization:
   "my.blog/posts/john-smith"), phone number -> 1.0; identifiers that mix
   letters and digits (order numbers, account ids) -> 0.95; numbers of 3 or more digits -> 0.9,
   shorter numbers -> 0.6 (a run of three or more digit groups split by spaces, dashes or the
-  punctuation a digit string is written with, "4 8 2 1", "4, 8, 2, 1", "4_8_2_1", is one number, and so is a run of three or more number words, "four eight two one", scored as
-  the digits it spells);
+  punctuation a digit string is written with, "4 8 2 1", "4, 8, 2, 1", "4_8_2_1", is one number, and so is a run of three or more number words, "four eight two one", digits
+  among them or not, "4 eight 2 one", scored as the digits it spells);
 - capitalized words inside a sentence (names of people, places, companies) -> 0.55 + 0.4 r;
 - any other word -> its rarity r in a public reference vocabulary: r = clip((6 - z) / 6, 0, 1)
   where z is the word's Zipf frequency in English (log10 of occurrences per billion words) from the
@@ -113,9 +113,12 @@ NUMBER_WORDS = frozenset(
     ninety hundred thousand""".split()
 )
 _NUMBER_WORD = r"(?:" + "|".join(sorted(NUMBER_WORDS, key=lambda w: (-len(w), w))) + r")"
+# Digit groups may stand among the words ("4 eight 2 one", "five 5 five 1234"): a run of digits
+# alone is `_DIGIT_RUN`'s, tried first.
+_NUMBER_ITEM = r"(?:" + _NUMBER_WORD + r"|\d{1,4})"
 _WORD_RUN = (
-    r"(?<![^\W\d_])(?i:" + _NUMBER_WORD + r"(?:(?:[ \t]{1,3}|[ \t]{0,3}[,\-][ \t]{0,3})"
-    + _NUMBER_WORD + r"){2,15})(?![^\W\d_])"
+    r"(?<!\w)(?i:" + _NUMBER_ITEM + r"(?:(?:[ \t]{1,3}|[ \t]{0,3}[,\-][ \t]{0,3})"
+    + _NUMBER_ITEM + r"){2,15})(?!\w)"
 )
 # An e-mail address: its local part and domain in letters of any script (RFC 6531 and IDNA:
 # "josé.garcía@empresa.es"); with ASCII-only classes the address was two words and a domain, and
@@ -429,8 +432,8 @@ class TextMasker:
             elif kind == "ident":
                 scored = Scored(index, SCORE_ID, "ID")
             elif kind == "number":
-                # a run of number words: each word a digit
-                digits = sum(c.isdigit() for c in token.text) or len(_LETTERS.findall(token.text))
+                # in a run of number words each word counts as a digit
+                digits = sum(c.isdigit() for c in token.text) + len(_LETTERS.findall(token.text))
                 scored = Scored(
                     index, SCORE_LONG_NUMBER if digits >= 3 else SCORE_SHORT_NUMBER, "NUMBER"
                 )

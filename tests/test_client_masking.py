@@ -603,3 +603,24 @@ def test_an_address_without_a_top_level_domain_or_a_handle_is_an_email_address(t
     assert [r.kind for r in m.residue(text)] == ["EMAIL"]
     for kept in ("meet @ 5pm for 2 @ 3.99 each", "the weather @ home"):
         assert "[EMAIL]" not in m.mask(kept).text
+
+
+@pytest.mark.parametrize(
+    ("text", "secrets"),
+    [
+        ("my pin is 4 eight 2 one please unlock the card", ("eight", "one")),
+        ("call five 5 five 1234 tomorrow", ("five", "5")),
+    ],
+)
+def test_a_number_mixing_digits_and_number_words_is_one_number(text, secrets):
+    """Digits and number words mixed ("4 eight 2 one") were one-character tokens and common
+    words, neither of which masking takes; three or more of either, mixed, are one number."""
+    m = masker(1.0)
+    out = m.mask(text).text
+    for secret in secrets:
+        assert secret not in out.replace("[NUMBER]", ""), out
+    assert "[NUMBER]" in out, out
+    assert m.residue(out) == []
+    assert {r.kind for r in m.residue(text)} == {"NUMBER"}
+    assert m.mask("rooms 2 and 3 for 4 nights, one or two beds").text == (
+        "rooms 2 and 3 for 4 nights, one or two beds")
