@@ -141,7 +141,12 @@ _LOCAL_DOT = r"(?:\.|" + _SPELLED_DOT + r")"
 # possessive: a plain word gives back none of its letters trying them all as a local part
 _MAIL_LOCAL = r"[\w%+\-]{1,64}+"
 _OBF_LABEL = r"(?:[^\W_]|-){1,63}+"
-_TLD = r"[^\W\d_]{2,24}+(?![\w@])"
+# (never followed by another "at" and a dotted domain: of "me at jane dot doe at gmail dot com",
+# "me at jane dot doe" is not the address; "... dot com at noon" is one)
+_TLD = (
+    r"[^\W\d_]{2,24}+(?![\w@])(?!(?:[ \t]{1,3}(?i:at)[ \t]{1,3}|" + _STRONG_AT + r")"
+    + _OBF_LABEL + _ANY_DOT + r")"
+)
 _OBFUSCATED_MAIL = (
     # (the lookahead: most words, followed by none of these, are passed over at once)
     r"(?<![\w.%+\-])(?=[\w%+\-]{1,64}+(?:[ \t]{0,3}[@(\[{<.]|[ \t]{1,3}(?i:at|dot)[ \t]))(?:"

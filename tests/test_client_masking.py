@@ -624,3 +624,14 @@ def test_a_number_mixing_digits_and_number_words_is_one_number(text, secrets):
     assert {r.kind for r in m.residue(text)} == {"NUMBER"}
     assert m.mask("rooms 2 and 3 for 4 nights, one or two beds").text == (
         "rooms 2 and 3 for 4 nights, one or two beds")
+
+
+def test_an_email_address_written_out_is_taken_whole_after_another_at():
+    """"me at jane dot doe" read as an address of its own (the first "at" taken for the "@"), so
+    of "reach me at jane dot doe at gmail dot com" the domain went out. An address's domain is
+    never followed by another "at"."""
+    m = masker(1.0)
+    out = m.mask("reach me at jane dot doe at gmail dot com about the weather").text
+    for secret in ("jane", "doe", "gmail"):
+        assert secret not in out, out
+    assert m.residue(out) == []
