@@ -10,7 +10,8 @@ how much it could identify a person or an organization:
   "my.blog/posts/john-smith"), phone number -> 1.0; identifiers that mix
   letters and digits (order numbers, account ids) -> 0.95; numbers of 3 or more digits -> 0.9,
   shorter numbers -> 0.6 (a run of three or more digit groups split by spaces, dashes or the
-  punctuation a digit string is written with, "4 8 2 1", "4, 8, 2, 1", "4_8_2_1", is one number, and so is a run of three or more number words, "four eight two one", digits
+  punctuation a digit string is written with or markup tags, "4 8 2 1", "4, 8, 2, 1", "4_8_2_1",
+  "<b>4</b><b>8</b><b>2</b>", is one number, and so is a run of three or more number words, "four eight two one", digits
   among them or not, "4 eight 2 one", scored as the digits it spells);
 - capitalized words inside a sentence (names of people, places, companies) -> 0.55 + 0.4 r;
 - any other word -> its rarity r in a public reference vocabulary: r = clip((6 - z) / 6, 0, 1)
@@ -101,7 +102,11 @@ _IDENT = (
 # Between groups: spaces, or up to three of the punctuation a digit string is written with
 # (dashes of any kind, "_", ".", ",", "/", ":", quotes), spaces around them: "4, 8, 2, 1",
 # "4. 8. 2. 1", "4_8_2_1", "4–8–2–1" and JSON's ["4","8","2","1"] were one-character tokens too.
-_DIGIT_SEP = r"(?:[ \t]{1,3}|[ \t]{0,3}(?:[\-\u2010-\u2015\u2212_.,/:'\"][ \t]{0,3}){1,3})"
+# A markup tag counts as such punctuation: "<b>4</b><b>8</b><b>2</b><b>1</b>" was four digits too.
+_TAG = r"</?[A-Za-z][A-Za-z0-9]{0,15}(?:[ \t][^<>\n]{0,200})?/?>"
+_DIGIT_SEP = (
+    r"(?:[ \t]{1,3}|[ \t]{0,3}(?:(?:[\-\u2010-\u2015\u2212_.,/:'\"]|" + _TAG + r")[ \t]{0,3}){1,4})"
+)
 _DIGIT_RUN = r"\d{1,4}(?:" + _DIGIT_SEP + r"\d{1,4}){2,15}(?![\w])"
 # A number spelled out in number words, three or more ("four eight two one", "five five five, one
 # two three four", "Nine-Zero-Seven"), taken as one number: each is a common word (rarity 0), so a

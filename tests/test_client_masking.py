@@ -635,3 +635,22 @@ def test_an_email_address_written_out_is_taken_whole_after_another_at():
     for secret in ("jane", "doe", "gmail"):
         assert secret not in out, out
     assert m.residue(out) == []
+
+
+@pytest.mark.parametrize(
+    ("text", "secret"),
+    [
+        ("my pin is <b>4</b><b>8</b><b>2</b><b>1</b> please", "<b>8</b>"),
+        ("<tr><td>4</td> <td>8</td> <td>2</td> <td>1</td></tr> is my pin", "<td>2</td>"),
+        ('pin <span class="d">4</span>-<span class="d">8</span>-<span class="d">2</span>', ">8<"),
+    ],
+)
+def test_a_number_split_by_markup_tags_is_one_number(text, secret):
+    """A request can hold markup: digits each in their own tag were one-character tokens, which
+    masking never takes, and "<b>4</b><b>8</b><b>2</b><b>1</b>" left the client whole."""
+    m = masker(1.0)
+    out = m.mask(text).text
+    assert secret not in out, out
+    assert "[NUMBER]" in out, out
+    assert m.residue(out) == []
+    assert {r.kind for r in m.residue(text)} == {"NUMBER"}
