@@ -3,10 +3,16 @@
 An empirical defence, not differential privacy. Every token of a text gets a saliency in [0, 1],
 how much it could identify a person or an organization:
 
-- personal-data patterns: e-mail address, URL or domain, phone number -> 1.0; identifiers that mix
+- personal-data patterns: e-mail address (also written to dodge filters: "john(at)example(dot)org",
+  "john dot smith at gmail dot com", "john @ example . com"; on a host without a top-level domain,
+  "john@localhost"; a handle, "@john_smith"), URL or domain (any scheme,
+  "ftp://host/john"; a common top-level domain in any case; any top-level domain before a path,
+  "my.blog/posts/john-smith"), phone number -> 1.0; identifiers that mix
   letters and digits (order numbers, account ids) -> 0.95; numbers of 3 or more digits -> 0.9,
-  shorter numbers -> 0.6 (a run of three or more digit groups split by spaces or dashes, "4 8 2 1",
-  is one number);
+  shorter numbers -> 0.6 (a run of three or more digit groups split by spaces, dashes or the
+  punctuation a digit string is written with or markup tags, "4 8 2 1", "4, 8, 2, 1", "4_8_2_1",
+  "<b>4</b><b>8</b><b>2</b>", is one number, and so is a run of three or more number words, "four eight two one", digits
+  among them or not, "4 eight 2 one", scored as the digits it spells);
 - capitalized words inside a sentence (names of people, places, companies) -> 0.55 + 0.4 r;
 - any other word -> its rarity r in a public reference vocabulary: r = clip((6 - z) / 6, 0, 1)
   where z is the word's Zipf frequency in English (log10 of occurrences per billion words) from the
@@ -93,21 +99,99 @@ _IDENT = (
 # tokens each single digit was a one-character token, which masking never takes, so a PIN or a
 # phone number spelled a digit at a time left the client whole (and "45" of "123 45 6789" stayed
 # at low λ). Its saliency counts all its digits.
-_DIGIT_RUN = r"\d{1,4}(?:(?:[ \t]{1,3}|[ \t]{0,3}-[ \t]{0,3})\d{1,4}){2,15}(?![\w])"
+# Between groups: spaces, or up to three of the punctuation a digit string is written with
+# (dashes of any kind, "_", ".", ",", "/", ":", quotes), spaces around them: "4, 8, 2, 1",
+# "4. 8. 2. 1", "4_8_2_1", "4–8–2–1" and JSON's ["4","8","2","1"] were one-character tokens too.
+# A markup tag counts as such punctuation: "<b>4</b><b>8</b><b>2</b><b>1</b>" was four digits too.
+_TAG = r"</?[A-Za-z][A-Za-z0-9]{0,15}(?:[ \t][^<>\n]{0,200})?/?>"
+_DIGIT_SEP = (
+    r"(?:[ \t]{1,3}|[ \t]{0,3}(?:(?:[\-\u2010-\u2015\u2212_.,/:'\"]|" + _TAG + r")[ \t]{0,3}){1,4})"
+)
+_DIGIT_RUN = r"\d{1,4}(?:" + _DIGIT_SEP + r"\d{1,4}){2,15}(?![\w])"
+# A number spelled out in number words, three or more ("four eight two one", "five five five, one
+# two three four", "Nine-Zero-Seven"), taken as one number: each is a common word (rarity 0), so a
+# PIN or a phone number written so left the client whole at any λ. One or two number words stay
+# words ("one or two", "top five", "twenty twenty"). Its saliency counts each word as a digit.
+NUMBER_WORDS = frozenset(
+    """zero one two three four five six seven eight nine ten eleven twelve thirteen fourteen
+    fifteen sixteen seventeen eighteen nineteen twenty thirty forty fifty sixty seventy eighty
+    ninety hundred thousand""".split()
+)
+_NUMBER_WORD = r"(?:" + "|".join(sorted(NUMBER_WORDS, key=lambda w: (-len(w), w))) + r")"
+# Digit groups may stand among the words ("4 eight 2 one", "five 5 five 1234"): a run of digits
+# alone is `_DIGIT_RUN`'s, tried first.
+_NUMBER_ITEM = r"(?:" + _NUMBER_WORD + r"|\d{1,4})"
+_WORD_RUN = (
+    r"(?<!\w)(?i:" + _NUMBER_ITEM + r"(?:(?:[ \t]{1,3}|[ \t]{0,3}[,\-][ \t]{0,3})"
+    + _NUMBER_ITEM + r"){2,15})(?!\w)"
+)
 # An e-mail address: its local part and domain in letters of any script (RFC 6531 and IDNA:
 # "josé.garcía@empresa.es"); with ASCII-only classes the address was two words and a domain, and
 # a name in it could leave the client. On ASCII text the classes are those of `_LABEL`.
 _MAIL_LABEL = r"(?:[^\W_]|-){1,63}"
+# An e-mail address written to dodge filters: "@" and "." spelled "at" and "dot", bracketed
+# ("(at)", "[dot]", "{AT}", "<at>") or spaced ("john @ example . com"). Each piece was a common word
+# or punctuation, so "john(at)example(dot)org" left the client whole. An "@" spaced or bracketed
+# "at" makes the run an address (`_OBFUSCATED_MAIL`); the word "at" only with a "dot" word or a
+# bracketed dot in it, and not before a determiner ("stocks at the dot com bubble"): "at" and
+# "dot" alone are ordinary words.
+_BRACKETED = r"[ \t]{0,3}[\(\[\{<][ \t]{0,2}(?i:%s)[ \t]{0,2}[\)\]\}>][ \t]{0,3}"
+# (an "@" with a space before it and none after starts a handle: "ask @jane.doe")
+_STRONG_AT = r"(?:[ \t]{0,3}@[ \t]{1,3}|" + _BRACKETED % "at" + r")"
+_WORD_AT = r"[ \t]{1,3}(?i:at)[ \t]{1,3}(?!(?i:the|a|an|this|that|these|those|my|your|his|her|its|our|their)\b)"
+_SPELLED_DOT = r"(?:" + _BRACKETED % "dot" + r"|[ \t]{1,3}(?i:dot)[ \t]{1,3})"
+# a "." with spaces after it only before a lower-case label ("example . com", not "home. Then")
+_ANY_DOT = r"(?:[ \t]{0,3}\.(?:[ \t]{1,3}(?=[a-z]))?|" + _SPELLED_DOT + r")"
+_LOCAL_DOT = r"(?:\.|" + _SPELLED_DOT + r")"
+# possessive: a plain word gives back none of its letters trying them all as a local part
+_MAIL_LOCAL = r"[\w%+\-]{1,64}+"
+_OBF_LABEL = r"(?:[^\W_]|-){1,63}+"
+# (never followed by another "at" and a dotted domain: of "me at jane dot doe at gmail dot com",
+# "me at jane dot doe" is not the address; "... dot com at noon" is one)
+_TLD = (
+    r"[^\W\d_]{2,24}+(?![\w@])(?!(?:[ \t]{1,3}(?i:at)[ \t]{1,3}|" + _STRONG_AT + r")"
+    + _OBF_LABEL + _ANY_DOT + r")"
+)
+_OBFUSCATED_MAIL = (
+    # (the lookahead: most words, followed by none of these, are passed over at once)
+    r"(?<![\w.%+\-])(?=[\w%+\-]{1,64}+(?:[ \t]{0,3}[@(\[{<.]|[ \t]{1,3}(?i:at|dot)[ \t]))(?:"
+    # an "@" however spaced, or "at" in brackets
+    + _MAIL_LOCAL + r"(?:" + _LOCAL_DOT + _MAIL_LOCAL + r"){0,4}" + _STRONG_AT
+    + _OBF_LABEL + r"(?:" + _ANY_DOT + _OBF_LABEL + r"){0,7}" + _ANY_DOT + _TLD
+    # the word "at", with a spelled dot in the local part or in the domain
+    + r"|" + _MAIL_LOCAL + r"(?:" + _LOCAL_DOT + _MAIL_LOCAL + r"){0,3}" + _SPELLED_DOT
+    + _MAIL_LOCAL + r"(?:" + _LOCAL_DOT + _MAIL_LOCAL + r"){0,3}" + _WORD_AT
+    + _OBF_LABEL + r"(?:" + _ANY_DOT + _OBF_LABEL + r"){0,7}" + _ANY_DOT + _TLD
+    + r"|" + _MAIL_LOCAL + r"(?:\." + _MAIL_LOCAL + r"){0,4}" + _WORD_AT
+    + _OBF_LABEL + r"(?:" + _ANY_DOT + _OBF_LABEL + r"){0,3}" + _SPELLED_DOT
+    + r"(?:" + _OBF_LABEL + _ANY_DOT + r"){0,3}" + _TLD
+    + r")"
+)
+# An address on a host without a top-level domain ("john@localhost", the "hunter@dbserver" of
+# "admin:hunter@dbserver") and a handle ("@john_smith", "@jane.doe"): the "@" was punctuation and
+# the lower-case name beside it a common word. A host or a handle holds a letter ("2@3.99", "@5"
+# stay as they are), and an "@" with a space after it is not one.
+_BARE_ADDRESS = (
+    r"[\w.%+\-]{1,64}+@[^\W\d_](?:[^\W_]|-){0,62}+(?![\w@])"
+    r"|(?<![\w.%+\-@])@(?=[\w.\-]{0,63}[^\W\d_])\w(?:[\w.\-]{0,62}\w)?+(?![\w@])"
+)
+# A URL: after any scheme ("ftp://fileserver/john", "file:///home/...", not only http(s)://), after
+# www., a domain ending in a common top-level domain in any case ("EXAMPLE.COM"), or a domain with
+# any top-level domain followed by a path ("my.blog/posts/john-smith", "best.pizza/order?id=..."):
+# those left the client with the names in them.
+_SCHEME = r"(?<![A-Za-z0-9+.\-])[A-Za-z][A-Za-z0-9+.\-]{0,15}://"
+_PATH = r"/[^\s<>\"'\]\)]{0,2000}[^\s<>\"'\]\).,;:!?]"
 _REST = (
     r"|(?P<email>[\w.%+\-]{1,64}@" + _MAIL_LABEL + r"(?:\." + _MAIL_LABEL + r"){0,8}"
-    r"\.[^\W\d_]{2,24})"
-    r"|(?P<url>(?:https?://|www\.)[^\s<>\"'\]\)]{0,2000}[^\s<>\"'\]\).,;:!?]"
-    r"|\b" + _LABEL + r"(?:\." + _LABEL + r"){0,8}\.(?:com|org|net|io|edu|gov|co|ai|dev|app|info"
-    r"|biz|me|us|uk|de|fr|eu)\b(?:/[^\s<>\"'\]\)]{0,2000}[^\s<>\"'\]\).,;:!?])?)"
+    r"\.[^\W\d_]{2,24}|" + _OBFUSCATED_MAIL + r"|" + _BARE_ADDRESS + r")"
+    r"|(?P<url>(?:" + _SCHEME + r"|www\.)[^\s<>\"'\]\)]{0,2000}[^\s<>\"'\]\).,;:!?]"
+    r"|\b" + _LABEL + r"(?:\." + _LABEL + r"){0,8}\.(?i:com|org|net|io|edu|gov|co|ai|dev|app|info"
+    r"|biz|me|us|uk|de|fr|eu)\b(?:" + _PATH + r")?"
+    r"|\b" + _LABEL + r"(?:\." + _LABEL + r"){0,8}\.[A-Za-z]{2,24}" + _PATH + r")"
     r"|(?P<phone>(?<![\w.])(?:\+\d{1,3}[\s.\-]?)?(?:\(\d{2,4}\)[\s.\-]?)?\d{2,4}[\s.\-]\d{3,4}"
     r"(?:[\s.\-]\d{2,4}){1,4}(?![\w]))"
     r"|" + _IDENT +
-    r"|(?P<number>" + _DIGIT_RUN + r"|\d{1,64}(?:[.,:/]\d{1,64}){0,16})"
+    r"|(?P<number>" + _DIGIT_RUN + r"|" + _WORD_RUN + r"|\d{1,64}(?:[.,:/]\d{1,64}){0,16})"
     r"|(?P<word>[^\W\d_]" + _LETTER_OR_MARK + r"{0,127}(?:['’][^\W\d_]" + _LETTER_OR_MARK
     + r"{0,127}){0,4})"
     r"|(?P<space>\s+)"
@@ -148,7 +232,8 @@ def normalized(text: str) -> str:
 # holds no e-mail, URL, phone, identifier or number, and every name (a capitalized word after a
 # token of the same sentence) starts at a `capital` match whose group is the word itself (where
 # it is not, the check tokenizes).
-_RESIDUE_CANDIDATE = re.compile(r"(?P<hard>[\d@]|://|www|\.[A-Za-z])|(?<![A-Za-z])(?P<capital>[A-Z][A-Za-z']*)")
+_RESIDUE_CANDIDATE = re.compile(r"(?P<hard>[\d@]|://|www|\.[A-Za-z]|" + _WORD_RUN + r"|\b(?i:dot)\b|[\(\[\{<][ \t]{0,2}(?i:at)[ \t]{0,2}[\)\]\}>])|(?<![A-Za-z])(?P<capital>[A-Z][A-Za-z']*)")
+_LETTERS = re.compile(r"[^\W\d_]+")
 _PLACEHOLDER = re.compile(r"\[(?:" + "|".join(PLACEHOLDERS) + r")\]")
 
 # English function words (closed classes: pronouns, determiners, prepositions, conjunctions,
@@ -357,7 +442,8 @@ class TextMasker:
             elif kind == "ident":
                 scored = Scored(index, SCORE_ID, "ID")
             elif kind == "number":
-                digits = sum(c.isdigit() for c in token.text)
+                # in a run of number words each word counts as a digit
+                digits = sum(c.isdigit() for c in token.text) + len(_LETTERS.findall(token.text))
                 scored = Scored(
                     index, SCORE_LONG_NUMBER if digits >= 3 else SCORE_SHORT_NUMBER, "NUMBER"
                 )

@@ -478,3 +478,179 @@ def test_a_number_written_in_spaced_groups_is_one_number(text, secret, strength)
     assert [r.kind for r in m.residue(text)] == ["NUMBER"]
     # two numbers in a sentence stay words of their own: nothing to join
     assert m.mask("rooms 2 and 3 for 4 nights").text == "rooms 2 and 3 for 4 nights"
+
+
+@pytest.mark.parametrize(
+    ("text", "secrets"),
+    [
+        ("my pin is four eight two one please unlock the card", ("four", "eight", "two")),
+        ("call me at five five five, one two three four tomorrow", ("five", "three", "four")),
+        ("my extension is Nine-Zero-Seven for the helpdesk", ("Nine", "Zero", "Seven")),
+    ],
+)
+def test_a_number_spelled_out_in_words_is_one_number(text, secrets):
+    """A PIN or a phone number written in number words ("four eight two one") was a row of
+    common words, rarity 0, which masking never takes: it left the client whole at any λ and
+    the server's check found nothing. A run of three or more number words is one number now,
+    scored as the digits it spells; fewer stay words ("one or two", "top five")."""
+    m = masker(1.0)
+    out = m.mask(text).text
+    for secret in secrets:
+        assert secret not in out, out
+    assert "[NUMBER]" in out, out
+    assert m.residue(out) == []
+    assert [r.kind for r in m.residue(text)] == ["NUMBER"]
+    for kept in ("book one or two rooms for ten nights", "the top five games of twenty twenty"):
+        assert m.mask(kept).text == kept
+
+
+@pytest.mark.parametrize(
+    ("text", "secrets"),
+    [
+        ("mail john dot smith at gmail dot com about the invoice", ("john", "smith", "gmail")),
+        ("write to john(at)example(dot)org for the refund", ("john", "example")),
+        ("write to john [at] example.com for the refund", ("john", "example")),
+        ("send it to jane.doe [at] corp [dot] co [dot] uk tonight", ("jane", "doe", "corp")),
+        ("reply to john @ example . com today", ("john", "example")),
+        ("contact Margaret {AT} thornbury {DOT} net please", ("Margaret", "thornbury")),
+    ],
+)
+def test_an_email_address_written_out_to_dodge_filters_is_an_email_address(text, secrets):
+    """An address spelled "at"/"dot", bracketed "(at)" or spaced around "@" and "." was a row of
+    common words and punctuation: "john(at)example(dot)org" and "john @ example . com" left the
+    client whole, and of "john [at] example.com" the name did. The whole run is one e-mail
+    address now; "at" and "dot" alone stay words."""
+    m = masker(1.0)
+    out = m.mask(text).text
+    for secret in secrets:
+        assert secret not in out, out
+    assert "[EMAIL]" in out, out
+    assert m.residue(out) == []
+    assert [r.kind for r in m.residue(text)] == ["EMAIL"]
+    for kept in ("meet at the station at noon", "a polka dot dress at the shop",
+                 "stocks at the dot com bubble"):
+        assert "[EMAIL]" not in m.mask(kept).text
+
+
+@pytest.mark.parametrize(
+    ("text", "secret"),
+    [
+        ("my pin is 4, 8, 2, 1 please unlock the card", "8, 2"),
+        ("my pin is 4. 8. 2. 1 please unlock the card", "8. 2"),
+        ("my pin is 4_8_2_1 please unlock the card", "8_2"),
+        ("my pin is 4–8–2–1 please unlock the card", "8–2"),  # en dash
+        ('unlock with {"pin": ["4","8","2","1"]} please', '"8","2"'),
+    ],
+)
+def test_a_number_written_a_digit_at_a_time_with_punctuation_is_one_number(text, secret):
+    """The spaced-groups rule joined digits split by spaces or a hyphen only: split by commas,
+    full stops, underscores, other dashes or JSON's quotes, each digit was still a
+    one-character token that masking never takes, and "4, 8, 2, 1" left whole at any λ."""
+    m = masker(1.0)
+    out = m.mask(text).text
+    assert secret not in out, out
+    assert "[NUMBER]" in out, out
+    assert m.residue(out) == []
+    assert [r.kind for r in m.residue(text)] == ["NUMBER"]
+    assert m.mask("rooms 2 and 3 for 4 nights").text == "rooms 2 and 3 for 4 nights"
+
+
+@pytest.mark.parametrize(
+    ("text", "secrets"),
+    [
+        ("fetch ftp://fileserver/john/taxes for the report", ("fileserver", "john", "taxes")),
+        ("sync sftp://backup.local/home/jsmith tonight", ("backup.local", "jsmith")),
+        ("open file:///home/jsmith/salary.txt please", ("jsmith", "salary")),
+        ("see my.blog/posts/john-smith for details", ("my.blog", "john-smith")),
+        ("order from best.pizza/order?id=smith please", ("best.pizza", "smith")),
+        ("go to EXAMPLE.COM/john for the form", ("EXAMPLE.COM", "john")),
+    ],
+)
+def test_a_url_with_any_scheme_or_any_domain_before_a_path_is_a_url(text, secrets):
+    """A URL was one only after http(s)://, www. or a domain ending in one of a few lower-case
+    top-level domains: ftp://, sftp:// or file:// paths, a domain like "my.blog/posts/..." and
+    "EXAMPLE.COM/john" left the client with the names in them."""
+    m = masker(1.0)
+    out = m.mask(text).text
+    for secret in secrets:
+        assert secret not in out, out
+    assert "[URL]" in out, out
+    assert m.residue(out) == []
+    assert [r.kind for r in m.residue(text)] == ["URL"]
+    for kept in ("convert report.pdf to word", "read the docs at 5 p.m. today"):
+        assert "[URL]" not in m.mask(kept).text
+
+
+@pytest.mark.parametrize(
+    ("text", "secrets"),
+    [
+        ("mail root at john@localhost about the backup", ("john",)),
+        ("connect as admin:hunter@dbserver tonight", ("hunter", "dbserver")),
+        ("follow @john_smith for the weather updates", ("john", "smith")),
+        ("ask @jane.doe about the flight", ("jane", "doe")),
+    ],
+)
+def test_an_address_without_a_top_level_domain_or_a_handle_is_an_email_address(text, secrets):
+    """An e-mail address needed a dotted domain: "john@localhost" and the password of
+    "admin:hunter@dbserver" went out, and so did a handle ("@john_smith"): the "@" was
+    punctuation and the name beside it a lower-case word."""
+    m = masker(1.0)
+    out = m.mask(text).text
+    for secret in secrets:
+        assert secret not in out, out
+    assert "[EMAIL]" in out, out
+    assert m.residue(out) == []
+    assert [r.kind for r in m.residue(text)] == ["EMAIL"]
+    for kept in ("meet @ 5pm for 2 @ 3.99 each", "the weather @ home"):
+        assert "[EMAIL]" not in m.mask(kept).text
+
+
+@pytest.mark.parametrize(
+    ("text", "secrets"),
+    [
+        ("my pin is 4 eight 2 one please unlock the card", ("eight", "one")),
+        ("call five 5 five 1234 tomorrow", ("five", "5")),
+    ],
+)
+def test_a_number_mixing_digits_and_number_words_is_one_number(text, secrets):
+    """Digits and number words mixed ("4 eight 2 one") were one-character tokens and common
+    words, neither of which masking takes; three or more of either, mixed, are one number."""
+    m = masker(1.0)
+    out = m.mask(text).text
+    for secret in secrets:
+        assert secret not in out.replace("[NUMBER]", ""), out
+    assert "[NUMBER]" in out, out
+    assert m.residue(out) == []
+    assert {r.kind for r in m.residue(text)} == {"NUMBER"}
+    assert m.mask("rooms 2 and 3 for 4 nights, one or two beds").text == (
+        "rooms 2 and 3 for 4 nights, one or two beds")
+
+
+def test_an_email_address_written_out_is_taken_whole_after_another_at():
+    """"me at jane dot doe" read as an address of its own (the first "at" taken for the "@"), so
+    of "reach me at jane dot doe at gmail dot com" the domain went out. An address's domain is
+    never followed by another "at"."""
+    m = masker(1.0)
+    out = m.mask("reach me at jane dot doe at gmail dot com about the weather").text
+    for secret in ("jane", "doe", "gmail"):
+        assert secret not in out, out
+    assert m.residue(out) == []
+
+
+@pytest.mark.parametrize(
+    ("text", "secret"),
+    [
+        ("my pin is <b>4</b><b>8</b><b>2</b><b>1</b> please", "<b>8</b>"),
+        ("<tr><td>4</td> <td>8</td> <td>2</td> <td>1</td></tr> is my pin", "<td>2</td>"),
+        ('pin <span class="d">4</span>-<span class="d">8</span>-<span class="d">2</span>', ">8<"),
+    ],
+)
+def test_a_number_split_by_markup_tags_is_one_number(text, secret):
+    """A request can hold markup: digits each in their own tag were one-character tokens, which
+    masking never takes, and "<b>4</b><b>8</b><b>2</b><b>1</b>" left the client whole."""
+    m = masker(1.0)
+    out = m.mask(text).text
+    assert secret not in out, out
+    assert "[NUMBER]" in out, out
+    assert m.residue(out) == []
+    assert {r.kind for r in m.residue(text)} == {"NUMBER"}
