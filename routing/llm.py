@@ -177,7 +177,8 @@ class OpenAICompatibleLLM:
             )
         try:
             return str(response.json()["choices"][0]["message"]["content"] or "")
-        except (ValueError, KeyError, IndexError, TypeError):
+        except (ValueError, KeyError, IndexError, TypeError, RecursionError):
+            # RecursionError: JSON nested past Python's parser (a router's 500 before)
             raise LLMUnavailable(
                 f"LLM endpoint {url} answered something that is not a chat completion"
             ) from None

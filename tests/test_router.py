@@ -672,3 +672,25 @@ def test_int8_engine_embeds_a_list_as_it_embeds_each_text_alone():
     alone = np.stack([parallel.encode([t])[0] for t in texts])  # the two-thread session
     assert np.array_equal(parallel.encode(texts), alone)  # single-threaded calls, 3 at a time
 
+
+
+def _answering(body: bytes) -> OpenAICompatibleLLM:
+    """An OpenAI-compatible LLM whose endpoint answers every request with `body` (HTTP 200)."""
+    import httpx
+
+    llm = OpenAICompatibleLLM("http://llm.invalid", retries=0)
+    llm._client = httpx.Client(transport=httpx.MockTransport(
+        lambda request: httpx.Response(200, content=body, headers={"Content-Type": "application/json"})
+    ))
+    return llm
+
+
+def test_an_llm_answer_nested_too_deeply_falls_back_to_fusion(engine):
+    """An endpoint answering JSON nested past Python's parser (a broken proxy, a hostile
+    endpoint) raised RecursionError out of the router: a 500 from the routing API, a traceback
+    from `synapse-client route`, instead of the fallback every other garbled answer gets."""
+    llm = _answering(b"[" * 100_000 + b"]" * 100_000)
+    router = Router(_currency_compendium(False), engine, "llm", params=RoutingParams(), llm=llm)
+    decision = router.route("Convert 100 US dollars into euros")
+    assert decision.tool == "fx" and decision.reranker == "fusion"
+    assert "not a chat completion" in decision.fallback_reason
