@@ -175,13 +175,16 @@ class OpenAICompatibleLLM:
                 f"LLM endpoint {url} refused the request: HTTP {response.status_code} "
                 f"{response.text[:120]!r}"
             )
+        unreadable = f"LLM endpoint {url} answered something that is not a chat completion"
         try:
-            return str(response.json()["choices"][0]["message"]["content"] or "")
+            content = response.json()["choices"][0]["message"]["content"]
         except (ValueError, KeyError, IndexError, TypeError, RecursionError):
             # RecursionError: JSON nested past Python's parser (a router's 500 before)
-            raise LLMUnavailable(
-                f"LLM endpoint {url} answered something that is not a chat completion"
-            ) from None
+            raise LLMUnavailable(unreadable) from None
+        if content is not None and not isinstance(content, str):
+            # not text (an object's repr was read for its first digit before)
+            raise LLMUnavailable(unreadable)
+        return content or ""
 
     def _post(self, url: str, body: dict) -> httpx.Response:
         """The server's response, retried with backoff on timeouts, connection errors, 429 and

@@ -694,3 +694,17 @@ def test_an_llm_answer_nested_too_deeply_falls_back_to_fusion(engine):
     decision = router.route("Convert 100 US dollars into euros")
     assert decision.tool == "fx" and decision.reranker == "fusion"
     assert "not a chat completion" in decision.fallback_reason
+
+
+def test_an_llm_answer_whose_content_is_not_text_falls_back_to_fusion(engine):
+    """A chat completion's content is text. One that was an object or a list was turned into its
+    Python repr and its first digit read as the option: {"pick": [1, 2]} chose option 1."""
+    router = Router(_currency_compendium(False), engine, "llm", params=RoutingParams())
+    fusion = router.with_reranker("fusion").route("Convert 100 US dollars into euros")
+    for content in ({"pick": [1, 2]}, [3], 2):
+        body = json.dumps({"choices": [{"message": {"role": "assistant", "content": content}}]})
+        decision = router.with_reranker("llm", llm=_answering(body.encode())).route(
+            "Convert 100 US dollars into euros"
+        )
+        assert decision.reranker == "fusion" and decision.tool == fusion.tool, content
+        assert "not a chat completion" in decision.fallback_reason, content
