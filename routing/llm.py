@@ -56,7 +56,8 @@ def json_response_format(schema: dict) -> dict:
     return {"type": "json_object", "schema": schema}
 
 
-_NUMBER = re.compile(r"\b(\d{1,4})\b")
+# A number with its minus sign, if any ("-1": none of them, not option 1); "option-2" is 2.
+_NUMBER = re.compile(r"(?<!\w)([-\u2212]?)(\d{1,4})\b")
 
 
 def parse_choice(answer: str, n: int) -> Choice:
@@ -67,7 +68,7 @@ def parse_choice(answer: str, n: int) -> Choice:
     match = _NUMBER.search(text)
     if match is None:
         return Choice(None, answer, f"no option number in the answer {text[:80]!r}")
-    number = int(match.group(1))
+    number = int(match.group(2)) * (-1 if match.group(1) else 1)
     if not 1 <= number <= n:
         return Choice(None, answer, f"option {number} is not between 1 and {n}")
     return Choice(number - 1, answer)

@@ -708,3 +708,13 @@ def test_an_llm_answer_whose_content_is_not_text_falls_back_to_fusion(engine):
         )
         assert decision.reranker == "fusion" and decision.tool == fusion.tool, content
         assert "not a chat completion" in decision.fallback_reason, content
+
+
+def test_a_negative_llm_answer_is_no_option():
+    """"-1" (what models answer for "none of these") was read as option 1: the LLM's refusal
+    became its pick of the first scenario. A hyphen inside a word is no minus sign."""
+    for answer in ("-1", "Answer: -2", "−1"):
+        choice = parse_choice(answer, 3)
+        assert choice.index is None and "not between 1 and 3" in choice.reason, answer
+    assert parse_choice("option-2", 3).index == 1
+    assert parse_choice("2 - 3", 3).index == 1
