@@ -718,3 +718,52 @@ def test_a_negative_llm_answer_is_no_option():
         assert choice.index is None and "not between 1 and 3" in choice.reason, answer
     assert parse_choice("option-2", 3).index == 1
     assert parse_choice("2 - 3", 3).index == 1
+
+
+def test_route_command_ignores_a_pulled_head_damaged_in_any_way(tmp_path, capsys, engine, monkeypatch):
+    """A pulled head whose compressed bytes were damaged (zlib.error), whose stored parameters
+    were not a parameters object (TypeError, AttributeError), or whose arrays were not numbers
+    (a matmul's UFuncTypeError) or not finite (a NaN confidence) was a traceback, or a decision
+    of NaN, instead of the warning and the head fitted here that a file not a zip gets."""
+    import io
+    import zipfile
+
+    from compendium.client_api import head_file
+
+    path, parser = _route_command(tmp_path, monkeypatch, _currency_compendium(False))
+    args = parser.parse_args(["route", "Will it rain in Paris tomorrow?", "--compendium", str(path),
+                              "--json"])
+    assert args.func(args) == 0
+    without = json.loads(capsys.readouterr().out)
+    tools, dim = ["calc", "fx", "weather"], engine.dimension
+
+    def archive(**arrays):
+        buffer = io.BytesIO()
+        np.savez_compressed(buffer, **{"tools": np.array(tools),
+                                       "weights": np.zeros((3, dim), dtype=np.float32),
+                                       "bias": np.zeros(3, dtype=np.float32), **arrays})
+        return buffer.getvalue()
+
+    good = archive()
+    flipped = bytearray(good)
+    start = flipped.find(b"weights.npy") + 60
+    flipped[start:start + 60] = bytes(b ^ 0xFF for b in flipped[start:start + 60])
+    members = io.BytesIO()
+    with zipfile.ZipFile(members, "w") as z:
+        for name in ("tools.npy", "weights.npy", "bias.npy"):
+            z.writestr(name, b"not an array")
+    damaged = {
+        "flipped bytes": bytes(flipped),
+        "parameters of unknown weights": archive(params=np.array('{"weights": {"bogus": 1}}')),
+        "parameters not an object": archive(params=np.array("[1]")),
+        "tools not a list": archive(tools=np.array("calc")),
+        "weights not numbers": archive(weights=np.full((3, dim), "x")),
+        "weights not finite": archive(weights=np.full((3, dim), np.nan, dtype=np.float32)),
+        "members not arrays": members.getvalue(),
+    }
+    for why, data in damaged.items():
+        head_file(path).write_bytes(data)
+        assert args.func(args) == 0, why
+        out, err = capsys.readouterr()
+        assert json.loads(out) == without, why
+        assert f"ignoring {head_file(path)}" in err, why
