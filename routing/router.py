@@ -25,6 +25,7 @@ import copy
 import json
 import random
 import re
+import unicodedata
 import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field, replace
@@ -63,11 +64,18 @@ _SURROGATE = re.compile("[\ud800-\udfff]")
 
 
 def query_problem(query: str) -> str | None:
-    """What makes `query` unroutable, or None: an empty one, or one holding a lone surrogate
-    (a broken escape or a mis-decoded argument), which no tokenizer can read. The routing API
+    """What makes `query` unroutable, or None: an empty one (nothing but whitespace, control or
+    format characters), or one holding a lone surrogate (a broken escape or a mis-decoded
+    argument), which no tokenizer can read. The routing API
     and `synapse-client route` refuse both with this reason."""
     if not query.strip():
         return "is empty"
+    if all(c.isspace() or unicodedata.category(c) in ("Cc", "Cf") for c in query):
+        # NULs, escapes, zero-width characters: no text, yet routed as if it were some
+        return (
+            "is empty: it holds nothing but whitespace, control or format characters "
+            f"(U+{ord(query.strip()[0]):04X} first)"
+        )
     bad = _SURROGATE.search(query)
     if bad:
         return (

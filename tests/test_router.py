@@ -767,3 +767,10 @@ def test_route_command_ignores_a_pulled_head_damaged_in_any_way(tmp_path, capsys
         out, err = capsys.readouterr()
         assert json.loads(out) == without, why
         assert f"ignoring {head_file(path)}" in err, why
+
+
+def test_route_command_refuses_a_query_of_control_characters(tmp_path, monkeypatch):
+    path, parser = _route_command(tmp_path, monkeypatch, _currency_compendium(False))
+    args = parser.parse_args(["route", "\x1b\u200b", "--compendium", str(path)])
+    with pytest.raises(SystemExit, match="the query is empty: .*control or format"):
+        args.func(args)
