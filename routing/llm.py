@@ -187,6 +187,25 @@ class OpenAICompatibleLLM:
             raise LLMUnavailable(unreadable)
         return content or ""
 
+    def _attempt(self, url: str, body: dict) -> httpx.Response:
+        """One request, read whole within the timeout: httpx's timeout bounds each read, so an
+        endpoint sending its answer a byte at a time held the caller as long as it liked."""
+        limit = self._client.timeout.read
+        deadline = None if limit is None else time.monotonic() + limit
+        with self._client.stream("POST", url, json=body) as streamed:
+            parts = []
+            for part in streamed.iter_bytes():
+                parts.append(part)
+                if deadline is not None and time.monotonic() > deadline:
+                    raise httpx.ReadTimeout("the answer took longer than the timeout")
+            # the content as decoded: the headers that described its transfer no longer apply
+            transfer = {"content-encoding", "content-length", "transfer-encoding"}
+            headers = [(k, v) for k, v in streamed.headers.multi_items() if k not in transfer]
+            return httpx.Response(
+                streamed.status_code, headers=headers, content=b"".join(parts),
+                request=streamed.request,
+            )
+
     def _post(self, url: str, body: dict) -> httpx.Response:
         """The server's response, retried with backoff on timeouts, connection errors, 429 and
         5xx; LLMUnavailable when every attempt failed so (and, for `pause` seconds after,
@@ -199,7 +218,7 @@ class OpenAICompatibleLLM:
             if attempt:
                 time.sleep(self.backoff * 2 ** (attempt - 1))
             try:
-                response = self._client.post(url, json=body)
+                response = self._attempt(url, body)
             except httpx.TimeoutException:
                 last = f"no answer within {self._client.timeout.read}s"
                 continue

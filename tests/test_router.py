@@ -774,3 +774,51 @@ def test_route_command_refuses_a_query_of_control_characters(tmp_path, monkeypat
     args = parser.parse_args(["route", "\x1b\u200b", "--compendium", str(path)])
     with pytest.raises(SystemExit, match="the query is empty: .*control or format"):
         args.func(args)
+
+
+def test_an_llm_endpoint_that_trickles_its_answer_is_cut_off_at_the_timeout(engine):
+    """The timeout bounded each read, not the answer: an endpoint (or a proxy) sending its
+    answer a byte at a time, each within the timeout, held a routing request for as long as it
+    liked (20 s at a 1 s timeout here). An attempt now ends at the timeout, as one that sends
+    nothing does, and the decision falls back to fusion, saying why."""
+    import threading
+    import time
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    stop = threading.Event()
+
+    class Trickle(BaseHTTPRequestHandler):
+        def do_POST(self):  # noqa: N802
+            self.rfile.read(int(self.headers["Content-Length"]))
+            body = json.dumps({"choices": [{"message": {"content": "1"}}]}).encode()
+            self.send_response(200)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            try:
+                for byte in body:
+                    if stop.wait(0.2):
+                        return
+                    self.wfile.write(bytes([byte]))
+                    self.wfile.flush()
+            except OSError:  # the client gave up
+                pass
+
+        def log_message(self, *args):
+            pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Trickle)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        llm = OpenAICompatibleLLM(f"http://127.0.0.1:{server.server_address[1]}", retries=0,
+                                  timeout=1.0)
+        router = Router(_currency_compendium(False), engine, "llm", params=RoutingParams(), llm=llm)
+        started = time.monotonic()
+        decision = router.route("Convert 100 US dollars into euros")
+        assert time.monotonic() - started < 3.0
+        assert decision.reranker == "fusion" and decision.tool == "fx"
+        assert "no answer within 1.0s" in decision.fallback_reason
+    finally:
+        stop.set()
+        server.shutdown()
+        server.server_close()
