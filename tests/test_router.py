@@ -822,3 +822,29 @@ def test_an_llm_endpoint_that_trickles_its_answer_is_cut_off_at_the_timeout(engi
         stop.set()
         server.shutdown()
         server.server_close()
+
+
+def test_route_command_refuses_a_global_without_scenarios_when_its_head_cannot_be_used(
+    tmp_path, capsys, engine, monkeypatch
+):
+    """A global of no scenario routes by its published head alone; when that head was damaged,
+    or --no-linear-head set it aside, there was nothing to route with, yet the command printed
+    "tool: None" and exited 0, as if that were a decision."""
+    from compendium.client_api import head_file
+
+    empty = _currency_compendium(False).model_copy(update={"scenarios": [], "precautions": []})
+    path, parser = _route_command(tmp_path, monkeypatch, empty)
+    head_file(path).write_bytes(b"broken")
+    args = parser.parse_args(["route", "What is 2 + 2?", "--compendium", str(path)])
+    with pytest.raises(SystemExit, match="has no scenarios to route against, and the head pulled "
+                                         "with it cannot be used"):
+        args.func(args)
+    tools = ["calc", "fx", "weather"]
+    sure = LinearHead(tools, np.zeros((3, engine.dimension), dtype=np.float32),
+                      np.array([60.0, 0.0, 0.0], dtype=np.float32))
+    head_file(path).write_bytes(sure.to_bytes())
+    args = parser.parse_args(["route", "What is 2 + 2?", "--compendium", str(path),
+                              "--no-linear-head"])
+    with pytest.raises(SystemExit, match="has no scenarios to route against, and --no-linear-head"):
+        args.func(args)
+    capsys.readouterr()
