@@ -267,6 +267,9 @@ class LinearHead:
         import zipfile
         import zlib
 
+        if not zipfile.is_zipfile(io.BytesIO(bytes(data))):
+            # not numpy's words, which advise loading such bytes as a pickle, unsafely
+            raise ValueError("not an .npz archive")
         try:
             with np.load(io.BytesIO(bytes(data)), allow_pickle=False) as npz:
                 tools, weights, bias = npz["tools"], npz["weights"], npz["bias"]

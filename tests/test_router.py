@@ -848,3 +848,18 @@ def test_route_command_refuses_a_global_without_scenarios_when_its_head_cannot_b
     with pytest.raises(SystemExit, match="has no scenarios to route against, and --no-linear-head"):
         args.func(args)
     capsys.readouterr()
+
+
+def test_a_pulled_head_that_is_not_an_archive_is_not_offered_as_a_pickle(tmp_path, capsys, engine,
+                                                                          monkeypatch):
+    """numpy's own words for bytes that are not an .npz were its advice to load the file as a
+    pickle, unsafely ("If you trust the file you can load it unsafely using allow_pickle="),
+    which the warning passed on about a file pulled from a server."""
+    from compendium.client_api import head_file
+
+    path, parser = _route_command(tmp_path, monkeypatch, _currency_compendium(False))
+    head_file(path).write_bytes(b"not a head at all")
+    args = parser.parse_args(["route", "Will it rain in Paris tomorrow?", "--compendium", str(path)])
+    assert args.func(args) == 0
+    err = capsys.readouterr().err
+    assert "not an .npz archive" in err and "pickle" not in err, err
