@@ -734,3 +734,16 @@ def test_rate_limit_windows_and_callers(db):
     assert services.caller_key(SimpleNamespace(token=SimpleNamespace(pk=7))) == "routing-token:7"
     assert services.caller_key(SimpleNamespace(client=SimpleNamespace(pk=8))) == "client:8"
     assert services.caller_key(SimpleNamespace(pk=9)) == "user:9"
+
+
+def test_the_api_document_gives_top_k_its_range():
+    """top_k is 1 to 50 (a 51 is a 400), but the API document gave it no maximum: a client
+    generated from it, or checked against it, sent 51 as valid."""
+    from drf_spectacular.generators import SchemaGenerator
+
+    schemas = SchemaGenerator().get_schema(request=None, public=True)["components"]["schemas"]
+    for name in ("RouteRequest", "RouteBatchRequest"):
+        top_k = schemas[name]["properties"]["top_k"]
+        assert (top_k["minimum"], top_k.get("maximum")) == (1, 50), name
+    with pytest.raises(services.RoutingInputError, match="between 1 and 50"):
+        services.validate_top_k(51)
