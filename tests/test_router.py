@@ -863,3 +863,21 @@ def test_a_pulled_head_that_is_not_an_archive_is_not_offered_as_a_pickle(tmp_pat
     assert args.func(args) == 0
     err = capsys.readouterr().err
     assert "not an .npz archive" in err and "pickle" not in err, err
+
+
+def test_route_command_ignores_a_pulled_router_whose_manifest_nests_too_deeply(
+    tmp_path, capsys, engine, monkeypatch
+):
+    """A damaged COMPENDIUM.router/ is ignored with a warning, the frozen model routing; a
+    manifest nested past Python's JSON parser was a RecursionError traceback instead."""
+    from compendium.client_api import router_dir
+    from routing.finetune import ROUTER_MANIFEST
+
+    path, parser = _route_command(tmp_path, monkeypatch, _currency_compendium(False))
+    args = parser.parse_args(["route", "Will it rain in Paris tomorrow?", "--compendium", str(path)])
+    folder = router_dir(path)
+    folder.mkdir()
+    (folder / ROUTER_MANIFEST).write_text("[" * 100_000 + "]" * 100_000, encoding="utf-8")
+    assert args.func(args) == 0
+    out, err = capsys.readouterr()
+    assert out.startswith("tool: weather") and "ignoring the tuned router" in err
