@@ -137,6 +137,11 @@ class OpenAICompatibleLLM:
         self.pause = pause
         self._down: tuple[float, str] | None = None  # (until when, why) on `_clock`
         self._clock = time.monotonic
+        if api_key and not api_key.isascii():  # httpx's UnicodeEncodeError, a traceback before
+            raise LLMUnavailable(
+                "the LLM API key (SYNAPSE_LLM_API_KEY) holds a character other than ASCII, which "
+                "an HTTP header cannot carry: check that it was copied whole and alone"
+            )
         headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self._client = httpx.Client(timeout=timeout, headers=headers)
         # Why the endpoint refused `response_format` (then never sent again), or "" while it

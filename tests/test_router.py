@@ -881,3 +881,17 @@ def test_route_command_ignores_a_pulled_router_whose_manifest_nests_too_deeply(
     assert args.func(args) == 0
     out, err = capsys.readouterr()
     assert out.startswith("tool: weather") and "ignoring the tuned router" in err
+
+
+def test_route_command_says_which_llm_api_key_cannot_be_sent(tmp_path, monkeypatch):
+    """An API key an HTTP header cannot carry (pasted with a non-ASCII character) was a
+    UnicodeEncodeError traceback from `synapse-client route --reranker llm`; it is one line
+    naming the setting, without the key."""
+    path, parser = _route_command(tmp_path, monkeypatch, _currency_compendium(False))
+    monkeypatch.setenv("SYNAPSE_LLM_API_KEY", "sk-ключ")
+    args = parser.parse_args(["route", "Will it rain?", "--compendium", str(path), "--reranker",
+                              "llm", "--llm-url", "http://127.0.0.1:9"])
+    with pytest.raises(SystemExit) as exit_:
+        args.func(args)
+    message = str(exit_.value.code)
+    assert "SYNAPSE_LLM_API_KEY" in message and "ключ" not in message and "\n" not in message
