@@ -117,7 +117,7 @@ _DECISION = inline_serializer(
 )
 _ERROR = inline_serializer("RouteError", {"detail": serializers.CharField()})
 _OPTIONS = {
-    "top_k": serializers.IntegerField(required=False, min_value=1),
+    "top_k": serializers.IntegerField(required=False, min_value=1, max_value=services.MAX_TOP_K),
     "reranker": serializers.ChoiceField(choices=["fusion", "none", "llm"], required=False),
 }
 

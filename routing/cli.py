@@ -316,6 +316,14 @@ def cmd_route(args: argparse.Namespace) -> int:
         )
     except (EmbeddingModelUnavailable, LLMUnavailable) as exc:
         raise SystemExit(f"synapse-client: {exc}") from None
+    if not compendium.scenarios and router.head is None:  # nothing to route with: no decision
+        why = (
+            "--no-linear-head sets aside the head pulled with it" if args.no_linear_head
+            else "the head pulled with it cannot be used (see the warning above); pull again"
+        )
+        raise SystemExit(
+            f"synapse-client: {args.compendium} has no scenarios to route against, and {why}"
+        )
     decision = router.route(args.query, args.top_k)
     if args.json:  # "tuned_router" as in the routing API's answers
         print(json.dumps({**decision.as_dict(), "tuned_router": tuned is not None}, indent=2))

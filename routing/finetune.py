@@ -328,7 +328,7 @@ def read_manifest(directory: str | Path) -> dict | None:
     cannot be read."""
     try:
         manifest = json.loads((Path(directory) / ROUTER_MANIFEST).read_text(encoding="utf-8"))
-    except (OSError, ValueError):
+    except (OSError, ValueError, RecursionError):  # RecursionError: nested past the parser
         return None
     return manifest if isinstance(manifest, dict) else None
 

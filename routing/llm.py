@@ -56,7 +56,8 @@ def json_response_format(schema: dict) -> dict:
     return {"type": "json_object", "schema": schema}
 
 
-_NUMBER = re.compile(r"\b(\d{1,4})\b")
+# A number with its minus sign, if any ("-1": none of them, not option 1); "option-2" is 2.
+_NUMBER = re.compile(r"(?<!\w)([-\u2212]?)(\d{1,4})\b")
 
 
 def parse_choice(answer: str, n: int) -> Choice:
@@ -67,7 +68,7 @@ def parse_choice(answer: str, n: int) -> Choice:
     match = _NUMBER.search(text)
     if match is None:
         return Choice(None, answer, f"no option number in the answer {text[:80]!r}")
-    number = int(match.group(1))
+    number = int(match.group(2)) * (-1 if match.group(1) else 1)
     if not 1 <= number <= n:
         return Choice(None, answer, f"option {number} is not between 1 and {n}")
     return Choice(number - 1, answer)
@@ -136,6 +137,11 @@ class OpenAICompatibleLLM:
         self.pause = pause
         self._down: tuple[float, str] | None = None  # (until when, why) on `_clock`
         self._clock = time.monotonic
+        if api_key and not api_key.isascii():  # httpx's UnicodeEncodeError, a traceback before
+            raise LLMUnavailable(
+                "the LLM API key (SYNAPSE_LLM_API_KEY) holds a character other than ASCII, which "
+                "an HTTP header cannot carry: check that it was copied whole and alone"
+            )
         headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self._client = httpx.Client(timeout=timeout, headers=headers)
         # Why the endpoint refused `response_format` (then never sent again), or "" while it
@@ -175,12 +181,35 @@ class OpenAICompatibleLLM:
                 f"LLM endpoint {url} refused the request: HTTP {response.status_code} "
                 f"{response.text[:120]!r}"
             )
+        unreadable = f"LLM endpoint {url} answered something that is not a chat completion"
         try:
-            return str(response.json()["choices"][0]["message"]["content"] or "")
-        except (ValueError, KeyError, IndexError, TypeError):
-            raise LLMUnavailable(
-                f"LLM endpoint {url} answered something that is not a chat completion"
-            ) from None
+            content = response.json()["choices"][0]["message"]["content"]
+        except (ValueError, KeyError, IndexError, TypeError, RecursionError):
+            # RecursionError: JSON nested past Python's parser (a router's 500 before)
+            raise LLMUnavailable(unreadable) from None
+        if content is not None and not isinstance(content, str):
+            # not text (an object's repr was read for its first digit before)
+            raise LLMUnavailable(unreadable)
+        return content or ""
+
+    def _attempt(self, url: str, body: dict) -> httpx.Response:
+        """One request, read whole within the timeout: httpx's timeout bounds each read, so an
+        endpoint sending its answer a byte at a time held the caller as long as it liked."""
+        limit = self._client.timeout.read
+        deadline = None if limit is None else time.monotonic() + limit
+        with self._client.stream("POST", url, json=body) as streamed:
+            parts = []
+            for part in streamed.iter_bytes():
+                parts.append(part)
+                if deadline is not None and time.monotonic() > deadline:
+                    raise httpx.ReadTimeout("the answer took longer than the timeout")
+            # the content as decoded: the headers that described its transfer no longer apply
+            transfer = {"content-encoding", "content-length", "transfer-encoding"}
+            headers = [(k, v) for k, v in streamed.headers.multi_items() if k not in transfer]
+            return httpx.Response(
+                streamed.status_code, headers=headers, content=b"".join(parts),
+                request=streamed.request,
+            )
 
     def _post(self, url: str, body: dict) -> httpx.Response:
         """The server's response, retried with backoff on timeouts, connection errors, 429 and
@@ -194,7 +223,7 @@ class OpenAICompatibleLLM:
             if attempt:
                 time.sleep(self.backoff * 2 ** (attempt - 1))
             try:
-                response = self._client.post(url, json=body)
+                response = self._attempt(url, body)
             except httpx.TimeoutException:
                 last = f"no answer within {self._client.timeout.read}s"
                 continue

@@ -25,6 +25,7 @@ import copy
 import json
 import random
 import re
+import unicodedata
 import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field, replace
@@ -63,11 +64,18 @@ _SURROGATE = re.compile("[\ud800-\udfff]")
 
 
 def query_problem(query: str) -> str | None:
-    """What makes `query` unroutable, or None: an empty one, or one holding a lone surrogate
-    (a broken escape or a mis-decoded argument), which no tokenizer can read. The routing API
+    """What makes `query` unroutable, or None: an empty one (nothing but whitespace, control or
+    format characters), or one holding a lone surrogate (a broken escape or a mis-decoded
+    argument), which no tokenizer can read. The routing API
     and `synapse-client route` refuse both with this reason."""
     if not query.strip():
         return "is empty"
+    if all(c.isspace() or unicodedata.category(c) in ("Cc", "Cf") for c in query):
+        # NULs, escapes, zero-width characters: no text, yet routed as if it were some
+        return (
+            "is empty: it holds nothing but whitespace, control or format characters "
+            f"(U+{ord(query.strip()[0]):04X} first)"
+        )
     bad = _SURROGATE.search(query)
     if bad:
         return (
@@ -252,15 +260,44 @@ class LinearHead:
 
     @classmethod
     def from_bytes(cls, data: bytes) -> LinearHead:
+        """The head `to_bytes` wrote; ValueError saying why for anything else (a damaged or
+        foreign archive), so that no reader of a head file meets another exception, nor a head
+        that fails, or answers NaN, at its first route."""
         import io
+        import zipfile
+        import zlib
 
-        with np.load(io.BytesIO(bytes(data)), allow_pickle=False) as npz:
-            params = (
-                RoutingParams.from_dict(json.loads(str(npz["params"])))
-                if "params" in npz.files
-                else None
+        if not zipfile.is_zipfile(io.BytesIO(bytes(data))):
+            # not numpy's words, which advise loading such bytes as a pickle, unsafely
+            raise ValueError("not an .npz archive")
+        try:
+            with np.load(io.BytesIO(bytes(data)), allow_pickle=False) as npz:
+                tools, weights, bias = npz["tools"], npz["weights"], npz["bias"]
+                doc = json.loads(str(npz["params"])) if "params" in npz.files else None
+        except (OSError, KeyError, EOFError, zipfile.BadZipFile, zlib.error, RecursionError) as exc:
+            raise ValueError(f"not a routing head archive: {exc.__class__.__name__}: {exc}") from None
+        arrays = (tools, weights, bias)
+        if not all(isinstance(a, np.ndarray) for a in arrays) or tools.ndim != 1 or (
+            tools.dtype.kind != "U" and tools.size
+        ):
+            raise ValueError("not a routing head: its tools are not a list of names")
+        n = len(tools)
+        if weights.ndim != 2 or weights.shape[0] != n or bias.shape != (n,):
+            raise ValueError(
+                f"not a routing head: weights {weights.shape} and bias {bias.shape} do not fit "
+                f"{n} tools"
             )
-            return cls([str(t) for t in npz["tools"]], npz["weights"], npz["bias"], params)
+        if weights.dtype.kind != "f" or bias.dtype.kind != "f" or not (
+            np.isfinite(weights).all() and np.isfinite(bias).all()
+        ):
+            raise ValueError("not a routing head: its weights are not all finite numbers")
+        if doc is not None and not isinstance(doc, dict):
+            raise ValueError("not a routing head: its parameters are not a JSON object")
+        try:
+            params = RoutingParams.from_dict(doc) if doc is not None else None
+        except (TypeError, AttributeError) as exc:  # ValueError passes as it is
+            raise ValueError(f"not a routing head: its parameters: {exc}") from None
+        return cls([str(t) for t in tools], weights, bias, params)
 
 
 HEAD_C = 10.0  # inverse L2 strength of the head, for unit-norm sentence embeddings

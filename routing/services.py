@@ -143,11 +143,14 @@ def validate_query(query, where: str = "query") -> str:
     return query
 
 
+MAX_TOP_K = 50  # candidates a request may ask to be shown (the API document says so)
+
+
 def validate_top_k(top_k) -> int:
     if top_k is None:
         return 5
-    if isinstance(top_k, bool) or not isinstance(top_k, int) or not 1 <= top_k <= 50:
-        raise RoutingInputError("top_k must be an integer between 1 and 50")
+    if isinstance(top_k, bool) or not isinstance(top_k, int) or not 1 <= top_k <= MAX_TOP_K:
+        raise RoutingInputError(f"top_k must be an integer between 1 and {MAX_TOP_K}")
     return top_k
 
 

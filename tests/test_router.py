@@ -672,3 +672,226 @@ def test_int8_engine_embeds_a_list_as_it_embeds_each_text_alone():
     alone = np.stack([parallel.encode([t])[0] for t in texts])  # the two-thread session
     assert np.array_equal(parallel.encode(texts), alone)  # single-threaded calls, 3 at a time
 
+
+
+def _answering(body: bytes) -> OpenAICompatibleLLM:
+    """An OpenAI-compatible LLM whose endpoint answers every request with `body` (HTTP 200)."""
+    import httpx
+
+    llm = OpenAICompatibleLLM("http://llm.invalid", retries=0)
+    llm._client = httpx.Client(transport=httpx.MockTransport(
+        lambda request: httpx.Response(200, content=body, headers={"Content-Type": "application/json"})
+    ))
+    return llm
+
+
+def test_an_llm_answer_nested_too_deeply_falls_back_to_fusion(engine):
+    """An endpoint answering JSON nested past Python's parser (a broken proxy, a hostile
+    endpoint) raised RecursionError out of the router: a 500 from the routing API, a traceback
+    from `synapse-client route`, instead of the fallback every other garbled answer gets."""
+    llm = _answering(b"[" * 100_000 + b"]" * 100_000)
+    router = Router(_currency_compendium(False), engine, "llm", params=RoutingParams(), llm=llm)
+    decision = router.route("Convert 100 US dollars into euros")
+    assert decision.tool == "fx" and decision.reranker == "fusion"
+    assert "not a chat completion" in decision.fallback_reason
+
+
+def test_an_llm_answer_whose_content_is_not_text_falls_back_to_fusion(engine):
+    """A chat completion's content is text. One that was an object or a list was turned into its
+    Python repr and its first digit read as the option: {"pick": [1, 2]} chose option 1."""
+    router = Router(_currency_compendium(False), engine, "llm", params=RoutingParams())
+    fusion = router.with_reranker("fusion").route("Convert 100 US dollars into euros")
+    for content in ({"pick": [1, 2]}, [3], 2):
+        body = json.dumps({"choices": [{"message": {"role": "assistant", "content": content}}]})
+        decision = router.with_reranker("llm", llm=_answering(body.encode())).route(
+            "Convert 100 US dollars into euros"
+        )
+        assert decision.reranker == "fusion" and decision.tool == fusion.tool, content
+        assert "not a chat completion" in decision.fallback_reason, content
+
+
+def test_a_negative_llm_answer_is_no_option():
+    """"-1" (what models answer for "none of these") was read as option 1: the LLM's refusal
+    became its pick of the first scenario. A hyphen inside a word is no minus sign."""
+    for answer in ("-1", "Answer: -2", "−1"):
+        choice = parse_choice(answer, 3)
+        assert choice.index is None and "not between 1 and 3" in choice.reason, answer
+    assert parse_choice("option-2", 3).index == 1
+    assert parse_choice("2 - 3", 3).index == 1
+
+
+def test_route_command_ignores_a_pulled_head_damaged_in_any_way(tmp_path, capsys, engine, monkeypatch):
+    """A pulled head whose compressed bytes were damaged (zlib.error), whose stored parameters
+    were not a parameters object (TypeError, AttributeError), or whose arrays were not numbers
+    (a matmul's UFuncTypeError) or not finite (a NaN confidence) was a traceback, or a decision
+    of NaN, instead of the warning and the head fitted here that a file not a zip gets."""
+    import io
+    import zipfile
+
+    from compendium.client_api import head_file
+
+    path, parser = _route_command(tmp_path, monkeypatch, _currency_compendium(False))
+    args = parser.parse_args(["route", "Will it rain in Paris tomorrow?", "--compendium", str(path),
+                              "--json"])
+    assert args.func(args) == 0
+    without = json.loads(capsys.readouterr().out)
+    tools, dim = ["calc", "fx", "weather"], engine.dimension
+
+    def archive(**arrays):
+        buffer = io.BytesIO()
+        np.savez_compressed(buffer, **{"tools": np.array(tools),
+                                       "weights": np.zeros((3, dim), dtype=np.float32),
+                                       "bias": np.zeros(3, dtype=np.float32), **arrays})
+        return buffer.getvalue()
+
+    good = archive()
+    flipped = bytearray(good)
+    start = flipped.find(b"weights.npy") + 60
+    flipped[start:start + 60] = bytes(b ^ 0xFF for b in flipped[start:start + 60])
+    members = io.BytesIO()
+    with zipfile.ZipFile(members, "w") as z:
+        for name in ("tools.npy", "weights.npy", "bias.npy"):
+            z.writestr(name, b"not an array")
+    damaged = {
+        "flipped bytes": bytes(flipped),
+        "parameters of unknown weights": archive(params=np.array('{"weights": {"bogus": 1}}')),
+        "parameters not an object": archive(params=np.array("[1]")),
+        "tools not a list": archive(tools=np.array("calc")),
+        "weights not numbers": archive(weights=np.full((3, dim), "x")),
+        "weights not finite": archive(weights=np.full((3, dim), np.nan, dtype=np.float32)),
+        "members not arrays": members.getvalue(),
+    }
+    for why, data in damaged.items():
+        head_file(path).write_bytes(data)
+        assert args.func(args) == 0, why
+        out, err = capsys.readouterr()
+        assert json.loads(out) == without, why
+        assert f"ignoring {head_file(path)}" in err, why
+
+
+def test_route_command_refuses_a_query_of_control_characters(tmp_path, monkeypatch):
+    path, parser = _route_command(tmp_path, monkeypatch, _currency_compendium(False))
+    args = parser.parse_args(["route", "\x1b\u200b", "--compendium", str(path)])
+    with pytest.raises(SystemExit, match="the query is empty: .*control or format"):
+        args.func(args)
+
+
+def test_an_llm_endpoint_that_trickles_its_answer_is_cut_off_at_the_timeout(engine):
+    """The timeout bounded each read, not the answer: an endpoint (or a proxy) sending its
+    answer a byte at a time, each within the timeout, held a routing request for as long as it
+    liked (20 s at a 1 s timeout here). An attempt now ends at the timeout, as one that sends
+    nothing does, and the decision falls back to fusion, saying why."""
+    import threading
+    import time
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    stop = threading.Event()
+
+    class Trickle(BaseHTTPRequestHandler):
+        def do_POST(self):  # noqa: N802
+            self.rfile.read(int(self.headers["Content-Length"]))
+            body = json.dumps({"choices": [{"message": {"content": "1"}}]}).encode()
+            self.send_response(200)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            try:
+                for byte in body:
+                    if stop.wait(0.2):
+                        return
+                    self.wfile.write(bytes([byte]))
+                    self.wfile.flush()
+            except OSError:  # the client gave up
+                pass
+
+        def log_message(self, *args):
+            pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Trickle)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        llm = OpenAICompatibleLLM(f"http://127.0.0.1:{server.server_address[1]}", retries=0,
+                                  timeout=1.0)
+        router = Router(_currency_compendium(False), engine, "llm", params=RoutingParams(), llm=llm)
+        started = time.monotonic()
+        decision = router.route("Convert 100 US dollars into euros")
+        assert time.monotonic() - started < 3.0
+        assert decision.reranker == "fusion" and decision.tool == "fx"
+        assert "no answer within 1.0s" in decision.fallback_reason
+    finally:
+        stop.set()
+        server.shutdown()
+        server.server_close()
+
+
+def test_route_command_refuses_a_global_without_scenarios_when_its_head_cannot_be_used(
+    tmp_path, capsys, engine, monkeypatch
+):
+    """A global of no scenario routes by its published head alone; when that head was damaged,
+    or --no-linear-head set it aside, there was nothing to route with, yet the command printed
+    "tool: None" and exited 0, as if that were a decision."""
+    from compendium.client_api import head_file
+
+    empty = _currency_compendium(False).model_copy(update={"scenarios": [], "precautions": []})
+    path, parser = _route_command(tmp_path, monkeypatch, empty)
+    head_file(path).write_bytes(b"broken")
+    args = parser.parse_args(["route", "What is 2 + 2?", "--compendium", str(path)])
+    with pytest.raises(SystemExit, match="has no scenarios to route against, and the head pulled "
+                                         "with it cannot be used"):
+        args.func(args)
+    tools = ["calc", "fx", "weather"]
+    sure = LinearHead(tools, np.zeros((3, engine.dimension), dtype=np.float32),
+                      np.array([60.0, 0.0, 0.0], dtype=np.float32))
+    head_file(path).write_bytes(sure.to_bytes())
+    args = parser.parse_args(["route", "What is 2 + 2?", "--compendium", str(path),
+                              "--no-linear-head"])
+    with pytest.raises(SystemExit, match="has no scenarios to route against, and --no-linear-head"):
+        args.func(args)
+    capsys.readouterr()
+
+
+def test_a_pulled_head_that_is_not_an_archive_is_not_offered_as_a_pickle(tmp_path, capsys, engine,
+                                                                          monkeypatch):
+    """numpy's own words for bytes that are not an .npz were its advice to load the file as a
+    pickle, unsafely ("If you trust the file you can load it unsafely using allow_pickle="),
+    which the warning passed on about a file pulled from a server."""
+    from compendium.client_api import head_file
+
+    path, parser = _route_command(tmp_path, monkeypatch, _currency_compendium(False))
+    head_file(path).write_bytes(b"not a head at all")
+    args = parser.parse_args(["route", "Will it rain in Paris tomorrow?", "--compendium", str(path)])
+    assert args.func(args) == 0
+    err = capsys.readouterr().err
+    assert "not an .npz archive" in err and "pickle" not in err, err
+
+
+def test_route_command_ignores_a_pulled_router_whose_manifest_nests_too_deeply(
+    tmp_path, capsys, engine, monkeypatch
+):
+    """A damaged COMPENDIUM.router/ is ignored with a warning, the frozen model routing; a
+    manifest nested past Python's JSON parser was a RecursionError traceback instead."""
+    from compendium.client_api import router_dir
+    from routing.finetune import ROUTER_MANIFEST
+
+    path, parser = _route_command(tmp_path, monkeypatch, _currency_compendium(False))
+    args = parser.parse_args(["route", "Will it rain in Paris tomorrow?", "--compendium", str(path)])
+    folder = router_dir(path)
+    folder.mkdir()
+    (folder / ROUTER_MANIFEST).write_text("[" * 100_000 + "]" * 100_000, encoding="utf-8")
+    assert args.func(args) == 0
+    out, err = capsys.readouterr()
+    assert out.startswith("tool: weather") and "ignoring the tuned router" in err
+
+
+def test_route_command_says_which_llm_api_key_cannot_be_sent(tmp_path, monkeypatch):
+    """An API key an HTTP header cannot carry (pasted with a non-ASCII character) was a
+    UnicodeEncodeError traceback from `synapse-client route --reranker llm`; it is one line
+    naming the setting, without the key."""
+    path, parser = _route_command(tmp_path, monkeypatch, _currency_compendium(False))
+    monkeypatch.setenv("SYNAPSE_LLM_API_KEY", "sk-ключ")
+    args = parser.parse_args(["route", "Will it rain?", "--compendium", str(path), "--reranker",
+                              "llm", "--llm-url", "http://127.0.0.1:9"])
+    with pytest.raises(SystemExit) as exit_:
+        args.func(args)
+    message = str(exit_.value.code)
+    assert "SYNAPSE_LLM_API_KEY" in message and "ключ" not in message and "\n" not in message

@@ -442,6 +442,24 @@ def test_route_api_bad_input_is_400_naming_the_problem(data, api, settings):
     assert response.status_code == 400 and "too many queries" in response.json()["detail"]
 
 
+def test_a_query_of_nothing_but_control_or_format_characters_is_empty(data, api):
+    """A query of NULs, other control characters or zero-width ones holds no text, like one of
+    spaces (400 "is empty"); it was routed, to whichever tool the empty string lies nearest
+    (the same tool for each), as a decision like any other."""
+    http, raw, _ = api
+    _publish(data, with_client_copy=False)
+    for query in ("\x00", "\x00\x01 \x7f\n", "\u200b\ufeff", "\u200d \x1b"):
+        response = _post(http, "/api/v1/route/", {"query": query}, raw)
+        assert response.status_code == 400, (query, response.content)
+        detail = response.json()["detail"]
+        assert detail.startswith("query is empty: ") and "control or format" in detail, detail
+        batch = _post(http, "/api/v1/route/batch/", {"queries": [data["queries"][0], query]}, raw)
+        assert batch.status_code == 400 and batch.json()["detail"].startswith("queries[1] is empty")
+    # text around such characters is routed as before
+    for query in ("\x00hello\x00", "\u200bweather in Paris", "😀"):
+        assert _post(http, "/api/v1/route/", {"query": query}, raw).status_code == 200, query
+
+
 def test_route_api_refuses_unknown_fields_naming_them(data, api):
     # A misspelt option was routed without it, in silence: {"topk": 1} answered five candidates.
     http, raw, _ = api
@@ -716,3 +734,16 @@ def test_rate_limit_windows_and_callers(db):
     assert services.caller_key(SimpleNamespace(token=SimpleNamespace(pk=7))) == "routing-token:7"
     assert services.caller_key(SimpleNamespace(client=SimpleNamespace(pk=8))) == "client:8"
     assert services.caller_key(SimpleNamespace(pk=9)) == "user:9"
+
+
+def test_the_api_document_gives_top_k_its_range():
+    """top_k is 1 to 50 (a 51 is a 400), but the API document gave it no maximum: a client
+    generated from it, or checked against it, sent 51 as valid."""
+    from drf_spectacular.generators import SchemaGenerator
+
+    schemas = SchemaGenerator().get_schema(request=None, public=True)["components"]["schemas"]
+    for name in ("RouteRequest", "RouteBatchRequest"):
+        top_k = schemas[name]["properties"]["top_k"]
+        assert (top_k["minimum"], top_k.get("maximum")) == (1, 50), name
+    with pytest.raises(services.RoutingInputError, match="between 1 and 50"):
+        services.validate_top_k(51)
