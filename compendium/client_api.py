@@ -933,25 +933,14 @@ def head_file(compendium_path: Path) -> Path:
 
 
 def _head_problem(data: bytes) -> str | None:
-    """Why `data` is not a routing head archive (arrays tools, weights, bias), or None."""
-    import io
-    import zipfile
+    """Why `data` is not a routing head the router can use, or None: the router's own check
+    (`LinearHead.from_bytes`), so that what `pull` saves is what `route` reads."""
+    from routing.router import LinearHead
 
-    import numpy as np
-
-    if not zipfile.is_zipfile(io.BytesIO(data)):
-        # what np.load says of other bytes is its advice to load them as a pickle, unsafely
-        return "not an .npz archive"
     try:
-        with np.load(io.BytesIO(data), allow_pickle=False) as npz:
-            missing = {"tools", "weights", "bias"} - set(npz.files)
-            if missing:
-                return "no " + ", ".join(sorted(missing))
-            tools, weights, bias = npz["tools"], npz["weights"], npz["bias"]
-    except (OSError, ValueError, zipfile.BadZipFile) as exc:
-        return f"not an .npz archive: {exc}"
-    if weights.ndim != 2 or weights.shape[0] != len(tools) or bias.shape != (len(tools),):
-        return f"weights {weights.shape} and bias {bias.shape} do not fit {len(tools)} tools"
+        LinearHead.from_bytes(data)
+    except ValueError as exc:
+        return str(exc)
     return None
 
 

@@ -11,6 +11,7 @@ lost in real networks.
 from __future__ import annotations
 
 import gzip
+import io
 import json
 import socket
 import threading
@@ -597,6 +598,17 @@ def test_pull_saves_the_routing_head_beside_the_global(server, tmp_path, capsys)
     err = capsys.readouterr().err
     assert "routing head is unusable (not an .npz archive); not saved" in err
     assert "pickle" not in err  # numpy's advice to load a file of the server's unsafely
+    assert not head_file(out).exists()
+    # Found by review: pull checked a head less than the router reads one: an archive with NaN
+    # weights, or not a head's arrays (text for weights), was saved, and every route then set it
+    # aside with a warning. It is refused as the router refuses it, and nothing is written.
+    buffer = io.BytesIO()
+    np.savez_compressed(buffer, tools=np.array(head.tools), bias=head.bias,
+                        weights=np.full_like(head.weights, np.nan))
+    state.heads[4] = buffer.getvalue()
+    assert main(args) == 0
+    err = capsys.readouterr().err
+    assert "routing head is unusable (" in err and "not saved" in err, err
     assert not head_file(out).exists()
     # A newer global without a head: the old head goes, it belongs to another compendium.
     state.heads[4] = head.to_bytes()
