@@ -223,10 +223,13 @@ def _conflict_source(round_: Round, organization) -> Round | None:
     """The round whose conflict log of this edge (the server's when `organization` is None) the
     merge of `round_` reads (`_previous_conflicts`): the latest published round before `round_`
     that it merged in. Not simply the round before: an organization that sat a round out, or a
-    round that failed, would otherwise lose the log (and the reviewers' decisions) for good."""
+    round that failed, would otherwise lose the log (and the reviewers' decisions) for good. A
+    merge that accepted no source (every submission rejected, or erased since) published nothing
+    of the precautions it composed, so the log it read is still the one to read."""
     record = (
         MergeRecord.objects.filter(round__number__lt=round_.number,
                                    round__state=Round.State.PUBLISHED, organization=organization)
+        .exclude(stats__contains={"accepted": 0})
         .select_related("round")
         .order_by("-round__number")
         .first()
