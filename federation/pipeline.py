@@ -371,10 +371,11 @@ def run_edge_merge(
     erasure's re-materialization or a replay, which any state allows).
 
     A replay whose edge comes out the same (sha256 and sources) keeps the stored edge row, so a
-    server merge that read it meanwhile still finds it. The inputs, the release and the round
-    whose conflict log it read are read again under the publication lock and the round's:
-    changed meanwhile (a client revoked or erased, another merge of this edge committed, an
-    earlier round published), the merge is computed again (MERGE_TRIES times at most)."""
+    server merge that read it meanwhile still finds it. The inputs, the release, the round whose
+    conflict log it read and what that log holds are read again under the publication lock and
+    the round's: changed meanwhile (a client revoked or erased, another merge of this edge
+    committed, an earlier round published, an erasure that merged the log again), the merge is
+    computed again (MERGE_TRIES times at most)."""
     round_ = Round.objects.get(pk=round_id)
     organization = Organization.objects.get(pk=organization_id)
     config = _config(round_)
@@ -401,18 +402,22 @@ def run_edge_merge(
             drowned=_drowned(round_, schema, config),
         )
 
-        def merge(remaining: float, inputs=inputs, schema=schema, common=common, extra=extra):
+        # The log this merge turns into precautions, read once: under the locks below what it
+        # holds now is compared with it (an erasure may have merged it again meanwhile).
+        log_read = _previous_conflicts(round_, organization)
+
+        def merge(remaining: float, inputs=inputs, schema=schema, common=common, extra=extra,
+                  log_read=log_read):
             """The edge merge within `remaining` ε, and why its numeric releases were withheld."""
             try:
-                return edge_merge(inputs, schema, config, _previous_conflicts(round_, organization),
+                return edge_merge(inputs, schema, config, log_read,
                                   epsilon_remaining=remaining, **common), ""
             except BudgetExceeded as exc:
                 if not extra:
                     raise
                 # An erasure (or a retry over changed inputs) must not be blocked by the budget:
                 # merge without numeric releases.
-                return edge_merge(inputs, schema, config,
-                                  _previous_conflicts(round_, organization),
+                return edge_merge(inputs, schema, config, log_read,
                                   epsilon_remaining=remaining, release_numeric=False,
                                   **common), str(exc)
 
@@ -430,10 +435,15 @@ def run_edge_merge(
             now_digest = _schema_digest(current_schema())
             if (now_ids, now_digest) != (source_ids, digest) or _release_number(
                 round_, organization, rematerialize, source_ids, digest
-            ) != (release, extra) or _conflict_source(round_, organization) != log_from:
+            ) != (release, extra) or _conflict_source(round_, organization) != log_from or (
+                _previous_conflicts(round_, organization) != log_read
+            ):
                 # An earlier round published meanwhile (a retried round merging beside this
                 # one) changes the conflict log this edge turns into precautions: the next
-                # round reads this round's log, so the earlier one's would be lost for good.
+                # round reads this round's log, so the earlier one's would be lost for good. An
+                # erasure that merged that log again meanwhile changes what it holds: this edge
+                # had no merge record yet, so the erasure could not reach it as a reader, and it
+                # would write the erased client's dissent as a precaution.
                 log.warning("round %s, organization %s: the edge's inputs, release or previous "
                             "conflict log changed while it merged; merged again", round_.number,
                             organization.slug)
