@@ -608,8 +608,9 @@ def _server_inputs(round_: Round, config: RoundConfig, *, lock: bool = False):
 
 
 def _fingerprint(round_: Round, edges, previous) -> tuple:
-    """What a server merge read: its edges, the global it carries forward, and the latest
-    published round before it (whose server conflict log it turns into precautions)."""
+    """What a server merge read: its edges, the global it carries forward, the latest published
+    round before it, and the server conflict log it turns into precautions (the last element:
+    an erasure may merge that log again while the round carries no global forward)."""
     latest = (
         Round.objects.filter(number__lt=round_.number, state=Round.State.PUBLISHED)
         .order_by("-number").values_list("pk", flat=True).first()
@@ -618,6 +619,7 @@ def _fingerprint(round_: Round, edges, previous) -> tuple:
         [(e.pk, e.sha256) for e in edges],
         (previous.pk, previous.sha256) if previous is not None else None,
         latest,
+        _previous_conflicts(round_, None),
     )
 
 
@@ -652,7 +654,7 @@ def run_server_merge(round_id: int, *, embed=None, attempt: int | None = None) -
             probe_set=probe,
             llm=configured_llm(),
             previous=load_compendium(previous) if previous is not None else None,
-            previous_conflicts=_previous_conflicts(round_, None),
+            previous_conflicts=read[-1],
             noise_scales=_edge_noise_scales(round_),
         )
         accuracy = probe_accuracy(

@@ -321,3 +321,30 @@ def test_an_erasure_during_a_later_edge_merge_that_read_its_conflict_log_reaches
     assert _leaks("Zorblat") == []
     assert calls.count("edge_merge") >= 3  # the first, the erasure's, the edge's again
 
+
+def test_an_erasure_during_a_later_server_merge_that_read_the_servers_log_reaches_it(
+    probes, django_capture_on_commit_callbacks, monkeypatch
+):
+    """Round 1's server log holds globex's claim (a conflict between edges); round 2, which
+    does not carry round 1's global forward, composes it into a precaution. globex's client is
+    erased while round 2's server merge runs: without a carried-forward global the merge's
+    check under the publication lock saw nothing change (the same edges, the same latest
+    round), and it published the precaution the erasure had just removed from round 1."""
+    from tests.merge_helpers import plant_cross_edge_conflict
+
+    r1 = Round.objects.create(number=1, state="closing", config={"summarizer": "none"})
+    clients = plant_cross_edge_conflict(r1)
+    close(r1, django_capture_on_commit_callbacks)
+    assert ConflictLogEntry.objects.filter(round=r1, organization=None).count() == 1
+    r2 = Round.objects.create(number=2, state="merging",
+                              config={"summarizer": "none", "carry_forward": False})
+    store_compendium(Compendium.model_validate({"scenarios": [
+        {"tool_id": "flights", "text": "Book a flight to Rome"}]}), kind="client", round=r2,
+        client=clients["a1"])
+    merge_edges(r2)
+    calls = interleave(monkeypatch, "server_merge_operator",
+                       lambda: pipeline.erase_client(clients["g1"]))
+    pipeline.run_server_merge(r2.pk, attempt=r2.attempt)
+    glob = CompendiumVersion.objects.get(kind="global", round=r2).content
+    assert [p["text"] for p in glob.get("precautions", []) if p["tool_id"] == "fares"] == []
+    assert len(calls) == 3  # round 2, round 1 again by the erasure, round 2 again
