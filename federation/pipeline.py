@@ -123,6 +123,15 @@ def _noise_secret() -> int:
     return int.from_bytes(digest, "big")
 
 
+def noise_key_id() -> str:
+    """A one-way name of the noise secret in force (`_noise_secret`): an edge's merge record
+    keeps it, so that a release is replayed only under the secret it was drawn with. A secret
+    rotated since (SECRET_KEY, when SYNAPSE_NOISE_SECRET is not set) would draw other noise over
+    the same inputs under the same release number, with its ε charged once."""
+    secret = _noise_secret().to_bytes(32, "big")
+    return hashlib.sha256(b"synapse.noise-key-id\x00" + secret).hexdigest()[:16]
+
+
 def edge_seed(config: RoundConfig, round_: Round, organization: Organization, release: int):
     """The noise seed of one edge release: fixed by the round's seed, so a replay (or a retry after
     a worker died) on this server draws the same noise. The round's seed, its number and the slug
@@ -270,7 +279,7 @@ def _schema_digest(schema) -> str:
 
 def _release_number(
     round_: Round, organization: Organization, rematerialize: bool, inputs: list[int],
-    schema_digest: str = "",
+    schema_digest: str = "", noise_key: str = "",
 ) -> tuple[int, bool]:
     """The release this edge merge makes, and whether it is one beyond the round's first (ε the
     round did not reserve). 0 for the first; the last one again for a replay of it (a retry, a
@@ -280,6 +289,9 @@ def _release_number(
     schema (`schema_digest`: a tool or numeric field added, removed or changed) differ from the
     last release's (a client revoked meanwhile): the same noise over other inputs, or drawn for
     other statistics in another order, would let anyone who saw both releases difference it away.
+    So for the noise secret (`noise_key`, `noise_key_id`): under another one a replay would draw
+    other noise over the same inputs, a second release charged as none. A record from before
+    the key was recorded is taken as made under the secret in force.
 
     The last release is the larger of the ledger's last and the edge's merge record's: a release
     whose numeric statistics were withheld (an erasure past the budget) writes no ledger rows but
@@ -301,7 +313,8 @@ def _release_number(
     top = max(r for r in (last, recorded) if r is not None)
     if rematerialize:
         return top + 1, True
-    if recorded == top and made.get("inputs") == inputs and made.get("schema") == schema_digest:
+    if (recorded == top and made.get("inputs") == inputs and made.get("schema") == schema_digest
+            and made.get("noise_key", noise_key) == noise_key):
         return top, top > 0  # a replay; beyond release 0 it is ε the round did not reserve
     return top + 1, True
 
@@ -385,12 +398,14 @@ def run_edge_merge(
     for _ in range(MERGE_TRIES):
         schema = current_schema()
         digest = _schema_digest(schema)
+        key = noise_key_id()
         sources = _edge_sources(round_, organization)
         source_ids = [v.pk for v in sources]
         # A release beyond the round's first (`extra`) is ε the round did not reserve: an
         # erasure's, or a retry's over changed inputs. Over the budget it is made without numeric
         # statistics.
-        release, extra = _release_number(round_, organization, rematerialize, source_ids, digest)
+        release, extra = _release_number(round_, organization, rematerialize, source_ids, digest,
+                                         key)
         remaining = accounting.remaining_for_release(round_.pk, organization.pk, release)
         inputs = [MergeInput(f"client:{v.client_id}", _as_schema_reads(v.content, schema))
                   for v in sources]
@@ -434,7 +449,7 @@ def run_edge_merge(
             now_ids = [v.pk for v in _edge_sources(round_, organization)]
             now_digest = _schema_digest(current_schema())
             if (now_ids, now_digest) != (source_ids, digest) or _release_number(
-                round_, organization, rematerialize, source_ids, digest
+                round_, organization, rematerialize, source_ids, digest, key
             ) != (release, extra) or _conflict_source(round_, organization) != log_from or (
                 _previous_conflicts(round_, organization) != log_read
             ):
@@ -449,7 +464,7 @@ def run_edge_merge(
                             organization.slug)
                 continue
             outcome = _write_edge(round_, organization, result, withheld, release, extra,
-                                  remaining, merge, by_source, source_ids, digest)
+                                  remaining, merge, by_source, source_ids, digest, key)
         return outcome
     raise PipelineError(
         f"round {round_.number}: the edge merge of organization {organization.slug} found its "
@@ -459,7 +474,7 @@ def run_edge_merge(
 
 
 def _write_edge(round_, organization, result, withheld, release, extra, remaining, merge,
-                by_source, source_ids, digest) -> EdgeOutcome:
+                by_source, source_ids, digest, key) -> EdgeOutcome:
     """Write one edge merge, in the caller's transaction and under its round's lock."""
     if extra and result.ledger:
         # A new release, beyond what the round reserved: checked again under the lock that
@@ -510,6 +525,7 @@ def _write_edge(round_, organization, result, withheld, release, extra, remainin
     stats["release"] = release
     stats["inputs"] = source_ids
     stats["schema"] = digest
+    stats["noise_key"] = key
     if withheld:
         stats["numeric_withheld"] = withheld
     MergeRecord.objects.create(
