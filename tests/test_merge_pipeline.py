@@ -1103,6 +1103,10 @@ def test_an_edge_that_accepted_nothing_does_not_lose_the_conflict_log_it_read(
     assert second.state == "published", second.failure_reason
     assert not CompendiumVersion.objects.filter(kind="edge", round=second, organization=org).exists()
     assert MergeRecord.objects.get(round=second, organization=org).stats["accepted"] == 0
+    # and a reviewer may still decide on it: the next merge of acme's edge will read it
+    from federation.conflicts import closed_by
+
+    assert closed_by(ConflictLogEntry.objects.get(round=round_, organization=org)) is None
 
     third = Round.objects.create(number=3, state="closing", config={"summarizer": "none"})
     store_compendium(Compendium.model_validate({"scenarios": [
