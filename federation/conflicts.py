@@ -65,12 +65,15 @@ def scenario_choices(conflict: ConflictLogEntry) -> list[str]:
 def closed_by(conflict: ConflictLogEntry) -> Round | None:
     """The later published round whose merge of this conflict's edge (the server merge's, for a
     conflict between edges) read the log after the conflict's round, or a later one: no merge will
-    read this conflict again, so a decision on it would never apply. None while one still may."""
+    read this conflict again, so a decision on it would never apply. None while one still may. A
+    merge that accepted no source does not count (`pipeline._conflict_source`: the next merge
+    reads the log before it)."""
     return (
         Round.objects.filter(
             number__gt=conflict.round.number,
             state=Round.State.PUBLISHED,
             pk__in=MergeRecord.objects.filter(organization_id=conflict.organization_id)
+            .exclude(stats__contains={"accepted": 0})
             .values("round_id"),
         )
         .order_by("number")

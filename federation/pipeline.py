@@ -123,6 +123,15 @@ def _noise_secret() -> int:
     return int.from_bytes(digest, "big")
 
 
+def noise_key_id() -> str:
+    """A one-way name of the noise secret in force (`_noise_secret`): an edge's merge record
+    keeps it, so that a release is replayed only under the secret it was drawn with. A secret
+    rotated since (SECRET_KEY, when SYNAPSE_NOISE_SECRET is not set) would draw other noise over
+    the same inputs under the same release number, with its ε charged once."""
+    secret = _noise_secret().to_bytes(32, "big")
+    return hashlib.sha256(b"synapse.noise-key-id\x00" + secret).hexdigest()[:16]
+
+
 def edge_seed(config: RoundConfig, round_: Round, organization: Organization, release: int):
     """The noise seed of one edge release: fixed by the round's seed, so a replay (or a retry after
     a worker died) on this server draws the same noise. The round's seed, its number and the slug
@@ -223,10 +232,13 @@ def _conflict_source(round_: Round, organization) -> Round | None:
     """The round whose conflict log of this edge (the server's when `organization` is None) the
     merge of `round_` reads (`_previous_conflicts`): the latest published round before `round_`
     that it merged in. Not simply the round before: an organization that sat a round out, or a
-    round that failed, would otherwise lose the log (and the reviewers' decisions) for good."""
+    round that failed, would otherwise lose the log (and the reviewers' decisions) for good. A
+    merge that accepted no source (every submission rejected, or erased since) published nothing
+    of the precautions it composed, so the log it read is still the one to read."""
     record = (
         MergeRecord.objects.filter(round__number__lt=round_.number,
                                    round__state=Round.State.PUBLISHED, organization=organization)
+        .exclude(stats__contains={"accepted": 0})
         .select_related("round")
         .order_by("-round__number")
         .first()
@@ -267,7 +279,7 @@ def _schema_digest(schema) -> str:
 
 def _release_number(
     round_: Round, organization: Organization, rematerialize: bool, inputs: list[int],
-    schema_digest: str = "",
+    schema_digest: str = "", noise_key: str = "",
 ) -> tuple[int, bool]:
     """The release this edge merge makes, and whether it is one beyond the round's first (ε the
     round did not reserve). 0 for the first; the last one again for a replay of it (a retry, a
@@ -277,6 +289,9 @@ def _release_number(
     schema (`schema_digest`: a tool or numeric field added, removed or changed) differ from the
     last release's (a client revoked meanwhile): the same noise over other inputs, or drawn for
     other statistics in another order, would let anyone who saw both releases difference it away.
+    So for the noise secret (`noise_key`, `noise_key_id`): under another one a replay would draw
+    other noise over the same inputs, a second release charged as none. A record from before
+    the key was recorded is taken as made under the secret in force.
 
     The last release is the larger of the ledger's last and the edge's merge record's: a release
     whose numeric statistics were withheld (an erasure past the budget) writes no ledger rows but
@@ -298,7 +313,8 @@ def _release_number(
     top = max(r for r in (last, recorded) if r is not None)
     if rematerialize:
         return top + 1, True
-    if recorded == top and made.get("inputs") == inputs and made.get("schema") == schema_digest:
+    if (recorded == top and made.get("inputs") == inputs and made.get("schema") == schema_digest
+            and made.get("noise_key", noise_key) == noise_key):
         return top, top > 0  # a replay; beyond release 0 it is ε the round did not reserve
     return top + 1, True
 
@@ -368,10 +384,11 @@ def run_edge_merge(
     erasure's re-materialization or a replay, which any state allows).
 
     A replay whose edge comes out the same (sha256 and sources) keeps the stored edge row, so a
-    server merge that read it meanwhile still finds it. The inputs, the release and the round
-    whose conflict log it read are read again under the publication lock and the round's:
-    changed meanwhile (a client revoked or erased, another merge of this edge committed, an
-    earlier round published), the merge is computed again (MERGE_TRIES times at most)."""
+    server merge that read it meanwhile still finds it. The inputs, the release, the round whose
+    conflict log it read and what that log holds are read again under the publication lock and
+    the round's: changed meanwhile (a client revoked or erased, another merge of this edge
+    committed, an earlier round published, an erasure that merged the log again), the merge is
+    computed again (MERGE_TRIES times at most)."""
     round_ = Round.objects.get(pk=round_id)
     organization = Organization.objects.get(pk=organization_id)
     config = _config(round_)
@@ -381,12 +398,14 @@ def run_edge_merge(
     for _ in range(MERGE_TRIES):
         schema = current_schema()
         digest = _schema_digest(schema)
+        key = noise_key_id()
         sources = _edge_sources(round_, organization)
         source_ids = [v.pk for v in sources]
         # A release beyond the round's first (`extra`) is ε the round did not reserve: an
         # erasure's, or a retry's over changed inputs. Over the budget it is made without numeric
         # statistics.
-        release, extra = _release_number(round_, organization, rematerialize, source_ids, digest)
+        release, extra = _release_number(round_, organization, rematerialize, source_ids, digest,
+                                         key)
         remaining = accounting.remaining_for_release(round_.pk, organization.pk, release)
         inputs = [MergeInput(f"client:{v.client_id}", _as_schema_reads(v.content, schema))
                   for v in sources]
@@ -398,18 +417,22 @@ def run_edge_merge(
             drowned=_drowned(round_, schema, config),
         )
 
-        def merge(remaining: float, inputs=inputs, schema=schema, common=common, extra=extra):
+        # The log this merge turns into precautions, read once: under the locks below what it
+        # holds now is compared with it (an erasure may have merged it again meanwhile).
+        log_read = _previous_conflicts(round_, organization)
+
+        def merge(remaining: float, inputs=inputs, schema=schema, common=common, extra=extra,
+                  log_read=log_read):
             """The edge merge within `remaining` ε, and why its numeric releases were withheld."""
             try:
-                return edge_merge(inputs, schema, config, _previous_conflicts(round_, organization),
+                return edge_merge(inputs, schema, config, log_read,
                                   epsilon_remaining=remaining, **common), ""
             except BudgetExceeded as exc:
                 if not extra:
                     raise
                 # An erasure (or a retry over changed inputs) must not be blocked by the budget:
                 # merge without numeric releases.
-                return edge_merge(inputs, schema, config,
-                                  _previous_conflicts(round_, organization),
+                return edge_merge(inputs, schema, config, log_read,
                                   epsilon_remaining=remaining, release_numeric=False,
                                   **common), str(exc)
 
@@ -426,17 +449,22 @@ def run_edge_merge(
             now_ids = [v.pk for v in _edge_sources(round_, organization)]
             now_digest = _schema_digest(current_schema())
             if (now_ids, now_digest) != (source_ids, digest) or _release_number(
-                round_, organization, rematerialize, source_ids, digest
-            ) != (release, extra) or _conflict_source(round_, organization) != log_from:
+                round_, organization, rematerialize, source_ids, digest, key
+            ) != (release, extra) or _conflict_source(round_, organization) != log_from or (
+                _previous_conflicts(round_, organization) != log_read
+            ):
                 # An earlier round published meanwhile (a retried round merging beside this
                 # one) changes the conflict log this edge turns into precautions: the next
-                # round reads this round's log, so the earlier one's would be lost for good.
+                # round reads this round's log, so the earlier one's would be lost for good. An
+                # erasure that merged that log again meanwhile changes what it holds: this edge
+                # had no merge record yet, so the erasure could not reach it as a reader, and it
+                # would write the erased client's dissent as a precaution.
                 log.warning("round %s, organization %s: the edge's inputs, release or previous "
                             "conflict log changed while it merged; merged again", round_.number,
                             organization.slug)
                 continue
             outcome = _write_edge(round_, organization, result, withheld, release, extra,
-                                  remaining, merge, by_source, source_ids, digest)
+                                  remaining, merge, by_source, source_ids, digest, key)
         return outcome
     raise PipelineError(
         f"round {round_.number}: the edge merge of organization {organization.slug} found its "
@@ -446,7 +474,7 @@ def run_edge_merge(
 
 
 def _write_edge(round_, organization, result, withheld, release, extra, remaining, merge,
-                by_source, source_ids, digest) -> EdgeOutcome:
+                by_source, source_ids, digest, key) -> EdgeOutcome:
     """Write one edge merge, in the caller's transaction and under its round's lock."""
     if extra and result.ledger:
         # A new release, beyond what the round reserved: checked again under the lock that
@@ -497,6 +525,7 @@ def _write_edge(round_, organization, result, withheld, release, extra, remainin
     stats["release"] = release
     stats["inputs"] = source_ids
     stats["schema"] = digest
+    stats["noise_key"] = key
     if withheld:
         stats["numeric_withheld"] = withheld
     MergeRecord.objects.create(
@@ -595,8 +624,9 @@ def _server_inputs(round_: Round, config: RoundConfig, *, lock: bool = False):
 
 
 def _fingerprint(round_: Round, edges, previous) -> tuple:
-    """What a server merge read: its edges, the global it carries forward, and the latest
-    published round before it (whose server conflict log it turns into precautions)."""
+    """What a server merge read: its edges, the global it carries forward, the latest published
+    round before it, and the server conflict log it turns into precautions (the last element:
+    an erasure may merge that log again while the round carries no global forward)."""
     latest = (
         Round.objects.filter(number__lt=round_.number, state=Round.State.PUBLISHED)
         .order_by("-number").values_list("pk", flat=True).first()
@@ -605,6 +635,7 @@ def _fingerprint(round_: Round, edges, previous) -> tuple:
         [(e.pk, e.sha256) for e in edges],
         (previous.pk, previous.sha256) if previous is not None else None,
         latest,
+        _previous_conflicts(round_, None),
     )
 
 
@@ -639,7 +670,7 @@ def run_server_merge(round_id: int, *, embed=None, attempt: int | None = None) -
             probe_set=probe,
             llm=configured_llm(),
             previous=load_compendium(previous) if previous is not None else None,
-            previous_conflicts=_previous_conflicts(round_, None),
+            previous_conflicts=read[-1],
             noise_scales=_edge_noise_scales(round_),
         )
         accuracy = probe_accuracy(

@@ -1073,3 +1073,47 @@ def test_a_submission_stored_before_a_tool_left_the_registry_is_merged_without_i
     assert ("flights", "Book a cheap flight from Boston to Denver") in texts
     assert all(tool != "calculator" for tool, _ in texts)
     assert all(p["tool_id"] != "calculator" for p in edge.content.get("precautions", []))
+
+
+def test_an_edge_that_accepted_nothing_does_not_lose_the_conflict_log_it_read(
+    django_capture_on_commit_callbacks,
+):
+    """Round 1 logs a conflict at acme; in round 2 acme's only submission is rejected at the
+    merge (no edge is stored: nothing it composed is published); round 3's edge of acme must
+    still turn round 1's log into precautions. It read round 2's empty log: the conflict, and
+    any reviewer's decision on it, were lost for good."""
+    from compendium.schema import Compendium
+    from compendium.services import store_compendium
+
+    round_, clients = build_federation(config={"summarizer": "none"})
+    org = plant_weather_conflict(round_, clients)
+    close(round_, django_capture_on_commit_callbacks)
+    assert round_.state == "published", round_.failure_reason
+    assert ConflictLogEntry.objects.filter(round=round_, organization=org).exists()
+
+    second = Round.objects.create(number=2, state="closing", config={"summarizer": "none"})
+    for key, text in ((("acme", "a1"), "Book a flight"), (("globex", "g1"), "Find a flight")):
+        store_compendium(Compendium.model_validate({"scenarios": [
+            {"tool_id": "flights", "text": text}]}), kind="client", round=second,
+            client=clients[key])
+    # stored valid, unreadable at the merge: rejected whole
+    CompendiumVersion.objects.filter(kind="client", round=second, client=clients[("acme", "a1")]
+                                     ).update(content={"scenarios": [{"tool_id": "flights"}]})
+    close(second, django_capture_on_commit_callbacks)
+    assert second.state == "published", second.failure_reason
+    assert not CompendiumVersion.objects.filter(kind="edge", round=second, organization=org).exists()
+    assert MergeRecord.objects.get(round=second, organization=org).stats["accepted"] == 0
+    # and a reviewer may still decide on it: the next merge of acme's edge will read it
+    from federation.conflicts import closed_by
+
+    assert closed_by(ConflictLogEntry.objects.get(round=round_, organization=org)) is None
+
+    third = Round.objects.create(number=3, state="closing", config={"summarizer": "none"})
+    store_compendium(Compendium.model_validate({"scenarios": [
+        {"tool_id": "flights", "text": "Book a flight"}]}), kind="client", round=third,
+        client=clients[("acme", "a1")])
+    close(third, django_capture_on_commit_callbacks)
+    assert third.state == "published", third.failure_reason
+    edge = CompendiumVersion.objects.get(kind="edge", round=third, organization=org)
+    texts = [p["text"] for p in edge.content["precautions"]]
+    assert any(t.startswith("Use WeatherNow for will it rain tomorrow in Paris") for t in texts), texts

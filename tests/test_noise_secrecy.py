@@ -107,3 +107,24 @@ def test_the_edge_seed_needs_the_servers_secret(settings):
     assert first != public
     settings.SYNAPSE_NOISE_SECRET = "another deployment's secret"
     assert draw() != first
+
+
+def test_a_replay_under_another_noise_secret_is_a_new_release(probes, settings):
+    """A replay (a retry, an erasure's reader) draws its release's noise again from the seed,
+    secret included. After the secret changed (SECRET_KEY rotated, SYNAPSE_NOISE_SECRET unset)
+    the "same" release drew other noise over the same inputs and was recorded as the same
+    release, charging nothing: two independent draws of one statistic, ε spent once. It is a new
+    release now, charged, and replayed as such."""
+    from federation.models import MergeRecord, PrivacyLedgerEntry
+
+    round_, clients = build_federation(state="merging")
+    acme = clients[("acme", "a1")].organization
+    pipeline.run_edge_merge(round_.pk, acme.pk)
+    ledger = PrivacyLedgerEntry.objects.filter(round=round_, organization=acme)
+    assert set(ledger.values_list("release", flat=True)) == {0}
+    settings.SYNAPSE_NOISE_SECRET = "rotated"
+    pipeline.run_edge_merge(round_.pk, acme.pk)
+    assert set(ledger.values_list("release", flat=True)) == {0, 1}
+    assert MergeRecord.objects.get(round=round_, organization=acme).stats["release"] == 1
+    pipeline.run_edge_merge(round_.pk, acme.pk)  # the same secret again: a replay of release 1
+    assert set(ledger.values_list("release", flat=True)) == {0, 1}

@@ -301,3 +301,50 @@ def test_an_earlier_round_published_during_a_later_ones_edge_merge_reaches_its_p
     assert any(p["text"].startswith("Use WeatherNow for will it rain tomorrow in Paris")
                for p in edge.content.get("precautions", [])), edge.content.get("precautions")
     assert len(calls) == 2
+
+
+def test_an_erasure_during_a_later_edge_merge_that_read_its_conflict_log_reaches_that_edge(
+    probes, django_capture_on_commit_callbacks, monkeypatch
+):
+    """Round 1's acme log holds a3's dissent; a3 sat round 2 out. Round 2's acme edge reads
+    that log, and a3 is erased before the edge writes: the erasure re-merged round 1 without
+    a3, but round 2's edge had no merge record yet, so it was no reader the erasure could
+    reach. Under its locks the edge checked only *which* round's log it read, not what it
+    read: it wrote a3's words as a precaution, and round 2's global would publish them."""
+    from tests.test_merge_pipeline import SECRET, _leaks, _weather_conflict
+
+    org, clients, _ = _weather_conflict(django_capture_on_commit_callbacks, {"a3": SECRET})
+    round2 = later_round(2, "Book a flight to Rome", client="a1")
+    calls = interleave(monkeypatch, "edge_merge",
+                       lambda: pipeline.erase_client(clients[("acme", "a3")]))
+    pipeline.run_edge_merge(round2.pk, org.pk)
+    assert _leaks("Zorblat") == []
+    assert calls.count("edge_merge") >= 3  # the first, the erasure's, the edge's again
+
+
+def test_an_erasure_during_a_later_server_merge_that_read_the_servers_log_reaches_it(
+    probes, django_capture_on_commit_callbacks, monkeypatch
+):
+    """Round 1's server log holds globex's claim (a conflict between edges); round 2, which
+    does not carry round 1's global forward, composes it into a precaution. globex's client is
+    erased while round 2's server merge runs: without a carried-forward global the merge's
+    check under the publication lock saw nothing change (the same edges, the same latest
+    round), and it published the precaution the erasure had just removed from round 1."""
+    from tests.merge_helpers import plant_cross_edge_conflict
+
+    r1 = Round.objects.create(number=1, state="closing", config={"summarizer": "none"})
+    clients = plant_cross_edge_conflict(r1)
+    close(r1, django_capture_on_commit_callbacks)
+    assert ConflictLogEntry.objects.filter(round=r1, organization=None).count() == 1
+    r2 = Round.objects.create(number=2, state="merging",
+                              config={"summarizer": "none", "carry_forward": False})
+    store_compendium(Compendium.model_validate({"scenarios": [
+        {"tool_id": "flights", "text": "Book a flight to Rome"}]}), kind="client", round=r2,
+        client=clients["a1"])
+    merge_edges(r2)
+    calls = interleave(monkeypatch, "server_merge_operator",
+                       lambda: pipeline.erase_client(clients["g1"]))
+    pipeline.run_server_merge(r2.pk, attempt=r2.attempt)
+    glob = CompendiumVersion.objects.get(kind="global", round=r2).content
+    assert [p["text"] for p in glob.get("precautions", []) if p["tool_id"] == "fares"] == []
+    assert len(calls) == 3  # round 2, round 1 again by the erasure, round 2 again
