@@ -251,11 +251,13 @@ def test_round_status_with_more_rounds_than_any_federation_has_lists_them_all():
     assert run("round_status", "--last", str(10**20)).startswith("round 1: open")
 
 
-@pytest.mark.parametrize("every", ["nan", "inf", "-60", "1e10"])
+@pytest.mark.parametrize("every", ["nan", "inf", "-60", "1e10", "0.001"])
 def test_close_due_rounds_refuses_an_interval_that_is_not_a_finite_number(every):
     # was a traceback of time.sleep's ValueError (nan) or OverflowError (inf), after one check;
     # a negative interval checked once and ended without a word
-    with pytest.raises(CommandError, match="--every must be a number of seconds from 0 to 86400"):
+    # (0.001: a loop that queried the database a thousand times a second)
+    with pytest.raises(CommandError,
+                       match=r"--every must be 0 \(check once\) or a number of seconds from 1 to 86400"):
         run("close_due_rounds", "--every", every)
 
 

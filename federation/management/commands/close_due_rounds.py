@@ -6,6 +6,7 @@ from django.core.management.base import BaseCommand, CommandError
 from federation.services import close_due_rounds
 
 MAX_EVERY = 86_400.0  # a day: rounds' deadlines are checked at least that often
+MIN_EVERY = 1.0  # a second: a shorter loop only queries the database without pause
 
 
 class Command(BaseCommand):
@@ -17,16 +18,17 @@ class Command(BaseCommand):
     def add_arguments(self, parser):
         parser.add_argument(
             "--every", type=float, default=0,
-            help="check every N seconds until interrupted (default 0: check once)"
+            help="check every N seconds (1 to 86400) until interrupted (default 0: check once)"
         )
 
     def handle(self, *args, every, **options):
-        if not math.isfinite(every) or every < 0 or every > MAX_EVERY:
+        if not math.isfinite(every) or every < 0 or every > MAX_EVERY or 0 < every < MIN_EVERY:
             # a negative interval was read as "once", silently; one past what time.sleep takes
-            # failed with an OverflowError after the first check
+            # failed with an OverflowError after the first check; --every 0.001 queried the
+            # database a thousand times a second
             raise CommandError(
-                f"--every must be a number of seconds from 0 to {MAX_EVERY:g} (0: check once), "
-                f"not {every:g}"
+                f"--every must be 0 (check once) or a number of seconds from {MIN_EVERY:g} to "
+                f"{MAX_EVERY:g}, not {every:g}"
             )
         while True:
             for rnd in close_due_rounds():
