@@ -390,6 +390,11 @@ def run_edge_merge(
     committed, an earlier round published, an erasure that merged the log again), the merge is
     computed again (MERGE_TRIES times at most)."""
     round_ = Round.objects.get(pk=round_id)
+    if attempt is not None:
+        # A task of a run that is over (the round failed, or was retried since) stops here: the
+        # check under the lock would refuse its write only after the whole merge (the LLM's
+        # summaries included) had been computed for nothing.
+        _check_attempt(round_, attempt, states=(Round.State.MERGING,))
     organization = Organization.objects.get(pk=organization_id)
     config = _config(round_)
     embed = embed or _embed()
@@ -654,6 +659,11 @@ def run_server_merge(round_id: int, *, embed=None, attempt: int | None = None) -
     times at most, then fails with a PipelineError that says so. A global is thus never written
     over edges that are gone, nor carries forward a global that is not the latest published."""
     round_ = Round.objects.get(pk=round_id)
+    if attempt is not None:
+        # A task of a run that is over (the round failed, or was retried since) stops here: the
+        # check under the lock would refuse its write only after the whole merge (the LLM's
+        # summaries included) had been computed for nothing.
+        _check_attempt(round_, attempt, states=(Round.State.MERGING,))
     config = _config(round_)
     embed = embed or _embed()
     probe = load_probe_set(embed)

@@ -234,6 +234,30 @@ def test_tasks_of_an_earlier_pipeline_run_change_nothing(probes):
     assert CompendiumVersion.objects.get(kind="global", round=round_).sha256 == sha
 
 
+def test_tasks_of_an_earlier_pipeline_run_stop_before_merging(probes, monkeypatch):
+    """Found by review: a late task of a run the operator failed and retried computed its whole
+    merge (the probe set embedded, the LLM's summaries asked) before the check under the lock
+    refused to write it."""
+    from federation import services
+    from tests.federation_fixtures import SYSTEM
+    from workers import tasks
+
+    round_, clients = build_federation()
+    org = clients[("acme", "a1")].organization
+    assert pipeline.start_round(round_.pk, 1)
+    services.mark_failed(round_, "the merge hangs")
+    services.retry_round(SYSTEM, round_)
+
+    def no_merge_work(*args, **kwargs):
+        raise AssertionError("a stale task started merging")
+
+    monkeypatch.setattr(pipeline, "load_probe_set", no_merge_work)
+    assert "run 1" in tasks.edge_merge_task(round_.pk, org.pk, 1)["stale"]
+    assert tasks.server_merge_task(round_.pk, 1) is None
+    services.mark_failed(Round.objects.get(pk=round_.pk), "failed again")
+    assert "failed" in tasks.edge_merge_task(round_.pk, org.pk, 2)["stale"]  # the round is over
+
+
 def test_merges_that_cannot_be_dispatched_fail_the_round(probes, monkeypatch):
     """The round is merging once started; if its merges cannot be queued (the broker down),
     nothing would ever run them: the round fails with the reason instead of staying merging."""
