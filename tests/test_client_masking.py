@@ -480,6 +480,19 @@ def test_a_number_written_in_spaced_groups_is_one_number(text, secret, strength)
     assert m.mask("rooms 2 and 3 for 4 nights").text == "rooms 2 and 3 for 4 nights"
 
 
+def _masked_whole(text: str, secrets, placeholder: str, ignore: str = "") -> None:
+    """`text` masked at λ = 1 holds none of `secrets` (outside `ignore`, a placeholder that may
+    hold their characters) and `placeholder`; the server's check finds nothing left in the
+    output and finds `placeholder` alone in the text sent unmasked."""
+    m = masker(1.0)
+    out = m.mask(text).text
+    for secret in (secrets,) if isinstance(secrets, str) else secrets:
+        assert secret not in (out.replace(ignore, "") if ignore else out), out
+    assert f"[{placeholder}]" in out, out
+    assert m.residue(out) == []
+    assert {r.kind for r in m.residue(text)} == {placeholder}
+
+
 @pytest.mark.parametrize(
     ("text", "secrets"),
     [
@@ -493,13 +506,8 @@ def test_a_number_spelled_out_in_words_is_one_number(text, secrets):
     common words, rarity 0, which masking never takes: it left the client whole at any λ and
     the server's check found nothing. A run of three or more number words is one number now,
     scored as the digits it spells; fewer stay words ("one or two", "top five")."""
+    _masked_whole(text, secrets, "NUMBER")
     m = masker(1.0)
-    out = m.mask(text).text
-    for secret in secrets:
-        assert secret not in out, out
-    assert "[NUMBER]" in out, out
-    assert m.residue(out) == []
-    assert [r.kind for r in m.residue(text)] == ["NUMBER"]
     for kept in ("book one or two rooms for ten nights", "the top five games of twenty twenty"):
         assert m.mask(kept).text == kept
 
@@ -520,13 +528,8 @@ def test_an_email_address_written_out_to_dodge_filters_is_an_email_address(text,
     common words and punctuation: "john(at)example(dot)org" and "john @ example . com" left the
     client whole, and of "john [at] example.com" the name did. The whole run is one e-mail
     address now; "at" and "dot" alone stay words."""
+    _masked_whole(text, secrets, "EMAIL")
     m = masker(1.0)
-    out = m.mask(text).text
-    for secret in secrets:
-        assert secret not in out, out
-    assert "[EMAIL]" in out, out
-    assert m.residue(out) == []
-    assert [r.kind for r in m.residue(text)] == ["EMAIL"]
     for kept in ("meet at the station at noon", "a polka dot dress at the shop",
                  "stocks at the dot com bubble"):
         assert "[EMAIL]" not in m.mask(kept).text
@@ -546,12 +549,8 @@ def test_a_number_written_a_digit_at_a_time_with_punctuation_is_one_number(text,
     """The spaced-groups rule joined digits split by spaces or a hyphen only: split by commas,
     full stops, underscores, other dashes or JSON's quotes, each digit was still a
     one-character token that masking never takes, and "4, 8, 2, 1" left whole at any λ."""
+    _masked_whole(text, secret, "NUMBER")
     m = masker(1.0)
-    out = m.mask(text).text
-    assert secret not in out, out
-    assert "[NUMBER]" in out, out
-    assert m.residue(out) == []
-    assert [r.kind for r in m.residue(text)] == ["NUMBER"]
     assert m.mask("rooms 2 and 3 for 4 nights").text == "rooms 2 and 3 for 4 nights"
 
 
@@ -570,13 +569,8 @@ def test_a_url_with_any_scheme_or_any_domain_before_a_path_is_a_url(text, secret
     """A URL was one only after http(s)://, www. or a domain ending in one of a few lower-case
     top-level domains: ftp://, sftp:// or file:// paths, a domain like "my.blog/posts/..." and
     "EXAMPLE.COM/john" left the client with the names in them."""
+    _masked_whole(text, secrets, "URL")
     m = masker(1.0)
-    out = m.mask(text).text
-    for secret in secrets:
-        assert secret not in out, out
-    assert "[URL]" in out, out
-    assert m.residue(out) == []
-    assert [r.kind for r in m.residue(text)] == ["URL"]
     for kept in ("convert report.pdf to word", "read the docs at 5 p.m. today"):
         assert "[URL]" not in m.mask(kept).text
 
@@ -594,13 +588,8 @@ def test_an_address_without_a_top_level_domain_or_a_handle_is_an_email_address(t
     """An e-mail address needed a dotted domain: "john@localhost" and the password of
     "admin:hunter@dbserver" went out, and so did a handle ("@john_smith"): the "@" was
     punctuation and the name beside it a lower-case word."""
+    _masked_whole(text, secrets, "EMAIL")
     m = masker(1.0)
-    out = m.mask(text).text
-    for secret in secrets:
-        assert secret not in out, out
-    assert "[EMAIL]" in out, out
-    assert m.residue(out) == []
-    assert [r.kind for r in m.residue(text)] == ["EMAIL"]
     for kept in ("meet @ 5pm for 2 @ 3.99 each", "the weather @ home"):
         assert "[EMAIL]" not in m.mask(kept).text
 
@@ -615,13 +604,8 @@ def test_an_address_without_a_top_level_domain_or_a_handle_is_an_email_address(t
 def test_a_number_mixing_digits_and_number_words_is_one_number(text, secrets):
     """Digits and number words mixed ("4 eight 2 one") were one-character tokens and common
     words, neither of which masking takes; three or more of either, mixed, are one number."""
+    _masked_whole(text, secrets, "NUMBER", ignore="[NUMBER]")
     m = masker(1.0)
-    out = m.mask(text).text
-    for secret in secrets:
-        assert secret not in out.replace("[NUMBER]", ""), out
-    assert "[NUMBER]" in out, out
-    assert m.residue(out) == []
-    assert {r.kind for r in m.residue(text)} == {"NUMBER"}
     assert m.mask("rooms 2 and 3 for 4 nights, one or two beds").text == (
         "rooms 2 and 3 for 4 nights, one or two beds")
 
@@ -648,9 +632,4 @@ def test_an_email_address_written_out_is_taken_whole_after_another_at():
 def test_a_number_split_by_markup_tags_is_one_number(text, secret):
     """A request can hold markup: digits each in their own tag were one-character tokens, which
     masking never takes, and "<b>4</b><b>8</b><b>2</b><b>1</b>" left the client whole."""
-    m = masker(1.0)
-    out = m.mask(text).text
-    assert secret not in out, out
-    assert "[NUMBER]" in out, out
-    assert m.residue(out) == []
-    assert {r.kind for r in m.residue(text)} == {"NUMBER"}
+    _masked_whole(text, secret, "NUMBER")
