@@ -30,6 +30,8 @@ def main():
     except ProgrammingError:
         # A command run on a database that was never migrated (or is behind the code) failed on
         # a missing table with a traceback: say what to run instead.
+        if sys.argv[1:2] == ["migrate"]:
+            raise  # a migration that failed: its own error, not "run migrate"
         pending = _unapplied_migrations()
         if not pending:
             raise

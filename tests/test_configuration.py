@@ -113,6 +113,38 @@ def test_a_command_on_an_unmigrated_database_says_to_migrate(tmp_path):
                        capture_output=True, timeout=120)
 
 
+@pytest.mark.parametrize("argv", [["round_status"], ["migrate"]])
+def test_a_missing_table_says_to_migrate_except_to_migrate_itself(argv, monkeypatch, capsys):
+    """A failed statement on a database behind the code is "run migrate"; the same error from
+    `migrate` (a migration that failed) is its own, not advice to run what just failed."""
+    import importlib.util
+
+    import django.core.management
+    from django.db import ProgrammingError
+
+    spec = importlib.util.spec_from_file_location("synapse_manage", ROOT / "manage.py")
+    manage = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(manage)
+
+    def fails(argv):
+        raise ProgrammingError('relation "federation_round" does not exist')
+
+    monkeypatch.setattr(django.core.management, "execute_from_command_line", fails)
+    monkeypatch.setattr(manage, "_unapplied_migrations", lambda: 3)
+    monkeypatch.setattr(sys, "argv", ["manage.py", *argv])
+    if argv == ["migrate"]:
+        with pytest.raises(ProgrammingError):
+            manage.main()
+        return
+    with pytest.raises(SystemExit) as stop:
+        manage.main()
+    assert stop.value.code == 2
+    assert capsys.readouterr().err == (
+        "synapse: the database is not migrated (3 migrations not applied): run `python manage.py "
+        "migrate` first\n"
+    )
+
+
 def test_docker_compose_file_declares_the_services():
     import yaml
 
