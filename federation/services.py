@@ -713,15 +713,16 @@ def _lock_name(scope: str, name: str) -> None:
         cursor.execute("SELECT pg_advisory_xact_lock(hashtext(%s))", [f"{scope}:{name_key(name)}"])
 
 
-def _twin_message(exists: str, other: str, name: str) -> str:
-    """`exists` (saying what holds `other`), and when `name` is not `other` itself, how the two
-    differ: in nothing a reader sees."""
-    if other == name:
-        return f"{exists}; choose another name"
-    return (
-        f"{exists}; {name!r} differs from it only in case, spacing or invisible characters; "
-        "choose another name"
-    )
+def _refuse_name_twin(names, name: str, exists) -> None:
+    """Conflict when one of `names` has the key of `name` (name_key): `exists(other)` says what
+    holds it, and when `name` is not `other` itself, how the two differ: in nothing a reader
+    sees."""
+    key = name_key(name)
+    for other in names:
+        if name_key(other) == key:
+            how = "" if other == name else (
+                f"; {name!r} differs from it only in case, spacing or invisible characters")
+            raise Conflict(f"{exists(other)}{how}; choose another name")
 
 
 def organization_name(name: str) -> str:
@@ -746,13 +747,9 @@ def _refuse_twin(name: str, slug: str | None = None, other_than: Organization | 
     "Acme Labs" next to "Acme\u00a0Labs"). A slug taken as it is is left to the unique
     constraint, which says it exists. The caller holds _lock_name("organization", name)."""
     others = Organization.objects.exclude(pk=other_than.pk) if other_than else Organization.objects
-    key = name_key(name)
-    for other, other_slug in others.values_list("name", "slug").order_by("pk"):
-        if name_key(other) == key:
-            slug_shown = "" if other == name else f" (slug {other_slug!r})"
-            raise Conflict(_twin_message(
-                f"an organization named {other!r} exists{slug_shown}", other, name
-            ))
+    slugs = dict(others.values_list("name", "slug").order_by("pk"))
+    _refuse_name_twin(slugs, name, lambda other: f"an organization named {other!r} exists"
+                      + ("" if other == name else f" (slug {slugs[other]!r})"))
     if slug is not None:
         twin = others.filter(Q(slug__iexact=slug) & ~Q(slug=slug)).first()
         if twin is not None:
@@ -859,10 +856,9 @@ def enroll_client(
         raise InvalidRequest("a client needs a name")
     if bad := name_problem(name):  # as an organization's name (organization_name)
         raise InvalidRequest(f"a client's name contains {bad}; remove it")
-    for what, value in (("name", name), ("contact", contact)):
-        limit = Client._meta.get_field(what).max_length
-        if len(value) > limit:
-            raise InvalidRequest(f"a client's {what} is at most {limit} characters, not {len(value)}")
+    limit = Client._meta.get_field("name").max_length
+    if len(name) > limit:
+        raise InvalidRequest(f"a client's name is at most {limit} characters, not {len(name)}")
     free_text("contact", contact, Client._meta.get_field("contact").max_length)
     free_text("description", description, DESCRIPTION_LIMIT)
     if not actor.is_operator:
@@ -876,12 +872,8 @@ def enroll_client(
     # Another client of the organization by a name that reads as this one (name_key): two
     # clients the dashboard, the audit log and erase_client's ORG/CLIENT cannot tell apart.
     _lock_name(f"client:{organization.pk}", name)
-    key = name_key(name)
-    for other in organization.clients.values_list("name", flat=True).order_by("pk"):
-        if name_key(other) == key:
-            raise Conflict(_twin_message(
-                f"organization {organization.slug!r} already has a client {other!r}", other, name
-            ))
+    _refuse_name_twin(organization.clients.values_list("name", flat=True).order_by("pk"), name,
+                      lambda other: f"organization {organization.slug!r} already has a client {other!r}")
     try:
         with transaction.atomic():
             client = Client.objects.create(
