@@ -47,39 +47,20 @@ def _read_bytes(path: Path) -> bytes:
         raise _cannot_read(path, exc) from None
 
 
-# How much of a JSONL file is read at a time: the reader holds a block and the line it is in.
-_BLOCK = 1 << 16
-
-
 def _read_lines(path: Path) -> Iterator[bytes]:
-    """The lines of `path`, without their ends, read a block at a time: a file of any size is
-    read in the memory of one line. A line ends where bytes.splitlines ends it (LF, CRLF or a
-    lone CR), so line numbers are those an editor shows."""
+    """The lines of `path`, without their ends, read one at a time (a file of any size is read
+    in the memory of one line). A line ends where bytes.splitlines ends it (LF, CRLF or a lone
+    CR), so line numbers are those an editor shows: each LF-ended piece split again."""
     try:
         file = path.open("rb")
     except OSError as exc:  # a folder, unreadable, ...
         raise _cannot_read(path, exc) from None
     with file:
-        parts: list[bytes] = []  # the line read so far, not yet ended
-        while True:
-            try:
-                block = file.read(_BLOCK)
-            except OSError as exc:
-                raise _cannot_read(path, exc) from None
-            if not block:
-                break
-            ended_by_cr = bool(parts) and parts[-1].endswith(b"\r")
-            parts.append(block)
-            if b"\n" not in block and b"\r" not in block and not ended_by_cr:
-                continue  # a long line goes on
-            lines = b"".join(parts).splitlines(keepends=True)
-            # The last line is whole only once its LF is read: a CR may be the first half of a
-            # CRLF whose LF starts the next block.
-            parts = [] if lines[-1].endswith(b"\n") else [lines.pop()]
-            for line in lines:
-                yield line.rstrip(b"\r\n")
-        if parts:
-            yield b"".join(parts).rstrip(b"\r\n")
+        try:
+            for piece in file:
+                yield from piece.splitlines()
+        except OSError as exc:
+            raise _cannot_read(path, exc) from None
 
 
 def _read_text(path: Path) -> str:
