@@ -580,7 +580,7 @@ class Command(BaseCommand):
             max_words=o["max_words"],
             client_tau=o["client_tau"],
             transfer_models=_names(o["transfer_models"], "--transfer-models"),
-            transfer_rerankers=_names(o["transfer_rerankers"], "--transfer-rerankers"),
+            transfer_rerankers=rerankers,
             llm_url=o["llm_url"] or None,
             llm_model=o["llm_model"] or "",
             aggregate_every=o["aggregate_every"],
