@@ -11,6 +11,7 @@ SYNAPSE_LLM_API_KEY, or SYNAPSE_LLM_GGUF=path|"smollm2") and returns None when n
 
 from __future__ import annotations
 
+import math
 import os
 import re
 import threading
@@ -122,10 +123,15 @@ class OpenAICompatibleLLM:
         backoff: float = 0.2,
         temperature: float = 0.0,
         pause: float = 0.0,
+        call_seconds: float | None = None,
     ):
         """`pause`: seconds during which an endpoint found down (every attempt of a request
         failed to connect, timed out or answered 429/5xx) is not asked again: the callers fall
-        back at once, instead of each waiting through its own timeouts and retries."""
+        back at once, instead of each waiting through its own timeouts and retries.
+        `call_seconds`: how long one `complete` may take in all, its retries, their backoff and
+        the question asked again without JSON mode included (None: each attempt has the
+        timeout, so a call may take about (retries + 1) × timeout, twice that with the re-ask);
+        an endpoint that has not answered by then is down, as one whose attempts all failed."""
         self.base_url = base_url.rstrip("/")
         if not self.base_url.endswith("/v1"):
             self.base_url += "/v1"
@@ -135,6 +141,7 @@ class OpenAICompatibleLLM:
         self.backoff = backoff
         self.temperature = temperature
         self.pause = pause
+        self.call_seconds = call_seconds
         self._down: tuple[float, str] | None = None  # (until when, why) on `_clock`
         self._clock = time.monotonic
         if api_key and not api_key.isascii():  # httpx's UnicodeEncodeError, a traceback before
@@ -167,11 +174,12 @@ class OpenAICompatibleLLM:
         if json_schema is not None and not self.json_mode_refused:
             body["response_format"] = json_response_format(json_schema)
         url = f"{self.base_url}/chat/completions"
-        response = self._post(url, body)
+        deadline = None if self.call_seconds is None else time.monotonic() + self.call_seconds
+        response = self._post(url, body, deadline)
         if response.status_code in (400, 422) and "response_format" in body:
             refusal = f"HTTP {response.status_code} {response.text[:120]!r}"
             del body["response_format"]
-            response = self._post(url, body)
+            response = self._post(url, body, deadline)
             if response.status_code < 400:
                 # Answered without it: the server has no JSON mode (a refusal of the question
                 # itself is refused again, and leaves the JSON mode on).
@@ -192,12 +200,23 @@ class OpenAICompatibleLLM:
             raise LLMUnavailable(unreadable)
         return content or ""
 
-    def _attempt(self, url: str, body: dict) -> httpx.Response:
-        """One request, read whole within the timeout: httpx's timeout bounds each read, so an
-        endpoint sending its answer a byte at a time held the caller as long as it liked."""
+    def _attempt(self, url: str, body: dict, call_deadline: float | None) -> httpx.Response:
+        """One request, read whole within the timeout (and before `call_deadline`, the end of
+        the call's time): httpx's timeout bounds each read, so an endpoint sending its answer a
+        byte at a time held the caller as long as it liked."""
         limit = self._client.timeout.read
-        deadline = None if limit is None else time.monotonic() + limit
-        with self._client.stream("POST", url, json=body) as streamed:
+        now = time.monotonic()
+        deadline = None if limit is None else now + limit
+        timeout = self._client.timeout
+        if call_deadline is not None:
+            deadline = call_deadline if deadline is None else min(deadline, call_deadline)
+            # connecting and sending are bounded by what is left of the call too
+            left = max(call_deadline - now, 0.001)
+            timeout = httpx.Timeout(**{
+                part: left if t is None else min(t, left)
+                for part, t in timeout.as_dict().items()
+            })
+        with self._client.stream("POST", url, json=body, timeout=timeout) as streamed:
             parts = []
             for part in streamed.iter_bytes():
                 parts.append(part)
@@ -211,21 +230,31 @@ class OpenAICompatibleLLM:
                 request=streamed.request,
             )
 
-    def _post(self, url: str, body: dict) -> httpx.Response:
+    def _post(self, url: str, body: dict, deadline: float | None = None) -> httpx.Response:
         """The server's response, retried with backoff on timeouts, connection errors, 429 and
-        5xx; LLMUnavailable when every attempt failed so (and, for `pause` seconds after,
+        5xx while the call has time left (`deadline`, on time.monotonic); LLMUnavailable when
+        every attempt failed so or the call's time ran out (and, for `pause` seconds after,
         without asking), or when the answer cannot be read."""
         down, now = self._down, self._clock()
         if down is not None and now < down[0]:
             raise LLMUnavailable(f"{down[1]}; not asked again for {down[0] - now:.0f} s")
-        last = ""
+        last, attempts = "", 0
         for attempt in range(self.retries + 1):
             if attempt:
-                time.sleep(self.backoff * 2 ** (attempt - 1))
+                wait = self.backoff * 2 ** (attempt - 1)
+                if deadline is not None and time.monotonic() + wait >= deadline:
+                    break
+                time.sleep(wait)
+            if deadline is not None and time.monotonic() >= deadline:
+                break
+            attempts += 1
             try:
-                response = self._attempt(url, body)
+                response = self._attempt(url, body, deadline)
             except httpx.TimeoutException:
-                last = f"no answer within {self._client.timeout.read}s"
+                cut = deadline is not None and time.monotonic() >= deadline
+                last = "no answer before the call's time ran out" if cut else (
+                    f"no answer within {self._client.timeout.read}s"
+                )
                 continue
             except httpx.TransportError as exc:
                 last = f"cannot connect ({exc.__class__.__name__})"
@@ -239,8 +268,15 @@ class OpenAICompatibleLLM:
                 continue
             self._down = None
             return response
+        spent = (
+            f" (the call's time, {self.call_seconds:g} s, SYNAPSE_LLM_CALL_SECONDS, ran out)"
+            if attempts < self.retries + 1 else ""
+        )
+        if not attempts:  # the time ran out before (the question asked again without JSON mode)
+            last = "no time left to ask"
         reason = (
-            f"LLM endpoint {url} is down: {last} after {self.retries + 1} attempts; "
+            f"LLM endpoint {url} is down: {last} after {attempts} attempt"
+            f"{'s' if attempts != 1 else ''}{spent}; "
             "check the endpoint's URL (the server's SYNAPSE_LLM_BASE_URL, synapse-client's "
             "--llm-url) or route without an LLM"
         )
@@ -342,6 +378,20 @@ class BudgetedLLM:
             raise
 
 
+def _env_seconds(name: str, default: float) -> float:
+    """A number of seconds ≥ 0 from the environment (unset or empty: `default`); anything else
+    is LLMUnavailable naming the variable (the client toolkit reads these without the server's
+    settings, which check them at start-up)."""
+    raw = os.environ.get(name, "").strip()
+    try:
+        value = float(raw) if raw else float(default)
+    except ValueError:
+        value = math.nan
+    if not math.isfinite(value) or value < 0:
+        raise LLMUnavailable(f"{name} must be a number of seconds ≥ 0, not {raw!r}")
+    return value
+
+
 def get_llm(
     base_url: str | None = None, model: str | None = None, api_key: str | None = None
 ) -> LLMBackend | None:
@@ -352,8 +402,13 @@ def get_llm(
     if base_url:
         # An endpoint found down is not asked again for SYNAPSE_LLM_PAUSE_SECONDS (30; set to
         # nothing: 30 too, as the settings read it).
-        pause = float(os.environ.get("SYNAPSE_LLM_PAUSE_SECONDS", "").strip() or 30)
-        return OpenAICompatibleLLM(base_url, model, api_key, pause=pause)
+        pause = _env_seconds("SYNAPSE_LLM_PAUSE_SECONDS", 30)
+        # One question (a routing decision) is given up after SYNAPSE_LLM_CALL_SECONDS (20) in
+        # all; 0: no limit but the timeout of each attempt.
+        call = _env_seconds("SYNAPSE_LLM_CALL_SECONDS", 20)
+        return OpenAICompatibleLLM(
+            base_url, model, api_key, pause=pause, call_seconds=call if call > 0 else None
+        )
     gguf = os.environ.get("SYNAPSE_LLM_GGUF", "")
     if gguf:
         return LlamaCppLLM(smollm2_gguf_path() if gguf == "smollm2" else gguf)

@@ -895,3 +895,56 @@ def test_route_command_says_which_llm_api_key_cannot_be_sent(tmp_path, monkeypat
         args.func(args)
     message = str(exit_.value.code)
     assert "SYNAPSE_LLM_API_KEY" in message and "ключ" not in message and "\n" not in message
+
+
+def test_one_llm_question_is_given_up_when_its_call_time_runs_out(engine, monkeypatch):
+    """An endpoint that never answers held one routing request through every attempt's timeout
+    and the backoff between them ((retries + 1) × timeout, twice that when the question was asked
+    again without JSON mode): 60 s at the defaults. `call_seconds` bounds the whole question; the
+    decision falls back to fusion, saying the call's time ran out, and get_llm gives the served
+    router SYNAPSE_LLM_CALL_SECONDS."""
+    import threading
+    import time
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    from routing.llm import LLMUnavailable, get_llm
+
+    stop = threading.Event()
+    asked = []
+
+    class Silent(BaseHTTPRequestHandler):
+        def do_POST(self):  # noqa: N802
+            self.rfile.read(int(self.headers["Content-Length"]))
+            asked.append(time.monotonic())
+            stop.wait(10)
+
+        def log_message(self, *args):
+            pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Silent)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    url = f"http://127.0.0.1:{server.server_address[1]}"
+    try:
+        llm = OpenAICompatibleLLM(url, retries=4, timeout=1.0, backoff=0.05, call_seconds=1.5)
+        router = Router(_currency_compendium(False), engine, "llm", params=RoutingParams(), llm=llm)
+        started = time.monotonic()
+        decision = router.route("Convert 100 US dollars into euros")
+        took = time.monotonic() - started
+        assert took < 2.5, took  # five attempts of 1 s each before
+        assert decision.reranker == "fusion" and decision.tool == "fx"
+        assert "after 2 attempts" in decision.fallback_reason
+        assert "SYNAPSE_LLM_CALL_SECONDS" in decision.fallback_reason
+
+        monkeypatch.setenv("SYNAPSE_LLM_CALL_SECONDS", "7.5")
+        assert get_llm(url).call_seconds == 7.5
+        monkeypatch.setenv("SYNAPSE_LLM_CALL_SECONDS", "0")
+        assert get_llm(url).call_seconds is None
+        monkeypatch.delenv("SYNAPSE_LLM_CALL_SECONDS")
+        assert get_llm(url).call_seconds == 20
+        monkeypatch.setenv("SYNAPSE_LLM_CALL_SECONDS", "soon")
+        with pytest.raises(LLMUnavailable, match="SYNAPSE_LLM_CALL_SECONDS must be a number"):
+            get_llm(url)
+    finally:
+        stop.set()
+        server.shutdown()
+        server.server_close()
