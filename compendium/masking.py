@@ -171,10 +171,17 @@ _OBFUSCATED_MAIL = (
 # "admin:hunter@dbserver") and a handle ("@john_smith", "@jane.doe"): the "@" was punctuation and
 # the lower-case name beside it a common word. A host or a handle holds a letter ("2@3.99", "@5"
 # stay as they are), and an "@" with a space after it is not one.
+_HOST_ADDRESS = r"[\w.%+\-]{1,64}+@[^\W\d_](?:[^\W_]|-){0,62}+(?![\w@])"
 _BARE_ADDRESS = (
-    r"[\w.%+\-]{1,64}+@[^\W\d_](?:[^\W_]|-){0,62}+(?![\w@])"
-    r"|(?<![\w.%+\-@])@(?=[\w.\-]{0,63}[^\W\d_])\w(?:[\w.\-]{0,62}\w)?+(?![\w@])"
+    _HOST_ADDRESS
+    + r"|(?<![\w.%+\-@])@(?=[\w.\-]{0,63}[^\W\d_])\w(?:[\w.\-]{0,62}\w)?+(?![\w@])"
 )
+# What the server's scrub of unmasked text (compendium.scrub, for rounds at λ = 0) shares: an
+# e-mail address written to dodge filters, one on a host without a top-level domain, and a
+# number spelled out in number words.
+OBFUSCATED_MAIL_PATTERN = _OBFUSCATED_MAIL
+HOST_ADDRESS_PATTERN = _HOST_ADDRESS
+NUMBER_WORD_PATTERN = _NUMBER_WORD
 # A URL: after any scheme ("ftp://fileserver/john", "file:///home/...", not only http(s)://), after
 # www., a domain ending in a common top-level domain in any case ("EXAMPLE.COM"), or a domain with
 # any top-level domain followed by a path ("my.blog/posts/john-smith", "best.pizza/order?id=..."):

@@ -2,9 +2,11 @@
 
 Clients mask their text before it leaves them; the server checks on arrival what it can of that
 masking (`masking_residue`: what masking at the round's λ removes from any text, whatever the
-client's log, must not be there) and still removes what is obviously personal: e-mail addresses,
-payment card numbers (Luhn-checked), phone numbers and long digit strings (account, ID or order
-numbers, also written a digit at a time). Each is replaced by a bracketed tag.
+client's log, must not be there) and still removes what is obviously personal: e-mail addresses
+(also written to dodge filters, "john(at)example(dot)org", or on a host without a top-level
+domain), payment card numbers (Luhn-checked), phone numbers and long digit strings (account, ID or
+order numbers, also written a digit at a time, in digits or in words). Each is replaced by a
+bracketed tag.
 """
 
 from __future__ import annotations
@@ -14,7 +16,12 @@ from collections import Counter
 from collections.abc import Iterator
 from dataclasses import dataclass
 
-from compendium.masking import TextMasker, normalized
+from compendium.masking import (
+    HOST_ADDRESS_PATTERN,
+    OBFUSCATED_MAIL_PATTERN,
+    TextMasker,
+    normalized,
+)
 from compendium.schema import AnnexTriple, Compendium, Precaution, PromptTemplate, Scenario
 from compendium.validation import Violation
 
@@ -31,8 +38,33 @@ LONG_DIGITS = re.compile(r"(?<!\d)\d{8,}(?!\d)")
 # A number written a digit at a time ("ssn 1 2 3 4 5 6 7 8 9"): 6 or more single digits split by
 # a space, dot or dash (masking leaves one-character tokens alone).
 SPACED_DIGITS = re.compile(r"(?<![\w.-])\d(?:[ .-]\d){5,}(?![\w])")
+# An e-mail address written to dodge filters ("john(at)example(dot)org", "john @ example . com",
+# "john dot smith at gmail dot com") or on a host without a top-level domain (the
+# "hunter@dbserver" of "admin:hunter@dbserver"), as masking reads them: the round's λ = 0 let them
+# through the client, and EMAIL did not know them.
+DODGED_EMAIL = re.compile(OBFUSCATED_MAIL_PATTERN + "|" + HOST_ADDRESS_PATTERN)
+# A number spelled a digit at a time in words, or words and digits ("four eight two one five
+# six", "4 eight 2 one 5 six", "Nine-Zero-Seven-..."): 6 or more, as SPACED_DIGITS, at least one
+# a word (digits alone are SPACED_DIGITS's; "pages 1, 2, 3, 4, 5, 6" stays).
+_DIGIT_WORDS = ("zero", "one", "two", "three", "four", "five", "six", "seven", "eight", "nine")
+_DIGIT_ITEM = r"(?:" + "|".join(_DIGIT_WORDS) + r"|\d)"
+SPELLED_DIGITS = re.compile(
+    r"(?<!\w)(?i:" + _DIGIT_ITEM + r"(?:(?:[ \t]{1,3}|[ \t]{0,3}[,\-][ \t]{0,3})" + _DIGIT_ITEM
+    + r"){5,})(?!\w)"
+)
 
-_MAY_CONTAIN = re.compile(r"[\d@]")
+_MAY_CONTAIN = re.compile(r"[\d@]")  # without either, only DODGED_EMAIL and SPELLED_DIGITS can
+
+
+def _may_dodge(text: str, low: str) -> bool:
+    """Whether `text` (`low` its lower case) has what DODGED_EMAIL needs: an "@", a "dot", or
+    an "at" with a bracket (substring tests: the pattern itself is slow to try everywhere)."""
+    return "@" in text or "dot" in low or ("at" in low and any(b in text for b in "([{<"))
+
+
+def _may_spell(low: str) -> bool:
+    return any(word in low for word in _DIGIT_WORDS)
+
 
 TAGS = {"email": "[email]", "card": "[card]", "phone": "[phone]", "number": "[number]"}
 
@@ -60,11 +92,14 @@ class ScrubResult:
 
 
 def scrub_text(text: str) -> ScrubResult:
-    """Replace e-mail addresses, card numbers, phone numbers and long digit strings, in the
-    text's NFKC form (a full-width ＠, a card grouped by no-break spaces)."""
+    """Replace e-mail addresses (plain, written to dodge filters, or on a host without a
+    top-level domain), card numbers, phone numbers and long digit strings (in digits or spelled
+    a digit at a time in words), in the text's NFKC form (a full-width ＠, a card grouped by no-break spaces)."""
     counts = {"email": 0, "card": 0, "phone": 0, "number": 0}
     text = normalized(text)
-    if not _MAY_CONTAIN.search(text):
+    low = text.lower()
+    dodge, spell = _may_dodge(text, low), _may_spell(low)
+    if not (dodge or spell or _MAY_CONTAIN.search(text)):
         return ScrubResult(text, counts)
 
     def email(m: re.Match) -> str:
@@ -88,11 +123,20 @@ def scrub_text(text: str) -> ScrubResult:
         counts["number"] += 1
         return TAGS["number"]
 
+    def spelled(m: re.Match) -> str:
+        if not any(ch.isalpha() for ch in m.group()):
+            return m.group()
+        return number(m)
+
     text = EMAIL.sub(email, text)
+    if dodge:
+        text = DODGED_EMAIL.sub(email, text)
     text = CARD.sub(card, text)
     text = PHONE.sub(phone, text)
     text = LONG_DIGITS.sub(number, text)
     text = SPACED_DIGITS.sub(number, text)
+    if spell:
+        text = SPELLED_DIGITS.sub(spelled, text)
     return ScrubResult(text, counts)
 
 

@@ -20,6 +20,14 @@ from compendium.scrub import scrub_compendium, scrub_text
         # written a digit at a time (masking leaves one-character tokens alone)
         ("ssn 1 2 3 4 5 6 7 8 9 please", "ssn [number] please", "number"),
         ("code 4-7-1-9-2-2", "code [number]", "number"),
+        # the forms masking removes and a round at λ = 0 let through the client whole
+        ("write john(at)example(dot)org today", "write [email] today", "email"),
+        ("write john @ example . com today", "write [email] today", "email"),
+        ("mail john dot smith at gmail dot com now", "mail [email] now", "email"),
+        ("log in as admin:hunter@dbserver", "log in as admin:[email]", "email"),
+        ("my pin is four eight two one five six", "my pin is [number]", "number"),
+        ("ssn 4 eight 2 one, 5 six 7", "ssn [number]", "number"),
+        ("call Nine-Zero-Seven-Five-Five-Five", "call [number]", "number"),
     ],
 )
 def test_personal_data_is_replaced(text, expected, kind):
@@ -40,6 +48,11 @@ def test_personal_data_is_replaced(text, expected, kind):
         "rate it 4 5 stars",
         "version 1.2.3 of the app",
         "top 5 movies of 2023",
+        "one or two tickets for three people at four",
+        "pages 1, 2, 3, 4, 5, 6 of the report",
+        "meet me at the dot com museum",
+        "stocks at the dot com bubble",
+        "email (at) most one person",
     ],
 )
 def test_ordinary_text_is_left_alone(text):
