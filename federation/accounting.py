@@ -32,7 +32,7 @@ from django.conf import settings
 from django.db.models import Count, Sum
 
 from federation.merge.privacy import Composition, compose, round_spend
-from federation.models import PrivacyLedgerEntry, Round
+from federation.models import Organization, PrivacyLedgerEntry, Round
 from federation.round_config import RoundConfig
 
 # Rounds that will still release numeric statistics without a further operator decision.
@@ -338,7 +338,9 @@ class PrivacyReport:
     reserved: dict[int, float]  # round id: projected ε of a round without ledger rows
 
     def as_dict(self) -> dict:
+        """Rounds by their number and organizations by their slug, as an operator names them."""
         numbers = dict(Round.objects.filter(pk__in=self.reserved).values_list("pk", "number"))
+        slugs = dict(Organization.objects.filter(pk__in=self.organizations).values_list("pk", "slug"))
         return {
             "epsilon_budget": self.budget,
             "federation": self.federation.as_dict(),
@@ -346,7 +348,9 @@ class PrivacyReport:
             "reserved_by_round": {
                 str(numbers.get(k, k)): v for k, v in sorted(self.reserved.items())
             },
-            "organizations": {k: v.as_dict() for k, v in self.organizations.items()},
+            "organizations": {
+                slugs.get(k, str(k)): v.as_dict() for k, v in self.organizations.items()
+            },
         }
 
 

@@ -298,6 +298,11 @@ def test_a_round_with_ledger_rows_is_counted_once(world):
     assert report.federation.basic_epsilon == pytest.approx(1.0)  # recorded in the ledger
     assert report.committed.basic_epsilon == pytest.approx(1.5)  # plus the reservation
     assert report.as_dict()["reserved_by_round"] == {"2": pytest.approx(0.5)}
+    # organizations by their slug, as the operator knows them (their database ids before)
+    by_org = report.as_dict()["organizations"]
+    assert set(by_org) == {world.org_a.slug, world.org_b.slug}
+    assert by_org[world.org_a.slug]["basic_epsilon"] == pytest.approx(1.0)
+    assert by_org[world.org_b.slug]["basic_epsilon"] == pytest.approx(0.75)
     assert accounting.would_exceed()[1].basic_epsilon == pytest.approx(1.5)
     assert accounting.would_exceed(RoundConfig(epsilon=0.25))[1].basic_epsilon == pytest.approx(1.75)
 
