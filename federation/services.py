@@ -258,9 +258,10 @@ def audit(
 
 # Audit details for an organization's admins and the operator only: a read-only member sees its
 # colleagues and their roles, not their e-mail addresses or sign-in times (as in the people list
-# and API), at whatever depth an entry holds them (a login changed in the Django admin keeps its
-# fields under `changes` and `login`).
-ADMIN_ONLY_AUDIT_DETAILS = frozenset({"email", "last_login"})
+# and API), nor whom to reach about a client (its contact, an enrollment's detail, as in the
+# client list), at whatever depth an entry holds them (a login changed in the Django admin keeps
+# its fields under `changes` and `login`).
+ADMIN_ONLY_AUDIT_DETAILS = frozenset({"email", "last_login", "contact"})
 
 
 def _plain(value):

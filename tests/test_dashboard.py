@@ -304,11 +304,55 @@ def test_compendium_page_says_what_the_server_merge_summarizer_did(member_client
     MergeRecord.objects.create(round=Round.objects.get(number=2), stats={
         "summarizer": "llm-single-shot", "summaries": {"llm-single-shot": 3, "probe-extractive": 1},
         "summarizer_fallbacks": [{"summarizer": "llm-single-shot", "tool_id": "weather",
-                                  "reason": "LLM answer has no non-empty 'summary' string"}]})
+                                  "reason": "LLM answer has no non-empty 'summary' string",
+                                  "kind": "unusable answer"}]})
     page = member_client.get(reverse("dashboard:compendium"), {"round": 2}).content.decode()
     said = re.search(r'<span id="merge-summaries">(.*?)</span></p>', page, re.S).group(1)
     assert "summarized 4 clusters of more than one text with llm-single-shot" in said
-    assert "3 by the LLM, 1 fell back" in said and "no non-empty" in said
+    # the cause, not the reason (which may quote the LLM's answer: the operator's alone)
+    assert "3 by the LLM, 1 fell back" in said and 'title="unusable answer"' in said
+
+
+def test_the_server_merge_s_fallback_reason_quoting_an_llm_answer_is_the_operator_s(client, federation):
+    """A summarizer's fallback reason quotes the LLM's answer ("LLM answer is not JSON: '...'"),
+    and a model answering in prose repeats the cluster's texts, which in the server merge come
+    from several organizations' edges (as the server merge's conflicts do, which only the
+    operator sees). The Compendium page showed every signed-in person the server merge's most
+    frequent reason: another organization's edge text that the global does not publish. Anyone
+    but the operator now reads the cause (`kind`), not the quote."""
+    from compendium.schema import Schema, ToolSpec
+    from federation.merge import MergeInput, server_merge
+    from federation.merge.llm import OpenAICompatibleLLM
+    from federation.models import MergeRecord, Round
+    from federation.round_config import RoundConfig
+    from routing.embeddings import get_engine
+    from tests.chat_server import ChatServer
+
+    schema = Schema(tools=[ToolSpec(tool_id="weather", description="Weather forecasts for a city")])
+    edge_text = {"acme": ["Will it rain tomorrow in the city?", "Will it rain tomorrow in this city?"],
+                 "globex": ["Will it rain tomorrow in our city, Springfield?"]}
+    edges = [MergeInput(org, {"schema_version": "1.0", "scenarios": [
+        {"tool_id": "weather", "text": text, "preconditions": {}} for text in texts]})
+        for org, texts in edge_text.items()]
+    quoted = edge_text["globex"][0]
+    # A model that ignores "answer only with JSON" and lists what it was given.
+    server = ChatServer(default=f"Sure. They all ask: {quoted}")
+    try:
+        result = server_merge(edges, schema, RoundConfig(summarizer="llm-single-shot", tau=0.5),
+                              embed=get_engine().embed, llm=OpenAICompatibleLLM(server.url))
+    finally:
+        server.close()
+    published = {s.text for s in result.compendium.scenarios}
+    assert quoted not in published  # the global publishes another text of the cluster
+    assert quoted in result.stats.summarizer_fallbacks[0]["reason"]
+    MergeRecord.objects.create(round=Round.objects.get(number=2), stats=result.stats.as_dict())
+    for username, sees in (("member", False), ("operator", True)):
+        assert client.login(username=username, password=PASSWORD)
+        page = client.get(reverse("dashboard:compendium"), {"round": 2}).content.decode()
+        said = re.search(r'<span id="merge-summaries">(.*?)</span></p>', page, re.S).group(1)
+        assert "fell back" in said
+        assert (html.escape(quoted) in page) is sees, username
+        assert ("unusable answer" in said) is not sees, username
 
 
 def test_operator_sees_unpublished_global_result(operator_client):

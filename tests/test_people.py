@@ -688,3 +688,34 @@ def test_a_read_only_member_reads_no_colleagues_sign_in_address_in_a_lock_entry(
         assert entry["target_label"] == "admin_a" and entry["details"]["scope"] == "username"
         for shown in (body, csv_text, json.dumps(entry)):
             assert ("203.0.113.45" in shown) is sees, user
+
+
+def test_a_client_s_contact_is_for_the_organization_s_admins_and_the_operator(client, world):
+    """A client's contact is whom to reach about the machine, an e-mail address (254 characters,
+    as a login's), and a colleague's e-mail address is for the organization's admins and the
+    operator: a read-only member read it anyway in the client list and detail of the API, on the
+    organization's page and in the audit log's client.enroll entry (page, CSV and API)."""
+    enrolled = services.enroll_client(
+        world.actor(world.admin_a), world.org_a, "lab-9", contact="lab9-owner@a.example"
+    )
+    organization_page = reverse("dashboard:organization", args=["org-a"])
+    audit_page, csv_url = reverse("dashboard:audit"), reverse("dashboard:audit") + "?format=csv"
+    for user, sees in ((world.member_a, False), (world.admin_a, True), (world.operator, True)):
+        api = person_api(user)
+        listed = {c["name"]: c for c in api.get("/api/v1/admin/clients/").json()["results"]}
+        detail = api.get(f"/api/v1/admin/clients/{enrolled.pk}/").json()
+        for shown in (listed["lab-9"], detail):
+            assert shown["contact"] == ("lab9-owner@a.example" if sees else None), user
+            assert shown["name"] == "lab-9"  # the client itself is still listed
+        (entry,) = api.get("/api/v1/admin/audit/?action=client.enroll&target_type=client").json()[
+            "results"
+        ][:1]
+        assert entry["details"]["name"] == "lab-9"
+        assert ("contact" in entry["details"]) is sees, user
+        client.force_login(user)
+        page = client.get(organization_page).content.decode()
+        assert "lab-9" in page
+        body = client.get(audit_page).content.decode()
+        csv_text = b"".join(client.get(csv_url).streaming_content).decode()
+        for text in (page, body, csv_text):
+            assert ("lab9-owner@a.example" in text) is sees, user

@@ -255,6 +255,11 @@ class RenameOrganizationSerializer(serializers.Serializer):
 
 class ClientSerializer(serializers.ModelSerializer):
     organization = serializers.SlugRelatedField(slug_field="slug", read_only=True)
+    contact = serializers.CharField(
+        read_only=True, allow_null=True,
+        help_text="whom to reach about the client (an e-mail address): for the organization's "
+        "admins and the operator; null for a read-only member",
+    )
     token_prefix = serializers.SerializerMethodField()
     token_issued_at = serializers.SerializerMethodField()
 
@@ -271,6 +276,20 @@ class ClientSerializer(serializers.ModelSerializer):
             "token_prefix",
             "token_issued_at",
         ]
+
+    def to_representation(self, instance):
+        """A read-only member sees its organization's clients, not whom to reach about each (a
+        person's e-mail address, as a colleague's in the people list): that is for its admins and
+        the operator."""
+        from federation.services import Actor, can_admin
+
+        data = super().to_representation(instance)
+        request = self.context.get("request")
+        if request is not None and not can_admin(
+            Actor.for_user(request.user), instance.organization_id
+        ):
+            data["contact"] = None
+        return data
 
     def _token(self, obj):
         try:

@@ -709,24 +709,28 @@ def organization_page(organization, actor) -> OrganizationPage:
     return page
 
 
-def server_merge_summaries(version: CompendiumVersion) -> dict | None:
+def server_merge_summaries(version: CompendiumVersion, *, operator: bool) -> dict | None:
     """What the server merge's summarizer did for this global (`_summary_figures`), or None
-    without a record of it."""
+    without a record of it. A fallback's reason can quote the LLM's answer, and an answer in
+    prose repeats the cluster's texts, which in the server merge come from several
+    organizations' edges (as its conflicts' do): the operator reads the reason, anyone else its
+    cause (the fallback's `kind`, such as "unusable answer")."""
     from federation.models import MergeRecord
 
     record = MergeRecord.objects.filter(round=version.round, organization__isnull=True).first()
     if record is None:
         return None
     not_released = not_released_fields(Round.objects.filter(pk=version.round_id))
-    return {**_summary_figures(record.stats), "conflicts": record.stats.get("conflicts") or 0,
+    return {**_summary_figures(record.stats, reason="reason" if operator else "kind"),
+            "conflicts": record.stats.get("conflicts") or 0,
             "stats_withheld": record.stats.get("stats_withheld") or 0,
             "fields_not_released": not_released[0][1] if not_released else []}
 
 
-def _summary_figures(stats: dict) -> dict:
+def _summary_figures(stats: dict, reason: str = "reason") -> dict:
     """What a merge's summarizer did (`summary_counts`), which summarizer it was, and the most
-    frequent reason it fell back."""
-    reasons = Counter(f.get("reason", "") for f in stats.get("summarizer_fallbacks") or [])
+    frequent reason it fell back (or, with `reason="kind"`, the most frequent cause)."""
+    reasons = Counter(f.get(reason, "") for f in stats.get("summarizer_fallbacks") or [])
     return {
         **summary_counts(stats),
         "summarizer": stats.get("summarizer") or None,

@@ -113,7 +113,9 @@ class CompendiumView(DashboardView):
         )
         if self.version is None:
             return context
-        context["merge_summaries"] = services.server_merge_summaries(self.version)
+        context["merge_summaries"] = services.server_merge_summaries(
+            self.version, operator=self.is_operator
+        )
         if tab == "annex":
             context["page_obj"] = services.annex_page(
                 self.version, query=query, page=params.get("page")
