@@ -1423,3 +1423,34 @@ def test_an_llm_summary_with_a_forbidden_character_falls_back(schema, embed, bad
     kinds = [f.get("kind") for f in result.stats.summarizer_fallbacks
              if f["summarizer"] == "llm-single-shot"]
     assert "unusable answer" in kinds
+
+
+def test_is_consistent_probes_every_pair_not_only_against_the_center():
+    """IsConsistent (paper, App. "Edge Merge Operator"): a cluster is consistent iff the LLM
+    probe finds *every pair* of its members consistent. Two members that each agree with the
+    cluster's center but contradict each other ("use it when depth > 4" and "do not use it when
+    depth > 4") made a consistent cluster when only member-center pairs were probed: the two
+    were summarized into one scenario and no conflict was logged."""
+    vectors = np.array([[1.0, 0.0], [0.95, 0.312], [0.95, -0.312]])
+    vectors /= np.linalg.norm(vectors, axis=1, keepdims=True)
+    texts = ["integrate symbolically", "integrate when depth > 4", "not when depth > 4"]
+    members = [Item(f"c{i}", "wolfram", text, {}, 1, vectors[i]) for i, text in enumerate(texts)]
+    contradicting = {frozenset(texts[1:])}
+    asked = []
+
+    def probe(a: str, b: str) -> bool:
+        asked.append(frozenset((a, b)))
+        return frozenset((a, b)) not in contradicting
+
+    decision = decide_cluster(members, probe=probe)
+    assert set(asked) == {frozenset(p) for p in
+                          [(texts[0], texts[1]), (texts[0], texts[2]), (texts[1], texts[2])]}
+    assert not decision.consistent
+    assert "LLM probe" in decision.reason
+    # the two that contradict each other are never merged together: one of them dissents
+    assert len(decision.dissenters) == 1 and decision.dissenters[0] in (1, 2)
+    assert 0 in decision.agreeing
+    # identical texts (copies from several sources) are one statement: no pair of them is asked
+    asked.clear()
+    copies = [Item(f"d{i}", "wolfram", texts[0], {}, 1, vectors[0]) for i in range(3)]
+    assert decide_cluster(copies, probe=probe).consistent and asked == []
