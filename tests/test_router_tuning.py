@@ -177,6 +177,42 @@ def test_a_global_superseded_while_it_is_tuned_keeps_no_router_and_retires_none(
     assert [p.name for p in (settings.DATA_DIR / "routers").iterdir()] == [Path(served.directory).name]
 
 
+@pytest.mark.django_db(transaction=True)  # each write commits, as in a worker
+def test_a_global_merged_again_while_it_is_tuned_is_gone_not_an_error(data, settings, monkeypatch):
+    """An erasure merges the served global's round again while its router is tuned: the version
+    is deleted, and its TunedRouter row with it (cascade). The tuning that finishes after
+    answers None (gone, as the task and the command say), keeps no folder, and neither inserts
+    the row again for a version that no longer exists (an IntegrityError in the worker) nor
+    fails: the new global's own tuning is queued by its publication."""
+    import routing.finetune
+    from compendium.models import CompendiumVersion
+    from workers.tasks import tune_router_task
+
+    _, first = _publish(data, 1)
+    tune = routing.finetune.tune_router
+
+    def tune_while_an_erasure_merges_again(*args, **kwargs):
+        tuned = tune(*args, **kwargs)
+        CompendiumVersion.objects.filter(pk=first.pk).delete()  # what the erasure commits
+        return tuned
+
+    monkeypatch.setattr(routing.finetune, "tune_router", tune_while_an_erasure_merges_again)
+    assert tune_published_router(first.pk, 1) is None
+    assert not TunedRouter.objects.exists()
+    routers = settings.DATA_DIR / "routers"
+    assert not routers.exists() or list(routers.iterdir()) == []
+
+    _, second = _publish(data, 2)
+
+    def fail_while_an_erasure_merges_again(*args, **kwargs):
+        CompendiumVersion.objects.filter(pk=second.pk).delete()
+        raise RuntimeError("out of memory")
+
+    monkeypatch.setattr(routing.finetune, "tune_router", fail_while_an_erasure_merges_again)
+    assert tune_router_task(second.pk, 1) == {"version": second.pk, "state": "gone"}
+    assert not TunedRouter.objects.exists()
+
+
 def test_a_second_tuning_of_the_same_router_does_not_start_while_one_runs(data, capsys):
     """Another process holds the global's tuning (here: a second database session holding its
     lock): a tuning asked for meanwhile, by the worker's task or the command, does not start and
