@@ -54,6 +54,24 @@ def _holding_the_tuning_lock(version):
     return other
 
 
+def _gone(other) -> None:
+    """Close the session of `_holding_the_tuning_lock` and wait until the server has ended it:
+    closing returns as soon as the goodbye is sent, and the server process releases the
+    session's locks as it exits, a moment later (a try-lock right after could still fail)."""
+    import time
+
+    from django.db import connection
+
+    pid = other.info.backend_pid
+    other.close()
+    for _ in range(1000):
+        with connection.cursor() as cursor:
+            cursor.execute("SELECT count(*) FROM pg_locks WHERE pid = %s", [pid])
+            if not cursor.fetchone()[0]:
+                return
+        time.sleep(0.01)
+
+
 def test_publishing_tunes_the_router_and_the_routing_api_switches_to_it(data, settings):
     round_, version = _publish(data)
     before = services.route_query(data["queries"][0])
@@ -234,7 +252,7 @@ def test_a_second_tuning_of_the_same_router_does_not_start_while_one_runs(data, 
         with pytest.raises(CommandError, match="being tuned by another process"):
             call_command("tune_router", "--epochs", "1")
     finally:
-        other.close()  # the holder goes away: the server releases its lock
+        _gone(other)  # the holder goes away: the server releases its lock
     record = tune_published_router(version.pk, 1)
     assert record.state == TunedRouter.State.READY
 
@@ -318,7 +336,7 @@ def test_giving_up_a_tuning_removes_what_killed_runs_left_unless_one_still_runs(
         running = tuning.give_up_tuning(version.pk, "worker lost 3 times")
         assert running.state == record.state and leftover.is_dir()  # left to the running one
     finally:
-        other.close()
+        _gone(other)
     given_up = tuning.give_up_tuning(version.pk, "worker lost 3 times")
     assert given_up.state == TunedRouter.State.FAILED and given_up.detail == "worker lost 3 times"
     assert not leftover.exists()
@@ -348,7 +366,7 @@ def test_a_lost_tuning_is_queued_again_by_the_beat_check_and_given_up_after_the_
     try:
         assert tuning.requeue_lost_tuning(3600) is None  # a process is tuning it after all
     finally:
-        other.close()
+        _gone(other)
     again = tuning.requeue_lost_tuning(3600)
     assert again.state == TunedRouter.State.QUEUED and again.requeues == 1
     assert again.queued_at > an_hour_ago
