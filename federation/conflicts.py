@@ -152,7 +152,15 @@ def decide_conflict(
     # to lock both read "no decision yet", and the second audited the same decision again. Locked
     # before the later rounds: an erasure that merges this round's log again holds the row to its
     # end and goes on to lock the later rounds, so a decision waiting for the row holds none.
-    list(ConflictLogEntry.objects.select_for_update().filter(pk=conflict.pk).values_list("pk"))
+    if not list(ConflictLogEntry.objects.select_for_update().filter(pk=conflict.pk).values_list("pk")):
+        # A merge of the log again (an erasure) deleted the row `conflict` was read from, before
+        # this request or while it waited for the lock: its texts may be an erased client's,
+        # and a decision on it would store one again after the erasure. Log rows are never
+        # updated, only replaced, so a row still there is the one read.
+        raise Conflict(
+            "this conflict's log was merged again (an erasure) since it was read: reload the "
+            "conflicts and decide on the log as it stands"
+        )
     _still_decidable(conflict)
     text = " ".join((text or "").split())
     schema = current_schema()

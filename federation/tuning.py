@@ -82,15 +82,19 @@ def _folder(version: CompendiumVersion, routers: Path) -> Path:
     return routers / f"{_folder_prefix(version)}{secrets.token_hex(4)}"
 
 
-def _finish(record: TunedRouter, state: str, detail: str = "", **fields) -> TunedRouter:
-    record.state = state
-    record.detail = detail[:2000]
-    record.finished_at = timezone.now()
-    record.requeues = 0
+def _written(record: TunedRouter, **fields) -> TunedRouter | None:
+    """`fields` set on `record` and written over its row; None when the row is gone: its global
+    was deleted meanwhile (an erasure merged its round again, or deleted its global), and the row
+    with it (cascade). `save()` would insert the row again for a version that no longer exists,
+    an IntegrityError in the worker."""
     for name, value in fields.items():
         setattr(record, name, value)
-    record.save()
-    return record
+    return record if TunedRouter.objects.filter(pk=record.pk).update(**fields) else None
+
+
+def _finish(record: TunedRouter, state: str, detail: str = "", **fields) -> TunedRouter | None:
+    return _written(record, state=state, detail=detail[:2000], finished_at=timezone.now(),
+                    requeues=0, **fields)
 
 
 def queue_tuning(version: CompendiumVersion, epochs: int) -> TunedRouter:
@@ -162,8 +166,8 @@ def tune_published_router(
     """Tune the routing encoder on the published global `version_id` (`epochs`, default
     SYNAPSE_ROUTER_TUNE_EPOCHS, at least 1). Returns its TunedRouter row: `ready`, `skipped`
     (it is no longer the served global) or `failed` (with the reason); None when the version no
-    longer exists (a re-materialized round replaced it). `force`: tune again even when ready.
-    `routers`: the folder that holds the tuned routers (default `routers_dir()`; a simulation's
+    longer exists (a re-materialized round replaced it, before or while it was tuned). `force`:
+    tune again even when ready. `routers`: the folder that holds the tuned routers (default `routers_dir()`; a simulation's
     scratch federation keeps its own, away from the operator's)."""
     epochs = epochs if epochs is not None else tune_epochs()
     if epochs < 1:
@@ -212,7 +216,7 @@ def _tuning_lock(version_id: int):
 
 def _tune_locked(
     version: CompendiumVersion, epochs: int, force: bool, routers: Path | None
-) -> TunedRouter:
+) -> TunedRouter | None:
     record = queue_tuning(version, epochs)
     folder = Path(record.directory) if record.directory else None
     ready = record.state == TunedRouter.State.READY and folder is not None and folder.is_dir()
@@ -229,10 +233,8 @@ def _tune_locked(
     # A forced retune of a ready router leaves it ready and served until the new one replaces
     # it (or keeps serving it if tuning again fails).
     retune = ready
-    if not retune:
-        record.state = TunedRouter.State.RUNNING
-        record.epochs = epochs
-        record.save(update_fields=["state", "epochs"])
+    if not retune and _written(record, state=TunedRouter.State.RUNNING, epochs=epochs) is None:
+        return None
 
     from routing.finetune import tune_router
 
@@ -267,6 +269,9 @@ def _tune_locked(
             shutil.rmtree(folder, ignore_errors=True)
         log.warning("keeping the tuned router of round %s failed: %s", version.round.number, exc)
         return _failed(record, exc, retune)
+    if record is None:  # its global was deleted while it was tuned: nothing serves the folder
+        shutil.rmtree(target, ignore_errors=True)
+        return None
     if record.state == TunedRouter.State.READY:
         try:
             retire_older(record)
@@ -276,7 +281,8 @@ def _tune_locked(
     return record
 
 
-def _keep(version, record, tuned, probe, partial: Path, target: Path, retune: bool) -> TunedRouter:
+def _keep(version, record, tuned, probe, partial: Path, target: Path, retune: bool
+          ) -> TunedRouter | None:
     """The tuned router in `partial` made the served one (or dropped when a newer global was
     published meanwhile)."""
     if not _served(version):
@@ -313,15 +319,17 @@ def _keep(version, record, tuned, probe, partial: Path, target: Path, retune: bo
     return record
 
 
-def _failed(record: TunedRouter, exc: Exception, retune: bool) -> TunedRouter:
+def _failed(record: TunedRouter, exc: Exception, retune: bool) -> TunedRouter | None:
     """A tuning that failed: its row failed with the reason, or for a forced retune of a ready
-    router, still ready (its router served) and saying that tuning again failed."""
+    router, still ready (its router served) and saying that tuning again failed (None: the row
+    is gone with its global)."""
     reason = f"{exc.__class__.__name__}: {exc}"
     if not retune:
         return _finish(record, TunedRouter.State.FAILED, reason)
-    record.detail = f"tuning again failed ({reason}); the router tuned before is still served"[:2000]
-    record.save(update_fields=["detail"])
-    return record
+    return _written(
+        record,
+        detail=f"tuning again failed ({reason}); the router tuned before is still served"[:2000],
+    )
 
 
 def give_up_tuning(version_id: int, reason: str) -> TunedRouter | None:

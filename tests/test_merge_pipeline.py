@@ -1001,6 +1001,27 @@ def test_erasure_removes_a_decision_that_picked_the_erased_clients_text(
     assert any("has_city is false" in p["text"] for p in edge["precautions"])
 
 
+def test_a_decision_on_a_conflict_an_erasure_merged_away_is_refused(
+    django_capture_on_commit_callbacks,
+):
+    """A reviewer opened the conflict (the page read its row), then an erasure merged the log
+    again and committed (or the decision waited on the erasure's lock of the row it deletes):
+    the row read is gone, with the erased client's dissent in it. Picking that dissent now must
+    not store the erased text in a decision after the erasure: refused, nothing written."""
+    from federation.conflicts import decide_conflict
+    from federation.errors import Conflict
+    from federation.models import ConflictDecision
+    from federation.services import Actor
+
+    capture = django_capture_on_commit_callbacks
+    org, clients, conflict = _weather_conflict(
+        capture, {"a3": SECRET, "a4": "Is rain expected in Paris tomorrow?"})
+    pipeline.erase_client(clients[("acme", "a3")])
+    assert _leaks("Zorblat") == []
+    with pytest.raises(Conflict, match="merged again"):
+        decide_conflict(Actor.system(), conflict, "scenario", SECRET)
+    assert not ConflictDecision.objects.exists() and _leaks("Zorblat") == []
+
 def test_an_erasure_that_deletes_a_global_deletes_its_server_log_and_record(
     probes, django_capture_on_commit_callbacks, client
 ):

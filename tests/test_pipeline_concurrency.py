@@ -133,3 +133,48 @@ def test_an_erasure_during_the_server_merges_write_waits_and_then_reaches_the_pu
     assert set(glob.sources.all()) == set(CompendiumVersion.objects.filter(kind="edge", round=round_))
     for version in CompendiumVersion.objects.filter(round=round_).exclude(kind="client"):
         assert not erased_texts & {s["text"] for s in version.content["scenarios"]}, version.kind
+
+
+def test_a_decision_waiting_on_an_erasure_of_its_conflict_is_refused_after_it(
+    monkeypatch, django_capture_on_commit_callbacks
+):
+    """A reviewer picks the erased client's dissent as the winning scenario while the erasure
+    merges that conflict log again. The decision waits for the log row the erasure deleted;
+    once the erasure commits the row is gone, and the decision is refused instead of storing
+    the erased text in a decision row after the erasure."""
+    from federation import conflicts
+    from federation.errors import Conflict
+    from federation.models import ConflictDecision, ConflictLogEntry
+    from federation.services import Actor
+    from tests.test_merge_pipeline import SECRET, _weather_conflict
+
+    org, clients, conflict = _weather_conflict(
+        django_capture_on_commit_callbacks,
+        {"a3": SECRET, "a4": "Is rain expected in Paris tomorrow?"})
+    finished, outcome, waited = threading.Event(), [], []
+
+    def decide():
+        try:
+            outcome.append(conflicts.decide_conflict(Actor.system(), conflict, "scenario", SECRET))
+        except Exception as exc:  # noqa: BLE001 - the outcome is what the test checks
+            outcome.append(exc)
+        finally:
+            finished.set()
+            connection.close()
+
+    real_remove = conflicts.remove_unfit_decisions
+
+    def remove_while_the_reviewer_decides(round_, organization_id, cause):
+        if not waited:  # the log of round 1's edge is merged again: its old rows are deleted
+            threading.Thread(target=decide).start()
+            waited.append(_waiting_on_a_lock(finished))
+        return real_remove(round_, organization_id, cause)
+
+    monkeypatch.setattr(conflicts, "remove_unfit_decisions", remove_while_the_reviewer_decides)
+    pipeline.erase_client(clients[("acme", "a3")])
+    assert finished.wait(60) and waited == [True], (waited, outcome)
+    [refusal] = outcome
+    assert isinstance(refusal, Conflict) and "merged again" in str(refusal), refusal
+    assert not ConflictDecision.objects.exists()
+    [after] = ConflictLogEntry.objects.filter(round__number=1, organization=org)
+    assert SECRET not in str(after.dissenters)

@@ -54,6 +54,24 @@ def _holding_the_tuning_lock(version):
     return other
 
 
+def _gone(other) -> None:
+    """Close the session of `_holding_the_tuning_lock` and wait until the server has ended it:
+    closing returns as soon as the goodbye is sent, and the server process releases the
+    session's locks as it exits, a moment later (a try-lock right after could still fail)."""
+    import time
+
+    from django.db import connection
+
+    pid = other.info.backend_pid
+    other.close()
+    for _ in range(1000):
+        with connection.cursor() as cursor:
+            cursor.execute("SELECT count(*) FROM pg_locks WHERE pid = %s", [pid])
+            if not cursor.fetchone()[0]:
+                return
+        time.sleep(0.01)
+
+
 def test_publishing_tunes_the_router_and_the_routing_api_switches_to_it(data, settings):
     round_, version = _publish(data)
     before = services.route_query(data["queries"][0])
@@ -177,6 +195,42 @@ def test_a_global_superseded_while_it_is_tuned_keeps_no_router_and_retires_none(
     assert [p.name for p in (settings.DATA_DIR / "routers").iterdir()] == [Path(served.directory).name]
 
 
+@pytest.mark.django_db(transaction=True)  # each write commits, as in a worker
+def test_a_global_merged_again_while_it_is_tuned_is_gone_not_an_error(data, settings, monkeypatch):
+    """An erasure merges the served global's round again while its router is tuned: the version
+    is deleted, and its TunedRouter row with it (cascade). The tuning that finishes after
+    answers None (gone, as the task and the command say), keeps no folder, and neither inserts
+    the row again for a version that no longer exists (an IntegrityError in the worker) nor
+    fails: the new global's own tuning is queued by its publication."""
+    import routing.finetune
+    from compendium.models import CompendiumVersion
+    from workers.tasks import tune_router_task
+
+    _, first = _publish(data, 1)
+    tune = routing.finetune.tune_router
+
+    def tune_while_an_erasure_merges_again(*args, **kwargs):
+        tuned = tune(*args, **kwargs)
+        CompendiumVersion.objects.filter(pk=first.pk).delete()  # what the erasure commits
+        return tuned
+
+    monkeypatch.setattr(routing.finetune, "tune_router", tune_while_an_erasure_merges_again)
+    assert tune_published_router(first.pk, 1) is None
+    assert not TunedRouter.objects.exists()
+    routers = settings.DATA_DIR / "routers"
+    assert not routers.exists() or list(routers.iterdir()) == []
+
+    _, second = _publish(data, 2)
+
+    def fail_while_an_erasure_merges_again(*args, **kwargs):
+        CompendiumVersion.objects.filter(pk=second.pk).delete()
+        raise RuntimeError("out of memory")
+
+    monkeypatch.setattr(routing.finetune, "tune_router", fail_while_an_erasure_merges_again)
+    assert tune_router_task(second.pk, 1) == {"version": second.pk, "state": "gone"}
+    assert not TunedRouter.objects.exists()
+
+
 def test_a_second_tuning_of_the_same_router_does_not_start_while_one_runs(data, capsys):
     """Another process holds the global's tuning (here: a second database session holding its
     lock): a tuning asked for meanwhile, by the worker's task or the command, does not start and
@@ -198,7 +252,7 @@ def test_a_second_tuning_of_the_same_router_does_not_start_while_one_runs(data, 
         with pytest.raises(CommandError, match="being tuned by another process"):
             call_command("tune_router", "--epochs", "1")
     finally:
-        other.close()  # the holder goes away: the server releases its lock
+        _gone(other)  # the holder goes away: the server releases its lock
     record = tune_published_router(version.pk, 1)
     assert record.state == TunedRouter.State.READY
 
@@ -282,7 +336,7 @@ def test_giving_up_a_tuning_removes_what_killed_runs_left_unless_one_still_runs(
         running = tuning.give_up_tuning(version.pk, "worker lost 3 times")
         assert running.state == record.state and leftover.is_dir()  # left to the running one
     finally:
-        other.close()
+        _gone(other)
     given_up = tuning.give_up_tuning(version.pk, "worker lost 3 times")
     assert given_up.state == TunedRouter.State.FAILED and given_up.detail == "worker lost 3 times"
     assert not leftover.exists()
@@ -312,7 +366,7 @@ def test_a_lost_tuning_is_queued_again_by_the_beat_check_and_given_up_after_the_
     try:
         assert tuning.requeue_lost_tuning(3600) is None  # a process is tuning it after all
     finally:
-        other.close()
+        _gone(other)
     again = tuning.requeue_lost_tuning(3600)
     assert again.state == TunedRouter.State.QUEUED and again.requeues == 1
     assert again.queued_at > an_hour_ago
