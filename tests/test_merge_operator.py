@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 
 import numpy as np
@@ -638,19 +639,20 @@ def test_numeric_release_writes_ledger_and_stays_in_range(schema, embed):
 
 
 def test_fields_no_release_can_make_useful_are_drowned_by_counts_alone(schema):
-    """A field is drowned when Δ/(K·ε_j)/√E, the narrowest the published average can get, is at
-    least its range: 16 statistics at ε = 2 give ε_j = 1/8; success_rate (range 1, Δ = 1) needs
-    K·√E > 8, latency_ms (range = Δ) too, frequency (Δ = 2) K·√E > 16, calls (range 1,000,
-    Δ = 50) K·√E > 0.4."""
+    """A field is drowned when w/(K·ε_j)/√E, the narrowest the published average can get, is at
+    least its range (w = min(Δ, range): the window its values are clipped to): 16 statistics at
+    ε = 2 give ε_j = 1/8; success_rate (range 1, Δ = 1) needs K·√E > 8, latency_ms (range = Δ)
+    and frequency (range 1, Δ = 2: w = 1) too, calls (range 1,000, Δ = 50) K·√E > 0.4."""
     config = RoundConfig(epsilon=2.0)
     assert drowned_fields(schema, config, 4, 1) == {"success_rate", "frequency", "latency_ms"}
     assert drowned_fields(schema, config, 4, 4) == {"success_rate", "frequency", "latency_ms"}
-    assert drowned_fields(schema, config, 5, 4) == {"frequency"}  # K·√E = 10
+    assert drowned_fields(schema, config, 5, 4) == frozenset()  # K·√E = 10
     assert "calls" in drowned_fields(schema, RoundConfig(epsilon=0.01), 4, 1)
     assert drowned_fields(schema, config, 0, 0) == frozenset()  # nobody submitted
     # a field cap splits ε over fewer statistics: 2·F*·F = 8, ε_j = 1/4, so K·√E > 4 will do
-    # but for frequency (> 8)
-    assert drowned_fields(schema, RoundConfig(epsilon=2.0, field_cap=1), 4, 4) == {"frequency"}
+    assert drowned_fields(schema, RoundConfig(epsilon=2.0, field_cap=1), 4, 4) == frozenset()
+    assert drowned_fields(schema, RoundConfig(epsilon=2.0, field_cap=1), 2, 4) == {
+        "success_rate", "frequency", "latency_ms"}  # K·√E = 4
 
 
 def test_a_drowned_field_is_not_released_nor_charged(schema, embed):
@@ -1113,8 +1115,10 @@ def test_field_cap_charges_every_numeric_field_of_each_tool(schema, embed):
     low = [sub("c1", metadata=[{"tool_id": "weather", "stats": _stats(0, 0, 0, 0)}]), other]
     a, _, loss, _ = _release_loss(schema, embed, config, high, low, ["weather"], seed=1)
     # ε_j = ε/(2·F*·4): one tool's 4 fields moving here cost half the round (the other half is
-    # for a replacement that feeds another tool: the next test)
-    assert loss == pytest.approx(3.5 * config.epsilon / 8)
+    # for a replacement that feeds another tool: the next test); each field moves by its whole
+    # window over K, which its noise is calibrated to, so each costs exactly ε_j (frequency, a
+    # window of width 1 under a declared Δ of 2, cost half of it when its noise was 2/(K·ε_j))
+    assert loss == pytest.approx(4 * config.epsilon / 8)
     assert loss <= config.epsilon + 1e-9
     assert a.stats.epsilon_spent == pytest.approx(config.epsilon)
     assert a.stats.epsilon_spent >= loss
@@ -1132,7 +1136,7 @@ def test_field_cap_covers_a_replacement_user_who_feeds_other_tools(schema, embed
     a, _, loss, moved = _release_loss(schema, embed, config, before, after, schema.tool_ids,
                                       seed=1)
     assert moved == {"weather", "flights"}
-    assert loss == pytest.approx(2 * 3.5 * config.epsilon / 8)
+    assert loss == pytest.approx(2 * 4 * config.epsilon / 8)
     assert loss <= config.epsilon + 1e-9
     assert a.stats.epsilon_spent == pytest.approx(config.epsilon)
     assert a.stats.epsilon_spent >= loss
@@ -1423,3 +1427,71 @@ def test_an_llm_summary_with_a_forbidden_character_falls_back(schema, embed, bad
     kinds = [f.get("kind") for f in result.stats.summarizer_fallbacks
              if f["summarizer"] == "llm-single-shot"]
     assert "unusable answer" in kinds
+
+
+def test_is_consistent_probes_every_pair_not_only_against_the_center():
+    """IsConsistent (paper, App. "Edge Merge Operator"): a cluster is consistent iff the LLM
+    probe finds *every pair* of its members consistent. Two members that each agree with the
+    cluster's center but contradict each other ("use it when depth > 4" and "do not use it when
+    depth > 4") made a consistent cluster when only member-center pairs were probed: the two
+    were summarized into one scenario and no conflict was logged."""
+    vectors = np.array([[1.0, 0.0], [0.95, 0.312], [0.95, -0.312]])
+    vectors /= np.linalg.norm(vectors, axis=1, keepdims=True)
+    texts = ["integrate symbolically", "integrate when depth > 4", "not when depth > 4"]
+    members = [Item(f"c{i}", "wolfram", text, {}, 1, vectors[i]) for i, text in enumerate(texts)]
+    contradicting = {frozenset(texts[1:])}
+    asked = []
+
+    def probe(a: str, b: str) -> bool:
+        asked.append(frozenset((a, b)))
+        return frozenset((a, b)) not in contradicting
+
+    decision = decide_cluster(members, probe=probe)
+    assert set(asked) == {frozenset(p) for p in
+                          [(texts[0], texts[1]), (texts[0], texts[2]), (texts[1], texts[2])]}
+    assert not decision.consistent
+    assert "LLM probe" in decision.reason
+    # the two that contradict each other are never merged together: one of them dissents
+    assert len(decision.dissenters) == 1 and decision.dissenters[0] in (1, 2)
+    assert 0 in decision.agreeing
+    # identical texts (copies from several sources) are one statement: no pair of them is asked
+    asked.clear()
+    copies = [Item(f"d{i}", "wolfram", texts[0], {}, 1, vectors[0]) for i in range(3)]
+    assert decide_cluster(copies, probe=probe).consistent and asked == []
+
+
+def test_the_noise_is_calibrated_to_the_window_the_clipping_guarantees(schema):
+    """Each value is clipped to a window [min, min + Δ] inside the declared range, so it is no
+    wider than min(Δ, max − min): replacing one client's value moves a mean of K by at most that
+    over K. The frequency field declares Δ = 2 (the ℓ1 bound of a whole normalized vector, the
+    paper's) in a range of [0, 1]: each tool's share lies in a window of width 1 and is released
+    on its own, with its own ε_j, so its sensitivity is 1/K, and a scale of 2/(K·ε_j) added twice
+    the noise ε_j needs. The ledger records the sensitivity the noise was calibrated to."""
+    from compendium.clipping import clip_bound
+
+    def embed(texts):
+        rows = [np.frombuffer(hashlib.sha256(t.encode()).digest(), dtype=np.uint8)[:8]
+                .astype(np.float32) - 127.5 for t in texts]
+        out = np.array(rows, dtype=np.float32).reshape(len(texts), 8)
+        return out / np.linalg.norm(out, axis=1, keepdims=True)
+
+    k = 4
+    subs = [sub(f"c{i}", metadata=[{"tool_id": "weather", "stats": {"frequency": i / 4}}])
+            for i in range(k)]
+    config = RoundConfig(epsilon=1.0, seed=3)
+    result = edge_merge(subs, schema, config, embed=embed, seed=3)
+    eps_j = config.per_field_epsilon(len(schema.tools) * len(schema.numeric_fields),
+                                     fields_per_tool=len(schema.numeric_fields))
+    for entry in result.ledger:
+        spec = schema.fields_by_name[entry.field]
+        width = clip_bound(spec).width
+        assert width == min(spec.sensitivity, spec.max - spec.min)
+        assert entry.sensitivity == pytest.approx(width), entry
+        assert entry.noise_scale == pytest.approx(width / (k * eps_j)), entry
+    [frequency] = [e for e in result.ledger if (e.tool_id, e.field) == ("weather", "frequency")]
+    assert frequency.noise_scale == pytest.approx(1 / (k * eps_j))
+    # the fields no release can make useful are judged by the same scale: with K·ε_j between 1
+    # and 2 a frequency's noise (1/(K·ε_j) < 1) no longer spans its range of 1
+    narrow = Schema(tools=schema.tools[:1], numeric_fields=[schema.fields_by_name["frequency"]])
+    assert drowned_fields(narrow, RoundConfig(epsilon=0.75), most_contributors=2,
+                          edges=1) == frozenset()

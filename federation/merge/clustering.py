@@ -113,10 +113,11 @@ def _nearest_to_mean(vectors: np.ndarray) -> int:
 def decide_cluster(
     members: Sequence[Item], probe: ConsistencyProbe | None = None
 ) -> ClusterDecision:
-    """IsConsistent (same parent tool, jointly satisfiable flags, optional LLM probe against the
-    centroid) and, when it fails, the majority decision: the anchor is the member compatible with
-    the most sources (one vote each: the support an entry states is the submitter's word, and one
-    Byzantine client stating a huge one must not outvote the others), then the most support;
+    """IsConsistent (same parent tool, jointly satisfiable flags, optional LLM probe of every
+    pair of distinct texts) and, when it fails, the majority decision: the anchor is the member
+    compatible with the most sources (one vote each: the support an entry states is the
+    submitter's word, and one Byzantine client stating a huge one must not outvote the others),
+    then the most support;
     the agreeing members are compatible with it and with each other (from the strongest down),
     the others are the dissenters: a conflicted cluster always has at least one."""
     vectors = np.stack([m.vector for m in members])
@@ -124,14 +125,18 @@ def decide_cluster(
     tools_agree = len({m.tool_id for m in members}) == 1
     satisfiable = flags_satisfiable([m.preconditions for m in members])
     center_index = _nearest_to_mean(vectors)
-    probe_verdicts: dict[int, bool] = {}
+    # The LLM probe judges every pair of distinct texts (the paper: "for every pair (u1, u2)"),
+    # from the most central member outwards. Judging only member-center pairs let two members
+    # that each agree with the center but contradict each other merge with no dissenter logged.
+    probe_verdicts: dict[frozenset[str], bool] = {}
     if probe is not None and n > 1:
-        for index in range(n):
-            if index == center_index:
-                continue
-            verdict = probe(members[center_index].text, members[index].text)
-            if verdict is not None:
-                probe_verdicts[index] = verdict
+        order = list(central_order(vectors))
+        texts = list(dict.fromkeys(members[i].text for i in order))
+        for x, a in enumerate(texts):
+            for b in texts[x + 1:]:
+                verdict = probe(a, b)
+                if verdict is not None:
+                    probe_verdicts[frozenset((a, b))] = verdict
     if tools_agree and satisfiable and all(probe_verdicts.values()):
         return ClusterDecision(True, center_index, list(range(n)), [], "consistent")
 
@@ -140,11 +145,7 @@ def decide_cluster(
             return False
         if not flags_compatible(members[i].preconditions, members[j].preconditions):
             return False
-        # The probe only judged pairs with the center; a contradiction there separates them.
-        for a, b in ((i, j), (j, i)):
-            if a == center_index and probe_verdicts.get(b) is False:
-                return False
-        return True
+        return probe_verdicts.get(frozenset((members[i].text, members[j].text))) is not False
 
     support = [m.support for m in members]
     keys = []

@@ -650,7 +650,7 @@ def drowned_fields(
     return frozenset(
         spec.name for spec in fields
         if noise_dominated(
-            laplace_scale(spec.sensitivity, kept, eps_j) / math.sqrt(edges),
+            laplace_scale(clip_bound(spec).width, kept, eps_j) / math.sqrt(edges),
             spec.min, spec.max,
         )
     )
@@ -697,8 +697,10 @@ def _release_metadata(accepted, schema, config, seed, epsilon_remaining, release
         bound = clip_bound(spec)
         data = reported.get(key, [])
         data = data + [bound.neutral] * (k - len(data))
-        # Clip into a window of width Δ inside the declared range so the average's
-        # sensitivity really is Δ/K, whatever a client sent.
+        # Clip into a window of width min(Δ, max − min) inside the declared range so the
+        # average's sensitivity really is that width over K, whatever a client sent; the noise
+        # is calibrated to that width (a frequency declares Δ = 2, the ℓ1 bound of a whole
+        # normalized vector, but each tool's share lies in [0, 1] and is released on its own).
         data = np.clip(np.asarray(data), bound.lo, bound.hi)
         if config.robust_rule != "none":
             f = byzantine_count(k, config.trim_fraction)
@@ -707,7 +709,7 @@ def _release_metadata(accepted, schema, config, seed, epsilon_remaining, release
             data,
             lower=spec.min,
             upper=spec.max,
-            sensitivity=spec.sensitivity,
+            sensitivity=bound.width,
             epsilon=eps_j,
             rng=rng,
         )
@@ -716,7 +718,7 @@ def _release_metadata(accepted, schema, config, seed, epsilon_remaining, release
             LedgerEntry(
                 tool_id=key[0],
                 field=key[1],
-                sensitivity=spec.sensitivity,
+                sensitivity=bound.width,
                 contributors=len(data),
                 epsilon=eps_j,
                 noise_scale=scale,
