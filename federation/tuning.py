@@ -49,6 +49,9 @@ class TuningBusy(TuningError):
     message, `manage.py tune_router` beside a worker): this one does not start."""
 
 
+TUNING_FAILED_FOR_THE_OPERATOR = "the federation operator sees why and can tune it again"
+
+
 class RouterUnavailable(NotFound):
     """A published global has no tuned router to download (yet, or any more): the detail says why
     and `code` names the case (router_off, router_tuning, router_failed, router_retired)."""
@@ -391,10 +394,14 @@ def _manifest_fields(version: CompendiumVersion, epochs: int) -> dict:
     return {"round": version.round.number, "global_sha256": version.sha256, "epochs": epochs}
 
 
-def downloadable_router(version: CompendiumVersion) -> tuple[TunedRouter, dict]:
+def downloadable_router(
+    version: CompendiumVersion, reveal: bool = True
+) -> tuple[TunedRouter, dict]:
     """The ready tuned router of the published global `version` and its manifest (written now
     for a folder tuned before manifests existed), for clients to route exactly as the server
-    does (`synapse-client pull --router`). Raises RouterUnavailable saying why there is none."""
+    does (`synapse-client pull --router`). Raises RouterUnavailable saying why there is none;
+    why a tuning failed (an exception's text: a server path, a database error) only with
+    `reveal` (the operator)."""
     from routing.finetune import read_manifest, write_manifest
 
     number = version.round.number
@@ -419,9 +426,9 @@ def downloadable_router(version: CompendiumVersion) -> tuple[TunedRouter, dict]:
             "router_tuning",
         )
     if state == TunedRouter.State.FAILED:
+        why = record.detail if reveal else TUNING_FAILED_FOR_THE_OPERATOR
         raise RouterUnavailable(
-            f"tuning the router of round {number} failed ({record.detail}); route with the "
-            "frozen model",
+            f"tuning the router of round {number} failed ({why}); route with the frozen model",
             "router_failed",
         )
     folder = Path(record.directory) if record.directory else None
@@ -447,13 +454,14 @@ def downloadable_router(version: CompendiumVersion) -> tuple[TunedRouter, dict]:
     return record, manifest
 
 
-def router_manifest(version: CompendiumVersion) -> tuple[str, dict]:
+def router_manifest(version: CompendiumVersion, reveal: bool = True) -> tuple[str, dict]:
     """(ETag, body) of GET /api/v1/compendium/global/router/ for `version`: its manifest with
-    when and how the router was tuned. The ETag changes with the global and the files."""
+    when and how the router was tuned. The ETag changes with the global and the files.
+    `reveal`: as for `downloadable_router`."""
     import hashlib
     import json
 
-    record, manifest = downloadable_router(version)
+    record, manifest = downloadable_router(version, reveal)
     files = json.dumps(manifest.get("files", []), sort_keys=True).encode("utf-8")
     etag = f'"{version.sha256}-router-{hashlib.sha256(files).hexdigest()[:16]}"'
     body = {
@@ -467,11 +475,14 @@ def router_manifest(version: CompendiumVersion) -> tuple[str, dict]:
     return etag, body
 
 
-def router_file(version: CompendiumVersion, name: str) -> tuple[BinaryIO, dict]:
+def router_file(
+    version: CompendiumVersion, name: str, reveal: bool = True
+) -> tuple[BinaryIO, dict]:
     """The file `name` of the global's downloadable tuned router, open for reading, with its
     manifest entry; only files the manifest lists, and their deltas (RouterUnavailable otherwise,
-    as when there is no router, or when the router was retired while this request read it)."""
-    record, manifest = downloadable_router(version)
+    as when there is no router, or when the router was retired while this request read it).
+    `reveal`: as for `downloadable_router`."""
+    record, manifest = downloadable_router(version, reveal)
     listed = list(manifest["files"]) + [f["delta"] for f in manifest["files"] if "delta" in f]
     entry = next((f for f in listed if f["path"] == name), None)
     if entry is None:

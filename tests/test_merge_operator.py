@@ -1460,6 +1460,31 @@ def test_is_consistent_probes_every_pair_not_only_against_the_center():
     assert decide_cluster(copies, probe=probe).consistent and asked == []
 
 
+def test_the_consistency_questions_of_a_large_cluster_are_bounded():
+    """Every pair of d distinct texts is d(d-1)/2 questions to the LLM: a cluster of 60 distinct
+    requests (a popular tool's) would be 1,770. Every pair among the PROBE_ALL_PAIRS most central
+    texts is asked, each text beyond them against the center only: at most
+    PROBE_ALL_PAIRS(PROBE_ALL_PAIRS-1)/2 + d - PROBE_ALL_PAIRS questions, and a contradiction
+    with the center is still found wherever the text stands."""
+    from federation.merge.clustering import PROBE_ALL_PAIRS
+
+    d = PROBE_ALL_PAIRS + 5
+    angles = np.linspace(0.0, 0.3, d)  # along an arc: its ends are the least central
+    vectors = np.stack([np.cos(angles), np.sin(angles)], axis=1)
+    members = [Item(f"c{i}", "wolfram", f"text {i}", {}, 1, vectors[i]) for i in range(d)]
+    asked = []
+    outer = members[0].text  # an end of the arc: among the least central
+
+    def probe(a: str, b: str) -> bool:
+        asked.append(frozenset((a, b)))
+        return outer not in (a, b)
+
+    decision = decide_cluster(members, probe=probe)
+    k = PROBE_ALL_PAIRS
+    assert len(asked) == len(set(asked)) == k * (k - 1) // 2 + (d - k)
+    assert not decision.consistent and decision.dissenters == [0]
+
+
 def test_the_noise_is_calibrated_to_the_window_the_clipping_guarantees(schema):
     """Each value is clipped to a window [min, min + Δ] inside the declared range, so it is no
     wider than min(Δ, max − min): replacing one client's value moves a mean of K by at most that

@@ -204,8 +204,29 @@ def test_router_endpoints_check_who_asks_and_serve_only_listed_files(data, setti
     failed = TunedRouter.objects.create(
         version=version, state=TunedRouter.State.FAILED, detail="ValueError: no", epochs=1
     )
+    # the reason is an exception's text (a server path, a database error): the operator's
     answer = client.get(manifest_url, **auth).json()
+    assert answer["code"] == "router_failed" and "ValueError: no" not in answer["detail"]
+    assert "the federation operator sees why" in answer["detail"]
+    from django.contrib.auth import get_user_model
+
+    operator = get_user_model().objects.create_superuser("op", "op@example.org", "pw-op-1234")
+    client.force_login(operator)
+    answer = client.get(manifest_url).json()
     assert answer["code"] == "router_failed" and "ValueError: no" in answer["detail"]
+    page = client.get(reverse("dashboard:routing")).content.decode()
+    assert "tuned router is <strong>failed</strong>: ValueError: no." in page
+    # and on the routing playground, an organization's member reads only that it failed
+    from federation.models import Membership, Organization
+
+    member = get_user_model().objects.create_user("member", "m@example.org", "pw-member-1234")
+    Membership.objects.create(user=member, organization=Organization.objects.get(slug="org"),
+                              role=Membership.Role.MEMBER)
+    client.force_login(member)
+    page = client.get(reverse("dashboard:routing")).content.decode()
+    assert "tuned router is <strong>failed</strong>: the federation operator sees why" in page
+    assert "ValueError" not in page
+    client.logout()
     failed.delete()
     assert client.get(manifest_url, {"round": "x"}, **auth).status_code == 400
     assert client.get(manifest_url, {"round": "9"}, **auth).status_code == 404
@@ -240,8 +261,8 @@ def test_router_endpoints_check_who_asks_and_serve_only_listed_files(data, setti
 
     found = tuning.downloadable_router
 
-    def then_retired(version):
-        answer = found(version)
+    def then_retired(version, reveal=True):
+        answer = found(version, reveal)
         import shutil
 
         shutil.rmtree(folder)

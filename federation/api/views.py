@@ -518,6 +518,10 @@ class GlobalRoutingHeadView(FederationView):
         )
 
 
+def _is_operator(request) -> bool:
+    return IsOperator().has_permission(request, None)
+
+
 def _served_global(request):
     versions, number = _published_globals(request)
     version = versions.defer("routing_head", "content").first()
@@ -550,7 +554,7 @@ class GlobalRouterView(FederationView):
     def get(self, request):
         from federation.tuning import router_manifest
 
-        etag, body = router_manifest(_served_global(request))
+        etag, body = router_manifest(_served_global(request), _is_operator(request))
         if _etag_matches(request.META.get("HTTP_IF_NONE_MATCH", ""), etag):
             return Response(status=status.HTTP_304_NOT_MODIFIED, headers={"ETag": etag})
         return Response(body, headers={"ETag": etag})
@@ -573,7 +577,7 @@ class GlobalRouterFileView(FederationView):
     def get(self, request, name: str):
         from federation.tuning import router_file
 
-        handle, entry = router_file(_served_global(request), name)
+        handle, entry = router_file(_served_global(request), name, _is_operator(request))
         etag = f'"{entry["sha256"]}"'
         if _etag_matches(request.META.get("HTTP_IF_NONE_MATCH", ""), etag):
             handle.close()

@@ -91,6 +91,9 @@ class ClusterDecision:
 # Centrality scores closer than this are equal: an embedding's last bits depend on the batch it
 # was computed in (about 1e-7), and that must not decide which member represents a cluster.
 CENTRALITY_TOLERANCE = 1e-6
+# IsConsistent asks the LLM about every pair of this many most central distinct texts of a
+# cluster (45 questions), and about each text beyond them against the center only.
+PROBE_ALL_PAIRS = 10
 
 
 def central_order(vectors: np.ndarray, tolerance: float = CENTRALITY_TOLERANCE) -> Iterator[int]:
@@ -128,15 +131,19 @@ def decide_cluster(
     # The LLM probe judges every pair of distinct texts (the paper: "for every pair (u1, u2)"),
     # from the most central member outwards. Judging only member-center pairs let two members
     # that each agree with the center but contradict each other merge with no dissenter logged.
+    # Past the PROBE_ALL_PAIRS most central texts each is judged against the center alone: the
+    # questions grow linearly, not as d(d-1)/2, in a large cluster.
     probe_verdicts: dict[frozenset[str], bool] = {}
     if probe is not None and n > 1:
         order = list(central_order(vectors))
         texts = list(dict.fromkeys(members[i].text for i in order))
-        for x, a in enumerate(texts):
-            for b in texts[x + 1:]:
-                verdict = probe(a, b)
-                if verdict is not None:
-                    probe_verdicts[frozenset((a, b))] = verdict
+        pairs = [(a, b) for x, a in enumerate(texts[:PROBE_ALL_PAIRS])
+                 for b in texts[x + 1:PROBE_ALL_PAIRS]]
+        pairs += [(texts[0], b) for b in texts[PROBE_ALL_PAIRS:]]
+        for a, b in pairs:
+            verdict = probe(a, b)
+            if verdict is not None:
+                probe_verdicts[frozenset((a, b))] = verdict
     if tools_agree and satisfiable and all(probe_verdicts.values()):
         return ClusterDecision(True, center_index, list(range(n)), [], "consistent")
 
