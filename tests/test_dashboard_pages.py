@@ -1717,3 +1717,36 @@ def test_the_same_decision_posted_twice_at_once_is_audited_once(world, monkeypat
     assert not errors
     assert ConflictDecision.objects.get().action == "dismiss"
     assert AuditLog.objects.filter(action="conflict.decide").count() == 1
+
+
+@pytest.mark.parametrize(
+    "bad, says, not_says",
+    [
+        ({"delta_prime": "2"}, "delta_prime must be a number between 0 and 1 (exclusive), not 2",
+         "epsilon_budget must"),
+        ({"delta_prime": "nan"}, "delta_prime must be a number between 0 and 1 (exclusive), not nan",
+         "epsilon_budget must"),
+        ({"epsilon_budget": "0"}, "epsilon_budget must be a finite number greater than 0, not 0",
+         "delta_prime must"),
+        ({"epsilon_budget": "inf"}, "epsilon_budget must be a finite number greater than 0, not inf",
+         "delta_prime must"),
+    ],
+)
+def test_a_refused_budget_setting_names_the_field_that_is_wrong(client, world, bad, says, not_says):
+    """A bad δ′ was refused as "epsilon_budget must be a finite number > 0 and delta_prime in
+    (0, 1)", naming the budget the operator had not touched: the refusal names the field given
+    and its value."""
+    current = services.get_settings()
+    form = {
+        "epsilon_budget": str(current.epsilon_budget), "delta_prime": str(current.delta_prime),
+        "max_submission_bytes": str(current.max_submission_bytes),
+        "submissions_per_minute": str(current.submissions_per_minute),
+        "enrollments_per_hour": str(current.enrollments_per_hour),
+    }
+    client.force_login(world.operator)
+    refused = client.post(reverse("dashboard:settings"), {**form, **bad})
+    body = html.unescape(refused.content.decode())
+    assert refused.status_code == 400
+    assert says in body and not_says not in body
+    row = services.get_settings()
+    assert (row.epsilon_budget, row.delta_prime) == (current.epsilon_budget, current.delta_prime)
