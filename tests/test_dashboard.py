@@ -701,3 +701,12 @@ def test_names_in_charts_are_shown_as_written_not_read_as_plotly_markup():
     assert trace.name == html.escape(name, quote=False)
     assert "<a " not in fig.to_json() and "evil.example" in fig.to_json()
     assert trace.hovertemplate.startswith("%{fullData.name}<br>") and "evil" not in trace.hovertemplate
+
+
+def test_the_compendium_page_says_its_publication_time_is_utc(member_client):
+    """The global's publication time was shown bare ("published, 2026-11-30 22:23"), unlike the
+    other pages' times, all UTC."""
+    response = member_client.get(reverse("dashboard:compendium"), {"round": 2})
+    published = response.context["version"].round.published_at
+    assert published is not None
+    assert f"published, {published:%Y-%m-%d %H:%M} UTC)" in response.content.decode()

@@ -1750,3 +1750,33 @@ def test_a_refused_budget_setting_names_the_field_that_is_wrong(client, world, b
     assert says in body and not_says not in body
     row = services.get_settings()
     assert (row.epsilon_budget, row.delta_prime) == (current.epsilon_budget, current.delta_prime)
+
+
+def test_every_time_the_organization_tokens_and_accuracy_pages_show_says_utc(client, fed):
+    """The organization page (a client's enrolment and token issue, a person's last sign-in), the
+    token page (when a token was revoked) and the accuracy page (when a run was stored) showed
+    bare times, while every other page marks its times UTC: an operator away from UTC read them
+    as local."""
+    from django.utils import timezone
+
+    stamp = "%Y-%m-%d %H:%M"
+    fed.member_a.last_login = timezone.now()
+    fed.member_a.save(update_fields=["last_login"])
+    login(client, fed, "admin_a")
+    body = client.get(reverse("dashboard:organization", args=["org-a"])).content.decode()
+    token = ClientToken.objects.get(client=fed.client_a)
+    assert f"{fed.client_a.created_at:{stamp}} UTC" in body
+    assert f"issued {token.issued_at:{stamp}} UTC" in body
+    assert f"{fed.member_a.last_login:{stamp}} UTC" in body
+
+    services.issue_user_token(services.Actor.for_user(fed.admin_a), fed.admin_a, "cron")
+    issued = services.user_tokens(fed.admin_a).get()
+    row = services.revoke_user_token(services.Actor.for_user(fed.admin_a), issued.pk)
+    body = client.get(reverse("dashboard:tokens")).content.decode()
+    assert f"revoked {row.revoked_at:{stamp}} UTC" in body
+
+    run = SimulationRun.objects.create(label="demo sim", dataset="tiny", document=DOCUMENT)
+    body = client.get(reverse("dashboard:accuracy")).content.decode()
+    assert f"stored {run.created_at:{stamp}} UTC" in body
+    assert f"demo sim · {run.created_at:{stamp}} UTC" in body
+
