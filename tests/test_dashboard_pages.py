@@ -1780,3 +1780,17 @@ def test_every_time_the_organization_tokens_and_accuracy_pages_show_says_utc(cli
     assert f"stored {run.created_at:{stamp}} UTC" in body
     assert f"demo sim · {run.created_at:{stamp}} UTC" in body
 
+
+def test_closing_a_round_asks_first_and_says_who_has_not_submitted(client, fed):
+    """Close ended the open round at one click, with no confirmation, whoever had not submitted
+    yet (with none submitted, its merge then fails): the button asks first, as Revoke does, and
+    names what closing leaves out."""
+    login(client, fed, "operator")
+    body = html.unescape(client.get(reverse("dashboard:overview")).content.decode())
+    action = reverse("dashboard:round-action", args=[2, "close"])
+    form = re.search(rf'<form method="post" action="{re.escape(action)}"[^>]*>', body).group(0)
+    confirm = re.search(r'data-confirm="([^"]*)"', form)
+    assert confirm, form
+    assert "Close round 2?" in confirm.group(1)
+    assert "2 of 2 approved clients have not submitted (org-a/a1, org-b/b1)" in confirm.group(1)
+    assert "no client has submitted to it, so its merge will fail" in confirm.group(1)

@@ -127,8 +127,11 @@ def test_operator_pages(review, page, live_server, shoot):
     assert page.locator("#round-controls").is_visible()
     page.wait_for_selector("#participation[data-rendered=true] svg.main-svg")
     shoot(page, "overview-operator")
+    asked = []
+    page.once("dialog", lambda dialog: (asked.append(dialog.message), dialog.accept()))
     page.locator("#rounds tr", has_text="open").locator("button", has_text="Close").click()
     page.wait_for_selector(".messages")
+    assert asked and asked[0].startswith("Close round 4? It takes no more submissions")
     assert "Round 4 closed" in page.locator(".messages").inner_text()
     page.fill("#open-round input[name=epsilon]", "0.5")
     page.fill("#open-round input[name=field_cap]", "3")
