@@ -1794,3 +1794,26 @@ def test_closing_a_round_asks_first_and_says_who_has_not_submitted(client, fed):
     assert "Close round 2?" in confirm.group(1)
     assert "2 of 2 approved clients have not submitted (org-a/a1, org-b/b1)" in confirm.group(1)
     assert "no client has submitted to it, so its merge will fail" in confirm.group(1)
+
+
+def test_submission_count_axes_tick_whole_submissions(client, fed):
+    """The overview's participation chart and an organization's edge chart count submissions,
+    but their axes were left to plotly's automatic ticks, which on the demo's 2 or 6 submissions
+    a round read 0.5, 1.5 (half a submission): they now tick whole numbers from zero."""
+    from compendium.schema import Compendium
+    from compendium.services import store_compendium
+
+    r1 = Round.objects.get(number=1)
+    for kind, where in (("client", {"client": fed.client_a}), ("edge", {"organization": fed.org_a})):
+        store_compendium(
+            Compendium.model_validate({"scenarios": [{"tool_id": "weather", "text": "rain?"}]}),
+            kind=kind, round=r1, **where,
+        )
+    login(client, fed, "operator")
+    overview = figures_in(client.get(reverse("dashboard:overview")).content.decode())
+    participation = next(f for f in overview if "Participation" in f["layout"]["title"]["text"])
+    [edge] = figures_in(client.get(reverse("dashboard:organization", args=["org-a"])).content.decode())
+    for fig in (participation, edge):
+        axis = fig["layout"]["yaxis"]
+        assert axis["title"]["text"] == "submissions"
+        assert axis["tick0"] == 0 and axis["dtick"] == 1 and axis["tickformat"] == "d"

@@ -33,7 +33,7 @@ from compendium.models import (
     TemplateEntry,
     Tool,
 )
-from federation.dashboard.plots import literal, render_figure, right_axis, styled
+from federation.dashboard.plots import count_axis, literal, render_figure, right_axis, styled
 from federation.merge.operator import noise_dominated
 from federation.merge.summarize import LLM_SUMMARIZERS, summary_counts
 from federation.models import AuditLog, Client, PrivacyLedgerEntry, Round
@@ -282,7 +282,7 @@ def participation_figure(rows: list[RoundRow]) -> go.Figure:
             connectgaps=False,
         )
     )
-    yaxis = {"title": {"text": "submissions"}, "rangemode": "tozero"}
+    yaxis = count_axis("submissions", max(submissions, default=0))
     yaxis2 = right_axis("global size (kB)")
     if max(submissions, default=0) > 0:
         yaxis["range"] = [0, 1.1 * max(submissions)]
@@ -702,7 +702,7 @@ def organization_page(organization, actor) -> OrganizationPage:
             fig,
             title={"text": f"{literal(organization.name)}: submissions and edge compendium size"},
             xaxis={"title": {"text": "round"}, "dtick": 1},
-            yaxis={"title": {"text": "submissions"}, "rangemode": "tozero"},
+            yaxis=count_axis("submissions", max(r["submissions"] for r in rows)),
             yaxis2=right_axis("edge size (kB)"),
         )
         page.chart = render_figure(fig, div_id="edge-figures", label=f"Edge figures of {organization}")
