@@ -1817,3 +1817,26 @@ def test_submission_count_axes_tick_whole_submissions(client, fed):
         axis = fig["layout"]["yaxis"]
         assert axis["title"]["text"] == "submissions"
         assert axis["tick0"] == 0 and axis["dtick"] == 1 and axis["tickformat"] == "d"
+
+
+def test_the_round_controls_say_where_the_committed_epsilon_stands_against_the_cap(client, fed):
+    """The operator's round controls said nothing of the privacy budget until opening the next
+    round would be refused: where ε′ stood against the cap was on the Privacy page only. They now
+    say it, and what the next round at the form's ε would bring it to."""
+    from django.template.defaultfilters import floatformat
+
+    from federation import accounting
+    from federation.dashboard import services as dashboard_services
+
+    check = accounting.check_budget(dashboard_services.next_round_config())
+    committed = check.before.epsilon
+    login(client, fed, "operator")
+    text = re.sub(r"\s+", " ", re.sub(r"<[^>]+>", "", html.unescape(
+        client.get(reverse("dashboard:overview")).content.decode())))
+    assert committed > 0
+    assert (f"Privacy budget: the federation's committed ε′ is {committed:.3f} of the cap "
+            f"{floatformat(check.cap, '-3')} ({100 * committed / check.cap:.0f} %)") in text
+    assert f"one more round at ε = 1 would bring it to {check.after.epsilon:.3f}" in text
+    # A member sees no round controls, so no budget line either.
+    login(client, fed, "member_a")
+    assert "Privacy budget:" not in client.get(reverse("dashboard:overview")).content.decode()

@@ -1523,10 +1523,12 @@ def round_controls() -> dict:
     the budget."""
     from typing import get_args
 
+    from federation import accounting
     from federation.round_config import RobustRule, RoundConfig, Summarizer
 
     defaults = next_round_config()
     open_round = Round.objects.filter(state=Round.State.OPEN).first()
+    check = accounting.check_budget(defaults)
     return {
         "open_round": open_round,
         "open_config": RoundConfig.from_stored(open_round.config) if open_round else None,
@@ -1539,7 +1541,15 @@ def round_controls() -> dict:
         "robust_rules": get_args(RobustRule),
         "global_metadata_choices": get_args(RoundConfig.model_fields["global_metadata"].annotation),
         "field_cap_help": FIELD_CAP_HELP,
-        "budget_warning": budget_warning(defaults),
+        "budget_warning": budget_warning(defaults, check),
+        # Where the committed ε′ stands against the cap, and where the next round would take it.
+        "budget": {
+            "committed": check.before.epsilon,
+            "cap": check.cap,
+            "percent": f"{100 * check.before.epsilon / check.cap:.0f}",
+            "epsilon": f"{defaults.epsilon:g}",
+            "after": check.after.epsilon,
+        },
     }
 
 
