@@ -710,3 +710,25 @@ def test_the_compendium_page_says_its_publication_time_is_utc(member_client):
     published = response.context["version"].round.published_at
     assert published is not None
     assert f"published, {published:%Y-%m-%d %H:%M} UTC)" in response.content.decode()
+
+
+def test_a_registry_link_lands_on_its_tool_first(member_client):
+    """A tool id in the registry links to the compendium searched for that id, which also finds
+    every tool whose entries mention it; in the demo, BookTool's link listed ABCmouse first (its
+    precautions say "use BookTool instead"), local's listed four other tools before it. The tool
+    whose id the search names comes first, then the rest by id."""
+    from compendium.models import CompendiumVersion, PrecautionEntry, Tool
+
+    latest = member_client.get(reverse("dashboard:compendium")).context["version"]
+    PrecautionEntry.objects.create(
+        version=CompendiumVersion.objects.get(pk=latest.pk), tool=Tool.objects.get(tool_id="calculator"),
+        text="Do not use for the weather (use weather instead)",
+    )
+    tools = member_client.get(reverse("dashboard:tools")).content.decode()
+    link = reverse("dashboard:compendium") + "?q=weather"
+    assert f'href="{link}"' in tools
+    response = member_client.get(link)
+    assert [c.tool.tool_id for c in response.context["cards"]] == ["weather", "calculator"]
+    # The same with the id in another case: the tool it names still comes first.
+    response = member_client.get(reverse("dashboard:compendium"), {"q": "WEATHER"})
+    assert [c.tool.tool_id for c in response.context["cards"]] == ["weather", "calculator"]

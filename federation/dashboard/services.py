@@ -17,7 +17,19 @@ from datetime import timedelta
 
 import plotly.graph_objects as go
 from django.core.paginator import Page, Paginator
-from django.db.models import Avg, Count, IntegerField, Min, OuterRef, Q, QuerySet, Subquery, Value
+from django.db.models import (
+    Avg,
+    Case,
+    Count,
+    IntegerField,
+    Min,
+    OuterRef,
+    Q,
+    QuerySet,
+    Subquery,
+    Value,
+    When,
+)
 from django.db.models.functions import Coalesce, Lower
 from django.utils import timezone
 from django.utils.safestring import SafeString
@@ -402,6 +414,10 @@ def tools_in_version(version: CompendiumVersion, query: str = "") -> QuerySet:
             entries = model.objects.filter(version=version, **{f"{column}__icontains": query})
             match |= Q(pk__in=entries.values("tool_id"))
         tools = tools.filter(match)
+        # The tool the query names first (the registry links each id to this search), then the
+        # others whose texts mention it.
+        named_first = Case(When(tool_id__iexact=query, then=Value(0)), default=Value(1))
+        return tools.order_by(named_first, Lower("tool_id"), "tool_id")
     return tools.order_by(Lower("tool_id"), "tool_id")
 
 
