@@ -732,3 +732,28 @@ def test_a_registry_link_lands_on_its_tool_first(member_client):
     # The same with the id in another case: the tool it names still comes first.
     response = member_client.get(reverse("dashboard:compendium"), {"q": "WEATHER"})
     assert [c.tool.tool_id for c in response.context["cards"]] == ["weather", "calculator"]
+
+
+def test_pandas_is_whole_before_any_figure_is_built():
+    """Plotly's validators read sys.modules["pandas"] without the import lock; a gunicorn
+    worker's router warm-up thread imports pandas (through scikit-learn) while requests build
+    charts, and in the demo a chart page got a 500 ("partially initialized module 'pandas' has
+    no attribute 'Series'"). Loading the URLconf, as synapse_web.wsgi does before that thread
+    starts, now leaves pandas wholly imported."""
+    import os
+    import subprocess
+    import sys
+
+    code = (
+        "import sys, django; django.setup()\n"
+        "from importlib import import_module\n"
+        "from django.conf import settings\n"
+        "import_module(settings.ROOT_URLCONF)\n"
+        "pandas = sys.modules.get('pandas')\n"
+        "print(pandas is not None and hasattr(pandas, 'Series'))\n"
+    )
+    env = {**os.environ, "DJANGO_SETTINGS_MODULE": "synapse_web.settings"}
+    result = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                            check=False)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert result.stdout.strip().splitlines()[-1] == "True"
