@@ -624,8 +624,15 @@ def update_settings(actor: Actor, **changes) -> FederationSettings:
     before = {k: getattr(row, k) for k in changes}
     for key, value in changes.items():
         setattr(row, key, value)
-    if not (0 < row.epsilon_budget < math.inf) or not 0 < row.delta_prime < 1:
-        raise InvalidRequest("epsilon_budget must be a finite number > 0 and delta_prime in (0, 1)")
+    # Each named on its own, with the value given: a bad δ′ is not a bad budget.
+    if not 0 < row.epsilon_budget < math.inf:
+        raise InvalidRequest(
+            f"epsilon_budget must be a finite number greater than 0, not {row.epsilon_budget:g}"
+        )
+    if not 0 < row.delta_prime < 1:
+        raise InvalidRequest(
+            f"delta_prime must be a number between 0 and 1 (exclusive), not {row.delta_prime:g}"
+        )
     # 0 is a policy for the rate limits (no submissions for now: each is a 429 saying so; only
     # the operator enrolls) but not for the size limit, which no compendium could meet.
     # The columns hold PostgreSQL integers (a larger value was a 500), and a new size limit may

@@ -745,3 +745,59 @@ def test_names_in_charts_are_shown_as_written_not_read_as_plotly_markup():
     assert trace.name == html.escape(name, quote=False)
     assert "<a " not in fig.to_json() and "evil.example" in fig.to_json()
     assert trace.hovertemplate.startswith("%{fullData.name}<br>") and "evil" not in trace.hovertemplate
+
+
+def test_the_compendium_page_says_its_publication_time_is_utc(member_client):
+    """The global's publication time was shown bare ("published, 2026-11-30 22:23"), unlike the
+    other pages' times, all UTC."""
+    response = member_client.get(reverse("dashboard:compendium"), {"round": 2})
+    published = response.context["version"].round.published_at
+    assert published is not None
+    assert f"published, {published:%Y-%m-%d %H:%M} UTC)" in response.content.decode()
+
+
+def test_a_registry_link_lands_on_its_tool_first(member_client):
+    """A tool id in the registry links to the compendium searched for that id, which also finds
+    every tool whose entries mention it; in the demo, BookTool's link listed ABCmouse first (its
+    precautions say "use BookTool instead"), local's listed four other tools before it. The tool
+    whose id the search names comes first, then the rest by id."""
+    from compendium.models import CompendiumVersion, PrecautionEntry, Tool
+
+    latest = member_client.get(reverse("dashboard:compendium")).context["version"]
+    PrecautionEntry.objects.create(
+        version=CompendiumVersion.objects.get(pk=latest.pk), tool=Tool.objects.get(tool_id="calculator"),
+        text="Do not use for the weather (use weather instead)",
+    )
+    tools = member_client.get(reverse("dashboard:tools")).content.decode()
+    link = reverse("dashboard:compendium") + "?q=weather"
+    assert f'href="{link}"' in tools
+    response = member_client.get(link)
+    assert [c.tool.tool_id for c in response.context["cards"]] == ["weather", "calculator"]
+    # The same with the id in another case: the tool it names still comes first.
+    response = member_client.get(reverse("dashboard:compendium"), {"q": "WEATHER"})
+    assert [c.tool.tool_id for c in response.context["cards"]] == ["weather", "calculator"]
+
+
+def test_pandas_is_whole_before_any_figure_is_built():
+    """Plotly's validators read sys.modules["pandas"] without the import lock; a gunicorn
+    worker's router warm-up thread imports pandas (through scikit-learn) while requests build
+    charts, and in the demo a chart page got a 500 ("partially initialized module 'pandas' has
+    no attribute 'Series'"). Loading the URLconf, as synapse_web.wsgi does before that thread
+    starts, now leaves pandas wholly imported."""
+    import os
+    import subprocess
+    import sys
+
+    code = (
+        "import sys, django; django.setup()\n"
+        "from importlib import import_module\n"
+        "from django.conf import settings\n"
+        "import_module(settings.ROOT_URLCONF)\n"
+        "pandas = sys.modules.get('pandas')\n"
+        "print(pandas is not None and hasattr(pandas, 'Series'))\n"
+    )
+    env = {**os.environ, "DJANGO_SETTINGS_MODULE": "synapse_web.settings"}
+    result = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                            check=False)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert result.stdout.strip().splitlines()[-1] == "True"

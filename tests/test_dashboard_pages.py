@@ -1717,3 +1717,126 @@ def test_the_same_decision_posted_twice_at_once_is_audited_once(world, monkeypat
     assert not errors
     assert ConflictDecision.objects.get().action == "dismiss"
     assert AuditLog.objects.filter(action="conflict.decide").count() == 1
+
+
+@pytest.mark.parametrize(
+    "bad, says, not_says",
+    [
+        ({"delta_prime": "2"}, "delta_prime must be a number between 0 and 1 (exclusive), not 2",
+         "epsilon_budget must"),
+        ({"delta_prime": "nan"}, "delta_prime must be a number between 0 and 1 (exclusive), not nan",
+         "epsilon_budget must"),
+        ({"epsilon_budget": "0"}, "epsilon_budget must be a finite number greater than 0, not 0",
+         "delta_prime must"),
+        ({"epsilon_budget": "inf"}, "epsilon_budget must be a finite number greater than 0, not inf",
+         "delta_prime must"),
+    ],
+)
+def test_a_refused_budget_setting_names_the_field_that_is_wrong(client, world, bad, says, not_says):
+    """A bad δ′ was refused as "epsilon_budget must be a finite number > 0 and delta_prime in
+    (0, 1)", naming the budget the operator had not touched: the refusal names the field given
+    and its value."""
+    current = services.get_settings()
+    form = {
+        "epsilon_budget": str(current.epsilon_budget), "delta_prime": str(current.delta_prime),
+        "max_submission_bytes": str(current.max_submission_bytes),
+        "submissions_per_minute": str(current.submissions_per_minute),
+        "enrollments_per_hour": str(current.enrollments_per_hour),
+    }
+    client.force_login(world.operator)
+    refused = client.post(reverse("dashboard:settings"), {**form, **bad})
+    body = html.unescape(refused.content.decode())
+    assert refused.status_code == 400
+    assert says in body and not_says not in body
+    row = services.get_settings()
+    assert (row.epsilon_budget, row.delta_prime) == (current.epsilon_budget, current.delta_prime)
+
+
+def test_every_time_the_organization_tokens_and_accuracy_pages_show_says_utc(client, fed):
+    """The organization page (a client's enrolment and token issue, a person's last sign-in), the
+    token page (when a token was revoked) and the accuracy page (when a run was stored) showed
+    bare times, while every other page marks its times UTC: an operator away from UTC read them
+    as local."""
+    from django.utils import timezone
+
+    stamp = "%Y-%m-%d %H:%M"
+    fed.member_a.last_login = timezone.now()
+    fed.member_a.save(update_fields=["last_login"])
+    login(client, fed, "admin_a")
+    body = client.get(reverse("dashboard:organization", args=["org-a"])).content.decode()
+    token = ClientToken.objects.get(client=fed.client_a)
+    assert f"{fed.client_a.created_at:{stamp}} UTC" in body
+    assert f"issued {token.issued_at:{stamp}} UTC" in body
+    assert f"{fed.member_a.last_login:{stamp}} UTC" in body
+
+    services.issue_user_token(services.Actor.for_user(fed.admin_a), fed.admin_a, "cron")
+    issued = services.user_tokens(fed.admin_a).get()
+    row = services.revoke_user_token(services.Actor.for_user(fed.admin_a), issued.pk)
+    body = client.get(reverse("dashboard:tokens")).content.decode()
+    assert f"revoked {row.revoked_at:{stamp}} UTC" in body
+
+    run = SimulationRun.objects.create(label="demo sim", dataset="tiny", document=DOCUMENT)
+    body = client.get(reverse("dashboard:accuracy")).content.decode()
+    assert f"stored {run.created_at:{stamp}} UTC" in body
+    assert f"demo sim · {run.created_at:{stamp}} UTC" in body
+
+
+def test_closing_a_round_asks_first_and_says_who_has_not_submitted(client, fed):
+    """Close ended the open round at one click, with no confirmation, whoever had not submitted
+    yet (with none submitted, its merge then fails): the button asks first, as Revoke does, and
+    names what closing leaves out."""
+    login(client, fed, "operator")
+    body = html.unescape(client.get(reverse("dashboard:overview")).content.decode())
+    action = reverse("dashboard:round-action", args=[2, "close"])
+    form = re.search(rf'<form method="post" action="{re.escape(action)}"[^>]*>', body).group(0)
+    confirm = re.search(r'data-confirm="([^"]*)"', form)
+    assert confirm, form
+    assert "Close round 2?" in confirm.group(1)
+    assert "2 of 2 approved clients have not submitted (org-a/a1, org-b/b1)" in confirm.group(1)
+    assert "no client has submitted to it, so its merge will fail" in confirm.group(1)
+
+
+def test_submission_count_axes_tick_whole_submissions(client, fed):
+    """The overview's participation chart and an organization's edge chart count submissions,
+    but their axes were left to plotly's automatic ticks, which on the demo's 2 or 6 submissions
+    a round read 0.5, 1.5 (half a submission): they now tick whole numbers from zero."""
+    from compendium.schema import Compendium
+    from compendium.services import store_compendium
+
+    r1 = Round.objects.get(number=1)
+    for kind, where in (("client", {"client": fed.client_a}), ("edge", {"organization": fed.org_a})):
+        store_compendium(
+            Compendium.model_validate({"scenarios": [{"tool_id": "weather", "text": "rain?"}]}),
+            kind=kind, round=r1, **where,
+        )
+    login(client, fed, "operator")
+    overview = figures_in(client.get(reverse("dashboard:overview")).content.decode())
+    participation = next(f for f in overview if "Participation" in f["layout"]["title"]["text"])
+    [edge] = figures_in(client.get(reverse("dashboard:organization", args=["org-a"])).content.decode())
+    for fig in (participation, edge):
+        axis = fig["layout"]["yaxis"]
+        assert axis["title"]["text"] == "submissions"
+        assert axis["tick0"] == 0 and axis["dtick"] == 1 and axis["tickformat"] == "d"
+
+
+def test_the_round_controls_say_where_the_committed_epsilon_stands_against_the_cap(client, fed):
+    """The operator's round controls said nothing of the privacy budget until opening the next
+    round would be refused: where ε′ stood against the cap was on the Privacy page only. They now
+    say it, and what the next round at the form's ε would bring it to."""
+    from django.template.defaultfilters import floatformat
+
+    from federation import accounting
+    from federation.dashboard import services as dashboard_services
+
+    check = accounting.check_budget(dashboard_services.next_round_config())
+    committed = check.before.epsilon
+    login(client, fed, "operator")
+    text = re.sub(r"\s+", " ", re.sub(r"<[^>]+>", "", html.unescape(
+        client.get(reverse("dashboard:overview")).content.decode())))
+    assert committed > 0
+    assert (f"Privacy budget: the federation's committed ε′ is {committed:.3f} of the cap "
+            f"{floatformat(check.cap, '-3')} ({100 * committed / check.cap:.0f} %)") in text
+    assert f"one more round at ε = 1 would bring it to {check.after.epsilon:.3f}" in text
+    # A member sees no round controls, so no budget line either.
+    login(client, fed, "member_a")
+    assert "Privacy budget:" not in client.get(reverse("dashboard:overview")).content.decode()

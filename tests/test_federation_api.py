@@ -1738,3 +1738,14 @@ def test_openapi_schema_has_no_warnings_or_errors(tmp_path):
     call_command("spectacular", "--validate", "--fail-on-warn", "--file", str(out))
     text = out.read_text()
     assert "/api/v1/submissions/" in text and "clientToken" in text
+
+
+def test_a_clients_token_issue_time_is_written_as_its_other_times(world):
+    """GET /api/v1/admin/clients/ wrote `created_at` as DRF writes every time
+    ("2026-11-30T22:18:45.817644Z") but `token_issued_at` by isoformat ("…+00:00"): two formats
+    in one object, for a script to parse both. Both are now written the same way."""
+    row = person_api(world.operator).get(f"/api/v1/admin/clients/{world.client_a.pk}/").json()
+    assert row["created_at"].endswith("Z")
+    assert row["token_issued_at"].endswith("Z") and "+00:00" not in row["token_issued_at"]
+    issued = world.client_a.token.issued_at
+    assert row["token_issued_at"] == issued.isoformat().replace("+00:00", "Z")

@@ -302,8 +302,9 @@ class ClientSerializer(serializers.ModelSerializer):
         return token.prefix if token else None
 
     def get_token_issued_at(self, obj) -> str | None:
+        # Written as DRF writes `created_at` (and every other time): "…Z", not isoformat's "+00:00".
         token = self._token(obj)
-        return token.issued_at.isoformat() if token else None
+        return serializers.DateTimeField().to_representation(token.issued_at) if token else None
 
 
 class EnrollSerializer(serializers.Serializer):

@@ -7,10 +7,18 @@ such div with the plotly.js served from `static/vendor/` (no CDN, no inline scri
 from __future__ import annotations
 
 import html
+import math
 
 import plotly.graph_objects as go
+from _plotly_utils.optional_imports import get_module
 from django.utils.html import format_html
 from django.utils.safestring import SafeString
+
+# Plotly's validators look pandas up in sys.modules without the import lock, so a figure built
+# while another thread is importing it (a gunicorn worker's router warm-up imports it through
+# scikit-learn) met a half-imported module: AttributeError, a 500 on a chart page in a fresh
+# worker's first seconds. Imported here, with the URLconf, before any such thread starts.
+get_module("pandas")
 
 LAYOUT = {
     "template": "plotly_white",
@@ -33,6 +41,13 @@ def styled(fig: go.Figure, **layout) -> go.Figure:
     """Apply the dashboard's common layout to a figure (later keywords win)."""
     fig.update_layout(**{**LAYOUT, **layout})
     return fig
+
+
+def count_axis(title: str, most: float) -> dict:
+    """A y axis of counts (submissions) up to `most`: whole-number ticks from zero, about five of
+    them (plotly's automatic ticks put a small count's at 0.5, 1.5: half a submission)."""
+    return {"title": {"text": title}, "rangemode": "tozero", "tick0": 0,
+            "dtick": max(1, math.ceil(most / 5)), "tickformat": "d"}
 
 
 def right_axis(title: str) -> dict:

@@ -17,7 +17,19 @@ from datetime import timedelta
 
 import plotly.graph_objects as go
 from django.core.paginator import Page, Paginator
-from django.db.models import Avg, Count, IntegerField, Min, OuterRef, Q, QuerySet, Subquery, Value
+from django.db.models import (
+    Avg,
+    Case,
+    Count,
+    IntegerField,
+    Min,
+    OuterRef,
+    Q,
+    QuerySet,
+    Subquery,
+    Value,
+    When,
+)
 from django.db.models.functions import Coalesce, Lower
 from django.utils import timezone
 from django.utils.safestring import SafeString
@@ -33,7 +45,7 @@ from compendium.models import (
     TemplateEntry,
     Tool,
 )
-from federation.dashboard.plots import literal, render_figure, right_axis, styled
+from federation.dashboard.plots import count_axis, literal, render_figure, right_axis, styled
 from federation.merge.operator import noise_dominated
 from federation.merge.summarize import LLM_SUMMARIZERS, summary_counts
 from federation.models import AuditLog, Client, PrivacyLedgerEntry, Round
@@ -282,7 +294,7 @@ def participation_figure(rows: list[RoundRow]) -> go.Figure:
             connectgaps=False,
         )
     )
-    yaxis = {"title": {"text": "submissions"}, "rangemode": "tozero"}
+    yaxis = count_axis("submissions", max(submissions, default=0))
     yaxis2 = right_axis("global size (kB)")
     if max(submissions, default=0) > 0:
         yaxis["range"] = [0, 1.1 * max(submissions)]
@@ -402,6 +414,10 @@ def tools_in_version(version: CompendiumVersion, query: str = "") -> QuerySet:
             entries = model.objects.filter(version=version, **{f"{column}__icontains": query})
             match |= Q(pk__in=entries.values("tool_id"))
         tools = tools.filter(match)
+        # The tool the query names first (the registry links each id to this search), then the
+        # others whose texts mention it.
+        named_first = Case(When(tool_id__iexact=query, then=Value(0)), default=Value(1))
+        return tools.order_by(named_first, Lower("tool_id"), "tool_id")
     return tools.order_by(Lower("tool_id"), "tool_id")
 
 
@@ -702,7 +718,7 @@ def organization_page(organization, actor) -> OrganizationPage:
             fig,
             title={"text": f"{literal(organization.name)}: submissions and edge compendium size"},
             xaxis={"title": {"text": "round"}, "dtick": 1},
-            yaxis={"title": {"text": "submissions"}, "rangemode": "tozero"},
+            yaxis=count_axis("submissions", max(r["submissions"] for r in rows)),
             yaxis2=right_axis("edge size (kB)"),
         )
         page.chart = render_figure(fig, div_id="edge-figures", label=f"Edge figures of {organization}")
@@ -1527,10 +1543,12 @@ def round_controls() -> dict:
     the budget."""
     from typing import get_args
 
+    from federation import accounting
     from federation.round_config import RobustRule, RoundConfig, Summarizer
 
     defaults = next_round_config()
     open_round = Round.objects.filter(state=Round.State.OPEN).first()
+    check = accounting.check_budget(defaults)
     return {
         "open_round": open_round,
         "open_config": RoundConfig.from_stored(open_round.config) if open_round else None,
@@ -1543,7 +1561,15 @@ def round_controls() -> dict:
         "robust_rules": get_args(RobustRule),
         "global_metadata_choices": get_args(RoundConfig.model_fields["global_metadata"].annotation),
         "field_cap_help": FIELD_CAP_HELP,
-        "budget_warning": budget_warning(defaults),
+        "budget_warning": budget_warning(defaults, check),
+        # Where the committed ε′ stands against the cap, and where the next round would take it.
+        "budget": {
+            "committed": check.before.epsilon,
+            "cap": check.cap,
+            "percent": f"{100 * check.before.epsilon / check.cap:.0f}",
+            "epsilon": f"{defaults.epsilon:g}",
+            "after": check.after.epsilon,
+        },
     }
 
 

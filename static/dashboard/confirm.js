@@ -1,5 +1,5 @@
-// A form with data-confirm="..." asks before it is sent (the revoke, reset-password and
-// deactivate buttons). A file rather than an onsubmit attribute: the Content-Security-Policy
+// A form with data-confirm="..." asks before it is sent (the revoke, reset-password,
+// deactivate and round close buttons). A file rather than an onsubmit attribute: the Content-Security-Policy
 // allows no inline script.
 (function () {
   "use strict";

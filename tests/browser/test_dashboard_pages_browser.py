@@ -127,8 +127,11 @@ def test_operator_pages(review, page, live_server, shoot):
     assert page.locator("#round-controls").is_visible()
     page.wait_for_selector("#participation[data-rendered=true] svg.main-svg")
     shoot(page, "overview-operator")
+    asked = []
+    page.once("dialog", lambda dialog: (asked.append(dialog.message), dialog.accept()))
     page.locator("#rounds tr", has_text="open").locator("button", has_text="Close").click()
     page.wait_for_selector(".messages")
+    assert asked and asked[0].startswith("Close round 4? It takes no more submissions")
     assert "Round 4 closed" in page.locator(".messages").inner_text()
     page.fill("#open-round input[name=epsilon]", "0.5")
     page.fill("#open-round input[name=field_cap]", "3")
@@ -271,3 +274,20 @@ def test_api_docs_and_admin_run_under_the_content_security_policy(review, page, 
     response = page.goto(f"{base}/api/v1/rounds/")
     assert "content-security-policy" not in response.headers
     page.wait_for_selector(".response-info")
+
+
+def test_on_a_phone_the_account_links_stay_on_the_screen(review, page, live_server):
+    """On a 390-pixel-wide screen the top bar's account links (API tokens, Change password, Log
+    out) did not wrap: they widened the page to about 630 pixels and Log out lay off the screen,
+    reachable only by scrolling sideways. They now wrap under the navigation."""
+    base = live_server.url
+    page.set_viewport_size({"width": 390, "height": 844})
+    log_in(page, base, "acme-admin")
+    for name in ("dashboard:overview", "dashboard:audit"):
+        go(page, base, name)
+        for label in ("API tokens", "Change password", "Log out"):
+            box = page.locator("header.topbar .account", has_text=label).locator(
+                f"text={label}").bounding_box()
+            assert box is not None and 0 <= box["x"] and box["x"] + box["width"] <= 390, (name, label, box)
+        header = page.evaluate("document.querySelector('header.topbar').scrollWidth")
+        assert header <= 390, (name, header)
