@@ -13,6 +13,7 @@ from __future__ import annotations
 from django.db import transaction
 from django.db.models import Q
 
+from compendium.scrub import scrub_text
 from compendium.services import current_schema
 from compendium.validation import _FORBIDDEN_CHARS
 from federation.errors import Conflict, InvalidRequest, NotAllowed
@@ -125,6 +126,11 @@ def decision_for(conflict: ConflictLogEntry) -> ConflictDecision | None:
     ).first()
 
 
+_PERSONAL = {
+    "email": "e-mail address", "card": "card number", "phone": "phone number", "number": "long number",
+}
+
+
 @transaction.atomic
 def decide_conflict(
     actor: Actor, conflict: ConflictLogEntry, action: str, text: str = ""
@@ -182,6 +188,18 @@ def decide_conflict(
             raise InvalidRequest(
                 f"the precaution contains a control character or bidirectional override "
                 f"U+{ord(bad.group()):04X} at position {bad.start()}; remove it"
+            )
+        # It is published unmasked to every organization: what the server's scrub takes for
+        # personal data would be removed from any client's text, and is refused in a reviewer's.
+        personal = scrub_text(text).counts
+        if any(personal.values()):
+            found = ", ".join(
+                f"{n} {_PERSONAL[kind]}{'s' if n > 1 else ''}"
+                for kind, n in personal.items() if n
+            )
+            raise InvalidRequest(
+                f"the precaution holds {found}, which every organization would read in the "
+                "global compendium; write it without"
             )
     elif action == ConflictDecision.Action.SCENARIO:
         if text not in scenario_choices(conflict):

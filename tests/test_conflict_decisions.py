@@ -178,3 +178,29 @@ def test_an_edited_precaution_with_a_forbidden_character_is_refused(
     with pytest.raises(InvalidRequest, match=f"U\\+{ord(bad):04X}"):
         decide_conflict(Actor.system(), conflict, "edit", f"Ask for the city{bad} first")
     assert not ConflictDecision.objects.exists()
+
+
+@pytest.mark.parametrize(
+    ("text", "named"),
+    [
+        ("Call the owner at 555-123-4567 first", "1 phone number"),
+        ("Ask jane.doe@example.org before booking", "1 e-mail address"),
+        ("Never for the account 123456789012", "1 long number"),
+    ],
+)
+def test_an_edited_precaution_holding_personal_data_is_refused(
+    text, named, django_capture_on_commit_callbacks
+):
+    """An edited precaution goes into the global compendium every organization pulls, unmasked
+    (it is the reviewer's own text). One holding what the server's scrub takes for personal data
+    (a phone number, an e-mail address, a card or a long number: "Call the owner at
+    555-123-4567") was stored and published as it was; it is refused with a 400 naming what was
+    found, and nothing is recorded. An ordinary precaution with a number stays accepted."""
+    from federation.errors import InvalidRequest
+
+    org, clients, conflict = conflicted_round(django_capture_on_commit_callbacks)
+    with pytest.raises(InvalidRequest, match=f"holds {named}"):
+        decide_conflict(Actor.system(), conflict, "edit", text)
+    assert not ConflictDecision.objects.exists()
+    decide_conflict(Actor.system(), conflict, "edit", "Not for files over 25 MB or 3 cities")
+    assert ConflictDecision.objects.get().text == "Not for files over 25 MB or 3 cities"
