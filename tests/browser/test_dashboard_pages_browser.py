@@ -236,6 +236,26 @@ def test_long_names_wrap_and_leave_the_buttons_in_sight_at_1366px(long_names, pa
     assert table["x"] + table["width"] <= width
 
 
+def test_back_from_a_refused_form_keeps_what_was_typed(review, page, live_server):
+    """A refused form answers a page naming what is wrong, with a Back link. The link loaded the
+    form's page again, every field empty: the operator typed the round's twelve settings again.
+    It now goes back in the browser's history, to the form as it was left."""
+    base = live_server.url
+    log_in(page, base, "operator")
+    page.once("dialog", lambda dialog: dialog.accept())
+    page.locator("#rounds tr", has_text="open").locator("button", has_text="Close").click()
+    page.wait_for_selector(".messages")
+    page.fill("#open-round input[name=epsilon]", "0.5x")
+    page.fill("#open-round input[name=field_cap]", "3")
+    page.click("#open-round button[type=submit]")
+    page.wait_for_selector("#back")
+    assert "epsilon" in page.locator("p.error").inner_text()
+    page.click("#back")
+    page.wait_for_selector("#open-round")
+    assert page.input_value("#open-round input[name=epsilon]") == "0.5x"
+    assert page.input_value("#open-round input[name=field_cap]") == "3"
+
+
 def test_a_refused_confirmation_sends_nothing(review, page, live_server):
     """The revoke button asks first (static/dashboard/confirm.js: no inline script under the
     Content-Security-Policy); dismissing the question leaves the client approved."""
