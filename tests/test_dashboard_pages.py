@@ -928,17 +928,13 @@ def test_frontier_marks_the_runs_own_configuration(client, fed):
     SimulationRun.objects.create(label="own point", dataset="tiny", document=document)
     body = login(client, fed, "member_a").get(reverse("dashboard:accuracy")).content.decode()
     frontier = figures_in(body)[-1]
-    [own] = [t for t in frontier["data"] if t["name"] == "this run's configuration"]
-    # the last round of SYNAPSE (0.6) at the run's own attack AUROC
-    assert own["x"] == [0.7] and own["y"] == [0.6] and own["text"] == ["ε=1.0, λ=0.5"]
-    # right of every swept point: labelled on its left, inside the chart
-    assert own["textposition"] == "middle left"
+    [own] = [t for t in frontier["data"] if t["name"].startswith("this run's configuration")]
+    # the last round of SYNAPSE (0.6) at the run's own attack AUROC, named in the legend with
+    # its ε and λ; no label printed beside it, where it covered the swept points' labels
+    assert own["x"] == [0.7] and own["y"] == [0.6]
+    assert own["name"] == "this run's configuration (ε=1.0, λ=0.5)"
+    assert own["mode"] == "markers" and "text" not in own
     assert frontier["layout"]["title"]["text"] == "Privacy–utility frontier (ε × λ)"
-    SimulationRun.objects.create(label="inside", dataset="tiny", document={
-        **document, "privacy": {"membership_auroc": 0.55}})
-    body = client.get(reverse("dashboard:accuracy")).content.decode()
-    [own] = [t for t in figures_in(body)[-1]["data"] if t["name"] == "this run's configuration"]
-    assert own["textposition"] == "middle right"
     # a run whose configuration is one of its sweep's rows: that row is the point already
     SimulationRun.objects.create(label="swept", dataset="tiny", document={
         **document, "config": {"epsilon": 2.0, "mask_strength": 1.0}})

@@ -1383,19 +1383,17 @@ def accuracy_page(run_id=None) -> AccuracyPage:
         config = doc.get("config") or {}
         auroc = (doc.get("privacy") or {}).get("membership_auroc")
         swept = {(r.get("epsilon"), r.get("mask_strength")) for r in page.privacy_sweep}
-        swept_auroc = [r["membership_auroc"] for r in [*page.privacy_sweep, *page.release_sweep]
-                       if r.get("membership_auroc") is not None]
         if last and auroc is not None and (config.get("epsilon"), config.get("mask_strength")) not in swept:
             # The run's own configuration, played on the same splits as its sweeps: where the
             # operating point sits among them.
+            # Named in the legend and on hover, with no label beside it: one printed over the
+            # swept points' own labels (the demo's star sits by its λ = 0 point).
             frontier.add_trace(go.Scatter(
-                x=[auroc], y=[last["accuracy_mean"]], mode="markers+text",
+                x=[auroc], y=[last["accuracy_mean"]], mode="markers",
                 marker={"symbol": "star", "size": 14, "color": "#111"},
-                text=[f"ε={config.get('epsilon')}, λ={config.get('mask_strength')}"],
-                # labelled on the side away from the chart's edge, where it would be cut off
-                textposition="middle left" if auroc >= max(swept_auroc, default=auroc)
-                else "middle right",
-                name="this run's configuration", cliponaxis=False,
+                name=f"this run's configuration (ε={config.get('epsilon')}, "
+                     f"λ={config.get('mask_strength')})",
+                cliponaxis=False,
             ))
             accuracies.append(last["accuracy_mean"])
         frontier.add_vline(x=0.5, line={"dash": "dot", "color": "#888"},
