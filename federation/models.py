@@ -156,7 +156,9 @@ class FederationSettings(models.Model):
     """The federation's policy: one row (pk=1). Changes are audited."""
 
     epsilon_budget = models.FloatField(
-        default=50.0, help_text="cap on the total ε over all rounds (sequential composition)"
+        default=50.0,
+        help_text="cap on the federation's composed ε′ over all rounds (the tighter of basic "
+        "and advanced composition at δ′)",
     )
     delta_prime = models.FloatField(default=1e-6, help_text="δ' of advanced composition")
     allow_admin_approval = models.BooleanField(
