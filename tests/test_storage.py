@@ -151,3 +151,17 @@ def test_deleting_client_versions_cascades_as_the_orm_would(stored_registry, val
     assert list(edge.sources.all()) == [kept]
     assert not kept.derived.filter(pk=gone.pk).exists()
     assert CompendiumVersion.objects.filter(pk__in=[kept.pk, edge.pk]).count() == 2
+
+
+def test_every_model_change_has_its_migration():
+    """A model changed without its migration (a field, its default, its help text) leaves the
+    database behind the code: `makemigrations --check` finds nothing to write."""
+    from io import StringIO
+
+    from django.core.management import call_command
+
+    out = StringIO()
+    try:
+        call_command("makemigrations", "--check", "--dry-run", stdout=out, stderr=out)
+    except SystemExit as exit_:
+        pytest.fail(f"models changed without a migration (exit {exit_.code}):\n{out.getvalue()}")
