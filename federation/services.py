@@ -363,6 +363,32 @@ def audit_period_filter(name: str, raw: str) -> dict:
     return {f"created_at__{'gte' if name == 'since' else 'lt'}": instant}
 
 
+def audit_period(since: str = "", until: str = "") -> dict:
+    """The queryset filters of the audit log's period (`audit_period_filter` of each bound
+    given). A `since` after `until` (or at it, for an instant `until`, which is exclusive) holds
+    no entry: refused, naming both, rather than answering an empty log as if none were there."""
+    filters: dict = {}
+    bounds = []
+    for name, raw in (("since", since), ("until", until)):
+        if not (raw or "").strip():
+            continue
+        one = audit_period_filter(name, raw)
+        filters.update(one)
+        [value] = one.values()
+        if isinstance(value, dt.datetime):
+            bounds.append(value)
+        elif name == "since" or value < dt.date.max:
+            # a day: from its start, or (until, inclusive) to the next day's start
+            day = value if name == "since" else value + dt.timedelta(days=1)
+            bounds.append(timezone.make_aware(dt.datetime.combine(day, dt.time.min)))
+    if len(bounds) == 2 and bounds[0] >= bounds[1]:
+        raise InvalidRequest(
+            f"since ({since.strip()[:40]}) is not before until ({until.strip()[:40]}): no entry "
+            "is in that period"
+        )
+    return filters
+
+
 def filtered_audit_log(entries: QuerySet, params) -> QuerySet:
     """The audit entries (already scoped to what the caller may see) narrowed by the API's
     filters: action, organization (slug), actor (label), target_type, since, until. Raises
@@ -378,10 +404,7 @@ def filtered_audit_log(entries: QuerySet, params) -> QuerySet:
         entries = entries.filter(actor_label=params["actor"])
     if params.get("target_type"):
         entries = entries.filter(target_type=params["target_type"])
-    for name in ("since", "until"):
-        if params.get(name):
-            entries = entries.filter(**audit_period_filter(name, params[name]))
-    return entries
+    return entries.filter(**audit_period(params.get("since") or "", params.get("until") or ""))
 
 
 # --- operator and people ----------------------------------------------------------------------

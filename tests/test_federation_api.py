@@ -1280,6 +1280,27 @@ def test_audit_period_takes_a_date_or_a_datetime(world):
     assert count(since=(first - hour).strftime("%Y-%m-%dT%H:%M:%SZ")) == total
 
 
+def test_an_audit_period_that_ends_before_it_starts_is_refused(world, client):
+    """`since` after `until` answered an empty log, as if nothing had happened in that period
+    (the dashboard's date fields swapped by mistake); a 400 naming both now, on the API and the
+    dashboard. One day as both bounds is that whole day."""
+    api = person_api(world.operator)
+    swapped = api.get("/api/v1/admin/audit/", {"since": "2026-11-30", "until": "2026-11-01"})
+    assert swapped.status_code == 400, swapped.content
+    assert swapped.json()["detail"] == (
+        "since (2026-11-30) is not before until (2026-11-01): no entry is in that period"
+    )
+    instants = {"since": "2026-11-30T10:00:00Z", "until": "2026-11-30T10:00:00Z"}
+    assert api.get("/api/v1/admin/audit/", instants).status_code == 400  # until is exclusive
+    today = AuditLog.objects.latest("created_at").created_at.date().isoformat()
+    one_day = api.get("/api/v1/admin/audit/", {"since": today, "until": today})
+    assert one_day.status_code == 200 and one_day.json()["count"] > 0
+    client.force_login(world.operator)
+    page = client.get("/audit/", {"since": "2026-11-30", "until": "2026-11-01"})
+    assert page.status_code == 400
+    assert "is not before until (2026-11-01)" in page.content.decode()
+
+
 def test_an_audit_period_given_as_a_datetime_is_never_silently_dropped(world):
     """`since=2026-11-30T10:00:00Z` filters; an offset's '+' left unencoded in the URL (a query
     string reads it as a space) is a 400 saying so."""

@@ -800,10 +800,10 @@ def audit_csv_lines(entries: QuerySet, user):
 def audit_entries(organizations: QuerySet, *, operator: bool, filters: dict) -> QuerySet:
     """Audit entries the user may see (operator: all; others: their organizations' entries),
     filtered by action, organization slug, actor (substring), and period (`since`, `until`: dates,
-    inclusive, or datetimes, as the API takes them: `federation.services.audit_period_filter`).
+    inclusive, or datetimes, as the API takes them: `federation.services.audit_period`).
     Raises BadRequest naming a malformed filter."""
     from federation.errors import InvalidRequest
-    from federation.services import audit_period_filter
+    from federation.services import audit_period
 
     entries = AuditLog.objects.select_related("organization")
     if not operator:
@@ -819,13 +819,10 @@ def audit_entries(organizations: QuerySet, *, operator: bool, filters: dict) -> 
     actor = (filters.get("actor") or "").strip()
     if actor:
         entries = entries.filter(actor_label__icontains=actor)
-    for key in ("since", "until"):
-        raw = (filters.get(key) or "").strip()
-        if raw:
-            try:
-                entries = entries.filter(**audit_period_filter(key, raw))
-            except InvalidRequest as error:
-                raise BadRequest(str(error)) from None
+    try:
+        entries = entries.filter(**audit_period(filters.get("since") or "", filters.get("until") or ""))
+    except InvalidRequest as error:
+        raise BadRequest(str(error)) from None
     return entries.order_by("-created_at", "-id")
 
 
