@@ -536,3 +536,70 @@ def test_a_support_or_user_count_over_the_limit_is_a_violation(small_schema, cou
                if v.path.endswith(("support", "num_users")))
     doc["scenarios"][0]["support"] = doc["precautions"][0]["support"] = doc["num_users"] = 10**6
     assert validate_compendium(doc, small_schema).ok
+
+
+# --- JSON bodies the parser must refuse, and fields a request cannot set -------------------------
+
+
+@pytest.mark.django_db
+@pytest.mark.parametrize(
+    "method, path, body, named",
+    [
+        # an unknown field's name, echoed in the refusal: was a UnicodeEncodeError (500) rendering it
+        ("post", "/api/v1/admin/organizations/", '{"name": "Org C", "\\ud800": 1}',
+         "$ has a key holding a lone surrogate U+D800"),
+        # a choice echoed in DRF's "is not a valid choice": the same 500
+        ("post", "/api/v1/admin/people/", '{"username": "carol", "organization": "org-a", '
+         '"role": "\\udfff"}', "$.role holds a lone surrogate U+DFFF"),
+        ("patch", "/api/v1/admin/people/{member}/", '{"role": "admin\\ud800"}',
+         "$.role holds a lone surrogate U+D800"),
+        ("post", "/api/v1/admin/rounds/", '{"summarizer": "\\udfff"}',
+         "$.summarizer holds a lone surrogate U+DFFF"),
+        ("post", "/api/v1/admin/rounds/", '{"robust_rule": "krum", "global_metadata": "\\ud83d"}',
+         "$.global_metadata holds a lone surrogate U+D83D"),
+        ("post", "/api/v1/route/batch/", '{"queries": ["rain", {"x": ["\\udc00"]}]}',
+         "$.queries[1].x[0] holds a lone surrogate U+DC00"),
+    ],
+)
+def test_a_json_body_holding_a_lone_surrogate_is_400_naming_where(world, method, path, body,
+                                                                   named):
+    """JSON can escape half of a character ("\\ud800"), which is no text: wherever it is in a
+    body the API reads, the answer is a 400 naming where, and nothing is done."""
+    api = person_api(world.operator)
+    path = path.format(member=world.member_a.pk)
+    response = getattr(api, method)(path, body, content_type="application/json")
+    assert response.status_code == 400, response.content
+    assert named in response.json()["detail"]
+    assert "half of an escaped character" in response.json()["detail"]
+    assert not Organization.objects.filter(name="Org C").exists()
+    assert not Round.objects.exists()
+    assert world.member_a.membership.role == "member"
+    assert world.org_a.memberships.count() == 2
+
+
+@pytest.mark.django_db
+@pytest.mark.parametrize(
+    "method, path, body, key",
+    [
+        ("post", "/api/v1/admin/rounds/", '{"epsilon": 1, "epsilon": 1000}', "epsilon"),
+        ("patch", "/api/v1/admin/settings/", '{"epsilon_budget": 5, "epsilon_budget": 50}',
+         "epsilon_budget"),
+        ("post", "/api/v1/admin/organizations/", '{"name": "Org C", "name": "Org D"}', "name"),
+        ("post", "/api/v1/route/", '{"query": "rain", "top_k": 3, "top_k": 4}', "top_k"),
+        ("patch", "/api/v1/admin/people/{member}/", '{"x": {"role": 1, "role": 2}}', "role"),
+    ],
+)
+def test_a_json_body_with_a_key_twice_is_400_naming_it(world, method, path, body, key):
+    """Parsers disagree on which of two equal keys counts (Python's the last, others the first):
+    as a compendium's body already is, a body with a key twice is refused, not read one way."""
+    api = person_api(world.operator)
+    budget = services.get_settings().epsilon_budget
+    path = path.format(member=world.member_a.pk)
+    response = getattr(api, method)(path, body, content_type="application/json")
+    assert response.status_code == 400, response.content
+    assert f'duplicate key "{key}" in one object' in response.json()["detail"]
+    assert not Round.objects.exists()
+    assert not Organization.objects.filter(name__in=["Org C", "Org D"]).exists()
+    services.clear_settings_cache()
+    assert services.get_settings().epsilon_budget == budget
+
