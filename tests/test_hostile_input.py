@@ -603,3 +603,41 @@ def test_a_json_body_with_a_key_twice_is_400_naming_it(world, method, path, body
     services.clear_settings_cache()
     assert services.get_settings().epsilon_budget == budget
 
+
+@pytest.mark.django_db
+def test_a_body_that_sets_a_read_only_field_is_400_naming_it(world):
+    """An organization's `id` and `created_at`, the settings' `updated_at`: the server sets them.
+    A body naming them was answered 2xx with them ignored (a client that sent `created_at` took
+    it for stored); as an unknown field is, such a body is a 400 naming them, nothing done."""
+    api = person_api(world.operator)
+    created = api.post(
+        "/api/v1/admin/organizations/",
+        {"name": "Org C", "id": 999, "created_at": "2020-01-01T00:00:00Z"}, format="json",
+    )
+    assert created.status_code == 400, created.content
+    assert created.json()["detail"] == (
+        "this request takes name, slug, description; read-only field(s), set by the server: "
+        "created_at, id"
+    )
+    assert not Organization.objects.filter(name="Org C").exists()
+    budget = services.get_settings().epsilon_budget
+    changed = api.patch(
+        "/api/v1/admin/settings/", {"epsilon_budget": budget + 1, "updated_at": "2020-01-01"},
+        format="json",
+    )
+    assert changed.status_code == 400, changed.content
+    assert changed.json()["detail"].endswith("read-only field(s), set by the server: updated_at")
+    services.clear_settings_cache()
+    assert services.get_settings().epsilon_budget == budget
+    # with an unknown field as well: both named, in one answer
+    both = api.post("/api/v1/admin/organizations/", {"name": "Org C", "id": 1, "colour": "red"},
+                    format="json")
+    assert both.status_code == 400
+    assert both.json()["detail"] == (
+        "this request takes name, slug, description; unknown field(s): colour; read-only "
+        "field(s), set by the server: id"
+    )
+    # the same bodies without them still work
+    assert api.post("/api/v1/admin/organizations/", {"name": "Org C"}, format="json").status_code == 201
+    assert api.patch("/api/v1/admin/settings/", {"epsilon_budget": budget + 1},
+                     format="json").status_code == 200
