@@ -203,6 +203,10 @@ class RoutingParams:
             raise RoutingParamsError(
                 f"cannot read routing parameters {path}: {exc.strerror}"
             ) from None
+        except RecursionError:  # was a traceback (the CLI) or a 500 on every route (the server)
+            raise RoutingParamsError(
+                f"{path} is not a routing parameters file: it nests too deeply"
+            ) from None
         except ValueError as exc:
             raise RoutingParamsError(f"{path} is not a routing parameters file: {exc}") from None
         if not isinstance(doc, dict) or not {"weights", "calibration"} & doc.keys():

@@ -880,3 +880,22 @@ def test_a_file_written_again_keeps_its_mode_and_a_new_one_is_the_owners(tmp_pat
     target.chmod(0o644)
     client_api.write_atomically(target, b'{"a": 1}')
     assert stat.S_IMODE(target.stat().st_mode) == 0o644 and target.read_bytes() == b'{"a": 1}'
+
+
+def test_a_params_file_nested_too_deeply_is_one_clear_line_not_a_recursion_error(
+    tmp_path, settings, caplog
+):
+    """`route --params` with such a file was a RecursionError traceback; the server's
+    SYNAPSE_ROUTING_PARAMS, read for every routing request, a 500 on each."""
+    deep = tmp_path / "params.json"
+    deep.write_text("[" * 100_000 + "]" * 100_000, encoding="utf-8")
+    said = f"{deep} is not a routing parameters file: it nests too deeply"
+    with pytest.raises(RoutingParamsError, match=said):
+        RoutingParams.load(deep)
+    with pytest.raises(SystemExit) as exit_:
+        main(["route", "weather?", "--compendium", str(tmp_path / "g.json"), "--params", str(deep)])
+    assert str(exit_.value.code) == f"synapse-client: --params: {said}"
+    settings.SYNAPSE_ROUTING_PARAMS = str(deep)
+    with caplog.at_level(logging.WARNING, logger="routing.services"):
+        assert services.routing_params() == RoutingParams.load()  # the defaults, said in the log
+    assert said in caplog.text
