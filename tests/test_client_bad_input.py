@@ -899,3 +899,36 @@ def test_a_params_file_nested_too_deeply_is_one_clear_line_not_a_recursion_error
     with caplog.at_level(logging.WARNING, logger="routing.services"):
         assert services.routing_params() == RoutingParams.load()  # the defaults, said in the log
     assert said in caplog.text
+
+
+def test_an_out_that_is_a_pipe_or_device_is_refused_and_left_as_it_is(tmp_path, capsys):
+    """The client writes a temporary file and renames it over its --out: over a pipe or a device
+    that put a regular file in its place (`--out /dev/null`, run as root, replaced /dev/null for
+    the whole machine). Refused, in one line, with the pipe left as it was; a link to one too."""
+    import os
+    import stat
+
+    from compendium.client_api import CannotWrite, write_atomically
+
+    fifo = tmp_path / "pipe"
+    os.mkfifo(fifo)
+    link = tmp_path / "link.json"
+    link.symlink_to(fifo)
+    for path in (fifo, link):
+        with pytest.raises(CannotWrite, match=f"cannot write {path}: it is a pipe .FIFO., not a "
+                                              "regular file"):
+            write_atomically(path, b"{}")
+    schema = tmp_path / "schema.json"
+    schema.write_text('{"tools": [{"tool_id": "weather", "description": "Weather"}]}', "utf-8")
+    log = tmp_path / "usage.jsonl"
+    log.write_text(json.dumps({"query": "Will it rain in a city?", "user": "u1", "tool": "weather",
+                               "outcome": "success", "latency_ms": 40}) + "\n", "utf-8")
+    capsys.readouterr()
+    assert main(["build", "--log", str(log), "--schema", str(schema), "--out", str(link),
+                 "--no-collapse", "--quiet"]) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == [f"synapse-client: cannot write {link}: it is a pipe (FIFO), not a regular file, "
+                   "and the file written would replace it; name a file"]
+    assert stat.S_ISFIFO(os.stat(fifo).st_mode) and link.is_symlink()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["link.json", "pipe", "schema.json",
+                                                         "usage.jsonl"]
