@@ -198,7 +198,8 @@ class RoutingParams:
             path = DEFAULT_PARAMS_PATH
         path = Path(path)
         try:
-            doc = json.loads(path.read_text(encoding="utf-8"))
+            # utf-8-sig: a file saved with a byte-order mark (Notepad, PowerShell) reads as it shows
+            doc = json.loads(path.read_text(encoding="utf-8-sig"))
         except OSError as exc:
             raise RoutingParamsError(
                 f"cannot read routing parameters {path}: {exc.strerror}"

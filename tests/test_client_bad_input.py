@@ -901,6 +901,42 @@ def test_a_params_file_nested_too_deeply_is_one_clear_line_not_a_recursion_error
     assert said in caplog.text
 
 
+BOM = b"\xef\xbb\xbf"  # what Notepad and PowerShell 5's Out-File write first
+
+
+def test_json_files_saved_with_a_byte_order_mark_are_read(tmp_path, capsys):
+    """A schema, compendium, pulled global, probe set or routing parameters file saved by a
+    Windows editor starts with a UTF-8 byte-order mark: the client said "Invalid JSON: expected
+    value at line 1 column 1" (or "Unexpected UTF-8 BOM"); it reads them as the editor shows them,
+    as it reads a usage log."""
+    from compendium.client_cli import _load_probe, _load_pulled
+    from compendium.schema import Compendium, Scenario
+    from routing.cli import _load_compendium as _load_global
+
+    schema = tmp_path / "schema.json"
+    schema.write_bytes(BOM + b'{"tools": [{"tool_id": "weather", "description": "Weather"}]}')
+    compendium = Compendium(scenarios=[Scenario(tool_id="weather", text="Will it rain?")])
+    saved = tmp_path / "c.json"
+    saved.write_bytes(BOM + compendium.model_dump_json().encode())
+    assert main(["inspect", str(saved), "--schema", str(schema)]) == 0
+    assert main(["validate", str(saved), "--schema", str(schema)]) == 0, capsys.readouterr().err
+    pulled = tmp_path / "global.json"
+    pulled.write_bytes(BOM + json.dumps({"round": 2, "compendium": compendium.model_dump()}).encode())
+    assert _load_pulled(str(pulled)).scenarios == compendium.scenarios
+    assert _load_global(str(pulled)).scenarios == compendium.scenarios
+    probe = tmp_path / "probe.json"
+    from compendium import transport
+
+    texts = ["Will it rain?"]
+    sha256 = transport.dictionary_hash(transport.probe_bytes(texts))
+    probe.write_bytes(BOM + json.dumps({"count": 1, "sha256": sha256, "texts": texts,
+                                        "tools": ["weather"]}).encode())
+    assert _load_probe(str(probe)) == ["Will it rain?"]
+    params = tmp_path / "params.json"
+    params.write_bytes(BOM + RoutingParams(top_k=7).to_json().encode())
+    assert RoutingParams.load(params).top_k == 7
+
+
 def test_an_out_that_is_a_pipe_or_device_is_refused_and_left_as_it_is(tmp_path, capsys):
     """The client writes a temporary file and renames it over its --out: over a pipe or a device
     that put a regular file in its place (`--out /dev/null`, run as root, replaced /dev/null for
