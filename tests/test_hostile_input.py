@@ -641,3 +641,35 @@ def test_a_body_that_sets_a_read_only_field_is_400_naming_it(world):
     assert api.post("/api/v1/admin/organizations/", {"name": "Org C"}, format="json").status_code == 201
     assert api.patch("/api/v1/admin/settings/", {"epsilon_budget": budget + 1},
                      format="json").status_code == 200
+
+
+@pytest.mark.django_db
+@pytest.mark.parametrize("debug", [False, True])
+@pytest.mark.parametrize("kind", ["form", "multipart", "files"])
+def test_a_form_body_with_more_fields_than_the_server_reads_is_a_json_400_naming_the_limit(
+    world, settings, debug, kind
+):
+    """A form or multipart body past DATA_UPLOAD_MAX_NUMBER_FIELDS or _FILES (Django's
+    TooManyFieldsSent, TooManyFilesSent) was `{"detail": "bad request"}` with DEBUG off and
+    Django's HTML debug page with DEBUG on, where every other error under /api/ is JSON naming
+    what is wrong; nothing is created."""
+    settings.DEBUG = debug
+    settings.DATA_UPLOAD_MAX_NUMBER_FIELDS = settings.DATA_UPLOAD_MAX_NUMBER_FILES = 50
+    api = person_api(world.operator)
+    api.raise_request_exception = False
+    names = ["name"] + [f"f{i}" for i in range(60)]
+    file = '; filename="a.txt"' if kind == "files" else ""
+    if kind == "form":
+        body, content_type = "&".join(f"{n}=x" for n in names), "application/x-www-form-urlencoded"
+    else:
+        body = "".join(f'--b\r\nContent-Disposition: form-data; name="{n}"{file}\r\n\r\nx\r\n'
+                       for n in names) + "--b--\r\n"
+        content_type = "multipart/form-data; boundary=b"
+    response = api.post("/api/v1/admin/organizations/", body, content_type=content_type)
+    assert response.status_code == 400
+    assert response["Content-Type"].startswith("application/json")
+    what = "files" if kind == "files" else "fields"
+    assert response.json() == {
+        "detail": f"the request body has more than 50 {what}, the server's limit for one request"
+    }
+    assert not Organization.objects.filter(name="x").exists()
