@@ -1001,12 +1001,36 @@ def record_sent(path: Path, round_number: int, keys: set[str]) -> None:
     write_atomically(Path(path), json.dumps({"rounds": rounds}, sort_keys=True).encode("utf-8"))
 
 
+def special_file(path: Path) -> str | None:
+    """What `path` is when it exists as neither a regular file nor a folder ("a device", "a
+    pipe (FIFO)", "a socket"; a link is followed), else None."""
+    try:
+        mode = os.stat(path).st_mode
+    except (OSError, ValueError):
+        return None
+    if stat.S_ISCHR(mode) or stat.S_ISBLK(mode):
+        return "a device"
+    if stat.S_ISFIFO(mode):
+        return "a pipe (FIFO)"
+    if stat.S_ISSOCK(mode):
+        return "a socket"
+    return None
+
+
 def write_atomically(path: Path, data: bytes) -> None:
     """Write to a temporary file beside `path` and rename it over: never a half-written file.
     A new file is readable by its owner only (mkstemp's 0600: what a client writes may hold its
     own masked text); a file replaced keeps the mode it had, so a global.json its owner opened to
     another account (the one its LLM runs as) stays readable after the next pull. An OSError
-    names `path` (not the temporary file), as `cannot write PATH: reason`."""
+    names `path` (not the temporary file), as `cannot write PATH: reason`. A `path` that is a
+    device, a pipe or a socket is refused, untouched: the rename would put a regular file in its
+    place (`--out /dev/null` run as root replaced /dev/null itself)."""
+    special = special_file(path)
+    if special:
+        raise CannotWrite(path, OSError(
+            f"it is {special}, not a regular file, and the file written would replace it; "
+            "name a file"
+        ))
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)

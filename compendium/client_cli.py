@@ -52,9 +52,12 @@ class CliError(Exception):
     """One line for the user; the command exits with status 1."""
 
 
+UTF8_BOM = b"\xef\xbb\xbf"
+
+
 def _load_schema(path: str) -> Schema:
     try:
-        data = Path(path).read_bytes()
+        data = Path(path).read_bytes().removeprefix(UTF8_BOM)
     except OSError as exc:
         raise CliError(f"cannot read schema {path}: {exc.strerror}") from None
     try:
@@ -64,8 +67,11 @@ def _load_schema(path: str) -> Schema:
 
 
 def _read_bytes(path: str) -> bytes:
+    """A JSON file's bytes, without the UTF-8 byte-order mark that Windows editors (Notepad,
+    PowerShell 5's Out-File) put first: "Invalid JSON: expected value at line 1 column 1" told
+    the user nothing they could act on (a usage log's is dropped as well)."""
     try:
-        return Path(path).read_bytes()
+        return Path(path).read_bytes().removeprefix(UTF8_BOM)
     except OSError as exc:
         raise CliError(f"cannot read {path}: {exc.strerror}") from None
 

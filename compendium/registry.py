@@ -64,9 +64,10 @@ def _read_lines(path: Path) -> Iterator[bytes]:
 
 
 def _read_text(path: Path) -> str:
-    """A whole UTF-8 file, or a RegistryFormatError naming it."""
+    """A whole UTF-8 file (a byte-order mark first dropped), or a RegistryFormatError naming
+    it."""
     try:
-        return _read_bytes(path).decode("utf-8")
+        return _read_bytes(path).decode("utf-8-sig")
     except UnicodeDecodeError as exc:
         raise RegistryFormatError(f"{path}: not UTF-8 text ({exc.reason})") from None
 
@@ -128,7 +129,9 @@ def _storable(where: str, what: str, value: Any) -> None:
 def _read_jsonl(path: Path) -> Iterator[tuple[int, dict[str, Any]]]:
     for number, raw in enumerate(_read_lines(path), start=1):
         try:
-            line = raw.decode("utf-8")
+            # line 1: without the UTF-8 byte-order mark Windows tools write first (Notepad,
+            # PowerShell 5's Out-File), which was "not valid JSON (Unexpected UTF-8 BOM ...)"
+            line = raw.decode("utf-8-sig" if number == 1 else "utf-8")
         except UnicodeDecodeError as exc:
             raise RegistryFormatError(f"{path}:{number}: not UTF-8 text ({exc.reason})") from None
         if not line.strip():

@@ -23,7 +23,7 @@ def _load_compendium(path: str):
     from compendium.validation import validation_summary
 
     try:
-        doc = json.loads(Path(path).read_text(encoding="utf-8"))
+        doc = json.loads(Path(path).read_text(encoding="utf-8-sig"))  # a byte-order mark too
     except FileNotFoundError:
         raise SystemExit(
             f"synapse-client: no compendium at {path}: pull the global first "

@@ -198,10 +198,15 @@ class RoutingParams:
             path = DEFAULT_PARAMS_PATH
         path = Path(path)
         try:
-            doc = json.loads(path.read_text(encoding="utf-8"))
+            # utf-8-sig: a file saved with a byte-order mark (Notepad, PowerShell) reads as it shows
+            doc = json.loads(path.read_text(encoding="utf-8-sig"))
         except OSError as exc:
             raise RoutingParamsError(
                 f"cannot read routing parameters {path}: {exc.strerror}"
+            ) from None
+        except RecursionError:  # was a traceback (the CLI) or a 500 on every route (the server)
+            raise RoutingParamsError(
+                f"{path} is not a routing parameters file: it nests too deeply"
             ) from None
         except ValueError as exc:
             raise RoutingParamsError(f"{path} is not a routing parameters file: {exc}") from None

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from django.conf import settings
-from django.core.exceptions import RequestDataTooBig
+from django.core.exceptions import RequestDataTooBig, TooManyFieldsSent, TooManyFilesSent
 from django.http import JsonResponse
 from django.shortcuts import render
 from django.views import defaults
@@ -117,22 +117,40 @@ def _body_too_big() -> JsonResponse:
     )
 
 
+def _body_over_a_limit(exception) -> JsonResponse | None:
+    """The JSON answer naming the limit a request body went past (Django refuses it while DRF or
+    Django reads it): its size, its form fields or its files; None for any other exception."""
+    if isinstance(exception, RequestDataTooBig):
+        return _body_too_big()
+    if isinstance(exception, TooManyFieldsSent):
+        limit, what = settings.DATA_UPLOAD_MAX_NUMBER_FIELDS, "fields"
+    elif isinstance(exception, TooManyFilesSent):
+        limit, what = settings.DATA_UPLOAD_MAX_NUMBER_FILES, "files"
+    else:
+        return None
+    return JsonResponse(
+        {"detail": f"the request body has more than {limit} {what}, the server's limit for one "
+                   "request"},
+        status=400,
+    )
+
+
 def bad_request(request, exception, template_name=defaults.ERROR_400_TEMPLATE_NAME):
     """handler400 (a SuspiciousOperation or BadRequest that no view answered): JSON under /api/,
     where a body past DATA_UPLOAD_MAX_MEMORY_SIZE (one that DRF or Django read whole, as a
-    routing batch) is a 413 naming the limit; Django's page elsewhere."""
+    routing batch) is a 413 naming the limit, and one past the limits on form fields or files a
+    400 naming it; Django's page elsewhere."""
     if is_api(request):
-        if isinstance(exception, RequestDataTooBig):
-            return _body_too_big()
-        return JsonResponse({"detail": "bad request"}, status=400)
+        return _body_over_a_limit(exception) or JsonResponse({"detail": "bad request"}, status=400)
     return defaults.bad_request(request, exception, template_name)
 
 
 class ApiBodyTooBigMiddleware:
     """A view under /api/ that reads a body past DATA_UPLOAD_MAX_MEMORY_SIZE answers the JSON
-    413 naming the limit with DEBUG on too. `handler400` says so only with DEBUG off: with DEBUG
-    on Django answers a SuspiciousOperation with its HTML debug page, status 400 (the default
-    configuration, `runserver`, where client developers try the API)."""
+    413 naming the limit with DEBUG on too, and one past DATA_UPLOAD_MAX_NUMBER_FIELDS or
+    _FILES (a form or multipart body) the JSON 400 naming it. `handler400` says so only with
+    DEBUG off: with DEBUG on Django answers a SuspiciousOperation with its HTML debug page,
+    status 400 (the default configuration, `runserver`, where client developers try the API)."""
 
     def __init__(self, get_response):
         self.get_response = get_response
@@ -141,6 +159,4 @@ class ApiBodyTooBigMiddleware:
         return self.get_response(request)
 
     def process_exception(self, request, exception):
-        if isinstance(exception, RequestDataTooBig) and is_api(request):
-            return _body_too_big()
-        return None
+        return _body_over_a_limit(exception) if is_api(request) else None

@@ -880,3 +880,91 @@ def test_a_file_written_again_keeps_its_mode_and_a_new_one_is_the_owners(tmp_pat
     target.chmod(0o644)
     client_api.write_atomically(target, b'{"a": 1}')
     assert stat.S_IMODE(target.stat().st_mode) == 0o644 and target.read_bytes() == b'{"a": 1}'
+
+
+def test_a_params_file_nested_too_deeply_is_one_clear_line_not_a_recursion_error(
+    tmp_path, settings, caplog
+):
+    """`route --params` with such a file was a RecursionError traceback; the server's
+    SYNAPSE_ROUTING_PARAMS, read for every routing request, a 500 on each."""
+    deep = tmp_path / "params.json"
+    deep.write_text("[" * 100_000 + "]" * 100_000, encoding="utf-8")
+    said = f"{deep} is not a routing parameters file: it nests too deeply"
+    with pytest.raises(RoutingParamsError, match=said):
+        RoutingParams.load(deep)
+    with pytest.raises(SystemExit) as exit_:
+        main(["route", "weather?", "--compendium", str(tmp_path / "g.json"), "--params", str(deep)])
+    assert str(exit_.value.code) == f"synapse-client: --params: {said}"
+    settings.SYNAPSE_ROUTING_PARAMS = str(deep)
+    with caplog.at_level(logging.WARNING, logger="routing.services"):
+        assert services.routing_params() == RoutingParams.load()  # the defaults, said in the log
+    assert said in caplog.text
+
+
+BOM = b"\xef\xbb\xbf"  # what Notepad and PowerShell 5's Out-File write first
+
+
+def test_json_files_saved_with_a_byte_order_mark_are_read(tmp_path, capsys):
+    """A schema, compendium, pulled global, probe set or routing parameters file saved by a
+    Windows editor starts with a UTF-8 byte-order mark: the client said "Invalid JSON: expected
+    value at line 1 column 1" (or "Unexpected UTF-8 BOM"); it reads them as the editor shows them,
+    as it reads a usage log."""
+    from compendium.client_cli import _load_probe, _load_pulled
+    from compendium.schema import Compendium, Scenario
+    from routing.cli import _load_compendium as _load_global
+
+    schema = tmp_path / "schema.json"
+    schema.write_bytes(BOM + b'{"tools": [{"tool_id": "weather", "description": "Weather"}]}')
+    compendium = Compendium(scenarios=[Scenario(tool_id="weather", text="Will it rain?")])
+    saved = tmp_path / "c.json"
+    saved.write_bytes(BOM + compendium.model_dump_json().encode())
+    assert main(["inspect", str(saved), "--schema", str(schema)]) == 0
+    assert main(["validate", str(saved), "--schema", str(schema)]) == 0, capsys.readouterr().err
+    pulled = tmp_path / "global.json"
+    pulled.write_bytes(BOM + json.dumps({"round": 2, "compendium": compendium.model_dump()}).encode())
+    assert _load_pulled(str(pulled)).scenarios == compendium.scenarios
+    assert _load_global(str(pulled)).scenarios == compendium.scenarios
+    probe = tmp_path / "probe.json"
+    from compendium import transport
+
+    texts = ["Will it rain?"]
+    sha256 = transport.dictionary_hash(transport.probe_bytes(texts))
+    probe.write_bytes(BOM + json.dumps({"count": 1, "sha256": sha256, "texts": texts,
+                                        "tools": ["weather"]}).encode())
+    assert _load_probe(str(probe)) == ["Will it rain?"]
+    params = tmp_path / "params.json"
+    params.write_bytes(BOM + RoutingParams(top_k=7).to_json().encode())
+    assert RoutingParams.load(params).top_k == 7
+
+
+def test_an_out_that_is_a_pipe_or_device_is_refused_and_left_as_it_is(tmp_path, capsys):
+    """The client writes a temporary file and renames it over its --out: over a pipe or a device
+    that put a regular file in its place (`--out /dev/null`, run as root, replaced /dev/null for
+    the whole machine). Refused, in one line, with the pipe left as it was; a link to one too."""
+    import os
+    import stat
+
+    from compendium.client_api import CannotWrite, write_atomically
+
+    fifo = tmp_path / "pipe"
+    os.mkfifo(fifo)
+    link = tmp_path / "link.json"
+    link.symlink_to(fifo)
+    for path in (fifo, link):
+        with pytest.raises(CannotWrite, match=f"cannot write {path}: it is a pipe .FIFO., not a "
+                                              "regular file"):
+            write_atomically(path, b"{}")
+    schema = tmp_path / "schema.json"
+    schema.write_text('{"tools": [{"tool_id": "weather", "description": "Weather"}]}', "utf-8")
+    log = tmp_path / "usage.jsonl"
+    log.write_text(json.dumps({"query": "Will it rain in a city?", "user": "u1", "tool": "weather",
+                               "outcome": "success", "latency_ms": 40}) + "\n", "utf-8")
+    capsys.readouterr()
+    assert main(["build", "--log", str(log), "--schema", str(schema), "--out", str(link),
+                 "--no-collapse", "--quiet"]) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == [f"synapse-client: cannot write {link}: it is a pipe (FIFO), not a regular file, "
+                   "and the file written would replace it; name a file"]
+    assert stat.S_ISFIFO(os.stat(fifo).st_mode) and link.is_symlink()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["link.json", "pipe", "schema.json",
+                                                         "usage.jsonl"]

@@ -4,6 +4,7 @@ traceback, and changes nothing."""
 from __future__ import annotations
 
 import io
+import re
 
 import pytest
 from django.core.management import call_command
@@ -342,3 +343,24 @@ def test_retry_round_says_how_the_retry_ended_without_a_broker():
     # already failed it again, and the reason was not said
     assert Round.objects.get(number=1).state == "failed"
     assert out.strip() == "round 1 retried; its merge failed: round 1 has no submissions to merge"
+
+
+@pytest.mark.parametrize("linked", [False, True])
+def test_simulate_refuses_an_out_that_is_a_pipe_before_running(tmp_path, linked):
+    """`simulate --out` is written by renaming a temporary file over it: over a pipe or a device
+    that put a regular file in its place (`--out /dev/null`, run as root, replaced /dev/null).
+    Refused before anything runs, the pipe left as it is."""
+    import os
+    import stat
+
+    fifo = tmp_path / "pipe"
+    os.mkfifo(fifo)
+    out = fifo
+    if linked:
+        out = tmp_path / "report.json"
+        out.symlink_to(fifo)
+    with pytest.raises(CommandError, match=re.escape(
+        f"--out {out} is a pipe (FIFO), not a regular file; name a file"
+    )):
+        run("simulate", "--dataset", str(tmp_path / "none"), "--in-memory", "--out", str(out))
+    assert stat.S_ISFIFO(os.stat(fifo).st_mode)

@@ -536,3 +536,140 @@ def test_a_support_or_user_count_over_the_limit_is_a_violation(small_schema, cou
                if v.path.endswith(("support", "num_users")))
     doc["scenarios"][0]["support"] = doc["precautions"][0]["support"] = doc["num_users"] = 10**6
     assert validate_compendium(doc, small_schema).ok
+
+
+# --- JSON bodies the parser must refuse, and fields a request cannot set -------------------------
+
+
+@pytest.mark.django_db
+@pytest.mark.parametrize(
+    "method, path, body, named",
+    [
+        # an unknown field's name, echoed in the refusal: was a UnicodeEncodeError (500) rendering it
+        ("post", "/api/v1/admin/organizations/", '{"name": "Org C", "\\ud800": 1}',
+         "$ has a key holding a lone surrogate U+D800"),
+        # a choice echoed in DRF's "is not a valid choice": the same 500
+        ("post", "/api/v1/admin/people/", '{"username": "carol", "organization": "org-a", '
+         '"role": "\\udfff"}', "$.role holds a lone surrogate U+DFFF"),
+        ("patch", "/api/v1/admin/people/{member}/", '{"role": "admin\\ud800"}',
+         "$.role holds a lone surrogate U+D800"),
+        ("post", "/api/v1/admin/rounds/", '{"summarizer": "\\udfff"}',
+         "$.summarizer holds a lone surrogate U+DFFF"),
+        ("post", "/api/v1/admin/rounds/", '{"robust_rule": "krum", "global_metadata": "\\ud83d"}',
+         "$.global_metadata holds a lone surrogate U+D83D"),
+        ("post", "/api/v1/route/batch/", '{"queries": ["rain", {"x": ["\\udc00"]}]}',
+         "$.queries[1].x[0] holds a lone surrogate U+DC00"),
+    ],
+)
+def test_a_json_body_holding_a_lone_surrogate_is_400_naming_where(world, method, path, body,
+                                                                   named):
+    """JSON can escape half of a character ("\\ud800"), which is no text: wherever it is in a
+    body the API reads, the answer is a 400 naming where, and nothing is done."""
+    api = person_api(world.operator)
+    path = path.format(member=world.member_a.pk)
+    response = getattr(api, method)(path, body, content_type="application/json")
+    assert response.status_code == 400, response.content
+    assert named in response.json()["detail"]
+    assert "half of an escaped character" in response.json()["detail"]
+    assert not Organization.objects.filter(name="Org C").exists()
+    assert not Round.objects.exists()
+    assert world.member_a.membership.role == "member"
+    assert world.org_a.memberships.count() == 2
+
+
+@pytest.mark.django_db
+@pytest.mark.parametrize(
+    "method, path, body, key",
+    [
+        ("post", "/api/v1/admin/rounds/", '{"epsilon": 1, "epsilon": 1000}', "epsilon"),
+        ("patch", "/api/v1/admin/settings/", '{"epsilon_budget": 5, "epsilon_budget": 50}',
+         "epsilon_budget"),
+        ("post", "/api/v1/admin/organizations/", '{"name": "Org C", "name": "Org D"}', "name"),
+        ("post", "/api/v1/route/", '{"query": "rain", "top_k": 3, "top_k": 4}', "top_k"),
+        ("patch", "/api/v1/admin/people/{member}/", '{"x": {"role": 1, "role": 2}}', "role"),
+    ],
+)
+def test_a_json_body_with_a_key_twice_is_400_naming_it(world, method, path, body, key):
+    """Parsers disagree on which of two equal keys counts (Python's the last, others the first):
+    as a compendium's body already is, a body with a key twice is refused, not read one way."""
+    api = person_api(world.operator)
+    budget = services.get_settings().epsilon_budget
+    path = path.format(member=world.member_a.pk)
+    response = getattr(api, method)(path, body, content_type="application/json")
+    assert response.status_code == 400, response.content
+    assert f'duplicate key "{key}" in one object' in response.json()["detail"]
+    assert not Round.objects.exists()
+    assert not Organization.objects.filter(name__in=["Org C", "Org D"]).exists()
+    services.clear_settings_cache()
+    assert services.get_settings().epsilon_budget == budget
+
+
+@pytest.mark.django_db
+def test_a_body_that_sets_a_read_only_field_is_400_naming_it(world):
+    """An organization's `id` and `created_at`, the settings' `updated_at`: the server sets them.
+    A body naming them was answered 2xx with them ignored (a client that sent `created_at` took
+    it for stored); as an unknown field is, such a body is a 400 naming them, nothing done."""
+    api = person_api(world.operator)
+    created = api.post(
+        "/api/v1/admin/organizations/",
+        {"name": "Org C", "id": 999, "created_at": "2020-01-01T00:00:00Z"}, format="json",
+    )
+    assert created.status_code == 400, created.content
+    assert created.json()["detail"] == (
+        "this request takes name, slug, description; read-only field(s), set by the server: "
+        "created_at, id"
+    )
+    assert not Organization.objects.filter(name="Org C").exists()
+    budget = services.get_settings().epsilon_budget
+    changed = api.patch(
+        "/api/v1/admin/settings/", {"epsilon_budget": budget + 1, "updated_at": "2020-01-01"},
+        format="json",
+    )
+    assert changed.status_code == 400, changed.content
+    assert changed.json()["detail"].endswith("read-only field(s), set by the server: updated_at")
+    services.clear_settings_cache()
+    assert services.get_settings().epsilon_budget == budget
+    # with an unknown field as well: both named, in one answer
+    both = api.post("/api/v1/admin/organizations/", {"name": "Org C", "id": 1, "colour": "red"},
+                    format="json")
+    assert both.status_code == 400
+    assert both.json()["detail"] == (
+        "this request takes name, slug, description; unknown field(s): colour; read-only "
+        "field(s), set by the server: id"
+    )
+    # the same bodies without them still work
+    assert api.post("/api/v1/admin/organizations/", {"name": "Org C"}, format="json").status_code == 201
+    assert api.patch("/api/v1/admin/settings/", {"epsilon_budget": budget + 1},
+                     format="json").status_code == 200
+
+
+@pytest.mark.django_db
+@pytest.mark.parametrize("debug", [False, True])
+@pytest.mark.parametrize("kind", ["form", "multipart", "files"])
+def test_a_form_body_with_more_fields_than_the_server_reads_is_a_json_400_naming_the_limit(
+    world, settings, debug, kind
+):
+    """A form or multipart body past DATA_UPLOAD_MAX_NUMBER_FIELDS or _FILES (Django's
+    TooManyFieldsSent, TooManyFilesSent) was `{"detail": "bad request"}` with DEBUG off and
+    Django's HTML debug page with DEBUG on, where every other error under /api/ is JSON naming
+    what is wrong; nothing is created."""
+    settings.DEBUG = debug
+    settings.DATA_UPLOAD_MAX_NUMBER_FIELDS = settings.DATA_UPLOAD_MAX_NUMBER_FILES = 50
+    api = person_api(world.operator)
+    api.raise_request_exception = False
+    names = ["name"] + [f"f{i}" for i in range(60)]
+    file = '; filename="a.txt"' if kind == "files" else ""
+    if kind == "form":
+        body, content_type = "&".join(f"{n}=x" for n in names), "application/x-www-form-urlencoded"
+    else:
+        body = "".join(f'--b\r\nContent-Disposition: form-data; name="{n}"{file}\r\n\r\nx\r\n'
+                       for n in names) + "--b--\r\n"
+        content_type = "multipart/form-data; boundary=b"
+    response = api.post("/api/v1/admin/organizations/", body, content_type=content_type)
+    assert response.status_code == 400
+    assert response["Content-Type"].startswith("application/json")
+    what = "files" if kind == "files" else "fields"
+    assert response.json() == {
+        "detail": f"the request body has more than 50 {what}, the server's limit for one request"
+    }
+    assert not Organization.objects.filter(name="x").exists()

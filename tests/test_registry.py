@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import io
 import json
 import re
 
@@ -344,3 +345,37 @@ def test_lines_are_numbered_as_before_whatever_ends_them(tmp_path):
     path.write_bytes(b'{"n": 1}\r\n\r\n{"n": 3\r\n')
     with pytest.raises(RegistryFormatError, match=re.escape(f"{path}:3: not valid JSON")):
         list(_read_jsonl(path))
+
+
+BOM = "\ufeff"  # what Notepad and PowerShell 5's Out-File write first
+
+
+@pytest.mark.django_db
+def test_dataset_files_saved_with_a_byte_order_mark_are_read(tmp_path):
+    """A tools.jsonl or queries.jsonl saved by a Windows editor starts with a UTF-8 byte-order
+    mark: import_tools, import_probe_set and simulate said "tools.jsonl:1: not valid JSON
+    (Unexpected UTF-8 BOM (decode using utf-8-sig))"; they read it as the editor shows it, as
+    the client reads a usage log. One further on is still no JSON."""
+    from federation.models import ProbeQuery
+
+    folder = _dataset(tmp_path / "d", [{"query": "hi", "tool_id": "a"},
+                                      {"query": "ho", "tool_id": "b"}])
+    for name in ("tools.jsonl", "queries.jsonl"):
+        path = folder / name
+        path.write_text(BOM + path.read_text(encoding="utf-8").replace("\n", "\r\n"),
+                        encoding="utf-8")
+    dataset = load_dataset(folder)
+    assert [t.tool_id for t in dataset.tools] == ["a", "b"]
+    assert [q.query for q in dataset.queries] == ["hi", "ho"]
+    call_command("import_tools", str(folder / "tools.jsonl"), stdout=io.StringIO())
+    call_command("import_probe_set", str(folder), stdout=io.StringIO())
+    assert set(Tool.objects.values_list("tool_id", flat=True)) == {"a", "b"}
+    assert ProbeQuery.objects.count() == 2
+    mcp = tmp_path / "tools.json"
+    mcp.write_text(BOM + json.dumps({"tools": [{"name": "c", "description": "z"}]}),
+                   encoding="utf-8")
+    assert [t.tool_id for t in load_registry(mcp)] == ["c"]
+    (folder / "queries.jsonl").write_text('{"query": "hi", "tool_id": "a"}\n' + BOM + "{}\n",
+                                          encoding="utf-8")
+    with pytest.raises(RegistryFormatError, match=re.escape("queries.jsonl:2: not valid JSON")):
+        load_dataset(folder)

@@ -166,17 +166,28 @@ class FederationGenericView(FederationView, generics.GenericAPIView):
 
 
 def _refuse_unknown_fields(data, refusal: str | None = None) -> None:
-    """400 naming the body's fields that the (validated) serializer `data` does not have: DRF
-    drops them silently, and a misspelt field ("epsilom", "is_activ") would otherwise leave its
-    default or the current value under a 2xx, as if the request had been applied. `refusal`
-    opens the message; by default it says which fields the request takes."""
+    """400 naming the body's fields that the (validated) serializer `data` does not have, or
+    has read-only (an organization's `id` and `created_at`, the settings' `updated_at`: the
+    server sets them): DRF drops both silently, and a misspelt field ("epsilom", "is_activ")
+    would otherwise leave its default or the current value under a 2xx, as if the request had
+    been applied, and a read-only one look stored. `refusal` opens the message for unknown
+    fields; by default it says which fields the request takes."""
     # (The browsable API's HTML forms carry their CSRF token as a field.)
-    others = sorted(set(data.initial_data) - set(data.fields) - {"csrfmiddlewaretoken"})
+    sent = set(data.initial_data) - {"csrfmiddlewaretoken"}
+    others = sorted(sent - set(data.fields))
+    read_only = sorted(name for name in sent & set(data.fields) if data.fields[name].read_only)
+    if not (others or read_only):
+        return
+    takes = ", ".join(name for name, field in data.fields.items() if not field.read_only)
+    parts = []
     if others:
-        if refusal is None:
-            takes = ", ".join(name for name, field in data.fields.items() if not field.read_only)
-            refusal = f"this request takes {takes}; unknown field(s):"
-        raise InvalidRequest(f"{refusal} {', '.join(others)}")
+        shown = ", ".join(name[:40] for name in others[:20])
+        more = f" and {len(others) - 20} more" if len(others) > 20 else ""
+        parts.append(f"{refusal or f'this request takes {takes}; unknown field(s):'} {shown}{more}")
+    if read_only:
+        set_by_server = f"read-only field(s), set by the server: {', '.join(read_only)}"
+        parts.append(set_by_server if others else f"this request takes {takes}; {set_by_server}")
+    raise InvalidRequest("; ".join(parts))
 
 
 PAGINATION = ("limit", "offset")  # BoundedLimitOffsetPagination's
