@@ -311,3 +311,29 @@ def test_on_a_phone_the_account_links_stay_on_the_screen(review, page, live_serv
             assert box is not None and 0 <= box["x"] and box["x"] + box["width"] <= 390, (name, label, box)
         header = page.evaluate("document.querySelector('header.topbar').scrollWidth")
         assert header <= 390, (name, header)
+
+
+WIDEST = """() => [...document.querySelectorAll('body *')]
+    .filter(e => e.getBoundingClientRect().right > window.innerWidth + 1)
+    .filter(e => { for (let a = e.parentElement; a; a = a.parentElement) {
+        if (a.tagName !== 'BODY' && a.tagName !== 'HTML'
+            && getComputedStyle(a).overflowX !== 'visible') return false; } return true; })
+    .slice(0, 8).map(e => e.tagName + '#' + e.id + '.' + e.className + ' '
+                          + Math.round(e.getBoundingClientRect().right))"""
+
+
+def test_on_a_phone_no_page_is_wider_than_the_screen(review, page, live_server):
+    """On a 390-pixel-wide screen the overview and an organization's page were 503 and 511
+    pixels wide: the page scrolled sideways as a whole (the chart grid's columns were at least
+    480 pixels, and a screen-reader label inside a scrolling table escaped its box). Charts now
+    take the screen's width and wide tables scroll in their own box."""
+    base = live_server.url
+    page.set_viewport_size({"width": 390, "height": 844})
+    log_in(page, base, "operator")
+    for name, *args in (("dashboard:overview",), ("dashboard:organization", "acme"),
+                        ("dashboard:organizations",), ("dashboard:privacy",),
+                        ("dashboard:audit",), ("dashboard:compendium",), ("dashboard:conflicts",),
+                        ("dashboard:accuracy",), ("dashboard:tools",), ("dashboard:routing",)):
+        go(page, base, name, *args)
+        width = page.evaluate("document.documentElement.scrollWidth")
+        assert width <= 390, (name, width, page.evaluate(WIDEST))
