@@ -596,13 +596,17 @@ def _client(args: argparse.Namespace):
         raise CliError("no API token: pass --token or set SYNAPSE_TOKEN")
     if not (math.isfinite(args.timeout) and args.timeout > 0):
         raise CliError(f"--timeout must be a positive number of seconds, not {args.timeout:g}")
-    if args.retries < 0:
-        raise CliError(f"--retries must be 0 or more, not {args.retries}")
+    if not 0 <= args.retries <= MAX_RETRIES:
+        raise CliError(f"--retries must be from 0 to {MAX_RETRIES}, not {args.retries}")
     if not (math.isfinite(args.backoff) and args.backoff >= 0):
         raise CliError(f"--backoff must be 0 or more seconds, not {args.backoff:g}")
     return SynapseClient(
         args.server, token, timeout=args.timeout, retries=args.retries, backoff=args.backoff
     )
+
+
+# retries of one request at most (each wait capped at 30 s: 100 is about 50 minutes)
+MAX_RETRIES = 100
 
 
 def round_field_cap(current: dict, refused: str = "") -> int | None:

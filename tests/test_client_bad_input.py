@@ -61,7 +61,9 @@ def test_a_token_no_http_header_can_carry_is_one_clear_error(token):
         ("--timeout", "0", "--timeout must be a positive number of seconds, not 0"),
         ("--timeout", "-5", "--timeout must be a positive number of seconds, not -5"),
         ("--timeout", "nan", "--timeout must be a positive number of seconds, not nan"),
-        ("--retries", "-1", "--retries must be 0 or more, not -1"),
+        ("--retries", "-1", "--retries must be from 0 to 100, not -1"),
+        # a dead server was retried for ever (each wait capped at 30 s)
+        ("--retries", str(10**30), f"--retries must be from 0 to 100, not {10**30}"),
         ("--backoff", "-1", "--backoff must be 0 or more seconds, not -1"),
     ],
 )
