@@ -21,6 +21,7 @@ from typing import Any
 from pydantic import ValidationError
 
 from compendium.schema import ToolSpec
+from compendium.validation import DuplicateKey, no_duplicate_keys
 
 # What the database stores of a tool (compendium.models.Tool) and of a probe query
 # (federation.models.ProbeQuery): longer values are refused when a registry or dataset is read,
@@ -84,10 +85,10 @@ def _not_json(name: str) -> Any:
 def _parse_json(text: str, where: str) -> Any:
     """`text` as JSON, or a RegistryFormatError naming `where` (a file, or a file and line)."""
     try:
-        return json.loads(text, parse_constant=_not_json)
+        return json.loads(text, parse_constant=_not_json, object_pairs_hook=no_duplicate_keys)
     except json.JSONDecodeError as exc:
         raise RegistryFormatError(f"{where}: not valid JSON ({exc.msg})") from None
-    except _NotJson as exc:
+    except (_NotJson, DuplicateKey) as exc:
         raise RegistryFormatError(f"{where}: not valid JSON ({exc})") from None
     except RecursionError:
         raise RegistryFormatError(f"{where}: not valid JSON (nested too deeply)") from None

@@ -125,11 +125,17 @@ def _reject_constant(name: str) -> float:
     raise ValueError(f"{name} is not a valid JSON number")
 
 
-def _no_duplicate_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+class DuplicateKey(ValueError):
+    """A key twice in one JSON object: Python's json keeps the last, other readers the first, so
+    the text means what its reader picks."""
+
+
+def no_duplicate_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    """json's `object_pairs_hook` refusing a key given twice in one object (DuplicateKey)."""
     out: dict[str, Any] = {}
     for key, value in pairs:
         if key in out:
-            raise ValueError(f"duplicate key {json.dumps(key)} in one object")
+            raise DuplicateKey(f"duplicate key {json.dumps(key[:40])} in one object")
         out[key] = value
     return out
 
@@ -139,7 +145,7 @@ DIGITS_AS_ZERO = bytes.maketrans(b"123456789", b"000000000")
 
 
 def _orjson_parse(data: bytes) -> Any:
-    """The JSON value of `data` as the standard parser (with `_no_duplicate_keys` and
+    """The JSON value of `data` as the standard parser (with `no_duplicate_keys` and
     `_reject_constant`) would give it, or `_UNPARSED` when orjson cannot tell: invalid JSON, NaN or
     infinities, lone surrogates, very deep nesting, long integers, or duplicate keys (orjson keeps
     the last). Then the standard parser decides, with its own messages.
@@ -183,7 +189,7 @@ def parse_document(
     try:
         return (
             json.loads(
-                data, parse_constant=_reject_constant, object_pairs_hook=_no_duplicate_keys
+                data, parse_constant=_reject_constant, object_pairs_hook=no_duplicate_keys
             ),
             [],
         )

@@ -18,16 +18,9 @@ from rest_framework.exceptions import ParseError
 from rest_framework.parsers import JSONParser, get_encoding
 from rest_framework.utils.json import strict_constant
 
+from compendium.validation import no_duplicate_keys
+
 SURROGATE = re.compile("[\ud800-\udfff]")
-
-
-def _no_duplicate_keys(pairs):
-    out = {}
-    for key, value in pairs:
-        if key in out:
-            raise ValueError(f"duplicate key {json.dumps(key[:40])} in one object")
-        out[key] = value
-    return out
 
 
 def _shown_key(key: str) -> str:
@@ -67,7 +60,7 @@ class BoundedJSONParser(JSONParser):
             data = json.load(
                 decoded_stream,
                 parse_constant=strict_constant if self.strict else None,
-                object_pairs_hook=_no_duplicate_keys,
+                object_pairs_hook=no_duplicate_keys,
             )
         except RecursionError:
             raise ParseError("JSON parse error - the body nests too deeply") from None

@@ -233,6 +233,23 @@ def test_what_json_cannot_hold_is_refused_naming_the_file_and_line(tmp_path, val
         load_registry(mcp)
 
 
+def test_a_key_given_twice_on_a_line_is_refused_naming_the_file_and_line(tmp_path):
+    """`{"query": "a", "tool_id": "x", "tool_id": "y"}`: Python's json keeps the last key, other
+    readers the first, so the label meant what the reader picked; it was read as "y". Refused
+    naming the key, the file and the line, as the API refuses such a body."""
+    folder = _dataset(tmp_path / "d", [{"query": "hi", "tool_id": "a"}])
+    (folder / "queries.jsonl").write_text(
+        '{"query": "hi", "tool_id": "a"}\n{"query": "ho", "tool_id": "a", "tool_id": "b"}\n')
+    with pytest.raises(RegistryFormatError, match=re.escape(
+            'queries.jsonl:2: not valid JSON (duplicate key "tool_id" in one object)')):
+        load_dataset(folder)
+    folder = _dataset(tmp_path / "e", [{"query": "hi", "tool_id": "a"}],
+                      tools=('{"tool_id": "a", "description": "x", "description": "y"}',))
+    with pytest.raises(RegistryFormatError, match=re.escape(
+            'tools.jsonl:1: not valid JSON (duplicate key "description" in one object)')):
+        load_dataset(folder)
+
+
 @pytest.mark.django_db
 def test_import_tools_refuses_nan_in_one_line_and_stores_nothing(tmp_path):
     folder = _dataset(tmp_path / "d", [{"query": "hi", "tool_id": "a"}],
