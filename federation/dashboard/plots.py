@@ -10,7 +10,6 @@ import html
 import math
 
 import plotly.graph_objects as go
-from _plotly_utils.optional_imports import get_module
 from django.utils.html import format_html
 from django.utils.safestring import SafeString
 
@@ -18,7 +17,10 @@ from django.utils.safestring import SafeString
 # while another thread is importing it (a gunicorn worker's router warm-up imports it through
 # scikit-learn) met a half-imported module: AttributeError, a 500 on a chart page in a fresh
 # worker's first seconds. Imported here, with the URLconf, before any such thread starts.
-get_module("pandas")
+try:
+    import pandas  # noqa: F401
+except ImportError:  # plotly does without it
+    pass
 
 LAYOUT = {
     "template": "plotly_white",
