@@ -1775,6 +1775,10 @@ def test_every_time_the_organization_tokens_and_accuracy_pages_show_says_utc(cli
     body = client.get(reverse("dashboard:accuracy")).content.decode()
     assert f"stored {run.created_at:{stamp}} UTC" in body
     assert f"demo sim · {run.created_at:{stamp}} UTC" in body
+    # and the overview's rounds table says so in its headings, not only on hover
+    body = client.get(reverse("dashboard:overview")).content.decode()
+    for heading in ("opened", "closed", "published"):
+        assert f">{heading} (UTC)</th>" in body
 
 
 def test_closing_a_round_asks_first_and_says_who_has_not_submitted(client, fed):
