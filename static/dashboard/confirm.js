@@ -11,14 +11,14 @@
   });
 })();
 
-// The Back link of a refusal page (templates/dashboard/bad_request.html, data-back) goes back in
+// The Back link of a refusal page (templates/dashboard/bad_request.html, #back) goes back in
 // the browser's history when it came from a page of this site, so that the form it refused still
 // holds what was typed; loading the page again (the link's href, where there is no history)
 // emptied every field.
 (function () {
   "use strict";
   document.addEventListener("click", function (event) {
-    var link = event.target.closest && event.target.closest("a[data-back]");
+    var link = event.target.closest && event.target.closest("a#back");
     if (!link || window.history.length < 2 || !document.referrer) {
       return;
     }
