@@ -164,7 +164,10 @@ def declared_numeric_fields() -> int:
     return NumericField.objects.count()
 
 
-def projected_round_spend(config: RoundConfig | dict | None, fields: int | None = None) -> float:
+def projected_round_spend(
+    config: RoundConfig | dict | None, fields: int | None = None,
+    not_released: Sequence[str] = (),
+) -> float:
     """ε one round will cost the federation when its edges release, before it has ledger rows.
 
     The ledger's formula for one release of that round, applied to one tool's F declared numeric
@@ -175,14 +178,18 @@ def projected_round_spend(config: RoundConfig | dict | None, fields: int | None 
     (nothing is noised). Organizations release in parallel, so one release is the federation's
     round spend; an erasure's re-release is counted when it is recorded. An upper bound: the edges
     leave out the fields no release of the round can make useful (`merge.drowned_fields`, which
-    depends on how many clients submit), and the ledger records what they released."""
+    depends on how many clients submit), and the ledger records what they released.
+    `not_released`: the fields the round will not release (`Round.fields_not_released`, fixed
+    when it opens; its merges never release them): they cost nothing, and each tool's release
+    costs the other fields' ε_j only (ε_j is still ε split over all F fields)."""
     if not isinstance(config, RoundConfig):
         config = RoundConfig.from_stored(config)
     f = declared_numeric_fields() if fields is None else fields
-    if f <= 0:
+    released = f - min(len(set(not_released)), f)
+    if released <= 0:
         return 0.0
     eps_j = config.per_field_epsilon(f, fields_per_tool=f)
-    return round_spend([eps_j] * f, config.field_cap, ["tool"] * f)
+    return round_spend([eps_j] * released, config.field_cap, ["tool"] * released)
 
 
 def fields_not_released(config: RoundConfig | dict | None) -> list[str]:
@@ -226,13 +233,15 @@ def reservations(recorded_rounds: set[int] | None = None) -> dict[int, float]:
     rows (rounds with a zero projection are left out)."""
     if recorded_rounds is None:
         recorded_rounds = set(PrivacyLedgerEntry.objects.values_list("round_id", flat=True))
-    rows = Round.objects.filter(state__in=RESERVING_STATES).values_list("pk", "config")
+    rows = Round.objects.filter(state__in=RESERVING_STATES).values_list(
+        "pk", "config", "fields_not_released"
+    )
     fields = declared_numeric_fields()
     out = {}
-    for pk, config in rows:
+    for pk, config, not_released in rows:
         if pk in recorded_rounds:
             continue
-        spend = projected_round_spend(config, fields)
+        spend = projected_round_spend(config, fields, not_released or ())
         if spend > 0:
             out[pk] = spend
     return out
@@ -255,12 +264,12 @@ def round_reservation(round_: Round) -> float:
     rows (they are counted already), else its projected spend."""
     if PrivacyLedgerEntry.objects.filter(round=round_).exists():
         return 0.0
-    return projected_round_spend(round_.config)
+    return projected_round_spend(round_.config, not_released=round_.fields_not_released or ())
 
 
 def _extra_spends(extra: RoundConfig | float | None) -> list[float]:
-    if isinstance(extra, RoundConfig):
-        return [projected_round_spend(extra)]
+    if isinstance(extra, RoundConfig):  # a round opened now would not release these
+        return [projected_round_spend(extra, not_released=fields_not_released(extra))]
     return [] if extra is None else [float(extra)]
 
 

@@ -1118,9 +1118,11 @@ def open_round(
     still_open = Round.objects.filter(state=Round.State.OPEN).values_list("number", flat=True).first()
     if still_open is not None:
         raise Conflict(f"round {still_open} is still open; close it first")
+    # the fields its merges will never release, fixed now: they cost no ε
+    not_released = accounting.fields_not_released(config)
     _refuse_over_budget(
         settings_row.epsilon_budget,
-        accounting.projected_round_spend(config),
+        accounting.projected_round_spend(config, not_released=not_released),
         f"opening a round at ε = {config.epsilon:g}",
     )
     last = Round.objects.order_by("-number").values_list("number", flat=True).first() or 0
@@ -1128,7 +1130,7 @@ def open_round(
         with transaction.atomic():
             rnd = Round.objects.create(
                 number=last + 1, config=config.model_dump(mode="json"), closes_at=closes_at,
-                fields_not_released=accounting.fields_not_released(config),
+                fields_not_released=not_released,
             )
     except IntegrityError as exc:
         raise Conflict("another round was opened at the same time") from exc

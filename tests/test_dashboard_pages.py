@@ -445,6 +445,7 @@ def test_only_the_operator_drives_rounds(client, fed, role):
     assert Round.objects.get(number=2).state == "open"
 
 
+@pytest.mark.usefixtures("every_field_released")
 def test_overview_warns_before_the_budget_is_exceeded(client, fed):
     login(client, fed, "operator")
     assert "will be refused" not in client.get(reverse("dashboard:overview")).content.decode()
@@ -627,6 +628,7 @@ def test_privacy_page_says_how_many_released_statistics_the_noise_swamps(client,
         assert {name: rest for name, *rest in rows}["Org A"] == ["3", "1", "9", "1", "2", "0 of 1"]
 
 
+@pytest.mark.usefixtures("every_field_released")
 def test_privacy_page_shows_the_committed_figure_with_reservations(client, fed):
     response = login(client, fed, "operator").get(reverse("dashboard:privacy"))
     privacy = response.context["privacy"]
