@@ -350,6 +350,22 @@ def test_operator_closes_opens_and_retries_rounds(client, fed):
     assert "this needs an open round" in html.unescape(published.content.decode())
     services.close_round(SYSTEM, r3)
     services.mark_failed(r3, "worker lost")
+    # with no submission its merge fails again at once: no Retry button, but why not
+    page = client.get(reverse("dashboard:overview")).content.decode()
+    assert reverse("dashboard:round-action", args=[3, "retry"]) not in page
+    assert "no submission to merge: a retry would fail again" in page
+    # a failed round with submissions keeps its Retry button (the row's state set directly: the
+    # page is what is tested)
+    from compendium.schema import Compendium
+    from compendium.services import store_compendium
+
+    store_compendium(Compendium.model_validate({"scenarios": [
+        {"tool_id": "weather", "text": "Will it rain"}]}), kind="client",
+        round=Round.objects.get(number=1), client=fed.client_a)
+    Round.objects.filter(number=1).update(state="failed")
+    page = client.get(reverse("dashboard:overview")).content.decode()
+    assert reverse("dashboard:round-action", args=[1, "retry"]) in page
+    Round.objects.filter(number=1).update(state="published")
     assert client.post(reverse("dashboard:round-action", args=[3, "retry"])).status_code == 302
     assert Round.objects.get(number=3).state == "closing"
     assert AuditLog.objects.filter(action="round.retry", actor=fed.operator).exists()
