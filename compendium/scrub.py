@@ -67,6 +67,8 @@ def _may_spell(low: str) -> bool:
 
 
 TAGS = {"email": "[email]", "card": "[card]", "phone": "[phone]", "number": "[number]"}
+NAMES = {"email": "e-mail address", "card": "card number", "phone": "phone number",
+         "number": "long number"}
 
 
 def _luhn_ok(digits: str) -> bool:
@@ -89,6 +91,14 @@ class ScrubResult:
     @property
     def total(self) -> int:
         return sum(self.counts.values())
+
+    @property
+    def found(self) -> str:
+        """What was replaced, in words ("1 phone number, 2 e-mail addresses"); "" for nothing."""
+        return ", ".join(
+            f"{n} {NAMES[kind]}{'es' if n > 1 and kind == 'email' else 's' if n > 1 else ''}"
+            for kind, n in self.counts.items() if n
+        )
 
 
 def scrub_text(text: str) -> ScrubResult:

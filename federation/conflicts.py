@@ -126,11 +126,6 @@ def decision_for(conflict: ConflictLogEntry) -> ConflictDecision | None:
     ).first()
 
 
-_PERSONAL = {
-    "email": "e-mail address", "card": "card number", "phone": "phone number", "number": "long number",
-}
-
-
 @transaction.atomic
 def decide_conflict(
     actor: Actor, conflict: ConflictLogEntry, action: str, text: str = ""
@@ -191,14 +186,10 @@ def decide_conflict(
             )
         # It is published unmasked to every organization: what the server's scrub takes for
         # personal data would be removed from any client's text, and is refused in a reviewer's.
-        personal = scrub_text(text).counts
-        if any(personal.values()):
-            found = ", ".join(
-                f"{n} {_PERSONAL[kind]}{'s' if n > 1 else ''}"
-                for kind, n in personal.items() if n
-            )
+        personal = scrub_text(text).found
+        if personal:
             raise InvalidRequest(
-                f"the precaution holds {found}, which every organization would read in the "
+                f"the precaution holds {personal}, which every organization would read in the "
                 "global compendium; write it without"
             )
     elif action == ConflictDecision.Action.SCENARIO:

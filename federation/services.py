@@ -331,10 +331,11 @@ def round_number(raw: str | None) -> int | None:
     return int(raw)
 
 
-def audit_period_filter(name: str, raw: str) -> dict:
-    """The queryset filter of the audit log's `since` or `until` parameter: a plain date
-    (YYYY-MM-DD, as the dashboard takes it) is a whole day, inclusive at both ends; an ISO 8601
-    datetime is an instant (`since` inclusive, `until` exclusive; without an offset, in
+def _period_bound(name: str, raw: str) -> tuple[dict, dt.datetime | None]:
+    """The queryset filter of the audit log's `since` or `until` parameter, and the instant the
+    period starts (`since`) or ends before (`until`; None past the calendar's last day): a plain
+    date (YYYY-MM-DD, as the dashboard takes it) is a whole day, inclusive at both ends; an ISO
+    8601 datetime is an instant (`since` inclusive, `until` exclusive; without an offset, in
     TIME_ZONE). Raises InvalidRequest naming the parameter."""
     value = raw.strip()
     try:
@@ -342,7 +343,12 @@ def audit_period_filter(name: str, raw: str) -> dict:
     except ValueError:
         pass
     else:
-        return {f"created_at__date__{'gte' if name == 'since' else 'lte'}": day}
+        if name == "until":  # to the next day's start
+            bound = None if day == dt.date.max else day + dt.timedelta(days=1)
+        else:
+            bound = day
+        start = None if bound is None else timezone.make_aware(dt.datetime.combine(bound, dt.time.min))
+        return {f"created_at__date__{'gte' if name == 'since' else 'lte'}": day}, start
     problem = (
         f"{name} must be a date YYYY-MM-DD or an ISO 8601 datetime (e.g. 2025-01-31T08:00:00Z), "
         f"not {raw[:40]!r}"
@@ -360,28 +366,21 @@ def audit_period_filter(name: str, raw: str) -> dict:
         raise InvalidRequest(problem) from None
     if instant is None:
         raise InvalidRequest(problem)
-    return {f"created_at__{'gte' if name == 'since' else 'lt'}": instant}
+    return {f"created_at__{'gte' if name == 'since' else 'lt'}": instant}, instant
 
 
 def audit_period(since: str = "", until: str = "") -> dict:
-    """The queryset filters of the audit log's period (`audit_period_filter` of each bound
-    given). A `since` after `until` (or at it, for an instant `until`, which is exclusive) holds
-    no entry: refused, naming both, rather than answering an empty log as if none were there."""
+    """The queryset filters of the audit log's period (`_period_bound` of each bound given). A
+    `since` after `until` (or at it, for an instant `until`, which is exclusive) holds no entry:
+    refused, naming both, rather than answering an empty log as if none were there."""
     filters: dict = {}
     bounds = []
     for name, raw in (("since", since), ("until", until)):
-        if not (raw or "").strip():
-            continue
-        one = audit_period_filter(name, raw)
-        filters.update(one)
-        [value] = one.values()
-        if isinstance(value, dt.datetime):
-            bounds.append(value)
-        elif name == "since" or value < dt.date.max:
-            # a day: from its start, or (until, inclusive) to the next day's start
-            day = value if name == "since" else value + dt.timedelta(days=1)
-            bounds.append(timezone.make_aware(dt.datetime.combine(day, dt.time.min)))
-    if len(bounds) == 2 and bounds[0] >= bounds[1]:
+        if (raw or "").strip():
+            one, bound = _period_bound(name, raw)
+            filters.update(one)
+            bounds.append(bound)
+    if len(bounds) == 2 and None not in bounds and bounds[0] >= bounds[1]:
         raise InvalidRequest(
             f"since ({since.strip()[:40]}) is not before until ({until.strip()[:40]}): no entry "
             "is in that period"

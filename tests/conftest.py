@@ -84,11 +84,15 @@ def probes(tmp_path):
 
 
 @pytest.fixture
-def every_field_released(monkeypatch):
-    """Rounds release every declared numeric field (`accounting.fields_not_released` names
-    none), as with enough clients per organization: the tests of the budget's mechanics reserve
-    a round's whole ε. Without it, a test world of one client per organization leaves most
-    fields drowned at open, and a round reserves only its released fields' share."""
-    from federation import accounting
+def every_field_released(db):
+    """Rounds release every declared numeric field: each field's range is made so wide that no
+    noise can span it (`merge.drowned_fields` names none, whatever the clients and ε), as a
+    federation with enough clients per organization would. The tests of the budget's mechanics
+    reserve a round's whole ε; with the registry's ranges, a test world of one client per
+    organization leaves most fields drowned at open, and a round reserves only its released
+    fields' share."""
+    from django.db.models import F
 
-    monkeypatch.setattr(accounting, "fields_not_released", lambda config: [])
+    from compendium.models import NumericField
+
+    NumericField.objects.update(max_value=F("min_value") + 1e15)

@@ -70,6 +70,7 @@ def _gone(other) -> None:
             if not cursor.fetchone()[0]:
                 return
         time.sleep(0.01)
+    raise AssertionError(f"the session {pid} still holds locks 10 s after it was closed")
 
 
 def test_publishing_tunes_the_router_and_the_routing_api_switches_to_it(data, settings):
