@@ -364,3 +364,22 @@ def test_simulate_refuses_an_out_that_is_a_pipe_before_running(tmp_path, linked)
     )):
         run("simulate", "--dataset", str(tmp_path / "none"), "--in-memory", "--out", str(out))
     assert stat.S_ISFIFO(os.stat(fifo).st_mode)
+
+
+@pytest.mark.parametrize(
+    "args, what",
+    [
+        (["routing_token", "app\x00"], "a routing token's name"),
+        (["erase_client", "acme/app\x00"], "a client"),
+        (["issue_user_token", "root\x00"], "a username"),
+        (["issue_user_token", "root", "--label", "ci\x00"], "a token's label"),
+        (["unlock_login", "root\x00"], "a username"),
+    ],
+)
+def test_commands_refuse_a_nul_character_in_one_line(args, what):
+    # a shell cannot pass a NUL, but call_command can: PostgreSQL text cannot hold one, and the
+    # database driver's ValueError was a traceback
+    make_user("root", superuser=True)
+    with pytest.raises(CommandError, match=f"{what} cannot hold a NUL character"):
+        run(*args)
+    assert not UserToken.objects.exists() and not AuditLog.objects.exists()
