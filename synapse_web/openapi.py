@@ -9,6 +9,9 @@ where its path names an object."""
 
 from __future__ import annotations
 
+from drf_spectacular.views import SpectacularAPIView
+from rest_framework.renderers import JSONRenderer
+
 DETAIL_REF = {"$ref": "#/components/schemas/Detail"}
 
 REASONS = {
@@ -45,3 +48,14 @@ def complete_error_responses(result, generator, request, public):
             for status in wanted:
                 operation["responses"].setdefault(status, _error(status))
     return result
+
+
+class SchemaView(SpectacularAPIView):
+    """/api/schema/: the OpenAPI document (YAML, or JSON by `?format=json` or Accept), and its
+    refusals (405, 404 on an unknown `format`, 406) in the API's one JSON error body, not dumped
+    through the document's YAML renderer."""
+
+    def finalize_response(self, request, response, *args, **kwargs):
+        if getattr(response, "exception", False):
+            request.accepted_renderer, request.accepted_media_type = JSONRenderer(), "application/json"
+        return super().finalize_response(request, response, *args, **kwargs)

@@ -3,11 +3,12 @@ from django.contrib.auth import views as auth_views
 from django.db import DatabaseError, connection
 from django.http import JsonResponse
 from django.urls import include, path
-from drf_spectacular.views import SpectacularAPIView, SpectacularSwaggerSplitView
+from drf_spectacular.views import SpectacularSwaggerSplitView
 
 from federation.api.metrics import MetricsView
 from federation.auth import LoginForm
 from federation.dashboard.views import LogoutView, PasswordChangeView
+from synapse_web.openapi import SchemaView
 
 
 def health(request):
@@ -51,7 +52,7 @@ urlpatterns = [
     path("api-auth/logout/", LogoutView.as_view()),  # a GET asks, as /accounts/logout/ does
     path("api-auth/", include("rest_framework.urls")),  # login for the browsable API
     path("api/v1/", include("routing.urls")),
-    path("api/schema/", SpectacularAPIView.as_view(), name="api-schema"),
+    path("api/schema/", SchemaView.as_view(), name="api-schema"),
     path("api/docs/", SpectacularSwaggerSplitView.as_view(url_name="api-schema"), name="api-docs"),
     path("", include("federation.dashboard.urls")),
 ]

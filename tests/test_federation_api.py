@@ -1106,6 +1106,21 @@ def test_openapi_schema_and_docs_render(world):
     assert api.get("/api/docs/").status_code == 200
 
 
+@pytest.mark.parametrize(
+    "method, query, accept, status",
+    [("post", "", None, 405), ("delete", "", None, 405), ("get", "?format=xml", None, 404),
+     ("get", "", "text/html", 406)],
+)
+def test_the_schema_endpoint_refuses_in_the_api_s_json_error_body(world, method, query, accept, status):
+    # its errors were rendered by the schema's own YAML renderer as
+    # "detail:\n  string: Method \"POST\" not allowed.\n  code: ..." (an ErrorDetail dumped whole)
+    headers = {"HTTP_ACCEPT": accept} if accept else {}
+    response = getattr(APIClient(), method)("/api/schema/" + query, **headers)
+    assert response.status_code == status
+    assert response["Content-Type"] == "application/json"
+    assert set(response.json()) == {"detail"} and response.json()["detail"]
+
+
 # --- organization-scoped administration: every endpoint against every role ----------------------
 
 ROLES = ["operator", "admin_a", "member_a", "admin_b"]
