@@ -1271,12 +1271,12 @@ def test_the_global_leaves_out_figures_its_noise_spans_the_whole_range(schema, e
     about the tool; the server merge publishes the others and counts what it left out."""
     edges = [
         sub("org-a", metadata=[
-            {"tool_id": "weather", "stats": {"success_rate": 0.1, "calls": 420.0}},
+            {"tool_id": "weather", "stats": {"success_rate": 0.1, "calls": 42.0}},
             {"tool_id": "flights", "stats": {"success_rate": 0.93}},
             {"tool_id": "recipes", "stats": {"success_rate": 1.0}},
         ]),
         sub("org-b", metadata=[
-            {"tool_id": "weather", "stats": {"success_rate": 0.9, "calls": 380.0}},
+            {"tool_id": "weather", "stats": {"success_rate": 0.9, "calls": 38.0}},
             {"tool_id": "flights", "stats": {"success_rate": 0.91}},
         ]),
     ]
@@ -1295,7 +1295,7 @@ def test_the_global_leaves_out_figures_its_noise_spans_the_whole_range(schema, e
         result = server_merge(edges, schema, RoundConfig(global_metadata=mode), embed=embed,
                               noise_scales=scales, previous=previous)
         stats = {m.tool_id: m.stats for m in result.compendium.metadata}
-        assert stats["weather"] == {"calls": 400.0}  # success_rate left out
+        assert stats["weather"] == {"calls": 40.0}  # success_rate left out
         assert stats["flights"] == {"success_rate": pytest.approx(0.92)}
         assert stats["calculator"] == {"success_rate": 0.7}
         assert result.stats.stats_withheld == 2
@@ -1520,3 +1520,43 @@ def test_the_noise_is_calibrated_to_the_window_the_clipping_guarantees(schema):
     narrow = Schema(tools=schema.tools[:1], numeric_fields=[schema.fields_by_name["frequency"]])
     assert drowned_fields(narrow, RoundConfig(epsilon=0.75), most_contributors=2,
                           edges=1) == frozenset()
+
+
+def test_a_released_value_is_clamped_to_the_clipping_window_not_the_declared_range(schema):
+    """Every value averaged lies in the clipping window [min, min(max, min + Δ)], so the true
+    mean does too; clamping the noised figure into that window is post-processing (no ε) and
+    only brings it closer to the truth. `calls` declares [0, 1000] with Δ = 50: its window is
+    [0, 50], and a noised mean clamped to the declared range could be published as 900 calls.
+    The noise itself is untouched: the same seed draws the same noise (ledger scale and the
+    figures inside the window are unchanged, see the goodness-of-fit test of laplace_release)."""
+    from compendium.clipping import clip_bound
+
+    def embed(texts):
+        rows = [np.frombuffer(hashlib.sha256(t.encode()).digest(), dtype=np.uint8)[:8]
+                .astype(np.float32) - 127.5 for t in texts]
+        out = np.array(rows, dtype=np.float32).reshape(len(texts), 8)
+        return out / np.linalg.norm(out, axis=1, keepdims=True)
+
+    subs = [sub(f"c{i}", metadata=[{"tool_id": "weather", "stats": {"calls": 10.0 * i,
+                                                                     "frequency": 0.25 * i}}])
+            for i in range(3)]
+    config = RoundConfig(epsilon=0.5)  # ε_j = 1/32: a calls scale of 50·32/3 ≈ 533 calls
+    windows = {spec.name: clip_bound(spec) for spec in schema.numeric_fields}
+    assert windows["calls"].hi == 50 < schema.fields_by_name["calls"].max
+    released = []
+    for seed in range(20):
+        result = edge_merge(subs, schema, config, embed=embed, seed=seed)
+        for meta in result.compendium.metadata:
+            for name, value in meta.stats.items():
+                released.append((name, value))
+                assert windows[name].lo <= value <= windows[name].hi, (seed, meta.tool_id, name)
+    # the noise reaches past the window on both sides: the clamp is what holds the figures in
+    calls = [v for name, v in released if name == "calls"]
+    assert 0.0 in calls and 50.0 in calls
+    # The server's average over edges is clamped to the window too (an edge released before
+    # this clamp may carry a figure up to the declared max).
+    edge = sub("org-a", metadata=[{"tool_id": "weather", "stats": {"calls": 900.0}}])
+    other = sub("org-b", metadata=[{"tool_id": "weather", "stats": {"calls": 40.0}}])
+    result = server_merge([edge, other], schema, RoundConfig(), embed=embed)
+    [weather] = [m for m in result.compendium.metadata if m.tool_id == "weather"]
+    assert weather.stats["calls"] == 50.0
