@@ -35,7 +35,7 @@ from federation.merge import (
     within_schema,
 )
 from federation.merge import server_merge as server_merge_operator
-from federation.merge.llm import OpenAICompatibleLLM
+from federation.merge.llm import OpenAICompatibleLLM, merge_llm
 from federation.models import (
     AuditLog,
     Client,
@@ -87,12 +87,13 @@ def _embed():
 
 
 def configured_llm() -> OpenAICompatibleLLM | None:
+    """The merge's LLM endpoint, each question bounded (`merge_llm`), or None without one."""
     if not settings.SYNAPSE_LLM_BASE_URL:
         return None
-    return OpenAICompatibleLLM(
-        base_url=settings.SYNAPSE_LLM_BASE_URL,
-        model=settings.SYNAPSE_LLM_MODEL or "default",
-        api_key=settings.SYNAPSE_LLM_API_KEY,
+    return merge_llm(
+        settings.SYNAPSE_LLM_BASE_URL,
+        settings.SYNAPSE_LLM_MODEL or "default",
+        settings.SYNAPSE_LLM_API_KEY,
     )
 
 

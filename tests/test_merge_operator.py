@@ -1560,3 +1560,54 @@ def test_a_released_value_is_clamped_to_the_clipping_window_not_the_declared_ran
     result = server_merge([edge, other], schema, RoundConfig(), embed=embed)
     [weather] = [m for m in result.compendium.metadata if m.tool_id == "weather"]
     assert weather.stats["calls"] == 50.0
+
+
+def test_a_silent_llm_endpoint_holds_a_summary_only_for_the_merges_call_time(
+    schema, embed, monkeypatch
+):
+    """The merge's LLM client kept 60 s per attempt and no limit on a question in all: an
+    endpoint that never answers held an edge or server merge (retries + 1) × 60 s per summary,
+    for every cluster. `merge_llm` bounds each question by SYNAPSE_MERGE_LLM_CALL_SECONDS, as
+    routing's are by SYNAPSE_LLM_CALL_SECONDS (routing.llm's deadline), and an endpoint found
+    down is not asked again for SYNAPSE_LLM_PAUSE_SECONDS: the summaries fall back, saying why.
+    The endpoint here holds each request 5 s and then drops it: with no call time the first
+    summary alone waited three attempts (15 s) and the second asked again."""
+    from federation.merge.llm import LLMUnavailable, merge_llm
+    from tests.chat_server import ChatServer
+
+    subs = [
+        sub(name, scenarios=[sc("weather", text), sc("flights", trip)])
+        for name, text, trip in (
+            ("a", "Will it rain tomorrow in Paris?", "Book a flight from Oslo to Rome"),
+            ("b", "Will it rain in Paris tomorrow?", "Book a flight from Oslo to Rome please"),
+        )
+    ]
+    server = ChatServer()
+    server.silent = 5.0
+    monkeypatch.setenv("SYNAPSE_MERGE_LLM_CALL_SECONDS", "0.3")
+    monkeypatch.setenv("SYNAPSE_LLM_PAUSE_SECONDS", "600")
+    try:
+        llm = merge_llm(server.url)
+        assert llm.call_seconds == 0.3 and llm.pause == 600
+        result = edge_merge(subs, schema, RoundConfig(summarizer="llm-single-shot"),
+                            embed=embed, llm=llm)
+    finally:
+        server.close()
+    fallbacks = [f for f in result.stats.summarizer_fallbacks
+                 if f["summarizer"] == "llm-single-shot"]
+    assert [f["tool_id"] for f in fallbacks] == ["flights", "weather"]
+    first, second = fallbacks
+    assert "no answer before the call's time ran out" in first["reason"], first
+    assert "SYNAPSE_MERGE_LLM_CALL_SECONDS" in first["reason"], first
+    assert "not asked again" in second["reason"], second  # the second never reached the server
+    assert len(server.requests) == 1  # the deadline cut the first attempt: no retry was started
+    assert result.stats.summaries == {"centroid": 2}  # no probe set: the centroid's texts
+
+    # 0: no limit but each attempt's (60 s); unset: the default; not a number: refused, named
+    monkeypatch.setenv("SYNAPSE_MERGE_LLM_CALL_SECONDS", "0")
+    assert merge_llm(server.url).call_seconds is None
+    monkeypatch.delenv("SYNAPSE_MERGE_LLM_CALL_SECONDS")
+    assert merge_llm(server.url).call_seconds == 60
+    monkeypatch.setenv("SYNAPSE_MERGE_LLM_CALL_SECONDS", "soon")
+    with pytest.raises(LLMUnavailable, match="SYNAPSE_MERGE_LLM_CALL_SECONDS must be a number"):
+        merge_llm(server.url)
