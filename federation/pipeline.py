@@ -9,6 +9,7 @@ and merges again if that changed meanwhile (see run_edge_merge, run_server_merge
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import logging
 from collections import defaultdict
@@ -35,7 +36,7 @@ from federation.merge import (
     within_schema,
 )
 from federation.merge import server_merge as server_merge_operator
-from federation.merge.llm import OpenAICompatibleLLM
+from federation.merge.llm import OpenAICompatibleLLM, merge_llm
 from federation.models import (
     AuditLog,
     Client,
@@ -87,12 +88,13 @@ def _embed():
 
 
 def configured_llm() -> OpenAICompatibleLLM | None:
+    """The merge's LLM endpoint, each question bounded (`merge_llm`), or None without one."""
     if not settings.SYNAPSE_LLM_BASE_URL:
         return None
-    return OpenAICompatibleLLM(
-        base_url=settings.SYNAPSE_LLM_BASE_URL,
-        model=settings.SYNAPSE_LLM_MODEL or "default",
-        api_key=settings.SYNAPSE_LLM_API_KEY,
+    return merge_llm(
+        settings.SYNAPSE_LLM_BASE_URL,
+        settings.SYNAPSE_LLM_MODEL or "default",
+        settings.SYNAPSE_LLM_API_KEY,
     )
 
 
@@ -764,13 +766,18 @@ class ErasureReport:
     edges_rematerialized: list[tuple[int, int]]  # (round number, organization id)
     globals_rematerialized: list[int]  # round numbers
     decisions_removed: int = 0  # reviewers' decisions that no longer fit a re-merged log
+    # edges of failed rounds that can never be retried, deleted rather than re-merged
+    edges_deleted: list[tuple[int, int]] = dataclasses.field(default_factory=list)
 
 
 def erase_client(client: Client, *, actor: services.Actor | None = None, embed=None) -> ErasureReport:
     """Remove every submission of one client and merge again, in round order, every compendium
     that held what it sent:
     - each edge built from its submissions (found through the provenance links), as a new
-      release; the ledger keeps the budget already spent;
+      release; the ledger keeps the budget already spent. Except an edge of a failed round that
+      can never be retried (a later round is published: `services.published_after`): nothing
+      reads it (no global, no later merge's conflict log), so a new release would only spend ε
+      on a compendium nobody reads; it is deleted with its conflict log and merge record;
     - each later merge that read a re-merged conflict log and now reads another
       (`_previous_conflicts`: the next rounds' merges of that edge, or of the server, turn the
       log's dissenters into precautions): edges as a replay of their release, no new ε;
@@ -802,6 +809,7 @@ def erase_client(client: Client, *, actor: services.Actor | None = None, embed=N
         # The merges to do again: (round id, organization id; None for the server's).
         stale = set(built_from)
         edges_done, globals_done, merged_again, deleted = [], [], set(), False
+        edges_deleted = []
         removed = 0
 
         def redo(round_: Round, organization_id, rewrite) -> None:
@@ -819,7 +827,15 @@ def erase_client(client: Client, *, actor: services.Actor | None = None, embed=N
         rounds = Round.objects.filter(number__gte=first).order_by("number") if stale else []
         carried = False  # the previous published round's global was merged again or deleted
         for round_ in rounds:
+            # A failed round past retrying: its edges feed nothing (only published rounds' logs
+            # are read, `_conflict_source`), so they go rather than spend ε on a new release.
+            dead = round_.state == Round.State.FAILED and services.published_after(round_)
             for organization_id in sorted(o for r, o in stale if r == round_.pk and o is not None):
+                if dead:
+                    redo(round_, organization_id,
+                         lambda o=organization_id, r=round_: _delete_edge(r, o))
+                    edges_deleted.append((round_.number, organization_id))
+                    continue
                 redo(round_, organization_id, lambda o=organization_id, r=round_: run_edge_merge(
                     r.pk, o, rematerialize=(r.pk, o) in built_from, embed=embed))
                 edges_done.append((round_.number, organization_id))
@@ -850,7 +866,8 @@ def erase_client(client: Client, *, actor: services.Actor | None = None, embed=N
                     lambda: global_published.send(sender=Round, round=served.round, version=served),
                     robust=True,
                 )
-        report = ErasureReport(str(client), len(submissions), edges_done, globals_done, removed)
+        report = ErasureReport(str(client), len(submissions), edges_done, globals_done, removed,
+                               edges_deleted)
         services.audit(
             actor or services.Actor.system("erasure"),
             AuditLog.Action.CLIENT_ERASE,
@@ -861,6 +878,7 @@ def erase_client(client: Client, *, actor: services.Actor | None = None, embed=N
                 "edges_rematerialized": [list(edge) for edge in report.edges_rematerialized],
                 "globals_rematerialized": report.globals_rematerialized,
                 "decisions_removed": report.decisions_removed,
+                "edges_deleted": [list(edge) for edge in report.edges_deleted],
             },
         )
     return report
@@ -876,6 +894,15 @@ def _conflict_readers(round_: Round, organization) -> list[tuple[Round, list[Con
             break  # this one reads a later round's log, and so does every one after it
         readers.append((record.round, _previous_conflicts(record.round, organization)))
     return readers
+
+
+def _delete_edge(round_: Round, organization_id: int) -> None:
+    """An edge of a failed round that can never be retried, with what its merge logged (its
+    conflicts and merge record hold its clients' texts). Its ledger rows stay: that ε was spent."""
+    CompendiumVersion.objects.filter(kind="edge", round=round_,
+                                     organization_id=organization_id).delete()
+    ConflictLogEntry.objects.filter(round=round_, organization_id=organization_id).delete()
+    MergeRecord.objects.filter(round=round_, organization_id=organization_id).delete()
 
 
 def _delete_global(round_: Round) -> None:

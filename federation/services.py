@@ -1326,14 +1326,20 @@ def mark_merging(rnd: Round | int, actor: Actor | None = None) -> Round:
     return rnd
 
 
+def published_after(rnd: Round) -> int | None:
+    """The number of the first round after `rnd` that is published, or None. Globals are
+    published in round order, so `rnd` can then never be published (nor retried)."""
+    return (
+        Round.objects.filter(number__gt=rnd.number, state=Round.State.PUBLISHED)
+        .order_by("number").values_list("number", flat=True).first()
+    )
+
+
 def _refuse_after_a_later_publication(rnd: Round, what: str) -> None:
     """Globals are published in round order: each carries the one before it forward, and the
     latest round's is the one served. A round published after a later one would be in no global
     ever served (the later global was merged without it), so it cannot be `what`."""
-    later = (
-        Round.objects.filter(number__gt=rnd.number, state=Round.State.PUBLISHED)
-        .order_by("number").values_list("number", flat=True).first()
-    )
+    later = published_after(rnd)
     if later is not None:
         raise InvalidTransition(
             f"round {rnd.number} cannot be {what}: round {later} is published already and its "

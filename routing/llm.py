@@ -112,6 +112,9 @@ def judge_consistency(llm: LLMBackend, statement_a: str, statement_b: str) -> Ju
 class OpenAICompatibleLLM:
     """Chat completions over HTTP with a timeout, retries on transient failures, one-line errors."""
 
+    # The setting that gave `call_seconds`, named when a call's time runs out.
+    call_seconds_variable = "SYNAPSE_LLM_CALL_SECONDS"
+
     def __init__(
         self,
         base_url: str,
@@ -269,7 +272,7 @@ class OpenAICompatibleLLM:
             self._down = None
             return response
         spent = (
-            f" (the call's time, {self.call_seconds:g} s, SYNAPSE_LLM_CALL_SECONDS, ran out)"
+            f" (the call's time, {self.call_seconds:g} s, {self.call_seconds_variable}, ran out)"
             if attempts < self.retries + 1 else ""
         )
         if not attempts:  # the time ran out before (the question asked again without JSON mode)

@@ -376,6 +376,7 @@ env_number("SYNAPSE_ONNX_THREADS", 0, least=0, note=" (0: chosen from the cores)
 env_number("SYNAPSE_EMBEDDING_CACHE_ENTRIES", 200_000, least=0, note=" (0: no cache)")
 env_number("SYNAPSE_LLM_PAUSE_SECONDS", 30.0, whole=False, least=0)
 env_number("SYNAPSE_LLM_CALL_SECONDS", 20.0, whole=False, least=0, note=" (0: no limit)")
+env_number("SYNAPSE_MERGE_LLM_CALL_SECONDS", 60.0, whole=False, least=0, note=" (0: no limit)")
 
 SYNAPSE_ROUTING_AUTHENTICATION = [
     "routing.authentication.RoutingTokenAuthentication",

@@ -10,9 +10,9 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 class ChatServer:
     """Answers `POST /v1/chat/completions` with the next scripted answer of `answers`, or
-    `default` when none is left; records every request. With `refuse_response_format`, a
-    request carrying `response_format` is refused with HTTP 400, as a server without a JSON mode
-    refuses the unknown parameter; with `refuse_all`, every request is."""
+    `default` when none is left (with `silent`, never); records every request. With
+    `refuse_response_format`, a request carrying `response_format` is refused with HTTP 400, as a
+    server without a JSON mode refuses the unknown parameter; with `refuse_all`, every request is."""
 
     def __init__(self, default: str = "", *, refuse_response_format: bool = False,
                  refuse_all: bool = False):
@@ -23,6 +23,10 @@ class ChatServer:
         self.requests: list[dict] = []
         self.status: int | None = None  # every request answered with this HTTP status (503)
         self.garbled = False  # answers say they are gzip and are not (a broken proxy)
+        # Every request is read and never answered: held `silent` seconds (or until `close`),
+        # then the connection is dropped without a response (an endpoint that hangs).
+        self.silent: float | None = None
+        self._closing = threading.Event()
         owner = self
 
         class Handler(BaseHTTPRequestHandler):
@@ -32,6 +36,10 @@ class ChatServer:
                 if self.path != "/v1/chat/completions":
                     self.send_response(404)
                     self.end_headers()
+                    return
+                if owner.silent is not None:
+                    owner._closing.wait(owner.silent)
+                    self.close_connection = True
                     return
                 if owner.status is not None:
                     self.send_response(owner.status)
@@ -68,5 +76,6 @@ class ChatServer:
         self.thread.start()
 
     def close(self):
+        self._closing.set()
         self.server.shutdown()
         self.server.server_close()

@@ -361,6 +361,7 @@ NUMBERS = {
     "SYNAPSE_ONNX_THREADS": (["two", "-1"], "1", 1),
     "SYNAPSE_EMBEDDING_CACHE_ENTRIES": (["-1", "10k"], "0", 0),
     "SYNAPSE_LLM_PAUSE_SECONDS": (["-1", "nan", "x"], "0", 0.0),
+    "SYNAPSE_MERGE_LLM_CALL_SECONDS": (["-1", "inf", "soon"], "0", 0.0),
 }
 
 

@@ -1271,12 +1271,12 @@ def test_the_global_leaves_out_figures_its_noise_spans_the_whole_range(schema, e
     about the tool; the server merge publishes the others and counts what it left out."""
     edges = [
         sub("org-a", metadata=[
-            {"tool_id": "weather", "stats": {"success_rate": 0.1, "calls": 420.0}},
+            {"tool_id": "weather", "stats": {"success_rate": 0.1, "calls": 42.0}},
             {"tool_id": "flights", "stats": {"success_rate": 0.93}},
             {"tool_id": "recipes", "stats": {"success_rate": 1.0}},
         ]),
         sub("org-b", metadata=[
-            {"tool_id": "weather", "stats": {"success_rate": 0.9, "calls": 380.0}},
+            {"tool_id": "weather", "stats": {"success_rate": 0.9, "calls": 38.0}},
             {"tool_id": "flights", "stats": {"success_rate": 0.91}},
         ]),
     ]
@@ -1295,7 +1295,7 @@ def test_the_global_leaves_out_figures_its_noise_spans_the_whole_range(schema, e
         result = server_merge(edges, schema, RoundConfig(global_metadata=mode), embed=embed,
                               noise_scales=scales, previous=previous)
         stats = {m.tool_id: m.stats for m in result.compendium.metadata}
-        assert stats["weather"] == {"calls": 400.0}  # success_rate left out
+        assert stats["weather"] == {"calls": 40.0}  # success_rate left out
         assert stats["flights"] == {"success_rate": pytest.approx(0.92)}
         assert stats["calculator"] == {"success_rate": 0.7}
         assert result.stats.stats_withheld == 2
@@ -1520,3 +1520,94 @@ def test_the_noise_is_calibrated_to_the_window_the_clipping_guarantees(schema):
     narrow = Schema(tools=schema.tools[:1], numeric_fields=[schema.fields_by_name["frequency"]])
     assert drowned_fields(narrow, RoundConfig(epsilon=0.75), most_contributors=2,
                           edges=1) == frozenset()
+
+
+def test_a_released_value_is_clamped_to_the_clipping_window_not_the_declared_range(schema):
+    """Every value averaged lies in the clipping window [min, min(max, min + Δ)], so the true
+    mean does too; clamping the noised figure into that window is post-processing (no ε) and
+    only brings it closer to the truth. `calls` declares [0, 1000] with Δ = 50: its window is
+    [0, 50], and a noised mean clamped to the declared range could be published as 900 calls.
+    The noise itself is untouched: the same seed draws the same noise (ledger scale and the
+    figures inside the window are unchanged, see the goodness-of-fit test of laplace_release)."""
+    from compendium.clipping import clip_bound
+
+    def embed(texts):
+        rows = [np.frombuffer(hashlib.sha256(t.encode()).digest(), dtype=np.uint8)[:8]
+                .astype(np.float32) - 127.5 for t in texts]
+        out = np.array(rows, dtype=np.float32).reshape(len(texts), 8)
+        return out / np.linalg.norm(out, axis=1, keepdims=True)
+
+    subs = [sub(f"c{i}", metadata=[{"tool_id": "weather", "stats": {"calls": 10.0 * i,
+                                                                     "frequency": 0.25 * i}}])
+            for i in range(3)]
+    config = RoundConfig(epsilon=0.5)  # ε_j = 1/32: a calls scale of 50·32/3 ≈ 533 calls
+    windows = {spec.name: clip_bound(spec) for spec in schema.numeric_fields}
+    assert windows["calls"].hi == 50 < schema.fields_by_name["calls"].max
+    released = []
+    for seed in range(20):
+        result = edge_merge(subs, schema, config, embed=embed, seed=seed)
+        for meta in result.compendium.metadata:
+            for name, value in meta.stats.items():
+                released.append((name, value))
+                assert windows[name].lo <= value <= windows[name].hi, (seed, meta.tool_id, name)
+    # the noise reaches past the window on both sides: the clamp is what holds the figures in
+    calls = [v for name, v in released if name == "calls"]
+    assert 0.0 in calls and 50.0 in calls
+    # The server's average over edges is clamped to the window too (an edge released before
+    # this clamp may carry a figure up to the declared max).
+    edge = sub("org-a", metadata=[{"tool_id": "weather", "stats": {"calls": 900.0}}])
+    other = sub("org-b", metadata=[{"tool_id": "weather", "stats": {"calls": 40.0}}])
+    result = server_merge([edge, other], schema, RoundConfig(), embed=embed)
+    [weather] = [m for m in result.compendium.metadata if m.tool_id == "weather"]
+    assert weather.stats["calls"] == 50.0
+
+
+def test_a_silent_llm_endpoint_holds_a_summary_only_for_the_merges_call_time(
+    schema, embed, monkeypatch
+):
+    """The merge's LLM client kept 60 s per attempt and no limit on a question in all: an
+    endpoint that never answers held an edge or server merge (retries + 1) × 60 s per summary,
+    for every cluster. `merge_llm` bounds each question by SYNAPSE_MERGE_LLM_CALL_SECONDS, as
+    routing's are by SYNAPSE_LLM_CALL_SECONDS (routing.llm's deadline), and an endpoint found
+    down is not asked again for SYNAPSE_LLM_PAUSE_SECONDS: the summaries fall back, saying why.
+    The endpoint here holds each request 5 s and then drops it: with no call time the first
+    summary alone waited three attempts (15 s) and the second asked again."""
+    from federation.merge.llm import LLMUnavailable, merge_llm
+    from tests.chat_server import ChatServer
+
+    subs = [
+        sub(name, scenarios=[sc("weather", text), sc("flights", trip)])
+        for name, text, trip in (
+            ("a", "Will it rain tomorrow in Paris?", "Book a flight from Oslo to Rome"),
+            ("b", "Will it rain in Paris tomorrow?", "Book a flight from Oslo to Rome please"),
+        )
+    ]
+    server = ChatServer()
+    server.silent = 5.0
+    monkeypatch.setenv("SYNAPSE_MERGE_LLM_CALL_SECONDS", "0.3")
+    monkeypatch.setenv("SYNAPSE_LLM_PAUSE_SECONDS", "600")
+    try:
+        llm = merge_llm(server.url)
+        assert llm.call_seconds == 0.3 and llm.pause == 600
+        result = edge_merge(subs, schema, RoundConfig(summarizer="llm-single-shot"),
+                            embed=embed, llm=llm)
+    finally:
+        server.close()
+    fallbacks = [f for f in result.stats.summarizer_fallbacks
+                 if f["summarizer"] == "llm-single-shot"]
+    assert [f["tool_id"] for f in fallbacks] == ["flights", "weather"]
+    first, second = fallbacks
+    assert "no answer before the call's time ran out" in first["reason"], first
+    assert "SYNAPSE_MERGE_LLM_CALL_SECONDS" in first["reason"], first
+    assert "not asked again" in second["reason"], second  # the second never reached the server
+    assert len(server.requests) == 1  # the deadline cut the first attempt: no retry was started
+    assert result.stats.summaries == {"centroid": 2}  # no probe set: the centroid's texts
+
+    # 0: no limit but each attempt's (60 s); unset: the default; not a number: refused, named
+    monkeypatch.setenv("SYNAPSE_MERGE_LLM_CALL_SECONDS", "0")
+    assert merge_llm(server.url).call_seconds is None
+    monkeypatch.delenv("SYNAPSE_MERGE_LLM_CALL_SECONDS")
+    assert merge_llm(server.url).call_seconds == 60
+    monkeypatch.setenv("SYNAPSE_MERGE_LLM_CALL_SECONDS", "soon")
+    with pytest.raises(LLMUnavailable, match="SYNAPSE_MERGE_LLM_CALL_SECONDS must be a number"):
+        merge_llm(server.url)

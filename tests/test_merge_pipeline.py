@@ -1162,3 +1162,52 @@ def test_an_edge_that_accepted_nothing_does_not_lose_the_conflict_log_it_read(
     edge = CompendiumVersion.objects.get(kind="edge", round=third, organization=org)
     texts = [p["text"] for p in edge.content["precautions"]]
     assert any(t.startswith("Use WeatherNow for will it rain tomorrow in Paris") for t in texts), texts
+
+
+def test_an_erasure_deletes_the_edges_of_a_failed_round_that_can_no_longer_be_retried(
+    probes, django_capture_on_commit_callbacks
+):
+    """Round 1 merged its edges, then failed; round 2 was published, so round 1 can never be
+    retried (`services._refuse_after_a_later_publication`) and its edges feed nothing: no global,
+    no later merge's conflict log (`_conflict_source` reads published rounds only). The erasure of
+    a round-1 client re-materialized its edge all the same: a new release with fresh noise,
+    charged to the ledger (the accountant counts every round's rows, whatever its state), over
+    a compendium nobody reads. That edge, its conflict log and its merge record are deleted now:
+    the erased client's data goes, the ledger keeps what was spent and nothing more."""
+    from federation import services
+    from tests.federation_fixtures import SYSTEM
+
+    round1, clients = build_federation()
+    for organization in pipeline.start_round(round1.pk, 1):
+        pipeline.run_edge_merge(round1.pk, organization, attempt=1)
+    services.mark_failed(round1, "the server merge failed")
+    round2 = _second_round()
+    close(round2, django_capture_on_commit_callbacks)
+    assert round2.state == "published", round2.failure_reason
+    with pytest.raises(services.InvalidTransition, match="round 2 is published already"):
+        services.retry_round(SYSTEM, round1)
+    acme = clients[("acme", "a2")].organization
+    assert CompendiumVersion.objects.filter(kind="edge", round=round1, organization=acme).exists()
+    ledger_before = sorted(PrivacyLedgerEntry.objects.values_list("round_id", "organization_id",
+                                                                  "release", "tool_id", "field"))
+    spent_before = accounting.privacy_report().federation.epsilon
+    glob_before = CompendiumVersion.objects.get(kind="global", round=round2).sha256
+
+    report = pipeline.erase_client(clients[("acme", "a2")])
+
+    # no new release: the ledger holds exactly what it held, and ε′ is unchanged
+    assert sorted(PrivacyLedgerEntry.objects.values_list(
+        "round_id", "organization_id", "release", "tool_id", "field")) == ledger_before
+    assert accounting.privacy_report().federation.epsilon == spent_before
+    assert report.edges_rematerialized == []
+    assert report.edges_deleted == [(1, acme.pk)]
+    assert not CompendiumVersion.objects.filter(kind="edge", round=round1, organization=acme).exists()
+    assert not MergeRecord.objects.filter(round=round1, organization=acme).exists()
+    assert not ConflictLogEntry.objects.filter(round=round1, organization=acme).exists()
+    # round 2 did not carry anything of the failed round: its global is untouched
+    assert CompendiumVersion.objects.get(kind="global", round=round2).sha256 == glob_before
+    # globex's edge of round 1 held nothing of the erased client: it stays as it was
+    globex = clients[("globex", "g1")].organization
+    assert CompendiumVersion.objects.filter(kind="edge", round=round1, organization=globex).exists()
+    entry = AuditLog.objects.get(action="client.erase")
+    assert entry.details["edges_deleted"] == [[1, acme.pk]]

@@ -8,16 +8,24 @@ import re
 from routing import llm as routing_llm
 from routing.llm import LLMUnavailable
 
-__all__ = ["LLMUnavailable", "OpenAICompatibleLLM", "consistency_probe"]
+__all__ = ["LLMUnavailable", "OpenAICompatibleLLM", "consistency_probe", "merge_llm"]
+
+# How long one question of a merge (a summary, a TextGrad step, a consistency probe) may take in
+# all, its retries and their backoff included, unless SYNAPSE_MERGE_LLM_CALL_SECONDS says.
+MERGE_CALL_SECONDS = 60.0
 
 
 class OpenAICompatibleLLM(routing_llm.OpenAICompatibleLLM):
-    """The routing app's OpenAI-compatible client (timeouts, retries, one-line errors) with the
+    """The routing app's OpenAI-compatible client (timeouts, retries, one-line errors, the
+    per-call deadline `call_seconds` and the `pause` after the endpoint was found down) with the
     longer answers and patience that summaries need, and a count of calls made."""
 
+    call_seconds_variable = "SYNAPSE_MERGE_LLM_CALL_SECONDS"
+
     def __init__(self, base_url: str, model: str = "", api_key: str = "", *, timeout_s: float = 60.0,
-                 temperature: float = 0.0):
-        super().__init__(base_url, model, api_key, timeout=timeout_s, temperature=temperature)
+                 temperature: float = 0.0, call_seconds: float | None = None, pause: float = 0.0):
+        super().__init__(base_url, model, api_key, timeout=timeout_s, temperature=temperature,
+                         call_seconds=call_seconds, pause=pause)
         self.calls = 0
 
     def complete(self, prompt: str, system: str | None = None, max_tokens: int = 512,
@@ -25,6 +33,19 @@ class OpenAICompatibleLLM(routing_llm.OpenAICompatibleLLM):
         self.calls += 1
         return super().complete(prompt, system=system or "", max_tokens=max_tokens,
                                 json_schema=json_schema)
+
+
+def merge_llm(base_url: str, model: str = "", api_key: str = "") -> OpenAICompatibleLLM:
+    """The merge's client of an endpoint, bounded as routing's is (`routing.llm.get_llm`): each
+    question given up after SYNAPSE_MERGE_LLM_CALL_SECONDS (60; 0: no limit but each attempt's
+    60 s), after which the endpoint counts as down and is not asked again for
+    SYNAPSE_LLM_PAUSE_SECONDS (30): a silent endpoint held a merge (retries + 1) × 60 s for every
+    cluster it summarized. Its own variable, not routing's: a summary is a longer answer than a
+    routing decision, written in a worker rather than while a user waits."""
+    call = routing_llm._env_seconds("SYNAPSE_MERGE_LLM_CALL_SECONDS", MERGE_CALL_SECONDS)
+    pause = routing_llm._env_seconds("SYNAPSE_LLM_PAUSE_SECONDS", 30)
+    return OpenAICompatibleLLM(base_url, model, api_key, call_seconds=call if call > 0 else None,
+                               pause=pause)
 
 
 _VERDICT = re.compile(r"\b(inconsistent|consistent)\b", re.IGNORECASE)

@@ -561,8 +561,9 @@ def _published_number(value: float, noise_scale: float | None = None, low: float
     """A released statistic without digits that carry nothing: a noised value is kept to a
     hundredth of its noise scale's order of magnitude (post-processing: no privacy cost), any
     other to 6 significant digits. A 17-digit float per field was a sixth of a global compendium.
-    Kept within the field's range [low, high] after rounding (a step wider than the range would
-    round a value out of it, and the compendium would be refused)."""
+    Kept within [low, high], the field's clipping window, after rounding (a step wider than the
+    window would round a value out of it; out of the declared range, the compendium would be
+    refused)."""
     if noise_scale is not None and noise_scale > 0:
         step = 10.0 ** (math.floor(math.log10(noise_scale)) - 2)
         value = round(value / step) * step
@@ -609,7 +610,10 @@ def _merge_metadata(accepted, schema, config, seed, epsilon_remaining, noise, re
         if noise_dominated(scale, spec.min, spec.max):
             withheld += 1
             continue
-        released[key] = _published_number(value, scale, spec.min, spec.max)
+        # Each edge's figure lies in the field's clipping window, so their average does too
+        # (an edge released before that clamp may not: clamping here is post-processing).
+        bound = clip_bound(spec)
+        released[key] = _published_number(value, scale, bound.lo, bound.hi)
     metadata = [
         _tool_metadata(
             schema, tool_id, {name: v for (t, name), v in released.items() if t == tool_id}
@@ -705,15 +709,17 @@ def _release_metadata(accepted, schema, config, seed, epsilon_remaining, release
         if config.robust_rule != "none":
             f = byzantine_count(k, config.trim_fraction)
             data = np.sort(data)[f : k - f] if k - 2 * f >= 1 else data
+        # The true mean lies in the window, so the noised one is clamped to it, not merely to the
+        # declared range: post-processing (no ε), and a figure no further from the truth.
         value, scale = laplace_release(
             data,
-            lower=spec.min,
-            upper=spec.max,
+            lower=bound.lo,
+            upper=bound.hi,
             sensitivity=bound.width,
             epsilon=eps_j,
             rng=rng,
         )
-        released[key] = _published_number(value, scale, spec.min, spec.max)
+        released[key] = _published_number(value, scale, bound.lo, bound.hi)
         ledger.append(
             LedgerEntry(
                 tool_id=key[0],

@@ -1,7 +1,8 @@
 """The numeric privacy mechanism and its accounting (Theorem 1). Pure: numpy only.
 
 A release is the average of K clipped client values plus Laplace noise of scale Δ/(K·ε_j); the
-result is clipped back into the declared range, which is post-processing and costs no budget.
+result is clamped back into the clipping window [min, min(max, min + Δ)] the values were clipped
+to (the true mean lies in it), which is post-processing and costs no budget.
 """
 
 from __future__ import annotations

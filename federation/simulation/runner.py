@@ -41,7 +41,7 @@ from compendium.registry import LabelledQuery, RoutingDataset, Split
 from compendium.schema import Compendium, Scenario, Schema, ToolSpec
 from compendium.usage_log import parse_record
 from federation.merge import drowned_fields, edge_merge, server_merge
-from federation.merge.llm import OpenAICompatibleLLM
+from federation.merge.llm import merge_llm
 from federation.merge.summarize import LLM_SUMMARIZERS, ProbeSet
 from federation.merge.types import ConflictEntry, MergeInput
 from federation.round_config import RoundConfig
@@ -826,7 +826,7 @@ class Simulation:
         if c.summarizer not in LLM_SUMMARIZERS or not c.llm_url:
             return None
         if self._summarizer_llm is None:
-            self._summarizer_llm = OpenAICompatibleLLM(c.llm_url, c.llm_model or "default")
+            self._summarizer_llm = merge_llm(c.llm_url, c.llm_model or "default")
         return self._summarizer_llm
 
     def transfer_variants(self) -> list[TransferVariant]:

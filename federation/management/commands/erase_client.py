@@ -39,6 +39,8 @@ class Command(BaseCommand):
             f"re-materialized {len(report.edges_rematerialized)} edge and "
             f"{len(report.globals_rematerialized)} global compendium(s); removed "
             f"{report.decisions_removed} conflict decision(s)"
+            + (f"; deleted {len(report.edges_deleted)} edge(s) of failed rounds that can no "
+               "longer be retried" if report.edges_deleted else "")
         )
         target.refresh_from_db()
         if target.status != Client.Status.REVOKED:
