@@ -177,11 +177,8 @@ def fail_round(round_id: int, reason: str, attempt: int | None = None) -> None:
 
 def organizations_with_submissions(round_: Round) -> list[int]:
     return sorted(
-        set(
-            CompendiumVersion.objects.filter(kind="client", round=round_)
-            .exclude(client__status=Client.Status.REVOKED)
-            .values_list("client__organization_id", flat=True)
-        )
+        set(services.submissions_to_merge(round=round_).values_list(
+            "client__organization_id", flat=True))
     )
 
 
@@ -333,8 +330,7 @@ def _drowned(round_: Round, schema, config: RoundConfig) -> frozenset[str]:
     organization has (an upper bound on an edge's accepted K) and how many organizations
     submitted (at most the edges the server averages)."""
     per_organization = list(
-        CompendiumVersion.objects.filter(kind="client", round=round_)
-        .exclude(client__status=Client.Status.REVOKED)
+        services.submissions_to_merge(round=round_)
         .order_by()
         .values("client__organization")
         .annotate(n=Count("id"))
@@ -351,10 +347,7 @@ MERGE_TRIES = 3
 
 def _edge_sources(round_: Round, organization: Organization) -> list[CompendiumVersion]:
     return list(
-        CompendiumVersion.objects.filter(
-            kind="client", round=round_, client__organization=organization
-        )
-        .exclude(client__status=Client.Status.REVOKED)
+        services.submissions_to_merge(round=round_, client__organization=organization)
         .select_related("client")
         .order_by("client_id")
     )

@@ -1505,6 +1505,15 @@ def test_operator_round_lifecycle_over_the_api(world):
     assert "edge down" not in page and "the federation operator sees why" in page
     browser.force_login(world.operator)
     assert "edge down" in browser.get("/").content.decode()
+    # nobody submitted to it: its merge would fail again at once, so the retry is refused
+    refused = api.post(f"/api/v1/admin/rounds/{rid}/retry/")
+    assert refused.status_code == 409
+    assert "has no submission to merge" in refused.json()["detail"]
+    assert "open the next round" in refused.json()["detail"]
+    assert not AuditLog.objects.filter(action="round.retry").exists()
+    store_compendium(Compendium.model_validate({"scenarios": [
+        {"tool_id": "weather", "text": "Will it rain"}]}), kind="client",
+        round=Round.objects.get(pk=rid), client=world.client_a)
     assert api.post(f"/api/v1/admin/rounds/{rid}/retry/").json()["state"] == "closing"
     entry = AuditLog.objects.filter(action="round.retry").get()
     assert entry.actor == world.operator and entry.ip == "127.0.0.1"
