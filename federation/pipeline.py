@@ -47,6 +47,7 @@ from federation.models import (
     PrivacyLedgerEntry,
     ProbeQuery,
     Round,
+    Submission,
 )
 from federation.round_config import RoundConfig
 from federation.signals import global_published
@@ -757,11 +758,15 @@ class ErasureReport:
     edges_rematerialized: list[tuple[int, int]]  # (round number, organization id)
     globals_rematerialized: list[int]  # round numbers
     decisions_removed: int = 0  # reviewers' decisions that no longer fit a re-merged log
+    # the client's Submission rows (idempotency keys, request hashes, wire sizes, stored answers),
+    # of its submissions in effect and of those it replaced
+    submission_records_removed: int = 0
 
 
 def erase_client(client: Client, *, actor: services.Actor | None = None, embed=None) -> ErasureReport:
-    """Remove every submission of one client and merge again, in round order, every compendium
-    that held what it sent:
+    """Remove every submission of one client (its compendium versions, and its Submission rows:
+    request hashes, sizes and the answers stored for replays) and merge again, in round order,
+    every compendium that held what it sent:
     - each edge built from its submissions (found through the provenance links), as a new
       release; the ledger keeps the budget already spent;
     - each later merge that read a re-merged conflict log and now reads another
@@ -792,6 +797,10 @@ def erase_client(client: Client, *, actor: services.Actor | None = None, embed=N
             for edge in sub.derived.filter(kind="edge")
         }
         CompendiumVersion.objects.filter(pk__in=[s.pk for s in submissions]).delete()
+        # What each request was (its sha256, sizes, idempotency key) and the answer stored for a
+        # replay, which would answer 201 for a compendium that no longer exists.
+        records = Submission.objects.filter(client=client).delete()[1].get(
+            Submission._meta.label, 0)
         # The merges to do again: (round id, organization id; None for the server's).
         stale = set(built_from)
         edges_done, globals_done, merged_again, deleted = [], [], set(), False
@@ -843,7 +852,8 @@ def erase_client(client: Client, *, actor: services.Actor | None = None, embed=N
                     lambda: global_published.send(sender=Round, round=served.round, version=served),
                     robust=True,
                 )
-        report = ErasureReport(str(client), len(submissions), edges_done, globals_done, removed)
+        report = ErasureReport(str(client), len(submissions), edges_done, globals_done, removed,
+                               records)
         services.audit(
             actor or services.Actor.system("erasure"),
             AuditLog.Action.CLIENT_ERASE,
@@ -854,6 +864,7 @@ def erase_client(client: Client, *, actor: services.Actor | None = None, embed=N
                 "edges_rematerialized": [list(edge) for edge in report.edges_rematerialized],
                 "globals_rematerialized": report.globals_rematerialized,
                 "decisions_removed": report.decisions_removed,
+                "submission_records_removed": report.submission_records_removed,
             },
         )
     return report
