@@ -622,6 +622,16 @@ def _server_inputs(round_: Round, config: RoundConfig, *, lock: bool = False):
     return edges, previous
 
 
+def _edges_with_revoked_clients(round_: Round) -> list[int]:
+    """The organizations whose edge of `round_` holds a submission of a client revoked since
+    that edge was merged (the edge merge leaves out the clients revoked when it runs)."""
+    return sorted(set(
+        CompendiumVersion.objects.filter(
+            kind="edge", round=round_, sources__client__status=Client.Status.REVOKED
+        ).values_list("organization_id", flat=True)
+    ))
+
+
 def _fingerprint(round_: Round, edges, previous) -> tuple:
     """What a server merge read: its edges, the global it carries forward, the latest published
     round before it, and the server conflict log it turns into precautions (the last element:
@@ -651,7 +661,12 @@ def run_server_merge(round_id: int, *, embed=None, attempt: int | None = None) -
     again over other inputs, an erasure that re-merged or deleted the previous global, an earlier
     round published since), the merge is computed again over what is there now, MERGE_TRIES
     times at most, then fails with a PipelineError that says so. A global is thus never written
-    over edges that are gone, nor carries forward a global that is not the latest published."""
+    over edges that are gone, nor carries forward a global that is not the latest published.
+
+    Of a merging round, an edge that holds a submission of a client revoked since it was merged
+    is merged again first (`run_edge_merge`: a new release without that client), and so is one
+    whose client is revoked while the server merge computes (seen under the locks). A published
+    round's global, merged again by an erasure, is not re-merged for revocations."""
     round_ = Round.objects.get(pk=round_id)
     if attempt is not None:
         # A task of a run that is over (the round failed, or was retried since) stops here: the
@@ -662,6 +677,12 @@ def run_server_merge(round_id: int, *, embed=None, attempt: int | None = None) -
     embed = embed or _embed()
     probe = load_probe_set(embed)
     for _ in range(MERGE_TRIES):
+        if round_.state == Round.State.MERGING:
+            # A client revoked after its organization's edge was merged: that edge is merged
+            # again without it (a new release) before the round publishes. (A published round's
+            # global, merged again by an erasure, keeps what it published.)
+            for organization_id in _edges_with_revoked_clients(round_):
+                run_edge_merge(round_.pk, organization_id, embed=embed, attempt=attempt)
         edges, previous = _server_inputs(round_, config)
         read = _fingerprint(round_, edges, previous)
         if not edges:
@@ -693,15 +714,18 @@ def run_server_merge(round_id: int, *, embed=None, attempt: int | None = None) -
             if locked.state not in (Round.State.MERGING, Round.State.PUBLISHED):
                 # a published round's global is re-merged (an erasure); nothing else is merged
                 raise PipelineError(f"round {locked.number} is {locked.state}, not merging")
-            if _fingerprint(locked, *_server_inputs(locked, config, lock=True)) != read:
-                log.warning("round %s: its edges or the previous global changed while its server "
-                            "merge ran; merged again", round_.number)
+            if _fingerprint(locked, *_server_inputs(locked, config, lock=True)) != read or (
+                locked.state == Round.State.MERGING and _edges_with_revoked_clients(locked)
+            ):
+                log.warning("round %s: its edges or the previous global changed, or a client of "
+                            "an edge was revoked, while its server merge ran; merged again",
+                            round_.number)
                 continue
             return _write_global(locked, result, edges, previous, accuracy, probe, head)
     raise PipelineError(
         f"round {round_.number}: its edges or the previous global it carries forward changed "
-        f"(an edge merged again, an erasure, an earlier round published) each of the "
-        f"{MERGE_TRIES} times its server merge ran; retry the round"
+        f"(an edge merged again, a client revoked, an erasure, an earlier round published) each "
+        f"of the {MERGE_TRIES} times its server merge ran; retry the round"
     )
 
 
