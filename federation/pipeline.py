@@ -48,6 +48,7 @@ from federation.models import (
     PrivacyLedgerEntry,
     ProbeQuery,
     Round,
+    Submission,
 )
 from federation.round_config import RoundConfig
 from federation.signals import global_published
@@ -179,11 +180,8 @@ def fail_round(round_id: int, reason: str, attempt: int | None = None) -> None:
 
 def organizations_with_submissions(round_: Round) -> list[int]:
     return sorted(
-        set(
-            CompendiumVersion.objects.filter(kind="client", round=round_)
-            .exclude(client__status=Client.Status.REVOKED)
-            .values_list("client__organization_id", flat=True)
-        )
+        set(services.submissions_to_merge(round=round_).values_list(
+            "client__organization_id", flat=True))
     )
 
 
@@ -335,8 +333,7 @@ def _drowned(round_: Round, schema, config: RoundConfig) -> frozenset[str]:
     organization has (an upper bound on an edge's accepted K) and how many organizations
     submitted (at most the edges the server averages)."""
     per_organization = list(
-        CompendiumVersion.objects.filter(kind="client", round=round_)
-        .exclude(client__status=Client.Status.REVOKED)
+        services.submissions_to_merge(round=round_)
         .order_by()
         .values("client__organization")
         .annotate(n=Count("id"))
@@ -353,10 +350,7 @@ MERGE_TRIES = 3
 
 def _edge_sources(round_: Round, organization: Organization) -> list[CompendiumVersion]:
     return list(
-        CompendiumVersion.objects.filter(
-            kind="client", round=round_, client__organization=organization
-        )
-        .exclude(client__status=Client.Status.REVOKED)
+        services.submissions_to_merge(round=round_, client__organization=organization)
         .select_related("client")
         .order_by("client_id")
     )
@@ -630,6 +624,16 @@ def _server_inputs(round_: Round, config: RoundConfig, *, lock: bool = False):
     return edges, previous
 
 
+def _edges_with_revoked_clients(round_: Round) -> list[int]:
+    """The organizations whose edge of `round_` holds a submission of a client revoked since
+    that edge was merged (the edge merge leaves out the clients revoked when it runs)."""
+    return sorted(set(
+        CompendiumVersion.objects.filter(
+            kind="edge", round=round_, sources__client__status=Client.Status.REVOKED
+        ).values_list("organization_id", flat=True)
+    ))
+
+
 def _fingerprint(round_: Round, edges, previous) -> tuple:
     """What a server merge read: its edges, the global it carries forward, the latest published
     round before it, and the server conflict log it turns into precautions (the last element:
@@ -659,7 +663,12 @@ def run_server_merge(round_id: int, *, embed=None, attempt: int | None = None) -
     again over other inputs, an erasure that re-merged or deleted the previous global, an earlier
     round published since), the merge is computed again over what is there now, MERGE_TRIES
     times at most, then fails with a PipelineError that says so. A global is thus never written
-    over edges that are gone, nor carries forward a global that is not the latest published."""
+    over edges that are gone, nor carries forward a global that is not the latest published.
+
+    Of a merging round, an edge that holds a submission of a client revoked since it was merged
+    is merged again first (`run_edge_merge`: a new release without that client), and so is one
+    whose client is revoked while the server merge computes (seen under the locks). A published
+    round's global, merged again by an erasure, is not re-merged for revocations."""
     round_ = Round.objects.get(pk=round_id)
     if attempt is not None:
         # A task of a run that is over (the round failed, or was retried since) stops here: the
@@ -670,6 +679,12 @@ def run_server_merge(round_id: int, *, embed=None, attempt: int | None = None) -
     embed = embed or _embed()
     probe = load_probe_set(embed)
     for _ in range(MERGE_TRIES):
+        if round_.state == Round.State.MERGING:
+            # A client revoked after its organization's edge was merged: that edge is merged
+            # again without it (a new release) before the round publishes. (A published round's
+            # global, merged again by an erasure, keeps what it published.)
+            for organization_id in _edges_with_revoked_clients(round_):
+                run_edge_merge(round_.pk, organization_id, embed=embed, attempt=attempt)
         edges, previous = _server_inputs(round_, config)
         read = _fingerprint(round_, edges, previous)
         if not edges:
@@ -701,15 +716,18 @@ def run_server_merge(round_id: int, *, embed=None, attempt: int | None = None) -
             if locked.state not in (Round.State.MERGING, Round.State.PUBLISHED):
                 # a published round's global is re-merged (an erasure); nothing else is merged
                 raise PipelineError(f"round {locked.number} is {locked.state}, not merging")
-            if _fingerprint(locked, *_server_inputs(locked, config, lock=True)) != read:
-                log.warning("round %s: its edges or the previous global changed while its server "
-                            "merge ran; merged again", round_.number)
+            if _fingerprint(locked, *_server_inputs(locked, config, lock=True)) != read or (
+                locked.state == Round.State.MERGING and _edges_with_revoked_clients(locked)
+            ):
+                log.warning("round %s: its edges or the previous global changed, or a client of "
+                            "an edge was revoked, while its server merge ran; merged again",
+                            round_.number)
                 continue
             return _write_global(locked, result, edges, previous, accuracy, probe, head)
     raise PipelineError(
         f"round {round_.number}: its edges or the previous global it carries forward changed "
-        f"(an edge merged again, an erasure, an earlier round published) each of the "
-        f"{MERGE_TRIES} times its server merge ran; retry the round"
+        f"(an edge merged again, a client revoked, an erasure, an earlier round published) each "
+        f"of the {MERGE_TRIES} times its server merge ran; retry the round"
     )
 
 
@@ -768,11 +786,15 @@ class ErasureReport:
     decisions_removed: int = 0  # reviewers' decisions that no longer fit a re-merged log
     # edges of failed rounds that can never be retried, deleted rather than re-merged
     edges_deleted: list[tuple[int, int]] = dataclasses.field(default_factory=list)
+    # the client's Submission rows (idempotency keys, request hashes, wire sizes, stored answers),
+    # of its submissions in effect and of those it replaced
+    submission_records_removed: int = 0
 
 
 def erase_client(client: Client, *, actor: services.Actor | None = None, embed=None) -> ErasureReport:
-    """Remove every submission of one client and merge again, in round order, every compendium
-    that held what it sent:
+    """Remove every submission of one client (its compendium versions, and its Submission rows:
+    request hashes, sizes and the answers stored for replays) and merge again, in round order,
+    every compendium that held what it sent:
     - each edge built from its submissions (found through the provenance links), as a new
       release; the ledger keeps the budget already spent. Except an edge of a failed round that
       can never be retried (a later round is published: `services.published_after`): nothing
@@ -806,6 +828,10 @@ def erase_client(client: Client, *, actor: services.Actor | None = None, embed=N
             for edge in sub.derived.filter(kind="edge")
         }
         CompendiumVersion.objects.filter(pk__in=[s.pk for s in submissions]).delete()
+        # What each request was (its sha256, sizes, idempotency key) and the answer stored for a
+        # replay, which would answer 201 for a compendium that no longer exists.
+        records = Submission.objects.filter(client=client).delete()[1].get(
+            Submission._meta.label, 0)
         # The merges to do again: (round id, organization id; None for the server's).
         stale = set(built_from)
         edges_done, globals_done, merged_again, deleted = [], [], set(), False
@@ -867,7 +893,7 @@ def erase_client(client: Client, *, actor: services.Actor | None = None, embed=N
                     robust=True,
                 )
         report = ErasureReport(str(client), len(submissions), edges_done, globals_done, removed,
-                               edges_deleted)
+                               edges_deleted, records)
         services.audit(
             actor or services.Actor.system("erasure"),
             AuditLog.Action.CLIENT_ERASE,
@@ -879,6 +905,7 @@ def erase_client(client: Client, *, actor: services.Actor | None = None, embed=N
                 "globals_rematerialized": report.globals_rematerialized,
                 "decisions_removed": report.decisions_removed,
                 "edges_deleted": [list(edge) for edge in report.edges_deleted],
+                "submission_records_removed": report.submission_records_removed,
             },
         )
     return report

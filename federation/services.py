@@ -27,7 +27,7 @@ from django.utils import timezone
 from django.utils.dateparse import parse_datetime
 from django.utils.text import slugify
 
-from compendium.models import NumericField
+from compendium.models import CompendiumVersion, NumericField
 from compendium.services import seed_default_numeric_fields
 from compendium.validation import forbidden_character, invisible_character, is_invisible
 from federation import accounting, ratelimit
@@ -1278,6 +1278,15 @@ def close_round(actor: Actor, rnd: Round | int | None = None) -> Round:
     return rnd
 
 
+def submissions_to_merge(**filters) -> QuerySet:
+    """The client submissions a round's merge reads (`filters` narrow them: `round=`,
+    `round_id__in=`, ...): every client's but a revoked one's, which no merge reads. A round
+    without any has nothing to merge: its pipeline fails at its start."""
+    return CompendiumVersion.objects.filter(
+        kind=CompendiumVersion.Kind.CLIENT, **filters
+    ).exclude(client__status=Client.Status.REVOKED)
+
+
 @transaction.atomic
 def retry_round(actor: Actor, rnd: Round | int) -> Round:
     """failed -> closing, and the pipeline is started again. A failed round holds no privacy
@@ -1292,6 +1301,13 @@ def retry_round(actor: Actor, rnd: Round | int) -> Round:
     reason = rnd.failure_reason
     _move(rnd, Round.State.CLOSING, "retry", source=Round.State.FAILED)
     _refuse_after_a_later_publication(rnd, "retried")
+    if not submissions_to_merge(round=rnd).exists():
+        # Its merge would fail again at once (`pipeline.start_round`): nothing to retry.
+        raise InvalidTransition(
+            f"round {rnd.number} cannot be retried: it has no submission to merge (none was "
+            f"made, or only by clients revoked since), so its merge would fail again at once; "
+            f"open the next round instead"
+        )
     _refuse_over_budget(
         accounting.epsilon_budget(), accounting.round_reservation(rnd), f"retrying round {rnd.number}"
     )

@@ -79,7 +79,7 @@ def test_round_status_tells_where_the_rounds_stand(registry_file):
     assert lines[0].startswith("round 2: open") and lines[1].startswith("round 1: closing (since ")
 
 
-def test_round_status_names_why_a_round_failed_and_its_retry():
+def test_round_status_names_why_a_round_failed_and_its_retry(registry):
     """A failed round was listed as 'failed (since <close>)', with neither its reason nor what to
     run; a retried one showed the time of its first close."""
     from federation.pipeline import fail_round
@@ -95,13 +95,25 @@ def test_round_status_names_why_a_round_failed_and_its_retry():
         r"submission \(manage.py retry_round 1 runs it again\)\n", out.getvalue()
     ), out.getvalue()
     Round.objects.filter(pk=rnd.pk).update(closed_at=Round.objects.get(pk=rnd.pk).closed_at - timedelta(days=3))
+    # a client submitted meanwhile (a round with no submission to merge is not retried)
+    from compendium.schema import Compendium
+    from compendium.services import store_compendium
+    from federation.models import Client, Organization, Submission
+
+    organization = Organization.objects.create(name="Org", slug="org")
+    client = Client.objects.create(organization=organization, name="c1",
+                                   status=Client.Status.APPROVED)
+    version = store_compendium(Compendium.model_validate({"scenarios": [
+        {"tool_id": "weather", "text": "Will it rain"}]}), kind="client", round=rnd, client=client)
+    Submission.objects.create(client=client, round=rnd, idempotency_key="k", version=version,
+                              request_sha256="0" * 64, response={})
     services.retry_round(system, rnd.pk)
     retried = Round.objects.get(pk=rnd.pk)
     out = io.StringIO()
     call_command("round_status", stdout=out)
     since = f"{retried.attempt_started_at:%Y-%m-%d %H:%M}"
     assert out.getvalue().startswith(
-        f"round 1: {retried.state} (since {since} UTC), submissions from 0 clients, merge run 2"
+        f"round 1: {retried.state} (since {since} UTC), submissions from 1 client, merge run 2"
     ), out.getvalue()
 
 

@@ -339,19 +339,35 @@ def test_tune_router_says_so_when_the_global_was_replaced_before_its_tuning(monk
 
 
 @pytest.mark.django_db(transaction=True)  # as the command runs: the retry commits, then returns
-def test_retry_round_says_how_the_retry_ended_without_a_broker():
-    from federation import services
-    from federation.models import Round
+def test_retry_round_says_how_the_retry_ended_without_a_broker(registry, monkeypatch):
+    from compendium.schema import Compendium
+    from compendium.services import store_compendium
+    from federation import pipeline, services
+    from federation.models import Client, Organization, Round
 
     system = services.Actor.system("tests")
     rnd = services.open_round(system)
     services.close_round(system, rnd)  # nothing was submitted: the pipeline fails it
     assert Round.objects.get(number=1).state == "failed"
+    # a retry would fail again at once: refused, saying so
+    with pytest.raises(CommandError, match="has no submission to merge.*open the next round"):
+        run("retry_round", "1")
+    organization = Organization.objects.create(name="Org", slug="org")
+    store_compendium(Compendium.model_validate({"scenarios": [
+        {"tool_id": "weather", "text": "Will it rain"}]}), kind="client", round=rnd,
+        client=Client.objects.create(organization=organization, name="c1",
+                                     status=Client.Status.APPROVED))
+
+    def broken(round_id, attempt=None):
+        raise RuntimeError("merge machinery broke")
+
+    monkeypatch.setattr(pipeline, "start_round", broken)
     out = run("retry_round", "1")
     # was "round 1 is closing again; the merge pipeline was started": the eager pipeline had
     # already failed it again, and the reason was not said
     assert Round.objects.get(number=1).state == "failed"
-    assert out.strip() == "round 1 retried; its merge failed: round 1 has no submissions to merge"
+    assert out.strip() == (
+        "round 1 retried; its merge failed: starting the merge failed: merge machinery broke")
 
 
 @pytest.mark.parametrize("linked", [False, True])

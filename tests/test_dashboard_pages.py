@@ -366,6 +366,14 @@ def test_operator_closes_opens_and_retries_rounds(client, fed):
     page = client.get(reverse("dashboard:overview")).content.decode()
     assert reverse("dashboard:round-action", args=[1, "retry"]) in page
     Round.objects.filter(number=1).update(state="published")
+    # nor does the action accept it: refused (409) naming why, the round left as it was
+    refused = client.post(reverse("dashboard:round-action", args=[3, "retry"]))
+    assert refused.status_code == 409
+    assert "no submission to merge" in html.unescape(refused.content.decode())
+    assert Round.objects.get(number=3).state == "failed"
+    store_compendium(Compendium.model_validate({"scenarios": [
+        {"tool_id": "weather", "text": "Will it snow"}]}), kind="client", round=r3,
+        client=fed.client_b)
     assert client.post(reverse("dashboard:round-action", args=[3, "retry"])).status_code == 302
     assert Round.objects.get(number=3).state == "closing"
     assert AuditLog.objects.filter(action="round.retry", actor=fed.operator).exists()
@@ -1607,7 +1615,9 @@ def test_a_round_or_run_that_is_not_there_is_named_in_the_404(client, fed):
 
 
 @pytest.mark.django_db(transaction=True)
-def test_closing_a_round_says_what_became_of_its_merge(client, fed, without_merge_pipeline):
+def test_closing_a_round_says_what_became_of_its_merge(
+    client, fed, without_merge_pipeline, monkeypatch
+):
     """Without a broker the merge runs in the Close request itself (over a minute in the demo),
     yet the message said 'the merge pipeline started' when the round was already published, or
     had already failed."""
@@ -1619,11 +1629,26 @@ def test_closing_a_round_says_what_became_of_its_merge(client, fed, without_merg
     assert Round.objects.get(number=2).state == "closing"  # as a worker's pipeline leaves it
     assert "Round 2 closed; the merge pipeline started." in html.unescape(response.content.decode())
     services.mark_failed(Round.objects.get(number=2), "worker lost")
+    # a round with a submission to merge (one without is not retried), whose pipeline fails at
+    # once when it starts (eager, here in the request)
+    from compendium.schema import Compendium
+    from compendium.services import store_compendium
+    from federation import pipeline
+
+    store_compendium(Compendium.model_validate({"scenarios": [
+        {"tool_id": "weather", "text": "Will it rain"}]}), kind="client",
+        round=Round.objects.get(number=2), client=fed.client_a)
+
+    def broken(round_id, attempt=None):
+        raise RuntimeError("merge machinery broke")
+
+    monkeypatch.setattr(pipeline, "start_round", broken)
     round_closed.connect(start_pipeline_on_close, dispatch_uid="synapse.start_round_pipeline")
     response = client.post(reverse("dashboard:round-action", args=[2, "retry"]), follow=True)
-    assert Round.objects.get(number=2).state == "failed"  # eager: over, nobody submitted to it
+    assert Round.objects.get(number=2).state == "failed"  # eager: over, its start broke
     message = html.unescape(response.content.decode())
     assert "Round 2 retried; its merge failed: " in message and "pipeline started" not in message
+    assert "merge machinery broke" in message
 
 
 def test_the_simulation_picker_selects_the_run_shown_even_past_the_latest_twenty(client, fed):

@@ -67,6 +67,39 @@ def test_submission_is_stored_and_replayed_with_same_key(world, open_round, vali
     assert CompendiumVersion.objects.filter(kind="client").count() == 1
 
 
+def test_an_erasure_leaves_no_submission_record_to_list_or_replay(world, open_round, valid_doc):
+    """`erase_client` deleted the client's compendiums but kept its Submission rows: the
+    request's sha256, its sizes and the stored answer stayed listed (GET /api/v1/submissions/,
+    round_status, the admin, /metrics), and a replay of its Idempotency-Key answered the stored
+    201, naming a compendium that no longer exists. The rows go with the erasure, counted in its
+    report and audit entry; a later request under that key is a new submission."""
+    from federation import pipeline
+
+    api = client_api(world.token_a)
+    assert post_doc(api, valid_doc, key="first").status_code == 201
+    changed = dict(valid_doc, scenarios=valid_doc["scenarios"][:1])
+    assert post_doc(api, changed, key="second").status_code == 201  # replaces the first
+    assert post_doc(client_api(world.token_b), valid_doc, key="first").status_code == 201
+    report = pipeline.erase_client(world.client_a)
+    # the key again, the round still open and the client still enrolled: sent again, stored anew
+    again = post_doc(api, changed, key="second")
+    assert again.status_code == 201 and "Idempotent-Replayed" not in again
+    assert CompendiumVersion.objects.filter(pk=again.json()["version"], kind="client",
+                                            client=world.client_a).exists()
+    # after a later erasure and the round's close: no round takes it, nothing answered as stored
+    pipeline.erase_client(world.client_a)
+    assert not Submission.objects.filter(client=world.client_a).exists()
+    assert Submission.objects.filter(client=world.client_b).count() == 1
+    assert api.get(SUBMIT).json()["results"] == []
+    assert (report.submissions_removed, report.submission_records_removed) == (1, 2)
+    erasures = AuditLog.objects.filter(action="client.erase").order_by("id")
+    assert [e.details["submission_records_removed"] for e in erasures] == [2, 1]
+    services.close_round(SYSTEM, open_round)
+    closed = post_doc(api, changed, key="second")
+    assert closed.status_code == 409 and "Idempotent-Replayed" not in closed
+    assert not Submission.objects.filter(client=world.client_a).exists()
+
+
 def test_a_client_lists_its_own_submissions(world, open_round, valid_doc):
     api = client_api(world.token_a)
     first = post_doc(api, valid_doc, key="first").json()
@@ -1520,6 +1553,15 @@ def test_operator_round_lifecycle_over_the_api(world):
     assert "edge down" not in page and "the federation operator sees why" in page
     browser.force_login(world.operator)
     assert "edge down" in browser.get("/").content.decode()
+    # nobody submitted to it: its merge would fail again at once, so the retry is refused
+    refused = api.post(f"/api/v1/admin/rounds/{rid}/retry/")
+    assert refused.status_code == 409
+    assert "has no submission to merge" in refused.json()["detail"]
+    assert "open the next round" in refused.json()["detail"]
+    assert not AuditLog.objects.filter(action="round.retry").exists()
+    store_compendium(Compendium.model_validate({"scenarios": [
+        {"tool_id": "weather", "text": "Will it rain"}]}), kind="client",
+        round=Round.objects.get(pk=rid), client=world.client_a)
     assert api.post(f"/api/v1/admin/rounds/{rid}/retry/").json()["state"] == "closing"
     entry = AuditLog.objects.filter(action="round.retry").get()
     assert entry.actor == world.operator and entry.ip == "127.0.0.1"

@@ -32,6 +32,17 @@ from federation.signals import round_closed
 pytestmark = pytest.mark.django_db
 
 
+def _submit(rnd, client, text="Will it rain"):
+    """A client's submission to `rnd` as the merge reads it (its compendium version)."""
+    from compendium.schema import Compendium
+    from compendium.services import store_compendium
+
+    return store_compendium(
+        Compendium.model_validate({"scenarios": [{"tool_id": "weather", "text": text}]}),
+        kind="client", round=rnd, client=client,
+    )
+
+
 def test_approval_issues_a_token_stored_only_as_hash(world):
     row = ClientToken.objects.get(client=world.client_a)
     assert world.token_a.startswith("syn_c_") and len(world.token_a) > 40
@@ -134,6 +145,7 @@ def test_every_state_change_is_audited(world):
     rnd = services.open_round(operator, RoundConfig(epsilon=0.5))
     services.close_round(operator, rnd)
     services.mark_failed(rnd, "worker died")
+    _submit(rnd, world.client_b)  # a round without a submission to merge is not retried
     services.retry_round(operator, rnd)
     actions = list(AuditLog.objects.order_by("id").values_list("action", flat=True))
     for action in [
@@ -275,6 +287,7 @@ def test_open_round_reserves_its_projected_spend(world):
     assert accounting.commitments().reserved == {}
     # without declared numeric fields a round reserves nothing
     NumericField.objects.all().delete()
+    _submit(rnd, world.client_a)
     services.retry_round(operator, rnd)
     assert accounting.commitments().reserved == {}
 
@@ -438,7 +451,8 @@ def test_retry_takes_the_reservation_again(world):
     services.update_settings(operator, epsilon_budget=1.0)
     r1 = services.open_round(operator, RoundConfig(epsilon=1.0))
     services.close_round(operator, r1)
-    services.mark_failed(r1, "no submissions")
+    services.mark_failed(r1, "worker lost")
+    _submit(r1, world.client_a)
     r2 = services.open_round(operator, RoundConfig(epsilon=1.0))  # r1 freed its reservation
     with pytest.raises(BudgetExceeded, match="retrying round 1"):
         services.retry_round(operator, r1)
@@ -476,6 +490,7 @@ def test_a_round_is_not_published_or_retried_after_a_later_one_was_published(wor
     r3 = services.open_round(operator, RoundConfig(epsilon=0.1))
     services.close_round(operator, r3)
     services.mark_failed(r3, "worker lost")
+    _submit(r3, world.client_a)
     r4 = services.open_round(operator, RoundConfig(epsilon=0.1))
     services.close_round(operator, r4)
     services.retry_round(operator, r3)
@@ -518,6 +533,7 @@ def test_round_closed_signal_is_sent_after_commit_on_close_and_retry(
         closed = rnd.closed_at
         assert rnd.attempt_started_at == closed
         services.mark_failed(rnd, "edge 2 timed out")
+        _submit(rnd, world.client_a)
         with django_capture_on_commit_callbacks(execute=True):
             services.retry_round(operator, rnd)
     finally:
@@ -549,6 +565,38 @@ def test_retry_needs_a_failed_round_and_close_an_open_one(world):
     services.mark_failed(rnd, "boom")
     with pytest.raises(InvalidTransition, match="needs an? open round"):
         services.close_round(operator, rnd)
+
+
+def test_a_failed_round_without_a_submission_to_merge_is_not_retried(world):
+    """Its merge fails again at once ("has no submissions to merge", pipeline.start_round): the
+    retry was accepted all the same (the dashboard no longer offered it, the API and the service
+    did). It is refused, saying why and what to do instead, and changes nothing. A submission
+    of a client revoked since counts as none: no merge reads it."""
+    operator = world.actor(world.operator)
+    rnd = services.open_round(operator)
+    services.close_round(operator, rnd)
+    services.mark_failed(rnd, "round 1 has no submissions to merge")
+    before = Round.objects.values("state", "attempt", "failure_reason", "attempt_started_at").get(
+        pk=rnd.pk)
+    entries = AuditLog.objects.count()
+
+    def refused():
+        with pytest.raises(InvalidTransition,
+                           match="round 1 cannot be retried: it has no submission to merge.*"
+                                 "open the next round") as exc:
+            services.retry_round(operator, rnd)
+        assert exc.value.status_code == 409
+        assert Round.objects.values(*before).get(pk=rnd.pk) == before
+        assert AuditLog.objects.count() == entries
+
+    refused()
+    _submit(rnd, world.client_a)
+    services.revoke_client(operator, world.client_a)
+    entries = AuditLog.objects.count()
+    refused()
+    _submit(rnd, world.client_b)
+    retried = services.retry_round(operator, rnd)
+    assert (retried.state, retried.attempt) == (Round.State.CLOSING, before["attempt"] + 1)
 
 
 def test_privacy_defaults_come_from_the_deployment_and_the_row_drives_the_accountant(
@@ -622,6 +670,7 @@ def test_operator_requests_answer_busy_instead_of_waiting_out_a_long_lock(world,
     operator = world.actor(world.operator)
     failed = services.open_round(operator)
     Round.objects.filter(pk=failed.pk).update(state=Round.State.FAILED, failure_reason="boom")
+    _submit(failed, world.client_a)
     budget = services.get_settings().epsilon_budget
     release = _held_elsewhere(
         lambda: FederationSettings.objects.select_for_update().get(pk=services.get_settings().pk)

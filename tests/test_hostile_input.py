@@ -198,6 +198,13 @@ def test_pipeline_that_fails_at_once_does_not_turn_a_committed_close_into_a_500(
     assert response.status_code == 200
     rnd.refresh_from_db()
     assert rnd.state == Round.State.FAILED and "merge machinery broke" in rnd.failure_reason
+    # a round with a submission to merge (one without is not retried) fails again at its start
+    from compendium.schema import Compendium
+    from compendium.services import store_compendium
+
+    store_compendium(Compendium.model_validate({"scenarios": [
+        {"tool_id": "weather", "text": "Will it rain"}]}), kind="client", round=rnd,
+        client=world.client_a)
     retry = api.post(f"/api/v1/admin/rounds/{rnd.pk}/retry/")
     assert retry.status_code == 200 and retry.json()["state"] == Round.State.FAILED
 

@@ -189,6 +189,51 @@ def test_a_client_revoked_while_its_edge_merges_is_left_out(probes, monkeypatch)
     assert [v.client_id for v in edge.sources.all()] == [clients[("acme", "a1")].pk]
 
 
+def test_a_client_revoked_after_its_edge_merged_is_left_out_of_the_global(probes):
+    """The edge merge leaves revoked clients out, but a client revoked after its organization's
+    edge was merged and before the server merge read the edges was published in the round's
+    global all the same. The server merge of a merging round merges such an edge again first
+    (a new release without the revoked client; without clients left, the edge is removed)."""
+    from federation import services
+    from tests.federation_fixtures import SYSTEM
+
+    round_, clients = build_federation(state="merging")
+    merge_edges(round_)
+    acme = clients[("acme", "a1")].organization
+    services.revoke_client(SYSTEM, clients[("acme", "a2")])
+    services.revoke_client(SYSTEM, clients[("globex", "g1")])
+    pipeline.run_server_merge(round_.pk, attempt=round_.attempt)
+    deferred_constraints_hold()
+    round_.refresh_from_db()
+    assert round_.state == "published"
+    glob = CompendiumVersion.objects.get(kind="global", round=round_)
+    edge = CompendiumVersion.objects.get(kind="edge", round=round_)
+    assert edge.organization == acme and list(glob.sources.all()) == [edge]
+    assert [v.client_id for v in edge.sources.all()] == [clients[("acme", "a1")].pk]
+    assert MergeRecord.objects.get(round=round_, organization=acme).stats["release"] == 1
+    assert "What is 17 multiplied by 23?" not in texts(glob)
+    assert "What is the temperature in Berlin today?" not in texts(glob)
+
+
+def test_a_client_revoked_while_the_server_merge_runs_is_left_out_of_the_global(
+    probes, monkeypatch
+):
+    """Revoked after the server merge read the edges: it sees that under its locks and merges
+    again, the edge first."""
+    round_, clients = build_federation(state="merging")
+    merge_edges(round_)
+    calls = interleave(monkeypatch, "server_merge_operator", lambda: Client.objects.filter(
+        pk=clients[("acme", "a2")].pk).update(status=Client.Status.REVOKED))
+    pipeline.run_server_merge(round_.pk, attempt=round_.attempt)
+    deferred_constraints_hold()
+    glob = CompendiumVersion.objects.get(kind="global", round=round_)
+    assert set(glob.sources.all()) == set(CompendiumVersion.objects.filter(kind="edge", round=round_))
+    assert not CompendiumVersion.objects.filter(
+        kind="edge", round=round_, sources__client__status=Client.Status.REVOKED).exists()
+    assert "What is 17 multiplied by 23?" not in texts(glob)
+    assert len(calls) == 2
+
+
 # --- C: an erasure and a later round's server merge ---------------------------------------------
 
 

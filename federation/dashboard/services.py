@@ -76,6 +76,9 @@ class RoundRow:
     # and over how many probe requests.
     probe_accuracy: float | None = None
     probe_queries: int = 0
+    # A failed round: whether it has a submission its merge would read (of every organization;
+    # federation.services.submissions_to_merge). Without one a retry is refused.
+    retryable: bool = False
 
 
 @dataclass
@@ -122,7 +125,7 @@ def federation_overview(
     a failed round's reason as `viewer` may read it. The table holds the latest `max_rounds`
     rounds.
     """
-    from federation.services import failure_reason_for, round_figures
+    from federation.services import failure_reason_for, round_figures, submissions_to_merge
 
     rounds = list(
         round_figures(Round.objects.order_by("-number"), organizations.values_list("pk", flat=True))
@@ -134,6 +137,12 @@ def federation_overview(
                        submissions=r.n_submissions, submitted_bytes=r.n_submitted_bytes or 0)
         for r in rounds
     }
+    failed = [r.pk for r in rounds if r.state == Round.State.FAILED]
+    if failed:
+        for round_id in set(
+            submissions_to_merge(round_id__in=failed).values_list("round_id", flat=True)
+        ):
+            rows[round_id].retryable = True
 
     submissions = CompendiumVersion.objects.filter(
         kind=KIND_CLIENT, round_id__in=round_ids, client__organization__in=organizations
