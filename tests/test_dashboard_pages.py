@@ -1836,7 +1836,24 @@ def test_closing_a_round_asks_first_and_says_who_has_not_submitted(client, fed):
     assert confirm, form
     assert "Close round 2?" in confirm.group(1)
     assert "2 of 2 approved clients have not submitted (org-a/a1, org-b/b1)" in confirm.group(1)
-    assert "no client has submitted to it, so its merge will fail" in confirm.group(1)
+    assert "no client has submitted to it (or only clients revoked since), so its merge will fail" \
+        in confirm.group(1)
+
+    def close_confirmation():
+        body = html.unescape(client.get(reverse("dashboard:overview")).content.decode())
+        form = re.search(rf'<form method="post" action="{re.escape(action)}"[^>]*>', body).group(0)
+        return re.search(r'data-confirm="([^"]*)"', form).group(1)
+
+    # a submission of a client revoked since is not one its merge reads: the warning stays (it
+    # counted every submission, so closing a round whose merge was sure to fail said nothing)
+    from compendium.schema import Compendium
+    from compendium.services import store_compendium
+
+    store_compendium(Compendium.model_validate({"scenarios": [{"tool_id": "weather", "text": "rain?"}]}),
+                     kind="client", round=Round.objects.get(number=2), client=fed.client_a)
+    assert "so its merge will fail" not in close_confirmation()
+    services.revoke_client(services.Actor.for_user(fed.operator), fed.client_a)
+    assert "so its merge will fail" in close_confirmation()
 
 
 def test_submission_count_axes_tick_whole_submissions(client, fed):

@@ -76,9 +76,10 @@ class RoundRow:
     # and over how many probe requests.
     probe_accuracy: float | None = None
     probe_queries: int = 0
-    # A failed round: whether it has a submission its merge would read (of every organization;
-    # federation.services.submissions_to_merge). Without one a retry is refused.
-    retryable: bool = False
+    # An open or failed round: whether it has a submission its merge would read (of every
+    # organization, revoked clients' left out: federation.services.submissions_to_merge). Without
+    # one its merge fails: closing it is warned of, a retry is refused.
+    mergeable: bool = False
 
 
 @dataclass
@@ -137,12 +138,12 @@ def federation_overview(
                        submissions=r.n_submissions, submitted_bytes=r.n_submitted_bytes or 0)
         for r in rounds
     }
-    failed = [r.pk for r in rounds if r.state == Round.State.FAILED]
-    if failed:
+    pending = [r.pk for r in rounds if r.state in (Round.State.OPEN, Round.State.FAILED)]
+    if pending:
         for round_id in set(
-            submissions_to_merge(round_id__in=failed).values_list("round_id", flat=True)
+            submissions_to_merge(round_id__in=pending).values_list("round_id", flat=True)
         ):
-            rows[round_id].retryable = True
+            rows[round_id].mergeable = True
 
     submissions = CompendiumVersion.objects.filter(
         kind=KIND_CLIENT, round_id__in=round_ids, client__organization__in=organizations
