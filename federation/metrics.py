@@ -125,13 +125,19 @@ class FederationCollector:
             for status in Client.Status.values:
                 clients.add_metric([slug, status], counts.get((org_id, status), 0))
         yield clients
-        submissions = CounterMetricFamily(
-            "synapse_submissions", "Accepted compendium submissions by organization.",
+        # Gauges, not counters: an erasure deletes its client's submission records, and a
+        # counter that goes down reads to Prometheus as a reset (rate() would count the whole
+        # total again).
+        submissions = GaugeMetricFamily(
+            "synapse_submissions",
+            "Accepted compendium submissions on record, by organization (an erasure removes its "
+            "client's).",
             labels=["organization"],
         )
-        wire = CounterMetricFamily(
+        wire = GaugeMetricFamily(
             "synapse_submission_wire_bytes",
-            "Bytes of accepted submissions as they came over the wire, by organization.",
+            "Bytes of the accepted submissions on record as they came over the wire, by "
+            "organization (an erasure removes its client's).",
             labels=["organization"],
         )
         rows = {
