@@ -121,6 +121,18 @@ def test_token_overlap():
     assert token_overlap("Book a flight to Rome", []) == 0.0
 
 
+def test_token_overlap_counts_words_of_any_script():
+    """Tokens were [a-z0-9] runs: a Cyrillic or Greek request released word for word scored an
+    overlap of 0, so a dataset in such a language reported no leakage at all, and accented words
+    were cut into pieces."""
+    request = "Какая погода в Москве завтра"
+    assert token_overlap(request, [request]) == 1.0
+    assert token_overlap(request, ["какая [MASK] в [MASK] завтра"]) == pytest.approx(3 / 5)
+    assert token_overlap("καιρός στην Αθήνα", ["Καιρός [MASK]"]) == pytest.approx(1 / 3)
+    assert token_overlap("un café crème", ["café"]) == pytest.approx(1 / 3)
+    assert token_overlap("un café crème", ["caf"]) == 0.0
+
+
 def test_text_distance_is_token_levenshtein_over_the_longer_text():
     from federation.simulation.diagnostics import text_distance
 
