@@ -1030,6 +1030,12 @@ def _small_dataset(folder, tools, queries_per_tool):
      "would get no queries; use fewer --orgs or --partition iid or random$"),
     ([("a", "x"), ("b", "y")], [20, 20], ["--partition", "iid", "--orgs", "5", "--clients-per-org", "5"],
      "^seed 0: 5 of 25 clients get no train queries [(]20 dealt by --partition iid[)]; use fewer --orgs"),
+    # Before: drift_plan had nothing to bring in later, so the rounds ran without drift, scored
+    # on every category, while the document said drift_every 1.
+    ([("a", "x"), ("b", "x")], [20, 20], ["--partition", "iid", "--rounds", "2", "--drift-every", "1"],
+     "^--drift-every 1: the dataset d's tools are all in one category, so none could come into "
+     "use in a later round and the run would have no drift; use --drift-every 0 or a dataset "
+     "whose tools have two or more categories$"),
 ])
 def test_a_dataset_that_cannot_make_the_federation_is_refused_before_the_model_loads(
         tmp_path, tools, counts, flags, message):

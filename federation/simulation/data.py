@@ -115,13 +115,20 @@ def untested_tools(dataset: RoutingDataset) -> tuple[int, int]:
 
 def federation_problem(
     dataset: RoutingDataset, seeds: Sequence[int], *, orgs: int, clients_per_org: int,
-    partition: Partition, probe_fraction: float, test_fraction: float,
+    partition: Partition, probe_fraction: float, test_fraction: float, drift_every: int = 0,
 ) -> str | None:
     """Why the dataset cannot make this simulated federation (None: it can), from each seed's
     split and partition (cheap, before any model loads): fewer than two tools, no query to test
-    or probe with, fewer categories than organizations to deal them to, a client dealt nothing."""
+    or probe with, fewer categories than organizations to deal them to, a client dealt nothing,
+    workload drift over tools of one category (`drift_plan` would bring nothing in later)."""
     if len(dataset.tools) < 2:
         return f"the dataset {dataset.name} has {len(dataset.tools)} tool; routing needs at least 2"
+    if drift_every > 0 and len(set(_categories(dataset.tools).values())) < 2:
+        return (
+            f"--drift-every {drift_every}: the dataset {dataset.name}'s tools are all in one "
+            "category, so none could come into use in a later round and the run would have no "
+            "drift; use --drift-every 0 or a dataset whose tools have two or more categories"
+        )
     for seed in seeds:
         split = split_dataset(dataset, seed=seed, probe_fraction=probe_fraction,
                               test_fraction=test_fraction)

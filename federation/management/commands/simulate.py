@@ -603,7 +603,7 @@ class Command(BaseCommand):
         problem = federation_problem(
             dataset, seeds, orgs=config.orgs, clients_per_org=config.clients_per_org,
             partition=config.partition, probe_fraction=config.probe_fraction,
-            test_fraction=config.test_fraction,
+            test_fraction=config.test_fraction, drift_every=config.drift_every,
         )
         if problem:
             raise CommandError(problem)
