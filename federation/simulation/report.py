@@ -782,12 +782,39 @@ def _targeted(counts: dict[str, int]) -> str:
 
 
 def _sweep_lines(document: dict[str, Any], one_seed: bool) -> list[str]:
-    """The τ, summarizer and cadence sweeps, one line per variant."""
+    """The privacy, release, τ, summarizer, contradiction and cadence sweeps, one line per
+    variant."""
     lines = []
-    for row in document.get("tau_sweep") or []:
-        if not lines:
-            lines.append("τ sweep (final round, mean over seeds):")
-            lines.append(f"  {'τ':>5} {'accuracy':>16} {'scenarios':>10} {'KB':>8} {'dedup':>6}")
+
+    def privacy(row: dict) -> str:  # accuracy, membership AUROC, token overlap, bytes
+        def figure(key: str) -> str:
+            value = row.get(key)
+            return "-" if value is None else f"{value:.3f}"
+
+        sent = row.get("bytes_per_client_round")
+        return (
+            f"{_spread(row['accuracy'], row.get('accuracy_sd', 0.0), one_seed):>16} "
+            f"{figure('membership_auroc'):>6} {figure('token_overlap'):>8} "
+            f"{'nothing sent' if sent is None else f'{sent:.0f}':>12}"
+        )
+
+    rows = document.get("privacy_sweep") or []
+    if rows:
+        lines.append("privacy sweep (final round, mean over seeds):")
+        lines.append(f"  {'ε':>5} {'λ':>5} {'accuracy':>16} {'AUROC':>6} {'overlap':>8} {'bytes':>12}")
+        for row in rows:
+            lines.append(f"  {row['epsilon']:>5g} {row['mask_strength']:>5g} {privacy(row)}")
+    rows = document.get("release_sweep") or []
+    if rows:
+        lines.append("k-anonymous release sweep (final round, mean over seeds):")
+        lines.append(f"  {'k':>5} {'accuracy':>16} {'AUROC':>6} {'overlap':>8} {'bytes':>12}")
+        for row in sorted(rows, key=lambda r: r["min_users"]):
+            lines.append(f"  {row['min_users']:>5} {privacy(row)}")
+    rows = document.get("tau_sweep") or []
+    if rows:
+        lines.append("τ sweep (final round, mean over seeds):")
+        lines.append(f"  {'τ':>5} {'accuracy':>16} {'scenarios':>10} {'KB':>8} {'dedup':>6}")
+    for row in rows:
         lines.append(
             f"  {row['tau']:>5g} {_spread(row['accuracy'], row['accuracy_sd'], one_seed):>16} "
             f"{row.get('global_scenarios', 0):>10.0f} {row.get('global_size_bytes', 0) / 1000:>8.1f} "
