@@ -1111,3 +1111,37 @@ def test_a_label_too_long_to_store_whole_is_refused_before_anything_runs(tiny_da
     with pytest.raises(CommandError, match="^--label is at most 200 characters"):
         call_command("simulate", "--combine", "a.json", "--label", label)
     assert not SimulationRun.objects.exists()
+
+
+def test_local_only_is_the_mean_over_the_honest_clients_alone(tiny_dataset, monkeypatch):
+    """Local-only (each client alone) averaged every client's compendium, an adversary's
+    corrupted one included: with adversarial clients the baseline was dragged down by
+    compendiums no honest client would hold (half the clients relabelling everything here)."""
+    import numpy as np
+
+    from federation.simulation.runner import Simulation
+
+    sim = _simulation(tiny_dataset, rounds=1, baselines=True, diagnostics=False,
+                      adversarial_fraction=0.5, adversarial_mode="tool_confusion")
+    seen = {}
+    original = Simulation.baselines
+
+    def recording(self, shares, logs, final, split, test, *args, **kwargs):
+        seen.update(final=final, split=split, test=test)
+        return original(self, shares, logs, final, split, test, *args, **kwargs)
+
+    monkeypatch.setattr(Simulation, "baselines", recording)
+    result = sim.run_seed(0)
+    adversaries = sim.prepare(0).adversaries
+    assert len(adversaries) == 2
+    split, test = seen["split"], seen["test"]
+    alone = []
+    for client, compendium in seen["final"].client_compendiums.items():
+        if client in adversaries:
+            continue
+        own = {s.tool_id for s in compendium.scenarios}
+        router = sim.router(compendium, [q for q in split.probe if q.tool_id in own])
+        alone.append(sim.evaluate(router, test).accuracy)
+    assert len(alone) == 2
+    row = next(r for r in result.rows if r["method"] == "local_only")
+    assert row["accuracy"] == round(float(np.mean(alone)), 4)
