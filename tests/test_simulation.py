@@ -786,6 +786,11 @@ def test_tau_and_summarizer_sweeps(tiny_dataset, tmp_path):
     assert [r["summarizer"] for r in document["summarizer_sweep"]] == ["centroid", "none"]
     table = stdout.getvalue()
     assert "τ sweep" in table and "summarizer sweep" in table
+    # What the run played on, beyond the folder's name (--combine compares it).
+    from compendium.registry import load_dataset
+    from federation.simulation.data import dataset_fingerprint
+
+    assert document["dataset_fingerprint"] == dataset_fingerprint(load_dataset(tiny_dataset))
 
 
 def test_a_sweep_reuses_a_federation_already_played_and_only_that(tiny_dataset):

@@ -574,3 +574,19 @@ def test_the_printed_table_shows_the_privacy_and_release_sweeps():
     assert lines[start + 2].split() == ["1", "0.830", "±", "0.010", "0.710", "0.550", "780"]
     assert lines[start + 3].split() == ["3", "0.400", "±", "0.000", "0.500", "0.000", "nothing",
                                         "sent"]
+
+
+def test_runs_of_two_versions_of_one_dataset_are_not_combined():
+    """--combine compared datasets by their folder's name only: runs on a dataset edited between
+    them (or on two folders of one name) were joined into one mean as if of one dataset."""
+    first = doc([0], [0.7], 1.0, dataset_fingerprint="1111")
+    with pytest.raises(ValueError, match="^b.json is of another version of dataset 'tiny' than "
+                       "a.json: its tools or queries differ$"):
+        combine([first, doc([1], [0.8], 1.0, dataset_fingerprint="2222")], ["a.json", "b.json"])
+    joined = combine([first, doc([1], [0.8], 1.0, dataset_fingerprint="1111")])
+    assert joined["dataset_fingerprint"] == "1111"
+    # A document written before runs had a fingerprint joins either.
+    assert combine([first, doc([1], [0.8], 1.0)])["dataset_fingerprint"] == "1111"
+    assert "dataset_fingerprint" not in combine([doc([0], [0.7], 1.0)])
+    assert _shape_problem(doc([0], [0.7], 1.0, dataset_fingerprint=3)) == (
+        "'dataset_fingerprint' is not a JSON string")

@@ -6,7 +6,9 @@ Pure (no Django): the `simulate` command and the tests use the same functions.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
+import json
 import random
 from collections import defaultdict
 from collections.abc import Sequence
@@ -157,6 +159,17 @@ def federation_problem(
                 "--clients-per-org"
             )
     return None
+
+
+def dataset_fingerprint(dataset: RoutingDataset) -> str:
+    """What a run played on, beyond its folder's name: a hash of every tool and labelled query
+    (in order), so that `simulate --combine` can tell two versions of one dataset apart."""
+    content = {
+        "tools": [tool.model_dump(mode="json") for tool in dataset.tools],
+        "queries": [dataclasses.asdict(query) for query in dataset.queries],
+    }
+    text = json.dumps(content, sort_keys=True, ensure_ascii=False)
+    return hashlib.sha256(text.encode("utf-8")).hexdigest()[:16]
 
 
 def stable_unit(*parts: object) -> float:

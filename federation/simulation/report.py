@@ -178,10 +178,19 @@ def combine(documents: list[dict[str, Any]], sources: list[str] | None = None) -
                          "combine runs of one embedding model only")
     documents = [{**doc, "config": with_defaults(doc["config"])} for doc in documents]
     first = documents[0]
+    # What the runs played on (`dataset_fingerprint`; absent from documents written before it).
+    fingerprinted, fingerprint = next(
+        ((name, doc["dataset_fingerprint"]) for name, doc in zip(names, documents, strict=True)
+         if doc.get("dataset_fingerprint")), (None, None))
     seen: dict[int, str] = {}  # each seed's document
     for name, doc in zip(names, documents, strict=True):
         if doc["dataset"] != first["dataset"]:
             raise ValueError(f"{name} is of dataset {doc['dataset']!r}, not {first['dataset']!r}")
+        if fingerprint and doc.get("dataset_fingerprint") not in (None, fingerprint):
+            raise ValueError(
+                f"{name} is of another version of dataset {doc['dataset']!r} than {fingerprinted}: "
+                "its tools or queries differ"
+            )
         if doc["config"] != first["config"]:
             differ = sorted(
                 k for k in set(doc["config"]) | set(first["config"])
@@ -212,6 +221,7 @@ def combine(documents: list[dict[str, Any]], sources: list[str] | None = None) -
     }
     return {
         "dataset": first["dataset"],
+        **({"dataset_fingerprint": fingerprint} if fingerprint else {}),
         "config": first["config"],
         "seeds": [seed for doc in documents for seed in doc["seeds"]],
         "results": rows,
@@ -256,6 +266,8 @@ def _shape_problem(doc: Any) -> str | None:
             return f"no {key!r}"
         if not isinstance(doc[key], kind):
             return f"{key!r} is not a JSON {named}"
+    if not isinstance(doc.get("dataset_fingerprint", ""), str):
+        return "'dataset_fingerprint' is not a JSON string"
     if not all(_whole(seed) for seed in doc["seeds"]):
         return "'seeds' holds something other than whole numbers"
     if not doc["seeds"]:
