@@ -786,6 +786,11 @@ def test_tau_and_summarizer_sweeps(tiny_dataset, tmp_path):
     assert [r["summarizer"] for r in document["summarizer_sweep"]] == ["centroid", "none"]
     table = stdout.getvalue()
     assert "τ sweep" in table and "summarizer sweep" in table
+    # What the run played on, beyond the folder's name (--combine compares it).
+    from compendium.registry import load_dataset
+    from federation.simulation.data import dataset_fingerprint
+
+    assert document["dataset_fingerprint"] == dataset_fingerprint(load_dataset(tiny_dataset))
 
 
 def test_a_sweep_reuses_a_federation_already_played_and_only_that(tiny_dataset):
@@ -1030,6 +1035,12 @@ def _small_dataset(folder, tools, queries_per_tool):
      "would get no queries; use fewer --orgs or --partition iid or random$"),
     ([("a", "x"), ("b", "y")], [20, 20], ["--partition", "iid", "--orgs", "5", "--clients-per-org", "5"],
      "^seed 0: 5 of 25 clients get no train queries [(]20 dealt by --partition iid[)]; use fewer --orgs"),
+    # Before: drift_plan had nothing to bring in later, so the rounds ran without drift, scored
+    # on every category, while the document said drift_every 1.
+    ([("a", "x"), ("b", "x")], [20, 20], ["--partition", "iid", "--rounds", "2", "--drift-every", "1"],
+     "^--drift-every 1: the dataset d's tools are all in one category, so none could come into "
+     "use in a later round and the run would have no drift; use --drift-every 0 or a dataset "
+     "whose tools have two or more categories$"),
 ])
 def test_a_dataset_that_cannot_make_the_federation_is_refused_before_the_model_loads(
         tmp_path, tools, counts, flags, message):
@@ -1105,3 +1116,37 @@ def test_a_label_too_long_to_store_whole_is_refused_before_anything_runs(tiny_da
     with pytest.raises(CommandError, match="^--label is at most 200 characters"):
         call_command("simulate", "--combine", "a.json", "--label", label)
     assert not SimulationRun.objects.exists()
+
+
+def test_local_only_is_the_mean_over_the_honest_clients_alone(tiny_dataset, monkeypatch):
+    """Local-only (each client alone) averaged every client's compendium, an adversary's
+    corrupted one included: with adversarial clients the baseline was dragged down by
+    compendiums no honest client would hold (half the clients relabelling everything here)."""
+    import numpy as np
+
+    from federation.simulation.runner import Simulation
+
+    sim = _simulation(tiny_dataset, rounds=1, baselines=True, diagnostics=False,
+                      adversarial_fraction=0.5, adversarial_mode="tool_confusion")
+    seen = {}
+    original = Simulation.baselines
+
+    def recording(self, shares, logs, final, split, test, *args, **kwargs):
+        seen.update(final=final, split=split, test=test)
+        return original(self, shares, logs, final, split, test, *args, **kwargs)
+
+    monkeypatch.setattr(Simulation, "baselines", recording)
+    result = sim.run_seed(0)
+    adversaries = sim.prepare(0).adversaries
+    assert len(adversaries) == 2
+    split, test = seen["split"], seen["test"]
+    alone = []
+    for client, compendium in seen["final"].client_compendiums.items():
+        if client in adversaries:
+            continue
+        own = {s.tool_id for s in compendium.scenarios}
+        router = sim.router(compendium, [q for q in split.probe if q.tool_id in own])
+        alone.append(sim.evaluate(router, test).accuracy)
+    assert len(alone) == 2
+    row = next(r for r in result.rows if r["method"] == "local_only")
+    assert row["accuracy"] == round(float(np.mean(alone)), 4)

@@ -541,3 +541,52 @@ def test_unless_stored_combines_and_stores_a_label_once(tmp_path, capsys):
     assert SimulationRun.objects.filter(label="all seeds").count() == 1
     assert "labelled 'all seeds' is stored already; nothing to do" in capsys.readouterr().out
     assert not (tmp_path / "all.json").exists()
+
+
+def test_the_printed_table_shows_the_privacy_and_release_sweeps():
+    """--sweep-epsilon/--sweep-lambda and --sweep-min-users were played and written to the JSON,
+    but the printed results said nothing of them (the τ, summarizer, contradiction and cadence
+    sweeps and the adversarial rows were printed)."""
+    document = doc([0, 1], [0.7, 0.8], 300.0)
+    document["summary"] = summarize(document["results"])
+    figures = {"membership_auroc": 0.71, "token_overlap": 0.55}
+    document["privacy_sweep"] = [
+        {"epsilon": 1.0, "mask_strength": 0.0, "accuracy": 0.83, "accuracy_sd": 0.01,
+         "bytes_per_client_round": 778.0, **figures},
+        {"epsilon": 1.0, "mask_strength": 1.5, "accuracy": 0.8, "accuracy_sd": 0.02,
+         "bytes_per_client_round": 700.0, **figures},
+    ]
+    document["release_sweep"] = [
+        {"min_users": 1, "accuracy": 0.83, "accuracy_sd": 0.01, "bytes_per_client_round": 780.0,
+         **figures},
+        {"min_users": 3, "accuracy": 0.4, "accuracy_sd": 0.0, "bytes_per_client_round": None,
+         "membership_auroc": 0.5, "token_overlap": 0.0},
+    ]
+    document["tau_sweep"] = [{"tau": 0.8, "accuracy": 0.8, "accuracy_sd": 0.0}]
+    lines = table(document).splitlines()
+    assert lines[lines.index("τ sweep (final round, mean over seeds):") + 2].split()[:2] == ["0.8", "0.800"]
+    start = lines.index("privacy sweep (final round, mean over seeds):")
+    assert lines[start + 1].split() == ["ε", "λ", "accuracy", "AUROC", "overlap", "bytes"]
+    assert lines[start + 2].split() == ["1", "0", "0.830", "±", "0.010", "0.710", "0.550", "778"]
+    assert lines[start + 3].split() == ["1", "1.5", "0.800", "±", "0.020", "0.710", "0.550", "700"]
+    start = lines.index("k-anonymous release sweep (final round, mean over seeds):")
+    assert lines[start + 1].split() == ["k", "accuracy", "AUROC", "overlap", "bytes"]
+    assert lines[start + 2].split() == ["1", "0.830", "±", "0.010", "0.710", "0.550", "780"]
+    assert lines[start + 3].split() == ["3", "0.400", "±", "0.000", "0.500", "0.000", "nothing",
+                                        "sent"]
+
+
+def test_runs_of_two_versions_of_one_dataset_are_not_combined():
+    """--combine compared datasets by their folder's name only: runs on a dataset edited between
+    them (or on two folders of one name) were joined into one mean as if of one dataset."""
+    first = doc([0], [0.7], 1.0, dataset_fingerprint="1111")
+    with pytest.raises(ValueError, match="^b.json is of another version of dataset 'tiny' than "
+                       "a.json: its tools or queries differ$"):
+        combine([first, doc([1], [0.8], 1.0, dataset_fingerprint="2222")], ["a.json", "b.json"])
+    joined = combine([first, doc([1], [0.8], 1.0, dataset_fingerprint="1111")])
+    assert joined["dataset_fingerprint"] == "1111"
+    # A document written before runs had a fingerprint joins either.
+    assert combine([first, doc([1], [0.8], 1.0)])["dataset_fingerprint"] == "1111"
+    assert "dataset_fingerprint" not in combine([doc([0], [0.7], 1.0)])
+    assert _shape_problem(doc([0], [0.7], 1.0, dataset_fingerprint=3)) == (
+        "'dataset_fingerprint' is not a JSON string")

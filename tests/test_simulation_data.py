@@ -121,6 +121,18 @@ def test_token_overlap():
     assert token_overlap("Book a flight to Rome", []) == 0.0
 
 
+def test_token_overlap_counts_words_of_any_script():
+    """Tokens were [a-z0-9] runs: a Cyrillic or Greek request released word for word scored an
+    overlap of 0, so a dataset in such a language reported no leakage at all, and accented words
+    were cut into pieces."""
+    request = "Какая погода в Москве завтра"
+    assert token_overlap(request, [request]) == 1.0
+    assert token_overlap(request, ["какая [MASK] в [MASK] завтра"]) == pytest.approx(3 / 5)
+    assert token_overlap("καιρός στην Αθήνα", ["Καιρός [MASK]"]) == pytest.approx(1 / 3)
+    assert token_overlap("un café crème", ["café"]) == pytest.approx(1 / 3)
+    assert token_overlap("un café crème", ["caf"]) == 0.0
+
+
 def test_text_distance_is_token_levenshtein_over_the_longer_text():
     from federation.simulation.diagnostics import text_distance
 
@@ -262,3 +274,21 @@ def test_contradicting_clients_report_the_same_requests_for_confusable_tools():
             assert s.tool_id in confusions[original[s.text].tool_id] and s.support == 2
         assert compendiums[client].scenarios == out[client].scenarios[: 200]  # its own stay
     assert contradict(compendiums, organization_of, 0.0, confusions, seed=3) == compendiums
+
+
+def test_a_dataset_fingerprint_changes_with_any_tool_or_query():
+    from dataclasses import replace
+
+    from compendium.registry import LabelledQuery, RoutingDataset
+    from federation.simulation.data import dataset_fingerprint
+
+    tools = [ToolSpec(tool_id="a", description="first"), ToolSpec(tool_id="b", description="second")]
+    queries = [LabelledQuery("one", "a"), LabelledQuery("two", "b")]
+    base = dataset_fingerprint(RoutingDataset("d", tools, queries))
+    assert base == dataset_fingerprint(RoutingDataset("other name", list(tools), list(queries)))
+    changed = [
+        RoutingDataset("d", tools, [queries[0], replace(queries[1], tool_id="a")]),
+        RoutingDataset("d", tools, [*queries, LabelledQuery("three", "a")]),
+        RoutingDataset("d", [tools[0], tools[1].model_copy(update={"category": "x"})], queries),
+    ]
+    assert len({base, *map(dataset_fingerprint, changed)}) == 4

@@ -6,7 +6,9 @@ Pure (no Django): the `simulate` command and the tests use the same functions.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
+import json
 import random
 from collections import defaultdict
 from collections.abc import Sequence
@@ -115,13 +117,20 @@ def untested_tools(dataset: RoutingDataset) -> tuple[int, int]:
 
 def federation_problem(
     dataset: RoutingDataset, seeds: Sequence[int], *, orgs: int, clients_per_org: int,
-    partition: Partition, probe_fraction: float, test_fraction: float,
+    partition: Partition, probe_fraction: float, test_fraction: float, drift_every: int = 0,
 ) -> str | None:
     """Why the dataset cannot make this simulated federation (None: it can), from each seed's
     split and partition (cheap, before any model loads): fewer than two tools, no query to test
-    or probe with, fewer categories than organizations to deal them to, a client dealt nothing."""
+    or probe with, fewer categories than organizations to deal them to, a client dealt nothing,
+    workload drift over tools of one category (`drift_plan` would bring nothing in later)."""
     if len(dataset.tools) < 2:
         return f"the dataset {dataset.name} has {len(dataset.tools)} tool; routing needs at least 2"
+    if drift_every > 0 and len(set(_categories(dataset.tools).values())) < 2:
+        return (
+            f"--drift-every {drift_every}: the dataset {dataset.name}'s tools are all in one "
+            "category, so none could come into use in a later round and the run would have no "
+            "drift; use --drift-every 0 or a dataset whose tools have two or more categories"
+        )
     for seed in seeds:
         split = split_dataset(dataset, seed=seed, probe_fraction=probe_fraction,
                               test_fraction=test_fraction)
@@ -150,6 +159,17 @@ def federation_problem(
                 "--clients-per-org"
             )
     return None
+
+
+def dataset_fingerprint(dataset: RoutingDataset) -> str:
+    """What a run played on, beyond its folder's name: a hash of every tool and labelled query
+    (in order), so that `simulate --combine` can tell two versions of one dataset apart."""
+    content = {
+        "tools": [tool.model_dump(mode="json") for tool in dataset.tools],
+        "queries": [dataclasses.asdict(query) for query in dataset.queries],
+    }
+    text = json.dumps(content, sort_keys=True, ensure_ascii=False)
+    return hashlib.sha256(text.encode("utf-8")).hexdigest()[:16]
 
 
 def stable_unit(*parts: object) -> float:

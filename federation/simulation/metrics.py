@@ -10,7 +10,9 @@ from dataclasses import dataclass
 import numpy as np
 from scipy.stats import mannwhitneyu
 
-_TOKEN = re.compile(r"[a-z0-9]+")
+# Words of any script (letters and digits; not only [a-z0-9], which saw nothing of a request in
+# Cyrillic, Greek or CJK and cut accented words apart).
+_TOKEN = re.compile(r"[^\W_]+")
 
 
 def tokens(text: str) -> set[str]:

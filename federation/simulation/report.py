@@ -178,10 +178,19 @@ def combine(documents: list[dict[str, Any]], sources: list[str] | None = None) -
                          "combine runs of one embedding model only")
     documents = [{**doc, "config": with_defaults(doc["config"])} for doc in documents]
     first = documents[0]
+    # What the runs played on (`dataset_fingerprint`; absent from documents written before it).
+    fingerprinted, fingerprint = next(
+        ((name, doc["dataset_fingerprint"]) for name, doc in zip(names, documents, strict=True)
+         if doc.get("dataset_fingerprint")), (None, None))
     seen: dict[int, str] = {}  # each seed's document
     for name, doc in zip(names, documents, strict=True):
         if doc["dataset"] != first["dataset"]:
             raise ValueError(f"{name} is of dataset {doc['dataset']!r}, not {first['dataset']!r}")
+        if fingerprint and doc.get("dataset_fingerprint") not in (None, fingerprint):
+            raise ValueError(
+                f"{name} is of another version of dataset {doc['dataset']!r} than {fingerprinted}: "
+                "its tools or queries differ"
+            )
         if doc["config"] != first["config"]:
             differ = sorted(
                 k for k in set(doc["config"]) | set(first["config"])
@@ -212,6 +221,7 @@ def combine(documents: list[dict[str, Any]], sources: list[str] | None = None) -
     }
     return {
         "dataset": first["dataset"],
+        **({"dataset_fingerprint": fingerprint} if fingerprint else {}),
         "config": first["config"],
         "seeds": [seed for doc in documents for seed in doc["seeds"]],
         "results": rows,
@@ -256,6 +266,8 @@ def _shape_problem(doc: Any) -> str | None:
             return f"no {key!r}"
         if not isinstance(doc[key], kind):
             return f"{key!r} is not a JSON {named}"
+    if not isinstance(doc.get("dataset_fingerprint", ""), str):
+        return "'dataset_fingerprint' is not a JSON string"
     if not all(_whole(seed) for seed in doc["seeds"]):
         return "'seeds' holds something other than whole numbers"
     if not doc["seeds"]:
@@ -782,12 +794,39 @@ def _targeted(counts: dict[str, int]) -> str:
 
 
 def _sweep_lines(document: dict[str, Any], one_seed: bool) -> list[str]:
-    """The τ, summarizer and cadence sweeps, one line per variant."""
+    """The privacy, release, τ, summarizer, contradiction and cadence sweeps, one line per
+    variant."""
     lines = []
-    for row in document.get("tau_sweep") or []:
-        if not lines:
-            lines.append("τ sweep (final round, mean over seeds):")
-            lines.append(f"  {'τ':>5} {'accuracy':>16} {'scenarios':>10} {'KB':>8} {'dedup':>6}")
+
+    def privacy(row: dict) -> str:  # accuracy, membership AUROC, token overlap, bytes
+        def figure(key: str) -> str:
+            value = row.get(key)
+            return "-" if value is None else f"{value:.3f}"
+
+        sent = row.get("bytes_per_client_round")
+        return (
+            f"{_spread(row['accuracy'], row.get('accuracy_sd', 0.0), one_seed):>16} "
+            f"{figure('membership_auroc'):>6} {figure('token_overlap'):>8} "
+            f"{'nothing sent' if sent is None else f'{sent:.0f}':>12}"
+        )
+
+    rows = document.get("privacy_sweep") or []
+    if rows:
+        lines.append("privacy sweep (final round, mean over seeds):")
+        lines.append(f"  {'ε':>5} {'λ':>5} {'accuracy':>16} {'AUROC':>6} {'overlap':>8} {'bytes':>12}")
+        for row in rows:
+            lines.append(f"  {row['epsilon']:>5g} {row['mask_strength']:>5g} {privacy(row)}")
+    rows = document.get("release_sweep") or []
+    if rows:
+        lines.append("k-anonymous release sweep (final round, mean over seeds):")
+        lines.append(f"  {'k':>5} {'accuracy':>16} {'AUROC':>6} {'overlap':>8} {'bytes':>12}")
+        for row in sorted(rows, key=lambda r: r["min_users"]):
+            lines.append(f"  {row['min_users']:>5} {privacy(row)}")
+    rows = document.get("tau_sweep") or []
+    if rows:
+        lines.append("τ sweep (final round, mean over seeds):")
+        lines.append(f"  {'τ':>5} {'accuracy':>16} {'scenarios':>10} {'KB':>8} {'dedup':>6}")
+    for row in rows:
         lines.append(
             f"  {row['tau']:>5g} {_spread(row['accuracy'], row['accuracy_sd'], one_seed):>16} "
             f"{row.get('global_scenarios', 0):>10.0f} {row.get('global_size_bytes', 0) / 1000:>8.1f} "

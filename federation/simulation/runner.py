@@ -783,7 +783,8 @@ class Simulation:
             result.transfer = [{"seed": seed, **row} for row in rows]
         if c.baselines:
             self.progress(f"{self.seed_name(seed)}: baselines")
-            for method, report in self.baselines(shares, logs, final, split, test, seed, sent).items():
+            for method, report in self.baselines(shares, logs, final, split, test, seed, sent,
+                                                 adversaries=setup.adversaries).items():
                 result.rows.append(_row(method, None, seed, report))
         return result
 
@@ -886,7 +887,8 @@ class Simulation:
         ).compendium
 
     def baselines(
-        self, shares, logs, final: RoundOutcome, split, test, seed, sent: dict[str, Compendium]
+        self, shares, logs, final: RoundOutcome, split, test, seed, sent: dict[str, Compendium],
+        adversaries: set[str] | None = None,
     ) -> dict[str, Any]:
         """Every baseline on the run's split and test sample. The ones that share data instead of
         a merged compendium (the unstructured pool, Fed-ICL) are routed by the same router as
@@ -906,16 +908,22 @@ class Simulation:
         # Each client alone: its router learns from the probe's requests of its own tools only (a
         # client outside the federation has no labelled requests of tools it never used); with
         # the federation's whole public probe set instead, its head also covers every other tool.
+        # Honest clients only: an adversary's compendium is corrupted for the federation, not
+        # what a client alone would route with.
         alone, with_probe = [], []
-        for compendium in final.client_compendiums.values():
-            if not compendium.scenarios:
+        for client, compendium in final.client_compendiums.items():
+            if not compendium.scenarios or client in (adversaries or ()):
                 continue
             own = {s.tool_id for s in compendium.scenarios}
             own_probe = [q for q in split.probe if q.tool_id in own]
             alone.append(self.evaluate(self.router(compendium, own_probe), test))
             with_probe.append(self.evaluate(self.router(compendium, split.probe), test))
-        out["local_only"] = _mean_report(alone)
-        out["local_only_public_probe"] = _mean_report(with_probe)
+        if alone:
+            out["local_only"] = _mean_report(alone)
+            out["local_only_public_probe"] = _mean_report(with_probe)
+        else:  # no row rather than a 0.000 no client measured
+            self.progress(f"{self.seed_name(seed)}: no honest client holds a compendium: no "
+                          "local_only rows")
 
         descriptions = Compendium(
             scenarios=[Scenario(tool_id=t.tool_id, text=t.description) for t in self.dataset.tools]
@@ -1161,8 +1169,6 @@ class _MeanReport:
 
 
 def _mean_report(reports) -> _MeanReport:
-    if not reports:
-        return _MeanReport(0.0, 0.0)
     return _MeanReport(
         float(np.mean([r.accuracy for r in reports])),
         float(np.mean([r.macro_accuracy for r in reports])),

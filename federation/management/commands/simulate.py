@@ -18,7 +18,12 @@ from compendium.schema import Schema
 from federation.merge.summarize import LLM_SUMMARIZERS
 from federation.merge.summarize import ORDER as SUMMARIZERS
 from federation.round_config import RobustRule, config_problems
-from federation.simulation.data import TESTED_FROM, federation_problem, untested_tools
+from federation.simulation.data import (
+    TESTED_FROM,
+    dataset_fingerprint,
+    federation_problem,
+    untested_tools,
+)
 from federation.simulation.report import PlayedRuns, combine, run, sweep, table
 from federation.simulation.runner import (
     ADVERSARIAL_MODES,
@@ -603,7 +608,7 @@ class Command(BaseCommand):
         problem = federation_problem(
             dataset, seeds, orgs=config.orgs, clients_per_org=config.clients_per_org,
             partition=config.partition, probe_fraction=config.probe_fraction,
-            test_fraction=config.test_fraction,
+            test_fraction=config.test_fraction, drift_every=config.drift_every,
         )
         if problem:
             raise CommandError(problem)
@@ -664,6 +669,7 @@ class Command(BaseCommand):
             raise CommandError(f"{exc}; {IN_MEMORY_HINT}") from None
         except (SimulatedRoundFailed, ValueError) as exc:
             raise CommandError(str(exc)) from None
+        document["dataset_fingerprint"] = dataset_fingerprint(dataset)  # --combine compares it
         document["command"] = "python manage.py simulate " + " ".join(sys.argv[2:])
         self._emit(document, o)
 
