@@ -37,7 +37,9 @@ from compendium.schema import Compendium
 
 RERANKERS = ("fusion", "none", "llm")
 DEFAULT_PARAMS_PATH = Path(__file__).with_name("default_params.json")
-_TOKEN = re.compile(r"[a-z0-9]+")
+# Words for the lexical feature: runs of letters and digits of any script (not [a-z0-9], which
+# left a request in Cyrillic or Chinese without a token); ASCII text reads as [a-z0-9]+ did.
+_TOKEN = re.compile(r"[^\W_]+")
 
 # (indices into the scenario list, cosine scores), best first
 Retrieved = tuple[np.ndarray, np.ndarray]

@@ -948,3 +948,21 @@ def test_one_llm_question_is_given_up_when_its_call_time_runs_out(engine, monkey
         stop.set()
         server.shutdown()
         server.server_close()
+
+
+def test_tokenize_reads_words_of_any_script():
+    """The lexical feature (the router's BM25, the BM25 baseline) split text on [a-z0-9] only: a
+    request in Cyrillic, Greek or Chinese had no token at all (its BM25 feature 0 for every
+    tool) and an accented word was cut in two. Letters and digits of any script now, lowercased;
+    ASCII text tokenizes as before (an underscore still splits)."""
+    from routing.router import tokenize
+
+    assert tokenize("Погода в Москве завтра?") == ["погода", "в", "москве", "завтра"]
+    assert tokenize("Réserve un café à Zürich") == ["réserve", "un", "café", "à", "zürich"]
+    assert tokenize("天气 预报") == ["天气", "预报"]
+    assert tokenize("Book 2 tickets via flight_api, ASAP!") == ["book", "2", "tickets", "via",
+                                                               "flight", "api", "asap"]
+    index = PoolBM25([tokenize(t) for t in ("прогноз погоды на завтра", "курс доллара сегодня",
+                                            "перевести текст на английский")])
+    scores = index.get_batch_scores(tokenize("Какой прогноз на завтра?"), [0, 1, 2])
+    assert scores[0] > max(scores[1], scores[2]) and scores[1] == 0
