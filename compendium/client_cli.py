@@ -41,6 +41,7 @@ from compendium.schema import (
 from compendium.validation import (
     CompendiumInvalid,
     format_path,
+    metadata_free_text,
     validate_compendium,
     validation_summary,
 )
@@ -150,8 +151,10 @@ def cmd_validate(args: argparse.Namespace) -> int:
         raise CliError("--lambda must be a finite number >= 0")
     data = _read_bytes(args.compendium)
     result = validate_compendium(data, schema)
-    if not result.ok:
-        for violation in result.violations:
+    # what the server refuses in a client's submission besides the schema's rules
+    violations = result.violations if not result.ok else metadata_free_text(result.compendium)
+    if violations:
+        for violation in violations:
             print(f"{args.compendium}: {violation}", file=sys.stderr)
         return 1
     compendium = result.compendium
@@ -576,11 +579,12 @@ def cmd_inspect(args: argparse.Namespace) -> int:
         print("\nvalidation: not checked against a schema (pass --schema schema.json)", file=out)
         return 0
     result = validate_compendium(compendium, schema)
-    if result.ok:
+    violations = result.violations if not result.ok else metadata_free_text(compendium)
+    if not violations:
         print("\nvalidation: valid under the schema", file=out)
         return 0
-    print(f"\nvalidation: {len(result.violations)} violation(s)", file=out)
-    for violation in result.violations:
+    print(f"\nvalidation: {len(violations)} violation(s)", file=out)
+    for violation in violations:
         print(f"  {violation}", file=out)
     return 1
 
@@ -735,6 +739,14 @@ def cmd_submit(args: argparse.Namespace) -> int:
         raise CliError(
             f"{args.compendium} has no entries (metadata, scenarios, precautions, templates and "
             "annex are all empty): nothing to submit, nothing sent"
+        )
+    free_text = metadata_free_text(compendium)
+    if free_text:  # raw text no masking check reads: it must not leave, and the server refuses it
+        for violation in free_text:
+            print(f"{args.compendium}: {violation}", file=sys.stderr)
+        raise CliError(
+            f"{args.compendium} carries free text in its metadata, which a client does not send "
+            "(build writes only statistics there): remove it; nothing sent"
         )
     dictionary = None
     if args.no_gzip and (args.since or args.schema):

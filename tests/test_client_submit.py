@@ -33,7 +33,14 @@ from compendium.client_api import (
     head_file,
 )
 from compendium.client_cli import main
-from compendium.schema import Compendium, MaskingInfo, Scenario, Schema, ToolSpec
+from compendium.schema import (
+    Compendium,
+    MaskingInfo,
+    Scenario,
+    Schema,
+    ToolMetadata,
+    ToolSpec,
+)
 from compendium.validation import validate_compendium
 from routing.router import LinearHead
 
@@ -794,6 +801,36 @@ def test_submit_refuses_statistics_the_open_round_will_not_release_before_sendin
     lean = _build(tmp_path, "lean.json", "--not-released", "latency_ms,success_rate")
     assert main(submit_args(url, lean)) == 0
     assert len(state.posts) == 1
+
+
+def test_free_text_in_metadata_is_refused_before_sending_and_by_validate(server, tmp_path, capsys):
+    """A metadata entry's description or spec is free text that no masking check reads, and the
+    server refuses it: submit must not send it (raw text would leave the client only to be
+    refused), and validate, which checks as the server will, must not call it valid."""
+    url, state = server
+    raw = "Call John Smith at john.smith@acme.com"
+    path = write(tmp_path, compendium().model_copy(update={"metadata": [
+        ToolMetadata(tool_id="weather", description=raw, stats={"calls": 1.0}),
+        ToolMetadata(tool_id="flights", spec={"owner": raw}, stats={"calls": 2.0}),
+    ]}))
+    schema = tmp_path / "schema.json"
+    schema.write_text(SCHEMA.model_dump_json(), encoding="utf-8")
+
+    assert main(["validate", str(path), "--schema", str(schema)]) == 1
+    captured = capsys.readouterr()
+    assert "valid (" not in captured.out
+    assert f"{path}: $.metadata[0].description: a client sends only its statistics" in captured.err
+    assert f"{path}: $.metadata[1].spec: a client sends only its statistics" in captured.err
+    assert main(["inspect", str(path), "--schema", str(schema)]) == 1  # the dry run says so too
+    assert "$.metadata[0].description: a client sends only" in capsys.readouterr().out
+
+    assert main(submit_args(url, path)) == 1
+    err = capsys.readouterr().err
+    assert f"{path}: $.metadata[0].description: a client sends only its statistics" in err
+    assert f"{path}: $.metadata[1].spec: a client sends only its statistics" in err
+    assert err.strip().endswith("nothing sent")
+    assert raw not in err
+    assert state.posts == [] and state.created == 0
 
 
 def test_participate_leaves_out_a_field_the_round_will_not_release_that_the_schema_dropped(
