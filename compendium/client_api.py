@@ -610,9 +610,8 @@ class SynapseClient:
         self._pull_head(out, result.round if result.round is not None else round_number, result)
         return result
 
-    def fetch_schema(self, out: Path) -> Schema:
-        """Save the schema S in force (registry, numeric fields, limits) to `out`; it is what
-        `build` and `validate` read."""
+    def schema(self) -> tuple[Schema, bytes]:
+        """The schema S in force (registry, numeric fields, limits) and its JSON as saved."""
         payload = self._get_json(
             "/api/v1/compendium/schema/", "cannot download the schema", "the schema request"
         )
@@ -627,6 +626,12 @@ class SynapseClient:
             raise ClientError(
                 f"the server sent a schema this client cannot read: {validation_summary(exc)}"
             ) from None
+        return schema, data
+
+    def fetch_schema(self, out: Path) -> Schema:
+        """Save the schema S in force (registry, numeric fields, limits) to `out`; it is what
+        `build` and `validate` read."""
+        schema, data = self.schema()
         write_atomically(Path(out), data)
         return schema
 

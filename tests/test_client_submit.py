@@ -355,7 +355,7 @@ def test_submit_since_the_pulled_global_sends_dcz_against_it(server, tmp_path, c
     _publish(state, published)
     pulled = tmp_path / "global.json"
     assert main(["pull", "--server", url, "--token", TOKEN, "--out", str(pulled)]) == 0
-    mine = compendium("Will it rain in a city on day 41?")
+    mine = compendium("Will it rain in a city on day [NUMBER]?")  # masked: the server checks
     path = write(tmp_path, mine)
     capsys.readouterr()
     assert main(submit_args(url, path) + ["--since", str(pulled)]) == 0
@@ -831,6 +831,29 @@ def test_free_text_in_metadata_is_refused_before_sending_and_by_validate(server,
     assert err.strip().endswith("nothing sent")
     assert raw not in err
     assert state.posts == [] and state.created == 0
+
+
+@pytest.mark.parametrize("allow", [False, True])
+def test_text_the_server_would_find_unmasked_is_refused_before_sending(server, tmp_path, capsys,
+                                                                       allow):
+    """A compendium that records λ = 1 but holds text masking at the round's λ removes from any
+    text (edited by hand, or from other tooling): the server refuses it as unmasked_text, but by
+    then the raw text has left the client. submit runs the server's check (at the open round's
+    λ, with the registry in force) first and sends nothing; --allow-weaker-masking does not
+    change that, as the server refuses such text whatever the override."""
+    url, state = server
+    raw = "Email John Smith at john.smith@acme.com about the forecast"
+    path = write(tmp_path, compendium(raw))
+    options = ["--allow-weaker-masking"] if allow else []
+    assert main(submit_args(url, path) + options) == 1
+    err = capsys.readouterr().err
+    assert f"{path}: $.scenarios[0].text: not masked at λ = 1: holds 1 e-mail address" in err
+    assert err.strip().splitlines()[-1].endswith("nothing sent")
+    assert "john.smith" not in err
+    assert state.posts == [] and state.created == 0
+    # masked text goes, as before
+    assert main(submit_args(url, write(tmp_path, compendium(), "masked.json")) + options) == 0
+    assert len(state.posts) == 1
 
 
 def test_participate_leaves_out_a_field_the_round_will_not_release_that_the_schema_dropped(
