@@ -13,6 +13,7 @@ from __future__ import annotations
 import gzip
 import io
 import json
+import os
 import socket
 import threading
 from collections.abc import Iterator
@@ -579,6 +580,38 @@ def test_pull_saves_the_global_compendium_and_honours_the_etag(server, tmp_path,
     assert main(args) == 0
     assert Compendium.model_validate_json(out.read_text()) == newer
     assert etag_file(out).read_text().strip() == f'"{newer_form.sha256}"'
+
+
+def test_pull_through_a_link_updates_the_file_it_names(server, tmp_path, capsys):
+    """An --out that is a symbolic link (global.json -> the copy the client's LLM reads, in a
+    folder of its own): the pull updates the file the link names, as any write through a link
+    does, and the link stays. Renaming the temporary file over the link replaced the link with a
+    regular file and left the LLM's copy at the old global, while saying it was saved."""
+    url, state = server
+    shared = tmp_path / "llm" / "global.json"
+    shared.parent.mkdir()
+    old = compendium("Find a flight for next week")
+    shared.write_text(old.model_dump_json(), encoding="utf-8")
+    shared.chmod(0o644)  # opened to the LLM's account
+    link = tmp_path / "global.json"
+    link.symlink_to(shared)
+    published = compendium()
+    _publish(state, published)
+    assert main(["pull", "--server", url, "--token", TOKEN, "--out", str(link)]) == 0
+    assert "round 4 saved" in capsys.readouterr().out
+    assert link.is_symlink() and link.resolve() == shared.resolve()
+    assert Compendium.model_validate_json(shared.read_text()) == published
+    assert shared.stat().st_mode & 0o777 == 0o644
+    assert sorted(p.name for p in shared.parent.iterdir()) == ["global.json"]  # no temporary left
+
+    # A link of another account (put in the way, in /tmp say) is not followed: it is replaced.
+    if os.geteuid() == 0:  # only root can give a link to another user
+        planted = tmp_path / "planted.json"
+        planted.symlink_to(shared)
+        os.lchown(planted, 4321, 4321)
+        before = shared.read_bytes()
+        assert main(["pull", "--server", url, "--token", TOKEN, "--out", str(planted)]) == 0
+        assert not planted.is_symlink() and shared.read_bytes() == before
 
 
 def test_pull_saves_the_routing_head_beside_the_global(server, tmp_path, capsys):
