@@ -610,9 +610,8 @@ class SynapseClient:
         self._pull_head(out, result.round if result.round is not None else round_number, result)
         return result
 
-    def fetch_schema(self, out: Path) -> Schema:
-        """Save the schema S in force (registry, numeric fields, limits) to `out`; it is what
-        `build` and `validate` read."""
+    def schema(self) -> tuple[Schema, bytes]:
+        """The schema S in force (registry, numeric fields, limits) and its JSON as saved."""
         payload = self._get_json(
             "/api/v1/compendium/schema/", "cannot download the schema", "the schema request"
         )
@@ -627,6 +626,12 @@ class SynapseClient:
             raise ClientError(
                 f"the server sent a schema this client cannot read: {validation_summary(exc)}"
             ) from None
+        return schema, data
+
+    def fetch_schema(self, out: Path) -> Schema:
+        """Save the schema S in force (registry, numeric fields, limits) to `out`; it is what
+        `build` and `validate` read."""
+        schema, data = self.schema()
         write_atomically(Path(out), data)
         return schema
 
@@ -1017,6 +1022,17 @@ def special_file(path: Path) -> str | None:
     return None
 
 
+def _own_link(path: Path) -> bool:
+    """Whether `path` is a symbolic link owned by this process's effective user (False where the
+    system has no user ids to compare, as on Windows: the link is then replaced)."""
+    euid = getattr(os, "geteuid", None)
+    try:
+        info = os.lstat(path)
+    except (OSError, ValueError):
+        return False
+    return euid is not None and stat.S_ISLNK(info.st_mode) and info.st_uid == euid()
+
+
 def write_atomically(path: Path, data: bytes) -> None:
     """Write to a temporary file beside `path` and rename it over: never a half-written file.
     A new file is readable by its owner only (mkstemp's 0600: what a client writes may hold its
@@ -1024,26 +1040,32 @@ def write_atomically(path: Path, data: bytes) -> None:
     another account (the one its LLM runs as) stays readable after the next pull. An OSError
     names `path` (not the temporary file), as `cannot write PATH: reason`. A `path` that is a
     device, a pipe or a socket is refused, untouched: the rename would put a regular file in its
-    place (`--out /dev/null` run as root replaced /dev/null itself)."""
+    place (`--out /dev/null` run as root replaced /dev/null itself). A `path` that is a symbolic
+    link is written through: the file it names is replaced (beside it), and the link stays, as
+    any write through a link does (renamed over, the link became a file of its own and the file
+    it named, say the copy the client's LLM reads, kept the old content). Only a link of this
+    process's own user is followed: one another account put in the way (in /tmp, say) is
+    replaced, never followed to a file of its choosing."""
     special = special_file(path)
     if special:
         raise CannotWrite(path, OSError(
             f"it is {special}, not a regular file, and the file written would replace it; "
             "name a file"
         ))
+    target = Path(os.path.realpath(path)) if _own_link(path) else path
     try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
+        target.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", dir=target.parent)
     except OSError as exc:
         raise CannotWrite(path, exc) from None
     try:
         try:
-            os.chmod(tmp, stat.S_IMODE(os.stat(path).st_mode))
+            os.chmod(tmp, stat.S_IMODE(os.stat(target).st_mode))
         except FileNotFoundError:
             pass
         with os.fdopen(fd, "wb") as handle:
             handle.write(data)
-        os.replace(tmp, path)
+        os.replace(tmp, target)
     except BaseException as exc:
         if os.path.exists(tmp):
             os.unlink(tmp)

@@ -41,6 +41,7 @@ from compendium.schema import (
 from compendium.validation import (
     CompendiumInvalid,
     format_path,
+    metadata_free_text,
     validate_compendium,
     validation_summary,
 )
@@ -150,8 +151,10 @@ def cmd_validate(args: argparse.Namespace) -> int:
         raise CliError("--lambda must be a finite number >= 0")
     data = _read_bytes(args.compendium)
     result = validate_compendium(data, schema)
-    if not result.ok:
-        for violation in result.violations:
+    # what the server refuses in a client's submission besides the schema's rules
+    violations = result.violations if not result.ok else metadata_free_text(result.compendium)
+    if violations:
+        for violation in violations:
             print(f"{args.compendium}: {violation}", file=sys.stderr)
         return 1
     compendium = result.compendium
@@ -576,11 +579,12 @@ def cmd_inspect(args: argparse.Namespace) -> int:
         print("\nvalidation: not checked against a schema (pass --schema schema.json)", file=out)
         return 0
     result = validate_compendium(compendium, schema)
-    if result.ok:
+    violations = result.violations if not result.ok else metadata_free_text(compendium)
+    if not violations:
         print("\nvalidation: valid under the schema", file=out)
         return 0
-    print(f"\nvalidation: {len(result.violations)} violation(s)", file=out)
-    for violation in result.violations:
+    print(f"\nvalidation: {len(violations)} violation(s)", file=out)
+    for violation in violations:
         print(f"  {violation}", file=out)
     return 1
 
@@ -717,6 +721,36 @@ def _masking_check(path: Path, compendium: Compendium, allow_weaker: bool):
     return check
 
 
+def _residue_check(path: Path, compendium: Compendium, client):
+    """Before `submit` sends anything: the server's own check of the text (what masking at the
+    open round's λ removes from any text, with the registry in force protected: see "What the
+    server checks"), whatever λ the compendium records and whatever --allow-weaker-masking says
+    (the server refuses such text either way). Text edited in by hand, or from other tooling,
+    would otherwise leave the client raw, only to be refused on arrival."""
+    from compendium.client_api import round_mask_strength
+    from compendium.masking import TextMasker
+    from compendium.scrub import masking_residue
+
+    def check(current: dict) -> None:
+        strength = round_mask_strength(current)
+        if not strength:  # none named, or a round at λ = 0: it takes text as it comes
+            return
+        schema, _ = client.schema()  # the registry the server protects, as in force now
+        residue = masking_residue(compendium, TextMasker.for_registry(schema.tools, strength=strength))
+        if not residue:
+            return
+        for violation in residue:
+            print(f"{path}: {violation}", file=sys.stderr)
+        raise CliError(
+            f"{len(residue)} text(s) of {path} still hold what masking at round "
+            f"{current['number']}'s λ = {strength:g} removes from any text, which the server "
+            f"refuses: build it again with --lambda {strength:g} (or mask those texts); "
+            "nothing sent"
+        )
+
+    return check
+
+
 def _checks(*checks):
     """One `check` for ClientApi.submit that runs each of `checks` in turn."""
 
@@ -735,6 +769,14 @@ def cmd_submit(args: argparse.Namespace) -> int:
         raise CliError(
             f"{args.compendium} has no entries (metadata, scenarios, precautions, templates and "
             "annex are all empty): nothing to submit, nothing sent"
+        )
+    free_text = metadata_free_text(compendium)
+    if free_text:  # raw text no masking check reads: it must not leave, and the server refuses it
+        for violation in free_text:
+            print(f"{args.compendium}: {violation}", file=sys.stderr)
+        raise CliError(
+            f"{args.compendium} carries free text in its metadata, which a client does not send "
+            "(build writes only statistics there): remove it; nothing sent"
         )
     dictionary = None
     if args.no_gzip and (args.since or args.schema):
@@ -755,6 +797,7 @@ def cmd_submit(args: argparse.Namespace) -> int:
                     _not_released_check(Path(args.compendium), compendium),
                     _masking_check(Path(args.compendium), compendium,
                                    getattr(args, "allow_weaker_masking", False)),
+                    _residue_check(Path(args.compendium), compendium, client),
                 ),
             )
         except SubmissionRejected as exc:
@@ -1190,8 +1233,9 @@ def _add_allow_weaker_masking(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--allow-weaker-masking", action="store_true", dest="allow_weaker_masking",
         help="send text masked more weakly than the open round's expected λ, or with no masking "
-        "recorded (default: refused before anything is sent); the server still refuses text "
-        "that holds what masking at the round's λ removes from any text",
+        "recorded (default: refused before anything is sent); text that still holds what "
+        "masking at the round's λ removes from any text is refused all the same, before it is "
+        "sent (the server refuses it too)",
     )
 
 

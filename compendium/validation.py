@@ -526,6 +526,20 @@ def validate_compendium(data: bytes | str | dict | Compendium, schema: Schema) -
     return ValidationResult(model if not unique else None, unique)
 
 
+def metadata_free_text(compendium: Compendium) -> list[Violation]:
+    """A client's metadata entry carries its statistics only: a description or spec there is
+    free text that no masking check or scrub reads (the registry's are canonical, and the merge
+    drops a client's). The server refuses it on arrival; the client toolkit refuses it before
+    anything is sent (`validate`, `submit`), so that such text never leaves the client."""
+    return [
+        Violation(f"$.metadata[{i}].{name}", "a client sends only its statistics here; the "
+                  "tool's description and spec are the registry's")
+        for i, entry in enumerate(compendium.metadata)
+        for name in ("description", "spec")
+        if getattr(entry, name) is not None
+    ]
+
+
 # At most this many violations are listed; one more says how many were left out.
 MAX_REPORTED_VIOLATIONS = 200
 

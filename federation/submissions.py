@@ -28,7 +28,7 @@ from compendium.models import CompendiumVersion, NumericField, Tool
 from compendium.schema import Schema, exceeds_field_cap, field_cap_words
 from compendium.scrub import masking_residue, scrub_compendium
 from compendium.services import current_schema, versions_delete_sql
-from compendium.validation import Violation, validate_compendium
+from compendium.validation import Violation, metadata_free_text, validate_compendium
 from federation import ratelimit
 from federation.errors import (
     FederationError,
@@ -423,19 +423,6 @@ def _rate_limited(limit: int, window: ratelimit.Window) -> RateLimited:
     )
 
 
-def _metadata_free_text(compendium) -> list[Violation]:
-    """A client's metadata entry carries its statistics only: a description or spec there is
-    free text that no masking check or scrub reads (the registry's are canonical, and the merge
-    drops a client's), so it is refused rather than stored."""
-    return [
-        Violation(f"$.metadata[{i}].{name}", "a client sends only its statistics here; the "
-                  "tool's description and spec are the registry's")
-        for i, entry in enumerate(compendium.metadata)
-        for name in ("description", "spec")
-        if getattr(entry, name) is not None
-    ]
-
-
 def _unreleased_stats(compendium, not_released) -> list[str]:
     """The fields of the open round's `fields_not_released` (its JSON, as text or decoded) that
     the compendium carries statistics for, sorted."""
@@ -698,7 +685,7 @@ def submit(
     schema = _schema_for(tuple(fingerprint))
 
     result = validate_compendium(body, schema)
-    violations = result.violations if not result.ok else _metadata_free_text(result.compendium)
+    violations = result.violations if not result.ok else metadata_free_text(result.compendium)
     if violations:
         _count_refusal(client)
         raise SubmissionInvalid(violations)

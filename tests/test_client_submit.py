@@ -13,6 +13,7 @@ from __future__ import annotations
 import gzip
 import io
 import json
+import os
 import socket
 import threading
 from collections.abc import Iterator
@@ -33,7 +34,14 @@ from compendium.client_api import (
     head_file,
 )
 from compendium.client_cli import main
-from compendium.schema import Compendium, MaskingInfo, Scenario, Schema, ToolSpec
+from compendium.schema import (
+    Compendium,
+    MaskingInfo,
+    Scenario,
+    Schema,
+    ToolMetadata,
+    ToolSpec,
+)
 from compendium.validation import validate_compendium
 from routing.router import LinearHead
 
@@ -348,7 +356,7 @@ def test_submit_since_the_pulled_global_sends_dcz_against_it(server, tmp_path, c
     _publish(state, published)
     pulled = tmp_path / "global.json"
     assert main(["pull", "--server", url, "--token", TOKEN, "--out", str(pulled)]) == 0
-    mine = compendium("Will it rain in a city on day 41?")
+    mine = compendium("Will it rain in a city on day [NUMBER]?")  # masked: the server checks
     path = write(tmp_path, mine)
     capsys.readouterr()
     assert main(submit_args(url, path) + ["--since", str(pulled)]) == 0
@@ -574,6 +582,38 @@ def test_pull_saves_the_global_compendium_and_honours_the_etag(server, tmp_path,
     assert etag_file(out).read_text().strip() == f'"{newer_form.sha256}"'
 
 
+def test_pull_through_a_link_updates_the_file_it_names(server, tmp_path, capsys):
+    """An --out that is a symbolic link (global.json -> the copy the client's LLM reads, in a
+    folder of its own): the pull updates the file the link names, as any write through a link
+    does, and the link stays. Renaming the temporary file over the link replaced the link with a
+    regular file and left the LLM's copy at the old global, while saying it was saved."""
+    url, state = server
+    shared = tmp_path / "llm" / "global.json"
+    shared.parent.mkdir()
+    old = compendium("Find a flight for next week")
+    shared.write_text(old.model_dump_json(), encoding="utf-8")
+    shared.chmod(0o644)  # opened to the LLM's account
+    link = tmp_path / "global.json"
+    link.symlink_to(shared)
+    published = compendium()
+    _publish(state, published)
+    assert main(["pull", "--server", url, "--token", TOKEN, "--out", str(link)]) == 0
+    assert "round 4 saved" in capsys.readouterr().out
+    assert link.is_symlink() and link.resolve() == shared.resolve()
+    assert Compendium.model_validate_json(shared.read_text()) == published
+    assert shared.stat().st_mode & 0o777 == 0o644
+    assert sorted(p.name for p in shared.parent.iterdir()) == ["global.json"]  # no temporary left
+
+    # A link of another account (put in the way, in /tmp say) is not followed: it is replaced.
+    if os.geteuid() == 0:  # only root can give a link to another user
+        planted = tmp_path / "planted.json"
+        planted.symlink_to(shared)
+        os.lchown(planted, 4321, 4321)
+        before = shared.read_bytes()
+        assert main(["pull", "--server", url, "--token", TOKEN, "--out", str(planted)]) == 0
+        assert not planted.is_symlink() and shared.read_bytes() == before
+
+
 def test_pull_saves_the_routing_head_beside_the_global(server, tmp_path, capsys):
     url, state = server
     out = tmp_path / "global.json"
@@ -793,6 +833,59 @@ def test_submit_refuses_statistics_the_open_round_will_not_release_before_sendin
     assert state.posts == []
     lean = _build(tmp_path, "lean.json", "--not-released", "latency_ms,success_rate")
     assert main(submit_args(url, lean)) == 0
+    assert len(state.posts) == 1
+
+
+def test_free_text_in_metadata_is_refused_before_sending_and_by_validate(server, tmp_path, capsys):
+    """A metadata entry's description or spec is free text that no masking check reads, and the
+    server refuses it: submit must not send it (raw text would leave the client only to be
+    refused), and validate, which checks as the server will, must not call it valid."""
+    url, state = server
+    raw = "Call John Smith at john.smith@acme.com"
+    path = write(tmp_path, compendium().model_copy(update={"metadata": [
+        ToolMetadata(tool_id="weather", description=raw, stats={"calls": 1.0}),
+        ToolMetadata(tool_id="flights", spec={"owner": raw}, stats={"calls": 2.0}),
+    ]}))
+    schema = tmp_path / "schema.json"
+    schema.write_text(SCHEMA.model_dump_json(), encoding="utf-8")
+
+    assert main(["validate", str(path), "--schema", str(schema)]) == 1
+    captured = capsys.readouterr()
+    assert "valid (" not in captured.out
+    assert f"{path}: $.metadata[0].description: a client sends only its statistics" in captured.err
+    assert f"{path}: $.metadata[1].spec: a client sends only its statistics" in captured.err
+    assert main(["inspect", str(path), "--schema", str(schema)]) == 1  # the dry run says so too
+    assert "$.metadata[0].description: a client sends only" in capsys.readouterr().out
+
+    assert main(submit_args(url, path)) == 1
+    err = capsys.readouterr().err
+    assert f"{path}: $.metadata[0].description: a client sends only its statistics" in err
+    assert f"{path}: $.metadata[1].spec: a client sends only its statistics" in err
+    assert err.strip().endswith("nothing sent")
+    assert raw not in err
+    assert state.posts == [] and state.created == 0
+
+
+@pytest.mark.parametrize("allow", [False, True])
+def test_text_the_server_would_find_unmasked_is_refused_before_sending(server, tmp_path, capsys,
+                                                                       allow):
+    """A compendium that records λ = 1 but holds text masking at the round's λ removes from any
+    text (edited by hand, or from other tooling): the server refuses it as unmasked_text, but by
+    then the raw text has left the client. submit runs the server's check (at the open round's
+    λ, with the registry in force) first and sends nothing; --allow-weaker-masking does not
+    change that, as the server refuses such text whatever the override."""
+    url, state = server
+    raw = "Email John Smith at john.smith@acme.com about the forecast"
+    path = write(tmp_path, compendium(raw))
+    options = ["--allow-weaker-masking"] if allow else []
+    assert main(submit_args(url, path) + options) == 1
+    err = capsys.readouterr().err
+    assert f"{path}: $.scenarios[0].text: not masked at λ = 1: holds 1 e-mail address" in err
+    assert err.strip().splitlines()[-1].endswith("nothing sent")
+    assert "john.smith" not in err
+    assert state.posts == [] and state.created == 0
+    # masked text goes, as before
+    assert main(submit_args(url, write(tmp_path, compendium(), "masked.json")) + options) == 0
     assert len(state.posts) == 1
 
 
