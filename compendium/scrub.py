@@ -23,7 +23,7 @@ from compendium.masking import (
     normalized,
 )
 from compendium.schema import AnnexTriple, Compendium, Precaution, PromptTemplate, Scenario
-from compendium.validation import Violation
+from compendium.validation import Violation, metadata_free_text
 
 # The local part and the domain in letters of any script (RFC 6531, IDNA), as masking reads them.
 EMAIL = re.compile(r"(?<![\w.+-])[\w.+-]+@(?:[^\W_]|-)+(?:\.(?:[^\W_]|-)+)*\.[^\W\d_]{2,}")
@@ -148,6 +148,52 @@ def scrub_text(text: str) -> ScrubResult:
     if spell:
         text = SPELLED_DIGITS.sub(spelled, text)
     return ScrubResult(text, counts)
+
+
+# The separators of an identifier's words, read as the spaces between them: "555_123_4567",
+# "card_4111_1111_1111_1111" and "john_at_example_dot_com" are the number or the address they
+# spell ("_" is a letter to the patterns above, which took none of them).
+_FLAG_SEPARATORS = re.compile(r"[_.:]")
+
+
+def flag_name_holds(name: str) -> str:
+    """What a precondition flag name holds of what `scrub_text` takes for personal data (an
+    e-mail address spelled "at" and "dot", a card, phone or long number, in digits or in
+    words), in its words ("1 phone number"), or "" for nothing. Its separators `_ . :` read as
+    spaces. Flag names are identifiers sent as written, neither masked nor scrubbed (a scrubbed
+    name would be another flag): a condition ("has_city", "lang:en", "retry_count_gt_3",
+    "after_2024_01_01") holds none of these. Names of people are not judged: masking finds them
+    by their capital inside a sentence, which no identifier has, and its residue check takes an
+    ordinary "v2" or "api.v2" for an identifier to remove."""
+    return scrub_text(_FLAG_SEPARATORS.sub(" ", name)).found
+
+
+def personal_flag_names(compendium: Compendium) -> list[Violation]:
+    """A violation for every precondition flag name that holds personal data
+    (`flag_name_holds`), at its scenario's preconditions: which flag (its place in the object)
+    and what it holds, never the name itself. The server refuses such a compendium on arrival
+    (its flags would be published as sent to every organization); the client toolkit before
+    anything is sent (`submission_rules`)."""
+    out = []
+    for index, scenario in enumerate(compendium.scenarios):
+        flags = scenario.preconditions
+        for place, name in enumerate(flags, start=1):
+            if found := flag_name_holds(name):
+                out.append(Violation(
+                    f"$.scenarios[{index}].preconditions",
+                    f"flag name {place} of {len(flags)} holds {found}: a flag names a condition "
+                    "(has_city), never a person, an account or a contact; rename it in the usage "
+                    "log and build again",
+                ))
+    return out
+
+
+def submission_rules(compendium: Compendium) -> list[Violation]:
+    """What the server refuses in a client's compendium beyond the schema's rules, which the
+    client toolkit (`validate`, `inspect`, `submit`) checks before anything is sent: free text
+    in metadata (`metadata_free_text`) and personal data in flag names (`personal_flag_names`),
+    neither of which a masking check or the scrub reads."""
+    return metadata_free_text(compendium) + personal_flag_names(compendium)
 
 
 def free_texts(compendium: Compendium) -> Iterator[tuple[str, str]]:

@@ -26,9 +26,9 @@ from compendium.canonical import canonical_form, encode_document
 from compendium.masking import TextMasker
 from compendium.models import CompendiumVersion, NumericField, Tool
 from compendium.schema import Schema, exceeds_field_cap, field_cap_words
-from compendium.scrub import masking_residue, scrub_compendium
+from compendium.scrub import masking_residue, scrub_compendium, submission_rules
 from compendium.services import current_schema, versions_delete_sql
-from compendium.validation import Violation, metadata_free_text, validate_compendium
+from compendium.validation import Violation, validate_compendium
 from federation import ratelimit
 from federation.errors import (
     FederationError,
@@ -685,7 +685,7 @@ def submit(
     schema = _schema_for(tuple(fingerprint))
 
     result = validate_compendium(body, schema)
-    violations = result.violations if not result.ok else metadata_free_text(result.compendium)
+    violations = result.violations if not result.ok else submission_rules(result.compendium)
     if violations:
         _count_refusal(client)
         raise SubmissionInvalid(violations)

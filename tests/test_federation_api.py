@@ -817,6 +817,35 @@ def test_a_clients_metadata_carries_statistics_only(world, open_round, valid_doc
     assert not Submission.objects.exists() and not CompendiumVersion.objects.exists()
 
 
+def test_a_flag_name_holding_personal_data_is_refused_and_ordinary_flags_pass(
+    world, open_round, valid_doc
+):
+    """Flag names are identifiers no masking check or scrub read: a phone, card or account
+    number as a flag name was stored as sent and merged into the global compendium published to
+    every organization. It is a 400 naming the scenario's preconditions (never the name), with
+    nothing stored; condition names with digits, dots or colons are taken."""
+    api = client_api(world.token_a)
+    for key, flag, found in (("phone", "555_123_4567", "1 phone number"),
+                             ("card", "4111111111111111", "1 card number"),
+                             ("account", "acct_12345678", "1 long number"),
+                             ("mail", "john_at_example_dot_com", "1 e-mail address")):
+        doc = json.loads(json.dumps(valid_doc))
+        doc["scenarios"][1]["preconditions"] = {"has_city": True, flag: True}
+        response = post_doc(api, doc, key=key)
+        assert response.status_code == 400, response.content
+        [violation] = response.json()["violations"]
+        assert violation["path"] == "$.scenarios[1].preconditions"
+        assert violation["reason"].startswith(f"flag name 2 of 2 holds {found}")
+        assert flag not in response.content.decode()
+    assert not Submission.objects.exists() and not CompendiumVersion.objects.exists()
+
+    doc = json.loads(json.dumps(valid_doc))
+    doc["scenarios"][1]["preconditions"] = {"lang:en": True, "v2": False, "retry_count_gt_3": True,
+                                            "is_weekend": True, "region:eu-west-1": False}
+    response = post_doc(api, doc, key="ordinary")
+    assert response.status_code == 201, response.content
+
+
 def test_a_submission_declared_as_another_media_type_is_a_415_and_gzip_members_join(
     world, open_round, valid_doc
 ):

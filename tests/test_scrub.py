@@ -86,3 +86,68 @@ def test_compendium_texts_are_scrubbed_and_collisions_merged():
     assert scrubbed.annex[0].object == "[email]"
     # The input is not modified.
     assert compendium.scenarios[0].text == "write to a@b.org about the invoice"
+
+
+# Precondition flag names are identifiers sent as written (neither masked nor scrubbed): one that
+# spells out an account, a card, a phone or an e-mail address left the client whole and was
+# published in the global compendium. `_`, `.` and `:` separate an identifier's words.
+PERSONAL_FLAGS = [
+    ("555-123-4567", "1 phone number"),
+    ("555_123_4567", "1 phone number"),
+    ("555:123:4567", "1 phone number"),
+    ("tel:5551234567", "1 long number"),
+    ("4111111111111111", "1 card number"),
+    ("card_4111_1111_1111_1111", "1 card number"),
+    ("acct_12345678", "1 long number"),
+    ("iban_DE89370400440532013000", "1 long number"),
+    ("john_at_example_dot_com", "1 e-mail address"),
+    ("john.smith_at_gmail_dot_com", "1 e-mail address"),
+    ("five_five_five_one_two_three_four", "1 long number"),
+    ("ssn_1_2_3_4_5_6_7_8_9", "1 long number"),
+]
+# Condition names as clients write them (the tests', the bench's, MetaTool-like ones): none is
+# personal data, whatever digits, dots or number words they hold.
+ORDINARY_FLAGS = [
+    "has_city", "needs_city", "outdoor", "online", "is_weekend", "lang:en", "v2",
+    "retry_count_gt_3", "api.v2", "region:eu-west-1", "locale:en-US", "after_2024_01_01",
+    "max_tokens_4096", "utf-8", "iso-8859-1", "http_status:404", "tz:utc-5", "has_phone",
+    "has_email", "has_account", "is_at_home", "has_dot_com_domain", "ipv4_10.0.0.1", "py3.12",
+    "gpt-4o-mini",
+    "top_10_results", "page_1_2_3", "port_8080", "one_two_three", "step_one_of_three",
+    *(f"flag_{i}" for i in range(32)),
+]
+
+
+@pytest.mark.parametrize(("name", "found"), PERSONAL_FLAGS)
+def test_a_flag_name_holding_personal_data_says_what(name, found):
+    from compendium.scrub import flag_name_holds
+
+    assert flag_name_holds(name) == found
+
+
+@pytest.mark.parametrize("name", ORDINARY_FLAGS)
+def test_an_ordinary_flag_name_holds_nothing(name):
+    from compendium.scrub import flag_name_holds
+
+    assert flag_name_holds(name) == ""
+
+
+def test_personal_flag_names_are_violations_at_their_scenario_never_echoed():
+    from compendium.scrub import personal_flag_names
+
+    compendium = Compendium(scenarios=[
+        Scenario(tool_id="weather", text="rain?", preconditions={"has_city": True}),
+        Scenario(tool_id="weather", text="snow?",
+                 preconditions={"is_weekend": False, "555_123_4567": True,
+                                "acct_12345678": False}),
+    ])
+    violations = personal_flag_names(compendium)
+    assert [v.path for v in violations] == ["$.scenarios[1].preconditions"] * 2
+    assert "flag name 2 of 3 holds 1 phone number" in violations[0].reason
+    assert "flag name 3 of 3 holds 1 long number" in violations[1].reason
+    assert not any("555" in v.reason or "12345678" in v.reason for v in violations)
+    ordinary = Compendium(scenarios=[
+        Scenario(tool_id="weather", text="rain?",
+                 preconditions=dict.fromkeys(ORDINARY_FLAGS[:32], True)),
+    ])
+    assert personal_flag_names(ordinary) == []
