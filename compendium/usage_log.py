@@ -1,7 +1,7 @@
 """The client's usage log: one routed request a line, read with every bad line reported.
 
-Pure (standard library; user ids normalized as compendium.masking reads text). The format, one
-JSON object per line:
+Pure (standard library; user ids normalized as compendium.masking reads text, flag names
+checked as compendium.scrub reads them). The format, one JSON object per line:
 
     {"query": "...", "tool": "weather", "outcome": "success", "latency_ms": 320, "user": "u17",
      "corrected_to": null, "preconditions": {"has_city": true},
@@ -17,6 +17,9 @@ JSON object per line:
   bound each user's contribution to the numeric statistics; it never leaves the client.
 - `preconditions` (object of boolean flags, optional), `template` (object with string
   `signature` and `template`, optional): carried into the scenario and the template store.
+  Flag names are identifiers sent as written (neither masked nor scrubbed): one that holds what
+  the server's scrub takes for personal data (`compendium.scrub.flag_name_holds`: a phone, card
+  or long number, an e-mail address spelled "at" and "dot") is an error of its line.
 Other keys (timestamps, request ids) are ignored. Blank lines are skipped.
 """
 
@@ -32,6 +35,7 @@ from pathlib import Path
 from typing import Any
 
 from compendium.masking import normalized
+from compendium.scrub import flag_name_holds
 
 OUTCOMES = ("success", "failure", "corrected")
 _FLAG = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.:\-]{0,63}$")
@@ -284,6 +288,13 @@ def parse_record(
         for key, value in flags.items():
             if not _FLAG.match(key):
                 raise ValueError(f"precondition flag {_shown(key)} is not an identifier")
+            if found := flag_name_holds(key):
+                # sent as written, never masked or scrubbed: refused here, not silently dropped
+                # (the line's other flags would then describe another condition)
+                raise ValueError(
+                    f"precondition flag {_shown(key)} holds {found}: a flag names a condition "
+                    "(has_city), never a person, an account or a contact; rename it"
+                )
             if not isinstance(value, bool):
                 raise ValueError(f"precondition flag {_shown(key)} must be true or false")
         preconditions = tuple(sorted(flags.items()))

@@ -270,3 +270,45 @@ def test_a_line_that_is_no_object_is_named_by_its_json_type():
         f"expected a JSON object, got {kind}" for kind in ("an array", "a number", "a string",
                                                              "null")
     ]
+
+
+def test_a_flag_name_holding_personal_data_is_an_error_of_its_line(tmp_path, capsys):
+    """Flag names leave the client as written (neither masked nor scrubbed): a phone number, a
+    card, an account number or a spelled-out e-mail address as a flag name left it whole and was
+    published to every organization. The reader refuses it as an error of its line, naming the
+    flag; condition names with digits, dots or colons stay."""
+    from tests.test_scrub import ORDINARY_FLAGS
+
+    lines = [
+        line(preconditions={"has_city": True, "555-123-4567": True}),  # 1
+        line(preconditions=dict.fromkeys(ORDINARY_FLAGS[:32], True)),  # 2 ok
+        line(preconditions={"card_4111_1111_1111_1111": False}),  # 3
+        line(preconditions={"john_at_example_dot_com": True}),  # 4
+        line(preconditions={"acct_12345678": True}),  # 5
+        line(preconditions={"john.smith@x": True}),  # 6 not an identifier at all
+        line(preconditions=dict.fromkeys(ORDINARY_FLAGS[32:], True)),  # 7 ok
+    ]
+    log = parse_lines(lines, source="usage.jsonl", known_tools={"weather", "flights"})
+    assert [r.line for r in log.records] == [2, 7]
+    errors = {e.line: e.message for e in log.errors}
+    assert errors[1] == ("precondition flag '555-123-4567' holds 1 phone number: a flag names "
+                         "a condition (has_city), never a person, an account or a contact; "
+                         "rename it")
+    assert errors[3].startswith("precondition flag 'card_4111_1111_1111_1111' holds 1 card number")
+    assert errors[4].startswith(
+        "precondition flag 'john_at_example_dot_com' holds 1 e-mail address")
+    assert errors[5].startswith("precondition flag 'acct_12345678' holds 1 long number")
+    assert "not an identifier" in errors[6]
+
+    # build stops on it, naming file, line and flag (nothing is written)
+    schema_path = tmp_path / "schema.json"
+    schema_path.write_text(metatool_schema().model_dump_json(), encoding="utf-8")
+    records = usage_records(users=2, lines=10)
+    records[3]["preconditions"] = {"tel:5551234567": True}
+    path = write_log(tmp_path / "usage.jsonl", records)
+    out = tmp_path / "c.json"
+    assert main(["build", "--log", str(path), "--schema", str(schema_path), "--out", str(out),
+                 "--no-collapse", "--quiet"]) == 1
+    err = capsys.readouterr().err
+    assert f"{path}:4: precondition flag 'tel:5551234567' holds 1 long number" in err
+    assert not out.exists()
