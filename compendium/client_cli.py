@@ -38,10 +38,10 @@ from compendium.schema import (
     Schema,
     exceeds_field_cap,
 )
+from compendium.scrub import submission_rules
 from compendium.validation import (
     CompendiumInvalid,
     format_path,
-    metadata_free_text,
     validate_compendium,
     validation_summary,
 )
@@ -152,7 +152,7 @@ def cmd_validate(args: argparse.Namespace) -> int:
     data = _read_bytes(args.compendium)
     result = validate_compendium(data, schema)
     # what the server refuses in a client's submission besides the schema's rules
-    violations = result.violations if not result.ok else metadata_free_text(result.compendium)
+    violations = result.violations if not result.ok else submission_rules(result.compendium)
     if violations:
         for violation in violations:
             print(f"{args.compendium}: {violation}", file=sys.stderr)
@@ -579,7 +579,7 @@ def cmd_inspect(args: argparse.Namespace) -> int:
         print("\nvalidation: not checked against a schema (pass --schema schema.json)", file=out)
         return 0
     result = validate_compendium(compendium, schema)
-    violations = result.violations if not result.ok else metadata_free_text(compendium)
+    violations = result.violations if not result.ok else submission_rules(compendium)
     if not violations:
         print("\nvalidation: valid under the schema", file=out)
         return 0
@@ -770,13 +770,14 @@ def cmd_submit(args: argparse.Namespace) -> int:
             f"{args.compendium} has no entries (metadata, scenarios, precautions, templates and "
             "annex are all empty): nothing to submit, nothing sent"
         )
-    free_text = metadata_free_text(compendium)
-    if free_text:  # raw text no masking check reads: it must not leave, and the server refuses it
-        for violation in free_text:
+    refused = submission_rules(compendium)
+    if refused:  # text no masking check reads: it must not leave, and the server refuses it
+        for violation in refused:
             print(f"{args.compendium}: {violation}", file=sys.stderr)
         raise CliError(
-            f"{args.compendium} carries free text in its metadata, which a client does not send "
-            "(build writes only statistics there): remove it; nothing sent"
+            f"{args.compendium} carries what a client does not send (listed above): its metadata "
+            "holds statistics only (no description or spec), its precondition flag names no "
+            "personal data (build writes neither); nothing sent"
         )
     dictionary = None
     if args.no_gzip and (args.since or args.schema):

@@ -866,6 +866,49 @@ def test_free_text_in_metadata_is_refused_before_sending_and_by_validate(server,
     assert state.posts == [] and state.created == 0
 
 
+def test_a_flag_name_holding_personal_data_is_refused_before_sending_and_by_validate(
+    server, tmp_path, capsys
+):
+    """A precondition flag name is sent as written: one that is a phone or an account number
+    (a hand-edited compendium, other tooling) would leave the client whole, only for the server
+    to refuse it. validate reports it as the server will, inspect says so, submit sends nothing;
+    none of them echoes the name. Ordinary condition names pass."""
+    url, state = server
+    flags = {"has_city": True, "555_123_4567": True, "acct_12345678": False}
+    path = write(tmp_path, compendium().model_copy(update={"scenarios": [
+        Scenario(tool_id="weather", text="Will it rain tomorrow in a city?", preconditions=flags),
+    ]}))
+    schema = tmp_path / "schema.json"
+    schema.write_text(SCHEMA.model_dump_json(), encoding="utf-8")
+
+    assert main(["validate", str(path), "--schema", str(schema)]) == 1
+    captured = capsys.readouterr()
+    assert "valid (" not in captured.out
+    where = f"{path}: $.scenarios[0].preconditions: flag name"
+    assert f"{where} 2 of 3 holds 1 phone number" in captured.err
+    assert f"{where} 3 of 3 holds 1 long number" in captured.err
+    assert "555" not in captured.err and "12345678" not in captured.err
+    assert main(["inspect", str(path), "--schema", str(schema)]) == 1
+    assert "$.scenarios[0].preconditions: flag name 2 of 3 holds" in capsys.readouterr().out
+
+    assert main(submit_args(url, path)) == 1
+    err = capsys.readouterr().err
+    assert f"{path}: $.scenarios[0].preconditions: flag name 2 of 3 holds 1 phone number" in err
+    assert "precondition flag names" in err.strip().splitlines()[-1]
+    assert err.strip().endswith("nothing sent")
+    assert "555" not in err and "12345678" not in err
+    assert state.posts == [] and state.created == 0
+
+    ordinary = write(tmp_path, compendium().model_copy(update={"scenarios": [
+        Scenario(tool_id="weather", text="Will it rain tomorrow in a city?",
+                 preconditions={"has_city": True, "lang:en": True, "v2": False,
+                                "retry_count_gt_3": True, "after_2024_01_01": False}),
+    ]}), "ordinary.json")
+    assert main(["validate", str(ordinary), "--schema", str(schema)]) == 0
+    assert main(submit_args(url, ordinary)) == 0
+    assert len(state.posts) == 1
+
+
 @pytest.mark.parametrize("allow", [False, True])
 def test_text_the_server_would_find_unmasked_is_refused_before_sending(server, tmp_path, capsys,
                                                                        allow):
