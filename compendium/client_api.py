@@ -23,6 +23,7 @@ the idempotency key is derived from the content and the round: the server stores
 
 from __future__ import annotations
 
+import datetime as dt
 import gzip
 import hashlib
 import json
@@ -156,6 +157,30 @@ def weaker_masking(round_info: dict[str, Any], applied: float | None) -> str | N
     if expected is None or expected <= 0 or (applied is not None and applied >= expected):
         return None
     return f"round {round_info['number']} expects masking strength λ >= {expected:g}"
+
+
+# What `submit` says when the server refuses a submission because no round takes it (409 without
+# a `code`), before the server's own words
+NO_ROUND_FOR_SUBMISSION = "the server has no round open for this submission"
+
+
+def deadline_passed(round_info: dict[str, Any], now: dt.datetime | None = None) -> str | None:
+    """The server's refusal of a submission to the open round `round_info` (as the rounds
+    endpoint gives it) once its deadline (`closes_at`) has passed, in the server's words (the
+    round takes no more submissions and closes at the server's next check); None while it takes
+    them (no deadline, one to come, or one that does not parse). Judged by this machine's clock,
+    as `status` judges it."""
+    stamp = round_info.get("closes_at")
+    try:
+        closes_at = dt.datetime.fromisoformat(stamp).astimezone(dt.UTC) if stamp else None
+    except (TypeError, ValueError):
+        return None
+    if closes_at is None or closes_at > (now or dt.datetime.now(dt.UTC)):
+        return None
+    return (
+        f"round {round_info['number']} stopped taking submissions at its deadline "
+        f"({closes_at.isoformat()}); it closes shortly"
+    )
 
 
 # How many times one submit sends a compendium again under a new key when the server says the
@@ -496,7 +521,7 @@ class SynapseClient:
             if code == "schema_changed":
                 raise ClientError(f"the server's schema changed while it checked the submission: "
                                   f"{_detail(response)}")
-            raise ClientError(f"the server has no round open for this submission: {_detail(response)}")
+            raise ClientError(f"{NO_ROUND_FOR_SUBMISSION}: {_detail(response)}")
         if status == 413:
             sent = f"{len(body)} sent{f' {encoding}' if encoding else ''}"
             raise ClientError(

@@ -919,8 +919,10 @@ def cmd_participate(args: argparse.Namespace) -> int:
     again. Running it again in the same round sends the same bytes (replayed by the server, not
     stored twice) or, after new usage, replaces the round's earlier submission."""
     from compendium.client_api import (
+        NO_ROUND_FOR_SUBMISSION,
         CannotWrite,
         NothingPublished,
+        deadline_passed,
         etag_file,
         head_file,
         merged_rounds,
@@ -951,6 +953,9 @@ def cmd_participate(args: argparse.Namespace) -> int:
     probe_path, out = folder / "probe.json", folder / "compendium.json"
     with _client(args) as client:
         current = client.open_round()  # no open round: one clear error, nothing built
+        late = deadline_passed(current)
+        if late:  # the server would refuse the submission with these words, after the build
+            raise CliError(f"{NO_ROUND_FOR_SUBMISSION}: {late}")
         required = round_field_cap(current, "nothing built or sent")
         field_cap = required if args.field_cap is None else args.field_cap
         if required is not None and field_cap > required:
