@@ -762,6 +762,14 @@ def _checks(*checks):
 
 
 def cmd_submit(args: argparse.Namespace) -> int:
+    _submit(args)
+    return 0
+
+
+def _submit(args: argparse.Namespace):
+    """`submit`: send the compendium, print what happened and return the SubmissionResult (the
+    server's answer names the round it stored the submission in); a CliError or ClientError
+    when nothing was stored."""
     from compendium.client_api import SubmissionRejected, nothing_to_submit
 
     compendium = _load_compendium(args.compendium)
@@ -820,7 +828,7 @@ def cmd_submit(args: argparse.Namespace) -> int:
         f"({result.sent_bytes} sent, {result.content_encoding or 'plain'}){again}; "
         f"key {result.idempotency_key[:24]}…"
     )
-    return 0
+    return result
 
 
 def _server_time(stamp: object) -> datetime | None:
@@ -1042,17 +1050,22 @@ def cmd_participate(args: argparse.Namespace) -> int:
     if nothing_to_submit(built):
         print(f"{out}: nothing new since the global: nothing sent this round")
         return 0
-    status = cmd_submit(argparse.Namespace(
+    result = _submit(argparse.Namespace(
         **{**vars(args), "compendium": str(out), "no_gzip": False, "since": since,
            "schema": None if since else str(schema_path), "probe": None if since else str(probe_path)},
     ))
-    if status == 0:
-        try:
-            record_sent(ledger, current["number"], sent_keys(built))
-        except CannotWrite as exc:
-            print(f"{PROG}: warning: {exc}: the next round may send some of this again",
-                  file=sys.stderr)
-    return status
+    # Recorded under the round the server stored it in, which its answer names: when the round
+    # read above closed during the build and another opened, submit checked and sent it for that
+    # one (X-Synapse-Round), not for `current`.
+    stored_in = result.body.get("round")
+    if isinstance(stored_in, bool) or not isinstance(stored_in, int):
+        stored_in = result.round
+    try:
+        record_sent(ledger, stored_in, sent_keys(built))
+    except CannotWrite as exc:
+        print(f"{PROG}: warning: {exc}: the next round may send some of this again",
+              file=sys.stderr)
+    return 0
 
 
 def _probe_document(path: str):

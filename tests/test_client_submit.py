@@ -992,3 +992,34 @@ def test_rejected_paths_point_into_the_submitted_file_not_the_canonical_order(se
         f"{path}: $.metadata[2].tool_id: duplicate tool id 'weather': already at $.metadata[0]",
     }
     assert set(remote[:-1]) == expected and set(local) == expected
+
+
+def test_participate_records_what_it_sent_under_the_round_the_server_stored_it_in(
+    server, tmp_path, capsys, monkeypatch
+):
+    """Round 4 closes and round 5 opens while participate builds: submit reads the open round
+    again, checks the compendium for round 5 and the server stores it there (its answer names
+    the round). sent.json recorded it under round 4, the round read before the build, so the
+    next round's build would leave out or send again the wrong entries."""
+    import compendium.client_cli as cli
+
+    url, state = server
+    log = tmp_path / "usage.jsonl"
+    log.write_text(json.dumps({"query": "Will it rain tomorrow in a city?", "tool": "weather",
+                               "outcome": "success", "latency_ms": 3, "user": "u1"}) + "\n",
+                   encoding="utf-8")
+    build = cli.cmd_build
+
+    def build_while_the_round_turns(args):
+        status = build(args)
+        state.round_number = 5
+        return status
+
+    monkeypatch.setattr(cli, "cmd_build", build_while_the_round_turns)
+    folder = tmp_path / "state"
+    assert main(["participate", "--log", str(log), "--dir", str(folder), "--no-collapse",
+                 "--quiet", "--server", url, "--token", TOKEN, "--backoff", "0"]) == 0
+    assert "round 4: no global yet" in capsys.readouterr().out
+    assert list(state.rows) == [(5, "client-1")]  # stored in round 5, as the answer says
+    recorded = json.loads((folder / "sent.json").read_text(encoding="utf-8"))["rounds"]
+    assert list(recorded) == ["5"] and recorded["5"]
