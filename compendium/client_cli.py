@@ -816,17 +816,23 @@ def _submit(args: argparse.Namespace):
         print(f"{PROG}: warning: {warning}", file=sys.stderr)
     body = result.body
     again = " (the server already had it: replayed, not stored twice)" if result.replayed else ""
-    if result.reinstated:
+    if result.reinstated and result.replayed:
+        # A later submission had replaced it under its first key, and an earlier run (or a try
+        # whose answer was lost) already put it back under the key printed: nothing went again.
+        again = (
+            "; a later submission had replaced it under its first key, and it is already in "
+            "effect under the key that follows (the server already had it: replayed, not stored twice)"
+        )
+    elif result.reinstated:
         again = (
             "; its earlier submission to this round had been replaced by a later one, so it "
             "went again under a new key and is in effect again"
-            + (" (the server already had it under that key: replayed)" if result.replayed else "")
         )
     print(
         f"{args.compendium}: submitted to round {result.round} as submission {body.get('id')}, "
         f"sha256 {str(body.get('sha256', ''))[:12]}…, {body.get('size_bytes')} bytes "
         f"({result.sent_bytes} sent, {result.content_encoding or 'plain'}){again}; "
-        f"key {result.idempotency_key[:24]}…"
+        f"key {result.idempotency_key}"  # whole: a key sent again ends in -2, -3, ...
     )
     return result
 

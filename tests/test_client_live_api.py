@@ -547,3 +547,35 @@ def test_participate_past_the_rounds_deadline_stops_before_building_as_the_serve
     captured = capsys.readouterr()
     assert captured.err.strip() == refusal and captured.out == ""
     _nothing_built_or_sent(state)
+
+
+def test_submit_prints_the_whole_key_and_what_a_resend_of_content_in_effect_did(
+    live_server, world, valid_doc, small_schema, tmp_path, capsys
+):
+    """submit cut the idempotency key to 24 characters, hiding the -2/-3 of a key sent again
+    after a replacement; and A, B, A, then A once more (A is in effect under -2 already, the
+    server replays it) said A "went again under a new key and is in effect again" before
+    "(replayed)": nothing went again, it was already in effect."""
+    services.open_round(services.Actor(None))
+    server = ["--server", live_server.url, "--token", world.token_a, "--backoff", "0"]
+    paths = {}
+    for name, doc in (("a", valid_doc), ("b", dict(valid_doc, scenarios=valid_doc["scenarios"][1:]))):
+        paths[name] = tmp_path / f"{name}.json"
+        paths[name].write_text(json.dumps(
+            dict(doc, masking={"strength": 1.0, "masked_fraction": 0.2})), encoding="utf-8")
+    sha = canonical_form(load_valid_compendium(
+        json.loads(paths["a"].read_text()), small_schema)).sha256
+    assert main(["submit", str(paths["a"]), *server]) == 0
+    assert capsys.readouterr().out.rstrip().endswith(f"; key r1-{sha}")
+    assert main(["submit", str(paths["b"]), *server]) == 0
+    capsys.readouterr()
+    assert main(["submit", str(paths["a"]), *server]) == 0
+    out = capsys.readouterr().out
+    assert "went again under a new key and is in effect again" in out and "replayed" not in out
+    assert out.rstrip().endswith(f"; key r1-{sha}-2")
+    assert main(["submit", str(paths["a"]), *server]) == 0
+    out = capsys.readouterr().out
+    assert "went again" not in out and "in effect again" not in out
+    assert "already in effect under the key that follows" in out and "replayed, not stored twice" in out
+    assert out.rstrip().endswith(f"; key r1-{sha}-2")
+    assert Submission.objects.filter(client=world.client_a).count() == 3
