@@ -979,13 +979,35 @@ def sent_file(folder: Path) -> Path:
     return Path(folder) / "sent.json"
 
 
+def _sent_record(path: Path) -> dict:
+    """The record at `path` as JSON ({"rounds": {round number (str): [keys]}, "nothing_new":
+    [round numbers]}); {} when missing or unreadable."""
+    try:
+        record = json.loads(Path(path).read_bytes())
+    except (OSError, ValueError):
+        return {}
+    return record if isinstance(record, dict) else {}
+
+
 def _sent_rounds(path: Path) -> dict:
     """The record at `path`: {round number (str): [keys]}; {} when missing or unreadable."""
-    try:
-        rounds = json.loads(Path(path).read_bytes()).get("rounds", {})
-    except (OSError, ValueError, AttributeError):
-        return {}
+    rounds = _sent_record(path).get("rounds", {})
     return rounds if isinstance(rounds, dict) else {}
+
+
+def _nothing_new_rounds(path: Path) -> set[int]:
+    """The rounds in which `participate` had nothing new to send (`record_nothing_new`)."""
+    numbers = _sent_record(path).get("nothing_new", [])
+    if not isinstance(numbers, list):
+        return set()
+    return {n for n in numbers if isinstance(n, int) and not isinstance(n, bool)}
+
+
+def _write_sent(path: Path, rounds: dict, nothing_new: set[int]) -> None:
+    record: dict[str, Any] = {"rounds": rounds}
+    if nothing_new:
+        record["nothing_new"] = sorted(nothing_new)
+    write_atomically(Path(path), json.dumps(record, sort_keys=True).encode("utf-8"))
 
 
 def merged_rounds(published: list[dict[str, Any]], global_round: int | None) -> set[int]:
@@ -1028,7 +1050,21 @@ def record_sent(path: Path, round_number: int, keys: set[str]) -> None:
     same round replaces it, as the server replaces the submission."""
     rounds = _sent_rounds(path)
     rounds[str(round_number)] = sorted(keys)
-    write_atomically(Path(path), json.dumps({"rounds": rounds}, sort_keys=True).encode("utf-8"))
+    _write_sent(path, rounds, _nothing_new_rounds(path) - {round_number})
+
+
+def record_nothing_new(path: Path, round_number: int) -> None:
+    """Record that `participate` had nothing new to send in `round_number` (the pulled global
+    covers everything; the server refuses an empty compendium): this client's part of the round
+    is done, which `status --require-submitted --dir` reads (`had_nothing_new`). What an earlier
+    submission to the round held stays recorded."""
+    _write_sent(path, _sent_rounds(path), _nothing_new_rounds(path) | {round_number})
+
+
+def had_nothing_new(path: Path, round_number: int) -> bool:
+    """Whether `participate` recorded at `path` that it had nothing new to send in
+    `round_number`; False without a record, or when it cannot be read."""
+    return round_number in _nothing_new_rounds(path)
 
 
 def special_file(path: Path) -> str | None:

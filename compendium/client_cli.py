@@ -859,9 +859,10 @@ def _past(stamp: object) -> bool:
 
 def cmd_status(args: argparse.Namespace) -> int:
     """Where this client stands: the open round and what the client submitted to it, and the
-    latest published global. Exit status 0; 3 with --require-submitted when the open round has
-    no submission of this client in effect (for a scheduler to act on)."""
-    from compendium.client_api import round_config
+    latest published global. Exit status 0; 3 with --require-submitted when this client's part
+    of the open round is not done (for a scheduler to act on): it has no submission in effect,
+    and participate did not record in --dir that it had nothing new to send in the round."""
+    from compendium.client_api import had_nothing_new, round_config, sent_file
 
     with _client(args) as client:
         open_rounds = client.rounds("open")
@@ -892,7 +893,13 @@ def cmd_status(args: argparse.Namespace) -> int:
             else:
                 print(f"  it takes submissions until {_when(current['closes_at'])}, then closes")
         effective = [s for s in mine if s.get("in_effect")]
-        if not effective:
+        ledger = sent_file(Path(args.dir)) if args.dir else None
+        if not effective and ledger and had_nothing_new(ledger, current["number"]):
+            print(
+                f"  participate had nothing new to send to round {current['number']} (recorded "
+                f"in {ledger}): this client's part of the round is done"
+            )
+        elif not effective:
             missing = True
             print(f"  this client has not submitted to round {current['number']} yet")
         for sub in effective:
@@ -941,6 +948,7 @@ def cmd_participate(args: argparse.Namespace) -> int:
         head_file,
         merged_rounds,
         nothing_to_submit,
+        record_nothing_new,
         record_sent,
         round_config,
         round_mask_strength,
@@ -1055,6 +1063,11 @@ def cmd_participate(args: argparse.Namespace) -> int:
     built = _load_compendium(str(out))
     if nothing_to_submit(built):
         print(f"{out}: nothing new since the global: nothing sent this round")
+        try:  # this client's part of the round is done: status --require-submitted --dir
+            record_nothing_new(ledger, current["number"])
+        except CannotWrite as exc:
+            print(f"{PROG}: warning: {exc}: status --require-submitted --dir will not know that "
+                  "this round is done", file=sys.stderr)
         return 0
     result = _submit(argparse.Namespace(
         **{**vars(args), "compendium": str(out), "no_gzip": False, "since": since,
@@ -1363,7 +1376,15 @@ def build_parser() -> argparse.ArgumentParser:
     status.add_argument(
         "--require-submitted",
         action="store_true",
-        help="exit with status 3 when the open round has no submission of this client in effect",
+        help="exit with status 3 when this client's part of the open round is not done, for a "
+        "scheduler to run participate again: no submission of it is in effect and (with --dir) "
+        "participate did not record that it had nothing new to send in the round (the pulled "
+        "global covers everything: that round is done too); 0 otherwise, also with no round open",
+    )
+    status.add_argument(
+        "--dir", default=None,
+        help="participate's --dir: its record (sent.json) of the rounds in which it had nothing "
+        "new to send, which --require-submitted counts as done (without it, such a round exits 3)",
     )
     _add_server_arguments(status)
     status.set_defaults(func=cmd_status)

@@ -19,6 +19,7 @@ import threading
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
 from urllib.parse import parse_qs, urlparse
 
 import numpy as np
@@ -1023,3 +1024,42 @@ def test_participate_records_what_it_sent_under_the_round_the_server_stored_it_i
     assert list(state.rows) == [(5, "client-1")]  # stored in round 5, as the answer says
     recorded = json.loads((folder / "sent.json").read_text(encoding="utf-8"))["rounds"]
     assert list(recorded) == ["5"] and recorded["5"]
+
+
+def test_a_round_participate_had_nothing_new_for_counts_as_done_for_a_scheduler(
+    server, tmp_path, capsys, monkeypatch
+):
+    """When the pulled global covers everything, participate sends nothing (the server refuses
+    an empty compendium) and the round has no submission of this client: status
+    --require-submitted exited 3 for the rest of the round, and a scheduler retrying on 3
+    rebuilt for ever. participate records that it had nothing new in the round (sent.json);
+    status --dir reads it: the client's part of the round is done."""
+    import compendium.client_cli as cli
+    from compendium.client_api import record_sent, sent_before, sent_file
+
+    url, state = server
+    folder = tmp_path / "state"
+
+    def build_covered_by_the_global(args):  # what build --since writes when the global covers all
+        Path(args.out).write_text(Compendium().model_dump_json(), encoding="utf-8")
+        return 0
+
+    monkeypatch.setattr(cli, "cmd_build", build_covered_by_the_global)
+    server_args = ["--server", url, "--token", TOKEN, "--backoff", "0"]
+    log = tmp_path / "usage.jsonl"
+    log.write_text("", encoding="utf-8")
+    _publish(state, compendium(), number=3)
+    record_sent(sent_file(folder), 3, {"k"})  # what round 3's submission held stays recorded
+    assert main(["participate", "--log", str(log), "--dir", str(folder), "--no-collapse",
+                 "--quiet", *server_args]) == 0
+    assert "nothing new since the global: nothing sent this round" in capsys.readouterr().out
+    assert state.posts == [] and sent_before(sent_file(folder), {3}) == {"k"}
+    status = ["status", "--require-submitted", *server_args]
+    assert main(status) == 3  # the server alone cannot tell: no submission in effect
+    capsys.readouterr()
+    assert main([*status, "--dir", str(folder)]) == 0
+    assert ("participate had nothing new to send to round 4 (recorded in "
+            f"{sent_file(folder)}): this client's part of the round is done") in capsys.readouterr().out
+    state.round_number = 5  # the next round: not done until participate runs in it
+    assert main([*status, "--dir", str(folder)]) == 3
+    assert main([*status, "--dir", str(tmp_path / "elsewhere")]) == 3
