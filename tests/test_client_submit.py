@@ -1063,3 +1063,14 @@ def test_a_round_participate_had_nothing_new_for_counts_as_done_for_a_scheduler(
     state.round_number = 5  # the next round: not done until participate runs in it
     assert main([*status, "--dir", str(folder)]) == 3
     assert main([*status, "--dir", str(tmp_path / "elsewhere")]) == 3
+
+
+@pytest.mark.parametrize("command", ["submit", "pull", "participate", "status", "fetch-probe"])
+def test_retries_help_names_what_is_retried(command, capsys):
+    """--retries said "retries on network errors/5xx", but a 429 is retried too (waiting as
+    long as its Retry-After asks)."""
+    with pytest.raises(SystemExit) as exit_:
+        main([command, "--help"])
+    assert exit_.value.code == 0
+    text = " ".join(capsys.readouterr().out.split())
+    assert "--retries RETRIES retries on network errors, 5xx and 429" in text
