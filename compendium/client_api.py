@@ -17,7 +17,8 @@ Speaks the REST API exactly as the server defines it:
   global ({"round", "global_sha256", "rows_sha256", "files": [{"path", "size", "sha256"}], ...});
   404 with a `code` when there is none; each file at `.../router/files/<path>`.
 
-Network errors, 5xx and 429 are retried with exponential backoff. A POST is safe to retry because
+Network errors, 5xx and 429 are retried with exponential backoff, or as long as a 429's or a
+503's `Retry-After` asks (at most a minute). A POST is safe to retry because
 the idempotency key is derived from the content and the round: the server stores it once.
 """
 
@@ -332,7 +333,9 @@ class SynapseClient:
         self.close()
 
     def _delay(self, attempt: int, response: httpx.Response | None) -> float:
-        if response is not None and response.status_code == 429:
+        """How long to wait before the next try: a 429's or a 503's Retry-After in seconds (RFC
+        9110 allows it on both), at most MAX_RETRY_AFTER_S; otherwise the backoff, doubling."""
+        if response is not None and response.status_code in (429, 503):
             retry_after = response.headers.get("Retry-After", "")
             try:
                 return min(MAX_RETRY_AFTER_S, max(0.0, float(retry_after)))

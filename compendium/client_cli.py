@@ -1186,7 +1186,7 @@ def _add_server_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--retries", type=int, default=5,
         help=f"retries on network errors, 5xx and 429 (default 5, at most {MAX_RETRIES}); a 429 "
-        "waits as long as its Retry-After asks (at most 60 s)",
+        "or 503 waits as long as its Retry-After asks (at most 60 s)",
     )
     parser.add_argument("--backoff", type=float, default=0.5, help="first retry delay, seconds")
 

@@ -64,6 +64,7 @@ class ServerState:
     fail_next_posts: int = 0  # answer fail_status before doing anything
     fail_status: int = 503
     conflict_code: str = "round_changed"  # the code of a 409 answered by fail_next_posts
+    retry_after: str | None = None  # the Retry-After of another fail_status (a 503's)
     posts: list[dict] = field(default_factory=list)  # every POST seen: key, replayed
     created: int = 0  # rows ever created (a replacement also counts)
     rows: dict[tuple[int, str], dict] = field(default_factory=dict)  # one per (round, client)
@@ -201,7 +202,8 @@ def make_handler(state: ServerState):
                     if state.fail_status == 413:  # the real API's words for an inflated body
                         return self._send(413, {"detail": "the decompressed body exceeds the "
                                                           "limit of 2097152 bytes"})
-                    return self._send(state.fail_status, {"detail": "database restarting"})
+                    headers = {"Retry-After": state.retry_after} if state.retry_after else None
+                    return self._send(state.fail_status, {"detail": "database restarting"}, headers)
                 if key in state.answers:
                     state.posts.append({"key": key, "replayed": True, "encoding": encoding})
                     status, body = state.answers[key]
@@ -453,6 +455,19 @@ def test_429_waits_as_long_as_the_server_asks(server, tmp_path):
     with SynapseClient(url, TOKEN, retries=2, backoff=0.25, sleep=delays.append) as client:
         result = client.submit(compendium())
     assert result.status == 201 and delays == [7.0]
+
+
+@pytest.mark.parametrize(("retry_after", "waited"), [("7", 7.0), ("3600", 60.0)])
+def test_503_waits_as_long_as_the_server_asks_capped_as_for_429(server, tmp_path, retry_after,
+                                                                waited):
+    """RFC 9110 lets a 503 carry Retry-After (a server in maintenance says when to come back);
+    it was honoured on 429 only, and a 503's wait was the backoff's."""
+    url, state = server
+    state.fail_next_posts, state.retry_after = 1, retry_after
+    delays: list[float] = []
+    with SynapseClient(url, TOKEN, retries=2, backoff=0.25, sleep=delays.append) as client:
+        result = client.submit(compendium())
+    assert result.status == 201 and delays == [waited]
 
 
 def test_gives_up_after_the_retries_with_one_line(server, tmp_path, capsys):
