@@ -27,6 +27,7 @@ from __future__ import annotations
 import datetime as dt
 import gzip
 import hashlib
+import ipaddress
 import json
 import math
 import os
@@ -262,6 +263,17 @@ def _holds_etag(path: Path, etag: str) -> bool:
     return canonical_form(held).sha256 == digest
 
 
+def _loopback(host: str) -> bool:
+    """`host` (as httpx.URL gives it: "::1" without brackets) is this machine: localhost, or a
+    loopback address (127.0.0.0/8, ::1)."""
+    if host.lower().rstrip(".") == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
 class SynapseClient:
     def __init__(
         self,
@@ -308,6 +320,9 @@ class SynapseClient:
                 "which no token has: check --token or SYNAPSE_TOKEN"
             )
         self.server = server.rstrip("/")
+        # The bearer token (and every compendium) goes unencrypted to another machine: said by
+        # the command line, not refused (a federation on a private network may choose it).
+        self.in_clear = url.scheme == "http" and not _loopback(host)
         self.retries = max(0, retries)
         self.backoff = max(0.0, backoff)
         self._sleep = sleep

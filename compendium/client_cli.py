@@ -604,9 +604,22 @@ def _client(args: argparse.Namespace):
         raise CliError(f"--retries must be from 0 to {MAX_RETRIES}, not {args.retries}")
     if not (math.isfinite(args.backoff) and args.backoff >= 0):
         raise CliError(f"--backoff must be 0 or more seconds, not {args.backoff:g}")
-    return SynapseClient(
+    client = SynapseClient(
         args.server, token, timeout=args.timeout, retries=args.retries, backoff=args.backoff
     )
+    if client.in_clear and client.server not in _WARNED_IN_CLEAR:  # once per command
+        _WARNED_IN_CLEAR.add(client.server)
+        print(
+            f"{PROG}: warning: --server {client.server} is plain http:// to another machine: the "
+            "API token and everything sent cross the network unencrypted; use https://",
+            file=sys.stderr,
+        )
+    return client
+
+
+# the servers `_client` warned about in this command (participate and pull --router make two
+# clients of one server); main() starts each command with none
+_WARNED_IN_CLEAR: set[str] = set()
 
 
 # retries of one request at most (each wait capped at 30 s: 100 is about 50 minutes)
@@ -1415,6 +1428,7 @@ def main(argv: list[str] | None = None) -> int:
         if hasattr(stream, "reconfigure"):
             stream.reconfigure(errors="backslashreplace")
     args = build_parser().parse_args(argv)
+    _WARNED_IN_CLEAR.clear()
     try:
         return args.func(args)
     except (CliError, ClientError) as exc:
