@@ -203,6 +203,18 @@ def _check_seed_and_field_cap(args: argparse.Namespace) -> None:
         raise CliError(f"--field-cap must be from 1 to {FIELD_CAP_MAX}")
 
 
+def _out_file(value: str) -> Path:
+    """--out: the file to write. A path that ends in a separator (or in "." or "..") names a
+    folder, which Path would drop: `--out newdir/` wrote a file called newdir. Refused, naming
+    it, before any work."""
+    if os.path.basename(value) in ("", ".", ".."):
+        raise CliError(
+            f"--out {value} names a folder, not a file: --out is the file to write; name a file "
+            "(nothing written)"
+        )
+    return Path(value)
+
+
 def _same_file(a, b) -> bool:
     """Whether the paths `a` and `b` name one existing file."""
     try:
@@ -236,7 +248,7 @@ def cmd_build(args: argparse.Namespace) -> int:
         raise CliError("--shared-word-users must be 0 (off) or at least 2")
     if args.max_words < 0:
         raise CliError(f"--max-words must be 0 (whole requests) or at least 1, not {args.max_words}")
-    out = Path(args.out)
+    out = _out_file(args.out)
     for flag in ("log", "schema", "since", "probe"):  # a typo would overwrite what it reads
         given = getattr(args, flag, None)
         for written in (out, report_path(out)):
@@ -1138,8 +1150,9 @@ def _load_probe_labelled(path: str) -> list[tuple[str, str]] | None:
 
 
 def cmd_fetch_probe(args: argparse.Namespace) -> int:
+    out = _out_file(args.out)
     with _client(args) as client:
-        count = client.fetch_probe(Path(args.out))
+        count = client.fetch_probe(out)
     if count:
         print(f"{args.out}: the public probe set's {count} requests saved")
     else:
@@ -1152,7 +1165,7 @@ def cmd_fetch_probe(args: argparse.Namespace) -> int:
 
 
 def cmd_pull(args: argparse.Namespace) -> int:
-    out = Path(args.out)
+    out = _out_file(args.out)
     with _client(args) as client:
         result = client.pull(out, round_number=args.round)
     for warning in result.warnings:

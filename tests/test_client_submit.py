@@ -1089,3 +1089,31 @@ def test_retries_help_names_what_is_retried(command, capsys):
     assert exit_.value.code == 0
     text = " ".join(capsys.readouterr().out.split())
     assert "--retries RETRIES retries on network errors, 5xx and 429" in text
+
+
+@pytest.mark.parametrize("command", ["build", "pull", "fetch-probe"])
+@pytest.mark.parametrize("suffix", [os.sep, os.sep + "."])
+def test_an_out_path_that_names_a_folder_is_refused_not_written_as_a_file(
+    server, tmp_path, capsys, command, suffix
+):
+    """--out is the file to write. `--out newdir/`, a folder that does not exist, wrote a file
+    called newdir (the trailing separator is lost once it is a Path)."""
+    url, state = server
+    _publish(state, compendium())
+    out = str(tmp_path / "newdir") + suffix
+    if command == "build":
+        log, schema_path = tmp_path / "usage.jsonl", tmp_path / "schema.json"
+        log.write_text(json.dumps({"query": "Will it rain?", "tool": "weather",
+                                   "outcome": "success", "latency_ms": 3, "user": "u1"}) + "\n")
+        schema_path.write_text(SCHEMA.model_dump_json(), encoding="utf-8")
+        args = ["build", "--log", str(log), "--schema", str(schema_path), "--no-collapse",
+                "--quiet", "--out", out]
+    else:
+        args = [command, "--server", url, "--token", TOKEN, "--backoff", "0", "--out", out]
+    before = sorted(p.name for p in tmp_path.iterdir())
+    assert main(args) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == [f"synapse-client: --out {out} names a folder, not a file: --out is the file "
+                   "to write; name a file (nothing written)"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == before
+    assert state.global_requests == []  # refused before anything is asked of the server
