@@ -17,14 +17,17 @@ Speaks the REST API exactly as the server defines it:
   global ({"round", "global_sha256", "rows_sha256", "files": [{"path", "size", "sha256"}], ...});
   404 with a `code` when there is none; each file at `.../router/files/<path>`.
 
-Network errors, 5xx and 429 are retried with exponential backoff. A POST is safe to retry because
+Network errors, 5xx and 429 are retried with exponential backoff, or as long as a 429's or a
+503's `Retry-After` asks (at most a minute). A POST is safe to retry because
 the idempotency key is derived from the content and the round: the server stores it once.
 """
 
 from __future__ import annotations
 
+import datetime as dt
 import gzip
 import hashlib
+import ipaddress
 import json
 import math
 import os
@@ -158,6 +161,30 @@ def weaker_masking(round_info: dict[str, Any], applied: float | None) -> str | N
     return f"round {round_info['number']} expects masking strength λ >= {expected:g}"
 
 
+# What `submit` says when the server refuses a submission because no round takes it (409 without
+# a `code`), before the server's own words
+NO_ROUND_FOR_SUBMISSION = "the server has no round open for this submission"
+
+
+def deadline_passed(round_info: dict[str, Any], now: dt.datetime | None = None) -> str | None:
+    """The server's refusal of a submission to the open round `round_info` (as the rounds
+    endpoint gives it) once its deadline (`closes_at`) has passed, in the server's words (the
+    round takes no more submissions and closes at the server's next check); None while it takes
+    them (no deadline, one to come, or one that does not parse). Judged by this machine's clock,
+    as `status` judges it."""
+    stamp = round_info.get("closes_at")
+    try:
+        closes_at = dt.datetime.fromisoformat(stamp).astimezone(dt.UTC) if stamp else None
+    except (TypeError, ValueError):
+        return None
+    if closes_at is None or closes_at > (now or dt.datetime.now(dt.UTC)):
+        return None
+    return (
+        f"round {round_info['number']} stopped taking submissions at its deadline "
+        f"({closes_at.isoformat()}); it closes shortly"
+    )
+
+
 # How many times one submit sends a compendium again under a new key when the server says the
 # key's submission was replaced by a later one (A, then B, then A again: A's key is replaced).
 MAX_RESUBMISSIONS = 50
@@ -236,6 +263,17 @@ def _holds_etag(path: Path, etag: str) -> bool:
     return canonical_form(held).sha256 == digest
 
 
+def _loopback(host: str) -> bool:
+    """`host` (as httpx.URL gives it: "::1" without brackets) is this machine: localhost, or a
+    loopback address (127.0.0.0/8, ::1)."""
+    if host.lower().rstrip(".") == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
 class SynapseClient:
     def __init__(
         self,
@@ -282,6 +320,9 @@ class SynapseClient:
                 "which no token has: check --token or SYNAPSE_TOKEN"
             )
         self.server = server.rstrip("/")
+        # The bearer token (and every compendium) goes unencrypted to another machine: said by
+        # the command line, not refused (a federation on a private network may choose it).
+        self.in_clear = url.scheme == "http" and not _loopback(host)
         self.retries = max(0, retries)
         self.backoff = max(0.0, backoff)
         self._sleep = sleep
@@ -307,7 +348,9 @@ class SynapseClient:
         self.close()
 
     def _delay(self, attempt: int, response: httpx.Response | None) -> float:
-        if response is not None and response.status_code == 429:
+        """How long to wait before the next try: a 429's or a 503's Retry-After in seconds (RFC
+        9110 allows it on both), at most MAX_RETRY_AFTER_S; otherwise the backoff, doubling."""
+        if response is not None and response.status_code in (429, 503):
             retry_after = response.headers.get("Retry-After", "")
             try:
                 return min(MAX_RETRY_AFTER_S, max(0.0, float(retry_after)))
@@ -496,7 +539,7 @@ class SynapseClient:
             if code == "schema_changed":
                 raise ClientError(f"the server's schema changed while it checked the submission: "
                                   f"{_detail(response)}")
-            raise ClientError(f"the server has no round open for this submission: {_detail(response)}")
+            raise ClientError(f"{NO_ROUND_FOR_SUBMISSION}: {_detail(response)}")
         if status == 413:
             sent = f"{len(body)} sent{f' {encoding}' if encoding else ''}"
             raise ClientError(
@@ -954,13 +997,35 @@ def sent_file(folder: Path) -> Path:
     return Path(folder) / "sent.json"
 
 
+def _sent_record(path: Path) -> dict:
+    """The record at `path` as JSON ({"rounds": {round number (str): [keys]}, "nothing_new":
+    [round numbers]}); {} when missing or unreadable."""
+    try:
+        record = json.loads(Path(path).read_bytes())
+    except (OSError, ValueError):
+        return {}
+    return record if isinstance(record, dict) else {}
+
+
 def _sent_rounds(path: Path) -> dict:
     """The record at `path`: {round number (str): [keys]}; {} when missing or unreadable."""
-    try:
-        rounds = json.loads(Path(path).read_bytes()).get("rounds", {})
-    except (OSError, ValueError, AttributeError):
-        return {}
+    rounds = _sent_record(path).get("rounds", {})
     return rounds if isinstance(rounds, dict) else {}
+
+
+def _nothing_new_rounds(path: Path) -> set[int]:
+    """The rounds in which `participate` had nothing new to send (`record_nothing_new`)."""
+    numbers = _sent_record(path).get("nothing_new", [])
+    if not isinstance(numbers, list):
+        return set()
+    return {n for n in numbers if isinstance(n, int) and not isinstance(n, bool)}
+
+
+def _write_sent(path: Path, rounds: dict, nothing_new: set[int]) -> None:
+    record: dict[str, Any] = {"rounds": rounds}
+    if nothing_new:
+        record["nothing_new"] = sorted(nothing_new)
+    write_atomically(Path(path), json.dumps(record, sort_keys=True).encode("utf-8"))
 
 
 def merged_rounds(published: list[dict[str, Any]], global_round: int | None) -> set[int]:
@@ -1003,7 +1068,21 @@ def record_sent(path: Path, round_number: int, keys: set[str]) -> None:
     same round replaces it, as the server replaces the submission."""
     rounds = _sent_rounds(path)
     rounds[str(round_number)] = sorted(keys)
-    write_atomically(Path(path), json.dumps({"rounds": rounds}, sort_keys=True).encode("utf-8"))
+    _write_sent(path, rounds, _nothing_new_rounds(path) - {round_number})
+
+
+def record_nothing_new(path: Path, round_number: int) -> None:
+    """Record that `participate` had nothing new to send in `round_number` (the pulled global
+    covers everything; the server refuses an empty compendium): this client's part of the round
+    is done, which `status --require-submitted --dir` reads (`had_nothing_new`). What an earlier
+    submission to the round held stays recorded."""
+    _write_sent(path, _sent_rounds(path), _nothing_new_rounds(path) | {round_number})
+
+
+def had_nothing_new(path: Path, round_number: int) -> bool:
+    """Whether `participate` recorded at `path` that it had nothing new to send in
+    `round_number`; False without a record, or when it cannot be read."""
+    return round_number in _nothing_new_rounds(path)
 
 
 def special_file(path: Path) -> str | None:

@@ -203,6 +203,18 @@ def _check_seed_and_field_cap(args: argparse.Namespace) -> None:
         raise CliError(f"--field-cap must be from 1 to {FIELD_CAP_MAX}")
 
 
+def _out_file(value: str) -> Path:
+    """--out: the file to write. A path that ends in a separator (or in "." or "..") names a
+    folder, which Path would drop: `--out newdir/` wrote a file called newdir. Refused, naming
+    it, before any work."""
+    if os.path.basename(value) in ("", ".", ".."):
+        raise CliError(
+            f"--out {value} names a folder, not a file: --out is the file to write; name a file "
+            "(nothing written)"
+        )
+    return Path(value)
+
+
 def _same_file(a, b) -> bool:
     """Whether the paths `a` and `b` name one existing file."""
     try:
@@ -236,7 +248,7 @@ def cmd_build(args: argparse.Namespace) -> int:
         raise CliError("--shared-word-users must be 0 (off) or at least 2")
     if args.max_words < 0:
         raise CliError(f"--max-words must be 0 (whole requests) or at least 1, not {args.max_words}")
-    out = Path(args.out)
+    out = _out_file(args.out)
     for flag in ("log", "schema", "since", "probe"):  # a typo would overwrite what it reads
         given = getattr(args, flag, None)
         for written in (out, report_path(out)):
@@ -604,9 +616,22 @@ def _client(args: argparse.Namespace):
         raise CliError(f"--retries must be from 0 to {MAX_RETRIES}, not {args.retries}")
     if not (math.isfinite(args.backoff) and args.backoff >= 0):
         raise CliError(f"--backoff must be 0 or more seconds, not {args.backoff:g}")
-    return SynapseClient(
+    client = SynapseClient(
         args.server, token, timeout=args.timeout, retries=args.retries, backoff=args.backoff
     )
+    if client.in_clear and client.server not in _WARNED_IN_CLEAR:  # once per command
+        _WARNED_IN_CLEAR.add(client.server)
+        print(
+            f"{PROG}: warning: --server {client.server} is plain http:// to another machine: the "
+            "API token and everything sent cross the network unencrypted; use https://",
+            file=sys.stderr,
+        )
+    return client
+
+
+# the servers `_client` warned about in this command (participate and pull --router make two
+# clients of one server); main() starts each command with none
+_WARNED_IN_CLEAR: set[str] = set()
 
 
 # retries of one request at most (each wait capped at 30 s: 100 is about 50 minutes)
@@ -762,6 +787,14 @@ def _checks(*checks):
 
 
 def cmd_submit(args: argparse.Namespace) -> int:
+    _submit(args)
+    return 0
+
+
+def _submit(args: argparse.Namespace):
+    """`submit`: send the compendium, print what happened and return the SubmissionResult (the
+    server's answer names the round it stored the submission in); a CliError or ClientError
+    when nothing was stored."""
     from compendium.client_api import SubmissionRejected, nothing_to_submit
 
     compendium = _load_compendium(args.compendium)
@@ -809,19 +842,25 @@ def cmd_submit(args: argparse.Namespace) -> int:
         print(f"{PROG}: warning: {warning}", file=sys.stderr)
     body = result.body
     again = " (the server already had it: replayed, not stored twice)" if result.replayed else ""
-    if result.reinstated:
+    if result.reinstated and result.replayed:
+        # A later submission had replaced it under its first key, and an earlier run (or a try
+        # whose answer was lost) already put it back under the key printed: nothing went again.
+        again = (
+            "; a later submission had replaced it under its first key, and it is already in "
+            "effect under the key that follows (the server already had it: replayed, not stored twice)"
+        )
+    elif result.reinstated:
         again = (
             "; its earlier submission to this round had been replaced by a later one, so it "
             "went again under a new key and is in effect again"
-            + (" (the server already had it under that key: replayed)" if result.replayed else "")
         )
     print(
         f"{args.compendium}: submitted to round {result.round} as submission {body.get('id')}, "
         f"sha256 {str(body.get('sha256', ''))[:12]}…, {body.get('size_bytes')} bytes "
         f"({result.sent_bytes} sent, {result.content_encoding or 'plain'}){again}; "
-        f"key {result.idempotency_key[:24]}…"
+        f"key {result.idempotency_key}"  # whole: a key sent again ends in -2, -3, ...
     )
-    return 0
+    return result
 
 
 def _server_time(stamp: object) -> datetime | None:
@@ -846,9 +885,10 @@ def _past(stamp: object) -> bool:
 
 def cmd_status(args: argparse.Namespace) -> int:
     """Where this client stands: the open round and what the client submitted to it, and the
-    latest published global. Exit status 0; 3 with --require-submitted when the open round has
-    no submission of this client in effect (for a scheduler to act on)."""
-    from compendium.client_api import round_config
+    latest published global. Exit status 0; 3 with --require-submitted when this client's part
+    of the open round is not done (for a scheduler to act on): it has no submission in effect,
+    and participate did not record in --dir that it had nothing new to send in the round."""
+    from compendium.client_api import had_nothing_new, round_config, sent_file
 
     with _client(args) as client:
         open_rounds = client.rounds("open")
@@ -879,7 +919,13 @@ def cmd_status(args: argparse.Namespace) -> int:
             else:
                 print(f"  it takes submissions until {_when(current['closes_at'])}, then closes")
         effective = [s for s in mine if s.get("in_effect")]
-        if not effective:
+        ledger = sent_file(Path(args.dir)) if args.dir else None
+        if not effective and ledger and had_nothing_new(ledger, current["number"]):
+            print(
+                f"  participate had nothing new to send to round {current['number']} (recorded "
+                f"in {ledger}): this client's part of the round is done"
+            )
+        elif not effective:
             missing = True
             print(f"  this client has not submitted to round {current['number']} yet")
         for sub in effective:
@@ -920,12 +966,15 @@ def cmd_participate(args: argparse.Namespace) -> int:
     again. Running it again in the same round sends the same bytes (replayed by the server, not
     stored twice) or, after new usage, replaces the round's earlier submission."""
     from compendium.client_api import (
+        NO_ROUND_FOR_SUBMISSION,
         CannotWrite,
         NothingPublished,
+        deadline_passed,
         etag_file,
         head_file,
         merged_rounds,
         nothing_to_submit,
+        record_nothing_new,
         record_sent,
         round_config,
         round_mask_strength,
@@ -952,6 +1001,9 @@ def cmd_participate(args: argparse.Namespace) -> int:
     probe_path, out = folder / "probe.json", folder / "compendium.json"
     with _client(args) as client:
         current = client.open_round()  # no open round: one clear error, nothing built
+        late = deadline_passed(current)
+        if late:  # the server would refuse the submission with these words, after the build
+            raise CliError(f"{NO_ROUND_FOR_SUBMISSION}: {late}")
         required = round_field_cap(current, "nothing built or sent")
         field_cap = required if args.field_cap is None else args.field_cap
         if required is not None and field_cap > required:
@@ -1037,18 +1089,28 @@ def cmd_participate(args: argparse.Namespace) -> int:
     built = _load_compendium(str(out))
     if nothing_to_submit(built):
         print(f"{out}: nothing new since the global: nothing sent this round")
+        try:  # this client's part of the round is done: status --require-submitted --dir
+            record_nothing_new(ledger, current["number"])
+        except CannotWrite as exc:
+            print(f"{PROG}: warning: {exc}: status --require-submitted --dir will not know that "
+                  "this round is done", file=sys.stderr)
         return 0
-    status = cmd_submit(argparse.Namespace(
+    result = _submit(argparse.Namespace(
         **{**vars(args), "compendium": str(out), "no_gzip": False, "since": since,
            "schema": None if since else str(schema_path), "probe": None if since else str(probe_path)},
     ))
-    if status == 0:
-        try:
-            record_sent(ledger, current["number"], sent_keys(built))
-        except CannotWrite as exc:
-            print(f"{PROG}: warning: {exc}: the next round may send some of this again",
-                  file=sys.stderr)
-    return status
+    # Recorded under the round the server stored it in, which its answer names: when the round
+    # read above closed during the build and another opened, submit checked and sent it for that
+    # one (X-Synapse-Round), not for `current`.
+    stored_in = result.body.get("round")
+    if isinstance(stored_in, bool) or not isinstance(stored_in, int):
+        stored_in = result.round
+    try:
+        record_sent(ledger, stored_in, sent_keys(built))
+    except CannotWrite as exc:
+        print(f"{PROG}: warning: {exc}: the next round may send some of this again",
+              file=sys.stderr)
+    return 0
 
 
 def _probe_document(path: str):
@@ -1089,8 +1151,9 @@ def _load_probe_labelled(path: str) -> list[tuple[str, str]] | None:
 
 
 def cmd_fetch_probe(args: argparse.Namespace) -> int:
+    out = _out_file(args.out)
     with _client(args) as client:
-        count = client.fetch_probe(Path(args.out))
+        count = client.fetch_probe(out)
     if count:
         print(f"{args.out}: the public probe set's {count} requests saved")
     else:
@@ -1103,7 +1166,7 @@ def cmd_fetch_probe(args: argparse.Namespace) -> int:
 
 
 def cmd_pull(args: argparse.Namespace) -> int:
-    out = Path(args.out)
+    out = _out_file(args.out)
     with _client(args) as client:
         result = client.pull(out, round_number=args.round)
     for warning in result.warnings:
@@ -1147,7 +1210,11 @@ def _add_server_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--token", help="client API token (default: $SYNAPSE_TOKEN)")
     parser.add_argument("--timeout", type=float, default=30.0, help="seconds per request")
-    parser.add_argument("--retries", type=int, default=5, help="retries on network errors/5xx")
+    parser.add_argument(
+        "--retries", type=int, default=5,
+        help=f"retries on network errors, 5xx and 429 (default 5, at most {MAX_RETRIES}); a 429 "
+        "or 503 waits as long as its Retry-After asks (at most 60 s)",
+    )
     parser.add_argument("--backoff", type=float, default=0.5, help="first retry delay, seconds")
 
 
@@ -1340,7 +1407,15 @@ def build_parser() -> argparse.ArgumentParser:
     status.add_argument(
         "--require-submitted",
         action="store_true",
-        help="exit with status 3 when the open round has no submission of this client in effect",
+        help="exit with status 3 when this client's part of the open round is not done, for a "
+        "scheduler to run participate again: no submission of it is in effect and (with --dir) "
+        "participate did not record that it had nothing new to send in the round (the pulled "
+        "global covers everything: that round is done too); 0 otherwise, also with no round open",
+    )
+    status.add_argument(
+        "--dir", default=None,
+        help="participate's --dir: its record (sent.json) of the rounds in which it had nothing "
+        "new to send, which --require-submitted counts as done (without it, such a round exits 3)",
     )
     _add_server_arguments(status)
     status.set_defaults(func=cmd_status)
@@ -1367,6 +1442,7 @@ def main(argv: list[str] | None = None) -> int:
         if hasattr(stream, "reconfigure"):
             stream.reconfigure(errors="backslashreplace")
     args = build_parser().parse_args(argv)
+    _WARNED_IN_CLEAR.clear()
     try:
         return args.func(args)
     except (CliError, ClientError) as exc:

@@ -521,3 +521,61 @@ def test_participate_without_the_embedding_model_works_once_a_global_is_publishe
     stored = Submission.objects.get(client=world.client_a, round__number=2)
     assert stored.content_encoding == "dcz"
     assert json.loads((state / "compendium.json").read_text())["scenarios"] == built["scenarios"]
+
+
+def test_participate_past_the_rounds_deadline_stops_before_building_as_the_server_refuses(
+    live_server, world, valid_doc, tmp_path, capsys
+):
+    """The open round's deadline has passed (it closes at the server's next check): participate
+    downloaded, built (15-60 s) and only then got the server's refusal, though the rounds
+    endpoint it reads first gives the deadline. It stops at once, with the words and the exit
+    status of the server's refusal."""
+    log, state = tmp_path / "usage.jsonl", tmp_path / "state"
+    _usage_log(log)
+    server = ["--server", live_server.url, "--token", world.token_a, "--backoff", "0"]
+    rnd = services.open_round(services.Actor(None), {"mask_strength": 1.0},
+                              closes_at=timezone.now() + dt.timedelta(hours=1))
+    Round.objects.filter(pk=rnd.pk).update(closes_at=timezone.now() - dt.timedelta(minutes=5))
+    doc_path = tmp_path / "c.json"
+    doc_path.write_text(json.dumps(dict(valid_doc, masking={"strength": 1.0, "masked_fraction": 0.3})),
+                        encoding="utf-8")
+    assert main(["submit", str(doc_path), *server]) == 1
+    refusal = capsys.readouterr().err.strip()
+    assert "stopped taking submissions at its deadline" in refusal
+    assert main(["participate", "--log", str(log), "--dir", str(state), "--quiet", "--no-collapse",
+                 *server]) == 1
+    captured = capsys.readouterr()
+    assert captured.err.strip() == refusal and captured.out == ""
+    _nothing_built_or_sent(state)
+
+
+def test_submit_prints_the_whole_key_and_what_a_resend_of_content_in_effect_did(
+    live_server, world, valid_doc, small_schema, tmp_path, capsys
+):
+    """submit cut the idempotency key to 24 characters, hiding the -2/-3 of a key sent again
+    after a replacement; and A, B, A, then A once more (A is in effect under -2 already, the
+    server replays it) said A "went again under a new key and is in effect again" before
+    "(replayed)": nothing went again, it was already in effect."""
+    services.open_round(services.Actor(None))
+    server = ["--server", live_server.url, "--token", world.token_a, "--backoff", "0"]
+    paths = {}
+    for name, doc in (("a", valid_doc), ("b", dict(valid_doc, scenarios=valid_doc["scenarios"][1:]))):
+        paths[name] = tmp_path / f"{name}.json"
+        paths[name].write_text(json.dumps(
+            dict(doc, masking={"strength": 1.0, "masked_fraction": 0.2})), encoding="utf-8")
+    sha = canonical_form(load_valid_compendium(
+        json.loads(paths["a"].read_text()), small_schema)).sha256
+    assert main(["submit", str(paths["a"]), *server]) == 0
+    assert capsys.readouterr().out.rstrip().endswith(f"; key r1-{sha}")
+    assert main(["submit", str(paths["b"]), *server]) == 0
+    capsys.readouterr()
+    assert main(["submit", str(paths["a"]), *server]) == 0
+    out = capsys.readouterr().out
+    assert "went again under a new key and is in effect again" in out and "replayed" not in out
+    assert out.rstrip().endswith(f"; key r1-{sha}-2")
+    assert main(["submit", str(paths["a"]), *server]) == 0
+    out = capsys.readouterr().out
+    assert "went again" not in out and "in effect again" not in out
+    assert "already in effect under the key that follows" in out and "replayed, not stored twice" in out
+    assert out.rstrip().endswith(f"; key r1-{sha}-2")
+    assert Submission.objects.filter(client=world.client_a).count() == 3

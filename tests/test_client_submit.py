@@ -19,6 +19,7 @@ import threading
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
 from urllib.parse import parse_qs, urlparse
 
 import numpy as np
@@ -63,6 +64,7 @@ class ServerState:
     fail_next_posts: int = 0  # answer fail_status before doing anything
     fail_status: int = 503
     conflict_code: str = "round_changed"  # the code of a 409 answered by fail_next_posts
+    retry_after: str | None = None  # the Retry-After of another fail_status (a 503's)
     posts: list[dict] = field(default_factory=list)  # every POST seen: key, replayed
     created: int = 0  # rows ever created (a replacement also counts)
     rows: dict[tuple[int, str], dict] = field(default_factory=dict)  # one per (round, client)
@@ -200,7 +202,8 @@ def make_handler(state: ServerState):
                     if state.fail_status == 413:  # the real API's words for an inflated body
                         return self._send(413, {"detail": "the decompressed body exceeds the "
                                                           "limit of 2097152 bytes"})
-                    return self._send(state.fail_status, {"detail": "database restarting"})
+                    headers = {"Retry-After": state.retry_after} if state.retry_after else None
+                    return self._send(state.fail_status, {"detail": "database restarting"}, headers)
                 if key in state.answers:
                     state.posts.append({"key": key, "replayed": True, "encoding": encoding})
                     status, body = state.answers[key]
@@ -452,6 +455,19 @@ def test_429_waits_as_long_as_the_server_asks(server, tmp_path):
     with SynapseClient(url, TOKEN, retries=2, backoff=0.25, sleep=delays.append) as client:
         result = client.submit(compendium())
     assert result.status == 201 and delays == [7.0]
+
+
+@pytest.mark.parametrize(("retry_after", "waited"), [("7", 7.0), ("3600", 60.0)])
+def test_503_waits_as_long_as_the_server_asks_capped_as_for_429(server, tmp_path, retry_after,
+                                                                waited):
+    """RFC 9110 lets a 503 carry Retry-After (a server in maintenance says when to come back);
+    it was honoured on 429 only, and a 503's wait was the backoff's."""
+    url, state = server
+    state.fail_next_posts, state.retry_after = 1, retry_after
+    delays: list[float] = []
+    with SynapseClient(url, TOKEN, retries=2, backoff=0.25, sleep=delays.append) as client:
+        result = client.submit(compendium())
+    assert result.status == 201 and delays == [waited]
 
 
 def test_gives_up_after_the_retries_with_one_line(server, tmp_path, capsys):
@@ -1035,3 +1051,112 @@ def test_rejected_paths_point_into_the_submitted_file_not_the_canonical_order(se
         f"{path}: $.metadata[2].tool_id: duplicate tool id 'weather': already at $.metadata[0]",
     }
     assert set(remote[:-1]) == expected and set(local) == expected
+
+
+def test_participate_records_what_it_sent_under_the_round_the_server_stored_it_in(
+    server, tmp_path, capsys, monkeypatch
+):
+    """Round 4 closes and round 5 opens while participate builds: submit reads the open round
+    again, checks the compendium for round 5 and the server stores it there (its answer names
+    the round). sent.json recorded it under round 4, the round read before the build, so the
+    next round's build would leave out or send again the wrong entries."""
+    import compendium.client_cli as cli
+
+    url, state = server
+    log = tmp_path / "usage.jsonl"
+    log.write_text(json.dumps({"query": "Will it rain tomorrow in a city?", "tool": "weather",
+                               "outcome": "success", "latency_ms": 3, "user": "u1"}) + "\n",
+                   encoding="utf-8")
+    build = cli.cmd_build
+
+    def build_while_the_round_turns(args):
+        status = build(args)
+        state.round_number = 5
+        return status
+
+    monkeypatch.setattr(cli, "cmd_build", build_while_the_round_turns)
+    folder = tmp_path / "state"
+    assert main(["participate", "--log", str(log), "--dir", str(folder), "--no-collapse",
+                 "--quiet", "--server", url, "--token", TOKEN, "--backoff", "0"]) == 0
+    assert "round 4: no global yet" in capsys.readouterr().out
+    assert list(state.rows) == [(5, "client-1")]  # stored in round 5, as the answer says
+    recorded = json.loads((folder / "sent.json").read_text(encoding="utf-8"))["rounds"]
+    assert list(recorded) == ["5"] and recorded["5"]
+
+
+def test_a_round_participate_had_nothing_new_for_counts_as_done_for_a_scheduler(
+    server, tmp_path, capsys, monkeypatch
+):
+    """When the pulled global covers everything, participate sends nothing (the server refuses
+    an empty compendium) and the round has no submission of this client: status
+    --require-submitted exited 3 for the rest of the round, and a scheduler retrying on 3
+    rebuilt for ever. participate records that it had nothing new in the round (sent.json);
+    status --dir reads it: the client's part of the round is done."""
+    import compendium.client_cli as cli
+    from compendium.client_api import record_sent, sent_before, sent_file
+
+    url, state = server
+    folder = tmp_path / "state"
+
+    def build_covered_by_the_global(args):  # what build --since writes when the global covers all
+        Path(args.out).write_text(Compendium().model_dump_json(), encoding="utf-8")
+        return 0
+
+    monkeypatch.setattr(cli, "cmd_build", build_covered_by_the_global)
+    server_args = ["--server", url, "--token", TOKEN, "--backoff", "0"]
+    log = tmp_path / "usage.jsonl"
+    log.write_text("", encoding="utf-8")
+    _publish(state, compendium(), number=3)
+    record_sent(sent_file(folder), 3, {"k"})  # what round 3's submission held stays recorded
+    assert main(["participate", "--log", str(log), "--dir", str(folder), "--no-collapse",
+                 "--quiet", *server_args]) == 0
+    assert "nothing new since the global: nothing sent this round" in capsys.readouterr().out
+    assert state.posts == [] and sent_before(sent_file(folder), {3}) == {"k"}
+    status = ["status", "--require-submitted", *server_args]
+    assert main(status) == 3  # the server alone cannot tell: no submission in effect
+    capsys.readouterr()
+    assert main([*status, "--dir", str(folder)]) == 0
+    assert ("participate had nothing new to send to round 4 (recorded in "
+            f"{sent_file(folder)}): this client's part of the round is done") in capsys.readouterr().out
+    state.round_number = 5  # the next round: not done until participate runs in it
+    assert main([*status, "--dir", str(folder)]) == 3
+    assert main([*status, "--dir", str(tmp_path / "elsewhere")]) == 3
+
+
+@pytest.mark.parametrize("command", ["submit", "pull", "participate", "status", "fetch-probe"])
+def test_retries_help_names_what_is_retried(command, capsys):
+    """--retries said "retries on network errors/5xx", but a 429 is retried too (waiting as
+    long as its Retry-After asks)."""
+    with pytest.raises(SystemExit) as exit_:
+        main([command, "--help"])
+    assert exit_.value.code == 0
+    text = " ".join(capsys.readouterr().out.split())
+    assert "--retries RETRIES retries on network errors, 5xx and 429" in text
+
+
+@pytest.mark.parametrize("command", ["build", "pull", "fetch-probe"])
+@pytest.mark.parametrize("suffix", [os.sep, os.sep + "."])
+def test_an_out_path_that_names_a_folder_is_refused_not_written_as_a_file(
+    server, tmp_path, capsys, command, suffix
+):
+    """--out is the file to write. `--out newdir/`, a folder that does not exist, wrote a file
+    called newdir (the trailing separator is lost once it is a Path)."""
+    url, state = server
+    _publish(state, compendium())
+    out = str(tmp_path / "newdir") + suffix
+    if command == "build":
+        log, schema_path = tmp_path / "usage.jsonl", tmp_path / "schema.json"
+        log.write_text(json.dumps({"query": "Will it rain?", "tool": "weather",
+                                   "outcome": "success", "latency_ms": 3, "user": "u1"}) + "\n")
+        schema_path.write_text(SCHEMA.model_dump_json(), encoding="utf-8")
+        args = ["build", "--log", str(log), "--schema", str(schema_path), "--no-collapse",
+                "--quiet", "--out", out]
+    else:
+        args = [command, "--server", url, "--token", TOKEN, "--backoff", "0", "--out", out]
+    before = sorted(p.name for p in tmp_path.iterdir())
+    assert main(args) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == [f"synapse-client: --out {out} names a folder, not a file: --out is the file "
+                   "to write; name a file (nothing written)"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == before
+    assert state.global_requests == []  # refused before anything is asked of the server
