@@ -1150,3 +1150,48 @@ def test_local_only_is_the_mean_over_the_honest_clients_alone(tiny_dataset, monk
     assert len(alone) == 2
     row = next(r for r in result.rows if r["method"] == "local_only")
     assert row["accuracy"] == round(float(np.mean(alone)), 4)
+
+
+def test_a_drift_round_without_test_queries_is_not_measured_rather_than_scored_zero(tmp_path, capsys):
+    """Under drift each round is scored on the held-out queries of the categories in use then.
+    Here category y's tools have two queries each (never tested): a round in which only y is in
+    use has nothing to score. It was scored 0.000, printed and written as if measured, and
+    pulled every mean over the rounds down; now it is null in the JSON, n/a in the table, left
+    out of the means, and a progress line says why."""
+    from federation.simulation.report import _shape_problem, summarize
+    from federation.simulation.runner import drift_plan
+
+    folder = _small_dataset(tmp_path / "d", [("a", "x"), ("b", "x"), ("c", "y"), ("d", "y")],
+                            [20, 20, 2, 2])
+    seed = next(s for s in range(20) if drift_plan(["x", "y"], 2, 1, s)["y"] == 1)
+    out = tmp_path / "drift.json"
+    stdout = io.StringIO()
+    call_command(
+        "simulate", "--dataset", str(folder), "--orgs", "1", "--clients-per-org", "2",
+        "--partition", "iid", "--rounds", "2", "--drift-every", "1", "--seed", str(seed),
+        "--no-baselines", "--no-diagnostics", "--in-memory", "--no-store", "--out", str(out),
+        "--embedding-model", FP32, "--sweep-cadence", "1", stdout=stdout,
+    )
+    document = json.loads(out.read_text())
+    synapse = {r["round"]: r for r in document["results"] if r["method"] == "synapse"}
+    assert synapse[1]["accuracy"] is None and synapse[1]["macro_accuracy"] is None
+    assert synapse[2]["accuracy"] is not None and synapse[2]["accuracy"] > 0
+    assert document["rounds"][0][0]["test_queries"] == 0
+    summary = {(r["method"], r["round"]): r for r in document["summary"]}
+    assert summary[("synapse", 1)]["accuracy_mean"] is None
+    assert summary[("synapse", 1)]["seeds"] == 0  # no seed measured it
+    assert summary[("synapse", 2)]["accuracy_mean"] == synapse[2]["accuracy"]
+    # The cadence sweep's round-1 figure is none either, not a 0 in its mean over the rounds.
+    (cadence,) = document["cadence"]
+    assert cadence["accuracy_round_1"] is None
+    assert cadence["accuracy_round_2"] == synapse[2]["accuracy"]
+    table = stdout.getvalue()
+    line = next(line for line in table.splitlines() if re.match(r"synapse\s+1 ", line))
+    assert "n/a" in line and "0.000" not in line
+    assert "not measured" in table
+    err = capsys.readouterr().err
+    assert re.search(r"round 1: not measured: none of the \d+ test queries is of the categories "
+                     r"in use then \(y\)", err), err
+    # A document with such a round is still one --combine and the summary read.
+    assert _shape_problem(document) is None
+    assert summarize(document["results"]) == document["summary"]
