@@ -481,7 +481,7 @@ class Simulation:
         report = accuracy_report(
             [d.tool or "" for d in decisions],
             [q.tool_id for q in test],
-            [q.category or self.category_of.get(q.tool_id, "") for q in test],
+            [self.category_of.get(q.tool_id, "") for q in test],  # the tool's (`_categories`)
         )
         return report, decisions
 
@@ -977,7 +977,7 @@ class Simulation:
         return accuracy_report(
             predicted,
             [q.tool_id for q in test],
-            [q.category or self.category_of.get(q.tool_id, "") for q in test],
+            [self.category_of.get(q.tool_id, "") for q in test],  # the tool's (`_categories`)
         )
 
     # --- privacy -----------------------------------------------------------------------------
