@@ -39,18 +39,35 @@ def federation_parser(description: str) -> argparse.ArgumentParser:
 
 def federation_simulation(args, name: str, **config):
     """(dataset, `federation.simulation.runner.Simulation`) for the options `federation_parser`
-    reads (dataset, orgs, clients per org, partition, embedding model), with `config`'s
-    `SimulationConfig` fields on top, reporting progress on stderr as `name`. Needs Django set
-    up."""
-    from compendium.registry import load_dataset
+    reads (dataset, orgs, clients per org, partition, seeds, embedding model), with `config`'s
+    `SimulationConfig` fields on top, reporting progress on stderr as `name`. A dataset that
+    cannot be read, or that `simulate` refuses for this federation
+    (`federation.simulation.data.federation_problem`, on every seed the script plays), stops
+    the script with one line, before the model loads. Needs Django set up."""
+    from compendium.registry import RegistryFormatError, load_dataset
     from compendium.schema import Schema
+    from federation.simulation.data import federation_problem
     from federation.simulation.runner import Simulation, SimulationConfig
     from routing.embeddings import get_engine
 
-    dataset = load_dataset(args.dataset)
+    try:
+        dataset = load_dataset(args.dataset)
+    except RegistryFormatError as exc:
+        raise SystemExit(f"{name}: {exc}") from None
     settings = SimulationConfig(
         orgs=args.orgs, clients_per_org=args.clients_per_org, partition=args.partition, **config
     )
+    seeds = range(args.seed, args.seed + max(1, getattr(args, "seeds", 1)))
+    try:
+        problem = federation_problem(
+            dataset, seeds, orgs=settings.orgs, clients_per_org=settings.clients_per_org,
+            partition=settings.partition, probe_fraction=settings.probe_fraction,
+            test_fraction=settings.test_fraction, drift_every=settings.drift_every,
+        )
+    except ValueError as exc:  # no organization or client (partition_train)
+        problem = str(exc)
+    if problem:
+        raise SystemExit(f"{name}: {problem}")
     simulation = Simulation(
         dataset, Schema(tools=dataset.tools), get_engine(args.embedding_model), settings,
         lambda message: print(f"{name}: {message}", file=sys.stderr, flush=True),

@@ -91,3 +91,69 @@ def test_the_confusion_margin_wrapper_reaches_the_federations_merges(tiny_datase
     assert document["config"]["through_services"] is False
     assert document["screening"]["adversarial_submissions"] > 0
     assert document["screening"]["dropped_adversarial"] == 0  # the source check was off
+
+
+def _load(script: str, monkeypatch):
+    monkeypatch.syspath_prepend(str(BENCH))
+    name = f"bench_script_{script.removesuffix('.py')}"
+    spec = importlib.util.spec_from_file_location(name, BENCH / script)
+    module = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, name, module)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _dataset(folder, tools: dict[str, str], queries: int):
+    """tools: tool_id -> category; `queries` distinct queries each."""
+    import json
+
+    folder.mkdir()
+    (folder / "tools.jsonl").write_text("".join(
+        json.dumps({"tool_id": t, "description": f"{t} service", "category": c}) + "\n"
+        for t, c in tools.items()))
+    (folder / "queries.jsonl").write_text("".join(
+        json.dumps({"query": f"request {n} for {t}", "tool_id": t}) + "\n"
+        for t in tools for n in range(queries)))
+    return folder
+
+
+@pytest.mark.parametrize("script", ["stats_grid.py", "dcz_dictionaries.py", "finetune_router.py",
+                                    "transfer_centralized.py"])
+@pytest.mark.parametrize(("tools", "flags", "message"), [
+    ({"a": "x"}, [], "the dataset d has 1 tool; routing needs at least 2"),
+    ({"a": "x", "b": "x"}, ["--orgs", "2"],
+     "--partition category: the train queries' tools have 1 category for --orgs 2, so 1 "
+     "organization(s) would get no queries; use fewer --orgs or --partition iid or random"),
+])
+def test_a_script_on_the_simulation_refuses_a_dataset_simulate_refuses_in_one_line(
+        script, tools, flags, message, tmp_path, monkeypatch):
+    """The scripts built on `_routing_common.federation_simulation` played the federation
+    without the dataset check `simulate` runs (`federation_problem`): a dataset of one tool, or
+    of fewer categories than organizations, ended in a traceback deep in the merge or the
+    partition (or a run that measured nothing). They now stop first, before the model loads
+    (a model that cannot load is named here), with simulate's line."""
+    module = _load(script, monkeypatch)
+    folder = _dataset(tmp_path / "d", tools, 20)
+    with pytest.raises(SystemExit) as stop:
+        module.main(["--dataset", str(folder), "--embedding-model", "no-such-model-xyz", *flags])
+    assert stop.value.code == f"{script.removesuffix('.py')}: {message}"
+
+
+def test_a_script_on_the_simulation_names_a_dataset_it_cannot_read_in_one_line(
+        tmp_path, monkeypatch):
+    module = _load("stats_grid.py", monkeypatch)
+    folder = tmp_path / "d"
+    folder.mkdir()
+    (folder / "tools.jsonl").write_text('{"tool_id": "a", "description": "a service"}\n')
+    with pytest.raises(SystemExit) as stop:
+        module.main(["--dataset", str(folder)])
+    assert stop.value.code == f"stats_grid: {folder}: no queries.jsonl in this folder"
+
+
+def test_the_tune_device_export_refuses_a_dataset_simulate_refuses(tmp_path, monkeypatch):
+    module = _load("tune_device.py", monkeypatch)
+    folder = _dataset(tmp_path / "d", {"a": "x"}, 20)
+    with pytest.raises(SystemExit) as stop:
+        module.main(["export", "--dataset", str(folder), "--dir", str(tmp_path / "out"),
+                     "--embedding-model", "no-such-model-xyz"])
+    assert stop.value.code == "tune_device: the dataset d has 1 tool; routing needs at least 2"

@@ -1706,6 +1706,38 @@ def test_the_release_and_cadence_tables_say_when_nothing_was_sent(client, fed):
     assert "k=50 · nothing sent" in figures_in(body)[-2]["data"][-1]["text"]
 
 
+def test_a_round_not_measured_is_shown_as_such_and_left_out_of_the_cadence_means(client, fed):
+    """Under drift a round whose categories in use have no held-out query is not measured: its
+    figures are null (`simulate`). The cadence table's worst round compared None with numbers
+    (a 500) and the summary table showed an empty cell; now the round is n/a and left out of the
+    worst round and the mean over the rounds."""
+    summary = [
+        {"method": "synapse", "round": 1, "seeds": 0, "accuracy_mean": None, "accuracy_sd": None,
+         "macro_accuracy_mean": None},
+        {"method": "synapse", "round": 2, "seeds": 1, "accuracy_mean": 0.6, "accuracy_sd": 0.0,
+         "macro_accuracy_mean": 0.55},
+    ]
+    cadence = [{"aggregate_every": 1, "seeds": 1, "accuracy": 0.6, "accuracy_round_1": None,
+                "accuracy_round_2": 0.6, "accuracy_round_3": 0.8,
+                "bytes_per_client_round": 100.0, "global_scenarios": 10}]
+    SimulationRun.objects.create(label="drift", dataset="tiny", document={
+        **DOCUMENT, "summary": summary, "cadence": cadence, "config": {"drift_every": 1}})
+    response = login(client, fed, "member_a").get(reverse("dashboard:accuracy"))
+    assert response.status_code == 200
+    body = response.content.decode()
+
+    def cells(table_id):
+        table = body[body.index(f'id="{table_id}"'):]
+        return re.findall(r"<td[^>]*>(.*?)</td>", table[: table.index("</table>")])
+
+    cadence_cells = cells("accuracy-cadence-table")
+    assert cadence_cells[3] == "0.700"  # the mean over the rounds measured, not over a 0
+    assert cadence_cells[4] == "0.600 (round 2)"
+    first = cells("accuracy-summary")[:6]
+    assert first[:3] == ["synapse", "1", "0"]
+    assert all("n/a" in cell for cell in (first[3], first[5])), first
+
+
 @pytest.mark.django_db(transaction=True)
 def test_the_same_decision_posted_twice_at_once_is_audited_once(world, monkeypatch):
     """A double click sends the same decision twice at once. With no later round to lock (the

@@ -1150,3 +1150,106 @@ def test_local_only_is_the_mean_over_the_honest_clients_alone(tiny_dataset, monk
     assert len(alone) == 2
     row = next(r for r in result.rows if r["method"] == "local_only")
     assert row["accuracy"] == round(float(np.mean(alone)), 4)
+
+
+def test_a_drift_round_without_test_queries_is_not_measured_rather_than_scored_zero(tmp_path, capsys):
+    """Under drift each round is scored on the held-out queries of the categories in use then.
+    Here category y's tools have two queries each (never tested): a round in which only y is in
+    use has nothing to score. It was scored 0.000, printed and written as if measured, and
+    pulled every mean over the rounds down; now it is null in the JSON, n/a in the table, left
+    out of the means, and a progress line says why."""
+    from federation.simulation.report import _shape_problem, summarize
+    from federation.simulation.runner import drift_plan
+
+    folder = _small_dataset(tmp_path / "d", [("a", "x"), ("b", "x"), ("c", "y"), ("d", "y")],
+                            [20, 20, 2, 2])
+    seed = next(s for s in range(20) if drift_plan(["x", "y"], 2, 1, s)["y"] == 1)
+    out = tmp_path / "drift.json"
+    stdout = io.StringIO()
+    call_command(
+        "simulate", "--dataset", str(folder), "--orgs", "1", "--clients-per-org", "2",
+        "--partition", "iid", "--rounds", "2", "--drift-every", "1", "--seed", str(seed),
+        "--no-baselines", "--no-diagnostics", "--in-memory", "--no-store", "--out", str(out),
+        "--embedding-model", FP32, "--sweep-cadence", "1", stdout=stdout,
+    )
+    document = json.loads(out.read_text())
+    synapse = {r["round"]: r for r in document["results"] if r["method"] == "synapse"}
+    assert synapse[1]["accuracy"] is None and synapse[1]["macro_accuracy"] is None
+    assert synapse[2]["accuracy"] is not None and synapse[2]["accuracy"] > 0
+    assert document["rounds"][0][0]["test_queries"] == 0
+    summary = {(r["method"], r["round"]): r for r in document["summary"]}
+    assert summary[("synapse", 1)]["accuracy_mean"] is None
+    assert summary[("synapse", 1)]["seeds"] == 0  # no seed measured it
+    assert summary[("synapse", 2)]["accuracy_mean"] == synapse[2]["accuracy"]
+    # The cadence sweep's round-1 figure is none either, not a 0 in its mean over the rounds.
+    (cadence,) = document["cadence"]
+    assert cadence["accuracy_round_1"] is None
+    assert cadence["accuracy_round_2"] == synapse[2]["accuracy"]
+    table = stdout.getvalue()
+    line = next(line for line in table.splitlines() if re.match(r"synapse\s+1 ", line))
+    assert "n/a" in line and "0.000" not in line
+    assert "not measured" in table
+    err = capsys.readouterr().err
+    assert re.search(r"round 1: not measured: none of the \d+ test queries is of the categories "
+                     r"in use then \(y\)", err), err
+    # A document with such a round is still one --combine and the summary read.
+    assert _shape_problem(document) is None
+    assert summarize(document["results"]) == document["summary"]
+
+
+def _dataset_with_query_categories(folder, tools, queries_per_tool, query_category):
+    """`_small_dataset` whose queries carry a category of their own: `query_category(tool,
+    tool's category)`."""
+    _small_dataset(folder, tools, queries_per_tool)
+    (folder / "queries.jsonl").write_text("".join(
+        json.dumps({"query": f"request {n} for {t}", "tool_id": t,
+                    "category": query_category(t, c)}) + "\n"
+        for (t, c), count in zip(tools, queries_per_tool, strict=True) for n in range(count)))
+    return folder
+
+
+def test_categories_only_in_queries_jsonl_are_named_where_the_partition_looks(tmp_path):
+    """The category partition deals the tools' categories (tools.jsonl). A dataset whose
+    categories are only on its queries was refused with "1 category for --orgs 2", which did not
+    say that tools.jsonl gives its tools none, nor that queries.jsonl's are not read for it."""
+    folder = _dataset_with_query_categories(
+        tmp_path / "d", [("a", ""), ("b", ""), ("c", "")], [20, 20, 20],
+        lambda tool, _: "x" if tool == "a" else "y")
+    with pytest.raises(CommandError) as error:
+        call_command("simulate", "--dataset", str(folder), "--orgs", "2", "--rounds", "1",
+                     "--no-store", "--embedding-model", "no-such-model-xyz")
+    assert str(error.value) == (
+        "--partition category deals the organizations the tools' categories, and tools.jsonl "
+        "gives none of the dataset d's 3 tools a category (the 2 categories in queries.jsonl, "
+        "x and y, are not read for it): put each tool's category in tools.jsonl, or use "
+        "--partition iid or random")
+    # Drift brings in the tools' categories too.
+    with pytest.raises(CommandError) as error:
+        call_command("simulate", "--dataset", str(folder), "--orgs", "1", "--rounds", "2",
+                     "--drift-every", "1", "--partition", "iid", "--no-store",
+                     "--embedding-model", "no-such-model-xyz")
+    assert str(error.value).startswith(
+        "--drift-every 1: tools.jsonl gives none of the dataset d's 3 tools a category (the 2 "
+        "categories in queries.jsonl, x and y, are not read for it), so none could come into "
+        "use in a later round")
+
+
+def test_the_per_category_table_uses_the_tools_category_as_the_partition_does(tmp_path, capsys):
+    """The partition (and drift) read a query's category from its tool; the per-category table
+    read the query's own category first: on a dataset where they differ the table's categories
+    were not those the organizations specialized in. Both now read the tool's, and simulate says
+    how many queries carry another category."""
+    folder = _dataset_with_query_categories(
+        tmp_path / "d", [("a", "x"), ("b", "x"), ("c", "y"), ("d", "y")], [20, 20, 20, 20],
+        lambda tool, category: "other" if tool in ("a", "c") else category)
+    sim = _simulation(folder, rounds=1, diagnostics=False, partition="iid")
+    result = sim.run_seed(0)
+    assert set(result.per_category) == {"x", "y"}
+    assert sum(row["n"] for row in result.per_category.values()) == len(sim.prepare(0).test)
+    with pytest.raises(CommandError, match="no-such-model-xyz"):  # after the warning
+        call_command("simulate", "--dataset", str(folder), "--orgs", "1", "--no-store",
+                     "--embedding-model", "no-such-model-xyz")
+    assert ("simulate: 40 of 80 queries in queries.jsonl carry a category other than their "
+            "tool's in tools.jsonl (e.g. a: 'other', not 'x'); the simulation reads a query's "
+            "category from its tool (partition, drift, per-category table)"
+            in capsys.readouterr().err)

@@ -48,6 +48,27 @@ def test_combined_runs_are_summarized_as_one_run_over_all_their_seeds():
     assert out["hosts"] == [None, None]  # written before documents said where they ran
 
 
+def test_a_round_a_seed_did_not_measure_is_left_out_of_the_combined_mean():
+    """Under drift a seed's round with no held-out query of the categories in use is null:
+    the combined mean is over the seeds that measured it, not a 0 pulling it down, and a round
+    no seed measured stays null (n/a in the table)."""
+    measured = doc([0], [0.8], 1.0)
+    unmeasured = doc([1], [None], 1.0)
+    unmeasured["results"][0]["macro_accuracy"] = None
+    out = combine([measured, unmeasured])
+    synapse = next(r for r in out["summary"] if r["method"] == "synapse")
+    assert (synapse["seeds"], synapse["accuracy_mean"], synapse["accuracy_sd"]) == (1, 0.8, 0.0)
+    alone = combine([unmeasured])
+    synapse = next(r for r in alone["summary"] if r["method"] == "synapse")
+    assert synapse["accuracy_mean"] is None and synapse["macro_accuracy_mean"] is None
+    row = next(line for line in table(alone).splitlines() if line.startswith("synapse"))
+    assert row.split()[1:] == ["1", "n/a", "n/a"]
+    # One figure null and the other not is no result a run writes.
+    half = doc([1], [0.5], 1.0)
+    half["results"][0]["accuracy"] = None
+    with pytest.raises(ValueError, match="result 1 has no 'accuracy' and 'macro_accuracy' figures"):
+        combine([measured, half])
+
 def test_the_printed_table_states_a_spread_only_over_several_seeds():
     one = doc([0], [0.7], 1.0)
     one["summary"] = summarize(one["results"])

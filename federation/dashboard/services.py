@@ -1464,9 +1464,11 @@ def _contradiction_table(rows: list[dict]) -> list[dict]:
 
 
 def _round_accuracies(row: dict) -> list[tuple[int, float]]:
+    """A sweep row's accuracy per round, the rounds measured only (None: under drift, a round
+    whose categories in use had no held-out query)."""
     return sorted(
         (int(k.removeprefix("accuracy_round_")), v) for k, v in row.items()
-        if k.startswith("accuracy_round_")
+        if k.startswith("accuracy_round_") and v is not None
     )
 
 

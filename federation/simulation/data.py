@@ -95,8 +95,45 @@ def partition_train(
 
 
 def _categories(tools: Sequence[ToolSpec]) -> dict[str, str]:
-    """Each tool's category as the category partition deals it."""
+    """Each tool's category as the category partition deals it.
+
+    The simulation has one definition of a query's category: its tool's, from tools.jsonl (what
+    an organization specializes in). The partition, the drift plan and the per-category table
+    all read it; a category a line of queries.jsonl gives is not read (`query_category_mismatches`
+    counts those that differ)."""
     return {t.tool_id: t.category or "uncategorized" for t in tools}
+
+
+def _listing(names: Sequence[str], most: int = 5) -> str:
+    """'x', 'x and y', 'x, y and z'; past `most` names, the first ones and how many more."""
+    names = list(names)
+    if len(names) > most:
+        return ", ".join(names[:most]) + f" and {len(names) - most} more"
+    return " and ".join(filter(None, [", ".join(names[:-1]), names[-1] if names else ""]))
+
+
+def uncategorized_tools(dataset: RoutingDataset) -> str | None:
+    """None when a tool of `dataset` has a category; otherwise, in words, that tools.jsonl gives
+    its tools none and which categories queries.jsonl has instead (not read, `_categories`)."""
+    if any(t.category for t in dataset.tools):
+        return None
+    named = sorted({q.category for q in dataset.queries if q.category})
+    instead = ""
+    if named:
+        one = len(named) == 1
+        instead = (f" (the {len(named)} categor{'y' if one else 'ies'} in queries.jsonl, "
+                   f"{_listing(named)}, {'is' if one else 'are'} not read for it)")
+    return (f"tools.jsonl gives none of the dataset {dataset.name}'s {len(dataset.tools)} tools a "
+            f"category{instead}")
+
+
+def query_category_mismatches(dataset: RoutingDataset) -> tuple[int, LabelledQuery | None]:
+    """How many queries carry a category of their own (in queries.jsonl) other than their
+    tool's (in tools.jsonl), and the first of them: the simulation reads the tool's
+    (`_categories`)."""
+    category_of = {t.tool_id: t.category for t in dataset.tools}
+    differ = [q for q in dataset.queries if q.category and q.category != category_of.get(q.tool_id)]
+    return len(differ), (differ[0] if differ else None)
 
 
 # stratified_split: a tool with fewer distinct queries stays in train and is never tested.
@@ -126,6 +163,13 @@ def federation_problem(
     if len(dataset.tools) < 2:
         return f"the dataset {dataset.name} has {len(dataset.tools)} tool; routing needs at least 2"
     if drift_every > 0 and len(set(_categories(dataset.tools).values())) < 2:
+        missing = uncategorized_tools(dataset)
+        if missing:
+            return (
+                f"--drift-every {drift_every}: {missing}, so none could come into use in a later "
+                "round and the run would have no drift; put each tool's category in tools.jsonl "
+                "or use --drift-every 0"
+            )
         return (
             f"--drift-every {drift_every}: the dataset {dataset.name}'s tools are all in one "
             "category, so none could come into use in a later round and the run would have no "
@@ -143,6 +187,13 @@ def federation_problem(
             category_of = _categories(dataset.tools)
             categories = {category_of[q.tool_id] for q in split.train}
             if len(categories) < orgs:
+                missing = uncategorized_tools(dataset)
+                if missing:
+                    return (
+                        "--partition category deals the organizations the tools' categories, "
+                        f"and {missing}: put each tool's category in tools.jsonl, or use "
+                        "--partition iid or random"
+                    )
                 return (
                     f"--partition category: the train queries' tools have {len(categories)} "
                     f"categor{'y' if len(categories) == 1 else 'ies'} for --orgs {orgs}, so "

@@ -277,7 +277,8 @@ def _shape_problem(doc: Any) -> str | None:
     for number, row in enumerate(doc["results"], start=1):
         if not isinstance(row, dict) or not isinstance(row.get("method"), str):
             return f"result {number} has no 'method'"
-        if not all(_number(row.get(k)) for k in ("accuracy", "macro_accuracy")):
+        figures = [row.get(k, "absent") for k in ("accuracy", "macro_accuracy")]
+        if not (all(map(_number, figures)) or figures == [None, None]):  # null: not measured
             return f"result {number} has no 'accuracy' and 'macro_accuracy' figures"
         if "round" not in row:  # summarized per (method, round); null: a method of no rounds
             return f"result {number} has no 'round'"
@@ -431,22 +432,26 @@ def _mean_dicts(items: list[dict[str, float | None]]) -> dict[str, float | None]
 
 
 def summarize(rows: list[dict]) -> list[dict]:
-    """Mean and standard deviation over seeds, per (method, round)."""
+    """Mean and standard deviation over seeds, per (method, round). A row not measured (null
+    figures: under drift, a round whose categories in use have no held-out query) is left out
+    of the mean; `seeds` counts the seeds measured, and where none was the figures are None."""
     groups: dict[tuple, list[dict]] = defaultdict(list)
     for row in rows:
         groups[(row["method"], row["round"])].append(row)
     out = []
     for (method, round_), group in groups.items():
-        acc = [r["accuracy"] for r in group]
-        macro = [r["macro_accuracy"] for r in group]
+        measured = [r for r in group if r["accuracy"] is not None]
+        acc = [r["accuracy"] for r in measured]
+        macro = [r["macro_accuracy"] for r in measured]
         out.append(
             {
                 "method": method,
                 "round": round_,
-                "seeds": len(group),
-                "accuracy_mean": round(float(np.mean(acc)), 4),
-                "accuracy_sd": round(float(np.std(acc, ddof=1)) if len(acc) > 1 else 0.0, 4),
-                "macro_accuracy_mean": round(float(np.mean(macro)), 4),
+                "seeds": len(measured),
+                "accuracy_mean": round(float(np.mean(acc)), 4) if acc else None,
+                "accuracy_sd": (round(float(np.std(acc, ddof=1)) if len(acc) > 1 else 0.0, 4)
+                                if acc else None),
+                "macro_accuracy_mean": round(float(np.mean(macro)), 4) if macro else None,
             }
         )
     order = {m: i for i, m in enumerate(METHODS)}
@@ -656,6 +661,10 @@ def final_accuracy(summary: list[dict], method: str) -> float | None:
     return max(rows, key=lambda r: r["round"] or 0)["accuracy_mean"]
 
 
+def _figure(value: float | None) -> str:
+    return "n/a" if value is None else f"{value:.3f}"
+
+
 def _spread(mean: float, sd: float, one_seed: bool) -> str:
     """A figure as mean ± sd over the seeds; with one seed there is no spread to state (0.000
     would read as none measured), so the figure alone."""
@@ -669,12 +678,20 @@ def table(document: dict[str, Any]) -> str:
         f"{'method':<{width}} {'round':>5} {'accuracy':>16} {'macro':>7}",
         "-" * (width + 32),
     ]
+    unmeasured = False
     for row in document["summary"]:
-        spread = _spread(row["accuracy_mean"], row["accuracy_sd"], one_seed)
+        if row["accuracy_mean"] is None:  # no seed had a query to score it on
+            unmeasured = True
+            spread, macro = "n/a", "n/a"
+        else:
+            spread = _spread(row["accuracy_mean"], row["accuracy_sd"], one_seed)
+            macro = f"{row['macro_accuracy_mean']:.3f}"
         lines.append(
             f"{row['method']:<{width}} {row['round'] if row['round'] is not None else '-':>5} "
-            f"{spread:>16} {row['macro_accuracy_mean']:>7.3f}"
+            f"{spread:>16} {macro:>7}"
         )
+    if unmeasured:
+        lines.append("n/a: not measured, no held-out query of the categories in use in that round")
     if document.get("config", {}).get("through_services"):
         lines.append("rounds closed through the services: submission service, close, merge "
                      "pipeline, publication (scratch database)")
@@ -869,8 +886,6 @@ def _sweep_lines(document: dict[str, Any], one_seed: bool) -> list[str]:
         for row in rows:
             every = row["aggregate_every"]
             name = "frozen" if every == 0 else f"every {every}"
-            lines.append(
-                f"  {name:<9} "
-                + " ".join(f"{row.get(f'accuracy_round_{r}', float('nan')):.3f}" for r in rounds)
-            )
+            lines.append(f"  {name:<9} " + " ".join(
+                _figure(row.get(f"accuracy_round_{r}")) for r in rounds))  # n/a: not measured
     return lines

@@ -191,7 +191,8 @@ class SimulationConfig:
     # Drift of the workload: with `drift_every` D > 0, half of the tool categories are in use in
     # round 1 and the others come into use in groups at rounds 1 + D, 1 + 2D, ... (`drift_plan`);
     # clients meet a category's requests only once it is in use, and each round is scored on the
-    # held-out requests of the categories in use then. 0: no drift.
+    # held-out requests of the categories in use then (none: the round is not measured, its
+    # figures null, `_row`). 0: no drift.
     drift_every: int = 0
     # Contradictory scenarios: this share of each honest client's scenarios is contradicted by
     # another client of its organization, which reports the same request for a confusable tool
@@ -263,8 +264,13 @@ class SeedSetup:
         it can occur."""
         return [self.category_start.get(category_of.get(q.tool_id) or "", 1) for q in share.queries]
 
+    def in_use(self, round_: int) -> set[str]:
+        """The categories in use in `round_` (all of them without drift)."""
+        return {name for name, start in self.category_start.items() if start <= round_}
+
     def test_at(self, round_: int, category_of: dict[str, str]) -> list[LabelledQuery]:
-        """The held-out requests of the categories in use in `round_`."""
+        """The held-out requests of the categories in use in `round_` (possibly none: a round
+        whose categories have no held-out request is not measured, `_row`)."""
         if not self.category_start:
             return self.test
         return [q for q in self.test
@@ -475,7 +481,7 @@ class Simulation:
         report = accuracy_report(
             [d.tool or "" for d in decisions],
             [q.tool_id for q in test],
-            [q.category or self.category_of.get(q.tool_id, "") for q in test],
+            [self.category_of.get(q.tool_id, "") for q in test],  # the tool's (`_categories`)
         )
         return report, decisions
 
@@ -736,6 +742,13 @@ class Simulation:
                 if static is None:  # the round-1 global's router, frozen
                     static = router
             scored = setup.test_at(outcome.round, self.category_of)
+            if not scored:  # nothing to score it on: not measured, never a 0.000 (`_row`)
+                in_use = sorted(setup.in_use(outcome.round))
+                self.progress(
+                    f"{self.seed_name(seed)}: round {outcome.round}: not measured: none of the "
+                    f"{len(test)} test queries is of the categories in use then "
+                    f"({', '.join(name or 'uncategorized' for name in in_use)})"
+                )
             report, decisions = self._route_and_score(router, scored)
             result.rows.append(_row("synapse", outcome.round, seed, report))
             if outcome is final:
@@ -964,7 +977,7 @@ class Simulation:
         return accuracy_report(
             predicted,
             [q.tool_id for q in test],
-            [q.category or self.category_of.get(q.tool_id, "") for q in test],
+            [self.category_of.get(q.tool_id, "") for q in test],  # the tool's (`_categories`)
         )
 
     # --- privacy -----------------------------------------------------------------------------
@@ -1153,12 +1166,15 @@ def _unique_scenarios(scenarios) -> list[Scenario]:
 
 
 def _row(method: str, round_: int | None, seed: int, report) -> dict:
+    """A result row; a report of no query (under drift, a round whose categories in use have
+    no held-out request) was not measured: its figures are None (null), never 0."""
+    measured = report.n > 0
     return {
         "method": method,
         "round": round_,
         "seed": seed,
-        "accuracy": round(report.accuracy, 4),
-        "macro_accuracy": round(report.macro_accuracy, 4),
+        "accuracy": round(report.accuracy, 4) if measured else None,
+        "macro_accuracy": round(report.macro_accuracy, 4) if measured else None,
     }
 
 
@@ -1166,12 +1182,14 @@ def _row(method: str, round_: int | None, seed: int, report) -> dict:
 class _MeanReport:
     accuracy: float
     macro_accuracy: float
+    n: int  # the queries the reports scored, together
 
 
 def _mean_report(reports) -> _MeanReport:
     return _MeanReport(
         float(np.mean([r.accuracy for r in reports])),
         float(np.mean([r.macro_accuracy for r in reports])),
+        sum(r.n for r in reports),
     )
 
 

@@ -22,6 +22,7 @@ from federation.simulation.data import (
     TESTED_FROM,
     dataset_fingerprint,
     federation_problem,
+    query_category_mismatches,
     untested_tools,
 )
 from federation.simulation.report import PlayedRuns, combine, run, sweep, table
@@ -122,7 +123,8 @@ class Command(BaseCommand):
         parser.add_argument(
             "--partition", choices=["iid", "category", "random"], default="category",
             help="how the train queries are dealt: category (each organization specializes in a "
-            "subset of tool categories), iid (at random), random (each client's own tool "
+            "subset of tool categories: the tools' categories in tools.jsonl, which drift and the "
+            "per-category table read too), iid (at random), random (each client's own tool "
             "preferences)",
         )
         parser.add_argument("--seed", type=int, default=0, help="first seed")
@@ -617,6 +619,16 @@ class Command(BaseCommand):
             self.stderr.write(
                 f"simulate: {untested} of {len(dataset.tools)} tools have fewer than {TESTED_FROM} "
                 f"distinct queries ({few} queries in all): they stay in train and are never tested"
+            )
+        differ, example = query_category_mismatches(dataset)
+        if differ:
+            tool_category = next(t.category for t in dataset.tools if t.tool_id == example.tool_id)
+            self.stderr.write(
+                f"simulate: {differ} of {len(dataset.queries)} queries in queries.jsonl carry a "
+                f"category other than their tool's in tools.jsonl (e.g. {example.tool_id}: "
+                f"{example.category!r}, not {repr(tool_category) if tool_category else 'none'}); "
+                "the simulation reads a query's category from its tool (partition, drift, "
+                "per-category table)"
             )
         try:
             engine = get_engine(o["embedding_model"])
