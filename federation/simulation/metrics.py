@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import re
 from collections import defaultdict
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -10,13 +9,12 @@ from dataclasses import dataclass
 import numpy as np
 from scipy.stats import mannwhitneyu
 
-# Words of any script (letters and digits; not only [a-z0-9], which saw nothing of a request in
-# Cyrillic, Greek or CJK and cut accented words apart).
-_TOKEN = re.compile(r"[^\W_]+")
+from routing.router import tokenize
 
 
 def tokens(text: str) -> set[str]:
-    return set(_TOKEN.findall(text.lower()))
+    """The words of `text` as the router's lexical feature reads them (any script)."""
+    return set(tokenize(text))
 
 
 @dataclass(frozen=True)
