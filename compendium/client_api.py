@@ -22,8 +22,9 @@ sent (PrivacyViolation: what a client never sends, masking weaker than the round
 server's own check of the text at that λ), whoever calls it: the CLI, or an organization's script.
 
 Network errors, 5xx and 429 are retried with exponential backoff, or as long as a 429's or a
-503's `Retry-After` asks (at most a minute). A POST is safe to retry because
-the idempotency key is derived from the content and the round: the server stores it once.
+503's `Retry-After` asks, in seconds or as an HTTP-date (at most a minute). A POST is safe to
+retry because the idempotency key is derived from the content and the round: the server stores
+it once.
 """
 
 from __future__ import annotations
@@ -42,6 +43,7 @@ import tempfile
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from email.utils import parsedate_to_datetime
 from pathlib import Path
 from typing import Any
 
@@ -234,6 +236,26 @@ def weaker_masking(round_info: dict[str, Any], applied: float | None) -> str | N
     return f"round {round_info['number']} expects masking strength λ >= {expected:g}"
 
 
+def retry_after_seconds(value: str, now: dt.datetime | None = None) -> float | None:
+    """The seconds a Retry-After header asks to wait (RFC 9110: delay-seconds, or an HTTP-date
+    such as "Wed, 21 Oct 2015 07:28:00 GMT", counted from `now`: this machine's clock), not
+    capped, negative for a date past; None when it is neither."""
+    value = value.strip()
+    try:
+        seconds = float(value)
+    except ValueError:
+        pass
+    else:
+        return None if math.isnan(seconds) else seconds
+    try:
+        when = parsedate_to_datetime(value)
+    except (ValueError, TypeError, IndexError, OverflowError):
+        return None
+    if when.tzinfo is None:  # "-0000": the date is in UTC, its zone not said
+        when = when.replace(tzinfo=dt.UTC)
+    return (when - (now or dt.datetime.now(dt.UTC))).total_seconds()
+
+
 # What `submit` says when the server refuses a submission because no round takes it (409 without
 # a `code`), before the server's own words
 NO_ROUND_FOR_SUBMISSION = "the server has no round open for this submission"
@@ -421,14 +443,13 @@ class SynapseClient:
         self.close()
 
     def _delay(self, attempt: int, response: httpx.Response | None) -> float:
-        """How long to wait before the next try: a 429's or a 503's Retry-After in seconds (RFC
-        9110 allows it on both), at most MAX_RETRY_AFTER_S; otherwise the backoff, doubling."""
+        """How long to wait before the next try: as long as a 429's or a 503's Retry-After asks
+        (RFC 9110 allows it on both), at most MAX_RETRY_AFTER_S; otherwise the backoff,
+        doubling."""
         if response is not None and response.status_code in (429, 503):
-            retry_after = response.headers.get("Retry-After", "")
-            try:
-                return min(MAX_RETRY_AFTER_S, max(0.0, float(retry_after)))
-            except ValueError:
-                pass
+            wait = retry_after_seconds(response.headers.get("Retry-After", ""))
+            if wait is not None:
+                return min(MAX_RETRY_AFTER_S, max(0.0, wait))
         return min(30.0, self.backoff * (2 ** min(attempt, 16)))  # 2**1025 is past a float
 
     def request(self, method: str, path: str, **kwargs: Any) -> httpx.Response:

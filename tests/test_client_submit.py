@@ -10,6 +10,7 @@ lost in real networks.
 
 from __future__ import annotations
 
+import datetime as dt
 import gzip
 import io
 import json
@@ -18,6 +19,7 @@ import socket
 import threading
 from collections.abc import Iterator
 from dataclasses import dataclass, field
+from email.utils import format_datetime
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from urllib.parse import parse_qs, urlparse
@@ -475,6 +477,22 @@ def test_503_waits_as_long_as_the_server_asks_capped_as_for_429(server, tmp_path
     with SynapseClient(url, TOKEN, retries=2, backoff=0.25, sleep=delays.append) as client:
         result = client.submit(compendium())
     assert result.status == 201 and delays == [waited]
+
+
+@pytest.mark.parametrize(("ahead", "low", "high"), [(30, 28.0, 30.0), (3600, 60.0, 60.0),
+                                                    (-120, 0.0, 0.0)])
+def test_retry_after_as_an_http_date_is_honoured_capped_as_the_seconds(server, ahead, low, high):
+    """RFC 9110 lets Retry-After be an HTTP-date ("Wed, 21 Oct 2015 07:28:00 GMT") as well as
+    seconds: the client ignored the date and waited its own backoff (0.25 s here). It waits
+    until that time now, capped at a minute as the seconds form; a date past is no wait."""
+    url, state = server
+    when = dt.datetime.now(dt.UTC) + dt.timedelta(seconds=ahead)
+    state.fail_next_posts, state.retry_after = 1, format_datetime(when, usegmt=True)
+    delays: list[float] = []
+    with SynapseClient(url, TOKEN, retries=2, backoff=0.25, sleep=delays.append) as client:
+        result = client.submit(compendium())
+    assert result.status == 201 and len(delays) == 1
+    assert low <= delays[0] <= high
 
 
 def test_gives_up_after_the_retries_with_one_line(server, tmp_path, capsys):
