@@ -17,9 +17,14 @@ Speaks the REST API exactly as the server defines it:
   global ({"round", "global_sha256", "rows_sha256", "files": [{"path", "size", "sha256"}], ...});
   404 with a `code` when there is none; each file at `.../router/files/<path>`.
 
+`SynapseClient.submit` runs the checks of the privacy boundary before any byte of a compendium is
+sent (PrivacyViolation: what a client never sends, masking weaker than the round's λ, and the
+server's own check of the text at that λ), whoever calls it: the CLI, or an organization's script.
+
 Network errors, 5xx and 429 are retried with exponential backoff, or as long as a 429's or a
-503's `Retry-After` asks (at most a minute). A POST is safe to retry because
-the idempotency key is derived from the content and the round: the server stores it once.
+503's `Retry-After` asks, in seconds or as an HTTP-date (at most a minute). A POST is safe to
+retry because the idempotency key is derived from the content and the round: the server stores
+it once.
 """
 
 from __future__ import annotations
@@ -38,6 +43,7 @@ import tempfile
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from email.utils import parsedate_to_datetime
 from pathlib import Path
 from typing import Any
 
@@ -46,13 +52,17 @@ from pydantic import ValidationError
 
 from compendium import transport
 from compendium.canonical import canonical_form, canonical_positions
+from compendium.masking import TextMasker
 from compendium.schema import Compendium, Schema
-from compendium.validation import reindex_paths, validation_summary
+from compendium.scrub import masking_residue, submission_rules
+from compendium.validation import Violation, reindex_paths, validation_summary
 
 USER_AGENT = "synapse-client/0.1"
 # JSON can escape half of a character ("\ud800"), which no UTF-8 file or canonical form holds
 LONE_SURROGATE = "it holds a lone surrogate (half of an escaped character), which is not text"
 MAX_RETRY_AFTER_S = 60.0
+# How many violations a PrivacyViolation's message lists (all of them are in `violations`)
+MAX_LISTED_VIOLATIONS = 20
 
 
 class ClientError(Exception):
@@ -76,6 +86,71 @@ class SubmissionRejected(ClientError):
         self.detail = detail
         self.violations = violations
         super().__init__(f"the server rejected the compendium: {detail}")
+
+
+class PrivacyViolation(ClientError):
+    """The compendium holds what must not leave this client (see DESIGN.md, "The privacy
+    boundary"), found by `SynapseClient.submit` before any byte of it was sent: nothing was
+    sent. The server refuses it too, but only once the text has reached it. `violations` lists
+    each by path, as validation names them (the compendium as `submit` was given it), and what
+    it holds, never the text itself."""
+
+    summary = "the compendium holds what must not leave this client"
+
+    def __init__(self, violations: list[Violation], summary: str | None = None):
+        self.violations = list(violations)
+        if summary is not None:
+            self.summary = summary
+        listed = "; ".join(str(v) for v in self.violations[:MAX_LISTED_VIOLATIONS])
+        more = len(self.violations) - MAX_LISTED_VIOLATIONS
+        if more > 0:
+            listed += f"; and {more} more"
+        super().__init__(f"{self.summary}; nothing sent: {listed}")
+
+
+class NotForSending(PrivacyViolation):
+    """What a client never sends, whatever the round (`compendium.scrub.submission_rules`): free
+    text in a metadata entry (a client sends only its statistics; the description and spec are
+    the registry's) and personal data in a precondition flag name (sent as written, neither
+    masked nor scrubbed). `build` writes neither; a compendium edited by hand or made by other
+    tooling may hold them."""
+
+    summary = (
+        "the compendium carries what a client does not send: its metadata holds statistics only "
+        "(no description or spec), its precondition flag names no personal data"
+    )
+
+
+class MaskedTooWeakly(PrivacyViolation):
+    """The compendium records masking weaker than the open round expects (`weaker_masking`), or
+    none: what masking at the round's λ would have removed from its text, beyond what the server
+    can check, would leave the client. `submit(..., allow_weaker_masking=True)` sends it anyway
+    (text masked by other tooling, which records no λ)."""
+
+    def __init__(self, round_number: int, expected: float, applied: float | None, problem: str):
+        self.round_number, self.expected, self.applied = round_number, expected, applied
+        self.problem = problem
+        recorded = "records no masking" if applied is None else f"was masked at λ = {applied:g}"
+        super().__init__(
+            [Violation("$.masking", f"{problem}, but the compendium {recorded}")],
+            f"masked more weakly than round {round_number} expects: mask it at λ = {expected:g} "
+            "(or more), or pass allow_weaker_masking=True to send it as it is",
+        )
+
+
+class TextNotMasked(PrivacyViolation):
+    """Texts of the compendium still hold what masking at the open round's λ removes from any
+    text, with the registry in force protected (`compendium.scrub.masking_residue`: e-mail
+    addresses, phone numbers, identifiers, names...): the server's own check, run before
+    sending, whatever λ the compendium records and whatever `allow_weaker_masking` says."""
+
+    def __init__(self, round_number: int, strength: float, violations: list[Violation]):
+        self.round_number, self.strength = round_number, strength
+        super().__init__(
+            violations,
+            f"{len(violations)} text(s) of the compendium still hold what masking at round "
+            f"{round_number}'s λ = {strength:g} removes from any text, which the server refuses",
+        )
 
 
 class NothingPublished(ClientError):
@@ -159,6 +234,26 @@ def weaker_masking(round_info: dict[str, Any], applied: float | None) -> str | N
     if expected is None or expected <= 0 or (applied is not None and applied >= expected):
         return None
     return f"round {round_info['number']} expects masking strength λ >= {expected:g}"
+
+
+def retry_after_seconds(value: str, now: dt.datetime | None = None) -> float | None:
+    """The seconds a Retry-After header asks to wait (RFC 9110: delay-seconds, or an HTTP-date
+    such as "Wed, 21 Oct 2015 07:28:00 GMT", counted from `now`: this machine's clock), not
+    capped, negative for a date past; None when it is neither."""
+    value = value.strip()
+    try:
+        seconds = float(value)
+    except ValueError:
+        pass
+    else:
+        return None if math.isnan(seconds) else seconds
+    try:
+        when = parsedate_to_datetime(value)
+    except (ValueError, TypeError, IndexError, OverflowError):
+        return None
+    if when.tzinfo is None:  # "-0000": the date is in UTC, its zone not said
+        when = when.replace(tzinfo=dt.UTC)
+    return (when - (now or dt.datetime.now(dt.UTC))).total_seconds()
 
 
 # What `submit` says when the server refuses a submission because no round takes it (409 without
@@ -348,14 +443,13 @@ class SynapseClient:
         self.close()
 
     def _delay(self, attempt: int, response: httpx.Response | None) -> float:
-        """How long to wait before the next try: a 429's or a 503's Retry-After in seconds (RFC
-        9110 allows it on both), at most MAX_RETRY_AFTER_S; otherwise the backoff, doubling."""
+        """How long to wait before the next try: as long as a 429's or a 503's Retry-After asks
+        (RFC 9110 allows it on both), at most MAX_RETRY_AFTER_S; otherwise the backoff,
+        doubling."""
         if response is not None and response.status_code in (429, 503):
-            retry_after = response.headers.get("Retry-After", "")
-            try:
-                return min(MAX_RETRY_AFTER_S, max(0.0, float(retry_after)))
-            except ValueError:
-                pass
+            wait = retry_after_seconds(response.headers.get("Retry-After", ""))
+            if wait is not None:
+                return min(MAX_RETRY_AFTER_S, max(0.0, wait))
         return min(30.0, self.backoff * (2 ** min(attempt, 16)))  # 2**1025 is past a float
 
     def request(self, method: str, path: str, **kwargs: Any) -> httpx.Response:
@@ -435,27 +529,40 @@ class SynapseClient:
         compress: bool = True,
         dictionary: bytes | None = None,
         check: Callable[[dict[str, Any]], None] | None = None,
+        allow_weaker_masking: bool = False,
     ) -> SubmissionResult:
-        """Submit to the open round. `compress`: the body goes gzip-encoded (`Content-Encoding:
-        gzip`, about a quarter of the bytes of a MetaTool compendium), or, given a `dictionary`
-        the server holds (`compendium.transport`: the pulled global's or the schema's), as `dcz`
-        against it (about 30% fewer bytes again); when the server answers that it does not hold
-        that dictionary, or does not speak dcz, the same submission goes again gzip-encoded, with
-        a warning. The server stores the same canonical bytes either way, and the idempotency key
-        does not depend on the encoding. A compendium without entries is not sent
-        (NothingToSubmit). `check`, when given, is called with the open round (as `open_round`
-        gives it, with its `config`) before anything is sent; it raises to send nothing. Every POST
-        names that round (`X-Synapse-Round`), so one that reaches the server once another round is
-        open stores nothing (ClientError: the round changed). When the server answers that this
-        content's key was replaced by a later submission in the round (409 `replaced`: the user
-        submits an earlier compendium again), it goes again under the next key
-        (`idempotency_key(..., attempt)`), which puts it back in effect (`reinstated`)."""
+        """Submit to the open round. Before any byte of the compendium is sent, the checks of
+        the privacy boundary run, each a PrivacyViolation listing what it found (nothing sent):
+        what a client never sends (NotForSending: free text in metadata, personal data in a flag
+        name), masking weaker than the open round's λ, or none recorded (MaskedTooWeakly, unless
+        `allow_weaker_masking`: text masked by other tooling, sent at the caller's word), and the
+        server's own check of the text at the round's λ with the registry in force
+        (TextNotMasked, whatever `allow_weaker_masking` says). The server refuses all of these,
+        but only once the text has left the client. `compress`: the body goes gzip-encoded
+        (`Content-Encoding: gzip`, about a quarter of the bytes of a MetaTool compendium), or,
+        given a `dictionary` the server holds (`compendium.transport`: the pulled global's or the
+        schema's), as `dcz` against it (about 30% fewer bytes again); when the server answers
+        that it does not hold that dictionary, or does not speak dcz, the same submission goes
+        again gzip-encoded, with a warning. The server stores the same canonical bytes either
+        way, and the idempotency key does not depend on the encoding. A compendium without
+        entries is not sent (NothingToSubmit). `check`, when given, is called with the open round
+        (as `open_round` gives it, with its `config`) after those checks and before anything is
+        sent; it raises to send nothing. Every POST names that round (`X-Synapse-Round`), so one
+        that reaches the server once another round is open stores nothing (ClientError: the
+        round changed). When the server answers that this content's key was replaced by a later
+        submission in the round (409 `replaced`: the user submits an earlier compendium again),
+        it goes again under the next key (`idempotency_key(..., attempt)`), which puts it back in
+        effect (`reinstated`)."""
         if nothing_to_submit(compendium):
             raise NothingToSubmit(
                 "the compendium has no entries (metadata, scenarios, precautions, templates and "
                 "annex are all empty): nothing to submit"
             )
+        refused = submission_rules(compendium)
+        if refused:
+            raise NotForSending(refused)
         round_info = self.open_round()
+        self._check_masking(compendium, round_info, allow_weaker_masking)
         if check is not None:
             check(round_info)
         number = round_info["number"]
@@ -548,6 +655,26 @@ class SynapseClient:
                 "the limit"
             )
         raise ClientError(f"unexpected answer to the submission (HTTP {status}): {_detail(response)}")
+
+    def _check_masking(
+        self, compendium: Compendium, round_info: dict[str, Any], allow_weaker_masking: bool
+    ) -> None:
+        """The masking checks of `submit` against the open round `round_info`: the λ the
+        compendium records against the round's (MaskedTooWeakly, unless `allow_weaker_masking`),
+        then what the server checks on arrival, masking's residue at the round's λ with the
+        registry in force protected (TextNotMasked). A round at λ = 0, or one that names no λ,
+        takes text as it comes."""
+        applied = compendium.masking.strength if compendium.masking is not None else None
+        expected = round_mask_strength(round_info)
+        problem = weaker_masking(round_info, applied)
+        if problem is not None and not allow_weaker_masking:
+            raise MaskedTooWeakly(round_info["number"], expected, applied, problem)
+        if not expected:
+            return
+        schema, _ = self.schema()  # the registry the server protects, as in force now
+        residue = masking_residue(compendium, TextMasker.for_registry(schema.tools, strength=expected))
+        if residue:
+            raise TextNotMasked(round_info["number"], expected, residue)
 
     def _post_submission(
         self, data: bytes, key: str, round_number: int, encoding: str | None,

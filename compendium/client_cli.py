@@ -712,68 +712,60 @@ def _not_released_check(path: Path, compendium: Compendium):
     return check
 
 
-def _masking_check(path: Path, compendium: Compendium, allow_weaker: bool):
-    """Before `submit` sends anything: text masked more weakly than the open round expects (or
-    with no masking recorded) is refused, since once sent it cannot be taken back (the server
-    checks only what masking removes from any text, not the log-dependent rest).
-    `--allow-weaker-masking` sends it anyway (a compendium masked by other tooling, which records
-    no λ), with a warning on stderr before it is sent: whatever the server answers (a refusal, an
-    error, no answer at all), the text may have reached it."""
+def _weaker_masking_warning(compendium: Compendium, allow_weaker: bool):
+    """`--allow-weaker-masking`: text masked more weakly than the open round expects (or with no
+    masking recorded), which `SynapseClient.submit` refuses otherwise (MaskedTooWeakly), is sent
+    anyway (a compendium masked by other tooling, which records no λ), with a warning on stderr
+    before it is sent: whatever the server answers (a refusal, an error, no answer at all), the
+    text may have reached it."""
 
-    from compendium.client_api import round_mask_strength, weaker_masking
+    from compendium.client_api import weaker_masking
 
     def check(current: dict) -> None:
         applied = compendium.masking.strength if compendium.masking else None
         problem = weaker_masking(current, applied)
-        if problem is None:
+        if problem is None or not allow_weaker:
             return
-        if allow_weaker:
-            print(
-                f"{PROG}: warning: {problem}; this compendium "
-                + ("records no masking" if applied is None else f"was masked at λ={applied:g}")
-                + ": sent as it is (--allow-weaker-masking)",
-                file=sys.stderr,
-            )
-            return
-        expected = round_mask_strength(current)
-        raise CliError(
-            f"{problem}, but {path} "
-            + ("records no masking" if applied is None else f"was masked at λ = {applied:g}")
-            + f": build it again with --lambda {expected:g} (or more), or pass "
+        print(
+            f"{PROG}: warning: {problem}; this compendium "
+            + ("records no masking" if applied is None else f"was masked at λ={applied:g}")
+            + ": sent as it is (--allow-weaker-masking)",
+            file=sys.stderr,
+        )
+
+    return check
+
+
+def _privacy_refusal(path: str, exc) -> CliError:
+    """What `submit` says when `SynapseClient.submit` found, before sending anything, what must
+    not leave the client (a PrivacyViolation): the violations one line each on stderr (not for
+    the masking strength, which is one line of its own), then what to do."""
+    from compendium.client_api import MaskedTooWeakly, NotForSending, TextNotMasked
+
+    if isinstance(exc, MaskedTooWeakly):
+        return CliError(
+            f"{exc.problem}, but {path} "
+            + ("records no masking" if exc.applied is None else f"was masked at λ = {exc.applied:g}")
+            + f": build it again with --lambda {exc.expected:g} (or more), or pass "
             "--allow-weaker-masking to send it as it is; nothing sent"
         )
-
-    return check
-
-
-def _residue_check(path: Path, compendium: Compendium, client):
-    """Before `submit` sends anything: the server's own check of the text (what masking at the
-    open round's λ removes from any text, with the registry in force protected: see "What the
-    server checks"), whatever λ the compendium records and whatever --allow-weaker-masking says
-    (the server refuses such text either way). Text edited in by hand, or from other tooling,
-    would otherwise leave the client raw, only to be refused on arrival."""
-    from compendium.client_api import round_mask_strength
-    from compendium.masking import TextMasker
-    from compendium.scrub import masking_residue
-
-    def check(current: dict) -> None:
-        strength = round_mask_strength(current)
-        if not strength:  # none named, or a round at λ = 0: it takes text as it comes
-            return
-        schema, _ = client.schema()  # the registry the server protects, as in force now
-        residue = masking_residue(compendium, TextMasker.for_registry(schema.tools, strength=strength))
-        if not residue:
-            return
-        for violation in residue:
-            print(f"{path}: {violation}", file=sys.stderr)
-        raise CliError(
-            f"{len(residue)} text(s) of {path} still hold what masking at round "
-            f"{current['number']}'s λ = {strength:g} removes from any text, which the server "
-            f"refuses: build it again with --lambda {strength:g} (or mask those texts); "
+    for violation in exc.violations:
+        print(f"{path}: {violation}", file=sys.stderr)
+    if isinstance(exc, NotForSending):
+        # text no masking check reads: it must not leave, and the server refuses it
+        return CliError(
+            f"{path} carries what a client does not send (listed above): its metadata holds "
+            "statistics only (no description or spec), its precondition flag names no personal "
+            "data (build writes neither); nothing sent"
+        )
+    if isinstance(exc, TextNotMasked):
+        return CliError(
+            f"{len(exc.violations)} text(s) of {path} still hold what masking at round "
+            f"{exc.round_number}'s λ = {exc.strength:g} removes from any text, which the server "
+            f"refuses: build it again with --lambda {exc.strength:g} (or mask those texts); "
             "nothing sent"
         )
-
-    return check
+    return CliError(f"{path}: {exc}")
 
 
 def _checks(*checks):
@@ -795,22 +787,13 @@ def _submit(args: argparse.Namespace):
     """`submit`: send the compendium, print what happened and return the SubmissionResult (the
     server's answer names the round it stored the submission in); a CliError or ClientError
     when nothing was stored."""
-    from compendium.client_api import SubmissionRejected, nothing_to_submit
+    from compendium.client_api import PrivacyViolation, SubmissionRejected, nothing_to_submit
 
     compendium = _load_compendium(args.compendium)
     if nothing_to_submit(compendium):
         raise CliError(
             f"{args.compendium} has no entries (metadata, scenarios, precautions, templates and "
             "annex are all empty): nothing to submit, nothing sent"
-        )
-    refused = submission_rules(compendium)
-    if refused:  # text no masking check reads: it must not leave, and the server refuses it
-        for violation in refused:
-            print(f"{args.compendium}: {violation}", file=sys.stderr)
-        raise CliError(
-            f"{args.compendium} carries what a client does not send (listed above): its metadata "
-            "holds statistics only (no description or spec), its precondition flag names no "
-            "personal data (build writes neither); nothing sent"
         )
     dictionary = None
     if args.no_gzip and (args.since or args.schema):
@@ -822,18 +805,22 @@ def _submit(args: argparse.Namespace):
     elif args.schema:
         probe = _load_probe(args.probe) if args.probe else []
         dictionary = transport.probe_dictionary(_load_schema(args.schema), probe)
+    allow_weaker = getattr(args, "allow_weaker_masking", False)
     with _client(args) as client:
         try:
+            # the library runs the checks of the privacy boundary before sending anything
+            # (PrivacyViolation); these are the CLI's own, on the round's other terms
             result = client.submit(
                 compendium, compress=not args.no_gzip, dictionary=dictionary,
+                allow_weaker_masking=allow_weaker,
                 check=_checks(
                     _field_cap_check(Path(args.compendium), compendium),
                     _not_released_check(Path(args.compendium), compendium),
-                    _masking_check(Path(args.compendium), compendium,
-                                   getattr(args, "allow_weaker_masking", False)),
-                    _residue_check(Path(args.compendium), compendium, client),
+                    _weaker_masking_warning(compendium, allow_weaker),
                 ),
             )
+        except PrivacyViolation as exc:
+            raise _privacy_refusal(args.compendium, exc) from None
         except SubmissionRejected as exc:
             for v in exc.violations:
                 print(f"{args.compendium}: {v['path']}: {v['reason']}", file=sys.stderr)

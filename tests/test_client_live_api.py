@@ -22,9 +22,18 @@ from federation.models import ProbeQuery, Round, Submission
 pytestmark = pytest.mark.django_db(transaction=True)
 
 
+def _masked(doc: dict, schema) -> Compendium:
+    """A compendium of `doc` that records masking at λ = 1, as `build` records it: the λ the
+    rounds opened here expect (SynapseClient.submit refuses weaker masking, or none recorded,
+    before sending anything)."""
+    return load_valid_compendium(
+        dict(doc, masking={"strength": 1.0, "masked_fraction": 0.25}), schema
+    )
+
+
 def test_submit_and_pull_against_the_real_api(live_server, world, valid_doc, small_schema, tmp_path):
     services.open_round(services.Actor(None))
-    compendium = load_valid_compendium(valid_doc, small_schema)
+    compendium = _masked(valid_doc, small_schema)
     with SynapseClient(live_server.url, world.token_a, backoff=0) as client:
         first = client.submit(compendium)
         again = client.submit(compendium)  # a duplicate send: same key, replayed answer
@@ -39,7 +48,7 @@ def test_submit_and_pull_against_the_real_api(live_server, world, valid_doc, sma
 def test_revoked_token_is_one_clear_error(live_server, world, valid_doc, small_schema):
     services.open_round(services.Actor(None))
     services.revoke_client(services.Actor(None), world.client_a)
-    compendium = load_valid_compendium(valid_doc, small_schema)
+    compendium = _masked(valid_doc, small_schema)
     with SynapseClient(live_server.url, world.token_a, backoff=0) as client:
         with pytest.raises(ClientError):
             client.submit(compendium)
@@ -434,8 +443,8 @@ def test_submitting_an_earlier_compendium_again_puts_it_back_in_effect(
     A again under the next key, r<round>-<sha256>-2, which puts it back in effect. The keys are
     deterministic, so a retry finds that submission instead of storing another."""
     services.open_round(services.Actor(None))
-    a = load_valid_compendium(valid_doc, small_schema)
-    b = load_valid_compendium(dict(valid_doc, scenarios=valid_doc["scenarios"][:1]), small_schema)
+    a = _masked(valid_doc, small_schema)
+    b = _masked(dict(valid_doc, scenarios=valid_doc["scenarios"][:1]), small_schema)
 
     def in_effect() -> str:
         return CompendiumVersion.objects.get(kind="client", client=world.client_a).sha256
@@ -479,7 +488,7 @@ def test_a_submission_checked_for_a_round_that_closed_meanwhile_is_not_stored_in
     sends; the POST names that round (X-Synapse-Round), so a send or a retry that reaches the
     server once another round is open stores nothing there."""
     first = services.open_round(services.Actor(None))
-    compendium = load_valid_compendium(valid_doc, small_schema)
+    compendium = _masked(valid_doc, small_schema)
 
     def the_round_turns(current: dict) -> None:  # between the client's checks and its POST
         assert current["number"] == 1

@@ -10,6 +10,7 @@ lost in real networks.
 
 from __future__ import annotations
 
+import datetime as dt
 import gzip
 import io
 import json
@@ -18,6 +19,7 @@ import socket
 import threading
 from collections.abc import Iterator
 from dataclasses import dataclass, field
+from email.utils import format_datetime
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from urllib.parse import parse_qs, urlparse
@@ -29,8 +31,12 @@ from compendium import transport
 from compendium.canonical import canonical_form
 from compendium.client_api import (
     ClientError,
+    MaskedTooWeakly,
+    NotForSending,
     NothingToSubmit,
+    PrivacyViolation,
     SynapseClient,
+    TextNotMasked,
     etag_file,
     head_file,
 )
@@ -66,6 +72,7 @@ class ServerState:
     conflict_code: str = "round_changed"  # the code of a 409 answered by fail_next_posts
     retry_after: str | None = None  # the Retry-After of another fail_status (a 503's)
     posts: list[dict] = field(default_factory=list)  # every POST seen: key, replayed
+    post_requests: int = 0  # every POST that reached the server, whatever it answered
     created: int = 0  # rows ever created (a replacement also counts)
     rows: dict[tuple[int, str], dict] = field(default_factory=dict)  # one per (round, client)
     answers: dict[str, tuple[int, dict]] = field(default_factory=dict)  # idempotency key ->
@@ -156,6 +163,8 @@ def make_handler(state: ServerState):
             return self._send(404, {"detail": "not found"})
 
         def do_POST(self):
+            with state.lock:
+                state.post_requests += 1
             length = int(self.headers.get("Content-Length", "0"))
             raw = self.rfile.read(length)
             encoding = self.headers.get("Content-Encoding", "")
@@ -468,6 +477,22 @@ def test_503_waits_as_long_as_the_server_asks_capped_as_for_429(server, tmp_path
     with SynapseClient(url, TOKEN, retries=2, backoff=0.25, sleep=delays.append) as client:
         result = client.submit(compendium())
     assert result.status == 201 and delays == [waited]
+
+
+@pytest.mark.parametrize(("ahead", "low", "high"), [(30, 28.0, 30.0), (3600, 60.0, 60.0),
+                                                    (-120, 0.0, 0.0)])
+def test_retry_after_as_an_http_date_is_honoured_capped_as_the_seconds(server, ahead, low, high):
+    """RFC 9110 lets Retry-After be an HTTP-date ("Wed, 21 Oct 2015 07:28:00 GMT") as well as
+    seconds: the client ignored the date and waited its own backoff (0.25 s here). It waits
+    until that time now, capped at a minute as the seconds form; a date past is no wait."""
+    url, state = server
+    when = dt.datetime.now(dt.UTC) + dt.timedelta(seconds=ahead)
+    state.fail_next_posts, state.retry_after = 1, format_datetime(when, usegmt=True)
+    delays: list[float] = []
+    with SynapseClient(url, TOKEN, retries=2, backoff=0.25, sleep=delays.append) as client:
+        result = client.submit(compendium())
+    assert result.status == 201 and len(delays) == 1
+    assert low <= delays[0] <= high
 
 
 def test_gives_up_after_the_retries_with_one_line(server, tmp_path, capsys):
@@ -946,6 +971,61 @@ def test_text_the_server_would_find_unmasked_is_refused_before_sending(server, t
     # masked text goes, as before
     assert main(submit_args(url, write(tmp_path, compendium(), "masked.json")) + options) == 0
     assert len(state.posts) == 1
+
+
+RAW_METADATA = "Call John Smith on +1 555 123 4567"
+RAW_SCENARIO = "Email John Smith at john.smith@acme.com about the forecast"
+
+
+@pytest.mark.parametrize(("case", "refusal", "where", "holds"), [
+    ("metadata description", NotForSending, "$.metadata[0].description",
+     "a client sends only its statistics"),
+    ("flag name", NotForSending, "$.scenarios[0].preconditions",
+     "flag name 2 of 2 holds 1 phone number"),
+    ("scenario text", TextNotMasked, "$.scenarios[0].text",
+     "not masked at λ = 1: holds 1 e-mail address"),
+    ("no masking recorded", MaskedTooWeakly, "$.masking",
+     "round 4 expects masking strength λ >= 1"),
+])
+@pytest.mark.parametrize("allow_weaker", [False, True])
+def test_the_python_api_checks_what_must_not_leave_the_client_before_sending(
+    server, case, refusal, where, holds, allow_weaker
+):
+    """`SynapseClient.submit`, as an organization's script calls it, runs the checks of the
+    privacy boundary that `synapse-client submit` runs: free text in metadata, personal data in
+    a flag name, text that masking at the open round's λ (here 1) removes from any text, and
+    masking weaker than the round expects. It ran none of them: the raw text went out in the
+    POST, and only the server refused it. Nothing reaches the server now; the error lists each
+    violation by path, never the text itself. Opting into weaker masking (as
+    --allow-weaker-masking) lifts the λ check alone."""
+    url, state = server
+    comp = compendium()
+    if case == "metadata description":
+        comp = comp.model_copy(update={"metadata": [
+            ToolMetadata(tool_id="weather", description=RAW_METADATA, stats={"calls": 1.0})]})
+    elif case == "flag name":
+        comp = comp.model_copy(update={"scenarios": [Scenario(
+            tool_id="weather", text="Will it rain tomorrow in a city?",
+            preconditions={"has_city": True, "555_123_4567": True})]})
+    elif case == "scenario text":
+        comp = compendium(RAW_SCENARIO)
+    else:
+        comp = comp.model_copy(update={"masking": None})
+    with SynapseClient(url, TOKEN, backoff=0) as client:
+        if allow_weaker and refusal is MaskedTooWeakly:  # the caller's explicit choice: sent
+            assert client.submit(comp, allow_weaker_masking=True).status == 201
+            assert state.post_requests == 1
+            return
+        with pytest.raises(refusal) as refused:
+            client.submit(comp, allow_weaker_masking=allow_weaker)
+    assert state.post_requests == 0 and state.created == 0
+    assert isinstance(refused.value, PrivacyViolation) and isinstance(refused.value, ClientError)
+    assert [v.path for v in refused.value.violations] == [where]
+    assert holds in refused.value.violations[0].reason
+    message = str(refused.value)
+    assert f"{where}: {holds}" in message and "nothing sent" in message
+    for raw in ("John", "555", "acme"):
+        assert raw not in message
 
 
 def test_participate_leaves_out_a_field_the_round_will_not_release_that_the_schema_dropped(
