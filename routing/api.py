@@ -56,7 +56,10 @@ class _RoutingView(APIView):
                 headers={"Retry-After": str(exc.retry_after)},
             )
         except services.RoutingUnavailable as exc:
-            return Response({"detail": str(exc)}, status=status.HTTP_503_SERVICE_UNAVAILABLE)
+            # Why a router could not be built (an exception's text) is the operator's alone.
+            operator = getattr(request.user, "is_superuser", False)
+            detail = str(exc) if operator else getattr(exc, "public", str(exc))
+            return Response({"detail": detail}, status=status.HTTP_503_SERVICE_UNAVAILABLE)
 
 
 class RoutingTokenScheme(OpenApiAuthenticationExtension):

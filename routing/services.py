@@ -55,7 +55,13 @@ class ServedVersionGone(RoutingUnavailable):
 
 class RouterBuildFailed(RoutingUnavailable):
     """The published global's router could not be built, and no router was served before it
-    (or the one served before is of a global that no longer exists: an erasure deleted it)."""
+    (or the one served before is of a global that no longer exists: an erasure deleted it).
+    Its text says why (an exception's: a server path, a database's host): for the operator;
+    `public` says the same without why, for every other caller."""
+
+    def __init__(self, message: str, public: str):
+        super().__init__(message)
+        self.public = public
 
 
 class RateLimited(Exception):
@@ -611,9 +617,11 @@ def _instead_of_failed(version: CompendiumVersion, previous):
     if previous is not None and failed is not None and failed[3]:
         return previous
     reason = failed[2] if failed is not None else "unknown error"
+    what = f"the router of round {version.round.number}'s global could not be built"
+    again = f"it is tried again within {rebuild_seconds():.0f} s"
     raise RouterBuildFailed(
-        f"the router of round {version.round.number}'s global could not be built ({reason}); "
-        f"it is tried again within {rebuild_seconds():.0f} s"
+        f"{what} ({reason}); {again}",
+        f"{what} (the operator's log says why); {again}",
     )
 
 

@@ -342,6 +342,40 @@ def test_a_router_that_cannot_be_built_is_tried_again_later_not_by_every_request
     assert services.served_compendium().version_id == third.pk
 
 
+def test_why_a_router_could_not_be_built_is_the_operators_alone(data, monkeypatch, settings):
+    """A failed build answered every caller of the routing API (an application's routing token,
+    a client, any person) with the exception's text: a database's host and user, a server path.
+    As for a failed tuning (`federation.tuning.downloadable_router`), only the operator reads why;
+    the others are told the router could not be built and when it is tried again."""
+    from django.contrib.auth.models import User
+
+    settings.SYNAPSE_ROUTING_REBUILD_SECONDS = 3600
+    services.forget_served()
+    _publish(data, number=1, with_client_copy=False)
+    secret = "connection to db.internal:5432 failed for user synapse"
+
+    def broken(version, tuned_directory=""):
+        raise OSError(secret)
+
+    monkeypatch.setattr(services, "build_served", broken)
+    _, raw = RoutingToken.issue("app")
+    http = HttpClient()
+    for path, body in (("/api/v1/route/", {"query": "hello"}),
+                       ("/api/v1/route/batch/", {"queries": ["hello"]})):
+        answer = _post(http, path, body, raw)
+        assert answer.status_code == 503, answer.content
+        detail = answer.json()["detail"]
+        assert "could not be built" in detail and "tried again within 3600 s" in detail, detail
+        assert "db.internal" not in detail and "OSError" not in detail, detail
+    member = HttpClient()
+    member.force_login(User.objects.create_user("member", password="pw-long-enough-1"))
+    assert "db.internal" not in _post(member, "/api/v1/route/", {"query": "hello"}).json()["detail"]
+    operator = HttpClient()
+    operator.force_login(User.objects.create_superuser("op", password="pw-long-enough-1"))
+    shown = _post(operator, "/api/v1/route/", {"query": "hello"})
+    assert shown.status_code == 503 and secret in shown.json()["detail"]
+
+
 @pytest.mark.django_db(transaction=True)  # the warm-up thread has its own connection
 def test_a_worker_warms_its_router_before_the_first_request(data):
     """gunicorn.conf.py starts routing.services.warm_up in a thread of each new worker."""
