@@ -442,6 +442,26 @@ def test_route_api_authentication(data, api):
     assert _post(http, "/api/v1/route/", {"query": "hello"}).status_code == 200
 
 
+def test_a_routing_token_elsewhere_is_told_it_only_routes(data, api):
+    """An application's live routing token on the federation's endpoints (the global, its head,
+    the tuned router's manifest) was answered 401 "invalid token", the words for a wrong or
+    revoked one, though it routes: 403 now says what it may do. A revoked one stays 401."""
+    http, raw, token = api
+    _publish(data, with_client_copy=False)
+    auth = {"HTTP_AUTHORIZATION": f"Bearer {raw}"}
+    for path in ("/api/v1/compendium/global/", "/api/v1/compendium/global/head/",
+                 "/api/v1/compendium/global/router/", "/api/v1/rounds/"):
+        response = http.get(path, **auth)
+        assert response.status_code == 403, (path, response.content)
+        assert "routing token" in response.json()["detail"], path
+        assert "/api/v1/route/" in response.json()["detail"], path
+    assert _post(http, "/api/v1/route/", {"query": data["queries"][0]}, raw).status_code == 200
+    token.revoked = True
+    token.save()
+    assert http.get("/api/v1/compendium/global/", **auth).status_code == 401
+    assert _post(http, "/api/v1/route/", {"query": "hello"}, raw).status_code == 401
+
+
 def test_route_api_bad_input_is_400_naming_the_problem(data, api, settings):
     http, raw, _ = api
     _publish(data, with_client_copy=False)
