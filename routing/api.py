@@ -16,6 +16,10 @@ from routing import services
 from synapse_web.parsers import BoundedJSONParser
 
 
+class _LengthRequired(Exception):
+    """A body sent without its length (411)."""
+
+
 class _RoutingView(APIView):
     # Routing tokens, the federation's client and user tokens, and browser sessions: configured in
     # settings so that routing does not import the federation app.
@@ -27,6 +31,13 @@ class _RoutingView(APIView):
     fields: tuple[str, ...] = ()  # what the body may hold
 
     def _body(self, request) -> dict:
+        if not request.META.get("CONTENT_LENGTH") and request.META.get("HTTP_TRANSFER_ENCODING"):
+            # Django reads no further than the declared length: a chunked body reads as empty,
+            # and was answered "query is required".
+            raise _LengthRequired(
+                "the routing API needs a Content-Length header, not Transfer-Encoding: "
+                f"{request.META['HTTP_TRANSFER_ENCODING'][:40]}: send the body with its length"
+            )
         try:
             data = request.data
         except ParseError as exc:
@@ -47,6 +58,8 @@ class _RoutingView(APIView):
         try:
             body = self._body(request)
             return Response(self.route(body, services.caller_key(request.user)))
+        except _LengthRequired as exc:
+            return Response({"detail": str(exc)}, status=status.HTTP_411_LENGTH_REQUIRED)
         except services.RoutingInputError as exc:
             return Response({"detail": str(exc)}, status=status.HTTP_400_BAD_REQUEST)
         except services.RateLimited as exc:
@@ -129,8 +142,8 @@ _OPTIONS = {
     request=inline_serializer(
         "RouteRequest", {"query": serializers.CharField(min_length=1), **_OPTIONS}
     ),
-    responses={200: _DECISION, 400: _ERROR, 401: _ERROR, 413: _ERROR, 415: _ERROR, 429: _ERROR,
-               503: _ERROR},
+    responses={200: _DECISION, 400: _ERROR, 401: _ERROR, 411: _ERROR, 413: _ERROR, 415: _ERROR,
+               429: _ERROR, 503: _ERROR},
     summary="Route one query: the tool to call, its calibrated confidence and why",
 )
 class RouteView(_RoutingView):
@@ -164,6 +177,7 @@ class RouteView(_RoutingView):
         ),
         400: _ERROR,
         401: _ERROR,
+        411: _ERROR,  # chunked, without Content-Length
         413: _ERROR,  # a body past DATA_UPLOAD_MAX_MEMORY_SIZE (synapse_web.middleware)
         415: _ERROR,  # not application/json
         429: _ERROR,

@@ -559,6 +559,32 @@ def test_route_api_takes_json_only_and_its_document_says_so(data, api):
         assert "415" in operation["responses"], path
 
 
+def test_a_chunked_body_without_content_length_is_411_not_a_missing_query(data, api):
+    """A body sent chunked (Transfer-Encoding, no Content-Length: streaming HTTP clients do) is
+    read by Django as empty: the routing API answered 400 "query is required" for a request that
+    held one. It is a 411 saying to send the length, as a submission's is; the document says so."""
+    from django.test import RequestFactory
+
+    from routing.api import RouteBatchView, RouteView
+
+    _, raw, _ = api
+    _publish(data, with_client_copy=False)
+    for view, path, body in ((RouteView, "/api/v1/route/", {"query": data["queries"][0]}),
+                             (RouteBatchView, "/api/v1/route/batch/", {"queries": data["queries"][:2]})):
+        request = RequestFactory().post(path, json.dumps(body), content_type="application/json",
+                                        HTTP_AUTHORIZATION=f"Bearer {raw}")
+        del request.META["CONTENT_LENGTH"]  # as a chunked body arrives
+        request.META["HTTP_TRANSFER_ENCODING"] = "chunked"
+        response = view.as_view()(request)
+        assert response.status_code == 411, (path, response.data)
+        assert "Content-Length" in response.data["detail"], response.data
+    from drf_spectacular.generators import SchemaGenerator
+
+    paths = SchemaGenerator().get_schema(request=None, public=True)["paths"]
+    for path in ("/api/v1/route/", "/api/v1/route/batch/"):
+        assert "411" in paths[path]["post"]["responses"], path
+
+
 def test_a_body_over_the_request_limit_is_a_json_413_with_debug_on(data, api, settings):
     """The README's 413 (JSON, naming the limit) holds with DEBUG on, the default configuration
     (`runserver`, where client developers try the API): before, handler400 made it only with
