@@ -132,6 +132,14 @@ _DECISION = inline_serializer(
     },
 )
 _ERROR = inline_serializer("RouteError", {"detail": serializers.CharField()})
+
+
+def _query_field():
+    """A query as the API document describes it, with this server's SYNAPSE_MAX_QUERY_CHARS."""
+    return serializers.CharField(min_length=1, max_length=services.max_query_chars())
+
+
+
 _OPTIONS = {
     "top_k": serializers.IntegerField(required=False, min_value=1, max_value=services.MAX_TOP_K),
     "reranker": serializers.ChoiceField(choices=["fusion", "none", "llm"], required=False),
@@ -140,7 +148,7 @@ _OPTIONS = {
 
 @extend_schema(
     request=inline_serializer(
-        "RouteRequest", {"query": serializers.CharField(min_length=1), **_OPTIONS}
+        "RouteRequest", {"query": _query_field(), **_OPTIONS}
     ),
     responses={200: _DECISION, 400: _ERROR, 401: _ERROR, 411: _ERROR, 413: _ERROR, 415: _ERROR,
                429: _ERROR, 503: _ERROR},
@@ -162,8 +170,9 @@ class RouteView(_RoutingView):
 @extend_schema(
     request=inline_serializer(
         "RouteBatchRequest",
-        {"queries": serializers.ListField(child=serializers.CharField(min_length=1), min_length=1),
-         **_OPTIONS},
+        {"queries": serializers.ListField(
+            child=_query_field(), min_length=1, max_length=services.max_batch()  # SYNAPSE_MAX_ROUTE_BATCH
+        ), **_OPTIONS},
     ),
     responses={
         200: inline_serializer(

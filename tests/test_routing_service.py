@@ -827,3 +827,17 @@ def test_the_api_document_gives_top_k_its_range():
         assert (top_k["minimum"], top_k.get("maximum")) == (1, 50), name
     with pytest.raises(services.RoutingInputError, match="between 1 and 50"):
         services.validate_top_k(51)
+
+
+def test_the_api_document_gives_queries_their_limits(settings):
+    """A query is at most SYNAPSE_MAX_QUERY_CHARS characters and a batch at most
+    SYNAPSE_MAX_ROUTE_BATCH queries (longer or more: a 400), but the API document gave neither
+    bound: a client generated from it, or checked against it, sent them as valid."""
+    from drf_spectacular.generators import SchemaGenerator
+
+    schemas = SchemaGenerator().get_schema(request=None, public=True)["components"]["schemas"]
+    chars, batch = settings.SYNAPSE_MAX_QUERY_CHARS, settings.SYNAPSE_MAX_ROUTE_BATCH
+    assert schemas["RouteRequest"]["properties"]["query"].get("maxLength") == chars
+    queries = schemas["RouteBatchRequest"]["properties"]["queries"]
+    assert (queries.get("minItems"), queries.get("maxItems")) == (1, batch)
+    assert queries["items"].get("maxLength") == chars
