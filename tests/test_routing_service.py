@@ -797,6 +797,29 @@ def test_a_503_before_anything_is_published_counts_nothing_against_the_rate(data
     assert _post(http, "/api/v1/route/batch/", {"queries": data["queries"][1:3]}, raw).status_code == 429
 
 
+def test_a_query_answered_503_when_its_global_vanished_counts_nothing(data, api, settings):
+    """With pgvector retrieval, a process that still serves a global another process's erasure
+    took away (the only one) finds none of its rows and asks for the current global: there is
+    none, a 503. The query had been counted against the caller's allowance all the same, though
+    a refused request counts nothing (README)."""
+    from federation.models import RateCounter
+
+    http, raw, token = api
+    settings.SYNAPSE_ROUTING_RETRIEVAL = "exact"
+    settings.SYNAPSE_ROUTING_VERSION_TTL = 3600
+    settings.SYNAPSE_ROUTE_RATE_LIMIT = 5
+    services.forget_served()
+    version = _publish(data, with_client_copy=False)
+    assert _post(http, "/api/v1/route/", {"query": data["queries"][0]}, raw).status_code == 200
+    with connection.cursor() as cursor:  # as another process's erasure: no signal here
+        cursor.execute("DELETE FROM compendium_scenarioentry WHERE version_id = %s", [version.pk])
+        cursor.execute("UPDATE federation_round SET state = 'failed' WHERE id = %s",
+                       [version.round_id])
+    gone = _post(http, "/api/v1/route/", {"query": data["queries"][1]}, raw)
+    assert gone.status_code == 503, gone.content
+    assert RateCounter.objects.get(key=f"route:routing-token:{token.pk}").count == 1
+
+
 def test_rate_limit_windows_and_callers(db):
     """`admit` counts per caller and minute; the next minute starts afresh; people, clients and
     routing tokens are told apart."""
