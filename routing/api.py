@@ -16,6 +16,10 @@ from routing import services
 from synapse_web.parsers import BoundedJSONParser
 
 
+class _LengthRequired(Exception):
+    """A body sent without its length (411)."""
+
+
 class _RoutingView(APIView):
     # Routing tokens, the federation's client and user tokens, and browser sessions: configured in
     # settings so that routing does not import the federation app.
@@ -27,6 +31,13 @@ class _RoutingView(APIView):
     fields: tuple[str, ...] = ()  # what the body may hold
 
     def _body(self, request) -> dict:
+        if not request.META.get("CONTENT_LENGTH") and request.META.get("HTTP_TRANSFER_ENCODING"):
+            # Django reads no further than the declared length: a chunked body reads as empty,
+            # and was answered "query is required".
+            raise _LengthRequired(
+                "the routing API needs a Content-Length header, not Transfer-Encoding: "
+                f"{request.META['HTTP_TRANSFER_ENCODING'][:40]}: send the body with its length"
+            )
         try:
             data = request.data
         except ParseError as exc:
@@ -47,6 +58,8 @@ class _RoutingView(APIView):
         try:
             body = self._body(request)
             return Response(self.route(body, services.caller_key(request.user)))
+        except _LengthRequired as exc:
+            return Response({"detail": str(exc)}, status=status.HTTP_411_LENGTH_REQUIRED)
         except services.RoutingInputError as exc:
             return Response({"detail": str(exc)}, status=status.HTTP_400_BAD_REQUEST)
         except services.RateLimited as exc:
@@ -56,7 +69,10 @@ class _RoutingView(APIView):
                 headers={"Retry-After": str(exc.retry_after)},
             )
         except services.RoutingUnavailable as exc:
-            return Response({"detail": str(exc)}, status=status.HTTP_503_SERVICE_UNAVAILABLE)
+            # Why a router could not be built (an exception's text) is the operator's alone.
+            operator = getattr(request.user, "is_superuser", False)
+            detail = str(exc) if operator else getattr(exc, "public", str(exc))
+            return Response({"detail": detail}, status=status.HTTP_503_SERVICE_UNAVAILABLE)
 
 
 class RoutingTokenScheme(OpenApiAuthenticationExtension):
@@ -116,6 +132,14 @@ _DECISION = inline_serializer(
     },
 )
 _ERROR = inline_serializer("RouteError", {"detail": serializers.CharField()})
+
+
+def _query_field():
+    """A query as the API document describes it, with this server's SYNAPSE_MAX_QUERY_CHARS."""
+    return serializers.CharField(min_length=1, max_length=services.max_query_chars())
+
+
+
 _OPTIONS = {
     "top_k": serializers.IntegerField(required=False, min_value=1, max_value=services.MAX_TOP_K),
     "reranker": serializers.ChoiceField(choices=["fusion", "none", "llm"], required=False),
@@ -124,10 +148,10 @@ _OPTIONS = {
 
 @extend_schema(
     request=inline_serializer(
-        "RouteRequest", {"query": serializers.CharField(min_length=1), **_OPTIONS}
+        "RouteRequest", {"query": _query_field(), **_OPTIONS}
     ),
-    responses={200: _DECISION, 400: _ERROR, 401: _ERROR, 413: _ERROR, 415: _ERROR, 429: _ERROR,
-               503: _ERROR},
+    responses={200: _DECISION, 400: _ERROR, 401: _ERROR, 411: _ERROR, 413: _ERROR, 415: _ERROR,
+               429: _ERROR, 503: _ERROR},
     summary="Route one query: the tool to call, its calibrated confidence and why",
 )
 class RouteView(_RoutingView):
@@ -146,8 +170,9 @@ class RouteView(_RoutingView):
 @extend_schema(
     request=inline_serializer(
         "RouteBatchRequest",
-        {"queries": serializers.ListField(child=serializers.CharField(min_length=1), min_length=1),
-         **_OPTIONS},
+        {"queries": serializers.ListField(
+            child=_query_field(), min_length=1, max_length=services.max_batch()  # SYNAPSE_MAX_ROUTE_BATCH
+        ), **_OPTIONS},
     ),
     responses={
         200: inline_serializer(
@@ -161,6 +186,7 @@ class RouteView(_RoutingView):
         ),
         400: _ERROR,
         401: _ERROR,
+        411: _ERROR,  # chunked, without Content-Length
         413: _ERROR,  # a body past DATA_UPLOAD_MAX_MEMORY_SIZE (synapse_web.middleware)
         415: _ERROR,  # not application/json
         429: _ERROR,

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from rest_framework.authentication import BaseAuthentication, get_authorization_header
 
-from routing.models import RoutingToken, hash_token
+from routing.models import RoutingToken
 
 
 class RoutingPrincipal:
@@ -37,7 +37,7 @@ class RoutingTokenAuthentication(BaseAuthentication):
             raw = parts[1].decode("ascii")
         except UnicodeDecodeError:
             return None
-        token = RoutingToken.objects.filter(token_hash=hash_token(raw), revoked=False).first()
+        token = RoutingToken.live(raw)
         if token is None:
             return None
         return RoutingPrincipal(token), token

@@ -109,6 +109,20 @@ def judge_consistency(llm: LLMBackend, statement_a: str, statement_b: str) -> Ju
     return Judgement(None, answer, f"neither 'consistent' nor 'contradictory': {word[:80]!r}")
 
 
+def without_credentials(url: str) -> str:
+    """`url` as it may be shown (in errors, routing answers' fallback_reason, logs): a user and
+    password in it (http://user:secret@host, sent as basic authentication) become ***."""
+    from urllib.parse import urlsplit, urlunsplit
+
+    try:
+        parts = urlsplit(url)
+    except ValueError:
+        return url.rpartition("@")[2] if "@" in url else url
+    if "@" not in parts.netloc:
+        return url
+    return urlunsplit(parts._replace(netloc="***@" + parts.netloc.rpartition("@")[2]))
+
+
 class OpenAICompatibleLLM:
     """Chat completions over HTTP with a timeout, retries on transient failures, one-line errors."""
 
@@ -139,7 +153,9 @@ class OpenAICompatibleLLM:
         if not self.base_url.endswith("/v1"):
             self.base_url += "/v1"
         self.model = model or "default"
-        self.name = f"openai:{self.model}@{self.base_url}"
+        # What errors name: the URL without the credentials it may carry.
+        self.shown_url = without_credentials(self.base_url)
+        self.name = f"openai:{self.model}@{self.shown_url}"
         self.retries = retries
         self.backoff = backoff
         self.temperature = temperature
@@ -177,6 +193,7 @@ class OpenAICompatibleLLM:
         if json_schema is not None and not self.json_mode_refused:
             body["response_format"] = json_response_format(json_schema)
         url = f"{self.base_url}/chat/completions"
+        shown = f"{self.shown_url}/chat/completions"
         deadline = None if self.call_seconds is None else time.monotonic() + self.call_seconds
         response = self._post(url, body, deadline)
         if response.status_code in (400, 422) and "response_format" in body:
@@ -189,10 +206,10 @@ class OpenAICompatibleLLM:
                 self.json_mode_refused = refusal
         if response.status_code >= 400:
             raise LLMUnavailable(
-                f"LLM endpoint {url} refused the request: HTTP {response.status_code} "
+                f"LLM endpoint {shown} refused the request: HTTP {response.status_code} "
                 f"{response.text[:120]!r}"
             )
-        unreadable = f"LLM endpoint {url} answered something that is not a chat completion"
+        unreadable = f"LLM endpoint {shown} answered something that is not a chat completion"
         try:
             content = response.json()["choices"][0]["message"]["content"]
         except (ValueError, KeyError, IndexError, TypeError, RecursionError):
@@ -264,7 +281,7 @@ class OpenAICompatibleLLM:
                 continue
             except (httpx.HTTPError, httpx.InvalidURL) as exc:  # a body that does not decode
                 raise LLMUnavailable(
-                    f"LLM endpoint {url} answered unreadably: {exc.__class__.__name__}: {exc}"
+                    f"LLM endpoint {without_credentials(url)} answered unreadably: {exc.__class__.__name__}: {exc}"
                 ) from None
             if response.status_code == 429 or response.status_code >= 500:
                 last = f"HTTP {response.status_code}"
@@ -278,7 +295,7 @@ class OpenAICompatibleLLM:
         if not attempts:  # the time ran out before (the question asked again without JSON mode)
             last = "no time left to ask"
         reason = (
-            f"LLM endpoint {url} is down: {last} after {attempts} attempt"
+            f"LLM endpoint {without_credentials(url)} is down: {last} after {attempts} attempt"
             f"{'s' if attempts != 1 else ''}{spent}; "
             "check the endpoint's URL (the server's SYNAPSE_LLM_BASE_URL, synapse-client's "
             "--llm-url) or route without an LLM"

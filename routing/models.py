@@ -26,16 +26,25 @@ class RoutingToken(models.Model):
     def __str__(self) -> str:
         return f"routing token {self.name}{' (revoked)' if self.revoked else ''}"
 
+    PREFIX = "rt_"
+
+    @classmethod
+    def live(cls, raw: str) -> RoutingToken | None:
+        """The unrevoked token whose secret is `raw`, or None."""
+        if not raw.startswith(cls.PREFIX):
+            return None
+        return cls.objects.filter(token_hash=hash_token(raw), revoked=False).first()
+
     @classmethod
     def issue(cls, name: str) -> tuple[RoutingToken, str]:
         """A new token; the raw value is returned once and never stored."""
-        raw = "rt_" + secrets.token_urlsafe(32)
+        raw = cls.PREFIX + secrets.token_urlsafe(32)
         return cls.objects.create(name=name, token_hash=hash_token(raw)), raw
 
     def reissue(self) -> str:
         """A new secret for this (revoked) token's name, in force at once; the old one stays
         refused. Returned once and never stored."""
-        raw = "rt_" + secrets.token_urlsafe(32)
+        raw = self.PREFIX + secrets.token_urlsafe(32)
         self.token_hash, self.revoked = hash_token(raw), False
         self.save(update_fields=["token_hash", "revoked"])
         return raw

@@ -55,7 +55,13 @@ class ServedVersionGone(RoutingUnavailable):
 
 class RouterBuildFailed(RoutingUnavailable):
     """The published global's router could not be built, and no router was served before it
-    (or the one served before is of a global that no longer exists: an erasure deleted it)."""
+    (or the one served before is of a global that no longer exists: an erasure deleted it).
+    Its text says why (an exception's: a server path, a database's host): for the operator;
+    `public` says the same without why, for every other caller."""
+
+    def __init__(self, message: str, public: str):
+        super().__init__(message)
+        self.public = public
 
 
 class RateLimited(Exception):
@@ -95,7 +101,7 @@ def caller_key(user) -> str:
     return f"user:{user.pk}"
 
 
-def admit(caller: str, queries: int, now: float | None = None) -> None:
+def admit(caller: str, queries: int, now: float | None = None) -> float | None:
     """Count `queries` routed queries against `caller`'s allowance for the current minute,
     shared by every server process (`federation.ratelimit`). Over it, the request is refused
     whole (RateLimited, with the seconds until the minute ends) and counts nothing; a batch larger
@@ -104,7 +110,7 @@ def admit(caller: str, queries: int, now: float | None = None) -> None:
 
     limit = rate_limit()
     if limit <= 0:
-        return
+        return None
     if queries > limit:
         raise RoutingInputError(
             f"a batch of {queries} queries is more than one caller may route in a minute "
@@ -114,7 +120,7 @@ def admit(caller: str, queries: int, now: float | None = None) -> None:
     key = f"route:{caller}"
     decision = ratelimit.hit(key, limit, 60, now, amount=queries)
     if decision.allowed:
-        return
+        return now  # for `give_back`
     ratelimit.take_back(key, ratelimit.window(60, now).start, amount=queries)
     used = decision.count - queries
     raise RateLimited(
@@ -123,6 +129,15 @@ def admit(caller: str, queries: int, now: float | None = None) -> None:
         f"{decision.retry_after} s",
         decision.retry_after,
     )
+
+
+def give_back(caller: str, queries: int, admitted: float | None) -> None:
+    """Uncount `queries` that `admit` counted at `admitted` (what it returned) for a request
+    that then routed nothing (a 503)."""
+    from federation import ratelimit
+
+    if admitted is not None:
+        ratelimit.take_back(f"route:{caller}", ratelimit.window(60, admitted).start, amount=queries)
 
 
 def llm_batch_seconds() -> float:
@@ -611,9 +626,11 @@ def _instead_of_failed(version: CompendiumVersion, previous):
     if previous is not None and failed is not None and failed[3]:
         return previous
     reason = failed[2] if failed is not None else "unknown error"
+    what = f"the router of round {version.round.number}'s global could not be built"
+    again = f"it is tried again within {rebuild_seconds():.0f} s"
     raise RouterBuildFailed(
-        f"the router of round {version.round.number}'s global could not be built ({reason}); "
-        f"it is tried again within {rebuild_seconds():.0f} s"
+        f"{what} ({reason}); {again}",
+        f"{what} (the operator's log says why); {again}",
     )
 
 
@@ -671,13 +688,16 @@ def route_query(
     top_k = validate_top_k(top_k)
     reranker = validate_reranker(reranker)
     served = served_compendium()  # before admit: a 503 (nothing published) routed nothing
-    if caller is not None:
-        admit(caller, 1)
+    admitted = admit(caller, 1) if caller is not None else None
     try:
         decision = served.routers[reranker].route(query, top_k)
     except ServedVersionGone:  # a router of a deleted global (pgvector retrieval): the current one
         _drop(served)
-        served = served_compendium()
+        try:
+            served = served_compendium()
+        except RoutingUnavailable:  # none: a 503, which routed nothing and counts nothing
+            give_back(caller, 1, admitted)
+            raise
         decision = served.routers[reranker].route(query, top_k)
     latency = (time.perf_counter() - started) * 1000
     if record:

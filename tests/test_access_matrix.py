@@ -51,8 +51,9 @@ MARKERS = {"acme": ("acme",), "globex": ("globex",)}
 
 # --- what each caller gets, by kind of endpoint --------------------------------------------------
 # A REST API answer for a caller without a usable credential: no credentials or an unknown /
-# revoked token is a 401; a known token of a client that may not act (revoked) a 403.
-API_NOBODY = {ANON: 401, OLD_TOKEN: 401, REVOKED_CLIENT: 403, ROUTING: 401, REVOKED_TOKEN: 401,
+# revoked token is a 401; a known token that may not act here (a revoked client's, or a live
+# routing token, which only routes) a 403.
+API_NOBODY = {ANON: 401, OLD_TOKEN: 401, REVOKED_CLIENT: 403, ROUTING: 403, REVOKED_TOKEN: 401,
               INACTIVE: 401}
 
 

@@ -1097,6 +1097,37 @@ def test_routing_playground_states(client, fed):
     assert bad.status_code == 400 and "top_k" in bad.content.decode()
 
 
+def test_why_the_playgrounds_router_could_not_be_built_is_the_operators_alone(
+    client, db, monkeypatch, settings
+):
+    """A member trying a query saw the failed build's exception text (a database host, a server
+    path), which only the operator reads elsewhere (the routing API, a failed tuning)."""
+    from routing import services as routing_services
+    from tests.dashboard_data import add_review_data, build_federation
+
+    routing_services.forget_published_version()
+    routing_services.forget_served()
+    federation = build_federation()
+    review = add_review_data(federation)
+    settings.SYNAPSE_ROUTING_REBUILD_SECONDS = 3600
+    secret = "connection to db.internal:5432 failed for user synapse"
+
+    def broken(version, tuned_directory=""):
+        raise OSError(secret)
+
+    monkeypatch.setattr(routing_services, "build_served", broken)
+    try:
+        client.force_login(review.acme_member)
+        member = client.get(reverse("dashboard:routing"), {"q": "rain?"})
+        assert member.status_code == 503 and "could not be built" in member.content.decode()
+        assert "db.internal" not in member.content.decode()
+        client.force_login(federation.operator)
+        operator = client.get(reverse("dashboard:routing"), {"q": "rain?"})
+        assert operator.status_code == 503 and "db.internal" in operator.content.decode()
+    finally:
+        routing_services.forget_served()
+
+
 def test_routing_playground_routes_against_the_published_compendium(client, db):
     from routing import services as routing_services
     from routing.models import RoutingCall

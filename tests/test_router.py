@@ -347,6 +347,34 @@ def test_an_endpoint_found_down_is_not_asked_again_for_a_pause_and_a_garbled_ans
         server.close()
 
 
+def test_credentials_in_the_llm_url_are_used_but_never_shown(engine):
+    """SYNAPSE_LLM_BASE_URL may carry a user and password (http://user:secret@host, httpx sends
+    them as basic authentication): the URL went whole into every error, hence into each routing
+    answer's fallback_reason, which any caller of the routing API (a routing token) reads."""
+    server = ChatServer(default="1")
+    try:
+        url = server.url.replace("http://", "http://app:s3cret@")
+        llm = OpenAICompatibleLLM(url, retries=0, backoff=0.0)
+        assert llm.complete("Which option?") == "1"
+        assert server.requests[-1]["auth"].startswith("Basic ")  # still sent
+        assert "s3cret" not in llm.name and "app:" not in llm.name
+        server.status = 503
+        with pytest.raises(LLMUnavailable) as down:
+            llm.complete("Which option?")
+        assert "is down" in str(down.value) and "s3cret" not in str(down.value)
+        assert "***@127.0.0.1" in str(down.value)
+        router = Router(_currency_compendium(False), engine, "llm", params=RoutingParams(), llm=llm)
+        decision = router.route("Convert 100 US dollars into euros")
+        assert decision.reranker == "fusion" and "s3cret" not in decision.fallback_reason
+        server.status = None
+        server.refuse_all = True
+        with pytest.raises(LLMUnavailable, match="refused the request") as refused:
+            llm.complete("Which option?")
+        assert "s3cret" not in str(refused.value)
+    finally:
+        server.close()
+
+
 def test_parse_choice():
     assert parse_choice("2", 3).index == 1
     assert parse_choice("Option 3.", 3).index == 2

@@ -342,6 +342,40 @@ def test_a_router_that_cannot_be_built_is_tried_again_later_not_by_every_request
     assert services.served_compendium().version_id == third.pk
 
 
+def test_why_a_router_could_not_be_built_is_the_operators_alone(data, monkeypatch, settings):
+    """A failed build answered every caller of the routing API (an application's routing token,
+    a client, any person) with the exception's text: a database's host and user, a server path.
+    As for a failed tuning (`federation.tuning.downloadable_router`), only the operator reads why;
+    the others are told the router could not be built and when it is tried again."""
+    from django.contrib.auth.models import User
+
+    settings.SYNAPSE_ROUTING_REBUILD_SECONDS = 3600
+    services.forget_served()
+    _publish(data, number=1, with_client_copy=False)
+    secret = "connection to db.internal:5432 failed for user synapse"
+
+    def broken(version, tuned_directory=""):
+        raise OSError(secret)
+
+    monkeypatch.setattr(services, "build_served", broken)
+    _, raw = RoutingToken.issue("app")
+    http = HttpClient()
+    for path, body in (("/api/v1/route/", {"query": "hello"}),
+                       ("/api/v1/route/batch/", {"queries": ["hello"]})):
+        answer = _post(http, path, body, raw)
+        assert answer.status_code == 503, answer.content
+        detail = answer.json()["detail"]
+        assert "could not be built" in detail and "tried again within 3600 s" in detail, detail
+        assert "db.internal" not in detail and "OSError" not in detail, detail
+    member = HttpClient()
+    member.force_login(User.objects.create_user("member", password="pw-long-enough-1"))
+    assert "db.internal" not in _post(member, "/api/v1/route/", {"query": "hello"}).json()["detail"]
+    operator = HttpClient()
+    operator.force_login(User.objects.create_superuser("op", password="pw-long-enough-1"))
+    shown = _post(operator, "/api/v1/route/", {"query": "hello"})
+    assert shown.status_code == 503 and secret in shown.json()["detail"]
+
+
 @pytest.mark.django_db(transaction=True)  # the warm-up thread has its own connection
 def test_a_worker_warms_its_router_before_the_first_request(data):
     """gunicorn.conf.py starts routing.services.warm_up in a thread of each new worker."""
@@ -406,6 +440,26 @@ def test_route_api_authentication(data, api):
 
     http.force_login(User.objects.create_user("op", password="pw-long-enough-1"))
     assert _post(http, "/api/v1/route/", {"query": "hello"}).status_code == 200
+
+
+def test_a_routing_token_elsewhere_is_told_it_only_routes(data, api):
+    """An application's live routing token on the federation's endpoints (the global, its head,
+    the tuned router's manifest) was answered 401 "invalid token", the words for a wrong or
+    revoked one, though it routes: 403 now says what it may do. A revoked one stays 401."""
+    http, raw, token = api
+    _publish(data, with_client_copy=False)
+    auth = {"HTTP_AUTHORIZATION": f"Bearer {raw}"}
+    for path in ("/api/v1/compendium/global/", "/api/v1/compendium/global/head/",
+                 "/api/v1/compendium/global/router/", "/api/v1/rounds/"):
+        response = http.get(path, **auth)
+        assert response.status_code == 403, (path, response.content)
+        assert "routing token" in response.json()["detail"], path
+        assert "/api/v1/route/" in response.json()["detail"], path
+    assert _post(http, "/api/v1/route/", {"query": data["queries"][0]}, raw).status_code == 200
+    token.revoked = True
+    token.save()
+    assert http.get("/api/v1/compendium/global/", **auth).status_code == 401
+    assert _post(http, "/api/v1/route/", {"query": "hello"}, raw).status_code == 401
 
 
 def test_route_api_bad_input_is_400_naming_the_problem(data, api, settings):
@@ -503,6 +557,32 @@ def test_route_api_takes_json_only_and_its_document_says_so(data, api):
         operation = paths[path]["post"]
         assert list(operation["requestBody"]["content"]) == ["application/json"], path
         assert "415" in operation["responses"], path
+
+
+def test_a_chunked_body_without_content_length_is_411_not_a_missing_query(data, api):
+    """A body sent chunked (Transfer-Encoding, no Content-Length: streaming HTTP clients do) is
+    read by Django as empty: the routing API answered 400 "query is required" for a request that
+    held one. It is a 411 saying to send the length, as a submission's is; the document says so."""
+    from django.test import RequestFactory
+
+    from routing.api import RouteBatchView, RouteView
+
+    _, raw, _ = api
+    _publish(data, with_client_copy=False)
+    for view, path, body in ((RouteView, "/api/v1/route/", {"query": data["queries"][0]}),
+                             (RouteBatchView, "/api/v1/route/batch/", {"queries": data["queries"][:2]})):
+        request = RequestFactory().post(path, json.dumps(body), content_type="application/json",
+                                        HTTP_AUTHORIZATION=f"Bearer {raw}")
+        del request.META["CONTENT_LENGTH"]  # as a chunked body arrives
+        request.META["HTTP_TRANSFER_ENCODING"] = "chunked"
+        response = view.as_view()(request)
+        assert response.status_code == 411, (path, response.data)
+        assert "Content-Length" in response.data["detail"], response.data
+    from drf_spectacular.generators import SchemaGenerator
+
+    paths = SchemaGenerator().get_schema(request=None, public=True)["paths"]
+    for path in ("/api/v1/route/", "/api/v1/route/batch/"):
+        assert "411" in paths[path]["post"]["responses"], path
 
 
 def test_a_body_over_the_request_limit_is_a_json_413_with_debug_on(data, api, settings):
@@ -717,6 +797,29 @@ def test_a_503_before_anything_is_published_counts_nothing_against_the_rate(data
     assert _post(http, "/api/v1/route/batch/", {"queries": data["queries"][1:3]}, raw).status_code == 429
 
 
+def test_a_query_answered_503_when_its_global_vanished_counts_nothing(data, api, settings):
+    """With pgvector retrieval, a process that still serves a global another process's erasure
+    took away (the only one) finds none of its rows and asks for the current global: there is
+    none, a 503. The query had been counted against the caller's allowance all the same, though
+    a refused request counts nothing (README)."""
+    from federation.models import RateCounter
+
+    http, raw, token = api
+    settings.SYNAPSE_ROUTING_RETRIEVAL = "exact"
+    settings.SYNAPSE_ROUTING_VERSION_TTL = 3600
+    settings.SYNAPSE_ROUTE_RATE_LIMIT = 5
+    services.forget_served()
+    version = _publish(data, with_client_copy=False)
+    assert _post(http, "/api/v1/route/", {"query": data["queries"][0]}, raw).status_code == 200
+    with connection.cursor() as cursor:  # as another process's erasure: no signal here
+        cursor.execute("DELETE FROM compendium_scenarioentry WHERE version_id = %s", [version.pk])
+        cursor.execute("UPDATE federation_round SET state = 'failed' WHERE id = %s",
+                       [version.round_id])
+    gone = _post(http, "/api/v1/route/", {"query": data["queries"][1]}, raw)
+    assert gone.status_code == 503, gone.content
+    assert RateCounter.objects.get(key=f"route:routing-token:{token.pk}").count == 1
+
+
 def test_rate_limit_windows_and_callers(db):
     """`admit` counts per caller and minute; the next minute starts afresh; people, clients and
     routing tokens are told apart."""
@@ -747,3 +850,17 @@ def test_the_api_document_gives_top_k_its_range():
         assert (top_k["minimum"], top_k.get("maximum")) == (1, 50), name
     with pytest.raises(services.RoutingInputError, match="between 1 and 50"):
         services.validate_top_k(51)
+
+
+def test_the_api_document_gives_queries_their_limits(settings):
+    """A query is at most SYNAPSE_MAX_QUERY_CHARS characters and a batch at most
+    SYNAPSE_MAX_ROUTE_BATCH queries (longer or more: a 400), but the API document gave neither
+    bound: a client generated from it, or checked against it, sent them as valid."""
+    from drf_spectacular.generators import SchemaGenerator
+
+    schemas = SchemaGenerator().get_schema(request=None, public=True)["components"]["schemas"]
+    chars, batch = settings.SYNAPSE_MAX_QUERY_CHARS, settings.SYNAPSE_MAX_ROUTE_BATCH
+    assert schemas["RouteRequest"]["properties"]["query"].get("maxLength") == chars
+    queries = schemas["RouteBatchRequest"]["properties"]["queries"]
+    assert (queries.get("minItems"), queries.get("maxItems")) == (1, batch)
+    assert queries["items"].get("maxLength") == chars

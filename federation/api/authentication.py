@@ -77,6 +77,14 @@ class UserTokenAuthentication(BaseAuthentication):
         if token is None or token.startswith(TOKEN_PREFIX_CLIENT):
             return None
         if not token.startswith(TOKEN_PREFIX_USER):
+            from routing.models import RoutingToken
+
+            if RoutingToken.live(token) is not None:
+                # valid, yet "invalid token" sent its application looking for a typo
+                raise Forbidden(
+                    "this is a routing token: it may only route (POST /api/v1/route/ and "
+                    "/api/v1/route/batch/); the rest of the API takes a client's or a person's token"
+                )
             raise exceptions.AuthenticationFailed("invalid token")
         user = user_for_token(token)
         if user is None:

@@ -819,6 +819,8 @@ class RoutingView(DashboardView):
             context["error"] = str(error)
             return self.render_to_response(context, status=400)
         except RoutingUnavailable as error:
-            context["error"] = str(error) or "no global compendium is published yet"
+            # why a router could not be built (an exception's text) is the operator's alone
+            shown = str(error) if self.is_operator else getattr(error, "public", str(error))
+            context["error"] = shown or "no global compendium is published yet"
             return self.render_to_response(context, status=503)
         return self.render_to_response(context)
