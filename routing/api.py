@@ -55,9 +55,12 @@ class _RoutingView(APIView):
         return data
 
     def post(self, request):
+        # The operator reads why: a router could not be built, an LLM was not used (the server's
+        # insides: a path, a host); every other caller what happened.
+        operator = getattr(request.user, "is_superuser", False)
         try:
             body = self._body(request)
-            return Response(self.route(body, services.caller_key(request.user)))
+            return Response(self.route(body, services.caller_key(request.user), operator))
         except _LengthRequired as exc:
             return Response({"detail": str(exc)}, status=status.HTTP_411_LENGTH_REQUIRED)
         except services.RoutingInputError as exc:
@@ -69,8 +72,6 @@ class _RoutingView(APIView):
                 headers={"Retry-After": str(exc.retry_after)},
             )
         except services.RoutingUnavailable as exc:
-            # Why a router could not be built (an exception's text) is the operator's alone.
-            operator = getattr(request.user, "is_superuser", False)
             detail = str(exc) if operator else getattr(exc, "public", str(exc))
             return Response({"detail": detail}, status=status.HTTP_503_SERVICE_UNAVAILABLE)
 
@@ -159,11 +160,11 @@ class RouteView(_RoutingView):
 
     fields = ("query", "top_k", "reranker")
 
-    def route(self, body: dict, caller: str) -> dict:
+    def route(self, body: dict, caller: str, operator: bool) -> dict:
         if "query" not in body:
             raise services.RoutingInputError("query is required")
         return services.route_query(
-            body["query"], body.get("top_k"), body.get("reranker"), caller=caller
+            body["query"], body.get("top_k"), body.get("reranker"), caller=caller, reveal=operator
         )
 
 
@@ -199,9 +200,9 @@ class RouteBatchView(_RoutingView):
 
     fields = ("queries", "top_k", "reranker")
 
-    def route(self, body: dict, caller: str) -> dict:
+    def route(self, body: dict, caller: str, operator: bool) -> dict:
         if "queries" not in body:
             raise services.RoutingInputError("queries is required")
         return services.route_queries(
-            body["queries"], body.get("top_k"), body.get("reranker"), caller=caller
+            body["queries"], body.get("top_k"), body.get("reranker"), caller=caller, reveal=operator
         )

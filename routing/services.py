@@ -654,7 +654,29 @@ def warm_up() -> bool:
         connections.close_all()  # this thread's; it ends here
 
 
-def _payload(decision, served: ServedCompendium, latency_ms: float) -> dict:
+_UNAVAILABLE = "LLM unavailable: "
+
+
+def shown_fallback_reason(reason: str | None, reveal: bool) -> str | None:
+    """A decision's `fallback_reason` as its caller may read it. Why the LLM was unavailable
+    names the server's insides (the endpoint's URL, a model file's path, the endpoint's error
+    text): the operator's (`reveal`); any other caller (a routing token, a client, a member)
+    reads what kind of failure it was, and that the operator can see why."""
+    if reveal or not reason or _UNAVAILABLE not in reason:
+        return reason
+    head, _, detail = reason.partition(_UNAVAILABLE)
+    detail, _, tail = detail.rpartition(")")
+    again = "unavailable earlier in this batch: " if detail.startswith("unavailable earlier") else ""
+    if "time budget" in detail and "://" not in detail:
+        what = detail  # SYNAPSE_LLM_BATCH_SECONDS spent: nothing of the server's insides
+    elif "could not be loaded" in detail or "GGUF" in detail or ".gguf" in detail:
+        what = f"{again}the configured LLM could not be loaded (the operator's routing page says why)"
+    else:
+        what = f"{again}the LLM endpoint gave no usable answer (the operator's routing page says why)"
+    return f"{head}{_UNAVAILABLE}{what}){tail}"
+
+
+def _payload(decision, served: ServedCompendium, latency_ms: float, reveal: bool = False) -> dict:
     return {
         "tool": decision.tool,
         "confidence": decision.confidence,
@@ -663,7 +685,7 @@ def _payload(decision, served: ServedCompendium, latency_ms: float) -> dict:
         "precautions": decision.precautions,
         "template": decision.template,
         "reranker": decision.reranker,
-        "fallback_reason": decision.fallback_reason,
+        "fallback_reason": shown_fallback_reason(decision.fallback_reason, reveal),
         "ranking": decision.ranking,
         "compendium_round": served.round_number,
         "tuned_router": served.tuned,
@@ -677,12 +699,14 @@ def route_query(
     reranker: str | None = None,
     record: bool = True,
     caller: str | None = None,
+    reveal: bool = False,
 ) -> dict:
     """Route one query against the published global compendium (retrieval in pgvector). Its
     latency joins the routing API's traffic figures unless `record` is false (the dashboard's
     playground: people trying queries are not the API's traffic). With a `caller` (the API's),
     a valid query counts against its rate limit (`admit`) once there is a global to route it
-    against."""
+    against. Why an LLM fallback happened is told in full only with `reveal` (the operator:
+    `shown_fallback_reason`)."""
     started = time.perf_counter()
     query = validate_query(query)
     top_k = validate_top_k(top_k)
@@ -702,11 +726,12 @@ def route_query(
     latency = (time.perf_counter() - started) * 1000
     if record:
         recorder.record(latency, 1, decision.reranker, served.round_number)
-    return _payload(decision, served, latency)
+    return _payload(decision, served, latency, reveal)
 
 
 def route_queries(
-    queries, top_k: int | None = 5, reranker: str | None = None, caller: str | None = None
+    queries, top_k: int | None = 5, reranker: str | None = None, caller: str | None = None,
+    reveal: bool = False,
 ) -> dict:
     """Route many queries at once: one embedding batch, one matrix product (exact cosine). With a
     `caller`, a valid batch counts each of its queries against its rate limit (`admit`)."""
@@ -736,7 +761,7 @@ def route_queries(
         "compendium_round": served.round_number,
         "tuned_router": served.tuned,
         "latency_ms": round(latency, 3),
-        "results": [_payload(d, served, latency / len(queries)) for d in decisions],
+        "results": [_payload(d, served, latency / len(queries), reveal) for d in decisions],
     }
 
 

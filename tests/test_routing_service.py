@@ -641,14 +641,23 @@ def test_an_llm_that_cannot_be_loaded_leaves_routing_up_and_says_why(data, api, 
     assert asked.status_code == 200, asked.content
     body = asked.json()
     assert body["reranker"] == "fusion" and body["tool"] == fused.json()["tool"]
-    # (llama-cpp-python missing, or the file: either way the reason is said)
-    assert "the configured LLM could not be loaded: " in body["fallback_reason"]
+    # (llama-cpp-python missing, or the file: either way the kind of failure is said; the file's
+    # path, the server's insides, only to the operator)
+    assert "the configured LLM could not be loaded (the operator's routing page says why)" \
+        in body["fallback_reason"]
+    assert "nonexistent" not in body["fallback_reason"]
     # the traffic figures count the call under the reranker that decided it, and a batch of one
     # query as a batch
     _post(http, "/api/v1/route/batch/", {"queries": data["queries"][:1], "reranker": "llm"}, raw)
     services.recorder.flush()
     assert sorted(RoutingCall.objects.values_list("reranker", "batch", "queries")) == [
         ("fusion", False, 1), ("fusion", False, 1), ("fusion", True, 1)]
+    # the operator reads the whole reason
+    from django.contrib.auth import get_user_model
+
+    http.force_login(get_user_model().objects.create_superuser("root", "root@example.org", "pw"))
+    told = _post(http, "/api/v1/route/", {"query": data["queries"][0], "reranker": "llm"}).json()
+    assert "the configured LLM could not be loaded: " in told["fallback_reason"]
 
 
 class _CountingLLM:
@@ -682,7 +691,11 @@ def test_an_llm_batch_stops_calling_a_down_llm(data, api, monkeypatch):
     batch = _post(http, "/api/v1/route/batch/", {"queries": queries, "reranker": "llm"}, raw).json()
     assert down.calls == 1, "a down LLM is asked once a batch, not once a query"
     reasons = [r["fallback_reason"] for r in batch["results"]]
-    assert "is down" in reasons[0] and all("unavailable earlier in this batch" in r for r in reasons[1:])
+    # a routing token reads what happened, not the endpoint's URL (the operator's to read)
+    assert "the LLM endpoint gave no usable answer (the operator's routing page says why)" in reasons[0]
+    assert all("unavailable earlier in this batch: the LLM endpoint gave no usable answer" in r
+               for r in reasons[1:])
+    assert not any("http://llm:8000" in r for r in reasons)
     assert {r["reranker"] for r in batch["results"]} == {"fusion"}
 
     up = _CountingLLM()
@@ -864,3 +877,20 @@ def test_the_api_document_gives_queries_their_limits(settings):
     queries = schemas["RouteBatchRequest"]["properties"]["queries"]
     assert (queries.get("minItems"), queries.get("maxItems")) == (1, batch)
     assert queries["items"].get("maxLength") == chars
+
+
+def test_why_an_llm_fell_back_is_told_in_full_to_the_operator_only():
+    """A routing answer's fallback_reason quoted why the LLM was unavailable: the endpoint's
+    URL, a model file's path, the endpoint's error text, to any caller (a routing token). Every
+    other caller reads the kind of failure; the operator (reveal) all of it."""
+    down = ("LLM answer unusable (LLM unavailable: LLM endpoint http://10.0.0.7:8080/v1 is down: "
+            "HTTP 502 after 3 attempts; check the endpoint's URL); fell back to fusion")
+    assert services.shown_fallback_reason(down, reveal=True) == down
+    assert services.shown_fallback_reason(down, reveal=False) == (
+        "LLM answer unusable (LLM unavailable: the LLM endpoint gave no usable answer (the "
+        "operator's routing page says why)); fell back to fusion")
+    budget = ("LLM answer unusable (LLM unavailable: this batch's LLM time budget of 60 s "
+              "(SYNAPSE_LLM_BATCH_SECONDS) is spent); fell back to fusion")
+    assert services.shown_fallback_reason(budget, reveal=False) == budget
+    for kept in (None, "no LLM configured", "LLM answer unusable (no option number in 'x'); fell back to fusion"):
+        assert services.shown_fallback_reason(kept, reveal=False) == kept

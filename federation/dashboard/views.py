@@ -808,7 +808,8 @@ class RoutingView(DashboardView):
                     f"top_k must be a whole number between 1 and 50, not {raw_k[:20]!r}"
                 )
             result = route_query(query, top_k=int(raw_k),
-                                 reranker=request.GET.get("reranker") or None, record=False)
+                                 reranker=request.GET.get("reranker") or None, record=False,
+                                 reveal=request.user.is_superuser)
             context["result"] = result
             # Whether the list of nearest scenarios shows why the tool was chosen.
             context["chosen_in_candidates"] = any(c["tool"] == result["tool"] for c in result["candidates"])
