@@ -813,7 +813,17 @@ def erase_client(client: Client, *, actor: services.Actor | None = None, embed=N
     compendiums are written, so a re-merge that fails leaves everything as it was (the client's
     submissions and the provenance that finds the affected compendiums included) and the erasure
     can simply be run again. Audited (`client.erase`, by `actor`, the system by default) in the
-    same transaction, under the client's organization."""
+    same transaction, under the client's organization.
+
+    Serialized with the client's submissions: after the publication lock the erasure locks the
+    client's row, which the submission path (`federation.submissions.submit`) holds for its whole
+    transaction and takes before any other lock (it never takes the publication lock, so the two
+    cannot deadlock). A submission that commits first is erased whole (its compendium, the one
+    it replaced and its record); one that arrives during the erasure waits for its commit and is
+    then stored whole, as a new submission: an erasure does not revoke the client (revoke it
+    first to stop its submissions). Without the lock, a submission committing between the
+    listing of the compendiums and the deletion of the records kept its compendium in effect
+    while its record was deleted."""
     from federation.conflicts import remove_unfit_decisions
 
     embed = embed or _embed()
@@ -821,6 +831,10 @@ def erase_client(client: Client, *, actor: services.Actor | None = None, embed=N
         # Serialized with every publication: a server merge that read a global this erasure
         # merges again or deletes sees it changed under this lock and merges again.
         services.lock_publication()
+        # Then the client's row, as the submission path locks it (first, and it never takes the
+        # publication lock: no cycle): a submission in flight commits before the listing below,
+        # so its compendium and its record go together; one arriving now waits for the commit.
+        list(Client.objects.select_for_update().filter(pk=client.pk).values_list("pk"))
         submissions = list(CompendiumVersion.objects.filter(kind="client", client=client))
         built_from = {
             (edge.round_id, edge.organization_id)

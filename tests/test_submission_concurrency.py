@@ -5,16 +5,19 @@ from __future__ import annotations
 
 import json
 import threading
+import time
 from collections import defaultdict
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
-from django.db import connection
+from django.db import connection, transaction
 from rest_framework.test import APIClient
 
 from compendium.models import CompendiumVersion
-from federation import services
-from federation.models import Submission
+from compendium.schema import Compendium
+from compendium.services import store_compendium
+from federation import pipeline, services, submissions
+from federation.models import Round, Submission
 from tests.federation_fixtures import SYSTEM
 
 pytestmark = pytest.mark.django_db(transaction=True)
@@ -146,3 +149,75 @@ def test_close_during_submissions_never_stores_into_a_closing_round(
         HTTP_IDEMPOTENCY_KEY="late",
     )
     assert late.status_code == 409
+
+
+def _sessions_waiting(count: int, done: threading.Event, timeout: float = 30.0) -> bool:
+    """Whether `count` other sessions wait on a lock, polled until `done` is set (the step
+    watched finished without waiting) or `timeout` passes."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline and not done.is_set():
+        with connection.cursor() as cursor:
+            cursor.execute("SELECT count(DISTINCT pid) FROM pg_locks WHERE NOT granted")
+            if cursor.fetchone()[0] >= count:
+                return True
+        time.sleep(0.02)
+    return False
+
+
+def test_a_submission_during_an_erasure_waits_for_it_and_is_stored_whole(world, valid_doc):
+    """Found by review: `erase_client` listed the client's compendiums, deleted them, then deleted
+    its Submission rows, without the client's row lock the submission path takes. A first
+    submission to the open round that committed between the erasure's listing and its deletion
+    of the records lost its record (request hash, idempotency key, stored answer) to the erasure
+    while its compendium, never listed, stayed in effect: a version without its record, outside
+    every count of the erasure. The erasure now locks the client's row (after the publication
+    lock, before reading anything): the submission waits for it, then is stored whole, as any
+    submission after an erasure.
+
+    Forced with real connections: this test holds a lock on the client's compendium of an earlier
+    round, so the erasure stops at its deletion, after its listing; the submission runs then."""
+    client = world.client_a
+    earlier = Round.objects.create(number=1, state=Round.State.PUBLISHED)
+    erased = store_compendium(
+        Compendium.model_validate({"scenarios": [{"tool_id": "weather", "text": "Rain today?"}]}),
+        kind="client", round=earlier, client=client,
+    )
+    services.open_round(SYSTEM)
+    outcomes: dict = {}
+    stored = threading.Event()
+
+    def run(name, step, finished=None):
+        try:
+            outcomes[name] = step()
+        except Exception as exc:  # noqa: BLE001 - the outcome is what the test checks
+            outcomes[name] = exc
+        finally:
+            if finished is not None:
+                finished.set()
+            connection.close()
+
+    erasure = threading.Thread(target=run, args=("erasure", lambda: pipeline.erase_client(client)))
+    submission = threading.Thread(target=run, args=(
+        "submission", lambda: submissions.submit(client, json.dumps(valid_doc).encode(), "k1"),
+        stored))
+    try:
+        with transaction.atomic():
+            CompendiumVersion.objects.select_for_update().get(pk=erased.pk)
+            erasure.start()
+            assert _sessions_waiting(1, threading.Event()), "the erasure never reached its delete"
+            submission.start()
+            waited = _sessions_waiting(2, stored)  # the erasure, and the submission behind it
+    finally:
+        erasure.join(60)
+        submission.join(60)
+    assert not isinstance(outcomes["erasure"], Exception), outcomes
+    assert outcomes["submission"].status_code == 201, outcomes
+    version = outcomes["submission"].body["version"]
+    # Nothing half-erased: the submission's compendium and its record, both or neither.
+    assert set(CompendiumVersion.objects.filter(kind="client", client=client)
+               .values_list("pk", flat=True)) == {version}
+    assert list(Submission.objects.filter(client=client).values_list("idempotency_key", "version")
+                ) == [("k1", version)], "a compendium in effect without its submission record"
+    assert waited, "the submission did not wait for the erasure"
+    report = outcomes["erasure"]
+    assert (report.submissions_removed, report.submission_records_removed) == (1, 0)
