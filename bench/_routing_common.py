@@ -37,6 +37,18 @@ def federation_parser(description: str) -> argparse.ArgumentParser:
     return parser
 
 
+def read_dataset(folder, name: str):
+    """`compendium.registry.load_dataset(folder)`, or, for a dataset it cannot read (no folder, a
+    line that is not JSON, a query of a tool the registry lacks...), the script `name` stopped
+    with one line saying why, as `manage.py simulate` reports it."""
+    from compendium.registry import RegistryFormatError, load_dataset
+
+    try:
+        return load_dataset(folder)
+    except RegistryFormatError as exc:
+        raise SystemExit(f"{name}: {exc}") from None
+
+
 def federation_simulation(args, name: str, **config):
     """(dataset, `federation.simulation.runner.Simulation`) for the options `federation_parser`
     reads (dataset, orgs, clients per org, partition, seeds, embedding model), with `config`'s
@@ -44,16 +56,12 @@ def federation_simulation(args, name: str, **config):
     cannot be read, or that `simulate` refuses for this federation
     (`federation.simulation.data.federation_problem`, on every seed the script plays), stops
     the script with one line, before the model loads. Needs Django set up."""
-    from compendium.registry import RegistryFormatError, load_dataset
     from compendium.schema import Schema
     from federation.simulation.data import federation_problem
     from federation.simulation.runner import Simulation, SimulationConfig
     from routing.embeddings import get_engine
 
-    try:
-        dataset = load_dataset(args.dataset)
-    except RegistryFormatError as exc:
-        raise SystemExit(f"{name}: {exc}") from None
+    dataset = read_dataset(args.dataset, name)
     settings = SimulationConfig(
         orgs=args.orgs, clients_per_org=args.clients_per_org, partition=args.partition, **config
     )

@@ -61,10 +61,11 @@ def levenshtein(a: list[str], b: list[str]) -> int:
 
 def run(dataset: Path, limit: int | None, plant_every: int, seed: int) -> list[dict]:
     sys.path.insert(0, str(ROOT))
-    from compendium.masking import TextMasker, registry_vocabulary, tokenize, zipf
-    from compendium.registry import load_dataset
+    from _routing_common import read_dataset
 
-    data = load_dataset(dataset)
+    from compendium.masking import TextMasker, registry_vocabulary, tokenize, zipf
+
+    data = read_dataset(dataset, "mask_leakage")
     rng = random.Random(seed)
     texts = [q.query for q in data.queries]
     if limit:

@@ -16,9 +16,8 @@ import argparse
 import time
 
 import numpy as np
-from _routing_common import METATOOL, print_table, write_json
+from _routing_common import METATOOL, print_table, read_dataset, write_json
 
-from compendium.registry import load_dataset
 from compendium.schema import Compendium, Scenario, Schema
 from federation.simulation.runner import Simulation, SimulationConfig
 from routing.embeddings import get_engine
@@ -35,7 +34,7 @@ def main(argv=None) -> int:
     parser.add_argument("--out", default=None)
     args = parser.parse_args(argv)
 
-    dataset = load_dataset(args.dataset)
+    dataset = read_dataset(args.dataset, "raw_ceiling")
     engine = get_engine(args.embedding_model)
     config = SimulationConfig(test_limit=args.test_limit)
     simulation = Simulation(dataset, Schema(tools=dataset.tools), engine, config)

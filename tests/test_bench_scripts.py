@@ -157,3 +157,57 @@ def test_the_tune_device_export_refuses_a_dataset_simulate_refuses(tmp_path, mon
         module.main(["export", "--dataset", str(folder), "--dir", str(tmp_path / "out"),
                      "--embedding-model", "no-such-model-xyz"])
     assert stop.value.code == "tune_device: the dataset d has 1 tool; routing needs at least 2"
+
+
+def _bad_dataset(tmp_path, kind: str):
+    """A dataset `load_dataset` refuses: no folder, a line that is not JSON, a query labelled
+    with a tool the registry does not have."""
+    import json
+
+    folder = tmp_path / "bad"
+    if kind == "missing":
+        return folder
+    folder.mkdir()
+    (folder / "tools.jsonl").write_text("".join(
+        json.dumps({"tool_id": t, "description": f"{t} service", "category": t}) + "\n"
+        for t in ("a", "b")))
+    lines = [json.dumps({"query": f"request {n}", "tool_id": "a"}) for n in range(3)]
+    lines.append('{"query": "broken' if kind == "malformed" else
+                 json.dumps({"query": "who is this", "tool_id": "zz"}))
+    (folder / "queries.jsonl").write_text("\n".join(lines) + "\n")
+    return folder
+
+
+def _refusal(folder) -> str:
+    from compendium.registry import RegistryFormatError, load_dataset
+
+    with pytest.raises(RegistryFormatError) as refused:
+        load_dataset(folder)
+    return str(refused.value)
+
+
+# Every script that reads --dataset itself (not through `federation_simulation`).
+DATASET_SCRIPTS = ["route_accuracy.py", "raw_ceiling.py", "merge_scale.py", "mask_leakage.py",
+                   "masking_residue.py", "submit_load.py", "submit_cpu.py", "word_cuts_offline.py"]
+
+
+@pytest.mark.parametrize("script", DATASET_SCRIPTS)
+@pytest.mark.parametrize("kind", ["missing", "malformed", "unknown-label"])
+def test_a_script_names_a_dataset_it_cannot_read_in_one_line(script, kind, tmp_path, monkeypatch):
+    """They called `load_dataset` (or read the JSONL) bare: a missing folder, a line that is not
+    JSON or a query of an unknown tool ended in a traceback (submit_load's after it had set up a
+    federation in the database). Now one line, `SCRIPT: why`, as simulate's, before anything
+    else; and no --out file."""
+    module = _load(script, monkeypatch)
+    folder = _bad_dataset(tmp_path, kind)
+    out = tmp_path / "out.json"
+    argv = ["--dataset", str(folder), "--out", str(out)]
+    if script in ("raw_ceiling.py", "word_cuts_offline.py"):
+        argv += ["--embedding-model", "no-such-model-xyz"]
+    if script == "submit_cpu.py":
+        argv.remove("--out")
+        argv.remove(str(out))
+    with pytest.raises(SystemExit) as stop:
+        module.main(argv)
+    assert stop.value.code == f"{script.removesuffix('.py')}: {_refusal(folder)}"
+    assert not out.exists()
