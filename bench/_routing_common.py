@@ -49,17 +49,34 @@ def read_dataset(folder, name: str):
         raise SystemExit(f"{name}: {exc}") from None
 
 
+def load_engine(model: str | None, name: str, flag: str = "--embedding-model"):
+    """`routing.embeddings.get_engine(model)`, or, for a model that cannot be loaded, the script
+    `name` stopped with one line naming the model and what `flag` takes, as `manage.py simulate`
+    reports it (without `model`, the setting's model: the line says what to set)."""
+    from federation.simulation.runner import MODEL_NAMES, unavailable_model
+    from routing.embeddings import EmbeddingModelUnavailable, get_engine
+
+    try:
+        return get_engine(model)
+    except EmbeddingModelUnavailable as exc:
+        if not model:
+            raise SystemExit(f"{name}: {exc}") from None
+        raise SystemExit(
+            f"{name}: {unavailable_model(model, exc, f'{flag} takes {MODEL_NAMES}')}"
+        ) from None
+
+
 def federation_simulation(args, name: str, **config):
     """(dataset, `federation.simulation.runner.Simulation`) for the options `federation_parser`
     reads (dataset, orgs, clients per org, partition, seeds, embedding model), with `config`'s
     `SimulationConfig` fields on top, reporting progress on stderr as `name`. A dataset that
     cannot be read, or that `simulate` refuses for this federation
     (`federation.simulation.data.federation_problem`, on every seed the script plays), stops
-    the script with one line, before the model loads. Needs Django set up."""
+    the script with one line, before the model loads; so does a model that cannot be loaded.
+    Needs Django set up."""
     from compendium.schema import Schema
     from federation.simulation.data import federation_problem
     from federation.simulation.runner import Simulation, SimulationConfig
-    from routing.embeddings import get_engine
 
     dataset = read_dataset(args.dataset, name)
     settings = SimulationConfig(
@@ -77,7 +94,7 @@ def federation_simulation(args, name: str, **config):
     if problem:
         raise SystemExit(f"{name}: {problem}")
     simulation = Simulation(
-        dataset, Schema(tools=dataset.tools), get_engine(args.embedding_model), settings,
+        dataset, Schema(tools=dataset.tools), load_engine(args.embedding_model, name), settings,
         lambda message: print(f"{name}: {message}", file=sys.stderr, flush=True),
     )
     return dataset, simulation

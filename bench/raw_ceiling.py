@@ -16,11 +16,10 @@ import argparse
 import time
 
 import numpy as np
-from _routing_common import METATOOL, print_table, read_dataset, write_json
+from _routing_common import METATOOL, load_engine, print_table, read_dataset, write_json
 
 from compendium.schema import Compendium, Scenario, Schema
 from federation.simulation.runner import Simulation, SimulationConfig
-from routing.embeddings import get_engine
 from routing.router import fit_linear_head
 
 
@@ -35,7 +34,7 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
 
     dataset = read_dataset(args.dataset, "raw_ceiling")
-    engine = get_engine(args.embedding_model)
+    engine = load_engine(args.embedding_model, "raw_ceiling")
     config = SimulationConfig(test_limit=args.test_limit)
     simulation = Simulation(dataset, Schema(tools=dataset.tools), engine, config)
     rows = []

@@ -28,11 +28,10 @@ import numpy as np
 import zstandard
 
 # _routing_common also puts the repository on sys.path.
-from _routing_common import cached_embed, print_table, read_dataset, write_json
+from _routing_common import cached_embed, load_engine, print_table, read_dataset, write_json
 
 from compendium.masking import FUNCTION_WORDS, folded
 from compendium.transport import LEVEL
-from routing.embeddings import get_engine
 
 BATCH = 170
 BATCHES = 10
@@ -83,7 +82,7 @@ def main(argv: list[str] | None = None) -> None:
     )
     compressor = zstandard.ZstdCompressor(level=LEVEL, dict_data=dictionary)
 
-    engine = get_engine(args.embedding_model or None)
+    engine = load_engine(args.embedding_model or None, "word_cuts_offline")
     started = time.perf_counter()
     queries = cached_embed(engine, [r["query"] for r in test])
     truth = np.array([r["tool_id"] for r in test])

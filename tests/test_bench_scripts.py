@@ -211,3 +211,60 @@ def test_a_script_names_a_dataset_it_cannot_read_in_one_line(script, kind, tmp_p
         module.main(argv)
     assert stop.value.code == f"{script.removesuffix('.py')}: {_refusal(folder)}"
     assert not out.exists()
+
+
+@pytest.mark.parametrize(("script", "argv"), [
+    ("raw_ceiling.py", []),
+    ("word_cuts_offline.py", ["--sent", "1700", "--test", "10", "--dictionary", "10"]),
+    ("stats_grid.py", ["--partition", "iid", "--orgs", "1", "--clients-per-org", "2"]),
+    ("dcz_dictionaries.py", ["--partition", "iid", "--orgs", "1", "--clients-per-org", "2"]),
+    ("finetune_router.py", ["--partition", "iid", "--orgs", "1", "--clients-per-org", "2"]),
+    ("transfer_centralized.py", ["--partition", "iid", "--orgs", "1", "--clients-per-org", "2"]),
+    ("tune_device.py", ["--partition", "iid", "--orgs", "1", "--clients-per-org", "2"]),
+])
+def test_a_script_names_an_embedding_model_it_cannot_load_in_one_line(script, argv, tmp_path,
+                                                                      monkeypatch):
+    """An --embedding-model that cannot be loaded ended in a traceback (EmbeddingModelUnavailable
+    from get_engine); now one line naming the script, the model and what the flag takes, as
+    simulate's, and no --out file."""
+    from federation.simulation.runner import MODEL_NAMES
+
+    module = _load(script, monkeypatch)
+    folder = _dataset(tmp_path / "d", {"a": "x", "b": "y"}, 900)
+    out = tmp_path / "out.json"
+    argv = [*(["export", "--dir", str(tmp_path / "exported")] if script == "tune_device.py" else
+              ["--out", str(out)]),
+            "--dataset", str(folder), "--embedding-model", "no-such-model-xyz", *argv]
+    with pytest.raises(SystemExit) as stop:
+        module.main(argv)
+    line = stop.value.code
+    assert isinstance(line, str) and "\n" not in line, line
+    assert line.startswith(f"{script.removesuffix('.py')}: ") and "'no-such-model-xyz'" in line, line
+    assert line.endswith(f"; --embedding-model takes {MODEL_NAMES}"), line
+    assert not out.exists()
+
+
+@pytest.mark.parametrize(("flags", "ends"), [
+    (["--transfer-models", "no-such-model-xyz"], "TRANSFER_MODEL_HINT"),
+    (["--transfer-models", "bundled:all-MiniLM-L6-v2", "--transfer-rerankers", "nope"],
+     "choose from"),
+])
+def test_transfer_centralized_names_a_transfer_variant_it_cannot_build_in_one_line(
+        flags, ends, tmp_path, monkeypatch):
+    """`Simulation.transfer_variants` refuses an unknown reranker or a model that cannot load in
+    one line, which simulate reports as such; the script let it out as a traceback. (Loads the
+    bundled model: the variants are checked once the federation's engine is up.)"""
+    import federation.simulation.runner as runner
+
+    module = _load("transfer_centralized.py", monkeypatch)
+    folder = _dataset(tmp_path / "d", {"a": "x", "b": "y"}, 20)
+    out = tmp_path / "out.json"
+    with pytest.raises(SystemExit) as stop:
+        module.main(["--dataset", str(folder), "--partition", "iid", "--orgs", "1",
+                     "--clients-per-org", "2", "--out", str(out), *flags])
+    line = stop.value.code
+    assert isinstance(line, str) and "\n" not in line, line
+    assert line.startswith("transfer_centralized: "), line
+    assert (line.endswith(runner.TRANSFER_MODEL_HINT) if ends == "TRANSFER_MODEL_HINT"
+            else ends in line), line
+    assert not out.exists()
