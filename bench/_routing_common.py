@@ -37,6 +37,18 @@ def federation_parser(description: str) -> argparse.ArgumentParser:
     return parser
 
 
+def check_out(path: str | None, name: str, flag: str = "--out") -> None:
+    """Stop the script `name`, before anything runs, with one line for an --out it could not
+    write at its end (a folder, a parent that is a file, a folder it cannot write to...), as
+    `manage.py simulate` refuses it (`out_file_problem`); creates a missing parent folder, as
+    simulate does."""
+    from compendium.client_api import out_file_problem
+
+    problem = out_file_problem(path, flag) if path else None
+    if problem:
+        raise SystemExit(f"{name}: {problem}")
+
+
 def read_dataset(folder, name: str):
     """`compendium.registry.load_dataset(folder)`, or, for a dataset it cannot read (no folder, a
     line that is not JSON, a query of a tool the registry lacks...), the script `name` stopped
@@ -72,12 +84,13 @@ def federation_simulation(args, name: str, **config):
     `SimulationConfig` fields on top, reporting progress on stderr as `name`. A dataset that
     cannot be read, or that `simulate` refuses for this federation
     (`federation.simulation.data.federation_problem`, on every seed the script plays), stops
-    the script with one line, before the model loads; so does a model that cannot be loaded.
-    Needs Django set up."""
+    the script with one line, before the model loads; so does a model that cannot be loaded, and,
+    first, an `--out` it could not write (`check_out`). Needs Django set up."""
     from compendium.schema import Schema
     from federation.simulation.data import federation_problem
     from federation.simulation.runner import Simulation, SimulationConfig
 
+    check_out(getattr(args, "out", None), name)
     dataset = read_dataset(args.dataset, name)
     settings = SimulationConfig(
         orgs=args.orgs, clients_per_org=args.clients_per_org, partition=args.partition, **config

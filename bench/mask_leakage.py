@@ -145,6 +145,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", help="write the rows as JSON here")
     args = parser.parse_args(argv)
+    from _routing_common import check_out
+
+    check_out(args.out, "mask_leakage")
     rows = run(Path(args.dataset), args.limit, max(1, args.plant_every), args.seed)
     columns = [
         ("λ", "masking_strength", "{:.1f}"),

@@ -32,7 +32,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 
-from _routing_common import read_dataset  # noqa: E402
+from _routing_common import check_out, read_dataset  # noqa: E402
 from mask_leakage import plant  # noqa: E402
 
 from compendium.builder import pool_text  # noqa: E402
@@ -110,6 +110,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", help="write the result as JSON here")
     args = parser.parse_args(argv)
+    check_out(args.out, "masking_residue")
     lambdas = [float(x) for x in args.lambdas.split(",")]
     result = run(Path(args.dataset), lambdas, max(1, args.plant_every), args.seed)
     if args.out:

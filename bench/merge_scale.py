@@ -19,7 +19,11 @@ import time
 from pathlib import Path
 
 import numpy as np
-from _routing_common import METATOOL, read_dataset  # also puts the repository on sys.path
+from _routing_common import (  # also puts the repository on sys.path
+    METATOOL,
+    check_out,
+    read_dataset,
+)
 
 from compendium.canonical import canonical_form
 from compendium.schema import Schema
@@ -116,6 +120,7 @@ def main(argv=None) -> int:
     parser.add_argument("--save-global", help="write the last global compendium (canonical JSON) "
                         "to this file, to see where its bytes go")
     args = parser.parse_args(argv)
+    check_out(args.out, "merge_scale")
 
     dataset = read_dataset(args.dataset, "merge_scale")
     schema = Schema(tools=dataset.tools)

@@ -16,7 +16,7 @@ import argparse
 import time
 
 import numpy as np
-from _routing_common import METATOOL, load_engine, print_table, read_dataset, write_json
+from _routing_common import METATOOL, check_out, load_engine, print_table, read_dataset, write_json
 
 from compendium.schema import Compendium, Scenario, Schema
 from federation.simulation.runner import Simulation, SimulationConfig
@@ -32,6 +32,7 @@ def main(argv=None) -> int:
     parser.add_argument("--embedding-model", default=None)
     parser.add_argument("--out", default=None)
     args = parser.parse_args(argv)
+    check_out(args.out, "raw_ceiling")
 
     dataset = read_dataset(args.dataset, "raw_ceiling")
     engine = load_engine(args.embedding_model, "raw_ceiling")

@@ -14,7 +14,7 @@ import argparse
 import time
 
 import numpy as np
-from _routing_common import cached_embed, print_table, read_dataset, write_json
+from _routing_common import cached_embed, check_out, print_table, read_dataset, write_json
 
 from compendium.registry import stratified_split
 from routing.datasets import compendium_from_queries
@@ -40,6 +40,7 @@ def main(argv=None) -> int:
     )
     parser.add_argument("--out", default=None)
     args = parser.parse_args(argv)
+    check_out(args.out, "route_accuracy")
 
     dataset = read_dataset(args.dataset, "route_accuracy")
     split = stratified_split(

@@ -34,7 +34,7 @@ sys.path.insert(0, str(ROOT))
 os.environ.setdefault("DJANGO_SETTINGS_MODULE", "synapse_web.settings")
 sys.path.insert(0, str(ROOT / "bench"))
 from _routing_common import METATOOL as DEFAULT_DATASET  # noqa: E402
-from _routing_common import read_dataset  # noqa: E402
+from _routing_common import check_out, read_dataset  # noqa: E402
 
 
 def parse_args(argv=None):
@@ -435,6 +435,7 @@ def percentile(values, q):
 
 def main(argv=None):
     args = parse_args(argv)
+    check_out(args.out, "submit_load")
     dataset = read_dataset(args.dataset, "submit_load")  # before the federation is set up
     print(f"setting up {args.clients} clients through the ORM ...", flush=True)
     run_id, org, clients, rnd = setup_federation(

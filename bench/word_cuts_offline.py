@@ -28,7 +28,14 @@ import numpy as np
 import zstandard
 
 # _routing_common also puts the repository on sys.path.
-from _routing_common import cached_embed, load_engine, print_table, read_dataset, write_json
+from _routing_common import (
+    cached_embed,
+    check_out,
+    load_engine,
+    print_table,
+    read_dataset,
+    write_json,
+)
 
 from compendium.masking import FUNCTION_WORDS, folded
 from compendium.transport import LEVEL
@@ -67,6 +74,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--dictionary", type=int, default=3000, help="requests in the dictionary")
     parser.add_argument("--out")
     args = parser.parse_args(argv)
+    check_out(args.out, "word_cuts_offline")
 
     # The queries.jsonl lines in order, as the registry reads them (one line for what it refuses).
     rows = [{"query": q.query, "tool_id": q.tool_id}

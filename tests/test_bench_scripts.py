@@ -268,3 +268,53 @@ def test_transfer_centralized_names_a_transfer_variant_it_cannot_build_in_one_li
     assert (line.endswith(runner.TRANSFER_MODEL_HINT) if ends == "TRANSFER_MODEL_HINT"
             else ends in line), line
     assert not out.exists()
+
+
+# Every script with --dataset and --out (tune_device's export writes --dir, not --out).
+OUT_SCRIPTS = ["route_accuracy.py", "raw_ceiling.py", "merge_scale.py", "mask_leakage.py",
+               "masking_residue.py", "submit_load.py", "word_cuts_offline.py", "stats_grid.py",
+               "dcz_dictionaries.py", "finetune_router.py", "transfer_centralized.py"]
+
+
+@pytest.mark.parametrize("script", OUT_SCRIPTS)
+def test_a_script_refuses_an_out_it_could_not_write_before_it_runs(script, tmp_path, monkeypatch):
+    """An --out that names a folder failed at the very end, after the whole run, with a
+    traceback (IsADirectoryError). Now refused first, as simulate refuses it (the same line,
+    `out_file_problem`), before the dataset is read."""
+    module = _load(script, monkeypatch)
+    folder = tmp_path / "results"
+    folder.mkdir()
+    with pytest.raises(SystemExit) as stop:
+        module.main(["--dataset", str(tmp_path / "no-such-dataset"), "--out", str(folder)])
+    assert stop.value.code == (f"{script.removesuffix('.py')}: --out {folder} is a folder; "
+                               "name a file")
+
+
+@pytest.mark.parametrize("script", ["mask_leakage.py", "masking_residue.py"])
+def test_a_script_writes_its_out_into_a_folder_it_creates(script, tmp_path, monkeypatch):
+    """As simulate's --out: a missing parent folder is created (they failed at the end with
+    FileNotFoundError, after the run)."""
+    import json
+
+    module = _load(script, monkeypatch)
+    folder = _dataset(tmp_path / "d", {"a": "x", "b": "y"}, 5)
+    out = tmp_path / "new" / "deeper" / "out.json"
+    assert module.main(["--dataset", str(folder), "--out", str(out)]) == 0
+    assert json.loads(out.read_text())
+
+
+@pytest.mark.parametrize(("script", "argv"), [
+    ("route_latency.py", []), ("router_delta.py", []), ("tune_device.py", ["tune", "--dir", "x"]),
+])
+def test_a_script_without_a_dataset_refuses_an_out_folder_first(script, argv, tmp_path,
+                                                               monkeypatch):
+    """The same check before a run that reads no --dataset (route_latency starts a database
+    and gunicorn, tune_device tunes on a GPU: the folder failed only at their end)."""
+    module = _load(script, monkeypatch)
+    folder = tmp_path / "results"
+    folder.mkdir()
+    monkeypatch.setattr(sys, "argv", [script, *argv, "--out", str(folder)])
+    with pytest.raises(SystemExit) as stop:
+        module.main(*([] if script == "router_delta.py" else [[*argv, "--out", str(folder)]]))
+    assert stop.value.code == (f"{script.removesuffix('.py')}: --out {folder} is a folder; "
+                               "name a file")
