@@ -37,23 +37,61 @@ def federation_parser(description: str) -> argparse.ArgumentParser:
     return parser
 
 
+def check_out(path: str | None, name: str, flag: str = "--out") -> None:
+    """Stop the script `name`, before anything runs, with one line for an --out it could not
+    write at its end (a folder, a parent that is a file, a folder it cannot write to...), as
+    `manage.py simulate` refuses it (`out_file_problem`); creates a missing parent folder, as
+    simulate does."""
+    from compendium.client_api import out_file_problem
+
+    problem = out_file_problem(path, flag) if path else None
+    if problem:
+        raise SystemExit(f"{name}: {problem}")
+
+
+def read_dataset(folder, name: str):
+    """`compendium.registry.load_dataset(folder)`, or, for a dataset it cannot read (no folder, a
+    line that is not JSON, a query of a tool the registry lacks...), the script `name` stopped
+    with one line saying why, as `manage.py simulate` reports it."""
+    from compendium.registry import RegistryFormatError, load_dataset
+
+    try:
+        return load_dataset(folder)
+    except RegistryFormatError as exc:
+        raise SystemExit(f"{name}: {exc}") from None
+
+
+def load_engine(model: str | None, name: str, flag: str = "--embedding-model"):
+    """`routing.embeddings.get_engine(model)`, or, for a model that cannot be loaded, the script
+    `name` stopped with one line naming the model and what `flag` takes, as `manage.py simulate`
+    reports it (without `model`, the setting's model: the line says what to set)."""
+    from federation.simulation.runner import MODEL_NAMES, unavailable_model
+    from routing.embeddings import EmbeddingModelUnavailable, get_engine
+
+    try:
+        return get_engine(model)
+    except EmbeddingModelUnavailable as exc:
+        if not model:
+            raise SystemExit(f"{name}: {exc}") from None
+        raise SystemExit(
+            f"{name}: {unavailable_model(model, exc, f'{flag} takes {MODEL_NAMES}')}"
+        ) from None
+
+
 def federation_simulation(args, name: str, **config):
     """(dataset, `federation.simulation.runner.Simulation`) for the options `federation_parser`
     reads (dataset, orgs, clients per org, partition, seeds, embedding model), with `config`'s
     `SimulationConfig` fields on top, reporting progress on stderr as `name`. A dataset that
     cannot be read, or that `simulate` refuses for this federation
     (`federation.simulation.data.federation_problem`, on every seed the script plays), stops
-    the script with one line, before the model loads. Needs Django set up."""
-    from compendium.registry import RegistryFormatError, load_dataset
+    the script with one line, before the model loads; so does a model that cannot be loaded, and,
+    first, an `--out` it could not write (`check_out`). Needs Django set up."""
     from compendium.schema import Schema
     from federation.simulation.data import federation_problem
     from federation.simulation.runner import Simulation, SimulationConfig
-    from routing.embeddings import get_engine
 
-    try:
-        dataset = load_dataset(args.dataset)
-    except RegistryFormatError as exc:
-        raise SystemExit(f"{name}: {exc}") from None
+    check_out(getattr(args, "out", None), name)
+    dataset = read_dataset(args.dataset, name)
     settings = SimulationConfig(
         orgs=args.orgs, clients_per_org=args.clients_per_org, partition=args.partition, **config
     )
@@ -69,7 +107,7 @@ def federation_simulation(args, name: str, **config):
     if problem:
         raise SystemExit(f"{name}: {problem}")
     simulation = Simulation(
-        dataset, Schema(tools=dataset.tools), get_engine(args.embedding_model), settings,
+        dataset, Schema(tools=dataset.tools), load_engine(args.embedding_model, name), settings,
         lambda message: print(f"{name}: {message}", file=sys.stderr, flush=True),
     )
     return dataset, simulation

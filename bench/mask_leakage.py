@@ -61,10 +61,11 @@ def levenshtein(a: list[str], b: list[str]) -> int:
 
 def run(dataset: Path, limit: int | None, plant_every: int, seed: int) -> list[dict]:
     sys.path.insert(0, str(ROOT))
-    from compendium.masking import TextMasker, registry_vocabulary, tokenize, zipf
-    from compendium.registry import load_dataset
+    from _routing_common import read_dataset
 
-    data = load_dataset(dataset)
+    from compendium.masking import TextMasker, registry_vocabulary, tokenize, zipf
+
+    data = read_dataset(dataset, "mask_leakage")
     rng = random.Random(seed)
     texts = [q.query for q in data.queries]
     if limit:
@@ -144,6 +145,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", help="write the rows as JSON here")
     args = parser.parse_args(argv)
+    from _routing_common import check_out
+
+    check_out(args.out, "mask_leakage")
     rows = run(Path(args.dataset), args.limit, max(1, args.plant_every), args.seed)
     columns = [
         ("λ", "masking_strength", "{:.1f}"),

@@ -32,11 +32,11 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 
+from _routing_common import check_out, read_dataset  # noqa: E402
 from mask_leakage import plant  # noqa: E402
 
 from compendium.builder import pool_text  # noqa: E402
 from compendium.masking import TextMasker, tokenize  # noqa: E402
-from compendium.registry import load_dataset  # noqa: E402
 
 
 def variants(queries: list[str], plant_every: int, seed: int) -> tuple[list[str], list[int]]:
@@ -52,7 +52,7 @@ def variants(queries: list[str], plant_every: int, seed: int) -> tuple[list[str]
 
 
 def run(dataset: Path, lambdas: list[float], plant_every: int, seed: int) -> dict:
-    data = load_dataset(dataset)
+    data = read_dataset(dataset, "masking_residue")
     queries = [q.query for q in data.queries]
     texts, planted = variants(queries, plant_every, seed)
     every_word = {t.text.lower() for text in texts for t in tokenize(text) if t.kind == "word"}
@@ -110,6 +110,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", help="write the result as JSON here")
     args = parser.parse_args(argv)
+    check_out(args.out, "masking_residue")
     lambdas = [float(x) for x in args.lambdas.split(",")]
     result = run(Path(args.dataset), lambdas, max(1, args.plant_every), args.seed)
     if args.out:

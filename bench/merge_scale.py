@@ -19,10 +19,13 @@ import time
 from pathlib import Path
 
 import numpy as np
-from _routing_common import METATOOL  # also puts the repository on sys.path
+from _routing_common import (  # also puts the repository on sys.path
+    METATOOL,
+    check_out,
+    read_dataset,
+)
 
 from compendium.canonical import canonical_form
-from compendium.registry import load_dataset
 from compendium.schema import Schema
 from federation.merge import MergeInput, ProbeSet, edge_merge, server_merge
 from federation.round_config import RoundConfig
@@ -117,8 +120,9 @@ def main(argv=None) -> int:
     parser.add_argument("--save-global", help="write the last global compendium (canonical JSON) "
                         "to this file, to see where its bytes go")
     args = parser.parse_args(argv)
+    check_out(args.out, "merge_scale")
 
-    dataset = load_dataset(args.dataset)
+    dataset = read_dataset(args.dataset, "merge_scale")
     schema = Schema(tools=dataset.tools)
     rng = np.random.default_rng(args.seed + 1)
     probe_queries = []

@@ -16,12 +16,10 @@ import argparse
 import time
 
 import numpy as np
-from _routing_common import METATOOL, print_table, write_json
+from _routing_common import METATOOL, check_out, load_engine, print_table, read_dataset, write_json
 
-from compendium.registry import load_dataset
 from compendium.schema import Compendium, Scenario, Schema
 from federation.simulation.runner import Simulation, SimulationConfig
-from routing.embeddings import get_engine
 from routing.router import fit_linear_head
 
 
@@ -34,9 +32,10 @@ def main(argv=None) -> int:
     parser.add_argument("--embedding-model", default=None)
     parser.add_argument("--out", default=None)
     args = parser.parse_args(argv)
+    check_out(args.out, "raw_ceiling")
 
-    dataset = load_dataset(args.dataset)
-    engine = get_engine(args.embedding_model)
+    dataset = read_dataset(args.dataset, "raw_ceiling")
+    engine = load_engine(args.embedding_model, "raw_ceiling")
     config = SimulationConfig(test_limit=args.test_limit)
     simulation = Simulation(dataset, Schema(tools=dataset.tools), engine, config)
     rows = []

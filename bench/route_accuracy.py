@@ -14,9 +14,9 @@ import argparse
 import time
 
 import numpy as np
-from _routing_common import cached_embed, print_table, write_json
+from _routing_common import cached_embed, check_out, print_table, read_dataset, write_json
 
-from compendium.registry import load_dataset, stratified_split
+from compendium.registry import stratified_split
 from routing.datasets import compendium_from_queries
 from routing.embeddings import get_engine, get_query_engine
 from routing.llm import get_llm
@@ -40,8 +40,9 @@ def main(argv=None) -> int:
     )
     parser.add_argument("--out", default=None)
     args = parser.parse_args(argv)
+    check_out(args.out, "route_accuracy")
 
-    dataset = load_dataset(args.dataset)
+    dataset = read_dataset(args.dataset, "route_accuracy")
     split = stratified_split(
         dataset.queries, seed=args.seed, probe_fraction=args.probe, test_fraction=args.test
     )

@@ -23,7 +23,7 @@ import time
 from pathlib import Path
 
 import numpy as np
-from _routing_common import METATOOL, ROOT, cached_embed, print_table, write_json
+from _routing_common import METATOOL, ROOT, cached_embed, check_out, print_table, write_json
 
 SCENARIOS_PER_TOOL = 8
 # The bench's one token routes far more than a caller's default allowance a minute; the limit
@@ -167,6 +167,7 @@ def main(argv=None) -> int:
     parser.add_argument("--keep-db", action="store_true", help="leave the bench database running")
     parser.add_argument("--out", default=None)
     args = parser.parse_args(argv)
+    check_out(args.out, "route_latency")
 
     data_dir = Path(args.data_dir).resolve()
     _setup_django(data_dir)

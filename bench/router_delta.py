@@ -22,7 +22,7 @@ import time
 from pathlib import Path
 
 import zstandard
-from _routing_common import ROOT, print_table, write_json
+from _routing_common import ROOT, check_out, print_table, write_json
 
 sys.path.insert(0, str(ROOT))
 
@@ -51,6 +51,7 @@ def main() -> None:
     parser.add_argument("--router", type=Path, default=None)
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
+    check_out(args.out, "router_delta")
     folder = args.router or _newest_router()
 
     from routing.embeddings import _bundled_path

@@ -29,6 +29,7 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 os.environ.setdefault("DJANGO_SETTINGS_MODULE", "synapse_web.settings")
 
+from _routing_common import read_dataset  # noqa: E402
 from submit_load import DEFAULT_DATASET, build_compendiums, setup_federation  # noqa: E402
 
 
@@ -47,8 +48,8 @@ def parse_args(argv=None):
 
 def main(argv=None):
     args = parse_args(argv)
-    dataset = Path(args.dataset)
-    _, _org, clients, rnd = setup_federation(args.clients, dataset, args.rounds + 2)
+    dataset = read_dataset(args.dataset, "submit_cpu")  # before the federation is set up
+    _, _org, clients, rnd = setup_federation(args.clients, dataset.tools, args.rounds + 2)
     docs = build_compendiums(
         dataset, args.clients, args.tools_per_client, args.scenarios_per_tool, args.seed,
         not_released=frozenset(rnd.fields_not_released),

@@ -34,6 +34,7 @@ sys.path.insert(0, str(ROOT))
 os.environ.setdefault("DJANGO_SETTINGS_MODULE", "synapse_web.settings")
 sys.path.insert(0, str(ROOT / "bench"))
 from _routing_common import METATOOL as DEFAULT_DATASET  # noqa: E402
+from _routing_common import check_out, read_dataset  # noqa: E402
 
 
 def parse_args(argv=None):
@@ -65,18 +66,17 @@ def parse_args(argv=None):
 # --- set-up through the ORM -------------------------------------------------------------------
 
 
-def setup_federation(n_clients: int, dataset: Path, per_client_requests: int):
+def setup_federation(n_clients: int, tools: list, per_client_requests: int):
+    """`tools`: the dataset's (`read_dataset`), imported when the registry lacks one."""
     import django
 
     django.setup()
     from compendium.models import Tool
-    from compendium.registry import load_registry
     from compendium.services import import_registry
     from federation import services
     from federation.models import Round
 
     actor = services.Actor.system("bench/submit_load")
-    tools = load_registry(dataset)
     if Tool.objects.filter(tool_id__in=[t.tool_id for t in tools], active=True).count() < len(tools):
         import_registry(tools)
     settings_row = services.get_settings()
@@ -95,14 +95,12 @@ def setup_federation(n_clients: int, dataset: Path, per_client_requests: int):
     return run_id, org, clients, Round.objects.get(pk=rnd.pk)
 
 
-def build_compendiums(dataset: Path, n: int, tools_per_client: int, per_tool: int, seed: int,
+def build_compendiums(data, n: int, tools_per_client: int, per_tool: int, seed: int,
                       not_released=()):
     """`n` compendium bodies; without statistics for the fields in `not_released` (the open
     round's `fields_not_released`, which the server refuses, as a client's toolkit leaves out)."""
     from compendium.masking import TextMasker
-    from compendium.registry import load_dataset
 
-    data = load_dataset(dataset)
     # Masked at λ = 1 as a client's toolkit masks them (the server refuses text that still holds
     # what masking at the round's λ removes from any text).
     masker = TextMasker.for_registry(data.tools, strength=1.0)
@@ -437,10 +435,11 @@ def percentile(values, q):
 
 def main(argv=None):
     args = parse_args(argv)
-    dataset = Path(args.dataset)
+    check_out(args.out, "submit_load")
+    dataset = read_dataset(args.dataset, "submit_load")  # before the federation is set up
     print(f"setting up {args.clients} clients through the ORM ...", flush=True)
     run_id, org, clients, rnd = setup_federation(
-        args.clients, dataset, args.submissions * args.duplicates
+        args.clients, dataset.tools, args.submissions * args.duplicates
     )
     docs = build_compendiums(
         dataset, args.clients, args.tools_per_client, args.scenarios_per_tool, args.seed,

@@ -42,7 +42,13 @@ def main(argv: list[str] | None = None) -> int:
         transfer_rerankers=tuple(r for r in args.transfer_rerankers.split(",") if r),
         tune_router_epochs=args.tune_router,
     )
-    variants = simulation.transfer_variants() if simulation.config.transfer_models else []
+    from routing.embeddings import EmbeddingModelUnavailable
+    from routing.llm import LLMUnavailable
+
+    try:  # an unknown reranker, a model that cannot load: one line, as simulate says it
+        variants = simulation.transfer_variants() if simulation.config.transfer_models else []
+    except (ValueError, EmbeddingModelUnavailable, LLMUnavailable) as exc:
+        raise SystemExit(f"transfer_centralized: {exc}") from None
     if not variants and not args.tune_router:
         parser.error("nothing to score: give --transfer-models and/or --tune-router")
     from federation.simulation.report import host

@@ -32,7 +32,7 @@ import time
 from pathlib import Path
 
 # _routing_common also puts the repository on sys.path.
-from _routing_common import federation_simulation, print_table, write_json
+from _routing_common import check_out, federation_simulation, print_table, write_json
 
 GLOBALS = ("synapse", "centralized")
 
@@ -77,6 +77,7 @@ def top1(router, test: list[dict]) -> tuple[float, list[str]]:
 
 
 def tune(args) -> int:
+    check_out(args.out, "tune_device")
     import torch
 
     from compendium.schema import Compendium

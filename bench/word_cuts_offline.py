@@ -20,21 +20,25 @@ always keeps); the first N words; function words dropped, then the first N words
 from __future__ import annotations
 
 import argparse
-import json
 import random
 import re
 import time
-from pathlib import Path
 
 import numpy as np
 import zstandard
 
 # _routing_common also puts the repository on sys.path.
-from _routing_common import cached_embed, print_table, write_json
+from _routing_common import (
+    cached_embed,
+    check_out,
+    load_engine,
+    print_table,
+    read_dataset,
+    write_json,
+)
 
 from compendium.masking import FUNCTION_WORDS, folded
 from compendium.transport import LEVEL
-from routing.embeddings import get_engine
 
 BATCH = 170
 BATCHES = 10
@@ -60,7 +64,7 @@ CUTS = {
 }
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--dataset", required=True)
     parser.add_argument("--embedding-model", default="")
@@ -69,9 +73,12 @@ def main() -> None:
     parser.add_argument("--test", type=int, default=2000)
     parser.add_argument("--dictionary", type=int, default=3000, help="requests in the dictionary")
     parser.add_argument("--out")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
+    check_out(args.out, "word_cuts_offline")
 
-    rows = [json.loads(line) for line in (Path(args.dataset) / "queries.jsonl").open(encoding="utf-8")]
+    # The queries.jsonl lines in order, as the registry reads them (one line for what it refuses).
+    rows = [{"query": q.query, "tool_id": q.tool_id}
+            for q in read_dataset(args.dataset, "word_cuts_offline").queries]
     random.Random(args.seed).shuffle(rows)
     sent = rows[: args.sent]
     test = rows[args.sent : args.sent + args.test]
@@ -83,7 +90,7 @@ def main() -> None:
     )
     compressor = zstandard.ZstdCompressor(level=LEVEL, dict_data=dictionary)
 
-    engine = get_engine(args.embedding_model or None)
+    engine = load_engine(args.embedding_model or None, "word_cuts_offline")
     started = time.perf_counter()
     queries = cached_embed(engine, [r["query"] for r in test])
     truth = np.array([r["tool_id"] for r in test])

@@ -1228,6 +1228,28 @@ def special_file(path: Path) -> str | None:
     return None
 
 
+def out_file_problem(path: str, flag: str = "--out") -> str | None:
+    """Why a command could not write its results to `path` (given as `flag`) at its end, in one
+    line, or None: a folder, a device or a pipe (write_atomically would replace it), a parent
+    that is a file, a folder that cannot be created or written to. Checked before a long run;
+    creates the parent folder, leaves no file behind."""
+    out = Path(path)
+    if out.is_dir():
+        return f"{flag} {path} is a folder; name a file"
+    special = special_file(out)
+    if special:  # write_atomically would refuse it at the end, after the whole run
+        return f"{flag} {path} is {special}, not a regular file; name a file"
+    if out.parent.exists() and not out.parent.is_dir():
+        return f"{flag} {path}: {out.parent} is a file, not a folder"
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryFile(dir=out.parent):
+            pass
+    except OSError as exc:
+        return f"{flag} {path} cannot be written ({exc.strerror or exc})"
+    return None
+
+
 def _own_link(path: Path) -> bool:
     """Whether `path` is a symbolic link owned by this process's effective user (False where the
     system has no user ids to compare, as on Windows: the link is then replaced)."""

@@ -157,3 +157,164 @@ def test_the_tune_device_export_refuses_a_dataset_simulate_refuses(tmp_path, mon
         module.main(["export", "--dataset", str(folder), "--dir", str(tmp_path / "out"),
                      "--embedding-model", "no-such-model-xyz"])
     assert stop.value.code == "tune_device: the dataset d has 1 tool; routing needs at least 2"
+
+
+def _bad_dataset(tmp_path, kind: str):
+    """A dataset `load_dataset` refuses: no folder, a line that is not JSON, a query labelled
+    with a tool the registry does not have."""
+    import json
+
+    folder = tmp_path / "bad"
+    if kind == "missing":
+        return folder
+    folder.mkdir()
+    (folder / "tools.jsonl").write_text("".join(
+        json.dumps({"tool_id": t, "description": f"{t} service", "category": t}) + "\n"
+        for t in ("a", "b")))
+    lines = [json.dumps({"query": f"request {n}", "tool_id": "a"}) for n in range(3)]
+    lines.append('{"query": "broken' if kind == "malformed" else
+                 json.dumps({"query": "who is this", "tool_id": "zz"}))
+    (folder / "queries.jsonl").write_text("\n".join(lines) + "\n")
+    return folder
+
+
+def _refusal(folder) -> str:
+    from compendium.registry import RegistryFormatError, load_dataset
+
+    with pytest.raises(RegistryFormatError) as refused:
+        load_dataset(folder)
+    return str(refused.value)
+
+
+# Every script that reads --dataset itself (not through `federation_simulation`).
+DATASET_SCRIPTS = ["route_accuracy.py", "raw_ceiling.py", "merge_scale.py", "mask_leakage.py",
+                   "masking_residue.py", "submit_load.py", "submit_cpu.py", "word_cuts_offline.py"]
+
+
+@pytest.mark.parametrize("script", DATASET_SCRIPTS)
+@pytest.mark.parametrize("kind", ["missing", "malformed", "unknown-label"])
+def test_a_script_names_a_dataset_it_cannot_read_in_one_line(script, kind, tmp_path, monkeypatch):
+    """They called `load_dataset` (or read the JSONL) bare: a missing folder, a line that is not
+    JSON or a query of an unknown tool ended in a traceback (submit_load's after it had set up a
+    federation in the database). Now one line, `SCRIPT: why`, as simulate's, before anything
+    else; and no --out file."""
+    module = _load(script, monkeypatch)
+    folder = _bad_dataset(tmp_path, kind)
+    out = tmp_path / "out.json"
+    argv = ["--dataset", str(folder), "--out", str(out)]
+    if script in ("raw_ceiling.py", "word_cuts_offline.py"):
+        argv += ["--embedding-model", "no-such-model-xyz"]
+    if script == "submit_cpu.py":
+        argv.remove("--out")
+        argv.remove(str(out))
+    with pytest.raises(SystemExit) as stop:
+        module.main(argv)
+    assert stop.value.code == f"{script.removesuffix('.py')}: {_refusal(folder)}"
+    assert not out.exists()
+
+
+@pytest.mark.parametrize(("script", "argv"), [
+    ("raw_ceiling.py", []),
+    ("word_cuts_offline.py", ["--sent", "1700", "--test", "10", "--dictionary", "10"]),
+    ("stats_grid.py", ["--partition", "iid", "--orgs", "1", "--clients-per-org", "2"]),
+    ("dcz_dictionaries.py", ["--partition", "iid", "--orgs", "1", "--clients-per-org", "2"]),
+    ("finetune_router.py", ["--partition", "iid", "--orgs", "1", "--clients-per-org", "2"]),
+    ("transfer_centralized.py", ["--partition", "iid", "--orgs", "1", "--clients-per-org", "2"]),
+    ("tune_device.py", ["--partition", "iid", "--orgs", "1", "--clients-per-org", "2"]),
+])
+def test_a_script_names_an_embedding_model_it_cannot_load_in_one_line(script, argv, tmp_path,
+                                                                      monkeypatch):
+    """An --embedding-model that cannot be loaded ended in a traceback (EmbeddingModelUnavailable
+    from get_engine); now one line naming the script, the model and what the flag takes, as
+    simulate's, and no --out file."""
+    from federation.simulation.runner import MODEL_NAMES
+
+    module = _load(script, monkeypatch)
+    folder = _dataset(tmp_path / "d", {"a": "x", "b": "y"}, 900)
+    out = tmp_path / "out.json"
+    argv = [*(["export", "--dir", str(tmp_path / "exported")] if script == "tune_device.py" else
+              ["--out", str(out)]),
+            "--dataset", str(folder), "--embedding-model", "no-such-model-xyz", *argv]
+    with pytest.raises(SystemExit) as stop:
+        module.main(argv)
+    line = stop.value.code
+    assert isinstance(line, str) and "\n" not in line, line
+    assert line.startswith(f"{script.removesuffix('.py')}: ") and "'no-such-model-xyz'" in line, line
+    assert line.endswith(f"; --embedding-model takes {MODEL_NAMES}"), line
+    assert not out.exists()
+
+
+@pytest.mark.parametrize(("flags", "ends"), [
+    (["--transfer-models", "no-such-model-xyz"], "TRANSFER_MODEL_HINT"),
+    (["--transfer-models", "bundled:all-MiniLM-L6-v2", "--transfer-rerankers", "nope"],
+     "choose from"),
+])
+def test_transfer_centralized_names_a_transfer_variant_it_cannot_build_in_one_line(
+        flags, ends, tmp_path, monkeypatch):
+    """`Simulation.transfer_variants` refuses an unknown reranker or a model that cannot load in
+    one line, which simulate reports as such; the script let it out as a traceback. (Loads the
+    bundled model: the variants are checked once the federation's engine is up.)"""
+    import federation.simulation.runner as runner
+
+    module = _load("transfer_centralized.py", monkeypatch)
+    folder = _dataset(tmp_path / "d", {"a": "x", "b": "y"}, 20)
+    out = tmp_path / "out.json"
+    with pytest.raises(SystemExit) as stop:
+        module.main(["--dataset", str(folder), "--partition", "iid", "--orgs", "1",
+                     "--clients-per-org", "2", "--out", str(out), *flags])
+    line = stop.value.code
+    assert isinstance(line, str) and "\n" not in line, line
+    assert line.startswith("transfer_centralized: "), line
+    assert (line.endswith(runner.TRANSFER_MODEL_HINT) if ends == "TRANSFER_MODEL_HINT"
+            else ends in line), line
+    assert not out.exists()
+
+
+# Every script with --dataset and --out (tune_device's export writes --dir, not --out).
+OUT_SCRIPTS = ["route_accuracy.py", "raw_ceiling.py", "merge_scale.py", "mask_leakage.py",
+               "masking_residue.py", "submit_load.py", "word_cuts_offline.py", "stats_grid.py",
+               "dcz_dictionaries.py", "finetune_router.py", "transfer_centralized.py"]
+
+
+@pytest.mark.parametrize("script", OUT_SCRIPTS)
+def test_a_script_refuses_an_out_it_could_not_write_before_it_runs(script, tmp_path, monkeypatch):
+    """An --out that names a folder failed at the very end, after the whole run, with a
+    traceback (IsADirectoryError). Now refused first, as simulate refuses it (the same line,
+    `out_file_problem`), before the dataset is read."""
+    module = _load(script, monkeypatch)
+    folder = tmp_path / "results"
+    folder.mkdir()
+    with pytest.raises(SystemExit) as stop:
+        module.main(["--dataset", str(tmp_path / "no-such-dataset"), "--out", str(folder)])
+    assert stop.value.code == (f"{script.removesuffix('.py')}: --out {folder} is a folder; "
+                               "name a file")
+
+
+@pytest.mark.parametrize("script", ["mask_leakage.py", "masking_residue.py"])
+def test_a_script_writes_its_out_into_a_folder_it_creates(script, tmp_path, monkeypatch):
+    """As simulate's --out: a missing parent folder is created (they failed at the end with
+    FileNotFoundError, after the run)."""
+    import json
+
+    module = _load(script, monkeypatch)
+    folder = _dataset(tmp_path / "d", {"a": "x", "b": "y"}, 5)
+    out = tmp_path / "new" / "deeper" / "out.json"
+    assert module.main(["--dataset", str(folder), "--out", str(out)]) == 0
+    assert json.loads(out.read_text())
+
+
+@pytest.mark.parametrize(("script", "argv"), [
+    ("route_latency.py", []), ("router_delta.py", []), ("tune_device.py", ["tune", "--dir", "x"]),
+])
+def test_a_script_without_a_dataset_refuses_an_out_folder_first(script, argv, tmp_path,
+                                                               monkeypatch):
+    """The same check before a run that reads no --dataset (route_latency starts a database
+    and gunicorn, tune_device tunes on a GPU: the folder failed only at their end)."""
+    module = _load(script, monkeypatch)
+    folder = tmp_path / "results"
+    folder.mkdir()
+    monkeypatch.setattr(sys, "argv", [script, *argv, "--out", str(folder)])
+    with pytest.raises(SystemExit) as stop:
+        module.main(*([] if script == "router_delta.py" else [[*argv, "--out", str(folder)]]))
+    assert stop.value.code == (f"{script.removesuffix('.py')}: --out {folder} is a folder; "
+                               "name a file")

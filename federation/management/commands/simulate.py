@@ -3,14 +3,13 @@ import datetime
 import json
 import math
 import sys
-import tempfile
 import time
 from pathlib import Path
 from typing import get_args
 
 from django.core.management.base import BaseCommand, CommandError
 
-from compendium.client_api import CannotWrite, special_file, write_atomically
+from compendium.client_api import CannotWrite, out_file_problem, write_atomically
 from compendium.delta import DEFAULT_SINCE_CONFIDENCE
 from compendium.masking import SHARED_WORD_USERS, valid_shared_word_users
 from compendium.registry import RegistryFormatError, load_dataset
@@ -718,23 +717,11 @@ class Command(BaseCommand):
 
 
 def _check_out(path: str) -> None:
-    """Refuse, before anything runs, an --out the run could not write at its end: a folder, a
-    device or a pipe (write_atomically would replace it), a parent that is a file, a folder that cannot be created or written to. Creates the parent
-    folder; leaves no file behind."""
-    out = Path(path)
-    if out.is_dir():
-        raise CommandError(f"--out {path} is a folder; name a file")
-    special = special_file(out)
-    if special:  # write_atomically would refuse it at the end, after the whole run
-        raise CommandError(f"--out {path} is {special}, not a regular file; name a file")
-    if out.parent.exists() and not out.parent.is_dir():
-        raise CommandError(f"--out {path}: {out.parent} is a file, not a folder")
-    try:
-        out.parent.mkdir(parents=True, exist_ok=True)
-        with tempfile.TemporaryFile(dir=out.parent):
-            pass
-    except OSError as exc:
-        raise CommandError(f"--out {path} cannot be written ({exc.strerror or exc})") from None
+    """Refuse, before anything runs, an --out the run could not write at its end
+    (`out_file_problem`); creates the parent folder, leaves no file behind."""
+    problem = out_file_problem(path)
+    if problem:
+        raise CommandError(problem)
 
 
 def _releases(k: int, flag: str, users: int) -> None:
