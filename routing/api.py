@@ -141,9 +141,16 @@ def _query_field():
 
 
 
+# null is taken as the default, as an absent field is (services.validate_top_k, validate_reranker).
 _OPTIONS = {
-    "top_k": serializers.IntegerField(required=False, min_value=1, max_value=services.MAX_TOP_K),
-    "reranker": serializers.ChoiceField(choices=["fusion", "none", "llm"], required=False),
+    "top_k": serializers.IntegerField(
+        required=False, allow_null=True, min_value=1, max_value=services.MAX_TOP_K,
+        help_text="how many of the nearest scenarios `candidates` lists; absent or null: 5",
+    ),
+    "reranker": serializers.ChoiceField(
+        choices=["fusion", "none", "llm"], required=False, allow_null=True,
+        help_text="absent or null: the server's default (SYNAPSE_ROUTING_RERANKER)",
+    ),
 }
 
 

@@ -894,3 +894,36 @@ def test_why_an_llm_fell_back_is_told_in_full_to_the_operator_only():
     assert services.shown_fallback_reason(budget, reveal=False) == budget
     for kept in (None, "no LLM configured", "LLM answer unusable (no option number in 'x'); fell back to fusion"):
         assert services.shown_fallback_reason(kept, reveal=False) == kept
+
+
+def _nullable(prop: dict) -> bool:
+    """Whether an OpenAPI 3.0 property takes null: `nullable`, or drf-spectacular's enum form
+    (oneOf the choices and NullEnum)."""
+    return prop.get("nullable") is True or any(
+        branch.get("$ref", "").endswith("/NullEnum") for branch in prop.get("oneOf", ())
+    )
+
+
+def test_null_options_are_the_defaults_and_the_api_document_says_so(data, api, settings):
+    """`"top_k": null` and `"reranker": null` route with the defaults (5 and
+    SYNAPSE_ROUTING_RERANKER), as an absent field does, but the API document gave neither as
+    nullable: a client generated from it could not send null, and one checked against it read
+    the server's answer as a breach of the document."""
+    from drf_spectacular.generators import SchemaGenerator
+
+    schemas = SchemaGenerator().get_schema(request=None, public=True)["components"]["schemas"]
+    for name in ("RouteRequest", "RouteBatchRequest"):
+        for field in ("top_k", "reranker"):
+            prop = schemas[name]["properties"][field]
+            assert _nullable(prop), (name, field, prop)
+            assert "null" in prop.get("description", ""), (name, field, prop)
+    http, raw, _ = api
+    _publish(data, with_client_copy=False)
+    settings.SYNAPSE_ROUTING_RERANKER = "none"
+    query = data["queries"][0]
+    one = _post(http, "/api/v1/route/", {"query": query, "top_k": None, "reranker": None}, raw)
+    assert one.status_code == 200, one.content
+    assert len(one.json()["candidates"]) == 5 and one.json()["reranker"] == "none"
+    batch = _post(http, "/api/v1/route/batch/", {"queries": [query], "top_k": None, "reranker": None}, raw)
+    assert batch.status_code == 200, batch.content
+    assert batch.json()["results"][0]["reranker"] == "none"
