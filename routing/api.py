@@ -145,7 +145,8 @@ def _query_field():
 _OPTIONS = {
     "top_k": serializers.IntegerField(
         required=False, allow_null=True, min_value=1, max_value=services.MAX_TOP_K,
-        help_text="how many of the nearest scenarios `candidates` lists; absent or null: 5",
+        help_text="how many of the nearest scenarios `candidates` lists; absent or null: 5 (a whole "
+        "number written as a float, 5.0, is taken as that integer)",
     ),
     "reranker": serializers.ChoiceField(
         choices=["fusion", "none", "llm"], required=False, allow_null=True,

@@ -162,8 +162,13 @@ MAX_TOP_K = 50  # candidates a request may ask to be shown (the API document say
 
 
 def validate_top_k(top_k) -> int:
+    """top_k as an int: null (None) is the default, 5; a whole float (5.0) is its integer, since
+    JSON has one number type and several clients write whole numbers so; 5.5, a bool or a
+    string is refused."""
     if top_k is None:
         return 5
+    if isinstance(top_k, float) and top_k.is_integer() and 1 <= top_k <= MAX_TOP_K:
+        top_k = int(top_k)
     if isinstance(top_k, bool) or not isinstance(top_k, int) or not 1 <= top_k <= MAX_TOP_K:
         raise RoutingInputError(f"top_k must be an integer between 1 and {MAX_TOP_K}")
     return top_k

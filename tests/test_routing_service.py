@@ -927,3 +927,33 @@ def test_null_options_are_the_defaults_and_the_api_document_says_so(data, api, s
     batch = _post(http, "/api/v1/route/batch/", {"queries": [query], "top_k": None, "reranker": None}, raw)
     assert batch.status_code == 200, batch.content
     assert batch.json()["results"][0]["reranker"] == "none"
+
+
+def test_a_whole_top_k_sent_as_a_float_is_that_integer(data, api):
+    """JSON has one number type, and several clients write a whole number as 5.0 (a float in
+    Python, Java or Go): `"top_k": 5.0` was refused as not an integer. A whole float is taken as
+    its integer; 5.5, a float out of range, infinity or NaN are refused, and the API document
+    still says integer."""
+    from drf_spectacular.generators import SchemaGenerator
+
+    for whole in (5.0, 1.0, 50.0):
+        taken = services.validate_top_k(whole)
+        assert taken == int(whole) and type(taken) is int
+    for bad in (5.5, 0.0, 51.0, 1e300, float("inf"), float("nan"), True, "5"):
+        with pytest.raises(services.RoutingInputError, match="top_k must be an integer"):
+            services.validate_top_k(bad)
+    schemas = SchemaGenerator().get_schema(request=None, public=True)["components"]["schemas"]
+    for name in ("RouteRequest", "RouteBatchRequest"):
+        assert schemas[name]["properties"]["top_k"]["type"] == "integer", name
+    http, raw, _ = api
+    _publish(data, with_client_copy=False)
+    query = data["queries"][0]
+    one = _post(http, "/api/v1/route/", {"query": query, "top_k": 3.0}, raw)
+    assert one.status_code == 200, one.content
+    assert len(one.json()["candidates"]) == 3
+    batch = _post(http, "/api/v1/route/batch/", {"queries": [query], "top_k": 2.0}, raw)
+    assert batch.status_code == 200 and len(batch.json()["results"][0]["candidates"]) == 2
+    for path, body in (("/api/v1/route/", {"query": query, "top_k": 2.5}),
+                       ("/api/v1/route/batch/", {"queries": [query], "top_k": 2.5})):
+        response = _post(http, path, body, raw)
+        assert response.status_code == 400 and "top_k" in response.json()["detail"], path
