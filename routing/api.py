@@ -102,12 +102,14 @@ _DECISION = inline_serializer(
         "precautions": serializers.ListField(child=serializers.CharField()),
         "template": serializers.CharField(allow_null=True),
         "reranker": serializers.ChoiceField(
-            choices=["fusion", "none", "llm"], help_text="the reranker that decided"
+            choices=["fusion", "none", "llm"], allow_null=True,
+            help_text="the reranker that decided; null when none did (the global has no scenario "
+            "and no linear head: nothing to rank, tool null, fallback_reason \"no scenarios\")",
         ),
         "fallback_reason": serializers.CharField(
             allow_null=True,
             help_text="why another reranker decided than the one asked for (an LLM that did not "
-            "answer), else null",
+            "answer), or \"no scenarios\" when none did, else null",
         ),
         "ranking": inline_serializer(
             "RouteRanking",

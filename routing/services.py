@@ -730,7 +730,8 @@ def route_query(
         decision = served.routers[reranker].route(query, top_k)
     latency = (time.perf_counter() - started) * 1000
     if record:
-        recorder.record(latency, 1, decision.reranker, served.round_number)
+        # counted under the reranker that decided, or the one asked for when none did
+        recorder.record(latency, 1, decision.reranker or reranker, served.round_number)
     return _payload(decision, served, latency, reveal)
 
 
@@ -760,7 +761,7 @@ def route_queries(
         overrides["llm"] = BudgetedLLM(router.llm, llm_batch_seconds())
     decisions = router.with_reranker(reranker, retriever=None, **overrides).route_batch(queries, top_k)
     latency = (time.perf_counter() - started) * 1000
-    deciding = Counter(d.reranker for d in decisions).most_common(1)[0][0]
+    deciding = Counter(d.reranker or reranker for d in decisions).most_common(1)[0][0]
     recorder.record(latency, len(queries), deciding, served.round_number, batch=True)
     return {
         "compendium_round": served.round_number,

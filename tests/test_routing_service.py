@@ -957,3 +957,33 @@ def test_a_whole_top_k_sent_as_a_float_is_that_integer(data, api):
                        ("/api/v1/route/batch/", {"queries": [query], "top_k": 2.5})):
         response = _post(http, path, body, raw)
         assert response.status_code == 400 and "top_k" in response.json()["detail"], path
+
+
+def test_a_global_with_no_scenarios_names_no_reranker(api):
+    """A global with no scenario and no linear head routes nothing: its answer (tool null,
+    `fallback_reason: "no scenarios"`) named the reranker the caller asked for as the one that
+    decided, though none did. `reranker` is null there, the API document says it may be, and the
+    call is counted under the reranker asked for."""
+    from drf_spectacular.generators import SchemaGenerator
+
+    from compendium.schema import Compendium
+
+    prop = SchemaGenerator().get_schema(request=None, public=True)["components"]["schemas"][
+        "RouteDecision"]["properties"]["reranker"]
+    assert _nullable(prop) and "null" in prop["description"], prop
+    round_ = Round.objects.create(number=1, state="published")
+    store_compendium(Compendium(scenarios=[]), kind="global", round=round_)
+    http, raw, _ = api
+    services.recorder.flush()
+    RoutingCall.objects.all().delete()
+    one = _post(http, "/api/v1/route/", {"query": "hello", "reranker": "llm"}, raw)
+    assert one.status_code == 200, one.content
+    answer = one.json()
+    assert (answer["tool"], answer["reranker"], answer["fallback_reason"]) == (
+        None, None, "no scenarios")
+    batch = _post(http, "/api/v1/route/batch/", {"queries": ["a", "b"], "reranker": "none"}, raw)
+    assert batch.status_code == 200, batch.content
+    assert [r["reranker"] for r in batch.json()["results"]] == [None, None]
+    services.recorder.flush()
+    assert sorted(RoutingCall.objects.values_list("reranker", "batch")) == [
+        ("llm", False), ("none", True)]
