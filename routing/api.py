@@ -102,12 +102,14 @@ _DECISION = inline_serializer(
         "precautions": serializers.ListField(child=serializers.CharField()),
         "template": serializers.CharField(allow_null=True),
         "reranker": serializers.ChoiceField(
-            choices=["fusion", "none", "llm"], help_text="the reranker that decided"
+            choices=["fusion", "none", "llm"], allow_null=True,
+            help_text="the reranker that decided; null when none did (the global has no scenario "
+            "and no linear head: nothing to rank, tool null, fallback_reason \"no scenarios\")",
         ),
         "fallback_reason": serializers.CharField(
             allow_null=True,
             help_text="why another reranker decided than the one asked for (an LLM that did not "
-            "answer), else null",
+            "answer), or \"no scenarios\" when none did, else null",
         ),
         "ranking": inline_serializer(
             "RouteRanking",
@@ -141,9 +143,17 @@ def _query_field():
 
 
 
+# null is taken as the default, as an absent field is (services.validate_top_k, validate_reranker).
 _OPTIONS = {
-    "top_k": serializers.IntegerField(required=False, min_value=1, max_value=services.MAX_TOP_K),
-    "reranker": serializers.ChoiceField(choices=["fusion", "none", "llm"], required=False),
+    "top_k": serializers.IntegerField(
+        required=False, allow_null=True, min_value=1, max_value=services.MAX_TOP_K,
+        help_text="how many of the nearest scenarios `candidates` lists; absent or null: 5 (a whole "
+        "number written as a float, 5.0, is taken as that integer)",
+    ),
+    "reranker": serializers.ChoiceField(
+        choices=["fusion", "none", "llm"], required=False, allow_null=True,
+        help_text="absent or null: the server's default (SYNAPSE_ROUTING_RERANKER)",
+    ),
 }
 
 

@@ -95,8 +95,10 @@ class RoutingDecision:
     candidates: list[dict] = field(default_factory=list)  # [{tool, scenario, score}], best first
     precautions: list[str] = field(default_factory=list)  # the chosen tool's, most relevant first
     template: str | None = None
-    reranker: str = "fusion"
-    fallback_reason: str | None = None  # why the requested reranker was not used
+    # The reranker that decided; None when none did (nothing to rank: no scenario, no head).
+    reranker: str | None = "fusion"
+    # Why the requested reranker did not decide: another did (an LLM fallback), or none did.
+    fallback_reason: str | None = None
     # The best-scored tools, best first: why the decision went as it did (`Router.ranking`).
     ranking: list[dict] = field(default_factory=list)
 
@@ -607,7 +609,7 @@ class Router:
             for i, s in zip(idx[:top_k], scores[:top_k], strict=True)
         ]
         if len(idx) == 0 and not self._head_alone():
-            return RoutingDecision(None, 0.0, True, [], [], None, self.reranker, "no scenarios")
+            return RoutingDecision(None, 0.0, True, [], [], None, None, "no scenarios")
         # The decision sees what it was fitted with, whatever the caller wants shown.
         top_k = self.params.top_k
         pool = self._pool(top_k)

@@ -162,8 +162,13 @@ MAX_TOP_K = 50  # candidates a request may ask to be shown (the API document say
 
 
 def validate_top_k(top_k) -> int:
+    """top_k as an int: null (None) is the default, 5; a whole float (5.0) is its integer, since
+    JSON has one number type and several clients write whole numbers so; 5.5, a bool or a
+    string is refused."""
     if top_k is None:
         return 5
+    if isinstance(top_k, float) and top_k.is_integer() and 1 <= top_k <= MAX_TOP_K:
+        top_k = int(top_k)
     if isinstance(top_k, bool) or not isinstance(top_k, int) or not 1 <= top_k <= MAX_TOP_K:
         raise RoutingInputError(f"top_k must be an integer between 1 and {MAX_TOP_K}")
     return top_k
@@ -725,7 +730,8 @@ def route_query(
         decision = served.routers[reranker].route(query, top_k)
     latency = (time.perf_counter() - started) * 1000
     if record:
-        recorder.record(latency, 1, decision.reranker, served.round_number)
+        # counted under the reranker that decided, or the one asked for when none did
+        recorder.record(latency, 1, decision.reranker or reranker, served.round_number)
     return _payload(decision, served, latency, reveal)
 
 
@@ -755,7 +761,7 @@ def route_queries(
         overrides["llm"] = BudgetedLLM(router.llm, llm_batch_seconds())
     decisions = router.with_reranker(reranker, retriever=None, **overrides).route_batch(queries, top_k)
     latency = (time.perf_counter() - started) * 1000
-    deciding = Counter(d.reranker for d in decisions).most_common(1)[0][0]
+    deciding = Counter(d.reranker or reranker for d in decisions).most_common(1)[0][0]
     recorder.record(latency, len(queries), deciding, served.round_number, batch=True)
     return {
         "compendium_round": served.round_number,

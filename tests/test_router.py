@@ -994,3 +994,14 @@ def test_tokenize_reads_words_of_any_script():
                                             "перевести текст на английский")])
     scores = index.get_batch_scores(tokenize("Какой прогноз на завтра?"), [0, 1, 2])
     assert scores[0] > max(scores[1], scores[2]) and scores[1] == 0
+
+
+@pytest.mark.parametrize("reranker", ["fusion", "none", "llm"])
+def test_a_compendium_with_nothing_to_rank_names_no_reranker(engine, reranker):
+    """With no scenario and no linear head nothing is ranked: the decision named the reranker it
+    was asked for as the one that decided (`reranker` is "the one that decided"), though none
+    did. It names none (None), and `fallback_reason` says why."""
+    empty = Router(Compendium(scenarios=[]), engine, reranker, params=RoutingParams())
+    for decision in [empty.route("Convert 100 US dollars into euros"), *empty.route_batch(["a", "b"])]:
+        assert (decision.tool, decision.reranker, decision.fallback_reason) == (
+            None, None, "no scenarios")

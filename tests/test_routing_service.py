@@ -894,3 +894,96 @@ def test_why_an_llm_fell_back_is_told_in_full_to_the_operator_only():
     assert services.shown_fallback_reason(budget, reveal=False) == budget
     for kept in (None, "no LLM configured", "LLM answer unusable (no option number in 'x'); fell back to fusion"):
         assert services.shown_fallback_reason(kept, reveal=False) == kept
+
+
+def _nullable(prop: dict) -> bool:
+    """Whether an OpenAPI 3.0 property takes null: `nullable`, or drf-spectacular's enum form
+    (oneOf the choices and NullEnum)."""
+    return prop.get("nullable") is True or any(
+        branch.get("$ref", "").endswith("/NullEnum") for branch in prop.get("oneOf", ())
+    )
+
+
+def test_null_options_are_the_defaults_and_the_api_document_says_so(data, api, settings):
+    """`"top_k": null` and `"reranker": null` route with the defaults (5 and
+    SYNAPSE_ROUTING_RERANKER), as an absent field does, but the API document gave neither as
+    nullable: a client generated from it could not send null, and one checked against it read
+    the server's answer as a breach of the document."""
+    from drf_spectacular.generators import SchemaGenerator
+
+    schemas = SchemaGenerator().get_schema(request=None, public=True)["components"]["schemas"]
+    for name in ("RouteRequest", "RouteBatchRequest"):
+        for field in ("top_k", "reranker"):
+            prop = schemas[name]["properties"][field]
+            assert _nullable(prop), (name, field, prop)
+            assert "null" in prop.get("description", ""), (name, field, prop)
+    http, raw, _ = api
+    _publish(data, with_client_copy=False)
+    settings.SYNAPSE_ROUTING_RERANKER = "none"
+    query = data["queries"][0]
+    one = _post(http, "/api/v1/route/", {"query": query, "top_k": None, "reranker": None}, raw)
+    assert one.status_code == 200, one.content
+    assert len(one.json()["candidates"]) == 5 and one.json()["reranker"] == "none"
+    batch = _post(http, "/api/v1/route/batch/", {"queries": [query], "top_k": None, "reranker": None}, raw)
+    assert batch.status_code == 200, batch.content
+    assert batch.json()["results"][0]["reranker"] == "none"
+
+
+def test_a_whole_top_k_sent_as_a_float_is_that_integer(data, api):
+    """JSON has one number type, and several clients write a whole number as 5.0 (a float in
+    Python, Java or Go): `"top_k": 5.0` was refused as not an integer. A whole float is taken as
+    its integer; 5.5, a float out of range, infinity or NaN are refused, and the API document
+    still says integer."""
+    from drf_spectacular.generators import SchemaGenerator
+
+    for whole in (5.0, 1.0, 50.0):
+        taken = services.validate_top_k(whole)
+        assert taken == int(whole) and type(taken) is int
+    for bad in (5.5, 0.0, 51.0, 1e300, float("inf"), float("nan"), True, "5"):
+        with pytest.raises(services.RoutingInputError, match="top_k must be an integer"):
+            services.validate_top_k(bad)
+    schemas = SchemaGenerator().get_schema(request=None, public=True)["components"]["schemas"]
+    for name in ("RouteRequest", "RouteBatchRequest"):
+        assert schemas[name]["properties"]["top_k"]["type"] == "integer", name
+    http, raw, _ = api
+    _publish(data, with_client_copy=False)
+    query = data["queries"][0]
+    one = _post(http, "/api/v1/route/", {"query": query, "top_k": 3.0}, raw)
+    assert one.status_code == 200, one.content
+    assert len(one.json()["candidates"]) == 3
+    batch = _post(http, "/api/v1/route/batch/", {"queries": [query], "top_k": 2.0}, raw)
+    assert batch.status_code == 200 and len(batch.json()["results"][0]["candidates"]) == 2
+    for path, body in (("/api/v1/route/", {"query": query, "top_k": 2.5}),
+                       ("/api/v1/route/batch/", {"queries": [query], "top_k": 2.5})):
+        response = _post(http, path, body, raw)
+        assert response.status_code == 400 and "top_k" in response.json()["detail"], path
+
+
+def test_a_global_with_no_scenarios_names_no_reranker(api):
+    """A global with no scenario and no linear head routes nothing: its answer (tool null,
+    `fallback_reason: "no scenarios"`) named the reranker the caller asked for as the one that
+    decided, though none did. `reranker` is null there, the API document says it may be, and the
+    call is counted under the reranker asked for."""
+    from drf_spectacular.generators import SchemaGenerator
+
+    from compendium.schema import Compendium
+
+    prop = SchemaGenerator().get_schema(request=None, public=True)["components"]["schemas"][
+        "RouteDecision"]["properties"]["reranker"]
+    assert _nullable(prop) and "null" in prop["description"], prop
+    round_ = Round.objects.create(number=1, state="published")
+    store_compendium(Compendium(scenarios=[]), kind="global", round=round_)
+    http, raw, _ = api
+    services.recorder.flush()
+    RoutingCall.objects.all().delete()
+    one = _post(http, "/api/v1/route/", {"query": "hello", "reranker": "llm"}, raw)
+    assert one.status_code == 200, one.content
+    answer = one.json()
+    assert (answer["tool"], answer["reranker"], answer["fallback_reason"]) == (
+        None, None, "no scenarios")
+    batch = _post(http, "/api/v1/route/batch/", {"queries": ["a", "b"], "reranker": "none"}, raw)
+    assert batch.status_code == 200, batch.content
+    assert [r["reranker"] for r in batch.json()["results"]] == [None, None]
+    services.recorder.flush()
+    assert sorted(RoutingCall.objects.values_list("reranker", "batch")) == [
+        ("llm", False), ("none", True)]
