@@ -1963,3 +1963,19 @@ def test_the_round_controls_say_where_the_committed_epsilon_stands_against_the_c
     # A member sees no round controls, so no budget line either.
     login(client, fed, "member_a")
     assert "Privacy budget:" not in client.get(reverse("dashboard:overview")).content.decode()
+
+
+def test_the_playground_names_no_reranker_when_nothing_was_ranked(client, fed):
+    """A global with no scenario and no linear head ranks nothing, and its decision names no
+    reranker (null): the playground's latency label read "latency (None)"."""
+    from compendium.schema import Compendium
+    from compendium.services import store_compendium
+    from routing import services as routing_services
+
+    routing_services.forget_published_version()
+    Round.objects.filter(state="published").update(state="failed")
+    store_compendium(Compendium(scenarios=[]), kind="global",
+                     round=Round.objects.create(number=99, state="published"))
+    login(client, fed, "member_a")
+    body = client.get(reverse("dashboard:routing"), {"q": "will it rain?"}).content.decode()
+    assert "latency (nothing ranked)" in body and "(None)" not in body
