@@ -27,13 +27,7 @@ def test_the_scripts_are_found():
 
 @pytest.mark.parametrize("script", SCRIPTS)
 def test_bench_script_imports(script, monkeypatch):
-    monkeypatch.syspath_prepend(str(BENCH))
-    name = f"bench_script_{script.removesuffix('.py')}"
-    spec = importlib.util.spec_from_file_location(name, BENCH / script)
-    module = importlib.util.module_from_spec(spec)
-    # Registered while it runs, as a module run by path would be (dataclasses look it up).
-    monkeypatch.setitem(sys.modules, name, module)
-    spec.loader.exec_module(module)
+    module = _load(script, monkeypatch)
     if not script.startswith("_"):
         assert callable(getattr(module, "main", None)), f"bench/{script} has no main()"
 
@@ -98,6 +92,7 @@ def _load(script: str, monkeypatch):
     name = f"bench_script_{script.removesuffix('.py')}"
     spec = importlib.util.spec_from_file_location(name, BENCH / script)
     module = importlib.util.module_from_spec(spec)
+    # Registered while it runs, as a module run by path would be (dataclasses look it up).
     monkeypatch.setitem(sys.modules, name, module)
     spec.loader.exec_module(module)
     return module

@@ -31,6 +31,17 @@ def _masked(doc: dict, schema) -> Compendium:
     )
 
 
+
+def _two_masked_files(tmp_path, valid_doc) -> dict:
+    """Compendiums "a" (valid_doc) and "b" (its scenarios but the first), recording masking at
+    λ = 1, written to files: the paths by name."""
+    paths = {}
+    for name, doc in (("a", valid_doc), ("b", dict(valid_doc, scenarios=valid_doc["scenarios"][1:]))):
+        paths[name] = tmp_path / f"{name}.json"
+        paths[name].write_text(json.dumps(
+            dict(doc, masking={"strength": 1.0, "masked_fraction": 0.2})), encoding="utf-8")
+    return paths
+
 def test_submit_and_pull_against_the_real_api(live_server, world, valid_doc, small_schema, tmp_path):
     services.open_round(services.Actor(None))
     compendium = _masked(valid_doc, small_schema)
@@ -465,11 +476,7 @@ def test_submitting_an_earlier_compendium_again_puts_it_back_in_effect(
         assert in_effect() == canonical_form(a).sha256
     # the CLI says what happened
     server = ["--server", live_server.url, "--token", world.token_a, "--backoff", "0"]
-    paths = {}
-    for name, doc in (("a", valid_doc), ("b", dict(valid_doc, scenarios=valid_doc["scenarios"][1:]))):
-        paths[name] = tmp_path / f"{name}.json"
-        paths[name].write_text(json.dumps(
-            dict(doc, masking={"strength": 1.0, "masked_fraction": 0.2})), encoding="utf-8")
+    paths = _two_masked_files(tmp_path, valid_doc)
     assert main(["submit", str(paths["a"]), *server]) == 0
     assert main(["submit", str(paths["b"]), *server]) == 0
     capsys.readouterr()
@@ -567,11 +574,7 @@ def test_submit_prints_the_whole_key_and_what_a_resend_of_content_in_effect_did(
     "(replayed)": nothing went again, it was already in effect."""
     services.open_round(services.Actor(None))
     server = ["--server", live_server.url, "--token", world.token_a, "--backoff", "0"]
-    paths = {}
-    for name, doc in (("a", valid_doc), ("b", dict(valid_doc, scenarios=valid_doc["scenarios"][1:]))):
-        paths[name] = tmp_path / f"{name}.json"
-        paths[name].write_text(json.dumps(
-            dict(doc, masking={"strength": 1.0, "masked_fraction": 0.2})), encoding="utf-8")
+    paths = _two_masked_files(tmp_path, valid_doc)
     sha = canonical_form(load_valid_compendium(
         json.loads(paths["a"].read_text()), small_schema)).sha256
     assert main(["submit", str(paths["a"]), *server]) == 0
