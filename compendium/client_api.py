@@ -1228,13 +1228,20 @@ def special_file(path: Path) -> str | None:
     return None
 
 
+def names_a_folder(path: str) -> bool:
+    """Whether `path` as written names a folder: it ends in a separator, "." or ".." (Path drops
+    a trailing separator, so `--out newdir/` would write a file called newdir)."""
+    return os.path.basename(str(path)) in ("", ".", "..")
+
+
 def out_file_problem(path: str, flag: str = "--out") -> str | None:
     """Why a command could not write its results to `path` (given as `flag`) at its end, in one
-    line, or None: a folder, a device or a pipe (write_atomically would replace it), a parent
-    that is a file, a folder that cannot be created or written to. Checked before a long run;
-    creates the parent folder, leaves no file behind."""
+    line, or None: a folder (one that exists, or a path written as one), a device or a pipe
+    (write_atomically would replace it), a parent that is a file, a folder that cannot be
+    created or written to. Checked before a long run; creates the parent folder, leaves no file
+    behind."""
     out = Path(path)
-    if out.is_dir():
+    if names_a_folder(path) or out.is_dir():
         return f"{flag} {path} is a folder; name a file"
     special = special_file(out)
     if special:  # write_atomically would refuse it at the end, after the whole run

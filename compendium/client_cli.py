@@ -207,7 +207,9 @@ def _out_file(value: str) -> Path:
     """--out: the file to write. A path that ends in a separator (or in "." or "..") names a
     folder, which Path would drop: `--out newdir/` wrote a file called newdir. Refused, naming
     it, before any work."""
-    if os.path.basename(value) in ("", ".", ".."):
+    from compendium.client_api import names_a_folder
+
+    if names_a_folder(value):
         raise CliError(
             f"--out {value} names a folder, not a file: --out is the file to write; name a file "
             "(nothing written)"

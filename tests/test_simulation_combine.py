@@ -337,6 +337,8 @@ def test_cadence_curves_are_joined_per_round_and_keep_their_variant():
 
 @pytest.mark.parametrize(("target", "message"), [
     (lambda tmp: tmp, "is a folder; name a file"),
+    # a folder that does not exist yet, named as one (Path drops the separator: a file "newdir")
+    (lambda tmp: f"{tmp}/newdir/", "newdir/ is a folder; name a file"),
     (lambda tmp: tmp / "a.json" / "out.json", "a.json is a file, not a folder"),
     (lambda tmp: "/proc/synapse-out.json", "/proc/synapse-out.json cannot be written"),
 ])
