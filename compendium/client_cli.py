@@ -1088,14 +1088,11 @@ def cmd_participate(args: argparse.Namespace) -> int:
         **{**vars(args), "compendium": str(out), "no_gzip": False, "since": since,
            "schema": None if since else str(schema_path), "probe": None if since else str(probe_path)},
     ))
-    # Recorded under the round the server stored it in, which its answer names: when the round
-    # read above closed during the build and another opened, submit checked and sent it for that
-    # one (X-Synapse-Round), not for `current`.
-    stored_in = result.body.get("round")
-    if isinstance(stored_in, bool) or not isinstance(stored_in, int):
-        stored_in = result.round
+    # Recorded under the round it was stored in: when the round read above closed during the
+    # build and another opened, submit checked and sent it for that one (X-Synapse-Round, which
+    # the server stores in or refuses), not for `current`.
     try:
-        record_sent(ledger, stored_in, sent_keys(built))
+        record_sent(ledger, result.round, sent_keys(built))
     except CannotWrite as exc:
         print(f"{PROG}: warning: {exc}: the next round may send some of this again",
               file=sys.stderr)

@@ -873,7 +873,7 @@ def erase_client(client: Client, *, actor: services.Actor | None = None, embed=N
             for organization_id in sorted(o for r, o in stale if r == round_.pk and o is not None):
                 if dead:
                     redo(round_, organization_id,
-                         lambda o=organization_id, r=round_: _delete_edge(r, o))
+                         lambda o=organization_id, r=round_: _delete_merge(r, o))
                     edges_deleted.append((round_.number, organization_id))
                     continue
                 redo(round_, organization_id, lambda o=organization_id, r=round_: run_edge_merge(
@@ -891,7 +891,7 @@ def erase_client(client: Client, *, actor: services.Actor | None = None, embed=N
                 redo(round_, None, lambda r=round_: run_server_merge(r.pk, embed=embed))
                 merged_again.add(round_.number)
             else:
-                redo(round_, None, lambda r=round_: _delete_global(r))
+                redo(round_, None, lambda r=round_: _delete_merge(r, None))
                 deleted = True
             globals_done.append(round_.number)
         if deleted:
@@ -937,21 +937,15 @@ def _conflict_readers(round_: Round, organization) -> list[tuple[Round, list[Con
     return readers
 
 
-def _delete_edge(round_: Round, organization_id: int) -> None:
-    """An edge of a failed round that can never be retried, with what its merge logged (its
-    conflicts and merge record hold its clients' texts). Its ledger rows stay: that ε was spent."""
-    CompendiumVersion.objects.filter(kind="edge", round=round_,
-                                     organization_id=organization_id).delete()
+def _delete_merge(round_: Round, organization_id: int | None) -> None:
+    """What one merge of `round_` wrote, with what it logged (its conflicts and merge record
+    hold its inputs' texts): an edge (`organization_id`) of a failed round that can never be
+    retried, or the global (None) of a published round left without edges. Ledger rows stay:
+    that ε was spent."""
+    kind = "global" if organization_id is None else "edge"
+    CompendiumVersion.objects.filter(kind=kind, round=round_, organization_id=organization_id).delete()
     ConflictLogEntry.objects.filter(round=round_, organization_id=organization_id).delete()
     MergeRecord.objects.filter(round=round_, organization_id=organization_id).delete()
-
-
-def _delete_global(round_: Round) -> None:
-    """A published round left without edges: its global goes, with what its server merge logged
-    (its conflicts and merge record hold the edges' texts)."""
-    CompendiumVersion.objects.filter(kind="global", round=round_).delete()
-    ConflictLogEntry.objects.filter(round=round_, organization__isnull=True).delete()
-    MergeRecord.objects.filter(round=round_, organization__isnull=True).delete()
 
 
 # --- the public probe set ------------------------------------------------------------------------

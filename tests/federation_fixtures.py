@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import threading
 from dataclasses import dataclass
 
 import pytest
@@ -93,20 +94,22 @@ def _fresh_settings_cache():
     submissions.clear_dictionary_cache()
 
 
-def another_waits_on_a_lock(timeout: float = 5.0) -> bool:
-    """Until another database session waits for a lock (the interleaving a race test needs),
-    polled on this thread's connection; False after `timeout` (the code under test took no lock
-    the other session had to wait for)."""
-    import threading
+def another_waits_on_a_lock(
+    timeout: float = 5.0, *, count: int = 1, done: threading.Event | None = None
+) -> bool:
+    """Until `count` other database sessions wait for a lock (the interleaving a race test
+    needs), polled on this thread's connection; False after `timeout`, or once `done` is set
+    (the step watched finished without waiting: the code under test took no lock the other
+    session had to wait for)."""
     import time
 
     from django.db import connection
 
     deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
+    while time.monotonic() < deadline and not (done is not None and done.is_set()):
         with connection.cursor() as cursor:
-            cursor.execute("SELECT count(*) FROM pg_locks WHERE NOT granted")
-            if cursor.fetchone()[0]:
+            cursor.execute("SELECT count(DISTINCT pid) FROM pg_locks WHERE NOT granted")
+            if cursor.fetchone()[0] >= count:
                 return True
         threading.Event().wait(0.01)
     return False

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import threading
-import time
 from collections import defaultdict
 from concurrent.futures import ThreadPoolExecutor
 
@@ -18,7 +17,7 @@ from compendium.schema import Compendium
 from compendium.services import store_compendium
 from federation import pipeline, services, submissions
 from federation.models import Round, Submission
-from tests.federation_fixtures import SYSTEM
+from tests.federation_fixtures import SYSTEM, another_waits_on_a_lock
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
@@ -151,19 +150,6 @@ def test_close_during_submissions_never_stores_into_a_closing_round(
     assert late.status_code == 409
 
 
-def _sessions_waiting(count: int, done: threading.Event, timeout: float = 30.0) -> bool:
-    """Whether `count` other sessions wait on a lock, polled until `done` is set (the step
-    watched finished without waiting) or `timeout` passes."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline and not done.is_set():
-        with connection.cursor() as cursor:
-            cursor.execute("SELECT count(DISTINCT pid) FROM pg_locks WHERE NOT granted")
-            if cursor.fetchone()[0] >= count:
-                return True
-        time.sleep(0.02)
-    return False
-
-
 def test_a_submission_during_an_erasure_waits_for_it_and_is_stored_whole(world, valid_doc):
     """Found by review: `erase_client` listed the client's compendiums, deleted them, then deleted
     its Submission rows, without the client's row lock the submission path takes. A first
@@ -204,9 +190,10 @@ def test_a_submission_during_an_erasure_waits_for_it_and_is_stored_whole(world, 
         with transaction.atomic():
             CompendiumVersion.objects.select_for_update().get(pk=erased.pk)
             erasure.start()
-            assert _sessions_waiting(1, threading.Event()), "the erasure never reached its delete"
+            assert another_waits_on_a_lock(30), "the erasure never reached its delete"
             submission.start()
-            waited = _sessions_waiting(2, stored)  # the erasure, and the submission behind it
+            # the erasure, and the submission behind it
+            waited = another_waits_on_a_lock(30, count=2, done=stored)
     finally:
         erasure.join(60)
         submission.join(60)
