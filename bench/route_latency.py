@@ -1,6 +1,6 @@
 """Routing latency: the router function alone and the routing API through gunicorn, per reranker,
-at 199 tools (MetaTool) and at 597 tools (a synthetic catalogue derived from MetaTool), plus the
-throughput of the batch form.
+on the --dataset's tools (default MetaTool: 199 tools) and on a synthetic catalogue of three
+variants of each (597 tools on MetaTool), plus the throughput of the batch form.
 
 It uses its own embedded database (bench/out/route-latency-db, or --data-dir), publishes each
 catalogue as a global compendium (store_compendium with embeddings), starts gunicorn on
@@ -10,7 +10,11 @@ except the `router_function_embedding_cached` rows, which repeat the same querie
 router costs beside the query embedding. The `rate_limit_admit` row is the rate limit's own share
 of a request (`routing.services.admit`, under SYNAPSE_ROUTE_RATE_LIMIT as the server runs it).
 
-    python bench/route_latency.py [--queries 300] [--batch 500] [--out FILE]
+    python bench/route_latency.py [--dataset ../shared/data/metatool] [--queries 300]
+        [--batch 500] [--out FILE]
+
+A dataset it cannot read, or one `manage.py simulate` would refuse (fewer than two tools, no
+query to hold out), is refused in one line before the database starts.
 """
 
 from __future__ import annotations
@@ -23,13 +27,23 @@ import time
 from pathlib import Path
 
 import numpy as np
-from _routing_common import METATOOL, ROOT, cached_embed, check_out, print_table, write_json
+from _routing_common import (
+    METATOOL,
+    ROOT,
+    cached_embed,
+    check_out,
+    print_table,
+    read_dataset,
+    write_json,
+)
 
 SCENARIOS_PER_TOOL = 8
 # The bench's one token routes far more than a caller's default allowance a minute; the limit
 # stays on (its counter's upsert is part of every request's latency), out of reach.
 BENCH_RATE_LIMIT = "1000000000"
 VARIANT_PLACES = ("for my team", "on my phone", "for a client")
+# Of each tool's queries: held out (the timed queries), and in the probe split (unused here).
+TEST_FRACTION, PROBE_FRACTION = 0.2, 0.1
 
 
 def _setup_django(data_dir: Path) -> None:
@@ -44,19 +58,33 @@ def _setup_django(data_dir: Path) -> None:
     call_command("migrate", verbosity=0)
 
 
-def catalogues(seed: int):
-    """(name, tools, compendium, held-out queries) for MetaTool and its synthetic 3x expansion."""
-    from compendium.registry import load_dataset, stratified_split
+def dataset_problem(dataset, seed: int) -> str | None:
+    """Why `dataset` cannot be timed (None: it can), as `manage.py simulate` refuses it
+    (`federation_problem`, for the split `catalogues` makes): fewer than two tools, no query to
+    hold out. One organization of one client: nothing is dealt."""
+    from federation.simulation.data import federation_problem
+
+    return federation_problem(
+        dataset, [seed], orgs=1, clients_per_org=1, partition="iid",
+        probe_fraction=PROBE_FRACTION, test_fraction=TEST_FRACTION,
+    )
+
+
+def catalogues(dataset, seed: int):
+    """(name, tools, compendium, held-out queries) for the dataset (named after it) and its
+    synthetic 3x expansion."""
+    from compendium.registry import stratified_split
     from compendium.schema import ToolSpec
     from routing.datasets import compendium_from_queries
 
-    dataset = load_dataset(METATOOL)
-    split = stratified_split(dataset.queries, seed=seed, test_fraction=0.2)
+    split = stratified_split(
+        dataset.queries, seed=seed, probe_fraction=PROBE_FRACTION, test_fraction=TEST_FRACTION
+    )
     base = compendium_from_queries(dataset.tools, split.train, SCENARIOS_PER_TOOL)
     test = [q.query for q in split.test]
-    yield "metatool", dataset.tools, base, test
+    yield dataset.name, dataset.tools, base, test
 
-    # Synthetic: every MetaTool tool becomes three tools; each keeps a share of the tool's train
+    # Synthetic: every dataset tool becomes three tools; each keeps a share of the tool's train
     # queries (up to 8), phrased for its own setting, so the catalogue is 3x larger and denser.
     from compendium.registry import LabelledQuery
 
@@ -158,6 +186,7 @@ def time_admit(requests: int) -> dict:
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--dataset", default=str(METATOOL))
     parser.add_argument("--queries", type=int, default=300, help="timed queries per row")
     parser.add_argument("--batch", type=int, default=500, help="queries per batch request")
     parser.add_argument("--port", type=int, default=8306)
@@ -168,6 +197,10 @@ def main(argv=None) -> int:
     parser.add_argument("--out", default=None)
     args = parser.parse_args(argv)
     check_out(args.out, "route_latency")
+    dataset = read_dataset(args.dataset, "route_latency")
+    problem = dataset_problem(dataset, args.seed)
+    if problem:
+        raise SystemExit(f"route_latency: {problem}")
 
     data_dir = Path(args.data_dir).resolve()
     _setup_django(data_dir)
@@ -186,7 +219,7 @@ def main(argv=None) -> int:
     url = f"http://127.0.0.1:{args.port}/api/v1"
     rows = []
     try:
-        for name, tools, compendium, test in catalogues(args.seed):
+        for name, tools, compendium, test in catalogues(dataset, args.seed):
             # As in the product: scenarios from the merge's engine, queries from the query engine.
             vectors = cached_embed(get_engine(), [s.text for s in compendium.scenarios])
             # ... and the linear head fitted as publication fits it.

@@ -183,7 +183,8 @@ def _refusal(folder) -> str:
 
 # Every script that reads --dataset itself (not through `federation_simulation`).
 DATASET_SCRIPTS = ["route_accuracy.py", "raw_ceiling.py", "merge_scale.py", "mask_leakage.py",
-                   "masking_residue.py", "submit_load.py", "submit_cpu.py", "word_cuts_offline.py"]
+                   "masking_residue.py", "submit_load.py", "submit_cpu.py", "word_cuts_offline.py",
+                   "route_latency.py"]
 
 
 @pytest.mark.parametrize("script", DATASET_SCRIPTS)
@@ -268,7 +269,8 @@ def test_transfer_centralized_names_a_transfer_variant_it_cannot_build_in_one_li
 # Every script with --dataset and --out (tune_device's export writes --dir, not --out).
 OUT_SCRIPTS = ["route_accuracy.py", "raw_ceiling.py", "merge_scale.py", "mask_leakage.py",
                "masking_residue.py", "submit_load.py", "word_cuts_offline.py", "stats_grid.py",
-               "dcz_dictionaries.py", "finetune_router.py", "transfer_centralized.py"]
+               "dcz_dictionaries.py", "finetune_router.py", "transfer_centralized.py",
+               "route_latency.py"]
 
 
 @pytest.mark.parametrize("script", OUT_SCRIPTS)
@@ -299,12 +301,12 @@ def test_a_script_writes_its_out_into_a_folder_it_creates(script, tmp_path, monk
 
 
 @pytest.mark.parametrize(("script", "argv"), [
-    ("route_latency.py", []), ("router_delta.py", []), ("tune_device.py", ["tune", "--dir", "x"]),
+    ("router_delta.py", []), ("tune_device.py", ["tune", "--dir", "x"]),
 ])
 def test_a_script_without_a_dataset_refuses_an_out_folder_first(script, argv, tmp_path,
                                                                monkeypatch):
-    """The same check before a run that reads no --dataset (route_latency starts a database
-    and gunicorn, tune_device tunes on a GPU: the folder failed only at their end)."""
+    """The same check before a run that reads no --dataset (tune_device tunes on a GPU: the
+    folder failed only at its end)."""
     module = _load(script, monkeypatch)
     folder = tmp_path / "results"
     folder.mkdir()
@@ -313,3 +315,44 @@ def test_a_script_without_a_dataset_refuses_an_out_folder_first(script, argv, tm
         module.main(*([] if script == "router_delta.py" else [[*argv, "--out", str(folder)]]))
     assert stop.value.code == (f"{script.removesuffix('.py')}: --out {folder} is a folder; "
                                "name a file")
+
+
+def _must_not_run(*args, **kwargs):
+    raise AssertionError("the script went on to its long work")
+
+
+@pytest.mark.parametrize(("tools", "queries", "message"), [
+    ({"a": "x"}, 20, "the dataset d has 1 tool; routing needs at least 2"),
+    ({"a": "x", "b": "y"}, 2,
+     "the dataset d has no tool with 3 or more distinct queries: nothing to test on or to put in "
+     "the public probe set"),
+])
+def test_route_latency_refuses_a_dataset_it_cannot_route_before_it_starts_a_database(
+        tools, queries, message, tmp_path, monkeypatch):
+    """route_latency read MetaTool whatever it was given (it had no --dataset), after it had
+    started its database and gunicorn. It now takes --dataset, read first (`read_dataset`), and
+    refuses what `simulate` refuses (`federation_problem`: fewer than two tools, no query to hold
+    out) in one line, before the database."""
+    module = _load("route_latency.py", monkeypatch)
+    monkeypatch.setattr(module, "_setup_django", _must_not_run)
+    folder = _dataset(tmp_path / "d", tools, queries)
+    out = tmp_path / "out.json"
+    with pytest.raises(SystemExit) as stop:
+        module.main(["--dataset", str(folder), "--out", str(out)])
+    assert stop.value.code == f"route_latency: {message}"
+    assert not out.exists()
+
+
+def test_route_latency_times_the_dataset_it_is_given(tmp_path, monkeypatch):
+    """Its catalogues are the --dataset's tools and held-out queries (named after the dataset),
+    and the synthetic one three variants of each of them."""
+    from compendium.registry import load_dataset
+
+    module = _load("route_latency.py", monkeypatch)
+    dataset = load_dataset(_dataset(tmp_path / "d", {"a": "x", "b": "y"}, 10))
+    catalogues = list(module.catalogues(dataset, 0))
+    assert [(name, sorted(t.tool_id for t in tools)) for name, tools, _, _ in catalogues] == [
+        ("d", ["a", "b"]), ("synthetic", ["a.v0", "a.v1", "a.v2", "b.v0", "b.v1", "b.v2"])]
+    held_out = catalogues[0][3]
+    assert held_out and all(q.startswith("request ") for q in held_out)
+    assert {s.tool_id for s in catalogues[0][2].scenarios} == {"a", "b"}
