@@ -9,7 +9,8 @@
   vectors precomputed (the embedding model is not timed). Before, the kept vectors were copied
   for every entry (8,000 requests: 53 s).
 
-Prints one line per size and writes the figures as JSON.
+Prints one line per size and writes the figures as JSON (an --out it could not write is refused
+in one line before anything runs).
 
 Usage: python bench/client_scaling.py [--out bench/results/client_scaling.json]
 """
@@ -28,6 +29,8 @@ import numpy as np
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from _routing_common import check_out  # noqa: E402
+
 from compendium.builder import collapse_near_duplicates  # noqa: E402
 from compendium.masking import TextMasker  # noqa: E402
 
@@ -44,10 +47,11 @@ class Precomputed:
         return v / np.linalg.norm(v, axis=1, keepdims=True)
 
 
-def main() -> int:
+def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--out", default=str(ROOT / "bench" / "results" / "client_scaling.json"))
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
+    check_out(args.out, "client_scaling")
     rng = random.Random(0)
     masker = TextMasker(strength=1.0)
     masker.mask(" ".join(WORDS))  # load the reference vocabulary outside the timing

@@ -6,7 +6,8 @@ into Python and grouped there (what ran before 2026-11-29, re-implemented below)
 The ledger is synthetic: ORGS organizations x ROUNDS published rounds x one release of TOOLS x
 FIELDS statistics each (199 x 4 on MetaTool), every other organization under a field cap of 2. It
 lives in a scratch database made for the run and dropped after it (the one `manage.py simulate`
-uses), never in the federation's own.
+uses), never in the federation's own. An --out it could not write is refused in one line before
+the database is made.
 
     DEBUG=0 SECRET_KEY=bench .venv/bin/python bench/ledger_accounting.py
     ... --orgs 10 --rounds 100 --repeat 5 --out bench/results/ledger_accounting.json
@@ -90,6 +91,9 @@ def fill(orgs, first_round: int, last_round: int, tools: int, fields: int) -> No
 
 def main(argv=None) -> dict:
     args = parse_args(argv)
+    from _routing_common import check_out
+
+    check_out(args.out, "ledger_accounting")
     import django
 
     django.setup()

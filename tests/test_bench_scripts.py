@@ -302,11 +302,15 @@ def test_a_script_writes_its_out_into_a_folder_it_creates(script, tmp_path, monk
 
 @pytest.mark.parametrize(("script", "argv"), [
     ("router_delta.py", []), ("tune_device.py", ["tune", "--dir", "x"]),
+    ("client_scaling.py", []),
+    ("ledger_accounting.py", ["--orgs", "1", "--rounds", "1", "--tools", "2", "--fields", "1",
+                              "--repeat", "1"]),
 ])
 def test_a_script_without_a_dataset_refuses_an_out_folder_first(script, argv, tmp_path,
                                                                monkeypatch):
-    """The same check before a run that reads no --dataset (tune_device tunes on a GPU: the
-    folder failed only at its end)."""
+    """The same check before a run that reads no --dataset (tune_device tunes on a GPU,
+    client_scaling masks and collapses for half a minute, ledger_accounting fills a scratch
+    database: the folder failed only at their end)."""
     module = _load(script, monkeypatch)
     folder = tmp_path / "results"
     folder.mkdir()
