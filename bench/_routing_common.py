@@ -61,10 +61,12 @@ def read_dataset(folder, name: str):
         raise SystemExit(f"{name}: {exc}") from None
 
 
-def load_engine(model: str | None, name: str, flag: str = "--embedding-model"):
+def load_engine(model: str | None, name: str, flag: str = "--embedding-model",
+                takes: str | None = None):
     """`routing.embeddings.get_engine(model)`, or, for a model that cannot be loaded, the script
-    `name` stopped with one line naming the model and what `flag` takes, as `manage.py simulate`
-    reports it (without `model`, the setting's model: the line says what to set)."""
+    `name` stopped with one line naming the model and what `flag` takes (`takes`; default, as
+    `manage.py simulate` reports it, every model name the engine loads), as simulate reports it
+    (without `model`, the setting's model: the line says what to set)."""
     from federation.simulation.runner import MODEL_NAMES, unavailable_model
     from routing.embeddings import EmbeddingModelUnavailable, get_engine
 
@@ -74,7 +76,7 @@ def load_engine(model: str | None, name: str, flag: str = "--embedding-model"):
         if not model:
             raise SystemExit(f"{name}: {exc}") from None
         raise SystemExit(
-            f"{name}: {unavailable_model(model, exc, f'{flag} takes {MODEL_NAMES}')}"
+            f"{name}: {unavailable_model(model, exc, f'{flag} takes {takes or MODEL_NAMES}')}"
         ) from None
 
 

@@ -18,6 +18,10 @@ Two steps, so that the one on the accelerator needs neither Django nor a databas
         [--out FILE]
 
 `--base-model`: a sentence-transformers folder to start from (default: the bundled MiniLM in fp32).
+
+Checked before anything long runs, each in one line: `export`'s --dir (a folder it can write) and
+dataset, `tune`'s --out, --dir (every file `export` wrote there, read), --device and --base-model
+(loaded, as `load_engine` loads an embedding model; not an inference build of MiniLM).
 """
 
 from __future__ import annotations
@@ -32,9 +36,14 @@ import time
 from pathlib import Path
 
 # _routing_common also puts the repository on sys.path.
-from _routing_common import check_out, federation_simulation, print_table, write_json
+from _routing_common import check_out, federation_simulation, load_engine, print_table, write_json
 
 GLOBALS = ("synapse", "centralized")
+DIR_HINT = "give the folder `tune_device.py export --dir` wrote"
+BASE_MODELS = (
+    "a sentence-transformers folder or name (default: the bundled MiniLM in fp32, "
+    "bundled:all-MiniLM-L6-v2)"
+)
 
 
 def export(args) -> int:
@@ -44,6 +53,8 @@ def export(args) -> int:
     django.setup()
     from compendium.canonical import canonical_bytes
 
+    # Before the federation plays: the folder is written at its end.
+    check_out(str(Path(args.dir) / "export.json"), "tune_device", "--dir")
     dataset, simulation = federation_simulation(args, "tune_device", test_limit=args.test_limit)
     setup = simulation.prepare(args.seed)
     outcomes = simulation.play(setup, args.seed)
@@ -65,8 +76,73 @@ def export(args) -> int:
     return 0
 
 
-def _read_jsonl(path: Path) -> list[dict]:
-    return [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
+def _read(folder: str, name: str) -> str:
+    try:
+        return (Path(folder) / name).read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        why = getattr(exc, "strerror", None) or exc
+        raise SystemExit(f"tune_device: --dir {folder}: cannot read {name} ({why})") from None
+
+
+def _requests(folder: str, name: str) -> list[dict]:
+    """The requests of the export's `name` (JSON lines of query, tool_id), or the script stopped
+    with one line naming the line that is not one."""
+    rows = []
+    for number, line in enumerate(_read(folder, name).splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except ValueError as exc:
+            raise SystemExit(
+                f"tune_device: --dir {folder}: {name} line {number} is not JSON "
+                f"({exc.msg} at column {exc.colno})"
+            ) from None
+        if not (isinstance(row, dict) and isinstance(row.get("query"), str)
+                and isinstance(row.get("tool_id"), str)):
+            raise SystemExit(
+                f"tune_device: --dir {folder}: {name} line {number} is not a request with a "
+                "query and a tool_id"
+            )
+        rows.append(row)
+    return rows
+
+
+def read_export(folder: str, globals_: list[str]):
+    """(probe, test, {global: compendium}, export.json) of the folder `export` wrote, every file
+    read, or the script stopped with one line saying what is missing or wrong."""
+    from pydantic import ValidationError
+
+    from compendium.schema import Compendium
+
+    if not Path(folder).exists():
+        raise SystemExit(f"tune_device: --dir {folder}: no such folder; {DIR_HINT}")
+    if not Path(folder).is_dir():
+        raise SystemExit(f"tune_device: --dir {folder} is not a folder; {DIR_HINT}")
+    names = ["probe.jsonl", "test.jsonl", *(f"{which}.json" for which in globals_), "export.json"]
+    missing = [name for name in names if not (Path(folder) / name).is_file()]
+    if missing:
+        raise SystemExit(f"tune_device: --dir {folder} has no {', '.join(missing)}; {DIR_HINT}")
+    probe = [(row["query"], row["tool_id"]) for row in _requests(folder, "probe.jsonl")]
+    test = _requests(folder, "test.jsonl")
+    if not test:
+        raise SystemExit(f"tune_device: --dir {folder}: test.jsonl holds no request")
+    compendiums = {}
+    for which in globals_:
+        try:
+            compendiums[which] = Compendium.model_validate_json(_read(folder, f"{which}.json"))
+        except ValidationError as exc:
+            error = exc.errors()[0]
+            where = ".".join(str(part) for part in error["loc"])
+            raise SystemExit(
+                f"tune_device: --dir {folder}: {which}.json is not a compendium "
+                f"({where + ': ' if where else ''}{error['msg']})"
+            ) from None
+    try:
+        exported = json.loads(_read(folder, "export.json"))
+    except ValueError as exc:
+        raise SystemExit(f"tune_device: --dir {folder}: export.json is not JSON ({exc})") from None
+    return probe, test, compendiums, exported
 
 
 def top1(router, test: list[dict]) -> tuple[float, list[str]]:
@@ -78,16 +154,13 @@ def top1(router, test: list[dict]) -> tuple[float, list[str]]:
 
 def tune(args) -> int:
     check_out(args.out, "tune_device")
+    probe, test, compendiums, exported = read_export(args.dir, args.globals.split(","))
     import torch
 
-    from compendium.schema import Compendium
-    from routing.embeddings import DEFAULT_MODEL, EmbeddingEngine
+    from routing.embeddings import BF16_PREFIX, DEFAULT_MODEL, MINILM_BUILDS, EmbeddingEngine
     from routing.finetune import load_tuned_router, tune_router
     from routing.router import Router, fit_router
 
-    folder = Path(args.dir)
-    probe = [(row["query"], row["tool_id"]) for row in _read_jsonl(folder / "probe.jsonl")]
-    test = _read_jsonl(folder / "test.jsonl")
     device = args.device
     if device.startswith("cuda") and not torch.cuda.is_available():
         raise SystemExit(
@@ -95,6 +168,13 @@ def tune(args) -> int:
             "device (a CPU-only build, or no GPU on this machine); run `tune` where one is, or "
             "give --device cpu"
         )
+    base_model = args.base_model or DEFAULT_MODEL
+    if base_model.startswith(BF16_PREFIX) or base_model in MINILM_BUILDS - {"", DEFAULT_MODEL}:
+        raise SystemExit(
+            f"tune_device: --base-model {base_model!r} is a build of MiniLM to embed with, which "
+            f"fine-tuning cannot start from; --base-model takes {BASE_MODELS}"
+        )
+    load_engine(base_model, "tune_device", "--base-model", takes=BASE_MODELS)
     name = torch.cuda.get_device_name(0) if device.startswith("cuda") else platform.processor() or "cpu"
     environment = {
         "device": device, "device_name": name, "torch": torch.__version__,
@@ -102,9 +182,9 @@ def tune(args) -> int:
     }
     print(f"tune_device: {environment}", file=sys.stderr, flush=True)
     rows = []
-    for which in args.globals.split(","):
-        compendium = Compendium.model_validate_json((folder / f"{which}.json").read_bytes())
-        frozen_engine = EmbeddingEngine(args.base_model or DEFAULT_MODEL)
+    for which, compendium in compendiums.items():
+        # A fresh engine (no vector cached from the previous global): the fit is timed.
+        frozen_engine = EmbeddingEngine(base_model)
         started = time.perf_counter()
         frozen = fit_router(compendium, frozen_engine, probe, fit_limit=1000, fitted_on="probe split")
         frozen_seconds = time.perf_counter() - started
@@ -141,7 +221,6 @@ def tune(args) -> int:
         print_table(rows[-1:], list(rows[-1]))
     print_table(rows, ["global", "device", "fine_tune_seconds", "tune_seconds", "frozen_accuracy", "tuned_accuracy",
                        "gain_points", "reloaded_same_choices"])
-    exported = json.loads((folder / "export.json").read_text())
     write_json(args.out, {
         "command": "python bench/tune_device.py " + " ".join(sys.argv[1:]),
         "export": exported, "environment": environment, "test": len(test), "rows": rows,
@@ -164,7 +243,7 @@ def main(argv: list[str] | None = None) -> int:
     tu = steps.add_parser("tune", help="tune the router on each saved global on --device")
     tu.add_argument("--dir", required=True)
     tu.add_argument("--device", default="cuda", help="a torch device: cuda, cuda:1, cpu")
-    tu.add_argument("--base-model", default=None, help="sentence-transformers folder (default: bundled MiniLM)")
+    tu.add_argument("--base-model", default=None, help=BASE_MODELS)
     tu.add_argument("--epochs", type=int, default=1)
     tu.add_argument("--seed", type=int, default=0)
     tu.add_argument("--globals", default=",".join(GLOBALS))

@@ -360,3 +360,101 @@ def test_route_latency_times_the_dataset_it_is_given(tmp_path, monkeypatch):
     held_out = catalogues[0][3]
     assert held_out and all(q.startswith("request ") for q in held_out)
     assert {s.tool_id for s in catalogues[0][2].scenarios} == {"a", "b"}
+
+
+def _exported(folder):
+    """A folder as `tune_device.py export` writes it, tiny: two globals, probe, test."""
+    import json
+
+    from compendium.schema import Compendium, Scenario
+
+    folder.mkdir()
+    compendium = Compendium(scenarios=[Scenario(tool_id=t, text=f"{t} request") for t in "ab"])
+    for which in ("synapse", "centralized"):
+        (folder / f"{which}.json").write_text(compendium.model_dump_json())
+    for name in ("probe", "test"):
+        (folder / f"{name}.jsonl").write_text("".join(
+            json.dumps({"query": f"{name} {n} for {t}", "tool_id": t, "category": t}) + "\n"
+            for t in "ab" for n in range(2)))
+    (folder / "export.json").write_text(json.dumps({"dataset": "d", "seed": 0}))
+    return folder
+
+
+TUNE_DIR_HINT = "give the folder `tune_device.py export --dir` wrote"
+
+
+@pytest.mark.parametrize(("kind", "flags", "why"), [
+    ("missing", [], ": no such folder; " + TUNE_DIR_HINT),
+    ("a file", [], f" is not a folder; {TUNE_DIR_HINT}"),
+    ("empty", [], " has no probe.jsonl, test.jsonl, synapse.json, centralized.json, export.json; "
+                  + TUNE_DIR_HINT),
+    ("exported", ["--globals", "synapse,central"], f" has no central.json; {TUNE_DIR_HINT}"),
+    ("not JSON", [], ": probe.jsonl line 2 is not JSON (Expecting ',' delimiter at column 15)"),
+    ("no tool", [], ": test.jsonl line 1 is not a request with a query and a tool_id"),
+    ("no test", [], ": test.jsonl holds no request"),
+    ("not a compendium", [], ": synapse.json is not a compendium (scenarios.0.tool_id: Field "
+                             "required)"),
+])
+def test_tune_device_refuses_a_dir_export_did_not_write_before_it_tunes(
+        kind, flags, why, tmp_path, monkeypatch):
+    """`tune` read --dir only as it went: a missing folder, or one without the export's files,
+    ended in a traceback (FileNotFoundError), a --globals the export did not save after the first
+    global had been tuned. Now every file is read first, and what is wrong is one line."""
+    module = _load("tune_device.py", monkeypatch)
+    folder = tmp_path / "exported"
+    if kind == "a file":
+        folder.write_text("")
+    elif kind == "empty":
+        folder.mkdir()
+    elif kind != "missing":
+        _exported(folder)
+    if kind == "not JSON":
+        (folder / "probe.jsonl").write_text('{"query": "x", "tool_id": "a"}\n{"query": "y" "a"}\n')
+    if kind == "no tool":
+        (folder / "test.jsonl").write_text('{"query": "x"}\n')
+    if kind == "no test":
+        (folder / "test.jsonl").write_text("\n")
+    if kind == "not a compendium":
+        (folder / "synapse.json").write_text('{"scenarios": [{"text": "x"}]}')
+    monkeypatch.setattr("routing.finetune.tune_router", _must_not_run)
+    out = tmp_path / "out.json"
+    with pytest.raises(SystemExit) as stop:
+        module.main(["tune", "--dir", str(folder), "--device", "cpu", "--out", str(out), *flags])
+    assert stop.value.code == f"tune_device: --dir {folder}{why}"
+    assert not out.exists()
+
+
+@pytest.mark.parametrize("model", ["missing", "onnx-int8:all-MiniLM-L6-v2", "bf16:all-MiniLM-L6-v2"])
+def test_tune_device_refuses_a_base_model_it_cannot_tune_before_it_tunes(model, tmp_path,
+                                                                         monkeypatch):
+    """A --base-model that does not exist failed as a traceback (EmbeddingModelUnavailable) when
+    the frozen router was built; an inference build of MiniLM (ONNX, bfloat16) loaded for the
+    frozen router and failed in the fine-tuning. Now one line first, as `load_engine` reports a
+    model that cannot load, naming the model and what --base-model takes."""
+    module = _load("tune_device.py", monkeypatch)
+    folder = _exported(tmp_path / "exported")
+    name = str(tmp_path / "no-such-model") if model == "missing" else model
+    out = tmp_path / "out.json"
+    with pytest.raises(SystemExit) as stop:
+        module.main(["tune", "--dir", str(folder), "--device", "cpu", "--base-model", name,
+                     "--out", str(out)])
+    line = stop.value.code
+    assert isinstance(line, str) and "\n" not in line, line
+    assert line.startswith("tune_device: ") and repr(name) in line, line
+    assert line.endswith(f"; --base-model takes {module.BASE_MODELS}"), line
+    assert not out.exists()
+
+
+def test_tune_device_export_refuses_a_dir_it_could_not_write_before_the_federation(
+        tmp_path, monkeypatch):
+    """`export` made --dir after the whole federation had played: a --dir under a file failed
+    there with a traceback. Now refused first (`check_out` on the file it writes there)."""
+    module = _load("tune_device.py", monkeypatch)
+    folder = _dataset(tmp_path / "d", {"a": "x", "b": "y"}, 20)
+    (tmp_path / "a-file").write_text("")
+    target = tmp_path / "a-file"
+    with pytest.raises(SystemExit) as stop:
+        module.main(["export", "--dataset", str(folder), "--dir", str(target),
+                     "--embedding-model", "no-such-model-xyz"])
+    assert stop.value.code == (f"tune_device: --dir {target / 'export.json'}: {target} is a "
+                               "file, not a folder")
