@@ -165,6 +165,31 @@ def start_gunicorn(port: int, data_dir: Path, workers: int) -> subprocess.Popen:
     raise SystemExit("gunicorn did not answer /healthz within 120 s")
 
 
+def warm_up(http, url: str, reranker: str, round_number: int, workers: int,
+            within_s: float = 120.0) -> None:
+    """Route until the server answers from `round_number`'s global, 4 answers a worker in a row:
+    each worker goes on with the global it serves until its cached version expires
+    (SYNAPSE_ROUTING_VERSION_TTL) and builds its router once. Stops the script with one line
+    when the server still answers from another round `within_s` seconds on."""
+    deadline = time.monotonic() + within_s
+    in_a_row, sent = 0, 0
+    while in_a_row < 4 * workers:
+        r = http.post(f"{url}/route/", json={"query": f"warm up {sent}", "reranker": reranker})
+        sent += 1
+        r.raise_for_status()
+        served = r.json()["compendium_round"]
+        if served == round_number:
+            in_a_row += 1
+            continue
+        in_a_row = 0
+        if time.monotonic() > deadline:
+            raise SystemExit(
+                f"route_latency: the server still routes with round {served}'s global "
+                f"{within_s:.0f} s after round {round_number} was published"
+            )
+        time.sleep(0.1)
+
+
 def time_admit(requests: int) -> dict:
     """What the rate limit adds to a routing request: `routing.services.admit` as the API calls it
     (one upsert of the caller's counter for the minute, in the bench's database), under the limit
@@ -255,11 +280,8 @@ def main(argv=None) -> int:
                         timings.append((time.perf_counter() - started) * 1000)
                     rows.append({**common, "target": "router_function_embedding_cached",
                                  "reranker": reranker, "requests": len(queries), **percentiles(timings)})
-                    # Warm both workers on this version (each builds its router once).
-                    for i in range(4 * args.workers):
-                        r = http.post(f"{url}/route/", json={"query": f"warm up {i}", "reranker": reranker})
-                        r.raise_for_status()
-                        assert r.json()["compendium_round"] == round_number
+                    # Warm the workers on this version (each builds its router once).
+                    warm_up(http, url, reranker, round_number, args.workers)
                     timings = []
                     for i, q in enumerate(queries):
                         body = {"query": f"{q} ({reranker} {i})", "reranker": reranker}

@@ -458,3 +458,42 @@ def test_tune_device_export_refuses_a_dir_it_could_not_write_before_the_federati
                      "--embedding-model", "no-such-model-xyz"])
     assert stop.value.code == (f"tune_device: --dir {target / 'export.json'}: {target} is a "
                                "file, not a folder")
+
+
+@pytest.mark.slow
+@pytest.mark.django_db(transaction=True)
+def test_route_latency_warms_up_on_the_round_it_just_published(tmp_path, monkeypatch, settings,
+                                                               live_server):
+    """Its API warm-up asserted that the first answers after a publication came from the new
+    round; a server goes on with the global it serves until its cached version expires
+    (SYNAPSE_ROUTING_VERSION_TTL, 2 s), so a run that reached the API quickly (a small --dataset,
+    few --queries) stopped there on a bare AssertionError. The warm-up now routes until the
+    server answers from the round just published."""
+    import httpx
+
+    from compendium.registry import load_dataset
+    from routing import services
+    from routing.embeddings import get_engine
+    from routing.models import RoutingToken
+
+    settings.DATA_DIR = tmp_path / "server"
+    settings.SYNAPSE_ROUTER_TUNE_EPOCHS = 0
+    settings.SYNAPSE_ROUTE_RATE_LIMIT = 0
+    services.forget_published_version()
+    services.forget_served()
+    module = _load("route_latency.py", monkeypatch)
+    dataset = load_dataset(_dataset(tmp_path / "d", {"a": "x", "b": "y"}, 10))
+    _, token = RoutingToken.issue("route-latency-test")
+    url = f"{live_server.url}/api/v1"
+    try:
+        with httpx.Client(timeout=120, headers={"Authorization": f"Bearer {token}"}) as http:
+            for _, tools, compendium, _ in module.catalogues(dataset, 0):
+                vectors = get_engine().embed([s.text for s in compendium.scenarios])
+                number = module.publish(tools, compendium, vectors, None)
+                module.warm_up(http, url, "none", number, workers=1)
+                answer = http.post(f"{url}/route/", json={"query": "request 1 for a"}).json()
+                assert answer["compendium_round"] == number
+        assert number == 2
+    finally:
+        services.forget_published_version()
+        services.forget_served()
