@@ -52,7 +52,7 @@ from pydantic import ValidationError
 
 from compendium import transport
 from compendium.canonical import canonical_form, canonical_positions
-from compendium.masking import TextMasker
+from compendium.masking import TextMasker, expected_mask_strength
 from compendium.schema import Compendium, Schema
 from compendium.scrub import masking_residue, submission_rules
 from compendium.validation import Violation, reindex_paths, validation_summary
@@ -217,21 +217,19 @@ def round_config(round_info: dict[str, Any]) -> dict[str, Any]:
     return config if isinstance(config, dict) else {}
 
 
-def round_mask_strength(round_info: dict[str, Any]) -> float | None:
-    """The masking strength λ the round expects clients to mask with (its configuration's
-    `mask_strength`); None when it names none, or a value that is no masking strength (not a
-    finite number >= 0: participate would mask at it, which masking refuses)."""
-    expected = round_config(round_info).get("mask_strength")
-    if isinstance(expected, bool) or not isinstance(expected, int | float):
-        return None
-    return float(expected) if math.isfinite(expected) and expected >= 0 else None
+def round_mask_strength(round_info: dict[str, Any]) -> float:
+    """The masking strength λ the round expects clients to mask with, read from its
+    configuration's `mask_strength` as the server reads it (`expected_mask_strength`): a
+    configuration that names none, or a value that is no masking strength (not a finite number
+    >= 0), expects the default λ, at which the server checks the text it receives."""
+    return expected_mask_strength(round_config(round_info).get("mask_strength"))
 
 
 def weaker_masking(round_info: dict[str, Any], applied: float | None) -> str | None:
     """What is wrong when text masked at λ = `applied` (None: no masking recorded) goes to the
     round, which expects at least its mask_strength; None when nothing is."""
     expected = round_mask_strength(round_info)
-    if expected is None or expected <= 0 or (applied is not None and applied >= expected):
+    if expected <= 0 or (applied is not None and applied >= expected):
         return None
     return f"round {round_info['number']} expects masking strength λ >= {expected:g}"
 
@@ -662,8 +660,8 @@ class SynapseClient:
         """The masking checks of `submit` against the open round `round_info`: the λ the
         compendium records against the round's (MaskedTooWeakly, unless `allow_weaker_masking`),
         then what the server checks on arrival, masking's residue at the round's λ with the
-        registry in force protected (TextNotMasked). A round at λ = 0, or one that names no λ,
-        takes text as it comes."""
+        registry in force protected (TextNotMasked). A round at λ = 0 takes text as it comes;
+        one that names no λ expects the default, as the server does."""
         applied = compendium.masking.strength if compendium.masking is not None else None
         expected = round_mask_strength(round_info)
         problem = weaker_masking(round_info, applied)

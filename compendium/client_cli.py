@@ -877,7 +877,7 @@ def cmd_status(args: argparse.Namespace) -> int:
     latest published global. Exit status 0; 3 with --require-submitted when this client's part
     of the open round is not done (for a scheduler to act on): it has no submission in effect,
     and participate did not record in --dir that it had nothing new to send in the round."""
-    from compendium.client_api import had_nothing_new, round_config, sent_file
+    from compendium.client_api import had_nothing_new, round_config, round_mask_strength, sent_file
 
     with _client(args) as client:
         open_rounds = client.rounds("open")
@@ -889,11 +889,9 @@ def cmd_status(args: argparse.Namespace) -> int:
         print("no round is open: nothing to submit to now")
     else:
         config = round_config(current)
-        terms = [
-            f"{label} {config[key]:g}"
-            for key, label in (("epsilon", "ε ="), ("mask_strength", "masking λ ≥"))
-            if isinstance(config.get(key), int | float)
-        ]
+        terms = [f"ε = {config['epsilon']:g}"] if isinstance(config.get("epsilon"), int | float) else []
+        # the λ the server checks the round's text at, named by its configuration or not
+        terms.append(f"masking λ ≥ {round_mask_strength(current):g}")
         if config:
             cap = round_field_cap(current)
             terms.append("no field cap" if cap is None else f"field cap F* = {cap}")
@@ -1030,10 +1028,7 @@ def cmd_participate(args: argparse.Namespace) -> int:
             global_round = max((r["number"] for r in published), default=None)
     for warning in pulled.warnings if pulled else ():
         print(f"{PROG}: warning: {warning}", file=sys.stderr)
-    expected = round_mask_strength(current)
-    strength = args.strength
-    if strength is None:
-        strength = expected if expected is not None else 1.0
+    strength = round_mask_strength(current) if args.strength is None else args.strength
     since = str(global_path) if pulled else None  # what the body is compressed against
     # the build leaves out what this one covers; that takes the embedding model, so without it
     # (--no-collapse) everything is built, as before any global (the body is still dcz against it)
@@ -1379,7 +1374,8 @@ def build_parser() -> argparse.ArgumentParser:
     )
     _add_build_options(
         participate, lambda_default=None,
-        lambda_help="masking strength λ >= 0 (default: the open round's expected λ, else 1.0)",
+        lambda_help="masking strength λ >= 0 (default: the λ the open round expects, which is 1.0 "
+        "when its configuration names none, as the server checks it)",
         field_cap_help="F*: at most this many tools per user feed the numeric statistics "
         "(default: the open round's field_cap; a larger one is refused, a smaller one is stricter)",
     )

@@ -65,6 +65,8 @@ SCHEMA = Schema(
 class ServerState:
     round_number: int | None = 4
     field_cap: int | None = None  # the open round's F* (config.field_cap)
+    # the open round's config.mask_strength; None: its configuration names none (written by hand)
+    mask_strength: float | None = 1.0
     not_released: list[str] = field(default_factory=list)  # the open round's fields_not_released
     drop_next_posts: int = 0  # store, then close the connection without an answer
     fail_next_posts: int = 0  # answer fail_status before doing anything
@@ -123,10 +125,12 @@ def make_handler(state: ServerState):
                 state_filter = parse_qs(url.query).get("state", [""])[0]
                 results = []
                 if state.round_number is not None and state_filter in ("", "open"):
+                    config = {"tau": 0.85, "mask_strength": state.mask_strength,
+                              "field_cap": state.field_cap}
+                    if state.mask_strength is None:
+                        del config["mask_strength"]
                     results = [{"id": 10 + state.round_number, "number": state.round_number,
-                                "state": "open",
-                                "config": {"tau": 0.85, "mask_strength": 1.0,
-                                           "field_cap": state.field_cap},
+                                "state": "open", "config": config,
                                 "fields_not_released": state.not_released}]
                 return self._send(200, {"count": len(results), "next": None, "previous": None,
                                         "results": results})
@@ -1026,6 +1030,25 @@ def test_the_python_api_checks_what_must_not_leave_the_client_before_sending(
     assert f"{where}: {holds}" in message and "nothing sent" in message
     for raw in ("John", "555", "acme"):
         assert raw not in message
+
+
+def test_a_round_whose_config_names_no_lambda_expects_the_servers_default(server):
+    """A round configured without mask_strength is checked by the server at λ = 1 (RoundConfig's
+    default); SynapseClient.submit read no λ and checked nothing, so text the server refuses
+    went out, and so did a compendium that records no masking at all. It applies the same
+    default now: those are refused before sending, masked text goes."""
+    url, state = server
+    state.mask_strength = None
+    with SynapseClient(url, TOKEN, backoff=0) as client:
+        with pytest.raises(TextNotMasked) as refused:
+            client.submit(compendium(RAW_SCENARIO))
+        assert refused.value.strength == 1.0
+        assert "not masked at λ = 1: holds 1 e-mail address" in refused.value.violations[0].reason
+        with pytest.raises(MaskedTooWeakly, match="round 4 expects masking strength λ >= 1"):
+            client.submit(compendium().model_copy(update={"masking": None}))
+        assert state.post_requests == 0
+        assert client.submit(compendium()).status == 201
+    assert state.created == 1
 
 
 def test_participate_leaves_out_a_field_the_round_will_not_release_that_the_schema_dropped(
