@@ -234,6 +234,18 @@ def weaker_masking(round_info: dict[str, Any], applied: float | None) -> str | N
     return f"round {round_info['number']} expects masking strength λ >= {expected:g}"
 
 
+def http_date(value: str | None) -> dt.datetime | None:
+    """An HTTP-date (RFC 9110, as a Date or Retry-After header gives it: "Wed, 21 Oct 2015
+    07:28:00 GMT") as an aware time; None when `value` is none or not one."""
+    try:
+        when = parsedate_to_datetime((value or "").strip())
+    except (ValueError, TypeError, IndexError, OverflowError):
+        return None
+    if when.tzinfo is None:  # "-0000": the date is in UTC, its zone not said
+        when = when.replace(tzinfo=dt.UTC)
+    return when
+
+
 def retry_after_seconds(value: str, now: dt.datetime | None = None) -> float | None:
     """The seconds a Retry-After header asks to wait (RFC 9110: delay-seconds, or an HTTP-date
     such as "Wed, 21 Oct 2015 07:28:00 GMT", counted from `now`: this machine's clock), not
@@ -245,12 +257,9 @@ def retry_after_seconds(value: str, now: dt.datetime | None = None) -> float | N
         pass
     else:
         return None if math.isnan(seconds) else seconds
-    try:
-        when = parsedate_to_datetime(value)
-    except (ValueError, TypeError, IndexError, OverflowError):
+    when = http_date(value)
+    if when is None:
         return None
-    if when.tzinfo is None:  # "-0000": the date is in UTC, its zone not said
-        when = when.replace(tzinfo=dt.UTC)
     return (when - (now or dt.datetime.now(dt.UTC))).total_seconds()
 
 
@@ -259,22 +268,29 @@ def retry_after_seconds(value: str, now: dt.datetime | None = None) -> float | N
 NO_ROUND_FOR_SUBMISSION = "the server has no round open for this submission"
 
 
-def deadline_passed(round_info: dict[str, Any], now: dt.datetime | None = None) -> str | None:
+# What a judgement of a deadline by this machine's clock adds to its words
+BY_THIS_CLOCK = "judged by this machine's clock: the server's answer carried no usable Date header"
+
+
+def deadline_passed(round_info: dict[str, Any], server_date: dt.datetime | None) -> str | None:
     """The server's refusal of a submission to the open round `round_info` (as the rounds
     endpoint gives it) once its deadline (`closes_at`) has passed, in the server's words (the
     round takes no more submissions and closes at the server's next check); None while it takes
-    them (no deadline, one to come, or one that does not parse). Judged by this machine's clock,
-    as `status` judges it."""
+    them (no deadline, one to come, or one that does not parse). Judged by the server's clock,
+    which decides: `server_date`, the Date of its answer that gave `round_info`
+    (`SynapseClient.server_date`); by this machine's clock only when that is None (no usable
+    Date header), and then the words say so."""
     stamp = round_info.get("closes_at")
     try:
         closes_at = dt.datetime.fromisoformat(stamp).astimezone(dt.UTC) if stamp else None
     except (TypeError, ValueError):
         return None
-    if closes_at is None or closes_at > (now or dt.datetime.now(dt.UTC)):
+    if closes_at is None or closes_at > (server_date or dt.datetime.now(dt.UTC)):
         return None
     return (
         f"round {round_info['number']} stopped taking submissions at its deadline "
         f"({closes_at.isoformat()}); it closes shortly"
+        + ("" if server_date is not None else f" ({BY_THIS_CLOCK})")
     )
 
 
@@ -430,6 +446,9 @@ class SynapseClient:
             },
         )
         self.attempts = 0
+        # When the server sent its latest answer, by its Date header (its own clock, which
+        # decides whether a deadline has passed); None: no answer yet, or no usable Date.
+        self.server_date: dt.datetime | None = None
 
     def close(self) -> None:
         self._http.close()
@@ -462,6 +481,7 @@ class SynapseClient:
             except httpx.RequestError as exc:  # network, or a body that does not decode (a proxy)
                 last = f"{exc.__class__.__name__}: {exc}" if str(exc) else exc.__class__.__name__
             else:
+                self.server_date = http_date(response.headers.get("Date"))
                 if response.status_code < 500 and response.status_code != 429:
                     return response
                 last = f"HTTP {response.status_code}: {_detail(response)}"

@@ -867,9 +867,10 @@ def _when(stamp: object) -> str:
     return when.strftime("%Y-%m-%d %H:%M UTC") if when else str(stamp)
 
 
-def _past(stamp: object) -> bool:
+def _past(stamp: object, now: datetime | None = None) -> bool:
+    """Whether the server time `stamp` has passed by `now` (None: this machine's clock)."""
     when = _server_time(stamp)
-    return when is not None and when <= datetime.now(UTC)
+    return when is not None and when <= (now or datetime.now(UTC))
 
 
 def cmd_status(args: argparse.Namespace) -> int:
@@ -877,10 +878,17 @@ def cmd_status(args: argparse.Namespace) -> int:
     latest published global. Exit status 0; 3 with --require-submitted when this client's part
     of the open round is not done (for a scheduler to act on): it has no submission in effect,
     and participate did not record in --dir that it had nothing new to send in the round."""
-    from compendium.client_api import had_nothing_new, round_config, round_mask_strength, sent_file
+    from compendium.client_api import (
+        BY_THIS_CLOCK,
+        had_nothing_new,
+        round_config,
+        round_mask_strength,
+        sent_file,
+    )
 
     with _client(args) as client:
         open_rounds = client.rounds("open")
+        server_date = client.server_date  # the server's clock judges the deadline
         published = client.rounds("published")
         current = max(open_rounds, key=lambda r: r["number"]) if open_rounds else None
         mine = client.submissions(current["number"]) if current else []
@@ -898,10 +906,11 @@ def cmd_status(args: argparse.Namespace) -> int:
         extra = f"; {', '.join(terms)}" if terms else ""
         print(f"round {current['number']} is open (opened {_when(current.get('opened_at'))}{extra})")
         if current.get("closes_at"):
-            if _past(current["closes_at"]):
+            if _past(current["closes_at"], server_date):
                 print(
                     f"  its deadline {_when(current['closes_at'])} has passed: it takes no more "
                     "submissions and closes at the server's next check"
+                    + (f" ({BY_THIS_CLOCK})" if server_date is None else "")
                 )
             else:
                 print(f"  it takes submissions until {_when(current['closes_at'])}, then closes")
@@ -988,7 +997,7 @@ def cmd_participate(args: argparse.Namespace) -> int:
     probe_path, out = folder / "probe.json", folder / "compendium.json"
     with _client(args) as client:
         current = client.open_round()  # no open round: one clear error, nothing built
-        late = deadline_passed(current)
+        late = deadline_passed(current, client.server_date)  # by the server's clock
         if late:  # the server would refuse the submission with these words, after the build
             raise CliError(f"{NO_ROUND_FOR_SUBMISSION}: {late}")
         required = round_field_cap(current, "nothing built or sent")
