@@ -52,7 +52,7 @@ from pydantic import ValidationError
 
 from compendium import transport
 from compendium.canonical import canonical_form, canonical_positions
-from compendium.masking import TextMasker
+from compendium.masking import TextMasker, expected_mask_strength
 from compendium.schema import Compendium, Schema
 from compendium.scrub import masking_residue, submission_rules
 from compendium.validation import Violation, reindex_paths, validation_summary
@@ -217,23 +217,33 @@ def round_config(round_info: dict[str, Any]) -> dict[str, Any]:
     return config if isinstance(config, dict) else {}
 
 
-def round_mask_strength(round_info: dict[str, Any]) -> float | None:
-    """The masking strength λ the round expects clients to mask with (its configuration's
-    `mask_strength`); None when it names none, or a value that is no masking strength (not a
-    finite number >= 0: participate would mask at it, which masking refuses)."""
-    expected = round_config(round_info).get("mask_strength")
-    if isinstance(expected, bool) or not isinstance(expected, int | float):
-        return None
-    return float(expected) if math.isfinite(expected) and expected >= 0 else None
+def round_mask_strength(round_info: dict[str, Any]) -> float:
+    """The masking strength λ the round expects clients to mask with, read from its
+    configuration's `mask_strength` as the server reads it (`expected_mask_strength`): a
+    configuration that names none, or a value that is no masking strength (not a finite number
+    >= 0), expects the default λ, at which the server checks the text it receives."""
+    return expected_mask_strength(round_config(round_info).get("mask_strength"))
 
 
 def weaker_masking(round_info: dict[str, Any], applied: float | None) -> str | None:
     """What is wrong when text masked at λ = `applied` (None: no masking recorded) goes to the
     round, which expects at least its mask_strength; None when nothing is."""
     expected = round_mask_strength(round_info)
-    if expected is None or expected <= 0 or (applied is not None and applied >= expected):
+    if expected <= 0 or (applied is not None and applied >= expected):
         return None
     return f"round {round_info['number']} expects masking strength λ >= {expected:g}"
+
+
+def http_date(value: str | None) -> dt.datetime | None:
+    """An HTTP-date (RFC 9110, as a Date or Retry-After header gives it: "Wed, 21 Oct 2015
+    07:28:00 GMT") as an aware time; None when `value` is none or not one."""
+    try:
+        when = parsedate_to_datetime((value or "").strip())
+    except (ValueError, TypeError, IndexError, OverflowError):
+        return None
+    if when.tzinfo is None:  # "-0000": the date is in UTC, its zone not said
+        when = when.replace(tzinfo=dt.UTC)
+    return when
 
 
 def retry_after_seconds(value: str, now: dt.datetime | None = None) -> float | None:
@@ -247,12 +257,9 @@ def retry_after_seconds(value: str, now: dt.datetime | None = None) -> float | N
         pass
     else:
         return None if math.isnan(seconds) else seconds
-    try:
-        when = parsedate_to_datetime(value)
-    except (ValueError, TypeError, IndexError, OverflowError):
+    when = http_date(value)
+    if when is None:
         return None
-    if when.tzinfo is None:  # "-0000": the date is in UTC, its zone not said
-        when = when.replace(tzinfo=dt.UTC)
     return (when - (now or dt.datetime.now(dt.UTC))).total_seconds()
 
 
@@ -261,22 +268,29 @@ def retry_after_seconds(value: str, now: dt.datetime | None = None) -> float | N
 NO_ROUND_FOR_SUBMISSION = "the server has no round open for this submission"
 
 
-def deadline_passed(round_info: dict[str, Any], now: dt.datetime | None = None) -> str | None:
+# What a judgement of a deadline by this machine's clock adds to its words
+BY_THIS_CLOCK = "judged by this machine's clock: the server's answer carried no usable Date header"
+
+
+def deadline_passed(round_info: dict[str, Any], server_date: dt.datetime | None) -> str | None:
     """The server's refusal of a submission to the open round `round_info` (as the rounds
     endpoint gives it) once its deadline (`closes_at`) has passed, in the server's words (the
     round takes no more submissions and closes at the server's next check); None while it takes
-    them (no deadline, one to come, or one that does not parse). Judged by this machine's clock,
-    as `status` judges it."""
+    them (no deadline, one to come, or one that does not parse). Judged by the server's clock,
+    which decides: `server_date`, the Date of its answer that gave `round_info`
+    (`SynapseClient.server_date`); by this machine's clock only when that is None (no usable
+    Date header), and then the words say so."""
     stamp = round_info.get("closes_at")
     try:
         closes_at = dt.datetime.fromisoformat(stamp).astimezone(dt.UTC) if stamp else None
     except (TypeError, ValueError):
         return None
-    if closes_at is None or closes_at > (now or dt.datetime.now(dt.UTC)):
+    if closes_at is None or closes_at > (server_date or dt.datetime.now(dt.UTC)):
         return None
     return (
         f"round {round_info['number']} stopped taking submissions at its deadline "
         f"({closes_at.isoformat()}); it closes shortly"
+        + ("" if server_date is not None else f" ({BY_THIS_CLOCK})")
     )
 
 
@@ -432,6 +446,9 @@ class SynapseClient:
             },
         )
         self.attempts = 0
+        # When the server sent its latest answer, by its Date header (its own clock, which
+        # decides whether a deadline has passed); None: no answer yet, or no usable Date.
+        self.server_date: dt.datetime | None = None
 
     def close(self) -> None:
         self._http.close()
@@ -464,6 +481,7 @@ class SynapseClient:
             except httpx.RequestError as exc:  # network, or a body that does not decode (a proxy)
                 last = f"{exc.__class__.__name__}: {exc}" if str(exc) else exc.__class__.__name__
             else:
+                self.server_date = http_date(response.headers.get("Date"))
                 if response.status_code < 500 and response.status_code != 429:
                     return response
                 last = f"HTTP {response.status_code}: {_detail(response)}"
@@ -662,8 +680,8 @@ class SynapseClient:
         """The masking checks of `submit` against the open round `round_info`: the λ the
         compendium records against the round's (MaskedTooWeakly, unless `allow_weaker_masking`),
         then what the server checks on arrival, masking's residue at the round's λ with the
-        registry in force protected (TextNotMasked). A round at λ = 0, or one that names no λ,
-        takes text as it comes."""
+        registry in force protected (TextNotMasked). A round at λ = 0 takes text as it comes;
+        one that names no λ expects the default, as the server does."""
         applied = compendium.masking.strength if compendium.masking is not None else None
         expected = round_mask_strength(round_info)
         problem = weaker_masking(round_info, applied)

@@ -867,9 +867,10 @@ def _when(stamp: object) -> str:
     return when.strftime("%Y-%m-%d %H:%M UTC") if when else str(stamp)
 
 
-def _past(stamp: object) -> bool:
+def _past(stamp: object, now: datetime | None = None) -> bool:
+    """Whether the server time `stamp` has passed by `now` (None: this machine's clock)."""
     when = _server_time(stamp)
-    return when is not None and when <= datetime.now(UTC)
+    return when is not None and when <= (now or datetime.now(UTC))
 
 
 def cmd_status(args: argparse.Namespace) -> int:
@@ -877,10 +878,17 @@ def cmd_status(args: argparse.Namespace) -> int:
     latest published global. Exit status 0; 3 with --require-submitted when this client's part
     of the open round is not done (for a scheduler to act on): it has no submission in effect,
     and participate did not record in --dir that it had nothing new to send in the round."""
-    from compendium.client_api import had_nothing_new, round_config, sent_file
+    from compendium.client_api import (
+        BY_THIS_CLOCK,
+        had_nothing_new,
+        round_config,
+        round_mask_strength,
+        sent_file,
+    )
 
     with _client(args) as client:
         open_rounds = client.rounds("open")
+        server_date = client.server_date  # the server's clock judges the deadline
         published = client.rounds("published")
         current = max(open_rounds, key=lambda r: r["number"]) if open_rounds else None
         mine = client.submissions(current["number"]) if current else []
@@ -889,21 +897,20 @@ def cmd_status(args: argparse.Namespace) -> int:
         print("no round is open: nothing to submit to now")
     else:
         config = round_config(current)
-        terms = [
-            f"{label} {config[key]:g}"
-            for key, label in (("epsilon", "ε ="), ("mask_strength", "masking λ ≥"))
-            if isinstance(config.get(key), int | float)
-        ]
+        terms = [f"ε = {config['epsilon']:g}"] if isinstance(config.get("epsilon"), int | float) else []
+        # the λ the server checks the round's text at, named by its configuration or not
+        terms.append(f"masking λ ≥ {round_mask_strength(current):g}")
         if config:
             cap = round_field_cap(current)
             terms.append("no field cap" if cap is None else f"field cap F* = {cap}")
         extra = f"; {', '.join(terms)}" if terms else ""
         print(f"round {current['number']} is open (opened {_when(current.get('opened_at'))}{extra})")
         if current.get("closes_at"):
-            if _past(current["closes_at"]):
+            if _past(current["closes_at"], server_date):
                 print(
                     f"  its deadline {_when(current['closes_at'])} has passed: it takes no more "
                     "submissions and closes at the server's next check"
+                    + (f" ({BY_THIS_CLOCK})" if server_date is None else "")
                 )
             else:
                 print(f"  it takes submissions until {_when(current['closes_at'])}, then closes")
@@ -990,7 +997,7 @@ def cmd_participate(args: argparse.Namespace) -> int:
     probe_path, out = folder / "probe.json", folder / "compendium.json"
     with _client(args) as client:
         current = client.open_round()  # no open round: one clear error, nothing built
-        late = deadline_passed(current)
+        late = deadline_passed(current, client.server_date)  # by the server's clock
         if late:  # the server would refuse the submission with these words, after the build
             raise CliError(f"{NO_ROUND_FOR_SUBMISSION}: {late}")
         required = round_field_cap(current, "nothing built or sent")
@@ -1030,10 +1037,7 @@ def cmd_participate(args: argparse.Namespace) -> int:
             global_round = max((r["number"] for r in published), default=None)
     for warning in pulled.warnings if pulled else ():
         print(f"{PROG}: warning: {warning}", file=sys.stderr)
-    expected = round_mask_strength(current)
-    strength = args.strength
-    if strength is None:
-        strength = expected if expected is not None else 1.0
+    strength = round_mask_strength(current) if args.strength is None else args.strength
     since = str(global_path) if pulled else None  # what the body is compressed against
     # the build leaves out what this one covers; that takes the embedding model, so without it
     # (--no-collapse) everything is built, as before any global (the body is still dcz against it)
@@ -1379,7 +1383,8 @@ def build_parser() -> argparse.ArgumentParser:
     )
     _add_build_options(
         participate, lambda_default=None,
-        lambda_help="masking strength λ >= 0 (default: the open round's expected λ, else 1.0)",
+        lambda_help="masking strength λ >= 0 (default: the λ the open round expects, which is 1.0 "
+        "when its configuration names none, as the server checks it)",
         field_cap_help="F*: at most this many tools per user feed the numeric statistics "
         "(default: the open round's field_cap; a larger one is refused, a smaller one is stricter)",
     )

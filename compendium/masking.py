@@ -309,6 +309,23 @@ def without_placeholders(text: str) -> str:
     return stripped or text
 
 
+# The λ a round expects when its configuration names none: RoundConfig's default, which every
+# round opened through the API, the dashboard or a command records; only a configuration written
+# by hand lacks it.
+DEFAULT_MASK_STRENGTH = 1.0
+
+
+def expected_mask_strength(value: object) -> float:
+    """The λ a round expects, from its configuration's `mask_strength` as stored (a JSON value):
+    a finite number >= 0 as it is; anything else (absent or null, negative, not a number) names
+    none, so DEFAULT_MASK_STRENGTH. The one reading of it: the server checks a submission's
+    masking residue at this λ, and the client toolkit checks and masks at the same one before
+    anything is sent."""
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        return DEFAULT_MASK_STRENGTH
+    return float(value) if math.isfinite(value) and value >= 0 else DEFAULT_MASK_STRENGTH
+
+
 def threshold(strength: float) -> float:
     """θ(λ): saliency above which a token is always masked. Decreasing; θ(0) = 1."""
     return math.exp(-strength)

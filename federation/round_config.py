@@ -1,6 +1,7 @@
 """The configuration a round runs with, recorded on the round so that any round can be replayed.
 
-Pure (pydantic only): the server, the workers and the simulation read the same object.
+Pure (pydantic; the default λ is the client toolkit's, `compendium.masking`): the server, the
+workers and the simulation read the same object.
 """
 
 from __future__ import annotations
@@ -8,6 +9,8 @@ from __future__ import annotations
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from compendium.masking import DEFAULT_MASK_STRENGTH
 
 Summarizer = Literal["textgrad", "llm-single-shot", "probe-extractive", "centroid", "none"]
 RobustRule = Literal["none", "krum", "trimmed-mean"]
@@ -34,7 +37,11 @@ class RoundConfig(BaseModel):
         description="F*: tools one user may feed per round, each with all its numeric fields "
         "(None: no cap); ε is split over the 2·F* tools' fields one replaced user can move"
     )
-    mask_strength: float = Field(1.0, ge=0, description="λ the clients are expected to mask with")
+    mask_strength: float = Field(
+        DEFAULT_MASK_STRENGTH, ge=0,
+        description="λ the clients are expected to mask with (a configuration without it: "
+        "compendium.masking.expected_mask_strength)",
+    )
     summarizer: Summarizer = "probe-extractive"
     textgrad_steps: int = Field(3, ge=1, le=10)
     robust_rule: RobustRule = "none"

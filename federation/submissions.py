@@ -23,7 +23,7 @@ from django.utils import timezone
 
 from compendium import transport
 from compendium.canonical import canonical_form, encode_document
-from compendium.masking import TextMasker
+from compendium.masking import TextMasker, expected_mask_strength
 from compendium.models import CompendiumVersion, NumericField, Tool
 from compendium.schema import Schema, exceeds_field_cap, field_cap_words
 from compendium.scrub import masking_residue, scrub_compendium, submission_rules
@@ -55,7 +55,6 @@ from federation.models import (
     Round,
     Submission,
 )
-from federation.round_config import RoundConfig
 from federation.services import Actor, audit, cached_settings
 from synapse_web.prepared import prepared_cursor
 
@@ -163,11 +162,13 @@ _FINGERPRINT_COLUMNS = (
 # A round takes submissions while open and before its deadline (if it has one).
 _TAKES_SUBMISSIONS = "state = 'open' AND (closes_at IS NULL OR closes_at > statement_timestamp())"
 # The open round's number, expected masking strength and field cap F* (each -1 when its
-# configuration names none); NULL when no round takes submissions. The configuration is written
-# through RoundConfig: its mask_strength is a number or absent, its field_cap an integer, null or
-# absent.
+# configuration names none; a mask_strength that is no JSON number names none, as the client
+# toolkit reads it: `expected_mask_strength`); NULL when no round takes submissions. The
+# configuration is written through RoundConfig: its mask_strength is a number or absent (written
+# by hand), its field_cap an integer, null or absent.
 _ROUND_OPEN = (
-    f"(SELECT ARRAY[number::float8, coalesce((config->>'mask_strength')::float8, -1), "
+    f"(SELECT ARRAY[number::float8, CASE WHEN jsonb_typeof(config->'mask_strength') = 'number' "
+    f"THEN (config->>'mask_strength')::float8 ELSE -1 END, "
     f"coalesce((config->>'field_cap')::float8, -1)] "
     f"FROM {Round._meta.db_table} WHERE {_TAKES_SUBMISSIONS} ORDER BY number DESC LIMIT 1)"
 )
@@ -202,17 +203,17 @@ def _schema_for(fingerprint: tuple) -> Schema:
 _masker_cache: tuple[tuple, TextMasker] | None = None
 
 
-def _masker_for(fingerprint: tuple, schema: Schema, strength: float) -> TextMasker:
-    """The masker whose residue a submission to a round expecting λ = `strength` (negative: the
-    configuration names none, so its default) must not hold, protecting the registry in force."""
+def _masker_for(fingerprint: tuple, schema: Schema, stored: float) -> TextMasker:
+    """The masker whose residue a submission to the open round must not hold, protecting the
+    registry in force: at the λ the round expects, `stored` read as the client toolkit reads it
+    (`expected_mask_strength`: negative, the configuration names none, so the default)."""
     global _masker_cache
-    if strength < 0:
-        strength = RoundConfig.model_fields["mask_strength"].default
-    key = (fingerprint, float(strength))
+    strength = expected_mask_strength(stored)
+    key = (fingerprint, strength)
     cached = _masker_cache
     if cached is not None and cached[0] == key:
         return cached[1]
-    masker = TextMasker.for_registry(schema.tools, strength=float(strength))
+    masker = TextMasker.for_registry(schema.tools, strength=strength)
     _masker_cache = (key, masker)
     return masker
 

@@ -555,8 +555,11 @@ def test_an_accepted_submission_whose_answer_is_not_an_object_is_one_clear_error
     from compendium.schema import Compendium, MaskingInfo, Scenario
 
     def server(request):
-        if request.url.path == "/api/v1/rounds/":
+        if request.url.path == "/api/v1/rounds/":  # λ = 1 by default: the schema is read
             return httpx.Response(200, json={"results": [{"number": 4, "config": {}}]})
+        if request.url.path == "/api/v1/compendium/schema/":
+            return httpx.Response(200, json={"tools": [{"tool_id": "weather",
+                                                        "description": "Weather"}]})
         return httpx.Response(201, content=json.dumps(answer).encode())
 
     compendium = Compendium(scenarios=[Scenario(tool_id="weather", text="rain in a city?")],
@@ -656,16 +659,20 @@ def test_build_since_a_file_it_cannot_read_is_refused_before_any_work(tmp_path, 
     assert not (tmp_path / "c.json").exists()
 
 
-@pytest.mark.parametrize("value", [-1, -0.5, float("-inf"), float("nan"), True, "1"])
-def test_a_round_mask_strength_no_masking_can_use_is_none(value):
+@pytest.mark.parametrize("value", [-1, -0.5, float("-inf"), float("nan"), True, "1", None])
+def test_a_round_mask_strength_no_masking_can_use_is_the_default(value):
     """A round's mask_strength that is no masking strength (negative, not a number) is as if it
     named none: participate masked at it, and a negative one was masking's ValueError traceback
-    in the middle of the build."""
+    in the middle of the build. A round that names none expects the default λ, at which the
+    server checks its text (it read "none" as no λ at all, and the client checked nothing)."""
     from compendium.client_api import round_mask_strength, weaker_masking
+    from compendium.masking import DEFAULT_MASK_STRENGTH
 
     info = {"number": 5, "config": {"mask_strength": value}}
-    assert round_mask_strength(info) is None
-    assert weaker_masking(info, None) is None
+    assert round_mask_strength(info) == DEFAULT_MASK_STRENGTH == 1.0
+    assert round_mask_strength({"number": 5, "config": {}}) == DEFAULT_MASK_STRENGTH
+    assert weaker_masking(info, None) == "round 5 expects masking strength λ >= 1"
+    assert weaker_masking(info, DEFAULT_MASK_STRENGTH) is None
 
 
 def test_a_400_to_a_submission_that_is_not_json_says_it_was_refused():
@@ -676,8 +683,11 @@ def test_a_400_to_a_submission_that_is_not_json_says_it_was_refused():
     from compendium.schema import Compendium, MaskingInfo, Scenario
 
     def server(request):
-        if request.url.path == "/api/v1/rounds/":
+        if request.url.path == "/api/v1/rounds/":  # λ = 1 by default: the schema is read
             return httpx.Response(200, json={"results": [{"number": 4, "config": {}}]})
+        if request.url.path == "/api/v1/compendium/schema/":
+            return httpx.Response(200, json={"tools": [{"tool_id": "weather",
+                                                        "description": "Weather"}]})
         return httpx.Response(400, content=b"400 Bad Request: request header too large\n<hr>")
 
     compendium = Compendium(scenarios=[Scenario(tool_id="weather", text="rain in a city?")],

@@ -11,7 +11,7 @@ from django.utils import timezone
 
 from compendium import transport
 from compendium.canonical import canonical_form
-from compendium.client_api import ClientError, SubmissionRejected, SynapseClient
+from compendium.client_api import ClientError, SubmissionRejected, SynapseClient, TextNotMasked
 from compendium.client_cli import main
 from compendium.models import CompendiumVersion
 from compendium.schema import Compendium
@@ -54,6 +54,39 @@ def test_submit_and_pull_against_the_real_api(live_server, world, valid_doc, sma
     with SynapseClient(live_server.url, world.token_a, backoff=0) as client:
         with pytest.raises(ClientError, match="published"):
             client.pull(tmp_path / "global.json")
+
+
+def test_a_round_configured_without_a_lambda_is_checked_at_the_servers_lambda_before_sending(
+    live_server, world, valid_doc, small_schema
+):
+    """A round whose configuration names no mask_strength (written by hand; one opened through
+    the API, the dashboard or a command records RoundConfig's): the server checks masking's
+    residue at λ = 1, RoundConfig's default, while SynapseClient.submit read "no λ" and checked
+    none, so the raw text left the client and only the server refused it. Both read the round's
+    λ by one definition now: submit refuses, before sending, exactly what the server refuses,
+    and sends what it accepts."""
+    from federation.submissions import UnmaskedText
+
+    rnd = services.open_round(services.Actor(None))
+    Round.objects.filter(pk=rnd.pk).update(
+        config={k: v for k, v in rnd.config.items() if k != "mask_strength"})
+    raw = _masked(dict(valid_doc, scenarios=[{
+        "tool_id": "weather", "text": "Email John Smith at john.smith@acme.com about the forecast",
+    }]), small_schema)
+    with SynapseClient(live_server.url, world.token_a, backoff=0) as client:
+        assert "mask_strength" not in client.open_round()["config"]
+        with pytest.raises(TextNotMasked) as refused:
+            client.submit(raw)
+        assert Submission.objects.count() == 0
+        # what the server says of the same bytes once they reach it
+        with pytest.raises(UnmaskedText) as server_refused:
+            submissions.submit(world.client_a, canonical_form(raw).data, "k-raw")
+        assert refused.value.strength == 1.0 and f"λ = {refused.value.strength:g}" in (
+            server_refused.value.detail)
+        assert [(v.path, v.reason) for v in refused.value.violations] == [
+            (v.path, v.reason) for v in server_refused.value.violations]
+        sent = client.submit(_masked(valid_doc, small_schema))
+    assert sent.status == 201 and Submission.objects.filter(client=world.client_a).count() == 1
 
 
 def test_revoked_token_is_one_clear_error(live_server, world, valid_doc, small_schema):

@@ -17,9 +17,10 @@ import json
 import os
 import socket
 import threading
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
-from email.utils import format_datetime
+from email.utils import format_datetime, formatdate
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from urllib.parse import parse_qs, urlparse
@@ -65,6 +66,11 @@ SCHEMA = Schema(
 class ServerState:
     round_number: int | None = 4
     field_cap: int | None = None  # the open round's F* (config.field_cap)
+    # the open round's config.mask_strength; None: its configuration names none (written by hand)
+    mask_strength: float | None = 1.0
+    closes_at: str | None = None  # the open round's deadline (ISO 8601)
+    # the server's clock minus this machine's, as its Date header gives it; None: no Date header
+    clock_ahead_s: float | None = 0.0
     not_released: list[str] = field(default_factory=list)  # the open round's fields_not_released
     drop_next_posts: int = 0  # store, then close the connection without an answer
     fail_next_posts: int = 0  # answer fail_status before doing anything
@@ -99,6 +105,13 @@ def make_handler(state: ServerState):
         def log_message(self, *args):  # keep test output clean
             pass
 
+        def send_response(self, code, message=None):  # the Date by the server's own clock
+            self.log_request(code)
+            self.send_response_only(code, message)
+            self.send_header("Server", self.version_string())
+            if state.clock_ahead_s is not None:
+                self.send_header("Date", formatdate(time.time() + state.clock_ahead_s, usegmt=True))
+
         def _send(self, status: int, body: dict | None, headers: dict | None = None) -> None:
             data = json.dumps(body).encode() if body is not None else b""
             self.send_response(status)
@@ -123,10 +136,13 @@ def make_handler(state: ServerState):
                 state_filter = parse_qs(url.query).get("state", [""])[0]
                 results = []
                 if state.round_number is not None and state_filter in ("", "open"):
+                    config = {"tau": 0.85, "mask_strength": state.mask_strength,
+                              "field_cap": state.field_cap}
+                    if state.mask_strength is None:
+                        del config["mask_strength"]
                     results = [{"id": 10 + state.round_number, "number": state.round_number,
-                                "state": "open",
-                                "config": {"tau": 0.85, "mask_strength": 1.0,
-                                           "field_cap": state.field_cap},
+                                "state": "open", "config": config,
+                                "closes_at": state.closes_at,
                                 "fields_not_released": state.not_released}]
                 return self._send(200, {"count": len(results), "next": None, "previous": None,
                                         "results": results})
@@ -1026,6 +1042,89 @@ def test_the_python_api_checks_what_must_not_leave_the_client_before_sending(
     assert f"{where}: {holds}" in message and "nothing sent" in message
     for raw in ("John", "555", "acme"):
         assert raw not in message
+
+
+def test_a_round_whose_config_names_no_lambda_expects_the_servers_default(server):
+    """A round configured without mask_strength is checked by the server at λ = 1 (RoundConfig's
+    default); SynapseClient.submit read no λ and checked nothing, so text the server refuses
+    went out, and so did a compendium that records no masking at all. It applies the same
+    default now: those are refused before sending, masked text goes."""
+    url, state = server
+    state.mask_strength = None
+    with SynapseClient(url, TOKEN, backoff=0) as client:
+        with pytest.raises(TextNotMasked) as refused:
+            client.submit(compendium(RAW_SCENARIO))
+        assert refused.value.strength == 1.0
+        assert "not masked at λ = 1: holds 1 e-mail address" in refused.value.violations[0].reason
+        with pytest.raises(MaskedTooWeakly, match="round 4 expects masking strength λ >= 1"):
+            client.submit(compendium().model_copy(update={"masking": None}))
+        assert state.post_requests == 0
+        assert client.submit(compendium()).status == 201
+    assert state.created == 1
+
+
+def _one_line_log(tmp_path) -> Path:
+    log = tmp_path / "usage.jsonl"
+    log.write_text(json.dumps({"query": "Will it rain tomorrow in a city?", "tool": "weather",
+                               "outcome": "success", "latency_ms": 3, "user": "u1"}) + "\n",
+                   encoding="utf-8")
+    return log
+
+
+@pytest.mark.parametrize(("ahead_s", "closes_in_s", "stops"), [
+    (3600, 600, True),  # this machine's clock is an hour behind: the round is past its deadline
+    (-3600, -600, False),  # an hour ahead: the round takes submissions for 50 minutes yet
+])
+def test_participate_judges_the_deadline_by_the_servers_clock(
+    server, tmp_path, capsys, ahead_s, closes_in_s, stops
+):
+    """participate stops before building once the open round's deadline has passed; it judged
+    that by this machine's clock, so a client whose clock was behind built and sent for a round
+    the server had stopped taking, and one whose clock was ahead gave up on an open round. The
+    server's clock decides, as its answer's Date header gives it; status says the same."""
+    url, state = server
+    state.clock_ahead_s = ahead_s
+    closes_at = dt.datetime.now(dt.UTC) + dt.timedelta(seconds=closes_in_s)
+    state.closes_at = closes_at.isoformat()
+    assert main(["status", "--server", url, "--token", TOKEN, "--backoff", "0"]) == 0
+    out = capsys.readouterr().out
+    assert ("has passed: it takes no more submissions" in out) is stops
+    assert ("it takes submissions until" in out) is not stops
+    folder = tmp_path / "state"
+    code = main(["participate", "--log", str(_one_line_log(tmp_path)), "--dir", str(folder),
+                 "--no-collapse", "--quiet", "--server", url, "--token", TOKEN, "--backoff", "0"])
+    captured = capsys.readouterr()
+    if stops:
+        assert code == 1 and captured.out == ""
+        assert captured.err.strip() == (
+            "synapse-client: the server has no round open for this submission: round 4 stopped "
+            f"taking submissions at its deadline ({closes_at.isoformat()}); it closes shortly")
+        assert not (folder / "compendium.json").exists() and state.posts == []
+    else:
+        assert code == 0 and "submitted to round 4" in captured.out
+        assert state.created == 1
+
+
+def test_participate_without_the_servers_date_judges_the_deadline_by_this_clock_and_says_so(
+    server, tmp_path, capsys
+):
+    url, state = server
+    state.clock_ahead_s = None  # no Date header: this machine's clock is all there is
+    closes_at = dt.datetime.now(dt.UTC) - dt.timedelta(minutes=10)
+    state.closes_at = closes_at.isoformat()
+    assert main(["status", "--server", url, "--token", TOKEN, "--backoff", "0"]) == 0
+    assert ("has passed: it takes no more submissions and closes at the server's next check "
+            "(judged by this machine's clock: the server's answer carried no usable Date "
+            "header)") in capsys.readouterr().out
+    folder = tmp_path / "state"
+    assert main(["participate", "--log", str(_one_line_log(tmp_path)), "--dir", str(folder),
+                 "--no-collapse", "--quiet", "--server", url, "--token", TOKEN,
+                 "--backoff", "0"]) == 1
+    assert capsys.readouterr().err.strip() == (
+        "synapse-client: the server has no round open for this submission: round 4 stopped "
+        f"taking submissions at its deadline ({closes_at.isoformat()}); it closes shortly "
+        "(judged by this machine's clock: the server's answer carried no usable Date header)")
+    assert not (folder / "compendium.json").exists() and state.posts == []
 
 
 def test_participate_leaves_out_a_field_the_round_will_not_release_that_the_schema_dropped(

@@ -996,6 +996,22 @@ def test_a_stronger_round_refuses_what_a_weaker_one_takes(world, valid_doc):
     assert response.status_code == 400 and response.json()["code"] == "unmasked_text"
 
 
+@pytest.mark.parametrize("stored", ["0.5", True, None, -2])
+def test_a_hand_written_mask_strength_that_is_no_lambda_is_checked_at_the_default(
+    world, valid_doc, stored
+):
+    """A round configuration written by hand whose mask_strength is no λ: the client toolkit
+    reads it as the default λ (`expected_mask_strength`), while the server read a string as the
+    λ it spells and met `true` with the database's cast error (a 500 to every submission). The
+    server reads it as the client does now: at the default."""
+    valid_doc["scenarios"][0]["text"] = "Will it rain in 10 days in a city?"  # λ = 0.5 keeps it
+    rnd = services.open_round(SYSTEM, {"mask_strength": 0.5})
+    Round.objects.filter(pk=rnd.pk).update(config={**rnd.config, "mask_strength": stored})
+    response = post_doc(client_api(world.token_a), valid_doc)
+    assert response.status_code == 400, response.content
+    assert response.json()["code"] == "unmasked_text" and "λ = 1:" in response.json()["detail"]
+
+
 # --- rounds, schema, global compendium ---------------------------------------------------------
 
 
