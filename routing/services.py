@@ -417,7 +417,7 @@ def served_rows(version: CompendiumVersion):
 def served_llm():
     """The configured LLM for the LLM reranker, or None; one that cannot be loaded is an
     UnusableLLM (routing with `reranker: llm` then falls back to fusion, saying why)."""
-    from routing.llm import UnusableLLM, get_llm
+    from routing.llm import NOT_LOADED, UnusableLLM, get_llm
 
     try:
         return get_llm(
@@ -427,7 +427,7 @@ def served_llm():
         )
     except Exception as exc:  # LLMUnavailable, or llama.cpp refusing a broken file
         logging.getLogger(__name__).warning("routing without its LLM: %s", exc)
-        return UnusableLLM(f"the configured LLM could not be loaded: {exc}")
+        return UnusableLLM(f"the configured LLM could not be loaded: {exc}", public=NOT_LOADED)
 
 
 def build_served(version: CompendiumVersion, tuned_directory: str = "") -> ServedCompendium:
@@ -659,26 +659,20 @@ def warm_up() -> bool:
         connections.close_all()  # this thread's; it ends here
 
 
-_UNAVAILABLE = "LLM unavailable: "
+# What a caller other than the operator reads of a fallback whose decision gave no public reason.
+WITHHELD_FALLBACK = "the requested reranker did not decide (the operator's routing page says why)"
 
 
-def shown_fallback_reason(reason: str | None, reveal: bool) -> str | None:
+def shown_fallback_reason(decision, reveal: bool) -> str | None:
     """A decision's `fallback_reason` as its caller may read it. Why the LLM was unavailable
     names the server's insides (the endpoint's URL, a model file's path, the endpoint's error
     text): the operator's (`reveal`); any other caller (a routing token, a client, a member)
-    reads what kind of failure it was, and that the operator can see why."""
-    if reveal or not reason or _UNAVAILABLE not in reason:
-        return reason
-    head, _, detail = reason.partition(_UNAVAILABLE)
-    detail, _, tail = detail.rpartition(")")
-    again = "unavailable earlier in this batch: " if detail.startswith("unavailable earlier") else ""
-    if "time budget" in detail and "://" not in detail:
-        what = detail  # SYNAPSE_LLM_BATCH_SECONDS spent: nothing of the server's insides
-    elif "could not be loaded" in detail or "GGUF" in detail or ".gguf" in detail:
-        what = f"{again}the configured LLM could not be loaded (the operator's routing page says why)"
-    else:
-        what = f"{again}the LLM endpoint gave no usable answer (the operator's routing page says why)"
-    return f"{head}{_UNAVAILABLE}{what}){tail}"
+    reads the decision's public reason, worded where the failure was raised
+    (`routing.llm.LLMUnavailable.public`): what kind of failure it was, and that the operator
+    can see why. Neither is read from the other's text."""
+    if reveal or decision.fallback_reason is None:
+        return decision.fallback_reason
+    return decision.public_fallback_reason or WITHHELD_FALLBACK
 
 
 def _payload(decision, served: ServedCompendium, latency_ms: float, reveal: bool = False) -> dict:
@@ -690,7 +684,7 @@ def _payload(decision, served: ServedCompendium, latency_ms: float, reveal: bool
         "precautions": decision.precautions,
         "template": decision.template,
         "reranker": decision.reranker,
-        "fallback_reason": shown_fallback_reason(decision.fallback_reason, reveal),
+        "fallback_reason": shown_fallback_reason(decision, reveal),
         "ranking": decision.ranking,
         "compendium_round": served.round_number,
         "tuned_router": served.tuned,

@@ -375,6 +375,82 @@ def test_credentials_in_the_llm_url_are_used_but_never_shown(engine):
         server.close()
 
 
+def test_each_llm_failure_brings_the_words_anyone_may_read(engine, tmp_path):
+    """What a caller other than the operator reads of an LLM fallback was parsed out of the
+    failure's text. Each raise site now words it: the kind of failure, never the endpoint's
+    URL, its error text or a file's path; the decision keeps both, the full reason and that."""
+    import socket
+
+    from routing.llm import BudgetedLLM, LlamaCppLLM, UnusableLLM
+
+    said = " (the operator's routing page says why)"
+
+    def decided(llm):
+        router = Router(_currency_compendium(False), engine, "llm", params=RoutingParams(), llm=llm)
+        decision = router.route("Convert 100 US dollars into euros")
+        assert decision.reranker == "fusion" and decision.tool == "fx"
+        return decision
+
+    def public(kind):
+        return f"LLM answer unusable (LLM unavailable: {kind}); fell back to fusion"
+
+    server = ChatServer(default="1")
+    try:
+        port = server.url.rsplit(":", 1)[1]
+        server.status = 503
+        down = decided(OpenAICompatibleLLM(server.url, retries=1, backoff=0.0, pause=30))
+        assert "is down: HTTP 503" in down.fallback_reason and port in down.fallback_reason
+        assert down.public_fallback_reason == public(f"the LLM endpoint gave no usable answer{said}")
+        server.status = None
+        server.refuse_all = True
+        refused = decided(OpenAICompatibleLLM(server.url, retries=0))
+        assert "the prompt exceeds the context" in refused.fallback_reason
+        assert refused.public_fallback_reason == public(f"the LLM endpoint refused the request{said}")
+        server.refuse_all, server.garbled = False, True
+        garbled = decided(OpenAICompatibleLLM(server.url, retries=0))
+        assert "DecodingError" in garbled.fallback_reason
+        assert garbled.public_fallback_reason == public(f"the LLM endpoint gave no usable answer{said}")
+        server.garbled, server.silent = False, 5.0
+        slow = decided(OpenAICompatibleLLM(server.url, retries=0, timeout=0.5))
+        assert "no answer within 0.5s" in slow.fallback_reason
+        assert slow.public_fallback_reason == public(f"the LLM endpoint did not answer in time{said}")
+    finally:
+        server.close()
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        closed = s.getsockname()[1]
+    unreachable = decided(OpenAICompatibleLLM(f"http://127.0.0.1:{closed}", retries=0))
+    assert "cannot connect" in unreachable.fallback_reason
+    assert unreachable.public_fallback_reason == public(f"the LLM endpoint could not be reached{said}")
+
+    # the batch's own budget names nothing of the server's: read whole; a failure met earlier
+    # in the batch is marked so, in both readings
+    spent = decided(BudgetedLLM(OpenAICompatibleLLM(f"http://127.0.0.1:{closed}"), -1.0))
+    assert spent.public_fallback_reason == spent.fallback_reason
+    assert "time budget of -1 s (SYNAPSE_LLM_BATCH_SECONDS) is spent" in spent.fallback_reason
+    batch = BudgetedLLM(OpenAICompatibleLLM(f"http://127.0.0.1:{closed}", retries=0), 60.0)
+    decided(batch)
+    again = decided(batch)
+    assert again.fallback_reason.startswith(
+        "LLM answer unusable (LLM unavailable: unavailable earlier in this batch (LLM endpoint http://")
+    assert again.public_fallback_reason == public(
+        f"unavailable earlier in this batch: the LLM endpoint could not be reached{said}")
+
+    # a model that cannot be loaded (llama-cpp-python missing, or its file): the operator's
+    gone = str(tmp_path / "secret-models" / "smol.gguf")
+    with pytest.raises(LLMUnavailable) as failed:
+        LlamaCppLLM(gone)
+    assert failed.value.public == "the configured LLM could not be loaded"
+    unusable = decided(UnusableLLM(f"the configured LLM could not be loaded: {failed.value}"))
+    assert str(failed.value) in unusable.fallback_reason
+    assert unusable.public_fallback_reason == public(f"the configured LLM could not be loaded{said}")
+    # and a raise site that words nothing gives a generic line, not its text
+    assert LLMUnavailable("inference-box-7:8000 said no").public == "the LLM endpoint gave no usable answer"
+    for decision in (down, refused, garbled, slow, unreachable, again, unusable):
+        shown = decision.public_fallback_reason
+        assert not any(part in shown for part in ("127.0.0.1", port, str(closed), "secret-models"))
+
+
 def test_parse_choice():
     assert parse_choice("2", 3).index == 1
     assert parse_choice("Option 3.", 3).index == 2

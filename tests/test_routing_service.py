@@ -705,6 +705,73 @@ def test_an_llm_batch_stops_calling_a_down_llm(data, api, monkeypatch):
     assert up.calls == len(queries) and {r["reranker"] for r in batch["results"]} == {"llm"}
 
 
+class _GatewayDownLLM:
+    """An LLM whose failure names the server's insides (a host, a port, a gateway's error text)
+    in words that hold no URL, no file name, and that mention a time budget; it gives no
+    public wording of its own."""
+
+    name = "gateway"
+    detail = ("connection refused by inference-box-7 port 8000 (the gateway's time budget of "
+              "5 s for this client is spent)")
+
+    def __init__(self):
+        self.calls = 0
+
+    def complete(self, prompt, **kwargs):
+        from routing.llm import LLMUnavailable
+
+        self.calls += 1
+        raise LLMUnavailable(self.detail)
+
+
+def test_why_an_llm_failed_reaches_no_caller_but_the_operator_whatever_its_words(
+    data, api, monkeypatch
+):
+    """What a routing token, a member and the playground read was worked out by parsing the
+    reason's text: a failure whose text mentioned a time budget and held no "://" was taken
+    for the batch's own budget and shown whole (here a host and port of the server's network).
+    The public wording now comes with the failure, and one that brings none reads as a generic
+    failure of the endpoint, on the single and the batch route and on the playground alike."""
+    from django.contrib.auth.models import User
+    from django.urls import reverse
+
+    http, raw, _ = api
+    down = _GatewayDownLLM()
+    monkeypatch.setattr(services, "served_llm", lambda: down)
+    services.forget_served()
+    _publish(data, with_client_copy=False)
+    query, queries = data["queries"][0], data["queries"][:3]
+    public = ("LLM answer unusable (LLM unavailable: the LLM endpoint gave no usable answer "
+              "(the operator's routing page says why)); fell back to fusion")
+    again = ("LLM answer unusable (LLM unavailable: unavailable earlier in this batch: the LLM "
+             "endpoint gave no usable answer (the operator's routing page says why)); fell back "
+             "to fusion")
+
+    one = _post(http, "/api/v1/route/", {"query": query, "reranker": "llm"}, raw).json()
+    assert (one["reranker"], one["fallback_reason"]) == ("fusion", public)
+    batch = _post(http, "/api/v1/route/batch/", {"queries": queries, "reranker": "llm"}, raw).json()
+    assert [r["fallback_reason"] for r in batch["results"]] == [public, again, again]
+
+    member = HttpClient()
+    member.force_login(User.objects.create_user("member", password="pw-long-enough-1"))
+    told = _post(member, "/api/v1/route/", {"query": query, "reranker": "llm"}).json()
+    assert told["fallback_reason"] == public
+    page = member.get(reverse("dashboard:routing"), {"q": query, "reranker": "llm"})
+    assert page.status_code == 200 and "the LLM endpoint gave no usable answer" in page.content.decode()
+    assert "inference-box-7" not in page.content.decode()
+
+    operator = HttpClient()
+    operator.force_login(User.objects.create_superuser("op", password="pw-long-enough-1"))
+    full = _post(operator, "/api/v1/route/", {"query": query, "reranker": "llm"}).json()
+    assert full["fallback_reason"] == f"LLM answer unusable (LLM unavailable: {down.detail}); fell back to fusion"
+    batch = _post(operator, "/api/v1/route/batch/", {"queries": queries, "reranker": "llm"}).json()
+    assert [r["fallback_reason"] for r in batch["results"]][1] == (
+        f"LLM answer unusable (LLM unavailable: unavailable earlier in this batch ({down.detail})); "
+        "fell back to fusion")
+    page = operator.get(reverse("dashboard:routing"), {"q": query, "reranker": "llm"})
+    assert page.status_code == 200 and "inference-box-7 port 8000" in page.content.decode()
+
+
 def test_an_llm_batch_keeps_to_its_time_budget():
     """Once the batch's calls took its budget, the rest are refused at once (each query then
     falls back to fusion with this reason); a new batch has a budget of its own."""
@@ -882,18 +949,29 @@ def test_the_api_document_gives_queries_their_limits(settings):
 def test_why_an_llm_fell_back_is_told_in_full_to_the_operator_only():
     """A routing answer's fallback_reason quoted why the LLM was unavailable: the endpoint's
     URL, a model file's path, the endpoint's error text, to any caller (a routing token). Every
-    other caller reads the kind of failure; the operator (reveal) all of it."""
+    other caller reads the decision's public reason, set with it where the failure was raised
+    (tests/test_router.py: each kind); the operator (reveal) all of it. Neither is worked out
+    from the other's text: a public reason is shown as it is, whatever the full one says, and
+    a fallback that came without one shows a generic line, never the full reason."""
+    from routing.router import RoutingDecision
+
     down = ("LLM answer unusable (LLM unavailable: LLM endpoint http://10.0.0.7:8080/v1 is down: "
             "HTTP 502 after 3 attempts; check the endpoint's URL); fell back to fusion")
-    assert services.shown_fallback_reason(down, reveal=True) == down
-    assert services.shown_fallback_reason(down, reveal=False) == (
-        "LLM answer unusable (LLM unavailable: the LLM endpoint gave no usable answer (the "
-        "operator's routing page says why)); fell back to fusion")
-    budget = ("LLM answer unusable (LLM unavailable: this batch's LLM time budget of 60 s "
-              "(SYNAPSE_LLM_BATCH_SECONDS) is spent); fell back to fusion")
-    assert services.shown_fallback_reason(budget, reveal=False) == budget
-    for kept in (None, "no LLM configured", "LLM answer unusable (no option number in 'x'); fell back to fusion"):
-        assert services.shown_fallback_reason(kept, reveal=False) == kept
+    public = ("LLM answer unusable (LLM unavailable: the LLM endpoint gave no usable answer (the "
+              "operator's routing page says why)); fell back to fusion")
+    decision = RoutingDecision("t", 0.5, False, fallback_reason=down, public_fallback_reason=public)
+    assert services.shown_fallback_reason(decision, reveal=True) == down
+    assert services.shown_fallback_reason(decision, reveal=False) == public
+    # a full reason that reads like the batch's own budget is not taken for it
+    budget = ("LLM answer unusable (LLM unavailable: gateway box-7:8000 time budget spent); "
+              "fell back to fusion")
+    decision = RoutingDecision("t", 0.5, False, fallback_reason=budget, public_fallback_reason=public)
+    assert services.shown_fallback_reason(decision, reveal=False) == public
+    forgot = RoutingDecision("t", 0.5, False, fallback_reason=down)
+    assert services.shown_fallback_reason(forgot, reveal=False) == services.WITHHELD_FALLBACK
+    assert services.shown_fallback_reason(forgot, reveal=True) == down
+    decided = RoutingDecision("t", 0.5, False)
+    assert services.shown_fallback_reason(decided, reveal=False) is None
 
 
 def _nullable(prop: dict) -> bool:
