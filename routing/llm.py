@@ -99,7 +99,10 @@ def parse_choice(answer: str, n: int) -> Choice:
         return Choice(None, answer or "", "empty answer")
     match = _NUMBER.search(text)
     if match is None:
-        return Choice(None, answer, f"no option number in the answer {text[:80]!r}")
+        # What the endpoint answered (it may be an error text naming its host or a key) is
+        # quoted to the operator only.
+        return Choice(None, answer, f"no option number in the answer {text[:80]!r}",
+                      public_reason="no option number in the answer")
     number = int(match.group(2)) * (-1 if match.group(1) else 1)
     if not 1 <= number <= n:
         return Choice(None, answer, f"option {number} is not between 1 and {n}")

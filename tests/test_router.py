@@ -252,7 +252,11 @@ def test_llm_reranker_over_openai_compatible_http(engine, chat_server):
     chat_server.answers.append("I think the best is the banana one")
     garbled = router.route(query, top_k=3)
     assert garbled.tool == fusion.tool
-    assert "no option number" in garbled.fallback_reason
+    assert "no option number" in garbled.fallback_reason and "banana" in garbled.fallback_reason
+    # What the endpoint answered is the operator's to read: an endpoint that answers with an
+    # error text (its host, a key) would otherwise show it to every caller.
+    assert "no option number" in garbled.public_fallback_reason
+    assert "banana" not in garbled.public_fallback_reason
     chat_server.answers.append("7")
     out_of_range = router.route(query, top_k=3)
     assert "not between 1 and 3" in out_of_range.fallback_reason
