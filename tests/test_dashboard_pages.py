@@ -280,6 +280,16 @@ def test_admin_rotates_and_revokes(client, fed):
     assert client.post(reverse("dashboard:client-action", args=["org-a", fed.client_a.pk, "bogus"])).status_code == 404
 
 
+def test_rotating_a_clients_token_asks_first(client, fed):
+    """Rotating stops the client's current token at once (a running client fails its next
+    submission until it is reconfigured), as revoking does: the button asks before it is sent."""
+    page = login(client, fed, "admin_a").get(
+        reverse("dashboard:organization", args=["org-a"])).content.decode()
+    rotate = reverse("dashboard:client-action", args=["org-a", fed.client_a.pk, "rotate"])
+    [form] = re.findall(rf'<form method="post" action="{re.escape(rotate)}"[^>]*>', page)
+    assert 'data-confirm="Rotate the token of a1? Its current token stops working at once' in form
+
+
 def test_organization_page_shows_edge_figures(client, fed):
     from compendium.schema import Compendium
     from compendium.services import store_compendium

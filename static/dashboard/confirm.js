@@ -1,4 +1,4 @@
-// A form with data-confirm="..." asks before it is sent (the revoke, reset-password,
+// A form with data-confirm="..." asks before it is sent (the revoke, rotate, reset-password,
 // deactivate and round close buttons). A file rather than an onsubmit attribute: the Content-Security-Policy
 // allows no inline script.
 (function () {
