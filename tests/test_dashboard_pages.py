@@ -323,10 +323,39 @@ def test_organization_page_shows_edge_figures(client, fed):
     # The client whose whole submission the implausible-source check dropped, by name.
     assert f'class="meta dropped-clients">whole submission of {fed.client_a.name}</span>' in page
     # What the summarizer did: 7 summaries, 2 of them the LLM's, the reason for the 5 fallbacks.
-    first, second = re.findall(r'<td class="num summaries">(.*?)</td>', page)
+    second, first = re.findall(r'<td class="num summaries">(.*?)</td>', page)  # newest first
     assert first.startswith("7 ") and "(2 by the LLM, 5 fell back)" in first
     assert "LLM answer is not JSON" in first
     assert second == "–"  # a record from before the counts were kept
+
+
+def test_organization_edge_table_is_paginated_newest_first(client, fed):
+    """The edge figures grow by a row each round: the table shows 50 rounds a page, the latest
+    first, with links to the older ones (it listed every round the edge ever merged)."""
+    rounds = [Round.objects.create(number=n, state=Round.State.PUBLISHED, config={"epsilon": 1.0})
+              for n in range(3, 63)]
+    MergeRecord.objects.bulk_create(
+        MergeRecord(round=r, organization=fed.org_a, stats={"conflicts": r.number}) for r in rounds)
+    url = reverse("dashboard:organization", args=["org-a"])
+    login(client, fed, "admin_a")
+
+    def shown(page):
+        return [int(n) for n in re.findall(r'<tr><td class="num">(\d+)</td>', page)]
+
+    first = client.get(url).content.decode()
+    assert shown(first) == list(range(62, 12, -1))
+    assert 'page 1 of 2 (60 rounds)' in first and f'href="{url}?page=2#edge"' in first
+    second = client.get(url, {"page": 2}).content.decode()
+    assert shown(second) == list(range(12, 2, -1))
+    # the chart still draws every round
+    [fig] = figures_in(first)
+    assert fig["data"][0]["x"] == list(range(3, 63))
+    # A page shown in answer to a form (a rotated token) links to the organization's pages, not
+    # to ?page=2 of the form's action (a GET there is refused).
+    rotated = client.post(
+        reverse("dashboard:client-action", args=["org-a", fed.client_a.pk, "rotate"])
+    ).content.decode()
+    assert f'href="{url}?page=2#edge" rel="next"' in rotated
 
 
 # --- rounds --------------------------------------------------------------------------------------

@@ -288,7 +288,8 @@ class OrganizationView(DashboardView):
             page_title=organization.name,
             people=people.people(self.request.user, organization),
             roles=Membership.Role.choices,
-            org=services.organization_page(organization, actor_for(self.request)),
+            org=services.organization_page(organization, actor_for(self.request),
+                                           page=self.request.GET.get("page")),
             allow_admin_approval=get_settings().allow_admin_approval,
         )
         return context
