@@ -817,6 +817,27 @@ def test_admin_accepts_edits_picks_and_dismisses(client, fed):
     assert "decided: dismiss" in page
 
 
+def test_the_edit_field_starts_from_a_precaution_never_from_a_picked_scenario(client, fed):
+    """After a winning scenario was picked, the edit field held that scenario (a client's request)
+    as if it were the precaution: saved unchanged it became a precaution every organization
+    reads. It starts from the composed precaution, or the precaution decided."""
+    from federation.conflicts import composed_precaution
+
+    conflict = conflict_of(fed, fed.org_a)
+    url = reverse("dashboard:conflict-decide", args=[conflict.pk])
+    login(client, fed, "admin_a")
+
+    def edit_value():
+        page = client.get(reverse("dashboard:conflicts")).content.decode()
+        [value] = re.findall(r'name="text" value="([^"]*)"', page)
+        return html.unescape(value)
+
+    client.post(url, {"action": "scenario", "scenario": "Rain in Paris without a city"})
+    assert edit_value() == composed_precaution(conflict)
+    client.post(url, {"action": "edit", "text": "Ask for the city first"})
+    assert edit_value() == "Ask for the city first"
+
+
 @pytest.mark.parametrize("data", [
     {"action": "accept"},
     {"action": "edit", "text": "Ask for the city first"},
