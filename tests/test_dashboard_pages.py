@@ -838,6 +838,18 @@ def test_the_edit_field_starts_from_a_precaution_never_from_a_picked_scenario(cl
     assert edit_value() == "Ask for the city first"
 
 
+def test_the_pick_list_shows_the_scenario_picked(client, fed):
+    """The winning-scenario list opened on the centroid whatever was picked: the page read as if
+    the centroid had won, and pressing Pick replaced the decision with it."""
+    conflict = conflict_of(fed, fed.org_a)
+    login(client, fed, "admin_a")
+    client.post(reverse("dashboard:conflict-decide", args=[conflict.pk]),
+                {"action": "scenario", "scenario": "Rain in Paris without a city"})
+    page = client.get(reverse("dashboard:conflicts")).content.decode()
+    [options] = re.findall(r'<select name="scenario"[^>]*>(.*?)</select>', page)
+    assert re.findall(r"<option selected>([^<]*)</option>", options) == ["Rain in Paris without a city"]
+
+
 @pytest.mark.parametrize("data", [
     {"action": "accept"},
     {"action": "edit", "text": "Ask for the city first"},
