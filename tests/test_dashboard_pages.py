@@ -290,6 +290,19 @@ def test_rotating_a_clients_token_asks_first(client, fed):
     assert 'data-confirm="Rotate the token of a1? Its current token stops working at once' in form
 
 
+def test_enroll_and_add_are_not_actions_on_a_named_client_or_person(client, fed):
+    """clients/<id>/enroll/ enrolled a new client and people/<id>/add/ added a new login, whatever
+    the id named (as rounds/<N>/open/ opened the next round): enrolling and adding have one address
+    each, and these are 404 with nothing stored."""
+    login(client, fed, "admin_a")
+    clients, logins = Client.objects.count(), people.people(fed.operator).count()
+    enroll = f"/organizations/org-a/clients/{fed.client_a.pk}/enroll/"
+    assert client.post(enroll, {"name": "a-twin"}).status_code == 404
+    add = f"/organizations/org-a/people/{fed.member_a.pk}/add/"
+    assert client.post(add, {"username": "carol", "role": "member"}).status_code == 404
+    assert Client.objects.count() == clients and people.people(fed.operator).count() == logins
+
+
 def test_organization_page_shows_edge_figures(client, fed):
     from compendium.schema import Compendium
     from compendium.services import store_compendium
