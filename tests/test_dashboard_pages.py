@@ -280,6 +280,29 @@ def test_admin_rotates_and_revokes(client, fed):
     assert client.post(reverse("dashboard:client-action", args=["org-a", fed.client_a.pk, "bogus"])).status_code == 404
 
 
+def test_rotating_a_clients_token_asks_first(client, fed):
+    """Rotating stops the client's current token at once (a running client fails its next
+    submission until it is reconfigured), as revoking does: the button asks before it is sent."""
+    page = login(client, fed, "admin_a").get(
+        reverse("dashboard:organization", args=["org-a"])).content.decode()
+    rotate = reverse("dashboard:client-action", args=["org-a", fed.client_a.pk, "rotate"])
+    [form] = re.findall(rf'<form method="post" action="{re.escape(rotate)}"[^>]*>', page)
+    assert 'data-confirm="Rotate the token of a1? Its current token stops working at once' in form
+
+
+def test_enroll_and_add_are_not_actions_on_a_named_client_or_person(client, fed):
+    """clients/<id>/enroll/ enrolled a new client and people/<id>/add/ added a new login, whatever
+    the id named (as rounds/<N>/open/ opened the next round): enrolling and adding have one address
+    each, and these are 404 with nothing stored."""
+    login(client, fed, "admin_a")
+    clients, logins = Client.objects.count(), people.people(fed.operator).count()
+    enroll = f"/organizations/org-a/clients/{fed.client_a.pk}/enroll/"
+    assert client.post(enroll, {"name": "a-twin"}).status_code == 404
+    add = f"/organizations/org-a/people/{fed.member_a.pk}/add/"
+    assert client.post(add, {"username": "carol", "role": "member"}).status_code == 404
+    assert Client.objects.count() == clients and people.people(fed.operator).count() == logins
+
+
 def test_organization_page_shows_edge_figures(client, fed):
     from compendium.schema import Compendium
     from compendium.services import store_compendium
@@ -313,10 +336,39 @@ def test_organization_page_shows_edge_figures(client, fed):
     # The client whose whole submission the implausible-source check dropped, by name.
     assert f'class="meta dropped-clients">whole submission of {fed.client_a.name}</span>' in page
     # What the summarizer did: 7 summaries, 2 of them the LLM's, the reason for the 5 fallbacks.
-    first, second = re.findall(r'<td class="num summaries">(.*?)</td>', page)
+    second, first = re.findall(r'<td class="num summaries">(.*?)</td>', page)  # newest first
     assert first.startswith("7 ") and "(2 by the LLM, 5 fell back)" in first
     assert "LLM answer is not JSON" in first
     assert second == "–"  # a record from before the counts were kept
+
+
+def test_organization_edge_table_is_paginated_newest_first(client, fed):
+    """The edge figures grow by a row each round: the table shows 50 rounds a page, the latest
+    first, with links to the older ones (it listed every round the edge ever merged)."""
+    rounds = [Round.objects.create(number=n, state=Round.State.PUBLISHED, config={"epsilon": 1.0})
+              for n in range(3, 63)]
+    MergeRecord.objects.bulk_create(
+        MergeRecord(round=r, organization=fed.org_a, stats={"conflicts": r.number}) for r in rounds)
+    url = reverse("dashboard:organization", args=["org-a"])
+    login(client, fed, "admin_a")
+
+    def shown(page):
+        return [int(n) for n in re.findall(r'<tr><td class="num">(\d+)</td>', page)]
+
+    first = client.get(url).content.decode()
+    assert shown(first) == list(range(62, 12, -1))
+    assert 'page 1 of 2 (60 rounds)' in first and f'href="{url}?page=2#edge"' in first
+    second = client.get(url, {"page": 2}).content.decode()
+    assert shown(second) == list(range(12, 2, -1))
+    # the chart still draws every round
+    [fig] = figures_in(first)
+    assert fig["data"][0]["x"] == list(range(3, 63))
+    # A page shown in answer to a form (a rotated token) links to the organization's pages, not
+    # to ?page=2 of the form's action (a GET there is refused).
+    rotated = client.post(
+        reverse("dashboard:client-action", args=["org-a", fed.client_a.pk, "rotate"])
+    ).content.decode()
+    assert f'href="{url}?page=2#edge" rel="next"' in rotated
 
 
 # --- rounds --------------------------------------------------------------------------------------
@@ -776,6 +828,39 @@ def test_admin_accepts_edits_picks_and_dismisses(client, fed):
     assert "Paris" not in str([e.details for e in audited])
     page = client.get(reverse("dashboard:conflicts")).content.decode()
     assert "decided: dismiss" in page
+
+
+def test_the_edit_field_starts_from_a_precaution_never_from_a_picked_scenario(client, fed):
+    """After a winning scenario was picked, the edit field held that scenario (a client's request)
+    as if it were the precaution: saved unchanged it became a precaution every organization
+    reads. It starts from the composed precaution, or the precaution decided."""
+    from federation.conflicts import composed_precaution
+
+    conflict = conflict_of(fed, fed.org_a)
+    url = reverse("dashboard:conflict-decide", args=[conflict.pk])
+    login(client, fed, "admin_a")
+
+    def edit_value():
+        page = client.get(reverse("dashboard:conflicts")).content.decode()
+        [value] = re.findall(r'name="text" value="([^"]*)"', page)
+        return html.unescape(value)
+
+    client.post(url, {"action": "scenario", "scenario": "Rain in Paris without a city"})
+    assert edit_value() == composed_precaution(conflict)
+    client.post(url, {"action": "edit", "text": "Ask for the city first"})
+    assert edit_value() == "Ask for the city first"
+
+
+def test_the_pick_list_shows_the_scenario_picked(client, fed):
+    """The winning-scenario list opened on the centroid whatever was picked: the page read as if
+    the centroid had won, and pressing Pick replaced the decision with it."""
+    conflict = conflict_of(fed, fed.org_a)
+    login(client, fed, "admin_a")
+    client.post(reverse("dashboard:conflict-decide", args=[conflict.pk]),
+                {"action": "scenario", "scenario": "Rain in Paris without a city"})
+    page = client.get(reverse("dashboard:conflicts")).content.decode()
+    [options] = re.findall(r'<select name="scenario"[^>]*>(.*?)</select>', page)
+    assert re.findall(r"<option selected>([^<]*)</option>", options) == ["Rain in Paris without a city"]
 
 
 @pytest.mark.parametrize("data", [

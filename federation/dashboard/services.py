@@ -659,14 +659,17 @@ class OrganizationPage:
     can_admin: bool
     edge_rows: list[dict]
     chart: str = ""
+    edge_page: Page | None = None  # the page of rounds `edge_rows` holds, newest first
 
 
-def organization_page(organization, actor) -> OrganizationPage:
+def organization_page(organization, actor, page=1, per_page=50) -> OrganizationPage:
     """An organization's clients by status, whether `actor` may manage them, and its edge's
-    figures per round: submissions, edge compendium size and entries, conflicts, rejected
+    figures per round, one page of `per_page` rounds, the latest first: submissions, edge
+    compendium size and entries, conflicts, rejected
     submissions, and scenarios dropped by the merge's cross-checks (whole submissions of
     implausible clients, by name; tool confusion, with the margin used; incoherent batches; batches
-    a robust rule dropped across clients, and members it dropped inside a cluster)."""
+    a robust rule dropped across clients, and members it dropped inside a cluster). The chart
+    draws every round."""
     from federation.models import MergeRecord
     from federation.services import can_admin
 
@@ -685,15 +688,21 @@ def organization_page(organization, actor) -> OrganizationPage:
         .select_related("round")
         .defer("content")
     }
+    recorded = set(
+        MergeRecord.objects.filter(organization=organization).values_list("round__number", flat=True)
+    )
+    numbers = sorted(set(submissions) | set(edges) | recorded)
+    edge_page = Paginator(numbers[::-1], per_page).get_page(page)
     records = {
         m.round.number: m
-        for m in MergeRecord.objects.filter(organization=organization).select_related("round")
+        for m in MergeRecord.objects.filter(
+            organization=organization, round__number__in=list(edge_page.object_list)
+        ).select_related("round")
     }
-    numbers = sorted(set(submissions) | set(edges) | set(records))
     names = {f"client:{pk}": name for pk, name in
              Client.objects.filter(organization=organization).values_list("pk", "name")}
     rows = []
-    for n in numbers:
+    for n in edge_page.object_list:
         record = records.get(n)
         stats = record.stats if record else {}
         rows.append(
@@ -711,14 +720,16 @@ def organization_page(organization, actor) -> OrganizationPage:
                 **_summary_figures(stats),
             }
         )
-    page = OrganizationPage(organization, clients, can_admin(actor, organization.pk), rows)
-    if rows:
+    page = OrganizationPage(organization, clients, can_admin(actor, organization.pk), rows,
+                            edge_page=edge_page)
+    if numbers:
         fig = go.Figure()
-        fig.add_trace(go.Bar(x=numbers, y=[r["submissions"] for r in rows], name="client submissions"))
+        counts = [submissions.get(n, 0) for n in numbers]
+        fig.add_trace(go.Bar(x=numbers, y=counts, name="client submissions"))
         fig.add_trace(
             go.Scatter(
                 x=numbers,
-                y=[r["edge"].size_bytes / 1000 if r["edge"] else None for r in rows],
+                y=[edges[n].size_bytes / 1000 if n in edges else None for n in numbers],
                 name="edge compendium (kB)",
                 mode="lines+markers",
                 yaxis="y2",
@@ -728,7 +739,7 @@ def organization_page(organization, actor) -> OrganizationPage:
             fig,
             title={"text": f"{literal(organization.name)}: submissions and edge compendium size"},
             xaxis={"title": {"text": "round"}, "dtick": 1},
-            yaxis=count_axis("submissions", max(r["submissions"] for r in rows)),
+            yaxis=count_axis("submissions", max(counts)),
             yaxis2=right_axis("edge size (kB)"),
         )
         page.chart = render_figure(fig, div_id="edge-figures", label=f"Edge figures of {organization}")

@@ -288,7 +288,8 @@ class OrganizationView(DashboardView):
             page_title=organization.name,
             people=people.people(self.request.user, organization),
             roles=Membership.Role.choices,
-            org=services.organization_page(organization, actor_for(self.request)),
+            org=services.organization_page(organization, actor_for(self.request),
+                                           page=self.request.GET.get("page")),
             allow_admin_approval=get_settings().allow_admin_approval,
         )
         return context
@@ -316,6 +317,10 @@ class OrganizationActionView(ActionView, OrganizationView):
         organization = self.get_organization_or_404(slug=slug)
         actor = actor_for(request)
         token = None
+        if action == "enroll" and client_id is not None:
+            # clients/<id>/enroll/ would enroll a new client whatever <id> named: enrolling is
+            # enroll/ alone
+            raise Http404("unknown action")
         if action == "enroll":
             client = enroll_client(
                 actor, organization, request.POST.get("name", ""),
@@ -350,6 +355,9 @@ class PersonActionView(ActionView, OrganizationView):
     def act(self, request, slug, action, user_id=None):
         organization = self.get_organization_or_404(slug=slug)
         actor = actor_for(request)
+        if action == "add" and user_id is not None:
+            # people/<id>/add/ would add a new login whatever <id> named: adding is people/add/
+            raise Http404("unknown action")
         if action == "add":
             issued = people.add_person(
                 actor,

@@ -1,13 +1,39 @@
-// A form with data-confirm="..." asks before it is sent (the revoke, reset-password,
+// A form with data-confirm="..." asks before it is sent (the revoke, rotate, reset-password,
 // deactivate and round close buttons). A file rather than an onsubmit attribute: the Content-Security-Policy
 // allows no inline script.
+// A POST form is sent once: a second press of its button (a double click) before the answer
+// arrives is ignored. Sent twice, the second request was refused (a client approved already, a
+// login added already) and its refusal page replaced the first answer, the only page that showed
+// the new token or password. A page brought back from the browser's cache (Back) sends again.
 (function () {
   "use strict";
+  var SENT = "data-sent";
   document.addEventListener("submit", function (event) {
-    var message = event.target.getAttribute && event.target.getAttribute("data-confirm");
+    var form = event.target;
+    if (!form.getAttribute) {
+      return;
+    }
+    var post = (form.getAttribute("method") || "").toLowerCase() === "post";
+    if (post && form.getAttribute(SENT) !== null) {
+      event.preventDefault();
+      return;
+    }
+    var message = form.getAttribute("data-confirm");
     if (message && !window.confirm(message)) {
       event.preventDefault();
+      return;
     }
+    if (post && !event.defaultPrevented) {
+      form.setAttribute(SENT, "");
+    }
+  });
+  window.addEventListener("pageshow", function (event) {
+    if (!event.persisted || !document.querySelectorAll) {
+      return;
+    }
+    document.querySelectorAll("form[" + SENT + "]").forEach(function (form) {
+      form.removeAttribute(SENT);
+    });
   });
 })();
 
