@@ -130,6 +130,19 @@ def test_enrollment_is_rate_limited_per_organization(world):
     services.enroll_client(world.actor(world.admin_b), world.org_b, "r1")
 
 
+def test_a_refused_enrollment_uses_up_none_of_the_hourly_enrollments(world):
+    """A name the organization already has is refused before the rate limit counts it: an admin
+    who mistypes twice can still enroll the client the hour allows."""
+    services.update_settings(world.actor(world.operator), enrollments_per_hour=1)
+    admin = world.actor(world.admin_a)
+    for _ in range(2):
+        with pytest.raises(Conflict):
+            services.enroll_client(admin, world.org_a, "a1")
+    services.enroll_client(admin, world.org_a, "r1")
+    with pytest.raises(RateLimited):
+        services.enroll_client(admin, world.org_a, "r2")
+
+
 def test_rate_limit_window_resets():
     first = [ratelimit.hit("t:key", 2, 60, now=120.0).allowed for _ in range(3)]
     assert first == [True, True, False]
