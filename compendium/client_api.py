@@ -248,7 +248,8 @@ def http_date(value: str | None) -> dt.datetime | None:
 
 def retry_after_seconds(value: str, now: dt.datetime | None = None) -> float | None:
     """The seconds a Retry-After header asks to wait (RFC 9110: delay-seconds, or an HTTP-date
-    such as "Wed, 21 Oct 2015 07:28:00 GMT", counted from `now`: this machine's clock), not
+    such as "Wed, 21 Oct 2015 07:28:00 GMT", counted from `now`, the answer's Date; this machine's
+    clock when None), not
     capped, negative for a date past; None when it is neither."""
     value = value.strip()
     try:
@@ -461,10 +462,12 @@ class SynapseClient:
 
     def _delay(self, attempt: int, response: httpx.Response | None) -> float:
         """How long to wait before the next try: as long as a 429's or a 503's Retry-After asks
-        (RFC 9110 allows it on both), at most MAX_RETRY_AFTER_S; otherwise the backoff,
+        (RFC 9110 allows it on both; a date counted from the answer's Date, the server's clock,
+        or this machine's when it sent none), at most MAX_RETRY_AFTER_S; otherwise the backoff,
         doubling."""
         if response is not None and response.status_code in (429, 503):
-            wait = retry_after_seconds(response.headers.get("Retry-After", ""))
+            wait = retry_after_seconds(response.headers.get("Retry-After", ""),
+                                       now=http_date(response.headers.get("Date")))
             if wait is not None:
                 return min(MAX_RETRY_AFTER_S, max(0.0, wait))
         return min(30.0, self.backoff * (2 ** min(attempt, 16)))  # 2**1025 is past a float

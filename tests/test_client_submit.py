@@ -511,6 +511,21 @@ def test_retry_after_as_an_http_date_is_honoured_capped_as_the_seconds(server, a
     assert low <= delays[0] <= high
 
 
+def test_retry_after_as_an_http_date_is_counted_from_the_servers_clock(server):
+    """RFC 9110 counts a Retry-After date from the answer's Date, the server's clock: a server
+    an hour ahead asking for 20 s must not be waited a capped minute (nor, an hour behind, not
+    at all)."""
+    url, state = server
+    for ahead in (3600, -3600):
+        state.clock_ahead_s = ahead
+        when = dt.datetime.now(dt.UTC) + dt.timedelta(seconds=ahead + 20)
+        state.fail_next_posts, state.retry_after = 1, format_datetime(when, usegmt=True)
+        delays: list[float] = []
+        with SynapseClient(url, TOKEN, retries=2, backoff=0.25, sleep=delays.append) as client:
+            assert client.submit(compendium()).status in (200, 201)
+        assert len(delays) == 1 and 17.0 <= delays[0] <= 21.0, (ahead, delays)
+
+
 def test_gives_up_after_the_retries_with_one_line(server, tmp_path, capsys):
     url, state = server
     state.fail_next_posts = 10
