@@ -902,8 +902,13 @@ def enroll_client(
     # Another client of the organization by a name that reads as this one (name_key): two
     # clients the dashboard, the audit log and erase_client's ORG/CLIENT cannot tell apart.
     _lock_name(f"client:{organization.pk}", name)
-    _refuse_name_twin(organization.clients.values_list("name", flat=True).order_by("pk"), name,
-                      lambda other: f"organization {organization.slug!r} already has a client {other!r}")
+    revoked = set(organization.clients.filter(status=Client.Status.REVOKED)
+                  .values_list("name", flat=True))
+    _refuse_name_twin(
+        organization.clients.values_list("name", flat=True).order_by("pk"), name,
+        lambda other: f"organization {organization.slug!r} already has a client {other!r}" + (
+            " (revoked: a revoked client keeps its name, so that its rounds, audit entries and "
+            "erase_client tell it from a new one)" if other in revoked else ""))
     try:
         with transaction.atomic():
             client = Client.objects.create(

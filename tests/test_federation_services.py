@@ -118,6 +118,19 @@ def test_duplicate_client_name_is_a_conflict(world):
         services.enroll_client(world.actor(world.admin_a), world.org_a, "a1")
 
 
+def test_a_revoked_clients_name_is_refused_saying_it_is_revoked(world):
+    """A revoked client keeps its name; an admin who sees no such client among the active ones
+    is told why the name is taken."""
+    admin = world.actor(world.admin_a)
+    with pytest.raises(Conflict) as active:
+        services.enroll_client(admin, world.org_a, "a1")
+    assert "revoked" not in str(active.value)
+    services.revoke_client(admin, world.client_a)
+    with pytest.raises(Conflict) as revoked:
+        services.enroll_client(admin, world.org_a, world.client_a.name)
+    assert "(revoked: a revoked client keeps its name" in str(revoked.value)
+
+
 def test_enrollment_is_rate_limited_per_organization(world):
     services.update_settings(world.actor(world.operator), enrollments_per_hour=2)
     admin = world.actor(world.admin_a)
