@@ -37,10 +37,11 @@ def valid_doc() -> dict:
     return {
         "schema_version": "1.0",
         "metadata": [
-            # Only `calls`: the rounds of the `world` fixture (two organizations of one approved
-            # client each) will not release the other fields, and the server refuses them.
-            {"tool_id": "weather", "stats": {"calls": 12}},
-            {"tool_id": "flights", "stats": {"calls": 3}},
+            # No statistics: the rounds of the `world` fixture (two organizations of one approved
+            # client each) release no numeric field (their noise would be 2.8 times or more each
+            # field's clipping window), and the server refuses statistics for them.
+            {"tool_id": "weather", "stats": {}},
+            {"tool_id": "flights", "stats": {}},
         ],
         "scenarios": [
             {"tool_id": "weather", "text": "Will it rain tomorrow in a city?", "preconditions": {"has_city": True}},
