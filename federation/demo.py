@@ -9,11 +9,15 @@ conflicts to review. The conflicts are the data's own: MetaTool has near-identic
 different tools (research papers for ResearchHelper and internetSearch, QR codes for
 create_qr_code and qreator), which clients of one organization, or of two, claim for different
 tools. How many a demo logs depends on how much usage each client has (measured on MetaTool, seed
-0, three rounds: 120 requests per client logged none, 400 five, all between organizations, 500
-eight, two of them inside one organization's edge), hence DEMO_QUERIES_PER_CLIENT.
+0, three rounds, two clients an organization: 120 requests per client logged none, 400 five, all
+between organizations, 500 eight, two of them inside one organization's edge). With eight clients
+an organization (`DEMO_ORGANIZATIONS`: what it takes for any statistic to be released) each gets
+DEMO_QUERIES_PER_CLIENT = 125, the 3,000 requests six clients of 500 had, so the demo does the
+same work.
 
-The demo's rounds are opened with `demo_round_config` (a field cap F*, so that the edges release
-statistics and the privacy ledger a new user sees fills).
+The demo's rounds are opened with `demo_round_config` (a field cap F* and ε = 2, so that with
+eight clients an edge the edges release statistics whose noise is narrower than their clipping
+window, and the privacy ledger a new user sees fills).
 """
 
 from __future__ import annotations
@@ -47,7 +51,7 @@ from routing.cli import probe_router
 from routing.embeddings import get_engine
 from routing.services import published_global_version, served_compendium
 
-DEMO_QUERIES_PER_CLIENT = 500
+DEMO_QUERIES_PER_CLIENT = 125
 
 
 class DemoError(RuntimeError):

@@ -37,10 +37,11 @@ def valid_doc() -> dict:
     return {
         "schema_version": "1.0",
         "metadata": [
-            # Only `calls`: the rounds of the `world` fixture (two organizations of one approved
-            # client each) will not release the other fields, and the server refuses them.
-            {"tool_id": "weather", "stats": {"calls": 12}},
-            {"tool_id": "flights", "stats": {"calls": 3}},
+            # No statistics: the rounds of the `world` fixture (two organizations of one approved
+            # client each) release no numeric field (their noise would be 2.8 times or more each
+            # field's clipping window), and the server refuses statistics for them.
+            {"tool_id": "weather", "stats": {}},
+            {"tool_id": "flights", "stats": {}},
         ],
         "scenarios": [
             {"tool_id": "weather", "text": "Will it rain tomorrow in a city?", "preconditions": {"has_city": True}},
@@ -84,15 +85,14 @@ def probes(tmp_path):
 
 
 @pytest.fixture
-def every_field_released(db):
-    """Rounds release every declared numeric field: each field's range is made so wide that no
-    noise can span it (`merge.drowned_fields` names none, whatever the clients and ε), as a
-    federation with enough clients per organization would. The tests of the budget's mechanics
-    reserve a round's whole ε; with the registry's ranges, a test world of one client per
-    organization leaves most fields drowned at open, and a round reserves only its released
-    fields' share."""
-    from django.db.models import F
+def every_field_released(db, monkeypatch):
+    """Rounds release every declared numeric field: no noise counts as drowning a figure
+    (`merge.drowned_fields` names none, whatever the clients and ε, and the global withholds
+    none), as in a federation with enough clients per organization. The tests of the budget's
+    mechanics reserve a round's whole ε; a test world of one client per organization leaves every
+    field drowned at open (its noise is calibrated to each field's clipping window, so
+    1/(K·ε_j·√E) ≥ 1 drowns all of them whatever their declared ranges), and a round would
+    reserve nothing."""
+    from federation.merge import operator
 
-    from compendium.models import NumericField
-
-    NumericField.objects.update(max_value=F("min_value") + 1e15)
+    monkeypatch.setattr(operator, "noise_dominated", lambda scale, spec: False)

@@ -64,6 +64,13 @@ def write_probe_dataset(folder: Path) -> Path:
     return folder
 
 
+# A round configuration under which this world's edges (2 and 1 clients) release their numeric
+# fields: ε = 4 under a field cap F* = 1, ε_j = ε/(2·F*·F) = 1/2, so the narrowest published noise
+# is 1/(K·ε_j·√E) = 1/√2 of each field's clipping window. At the default ε = 1 it would be as
+# wide as the window (2.83 times), and no edge would release anything.
+RELEASING_CONFIG = {"summarizer": "centroid", "seed": 11, "epsilon": 4.0, "field_cap": 1}
+
+
 def build_federation(round_number: int = 1, config: dict | None = None, state: str = "closing"):
     """Registry, two organizations, three clients and their submissions for one round."""
     import_registry(TOOLS)

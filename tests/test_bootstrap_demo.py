@@ -42,9 +42,9 @@ def test_bootstrap_creates_demo_federation_and_is_idempotent(registry_file):
     assert authenticate(username="operator", password=password).is_superuser
     assert Organization.objects.count() == 3
     assert Membership.objects.filter(role="admin").count() == 3
-    assert Client.objects.filter(status="approved").count() == 6
+    assert Client.objects.filter(status="approved").count() == 24
     tokens = re.findall(r"token: (syn_c_\S+)", first)
-    assert len(tokens) == 6
+    assert len(tokens) == 24
     assert {services.client_for_token(t).status for t in tokens} == {"approved"}
     assert Round.objects.get().state == "open" and "round 1 is open (opened now)" in first
     admin_line = re.search(r"username: (northwind-admin)\s+password: (\S+)", first)
@@ -52,10 +52,10 @@ def test_bootstrap_creates_demo_federation_and_is_idempotent(registry_file):
     assert admin.membership.organization.slug == "northwind"
 
     second = run(registry_file)
-    assert Organization.objects.count() == 3 and Client.objects.count() == 6
+    assert Organization.objects.count() == 3 and Client.objects.count() == 24
     assert Round.objects.count() == 1 and "round 1 is open" in second
     new_tokens = re.findall(r"token: (syn_c_\S+)", second)
-    assert len(new_tokens) == 6 and not set(new_tokens) & set(tokens)
+    assert len(new_tokens) == 24 and not set(new_tokens) & set(tokens)
     with pytest.raises(services.TokenRejected):
         services.client_for_token(tokens[0])
     assert services.client_for_token(new_tokens[0]).status == "approved"
@@ -133,10 +133,12 @@ def test_bootstrap_declares_the_default_numeric_fields_in_a_flushed_database(reg
     run(registry_file)
     assert set(NumericField.objects.values_list("name", flat=True)) == {
         spec.name for spec in DEFAULT_NUMERIC_FIELDS}
-    # the demo's first round is opened with its field cap, and will release statistics
+    # the demo's first round is opened with its field cap and ε, and will release statistics
+    # (eight approved clients an organization: noise narrower than every clipping window)
     rnd = Round.objects.get(number=1)
     assert rnd.config["field_cap"] == services.DEMO_FIELD_CAP
-    assert "calls" not in rnd.fields_not_released
+    assert rnd.config["epsilon"] == services.DEMO_EPSILON
+    assert rnd.fields_not_released == []
     # fields an operator declared are theirs: the demo adds none beside them
     NumericField.objects.exclude(name="calls").delete()
     run(registry_file)

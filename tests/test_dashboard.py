@@ -390,14 +390,21 @@ def test_compendium_statistics_carry_their_noise_and_say_when_it_drowns_them(ope
     weather = {s["field"]: s for s in cards["weather"].stats}
     # Round 2's ledger: each of the two edges noised calls at b = 2.5 and success_rate at b = 2.
     assert (weather["calls"]["noise_scale"], weather["calls"]["edges"]) == (2.5, 2)
-    assert not weather["calls"]["noise_dominated"]  # b = 2.5 against a range of 1,000 calls
+    # b = 2.5 against the clipping window [0, Δ = 50] the figure is clamped to
+    assert not weather["calls"]["noise_dominated"]
     assert weather["success_rate"]["noise_scale"] == 2.0
-    assert weather["success_rate"]["noise_dominated"]  # b = 2 against a range of 1
+    assert weather["success_rate"]["noise_dominated"]  # b = 2 against a window of 1
     assert cards["weather"].noise_dominated
     flights = cards["flights"].stats[0]  # no ledger row: nothing to say about its noise
     assert flights["noise_scale"] is None and not flights["noise_dominated"]
+    # how many times its window: about that many times the ε or the clients would do
+    assert weather["success_rate"]["noise_to_window"] == 2.0
+    assert weather["success_rate"]["window"] == (0.0, 1.0)
+    assert weather["calls"]["window"] == (0.0, 50.0)
     content = response.content.decode()
     assert "noise b 2.5 (2 edges)" in content and 'class="noise-dominated"' in content
+    assert "noise b 2 (2 edges) <span class=\"window\">= 2× window</span>" in content
+    assert "2 times the clipping window [0, 1]" in html.unescape(content)
     assert content.count('id="noise-note"') == 1  # said once for the page
 
 
@@ -411,7 +418,7 @@ def test_compendium_says_how_many_statistics_the_global_left_out(member_client, 
     note = body[body.index('id="withheld-note"'):]
     note = note[: note.index("</p>")]
     assert "3 statistics of this round are left out of this global compendium" in note
-    assert "wider than the field's whole range" in note
+    assert "at least as wide as the field's clipping window" in note
     # the edges' records name the fields no edge released (drowned before any noise was drawn)
     assert 'id="not-released-note"' not in body
     MergeRecord.objects.create(round=federation.rounds[2], organization=federation.acme,
@@ -421,20 +428,54 @@ def test_compendium_says_how_many_statistics_the_global_left_out(member_client, 
     note = note[: note.index("</p>")]
     assert "No edge released latency_ms, success_rate this round" in note
     assert "No noise was drawn and no ε spent on them" in note
+    assert "clipping window" in note and 'id="not-released-ratio"' not in note
+
+
+def test_compendium_tells_the_operator_how_far_unreleased_fields_were_from_releasable(
+    client, federation
+):
+    """No edge released the round's fields: the operator reads how many times its clipping window
+    the narrowest published noise would have been, and the ε (or the clients per organization)
+    that would have released them. Round 2 at ε = 1 under a field cap F* = 1: ε_j = 1/(2·1·4),
+    two edges of two submissions each: b/w = 1/(K·ε_j·√E) = 8/(2·√2) ≈ 2.828. That follows from
+    the largest organization's K, so an organization's people read only the rule."""
+    from federation.models import MergeRecord
+
+    rnd = federation.rounds[2]
+    rnd.config = {"epsilon": 1.0, "field_cap": 1}
+    rnd.save(update_fields=["config"])
+    MergeRecord.objects.create(round=rnd, stats={"stats_withheld": 0})
+    fields = ["calls", "frequency", "latency_ms", "success_rate"]
+    for org, inputs in ((federation.acme, ["a1", "a2"]), (federation.globex, ["g1", "g2"])):
+        MergeRecord.objects.create(round=rnd, organization=org,
+                                   stats={"fields_not_released": fields, "inputs": inputs})
+    for username, operator in (("operator", True), ("member", False)):
+        assert client.login(username=username, password=PASSWORD)
+        body = html.unescape(client.get(reverse("dashboard:compendium"), {"round": 2}).content.decode())
+        note = body[body.index('id="not-released-note"'):]
+        note = note[: note.index("</p>")]
+        assert "clipping window" in note
+        if operator:
+            assert "2.828 times the window" in note
+            assert "more than ε = 2.828 per round" in note
+            assert "about 2.828 times as many clients per organization" in note
+        else:
+            assert "times the window" not in note and "2.828" not in note
 
 
 def release_flights_calls(fed):
-    """Round 2's flights.calls, released by both edges at the same ε_j = 0.025 over their own K
-    submissions: b = Δ / (K · ε_j) = 50 / (8 · 0.025) = 250 at Acme, 50 / (1 · 0.025) = 2,000 at
-    Globex, wider than the field's range of 1,000 calls. Globex re-released it once after an
-    erasure (its K went from 2 to 1): its latest release is the one behind the global."""
+    """Round 2's flights.calls, released by both edges at the same ε_j = 0.25 over their own K
+    submissions: b = Δ / (K · ε_j) = 50 / (8 · 0.25) = 25 at Acme, inside the clipping window
+    [0, 50] the figure is clamped to, and 50 / (1 · 0.25) = 200 at Globex: a fifth of the declared
+    range of 1,000 calls, but four times the window. Globex re-released it once after an erasure
+    (its K went from 2 to 1): its latest release is the one behind the global."""
     from federation.models import PrivacyLedgerEntry
 
     for org, release, k in ((fed.acme, 0, 8), (fed.globex, 0, 2), (fed.globex, 1, 1)):
         PrivacyLedgerEntry.objects.create(
             round=fed.rounds[2], organization=org, release=release, tool_id="flights",
-            field="calls", sensitivity=50.0, contributors=k, epsilon=0.025,
-            noise_scale=50.0 / (k * 0.025), mechanism="laplace",
+            field="calls", sensitivity=50.0, contributors=k, epsilon=0.25,
+            noise_scale=50.0 / (k * 0.25), mechanism="laplace",
         )
 
 
@@ -451,11 +492,11 @@ def flights_card(client) -> tuple[dict, str, str]:
     "username, scales, shown",
     [
         # the operator: every edge's release, as before
-        ("operator", (250.0, 2000.0, 2), "noise b 250–2,000 (2 edges)"),
+        ("operator", (25.0, 200.0, 2), "noise b 25–200 (2 edges)"),
         # an organization's people: their own edge's, not the other organization's (its K)
-        ("acme-admin", (250.0, 250.0, 1), "noise b 250 (your edge)"),
-        ("acme-member", (250.0, 250.0, 1), "noise b 250 (your edge)"),
-        ("globex-admin", (2000.0, 2000.0, 1), "noise b 2,000 (your edge)"),
+        ("acme-admin", (25.0, 25.0, 1), "noise b 25 (your edge)"),
+        ("acme-member", (25.0, 25.0, 1), "noise b 25 (your edge)"),
+        ("globex-admin", (200.0, 200.0, 1), "noise b 200 (your edge)"),
         # someone in no organization: none
         ("member", (None, None, 0), None),
     ],
@@ -469,15 +510,16 @@ def test_compendium_shows_each_viewer_only_the_noise_of_edges_they_may_see(
     stat, card, body = flights_card(client)
     assert stat["value"] == 12.25  # the published global figure: the same for everyone
     assert (stat["noise_scale"], stat["noise_scale_max"], stat["edges"]) == scales
-    others = {"250", "2,000"} - set(re.findall(r"[\d,]+", shown or ""))
+    others = {"25", "200"} - set(re.findall(r"[\d,]+", shown or ""))
     if shown:
         assert shown in card
     else:
         assert "noise b" not in card
     for figure in others:  # another organization's scale appears nowhere in its card
-        assert f"b {figure}" not in card and f"–{figure}" not in card
-    # the greying-out follows the scales shown: Globex's own b is wider than the range; Acme's,
-    # and the operator's narrowest edge, are not (else it would tell Globex's K to Acme)
+        assert not re.search(rf"b {figure}\b", card) and f"–{figure}" not in card
+    # the greying-out follows the scales shown: Globex's own b (200) is wider than the clipping
+    # window [0, 50] (not than the declared range of 1,000); Acme's, and the operator's narrowest
+    # edge, are not (else it would tell Globex's K to Acme)
     assert stat["noise_dominated"] is (username == "globex-admin")
     if username == "operator":
         assert 'id="noise-scope"' not in body
@@ -498,8 +540,8 @@ def test_an_edge_rematerialized_without_statistics_shows_no_noise_scale(operator
     edge.entry_counts = {**edge.entry_counts, "metadata": 0}  # as the re-materialization stores it
     edge.save(update_fields=["entry_counts"])
     stat, card, _ = flights_card(operator_client)
-    assert (stat["noise_scale"], stat["noise_scale_max"], stat["edges"]) == (250.0, 250.0, 1)
-    assert "noise b 250" in card and "2,000" not in card
+    assert (stat["noise_scale"], stat["noise_scale_max"], stat["edges"]) == (25.0, 25.0, 1)
+    assert "noise b 25" in card and "200" not in card
 
 
 def test_compendium_statistics_carried_forward_name_the_round_that_released_them(

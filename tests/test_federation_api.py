@@ -228,10 +228,11 @@ def test_the_submission_headers_are_published_as_they_are_checked(world, open_ro
 
 
 def test_statistics_the_open_round_will_not_release_are_refused(world, open_round, valid_doc):
-    """The world's rounds (two organizations of one approved client each) release `calls` only:
-    statistics for another field would be dropped by the merge and kept un-noised until then,
-    so they are refused, naming the fields, and nothing is stored."""
-    assert open_round.fields_not_released == ["frequency", "latency_ms", "success_rate"]
+    """The world's rounds (two organizations of one approved client each) release no numeric
+    field (each one's noise at least its clipping window): statistics for one would be dropped by
+    the merge and kept un-noised until then, so they are refused, naming the fields, and nothing
+    is stored."""
+    assert open_round.fields_not_released == ["calls", "frequency", "latency_ms", "success_rate"]
     api = client_api(world.token_a)
     valid_doc["metadata"][0]["stats"].update({"success_rate": 0.9, "latency_ms": 320})
     refused = post_doc(api, valid_doc, key="s")
@@ -415,6 +416,7 @@ def test_one_entry_is_enough_to_submit(world, open_round):
     assert response.json()["entry_counts"]["annex"] == 1
 
 
+@pytest.mark.usefixtures("every_field_released")  # one client an organization
 def test_a_capped_round_refuses_statistics_whose_compendium_records_no_cap_or_a_larger_one(world):
     # The edge charges ε for 2·F* tools' fields per user: statistics built with no cap, or a
     # larger one, would be under-charged. The compendium says what it was built with.
@@ -452,6 +454,7 @@ def test_a_capped_round_refuses_statistics_whose_compendium_records_no_cap_or_a_
     assert version.sha256 == accepted.json()["sha256"] and version.content["field_cap"] == 2
 
 
+@pytest.mark.usefixtures("every_field_released")  # one client an organization
 def test_a_capped_round_takes_an_equal_or_smaller_cap_and_text_without_statistics(world):
     services.open_round(SYSTEM, {"field_cap": 2})
     api = client_api(world.token_a)
@@ -1016,14 +1019,15 @@ def test_a_hand_written_mask_strength_that_is_no_lambda_is_checked_at_the_defaul
 
 
 def test_an_open_round_names_the_fields_its_edges_will_not_release(world, open_round):
-    """With every approved client submitting (one in each of two organizations), only calls
-    could come out of its noise at ε = 1: the other fields are named, fixed when the round
-    opened, for clients to leave out; a round opened with more approved clients names fewer."""
+    """With every approved client submitting (one in each of two organizations), no field
+    could come out of its noise at ε = 1 (its noise as wide as each field's clipping window, calls'
+    [0, 50] too, not its declared range of 1,000): all are named, fixed when the round opened,
+    for clients to leave out; a round opened with more approved clients names fewer."""
     from federation.merge import drowned_fields
 
     api = client_api(world.token_a)
     row = api.get("/api/v1/rounds/?state=open").json()["results"][0]
-    assert row["fields_not_released"] == ["frequency", "latency_ms", "success_rate"]
+    assert row["fields_not_released"] == ["calls", "frequency", "latency_ms", "success_rate"]
     config = services.RoundConfig.from_stored(open_round.config)
     assert row["fields_not_released"] == sorted(
         drowned_fields(submissions.schema_in_force(), config, 1, 2))
@@ -1039,7 +1043,7 @@ def test_an_open_round_names_the_fields_its_edges_will_not_release(world, open_r
     later = services.open_round(SYSTEM)
     fewer = api.get(f"/api/v1/rounds/{later.pk}/").json()["fields_not_released"]
     assert fewer == sorted(drowned_fields(submissions.schema_in_force(), config, 41, 2))
-    assert len(fewer) < 3
+    assert len(fewer) < 4
 
 
 def test_rounds_list_and_detail_with_figures(world, open_round, valid_doc):

@@ -325,25 +325,28 @@ def test_a_round_reserves_nothing_for_the_fields_it_will_not_release(world):
     reserved ε for them all the same: in the demo a round at ε = 1 releasing 1 of its 4 fields
     reserved 1.0 until it released 0.25, and the committed ε′ shown (and the budget check of
     the next round) counted 0.75 that no merge could spend. It now reserves the released
-    fields' share, and the budget check of opening a round counts what that round would."""
+    fields' share, and the budget check of opening a round counts what that round would. With one
+    client per organization at ε = 0.8 the noise is as wide as every field's clipping window (it
+    is calibrated to the window, so all fields drown together): the round releases nothing and
+    reserves nothing."""
     operator = world.actor(world.operator)
     f = NumericField.objects.count()
     config = RoundConfig(epsilon=0.8)
     not_released = accounting.fields_not_released(config)
-    assert 0 < len(not_released) < f, not_released  # one client per organization
-    share = pytest.approx(0.8 * (f - len(not_released)) / f)
-    assert accounting.check_budget(config).extra == [share]
+    assert len(not_released) == f, not_released  # one client per organization
+    assert accounting.check_budget(config).extra == [0.0]
     rnd = services.open_round(operator, config)
     assert sorted(rnd.fields_not_released) == sorted(not_released)
-    assert accounting.commitments().reserved == {rnd.pk: share}
+    assert accounting.commitments().reserved == {}
     services.close_round(operator, rnd)
     services.mark_merging(rnd)
-    assert accounting.commitments().reserved == {rnd.pk: share}
+    assert accounting.commitments().reserved == {}
     services.mark_failed(rnd, "worker lost")
-    assert accounting.round_reservation(rnd) == share  # what a retry takes again
-    # a budget between the share and ε: the round opens (it was refused before)
+    assert accounting.round_reservation(rnd) == 0.0  # what a retry takes again
+    # a budget below ε: the round opens (it would have been refused for what it cannot spend)
     services.update_settings(operator, epsilon_budget=0.5)
     services.open_round(operator, RoundConfig(epsilon=0.8))
+
 
 @pytest.mark.usefixtures("every_field_released")
 def test_a_round_with_ledger_rows_is_counted_once(world):

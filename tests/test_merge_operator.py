@@ -640,19 +640,54 @@ def test_numeric_release_writes_ledger_and_stays_in_range(schema, embed):
 
 def test_fields_no_release_can_make_useful_are_drowned_by_counts_alone(schema):
     """A field is drowned when w/(K·ε_j)/√E, the narrowest the published average can get, is at
-    least its range (w = min(Δ, range): the window its values are clipped to): 16 statistics at
-    ε = 2 give ε_j = 1/8; success_rate (range 1, Δ = 1) needs K·√E > 8, latency_ms (range = Δ)
-    and frequency (range 1, Δ = 2: w = 1) too, calls (range 1,000, Δ = 50) K·√E > 0.4."""
+    least its clipping window w = min(Δ, range), the interval its values are clipped to and its
+    figure clamped to: 16 statistics at ε = 2 give ε_j = 1/8, so every field (calls too: window
+    [0, 50] in a range of 1,000) needs K·√E > 8. The noise is calibrated to the window, so the
+    ratio is the same for every field: all drowned or none."""
+    from federation.merge.operator import published_noise_to_window
+
     config = RoundConfig(epsilon=2.0)
-    assert drowned_fields(schema, config, 4, 1) == {"success_rate", "frequency", "latency_ms"}
-    assert drowned_fields(schema, config, 4, 4) == {"success_rate", "frequency", "latency_ms"}
+    every = {"calls", "success_rate", "frequency", "latency_ms"}
+    assert drowned_fields(schema, config, 4, 1) == every
+    assert drowned_fields(schema, config, 4, 4) == every  # K·√E = 8
+    assert published_noise_to_window(schema, config, 4, 4) == pytest.approx(1.0)
     assert drowned_fields(schema, config, 5, 4) == frozenset()  # K·√E = 10
+    assert published_noise_to_window(schema, config, 5, 4) == pytest.approx(0.8)
     assert "calls" in drowned_fields(schema, RoundConfig(epsilon=0.01), 4, 1)
     assert drowned_fields(schema, config, 0, 0) == frozenset()  # nobody submitted
+    assert published_noise_to_window(schema, config, 0, 0) is None
     # a field cap splits ε over fewer statistics: 2·F*·F = 8, ε_j = 1/4, so K·√E > 4 will do
     assert drowned_fields(schema, RoundConfig(epsilon=2.0, field_cap=1), 4, 4) == frozenset()
-    assert drowned_fields(schema, RoundConfig(epsilon=2.0, field_cap=1), 2, 4) == {
-        "success_rate", "frequency", "latency_ms"}  # K·√E = 4
+    assert drowned_fields(schema, RoundConfig(epsilon=2.0, field_cap=1), 2, 4) == every  # = 4
+
+
+def test_a_statistic_noisier_than_its_clipping_window_is_neither_released_nor_published(
+    schema, embed
+):
+    """`calls` declares [0, 1000] but its values are clipped to the window [0, Δ = 50], and the
+    noise is calibrated to that width: at K = 2 and ε_j = 1/8 its scale is 50/(2/8) = 200. That
+    is a fifth of the declared range, but four times the window the figure is clamped to: the
+    published value lands at 0 or 50 whatever the clients reported. Judged against the range,
+    the edges released it (ε spent) and the global published it; judged against the window,
+    no edge releases it (no noise, no ledger row, no ε), and a global handed such a figure
+    leaves it out."""
+    config = RoundConfig(epsilon=2.0)  # 16 statistics: ε_j = 1/8
+    assert "calls" in drowned_fields(schema, config, 2, 1)
+    subs = [sub(f"c{i}", metadata=[{"tool_id": "weather", "stats": {"calls": c}}])
+            for i, c in enumerate((10.0, 30.0))]
+    result = edge_merge(subs, schema, config, embed=embed, seed=5,
+                        drowned=drowned_fields(schema, config, 2, 1))
+    assert not [e for e in result.ledger if e.field == "calls"]
+    assert result.stats.epsilon_spent == 0.0
+    assert all("calls" not in m.stats for m in result.compendium.metadata)
+    edges = [sub("org-a", metadata=[{"tool_id": "weather", "stats": {"calls": 50.0}}])]
+    scales = {"org-a": {("weather", "calls"): 200.0}}
+    published = server_merge(edges, schema, RoundConfig(), embed=embed, noise_scales=scales)
+    assert published.stats.stats_withheld == 1
+    assert all("calls" not in m.stats for m in published.compendium.metadata)
+    spec = schema.fields_by_name["calls"]
+    assert noise_dominated(200.0, spec) and noise_dominated(50.0, spec)
+    assert not noise_dominated(49.0, spec)
 
 
 def test_a_drowned_field_is_not_released_nor_charged(schema, embed):
@@ -1266,9 +1301,10 @@ def test_a_quoted_request_keeps_its_capitals_where_they_are_not_sentence_case(sc
     )
 
 
-def test_the_global_leaves_out_figures_its_noise_spans_the_whole_range(schema, embed):
-    """A released value whose Laplace noise is wider than the field's declared range says nothing
-    about the tool; the server merge publishes the others and counts what it left out."""
+def test_the_global_leaves_out_figures_its_noise_spans_the_clipping_window(schema, embed):
+    """A released value whose Laplace noise is wider than the field's clipping window (here the
+    declared range for success_rate; [0, 50] for calls) says nothing about the tool; the server
+    merge publishes the others and counts what it left out."""
     edges = [
         sub("org-a", metadata=[
             {"tool_id": "weather", "stats": {"success_rate": 0.1, "calls": 42.0}},
@@ -1304,7 +1340,7 @@ def test_the_global_leaves_out_figures_its_noise_spans_the_whole_range(schema, e
             assert "recipes" not in stats
         else:  # its description and spec still
             assert stats["recipes"] == {}
-    # b = 0.9 at each of two edges averages to 0.64: under the range, published
+    # b = 0.9 at each of two edges averages to 0.64: under the window, published
     scales["org-a"][("weather", "success_rate")] = scales["org-b"][("weather", "success_rate")] = 0.9
     result = server_merge(edges, schema, RoundConfig(), embed=embed, noise_scales=scales)
     weather = {m.tool_id: m.stats for m in result.compendium.metadata}["weather"]
@@ -1317,8 +1353,8 @@ def test_under_a_robust_rule_no_released_statistic_is_one_the_global_would_withh
 ):
     """With a robust rule the edge's mean is trimmed: K − 2f of K values, noise Δ/((K−2f)·ε_j).
     Drowned fields were judged at Δ/(K·ε_j), so a field whose trimmed release spans its whole
-    range was still released and charged, and the global left it out: ε spent for nothing. Ten
-    clients at f share 0.2 (ε_j = 1/8): success_rate (range 1, Δ 1) keeps 6, scale 4/3 ≥ 1; an
+    clipping window was still released and charged, and the global left it out: ε spent for
+    nothing. Ten clients at f share 0.2 (ε_j = 1/8): success_rate (range 1, Δ 1) keeps 6, scale 4/3 ≥ 1; an
     edge of 9 would keep 7 (scale 8/7 ≥ 1), the most any edge of at most 10 keeps."""
     config = RoundConfig(epsilon=2.0, robust_rule=rule, trim_fraction=0.2)
     drowned = drowned_fields(schema, config, 10, 1)
@@ -1329,7 +1365,7 @@ def test_under_a_robust_rule_no_released_statistic_is_one_the_global_would_withh
                             drowned=drowned)
         specs = schema.fields_by_name
         assert not [(e.tool_id, e.field) for e in result.ledger
-                    if noise_dominated(e.noise_scale, specs[e.field].min, specs[e.field].max)]
+                    if noise_dominated(e.noise_scale, specs[e.field])]
     # the bound is the best any edge of at most K gets, not the K−2f of K itself: 9 keeps 7 of 9,
     # more than 10 keeps (6), so a field useful only at 7 kept is not drowned at K = 10
     assert max(k - 2 * byzantine_count(k, 0.2) for k in range(1, 11)) == 7
@@ -1516,7 +1552,7 @@ def test_the_noise_is_calibrated_to_the_window_the_clipping_guarantees(schema):
     [frequency] = [e for e in result.ledger if (e.tool_id, e.field) == ("weather", "frequency")]
     assert frequency.noise_scale == pytest.approx(1 / (k * eps_j))
     # the fields no release can make useful are judged by the same scale: with K·ε_j between 1
-    # and 2 a frequency's noise (1/(K·ε_j) < 1) no longer spans its range of 1
+    # and 2 a frequency's noise (1/(K·ε_j) < 1) no longer spans its window of 1
     narrow = Schema(tools=schema.tools[:1], numeric_fields=[schema.fields_by_name["frequency"]])
     assert drowned_fields(narrow, RoundConfig(epsilon=0.75), most_contributors=2,
                           edges=1) == frozenset()

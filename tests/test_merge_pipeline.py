@@ -24,7 +24,7 @@ from federation.models import (
     Round,
 )
 from routing.router import LinearHead
-from tests.merge_helpers import build_federation, plant_weather_conflict
+from tests.merge_helpers import RELEASING_CONFIG, build_federation, plant_weather_conflict
 from tests.merge_helpers import close_round as close
 
 pytestmark = pytest.mark.django_db
@@ -35,7 +35,7 @@ pytestmark = pytest.mark.django_db
 def test_full_round_publishes_global_with_embeddings_ledger_and_accuracy(
     probes, django_capture_on_commit_callbacks
 ):
-    round_, _ = build_federation()
+    round_, _ = build_federation(config=RELEASING_CONFIG)
     close(round_, django_capture_on_commit_callbacks)
     assert round_.state == "published", round_.failure_reason
     assert probes == 6
@@ -78,20 +78,23 @@ def test_full_round_publishes_global_with_embeddings_ledger_and_accuracy(
     # each edge releases every registry tool x declared field (what clients reported or not:
     # the released set must not reveal which tools were used), over all its K submissions, but
     # for the fields no release of the round could make useful: with at most 2 clients an edge
-    # and 2 edges at ε_j = 1/12, only calls (range 1000, Δ = 50) has noise narrower than its range
+    # and 2 edges at ε_j = 1/2, 1/(K·ε_j·√E) = 1/√2 < 1, so none (the ratio of the noise to a
+    # field's clipping window is the same for every field: all are drowned or none)
     ledger = PrivacyLedgerEntry.objects.filter(round=round_)
     schema = pipeline.current_schema()
     keys = sorted((t.tool_id, f.name) for t in schema.tools for f in schema.numeric_fields)
     drowned = drowned_fields(schema, pipeline._config(round_), 2, 2)
-    assert drowned == {"success_rate", "frequency", "latency_ms"}
+    assert drowned == frozenset()
+    assert drowned_fields(schema, pipeline._config(round_).model_copy(update={"epsilon": 1.0}),
+                          2, 2) == {f.name for f in schema.numeric_fields}
     assert sorted((e.organization.slug, e.tool_id, e.field) for e in ledger) == [
         (org, *key) for org in ("acme", "globex") for key in keys if key[1] not in drowned
     ]
     assert MergeRecord.objects.get(round=round_, organization__slug="acme").stats[
         "fields_not_released"] == sorted(drowned)
     acme_calls = ledger.get(organization__slug="acme", tool_id="weather", field="calls")
-    assert acme_calls.contributors == 2 and acme_calls.epsilon == pytest.approx(1 / len(keys))
-    assert acme_calls.noise_scale == pytest.approx(50 / (2 / len(keys)))
+    assert acme_calls.contributors == 2 and acme_calls.epsilon == pytest.approx(0.5)
+    assert acme_calls.noise_scale == pytest.approx(50 / (2 * 0.5))
     # The server averages the edges' releases (weighted by users) and publishes the average
     # without the digits below its own noise, as each edge does: the scale of Σ w_i·x_i / W is
     # √(Σ (w_i·b_i)²) / W, kept to a hundredth of its order of magnitude.
@@ -119,10 +122,11 @@ def test_full_round_publishes_global_with_embeddings_ledger_and_accuracy(
     assert acme_record.stats["summaries"] == {"centroid": 1}
     assert acme_record.stats["summarizer_fallbacks"] == []
     report = accounting.privacy_report()
-    # max over the two edges, one round: 1 of the 4 fields released, ε·1/4
-    assert report.federation.epsilon == pytest.approx(0.25)
+    # max over the two edges, one round: every field released, the round's ε
+    assert report.federation.epsilon == pytest.approx(4.0)
 
 
+@pytest.mark.usefixtures("every_field_released")
 def test_edge_merge_is_idempotent(probes):
     round_, clients = build_federation(state="merging")
     org = clients[("acme", "a1")].organization
@@ -131,9 +135,11 @@ def test_edge_merge_is_idempotent(probes):
     assert first.sha256 == second.sha256
     assert CompendiumVersion.objects.filter(kind="edge", round=round_).count() == 1
     schema = pipeline.current_schema()
-    assert PrivacyLedgerEntry.objects.filter(round=round_).count() == len(schema.tools)  # calls
+    assert PrivacyLedgerEntry.objects.filter(round=round_).count() == len(schema.tools) * len(
+        schema.numeric_fields)
 
 
+@pytest.mark.usefixtures("every_field_released")
 def test_a_retry_over_changed_inputs_is_a_new_release_with_fresh_noise(probes):
     """The same noise over other inputs would give away the difference (three clients' average
     and two clients' average under one draw yield the third client's value): an edge merge run
@@ -167,6 +173,7 @@ def test_a_retry_over_changed_inputs_is_a_new_release_with_fresh_noise(probes):
     assert sorted(set(releases.values_list("release", flat=True))) == [0, 1, 2]
 
 
+@pytest.mark.usefixtures("every_field_released")
 def test_a_retry_after_an_organizations_clients_were_all_revoked_publishes_nothing_of_theirs(
     probes
 ):
@@ -315,13 +322,14 @@ def test_budget_cap_fails_round_before_any_merge(settings, django_capture_on_com
     assert not PrivacyLedgerEntry.objects.exists()
 
 
+@pytest.mark.usefixtures("every_field_released")
 def test_merged_round_is_counted_once_ledger_not_reservation(
     settings, django_capture_on_commit_callbacks
 ):
     """A round is reserved at its projected spend until its edges release, then counted by its
     ledger rows only; a cap of exactly one round lets it through (no double count). The
-    projection is an upper bound: it reserves every declared field, and the edges then release
-    calls alone (the other fields drowned at 2 clients an edge), ε·1/4."""
+    projection is an upper bound: it reserves every declared field (here the edges release them
+    all, so the two agree)."""
     settings.SYNAPSE_EPSILON_BUDGET = 1.0
     round_, _ = build_federation(config={"epsilon": 1.0, "field_cap": 2, "summarizer": "none"})
     assert accounting.commitments().reserved == {round_.pk: pytest.approx(1.0)}
@@ -330,17 +338,18 @@ def test_merged_round_is_counted_once_ledger_not_reservation(
     assert round_.state == "published", round_.failure_reason
     committed = accounting.commitments()
     assert committed.reserved == {}
-    assert committed.recorded == {round_.pk: pytest.approx(0.25)}
-    assert accounting.committed_composition().epsilon == pytest.approx(0.25)
+    assert committed.recorded == {round_.pk: pytest.approx(1.0)}
+    assert accounting.committed_composition().epsilon == pytest.approx(1.0)
     assert accounting.projected_round_spend(round_.config) >= committed.recorded[round_.pk]
-    exceeded, projected = accounting.would_exceed(0.75 + 1e-3)
+    exceeded, projected = accounting.would_exceed(1e-3)
     assert exceeded and projected.epsilon == pytest.approx(1.001)
-    assert not accounting.would_exceed(0.75)[0]
+    assert not accounting.would_exceed(0.0)[0]
 
 
+@pytest.mark.usefixtures("every_field_released")
 def test_edge_refuses_release_over_remaining_budget(settings):
     """The operator-level guard too: a release above what is left is refused before noise."""
-    settings.SYNAPSE_EPSILON_BUDGET = 0.2  # the release needs 0.25 (calls alone)
+    settings.SYNAPSE_EPSILON_BUDGET = 0.9  # the release needs 1 (every field)
     round_, _ = build_federation(state="merging", config={"epsilon": 1.0})
     org = CompendiumVersion.objects.filter(kind="client", round=round_).first().client.organization
     with pytest.raises(pipeline.BudgetExceeded, match="epsilon budget"):
@@ -385,6 +394,7 @@ def test_conflicts_are_logged_and_become_next_round_precautions(
                "has_city is false" in t for t in texts), texts
 
 
+@pytest.mark.usefixtures("every_field_released")
 def test_erasure_rematerializes_without_the_client_and_keeps_the_ledger(
     probes, django_capture_on_commit_callbacks
 ):
@@ -418,6 +428,7 @@ def test_erasure_rematerializes_without_the_client_and_keeps_the_ledger(
     assert accounting.privacy_report().federation.epsilon >= spent_before
 
 
+@pytest.mark.usefixtures("every_field_released")
 def test_an_erasure_release_is_checked_again_under_the_budget_lock(
     probes, django_capture_on_commit_callbacks, monkeypatch
 ):
@@ -924,6 +935,7 @@ def _round_with(number, client, text, capture, **config):
     return round_
 
 
+@pytest.mark.usefixtures("every_field_released")
 def test_erasure_merges_again_the_later_edges_that_made_precautions_of_its_conflicts(
     django_capture_on_commit_callbacks,
 ):

@@ -28,7 +28,7 @@ from federation import pipeline
 from federation.merge import drowned_fields
 from federation.models import PrivacyLedgerEntry, Round
 from federation.signals import round_closed
-from tests.merge_helpers import build_federation
+from tests.merge_helpers import RELEASING_CONFIG, build_federation
 
 ROOT = Path(__file__).resolve().parent.parent
 BROKER = "redis://127.0.0.1:6379/7"
@@ -141,16 +141,16 @@ def _wait_for_round(info: dict, timeout: float = 600) -> str:
 
 def _released_per_round() -> int:
     """Two edges, each releasing every registry tool x declared numeric field that a release of
-    the round can make useful (at most 2 clients an edge, 2 edges: calls alone)."""
+    the round can make useful (at most 2 clients an edge, 2 edges, RELEASING_CONFIG: all)."""
     schema = pipeline.current_schema()
     config = pipeline._config(Round.objects.get())
     drowned = drowned_fields(schema, config, 2, 2)
-    assert drowned == {"success_rate", "frequency", "latency_ms"}
+    assert drowned == frozenset()
     return 2 * len(schema.tools) * (len(schema.numeric_fields) - len(drowned))
 
 
 def test_full_round_on_a_real_worker(worker):
-    round_, _ = build_federation()
+    round_, _ = build_federation(config=RELEASING_CONFIG)
     info = _close_round(round_)
     assert len(info["organizations"]) == 2 and len(info["edge_tasks"]) == 2
     sha = _wait_for_round(info)
@@ -163,7 +163,7 @@ def test_full_round_on_a_real_worker(worker):
 
 
 def test_worker_killed_mid_merge_yields_the_same_global_compendium(worker):
-    round_, clients = build_federation()
+    round_, clients = build_federation(config=RELEASING_CONFIG)
     info = _close_round(round_)
     worker.wait_for("edge merge started")
     killed = worker.kill_pool_child()

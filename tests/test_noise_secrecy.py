@@ -35,6 +35,7 @@ def _public_seed(config: dict, number: int, slug: str, release: int) -> np.rando
     return np.random.SeedSequence([RoundConfig(**config).seed, number, slug_int, release])
 
 
+@pytest.mark.usefixtures("every_field_released")  # one client at Globex: b = 600, 12 × the window
 def test_a_client_of_another_organization_cannot_remove_an_edges_noise(
     settings, django_capture_on_commit_callbacks,
 ):
@@ -110,6 +111,7 @@ def test_the_edge_seed_needs_the_servers_secret(settings):
     assert draw() != first
 
 
+@pytest.mark.usefixtures("every_field_released")
 def test_a_replay_under_another_noise_secret_is_a_new_release(probes, settings):
     """A replay (a retry, an erasure's reader) draws its release's noise again from the seed,
     secret included. After the secret changed (SECRET_KEY rotated, SYNAPSE_NOISE_SECRET unset)

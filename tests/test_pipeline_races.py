@@ -66,6 +66,7 @@ def later_round(number, text, tool="flights", client="g1"):
 # --- A: a release's noise is replayed over exactly that release's inputs -------------------------
 
 
+@pytest.mark.usefixtures("every_field_released")
 def test_a_retry_after_a_withheld_re_release_does_not_replay_the_first_releases_noise(
     probes, settings
 ):

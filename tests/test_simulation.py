@@ -85,7 +85,7 @@ def test_demo_rounds_refuse_a_count_below_one(tiny_dataset, flags, message):
 
 @pytest.mark.django_db(transaction=True)
 def test_demo_rounds_publish_through_the_real_pipeline(tiny_dataset):
-    from compendium.models import CompendiumVersion
+    from compendium.models import CompendiumVersion, NumericField
     from federation.models import ConflictLogEntry, PrivacyLedgerEntry, Round, Submission
     from federation.services import bootstrap_demo_federation
 
@@ -106,19 +106,24 @@ def test_demo_rounds_publish_through_the_real_pipeline(tiny_dataset):
     assert [r.number for r in published] == [1, 2]
     assert Round.objects.filter(state="open").count() == 1
     for rnd in published:
-        assert 0 < CompendiumVersion.objects.filter(kind="client", round=rnd).count() <= 6
+        assert 0 < CompendiumVersion.objects.filter(kind="client", round=rnd).count() <= 24
         glob = CompendiumVersion.objects.get(kind="global", round=rnd)
         assert glob.entry_counts["scenarios"] > 0
         # Sent as `synapse-client submit --since` sends: dcz, read back by the server's decoder.
         sent = Submission.objects.filter(round=rnd)
         assert {s.content_encoding for s in sent} == {"dcz"}
         assert all(0 < s.wire_bytes < s.version.size_bytes for s in sent)
-    # The demo's field cap lets the edges release the call counts, so the privacy ledger a new
-    # user opens has rows; without it no field would be released with two clients an edge.
+    # The demo's eight clients an organization, field cap and ε = 2 let the edges release every
+    # field with noise narrower than its clipping window, so the privacy ledger a new user opens
+    # has rows; with two clients an edge no field would be released (noise 2.3 times the window).
+    fields = set(NumericField.objects.values_list("name", flat=True))
     for rnd in published:
-        assert rnd.config["field_cap"] == 1 and "calls" not in rnd.fields_not_released
+        assert rnd.config["field_cap"] == 1 and rnd.config["epsilon"] == 2.0
+        assert rnd.fields_not_released == []
         released = PrivacyLedgerEntry.objects.filter(round=rnd)
-        assert released.exists() and set(released.values_list("field", flat=True)) == {"calls"}
+        assert released.exists() and set(released.values_list("field", flat=True)) == fields
+        for entry in released:
+            assert entry.noise_scale < entry.sensitivity  # narrower than the window
     spent = PrivacyLedgerEntry.objects.count()
     # Restarting the demo spends no more budget.
     call_command("demo_rounds", "--dataset", str(tiny_dataset), "--rounds", "2")

@@ -48,7 +48,8 @@ def test_current_schema_reflects_registry_and_declared_fields(stored_registry):
 def test_client_submission_round_trip(stored_registry, valid_doc, round1):
     org = Organization.objects.create(name="Acme", slug="acme")
     client = Client.objects.create(organization=org, name="c1")
-    valid_doc["metadata"][0]["stats"].update({"success_rate": 0.9, "latency_ms": 320})
+    valid_doc["metadata"][0]["stats"].update({"calls": 12, "success_rate": 0.9, "latency_ms": 320})
+    valid_doc["metadata"][1]["stats"]["calls"] = 3
     compendium = load_valid_compendium(valid_doc, stored_registry)
     version = store_compendium(compendium, kind="client", round=round1, client=client)
     version.refresh_from_db()
@@ -129,6 +130,7 @@ def test_deleting_client_versions_cascades_as_the_orm_would(stored_registry, val
 
     org = Organization.objects.create(name="Acme", slug="acme")
     client, other = (Client.objects.create(organization=org, name=n) for n in ("c1", "c2"))
+    valid_doc["metadata"][0]["stats"]["calls"] = 12  # a statistic, to cascade
     compendium = load_valid_compendium(valid_doc, stored_registry)
     # With entry rows and a source link both ways: everything hanging on the version goes.
     gone = store_compendium(compendium, kind="client", round=round1, client=client)

@@ -128,7 +128,8 @@ class RoundSerializer(serializers.ModelSerializer):
         child=serializers.CharField(), read_only=True,
         help_text="the numeric fields the round's edges do not release, fixed when it opened (no "
         "release of it could make them useful with the clients approved then: the noise would "
-        "span each field's range); a client need not compute or send them",
+        "be at least as wide as each field's clipping window [min, min(max, min + Δ)]); a client "
+        "need not compute or send them",
     )
 
     probe_accuracy = serializers.SerializerMethodField(

@@ -35,6 +35,7 @@ from django.utils import timezone
 from django.utils.safestring import SafeString
 from plotly.colors import qualitative
 
+from compendium.clipping import clip_bound
 from compendium.models import (
     AnnexEntry,
     CompendiumVersion,
@@ -45,10 +46,12 @@ from compendium.models import (
     TemplateEntry,
     Tool,
 )
+from compendium.services import numeric_field_spec
 from federation.dashboard.plots import count_axis, literal, render_figure, right_axis, styled
-from federation.merge.operator import noise_dominated
+from federation.merge.operator import noise_dominated, noise_to_window, published_noise_to_window
 from federation.merge.summarize import LLM_SUMMARIZERS, summary_counts
 from federation.models import AuditLog, Client, PrivacyLedgerEntry, Round
+from federation.round_config import RoundConfig
 from federation.simulation.report import summarize_transfer
 from federation.simulation.runner import (
     CAMOUFLAGED_MODES,
@@ -548,11 +551,13 @@ def compendium_page(
     for t in TemplateEntry.objects.filter(version=version, tool_id__in=tool_ids).order_by("signature"):
         cards[t.tool_id].templates.append(t)
     fields = {f.name: f for f in NumericField.objects.all()}
+    specs = {name: numeric_field_spec(f) for name, f in fields.items()}
     scales, rounds = _releases(version, {t.pk: t.tool_id for t in tools}, release_organizations)
     for s in StatEntry.objects.filter(version=version, tool_id__in=tool_ids).order_by("field"):
         spec = fields.get(s.field)
         noise = scales.get((s.tool_id, s.field), [])  # s.tool_id: the Tool's pk
         released = rounds.get((s.tool_id, s.field))
+        window = clip_bound(specs[s.field]) if spec else None
         cards[s.tool_id].stats.append(
             {
                 "field": s.field,
@@ -566,10 +571,17 @@ def compendium_page(
                 "noise_scale": min(noise) if noise else None,
                 "noise_scale_max": max(noise) if noise else None,
                 "edges": len(noise),
-                # A single edge's noise spans the field's whole range: the clipped value sits
-                # anywhere in it whatever the clients reported.
+                # The clipping window [min, min(max, min + Δ)] every figure is clamped to, whose
+                # width the noise is calibrated to (None: the field is no longer declared)
+                "window": (window.lo, window.hi) if window else None,
+                # A single edge's noise is at least as wide as that window: the clamped value
+                # lands anywhere in it whatever the clients reported.
                 "noise_dominated": bool(noise and spec and noise_dominated(
-                    min(noise), spec.min_value, spec.max_value)),
+                    min(noise), specs[s.field])),
+                # b / window: about this many times the ε, or the clients per edge, would
+                # bring the noise under the window
+                "noise_to_window": (noise_to_window(min(noise), specs[s.field])
+                                    if noise and spec else None),
             }
         )
     by_term = defaultdict(list)
@@ -757,11 +769,44 @@ def server_merge_summaries(version: CompendiumVersion, *, operator: bool) -> dic
     record = MergeRecord.objects.filter(round=version.round, organization__isnull=True).first()
     if record is None:
         return None
-    not_released = not_released_fields(Round.objects.filter(pk=version.round_id))
+    rows = not_released_fields(Round.objects.filter(pk=version.round_id))
+    not_released = rows[0][1] if rows else []
+    # How far the noise was from releasable follows from the largest organization's K: the
+    # operator's to know (an organization's people do not see another edge's K).
+    ratio = not_released_noise_to_window(version.round) if operator and not_released else None
+    epsilon = RoundConfig.from_stored(version.round.config).epsilon
     return {**_summary_figures(record.stats, reason="reason" if operator else "kind"),
             "conflicts": record.stats.get("conflicts") or 0,
             "stats_withheld": record.stats.get("stats_withheld") or 0,
-            "fields_not_released": not_released[0][1] if not_released else []}
+            "fields_not_released": not_released,
+            "not_released_noise_to_window": ratio,
+            # more than this ε per round (or ratio times the clients per organization) would
+            # have released them
+            "releasable_epsilon": ratio * epsilon if ratio is not None else None}
+
+
+def not_released_noise_to_window(round_: Round) -> float | None:
+    """For a round whose edges released no numeric field (`merge.drowned_fields`): how many
+    times its clipping window the narrowest published noise would have been
+    (`merge.operator.published_noise_to_window`), from its edges' merge records (the most
+    submissions one organization merged, how many organizations merged) and its configuration,
+    against the schema in force now. The noise falls as 1/ε and 1/K, so more than that many
+    times the round's ε, or about that many times the clients per organization, would have
+    released them. None without edge records."""
+    from federation.models import MergeRecord
+    from federation.submissions import schema_in_force
+
+    per_organization: dict[int, int] = {}
+    for organization, stats in MergeRecord.objects.filter(
+        round=round_, organization__isnull=False
+    ).values_list("organization", "stats"):
+        inputs = (stats or {}).get("inputs")  # the source ids the edge merged
+        count = len(inputs) if isinstance(inputs, list) else int(inputs or 0)
+        per_organization[organization] = max(per_organization.get(organization, 0), count)
+    return published_noise_to_window(
+        schema_in_force(), RoundConfig.from_stored(round_.config),
+        max(per_organization.values(), default=0), len(per_organization),
+    )
 
 
 def _summary_figures(stats: dict, reason: str = "reason") -> dict:

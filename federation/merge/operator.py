@@ -22,6 +22,7 @@ from compendium.clipping import clip_bound
 from compendium.schema import (
     AnnexTriple,
     Compendium,
+    NumericFieldSpec,
     Precaution,
     PromptTemplate,
     Scenario,
@@ -607,7 +608,7 @@ def _merge_metadata(accepted, schema, config, seed, epsilon_remaining, noise, re
         w = np.asarray(weights[key])
         value = float(np.dot(np.asarray(values[key]), w) / w.sum())
         scale = _average_noise_scale(scales[key], w)
-        if noise_dominated(scale, spec.min, spec.max):
+        if noise_dominated(scale, spec):
             withheld += 1
             continue
         # Each edge's figure lies in the field's clipping window, so their average does too
@@ -623,40 +624,76 @@ def _merge_metadata(accepted, schema, config, seed, epsilon_remaining, noise, re
     return metadata, [], withheld
 
 
-def noise_dominated(scale: float | None, low: float, high: float) -> bool:
-    """Whether Laplace noise of `scale` spans a field's whole declared range [low, high]: the released
-    value, clipped into the range, then says nothing about the tool (it lands near either end
-    whatever the clients reported). The global compendium leaves such a figure out (dropping a
-    released value is post-processing: the ε stays spent, the ledger keeps it); the edges' own
-    releases keep theirs, since the server's average over edges can narrow them."""
-    return scale is not None and scale >= high - low
+def noise_to_window(scale: float | None, spec: NumericFieldSpec) -> float | None:
+    """Laplace noise of `scale` as a multiple of the field's clipping window
+    [min, min(max, min + Δ)] (`clip_bound`), the interval every client's value is clipped to and
+    every released figure clamped to, whose width the noise is calibrated to (b = w/(K·ε_j)).
+    None when the scale is not known. The scale falls as 1/ε and 1/K, so a ratio r ≥ 1 says
+    roughly r times the ε per round, or r times the clients per edge, would bring it under the
+    window."""
+    if scale is None:
+        return None
+    return scale / clip_bound(spec).width
+
+
+def noise_dominated(scale: float | None, spec: NumericFieldSpec) -> bool:
+    """Whether Laplace noise of `scale` is at least as wide as the field's clipping window (not
+    its declared range: `calls` declares [0, 1000] but every figure lies in [0, Δ = 50]). The
+    released value, clamped into the window, then says nothing about the tool: it lands near
+    either end whatever the clients reported. The global compendium leaves such a figure out
+    (dropping a released value is post-processing: the ε stays spent, the ledger keeps it); the
+    edges' own releases keep theirs, since the server's average over edges can narrow them."""
+    return scale is not None and scale >= clip_bound(spec).width
+
+
+def _narrowest_published_scales(
+    schema: Schema, config: RoundConfig, most_contributors: int, edges: int
+) -> list[tuple[NumericFieldSpec, float]]:
+    """(field, scale) of the narrowest noise a round's published figure of each declared field
+    can carry: from an edge of `most_contributors` (an upper bound on any edge's K; under a
+    robust rule the most values any edge's trimmed mean keeps, `robust.most_kept`) averaged over
+    `edges` edges with equal weights (Σ w_i² ≥ 1/E: the narrowest the server's average gets).
+    ε_j is the one each released statistic gets whatever is skipped (over the registry's T·F
+    statistics, or 2·F*·F under a field cap). Empty when no release is possible."""
+    fields = list(schema.numeric_fields)
+    if not fields or not schema.tools or most_contributors < 1 or edges < 1:
+        return []
+    eps_j = config.per_field_epsilon(len(schema.tools) * len(fields), fields_per_tool=len(fields))
+    # Under a robust rule an edge averages the K − 2f values its trimmed mean keeps.
+    kept = (most_contributors if config.robust_rule == "none"
+            else most_kept(most_contributors, config.trim_fraction))
+    return [(spec, laplace_scale(clip_bound(spec).width, kept, eps_j) / math.sqrt(edges))
+            for spec in fields]
+
+
+def published_noise_to_window(
+    schema: Schema, config: RoundConfig, most_contributors: int, edges: int
+) -> float | None:
+    """The narrowest noise a round's published figures can carry (`_narrowest_published_scales`)
+    as a multiple of their clipping window (`noise_to_window`), the largest over the declared
+    fields. The noise is calibrated to each field's window, so it is 1/(K·ε_j·√E) for every
+    field. None when no release is possible (no field, tool or client)."""
+    ratios = [noise_to_window(scale, spec)
+              for spec, scale in _narrowest_published_scales(schema, config, most_contributors,
+                                                             edges)]
+    return max(ratios, default=None)
 
 
 def drowned_fields(
     schema: Schema, config: RoundConfig, most_contributors: int, edges: int
 ) -> frozenset[str]:
     """The numeric fields that no release of a round can make useful: even from the edge with the
-    most contributors (`most_contributors`, an upper bound on any edge's K; under a robust rule
-    the most values any edge's trimmed mean keeps, `robust.most_kept`) and averaged over
-    `edges` edges at best (equal weights, the narrowest the server's average gets: Σ w_i² ≥ 1/E),
-    the published figure's noise spans the field's range (`noise_dominated`), so the global
-    compendium would leave it out. Edges do not release these (no noise drawn, no ε spent, no
-    ledger row): the decision depends on counts and the configuration only, never on a value.
-    ε_j is the one each released statistic gets whatever is skipped (over the registry's T·F
-    statistics, or 2·F*·F under a field cap), so skipping does not change any other figure."""
-    fields = list(schema.numeric_fields)
-    if not fields or not schema.tools or most_contributors < 1 or edges < 1:
-        return frozenset()
-    eps_j = config.per_field_epsilon(len(schema.tools) * len(fields), fields_per_tool=len(fields))
-    # Under a robust rule an edge averages the K − 2f values its trimmed mean keeps.
-    kept = (most_contributors if config.robust_rule == "none"
-            else most_kept(most_contributors, config.trim_fraction))
+    most contributors and averaged over `edges` edges at best (`_narrowest_published_scales`),
+    the published figure's noise is at least as wide as the field's clipping window
+    (`noise_dominated`), so the global compendium would leave it out. Edges do not release these
+    (no noise drawn, no ε spent, no ledger row): the decision depends on counts and the
+    configuration only, never on a value. Skipping a field does not change ε_j, so it does not
+    change any other figure. The noise is calibrated to the window, so its ratio to the window,
+    1/(K·ε_j·√E), is the same for every field: a round drowns all of them or none."""
     return frozenset(
-        spec.name for spec in fields
-        if noise_dominated(
-            laplace_scale(clip_bound(spec).width, kept, eps_j) / math.sqrt(edges),
-            spec.min, spec.max,
-        )
+        spec.name
+        for spec, scale in _narrowest_published_scales(schema, config, most_contributors, edges)
+        if noise_dominated(scale, spec)
     )
 
 
