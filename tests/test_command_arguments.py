@@ -390,3 +390,32 @@ def test_simulate_refuses_an_out_that_is_a_pipe_before_running(tmp_path, linked)
         run("simulate", "--dataset", str(tmp_path / "none"), "--in-memory", "--out", str(out))
     assert stat.S_ISFIFO(os.stat(fifo).st_mode)
 
+
+
+def test_tune_router_says_a_router_tuned_before_was_not_tuned_again(settings, tmp_path):
+    """A second `make demo` runs `tune_router` on a global tuned by the first: it printed
+    "routing encoder tuned on N texts, … 1649 s" as if it had just tuned for half an hour. It now
+    says the router was already tuned, when, and how to tune it again."""
+    import datetime as dt
+
+    from django.utils import timezone
+
+    from compendium.models import CompendiumVersion
+    from routing.models import TunedRouter
+
+    published_global(settings, tmp_path)
+    version = CompendiumVersion.objects.get(kind=CompendiumVersion.Kind.GLOBAL)
+    folder = tmp_path / "routers" / "round-1"
+    folder.mkdir(parents=True)
+    finished = timezone.now() - dt.timedelta(hours=1)
+    TunedRouter.objects.create(
+        version=version, state=TunedRouter.State.READY, epochs=1, directory=str(folder), rows=40,
+        seconds=1649.0, device="cpu", probe_accuracy=0.9, frozen_probe_accuracy=0.8,
+        finished_at=finished,
+    )
+    out = run("tune_router", "--epochs", "1")
+    assert out.startswith("round 1: routing encoder already tuned at ")
+    assert finished.strftime("%Y-%m-%d %H:%M") in out
+    assert "(40 texts, 1 epoch(s) on cpu, 1649 s; probe top-1 (held half) 0.900 tuned, " in out
+    assert "--force tunes it again" in out
+    assert TunedRouter.objects.get().finished_at == finished  # nothing was tuned

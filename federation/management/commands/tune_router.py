@@ -1,4 +1,5 @@
 from django.core.management.base import BaseCommand, CommandError
+from django.utils import timezone
 
 from federation.tuning import TuningError, tune_epochs, tune_published_router
 from routing.services import published_global_version
@@ -22,6 +23,7 @@ class Command(BaseCommand):
         if version is None:
             raise CommandError("no global compendium is published yet: nothing to tune")
         epochs = epochs if epochs is not None else (tune_epochs() or 1)
+        started = timezone.now()
         try:
             record = tune_published_router(version.pk, epochs, force=force)
         except TuningError as exc:
@@ -34,11 +36,22 @@ class Command(BaseCommand):
             )
         if record.state != record.State.READY:
             raise CommandError(f"round {version.round.number}: tuning {record.state}: {record.detail}")
+        figures = (
+            f"{record.rows} texts, {record.epochs} epoch(s) on "
+            f"{record.device or 'an unrecorded device'}, {record.seconds:.0f} s; probe top-1 "
+            f"(held half) {_pct(record.probe_accuracy)} tuned, "
+            f"{_pct(record.frozen_probe_accuracy)} frozen"
+        )
+        if record.finished_at is not None and record.finished_at < started:
+            # Ready before this call (a restarted `make demo`): nothing was tuned now.
+            self.stdout.write(
+                f"round {version.round.number}: routing encoder already tuned at "
+                f"{record.finished_at:%Y-%m-%d %H:%M} UTC ({figures}); in {record.directory}; "
+                "--force tunes it again"
+            )
+            return
         self.stdout.write(
-            f"round {version.round.number}: routing encoder tuned on {record.rows} texts, "
-            f"{record.epochs} epoch(s) on {record.device or 'an unrecorded device'}, "
-            f"{record.seconds:.0f} s; probe top-1 (held half) "
-            f"{_pct(record.probe_accuracy)} tuned, {_pct(record.frozen_probe_accuracy)} frozen; "
+            f"round {version.round.number}: routing encoder tuned on {figures}; "
             f"saved in {record.directory}"
         )
 
