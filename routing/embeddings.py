@@ -52,6 +52,11 @@ BF16_MODEL = BF16_PREFIX + "all-MiniLM-L6-v2"
 DEFAULT_QUERY_MODEL = ONNX_INT8_DYNAMIC_MODEL
 
 
+# What a model that cannot be loaded is told when the setting named it; a caller whose own flag
+# named it (`federation.simulation.runner.unavailable_model`) says what the flag takes instead.
+SETTING_ADVICE = "Set SYNAPSE_EMBEDDING_MODEL to a local sentence-transformers model path"
+
+
 class EmbeddingModelUnavailable(RuntimeError):
     """The configured model cannot be loaded (one line: which model and how to fix it)."""
 
@@ -303,8 +308,7 @@ class EmbeddingEngine:
             first = next((line.strip() for line in str(exc).splitlines() if line.strip()), "")
             raise EmbeddingModelUnavailable(
                 f"cannot load embedding model {self.model_name!r}: {exc.__class__.__name__}: "
-                f"{first.rstrip('.')}. "
-                "Set SYNAPSE_EMBEDDING_MODEL to a local sentence-transformers model path"
+                f"{first.rstrip('.')}. {SETTING_ADVICE}"
             ) from None
         self.dimension = int(self._model.get_embedding_dimension())
         self.computed = 0  # texts actually run through the model (cache misses)

@@ -1112,6 +1112,17 @@ def test_an_embedding_model_that_cannot_load_is_said_in_one_line_naming_the_flag
     assert "\n" not in str(error.value)
 
 
+def test_a_flag_named_model_that_cannot_load_is_not_told_to_set_the_setting(tiny_dataset):
+    """The real loader ends its one line with "Set SYNAPSE_EMBEDDING_MODEL to a local ... path",
+    advice for the setting; a model named by a flag was told it too, before what the flag takes."""
+    with pytest.raises(CommandError) as error:
+        call_command("simulate", "--dataset", str(tiny_dataset), "--orgs", "2", "--clients-per-org",
+                     "2", "--no-store", "--in-memory", "--embedding-model", "/nonexistent/model-xyz")
+    message = str(error.value)
+    assert "/nonexistent/model-xyz" in message and "--embedding-model takes" in message
+    assert "SYNAPSE_EMBEDDING_MODEL" not in message and "\n" not in message
+
+
 def test_tools_that_are_never_tested_are_counted_on_stderr(tmp_path, capsys):
     folder = _small_dataset(tmp_path / "d", [("a", "x"), ("b", "y"), ("c", "z")], [20, 2, 1])
     with pytest.raises(CommandError, match="no-such-model-xyz"):  # after the warning, before a round

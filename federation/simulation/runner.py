@@ -65,7 +65,7 @@ from federation.simulation.metrics import (
     tokens,
 )
 from federation.simulation.through_services import ServiceRounds
-from routing.embeddings import EmbeddingModelUnavailable, get_engine
+from routing.embeddings import SETTING_ADVICE, EmbeddingModelUnavailable, get_engine
 from routing.router import RERANKERS, Router, fit_router
 
 METHODS = (
@@ -1044,8 +1044,9 @@ TRANSFER_MODEL_HINT = f"--transfer-models takes {MODEL_NAMES}"
 def unavailable_model(model: str, exc: Exception, hint: str) -> str:
     """One line for an embedding model that cannot be loaded: the first line of why (the
     loader's message may run over several), naming the model, then `hint` (what the flag that
-    named it takes)."""
-    first = (str(exc).splitlines() or [""])[0].rstrip(".")
+    named it takes), without the loader's advice to set SYNAPSE_EMBEDDING_MODEL: the flag, not
+    the setting, named this model."""
+    first = (str(exc).splitlines() or [""])[0].removesuffix(SETTING_ADVICE).rstrip(". ")
     if model not in first:
         first = f"embedding model {model!r}: {first}"
     return f"{first}; {hint}"
