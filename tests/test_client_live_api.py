@@ -239,16 +239,17 @@ def test_participate_runs_a_whole_client_round(live_server, world, tmp_path, cap
     tools = [s["tool_id"] for s in built["scenarios"]]
     assert main(["build", "--log", str(log), "--schema", str(state / "schema.json"), "--quiet",
                  "--lambda", "1.5", "--out", str(tmp_path / "all.json"),
-                 "--not-released", "frequency,latency_ms,success_rate"]) == 0
+                 "--not-released", "calls,frequency,latency_ms,success_rate"]) == 0
     everything = [s["tool_id"] for s in json.loads((tmp_path / "all.json").read_text())["scenarios"]]
     assert tools.count("flights") == everything.count("flights") > 0
     assert delta["scenarios_routed"] == delta["scenarios_covered"] > 0
     assert tools.count("weather") == everything.count("weather") - delta["scenarios_routed"]
     # the fields the open round will not release (two organizations of one approved client each:
-    # every field but calls drowns) are neither computed nor sent
+    # every field's noise would be wider than its clipping window) are neither computed nor sent
     expected = submissions.schema_in_force()
-    assert "the round will not release frequency, latency_ms, success_rate: not sent" in out
-    assert {name for m in built["metadata"] for name in m["stats"]} == {"calls"}
+    assert ("the round will not release calls, frequency, latency_ms, success_rate: not sent"
+            in out)
+    assert {name for m in built["metadata"] for name in m["stats"]} == set()
     assert set(expected.fields_by_name) == {"calls", "frequency", "latency_ms", "success_rate"}
     # The same usage again, naming fewer fields to leave out than the round does: the round's
     # are left out all the same (the same compendium), so the server replays, nothing stored twice.
@@ -270,6 +271,7 @@ def test_participate_runs_a_whole_client_round(live_server, world, tmp_path, cap
     assert "round 2: against the global of round 1, masking at λ = 1" in capsys.readouterr().out
 
 
+@pytest.mark.usefixtures("every_field_released")  # this round's statistics go
 def test_participate_sends_what_the_global_covers_when_the_round_does_not_carry_it_forward(
     live_server, world, tmp_path, capsys
 ):
@@ -313,6 +315,7 @@ def test_participate_sends_what_the_global_covers_when_the_round_does_not_carry_
     assert stored.content_encoding == "dcz"
 
 
+@pytest.mark.usefixtures("every_field_released")  # this round's statistics go
 def test_participate_does_not_send_again_what_it_sent_in_a_round_the_global_merged(
     live_server, world, tmp_path, capsys
 ):

@@ -30,7 +30,7 @@ def test_the_simulation_publishes_what_the_round_pipeline_publishes(tiny_dataset
     from compendium.registry import load_dataset
     from compendium.services import current_schema, load_compendium, seed_default_numeric_fields
     from federation import submissions
-    from federation.models import Client, Organization, Round
+    from federation.models import Client, FederationSettings, Organization, Round
     from federation.pipeline import import_probe_set
     from federation.services import Actor, close_round, open_round
     from federation.simulation.runner import Simulation, SimulationConfig
@@ -39,7 +39,15 @@ def test_the_simulation_publishes_what_the_round_pipeline_publishes(tiny_dataset
     call_command("import_tools", str(tiny_dataset), verbosity=0)
     seed_default_numeric_fields()  # transactional tests flush what the migration seeded
     dataset = load_dataset(str(tiny_dataset))
-    config = SimulationConfig(orgs=2, clients_per_org=2, rounds=3, baselines=False, diagnostics=False)
+    # ε = 16 over the 8 tools' 4 fields: ε_j = 1/2, so edges of 2 clients release every field
+    # (the noise 1/(K·ε_j·√E) = 0.71 of each clipping window); at ε = 1 none would be. Three
+    # rounds of it need a budget of 48.
+    from federation.services import get_settings
+
+    get_settings()
+    FederationSettings.objects.update(epsilon_budget=100.0)
+    config = SimulationConfig(orgs=2, clients_per_org=2, rounds=3, baselines=False, diagnostics=False,
+                              epsilon=16.0)
     sim = Simulation(dataset, current_schema(), get_engine(), config)
     setup = sim.prepare(1)
     outcomes = sim.federate(setup.shares, setup.logs, setup.split.probe, 1)

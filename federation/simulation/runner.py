@@ -28,6 +28,7 @@ import numpy as np
 from compendium import transport
 from compendium.builder import BuildOptions, build_compendium, shared_words
 from compendium.canonical import canonical_bytes
+from compendium.client_api import nothing_to_submit
 from compendium.delta import (
     DEFAULT_SINCE_CONFIDENCE,
     delta_since,
@@ -641,6 +642,9 @@ class Simulation:
         edges = []
         stats = {}
         scales: dict[str, dict[tuple[str, str], float]] = {}
+        # A client with nothing to submit sends nothing (`synapse-client participate`, and the
+        # rounds through the services): its edge neither counts it nor merges without senders.
+        sent = {client: c for client, c in sent.items() if not nothing_to_submit(c)}
         senders = Counter(s.organization for s in shares if s.client in sent)
         drowned = not_released | drowned_fields(
             self.schema, config, max(senders.values(), default=0), len(senders)
