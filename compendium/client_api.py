@@ -41,7 +41,7 @@ import shutil
 import stat
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from email.utils import parsedate_to_datetime
 from pathlib import Path
@@ -243,6 +243,20 @@ def http_date(value: str | None) -> dt.datetime | None:
         return None
     if when.tzinfo is None:  # "-0000": the date is in UTC, its zone not said
         when = when.replace(tzinfo=dt.UTC)
+    return when
+
+
+def answer_date(headers: Mapping[str, str]) -> dt.datetime | None:
+    """The server's clock when an answer reached us: its Date, plus its Age when a cache between
+    served it later (RFC 9111, 5.1: the seconds since the server made it; an Age that is not a
+    whole number >= 0 is ignored, as the RFC says). None without a usable Date."""
+    when = http_date(headers.get("Date"))
+    age = (headers.get("Age") or "").strip()
+    if when is not None and age.isascii() and age.isdigit():
+        try:
+            when += dt.timedelta(seconds=min(int(age), 2**31 - 1))  # RFC 9111: cap at 2^31
+        except OverflowError:  # a Date near year 9999: no later time to say
+            return None
     return when
 
 
@@ -467,7 +481,7 @@ class SynapseClient:
         doubling."""
         if response is not None and response.status_code in (429, 503):
             wait = retry_after_seconds(response.headers.get("Retry-After", ""),
-                                       now=http_date(response.headers.get("Date")))
+                                       now=answer_date(response.headers))
             if wait is not None:
                 return min(MAX_RETRY_AFTER_S, max(0.0, wait))
         return min(30.0, self.backoff * (2 ** min(attempt, 16)))  # 2**1025 is past a float
@@ -484,7 +498,7 @@ class SynapseClient:
             except httpx.RequestError as exc:  # network, or a body that does not decode (a proxy)
                 last = f"{exc.__class__.__name__}: {exc}" if str(exc) else exc.__class__.__name__
             else:
-                self.server_date = http_date(response.headers.get("Date"))
+                self.server_date = answer_date(response.headers)
                 if response.status_code < 500 and response.status_code != 429:
                     return response
                 last = f"HTTP {response.status_code}: {_detail(response)}"

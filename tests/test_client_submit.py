@@ -38,8 +38,10 @@ from compendium.client_api import (
     PrivacyViolation,
     SynapseClient,
     TextNotMasked,
+    answer_date,
     etag_file,
     head_file,
+    http_date,
 )
 from compendium.client_cli import main
 from compendium.schema import (
@@ -71,6 +73,9 @@ class ServerState:
     closes_at: str | None = None  # the open round's deadline (ISO 8601)
     # the server's clock minus this machine's, as its Date header gives it; None: no Date header
     clock_ahead_s: float | None = 0.0
+    # a cache between: the answer is served age_s seconds after the server made it, its Date that
+    # old, with an Age header saying so (RFC 9111); None: no cache, no Age header
+    age_s: int | None = None
     not_released: list[str] = field(default_factory=list)  # the open round's fields_not_released
     drop_next_posts: int = 0  # store, then close the connection without an answer
     fail_next_posts: int = 0  # answer fail_status before doing anything
@@ -110,7 +115,10 @@ def make_handler(state: ServerState):
             self.send_response_only(code, message)
             self.send_header("Server", self.version_string())
             if state.clock_ahead_s is not None:
-                self.send_header("Date", formatdate(time.time() + state.clock_ahead_s, usegmt=True))
+                made = time.time() + state.clock_ahead_s - (state.age_s or 0)
+                self.send_header("Date", formatdate(made, usegmt=True))
+            if state.age_s is not None:
+                self.send_header("Age", str(state.age_s))
 
         def _send(self, status: int, body: dict | None, headers: dict | None = None) -> None:
             data = json.dumps(body).encode() if body is not None else b""
@@ -1118,6 +1126,34 @@ def test_participate_judges_the_deadline_by_the_servers_clock(
     else:
         assert code == 0 and "submitted to round 4" in captured.out
         assert state.created == 1
+
+
+def test_a_cached_answer_s_date_is_aged_by_its_age_header(server, tmp_path, capsys):
+    """A cache between client and server serves an answer with the Date the server gave it when
+    it was made and an Age header counting the seconds since (RFC 9111, 5.1). The client took
+    that Date for the server's clock now: an answer an hour old made a round ten minutes past its
+    deadline look open, and participate built and sent for it. Date + Age is the server's clock."""
+    url, state = server
+    state.age_s = 3600
+    closes_at = dt.datetime.now(dt.UTC) - dt.timedelta(minutes=10)
+    state.closes_at = closes_at.isoformat()
+    folder = tmp_path / "state"
+    assert main(["participate", "--log", str(_one_line_log(tmp_path)), "--dir", str(folder),
+                 "--no-collapse", "--quiet", "--server", url, "--token", TOKEN,
+                 "--backoff", "0"]) == 1
+    assert capsys.readouterr().err.strip() == (
+        "synapse-client: the server has no round open for this submission: round 4 stopped "
+        f"taking submissions at its deadline ({closes_at.isoformat()}); it closes shortly")
+    assert state.posts == []
+
+
+@pytest.mark.parametrize(("age", "seconds"), [("30", 30), (" 7 ", 7), ("-5", 0), ("ten", 0),
+                                              ("1.5", 0), ("", 0), (None, 0)])
+def test_answer_date_adds_a_valid_age_and_ignores_any_other(age, seconds):
+    date = "Wed, 21 Oct 2015 07:28:00 GMT"
+    headers = {"Date": date} if age is None else {"Date": date, "Age": age}
+    assert answer_date(headers) == http_date(date) + dt.timedelta(seconds=seconds)
+    assert answer_date({"Age": "30"}) is None
 
 
 def test_participate_without_the_servers_date_judges_the_deadline_by_this_clock_and_says_so(
