@@ -49,6 +49,7 @@ from compendium.models import (
 from compendium.services import numeric_field_spec
 from federation.dashboard.plots import count_axis, literal, render_figure, right_axis, styled
 from federation.merge.operator import noise_dominated, noise_to_window, published_noise_to_window
+from federation.merge.robust import krum_premise_from
 from federation.merge.summarize import LLM_SUMMARIZERS, summary_counts
 from federation.models import AuditLog, Client, PrivacyLedgerEntry, Round
 from federation.round_config import RoundConfig
@@ -729,6 +730,9 @@ def organization_page(organization, actor, page=1, per_page=50) -> OrganizationP
                 "confusion_margin": stats.get("confusion_margin"),
                 "dropped_clients": [names.get(source, source)
                                     for source in stats.get("dropped_sources") or ()],
+                "krum_premise": krum_premise_note(
+                    stats, RoundConfig.from_stored(record.round.config), "the edge's clients"
+                ) if record else "",
                 **_summary_figures(stats),
             }
         )
@@ -778,6 +782,10 @@ def server_merge_summaries(version: CompendiumVersion, *, operator: bool) -> dic
     return {**_summary_figures(record.stats, reason="reason" if operator else "kind"),
             "conflicts": record.stats.get("conflicts") or 0,
             "stats_withheld": record.stats.get("stats_withheld") or 0,
+            # the operator chose the rule; the sizes count edges and their members
+            "krum_premise": krum_premise_note(
+                record.stats, RoundConfig.from_stored(version.round.config), "the edges"
+            ) if operator else "",
             "fields_not_released": not_released,
             "not_released_noise_to_window": ratio,
             # more than this ε per round (or ratio times the clients per organization) would
@@ -807,6 +815,34 @@ def not_released_noise_to_window(round_: Round) -> float | None:
         schema_in_force(), RoundConfig.from_stored(round_.config),
         max(per_organization.values(), default=0), len(per_organization),
     )
+
+
+def krum_premise_note(stats: dict, config: RoundConfig, sources: str) -> str:
+    """What a merge's record says of the groups Krum judged with fewer than 2f + 3 inputs
+    (`MergeStats.krum_below_premise`), where its guarantee does not hold, in a sentence for the
+    operator; "" where the round's rule is not Krum or there were none (a record from before the
+    count was kept has none). `sources`: what the merge's sources are ("the edge's clients")."""
+    count = stats.get("krum_below_premise") or 0
+    if config.robust_rule != "krum" or not count:
+        return ""
+    sizes = stats.get("krum_below_premise_sizes") or []
+    if len(sizes) == 1:
+        where = f" (n = {sizes[0]['n']}, f = {sizes[0]['f']})"
+    elif sizes:
+        where = " (" + "; ".join(f"{s['groups']} at n = {s['n']}, f = {s['f']}" for s in sizes) + ")"
+    else:
+        where = ""
+    try:
+        fraction = float(config.trim_fraction)
+        start = krum_premise_from(fraction)
+    except (TypeError, ValueError):  # a configuration recorded before the bounds: not said
+        start = None
+    share = (f" At this f share ({fraction:g}) every group of {start} or more inputs meets it."
+             if start else "")
+    return (f"Krum judged {count} group{'' if count == 1 else 's'} (a tool's batches across "
+            f"{sources}, or a scenario cluster's members) with fewer than 2f + 3 inputs{where}: "
+            f"its guarantee does not hold there.{share} The trimmed mean needs only n > 2f, which "
+            f"every group meets.")
 
 
 def _summary_figures(stats: dict, reason: str = "reason") -> dict:
