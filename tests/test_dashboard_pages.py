@@ -473,6 +473,33 @@ def test_a_rounds_own_url_does_not_open_a_round(client, fed):
     assert Round.objects.count() == before
 
 
+def test_the_round_form_notes_krum_s_premise_and_warns_where_an_edge_falls_below_it(client, fed):
+    """The form says what Krum's guarantee needs (n ≥ 2f + 3); under Krum, the open round and the
+    form's defaults name the organizations whose approved clients make a tool's group below it
+    (Org A, 4 clients at 0.25: f = 1, 4 < 5; Org B's one client is not judged). Nothing under the
+    trimmed mean."""
+    for name in ("a2", "a3", "a4"):
+        services.approve_client(SYSTEM, services.enroll_client(SYSTEM, fed.org_a, name))
+    r2 = Round.objects.get(number=2)
+    warning = ("Krum at an f share of 0.25: a tool every approved client of an edge reports is "
+               "judged below its premise n ≥ 2f + 3, where its guarantee does not hold, at "
+               "Org A (n = 4, f = 1).")
+    for rule in ("krum", "trimmed-mean"):
+        Round.objects.filter(pk=r2.pk).update(state=Round.State.OPEN, config={
+            "epsilon": 1.0, "robust_rule": rule, "trim_fraction": 0.25})
+        page = html.unescape(login(client, fed, "operator").get(
+            reverse("dashboard:overview")).content.decode())
+        said = re.search(r'<p class="hint" id="open-krum-warning">(.*?)</p>', page)
+        assert (said.group(1) if said else None) == (warning if rule == "krum" else None)
+        Round.objects.filter(pk=r2.pk).update(state=Round.State.PUBLISHED)
+        page = html.unescape(client.get(reverse("dashboard:overview")).content.decode())
+        help_ = re.search(r'<p class="meta" id="robust-rule-help">(.*?)</p>', page).group(1)
+        assert "Krum's guarantee needs n ≥ 2f + 3" in help_
+        assert "The trimmed mean needs only n > 2f" in help_
+        said = re.search(r'<p class="hint" id="krum-warning">(.*?)</p>', page)
+        assert (said.group(1) if said else None) == (warning if rule == "krum" else None)
+
+
 def test_round_form_rejects_bad_config_naming_the_field(client, fed):
     login(client, fed, "operator")
     services.close_round(SYSTEM, Round.objects.get(number=2))

@@ -49,7 +49,7 @@ from compendium.models import (
 from compendium.services import numeric_field_spec
 from federation.dashboard.plots import count_axis, literal, render_figure, right_axis, styled
 from federation.merge.operator import noise_dominated, noise_to_window, published_noise_to_window
-from federation.merge.robust import krum_premise_from
+from federation.merge.robust import byzantine_count, krum_premise_from, krum_premise_met
 from federation.merge.summarize import LLM_SUMMARIZERS, summary_counts
 from federation.models import AuditLog, Client, PrivacyLedgerEntry, Round
 from federation.round_config import RoundConfig
@@ -1636,6 +1636,39 @@ FIELD_CAP_HELP = (
 )
 
 
+ROBUST_RULE_HELP = (
+    "Robust rule: f = ⌊share · n⌋ of a group's n inputs (a tool's batches across an edge's "
+    "clients, or a scenario cluster's members) are assumed adversarial. Krum's guarantee needs "
+    "n ≥ 2f + 3: with 4 clients per edge at a share of 0.25, f = 1 and n = 4 < 5, so Krum judges "
+    "without it (the rule is applied all the same, and the organization page counts such groups). "
+    "The trimmed mean needs only n > 2f, which every group meets."
+)
+
+
+def krum_premise_warning(config: RoundConfig) -> str:
+    """Under Krum, the organizations whose approved clients, all reporting a tool, would make a
+    group below Krum's premise n ≥ 2f + 3 at the configuration's share (a non-blocking note for
+    the operator); "" under another rule or where none would. Smaller groups (a tool some
+    clients report, a cluster) can fall below it too: the merge counts those."""
+    if config.robust_rule != "krum":
+        return ""
+    try:
+        fraction = float(config.trim_fraction)
+    except (TypeError, ValueError):
+        return ""
+    counts = (Client.objects.filter(status=Client.Status.APPROVED).order_by()
+              .values_list("organization__name").annotate(n=Count("id")))
+    sizes = [(name, n, byzantine_count(n, fraction)) for name, n in counts]
+    short = sorted((name, n, f) for name, n, f in sizes if n >= 3 and not krum_premise_met(n, f))
+    if not short:
+        return ""
+    named = "; ".join(f"{name} (n = {n}, f = {f})" for name, n, f in short[:5])
+    more = f" and {len(short) - 5} more" if len(short) > 5 else ""
+    return (f"Krum at an f share of {fraction:g}: a tool every approved client of an edge reports "
+            f"is judged below its premise n ≥ 2f + 3, where its guarantee does not hold, at "
+            f"{named}{more}.")
+
+
 def round_controls() -> dict:
     """The operator's round form: the open round, defaults (the last round's configuration),
     choices, and a warning when opening the next round with those defaults would be refused for
@@ -1660,6 +1693,11 @@ def round_controls() -> dict:
         "robust_rules": get_args(RobustRule),
         "global_metadata_choices": get_args(RoundConfig.model_fields["global_metadata"].annotation),
         "field_cap_help": FIELD_CAP_HELP,
+        "robust_rule_help": ROBUST_RULE_HELP,
+        # non-blocking: the form's defaults, and the open round, under Krum
+        "krum_warning": krum_premise_warning(defaults),
+        "open_krum_warning": krum_premise_warning(RoundConfig.from_stored(open_round.config))
+        if open_round else "",
         "budget_warning": budget_warning(defaults, check),
         # Where the committed ε′ stands against the cap, and where the next round would take it.
         "budget": {
