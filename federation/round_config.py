@@ -44,8 +44,18 @@ class RoundConfig(BaseModel):
     )
     summarizer: Summarizer = "probe-extractive"
     textgrad_steps: int = Field(3, ge=1, le=10)
-    robust_rule: RobustRule = "none"
-    trim_fraction: float = Field(0.1, ge=0, lt=0.5, description="share trimmed at each end")
+    robust_rule: RobustRule = Field(
+        "none",
+        description="Byzantine-robust rule across an edge's sources per tool and within clusters; "
+        "Krum's guarantee needs n ≥ 2f + 3 inputs (4 clients per edge at a share of 0.25: f = 1, "
+        "n = 4, below it), the trimmed mean's only n > 2f. Krum is applied below its premise all "
+        "the same, and the merge counts such groups (MergeStats.krum_below_premise)",
+    )
+    trim_fraction: float = Field(
+        0.1, ge=0, lt=0.5,
+        description="f share: the robust rule assumes f = floor(share · n) of a group's n inputs "
+        "adversarial (the trimmed mean drops f at each end)",
+    )
     conflict_log: bool = Field(
         True,
         description="IsConsistent and the conflict log: clusters whose precondition flags (or the "

@@ -313,6 +313,36 @@ def test_compendium_page_says_what_the_server_merge_summarizer_did(member_client
     assert "3 by the LLM, 1 fell back" in said and 'title="unusable answer"' in said
 
 
+def test_compendium_page_tells_the_operator_where_the_server_merge_s_krum_lacked_its_premise(
+    client, federation
+):
+    """Three edges under Krum at an f share of 0.4 (f = 1, n = 3 < 2f + 3): the operator reads how
+    many groups the server merge judged so; under the trimmed mean nothing is said."""
+    from federation.models import MergeRecord, Round
+
+    round_ = Round.objects.get(number=2)
+    MergeRecord.objects.create(round=round_, stats={
+        "summarizer": "centroid", "krum_below_premise": 3,
+        "krum_below_premise_sizes": [{"n": 3, "f": 1, "groups": 2}, {"n": 5, "f": 2, "groups": 1}]})
+    for rule, operator_sees in (("krum", True), ("trimmed-mean", False)):
+        Round.objects.filter(pk=round_.pk).update(config={**round_.config, "robust_rule": rule,
+                                                          "trim_fraction": 0.4})
+        for username in ("operator", "member"):
+            assert client.login(username=username, password=PASSWORD)
+            page = html.unescape(client.get(reverse("dashboard:compendium"),
+                                            {"round": 2}).content.decode())
+            note = re.search(r'<p class="hint" id="krum-premise-note">(.*?)</p>', page)
+            if not (operator_sees and username == "operator"):
+                assert note is None, (rule, username)
+                continue
+            assert note.group(1) == (
+                "The server merge: Krum judged 3 groups (a tool's batches across the edges, or a "
+                "scenario cluster's members) with fewer than 2f + 3 inputs (2 at n = 3, f = 1; 1 "
+                "at n = 5, f = 2): its guarantee does not hold there. At this f share (0.4) every "
+                "group of 11 or more inputs meets it. The trimmed mean needs only n > 2f, which "
+                "every group meets.")
+
+
 def test_the_server_merge_s_fallback_reason_quoting_an_llm_answer_is_the_operator_s(client, federation):
     """A summarizer's fallback reason quotes the LLM's answer ("LLM answer is not JSON: '...'"),
     and a model answering in prose repeats the cluster's texts, which in the server merge come

@@ -342,6 +342,37 @@ def test_organization_page_shows_edge_figures(client, fed):
     assert second == "–"  # a record from before the counts were kept
 
 
+def test_organization_page_says_where_krum_judged_groups_past_its_premise(client, fed):
+    """An edge merged under Krum at an f share of 0.25 with 4 clients judged groups of n = 4 at
+    f = 1, below Krum's premise n ≥ 2f + 3: the edge's row is followed by a line saying so. A
+    round under the trimmed mean has no such line, whatever its record holds."""
+    r1, r2 = Round.objects.get(number=1), Round.objects.get(number=2)
+    Round.objects.filter(pk=r1.pk).update(config={"epsilon": 1.0, "robust_rule": "krum",
+                                                  "trim_fraction": 0.25})
+    Round.objects.filter(pk=r2.pk).update(config={"epsilon": 1.0, "robust_rule": "trimmed-mean",
+                                                  "trim_fraction": 0.25})
+    premise = {"krum_below_premise": 12, "krum_below_premise_sizes": [{"n": 4, "f": 1, "groups": 12}]}
+    MergeRecord.objects.create(round=r1, organization=fed.org_a,
+                               stats={"scenarios_in": 40, "robust_dropped": 14, **premise})
+    MergeRecord.objects.create(round=r2, organization=fed.org_a,
+                               stats={"scenarios_in": 40, "robust_dropped": 20, **premise})
+    for role in ("operator", "admin_a"):
+        body = html.unescape(login(client, fed, role).get(
+            reverse("dashboard:organization", args=["org-a"])).content.decode())
+        [line] = re.findall(r'<p class="hint krum-premise" id="krum-premise-(\d+)">(.*?)</p>', body)
+        assert line[0] == "1"
+        assert line[1] == (
+            "Round 1: Krum judged 12 groups (a tool's batches across the edge's clients, or a "
+            "scenario cluster's members) with fewer than 2f + 3 inputs (n = 4, f = 1): its "
+            "guarantee does not hold there. At this f share (0.25) every group of 5 or more inputs "
+            "meets it. The trimmed mean needs only n > 2f, which every group meets.")
+    # No count (a record from before it was kept, or none below the premise): nothing said.
+    MergeRecord.objects.filter(round=r1).update(stats={"scenarios_in": 40})
+    body = login(client, fed, "operator").get(
+        reverse("dashboard:organization", args=["org-a"])).content.decode()
+    assert "krum-premise" not in body and "2f + 3" not in body
+
+
 def test_organization_edge_table_is_paginated_newest_first(client, fed):
     """The edge figures grow by a row each round: the table shows 50 rounds a page, the latest
     first, with links to the older ones (it listed every round the edge ever merged)."""
@@ -440,6 +471,33 @@ def test_a_rounds_own_url_does_not_open_a_round(client, fed):
     response = client.post(reverse("dashboard:round-action", args=[1, "open"]), {"epsilon": "1"})
     assert response.status_code == 404
     assert Round.objects.count() == before
+
+
+def test_the_round_form_notes_krum_s_premise_and_warns_where_an_edge_falls_below_it(client, fed):
+    """The form says what Krum's guarantee needs (n ≥ 2f + 3); under Krum, the open round and the
+    form's defaults name the organizations whose approved clients make a tool's group below it
+    (Org A, 4 clients at 0.25: f = 1, 4 < 5; Org B's one client is not judged). Nothing under the
+    trimmed mean."""
+    for name in ("a2", "a3", "a4"):
+        services.approve_client(SYSTEM, services.enroll_client(SYSTEM, fed.org_a, name))
+    r2 = Round.objects.get(number=2)
+    warning = ("Krum at an f share of 0.25: a tool every approved client of an edge reports is "
+               "judged below its premise n ≥ 2f + 3, where its guarantee does not hold, at "
+               "Org A (n = 4, f = 1).")
+    for rule in ("krum", "trimmed-mean"):
+        Round.objects.filter(pk=r2.pk).update(state=Round.State.OPEN, config={
+            "epsilon": 1.0, "robust_rule": rule, "trim_fraction": 0.25})
+        page = html.unescape(login(client, fed, "operator").get(
+            reverse("dashboard:overview")).content.decode())
+        said = re.search(r'<p class="hint" id="open-krum-warning">(.*?)</p>', page)
+        assert (said.group(1) if said else None) == (warning if rule == "krum" else None)
+        Round.objects.filter(pk=r2.pk).update(state=Round.State.PUBLISHED)
+        page = html.unescape(client.get(reverse("dashboard:overview")).content.decode())
+        help_ = re.search(r'<p class="meta" id="robust-rule-help">(.*?)</p>', page).group(1)
+        assert "Krum's guarantee needs n ≥ 2f + 3" in help_
+        assert "The trimmed mean needs only n > 2f" in help_
+        said = re.search(r'<p class="hint" id="krum-warning">(.*?)</p>', page)
+        assert (said.group(1) if said else None) == (warning if rule == "krum" else None)
 
 
 def test_round_form_rejects_bad_config_naming_the_field(client, fed):

@@ -1006,6 +1006,36 @@ def test_the_robust_rule_drops_a_relabelled_batch_across_sources(schema, embed):
     assert not plain.flagged and set(cooking) <= {s.text for s in plain.compendium.scenarios}
 
 
+def test_the_merge_counts_the_groups_krum_judged_past_its_premise(schema, embed):
+    """Four clients per edge at an f share of 0.25: f = 1 and n = 4 < 2f + 3, so Krum's guarantee
+    does not hold for the two tools it judges across the four sources. The merge still applies
+    it (the same entries kept), and its stats say how many groups it judged so, at which (n, f);
+    the trimmed mean (premise n > 2f) is never counted. The server merge counts the same way."""
+    calc = [["What is 17 times 23?", "Add 45 and 38"], ["Multiply 9 by 81", "Subtract 19 from 100"],
+            ["Calculate 15 percent of 80", "Divide 1000 by 8"], ["What is 6 times 7?", "Add 2 and 2"]]
+    rain = ["Will it rain in Lisbon tomorrow?", "Is it sunny in Oslo today?",
+            "Forecast for Rome this weekend", "How cold is it in Berlin tonight?"]
+    inputs = [sub(f"c{i}", [sc("calculator", t) for t in calc[i]] + [sc("weather", rain[i])])
+              for i in range(4)]
+    config = RoundConfig(summarizer="centroid", tau=0.99, robust_rule="krum", trim_fraction=0.25)
+    checks_off = {"confusion_margin": 9.0, "source_limit": 9.0}
+    result = edge_merge(inputs, schema, config, embed=embed, **checks_off)
+    assert result.stats.robust_dropped == 3  # one batch of each tool (n − f = 3 kept)
+    assert result.stats.krum_below_premise == 2
+    assert result.stats.krum_below_premise_sizes == [{"n": 4, "f": 1, "groups": 2}]
+    assert result.stats.as_dict()["krum_below_premise"] == 2
+    trimmed = edge_merge(inputs, schema, config.model_copy(update={"robust_rule": "trimmed-mean"}),
+                         embed=embed, **checks_off)
+    assert trimmed.stats.robust_dropped > 0 and trimmed.stats.krum_below_premise == 0
+    assert trimmed.stats.krum_below_premise_sizes == []
+    five = edge_merge([*inputs, sub("c4", [sc("calculator", "Compute 2 to the 10th power"),
+                                           sc("weather", "Will it snow in Oslo?")])],
+                      schema, config, embed=embed, **checks_off)
+    assert five.stats.robust_dropped > 0 and five.stats.krum_below_premise == 0  # 5 ≥ 2·1 + 3
+    server = server_merge(inputs, schema, config, embed=embed, **checks_off)
+    assert server.stats.krum_below_premise == 2
+
+
 def test_near_duplicates_claimed_for_different_tools_keep_the_claim_of_more_sources(schema, embed):
     """IsConsistent across tools: the same request reported for two tools is a contradiction.
     More sources win; at equal sources, the text nearer its tool's public profile. The losers

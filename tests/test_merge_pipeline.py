@@ -126,6 +126,34 @@ def test_full_round_publishes_global_with_embeddings_ledger_and_accuracy(
     assert report.federation.epsilon == pytest.approx(4.0)
 
 
+def test_the_stored_edge_record_says_how_many_groups_krum_judged_past_its_premise():
+    """An edge of four clients merged under Krum at an f share of 0.25 (f = 1, n = 4 < 2f + 3):
+    the merge record the dashboard reads carries the groups Krum judged without its guarantee."""
+    from compendium.services import import_registry, seed_default_numeric_fields, store_compendium
+    from federation.models import Organization
+    from tests.merge_helpers import TOOLS
+
+    import_registry(TOOLS)
+    seed_default_numeric_fields()
+    round_ = Round.objects.create(number=1, state="merging", config={
+        "summarizer": "centroid", "seed": 11, "robust_rule": "krum", "trim_fraction": 0.25})
+    org = Organization.objects.create(slug="acme", name="acme")
+    texts = [("What is 17 multiplied by 23?", "Will it rain tomorrow in Paris?"),
+             ("Compute 144 divided by 12", "What is the temperature in Berlin today?"),
+             ("Add 45 and 38", "Is it going to snow in Oslo tonight?"),
+             ("What is 9 times 81?", "Weather forecast for Rome this weekend")]
+    for i, (calculation, forecast) in enumerate(texts):
+        client = Client.objects.create(organization=org, name=f"c{i}", status="approved")
+        store_compendium(Compendium.model_validate({"scenarios": [
+            {"tool_id": "calculator", "text": calculation}, {"tool_id": "weather", "text": forecast}]}),
+            kind="client", round=round_, client=client)
+    pipeline.run_edge_merge(round_.pk, org.pk)
+    stats = MergeRecord.objects.get(round=round_, organization=org).stats
+    assert stats["robust_dropped"] == 2
+    assert stats["krum_below_premise"] == 2
+    assert stats["krum_below_premise_sizes"] == [{"n": 4, "f": 1, "groups": 2}]
+
+
 @pytest.mark.usefixtures("every_field_released")
 def test_edge_merge_is_idempotent(probes):
     round_, clients = build_federation(state="merging")

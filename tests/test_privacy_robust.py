@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from collections import Counter
 
 import numpy as np
 import pytest
@@ -19,6 +20,7 @@ from federation.merge.privacy import (
 from federation.merge.robust import (
     byzantine_count,
     krum_keep,
+    krum_premise_from,
     robust_batches,
     robust_keep,
     trimmed_keep,
@@ -149,3 +151,54 @@ def test_byzantine_count_is_the_floor_of_the_share_as_written():
     assert byzantine_count(9, 0.1) == 0 and byzantine_count(4, 0.25) == 1
     assert byzantine_count(4, 0.49) == 1  # at most (n − 1) // 2: something is always kept
     assert byzantine_count(1, 0.4) == 0 and byzantine_count(0, 0.4) == 0
+
+
+def test_krum_counts_the_groups_it_judges_with_fewer_than_2f_plus_3_inputs():
+    """Krum's guarantee needs n ≥ 2f + 3. With 4 sources at a share of 0.25, f = 1 and n = 4 < 5:
+    the rule still judges (what it keeps is unchanged), and `short` counts the group by (n, f).
+    Five sources at that share meet the premise; f = 0 (share 0.1), a group of fewer than 3
+    (not judged) and the trimmed mean are never counted."""
+    rng = np.random.default_rng(3)
+
+    def batch():
+        rows = rng.normal(size=(3, 8))
+        return rows / np.linalg.norm(rows, axis=1, keepdims=True)
+
+    batches = {(s, "four"): batch() for s in ("a", "b", "c", "d")}
+    batches |= {(s, "five"): batch() for s in ("a", "b", "c", "d", "e")}
+    batches |= {(s, "two"): batch() for s in ("a", "b")}
+    short: Counter = Counter()
+    dropped = robust_batches(batches, "krum", 0.25, short=short)
+    assert short == {(4, 1): 1}
+    assert dropped == robust_batches(batches, "krum", 0.25)  # the count changes nothing kept
+    assert len(dropped) == 2  # n − f kept in each judged tool
+    for rule, share in (("trimmed-mean", 0.25), ("krum", 0.1), ("none", 0.25)):
+        other: Counter = Counter()
+        robust_batches(batches, rule, share, short=other)
+        assert not other, (rule, share)
+    # Inside a cluster, through robust_keep: n = 3 at 0.4 (f = 1), n = 6 at 0.4 (f = 2) fall
+    # short; n = 7 at 0.4 (f = 2) does not.
+    vectors = rng.normal(size=(7, 8))
+    short = Counter()
+    for n in (3, 6, 7):
+        kept = robust_keep(vectors[:n], "krum", 0.4, short=short)
+        assert list(kept) == list(robust_keep(vectors[:n], "krum", 0.4))
+    assert short == {(3, 1): 1, (6, 2): 1}
+    robust_keep(vectors[:2], "krum", 0.4, short=short)  # not judged at all
+    assert short == {(3, 1): 1, (6, 2): 1}
+
+
+def test_krum_premise_from_is_the_least_n_from_which_every_group_meets_it():
+    assert krum_premise_from(0.25) == 5  # 4 inputs: f = 1, 4 < 5
+    assert krum_premise_from(0.1) == 1  # f ≤ 1 below 20 inputs, and n ≥ 5 once f = 1
+    assert krum_premise_from(0.4) == 11  # 10 inputs: f = 4, 10 < 11
+    for share in (0.1, 0.2, 0.25, 1 / 3, 0.4, 0.45, 0.49):
+        start = krum_premise_from(share)
+        assert all(n >= 2 * byzantine_count(n, share) + 3 or byzantine_count(n, share) == 0
+                   for n in range(start, 2000)), share
+        if start > 1:
+            n = start - 1
+            assert 1 <= byzantine_count(n, share) and n < 2 * byzantine_count(n, share) + 3
+    assert krum_premise_from(0.4999999) is None  # millions of sizes to look at: not said
+    with pytest.raises(ValueError):
+        krum_premise_from(0.5)

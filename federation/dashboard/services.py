@@ -49,6 +49,7 @@ from compendium.models import (
 from compendium.services import numeric_field_spec
 from federation.dashboard.plots import count_axis, literal, render_figure, right_axis, styled
 from federation.merge.operator import noise_dominated, noise_to_window, published_noise_to_window
+from federation.merge.robust import byzantine_count, krum_premise_from, krum_premise_met
 from federation.merge.summarize import LLM_SUMMARIZERS, summary_counts
 from federation.models import AuditLog, Client, PrivacyLedgerEntry, Round
 from federation.round_config import RoundConfig
@@ -729,6 +730,9 @@ def organization_page(organization, actor, page=1, per_page=50) -> OrganizationP
                 "confusion_margin": stats.get("confusion_margin"),
                 "dropped_clients": [names.get(source, source)
                                     for source in stats.get("dropped_sources") or ()],
+                "krum_premise": krum_premise_note(
+                    stats, RoundConfig.from_stored(record.round.config), "the edge's clients"
+                ) if record else "",
                 **_summary_figures(stats),
             }
         )
@@ -778,6 +782,10 @@ def server_merge_summaries(version: CompendiumVersion, *, operator: bool) -> dic
     return {**_summary_figures(record.stats, reason="reason" if operator else "kind"),
             "conflicts": record.stats.get("conflicts") or 0,
             "stats_withheld": record.stats.get("stats_withheld") or 0,
+            # the operator chose the rule; the sizes count edges and their members
+            "krum_premise": krum_premise_note(
+                record.stats, RoundConfig.from_stored(version.round.config), "the edges"
+            ) if operator else "",
             "fields_not_released": not_released,
             "not_released_noise_to_window": ratio,
             # more than this ε per round (or ratio times the clients per organization) would
@@ -807,6 +815,34 @@ def not_released_noise_to_window(round_: Round) -> float | None:
         schema_in_force(), RoundConfig.from_stored(round_.config),
         max(per_organization.values(), default=0), len(per_organization),
     )
+
+
+def krum_premise_note(stats: dict, config: RoundConfig, sources: str) -> str:
+    """What a merge's record says of the groups Krum judged with fewer than 2f + 3 inputs
+    (`MergeStats.krum_below_premise`), where its guarantee does not hold, in a sentence for the
+    operator; "" where the round's rule is not Krum or there were none (a record from before the
+    count was kept has none). `sources`: what the merge's sources are ("the edge's clients")."""
+    count = stats.get("krum_below_premise") or 0
+    if config.robust_rule != "krum" or not count:
+        return ""
+    sizes = stats.get("krum_below_premise_sizes") or []
+    if len(sizes) == 1:
+        where = f" (n = {sizes[0]['n']}, f = {sizes[0]['f']})"
+    elif sizes:
+        where = " (" + "; ".join(f"{s['groups']} at n = {s['n']}, f = {s['f']}" for s in sizes) + ")"
+    else:
+        where = ""
+    try:
+        fraction = float(config.trim_fraction)
+        start = krum_premise_from(fraction)
+    except (TypeError, ValueError):  # a configuration recorded before the bounds: not said
+        start = None
+    share = (f" At this f share ({fraction:g}) every group of {start} or more inputs meets it."
+             if start else "")
+    return (f"Krum judged {count} group{'' if count == 1 else 's'} (a tool's batches across "
+            f"{sources}, or a scenario cluster's members) with fewer than 2f + 3 inputs{where}: "
+            f"its guarantee does not hold there.{share} The trimmed mean needs only n > 2f, which "
+            f"every group meets.")
 
 
 def _summary_figures(stats: dict, reason: str = "reason") -> dict:
@@ -1600,6 +1636,39 @@ FIELD_CAP_HELP = (
 )
 
 
+ROBUST_RULE_HELP = (
+    "Robust rule: f = ⌊share · n⌋ of a group's n inputs (a tool's batches across an edge's "
+    "clients, or a scenario cluster's members) are assumed adversarial. Krum's guarantee needs "
+    "n ≥ 2f + 3: with 4 clients per edge at a share of 0.25, f = 1 and n = 4 < 5, so Krum judges "
+    "without it (the rule is applied all the same, and the organization page counts such groups). "
+    "The trimmed mean needs only n > 2f, which every group meets."
+)
+
+
+def krum_premise_warning(config: RoundConfig) -> str:
+    """Under Krum, the organizations whose approved clients, all reporting a tool, would make a
+    group below Krum's premise n ≥ 2f + 3 at the configuration's share (a non-blocking note for
+    the operator); "" under another rule or where none would. Smaller groups (a tool some
+    clients report, a cluster) can fall below it too: the merge counts those."""
+    if config.robust_rule != "krum":
+        return ""
+    try:
+        fraction = float(config.trim_fraction)
+    except (TypeError, ValueError):
+        return ""
+    counts = (Client.objects.filter(status=Client.Status.APPROVED).order_by()
+              .values_list("organization__name").annotate(n=Count("id")))
+    sizes = [(name, n, byzantine_count(n, fraction)) for name, n in counts]
+    short = sorted((name, n, f) for name, n, f in sizes if n >= 3 and not krum_premise_met(n, f))
+    if not short:
+        return ""
+    named = "; ".join(f"{name} (n = {n}, f = {f})" for name, n, f in short[:5])
+    more = f" and {len(short) - 5} more" if len(short) > 5 else ""
+    return (f"Krum at an f share of {fraction:g}: a tool every approved client of an edge reports "
+            f"is judged below its premise n ≥ 2f + 3, where its guarantee does not hold, at "
+            f"{named}{more}.")
+
+
 def round_controls() -> dict:
     """The operator's round form: the open round, defaults (the last round's configuration),
     choices, and a warning when opening the next round with those defaults would be refused for
@@ -1624,6 +1693,11 @@ def round_controls() -> dict:
         "robust_rules": get_args(RobustRule),
         "global_metadata_choices": get_args(RoundConfig.model_fields["global_metadata"].annotation),
         "field_cap_help": FIELD_CAP_HELP,
+        "robust_rule_help": ROBUST_RULE_HELP,
+        # non-blocking: the form's defaults, and the open round, under Krum
+        "krum_warning": krum_premise_warning(defaults),
+        "open_krum_warning": krum_premise_warning(RoundConfig.from_stored(open_round.config))
+        if open_round else "",
         "budget_warning": budget_warning(defaults, check),
         # Where the committed ε′ stands against the cap, and where the next round would take it.
         "budget": {

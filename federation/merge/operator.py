@@ -12,7 +12,7 @@ import hashlib
 import math
 import re
 import time
-from collections import defaultdict
+from collections import Counter, defaultdict
 from collections.abc import Callable, Mapping, Sequence
 
 import numpy as np
@@ -418,6 +418,7 @@ def _merge(
 
     flagged: list[FlaggedEntry] = []
     profiles = None
+    short: Counter = Counter()  # groups Krum judged below its premise, by (n, f)
     if scenario_items and tool_ids:
         descriptions = np.stack([by_text[t.description] for t in schema.tools])
         profiles = (probe_set.profiles(tool_ids, descriptions) if probe_set
@@ -430,13 +431,16 @@ def _merge(
             stats, config.tau,
         )
         flagged += more
-        scenario_items, more = _robust_sources(scenario_items, config, stats)
+        scenario_items, more = _robust_sources(scenario_items, config, stats, short)
         flagged += more
     clock.lap("cross_validate")
 
     probe = consistency_probe(llm) if llm is not None else None
-    slots, conflicts, more = _cluster_scenarios(scenario_items, config, probe, stats)
+    slots, conflicts, more = _cluster_scenarios(scenario_items, config, probe, stats, short)
     flagged += more
+    stats.krum_below_premise = sum(short.values())
+    stats.krum_below_premise_sizes = [{"n": n, "f": f, "groups": count}
+                                      for (n, f), count in sorted(short.items())]
     if config.conflict_log and profiles is not None:
         # An edge's sources are clients, whose stated support is their own word; the server's
         # are edges, whose support counts the clients that agreed there.
@@ -875,12 +879,13 @@ def _cross_check(
 
 
 def _robust_sources(
-    items: list[Item], config: RoundConfig, stats: MergeStats
+    items: list[Item], config: RoundConfig, stats: MergeStats, short: Counter | None = None
 ) -> tuple[list[Item], list[FlaggedEntry]]:
     """The scenarios the robust rule keeps across sources (`robust.robust_batches`, f from
     `trim_fraction`), and a flagged entry for each it drops (`own_similarity`: the cosine of the
     scenario to its batch's mean direction, `closest_similarity`: that of the batch's mean to the
-    mean of the tool's kept batches). The carried-forward global takes no part."""
+    mean of the tool's kept batches). The carried-forward global takes no part. `short` counts
+    the tools Krum judged below its premise (`robust.robust_keep`)."""
     if config.robust_rule == "none":
         return items, []
     batches: dict[tuple[str, str], list[np.ndarray]] = defaultdict(list)
@@ -888,7 +893,7 @@ def _robust_sources(
         if item.source != PREVIOUS_GLOBAL:
             batches[(item.source, item.tool_id)].append(item.vector)
     stacked = {key: np.stack(vectors) for key, vectors in batches.items()}
-    dropped = robust_batches(stacked, config.robust_rule, config.trim_fraction)
+    dropped = robust_batches(stacked, config.robust_rule, config.trim_fraction, short)
     if not dropped:
         return items, []
 
@@ -919,11 +924,12 @@ def _robust_sources(
 
 
 def _cluster_scenarios(items: list[Item], config: RoundConfig, probe: ConsistencyProbe | None,
-                       stats: MergeStats):
+                       stats: MergeStats, short: Counter | None = None):
     """The cluster slots, the conflict log, and a flagged entry for each member the robust rule
     drops inside a cluster (reason "robust rule (<rule>) within a cluster"; `own_similarity`: its
     cosine to the mean direction of the members kept, `closest_similarity`: the least cosine of a
-    kept member to it), so that `result.flagged` lists every scenario the rule took out."""
+    kept member to it), so that `result.flagged` lists every scenario the rule took out. `short`
+    counts the clusters Krum judged below its premise (`robust.robust_keep`)."""
     by_tool: dict[str, list[Item]] = defaultdict(list)
     for item in items:
         by_tool[item.tool_id].append(item)
@@ -939,7 +945,8 @@ def _cluster_scenarios(items: list[Item], config: RoundConfig, probe: Consistenc
             # compendium) stays a member with its support, as it takes no part across sources.
             judged = [i for i, m in enumerate(members) if m.source != PREVIOUS_GLOBAL]
             keep = (robust_keep(np.stack([members[i].vector for i in judged]),
-                                config.robust_rule, config.trim_fraction) if judged else [])
+                                config.robust_rule, config.trim_fraction, short)
+                    if judged else [])
             stats.robust_dropped += len(judged) - len(keep)
             kept = {judged[i] for i in keep}
             if len(kept) < len(judged):

@@ -14,11 +14,17 @@ drops the f lowest and f highest values per coordinate. They act at two levels:
 
 On scalar numeric fields the trimmed mean is used because its sensitivity is provably
 Δ/(K − 2f), which keeps the Laplace calibration exact.
+
+Krum's guarantee needs n ≥ 2f + 3; f is at most (n − 1) // 2 here, so the trimmed mean's premise
+(n > 2f) always holds but Krum's does not (4 sources at a share of 0.25: f = 1, 4 < 5). The rule
+is applied all the same, and `robust_keep` / `robust_batches` count, in the `short` Counter a
+caller passes, each group Krum judged so, by (n, f): the merge reports them to the operator.
 """
 
 from __future__ import annotations
 
 import math
+from collections import Counter
 
 import numpy as np
 
@@ -35,6 +41,32 @@ def most_kept(n: int, fraction: float) -> int:
     Not n − 2f(n): k − 2⌊fraction·k⌋ falls by one wherever f steps up (at a share of 0.2, 9
     inputs keep 7 and 10 keep 6)."""
     return max((k - 2 * byzantine_count(k, fraction) for k in range(1, n + 1)), default=0)
+
+
+def krum_premise_met(n: int, f: int) -> bool:
+    """Krum's premise (Blanchard et al. 2017): n ≥ 2f + 3 inputs. With f = 0 there is nothing
+    to guard against (and the rule keeps everything)."""
+    return f <= 0 or n >= 2 * f + 3
+
+
+# krum_premise_from looks at no more sizes than this (a share within about 2e-5 of 0.5).
+PREMISE_SEARCH_LIMIT = 100_000
+
+
+def krum_premise_from(fraction: float) -> int | None:
+    """The least N from which every group of N or more inputs meets Krum's premise at this share
+    (f = byzantine_count(n, fraction)); 1 where every group does. Beyond 3 / (1 − 2·share) every n
+    does (n − 2f ≥ n·(1 − 2·share) ≥ 3), so only the sizes below are looked at; None for a share
+    so close to 0.5 that they are more than PREMISE_SEARCH_LIMIT."""
+    if not 0 <= fraction < 0.5:
+        raise ValueError(f"the share must be in [0, 0.5), not {fraction!r}")
+    bound = math.ceil((3 + 1e-6) / (1 - 2 * fraction)) + 1
+    if bound > PREMISE_SEARCH_LIMIT:
+        return None
+    for n in range(bound, 0, -1):
+        if not krum_premise_met(n, byzantine_count(n, fraction)):
+            return n + 1
+    return 1
 
 
 def krum_scores(vectors: np.ndarray, f: int) -> np.ndarray:
@@ -87,11 +119,17 @@ def trimmed_keep(vectors: np.ndarray, f: int) -> np.ndarray:
     return np.sort(order[: n - 2 * f])
 
 
-def robust_keep(vectors: np.ndarray, rule: str, fraction: float) -> np.ndarray:
+def robust_keep(vectors: np.ndarray, rule: str, fraction: float,
+                short: Counter | None = None) -> np.ndarray:
+    """Indices (ascending) of the vectors `rule` keeps, f = byzantine_count(n, fraction). A group
+    Krum judges with f ≥ 1 and n < 2f + 3 (`krum_premise_met`) is counted in `short` under
+    (n, f); what is kept does not depend on it."""
     if rule == "none" or len(vectors) < 3:
         return np.arange(len(vectors))
     f = byzantine_count(len(vectors), fraction)
     if rule == "krum":
+        if short is not None and not krum_premise_met(len(vectors), f):
+            short[(len(vectors), f)] += 1
         return krum_keep(vectors, f)
     if rule == "trimmed-mean":
         return trimmed_keep(vectors, f)
@@ -99,12 +137,14 @@ def robust_keep(vectors: np.ndarray, rule: str, fraction: float) -> np.ndarray:
 
 
 def robust_batches(
-    batches: dict[tuple[str, str], np.ndarray], rule: str, fraction: float
+    batches: dict[tuple[str, str], np.ndarray], rule: str, fraction: float,
+    short: Counter | None = None,
 ) -> set[tuple[str, str]]:
     """The (source, tool) batches `rule` drops. `batches` maps (source, tool) to the embeddings
     (unit rows) of that source's scenarios for that tool. Per tool with n >= 3 sources, each
     batch is represented by its normalized mean and `robust_keep` (f = ⌊fraction·n⌋) chooses the
-    batches kept; a tool with fewer sources keeps them all (nothing to compare)."""
+    batches kept; a tool with fewer sources keeps them all (nothing to compare). `short`: as in
+    `robust_keep`, one count per tool Krum judged below its premise."""
     if rule == "none":
         return set()
     by_tool: dict[str, list[str]] = {}
@@ -117,6 +157,6 @@ def robust_batches(
         means = np.stack([np.asarray(batches[(s, tool)], dtype=np.float64).mean(axis=0)
                           for s in sources])
         means /= np.maximum(np.linalg.norm(means, axis=1, keepdims=True), 1e-12)
-        keep = set(robust_keep(means, rule, fraction).tolist())
+        keep = set(robust_keep(means, rule, fraction, short).tolist())
         dropped.update((s, tool) for i, s in enumerate(sources) if i not in keep)
     return dropped

@@ -99,6 +99,11 @@ class MergeStats:
     dropped_sources: list[str] = field(default_factory=list)  # those sources
     robust_dropped: int = 0
     robust_sources: dict[str, int] = field(default_factory=dict)  # scenarios dropped per source
+    # Groups (a tool's batches across sources, a scenario cluster's members) Krum judged with
+    # fewer than 2f + 3 inputs (f ≥ 1), where its guarantee does not hold (`robust.robust_keep`;
+    # what it kept is the same), and how many at each size: [{"n": 4, "f": 1, "groups": 12}].
+    krum_below_premise: int = 0
+    krum_below_premise_sizes: list[dict] = field(default_factory=list)
     precautions_in: int = 0
     precautions_out: int = 0
     precautions_from_conflicts: int = 0

@@ -142,12 +142,16 @@ class Command(BaseCommand):
             default="probe-extractive",
         )
         parser.add_argument("--robust-rule", choices=["none", "krum", "trimmed-mean"], default="none",
-                            help="the merges' Byzantine-robust rule (f from --trim-fraction)")
+                            help="the merges' Byzantine-robust rule (f from --trim-fraction); "
+                            "Krum's guarantee needs n >= 2f + 3 inputs, the trimmed mean's only "
+                            "n > 2f")
         parser.add_argument(
             "--trim-fraction", type=float, default=0.1,
             help="share of the inputs the robust rule assumes adversarial, f = floor(share * n), "
             "across sources per tool and within clusters (the round setting trim_fraction; "
-            "0 <= share < 0.5, default 0.1)",
+            "0 <= share < 0.5, default 0.1). With 4 clients per edge, 0.25 makes f = 1 and "
+            "n = 4 < 2f + 3: Krum runs below its premise there (the merge stats count such "
+            "groups, krum_below_premise)",
         )
         parser.add_argument(
             "--shared-word-users", type=int, default=SHARED_WORD_USERS, metavar="K",
