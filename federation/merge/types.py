@@ -99,6 +99,9 @@ class MergeStats:
     dropped_sources: list[str] = field(default_factory=list)  # those sources
     robust_dropped: int = 0
     robust_sources: dict[str, int] = field(default_factory=dict)  # scenarios dropped per source
+    # (tool, precondition flag name) pairs left off the published scenarios: fewer than
+    # operator.FLAG_MIN_SOURCES sources carried them (a count only: the names are never reported)
+    flags_held_back: int = 0
     precautions_in: int = 0
     precautions_out: int = 0
     precautions_from_conflicts: int = 0
