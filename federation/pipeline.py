@@ -246,6 +246,20 @@ def _conflict_source(round_: Round, organization) -> Round | None:
     return record.round if record is not None else None
 
 
+def _merged_under_flag_rule(round_: Round | None, organization) -> bool:
+    """Whether the merge of `round_` for `organization`'s edge (the server's when None) held the
+    precondition flag names to the operator's source rule (`operator.FLAG_MIN_SOURCES`): its
+    record counts the names it held back (`flags_held_back`). A compendium or conflict log merged
+    before the rule may hold one client's flag name; the merge that reads it holds those names to
+    its own sources (`server_merge(previous_flags_released=...)`, `conflicts_flags_released`).
+    True without a round: nothing is read."""
+    if round_ is None:
+        return True
+    return MergeRecord.objects.filter(
+        round=round_, organization=organization, stats__has_key="flags_held_back"
+    ).exists()
+
+
 def _previous_conflicts(round_: Round, organization) -> list[ConflictEntry]:
     """The conflict log the merge of `round_` turns into precautions (`_conflict_source`), with
     its reviewers' decisions: dismissed conflicts left out."""
@@ -416,6 +430,8 @@ def run_edge_merge(
             llm=llm,
             seed=edge_seed(config, round_, organization, release),
             drowned=_drowned(round_, schema, config),
+            conflicts_flags_released=_merged_under_flag_rule(
+                _conflict_source(round_, organization), organization),
         )
 
         # The log this merge turns into precautions, read once: under the locks below what it
@@ -699,6 +715,9 @@ def run_server_merge(round_id: int, *, embed=None, attempt: int | None = None) -
             previous=load_compendium(previous) if previous is not None else None,
             previous_conflicts=read[-1],
             noise_scales=_edge_noise_scales(round_),
+            previous_flags_released=(previous is None
+                                     or _merged_under_flag_rule(previous.round, None)),
+            conflicts_flags_released=_merged_under_flag_rule(_conflict_source(round_, None), None),
         )
         accuracy = probe_accuracy(
             probe, [s.tool_id for s in result.compendium.scenarios], result.scenario_embeddings

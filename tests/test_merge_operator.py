@@ -1677,3 +1677,162 @@ def test_a_silent_llm_endpoint_holds_a_summary_only_for_the_merges_call_time(
     monkeypatch.setenv("SYNAPSE_MERGE_LLM_CALL_SECONDS", "soon")
     with pytest.raises(LLMUnavailable, match="SYNAPSE_MERGE_LLM_CALL_SECONDS must be a number"):
         merge_llm(server.url)
+
+
+# --- precondition flag names: published only when two sources carried them ----------------------
+
+
+def _flag_names(compendium) -> set[tuple[str, str]]:
+    return {(s.tool_id, name) for s in compendium.scenarios for name in s.preconditions}
+
+
+def test_edge_merge_publishes_a_flag_name_only_when_two_clients_carried_it(schema, embed):
+    """Flag names are sent as written (identifiers, neither masked nor scrubbed): one client's
+    `has_mary_account` reached the edge compendium and, through the server merge, every
+    organization. A name reaches a published compendium only when two distinct sources carried
+    it for that tool; the others are left off their scenarios (the scenarios stay) and counted,
+    never named, in the merge's statistics."""
+    subs = [
+        sub("c1", [sc("weather", "Will it rain tomorrow in Paris?", has_city=True,
+                      has_mary_account=True)]),
+        sub("c2", [sc("weather", "Weather forecast for the weekend in Lisbon", has_city=False)]),
+        sub("c3", [sc("flights", "Book a cheap flight from Boston to Denver")]),
+    ]
+    result = edge_merge(subs, schema, RoundConfig(summarizer="none"), embed=embed)
+    assert _flag_names(result.compendium) == {("weather", "has_city")}
+    assert len(result.compendium.scenarios) == 3  # the scenario stays, without the name
+    assert result.stats.flags_held_back == 1
+    assert result.stats.as_dict()["flags_held_back"] == 1
+    published = canonical_bytes(result.compendium)
+    assert b"has_mary_account" not in published
+    assert "has_mary_account" not in json.dumps(result.stats.as_dict())
+    # the same name written by a second client is published
+    again = edge_merge(subs + [sub("c4", [sc("weather", "Rain in Oslo", has_mary_account=True)])],
+                       schema, RoundConfig(summarizer="none"), embed=embed)
+    assert ("weather", "has_mary_account") in _flag_names(again.compendium)
+    assert again.stats.flags_held_back == 0
+    # counted per tool: the same name for another tool, by one client, is not published
+    other = edge_merge(subs + [sub("c5", [sc("flights", "Flights to Rome", has_city=True)])],
+                       schema, RoundConfig(summarizer="none"), embed=embed)
+    assert ("flights", "has_city") not in _flag_names(other.compendium)
+    assert other.stats.flags_held_back == 2
+
+
+def test_a_flag_name_one_client_writes_twice_is_held_back(schema, embed):
+    """Sources, not scenarios, are counted: one client carrying a name on two scenarios is one."""
+    subs = [
+        sub("c1", [sc("weather", "Will it rain tomorrow in Paris?", john_smith=True),
+                   sc("weather", "Weather forecast for the weekend in Lisbon", john_smith=True)]),
+        sub("c2", [sc("weather", "Is it sunny in Madrid", has_city=True)]),
+        sub("c3", [sc("weather", "Temperature in Rome today", has_city=True)]),
+    ]
+    result = edge_merge(subs, schema, RoundConfig(summarizer="none"), embed=embed)
+    assert _flag_names(result.compendium) == {("weather", "has_city")}
+    assert result.stats.flags_held_back == 1
+
+
+def test_a_held_back_flag_name_enters_neither_the_conflict_log_nor_its_precautions(schema, embed):
+    """The conflict log compares flags, and next round its dissenters' flags are written into a
+    published precaution ("... when X and <flag> is true"): a name held back must not reach it
+    that way. Left off before clustering, it makes no contradiction either; the centroid ids
+    are computed without it, so they stay deterministic."""
+    subs = [
+        sub("a", [sc("weather", "Forecast for a city", has_city=True)]),
+        sub("b", [sc("weather", "Forecast for a city", has_city=True)]),
+        sub("c", [sc("weather", "Forecast for a city.", has_city=False, mary_smith=True)]),
+        sub("d", [sc("weather", "Forecast for a city!", mary_smith=False)]),
+    ]
+    first = edge_merge(subs[:3], schema, RoundConfig(summarizer="none"), embed=embed)
+    assert "mary_smith" not in json.dumps([c.dissenters for c in first.conflicts])
+    [entry] = first.conflicts
+    second = edge_merge([sub("a", [sc("flights", "Book a flight")])], schema,
+                        RoundConfig(summarizer="none"), first.conflicts, embed=embed)
+    assert [p.text for p in second.compendium.precautions] == [
+        "Use WeatherNow for forecast for a city; do not use WeatherNow when forecast for a city "
+        "and has_city is false"]
+    # written by two clients, the name is compared (and logged) as any other
+    both = edge_merge(subs, schema, RoundConfig(summarizer="none"), embed=embed)
+    assert "mary_smith" in json.dumps([c.dissenters for c in both.conflicts])
+    # by one client it is not there at all: the same log, centroid ids included, as if that
+    # client had not written it
+    without = edge_merge(subs[:2] + [sub("c", [sc("weather", "Forecast for a city.",
+                                                   has_city=False)])],
+                         schema, RoundConfig(summarizer="none"), embed=embed)
+    assert first.conflicts == without.conflicts and entry.centroid_id
+
+
+def test_a_conflict_log_merged_before_the_flag_rule_is_held_to_it(schema, embed):
+    """A log written before the rule (`conflicts_flags_released=False`) may hold one client's
+    flag name: its precautions and picked winners publish only the names this merge's sources
+    carried twice. A log this operator wrote (the default) holds only names that passed."""
+    centroid = {"source": "a", "tool_id": "weather", "text": "Rain in Paris",
+                "preconditions": {"outdoor": True, "bob_jones": False}, "support": 2}
+    dissenter = {"source": "c", "tool_id": "weather", "text": "Rain in Paris now",
+                 "preconditions": {"outdoor": False, "bob_jones": True}, "support": 1}
+    legacy = [ConflictEntry("weather", "abc", centroid, [dissenter], "precondition flags contradict")]
+    subs = [sub("a", [sc("weather", "Is it sunny in Madrid", outdoor=True)]),
+            sub("b", [sc("weather", "Temperature in Rome today", outdoor=False)])]
+    trusted = edge_merge(subs, schema, RoundConfig(summarizer="none"), legacy, embed=embed)
+    assert any("bob_jones" in p.text for p in trusted.compendium.precautions)
+    held = edge_merge(subs, schema, RoundConfig(summarizer="none"), legacy, embed=embed,
+                      conflicts_flags_released=False)
+    assert [p.text for p in held.compendium.precautions] == [
+        "Use WeatherNow for rain in Paris; do not use WeatherNow when rain in Paris now and "
+        "outdoor is false"]
+    assert held.stats.flags_held_back == 1
+    picked = [ConflictEntry("weather", "abc", centroid, [dissenter], "precondition flags contradict",
+                            "scenario", "Rain in Paris now")]
+    won = edge_merge(subs, schema, RoundConfig(summarizer="none"), picked, embed=embed,
+                     conflicts_flags_released=False)
+    [winner] = [s for s in won.compendium.scenarios if s.text == "Rain in Paris now"]
+    assert winner.preconditions == {"outdoor": False}
+
+
+def test_server_merge_publishes_a_flag_name_only_when_two_edges_carried_it(schema, embed):
+    config = RoundConfig(summarizer="none")
+
+    def edge(scenarios):
+        return Compendium.model_validate({"schema_version": "1.0", "scenarios": scenarios})
+
+    edges = [
+        MergeInput("org:a", edge([sc("weather", "Will it rain tomorrow in Paris?", has_city=True,
+                                     acme_vip=True)])),
+        MergeInput("org:b", edge([sc("weather", "Weather forecast for the weekend in Lisbon",
+                                     has_city=True)])),
+        MergeInput("org:c", edge([sc("flights", "Book a cheap flight from Boston to Denver")])),
+    ]
+    result = server_merge(edges, schema, config, embed=embed)
+    assert _flag_names(result.compendium) == {("weather", "has_city")}
+    assert len(result.compendium.scenarios) == 3
+    assert result.stats.flags_held_back == 1
+
+
+def test_the_carried_global_keeps_released_flag_names_and_holds_back_older_ones(schema, embed):
+    """The server merges the last published global as one more input. A global this operator
+    merged holds only names that passed the rule then: they stay, with no edge sending them again
+    (clients send only what the global does not cover, so requiring fresh sources would drop
+    them every other round). A global merged before the rule (`previous_flags_released=False`)
+    may hold one client's name: its names count for no source, so only those two edges carry
+    this round are kept."""
+    config = RoundConfig(summarizer="none")
+
+    def comp(scenarios):
+        return Compendium.model_validate({"schema_version": "1.0", "scenarios": scenarios})
+
+    previous = comp([sc("weather", "Will it rain tomorrow in Paris?", has_city=True,
+                        jane_doe=True)])
+    edges = [MergeInput("org:a", comp([sc("weather", "Rain in Lisbon", jane_doe=True)])),
+             MergeInput("org:b", comp([sc("flights", "Book a cheap flight to Denver")]))]
+    kept = server_merge(edges, schema, config, embed=embed, previous=previous)
+    assert _flag_names(kept.compendium) == {("weather", "has_city"), ("weather", "jane_doe")}
+    assert kept.stats.flags_held_back == 0
+    old = server_merge(edges, schema, config, embed=embed, previous=previous,
+                       previous_flags_released=False)
+    assert _flag_names(old.compendium) == set()
+    assert old.stats.flags_held_back == 2
+    assert {s.text for s in old.compendium.scenarios} >= {"Will it rain tomorrow in Paris?"}
+    twice = server_merge(
+        edges + [MergeInput("org:c", comp([sc("weather", "Rain in Oslo", has_city=True)])),
+                 MergeInput("org:d", comp([sc("weather", "Snow in Bergen", has_city=True)]))],
+        schema, config, embed=embed, previous=previous, previous_flags_released=False)
+    assert _flag_names(twice.compendium) == {("weather", "has_city")}

@@ -1251,3 +1251,108 @@ def test_an_erasure_deletes_the_edges_of_a_failed_round_that_can_no_longer_be_re
     assert CompendiumVersion.objects.filter(kind="edge", round=round1, organization=globex).exists()
     entry = AuditLog.objects.get(action="client.erase")
     assert entry.details["edges_deleted"] == [[1, acme.pk]]
+
+
+def test_a_global_merged_before_the_flag_rule_has_its_one_source_flag_names_held_back(
+    probes, django_capture_on_commit_callbacks, monkeypatch
+):
+    """Flag names are published only when two sources carried them (`FLAG_MIN_SOURCES`); a
+    global published before that rule may hold one client's name, and the next server merge
+    carries that global forward. Its record (no `flags_held_back`) says so: the names it holds
+    count for no source there, so the one client's name is not published again. A global merged
+    under the rule keeps its names (they passed then), with no edge sending them again."""
+    from compendium.services import store_compendium
+    from federation.merge import operator
+
+    round1, clients = build_federation()
+    version = CompendiumVersion.objects.get(kind="client", round=round1,
+                                            client=clients[("acme", "a1")])
+    content = dict(version.content)
+    for s in content["scenarios"]:
+        if s["tool_id"] == "weather":
+            s["preconditions"] = {"jane_doe": True}
+    version.delete()
+    store_compendium(Compendium.model_validate(content), kind="client", round=round1,
+                     client=clients[("acme", "a1")])
+    monkeypatch.setattr(operator, "FLAG_MIN_SOURCES", 1)  # as merged before the rule
+    close(round1, django_capture_on_commit_callbacks)
+    monkeypatch.undo()
+    first = CompendiumVersion.objects.get(kind="global", round=round1)
+
+    def names(version):
+        return {n for s in version.content["scenarios"] for n in s.get("preconditions", {})}
+
+    assert names(first) == {"jane_doe"}
+    record = MergeRecord.objects.get(round=round1, organization__isnull=True)
+    record.stats = {k: v for k, v in record.stats.items() if k != "flags_held_back"}
+    record.save()
+    round2 = _second_round()
+    close(round2, django_capture_on_commit_callbacks)
+    assert round2.state == "published", round2.failure_reason
+    glob = CompendiumVersion.objects.get(kind="global", round=round2)
+    assert names(glob) == set()
+    assert any(s["text"].startswith("Will it rain tomorrow in Paris")
+               for s in glob.content["scenarios"])  # the scenario stays, without the name
+    assert MergeRecord.objects.get(round=round2, organization__isnull=True).stats[
+        "flags_held_back"] == 1
+    # merged under the rule, the same global's names stay
+    record.stats = {**record.stats, "flags_held_back": 0}
+    record.save()
+    pipeline.run_server_merge(round2.pk)
+    glob = CompendiumVersion.objects.get(kind="global", round=round2)
+    assert names(glob) == {"jane_doe"}
+
+
+def test_an_edge_log_merged_before_the_flag_rule_has_its_one_source_flag_names_held_back(
+    probes, django_capture_on_commit_callbacks, monkeypatch
+):
+    """An edge's conflict log of a round merged before the flag rule may hold one client's flag
+    name, which the next round writes into a published precaution ("... when Y and <name> is
+    true"). Its record (no `flags_held_back`) says so, and the next edge merge holds those names
+    to its own sources; a log merged under the rule is composed as it is."""
+    from compendium.services import store_compendium
+    from federation.merge import operator
+    from federation.models import Organization
+
+    round1, clients = build_federation()
+    org = Organization.objects.get(slug="acme")
+    flags = {("acme", "a1"): {"has_city": True, "jane_doe": False},
+             ("acme", "a2"): {"has_city": True, "jane_doe": False}}
+    for key, value in flags.items():
+        version = CompendiumVersion.objects.get(kind="client", round=round1, client=clients[key])
+        content = dict(version.content)
+        for s in content["scenarios"]:
+            if s["tool_id"] == "weather":
+                s["preconditions"] = value
+        version.delete()
+        store_compendium(Compendium.model_validate(content), kind="client", round=round1,
+                         client=clients[key])
+    a3 = Client.objects.create(organization=org, name="a3", status="approved")
+    store_compendium(Compendium.model_validate({"scenarios": [
+        {"tool_id": "weather", "text": "Will it rain tomorrow in Paris?",
+         "preconditions": {"has_city": False, "jane_doe": True}}]}),
+        kind="client", round=round1, client=a3)
+    monkeypatch.setattr(operator, "FLAG_MIN_SOURCES", 1)  # as merged before the rule
+    close(round1, django_capture_on_commit_callbacks)
+    monkeypatch.undo()
+    assert "jane_doe" in str(ConflictLogEntry.objects.get(round=round1, organization=org).dissenters)
+    record = MergeRecord.objects.get(round=round1, organization=org)
+    record.stats = {k: v for k, v in record.stats.items() if k != "flags_held_back"}
+    record.save()
+    round2 = _second_round()
+    store_compendium(Compendium.model_validate({"scenarios": [
+        {"tool_id": "flights", "text": "Cheap flights to Rome"}]}),
+        kind="client", round=round2, client=clients[("acme", "a1")])
+    close(round2, django_capture_on_commit_callbacks)
+    assert round2.state == "published", round2.failure_reason
+
+    def precautions():
+        edge = CompendiumVersion.objects.get(kind="edge", round=round2, organization=org)
+        return " ".join(p["text"] for p in edge.content["precautions"])
+
+    assert "jane_doe" not in precautions()
+    assert MergeRecord.objects.get(round=round2, organization=org).stats["flags_held_back"] == 2
+    record.stats = {**record.stats, "flags_held_back": 0}  # merged under the rule
+    record.save()
+    pipeline.run_edge_merge(round2.pk, org.pk)
+    assert "jane_doe is true" in precautions()

@@ -95,6 +95,12 @@ SOURCE_MIN = 5
 
 # The source name of the carried-forward global compendium in a server merge.
 PREVIOUS_GLOBAL = "previous-global"
+# A precondition flag name is published only when at least this many distinct sources (clients at
+# an edge, edges at the server) carried it for the same tool (`_released_flags`): flag names are
+# sent as written, so one client's `has_mary_account` would otherwise reach every organization.
+# The same k = 2 as the words a client releases (shared words, pooled release). There is no public
+# flag vocabulary (neither the schema's registry nor the probe set names flags) to admit more.
+FLAG_MIN_SOURCES = 2
 
 
 def edge_merge(
@@ -113,11 +119,17 @@ def edge_merge(
     source_limit: float = SOURCE_LIMIT,
     release_numeric: bool = True,
     drowned: frozenset[str] = frozenset(),
+    conflicts_flags_released: bool = True,
 ) -> MergeResult:
     """Merge client compendiums into one edge compendium (Algorithm 1). `source_limit` above 1
     turns the implausible-source check off (percentiles are at most 1). `release_numeric=False`
     releases no numeric statistics at all (no noise, no ledger rows); `drowned` names numeric
-    fields not to release (`drowned_fields`: no release of the round can make them useful)."""
+    fields not to release (`drowned_fields`: no release of the round can make them useful).
+
+    A precondition flag name is published only when FLAG_MIN_SOURCES clients carried it for the
+    tool (`_released_flags`). `conflicts_flags_released=False` says `previous_conflicts` was
+    written before that rule (it may hold one client's flag name): the flags its precautions and
+    winners publish are then held to this merge's sources too."""
     return _merge(
         submissions,
         schema,
@@ -136,6 +148,7 @@ def edge_merge(
         source_limit=source_limit,
         release_numeric=release_numeric,
         drowned=drowned,
+        conflicts_flags_released=conflicts_flags_released,
     )
 
 
@@ -153,6 +166,8 @@ def server_merge(
     previous_conflicts: Sequence[ConflictEntry] = (),
     source_limit: float = SOURCE_LIMIT,
     noise_scales: Mapping[str, Mapping[tuple[str, str], float]] | None = None,
+    previous_flags_released: bool = True,
+    conflicts_flags_released: bool = True,
 ) -> MergeResult:
     """The same operator one level up: edge compendiums in, the global compendium out. Numeric
     statistics were noised at the edges; here they are averaged, weighted by each edge's
@@ -175,7 +190,14 @@ def server_merge(
     An edge given as a Compendium is read as the schema in force reads it (`within_schema`), as
     the carried-forward global is: it was merged under the schema of its time (an erasure merges
     a published round's global again long after), and every edge holds statistics for every
-    registry tool, so a tool dropped since would otherwise have every edge rejected whole."""
+    registry tool, so a tool dropped since would otherwise have every edge rejected whole.
+
+    A precondition flag name is published only when FLAG_MIN_SOURCES edges carried it for the
+    tool (`_released_flags`). The carried global's names passed that rule when it was published,
+    so they stay without an edge sending them again (a client leaves out what the global covers,
+    flags included); `previous_flags_released=False` says it was merged before the rule (it may
+    hold one client's name): its names then count for no source, and stay only where this round's
+    edges carry them. `conflicts_flags_released` as in `edge_merge`."""
     edge_results = [
         MergeInput(e.source, within_schema(e.document, schema))
         if isinstance(e.document, Compendium) else e
@@ -197,6 +219,8 @@ def server_merge(
         previous=None if previous is None else within_schema(previous, schema),
         source_limit=source_limit,
         noise_scales=noise_scales,
+        previous_flags_released=previous_flags_released,
+        conflicts_flags_released=conflicts_flags_released,
     )
 
 
@@ -360,6 +384,8 @@ def _merge(
     release_numeric: bool = True,
     noise_scales: Mapping[str, Mapping[tuple[str, str], float]] | None = None,
     drowned: frozenset[str] = frozenset(),
+    previous_flags_released: bool = True,
+    conflicts_flags_released: bool = True,
 ) -> MergeResult:
     stats = MergeStats(summarizer=config.summarizer)
     clock = _Clock(stats)
@@ -402,6 +428,17 @@ def _merge(
         for source, comp in accepted
         for p in comp.precautions
     ]
+    # Before anything compares flags (the clustering's contradictions, the conflict log, the
+    # centroid ids, the exact dedup): names too few sources carried are left off.
+    released, held = _released_flags(
+        scenario_items, carried=bool(carry), carried_released=previous_flags_released
+    )
+    for item in scenario_items:
+        item.preconditions = _within(item.preconditions, item.tool_id, released)
+    if not conflicts_flags_released:
+        previous_conflicts, more = _conflicts_within(previous_conflicts, released)
+        held |= more
+    stats.flags_held_back = len(held)
     stats.scenarios_in = len(scenario_items)
     stats.precautions_in = len(precaution_items)
     tool_ids = [t.tool_id for t in schema.tools]
@@ -586,6 +623,57 @@ def _average_noise_scale(scales: Sequence[float | None], weights: np.ndarray) ->
         return None
     w = weights / weights.sum()
     return float(math.sqrt(float(np.sum((w * np.asarray(scales, dtype=float)) ** 2))))
+
+
+def _released_flags(
+    items: Sequence[Item], *, carried: bool, carried_released: bool
+) -> tuple[set[tuple[str, str]], set[tuple[str, str]]]:
+    """The (tool, flag name) pairs a merge may publish, and those it holds back. A name is
+    published for a tool when at least FLAG_MIN_SOURCES distinct sources (its inputs: clients at
+    an edge, edges at the server) carried it on a scenario of that tool, whatever the value. The
+    carried global (`carried`: the PREVIOUS_GLOBAL input) is not a source: its names are published
+    again when it was merged under this rule (`carried_released`), and otherwise only as this
+    round's sources earn them."""
+    sources: dict[tuple[str, str], set[str]] = defaultdict(set)
+    previous: set[tuple[str, str]] = set()
+    for item in items:
+        for name in item.preconditions:
+            if carried and item.source == PREVIOUS_GLOBAL:
+                previous.add((item.tool_id, name))
+            else:
+                sources[(item.tool_id, name)].add(item.source)
+    released = {key for key, names in sources.items() if len(names) >= FLAG_MIN_SOURCES}
+    if carried_released:
+        released |= previous
+    return released, (set(sources) | previous) - released
+
+
+def _within(flags: Mapping[str, bool], tool_id: str, released: set[tuple[str, str]]) -> dict:
+    """`flags` without the names not released for `tool_id`."""
+    return {name: value for name, value in flags.items() if (tool_id, name) in released}
+
+
+def _conflicts_within(
+    conflicts: Sequence[ConflictEntry], released: set[tuple[str, str]]
+) -> tuple[list[ConflictEntry], set[tuple[str, str]]]:
+    """A conflict log written before the flag rule, its candidates' flags held to `released`
+    (each to its own tool's: across tools a dissenter is another tool's), and the (tool, name)
+    pairs that left off. The entries' ids stay: reviewers' decisions are keyed by them."""
+    held: set[tuple[str, str]] = set()
+
+    def within(candidate: dict, tool_id: str) -> dict:
+        tool_id = candidate.get("tool_id") or tool_id
+        flags = candidate.get("preconditions") or {}
+        held.update((tool_id, name) for name in flags if (tool_id, name) not in released)
+        return {**candidate, "preconditions": _within(flags, tool_id, released)}
+
+    out = [
+        ConflictEntry(e.tool_id, e.centroid_id, within(e.centroid, e.tool_id),
+                      [within(d, e.tool_id) for d in e.dissenters], e.reason, e.resolution,
+                      e.resolution_text)
+        for e in conflicts
+    ]
+    return out, held
 
 
 def _merge_metadata(accepted, schema, config, seed, epsilon_remaining, noise, release_numeric=True,

@@ -104,6 +104,9 @@ class MergeStats:
     # what it kept is the same), and how many at each size: [{"n": 4, "f": 1, "groups": 12}].
     krum_below_premise: int = 0
     krum_below_premise_sizes: list[dict] = field(default_factory=list)
+    # (tool, precondition flag name) pairs left off the published scenarios: fewer than
+    # operator.FLAG_MIN_SOURCES sources carried them (a count only: the names are never reported)
+    flags_held_back: int = 0
     precautions_in: int = 0
     precautions_out: int = 0
     precautions_from_conflicts: int = 0
