@@ -343,6 +343,29 @@ def test_compendium_page_tells_the_operator_where_the_server_merge_s_krum_lacked
                 "every group meets.")
 
 
+def test_compendium_page_counts_the_flag_names_the_server_merge_held_back(client, federation):
+    """The server merge leaves off a flag name fewer than two edges carried for a tool: the
+    Compendium page says how many (a count, to everyone who sees the page); one held back is
+    said in the singular; none, nothing."""
+    from federation.models import MergeRecord, Round
+
+    round_ = Round.objects.get(number=2)
+    record = MergeRecord.objects.create(round=round_, stats={"summarizer": "centroid",
+                                                             "flags_held_back": 1})
+    for username in ("operator", "member"):
+        assert client.login(username=username, password=PASSWORD)
+        page = html.unescape(client.get(reverse("dashboard:compendium"),
+                                        {"round": 2}).content.decode())
+        note = re.search(r'<p class="hint" id="flags-held-back-note">(.*?)</p>', page)
+        assert note.group(1) == (
+            "The server merge: 1 precondition flag name was left off this global compendium: "
+            "fewer than 2 edges carried it for its tool (a name only one source writes could "
+            "name a person or an account).")
+    MergeRecord.objects.filter(pk=record.pk).update(stats={"summarizer": "centroid"})
+    page = client.get(reverse("dashboard:compendium"), {"round": 2}).content.decode()
+    assert "flags-held-back-note" not in page
+
+
 def test_the_server_merge_s_fallback_reason_quoting_an_llm_answer_is_the_operator_s(client, federation):
     """A summarizer's fallback reason quotes the LLM's answer ("LLM answer is not JSON: '...'"),
     and a model answering in prose repeats the cluster's texts, which in the server merge come

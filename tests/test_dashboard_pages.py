@@ -373,6 +373,28 @@ def test_organization_page_says_where_krum_judged_groups_past_its_premise(client
     assert "krum-premise" not in body and "2f + 3" not in body
 
 
+def test_organization_page_counts_the_flag_names_the_edge_held_back(client, fed):
+    """The edge merge leaves off a precondition flag name fewer than two of its clients carried
+    for a tool (`MergeStats.flags_held_back`); the record counted them but no page said so. The
+    edge's row is followed by the count (never a name); nothing without one."""
+    r1 = Round.objects.get(number=1)
+    MergeRecord.objects.create(round=r1, organization=fed.org_a,
+                               stats={"scenarios_in": 40, "flags_held_back": 3})
+    for role in ("operator", "admin_a"):
+        body = html.unescape(login(client, fed, role).get(
+            reverse("dashboard:organization", args=["org-a"])).content.decode())
+        [line] = re.findall(r'<p class="hint flags-held-back" id="flags-held-back-1">(.*?)</p>',
+                            body)
+        assert line == (
+            "Round 1: 3 precondition flag names were left off the edge compendium: fewer than "
+            "2 of the edge's clients carried each for its tool (a name only one source writes "
+            "could name a person or an account).")
+    MergeRecord.objects.filter(round=r1).update(stats={"scenarios_in": 40, "flags_held_back": 0})
+    body = login(client, fed, "operator").get(
+        reverse("dashboard:organization", args=["org-a"])).content.decode()
+    assert "flags-held-back" not in body
+
+
 def test_organization_edge_table_is_paginated_newest_first(client, fed):
     """The edge figures grow by a row each round: the table shows 50 rounds a page, the latest
     first, with links to the older ones (it listed every round the edge ever merged)."""

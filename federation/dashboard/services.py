@@ -733,6 +733,8 @@ def organization_page(organization, actor, page=1, per_page=50) -> OrganizationP
                 "krum_premise": krum_premise_note(
                     stats, RoundConfig.from_stored(record.round.config), "the edge's clients"
                 ) if record else "",
+                "flags_held_back": flags_held_back_note(stats, "the edge compendium",
+                                                        "of the edge's clients"),
                 **_summary_figures(stats),
             }
         )
@@ -786,6 +788,8 @@ def server_merge_summaries(version: CompendiumVersion, *, operator: bool) -> dic
             "krum_premise": krum_premise_note(
                 record.stats, RoundConfig.from_stored(version.round.config), "the edges"
             ) if operator else "",
+            "flags_held_back": flags_held_back_note(record.stats, "this global compendium",
+                                                    "edges"),
             "fields_not_released": not_released,
             "not_released_noise_to_window": ratio,
             # more than this ε per round (or ratio times the clients per organization) would
@@ -815,6 +819,23 @@ def not_released_noise_to_window(round_: Round) -> float | None:
         schema_in_force(), RoundConfig.from_stored(round_.config),
         max(per_organization.values(), default=0), len(per_organization),
     )
+
+
+def flags_held_back_note(stats: dict, compendium: str, sources: str) -> str:
+    """What a merge's record says of the precondition flag names it left off `compendium`
+    (`MergeStats.flags_held_back`: fewer than FLAG_MIN_SOURCES of its `sources` carried each for
+    its tool), as a count, never a name; "" when there were none or the record predates the
+    count."""
+    from federation.merge.operator import FLAG_MIN_SOURCES
+
+    count = stats.get("flags_held_back") or 0
+    if not isinstance(count, int) or count <= 0:
+        return ""
+    one = count == 1
+    return (f"{count} precondition flag name{'' if one else 's'} {'was' if one else 'were'} left "
+            f"off {compendium}: fewer than {FLAG_MIN_SOURCES} {sources} carried "
+            f"{'it' if one else 'each'} for its tool (a name only one source writes could name "
+            f"a person or an account).")
 
 
 def krum_premise_note(stats: dict, config: RoundConfig, sources: str) -> str:
