@@ -538,8 +538,10 @@ CELERY_WORKER_PREFETCH_MULTIPLIER = 1
 SYNAPSE_TASK_MAX_DELIVERIES = env_number("SYNAPSE_TASK_MAX_DELIVERIES", 3, least=1)
 # With acks_late, Redis delivers a message again when its task has run longer than the
 # visibility timeout (kombu's default: an hour) although the first run goes on: longer than any
-# merge or tuning runs, so that a long one is not run twice meanwhile. (RabbitMQ has no such
-# timeout: a message waits for its worker's connection.)
+# merge or tuning runs, so that a long one is not run twice meanwhile. (RabbitMQ's is its own
+# setting, consumer_timeout, 30 minutes by default: with RabbitMQ as the broker raise it above
+# the tasks' hard time limit below, or a task running longer has its channel closed and its message
+# delivered again while it runs.)
 SYNAPSE_TASK_VISIBILITY_SECONDS = env_number("SYNAPSE_TASK_VISIBILITY_SECONDS", 43200, least=1)
 CELERY_BROKER_TRANSPORT_OPTIONS = {"visibility_timeout": SYNAPSE_TASK_VISIBILITY_SECONDS}
 # A task that runs longer than this (a merge held by an LLM endpoint that answers, slowly, every
