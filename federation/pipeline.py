@@ -9,6 +9,7 @@ and merges again if that changed meanwhile (see run_edge_merge, run_server_merge
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import hashlib
 import logging
@@ -26,6 +27,7 @@ from compendium.models import CompendiumVersion
 from compendium.schema import Compendium
 from compendium.services import current_schema, load_compendium, store_compendium
 from federation import accounting, services
+from federation.errors import Busy
 from federation.merge import (
     BudgetExceeded,
     ConflictEntry,
@@ -160,22 +162,38 @@ def _config(round_: Round) -> RoundConfig:
 FAILABLE = (Round.State.CLOSING, Round.State.MERGING)
 
 
-def fail_round(round_id: int, reason: str, attempt: int | None = None) -> None:
+def fail_round(round_id: int, reason: str, attempt: int | None = None, *,
+               briefly: bool = False) -> None:
     """A closing or merging round -> failed, with the reason (audited as round.fail). A round in
     another state is left as it is: a published round stays published, a failed one keeps the
     reason it failed with first (the one its audit entry records); so is a round on another run
-    of the pipeline than `attempt` (a late failure of an earlier run does not fail the retry)."""
-    with transaction.atomic():
-        round_ = Round.objects.select_for_update().get(pk=round_id)
-        if attempt is not None and attempt != round_.attempt:
-            log.warning("round %s is on run %s, not failed by run %s: %s",
-                        round_id, round_.attempt, attempt, reason)
-            return
-        if round_.state not in FAILABLE:
-            log.warning("round %s is %s, not failed again: %s", round_id, round_.state, reason)
-            return
-        services.mark_failed(round_, reason[:2000])
-    log.warning("round %s failed: %s", round_id, reason)
+    of the pipeline than `attempt` (a late failure of an earlier run does not fail the retry).
+    `briefly`: the round's lock is waited for SYNAPSE_LOCK_WAIT_SECONDS at most, and a round
+    still locked then is left as it is, logged (a worker's main process failing the round of a
+    task it is about to kill, which may hold that lock: waiting for it would hang the worker)."""
+    try:
+        with transaction.atomic(), (
+            services.waiting_briefly("fail the round") if briefly else contextlib.nullcontext()
+        ):
+            failed = _fail_locked(round_id, reason, attempt)
+    except Busy as busy:
+        log.warning("round %s not failed (%s): %s", round_id, busy, reason)
+        return
+    if failed:
+        log.warning("round %s failed: %s", round_id, reason)
+
+
+def _fail_locked(round_id: int, reason: str, attempt: int | None) -> bool:
+    round_ = Round.objects.select_for_update().get(pk=round_id)
+    if attempt is not None and attempt != round_.attempt:
+        log.warning("round %s is on run %s, not failed by run %s: %s",
+                    round_id, round_.attempt, attempt, reason)
+        return False
+    if round_.state not in FAILABLE:
+        log.warning("round %s is %s, not failed again: %s", round_id, round_.state, reason)
+        return False
+    services.mark_failed(round_, reason[:2000])
+    return True
 
 
 def organizations_with_submissions(round_: Round) -> list[int]:

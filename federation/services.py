@@ -1410,6 +1410,21 @@ def mark_failed(rnd: Round | int, reason: str, actor: Actor | None = None) -> Ro
     return rnd
 
 
+def fail_round_by_hand(actor: Actor, rnd: Round | int, reason: str) -> Round:
+    """closing/merging -> failed by the operator, with a reason (a merge whose worker died with
+    its message, which Redis gives back only after its visibility timeout): the round can then be
+    retried. A task of the run still in flight writes nothing once it sees the round failed. The
+    round's lock is waited for briefly (an erasure may hold it for minutes): Busy (409) then."""
+    require_operator(actor, "fail rounds")
+    reason = reason.strip()
+    if not reason:
+        raise InvalidRequest("say why the round is failed: the reason is shown on the round and "
+                             "in the audit log")
+    free_text("reason", reason, 2000)
+    with transaction.atomic(), waiting_briefly("fail the round"):
+        return mark_failed(_locked_round(rnd), reason, actor)
+
+
 def round_figures(queryset, organization_ids=None):
     """Annotate rounds with their submission figures in one query: of every organization, or
     (`organization_ids`) of those only, as the dashboard shows a member its own; and with the

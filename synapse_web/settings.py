@@ -538,10 +538,28 @@ CELERY_WORKER_PREFETCH_MULTIPLIER = 1
 SYNAPSE_TASK_MAX_DELIVERIES = env_number("SYNAPSE_TASK_MAX_DELIVERIES", 3, least=1)
 # With acks_late, Redis delivers a message again when its task has run longer than the
 # visibility timeout (kombu's default: an hour) although the first run goes on: longer than any
-# merge or tuning runs, so that a long one is not run twice meanwhile. (RabbitMQ has no such
-# timeout: a message waits for its worker's connection.)
+# merge or tuning runs, so that a long one is not run twice meanwhile. (RabbitMQ's is its own
+# setting, consumer_timeout, 30 minutes by default: with RabbitMQ as the broker raise it above
+# the tasks' hard time limit below, or a task running longer has its channel closed and its message
+# delivered again while it runs.)
 SYNAPSE_TASK_VISIBILITY_SECONDS = env_number("SYNAPSE_TASK_VISIBILITY_SECONDS", 43200, least=1)
 CELERY_BROKER_TRANSPORT_OPTIONS = {"visibility_timeout": SYNAPSE_TASK_VISIBILITY_SECONDS}
+# A task that runs longer than this (a merge held by an LLM endpoint that answers, slowly, every
+# question; a lock never released) is stopped: the soft limit raises in the task, which fails its
+# round (a tuning: its router) saying so; a task still running TASK_KILL_GRACE_SECONDS later is
+# killed by the worker, and its round (router) failed all the same. Without a limit such a task
+# held its worker and left its round `merging` for good. Below the visibility timeout, so that
+# Redis never hands a task that is still running to a second worker.
+SYNAPSE_TASK_TIME_LIMIT_SECONDS = env_number("SYNAPSE_TASK_TIME_LIMIT_SECONDS", 10800, least=1)
+TASK_KILL_GRACE_SECONDS = 60
+CELERY_TASK_SOFT_TIME_LIMIT = SYNAPSE_TASK_TIME_LIMIT_SECONDS
+CELERY_TASK_TIME_LIMIT = SYNAPSE_TASK_TIME_LIMIT_SECONDS + TASK_KILL_GRACE_SECONDS
+if CELERY_TASK_TIME_LIMIT >= SYNAPSE_TASK_VISIBILITY_SECONDS:
+    raise ImproperlyConfigured(
+        f"SYNAPSE_TASK_TIME_LIMIT_SECONDS={SYNAPSE_TASK_TIME_LIMIT_SECONDS} must be more than "
+        f"{TASK_KILL_GRACE_SECONDS} s below SYNAPSE_TASK_VISIBILITY_SECONDS="
+        f"{SYNAPSE_TASK_VISIBILITY_SECONDS}: Redis would hand a task still running to another worker"
+    )
 CELERY_TASK_SERIALIZER = "json"
 CELERY_RESULT_SERIALIZER = "json"
 CELERY_ACCEPT_CONTENT = ["json"]

@@ -484,6 +484,41 @@ def test_operator_closes_opens_and_retries_rounds(client, fed):
     assert AuditLog.objects.filter(action="round.retry", actor=fed.operator).exists()
 
 
+def test_operator_fails_a_round_whose_merge_is_stuck_from_the_dashboard(client, fed):
+    """Found by review: a round left `merging` by a worker that died with its message (the whole
+    worker killed: Redis gives the message back only after its visibility timeout, 12 h) could
+    be failed, and so retried, only through the API; the overview showed it merging, with no
+    action. It now has a Fail form, which takes a reason."""
+    login(client, fed, "operator")
+    r2 = Round.objects.get(number=2)
+    fail = reverse("dashboard:round-action", args=[2, "fail"])
+    assert fail not in client.get(reverse("dashboard:overview")).content.decode()  # open
+    services.close_round(SYSTEM, r2)
+    Round.objects.filter(pk=r2.pk).update(state="merging")
+    page = client.get(reverse("dashboard:overview")).content.decode()
+    assert f'action="{fail}"' in page and 'name="reason"' in page
+    # a reason is needed: the round and its audit entry say why it failed
+    refused = client.post(fail, {"reason": "  "})
+    assert refused.status_code == 400 and "reason" in html.unescape(refused.content.decode())
+    assert Round.objects.get(pk=r2.pk).state == "merging"
+    # another person may not
+    client.logout()
+    login(client, fed, "member_a")
+    assert client.post(fail, {"reason": "x"}).status_code == 403
+    client.logout()
+    login(client, fed, "operator")
+    done = client.post(fail, {"reason": "its worker was killed"}, follow=True)
+    assert "Round 2 failed: its worker was killed." in html.unescape(done.content.decode())
+    r2.refresh_from_db()
+    assert r2.state == "failed" and r2.failure_reason == "its worker was killed"
+    entry = AuditLog.objects.get(action="round.fail", target_id=str(r2.pk))
+    assert entry.actor == fed.operator and entry.details == {"reason": "its worker was killed"}
+    # a round that is not closing or merging is refused, naming why
+    again = client.post(fail, {"reason": "again"})
+    assert again.status_code == 409 and "cannot fail round 2: it is failed" in html.unescape(
+        again.content.decode())
+
+
 def test_a_rounds_own_url_does_not_open_a_round(client, fed):
     """rounds/<N>/open/ opened the next round whatever N named (the round-action route took
     "open" as an action); opening a round is rounds/open/ alone."""

@@ -355,7 +355,8 @@ NUMBERS = {
     "SYNAPSE_EPSILON_BUDGET": (["nan", "inf", "0", "-1"], "2.5", 2.5),
     "SYNAPSE_DELTA_PRIME": (["0", "1", "2", "nan"], "1e-6", 1e-6),
     "SYNAPSE_TASK_MAX_DELIVERIES": (["0", "three"], "1", 1),
-    "SYNAPSE_TASK_VISIBILITY_SECONDS": (["0", "12h"], "3600", 3600),
+    "SYNAPSE_TASK_VISIBILITY_SECONDS": (["0", "12h"], "86400", 86400),
+    "SYNAPSE_TASK_TIME_LIMIT_SECONDS": (["0", "3h", "-1"], "600", 600),
     "SYNAPSE_DEADLINE_CHECK_SECONDS": (["0", "x", "nan"], "1", 1.0),
     # read outside the settings (routing.embeddings, routing.llm), checked at start-up all the same
     "SYNAPSE_ONNX_THREADS": (["two", "-1"], "1", 1),
@@ -381,6 +382,18 @@ def test_a_good_number_is_taken_and_empty_means_the_default(monkeypatch, name):
         assert seen[name] == read and type(seen[name]) is type(read)
     default = settings_from(monkeypatch)
     assert settings_from(monkeypatch, **{name: ""}).get(name) == default.get(name)
+
+
+def test_a_task_time_limit_not_below_the_visibility_timeout_stops_with_one_line(monkeypatch):
+    """Redis hands a task's message to another worker once the task has run the visibility
+    timeout: a task may not be allowed to run that long (its hard limit is 60 s past the soft)."""
+    message = refused(monkeypatch, SYNAPSE_TASK_VISIBILITY_SECONDS="3600",
+                      SYNAPSE_TASK_TIME_LIMIT_SECONDS="3540")
+    assert message.startswith("SYNAPSE_TASK_TIME_LIMIT_SECONDS=3540 must be more than 60 s below "
+                              "SYNAPSE_TASK_VISIBILITY_SECONDS=3600"), message
+    seen = settings_from(monkeypatch, SYNAPSE_TASK_VISIBILITY_SECONDS="3600",
+                         SYNAPSE_TASK_TIME_LIMIT_SECONDS="3539")
+    assert (seen["CELERY_TASK_SOFT_TIME_LIMIT"], seen["CELERY_TASK_TIME_LIMIT"]) == (3539, 3599)
 
 
 @pytest.mark.parametrize("value", ["", "  "])

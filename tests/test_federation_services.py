@@ -687,6 +687,38 @@ def _held_elsewhere(lock):
 
 
 @pytest.mark.django_db(transaction=True)
+def test_failing_a_stuck_round_answers_busy_instead_of_waiting_out_a_long_lock(world, settings):
+    """Found by review: the operator's fail of a merging round (the API's, which the dashboard's
+    Fail now shares) waited for the round's lock however long another transaction held it (an
+    erasure re-merging that round holds it for minutes), past the web server's timeout. It now
+    answers 409 busy after SYNAPSE_LOCK_WAIT_SECONDS, changes nothing, and works once free."""
+    from federation.errors import Busy
+    from tests.test_federation_api import person_api
+
+    settings.SYNAPSE_LOCK_WAIT_SECONDS = 0.2
+    operator = world.actor(world.operator)
+    stuck = services.open_round(operator)
+    Round.objects.filter(pk=stuck.pk).update(state=Round.State.MERGING)
+    url = f"/api/v1/admin/rounds/{stuck.pk}/fail/"
+    release = _held_elsewhere(lambda: Round.objects.select_for_update().get(pk=stuck.pk))
+    try:
+        with pytest.raises(Busy, match="cannot fail the round now"):
+            services.fail_round_by_hand(operator, stuck, "its worker was killed")
+        busy = person_api(world.operator).post(url, {"reason": "its worker was killed"},
+                                               format="json")
+        assert busy.status_code == 409 and busy.json()["code"] == "busy", busy.content
+    finally:
+        release()
+    assert Round.objects.get(pk=stuck.pk).state == Round.State.MERGING
+    done = person_api(world.operator).post(url, {"reason": "its worker was killed"}, format="json")
+    assert done.status_code == 200 and done.json()["failure_reason"] == "its worker was killed"
+    # a reason the audit log would show otherwise than stored is refused, naming it
+    Round.objects.filter(pk=stuck.pk).update(state=Round.State.MERGING)
+    bidi = person_api(world.operator).post(url, {"reason": "killed \u202e"}, format="json")
+    assert bidi.status_code == 400 and "reason contains" in bidi.json()["detail"]
+
+
+@pytest.mark.django_db(transaction=True)
 def test_operator_requests_answer_busy_instead_of_waiting_out_a_long_lock(world, settings):
     """An erasure holds the settings' lock (and its rounds') until all its re-merges commit:
     opening a round, retrying one or changing the settings then answers 409 busy after

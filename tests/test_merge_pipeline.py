@@ -333,11 +333,44 @@ def test_a_close_whose_pipeline_cannot_be_queued_fails_the_round_for_a_retry(
             services.close_round(SYSTEM, round_)  # the close itself commits
     round_.refresh_from_db()
     assert round_.state == "failed"
-    assert round_.failure_reason == "the merge pipeline could not be queued: the broker is down"
+    assert round_.failure_reason == (
+        "the merge pipeline could not be queued (the broker, CELERY_BROKER_URL, or the result "
+        "backend did not answer): the broker is down; retry the round once they answer")
     with django_capture_on_commit_callbacks(execute=True):  # the broker back (eager here)
         services.retry_round(SYSTEM, round_)
     round_.refresh_from_db()
     assert round_.state == "published", round_.failure_reason
+
+
+def test_a_close_queued_while_redis_is_down_says_so_in_one_line_without_a_false_restart(
+    monkeypatch, django_capture_on_commit_callbacks
+):
+    """Found by review: a web process that had not reached Redis yet (a fresh gunicorn worker)
+    waits about 20 s for the result backend and gets Celery's RuntimeError over three lines,
+    ending "The Celery application must be restarted.": stored as the round's failure reason,
+    it told the operator to restart what needs no restart (measured: the same process queues the
+    next task as soon as Redis answers again)."""
+    from federation import services
+    from tests.federation_fixtures import SYSTEM
+    from workers import tasks
+
+    round_, _ = build_federation(state="open")
+
+    def backend_down(*args, **kwargs):
+        raise RuntimeError("\nRetry limit exceeded while trying to reconnect to the Celery result "
+                           "store\nbackend. The Celery application must be restarted.\n")
+
+    with monkeypatch.context() as patch:
+        patch.setitem(tasks.start_round_pipeline.app.conf, "task_always_eager", False)
+        patch.setattr(tasks.start_round_pipeline, "delay", backend_down)
+        with django_capture_on_commit_callbacks(execute=True):
+            services.close_round(SYSTEM, round_)
+    round_.refresh_from_db()
+    assert round_.state == "failed"
+    assert round_.failure_reason == (
+        "the merge pipeline could not be queued (the broker, CELERY_BROKER_URL, or the result "
+        "backend did not answer): Retry limit exceeded while trying to reconnect to the Celery "
+        "result store backend.; retry the round once they answer")
 
 
 def test_budget_cap_fails_round_before_any_merge(settings, django_capture_on_commit_callbacks):

@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 import queue
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -99,10 +100,17 @@ def _database_url() -> str:
 def worker(request, transactional_db, tmp_path_factory):
     from synapse_web.celery import app
 
-    # request.param: (environment for the worker, "<tmp>" = a fresh folder; extra queues)
+    # request.param: (environment for the worker, "<tmp>" = a fresh folder, "<silent-llm>" = the
+    # URL of an OpenAI-compatible endpoint that takes every request and never answers; extra
+    # queues)
     extra_env, queues = getattr(request, "param", None) or ({}, None)
-    extra_env = {k: str(tmp_path_factory.mktemp("worker")) if v == "<tmp>" else v
-                 for k, v in extra_env.items()}
+    silent = socket.create_server(("127.0.0.1", 0))  # accepted by the kernel, never read
+    request.addfinalizer(silent.close)
+    extra_env = {
+        k: str(tmp_path_factory.mktemp("worker")) if v == "<tmp>"
+        else f"http://127.0.0.1:{silent.getsockname()[1]}/v1" if v == "<silent-llm>" else v
+        for k, v in extra_env.items()
+    }
     queue_name = f"synapse-test-{uuid.uuid4().hex[:10]}"
     saved = {k: app.conf.get(k) for k in
              ("broker_url", "result_backend", "task_always_eager", "task_default_queue")}
@@ -202,6 +210,25 @@ def test_an_edge_merge_whose_worker_always_dies_fails_the_round_instead_of_loopi
     assert round_.state == "failed", "".join(worker.log[-50:])
     assert "was delivered 3 times and its worker died every time" in round_.failure_reason
     assert 2 <= killed <= 4, killed  # each message ran at most twice
+    assert not CompendiumVersion.objects.filter(kind="global", round=round_).exists()
+
+
+@pytest.mark.parametrize(
+    "worker", [({"SYNAPSE_LLM_BASE_URL": "<silent-llm>", "SYNAPSE_TASK_TIME_LIMIT_SECONDS": "40"},
+                None)], indirect=True,
+)
+def test_a_merge_held_by_an_llm_that_never_answers_fails_its_round_at_the_time_limit(worker):
+    """Found by review: no task had a time limit. An edge merge whose LLM endpoint never answers
+    is stopped at SYNAPSE_TASK_TIME_LIMIT_SECONDS (the soft limit, raised in the task) and its
+    round fails saying so; before, it waited out the LLM and published, however long that took
+    (an endpoint that answers each question just within its limit holds a merge for hours)."""
+    round_, _ = build_federation(config={"summarizer": "llm-single-shot", "seed": 11})
+    info = _close_round(round_)
+    for task_id in info["edge_tasks"]:
+        AsyncResult(task_id).get(timeout=300, propagate=False)
+    round_.refresh_from_db()
+    assert round_.state == "failed", round_.state
+    assert "failed: it ran past SYNAPSE_TASK_TIME_LIMIT_SECONDS (40 s)" in round_.failure_reason
     assert not CompendiumVersion.objects.filter(kind="global", round=round_).exists()
 
 

@@ -21,8 +21,18 @@ def start_pipeline_on_close(sender, round, **kwargs):
         return start_round_pipeline.delay(round.pk, round.attempt)
     except Exception as exc:
         if not start_round_pipeline.app.conf.task_always_eager:
-            fail_round(round.pk, f"the merge pipeline could not be queued: {exc}", round.attempt)
+            fail_round(round.pk, _not_queued(exc), round.attempt)
         raise
+
+
+def _not_queued(exc: Exception) -> str:
+    """Why the start of a round's merges could not be queued, in one line, saying what to do.
+    Celery's error for a Redis result backend it never reached says, over three lines, that "the
+    Celery application must be restarted": it need not be (the same process queues the next task
+    as soon as Redis answers again), so that sentence is left out."""
+    said = " ".join(str(exc).split()).replace(" The Celery application must be restarted.", "")
+    return (f"the merge pipeline could not be queued (the broker, CELERY_BROKER_URL, or the result "
+            f"backend did not answer): {said}; retry the round once they answer")
 
 
 @receiver(global_published, dispatch_uid="synapse.tune_router")

@@ -6,12 +6,17 @@ merge interrupted by a killed worker is delivered again; the services are idempo
 retry produces the same compendium. Each delivery is counted (workers.deliveries): a task whose
 worker died SYNAPSE_TASK_MAX_DELIVERIES times fails its round (a tuning: its router) with that
 reason instead of being delivered forever. A task that fails for any other reason sets the round
-to `failed` with the reason.
+to `failed` with the reason; so does one that runs past SYNAPSE_TASK_TIME_LIMIT_SECONDS (the
+soft limit raised in it), or is killed by the worker a grace period later (`on_failure`, run by
+the worker's main process).
 """
 
 from __future__ import annotations
 
-from celery import chord, group, shared_task
+import inspect
+
+from billiard.exceptions import SoftTimeLimitExceeded, TimeLimitExceeded
+from celery import Task, chord, group, shared_task
 from celery.utils.log import get_task_logger
 
 from federation import pipeline
@@ -19,7 +24,52 @@ from workers import deliveries
 
 log = get_task_logger(__name__)
 
-TASK_OPTIONS = dict(acks_late=True, reject_on_worker_lost=True)
+
+def _time_limit(exc: BaseException | None) -> BaseException | None:
+    """The time limit behind `exc`: itself, or one that code turned into another error on its
+    way up (a model loader's "cannot load" says nothing of the limit that stopped it)."""
+    seen = set()
+    while exc is not None and id(exc) not in seen:
+        if isinstance(exc, SoftTimeLimitExceeded | TimeLimitExceeded):
+            return exc
+        seen.add(id(exc))
+        exc = exc.__cause__ or exc.__context__
+    return None
+
+
+def _why(exc: BaseException) -> str:
+    """A task's failure in words: a time limit says which, and how long it is."""
+    from django.conf import settings
+
+    limit = _time_limit(exc)
+    if limit is None:
+        return str(exc)
+    killed = "" if isinstance(limit, SoftTimeLimitExceeded) else (
+        f" and was killed {settings.TASK_KILL_GRACE_SECONDS} s later")
+    return (f"it ran past SYNAPSE_TASK_TIME_LIMIT_SECONDS "
+            f"({settings.SYNAPSE_TASK_TIME_LIMIT_SECONDS} s){killed}")
+
+
+class PipelineTask(Task):
+    """A task of the round pipeline. Its body fails the round on any error it sees; a task the
+    worker kills at its hard time limit runs no more of its body, so the worker's main process
+    fails the round here (`what`: the step, formatted with the task's arguments)."""
+
+    what = "a merge step"
+
+    def on_failure(self, exc, task_id, args, kwargs, einfo):
+        if not isinstance(exc, TimeLimitExceeded):
+            return  # the body failed the round (or left it to a later delivery)
+        bound = inspect.signature(self.run).bind(*args, **kwargs)
+        bound.apply_defaults()
+        given = bound.arguments
+        # Called before the worker kills the task's process, which may hold the round's lock:
+        # waited for briefly, so that the worker is not held by the task it is stopping.
+        pipeline.fail_round(given["round_id"], f"{self.what.format(**given)} failed: {_why(exc)}",
+                            given.get("attempt"), briefly=True)
+
+
+TASK_OPTIONS = dict(acks_late=True, reject_on_worker_lost=True, base=PipelineTask)
 
 
 def _counted(task, round_id: int, attempt: int | None, what: str):
@@ -39,7 +89,8 @@ def _counted(task, round_id: int, attempt: int | None, what: str):
 # a task queued before runs were counted, treated as the current run.
 
 
-@shared_task(name="synapse.start_round_pipeline", bind=True, **TASK_OPTIONS)
+@shared_task(name="synapse.start_round_pipeline", bind=True, what="starting the merge",
+             **TASK_OPTIONS)
 def start_round_pipeline(self, round_id: int, attempt: int | None = None) -> dict:
     """Start the chord; returns the ids of its edge tasks and of the server task. A redelivery
     of a start that dispatched its chord answers what it dispatched, without a second chord."""
@@ -55,7 +106,7 @@ def start_round_pipeline(self, round_id: int, attempt: int | None = None) -> dic
         log.warning("not started: %s", stale)
         return {"organizations": [], "edge_tasks": [], "server_task": None, "stale": str(stale)}
     except Exception as exc:
-        pipeline.fail_round(round_id, f"starting the merge failed: {exc}", attempt)
+        pipeline.fail_round(round_id, f"starting the merge failed: {_why(exc)}", attempt)
         raise
     if not organizations:
         return {"organizations": [], "edge_tasks": [], "server_task": None}
@@ -71,7 +122,8 @@ def start_round_pipeline(self, round_id: int, attempt: int | None = None) -> dic
     return outcome
 
 
-@shared_task(name="synapse.edge_merge", bind=True, **TASK_OPTIONS)
+@shared_task(name="synapse.edge_merge", bind=True, **TASK_OPTIONS,
+             what="edge merge of organization {organization_id}")
 def edge_merge_task(self, round_id: int, organization_id: int, attempt: int | None = None) -> dict:
     _, given_up = _counted(self, round_id, attempt, f"the edge merge of organization {organization_id}")
     if given_up:
@@ -84,14 +136,14 @@ def edge_merge_task(self, round_id: int, organization_id: int, attempt: int | No
         return {"organization": organization_id, "stale": str(stale)}
     except Exception as exc:
         pipeline.fail_round(
-            round_id, f"edge merge of organization {organization_id} failed: {exc}", attempt
+            round_id, f"edge merge of organization {organization_id} failed: {_why(exc)}", attempt
         )
         raise
     return {"organization": organization_id, "sha256": outcome.sha256,
             "accepted": outcome.accepted, "rejected": outcome.rejected}
 
 
-@shared_task(name="synapse.server_merge", bind=True, **TASK_OPTIONS)
+@shared_task(name="synapse.server_merge", bind=True, what="server merge", **TASK_OPTIONS)
 def server_merge_task(self, round_id: int, attempt: int | None = None) -> str | None:
     if _counted(self, round_id, attempt, "the server merge")[1]:
         return None
@@ -101,7 +153,7 @@ def server_merge_task(self, round_id: int, attempt: int | None = None) -> str | 
         log.warning("server merge not written: %s", stale)
         return None
     except Exception as exc:
-        pipeline.fail_round(round_id, f"server merge failed: {exc}", attempt)
+        pipeline.fail_round(round_id, f"server merge failed: {_why(exc)}", attempt)
         raise
 
 

@@ -1043,7 +1043,7 @@ class RoundRetryView(_RoundActionView):
 class RoundFailView(_RoundActionView):
     @extend_schema(
         request=FailRoundSerializer,
-        responses={200: RoundSerializer, 403: DETAIL, 404: DETAIL, 409: DETAIL},
+        responses={200: RoundSerializer, 400: DETAIL, 403: DETAIL, 404: DETAIL, 409: DETAIL},
         summary="Mark a closing or merging round failed, with a reason (operator)",
     )
     def post(self, request, pk):
@@ -1051,7 +1051,7 @@ class RoundFailView(_RoundActionView):
         data.is_valid(raise_exception=True)
         _refuse_unknown_fields(data)
         return self.respond(
-            services.mark_failed(pk, data.validated_data["reason"], actor_for(request))
+            services.fail_round_by_hand(actor_for(request), pk, data.validated_data["reason"])
         )
 
 

@@ -47,6 +47,7 @@ from federation.services import (
     close_round,
     create_organization,
     enroll_client,
+    fail_round_by_hand,
     free_text,
     get_settings,
     issue_user_token,
@@ -621,6 +622,9 @@ class RoundActionView(ActionView):
             elif action == "retry":
                 retry_round(actor, rnd)
                 messages.success(request, f"Round {rnd.number} retried; {pipeline_outcome(rnd)}.")
+            elif action == "fail":
+                rnd = fail_round_by_hand(actor, rnd, request.POST.get("reason", ""))
+                messages.success(request, f"Round {rnd.number} failed: {rnd.failure_reason}.")
             else:
                 raise Http404("unknown action")
         return redirect("dashboard:overview")
