@@ -78,6 +78,11 @@ class Round(models.Model):
     # When the current run of the merge pipeline started: the close, or the latest retry (what
     # /metrics' synapse_merge_pending_seconds counts from; closed_at stays the close).
     attempt_started_at = models.DateTimeField(null=True, blank=True)
+    # The run (`attempt`) whose start of the merges was handed to the broker: set once the start's
+    # message is queued. A closing round whose current run was never queued (the process that
+    # committed the close died before queuing it) is started again by Celery beat's check
+    # (`services.requeue_lost_merges`).
+    queued_attempt = models.PositiveIntegerField(null=True, blank=True)
     published_at = models.DateTimeField(null=True, blank=True)
 
     class Meta:
@@ -273,6 +278,8 @@ class AuditLog(models.Model):
         ROUND_PUBLISH = "round.publish"
         ROUND_FAIL = "round.fail"
         ROUND_RETRY = "round.retry"
+        # A closing round whose start of the merges was never queued, started again as a new run.
+        ROUND_REQUEUE = "round.requeue"
         ROUND_DEADLINE = "round.deadline"
         SETTINGS_CHANGE = "settings.change"
         MEMBERSHIP_SET = "membership.set"

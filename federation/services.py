@@ -10,6 +10,7 @@ from __future__ import annotations
 import datetime as dt
 import hashlib
 import ipaddress
+import logging
 import math
 import re
 import secrets
@@ -22,7 +23,7 @@ from typing import Any, NamedTuple
 from django.conf import settings
 from django.contrib.auth import get_user_model
 from django.db import IntegrityError, OperationalError, connection, transaction
-from django.db.models import Q, QuerySet, Sum
+from django.db.models import F, Q, QuerySet, Sum
 from django.utils import timezone
 from django.utils.dateparse import parse_datetime
 from django.utils.text import slugify
@@ -57,6 +58,8 @@ from federation.models import (
 from federation.round_config import RoundConfig
 from federation.signals import round_closed
 from synapse_web.prepared import prepared_cursor
+
+log = logging.getLogger(__name__)
 
 TOKEN_PREFIX_CLIENT = "syn_c_"
 TOKEN_PREFIX_USER = "syn_u_"
@@ -1201,6 +1204,52 @@ def _close_if_due(pk: int, now: dt.datetime) -> Round | None:
     if rnd.state != Round.State.OPEN or rnd.closes_at is None or rnd.closes_at > now:
         return None
     return close_round(DEADLINE_ACTOR, rnd)
+
+
+def requeue_lost_merges(after_seconds: float, now: dt.datetime | None = None) -> list[Round]:
+    """Start again, as a new run, the merges of each round left `closing` whose current run's start
+    was never queued (`Round.queued_attempt`): the process that committed the close or retry
+    died before it handed the start to the broker, so no task would ever move the round on (a
+    broker that refused the start fails the round instead). Only runs that started more than
+    `after_seconds` ago: the start is queued right after the commit. Run by Celery beat
+    (`synapse.requeue_lost_merges`). The new run makes a start of the old one that was queued
+    after all (the process died between queuing it and recording it) stale: it changes nothing."""
+    now = now or timezone.now()
+    started_before = now - dt.timedelta(seconds=after_seconds)
+    lost = (
+        Round.objects.filter(state=Round.State.CLOSING, attempt_started_at__lte=started_before)
+        .exclude(queued_attempt=F("attempt"))
+        .values_list("pk", flat=True)
+    )
+    return [rnd for rnd in (_requeue_if_lost(pk, started_before) for pk in lost) if rnd]
+
+
+@transaction.atomic
+def _requeue_if_lost(pk: int, started_before: dt.datetime) -> Round | None:
+    try:
+        rnd = _locked_round(pk)
+    except NotFound:
+        return None
+    # Read again under the lock: its start may have been queued (or the round failed) meanwhile.
+    if (rnd.state != Round.State.CLOSING or rnd.queued_attempt == rnd.attempt
+            or rnd.attempt_started_at is None or rnd.attempt_started_at > started_before):
+        return None
+    lost = rnd.attempt
+    rnd.attempt += 1
+    rnd.attempt_started_at = timezone.now()
+    rnd.save(update_fields=["attempt", "attempt_started_at"])
+    log.warning("round %s: the start of its merges (run %s) was never queued; started again as "
+                "run %s", rnd.number, lost, rnd.attempt)
+    audit(Actor.system("merge pipeline"), AuditLog.Action.ROUND_REQUEUE, target=rnd,
+          details={"lost_attempt": lost, "reason": "the start of its merges was never queued"})
+    _send_round_closed(rnd)
+    return rnd
+
+
+def mark_queued(rnd: Round, attempt: int) -> None:
+    """Record that run `attempt` of `rnd`'s merges was handed to the broker
+    (`requeue_lost_merges` leaves it alone then)."""
+    Round.objects.filter(pk=rnd.pk, attempt=attempt).update(queued_attempt=attempt)
 
 
 @contextmanager

@@ -565,6 +565,10 @@ CELERY_RESULT_SERIALIZER = "json"
 CELERY_ACCEPT_CONTENT = ["json"]
 CELERY_TASK_DEFAULT_QUEUE = os.environ.get("CELERY_TASK_DEFAULT_QUEUE", "").strip() or "cpu"
 SYNAPSE_DEADLINE_CHECK_SECONDS = env_number("SYNAPSE_DEADLINE_CHECK_SECONDS", 30.0, whole=False, above=0)
+# A round left `closing` this long after its close (or retry) whose start of the merges was never
+# queued (the process that committed it died first) is started again as a new run by Celery
+# beat's check (synapse.requeue_lost_merges, every SYNAPSE_DEADLINE_CHECK_SECONDS).
+SYNAPSE_MERGE_REQUEUE_SECONDS = env_number("SYNAPSE_MERGE_REQUEUE_SECONDS", 120.0, whole=False, above=0)
 # `celery -A synapse_web beat` (docker-compose's beat service) closes rounds at their deadline
 # and prunes old rate counters and routing-call records.
 CELERY_BEAT_SCHEDULE = {
@@ -572,6 +576,12 @@ CELERY_BEAT_SCHEDULE = {
         "task": "synapse.close_due_rounds",
         "schedule": SYNAPSE_DEADLINE_CHECK_SECONDS,
         # a check no worker took before the next one is dropped, not run in a burst later
+        "options": {"expires": SYNAPSE_DEADLINE_CHECK_SECONDS},
+    },
+    # A closing round whose start of the merges was never queued, started again (federation.services).
+    "requeue-lost-merges": {
+        "task": "synapse.requeue_lost_merges",
+        "schedule": SYNAPSE_DEADLINE_CHECK_SECONDS,
         "options": {"expires": SYNAPSE_DEADLINE_CHECK_SECONDS},
     },
     # The served global's tuning whose message was lost, queued again (federation.tuning).

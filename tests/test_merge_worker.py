@@ -161,6 +161,8 @@ def test_full_round_on_a_real_worker(worker):
     round_, _ = build_federation(config=RELEASING_CONFIG)
     info = _close_round(round_)
     assert len(info["organizations"]) == 2 and len(info["edge_tasks"]) == 2
+    # the receiver recorded that this run's start is queued: beat's check leaves it alone
+    assert Round.objects.get(pk=round_.pk).queued_attempt == 1
     sha = _wait_for_round(info)
     round_.refresh_from_db()
     assert round_.state == "published", round_.failure_reason
@@ -294,3 +296,39 @@ def test_beat_closes_a_round_at_its_deadline_and_the_worker_publishes_it(worker,
     assert round_.state == "published", round_.failure_reason
     close = AuditLog.objects.get(action="round.close", target_id=str(round_.pk))
     assert close.actor_label == "round deadline" and close.actor is None
+
+
+def test_beat_starts_again_a_round_whose_start_was_never_queued(worker, tmp_path):
+    """The close committed, then its process died before queuing the start of the merges: beat's
+    check starts the round again as run 2, and the worker publishes it."""
+    import datetime as dt
+
+    from django.utils import timezone
+
+    from federation.models import AuditLog
+
+    round_, _ = build_federation()  # closing, its start never queued
+    Round.objects.filter(pk=round_.pk).update(
+        attempt_started_at=timezone.now() - dt.timedelta(minutes=10))
+    beat = subprocess.Popen(
+        [str(CELERY), "-A", "synapse_web", "beat", "-l", "info",
+         "--schedule", str(tmp_path / "beat-schedule")],
+        cwd=ROOT, env={**worker.env, "SYNAPSE_DEADLINE_CHECK_SECONDS": "1"},
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+    )
+    give_up = time.monotonic() + 300
+    try:
+        started = f": [{round_.number}]"
+        while not worker.wait_for("synapse.requeue_lost_merges[", timeout=120).rstrip().endswith(
+                started):
+            assert time.monotonic() < give_up, "beat's checks never started the round again"
+        while "succeeded" not in worker.wait_for("Task synapse.server_merge[", timeout=600):
+            assert time.monotonic() < give_up + 600, "the merge never finished"
+    finally:
+        beat.terminate()
+        beat.wait(timeout=30)
+    round_.refresh_from_db()
+    assert round_.state == "published", round_.failure_reason
+    assert round_.attempt == 2 and round_.queued_attempt == 2
+    requeue = AuditLog.objects.get(action="round.requeue", target_id=str(round_.pk))
+    assert requeue.actor_label == "merge pipeline" and requeue.details["lost_attempt"] == 1

@@ -12,17 +12,22 @@ from federation.signals import global_published, round_closed
 def start_pipeline_on_close(sender, round, **kwargs):
     """Queue the start of the round's merges. A start that cannot be queued (the broker down)
     would leave the round closing for good, with no task to move it on and no retry accepted:
-    it fails the round, saying why, for the operator to retry. (Eager, the pipeline runs here
+    it fails the round, saying why, for the operator to retry; one this process died before
+    queuing is started again by Celery beat's check. (Eager, the pipeline runs here
     and records its own failures; the round is failed already and stays as it failed.)"""
     from federation.pipeline import fail_round
+    from federation.services import mark_queued
     from workers.tasks import start_round_pipeline
 
     try:
-        return start_round_pipeline.delay(round.pk, round.attempt)
+        started = start_round_pipeline.delay(round.pk, round.attempt)
     except Exception as exc:
         if not start_round_pipeline.app.conf.task_always_eager:
             fail_round(round.pk, _not_queued(exc), round.attempt)
         raise
+    # Queued: Celery beat's check (`services.requeue_lost_merges`) leaves this run alone.
+    mark_queued(round, round.attempt)
+    return started
 
 
 def _not_queued(exc: Exception) -> str:

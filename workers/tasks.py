@@ -210,6 +210,18 @@ def close_due_rounds_task() -> list[int]:
     return [rnd.number for rnd in close_due_rounds()]
 
 
+@shared_task(name="synapse.requeue_lost_merges")
+def requeue_lost_merges_task() -> list[int]:
+    """Celery beat's check for a closing round whose start of the merges was never queued (the
+    process that closed or retried it died first): started again as a new run
+    (federation.services.requeue_lost_merges). Returns the rounds' numbers."""
+    from django.conf import settings
+
+    from federation.services import requeue_lost_merges
+
+    return [rnd.number for rnd in requeue_lost_merges(settings.SYNAPSE_MERGE_REQUEUE_SECONDS)]
+
+
 @shared_task(name="synapse.prune_rate_counters")
 def prune_rate_counters_task() -> int:
     """Celery beat's hourly clean-up: rate-limit and sign-in counters older than a day."""
