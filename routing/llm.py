@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from typing import Protocol
 
 import httpx
+from billiard.exceptions import SoftTimeLimitExceeded
 
 # The public wording (`LLMUnavailable.public`) of an endpoint that answered, but not usably.
 NO_ANSWER = "the LLM endpoint gave no usable answer"
@@ -396,6 +397,8 @@ class LlamaCppLLM:
                 out = self._llama.create_chat_completion(
                     messages=messages, max_tokens=max_tokens, temperature=0.0, **extra
                 )
+        except SoftTimeLimitExceeded:
+            raise  # a worker's time limit met mid-answer stops the task: no failure to fall back from
         except Exception as exc:  # a native failure becomes one clear line
             raise LLMUnavailable(f"{self.name} failed: {exc.__class__.__name__}: {exc}",
                                  public="the in-process LLM failed to answer") from None

@@ -1836,3 +1836,29 @@ def test_the_carried_global_keeps_released_flag_names_and_holds_back_older_ones(
                  MergeInput("org:d", comp([sc("weather", "Snow in Bergen", has_city=True)]))],
         schema, config, embed=embed, previous=previous, previous_flags_released=False)
     assert _flag_names(twice.compendium) == {("weather", "has_city")}
+
+
+def test_a_time_limit_met_while_the_llm_merges_templates_stops_the_merge(schema, embed):
+    """The worker's soft time limit is raised inside whatever the task runs, here the LLM call
+    that merges two prompt templates. Before, the template merge caught every exception as an
+    unusable answer, kept the majority and went on merging until the hard limit killed the
+    process. Only an unusable or unreachable LLM falls back; the time limit stops the merge."""
+    from billiard.exceptions import SoftTimeLimitExceeded
+
+    class OutOfTime:
+        def complete(self, prompt, system=None, max_tokens=512, json_schema=None):
+            if "Merge these prompt templates" in prompt:
+                raise SoftTimeLimitExceeded()
+            if "Answer with exactly one word" in prompt:
+                return "Consistent"
+            return json.dumps({"summary": "Rain in Paris tomorrow"})
+
+    subs = [
+        sub("a", [sc("weather", "Will it rain tomorrow in Paris?")],
+            templates=[{"tool_id": "weather", "signature": "f(city)", "template": "T1 {city}"}]),
+        sub("b", [sc("weather", "Will it rain tomorrow in Paris")],
+            templates=[{"tool_id": "weather", "signature": "f(city)", "template": "T2 {city}"}]),
+    ]
+    with pytest.raises(SoftTimeLimitExceeded):
+        edge_merge(subs, schema, RoundConfig(summarizer="llm-single-shot"), embed=embed,
+                   llm=OutOfTime())

@@ -455,6 +455,33 @@ def test_each_llm_failure_brings_the_words_anyone_may_read(engine, tmp_path):
         assert not any(part in shown for part in ("127.0.0.1", port, str(closed), "secret-models"))
 
 
+def test_the_in_process_llm_words_a_native_failure_but_lets_a_time_limit_through():
+    """llama.cpp's own failures become one LLMUnavailable line (the callers fall back); the
+    worker's soft time limit met during an answer is not such a failure: wrapped, the merge's
+    summarizer took it for an unusable answer and went on until the hard limit killed it."""
+    import threading
+
+    from billiard.exceptions import SoftTimeLimitExceeded
+
+    from routing.llm import LlamaCppLLM
+
+    class Native:
+        def __init__(self, exc):
+            self.exc = exc
+
+        def create_chat_completion(self, **kwargs):
+            raise self.exc
+
+    llm = object.__new__(LlamaCppLLM)
+    llm.name, llm._lock = "llama.cpp:smol.gguf", threading.Lock()
+    llm._llama = Native(ValueError("Requested tokens exceed context window"))
+    with pytest.raises(LLMUnavailable, match="ValueError: Requested tokens exceed"):
+        llm.complete("hello")
+    llm._llama = Native(SoftTimeLimitExceeded())
+    with pytest.raises(SoftTimeLimitExceeded):
+        llm.complete("hello")
+
+
 def test_parse_choice():
     assert parse_choice("2", 3).index == 1
     assert parse_choice("Option 3.", 3).index == 2

@@ -47,7 +47,7 @@ from federation.merge.clustering import (
     tool_profiles,
     trusted_profiles,
 )
-from federation.merge.llm import OpenAICompatibleLLM, consistency_probe
+from federation.merge.llm import LLMUnavailable, OpenAICompatibleLLM, consistency_probe
 from federation.merge.privacy import BudgetExceeded, laplace_release, laplace_scale, round_spend
 from federation.merge.robust import byzantine_count, most_kept, robust_batches, robust_keep
 from federation.merge.summarize import (
@@ -1268,7 +1268,9 @@ def _merge_templates(accepted, config, llm, summarizer, schema, stats):
                         json_schema=SUMMARY_SCHEMA,
                     )
                     text = _parse_summary(answer, schema.strings.template)
-                except Exception as exc:  # unparseable or unreachable: the majority stays
+                # Unparseable or unreachable: the majority stays. Only these: a task's soft time
+                # limit raised inside the call must stop the merge, not be taken for a bad answer.
+                except (SummaryUnparseable, LLMUnavailable) as exc:
                     summarizer.fallbacks.append(
                         {"summarizer": "llm-single-shot", "tool_id": tool_id,
                          "reason": str(exc)[:300]}
