@@ -1389,3 +1389,32 @@ def test_an_edge_log_merged_before_the_flag_rule_has_its_one_source_flag_names_h
     record.save()
     pipeline.run_edge_merge(round2.pk, org.pk)
     assert "jane_doe is true" in precautions()
+
+
+def test_an_edge_merge_reads_the_round_of_its_conflict_log_once_then_again_under_the_lock(
+    probes, django_capture_on_commit_callbacks, monkeypatch
+):
+    """The round whose conflict log an edge merge reads (`_conflict_source`) decides both what
+    it turns into precautions and whether that log is held to the flag rule: it was read up to
+    three times before the write (each read could see another round published meanwhile) and
+    twice more under the lock. It is read once before the merge, and once under the lock to
+    see whether it changed."""
+    from compendium.services import store_compendium
+    from federation.models import Organization
+
+    round1, clients = build_federation()
+    close(round1, django_capture_on_commit_callbacks)
+    round2 = _second_round()
+    store_compendium(Compendium.model_validate({"scenarios": [
+        {"tool_id": "flights", "text": "Cheap flights to Rome"}]}),
+        kind="client", round=round2, client=clients[("acme", "a1")])
+    reads = []
+    real = pipeline._conflict_source
+
+    def counted(round_, organization):
+        reads.append(real(round_, organization))
+        return reads[-1]
+
+    monkeypatch.setattr(pipeline, "_conflict_source", counted)
+    pipeline.run_edge_merge(round2.pk, Organization.objects.get(slug="acme").pk)
+    assert reads == [round1, round1]
