@@ -264,13 +264,15 @@ def _conflict_source(round_: Round, organization) -> Round | None:
     return record.round if record is not None else None
 
 
-def _merged_under_flag_rule(round_: Round | None, organization) -> bool:
+def _merged_under_flag_rule(round_: Round | int | None, organization) -> bool:
     """Whether the merge of `round_` for `organization`'s edge (the server's when None) held the
     precondition flag names to the operator's source rule (`operator.FLAG_MIN_SOURCES`): its
     record counts the names it held back (`flags_held_back`). A compendium or conflict log merged
     before the rule may hold one client's flag name; the merge that reads it holds those names to
-    its own sources (`server_merge(previous_flags_released=...)`, `conflicts_flags_released`).
-    True without a round: nothing is read."""
+    its own sources (`server_merge(previous_flags_released=...)`, `conflicts_flags_released`),
+    and a review composes its precautions with its own entries' sources
+    (`conflicts.composed_precaution`). `round_` and `organization` may be ids. True without a
+    round: nothing is read."""
     if round_ is None:
         return True
     return MergeRecord.objects.filter(
@@ -286,18 +288,29 @@ def _previous_conflicts(round_: Round, organization) -> list[ConflictEntry]:
 
 def _conflicts_of(previous: Round | None, organization) -> list[ConflictEntry]:
     """The conflict log of `previous`'s merge of this edge (the server's when `organization` is
-    None; nothing without a round), with its reviewers' decisions: dismissed conflicts left out."""
+    None; nothing without a round), with its reviewers' decisions: dismissed conflicts left out.
+    An accepted precaution that is not the one composed now (`conflicts.composed_precaution`)
+    counts as no decision, and the merge composes it afresh: accepted before the review held a
+    log merged before the flag rule to its sources, it may name one client's flag."""
+    from federation.conflicts import composed_precaution
+
     if previous is None:
         return []
     decisions = {
         (d.tool_id, d.centroid_id): d
         for d in ConflictDecision.objects.filter(round=previous, organization=organization)
     }
+    schema = (current_schema() if any(d.action == ConflictDecision.Action.ACCEPT
+                                       for d in decisions.values()) else None)
+    released = _merged_under_flag_rule(previous, organization)
     entries = []
     for c in ConflictLogEntry.objects.filter(round=previous, organization=organization):
         decision = decisions.get((c.tool_id, c.centroid_id))
         resolution, text = "", ""
-        if decision is not None:
+        if decision is not None and not (
+            decision.action == ConflictDecision.Action.ACCEPT
+            and decision.text != composed_precaution(c, schema, flags_released=released)
+        ):
             if decision.action == ConflictDecision.Action.DISMISS:
                 continue
             resolution = "scenario" if decision.action == ConflictDecision.Action.SCENARIO else "precaution"
