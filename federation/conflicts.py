@@ -18,7 +18,7 @@ from compendium.services import current_schema
 from compendium.validation import _FORBIDDEN_CHARS
 from federation.errors import Conflict, InvalidRequest, NotAllowed
 from federation.merge import ConflictEntry
-from federation.merge.operator import conflicts_to_precautions
+from federation.merge.operator import conflict_within_own_sources, conflicts_to_precautions
 from federation.models import AuditLog, ConflictDecision, ConflictLogEntry, MergeRecord, Round
 from federation.services import Actor, audit, can_admin, require_admin_now
 
@@ -47,9 +47,30 @@ def entry_of(conflict: ConflictLogEntry) -> ConflictEntry:
     )
 
 
-def composed_precaution(conflict: ConflictLogEntry, schema=None) -> str:
-    """The precaution the merge composes from this conflict when nobody decides ("" if none)."""
-    composed = conflicts_to_precautions([entry_of(conflict)], schema or current_schema())
+def log_flags_released(round_id, organization_id) -> bool:
+    """Whether the conflict log of round `round_id`'s merge of `organization_id`'s edge (the
+    server's when None) was merged under the flag rule (`pipeline._merged_under_flag_rule`): a
+    log merged before it may hold one client's flag name, which no merge publishes."""
+    from federation.pipeline import _merged_under_flag_rule  # the pipeline reads decisions here
+
+    return _merged_under_flag_rule(round_id, organization_id)
+
+
+def composed_precaution(
+    conflict: ConflictLogEntry, schema=None, *, flags_released: bool | None = None
+) -> str:
+    """The precaution the merge composes from this conflict when nobody decides ("" if none),
+    as a reviewer is shown it and an accept stores it. Of a log merged before the flag rule
+    (`flags_released` False; None: `log_flags_released` is asked) the flag names left off are
+    those fewer than FLAG_MIN_SOURCES of the conflict's own sources carried
+    (`operator.conflict_within_own_sources`): a precaution as stored would name one client's
+    flag, which the merge that reads the log does not publish."""
+    if flags_released is None:
+        flags_released = log_flags_released(conflict.round_id, conflict.organization_id)
+    entry = entry_of(conflict)
+    if not flags_released:
+        entry = conflict_within_own_sources(entry)
+    composed = conflicts_to_precautions([entry], schema or current_schema())
     return composed[0].text if composed else ""
 
 
@@ -236,6 +257,7 @@ def remove_unfit_decisions(round_, organization_id, cause: str) -> int:
         (c.tool_id, c.centroid_id): c
         for c in ConflictLogEntry.objects.filter(round=round_, organization_id=organization_id)
     }
+    released = log_flags_released(round_.pk, organization_id)
     removed = 0
     for decision in ConflictDecision.objects.filter(round=round_, organization_id=organization_id):
         conflict = conflicts.get((decision.tool_id, decision.centroid_id))
@@ -245,7 +267,7 @@ def remove_unfit_decisions(round_, organization_id, cause: str) -> int:
               and decision.text not in scenario_choices(conflict)):
             why = "the picked scenario is no longer one of its conflict's texts"
         elif (decision.action == ConflictDecision.Action.ACCEPT
-              and decision.text != composed_precaution(conflict)):
+              and decision.text != composed_precaution(conflict, flags_released=released)):
             why = "the accepted precaution is no longer the one composed"
         else:
             continue

@@ -480,7 +480,8 @@ class ConflictDecision(models.Model):
     so that it survives a re-materialization of that edge.
 
     The next round's edge (or server) merge applies it (federation.pipeline._previous_conflicts): an accepted
-    or edited precaution replaces the composed one, a picked scenario wins instead of a precaution
+    precaution (while it is still the one composed) or an edited one replaces the composed one,
+    a picked scenario wins instead of a precaution
     being composed (only while its text is still one of the conflict's), a dismissed conflict is
     left out. A later decision replaces an earlier one; every decision is audited. An erasure
     that merges the log again removes the decisions that no longer fit it

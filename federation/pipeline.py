@@ -264,13 +264,15 @@ def _conflict_source(round_: Round, organization) -> Round | None:
     return record.round if record is not None else None
 
 
-def _merged_under_flag_rule(round_: Round | None, organization) -> bool:
+def _merged_under_flag_rule(round_: Round | int | None, organization) -> bool:
     """Whether the merge of `round_` for `organization`'s edge (the server's when None) held the
     precondition flag names to the operator's source rule (`operator.FLAG_MIN_SOURCES`): its
     record counts the names it held back (`flags_held_back`). A compendium or conflict log merged
     before the rule may hold one client's flag name; the merge that reads it holds those names to
-    its own sources (`server_merge(previous_flags_released=...)`, `conflicts_flags_released`).
-    True without a round: nothing is read."""
+    its own sources (`server_merge(previous_flags_released=...)`, `conflicts_flags_released`),
+    and a review composes its precautions with its own entries' sources
+    (`conflicts.composed_precaution`). `round_` and `organization` may be ids. True without a
+    round: nothing is read."""
     if round_ is None:
         return True
     return MergeRecord.objects.filter(
@@ -281,18 +283,34 @@ def _merged_under_flag_rule(round_: Round | None, organization) -> bool:
 def _previous_conflicts(round_: Round, organization) -> list[ConflictEntry]:
     """The conflict log the merge of `round_` turns into precautions (`_conflict_source`), with
     its reviewers' decisions: dismissed conflicts left out."""
-    previous = _conflict_source(round_, organization)
+    return _conflicts_of(_conflict_source(round_, organization), organization)
+
+
+def _conflicts_of(previous: Round | None, organization) -> list[ConflictEntry]:
+    """The conflict log of `previous`'s merge of this edge (the server's when `organization` is
+    None; nothing without a round), with its reviewers' decisions: dismissed conflicts left out.
+    An accepted precaution that is not the one composed now (`conflicts.composed_precaution`)
+    counts as no decision, and the merge composes it afresh: accepted before the review held a
+    log merged before the flag rule to its sources, it may name one client's flag."""
+    from federation.conflicts import composed_precaution
+
     if previous is None:
         return []
     decisions = {
         (d.tool_id, d.centroid_id): d
         for d in ConflictDecision.objects.filter(round=previous, organization=organization)
     }
+    schema = (current_schema() if any(d.action == ConflictDecision.Action.ACCEPT
+                                       for d in decisions.values()) else None)
+    released = _merged_under_flag_rule(previous, organization)
     entries = []
     for c in ConflictLogEntry.objects.filter(round=previous, organization=organization):
         decision = decisions.get((c.tool_id, c.centroid_id))
         resolution, text = "", ""
-        if decision is not None:
+        if decision is not None and not (
+            decision.action == ConflictDecision.Action.ACCEPT
+            and decision.text != composed_precaution(c, schema, flags_released=released)
+        ):
             if decision.action == ConflictDecision.Action.DISMISS:
                 continue
             resolution = "scenario" if decision.action == ConflictDecision.Action.SCENARIO else "precaution"
@@ -442,19 +460,19 @@ def run_edge_merge(
         remaining = accounting.remaining_for_release(round_.pk, organization.pk, release)
         inputs = [MergeInput(f"client:{v.client_id}", _as_schema_reads(v.content, schema))
                   for v in sources]
+        # The round whose conflict log this merge turns into precautions, and what that log
+        # holds, read once: under the locks below both are read again and compared (an earlier
+        # round published, or an erasure merged the log again, meanwhile).
+        log_from = _conflict_source(round_, organization)
+        log_read = _conflicts_of(log_from, organization)
         common = dict(
             embed=embed,
             probe_set=probe,
             llm=llm,
             seed=edge_seed(config, round_, organization, release),
             drowned=_drowned(round_, schema, config),
-            conflicts_flags_released=_merged_under_flag_rule(
-                _conflict_source(round_, organization), organization),
+            conflicts_flags_released=_merged_under_flag_rule(log_from, organization),
         )
-
-        # The log this merge turns into precautions, read once: under the locks below what it
-        # holds now is compared with it (an erasure may have merged it again meanwhile).
-        log_read = _previous_conflicts(round_, organization)
 
         def merge(remaining: float, inputs=inputs, schema=schema, common=common, extra=extra,
                   log_read=log_read):
@@ -471,7 +489,6 @@ def run_edge_merge(
                                   epsilon_remaining=remaining, release_numeric=False,
                                   **common), str(exc)
 
-        log_from = _conflict_source(round_, organization)
         result, withheld = merge(remaining)
         by_source = {f"client:{v.client_id}": v for v in sources}
         with transaction.atomic():
@@ -486,7 +503,7 @@ def run_edge_merge(
             if (now_ids, now_digest) != (source_ids, digest) or _release_number(
                 round_, organization, rematerialize, source_ids, digest, key
             ) != (release, extra) or _conflict_source(round_, organization) != log_from or (
-                _previous_conflicts(round_, organization) != log_read
+                _conflicts_of(log_from, organization) != log_read
             ):
                 # An earlier round published meanwhile (a retried round merging beside this
                 # one) changes the conflict log this edge turns into precautions: the next

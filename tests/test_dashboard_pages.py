@@ -966,6 +966,54 @@ def test_the_edit_field_starts_from_a_precaution_never_from_a_picked_scenario(cl
     assert edit_value() == "Ask for the city first"
 
 
+def test_a_conflict_log_merged_before_the_flag_rule_is_reviewed_without_one_clients_flag_names(client, fed):
+    """A conflict log merged before the flag rule (its merge record has no `flags_held_back`)
+    may hold a flag name that one client carried; the merge that reads it does not publish that
+    name, yet the page showed, and an accept stored, the precaution composed from the log as
+    stored ("... and jane_doe is true"). It is composed as the rule reads the conflict's own
+    sources: a name two clients carried stays, one client's is left off. A log merged under the
+    rule is composed as it is."""
+    from federation.conflicts import composed_precaution, remove_unfit_decisions
+
+    r1 = Round.objects.get(number=1)
+    conflict = ConflictLogEntry.objects.create(
+        round=r1, organization=fed.org_a, tool_id="weather", centroid_id="j0",
+        centroid={"source": "client:1", "tool_id": "weather", "text": "Will it rain in Lyon?",
+                  "preconditions": {"has_city": True, "jane_doe": False}, "support": 1},
+        dissenters=[
+            {"source": "client:2", "tool_id": "weather", "text": "Rain in Lyon without a city",
+             "preconditions": {"has_city": False}, "support": 1},
+            {"source": "client:1", "tool_id": "weather", "text": "Rain in Lyon for Jane",
+             "preconditions": {"jane_doe": True}, "support": 1},
+        ],
+        reason="preconditions disagree",
+    )
+    as_stored = composed_precaution(conflict, flags_released=True)
+    assert "jane_doe is true" in as_stored and "has_city is false" in as_stored
+    composed = composed_precaution(conflict)  # no merge record of round 1: before the rule
+    assert composed == composed_precaution(conflict, flags_released=False)
+    assert "jane_doe" not in composed and "has_city is false" in composed
+    assert "rain in Lyon for Jane" in composed
+
+    def card():
+        body = client.get(reverse("dashboard:conflicts")).content.decode()
+        card = body[body.index(f'id="conflict-{conflict.pk}"'):]
+        return html.unescape(card[: card.index("</article>")])
+
+    login(client, fed, "admin_a")
+    assert composed in card() and "jane_doe is" not in card()
+    url = reverse("dashboard:conflict-decide", args=[conflict.pk])
+    assert client.post(url, {"action": "accept"}).status_code == 302
+    assert ConflictDecision.objects.get(centroid_id="j0").text == composed
+    assert remove_unfit_decisions(r1, fed.org_a.pk, "test") == 0  # it fits the log as composed
+    # merged under the rule: its names passed it then, and the precaution is composed as stored
+    MergeRecord.objects.create(round=r1, organization=fed.org_a,
+                               stats={"scenarios_in": 4, "flags_held_back": 0})
+    assert composed_precaution(conflict) == as_stored
+    ConflictDecision.objects.all().delete()
+    assert as_stored in card()
+
+
 def test_the_pick_list_shows_the_scenario_picked(client, fed):
     """The winning-scenario list opened on the centroid whatever was picked: the page read as if
     the centroid had won, and pressing Pick replaced the decision with it."""

@@ -1389,3 +1389,93 @@ def test_an_edge_log_merged_before_the_flag_rule_has_its_one_source_flag_names_h
     record.save()
     pipeline.run_edge_merge(round2.pk, org.pk)
     assert "jane_doe is true" in precautions()
+
+
+def test_an_accept_of_a_log_merged_before_the_flag_rule_naming_one_clients_flag_is_composed_again(
+    probes, django_capture_on_commit_callbacks
+):
+    """An accepted precaution of a conflict log merged before the flag rule, stored before the
+    review held such a log to its sources, may name one client's flag ("... and jane_doe is
+    true"); the next merge published it as it stood. An accept whose text is not the precaution
+    composed now counts as no decision, and the merge composes it afresh, holding the log's names
+    to its own sources; one accepted as composed now is published as it stands."""
+    from compendium.services import store_compendium
+    from federation.conflicts import composed_precaution
+    from federation.models import ConflictDecision, Organization
+
+    round1, clients = build_federation()
+    close(round1, django_capture_on_commit_callbacks)
+    org = Organization.objects.get(slug="acme")
+    a1, a2 = (f"client:{clients[('acme', name)].pk}" for name in ("a1", "a2"))
+    conflict = ConflictLogEntry.objects.create(
+        round=round1, organization=org, tool_id="weather", centroid_id="j0",
+        centroid={"source": a1, "tool_id": "weather", "text": "Will it rain in Lyon?",
+                  "preconditions": {"has_city": True, "jane_doe": False}, "support": 1},
+        dissenters=[
+            {"source": a2, "tool_id": "weather", "text": "Rain in Lyon without a city",
+             "preconditions": {"has_city": False}, "support": 1},
+            {"source": a1, "tool_id": "weather", "text": "Rain in Lyon for Jane",
+             "preconditions": {"jane_doe": True}, "support": 1},
+        ],
+        reason="preconditions disagree",
+    )
+    record = MergeRecord.objects.get(round=round1, organization=org)
+    record.stats = {k: v for k, v in record.stats.items() if k != "flags_held_back"}
+    record.save()  # merged before the rule
+    stored = composed_precaution(conflict, flags_released=True)  # as accepted before the fix
+    assert "jane_doe is true" in stored
+    decision = ConflictDecision.objects.create(
+        round=round1, organization=org, tool_id="weather", centroid_id="j0", action="accept",
+        text=stored)
+    round2 = _second_round()
+    store_compendium(Compendium.model_validate({"scenarios": [
+        {"tool_id": "flights", "text": "Cheap flights to Rome"}]}),
+        kind="client", round=round2, client=clients[("acme", "a1")])
+    [entry] = [e for e in pipeline._previous_conflicts(round2, org) if e.centroid_id == "j0"]
+    assert (entry.resolution, entry.resolution_text) == ("", "")
+    close(round2, django_capture_on_commit_callbacks)
+    assert round2.state == "published", round2.failure_reason
+
+    def precautions():
+        edge = CompendiumVersion.objects.get(kind="edge", round=round2, organization=org)
+        return [p["text"] for p in edge.content["precautions"]]
+
+    [afresh] = [t for t in precautions() if "rain in Lyon for Jane" in t]
+    assert "jane_doe" not in afresh and afresh != stored
+    # accepted as the review composes it now: applied as it stands
+    decision.text = composed_precaution(conflict)
+    decision.save()
+    assert "jane_doe" not in decision.text and "has_city is false" in decision.text
+    [entry] = [e for e in pipeline._previous_conflicts(round2, org) if e.centroid_id == "j0"]
+    assert (entry.resolution, entry.resolution_text) == ("precaution", decision.text)
+    pipeline.run_edge_merge(round2.pk, org.pk)
+    assert decision.text in precautions()
+
+
+def test_an_edge_merge_reads_the_round_of_its_conflict_log_once_then_again_under_the_lock(
+    probes, django_capture_on_commit_callbacks, monkeypatch
+):
+    """The round whose conflict log an edge merge reads (`_conflict_source`) decides both what
+    it turns into precautions and whether that log is held to the flag rule: it was read up to
+    three times before the write (each read could see another round published meanwhile) and
+    twice more under the lock. It is read once before the merge, and once under the lock to
+    see whether it changed."""
+    from compendium.services import store_compendium
+    from federation.models import Organization
+
+    round1, clients = build_federation()
+    close(round1, django_capture_on_commit_callbacks)
+    round2 = _second_round()
+    store_compendium(Compendium.model_validate({"scenarios": [
+        {"tool_id": "flights", "text": "Cheap flights to Rome"}]}),
+        kind="client", round=round2, client=clients[("acme", "a1")])
+    reads = []
+    real = pipeline._conflict_source
+
+    def counted(round_, organization):
+        reads.append(real(round_, organization))
+        return reads[-1]
+
+    monkeypatch.setattr(pipeline, "_conflict_source", counted)
+    pipeline.run_edge_merge(round2.pk, Organization.objects.get(slug="acme").pk)
+    assert reads == [round1, round1]

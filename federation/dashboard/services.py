@@ -1147,6 +1147,7 @@ def conflict_groups(
         can_decide,
         closed_by,
         composed_precaution,
+        log_flags_released,
         paused_by,
         scenario_choices,
         visible_conflicts,
@@ -1170,18 +1171,21 @@ def conflict_groups(
     }
     schema = current_schema() if conflicts else None
     groups: dict[tuple, list[ConflictCard]] = {}
-    admin, closed = {}, {}
+    admin, closed, released = {}, {}, {}
     merging = list(Round.objects.filter(state__in=MERGING_STATES).order_by("number"))
     for c in conflicts:
         if c.organization_id not in admin:
             admin[c.organization_id] = can_decide(actor, c.organization_id)
         if (c.organization_id, c.round_id) not in closed:
             closed[(c.organization_id, c.round_id)] = closed_by(c)
+            released[(c.organization_id, c.round_id)] = log_flags_released(
+                c.round_id, c.organization_id)
         paused = paused_by(c, merging)
         groups.setdefault((c.organization, c.round), []).append(
             ConflictCard(
                 conflict=c,
-                composed=composed_precaution(c, schema),
+                composed=composed_precaution(
+                    c, schema, flags_released=released[(c.organization_id, c.round_id)]),
                 choices=scenario_choices(c),
                 decision=decisions.get((c.round_id, c.organization_id, c.tool_id, c.centroid_id)),
                 can_decide=admin[c.organization_id]

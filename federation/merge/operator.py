@@ -676,6 +676,25 @@ def _conflicts_within(
     return out, held
 
 
+def conflict_within_own_sources(entry: ConflictEntry) -> ConflictEntry:
+    """A conflict entry of a log written before the flag rule, its candidates' flag names held
+    to those FLAG_MIN_SOURCES distinct sources among its own candidates carried for the tool
+    (`_released_flags`: the carried global counts for none, as a candidate without a source
+    does), as `_conflicts_within` holds them. What a reviewer may be shown (and accept) before a
+    merge reads the log: the merge that reads it holds the names to its own sources instead
+    (`conflicts_flags_released=False`), which a review cannot know, and an entry's own sources
+    are the most a review can tell apart (a name two of them carried is not one client's)."""
+    items = [
+        Item(source, candidate.get("tool_id") or entry.tool_id, "",
+             dict(candidate.get("preconditions") or {}), 1, None)
+        for candidate in [entry.centroid, *entry.dissenters]
+        if (source := str(candidate.get("source") or ""))
+    ]
+    released, _ = _released_flags(items, carried=True, carried_released=False)
+    [within], _ = _conflicts_within([entry], released)
+    return within
+
+
 def _merge_metadata(accepted, schema, config, seed, epsilon_remaining, noise, release_numeric=True,
                     noise_scales=None, drowned=frozenset()):
     if noise:
