@@ -1014,6 +1014,48 @@ def test_a_conflict_log_merged_before_the_flag_rule_is_reviewed_without_one_clie
     assert as_stored in card()
 
 
+def test_an_accept_that_is_no_longer_the_composed_precaution_shows_as_out_of_date(client, fed):
+    """An accept stored before the review held a log merged before the flag rule to its sources
+    names one client's flag; the merge ignores it and composes the precaution afresh
+    (`pipeline._conflicts_of`). The page said "decided: accept" and filled the edit field with
+    the old text, so the reviewer saw a decision that no merge applies. It says the accept is out
+    of date, offers the precaution composed now, and a new accept replaces it."""
+    from federation.conflicts import composed_precaution
+
+    r1 = Round.objects.get(number=1)
+    conflict = ConflictLogEntry.objects.create(
+        round=r1, organization=fed.org_a, tool_id="weather", centroid_id="s0",
+        centroid={"source": "client:1", "tool_id": "weather", "text": "Will it rain in Lyon?",
+                  "preconditions": {"has_city": True, "jane_doe": False}, "support": 1},
+        dissenters=[
+            {"source": "client:2", "tool_id": "weather", "text": "Rain in Lyon without a city",
+             "preconditions": {"has_city": False}, "support": 1},
+            {"source": "client:1", "tool_id": "weather", "text": "Rain in Lyon for Jane",
+             "preconditions": {"jane_doe": True}, "support": 1},
+        ],
+        reason="preconditions disagree",
+    )
+    old = composed_precaution(conflict, flags_released=True)
+    composed = composed_precaution(conflict)
+    assert "jane_doe" in old and "jane_doe" not in composed
+    ConflictDecision.objects.create(round=r1, organization=fed.org_a, tool_id="weather",
+                                    centroid_id="s0", action="accept", text=old)
+
+    def card():
+        body = client.get(reverse("dashboard:conflicts")).content.decode()
+        card = body[body.index(f'id="conflict-{conflict.pk}"'):]
+        return html.unescape(card[: card.index("</article>")])
+
+    login(client, fed, "admin_a")
+    shown = card()
+    assert "accepted text out of date" in shown and "decided: accept" not in shown
+    assert f'name="text" value="{composed}"' in shown
+    url = reverse("dashboard:conflict-decide", args=[conflict.pk])
+    assert client.post(url, {"action": "accept"}).status_code == 302
+    assert ConflictDecision.objects.get(centroid_id="s0").text == composed
+    assert "accepted text out of date" not in card() and "decided: accept" in card()
+
+
 def test_the_pick_list_shows_the_scenario_picked(client, fed):
     """The winning-scenario list opened on the centroid whatever was picked: the page read as if
     the centroid had won, and pressing Pick replaced the decision with it."""

@@ -1132,6 +1132,9 @@ class ConflictCard:
     can_decide: bool
     closed_by: object | None = None  # the later round after whose merge no decision applies
     paused_by: object | None = None  # a later round merging now: decide once it is done
+    # An accept whose text is no longer the precaution composed (stored before a review held a
+    # log merged before the flag rule to its sources): the merge ignores it and composes afresh.
+    stale: bool = False
 
 
 def conflict_groups(
@@ -1181,13 +1184,17 @@ def conflict_groups(
             released[(c.organization_id, c.round_id)] = log_flags_released(
                 c.round_id, c.organization_id)
         paused = paused_by(c, merging)
+        composed = composed_precaution(
+            c, schema, flags_released=released[(c.organization_id, c.round_id)])
+        decision = decisions.get((c.round_id, c.organization_id, c.tool_id, c.centroid_id))
         groups.setdefault((c.organization, c.round), []).append(
             ConflictCard(
                 conflict=c,
-                composed=composed_precaution(
-                    c, schema, flags_released=released[(c.organization_id, c.round_id)]),
+                composed=composed,
                 choices=scenario_choices(c),
-                decision=decisions.get((c.round_id, c.organization_id, c.tool_id, c.centroid_id)),
+                decision=decision,
+                stale=(decision is not None and decision.action == ConflictDecision.Action.ACCEPT
+                       and decision.text != composed),
                 can_decide=admin[c.organization_id]
                 and closed[(c.organization_id, c.round_id)] is None
                 and paused is None,
