@@ -966,18 +966,10 @@ def test_the_edit_field_starts_from_a_precaution_never_from_a_picked_scenario(cl
     assert edit_value() == "Ask for the city first"
 
 
-def test_a_conflict_log_merged_before_the_flag_rule_is_reviewed_without_one_clients_flag_names(client, fed):
-    """A conflict log merged before the flag rule (its merge record has no `flags_held_back`)
-    may hold a flag name that one client carried; the merge that reads it does not publish that
-    name, yet the page showed, and an accept stored, the precaution composed from the log as
-    stored ("... and jane_doe is true"). It is composed as the rule reads the conflict's own
-    sources: a name two clients carried stays, one client's is left off. A log merged under the
-    rule is composed as it is."""
-    from federation.conflicts import composed_precaution, remove_unfit_decisions
-
-    r1 = Round.objects.get(number=1)
-    conflict = ConflictLogEntry.objects.create(
-        round=r1, organization=fed.org_a, tool_id="weather", centroid_id="j0",
+def _one_clients_flag_conflict(round_, organization, centroid_id):
+    """A logged conflict whose flag `has_city` two clients carried and `jane_doe` one."""
+    return ConflictLogEntry.objects.create(
+        round=round_, organization=organization, tool_id="weather", centroid_id=centroid_id,
         centroid={"source": "client:1", "tool_id": "weather", "text": "Will it rain in Lyon?",
                   "preconditions": {"has_city": True, "jane_doe": False}, "support": 1},
         dissenters=[
@@ -988,6 +980,19 @@ def test_a_conflict_log_merged_before_the_flag_rule_is_reviewed_without_one_clie
         ],
         reason="preconditions disagree",
     )
+
+
+def test_a_conflict_log_merged_before_the_flag_rule_is_reviewed_without_one_clients_flag_names(client, fed):
+    """A conflict log merged before the flag rule (its merge record has no `flags_held_back`)
+    may hold a flag name that one client carried; the merge that reads it does not publish that
+    name, yet the page showed, and an accept stored, the precaution composed from the log as
+    stored ("... and jane_doe is true"). It is composed as the rule reads the conflict's own
+    sources: a name two clients carried stays, one client's is left off. A log merged under the
+    rule is composed as it is."""
+    from federation.conflicts import composed_precaution, remove_unfit_decisions
+
+    r1 = Round.objects.get(number=1)
+    conflict = _one_clients_flag_conflict(r1, fed.org_a, "j0")
     as_stored = composed_precaution(conflict, flags_released=True)
     assert "jane_doe is true" in as_stored and "has_city is false" in as_stored
     composed = composed_precaution(conflict)  # no merge record of round 1: before the rule
@@ -1023,18 +1028,7 @@ def test_an_accept_that_is_no_longer_the_composed_precaution_shows_as_out_of_dat
     from federation.conflicts import composed_precaution
 
     r1 = Round.objects.get(number=1)
-    conflict = ConflictLogEntry.objects.create(
-        round=r1, organization=fed.org_a, tool_id="weather", centroid_id="s0",
-        centroid={"source": "client:1", "tool_id": "weather", "text": "Will it rain in Lyon?",
-                  "preconditions": {"has_city": True, "jane_doe": False}, "support": 1},
-        dissenters=[
-            {"source": "client:2", "tool_id": "weather", "text": "Rain in Lyon without a city",
-             "preconditions": {"has_city": False}, "support": 1},
-            {"source": "client:1", "tool_id": "weather", "text": "Rain in Lyon for Jane",
-             "preconditions": {"jane_doe": True}, "support": 1},
-        ],
-        reason="preconditions disagree",
-    )
+    conflict = _one_clients_flag_conflict(r1, fed.org_a, "s0")
     old = composed_precaution(conflict, flags_released=True)
     composed = composed_precaution(conflict)
     assert "jane_doe" in old and "jane_doe" not in composed

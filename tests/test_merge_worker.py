@@ -266,6 +266,28 @@ def test_a_published_global_has_its_router_tuned_by_a_worker_task(worker):
     routing_services.forget_served()
 
 
+def _beat_until_published(worker, tmp_path, check: str, round_, never: str) -> None:
+    """Run Celery beat, checking every second, until the worker logs `check` returning
+    `round_`'s number and then its server merge succeeding (`never`: the failure if the check
+    never does)."""
+    beat = subprocess.Popen(
+        [str(CELERY), "-A", "synapse_web", "beat", "-l", "info",
+         "--schedule", str(tmp_path / "beat-schedule")],
+        cwd=ROOT, env={**worker.env, "SYNAPSE_DEADLINE_CHECK_SECONDS": "1"},
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+    )
+    give_up = time.monotonic() + 300
+    try:
+        returned = f": [{round_.number}]"
+        while not worker.wait_for(f"{check}[", timeout=120).rstrip().endswith(returned):
+            assert time.monotonic() < give_up, never
+        while "succeeded" not in worker.wait_for("Task synapse.server_merge[", timeout=600):
+            assert time.monotonic() < give_up + 600, "the merge never finished"
+    finally:
+        beat.terminate()
+        beat.wait(timeout=30)
+
+
 def test_beat_closes_a_round_at_its_deadline_and_the_worker_publishes_it(worker, tmp_path):
     import datetime as dt
 
@@ -275,23 +297,9 @@ def test_beat_closes_a_round_at_its_deadline_and_the_worker_publishes_it(worker,
 
     round_, _ = build_federation(state="open")
     Round.objects.filter(pk=round_.pk).update(closes_at=timezone.now() + dt.timedelta(seconds=3))
-    beat = subprocess.Popen(
-        [str(CELERY), "-A", "synapse_web", "beat", "-l", "info",
-         "--schedule", str(tmp_path / "beat-schedule")],
-        cwd=ROOT, env={**worker.env, "SYNAPSE_DEADLINE_CHECK_SECONDS": "1"},
-        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-    )
-    give_up = time.monotonic() + 300
-    try:
-        # Beat sends the check every second; one of them finds the deadline passed and closes.
-        closed = f": [{round_.number}]"
-        while not worker.wait_for("synapse.close_due_rounds[", timeout=120).rstrip().endswith(closed):
-            assert time.monotonic() < give_up, "beat's checks never closed the round"
-        while "succeeded" not in worker.wait_for("Task synapse.server_merge[", timeout=600):
-            assert time.monotonic() < give_up + 600, "the merge never finished"
-    finally:
-        beat.terminate()
-        beat.wait(timeout=30)
+    # Beat sends the check every second; one of them finds the deadline passed and closes.
+    _beat_until_published(worker, tmp_path, "synapse.close_due_rounds", round_,
+                          "beat's checks never closed the round")
     round_.refresh_from_db()
     assert round_.state == "published", round_.failure_reason
     close = AuditLog.objects.get(action="round.close", target_id=str(round_.pk))
@@ -310,23 +318,8 @@ def test_beat_starts_again_a_round_whose_start_was_never_queued(worker, tmp_path
     round_, _ = build_federation()  # closing, its start never queued
     Round.objects.filter(pk=round_.pk).update(
         attempt_started_at=timezone.now() - dt.timedelta(minutes=10))
-    beat = subprocess.Popen(
-        [str(CELERY), "-A", "synapse_web", "beat", "-l", "info",
-         "--schedule", str(tmp_path / "beat-schedule")],
-        cwd=ROOT, env={**worker.env, "SYNAPSE_DEADLINE_CHECK_SECONDS": "1"},
-        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-    )
-    give_up = time.monotonic() + 300
-    try:
-        started = f": [{round_.number}]"
-        while not worker.wait_for("synapse.requeue_lost_merges[", timeout=120).rstrip().endswith(
-                started):
-            assert time.monotonic() < give_up, "beat's checks never started the round again"
-        while "succeeded" not in worker.wait_for("Task synapse.server_merge[", timeout=600):
-            assert time.monotonic() < give_up + 600, "the merge never finished"
-    finally:
-        beat.terminate()
-        beat.wait(timeout=30)
+    _beat_until_published(worker, tmp_path, "synapse.requeue_lost_merges", round_,
+                          "beat's checks never started the round again")
     round_.refresh_from_db()
     assert round_.state == "published", round_.failure_reason
     assert round_.attempt == 2 and round_.queued_attempt == 2
