@@ -190,6 +190,14 @@ def _refuse_unknown_fields(data, refusal: str | None = None) -> None:
     raise InvalidRequest("; ".join(parts))
 
 
+def _validated(data, refusal: str | None = None) -> dict:
+    """The validated fields of the bound serializer `data`: 400 on an invalid value, or on a
+    field the request does not take (_refuse_unknown_fields, with `refusal`)."""
+    data.is_valid(raise_exception=True)
+    _refuse_unknown_fields(data, refusal)
+    return data.validated_data
+
+
 PAGINATION = ("limit", "offset")  # BoundedLimitOffsetPagination's
 
 
@@ -627,14 +635,12 @@ class OrganizationListView(FederationView, generics.ListCreateAPIView):
         # Who asks first: the body's check (a slug already taken) would otherwise tell anyone
         # signed in which organizations exist.
         services.require_operator(actor, "create organizations")
-        data = OrganizationSerializer(data=request.data)
-        data.is_valid(raise_exception=True)
-        _refuse_unknown_fields(data)
+        given = _validated(OrganizationSerializer(data=request.data))
         org = services.create_organization(
             actor,
-            data.validated_data["name"],
-            data.validated_data.get("slug", ""),
-            data.validated_data.get("description", ""),
+            given["name"],
+            given.get("slug", ""),
+            given.get("description", ""),
         )
         return Response(OrganizationSerializer(org).data, status=201)
 
@@ -664,14 +670,13 @@ class OrganizationDetailView(FederationGenericView):
     )
     def patch(self, request, pk):
         organization = self.visible_organization(pk)
-        data = RenameOrganizationSerializer(data=request.data)
-        data.is_valid(raise_exception=True)
-        _refuse_unknown_fields(data, "only an organization's name can be changed here, not")
+        given = _validated(RenameOrganizationSerializer(data=request.data),
+                           "only an organization's name can be changed here, not")
         organization = services.rename_organization(
             actor_for(request),
             organization,
-            data.validated_data["name"],
-            slug=data.validated_data.get("slug"),
+            given["name"],
+            slug=given.get("slug"),
         )
         return Response(OrganizationSerializer(organization).data)
 
@@ -726,17 +731,15 @@ class ClientListView(FederationGenericView, generics.ListAPIView):
         responses={201: ClientSerializer, 400: DETAIL, 403: DETAIL, 409: DETAIL, 429: DETAIL},
     )
     def post(self, request):
-        data = EnrollSerializer(data=request.data)
-        data.is_valid(raise_exception=True)
-        _refuse_unknown_fields(data)
+        given = _validated(EnrollSerializer(data=request.data))
         actor = actor_for(request)
-        organization = _target_organization(request, data.validated_data.get("organization"))
+        organization = _target_organization(request, given.get("organization"))
         client = services.enroll_client(
             actor,
             organization,
-            data.validated_data["name"],
-            data.validated_data["description"],
-            data.validated_data["contact"],
+            given["name"],
+            given["description"],
+            given["contact"],
         )
         return Response(ClientSerializer(client).data, status=201)
 
@@ -805,11 +808,9 @@ class ClientRevokeView(_ClientActionView):
         summary="Revoke a client; its token stops working at once",
     )
     def post(self, request, pk):
-        data = RevokeSerializer(data=request.data)
-        data.is_valid(raise_exception=True)
-        _refuse_unknown_fields(data)
+        given = _validated(RevokeSerializer(data=request.data))
         client = services.revoke_client(
-            actor_for(request), self.visible_client(pk), data.validated_data["reason"]
+            actor_for(request), self.visible_client(pk), given["reason"]
         )
         return Response(ClientSerializer(client).data)
 
@@ -849,16 +850,14 @@ class PersonListView(FederationGenericView, generics.ListAPIView):
         summary="Add a person to an organization; the generated password is in the answer, once",
     )
     def post(self, request):
-        data = AddPersonSerializer(data=request.data)
-        data.is_valid(raise_exception=True)
-        _refuse_unknown_fields(data)
-        organization = _target_organization(request, data.validated_data.get("organization"))
+        given = _validated(AddPersonSerializer(data=request.data))
+        organization = _target_organization(request, given.get("organization"))
         issued = people.add_person(
             actor_for(request),
             organization,
-            data.validated_data["username"],
-            data.validated_data["role"],
-            data.validated_data["email"],
+            given["username"],
+            given["role"],
+            given["email"],
         )
         return _password_response(issued, status=201)
 
@@ -902,17 +901,15 @@ class PersonDetailView(_PersonView):
         # partial: a form body (FormParser, MultiPartParser) without is_active is not an
         # unchecked box (DRF reads a missing boolean of a form as false): it changes only the
         # fields it sends, as a JSON body does.
-        data = ChangePersonSerializer(data=request.data, partial=True)
-        data.is_valid(raise_exception=True)
-        _refuse_unknown_fields(data)
-        if not data.validated_data:
+        given = _validated(ChangePersonSerializer(data=request.data, partial=True))
+        if not given:
             raise InvalidRequest("nothing to change: send role and/or is_active")
         actor = actor_for(request)
         with transaction.atomic():
-            if "role" in data.validated_data:
-                people.set_role(actor, membership, data.validated_data["role"])
-            if "is_active" in data.validated_data:
-                people.set_active(actor, membership, data.validated_data["is_active"])
+            if "role" in given:
+                people.set_role(actor, membership, given["role"])
+            if "is_active" in given:
+                people.set_active(actor, membership, given["is_active"])
         return Response(
             PersonSerializer(self.visible_person(pk), context={"request": request}).data
         )
@@ -986,10 +983,9 @@ class RoundOpenView(FederationView):
     def post(self, request):
         # partial: a form body without carry_forward takes RoundConfig's default (true), as a
         # JSON body does, not the false DRF reads for a form's missing boolean.
-        data = OpenRoundSerializer(data=request.data, partial=True)
-        data.is_valid(raise_exception=True)
-        _refuse_unknown_fields(data, "not a round configuration field the API sets:")
-        config = dict(data.validated_data)
+        given = _validated(OpenRoundSerializer(data=request.data, partial=True),
+                           "not a round configuration field the API sets:")
+        config = dict(given)
         closes_at = config.pop("closes_at", None)
         rnd = services.open_round(actor_for(request), config, closes_at=closes_at)
         rnd = services.round_figures(Round.objects.filter(pk=rnd.pk)).get()
@@ -1022,12 +1018,8 @@ class RoundDeadlineView(_RoundActionView):
         summary="Set, move or remove (null) the open round's deadline (operator)",
     )
     def post(self, request, pk):
-        data = DeadlineSerializer(data=request.data)
-        data.is_valid(raise_exception=True)
-        _refuse_unknown_fields(data)
-        return self.respond(
-            services.set_round_deadline(actor_for(request), pk, data.validated_data["closes_at"])
-        )
+        given = _validated(DeadlineSerializer(data=request.data))
+        return self.respond(services.set_round_deadline(actor_for(request), pk, given["closes_at"]))
 
 
 class RoundRetryView(_RoundActionView):
@@ -1047,12 +1039,8 @@ class RoundFailView(_RoundActionView):
         summary="Mark a closing or merging round failed, with a reason (operator)",
     )
     def post(self, request, pk):
-        data = FailRoundSerializer(data=request.data)
-        data.is_valid(raise_exception=True)
-        _refuse_unknown_fields(data)
-        return self.respond(
-            services.fail_round_by_hand(actor_for(request), pk, data.validated_data["reason"])
-        )
+        given = _validated(FailRoundSerializer(data=request.data))
+        return self.respond(services.fail_round_by_hand(actor_for(request), pk, given["reason"]))
 
 
 class SettingsView(FederationView):
@@ -1076,10 +1064,9 @@ class SettingsView(FederationView):
     def patch(self, request):
         if not request.user.is_superuser:
             raise NotAllowed("only the federation operator may change the federation's settings")
-        data = FederationSettingsSerializer(services.get_settings(), data=request.data, partial=True)
-        data.is_valid(raise_exception=True)
-        _refuse_unknown_fields(data, "unknown settings:")
-        row = services.update_settings(actor_for(request), **data.validated_data)
+        given = _validated(FederationSettingsSerializer(services.get_settings(), data=request.data,
+                                                        partial=True), "unknown settings:")
+        row = services.update_settings(actor_for(request), **given)
         return Response(FederationSettingsSerializer(row).data)
 
 
