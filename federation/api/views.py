@@ -211,6 +211,15 @@ def _refuse_unknown_query_parameters(request, taken: tuple[str, ...]) -> None:
         )
 
 
+def _choice(request, name: str, choices: list[str]) -> str | None:
+    """The query parameter `name` of `request`, one of `choices` (400 naming them if not), or
+    None when it is not given or empty."""
+    value = request.query_params.get(name)
+    if value and value not in choices:
+        raise InvalidRequest(f"{name} must be one of {', '.join(choices)}")
+    return value or None
+
+
 # --- clients: submissions ---------------------------------------------------------------------
 
 
@@ -366,10 +375,8 @@ class RoundListView(FederationView, generics.ListAPIView):
 
     def get_queryset(self):
         queryset = Round.objects.all()
-        state = self.request.query_params.get("state")
+        state = _choice(self.request, "state", Round.State.values)
         if state:
-            if state not in Round.State.values:
-                raise InvalidRequest(f"state must be one of {', '.join(Round.State.values)}")
             queryset = queryset.filter(state=state)
         scope = services.figure_scope(self.request.user)
         return services.round_figures(queryset, scope).order_by("-number")
@@ -716,11 +723,10 @@ class ClientListView(FederationGenericView, generics.ListAPIView):
         queryset = _scoped(
             Client.objects.select_related("organization", "token"), self.request.user
         )
+        client_status = _choice(self.request, "status", Client.Status.values)
+        if client_status:
+            queryset = queryset.filter(status=client_status)
         params = self.request.query_params
-        if params.get("status"):
-            if params["status"] not in Client.Status.values:
-                raise InvalidRequest(f"status must be one of {', '.join(Client.Status.values)}")
-            queryset = queryset.filter(status=params["status"])
         if params.get("organization"):
             queryset = queryset.filter(organization__slug=params["organization"])
         return queryset.order_by("organization__name", "name")
@@ -835,11 +841,10 @@ class PersonListView(FederationGenericView, generics.ListAPIView):
 
     def get_queryset(self):
         queryset = people.people(self.request.user)
+        role = _choice(self.request, "role", Membership.Role.values)
+        if role:
+            queryset = queryset.filter(role=role)
         params = self.request.query_params
-        if params.get("role"):
-            if params["role"] not in Membership.Role.values:
-                raise InvalidRequest(f"role must be one of {', '.join(Membership.Role.values)}")
-            queryset = queryset.filter(role=params["role"])
         if params.get("organization"):
             queryset = queryset.filter(organization__slug=params["organization"])
         return queryset
