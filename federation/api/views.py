@@ -63,6 +63,7 @@ from federation.models import AuditLog, Client, Membership, Organization, Round,
 
 # A round number as a query parameter: 1, 2, ... (services.round_number refuses the rest).
 ROUND_NUMBER = {"type": "integer", "minimum": 1, "maximum": services.MAX_ROUND_NUMBER}
+ROUND_PARAMETER = OpenApiParameter("round", ROUND_NUMBER, description="round number")
 DETAIL = OpenApiResponse(DetailSerializer)
 
 
@@ -436,12 +437,14 @@ class ProbeSetView(FederationView):
     def get(self, request):
         probe = submissions.probe_set()
         etag = f'"{submissions.probe_etag(probe)}"'
-        if _etag_matches(request.META.get("HTTP_IF_NONE_MATCH", ""), etag):
+        if _etag_matches(request, etag):
             return Response(status=status.HTTP_304_NOT_MODIFIED, headers={"ETag": etag})
         return Response(probe, headers={"ETag": etag})
 
 
-def _etag_matches(header: str, etag: str) -> bool:
+def _etag_matches(request, etag: str) -> bool:
+    """Whether the request's If-None-Match names `etag` (weakly, or by `*`): the answer is a 304."""
+    header = request.META.get("HTTP_IF_NONE_MATCH", "")
     if not header:
         return False
     if header.strip() == "*":
@@ -471,15 +474,21 @@ def _none_published(number: int | None) -> exceptions.NotFound:
     return exceptions.NotFound(f"no global compendium is published {which}")
 
 
-@method_decorator(GZIPPED, name="dispatch")
-class GlobalCompendiumView(FederationView):
+class _PublishedGlobalView(FederationView):
+    # Base of the views of a published global (the latest, or that of ?round=N), open to every
+    # member of the federation. (A comment: as a docstring it would be each view's published
+    # description.)
+
     authentication_classes = ANY_AUTH
     permission_classes = [IsAuthenticatedAny]
     query_parameters = ("round",)
 
+
+@method_decorator(GZIPPED, name="dispatch")
+class GlobalCompendiumView(_PublishedGlobalView):
     @extend_schema(
         summary="The latest published global compendium (or that of ?round=N)",
-        parameters=[OpenApiParameter("round", ROUND_NUMBER, description="round number")],
+        parameters=[ROUND_PARAMETER],
         responses={200: GlobalCompendiumSerializer, 304: None, 400: DETAIL, 404: DETAIL},
     )
     def get(self, request):
@@ -488,7 +497,7 @@ class GlobalCompendiumView(FederationView):
         if etag_only is None:
             raise _none_published(number)
         etag = f'"{etag_only["sha256"]}"'
-        if _etag_matches(request.META.get("HTTP_IF_NONE_MATCH", ""), etag):
+        if _etag_matches(request, etag):
             return Response(status=status.HTTP_304_NOT_MODIFIED, headers={"ETag": etag})
         # Read again for the body (a 304 loads no content): a publication or an erasure between
         # the two reads answers that version, under its own ETag.
@@ -505,11 +514,7 @@ class GlobalCompendiumView(FederationView):
         return Response(body, headers={"ETag": etag})
 
 
-class GlobalRoutingHeadView(FederationView):
-    authentication_classes = ANY_AUTH
-    permission_classes = [IsAuthenticatedAny]
-    query_parameters = ("round",)
-
+class GlobalRoutingHeadView(_PublishedGlobalView):
     @extend_schema(
         summary="The routing head published with the latest global compendium (or ?round=N)",
         description=(
@@ -519,7 +524,7 @@ class GlobalRoutingHeadView(FederationView):
             "so that `synapse-client route` ranks exactly as the server does. The ETag is the "
             "global's sha256 with the suffix -head."
         ),
-        parameters=[OpenApiParameter("round", ROUND_NUMBER, description="round number")],
+        parameters=[ROUND_PARAMETER],
         responses={
             (200, "application/octet-stream"): OpenApiTypes.BINARY,
             304: None, 400: DETAIL, 404: DETAIL,
@@ -535,7 +540,7 @@ class GlobalRoutingHeadView(FederationView):
                 "this global compendium has no routing head (fewer than two tools have scenarios)"
             )
         etag = f'"{row["sha256"]}-head"'
-        if _etag_matches(request.META.get("HTTP_IF_NONE_MATCH", ""), etag):
+        if _etag_matches(request, etag):
             return HttpResponse(status=status.HTTP_304_NOT_MODIFIED, headers={"ETag": etag})
         return HttpResponse(
             bytes(row["routing_head"]),
@@ -556,11 +561,7 @@ def _served_global(request):
     return version
 
 
-class GlobalRouterView(FederationView):
-    authentication_classes = ANY_AUTH
-    permission_classes = [IsAuthenticatedAny]
-    query_parameters = ("round",)
-
+class GlobalRouterView(_PublishedGlobalView):
     @extend_schema(
         summary="The manifest of the routing encoder tuned on the latest global (or ?round=N)",
         description=(
@@ -574,27 +575,23 @@ class GlobalRouterView(FederationView):
             "saying why when there is none: router_off (tuning off), router_tuning (queued or "
             "running), router_failed, router_retired (a newer global is served)."
         ),
-        parameters=[OpenApiParameter("round", ROUND_NUMBER, description="round number")],
+        parameters=[ROUND_PARAMETER],
         responses={200: OpenApiTypes.OBJECT, 304: None, 400: DETAIL, 404: DETAIL},
     )
     def get(self, request):
         from federation.tuning import router_manifest
 
         etag, body = router_manifest(_served_global(request), _is_operator(request))
-        if _etag_matches(request.META.get("HTTP_IF_NONE_MATCH", ""), etag):
+        if _etag_matches(request, etag):
             return Response(status=status.HTTP_304_NOT_MODIFIED, headers={"ETag": etag})
         return Response(body, headers={"ETag": etag})
 
 
-class GlobalRouterFileView(FederationView):
-    authentication_classes = ANY_AUTH
-    permission_classes = [IsAuthenticatedAny]
-    query_parameters = ("round",)
-
+class GlobalRouterFileView(_PublishedGlobalView):
     @extend_schema(
         summary="One file of the tuned router's manifest (latest global, or ?round=N)",
         description="Only the paths the manifest lists. The ETag is the file's sha256.",
-        parameters=[OpenApiParameter("round", ROUND_NUMBER, description="round number")],
+        parameters=[ROUND_PARAMETER],
         responses={
             (200, "application/octet-stream"): OpenApiTypes.BINARY,
             304: None, 400: DETAIL, 404: DETAIL,
@@ -605,7 +602,7 @@ class GlobalRouterFileView(FederationView):
 
         handle, entry = router_file(_served_global(request), name, _is_operator(request))
         etag = f'"{entry["sha256"]}"'
-        if _etag_matches(request.META.get("HTTP_IF_NONE_MATCH", ""), etag):
+        if _etag_matches(request, etag):
             handle.close()
             return HttpResponse(status=status.HTTP_304_NOT_MODIFIED, headers={"ETag": etag})
         response = FileResponse(handle, content_type="application/octet-stream")  # closes it
