@@ -133,6 +133,13 @@ class CompendiumVersion(models.Model):
         return f"{self.kind} compendium of {owner} for round {self.round_id}"
 
 
+def _embedding_index(name: str) -> HnswIndex:
+    """The HNSW index of an entry's embedding, for nearest neighbours by cosine distance."""
+    return HnswIndex(
+        name=name, fields=["embedding"], m=16, ef_construction=64, opclasses=["vector_cosine_ops"]
+    )
+
+
 class _Entry(models.Model):
     version = models.ForeignKey(CompendiumVersion, on_delete=models.CASCADE)
     tool = models.ForeignKey(Tool, on_delete=models.PROTECT)
@@ -151,15 +158,7 @@ class ScenarioEntry(_Entry):
 
     class Meta:
         default_related_name = "scenarios"
-        indexes = [
-            HnswIndex(
-                name="scenario_embedding_hnsw",
-                fields=["embedding"],
-                m=16,
-                ef_construction=64,
-                opclasses=["vector_cosine_ops"],
-            )
-        ]
+        indexes = [_embedding_index("scenario_embedding_hnsw")]
 
     def __str__(self) -> str:
         return f"{self.tool_id}: {self.text[:60]}"
@@ -174,15 +173,7 @@ class PrecautionEntry(_Entry):
 
     class Meta:
         default_related_name = "precautions"
-        indexes = [
-            HnswIndex(
-                name="precaution_embedding_hnsw",
-                fields=["embedding"],
-                m=16,
-                ef_construction=64,
-                opclasses=["vector_cosine_ops"],
-            )
-        ]
+        indexes = [_embedding_index("precaution_embedding_hnsw")]
 
     def __str__(self) -> str:
         return f"{self.tool_id}: {self.text[:60]}"

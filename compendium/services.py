@@ -207,57 +207,45 @@ def store_compendium(
     def vector(matrix: np.ndarray | None, index: int):
         return None if matrix is None else matrix[index]
 
-    ScenarioEntry.objects.bulk_create(
-        [
-            ScenarioEntry(
-                version=version,
-                tool_id=tool_pk[s.tool_id],
-                text=s.text,
-                preconditions=s.preconditions,
-                support=s.support,
-                embedding=vector(scenario_embeddings, i),
-            )
-            for i, s in enumerate(compendium.scenarios)
-        ],
-        batch_size=1000,
-    )
-    PrecautionEntry.objects.bulk_create(
-        [
-            PrecautionEntry(
-                version=version,
-                tool_id=tool_pk[p.tool_id],
-                text=p.text,
-                support=p.support,
-                embedding=vector(precaution_embeddings, i),
-            )
-            for i, p in enumerate(compendium.precautions)
-        ],
-        batch_size=1000,
-    )
-    TemplateEntry.objects.bulk_create(
-        [
-            TemplateEntry(
-                version=version, tool_id=tool_pk[t.tool_id], signature=t.signature, template=t.template
-            )
-            for t in compendium.templates
-        ],
-        batch_size=1000,
-    )
-    StatEntry.objects.bulk_create(
-        [
-            StatEntry(version=version, tool_id=tool_pk[m.tool_id], field=name, value=value)
-            for m in compendium.metadata
-            for name, value in m.stats.items()
-        ],
-        batch_size=1000,
-    )
-    AnnexEntry.objects.bulk_create(
-        [
-            AnnexEntry(version=version, subject=a.subject, relation=a.relation, object=a.object)
-            for a in compendium.annex
-        ],
-        batch_size=1000,
-    )
+    def store(model, rows: list) -> None:
+        model.objects.bulk_create(rows, batch_size=1000)
+
+    store(ScenarioEntry, [
+        ScenarioEntry(
+            version=version,
+            tool_id=tool_pk[s.tool_id],
+            text=s.text,
+            preconditions=s.preconditions,
+            support=s.support,
+            embedding=vector(scenario_embeddings, i),
+        )
+        for i, s in enumerate(compendium.scenarios)
+    ])
+    store(PrecautionEntry, [
+        PrecautionEntry(
+            version=version,
+            tool_id=tool_pk[p.tool_id],
+            text=p.text,
+            support=p.support,
+            embedding=vector(precaution_embeddings, i),
+        )
+        for i, p in enumerate(compendium.precautions)
+    ])
+    store(TemplateEntry, [
+        TemplateEntry(
+            version=version, tool_id=tool_pk[t.tool_id], signature=t.signature, template=t.template
+        )
+        for t in compendium.templates
+    ])
+    store(StatEntry, [
+        StatEntry(version=version, tool_id=tool_pk[m.tool_id], field=name, value=value)
+        for m in compendium.metadata
+        for name, value in m.stats.items()
+    ])
+    store(AnnexEntry, [
+        AnnexEntry(version=version, subject=a.subject, relation=a.relation, object=a.object)
+        for a in compendium.annex
+    ])
     return version
 
 

@@ -119,7 +119,22 @@ class SchemaRowForm(forms.ModelForm):
                 self.add_error(None, f"the schema in force would not load: {problem}")
 
 
-class AuditedSchemaAdmin(admin.ModelAdmin):
+class OperatorEditsOnly:
+    """Mixin of a ModelAdmin that only the operator (a superuser) may add, change or delete in:
+    a staff login given Django's model permissions (directly or by a group) could otherwise
+    edit the schema in force, or make itself a superuser."""
+
+    def has_add_permission(self, request):
+        return request.user.is_superuser
+
+    def has_change_permission(self, request, obj=None):
+        return request.user.is_superuser
+
+    def has_delete_permission(self, request, obj=None):
+        return request.user.is_superuser
+
+
+class AuditedSchemaAdmin(OperatorEditsOnly, admin.ModelAdmin):
     """The schema in force: what clients build and validate against, and (numeric fields) the
     ranges and sensitivities that set the Laplace noise. The operator (a superuser) alone edits
     it here, and every addition, change (each field from / to) and deletion is audited as
@@ -133,15 +148,6 @@ class AuditedSchemaAdmin(admin.ModelAdmin):
     def get_readonly_fields(self, request, obj=None):
         fixed = (self.identity,) if obj is not None else ()
         return (*super().get_readonly_fields(request, obj), *fixed)
-
-    def has_add_permission(self, request):
-        return request.user.is_superuser
-
-    def has_change_permission(self, request, obj=None):
-        return request.user.is_superuser
-
-    def has_delete_permission(self, request, obj=None):
-        return request.user.is_superuser
 
     def save_model(self, request, obj, form, change):
         super().save_model(request, obj, form, change)
@@ -188,21 +194,11 @@ admin.site.unregister(User)
 
 
 @admin.register(User)
-class AuditedUserAdmin(UserAdmin):
+class AuditedUserAdmin(OperatorEditsOnly, UserAdmin):
     """Logins, editable here by the operator alone and audited like every other change (see
     federation.people's admin_login_* functions): adding, changing (what changed, from / to),
     setting a password (never the password) and deleting. People of an organization are better
     managed on its People page (roles, generated passwords, the organization admins' rules)."""
-
-    # A staff login with Django's user permissions could otherwise make itself a superuser.
-    def has_add_permission(self, request):
-        return request.user.is_superuser
-
-    def has_change_permission(self, request, obj=None):
-        return request.user.is_superuser
-
-    def has_delete_permission(self, request, obj=None):
-        return request.user.is_superuser
 
     def save_model(self, request, obj, form, change):
         # The login as stored, locked until the change and its audit entry commit together (the

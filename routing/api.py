@@ -4,7 +4,6 @@ from __future__ import annotations
 
 from django.conf import settings
 from django.utils.module_loading import import_string
-from drf_spectacular.extensions import OpenApiAuthenticationExtension
 from drf_spectacular.utils import extend_schema, inline_serializer
 from rest_framework import serializers, status
 from rest_framework.exceptions import ParseError
@@ -13,6 +12,7 @@ from rest_framework.response import Response
 from rest_framework.views import APIView
 
 from routing import services
+from synapse_web.openapi import BearerTokenScheme
 from synapse_web.parsers import BoundedJSONParser
 
 
@@ -76,16 +76,10 @@ class _RoutingView(APIView):
             return Response({"detail": detail}, status=status.HTTP_503_SERVICE_UNAVAILABLE)
 
 
-class RoutingTokenScheme(OpenApiAuthenticationExtension):
+class RoutingTokenScheme(BearerTokenScheme):
     target_class = "routing.authentication.RoutingTokenAuthentication"
     name = "routingToken"
-
-    def get_security_definition(self, auto_schema):
-        return {
-            "type": "http",
-            "scheme": "bearer",
-            "description": "An application's routing token: `manage.py routing_token NAME`.",
-        }
+    description = "An application's routing token: `manage.py routing_token NAME`."
 
 
 _CANDIDATE = inline_serializer(

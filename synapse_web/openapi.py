@@ -9,6 +9,7 @@ where its path names an object."""
 
 from __future__ import annotations
 
+from drf_spectacular.extensions import OpenApiAuthenticationExtension
 from drf_spectacular.views import SpectacularAPIView
 from rest_framework.renderers import JSONRenderer
 
@@ -48,6 +49,16 @@ def complete_error_responses(result, generator, request, public):
             for status in wanted:
                 operation["responses"].setdefault(status, _error(status))
     return result
+
+
+class BearerTokenScheme(OpenApiAuthenticationExtension):
+    """The security scheme of an authentication class that reads a bearer token: a subclass
+    names the class (target_class), the scheme (name) and the token (description)."""
+
+    description = ""
+
+    def get_security_definition(self, auto_schema):
+        return {"type": "http", "scheme": "bearer", "description": self.description}
 
 
 class SchemaView(SpectacularAPIView):

@@ -57,6 +57,11 @@ class PipelineTask(Task):
 
     what = "a merge step"
 
+    def failure_reason(self, exc: BaseException, **arguments) -> str:
+        """The reason a round fails for when this task fails with `exc` (`arguments`: the task's,
+        those `what` names)."""
+        return f"{self.what.format(**arguments)} failed: {_why(exc)}"
+
     def on_failure(self, exc, task_id, args, kwargs, einfo):
         if not isinstance(exc, TimeLimitExceeded):
             return  # the body failed the round (or left it to a later delivery)
@@ -65,7 +70,7 @@ class PipelineTask(Task):
         given = bound.arguments
         # Called before the worker kills the task's process, which may hold the round's lock:
         # waited for briefly, so that the worker is not held by the task it is stopping.
-        pipeline.fail_round(given["round_id"], f"{self.what.format(**given)} failed: {_why(exc)}",
+        pipeline.fail_round(given["round_id"], self.failure_reason(exc, **given),
                             given.get("attempt"), briefly=True)
 
 
@@ -106,7 +111,7 @@ def start_round_pipeline(self, round_id: int, attempt: int | None = None) -> dic
         log.warning("not started: %s", stale)
         return {"organizations": [], "edge_tasks": [], "server_task": None, "stale": str(stale)}
     except Exception as exc:
-        pipeline.fail_round(round_id, f"starting the merge failed: {_why(exc)}", attempt)
+        pipeline.fail_round(round_id, self.failure_reason(exc), attempt)
         raise
     if not organizations:
         return {"organizations": [], "edge_tasks": [], "server_task": None}
@@ -136,8 +141,7 @@ def edge_merge_task(self, round_id: int, organization_id: int, attempt: int | No
         return {"organization": organization_id, "stale": str(stale)}
     except Exception as exc:
         pipeline.fail_round(
-            round_id, f"edge merge of organization {organization_id} failed: {_why(exc)}", attempt
-        )
+            round_id, self.failure_reason(exc, organization_id=organization_id), attempt)
         raise
     return {"organization": organization_id, "sha256": outcome.sha256,
             "accepted": outcome.accepted, "rejected": outcome.rejected}
@@ -153,7 +157,7 @@ def server_merge_task(self, round_id: int, attempt: int | None = None) -> str | 
         log.warning("server merge not written: %s", stale)
         return None
     except Exception as exc:
-        pipeline.fail_round(round_id, f"server merge failed: {_why(exc)}", attempt)
+        pipeline.fail_round(round_id, self.failure_reason(exc), attempt)
         raise
 
 

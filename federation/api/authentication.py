@@ -4,7 +4,6 @@ as `Authorization: Bearer <token>` (or `Token <token>`), and sessions for people
 from __future__ import annotations
 
 from django.contrib.auth.models import AnonymousUser
-from drf_spectacular.extensions import OpenApiAuthenticationExtension
 from rest_framework import exceptions
 from rest_framework.authentication import BaseAuthentication, SessionAuthentication
 
@@ -15,6 +14,7 @@ from federation.services import (
     client_for_token,
     user_for_token,
 )
+from synapse_web.openapi import BearerTokenScheme
 
 SCHEMES = ("bearer", "token")
 
@@ -105,28 +105,16 @@ class PersonSessionRecognition(SessionAuthentication):
         return None
 
 
-class ClientTokenScheme(OpenApiAuthenticationExtension):
+class ClientTokenScheme(BearerTokenScheme):
     target_class = "federation.api.authentication.ClientTokenAuthentication"
     name = "clientToken"
-
-    def get_security_definition(self, auto_schema):
-        return {
-            "type": "http",
-            "scheme": "bearer",
-            "description": "A client's API token (syn_c_…), issued once on approval or rotation.",
-        }
+    description = "A client's API token (syn_c_…), issued once on approval or rotation."
 
 
-class UserTokenScheme(OpenApiAuthenticationExtension):
+class UserTokenScheme(BearerTokenScheme):
     target_class = "federation.api.authentication.UserTokenAuthentication"
     name = "userToken"
-
-    def get_security_definition(self, auto_schema):
-        return {
-            "type": "http",
-            "scheme": "bearer",
-            "description": "A person's API token (syn_u_…): `manage.py issue_user_token USER`.",
-        }
+    description = "A person's API token (syn_u_…): `manage.py issue_user_token USER`."
 
 
 CLIENT_AUTH = [ClientTokenAuthentication]

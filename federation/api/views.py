@@ -63,6 +63,7 @@ from federation.models import AuditLog, Client, Membership, Organization, Round,
 
 # A round number as a query parameter: 1, 2, ... (services.round_number refuses the rest).
 ROUND_NUMBER = {"type": "integer", "minimum": 1, "maximum": services.MAX_ROUND_NUMBER}
+ROUND_PARAMETER = OpenApiParameter("round", ROUND_NUMBER, description="round number")
 DETAIL = OpenApiResponse(DetailSerializer)
 
 
@@ -190,6 +191,14 @@ def _refuse_unknown_fields(data, refusal: str | None = None) -> None:
     raise InvalidRequest("; ".join(parts))
 
 
+def _validated(data, refusal: str | None = None) -> dict:
+    """The validated fields of the bound serializer `data`: 400 on an invalid value, or on a
+    field the request does not take (_refuse_unknown_fields, with `refusal`)."""
+    data.is_valid(raise_exception=True)
+    _refuse_unknown_fields(data, refusal)
+    return data.validated_data
+
+
 PAGINATION = ("limit", "offset")  # BoundedLimitOffsetPagination's
 
 
@@ -201,6 +210,15 @@ def _refuse_unknown_query_parameters(request, taken: tuple[str, ...]) -> None:
             f"unknown query parameter(s): {', '.join(unknown)[:200]}; this takes "
             f"{', '.join(taken) or 'none'}"
         )
+
+
+def _choice(request, name: str, choices: list[str]) -> str | None:
+    """The query parameter `name` of `request`, one of `choices` (400 naming them if not), or
+    None when it is not given or empty."""
+    value = request.query_params.get(name)
+    if value and value not in choices:
+        raise InvalidRequest(f"{name} must be one of {', '.join(choices)}")
+    return value or None
 
 
 # --- clients: submissions ---------------------------------------------------------------------
@@ -358,10 +376,8 @@ class RoundListView(FederationView, generics.ListAPIView):
 
     def get_queryset(self):
         queryset = Round.objects.all()
-        state = self.request.query_params.get("state")
+        state = _choice(self.request, "state", Round.State.values)
         if state:
-            if state not in Round.State.values:
-                raise InvalidRequest(f"state must be one of {', '.join(Round.State.values)}")
             queryset = queryset.filter(state=state)
         scope = services.figure_scope(self.request.user)
         return services.round_figures(queryset, scope).order_by("-number")
@@ -421,12 +437,14 @@ class ProbeSetView(FederationView):
     def get(self, request):
         probe = submissions.probe_set()
         etag = f'"{submissions.probe_etag(probe)}"'
-        if _etag_matches(request.META.get("HTTP_IF_NONE_MATCH", ""), etag):
+        if _etag_matches(request, etag):
             return Response(status=status.HTTP_304_NOT_MODIFIED, headers={"ETag": etag})
         return Response(probe, headers={"ETag": etag})
 
 
-def _etag_matches(header: str, etag: str) -> bool:
+def _etag_matches(request, etag: str) -> bool:
+    """Whether the request's If-None-Match names `etag` (weakly, or by `*`): the answer is a 304."""
+    header = request.META.get("HTTP_IF_NONE_MATCH", "")
     if not header:
         return False
     if header.strip() == "*":
@@ -456,15 +474,21 @@ def _none_published(number: int | None) -> exceptions.NotFound:
     return exceptions.NotFound(f"no global compendium is published {which}")
 
 
-@method_decorator(GZIPPED, name="dispatch")
-class GlobalCompendiumView(FederationView):
+class _PublishedGlobalView(FederationView):
+    # Base of the views of a published global (the latest, or that of ?round=N), open to every
+    # member of the federation. (A comment: as a docstring it would be each view's published
+    # description.)
+
     authentication_classes = ANY_AUTH
     permission_classes = [IsAuthenticatedAny]
     query_parameters = ("round",)
 
+
+@method_decorator(GZIPPED, name="dispatch")
+class GlobalCompendiumView(_PublishedGlobalView):
     @extend_schema(
         summary="The latest published global compendium (or that of ?round=N)",
-        parameters=[OpenApiParameter("round", ROUND_NUMBER, description="round number")],
+        parameters=[ROUND_PARAMETER],
         responses={200: GlobalCompendiumSerializer, 304: None, 400: DETAIL, 404: DETAIL},
     )
     def get(self, request):
@@ -473,7 +497,7 @@ class GlobalCompendiumView(FederationView):
         if etag_only is None:
             raise _none_published(number)
         etag = f'"{etag_only["sha256"]}"'
-        if _etag_matches(request.META.get("HTTP_IF_NONE_MATCH", ""), etag):
+        if _etag_matches(request, etag):
             return Response(status=status.HTTP_304_NOT_MODIFIED, headers={"ETag": etag})
         # Read again for the body (a 304 loads no content): a publication or an erasure between
         # the two reads answers that version, under its own ETag.
@@ -490,11 +514,7 @@ class GlobalCompendiumView(FederationView):
         return Response(body, headers={"ETag": etag})
 
 
-class GlobalRoutingHeadView(FederationView):
-    authentication_classes = ANY_AUTH
-    permission_classes = [IsAuthenticatedAny]
-    query_parameters = ("round",)
-
+class GlobalRoutingHeadView(_PublishedGlobalView):
     @extend_schema(
         summary="The routing head published with the latest global compendium (or ?round=N)",
         description=(
@@ -504,7 +524,7 @@ class GlobalRoutingHeadView(FederationView):
             "so that `synapse-client route` ranks exactly as the server does. The ETag is the "
             "global's sha256 with the suffix -head."
         ),
-        parameters=[OpenApiParameter("round", ROUND_NUMBER, description="round number")],
+        parameters=[ROUND_PARAMETER],
         responses={
             (200, "application/octet-stream"): OpenApiTypes.BINARY,
             304: None, 400: DETAIL, 404: DETAIL,
@@ -520,7 +540,7 @@ class GlobalRoutingHeadView(FederationView):
                 "this global compendium has no routing head (fewer than two tools have scenarios)"
             )
         etag = f'"{row["sha256"]}-head"'
-        if _etag_matches(request.META.get("HTTP_IF_NONE_MATCH", ""), etag):
+        if _etag_matches(request, etag):
             return HttpResponse(status=status.HTTP_304_NOT_MODIFIED, headers={"ETag": etag})
         return HttpResponse(
             bytes(row["routing_head"]),
@@ -541,11 +561,7 @@ def _served_global(request):
     return version
 
 
-class GlobalRouterView(FederationView):
-    authentication_classes = ANY_AUTH
-    permission_classes = [IsAuthenticatedAny]
-    query_parameters = ("round",)
-
+class GlobalRouterView(_PublishedGlobalView):
     @extend_schema(
         summary="The manifest of the routing encoder tuned on the latest global (or ?round=N)",
         description=(
@@ -559,27 +575,23 @@ class GlobalRouterView(FederationView):
             "saying why when there is none: router_off (tuning off), router_tuning (queued or "
             "running), router_failed, router_retired (a newer global is served)."
         ),
-        parameters=[OpenApiParameter("round", ROUND_NUMBER, description="round number")],
+        parameters=[ROUND_PARAMETER],
         responses={200: OpenApiTypes.OBJECT, 304: None, 400: DETAIL, 404: DETAIL},
     )
     def get(self, request):
         from federation.tuning import router_manifest
 
         etag, body = router_manifest(_served_global(request), _is_operator(request))
-        if _etag_matches(request.META.get("HTTP_IF_NONE_MATCH", ""), etag):
+        if _etag_matches(request, etag):
             return Response(status=status.HTTP_304_NOT_MODIFIED, headers={"ETag": etag})
         return Response(body, headers={"ETag": etag})
 
 
-class GlobalRouterFileView(FederationView):
-    authentication_classes = ANY_AUTH
-    permission_classes = [IsAuthenticatedAny]
-    query_parameters = ("round",)
-
+class GlobalRouterFileView(_PublishedGlobalView):
     @extend_schema(
         summary="One file of the tuned router's manifest (latest global, or ?round=N)",
         description="Only the paths the manifest lists. The ETag is the file's sha256.",
-        parameters=[OpenApiParameter("round", ROUND_NUMBER, description="round number")],
+        parameters=[ROUND_PARAMETER],
         responses={
             (200, "application/octet-stream"): OpenApiTypes.BINARY,
             304: None, 400: DETAIL, 404: DETAIL,
@@ -590,7 +602,7 @@ class GlobalRouterFileView(FederationView):
 
         handle, entry = router_file(_served_global(request), name, _is_operator(request))
         etag = f'"{entry["sha256"]}"'
-        if _etag_matches(request.META.get("HTTP_IF_NONE_MATCH", ""), etag):
+        if _etag_matches(request, etag):
             handle.close()
             return HttpResponse(status=status.HTTP_304_NOT_MODIFIED, headers={"ETag": etag})
         response = FileResponse(handle, content_type="application/octet-stream")  # closes it
@@ -627,14 +639,12 @@ class OrganizationListView(FederationView, generics.ListCreateAPIView):
         # Who asks first: the body's check (a slug already taken) would otherwise tell anyone
         # signed in which organizations exist.
         services.require_operator(actor, "create organizations")
-        data = OrganizationSerializer(data=request.data)
-        data.is_valid(raise_exception=True)
-        _refuse_unknown_fields(data)
+        given = _validated(OrganizationSerializer(data=request.data))
         org = services.create_organization(
             actor,
-            data.validated_data["name"],
-            data.validated_data.get("slug", ""),
-            data.validated_data.get("description", ""),
+            given["name"],
+            given.get("slug", ""),
+            given.get("description", ""),
         )
         return Response(OrganizationSerializer(org).data, status=201)
 
@@ -664,14 +674,13 @@ class OrganizationDetailView(FederationGenericView):
     )
     def patch(self, request, pk):
         organization = self.visible_organization(pk)
-        data = RenameOrganizationSerializer(data=request.data)
-        data.is_valid(raise_exception=True)
-        _refuse_unknown_fields(data, "only an organization's name can be changed here, not")
+        given = _validated(RenameOrganizationSerializer(data=request.data),
+                           "only an organization's name can be changed here, not")
         organization = services.rename_organization(
             actor_for(request),
             organization,
-            data.validated_data["name"],
-            slug=data.validated_data.get("slug"),
+            given["name"],
+            slug=given.get("slug"),
         )
         return Response(OrganizationSerializer(organization).data)
 
@@ -711,11 +720,10 @@ class ClientListView(FederationGenericView, generics.ListAPIView):
         queryset = _scoped(
             Client.objects.select_related("organization", "token"), self.request.user
         )
+        client_status = _choice(self.request, "status", Client.Status.values)
+        if client_status:
+            queryset = queryset.filter(status=client_status)
         params = self.request.query_params
-        if params.get("status"):
-            if params["status"] not in Client.Status.values:
-                raise InvalidRequest(f"status must be one of {', '.join(Client.Status.values)}")
-            queryset = queryset.filter(status=params["status"])
         if params.get("organization"):
             queryset = queryset.filter(organization__slug=params["organization"])
         return queryset.order_by("organization__name", "name")
@@ -726,17 +734,15 @@ class ClientListView(FederationGenericView, generics.ListAPIView):
         responses={201: ClientSerializer, 400: DETAIL, 403: DETAIL, 409: DETAIL, 429: DETAIL},
     )
     def post(self, request):
-        data = EnrollSerializer(data=request.data)
-        data.is_valid(raise_exception=True)
-        _refuse_unknown_fields(data)
+        given = _validated(EnrollSerializer(data=request.data))
         actor = actor_for(request)
-        organization = _target_organization(request, data.validated_data.get("organization"))
+        organization = _target_organization(request, given.get("organization"))
         client = services.enroll_client(
             actor,
             organization,
-            data.validated_data["name"],
-            data.validated_data["description"],
-            data.validated_data["contact"],
+            given["name"],
+            given["description"],
+            given["contact"],
         )
         return Response(ClientSerializer(client).data, status=201)
 
@@ -805,11 +811,9 @@ class ClientRevokeView(_ClientActionView):
         summary="Revoke a client; its token stops working at once",
     )
     def post(self, request, pk):
-        data = RevokeSerializer(data=request.data)
-        data.is_valid(raise_exception=True)
-        _refuse_unknown_fields(data)
+        given = _validated(RevokeSerializer(data=request.data))
         client = services.revoke_client(
-            actor_for(request), self.visible_client(pk), data.validated_data["reason"]
+            actor_for(request), self.visible_client(pk), given["reason"]
         )
         return Response(ClientSerializer(client).data)
 
@@ -834,11 +838,10 @@ class PersonListView(FederationGenericView, generics.ListAPIView):
 
     def get_queryset(self):
         queryset = people.people(self.request.user)
+        role = _choice(self.request, "role", Membership.Role.values)
+        if role:
+            queryset = queryset.filter(role=role)
         params = self.request.query_params
-        if params.get("role"):
-            if params["role"] not in Membership.Role.values:
-                raise InvalidRequest(f"role must be one of {', '.join(Membership.Role.values)}")
-            queryset = queryset.filter(role=params["role"])
         if params.get("organization"):
             queryset = queryset.filter(organization__slug=params["organization"])
         return queryset
@@ -849,16 +852,14 @@ class PersonListView(FederationGenericView, generics.ListAPIView):
         summary="Add a person to an organization; the generated password is in the answer, once",
     )
     def post(self, request):
-        data = AddPersonSerializer(data=request.data)
-        data.is_valid(raise_exception=True)
-        _refuse_unknown_fields(data)
-        organization = _target_organization(request, data.validated_data.get("organization"))
+        given = _validated(AddPersonSerializer(data=request.data))
+        organization = _target_organization(request, given.get("organization"))
         issued = people.add_person(
             actor_for(request),
             organization,
-            data.validated_data["username"],
-            data.validated_data["role"],
-            data.validated_data["email"],
+            given["username"],
+            given["role"],
+            given["email"],
         )
         return _password_response(issued, status=201)
 
@@ -902,17 +903,15 @@ class PersonDetailView(_PersonView):
         # partial: a form body (FormParser, MultiPartParser) without is_active is not an
         # unchecked box (DRF reads a missing boolean of a form as false): it changes only the
         # fields it sends, as a JSON body does.
-        data = ChangePersonSerializer(data=request.data, partial=True)
-        data.is_valid(raise_exception=True)
-        _refuse_unknown_fields(data)
-        if not data.validated_data:
+        given = _validated(ChangePersonSerializer(data=request.data, partial=True))
+        if not given:
             raise InvalidRequest("nothing to change: send role and/or is_active")
         actor = actor_for(request)
         with transaction.atomic():
-            if "role" in data.validated_data:
-                people.set_role(actor, membership, data.validated_data["role"])
-            if "is_active" in data.validated_data:
-                people.set_active(actor, membership, data.validated_data["is_active"])
+            if "role" in given:
+                people.set_role(actor, membership, given["role"])
+            if "is_active" in given:
+                people.set_active(actor, membership, given["is_active"])
         return Response(
             PersonSerializer(self.visible_person(pk), context={"request": request}).data
         )
@@ -986,10 +985,9 @@ class RoundOpenView(FederationView):
     def post(self, request):
         # partial: a form body without carry_forward takes RoundConfig's default (true), as a
         # JSON body does, not the false DRF reads for a form's missing boolean.
-        data = OpenRoundSerializer(data=request.data, partial=True)
-        data.is_valid(raise_exception=True)
-        _refuse_unknown_fields(data, "not a round configuration field the API sets:")
-        config = dict(data.validated_data)
+        given = _validated(OpenRoundSerializer(data=request.data, partial=True),
+                           "not a round configuration field the API sets:")
+        config = dict(given)
         closes_at = config.pop("closes_at", None)
         rnd = services.open_round(actor_for(request), config, closes_at=closes_at)
         rnd = services.round_figures(Round.objects.filter(pk=rnd.pk)).get()
@@ -1022,12 +1020,8 @@ class RoundDeadlineView(_RoundActionView):
         summary="Set, move or remove (null) the open round's deadline (operator)",
     )
     def post(self, request, pk):
-        data = DeadlineSerializer(data=request.data)
-        data.is_valid(raise_exception=True)
-        _refuse_unknown_fields(data)
-        return self.respond(
-            services.set_round_deadline(actor_for(request), pk, data.validated_data["closes_at"])
-        )
+        given = _validated(DeadlineSerializer(data=request.data))
+        return self.respond(services.set_round_deadline(actor_for(request), pk, given["closes_at"]))
 
 
 class RoundRetryView(_RoundActionView):
@@ -1047,12 +1041,8 @@ class RoundFailView(_RoundActionView):
         summary="Mark a closing or merging round failed, with a reason (operator)",
     )
     def post(self, request, pk):
-        data = FailRoundSerializer(data=request.data)
-        data.is_valid(raise_exception=True)
-        _refuse_unknown_fields(data)
-        return self.respond(
-            services.fail_round_by_hand(actor_for(request), pk, data.validated_data["reason"])
-        )
+        given = _validated(FailRoundSerializer(data=request.data))
+        return self.respond(services.fail_round_by_hand(actor_for(request), pk, given["reason"]))
 
 
 class SettingsView(FederationView):
@@ -1076,10 +1066,9 @@ class SettingsView(FederationView):
     def patch(self, request):
         if not request.user.is_superuser:
             raise NotAllowed("only the federation operator may change the federation's settings")
-        data = FederationSettingsSerializer(services.get_settings(), data=request.data, partial=True)
-        data.is_valid(raise_exception=True)
-        _refuse_unknown_fields(data, "unknown settings:")
-        row = services.update_settings(actor_for(request), **data.validated_data)
+        given = _validated(FederationSettingsSerializer(services.get_settings(), data=request.data,
+                                                        partial=True), "unknown settings:")
+        row = services.update_settings(actor_for(request), **given)
         return Response(FederationSettingsSerializer(row).data)
 
 
