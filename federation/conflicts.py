@@ -49,11 +49,11 @@ def entry_of(conflict: ConflictLogEntry) -> ConflictEntry:
 
 def log_flags_released(round_id, organization_id) -> bool:
     """Whether the conflict log of round `round_id`'s merge of `organization_id`'s edge (the
-    server's when None) was merged under the flag rule (`pipeline._merged_under_flag_rule`): a
+    server's when None) was merged under the flag rule (`pipeline.merged_under_flag_rule`): a
     log merged before it may hold one client's flag name, which no merge publishes."""
-    from federation.pipeline import _merged_under_flag_rule  # the pipeline reads decisions here
+    from federation.pipeline import merged_under_flag_rule  # the pipeline reads decisions here
 
-    return _merged_under_flag_rule(round_id, organization_id)
+    return merged_under_flag_rule(round_id, organization_id)
 
 
 def composed_precaution(

@@ -264,7 +264,7 @@ def _conflict_source(round_: Round, organization) -> Round | None:
     return record.round if record is not None else None
 
 
-def _merged_under_flag_rule(round_: Round | int | None, organization) -> bool:
+def merged_under_flag_rule(round_: Round | int | None, organization) -> bool:
     """Whether the merge of `round_` for `organization`'s edge (the server's when None) held the
     precondition flag names to the operator's source rule (`operator.FLAG_MIN_SOURCES`): its
     record counts the names it held back (`flags_held_back`). A compendium or conflict log merged
@@ -302,7 +302,7 @@ def _conflicts_of(previous: Round | None, organization) -> list[ConflictEntry]:
     }
     schema = (current_schema() if any(d.action == ConflictDecision.Action.ACCEPT
                                        for d in decisions.values()) else None)
-    released = _merged_under_flag_rule(previous, organization)
+    released = merged_under_flag_rule(previous, organization)
     entries = []
     for c in ConflictLogEntry.objects.filter(round=previous, organization=organization):
         decision = decisions.get((c.tool_id, c.centroid_id))
@@ -471,7 +471,7 @@ def run_edge_merge(
             llm=llm,
             seed=edge_seed(config, round_, organization, release),
             drowned=_drowned(round_, schema, config),
-            conflicts_flags_released=_merged_under_flag_rule(log_from, organization),
+            conflicts_flags_released=merged_under_flag_rule(log_from, organization),
         )
 
         def merge(remaining: float, inputs=inputs, schema=schema, common=common, extra=extra,
@@ -751,8 +751,8 @@ def run_server_merge(round_id: int, *, embed=None, attempt: int | None = None) -
             previous_conflicts=read[-1],
             noise_scales=_edge_noise_scales(round_),
             previous_flags_released=(previous is None
-                                     or _merged_under_flag_rule(previous.round, None)),
-            conflicts_flags_released=_merged_under_flag_rule(_conflict_source(round_, None), None),
+                                     or merged_under_flag_rule(previous.round, None)),
+            conflicts_flags_released=merged_under_flag_rule(_conflict_source(round_, None), None),
         )
         accuracy = probe_accuracy(
             probe, [s.tool_id for s in result.compendium.scenarios], result.scenario_embeddings
