@@ -47,31 +47,34 @@ def entry_of(conflict: ConflictLogEntry) -> ConflictEntry:
     )
 
 
-def log_flags_released(round_id, organization_id) -> bool:
-    """Whether the conflict log of round `round_id`'s merge of `organization_id`'s edge (the
-    server's when None) was merged under the flag rule (`pipeline.merged_under_flag_rule`): a
-    log merged before it may hold one client's flag name, which no merge publishes."""
-    from federation.pipeline import merged_under_flag_rule  # the pipeline reads decisions here
-
-    return merged_under_flag_rule(round_id, organization_id)
-
-
 def composed_precaution(
     conflict: ConflictLogEntry, schema=None, *, flags_released: bool | None = None
 ) -> str:
     """The precaution the merge composes from this conflict when nobody decides ("" if none),
     as a reviewer is shown it and an accept stores it. Of a log merged before the flag rule
-    (`flags_released` False; None: `log_flags_released` is asked) the flag names left off are
-    those fewer than FLAG_MIN_SOURCES of the conflict's own sources carried
+    (`flags_released` False; None: `pipeline.merged_under_flag_rule` is asked) the flag names
+    left off are those fewer than FLAG_MIN_SOURCES of the conflict's own sources carried
     (`operator.conflict_within_own_sources`): a precaution as stored would name one client's
     flag, which the merge that reads the log does not publish."""
     if flags_released is None:
-        flags_released = log_flags_released(conflict.round_id, conflict.organization_id)
+        from federation.pipeline import merged_under_flag_rule  # the pipeline reads decisions here
+
+        flags_released = merged_under_flag_rule(conflict.round_id, conflict.organization_id)
     entry = entry_of(conflict)
     if not flags_released:
         entry = conflict_within_own_sources(entry)
     composed = conflicts_to_precautions([entry], schema or current_schema())
     return composed[0].text if composed else ""
+
+
+def accept_out_of_date(decision: ConflictDecision | None, composed: str) -> bool:
+    """Whether `decision` accepted a precaution that is no longer the one composed from its
+    conflict (`composed`): accepted before the review held a log merged before the flag rule to
+    its sources, or before the schema renamed its tool. An accept means "publish the precaution
+    composed": the merge publishes it as composed now, not the old text, which may name one
+    client's flag (`pipeline._conflicts_of`)."""
+    return (decision is not None and decision.action == ConflictDecision.Action.ACCEPT
+            and decision.text != composed)
 
 
 def scenario_choices(conflict: ConflictLogEntry) -> list[str]:
@@ -257,7 +260,9 @@ def remove_unfit_decisions(round_, organization_id, cause: str) -> int:
         (c.tool_id, c.centroid_id): c
         for c in ConflictLogEntry.objects.filter(round=round_, organization_id=organization_id)
     }
-    released = log_flags_released(round_.pk, organization_id)
+    from federation.pipeline import merged_under_flag_rule
+
+    released = merged_under_flag_rule(round_, organization_id)
     removed = 0
     for decision in ConflictDecision.objects.filter(round=round_, organization_id=organization_id):
         conflict = conflicts.get((decision.tool_id, decision.centroid_id))
@@ -266,8 +271,7 @@ def remove_unfit_decisions(round_, organization_id, cause: str) -> int:
         elif (decision.action == ConflictDecision.Action.SCENARIO
               and decision.text not in scenario_choices(conflict)):
             why = "the picked scenario is no longer one of its conflict's texts"
-        elif (decision.action == ConflictDecision.Action.ACCEPT
-              and decision.text != composed_precaution(conflict, flags_released=released)):
+        elif accept_out_of_date(decision, composed_precaution(conflict, flags_released=released)):
             why = "the accepted precaution is no longer the one composed"
         else:
             continue

@@ -289,10 +289,10 @@ def _previous_conflicts(round_: Round, organization) -> list[ConflictEntry]:
 def _conflicts_of(previous: Round | None, organization) -> list[ConflictEntry]:
     """The conflict log of `previous`'s merge of this edge (the server's when `organization` is
     None; nothing without a round), with its reviewers' decisions: dismissed conflicts left out.
-    An accepted precaution that is not the one composed now (`conflicts.composed_precaution`)
-    counts as no decision, and the merge composes it afresh: accepted before the review held a
-    log merged before the flag rule to its sources, it may name one client's flag."""
-    from federation.conflicts import composed_precaution
+    An accepted precaution that is no longer the one composed (`conflicts.accept_out_of_date`:
+    accepted before the review held a log merged before the flag rule to its sources, it may
+    name one client's flag) counts as no decision: the merge composes it as it is now."""
+    from federation.conflicts import accept_out_of_date, composed_precaution
 
     if previous is None:
         return []
@@ -309,7 +309,7 @@ def _conflicts_of(previous: Round | None, organization) -> list[ConflictEntry]:
         resolution, text = "", ""
         if decision is not None and not (
             decision.action == ConflictDecision.Action.ACCEPT
-            and decision.text != composed_precaution(c, schema, flags_released=released)
+            and accept_out_of_date(decision, composed_precaution(c, schema, flags_released=released))
         ):
             if decision.action == ConflictDecision.Action.DISMISS:
                 continue
@@ -504,13 +504,14 @@ def run_edge_merge(
                 round_, organization, rematerialize, source_ids, digest, key
             ) != (release, extra) or _conflict_source(round_, organization) != log_from or (
                 _conflicts_of(log_from, organization) != log_read
-            ):
+            ) or merged_under_flag_rule(log_from, organization) != common["conflicts_flags_released"]:
                 # An earlier round published meanwhile (a retried round merging beside this
                 # one) changes the conflict log this edge turns into precautions: the next
                 # round reads this round's log, so the earlier one's would be lost for good. An
                 # erasure that merged that log again meanwhile changes what it holds: this edge
                 # had no merge record yet, so the erasure could not reach it as a reader, and it
-                # would write the erased client's dissent as a precaution.
+                # would write the erased client's dissent as a precaution. Merged again, that log
+                # may also be held to the flag rule now, or no longer.
                 log.warning("round %s, organization %s: the edge's inputs, release or previous "
                             "conflict log changed while it merged; merged again", round_.number,
                             organization.slug)

@@ -1206,6 +1206,10 @@ def _close_if_due(pk: int, now: dt.datetime) -> Round | None:
     return close_round(DEADLINE_ACTOR, rnd)
 
 
+# How many times in a row beat's check starts a round's lost merges again before failing it.
+MERGE_REQUEUE_LIMIT = 3
+
+
 def requeue_lost_merges(after_seconds: float, now: dt.datetime | None = None) -> list[Round]:
     """Start again, as a new run, the merges of each round left `closing` whose current run's start
     was never queued (`Round.queued_attempt`): the process that committed the close or retry
@@ -1213,7 +1217,9 @@ def requeue_lost_merges(after_seconds: float, now: dt.datetime | None = None) ->
     broker that refused the start fails the round instead). Only runs that started more than
     `after_seconds` ago: the start is queued right after the commit. Run by Celery beat
     (`synapse.requeue_lost_merges`). The new run makes a start of the old one that was queued
-    after all (the process died between queuing it and recording it) stale: it changes nothing."""
+    after all (the process died between queuing it and recording it) stale: it changes nothing.
+    A round whose start is lost MERGE_REQUEUE_LIMIT times in a row after its close or retry is
+    failed instead, saying so. Returns the rounds started again."""
     now = now or timezone.now()
     started_before = now - dt.timedelta(seconds=after_seconds)
     lost = (
@@ -1235,6 +1241,23 @@ def _requeue_if_lost(pk: int, started_before: dt.datetime) -> Round | None:
             or rnd.attempt_started_at is None or rnd.attempt_started_at > started_before):
         return None
     lost = rnd.attempt
+    # Started again this many times since its close or the operator's latest retry: a start that
+    # is lost every time (the process dies between queuing and recording it, again and again)
+    # fails the round, saying so, rather than loop with its pending time reset at each start.
+    since = (AuditLog.objects.filter(target_type="round", target_id=str(rnd.pk),
+                                     action__in=[AuditLog.Action.ROUND_CLOSE,
+                                                 AuditLog.Action.ROUND_RETRY])
+             .order_by("-created_at", "-id").values_list("id", flat=True).first())
+    again = AuditLog.objects.filter(target_type="round", target_id=str(rnd.pk),
+                                    action=AuditLog.Action.ROUND_REQUEUE, id__gt=since or 0).count()
+    if again >= MERGE_REQUEUE_LIMIT:
+        log.warning("round %s: the start of its merges was lost %s times; failed", rnd.number,
+                    again + 1)
+        mark_failed(rnd, (
+            f"the start of its merges was never queued, {again + 1} times in a row (run "
+            f"{lost} and the {again} started again by the check before it): the process that "
+            "queues it dies before recording it; see the web and worker logs, then retry"))
+        return None
     rnd.attempt += 1
     rnd.attempt_started_at = timezone.now()
     rnd.save(update_fields=["attempt", "attempt_started_at"])
@@ -1325,7 +1348,10 @@ def close_round(actor: Actor, rnd: Round | int | None = None) -> Round:
     rnd = _locked_round(rnd)
     _move(rnd, Round.State.CLOSING, "close", source=Round.State.OPEN)
     rnd.closed_at = rnd.attempt_started_at = timezone.now()
-    rnd.save(update_fields=["state", "closed_at", "attempt_started_at"])
+    # Its run is not queued yet (whatever an earlier migration or state left here): the receiver
+    # records it once queued, and beat's check starts it again if that never happens.
+    rnd.queued_attempt = None
+    rnd.save(update_fields=["state", "closed_at", "attempt_started_at", "queued_attempt"])
     submissions = rnd.compendiums.filter(kind="client").count()
     audit(actor, AuditLog.Action.ROUND_CLOSE, target=rnd, details={"submissions": submissions})
     _send_round_closed(rnd)

@@ -966,6 +966,13 @@ def test_the_edit_field_starts_from_a_precaution_never_from_a_picked_scenario(cl
     assert edit_value() == "Ask for the city first"
 
 
+def _conflict_card(client, conflict) -> str:
+    """The conflict review page's card of `conflict`, its entities unescaped."""
+    body = client.get(reverse("dashboard:conflicts")).content.decode()
+    card = body[body.index(f'id="conflict-{conflict.pk}"'):]
+    return html.unescape(card[: card.index("</article>")])
+
+
 def _one_clients_flag_conflict(round_, organization, centroid_id):
     """A logged conflict whose flag `has_city` two clients carried and `jane_doe` one."""
     return ConflictLogEntry.objects.create(
@@ -1000,13 +1007,8 @@ def test_a_conflict_log_merged_before_the_flag_rule_is_reviewed_without_one_clie
     assert "jane_doe" not in composed and "has_city is false" in composed
     assert "rain in Lyon for Jane" in composed
 
-    def card():
-        body = client.get(reverse("dashboard:conflicts")).content.decode()
-        card = body[body.index(f'id="conflict-{conflict.pk}"'):]
-        return html.unescape(card[: card.index("</article>")])
-
     login(client, fed, "admin_a")
-    assert composed in card() and "jane_doe is" not in card()
+    assert composed in _conflict_card(client, conflict) and "jane_doe is" not in _conflict_card(client, conflict)
     url = reverse("dashboard:conflict-decide", args=[conflict.pk])
     assert client.post(url, {"action": "accept"}).status_code == 302
     assert ConflictDecision.objects.get(centroid_id="j0").text == composed
@@ -1016,15 +1018,16 @@ def test_a_conflict_log_merged_before_the_flag_rule_is_reviewed_without_one_clie
                                stats={"scenarios_in": 4, "flags_held_back": 0})
     assert composed_precaution(conflict) == as_stored
     ConflictDecision.objects.all().delete()
-    assert as_stored in card()
+    assert as_stored in _conflict_card(client, conflict)
 
 
 def test_an_accept_that_is_no_longer_the_composed_precaution_shows_as_out_of_date(client, fed):
     """An accept stored before the review held a log merged before the flag rule to its sources
-    names one client's flag; the merge ignores it and composes the precaution afresh
-    (`pipeline._conflicts_of`). The page said "decided: accept" and filled the edit field with
-    the old text, so the reviewer saw a decision that no merge applies. It says the accept is out
-    of date, offers the precaution composed now, and a new accept replaces it."""
+    names one client's flag; the merge publishes the precaution as composed now instead
+    (`pipeline._conflicts_of`). The page showed the old text as the decision and filled the edit
+    field with it. It says the accepted text is out of date, offers the precaution composed now,
+    and a new accept stores that. Of a closed conflict (its later merge applied the accept as it
+    stood) nothing is said."""
     from federation.conflicts import composed_precaution
 
     r1 = Round.objects.get(number=1)
@@ -1035,19 +1038,21 @@ def test_an_accept_that_is_no_longer_the_composed_precaution_shows_as_out_of_dat
     ConflictDecision.objects.create(round=r1, organization=fed.org_a, tool_id="weather",
                                     centroid_id="s0", action="accept", text=old)
 
-    def card():
-        body = client.get(reverse("dashboard:conflicts")).content.decode()
-        card = body[body.index(f'id="conflict-{conflict.pk}"'):]
-        return html.unescape(card[: card.index("</article>")])
-
     login(client, fed, "admin_a")
-    shown = card()
-    assert "accepted text out of date" in shown and "decided: accept" not in shown
+    shown = _conflict_card(client, conflict)
+    assert "accepted text out of date" in shown and "decided: accept" in shown
     assert f'name="text" value="{composed}"' in shown
     url = reverse("dashboard:conflict-decide", args=[conflict.pk])
     assert client.post(url, {"action": "accept"}).status_code == 302
     assert ConflictDecision.objects.get(centroid_id="s0").text == composed
-    assert "accepted text out of date" not in card() and "decided: accept" in card()
+    assert "accepted text out of date" not in _conflict_card(client, conflict)
+    # closed: round 2's merge of A, published, read the log with the old accept and applied it
+    ConflictDecision.objects.filter(centroid_id="s0").update(text=old)
+    Round.objects.filter(number=2).update(state=Round.State.PUBLISHED)
+    MergeRecord.objects.create(round=Round.objects.get(number=2), organization=fed.org_a,
+                               stats={"accepted": 2, "flags_held_back": 0})
+    shown = _conflict_card(client, conflict)
+    assert "closed: round 2" in shown and "accepted text out of date" not in shown
 
 
 def test_the_pick_list_shows_the_scenario_picked(client, fed):

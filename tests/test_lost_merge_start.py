@@ -88,3 +88,50 @@ def test_the_beat_schedule_runs_the_check(settings):
     schedule = settings.CELERY_BEAT_SCHEDULE["requeue-lost-merges"]
     assert schedule["task"] == requeue_lost_merges_task.name and schedule["task"] in app.tasks
     assert requeue_lost_merges_task.apply().get() == []
+
+
+def test_a_round_open_when_queued_attempt_was_added_is_watched_once_it_closes(
+    without_merge_pipeline, django_capture_on_commit_callbacks
+):
+    """The migration that added `queued_attempt` marked every existing round's run as queued,
+    the open one's too; its close kept that mark, so a start lost at its close was never
+    started again. The close clears it."""
+    round_, _ = build_federation(state="open")
+    Round.objects.filter(pk=round_.pk).update(queued_attempt=1)  # as the migration left it
+    with django_capture_on_commit_callbacks(execute=True):
+        services.close_round(services.Actor.system(), round_)  # no receiver: as if it died
+    round_.refresh_from_db()
+    assert round_.queued_attempt is None
+    backdate(round_, 600)
+    with django_capture_on_commit_callbacks(execute=True):
+        assert [r.pk for r in services.requeue_lost_merges(120)] == [round_.pk]
+
+
+def test_a_start_lost_again_and_again_fails_the_round_saying_so(
+    without_merge_pipeline, django_capture_on_commit_callbacks
+):
+    """Each start again reset the round's pending time, so a start lost every time looped
+    unseen; after MERGE_REQUEUE_LIMIT starts again the round fails, and the operator's retry
+    begins the count anew."""
+    round_, _ = build_federation(state="open")
+    with django_capture_on_commit_callbacks(execute=True):
+        services.close_round(services.Actor.system(), round_)  # no receiver: never queued
+
+    def check():
+        backdate(round_, 600)
+        with django_capture_on_commit_callbacks(execute=True):
+            started = services.requeue_lost_merges(120)
+        round_.refresh_from_db()
+        return [r.pk for r in started]
+
+    for _ in range(services.MERGE_REQUEUE_LIMIT):
+        assert check() == [round_.pk]
+    assert round_.state == "closing" and round_.attempt == 1 + services.MERGE_REQUEUE_LIMIT
+    assert check() == []
+    assert round_.state == "failed"
+    assert round_.failure_reason.startswith(
+        f"the start of its merges was never queued, {services.MERGE_REQUEUE_LIMIT + 1} times in a row")
+    assert AuditLog.objects.filter(action="round.requeue").count() == services.MERGE_REQUEUE_LIMIT
+    with django_capture_on_commit_callbacks(execute=True):
+        services.retry_round(services.Actor.system(), round_)
+    assert check() == [round_.pk]  # the retry's count starts at zero

@@ -1862,3 +1862,27 @@ def test_a_time_limit_met_while_the_llm_merges_templates_stops_the_merge(schema,
     with pytest.raises(SoftTimeLimitExceeded):
         edge_merge(subs, schema, RoundConfig(summarizer="llm-single-shot"), embed=embed,
                    llm=OutOfTime())
+
+
+def test_an_llm_answer_nested_too_deep_to_parse_is_an_unusable_answer(schema, embed):
+    """json.loads raises RecursionError, not JSONDecodeError, on an answer nested thousands of
+    levels deep: the template merge now lets through what is not an unusable answer, and that
+    one would have failed the round. It is refused as unparseable, and the majority stays."""
+    deep = '{"summary": ' + "[" * 100000 + "]" * 100000 + "}"
+
+    class Deep:
+        def complete(self, prompt, system=None, max_tokens=512, json_schema=None):
+            return "Consistent" if "Answer with exactly one word" in prompt else deep
+
+    subs = [
+        sub("a", [sc("weather", "Will it rain tomorrow in Paris?")],
+            templates=[{"tool_id": "weather", "signature": "f(city)", "template": "T1 {city}"}]),
+        sub("b", [sc("weather", "Will it rain tomorrow in Paris")],
+            templates=[{"tool_id": "weather", "signature": "f(city)", "template": "T2 {city}"}]),
+    ]
+    result = edge_merge(subs, schema, RoundConfig(summarizer="llm-single-shot"), embed=embed,
+                        llm=Deep())
+    assert [t.template for t in result.compendium.templates] == ["T1 {city}"]
+    assert any("not valid JSON" in f["reason"] for f in result.stats.summarizer_fallbacks
+               if f.get("tool_id") == "weather" and f["summarizer"] == "llm-single-shot")
+

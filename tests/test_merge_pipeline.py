@@ -550,16 +550,21 @@ def test_erasure_that_fails_changes_nothing_and_can_be_run_again(
     assert all("17 multiplied" not in s["text"] for s in glob.content["scenarios"])
 
 
-def _second_round(config=None, number=2, text="Which airline flies nonstop to Lisbon?"):
+def _second_round(config=None, number=2, text="Which airline flies nonstop to Lisbon?",
+                  also=None):
+    """A closing round with g1's submission of `text` (and, from the client `also`, one of
+    "Cheap flights to Rome": its organization's edge merges too)."""
     from compendium.schema import Compendium
     from compendium.services import store_compendium
 
     round2 = Round.objects.create(number=number, state="closing",
                                   config=config or {"summarizer": "centroid", "seed": 12})
-    store_compendium(
-        Compendium.model_validate({"scenarios": [{"tool_id": "flights", "text": text}]}),
-        kind="client", round=round2, client=Client.objects.get(name="g1"),
-    )
+    for client, request in ((Client.objects.get(name="g1"), text), (also, "Cheap flights to Rome")):
+        if client is not None:
+            store_compendium(
+                Compendium.model_validate({"scenarios": [{"tool_id": "flights", "text": request}]}),
+                kind="client", round=round2, client=client,
+            )
     return round2
 
 
@@ -1372,10 +1377,7 @@ def test_an_edge_log_merged_before_the_flag_rule_has_its_one_source_flag_names_h
     record = MergeRecord.objects.get(round=round1, organization=org)
     record.stats = {k: v for k, v in record.stats.items() if k != "flags_held_back"}
     record.save()
-    round2 = _second_round()
-    store_compendium(Compendium.model_validate({"scenarios": [
-        {"tool_id": "flights", "text": "Cheap flights to Rome"}]}),
-        kind="client", round=round2, client=clients[("acme", "a1")])
+    round2 = _second_round(also=clients[("acme", "a1")])
     close(round2, django_capture_on_commit_callbacks)
     assert round2.state == "published", round2.failure_reason
 
@@ -1399,7 +1401,6 @@ def test_an_accept_of_a_log_merged_before_the_flag_rule_naming_one_clients_flag_
     true"); the next merge published it as it stood. An accept whose text is not the precaution
     composed now counts as no decision, and the merge composes it afresh, holding the log's names
     to its own sources; one accepted as composed now is published as it stands."""
-    from compendium.services import store_compendium
     from federation.conflicts import composed_precaution
     from federation.models import ConflictDecision, Organization
 
@@ -1427,10 +1428,7 @@ def test_an_accept_of_a_log_merged_before_the_flag_rule_naming_one_clients_flag_
     decision = ConflictDecision.objects.create(
         round=round1, organization=org, tool_id="weather", centroid_id="j0", action="accept",
         text=stored)
-    round2 = _second_round()
-    store_compendium(Compendium.model_validate({"scenarios": [
-        {"tool_id": "flights", "text": "Cheap flights to Rome"}]}),
-        kind="client", round=round2, client=clients[("acme", "a1")])
+    round2 = _second_round(also=clients[("acme", "a1")])
     [entry] = [e for e in pipeline._previous_conflicts(round2, org) if e.centroid_id == "j0"]
     assert (entry.resolution, entry.resolution_text) == ("", "")
     close(round2, django_capture_on_commit_callbacks)
@@ -1460,15 +1458,11 @@ def test_an_edge_merge_reads_the_round_of_its_conflict_log_once_then_again_under
     three times before the write (each read could see another round published meanwhile) and
     twice more under the lock. It is read once before the merge, and once under the lock to
     see whether it changed."""
-    from compendium.services import store_compendium
     from federation.models import Organization
 
     round1, clients = build_federation()
     close(round1, django_capture_on_commit_callbacks)
-    round2 = _second_round()
-    store_compendium(Compendium.model_validate({"scenarios": [
-        {"tool_id": "flights", "text": "Cheap flights to Rome"}]}),
-        kind="client", round=round2, client=clients[("acme", "a1")])
+    round2 = _second_round(also=clients[("acme", "a1")])
     reads = []
     real = pipeline._conflict_source
 
@@ -1479,3 +1473,33 @@ def test_an_edge_merge_reads_the_round_of_its_conflict_log_once_then_again_under
     monkeypatch.setattr(pipeline, "_conflict_source", counted)
     pipeline.run_edge_merge(round2.pk, Organization.objects.get(slug="acme").pk)
     assert reads == [round1, round1]
+
+
+def test_an_edge_merge_merges_again_when_its_log_came_under_another_flag_rule_meanwhile(
+    probes, django_capture_on_commit_callbacks, monkeypatch
+):
+    """Whether the log an edge merge reads is held to the flag rule was read before the merge
+    and not again under the lock: an erasure that merged that log again meanwhile (its record
+    now with, or without, `flags_held_back`) left the merge holding the log's flag names to the
+    wrong rule. The merge runs again with the rule as it now stands."""
+    from federation.models import Organization
+
+    round1, clients = build_federation()
+    close(round1, django_capture_on_commit_callbacks)
+    acme = Organization.objects.get(slug="acme")
+    round2 = _second_round(also=clients[("acme", "a1")])
+    rules = []
+    real = pipeline.edge_merge
+
+    def merged_meanwhile(*args, **kwargs):
+        rules.append(kwargs["conflicts_flags_released"])
+        result = real(*args, **kwargs)
+        if len(rules) == 1:  # the log's record as a merge before the rule leaves it
+            record = MergeRecord.objects.get(round=round1, organization=acme)
+            record.stats = {k: v for k, v in record.stats.items() if k != "flags_held_back"}
+            record.save()
+        return result
+
+    monkeypatch.setattr(pipeline, "edge_merge", merged_meanwhile)
+    pipeline.run_edge_merge(round2.pk, acme.pk)
+    assert rules == [True, False]

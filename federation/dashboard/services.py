@@ -1132,8 +1132,8 @@ class ConflictCard:
     can_decide: bool
     closed_by: object | None = None  # the later round after whose merge no decision applies
     paused_by: object | None = None  # a later round merging now: decide once it is done
-    # An accept whose text is no longer the precaution composed (stored before a review held a
-    # log merged before the flag rule to its sources): the merge ignores it and composes afresh.
+    # An accept whose text is no longer the precaution composed (`conflicts.accept_out_of_date`):
+    # the next merge publishes the precaution as composed now, not the text accepted.
     stale: bool = False
 
 
@@ -1147,15 +1147,16 @@ def conflict_groups(
     from compendium.services import current_schema
     from federation.conflicts import (
         MERGING_STATES,
+        accept_out_of_date,
         can_decide,
         closed_by,
         composed_precaution,
-        log_flags_released,
         paused_by,
         scenario_choices,
         visible_conflicts,
     )
     from federation.models import ConflictDecision
+    from federation.pipeline import merged_under_flag_rule
 
     conflicts = visible_conflicts(organizations, actor).select_related("round", "organization")
     if round_number is not None:
@@ -1181,7 +1182,7 @@ def conflict_groups(
             admin[c.organization_id] = can_decide(actor, c.organization_id)
         if (c.organization_id, c.round_id) not in closed:
             closed[(c.organization_id, c.round_id)] = closed_by(c)
-            released[(c.organization_id, c.round_id)] = log_flags_released(
+            released[(c.organization_id, c.round_id)] = merged_under_flag_rule(
                 c.round_id, c.organization_id)
         paused = paused_by(c, merging)
         composed = composed_precaution(
@@ -1193,8 +1194,9 @@ def conflict_groups(
                 composed=composed,
                 choices=scenario_choices(c),
                 decision=decision,
-                stale=(decision is not None and decision.action == ConflictDecision.Action.ACCEPT
-                       and decision.text != composed),
+                # Of a closed conflict the merge that read it applied the accept as it stood.
+                stale=closed[(c.organization_id, c.round_id)] is None
+                and accept_out_of_date(decision, composed),
                 can_decide=admin[c.organization_id]
                 and closed[(c.organization_id, c.round_id)] is None
                 and paused is None,

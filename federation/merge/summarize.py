@@ -360,7 +360,7 @@ def _parse_summary(answer: str, limit: int) -> str:
         raise SummaryUnparseable(f"LLM answer is not JSON: {answer[:120]!r}")
     try:
         summary = json.loads(match.group(0)).get("summary")
-    except (json.JSONDecodeError, AttributeError):
+    except (json.JSONDecodeError, AttributeError, RecursionError):  # RecursionError: nested deep
         raise SummaryUnparseable(f"LLM answer is not valid JSON: {answer[:120]!r}") from None
     if not isinstance(summary, str) or not summary.strip():
         raise SummaryUnparseable("LLM answer has no non-empty 'summary' string")
