@@ -1466,6 +1466,16 @@ def test_members_the_robust_rule_drops_inside_a_cluster_are_flagged(schema, embe
     assert weather.support == len(texts) - dropped
 
 
+def _two_clients_two_templates():
+    """Two clients' near-identical weather scenario, each with its own template for f(city)."""
+    return [
+        sub("a", [sc("weather", "Will it rain tomorrow in Paris?")],
+            templates=[{"tool_id": "weather", "signature": "f(city)", "template": "T1 {city}"}]),
+        sub("b", [sc("weather", "Will it rain tomorrow in Paris")],
+            templates=[{"tool_id": "weather", "signature": "f(city)", "template": "T2 {city}"}]),
+    ]
+
+
 @pytest.mark.parametrize("bad", ["\u202e", "\x1b", "\x00", "\x85"])
 def test_an_llm_summary_with_a_forbidden_character_falls_back(schema, embed, bad):
     """A summary (or merged template) an LLM answers with a control character or a bidirectional
@@ -1479,12 +1489,7 @@ def test_an_llm_summary_with_a_forbidden_character_falls_back(schema, embed, bad
                 return "Consistent"
             return json.dumps({"summary": f"Rain in Paris{bad} tomorrow"})
 
-    subs = [
-        sub("a", [sc("weather", "Will it rain tomorrow in Paris?")],
-            templates=[{"tool_id": "weather", "signature": "f(city)", "template": "T1 {city}"}]),
-        sub("b", [sc("weather", "Will it rain tomorrow in Paris")],
-            templates=[{"tool_id": "weather", "signature": "f(city)", "template": "T2 {city}"}]),
-    ]
+    subs = _two_clients_two_templates()
     result = edge_merge(subs, schema, RoundConfig(summarizer="llm-single-shot"), embed=embed,
                         llm=Answers())
     [weather] = result.compendium.scenarios
@@ -1853,12 +1858,7 @@ def test_a_time_limit_met_while_the_llm_merges_templates_stops_the_merge(schema,
                 return "Consistent"
             return json.dumps({"summary": "Rain in Paris tomorrow"})
 
-    subs = [
-        sub("a", [sc("weather", "Will it rain tomorrow in Paris?")],
-            templates=[{"tool_id": "weather", "signature": "f(city)", "template": "T1 {city}"}]),
-        sub("b", [sc("weather", "Will it rain tomorrow in Paris")],
-            templates=[{"tool_id": "weather", "signature": "f(city)", "template": "T2 {city}"}]),
-    ]
+    subs = _two_clients_two_templates()
     with pytest.raises(SoftTimeLimitExceeded):
         edge_merge(subs, schema, RoundConfig(summarizer="llm-single-shot"), embed=embed,
                    llm=OutOfTime())
@@ -1874,12 +1874,7 @@ def test_an_llm_answer_nested_too_deep_to_parse_is_an_unusable_answer(schema, em
         def complete(self, prompt, system=None, max_tokens=512, json_schema=None):
             return "Consistent" if "Answer with exactly one word" in prompt else deep
 
-    subs = [
-        sub("a", [sc("weather", "Will it rain tomorrow in Paris?")],
-            templates=[{"tool_id": "weather", "signature": "f(city)", "template": "T1 {city}"}]),
-        sub("b", [sc("weather", "Will it rain tomorrow in Paris")],
-            templates=[{"tool_id": "weather", "signature": "f(city)", "template": "T2 {city}"}]),
-    ]
+    subs = _two_clients_two_templates()
     result = edge_merge(subs, schema, RoundConfig(summarizer="llm-single-shot"), embed=embed,
                         llm=Deep())
     assert [t.template for t in result.compendium.templates] == ["T1 {city}"]
