@@ -256,12 +256,12 @@ def remove_unfit_decisions(round_, organization_id, cause: str) -> int:
     accepted precaution no longer the one composed from it. Each such text may be an erased
     client's. An edited precaution or a dismissal stays while its conflict is logged: the text
     is the reviewer's own. Each removal is audited, without the text; returns how many."""
+    from federation.pipeline import merged_under_flag_rule  # the pipeline calls this module
+
     conflicts = {
         (c.tool_id, c.centroid_id): c
         for c in ConflictLogEntry.objects.filter(round=round_, organization_id=organization_id)
     }
-    from federation.pipeline import merged_under_flag_rule
-
     released = merged_under_flag_rule(round_, organization_id)
     removed = 0
     for decision in ConflictDecision.objects.filter(round=round_, organization_id=organization_id):
