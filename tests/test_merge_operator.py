@@ -725,9 +725,11 @@ def test_an_edge_merge_without_a_seed_draws_fresh_noise_not_the_rounds_public_se
                             drowned=frozenset({"success_rate", "frequency", "latency_ms"}), **seed)
         return {m.tool_id: m.stats["calls"] for m in result.compendium.metadata}
 
-    assert released() != released()
+    # Fresh draws differ (drawn from the round's public seed, they would all be its draw), but
+    # the released figures are clipped to the field's window and two draws can both land at its
+    # ends for every tool (CI met one such pair): of four fresh draws, not all are the same.
+    assert len({tuple(sorted(released().items())) for _ in range(4)}) > 1
     assert released(seed=config.seed) == released(seed=config.seed)  # a seed given: replayable
-    assert released() != released(seed=config.seed)
 
 
 def test_budget_cap_refuses_before_noise(schema, embed):
