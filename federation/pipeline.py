@@ -688,17 +688,20 @@ def _edges_with_revoked_clients(round_: Round) -> list[int]:
 
 def _fingerprint(round_: Round, edges, previous) -> tuple:
     """What a server merge read: its edges, the global it carries forward, the latest published
-    round before it, and the server conflict log it turns into precautions (the last element:
-    an erasure may merge that log again while the round carries no global forward)."""
+    round before it, whether the server conflict log it turns into precautions was merged under
+    the flag rule, and that log (the last element: an erasure may merge that log again while the
+    round carries no global forward, and so change both)."""
     latest = (
         Round.objects.filter(number__lt=round_.number, state=Round.State.PUBLISHED)
         .order_by("-number").values_list("pk", flat=True).first()
     )
+    log_from = _conflict_source(round_, None)
     return (
         [(e.pk, e.sha256) for e in edges],
         (previous.pk, previous.sha256) if previous is not None else None,
         latest,
-        _previous_conflicts(round_, None),
+        merged_under_flag_rule(log_from, None),
+        _conflicts_of(log_from, None),
     )
 
 
@@ -753,7 +756,7 @@ def run_server_merge(round_id: int, *, embed=None, attempt: int | None = None) -
             noise_scales=_edge_noise_scales(round_),
             previous_flags_released=(previous is None
                                      or merged_under_flag_rule(previous.round, None)),
-            conflicts_flags_released=merged_under_flag_rule(_conflict_source(round_, None), None),
+            conflicts_flags_released=read[-2],
         )
         accuracy = probe_accuracy(
             probe, [s.tool_id for s in result.compendium.scenarios], result.scenario_embeddings

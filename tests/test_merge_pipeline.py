@@ -1503,3 +1503,31 @@ def test_an_edge_merge_merges_again_when_its_log_came_under_another_flag_rule_me
     monkeypatch.setattr(pipeline, "edge_merge", merged_meanwhile)
     pipeline.run_edge_merge(round2.pk, acme.pk)
     assert rules == [True, False]
+
+
+def test_a_server_merge_merges_again_when_its_log_came_under_another_flag_rule_meanwhile(
+    probes, django_capture_on_commit_callbacks, monkeypatch
+):
+    """The server merge read the round of its conflict log twice, once for the log and once for
+    whether it was merged under the flag rule, and checked only the log under the lock. Both are
+    read once, with what else it read, and a change of either merges again."""
+    round1, clients = build_federation()
+    close(round1, django_capture_on_commit_callbacks)
+    round2 = _second_round(also=clients[("acme", "a1")])
+    for organization in pipeline.start_round(round2.pk, round2.attempt):
+        pipeline.run_edge_merge(round2.pk, organization, attempt=round2.attempt)
+    rules = []
+    real = pipeline.server_merge_operator
+
+    def merged_meanwhile(*args, **kwargs):
+        rules.append(kwargs["conflicts_flags_released"])
+        result = real(*args, **kwargs)
+        if len(rules) == 1:  # the log's record as a merge before the rule leaves it
+            record = MergeRecord.objects.get(round=round1, organization__isnull=True)
+            record.stats = {k: v for k, v in record.stats.items() if k != "flags_held_back"}
+            record.save()
+        return result
+
+    monkeypatch.setattr(pipeline, "server_merge_operator", merged_meanwhile)
+    pipeline.run_server_merge(round2.pk, attempt=round2.attempt)
+    assert rules == [True, False]
