@@ -450,16 +450,32 @@ class SynapseClient:
         self.retries = max(0, retries)
         self.backoff = max(0.0, backoff)
         self._sleep = sleep
-        self._http = httpx.Client(
-            base_url=self.server,
-            timeout=timeout,
-            transport=transport,
-            headers={
-                "Authorization": f"Bearer {token.strip()}",
-                "Accept": "application/json",
-                "User-Agent": USER_AGENT,
-            },
-        )
+        try:
+            self._http = httpx.Client(
+                base_url=self.server,
+                timeout=timeout,
+                transport=transport,
+                headers={
+                    "Authorization": f"Bearer {token.strip()}",
+                    "Accept": "application/json",
+                    "User-Agent": USER_AGENT,
+                },
+            )
+        except (ImportError, ValueError) as exc:
+            # httpx sets up every proxy the environment names here: socks5:// without the
+            # socksio package is an ImportError, another scheme a ValueError (tracebacks before)
+            raise ClientError(
+                "cannot use the proxy the environment names (HTTP_PROXY, HTTPS_PROXY or "
+                f"ALL_PROXY): {exc}; name an http:// or https:// proxy, or unset it"
+            ) from None
+        except OSError as exc:  # SSL_CERT_FILE or SSL_CERT_DIR: missing, or holds no certificate
+            # the one httpx read: SSL_CERT_FILE when set, else SSL_CERT_DIR
+            name = next((n for n in ("SSL_CERT_FILE", "SSL_CERT_DIR") if os.environ.get(n)), None)
+            named = f"{name}={os.environ[name]}" if name else ""
+            raise ClientError(
+                "cannot load the certificates that check the server's TLS certificate"
+                + (f" ({named})" if named else "") + f": {exc.strerror or exc}"
+            ) from None
         self.attempts = 0
         # When the server sent its latest answer, by its Date header (its own clock, which
         # decides whether a deadline has passed); None: no answer yet, or no usable Date.

@@ -4,6 +4,7 @@ sent or loaded before it is found."""
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import logging
 
@@ -107,6 +108,45 @@ def test_the_cli_reports_a_non_ascii_token_in_one_line(capsys):
     assert main(["status", "--server", NOWHERE, "--token", "syn_c_é"]) == 1
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "check --token or SYNAPSE_TOKEN" in err[0]
+
+
+_SOCKSIO = importlib.util.find_spec("socksio") is not None
+
+
+@pytest.mark.parametrize(
+    "variable, proxy, said",
+    [
+        ("HTTPS_PROXY", "ftp://proxy.example:21", "Unknown scheme for proxy URL"),
+        # an SSH tunnel's proxy: httpx needs the socksio package for it, which is not installed
+        pytest.param("ALL_PROXY", "socks5://127.0.0.1:1080", "socksio",
+                     marks=pytest.mark.skipif(_SOCKSIO, reason="socksio is installed")),
+    ],
+)
+def test_a_proxy_in_the_environment_httpx_cannot_use_is_one_clear_line(
+    monkeypatch, capsys, variable, proxy, said
+):
+    """httpx sets up the environment's proxies when the client is made: an ImportError or a
+    ValueError traceback before, for every command that talks to the server."""
+    monkeypatch.setenv(variable, proxy)
+    assert main(["status", "--server", NOWHERE, "--token", TOKEN]) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith(
+        "synapse-client: cannot use the proxy the environment names (HTTP_PROXY, HTTPS_PROXY or "
+        "ALL_PROXY): "
+    ) and said in err[0]
+
+
+def test_a_missing_certificate_file_in_the_environment_is_named(monkeypatch, tmp_path, capsys):
+    """SSL_CERT_FILE naming no file: "synapse-client: No such file or directory" before, which
+    named neither the file nor what it was for."""
+    missing = tmp_path / "missing-ca.pem"
+    monkeypatch.setenv("SSL_CERT_FILE", str(missing))
+    assert main(["status", "--server", NOWHERE, "--token", TOKEN]) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == [
+        "synapse-client: cannot load the certificates that check the server's TLS certificate "
+        f"(SSL_CERT_FILE={missing}): No such file or directory"
+    ]
 
 
 @pytest.mark.parametrize(
