@@ -1180,7 +1180,7 @@ def _sent_record(path: Path) -> dict:
     [round numbers]}); {} when missing or unreadable."""
     try:
         record = json.loads(Path(path).read_bytes())
-    except (OSError, ValueError):
+    except (OSError, ValueError, RecursionError):  # RecursionError: nested past the parser
         return {}
     return record if isinstance(record, dict) else {}
 

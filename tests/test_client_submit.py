@@ -1353,6 +1353,22 @@ def test_a_round_participate_had_nothing_new_for_counts_as_done_for_a_scheduler(
     assert main([*status, "--dir", str(tmp_path / "elsewhere")]) == 3
 
 
+def test_a_record_nested_past_the_parser_is_unreadable_not_a_traceback(server, tmp_path, capsys):
+    """participate's record (sent.json) damaged into brackets nested past what json reads: a
+    RecursionError traceback from status --dir (and participate), where a missing or unreadable
+    record is read as none."""
+    from compendium.client_api import sent_before, sent_file
+
+    url, _ = server
+    folder = tmp_path / "state"
+    folder.mkdir()
+    sent_file(folder).write_text("[" * 100_000 + "]" * 100_000, encoding="utf-8")
+    assert sent_before(sent_file(folder), {3}) == set()
+    status = ["status", "--require-submitted", "--server", url, "--token", TOKEN, "--dir", str(folder)]
+    assert main(status) == 3  # nothing recorded, nothing in effect: not done
+    assert "this client has not submitted to round 4 yet" in capsys.readouterr().out
+
+
 @pytest.mark.parametrize("command", ["submit", "pull", "participate", "status", "fetch-probe"])
 def test_retries_help_names_what_is_retried(command, capsys):
     """--retries said "retries on network errors/5xx", but a 429 is retried too (waiting as
