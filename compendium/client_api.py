@@ -41,6 +41,7 @@ import shutil
 import stat
 import tempfile
 import time
+import uuid
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from email.utils import parsedate_to_datetime
@@ -952,8 +953,12 @@ class SynapseClient:
             return result
         if isinstance(manifest.get("round"), int):  # the files of this manifest's round, even if
             params = {"round": str(manifest["round"])}  # a newer global is published meanwhile
-        partial = folder.with_name(folder.name + ".partial")
-        shutil.rmtree(partial, ignore_errors=True)
+        # A folder of this pull's own: another pull of the same router at once (a scheduler's
+        # and a person's) removed and renamed a shared one under it (a FileNotFoundError, or a
+        # folder put in place without some of its files). One a killed pull of an older
+        # synapse-client left under the shared name goes.
+        shutil.rmtree(folder.with_name(folder.name + ".partial"), ignore_errors=True)
+        partial = folder.with_name(f"{folder.name}.{uuid.uuid4().hex[:12]}.partial")
         try:
             for entry in files:
                 target = partial / entry["path"]

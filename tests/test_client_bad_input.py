@@ -384,6 +384,39 @@ def test_a_router_that_cannot_be_put_in_place_leaves_the_previous_copy(tmp_path,
     assert read_manifest(folder) is not None and {p.name for p in tmp_path.iterdir()} == {folder.name}
 
 
+def test_two_pulls_of_the_router_at_once_leave_every_file_in_place(tmp_path):
+    """Two pull --router of one global at once (a scheduler's and a person's) shared one
+    COMPENDIUM.router.partial folder: the second removed what the first had downloaded there
+    and renamed the folder into place under it, and the first failed with "No such file or
+    directory" (or, in the other order, put in place a folder without some of its files, beside
+    a manifest naming them). Each pull has its own folder now."""
+    import httpx
+
+    from compendium.client_api import _intact, router_dir
+    from routing.finetune import ROUTER_PARAMS, ROUTER_STATE, read_manifest
+
+    out = tmp_path / "global.json"
+    folder = router_dir(out)
+    files = {ROUTER_STATE: b"state", ROUTER_PARAMS: b'{"p": 1}'}
+    served = _router_server(files)
+    second_pull = []
+
+    def answer(request):  # the other pull runs whole while this one is half-way
+        if request.url.path.endswith(ROUTER_STATE) and not second_pull:
+            second_pull.append(pull(served))
+        return served.handle_request(request)
+
+    def pull(transport):
+        with SynapseClient("http://server.test", "syn_c_token", retries=0,
+                           transport=transport) as client:
+            return client.pull_router(out)
+
+    assert pull(httpx.MockTransport(answer)).updated and second_pull[0].updated
+    manifest = read_manifest(folder)
+    assert manifest is not None and all(_intact(folder / f["path"], f) for f in manifest["files"])
+    assert {p.name for p in tmp_path.iterdir()} == {folder.name}  # no .partial left
+
+
 def test_a_head_that_fails_to_download_leaves_no_older_head_beside_the_new_global(tmp_path):
     """Round 2's global arrives but its head download fails: round 1's head is not left beside
     it (route and build --since would use it), and the next pull, a 304, fetches round 2's."""
