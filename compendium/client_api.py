@@ -41,13 +41,13 @@ import shutil
 import stat
 import tempfile
 import time
-import uuid
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from email.utils import parsedate_to_datetime
 from pathlib import Path
 from typing import Any
 
+import filelock
 import httpx
 from pydantic import ValidationError
 
@@ -62,6 +62,8 @@ USER_AGENT = "synapse-client/0.1"
 # JSON can escape half of a character ("\ud800"), which no UTF-8 file or canonical form holds
 LONE_SURROGATE = "it holds a lone surrogate (half of an escaped character), which is not text"
 MAX_RETRY_AFTER_S = 60.0
+# How long pull --router waits for another pull of the same folder to end.
+ROUTER_LOCK_WAIT_SECONDS = 600
 # How many violations a PrivacyViolation's message lists (all of them are in `violations`)
 MAX_LISTED_VIOLATIONS = 20
 
@@ -915,9 +917,31 @@ class SynapseClient:
         is checked against the manifest, and the folder is replaced whole or not at all. When the
         server has none (tuning off, running, failed), returns `available=False` with its reason
         and removes a local copy that belongs to another global."""
+        folder = router_dir(out)
+        # One pull of a folder at a time (a scheduler's and a person's): each removes, renames
+        # and fills the folders beside it. The lock is the operating system's, so a killed pull
+        # releases it; a pull that waits finds the folder the other one put in place.
+        lock = filelock.FileLock(folder.with_name(folder.name + ".lock"))
+        try:
+            lock.acquire(timeout=ROUTER_LOCK_WAIT_SECONDS)
+        except filelock.Timeout:
+            raise ClientError(
+                f"another synapse-client has been downloading the tuned router into {folder} "
+                f"for {ROUTER_LOCK_WAIT_SECONDS // 60} minutes; try again when it ends"
+            ) from None
+        except OSError as exc:
+            raise ClientError(
+                f"cannot lock {lock.lock_file} ({exc.strerror or exc}) to download the tuned "
+                "router"
+            ) from None
+        try:
+            return self._pull_router(folder, out, round_number)
+        finally:
+            lock.release()
+
+    def _pull_router(self, folder: Path, out: Path, round_number: int | None) -> RouterPullResult:
         from routing.finetune import ROUTER_MANIFEST, manifest_problem, read_manifest
 
-        folder = router_dir(out)
         _restore_retired(folder)
         params = {"round": str(round_number)} if round_number is not None else None
         response = self.request("GET", "/api/v1/compendium/global/router/", params=params)
@@ -953,12 +977,9 @@ class SynapseClient:
             return result
         if isinstance(manifest.get("round"), int):  # the files of this manifest's round, even if
             params = {"round": str(manifest["round"])}  # a newer global is published meanwhile
-        # A folder of this pull's own: another pull of the same router at once (a scheduler's
-        # and a person's) removed and renamed a shared one under it (a FileNotFoundError, or a
-        # folder put in place without some of its files). One a killed pull of an older
-        # synapse-client left under the shared name goes.
-        shutil.rmtree(folder.with_name(folder.name + ".partial"), ignore_errors=True)
-        partial = folder.with_name(f"{folder.name}.{uuid.uuid4().hex[:12]}.partial")
+        # Under the lock: what a killed pull left here is no other pull's.
+        partial = folder.with_name(folder.name + ".partial")
+        shutil.rmtree(partial, ignore_errors=True)
         try:
             for entry in files:
                 target = partial / entry["path"]

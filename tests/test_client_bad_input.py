@@ -372,7 +372,8 @@ def test_a_router_that_cannot_be_put_in_place_leaves_the_previous_copy(tmp_path,
                        r"\(Permission denied\); the previous copy is kept$"):
         pull(second)
     monkeypatch.undo()
-    assert {p.name for p in tmp_path.iterdir()} == {folder.name}  # no .old, no .partial
+    # no .old, no .partial (the lock file stays, as lock files do)
+    assert {p.name for p in tmp_path.iterdir()} == {folder.name, folder.name + ".lock"}
     assert (folder / ROUTER_STATE).read_bytes() == b"state one"
     assert (folder / ROUTER_MANIFEST).read_bytes() == manifest
     # A pull killed between its two renames left the copy in .old alone: the next one puts it
@@ -381,7 +382,8 @@ def test_a_router_that_cannot_be_put_in_place_leaves_the_previous_copy(tmp_path,
     again = pull(first)
     assert not again.updated and again.downloaded_bytes == 0
     assert (folder / ROUTER_STATE).read_bytes() == b"state one"
-    assert read_manifest(folder) is not None and {p.name for p in tmp_path.iterdir()} == {folder.name}
+    assert read_manifest(folder) is not None
+    assert {p.name for p in tmp_path.iterdir()} == {folder.name, folder.name + ".lock"}
 
 
 def test_two_pulls_of_the_router_at_once_leave_every_file_in_place(tmp_path):
@@ -389,7 +391,9 @@ def test_two_pulls_of_the_router_at_once_leave_every_file_in_place(tmp_path):
     COMPENDIUM.router.partial folder: the second removed what the first had downloaded there
     and renamed the folder into place under it, and the first failed with "No such file or
     directory" (or, in the other order, put in place a folder without some of its files, beside
-    a manifest naming them). Each pull has its own folder now."""
+    a manifest naming them). The second now waits for the first and finds its folder."""
+    import threading
+
     import httpx
 
     from compendium.client_api import _intact, router_dir
@@ -399,11 +403,20 @@ def test_two_pulls_of_the_router_at_once_leave_every_file_in_place(tmp_path):
     folder = router_dir(out)
     files = {ROUTER_STATE: b"state", ROUTER_PARAMS: b'{"p": 1}'}
     served = _router_server(files)
-    second_pull = []
+    second = {}
 
-    def answer(request):  # the other pull runs whole while this one is half-way
-        if request.url.path.endswith(ROUTER_STATE) and not second_pull:
-            second_pull.append(pull(served))
+    def pull_second():
+        try:
+            second["result"] = pull(served)
+        except Exception as exc:  # noqa: BLE001 - reported by the assertion below
+            second["error"] = exc
+
+    other = threading.Thread(target=pull_second)
+
+    def answer(request):  # the other pull starts while this one is half-way
+        if request.url.path.endswith(ROUTER_STATE) and not other.is_alive():
+            other.start()
+            other.join(timeout=1.0)  # it waits for this pull rather than run under it
         return served.handle_request(request)
 
     def pull(transport):
@@ -411,10 +424,13 @@ def test_two_pulls_of_the_router_at_once_leave_every_file_in_place(tmp_path):
                            transport=transport) as client:
             return client.pull_router(out)
 
-    assert pull(httpx.MockTransport(answer)).updated and second_pull[0].updated
+    assert pull(httpx.MockTransport(answer)).updated
+    other.join(timeout=30)
+    assert "error" not in second, second.get("error")
+    assert not second["result"].updated  # it found the folder the first one put in place
     manifest = read_manifest(folder)
     assert manifest is not None and all(_intact(folder / f["path"], f) for f in manifest["files"])
-    assert {p.name for p in tmp_path.iterdir()} == {folder.name}  # no .partial left
+    assert {p.name for p in tmp_path.iterdir()} == {folder.name, folder.name + ".lock"}  # no .partial
 
 
 def test_a_head_that_fails_to_download_leaves_no_older_head_beside_the_new_global(tmp_path):
