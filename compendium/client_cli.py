@@ -995,6 +995,13 @@ def cmd_participate(args: argparse.Namespace) -> int:
         raise CliError(f"cannot create {folder}: {exc.strerror}") from None
     schema_path, global_path = folder / "schema.json", folder / "global.json"
     probe_path, out = folder / "probe.json", folder / "compendium.json"
+    for written in (schema_path, global_path, etag_file(global_path), head_file(global_path),
+                    probe_path, out, report_path(out), sent_file(folder)):
+        if _same_file(args.log, written):  # a download would overwrite the usage log
+            raise CliError(
+                f"--log {args.log} is {written}, a file participate writes in --dir: keep the "
+                "usage log outside --dir or under another name; nothing built or sent"
+            )
     with _client(args) as client:
         current = client.open_round()  # no open round: one clear error, nothing built
         late = deadline_passed(current, client.server_date)  # by the server's clock

@@ -919,6 +919,25 @@ def test_participate_with_a_dir_that_is_a_file_says_so(tmp_path, capsys):
     )
 
 
+@pytest.mark.parametrize("name", ["schema.json", "global.json", "probe.json", "sent.json",
+                                  "compendium.json"])
+def test_participate_refuses_a_log_it_would_overwrite_in_its_dir(tmp_path, capsys, name):
+    """participate --log state/schema.json (or global.json, probe.json, sent.json) downloaded
+    the server's file over the usage log (build refused only its own --out). Said before any
+    request, with the log left as it was."""
+    folder = tmp_path / "state"
+    folder.mkdir()
+    log = folder / name
+    log.write_text('{"query": "q", "tool": "t"}\n', "utf-8")
+    assert main(["participate", "--log", str(log), "--dir", str(folder), "--server", NOWHERE,
+                 "--token", TOKEN]) == 1
+    assert capsys.readouterr().err.strip() == (
+        f"synapse-client: --log {log} is {log}, a file participate writes in --dir: keep the "
+        "usage log outside --dir or under another name; nothing built or sent"
+    )
+    assert log.read_text("utf-8") == '{"query": "q", "tool": "t"}\n'
+
+
 @pytest.mark.parametrize("encoding", ["ascii", "cp1252"])
 def test_output_to_a_stream_that_is_not_utf8_is_escaped_not_a_traceback(tmp_path, monkeypatch,
                                                                        encoding):
