@@ -484,6 +484,34 @@ def test_operator_closes_opens_and_retries_rounds(client, fed):
     assert AuditLog.objects.filter(action="round.retry", actor=fed.operator).exists()
 
 
+def test_no_retry_is_offered_on_a_failed_round_a_later_publication_left_behind(client, fed):
+    """Found by review: a failed round with submissions kept its Retry button after a later round
+    was published, though `retry_round` refuses it then (globals are published in round order):
+    the button could only ever answer 409. The page says why instead, as for a round without a
+    submission to merge."""
+    from compendium.schema import Compendium
+    from compendium.services import store_compendium
+
+    login(client, fed, "operator")
+    r1, r2 = Round.objects.get(number=1), Round.objects.get(number=2)
+    store_compendium(Compendium.model_validate({"scenarios": [
+        {"tool_id": "weather", "text": "Will it rain"}]}), kind="client", round=r1,
+        client=fed.client_a)
+    Round.objects.filter(pk=r1.pk).update(state="failed", failure_reason="worker lost")
+    Round.objects.filter(pk=r2.pk).update(state="published")
+    retry = reverse("dashboard:round-action", args=[1, "retry"])
+    page = html.unescape(client.get(reverse("dashboard:overview")).content.decode())
+    assert retry not in page
+    assert "round 2 is published after it: it cannot be retried" in page
+    # the button would only have been refused
+    refused = client.post(retry)
+    assert refused.status_code == 409 and "round 2 is published already" in html.unescape(
+        refused.content.decode())
+    # before round 2 is published, the Retry button is there
+    Round.objects.filter(pk=r2.pk).update(state="open")
+    assert retry in client.get(reverse("dashboard:overview")).content.decode()
+
+
 def test_operator_fails_a_round_whose_merge_is_stuck_from_the_dashboard(client, fed):
     """Found by review: a round left `merging` by a worker that died with its message (the whole
     worker killed: Redis gives the message back only after its visibility timeout, 12 h) could

@@ -84,6 +84,9 @@ class RoundRow:
     # organization, revoked clients' left out: federation.services.submissions_to_merge). Without
     # one its merge fails: closing it is warned of, a retry is refused.
     mergeable: bool = False
+    # A failed round: the first later round published (None: none), after which it can never be
+    # retried (`federation.services.published_after`: globals are published in round order).
+    published_after: int | None = None
 
 
 @dataclass
@@ -148,6 +151,11 @@ def federation_overview(
             submissions_to_merge(round_id__in=pending).values_list("round_id", flat=True)
         ):
             rows[round_id].mergeable = True
+    # The table holds the latest rounds, so every round published after one of its rows is in it.
+    published = sorted(r.number for r in rounds if r.state == Round.State.PUBLISHED)
+    for r in rounds:
+        if r.state == Round.State.FAILED:
+            rows[r.pk].published_after = next((n for n in published if n > r.number), None)
 
     submissions = CompendiumVersion.objects.filter(
         kind=KIND_CLIENT, round_id__in=round_ids, client__organization__in=organizations
