@@ -419,3 +419,41 @@ def test_tune_router_says_a_router_tuned_before_was_not_tuned_again(settings, tm
     assert "(40 texts, 1 epoch(s) on cpu, 1649 s; probe top-1 (held half) 0.900 tuned, " in out
     assert "--force tunes it again" in out
     assert TunedRouter.objects.get().finished_at == finished  # nothing was tuned
+
+
+def test_tune_router_force_whose_retune_fails_says_so_and_fails(settings, tmp_path, monkeypatch):
+    """`tune_router --force` on a ready router whose retune failed printed "routing encoder
+    already tuned at …; --force tunes it again" and exited 0: the operator who had just forced
+    it learnt neither that tuning again failed nor why (the row said it, the old router stays
+    served)."""
+    import datetime as dt
+
+    from django.utils import timezone
+
+    import routing.finetune
+    from compendium.models import CompendiumVersion
+    from routing.models import TunedRouter
+
+    published_global(settings, tmp_path)
+    version = CompendiumVersion.objects.get(kind=CompendiumVersion.Kind.GLOBAL)
+    folder = tmp_path / "routers" / "round-1"
+    folder.mkdir(parents=True)
+    finished = timezone.now() - dt.timedelta(hours=1)
+    TunedRouter.objects.create(
+        version=version, state=TunedRouter.State.READY, epochs=1, directory=str(folder), rows=40,
+        seconds=1649.0, device="cpu", probe_accuracy=0.9, frozen_probe_accuracy=0.8,
+        finished_at=finished,
+    )
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("out of memory")
+
+    monkeypatch.setattr(routing.finetune, "tune_router", broken)
+    with pytest.raises(CommandError) as refused:
+        run("tune_router", "--epochs", "1", "--force")
+    assert str(refused.value) == (
+        "round 1: tuning again failed (RuntimeError: out of memory); the router tuned before is "
+        "still served"
+    )
+    record = TunedRouter.objects.get()
+    assert (record.state, record.finished_at) == (TunedRouter.State.READY, finished)

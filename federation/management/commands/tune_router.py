@@ -43,6 +43,13 @@ class Command(BaseCommand):
             f"{_pct(record.frozen_probe_accuracy)} frozen"
         )
         if record.finished_at is not None and record.finished_at < started:
+            if force:
+                # A forced retune that failed leaves the row ready (the router tuned before is
+                # still served), its detail saying why: not "already tuned", and not exit 0.
+                raise CommandError(
+                    f"round {version.round.number}: "
+                    f"{record.detail or 'the router was not tuned again'}"
+                )
             # Ready before this call (a restarted `make demo`): nothing was tuned now.
             self.stdout.write(
                 f"round {version.round.number}: routing encoder already tuned at "
