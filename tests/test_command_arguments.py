@@ -457,3 +457,24 @@ def test_tune_router_force_whose_retune_fails_says_so_and_fails(settings, tmp_pa
     )
     record = TunedRouter.objects.get()
     assert (record.state, record.finished_at) == (TunedRouter.State.READY, finished)
+
+
+@pytest.mark.django_db(transaction=True)  # as cron runs it: the close commits, then the pipeline
+def test_close_due_rounds_says_how_the_merge_ended_without_a_broker(registry):
+    """Without a broker (cron's `close_due_rounds`, as the README has it) the merge runs in the
+    command once the close commits: it printed "the merge pipeline was started" for a round
+    whose merge had already failed, without the reason (as retry_round did)."""
+    import datetime as dt
+
+    from django.utils import timezone
+
+    from federation import services
+    from federation.models import Round
+
+    rnd = services.open_round(services.Actor.system("tests"),
+                              closes_at=timezone.now() + dt.timedelta(hours=1))
+    Round.objects.filter(pk=rnd.pk).update(closes_at=timezone.now() - dt.timedelta(seconds=1))
+    out = run("close_due_rounds")
+    rnd.refresh_from_db()
+    assert rnd.state == "failed"  # nothing was submitted
+    assert out.strip().endswith(f"UTC); its merge failed: {rnd.failure_reason}")

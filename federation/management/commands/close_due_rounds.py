@@ -3,7 +3,7 @@ import time
 
 from django.core.management.base import BaseCommand, CommandError
 
-from federation.services import close_due_rounds
+from federation.services import close_due_rounds, pipeline_outcome
 
 MAX_EVERY = 86_400.0  # a day: rounds' deadlines are checked at least that often
 MIN_EVERY = 1.0  # a second: a shorter loop only queries the database without pause
@@ -32,9 +32,10 @@ class Command(BaseCommand):
             )
         while True:
             for rnd in close_due_rounds():
+                # Without a broker the pipeline has run by now: said as it ended (retry_round too).
                 self.stdout.write(
                     f"round {rnd.number} closed at its deadline ({rnd.closes_at:%Y-%m-%d %H:%M} "
-                    "UTC); the merge pipeline was started"
+                    f"UTC); {pipeline_outcome(rnd)}"
                 )
             if every <= 0:
                 return
