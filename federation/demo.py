@@ -80,6 +80,17 @@ def run_demo_rounds(
     already = Round.objects.filter(state=Round.State.PUBLISHED).count()
     if already >= rounds:
         return DemoReport([], 0, skipped=True)
+    stuck = Round.objects.filter(state__in=(Round.State.CLOSING, Round.State.MERGING)).order_by(
+        "number").first()
+    if stuck is not None:
+        # A demo stopped during this round's merge (no broker moves it on): a round played past it
+        # would leave it reserving ε for good, and never retryable once the next is published.
+        raise DemoError(
+            f"round {stuck.number} is {stuck.state}: a demo stopped during its merge leaves it so "
+            "(with a Celery worker, wait for its merge to end); fail it on the dashboard's "
+            f"Overview (Fail), run manage.py retry_round {stuck.number} to merge it again, then "
+            "run demo_rounds again"
+        )
     system = Actor(None, label="demo")
     dataset = load_dataset(dataset_path)
     schema = current_schema()

@@ -150,6 +150,26 @@ def test_demo_rounds_stopped_midway_resume_where_they_stopped(tiny_dataset):
     assert [r.number for r in Round.objects.filter(state="published").order_by("number")] == [1, 2]
 
 
+@pytest.mark.django_db(transaction=True)
+def test_demo_rounds_refuse_to_play_past_a_round_a_stopped_demo_left_merging(tiny_dataset):
+    """A demo stopped (Ctrl-C) during a round's merge leaves it merging, and without a broker
+    nothing moves it on. The restarted demo opened and published the next round past it: the
+    stuck round kept its privacy reservation for good (a round's ε committed twice, against the
+    README's "no round's ε is spent twice") and could never be retried (a later round was
+    published). It is refused, naming the round and the way on, before anything changes."""
+    from federation.models import ProbeQuery
+    from federation.services import bootstrap_demo_federation
+
+    call_command("import_tools", str(tiny_dataset), verbosity=0)
+    bootstrap_demo_federation()  # opens round 1
+    Round.objects.filter(number=1).update(state=Round.State.MERGING)
+    with pytest.raises(CommandError, match=r"^round 1 is merging: .*retry_round 1"):
+        call_command("demo_rounds", "--dataset", str(tiny_dataset), "--rounds", "1",
+                     "--queries-per-client", "30", stdout=io.StringIO())
+    assert list(Round.objects.values_list("number", "state")) == [(1, "merging")]
+    assert not ProbeQuery.objects.exists()
+
+
 def test_clients_send_only_what_changed_when_the_global_is_carried_forward(tiny_dataset):
     from compendium.registry import load_dataset
     from compendium.schema import Schema
