@@ -489,6 +489,33 @@ def test_erasure_rematerializes_without_the_client_and_keeps_the_ledger(
     assert accounting.privacy_report().federation.epsilon >= spent_before
 
 
+def test_erase_client_says_which_compendiums_it_removed_rather_than_re_materialized(
+    probes, django_capture_on_commit_callbacks
+):
+    """An erasure that leaves an edge without submissions removes it, and a published round left
+    without edges loses its global: the command counted both as "re-materialized", so the
+    operator was not told that the round's global compendium was gone."""
+    round_, _ = build_federation()
+    close(round_, django_capture_on_commit_callbacks)
+
+    def erase(name):
+        out = io.StringIO()
+        call_command("erase_client", name, stdout=out)
+        return out.getvalue().splitlines()[0]
+
+    # globex/g1 was its organization's only client: its edge goes, the global is merged again
+    assert erase("globex/g1") == (
+        "erased 1 submission(s) of globex/g1; re-materialized 0 edge and 1 global compendium(s); "
+        "removed 0 conflict decision(s); removed 1 edge(s) left without submissions")
+    assert not CompendiumVersion.objects.filter(kind="edge", organization__slug="globex").exists()
+    erase("acme/a1")
+    assert erase("acme/a2") == (
+        "erased 1 submission(s) of acme/a2; re-materialized 0 edge and 0 global compendium(s); "
+        "removed 0 conflict decision(s); removed 1 edge(s) left without submissions; "
+        "round(s) 1 left without a global compendium (removed)")
+    assert not CompendiumVersion.objects.filter(kind__in=["edge", "global"]).exists()
+
+
 @pytest.mark.usefixtures("every_field_released")
 def test_an_erasure_release_is_checked_again_under_the_budget_lock(
     probes, django_capture_on_commit_callbacks, monkeypatch
