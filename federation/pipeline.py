@@ -844,6 +844,11 @@ class ErasureReport:
     decisions_removed: int = 0  # reviewers' decisions that no longer fit a re-merged log
     # edges of failed rounds that can never be retried, deleted rather than re-merged
     edges_deleted: list[tuple[int, int]] = dataclasses.field(default_factory=list)
+    # edges merged again without a submission left, and so removed (not in edges_rematerialized)
+    edges_removed: list[tuple[int, int]] = dataclasses.field(default_factory=list)
+    # published rounds left without an edge, whose global was removed (not in
+    # globals_rematerialized)
+    globals_removed: list[int] = dataclasses.field(default_factory=list)
     # the client's Submission rows (idempotency keys, request hashes, wire sizes, stored answers),
     # of its submissions in effect and of those it replaced
     submission_records_removed: int = 0
@@ -906,19 +911,21 @@ def erase_client(client: Client, *, actor: services.Actor | None = None, embed=N
             Submission._meta.label, 0)
         # The merges to do again: (round id, organization id; None for the server's).
         stale = set(built_from)
-        edges_done, globals_done, merged_again, deleted = [], [], set(), False
-        edges_deleted = []
+        edges_done, globals_done, merged_again = [], [], set()
+        edges_deleted, edges_removed, globals_removed = [], [], []
         removed = 0
 
-        def redo(round_: Round, organization_id, rewrite) -> None:
+        def redo(round_: Round, organization_id, rewrite):
             """Rewrite one merge of `round_` and remove the decisions that no longer fit its
-            log; the later merges that read that log and now read another become stale too."""
+            log; the later merges that read that log and now read another become stale too.
+            Returns what `rewrite` returned."""
             nonlocal removed
             readers = _conflict_readers(round_, organization_id)
-            rewrite()
+            result = rewrite()
             removed += remove_unfit_decisions(round_, organization_id, f"erasure of {client}")
             stale.update((reader.pk, organization_id) for reader, read in readers
                          if _previous_conflicts(reader, organization_id) != read)
+            return result
 
         first = min(Round.objects.filter(pk__in={r for r, _ in stale}).values_list(
             "number", flat=True), default=None)
@@ -934,9 +941,12 @@ def erase_client(client: Client, *, actor: services.Actor | None = None, embed=N
                          lambda o=organization_id, r=round_: _delete_merge(r, o))
                     edges_deleted.append((round_.number, organization_id))
                     continue
-                redo(round_, organization_id, lambda o=organization_id, r=round_: run_edge_merge(
-                    r.pk, o, rematerialize=(r.pk, o) in built_from, embed=embed))
-                edges_done.append((round_.number, organization_id))
+                outcome = redo(round_, organization_id,
+                               lambda o=organization_id, r=round_: run_edge_merge(
+                                   r.pk, o, rematerialize=(r.pk, o) in built_from, embed=embed))
+                # without a submission left the edge is removed, not merged again
+                (edges_done if outcome.version_id is not None else edges_removed).append(
+                    (round_.number, organization_id))
             if round_.state != Round.State.PUBLISHED:
                 # No global is published yet: the pipeline merges it from the re-materialized
                 # edges when it publishes the round (a failed round: after a retry).
@@ -948,11 +958,11 @@ def erase_client(client: Client, *, actor: services.Actor | None = None, embed=N
                 # sends global_published for it
                 redo(round_, None, lambda r=round_: run_server_merge(r.pk, embed=embed))
                 merged_again.add(round_.number)
+                globals_done.append(round_.number)
             else:
                 redo(round_, None, lambda r=round_: _delete_merge(r, None))
-                deleted = True
-            globals_done.append(round_.number)
-        if deleted:
+                globals_removed.append(round_.number)
+        if globals_removed:
             # A global was deleted: if that was the served one, an earlier global is served
             # again, whose tuned router was retired. It is announced as published again, so that
             # its router is tuned again instead of the routing API serving the frozen model.
@@ -964,8 +974,11 @@ def erase_client(client: Client, *, actor: services.Actor | None = None, embed=N
                     lambda: global_published.send(sender=Round, round=served.round, version=served),
                     robust=True,
                 )
-        report = ErasureReport(str(client), len(submissions), edges_done, globals_done, removed,
-                               edges_deleted, records)
+        report = ErasureReport(
+            str(client), len(submissions), edges_done, globals_done, removed,
+            edges_deleted=edges_deleted, submission_records_removed=records,
+            edges_removed=edges_removed, globals_removed=globals_removed,
+        )
         services.audit(
             actor or services.Actor.system("erasure"),
             AuditLog.Action.CLIENT_ERASE,
@@ -977,6 +990,8 @@ def erase_client(client: Client, *, actor: services.Actor | None = None, embed=N
                 "globals_rematerialized": report.globals_rematerialized,
                 "decisions_removed": report.decisions_removed,
                 "edges_deleted": [list(edge) for edge in report.edges_deleted],
+                "edges_removed": [list(edge) for edge in report.edges_removed],
+                "globals_removed": report.globals_removed,
                 "submission_records_removed": report.submission_records_removed,
             },
         )

@@ -514,6 +514,12 @@ def test_erase_client_says_which_compendiums_it_removed_rather_than_re_materiali
         "removed 0 conflict decision(s); removed 1 edge(s) left without submissions; "
         "round(s) 1 left without a global compendium (removed)")
     assert not CompendiumVersion.objects.filter(kind__in=["edge", "global"]).exists()
+    # the audit entry says so too, not that they were merged again
+    entry = AuditLog.objects.filter(action=AuditLog.Action.CLIENT_ERASE).latest("pk")
+    acme = Client.objects.get(name="a2").organization
+    assert entry.details["edges_rematerialized"] == [] and entry.details["edges_removed"] == [
+        [1, acme.pk]]
+    assert entry.details["globals_rematerialized"] == [] and entry.details["globals_removed"] == [1]
 
 
 @pytest.mark.usefixtures("every_field_released")
@@ -659,7 +665,7 @@ def test_an_erasure_that_deletes_the_served_global_has_the_earlier_one_tuned_aga
             report = pipeline.erase_client(late)
     finally:
         global_published.disconnect(dispatch_uid="test-erasure-announce")
-    assert report.globals_rematerialized == [2]
+    assert report.globals_rematerialized == [] and report.globals_removed == [2]
     assert not CompendiumVersion.objects.filter(kind="global", round=round2).exists()
     assert not folder.exists()
     assert announced == [first.pk]
@@ -1165,7 +1171,7 @@ def test_an_erasure_that_deletes_a_global_deletes_its_server_log_and_record(
     assert "global 3 None" in _leaks("Zorblat")
     report = pipeline.erase_client(late)
     assert _leaks("Zorblat") == []
-    assert report.globals_rematerialized == [2, 3]
+    assert report.globals_rematerialized == [3] and report.globals_removed == [2]
     assert not MergeRecord.objects.filter(round=round2, organization=None).exists()
     assert pipeline._conflict_source(Round.objects.get(number=3), None).number == 1
     client.force_login(get_user_model().objects.create_superuser("op", "op@example.org", "pw"))

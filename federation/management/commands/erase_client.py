@@ -1,6 +1,5 @@
 from django.core.management.base import BaseCommand, CommandError
 
-from compendium.models import CompendiumVersion
 from federation.models import Client
 from federation.pipeline import erase_client
 from federation.services import Actor
@@ -35,23 +34,15 @@ class Command(BaseCommand):
                 f"erasing {target} failed, nothing was changed (run it again once the cause is "
                 f"fixed): {exc}"
             ) from exc
-        # An edge merged again without submissions left is removed, and so is the global of a
-        # published round left without edges: said so, not counted as re-materialized.
-        versions = CompendiumVersion.objects.filter(kind__in=["edge", "global"]).values_list(
-            "kind", "round__number", "organization_id")
-        kept = set(versions.filter(round__number__in={n for n, _ in report.edges_rematerialized}
-                                   | set(report.globals_rematerialized)))
-        edges_gone = [e for e in report.edges_rematerialized if ("edge", *e) not in kept]
-        globals_gone = [n for n in report.globals_rematerialized if ("global", n, None) not in kept]
         self.stdout.write(
             f"erased {report.submissions_removed} submission(s) of {report.client}; "
-            f"re-materialized {len(report.edges_rematerialized) - len(edges_gone)} edge and "
-            f"{len(report.globals_rematerialized) - len(globals_gone)} global compendium(s); "
+            f"re-materialized {len(report.edges_rematerialized)} edge and "
+            f"{len(report.globals_rematerialized)} global compendium(s); "
             f"removed {report.decisions_removed} conflict decision(s)"
-            + (f"; removed {len(edges_gone)} edge(s) left without submissions" if edges_gone
-               else "")
-            + (f"; round(s) {', '.join(map(str, globals_gone))} left without a global compendium "
-               "(removed)" if globals_gone else "")
+            + (f"; removed {len(report.edges_removed)} edge(s) left without submissions"
+               if report.edges_removed else "")
+            + (f"; round(s) {', '.join(map(str, report.globals_removed))} left without a global "
+               "compendium (removed)" if report.globals_removed else "")
             + (f"; deleted {len(report.edges_deleted)} edge(s) of failed rounds that can no "
                "longer be retried" if report.edges_deleted else "")
         )
