@@ -66,6 +66,44 @@ class DemoReport:
     conflicts: int = 0  # entries the published rounds' merges logged, for review
 
 
+def _merge_stuck_rounds_again(system: Actor, progress: Callable[[str], None]) -> list[int]:
+    """A demo stopped (Ctrl-C) during a round's merge leaves the round closing or merging, and
+    without a broker nothing moves it on; played past, it would keep its privacy reservation
+    for good and could never be retried once a later round is published. Without a broker the
+    demo fails it and merges it again, as the operator would (Fail, then retry_round); with one,
+    its worker may still be merging it, so the demo stops and says so. Returns the rounds so
+    published."""
+    from django.conf import settings
+
+    from federation.services import InvalidTransition, fail_round_by_hand, retry_round
+
+    published = []
+    for stuck in Round.objects.filter(
+        state__in=(Round.State.CLOSING, Round.State.MERGING)
+    ).order_by("number"):
+        if not settings.CELERY_TASK_ALWAYS_EAGER:
+            raise DemoError(
+                f"round {stuck.number} is {stuck.state}: wait for its merge to end (a Celery "
+                "worker runs it); if its worker died, fail it on the dashboard's Overview and "
+                f"run manage.py retry_round {stuck.number}; then run demo_rounds again"
+            )
+        progress(f"demo round {stuck.number}: left {stuck.state} by a demo stopped during its "
+                 "merge; merging it again")
+        fail_round_by_hand(system, stuck, "a demo was stopped during this round's merge; the "
+                                          "demo merges it again")
+        try:
+            retry_round(system, stuck)  # the pipeline runs in this process (no broker)
+        except InvalidTransition as exc:  # nothing to merge: it stays failed, reserving nothing
+            progress(f"demo round {stuck.number}: {exc}")
+            continue
+        stuck.refresh_from_db()
+        if stuck.state != Round.State.PUBLISHED:
+            raise DemoError(f"demo round {stuck.number} ended {stuck.state}: "
+                            f"{stuck.failure_reason}")
+        published.append(stuck.number)
+    return published
+
+
 def run_demo_rounds(
     dataset_path: str,
     *,
@@ -80,18 +118,14 @@ def run_demo_rounds(
     already = Round.objects.filter(state=Round.State.PUBLISHED).count()
     if already >= rounds:
         return DemoReport([], 0, skipped=True)
-    stuck = Round.objects.filter(state__in=(Round.State.CLOSING, Round.State.MERGING)).order_by(
-        "number").first()
-    if stuck is not None:
-        # A demo stopped during this round's merge (no broker moves it on): a round played past it
-        # would leave it reserving ε for good, and never retryable once the next is published.
-        raise DemoError(
-            f"round {stuck.number} is {stuck.state}: a demo stopped during its merge leaves it so "
-            "(with a Celery worker, wait for its merge to end); fail it on the dashboard's "
-            f"Overview (Fail), run manage.py retry_round {stuck.number} to merge it again, then "
-            "run demo_rounds again"
-        )
     system = Actor(None, label="demo")
+    recovered = _merge_stuck_rounds_again(system, progress)
+    already = Round.objects.filter(state=Round.State.PUBLISHED).count()
+    if already >= rounds:  # the round merged again was the last one asked for
+        if current_round() is None:
+            open_round(system, demo_round_config(seed))
+        conflicts = ConflictLogEntry.objects.filter(round__number__in=recovered).count()
+        return DemoReport(recovered, 0, skipped=False, conflicts=conflicts)
     dataset = load_dataset(dataset_path)
     schema = current_schema()
     slugs = [slug for _, slug, _ in DEMO_ORGANIZATIONS]
@@ -124,7 +158,7 @@ def run_demo_rounds(
         )
     import_probe_set(dataset_path, per_tool=3, seed=seed)
 
-    published, sent = [], 0
+    published, sent = recovered, 0
     # Each round a client has seen more of its log: period p of `rounds` holds the first p parts.
     for period in range(already + 1, rounds + 1):
         rnd = current_round() or open_round(system, demo_round_config(seed))

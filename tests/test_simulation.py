@@ -151,19 +151,54 @@ def test_demo_rounds_stopped_midway_resume_where_they_stopped(tiny_dataset):
 
 
 @pytest.mark.django_db(transaction=True)
-def test_demo_rounds_refuse_to_play_past_a_round_a_stopped_demo_left_merging(tiny_dataset):
+def test_demo_rounds_merge_again_a_round_a_stopped_demo_left_merging(tiny_dataset, monkeypatch):
     """A demo stopped (Ctrl-C) during a round's merge leaves it merging, and without a broker
     nothing moves it on. The restarted demo opened and published the next round past it: the
     stuck round kept its privacy reservation for good (a round's ε committed twice, against the
     README's "no round's ε is spent twice") and could never be retried (a later round was
-    published). It is refused, naming the round and the way on, before anything changes."""
-    from federation.models import ProbeQuery
+    published). The demo now fails it and merges it again, as the operator would."""
+    from federation import demo
+    from federation.models import AuditLog
     from federation.services import bootstrap_demo_federation
 
     call_command("import_tools", str(tiny_dataset), verbosity=0)
+    bootstrap_demo_federation()
+    call_command("demo_rounds", "--dataset", str(tiny_dataset), "--rounds", "1",
+                 "--queries-per-client", "30", stdout=io.StringIO())
+
+    def stopped_during_the_merge(actor, rnd):  # round 2's submissions are in; then Ctrl-C
+        Round.objects.filter(pk=rnd.pk).update(state=Round.State.MERGING)
+        raise KeyboardInterrupt
+
+    with monkeypatch.context() as patched:
+        patched.setattr(demo, "close_round", stopped_during_the_merge)
+        with pytest.raises(KeyboardInterrupt):
+            call_command("demo_rounds", "--dataset", str(tiny_dataset), "--rounds", "3",
+                         "--queries-per-client", "30", stdout=io.StringIO())
+    assert Round.objects.get(number=2).state == "merging"
+
+    out = io.StringIO()
+    call_command("demo_rounds", "--dataset", str(tiny_dataset), "--rounds", "2",
+                 "--queries-per-client", "30", stdout=out)
+    assert out.getvalue().startswith("demo rounds: published rounds 2 from 0 submissions"), (
+        out.getvalue())
+    assert list(Round.objects.order_by("number").values_list("number", "state")) == [
+        (1, "published"), (2, "published"), (3, "open")]
+    assert AuditLog.objects.filter(action=AuditLog.Action.ROUND_RETRY,
+                                   target_id=str(Round.objects.get(number=2).pk)).count() == 1
+
+
+def test_demo_rounds_with_a_broker_stop_at_a_round_left_merging(tiny_dataset, settings):
+    """With a broker a worker may still be merging the round: the demo says so and changes
+    nothing."""
+    from federation.models import ProbeQuery
+    from federation.services import bootstrap_demo_federation
+
+    settings.CELERY_TASK_ALWAYS_EAGER = False
+    call_command("import_tools", str(tiny_dataset), verbosity=0)
     bootstrap_demo_federation()  # opens round 1
     Round.objects.filter(number=1).update(state=Round.State.MERGING)
-    with pytest.raises(CommandError, match=r"^round 1 is merging: .*retry_round 1"):
+    with pytest.raises(CommandError, match=r"^round 1 is merging: wait for its merge .*retry_round 1"):
         call_command("demo_rounds", "--dataset", str(tiny_dataset), "--rounds", "1",
                      "--queries-per-client", "30", stdout=io.StringIO())
     assert list(Round.objects.values_list("number", "state")) == [(1, "merging")]
