@@ -163,6 +163,9 @@ class OpenAICompatibleLLM:
 
     # The setting that gave `call_seconds`, named when a call's time runs out.
     call_seconds_variable = "SYNAPSE_LLM_CALL_SECONDS"
+    # The most of an answer read (decoded): a chat completion of a summary's 512 tokens is a few
+    # KiB; an endpoint sending more is not answering, and was read whole into memory.
+    max_answer_bytes = 1 << 20
 
     def __init__(
         self,
@@ -275,9 +278,16 @@ class OpenAICompatibleLLM:
                 for part, t in timeout.as_dict().items()
             })
         with self._client.stream("POST", url, json=body, timeout=timeout) as streamed:
-            parts = []
+            parts, size = [], 0
             for part in streamed.iter_bytes():
                 parts.append(part)
+                size += len(part)
+                if size > self.max_answer_bytes:
+                    raise LLMUnavailable(
+                        f"LLM endpoint {without_credentials(url)} answered more than "
+                        f"{self.max_answer_bytes} bytes, which no chat completion is",
+                        public=NO_ANSWER,
+                    )
                 if deadline is not None and time.monotonic() > deadline:
                     raise httpx.ReadTimeout("the answer took longer than the timeout")
             # the content as decoded: the headers that described its transfer no longer apply

@@ -583,6 +583,16 @@ def served_compendium() -> ServedCompendium:
     return served
 
 
+def serves_tuned(version_id: int, tuned_directory: str) -> bool | None:
+    """Whether this process's router of `version_id`, built with the tuned router in
+    `tuned_directory`, routes with it (False: its folder could not be used, the frozen model
+    routes); None when this process has not built that router. Builds nothing."""
+    for (pk, _sha256, directory), served in tuple(_served.items()):
+        if pk == version_id and directory == tuned_directory:
+            return served.tuned
+    return None
+
+
 def _drop(served: ServedCompendium) -> None:
     """Forget `served` (its global is gone) and which global is published: the next request
     asks the database and builds the current one, rather than going on with `served`."""

@@ -845,6 +845,39 @@ def test_an_llm_answer_whose_content_is_not_text_falls_back_to_fusion(engine):
         assert "not a chat completion" in decision.fallback_reason, content
 
 
+def test_an_llm_answer_larger_than_any_completion_is_cut_off(engine):
+    """An attempt read the endpoint's whole answer into memory, however large, within its
+    timeout: a broken proxy or a hostile endpoint sending hundreds of megabytes (400 MiB here
+    took 3 s over loopback and 835 MiB of the worker's memory) held twice that per routing
+    request, and a gzip-encoded answer many times its size on the wire. Reading stops at
+    `max_answer_bytes` and the decision falls back to fusion, saying why."""
+    import httpx
+
+    chunk, sent = b" " * (64 << 10), []
+    completion = json.dumps({"choices": [{"message": {"content": "1"}}]}).encode()
+
+    def huge():  # 64 MiB of whitespace (valid JSON around the completion), then the completion
+        for _ in range(1024):
+            sent.append(len(chunk))
+            yield chunk
+        yield completion
+
+    llm = OpenAICompatibleLLM("http://llm.invalid", retries=0)
+    llm._client = httpx.Client(transport=httpx.MockTransport(
+        lambda request: httpx.Response(200, content=huge(), headers={"Content-Type": "application/json"})
+    ))
+    router = Router(_currency_compendium(False), engine, "llm", params=RoutingParams(), llm=llm)
+    decision = router.route("Convert 100 US dollars into euros")
+    assert decision.reranker == "fusion" and decision.tool == "fx"
+    assert f"more than {OpenAICompatibleLLM.max_answer_bytes} bytes" in decision.fallback_reason
+    assert decision.public_fallback_reason == (
+        "LLM answer unusable (LLM unavailable: the LLM endpoint gave no usable answer (the "
+        "operator's routing page says why)); fell back to fusion")
+    assert sum(sent) <= OpenAICompatibleLLM.max_answer_bytes + len(chunk)
+    # an answer of ordinary size is read as before
+    assert _answering(completion).complete("pick one", max_tokens=8) == "1"
+
+
 def test_a_negative_llm_answer_is_no_option():
     """"-1" (what models answer for "none of these") was read as option 1: the LLM's refusal
     became its pick of the first scenario. A hyphen inside a word is no minus sign."""

@@ -858,6 +858,58 @@ def test_route_api_rate_limits_each_caller_by_queries_a_minute(data, api, settin
     assert _post(http, "/api/v1/route/", {"query": queries[6]}, raw).status_code == 200
 
 
+def test_the_playground_does_not_claim_a_tuned_router_that_cannot_be_used(data, api, tmp_path):
+    """A tuned router whose row is ready but whose folder is lost or damaged is not used: the
+    API routes with the frozen model (`tuned_router: false`). The playground, on the same page
+    as that decision, said the global "is routed with an encoder fine-tuned on it", from the
+    row alone."""
+    from django.contrib.auth.models import User
+    from django.urls import reverse
+
+    from routing.models import TunedRouter
+
+    http, raw, _ = api
+    version = _publish(data, with_client_copy=False)
+    TunedRouter.objects.create(version=version, state="ready", epochs=1, rows=10, seconds=1.0,
+                               directory=str(tmp_path / "lost"), probe_accuracy=1.0,
+                               frozen_probe_accuracy=1.0)
+    services.forget_published_version()
+    query = data["queries"][0]
+    assert _post(http, "/api/v1/route/", {"query": query}, raw).json()["tuned_router"] is False
+    http.force_login(User.objects.create_user("member", password="pw-long-enough-1"))
+    for params in ({"q": query}, {}):  # with a decision shown, and without
+        body = http.get(reverse("dashboard:routing"), params).content.decode()
+        encoder = body[body.index('id="router-tuning"'):]
+        encoder = encoder[: encoder.index("</section>")]
+        assert "routed with an encoder fine-tuned on it" not in encoder, params
+        assert "routed with the frozen MiniLM" in encoder and "could not be used" in encoder
+
+
+def test_the_playground_counts_against_the_persons_rate_limit(data, api, settings):
+    """A person's routing allowance covers their API tokens and browser session together
+    (README), yet the routing playground, a GET in that same session, routed without counting:
+    a member could route without limit, with the LLM reranker too, by asking the page instead of
+    the API. It counts now, and past the allowance answers 429 with Retry-After."""
+    from django.contrib.auth.models import User
+    from django.urls import reverse
+
+    http, _, _ = api
+    _publish(data, with_client_copy=False)
+    settings.SYNAPSE_ROUTE_RATE_LIMIT = 3
+    queries = data["queries"]
+    http.force_login(User.objects.create_user("member", password="pw-long-enough-1"))
+    page = reverse("dashboard:routing")
+    assert http.get(page, {"q": queries[0]}).status_code == 200
+    assert http.get(page, {"q": "", "top_k": "2"}).status_code == 200  # no query: nothing routed
+    assert http.get(page, {"q": queries[1], "top_k": "0"}).status_code == 400  # counts nothing
+    assert _post(http, "/api/v1/route/batch/", {"queries": queries[2:4]}).status_code == 200
+    refused = http.get(page, {"q": queries[4]})
+    assert refused.status_code == 429, refused.status_code
+    assert 1 <= int(refused["Retry-After"]) <= 60
+    assert "SYNAPSE_ROUTE_RATE_LIMIT" in refused.content.decode()
+    assert _post(http, "/api/v1/route/", {"query": queries[4]}).status_code == 429
+
+
 def test_a_503_before_anything_is_published_counts_nothing_against_the_rate(data, api, settings):
     """A caller routes SYNAPSE_ROUTE_RATE_LIMIT queries a minute: one answered 503 (nothing
     published yet, so nothing routed) is no query routed, and an application that called while

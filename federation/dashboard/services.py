@@ -1760,6 +1760,25 @@ class RouterTuning:
     epochs_setting: int
     record: object | None  # routing.models.TunedRouter of the served global, if any
 
+    @property
+    def unusable(self) -> bool:
+        """The record is ready, but this process's router of the global could not use its
+        folder (lost or damaged: `routing.services._tuned_parts`) and routes with the frozen
+        model. Read when the page renders, after the page routed its query."""
+        from routing.services import serves_tuned
+
+        record = self.record
+        if record is None or record.state != "ready":
+            return False
+        loaded = serves_tuned(record.version_id, record.directory)
+        if loaded is None:  # not built here yet: whether its folder can be read at all
+            from pathlib import Path
+
+            from routing.finetune import ROUTER_STATE
+
+            return not (Path(record.directory) / ROUTER_STATE).is_file()
+        return not loaded
+
 
 def router_tuning() -> RouterTuning:
     from federation.tuning import tune_epochs

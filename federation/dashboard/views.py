@@ -62,7 +62,13 @@ from federation.services import (
     update_settings,
     user_tokens,
 )
-from routing.services import RoutingInputError, RoutingUnavailable, route_query
+from routing.services import (
+    RateLimited,
+    RoutingInputError,
+    RoutingUnavailable,
+    caller_key,
+    route_query,
+)
 
 
 class OverviewView(DashboardView):
@@ -819,8 +825,10 @@ class RoutingView(DashboardView):
                 raise RoutingInputError(
                     f"top_k must be a whole number between 1 and 50, not {raw_k[:20]!r}"
                 )
+            # counted against the person's allowance, which their API calls share
             result = route_query(query, top_k=int(raw_k),
                                  reranker=request.GET.get("reranker") or None, record=False,
+                                 caller=caller_key(request.user),
                                  reveal=request.user.is_superuser)
             context["result"] = result
             # Whether the list of nearest scenarios shows why the tool was chosen.
@@ -831,6 +839,11 @@ class RoutingView(DashboardView):
         except RoutingInputError as error:
             context["error"] = str(error)
             return self.render_to_response(context, status=400)
+        except RateLimited as error:
+            context["error"] = str(error)
+            response = self.render_to_response(context, status=429)
+            response["Retry-After"] = str(error.retry_after)
+            return response
         except RoutingUnavailable as error:
             # why a router could not be built (an exception's text) is the operator's alone
             shown = str(error) if self.is_operator else getattr(error, "public", str(error))
