@@ -250,6 +250,32 @@ def test_a_byte_budget_holds_each_honest_submission(tiny_dataset):
     assert sum(outcomes[0].bytes_raw) < sum(unbounded[0].bytes_raw)
 
 
+
+def test_a_client_with_nothing_to_submit_is_neither_measured_nor_counted(tiny_dataset):
+    """A client whose pulled global already routes everything it has sends nothing (as
+    `participate`, the services and the in-memory merges): the bytes per client per round average
+    the bodies sent (the rounds a client sends in, as the dashboard says), not an empty
+    compendium's 170 bytes for a client that sent none, and the screening counts the
+    submissions made."""
+    import numpy as np
+
+    from compendium.canonical import canonical_bytes
+    from compendium.client_api import nothing_to_submit
+    from federation.simulation.runner import communication, screening
+
+    simulation = _simulation(tiny_dataset, rounds=3, diagnostics=False)
+    outcomes = simulation.play(simulation.prepare(1), 1)
+    bodies = {o.round: [len(canonical_bytes(c)) for c in o.submissions.values()
+                        if not nothing_to_submit(c)] for o in outcomes}
+    sent = sum(map(len, bodies.values()))
+    assert 0 < sent < sum(len(o.submissions) for o in outcomes)  # some client had nothing new
+    figures = communication(outcomes)
+    assert figures["bytes_per_client_round"] == pytest.approx(
+        np.mean([b for sizes in bodies.values() for b in sizes]))
+    for round_, sizes in bodies.items():
+        assert figures[f"bytes_round_{round_}"] == pytest.approx(np.mean(sizes or [0]))
+    assert screening(outcomes, set())["honest_submissions"] == sent
+
 def test_what_the_byte_budget_deferred_is_offered_again_in_a_later_round(tiny_dataset, monkeypatch):
     """A client's record of what it sent holds what it sent, not what it built: an entry the byte
     budget left out of round 1 is not "already sent", so a later round offers it again."""
@@ -608,7 +634,8 @@ def test_the_edges_drop_relabelling_clients_whole_and_spare_honest_ones(tiny_dat
     assert 0.6 * row["adversarial_scenarios"] < row["relabelled_adversarial_scenarios"] \
         <= row["adversarial_scenarios"]
     clean = make(config).run_seed(1).screening
-    assert clean == {"honest_submissions": 12, "dropped_honest": 0, "adversarial_submissions": 0,
+    # 4 clients x 3 rounds, of which 3 had nothing new to send and sent nothing.
+    assert clean == {"honest_submissions": 9, "dropped_honest": 0, "adversarial_submissions": 0,
                      "dropped_adversarial": 0, "robust_dropped_honest": 0,
                      "robust_dropped_adversarial": 0, "adversarial_scenarios": 0,
                      "relabelled_adversarial_scenarios": 0}

@@ -219,7 +219,9 @@ class RoundOutcome:
     # Each client's whole local compendium: a flagrant adversary's as it corrupted it, a
     # camouflaged one's honest (it corrupts only what it sends, `submissions`).
     client_compendiums: dict[str, Compendium]
-    submissions: dict[str, Compendium]  # what each client sent (the change since `pulled`)
+    # What each client had to send (the change since `pulled`); one with nothing in it
+    # (`nothing_to_submit`) was not sent, and has no byte figure.
+    submissions: dict[str, Compendium]
     bytes_raw: list[int]
     bytes_gzip: list[int]
     bytes_dcz: list[int]  # dcz against the dictionary the client holds (compendium.transport)
@@ -596,13 +598,16 @@ class Simulation:
                         )
                     relabelled[client] = _relabelled(honest_of[client], compendium)
                 sent[client] = compendium
-            payloads = [canonical_bytes(c) for c in sent.values()]
+            # A client with nothing to submit sends nothing (`synapse-client participate`; the
+            # services and `_merge` skip it): no body is measured for it.
+            bodies = {client: c for client, c in sent.items() if not nothing_to_submit(c)}
+            payloads = [canonical_bytes(c) for c in bodies.values()]
             # What `synapse-client submit --since` puts on the wire: dcz against the dictionary
             # the client holds (the pulled global; round 1: the probe set's requests and schema).
             wires = [transport.compress(b, dictionary) for b in payloads]
             if self.services is not None:
                 self.progress(f"{self.seed_name(seed)}: round {r}: submissions, close, merge pipeline")
-                merged, stats = self.services.close(r, sent, dict(zip(sent, wires, strict=True)))
+                merged, stats = self.services.close(r, bodies, dict(zip(bodies, wires, strict=True)))
                 if merged is None:  # nothing reached a merge: the last global stays
                     merged = published or Compendium()
             else:
@@ -1120,7 +1125,9 @@ def screening(outcomes: Sequence[RoundOutcome], adversaries: set[str]) -> dict[s
         edges = [stats for org, stats in outcome.merge_stats.items() if org not in ("server", "refused")]
         dropped = {source for stats in edges for source in stats.get("dropped_sources", ())}
         dropped |= set(outcome.merge_stats.get("refused", ()))  # refused at arrival (services)
-        for client in outcome.submissions:
+        for client, submission in outcome.submissions.items():
+            if nothing_to_submit(submission):  # nothing new: it sent nothing (`federate`)
+                continue
             kind = "adversarial" if client in adversaries else "honest"
             counts[f"{kind}_submissions"] += 1
             if client in adversaries:
