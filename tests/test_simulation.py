@@ -1378,3 +1378,35 @@ def test_the_per_category_table_uses_the_tools_category_as_the_partition_does(tm
             "tool's in tools.jsonl (e.g. a: 'other', not 'x'); the simulation reads a query's "
             "category from its tool (partition, drift, per-category table)"
             in capsys.readouterr().err)
+
+
+def test_the_membership_attack_pairs_each_member_with_a_non_member_of_its_tool(tmp_path, monkeypatch):
+    """Members and non-members are drawn 50/50, a held-out request of the member's tool for
+    each member: a member of a tool that is never tested (fewer than three distinct requests)
+    has no non-member, and was scored anyway, unpaired (the AUROC and the token overlap then
+    compared members of more tools than the non-members beside them)."""
+    from compendium.registry import load_dataset
+    from compendium.schema import Compendium, Scenario, Schema
+    from federation.simulation import runner
+    from federation.simulation.data import untested_tools
+    from federation.simulation.runner import Simulation, SimulationConfig
+    from routing.embeddings import get_engine
+
+    folder = _small_dataset(tmp_path / "d", [("a", "x"), ("b", "y"), ("c", "x")], [20, 20, 2])
+    dataset = load_dataset(str(folder))
+    assert untested_tools(dataset) == (1, 2)
+    simulation = Simulation(dataset, Schema(tools=dataset.tools), get_engine(FP32),
+                            SimulationConfig(orgs=1, clients_per_org=2, partition="iid"))
+    setup = simulation.prepare(0)
+    assert any(q.tool_id == "c" for share in setup.shares for q in share.queries)
+    released = {share.client: Compendium(scenarios=[Scenario(tool_id=q.tool_id, text=q.query)
+                                                    for q in share.queries[:3]])
+                for share in setup.shares}
+    scored = []
+    monkeypatch.setattr(runner, "auroc", lambda members, nonmembers: scored.append(
+        (len(members), len(nonmembers))) or 0.5)
+    privacy = simulation.membership_attack(setup.shares, released, setup.split.test, 0)
+    [(members, nonmembers)] = scored
+    assert members == nonmembers == sum(
+        1 for share in setup.shares for q in share.queries if q.tool_id != "c")
+    assert 0 <= privacy["token_overlap"] <= 1

@@ -1009,9 +1009,10 @@ class Simulation:
             texts = [s.text for s in compendium.scenarios] + [p.text for p in compendium.precautions]
             vectors = self.engine.embed(texts) if texts else np.zeros((0, self.engine.dimension))
             members = rng.sample(share.queries, min(self.config.membership_samples, len(share.queries)))
-            nonmembers = [
-                rng.choice(by_tool[q.tool_id]) for q in members if by_tool.get(q.tool_id)
-            ]
+            # 50/50, each member beside a held-out request of its tool: a member of a tool that
+            # is never tested (`data.TESTED_FROM`) has none, and is left out.
+            members = [q for q in members if by_tool.get(q.tool_id)]
+            nonmembers = [rng.choice(by_tool[q.tool_id]) for q in members]
             if not nonmembers:
                 continue
             member_scores += membership_scores(self.engine.embed([q.query for q in members]), vectors).tolist()
