@@ -556,8 +556,8 @@ _LOCK_CLIENT_SQL = f"SELECT status FROM {Client._meta.db_table} WHERE id = %(cli
 
 # Under the client's lock: the stored answer of this key again (a concurrent request with it may
 # have committed meanwhile), the open round read FOR SHARE (closing it waits for us), the client's
-# current version of that round, if any, unless the key is stored the request's hit on the
-# client's rate counter (committed with the submission: one commit, one WAL flush, per request),
+# current version of that round, if any, the request's hit on the client's rate counter
+# (committed with the submission or the replay: one commit, one WAL flush, per request),
 # and the schema's fingerprint again (a tool deactivated or a numeric field changed while the body
 # was checked: it was checked against another schema than the merge will use).
 _CLAIM_SQL = f"""
@@ -565,7 +565,7 @@ WITH stored AS ({_STORED}),
 open_round AS (SELECT id, number FROM {Round._meta.db_table} WHERE {_TAKES_SUBMISSIONS} FOR SHARE),
 hit AS (
     INSERT INTO {_RATES} (key, window_start, count)
-    SELECT %(rate_key)s, %(window_start)s, 1 WHERE NOT EXISTS (SELECT 1 FROM stored)
+    VALUES (%(rate_key)s, %(window_start)s, 1)
     ON CONFLICT (key, window_start) DO UPDATE SET count = {_RATES}.count + 1
     RETURNING count
 )
@@ -734,10 +734,10 @@ def submit(
             cursor.execute(_CLAIM_SQL, params)
             row = cursor.fetchone()
             stored, (round_id, round_number, replaced, count, *claimed_schema) = row[:5], row[5:]
-            if stored[0] is not None:  # a concurrent request with this key won the race
-                return _replay(stored, request_sha256)
             if count > rate_limit:  # requests of this client that passed the look-ahead together
                 raise _rate_limited(rate_limit, window)
+            if stored[0] is not None:  # a concurrent request with this key won the race
+                return _replay(stored, request_sha256)  # its hit commits with the answer
             if round_id is None:
                 raise _no_open_round()
             if round_number != int(open_round[0]):
@@ -784,8 +784,11 @@ def submit(
                 },
             )
             submission_id, version_id = cursor.fetchone()
-    except (NoOpenRound, RoundChanged, SchemaChanged):
-        _count_refusal(client)  # the round or schema changed meanwhile; the hit was rolled back
+    except (NoOpenRound, RoundChanged, SchemaChanged, IdempotencyMismatch, Replaced):
+        # The round or schema changed meanwhile, or a concurrent request stored this key (with
+        # another body, or since replaced): refused after the work, counted; the hit was rolled
+        # back.
+        _count_refusal(client)
         raise
     except IntegrityError:
         # Only reachable if the row lock was bypassed: the unique key decides, we replay.

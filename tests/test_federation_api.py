@@ -759,6 +759,38 @@ def test_a_body_that_does_not_decode_counts_towards_the_rate(world, open_round, 
     assert not Submission.objects.exists()
 
 
+@pytest.mark.parametrize("same_body, status", [(True, 201), (False, 422)])
+def test_a_key_stored_while_the_body_was_checked_counts_towards_the_rate(
+    world, open_round, valid_doc, one_window, monkeypatch, same_body, status
+):
+    """Requests of one key sent together all pass the look-ahead (the key is not stored yet) and
+    each has its body checked; all but the first find the key stored under the client's lock and
+    replay it (or refuse another body). They count as a replay found by the look-ahead does:
+    else a burst of one key cost a validation per request and one hit in all, past any rate."""
+    from federation.models import RateCounter
+
+    services.update_settings(SYSTEM, submissions_per_minute=2)
+    api = client_api(world.token_a)
+    original = submissions.validate_compendium
+    concurrent = []
+
+    def validate_while_the_key_is_stored(body, schema):
+        if not concurrent:  # the request sent at the same time commits while this one is checked
+            concurrent.append(None)
+            concurrent[0] = post_doc(api, valid_doc, key="k")
+        return original(body, schema)
+
+    monkeypatch.setattr(submissions, "validate_compendium", validate_while_the_key_is_stored)
+    other = {**valid_doc, "annex": []}
+    response = post_doc(api, valid_doc if same_body else other, key="k")
+    assert concurrent[0].status_code == 201
+    assert response.status_code == status, response.content
+    assert RateCounter.objects.get(key=f"submit:client:{world.client_a.pk}").count == 2
+    # Past the rate now, as after a replay the look-ahead found.
+    assert post_doc(api, valid_doc, key="k").status_code == 429
+    assert Submission.objects.count() == 1
+
+
 def test_a_limit_of_zero_refuses_before_any_work(world, open_round, valid_doc):
     services.update_settings(SYSTEM, submissions_per_minute=0)
     api = client_api(world.token_a)
