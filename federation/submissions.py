@@ -502,11 +502,20 @@ def check_key(key: str | None) -> str:
 # --- the submission -------------------------------------------------------------------------
 
 
-def _replay(stored: tuple, request_sha256: str) -> Outcome:
+def _replay(stored: tuple, request_sha256: str, expected_round: int | None) -> Outcome:
     pk, stored_sha256, status_code, response, superseded = stored
     if stored_sha256 != request_sha256:
         raise IdempotencyMismatch(
             "this Idempotency-Key was already used with a different body; use a new key"
+        )
+    if isinstance(response, str | bytes):  # jsonb may come back as text
+        response = json.loads(response)
+    if expected_round is not None and response.get("round") not in (None, expected_round):
+        # A 201 of another round would tell a client that names its round that it entered it.
+        raise IdempotencyMismatch(
+            f"this Idempotency-Key was already used for the submission to round "
+            f"{response.get('round')}, and this request is for round {expected_round} "
+            "(X-Synapse-Round): nothing was stored; use a new key for this round"
         )
     if superseded:
         # Replaying the 201 would tell the client that this compendium is in effect: it is not.
@@ -515,8 +524,6 @@ def _replay(stored: tuple, request_sha256: str) -> Outcome:
             "in the open round, which is in effect: nothing was stored. Submit it again under a "
             "new Idempotency-Key to put it back in effect (synapse-client does)"
         )
-    if isinstance(response, str | bytes):  # jsonb may come back as text
-        response = json.loads(response)
     return Outcome(status_code, {"id": pk, **response}, replayed=True)
 
 
@@ -664,7 +671,7 @@ def submit(
     if stored[0] is not None:
         _count_refusal(client)  # a hit, as any request past the look-ahead
         body = decoded_body(wire, content_encoding, limit)
-        return _replay(stored, hashlib.sha256(body).hexdigest())
+        return _replay(stored, hashlib.sha256(body).hexdigest(), expected_round)
     if open_round is None:  # answered before the work of validation; re-checked under lock below
         _count_refusal(client)
         raise _no_open_round()
@@ -737,7 +744,8 @@ def submit(
             if count > rate_limit:  # requests of this client that passed the look-ahead together
                 raise _rate_limited(rate_limit, window)
             if stored[0] is not None:  # a concurrent request with this key won the race
-                return _replay(stored, request_sha256)  # its hit commits with the answer
+                # its hit commits with the answer
+                return _replay(stored, request_sha256, expected_round)
             if round_id is None:
                 raise _no_open_round()
             if round_number != int(open_round[0]):
@@ -797,6 +805,6 @@ def submit(
             stored = cursor.fetchone()
         if stored is None:
             raise
-        return _replay(stored, request_sha256)
+        return _replay(stored, request_sha256, expected_round)
     response = {"id": submission_id, **head, "version": version_id, **tail}
     return Outcome(201, response, replayed=False)

@@ -204,6 +204,13 @@ def test_a_submission_for_another_round_than_the_open_one_is_refused(world, open
     late = post_doc(api, valid_doc, key="r-late", HTTP_X_SYNAPSE_ROUND="1")
     assert late.status_code == 409 and late.json()["code"] == "round_changed"
     assert Submission.objects.count() == 1
+    # the key of round 1's submission sent again for round 2, which is open: its 201 of round 1
+    # was replayed, telling a client that keys on its body that it entered round 2 (422 now)
+    reused = post_doc(api, valid_doc, key="r", HTTP_X_SYNAPSE_ROUND="2")
+    assert reused.status_code == 422, reused.content
+    assert "already used for the submission to round 1" in reused.json()["detail"]
+    assert "round 2 (X-Synapse-Round)" in reused.json()["detail"]
+    assert Submission.objects.count() == 1
 
 
 def test_the_submission_headers_are_published_as_they_are_checked(world, open_round, valid_doc):
