@@ -400,7 +400,10 @@ class RoundDetailView(FederationView, generics.RetrieveAPIView):
 # Public to every member of the federation, large (the global is ~150 KB of JSON, a quarter of
 # that gzipped) and free of secrets: sent gzipped to callers that accept it. Every answer, a 304
 # or a body too small to compress included, says it varies with Accept-Encoding, as a cache
-# needs the 304 to say what the 200 said (RFC 9110, 15.4.5).
+# needs the 304 to say what the 200 said (RFC 9110, 15.4.5). Their ETags are weak: gzip_page
+# weakens the ETag of a body it compresses, not of a 304, so a strong one had a gzip-accepting
+# caller's 304 name another validator than its 200 (a cache matches the two by it, RFC 9111
+# 4.3.4); a weak one is the same on every answer, gzipped or not.
 GZIPPED = [gzip_page, vary_on_headers("Accept-Encoding")]
 
 
@@ -436,7 +439,7 @@ class ProbeSetView(FederationView):
     )
     def get(self, request):
         probe = submissions.probe_set()
-        etag = f'"{submissions.probe_etag(probe)}"'
+        etag = f'W/"{submissions.probe_etag(probe)}"'  # weak: see GZIPPED
         if _etag_matches(request, etag):
             return Response(status=status.HTTP_304_NOT_MODIFIED, headers={"ETag": etag})
         return Response(probe, headers={"ETag": etag})
@@ -449,13 +452,8 @@ def _etag_matches(request, etag: str) -> bool:
         return False
     if header.strip() == "*":
         return True
-    for candidate in header.split(","):
-        candidate = candidate.strip()
-        if candidate.startswith("W/"):
-            candidate = candidate[2:]
-        if candidate == etag:
-            return True
-    return False
+    etag = etag.removeprefix("W/")
+    return any(candidate.strip().removeprefix("W/") == etag for candidate in header.split(","))
 
 
 def _published_globals(request):
@@ -496,7 +494,7 @@ class GlobalCompendiumView(_PublishedGlobalView):
         etag_only = versions.values("sha256").first()
         if etag_only is None:
             raise _none_published(number)
-        etag = f'"{etag_only["sha256"]}"'
+        etag = f'W/"{etag_only["sha256"]}"'  # weak: see GZIPPED
         if _etag_matches(request, etag):
             return Response(status=status.HTTP_304_NOT_MODIFIED, headers={"ETag": etag})
         # Read again for the body (a 304 loads no content): a publication or an erasure between
@@ -504,7 +502,7 @@ class GlobalCompendiumView(_PublishedGlobalView):
         version = versions.defer("routing_head").first()
         if version is None:
             raise _none_published(number)
-        etag = f'"{version.sha256}"'
+        etag = f'W/"{version.sha256}"'
         body = {
             "round": version.round.number,
             "sha256": version.sha256,
