@@ -254,3 +254,32 @@ def test_docker_compose_passes_what_a_deployment_behind_a_proxy_or_with_a_hosted
     settings = (ROOT / "synapse_web" / "settings.py").read_text()
     for name in env:
         assert re.search(rf"""["']{name}["']""", settings), name
+
+
+def _compose_seconds(duration: str) -> float:
+    """A compose duration (`40s`, `15m`, `1h30m`) in seconds."""
+    import re
+
+    parts = re.findall(r"(\d+(?:\.\d+)?)(h|m|s)", duration)
+    assert parts and "".join(n + u for n, u in parts) == duration, duration
+    return sum(float(n) * {"h": 3600, "m": 60, "s": 1}[u] for n, u in parts)
+
+
+def test_docker_compose_stops_the_server_and_workers_after_their_work_not_docker_s_ten_seconds():
+    """Found by review: no service set stop_grace_period, so `docker compose stop` (or `up` of a
+    new release) sent SIGKILL 10 s after SIGTERM. Celery's warm shutdown was still waiting for a
+    merge or tuning: killed, its late-acknowledged message stayed unacknowledged in Redis until
+    the visibility timeout (12 h) and no fresh worker took it meanwhile (reproduced with a worker
+    on redis-server, SIGTERM, SIGKILL 10 s later, a second worker). gunicorn's in-flight requests
+    (graceful_timeout) were cut off at 10 s too."""
+    import yaml
+    from gunicorn.config import Config
+
+    services = yaml.safe_load((ROOT / "docker-compose.yml").read_text())["services"]
+    graceful = Config().graceful_timeout  # gunicorn.conf.py and the command leave it as it is
+    assert "graceful_timeout" not in (ROOT / "gunicorn.conf.py").read_text()
+    assert "graceful-timeout" not in services["web"]["command"]
+    assert _compose_seconds(services["web"]["stop_grace_period"]) > graceful
+    for name in ("worker-cpu", "worker-gpu"):
+        # a merge, or an epoch of tuning on CPU (about 7 minutes on one core at MetaTool's size)
+        assert _compose_seconds(services[name]["stop_grace_period"]) >= 600, name
