@@ -1345,6 +1345,11 @@ def test_accuracy_page_says_where_the_run_ran(client, fed):
     host = host[: host.index("</p>")]
     assert ("ran on AMD EPYC (avx2, avx512_vnni), embedding fingerprint a94d2abe2a0e4566; "
             "Intel Xeon (avx2), embedding fingerprint 0123456789abcdef") in host
+    # and from which code, where the runs recorded it ("+": with uncommitted changes)
+    SimulationRun.objects.create(label="coded", dataset="tiny", document={
+        "config": config, "seeds": [0], "summary": [], "host": {**other, "code": "c" * 40 + "+"}})
+    body = client.get(reverse("dashboard:accuracy")).content.decode()
+    assert f"embedding fingerprint 0123456789abcdef, code {'c' * 12}+" in body
     # the server's hardware is the operator's business, not an organization member's
     body = login(client, fed, "member_a").get(reverse("dashboard:accuracy")).content.decode()
     assert 'id="run-setup"' in body and "AMD EPYC" not in body and 'id="run-host"' not in body

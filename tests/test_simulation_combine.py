@@ -115,6 +115,31 @@ def test_runs_that_do_not_belong_together_are_refused(second, message):
         combine([doc([0], [0.7], 1.0, host={"embedding_model": "all-MiniLM-L6-v2"}), second])
 
 
+def test_a_run_records_the_code_it_ran_and_combining_runs_of_other_code_warns(tmp_path, capsys):
+    """Runs of different code combined into one table could not be told apart: each run now
+    records its git commit ("+" for uncommitted changes), and --combine says when they differ."""
+    import subprocess
+
+    from federation.simulation.report import host
+
+    try:
+        head = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True,
+                              check=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        pytest.skip("not a git checkout")
+    assert host()["code"].removesuffix("+") == head
+    (tmp_path / "a.json").write_text(json.dumps(doc([0], [0.7], 1.0, host={"code": "a" * 40})))
+    (tmp_path / "b.json").write_text(json.dumps(doc([1], [0.7], 1.0, host={"code": "b" * 40 + "+"})))
+    call_command("simulate", "--combine", str(tmp_path / "a.json"), str(tmp_path / "b.json"),
+                 "--out", str(tmp_path / "all.json"), "--no-store")
+    assert (f"warning: the runs joined ran different code ({'a' * 40}, {'b' * 40}+)"
+            in capsys.readouterr().err)
+    (tmp_path / "c.json").write_text(json.dumps(doc([2], [0.7], 1.0, host={"code": "a" * 40})))
+    call_command("simulate", "--combine", str(tmp_path / "a.json"), str(tmp_path / "c.json"),
+                 "--no-store")
+    assert "different code" not in capsys.readouterr().err
+
+
 def test_the_command_names_the_file_that_is_not_a_simulate_document(tmp_path):
     (tmp_path / "a.json").write_text(json.dumps(doc([0], [0.7], 1.0)))
     (tmp_path / "b.json").write_text(json.dumps(doc([1], [0.7], 1.0, config=None)))

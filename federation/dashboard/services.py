@@ -1347,6 +1347,8 @@ def run_host(doc: dict) -> str:
         f"{h.get('cpu') or 'unknown CPU'} ({', '.join(h.get('isa') or []) or 'no ISA listed'})"
         + (f", embedding fingerprint {h['embedding_fingerprint']}"
            if h.get("embedding_fingerprint") else "")
+        + (f", code {h['code'][:12]}{'+' if h['code'].endswith('+') else ''}"
+           if h.get("code") else "")
         for h in hosts
     )
     return ("ran on " + "; ".join(described)) if described else ""

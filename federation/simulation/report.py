@@ -7,12 +7,14 @@ import dataclasses
 import functools
 import hashlib
 import platform
+import subprocess
 import time
 import types
 import typing
 from collections import Counter, defaultdict
 from collections.abc import Callable
 from importlib import metadata
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -115,11 +117,38 @@ def host(engine=None) -> dict[str, Any]:
         "python": platform.python_version(),
         **versions,
     }
+    revision = code_revision()
+    if revision:
+        facts["code"] = revision
     if engine is not None:
         vector = np.ascontiguousarray(engine.embed([FINGERPRINT_TEXT])[0], dtype=np.float32)
         facts["embedding_model"] = engine.model_name
         facts["embedding_fingerprint"] = hashlib.sha256(vector.tobytes()).hexdigest()[:16]
     return facts
+
+
+def code_revision() -> str | None:
+    """The git commit the running code is checked out at, with "+" when tracked files differ
+    from it (a run of uncommitted code): runs joined by `--combine`, or compared across days,
+    say whether they ran the same code. None outside a git checkout (an installed package)."""
+    root = Path(__file__).resolve().parents[2]
+
+    def git(*args: str) -> str:
+        return subprocess.run(["git", "-C", str(root), *args], capture_output=True, text=True,
+                              timeout=10, check=True).stdout.strip()
+
+    try:
+        head = git("rev-parse", "HEAD")
+        changed = git("status", "--porcelain", "--untracked-files=no")
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return (head + ("+" if changed else "")) if head else None
+
+
+def code_revisions(doc: dict[str, Any]) -> list[str]:
+    """The code revisions a document's runs name, each once, in order (documents written before
+    runs recorded theirs name none)."""
+    return list(dict.fromkeys(h["code"] for h in _hosts(doc) if isinstance(h, dict) and h.get("code")))
 
 
 def _targeting_sums(items: list[dict]) -> dict[str, int]:

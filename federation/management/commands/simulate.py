@@ -24,7 +24,14 @@ from federation.simulation.data import (
     query_category_mismatches,
     untested_tools,
 )
-from federation.simulation.report import PlayedRuns, combine, run, sweep, table
+from federation.simulation.report import (
+    PlayedRuns,
+    code_revisions,
+    combine,
+    run,
+    sweep,
+    table,
+)
 from federation.simulation.runner import (
     ADVERSARIAL_MODES,
     CAMOUFLAGE_SHARE,
@@ -402,6 +409,13 @@ class Command(BaseCommand):
             except ValueError as exc:
                 raise CommandError(str(exc)) from None
             document["command"] = "python manage.py simulate " + " ".join(sys.argv[2:])
+            revisions = code_revisions(document)
+            if len(revisions) > 1:  # allowed (a change may not touch what is measured), said
+                self.stderr.write(
+                    f"warning: the runs joined ran different code ({', '.join(revisions)}); "
+                    "their figures are comparable only where the changes between them touch "
+                    "nothing they measure"
+                )
             return self._emit(document, o)
         if o["out"]:
             _check_out(o["out"])
