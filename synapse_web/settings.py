@@ -113,7 +113,8 @@ def _development_key(path: Path) -> str:
 
 
 SECRET_KEY = os.environ.get("SECRET_KEY", "")
-if not SECRET_KEY:
+if not SECRET_KEY.strip():  # blanks only (an unfilled template's "SECRET_KEY= "): no secret
+    SECRET_KEY = ""
     if not DEBUG:
         raise ImproperlyConfigured("SECRET_KEY must be set when DEBUG=0")
     SECRET_KEY = _development_key(DATA_DIR / "secret_key")
@@ -125,6 +126,11 @@ for _host in ALLOWED_HOSTS:
         raise ImproperlyConfigured(
             f"ALLOWED_HOSTS names {_host!r}: a host name or address matches requests only without "
             "scheme, port or path (synapse.example.org, .example.org for its subdomains, 10.0.0.5)"
+        )
+    if ":" in _host and not _host.startswith("["):  # a request's Host holds an IPv6 in brackets
+        raise ImproperlyConfigured(
+            f"ALLOWED_HOSTS names {_host!r}: an IPv6 address matches requests only in brackets, "
+            f"as a Host header writes it ([{_host}])"
         )
 if not ALLOWED_HOSTS and not DEBUG:
     raise ImproperlyConfigured(

@@ -527,6 +527,8 @@ def test_log_level_is_a_level_name_in_any_case(monkeypatch):
         ("synapse.example.org/", "ALLOWED_HOSTS names 'synapse.example.org/': a host"),
         ("127.0.0.1,synapse.example.org:8000", "ALLOWED_HOSTS names 'synapse.example.org:8000': a host"),
         ("[::1]:8000", "ALLOWED_HOSTS names '[::1]:8000': a host"),
+        ("127.0.0.1,::1", "ALLOWED_HOSTS names '::1': an IPv6 address matches requests only in "
+                          "brackets, as a Host header writes it ([::1])"),
         (" , ", "ALLOWED_HOSTS is empty"),
     ],
 )
@@ -536,6 +538,13 @@ def test_allowed_hosts_that_match_no_request_stop_with_one_line(monkeypatch, hos
     request was a 400, the compose healthcheck's too, with nothing said at start-up."""
     message = refused(monkeypatch, ALLOWED_HOSTS=hosts)
     assert message.startswith(named), message
+
+
+@pytest.mark.parametrize("blank", [" ", "\t \n"])
+def test_a_secret_key_of_blanks_is_no_secret_key(monkeypatch, blank):
+    """Found by review: SECRET_KEY=" " (an unfilled template) was taken as the key with DEBUG=0,
+    signing every session with a key anyone could guess."""
+    assert refused(monkeypatch, SECRET_KEY=blank) == "SECRET_KEY must be set when DEBUG=0"
 
 
 def test_allowed_hosts_django_takes_are_taken(monkeypatch):
