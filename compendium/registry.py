@@ -247,7 +247,7 @@ def load_registry(path: str | Path) -> list[ToolSpec]:
         return load_tools_jsonl(candidate)
     if not path.exists():
         raise RegistryFormatError(f"{path}: no such file or folder")
-    if path.suffix == ".jsonl":
+    if path.suffix.lower() == ".jsonl":  # TOOLS.JSONL too, as file systems that ignore case
         return load_tools_jsonl(path)
     return tools_from_mcp(_parse_json(_read_text(path), str(path)), str(path))
 

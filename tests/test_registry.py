@@ -20,6 +20,14 @@ def test_metatool_registry_reads_all_tools():
     assert by_id["calculator"].spec["display_name"] == "Calculator"
 
 
+def test_a_tools_file_named_in_capitals_is_read_as_jsonl(tmp_path):
+    """TOOLS.JSONL (a file system or an export that writes names in capitals) was read as an MCP
+    tools/list result and refused as "not valid JSON (Extra data)"."""
+    upper = tmp_path / "TOOLS.JSONL"
+    upper.write_bytes((METATOOL / "tools.jsonl").read_bytes())
+    assert [t.tool_id for t in load_registry(upper)] == [t.tool_id for t in load_registry(METATOOL)]
+
+
 def test_metatool_dataset_reads_labelled_queries():
     dataset = load_dataset(METATOOL)
     assert len(dataset.queries) == 20558
