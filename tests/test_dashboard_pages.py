@@ -1490,7 +1490,7 @@ def test_accuracy_page_says_what_the_run_ran(client, fed):
     setup = body[body.index('id="run-setup"'):]
     setup = setup[: setup.index("</p>")]
     assert "3 organizations × 2 clients, 3 rounds, category partition, 1 seed (0)" in setup
-    assert "at most 300 train queries per client, public probe set 3% of the queries, 600 test queries" in setup
+    assert "at most 300 train queries per client, public probe set 3% of the queries, at most 600 test queries" in setup
     assert "ε = 1.0 per round, λ = 1.0, τ = 0.85" in setup and "router tuned" not in setup
     assert "through the services" not in setup and "clients:" not in setup  # client defaults
     SimulationRun.objects.create(label="services", dataset="metatool", seconds=105, document={
@@ -1522,7 +1522,7 @@ def test_accuracy_page_says_how_the_federation_and_its_merges_ran_where_not_the_
         "config": {**config, "drift_every": 3, "linear_head": False}, "seeds": [0], "summary": []})
     body = login(client, fed, "member_a").get(reverse("dashboard:accuracy")).content.decode()
     setup = html.unescape(body[body.index('id="run-setup"'):].split("</p>")[0])
-    assert "1000 test queries, new categories come into use every 3 rounds;" in setup
+    assert "at most 1000 test queries, new categories come into use every 3 rounds;" in setup
     assert "reranker fusion, without the linear head." in setup
     SimulationRun.objects.create(label="all", dataset="metatool", document={
         "config": {**config, "aggregate_every": 0, "users_per_client": 20,
@@ -1532,7 +1532,7 @@ def test_accuracy_page_says_how_the_federation_and_its_merges_ran_where_not_the_
     setup = html.unescape(client.get(reverse("dashboard:accuracy")).content.decode())
     setup = setup[setup.index('id="run-setup"'):].split("</p>")[0]
     assert "10 rounds, frozen after round 1, category partition" in setup
-    assert ("20 users per client, public probe set 10% of the queries, 1000 test queries, 40% of "
+    assert ("20 users per client, public probe set 10% of the queries, at most 1000 test queries, 40% of "
             "each honest client's scenarios contradicted;") in setup
     assert ("robust rule none (share of possibly adversarial sources f = 0.25), reranker fusion, "
             "without the conflict log, without carry-forward.") in setup

@@ -1278,7 +1278,7 @@ def run_setup(doc: dict) -> list[str]:
     if config.get("queries_per_client"):
         data.insert(0, f"at most {config['queries_per_client']} train queries per client")
     if config.get("test_limit"):
-        data.append(f"{config['test_limit']} test queries")
+        data.append(f"at most {config['test_limit']} test queries")  # a sample of the split, if larger
     if changed("users_per_client"):
         data.insert(0, f"{config['users_per_client']} users per client")
     if changed("drift_every"):
