@@ -25,7 +25,7 @@ re-reserves it, and refuses the retry if that would exceed the cap.
 from __future__ import annotations
 
 from collections import defaultdict
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 
 from django.conf import settings
@@ -157,15 +157,16 @@ def remaining_for_release(round_id: int, organization_id: int, release: int) -> 
     return lo
 
 
-def declared_numeric_fields() -> int:
-    """F: the numeric fields the schema in force declares (the only fields a merge can noise)."""
+def declared_numeric_fields() -> frozenset[str]:
+    """The names of the numeric fields the schema in force declares (the only fields a merge can
+    noise); F is their number."""
     from compendium.models import NumericField
 
-    return NumericField.objects.count()
+    return frozenset(NumericField.objects.values_list("name", flat=True))
 
 
 def projected_round_spend(
-    config: RoundConfig | dict | None, fields: int | None = None,
+    config: RoundConfig | dict | None, fields: int | Collection[str] | None = None,
     not_released: Sequence[str] = (),
 ) -> float:
     """ε one round will cost the federation when its edges release, before it has ledger rows.
@@ -181,11 +182,19 @@ def projected_round_spend(
     depends on how many clients submit), and the ledger records what they released.
     `not_released`: the fields the round will not release (`Round.fields_not_released`, fixed
     when it opens; its merges never release them): they cost nothing, and each tool's release
-    costs the other fields' ε_j only (ε_j is still ε split over all F fields)."""
+    costs the other fields' ε_j only (ε_j is still ε split over all F fields). A name no longer
+    declared (a field removed since the round opened) takes nothing off: the merge reads the
+    schema in force, and releases its every field the round did not name. `fields`: the declared
+    names (default: read now), or their number F when only that is known."""
     if not isinstance(config, RoundConfig):
         config = RoundConfig.from_stored(config)
-    f = declared_numeric_fields() if fields is None else fields
-    released = f - min(len(set(not_released)), f)
+    declared = declared_numeric_fields() if fields is None else fields
+    if isinstance(declared, int):
+        f = declared
+        released = f - min(len(set(not_released)), f)
+    else:
+        f = len(declared)
+        released = len(set(declared) - set(not_released))
     if released <= 0:
         return 0.0
     eps_j = config.per_field_epsilon(f, fields_per_tool=f)

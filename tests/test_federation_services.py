@@ -348,6 +348,33 @@ def test_a_round_reserves_nothing_for_the_fields_it_will_not_release(world):
     services.open_round(operator, RoundConfig(epsilon=0.8))
 
 
+def test_a_round_reserves_the_fields_it_releases_after_one_it_named_was_removed(world):
+    """A round's reservation counts the declared fields it releases: those of the schema in
+    force that it did not name when it opened. It counted the declared fields less the number
+    of names, so a named field removed from the schema while the round was open (the merge reads
+    the schema in force) was subtracted though no longer declared: with 4 fields and 3 named,
+    removing one of the 3 reserved nothing, while its edges release the fourth at ε/3."""
+    from compendium.schema import Compendium
+    from compendium.services import current_schema
+    from federation.merge.operator import _release_metadata
+
+    names = sorted(NumericField.objects.values_list("name", flat=True))
+    assert len(names) >= 3
+    kept, *named = names
+    config = RoundConfig(epsilon=1.0)
+    rnd = Round.objects.create(number=1, state=Round.State.OPEN,
+                               config=config.model_dump(mode="json"), fields_not_released=named)
+    assert accounting.commitments().reserved == {rnd.pk: pytest.approx(1.0 / len(names))}
+    NumericField.objects.filter(name=named[0]).delete()
+    # what its edges release now: the schema in force, less the fields the round named
+    _, ledger = _release_metadata([("c", Compendium())], current_schema(), config, 1, None, True,
+                                  drowned=frozenset(named))
+    spent = round_spend([e.epsilon for e in ledger], None)
+    assert {e.field for e in ledger} == {kept} and spent == pytest.approx(1.0 / (len(names) - 1))
+    assert accounting.commitments().reserved == {rnd.pk: pytest.approx(spent)}
+    assert accounting.round_reservation(rnd) == pytest.approx(spent)
+
+
 @pytest.mark.usefixtures("every_field_released")
 def test_a_round_with_ledger_rows_is_counted_once(world):
     operator = world.actor(world.operator)
