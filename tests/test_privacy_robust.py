@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import math
 from collections import Counter
 
@@ -68,6 +69,12 @@ def test_composition_matches_formulas():
     assert many.tighter == "advanced"
     assert many.epsilon == pytest.approx(advanced_composition(0.01, 10000, delta))
     assert many.epsilon < 100.0
+    # a round's ε past ~709 overflows the advanced bound: basic is reported, and the report's
+    # JSON (manage.py privacy_report) says null where it wrote Infinity, which is not JSON
+    huge = compose([800.0], delta)
+    assert huge.tighter == "basic" and huge.epsilon == 800.0
+    assert huge.as_dict()["advanced_epsilon"] is None
+    assert json.loads(json.dumps(huge.as_dict(), allow_nan=False))["epsilon"] == 800.0
 
 
 def test_round_spend_with_and_without_field_cap():

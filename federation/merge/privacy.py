@@ -88,7 +88,9 @@ class Composition:
         return {
             "rounds": self.rounds,
             "basic_epsilon": self.basic_epsilon,
-            "advanced_epsilon": self.advanced_epsilon,
+            # null where it overflows (a round's ε past ~709): JSON has no Infinity
+            "advanced_epsilon": (self.advanced_epsilon if math.isfinite(self.advanced_epsilon)
+                                 else None),
             "delta_prime": self.delta_prime,
             "epsilon": self.epsilon,
             "delta": self.delta,

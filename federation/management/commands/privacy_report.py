@@ -9,4 +9,4 @@ class Command(BaseCommand):
     help = "Composed privacy spend (basic and advanced, the tighter reported) and the budget."
 
     def handle(self, *args, **options):
-        self.stdout.write(json.dumps(privacy_report().as_dict(), indent=2))
+        self.stdout.write(json.dumps(privacy_report().as_dict(), indent=2, allow_nan=False))
