@@ -25,6 +25,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from django.conf import settings
+
 from compendium import transport
 from compendium.builder import BuildOptions, build_compendium
 from compendium.canonical import canonical_form
@@ -41,10 +43,13 @@ from federation.round_config import RoundConfig
 from federation.services import (
     DEMO_ORGANIZATIONS,
     Actor,
+    InvalidTransition,
     close_round,
     current_round,
     demo_round_config,
+    fail_round_by_hand,
     open_round,
+    retry_round,
 )
 from federation.simulation.data import confusable_tools, partition_train, split_dataset, usage_log
 from routing.cli import probe_router
@@ -73,10 +78,6 @@ def _merge_stuck_rounds_again(system: Actor, progress: Callable[[str], None]) ->
     demo fails it and merges it again, as the operator would (Fail, then retry_round); with one,
     its worker may still be merging it, so the demo stops and says so. Returns the rounds so
     published."""
-    from django.conf import settings
-
-    from federation.services import InvalidTransition, fail_round_by_hand, retry_round
-
     published = []
     for stuck in Round.objects.filter(
         state__in=(Round.State.CLOSING, Round.State.MERGING)

@@ -392,10 +392,8 @@ def test_simulate_refuses_an_out_that_is_a_pipe_before_running(tmp_path, linked)
 
 
 
-def test_tune_router_says_a_router_tuned_before_was_not_tuned_again(settings, tmp_path):
-    """A second `make demo` runs `tune_router` on a global tuned by the first: it printed
-    "routing encoder tuned on N texts, … 1649 s" as if it had just tuned for half an hour. It now
-    says the router was already tuned, when, and how to tune it again."""
+def _router_tuned_an_hour_ago(settings, tmp_path):
+    """A published global whose tuned router is ready, finished an hour ago (returned)."""
     import datetime as dt
 
     from django.utils import timezone
@@ -413,6 +411,16 @@ def test_tune_router_says_a_router_tuned_before_was_not_tuned_again(settings, tm
         seconds=1649.0, device="cpu", probe_accuracy=0.9, frozen_probe_accuracy=0.8,
         finished_at=finished,
     )
+    return finished
+
+
+def test_tune_router_says_a_router_tuned_before_was_not_tuned_again(settings, tmp_path):
+    """A second `make demo` runs `tune_router` on a global tuned by the first: it printed
+    "routing encoder tuned on N texts, … 1649 s" as if it had just tuned for half an hour. It now
+    says the router was already tuned, when, and how to tune it again."""
+    from routing.models import TunedRouter
+
+    finished = _router_tuned_an_hour_ago(settings, tmp_path)
     out = run("tune_router", "--epochs", "1")
     assert out.startswith("round 1: routing encoder already tuned at ")
     assert finished.strftime("%Y-%m-%d %H:%M") in out
@@ -426,24 +434,10 @@ def test_tune_router_force_whose_retune_fails_says_so_and_fails(settings, tmp_pa
     already tuned at …; --force tunes it again" and exited 0: the operator who had just forced
     it learnt neither that tuning again failed nor why (the row said it, the old router stays
     served)."""
-    import datetime as dt
-
-    from django.utils import timezone
-
     import routing.finetune
-    from compendium.models import CompendiumVersion
     from routing.models import TunedRouter
 
-    published_global(settings, tmp_path)
-    version = CompendiumVersion.objects.get(kind=CompendiumVersion.Kind.GLOBAL)
-    folder = tmp_path / "routers" / "round-1"
-    folder.mkdir(parents=True)
-    finished = timezone.now() - dt.timedelta(hours=1)
-    TunedRouter.objects.create(
-        version=version, state=TunedRouter.State.READY, epochs=1, directory=str(folder), rows=40,
-        seconds=1649.0, device="cpu", probe_accuracy=0.9, frozen_probe_accuracy=0.8,
-        finished_at=finished,
-    )
+    finished = _router_tuned_an_hour_ago(settings, tmp_path)
 
     def broken(*args, **kwargs):
         raise RuntimeError("out of memory")

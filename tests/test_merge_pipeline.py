@@ -1521,19 +1521,7 @@ def test_an_edge_merge_merges_again_when_its_log_came_under_another_flag_rule_me
     close(round1, django_capture_on_commit_callbacks)
     acme = Organization.objects.get(slug="acme")
     round2 = _second_round(also=clients[("acme", "a1")])
-    rules = []
-    real = pipeline.edge_merge
-
-    def merged_meanwhile(*args, **kwargs):
-        rules.append(kwargs["conflicts_flags_released"])
-        result = real(*args, **kwargs)
-        if len(rules) == 1:  # the log's record as a merge before the rule leaves it
-            record = MergeRecord.objects.get(round=round1, organization=acme)
-            record.stats = {k: v for k, v in record.stats.items() if k != "flags_held_back"}
-            record.save()
-        return result
-
-    monkeypatch.setattr(pipeline, "edge_merge", merged_meanwhile)
+    rules = _rule_changed_after_the_first_merge(monkeypatch, "edge_merge", round1, acme)
     pipeline.run_edge_merge(round2.pk, acme.pk)
     assert rules == [True, False]
 
@@ -1549,18 +1537,27 @@ def test_a_server_merge_merges_again_when_its_log_came_under_another_flag_rule_m
     round2 = _second_round(also=clients[("acme", "a1")])
     for organization in pipeline.start_round(round2.pk, round2.attempt):
         pipeline.run_edge_merge(round2.pk, organization, attempt=round2.attempt)
+    rules = _rule_changed_after_the_first_merge(monkeypatch, "server_merge_operator", round1, None)
+    pipeline.run_server_merge(round2.pk, attempt=round2.attempt)
+    assert rules == [True, False]
+
+
+def _rule_changed_after_the_first_merge(monkeypatch, operator: str, round1, organization):
+    """`pipeline.<operator>` made to record the flag rule of each merge it runs, and after the
+    first one to rewrite `round1`'s record (of `organization`; None: the server's) as a merge
+    before the rule leaves it (no `flags_held_back`), as an erasure merging it again would.
+    Returns the list of rules seen."""
     rules = []
-    real = pipeline.server_merge_operator
+    real = getattr(pipeline, operator)
 
     def merged_meanwhile(*args, **kwargs):
         rules.append(kwargs["conflicts_flags_released"])
         result = real(*args, **kwargs)
-        if len(rules) == 1:  # the log's record as a merge before the rule leaves it
-            record = MergeRecord.objects.get(round=round1, organization__isnull=True)
+        if len(rules) == 1:
+            record = MergeRecord.objects.get(round=round1, organization=organization)
             record.stats = {k: v for k, v in record.stats.items() if k != "flags_held_back"}
             record.save()
         return result
 
-    monkeypatch.setattr(pipeline, "server_merge_operator", merged_meanwhile)
-    pipeline.run_server_merge(round2.pk, attempt=round2.attempt)
-    assert rules == [True, False]
+    monkeypatch.setattr(pipeline, operator, merged_meanwhile)
+    return rules
