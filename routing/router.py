@@ -142,6 +142,17 @@ class Calibration:
         return float(1.0 / (1.0 + np.exp(-np.clip(z, -50, 50))))
 
 
+def _whole(where: str, value) -> int:
+    """A count read from a parameters file: an integer, or a float that is one (JSON writers may
+    write 5.0). Not int() of anything: 2.5 was cut to 2, "5" read as 5, and infinity (1e999 in
+    the file) raised OverflowError, past the ValueError a broken file is refused with."""
+    if isinstance(value, bool) or not isinstance(value, int | float) or (
+        isinstance(value, float) and not value.is_integer()
+    ):
+        raise ValueError(f"{where} must be a whole number, not {value!r}")
+    return int(value)
+
+
 class RoutingParamsError(ValueError):
     """A routing parameters file that was named but cannot be used, with why."""
 
@@ -175,8 +186,8 @@ class RoutingParams:
             weights=FusionWeights(**doc.get("weights", {})),
             calibration={k: Calibration(**v) for k, v in doc.get("calibration", {}).items()}
             or {name: Calibration() for name in RERANKERS},
-            pool=int(doc.get("pool", 20)),
-            top_k=int(doc.get("top_k", 5)),
+            pool=_whole("pool", doc.get("pool", 20)),
+            top_k=_whole("top_k", doc.get("top_k", 5)),
             escalate_threshold=float(doc.get("escalate_threshold", 0.5)),
             fitted_on=str(doc.get("fitted_on", "")),
             report=dict(doc.get("report", {})),

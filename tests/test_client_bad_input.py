@@ -209,6 +209,12 @@ def test_a_broken_server_params_file_is_logged_not_ignored(settings, tmp_path, c
     [
         ({"weights": {}, "top_k": 0}, "top_k must be at least 1, not 0"),
         ({"weights": {}, "pool": -2}, "pool must be at least 1, not -2"),
+        # 1e999 reads as infinity: int() of it was an OverflowError, no RoutingParamsError (a
+        # traceback of `route --params`, a router the server could never build); 2.5 was
+        # silently cut to 2.
+        ({"weights": {}, "top_k": float("inf")}, "top_k must be a whole number, not inf"),
+        ({"weights": {}, "pool": 2.5}, "pool must be a whole number, not 2.5"),
+        ({"weights": {}, "top_k": "5"}, "top_k must be a whole number, not '5'"),
         ({"weights": {"dense": "high"}}, "weights.dense must be a finite number, not 'high'"),
         ({"weights": {"bm25": True}}, "weights.bm25 must be a finite number, not True"),
         ({"calibration": {"fusion": {"score_coef": "x"}}}, "calibration.fusion.score_coef"),
