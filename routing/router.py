@@ -493,11 +493,18 @@ class ScenarioIndex:
 
 
 def top_n(scores: np.ndarray, n: int) -> Retrieved:
+    """The n best scores, best first, ties broken by position (the lowest first), whatever n:
+    argpartition alone kept an arbitrary subset of the scores tied at the n-th, so scenarios of
+    equal cosine (one text sent for two tools) were kept by position for one n and not for
+    another, and a decision changed with how many candidates were asked to be shown."""
     n = min(n, len(scores))
     if n <= 0:
         return np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.float32)
     if n < len(scores):
-        part = np.argpartition(-scores, n - 1)[:n]
+        negated = -scores
+        cut = np.partition(negated, n - 1)[n - 1]  # minus the n-th best score
+        above = np.flatnonzero(negated < cut)
+        part = np.concatenate([above, np.flatnonzero(negated == cut)[: n - len(above)]])
     else:
         part = np.arange(len(scores))
     order = np.lexsort((part, -scores[part]))

@@ -28,6 +28,7 @@ from routing.router import (
     fit_linear_head,
     fit_params,
     fit_router,
+    top_n,
 )
 from tests.chat_server import ChatServer
 from tests.routing_data import METATOOL
@@ -1145,3 +1146,24 @@ def test_a_compendium_with_nothing_to_rank_names_no_reranker(engine, reranker):
     for decision in [empty.route("Convert 100 US dollars into euros"), *empty.route_batch(["a", "b"])]:
         assert (decision.tool, decision.reranker, decision.fallback_reason) == (
             None, None, "no scenarios")
+
+
+def test_scenarios_of_equal_cosine_are_taken_in_scenario_order_whatever_top_k(engine):
+    """One text sent for two tools ties in cosine. Retrieval kept an arbitrary subset of the
+    scenarios tied at the n-th score (argpartition), which depended on n, so the `none`
+    reranker's five voting scenarios were a, a, a, b, b when 5 were asked to be shown and
+    a x 5 when 20 were: the confidence went 0.88 -> 0.998 with `top_k`, which the decision does
+    not depend on. Ties are now taken in scenario order (the lowest first) for every n."""
+    text = "Convert 100 US dollars into euros"
+    scenarios = ([Scenario(tool_id="recipes", text="Bake a chocolate cake for a birthday")] * 30
+                 + [Scenario(tool_id="a", text=text)] * 30 + [Scenario(tool_id="b", text=text)] * 70)
+    scores = np.r_[np.full(30, 0.5), np.full(100, 0.9)].astype(np.float32)
+    for n in (1, 5, 20, 50, 129, 130, 500):
+        assert top_n(scores, n)[0].tolist() == list(np.argsort(-scores, kind="stable")[:n]), n
+    for reranker in ("none", "fusion"):
+        router = Router(Compendium(scenarios=scenarios), engine, reranker, params=RoutingParams())
+        shown = {k: router.route(text, k) for k in (1, 5, 20, 50)}
+        assert len({(d.tool, d.confidence) for d in shown.values()}) == 1, reranker
+        assert all(d.ranking == shown[1].ranking for d in shown.values()), reranker
+        assert [c["tool"] for c in shown[50].candidates] == ["a"] * 30 + ["b"] * 20
+        assert [c["tool"] for c in shown[5].candidates] == ["a"] * 5
