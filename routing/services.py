@@ -309,7 +309,10 @@ class PgvectorRetriever:
         import psycopg
 
         raw = _raw_connection()
-        order = "(embedding <=> %(q)s) + 0" if exact else "embedding <=> %(q)s"
+        # The exact scan breaks ties by row, as the in-memory retrieval does by position (rows
+        # are loaded by id): one text sent for two tools is retrieved alike both ways, for any n.
+        # HNSW orders by distance alone (a second key would keep the planner off the index).
+        order = "(embedding <=> %(q)s) + 0, id" if exact else "embedding <=> %(q)s"
         with psycopg.Cursor(raw) as cursor:  # server-side binding, binary vector
             if not exact:  # a search setting only; set each time (a rollback would undo it)
                 cursor.execute(f"SET hnsw.ef_search = {self.ef_search(n)}")

@@ -1117,3 +1117,25 @@ def test_a_global_with_no_scenarios_names_no_reranker(api):
     services.recorder.flush()
     assert sorted(RoutingCall.objects.values_list("reranker", "batch")) == [
         ("llm", False), ("none", True)]
+
+
+def test_exact_pgvector_retrieval_takes_tied_scenarios_in_order_as_memory_does(data, settings):
+    """Scenarios of one vector (one text sent for several tools) tie in distance: the exact scan
+    orders them by row, as the in-memory retrieval orders them by position, so both retrievals
+    return the same scenarios for every n and a decision does not depend on where it was routed."""
+    from compendium.models import ScenarioEntry
+
+    settings.SYNAPSE_ROUTING_RETRIEVAL = "exact"
+    version = _publish(data)
+    rows = list(ScenarioEntry.objects.filter(version=version).order_by("id"))
+    shared = rows[0].embedding
+    tied = rows[: len(rows) // 2]
+    ScenarioEntry.objects.filter(pk__in=[r.pk for r in tied]).update(embedding=shared)
+    services.forget_published_version()
+    served = services.served_compendium()
+    vector = np.asarray(shared, dtype=np.float32)
+    for n in (1, 5, 20, len(tied), len(tied) + 3):
+        idx, _ = served.retriever(vector, n)
+        memory, _ = served.index.retrieve(vector, n)
+        assert list(idx) == list(memory), n
+        assert list(idx[: min(n, len(tied))]) == list(range(min(n, len(tied)))), n
