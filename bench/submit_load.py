@@ -433,9 +433,30 @@ def percentile(values, q):
     return ordered[index]
 
 
+def earlier_rows(path: str | None) -> list[dict]:
+    """The rows an existing --out holds, which the run's row is added to; [] for none. An --out
+    holding anything else (not JSON, or JSON that is not a list of objects: another script's
+    figures) stops the script with one line before it runs: found at the end, it was a traceback
+    after the federation was set up and the load sent, and the row was written nowhere."""
+    out = Path(path) if path else None
+    if out is None or not out.exists():
+        return []
+    try:
+        rows = json.loads(out.read_bytes())
+    except (OSError, ValueError, RecursionError) as exc:
+        why = f"cannot be read ({exc.strerror})" if isinstance(exc, OSError) else "is not JSON"
+    else:
+        if isinstance(rows, list) and all(isinstance(row, dict) for row in rows):
+            return rows
+        why = "holds no list of rows"
+    raise SystemExit(f"submit_load: --out {path} {why}: it adds its row to a JSON list of rows; "
+                     "name a new file or such a list")
+
+
 def main(argv=None):
     args = parse_args(argv)
     check_out(args.out, "submit_load")
+    earlier_rows(args.out)  # before anything runs: its row is added to them at the end
     dataset = read_dataset(args.dataset, "submit_load")  # before the federation is set up
     print(f"setting up {args.clients} clients through the ORM ...", flush=True)
     run_id, org, clients, rnd = setup_federation(
@@ -511,7 +532,7 @@ def main(argv=None):
     if args.out:
         out = Path(args.out)
         out.parent.mkdir(parents=True, exist_ok=True)
-        rows = json.loads(out.read_text()) if out.exists() else []
+        rows = earlier_rows(args.out)  # read again: another run may have added its row since
         rows.append(row)
         out.write_text(json.dumps(rows, indent=2) + "\n")
         print(f"wrote {out}")
