@@ -20,6 +20,7 @@ import argparse
 import asyncio
 import gzip
 import json
+import math
 import os
 import random
 import statistics
@@ -60,7 +61,20 @@ def parse_args(argv=None):
         help="the server's master process (default: the process listening on --url's port); its "
         "CPU and its children's is reported per accepted submission",
     )
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    # before anything runs: a negative count was random.sample's traceback once the federation
+    # was set up in the database, and no client, key or send a load of nothing reported as run
+    for flag, value, least in (("--clients", args.clients, 1), ("--submissions", args.submissions, 1),
+                               ("--duplicates", args.duplicates, 1),
+                               ("--tools-per-client", args.tools_per_client, 1),
+                               ("--scenarios-per-tool", args.scenarios_per_tool, 0)):
+        if value < least:
+            p.error(f"{flag} must be at least {least}, not {value}")
+    if not (math.isfinite(args.rate) and args.rate >= 0):
+        p.error(f"--rate must be a finite number >= 0, not {args.rate:g}")
+    if not (math.isfinite(args.timeout) and args.timeout > 0):
+        p.error(f"--timeout must be a finite number > 0, not {args.timeout:g}")
+    return args
 
 
 # --- set-up through the ORM -------------------------------------------------------------------
