@@ -20,6 +20,7 @@ import argparse
 import asyncio
 import gzip
 import json
+import math
 import os
 import random
 import statistics
@@ -60,7 +61,20 @@ def parse_args(argv=None):
         help="the server's master process (default: the process listening on --url's port); its "
         "CPU and its children's is reported per accepted submission",
     )
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    # before anything runs: a negative count was random.sample's traceback once the federation
+    # was set up in the database, and no client, key or send a load of nothing reported as run
+    for flag, value, least in (("--clients", args.clients, 1), ("--submissions", args.submissions, 1),
+                               ("--duplicates", args.duplicates, 1),
+                               ("--tools-per-client", args.tools_per_client, 1),
+                               ("--scenarios-per-tool", args.scenarios_per_tool, 0)):
+        if value < least:
+            p.error(f"{flag} must be at least {least}, not {value}")
+    if not (math.isfinite(args.rate) and args.rate >= 0):
+        p.error(f"--rate must be a finite number >= 0, not {args.rate:g}")
+    if not (math.isfinite(args.timeout) and args.timeout > 0):
+        p.error(f"--timeout must be a finite number > 0, not {args.timeout:g}")
+    return args
 
 
 # --- set-up through the ORM -------------------------------------------------------------------
@@ -433,9 +447,30 @@ def percentile(values, q):
     return ordered[index]
 
 
+def earlier_rows(path: str | None) -> list[dict]:
+    """The rows an existing --out holds, which the run's row is added to; [] for none. An --out
+    holding anything else (not JSON, or JSON that is not a list of objects: another script's
+    figures) stops the script with one line before it runs: found at the end, it was a traceback
+    after the federation was set up and the load sent, and the row was written nowhere."""
+    out = Path(path) if path else None
+    if out is None or not out.exists():
+        return []
+    try:
+        rows = json.loads(out.read_bytes())
+    except (OSError, ValueError, RecursionError) as exc:
+        why = f"cannot be read ({exc.strerror})" if isinstance(exc, OSError) else "is not JSON"
+    else:
+        if isinstance(rows, list) and all(isinstance(row, dict) for row in rows):
+            return rows
+        why = "holds no list of rows"
+    raise SystemExit(f"submit_load: --out {path} {why}: it adds its row to a JSON list of rows; "
+                     "name a new file or such a list")
+
+
 def main(argv=None):
     args = parse_args(argv)
     check_out(args.out, "submit_load")
+    earlier_rows(args.out)  # before anything runs: its row is added to them at the end
     dataset = read_dataset(args.dataset, "submit_load")  # before the federation is set up
     print(f"setting up {args.clients} clients through the ORM ...", flush=True)
     run_id, org, clients, rnd = setup_federation(
@@ -511,7 +546,7 @@ def main(argv=None):
     if args.out:
         out = Path(args.out)
         out.parent.mkdir(parents=True, exist_ok=True)
-        rows = json.loads(out.read_text()) if out.exists() else []
+        rows = earlier_rows(args.out)  # read again: another run may have added its row since
         rows.append(row)
         out.write_text(json.dumps(rows, indent=2) + "\n")
         print(f"wrote {out}")

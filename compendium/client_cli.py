@@ -204,17 +204,31 @@ def _check_seed_and_field_cap(args: argparse.Namespace) -> None:
 
 
 def _out_file(value: str) -> Path:
-    """--out: the file to write. A path that ends in a separator (or in "." or "..") names a
-    folder, which Path would drop: `--out newdir/` wrote a file called newdir. Refused, naming
-    it, before any work."""
-    from compendium.client_api import names_a_folder
+    """--out: the file to write. Refused, naming it, before any work (the build, the download),
+    when no file can be written there: a path that ends in a separator (or in "." or "..")
+    names a folder, which Path would drop (`--out newdir/` wrote a file called newdir), and so
+    does a folder that exists; a device, a pipe or a socket (or a link to one) would be replaced
+    by the file written (write_atomically refuses it too, but only at the end); a path under a
+    file cannot be created. The last three were found only once the result was written: after
+    the whole build, or after the download."""
+    from compendium.client_api import names_a_folder, special_file
 
-    if names_a_folder(value):
+    out = Path(value)
+    if names_a_folder(value) or out.is_dir():
         raise CliError(
             f"--out {value} names a folder, not a file: --out is the file to write; name a file "
             "(nothing written)"
         )
-    return Path(value)
+    special = special_file(out)
+    if special:  # in write_atomically's words
+        raise CliError(
+            f"cannot write {out}: it is {special}, not a regular file, and the file written "
+            "would replace it; name a file"
+        )
+    above = next((p for p in out.parents if p.exists()), None)  # the folders are made at the end
+    if above is not None and not above.is_dir():
+        raise CliError(f"--out {value}: {above} is a file, not a folder (nothing written)")
+    return out
 
 
 def _same_file(a, b) -> bool:

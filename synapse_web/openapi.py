@@ -63,7 +63,7 @@ class BearerTokenScheme(OpenApiAuthenticationExtension):
 
 class SchemaView(SpectacularAPIView):
     """/api/schema/: the OpenAPI document (YAML, or JSON by `?format=json` or Accept), and its
-    refusals (405, 404 on an unknown `format`, 406) in the API's one JSON error body, not dumped
+    refusals (405, 400 on an unknown `format`, 406) in the API's one JSON error body, not dumped
     through the document's YAML renderer."""
 
     def finalize_response(self, request, response, *args, **kwargs):

@@ -475,6 +475,8 @@ REST_FRAMEWORK = {
         "rest_framework.parsers.MultiPartParser",
     ],
     "DEFAULT_PAGINATION_CLASS": "federation.api.pagination.BoundedLimitOffsetPagination",
+    # an unknown ?format= is a 400 naming the formats the endpoint answers, not a bare 404
+    "DEFAULT_CONTENT_NEGOTIATION_CLASS": "synapse_web.negotiation.NamedFormatNegotiation",
     "PAGE_SIZE": 50,
 }
 SPECTACULAR_SETTINGS = {

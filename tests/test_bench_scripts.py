@@ -287,6 +287,48 @@ def test_a_script_refuses_an_out_it_could_not_write_before_it_runs(script, tmp_p
                                "name a file")
 
 
+@pytest.mark.parametrize(("held", "why"), [
+    ('{"clients": 200}', "holds no list of rows"),
+    ("not json", "is not JSON"),
+    ('[{"clients": 200}, 3]', "holds no list of rows"),
+])
+def test_submit_load_refuses_an_out_it_could_not_add_its_row_to_before_it_runs(
+        held, why, tmp_path, monkeypatch):
+    """submit_load adds its row to the rows its --out holds. One holding anything else (another
+    script's figures, a file that is not JSON) ended the run in a traceback (AttributeError,
+    JSONDecodeError) after the federation was set up in the database and the load sent, its row
+    written nowhere. Refused first, in one line naming the file, before the dataset is read; the
+    file is left as it was."""
+    module = _load("submit_load.py", monkeypatch)
+    out = tmp_path / "figures.json"
+    out.write_text(held, encoding="utf-8")
+    with pytest.raises(SystemExit) as stop:
+        module.main(["--dataset", str(tmp_path / "no-such-dataset"), "--out", str(out)])
+    assert stop.value.code == (f"submit_load: --out {out} {why}: it adds its row to a JSON list "
+                               "of rows; name a new file or such a list")
+    assert out.read_text(encoding="utf-8") == held
+
+
+@pytest.mark.parametrize(("flag", "value", "takes"), [
+    ("--clients", "0", "at least 1"), ("--submissions", "0", "at least 1"),
+    ("--duplicates", "0", "at least 1"), ("--tools-per-client", "-1", "at least 1"),
+    ("--scenarios-per-tool", "-1", "at least 0"), ("--rate", "-5", "a finite number >= 0"),
+    ("--rate", "nan", "a finite number >= 0"), ("--timeout", "0", "a finite number > 0"),
+])
+def test_submit_load_refuses_a_count_or_rate_it_cannot_run_with_before_it_runs(
+        flag, value, takes, tmp_path, monkeypatch, capsys):
+    """A --tools-per-client or --scenarios-per-tool below 0 was a traceback (random.sample's
+    ValueError) once the federation was set up in the database; no client, no key, no send or a
+    negative rate ran a load of nothing, or a burst, and reported it. Refused as argparse refuses
+    a bad value (usage, one line naming the flag, status 2), before the dataset is read."""
+    module = _load("submit_load.py", monkeypatch)
+    with pytest.raises(SystemExit) as stop:
+        module.main(["--dataset", str(tmp_path / "no-such-dataset"), flag, value])
+    assert stop.value.code == 2
+    assert capsys.readouterr().err.strip().splitlines()[-1].endswith(
+        f": error: {flag} must be {takes}, not {value}")
+
+
 @pytest.mark.parametrize("script", ["mask_leakage.py", "masking_residue.py"])
 def test_a_script_writes_its_out_into_a_folder_it_creates(script, tmp_path, monkeypatch):
     """As simulate's --out: a missing parent folder is created (they failed at the end with

@@ -784,7 +784,9 @@ def test_an_out_path_that_cannot_be_written_is_one_line(server, tmp_path, capsys
     args = [command, "--server", url, "--token", TOKEN, "--out", str(folder), "--backoff", "0"]
     assert main(args) == 1  # was a traceback (IsADirectoryError from os.replace)
     err = capsys.readouterr().err.strip().splitlines()
-    assert err == [f"synapse-client: cannot write {folder}: Is a directory"]
+    # refused before the download now (test_an_out_that_cannot_be_the_file_written_is_refused_...)
+    assert err == [f"synapse-client: --out {folder} names a folder, not a file: --out is the file "
+                   "to write; name a file (nothing written)"]
     assert sorted(p.name for p in tmp_path.iterdir()) == ["a-folder"]  # no temporary file left
 
 
@@ -1405,4 +1407,54 @@ def test_an_out_path_that_names_a_folder_is_refused_not_written_as_a_file(
     assert err == [f"synapse-client: --out {out} names a folder, not a file: --out is the file "
                    "to write; name a file (nothing written)"]
     assert sorted(p.name for p in tmp_path.iterdir()) == before
+    assert state.global_requests == []  # refused before anything is asked of the server
+
+
+def _folder(tmp_path: Path) -> tuple[Path, str]:
+    out = tmp_path / "results"
+    out.mkdir()
+    return out, f"--out {out} names a folder, not a file: --out is the file to write; name a file (nothing written)"
+
+
+def _pipe(tmp_path: Path) -> tuple[Path, str]:
+    out = tmp_path / "pipe.json"
+    os.mkfifo(out)
+    # as write_atomically says it at the end (test_an_out_that_is_a_pipe_or_device_is_refused_...)
+    return out, (f"cannot write {out}: it is a pipe (FIFO), not a regular file, and the file "
+                 "written would replace it; name a file")
+
+
+def _under_a_file(tmp_path: Path) -> tuple[Path, str]:
+    (tmp_path / "notes.txt").write_text("mine", encoding="utf-8")
+    out = tmp_path / "notes.txt" / "sub" / "out.json"
+    return out, f"--out {out}: {tmp_path / 'notes.txt'} is a file, not a folder (nothing written)"
+
+
+@pytest.mark.parametrize("command", ["build", "pull", "fetch-probe"])
+@pytest.mark.parametrize("place", [_folder, _pipe, _under_a_file])
+def test_an_out_that_cannot_be_the_file_written_is_refused_before_any_work(
+    server, tmp_path, capsys, command, place
+):
+    """An --out that exists as a folder, that is a pipe or a device, or that lies under a file
+    was found only when the result was written: after the whole build (minutes with the embedding
+    model on a large log) or after the download, with `cannot write OUT: Is a directory`. Refused
+    now, in one line naming it, before the log is read or the server is asked anything; what is
+    there is left as it was."""
+    url, state = server
+    _publish(state, compendium())
+    out, said = place(tmp_path)
+    if command == "build":
+        schema_path = tmp_path / "schema.json"
+        schema_path.write_text(SCHEMA.model_dump_json(), encoding="utf-8")
+        # a log that is not there: a build that got as far as reading it would say so instead
+        args = ["build", "--log", str(tmp_path / "usage.jsonl"), "--schema", str(schema_path),
+                "--no-collapse", "--quiet", "--out", str(out)]
+    else:
+        args = [command, "--server", url, "--token", TOKEN, "--backoff", "0", "--out", str(out)]
+    before = sorted(str(p.relative_to(tmp_path)) for p in tmp_path.rglob("*"))
+    assert main(args) == 1
+    assert capsys.readouterr().err.strip().splitlines() == [f"synapse-client: {said}"]
+    assert sorted(str(p.relative_to(tmp_path)) for p in tmp_path.rglob("*")) == before
+    if place is _under_a_file:
+        assert (tmp_path / "notes.txt").read_text(encoding="utf-8") == "mine"
     assert state.global_requests == []  # refused before anything is asked of the server

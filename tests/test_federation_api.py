@@ -1236,7 +1236,7 @@ def test_openapi_schema_and_docs_render(world):
 
 @pytest.mark.parametrize(
     "method, query, accept, status",
-    [("post", "", None, 405), ("delete", "", None, 405), ("get", "?format=xml", None, 404),
+    [("post", "", None, 405), ("delete", "", None, 405), ("get", "?format=xml", None, 400),
      ("get", "", "text/html", 406)],
 )
 def test_the_schema_endpoint_refuses_in_the_api_s_json_error_body(world, method, query, accept, status):
@@ -1247,6 +1247,26 @@ def test_the_schema_endpoint_refuses_in_the_api_s_json_error_body(world, method,
     assert response.status_code == status
     assert response["Content-Type"] == "application/json"
     assert set(response.json()) == {"detail"} and response.json()["detail"]
+
+
+@pytest.mark.parametrize(
+    "path, taken",
+    [("/api/v1/rounds/", "json, api"), ("/api/v1/admin/clients/", "json, api"),
+     ("/api/v1/compendium/schema/", "json, api"), ("/api/schema/", "yaml, json")],
+)
+@pytest.mark.parametrize("value", ["xml", "csv", "JSON"])
+def test_a_format_the_endpoint_does_not_answer_is_a_400_naming_the_ones_it_does(
+    world, path, taken, value
+):
+    """`?format=` is taken by every endpoint (README, "Federation API"), but a value none of its
+    renderers has was DRF's bare 404 "Not found.", as if the endpoint did not exist, where every
+    other bad query parameter is a 400 naming what is wrong."""
+    response = person_api(world.operator).get(path, {"format": value})
+    assert response.status_code == 400
+    assert response["Content-Type"] == "application/json"
+    assert response.json() == {
+        "detail": f"format must be one of {taken} (?format=), not {value!r}"
+    }
 
 
 # --- organization-scoped administration: every endpoint against every role ----------------------
