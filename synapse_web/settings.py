@@ -459,7 +459,11 @@ SYNAPSE_DELTA_PRIME = env_number("SYNAPSE_DELTA_PRIME", 1e-5, whole=False, above
 # round's seed, number and the organization's slug are known to every client: without a secret
 # any of them could redraw an edge's Laplace noise and subtract it from the published figures.
 # Keep it stable: a retried release draws its noise again from it.
+# Blanks only (an unfilled template's "SYNAPSE_NOISE_SECRET= ") are unset, as for SECRET_KEY: a
+# secret of one space is one anyone can try.
 SYNAPSE_NOISE_SECRET = os.environ.get("SYNAPSE_NOISE_SECRET", "")
+if not SYNAPSE_NOISE_SECRET.strip():
+    SYNAPSE_NOISE_SECRET = ""
 
 # --- REST API -----------------------------------------------------------------------------------
 REST_FRAMEWORK = {

@@ -547,6 +547,17 @@ def test_a_secret_key_of_blanks_is_no_secret_key(monkeypatch, blank):
     assert refused(monkeypatch, SECRET_KEY=blank) == "SECRET_KEY must be set when DEBUG=0"
 
 
+@pytest.mark.parametrize("blank", [" ", "\t \n"])
+def test_a_noise_secret_of_blanks_is_no_noise_secret(monkeypatch, blank):
+    """Found by audit: SYNAPSE_NOISE_SECRET=" " (an unfilled template, as SECRET_KEY=" " is no
+    key) was taken as the secret of every edge release's noise seed: a secret of one space,
+    which anyone could try, and the Laplace noise of every release redrawn and subtracted.
+    Blanks only are unset, as the README's "unset: derived from SECRET_KEY"."""
+    assert settings_from(monkeypatch, SYNAPSE_NOISE_SECRET=blank)["SYNAPSE_NOISE_SECRET"] == ""
+    given = settings_from(monkeypatch, SYNAPSE_NOISE_SECRET="a server-side secret")
+    assert given["SYNAPSE_NOISE_SECRET"] == "a server-side secret"
+
+
 def test_allowed_hosts_django_takes_are_taken(monkeypatch):
     hosts = "synapse.example.org,.example.net,127.0.0.1,[::1],*"
     assert settings_from(monkeypatch, ALLOWED_HOSTS=hosts)["ALLOWED_HOSTS"] == hosts.split(",")
