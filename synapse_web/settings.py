@@ -374,6 +374,28 @@ SYNAPSE_EMBEDDING_DIM = env_number(
 )
 SYNAPSE_EMBEDDING_MODEL = os.environ.get("SYNAPSE_EMBEDDING_MODEL", "")  # "" = bundled MiniLM
 SYNAPSE_LLM_BASE_URL = os.environ.get("SYNAPSE_LLM_BASE_URL", "")  # OpenAI-compatible, optional
+
+
+def _llm_url_problem(url: str) -> str | None:
+    """Why `url` is no endpoint URL httpx can ask (routing.llm reads it at each use, where a URL
+    without its scheme made every call "down" and every merge's summaries fall back), naming its
+    scheme at most: the rest may carry a password."""
+    from urllib.parse import urlsplit
+
+    takes = "it takes an OpenAI-compatible endpoint's URL, http://HOST:PORT/v1 or https://…"
+    try:
+        parts = urlsplit(url)
+        parts.port  # noqa: B018  (a port that is no number, or past 65535, raises)
+    except ValueError:
+        return f"SYNAPSE_LLM_BASE_URL cannot be read as a URL: {takes}"
+    if parts.scheme.lower() not in ("http", "https") or not parts.hostname:
+        shown = f"{parts.scheme}://…" if parts.scheme and "://" in url else "a URL without http:// or https://"
+        return f"SYNAPSE_LLM_BASE_URL names {shown}: {takes}"
+    return None
+
+
+if SYNAPSE_LLM_BASE_URL and (_llm_problem := _llm_url_problem(SYNAPSE_LLM_BASE_URL)):
+    raise ImproperlyConfigured(_llm_problem)
 SYNAPSE_LLM_MODEL = os.environ.get("SYNAPSE_LLM_MODEL", "")
 SYNAPSE_LLM_API_KEY = os.environ.get("SYNAPSE_LLM_API_KEY", "")
 # Read where they are used (routing.embeddings, routing.llm, which the client toolkit shares),
