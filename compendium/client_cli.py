@@ -41,6 +41,7 @@ from compendium.schema import (
 from compendium.scrub import submission_rules
 from compendium.validation import (
     CompendiumInvalid,
+    duplicate_key,
     format_path,
     validate_compendium,
     validation_summary,
@@ -61,6 +62,7 @@ def _load_schema(path: str) -> Schema:
         data = Path(path).read_bytes().removeprefix(UTF8_BOM)
     except OSError as exc:
         raise CliError(f"cannot read schema {path}: {exc.strerror}") from None
+    _refuse_duplicate_keys(path, data)
     try:
         return Schema.model_validate_json(data)
     except ValidationError as exc:
@@ -72,9 +74,20 @@ def _read_bytes(path: str) -> bytes:
     PowerShell 5's Out-File) put first: "Invalid JSON: expected value at line 1 column 1" told
     the user nothing they could act on (a usage log's is dropped as well)."""
     try:
-        return Path(path).read_bytes().removeprefix(UTF8_BOM)
+        data = Path(path).read_bytes().removeprefix(UTF8_BOM)
     except OSError as exc:
         raise CliError(f"cannot read {path}: {exc.strerror}") from None
+    _refuse_duplicate_keys(path, data)
+    return data
+
+
+def _refuse_duplicate_keys(path: str, data: bytes) -> None:
+    """A key given twice in one object, refused as the API refuses such a body: pydantic's
+    parser kept the last (`{"tool_id": "a", "tool_id": "b"}` read as "b", which another reader
+    takes as "a"), and what `submit` sent had only that one."""
+    reason = duplicate_key(data)
+    if reason is not None:
+        raise CliError(f"{path}: not valid JSON: {reason}")
 
 
 def _load_pulled(path: str) -> Compendium:

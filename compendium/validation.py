@@ -140,6 +140,22 @@ def no_duplicate_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
     return out
 
 
+def duplicate_key(data: bytes | str) -> str | None:
+    """Why `data`, a JSON document, holds a key twice in one object ("duplicate key "k" in one
+    object"), or None when it does not (or is no JSON at all: its reader says why). For the
+    files a reader parses with another parser (pydantic's keeps the last key): one reader's "a"
+    is another's "b"."""
+    if isinstance(data, bytes) and _orjson_parse(data) is not _UNPARSED:
+        return None  # orjson parsed it and lost no key
+    try:
+        json.loads(data, object_pairs_hook=no_duplicate_keys)
+    except DuplicateKey as exc:
+        return str(exc)
+    except (ValueError, RecursionError):
+        return None
+    return None
+
+
 # Every digit as "0", to find runs of digits with bytes.find (a regular expression is slower).
 DIGITS_AS_ZERO = bytes.maketrans(b"123456789", b"000000000")
 

@@ -20,10 +20,12 @@ def _load_compendium(path: str):
 
     from compendium.client_api import global_document
     from compendium.schema import Compendium
-    from compendium.validation import validation_summary
+    from compendium.validation import DuplicateKey, no_duplicate_keys, validation_summary
 
     try:
-        doc = json.loads(Path(path).read_text(encoding="utf-8-sig"))  # a byte-order mark too
+        doc = json.loads(  # a byte-order mark too
+            Path(path).read_text(encoding="utf-8-sig"), object_pairs_hook=no_duplicate_keys
+        )
     except FileNotFoundError:
         raise SystemExit(
             f"synapse-client: no compendium at {path}: pull the global first "
@@ -35,6 +37,8 @@ def _load_compendium(path: str):
         raise SystemExit(f"synapse-client: {path} is not UTF-8 text ({exc.reason})") from None
     except json.JSONDecodeError as exc:
         raise SystemExit(f"synapse-client: {path} is not valid JSON ({exc.msg})") from None
+    except DuplicateKey as exc:  # one reader's "a" is another's "b"
+        raise SystemExit(f"synapse-client: {path} is not valid JSON ({exc})") from None
     except RecursionError:
         raise SystemExit(f"synapse-client: {path} is not a compendium: it nests too deeply") from None
     except ValueError:  # an integer of more digits than Python reads (4,300)

