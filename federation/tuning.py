@@ -142,9 +142,10 @@ def requeue_lost_tuning(after_seconds: float) -> TunedRouter | None:
     with _tuning_lock(version.pk) as held:
         if not held:  # a tuning of it runs
             return None
-        record.refresh_from_db()
-        if record.state not in (TunedRouter.State.QUEUED, TunedRouter.State.RUNNING):
-            return None  # it finished between the two reads
+        record = TunedRouter.objects.filter(pk=record.pk).first()
+        if record is None or record.state not in (TunedRouter.State.QUEUED,
+                                                  TunedRouter.State.RUNNING):
+            return None  # it finished between the two reads, or its global was deleted
         _remove_partials(version, None)  # what a dead run left (this process holds the lock)
         lost = f"its task was lost ({record.state} since {since:%Y-%m-%d %H:%M:%S %Z})"
         if record.requeues >= settings.SYNAPSE_TASK_MAX_DELIVERIES:
@@ -344,6 +345,11 @@ def give_up_tuning(version_id: int, reason: str) -> TunedRouter | None:
         return record
     with _tuning_lock(version_id) as held:
         if not held:
+            return record
+        # Read again under the lock: a run that held it may have finished the router meanwhile
+        # (ready: left served), or its global been deleted, and the row with it (None).
+        record = TunedRouter.objects.filter(pk=record.pk).select_related("version").first()
+        if record is None or record.state == TunedRouter.State.READY:
             return record
         _remove_partials(record.version, None)
         log.warning("tuning the router of version %s given up: %s", version_id, reason)
