@@ -288,6 +288,41 @@ def test_close_due_rounds_in_a_loop_ends_quietly_when_interrupted(monkeypatch):
     assert out == ""
 
 
+@pytest.mark.django_db(transaction=True)
+def test_close_due_rounds_in_a_loop_survives_a_database_that_fails_one_check(monkeypatch):
+    """Found by audit: `close_due_rounds --every 60`, run unattended, ended with a traceback the
+    first time the database failed a check (restarted, out of reach for a moment), and no round
+    closed at its deadline after that. Checked once (cron), the failure still ends the command."""
+    from django.db import OperationalError
+
+    from federation.management.commands import close_due_rounds
+
+    checks, sleeps = [], []
+
+    def check():
+        checks.append(1)
+        if len(checks) == 1:
+            raise OperationalError("server closed the connection unexpectedly")
+        return []
+
+    def sleep(seconds):
+        sleeps.append(seconds)
+        if len(sleeps) == 2:
+            raise KeyboardInterrupt
+
+    monkeypatch.setattr(close_due_rounds, "close_due_rounds", check)
+    monkeypatch.setattr(close_due_rounds.time, "sleep", sleep)
+    out, err = io.StringIO(), io.StringIO()
+    call_command("close_due_rounds", "--every", "60", stdout=out, stderr=err)
+    assert len(checks) == 2 and sleeps == [60, 60]
+    assert err.getvalue().strip() == (
+        "close_due_rounds: the check failed (server closed the connection unexpectedly); "
+        "checking again in 60 s")
+    checks.clear()
+    with pytest.raises(OperationalError):
+        run("close_due_rounds")
+
+
 def test_erase_client_reads_only_ascii_digits_as_an_id():
     # "²" passes str.isdigit but not int(): was a ValueError traceback
     with pytest.raises(CommandError, match="no client '²'"):
