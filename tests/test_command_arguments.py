@@ -323,6 +323,21 @@ def test_close_due_rounds_in_a_loop_survives_a_database_that_fails_one_check(mon
         run("close_due_rounds")
 
 
+@pytest.mark.parametrize("command", ["import_tools", "import_probe_set"])
+def test_an_empty_path_is_refused_not_read_as_the_current_folder(command, tmp_path, monkeypatch):
+    """Found by audit: `import_tools "$DATASET"` with DATASET unset read "" as the current folder
+    and imported the tools.jsonl (and queries.jsonl) that happened to be there."""
+    from compendium.models import Tool
+    from federation.models import ProbeQuery
+
+    (tmp_path / "tools.jsonl").write_text('{"tool_id": "stray", "name": "Stray", "description": "d"}\n')
+    (tmp_path / "queries.jsonl").write_text('{"query": "q", "tool_id": "stray"}\n')
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(CommandError, match="^the path is empty: name a file or folder$"):
+        run(command, "")
+    assert not Tool.objects.filter(tool_id="stray").exists() and not ProbeQuery.objects.exists()
+
+
 def test_erase_client_reads_only_ascii_digits_as_an_id():
     # "²" passes str.isdigit but not int(): was a ValueError traceback
     with pytest.raises(CommandError, match="no client '²'"):
