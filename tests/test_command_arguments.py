@@ -338,6 +338,15 @@ def test_an_empty_path_is_refused_not_read_as_the_current_folder(command, tmp_pa
     assert not Tool.objects.filter(tool_id="stray").exists() and not ProbeQuery.objects.exists()
 
 
+def test_erase_client_of_a_pending_client_does_not_say_its_token_submits(world):
+    """Found by audit: erasing a client still pending approval said "its token still submits";
+    a pending client has no token (approval issues it)."""
+    out = run("erase_client", "org-a/a-pending").splitlines()
+    assert out[-1] == (
+        "org-a/a-pending is still enrolled (pending approval): it has no token yet, and approving "
+        "it would let it submit; revoke it on its organization's page if it is to send nothing")
+
+
 def test_erase_client_reads_only_ascii_digits_as_an_id():
     # "²" passes str.isdigit but not int(): was a ValueError traceback
     with pytest.raises(CommandError, match="no client '²'"):
