@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import BinaryIO
 
 from django.conf import settings
-from django.db import DatabaseError, connection
+from django.db import DatabaseError, connection, transaction
 from django.utils import timezone
 
 from compendium.models import CompendiumVersion
@@ -334,6 +334,35 @@ def _failed(record: TunedRouter, exc: Exception, retune: bool) -> TunedRouter | 
         record,
         detail=f"tuning again failed ({reason}); the router tuned before is still served"[:2000],
     )
+
+
+def fail_killed_tuning(version_id: int, reason: str) -> TunedRouter | None:
+    """The tuning of `version_id`'s router killed by its worker (past its hard time limit): its
+    row `queued` or `running` -> failed with `reason`; a ready one (a forced retune killed) stays
+    ready, its router served, saying that tuning again failed. Called by the worker's main
+    process before it kills the tuning's, whose session holds the tuning's lock: the row is
+    written without that lock, its row lock waited for briefly (a row still locked then is left
+    to beat's check, logged). What the killed run leaves is removed by the next tuning of it.
+    None: no row (its global deleted), or the row left as it was."""
+    from federation import services
+    from federation.errors import Busy
+
+    try:
+        with transaction.atomic(), services.waiting_briefly("fail the tuning"):
+            record = TunedRouter.objects.select_for_update().filter(version_id=version_id).first()
+            if record is None:
+                return None
+            if record.state == TunedRouter.State.READY:
+                return _written(record, detail=(
+                    f"tuning again failed ({reason}); the router tuned before is still served"
+                )[:2000])
+            if record.state not in (TunedRouter.State.QUEUED, TunedRouter.State.RUNNING):
+                return record
+            log.warning("tuning the router of version %s failed: %s", version_id, reason)
+            return _finish(record, TunedRouter.State.FAILED, reason)
+    except Busy as busy:
+        log.warning("the tuning of version %s not failed (%s): %s", version_id, busy, reason)
+        return None
 
 
 def give_up_tuning(version_id: int, reason: str) -> TunedRouter | None:
