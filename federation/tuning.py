@@ -327,7 +327,9 @@ def _failed(record: TunedRouter, exc: Exception, retune: bool) -> TunedRouter | 
     """A tuning that failed: its row failed with the reason, or for a forced retune of a ready
     router, still ready (its router served) and saying that tuning again failed (None: the row
     is gone with its global)."""
-    reason = f"{exc.__class__.__name__}: {exc}"
+    from workers.tasks import time_limit_words
+
+    reason = time_limit_words(exc) or f"{exc.__class__.__name__}: {exc}"
     if not retune:
         return _finish(record, TunedRouter.State.FAILED, reason)
     return _written(

@@ -503,3 +503,22 @@ def test_tune_router_command(data, capsys):
     assert "round 1: routing encoder tuned on" in out and "tuned," in out
     assert f"1 epoch(s) on {TunedRouter.objects.get().device}," in out
     assert TunedRouter.objects.get().state == TunedRouter.State.READY
+
+
+def test_a_tuning_stopped_at_its_soft_time_limit_says_so(data, monkeypatch, settings):
+    """Found by audit: README has a tuning past SYNAPSE_TASK_TIME_LIMIT_SECONDS fail its router
+    saying it ran past that limit, as a merge fails its round; the row said
+    "SoftTimeLimitExceeded: SoftTimeLimitExceeded()"."""
+    from billiard.exceptions import SoftTimeLimitExceeded
+
+    import routing.finetune
+
+    def past_the_limit(*args, **kwargs):
+        raise SoftTimeLimitExceeded()
+
+    _, version = _publish(data, 1)
+    monkeypatch.setattr(routing.finetune, "tune_router", past_the_limit)
+    record = tune_published_router(version.pk, 1)
+    assert record.state == TunedRouter.State.FAILED
+    assert record.detail == (
+        f"it ran past SYNAPSE_TASK_TIME_LIMIT_SECONDS ({settings.SYNAPSE_TASK_TIME_LIMIT_SECONDS} s)")

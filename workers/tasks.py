@@ -50,6 +50,12 @@ def _why(exc: BaseException) -> str:
             f"({settings.SYNAPSE_TASK_TIME_LIMIT_SECONDS} s){killed}")
 
 
+def time_limit_words(exc: BaseException) -> str | None:
+    """"it ran past SYNAPSE_TASK_TIME_LIMIT_SECONDS (…)" when a time limit is behind `exc`, else
+    None: for what records a failure itself (a tuning's row), in the words a round's has."""
+    return _why(exc) if _time_limit(exc) is not None else None
+
+
 class PipelineTask(Task):
     """A task of the round pipeline. Its body fails the round on any error it sees; a task the
     worker kills at its hard time limit runs no more of its body, so the worker's main process
