@@ -82,6 +82,18 @@ def test_routing_token_refuses_an_empty_name(name):
     assert not RoutingToken.objects.exists()
 
 
+@pytest.mark.parametrize("name", [" my-app", "my-app ", "my-app\t"])
+def test_routing_token_refuses_a_name_that_starts_or_ends_with_a_space(name):
+    """Found by audit: `routing_token "my-app "` issued a token whose name read as my-app in the
+    audit log, and `routing_token my-app --revoke` answered "no routing token named 'my-app'"."""
+    from routing.models import RoutingToken
+
+    with pytest.raises(CommandError, match="cannot start or end with a space"):
+        run("routing_token", name)
+    assert not RoutingToken.objects.exists()
+    assert not AuditLog.objects.filter(action=AuditLog.Action.TOKEN_ISSUE).exists()
+
+
 def test_routing_token_issue_and_revoke_are_audited_without_the_token():
     """The README says the routing-token command is audited; neither issuing nor revoking wrote
     an entry, so nobody could tell who let an application route or when it was stopped."""
