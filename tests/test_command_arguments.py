@@ -191,6 +191,29 @@ def test_export_schema_to_a_path_it_cannot_write_says_so_in_one_line(registry, t
     assert not (tmp_path / "missing").exists()
 
 
+def test_export_schema_that_cannot_be_written_whole_leaves_the_file_it_replaces(registry, tmp_path):
+    """Found by audit: the schema was written in place, so a write that failed midway (the disk
+    full, here a file size limit) left half a JSON document where clients read the schema."""
+    import resource
+    import signal
+
+    schema = tmp_path / "schema.json"
+    schema.write_text('{"previous": true}')
+    limits = resource.getrlimit(resource.RLIMIT_FSIZE)
+    handler = signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # EFBIG, not the process killed
+    resource.setrlimit(resource.RLIMIT_FSIZE, (100, limits[1]))
+    try:
+        with pytest.raises(CommandError, match="cannot write the schema to .*schema.json: File too large"):
+            run("export_schema", "--out", str(schema))
+    finally:
+        resource.setrlimit(resource.RLIMIT_FSIZE, limits)
+        signal.signal(signal.SIGXFSZ, handler)
+    assert schema.read_text() == '{"previous": true}'
+    assert [p.name for p in tmp_path.iterdir()] == ["schema.json"]  # no temporary file left
+    assert run("export_schema", "--out", str(schema)) == f"schema written to {schema}\n"
+    assert '"tools"' in schema.read_text()
+
+
 def test_import_probe_set_refuses_a_negative_seed_in_one_line(registry, tmp_path):
     from federation.models import ProbeQuery
     from tests.merge_helpers import write_probe_dataset
