@@ -32,6 +32,17 @@ def test_issue_user_token_refuses_a_label_too_long_in_one_line():
     assert run("issue_user_token", "carol", "--label", "x" * 100).startswith("syn_u_")
 
 
+def test_issue_user_token_names_the_login_a_username_differs_from_only_in_case(world):
+    """Found by audit: `issue_user_token Member_A` said "no user 'Member_A'" although the login
+    member_a exists (usernames are unique in any case; a token is issued as written)."""
+    with pytest.raises(CommandError) as refused:
+        run("issue_user_token", "Member_A")
+    assert str(refused.value) == "no user 'Member_A' (usernames are case-sensitive: 'member_a'?)"
+    assert not UserToken.objects.exists()
+    with pytest.raises(CommandError, match=r"^no user 'nobody'$"):
+        run("issue_user_token", "nobody")
+
+
 def test_issue_user_token_refuses_a_deactivated_login(world):
     """It printed a token for a deactivated login: one that answered 401 "invalid token" while
     the login stayed off, then started working on any reactivation (by an admin of the
