@@ -237,9 +237,17 @@ def _unique(tools: list[ToolSpec], source: str) -> list[ToolSpec]:
     return tools
 
 
+def _given(path: str | Path) -> Path:
+    """`path` as a Path; an empty one refused: Path("") is the current folder, so
+    `import_tools "$DATASET"` with DATASET unset imported whatever tools.jsonl was there."""
+    if isinstance(path, str) and not path:
+        raise RegistryFormatError("the path is empty: name a file or folder")
+    return Path(path)
+
+
 def load_registry(path: str | Path) -> list[ToolSpec]:
     """Tools from a dataset folder, a tools.jsonl file, or an MCP tools/list JSON file."""
-    path = Path(path)
+    path = _given(path)
     if path.is_dir():
         candidate = path / "tools.jsonl"
         if not candidate.exists():
@@ -369,7 +377,7 @@ def load_queries(path: Path, tool_ids: Iterable[str] | None = None) -> list[Labe
 
 def load_dataset(folder: str | Path) -> RoutingDataset:
     """The dataset in `folder`, named after the folder (what "." or ".." name, not "" or "..")."""
-    folder = Path(folder)
+    folder = _given(folder)
     name = Path(os.path.abspath(folder)).name
     if folder.exists() and not folder.is_dir():  # load_registry reads a file as a registry
         raise RegistryFormatError(

@@ -206,10 +206,13 @@ def organizations_with_submissions(round_: Round) -> list[int]:
 def start_round(round_id: int, attempt: int | None = None) -> list[int]:
     """closing -> merging; the organizations whose edges merge. A round that would exceed the
     privacy budget fails here, before any merge runs or any noise is drawn. A start of an earlier
-    run than the round's (`attempt`) raises StaleAttempt."""
+    run than the round's (`attempt`), or of a round no longer closing or merging (the operator
+    failed it first, or a chord an earlier delivery dispatched published it), raises
+    StaleAttempt, as the edge and server merges of such a run do."""
     with transaction.atomic():
         round_ = Round.objects.select_for_update().get(pk=round_id)
-        _check_attempt(round_, attempt)
+        if attempt is not None:  # a task: its run over, it writes nothing and fails nothing
+            _check_attempt(round_, attempt, states=(Round.State.CLOSING, Round.State.MERGING))
         if round_.state not in (Round.State.CLOSING, Round.State.MERGING):
             raise PipelineError(f"round {round_.number} is {round_.state}, not closing")
         config = _config(round_)

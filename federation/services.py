@@ -544,6 +544,12 @@ def issue_routing_token(actor: Actor, name: str) -> str:
     if not name.strip():
         # `routing_token "$NAME"` with NAME unset: a token nobody could tell from another
         raise InvalidRequest("a routing token needs a name (it is how the token is revoked)")
+    if name != name.strip():
+        # " my-app" reads as my-app in the audit log, and `--revoke my-app` found no such token
+        raise InvalidRequest(
+            f"a routing token's name cannot start or end with a space: {name!r} (it is how the "
+            "token is revoked)"
+        )
     limit = RoutingToken._meta.get_field("name").max_length
     if len(name) > limit:
         raise InvalidRequest(f"a routing token's name is at most {limit} characters, not {len(name)}")

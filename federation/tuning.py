@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import BinaryIO
 
 from django.conf import settings
-from django.db import DatabaseError, connection
+from django.db import DatabaseError, connection, transaction
 from django.utils import timezone
 
 from compendium.models import CompendiumVersion
@@ -142,9 +142,10 @@ def requeue_lost_tuning(after_seconds: float) -> TunedRouter | None:
     with _tuning_lock(version.pk) as held:
         if not held:  # a tuning of it runs
             return None
-        record.refresh_from_db()
-        if record.state not in (TunedRouter.State.QUEUED, TunedRouter.State.RUNNING):
-            return None  # it finished between the two reads
+        record = TunedRouter.objects.filter(pk=record.pk).first()
+        if record is None or record.state not in (TunedRouter.State.QUEUED,
+                                                  TunedRouter.State.RUNNING):
+            return None  # it finished between the two reads, or its global was deleted
         _remove_partials(version, None)  # what a dead run left (this process holds the lock)
         lost = f"its task was lost ({record.state} since {since:%Y-%m-%d %H:%M:%S %Z})"
         if record.requeues >= settings.SYNAPSE_TASK_MAX_DELIVERIES:
@@ -326,13 +327,44 @@ def _failed(record: TunedRouter, exc: Exception, retune: bool) -> TunedRouter | 
     """A tuning that failed: its row failed with the reason, or for a forced retune of a ready
     router, still ready (its router served) and saying that tuning again failed (None: the row
     is gone with its global)."""
-    reason = f"{exc.__class__.__name__}: {exc}"
+    from workers.tasks import time_limit_words
+
+    reason = time_limit_words(exc) or f"{exc.__class__.__name__}: {exc}"
     if not retune:
         return _finish(record, TunedRouter.State.FAILED, reason)
     return _written(
         record,
         detail=f"tuning again failed ({reason}); the router tuned before is still served"[:2000],
     )
+
+
+def fail_killed_tuning(version_id: int, reason: str) -> TunedRouter | None:
+    """The tuning of `version_id`'s router killed by its worker (past its hard time limit): its
+    row `queued` or `running` -> failed with `reason`; a ready one (a forced retune killed) stays
+    ready, its router served, saying that tuning again failed. Called by the worker's main
+    process before it kills the tuning's, whose session holds the tuning's lock: the row is
+    written without that lock, its row lock waited for briefly (a row still locked then is left
+    to beat's check, logged). What the killed run leaves is removed by the next tuning of it.
+    None: no row (its global deleted), or the row left as it was."""
+    from federation import services
+    from federation.errors import Busy
+
+    try:
+        with transaction.atomic(), services.waiting_briefly("fail the tuning"):
+            record = TunedRouter.objects.select_for_update().filter(version_id=version_id).first()
+            if record is None:
+                return None
+            if record.state == TunedRouter.State.READY:
+                return _written(record, detail=(
+                    f"tuning again failed ({reason}); the router tuned before is still served"
+                )[:2000])
+            if record.state not in (TunedRouter.State.QUEUED, TunedRouter.State.RUNNING):
+                return record
+            log.warning("tuning the router of version %s failed: %s", version_id, reason)
+            return _finish(record, TunedRouter.State.FAILED, reason)
+    except Busy as busy:
+        log.warning("the tuning of version %s not failed (%s): %s", version_id, busy, reason)
+        return None
 
 
 def give_up_tuning(version_id: int, reason: str) -> TunedRouter | None:
@@ -344,6 +376,11 @@ def give_up_tuning(version_id: int, reason: str) -> TunedRouter | None:
         return record
     with _tuning_lock(version_id) as held:
         if not held:
+            return record
+        # Read again under the lock: a run that held it may have finished the router meanwhile
+        # (ready: left served), or its global been deleted, and the row with it (None).
+        record = TunedRouter.objects.filter(pk=record.pk).select_related("version").first()
+        if record is None or record.state == TunedRouter.State.READY:
             return record
         _remove_partials(record.version, None)
         log.warning("tuning the router of version %s given up: %s", version_id, reason)

@@ -92,8 +92,9 @@ def test_round_status_names_why_a_round_failed_and_its_retry(registry):
     call_command("round_status", stdout=out)
     assert re.fullmatch(
         r"round 1: failed \(since [\d-]+ [\d:]+ UTC\), submissions from 0 clients; failed: no accepted "
-        r"submission \(manage.py retry_round 1 runs it again\)\n", out.getvalue()
-    ), out.getvalue()
+        r"submission \(it has no submission to merge, so it cannot be retried: open the next round "
+        r"instead\)\n", out.getvalue()
+    ), out.getvalue()  # retry_round refuses it (it named retry_round before: found by audit)
     Round.objects.filter(pk=rnd.pk).update(closed_at=Round.objects.get(pk=rnd.pk).closed_at - timedelta(days=3))
     # a client submitted meanwhile (a round with no submission to merge is not retried)
     from compendium.schema import Compendium
@@ -107,6 +108,17 @@ def test_round_status_names_why_a_round_failed_and_its_retry(registry):
         {"tool_id": "weather", "text": "Will it rain"}]}), kind="client", round=rnd, client=client)
     Submission.objects.create(client=client, round=rnd, idempotency_key="k", version=version,
                               request_sha256="0" * 64, response={})
+    out = io.StringIO()
+    call_command("round_status", stdout=out)
+    assert out.getvalue().endswith("(manage.py retry_round 1 runs it again)\n"), out.getvalue()
+    # a later round published: retry_round refuses it, and round_status does not name it
+    later = Round.objects.create(number=2, state=Round.State.PUBLISHED)
+    out = io.StringIO()
+    call_command("round_status", stdout=out)
+    assert out.getvalue().splitlines()[-1].endswith(
+        "(round 2 is published after it, so it cannot be retried: globals are published in round "
+        "order)"), out.getvalue()
+    later.delete()
     services.retry_round(system, rnd.pk)
     retried = Round.objects.get(pk=rnd.pk)
     out = io.StringIO()

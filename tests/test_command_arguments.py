@@ -32,6 +32,17 @@ def test_issue_user_token_refuses_a_label_too_long_in_one_line():
     assert run("issue_user_token", "carol", "--label", "x" * 100).startswith("syn_u_")
 
 
+def test_issue_user_token_names_the_login_a_username_differs_from_only_in_case(world):
+    """Found by audit: `issue_user_token Member_A` said "no user 'Member_A'" although the login
+    member_a exists (usernames are unique in any case; a token is issued as written)."""
+    with pytest.raises(CommandError) as refused:
+        run("issue_user_token", "Member_A")
+    assert str(refused.value) == "no user 'Member_A' (usernames are case-sensitive: 'member_a'?)"
+    assert not UserToken.objects.exists()
+    with pytest.raises(CommandError, match=r"^no user 'nobody'$"):
+        run("issue_user_token", "nobody")
+
+
 def test_issue_user_token_refuses_a_deactivated_login(world):
     """It printed a token for a deactivated login: one that answered 401 "invalid token" while
     the login stayed off, then started working on any reactivation (by an admin of the
@@ -80,6 +91,18 @@ def test_routing_token_refuses_an_empty_name(name):
     with pytest.raises(CommandError, match="needs a name"):
         run("routing_token", name)
     assert not RoutingToken.objects.exists()
+
+
+@pytest.mark.parametrize("name", [" my-app", "my-app ", "my-app\t"])
+def test_routing_token_refuses_a_name_that_starts_or_ends_with_a_space(name):
+    """Found by audit: `routing_token "my-app "` issued a token whose name read as my-app in the
+    audit log, and `routing_token my-app --revoke` answered "no routing token named 'my-app'"."""
+    from routing.models import RoutingToken
+
+    with pytest.raises(CommandError, match="cannot start or end with a space"):
+        run("routing_token", name)
+    assert not RoutingToken.objects.exists()
+    assert not AuditLog.objects.filter(action=AuditLog.Action.TOKEN_ISSUE).exists()
 
 
 def test_routing_token_issue_and_revoke_are_audited_without_the_token():
@@ -177,6 +200,29 @@ def test_export_schema_to_a_path_it_cannot_write_says_so_in_one_line(registry, t
     with pytest.raises(CommandError, match="cannot write the schema to"):
         run("export_schema", "--out", str(tmp_path / where))
     assert not (tmp_path / "missing").exists()
+
+
+def test_export_schema_that_cannot_be_written_whole_leaves_the_file_it_replaces(registry, tmp_path):
+    """Found by audit: the schema was written in place, so a write that failed midway (the disk
+    full, here a file size limit) left half a JSON document where clients read the schema."""
+    import resource
+    import signal
+
+    schema = tmp_path / "schema.json"
+    schema.write_text('{"previous": true}')
+    limits = resource.getrlimit(resource.RLIMIT_FSIZE)
+    handler = signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # EFBIG, not the process killed
+    resource.setrlimit(resource.RLIMIT_FSIZE, (100, limits[1]))
+    try:
+        with pytest.raises(CommandError, match="cannot write the schema to .*schema.json: File too large"):
+            run("export_schema", "--out", str(schema))
+    finally:
+        resource.setrlimit(resource.RLIMIT_FSIZE, limits)
+        signal.signal(signal.SIGXFSZ, handler)
+    assert schema.read_text() == '{"previous": true}'
+    assert [p.name for p in tmp_path.iterdir()] == ["schema.json"]  # no temporary file left
+    assert run("export_schema", "--out", str(schema)) == f"schema written to {schema}\n"
+    assert '"tools"' in schema.read_text()
 
 
 def test_import_probe_set_refuses_a_negative_seed_in_one_line(registry, tmp_path):
@@ -286,6 +332,65 @@ def test_close_due_rounds_in_a_loop_ends_quietly_when_interrupted(monkeypatch):
     except KeyboardInterrupt:
         pytest.fail("the interrupt escaped the command: a traceback")
     assert out == ""
+
+
+@pytest.mark.django_db(transaction=True)
+def test_close_due_rounds_in_a_loop_survives_a_database_that_fails_one_check(monkeypatch):
+    """Found by audit: `close_due_rounds --every 60`, run unattended, ended with a traceback the
+    first time the database failed a check (restarted, out of reach for a moment), and no round
+    closed at its deadline after that. Checked once (cron), the failure still ends the command."""
+    from django.db import OperationalError
+
+    from federation.management.commands import close_due_rounds
+
+    checks, sleeps = [], []
+
+    def check():
+        checks.append(1)
+        if len(checks) == 1:
+            raise OperationalError("server closed the connection unexpectedly")
+        return []
+
+    def sleep(seconds):
+        sleeps.append(seconds)
+        if len(sleeps) == 2:
+            raise KeyboardInterrupt
+
+    monkeypatch.setattr(close_due_rounds, "close_due_rounds", check)
+    monkeypatch.setattr(close_due_rounds.time, "sleep", sleep)
+    out, err = io.StringIO(), io.StringIO()
+    call_command("close_due_rounds", "--every", "60", stdout=out, stderr=err)
+    assert len(checks) == 2 and sleeps == [60, 60]
+    assert err.getvalue().strip() == (
+        "close_due_rounds: the check failed (server closed the connection unexpectedly); "
+        "checking again in 60 s")
+    checks.clear()
+    with pytest.raises(OperationalError):
+        run("close_due_rounds")
+
+
+@pytest.mark.parametrize("command", ["import_tools", "import_probe_set"])
+def test_an_empty_path_is_refused_not_read_as_the_current_folder(command, tmp_path, monkeypatch):
+    """Found by audit: `import_tools "$DATASET"` with DATASET unset read "" as the current folder
+    and imported the tools.jsonl (and queries.jsonl) that happened to be there."""
+    from compendium.models import Tool
+    from federation.models import ProbeQuery
+
+    (tmp_path / "tools.jsonl").write_text('{"tool_id": "stray", "name": "Stray", "description": "d"}\n')
+    (tmp_path / "queries.jsonl").write_text('{"query": "q", "tool_id": "stray"}\n')
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(CommandError, match="^the path is empty: name a file or folder$"):
+        run(command, "")
+    assert not Tool.objects.filter(tool_id="stray").exists() and not ProbeQuery.objects.exists()
+
+
+def test_erase_client_of_a_pending_client_does_not_say_its_token_submits(world):
+    """Found by audit: erasing a client still pending approval said "its token still submits";
+    a pending client has no token (approval issues it)."""
+    out = run("erase_client", "org-a/a-pending").splitlines()
+    assert out[-1] == (
+        "org-a/a-pending is still enrolled (pending approval): it has no token yet, and approving "
+        "it would let it submit; revoke it on its organization's page if it is to send nothing")
 
 
 def test_erase_client_reads_only_ascii_digits_as_an_id():

@@ -293,6 +293,34 @@ def test_tasks_of_an_earlier_pipeline_run_stop_before_merging(probes, monkeypatc
     assert "failed" in tasks.edge_merge_task(round_.pk, org.pk, 2)["stale"]  # the round is over
 
 
+def test_a_start_of_a_round_that_is_over_changes_nothing_and_raises_nothing(monkeypatch):
+    """Found by audit: the start of a run whose round the operator failed before it ran (Fail on a
+    closing round), or published by a chord its first delivery dispatched before its worker died,
+    raised PipelineError ("round 1 is failed, not closing"): a traceback in the worker and a task
+    in FAILURE, where the edge and server merges of such a run answer `stale`."""
+    from federation import services
+    from workers import tasks
+
+    round_, _ = build_federation()
+    services.mark_failed(round_, "the operator failed it")
+    answer = tasks.start_round_pipeline(round_.pk, 1)
+    assert "failed" in answer["stale"] and answer["organizations"] == []
+    round_.refresh_from_db()
+    assert (round_.state, round_.failure_reason) == ("failed", "the operator failed it")
+
+    published, _ = build_federation(round_number=2)
+    dispatched = tasks.start_round_pipeline(published.pk, 1)  # eager: the chord publishes it
+    published.refresh_from_db()
+    assert published.state == "published" and dispatched["organizations"]
+    merges = []
+    monkeypatch.setattr(pipeline, "run_edge_merge", lambda *a, **k: merges.append(a))
+    assert "published" in tasks.start_round_pipeline(published.pk, 1)["stale"]
+    published.refresh_from_db()
+    assert published.state == "published" and merges == []
+    with pytest.raises(pipeline.PipelineError, match="not closing"):  # a direct call: refused
+        pipeline.start_round(published.pk)
+
+
 def test_merges_that_cannot_be_dispatched_fail_the_round(probes, monkeypatch):
     """The round is merging once started; if its merges cannot be queued (the broker down),
     nothing would ever run them: the round fails with the reason instead of staying merging."""

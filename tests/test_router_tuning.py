@@ -343,6 +343,66 @@ def test_giving_up_a_tuning_removes_what_killed_runs_left_unless_one_still_runs(
     assert not leftover.exists()
 
 
+@pytest.mark.parametrize("meanwhile", ["ready", "deleted"])
+def test_giving_up_reads_the_row_again_once_it_holds_the_tuning(data, monkeypatch, meanwhile):
+    """Found by audit: giving up read the row before taking the tuning's lock and failed it from
+    that read. A run that finished between the two (it held the lock, then released it) had its
+    ready router overwritten `failed` (the routing API stopped serving it); a global deleted
+    meanwhile (an erasure merged its round again) raised DoesNotExist in the worker."""
+    import contextlib
+
+    from federation import tuning
+
+    _, version = _publish(data, 1)
+    record = tuning.queue_tuning(version, 1)
+    taken = tuning._tuning_lock
+
+    @contextlib.contextmanager
+    def finished_just_before(version_id):
+        if meanwhile == "ready":  # the other run's last write, just before it released the lock
+            TunedRouter.objects.filter(pk=record.pk).update(
+                state=TunedRouter.State.READY, detail="", directory="/routers/round-1")
+        else:
+            version.delete()
+        with taken(version_id) as held:
+            yield held
+
+    monkeypatch.setattr(tuning, "_tuning_lock", finished_just_before)
+    answer = tuning.give_up_tuning(version.pk, "worker lost 3 times")
+    if meanwhile == "ready":
+        assert answer.state == TunedRouter.State.READY
+        assert TunedRouter.objects.get(pk=record.pk).state == TunedRouter.State.READY
+    else:
+        assert answer is None and not TunedRouter.objects.filter(pk=record.pk).exists()
+
+
+def test_the_beat_check_of_a_tuning_whose_global_is_deleted_meanwhile_queues_nothing(
+        data, settings, monkeypatch):
+    """Found by audit: the check read the row again under the lock with refresh_from_db, which
+    raised DoesNotExist in Celery beat's task when an erasure deleted the global (and the row)
+    between its first read and the lock."""
+    import contextlib
+
+    from federation import tuning
+    from workers.tasks import requeue_lost_tuning_task
+
+    settings.SYNAPSE_ROUTER_TUNE_EPOCHS = 1
+    _, version = _publish(data, 1)
+    record = tuning.queue_tuning(version, 1)
+    taken = tuning._tuning_lock
+
+    @contextlib.contextmanager
+    def deleted_just_before(version_id):
+        version.delete()
+        with taken(version_id) as held:
+            yield held
+
+    monkeypatch.setattr(tuning, "_tuning_lock", deleted_just_before)
+    settings.SYNAPSE_TUNING_REQUEUE_SECONDS = 0
+    assert requeue_lost_tuning_task() is None
+    assert not TunedRouter.objects.filter(pk=record.pk).exists()
+
+
 def test_a_lost_tuning_is_queued_again_by_the_beat_check_and_given_up_after_the_limit(data, settings):
     """A tuning whose message was lost (the broker down at the publication: the row stayed
     `queued` for good) or whose worker died mid-run (`running`, no lock held) was never tried
@@ -443,3 +503,22 @@ def test_tune_router_command(data, capsys):
     assert "round 1: routing encoder tuned on" in out and "tuned," in out
     assert f"1 epoch(s) on {TunedRouter.objects.get().device}," in out
     assert TunedRouter.objects.get().state == TunedRouter.State.READY
+
+
+def test_a_tuning_stopped_at_its_soft_time_limit_says_so(data, monkeypatch, settings):
+    """Found by audit: README has a tuning past SYNAPSE_TASK_TIME_LIMIT_SECONDS fail its router
+    saying it ran past that limit, as a merge fails its round; the row said
+    "SoftTimeLimitExceeded: SoftTimeLimitExceeded()"."""
+    from billiard.exceptions import SoftTimeLimitExceeded
+
+    import routing.finetune
+
+    def past_the_limit(*args, **kwargs):
+        raise SoftTimeLimitExceeded()
+
+    _, version = _publish(data, 1)
+    monkeypatch.setattr(routing.finetune, "tune_router", past_the_limit)
+    record = tune_published_router(version.pk, 1)
+    assert record.state == TunedRouter.State.FAILED
+    assert record.detail == (
+        f"it ran past SYNAPSE_TASK_TIME_LIMIT_SECONDS ({settings.SYNAPSE_TASK_TIME_LIMIT_SECONDS} s)")

@@ -139,3 +139,37 @@ def test_the_kill_does_not_wait_on_a_lock_the_dying_task_holds():
         holder.join(30)
     round_.refresh_from_db()
     assert round_.state == Round.State.MERGING  # left as it was, logged
+
+
+@pytest.mark.django_db
+def test_a_tuning_killed_at_the_hard_limit_fails_its_router():
+    """Found by audit: the tuning task shares the pipeline's on_failure, which read a `round_id`
+    argument the tuning task does not have: a KeyError in the worker's main process as it killed
+    a tuning past its limit, and the row left `running` (the routing page said "being tuned")."""
+    from compendium.models import CompendiumVersion
+    from federation import tuning
+    from routing.models import TunedRouter
+
+    round_, orgs = _merging()
+    for org in orgs:
+        pipeline.run_edge_merge(round_.pk, org)
+    pipeline.run_server_merge(round_.pk)
+    version = CompendiumVersion.objects.get(kind="global", round=round_)
+    record = tuning.queue_tuning(version, 1)
+    TunedRouter.objects.filter(pk=record.pk).update(state=TunedRouter.State.RUNNING)
+    tasks.tune_router_task.on_failure(
+        TimeLimitExceeded(settings.CELERY_TASK_TIME_LIMIT), "tune-killed", [version.pk, 1], {}, None)
+    record.refresh_from_db()
+    assert record.state == TunedRouter.State.FAILED and record.finished_at is not None
+    assert record.detail == (
+        f"tuning the router failed: it ran past SYNAPSE_TASK_TIME_LIMIT_SECONDS "
+        f"({settings.SYNAPSE_TASK_TIME_LIMIT_SECONDS} s) and was killed "
+        f"{settings.TASK_KILL_GRACE_SECONDS} s later")
+    assert Round.objects.get(pk=round_.pk).state == Round.State.PUBLISHED  # no round of its own
+
+    # a ready router (a forced retune killed) stays ready and served
+    TunedRouter.objects.filter(pk=record.pk).update(state=TunedRouter.State.READY, detail="")
+    tasks.tune_router_task.on_failure(TimeLimitExceeded(1), "retune-killed", [version.pk, 1], {}, None)
+    record.refresh_from_db()
+    assert record.state == TunedRouter.State.READY and record.detail.startswith(
+        "tuning again failed (tuning the router failed: it ran past")

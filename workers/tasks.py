@@ -50,6 +50,12 @@ def _why(exc: BaseException) -> str:
             f"({settings.SYNAPSE_TASK_TIME_LIMIT_SECONDS} s){killed}")
 
 
+def time_limit_words(exc: BaseException) -> str | None:
+    """"it ran past SYNAPSE_TASK_TIME_LIMIT_SECONDS (…)" when a time limit is behind `exc`, else
+    None: for what records a failure itself (a tuning's row), in the words a round's has."""
+    return _why(exc) if _time_limit(exc) is not None else None
+
+
 class PipelineTask(Task):
     """A task of the round pipeline. Its body fails the round on any error it sees; a task the
     worker kills at its hard time limit runs no more of its body, so the worker's main process
@@ -72,6 +78,20 @@ class PipelineTask(Task):
         # waited for briefly, so that the worker is not held by the task it is stopping.
         pipeline.fail_round(given["round_id"], self.failure_reason(exc, **given),
                             given.get("attempt"), briefly=True)
+
+
+class TuningTask(Task):
+    """The tuning task: one the worker kills at its hard time limit runs no more of its body, so
+    the worker's main process fails its router here (the pipeline's on_failure read a round the
+    tuning does not have: a KeyError, and the row left `running`)."""
+
+    def on_failure(self, exc, task_id, args, kwargs, einfo):
+        if not isinstance(exc, TimeLimitExceeded):
+            return  # the body recorded the failure on the row
+        from federation.tuning import fail_killed_tuning
+
+        bound = inspect.signature(self.run).bind(*args, **kwargs)
+        fail_killed_tuning(bound.arguments["version_id"], f"tuning the router failed: {_why(exc)}")
 
 
 TASK_OPTIONS = dict(acks_late=True, reject_on_worker_lost=True, base=PipelineTask)
@@ -161,7 +181,7 @@ def server_merge_task(self, round_id: int, attempt: int | None = None) -> str | 
         raise
 
 
-@shared_task(name="synapse.tune_router", bind=True, **TASK_OPTIONS)
+@shared_task(name="synapse.tune_router", bind=True, **{**TASK_OPTIONS, "base": TuningTask})
 def tune_router_task(self, version_id: int, epochs: int) -> dict:
     """Fine-tune the routing encoder on a published global (federation.tuning); the outcome,
     failures included, is recorded on its TunedRouter row."""

@@ -2,6 +2,7 @@ import math
 import time
 
 from django.core.management.base import BaseCommand, CommandError
+from django.db import DatabaseError, connection
 
 from federation.services import close_due_rounds, pipeline_outcome
 
@@ -31,15 +32,29 @@ class Command(BaseCommand):
                 f"{MAX_EVERY:g}, not {every:g}"
             )
         while True:
-            for rnd in close_due_rounds():
-                # Without a broker the pipeline has run by now: said as it ended (retry_round too).
-                self.stdout.write(
-                    f"round {rnd.number} closed at its deadline ({rnd.closes_at:%Y-%m-%d %H:%M} "
-                    f"UTC); {pipeline_outcome(rnd)}"
+            try:
+                self._check()
+            except DatabaseError as exc:
+                if every <= 0:
+                    raise
+                # The loop runs unattended: a database restarted or out of reach for a moment
+                # ended it with a traceback, and no round closed at its deadline after that.
+                self.stderr.write(
+                    f"close_due_rounds: the check failed ({' '.join(str(exc).split())}); "
+                    f"checking again in {every:g} s"
                 )
+                connection.close_if_unusable_or_obsolete()  # the next check connects again
             if every <= 0:
                 return
             try:
                 time.sleep(every)
             except KeyboardInterrupt:  # Ctrl-C, the way to end the loop: between two checks
                 return
+
+    def _check(self) -> None:
+        for rnd in close_due_rounds():
+            # Without a broker the pipeline has run by now: said as it ended (retry_round too).
+            self.stdout.write(
+                f"round {rnd.number} closed at its deadline ({rnd.closes_at:%Y-%m-%d %H:%M} "
+                f"UTC); {pipeline_outcome(rnd)}"
+            )

@@ -47,9 +47,15 @@ class Command(BaseCommand):
                "longer be retried" if report.edges_deleted else "")
         )
         target.refresh_from_db()
-        if target.status != Client.Status.REVOKED:
+        if target.status == Client.Status.APPROVED:
             # Erasure removes what the client sent; it does not stop the client sending again.
             self.stdout.write(
                 f"{target} is still enrolled ({target.status}) and its token still submits: revoke it "
                 "on its organization's page if it is to send nothing more"
+            )
+        elif target.status == Client.Status.PENDING:
+            # No token yet (it was "its token still submits"): an approval would give it one.
+            self.stdout.write(
+                f"{target} is still enrolled (pending approval): it has no token yet, and approving "
+                "it would let it submit; revoke it on its organization's page if it is to send nothing"
             )

@@ -18,9 +18,14 @@ class Command(BaseCommand):
     def handle(self, *args, username, label, **options):
         utf8_text("a username", username)
         utf8_text("a token's label", label)
-        user = get_user_model().objects.filter(username=username).first()
+        users = get_user_model().objects
+        user = users.filter(username=username).first()
         if user is None:
-            raise CommandError(f"no user {username!r}")
+            # Usernames are unique in any case, and signing in takes them as written: name the
+            # login that differs only in case, rather than say there is none.
+            other = users.filter(username__iexact=username).values_list("username", flat=True)
+            hint = f" (usernames are case-sensitive: {other[0]!r}?)" if other else ""
+            raise CommandError(f"no user {username!r}{hint}")
         try:
             token = issue_user_token(Actor.system("issue_user_token"), user, label)
         except FederationError as exc:

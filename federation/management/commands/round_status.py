@@ -2,7 +2,7 @@ from django.core.management.base import BaseCommand, CommandError
 from django.db.models import Count
 
 from federation.models import Round
-from federation.services import MAX_ROUND_NUMBER
+from federation.services import MAX_ROUND_NUMBER, published_after, submissions_to_merge
 
 
 class Command(BaseCommand):
@@ -32,5 +32,17 @@ class Command(BaseCommand):
             if rnd.attempt > 1:
                 line += f", merge run {rnd.attempt}"
             if rnd.state == Round.State.FAILED:
-                line += f"; failed: {rnd.failure_reason} (manage.py retry_round {rnd.number} runs it again)"
+                line += f"; failed: {rnd.failure_reason} ({_retry(rnd)})"
             self.stdout.write(line)
+
+
+def _retry(rnd: Round) -> str:
+    """What the operator can do with a failed round: it named `retry_round` for rounds that
+    retry_round refuses (a later round published, or nothing to merge)."""
+    later = published_after(rnd)
+    if later is not None:
+        return (f"round {later} is published after it, so it cannot be retried: globals are "
+                "published in round order")
+    if not submissions_to_merge(round=rnd).exists():
+        return "it has no submission to merge, so it cannot be retried: open the next round instead"
+    return f"manage.py retry_round {rnd.number} runs it again"
