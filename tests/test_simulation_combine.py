@@ -120,14 +120,14 @@ def test_a_run_records_the_code_it_ran_and_combining_runs_of_other_code_warns(tm
     records its git commit ("+" for uncommitted changes), and --combine says when they differ."""
     import subprocess
 
-    from federation.simulation.report import host
+    from federation.simulation.report import code_revision
 
     try:
         head = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True,
                               check=True).stdout.strip()
     except (OSError, subprocess.CalledProcessError):
         pytest.skip("not a git checkout")
-    assert host()["code"].removesuffix("+") == head
+    assert code_revision().removesuffix("+") == head
     (tmp_path / "a.json").write_text(json.dumps(doc([0], [0.7], 1.0, host={"code": "a" * 40})))
     (tmp_path / "b.json").write_text(json.dumps(doc([1], [0.7], 1.0, host={"code": "b" * 40 + "+"})))
     call_command("simulate", "--combine", str(tmp_path / "a.json"), str(tmp_path / "b.json"),
@@ -638,3 +638,24 @@ def test_runs_of_two_versions_of_one_dataset_are_not_combined():
     assert "dataset_fingerprint" not in combine([doc([0], [0.7], 1.0)])
     assert _shape_problem(doc([0], [0.7], 1.0, dataset_fingerprint=3)) == (
         "'dataset_fingerprint' is not a JSON string")
+
+
+def test_a_run_records_the_code_it_started_with_not_what_is_checked_out_when_it_ends(monkeypatch):
+    """A long run recorded the commit checked out when it wrote its document: one started before a
+    merge and ending after it named the new code, which it had not run."""
+    from types import SimpleNamespace
+
+    from federation.simulation import report
+    from federation.simulation.runner import SimulationConfig
+
+    checked_out = ["a" * 40]
+    monkeypatch.setattr(report, "code_revision", lambda: checked_out[0])
+
+    class Played:
+        def results(self, simulation, seeds):
+            checked_out[0] = "b" * 40  # a commit lands while the seeds run
+            return []
+
+    simulation = SimpleNamespace(dataset=SimpleNamespace(name="tiny"), config=SimulationConfig(),
+                                 engine=None)
+    assert report.run(simulation, [0], Played())["host"]["code"] == "a" * 40

@@ -57,6 +57,7 @@ class PlayedRuns:
 
 def run(simulation: Simulation, seeds: list[int], played: PlayedRuns | None = None) -> dict[str, Any]:
     started = time.perf_counter()
+    revision = code_revision()  # the code this run imported: a commit may land while it runs
     per_seed = (played or PlayedRuns()).results(simulation, seeds)
     rows = [row for result in per_seed for row in result.rows]
     return {
@@ -75,7 +76,7 @@ def run(simulation: Simulation, seeds: list[int], played: PlayedRuns | None = No
         "screening": _sums([r.screening for r in per_seed], SCREENING_KEYS),
         "targeting": _targeting_sums([r.targeting for r in per_seed]),
         "seconds": round(time.perf_counter() - started, 1),
-        "host": host(simulation.engine),
+        "host": host(simulation.engine, revision),
     }
 
 
@@ -89,11 +90,12 @@ _ISA_FLAGS = ("avx2", "avx512f", "avx512_vnni", "avx_vnni", "avx512_bf16", "amx_
 FINGERPRINT_TEXT = "Find me a cheap flight to Lisbon next Friday and book a hotel near the beach"
 
 
-def host(engine=None) -> dict[str, Any]:
+def host(engine=None, revision: str | None = None) -> dict[str, Any]:
     """What a run's figures depend on besides the code and the seeds: the same code and packages
     give slightly different int8 MiniLM embeddings on other hosts (see the README, "Reproducing
     the figures on another host"), so a document says where it ran and, given the run's
-    embedding `engine`, a fingerprint of what that engine computes there."""
+    embedding `engine`, a fingerprint of what that engine computes there, and the git commit
+    `revision` it ran (`code_revision()`, read when the run started)."""
     cpu, flags = "", set()
     try:
         with open("/proc/cpuinfo", encoding="utf-8") as info:
@@ -117,7 +119,6 @@ def host(engine=None) -> dict[str, Any]:
         "python": platform.python_version(),
         **versions,
     }
-    revision = code_revision()
     if revision:
         facts["code"] = revision
     if engine is not None:
