@@ -51,9 +51,10 @@ def main(argv: list[str] | None = None) -> int:
         raise SystemExit(f"transfer_centralized: {exc}") from None
     if not variants and not args.tune_router:
         parser.error("nothing to score: give --transfer-models and/or --tune-router")
-    from federation.simulation.report import host
+    from federation.simulation.report import code_revision, host
 
-    facts = host(simulation.engine)  # where it ran: simulate's documents say the same
+    # Where it ran and on which code, read before the seeds run: simulate's documents say the same.
+    facts = host(simulation.engine, code_revision())
     rows = []
     started = time.perf_counter()
     for seed in range(args.seed, args.seed + max(1, args.seeds)):
