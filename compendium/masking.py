@@ -139,7 +139,8 @@ _BRACKETED = r"[ \t]{0,3}[\(\[\{<][ \t]{0,2}(?i:%s)[ \t]{0,2}[\)\]\}>][ \t]{0,3}
 # (an "@" with a space before it and none after starts a handle: "ask @jane.doe")
 _STRONG_AT = r"(?:[ \t]{0,3}@[ \t]{1,3}|" + _BRACKETED % "at" + r")"
 _WORD_AT = r"[ \t]{1,3}(?i:at)[ \t]{1,3}(?!(?i:the|a|an|this|that|these|those|my|your|his|her|its|our|their)\b)"
-_SPELLED_DOT = r"(?:" + _BRACKETED % "dot" + r"|[ \t]{1,3}(?i:dot)[ \t]{1,3})"
+# (a dot bracketed as written, "[.]", "(.)", is a spelled one: security notices defang so)
+_SPELLED_DOT = r"(?:" + _BRACKETED % r"dot|\." + r"|[ \t]{1,3}(?i:dot)[ \t]{1,3})"
 # a "." with spaces after it only before a lower-case label ("example . com", not "home. Then")
 _ANY_DOT = r"(?:[ \t]{0,3}\.(?:[ \t]{1,3}(?=[a-z]))?|" + _SPELLED_DOT + r")"
 _LOCAL_DOT = r"(?:\.|" + _SPELLED_DOT + r")"
@@ -209,8 +210,13 @@ _TOKEN = re.compile(_PLACEHOLDER_TOKEN + _REST, re.DOTALL)
 _TOKEN_WITH_SLOTS = re.compile(_PLACEHOLDER_TOKEN + "|" + _SLOT + _REST, re.DOTALL)
 
 _SENTENCE_END = re.compile(r"[.!?:;\n]")
-# Titles whose full stop starts no sentence: the capitalized word after one is a name.
-TITLES = frozenset("mr mrs ms mx dr prof rev st sr jr hon capt col gen lt sgt".split())
+# Titles whose full stop starts no sentence: the capitalized word after one is a name. Titles
+# of office (Sen., Gov., Rep., Pres., Det., Insp., Supt.), of the clergy (Fr.) and of other
+# languages (Mme., Mlle., Sra., Srta.) too: "Sen. Warren" left "Warren" to its rarity.
+TITLES = frozenset(
+    """mr mrs ms mx dr prof rev st sr jr hon capt col gen lt sgt sen gov rep pres det insp supt
+    fr mme mlle sra srta""".split()
+)
 _TITLE_BEFORE = re.compile(r"(?<![A-Za-z])(?:" + "|".join(sorted(TITLES)) + r")\.$", re.IGNORECASE)
 
 
@@ -227,19 +233,28 @@ _INVISIBLE = re.compile(
 )
 
 
+# The ideographic full stop (U+3002; NFKC makes the half-width U+FF61 one) between a letter or
+# digit and a Latin letter or digit: a dot of a domain name to IDNA, and what a CJK input method
+# types for one, so "john。doe＠example。com" is an address (its "john" left the client before).
+# Between two CJK characters it ends a sentence and stays.
+_IDEOGRAPHIC_DOT = re.compile(r"(?<=[^\W_])\u3002(?=[A-Za-z0-9])")
+
+
 def normalized(text: str) -> str:
     """The text in NFKC form (compatibility characters as their plain ones: a full-width ＠ or
     digit, superscript and circled digits, no-break spaces) without the characters a reader does
-    not see (`_INVISIBLE`), so that what masking and scrubbing look for is found however the
+    not see (`_INVISIBLE`), and with an ideographic full stop inside a word as the dot it spells
+    (`_IDEOGRAPHIC_DOT`), so that what masking and scrubbing look for is found however the
     characters spell it. ASCII is returned as it is."""
     if text.isascii():
         return text
-    return _INVISIBLE.sub("", unicodedata.normalize("NFKC", _INVISIBLE.sub("", text)))
+    text = _INVISIBLE.sub("", unicodedata.normalize("NFKC", _INVISIBLE.sub("", text)))
+    return _IDEOGRAPHIC_DOT.sub(".", text) if "\u3002" in text else text
 # What `TextMasker.residue` looks for before it tokenizes: an ASCII text with no `hard` match
 # holds no e-mail, URL, phone, identifier or number, and every name (a capitalized word after a
 # token of the same sentence) starts at a `capital` match whose group is the word itself (where
 # it is not, the check tokenizes).
-_RESIDUE_CANDIDATE = re.compile(r"(?P<hard>[\d@]|://|www|\.[A-Za-z]|" + _WORD_RUN + r"|\b(?i:dot)\b|[\(\[\{<][ \t]{0,2}(?i:at)[ \t]{0,2}[\)\]\}>])|(?<![A-Za-z])(?P<capital>[A-Z][A-Za-z']*)")
+_RESIDUE_CANDIDATE = re.compile(r"(?P<hard>[\d@]|://|www|\.[A-Za-z]|" + _WORD_RUN + r"|\b(?i:dot)\b|[\(\[\{<][ \t]{0,2}(?i:at|\.)[ \t]{0,2}[\)\]\}>])|(?<![A-Za-z])(?P<capital>[A-Z][A-Za-z']*)")
 _LETTERS = re.compile(r"[^\W\d_]+")
 _PLACEHOLDER = re.compile(r"\[(?:" + "|".join(PLACEHOLDERS) + r")\]")
 

@@ -250,6 +250,15 @@ def test_typographic_apostrophes_read_as_plain_ones():
         ("will it rain at the office of Dr. Miller tomorrow", "Miller"),
         ("book a table for Mrs. Davis at eight", "Davis"),
         ("ask prof. Okonkwo about the schedule", "Okonkwo"),
+        # titles of office and of other languages are titles too
+        ("I asked Sen. Warren about the bill", "Warren"),
+        ("a letter from Gov. Brown arrived", "Brown"),
+        ("call Rep. King about the vote", "King"),
+        ("ask Fr. Brown about the mass", "Brown"),
+        ("Det. Black will call back", "Black"),
+        ("a speech by Pres. Lincoln", "Lincoln"),
+        ("book a room for Mme. Martin", "Martin"),
+        ("ask Sra. Lopez about the order", "Lopez"),
     ],
 )
 def test_the_name_after_a_title_is_masked_as_a_name(text, kept):
@@ -269,6 +278,10 @@ def test_the_name_after_a_title_is_masked_as_a_name(text, kept):
     ("text", "secret", "kind"),
     [
         ("reach me at john.smith＠example．com", "john", "EMAIL"),
+        # the ideographic full stop (and the half-width one, which NFKC makes it) is a dot of a
+        # domain name to IDNA, and what a CJK input method types for one
+        ("reach me at john\u3002smith＠example\u3002com", "john", "EMAIL"),
+        ("reach me at john\uff61smith@example\uff61com", "john", "EMAIL"),
         ("call ⁴¹⁵⁵⁵⁵⁰¹⁹⁹ after lunch", "⁴¹⁵", "NUMBER"),
         ("the code is ①②③④⑤⑥⑦⑧⑨", "①", "NUMBER"),
         ("phone ４１５ ５５５ ０１９９ tonight", "５５５", "PHONE"),
@@ -290,6 +303,7 @@ def test_the_server_scrubs_what_look_alike_characters_spell():
     from compendium.scrub import scrub_text
 
     assert scrub_text("write to jane.doe＠gmail.com").text == "write to [email]"
+    assert scrub_text("write to jane\u3002doe＠gmail\u3002com").text == "write to [email]"
     assert scrub_text("card 4111\u00a01111\u00a01111\u00a01111 please").text == "card [card] please"
     assert scrub_text("plain text stays as it is").counts == {"email": 0, "card": 0, "phone": 0, "number": 0}
 
@@ -521,6 +535,10 @@ def test_a_number_spelled_out_in_words_is_one_number(text, secrets):
         ("send it to jane.doe [at] corp [dot] co [dot] uk tonight", ("jane", "doe", "corp")),
         ("reply to john @ example . com today", ("john", "example")),
         ("contact Margaret {AT} thornbury {DOT} net please", ("Margaret", "thornbury")),
+        # a dot bracketed as written, "[.]", as security notices defang an address
+        ("write to john [at] example [.] com for the refund", ("john", "example")),
+        ("write to jane (.) doe (at) corp (.) org tonight", ("jane", "doe", "corp")),
+        ("mail john at example [.] com today", ("john", "example")),
     ],
 )
 def test_an_email_address_written_out_to_dodge_filters_is_an_email_address(text, secrets):
