@@ -126,9 +126,14 @@ _WORD_RUN = (
     + _NUMBER_ITEM + r"){2,15})(?!\w)"
 )
 # An e-mail address: its local part and domain in letters of any script (RFC 6531 and IDNA:
-# "josé.garcía@empresa.es"); with ASCII-only classes the address was two words and a domain, and
-# a name in it could leave the client. On ASCII text the classes are those of `_LABEL`.
-_MAIL_LABEL = r"(?:[^\W_]|-){1,63}"
+# "josé.garcía@empresa.es"), combining marks included ("adébáyọ̀": ọ̀ has no precomposed form);
+# with ASCII-only classes, or without the marks, the address was words and a shorter address,
+# and a name in it could leave the client (a word, the shared-word rule could release it). On
+# ASCII text the classes are those of `_LABEL`.
+_MAIL_LABEL = r"(?:[^\W_]|-|[" + _MARK + r"]){1,63}"
+_MAIL_LOCAL_CHAR = r"[\w.%+\-" + _MARK + r"]"
+# (for the server's scrub, compendium.scrub)
+COMBINING_MARKS = _MARK
 # An e-mail address written to dodge filters: "@" and "." spelled "at" and "dot", bracketed
 # ("(at)", "[dot]", "{AT}", "<at>") or spaced ("john @ example . com"). Each piece was a common word
 # or punctuation, so "john(at)example(dot)org" left the client whole. An "@" spaced or bracketed
@@ -190,7 +195,8 @@ NUMBER_WORD_PATTERN = _NUMBER_WORD
 _SCHEME = r"(?<![A-Za-z0-9+.\-])[A-Za-z][A-Za-z0-9+.\-]{0,15}://"
 _PATH = r"/[^\s<>\"'\]\)]{0,2000}[^\s<>\"'\]\).,;:!?]"
 _REST = (
-    r"|(?P<email>[\w.%+\-]{1,64}@" + _MAIL_LABEL + r"(?:\." + _MAIL_LABEL + r"){0,8}"
+    # (possessive: "@" is not among the local part's characters, so giving some back finds none)
+    r"|(?P<email>" + _MAIL_LOCAL_CHAR + r"{1,64}+@" + _MAIL_LABEL + r"(?:\." + _MAIL_LABEL + r"){0,8}"
     r"\.[^\W\d_]{2,24}|" + _OBFUSCATED_MAIL + r"|" + _BARE_ADDRESS + r")"
     r"|(?P<url>(?:" + _SCHEME + r"|www\.)[^\s<>\"'\]\)]{0,2000}[^\s<>\"'\]\).,;:!?]"
     r"|\b" + _LABEL + r"(?:\." + _LABEL + r"){0,8}\.(?i:com|org|net|io|edu|gov|co|ai|dev|app|info"

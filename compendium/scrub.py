@@ -17,6 +17,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 
 from compendium.masking import (
+    COMBINING_MARKS,
     HOST_ADDRESS_PATTERN,
     OBFUSCATED_MAIL_PATTERN,
     TextMasker,
@@ -25,8 +26,12 @@ from compendium.masking import (
 from compendium.schema import AnnexTriple, Compendium, Precaution, PromptTemplate, Scenario
 from compendium.validation import Violation, metadata_free_text
 
-# The local part and the domain in letters of any script (RFC 6531, IDNA), as masking reads them.
-EMAIL = re.compile(r"(?<![\w.+-])[\w.+-]+@(?:[^\W_]|-)+(?:\.(?:[^\W_]|-)+)*\.[^\W\d_]{2,}")
+# The local part and the domain in letters of any script (RFC 6531, IDNA), combining marks
+# included, as masking reads them.
+_M = COMBINING_MARKS
+EMAIL = re.compile(
+    rf"(?<![\w.+\-{_M}])[\w.+\-{_M}]+@(?:[^\W_]|-|[{_M}])+(?:\.(?:[^\W_]|-|[{_M}])+)*\.[^\W\d_]{{2,}}"
+)
 # 13-19 digits, optionally grouped by single spaces or dashes.
 CARD = re.compile(r"(?<![\d])\d(?:[ -]?\d){12,18}(?![\d])")
 # International or national phone numbers: optional +CC, optional (area), groups split by

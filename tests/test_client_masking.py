@@ -472,6 +472,30 @@ def test_a_word_with_combining_marks_is_one_word(text, secret):
 
 
 @pytest.mark.parametrize(
+    "text",
+    [
+        "write to ade\u0301ba\u0301yo\u0323\u0300.okafor@example.com today",  # Yoruba ọ̀
+        "write to j\u0301ohn.doe@example.com today",  # j with an acute: no precomposed form
+    ],
+)
+def test_an_email_address_with_combining_marks_is_one_address(text):
+    """A combining mark NFKC cannot fold into its letter split an address: what came before it
+    was a word, which the shared-word rule released ("adébáyọ̀" that two users wrote left the
+    client) and the server's scrub left in place, the address after it alone being taken."""
+    from compendium.builder import clean_text
+    from compendium.scrub import scrub_text
+
+    text = clean_text(text)
+    local = text.split(" ")[2].split("@")[0]
+    m = masker(1.0).sharing(local.replace(".", " ").split())
+    assert [t.kind for t in tokenize(text) if t.kind not in ("space",)].count("email") == 1
+    out = m.mask(text).text
+    assert out == "write to [EMAIL] today", out
+    assert {r.kind for r in m.residue(text)} == {"EMAIL"}
+    assert scrub_text(text).text == "write to [email] today"
+
+
+@pytest.mark.parametrize(
     ("text", "secret", "strength"),
     [
         ("my pin is 4 8 2 1 please unlock the card", "4 8 2 1", 1.0),
