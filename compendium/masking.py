@@ -131,9 +131,14 @@ _WORD_RUN = (
 # and a name in it could leave the client (a word, the shared-word rule could release it). On
 # ASCII text the classes are those of `_LABEL`.
 _MAIL_LABEL = r"(?:[^\W_]|-|[" + _MARK + r"]){1,63}"
-_MAIL_LOCAL_CHAR = r"[\w.%+\-" + _MARK + r"]"
+# A local part's characters: RFC 5322's atext (' & ! # $ * / = ? ^ ` { | } ~ besides letters,
+# digits, "_", "-", "+", "%" and "."), the typographic apostrophe an editor puts for ', and
+# combining marks: "mary.o'brien@example.com" stopped at the apostrophe, and "mary.o'brien" left
+# the client as words.
+_MAIL_LOCAL_CHAR = r"[\w.%+\-'’&!#$*/=?^`{|}~" + _MARK + r"]"
 # (for the server's scrub, compendium.scrub)
 COMBINING_MARKS = _MARK
+MAIL_LOCAL_CHAR = _MAIL_LOCAL_CHAR
 # An e-mail address written to dodge filters: "@" and "." spelled "at" and "dot", bracketed
 # ("(at)", "[dot]", "{AT}", "<at>") or spaced ("john @ example . com"). Each piece was a common word
 # or punctuation, so "john(at)example(dot)org" left the client whole. An "@" spaced or bracketed
@@ -177,7 +182,7 @@ _OBFUSCATED_MAIL = (
 # "admin:hunter@dbserver") and a handle ("@john_smith", "@jane.doe"): the "@" was punctuation and
 # the lower-case name beside it a common word. A host or a handle holds a letter ("2@3.99", "@5"
 # stay as they are), and an "@" with a space after it is not one.
-_HOST_ADDRESS = r"[\w.%+\-]{1,64}+@[^\W\d_](?:[^\W_]|-){0,62}+(?![\w@])"
+_HOST_ADDRESS = _MAIL_LOCAL_CHAR + r"{1,64}+@[^\W\d_](?:[^\W_]|-){0,62}+(?![\w@])"
 _BARE_ADDRESS = (
     _HOST_ADDRESS
     + r"|(?<![\w.%+\-@])@(?=[\w.\-]{0,63}[^\W\d_])\w(?:[\w.\-]{0,62}\w)?+(?![\w@])"

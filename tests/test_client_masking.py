@@ -472,6 +472,27 @@ def test_a_word_with_combining_marks_is_one_word(text, secret):
 
 
 @pytest.mark.parametrize(
+    ("text", "secrets"),
+    [
+        ("write to mary.o'brien@example.com today", ("mary", "brien")),
+        ("write to mary.o\u2019brien@example.com today", ("mary", "brien")),  # typographic
+        ("write to john&jane@example.com today", ("john",)),
+        ("write to o'neill@dbserver today", ("neill",)),
+    ],
+)
+def test_an_email_address_with_an_apostrophe_or_other_atext_is_one_address(text, secrets):
+    """A local part may hold ' & ! # $ * / = ? ^ ` { | } ~ (RFC 5322's atext): "o'brien" is
+    how an Irish surname is written in an address. The local part stopped at the apostrophe,
+    so of "mary.o'brien@example.com" the name left the client and only "example.com" went, as
+    a URL; the server's scrub took "brien@example.com" and left "mary.o'"."""
+    from compendium.scrub import scrub_text
+
+    _masked_whole(text, secrets, "EMAIL")
+    assert masker(1.0).mask(text).text == "write to [EMAIL] today"
+    assert scrub_text(text).text == "write to [email] today"
+
+
+@pytest.mark.parametrize(
     "text",
     [
         "write to ade\u0301ba\u0301yo\u0323\u0300.okafor@example.com today",  # Yoruba ọ̀
