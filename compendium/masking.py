@@ -143,7 +143,8 @@ MAIL_LOCAL_CHAR = _MAIL_LOCAL_CHAR
 # ("(at)", "[dot]", "{AT}", "<at>") or spaced ("john @ example . com"). Each piece was a common word
 # or punctuation, so "john(at)example(dot)org" left the client whole. An "@" spaced or bracketed
 # "at" makes the run an address (`_OBFUSCATED_MAIL`); the word "at" only with a "dot" word or a
-# bracketed dot in it, and not before a determiner ("stocks at the dot com bubble"): "at" and
+# bracketed dot in it or after a dotted local part ("john.smith at example.com"), and not before
+# a determiner ("stocks at the dot com bubble"): "at" and
 # "dot" alone are ordinary words.
 _BRACKETED = r"[ \t]{0,3}[\(\[\{<][ \t]{0,2}(?i:%s)[ \t]{0,2}[\)\]\}>][ \t]{0,3}"
 # (an "@" with a space before it and none after starts a handle: "ask @jane.doe")
@@ -176,6 +177,9 @@ _OBFUSCATED_MAIL = (
     + r"|" + _MAIL_LOCAL + r"(?:\." + _MAIL_LOCAL + r"){0,4}" + _WORD_AT
     + _OBF_LABEL + r"(?:" + _ANY_DOT + _OBF_LABEL + r"){0,3}" + _SPELLED_DOT
     + r"(?:" + _OBF_LABEL + _ANY_DOT + r"){0,3}" + _TLD
+    # the word "at" after a dotted local part, before a plain domain: "john.smith at example.com"
+    + r"|" + _MAIL_LOCAL + r"(?:\." + _MAIL_LOCAL + r"){1,4}" + _WORD_AT
+    + _OBF_LABEL + r"(?:\." + _OBF_LABEL + r"){0,7}\." + _TLD
     + r")"
 )
 # An address on a host without a top-level domain ("john@localhost", the "hunter@dbserver" of

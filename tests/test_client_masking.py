@@ -584,6 +584,8 @@ def test_a_number_spelled_out_in_words_is_one_number(text, secrets):
         ("write to john [at] example [.] com for the refund", ("john", "example")),
         ("write to jane (.) doe (at) corp (.) org tonight", ("jane", "doe", "corp")),
         ("mail john at example [.] com today", ("john", "example")),
+        # the word "at" after a dotted local part: the dots say it is no plain word
+        ("write to john.smith at example.com for the refund", ("john", "smith")),
     ],
 )
 def test_an_email_address_written_out_to_dodge_filters_is_an_email_address(text, secrets):
@@ -594,7 +596,7 @@ def test_an_email_address_written_out_to_dodge_filters_is_an_email_address(text,
     _masked_whole(text, secrets, "EMAIL")
     m = masker(1.0)
     for kept in ("meet at the station at noon", "a polka dot dress at the shop",
-                 "stocks at the dot com bubble"):
+                 "stocks at the dot com bubble", "I use node.js at home"):
         assert "[EMAIL]" not in m.mask(kept).text
 
 
