@@ -126,20 +126,32 @@ _WORD_RUN = (
     + _NUMBER_ITEM + r"){2,15})(?!\w)"
 )
 # An e-mail address: its local part and domain in letters of any script (RFC 6531 and IDNA:
-# "josé.garcía@empresa.es"); with ASCII-only classes the address was two words and a domain, and
-# a name in it could leave the client. On ASCII text the classes are those of `_LABEL`.
-_MAIL_LABEL = r"(?:[^\W_]|-){1,63}"
+# "josé.garcía@empresa.es"), combining marks included ("adébáyọ̀": ọ̀ has no precomposed form);
+# with ASCII-only classes, or without the marks, the address was words and a shorter address,
+# and a name in it could leave the client (a word, the shared-word rule could release it). On
+# ASCII text the classes are those of `_LABEL`.
+_MAIL_LABEL = r"(?:[^\W_]|-|[" + _MARK + r"]){1,63}"
+# A local part's characters: RFC 5322's atext (' & ! # $ * / = ? ^ ` { | } ~ besides letters,
+# digits, "_", "-", "+", "%" and "."), the typographic apostrophe an editor puts for ', and
+# combining marks: "mary.o'brien@example.com" stopped at the apostrophe, and "mary.o'brien" left
+# the client as words.
+_MAIL_LOCAL_CHAR = r"[\w.%+\-'’&!#$*/=?^`{|}~" + _MARK + r"]"
+# (for the server's scrub, compendium.scrub)
+COMBINING_MARKS = _MARK
+MAIL_LOCAL_CHAR = _MAIL_LOCAL_CHAR
 # An e-mail address written to dodge filters: "@" and "." spelled "at" and "dot", bracketed
 # ("(at)", "[dot]", "{AT}", "<at>") or spaced ("john @ example . com"). Each piece was a common word
 # or punctuation, so "john(at)example(dot)org" left the client whole. An "@" spaced or bracketed
 # "at" makes the run an address (`_OBFUSCATED_MAIL`); the word "at" only with a "dot" word or a
-# bracketed dot in it, and not before a determiner ("stocks at the dot com bubble"): "at" and
+# bracketed dot in it or after a dotted local part ("john.smith at example.com"), and not before
+# a determiner ("stocks at the dot com bubble"): "at" and
 # "dot" alone are ordinary words.
 _BRACKETED = r"[ \t]{0,3}[\(\[\{<][ \t]{0,2}(?i:%s)[ \t]{0,2}[\)\]\}>][ \t]{0,3}"
 # (an "@" with a space before it and none after starts a handle: "ask @jane.doe")
 _STRONG_AT = r"(?:[ \t]{0,3}@[ \t]{1,3}|" + _BRACKETED % "at" + r")"
 _WORD_AT = r"[ \t]{1,3}(?i:at)[ \t]{1,3}(?!(?i:the|a|an|this|that|these|those|my|your|his|her|its|our|their)\b)"
-_SPELLED_DOT = r"(?:" + _BRACKETED % "dot" + r"|[ \t]{1,3}(?i:dot)[ \t]{1,3})"
+# (a dot bracketed as written, "[.]", "(.)", is a spelled one: security notices defang so)
+_SPELLED_DOT = r"(?:" + _BRACKETED % r"dot|\." + r"|[ \t]{1,3}(?i:dot)[ \t]{1,3})"
 # a "." with spaces after it only before a lower-case label ("example . com", not "home. Then")
 _ANY_DOT = r"(?:[ \t]{0,3}\.(?:[ \t]{1,3}(?=[a-z]))?|" + _SPELLED_DOT + r")"
 _LOCAL_DOT = r"(?:\.|" + _SPELLED_DOT + r")"
@@ -165,13 +177,16 @@ _OBFUSCATED_MAIL = (
     + r"|" + _MAIL_LOCAL + r"(?:\." + _MAIL_LOCAL + r"){0,4}" + _WORD_AT
     + _OBF_LABEL + r"(?:" + _ANY_DOT + _OBF_LABEL + r"){0,3}" + _SPELLED_DOT
     + r"(?:" + _OBF_LABEL + _ANY_DOT + r"){0,3}" + _TLD
+    # the word "at" after a dotted local part, before a plain domain: "john.smith at example.com"
+    + r"|" + _MAIL_LOCAL + r"(?:\." + _MAIL_LOCAL + r"){1,4}" + _WORD_AT
+    + _OBF_LABEL + r"(?:\." + _OBF_LABEL + r"){0,7}\." + _TLD
     + r")"
 )
 # An address on a host without a top-level domain ("john@localhost", the "hunter@dbserver" of
 # "admin:hunter@dbserver") and a handle ("@john_smith", "@jane.doe"): the "@" was punctuation and
 # the lower-case name beside it a common word. A host or a handle holds a letter ("2@3.99", "@5"
 # stay as they are), and an "@" with a space after it is not one.
-_HOST_ADDRESS = r"[\w.%+\-]{1,64}+@[^\W\d_](?:[^\W_]|-){0,62}+(?![\w@])"
+_HOST_ADDRESS = _MAIL_LOCAL_CHAR + r"{1,64}+@[^\W\d_](?:[^\W_]|-){0,62}+(?![\w@])"
 _BARE_ADDRESS = (
     _HOST_ADDRESS
     + r"|(?<![\w.%+\-@])@(?=[\w.\-]{0,63}[^\W\d_])\w(?:[\w.\-]{0,62}\w)?+(?![\w@])"
@@ -189,7 +204,8 @@ NUMBER_WORD_PATTERN = _NUMBER_WORD
 _SCHEME = r"(?<![A-Za-z0-9+.\-])[A-Za-z][A-Za-z0-9+.\-]{0,15}://"
 _PATH = r"/[^\s<>\"'\]\)]{0,2000}[^\s<>\"'\]\).,;:!?]"
 _REST = (
-    r"|(?P<email>[\w.%+\-]{1,64}@" + _MAIL_LABEL + r"(?:\." + _MAIL_LABEL + r"){0,8}"
+    # (possessive: "@" is not among the local part's characters, so giving some back finds none)
+    r"|(?P<email>" + _MAIL_LOCAL_CHAR + r"{1,64}+@" + _MAIL_LABEL + r"(?:\." + _MAIL_LABEL + r"){0,8}"
     r"\.[^\W\d_]{2,24}|" + _OBFUSCATED_MAIL + r"|" + _BARE_ADDRESS + r")"
     r"|(?P<url>(?:" + _SCHEME + r"|www\.)[^\s<>\"'\]\)]{0,2000}[^\s<>\"'\]\).,;:!?]"
     r"|\b" + _LABEL + r"(?:\." + _LABEL + r"){0,8}\.(?i:com|org|net|io|edu|gov|co|ai|dev|app|info"
@@ -209,8 +225,13 @@ _TOKEN = re.compile(_PLACEHOLDER_TOKEN + _REST, re.DOTALL)
 _TOKEN_WITH_SLOTS = re.compile(_PLACEHOLDER_TOKEN + "|" + _SLOT + _REST, re.DOTALL)
 
 _SENTENCE_END = re.compile(r"[.!?:;\n]")
-# Titles whose full stop starts no sentence: the capitalized word after one is a name.
-TITLES = frozenset("mr mrs ms mx dr prof rev st sr jr hon capt col gen lt sgt".split())
+# Titles whose full stop starts no sentence: the capitalized word after one is a name. Titles
+# of office (Sen., Gov., Rep., Pres., Det., Insp., Supt.), of the clergy (Fr.) and of other
+# languages (Mme., Mlle., Sra., Srta.) too: "Sen. Warren" left "Warren" to its rarity.
+TITLES = frozenset(
+    """mr mrs ms mx dr prof rev st sr jr hon capt col gen lt sgt sen gov rep pres det insp supt
+    fr mme mlle sra srta""".split()
+)
 _TITLE_BEFORE = re.compile(r"(?<![A-Za-z])(?:" + "|".join(sorted(TITLES)) + r")\.$", re.IGNORECASE)
 
 
@@ -227,19 +248,28 @@ _INVISIBLE = re.compile(
 )
 
 
+# The ideographic full stop (U+3002; NFKC makes the half-width U+FF61 one) between a letter or
+# digit and a Latin letter or digit: a dot of a domain name to IDNA, and what a CJK input method
+# types for one, so "john。doe＠example。com" is an address (its "john" left the client before).
+# Between two CJK characters it ends a sentence and stays.
+_IDEOGRAPHIC_DOT = re.compile(r"(?<=[^\W_])\u3002(?=[A-Za-z0-9])")
+
+
 def normalized(text: str) -> str:
     """The text in NFKC form (compatibility characters as their plain ones: a full-width ＠ or
     digit, superscript and circled digits, no-break spaces) without the characters a reader does
-    not see (`_INVISIBLE`), so that what masking and scrubbing look for is found however the
+    not see (`_INVISIBLE`), and with an ideographic full stop inside a word as the dot it spells
+    (`_IDEOGRAPHIC_DOT`), so that what masking and scrubbing look for is found however the
     characters spell it. ASCII is returned as it is."""
     if text.isascii():
         return text
-    return _INVISIBLE.sub("", unicodedata.normalize("NFKC", _INVISIBLE.sub("", text)))
+    text = _INVISIBLE.sub("", unicodedata.normalize("NFKC", _INVISIBLE.sub("", text)))
+    return _IDEOGRAPHIC_DOT.sub(".", text) if "\u3002" in text else text
 # What `TextMasker.residue` looks for before it tokenizes: an ASCII text with no `hard` match
 # holds no e-mail, URL, phone, identifier or number, and every name (a capitalized word after a
 # token of the same sentence) starts at a `capital` match whose group is the word itself (where
 # it is not, the check tokenizes).
-_RESIDUE_CANDIDATE = re.compile(r"(?P<hard>[\d@]|://|www|\.[A-Za-z]|" + _WORD_RUN + r"|\b(?i:dot)\b|[\(\[\{<][ \t]{0,2}(?i:at)[ \t]{0,2}[\)\]\}>])|(?<![A-Za-z])(?P<capital>[A-Z][A-Za-z']*)")
+_RESIDUE_CANDIDATE = re.compile(r"(?P<hard>[\d@]|://|www|\.[A-Za-z]|" + _WORD_RUN + r"|\b(?i:dot)\b|[\(\[\{<][ \t]{0,2}(?i:at|\.)[ \t]{0,2}[\)\]\}>])|(?<![A-Za-z])(?P<capital>[A-Z][A-Za-z']*)")
 _LETTERS = re.compile(r"[^\W\d_]+")
 _PLACEHOLDER = re.compile(r"\[(?:" + "|".join(PLACEHOLDERS) + r")\]")
 

@@ -17,7 +17,9 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 
 from compendium.masking import (
+    COMBINING_MARKS,
     HOST_ADDRESS_PATTERN,
+    MAIL_LOCAL_CHAR,
     OBFUSCATED_MAIL_PATTERN,
     TextMasker,
     normalized,
@@ -25,8 +27,12 @@ from compendium.masking import (
 from compendium.schema import AnnexTriple, Compendium, Precaution, PromptTemplate, Scenario
 from compendium.validation import Violation, metadata_free_text
 
-# The local part and the domain in letters of any script (RFC 6531, IDNA), as masking reads them.
-EMAIL = re.compile(r"(?<![\w.+-])[\w.+-]+@(?:[^\W_]|-)+(?:\.(?:[^\W_]|-)+)*\.[^\W\d_]{2,}")
+# The local part (RFC 5322's atext: "mary.o'brien") and the domain in letters of any script
+# (RFC 6531, IDNA), combining marks included, as masking reads them.
+_LABEL_CHAR = r"(?:[^\W_]|-|[" + COMBINING_MARKS + r"])"
+EMAIL = re.compile(
+    rf"(?<!{MAIL_LOCAL_CHAR}){MAIL_LOCAL_CHAR}+@{_LABEL_CHAR}+(?:\.{_LABEL_CHAR}+)*\.[^\W\d_]{{2,}}"
+)
 # 13-19 digits, optionally grouped by single spaces or dashes.
 CARD = re.compile(r"(?<![\d])\d(?:[ -]?\d){12,18}(?![\d])")
 # International or national phone numbers: optional +CC, optional (area), groups split by

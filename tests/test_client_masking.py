@@ -250,6 +250,15 @@ def test_typographic_apostrophes_read_as_plain_ones():
         ("will it rain at the office of Dr. Miller tomorrow", "Miller"),
         ("book a table for Mrs. Davis at eight", "Davis"),
         ("ask prof. Okonkwo about the schedule", "Okonkwo"),
+        # titles of office and of other languages are titles too
+        ("I asked Sen. Warren about the bill", "Warren"),
+        ("a letter from Gov. Brown arrived", "Brown"),
+        ("call Rep. King about the vote", "King"),
+        ("ask Fr. Brown about the mass", "Brown"),
+        ("Det. Black will call back", "Black"),
+        ("a speech by Pres. Lincoln", "Lincoln"),
+        ("book a room for Mme. Martin", "Martin"),
+        ("ask Sra. Lopez about the order", "Lopez"),
     ],
 )
 def test_the_name_after_a_title_is_masked_as_a_name(text, kept):
@@ -269,6 +278,10 @@ def test_the_name_after_a_title_is_masked_as_a_name(text, kept):
     ("text", "secret", "kind"),
     [
         ("reach me at john.smith＠example．com", "john", "EMAIL"),
+        # the ideographic full stop (and the half-width one, which NFKC makes it) is a dot of a
+        # domain name to IDNA, and what a CJK input method types for one
+        ("reach me at john\u3002smith＠example\u3002com", "john", "EMAIL"),
+        ("reach me at john\uff61smith@example\uff61com", "john", "EMAIL"),
         ("call ⁴¹⁵⁵⁵⁵⁰¹⁹⁹ after lunch", "⁴¹⁵", "NUMBER"),
         ("the code is ①②③④⑤⑥⑦⑧⑨", "①", "NUMBER"),
         ("phone ４１５ ５５５ ０１９９ tonight", "５５５", "PHONE"),
@@ -290,6 +303,7 @@ def test_the_server_scrubs_what_look_alike_characters_spell():
     from compendium.scrub import scrub_text
 
     assert scrub_text("write to jane.doe＠gmail.com").text == "write to [email]"
+    assert scrub_text("write to jane\u3002doe＠gmail\u3002com").text == "write to [email]"
     assert scrub_text("card 4111\u00a01111\u00a01111\u00a01111 please").text == "card [card] please"
     assert scrub_text("plain text stays as it is").counts == {"email": 0, "card": 0, "phone": 0, "number": 0}
 
@@ -458,6 +472,51 @@ def test_a_word_with_combining_marks_is_one_word(text, secret):
 
 
 @pytest.mark.parametrize(
+    ("text", "secrets"),
+    [
+        ("write to mary.o'brien@example.com today", ("mary", "brien")),
+        ("write to mary.o\u2019brien@example.com today", ("mary", "brien")),  # typographic
+        ("write to john&jane@example.com today", ("john",)),
+        ("write to o'neill@dbserver today", ("neill",)),
+    ],
+)
+def test_an_email_address_with_an_apostrophe_or_other_atext_is_one_address(text, secrets):
+    """A local part may hold ' & ! # $ * / = ? ^ ` { | } ~ (RFC 5322's atext): "o'brien" is
+    how an Irish surname is written in an address. The local part stopped at the apostrophe,
+    so of "mary.o'brien@example.com" the name left the client and only "example.com" went, as
+    a URL; the server's scrub took "brien@example.com" and left "mary.o'"."""
+    from compendium.scrub import scrub_text
+
+    _masked_whole(text, secrets, "EMAIL")
+    assert masker(1.0).mask(text).text == "write to [EMAIL] today"
+    assert scrub_text(text).text == "write to [email] today"
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        "write to ade\u0301ba\u0301yo\u0323\u0300.okafor@example.com today",  # Yoruba ọ̀
+        "write to j\u0301ohn.doe@example.com today",  # j with an acute: no precomposed form
+    ],
+)
+def test_an_email_address_with_combining_marks_is_one_address(text):
+    """A combining mark NFKC cannot fold into its letter split an address: what came before it
+    was a word, which the shared-word rule released ("adébáyọ̀" that two users wrote left the
+    client) and the server's scrub left in place, the address after it alone being taken."""
+    from compendium.builder import clean_text
+    from compendium.scrub import scrub_text
+
+    text = clean_text(text)
+    local = text.split(" ")[2].split("@")[0]
+    m = masker(1.0).sharing(local.replace(".", " ").split())
+    assert [t.kind for t in tokenize(text) if t.kind not in ("space",)].count("email") == 1
+    out = m.mask(text).text
+    assert out == "write to [EMAIL] today", out
+    assert {r.kind for r in m.residue(text)} == {"EMAIL"}
+    assert scrub_text(text).text == "write to [email] today"
+
+
+@pytest.mark.parametrize(
     ("text", "secret", "strength"),
     [
         ("my pin is 4 8 2 1 please unlock the card", "4 8 2 1", 1.0),
@@ -521,6 +580,12 @@ def test_a_number_spelled_out_in_words_is_one_number(text, secrets):
         ("send it to jane.doe [at] corp [dot] co [dot] uk tonight", ("jane", "doe", "corp")),
         ("reply to john @ example . com today", ("john", "example")),
         ("contact Margaret {AT} thornbury {DOT} net please", ("Margaret", "thornbury")),
+        # a dot bracketed as written, "[.]", as security notices defang an address
+        ("write to john [at] example [.] com for the refund", ("john", "example")),
+        ("write to jane (.) doe (at) corp (.) org tonight", ("jane", "doe", "corp")),
+        ("mail john at example [.] com today", ("john", "example")),
+        # the word "at" after a dotted local part: the dots say it is no plain word
+        ("write to john.smith at example.com for the refund", ("john", "smith")),
     ],
 )
 def test_an_email_address_written_out_to_dodge_filters_is_an_email_address(text, secrets):
@@ -531,7 +596,7 @@ def test_an_email_address_written_out_to_dodge_filters_is_an_email_address(text,
     _masked_whole(text, secrets, "EMAIL")
     m = masker(1.0)
     for kept in ("meet at the station at noon", "a polka dot dress at the shop",
-                 "stocks at the dot com bubble"):
+                 "stocks at the dot com bubble", "I use node.js at home"):
         assert "[EMAIL]" not in m.mask(kept).text
 
 

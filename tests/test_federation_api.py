@@ -1003,6 +1003,9 @@ def test_text_spelt_in_look_alike_characters_is_refused_as_unmasked(world, open_
         ("write to jane.doe@gmail\u200b.com about it", "e-mail address"),
         ("write to josé.garcía@empresa.es about it", "e-mail address"),
         ("please call M\u0336a\u0336r\u0336g\u0336a\u0336r\u0336e\u0336t\u0336 now", "name"),
+        # a dot bracketed as written, which the check's shortcut for ASCII text passed over (it
+        # looked only for a bracketed "at")
+        ("write to jane at gmail [.] com about it", "e-mail address"),
     ],
 )
 def test_text_split_by_invisible_or_combining_characters_is_refused_as_unmasked(

@@ -25,6 +25,9 @@ from compendium.scrub import scrub_compendium, scrub_text
         ("write john @ example . com today", "write [email] today", "email"),
         ("mail john dot smith at gmail dot com now", "mail [email] now", "email"),
         ("log in as admin:hunter@dbserver", "log in as admin:[email]", "email"),
+        # a dot bracketed as written, "[.]"; an ideographic full stop for a dot (IDNA)
+        ("write john at example [.] com today", "write [email] today", "email"),
+        ("write john\u3002doe＠example\u3002com today", "write [email] today", "email"),
         ("my pin is four eight two one five six", "my pin is [number]", "number"),
         ("ssn 4 eight 2 one, 5 six 7", "ssn [number]", "number"),
         ("call Nine-Zero-Seven-Five-Five-Five", "call [number]", "number"),
@@ -53,6 +56,8 @@ def test_personal_data_is_replaced(text, expected, kind):
         "meet me at the dot com museum",
         "stocks at the dot com bubble",
         "email (at) most one person",
+        "ends at a full stop (.) then more",
+        "北京。上海。 are cities",
     ],
 )
 def test_ordinary_text_is_left_alone(text):
