@@ -1230,6 +1230,19 @@ def test_a_tool_of_many_copies_of_few_texts_is_counted_as_never_tested(tmp_path,
             in capsys.readouterr().err)
 
 
+@pytest.mark.parametrize("name", ["tools.jsonl", "queries.jsonl"])
+def test_an_out_over_the_datasets_own_files_is_refused_before_anything_runs(tiny_dataset, name):
+    """--out onto the dataset's queries.jsonl (or tools.jsonl) was taken, and the results were
+    written over the data the run played on at its end."""
+    before = {path.name: path.read_bytes() for path in tiny_dataset.iterdir()}
+    # (--min-users 0: were the --out let through, the run would stop there, not play)
+    with pytest.raises(CommandError, match=f"^--out .*/[.]/{name} is the dataset's {name}: "
+                       "the results would replace it; name another file$"):
+        call_command("simulate", "--dataset", str(tiny_dataset), "--out",
+                     f"{tiny_dataset}/./{name}", "--no-store", "--in-memory", "--min-users", "0")
+    assert {path.name: path.read_bytes() for path in tiny_dataset.iterdir()} == before
+
+
 def test_a_label_too_long_to_store_whole_is_refused_before_anything_runs(tiny_dataset):
     """A label was stored cut to its column's 200 characters, and `--unless-stored` with the
     same label (which looks for all of it) never found the run: every call ran it again."""

@@ -418,6 +418,7 @@ class Command(BaseCommand):
                 )
             return self._emit(document, o)
         if o["out"]:
+            _check_out_beside(o["out"], o["dataset"])
             _check_out(o["out"])
         for flag, least in (("rounds", 1), ("users_per_client", 1), ("seeds", 1), ("seed", 0),
                             ("orgs", 1), ("clients_per_org", 1), ("tune_router", 0)):
@@ -743,6 +744,18 @@ def _check_out(path: str) -> None:
     problem = out_file_problem(path)
     if problem:
         raise CommandError(problem)
+
+
+def _check_out_beside(path: str, dataset: str) -> None:
+    """Refuse an --out that is one of the dataset's own files: the results written over its
+    tools.jsonl or queries.jsonl at the end of the run would destroy the data it ran on."""
+    out = Path(path).resolve()
+    for name in ("tools.jsonl", "queries.jsonl"):
+        if out == (Path(dataset) / name).resolve():
+            raise CommandError(
+                f"--out {path} is the dataset's {name}: the results would replace it; name "
+                "another file"
+            )
 
 
 def _releases(k: int, flag: str, users: int) -> None:
