@@ -24,7 +24,7 @@ def doc(seeds, accuracy, bytes_raw, **extra):
         "config": {"orgs": 2, "rounds": 1},
         "seeds": list(seeds),
         "results": rows,
-        "communication": {"bytes_per_client_round": bytes_raw},
+        "communication": {"bytes_per_client_round": bytes_raw, "gzip_bytes_per_client_round": bytes_raw},
         "privacy": {"membership_auroc": 0.6, "token_overlap": 0.8, "share_clients_overlap_below_0_10": 0.0},
         "diagnostics": {},
         "rounds": [[{"round": 1}] for _ in seeds],
@@ -453,7 +453,9 @@ def _result(seed, synapse, last_row, per_category=None):
             for r, a in enumerate(synapse, start=1)]
     rows.append({"method": last_row, "round": len(synapse), "seed": seed, "accuracy": 0.1,
                  "macro_accuracy": 0.1})
-    return SeedResult(seed, rows=rows, per_category=per_category or {})
+    # the bytes every played seed reports (`runner.communication`)
+    sent = {"bytes_per_client_round": 100.0, "gzip_bytes_per_client_round": 40.0}
+    return SeedResult(seed, rows=rows, per_category=per_category or {}, communication=sent)
 
 
 @pytest.mark.parametrize("last_row", ["synapse_served", "synapse_untuned"])
@@ -531,6 +533,15 @@ def test_runs_and_sweep_rows_say_how_many_clients_played_adversarial():
     ({"seeds": [3]}, "result 1 is of seed 0, not one of its 'seeds'"),
     ({"results": [{"method": "synapse", "seed": 0, "accuracy": 0.7, "macro_accuracy": 0.7}]},
      "result 1 has no 'round'"),
+    # What every run writes and a combined document must keep: a row's seed, the bytes a client
+    # sent per round raw and gzipped (such files were combined into rows of no seed, a table of
+    # "0 gzip" bytes, or no communication figure at all).
+    ({"results": [{"method": "synapse", "round": 1, "accuracy": 0.7, "macro_accuracy": 0.7}]},
+     "result 1 has no 'seed'"),
+    ({"communication": {"bytes_per_client_round": 100.0}},
+     "'communication' has no 'gzip_bytes_per_client_round'"),
+    ({"communication": {}},
+     "'communication' has no 'bytes_per_client_round' and 'gzip_bytes_per_client_round'"),
     ({"transfer": [{"reranker": "fusion", "accuracy": 0.7, "macro_accuracy": 0.7}]},
      "transfer row 1 has no 'model' and 'reranker' or no 'accuracy' and 'macro_accuracy' figures"),
     ({"tau_sweep": [1]}, "'tau_sweep' row 1 is not a JSON object"),

@@ -314,7 +314,9 @@ def _shape_problem(doc: Any) -> str | None:
             return f"result {number} has no 'round'"
         if not (row["round"] is None or _whole(row["round"])):
             return f"result {number} has a 'round' that is not a whole number"
-        if "seed" in row and row["seed"] not in doc["seeds"]:
+        if "seed" not in row:  # a row of no seed: the combined results could not say whose
+            return f"result {number} has no 'seed'"
+        if row["seed"] not in doc["seeds"]:
             return f"result {number} is of seed {row['seed']!r}, not one of its 'seeds'"
     for key in ("communication", "privacy", "diagnostics", "per_category", "screening", "targeting",
                 "host"):
@@ -327,6 +329,9 @@ def _shape_problem(doc: Any) -> str | None:
     for name in doc.get("communication") or {}:  # the table orders them by their round
         if name.startswith("bytes_round_") and not name.removeprefix("bytes_round_").isdecimal():
             return f"'communication' has {name!r}, not a round's figure"
+    missing = [name for name in COMMUNICATION_FIGURES if name not in (doc.get("communication") or {})]
+    if missing:  # every run writes them (null: no client sent anything); the table prints them
+        return f"'communication' has no {' and '.join(map(repr, missing))}"
     for key, first, then in _PRINTED_TOGETHER:  # the printed table reads them together
         section = doc.get(key) or {}
         missing = [name for name in then if section.get(name) is None]
@@ -373,6 +378,10 @@ def _shape_problem(doc: Any) -> str | None:
                         "[seed, accuracy] pairs")
     return None
 
+
+# The bytes a client sent per round, raw and gzipped: every run since the first writes them (the
+# dcz figure came later), and `table` prints them.
+COMMUNICATION_FIGURES = ("bytes_per_client_round", "gzip_bytes_per_client_round")
 
 # The configuration's settings and their types, as a document's 'config' must hold them.
 _CONFIG_TYPES = typing.get_type_hints(SimulationConfig)
