@@ -1217,6 +1217,21 @@ def test_tools_that_are_never_tested_are_counted_on_stderr(tmp_path, capsys):
             "stay in train and are never tested") in capsys.readouterr().err
 
 
+def test_tools_of_no_query_are_named_apart_from_those_that_stay_in_train(tmp_path, capsys):
+    """A tool that queries.jsonl never names was counted among the tools of too few queries as
+    one that "stays in train": no client's log holds it."""
+    folder = _small_dataset(tmp_path / "d", [("a", "x"), ("b", "y"), ("c", "z"), ("d", "z")],
+                            [20, 0, 2, 0])
+    with pytest.raises(CommandError, match="no-such-model-xyz"):
+        call_command("simulate", "--dataset", str(folder), "--orgs", "1", "--clients-per-org", "2",
+                     "--no-store", "--embedding-model", "no-such-model-xyz")
+    err = capsys.readouterr().err
+    assert ("simulate: 2 of 4 tools have no query in queries.jsonl (b and d): no client's log "
+            "holds them and they are never tested") in err
+    assert ("simulate: 1 of 4 tools have fewer than 3 distinct queries (2 queries in all): they "
+            "stay in train and are never tested") in err
+
+
 def test_a_tool_of_many_copies_of_few_texts_is_counted_as_never_tested(tmp_path, capsys):
     """Tool b has five queries, all one text: one distinct query, which stays in train."""
     folder = _small_dataset(tmp_path / "d", [("a", "x"), ("b", "y")], [20, 0])

@@ -104,7 +104,7 @@ def _categories(tools: Sequence[ToolSpec]) -> dict[str, str]:
     return {t.tool_id: t.category or "uncategorized" for t in tools}
 
 
-def _listing(names: Sequence[str], most: int = 5) -> str:
+def listing(names: Sequence[str], most: int = 5) -> str:
     """'x', 'x and y', 'x, y and z'; past `most` names, the first ones and how many more."""
     names = list(names)
     if len(names) > most:
@@ -122,7 +122,7 @@ def uncategorized_tools(dataset: RoutingDataset) -> str | None:
     if named:
         one = len(named) == 1
         instead = (f" (the {len(named)} categor{'y' if one else 'ies'} in queries.jsonl, "
-                   f"{_listing(named)}, {'is' if one else 'are'} not read for it)")
+                   f"{listing(named)}, {'is' if one else 'are'} not read for it)")
     return (f"tools.jsonl gives none of the dataset {dataset.name}'s {len(dataset.tools)} tools a "
             f"category{instead}")
 
@@ -141,15 +141,23 @@ TESTED_FROM = 3
 
 
 def untested_tools(dataset: RoutingDataset) -> tuple[int, int]:
-    """How many of the dataset's tools have fewer than TESTED_FROM distinct queries (never
-    tested), and how many queries they have."""
+    """How many of the dataset's tools have some queries but fewer than TESTED_FROM distinct
+    ones (they stay in train, never tested), and how many queries they have (the tools of no
+    query at all: `unasked_tools`)."""
     texts: dict[str, set[str]] = defaultdict(set)
     counts: dict[str, int] = defaultdict(int)
     for query in dataset.queries:
         texts[query.tool_id].add(query.query)
         counts[query.tool_id] += 1
-    few = [counts[t.tool_id] for t in dataset.tools if len(texts[t.tool_id]) < TESTED_FROM]
+    few = [counts[t.tool_id] for t in dataset.tools if 0 < len(texts[t.tool_id]) < TESTED_FROM]
     return len(few), sum(few)
+
+
+def unasked_tools(dataset: RoutingDataset) -> list[str]:
+    """The tools of tools.jsonl that no query of queries.jsonl is labelled with, in order: no
+    client's log holds them and no split tests them."""
+    asked = {query.tool_id for query in dataset.queries}
+    return [tool.tool_id for tool in dataset.tools if tool.tool_id not in asked]
 
 
 def federation_problem(

@@ -21,7 +21,9 @@ from federation.simulation.data import (
     TESTED_FROM,
     dataset_fingerprint,
     federation_problem,
+    listing,
     query_category_mismatches,
+    unasked_tools,
     untested_tools,
 )
 from federation.simulation.report import (
@@ -632,6 +634,13 @@ class Command(BaseCommand):
         )
         if problem:
             raise CommandError(problem)
+        unasked = unasked_tools(dataset)
+        if unasked:
+            self.stderr.write(
+                f"simulate: {len(unasked)} of {len(dataset.tools)} tools have no query in "
+                f"queries.jsonl ({listing(unasked)}): no client's log holds them and they are "
+                "never tested"
+            )
         untested, few = untested_tools(dataset)
         if untested:
             self.stderr.write(
