@@ -1217,6 +1217,19 @@ def test_tools_that_are_never_tested_are_counted_on_stderr(tmp_path, capsys):
             "stay in train and are never tested") in capsys.readouterr().err
 
 
+def test_tools_without_a_category_beside_tools_with_one_are_named(tmp_path, capsys):
+    """Tools that tools.jsonl gives no category, beside others that have one, were dealt by
+    --partition category as one category, 'uncategorized', without a word."""
+    folder = _small_dataset(tmp_path / "d", [("a", "x"), ("b", ""), ("c", "z"), ("d", "")],
+                            [20, 20, 20, 20])
+    with pytest.raises(CommandError, match="no-such-model-xyz"):
+        call_command("simulate", "--dataset", str(folder), "--orgs", "2", "--clients-per-org", "2",
+                     "--no-store", "--embedding-model", "no-such-model-xyz")
+    assert ("simulate: 2 of 4 tools have no category in tools.jsonl (b and d): the partition, "
+            "drift and the per-category table read them as one category, 'uncategorized'"
+            in capsys.readouterr().err)
+
+
 def test_tools_of_no_query_are_named_apart_from_those_that_stay_in_train(tmp_path, capsys):
     """A tool that queries.jsonl never names was counted among the tools of too few queries as
     one that "stays in train": no client's log holds it."""

@@ -127,6 +127,14 @@ def uncategorized_tools(dataset: RoutingDataset) -> str | None:
             f"category{instead}")
 
 
+def some_uncategorized(dataset: RoutingDataset) -> list[str]:
+    """The tools tools.jsonl gives no category where others have one, in order (none where every
+    tool has one, or none has: `uncategorized_tools`): `_categories` puts them together in one
+    category of their own, "uncategorized"."""
+    missing = [t.tool_id for t in dataset.tools if not t.category]
+    return missing if len(missing) < len(dataset.tools) else []
+
+
 def query_category_mismatches(dataset: RoutingDataset) -> tuple[int, LabelledQuery | None]:
     """How many queries carry a category of their own (in queries.jsonl) other than their
     tool's (in tools.jsonl), and the first of them: the simulation reads the tool's

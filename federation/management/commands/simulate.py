@@ -23,6 +23,7 @@ from federation.simulation.data import (
     federation_problem,
     listing,
     query_category_mismatches,
+    some_uncategorized,
     unasked_tools,
     untested_tools,
 )
@@ -646,6 +647,13 @@ class Command(BaseCommand):
             self.stderr.write(
                 f"simulate: {untested} of {len(dataset.tools)} tools have fewer than {TESTED_FROM} "
                 f"distinct queries ({few} queries in all): they stay in train and are never tested"
+            )
+        lacking = some_uncategorized(dataset)
+        if lacking:
+            self.stderr.write(
+                f"simulate: {len(lacking)} of {len(dataset.tools)} tools have no category in "
+                f"tools.jsonl ({listing(lacking)}): the partition, drift and the per-category "
+                "table read them as one category, 'uncategorized'"
             )
         differ, example = query_category_mismatches(dataset)
         if differ:
