@@ -556,6 +556,16 @@ def test_bad_client_options_are_refused_before_anything_runs(tiny_dataset, capsy
     (["--min-users", "4"], "^--min-users 4 is more than --users-per-client 3: no client could release"),
     (["--pool-users", "5", "--users-per-client", "4"], "^--pool-users 5 is more than --users-per-client 4"),
     (["--sweep-min-users", "1,4"], "^--sweep-min-users 4 is more than --users-per-client 3"),
+    (["--users-per-client", "1"], "^--shared-word-users 2 is more than --users-per-client 1: "
+     "no client has that many users to share a word"),
+    (["--shared-word-users", "4"], "^--shared-word-users 4 is more than --users-per-client 3"),
+    # Cadences that aggregate in the same rounds: one federation, played and stored twice.
+    (["--sweep-cadence", "1,5", "--rounds", "1", "--no-baselines"],
+     "^--sweep-cadence 1 and 5 both aggregate in round 1 alone of --rounds 1: the same federation"),
+    (["--sweep-cadence", "0,1,5", "--rounds", "3", "--no-baselines"],
+     "^--sweep-cadence 0 and 5 both aggregate in round 1 alone of --rounds 3"),
+    (["--sweep-cadence", "2,3,4", "--rounds", "3", "--no-baselines"],
+     "^--sweep-cadence 3 and 4 both aggregate in round 1 alone of --rounds 3"),
     # A share that rounds to no adversarial client (4 clients: 0.4 of one rounds to 0).
     (["--orgs", "2", "--clients-per-org", "2", "--adversarial-fraction", "0.1"],
      r"^--adversarial-fraction 0\.1 of 4 clients is no adversarial client \(it rounds to 0\); use 0 or a share above 0\.125$"),
@@ -585,6 +595,8 @@ def test_bad_run_and_sweep_options_are_refused_by_their_flag_before_the_data_loa
     ["--clients-per-org", "2", "--contradiction-fraction", "0.4", "--sweep-contradictions", "0,0.4"],
     ["--clients-per-org", "1", "--sweep-contradictions", "0"],
     ["--trim-fraction", "0.2", "--sweep-adversarial", "0.4", "--sweep-rules", "none,trimmed-mean"],
+    ["--users-per-client", "1", "--shared-word-users", "0"],
+    ["--sweep-cadence", "1,5,0", "--drift-every", "3", "--rounds", "10", "--no-baselines"],
 ])
 def test_flags_that_apply_to_the_run_pass_the_checks(flags):
     """The other side of the refusals above: where the run has what a flag applies to, the

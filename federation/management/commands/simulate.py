@@ -464,6 +464,13 @@ class Command(BaseCommand):
             )
         if not valid_shared_word_users(o["shared_word_users"]):
             raise CommandError("--shared-word-users must be 0 (off) or at least 2")
+        if o["shared_word_users"] > o["users_per_client"]:  # no word has that many users
+            raise CommandError(
+                f"--shared-word-users {o['shared_word_users']} is more than --users-per-client "
+                f"{o['users_per_client']}: no client has that many users to share a word, so "
+                "none would be released; use --shared-word-users 0 (off) or more "
+                "--users-per-client"
+            )
         if o["max_words"] < 0:
             raise CommandError(
                 f"--max-words must be 0 (whole requests) or at least 1, not {o['max_words']}"
@@ -533,6 +540,16 @@ class Command(BaseCommand):
         cadences = _integers(o["sweep_cadence"], "--sweep-cadence")
         if any(k < 0 for k in cadences):
             raise CommandError("--sweep-cadence: every cadence must be 0 (frozen) or a number of rounds")
+        aggregating: dict[tuple, int] = {}  # the rounds a cadence aggregates in -> the cadence
+        for k in cadences:  # (two cadences share them only where both aggregate in round 1 alone)
+            rounds = tuple(r for r in range(1, o["rounds"] + 1) if aggregates_in(r, k))
+            if rounds in aggregating:  # the same federation, played and stored twice
+                raise CommandError(
+                    f"--sweep-cadence {aggregating[rounds]} and {k} both aggregate in round 1 "
+                    f"alone of --rounds {o['rounds']}: the same federation; use more --rounds or "
+                    "other cadences"
+                )
+            aggregating[rounds] = k
         privacy_variants = []
         if o["sweep_epsilon"] or o["sweep_lambda"]:
             epsilons = _floats(o["sweep_epsilon"], "--sweep-epsilon") or [o["epsilon"]]
