@@ -468,8 +468,8 @@ class Command(BaseCommand):
             raise CommandError(
                 f"--shared-word-users {o['shared_word_users']} is more than --users-per-client "
                 f"{o['users_per_client']}: no client has that many users to share a word, so "
-                "none would be released; use --shared-word-users 0 (off) or more "
-                "--users-per-client"
+                "the clients would release none and only Centralized (over every client's "
+                "users) would; use --shared-word-users 0 (off) or more --users-per-client"
             )
         if o["max_words"] < 0:
             raise CommandError(
