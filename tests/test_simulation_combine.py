@@ -256,6 +256,21 @@ def test_sweeps_that_differ_are_refused(second, message):
                  doc([2], [0.8], 1.0, adversarial=adversarial({0.2: [0.9]}, [2], 0.9))])
 
 
+def test_a_file_with_a_byte_order_mark_combines_and_one_not_utf8_is_named(tmp_path):
+    """A file an editor saved with a UTF-8 byte-order mark was 'not JSON (Unexpected UTF-8
+    BOM)'; one in another encoding was a UnicodeDecodeError traceback."""
+    (tmp_path / "a.json").write_bytes(b"\xef\xbb\xbf" + json.dumps(doc([0], [0.7], 200.0)).encode())
+    (tmp_path / "b.json").write_text(json.dumps(doc([1], [0.9], 400.0)))
+    call_command("simulate", "--combine", str(tmp_path / "a.json"), str(tmp_path / "b.json"),
+                 "--out", str(tmp_path / "all.json"), "--no-store")
+    assert json.loads((tmp_path / "all.json").read_text())["seeds"] == [0, 1]
+    (tmp_path / "c.json").write_bytes(json.dumps(doc([2], [0.5], 1.0)).encode("utf-16"))
+    with pytest.raises(CommandError, match=f"^{re.escape(str(tmp_path / 'c.json'))} is not UTF-8 "
+                       "text"):
+        call_command("simulate", "--combine", str(tmp_path / "b.json"), str(tmp_path / "c.json"),
+                     "--no-store")
+
+
 def test_the_command_writes_the_combined_document(tmp_path, capsys):
     (tmp_path / "a.json").write_text(json.dumps(doc([0], [0.7], 200.0)))
     (tmp_path / "b.json").write_text(json.dumps(doc([1], [0.9], 400.0)))

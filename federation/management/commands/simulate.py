@@ -401,10 +401,12 @@ class Command(BaseCommand):
                 _check_out(o["out"])
             documents = []
             for path in o["combine"]:
-                try:
-                    documents.append(json.loads(Path(path).read_text(encoding="utf-8")))
+                try:  # utf-8-sig: a file an editor saved with a byte-order mark first
+                    documents.append(json.loads(Path(path).read_text(encoding="utf-8-sig")))
                 except OSError as exc:
                     raise CommandError(f"cannot read {path}: {exc.strerror}") from None
+                except UnicodeDecodeError as exc:
+                    raise CommandError(f"{path} is not UTF-8 text ({exc.reason})") from None
                 except json.JSONDecodeError as exc:
                     raise CommandError(f"{path} is not JSON ({exc.msg})") from None
             try:
