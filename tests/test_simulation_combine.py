@@ -269,6 +269,14 @@ def test_a_file_with_a_byte_order_mark_combines_and_one_not_utf8_is_named(tmp_pa
                        "text"):
         call_command("simulate", "--combine", str(tmp_path / "b.json"), str(tmp_path / "c.json"),
                      "--no-store")
+    # nor were a number too long to read and a nesting too deep (a ValueError, a RecursionError)
+    for text, problem in (('{"seconds": 1' + "0" * 5000 + "}", "holds a number of more than 4,300 digits"),
+                          ("[" * 100_000 + "]" * 100_000, "is not JSON (nested too deeply)")):
+        (tmp_path / "c.json").write_text(text)
+        with pytest.raises(CommandError, match=f"^{re.escape(str(tmp_path / 'c.json'))} "
+                           f"{re.escape(problem)}$"):
+            call_command("simulate", "--combine", str(tmp_path / "b.json"), str(tmp_path / "c.json"),
+                         "--no-store")
 
 
 def test_the_command_writes_the_combined_document(tmp_path, capsys):

@@ -409,6 +409,10 @@ class Command(BaseCommand):
                     raise CommandError(f"{path} is not UTF-8 text ({exc.reason})") from None
                 except json.JSONDecodeError as exc:
                     raise CommandError(f"{path} is not JSON ({exc.msg})") from None
+                except RecursionError:
+                    raise CommandError(f"{path} is not JSON (nested too deeply)") from None
+                except ValueError:  # an integer of more digits than Python reads (4,300)
+                    raise CommandError(f"{path} holds a number of more than 4,300 digits") from None
             try:
                 document = combine(documents, o["combine"])
             except ValueError as exc:
