@@ -520,3 +520,26 @@ def test_the_privacy_page_names_the_bound_the_cap_is_checked_against(client, wor
     assert "federation ε′ committed (advanced)" in body
     assert "the cap is checked against basic" not in body
     assert "the cap is checked against the committed ε′ (advanced)" in body
+
+
+def test_the_privacy_pages_projection_is_what_opening_the_round_commits(client, fed):
+    """While round 4 is open, the page says an ε fits the budget but not that a round would be
+    accepted (the API refuses a second open round); with no round open, opening one at that ε
+    commits exactly the ε′ the page projected."""
+    client.force_login(fed.operator)
+    body = html.unescape(client.get(reverse("dashboard:privacy"), {"epsilon": "1"}).content.decode())
+    assert "A round at ε = 1.0 would be within the budget" in body
+    assert "Round 4 is open: the next round can be opened once it has closed" in body
+    assert client.post("/api/v1/admin/rounds/", {"epsilon": 1}, content_type="application/json"
+                       ).status_code == 409
+    Round.objects.filter(number=4).update(state=Round.State.FAILED)  # no open round, no reservation
+    response = client.get(reverse("dashboard:privacy"), {"epsilon": "1"})
+    projected = response.context["privacy"].projected.epsilon
+    body = html.unescape(response.content.decode())
+    assert "would be within the budget" in body and "is open" not in body
+    assert projected == pytest.approx(sum(_fed_spends()) + 1.0)
+    opened = client.post("/api/v1/admin/rounds/", {"epsilon": 1}, content_type="application/json")
+    assert opened.status_code == 201, opened.content
+    out = io.StringIO()
+    call_command("privacy_report", stdout=out)
+    assert json.loads(out.getvalue())["committed"]["epsilon"] == pytest.approx(projected)
