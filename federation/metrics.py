@@ -130,8 +130,10 @@ class FederationCollector:
         # total again).
         submissions = GaugeMetricFamily(
             "synapse_submissions",
-            "Accepted compendium submissions on record, by organization (an erasure removes its "
-            "client's).",
+            "Accepted compendium submissions on record, by organization: each one accepted, "
+            "one a later submission of the same client and round replaced included (the "
+            "Overview's client submissions count the compendiums in effect, one per client and "
+            "round); an erasure removes its client's.",
             labels=["organization"],
         )
         wire = GaugeMetricFamily(

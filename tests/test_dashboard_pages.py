@@ -909,7 +909,9 @@ def test_privacy_warning_and_bad_epsilon(client, fed):
     assert 'id="budget-warning"' in body and 'id="budget-ok"' not in body
     # an ε that fits says so, in full (6.0001 is not rounded to 6.000)
     body = client.get(reverse("dashboard:privacy"), {"epsilon": "0.0001"}).content.decode()
-    assert 'id="budget-ok"' in body and "A round at ε = 0.0001 would be accepted" in body
+    assert 'id="budget-ok"' in body and "A round at ε = 0.0001 would be within the budget" in body
+    # not "accepted": round 2 is open, and open_round refuses a second open round (409)
+    assert "Round 2 is open: the next round can be opened once it has closed" in body
     assert 'id="budget-ok"' not in client.get(reverse("dashboard:privacy")).content.decode()
     assert client.get(reverse("dashboard:privacy"), {"epsilon": "lots"}).status_code == 400
     assert client.get(reverse("dashboard:privacy"), {"epsilon": "-2"}).status_code == 400

@@ -977,6 +977,8 @@ class PrivacyPage:
     signal: list[dict] = field(default_factory=list)
     # (round number, fields no edge released) of the latest published rounds (not_released_fields)
     not_released: list[tuple[int, list[str]]] = field(default_factory=list)
+    # The open round's number (None: none): the next round opens only once it has closed.
+    open_round: int | None = None
 
     @property
     def reserved_epsilon(self) -> float:
@@ -1093,6 +1095,8 @@ def privacy_page(
         warning=budget_warning(config, check),
         signal=release_signal(organizations),
         not_released=not_released_fields(),
+        open_round=Round.objects.filter(state=Round.State.OPEN)
+        .values_list("number", flat=True).first(),
     )
     delta = accounting.delta_prime()
     series = [("federation", fed_rounds)] + [
