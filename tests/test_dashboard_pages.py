@@ -967,7 +967,7 @@ def test_admin_accepts_edits_picks_and_dismisses(client, fed):
     # scenario is a client's text).
     picked = audited.get(details__action="scenario").details
     assert picked == {"action": "scenario", "conflict": conflict.pk,
-                      "chars": len("Rain in Paris without a city")}
+                      "chars": len("Rain in Paris without a city"), "tool": "weather"}
     assert "Paris" not in str([e.details for e in audited])
     page = client.get(reverse("dashboard:conflicts")).content.decode()
     assert "decided: dismiss" in page

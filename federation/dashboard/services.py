@@ -1137,6 +1137,9 @@ class ConflictCard:
     composed: str
     choices: list[str]
     decision: object | None
+    # The tools the candidates were claimed for: more than one across tools, where the pick
+    # names the tool the scenario wins for (the centroid and a dissenter may share a text).
+    tools: list[str]
     can_decide: bool
     closed_by: object | None = None  # the later round after whose merge no decision applies
     paused_by: object | None = None  # a later round merging now: decide once it is done
@@ -1157,6 +1160,7 @@ def conflict_groups(
         MERGING_STATES,
         accept_out_of_date,
         can_decide,
+        candidate_tools,
         closed_by,
         composed_precaution,
         paused_by,
@@ -1202,6 +1206,7 @@ def conflict_groups(
                 composed=composed,
                 choices=scenario_choices(c),
                 decision=decision,
+                tools=candidate_tools(c),
                 # Of a closed conflict the merge that read it applied the accept as it stood.
                 stale=closed[(c.organization_id, c.round_id)] is None
                 and accept_out_of_date(decision, composed),
