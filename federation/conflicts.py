@@ -4,7 +4,8 @@ A decision (federation.models.ConflictDecision) takes effect in the next round's
 same organization, or for a conflict of the server merge (organization None: between edges) in
 the next server merge (federation.pipeline._previous_conflicts). Once a later round's merge of
 that edge has been published, no merge reads the log again: deciding is refused then (`closed_by`),
-and while a later round is merging, whose merges read the logs as they start. An erasure that
+and while a later round is merging, whose merges read the logs as they start, and on a failed
+round's log, which no merge reads unless the round is retried and published (`failed_round`). An erasure that
 merges a log again removes the decisions that no longer fit it (`remove_unfit_decisions`).
 """
 
@@ -137,10 +138,26 @@ def paused_by(conflict: ConflictLogEntry, merging) -> Round | None:
     return next((r for r in merging if r.number > conflict.round.number), None)
 
 
+def failed_round(conflict: ConflictLogEntry) -> Round | None:
+    """The conflict's round when it has failed: no merge reads a failed round's log (the next
+    round reads the latest published round's, `pipeline._conflict_source`) unless it is retried
+    and published, and a retry merges its edges again, their logs with them."""
+    return conflict.round if conflict.round.state == Round.State.FAILED else None
+
+
 def _still_decidable(conflict: ConflictLogEntry) -> None:
     """Refuse (409) a decision that could never apply, or that a merge running now may miss. The
     later rounds are locked until the decision commits, so none starts merging (closes) in
     between and reads the log without it."""
+    # Read afresh (not locked: a merge of the round holds its lock while it rewrites the log rows
+    # this request holds). A retry that began meanwhile may still publish the round.
+    conflict.round.refresh_from_db(fields=["state"])
+    if failed_round(conflict) is not None:
+        raise Conflict(
+            f"round {conflict.round.number} failed: no merge reads its conflict log (the next "
+            "round reads the latest published round's) unless it is retried and published; "
+            "decide once it has been, or decide the conflicts of the published round before it"
+        )
     later = list(
         Round.objects.select_for_update().filter(number__gt=conflict.round.number).order_by("number")
     )

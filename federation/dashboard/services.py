@@ -1143,6 +1143,7 @@ class ConflictCard:
     can_decide: bool
     closed_by: object | None = None  # the later round after whose merge no decision applies
     paused_by: object | None = None  # a later round merging now: decide once it is done
+    failed: object | None = None  # its own round failed: no merge reads its log unless retried
     # An accept whose text is no longer the precaution composed (`conflicts.accept_out_of_date`):
     # the next merge publishes the precaution as composed now, not the text accepted.
     stale: bool = False
@@ -1163,6 +1164,7 @@ def conflict_groups(
         candidate_tools,
         closed_by,
         composed_precaution,
+        failed_round,
         paused_by,
         scenario_choices,
         visible_conflicts,
@@ -1212,9 +1214,10 @@ def conflict_groups(
                 and accept_out_of_date(decision, composed),
                 can_decide=admin[c.organization_id]
                 and closed[(c.organization_id, c.round_id)] is None
-                and paused is None,
+                and paused is None and failed_round(c) is None,
                 closed_by=closed[(c.organization_id, c.round_id)],
                 paused_by=paused,
+                failed=failed_round(c),
             )
         )
     return page_obj, [
