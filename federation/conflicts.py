@@ -180,6 +180,12 @@ def _still_decidable(conflict: ConflictLogEntry) -> None:
         )
 
 
+def decision_seen(decision: ConflictDecision | None) -> str:
+    """What a review page records of the decision it showed ("" for none), sent back with a
+    decision (`decide_conflict(seen=...)`): another reviewer's decision since then refuses it."""
+    return "" if decision is None else f"{decision.pk}:{decision.decided_at.isoformat()}"
+
+
 def decision_for(conflict: ConflictLogEntry) -> ConflictDecision | None:
     return ConflictDecision.objects.filter(
         round_id=conflict.round_id,
@@ -191,12 +197,15 @@ def decision_for(conflict: ConflictLogEntry) -> ConflictDecision | None:
 
 @transaction.atomic
 def decide_conflict(
-    actor: Actor, conflict: ConflictLogEntry, action: str, text: str = "", tool: str = ""
+    actor: Actor, conflict: ConflictLogEntry, action: str, text: str = "", tool: str = "",
+    seen: str | None = None,
 ) -> ConflictDecision:
     """Record (or replace) the decision on `conflict`; audited (the same decision again changes
     and audits nothing). A picked scenario (`text`) wins for `tool`, which may be left out when
     only one candidate tool holds the text (across tools the centroid and a dissenter often hold
-    the same text, each claimed for its own tool). Only the operator or an admin of
+    the same text, each claimed for its own tool). `seen` (`decision_seen`: what the reviewer's
+    page showed) refuses (409) a different decision when another one was taken since: two
+    reviewers deciding at once, the later one replaced the earlier unseen. Only the operator or an admin of
     the conflict's organization may decide; a conflict of the server merge (between edges, no
     organization) is the operator's alone. An admin's right is checked under a lock of their
     membership row (services.require_admin_now): one demoted or deactivated a moment ago may no
@@ -286,6 +295,16 @@ def decide_conflict(
         # The same decision again (a double click, a reload that posts again): nothing changes,
         # so nothing more is written to the append-only audit log.
         return standing
+    if seen is not None and decision_seen(standing) != seen:
+        if standing is None:
+            now = "its decision has been removed since (an erasure)"
+        else:
+            by = f" by {standing.decided_by.get_username()}" if standing.decided_by else ""
+            now = f"it has been decided since: {standing.get_action_display()}{by}"
+        raise Conflict(
+            f"this conflict's decision changed after the page was loaded ({now}); reload the "
+            "conflicts and decide again"
+        )
     decision, _ = ConflictDecision.objects.update_or_create(
         round_id=conflict.round_id,
         organization_id=conflict.organization_id,

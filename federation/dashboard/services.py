@@ -1144,6 +1144,7 @@ class ConflictCard:
     closed_by: object | None = None  # the later round after whose merge no decision applies
     paused_by: object | None = None  # a later round merging now: decide once it is done
     failed: object | None = None  # its own round failed: no merge reads its log unless retried
+    seen: str = ""  # the decision shown (`conflicts.decision_seen`), sent back with the forms
     # An accept whose text is no longer the precaution composed (`conflicts.accept_out_of_date`):
     # the next merge publishes the precaution as composed now, not the text accepted.
     stale: bool = False
@@ -1164,6 +1165,7 @@ def conflict_groups(
         candidate_tools,
         closed_by,
         composed_precaution,
+        decision_seen,
         failed_round,
         paused_by,
         scenario_choices,
@@ -1218,6 +1220,7 @@ def conflict_groups(
                 closed_by=closed[(c.organization_id, c.round_id)],
                 paused_by=paused,
                 failed=failed_round(c),
+                seen=decision_seen(decision),
             )
         )
     return page_obj, [

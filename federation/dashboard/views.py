@@ -762,7 +762,9 @@ class ConflictDecideView(ActionView):
         text, tool = request.POST.get("text", ""), ""
         if action == ConflictDecision.Action.SCENARIO:
             text, tool = request.POST.get("scenario", ""), request.POST.get("scenario_tool", "")
-        decision = decide_conflict(actor, conflict, action, text, tool)
+        # The forms carry the decision the page showed: one taken since refuses this one.
+        decision = decide_conflict(actor, conflict, action, text, tool,
+                                   seen=request.POST.get("seen"))
         where = f"merge of {conflict.organization}" if conflict.organization else "server merge"
         messages.success(
             request,
