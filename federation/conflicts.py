@@ -4,7 +4,8 @@ A decision (federation.models.ConflictDecision) takes effect in the next round's
 same organization, or for a conflict of the server merge (organization None: between edges) in
 the next server merge (federation.pipeline._previous_conflicts). Once a later round's merge of
 that edge has been published, no merge reads the log again: deciding is refused then (`closed_by`),
-and while a later round is merging, whose merges read the logs as they start. An erasure that
+and while a later round is merging, whose merges read the logs as they start, and on a failed
+round's log, which no merge reads unless the round is retried and published (`failed_round`). An erasure that
 merges a log again removes the decisions that no longer fit it (`remove_unfit_decisions`).
 """
 
@@ -77,14 +78,36 @@ def accept_out_of_date(decision: ConflictDecision | None, composed: str) -> bool
             and decision.text != composed)
 
 
-def scenario_choices(conflict: ConflictLogEntry) -> list[str]:
-    """The texts that may win: the centroid's and each dissenter's (masked, as submitted)."""
-    texts = []
+def scenario_candidates(conflict: ConflictLogEntry) -> list[tuple[str, str]]:
+    """The (tool, text) pairs that may win: the centroid's and each dissenter's (masked, as
+    submitted), each with the tool it was claimed for. Across tools the centroid and a dissenter
+    often hold the same text: which tool wins is the decision."""
+    pairs = []
     for candidate in [conflict.centroid, *conflict.dissenters]:
         text = " ".join(str(candidate.get("text", "")).split())
-        if text and text not in texts:
-            texts.append(text)
-    return texts
+        pair = (str(candidate.get("tool_id") or conflict.tool_id), text)
+        if text and pair not in pairs:
+            pairs.append(pair)
+    return pairs
+
+
+def scenario_choices(conflict: ConflictLogEntry) -> list[str]:
+    """The texts that may win: the centroid's and each dissenter's (masked, as submitted)."""
+    return list(dict.fromkeys(text for _, text in scenario_candidates(conflict)))
+
+
+def candidate_tools(conflict: ConflictLogEntry) -> list[str]:
+    """The tools the conflict's candidates were claimed for, the centroid's first: more than one
+    for a conflict across tools, where a picked scenario names the tool it wins for."""
+    return list(dict.fromkeys(tool for tool, _ in scenario_candidates(conflict)))
+
+
+def picked_still_fits(decision: ConflictDecision, conflict: ConflictLogEntry) -> bool:
+    """Whether a picked scenario is still one of the conflict's candidates, for the tool it was
+    picked for (a decision from before the tool was recorded: the text alone)."""
+    if not decision.winner_tool_id:
+        return decision.text in scenario_choices(conflict)
+    return (decision.winner_tool_id, decision.text) in scenario_candidates(conflict)
 
 
 def closed_by(conflict: ConflictLogEntry) -> Round | None:
@@ -115,10 +138,26 @@ def paused_by(conflict: ConflictLogEntry, merging) -> Round | None:
     return next((r for r in merging if r.number > conflict.round.number), None)
 
 
+def failed_round(conflict: ConflictLogEntry) -> Round | None:
+    """The conflict's round when it has failed: no merge reads a failed round's log (the next
+    round reads the latest published round's, `pipeline._conflict_source`) unless it is retried
+    and published, and a retry merges its edges again, their logs with them."""
+    return conflict.round if conflict.round.state == Round.State.FAILED else None
+
+
 def _still_decidable(conflict: ConflictLogEntry) -> None:
     """Refuse (409) a decision that could never apply, or that a merge running now may miss. The
     later rounds are locked until the decision commits, so none starts merging (closes) in
     between and reads the log without it."""
+    # Read afresh (not locked: a merge of the round holds its lock while it rewrites the log rows
+    # this request holds). A retry that began meanwhile may still publish the round.
+    conflict.round.refresh_from_db(fields=["state"])
+    if failed_round(conflict) is not None:
+        raise Conflict(
+            f"round {conflict.round.number} failed: no merge reads its conflict log (the next "
+            "round reads the latest published round's) unless it is retried and published; "
+            "decide once it has been, or decide the conflicts of the published round before it"
+        )
     later = list(
         Round.objects.select_for_update().filter(number__gt=conflict.round.number).order_by("number")
     )
@@ -141,6 +180,12 @@ def _still_decidable(conflict: ConflictLogEntry) -> None:
         )
 
 
+def decision_seen(decision: ConflictDecision | None) -> str:
+    """What a review page records of the decision it showed ("" for none), sent back with a
+    decision (`decide_conflict(seen=...)`): another reviewer's decision since then refuses it."""
+    return "" if decision is None else f"{decision.pk}:{decision.decided_at.isoformat()}"
+
+
 def decision_for(conflict: ConflictLogEntry) -> ConflictDecision | None:
     return ConflictDecision.objects.filter(
         round_id=conflict.round_id,
@@ -152,10 +197,15 @@ def decision_for(conflict: ConflictLogEntry) -> ConflictDecision | None:
 
 @transaction.atomic
 def decide_conflict(
-    actor: Actor, conflict: ConflictLogEntry, action: str, text: str = ""
+    actor: Actor, conflict: ConflictLogEntry, action: str, text: str = "", tool: str = "",
+    seen: str | None = None,
 ) -> ConflictDecision:
     """Record (or replace) the decision on `conflict`; audited (the same decision again changes
-    and audits nothing). Only the operator or an admin of
+    and audits nothing). A picked scenario (`text`) wins for `tool`, which may be left out when
+    only one candidate tool holds the text (across tools the centroid and a dissenter often hold
+    the same text, each claimed for its own tool). `seen` (`decision_seen`: what the reviewer's
+    page showed) refuses (409) a different decision when another one was taken since: two
+    reviewers deciding at once, the later one replaced the earlier unseen. Only the operator or an admin of
     the conflict's organization may decide; a conflict of the server merge (between edges, no
     organization) is the operator's alone. An admin's right is checked under a lock of their
     membership row (services.require_admin_now): one demoted or deactivated a moment ago may no
@@ -188,6 +238,7 @@ def decide_conflict(
         )
     _still_decidable(conflict)
     text = " ".join((text or "").split())
+    winner = ""  # of a picked scenario: the tool it wins for
     schema = current_schema()
     if action == ConflictDecision.Action.ACCEPT:
         text = composed_precaution(conflict, schema)
@@ -217,8 +268,20 @@ def decide_conflict(
                 "global compendium; write it without"
             )
     elif action == ConflictDecision.Action.SCENARIO:
-        if text not in scenario_choices(conflict):
+        tools = [t for t, candidate in scenario_candidates(conflict) if candidate == text]
+        if not tools:
             raise InvalidRequest("the winning scenario must be the centroid or one of the dissenters")
+        tool = (tool or "").strip()
+        if tool and tool not in tools:
+            raise InvalidRequest(
+                f"the winning scenario was not claimed for {tool[:128]}, only for {', '.join(tools)}"
+            )
+        if not tool and len(tools) > 1:
+            raise InvalidRequest(
+                f"the winning scenario was claimed for {' and '.join(tools)}: name the tool it "
+                "wins for"
+            )
+        winner = tool or tools[0]
     else:
         text = ""
     standing = (
@@ -227,16 +290,28 @@ def decide_conflict(
                 tool_id=conflict.tool_id, centroid_id=conflict.centroid_id)
         .first()
     )
-    if standing is not None and (standing.action, standing.text) == (action, text):
+    if standing is not None and (standing.action, standing.text, standing.winner_tool_id) == (
+            action, text, winner):
         # The same decision again (a double click, a reload that posts again): nothing changes,
         # so nothing more is written to the append-only audit log.
         return standing
+    if seen is not None and decision_seen(standing) != seen:
+        if standing is None:
+            now = "its decision has been removed since (an erasure)"
+        else:
+            by = f" by {standing.decided_by.get_username()}" if standing.decided_by else ""
+            now = f"it has been decided since: {standing.get_action_display()}{by}"
+        raise Conflict(
+            f"this conflict's decision changed after the page was loaded ({now}); reload the "
+            "conflicts and decide again"
+        )
     decision, _ = ConflictDecision.objects.update_or_create(
         round_id=conflict.round_id,
         organization_id=conflict.organization_id,
         tool_id=conflict.tool_id,
         centroid_id=conflict.centroid_id,
-        defaults={"action": action, "text": text, "decided_by": actor.user},
+        defaults={"action": action, "text": text, "winner_tool_id": winner,
+                  "decided_by": actor.user},
     )
     audit(
         actor,
@@ -244,7 +319,8 @@ def decide_conflict(
         target=decision,
         organization=conflict.organization,
         target_label=f"{conflict.tool_id}/{conflict.centroid_id} of round {conflict.round.number}",
-        details={"action": action, "conflict": conflict.pk, "chars": len(text)},
+        details={"action": action, "conflict": conflict.pk, "chars": len(text),
+                 **({"tool": winner} if winner else {})},
     )
     return decision
 
@@ -269,7 +345,7 @@ def remove_unfit_decisions(round_, organization_id, cause: str) -> int:
         if conflict is None:
             why = "its conflict is no longer logged"
         elif (decision.action == ConflictDecision.Action.SCENARIO
-              and decision.text not in scenario_choices(conflict)):
+              and not picked_still_fits(decision, conflict)):
             why = "the picked scenario is no longer one of its conflict's texts"
         elif accept_out_of_date(decision, composed_precaution(conflict, flags_released=released)):
             why = "the accepted precaution is no longer the one composed"

@@ -501,6 +501,11 @@ class ConflictDecision(models.Model):
     centroid_id = models.CharField(max_length=64)
     action = models.CharField(max_length=16, choices=Action.choices)
     text = models.TextField(blank=True, help_text="the precaution or the winning scenario")
+    winner_tool_id = models.CharField(
+        max_length=128, blank=True, default="",
+        help_text="of a picked scenario, the tool it wins for (across tools the centroid and a "
+        "dissenter may hold the same text); blank: the first candidate with the text",
+    )
     decided_by = models.ForeignKey(
         settings.AUTH_USER_MODEL, null=True, blank=True, on_delete=models.SET_NULL, related_name="+"
     )

@@ -309,7 +309,7 @@ def _conflicts_of(previous: Round | None, organization) -> list[ConflictEntry]:
     entries = []
     for c in ConflictLogEntry.objects.filter(round=previous, organization=organization):
         decision = decisions.get((c.tool_id, c.centroid_id))
-        resolution, text = "", ""
+        resolution, text, winner_tool = "", "", ""
         if decision is not None and not (
             decision.action == ConflictDecision.Action.ACCEPT
             and accept_out_of_date(decision, composed_precaution(c, schema, flags_released=released))
@@ -318,8 +318,11 @@ def _conflicts_of(previous: Round | None, organization) -> list[ConflictEntry]:
                 continue
             resolution = "scenario" if decision.action == ConflictDecision.Action.SCENARIO else "precaution"
             text = decision.text
+            if resolution == "scenario":
+                winner_tool = decision.winner_tool_id
         entries.append(
-            ConflictEntry(c.tool_id, c.centroid_id, c.centroid, c.dissenters, c.reason, resolution, text)
+            ConflictEntry(c.tool_id, c.centroid_id, c.centroid, c.dissenters, c.reason, resolution,
+                          text, winner_tool)
         )
     return entries
 

@@ -204,3 +204,107 @@ def test_an_edited_precaution_holding_personal_data_is_refused(
     assert not ConflictDecision.objects.exists()
     decide_conflict(Actor.system(), conflict, "edit", "Not for files over 25 MB or 3 cities")
     assert ConflictDecision.objects.get().text == "Not for files over 25 MB or 3 cities"
+
+
+def test_a_scenario_picked_across_tools_wins_for_the_tool_picked(
+    django_capture_on_commit_callbacks, client
+):
+    """A conflict across tools is the same request claimed for two tools, most often in the same
+    words. The pick was stored as a text alone, and the merge took the first candidate holding
+    it, the centroid: picking the dissenting organization's tool (`fares`) published the request
+    for `flights` again, as if nobody had decided, and the page offered one choice only. The pick
+    names the tool now (refused, naming both, when the text alone cannot say), and the next
+    global holds the request for the tool picked only: the carried-forward global's claim for
+    the tool it beat is left out, as the merge's own cross-tool check leaves out a losing claim."""
+    from django.contrib.auth.models import User
+
+    from federation.errors import InvalidRequest
+    from tests.merge_helpers import CROSS_EDGE_REQUEST as request
+    from tests.merge_helpers import plant_cross_edge_conflict
+
+    capture = django_capture_on_commit_callbacks
+    r1 = Round.objects.create(number=1, state="closing", config={"summarizer": "none"})
+    clients = plant_cross_edge_conflict(r1)
+    close(r1, capture)
+    [conflict] = ConflictLogEntry.objects.filter(round=r1, organization=None)
+    assert (conflict.tool_id, conflict.centroid["text"]) == ("flights", request)
+    assert [(d["tool_id"], d["text"]) for d in conflict.dissenters] == [("fares", request)]
+    with pytest.raises(InvalidRequest, match="claimed for flights and fares: name the tool"):
+        decide_conflict(Actor.system(), conflict, "scenario", request)
+    with pytest.raises(InvalidRequest, match="not claimed for weather, only for flights, fares"):
+        decide_conflict(Actor.system(), conflict, "scenario", request, "weather")
+    assert not ConflictDecision.objects.exists()
+
+    operator = User.objects.create_superuser("op", password="pw-long-enough-1")
+    client.force_login(operator)
+    page = client.get("/conflicts/").content.decode()
+    assert '<select name="scenario_tool"' in page
+    response = client.post(f"/conflicts/{conflict.pk}/decide/",
+                           {"action": "scenario", "scenario": request, "scenario_tool": "fares"})
+    assert response.status_code == 302
+    decision = ConflictDecision.objects.get()
+    assert (decision.action, decision.text, decision.winner_tool_id) == ("scenario", request, "fares")
+    assert "<option selected>fares</option>" in client.get("/conflicts/").content.decode()
+
+    r2 = Round.objects.create(number=2, state="closing", config={"summarizer": "none"})
+    store_compendium(Compendium.model_validate({"scenarios": [
+        {"tool_id": "weather", "text": "Will it snow in Oslo tomorrow?"}]}), kind="client",
+        round=r2, client=clients["a2"])
+    close(r2, capture)
+    published = CompendiumVersion.objects.get(kind="global", round=r2).content
+    assert [s["tool_id"] for s in published["scenarios"] if s["text"] == request] == ["fares"]
+    assert not [p for p in published.get("precautions", []) if request in p["text"]]
+
+
+def test_a_conflict_of_a_failed_round_is_not_decided(
+    django_capture_on_commit_callbacks, client, monkeypatch
+):
+    """A failed round's conflict log is read by no merge (the next round reads the latest
+    published round's log) unless the round is retried and published. The same conflict logged
+    again in a failed round looked like the one to decide: the decision was stored, the page said
+    it applied in the next round's merge, and that merge composed the precaution from the
+    published round's log, undecided. Deciding it is refused (409) naming the round, and the
+    page says so; the published round's conflict is still decided and applied."""
+    from django.contrib.auth.models import User
+
+    from federation import pipeline
+
+    capture = django_capture_on_commit_callbacks
+    org, clients, first = conflicted_round(capture)
+    r2 = Round.objects.create(number=2, state="closing", config={"summarizer": "none"})
+    for version in CompendiumVersion.objects.filter(kind="client", round__number=1,
+                                                    client__organization=org):
+        store_compendium(Compendium.model_validate(version.content), kind="client", round=r2,
+                         client=version.client)
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("server merge broke")
+
+    with monkeypatch.context() as patch:
+        patch.setattr(pipeline, "server_merge_operator", broken)
+        with pytest.raises(RuntimeError, match="server merge broke"), capture(execute=True):
+            round_closed.send(sender=Round, round=r2)  # eager tasks: the failure comes back
+    r2.refresh_from_db()
+    assert r2.state == "failed"
+    [again] = ConflictLogEntry.objects.filter(round=r2, organization=org)
+    assert (again.tool_id, again.centroid_id) == (first.tool_id, first.centroid_id)
+    with pytest.raises(Conflict, match="round 2 failed"):
+        decide_conflict(Actor.system(), again, "edit", "Ask for the city before using WeatherNow")
+    assert not ConflictDecision.objects.exists()
+    operator = User.objects.create_superuser("op", password="pw-long-enough-1")
+    client.force_login(operator)
+    page = client.get("/conflicts/").content.decode()
+    assert "round 2 failed: decide once it has been retried and published" in page
+    assert f'action="/conflicts/{again.pk}/decide/"' not in page
+    assert f'action="/conflicts/{first.pk}/decide/"' in page
+    assert client.post(f"/conflicts/{again.pk}/decide/", {"action": "dismiss"}).status_code == 409
+    decide_conflict(Actor.system(), first, "edit", "Ask for the city before using WeatherNow")
+    r3 = Round.objects.create(number=3, state="closing", config={"summarizer": "none"})
+    store_compendium(Compendium.model_validate({"scenarios": [
+        {"tool_id": "flights", "text": "Book a flight"}]}), kind="client", round=r3,
+        client=clients[("acme", "a1")])
+    close(r3, capture)
+    edge = CompendiumVersion.objects.get(kind="edge", round=r3, organization=org).content
+    precautions = [p["text"] for p in edge["precautions"]]
+    assert "Ask for the city before using WeatherNow" in precautions
+    assert not any(t.startswith(COMPOSED_PREFIX) for t in precautions)

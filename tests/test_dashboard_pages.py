@@ -969,7 +969,7 @@ def test_admin_accepts_edits_picks_and_dismisses(client, fed):
     # scenario is a client's text).
     picked = audited.get(details__action="scenario").details
     assert picked == {"action": "scenario", "conflict": conflict.pk,
-                      "chars": len("Rain in Paris without a city")}
+                      "chars": len("Rain in Paris without a city"), "tool": "weather"}
     assert "Paris" not in str([e.details for e in audited])
     page = client.get(reverse("dashboard:conflicts")).content.decode()
     assert "decided: dismiss" in page
@@ -1120,6 +1120,40 @@ def test_a_decision_posted_twice_is_recorded_and_audited_once(client, fed, data)
     assert client.post(url, {"action": other}).status_code == 302
     assert [e.details["action"] for e in audited.order_by("id")] == [data["action"], other]
     assert ConflictDecision.objects.get().decided_by == fed.operator
+
+
+def test_a_decision_taken_since_the_page_was_loaded_is_not_replaced_unseen(client, fed):
+    """Two reviewers on the same conflict: the operator dismisses it while the organization's
+    admin, whose page still shows it undecided, saves an edited precaution. The later post
+    replaced the dismissal unseen (each was told its decision applies). The forms carry the
+    decision the page showed: a different one taken since is refused (409) naming it, and
+    stands; reloaded, the page offers it and a decision replaces it as before. The same decision
+    posted again (a double click) is still no change rather than a refusal."""
+    conflict = conflict_of(fed, fed.org_a)
+    url = reverse("dashboard:conflict-decide", args=[conflict.pk])
+
+    def seen_on_page():
+        [seen] = set(re.findall(r'name="seen" value="([^"]*)"', _conflict_card(client, conflict)))
+        return seen
+
+    login(client, fed, "admin_a")
+    stale = seen_on_page()
+    assert stale == ""
+    login(client, fed, "operator")
+    assert client.post(url, {"action": "dismiss", "seen": seen_on_page()}).status_code == 302
+    login(client, fed, "admin_a")
+    refused = client.post(url, {"action": "edit", "text": "Ask for the city first", "seen": stale})
+    assert refused.status_code == 409
+    assert f"decided since: dismiss by {fed.operator.get_username()}" in refused.content.decode()
+    assert client.post(url, {"action": "dismiss", "seen": stale}).status_code == 302  # the same
+    assert (ConflictDecision.objects.get().action, ConflictDecision.objects.get().decided_by) == (
+        "dismiss", fed.operator)
+    assert AuditLog.objects.filter(action="conflict.decide").count() == 1
+    fresh = seen_on_page()
+    assert fresh and fresh != stale
+    assert client.post(url, {"action": "edit", "text": "Ask for the city first",
+                             "seen": fresh}).status_code == 302
+    assert ConflictDecision.objects.get().text == "Ask for the city first"
 
 
 @pytest.mark.parametrize("data,word", [

@@ -1141,9 +1141,14 @@ class ConflictCard:
     composed: str
     choices: list[str]
     decision: object | None
+    # The tools the candidates were claimed for: more than one across tools, where the pick
+    # names the tool the scenario wins for (the centroid and a dissenter may share a text).
+    tools: list[str]
     can_decide: bool
     closed_by: object | None = None  # the later round after whose merge no decision applies
     paused_by: object | None = None  # a later round merging now: decide once it is done
+    failed: object | None = None  # its own round failed: no merge reads its log unless retried
+    seen: str = ""  # the decision shown (`conflicts.decision_seen`), sent back with the forms
     # An accept whose text is no longer the precaution composed (`conflicts.accept_out_of_date`):
     # the next merge publishes the precaution as composed now, not the text accepted.
     stale: bool = False
@@ -1161,8 +1166,11 @@ def conflict_groups(
         MERGING_STATES,
         accept_out_of_date,
         can_decide,
+        candidate_tools,
         closed_by,
         composed_precaution,
+        decision_seen,
+        failed_round,
         paused_by,
         scenario_choices,
         visible_conflicts,
@@ -1206,14 +1214,17 @@ def conflict_groups(
                 composed=composed,
                 choices=scenario_choices(c),
                 decision=decision,
+                tools=candidate_tools(c),
                 # Of a closed conflict the merge that read it applied the accept as it stood.
                 stale=closed[(c.organization_id, c.round_id)] is None
                 and accept_out_of_date(decision, composed),
                 can_decide=admin[c.organization_id]
                 and closed[(c.organization_id, c.round_id)] is None
-                and paused is None,
+                and paused is None and failed_round(c) is None,
                 closed_by=closed[(c.organization_id, c.round_id)],
                 paused_by=paused,
+                failed=failed_round(c),
+                seen=decision_seen(decision),
             )
         )
     return page_obj, [

@@ -759,10 +759,12 @@ class ConflictDecideView(ActionView):
             pk=pk,
         )
         action = request.POST.get("action", "")
-        text = request.POST.get("text", "")
+        text, tool = request.POST.get("text", ""), ""
         if action == ConflictDecision.Action.SCENARIO:
-            text = request.POST.get("scenario", "")
-        decision = decide_conflict(actor, conflict, action, text)
+            text, tool = request.POST.get("scenario", ""), request.POST.get("scenario_tool", "")
+        # The forms carry the decision the page showed: one taken since refuses this one.
+        decision = decide_conflict(actor, conflict, action, text, tool,
+                                   seen=request.POST.get("seen"))
         where = f"merge of {conflict.organization}" if conflict.organization else "server merge"
         messages.success(
             request,

@@ -287,10 +287,12 @@ def conflicts_to_precautions(
 def _picked(entry: ConflictEntry) -> dict | None:
     """The candidate (the centroid or a dissenter) whose text a reviewer picked as the winning
     scenario, or None: no text picked, or one that is no longer among the conflict's candidates
-    (an erasure re-merged the log without the client that wrote it)."""
+    (an erasure re-merged the log without the client that wrote it). Across tools the centroid
+    and a dissenter may hold the same text: the one of the tool picked (`resolution_tool`)."""
     text = " ".join(entry.resolution_text.split())
     for candidate in [entry.centroid, *entry.dissenters] if text else []:
-        if " ".join(str(candidate.get("text", "")).split()) == text:
+        if (" ".join(str(candidate.get("text", "")).split()) == text
+                and entry.resolution_tool in ("", candidate.get("tool_id") or entry.tool_id)):
             return candidate
     return None
 
@@ -318,6 +320,23 @@ def conflict_winners(conflicts: Sequence[ConflictEntry], schema: Schema) -> list
                 support=1 + len(entry.dissenters),
             )
         )
+    return out
+
+
+def conflict_losers(conflicts: Sequence[ConflictEntry]) -> set[tuple[str, str]]:
+    """The (tool, text) claims a reviewer's pick beat across tools: of a conflict whose picked
+    scenario (`_picked`) wins for one tool, every candidate claimed for another tool. Within one
+    tool nothing: the candidates differ in their flags, not in the tool."""
+    out = set()
+    for entry in conflicts:
+        picked = _picked(entry) if entry.resolution == "scenario" else None
+        if picked is None:
+            continue
+        winner = picked.get("tool_id") or entry.tool_id
+        for candidate in [entry.centroid, *entry.dissenters]:
+            tool_id = candidate.get("tool_id") or entry.tool_id
+            if tool_id != winner:
+                out.add((tool_id, " ".join(str(candidate.get("text", "")).split())))
     return out
 
 
@@ -520,6 +539,11 @@ def _merge(
                 support=slot["support"],
             )
         )
+    # A scenario picked across tools wins: the same requests claimed for the tools it beat (a
+    # carried-forward global still holds the merge's own pick, a source may send them again)
+    # are left out, as this merge's cross-tool check leaves out the claims that lose.
+    beaten = conflict_losers(previous_conflicts)
+    scenarios = [s for s in scenarios if (s.tool_id, " ".join(s.text.split())) not in beaten]
     scenarios = _dedupe_exact_scenarios(scenarios + conflict_winners(previous_conflicts, schema))
     if not noise and config.max_scenarios_per_tool is not None:
         scenarios = _top_supported(scenarios, config.max_scenarios_per_tool)
@@ -670,7 +694,7 @@ def _conflicts_within(
     out = [
         ConflictEntry(e.tool_id, e.centroid_id, within(e.centroid, e.tool_id),
                       [within(d, e.tool_id) for d in e.dissenters], e.reason, e.resolution,
-                      e.resolution_text)
+                      e.resolution_text, e.resolution_tool)
         for e in conflicts
     ]
     return out, held

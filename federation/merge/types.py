@@ -60,6 +60,10 @@ class ConflictEntry:
     # a text no longer among them is ignored, and the precaution composed as if undecided).
     resolution: str = ""
     resolution_text: str = ""
+    # Of a picked scenario, the tool it wins for: across tools the centroid and a dissenter may
+    # hold the same text, each claimed for its own tool, and the text alone cannot say which
+    # won. "" (a decision from before it was recorded): the first candidate with the text.
+    resolution_tool: str = ""
 
     def as_dict(self) -> dict:
         return asdict(self)
