@@ -944,6 +944,81 @@ def test_conflicts_are_scoped(client, fed):
     assert "Showing only" not in client.get(reverse("dashboard:conflicts")).content.decode()
 
 
+def test_a_conflict_logged_again_shows_its_earlier_rounds_decision(client, fed):
+    """A decision belongs to its round's log: the same sources contradicting each other again are
+    logged again in the next round, undecided, and the page gave no hint that a reviewer had
+    decided them before. The undecided conflict shows the earlier round's decision (round, action,
+    who, text), to its own organization only, with a form that takes it again; the earlier
+    decisions of the whole page are read in one query."""
+    from django.db import connection
+    from django.test.utils import CaptureQueriesContext
+
+    r1 = Round.objects.get(number=1)
+    r2 = Round.objects.get(number=2)
+    r2.state = Round.State.PUBLISHED
+    r2.save(update_fields=["state"])
+
+    def log(round_, org, centroid_id, word):
+        return ConflictLogEntry.objects.create(
+            round=round_, organization=org, tool_id="weather", centroid_id=centroid_id,
+            centroid={"text": f"Will it rain tomorrow in {word}?", "preconditions": {"has_city": True}},
+            dissenters=[{"text": f"Rain in {word} without a city", "preconditions": {"has_city": False}}],
+            reason="preconditions disagree",
+        )
+
+    ConflictDecision.objects.create(round=r1, organization=fed.org_a, tool_id="weather",
+                                    centroid_id="c0", action="dismiss", decided_by=fed.admin_a)
+    ConflictDecision.objects.create(round=r1, organization=fed.org_b, tool_id="weather",
+                                    centroid_id="c0", action="edit", text="Ask Berlin for the city",
+                                    decided_by=fed.admin_b)
+    log(r1, None, "s0", "Rome")
+    ConflictDecision.objects.create(round=r1, organization=None, tool_id="weather", centroid_id="s0",
+                                    action="scenario", text="Rain in Rome without a city",
+                                    decided_by=fed.operator)
+    again_a, again_b, again_server = log(r2, fed.org_a, "c0", "Paris"), log(r2, fed.org_b, "c0", "Berlin"), log(r2, None, "s0", "Rome")
+    fresh = log(r2, fed.org_a, "c1", "Nice")  # never decided before
+
+    login(client, fed, "admin_a")
+    card = _conflict_card(client, again_a)
+    assert "no decision" in card
+    assert "The same conflict (tool and cluster id) was decided in round 1: dismiss by admin_a" in card
+    assert 'class="again"' in card and 'name="action" value="dismiss"' in card.split('class="again"')[1]
+    assert "decided in round" not in _conflict_card(client, fresh)
+    body = client.get(reverse("dashboard:conflicts")).content.decode()
+    assert "Ask Berlin" not in body and "Rome" not in body  # another organization's, the server's
+
+    login(client, fed, "admin_b")
+    card = _conflict_card(client, again_b)
+    assert "decided in round 1: use an edited precaution by admin_b, <q>Ask Berlin for the city</q>" in card
+    # taken again in one step: the form carries the earlier decision
+    form = card.split('class="again"')[1].split("</form>")[0]
+    fields = dict(re.findall(r'name="(\w+)" value="([^"]*)"', form))
+    assert fields["action"] == "edit" and fields["text"] == "Ask Berlin for the city"
+    client.post(reverse("dashboard:conflict-decide", args=[again_b.pk]), fields)
+    decision = ConflictDecision.objects.get(round=r2, organization=fed.org_b)
+    assert (decision.action, decision.text) == ("edit", "Ask Berlin for the city")
+    card = _conflict_card(client, again_b)
+    assert "decided: use an edited precaution" in card and "decided in round" not in card
+
+    login(client, fed, "operator")
+    card = _conflict_card(client, again_server)
+    assert "decided in round 1: pick the winning scenario by op" in card
+    assert 'value="Rain in Rome without a city"' in card.split('class="again"')[1]
+
+    def queries():
+        with CaptureQueriesContext(connection) as captured:
+            assert client.get(reverse("dashboard:conflicts")).status_code == 200
+        return len(captured)
+
+    before = queries()
+    for n in range(2, 6):  # more conflicts logged again, each decided in round 1
+        log(r1, fed.org_a, f"c{n}", "Lyon")
+        ConflictDecision.objects.create(round=r1, organization=fed.org_a, tool_id="weather",
+                                        centroid_id=f"c{n}", action="dismiss")
+        log(r2, fed.org_a, f"c{n}", "Lyon")
+    assert queries() == before
+
+
 def test_admin_accepts_edits_picks_and_dismisses(client, fed):
     from federation.conflicts import composed_precaution
 

@@ -1152,6 +1152,12 @@ class ConflictCard:
     # An accept whose text is no longer the precaution composed (`conflicts.accept_out_of_date`):
     # the next merge publishes the precaution as composed now, not the text accepted.
     stale: bool = False
+    # Of an undecided conflict: the latest decision on the same (organization, tool, cluster id)
+    # in an earlier round (the same sources contradicting each other again), shown, not applied;
+    # `again` holds the form fields that take it again, None where it cannot be (its scenario is
+    # no longer one of this conflict's, or no precaution can be composed to accept).
+    earlier: object | None = None
+    again: dict | None = None
 
 
 def conflict_groups(
@@ -1193,6 +1199,10 @@ def conflict_groups(
             round__in={c.round_id for c in conflicts}
         ).select_related("decided_by")
     }
+    earlier = _earlier_decisions(
+        [c for c in conflicts
+         if (c.round_id, c.organization_id, c.tool_id, c.centroid_id) not in decisions]
+    )
     schema = current_schema() if conflicts else None
     groups: dict[tuple, list[ConflictCard]] = {}
     admin, closed, released = {}, {}, {}
@@ -1208,13 +1218,15 @@ def conflict_groups(
         composed = composed_precaution(
             c, schema, flags_released=released[(c.organization_id, c.round_id)])
         decision = decisions.get((c.round_id, c.organization_id, c.tool_id, c.centroid_id))
+        choices, tools = scenario_choices(c), candidate_tools(c)
+        before = earlier.get(c.pk)
         groups.setdefault((c.organization, c.round), []).append(
             ConflictCard(
                 conflict=c,
                 composed=composed,
-                choices=scenario_choices(c),
+                choices=choices,
                 decision=decision,
-                tools=candidate_tools(c),
+                tools=tools,
                 # Of a closed conflict the merge that read it applied the accept as it stood.
                 stale=closed[(c.organization_id, c.round_id)] is None
                 and accept_out_of_date(decision, composed),
@@ -1225,11 +1237,63 @@ def conflict_groups(
                 paused_by=paused,
                 failed=failed_round(c),
                 seen=decision_seen(decision),
+                earlier=before,
+                again=_take_again(before, composed, choices, tools),
             )
         )
     return page_obj, [
         {"organization": o, "round": r, "cards": cards} for (o, r), cards in groups.items()
     ]
+
+
+def _earlier_decisions(conflicts) -> dict:
+    """Per conflict pk, the latest decision on the same (organization, tool, cluster id) in a
+    round before the conflict's: one query for all of `conflicts`. Keyed by the conflict's own
+    organization, so it is as visible as the conflict."""
+    from federation.models import ConflictDecision
+
+    if not conflicts:
+        return {}
+    match = Q()
+    for c in conflicts:
+        match |= Q(organization_id=c.organization_id, tool_id=c.tool_id,
+                   centroid_id=c.centroid_id, round__number__lt=c.round.number)
+    found: dict[tuple, list] = {}
+    for d in ConflictDecision.objects.filter(match).select_related("round", "decided_by").order_by(
+        "-round__number"
+    ):
+        found.setdefault((d.organization_id, d.tool_id, d.centroid_id), []).append(d)
+    earlier = {}
+    for c in conflicts:
+        for d in found.get((c.organization_id, c.tool_id, c.centroid_id), []):
+            if d.round.number < c.round.number:
+                earlier[c.pk] = d
+                break
+    return earlier
+
+
+def _take_again(decision, composed: str, choices: list[str], tools: list[str]) -> dict | None:
+    """The decide form's fields that take `decision` (of an earlier round) again on a conflict
+    with this composed precaution, scenarios and tools; None where it cannot be taken as it was."""
+    from federation.models import ConflictDecision
+
+    Action = ConflictDecision.Action
+    if decision is None:
+        return None
+    if decision.action == Action.ACCEPT:
+        # An accept stores the precaution composed now, which may differ from the earlier text.
+        return {"action": Action.ACCEPT} if composed else None
+    if decision.action == Action.EDIT:
+        return {"action": Action.EDIT, "text": decision.text}
+    if decision.action == Action.SCENARIO:
+        if decision.text not in choices:
+            return None
+        tool = decision.winner_tool_id
+        if tool and len(tools) > 1 and tool not in tools:
+            return None
+        return {"action": Action.SCENARIO, "scenario": decision.text,
+                "scenario_tool": tool if len(tools) > 1 else ""}
+    return {"action": Action.DISMISS}
 
 
 # --- accuracy ------------------------------------------------------------------------------------
