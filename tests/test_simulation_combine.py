@@ -251,9 +251,19 @@ def test_sweeps_that_differ_are_refused(second, message):
         combine([first, second])
     old = adversarial({0.2: [0.7]}, [0], 0.6)
     del old[0]["accuracy_by_seed"]
-    with pytest.raises(ValueError, match="no per-seed accuracies"):
+    with pytest.raises(ValueError, match="^document 1: its adversarial sweep has no per-seed accuracies"):
         combine([doc([1], [0.8], 1.0, adversarial=old),
                  doc([2], [0.8], 1.0, adversarial=adversarial({0.2: [0.9]}, [2], 0.9))])
+
+
+def test_one_document_from_before_sweeps_kept_per_seed_accuracies_stores_as_it_was():
+    """Five of bench/results' documents (release, privacy and adversarial sweeps written before
+    rows kept `accuracy_by_seed`) could not be stored for the dashboard: `--combine FILE` refused
+    them ("run it again to combine it") though one document has nothing to pool."""
+    old = adversarial({0.2: [0.7]}, [1], 0.6)
+    del old[0]["accuracy_by_seed"]
+    combined = combine([doc([1], [0.8], 1.0, adversarial=old)])
+    assert combined["adversarial"] == old
 
 
 def test_a_file_with_a_byte_order_mark_combines_and_one_not_utf8_is_named(tmp_path):

@@ -245,7 +245,7 @@ def combine(documents: list[dict[str, Any]], sources: list[str] | None = None) -
 
     rows = [row for doc in documents for row in doc["results"]]
     sweeps = {
-        name: _combine_sweep(name, [doc[name] for doc in documents])
+        name: _combine_sweep(name, [doc[name] for doc in documents], names)
         for name in SWEEP_SECTIONS
         if first.get(name)
     }
@@ -646,19 +646,27 @@ def _variant(row: dict) -> tuple:
     return tuple(sorted((k, v) for k, v in row.items() if not _is_figure(k)))
 
 
-def _combine_sweep(name: str, sections: list[list[dict]]) -> list[dict]:
+def _combine_sweep(name: str, sections: list[list[dict]], sources: list[str]) -> list[dict]:
     """One sweep section from the same sweep run on disjoint seeds: per variant, accuracy over
-    all the seeds' final-round figures, the other figures weighted by seeds."""
+    all the seeds' final-round figures, the other figures weighted by seeds. A row of one
+    document only that has no per-seed accuracies (written before they were kept) is kept as it
+    was: there is nothing to pool it with, and the document stores for the dashboard."""
     variants = [[_variant(row) for row in section] for section in sections]
     if any(v != variants[0] for v in variants):
         raise ValueError(f"the {name} sweeps differ in their variants; combine the same sweep only")
     out = []
     for position, variant in enumerate(variants[0]):
         rows = [section[position] for section in sections]
-        if any("accuracy_by_seed" not in row for row in rows):
+        if len(rows) == 1 and "accuracy_by_seed" not in rows[0]:
+            out.append(dict(rows[0]))
+            continue
+        old = next((source for source, row in zip(sources, rows, strict=True)
+                    if "accuracy_by_seed" not in row), None)
+        if old is not None:
             raise ValueError(
-                f"a {name} sweep has no per-seed accuracies (written before they were kept); "
-                "run it again to combine it"
+                f"{old}: its {name} sweep has no per-seed accuracies (written before they were "
+                "kept), so it cannot be pooled with other runs; run it again to combine it, or "
+                "store it alone"
             )
         pairs = [pair for row in rows for pair in row["accuracy_by_seed"]]
         accuracies = [acc for _, acc in pairs]
