@@ -1464,6 +1464,11 @@ def test_accuracy_page_says_where_the_run_ran(client, fed):
     # the server's hardware is the operator's business, not an organization member's
     body = login(client, fed, "member_a").get(reverse("dashboard:accuracy")).content.decode()
     assert 'id="run-setup"' in body and "AMD EPYC" not in body and 'id="run-host"' not in body
+    # a run stored from a document written before runs recorded their host says it does not
+    SimulationRun.objects.create(label="old", dataset="tiny", document={
+        "config": config, "seeds": [0], "summary": []})
+    body = login(client, fed, "operator").get(reverse("dashboard:accuracy")).content.decode()
+    assert "where it ran is not recorded (written before runs recorded their host)" in body
 
 
 def test_accuracy_page_shows_the_transfer_table_as_a_mean_over_seeds(client, fed):

@@ -1420,7 +1420,8 @@ def client_setup(config: dict) -> list[str]:
 def run_host(doc: dict) -> str:
     """Where a stored simulation ran, for the operator (the server's hardware is theirs to see):
     the same code gives slightly different int8 embeddings on other hosts, so runs compare best
-    with equal fingerprints. Empty for a document from before documents said where they ran."""
+    with equal fingerprints. For a document from before documents said where they ran, that it
+    does not say (the operator would otherwise compare it as if it ran on this host)."""
     hosts = [h for h in (doc.get("hosts") or [doc.get("host")]) if h]
     described = dict.fromkeys(
         f"{h.get('cpu') or 'unknown CPU'} ({', '.join(h.get('isa') or []) or 'no ISA listed'})"
@@ -1430,7 +1431,10 @@ def run_host(doc: dict) -> str:
            if h.get("code") else "")
         for h in hosts
     )
-    return ("ran on " + "; ".join(described)) if described else ""
+    if not described:
+        return ("where it ran is not recorded (written before runs recorded their host): its "
+                "embeddings may differ slightly from this host's")
+    return "ran on " + "; ".join(described)
 
 
 def _adversarial_table(rows: list[dict], clean: float | None) -> list[dict]:
