@@ -129,6 +129,33 @@ def closed_by(conflict: ConflictLogEntry) -> Round | None:
     )
 
 
+def closed_by_each(conflicts) -> dict[tuple, Round | None]:
+    """`closed_by` of each of `conflicts`, keyed by (organization id, round id): one query for
+    all of them (a review page's)."""
+    conflicts = list(conflicts)
+    if not conflicts:
+        return {}
+    organization_ids = {c.organization_id for c in conflicts}
+    edges = Q(organization_id__in={o for o in organization_ids if o is not None})
+    if None in organization_ids:
+        edges |= Q(organization__isnull=True)
+    later: dict = {}
+    for record in (
+        MergeRecord.objects.filter(edges, round__state=Round.State.PUBLISHED,
+                                   round__number__gt=min(c.round.number for c in conflicts))
+        .exclude(stats__contains={"accepted": 0})
+        .select_related("round")
+        .order_by("round__number")
+    ):
+        later.setdefault(record.organization_id, []).append(record.round)
+    return {
+        (c.organization_id, c.round_id): next(
+            (r for r in later.get(c.organization_id, []) if r.number > c.round.number), None
+        )
+        for c in conflicts
+    }
+
+
 MERGING_STATES = (Round.State.CLOSING, Round.State.MERGING)
 
 

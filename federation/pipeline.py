@@ -283,6 +283,19 @@ def merged_under_flag_rule(round_: Round | int | None, organization) -> bool:
     ).exists()
 
 
+def merged_under_flag_rule_each(pairs) -> set[tuple]:
+    """Of `pairs` of (round id, organization id), those whose merge `merged_under_flag_rule`:
+    one query for all of them."""
+    pairs = set(pairs)
+    if not pairs:
+        return set()
+    return set(
+        MergeRecord.objects.filter(
+            round_id__in={r for r, _ in pairs}, stats__has_key="flags_held_back"
+        ).values_list("round_id", "organization_id")
+    ) & pairs
+
+
 def _previous_conflicts(round_: Round, organization) -> list[ConflictEntry]:
     """The conflict log the merge of `round_` turns into precautions (`_conflict_source`), with
     its reviewers' decisions: dismissed conflicts left out."""

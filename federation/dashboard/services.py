@@ -1173,7 +1173,7 @@ def conflict_groups(
         accept_out_of_date,
         can_decide,
         candidate_tools,
-        closed_by,
+        closed_by_each,
         composed_precaution,
         decision_seen,
         failed_round,
@@ -1182,7 +1182,7 @@ def conflict_groups(
         visible_conflicts,
     )
     from federation.models import ConflictDecision
-    from federation.pipeline import merged_under_flag_rule
+    from federation.pipeline import merged_under_flag_rule_each
 
     conflicts = visible_conflicts(organizations, actor).select_related("round", "organization")
     if round_number is not None:
@@ -1205,18 +1205,17 @@ def conflict_groups(
     )
     schema = current_schema() if conflicts else None
     groups: dict[tuple, list[ConflictCard]] = {}
-    admin, closed, released = {}, {}, {}
+    admin = {}
+    # Of every (organization, round) group of the page at once: a query per group grew with it.
+    closed = closed_by_each(conflicts)
+    released = merged_under_flag_rule_each((c.round_id, c.organization_id) for c in conflicts)
     merging = list(Round.objects.filter(state__in=MERGING_STATES).order_by("number"))
     for c in conflicts:
         if c.organization_id not in admin:
             admin[c.organization_id] = can_decide(actor, c.organization_id)
-        if (c.organization_id, c.round_id) not in closed:
-            closed[(c.organization_id, c.round_id)] = closed_by(c)
-            released[(c.organization_id, c.round_id)] = merged_under_flag_rule(
-                c.round_id, c.organization_id)
         paused = paused_by(c, merging)
         composed = composed_precaution(
-            c, schema, flags_released=released[(c.organization_id, c.round_id)])
+            c, schema, flags_released=(c.round_id, c.organization_id) in released)
         decision = decisions.get((c.round_id, c.organization_id, c.tool_id, c.centroid_id))
         choices, tools = scenario_choices(c), candidate_tools(c)
         before = earlier.get(c.pk)

@@ -1,0 +1,128 @@
+"""N+1 audit: every dashboard page and REST API list endpoint, for the operator and an
+organization admin, makes as many SQL queries at a small federation as after more rows of what
+it lists (clients, people, rounds, submissions, conflicts and their decisions, ledger rows, merge
+records, simulation runs, audit entries, tokens). A count that grows with the rows is a query a
+row: the page then reads the database once per line it shows."""
+
+from __future__ import annotations
+
+import pytest
+from django.db import connection
+from django.test.utils import CaptureQueriesContext
+from django.urls import reverse
+
+from compendium.models import CompendiumVersion
+from federation import services
+from federation.models import (
+    Client,
+    ConflictDecision,
+    ConflictLogEntry,
+    Membership,
+    MergeRecord,
+    PrivacyLedgerEntry,
+    Round,
+    SimulationRun,
+    Submission,
+)
+from routing.models import RoutingToken
+from tests.federation_fixtures import SYSTEM, client_api, make_user
+from tests.test_dashboard_pages import DOCUMENT
+from tests.test_dashboard_pages import fed as fed  # noqa: PLC0414  (the fixture, used by name)
+
+pytestmark = pytest.mark.django_db
+
+PAGES = [
+    "dashboard:overview", "dashboard:organizations", "dashboard:organization",
+    "dashboard:conflicts", "dashboard:privacy", "dashboard:accuracy", "dashboard:compendium",
+    "dashboard:tools", "dashboard:routing", "dashboard:audit", "dashboard:settings",
+    "dashboard:tokens",
+]
+PERSON_API = [
+    "/api/v1/rounds/", "/api/v1/rounds/{round}/", "/api/v1/admin/organizations/",
+    "/api/v1/admin/organizations/{org}/", "/api/v1/admin/clients/", "/api/v1/admin/people/",
+    "/api/v1/admin/audit/", "/api/v1/admin/settings/", "/api/v1/compendium/schema/",
+]
+CLIENT_API = ["/api/v1/submissions/", "/api/v1/rounds/"]
+
+
+def _client_submission(client, round_, key):
+    version = CompendiumVersion.objects.create(
+        kind="client", round=round_, client=client, organization=client.organization,
+        schema_version="1", content={}, sha256="0" * 64, size_bytes=1, gzip_bytes=1,
+    )
+    Submission.objects.create(client=client, round=round_, idempotency_key=key,
+                              request_sha256="0" * 64, version=version, response={})
+
+
+def _more_rows(fed, numbers):
+    """For each number: a published round with, at each organization, a new approved client and
+    member (with an API token), a submission of the new and of the fixture's client, a conflict
+    and its decision, a ledger row and a merge record; a server merge record, a simulation run, a
+    routing token, tokens of the operator and admin A, and a submission to the open round 2."""
+    open_round = Round.objects.get(number=2)
+    for i in numbers:
+        round_ = Round.objects.create(number=100 + i, state=Round.State.PUBLISHED,
+                                      config={"epsilon": 1.0})
+        for org, own in ((fed.org_a, fed.client_a), (fed.org_b, fed.client_b)):
+            client = services.enroll_client(SYSTEM, org, f"{org.slug}-more-{i}")
+            services.approve_client(SYSTEM, client)
+            client = Client.objects.get(pk=client.pk)
+            services.issue_user_token(SYSTEM, make_user(f"{org.slug}-m{i}", org, Membership.Role.MEMBER))
+            _client_submission(client, round_, f"k{i}")
+            _client_submission(client, open_round, f"o{i}")
+            _client_submission(own, round_, f"own{i}")
+            ConflictLogEntry.objects.create(
+                round=round_, organization=org, tool_id="weather", centroid_id=f"c{i}",
+                centroid={"text": f"Rain at {i}?", "preconditions": {"has_city": True}},
+                dissenters=[{"text": f"Rain at {i}", "preconditions": {"has_city": False}}],
+                reason="preconditions disagree",
+            )
+            ConflictDecision.objects.create(round=round_, organization=org, tool_id="weather",
+                                            centroid_id=f"c{i}", action="dismiss",
+                                            decided_by=fed.operator)
+            PrivacyLedgerEntry.objects.create(
+                round=round_, organization=org, tool_id="weather", field="calls", sensitivity=1.0,
+                contributors=3, epsilon=0.01, noise_scale=100.0, mechanism="laplace",
+            )
+            MergeRecord.objects.create(round=round_, organization=org, stats={"scenarios_in": 4})
+        MergeRecord.objects.create(round=round_, organization=None, stats={}, accuracy=0.5)
+        SimulationRun.objects.create(label=f"run {i}", dataset="tiny", document=DOCUMENT)
+        RoutingToken.issue(f"app {i}")
+        services.issue_user_token(SYSTEM, fed.operator)
+        services.issue_user_token(SYSTEM, fed.admin_a)
+
+
+def _query_counts(browser, fed, role, token) -> dict[str, tuple[int, int]]:
+    """(status, queries) of each page and endpoint, as `role` (the client endpoints as client A)."""
+    counts = {}
+
+    def count(name, get, url):
+        with CaptureQueriesContext(connection) as captured:
+            status = get(url).status_code
+        counts[name] = (status, len(captured))
+
+    browser.force_login(getattr(fed, role))
+    for name in PAGES:
+        count(name, browser.get,
+              reverse(name, args=["org-a"]) if name == "dashboard:organization" else reverse(name))
+    person, client = client_api(token), client_api(fed.token_a)
+    ids = {"round": Round.objects.get(number=2).pk, "org": fed.org_a.pk}
+    for url in PERSON_API:
+        count(url, person.get, url.format(**ids))
+    for url in CLIENT_API:
+        count(f"client {url}", client.get, url)
+    return counts
+
+
+@pytest.mark.parametrize("role", ["operator", "admin_a"])
+def test_no_page_or_list_endpoint_makes_a_query_per_row(client, fed, role):
+    token = services.issue_user_token(SYSTEM, getattr(fed, role))
+    _more_rows(fed, range(2))  # a small federation: some rows of every kind a page lists
+    _query_counts(client, fed, role, token)  # the caches a first request fills
+    small = _query_counts(client, fed, role, token)
+    assert all(status == 200 for status, _ in small.values()), small
+    _more_rows(fed, range(2, 12))
+    grown = _query_counts(client, fed, role, token)
+    assert {k: v for k, v in grown.items() if v != small[k]} == {}, (
+        "query count grew with the rows: " + ", ".join(
+            f"{k} {small[k][1]} -> {grown[k][1]}" for k in small if grown[k] != small[k]))
