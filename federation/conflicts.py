@@ -11,6 +11,8 @@ merges a log again removes the decisions that no longer fit it (`remove_unfit_de
 
 from __future__ import annotations
 
+import json
+
 from django.db import transaction
 from django.db.models import Q
 
@@ -89,6 +91,26 @@ def scenario_candidates(conflict: ConflictLogEntry) -> list[tuple[str, str]]:
         if text and pair not in pairs:
             pairs.append(pair)
     return pairs
+
+
+def pick_value(tool: str, text: str) -> str:
+    """A (tool, text) candidate as one form value: the pick list of a conflict across tools offers
+    each text with the tool it was claimed for, so that no text can be picked for a tool it was
+    not claimed for (two lists, one of texts and one of tools, offered every pairing)."""
+    return json.dumps([tool, text], ensure_ascii=False)
+
+
+def read_pick(value: str) -> tuple[str, str]:
+    """(tool, text) from `pick_value`'s form value; InvalidRequest (400) naming the field when it
+    is not one."""
+    try:
+        pair = json.loads(value)
+    except (TypeError, ValueError, RecursionError):
+        pair = None
+    if not (isinstance(pair, list) and len(pair) == 2 and all(isinstance(v, str) for v in pair)):
+        raise InvalidRequest("pick must be one of the conflict's scenarios with its tool, as the "
+                             "page offers them")
+    return pair[0], pair[1]
 
 
 def scenario_choices(conflict: ConflictLogEntry) -> list[str]:

@@ -4,6 +4,9 @@ round 2's edge merge applies it)."""
 
 from __future__ import annotations
 
+import html
+import re
+
 import pytest
 
 from compendium.models import CompendiumVersion
@@ -238,13 +241,23 @@ def test_a_scenario_picked_across_tools_wins_for_the_tool_picked(
     operator = User.objects.create_superuser("op", password="pw-long-enough-1")
     client.force_login(operator)
     page = client.get("/conflicts/").content.decode()
-    assert '<select name="scenario_tool"' in page
+    # One list of (tool, text) pairs: two lists, of texts and of tools, offered pairings that
+    # were never claimed (a text for a tool it was not sent for), refused only once posted.
+    [options] = re.findall(r'<select name="pick"[^>]*>(.*?)</select>', page, re.S)
+    offered = [(html.unescape(v), label) for v, label in
+               re.findall(r'<option value="([^"]*)"[^>]*>([^<]*)</option>', options)]
+    assert [label for _, label in offered] == [f"flights: {request}", f"fares: {request}"]
+    assert '<select name="scenario_tool"' not in page
+    assert client.post(f"/conflicts/{conflict.pk}/decide/",
+                       {"action": "scenario", "pick": "fares"}).status_code == 400
     response = client.post(f"/conflicts/{conflict.pk}/decide/",
-                           {"action": "scenario", "scenario": request, "scenario_tool": "fares"})
+                           {"action": "scenario", "pick": offered[1][0]})
     assert response.status_code == 302
     decision = ConflictDecision.objects.get()
     assert (decision.action, decision.text, decision.winner_tool_id) == ("scenario", request, "fares")
-    assert "<option selected>fares</option>" in client.get("/conflicts/").content.decode()
+    [options] = re.findall(r'<select name="pick"[^>]*>(.*?)</select>',
+                           client.get("/conflicts/").content.decode(), re.S)
+    assert re.findall(r"<option [^>]*selected>([^<]*)</option>", options) == [f"fares: {request}"]
 
     r2 = Round.objects.create(number=2, state="closing", config={"summarizer": "none"})
     store_compendium(Compendium.model_validate({"scenarios": [

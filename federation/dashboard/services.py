@@ -1158,6 +1158,9 @@ class ConflictCard:
     # no longer one of this conflict's, or no precaution can be composed to accept).
     earlier: object | None = None
     again: dict | None = None
+    # Across tools: each (form value, text, tool, picked) the pick list offers, one per candidate
+    # text with the tool it was claimed for (`conflicts.pick_value`).
+    picks: list[tuple[str, str, str, bool]] = field(default_factory=list)
 
 
 def conflict_groups(
@@ -1178,6 +1181,8 @@ def conflict_groups(
         decision_seen,
         failed_round,
         paused_by,
+        pick_value,
+        scenario_candidates,
         scenario_choices,
         visible_conflicts,
     )
@@ -1218,6 +1223,15 @@ def conflict_groups(
             c, schema, flags_released=(c.round_id, c.organization_id) in released)
         decision = decisions.get((c.round_id, c.organization_id, c.tool_id, c.centroid_id))
         choices, tools = scenario_choices(c), candidate_tools(c)
+        picks = []
+        if len(tools) > 1:
+            candidates = scenario_candidates(c)
+            picked = None
+            if decision is not None and decision.action == ConflictDecision.Action.SCENARIO:
+                # a decision from before the tool was recorded: the first candidate with the text
+                picked = next(((t, x) for t, x in candidates if x == decision.text
+                               and decision.winner_tool_id in ("", t)), None)
+            picks = [(pick_value(t, x), x, t, (t, x) == picked) for t, x in candidates]
         before = earlier.get(c.pk)
         groups.setdefault((c.organization, c.round), []).append(
             ConflictCard(
@@ -1238,6 +1252,7 @@ def conflict_groups(
                 seen=decision_seen(decision),
                 earlier=before,
                 again=_take_again(before, composed, choices, tools),
+                picks=picks,
             )
         )
     return page_obj, [

@@ -22,7 +22,7 @@ from django.utils.http import url_has_allowed_host_and_scheme
 from compendium.models import NumericField, Tool
 from federation import people
 from federation.auth import ThrottledPasswordChangeForm
-from federation.conflicts import decide_conflict, visible_conflicts
+from federation.conflicts import decide_conflict, read_pick, visible_conflicts
 from federation.dashboard import services
 from federation.dashboard.scoping import DashboardView
 from federation.errors import FederationError, InvalidRequest, NotAllowed
@@ -760,7 +760,9 @@ class ConflictDecideView(ActionView):
         )
         action = request.POST.get("action", "")
         text, tool = request.POST.get("text", ""), ""
-        if action == ConflictDecision.Action.SCENARIO:
+        if action == ConflictDecision.Action.SCENARIO and "pick" in request.POST:
+            tool, text = read_pick(request.POST["pick"])  # across tools: a text with its tool
+        elif action == ConflictDecision.Action.SCENARIO:
             text, tool = request.POST.get("scenario", ""), request.POST.get("scenario_tool", "")
         # The forms carry the decision the page showed: one taken since refuses this one.
         decision = decide_conflict(actor, conflict, action, text, tool,
