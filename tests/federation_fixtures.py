@@ -10,7 +10,7 @@ from django.contrib.auth import get_user_model
 
 from compendium.services import current_schema, import_registry, seed_default_numeric_fields
 from federation import services, submissions
-from federation.models import Membership
+from federation.models import ConflictLogEntry, Membership, PrivacyLedgerEntry, Round
 
 SYSTEM = services.Actor.system("tests")
 
@@ -113,3 +113,25 @@ def another_waits_on_a_lock(
                 return True
         threading.Event().wait(0.01)
     return False
+
+
+@pytest.fixture
+def fed(world):
+    """(The dashboard tests' federation; modules with a `fed` of their own override it.)
+    world (orgs A and B, people of every role) plus a published round 1 with a conflict and
+    ledger rows at each edge, and an open round 2."""
+    r1 = Round.objects.create(number=1, state=Round.State.PUBLISHED, config={"epsilon": 1.0})
+    Round.objects.create(number=2, state=Round.State.OPEN, config={"epsilon": 1.0})
+    for org, word in ((world.org_a, "Paris"), (world.org_b, "Berlin")):
+        ConflictLogEntry.objects.create(
+            round=r1, organization=org, tool_id="weather", centroid_id="c0",
+            centroid={"text": f"Will it rain tomorrow in {word}?", "preconditions": {"has_city": True}},
+            dissenters=[{"text": f"Rain in {word} without a city", "preconditions": {"has_city": False}}],
+            reason="preconditions disagree",
+        )
+        for field, eps in (("calls", 0.4), ("success_rate", 0.6)):
+            PrivacyLedgerEntry.objects.create(
+                round=r1, organization=org, tool_id="weather", field=field, sensitivity=1.0,
+                contributors=3, epsilon=eps, noise_scale=1.0 / eps, mechanism="laplace",
+            )
+    return world

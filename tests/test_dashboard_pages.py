@@ -44,27 +44,6 @@ def figures_in(content: str) -> list[dict]:
     return [json.loads(html.unescape(raw)) for raw in re.findall(r'data-plotly="([^"]*)"', content)]
 
 
-@pytest.fixture
-def fed(world):
-    """world (orgs A and B, people of every role) plus a published round 1 with a conflict and
-    ledger rows at each edge, and an open round 2."""
-    r1 = Round.objects.create(number=1, state=Round.State.PUBLISHED, config={"epsilon": 1.0})
-    Round.objects.create(number=2, state=Round.State.OPEN, config={"epsilon": 1.0})
-    for org, word in ((world.org_a, "Paris"), (world.org_b, "Berlin")):
-        ConflictLogEntry.objects.create(
-            round=r1, organization=org, tool_id="weather", centroid_id="c0",
-            centroid={"text": f"Will it rain tomorrow in {word}?", "preconditions": {"has_city": True}},
-            dissenters=[{"text": f"Rain in {word} without a city", "preconditions": {"has_city": False}}],
-            reason="preconditions disagree",
-        )
-        for field, eps in (("calls", 0.4), ("success_rate", 0.6)):
-            PrivacyLedgerEntry.objects.create(
-                round=r1, organization=org, tool_id="weather", field=field, sensitivity=1.0,
-                contributors=3, epsilon=eps, noise_scale=1.0 / eps, mechanism="laplace",
-            )
-    return world
-
-
 def login(client, fed, role):
     client.force_login(getattr(fed, role))
     return client

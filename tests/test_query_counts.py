@@ -27,7 +27,6 @@ from federation.models import (
 from routing.models import RoutingToken
 from tests.federation_fixtures import SYSTEM, client_api, make_user
 from tests.test_dashboard_pages import DOCUMENT
-from tests.test_dashboard_pages import fed as fed  # noqa: PLC0414  (the fixture, used by name)
 
 pytestmark = pytest.mark.django_db
 
