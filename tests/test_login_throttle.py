@@ -440,6 +440,23 @@ def test_guessing_the_current_password_on_the_change_page_is_throttled(people, c
 
 
 @pytest.mark.django_db
+def test_a_lock_reached_on_the_change_page_names_the_signed_in_person(people, clock):
+    """Guesses of the current password come from a signed-in session (a borrowed one, say): the
+    lock's audit entry names that login, not "anonymous sign-in", which reads as an outsider
+    guessing at the sign-in form and hides that a session of the account is in other hands."""
+    client = DjangoClient()
+    client.force_login(people.alice)
+    new = {"new_password1": "An-Other-Long-Pass-91", "new_password2": "An-Other-Long-Pass-91"}
+    for _ in range(3):
+        client.post("/accounts/password_change/", {"old_password": "guess", **new},
+                    REMOTE_ADDR="10.1.1.2")
+    entry = AuditLog.objects.get(action="login.throttled", details__scope="username")
+    assert entry.actor == people.alice and entry.actor_label == "alice"
+    assert entry.ip == "10.1.1.2" and entry.organization == people.org
+    assert entry.target_id == str(people.alice.pk)
+
+
+@pytest.mark.django_db
 def test_pruning_keeps_the_counters_of_a_lock_still_running(settings):
     from datetime import UTC, datetime, timedelta
 
