@@ -151,7 +151,8 @@ def end_attempt(attempt: Attempt, succeeded: bool) -> list[Lock]:
     return locks
 
 
-def _account(username: str):
+def account(username: str):
+    """The login a typed username names: its exact spelling, else one in another case."""
     users = get_user_model()._default_manager
     field = get_user_model().USERNAME_FIELD
     exact = users.filter(**{field: username}).first()
@@ -160,7 +161,7 @@ def _account(username: str):
 
 def _audit_lock(lock: Lock, username, ip, limit: int, window_s: int, now, actor=None) -> None:
     username = str(username or "")[:150]
-    user = _account(username) if username else None
+    user = account(username) if username else None
     if user is None and username:
         # Not an account: what was typed may be a password in the wrong field; the log keeps a
         # digest that tells repeated attempts apart, not the text.

@@ -426,11 +426,16 @@ def unlock_sign_in(actor: Actor, username: str | None, address: str | None) -> i
     cleared. Returns that number."""
     require_operator(actor, "unlock sign-in")
     removed = login_throttle.unlock(username, address)
+    # Under the account's organization, as its lock (login.throttled) is: its admins see it lifted.
+    user = login_throttle.account(username) if username else None
+    membership = membership_of(user) if user is not None else None
     audit(
         actor,
         AuditLog.Action.LOGIN_UNLOCK,
+        target=user,
         target_type="user" if username else "address",
         target_label=username or address,
+        organization=membership.organization if membership else None,
         details={"username": username, "address": address, "counters_cleared": removed},
     )
     return removed

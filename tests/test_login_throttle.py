@@ -383,6 +383,30 @@ def test_a_locked_account_is_opened_by_a_password_reset_or_the_unlock_command(pe
     assert counter(login_throttle.address_key("10.9.9.8")) == 3
 
 
+def test_an_unlock_is_audited_where_the_lock_was(people, clock):
+    """A username's lock is in its organization's audit log; so is its unlock, so that its admins
+    do not read a lock that was never lifted."""
+    from django.core.management import call_command
+
+    for _ in range(3):
+        sign_in(DjangoClient(), "alice", "wrong", ip="10.9.9.7")
+    call_command("unlock_login", "ALICE", stdout=None)
+    entry = AuditLog.objects.get(action="login.unlock")
+    assert entry.organization == people.org
+    assert entry.target_type == "user" and entry.target_id == str(people.alice.pk)
+    assert entry.details["username"] == "ALICE" and entry.details["counters_cleared"] == 1
+    # the address cleared with it is the lock's, which a read-only member does not read
+    from federation.services import audit_entry_for
+
+    call_command("unlock_login", "alice", "--address", "10.9.9.7", stdout=None)
+    both = AuditLog.objects.filter(action="login.unlock").latest("id")
+    Membership.objects.create(user=people.bob, organization=people.org, role=Membership.Role.MEMBER)
+    assert "address" not in audit_entry_for(people.bob, both).details
+    assert audit_entry_for(people.alice, both).details["address"] == "10.9.9.7"
+    call_command("unlock_login", "nobody-here", stdout=None)  # no account: federation-wide
+    assert AuditLog.objects.filter(action="login.unlock").latest("id").organization is None
+
+
 @pytest.mark.parametrize("typed", ["198.51.100.400", "198.51.100", "host.example", "198.51.100.4/32"])
 def test_unlock_refuses_an_address_that_is_not_one(people, clock, typed):
     """A mistyped --address cleared nothing and said "sign-in is open again" (and audited an
