@@ -49,7 +49,10 @@ class Lock:
 
 
 def username_key(username: str) -> str:
-    folded = unicodedata.normalize("NFKC", str(username)).casefold()
+    # Lower case, not casefold: casefolding makes one name of two logins ("strasse", "straße"),
+    # and one's failures would lock the other out. A login signs in by its exact name only, so
+    # counting spellings it cannot sign in with apart gives a guesser nothing.
+    folded = unicodedata.normalize("NFKC", str(username)).lower()
     return f"login:user:{folded[:_MAX_KEY_USERNAME]}"
 
 

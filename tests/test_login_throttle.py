@@ -322,6 +322,25 @@ def test_neither_spelling_nor_a_forged_forwarded_for_escapes_a_count(client, peo
     assert not signed_in(bob)
 
 
+def test_two_logins_whose_names_fold_alike_do_not_share_a_lock(client, people, clock):
+    """"strasse" and "straße" are two logins (a username in another case is refused, these are
+    not in another case); casefolding made them one count, so that the one's mistyped passwords
+    locked the other out. Only its exact name signs in to a login: a count per name in any case
+    leaves a guesser no more tries."""
+    users = get_user_model().objects
+    users.create_user("strasse", password=PASSWORD)
+    users.create_user("straße", password=PASSWORD)
+    for _ in range(3):
+        sign_in(client, "strasse", "wrong", ip="192.0.2.40")
+    other = DjangoClient()
+    sign_in(other, "straße", PASSWORD, ip="192.0.2.41")
+    assert signed_in(other)
+    locked = DjangoClient()  # the login guessed at is locked, whatever the case typed
+    assert login_throttle.lock_for("STRASSE", None) is not None
+    sign_in(locked, "strasse", PASSWORD, ip="192.0.2.42")
+    assert not signed_in(locked)
+
+
 # --- the service ----------------------------------------------------------------------------------
 
 
