@@ -11,7 +11,7 @@ from django.contrib.auth.forms import AuthenticationForm, PasswordChangeForm
 from django.core.exceptions import PermissionDenied, ValidationError
 
 from federation import login_throttle
-from federation.services import client_ip
+from federation.services import Actor, client_ip
 
 
 class ThrottledModelBackend(ModelBackend):
@@ -75,7 +75,9 @@ class ThrottledPasswordChangeForm(PasswordChangeForm):
     def clean_old_password(self):
         username = self.user.get_username()
         ip = client_ip(self.request) if self.request is not None else None
-        attempt = login_throttle.begin_attempt(username, ip)
+        # A lock this brings is audited as the signed-in person's (a borrowed session guessing),
+        # not as an anonymous sign-in.
+        attempt = login_throttle.begin_attempt(username, ip, actor=Actor.for_user(self.user, ip))
         lock = attempt.lock
         if lock is not None:
             login_throttle.end_attempt(attempt, succeeded=False)

@@ -49,7 +49,10 @@ class Lock:
 
 
 def username_key(username: str) -> str:
-    folded = unicodedata.normalize("NFKC", str(username)).casefold()
+    # Lower case, not casefold: casefolding makes one name of two logins ("strasse", "straße"),
+    # and one's failures would lock the other out. A login signs in by its exact name only, so
+    # counting spellings it cannot sign in with apart gives a guesser nothing.
+    folded = unicodedata.normalize("NFKC", str(username)).lower()
     return f"login:user:{folded[:_MAX_KEY_USERNAME]}"
 
 
@@ -106,6 +109,9 @@ class Attempt:
     hits: list[tuple[str, str, int, ratelimit.Decision]]  # scope, key, limit, decision
     window_start: object
     now: float | None
+    # Who made the attempt, when known: a signed-in person re-entering their password (the
+    # password change page). None: someone at a sign-in form.
+    actor: Actor | None = None
 
     @property
     def lock(self) -> Lock | None:
@@ -115,16 +121,19 @@ class Attempt:
         return None
 
 
-def begin_attempt(username: str | None, ip: str | None, now: float | None = None) -> Attempt:
+def begin_attempt(
+    username: str | None, ip: str | None, now: float | None = None, actor: Actor | None = None
+) -> Attempt:
     """Count a sign-in attempt as a failure of the username and the address before its password
     is checked, each count in one atomic upsert: of guesses sent in parallel, only as many as the
     limit get their password checked (checking the counts first and counting after the hash let
     every one of them through). `end_attempt` takes the counts back when the password was right,
-    or when the attempt was refused (a refused attempt counts nothing)."""
+    or when the attempt was refused (a refused attempt counts nothing). `actor`: the signed-in
+    person making it, if any, whom a lock it brings is audited as."""
     window_s = settings.SYNAPSE_LOGIN_FAILURE_WINDOW_SECONDS
     hits = [(scope, key, limit, ratelimit.hit(key, limit, window_s, now))
             for scope, key, limit in _counts(username, ip)]
-    return Attempt(username, ip, hits, ratelimit.window(window_s, now).start, now)
+    return Attempt(username, ip, hits, ratelimit.window(window_s, now).start, now, actor)
 
 
 def end_attempt(attempt: Attempt, succeeded: bool) -> list[Lock]:
@@ -139,21 +148,23 @@ def end_attempt(attempt: Attempt, succeeded: bool) -> list[Lock]:
     for scope, _, limit, decision in attempt.hits:
         if decision.count == limit:
             lock = Lock(scope, decision.retry_after)
-            _audit_lock(lock, attempt.username, attempt.ip, limit, window_s, attempt.now)
+            _audit_lock(lock, attempt.username, attempt.ip, limit, window_s, attempt.now,
+                        attempt.actor)
             locks.append(lock)
     return locks
 
 
-def _account(username: str):
+def account(username: str):
+    """The login a typed username names: its exact spelling, else one in another case."""
     users = get_user_model()._default_manager
     field = get_user_model().USERNAME_FIELD
     exact = users.filter(**{field: username}).first()
     return exact or users.filter(**{f"{field}__iexact": username}).order_by("pk").first()
 
 
-def _audit_lock(lock: Lock, username, ip, limit: int, window_s: int, now) -> None:
+def _audit_lock(lock: Lock, username, ip, limit: int, window_s: int, now, actor=None) -> None:
     username = str(username or "")[:150]
-    user = _account(username) if username else None
+    user = account(username) if username else None
     if user is None and username:
         # Not an account: what was typed may be a password in the wrong field; the log keeps a
         # digest that tells repeated attempts apart, not the text.
@@ -168,7 +179,7 @@ def _audit_lock(lock: Lock, username, ip, limit: int, window_s: int, now) -> Non
         "window_s": window_s,
         "locked_until": until.isoformat(),
     }
-    actor = Actor(None, ip, "anonymous sign-in")
+    actor = actor or Actor(None, ip, "anonymous sign-in")
     if lock.scope == USERNAME:
         # The account's organization (if the username is one) sees its own lock in its audit log.
         membership = membership_of(user) if user is not None else None

@@ -12,8 +12,10 @@ from __future__ import annotations
 import datetime as dt
 import secrets
 from dataclasses import dataclass
+from importlib import import_module
 
-from django.contrib.auth import get_user_model
+from django.conf import settings
+from django.contrib.auth import SESSION_KEY, get_user_model
 from django.core.exceptions import ValidationError
 from django.core.validators import validate_email
 from django.db import IntegrityError, connection, transaction
@@ -218,7 +220,8 @@ def reset_password(actor: Actor, membership: Membership | int) -> IssuedPassword
 
 @transaction.atomic
 def set_active(actor: Actor, membership: Membership | int, active: bool) -> Membership:
-    """Deactivate (sign-in, sessions and personal API tokens stop at once) or reactivate."""
+    """Deactivate (sign-in, sessions and personal API tokens stop at once, for good: a
+    reactivation brings back neither) or reactivate."""
     verb = "reactivate" if active else "deactivate"
     membership = _locked(actor, membership, f"{verb} people")
     _not_self(actor, membership, verb)
@@ -235,15 +238,15 @@ def set_active(actor: Actor, membership: Membership | int, active: bool) -> Memb
         )
     user.is_active = active
     user.save(update_fields=["is_active"])
-    revoked = 0
+    stopped = {}
     if not active:
-        revoked = _revoke_tokens(user)
+        stopped = {"tokens_revoked": _revoke_tokens(user), "sessions_ended": _end_sessions(user)}
     audit(
         actor,
         AuditLog.Action.PERSON_REACTIVATE if active else AuditLog.Action.PERSON_DEACTIVATE,
         target=membership,
         organization=membership.organization,
-        details=_details(membership, **({} if active else {"tokens_revoked": revoked})),
+        details=_details(membership, **stopped),
     )
     return membership
 
@@ -253,6 +256,24 @@ def _revoke_tokens(user) -> int:
     return UserToken.objects.filter(user=user, revoked_at__isnull=True).update(
         revoked_at=timezone.now()
     )
+
+
+def _end_sessions(user) -> int:
+    """End every open session of `user` (how many there were), on a deactivation: an inactive
+    login's sessions are refused, but they would be accepted again on its reactivation (a session
+    holds the login's id and a hash of its password, which a deactivation leaves as it was), as a
+    revoked token would if deactivating only suspended it. Sessions name their login only inside
+    their encoded data, so each live one is read: a deactivation is rare, sessions few."""
+    store = import_module(settings.SESSION_ENGINE).SessionStore
+    if not hasattr(store, "get_model_class"):  # not kept in the database: nothing to look through
+        return 0
+    ended = 0
+    live = store.get_model_class().objects.filter(expire_date__gt=timezone.now())
+    for session in live.iterator():
+        if session.get_decoded().get(SESSION_KEY) == str(user.pk):
+            store(session.session_key).delete()  # the cache's copy too (cached_db)
+            ended += 1
+    return ended
 
 
 def _deactivated_by_operator(membership: Membership) -> bool:
@@ -366,6 +387,7 @@ def admin_login_saved(actor: Actor, user, before: dict | None) -> None:
             details["role"] = membership.role
         if not user.is_active:
             details["tokens_revoked"] = _revoke_tokens(user)
+            details["sessions_ended"] = _end_sessions(user)
         audit(
             actor,
             AuditLog.Action.PERSON_REACTIVATE if user.is_active else AuditLog.Action.PERSON_DEACTIVATE,
@@ -404,11 +426,16 @@ def unlock_sign_in(actor: Actor, username: str | None, address: str | None) -> i
     cleared. Returns that number."""
     require_operator(actor, "unlock sign-in")
     removed = login_throttle.unlock(username, address)
+    # Under the account's organization, as its lock (login.throttled) is: its admins see it lifted.
+    user = login_throttle.account(username) if username else None
+    membership = membership_of(user) if user is not None else None
     audit(
         actor,
         AuditLog.Action.LOGIN_UNLOCK,
+        target=user,
         target_type="user" if username else "address",
         target_label=username or address,
+        organization=membership.organization if membership else None,
         details={"username": username, "address": address, "counters_cleared": removed},
     )
     return removed

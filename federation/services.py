@@ -303,9 +303,10 @@ def audit_entry_for(user, entry: AuditLog) -> ShownAudit:
         return ShownAudit(details, entry.ip)
     own_action = entry.actor_id is not None and entry.actor_id == user.pk
     shown = details if details.get("user") == user.get_username() else _without_admin_only(details)
-    if not own_action and "ip" in shown:
-        # The entry's address again (a sign-in lock's details name it): hidden as it is.
-        shown = {key: value for key, value in shown.items() if key != "ip"}
+    if not own_action and ({"ip", "address"} & shown.keys()):
+        # The entry's address again (a sign-in lock's details name it), or the address a sign-in
+        # unlock cleared with the username (the lock's): hidden as it is.
+        shown = {key: value for key, value in shown.items() if key not in ("ip", "address")}
     return ShownAudit(shown, entry.ip if own_action else None)
 
 

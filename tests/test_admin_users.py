@@ -165,7 +165,7 @@ def test_a_deactivation_in_the_admin_is_the_operators_and_stands(world):
     assert entry.actor == world.operator and entry.organization == world.org_a
     assert entry.target_type == "membership" and entry.target_id == str(world.member_a.membership.pk)
     assert entry.details == {"user": "member_a", "via": "django admin", "role": "member",
-                             "tokens_revoked": 1}
+                             "tokens_revoked": 1, "sessions_ended": 0}
     assert not entries("user.change").exists()
     assert services.user_for_token(token) is None
     assert UserToken.objects.get(user=world.member_a).revoked_at is not None
@@ -178,6 +178,22 @@ def test_a_deactivation_in_the_admin_is_the_operators_and_stands(world):
     browser.post(reverse("admin:auth_user_change", args=[world.member_a.pk]), data)
     assert User.objects.get(pk=world.member_a.pk).is_active
     assert entries("person.reactivate").get().details["via"] == "django admin"
+
+
+def test_a_session_open_at_a_deactivation_in_the_admin_stays_ended_after_reactivation(world):
+    session = BrowserClient()
+    session.force_login(world.member_a)
+    assert session.get(reverse("dashboard:overview")).status_code == 200
+    browser = operator_browser(world)
+    data = change_form(browser, world.member_a)
+    data.pop("is_active")
+    browser.post(reverse("admin:auth_user_change", args=[world.member_a.pk]), data)
+    assert entries("person.deactivate").get().details["sessions_ended"] == 1
+    data["is_active"] = "on"
+    browser.post(reverse("admin:auth_user_change", args=[world.member_a.pk]), data)
+    assert User.objects.get(pk=world.member_a.pk).is_active
+    assert session.get(reverse("dashboard:overview")).status_code == 302
+    assert browser.get(reverse("admin:index")).status_code == 200  # the operator's own stays
 
 
 def test_a_password_set_in_the_admin_is_audited_without_the_password(world):

@@ -322,6 +322,25 @@ def test_neither_spelling_nor_a_forged_forwarded_for_escapes_a_count(client, peo
     assert not signed_in(bob)
 
 
+def test_two_logins_whose_names_fold_alike_do_not_share_a_lock(client, people, clock):
+    """"strasse" and "straße" are two logins (a username in another case is refused, these are
+    not in another case); casefolding made them one count, so that the one's mistyped passwords
+    locked the other out. Only its exact name signs in to a login: a count per name in any case
+    leaves a guesser no more tries."""
+    users = get_user_model().objects
+    users.create_user("strasse", password=PASSWORD)
+    users.create_user("straße", password=PASSWORD)
+    for _ in range(3):
+        sign_in(client, "strasse", "wrong", ip="192.0.2.40")
+    other = DjangoClient()
+    sign_in(other, "straße", PASSWORD, ip="192.0.2.41")
+    assert signed_in(other)
+    locked = DjangoClient()  # the login guessed at is locked, whatever the case typed
+    assert login_throttle.lock_for("STRASSE", None) is not None
+    sign_in(locked, "strasse", PASSWORD, ip="192.0.2.42")
+    assert not signed_in(locked)
+
+
 # --- the service ----------------------------------------------------------------------------------
 
 
@@ -383,6 +402,30 @@ def test_a_locked_account_is_opened_by_a_password_reset_or_the_unlock_command(pe
     assert counter(login_throttle.address_key("10.9.9.8")) == 3
 
 
+def test_an_unlock_is_audited_where_the_lock_was(people, clock):
+    """A username's lock is in its organization's audit log; so is its unlock, so that its admins
+    do not read a lock that was never lifted."""
+    from django.core.management import call_command
+
+    for _ in range(3):
+        sign_in(DjangoClient(), "alice", "wrong", ip="10.9.9.7")
+    call_command("unlock_login", "ALICE", stdout=None)
+    entry = AuditLog.objects.get(action="login.unlock")
+    assert entry.organization == people.org
+    assert entry.target_type == "user" and entry.target_id == str(people.alice.pk)
+    assert entry.details["username"] == "ALICE" and entry.details["counters_cleared"] == 1
+    # the address cleared with it is the lock's, which a read-only member does not read
+    from federation.services import audit_entry_for
+
+    call_command("unlock_login", "alice", "--address", "10.9.9.7", stdout=None)
+    both = AuditLog.objects.filter(action="login.unlock").latest("id")
+    Membership.objects.create(user=people.bob, organization=people.org, role=Membership.Role.MEMBER)
+    assert "address" not in audit_entry_for(people.bob, both).details
+    assert audit_entry_for(people.alice, both).details["address"] == "10.9.9.7"
+    call_command("unlock_login", "nobody-here", stdout=None)  # no account: federation-wide
+    assert AuditLog.objects.filter(action="login.unlock").latest("id").organization is None
+
+
 @pytest.mark.parametrize("typed", ["198.51.100.400", "198.51.100", "host.example", "198.51.100.4/32"])
 def test_unlock_refuses_an_address_that_is_not_one(people, clock, typed):
     """A mistyped --address cleared nothing and said "sign-in is open again" (and audited an
@@ -437,6 +480,23 @@ def test_guessing_the_current_password_on_the_change_page_is_throttled(people, c
     done = client.post(path, {"old_password": PASSWORD, **new}, REMOTE_ADDR="10.1.1.1")
     assert done.status_code == 302
     assert AuditLog.objects.filter(action="person.password_change", actor=people.root).count() == 1
+
+
+@pytest.mark.django_db
+def test_a_lock_reached_on_the_change_page_names_the_signed_in_person(people, clock):
+    """Guesses of the current password come from a signed-in session (a borrowed one, say): the
+    lock's audit entry names that login, not "anonymous sign-in", which reads as an outsider
+    guessing at the sign-in form and hides that a session of the account is in other hands."""
+    client = DjangoClient()
+    client.force_login(people.alice)
+    new = {"new_password1": "An-Other-Long-Pass-91", "new_password2": "An-Other-Long-Pass-91"}
+    for _ in range(3):
+        client.post("/accounts/password_change/", {"old_password": "guess", **new},
+                    REMOTE_ADDR="10.1.1.2")
+    entry = AuditLog.objects.get(action="login.throttled", details__scope="username")
+    assert entry.actor == people.alice and entry.actor_label == "alice"
+    assert entry.ip == "10.1.1.2" and entry.organization == people.org
+    assert entry.target_id == str(people.alice.pk)
 
 
 @pytest.mark.django_db

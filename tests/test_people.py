@@ -201,6 +201,24 @@ def test_deactivation_stops_sign_in_sessions_and_tokens_and_reactivation_restore
     assert AuditLog.objects.filter(action="person.reactivate").count() == 1
 
 
+def test_a_session_open_at_deactivation_stays_ended_after_reactivation(world):
+    # A reactivation gives the person back their sign-in, not a session that was open when the
+    # login was taken away (a borrowed or stolen browser's), as it gives back no revoked token.
+    issued = people.add_person(world.actor(world.admin_a), world.org_a, "ines", "member")
+    browser = BrowserClient()
+    browser.post(reverse("login"), {"username": "ines", "password": issued.password})
+    assert browser.get(reverse("dashboard:overview")).status_code == 200
+    colleague = BrowserClient()  # another login's session is left alone
+    colleague.force_login(world.member_a)
+    people.set_active(world.actor(world.admin_a), issued.membership, False)
+    people.set_active(world.actor(world.admin_a), issued.membership, True)
+    assert browser.get(reverse("dashboard:overview")).status_code == 302
+    assert colleague.get(reverse("dashboard:overview")).status_code == 200
+    assert signs_in("ines", issued.password)
+    entry = AuditLog.objects.get(action="person.deactivate")
+    assert entry.details["sessions_ended"] == 1
+
+
 # --- API ---------------------------------------------------------------------------------------
 
 
