@@ -491,7 +491,27 @@ class ScenarioIndex:
 
     def retrieve(self, query_vector: np.ndarray, n: int) -> Retrieved:
         """Exact top-n by cosine, ties broken by scenario order."""
-        return top_n(self.embeddings @ query_vector, n)
+        return self.nearest(query_vector, self.embeddings @ query_vector, n)
+
+    # How many scenarios past the n-th by a float32 product's scores are scored again exactly.
+    RESCORED_BEYOND = 16
+
+    def nearest(self, query_vector: np.ndarray, scores: np.ndarray, n: int) -> Retrieved:
+        """The top-n of `scores` (the query's cosines to every scenario, from a float32 product:
+        the query's own, or its row of a batch's), with their cosines computed again so that
+        they do not depend on that product. BLAS sums a product in an order set by its shape,
+        so a query's row of a batch's product differed in the last bits from its product alone,
+        and from its row in a batch of another size: the same query got other scores and at
+        times another confidence from /api/v1/route/ than from /api/v1/route/batch/. Products of
+        float32 numbers are exact in float64, and each row is summed in the same order whatever
+        the rows beside it, so the nearest n + RESCORED_BEYOND by `scores` are scored so, and
+        the best n of those kept (ties broken by scenario order, as `top_n`)."""
+        idx, _ = top_n(scores, n + self.RESCORED_BEYOND)
+        exact = (
+            self.embeddings[idx].astype(np.float64) * np.asarray(query_vector, dtype=np.float64)
+        ).sum(axis=1)
+        order = np.lexsort((idx, -exact))[: max(n, 0)]
+        return idx[order], exact[order]
 
 
 def top_n(scores: np.ndarray, n: int) -> Retrieved:
@@ -601,7 +621,9 @@ class Router:
         with single_thread_blas():
             if self.retriever == self.index.retrieve:  # one matrix product for the whole batch
                 scores = vectors @ self.index.embeddings.T
-                retrieved = [top_n(row, pool) for row in scores]
+                retrieved = [
+                    self.index.nearest(v, row, pool) for v, row in zip(vectors, scores, strict=True)
+                ]
             else:
                 retrieved = [self.retriever(v, pool) for v in vectors]
             return [
@@ -839,7 +861,7 @@ def _probe_features(router: Router, queries: Sequence[str], top_k: int = 5):
     with single_thread_blas():
         scores = vectors @ router.index.embeddings.T
         for q, v, row in zip(queries, vectors, scores, strict=True):
-            idx, s = top_n(row, pool)
+            idx, s = router.index.nearest(v, row, pool)  # as routing retrieves them
             out.append(router.features(q, v, idx, s, top_k))
     return out
 

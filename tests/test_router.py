@@ -100,6 +100,23 @@ def test_batch_routing_equals_one_by_one(metatool_router, metatool_split):
     assert [d.confidence for d in batch] == [metatool_router.route(q).confidence for q in queries]
 
 
+def test_a_query_is_decided_alike_alone_and_in_a_batch_of_any_size(metatool_router, metatool_split):
+    """The batch form scored every scenario for the whole batch in one matrix product, whose
+    float32 sums BLAS blocks by the product's shape: the same query got other candidate scores,
+    ranking scores and at times another confidence from POST /api/v1/route/ than from
+    /api/v1/route/batch/, and in a batch of 7 than in one of 60."""
+    _, split = metatool_split
+    queries = [q.query for q in split.test[:60]]
+    alone = [metatool_router.route(q, 10).as_dict() for q in queries]
+    for size in (7, 60):
+        batched = [
+            d.as_dict()
+            for start in range(0, len(queries), size)
+            for d in metatool_router.route_batch(queries[start : start + size], 10)
+        ]
+        assert batched == alone, size
+
+
 def _top1(router: Router, labelled: list[tuple[str, str]]) -> float:
     """Top-1 accuracy of `router` on (query, tool) pairs."""
     decisions = router.route_batch([q for q, _ in labelled])

@@ -92,3 +92,26 @@ def test_tune_device_bench_tunes_a_saved_global_and_the_folder_routes_as_saved(t
     assert 0 <= row["frozen_accuracy"] <= 1 and 0 <= row["tuned_accuracy"] <= 1
     assert row["reloaded_accuracy"] == row["tuned_accuracy"] and row["reloaded_same_choices"] == 1.0
     assert row["peak_gpu_mib"] is None
+
+
+def test_a_tuned_routers_engine_embeds_a_query_alike_alone_and_in_a_list(tmp_path):
+    """The tuned router's engine (fp32 torch) embedded a list of queries in batches of 64, padded
+    to the longest: a query's vector differed in the last bits alone and in a list, so with a
+    tuned router POST /api/v1/route/ and /api/v1/route/batch/ scored the same query otherwise,
+    and the engine's cache kept whichever vector a query got first."""
+    import shutil
+
+    from routing.embeddings import _bundled_path
+    from routing.finetune import ROUTER_PARAMS, ROUTER_STATE, load_tuned_router
+    from routing.router import RoutingParams
+
+    folder = tmp_path / "router"
+    shutil.copytree(_bundled_path(), folder)  # a sentence-transformers model, as tuning saves one
+    np.savez(folder / ROUTER_STATE, scenarios=np.zeros((0, 384), np.float32),
+             precautions=np.zeros((0, 384), np.float32))
+    (folder / ROUTER_PARAMS).write_text(RoutingParams().to_json())
+    queries = [t for tool in TEXTS for t in TEXTS[tool]] + ["a much longer request " * 6, "hi"]
+    listed = load_tuned_router(folder).engine.embed(queries)
+    engine = load_tuned_router(folder).engine
+    alone = np.array([engine.embed([q])[0] for q in queries])
+    assert (listed == alone).all()

@@ -812,6 +812,21 @@ def test_batch_api_and_latency_summary(data, api):
 
 
 
+def test_a_query_gets_the_same_answer_alone_and_in_a_batch(data, api):
+    """POST /api/v1/route/ and /api/v1/route/batch/ answered the same query with other scores
+    in the last digits and at times another confidence (the batch's one matrix product sums in
+    another order than one query's)."""
+    http, raw, _ = api
+    _publish(data, with_client_copy=False)
+    queries = data["queries"][:30]
+    response = _post(http, "/api/v1/route/batch/", {"queries": queries, "top_k": 10}, raw)
+    assert response.status_code == 200, response.content
+    for query, in_batch in zip(queries, response.json()["results"], strict=True):
+        alone = _post(http, "/api/v1/route/", {"query": query, "top_k": 10}, raw).json()
+        del alone["latency_ms"], in_batch["latency_ms"]
+        assert alone == in_batch, query
+
+
 def test_route_api_accepts_a_federation_client_token(data, api):
     """An approved client's own API token routes too (the federation's token scheme)."""
     from federation.services import Actor, approve_client, create_organization, enroll_client
