@@ -49,6 +49,7 @@ from federation.errors import (
 from federation.models import (
     AuditLog,
     Client,
+    ClientToken,
     FederationSettings,
     ProbeQuery,
     RateCounter,
@@ -564,8 +565,10 @@ _LOCK_CLIENT_SQL = f"SELECT status FROM {Client._meta.db_table} WHERE id = %(cli
 # Under the client's lock: the stored answer of this key again (a concurrent request with it may
 # have committed meanwhile), the open round read FOR SHARE (closing it waits for us), the client's
 # current version of that round, if any, the request's hit on the client's rate counter
-# (committed with the submission or the replay: one commit, one WAL flush, per request),
-# and the schema's fingerprint again (a tool deactivated or a numeric field changed while the body
+# (committed with the submission or the replay: one commit, one WAL flush, per request), the
+# hash of the client's live token (a rotation, which locks the client too, committed while the
+# body was checked: the token that sent it stopped; read here, not in the lock's statement, whose
+# snapshot predates the wait), and the schema's fingerprint again (a tool deactivated or a numeric field changed while the body
 # was checked: it was checked against another schema than the merge will use).
 _CLAIM_SQL = f"""
 WITH stored AS ({_STORED}),
@@ -580,7 +583,10 @@ SELECT stored.*,
        open_round.id, open_round.number,
        (SELECT id FROM {_VERSIONS}
         WHERE kind = 'client' AND client_id = %(client)s AND round_id = open_round.id),
-       (SELECT count FROM hit), schema.*
+       (SELECT count FROM hit),
+       (SELECT token_hash FROM {ClientToken._meta.db_table}
+        WHERE client_id = %(client)s AND revoked_at IS NULL),
+       schema.*
 FROM (SELECT 1) AS one LEFT JOIN stored ON TRUE LEFT JOIN open_round ON TRUE,
      (SELECT {_FINGERPRINT_COLUMNS}) AS schema
 """
@@ -635,6 +641,7 @@ def submit(
     *,
     content_encoding: str | None = None,
     expected_round: int | None = None,
+    token_hash: str | None = None,
 ) -> Outcome:
     """Store a client's compendium for the open round (or replay the stored outcome of this
     idempotency key). `wire` is the body as it came and `content_encoding` its Content-Encoding
@@ -648,7 +655,9 @@ def submit(
     `X-Synapse-Round` header; None: not sent) is the round the client built and checked the body
     for: another round open is a RoundChanged, nothing stored. A key whose submission a later one
     of the client replaced in the open round is not replayed but refused (Replaced): a new key
-    puts it back in effect."""
+    puts it back in effect. `token_hash` (None: called by the server itself, not over the API)
+    is the hash of the token that authenticated the request: a rotation that committed while the
+    body was checked stops it, and nothing is stored (NotAllowed), as for a revocation."""
     key = check_key(idempotency_key)
     limit = max_submission_bytes()
     rate_limit = federation_settings().submissions_per_minute
@@ -740,7 +749,14 @@ def submit(
                 )
             cursor.execute(_CLAIM_SQL, params)
             row = cursor.fetchone()
-            stored, (round_id, round_number, replaced, count, *claimed_schema) = row[:5], row[5:]
+            stored, (round_id, round_number, replaced, count, live_token, *claimed_schema) = (
+                row[:5], row[5:])
+            if token_hash is not None and live_token != token_hash:
+                raise NotAllowed(
+                    "this client's token was rotated while its submission was being checked: "
+                    "the token that sent it no longer works; nothing was stored (submit with "
+                    "the new token)"
+                )
             if count > rate_limit:  # requests of this client that passed the look-ahead together
                 raise _rate_limited(rate_limit, window)
             if stored[0] is not None:  # a concurrent request with this key won the race

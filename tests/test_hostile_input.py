@@ -510,6 +510,34 @@ def test_a_client_revoked_while_its_submission_is_checked_stores_nothing(world, 
     assert Submission.objects.filter(client=world.client_a).count() == 1
 
 
+@pytest.mark.django_db
+def test_a_token_rotated_while_its_submission_is_checked_stores_nothing(world, valid_doc, monkeypatch):
+    """A rotation is what an admin does when a token leaked: a submission the old token sent just
+    before it, stored once the rotation committed, would let the leaked token replace the client's
+    compendium after it was meant to stop. 403, nothing stored; the new token submits."""
+    services.open_round(SYSTEM)
+    api = client_api(world.token_a)
+    earlier = api.post("/api/v1/submissions/", json.dumps(valid_doc), content_type="application/json",
+                       HTTP_IDEMPOTENCY_KEY="k1")
+    assert earlier.status_code == 201
+    rotated = {}
+    _once_checked(monkeypatch, lambda: rotated.update(token=services.rotate_client_token(
+        SYSTEM, world.client_a).token))
+    doc = json.loads(json.dumps(valid_doc))
+    doc["scenarios"][0]["text"] = "Will it snow tomorrow in a city?"
+    response = api.post("/api/v1/submissions/", json.dumps(doc), content_type="application/json",
+                        HTTP_IDEMPOTENCY_KEY="k2")
+    assert response.status_code == 403, response.content
+    assert "rotated" in response.json()["detail"] and "nothing was stored" in response.json()["detail"]
+    kept = CompendiumVersion.objects.get(kind="client")
+    assert kept.pk == earlier.json()["version"]
+    assert Submission.objects.filter(client=world.client_a).count() == 1
+    again = client_api(rotated["token"]).post(
+        "/api/v1/submissions/", json.dumps(doc), content_type="application/json",
+        HTTP_IDEMPOTENCY_KEY="k2")
+    assert again.status_code == 201 and again.json()["replaced"] is True
+
+
 def test_a_collection_over_its_limit_is_refused_before_its_entries_are_checked(small_schema):
     cap = small_schema.limits.scenarios
     result = validate_compendium({"scenarios": [0] * (cap + 1), "annex": [0] * 3}, small_schema)

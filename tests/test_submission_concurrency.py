@@ -208,3 +208,40 @@ def test_a_submission_during_an_erasure_waits_for_it_and_is_stored_whole(world, 
     assert waited, "the submission did not wait for the erasure"
     report = outcomes["erasure"]
     assert (report.submissions_removed, report.submission_records_removed) == (1, 0)
+
+
+def test_a_submission_waiting_on_a_rotation_of_its_token_stores_nothing(world, valid_doc):
+    """The rotation holds the client's row while the submission of the old token (authenticated
+    before it) waits for that lock: once the rotation commits, the token that sent it has
+    stopped, and nothing is stored. Read after the lock is granted, in a statement of its own:
+    the statement that waited for the lock reads from a snapshot taken before the rotation
+    committed (the rotation changes the token, not the client's row)."""
+    services.open_round(SYSTEM)
+    client = world.client_a
+    old = services.hash_token(world.token_a)
+    outcome: dict = {}
+    finished = threading.Event()
+
+    def submit():
+        try:
+            outcome["result"] = submissions.submit(
+                client, json.dumps(valid_doc).encode(), "k1", token_hash=old)
+        except Exception as exc:  # noqa: BLE001 - the outcome is what the test checks
+            outcome["result"] = exc
+        finally:
+            finished.set()
+            connection.close()
+
+    submission = threading.Thread(target=submit)
+    try:
+        with transaction.atomic():
+            services.rotate_client_token(SYSTEM, client)
+            submission.start()
+            waited = another_waits_on_a_lock(30, done=finished)
+    finally:
+        submission.join(60)
+    assert waited, "the submission did not wait for the rotation"
+    assert isinstance(outcome["result"], services.NotAllowed), outcome
+    assert "rotated" in str(outcome["result"])
+    assert not Submission.objects.exists()
+    assert not CompendiumVersion.objects.filter(kind="client").exists()

@@ -12,6 +12,7 @@ from federation.services import (
     TOKEN_PREFIX_USER,
     TokenRejected,
     client_for_token,
+    hash_token,
     user_for_token,
 )
 from synapse_web.openapi import BearerTokenScheme
@@ -34,9 +35,12 @@ def bearer_token(request) -> str | None:
 class ClientPrincipal(AnonymousUser):
     """request.user for a client machine: authenticated, but never a person or an operator."""
 
-    def __init__(self, client):
+    def __init__(self, client, token_hash: str | None = None):
         super().__init__()
         self.client = client
+        # The hash of the token that authenticated the request: a submission checks under the
+        # client's lock that it is still the client's (not rotated away meanwhile).
+        self.token_hash = token_hash
 
     @property
     def is_authenticated(self) -> bool:  # type: ignore[override]
@@ -63,7 +67,7 @@ class ClientTokenAuthentication(BaseAuthentication):
             if exc.status_code == 403:
                 raise Forbidden(exc.detail) from exc
             raise exceptions.AuthenticationFailed(exc.detail) from exc
-        return ClientPrincipal(client), client
+        return ClientPrincipal(client, hash_token(token)), client
 
     def authenticate_header(self, request):
         return 'Bearer realm="synapse"'

@@ -350,6 +350,7 @@ class SubmissionView(FederationGenericView):
             request.META.get("HTTP_IDEMPOTENCY_KEY"),
             content_encoding=request.META.get("HTTP_CONTENT_ENCODING"),
             expected_round=submissions.expected_round(request.META.get("HTTP_X_SYNAPSE_ROUND")),
+            token_hash=request.user.token_hash,
         )
         response = Response(outcome.body, status=outcome.status_code)
         if outcome.replayed:
