@@ -954,6 +954,21 @@ def test_progress_lines_say_how_long_the_run_has_taken(tiny_dataset, capsys):
                for line in lines)
 
 
+def test_bm25_over_a_final_global_without_scenarios_routes_nothing(tiny_dataset, tmp_path):
+    """A byte budget no scenario fits in (the clients send their statistics alone) leaves the
+    final global without a scenario: the BM25 baseline over it crashed after the whole run
+    (rank_bm25 divides by the size of an empty corpus), nothing stored or written. Over a
+    global of no scenario it routes nothing: accuracy 0."""
+    out = tmp_path / "run.json"
+    call_command("simulate", "--dataset", str(tiny_dataset), "--orgs", "2", "--clients-per-org",
+                 "2", "--rounds", "1", "--max-bytes", "1", "--no-diagnostics", "--in-memory",
+                 "--no-store", "--out", str(out), verbosity=0)
+    document = json.loads(out.read_text())
+    assert document["rounds"][0][-1]["global_scenarios"] == 0
+    [bm25] = [row for row in document["summary"] if row["method"] == "bm25"]
+    assert bm25["accuracy_mean"] == 0.0
+
+
 def test_a_runs_seconds_count_its_sweeps_too(tiny_dataset, tmp_path, monkeypatch):
     """The document's `seconds` (the dashboard's "stored … (N s)") is the whole command's time,
     sweeps included: it gave the main run's alone (the demo's 1,208 s run read 871 s)."""

@@ -978,11 +978,11 @@ class Simulation:
 
         texts = [s.text for s in compendium.scenarios]
         tools = [s.tool_id for s in compendium.scenarios]
-        index = BM25Okapi([tokenize(t) or ["_"] for t in texts], k1=1.5, b=0.75)
-        predicted = []
-        for q in test:
-            scores = index.get_scores(tokenize(q.query) or ["_"])
-            predicted.append(tools[int(np.argmax(scores))] if len(scores) else "")
+        predicted = [""] * len(test)  # a global of no scenario (rank_bm25 divides by its size)
+        if texts:
+            index = BM25Okapi([tokenize(t) or ["_"] for t in texts], k1=1.5, b=0.75)
+            predicted = [tools[int(np.argmax(index.get_scores(tokenize(q.query) or ["_"])))]
+                         for q in test]
         return accuracy_report(
             predicted,
             [q.tool_id for q in test],
