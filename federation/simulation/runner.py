@@ -791,8 +791,13 @@ class Simulation:
                 self.progress(f"{self.seed_name(seed)}: the server tunes its router on the final global "
                               f"({c.tune_router_epochs} epoch(s))")
             served = self.services.served_router(c.reranker, c.tune_router_epochs)
-            scored = setup.test_at(final.round, self.category_of)
-            result.rows.append(_row("synapse_served", final.round, seed, self.evaluate(served, scored)))
+            if served is None:  # no row rather than a figure of a router nobody serves
+                self.progress(f"{self.seed_name(seed)}: no round was published, the routing API "
+                              "serves nothing: no synapse_served row")
+            else:
+                scored = setup.test_at(final.round, self.category_of)
+                result.rows.append(
+                    _row("synapse_served", final.round, seed, self.evaluate(served, scored)))
         result.communication = communication(outcomes)
         if c.diagnostics:
             self.progress(f"{self.seed_name(seed)}: diagnostics")
