@@ -943,6 +943,43 @@ def test_a_sweep_reuses_a_federation_already_played_and_only_that(tiny_dataset):
     assert played_seeds[3:] == [(config.tau, True, 1), (config.tau, False, 1)]
 
 
+def test_an_adversarial_sweep_plays_the_federation_without_adversaries_once_not_once_per_mode(
+        tiny_dataset):
+    """At fraction 0 no client is adversarial, so what an adversary would send (the mode, the
+    camouflage share) decides nothing: `--sweep-adversarial 0,0.2,0.4` (the dashboard's own
+    example) played the same federation again for every mode, 6 times too many per rule with
+    the 7 modes. Each mode keeps its row, with the one federation's figures."""
+    from compendium.registry import load_dataset
+    from compendium.schema import Schema
+    from federation.simulation.report import PlayedRuns, sweep
+    from federation.simulation.runner import Simulation, SimulationConfig
+    from routing.embeddings import get_engine
+
+    dataset = load_dataset(str(tiny_dataset))
+    schema = Schema(tools=dataset.tools)
+    played = []
+
+    class Counted(Simulation):
+        def run_seed(self, seed):
+            played.append((self.config.adversarial_mode, self.config.adversarial_fraction))
+            return super().run_seed(seed)
+
+    def make(cfg):
+        return Counted(dataset, schema, get_engine(), cfg)
+
+    config = SimulationConfig(orgs=2, clients_per_org=2, rounds=1, baselines=False,
+                              diagnostics=False)
+    modes = ("tool_confusion", "camouflaged_poisoning", "coordinated_camouflage")
+    variants = [{"adversarial_mode": mode, "adversarial_fraction": fraction, "robust_rule": "none"}
+                for mode in modes for fraction in (0.0, 0.5)]
+    rows = sweep(make, config, variants, [1], PlayedRuns())
+    assert played == [("tool_confusion", 0.0), ("tool_confusion", 0.5),
+                      ("camouflaged_poisoning", 0.5), ("coordinated_camouflage", 0.5)]
+    clean = [row for row in rows if row["adversarial_fraction"] == 0.0]
+    assert [row["adversarial_mode"] for row in clean] == list(modes)
+    assert len({row["accuracy"] for row in clean}) == 1
+
+
 def test_progress_lines_say_how_long_the_run_has_taken(tiny_dataset, capsys):
     call_command("simulate", "--dataset", str(tiny_dataset), "--orgs", "2", "--clients-per-org",
                  "2", "--rounds", "2", "--no-baselines", "--no-diagnostics", "--in-memory",
@@ -952,6 +989,21 @@ def test_progress_lines_say_how_long_the_run_has_taken(tiny_dataset, capsys):
     assert all(re.fullmatch(r"simulate: \[\d+:\d\d:\d\d\] .+", line) for line in lines), lines
     assert any(re.fullmatch(r"simulate: \[[^]]+\] tau_sweep 1/1 \(tau=0\.6\): seed 0 \(1/1\): evaluating", line)
                for line in lines)
+
+
+def test_bm25_over_a_final_global_without_scenarios_routes_nothing(tiny_dataset, tmp_path):
+    """A byte budget no scenario fits in (the clients send their statistics alone) leaves the
+    final global without a scenario: the BM25 baseline over it crashed after the whole run
+    (rank_bm25 divides by the size of an empty corpus), nothing stored or written. Over a
+    global of no scenario it routes nothing: accuracy 0."""
+    out = tmp_path / "run.json"
+    call_command("simulate", "--dataset", str(tiny_dataset), "--orgs", "2", "--clients-per-org",
+                 "2", "--rounds", "1", "--max-bytes", "1", "--no-diagnostics", "--in-memory",
+                 "--no-store", "--out", str(out), verbosity=0)
+    document = json.loads(out.read_text())
+    assert document["rounds"][0][-1]["global_scenarios"] == 0
+    [bm25] = [row for row in document["summary"] if row["method"] == "bm25"]
+    assert bm25["accuracy_mean"] == 0.0
 
 
 def test_a_runs_seconds_count_its_sweeps_too(tiny_dataset, tmp_path, monkeypatch):

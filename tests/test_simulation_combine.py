@@ -439,6 +439,49 @@ def test_a_run_whose_out_fails_at_the_end_is_stored_first_and_says_so(tmp_path, 
     assert sorted(p.name for p in tmp_path.iterdir()) == ["a.json"]  # no scratch file left
 
 
+@pytest.mark.django_db(transaction=True)  # the connection is cut outside any test transaction
+def test_a_run_whose_database_connection_dropped_while_it_played_is_still_stored_and_written(
+        tmp_path, monkeypatch):
+    """The database closed the command's connection while the run played (a restart, an idle
+    timeout over a run of hours): storing it raised a traceback at the very end, and --out,
+    written after the store, was never written: the whole run lost. The store is tried again
+    on a new connection, and --out is written whatever the store does."""
+    from django.db import DatabaseError, connection
+
+    from federation.management.commands import simulate
+    from federation.models import SimulationRun
+
+    real_combine = simulate.combine
+
+    def combine_then_lose_the_connection(*args):
+        with pytest.raises(DatabaseError), connection.cursor() as cursor:  # the server ends it
+            cursor.execute("SELECT pg_terminate_backend(pg_backend_pid())")
+        return real_combine(*args)
+
+    monkeypatch.setattr(simulate, "combine", combine_then_lose_the_connection)
+    out = tmp_path / "out.json"
+    call_command("simulate", "--combine", str(_written(tmp_path)), "--out", str(out),
+                 "--label", "reconnected")
+    assert SimulationRun.objects.get(label="reconnected").document["seeds"] == [0]
+    assert json.loads(out.read_text())["seeds"] == [0]
+
+    # A store that fails on the new connection too: --out is written all the same, and the
+    # error says so and how to store it from there.
+    def store_fails(document, label=""):
+        raise DatabaseError("the database is read-only")
+
+    monkeypatch.setattr("federation.services.store_simulation_run", store_fails)
+    out.unlink()
+    with pytest.raises(CommandError) as error:
+        call_command("simulate", "--combine", str(_written(tmp_path)), "--out", str(out),
+                     "--label", "lost")
+    assert json.loads(out.read_text())["seeds"] == [0]
+    assert str(error.value) == (
+        f"the run could not be stored (the database is read-only); its results are written to "
+        f"{out}: store them with `python manage.py simulate --combine {out}`"
+    )
+
+
 def test_a_run_in_which_no_client_sent_anything_has_no_byte_figure_not_nan():
     from compendium.schema import Compendium
     from federation.simulation.runner import RoundOutcome, communication

@@ -280,6 +280,26 @@ def test_a_round_the_pipeline_fails_ends_the_run_with_its_reason_and_no_scratch_
     assert not SimulationRun.objects.exists() and _scratch_databases() == 0
 
 
+@pytest.mark.parametrize("flags", [
+    ["--max-bytes", "1"],  # a budget no entry fits in: no client has anything to send
+    ["--adversarial-fraction", "1"],  # every submission refused or dropped
+])
+def test_a_federation_that_published_nothing_has_no_served_row_instead_of_a_traceback(
+        tiny_dataset, tmp_path, flags):
+    """Through the services, a federation in which no round was published (nothing sent, every
+    submission refused) ended the whole run in a traceback when the `synapse_served` row asked
+    the routing service for the router it serves (NothingPublished), after every round and
+    sweep was played. The routing API serves nothing then: no such row, as Local-only has none
+    where no client holds a compendium."""
+    out = tmp_path / "run.json"
+    call_command("simulate", "--dataset", str(tiny_dataset), "--orgs", "2", "--clients-per-org",
+                 "2", "--rounds", "1", "--seed", "1", "--no-baselines", "--no-diagnostics",
+                 *flags, "--out", str(out), "--no-store", verbosity=0)
+    document = json.loads(out.read_text())
+    assert {row["method"] for row in document["results"]} == {"synapse"}
+    assert _scratch_databases() == 0
+
+
 def test_without_the_right_to_create_databases_the_run_says_so_before_it_starts(
         tiny_dataset, monkeypatch, capsys):
     from django.core.management import CommandError

@@ -40,10 +40,11 @@ class PlayedRuns:
         self._played: list[tuple[SimulationConfig, dict[int, SeedResult]]] = []
 
     def results(self, simulation: Simulation, seeds: list[int]) -> list[SeedResult]:
-        by_seed = next((seen for config, seen in self._played if config == simulation.config), None)
+        played_as = _federation(simulation.config)
+        by_seed = next((seen for config, seen in self._played if config == played_as), None)
         if by_seed is None:
             by_seed = {}
-            self._played.append((dataclasses.replace(simulation.config), by_seed))
+            self._played.append((played_as, by_seed))
         simulation.seeds = list(seeds)
         for seed in seeds:
             if seed not in by_seed:
@@ -53,6 +54,17 @@ class PlayedRuns:
                     at = f": round {simulation.at_round}" if simulation.at_round else ""
                     raise ValueError(f"{simulation.seed_name(seed)}{at}: {exc}") from exc
         return [by_seed[seed] for seed in seeds]
+
+
+def _federation(config: SimulationConfig) -> SimulationConfig:
+    """The configuration as far as it decides the federation played: with no adversarial client
+    (the adversarial sweep's fraction 0, under every mode), what an adversary would send decides
+    nothing."""
+    if _adversaries(config):
+        return dataclasses.replace(config)
+    default = SimulationConfig()
+    return dataclasses.replace(config, adversarial_mode=default.adversarial_mode,
+                               camouflage_share=default.camouflage_share)
 
 
 def run(simulation: Simulation, seeds: list[int], played: PlayedRuns | None = None) -> dict[str, Any]:

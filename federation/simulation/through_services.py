@@ -276,15 +276,18 @@ class ServiceRounds:
 
     def served_router(self, reranker: str, tune_epochs: int = 0):
         """The router the routing API serves for the last published global, built as the
-        product builds it (`routing.services.served_compendium`). With `tune_epochs`, once the
-        server has tuned its routing encoder on that global as a worker does after a publication
-        (`federation.tuning.tune_published_router`, into a folder of the run's own that is
-        removed after: the router is in memory by then)."""
+        product builds it (`routing.services.served_compendium`); None where no round was
+        published (nothing sent, every submission refused): the API serves nothing. With
+        `tune_epochs`, once the server has tuned its routing encoder on that global as a worker
+        does after a publication (`federation.tuning.tune_published_router`, into a folder of
+        the run's own that is removed after: the router is in memory by then)."""
         from federation.tuning import tune_published_router
         from routing import services as routing
         from routing.models import TunedRouter
 
         routing.forget_published_version()  # the last federation's version is not this one's
+        if routing.published_global_version() is None:
+            return None
         if not tune_epochs:
             return routing.served_compendium().routers[reranker]
         with tempfile.TemporaryDirectory(prefix="synapse-served-router-") as folder:

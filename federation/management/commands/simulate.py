@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import get_args
 
 from django.core.management.base import BaseCommand, CommandError
+from django.db import DatabaseError
 
 from compendium.client_api import CannotWrite, out_file_problem, write_atomically
 from compendium.delta import DEFAULT_SINCE_CONFIDENCE
@@ -754,7 +755,8 @@ class Command(BaseCommand):
 
     def _emit(self, document, o):
         """Print the table, store the run, then write --out: a file that cannot be written at
-        the end (checked at the start, `_check_out`) does not cost the stored run."""
+        the end (checked at the start, `_check_out`) does not cost the stored run, and a store
+        that fails at the end does not cost the file."""
         self.stdout.write(table(document))
         try:  # a NaN or an infinity: not JSON, and no stored run (jsonb) can hold it
             text = json.dumps(document, indent=2, allow_nan=False)
@@ -763,12 +765,13 @@ class Command(BaseCommand):
                 "the results hold a NaN or an infinity, which JSON cannot represent: nothing "
                 "stored or written"
             ) from None
-        stored = None
+        stored = not_stored = None
         if not o["no_store"]:
-            from federation.services import store_simulation_run
-
-            stored = store_simulation_run(document, label=o["label"]).pk
-            self.stdout.write(f"stored as simulation run {stored} (shown on the dashboard)")
+            try:
+                stored = _store(document, o["label"])
+                self.stdout.write(f"stored as simulation run {stored} (shown on the dashboard)")
+            except DatabaseError as exc:
+                not_stored = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
         if o["out"]:
             try:  # through a file beside it renamed over it: never half a file
                 write_atomically(Path(o["out"]), text.encode("utf-8"))
@@ -776,6 +779,26 @@ class Command(BaseCommand):
                 kept = f"the run is stored as simulation run {stored}, but " if stored else ""
                 raise CommandError(f"{kept}--out: {exc}") from None
             self.stdout.write(f"results written to {o['out']}")
+        if not_stored is not None:
+            kept = (f"its results are written to {o['out']}: store them with `python manage.py "
+                    f"simulate --combine {o['out']}`" if o["out"] else
+                    "its results are the table above only (--out FILE keeps them in a file)")
+            raise CommandError(f"the run could not be stored ({not_stored}); {kept}")
+
+
+def _store(document: dict, label: str) -> int:
+    """Store the run for the dashboard, its id. The connection checked at the start may have
+    been closed by the server while the run played (a restart, an idle timeout over a run of
+    hours): a store that fails is tried once more on a new connection."""
+    from django.db import connection
+
+    from federation.services import store_simulation_run
+
+    try:
+        return store_simulation_run(document, label=label).pk
+    except DatabaseError:
+        connection.close()
+        return store_simulation_run(document, label=label).pk
 
 
 def _check_out(path: str) -> None:
