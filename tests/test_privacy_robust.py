@@ -77,6 +77,30 @@ def test_composition_matches_formulas():
     assert json.loads(json.dumps(huge.as_dict(), allow_nan=False))["epsilon"] == 800.0
 
 
+def test_advanced_composition_can_be_the_tighter_inside_the_papers_small_r_regime():
+    """Theorem 1 says basic composition is strictly tighter for R <= 30 and ε <= 2; at a small
+    per-round ε it is not (ε = 0.01, R = 30, δ' = 1e-5: advanced 0.266 < basic 0.3), so the
+    accountant must take the smaller of the two rather than assume basic. Over unequal rounds the
+    advanced bound is the textbook formula at k = R releases of the largest ε_r."""
+    def textbook(eps, k, delta):
+        return math.sqrt(2 * k * math.log(1 / delta)) * eps + k * eps * (math.exp(eps) - 1)
+
+    delta = 1e-5
+    small = compose([0.01] * 30, delta)
+    assert small.basic_epsilon == pytest.approx(0.3)
+    assert small.advanced_epsilon == pytest.approx(textbook(0.01, 30, delta))
+    assert small.advanced_epsilon < small.basic_epsilon
+    assert small.tighter == "advanced" and small.epsilon == pytest.approx(small.advanced_epsilon)
+    assert small.delta == delta  # the advanced bound is (ε', δ')-DP, not pure
+    # at the paper's operating points (ε = 0.5, 1, 2; R = 3) basic is the tighter, as it says
+    for eps in (0.5, 1.0, 2.0):
+        assert compose([eps] * 3, delta).tighter == "basic"
+    # unequal rounds: R counts the rounds that spent, ε is their largest spend
+    mixed = compose([0.01] * 29 + [0.02, 0.0], delta)
+    assert mixed.rounds == 30 and mixed.basic_epsilon == pytest.approx(0.31)
+    assert mixed.advanced_epsilon == pytest.approx(textbook(0.02, 30, delta))
+
+
 def test_round_spend_with_and_without_field_cap():
     assert round_spend([0.25] * 4, None) == pytest.approx(1.0)
     assert round_spend([0.5] * 4, 1) == pytest.approx(1.0)  # 2·F* = 2 fields, each its own tool
