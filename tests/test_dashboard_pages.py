@@ -1466,14 +1466,49 @@ def test_accuracy_page_shows_the_transfer_table_as_a_mean_over_seeds(client, fed
     table = body[body.index('id="accuracy-transfer"'):]
     table = table[: table.index("</table>")]
     rows = re.findall(r"<tr><td>(.*?)</td><td>(.*?)</td><td>(.*?)</td>.*?</tr>", table)
+    # the LLM's endpoint is the operator's (see the test below): a member reads its model
     assert rows == [("bundled:all-MiniLM-L6-v2", "fusion", "–"),
-                    ("onnx-int8:all-MiniLM-L6-v2", "llm", "openai:m@http://llm/v1")]
+                    ("onnx-int8:all-MiniLM-L6-v2", "llm", "openai:m")]
     assert "0.650" in table and "0.550" in table  # mean over the two seeds
     assert "6 / 100" in table  # fallbacks over both seeds
     SimulationRun.objects.all().delete()
     SimulationRun.objects.create(label="no transfer", dataset="tiny", document=DOCUMENT)
     body = client.get(reverse("dashboard:accuracy")).content.decode()
     assert 'id="accuracy-transfer"' not in body and "--transfer-models" in body
+
+
+def test_accuracy_page_shows_server_paths_of_transfer_models_to_the_operator_only(client, fed):
+    """A `--transfer-models` model given as a path on the server (absolute, under ~, behind a
+    prefix such as bf16:), and an LLM endpoint's URL, are the operator's, as on the routing
+    playground: a member reads the model by its last part, the LLM by its model; a hub name is
+    a name, shown as it is."""
+    transfer = [
+        {"seed": 0, "model": model, "reranker": "fusion", "llm": llm, "accuracy": 0.6,
+         "macro_accuracy": 0.5, "queries": 50, "fallbacks": 0}
+        for model, llm in (
+            ("/home/alice/secret-project/jina-v2", None),
+            ("bf16:/home/alice/.cache/synapse/all-mpnet-base-v2", None),
+            ("sentence-transformers/all-mpnet-base-v2", "openai:m@http://10.1.2.3:8000/v1"),
+            ("bundled:all-MiniLM-L6-v2", "openai:/srv/weights/qwen@http://10.1.2.3:8000/v1"),
+        )
+    ]
+    SimulationRun.objects.create(label="paths", dataset="tiny",
+                                 document={**DOCUMENT, "transfer": transfer})
+
+    def rows(role):
+        body = login(client, fed, role).get(reverse("dashboard:accuracy")).content.decode()
+        table = body[body.index('id="accuracy-transfer"'):]
+        table = table[: table.index("</table>")]
+        return body, re.findall(r"<tr><td>(.*?)</td><td>.*?</td><td>(.*?)</td>.*?</tr>", table)
+
+    body, member = rows("member_a")
+    assert member == [("…/jina-v2", "–"), ("bf16:…/all-mpnet-base-v2", "–"),
+                      ("sentence-transformers/all-mpnet-base-v2", "openai:m"),
+                      ("bundled:all-MiniLM-L6-v2", "openai:…/qwen")]
+    assert "/home/alice" not in body and "10.1.2.3" not in body and "/srv/weights" not in body
+    body, operator = rows("operator")
+    assert [model for model, _ in operator] == [r["model"] for r in transfer]
+    assert [llm for _, llm in operator] == ["–", "–", *(r["llm"] for r in transfer[2:])]
 
 
 def test_accuracy_page_puts_the_release_sweep_on_the_frontier(client, fed):
