@@ -1376,6 +1376,35 @@ def test_frontier_marks_the_runs_own_configuration(client, fed):
     assert names == {"λ = 0.0", "λ = 1.0"}
 
 
+def test_frontier_draws_no_star_where_a_release_sweep_row_is_the_run(client, fed):
+    """The release sweep plays the run's configuration at each k: its row at the run's own K (1
+    by default) is the run, so no star is drawn beside it, with or without an ε × λ sweep. A run
+    with another K than any swept gets its star."""
+    release = [
+        {"min_users": 1, "accuracy": 0.75, "membership_auroc": 0.72, "bytes_per_client_round": 3.0},
+        {"min_users": 3, "accuracy": 0.61, "membership_auroc": 0.55, "bytes_per_client_round": 1.0},
+    ]
+    document = {**DOCUMENT, "privacy_sweep": [], "release_sweep": release,
+                "config": {"epsilon": 1.0, "mask_strength": 0.5},
+                "privacy": {"membership_auroc": 0.7}}
+    SimulationRun.objects.create(label="release only", dataset="tiny", document=document)
+    body = login(client, fed, "member_a").get(reverse("dashboard:accuracy")).content.decode()
+    names = {t["name"] for t in figures_in(body)[-1]["data"]}
+    assert names == {"k-anonymous release"}
+    # with an ε × λ sweep that does not hold the run's (ε, λ): its k = 1 row is the run still
+    SimulationRun.objects.create(label="both", dataset="tiny", document={
+        **document, "privacy_sweep": DOCUMENT["privacy_sweep"]})
+    body = client.get(reverse("dashboard:accuracy")).content.decode()
+    assert not any(t["name"].startswith("this run's configuration")
+                   for t in figures_in(body)[-1]["data"])
+    # a run at K = 2, swept at 1 and 3 only: no row is it
+    SimulationRun.objects.create(label="k=2", dataset="tiny", document={
+        **document, "config": {**document["config"], "min_users": 2}})
+    body = client.get(reverse("dashboard:accuracy")).content.decode()
+    assert any(t["name"].startswith("this run's configuration")
+               for t in figures_in(body)[-1]["data"])
+
+
 def test_accuracy_page_tables_the_adversarial_rows_against_the_clean_run(client, fed):
     rows = [
         {"adversarial_mode": "camouflaged_poisoning", "adversarial_fraction": 0.4, "robust_rule": "none",

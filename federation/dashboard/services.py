@@ -1659,8 +1659,13 @@ def accuracy_page(run_id=None, *, operator: bool = False) -> AccuracyPage:
         accuracies = [r["accuracy"] for r in [*page.privacy_sweep, *page.release_sweep]]
         config = doc.get("config") or {}
         auroc = (doc.get("privacy") or {}).get("membership_auroc")
+        # A sweep row is the run where it varies nothing the run did not set so: the ε × λ
+        # sweep's at the run's (ε, λ), the release sweep's at the run's K.
         swept = {(r.get("epsilon"), r.get("mask_strength")) for r in page.privacy_sweep}
-        if last and auroc is not None and (config.get("epsilon"), config.get("mask_strength")) not in swept:
+        own_k = config.get("min_users", SimulationConfig().min_users)
+        is_swept = ((config.get("epsilon"), config.get("mask_strength")) in swept
+                    or any(r.get("min_users", 1) == own_k for r in page.release_sweep))
+        if last and auroc is not None and not is_swept:
             # The run's own configuration, played on the same splits as its sweeps: where the
             # operating point sits among them.
             # Named in the legend and on hover, with no label beside it: one printed over the
