@@ -2400,6 +2400,53 @@ def test_closing_a_round_asks_first_and_says_who_has_not_submitted(client, fed):
     assert "so its merge will fail" in close_confirmation()
 
 
+def test_round_figures_tell_apart_a_revoked_clients_submission_the_merge_does_not_read(
+    client, fed, without_merge_pipeline
+):
+    """The close warning and Retry leave out a revoked client's submission
+    (`submissions_to_merge`); the Overview's per-round count, the open round's submitting
+    clients in /metrics and the round.close audit entry counted it as one the merge reads."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from compendium.schema import Compendium
+    from compendium.services import store_compendium
+    from federation.models import Submission
+
+    open_round = Round.objects.get(number=2)
+    for c in (fed.client_a, fed.client_b):
+        version = store_compendium(Compendium.model_validate(
+            {"scenarios": [{"tool_id": "weather", "text": "rain?"}]}),
+            kind="client", round=open_round, client=c)
+        Submission.objects.create(client=c, round=open_round, idempotency_key="k",
+                                  request_sha256="0" * 64, response={}, version=version)
+    services.revoke_client(services.Actor.for_user(fed.operator), fed.client_a)
+    login(client, fed, "operator")
+    body = html.unescape(client.get(reverse("dashboard:overview")).content.decode())
+    row = re.search(r"<tr>\s*<td class=\"num\">2</td>.*?</tr>", body, re.S).group(0)
+    assert "2 (1 from a revoked client, not merged)" in " ".join(re.sub(r"<[^>]+>", " ", row).split())
+    metrics = {
+        sample.name: sample.value
+        for family in text_string_to_metric_families(client.get("/metrics").content.decode())
+        for sample in family.samples
+    }
+    assert metrics["synapse_open_round_submitting_clients"] == 1
+    from django.core.management import call_command
+
+    out = io.StringIO()
+    call_command("round_status", stdout=out)
+    assert "round 2: open" in out.getvalue()
+    assert "submissions from 2 clients (1 revoked since, not merged)" in out.getvalue()
+    services.close_round(services.Actor.for_user(fed.operator), open_round)
+    entry = AuditLog.objects.get(action="round.close", target_id=str(open_round.pk))
+    assert entry.details == {"submissions": 2, "from_revoked_clients": 1}
+    # a published round's merge is done: a client revoked since is not marked
+    body = html.unescape(client.get(reverse("dashboard:overview")).content.decode())
+    assert "from a revoked client" in body  # round 2, closing: its merge has not read it yet
+    Round.objects.filter(pk=open_round.pk).update(state=Round.State.PUBLISHED)
+    body = html.unescape(client.get(reverse("dashboard:overview")).content.decode())
+    assert "from a revoked client" not in body
+
+
 def test_submission_count_axes_tick_whole_submissions(client, fed):
     """The overview's participation chart and an organization's edge chart count submissions,
     but their axes were left to plotly's automatic ticks, which on the demo's 2 or 6 submissions

@@ -73,6 +73,9 @@ KIND_GLOBAL = CompendiumVersion.Kind.GLOBAL
 class RoundRow:
     round: Round
     submissions: int = 0
+    # Of them, those of clients revoked since, in a round whose merge is still to read its
+    # submissions (open, closing, failed): it will not read these (`submissions_to_merge`).
+    revoked_submissions: int = 0
     submitted_bytes: int = 0
     edges: int = 0
     global_version: CompendiumVersion | None = None
@@ -152,6 +155,15 @@ def federation_overview(
             submissions_to_merge(round_id__in=pending).values_list("round_id", flat=True)
         ):
             rows[round_id].mergeable = True
+    unread = [r.pk for r in rounds
+              if r.state in (Round.State.OPEN, Round.State.CLOSING, Round.State.FAILED)]
+    if unread:
+        merged = dict(
+            submissions_to_merge(round_id__in=unread, client__organization__in=organizations)
+            .order_by().values("round_id").annotate(n=Count("id")).values_list("round_id", "n")
+        )
+        for round_id in unread:
+            rows[round_id].revoked_submissions = rows[round_id].submissions - merged.get(round_id, 0)
     # The table holds the latest rounds, so every round published after one of its rows is in it.
     published = sorted(r.number for r in rounds if r.state == Round.State.PUBLISHED)
     for r in rounds:
