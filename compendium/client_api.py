@@ -7,8 +7,9 @@ Speaks the REST API exactly as the server defines it:
   {"detail", "violations": [{"path", "reason"}]}; 401/403; 409 when no round is open
   (`code: round_changed` when another round is open than the one named, or opened while the body
   was checked, `code: schema_changed` when the registry or the numeric fields changed meanwhile,
-  `code: replaced` when the key's submission was replaced by a later one in the open round: then
-  the same body goes again under the next key, `r<round>-<sha256>-2`, `-3`, ...); 413; 429 with
+  `code: replaced` when the key's submission was replaced by a later one in its round: then
+  the same body goes again under the next key, `r<round>-<sha256>-2`, `-3`, ..., which the round
+  refuses once it takes no more submissions: the later one stays in effect); 413; 429 with
   `Retry-After`.
 - `GET /api/v1/compendium/global/` -> {"round", "sha256", "published_at", "compendium"} with an
   ETag; 304 when `If-None-Match` matches; 404 when nothing is published.
@@ -644,12 +645,21 @@ class SynapseClient:
             # This content's submission under `key` was replaced by a later one: the user wants
             # it in effect again, which the next key does (or finds, when it was already done).
             reinstated = True
+            replaced_detail = _detail(response)
         else:
             raise ClientError(
                 f"the server answered that this compendium's submission was replaced "
                 f"{MAX_RESUBMISSIONS + 1} times in round {number}: {_detail(response)}"
             )
         status = response.status_code
+        if reinstated and status == 409:
+            # The round stopped taking submissions (or another opened) after the earlier
+            # submission of this content was replaced: the later one stays in effect.
+            raise ClientError(
+                f"this compendium's submission to round {number} was replaced by a later one, "
+                f"which stays in effect ({replaced_detail}); sending it again under a new key "
+                f"was refused: {_detail(response)}"
+            )
         if status in (200, 201):
             answer = self._json(response, "the submission")
             if not isinstance(answer, dict):

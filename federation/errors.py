@@ -101,7 +101,8 @@ class SchemaChanged(Conflict):
 
 class Replaced(Conflict):
     """A submission replayed under its Idempotency-Key was replaced by a later submission of the
-    same client in the open round: replaying its answer would tell the client it is in effect
-    while the later one is. A new key submits it again, and it replaces the later one."""
+    same client in its round: replaying its answer would tell the client it is in effect while
+    the later one is. While the round takes submissions a new key submits it again, and it
+    replaces the later one; after, nothing can put it back."""
 
     code = "replaced"

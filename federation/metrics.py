@@ -17,7 +17,6 @@ from django.utils import timezone
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
-from compendium.models import CompendiumVersion
 from federation import accounting
 from federation.models import (
     AuditLog,
@@ -28,6 +27,7 @@ from federation.models import (
     Round,
     Submission,
 )
+from federation.services import submissions_to_merge
 
 ROUTING_WINDOW = timedelta(minutes=5)
 
@@ -79,12 +79,12 @@ class FederationCollector:
         )
         yield GaugeMetricFamily(
             "synapse_open_round_submitting_clients",
-            "Clients with a submission in the open round.",
-            # Their stored compendiums, as the dashboard counts them: a replaced submission's row
-            # and an erased client's rows are left without one.
+            "Clients with a submission in the open round that its merge will read: a client "
+            "revoked since it submitted is not counted (no merge reads its submission).",
+            # Their stored compendiums, as the merge reads them (`submissions_to_merge`): a
+            # replaced submission's row and an erased client's rows are left without one.
             value=(
-                CompendiumVersion.objects.filter(kind="client", round=open_round)
-                .values("client").distinct().count()
+                submissions_to_merge(round=open_round).values("client").distinct().count()
                 if open_round else 0
             ),
         )

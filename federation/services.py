@@ -1359,8 +1359,12 @@ def close_round(actor: Actor, rnd: Round | int | None = None) -> Round:
     # records it once queued, and beat's check starts it again if that never happens.
     rnd.queued_attempt = None
     rnd.save(update_fields=["state", "closed_at", "attempt_started_at", "queued_attempt"])
+    # Every client submission stored, and of them those of revoked clients, which the merge
+    # does not read (`submissions_to_merge`), as the Overview shows them.
     submissions = rnd.compendiums.filter(kind="client").count()
-    audit(actor, AuditLog.Action.ROUND_CLOSE, target=rnd, details={"submissions": submissions})
+    merged = submissions_to_merge(round=rnd).count() if submissions else 0
+    audit(actor, AuditLog.Action.ROUND_CLOSE, target=rnd,
+          details={"submissions": submissions, "from_revoked_clients": submissions - merged})
     _send_round_closed(rnd)
     return rnd
 

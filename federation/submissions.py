@@ -504,7 +504,7 @@ def check_key(key: str | None) -> str:
 
 
 def _replay(stored: tuple, request_sha256: str, expected_round: int | None) -> Outcome:
-    pk, stored_sha256, status_code, response, superseded = stored
+    pk, stored_sha256, status_code, response, superseded, takes_submissions, same = stored
     if stored_sha256 != request_sha256:
         raise IdempotencyMismatch(
             "this Idempotency-Key was already used with a different body; use a new key"
@@ -519,11 +519,26 @@ def _replay(stored: tuple, request_sha256: str, expected_round: int | None) -> O
             "(X-Synapse-Round): nothing was stored; use a new key for this round"
         )
     if superseded:
-        # Replaying the 201 would tell the client that this compendium is in effect: it is not.
+        # Replaying the 201 would tell the client that this submission is in effect: it is not,
+        # whether or not its round still takes submissions.
+        number = response.get("round")
+        if takes_submissions:
+            raise Replaced(
+                "this Idempotency-Key's submission was replaced by a later submission of this "
+                "client in the open round, which is in effect: nothing was stored. Submit it "
+                "again under a new Idempotency-Key to put it back in effect (synapse-client does)"
+            )
+        if same:
+            raise Replaced(
+                f"this Idempotency-Key's submission was replaced by a later submission of this "
+                f"client in round {number}, which is in effect and holds the same compendium "
+                f"(sent again under another Idempotency-Key; that key replays its answer): "
+                f"nothing was stored, and round {number} no longer takes submissions"
+            )
         raise Replaced(
-            "this Idempotency-Key's submission was replaced by a later submission of this client "
-            "in the open round, which is in effect: nothing was stored. Submit it again under a "
-            "new Idempotency-Key to put it back in effect (synapse-client does)"
+            f"this Idempotency-Key's submission was replaced by a later submission of this "
+            f"client in round {number}, and the later one is in effect: nothing was stored, and "
+            f"round {number} no longer takes submissions, so nothing can put it back in effect"
         )
     return Outcome(status_code, {"id": pk, **response}, replayed=True)
 
@@ -536,16 +551,23 @@ def _replay(stored: tuple, request_sha256: str, expected_round: int | None) -> O
 _SUBMISSIONS = Submission._meta.db_table
 _VERSIONS = CompendiumVersion._meta.db_table
 _RATES = RateCounter._meta.db_table
-# The key's stored answer, and whether its submission was replaced by a later one of the client
-# in the round that is open (its version gone: a replay would not put it back in effect).
+# The key's stored answer; whether its submission was replaced by a later one of the client in
+# its round (its version gone: a replay would tell the client it is in effect, whether or not the
+# round still takes submissions); whether that round still takes submissions (a new key can put
+# it back in effect); and whether the client's compendium in effect is this one's content all the
+# same (sent again under another key).
 _STORED = (
     f"SELECT s.id, s.request_sha256, s.status_code, s.response, "
     f"s.version_id IS NULL "
     f"AND EXISTS (SELECT 1 FROM {_SUBMISSIONS} later WHERE later.client_id = s.client_id "
-    f"AND later.round_id = s.round_id AND later.id > s.id) "
-    f"AND s.round_id IN (SELECT id FROM {Round._meta.db_table} WHERE {_TAKES_SUBMISSIONS}) AS superseded "
+    f"AND later.round_id = s.round_id AND later.id > s.id) AS superseded, "
+    f"s.round_id IN (SELECT id FROM {Round._meta.db_table} WHERE {_TAKES_SUBMISSIONS}) "
+    f"AS takes_submissions, "
+    f"EXISTS (SELECT 1 FROM {_VERSIONS} v WHERE v.kind = 'client' AND v.client_id = s.client_id "
+    f"AND v.round_id = s.round_id AND v.sha256 = s.response->>'sha256') AS same_in_effect "
     f"FROM {_SUBMISSIONS} s WHERE s.client_id = %(client)s AND s.idempotency_key = %(key)s"
 )
+_STORED_COLUMNS = 7
 
 # Before the transaction, reading only: the stored answer of this key (a replay needs nothing
 # else), the client's count in the current rate-limit window, whether a round is open and the
@@ -654,8 +676,8 @@ def submit(
     (FieldsNotReleased), checked before anything is stored. `expected_round` (the request's
     `X-Synapse-Round` header; None: not sent) is the round the client built and checked the body
     for: another round open is a RoundChanged, nothing stored. A key whose submission a later one
-    of the client replaced in the open round is not replayed but refused (Replaced): a new key
-    puts it back in effect. `token_hash` (None: called by the server itself, not over the API)
+    of the client replaced is not replayed but refused (Replaced): while its round takes
+    submissions a new key puts it back in effect; after, nothing can. `token_hash` (None: called by the server itself, not over the API)
     is the hash of the token that authenticated the request: a rotation that committed while the
     body was checked stops it, and nothing is stored (NotAllowed), as for a revocation."""
     key = check_key(idempotency_key)
@@ -671,7 +693,8 @@ def submit(
     with prepared_cursor() as cursor:
         cursor.execute(_LOOK_AHEAD_SQL, params)
         row = cursor.fetchone()
-    stored, (count, open_round, not_released, *fingerprint) = row[:5], row[5:]
+    stored, (count, open_round, not_released, *fingerprint) = (
+        row[:_STORED_COLUMNS], row[_STORED_COLUMNS:])
     # This request would be hit number count + 1 of the window: refused past the limit, before
     # any work (a refused request needs no hit: the window stays over the limit). A replay too:
     # its body is decoded to compare it with the key's, which a stored key must not make free.
@@ -750,7 +773,7 @@ def submit(
             cursor.execute(_CLAIM_SQL, params)
             row = cursor.fetchone()
             stored, (round_id, round_number, replaced, count, live_token, *claimed_schema) = (
-                row[:5], row[5:])
+                row[:_STORED_COLUMNS], row[_STORED_COLUMNS:])
             if token_hash is not None and live_token != token_hash:
                 raise NotAllowed(
                     "this client's token was rotated while its submission was being checked: "

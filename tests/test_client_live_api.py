@@ -524,6 +524,27 @@ def test_submitting_an_earlier_compendium_again_puts_it_back_in_effect(
         json.loads(paths["a"].read_text()), small_schema)).sha256
 
 
+def test_an_earlier_compendium_sent_again_past_the_deadline_is_not_said_to_be_in_effect(
+    live_server, world, valid_doc, small_schema
+):
+    """A, then B, then the round passes its deadline (still open, listed as open): sending A again
+    cannot put it back. The client says that B stays in effect and why the new key was refused,
+    not only that no round is open."""
+    rnd = services.open_round(services.Actor(None))
+    a = _masked(valid_doc, small_schema)
+    b = _masked(dict(valid_doc, scenarios=valid_doc["scenarios"][:1]), small_schema)
+    with SynapseClient(live_server.url, world.token_a, backoff=0) as client:
+        client.submit(a)
+        client.submit(b)
+        Round.objects.filter(pk=rnd.pk).update(closes_at=timezone.now() - dt.timedelta(minutes=1))
+        with pytest.raises(ClientError, match="replaced by a later one, which stays in effect"
+                           r".*nothing can put it back.*was refused: .*deadline"):
+            client.submit(a)
+    assert CompendiumVersion.objects.get(kind="client", client=world.client_a).sha256 == (
+        canonical_form(b).sha256)
+    assert Submission.objects.filter(client=world.client_a).count() == 2
+
+
 def test_a_submission_checked_for_a_round_that_closed_meanwhile_is_not_stored_in_the_next(
     live_server, world, valid_doc, small_schema
 ):

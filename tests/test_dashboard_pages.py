@@ -1376,6 +1376,35 @@ def test_frontier_marks_the_runs_own_configuration(client, fed):
     assert names == {"λ = 0.0", "λ = 1.0"}
 
 
+def test_frontier_draws_no_star_where_a_release_sweep_row_is_the_run(client, fed):
+    """The release sweep plays the run's configuration at each k: its row at the run's own K (1
+    by default) is the run, so no star is drawn beside it, with or without an ε × λ sweep. A run
+    with another K than any swept gets its star."""
+    release = [
+        {"min_users": 1, "accuracy": 0.75, "membership_auroc": 0.72, "bytes_per_client_round": 3.0},
+        {"min_users": 3, "accuracy": 0.61, "membership_auroc": 0.55, "bytes_per_client_round": 1.0},
+    ]
+    document = {**DOCUMENT, "privacy_sweep": [], "release_sweep": release,
+                "config": {"epsilon": 1.0, "mask_strength": 0.5},
+                "privacy": {"membership_auroc": 0.7}}
+    SimulationRun.objects.create(label="release only", dataset="tiny", document=document)
+    body = login(client, fed, "member_a").get(reverse("dashboard:accuracy")).content.decode()
+    names = {t["name"] for t in figures_in(body)[-1]["data"]}
+    assert names == {"k-anonymous release"}
+    # with an ε × λ sweep that does not hold the run's (ε, λ): its k = 1 row is the run still
+    SimulationRun.objects.create(label="both", dataset="tiny", document={
+        **document, "privacy_sweep": DOCUMENT["privacy_sweep"]})
+    body = client.get(reverse("dashboard:accuracy")).content.decode()
+    assert not any(t["name"].startswith("this run's configuration")
+                   for t in figures_in(body)[-1]["data"])
+    # a run at K = 2, swept at 1 and 3 only: no row is it
+    SimulationRun.objects.create(label="k=2", dataset="tiny", document={
+        **document, "config": {**document["config"], "min_users": 2}})
+    body = client.get(reverse("dashboard:accuracy")).content.decode()
+    assert any(t["name"].startswith("this run's configuration")
+               for t in figures_in(body)[-1]["data"])
+
+
 def test_accuracy_page_tables_the_adversarial_rows_against_the_clean_run(client, fed):
     rows = [
         {"adversarial_mode": "camouflaged_poisoning", "adversarial_fraction": 0.4, "robust_rule": "none",
@@ -1466,14 +1495,49 @@ def test_accuracy_page_shows_the_transfer_table_as_a_mean_over_seeds(client, fed
     table = body[body.index('id="accuracy-transfer"'):]
     table = table[: table.index("</table>")]
     rows = re.findall(r"<tr><td>(.*?)</td><td>(.*?)</td><td>(.*?)</td>.*?</tr>", table)
+    # the LLM's endpoint is the operator's (see the test below): a member reads its model
     assert rows == [("bundled:all-MiniLM-L6-v2", "fusion", "–"),
-                    ("onnx-int8:all-MiniLM-L6-v2", "llm", "openai:m@http://llm/v1")]
+                    ("onnx-int8:all-MiniLM-L6-v2", "llm", "openai:m")]
     assert "0.650" in table and "0.550" in table  # mean over the two seeds
     assert "6 / 100" in table  # fallbacks over both seeds
     SimulationRun.objects.all().delete()
     SimulationRun.objects.create(label="no transfer", dataset="tiny", document=DOCUMENT)
     body = client.get(reverse("dashboard:accuracy")).content.decode()
     assert 'id="accuracy-transfer"' not in body and "--transfer-models" in body
+
+
+def test_accuracy_page_shows_server_paths_of_transfer_models_to_the_operator_only(client, fed):
+    """A `--transfer-models` model given as a path on the server (absolute, under ~, behind a
+    prefix such as bf16:), and an LLM endpoint's URL, are the operator's, as on the routing
+    playground: a member reads the model by its last part, the LLM by its model; a hub name is
+    a name, shown as it is."""
+    transfer = [
+        {"seed": 0, "model": model, "reranker": "fusion", "llm": llm, "accuracy": 0.6,
+         "macro_accuracy": 0.5, "queries": 50, "fallbacks": 0}
+        for model, llm in (
+            ("/home/alice/secret-project/jina-v2", None),
+            ("bf16:/home/alice/.cache/synapse/all-mpnet-base-v2", None),
+            ("sentence-transformers/all-mpnet-base-v2", "openai:m@http://10.1.2.3:8000/v1"),
+            ("bundled:all-MiniLM-L6-v2", "openai:/srv/weights/qwen@http://10.1.2.3:8000/v1"),
+        )
+    ]
+    SimulationRun.objects.create(label="paths", dataset="tiny",
+                                 document={**DOCUMENT, "transfer": transfer})
+
+    def rows(role):
+        body = login(client, fed, role).get(reverse("dashboard:accuracy")).content.decode()
+        table = body[body.index('id="accuracy-transfer"'):]
+        table = table[: table.index("</table>")]
+        return body, re.findall(r"<tr><td>(.*?)</td><td>.*?</td><td>(.*?)</td>.*?</tr>", table)
+
+    body, member = rows("member_a")
+    assert member == [("…/jina-v2", "–"), ("bf16:…/all-mpnet-base-v2", "–"),
+                      ("sentence-transformers/all-mpnet-base-v2", "openai:m"),
+                      ("bundled:all-MiniLM-L6-v2", "openai:…/qwen")]
+    assert "/home/alice" not in body and "10.1.2.3" not in body and "/srv/weights" not in body
+    body, operator = rows("operator")
+    assert [model for model, _ in operator] == [r["model"] for r in transfer]
+    assert [llm for _, llm in operator] == ["–", "–", *(r["llm"] for r in transfer[2:])]
 
 
 def test_accuracy_page_puts_the_release_sweep_on_the_frontier(client, fed):
@@ -2334,6 +2398,53 @@ def test_closing_a_round_asks_first_and_says_who_has_not_submitted(client, fed):
     assert "so its merge will fail" not in close_confirmation()
     services.revoke_client(services.Actor.for_user(fed.operator), fed.client_a)
     assert "so its merge will fail" in close_confirmation()
+
+
+def test_round_figures_tell_apart_a_revoked_clients_submission_the_merge_does_not_read(
+    client, fed, without_merge_pipeline
+):
+    """The close warning and Retry leave out a revoked client's submission
+    (`submissions_to_merge`); the Overview's per-round count, the open round's submitting
+    clients in /metrics and the round.close audit entry counted it as one the merge reads."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from compendium.schema import Compendium
+    from compendium.services import store_compendium
+    from federation.models import Submission
+
+    open_round = Round.objects.get(number=2)
+    for c in (fed.client_a, fed.client_b):
+        version = store_compendium(Compendium.model_validate(
+            {"scenarios": [{"tool_id": "weather", "text": "rain?"}]}),
+            kind="client", round=open_round, client=c)
+        Submission.objects.create(client=c, round=open_round, idempotency_key="k",
+                                  request_sha256="0" * 64, response={}, version=version)
+    services.revoke_client(services.Actor.for_user(fed.operator), fed.client_a)
+    login(client, fed, "operator")
+    body = html.unescape(client.get(reverse("dashboard:overview")).content.decode())
+    row = re.search(r"<tr>\s*<td class=\"num\">2</td>.*?</tr>", body, re.S).group(0)
+    assert "2 (1 from a revoked client, not merged)" in " ".join(re.sub(r"<[^>]+>", " ", row).split())
+    metrics = {
+        sample.name: sample.value
+        for family in text_string_to_metric_families(client.get("/metrics").content.decode())
+        for sample in family.samples
+    }
+    assert metrics["synapse_open_round_submitting_clients"] == 1
+    from django.core.management import call_command
+
+    out = io.StringIO()
+    call_command("round_status", stdout=out)
+    assert "round 2: open" in out.getvalue()
+    assert "submissions from 2 clients (1 revoked since, not merged)" in out.getvalue()
+    services.close_round(services.Actor.for_user(fed.operator), open_round)
+    entry = AuditLog.objects.get(action="round.close", target_id=str(open_round.pk))
+    assert entry.details == {"submissions": 2, "from_revoked_clients": 1}
+    # a published round's merge is done: a client revoked since is not marked
+    body = html.unescape(client.get(reverse("dashboard:overview")).content.decode())
+    assert "from a revoked client" in body  # round 2, closing: its merge has not read it yet
+    Round.objects.filter(pk=open_round.pk).update(state=Round.State.PUBLISHED)
+    body = html.unescape(client.get(reverse("dashboard:overview")).content.decode())
+    assert "from a revoked client" not in body
 
 
 def test_submission_count_axes_tick_whole_submissions(client, fed):

@@ -157,7 +157,8 @@ def test_new_key_replaces_earlier_submission_of_the_round(world, open_round, val
 def test_a_replaced_submissions_key_is_refused_not_replayed(world, open_round, valid_doc):
     """A, then B (replaces A), then A again under A's key: replaying A's 201 would tell the client
     that A is in effect while B is. The server answers 409 `replaced` and stores nothing; a new
-    key puts A back in effect. Once the round is closed, the key replays as before."""
+    key puts A back in effect. Once the round takes no more submissions, A's first key is still
+    refused (a later key holds A in effect), and the key in effect replays."""
     api = client_api(world.token_a)
     first = post_doc(api, valid_doc, key="a")
     other = dict(valid_doc, scenarios=valid_doc["scenarios"][:1])
@@ -177,10 +178,48 @@ def test_a_replaced_submissions_key_is_refused_not_replayed(world, open_round, v
     assert back.status_code == 201 and back.json()["replaced"] is True
     assert CompendiumVersion.objects.get(kind="client", client=world.client_a).sha256 == (
         first.json()["sha256"])
-    # a round that takes no more submissions: what its keys got is replayed as it was
+    # a round that takes no more submissions: the key in effect replays; A's first key is
+    # refused, saying that the same compendium is in effect under a later key
     Round.objects.filter(pk=open_round.pk).update(state=Round.State.CLOSING)
     late = post_doc(api, valid_doc, key="a")
-    assert late.status_code == 201 and late["Idempotent-Replayed"] == "true"
+    assert late.status_code == 409 and late.json()["code"] == "replaced"
+    assert "same compendium" in late.json()["detail"]
+    assert "new Idempotency-Key" not in late.json()["detail"]
+    assert post_doc(api, valid_doc, key="a-2")["Idempotent-Replayed"] == "true"
+
+
+@pytest.mark.parametrize("stop", ["deadline", "closing", "published"])
+def test_a_replaced_key_is_refused_once_the_round_takes_no_more_submissions(
+    world, open_round, valid_doc, stop
+):
+    """A (key a), then B (key b), then the round stops taking submissions (past its deadline,
+    still open; closing; published): A's key must not replay A's 201, which would tell the client
+    A is in effect while B is what the merge reads. 409 `replaced`, saying B is in effect and
+    that nothing can put A back now (no advice to submit under a new key); B's key replays."""
+    api = client_api(world.token_a)
+    assert post_doc(api, valid_doc, key="a").status_code == 201
+    other = dict(valid_doc, scenarios=valid_doc["scenarios"][:1])
+    second = post_doc(api, other, key="b")
+    assert second.status_code == 201
+    if stop == "deadline":
+        Round.objects.filter(pk=open_round.pk).update(
+            closes_at=timezone.now() - dt.timedelta(minutes=1))
+    else:
+        Round.objects.filter(pk=open_round.pk).update(state=stop)
+    again = post_doc(api, valid_doc, key="a")
+    assert again.status_code == 409, again.content
+    assert again.json()["code"] == "replaced" and "Idempotent-Replayed" not in again
+    detail = again.json()["detail"]
+    assert "later submission" in detail and "in effect" in detail
+    assert "no longer takes submissions" in detail and "nothing can put it back" in detail
+    assert "new Idempotency-Key" not in detail
+    assert Submission.objects.filter(client=world.client_a).count() == 2
+    assert CompendiumVersion.objects.get(kind="client", client=world.client_a).sha256 == (
+        second.json()["sha256"])
+    # the key whose submission is in effect replays as before; a misused key is still a 422
+    replay = post_doc(api, other, key="b")
+    assert replay.status_code == 201 and replay["Idempotent-Replayed"] == "true"
+    assert post_doc(api, other, key="a").status_code == 422
 
 
 def test_a_submission_for_another_round_than_the_open_one_is_refused(world, open_round, valid_doc):

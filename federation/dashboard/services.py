@@ -11,6 +11,7 @@ from __future__ import annotations
 import csv
 import io
 import json
+import re
 from collections import Counter, defaultdict
 from dataclasses import dataclass, field
 from datetime import timedelta
@@ -72,6 +73,9 @@ KIND_GLOBAL = CompendiumVersion.Kind.GLOBAL
 class RoundRow:
     round: Round
     submissions: int = 0
+    # Of them, those of clients revoked since, in a round whose merge is still to read its
+    # submissions (open, closing, failed): it will not read these (`submissions_to_merge`).
+    revoked_submissions: int = 0
     submitted_bytes: int = 0
     edges: int = 0
     global_version: CompendiumVersion | None = None
@@ -151,6 +155,15 @@ def federation_overview(
             submissions_to_merge(round_id__in=pending).values_list("round_id", flat=True)
         ):
             rows[round_id].mergeable = True
+    unread = [r.pk for r in rounds
+              if r.state in (Round.State.OPEN, Round.State.CLOSING, Round.State.FAILED)]
+    if unread:
+        merged = dict(
+            submissions_to_merge(round_id__in=unread, client__organization__in=organizations)
+            .order_by().values("round_id").annotate(n=Count("id")).values_list("round_id", "n")
+        )
+        for round_id in unread:
+            rows[round_id].revoked_submissions = rows[round_id].submissions - merged.get(round_id, 0)
     # The table holds the latest rounds, so every round published after one of its rows is in it.
     published = sorted(r.number for r in rounds if r.state == Round.State.PUBLISHED)
     for r in rounds:
@@ -1451,6 +1464,38 @@ def run_host(doc: dict) -> str:
     return "ran on " + "; ".join(described)
 
 
+# A loader prefix before a model's name or path ("bf16:", "onnx-int8:"); not a URL's scheme.
+_MODEL_PREFIX = re.compile(r"^([A-Za-z][A-Za-z0-9.+-]+:)(?!//)")
+
+
+def model_path(name: str) -> bool:
+    """Whether a model named to a simulation (`--transfer-models`, `--embedding-model`, an LLM's
+    model) is a path on the server rather than a name: absolute, under ~ or relative to a
+    folder ("./", "../"), with backslashes, or of more than two parts (a hub name is
+    "organization/model"), after any loader prefix."""
+    bare = _MODEL_PREFIX.sub("", name, count=1)
+    return (bare.startswith(("/", "~", "./", "../")) or "\\" in bare
+            or bare.strip("/").count("/") > 1)
+
+
+def shown_model(name: str | None, operator: bool) -> str | None:
+    """A model's name as a viewer of a stored simulation may read it. A path on the server is
+    the operator's, as the server's insides are on the routing playground
+    (`routing.services.shown_fallback_reason`): anyone else reads its prefix and last part
+    ("bf16:…/all-mpnet-base-v2"). An LLM named with its endpoint ("openai:MODEL@URL") is read
+    without the endpoint's URL, its model by the same rule."""
+    if not name or operator:
+        return name
+    if name.startswith("openai:") and "@" in name:
+        model = name[len("openai:"):].rsplit("@", 1)[0]
+        return "openai:" + shown_model(model, operator)
+    if not model_path(name):
+        return name
+    prefix = _MODEL_PREFIX.match(name)
+    last = name.rstrip("/\\").replace("\\", "/").rsplit("/", 1)[-1]
+    return f"{prefix.group(1) if prefix else ''}…/{last}"
+
+
 def _adversarial_table(rows: list[dict], clean: float | None) -> list[dict]:
     """The adversarial sweep's rows as an operator reads them: accuracy against the clean run's,
     submissions the implausible-source check dropped whole, the share of what the adversaries
@@ -1497,10 +1542,11 @@ def method_colors(methods) -> dict[str, str]:
     return {m: palette[place[m] % len(palette)] for m in methods}
 
 
-def accuracy_page(run_id=None) -> AccuracyPage:
+def accuracy_page(run_id=None, *, operator: bool = False) -> AccuracyPage:
     """Figures of the latest (or a chosen) SimulationRun: accuracy over rounds per method
     (methods without rounds as horizontal lines), per category, adversarial curves, the
-    privacy–utility frontier and the transfer table (the final global under other models)."""
+    privacy–utility frontier and the transfer table (the final global under other models; a
+    model's server path and an LLM's endpoint only for the `operator`: `shown_model`)."""
     from federation.models import SimulationRun
 
     runs = list(SimulationRun.objects.defer("document").order_by("-created_at")[:20])
@@ -1535,7 +1581,10 @@ def accuracy_page(run_id=None) -> AccuracyPage:
         page.camouflage_share = (doc.get("config") or {}).get("camouflage_share")
     page.privacy_sweep = list(doc.get("privacy_sweep") or [])
     page.release_sweep = sorted(doc.get("release_sweep") or [], key=lambda r: r.get("min_users", 1))
-    page.transfer = summarize_transfer(list(doc.get("transfer") or []))
+    page.transfer = [
+        {**row, "model": shown_model(row["model"], operator), "llm": shown_model(row["llm"], operator)}
+        for row in summarize_transfer(list(doc.get("transfer") or []))
+    ]
     page.tau_sweep = sorted(doc.get("tau_sweep") or [], key=lambda r: r.get("tau", 0))
     page.summarizer_sweep = list(doc.get("summarizer_sweep") or [])
     page.cadence = list(doc.get("cadence") or [])
@@ -1622,8 +1671,13 @@ def accuracy_page(run_id=None) -> AccuracyPage:
         accuracies = [r["accuracy"] for r in [*page.privacy_sweep, *page.release_sweep]]
         config = doc.get("config") or {}
         auroc = (doc.get("privacy") or {}).get("membership_auroc")
+        # A sweep row is the run where it varies nothing the run did not set so: the ε × λ
+        # sweep's at the run's (ε, λ), the release sweep's at the run's K.
         swept = {(r.get("epsilon"), r.get("mask_strength")) for r in page.privacy_sweep}
-        if last and auroc is not None and (config.get("epsilon"), config.get("mask_strength")) not in swept:
+        own_k = config.get("min_users", SimulationConfig().min_users)
+        is_swept = ((config.get("epsilon"), config.get("mask_strength")) in swept
+                    or any(r.get("min_users", 1) == own_k for r in page.release_sweep))
+        if last and auroc is not None and not is_swept:
             # The run's own configuration, played on the same splits as its sweeps: where the
             # operating point sits among them.
             # Named in the legend and on hover, with no label beside it: one printed over the

@@ -791,7 +791,7 @@ class AccuracyView(DashboardView):
 
     def get(self, request, *args, **kwargs):
         try:
-            self.accuracy = services.accuracy_page(request.GET.get("run"))
+            self.accuracy = services.accuracy_page(request.GET.get("run"), operator=self.is_operator)
         except services.BadRequest as error:
             return bad_request(request, str(error), self.nav_key)
         except ObjectDoesNotExist:

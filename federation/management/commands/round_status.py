@@ -1,8 +1,11 @@
 from django.core.management.base import BaseCommand, CommandError
-from django.db.models import Count
+from django.db.models import Count, Q
 
-from federation.models import Round
+from federation.models import Client, Round
 from federation.services import MAX_ROUND_NUMBER, published_after, submissions_to_merge
+
+# The rounds whose merge has yet to read their submissions.
+UNREAD = (Round.State.OPEN, Round.State.CLOSING, Round.State.FAILED)
 
 
 class Command(BaseCommand):
@@ -16,7 +19,11 @@ class Command(BaseCommand):
             raise CommandError(f"--last must be 1 or more, not {last}")
         last = min(last, MAX_ROUND_NUMBER)  # no federation has more; a larger LIMIT is a DataError
         rounds = list(
-            Round.objects.annotate(n=Count("submissions__client", distinct=True)).order_by("-number")[:last]
+            Round.objects.annotate(
+                n=Count("submissions__client", distinct=True),
+                revoked=Count("submissions__client", distinct=True,
+                              filter=Q(submissions__client__status=Client.Status.REVOKED)),
+            ).order_by("-number")[:last]
         )
         if not rounds:
             self.stdout.write("no round yet: the operator opens round 1 on the dashboard's Overview")
@@ -29,6 +36,9 @@ class Command(BaseCommand):
                 f"round {rnd.number}: {rnd.state} ({verb} {when:%Y-%m-%d %H:%M} UTC), "
                 f"submissions from {rnd.n} client{'s' if rnd.n != 1 else ''}"
             )
+            if rnd.revoked and rnd.state in UNREAD:
+                # its merge, still to come, reads none of theirs (`submissions_to_merge`)
+                line += f" ({rnd.revoked} revoked since, not merged)"
             if rnd.attempt > 1:
                 line += f", merge run {rnd.attempt}"
             if rnd.state == Round.State.FAILED:
