@@ -636,7 +636,7 @@ class Router:
         decision itself does not depend on `top_k` (see `RoutingParams.top_k`)."""
         vector = self.engine.embed([query])[0]
         with single_thread_blas():
-            return self.decide(query, vector, self._retrieve(vector, self._retrieve_n(top_k)), top_k)
+            return self.decide(query, vector, self.retrieve(vector, self._retrieve_n(top_k)), top_k)
 
     def route_batch(self, queries: Sequence[str], top_k: int = 5) -> list[RoutingDecision]:
         if not queries:
@@ -651,16 +651,16 @@ class Router:
                     for v, row in zip(vectors, scores, strict=True)
                 ]
             else:
-                retrieved = [self._retrieve(v, pool) for v in vectors]
+                retrieved = [self.retrieve(v, pool) for v in vectors]
             return [
                 self.decide(q, v, r, top_k)
                 for q, v, r in zip(queries, vectors, retrieved, strict=True)
             ]
 
-    def _retrieve(self, vector: np.ndarray, n: int) -> Retrieved:
-        """The retriever's top-n without the scenarios of excluded tools (an outside retriever,
-        such as the server's pgvector one, is asked to leave them out itself; any it returns
-        anyway are dropped)."""
+    def retrieve(self, vector: np.ndarray, n: int) -> Retrieved:
+        """The retriever's top-n scenarios (positions in `index`, and their cosines) without the
+        scenarios of excluded tools (an outside retriever, such as the server's pgvector one, is
+        asked to leave them out itself; any it returns anyway are dropped)."""
         if self._blocked is None:
             return self.retriever(vector, n)
         if self.retriever == self.index.retrieve:
@@ -774,7 +774,7 @@ class Router:
         """The candidate tools (positions in `index.tool_names`) of a query and their fused
         scores (`none`: their best cosine) with `top_k` scenarios voting: as `decide` ranks them
         when `top_k` is the params' (`RoutingParams.top_k`, what `decide` always uses)."""
-        idx, scores = self._retrieve(vector, self._pool(top_k))
+        idx, scores = self.retrieve(vector, self._pool(top_k))
         if len(idx) == 0 and not self._head_alone():
             return np.zeros(0, dtype=np.int64), np.zeros(0)
         features = self.features(query, vector, idx, scores, top_k)

@@ -733,7 +733,7 @@ def test_an_excluded_tool_is_never_named_and_the_others_decide_without_it(engine
             router.route(query).tool, router.route("football scores").tool]
     # The head's probabilities of the others are as they were: only the pool lost a tool.
     vector = engine.embed([query])[0]
-    idx, scores = without._retrieve(vector, 5)
+    idx, scores = without.retrieve(vector, 5)
     assert set(without.index.scenario_tool[idx]) <= {
         headed.index.tool_names.index(t) for t in ("sports", "news", "forecast")}
     features = without.features(query, vector, idx, scores, 5)
