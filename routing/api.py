@@ -89,7 +89,11 @@ _CANDIDATE = inline_serializer(
 _DECISION = inline_serializer(
     "RouteDecision",
     {
-        "tool": serializers.CharField(allow_null=True),
+        "tool": serializers.CharField(
+            allow_null=True,
+            help_text="the tool to call: never one deactivated in the registry, nor are "
+            "`candidates` and `ranking`",
+        ),
         "confidence": serializers.FloatField(),
         "escalate": serializers.BooleanField(),
         "candidates": _CANDIDATE.__class__(many=True),
@@ -98,12 +102,14 @@ _DECISION = inline_serializer(
         "reranker": serializers.ChoiceField(
             choices=["fusion", "none", "llm"], allow_null=True,
             help_text="the reranker that decided; null when none did (the global has no scenario "
-            "and no linear head: nothing to rank, tool null, fallback_reason \"no scenarios\")",
+            "and no linear head: nothing to rank, tool null, fallback_reason \"no scenarios\"; "
+            "or every tool it could name is deactivated: \"no active tools\")",
         ),
         "fallback_reason": serializers.CharField(
             allow_null=True,
             help_text="why another reranker decided than the one asked for (an LLM that did not "
-            "answer), or \"no scenarios\" when none did, else null",
+            "answer), or \"no scenarios\" (\"no active tools\": every tool the global could name "
+            "is deactivated) when none did, else null",
         ),
         "ranking": inline_serializer(
             "RouteRanking",

@@ -8,12 +8,14 @@ class RoutingConfig(AppConfig):
     def ready(self):
         from django.db.models.signals import post_delete, post_save
 
-        from compendium.models import CompendiumVersion
+        from compendium.models import CompendiumVersion, Tool
         from federation.models import Round
         from routing.models import TunedRouter
         from routing.services import forget_published_version, remove_router_folder
 
-        for model in (CompendiumVersion, Round, TunedRouter):
+        # A tool (de)activated in the registry (the admin saves its row) changes what routing
+        # may answer, as a new global does.
+        for model in (CompendiumVersion, Round, TunedRouter, Tool):
             post_save.connect(
                 forget_published_version,
                 sender=model,

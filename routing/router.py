@@ -17,6 +17,11 @@ uses the very same decision code with pgvector retrieval plugged in as the retri
 3. Confidence: a calibrated probability that the chosen tool is right (Platt scaling over the
    chosen tool's score and its margin to the runner-up, fitted on the probe set by
    `fit_calibration`, which reports the expected calibration error); `escalate` below a threshold.
+
+A router built with `excluded_tools` (the server's: tools the registry has deactivated since the
+global was published) decides over the other tools alone: their scenarios are never retrieved and
+the head never brings them into the pool, so no decision, candidate or ranking names them; the
+remaining tools are scored as they would be with them.
 """
 
 from __future__ import annotations
@@ -27,7 +32,7 @@ import random
 import re
 import unicodedata
 import warnings
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
@@ -489,14 +494,16 @@ class ScenarioIndex:
         ]
         return extended
 
-    def retrieve(self, query_vector: np.ndarray, n: int) -> Retrieved:
-        """Exact top-n by cosine, ties broken by scenario order."""
-        return self.nearest(query_vector, self.embeddings @ query_vector, n)
+    def retrieve(self, query_vector: np.ndarray, n: int, blocked: np.ndarray | None = None) -> Retrieved:
+        """Exact top-n by cosine, ties broken by scenario order (without the `blocked` rows)."""
+        return self.nearest(query_vector, self.embeddings @ query_vector, n, blocked)
 
     # How many scenarios past the n-th by a float32 product's scores are scored again exactly.
     RESCORED_BEYOND = 16
 
-    def nearest(self, query_vector: np.ndarray, scores: np.ndarray, n: int) -> Retrieved:
+    def nearest(
+        self, query_vector: np.ndarray, scores: np.ndarray, n: int, blocked: np.ndarray | None = None
+    ) -> Retrieved:
         """The top-n of `scores` (the query's cosines to every scenario, from a float32 product:
         the query's own, or its row of a batch's), with their cosines computed again so that
         they do not depend on that product. BLAS sums a product in an order set by its shape,
@@ -505,8 +512,13 @@ class ScenarioIndex:
         times another confidence from /api/v1/route/ than from /api/v1/route/batch/. Products of
         float32 numbers are exact in float64, and each row is summed in the same order whatever
         the rows beside it, so the nearest n + RESCORED_BEYOND by `scores` are scored so, and
-        the best n of those kept (ties broken by scenario order, as `top_n`)."""
+        the best n of those kept (ties broken by scenario order, as `top_n`). `blocked`: a mask
+        of rows never to return (scenarios of excluded tools)."""
+        if blocked is not None:
+            scores = np.where(blocked, -np.inf, scores)
         idx, _ = top_n(scores, n + self.RESCORED_BEYOND)
+        if blocked is not None:  # fewer rows than asked for: the -inf ones came too
+            idx = idx[~blocked[idx]]
         exact = (
             self.embeddings[idx].astype(np.float64) * np.asarray(query_vector, dtype=np.float64)
         ).sum(axis=1)
@@ -560,6 +572,7 @@ class Router:
         index: ScenarioIndex | None = None,
         document_engine=None,
         head: LinearHead | None = None,
+        excluded_tools: Iterable[str] = (),
     ):
         if reranker not in RERANKERS:
             raise ValueError(f"unknown reranker {reranker!r}: choose one of {', '.join(RERANKERS)}")
@@ -582,6 +595,17 @@ class Router:
             retriever = self.index.retrieve  # the same rows: keep batch retrieval in one product
         self.retriever = retriever
         self.head = head
+        # Tools this router never names (`excluded_tools`), as positions in `index.tool_names`,
+        # and the mask of their scenarios (None: nothing is excluded).
+        self.excluded_tools = frozenset(excluded_tools)
+        self._excluded = np.array(
+            [i for i, t in enumerate(self.index.tool_names) if t in self.excluded_tools],
+            dtype=np.int64,
+        )
+        self._blocked = (
+            np.isin(self.index.scenario_tool, self._excluded) if len(self._excluded) else None
+        )
+        self._excluded_set = set(self._excluded.tolist())
 
     def with_linear_head(self, embed=None, examples=None) -> Router:
         """This router with a linear head fitted on its own index (descriptions embedded by
@@ -600,6 +624,7 @@ class Router:
             "retriever": self.retriever if self.retriever != self.index.retrieve else None,
             "index": self.index,
             "head": self.head,
+            "excluded_tools": self.excluded_tools,
         }
         kwargs.update(overrides)
         return Router(self.index.compendium, self.engine, reranker, **kwargs)
@@ -611,7 +636,7 @@ class Router:
         decision itself does not depend on `top_k` (see `RoutingParams.top_k`)."""
         vector = self.engine.embed([query])[0]
         with single_thread_blas():
-            return self.decide(query, vector, self.retriever(vector, self._retrieve_n(top_k)), top_k)
+            return self.decide(query, vector, self.retrieve(vector, self._retrieve_n(top_k)), top_k)
 
     def route_batch(self, queries: Sequence[str], top_k: int = 5) -> list[RoutingDecision]:
         if not queries:
@@ -622,14 +647,27 @@ class Router:
             if self.retriever == self.index.retrieve:  # one matrix product for the whole batch
                 scores = vectors @ self.index.embeddings.T
                 retrieved = [
-                    self.index.nearest(v, row, pool) for v, row in zip(vectors, scores, strict=True)
+                    self.index.nearest(v, row, pool, self._blocked)
+                    for v, row in zip(vectors, scores, strict=True)
                 ]
             else:
-                retrieved = [self.retriever(v, pool) for v in vectors]
+                retrieved = [self.retrieve(v, pool) for v in vectors]
             return [
                 self.decide(q, v, r, top_k)
                 for q, v, r in zip(queries, vectors, retrieved, strict=True)
             ]
+
+    def retrieve(self, vector: np.ndarray, n: int) -> Retrieved:
+        """The retriever's top-n scenarios (positions in `index`, and their cosines) without the
+        scenarios of excluded tools (an outside retriever, such as the server's pgvector one, is
+        asked to leave them out itself; any it returns anyway are dropped)."""
+        if self._blocked is None:
+            return self.retriever(vector, n)
+        if self.retriever == self.index.retrieve:
+            return self.index.retrieve(vector, n, self._blocked)
+        idx, scores = self.retriever(vector, n)
+        keep = ~self._blocked[idx]
+        return idx[keep], scores[keep]
 
     # --- the decision ----------------------------------------------------------------------------
 
@@ -658,13 +696,14 @@ class Router:
             for i, s in zip(idx[:top_k], scores[:top_k], strict=True)
         ]
         if len(idx) == 0 and not self._head_alone():
-            return RoutingDecision(None, 0.0, True, [], [], None, None, "no scenarios",
-                                   public_fallback_reason="no scenarios")
+            return self._nothing_to_rank()
         # The decision sees what it was fitted with, whatever the caller wants shown.
         top_k = self.params.top_k
         pool = self._pool(top_k)
         idx, scores = idx[:pool], scores[:pool]
         features = self.features(query, vector, idx, scores, top_k)
+        if not len(features.tools):  # the head's tools are all excluded too
+            return self._nothing_to_rank()
         fused = features.matrix @ self._weight_vector()
         fallback = public_fallback = None
         if self.reranker == "none":
@@ -694,6 +733,12 @@ class Router:
             public_fallback_reason=public_fallback,
             ranking=self.ranking(features, dense if self.reranker == "none" else fused, pos),
         )
+
+    def _nothing_to_rank(self) -> RoutingDecision:
+        """No reranker decides: the compendium has no scenario (and no head to route without),
+        or every tool it could name is excluded."""
+        why = "no active tools" if self.excluded_tools & set(self.index.tool_names) else "no scenarios"
+        return RoutingDecision(None, 0.0, True, [], [], None, None, why, public_fallback_reason=why)
 
     RANKED = 5  # tools a decision's ranking lists
 
@@ -729,7 +774,7 @@ class Router:
         """The candidate tools (positions in `index.tool_names`) of a query and their fused
         scores (`none`: their best cosine) with `top_k` scenarios voting: as `decide` ranks them
         when `top_k` is the params' (`RoutingParams.top_k`, what `decide` always uses)."""
-        idx, scores = self.retriever(vector, self._pool(top_k))
+        idx, scores = self.retrieve(vector, self._pool(top_k))
         if len(idx) == 0 and not self._head_alone():
             return np.zeros(0, dtype=np.int64), np.zeros(0)
         features = self.features(query, vector, idx, scores, top_k)
@@ -761,7 +806,10 @@ class Router:
         retrieved_tools = np.unique(tools_of)
         extra = np.zeros(0, dtype=np.int64)
         if log_proba is not None:
-            best = np.argsort(-log_proba, kind="stable")[: self.HEAD_CANDIDATES]
+            ranked = np.argsort(-log_proba, kind="stable")
+            if len(self._excluded):
+                ranked = ranked[~np.isin(ranked, self._excluded)]
+            best = ranked[: self.HEAD_CANDIDATES]
             extra = best[~np.isin(best, retrieved_tools)]
         tools = np.concatenate([retrieved_tools, extra])
         inverse = np.searchsorted(retrieved_tools, tools_of)
@@ -794,6 +842,8 @@ class Router:
             sims = index.precaution_embeddings @ vector
             threshold = self.params.weights.precaution_threshold
             for j in np.flatnonzero(sims >= threshold):
+                if self._excluded_set and int(index.precaution_tool[j]) in self._excluded_set:
+                    continue  # the LLM is not told of a tool it cannot pick
                 hits.setdefault(int(index.precaution_tool[j]), []).append(
                     (float(sims[j]), index.precaution_texts[j])
                 )

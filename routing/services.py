@@ -5,17 +5,20 @@ embeddings are loaded from pgvector once; retrieval is an exact cosine product o
 (`SYNAPSE_ROUTING_RETRIEVAL=memory`, the client's own ranking), or a pgvector query per request
 (`exact` scan or `hnsw` index, see `PgvectorRetriever`); the batch path always multiplies the
 cached matrix. The router of a published version
-is built once per process and cached by the version's id and sha256.
+is built once per process and cached by the version's id and sha256. Tools the registry has
+deactivated since (read with the published version) are excluded from its decisions by routers
+derived from it (`ServedCompendium.without_tools`), nothing rebuilt.
 """
 
 from __future__ import annotations
 
+import copy
 import logging
 import threading
 import time
 from collections import Counter, deque
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from datetime import timedelta
 
 import numpy as np
@@ -25,7 +28,7 @@ from django.db.models import Aggregate, Count, FloatField, Sum
 from django.db.models.functions import Coalesce, TruncHour
 from django.utils import timezone
 
-from compendium.models import CompendiumVersion, PrecautionEntry, ScenarioEntry
+from compendium.models import CompendiumVersion, PrecautionEntry, ScenarioEntry, Tool
 from compendium.schema import Precaution, Scenario
 from compendium.services import load_compendium
 from routing.models import RoutingCall, TunedRouter
@@ -204,10 +207,12 @@ def published_global_version() -> CompendiumVersion | None:
     )
 
 
-# Which version is published, remembered for a moment so that a routing call does not ask the
-# database every time. A save or delete of a round or compendium version in this process forgets
-# it at once (routing.apps connects the signals); other processes notice within the TTL.
-_published: tuple[float, CompendiumVersion | None, str] | None = None
+# Which version is published (with its ready tuned router's folder and the tools the registry
+# has deactivated), remembered for a moment so that a routing call does not ask the database every
+# time. A save or delete of a round, compendium version, tuned router or registry tool in this
+# process forgets it at once (routing.apps connects the signals); other processes notice within
+# the TTL.
+_published: tuple[float, CompendiumVersion | None, str, frozenset[str]] | None = None
 
 
 def version_ttl() -> float:
@@ -219,23 +224,30 @@ def forget_published_version(**_signal) -> None:
     _published = None
 
 
-def _current_version() -> tuple[CompendiumVersion | None, str]:
-    """The published global and the folder of its ready tuned router ("" when there is none)."""
+def inactive_tools() -> frozenset[str]:
+    """The tools the operator has deactivated in the registry: no routing answer names them."""
+    return frozenset(Tool.objects.filter(active=False).values_list("tool_id", flat=True))
+
+
+def _current_version() -> tuple[CompendiumVersion | None, str, frozenset[str]]:
+    """The published global, the folder of its ready tuned router ("" when there is none) and
+    the deactivated tools."""
     global _published
     now = time.monotonic()
     remembered = _published  # one read: another thread may forget it meanwhile
     if remembered is not None and now - remembered[0] < version_ttl():
-        return remembered[1], remembered[2]
+        return remembered[1:]
     version = published_global_version()
-    directory = ""
+    directory, inactive = "", frozenset()
     if version is not None:  # "nothing published" is not remembered: the first publish is seen
         directory = (
             TunedRouter.objects.filter(version=version, state=TunedRouter.State.READY)
             .values_list("directory", flat=True)
             .first()
         ) or ""
-        _published = (now, version, directory)
-    return version, directory
+        inactive = inactive_tools()
+        _published = (now, version, directory, inactive)
+    return version, directory, inactive
 
 
 # --- pgvector retrieval -----------------------------------------------------------------------------
@@ -278,7 +290,7 @@ class PgvectorRetriever:
 
     _SQL = (
         "SELECT id, embedding <=> %(q)s FROM compendium_scenarioentry "
-        "WHERE version_id = %(v)s AND embedding IS NOT NULL ORDER BY {order} LIMIT %(n)s"
+        "WHERE version_id = %(v)s AND embedding IS NOT NULL{excluded} ORDER BY {order} LIMIT %(n)s"
     )
 
     MODES = ("exact", "hnsw")  # settings.SYNAPSE_ROUTING_RETRIEVAL also takes "memory"
@@ -289,6 +301,7 @@ class PgvectorRetriever:
         entry_ids: np.ndarray,
         indexed_rows: int | None = None,
         mode: str = "exact",
+        entry_tools: np.ndarray | None = None,
     ):
         if mode not in self.MODES:
             raise ValueError(f"unknown retrieval mode {mode!r}: choose memory, exact or hnsw")
@@ -299,6 +312,16 @@ class PgvectorRetriever:
         # Rows with embeddings in the whole index, when the served version was loaded.
         self.indexed_rows = max(indexed_rows or self.available, self.available, 1)
         self.exact_fallbacks = 0
+        # The registry row (Tool pk) of each entry, and those whose rows are never returned.
+        self.entry_tools = np.asarray(entry_tools if entry_tools is not None else [], dtype=np.int64)
+        self.excluded: tuple[int, ...] = ()
+
+    def without_tools(self, tool_pks) -> PgvectorRetriever:
+        """This retriever leaving out the rows of the registry rows `tool_pks` (deactivated)."""
+        narrowed = copy.copy(self)
+        narrowed.excluded = tuple(sorted(int(pk) for pk in tool_pks))
+        narrowed.available = int((~np.isin(self.entry_tools, narrowed.excluded)).sum())
+        return narrowed
 
     def ef_search(self, n: int) -> int:
         share = self.available / self.indexed_rows
@@ -316,11 +339,11 @@ class PgvectorRetriever:
         with psycopg.Cursor(raw) as cursor:  # server-side binding, binary vector
             if not exact:  # a search setting only; set each time (a rollback would undo it)
                 cursor.execute(f"SET hnsw.ef_search = {self.ef_search(n)}")
-            cursor.execute(
-                self._SQL.format(order=order),
-                {"q": vector, "v": self.version_id, "n": n},
-                binary=True,
-            )
+            params = {"q": vector, "v": self.version_id, "n": n}
+            excluded = ""
+            if self.excluded:  # deactivated tools' rows
+                excluded, params["x"] = " AND tool_id <> ALL(%(x)s)", list(self.excluded)
+            cursor.execute(self._SQL.format(order=order, excluded=excluded), params, binary=True)
             return cursor.fetchall()
 
     def __call__(self, vector: np.ndarray, n: int):
@@ -355,6 +378,40 @@ class ServedCompendium:
     retriever: Callable[[np.ndarray, int], tuple[np.ndarray, np.ndarray]]
     routers: dict[str, Router]
     tuned: bool = False  # routed with the encoder tuned on this version (federation.tuning)
+    # The registry row (pk) of each tool the routers know, to leave a deactivated tool's rows
+    # out of a pgvector retrieval; the tools left out of these routers' decisions.
+    tool_pks: dict[str, int] = field(default_factory=dict)
+    excluded: frozenset[str] = frozenset()
+    # The last `without_tools` answer (deactivations change rarely): (tools, ServedCompendium).
+    _narrowed: tuple | None = field(default=None, init=False, repr=False, compare=False)
+
+    def without_tools(self, inactive: frozenset[str]) -> ServedCompendium:
+        """These routers deciding without the `inactive` tools they know (their scenarios not
+        retrieved, the head not bringing them into the pool): derived from the built ones, with
+        no model or row loaded again; itself when it knows none of them."""
+        known = set(self.routers["fusion"].index.tool_names)
+        excluded = frozenset(inactive) & known
+        if excluded == self.excluded:
+            return self
+        narrowed = self._narrowed
+        if narrowed is not None and narrowed[0] == excluded:
+            return narrowed[1]
+        retriever = self.retriever
+        if isinstance(retriever, PgvectorRetriever):
+            retriever = retriever.without_tools(
+                self.tool_pks[t] for t in excluded if t in self.tool_pks
+            )
+        outside = retriever if isinstance(retriever, PgvectorRetriever) else None
+        routers = {
+            name: router.with_reranker(name, retriever=outside, excluded_tools=excluded)
+            for name, router in self.routers.items()
+        }
+        served = replace(
+            self, retriever=outside or routers["fusion"].retrieve, routers=routers,
+            excluded=excluded,
+        )
+        self._narrowed = (excluded, served)
+        return served
 
 
 _served: dict[tuple[int, str, str], ServedCompendium] = {}
@@ -457,6 +514,7 @@ def build_served(version: CompendiumVersion, tuned_directory: str = "") -> Serve
     return ServedCompendium(
         version.pk, version.sha256, version.round.number, index, retriever, routers,
         tuned=tuned is not None,
+        tool_pks={r.tool.tool_id: r.tool_id for r in scenario_rows},
     )
 
 
@@ -496,6 +554,7 @@ def _retriever(version, index: ScenarioIndex, scenario_rows):
         np.array([r.pk for r in scenario_rows]),
         indexed_rows=ScenarioEntry.objects.filter(embedding__isnull=False).count(),
         mode=mode,
+        entry_tools=np.array([r.tool_id for r in scenario_rows]),
     )
 
 
@@ -548,7 +607,13 @@ def _stored_head(version: CompendiumVersion, index: ScenarioIndex) -> LinearHead
 
 
 def served_compendium() -> ServedCompendium:
-    version, tuned_directory = _current_version()
+    """The routers of the published global, deciding without the tools the registry has
+    deactivated since (`ServedCompendium.without_tools`)."""
+    version, tuned_directory, inactive = _current_version()
+    return _served_version(version, tuned_directory).without_tools(inactive)
+
+
+def _served_version(version: CompendiumVersion | None, tuned_directory: str) -> ServedCompendium:
     if version is None:
         raise NothingPublished(
             "no global compendium is published yet: routing starts after the first round is "
@@ -600,7 +665,7 @@ def _drop(served: ServedCompendium) -> None:
     """Forget `served` (its global is gone) and which global is published: the next request
     asks the database and builds the current one, rather than going on with `served`."""
     for key, value in tuple(_served.items()):
-        if value is served:
+        if value.version_id == served.version_id:  # `served` may be derived from it
             _served.pop(key, None)
     forget_published_version()
 

@@ -17,6 +17,7 @@ from routing.datasets import compendium_from_queries
 from routing.embeddings import get_query_engine
 from routing.llm import LLMUnavailable, OpenAICompatibleLLM, judge_consistency, parse_choice
 from routing.router import (
+    RERANKERS,
     LinearHead,
     PoolBM25,
     Router,
@@ -699,6 +700,50 @@ def test_linear_head_brings_tools_that_retrieval_missed_into_the_pool(engine):
     log_proba = head.log_proba(vector)[0]
     assert np.allclose(with_head.matrix[:, 4], log_proba[with_head.tools])
     assert with_head.matrix[row, 2] == 0.0  # not in the top-k: no vote
+
+
+def test_an_excluded_tool_is_never_named_and_the_others_decide_without_it(engine):
+    """The server excludes the tools its registry has deactivated since the global was published:
+    whatever the reranker and however the router retrieves, the decision, its candidates, its
+    ranking and the head's additions to the pool never name them, and the bare cosine answers the
+    nearest scenario of another tool (the next best)."""
+    weather = [Scenario(tool_id="weather", text=f"what is the weather in city number {i} today")
+               for i in range(30)]
+    others = [Scenario(tool_id="sports", text="latest football scores of the league"),
+              Scenario(tool_id="news", text="headlines about politics this morning"),
+              Scenario(tool_id="forecast", text="will it rain in my town tomorrow")]
+    compendium = Compendium(scenarios=weather + others)
+    headed = Router(compendium, engine, "fusion", params=RoutingParams(pool=5)).with_linear_head()
+    query = "what is the weather in my city today"
+    assert headed.route(query).tool == "weather"
+    nearest = [c["tool"] for c in headed.with_reranker("none").route(query, 40).candidates]
+
+    def named(d):
+        return {d.tool} | {c["tool"] for c in d.candidates} | {r["tool"] for r in d.ranking}
+
+    without = headed.with_reranker("fusion", excluded_tools={"weather"})
+    outside = without.with_reranker("fusion", retriever=lambda v, n: headed.index.retrieve(v, n))
+    for router in (without, outside):  # in memory, and through a retriever of its own
+        for reranker in RERANKERS:
+            decision = router.with_reranker(reranker).route(query, 40)
+            assert decision.tool and "weather" not in named(decision), (reranker, decision)
+        assert router.with_reranker("none").route(query, 40).tool == next(
+            t for t in nearest if t != "weather")
+        assert [d.tool for d in router.route_batch([query, "football scores"])] == [
+            router.route(query).tool, router.route("football scores").tool]
+    # The head's probabilities of the others are as they were: only the pool lost a tool.
+    vector = engine.embed([query])[0]
+    idx, scores = without.retrieve(vector, 5)
+    assert set(without.index.scenario_tool[idx]) <= {
+        headed.index.tool_names.index(t) for t in ("sports", "news", "forecast")}
+    features = without.features(query, vector, idx, scores, 5)
+    assert np.allclose(features.matrix[:, 4], headed.head.log_proba(vector)[0][features.tools])
+    # Nothing left to name: no reranker decides, and the answer says why.
+    nothing = headed.with_reranker("fusion", excluded_tools={"weather", "sports", "news", "forecast"})
+    decision = nothing.route(query)
+    assert (decision.tool, decision.reranker, decision.fallback_reason) == (
+        None, None, "no active tools")
+    assert headed.with_reranker("fusion", excluded_tools={"unknown"}).route(query).tool == "weather"
 
 
 def test_linear_head_needs_two_tools_and_matching_tools(engine):

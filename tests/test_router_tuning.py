@@ -149,6 +149,47 @@ def test_publishing_tunes_the_router_and_the_routing_api_switches_to_it(data, se
     assert services.route_query(data["queries"][1])["tuned_router"] is False
 
 
+def test_the_tuned_router_never_names_a_deactivated_tool_either(data, settings):
+    """The tuned router retrieves in memory over the tuned model's vectors, with its own head: a
+    tool the operator deactivates is left out of its decisions as it is of the frozen router's,
+    and comes back when reactivated, with no new tuning and no reload of the model."""
+    from collections import Counter
+
+    from compendium.models import Tool
+
+    settings.SYNAPSE_ROUTING_VERSION_TTL = 3600  # the admin's save in this process is seen at once
+    _, version = _publish(data)
+    assert tune_published_router(version.pk, 1).state == TunedRouter.State.READY
+    services.forget_published_version()
+    queries = data["queries"]
+    before = services.route_queries(queries, 10)
+    assert before["tuned_router"] is True
+    gone = Counter(r["tool"] for r in before["results"]).most_common(1)[0][0]
+    engine = services.served_compendium().routers["fusion"].engine
+
+    def named(answer):
+        return ({answer["tool"]} | {c["tool"] for c in answer["candidates"]}
+                | {r["tool"] for r in answer["ranking"]})
+
+    def without_latency(answers):
+        return [{k: v for k, v in a.items() if k != "latency_ms"} for a in answers]
+
+    tool = Tool.objects.get(tool_id=gone)
+    tool.active = False
+    tool.save()
+    after = services.route_queries(queries, 10)
+    assert after["tuned_router"] is True
+    assert all(r["tool"] and gone not in named(r) for r in after["results"])
+    query = next(q for q, r in zip(queries, before["results"], strict=True) if r["tool"] == gone)
+    alone = services.route_query(query, 10)
+    assert alone["tuned_router"] and alone["tool"] and gone not in named(alone)
+    assert services.served_compendium().routers["fusion"].engine is engine  # nothing reloaded
+    tool.active = True
+    tool.save()
+    again = services.route_queries(queries, 10)
+    assert without_latency(again["results"]) == without_latency(before["results"])
+
+
 def test_a_global_no_longer_served_is_skipped_and_newer_routers_retire_older_ones(data, settings):
     _, first = _publish(data, 1)
     assert tune_published_router(first.pk, 1).state == TunedRouter.State.READY

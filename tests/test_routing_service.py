@@ -1154,3 +1154,99 @@ def test_exact_pgvector_retrieval_takes_tied_scenarios_in_order_as_memory_does(d
         memory, _ = served.index.retrieve(vector, n)
         assert list(idx) == list(memory), n
         assert list(idx[: min(n, len(tied))]) == list(range(min(n, len(tied)))), n
+
+
+# --- deactivated tools ----------------------------------------------------------------------------
+
+
+def _set_active(tool_id: str, active: bool) -> None:
+    """As the operator does in the admin (ToolAdmin saves the row)."""
+    from compendium.models import Tool
+
+    tool = Tool.objects.get(tool_id=tool_id)
+    tool.active = active
+    tool.save()
+
+
+def _named(answer: dict) -> set:
+    """Every tool an answer names: the decision, its nearest scenarios and its ranking."""
+    return ({answer["tool"]} | {c["tool"] for c in answer["candidates"]}
+            | {r["tool"] for r in answer["ranking"]})
+
+
+def _without_latency(answers: list[dict]) -> list[dict]:
+    return [{k: v for k, v in a.items() if k != "latency_ms"} for a in answers]
+
+
+@pytest.mark.parametrize("retrieval", ["memory", "exact", "hnsw"])
+def test_a_deactivated_tool_is_never_named_and_comes_back_when_reactivated(
+    data, api, settings, retrieval
+):
+    """The operator deactivates a tool that must not be called any more: the routing API kept
+    answering it (as `tool`, among `candidates` and in `ranking`) until a later round published
+    a global without it. From the deactivation on, the API and the playground answer the next
+    best active tool; reactivated, the tool comes back and the answers are what they were."""
+    from collections import Counter
+
+    from django.contrib.auth.models import User
+    from django.urls import reverse
+
+    settings.SYNAPSE_ROUTING_RETRIEVAL = retrieval
+    settings.SYNAPSE_ROUTING_VERSION_TTL = 3600  # this process's own save is seen at once
+    http, raw, _ = api
+    _publish(data, with_client_copy=False)
+    queries = data["queries"][:40]
+    batch = {"queries": queries, "top_k": 50}
+    before = _post(http, "/api/v1/route/batch/", batch, raw).json()["results"]
+    gone = Counter(r["tool"] for r in before).most_common(1)[0][0]
+    its = [q for q, r in zip(queries, before, strict=True) if r["tool"] == gone]
+    assert its and all(gone in _named(a) for a in before[:3])
+
+    _set_active(gone, False)
+    after = _post(http, "/api/v1/route/batch/", batch, raw).json()["results"]
+    assert all(a["tool"] and gone not in _named(a) for a in after)
+    assert all(len(a["candidates"]) == 50 for a in after)
+    for query in its[:3]:
+        alone = _post(http, "/api/v1/route/", {"query": query, "top_k": 50}, raw).json()
+        assert alone["tool"] and gone not in _named(alone), alone
+        # pgvector (exact, hnsw) was asked for the active tools' rows: none dropped afterwards
+        assert len(alone["candidates"]) == 50
+        # The bare cosine answers the nearest scenario of an active tool: the next best (HNSW
+        # is approximate: its nearest scenarios may differ by a row).
+        nearest = _post(http, "/api/v1/route/", {"query": query, "top_k": 50, "reranker": "none"},
+                        raw).json()
+        assert nearest["tool"] and gone not in _named(nearest)
+        if retrieval != "hnsw":
+            assert nearest["tool"] == next(
+                c["tool"] for c in before[queries.index(query)]["candidates"] if c["tool"] != gone)
+    http.force_login(User.objects.create_user("member", password="pw-long-enough-1"))
+    page = http.get(reverse("dashboard:routing"), {"q": its[0], "top_k": "50"})
+    assert page.status_code == 200 and gone not in _named(page.context["result"])
+
+    _set_active(gone, True)
+    again = _post(http, "/api/v1/route/batch/", batch, raw).json()["results"]
+    assert _without_latency(again) == _without_latency(before)
+
+
+def test_a_deactivation_by_another_process_is_seen_within_the_version_ttl_without_a_rebuild(
+    data, settings
+):
+    """A registry change this process was not told of (another server process's admin save, or
+    `import_tools`, whose bulk update sends no signal) is read with the published version, at
+    most SYNAPSE_ROUTING_VERSION_TTL seconds later, as a new global is; it narrows the routers
+    of the global already built (no reload of the model or the global's rows)."""
+    from compendium.models import Tool
+
+    _publish(data, with_client_copy=False)
+    query = data["queries"][0]
+    first = services.route_query(query, 50)
+    built = services._served.copy()
+    gone = first["tool"]
+    settings.SYNAPSE_ROUTING_VERSION_TTL = 0  # another process's write, read at once
+    Tool.objects.filter(tool_id=gone).update(active=False)  # no signal
+    answer = services.route_query(query, 50)
+    assert answer["tool"] and gone not in _named(answer)
+    assert services._served.keys() == built.keys() and all(
+        services._served[k] is v for k, v in built.items())  # nothing was built again
+    Tool.objects.filter(tool_id=gone).update(active=True)
+    assert _without_latency([services.route_query(query, 50)]) == _without_latency([first])
