@@ -10,6 +10,7 @@ import numpy as np
 from django.core.exceptions import ImproperlyConfigured
 from django.db import connection, models, transaction
 from django.db.models import ExpressionWrapper, F, FloatField, Value
+from django.utils import timezone
 from pgvector.django import CosineDistance
 from pydantic import ValidationError
 
@@ -50,6 +51,7 @@ class ImportResult:
 def import_registry(tools: Iterable[ToolSpec]) -> ImportResult:
     """Create or update registry entries by tool id (idempotent)."""
     existing = {t.tool_id: t for t in Tool.objects.select_for_update()}
+    now = timezone.now()
     created, updated, unchanged = [], [], 0
     for spec in tools:
         fields = {
@@ -65,13 +67,18 @@ def import_registry(tools: Iterable[ToolSpec]) -> ImportResult:
             for key, value in fields.items():
                 setattr(current, key, value)
             current.active = True
+            # bulk_update leaves auto_now alone; the schema's fingerprint (federation.submissions)
+            # reads the latest updated_at, so a description changed here must move it
+            current.updated_at = now
             updated.append(current)
         else:
             unchanged += 1
     Tool.objects.bulk_create(created, batch_size=500)
     if updated:
         Tool.objects.bulk_update(
-            updated, ["name", "description", "category", "spec", "active"], batch_size=500
+            updated,
+            ["name", "description", "category", "spec", "active", "updated_at"],
+            batch_size=500,
         )
     return ImportResult(len(created), len(updated), unchanged)
 

@@ -404,3 +404,23 @@ def test_dataset_files_saved_with_a_byte_order_mark_are_read(tmp_path):
                                           encoding="utf-8")
     with pytest.raises(RegistryFormatError, match=re.escape("queries.jsonl:2: not valid JSON")):
         load_dataset(folder)
+
+
+@pytest.mark.django_db
+def test_a_reimport_that_changes_a_description_changes_the_schema_in_force():
+    """import_tools updates changed tools with bulk_update, which leaves `updated_at` (auto_now)
+    as it was: the schema's fingerprint (active and total counts, latest updated_at) stayed the
+    same, so every process that had read the schema kept serving the old descriptions from
+    GET /compendium/schema/ and its dcz dictionary, and submissions were checked against it."""
+    from compendium.schema import ToolSpec
+    from compendium.services import import_registry
+    from federation import submissions
+
+    import_registry([ToolSpec(tool_id="a", description="old"), ToolSpec(tool_id="b", description="b")])
+    assert submissions.schema_in_force().tools_by_id["a"].description == "old"
+    before = Tool.objects.get(tool_id="a").updated_at
+    result = import_registry([ToolSpec(tool_id="a", description="new", category="maps")])
+    assert (result.updated, result.unchanged) == (1, 0)
+    assert Tool.objects.get(tool_id="a").updated_at > before
+    in_force = submissions.schema_in_force().tools_by_id["a"]
+    assert (in_force.description, in_force.category) == ("new", "maps")
