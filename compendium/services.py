@@ -15,6 +15,7 @@ from pgvector.django import CosineDistance
 from pydantic import ValidationError
 
 from compendium.canonical import canonical_form
+from compendium.clipping import declaration_problem
 from compendium.models import (
     EMBEDDING_DIM,
     AnnexEntry,
@@ -150,6 +151,12 @@ def schema_problem(changed: Tool | NumericField) -> str | None:
         )
     except ValueError as exc:  # a kind NumericKind does not know
         return str(exc)
+    if isinstance(changed, NumericField):
+        # Only the field being declared: one stored before this check must not stop the others'
+        # edits (the schema in force still loads with it).
+        problem = declaration_problem(numeric_field_spec(changed))
+        if problem:
+            return f"{changed.name}: {problem}"
     return None
 
 
