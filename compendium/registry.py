@@ -10,6 +10,7 @@ Two registry formats:
 from __future__ import annotations
 
 import json
+import math
 import os
 import random
 from collections import defaultdict
@@ -82,10 +83,20 @@ def _not_json(name: str) -> Any:
     raise _NotJson(f"{name} is not a JSON number")
 
 
+def _finite(literal: str) -> float:
+    """A JSON number as a float: one past a double's range (1e400) Python reads as infinity,
+    which jsonb refuses as it refuses Infinity."""
+    value = float(literal)
+    if not math.isfinite(value):
+        raise _NotJson(f"{literal} is beyond what a double holds")
+    return value
+
+
 def _parse_json(text: str, where: str) -> Any:
     """`text` as JSON, or a RegistryFormatError naming `where` (a file, or a file and line)."""
     try:
-        return json.loads(text, parse_constant=_not_json, object_pairs_hook=no_duplicate_keys)
+        return json.loads(text, parse_constant=_not_json, parse_float=_finite,
+                          object_pairs_hook=no_duplicate_keys)
     except json.JSONDecodeError as exc:
         raise RegistryFormatError(f"{where}: not valid JSON ({exc.msg})") from None
     except (_NotJson, DuplicateKey) as exc:

@@ -219,11 +219,14 @@ def test_import_probe_set_refuses_duplicate_qids_before_storing(tmp_path):
 @pytest.mark.parametrize(("value", "message"), [
     ("NaN", "not valid JSON (NaN is not a JSON number)"),
     ("-Infinity", "not valid JSON (-Infinity is not a JSON number)"),
+    # a JSON number, but past a double's range: Python reads it as inf, jsonb refused it
+    ("-1e400", "not valid JSON (-1e400 is beyond what a double holds)"),
     ("9" * 5000, "holds a number of more than 4,300 digits"),
     ("[" * 100_000, "not valid JSON (nested too deeply)"),
 ])
 def test_what_json_cannot_hold_is_refused_naming_the_file_and_line(tmp_path, value, message):
     """NaN and Infinity (which Python's json reads, and jsonb refuses: a DataError at import),
+    a number too large for a double (1e400, which Python reads as inf: the same DataError),
     a number of more digits than Python reads (ValueError) and JSON nested too deeply
     (RecursionError) were tracebacks of import_tools, import_probe_set and simulate."""
     tool = '{"tool_id": "b", "description": "y", "weight": ' + value + "}"
