@@ -35,6 +35,7 @@ from compendium.schema import (
     Schema,
     ToolSpec,
 )
+from compendium.validation import unpublishable_tools
 
 
 @dataclass(frozen=True)
@@ -151,6 +152,10 @@ def schema_problem(changed: Tool | NumericField) -> str | None:
         )
     except ValueError as exc:  # a kind NumericKind does not know
         return str(exc)
+    if isinstance(changed, Tool) and changed.active:
+        problems = unpublishable_tools([tool_spec(changed)])
+        if problems:
+            return f"{changed.tool_id}: {problems[0][1]} (every global compendium publishes it)"
     if isinstance(changed, NumericField):
         # Only the field being declared: one stored before this check must not stop the others'
         # edits (the schema in force still loads with it).

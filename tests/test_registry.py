@@ -427,3 +427,60 @@ def test_a_reimport_that_changes_a_description_changes_the_schema_in_force():
     assert Tool.objects.get(tool_id="a").updated_at > before
     in_force = submissions.schema_in_force().tools_by_id["a"]
     assert (in_force.description, in_force.category) == ("new", "maps")
+
+
+@pytest.mark.parametrize(("tool", "message"), [
+    ('{"tool_id": "b", "description": "y\\fz"}',
+     "tools.jsonl:2: description: string contains a control character U+000C at position 1"),
+    ('{"tool_id": "b", "description": "y \\u202e"}',
+     "tools.jsonl:2: description: string contains a bidirectional override U+202E"),
+    ('{"tool_id": "b\\u001b", "description": "y"}',
+     "tools.jsonl:2: tool_id: string contains a control character U+001B"),
+    ('{"tool_id": "b", "description": "' + "y" * 4001 + '"}',
+     "tools.jsonl:2: description: string is 4001 characters; the declared limit for description is"),
+    ('{"tool_id": "b", "description": "y", "args": {"help": "' + "z" * 4001 + '"}}',
+     'tools.jsonl:2: spec.args.help: string is 4001 characters'),
+    ('{"tool_id": "b", "description": "y", "args": ' + "[" * 30 + "]" * 30 + "}",
+     "tools.jsonl:2: spec.args[0][0][0]"),
+])
+def test_a_tool_no_global_compendium_could_publish_is_refused_at_load(tmp_path, tool, message):
+    """Every global compendium publishes each registry tool's description and spec, and the merge
+    checks its own output against the schema: a registry description holding a form feed or a
+    bidirectional override (pasted from a PDF or a word processor), one past the schema's 4,000
+    characters, or a spec string past it or nested past its depth was imported, and then every
+    round failed ("merge produced an invalid compendium")."""
+    folder = _dataset(tmp_path / "d", [{"query": "hi", "tool_id": "a"}],
+                      tools=('{"tool_id": "a", "description": "x"}', tool))
+    with pytest.raises(RegistryFormatError, match=re.escape(message)):
+        load_registry(folder)
+    mcp = tmp_path / "tools.json"
+    mcp.write_text(json.dumps({"tools": [{"name": "a", "description": "x\x0bz"}]}))
+    with pytest.raises(RegistryFormatError, match=re.escape(
+            f"{mcp}: tools[0]: description: string contains a control character U+000B")):
+        load_registry(mcp)
+
+
+def test_a_registry_larger_than_a_compendium_can_publish_is_refused(tmp_path):
+    """A global publishes an entry per registry tool, and a compendium holds at most
+    limits.metadata (20,000) of them: a larger registry made every merge fail."""
+    path = tmp_path / "tools.jsonl"
+    path.write_text("".join(json.dumps({"tool_id": f"t{i}", "description": "d"}) + "\n"
+                            for i in range(20_001)))
+    with pytest.raises(RegistryFormatError, match=re.escape(
+            f"{path}: 20001 tools; the limit is 20000 per compendium")):
+        load_registry(path)
+
+
+@pytest.mark.django_db
+def test_the_operator_cannot_give_a_tool_a_description_no_global_could_publish():
+    """The admin's form asks `schema_problem` before a registry row is saved."""
+    from compendium.schema import ToolSpec
+    from compendium.services import import_registry, schema_problem
+
+    import_registry([ToolSpec(tool_id="a", description="x")])
+    tool = Tool.objects.get(tool_id="a")
+    tool.description = "pasted\x0ctext"
+    problem = schema_problem(tool)
+    assert problem is not None and "description" in problem and "U+000C" in problem
+    tool.description = "pasted text"
+    assert schema_problem(tool) is None
