@@ -43,6 +43,9 @@ class ImportResult:
     created: int
     updated: int
     unchanged: int
+    # active tools of the registry the import did not name: left active (an import adds and
+    # updates; a tool is taken out by deactivating it in the admin)
+    not_named: int = 0
 
     @property
     def total(self) -> int:
@@ -55,7 +58,9 @@ def import_registry(tools: Iterable[ToolSpec]) -> ImportResult:
     existing = {t.tool_id: t for t in Tool.objects.select_for_update()}
     now = timezone.now()
     created, updated, unchanged = [], [], 0
+    named: set[str] = set()
     for spec in tools:
+        named.add(spec.tool_id)
         fields = {
             "name": spec.name,
             "description": spec.description,
@@ -82,7 +87,8 @@ def import_registry(tools: Iterable[ToolSpec]) -> ImportResult:
             ["name", "description", "category", "spec", "active", "updated_at"],
             batch_size=500,
         )
-    return ImportResult(len(created), len(updated), unchanged)
+    not_named = sum(1 for t in existing.values() if t.active and t.tool_id not in named)
+    return ImportResult(len(created), len(updated), unchanged, not_named)
 
 
 def seed_default_numeric_fields() -> None:

@@ -86,6 +86,10 @@ def test_import_tools_command_both_formats(tmp_path, capsys):
     call_command("import_tools", str(mcp))
     assert Tool.objects.count() == 201
     assert Tool.objects.get(tool_id="get_weather").spec["inputSchema"]["type"] == "object"
+    # A tool the file leaves out stays as it is (an import adds and updates): the line says how
+    # many, since an operator who dropped a tool from the file expected it gone and heard nothing.
+    assert ("2 created, 0 updated, 0 unchanged; 199 active tools of the registry are not in "
+            "this file and stay active") in capsys.readouterr().out
 
 
 @pytest.mark.django_db
