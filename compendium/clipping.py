@@ -69,6 +69,34 @@ def clip_bound(spec: NumericFieldSpec) -> ClipBound:
     return ClipBound(lo=lo, hi=hi, neutral=min(max(0.0, lo), hi))
 
 
+def declaration_problem(spec: NumericFieldSpec) -> str | None:
+    """What makes a declared field's clipping window unable to hold what the field measures, or
+    None. The window is anchored at min (`clip_bound`) and a user who did not use a tool counts 0
+    clamped into it, so it must reach the value of the declared range nearest 0: otherwise that
+    value and everything between it and the window is clipped to the window's top, and the
+    statistic says the same whatever the clients measured. A field a client derives from its
+    usage log (count, rate, frequency, latency) is never negative: a min below 0 would cap a
+    user's value at min + Δ, below Δ, with noise calibrated to a width no value fills."""
+    bound = clip_bound(spec)
+    window = f"[{bound.lo:g}, {bound.hi:g}]"
+    if spec.kind in DERIVABLE_KINDS and spec.min < 0:
+        return (
+            f"a {spec.kind.value} field's values, computed from a usage log, are never negative, "
+            f"but min is {spec.min:g}: its clipping window {window} would cap a user's value at "
+            f"{bound.hi:g}, not Δ = {spec.sensitivity:g}; declare min ≥ 0"
+        )
+    nearest_zero = min(max(0.0, float(spec.min)), float(spec.max))
+    if bound.hi < nearest_zero:
+        return (
+            f"its clipping window [min, min(max, min + Δ)] = {window} leaves out "
+            f"{nearest_zero:g}, the value of its range [{spec.min:g}, {spec.max:g}] nearest 0, "
+            f"which a user who did not use a tool counts: every value from {bound.hi:g} to "
+            f"{nearest_zero:g} and above would be clipped to {bound.hi:g}. Declare Δ at least "
+            f"{nearest_zero - spec.min:g}, or a min of at least {nearest_zero - spec.sensitivity:g}"
+        )
+    return None
+
+
 @dataclass
 class ToolUsage:
     """One user's raw use of one tool in the log."""

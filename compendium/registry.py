@@ -10,6 +10,7 @@ Two registry formats:
 from __future__ import annotations
 
 import json
+import math
 import os
 import random
 from collections import defaultdict
@@ -21,7 +22,7 @@ from typing import Any
 from pydantic import ValidationError
 
 from compendium.schema import ToolSpec
-from compendium.validation import DuplicateKey, no_duplicate_keys
+from compendium.validation import DuplicateKey, no_duplicate_keys, unpublishable_tools
 
 # What the database stores of a tool (compendium.models.Tool) and of a probe query
 # (federation.models.ProbeQuery): longer values are refused when a registry or dataset is read,
@@ -82,10 +83,20 @@ def _not_json(name: str) -> Any:
     raise _NotJson(f"{name} is not a JSON number")
 
 
+def _finite(literal: str) -> float:
+    """A JSON number as a float: one past a double's range (1e400) Python reads as infinity,
+    which jsonb refuses as it refuses Infinity."""
+    value = float(literal)
+    if not math.isfinite(value):
+        raise _NotJson(f"{literal} is beyond what a double holds")
+    return value
+
+
 def _parse_json(text: str, where: str) -> Any:
     """`text` as JSON, or a RegistryFormatError naming `where` (a file, or a file and line)."""
     try:
-        return json.loads(text, parse_constant=_not_json, object_pairs_hook=no_duplicate_keys)
+        return json.loads(text, parse_constant=_not_json, parse_float=_finite,
+                          object_pairs_hook=no_duplicate_keys)
     except json.JSONDecodeError as exc:
         raise RegistryFormatError(f"{where}: not valid JSON ({exc.msg})") from None
     except (_NotJson, DuplicateKey) as exc:
@@ -183,8 +194,11 @@ def _tool(item: dict[str, Any], where: str) -> ToolSpec:
 
 
 def load_tools_jsonl(path: Path) -> list[ToolSpec]:
-    tools = [_tool(item, f"{path}:{n}") for n, item in _read_jsonl(path)]
-    return _unique(tools, str(path))
+    wheres, tools = [], []
+    for n, item in _read_jsonl(path):
+        wheres.append(f"{path}:{n}")
+        tools.append(_tool(item, wheres[-1]))
+    return _unique(tools, str(path), wheres)
 
 
 def _mcp_tools(doc: Any, source: str) -> list[dict[str, Any]]:
@@ -201,9 +215,10 @@ def _mcp_tools(doc: Any, source: str) -> list[dict[str, Any]]:
 
 
 def tools_from_mcp(doc: Any, source: str = "MCP result") -> list[ToolSpec]:
-    tools = []
+    tools, wheres = [], []
     for index, item in enumerate(_mcp_tools(doc, source)):
         where = f"{source}: tools[{index}]"
+        wheres.append(where)
         if not isinstance(item, dict) or not isinstance(item.get("name"), str):
             raise RegistryFormatError(f"{where}: a tool needs a string 'name'")
         spec = {"inputSchema": item.get("inputSchema") or {"type": "object"}}
@@ -223,10 +238,12 @@ def tools_from_mcp(doc: Any, source: str = "MCP result") -> list[ToolSpec]:
                 where,
             )
         )
-    return _unique(tools, source)
+    return _unique(tools, source, wheres)
 
 
-def _unique(tools: list[ToolSpec], source: str) -> list[ToolSpec]:
+def _unique(tools: list[ToolSpec], source: str, wheres: list[str]) -> list[ToolSpec]:
+    """`tools`, read from `source` (the tool at index i from `wheres[i]`), once each, and such
+    that every global compendium can publish them (`unpublishable_tools`)."""
     seen: set[str] = set()
     for tool in tools:
         if tool.tool_id in seen:
@@ -234,6 +251,15 @@ def _unique(tools: list[ToolSpec], source: str) -> list[ToolSpec]:
         seen.add(tool.tool_id)
     if not tools:
         raise RegistryFormatError(f"{source}: no tools found")
+    problems = unpublishable_tools(tools)
+    if problems:
+        index, problem = problems[0]
+        more = f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""
+        where = source if index is None else wheres[index]
+        raise RegistryFormatError(
+            f"{where}: {problem}{more} (every global compendium publishes each tool's "
+            "description and spec, and the schema refuses it there)"
+        )
     return tools
 
 

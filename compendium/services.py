@@ -10,10 +10,12 @@ import numpy as np
 from django.core.exceptions import ImproperlyConfigured
 from django.db import connection, models, transaction
 from django.db.models import ExpressionWrapper, F, FloatField, Value
+from django.utils import timezone
 from pgvector.django import CosineDistance
 from pydantic import ValidationError
 
 from compendium.canonical import canonical_form
+from compendium.clipping import declaration_problem
 from compendium.models import (
     EMBEDDING_DIM,
     AnnexEntry,
@@ -33,6 +35,7 @@ from compendium.schema import (
     Schema,
     ToolSpec,
 )
+from compendium.validation import unpublishable_tools
 
 
 @dataclass(frozen=True)
@@ -40,6 +43,9 @@ class ImportResult:
     created: int
     updated: int
     unchanged: int
+    # active tools of the registry the import did not name: left active (an import adds and
+    # updates; a tool is taken out by deactivating it in the admin)
+    not_named: int = 0
 
     @property
     def total(self) -> int:
@@ -50,8 +56,11 @@ class ImportResult:
 def import_registry(tools: Iterable[ToolSpec]) -> ImportResult:
     """Create or update registry entries by tool id (idempotent)."""
     existing = {t.tool_id: t for t in Tool.objects.select_for_update()}
+    now = timezone.now()
     created, updated, unchanged = [], [], 0
+    named: set[str] = set()
     for spec in tools:
+        named.add(spec.tool_id)
         fields = {
             "name": spec.name,
             "description": spec.description,
@@ -65,15 +74,21 @@ def import_registry(tools: Iterable[ToolSpec]) -> ImportResult:
             for key, value in fields.items():
                 setattr(current, key, value)
             current.active = True
+            # bulk_update leaves auto_now alone; the schema's fingerprint (federation.submissions)
+            # reads the latest updated_at, so a description changed here must move it
+            current.updated_at = now
             updated.append(current)
         else:
             unchanged += 1
     Tool.objects.bulk_create(created, batch_size=500)
     if updated:
         Tool.objects.bulk_update(
-            updated, ["name", "description", "category", "spec", "active"], batch_size=500
+            updated,
+            ["name", "description", "category", "spec", "active", "updated_at"],
+            batch_size=500,
         )
-    return ImportResult(len(created), len(updated), unchanged)
+    not_named = sum(1 for t in existing.values() if t.active and t.tool_id not in named)
+    return ImportResult(len(created), len(updated), unchanged, not_named)
 
 
 def seed_default_numeric_fields() -> None:
@@ -143,6 +158,16 @@ def schema_problem(changed: Tool | NumericField) -> str | None:
         )
     except ValueError as exc:  # a kind NumericKind does not know
         return str(exc)
+    if isinstance(changed, Tool) and changed.active:
+        problems = unpublishable_tools([tool_spec(changed)])
+        if problems:
+            return f"{changed.tool_id}: {problems[0][1]} (every global compendium publishes it)"
+    if isinstance(changed, NumericField):
+        # Only the field being declared: one stored before this check must not stop the others'
+        # edits (the schema in force still loads with it).
+        problem = declaration_problem(numeric_field_spec(changed))
+        if problem:
+            return f"{changed.name}: {problem}"
     return None
 
 

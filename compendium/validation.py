@@ -11,13 +11,13 @@ import json
 import math
 import re
 import unicodedata
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from pydantic import ValidationError
 
-from compendium.schema import IDENTIFIER, SCHEMA_VERSION, Compendium, Schema
+from compendium.schema import IDENTIFIER, SCHEMA_VERSION, Compendium, Schema, ToolSpec
 
 try:  # a faster parser, used only where it gives exactly what the standard one gives
     import orjson
@@ -540,6 +540,37 @@ def validate_compendium(data: bytes | str | dict | Compendium, schema: Schema) -
 
     unique = _reported(violations)
     return ValidationResult(model if not unique else None, unique)
+
+
+_TOOL_ENTRY = re.compile(r"^\$\.metadata\[(\d+)\]\.?")
+
+
+def unpublishable_tools(
+    tools: Sequence[ToolSpec], schema: Schema | None = None
+) -> list[tuple[int | None, str]]:
+    """What the schema would refuse in a compendium that publishes every one of `tools`, as each
+    merge's global does (the registry's description and spec of every tool: the merge's
+    `_tool_metadata`), and the merge checks its own output: a registry that fails here fails
+    every round. Each problem comes with the index of its tool and its path in the tool's entry
+    ("description: string contains ..."), or None for the registry as a whole. `schema`: whose
+    string and collection limits (default: the schema in force's, which are the defaults)."""
+    base = schema or Schema()
+    if len(tools) > base.limits.metadata:
+        return [(None, f"{len(tools)} tools; the limit is {base.limits.metadata} per compendium")]
+    check = Schema(tools=list(tools), strings=base.strings, limits=base.limits)
+    doc = {"metadata": [
+        {"tool_id": t.tool_id, "description": t.description, **({"spec": t.spec} if t.spec else {})}
+        for t in tools
+    ]}
+    out: list[tuple[int | None, str]] = []
+    for violation in validate_compendium(doc, check).violations:
+        entry = _TOOL_ENTRY.match(violation.path)
+        if entry is None:
+            out.append((None, f"published together, {violation.reason}"))
+        else:
+            where = violation.path[entry.end():] or "the entry"
+            out.append((int(entry.group(1)), f"{where}: {violation.reason}"))
+    return out
 
 
 def metadata_free_text(compendium: Compendium) -> list[Violation]:

@@ -23,7 +23,7 @@ from django.db.models import Count
 from pydantic import ValidationError
 
 from compendium.canonical import canonical_form
-from compendium.models import CompendiumVersion
+from compendium.models import CompendiumVersion, Tool
 from compendium.schema import Compendium
 from compendium.services import current_schema, load_compendium, store_compendium
 from federation import accounting, services
@@ -102,8 +102,13 @@ def configured_llm() -> OpenAICompatibleLLM | None:
 
 
 def probe_pairs() -> list[tuple[str, str]]:
-    """The public probe set as (request, tool id), in the order every server step reads it."""
-    return list(ProbeQuery.objects.order_by("dataset", "qid").values_list("text", "tool_id"))
+    """The public probe set as (request, tool id), in the order every server step reads it:
+    the requests labelled with a tool of the registry in force. A head or tuned router learns
+    the probe's tools too, so a tool deactivated (or never registered) that the probe still
+    labels would be routed to; and the probe's accuracy would count requests nobody can route."""
+    active = Tool.objects.filter(active=True).values("tool_id")
+    return list(ProbeQuery.objects.filter(tool_id__in=active).order_by("dataset", "qid")
+                .values_list("text", "tool_id"))
 
 
 def load_probe_set(embed=None) -> ProbeSet | None:

@@ -209,3 +209,58 @@ def test_exceeds_field_cap_needs_statistics_and_a_recorded_cap_no_larger_than_th
     # nothing F* bounds: text, or metadata without statistics
     assert not exceeds_field_cap(Compendium(metadata=[ToolMetadata(tool_id="weather")]), 1)
     assert not exceeds_field_cap(Compendium(field_cap=5), 1)
+
+
+@pytest.mark.parametrize(
+    ("kind", "lo", "hi", "delta", "names"),
+    [
+        # 0 in the range, the window [-100, -90] below it: every value from -90 up clipped to -90
+        (NumericKind.OTHER, -100, 100, 10, ["[-100, -90]", "leaves out 0", "at least 100"]),
+        # a range below 0 whose window is at its far end: -90 .. -1 all read as -90
+        (NumericKind.OTHER, -100, -1, 10, ["[-100, -90]", "leaves out -1", "at least 99"]),
+        # a count is never negative: [-10, 40] caps a user at 40 calls, not Δ = 50
+        (NumericKind.COUNT, -10, 1000, 50, ["count", "never negative", "min ≥ 0"]),
+        (NumericKind.RATE, -1, 1, 1, ["rate", "never negative", "[-1, 0]"]),
+    ],
+)
+def test_a_clipping_window_that_cannot_hold_what_the_field_measures_is_refused(
+    kind, lo, hi, delta, names
+):
+    """The window every value is clipped to is anchored at min, [min, min(max, min + Δ)], and a
+    user who did not use a tool counts 0 clamped into it. A field with a negative minimum and a
+    narrow Δ was accepted, and then every figure of the field was clipped into a window that
+    left out 0 (the statistic said the same whatever the clients measured); a derivable field
+    with min < 0 silently lowered its per-user cap below Δ."""
+    from compendium.clipping import declaration_problem
+
+    spec = NumericFieldSpec(name="x", kind=kind, min=lo, max=hi, sensitivity=delta)
+    problem = declaration_problem(spec)
+    assert problem is not None
+    for name in names:
+        assert name in problem, problem
+
+
+def test_the_windows_that_hold_what_the_field_measures_are_accepted():
+    from compendium.clipping import declaration_problem
+
+    assert all(declaration_problem(spec) is None for spec in DEFAULT_NUMERIC_FIELDS)
+    for lo, hi, delta in ((-1, 1, 2), (-100, 100, 100), (-10, -1, 9), (1, 5, 4), (100, 5000, 400),
+                          (-1, 1, 1)):
+        spec = NumericFieldSpec(name="x", kind=NumericKind.OTHER, min=lo, max=hi, sensitivity=delta)
+        assert declaration_problem(spec) is None, (lo, hi, delta)
+    assert declaration_problem(NumericFieldSpec(
+        name="x", kind=NumericKind.LATENCY, min=100, max=5000, sensitivity=400)) is None
+
+
+@pytest.mark.django_db
+def test_the_operator_cannot_declare_a_field_whose_window_leaves_out_its_neutral_value():
+    """What the admin's form asks (`schema_problem`) before a declared field is saved."""
+    from compendium.models import NumericField
+    from compendium.services import schema_problem
+
+    field = NumericField(name="temperature_change", kind="other", min_value=-100, max_value=100,
+                         sensitivity=10)
+    problem = schema_problem(field)
+    assert problem is not None and "leaves out 0" in problem
+    field.sensitivity = 100
+    assert schema_problem(field) is None

@@ -1589,3 +1589,21 @@ def _rule_changed_after_the_first_merge(monkeypatch, operator: str, round1, orga
 
     monkeypatch.setattr(pipeline, operator, merged_meanwhile)
     return rules
+
+
+def test_a_tool_the_registry_does_not_offer_is_not_learnt_from_the_probe_set(registry, probes):
+    """The published routing head learns the probe set's tools too, so that a tool without
+    scenarios stays routable from the probe alone: a tool the operator deactivated (or never
+    registered) that the probe set still labels was learnt, and the routing API could answer
+    it. The probe counts only requests labelled with a tool of the registry in force."""
+    from compendium.models import Tool
+
+    Tool.objects.filter(tool_id="calculator").update(active=False)
+    probe = pipeline.load_probe_set()
+    assert "calculator" not in probe.labels and len(probe) == probes - 2
+    assert len(probe.vectors) == len(probe.texts) == len(probe)
+    published = Compendium(scenarios=[Scenario(tool_id="weather", text="Will it rain in Oslo?"),
+                                      Scenario(tool_id="flights", text="Book a flight to Rome")])
+    vectors = pipeline._embed()([s.text for s in published.scenarios])
+    head = LinearHead.from_bytes(pipeline.routing_head(published, vectors, pipeline._embed(), probe))
+    assert "calculator" not in head.tools

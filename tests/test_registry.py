@@ -86,6 +86,10 @@ def test_import_tools_command_both_formats(tmp_path, capsys):
     call_command("import_tools", str(mcp))
     assert Tool.objects.count() == 201
     assert Tool.objects.get(tool_id="get_weather").spec["inputSchema"]["type"] == "object"
+    # A tool the file leaves out stays as it is (an import adds and updates): the line says how
+    # many, since an operator who dropped a tool from the file expected it gone and heard nothing.
+    assert ("2 created, 0 updated, 0 unchanged; 199 active tools of the registry are not in "
+            "this file and stay active") in capsys.readouterr().out
 
 
 @pytest.mark.django_db
@@ -219,11 +223,14 @@ def test_import_probe_set_refuses_duplicate_qids_before_storing(tmp_path):
 @pytest.mark.parametrize(("value", "message"), [
     ("NaN", "not valid JSON (NaN is not a JSON number)"),
     ("-Infinity", "not valid JSON (-Infinity is not a JSON number)"),
+    # a JSON number, but past a double's range: Python reads it as inf, jsonb refused it
+    ("-1e400", "not valid JSON (-1e400 is beyond what a double holds)"),
     ("9" * 5000, "holds a number of more than 4,300 digits"),
     ("[" * 100_000, "not valid JSON (nested too deeply)"),
 ])
 def test_what_json_cannot_hold_is_refused_naming_the_file_and_line(tmp_path, value, message):
     """NaN and Infinity (which Python's json reads, and jsonb refuses: a DataError at import),
+    a number too large for a double (1e400, which Python reads as inf: the same DataError),
     a number of more digits than Python reads (ValueError) and JSON nested too deeply
     (RecursionError) were tracebacks of import_tools, import_probe_set and simulate."""
     tool = '{"tool_id": "b", "description": "y", "weight": ' + value + "}"
@@ -404,3 +411,80 @@ def test_dataset_files_saved_with_a_byte_order_mark_are_read(tmp_path):
                                           encoding="utf-8")
     with pytest.raises(RegistryFormatError, match=re.escape("queries.jsonl:2: not valid JSON")):
         load_dataset(folder)
+
+
+@pytest.mark.django_db
+def test_a_reimport_that_changes_a_description_changes_the_schema_in_force():
+    """import_tools updates changed tools with bulk_update, which leaves `updated_at` (auto_now)
+    as it was: the schema's fingerprint (active and total counts, latest updated_at) stayed the
+    same, so every process that had read the schema kept serving the old descriptions from
+    GET /compendium/schema/ and its dcz dictionary, and submissions were checked against it."""
+    from compendium.schema import ToolSpec
+    from compendium.services import import_registry
+    from federation import submissions
+
+    import_registry([ToolSpec(tool_id="a", description="old"), ToolSpec(tool_id="b", description="b")])
+    assert submissions.schema_in_force().tools_by_id["a"].description == "old"
+    before = Tool.objects.get(tool_id="a").updated_at
+    result = import_registry([ToolSpec(tool_id="a", description="new", category="maps")])
+    assert (result.updated, result.unchanged) == (1, 0)
+    assert Tool.objects.get(tool_id="a").updated_at > before
+    in_force = submissions.schema_in_force().tools_by_id["a"]
+    assert (in_force.description, in_force.category) == ("new", "maps")
+
+
+@pytest.mark.parametrize(("tool", "message"), [
+    ('{"tool_id": "b", "description": "y\\fz"}',
+     "tools.jsonl:2: description: string contains a control character U+000C at position 1"),
+    ('{"tool_id": "b", "description": "y \\u202e"}',
+     "tools.jsonl:2: description: string contains a bidirectional override U+202E"),
+    ('{"tool_id": "b\\u001b", "description": "y"}',
+     "tools.jsonl:2: tool_id: string contains a control character U+001B"),
+    ('{"tool_id": "b", "description": "' + "y" * 4001 + '"}',
+     "tools.jsonl:2: description: string is 4001 characters; the declared limit for description is"),
+    ('{"tool_id": "b", "description": "y", "args": {"help": "' + "z" * 4001 + '"}}',
+     'tools.jsonl:2: spec.args.help: string is 4001 characters'),
+    ('{"tool_id": "b", "description": "y", "args": ' + "[" * 30 + "]" * 30 + "}",
+     "tools.jsonl:2: spec.args[0][0][0]"),
+])
+def test_a_tool_no_global_compendium_could_publish_is_refused_at_load(tmp_path, tool, message):
+    """Every global compendium publishes each registry tool's description and spec, and the merge
+    checks its own output against the schema: a registry description holding a form feed or a
+    bidirectional override (pasted from a PDF or a word processor), one past the schema's 4,000
+    characters, or a spec string past it or nested past its depth was imported, and then every
+    round failed ("merge produced an invalid compendium")."""
+    folder = _dataset(tmp_path / "d", [{"query": "hi", "tool_id": "a"}],
+                      tools=('{"tool_id": "a", "description": "x"}', tool))
+    with pytest.raises(RegistryFormatError, match=re.escape(message)):
+        load_registry(folder)
+    mcp = tmp_path / "tools.json"
+    mcp.write_text(json.dumps({"tools": [{"name": "a", "description": "x\x0bz"}]}))
+    with pytest.raises(RegistryFormatError, match=re.escape(
+            f"{mcp}: tools[0]: description: string contains a control character U+000B")):
+        load_registry(mcp)
+
+
+def test_a_registry_larger_than_a_compendium_can_publish_is_refused(tmp_path):
+    """A global publishes an entry per registry tool, and a compendium holds at most
+    limits.metadata (20,000) of them: a larger registry made every merge fail."""
+    path = tmp_path / "tools.jsonl"
+    path.write_text("".join(json.dumps({"tool_id": f"t{i}", "description": "d"}) + "\n"
+                            for i in range(20_001)))
+    with pytest.raises(RegistryFormatError, match=re.escape(
+            f"{path}: 20001 tools; the limit is 20000 per compendium")):
+        load_registry(path)
+
+
+@pytest.mark.django_db
+def test_the_operator_cannot_give_a_tool_a_description_no_global_could_publish():
+    """The admin's form asks `schema_problem` before a registry row is saved."""
+    from compendium.schema import ToolSpec
+    from compendium.services import import_registry, schema_problem
+
+    import_registry([ToolSpec(tool_id="a", description="x")])
+    tool = Tool.objects.get(tool_id="a")
+    tool.description = "pasted\x0ctext"
+    problem = schema_problem(tool)
+    assert problem is not None and "description" in problem and "U+000C" in problem
+    tool.description = "pasted text"
+    assert schema_problem(tool) is None

@@ -19,7 +19,12 @@ class Command(BaseCommand):
         except RegistryFormatError as exc:
             raise CommandError(str(exc)) from None
         result = import_registry(tools)
+        untouched = (
+            f"; {result.not_named} active tools of the registry are not in this file and stay "
+            "active (deactivate a tool in the admin to take it out)"
+            if result.not_named else ""
+        )
         self.stdout.write(
             f"{result.total} tools from {path}: {result.created} created, "
-            f"{result.updated} updated, {result.unchanged} unchanged"
+            f"{result.updated} updated, {result.unchanged} unchanged{untouched}"
         )
