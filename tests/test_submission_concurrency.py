@@ -25,6 +25,19 @@ KEYS_PER_CLIENT = 3
 DUPLICATES_PER_KEY = 4
 
 
+def _record(outcomes: dict, name: str, step, finished: threading.Event | None = None) -> None:
+    """Run `step` in a thread of its own connection: its result, or the exception it raised
+    (which the test asserts on), under `outcomes[name]`; `finished` set once it is done."""
+    try:
+        outcomes[name] = step()
+    except Exception as exc:  # noqa: BLE001 - the outcome is what the test checks
+        outcomes[name] = exc
+    finally:
+        if finished is not None:
+            finished.set()
+        connection.close()
+
+
 def _document(valid_doc: dict, client_index: int, key_index: int) -> str:
     doc = json.loads(json.dumps(valid_doc))
     doc["scenarios"].append(
@@ -172,20 +185,11 @@ def test_a_submission_during_an_erasure_waits_for_it_and_is_stored_whole(world, 
     outcomes: dict = {}
     stored = threading.Event()
 
-    def run(name, step, finished=None):
-        try:
-            outcomes[name] = step()
-        except Exception as exc:  # noqa: BLE001 - the outcome is what the test checks
-            outcomes[name] = exc
-        finally:
-            if finished is not None:
-                finished.set()
-            connection.close()
-
-    erasure = threading.Thread(target=run, args=("erasure", lambda: pipeline.erase_client(client)))
-    submission = threading.Thread(target=run, args=(
-        "submission", lambda: submissions.submit(client, json.dumps(valid_doc).encode(), "k1"),
-        stored))
+    erasure = threading.Thread(target=_record, args=(
+        outcomes, "erasure", lambda: pipeline.erase_client(client)))
+    submission = threading.Thread(target=_record, args=(
+        outcomes, "submission",
+        lambda: submissions.submit(client, json.dumps(valid_doc).encode(), "k1"), stored))
     try:
         with transaction.atomic():
             CompendiumVersion.objects.select_for_update().get(pk=erased.pk)
@@ -222,17 +226,10 @@ def test_a_submission_waiting_on_a_rotation_of_its_token_stores_nothing(world, v
     outcome: dict = {}
     finished = threading.Event()
 
-    def submit():
-        try:
-            outcome["result"] = submissions.submit(
-                client, json.dumps(valid_doc).encode(), "k1", token_hash=old)
-        except Exception as exc:  # noqa: BLE001 - the outcome is what the test checks
-            outcome["result"] = exc
-        finally:
-            finished.set()
-            connection.close()
-
-    submission = threading.Thread(target=submit)
+    submission = threading.Thread(target=_record, args=(
+        outcome, "result",
+        lambda: submissions.submit(client, json.dumps(valid_doc).encode(), "k1", token_hash=old),
+        finished))
     try:
         with transaction.atomic():
             services.rotate_client_token(SYSTEM, client)
