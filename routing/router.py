@@ -721,9 +721,10 @@ class Router:
             confidence = self._confidence(cal, fused, pos)
             chosen = int(features.tools[pos])
         tool = index.tool_names[chosen]
+        confidence = round(confidence, 6)  # escalation decided on the confidence shown
         return RoutingDecision(
             tool=tool,
-            confidence=round(confidence, 6),
+            confidence=confidence,
             escalate=confidence < self.escalate_threshold,
             candidates=candidates,
             precautions=self._precautions_of(chosen, vector),

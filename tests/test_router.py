@@ -174,6 +174,15 @@ def test_calibration_lowers_expected_calibration_error_on_held_out(metatool_rout
     # Escalation follows the threshold.
     strict = metatool_router.with_reranker("fusion", params=params, escalate_threshold=1.01)
     assert all(d.escalate for d in strict.route_batch([q for q, _ in held_out[:10]]))
+    # ... and is decided on the confidence shown: at a threshold equal to it, no escalation
+    # (it was decided on the unrounded value, so 0.4999996 showed 0.5 and escalated at 0.5).
+    queries = [q for q, _ in held_out[:20]]
+    for query, shown in zip(queries, fitted.route_batch(queries), strict=True):
+        at = fitted.with_reranker("fusion", params=params, escalate_threshold=shown.confidence)
+        above = fitted.with_reranker(
+            "fusion", params=params, escalate_threshold=shown.confidence + 1e-6
+        )
+        assert not at.route(query).escalate and above.route(query).escalate
 
 
 @pytest.mark.parametrize("draw", range(5))
