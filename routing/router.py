@@ -519,11 +519,20 @@ class ScenarioIndex:
         idx, _ = top_n(scores, n + self.RESCORED_BEYOND)
         if blocked is not None:  # fewer rows than asked for: the -inf ones came too
             idx = idx[~blocked[idx]]
-        exact = (
-            self.embeddings[idx].astype(np.float64) * np.asarray(query_vector, dtype=np.float64)
-        ).sum(axis=1)
-        order = np.lexsort((idx, -exact))[: max(n, 0)]
-        return idx[order], exact[order]
+        return rescore(self.embeddings, idx, query_vector, n)
+
+
+def rescore(embeddings: np.ndarray, idx: np.ndarray, query_vector: np.ndarray, n: int) -> Retrieved:
+    """The best n of the shortlist `idx` (rows of `embeddings`) by their cosines to the query
+    computed in float64 (products of float32 numbers are exact there, and each row is summed in
+    one order), ties broken by row: the same scores whoever made the shortlist (a float32
+    product of any shape, pgvector)."""
+    idx = np.asarray(idx, dtype=np.int64)
+    exact = (
+        embeddings[idx].astype(np.float64) * np.asarray(query_vector, dtype=np.float64)
+    ).sum(axis=1)
+    order = np.lexsort((idx, -exact))[: max(n, 0)]
+    return idx[order], exact[order]
 
 
 def top_n(scores: np.ndarray, n: int) -> Retrieved:

@@ -40,6 +40,7 @@ from routing.router import (
     RoutingParamsError,
     ScenarioIndex,
     query_problem,
+    rescore,
 )
 
 
@@ -285,7 +286,9 @@ class PgvectorRetriever:
     ef_search (the candidates the scan keeps) is raised in proportion to the share of the index
     that belongs to this version, and whenever the answer still comes up short, an exact scan of
     the version's rows answers instead, so the caller always gets min(n, rows) scenarios in exact
-    cosine order.
+    cosine order. Given the served index's vectors, it asks for 16 rows beyond n
+    (`ScenarioIndex.RESCORED_BEYOND`) and returns the best n rescored on them (`rescore`), the
+    scores the in-memory retrieval and the batch path give.
     """
 
     _SQL = (
@@ -302,6 +305,7 @@ class PgvectorRetriever:
         indexed_rows: int | None = None,
         mode: str = "exact",
         entry_tools: np.ndarray | None = None,
+        embeddings: np.ndarray | None = None,
     ):
         if mode not in self.MODES:
             raise ValueError(f"unknown retrieval mode {mode!r}: choose memory, exact or hnsw")
@@ -315,6 +319,10 @@ class PgvectorRetriever:
         # The registry row (Tool pk) of each entry, and those whose rows are never returned.
         self.entry_tools = np.asarray(entry_tools if entry_tools is not None else [], dtype=np.int64)
         self.excluded: tuple[int, ...] = ()
+        # The served index's vectors (row i of entry i): the shortlist pgvector returns is
+        # rescored on them as the in-memory retrieval rescores its own (`rescore`), so a query
+        # gets the same scores alone (pgvector's float32 distances) as in a batch (one product).
+        self.embeddings = embeddings
 
     def without_tools(self, tool_pks) -> PgvectorRetriever:
         """This retriever leaving out the rows of the registry rows `tool_pks` (deactivated)."""
@@ -349,19 +357,20 @@ class PgvectorRetriever:
     def __call__(self, vector: np.ndarray, n: int):
         n = min(n, self.available)
         vector = np.asarray(vector, dtype=np.float32)
-        if self.mode == "exact":
-            rows = self._query(vector, n, exact=True)
-        else:
-            rows = self._query(vector, n, exact=False)
-        if len(rows) < n:
+        # With the vectors at hand, a shortlist as long as the in-memory retrieval's, rescored.
+        wanted = n if self.embeddings is None else min(n + ScenarioIndex.RESCORED_BEYOND, self.available)
+        rows = self._query(vector, wanted, exact=self.mode == "exact")
+        if len(rows) < wanted:
             self.exact_fallbacks += 1
-            rows = self._query(vector, n, exact=True)
-            if len(rows) < n:
+            rows = self._query(vector, wanted, exact=True)
+            if len(rows) < wanted:
                 raise ServedVersionGone(
                     f"the served global (version {self.version_id}) was deleted while this "
                     "request routed with it; ask again"
                 )
         idx = np.array([self.position[pk] for pk, _ in rows], dtype=np.int64)
+        if self.embeddings is not None:
+            return rescore(self.embeddings, idx, vector, n)
         scores = np.array([1.0 - d for _, d in rows], dtype=np.float32)
         return idx, scores
 
@@ -555,6 +564,7 @@ def _retriever(version, index: ScenarioIndex, scenario_rows):
         indexed_rows=ScenarioEntry.objects.filter(embedding__isnull=False).count(),
         mode=mode,
         entry_tools=np.array([r.tool_id for r in scenario_rows]),
+        embeddings=index.embeddings,
     )
 
 

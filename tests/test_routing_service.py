@@ -15,7 +15,7 @@ from federation.models import Client, Organization, Round
 from routing import services
 from routing.embeddings import get_query_engine
 from routing.models import RoutingCall, RoutingToken
-from routing.router import Router
+from routing.router import Router, ScenarioIndex
 from tests.routing_data import published_global_data
 
 pytestmark = [pytest.mark.slow, pytest.mark.django_db]
@@ -90,9 +90,9 @@ def test_hnsw_search_widens_when_other_versions_fill_the_index(data, settings):
         idx, scores = retriever(vector, 20)
         assert len(idx) == 20  # HNSW, or the exact scan when the filtered scan came up short
         assert np.allclose(scores, matrix[idx] @ vector, atol=1e-4)
-    with connection.cursor() as cursor:  # the scan kept enough candidates for this version
-        cursor.execute("SHOW hnsw.ef_search")
-        assert int(cursor.fetchone()[0]) == retriever.ef_search(20)
+    with connection.cursor() as cursor:  # the scan kept enough candidates for this version,
+        cursor.execute("SHOW hnsw.ef_search")  # for the 20 and the shortlist rescored beyond them
+        assert int(cursor.fetchone()[0]) == retriever.ef_search(20 + ScenarioIndex.RESCORED_BEYOND)
 
 
 @pytest.mark.parametrize("retrieval", ["memory", "exact"])
@@ -812,10 +812,13 @@ def test_batch_api_and_latency_summary(data, api):
 
 
 
-def test_a_query_gets_the_same_answer_alone_and_in_a_batch(data, api):
+@pytest.mark.parametrize("retrieval", ["memory", "exact"])  # hnsw is approximate
+def test_a_query_gets_the_same_answer_alone_and_in_a_batch(data, api, settings, retrieval):
     """POST /api/v1/route/ and /api/v1/route/batch/ answered the same query with other scores
     in the last digits and at times another confidence (the batch's one matrix product sums in
-    another order than one query's)."""
+    another order than one query's; with pgvector retrieval, pgvector's float32 distances)."""
+    settings.SYNAPSE_ROUTING_RETRIEVAL = retrieval
+    services.forget_served()
     http, raw, _ = api
     _publish(data, with_client_copy=False)
     queries = data["queries"][:30]
