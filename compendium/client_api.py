@@ -13,7 +13,9 @@ Speaks the REST API exactly as the server defines it:
   `Retry-After`.
 - `GET /api/v1/compendium/global/` -> {"round", "sha256", "published_at", "compendium"} with an
   ETag; 304 when `If-None-Match` matches; 404 when nothing is published.
-- `GET /api/v1/compendium/probe/` -> {"count", "sha256", "texts"}: the public probe set's requests.
+- `GET /api/v1/compendium/probe/` -> {"count", "sha256", "texts", "labels"} (and "tools" when no
+  label is null): the public probe set's requests and their tools, null for a tool the
+  registry does not offer.
 - `GET /api/v1/compendium/global/router/` -> the manifest of the encoder the server tuned on the
   global ({"round", "global_sha256", "rows_sha256", "files": [{"path", "size", "sha256"}], ...});
   404 with a `code` when there is none; each file at `.../router/files/<path>`.

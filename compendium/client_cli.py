@@ -300,7 +300,7 @@ def cmd_build(args: argparse.Namespace) -> int:
             raise CliError("--probe is for before any global is published: drop it with --since")
         if args.no_collapse:
             raise CliError("--probe needs the embedding model (drop --no-collapse)")
-        probe = _load_probe_labelled(args.probe)
+        probe = _load_probe_labelled(args.probe, schema.tool_ids)
     # read before the log and the embedding model: a --since it cannot use is said before the
     # build's work, not after it
     pulled = _load_pulled(args.since) if args.since else None
@@ -1155,21 +1155,25 @@ def _load_probe(path: str) -> list[str]:
         raise CliError(f"{path} is not a probe set: {exc}") from None
 
 
-def _load_probe_labelled(path: str) -> list[tuple[str, str]] | None:
-    """The probe set's (request, tool) pairs for `build --probe`; None (with a warning) when the
-    file has no tools or no requests: nothing is left out then."""
+def _load_probe_labelled(path: str, tool_ids: frozenset[str]) -> list[tuple[str, str]] | None:
+    """The probe set's (request, tool) pairs for `build --probe`, those labelled with a tool of
+    the schema only (`tool_ids`, the active tools: a probe.json saved from an older server, or
+    before a tool was deactivated, may still name it, and the probe's router is never to route
+    to it); None (with a warning) when no pair is left: nothing is left out then."""
     try:
-        pairs = transport.probe_labelled_of(_probe_document(path))
+        document = _probe_document(path)
+        pairs = transport.probe_labelled_of(document)
     except ValueError as exc:
         raise CliError(f"{path} is not a probe set: {exc}") from None
+    if pairs is None:
+        why = "has no tools (fetched from an older server; fetch-probe again)"
+    elif not document["texts"]:
+        why = "has no requests (the server has no probe set imported)"
+    else:
+        pairs = [(text, tool) for text, tool in pairs if tool in tool_ids]
+        why = "labels none of its requests with a tool of the schema"
     if not pairs:
-        print(
-            f"{PROG}: warning: {path} has "
-            + ("no tools (fetched from an older server; fetch-probe again)" if pairs is None
-               else "no requests (the server has no probe set imported)")
-            + ": every scenario is sent",
-            file=sys.stderr,
-        )
+        print(f"{PROG}: warning: {path} {why}: every scenario is sent", file=sys.stderr)
         return None
     return pairs
 

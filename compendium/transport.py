@@ -86,9 +86,21 @@ def probe_texts_of(document: object) -> list[str]:
 
 def probe_labelled_of(document: object) -> list[tuple[str, str]] | None:
     """The (request, tool id) pairs of a probe-set document (`probe_texts_of` checks the
-    requests), or None when it has no `tools` (fetched from a server that did not serve them);
+    requests) to route with: from its `labels` (a tool id, or null for a request the server
+    gives no tool: its tool is deactivated or not in the registry, and such a request is no
+    pair), else from its `tools` (a server before `labels`), or None when it has neither;
     ValueError naming what is wrong."""
     texts = probe_texts_of(document)
+    labels = document.get("labels")
+    if labels is not None:
+        if not isinstance(labels, list) or not all(
+            label is None or (isinstance(label, str) and label) for label in labels
+        ):
+            raise ValueError("its 'labels' is not a list of tool ids and nulls")
+        if len(labels) != len(texts):
+            raise ValueError(f"it has {len(labels)} label(s) for {len(texts)} request(s)")
+        return [(text, label) for text, label in zip(texts, labels, strict=True)
+                if label is not None]
     tools = document.get("tools")
     if tools is None:
         return None

@@ -38,7 +38,7 @@ from compendium.services import current_schema, load_compendium
 from compendium.usage_log import parse_record
 from federation import submissions
 from federation.models import Client, ConflictLogEntry, Round
-from federation.pipeline import import_probe_set
+from federation.pipeline import import_probe_set, probe_pairs
 from federation.round_config import RoundConfig
 from federation.services import (
     DEMO_ORGANIZATIONS,
@@ -181,8 +181,7 @@ def run_demo_rounds(
         if latest is not None:
             route = routed_by(served_compendium().routers["fusion"])
         else:
-            probe = submissions.probe_set()
-            pairs = list(zip(probe["texts"], probe["tools"], strict=True))
+            pairs = probe_pairs()  # what the probe endpoint labels with a tool
             route = routed_by(probe_router(pairs)) if pairs else None
         for client, lines in logs.items():
             experience = lines[: len(lines) * period // rounds]

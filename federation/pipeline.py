@@ -23,7 +23,7 @@ from django.db.models import Count
 from pydantic import ValidationError
 
 from compendium.canonical import canonical_form
-from compendium.models import CompendiumVersion, Tool
+from compendium.models import CompendiumVersion
 from compendium.schema import Compendium
 from compendium.services import current_schema, load_compendium, store_compendium
 from federation import accounting, services
@@ -54,6 +54,7 @@ from federation.models import (
 )
 from federation.round_config import RoundConfig
 from federation.signals import global_published
+from federation.submissions import probe_labels
 
 log = logging.getLogger(__name__)
 
@@ -106,9 +107,7 @@ def probe_pairs() -> list[tuple[str, str]]:
     the requests labelled with a tool of the registry in force. A head or tuned router learns
     the probe's tools too, so a tool deactivated (or never registered) that the probe still
     labels would be routed to; and the probe's accuracy would count requests nobody can route."""
-    active = Tool.objects.filter(active=True).values("tool_id")
-    return list(ProbeQuery.objects.filter(tool_id__in=active).order_by("dataset", "qid")
-                .values_list("text", "tool_id"))
+    return [(text, tool) for text, tool in probe_labels() if tool is not None]
 
 
 def load_probe_set(embed=None) -> ProbeSet | None:

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 from django.conf import settings
 from django.db import IntegrityError, transaction
-from django.db.models import Count, Max
+from django.db.models import Count, Exists, Max, OuterRef
 from django.utils import timezone
 
 from compendium import transport
@@ -310,21 +310,41 @@ def probe_texts() -> list[str]:
     return list(ProbeQuery.objects.order_by("dataset", "qid").values_list("text", flat=True))
 
 
+def probe_labels() -> list[tuple[str, str | None]]:
+    """The public probe set as (request, tool id), in the order its dictionary and its endpoint
+    use, the tool None where the registry in force does not offer the label's tool (deactivated,
+    or never imported): nobody is to route to it (`pipeline.probe_pairs` keeps the others), but
+    the request stays, as the dictionary holds every request whatever its label."""
+    offered = Exists(Tool.objects.filter(active=True, tool_id=OuterRef("tool_id")))
+    rows = (ProbeQuery.objects.annotate(offered=offered).order_by("dataset", "qid")
+            .values_list("text", "tool_id", "offered"))
+    return [(text, tool if is_offered else None) for text, tool, is_offered in rows]
+
+
 def probe_set() -> dict:
     """What `GET /api/v1/compendium/probe/` serves: the probe requests, the SHA-256 naming them
-    (`transport.probe_bytes`, the dcz dictionary's first part) and each request's tool (the
-    labels are public too: before any global a client routes with them, `build --probe`)."""
-    rows = list(ProbeQuery.objects.order_by("dataset", "qid").values_list("text", "tool_id"))
-    texts = [text for text, _ in rows]
+    (`transport.probe_bytes`, the dcz dictionary's first part) and each request's tool in
+    `labels` (public too: before any global a client routes with them, `build --probe`), null
+    for a tool the registry does not offer (`probe_labels`). `tools`, the labels as clients
+    before `labels` read them (strings only), is served only when no label is null: such a
+    client reads a set without it as one without labels and routes with none of them, where it
+    would reject a null and fail."""
+    pairs = probe_labels()
+    texts = [text for text, _ in pairs]
+    labels = [tool for _, tool in pairs]
     sha256 = transport.dictionary_hash(transport.probe_bytes(texts))
-    return {"count": len(texts), "sha256": sha256, "texts": texts, "tools": [t for _, t in rows]}
+    probe = {"count": len(texts), "sha256": sha256, "texts": texts, "labels": labels}
+    if None not in labels:
+        probe["tools"] = labels
+    return probe
 
 
 def probe_etag(probe: dict) -> str:
-    """The probe endpoint's ETag: names the requests and their tools (`sha256` names only the
+    """The probe endpoint's ETag: names the requests and their labels, so a tool deactivated or
+    reactivated is a new probe set to a client that routes with it (`sha256` names only the
     requests, as the dictionary holds them)."""
     return transport.dictionary_hash(
-        encode_document({"texts": probe["texts"], "tools": probe["tools"]})
+        encode_document({"texts": probe["texts"], "labels": probe["labels"]})
     )
 
 

@@ -290,6 +290,45 @@ def test_cli_build_probe_leaves_out_what_the_public_probe_set_already_routes(tmp
     assert not (tmp_path / "bad.json").exists()
 
 
+def test_cli_build_probe_routes_to_no_tool_the_schema_does_not_offer(tmp_path, capsys, monkeypatch):
+    """`build --probe` routes with the probe's requests labelled with a tool of the schema in
+    force only: a request the server gives no tool (`labels` null) is left out, and so is one
+    labelled with a tool out of the schema (deactivated: a probe.json from an older server, which
+    still names it in `tools`), so the probe's router never names a deactivated tool."""
+    import routing.cli
+
+    handed = []
+    real = routing.cli.probe_router
+
+    def spy(probe, **kwargs):
+        handed.append(list(probe))
+        return real(probe, **kwargs)
+
+    monkeypatch.setattr(routing.cli, "probe_router", spy)
+    trains = [(f"Book a train from {a} to {b}", "trains") for a, b in (("Paris", "Rome"),
+                                                                      ("Oslo", "Berlin"))]
+    queries = [("What is the weather forecast for Zurich tomorrow?", "weather"),
+               ("Find me a cheap flight from Zurich to Athens", "flights")]
+    args = write_client(tmp_path, queries, Compendium())[:-2]
+    probe_path = tmp_path / "probe.json"
+    older = probe_document(PROBE + trains)  # `tools` only, naming "trains"
+    probe_path.write_text(json.dumps(older))
+    assert main(args + ["--out", str(tmp_path / "older.json"), "--probe", str(probe_path)]) == 0
+    newer = dict(older, labels=[t for _, t in PROBE] + [None, None])
+    del newer["tools"]
+    probe_path.write_text(json.dumps(newer))
+    assert main(args + ["--out", str(tmp_path / "newer.json"), "--probe", str(probe_path)]) == 0
+    assert handed == [PROBE, PROBE]
+    # Nothing left to route with: every scenario is sent, with a warning saying why.
+    probe_path.write_text(json.dumps(dict(newer, labels=[None] * len(newer["texts"]))))
+    capsys.readouterr()
+    assert main(args + ["--out", str(tmp_path / "none.json"), "--probe", str(probe_path),
+                        "--since-confidence", "0"]) == 0
+    assert "labels none of its requests with a tool of the schema" in capsys.readouterr().err
+    assert len(json.loads((tmp_path / "none.json").read_text())["scenarios"]) == 2
+    assert len(handed) == 2
+
+
 def weather_build_args(tmp_path, queries: list[tuple[str, str]]) -> list[str]:
     """`synapse-client build` arguments (λ = 0) for a one-tool schema and a log of (query, user)
     successes."""

@@ -16,7 +16,7 @@ from rest_framework.test import APIClient
 
 from compendium import transport
 from compendium.canonical import canonical_bytes
-from compendium.models import CompendiumVersion, ScenarioEntry
+from compendium.models import CompendiumVersion, ScenarioEntry, Tool
 from compendium.schema import Compendium, Schema
 from compendium.services import store_compendium
 from federation import services, submissions
@@ -686,6 +686,48 @@ def test_the_probe_set_is_served_to_clients_and_names_a_first_round_dictionary(
     assert Submission.objects.get().idempotency_key == "p"
     fresh = transport.compress(data, transport.probe_dictionary(_schema(api), texts[:10]))
     assert post_doc(api, fresh, key="q", HTTP_CONTENT_ENCODING="dcz").status_code == 201
+
+
+def test_the_probe_set_names_no_deactivated_tool_and_keeps_its_dictionary(world, open_round):
+    """A request labelled with a tool the registry does not offer (deactivated, never imported)
+    stays in `texts`, so the dictionary and `sha256` are the same, but gets no tool: `labels`
+    holds null there and `tools` (what clients before `labels` read, all strings) is left out,
+    so no client learns the tool or routes to it; the ETag changes both ways."""
+    api = client_api(world.token_a)
+    texts = [f"Will it rain tomorrow in town {n}?" for n in range(4)] + [
+        f"A cheap seat from city {n} to city {n + 1}" for n in range(4)]
+    ProbeQuery.objects.bulk_create(
+        [ProbeQuery(dataset="pub", qid=f"q{n:03d}", text=t,
+                    tool_id="weather" if n < 4 else "flights") for n, t in enumerate(texts)]
+    )
+    served = api.get("/api/v1/compendium/probe/")
+    body = served.json()
+    assert body["labels"] == body["tools"] == ["weather"] * 4 + ["flights"] * 4
+    flights = Tool.objects.get(tool_id="flights")
+    flights.active = False
+    flights.save()
+    deactivated = api.get("/api/v1/compendium/probe/", HTTP_IF_NONE_MATCH=served["ETag"])
+    assert deactivated.status_code == 200 and deactivated["ETag"] != served["ETag"]
+    after = deactivated.json()
+    assert (after["count"], after["texts"], after["sha256"]) == (8, texts, body["sha256"])
+    assert after["labels"] == ["weather"] * 4 + [None] * 4
+    assert "tools" not in after and "flights" not in deactivated.content.decode()
+    assert transport.probe_labelled_of(after) == [(t, "weather") for t in texts[:4]]
+    # The dictionary a client makes of what it was served is still one the server holds.
+    schema = _schema(api)
+    assert "flights" not in schema.tool_ids
+    dictionary = transport.probe_dictionary(schema, after["texts"])
+    assert submissions.submission_dictionary(transport.dictionary_hash(dictionary)) == dictionary
+    # A label the registry never had is no tool either; reactivated, the set is what it was.
+    ProbeQuery.objects.filter(qid="q000").update(tool_id="not-imported")
+    assert api.get("/api/v1/compendium/probe/").json()["labels"][:5] == [None, "weather",
+                                                                           "weather", "weather", None]
+    ProbeQuery.objects.filter(qid="q000").update(tool_id="weather")
+    flights.active = True
+    flights.save()
+    again = api.get("/api/v1/compendium/probe/", HTTP_IF_NONE_MATCH=deactivated["ETag"])
+    assert again.status_code == 200 and again["ETag"] == served["ETag"]
+    assert again.json() == body
 
 
 def test_a_dcz_body_against_a_dictionary_the_server_does_not_hold(world, valid_doc):

@@ -140,3 +140,22 @@ def test_a_probe_set_document_is_checked_against_its_sha256():
     for tools in ("weather", ["flights", ""], ["flights", 3]):
         with pytest.raises(ValueError, match="'tools' is not a list of tool ids"):
             transport.probe_labelled_of(dict(labelled, tools=tools))
+
+
+def test_a_probe_request_without_a_tool_is_no_label_to_route_with():
+    """`labels` (a tool id, or null for a tool the registry does not offer) is read before
+    `tools`; a request labelled null is no pair, though it stays a request of the dictionary."""
+    texts = ["Book a flight to Rome", "Weather in Oslo"]
+    sha256 = transport.dictionary_hash(transport.probe_bytes(texts))
+    document = {"count": 2, "sha256": sha256, "texts": texts, "labels": [None, "weather"]}
+    assert transport.probe_texts_of(document) == texts
+    assert transport.probe_labelled_of(document) == [("Weather in Oslo", "weather")]
+    assert transport.probe_labelled_of(dict(document, labels=[None, None])) == []
+    # `labels` is what a server that sends it means, whatever `tools` says.
+    assert transport.probe_labelled_of(dict(document, tools=["flights", "weather"])) == [
+        ("Weather in Oslo", "weather")]
+    with pytest.raises(ValueError, match="1 label"):
+        transport.probe_labelled_of(dict(document, labels=["weather"]))
+    for labels in ("weather", ["flights", ""], ["flights", 3]):
+        with pytest.raises(ValueError, match="'labels' is not a list of tool ids and nulls"):
+            transport.probe_labelled_of(dict(document, labels=labels))

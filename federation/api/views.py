@@ -432,9 +432,12 @@ class ProbeSetView(FederationView):
             "The requests of the public probe set the edges use (labelled benchmark queries, "
             "never client data), in the order of the dcz dictionary a client uses before any "
             "global is published: these requests, then the schema (`synapse-client fetch-probe`, "
-            "then `submit --schema schema.json --probe probe.json`), and `tools`, each request's "
-            "tool (`build --probe` routes with them before any global). `sha256` names the "
-            "requests (the dictionary); the ETag names requests and tools; If-None-Match gives 304."
+            "then `submit --schema schema.json --probe probe.json`), and `labels`, each request's "
+            "tool (`build --probe` routes with them before any global), null where the registry "
+            "does not offer it (deactivated or never imported): the request stays, so the "
+            "dictionary does too. `tools`, the labels as clients before `labels` read them, is "
+            "served only when no label is null. `sha256` names the requests (the dictionary); "
+            "the ETag names requests and labels; If-None-Match gives 304."
         ),
         responses={200: OpenApiTypes.OBJECT, 304: None},
     )
