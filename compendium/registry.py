@@ -22,7 +22,15 @@ from typing import Any
 from pydantic import ValidationError
 
 from compendium.schema import ToolSpec
-from compendium.validation import DuplicateKey, no_duplicate_keys, unpublishable_tools
+from compendium.validation import (
+    TWIN_IDS,
+    DuplicateKey,
+    no_duplicate_keys,
+    shown_id,
+    tool_id_key,
+    tool_id_problem,
+    unpublishable_tools,
+)
 
 # What the database stores of a tool (compendium.models.Tool) and of a probe query
 # (federation.models.ProbeQuery): longer values are refused when a registry or dataset is read,
@@ -174,6 +182,11 @@ def _tool(item: dict[str, Any], where: str) -> ToolSpec:
     for what, value in (("tool_id", tool_id), ("name", name), ("description", item["description"]),
                         ("category", category)):
         _storable(where, what, value)
+    if problem := tool_id_problem(tool_id):
+        raise RegistryFormatError(
+            f"{where}: tool_id {shown_id(tool_id)} holds {problem}; a tool id must read as it "
+            "is stored (see the README's \"Tool registries\")"
+        )
     _too_long(where, "tool_id", tool_id, TOOL_ID_MAX_LENGTH)
     _too_long(where, "name", name, TOOL_NAME_MAX_LENGTH)
     _too_long(where, "category", category, CATEGORY_MAX_LENGTH)
@@ -244,11 +257,19 @@ def tools_from_mcp(doc: Any, source: str = "MCP result") -> list[ToolSpec]:
 def _unique(tools: list[ToolSpec], source: str, wheres: list[str]) -> list[ToolSpec]:
     """`tools`, read from `source` (the tool at index i from `wheres[i]`), once each, and such
     that every global compendium can publish them (`unpublishable_tools`)."""
-    seen: set[str] = set()
-    for tool in tools:
-        if tool.tool_id in seen:
+    seen: dict[str, int] = {}  # tool_id_key -> the index of the tool that had it first
+    for index, tool in enumerate(tools):
+        first = seen.setdefault(tool_id_key(tool.tool_id), index)
+        if first == index:
+            continue
+        other = tools[first].tool_id
+        if other == tool.tool_id:
             raise RegistryFormatError(f"{source}: duplicate tool id {tool.tool_id!r}")
-        seen.add(tool.tool_id)
+        raise RegistryFormatError(
+            f"{wheres[index]}: tool id {shown_id(tool.tool_id)} reads as the tool id "
+            f"{shown_id(other)} of {wheres[first]} (the two {TWIN_IDS}); give each tool an id "
+            "no other reads as"
+        )
     if not tools:
         raise RegistryFormatError(f"{source}: no tools found")
     problems = unpublishable_tools(tools)

@@ -35,7 +35,13 @@ from compendium.schema import (
     Schema,
     ToolSpec,
 )
-from compendium.validation import unpublishable_tools
+from compendium.validation import (
+    TWIN_IDS,
+    shown_id,
+    tool_id_key,
+    tool_id_problem,
+    unpublishable_tools,
+)
 
 
 @dataclass(frozen=True)
@@ -52,15 +58,46 @@ class ImportResult:
         return self.created + self.updated + self.unchanged
 
 
+class ToolIdRefused(ValueError):
+    """A tool id new to the registry that may not join it (new_tool_id_problem), in words."""
+
+
+def new_tool_id_problem(tool_id: str, keys: dict[str, str] | None = None) -> str | None:
+    """Why `tool_id`, not in the registry yet, may not be added to it (None when it may): it
+    reads otherwise than it is stored (tool_id_problem), or as a tool id the registry holds
+    (one with its tool_id_key; `keys` maps each key to a stored id, read from the database when
+    None). A tool stored under a twin's id before this rule is kept, and imported again."""
+    if problem := tool_id_problem(tool_id):
+        return f"tool id {shown_id(tool_id)} holds {problem}"
+    if keys is None:
+        keys = {tool_id_key(t): t for t in Tool.objects.values_list("tool_id", flat=True)}
+    twin = keys.get(tool_id_key(tool_id))
+    if twin is not None and twin != tool_id:
+        return (f"tool id {shown_id(tool_id)} reads as the registry's tool {shown_id(twin)} "
+                f"(the two {TWIN_IDS})")
+    return None
+
+
 @transaction.atomic
 def import_registry(tools: Iterable[ToolSpec]) -> ImportResult:
-    """Create or update registry entries by tool id (idempotent)."""
+    """Create or update registry entries by tool id (idempotent). A tool id new to the registry
+    that new_tool_id_problem refuses (the look-alike of a stored one) is ToolIdRefused, and
+    nothing is stored."""
+    with connection.cursor() as cursor:
+        # imports one after the other: of two adding twins at once, the second sees the first's
+        # (select_for_update locks the rows there are, not the ones a concurrent import adds)
+        cursor.execute("SELECT pg_advisory_xact_lock(hashtext(%s))", ["compendium.import_registry"])
     existing = {t.tool_id: t for t in Tool.objects.select_for_update()}
+    keys = {tool_id_key(tool_id): tool_id for tool_id in existing}
     now = timezone.now()
     created, updated, unchanged = [], [], 0
     named: set[str] = set()
     for spec in tools:
         named.add(spec.tool_id)
+        if spec.tool_id not in existing:
+            if problem := new_tool_id_problem(spec.tool_id, keys):
+                raise ToolIdRefused(problem)
+            keys.setdefault(tool_id_key(spec.tool_id), spec.tool_id)
         fields = {
             "name": spec.name,
             "description": spec.description,

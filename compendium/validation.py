@@ -272,6 +272,112 @@ def invisible_character(text: str) -> str | None:
     return None
 
 
+def name_key(name: str) -> str:
+    """The form in which two names of organizations (or two clients of one organization) are
+    compared: without invisible characters, NFKC (a no-break space is a space, a full-width "Ａ"
+    an "A"), whitespace runs as one space, casefolded. Two names with one key read as one name
+    on the dashboard and in the audit log."""
+    visible = "".join(char for char in name if not is_invisible(char))
+    spaced = " ".join(unicodedata.normalize("NFKC", visible).split())
+    return unicodedata.normalize("NFKC", spaced.casefold())
+
+
+# Greek and Cyrillic letters drawn as a Latin letter in common fonts, each with that letter: the
+# single-letter prototypes of Unicode's confusables (UTS #39) among these scripts' basic letters,
+# a conservative subset (no digits, no letters drawn only roughly alike). A tool id of Greek or
+# Cyrillic letters alone (a mixed one is refused: tool_id_problem) is compared through it.
+_LATIN_LOOKALIKES = str.maketrans({
+    # Cyrillic capitals and small letters
+    "А": "A", "В": "B", "Е": "E", "К": "K", "М": "M", "Н": "H",
+    "О": "O", "Р": "P", "С": "C", "Т": "T", "Х": "X", "Ѕ": "S",
+    "І": "I", "Ј": "J", "Ү": "Y", "Ԛ": "Q", "Ԝ": "W", "Ӏ": "I",
+    "а": "a", "е": "e", "о": "o", "р": "p", "с": "c", "у": "y",
+    "х": "x", "ѕ": "s", "і": "i", "ј": "j", "һ": "h", "ԁ": "d",
+    "ԛ": "q", "ԝ": "w", "ӏ": "l", "ү": "y", "ѵ": "v",
+    # Greek capitals and small letters
+    "Α": "A", "Β": "B", "Ε": "E", "Ζ": "Z", "Η": "H", "Ι": "I",
+    "Κ": "K", "Μ": "M", "Ν": "N", "Ο": "O", "Ρ": "P", "Τ": "T",
+    "Υ": "Y", "Χ": "X", "ο": "o", "ν": "v", "α": "a", "ι": "i",
+    "ρ": "p", "υ": "u", "γ": "y", "ϲ": "c", "ϳ": "j",
+})
+
+# Scripts with letters drawn alike: an id with letters of two of them is a look-alike.
+_LOOKALIKE_SCRIPTS = {"LATIN": "Latin", "GREEK": "Greek", "CYRILLIC": "Cyrillic"}
+
+
+def _described(char: str) -> str:
+    name = unicodedata.name(char, "")
+    return f"U+{ord(char):04X}" + (f" ({name})" if name else "")
+
+
+def _unreadable_character(text: str) -> str | None:
+    """The first character of `text` that reads otherwise than it is stored beyond
+    forbidden_character and invisible_character: any other control character (tab, line feed,
+    carriage return), a line or paragraph separator, a space other than U+0020."""
+    for position, char in enumerate(text):
+        category = unicodedata.category(char)
+        if category == "Cc":
+            return f"a control character U+{ord(char):04X} at position {position}"
+        if category in ("Zl", "Zp"):
+            what = "a line separator" if category == "Zl" else "a paragraph separator"
+            return f"{what} U+{ord(char):04X} at position {position}"
+        if category == "Zs" and char != " ":
+            return f"a space other than U+0020: {_described(char)} at position {position}"
+    return None
+
+
+def _mixed_scripts(text: str) -> str | None:
+    """Letters of two of _LOOKALIKE_SCRIPTS in `text` (each character read as NFKC makes it: a
+    full-width Latin letter is Latin), in words naming the first letter of the script with
+    fewer; None when its letters are of one of them at most."""
+    first: dict[str, tuple[int, str]] = {}
+    count: dict[str, int] = {}
+    for position, char in enumerate(text):
+        for letter in unicodedata.normalize("NFKC", char):
+            if not unicodedata.category(letter).startswith("L"):
+                continue
+            script = _LOOKALIKE_SCRIPTS.get(unicodedata.name(letter, "").split(" ", 1)[0])
+            if script:
+                first.setdefault(script, (position, char))
+                count[script] = count.get(script, 0) + 1
+    if len(first) < 2:
+        return None
+    scripts = sorted(first, key=lambda s: (-count[s], first[s][0]))
+    position, char = first[scripts[-1]]
+    return (f"letters of two scripts, {scripts[0]} and {scripts[-1]}: {_described(char)} at "
+            f"position {position}")
+
+
+def tool_id_problem(tool_id: str) -> str | None:
+    """What makes `tool_id` read otherwise than it is stored, in words (None when nothing): a
+    control character (tab and line ends too), a format or other invisible character
+    (zero-width space, bidi mark or override, ...), a line or paragraph separator, a space
+    other than U+0020, or letters of two of Latin, Greek and Cyrillic ("ѕearch" with a Cyrillic
+    dze), the look-alike of an id of one script. Spaces (U+0020) and letters of any one script
+    are allowed."""
+    return (forbidden_character(tool_id) or invisible_character(tool_id)
+            or _unreadable_character(tool_id) or _mixed_scripts(tool_id))
+
+
+def tool_id_key(tool_id: str) -> str:
+    """The form in which two tool ids are compared: two ids with one key read as one tool to a
+    person. name_key's (no invisible characters, NFKC, whitespace runs as one space, casefolded)
+    with the Greek and Cyrillic letters drawn as a Latin letter read as that letter
+    (_LATIN_LOOKALIKES, on the decomposed id: Cyrillic "ё" is Latin "ë")."""
+    decomposed = unicodedata.normalize("NFKD", tool_id).translate(_LATIN_LOOKALIKES)
+    return name_key(decomposed)
+
+
+def shown_id(tool_id: str) -> str:
+    """`tool_id` quoted, followed when it is not ASCII by its code points escaped ('ѕearch'
+    ('\\u0455earch')): two ids that read alike are told apart in a message."""
+    return repr(tool_id) if tool_id.isascii() else f"{tool_id!r} ({ascii(tool_id)})"
+
+
+TWIN_IDS = ("differ only in letter case, character width, composition, spacing or letters of "
+            "another script drawn alike")
+
+
 def _check_string(text: str, path: tuple, schema: Schema, is_key: bool) -> Iterator[Violation]:
     bad = forbidden_character(text)
     if bad:

@@ -8,7 +8,7 @@ from django.utils.decorators import method_decorator
 from django.views.decorators.debug import sensitive_post_parameters
 
 from compendium.models import NumericField, Tool
-from compendium.services import schema_problem
+from compendium.services import new_tool_id_problem, schema_problem
 from federation import people
 from federation.auth import AdminLoginForm
 from federation.models import (
@@ -119,6 +119,18 @@ class SchemaRowForm(forms.ModelForm):
                 self.add_error(None, f"the schema in force would not load: {problem}")
 
 
+class ToolRowForm(SchemaRowForm):
+    """A registry row: a new one's id may not read otherwise than it is stored nor as a stored
+    tool's (new_tool_id_problem, as import_tools refuses it). The id of a stored row is not
+    edited (AuditedSchemaAdmin.identity), so not checked again."""
+
+    def clean_tool_id(self):
+        tool_id = self.cleaned_data["tool_id"]
+        if problem := new_tool_id_problem(tool_id):
+            raise forms.ValidationError(f"{problem}; choose another id")
+        return tool_id
+
+
 class OperatorEditsOnly:
     """Mixin of a ModelAdmin that only the operator (a superuser) may add, change or delete in:
     a staff login given Django's model permissions (directly or by a group) could otherwise
@@ -177,6 +189,7 @@ class ToolAdmin(AuditedSchemaAdmin):
     """A tool no longer offered is made inactive rather than deleted (stored compendiums name it;
     the admin refuses the deletion of a tool they reference)."""
 
+    form = ToolRowForm
     identity = "tool_id"
     list_display = ("tool_id", "name", "category", "active", "updated_at")
     list_filter = ("category", "active")

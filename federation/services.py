@@ -15,7 +15,6 @@ import math
 import re
 import secrets
 import time
-import unicodedata
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any, NamedTuple
@@ -30,7 +29,7 @@ from django.utils.text import slugify
 
 from compendium.models import CompendiumVersion, NumericField
 from compendium.services import seed_default_numeric_fields
-from compendium.validation import forbidden_character, invisible_character, is_invisible
+from compendium.validation import forbidden_character, invisible_character, name_key
 from federation import accounting, ratelimit
 from federation.errors import (
     BudgetExceeded,
@@ -725,16 +724,6 @@ def free_text(name: str, value: str, limit: int) -> str:
     if bad := forbidden_character(value):
         raise InvalidRequest(f"{name} contains {bad}; remove it")
     return value
-
-
-def name_key(name: str) -> str:
-    """The form in which two names of organizations (or two clients of one organization) are
-    compared: without invisible characters, NFKC (a no-break space is a space, a full-width "Ａ"
-    an "A"), whitespace runs as one space, casefolded. Two names with one key read as one name
-    on the dashboard and in the audit log."""
-    visible = "".join(char for char in name if not is_invisible(char))
-    spaced = " ".join(unicodedata.normalize("NFKC", visible).split())
-    return unicodedata.normalize("NFKC", spaced.casefold())
 
 
 def name_problem(name: str) -> str | None:

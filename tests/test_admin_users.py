@@ -415,6 +415,27 @@ def test_a_schema_row_the_schema_would_refuse_is_a_form_error_and_ids_are_fixed(
     assert "name" not in change_form(operator, field, "admin:compendium_numericfield_change")
 
 
+def test_the_operator_cannot_add_a_tool_whose_id_reads_as_another(world):
+    """The registry holds "weather": adding "ｗeather" (a full-width w) or "Weather" in the
+    admin made a second tool that reads as the first wherever tools are named; an id holding a
+    zero-width space reads as the id without it. Each is the form's error, nothing saved."""
+    from compendium.models import Tool
+
+    operator = operator_browser(world)
+    add = reverse("admin:compendium_tool_add")
+    for tool_id, says in (("\uff57eather", "reads as the registry&#x27;s tool &#x27;weather&#x27;"),
+                          ("Weather", "reads as the registry&#x27;s tool &#x27;weather&#x27;"),
+                          ("news\u200b", "an invisible character U+200B")):
+        refused = operator.post(add, {"tool_id": tool_id, "name": "", "description": "d",
+                                      "category": "", "spec": "{}", "active": "on"})
+        assert refused.status_code == 200 and says in refused.content.decode(), tool_id
+        assert not Tool.objects.filter(tool_id=tool_id).exists()
+    assert not entries("schema.change").exists()
+    added = operator.post(add, {"tool_id": "news", "name": "", "description": "d", "category": "",
+                                "spec": "{}", "active": "on"})
+    assert added.status_code == 302 and Tool.objects.filter(tool_id="news").exists()
+
+
 def test_a_compendiums_admin_page_links_its_entries_instead_of_listing_them(world):
     from compendium.models import CompendiumVersion
     from compendium.schema import Compendium

@@ -439,7 +439,7 @@ def test_a_reimport_that_changes_a_description_changes_the_schema_in_force():
     ('{"tool_id": "b", "description": "y \\u202e"}',
      "tools.jsonl:2: description: string contains a bidirectional override U+202E"),
     ('{"tool_id": "b\\u001b", "description": "y"}',
-     "tools.jsonl:2: tool_id: string contains a control character U+001B"),
+     "tools.jsonl:2: tool_id 'b\\x1b' holds a control character U+001B at position 1"),
     ('{"tool_id": "b", "description": "' + "y" * 4001 + '"}',
      "tools.jsonl:2: description: string is 4001 characters; the declared limit for description is"),
     ('{"tool_id": "b", "description": "y", "args": {"help": "' + "z" * 4001 + '"}}',
@@ -488,3 +488,110 @@ def test_the_operator_cannot_give_a_tool_a_description_no_global_could_publish()
     assert problem is not None and "description" in problem and "U+000C" in problem
     tool.description = "pasted text"
     assert schema_problem(tool) is None
+
+
+# --- tool ids that read otherwise than they are stored, or as another tool's -----------------
+
+
+def _tools_file(path, *ids):
+    path.write_text("".join(json.dumps({"tool_id": i, "description": "d"}) + "\n" for i in ids),
+                    encoding="utf-8")
+    return path
+
+
+@pytest.mark.parametrize(("tool_id", "message"), [
+    ("pay\u200b", "an invisible character U+200B (ZERO WIDTH SPACE) at position 3"),
+    ("pay\u2060now", "an invisible character U+2060 (WORD JOINER) at position 3"),
+    ("ab\u202ecd", "a bidirectional override U+202E at position 2"),
+    ("ab\u200fcd", "an invisible character U+200F (RIGHT-TO-LEFT MARK) at position 2"),
+    ("a\tb", "a control character U+0009 at position 1"),
+    ("a\u2028b", "a line separator U+2028 at position 1"),
+    ("a\u2029b", "a paragraph separator U+2029 at position 1"),
+    ("a\u00a0b", "a space other than U+0020: U+00A0 (NO-BREAK SPACE) at position 1"),
+    ("\u0455earch", "letters of two scripts, Latin and Cyrillic: U+0455 (CYRILLIC SMALL LETTER DZE) "
+                    "at position 0"),
+    ("p\u03b1y", "letters of two scripts, Latin and Greek: U+03B1 (GREEK SMALL LETTER ALPHA) at "
+                 "position 1"),
+])
+def test_a_tool_id_that_does_not_read_as_it_is_stored_is_refused_at_load(tmp_path, tool_id, message):
+    """A tool id holding a zero-width, bidi or other format character, a control character, a
+    line separator or an odd space reads otherwise than it is stored (in the admin, the conflict
+    log, the routing API's answers, the audit log); one mixing Latin with Cyrillic or Greek
+    letters ("ѕearch" with a Cyrillic dze) is a look-alike of another. Both were imported."""
+    path = _tools_file(tmp_path / "tools.jsonl", "ok", tool_id)
+    shown = repr(tool_id) if tool_id.isascii() else f"{tool_id!r} ({ascii(tool_id)})"
+    with pytest.raises(RegistryFormatError, match=re.escape(f"{path}:2: tool_id {shown} holds {message}")):
+        load_registry(path)
+    mcp = tmp_path / "tools.json"
+    mcp.write_text(json.dumps({"tools": [{"name": tool_id, "description": "d"}]}))
+    with pytest.raises(RegistryFormatError, match=re.escape(f"{mcp}: tools[0]: tool_id {tool_id!r}")):
+        load_registry(mcp)
+
+
+@pytest.mark.parametrize(("first", "second"), [
+    ("weather", "\uff57eather"),  # a full-width w
+    ("caf\u00e9", "cafe\u0301"),  # precomposed, and e with a combining acute accent
+    ("Search", "search"),
+    ("\U0001d42cearch", "search"),  # a mathematical bold s
+    ("pay", "\u0440\u0430\u0443"),  # all Cyrillic: er, a, u
+    ("cop", "\u0441\u043e\u0440"),  # all Cyrillic: es, o, er
+    ("POP", "\u03a1\u039f\u03a1"),  # all Greek capitals: rho, omicron, rho
+    ("\u00ebxo", "\u0451\u0445\u043e"),  # Latin e with diaeresis; all Cyrillic: io, ha, o
+    ("get weather", "get  weather"),
+])
+def test_two_tool_ids_that_read_alike_are_refused_naming_both(tmp_path, first, second):
+    """Two ids a person cannot tell apart (case, width, composition, spacing, or letters of
+    another script drawn alike) were imported as two tools: an operator reading the conflicts,
+    the routing API's answers and the audit log saw one name for both, and anyone could add the
+    look-alike of a tool to draw its queries."""
+    path = _tools_file(tmp_path / "tools.jsonl", "ok", first, second)
+    shown = f"{second!r} ({ascii(second)})" if not second.isascii() else repr(second)
+    with pytest.raises(RegistryFormatError, match=re.escape(
+            f"{path}:3: tool id {shown} reads as the tool id {first!r}")) as refused:
+        load_registry(path)
+    assert f"{path}:2" in str(refused.value)
+    mcp = tmp_path / "tools.json"
+    mcp.write_text(json.dumps({"tools": [{"name": first, "description": "d"},
+                                         {"name": second, "description": "d"}]}))
+    with pytest.raises(RegistryFormatError, match=re.escape(f"{mcp}: tools[1]: tool id {shown}")):
+        load_registry(mcp)
+
+
+def test_tool_ids_of_one_script_other_than_latin_or_with_spaces_still_load(tmp_path):
+    ids = ["\u043f\u043e\u0433\u043e\u0434\u0430", "\u5929\u6c14", "\u03ba\u03b1\u03b9\u03c1\u03cc\u03c2",
+           "get weather", "caf\u00e9", "na\u00efve", "C3_Glide", "v2.search:beta-1"]
+    path = _tools_file(tmp_path / "tools.jsonl", *ids)
+    assert [t.tool_id for t in load_registry(path)] == ids
+
+
+@pytest.mark.django_db
+def test_import_refuses_a_new_tool_id_that_reads_as_a_stored_one(tmp_path):
+    """The database's registry holds "weather": a later file adding "ｗeather" (or "Weather")
+    would make a twin of it there, though the file alone is fine. Refused naming both, nothing
+    stored; a file naming the stored tool itself updates it as before."""
+    from compendium.schema import ToolSpec
+    from compendium.services import import_registry
+
+    import_registry([ToolSpec(tool_id="weather", description="d")])
+    for twin in ("\uff57eather", "Weather"):
+        path = _tools_file(tmp_path / "tools.jsonl", "news", twin)
+        with pytest.raises(CommandError, match=re.escape(
+                f"{path}: tool id {twin!r}")) as refused:
+            call_command("import_tools", str(path), stdout=io.StringIO())
+        assert "reads as the registry's tool 'weather'" in str(refused.value)
+        assert sorted(Tool.objects.values_list("tool_id", flat=True)) == ["weather"]
+    call_command("import_tools", str(_tools_file(tmp_path / "tools.jsonl", "news", "weather")),
+                 stdout=io.StringIO())
+    assert sorted(Tool.objects.values_list("tool_id", flat=True)) == ["news", "weather"]
+
+
+@pytest.mark.django_db
+def test_twins_stored_before_the_rule_do_not_stop_a_reimport_of_either():
+    from compendium.schema import ToolSpec
+    from compendium.services import import_registry
+
+    Tool.objects.create(tool_id="x", description="d")
+    Tool.objects.create(tool_id="X", description="d")
+    result = import_registry([ToolSpec(tool_id="x", description="new"),
+                              ToolSpec(tool_id="X", description="d")])
+    assert (result.created, result.updated, result.unchanged) == (0, 1, 1)

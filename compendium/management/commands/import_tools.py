@@ -1,7 +1,7 @@
 from django.core.management.base import BaseCommand, CommandError
 
 from compendium.registry import RegistryFormatError, load_registry
-from compendium.services import import_registry
+from compendium.services import ToolIdRefused, import_registry
 
 
 class Command(BaseCommand):
@@ -18,7 +18,10 @@ class Command(BaseCommand):
             tools = load_registry(path)
         except RegistryFormatError as exc:
             raise CommandError(str(exc)) from None
-        result = import_registry(tools)
+        try:
+            result = import_registry(tools)
+        except ToolIdRefused as exc:
+            raise CommandError(f"{path}: {exc}; nothing was imported") from None
         untouched = (
             f"; {result.not_named} active tools of the registry are not in this file and stay "
             "active (deactivate a tool in the admin to take it out)"
