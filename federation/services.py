@@ -67,7 +67,8 @@ TOKEN_PREFIX_USER = "syn_u_"
 @dataclass(frozen=True)
 class Credentials:
     username: str
-    password: str
+    password: str  # "" when none was issued: `withheld` says why
+    withheld: str = ""
 
 
 # --- who is acting ----------------------------------------------------------------------------
@@ -449,16 +450,46 @@ def set_membership(actor: Actor, user, organization: Organization, role: str) ->
 def reset_member(
     actor: Actor, organization: Organization, username: str, role: str
 ) -> Credentials:
-    """Create (or give a fresh password to) a person of an organization; password shown once."""
+    """Create a person of an organization, or give a fresh password to the one it has under that
+    name, through the people service (audited as there: `person.add`, `person.password_reset`,
+    which also ends the login's sessions and stops its personal API tokens); the password is
+    returned once. A login of that name that is no longer what this made it, an active `role` of
+    `organization` (deactivated, demoted, in another organization or in none), is someone's
+    decision: it is left as it is, without a password, and `withheld` says why."""
+    from federation import people  # it builds on this module
+
     require_operator(actor, "create logins")
     user_model = get_user_model()
-    user, _ = user_model.objects.get_or_create(username=username)
-    password = secrets.token_urlsafe(12)
-    user.set_password(password)
-    user.is_active = True
-    user.save()
-    set_membership(actor, user, organization, role)
-    return Credentials(username, password)
+    user = user_model.objects.filter(
+        username__iexact=user_model.normalize_username(username.strip())
+    ).first()
+    if user is None:
+        issued = people.add_person(actor, organization, username, role)
+        return Credentials(issued.membership.user.get_username(), issued.password)
+    username = user.get_username()
+    # Locked as people.set_active and set_role lock it, and the login's activity read after the
+    # lock: a deactivation committed meanwhile is seen, not overwritten by a reset.
+    membership = (
+        Membership.objects.select_for_update(of=("self",))
+        .select_related("organization")
+        .filter(user=user)
+        .first()
+    )
+    if membership is None or membership.organization_id != organization.pk or membership.role != role:
+        where = (
+            f"a {membership.role} of {membership.organization.slug}" if membership
+            else "in no organization"
+        )
+        return Credentials(
+            username, "", f"not {organization.slug}'s {role} (now {where}): left as it is, no "
+            "password issued"
+        )
+    if not user_model.objects.filter(pk=user.pk, is_active=True).exists():
+        return Credentials(
+            username, "", "deactivated: left so, no password issued (reactivated on its "
+            "organization's page, it gets one at the next start)"
+        )
+    return Credentials(username, people.reset_password(actor, membership).password)
 
 
 def _new_secret(prefix: str) -> tuple[str, str]:
@@ -1566,12 +1597,13 @@ class DemoFederation:
 
 
 @transaction.atomic
-@transaction.atomic
 def bootstrap_demo_federation() -> DemoFederation:
     """A demo federation, idempotent across restarts: organizations with an admin login each,
     approved clients, an operator login, and round 1 when no round exists. Passwords and client
-    tokens are re-issued (printed once) on every run; only their hashes are stored. All or
-    nothing: a refusal (round 1 over the privacy budget) leaves the logins that worked before."""
+    tokens are re-issued (printed once) on every run; only their hashes are stored. The admins'
+    logins are added and re-issued through the people service, audited; one deactivated, demoted
+    or moved since is left so (reset_member), as a revoked client is. All or nothing: a refusal
+    (round 1 over the privacy budget) leaves the logins that worked before."""
     actor = Actor.system("bootstrap_demo")
     if not NumericField.objects.exists():
         # A flushed database has lost what the data migration declared: the demo's statistics,

@@ -209,3 +209,105 @@ def test_bootstrap_prints_working_addresses_for_a_url_given_without_its_final_sl
     banner = out.getvalue()
     assert "SYNAPSE is starting on http://127.0.0.1:8000/\n" in banner
     assert "API: http://127.0.0.1:8000/api/v1/rounds/   schema: http://127.0.0.1:8000/api/schema/" in banner
+
+
+def _admin_line(output: str, username: str) -> str:
+    return next(line for line in output.splitlines() if f"username: {username} " in line)
+
+
+def test_a_reseed_reissues_the_admins_passwords_through_the_people_service_audited(registry_file):
+    """The demo's admin logins were created and their passwords re-issued with no audit entry;
+    a re-issue left the login's sessions and personal API tokens working."""
+    from django.test import Client as BrowserClient
+    from django.urls import reverse
+
+    from federation.models import AuditLog, UserToken
+
+    first = run(registry_file)
+    added = AuditLog.objects.filter(action="person.add")
+    assert sorted(added.values_list("details__user", flat=True)) == [
+        "contoso-admin", "fabrikam-admin", "northwind-admin"]
+    assert {e.actor_label for e in added} == {"bootstrap_demo"}
+    assert {e.details["role"] for e in added} == {"admin"}
+    old = re.search(r"username: northwind-admin\s+password: (\S+)", first).group(1)
+    browser = BrowserClient()
+    browser.post(reverse("login"), {"username": "northwind-admin", "password": old})
+    assert browser.get(reverse("dashboard:overview")).status_code == 200
+    user = authenticate(username="northwind-admin", password=old)
+    services.issue_user_token(services.Actor.system("tests"), user, "script")
+
+    second = run(registry_file)
+    new = re.search(r"username: northwind-admin\s+password: (\S+)", second).group(1)
+    assert new != old and authenticate(username="northwind-admin", password=old) is None
+    assert authenticate(username="northwind-admin", password=new).is_active
+    resets = AuditLog.objects.filter(action="person.password_reset")
+    assert sorted(resets.values_list("details__user", flat=True)) == [
+        "contoso-admin", "fabrikam-admin", "northwind-admin"]
+    assert resets.get(details__user="northwind-admin").details["tokens_revoked"] == 1
+    assert AuditLog.objects.filter(action="person.add").count() == 3  # none added again
+    assert not UserToken.objects.filter(user=user, revoked_at__isnull=True).exists()
+    # the session opened with the old password is over
+    assert browser.get(reverse("dashboard:overview")).status_code == 302
+
+
+def test_a_reseed_leaves_a_deactivated_admin_deactivated_and_says_so(registry_file):
+    """Rerunning the demo's bootstrap silently reactivated a login an admin or the operator had
+    deactivated, with a fresh password and no audit entry."""
+    from federation import people
+    from federation.models import AuditLog
+
+    first = run(registry_file)
+    membership = Membership.objects.get(user__username="northwind-admin")
+    people.set_active(services.Actor.system("tests"), membership, False)
+    hashed = membership.user.password
+    old = re.search(r"username: northwind-admin\s+password: (\S+)", first).group(1)
+
+    second = run(registry_file)
+    membership.user.refresh_from_db()
+    assert not membership.user.is_active and membership.user.password == hashed
+    line = _admin_line(second, "northwind-admin")
+    assert "password:" not in line and "deactivated" in line, line
+    assert authenticate(username="northwind-admin", password=old) is None
+    assert not AuditLog.objects.filter(
+        action__in=["person.reactivate", "person.password_reset"], details__user="northwind-admin"
+    ).exists()
+    # the other organizations' admins are re-issued as before
+    other = re.search(r"username: contoso-admin\s+password: (\S+)", second).group(1)
+    assert authenticate(username="contoso-admin", password=other).is_active
+
+
+@pytest.mark.parametrize("where", ["another organization", "no organization", "a member"])
+def test_a_reseed_leaves_a_login_that_is_no_longer_the_organizations_admin_as_it_is(
+    registry_file, where
+):
+    """The bootstrap moved any login of the admin's name into the organization as its admin
+    (set_membership) and gave it a fresh password: a login in another organization, one in none
+    (an operator's or staff login made in the Django admin) or one demoted to member."""
+    from django.contrib.auth import get_user_model
+
+    from federation import people
+    from federation.models import AuditLog
+
+    system = services.Actor.system("tests")
+    if where == "a member":
+        run(registry_file)
+        membership = Membership.objects.get(user__username="northwind-admin")
+        people.set_role(system, membership, Membership.Role.MEMBER)
+        user = membership.user
+    elif where == "another organization":
+        other = services.create_organization(system, "Other", "other", "")
+        user = people.add_person(system, other, "northwind-admin", "member").membership.user
+    else:
+        user = get_user_model().objects.create_user("northwind-admin", password="kept-as-it-is")
+    hashed = user.password
+    before = list(Membership.objects.filter(user=user).values_list("organization__slug", "role"))
+
+    output = run(registry_file)
+    user.refresh_from_db()
+    assert user.password == hashed and user.is_active
+    assert list(Membership.objects.filter(user=user).values_list("organization__slug", "role")) == before
+    line = _admin_line(output, "northwind-admin")
+    assert "password:" not in line and "not northwind's admin" in line, line
+    assert not AuditLog.objects.filter(
+        action__in=["person.password_reset", "membership.set"], details__user="northwind-admin"
+    ).exists()

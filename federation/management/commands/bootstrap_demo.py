@@ -24,8 +24,10 @@ class Command(BaseCommand):
             raise CommandError(f"the demo federation was not set up: {exc.detail}") from None
         creds = demo.operator
         line = "=" * 72
+        # A login the demo left as it found it (deactivated, demoted, moved) has no password: why.
         admins = "\n".join(
-            f"    {slug:<10} username: {c.username:<18} password: {c.password}"
+            f"    {slug:<10} username: {c.username:<18} "
+            + (f"password: {c.password}" if c.password else c.withheld)
             for slug, c in demo.admins
         )
         clients = "\n".join(
