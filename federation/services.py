@@ -414,17 +414,34 @@ def filtered_audit_log(entries: QuerySet, params) -> QuerySet:
 
 
 @transaction.atomic
-def reset_operator(username: str = "operator", email: str = "operator@example.org") -> Credentials:
+def reset_operator(
+    actor: Actor, username: str = "operator", email: str = "operator@example.org"
+) -> Credentials:
     """Create the federation operator (a superuser) or give it a fresh password; the password is
-    returned once and stored only as a hash."""
+    returned once and stored only as a hash. Audited, never the password: `user.add` for a new
+    login, else `user.password` saying whether the login was deactivated or not an operator
+    before (the demo needs its operator login, so it is made one again, visibly). Its sessions
+    end with the password; its personal API tokens are the operator's own and stay."""
     user_model = get_user_model()
-    user, _ = user_model.objects.get_or_create(username=username, defaults={"email": email})
+    user, created = user_model.objects.select_for_update().get_or_create(
+        username=username, defaults={"email": email}
+    )
+    before = {"is_active": user.is_active, "is_staff": user.is_staff,
+              "is_superuser": user.is_superuser}
     password = secrets.token_urlsafe(12)
     user.is_staff = True
     user.is_superuser = True
     user.is_active = True
     user.set_password(password)
     user.save()
+    details = {"user": username, "via": actor.name}
+    if created:
+        audit(actor, AuditLog.Action.USER_ADD, target=user, target_type="user",
+              target_label=username, details=details)
+    else:
+        changed = {key: {"from": was, "to": True} for key, was in before.items() if not was}
+        audit(actor, AuditLog.Action.USER_PASSWORD, target=user, target_type="user",
+              target_label=username, details={**details, **({"changes": changed} if changed else {})})
     return Credentials(username, password)
 
 
@@ -1609,7 +1626,7 @@ def bootstrap_demo_federation() -> DemoFederation:
         # A flushed database has lost what the data migration declared: the demo's statistics,
         # ledger and privacy pages need fields. Fields an operator declared are left alone.
         seed_default_numeric_fields()
-    operator = reset_operator()
+    operator = reset_operator(actor)
     admins: list[tuple[str, Credentials]] = []
     clients: list[tuple[str, str, str]] = []
     for name, slug, client_names in DEMO_ORGANIZATIONS:

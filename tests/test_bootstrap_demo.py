@@ -311,3 +311,29 @@ def test_a_reseed_leaves_a_login_that_is_no_longer_the_organizations_admin_as_it
     assert not AuditLog.objects.filter(
         action__in=["person.password_reset", "membership.set"], details__user="northwind-admin"
     ).exists()
+
+
+def test_the_operator_login_is_added_and_reissued_audited(registry_file):
+    """The demo's operator login was created, re-issued a password and made an active superuser
+    again on every start with no audit entry."""
+    from django.contrib.auth import get_user_model
+
+    from federation.models import AuditLog
+
+    run(registry_file)
+    added = AuditLog.objects.get(action="user.add", target_label="operator")
+    assert added.actor_label == "bootstrap_demo" and added.details["user"] == "operator"
+    assert "password" not in json.dumps(added.details)
+    operator = get_user_model().objects.get(username="operator")
+    operator.is_active = False
+    operator.save()
+    second = run(registry_file)
+    new = re.search(r"username: operator\s+password: (\S+)", second).group(1)
+    assert authenticate(username="operator", password=new).is_superuser
+    reissued = AuditLog.objects.get(action="user.password", target_label="operator")
+    assert reissued.details["changes"] == {"is_active": {"from": False, "to": True}}
+    assert new not in json.dumps(reissued.details)
+    run(registry_file)
+    again = AuditLog.objects.filter(action="user.password", target_label="operator").latest("id")
+    assert again.pk != reissued.pk and "changes" not in again.details
+    assert AuditLog.objects.filter(action="user.add", target_label="operator").count() == 1
