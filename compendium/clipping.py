@@ -36,15 +36,8 @@ from collections import defaultdict
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
-from compendium.schema import NumericFieldSpec, NumericKind
+from compendium.schema import DERIVABLE_KINDS, NumericFieldSpec, NumericKind
 from compendium.usage_log import UsageRecord
-
-DERIVABLE_KINDS = (
-    NumericKind.COUNT,
-    NumericKind.RATE,
-    NumericKind.FREQUENCY,
-    NumericKind.LATENCY,
-)
 
 
 @dataclass(frozen=True)

@@ -32,6 +32,14 @@ class NumericKind(StrEnum):
     OTHER = "other"
 
 
+# The kinds a client derives from its usage log (`compendium.clipping`): the only fields a client
+# computes and sends, and the only ones an edge releases. A field of another kind (OTHER) may be
+# declared, but no edge counts it in the split of ε, noises it, charges it or publishes it.
+DERIVABLE_KINDS = frozenset(
+    {NumericKind.COUNT, NumericKind.RATE, NumericKind.FREQUENCY, NumericKind.LATENCY}
+)
+
+
 class NumericFieldSpec(_Strict):
     """A numeric subfield of m_t with its declared range and per-user sensitivity Δ_m."""
 
@@ -162,6 +170,14 @@ class Schema(_Strict):
     @cached_property
     def fields_by_name(self) -> dict[str, NumericFieldSpec]:
         return {f.name: f for f in self.numeric_fields}
+
+    @cached_property
+    def releasable_fields(self) -> list[NumericFieldSpec]:
+        """The declared numeric fields an edge can release, in declared order: those of a kind a
+        client derives from its usage log (DERIVABLE_KINDS). F, over which a round splits its
+        ε, is their number; a field of kind `other` is never sent by the toolkit, refused from
+        any other client, and never released."""
+        return [f for f in self.numeric_fields if f.kind in DERIVABLE_KINDS]
 
 
 # --- the compendium -------------------------------------------------------------------------------

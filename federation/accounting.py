@@ -157,12 +157,15 @@ def remaining_for_release(round_id: int, organization_id: int, release: int) -> 
     return lo
 
 
-def declared_numeric_fields() -> frozenset[str]:
-    """The names of the numeric fields the schema in force declares (the only fields a merge can
-    noise); F is their number."""
+def releasable_numeric_fields() -> frozenset[str]:
+    """The names of the declared numeric fields an edge can release (`Schema.releasable_fields`:
+    those of a kind a client derives from its usage log, not `other`), the only fields a merge
+    noises and charges; F is their number."""
     from compendium.models import NumericField
+    from compendium.schema import DERIVABLE_KINDS
 
-    return frozenset(NumericField.objects.values_list("name", flat=True))
+    return frozenset(NumericField.objects.filter(kind__in=[k.value for k in DERIVABLE_KINDS])
+                     .values_list("name", flat=True))
 
 
 def projected_round_spend(
@@ -171,12 +174,13 @@ def projected_round_spend(
 ) -> float:
     """ε one round will cost the federation when its edges release, before it has ledger rows.
 
-    The ledger's formula for one release of that round, applied to one tool's F declared numeric
-    fields: round_spend([ε_j] * F, F*, [tool] * F) with the merge's
+    The ledger's formula for one release of that round, applied to one tool's F releasable
+    numeric fields (declared, of a kind other than `other`: `releasable_numeric_fields`):
+    round_spend([ε_j] * F, F*, [tool] * F) with the merge's
     ε_j = config.per_field_epsilon(F, fields_per_tool=F). That is F·ε/F = ε whenever F ≥ 1
     (the merge releases every registry tool's F fields, T·F statistics at ε/(T·F) each, or
-    ε/(2·F*·F) under a cap, which gives the same ε), and 0 when no numeric field is declared
-    (nothing is noised). Organizations release in parallel, so one release is the federation's
+    ε/(2·F*·F) under a cap, which gives the same ε), and 0 when no releasable numeric field is
+    declared (nothing is noised). Organizations release in parallel, so one release is the federation's
     round spend; an erasure's re-release is counted when it is recorded. An upper bound: the edges
     leave out the fields no release of the round can make useful (`merge.drowned_fields`, which
     depends on how many clients submit), and the ledger records what they released.
@@ -184,11 +188,11 @@ def projected_round_spend(
     when it opens; its merges never release them): they cost nothing, and each tool's release
     costs the other fields' ε_j only (ε_j is still ε split over all F fields). A name no longer
     declared (a field removed since the round opened) takes nothing off: the merge reads the
-    schema in force, and releases its every field the round did not name. `fields`: the declared
-    names (default: read now), or their number F when only that is known."""
+    schema in force, and releases its every releasable field the round did not name. `fields`:
+    the releasable names (default: read now), or their number F when only that is known."""
     if not isinstance(config, RoundConfig):
         config = RoundConfig.from_stored(config)
-    declared = declared_numeric_fields() if fields is None else fields
+    declared = releasable_numeric_fields() if fields is None else fields
     if isinstance(declared, int):
         f = declared
         released = f - min(len(set(not_released)), f)
@@ -245,7 +249,7 @@ def reservations(recorded_rounds: set[int] | None = None) -> dict[int, float]:
     rows = Round.objects.filter(state__in=RESERVING_STATES).values_list(
         "pk", "config", "fields_not_released"
     )
-    fields = declared_numeric_fields()
+    fields = releasable_numeric_fields()
     out = {}
     for pk, config, not_released in rows:
         if pk in recorded_rounds:

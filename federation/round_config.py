@@ -90,7 +90,9 @@ class RoundConfig(BaseModel):
             return cls.model_construct(**(data or {}))
 
     def per_field_epsilon(self, declared_fields: int, fields_per_tool: int = 1) -> float:
-        """ε_j = ε / K_f over the K_f released (tool, field) statistics, or with a field cap
+        """ε_j = ε / K_f over the K_f = T·F (tool, field) statistics an edge can release (F the
+        declared fields of a kind a client derives from its usage log, `Schema.releasable_fields`:
+        a field of kind `other` is never released and takes no share), or with a field cap
         ε / (2·F*·fields_per_tool): the client caps a user at F* *tools*, and a user who feeds a
         tool moves every one of its `fields_per_tool` numeric fields (sequential composition).
         The factor 2 is the adjacency: neighbouring datasets replace one user's record by

@@ -123,19 +123,28 @@ class FieldCapExceeded(InvalidRequest):
 
 
 class FieldsNotReleased(InvalidRequest):
-    """Numeric statistics for fields the open round will not release (its
-    `fields_not_released`, fixed when it opened): the merge drops them, so storing them would
-    only keep a client's un-noised numbers where the operator reads them. Refused whole."""
+    """Numeric statistics for fields the open round will not release: those of its
+    `fields_not_released` (fixed when it opened), and `never`, declared fields of kind `other`
+    that no edge releases (`Schema.releasable_fields`). The merge drops them, so storing them
+    would only keep a client's un-noised numbers where the operator reads them. Refused whole."""
 
     code = "fields_not_released"
 
-    def __init__(self, round_number: int, fields: list[str]):
-        names = ", ".join(fields)
-        super().__init__(
-            f"round {round_number} will not release the numeric field(s) {names}, but this "
-            f"compendium carries statistics for them: build it again with synapse-client build "
-            f"--not-released {','.join(fields)} (participate does) and submit; nothing was stored"
-        )
+    def __init__(self, round_number: int, fields: list[str], never: list[str] = ()):
+        parts = []
+        if fields:
+            parts.append(
+                f"round {round_number} will not release the numeric field(s) {', '.join(fields)}, "
+                f"but this compendium carries statistics for them: build it again with "
+                f"synapse-client build --not-released {','.join(fields)} (participate does)"
+            )
+        if never:
+            parts.append(
+                f"no round releases the numeric field(s) {', '.join(never)}, of kind other (not "
+                f"derived from a usage log: no edge noises or publishes one), but this compendium "
+                f"carries statistics for them: leave them out"
+            )
+        super().__init__("; ".join(parts) + " and submit; nothing was stored")
 
 
 @dataclass(frozen=True)
@@ -445,15 +454,19 @@ def _rate_limited(limit: int, window: ratelimit.Window) -> RateLimited:
     )
 
 
-def _unreleased_stats(compendium, not_released) -> list[str]:
-    """The fields of the open round's `fields_not_released` (its JSON, as text or decoded) that
-    the compendium carries statistics for, sorted."""
+def _unreleased_stats(compendium, not_released, schema: Schema) -> tuple[list[str], list[str]]:
+    """The fields the compendium carries statistics for that no edge of the open round releases,
+    sorted: those of the round's `fields_not_released` (its JSON, as text or decoded), and the
+    declared fields of the schema in force that no edge ever releases (kind `other`: not
+    `Schema.releasable_fields`)."""
+    sent = {name for entry in compendium.metadata for name in entry.stats}
+    if not sent:
+        return [], []
     if isinstance(not_released, str | bytes):
         not_released = json.loads(not_released)
     names = frozenset(n for n in not_released or () if isinstance(n, str))
-    if not names:
-        return []
-    return sorted({name for entry in compendium.metadata for name in entry.stats} & names)
+    never = sent - {f.name for f in schema.releasable_fields}
+    return sorted((sent & names) - never), sorted(never)
 
 
 def _count_refusal(client: Client, window_s: int = 60) -> None:
@@ -692,8 +705,8 @@ def submit(
     subclasses for every refusal; a compendium without a single entry is one
     (EmptySubmission), so it never replaces the client's earlier submission, and so are numeric
     statistics for a round with a field cap from a compendium that records no cap or a larger
-    one (FieldCapExceeded), and statistics for fields the open round will not release
-    (FieldsNotReleased), checked before anything is stored. `expected_round` (the request's
+    one (FieldCapExceeded), and statistics for fields the open round will not release, or no
+    round releases (kind `other`) (FieldsNotReleased), checked before anything is stored. `expected_round` (the request's
     `X-Synapse-Round` header; None: not sent) is the round the client built and checked the body
     for: another round open is a RoundChanged, nothing stored. A key whose submission a later one
     of the client replaced is not replayed but refused (Replaced): while its round takes
@@ -753,8 +766,8 @@ def submit(
     policy = None
     if exceeds_field_cap(result.compendium, round_cap):
         policy = FieldCapExceeded(int(open_round[0]), round_cap, result.compendium.field_cap)
-    elif withheld := _unreleased_stats(result.compendium, not_released):
-        policy = FieldsNotReleased(int(open_round[0]), withheld)
+    elif any(withheld := _unreleased_stats(result.compendium, not_released, schema)):
+        policy = FieldsNotReleased(int(open_round[0]), *withheld)
     if policy is not None:
         _count_refusal(client)
         _audit_policy(client, int(open_round[0]), policy)

@@ -731,6 +731,15 @@ def test_tool_registry_lists_searches_and_paginates(member_client):
     assert misc.context["page_obj"].paginator.count == 30 and misc.context["page_obj"].number == 1
     assert "calls/round" in first.content.decode()  # declared numeric fields
     assert 'id="tools-no-global"' not in first.content.decode()
+    assert "never released" not in first.content.decode()
+    # a field of kind `other` is declared but never released (no share of ε): the page says so
+    from compendium.models import NumericField
+
+    NumericField.objects.create(name="error_budget", kind="other", min_value=0, max_value=1,
+                                sensitivity=1)
+    page = member_client.get(url).content.decode()
+    assert page.count("(never released)") == 1
+    assert page.index("(never released)") > page.index("<code>error_budget</code>")
 
 
 def test_tool_registry_before_any_publication_shows_no_counts(member_client):

@@ -301,6 +301,29 @@ def test_statistics_the_open_round_will_not_release_are_refused(world, open_roun
     assert post_doc(api, valid_doc, key="s").status_code == 201
 
 
+def test_statistics_for_a_field_of_kind_other_are_refused(world, open_round, valid_doc):
+    """No edge releases a declared field of kind `other` (no client derives it from a usage log;
+    the round's fields_not_released names drowned fields only). A client that is not the toolkit
+    sending a value for one had it stored and noised into the edge's release; it is refused now,
+    as a field the round will not release, naming it and why, and nothing is stored. A field
+    declared after the round opened is refused the same: the schema in force decides."""
+    from compendium.models import NumericField
+
+    NumericField.objects.create(name="error_budget", kind="other", min_value=0, max_value=1,
+                                sensitivity=1)
+    assert "error_budget" not in open_round.fields_not_released
+    api = client_api(world.token_a)
+    valid_doc["metadata"][0]["stats"]["error_budget"] = 0.9
+    refused = post_doc(api, valid_doc, key="o")
+    assert refused.status_code == 400, refused.content
+    assert refused.json()["code"] == "fields_not_released"
+    detail = refused.json()["detail"]
+    assert "error_budget" in detail and "kind other" in detail and "--not-released" not in detail
+    assert not Submission.objects.exists() and not CompendiumVersion.objects.exists()
+    del valid_doc["metadata"][0]["stats"]["error_budget"]
+    assert post_doc(api, valid_doc, key="o2").status_code == 201
+
+
 @pytest.mark.parametrize("prepare", [True, False])
 def test_submission_path_prepares_its_statements_unless_told_not_to(
     world, open_round, valid_doc, prepare

@@ -375,6 +375,28 @@ def test_a_round_reserves_the_fields_it_releases_after_one_it_named_was_removed(
     assert accounting.round_reservation(rnd) == pytest.approx(spent)
 
 
+def test_a_field_of_kind_other_takes_no_share_of_a_rounds_reservation(world):
+    """A declared field of kind `other` is never released, so it is outside F: a round that named
+    one of the four released fields reserves 3 · ε/4, what its edges then charge, where it
+    reserved (and they charged) 4 · ε/5, its share split over a field no edge can release."""
+    from compendium.schema import Compendium
+    from compendium.services import current_schema
+    from federation.merge.operator import _release_metadata
+
+    NumericField.objects.create(name="error_budget", kind="other", min_value=0, max_value=1,
+                                sensitivity=1)
+    released = accounting.releasable_numeric_fields()
+    assert "error_budget" not in released and len(released) == 4
+    config = RoundConfig(epsilon=1.0)
+    rnd = Round.objects.create(number=1, state=Round.State.OPEN,
+                               config=config.model_dump(mode="json"), fields_not_released=["calls"])
+    assert accounting.commitments().reserved == {rnd.pk: pytest.approx(0.75)}
+    _, ledger = _release_metadata([("c", Compendium())], current_schema(), config, 1, None, True,
+                                  drowned=frozenset({"calls"}))
+    assert {e.field for e in ledger} == released - {"calls"}
+    assert round_spend([e.epsilon for e in ledger], None) == pytest.approx(0.75)
+
+
 @pytest.mark.usefixtures("every_field_released")
 def test_a_round_with_ledger_rows_is_counted_once(world):
     operator = world.actor(world.operator)

@@ -193,8 +193,9 @@ def test_a_released_figure_stays_in_its_fields_range_after_rounding(schema, embe
     every retry, with the same seed) failed."""
     from compendium.schema import NumericFieldSpec, NumericKind
 
+    # of a kind an edge releases (a field of kind `other` is never released)
     narrow = Schema(tools=schema.tools, numeric_fields=[
-        NumericFieldSpec(name="rating", kind=NumericKind.OTHER, min=1, max=5, sensitivity=4)])
+        NumericFieldSpec(name="rating", kind=NumericKind.COUNT, min=1, max=5, sensitivity=4)])
     subs = [sub("c1", metadata=[{"tool_id": "weather", "stats": {"rating": 4.5}}])]
     for seed in range(12):
         result = edge_merge(subs, narrow, RoundConfig(epsilon=0.001, seed=seed), embed=embed)
@@ -713,6 +714,57 @@ def test_a_drowned_field_is_not_released_nor_charged(schema, embed):
                          seed=7, drowned=frozenset(f.name for f in schema.numeric_fields))
     assert nothing.ledger == [] and nothing.stats.epsilon_spent == 0.0
     assert all(m.stats == {} for m in nothing.compendium.metadata)
+
+
+def test_a_field_of_kind_other_is_not_counted_released_nor_charged(schema, embed):
+    """A declared field of kind `other` cannot be derived from a usage log, so no client of the
+    toolkit sends it. The edge still counted it in F (ε_j = ε/(T·5) for 4 released fields, every
+    figure noisier than it needed), wrote a ledger row per tool for it, and released it: the
+    noised neutral value, or, from a client that sent one, its value noised. It is now outside
+    the split, the ledger and the release: the other fields' figures and rows are exactly those of
+    the schema without it, and a value some client sent for it never leaves the edge."""
+    from compendium.schema import NumericFieldSpec, NumericKind
+    from federation.merge.operator import published_noise_to_window
+
+    other = NumericFieldSpec(name="error_budget", kind=NumericKind.OTHER, min=0, max=1,
+                             sensitivity=1)
+    wider = Schema(tools=schema.tools, numeric_fields=[*schema.numeric_fields, other])
+    assert [f.name for f in wider.releasable_fields] == [f.name for f in schema.numeric_fields]
+    subs = [sub(f"c{i}", metadata=[{"tool_id": "weather",
+                                    "stats": {"success_rate": v, "error_budget": 0.9}}])
+            for i, v in enumerate([0.2, 0.4, 0.6, 0.8])]
+    for config in (RoundConfig(epsilon=2.0), RoundConfig(epsilon=2.0, field_cap=1)):
+        plain = edge_merge(_numeric_subs([0.2, 0.4, 0.6, 0.8]), schema, config, embed=embed,
+                           seed=7)
+        assert plain.stats.accepted == 4
+        result = edge_merge(subs, wider, config, embed=embed, seed=7)
+        assert {e.field for e in result.ledger} == {f.name for f in schema.numeric_fields}
+        assert [e.epsilon for e in result.ledger] == [e.epsilon for e in plain.ledger]
+        assert result.ledger[0].epsilon == pytest.approx(
+            2.0 / (16 if config.field_cap is None else 8))  # T·F = 16, 2·F*·F = 8
+        assert result.stats.epsilon_spent == pytest.approx(2.0)
+        assert all("error_budget" not in m.stats for m in result.compendium.metadata)
+        assert canonical_bytes(result.compendium) == canonical_bytes(plain.compendium)
+        # which fields drown, and how far, is the released fields' matter alone
+        for k, e in ((4, 1), (4, 4), (5, 4)):
+            assert drowned_fields(wider, config, k, e) == drowned_fields(schema, config, k, e)
+            assert published_noise_to_window(wider, config, k, e) == pytest.approx(
+                published_noise_to_window(schema, config, k, e))
+    # nor does the server publish one an edge handed it (an edge of an older release)
+    edges = [sub("org-a", metadata=[{"tool_id": "weather",
+                                     "stats": {"error_budget": 0.9, "success_rate": 0.5}}])]
+    scales = {"org-a": {("weather", "success_rate"): 0.01}}
+    published = server_merge(edges, wider, RoundConfig(), embed=embed, noise_scales=scales)
+    [weather] = [m for m in published.compendium.metadata if m.tool_id == "weather"]
+    assert weather.stats == {"success_rate": 0.5}
+    # nor carries forward one a global published before this rule holds, for a tool no edge
+    # reported this round
+    previous = Compendium.model_validate({"metadata": [
+        {"tool_id": "flights", "stats": {"error_budget": 0.4, "calls": 7.0}}]})
+    carried = server_merge(edges, wider, RoundConfig(), embed=embed, noise_scales=scales,
+                           previous=previous)
+    [flights] = [m for m in carried.compendium.metadata if m.tool_id == "flights"]
+    assert flights.stats == {"calls": 7.0}
 
 
 def test_an_edge_merge_without_a_seed_draws_fresh_noise_not_the_rounds_public_seed(schema, embed):

@@ -126,6 +126,38 @@ def test_full_round_publishes_global_with_embeddings_ledger_and_accuracy(
     assert report.federation.epsilon == pytest.approx(4.0)
 
 
+def test_an_edge_neither_counts_charges_nor_releases_a_field_of_kind_other():
+    """A declared field of kind `other` (no client derives it from a usage log) took a share of
+    ε at every edge (ε_j = ε/(2·F*·5) for the four fields released, 0.4 instead of 0.5), a ledger
+    row per tool, and a release of whatever a client sent for it. Declared now, the edge's ledger
+    is the four fields' at ε_j = 1/2, the round costs its ε, the reservation before any release
+    was the same, and a stored submission carrying a value for it (a client that is not the
+    toolkit) has it left out of the edge's release."""
+    from compendium.models import NumericField
+    from compendium.services import store_compendium
+    from federation.models import Organization
+
+    NumericField.objects.create(name="error_budget", kind="other", min_value=0, max_value=1,
+                                sensitivity=1)
+    round_, _ = build_federation(config=RELEASING_CONFIG, state="merging")
+    assert accounting.releasable_numeric_fields() == {
+        "calls", "frequency", "latency_ms", "success_rate"}
+    assert accounting.commitments().reserved == {round_.pk: pytest.approx(4.0)}
+    acme = Organization.objects.get(slug="acme")
+    other = Client.objects.create(organization=acme, name="a3", status="approved")
+    store_compendium(Compendium.model_validate({
+        "metadata": [{"tool_id": "weather", "stats": {"error_budget": 0.9, "calls": 5}}],
+        "scenarios": [{"tool_id": "weather", "text": "Is it windy in Lyon?"}]}),
+        kind="client", round=round_, client=other)
+    pipeline.run_edge_merge(round_.pk, acme.pk)
+    ledger = PrivacyLedgerEntry.objects.filter(round=round_)
+    assert ledger.count() == 3 * 4 and not ledger.filter(field="error_budget").exists()
+    assert [e.epsilon for e in ledger] == pytest.approx([0.5] * 12)
+    assert accounting.privacy_report().federation.epsilon == pytest.approx(4.0)
+    edge = CompendiumVersion.objects.get(kind="edge", round=round_)
+    assert all("error_budget" not in m["stats"] for m in edge.content["metadata"])
+
+
 def test_the_stored_edge_record_says_how_many_groups_krum_judged_past_its_premise():
     """An edge of four clients merged under Krum at an f share of 0.25 (f = 1, n = 4 < 2f + 3):
     the merge record the dashboard reads carries the groups Krum judged without its guarantee."""

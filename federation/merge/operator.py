@@ -421,10 +421,14 @@ def _merge(
     if noise and release_numeric:
         stats.fields_not_released = sorted(drowned & set(schema.fields_by_name))
     reported = {m.tool_id for m in metadata}  # a tool whose figures were withheld counts too
+    releasable = {f.name for f in schema.releasable_fields}
     for source, comp in accepted:
         if carry and source == PREVIOUS_GLOBAL:  # its statistics stay for tools not reported
-            kept = [_tool_metadata(schema, m.tool_id, m.stats) for m in comp.metadata
-                    if m.tool_id not in reported]
+            # (but for a field no edge releases, kind `other`, which a global published before
+            # that rule may hold)
+            kept = [_tool_metadata(schema, m.tool_id,
+                                   {k: v for k, v in m.stats.items() if k in releasable})
+                    for m in comp.metadata if m.tool_id not in reported]
             metadata = sorted(metadata + kept, key=lambda m: m.tool_id)
     if not noise and config.global_metadata == "stats":
         # Without description and spec, an entry without statistics says nothing.
@@ -738,7 +742,10 @@ def _merge_metadata(accepted, schema, config, seed, epsilon_remaining, noise, re
                 scales[(meta.tool_id, name)].append(edge_scales.get((meta.tool_id, name)))
     released: dict[tuple[str, str], float] = {}
     withheld = 0
+    releasable = {f.name for f in schema.releasable_fields}
     for key in sorted(values):
+        if key[1] not in releasable:  # a field no edge releases (kind `other`): never published
+            continue
         spec = schema.fields_by_name[key[1]]
         w = np.asarray(weights[key])
         value = float(np.dot(np.asarray(values[key]), w) / w.sum())
@@ -789,8 +796,9 @@ def _narrowest_published_scales(
     robust rule the most values any edge's trimmed mean keeps, `robust.most_kept`) averaged over
     `edges` edges with equal weights (Σ w_i² ≥ 1/E: the narrowest the server's average gets).
     ε_j is the one each released statistic gets whatever is skipped (over the registry's T·F
-    statistics, or 2·F*·F under a field cap). Empty when no release is possible."""
-    fields = list(schema.numeric_fields)
+    statistics, or 2·F*·F under a field cap, F the fields an edge can release). Empty when no
+    release is possible."""
+    fields = schema.releasable_fields
     if not fields or not schema.tools or most_contributors < 1 or edges < 1:
         return []
     eps_j = config.per_field_epsilon(len(schema.tools) * len(fields), fields_per_tool=len(fields))
@@ -842,10 +850,15 @@ def _release_metadata(accepted, schema, config, seed, epsilon_remaining, release
     value (as a client counts a user who did not use a tool). Releasing only the pairs some
     client reported, or averaging over the clients that reported a pair, would publish exactly
     which tools were used (a deterministic function of one user's data: no ε bounds it) and
-    calibrate the noise to a private count."""
+    calibrate the noise to a private count.
+
+    The declared fields are those an edge can release (`Schema.releasable_fields`): a field of
+    kind `other` no client derives from a usage log takes no share of ε (F counts it not), no
+    noise and no ledger row, and a value a client sent for it (the server refuses one on
+    arrival; a submission stored before) is left out."""
     ledger: list[LedgerEntry] = []
     k = len(accepted)
-    fields = list(schema.numeric_fields)
+    fields = schema.releasable_fields
     if not release_numeric or k == 0 or not fields or not schema.tools:
         return [], ledger
     reported: dict[tuple[str, str], list[float]] = defaultdict(list)
