@@ -13,6 +13,8 @@ Speaks the REST API exactly as the server defines it:
   `Retry-After`.
 - `GET /api/v1/compendium/global/` -> {"round", "sha256", "published_at", "compendium"} with an
   ETag; 304 when `If-None-Match` matches; 404 when nothing is published.
+- `GET /api/v1/compendium/schema/` -> the schema in force (the active tools, the numeric fields,
+  the limits): `fetch_schema`, and `pull` saves it beside the global (`schema_file`).
 - `GET /api/v1/compendium/probe/` -> {"count", "sha256", "texts", "labels"} (and "tools" when no
   label is null): the public probe set's requests and their tools, null for a tool the
   registry does not offer.
@@ -198,6 +200,8 @@ class PullResult:
     etag: str | None = None
     path: Path | None = None
     head: Path | None = None  # the routing head saved beside it (None: the server has none)
+    # the schema in force saved beside it (`schema_file`); None: not saved (see `warnings`)
+    schema: Path | None = None
     warnings: list[str] = field(default_factory=list)
 
 
@@ -763,7 +767,15 @@ class SynapseClient:
         response = self.request("POST", "/api/v1/submissions/", content=body, headers=headers)
         return response, body
 
-    def pull(self, out: Path, round_number: int | None = None) -> PullResult:
+    def pull(
+        self, out: Path, round_number: int | None = None,
+        schema: tuple[Schema, bytes] | None = None,
+    ) -> PullResult:
+        """Save the published global compendium (of `round_number`, else the latest) to `out`,
+        the routing head published with it beside it (`head_file`), and the schema in force
+        (`schema_file`): the registry changes without a new global, so that is saved again on a
+        304 too. `schema`: the schema in force as `schema()` returned it, when the caller holds
+        it already (participate), saved instead of downloading it again."""
         out = Path(out)
         etag_path = etag_file(out)
         headers = {}
@@ -788,6 +800,7 @@ class SynapseClient:
                 result.head = head_file(out)
             else:  # pulled before the server published heads, or the file was removed
                 self._pull_head(out, round_number, result)
+            self._save_schema(out, result, schema)
             return result
         if status in (401, 403):
             raise self._auth_error(response)
@@ -844,6 +857,7 @@ class SynapseClient:
         elif etag_path.exists():
             etag_path.unlink()
         self._pull_head(out, result.round if result.round is not None else round_number, result)
+        self._save_schema(out, result, schema)
         return result
 
     def schema(self) -> tuple[Schema, bytes]:
@@ -864,12 +878,35 @@ class SynapseClient:
             ) from None
         return schema, data
 
-    def fetch_schema(self, out: Path) -> Schema:
+    def fetch_schema(self, out: Path) -> tuple[Schema, bytes]:
         """Save the schema S in force (registry, numeric fields, limits) to `out`; it is what
-        `build` and `validate` read."""
+        `build` and `validate` read, and `pull` saves beside a global (`schema_file`). Returns
+        it as `schema()` does."""
         schema, data = self.schema()
         write_atomically(Path(out), data)
-        return schema
+        return schema, data
+
+    def _save_schema(
+        self, out: Path, result: PullResult, fetched: tuple[Schema, bytes] | None
+    ) -> None:
+        """Save the schema in force beside the pulled global (`schema_file`), which `route`
+        reads to leave out the global's tools the registry has deactivated since. A failure
+        here only warns: the global is saved, and the schema an earlier pull saved stays."""
+        path = schema_file(out)
+        try:
+            if fetched is None:
+                self.fetch_schema(path)
+            else:
+                write_atomically(path, fetched[1])
+        except ClientError as exc:
+            result.warnings.append(
+                f"the schema in force was not saved ({exc}): "
+                + (f"{path} is the one an earlier pull saved, and route leaves out the global's "
+                   "tools it does not list" if path.exists() else
+                   "route leaves out none of the global's tools until a pull saves it")
+            )
+            return
+        result.schema = path
 
     def fetch_probe(self, out: Path) -> int:
         """Save the public probe set's requests to `out` (for dcz before any global is published:
@@ -1188,6 +1225,13 @@ def global_document(doc):
     if isinstance(doc, dict) and isinstance(doc.get("compendium"), dict):
         return doc["compendium"]
     return doc
+
+
+def schema_file(compendium_path: Path) -> Path:
+    """Where `pull` saves the schema in force beside a pulled global: COMPENDIUM.schema.json
+    (`route` leaves out the global's tools it does not list: deactivated in the registry)."""
+    compendium_path = Path(compendium_path)
+    return compendium_path.with_name(compendium_path.name + ".schema.json")
 
 
 def head_file(compendium_path: Path) -> Path:

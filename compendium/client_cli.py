@@ -1001,6 +1001,7 @@ def cmd_participate(args: argparse.Namespace) -> int:
         record_sent,
         round_config,
         round_mask_strength,
+        schema_file,
         sent_before,
         sent_file,
         weaker_masking,
@@ -1023,7 +1024,8 @@ def cmd_participate(args: argparse.Namespace) -> int:
     schema_path, global_path = folder / "schema.json", folder / "global.json"
     probe_path, out = folder / "probe.json", folder / "compendium.json"
     for written in (schema_path, global_path, etag_file(global_path), head_file(global_path),
-                    probe_path, out, report_path(out), sent_file(folder)):
+                    schema_file(global_path), probe_path, out, report_path(out),
+                    sent_file(folder)):
         if _same_file(args.log, written):  # a download would overwrite the usage log
             raise CliError(
                 f"--log {args.log} is {written}, a file participate writes in --dir: keep the "
@@ -1049,16 +1051,17 @@ def cmd_participate(args: argparse.Namespace) -> int:
                 f"{round_mask_strength(current):g} or more, or leave it out (or pass "
                 "--allow-weaker-masking); nothing built or sent"
             )
-        schema = client.fetch_schema(schema_path)
+        in_force = client.fetch_schema(schema_path)  # pull saves it beside the global too
+        schema = in_force[0]
         # A round that does not carry the previous global forward builds its global from this
         # round's submissions alone: a client then sends what the global covers too.
         carried = round_config(current).get("carry_forward") is not False
         try:
-            pulled = client.pull(global_path)
+            pulled = client.pull(global_path, schema=in_force)
         except NothingPublished:
             pulled = None
             for stale in (global_path, etag_file(global_path), head_file(global_path),
-                          sent_file(folder)):
+                          schema_file(global_path), sent_file(folder)):
                 stale.unlink(missing_ok=True)  # a global of an earlier federation
         if pulled is None or not carried:
             client.fetch_probe(probe_path)
@@ -1205,6 +1208,9 @@ def cmd_pull(args: argparse.Namespace) -> int:
         print(f"{out}: global compendium of round {result.round} saved (sha256 {result.sha256})")
     if result.head is not None:
         print(f"{result.head}: its routing head")
+    if result.schema is not None:
+        print(f"{result.schema}: the schema in force (route leaves out the global's tools it "
+              "does not list)")
     if args.router:
         with _client(args) as client:
             router = client.pull_router(out, round_number=args.round)
@@ -1399,7 +1405,11 @@ def build_parser() -> argparse.ArgumentParser:
     submit.set_defaults(func=cmd_submit)
 
     pull = sub.add_parser("pull", help="download the published global compendium")
-    pull.add_argument("--out", required=True, help="where to save it (ETag kept in OUT.etag)")
+    pull.add_argument(
+        "--out", required=True,
+        help="where to save it (ETag kept in OUT.etag, its routing head in OUT.head.npz, the "
+        "schema in force in OUT.schema.json)",
+    )
     pull.add_argument("--round", type=int, default=None, help="a given round (default: latest)")
     pull.add_argument(
         "--router", action="store_true",

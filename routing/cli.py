@@ -1,6 +1,8 @@
 """`synapse-client route`: route a query in memory against a pulled global compendium, with the
 encoder the server tuned on it when `synapse-client pull --router` saved it beside the compendium
-(COMPENDIUM.router/), else with the frozen model and the published head."""
+(COMPENDIUM.router/), else with the frozen model and the published head; never to a tool of the
+global that the schema in force `pull` saved beside it (COMPENDIUM.schema.json) does not list,
+as the routing API never names a tool deactivated in the registry."""
 
 from __future__ import annotations
 
@@ -167,6 +169,7 @@ def pulled_router(
     linear_head: bool = True,
     head_path: Path | None = None,
     tuned: PulledTunedRouter | None = None,
+    active_tools: frozenset[str] | None = None,
 ):
     """A router over a pulled global compendium that ranks exactly as the server does: scenario
     embeddings by the merge engine (cached on disk per compendium), the linear head the server
@@ -176,8 +179,25 @@ def pulled_router(
     `params_path`, else the defaults; `params_path` wins when given). With `tuned` (the
     server's tuned router, `pulled_tuned_router`) it routes as the server does once tuning is
     ready: queries and rows embedded by the tuned model, its head and fusion weights
-    (`params_path` still overrides the weights). Raises `EmbeddingModelUnavailable` when the
-    model cannot be loaded."""
+    (`params_path` still overrides the weights). With `active_tools` (the schema in force's
+    tools) it never names a tool it knows that is not among them, as the routing API never names
+    a tool deactivated in the registry (`Router.excluded_tools`); None: every tool it knows.
+    Raises `EmbeddingModelUnavailable` when the model cannot be loaded."""
+    router = _pulled_router(
+        compendium, embedding_model=embedding_model, reranker=reranker, params_path=params_path,
+        llm=llm, escalate_threshold=escalate_threshold, linear_head=linear_head,
+        head_path=head_path, tuned=tuned,
+    )
+    if active_tools is None:
+        return router
+    left_out = frozenset(router.index.tool_names) - active_tools
+    return router.with_reranker(router.reranker, excluded_tools=left_out) if left_out else router
+
+
+def _pulled_router(
+    compendium, *, embedding_model, reranker, params_path, llm, escalate_threshold, linear_head,
+    head_path, tuned,
+):
     from routing.embeddings import embed_cached, get_engine, get_query_engine, model_cache_dir
     from routing.router import Router, RoutingParams
 
@@ -277,6 +297,29 @@ def _served_head(path: Path | None, router):
     return head
 
 
+def _schema_in_force(
+    compendium_path: Path, named: str | None
+) -> tuple[Path | None, frozenset[str] | None]:
+    """The schema in force that `route` routes under, and its tools: the file `--schema` names,
+    else the one `pull` saved beside the global (`schema_file`); (None, None) when none was
+    named and none is there (a global pulled by hand, or by an older client: every tool of it
+    is routed to). A file that cannot be read, or is no schema, is one line (SystemExit)."""
+    from compendium.client_api import schema_file
+    from compendium.client_cli import CliError, _load_schema  # `build`'s reading of a schema
+
+    path = Path(named) if named else schema_file(compendium_path)
+    if not named and not path.exists():
+        return None, None
+    try:
+        return path, _load_schema(str(path)).tool_ids
+    except CliError as exc:
+        if named:
+            raise SystemExit(f"synapse-client: --schema: {exc}") from None
+        raise SystemExit(
+            f"synapse-client: {exc}; pull again, or name the schema in force with --schema"
+        ) from None
+
+
 def cmd_route(args: argparse.Namespace) -> int:
     from compendium.client_api import head_file, router_dir
     from routing.embeddings import EmbeddingModelUnavailable
@@ -297,6 +340,8 @@ def cmd_route(args: argparse.Namespace) -> int:
         except RoutingParamsError as exc:
             raise SystemExit(f"synapse-client: --params: {exc}") from None
     compendium = _load_compendium(args.compendium)
+    # before the model is loaded: a damaged file is said at once
+    schema_path, active_tools = _schema_in_force(Path(args.compendium), args.schema)
     if not compendium.scenarios and not head_file(Path(args.compendium)).exists():
         raise SystemExit(
             f"synapse-client: {args.compendium} has no scenarios to route against, and no head "
@@ -317,6 +362,7 @@ def cmd_route(args: argparse.Namespace) -> int:
             linear_head=not args.no_linear_head,
             head_path=head_file(Path(args.compendium)),
             tuned=tuned,
+            active_tools=active_tools,
         )
     except (EmbeddingModelUnavailable, LLMUnavailable) as exc:
         raise SystemExit(f"synapse-client: {exc}") from None
@@ -329,8 +375,18 @@ def cmd_route(args: argparse.Namespace) -> int:
             f"synapse-client: {args.compendium} has no scenarios to route against, and {why}"
         )
     decision = router.route(args.query, args.top_k)
-    if args.json:  # "tuned_router" as in the routing API's answers
-        print(json.dumps({**decision.as_dict(), "tuned_router": tuned is not None}, indent=2))
+    left_out = sorted(router.excluded_tools)
+    if args.json:  # "tuned_router" as in the routing API's answers; the rest the client's own
+        print(json.dumps({
+            **decision.as_dict(), "tuned_router": tuned is not None,
+            "schema": str(schema_path) if schema_path else None, "excluded_tools": left_out,
+        }, indent=2))
+        return 0
+    if decision.tool is None:  # every tool of the global left out: the routing API's answer
+        print(f"tool: none ({decision.fallback_reason}" + (
+            f": the schema in force, {schema_path}, lists none of the tools of "
+            f"{args.compendium}: {', '.join(left_out)})" if left_out else ")"
+        ))
         return 0
     flag = "  ESCALATE to a human" if decision.escalate else ""
     print(f"tool: {decision.tool}  confidence: {decision.confidence:.3f}{flag}")
@@ -340,6 +396,8 @@ def cmd_route(args: argparse.Namespace) -> int:
     print(f"reranker: {decision.reranker}" + (
         f" ({decision.fallback_reason})" if decision.fallback_reason else ""
     ))
+    if left_out:
+        print(f"left out (not in the schema in force, {schema_path}): {', '.join(left_out)}")
     print("tools ranked (score; best scenario cosine; head probability):")
     for rank, r in enumerate(decision.ranking, start=1):
         cosine = f"{r['best_cosine']:.4f}" if r["backed"] else "no scenario"
@@ -393,6 +451,12 @@ def add_route_command(subparsers) -> argparse.ArgumentParser:
     route.add_argument(
         "--no-linear-head", action="store_true", dest="no_linear_head",
         help="route without the linear head the server uses (fitted on the compendium, cached)",
+    )
+    route.add_argument(
+        "--schema", default=None,
+        help="the schema in force (GET /api/v1/compendium/schema/): the global's tools it does "
+        "not list, deactivated in the registry since, are never named (default: "
+        "COMPENDIUM.schema.json, which pull saves beside the global, when it is there)",
     )
     route.add_argument(
         "--frozen", action="store_true",

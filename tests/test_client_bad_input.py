@@ -180,6 +180,67 @@ def test_route_refuses_a_params_file_it_cannot_use(tmp_path):
     assert "is not a routing parameters file" in str(exit_.value.code)
 
 
+@pytest.mark.parametrize(
+    "data, reason",
+    [
+        (b"garbage", "is not a schema: $: Invalid JSON: expected value at line 1 column 1"),
+        (b"\xff\xfe{}", "is not a schema: $: Invalid JSON: expected value at line 1 column 1"),
+        (b'{"tools": 1}', "is not a schema: $.tools: Input should be a valid array"),
+        (b'{"tools": [], "tools": []}', ': not valid JSON: duplicate key "tools" in one object'),
+        (b"[" * 5000 + b"]" * 5000, "is not a schema: $: Invalid JSON: recursion limit exceeded"),
+        (None, "cannot read schema"),  # a folder in its place
+    ],
+)
+def test_route_refuses_a_schema_file_it_cannot_use_before_loading_the_model(tmp_path, monkeypatch,
+                                                                            data, reason):
+    """The schema beside the pulled global (`pull` saves it: `route` leaves out the global's
+    tools it does not list) or named by --schema, damaged: one line naming it, never a
+    traceback, and never routing as if it were not there (a deactivated tool named again)."""
+    from compendium.client_api import schema_file
+    from routing import embeddings
+
+    def no_model(*_args, **_kwargs):
+        raise AssertionError("the model was loaded before the schema was read")
+
+    monkeypatch.setattr(embeddings, "get_query_engine", no_model)
+    monkeypatch.setattr(embeddings, "get_engine", no_model)
+    pulled = tmp_path / "global.json"
+    pulled.write_text(json.dumps({"scenarios": [{"tool_id": "weather", "text": "Will it rain?"}]}),
+                      encoding="utf-8")
+    named = tmp_path / "schema.json"
+    for path in (schema_file(pulled), named):
+        if data is None:
+            path.mkdir()
+        else:
+            path.write_bytes(data)
+    with pytest.raises(SystemExit) as exit_:
+        main(["route", "weather?", "--compendium", str(pulled)])
+    message = str(exit_.value.code)
+    assert message.startswith("synapse-client: ") and reason in message and "\n" not in message
+    assert str(schema_file(pulled)) in message
+    assert message.endswith("pull again, or name the schema in force with --schema")
+    with pytest.raises(SystemExit) as exit_:
+        main(["route", "weather?", "--compendium", str(pulled), "--schema", str(named)])
+    message = str(exit_.value.code)
+    assert message.startswith("synapse-client: --schema: ") and reason in message
+    assert str(named) in message
+
+
+def test_route_refuses_a_schema_file_named_that_is_not_there(tmp_path):
+    """Beside the global, a missing schema routes as before (a global pulled by hand, or by an
+    older client); one named with --schema must be there."""
+    pulled = tmp_path / "global.json"
+    pulled.write_text(json.dumps({"scenarios": [{"tool_id": "weather", "text": "Will it rain?"}]}),
+                      encoding="utf-8")
+    with pytest.raises(SystemExit) as exit_:
+        main(["route", "weather?", "--compendium", str(pulled), "--schema",
+              str(tmp_path / "no.json")])
+    assert str(exit_.value.code) == (
+        f"synapse-client: --schema: cannot read schema {tmp_path / 'no.json'}: No such file or "
+        "directory"
+    )
+
+
 def test_routing_params_load_names_the_problem_of_a_named_file(tmp_path):
     assert RoutingParams.load() == RoutingParams.load(None)  # the defaults file
     with pytest.raises(RoutingParamsError, match="cannot read"):
@@ -893,6 +954,8 @@ def test_a_head_that_cannot_be_written_only_warns_and_the_pull_succeeds(tmp_path
                 {"scenarios": [{"tool_id": "a", "text": "what round 1 learnt"}]}
             ).model_dump(mode="json")}
             return httpx.Response(200, json=body)
+        if request.url.path == "/api/v1/compendium/schema/":
+            return httpx.Response(200, json={"tools": [{"tool_id": "a", "description": "A"}]})
         return httpx.Response(200, content=head)
 
     written = client_api.write_atomically

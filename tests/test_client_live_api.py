@@ -265,6 +265,9 @@ def test_participate_runs_a_whole_client_round(live_server, world, tmp_path, cap
     out = capsys.readouterr().out
     assert "round 2: against the global of round 1, masking at λ = 1" in out
     assert (state / "global.json").exists()
+    # the schema in force beside the global too, for `route --compendium state/global.json`:
+    # the one participate fetched for the build, not downloaded a second time
+    assert (state / "global.json.schema.json").read_bytes() == (state / "schema.json").read_bytes()
     assert "nothing new since the global" in out or "submitted to round 2" in out
     # again: the global held is current (a 304 names no round) and is still named by its round
     assert main([*command, "--lambda", "1"]) == 0

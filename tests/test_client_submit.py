@@ -42,6 +42,7 @@ from compendium.client_api import (
     etag_file,
     head_file,
     http_date,
+    schema_file,
 )
 from compendium.client_cli import main
 from compendium.schema import (
@@ -91,6 +92,11 @@ class ServerState:
     global_requests: list[dict] = field(default_factory=list)
     heads: dict[int, bytes] = field(default_factory=dict)  # round -> routing head published
     head_requests: list[str] = field(default_factory=list)  # their ?round=
+    # the schema in force GET /api/v1/compendium/schema/ answers (None: SCHEMA), and its status
+    # (another than 200: that status with a detail, as a server restarting answers)
+    schema: Schema | None = None
+    schema_status: int = 200
+    schema_requests: int = 0
     speaks_dcz: bool = True  # False: a server from before dcz (415, as for any other coding)
     lock: threading.Lock = field(default_factory=threading.Lock)
 
@@ -171,7 +177,10 @@ def make_handler(state: ServerState):
             if url.path == "/api/v1/submissions/":  # status: this client's, none shown
                 return self._send(200, {"count": 0, "next": None, "previous": None, "results": []})
             if url.path == "/api/v1/compendium/schema/":
-                return self._send(200, SCHEMA.model_dump(mode="json"))
+                state.schema_requests += 1
+                if state.schema_status != 200:
+                    return self._send(state.schema_status, {"detail": "database restarting"})
+                return self._send(200, (state.schema or SCHEMA).model_dump(mode="json"))
             if url.path == "/api/v1/compendium/probe/":  # as the real API
                 texts = ["Will it rain in Lisbon?"]
                 sha256 = transport.dictionary_hash(transport.probe_bytes(texts))
@@ -738,6 +747,62 @@ def test_pull_saves_the_routing_head_beside_the_global(server, tmp_path, capsys)
                        "published_at": "2026-01-02", "compendium": newer.model_dump(mode="json")}
     assert main(args) == 0
     assert not head_file(out).exists()
+
+
+def test_pull_saves_the_schema_in_force_beside_the_global_on_every_pull(server, tmp_path, capsys):
+    """`route` leaves out the pulled global's tools that the schema in force does not list
+    (deactivated in the registry since): `pull` saves that schema beside the global
+    (OUT.schema.json), again on a pull that finds the global unchanged (304), since the registry
+    changes without a new global. A schema that cannot be had only warns: the global pulled is
+    kept, and so is the schema an earlier pull saved."""
+    url, state = server
+    out = tmp_path / "global.json"
+    args = ["pull", "--server", url, "--token", TOKEN, "--out", str(out), "--backoff", "0",
+            "--retries", "0"]
+    _publish(state, compendium())
+    assert main(args) == 0
+    said = capsys.readouterr().out
+    assert f"{schema_file(out)}: the schema in force" in said
+    assert Schema.model_validate_json(schema_file(out).read_bytes()) == SCHEMA
+    assert schema_file(out) == tmp_path / "global.json.schema.json"
+
+    # The operator deactivates flights: the global is the same (304), the schema is not.
+    state.schema = Schema(tools=SCHEMA.tools[:1])
+    assert main(args) == 0
+    said = capsys.readouterr().out
+    assert "up to date" in said and f"{schema_file(out)}: the schema in force" in said
+    assert Schema.model_validate_json(schema_file(out).read_bytes()).tool_ids == {"weather"}
+    with SynapseClient(url, TOKEN, backoff=0) as client:
+        assert client.pull(out).schema == schema_file(out)
+
+    # The schema cannot be had: the pull succeeds with a warning, the earlier schema stays.
+    kept = schema_file(out).read_bytes()
+    state.schema_status = 503
+    newer = compendium("Find a flight for next week")
+    _publish(state, newer, number=5)
+    assert main(args) == 0
+    captured = capsys.readouterr()
+    failed = (f"GET {url}/api/v1/compendium/schema/ failed after 1 attempt(s): HTTP 503: "
+              "database restarting")
+    assert "round 5 saved" in captured.out and "the schema in force" not in captured.out
+    assert Compendium.model_validate_json(out.read_text()) == newer
+    assert schema_file(out).read_bytes() == kept
+    assert captured.err.strip().splitlines() == [
+        f"synapse-client: warning: the schema in force was not saved ({failed}): "
+        f"{schema_file(out)} is the one an earlier pull saved, and route leaves out the global's "
+        "tools it does not list"
+    ]
+    # ... and with none saved before, route names any tool of the global until a pull saves one.
+    schema_file(out).unlink()
+    assert main(args) == 0
+    assert capsys.readouterr().err.strip().splitlines() == [
+        f"synapse-client: warning: the schema in force was not saved ({failed}): route leaves "
+        "out none of the global's tools until a pull saves it"
+    ]
+    assert not schema_file(out).exists() and out.exists()
+    state.schema_status = 200
+    assert main(args) == 0
+    assert Schema.model_validate_json(schema_file(out).read_bytes()).tool_ids == {"weather"}
 
 
 def test_pull_without_the_local_file_does_not_send_if_none_match(server, tmp_path):

@@ -638,6 +638,83 @@ def test_route_command_uses_the_head_the_server_published(tmp_path, capsys, engi
     assert out.split("nearest scenarios:\n")[1].startswith("template:")  # no scenario listed
 
 
+def test_route_command_never_names_a_tool_the_schema_in_force_does_not_list(
+    tmp_path, capsys, engine, monkeypatch
+):
+    """A tool deactivated in the registry since the global was published is out of the schema in
+    force, which `pull` saves beside the global: `route` leaves it out as the routing API does
+    (not the answer, nor a candidate, nor ranked; the head does not bring it back), and with
+    every tool of the global left out there is no decision: "no active tools"."""
+    from compendium.client_api import head_file, schema_file
+    from compendium.schema import Schema, ToolSpec
+
+    def schema(*tools: str) -> bytes:
+        return Schema(tools=[ToolSpec(tool_id=t, description=f"the {t} tool") for t in tools]
+                      ).model_dump_json().encode()
+
+    def named(decision: dict) -> set:
+        return ({decision["tool"]} | {c["tool"] for c in decision["candidates"]}
+                | {r["tool"] for r in decision["ranking"]})
+
+    path, parser = _route_command(tmp_path, monkeypatch, _currency_compendium(True))
+    query = "Will it rain in Paris tomorrow?"
+
+    def route(*extra: str) -> dict:
+        args = parser.parse_args(["route", query, "--compendium", str(path), "--json",
+                                  "--top-k", "3", *extra])
+        assert args.func(args) == 0
+        return json.loads(capsys.readouterr().out)
+
+    before = route()  # no schema beside it: routed as before, nothing left out
+    assert before["tool"] == "weather" and named(before) == {"calc", "fx", "weather"}
+    assert before["excluded_tools"] == [] and before["schema"] is None
+    schema_file(path).write_bytes(schema("calc", "fx", "weather", "maps"))  # all of them active
+    same = route()
+    assert {k: v for k, v in same.items() if k != "schema"} == {
+        k: v for k, v in before.items() if k != "schema"}
+    assert same["schema"] == str(schema_file(path))
+
+    schema_file(path).write_bytes(schema("calc", "fx"))  # weather deactivated since
+    for reranker in ("fusion", "none"):
+        after = route("--reranker", reranker)
+        assert after["tool"] in {"calc", "fx"} and "weather" not in named(after), after
+        assert after["excluded_tools"] == ["weather"] and len(after["candidates"]) == 2
+    args = parser.parse_args(["route", query, "--compendium", str(path)])
+    assert args.func(args) == 0
+    out = capsys.readouterr().out
+    assert "weather" not in out.replace(query, "").split("left out")[0]
+    assert f"left out (not in the schema in force, {schema_file(path)}): weather" in out
+
+    # --schema names another file; the one beside the global is not read then.
+    elsewhere = tmp_path / "schema.json"
+    elsewhere.write_bytes(schema("calc", "fx", "weather"))
+    assert route("--schema", str(elsewhere))["tool"] == "weather"
+
+    # A head that names a tool the global has no scenario of (from the public probe set), sure
+    # of it: left out too when the schema does not list it.
+    tools = ["calc", "fx", "weather", "maps"]
+    sure = LinearHead(tools, np.zeros((4, engine.dimension), dtype=np.float32),
+                      np.array([0.0, 0.0, 0.0, 60.0], dtype=np.float32))
+    head_file(path).write_bytes(sure.to_bytes())
+    assert route("--schema", str(elsewhere))["tool"] == "weather"  # maps: not in the schema
+    assert route("--schema", str(elsewhere))["excluded_tools"] == ["maps"]
+    schema_file(path).write_bytes(schema("calc", "fx", "weather", "maps"))
+    assert route()["tool"] == "maps"
+
+    # None of the global's tools in force: no decision, as the routing API answers it.
+    schema_file(path).write_bytes(schema("translate"))
+    nothing = route()
+    assert nothing["tool"] is None and nothing["reranker"] is None
+    assert nothing["fallback_reason"] == "no active tools" and nothing["escalate"] is True
+    assert nothing["candidates"] == [] and nothing["ranking"] == []
+    assert nothing["excluded_tools"] == sorted(tools)
+    args = parser.parse_args(["route", query, "--compendium", str(path)])
+    assert args.func(args) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("tool: none (no active tools: the schema in force")
+    assert "calc, fx, maps, weather" in out
+
+
 def test_in_process_llm_backend_fails_in_one_clear_line(monkeypatch, tmp_path):
     from routing.llm import get_llm
 

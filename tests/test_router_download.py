@@ -112,6 +112,21 @@ def test_pull_router_and_route_as_the_server_does(
         assert mine["confidence"] == pytest.approx(theirs["confidence"], abs=1e-4)
         assert [c["tool"] for c in mine["candidates"]] == [c["tool"] for c in theirs["candidates"]]
     assert _route_json(out, data["queries"][0], capsys, "--frozen")["tuned_router"] is False
+    # A tool deactivated since: pulled again (a 304, the schema in force refreshed), the tuned
+    # router leaves it out as the routing API's does.
+    settings.SYNAPSE_ROUTING_VERSION_TTL = 3600  # the save below is seen at once in this process
+    gone = _route_json(out, data["queries"][0], capsys)["tool"]
+    _set_active([gone], False)
+    assert main(["pull", "--out", str(out), *server]) == 0
+    assert "up to date" in capsys.readouterr().out
+    for query in data["queries"]:
+        mine, theirs = _route_json(out, query, capsys), services.route_query(query)
+        assert mine["tuned_router"] is True and theirs["tuned_router"] is True
+        assert gone not in _named(mine) and mine["excluded_tools"] == [gone]
+        _same_decision(mine, theirs)
+    _set_active([gone], True)
+    assert main(["pull", "--out", str(out), *server]) == 0
+    assert _route_json(out, data["queries"][0], capsys)["tool"] == gone
     capsys.readouterr()
     assert main(["route", data["queries"][0], "--compendium", str(out)]) == 0
     assert "encoder: tuned by the server on the global of round 1, 1 epoch(s)" in capsys.readouterr().out
@@ -189,6 +204,78 @@ def test_pull_router_and_route_as_the_server_does(
     assert main(["pull", "--out", str(out), "--router", *server]) == 0
     assert "no tuned router yet" in capsys.readouterr().err
     assert not folder.exists()
+
+
+def _set_active(tool_ids, active: bool) -> None:
+    """As the operator does in the admin (ToolAdmin saves each row)."""
+    from compendium.models import Tool
+
+    for tool in Tool.objects.filter(tool_id__in=list(tool_ids)):
+        tool.active = active
+        tool.save()
+
+
+def _named(answer: dict) -> set:
+    """Every tool an answer names: the decision, its nearest scenarios and its ranking."""
+    return ({answer["tool"]} | {c["tool"] for c in answer["candidates"]}
+            | {r["tool"] for r in answer["ranking"]})
+
+
+def _same_decision(mine: dict, theirs: dict) -> None:
+    assert mine["tool"] == theirs["tool"] and mine["reranker"] == theirs["reranker"]
+    assert mine["fallback_reason"] == theirs["fallback_reason"]
+    assert mine["confidence"] == pytest.approx(theirs["confidence"], abs=1e-4)
+    assert [c["tool"] for c in mine["candidates"]] == [c["tool"] for c in theirs["candidates"]]
+    assert [r["tool"] for r in mine["ranking"]] == [r["tool"] for r in theirs["ranking"]]
+
+
+def test_route_leaves_out_a_tool_deactivated_after_the_pull_as_the_routing_api_does(
+    live_server, data, settings, tmp_path, capsys
+):
+    """The operator deactivates a tool after the global was published: the routing API stops
+    naming it at once, and a client that routes by itself did not (it read only the global).
+    `pull` saves the schema in force beside the global, on a 304 too, and `route` leaves out
+    the global's tools it does not list: the same answers as the routing API's, frozen router."""
+    from collections import Counter
+
+    settings.SYNAPSE_ROUTING_VERSION_TTL = 3600  # the save below is seen at once in this process
+    _publish(data, 1)
+    out = tmp_path / "client" / "global.json"
+    pull = ["pull", "--out", str(out), "--server", live_server.url, "--token", _token(),
+            "--backoff", "0"]
+    assert main(pull) == 0
+    assert f"{out}.schema.json: the schema in force" in capsys.readouterr().out
+    queries = data["queries"]
+    before = [_route_json(out, q, capsys) for q in queries]
+    assert all(a["excluded_tools"] == [] for a in before)
+    gone = Counter(a["tool"] for a in before).most_common(1)[0][0]
+
+    _set_active([gone], False)
+    assert main(pull) == 0
+    said = capsys.readouterr().out
+    assert "up to date" in said and "the schema in force" in said  # a 304, the schema refreshed
+    for query in queries:
+        mine = _route_json(out, query, capsys, "--top-k", "10")
+        theirs = services.route_query(query, 10)
+        assert mine["tool"] and gone not in _named(mine)
+        assert mine["excluded_tools"] == [gone] and mine["tuned_router"] is theirs["tuned_router"]
+        _same_decision(mine, theirs)
+
+    # Every tool of the global deactivated: no decision, both ways.
+    every = {t.tool_id for t in data["tools"]}
+    _set_active(every, False)
+    assert main(pull) == 0
+    capsys.readouterr()
+    mine, theirs = _route_json(out, queries[0], capsys), services.route_query(queries[0])
+    assert mine["tool"] is None and mine["fallback_reason"] == "no active tools"
+    assert mine["excluded_tools"] == sorted(every)
+    _same_decision(mine, theirs)
+
+    # Reactivated: the answers are what they were.
+    _set_active(every, True)
+    assert main(pull) == 0
+    capsys.readouterr()
+    assert [_route_json(out, q, capsys) for q in queries] == before
 
 
 def test_router_endpoints_check_who_asks_and_serve_only_listed_files(data, settings, client, monkeypatch):
