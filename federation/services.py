@@ -703,15 +703,19 @@ def update_settings(actor: Actor, **changes) -> FederationSettings:
     before = {k: getattr(row, k) for k in changes}
     for key, value in changes.items():
         setattr(row, key, value)
-    # Each named on its own, with the value given: a bad δ′ is not a bad budget.
-    if not 0 < row.epsilon_budget < math.inf:
-        raise InvalidRequest(
-            f"epsilon_budget must be a finite number greater than 0, not {row.epsilon_budget:g}"
-        )
-    if not 0 < row.delta_prime < 1:
-        raise InvalidRequest(
-            f"delta_prime must be a number between 0 and 1 (exclusive), not {row.delta_prime:g}"
-        )
+    # Each named on its own, with the value given: a bad δ′ is not a bad budget. A number only:
+    # true is an int in Python (it was stored as a budget of 1.0), and a string or None was a 500.
+    for key, rule, bounds in (
+        ("epsilon_budget", "a finite number greater than 0", (0, math.inf)),
+        ("delta_prime", "a number between 0 and 1 (exclusive)", (0, 1)),
+    ):
+        value = getattr(row, key)
+        number = isinstance(value, int | float) and not isinstance(value, bool)
+        if not number or not bounds[0] < value < bounds[1]:
+            raise InvalidRequest(
+                f"{key} must be {rule}, not {value:g}" if number
+                else f"{key} must be {rule}, not {value!r:.40}"
+            )
     # 0 is a policy for the rate limits (no submissions for now: each is a 429 saying so; only
     # the operator enrolls) but not for the size limit, which no compendium could meet.
     # The columns hold PostgreSQL integers (a larger value was a 500), and a new size limit may

@@ -708,6 +708,22 @@ def test_settings_are_written_only_with_an_audit_entry(world):
     assert entry.details == {"allow_admin_approval": {"from": False, "to": True}}
 
 
+@pytest.mark.parametrize("field", ["epsilon_budget", "delta_prime"])
+@pytest.mark.parametrize("value", [True, "0.5", None, [0.5]])
+def test_update_settings_refuses_a_privacy_setting_that_is_no_number(world, field, value):
+    """The API and the settings form hand the service numbers, but the service is what holds the
+    rule (the whole-number settings already refused true and false): true was stored as a budget
+    of 1.0 (Python's bool is an int), and a string or None ended in a TypeError, a 500."""
+    from federation.errors import InvalidRequest
+
+    before = services.get_settings()
+    with pytest.raises(InvalidRequest, match=f"{field} must be a"):
+        services.update_settings(world.actor(world.operator), **{field: value})
+    row = services.get_settings()
+    assert (row.epsilon_budget, row.delta_prime) == (before.epsilon_budget, before.delta_prime)
+    assert not AuditLog.objects.filter(action="settings.change").exists()
+
+
 def _held_elsewhere(lock):
     """Run `lock()` (which takes row locks) in a transaction on another connection and hold them
     until the returned `release` is called."""

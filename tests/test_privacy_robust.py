@@ -233,3 +233,19 @@ def test_krum_premise_from_is_the_least_n_from_which_every_group_meets_it():
     assert krum_premise_from(0.4999999) is None  # millions of sizes to look at: not said
     with pytest.raises(ValueError):
         krum_premise_from(0.5)
+
+
+def test_advanced_composition_stays_finite_at_a_subnormal_delta_prime():
+    """The settings take any δ′ in (0, 1). Below ~5.6e-309 (a subnormal float, which PostgreSQL
+    stores and the settings accepted) 1/δ′ overflows to infinity, so ln(1/δ′) did too and the
+    advanced bound came out infinite: the privacy page showed "inf" and `privacy_report` null, as
+    for a round's ε past ~709, though ln(1/δ′) = −ln δ′ is about 737 at δ′ = 1e-320. With many
+    small rounds the advanced bound is the tighter there and was lost."""
+    for delta in (1e-310, 1e-320, 5e-324):
+        expected = math.sqrt(2 * 10000 * -math.log(delta)) * 0.01 + 10000 * 0.01 * math.expm1(0.01)
+        assert advanced_composition(0.01, 10000, delta) == pytest.approx(expected)
+        many = compose([0.01] * 10000, delta)
+        assert many.tighter == "advanced" and many.epsilon < 100.0
+        assert many.as_dict()["advanced_epsilon"] == pytest.approx(expected)
+    # the bound still grows as δ′ shrinks (the normal range is unchanged)
+    assert advanced_composition(0.01, 10000, 1e-300) < advanced_composition(0.01, 10000, 1e-310)

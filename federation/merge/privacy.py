@@ -61,7 +61,9 @@ def advanced_composition(epsilon: float, rounds: int, delta_prime: float) -> flo
         growth = math.exp(epsilon) - 1
     except OverflowError:  # ε > ~709: the bound is vacuous (basic composition is the tighter)
         return math.inf
-    return math.sqrt(2 * rounds * math.log(1 / delta_prime)) * epsilon + rounds * epsilon * growth
+    # −ln δ′, not ln(1/δ′): 1/δ′ overflows to infinity for a subnormal δ′ (below ~5.6e-309),
+    # which the settings accept, and the bound came out infinite.
+    return math.sqrt(-2 * rounds * math.log(delta_prime)) * epsilon + rounds * epsilon * growth
 
 
 @dataclass(frozen=True)
