@@ -21,7 +21,11 @@ from compendium.services import current_schema
 from compendium.validation import _FORBIDDEN_CHARS
 from federation.errors import Conflict, InvalidRequest, NotAllowed
 from federation.merge import ConflictEntry
-from federation.merge.operator import conflict_within_own_sources, conflicts_to_precautions
+from federation.merge.operator import (
+    conflict_within_own_sources,
+    conflicts_to_precautions,
+    losing_tool,
+)
 from federation.models import AuditLog, ConflictDecision, ConflictLogEntry, MergeRecord, Round
 from federation.services import Actor, audit, can_admin, require_admin_now
 
@@ -130,6 +134,36 @@ def picked_still_fits(decision: ConflictDecision, conflict: ConflictLogEntry) ->
     if not decision.winner_tool_id:
         return decision.text in scenario_choices(conflict)
     return (decision.winner_tool_id, decision.text) in scenario_candidates(conflict)
+
+
+def out_of_registry(conflict: ConflictLogEntry, schema, action: str, winner: str = "") -> list[str]:
+    """The tools a decision `action` on `conflict` needs that the registry in force (`schema`)
+    does not list (deactivated, or never imported): the conflict's own, for the merge to read it
+    at all, and the one the decision publishes for (an accepted or edited precaution: across
+    tools the losing tool's; a picked scenario: `winner`). No merge publishes a precaution or a
+    scenario for such a tool (`operator.conflicts_to_precautions`, `conflict_winners`): the
+    decision would never apply while it is out. A dismissal needs none."""
+    if action == ConflictDecision.Action.DISMISS:
+        return []
+    needed = [conflict.tool_id]
+    if action == ConflictDecision.Action.SCENARIO:
+        needed.append(winner or conflict.tool_id)
+    else:
+        needed.append(losing_tool(entry_of(conflict)) or conflict.tool_id)
+    return [t for t in dict.fromkeys(needed) if t not in schema.tools_by_id]
+
+
+def _refuse_out_of_registry(conflict: ConflictLogEntry, schema, action: str, winner: str = "") -> None:
+    missing = out_of_registry(conflict, schema, action, winner)
+    if missing:
+        tools = " and ".join(t[:128] for t in missing)
+        refers = "it" if len(missing) == 1 else "them"
+        raise Conflict(
+            f"{tools} {'is' if len(missing) == 1 else 'are'} not in the registry in force "
+            f"(deactivated, or never imported): no merge publishes a precaution or a scenario "
+            f"for {refers}, so this decision would never apply; reactivate {refers} first, or "
+            "dismiss the conflict"
+        )
 
 
 def closed_by(conflict: ConflictLogEntry) -> Round | None:
@@ -258,7 +292,9 @@ def decide_conflict(
     the conflict's organization may decide; a conflict of the server merge (between edges, no
     organization) is the operator's alone. An admin's right is checked under a lock of their
     membership row (services.require_admin_now): one demoted or deactivated a moment ago may no
-    longer decide. The audit entry records the text's length, never its words nor a digest of
+    longer decide. A decision that publishes for a tool the registry in force does not list
+    (`out_of_registry`: deactivated since the conflict was logged) is refused (409): no merge
+    would apply it. The audit entry records the text's length, never its words nor a digest of
     them (a short text is easily guessed and a digest would confirm the guess): a picked scenario
     is a client's text, which an erasure must be able to remove, and the audit log is
     append-only. The decision row, the entry's target, holds the text while it stands."""
@@ -289,6 +325,8 @@ def decide_conflict(
     text = " ".join((text or "").split())
     winner = ""  # of a picked scenario: the tool it wins for
     schema = current_schema()
+    if action in (ConflictDecision.Action.ACCEPT, ConflictDecision.Action.EDIT):
+        _refuse_out_of_registry(conflict, schema, action)
     if action == ConflictDecision.Action.ACCEPT:
         text = composed_precaution(conflict, schema)
         if not text:
@@ -331,6 +369,7 @@ def decide_conflict(
                 "wins for"
             )
         winner = tool or tools[0]
+        _refuse_out_of_registry(conflict, schema, action, winner)
     else:
         text = ""
     standing = (

@@ -321,3 +321,71 @@ def test_a_conflict_of_a_failed_round_is_not_decided(
     precautions = [p["text"] for p in edge["precautions"]]
     assert "Ask for the city before using WeatherNow" in precautions
     assert not any(t.startswith(COMPOSED_PREFIX) for t in precautions)
+
+
+def test_a_decision_for_a_tool_out_of_the_registry_is_refused(django_capture_on_commit_callbacks, client):
+    """A tool deactivated in the registry since its conflict was logged gets no precaution nor
+    scenario from any merge (`conflicts_to_precautions`, `conflict_winners` read the schema in
+    force). An edited precaution or a picked scenario for it was stored, the page said it applies
+    in the next merge, and that merge left it out; an accept was refused with "edit one instead",
+    which did not apply either. Each is refused (409) naming the tool; a dismissal still is
+    taken. The page says why, and offers only Dismiss."""
+    from django.contrib.auth.models import User
+
+    from compendium.models import Tool
+
+    capture = django_capture_on_commit_callbacks
+    org, clients, conflict = conflicted_round(capture)
+    winner = next(d["text"] for d in conflict.dissenters)
+    Tool.objects.filter(tool_id="weather").update(active=False)
+    for action, text in (("edit", "Ask for the city before using WeatherNow"),
+                         ("scenario", winner), ("accept", "")):
+        with pytest.raises(Conflict, match="weather is not in the registry in force"):
+            decide_conflict(Actor.system(), conflict, action, text)
+    assert not ConflictDecision.objects.exists()
+    operator = User.objects.create_superuser("op", password="pw-long-enough-1")
+    client.force_login(operator)
+    card = html.unescape(client.get("/conflicts/").content.decode())
+    assert "weather is not in the registry in force" in card
+    assert re.findall(r'name="action" value="(\w+)"', card) == ["dismiss"]
+    refused = client.post(f"/conflicts/{conflict.pk}/decide/",
+                          {"action": "edit", "text": "Ask for the city first"})
+    assert refused.status_code == 409
+    decide_conflict(Actor.system(), conflict, "dismiss")
+    # Reactivated before the next merge: the decisions apply again, and are taken.
+    Tool.objects.filter(tool_id="weather").update(active=True)
+    decide_conflict(Actor.system(), conflict, "edit", "Ask for the city before using WeatherNow")
+    edge = next_round_edge(org, clients, capture)
+    assert "Ask for the city before using WeatherNow" in [p["text"] for p in edge["precautions"]]
+
+
+def test_across_tools_a_deactivated_losing_tool_leaves_only_the_pick_for_the_other(
+    django_capture_on_commit_callbacks, client
+):
+    """Across tools the precaution is the losing tool's, and a pick wins for the tool it names:
+    with `fares` deactivated, an edited precaution (for `fares`) and a pick for `fares` are
+    refused naming it; a pick for `flights` is taken. The page offers that pick only."""
+    from django.contrib.auth.models import User
+
+    from compendium.models import Tool
+    from tests.merge_helpers import CROSS_EDGE_REQUEST as request
+    from tests.merge_helpers import plant_cross_edge_conflict
+
+    r1 = Round.objects.create(number=1, state="closing", config={"summarizer": "none"})
+    plant_cross_edge_conflict(r1)
+    close(r1, django_capture_on_commit_callbacks)
+    [conflict] = ConflictLogEntry.objects.filter(round=r1, organization=None)
+    Tool.objects.filter(tool_id="fares").update(active=False)
+    with pytest.raises(Conflict, match="fares is not in the registry in force"):
+        decide_conflict(Actor.system(), conflict, "edit", "Do not use AirfareWatch to book")
+    with pytest.raises(Conflict, match="fares is not in the registry in force"):
+        decide_conflict(Actor.system(), conflict, "scenario", request, "fares")
+    operator = User.objects.create_superuser("op", password="pw-long-enough-1")
+    client.force_login(operator)
+    page = html.unescape(client.get("/conflicts/").content.decode())
+    assert "fares is not in the registry in force" in page
+    assert 'class="edit"' not in page
+    [options] = re.findall(r'<select name="pick"[^>]*>(.*?)</select>', page, re.S)
+    assert re.findall(r"<option [^>]*>([^<]*)</option>", options) == [f"flights: {request}"]
+    decide_conflict(Actor.system(), conflict, "scenario", request, "flights")
+    assert ConflictDecision.objects.get().winner_tool_id == "flights"

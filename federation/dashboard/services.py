@@ -1174,6 +1174,12 @@ class ConflictCard:
     # Across tools: each (form value, text, tool, picked) the pick list offers, one per candidate
     # text with the tool it was claimed for (`conflicts.pick_value`).
     picks: list[tuple[str, str, str, bool]] = field(default_factory=list)
+    # The conflict's tools the registry in force does not list (deactivated): no merge publishes
+    # a precaution or scenario for them (`conflicts.out_of_registry`), so the forms that would
+    # are left out (`editable`, `pickable`, `picks`): the service refuses them.
+    out_of_registry: list[str] = field(default_factory=list)
+    editable: bool = True
+    pickable: bool = True
 
 
 def conflict_groups(
@@ -1193,6 +1199,7 @@ def conflict_groups(
         composed_precaution,
         decision_seen,
         failed_round,
+        out_of_registry,
         paused_by,
         pick_value,
         scenario_candidates,
@@ -1236,6 +1243,11 @@ def conflict_groups(
             c, schema, flags_released=(c.round_id, c.organization_id) in released)
         decision = decisions.get((c.round_id, c.organization_id, c.tool_id, c.centroid_id))
         choices, tools = scenario_choices(c), candidate_tools(c)
+        Action = ConflictDecision.Action
+        editable = not out_of_registry(c, schema, Action.EDIT)
+        pickable = not out_of_registry(c, schema, Action.SCENARIO)
+        missing = [t for t in dict.fromkeys(
+            [*out_of_registry(c, schema, Action.EDIT), *tools]) if t not in schema.tools_by_id]
         picks = []
         if len(tools) > 1:
             candidates = scenario_candidates(c)
@@ -1244,8 +1256,14 @@ def conflict_groups(
                 # a decision from before the tool was recorded: the first candidate with the text
                 picked = next(((t, x) for t, x in candidates if x == decision.text
                                and decision.winner_tool_id in ("", t)), None)
-            picks = [(pick_value(t, x), x, t, (t, x) == picked) for t, x in candidates]
+            picks = [(pick_value(t, x), x, t, (t, x) == picked) for t, x in candidates
+                     if not out_of_registry(c, schema, Action.SCENARIO, t)]
+            pickable = bool(picks)
         before = earlier.get(c.pk)
+        again = _take_again(before, composed, choices, tools)
+        if again is not None and out_of_registry(c, schema, again["action"],
+                                                 again.get("scenario_tool", "")):
+            again = None
         groups.setdefault((c.organization, c.round), []).append(
             ConflictCard(
                 conflict=c,
@@ -1264,8 +1282,11 @@ def conflict_groups(
                 failed=failed_round(c),
                 seen=decision_seen(decision),
                 earlier=before,
-                again=_take_again(before, composed, choices, tools),
+                again=again,
                 picks=picks,
+                out_of_registry=missing,
+                editable=editable,
+                pickable=pickable,
             )
         )
     return page_obj, [

@@ -234,7 +234,7 @@ def conflicts_to_precautions(
         tool = schema.tools_by_id.get(entry.tool_id)
         if tool is None or (entry.resolution == "scenario" and _picked(entry) is not None):
             continue  # a picked scenario no longer among the candidates: as if undecided
-        losing = _losing_tool(entry)  # across tools, the precaution is the losing tool's
+        losing = losing_tool(entry)  # across tools, the precaution is the losing tool's
         if entry.resolution == "precaution":
             text = " ".join(entry.resolution_text.split())
             if text and (losing or entry.tool_id) in schema.tools_by_id:
@@ -1227,7 +1227,7 @@ def _cross_tool_conflicts(slots: list[dict], tool_ids: Sequence[str], profiles: 
     return [slot for i, slot in enumerate(slots) if kept[i]], conflicts
 
 
-def _losing_tool(entry: ConflictEntry) -> str | None:
+def losing_tool(entry: ConflictEntry) -> str | None:
     """The tool whose claims lost a conflict across tools (its dissenters'), None for a conflict
     within one tool."""
     tools = {d.get("tool_id", entry.tool_id) for d in entry.dissenters} - {entry.tool_id}
