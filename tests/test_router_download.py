@@ -221,12 +221,24 @@ def _named(answer: dict) -> set:
             | {r["tool"] for r in answer["ranking"]})
 
 
+def _same_order(mine: list[dict], theirs: list[dict]) -> None:
+    """The same tools with the same scores in the same order, but for two of (nearly) equal
+    score, which may trade places: the client embeds the global's rows itself, and a query
+    embedded in another process or thread count can differ in the last bits."""
+    assert len(mine) == len(theirs)
+    for a, b in zip(mine, theirs, strict=True):
+        assert a["score"] == pytest.approx(b["score"], abs=1e-4)
+        if a["tool"] != b["tool"]:
+            assert any(c["tool"] == b["tool"] and abs(c["score"] - b["score"]) <= 1e-4
+                       for c in mine), (mine, theirs)
+
+
 def _same_decision(mine: dict, theirs: dict) -> None:
     assert mine["tool"] == theirs["tool"] and mine["reranker"] == theirs["reranker"]
     assert mine["fallback_reason"] == theirs["fallback_reason"]
     assert mine["confidence"] == pytest.approx(theirs["confidence"], abs=1e-4)
-    assert [c["tool"] for c in mine["candidates"]] == [c["tool"] for c in theirs["candidates"]]
-    assert [r["tool"] for r in mine["ranking"]] == [r["tool"] for r in theirs["ranking"]]
+    _same_order(mine["candidates"], theirs["candidates"])
+    _same_order(mine["ranking"], theirs["ranking"])
 
 
 def test_route_leaves_out_a_tool_deactivated_after_the_pull_as_the_routing_api_does(
