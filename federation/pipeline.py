@@ -922,6 +922,9 @@ def erase_client(client: Client, *, actor: services.Actor | None = None, embed=N
         # so its compendium and its record go together; one arriving now waits for the commit.
         list(Client.objects.select_for_update().filter(pk=client.pk).values_list("pk"))
         submissions = list(CompendiumVersion.objects.filter(kind="client", client=client))
+        # The globals as they are now: the folders of the tunings of those this erasure deletes
+        # (merged again or removed) go once it commits.
+        globals_before = _global_folder_prefixes()
         built_from = {
             (edge.round_id, edge.organization_id)
             for sub in submissions
@@ -997,6 +1000,16 @@ def erase_client(client: Client, *, actor: services.Actor | None = None, embed=N
                     lambda: global_published.send(sender=Round, round=served.round, version=served),
                     robust=True,
                 )
+        # The tuned routers of the deleted globals (each an encoder fine-tuned on their texts,
+        # with their vectors): a ready or retired one's folder goes with its row (routing.apps);
+        # this also removes what a tuning of one killed mid-way left (`.partial`), which no row
+        # names. After the commit: a rollback leaves the globals, and their routers, served.
+        globals_after = _global_folder_prefixes()
+        gone = [prefix for pk, prefix in globals_before.items() if pk not in globals_after]
+        if gone:
+            from federation.tuning import remove_router_folders
+
+            transaction.on_commit(lambda: remove_router_folders(gone), robust=True)
         report = ErasureReport(
             str(client), len(submissions), edges_done, globals_done, removed,
             edges_deleted=edges_deleted, submission_records_removed=records,
@@ -1019,6 +1032,15 @@ def erase_client(client: Client, *, actor: services.Actor | None = None, embed=N
             },
         )
     return report
+
+
+def _global_folder_prefixes() -> dict[int, str]:
+    """Each global's id, with the start of its tuned routers' folder names
+    (`federation.tuning.folder_prefix`)."""
+    from federation.tuning import folder_prefix
+
+    return {pk: folder_prefix(number, pk, sha256) for pk, number, sha256 in
+            CompendiumVersion.objects.filter(kind="global").values_list("pk", "round__number", "sha256")}
 
 
 def _conflict_readers(round_: Round, organization) -> list[tuple[Round, list[ConflictEntry]]]:

@@ -19,7 +19,9 @@ router is ready is not tuned again; a failed or skipped one is retried by the co
 from __future__ import annotations
 
 import contextlib
+import glob
 import logging
+import re
 import secrets
 import shutil
 from pathlib import Path
@@ -75,8 +77,33 @@ def routers_dir() -> Path:
     return Path(settings.DATA_DIR) / "routers"
 
 
+def folder_prefix(round_number: int, version_id: int, sha256: str) -> str:
+    """The start of the name of every folder a tuning of that global writes (`_folder`)."""
+    return f"round-{round_number}-v{version_id}-{sha256[:12]}-"
+
+
 def _folder_prefix(version: CompendiumVersion) -> str:
-    return f"round-{version.round.number}-v{version.pk}-{version.sha256[:12]}-"
+    return folder_prefix(version.round.number, version.pk, version.sha256)
+
+
+# `_folder`'s names, and the version id in them (a `.partial`: one being written).
+_FOLDER_NAME = re.compile(r"round-\d+-v(\d+)-[0-9a-f]{12}-[0-9a-f]+(\.partial)?")
+
+
+def remove_router_folders(prefixes, routers: Path | None = None) -> int:
+    """Remove every folder of the tunings of the globals whose `folder_prefix` is in `prefixes`
+    (deleted globals: an erasure merged their round again or removed their global): the ready or
+    retired router and what a killed tuning left (`.partial`), each an encoder fine-tuned on the
+    global's texts. A tuning of one still running finds its global gone and keeps nothing.
+    Returns the folders removed."""
+    root = routers or routers_dir()
+    removed = 0
+    for prefix in set(prefixes):
+        for folder in root.glob(f"{glob.escape(prefix)}*"):
+            if folder.is_dir():
+                shutil.rmtree(folder, ignore_errors=True)
+                removed += 1
+    return removed
 
 
 def _folder(version: CompendiumVersion, routers: Path) -> Path:
@@ -409,16 +436,25 @@ def _accuracy(router, pairs: list[tuple[str, str]]) -> float | None:
 def retire_older(current: TunedRouter) -> int:
     """Only the served global's tuned router is kept on disk: ready routers of other versions are
     retired and every other folder beside it (under routers_dir(), or the folder it was tuned
-    into) is removed (those of versions deleted by a re-materialized round included; a process
-    still serving an older router keeps it in memory until it sees the new one). Returns the
-    folders removed."""
+    into) is removed (those of versions deleted by a re-materialized round included, and the
+    `.partial` folders of such versions, which a tuning killed mid-way left; a process still
+    serving an older router keeps it in memory until it sees the new one). Returns the folders
+    removed."""
     for other in TunedRouter.objects.filter(state=TunedRouter.State.READY).exclude(pk=current.pk):
         _finish(other, TunedRouter.State.RETIRED, f"replaced by the router of {current.version}")
     removed = 0
     keep = Path(current.directory)
-    for folder in keep.parent.iterdir():
-        if folder.name == keep.name or folder.name.endswith(".partial") or not folder.is_dir():
-            continue  # .partial: one being tuned; a file there is none of this function's
+    folders = [f for f in keep.parent.iterdir() if f.name != keep.name and f.is_dir()]
+    # A `.partial` is one being tuned, unless its global no longer exists: what a tuning killed
+    # mid-way left (an encoder half fine-tuned on the texts of a global an erasure deleted).
+    partial = {f: _FOLDER_NAME.fullmatch(f.name) for f in folders if f.name.endswith(".partial")}
+    existing = set(CompendiumVersion.objects.filter(
+        pk__in={int(m.group(1)) for m in partial.values() if m}).values_list("pk", flat=True))
+    for folder in folders:
+        if folder in partial:
+            match = partial[folder]
+            if match is None or int(match.group(1)) in existing:
+                continue  # one being tuned, or not this module's
         shutil.rmtree(folder, ignore_errors=True)
         removed += 1
     return removed
