@@ -13,17 +13,25 @@ import contextlib
 import dataclasses
 import hashlib
 import logging
+import time
 from collections import defaultdict
 from dataclasses import dataclass
 
 import numpy as np
 from django.conf import settings
-from django.db import transaction
+from django.db import DatabaseError, connection, transaction
 from django.db.models import Count
 from pydantic import ValidationError
 
 from compendium.canonical import canonical_form
-from compendium.models import CompendiumVersion
+from compendium.models import (
+    AnnexEntry,
+    CompendiumVersion,
+    PrecautionEntry,
+    ScenarioEntry,
+    StatEntry,
+    TemplateEntry,
+)
 from compendium.schema import Compendium
 from compendium.services import current_schema, load_compendium, store_compendium
 from federation import accounting, services
@@ -55,6 +63,7 @@ from federation.models import (
 from federation.round_config import RoundConfig
 from federation.signals import global_published
 from federation.submissions import probe_labels
+from routing.models import TunedRouter
 
 log = logging.getLogger(__name__)
 
@@ -1064,6 +1073,105 @@ def _delete_merge(round_: Round, organization_id: int | None) -> None:
     CompendiumVersion.objects.filter(kind=kind, round=round_, organization_id=organization_id).delete()
     ConflictLogEntry.objects.filter(round=round_, organization_id=organization_id).delete()
     MergeRecord.objects.filter(round=round_, organization_id=organization_id).delete()
+
+
+# The tables whose rows an erasure deletes or rewrites, and so the tables whose files keep the
+# erased rows' bytes (dead rows) until they are rewritten: the compendiums (their canonical
+# content and routing head) with their provenance and entries (texts, embeddings, clipped
+# values, annex triples), the Submission records (request hashes, sizes, stored answers), the
+# conflict logs and merge records (their inputs' texts), reviewers' decisions (a picked scenario
+# can be the erased client's text) and the tuned routers of the deleted globals. What
+# `vacuum_erased_tables` rewrites; the README's "Erasure" section names the same list.
+ERASURE_TABLES: tuple[str, ...] = tuple(model._meta.db_table for model in (
+    CompendiumVersion,
+    CompendiumVersion.sources.through,
+    ScenarioEntry,
+    PrecautionEntry,
+    TemplateEntry,
+    StatEntry,
+    AnnexEntry,
+    Submission,
+    ConflictLogEntry,
+    MergeRecord,
+    ConflictDecision,
+    TunedRouter,
+))
+
+
+@dataclass(frozen=True)
+class VacuumReport:
+    vacuumed: list[tuple[str, float]]  # (table, seconds), in ERASURE_TABLES order
+    seconds: float  # in all, the CHECKPOINT included
+    checkpoint: str | None  # None: done; else why it was not (one line)
+
+
+class VacuumFailed(Exception):
+    """`VACUUM FULL` of one table failed (or skipped it), or the CHECKPOINT after them failed
+    (`table` None); the tables in `vacuumed` were rewritten, those in `not_vacuumed` were not."""
+
+    def __init__(self, table: str | None, reason: str, vacuumed: list[str], not_vacuumed: list[str]):
+        self.table, self.reason = table, reason
+        self.vacuumed, self.not_vacuumed = vacuumed, not_vacuumed
+        step = f"VACUUM FULL {table}" if table else "CHECKPOINT"
+        super().__init__(f"{step} failed: {reason}")
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip()
+    return text.splitlines()[0] if text else type(exc).__name__
+
+
+def vacuum_erased_tables(*, lock_timeout_s: float = 10.0) -> VacuumReport:
+    """Rewrite the tables of `ERASURE_TABLES` with `VACUUM FULL` (one at a time, each under an
+    ACCESS EXCLUSIVE lock: the routing API and submissions that read or write it wait until it
+    is rewritten), so that the bytes of the rows an erasure deleted leave the table files (a plain
+    VACUUM only marks their space free), then `CHECKPOINT` so that the old files are removed
+    now rather than at the next checkpoint. Not the WAL segments already written, nor backups.
+
+    Outside any transaction (VACUUM cannot run in one): after an erasure has committed. Waits at
+    most `lock_timeout_s` for each table's lock (a VACUUM FULL queued behind a long transaction
+    would make every later reader of the table wait too). A table that fails raises
+    `VacuumFailed`, naming the tables done and not done. PostgreSQL skips, with a warning only, a
+    table the role may not vacuum (neither its owner nor a superuser): a table whose file was not
+    replaced is reported as failed. A CHECKPOINT the role may not run (PostgreSQL 15+: superuser
+    or `pg_checkpoint`) is not an error: the report says so."""
+    if connection.in_atomic_block:
+        raise RuntimeError("VACUUM cannot run inside a transaction: call it after the erasure commits")
+    started = time.monotonic()
+    done: list[tuple[str, float]] = []
+    quote = connection.ops.quote_name
+    with connection.cursor() as cursor:
+        cursor.execute("SELECT current_setting('lock_timeout')")
+        previous = cursor.fetchone()[0]
+        cursor.execute("SELECT set_config('lock_timeout', %s, false)", [f"{max(1, round(lock_timeout_s * 1000))}ms"])  # 0 would wait forever
+        try:
+            for index, table in enumerate(ERASURE_TABLES):
+                try:
+                    cursor.execute("SELECT pg_relation_filenode(%s::regclass)", [table])
+                    before = cursor.fetchone()[0]
+                    begun = time.monotonic()
+                    cursor.execute(f"VACUUM FULL {quote(table)}")
+                    cursor.execute("SELECT pg_relation_filenode(%s::regclass)", [table])
+                    if cursor.fetchone()[0] == before:
+                        raise VacuumFailed(table, "not rewritten (the database role may not vacuum "
+                                           "it: it must own the table or be a superuser)", [], [])
+                except (DatabaseError, VacuumFailed) as exc:
+                    reason = exc.reason if isinstance(exc, VacuumFailed) else _first_line(exc)
+                    raise VacuumFailed(table, reason, [t for t, _ in done],
+                                       list(ERASURE_TABLES[index:])) from exc
+                done.append((table, time.monotonic() - begun))
+            note = None
+            try:
+                cursor.execute("CHECKPOINT")
+            except DatabaseError as exc:
+                if getattr(exc.__cause__, "sqlstate", None) != "42501":  # insufficient_privilege
+                    raise VacuumFailed(None, _first_line(exc), [t for t, _ in done], []) from exc
+                note = (f"{_first_line(exc)}: the old files go at the next checkpoint "
+                        "(superuser or pg_checkpoint may run CHECKPOINT now)")
+        finally:
+            with contextlib.suppress(DatabaseError):  # a lost connection: its session went too
+                cursor.execute("SELECT set_config('lock_timeout', %s, false)", [previous])
+    return VacuumReport(done, time.monotonic() - started, note)
 
 
 # --- the public probe set ------------------------------------------------------------------------

@@ -1,7 +1,8 @@
 from django.core.management.base import BaseCommand, CommandError
+from django.db import connection
 
 from federation.models import Client
-from federation.pipeline import erase_client
+from federation.pipeline import ERASURE_TABLES, VacuumFailed, erase_client, vacuum_erased_tables
 from federation.services import Actor
 from synapse_web.command_arguments import utf8_text
 
@@ -10,14 +11,33 @@ class Command(BaseCommand):
     help = (
         "Right to erasure: remove every submission of one client and re-materialize the edge and "
         "global compendiums built from them or from the conflict logs that held them, removing "
-        "reviewers' decisions that no longer fit. CLIENT is a client id or ORG-SLUG/NAME."
+        "reviewers' decisions that no longer fit. CLIENT is a client id or ORG-SLUG/NAME. "
+        "PostgreSQL keeps the deleted rows' bytes in its table files until they are rewritten: "
+        "--vacuum rewrites the tables that held them (VACUUM FULL, once the erasure has committed)."
     )
 
     def add_arguments(self, parser):
         parser.add_argument("client")
+        parser.add_argument(
+            "--vacuum", action="store_true",
+            help="after the erasure commits, VACUUM FULL the tables an erasure deletes from ("
+            + ", ".join(ERASURE_TABLES) + ") and CHECKPOINT, so that the erased rows' bytes leave "
+            "the table files (not the WAL already written, nor backups). Each table is locked "
+            "exclusively while it is rewritten: the routing API and submissions wait meanwhile.",
+        )
+        parser.add_argument(
+            "--lock-timeout", type=float, default=10.0, metavar="SECONDS",
+            help="with --vacuum: how long to wait for each table's lock before giving up "
+            "(default 10; the erasure stands either way)",
+        )
 
-    def handle(self, *args, client, **options):
+    def handle(self, *args, client, vacuum=False, lock_timeout=10.0, **options):
         utf8_text("a client", client)
+        if vacuum and not 0 < lock_timeout < 86400:
+            raise CommandError("--lock-timeout must be a number of seconds above 0 (below a day)")
+        if vacuum and connection.in_atomic_block:
+            raise CommandError("--vacuum cannot run inside a transaction (VACUUM cannot): nothing "
+                               "was erased")
         try:
             if client.isascii() and client.isdigit():
                 target = Client.objects.get(pk=int(client))
@@ -59,3 +79,36 @@ class Command(BaseCommand):
                 f"{target} is still enrolled (pending approval): it has no token yet, and approving "
                 "it would let it submit; revoke it on its organization's page if it is to send nothing"
             )
+        if vacuum:
+            self._vacuum(target, lock_timeout)
+
+    def _vacuum(self, target, lock_timeout: float) -> None:
+        """VACUUM FULL after the erasure committed: a failure here undoes nothing."""
+        self.stdout.write(
+            f"VACUUM FULL of {len(ERASURE_TABLES)} table(s), one at a time, each under an exclusive "
+            "lock: the routing API and submissions that use a table wait until it is rewritten"
+        )
+        again = (f"run `manage.py erase_client {target.organization.slug}/{target.name} --vacuum` "
+                 "again: erasing again removes nothing more")
+        try:
+            report = vacuum_erased_tables(lock_timeout_s=lock_timeout)
+        except VacuumFailed as exc:
+            raise CommandError(
+                f"the erasure of {target} stands (committed); {exc}; "
+                + (f"not vacuumed: {', '.join(exc.not_vacuumed)} ({again})" if exc.not_vacuumed
+                   else "every table was vacuumed (the old files go at the next checkpoint)")
+            ) from exc
+        except Exception as exc:  # the connection, before any table
+            line = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+            raise CommandError(
+                f"the erasure of {target} stands (committed); the vacuum failed: {line}; not "
+                f"vacuumed: {', '.join(ERASURE_TABLES)} ({again})"
+            ) from exc
+        for table, seconds in report.vacuumed:
+            self.stdout.write(f"vacuumed {table} in {seconds:.2f} s")
+        self.stdout.write(
+            f"vacuumed {len(report.vacuumed)} table(s) in {report.seconds:.2f} s in all"
+            + ("; checkpoint done" if report.checkpoint is None else "")
+        )
+        if report.checkpoint is not None:
+            self.stdout.write(f"no CHECKPOINT: {report.checkpoint}")
