@@ -171,7 +171,8 @@ def pulled_router(
     tuned: PulledTunedRouter | None = None,
     active_tools: frozenset[str] | None = None,
 ):
-    """A router over a pulled global compendium that ranks exactly as the server does: scenario
+    """A router over a pulled global compendium that ranks as the server does (to about 1e-3 on
+    a bf16 engine, whose vectors depend on the batch they were embedded in): scenario
     embeddings by the merge engine (cached on disk per compendium), the linear head the server
     published with it (`head_path`, which `synapse-client pull` saves beside the compendium; when
     it is missing or belongs to other tools, a head fitted here from the compendium alone, cached
@@ -222,7 +223,7 @@ def _pulled_router(
     engine = get_query_engine(embedding_model)
     # The server's stored scenario embeddings come from the merge engine
     # (SYNAPSE_EMBEDDING_MODEL): embedding them with the same engine here makes the client
-    # rank exactly as the server does.
+    # rank as the server does (to the digit in fp32; bf16 vectors depend on their batch).
     documents = get_engine(embedding_model or None)
     cache = model_cache_dir() / "compendium-embeddings"
     router = Router(
