@@ -85,6 +85,21 @@ def world(registry) -> World:
     )
 
 
+@pytest.fixture
+def fresh_routing(settings, tmp_path):
+    """A server data folder of the test's own (tuned routers go there), tuning by hand, and no
+    published version or served router remembered from another test, before or after."""
+    from routing import services as routing_services
+
+    settings.DATA_DIR = tmp_path / "server"
+    settings.SYNAPSE_ROUTER_TUNE_EPOCHS = 0  # tuned by hand
+    routing_services.forget_published_version()
+    routing_services.forget_served()
+    yield
+    routing_services.forget_published_version()
+    routing_services.forget_served()
+
+
 @pytest.fixture(autouse=True)
 def _fresh_settings_cache():
     services.clear_settings_cache()

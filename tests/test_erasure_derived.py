@@ -20,20 +20,9 @@ from routing.models import TunedRouter
 from tests.merge_helpers import build_federation
 from tests.merge_helpers import close_round as close
 
-pytestmark = [pytest.mark.slow, pytest.mark.django_db]
+pytestmark = [pytest.mark.slow, pytest.mark.django_db, pytest.mark.usefixtures("fresh_routing")]
 
 ERASED = "17 multiplied"  # a2's scenario "What is 17 multiplied by 23?"
-
-
-@pytest.fixture(autouse=True)
-def _fresh(settings, tmp_path):
-    settings.DATA_DIR = tmp_path / "server"
-    settings.SYNAPSE_ROUTER_TUNE_EPOCHS = 0  # tuned by hand below
-    services.forget_published_version()
-    services.forget_served()
-    yield
-    services.forget_published_version()
-    services.forget_served()
 
 
 def _files_holding(root: Path, needle: str) -> list[Path]:

@@ -19,20 +19,11 @@ from routing.finetune import ROUTER_MANIFEST, file_sha256, read_manifest, rows_d
 from routing.models import TunedRouter
 from tests.routing_data import publish_with_probe, published_global_data
 
-pytestmark = [pytest.mark.slow, pytest.mark.django_db(transaction=True)]
+pytestmark = [
+    pytest.mark.slow, pytest.mark.django_db(transaction=True), pytest.mark.usefixtures("fresh_routing")
+]
 
 SYSTEM = federation_services.Actor(None)
-
-
-@pytest.fixture(autouse=True)
-def _fresh(settings, tmp_path):
-    settings.DATA_DIR = tmp_path / "server"
-    settings.SYNAPSE_ROUTER_TUNE_EPOCHS = 0  # tuned by hand below
-    services.forget_published_version()
-    services.forget_served()
-    yield
-    services.forget_published_version()
-    services.forget_served()
 
 
 @pytest.fixture(scope="module")
