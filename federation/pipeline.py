@@ -1116,7 +1116,7 @@ class VacuumFailed(Exception):
         super().__init__(f"{step} failed: {reason}")
 
 
-def _first_line(exc: BaseException) -> str:
+def first_line(exc: BaseException) -> str:
     text = str(exc).strip()
     return text.splitlines()[0] if text else type(exc).__name__
 
@@ -1156,7 +1156,7 @@ def vacuum_erased_tables(*, lock_timeout_s: float = 10.0) -> VacuumReport:
                         raise VacuumFailed(table, "not rewritten (the database role may not vacuum "
                                            "it: it must own the table or be a superuser)", [], [])
                 except (DatabaseError, VacuumFailed) as exc:
-                    reason = exc.reason if isinstance(exc, VacuumFailed) else _first_line(exc)
+                    reason = exc.reason if isinstance(exc, VacuumFailed) else first_line(exc)
                     raise VacuumFailed(table, reason, [t for t, _ in done],
                                        list(ERASURE_TABLES[index:])) from exc
                 done.append((table, time.monotonic() - begun))
@@ -1165,8 +1165,8 @@ def vacuum_erased_tables(*, lock_timeout_s: float = 10.0) -> VacuumReport:
                 cursor.execute("CHECKPOINT")
             except DatabaseError as exc:
                 if getattr(exc.__cause__, "sqlstate", None) != "42501":  # insufficient_privilege
-                    raise VacuumFailed(None, _first_line(exc), [t for t, _ in done], []) from exc
-                note = (f"{_first_line(exc)}: the old files go at the next checkpoint "
+                    raise VacuumFailed(None, first_line(exc), [t for t, _ in done], []) from exc
+                note = (f"{first_line(exc)}: the old files go at the next checkpoint "
                         "(superuser or pg_checkpoint may run CHECKPOINT now)")
         finally:
             with contextlib.suppress(DatabaseError):  # a lost connection: its session went too

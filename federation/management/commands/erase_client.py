@@ -2,7 +2,13 @@ from django.core.management.base import BaseCommand, CommandError
 from django.db import connection
 
 from federation.models import Client
-from federation.pipeline import ERASURE_TABLES, VacuumFailed, erase_client, vacuum_erased_tables
+from federation.pipeline import (
+    ERASURE_TABLES,
+    VacuumFailed,
+    erase_client,
+    first_line,
+    vacuum_erased_tables,
+)
 from federation.services import Actor
 from synapse_web.command_arguments import utf8_text
 
@@ -99,9 +105,8 @@ class Command(BaseCommand):
                    else "every table was vacuumed (the old files go at the next checkpoint)")
             ) from exc
         except Exception as exc:  # the connection, before any table
-            line = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
             raise CommandError(
-                f"the erasure of {target} stands (committed); the vacuum failed: {line}; not "
+                f"the erasure of {target} stands (committed); the vacuum failed: {first_line(exc)}; not "
                 f"vacuumed: {', '.join(ERASURE_TABLES)} ({again})"
             ) from exc
         for table, seconds in report.vacuumed:
