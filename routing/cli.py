@@ -171,8 +171,7 @@ def pulled_router(
     tuned: PulledTunedRouter | None = None,
     active_tools: frozenset[str] | None = None,
 ):
-    """A router over a pulled global compendium that ranks as the server does (to about 1e-3 on
-    a bf16 engine, whose vectors depend on the batch they were embedded in): scenario
+    """A router over a pulled global compendium that ranks as the server does: scenario
     embeddings by the merge engine (cached on disk per compendium), the linear head the server
     published with it (`head_path`, which `synapse-client pull` saves beside the compendium; when
     it is missing or belongs to other tools, a head fitted here from the compendium alone, cached
