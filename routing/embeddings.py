@@ -41,9 +41,9 @@ import numpy as np
 from compendium.masking import without_placeholders
 
 # Part of every on-disk embedding cache key: what the model reads of a text (placeholders left
-# out) and how it is run (int8 compute one text per call, bf16 batches of one token length), so
-# that no vector computed otherwise is read back.
-TEXT_FORM = "without-placeholders|one-text-per-int8-call|one-length-per-bf16-batch"
+# out) and how it is run (int8 compute one text per call, sentence-transformers batches of one
+# token length), so that no vector computed otherwise is read back.
+TEXT_FORM = "without-placeholders|one-text-per-int8-call|one-token-length-per-batch"
 DEFAULT_MODEL = "bundled:all-MiniLM-L6-v2"
 ONNX_INT8_MODEL = "onnx-int8:all-MiniLM-L6-v2"
 ONNX_INT8_DYNAMIC_MODEL = "onnx-int8-dynamic:all-MiniLM-L6-v2"
@@ -228,7 +228,45 @@ class _OnnxMiniLM:
             return self._pool
 
 
-class _Bf16SentenceTransformer:
+class _LengthBatched:
+    """A sentence-transformers model whose batches hold texts of one token length only. A text
+    padded beside a longer one gets another vector (in fp32 up to 1.8e-7 a coordinate, in
+    bfloat16 up to 1.4e-3, measured on MetaTool queries), while texts of one length give each
+    the vector it has alone, whatever the batch's size or the thread count (measured: bit for
+    bit, both). So a text's vector is the same in the server's batches at publication, in
+    /route (one query), /route/batch and a client's own embedding of a pulled global. Vectors
+    are float32, normalized; a model without a tokenizer to count with is run as it batches."""
+
+    def __init__(self, model):
+        self._model = model
+
+    def get_embedding_dimension(self) -> int:
+        return int(self._model.get_embedding_dimension())
+
+    def _groups(self, texts: list[str]) -> list[list[int]]:
+        tokenizer = getattr(self._model, "tokenizer", None)
+        limit = getattr(self._model, "max_seq_length", None)
+        if tokenizer is None or not limit:
+            return [list(range(len(texts)))]
+        ids = tokenizer(texts, truncation=True, max_length=limit)["input_ids"]
+        groups: dict[int, list[int]] = {}
+        for row, one in enumerate(ids):
+            groups.setdefault(len(one), []).append(row)
+        return list(groups.values())
+
+    def encode(self, texts, batch_size: int = 64, **_ignored) -> np.ndarray:
+        texts = list(texts)
+        vectors = np.empty((len(texts), self.get_embedding_dimension()), dtype=np.float32)
+        for rows in self._groups(texts) if texts else []:
+            out = self._model.encode(
+                [texts[i] for i in rows], batch_size=batch_size, convert_to_tensor=True,
+                show_progress_bar=False,
+            )
+            vectors[rows] = out.float().cpu().numpy()
+        return vectors / np.maximum(np.linalg.norm(vectors, axis=1, keepdims=True), 1e-12)
+
+
+class _Bf16SentenceTransformer(_LengthBatched):
     """A sentence-transformers model computing in bfloat16 on CPUs with native bf16 (AVX512-BF16
     or AMX): about 1.5x the throughput of onnxruntime fp32 and 2x torch fp32 for MiniLM on this
     machine; embeddings are cast back to float32 and renormalized (cosine to fp32 >= 0.998 on
@@ -244,35 +282,7 @@ class _Bf16SentenceTransformer:
                 "use the fp32 model (unset SYNAPSE_EMBEDDING_MODEL) or onnx-int8:all-MiniLM-L6-v2"
             )
         name = "" if model in ("", "all-MiniLM-L6-v2") else model
-        self._model = SentenceTransformer(_resolve(name), device="cpu").to(torch.bfloat16)
-
-    def get_embedding_dimension(self) -> int:
-        return int(self._model.get_embedding_dimension())
-
-    def encode(self, texts, batch_size: int = 64, **_ignored) -> np.ndarray:
-        """Batches hold texts of one token length only: in bfloat16 a text padded beside a
-        longer one gets another vector (up to 1.4e-3 a coordinate, measured on an AVX-512 host),
-        while texts of one length give each the vector it has alone, whatever the batch's size
-        or the thread count (measured). So a text's vector is the same in the server's batches
-        at publication, in /route (one query), /route/batch and a client's own embedding of a
-        pulled global."""
-        texts = list(texts)
-        lengths = [
-            len(ids) for ids in self._model.tokenizer(
-                texts, truncation=True, max_length=self._model.max_seq_length
-            )["input_ids"]
-        ]
-        groups: dict[int, list[int]] = {}
-        for row, length in enumerate(lengths):
-            groups.setdefault(length, []).append(row)
-        vectors = np.empty((len(texts), self.get_embedding_dimension()), dtype=np.float32)
-        for rows in groups.values():
-            out = self._model.encode(
-                [texts[i] for i in rows], batch_size=batch_size, convert_to_tensor=True,
-                show_progress_bar=False,
-            )
-            vectors[rows] = out.float().numpy()
-        return vectors / np.maximum(np.linalg.norm(vectors, axis=1, keepdims=True), 1e-12)
+        super().__init__(SentenceTransformer(_resolve(name), device="cpu").to(torch.bfloat16))
 
 
 def _no_loading_bars() -> None:
@@ -318,7 +328,7 @@ class EmbeddingEngine:
             else:
                 from sentence_transformers import SentenceTransformer
 
-                self._model = SentenceTransformer(_resolve(model), device="cpu")
+                self._model = _LengthBatched(SentenceTransformer(_resolve(model), device="cpu"))
         except EmbeddingModelUnavailable:
             raise
         except Exception as exc:  # any loader failure becomes one clear line
