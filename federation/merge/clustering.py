@@ -88,9 +88,9 @@ class ClusterDecision:
     reason: str
 
 
-# Centrality scores closer than this are equal: an embedding's last bits can depend on the batch
-# it was computed in (about 1e-7 in the ONNX engine's padded batches; another engine, another
-# host), and that must not decide which member represents a cluster.
+# Centrality scores closer than this are equal: an embedding's last bits can depend on how it was
+# computed (another engine, host or library version; until 2026-12-03 also the batch, about 1e-7
+# in fp32), and that must not decide which member represents a cluster.
 CENTRALITY_TOLERANCE = 1e-6
 # IsConsistent asks the LLM about every pair of this many most central distinct texts of a
 # cluster (45 questions), and about each text beyond them against the center only.
