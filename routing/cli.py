@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -64,7 +65,7 @@ def _cached_head(router, documents, folder: Path):
 
     from compendium.canonical import canonical_form
     from compendium.client_api import ClientError, write_atomically
-    from routing.embeddings import TEXT_FORM
+    from routing.embeddings import TEXT_FORM, prune_cache_folder
     from routing.router import LinearHead, fit_linear_head
 
     compendium = router.index.compendium
@@ -79,13 +80,18 @@ def _cached_head(router, documents, folder: Path):
         except (OSError, ValueError, KeyError, EOFError, zipfile.BadZipFile):
             head = None  # a damaged cache file is fitted and written again
         if head is not None and router.index.for_tools(head.tools) is not None:
+            try:  # used now: the last to go when the folder is pruned
+                os.utime(path)
+            except OSError:
+                pass
             return head
     head = fit_linear_head(compendium, router.index.embeddings, documents.embed)
     if head is not None:
         try:  # whole or not at all: a file cut short would be read back by every later call
             write_atomically(path, head.to_bytes())
         except ClientError:  # a read-only cache only costs the next call a refit
-            pass
+            return head
+        prune_cache_folder(folder, keep=path, pattern="*.npz")
     return head
 
 
@@ -222,7 +228,7 @@ def _pulled_router(
     engine = get_query_engine(embedding_model)
     # The server's stored scenario embeddings come from the merge engine
     # (SYNAPSE_EMBEDDING_MODEL): embedding them with the same engine here makes the client
-    # rank as the server does (to the digit in fp32; bf16 vectors depend on their batch).
+    # rank as the server does, to the digit.
     documents = get_engine(embedding_model or None)
     cache = model_cache_dir() / "compendium-embeddings"
     router = Router(

@@ -29,6 +29,7 @@ import hashlib
 import io
 import logging
 import os
+import sys
 import tempfile
 import threading
 from collections import OrderedDict
@@ -408,6 +409,10 @@ def embed_cached(engine: EmbeddingEngine, texts: Sequence[str], directory: str |
         except (OSError, ValueError, EOFError):  # a damaged file: embedded and written again
             vectors = None
         if vectors is not None and vectors.shape == (len(texts), engine.dimension):
+            try:  # used now: the last to go when the folder is pruned
+                os.utime(path)
+            except OSError:
+                pass
             return vectors
     from compendium.client_api import CannotWrite, write_atomically
 
@@ -417,8 +422,57 @@ def embed_cached(engine: EmbeddingEngine, texts: Sequence[str], directory: str |
     try:  # the cache is optional: one that cannot be written only costs the next call the model
         write_atomically(path, buffer.getvalue())
     except CannotWrite:
-        pass
+        return vectors
+    prune_cache_folder(Path(directory), keep=path)
     return vectors
+
+
+DISK_CACHE_MB_DEFAULT = 1024.0
+
+
+def disk_cache_limit_mb() -> float:
+    """SYNAPSE_EMBEDDING_DISK_CACHE_MB: megabytes each on-disk cache folder of the client's
+    router keeps (the embeddings of pulled globals, their linear heads; default 1024); a value that is not a number >= 0 is named on stderr and the default kept."""
+    raw = os.environ.get("SYNAPSE_EMBEDDING_DISK_CACHE_MB", "").strip()
+    if not raw:
+        return DISK_CACHE_MB_DEFAULT
+    try:
+        value = float(raw)
+    except ValueError:
+        value = float("nan")
+    if not (value >= 0 and value != float("inf")):
+        print(
+            f"SYNAPSE_EMBEDDING_DISK_CACHE_MB takes megabytes, a number >= 0, not {raw[:40]!r}: "
+            f"keeping {DISK_CACHE_MB_DEFAULT:g}",
+            file=sys.stderr,
+        )
+        return DISK_CACHE_MB_DEFAULT
+    return value
+
+
+def prune_cache_folder(directory: Path, keep: Path, pattern: str = "embeddings-*.npy") -> int:
+    """Remove the least recently used files of `directory` named by `pattern` (by modification
+    time, which a read refreshes) past `disk_cache_limit_mb()` in all, never `keep` (the file
+    just written): a client writes one per pulled global, so the folder grew by a file a round
+    without end. Other files are left alone; returns how many files were removed."""
+    files = []
+    for path in directory.glob(pattern):
+        try:
+            stat = path.stat()
+        except OSError:  # removed meanwhile (another process pruning)
+            continue
+        files.append((stat.st_mtime_ns, stat.st_size, path))
+    budget = disk_cache_limit_mb() * 1e6
+    used, removed = 0, 0
+    for _, size, path in sorted(files, key=lambda f: (f[2] != keep, -f[0])):
+        used += size
+        if used > budget and path != keep:
+            try:
+                path.unlink()
+                removed += 1
+            except OSError:
+                pass
+    return removed
 
 
 def _default_threads() -> int:
