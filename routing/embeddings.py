@@ -432,7 +432,8 @@ DISK_CACHE_MB_DEFAULT = 1024.0
 
 def disk_cache_limit_mb() -> float:
     """SYNAPSE_EMBEDDING_DISK_CACHE_MB: megabytes each on-disk cache folder of the client's
-    router keeps (the embeddings of pulled globals, their linear heads; default 1024); a value that is not a number >= 0 is named on stderr and the default kept."""
+    router keeps (the embeddings of pulled globals, their linear heads; default 1024); a value
+    that is not a number >= 0 is named on stderr and the default kept."""
     raw = os.environ.get("SYNAPSE_EMBEDDING_DISK_CACHE_MB", "").strip()
     if not raw:
         return DISK_CACHE_MB_DEFAULT
