@@ -252,11 +252,10 @@ def load_tuned_router(directory: str | Path) -> LoadedTunedRouter:
         precautions = np.asarray(state["precautions"], dtype=np.float32)
         head = LinearHead.from_bytes(state["head"].tobytes()) if "head" in state.files else None
     params = RoutingParams.from_dict(json.loads((directory / ROUTER_PARAMS).read_text()))
-    # Batched by token length (EmbeddingEngine's sentence-transformers wrapper): a list embedded
-    # in padded batches gave a query another vector (in the last bits) than alone, so the
-    # routing API's batch form scored it otherwise than its single form, and the cache kept
-    # whichever came first; it ran one text per call until 2026-12-03.
-    engine = EmbeddingEngine(str(directory))
+    # One text per call, as the int8 query engine: a list embedded in padded batches gave a
+    # query another vector (in the last bits) than alone, so the routing API's batch form
+    # scored it otherwise than its single form, and the cache kept whichever came first.
+    engine = EmbeddingEngine(str(directory), batch_size=1)
     return LoadedTunedRouter(engine, scenarios, precautions, head, params)
 
 

@@ -216,17 +216,15 @@ def test_unwritable_model_cache_is_one_clear_error_and_the_query_engine_falls_ba
     assert get_query_engine().model_name == ONNX_INT8_MODEL
 
 
-@pytest.mark.parametrize("model", [DEFAULT_MODEL, BF16_MODEL])
-def test_a_texts_vector_does_not_depend_on_its_batch(model):
-    """A text padded beside a longer one got another vector (fp32 up to 1.8e-7 a coordinate,
-    bfloat16 up to 1.4e-3, measured): the server's stored vectors (batches at publication),
-    /route (one query), /route/batch and a client's own embedding of the pulled global
-    disagreed. The sentence-transformers engines batch only texts of one token length, so a
-    vector is the text's alone, bit for bit."""
-    if model == BF16_MODEL and not bf16_native():
+def test_a_texts_bf16_vector_does_not_depend_on_its_batch():
+    """In bfloat16 a text padded beside a longer one got another vector (up to 2.5e-3 a
+    coordinate, measured): the server's stored vectors (batches at publication), /route (one
+    query), /route/batch and a client's own embedding of the pulled global disagreed. The engine
+    batches only texts of one token length, so a vector is the text's alone, bit for bit."""
+    if not bf16_native():
         pytest.skip("this CPU has no native bfloat16")
     texts = _metatool_queries(300)
-    engine = EmbeddingEngine(model, cache_size=0)
+    engine = EmbeddingEngine(BF16_MODEL, cache_size=0)
     together = engine.embed(texts)
     alone = np.vstack([engine.embed([t]) for t in texts[:40]])
     assert np.array_equal(together[:40], alone)

@@ -266,8 +266,8 @@ def test_route_leaves_out_a_tool_deactivated_after_the_pull_as_the_routing_api_d
         assert mine["tool"] and gone not in _named(mine)
         assert mine["excluded_tools"] == [gone] and mine["tuned_router"] is theirs["tuned_router"]
         # The frozen router: the client embeds the global's rows itself, in batches of its own;
-        # a text's vector does not depend on its batch (bf16 engines included), so the same
-        # candidates, ranking and confidence as the API's.
+        # batched by token length, a text's vector is the one it has alone (bit for bit in
+        # bf16, to the last bits in fp32), so the same candidates, ranking and confidence.
         _same_decision(mine, theirs)
 
     # Every tool of the global deactivated: no decision, both ways.
