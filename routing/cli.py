@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -65,7 +64,7 @@ def _cached_head(router, documents, folder: Path):
 
     from compendium.canonical import canonical_form
     from compendium.client_api import ClientError, write_atomically
-    from routing.embeddings import TEXT_FORM, prune_cache_folder
+    from routing.embeddings import TEXT_FORM, mark_used, prune_cache_folder
     from routing.router import LinearHead, fit_linear_head
 
     compendium = router.index.compendium
@@ -80,10 +79,7 @@ def _cached_head(router, documents, folder: Path):
         except (OSError, ValueError, KeyError, EOFError, zipfile.BadZipFile):
             head = None  # a damaged cache file is fitted and written again
         if head is not None and router.index.for_tools(head.tools) is not None:
-            try:  # used now: the last to go when the folder is pruned
-                os.utime(path)
-            except OSError:
-                pass
+            mark_used(path)
             return head
     head = fit_linear_head(compendium, router.index.embeddings, documents.embed)
     if head is not None:

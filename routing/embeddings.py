@@ -411,10 +411,7 @@ def embed_cached(engine: EmbeddingEngine, texts: Sequence[str], directory: str |
         except (OSError, ValueError, EOFError):  # a damaged file: embedded and written again
             vectors = None
         if vectors is not None and vectors.shape == (len(texts), engine.dimension):
-            try:  # used now: the last to go when the folder is pruned
-                os.utime(path)
-            except OSError:
-                pass
+            mark_used(path)
             return vectors
     from compendium.client_api import CannotWrite, write_atomically
 
@@ -451,6 +448,14 @@ def disk_cache_limit_mb() -> float:
         )
         return DISK_CACHE_MB_DEFAULT
     return value
+
+
+def mark_used(path: Path) -> None:
+    """A cache file read now: the last to go when its folder is pruned (`prune_cache_folder`)."""
+    try:
+        os.utime(path)
+    except OSError:  # removed meanwhile, or a read-only cache: it is only pruned sooner
+        pass
 
 
 def prune_cache_folder(directory: Path, keep: Path, pattern: str = "embeddings-*.npy") -> int:

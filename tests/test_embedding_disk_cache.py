@@ -1,7 +1,7 @@
 """The on-disk embedding cache of `synapse-client route` (one file per pulled global and engine)
 grew by a file per round without end: it keeps the most recently used files within a size."""
 
-import time
+import os
 
 import numpy as np
 import pytest
@@ -25,6 +25,14 @@ def _files(folder):
     return sorted(p.name for p in folder.glob("embeddings-*.npy"))
 
 
+def _age_every_file(folder):
+    """Every cache file as used long ago, each at its own time in the order it was last used, so
+    that a read or write now is the most recent one without waiting for the clock."""
+    files = sorted(folder.glob("embeddings-*.npy"), key=lambda p: p.stat().st_mtime_ns)
+    for age, path in enumerate(files):
+        os.utime(path, ns=(10**9 * (1000 + age),) * 2)
+
+
 def test_the_cache_keeps_the_most_recently_used_files_within_its_size(tmp_path, monkeypatch):
     engine = _Engine()
     rounds = [[f"round {r} text {i}" for i in range(10)] for r in range(4)]
@@ -32,12 +40,13 @@ def test_the_cache_keeps_the_most_recently_used_files_within_its_size(tmp_path, 
     one_file = next(tmp_path.glob("embeddings-*.npy")).stat().st_size  # each holds 10x4 floats
     monkeypatch.setenv("SYNAPSE_EMBEDDING_DISK_CACHE_MB", str(3.5 * one_file / 1e6))
     for texts in rounds[1:3]:
-        time.sleep(0.01)
+        _age_every_file(tmp_path)
         embed_cached(engine, texts, tmp_path)
     assert len(_files(tmp_path)) == 3
+    _age_every_file(tmp_path)
     embed_cached(engine, rounds[0], tmp_path)  # read: the oldest becomes the most recent
     assert engine.calls == 3
-    time.sleep(0.01)
+    _age_every_file(tmp_path)
     embed_cached(engine, rounds[3], tmp_path)  # a fourth file: the least recently used goes
     assert len(_files(tmp_path)) == 3
     calls = engine.calls
