@@ -2250,6 +2250,34 @@ def test_a_round_not_measured_is_shown_as_such_and_left_out_of_the_cadence_means
     assert all("n/a" in cell for cell in (first[3], first[5])), first
 
 
+def test_a_last_round_not_measured_draws_no_star_and_no_ratio_to_the_clean_run(client, fed):
+    """Under drift the last round itself can be unmeasured (null figures). The frontier put the
+    run's own point at that null accuracy and took the smallest of the accuracies with it (a 500
+    for everyone); the adversarial table's "× clean" would divide by it. Now there is no star
+    and no ratio where the run's last round was not measured."""
+    summary = [
+        {"method": "synapse", "round": 1, "seeds": 1, "accuracy_mean": 0.6, "accuracy_sd": 0.0,
+         "macro_accuracy_mean": 0.55},
+        {"method": "synapse", "round": 2, "seeds": 0, "accuracy_mean": None, "accuracy_sd": None,
+         "macro_accuracy_mean": None},
+    ]
+    adversarial = [{"adversarial_mode": "label_flip", "adversarial_fraction": 0.2,
+                    "robust_rule": "none", "accuracy": 0.4}]
+    SimulationRun.objects.create(label="drift, last round unmeasured", dataset="tiny", document={
+        **DOCUMENT, "summary": summary, "adversarial": adversarial,
+        "config": {"drift_every": 1, "epsilon": 1.0, "mask_strength": 0.5},
+        "privacy": {"membership_auroc": 0.7}})
+    response = login(client, fed, "member_a").get(reverse("dashboard:accuracy"))
+    assert response.status_code == 200
+    body = response.content.decode()
+    frontier = figures_in(body)[-1]
+    assert frontier["layout"]["title"]["text"].startswith("Privacy–utility frontier")
+    assert not any(t["name"].startswith("this run's configuration") for t in frontier["data"])
+    table = body[body.index('id="accuracy-adversarial-table"'):]
+    cells = re.findall(r"<td[^>]*>(.*?)</td>", table[: table.index("</table>")])
+    assert cells[5] == "–"  # × clean: the clean run's last round has no figure
+
+
 @pytest.mark.django_db(transaction=True)
 def test_the_same_decision_posted_twice_at_once_is_audited_once(world, monkeypatch):
     """A double click sends the same decision twice at once. With no later round to lock (the

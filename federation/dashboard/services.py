@@ -1593,10 +1593,13 @@ def accuracy_page(run_id=None, *, operator: bool = False) -> AccuracyPage:
     page.adversarial = list(doc.get("adversarial") or [])
     last = max((r for r in page.summary if r.get("method") == "synapse" and r.get("round") is not None),
                key=lambda r: r["round"], default=None)
+    # The run's own SYNAPSE accuracy at its last round; None where that round was not measured
+    # (under drift, no held-out query of the categories in use: `summarize` stores null).
+    final = last.get("accuracy_mean") if last else None
     # "× clean" against the run's own SYNAPSE only when that run had no adversaries; else none
     # (a ratio to a poisoned run would flatter the sweep).
     clean = last and not (doc.get("config") or {}).get("adversarial_fraction")
-    page.adversarial_table = _adversarial_table(page.adversarial, clean and last["accuracy_mean"])
+    page.adversarial_table = _adversarial_table(page.adversarial, final if clean else None)
     page.clean_to_target = _share(doc.get("targeting") or {}) if clean else None
     if any(r.get("adversarial_mode") in CAMOUFLAGED_MODES for r in page.adversarial):
         page.camouflage_share = (doc.get("config") or {}).get("camouflage_share")
@@ -1698,19 +1701,19 @@ def accuracy_page(run_id=None, *, operator: bool = False) -> AccuracyPage:
         own_k = config.get("min_users", SimulationConfig().min_users)
         is_swept = ((config.get("epsilon"), config.get("mask_strength")) in swept
                     or any(r.get("min_users", 1) == own_k for r in page.release_sweep))
-        if last and auroc is not None and not is_swept:
+        if final is not None and auroc is not None and not is_swept:
             # The run's own configuration, played on the same splits as its sweeps: where the
             # operating point sits among them.
             # Named in the legend and on hover, with no label beside it: one printed over the
             # swept points' own labels (the demo's star sits by its λ = 0 point).
             frontier.add_trace(go.Scatter(
-                x=[auroc], y=[last["accuracy_mean"]], mode="markers",
+                x=[auroc], y=[final], mode="markers",
                 marker={"symbol": "star", "size": 14, "color": "#111"},
                 name=f"this run's configuration (ε={config.get('epsilon')}, "
                      f"λ={config.get('mask_strength')})",
                 cliponaxis=False,
             ))
-            accuracies.append(last["accuracy_mean"])
+            accuracies.append(final)
         frontier.add_vline(x=0.5, line={"dash": "dot", "color": "#888"},
                            annotation_text="chance (AUROC 0.5)")
         # At least 5 points of accuracy either side of the points: autorange would stretch a
