@@ -1867,6 +1867,24 @@ def test_the_overview_flags_a_client_whose_submissions_were_refused_for_unmasked
     assert "submission.unmasked" in audit and "not masked at λ = 1" in audit and "Pemberton" not in audit
 
 
+def test_the_unmasked_refusals_link_lists_that_clients_entries_only(client, world, valid_doc):
+    """The overview's "N refused: unmasked text" beside a client linked to every
+    submission.unmasked entry of every client and round: b1's 2 among a1's. It now filters by the
+    client's organization and actor and the open round's opening day."""
+    services.open_round(SYSTEM)
+    valid_doc["scenarios"][0]["text"] = "Will it rain on Mr. Pemberton's 40 acres?"
+    for who, key in ((world.client_b, "k1"), (world.client_b, "k2"), (world.client_a, "k3")):
+        with pytest.raises(submissions.UnmaskedText):
+            submissions.submit(who, json.dumps(valid_doc).encode(), key)
+    client.force_login(world.operator)
+    body = client.get(reverse("dashboard:overview")).content.decode()
+    links = re.findall(r'<a class="warn-text refused-unmasked" href="([^"]+)"', body)
+    assert len(links) == 2
+    [link] = [html.unescape(x) for x in links if "org-b" in html.unescape(x)]
+    listed = client.get(link).context["page_obj"].object_list
+    assert [e.target_id for e in listed] == [str(world.client_b.pk)] * 2
+
+
 def test_the_operator_changes_the_federation_settings_in_the_browser(client, world):
     url = reverse("dashboard:settings")
     client.force_login(world.member_a)
