@@ -394,7 +394,8 @@ def audit_period(since: str = "", until: str = "") -> dict:
 
 def filtered_audit_log(entries: QuerySet, params) -> QuerySet:
     """The audit entries (already scoped to what the caller may see) narrowed by the API's
-    filters: action, organization (slug), actor (label), target_type, since, until. Raises
+    filters: action, organization (slug), actor (label), target_type, target_id, round (the
+    round an entry is about, its details' round), since, until. Raises
     InvalidRequest naming a malformed filter."""
     action = params.get("action")
     if action:
@@ -407,6 +408,12 @@ def filtered_audit_log(entries: QuerySet, params) -> QuerySet:
         entries = entries.filter(actor_label=params["actor"])
     if params.get("target_type"):
         entries = entries.filter(target_type=params["target_type"])
+    if params.get("target_id"):
+        entries = entries.filter(target_id=params["target_id"])
+    if params.get("round"):
+        if not params["round"].isdigit() or len(params["round"]) > 9:
+            raise InvalidRequest(f"round must be a round number, not {params['round'][:40]!r}")
+        entries = entries.filter(details__round=int(params["round"]))
     return entries.filter(**audit_period(params.get("since") or "", params.get("until") or ""))
 
 

@@ -1869,20 +1869,42 @@ def test_the_overview_flags_a_client_whose_submissions_were_refused_for_unmasked
 
 def test_the_unmasked_refusals_link_lists_that_clients_entries_only(client, world, valid_doc):
     """The overview's "N refused: unmasked text" beside a client linked to every
-    submission.unmasked entry of every client and round: b1's 2 among a1's. It now filters by the
-    client's organization and actor and the open round's opening day."""
-    services.open_round(SYSTEM)
+    submission.unmasked entry of every client and round: b1's 2 among a1's. It now lists the
+    entries it counted: that client's (not those of b10, whose name extends b1's), in the open
+    round (not an earlier round's of the same client)."""
+    open_round = services.open_round(SYSTEM)
+    b10 = services.enroll_client(SYSTEM, world.org_b, "b10")
+    services.approve_client(SYSTEM, b10)
+    b10.refresh_from_db()
     valid_doc["scenarios"][0]["text"] = "Will it rain on Mr. Pemberton's 40 acres?"
-    for who, key in ((world.client_b, "k1"), (world.client_b, "k2"), (world.client_a, "k3")):
+    for who, key in ((world.client_b, "k1"), (world.client_b, "k2"), (world.client_a, "k3"),
+                     (b10, "k4")):
         with pytest.raises(submissions.UnmaskedText):
             submissions.submit(who, json.dumps(valid_doc).encode(), key)
+    # b1's refusal of an earlier round, as that round's submission would have left it
+    services.audit(SYSTEM, AuditLog.Action.SUBMISSION_UNMASKED, target=world.client_b,
+                   organization=world.org_b, details={"round": open_round.number + 7})
     client.force_login(world.operator)
     body = client.get(reverse("dashboard:overview")).content.decode()
-    links = re.findall(r'<a class="warn-text refused-unmasked" href="([^"]+)"', body)
-    assert len(links) == 2
-    [link] = [html.unescape(x) for x in links if "org-b" in html.unescape(x)]
-    listed = client.get(link).context["page_obj"].object_list
+    links = {html.unescape(href): n for href, n in re.findall(
+        r'<a class="warn-text refused-unmasked" href="([^"]+)"[^>]*>(\d+) refused', body)}
+    assert sorted(links.values()) == ["1", "1", "2"]
+    [link] = [href for href, n in links.items() if n == "2"]
+    page = client.get(link)
+    listed = page.context["page_obj"].object_list
     assert [e.target_id for e in listed] == [str(world.client_b.pk)] * 2
+    assert f"in round {open_round.number}" in page.content.decode()
+    # the narrowing survives the filter form: its hidden fields carry it
+    form = page.content.decode().split('id="audit-filters"')[1].split("</form>")[0]
+    assert f'name="target_id" value="{world.client_b.pk}"' in form
+    assert f'name="round" value="{open_round.number}"' in form
+
+
+def test_the_audit_page_refuses_a_round_filter_that_is_not_a_round_number(client, world):
+    client.force_login(world.operator)
+    response = client.get(reverse("dashboard:audit"), {"round": "3; DROP"})
+    assert response.status_code == 400
+    assert "round must be a round number" in response.content.decode()
 
 
 def test_the_operator_changes_the_federation_settings_in_the_browser(client, world):

@@ -1512,6 +1512,22 @@ def test_audit_log_scope_and_filters(world, role, visible):
     assert api.get("/api/v1/admin/audit/?since=2999-01-01T00:00:00Z").json()["count"] == 0
 
 
+def test_audit_log_filters_by_target_and_round(world):
+    """target_type with target_id names one object's entries; round, the round a submission
+    refusal was about. A round that is not a number is a 400 naming it."""
+    for client, number in ((world.client_a, 1), (world.client_a, 2), (world.client_b, 2)):
+        services.audit(SYSTEM, AuditLog.Action.SUBMISSION_UNMASKED, target=client,
+                       organization=client.organization, details={"round": number})
+    api = _api_for(world, "operator")
+    base = "/api/v1/admin/audit/?action=submission.unmasked&target_type=client"
+    rows = api.get(f"{base}&target_id={world.client_a.pk}").json()["results"]
+    assert sorted(r["details"]["round"] for r in rows) == [1, 2]
+    rows = api.get(f"{base}&target_id={world.client_a.pk}&round=2").json()["results"]
+    assert [(r["target_id"], r["details"]["round"]) for r in rows] == [(str(world.client_a.pk), 2)]
+    refused = api.get("/api/v1/admin/audit/?round=two")
+    assert refused.status_code == 400 and "round must be a round number" in refused.json()["detail"]
+
+
 @pytest.mark.parametrize(
     ("role", "visible"),
     [("operator", {"org-a", "org-b"}), ("admin_a", {"org-a"}), ("admin_b", {"org-b"})],
@@ -1610,7 +1626,7 @@ def test_list_filters_answer_a_detail_naming_the_parameter(world, path, params, 
     ("path", "params", "unknown", "takes"),
     [
         ("/api/v1/admin/audit/", {"sinse": "2999-01-01"}, "sinse",
-         "action, organization, actor, target_type, since, until, limit, offset"),
+         "action, organization, actor, target_type, target_id, round, since, until, limit, offset"),
         ("/api/v1/admin/audit/", {"organisation": "org-a", "limit": "5"}, "organisation", "since"),
         ("/api/v1/admin/clients/", {"state": "revoked"}, "state", "status, organization, limit"),
         ("/api/v1/admin/people/", {"status": "admin"}, "status", "organization, role, limit"),

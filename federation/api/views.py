@@ -937,7 +937,9 @@ class PersonResetPasswordView(_PersonView):
         OpenApiParameter("action", str, enum=AuditLog.Action.values),
         OpenApiParameter("organization", str, description="organization slug"),
         OpenApiParameter("actor", str, description="username (or 'system', 'merge pipeline')"),
-        OpenApiParameter("target_type", str),
+        OpenApiParameter("target_type", str, description="e.g. client, round, organization"),
+        OpenApiParameter("target_id", str, description="the target's id, with target_type"),
+        OpenApiParameter("round", int, description="entries about that round (their details' round)"),
         OpenApiParameter(
             "since", str,
             description="a date YYYY-MM-DD (from that day on, inclusive) or an ISO 8601 datetime "
@@ -957,7 +959,8 @@ class AuditLogView(FederationView, generics.ListAPIView):
     authentication_classes = PEOPLE_AUTH
     permission_classes = [IsPerson]
     query_parameters = (
-        "action", "organization", "actor", "target_type", "since", "until", *PAGINATION
+        "action", "organization", "actor", "target_type", "target_id", "round", "since", "until",
+        *PAGINATION,
     )
     serializer_class = AuditLogSerializer
 

@@ -675,7 +675,8 @@ class AuditView(DashboardView):
             page_obj=page_obj,
             actions=AuditLog.Action.values,
             filters={k: self.request.GET.get(k, "")[:100]
-                     for k in ("action", "organization", "actor", "since", "until")},
+                     for k in ("action", "organization", "actor", "since", "until",
+                               "target_type", "target_id", "round")},
         )
         return context
 
