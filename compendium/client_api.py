@@ -551,6 +551,13 @@ class SynapseClient:
         response = self.request("GET", path, **kwargs)
         if response.status_code in (401, 403):
             raise self._auth_error(response)
+        if response.status_code == 404 and not _api_answer(response):
+            # a page of a proxy or another site, or the server's own HTML 404 for a --server
+            # with a path it does not serve (the API is under /api/, answering JSON)
+            raise ClientError(
+                f"{failure}: HTTP 404 from {self.server}, not an answer of the SYNAPSE API "
+                f"({_detail(response)}): check --server"
+            )
         if response.status_code != 200:
             raise ClientError(f"{failure} (HTTP {response.status_code}): {_detail(response)}")
         return self._json(response, what)

@@ -1244,3 +1244,45 @@ def test_json_files_with_a_key_given_twice_are_refused_naming_the_file_and_the_k
     params.write_text('{"top_k": 7, "weights": {}, "top_k": 3}')
     with pytest.raises(RoutingParamsError, match=f'{params}.*duplicate key "top_k"'):
         RoutingParams.load(params)
+
+
+@pytest.mark.parametrize(
+    "call, failure",
+    [(lambda client, tmp: client.rounds("open"), "cannot list rounds"),
+     (lambda client, tmp: client.submissions(1), "cannot list this client's submissions"),
+     (lambda client, tmp: client.schema(), "cannot download the schema"),
+     (lambda client, tmp: client.fetch_probe(tmp / "probe.json"), "cannot download the probe set")],
+)
+def test_a_404_page_that_is_not_the_apis_says_to_check_the_server_on_every_request(
+    tmp_path, call, failure
+):
+    """A --server with a path the SYNAPSE server does not serve (https://host/synapse when the
+    API is at https://host/api/v1/) answers the server's own HTML 404 page. `pull` said to check
+    --server; `status`, `submit` and `participate`, which start with the round list, said
+    "cannot list rounds (HTTP 404): SYNAPSE · SYNAPSE", the page's title, and nothing more."""
+    import httpx
+
+    page = b"<!DOCTYPE html><html><head><title>SYNAPSE \xc2\xb7 SYNAPSE</title></head></html>"
+    client = SynapseClient("http://server.test/synapse", TOKEN, retries=0,
+                           transport=httpx.MockTransport(lambda request: httpx.Response(
+                               404, headers={"Content-Type": "text/html"}, content=page)))
+    with pytest.raises(ClientError) as failed:
+        call(client, tmp_path)
+    said = str(failed.value)
+    assert said.startswith(f"{failure}: HTTP 404 from http://server.test/synapse, not an answer "
+                           "of the SYNAPSE API"), said
+    assert said.endswith("check --server"), said
+    assert not (tmp_path / "probe.json").exists()
+
+
+@pytest.mark.django_db(transaction=True)
+def test_the_cli_names_a_server_path_that_is_not_the_api(live_server, world, capsys, settings):
+    """Against the real server, with a --server path it does not serve: one line that says to
+    check --server, and the server's 404 page is named for what it is."""
+    settings.DEBUG = False
+    assert main(["status", "--server", live_server.url + "/synapse", "--token", world.token_a,
+                 "--retries", "0"]) == 1
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1
+    assert "cannot list rounds: HTTP 404" in err and "not an answer of the SYNAPSE API" in err
+    assert "(Not found · SYNAPSE)" in err and err.rstrip().endswith("check --server")
