@@ -562,13 +562,24 @@ class SynapseClient:
             raise ClientError(f"{failure} (HTTP {response.status_code}): {_detail(response)}")
         return self._json(response, what)
 
-    def _results(self, path: str, failure: str, what: str, params: dict) -> list[dict[str, Any]]:
-        """The objects of the first page of a paginated list (`{"results": [...]}`)."""
+    def _page(
+        self, path: str, failure: str, what: str, params: dict
+    ) -> tuple[list[dict[str, Any]], int]:
+        """The objects of the first page of a paginated list (`{"count", "results": [...]}`),
+        and how many the whole list holds (its `count`; the page's length when it has none)."""
         body = self._get_json(path, failure, what, params=params)
         results = body.get("results") if isinstance(body, dict) else None
         if not isinstance(results, list):
             raise ClientError(f"the server's answer to {what} has no 'results' list")
-        return [r for r in results if isinstance(r, dict)]
+        objects = [r for r in results if isinstance(r, dict)]
+        count = body.get("count")
+        if isinstance(count, bool) or not isinstance(count, int) or count < len(objects):
+            count = len(objects)
+        return objects, count
+
+    def _results(self, path: str, failure: str, what: str, params: dict) -> list[dict[str, Any]]:
+        """The objects of the first page of a paginated list (`{"results": [...]}`)."""
+        return self._page(path, failure, what, params)[0]
 
     def rounds(self, state: str | None = None) -> list[dict[str, Any]]:
         """The latest rounds (newest first; the server's first page), optionally in one state."""
@@ -585,8 +596,13 @@ class SynapseClient:
     def submissions(self, round_number: int | None = None) -> list[dict[str, Any]]:
         """This client's own submissions as the server recorded them, newest first (the
         server's first page): round, time, sha256, sizes, entry counts, whether in effect."""
+        return self.counted_submissions(round_number)[0]
+
+    def counted_submissions(self, round_number: int | None = None) -> tuple[list[dict[str, Any]], int]:
+        """`submissions` (the newest, the server's first page) and how many this client made
+        in all (of `round_number`), past that page too."""
         params = {"round": round_number} if round_number is not None else {}
-        return self._results(
+        return self._page(
             "/api/v1/submissions/", "cannot list this client's submissions", "the submission list",
             params,
         )

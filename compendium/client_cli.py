@@ -918,7 +918,9 @@ def cmd_status(args: argparse.Namespace) -> int:
         server_date = client.server_date  # the server's clock judges the deadline
         published = client.rounds("published")
         current = max(open_rounds, key=lambda r: r["number"]) if open_rounds else None
-        mine = client.submissions(current["number"]) if current else []
+        # the newest page, and how many there are in all: a cron's participate may have
+        # replaced more submissions in the round than one page lists
+        mine, made = client.counted_submissions(current["number"]) if current else ([], 0)
     missing = False
     if current is None:
         print("no round is open: nothing to submit to now")
@@ -963,7 +965,7 @@ def cmd_status(args: argparse.Namespace) -> int:
                 + (f" ({sent} sent, {encoding})" if sent is not None else "")
                 + (f"; {entries}" if entries else "")
             )
-        replaced = len(mine) - len(effective)
+        replaced = made - len(effective)
         if replaced:
             print(f"  ({replaced} earlier submission(s) of this round replaced by the one above)")
     if published:

@@ -733,8 +733,8 @@ def test_status_reads_a_submission_whose_entry_counts_are_not_an_object(monkeypa
     """The submission list's `entry_counts` as another shape than an object: status says the
     rest of what it knows, not an AttributeError traceback."""
     monkeypatch.setattr(SynapseClient, "rounds", lambda self, state=None: [{"number": 4}])
-    monkeypatch.setattr(SynapseClient, "submissions", lambda self, number=None: [
-        {"in_effect": True, "sha256": "ab" * 32, "size_bytes": 10, "entry_counts": counts}])
+    monkeypatch.setattr(SynapseClient, "counted_submissions", lambda self, number=None: ([
+        {"in_effect": True, "sha256": "ab" * 32, "size_bytes": 10, "entry_counts": counts}], 1))
     assert main(["status", "--server", NOWHERE, "--token", TOKEN]) == 0
     out = capsys.readouterr().out
     assert "this client submitted at None: sha256 abababababab…, 10 bytes\n" in out

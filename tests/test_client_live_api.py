@@ -166,6 +166,30 @@ def test_status_tells_a_client_where_it_stands(live_server, world, valid_doc, tm
                  world.token_b, "--backoff", "0"]) == 3
 
 
+def test_status_counts_every_replaced_submission_of_the_round_past_one_page(
+    live_server, world, valid_doc, tmp_path, capsys
+):
+    """`status` counted the replaced submissions of the open round on the first page of GET
+    /api/v1/submissions/ (50): a client whose cron ran `participate` 80 times in a round read
+    "(49 earlier submission(s) of this round replaced ...)". It counts them all now."""
+    rnd = services.open_round(services.Actor(None))
+    Submission.objects.bulk_create(
+        Submission(client=world.client_a, round=rnd, idempotency_key=f"r1-old-{i}",
+                   request_sha256=f"{i:064x}", response={"round": 1, "sha256": f"{i:064x}"})
+        for i in range(79)  # replaced: no compendium version in effect
+    )
+    doc_path = tmp_path / "c.json"
+    doc_path.write_text(json.dumps(dict(valid_doc, masking={"strength": 1.0, "masked_fraction": 0.3})),
+                        encoding="utf-8")
+    server = ["--server", live_server.url, "--token", world.token_a, "--backoff", "0"]
+    assert main(["submit", str(doc_path), *server]) == 0
+    capsys.readouterr()
+    assert main(["status", "--require-submitted", *server]) == 0
+    out = capsys.readouterr().out
+    assert "this client submitted at " in out
+    assert "(79 earlier submission(s) of this round replaced by the one above)" in out, out
+
+
 def test_status_names_how_the_latest_global_routes_the_probe_set(live_server, world, capsys):
     from federation.models import MergeRecord
 
