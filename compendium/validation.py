@@ -199,9 +199,13 @@ def parse_document(
             return doc, []
     if isinstance(data, bytes | bytearray | memoryview):
         try:
-            data = bytes(data).decode("utf-8")
+            # without the byte order mark Windows tools write first (Notepad, PowerShell 5's
+            # Out-File): RFC 8259 lets a parser ignore it, as `synapse-client` does its files
+            data = bytes(data).decode("utf-8-sig")
         except UnicodeDecodeError as exc:
             return None, [Violation("$", f"not valid UTF-8 at byte {exc.start}: {exc.reason}")]
+    elif data.startswith("\ufeff"):
+        data = data[1:]
     try:
         return (
             json.loads(
