@@ -169,6 +169,30 @@ def _too_long(where: str, what: str, value: str, limit: int) -> None:
         )
 
 
+def _json_type(value: Any) -> str:
+    """What a JSON value is, in JSON's words ("a list", not Python's)."""
+    if isinstance(value, bool):
+        return "a boolean"
+    if isinstance(value, int | float):
+        return "a number"
+    if isinstance(value, dict):
+        return "an object"
+    if isinstance(value, list):
+        return "a list"
+    return "a string" if isinstance(value, str) else "null"
+
+
+def _optional_text(item: dict[str, Any], key: str, where: str, what: str | None = None) -> str:
+    """`item[key]` when it is a string, "" when absent or null; anything else refused naming it
+    (str() of a list or an object stored Python's repr of it as the tool's name or category)."""
+    value = item.get(key)
+    if value is None:
+        return ""
+    if not isinstance(value, str):
+        raise RegistryFormatError(f"{where}: {what or key} must be a string, not {_json_type(value)}")
+    return value
+
+
 def _tool(item: dict[str, Any], where: str) -> ToolSpec:
     known = {"tool_id", "name", "description", "category"}
     missing = [k for k in ("tool_id", "description") if not isinstance(item.get(k), str)]
@@ -177,8 +201,11 @@ def _tool(item: dict[str, Any], where: str) -> ToolSpec:
     tool_id = item["tool_id"].strip()
     if not tool_id:
         raise RegistryFormatError(f"{where}: blank tool_id")
-    name = str(item.get("name") or item.get("display_name") or item["tool_id"])
-    category = str(item.get("category") or "")
+    if not item["description"].strip():  # required: what the tool does
+        raise RegistryFormatError(f"{where}: blank description")
+    name = (_optional_text(item, "name", where) or _optional_text(item, "display_name", where)
+            or item["tool_id"])
+    category = _optional_text(item, "category", where)
     for what, value in (("tool_id", tool_id), ("name", name), ("description", item["description"]),
                         ("category", category)):
         _storable(where, what, value)
@@ -234,18 +261,24 @@ def tools_from_mcp(doc: Any, source: str = "MCP result") -> list[ToolSpec]:
         wheres.append(where)
         if not isinstance(item, dict) or not isinstance(item.get("name"), str):
             raise RegistryFormatError(f"{where}: a tool needs a string 'name'")
-        spec = {"inputSchema": item.get("inputSchema") or {"type": "object"}}
+        schema = item.get("inputSchema")
+        if schema is not None and not isinstance(schema, dict):  # MCP: a JSON Schema object
+            raise RegistryFormatError(
+                f"{where}: inputSchema must be a JSON Schema object, not {_json_type(schema)}"
+            )
+        spec = {"inputSchema": schema or {"type": "object"}}
         if item.get("annotations"):
             spec["annotations"] = item["annotations"]
+        annotations = item.get("annotations") if isinstance(item.get("annotations"), dict) else {}
+        title = _optional_text(item, "title", where)
         tools.append(
             _tool(
                 {
                     "tool_id": item["name"],
-                    "name": item.get("title") or item["name"],
-                    "description": item.get("description") or item.get("title") or item["name"],
-                    "category": (item.get("annotations") or {}).get("category", "")
-                    if isinstance(item.get("annotations"), dict)
-                    else "",
+                    "name": title or item["name"],
+                    "description": item.get("description") or title or item["name"],
+                    "category": _optional_text(annotations, "category", where,
+                                               "annotations.category"),
                     **spec,
                 },
                 where,

@@ -595,3 +595,48 @@ def test_twins_stored_before_the_rule_do_not_stop_a_reimport_of_either():
     result = import_registry([ToolSpec(tool_id="x", description="new"),
                               ToolSpec(tool_id="X", description="d")])
     assert (result.created, result.updated, result.unchanged) == (0, 1, 1)
+
+
+@pytest.mark.parametrize("tool, message", [
+    ('{"tool_id": "b", "description": "y", "category": ["maps", "travel"]}',
+     "tools.jsonl:2: category must be a string, not a list"),
+    ('{"tool_id": "b", "description": "y", "category": 3}',
+     "tools.jsonl:2: category must be a string, not a number"),
+    ('{"tool_id": "b", "description": "y", "name": {"en": "B"}}',
+     "tools.jsonl:2: name must be a string, not an object"),
+    ('{"tool_id": "b", "description": "y", "name": false}',
+     "tools.jsonl:2: name must be a string, not a boolean"),
+    ('{"tool_id": "b", "description": "  "}', "tools.jsonl:2: blank description"),
+])
+def test_a_tool_whose_fields_are_not_text_is_refused_naming_the_line(tmp_path, tool, message):
+    """The format's name, category and description are strings, the description required: a
+    list or an object there was stored as Python wrote it ("['maps', 'travel']" became the
+    tool's category, which splits tools across simulated organizations), and a blank
+    description was imported as the tool's description."""
+    folder = _dataset(tmp_path / "d", [{"query": "hi", "tool_id": "a"}],
+                      tools=('{"tool_id": "a", "description": "x"}', tool))
+    with pytest.raises(RegistryFormatError, match=re.escape(message)):
+        load_registry(folder)
+    # absent or null: the defaults, as before
+    fine = tmp_path / "fine.jsonl"
+    fine.write_text('{"tool_id": "b", "description": "y", "name": null, "category": null}\n')
+    assert [(t.name, t.category) for t in load_registry(fine)] == [("b", "")]
+
+
+@pytest.mark.parametrize("tool, message", [
+    ({"name": "a", "description": "d", "inputSchema": "object"},
+     "tools[0]: inputSchema must be a JSON Schema object, not a string"),
+    ({"name": "a", "description": "d", "inputSchema": [{"type": "object"}]},
+     "tools[0]: inputSchema must be a JSON Schema object, not a list"),
+    ({"name": "a", "description": "d", "title": 7}, "tools[0]: title must be a string, not a number"),
+    ({"name": "a", "description": "d", "annotations": {"category": ["x"]}},
+     "tools[0]: annotations.category must be a string, not a list"),
+])
+def test_an_mcp_tool_whose_fields_are_not_what_mcp_says_is_refused(tmp_path, tool, message):
+    """An MCP tool's inputSchema is a JSON Schema object, its title and annotations text: a
+    string or a list as inputSchema was stored as the tool's spec, and a title or category of
+    another type as Python's repr of it."""
+    path = tmp_path / "tools.json"
+    path.write_text(json.dumps({"tools": [tool]}))
+    with pytest.raises(RegistryFormatError, match=re.escape(f"{path}: {message}")):
+        load_registry(path)
