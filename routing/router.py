@@ -746,8 +746,11 @@ class Router:
 
     def _nothing_to_rank(self) -> RoutingDecision:
         """No reranker decides: the compendium has no scenario (and no head to route without),
-        or every tool it could name is excluded."""
-        why = "no active tools" if self.excluded_tools & set(self.index.tool_names) else "no scenarios"
+        or every tool it could name is excluded. Some excluded while others are not (under
+        `none`, which does not read the head that knows them) is still "no scenarios": those
+        tools are active, and fusion routes to them."""
+        known = set(self.index.tool_names)
+        why = "no active tools" if known and known <= self.excluded_tools else "no scenarios"
         return RoutingDecision(None, 0.0, True, [], [], None, None, why, public_fallback_reason=why)
 
     RANKED = 5  # tools a decision's ranking lists

@@ -1317,3 +1317,35 @@ def test_scenarios_of_equal_cosine_are_taken_in_scenario_order_whatever_top_k(en
         assert all(d.ranking == shown[1].ranking for d in shown.values()), reranker
         assert [c["tool"] for c in shown[50].candidates] == ["a"] * 30 + ["b"] * 20
         assert [c["tool"] for c in shown[5].candidates] == ["a"] * 5
+
+
+def test_no_scenario_of_an_active_tool_is_not_said_to_be_no_active_tool(engine):
+    """A global without scenarios routes by its linear head (tools the public probe set taught
+    it) under fusion; under `none` nothing is ranked, and the README says why: "no scenarios".
+    With one of the head's tools deactivated, `none` answered "no active tools" though the others
+    are active (and fusion routes to them); that phrase is for every tool the global could name
+    deactivated."""
+    tools = ["calc", "fx", "weather"]
+    head = LinearHead(tools, np.zeros((3, engine.dimension), dtype=np.float32),
+                      np.array([0.0, 5.0, 0.0], dtype=np.float32))
+    empty = Compendium(scenarios=[])
+    for excluded in ((), ("calc",)):
+        bare = Router(empty, engine, "none", params=RoutingParams(), head=head,
+                      excluded_tools=excluded)
+        decision = bare.route("Convert 100 US dollars into euros")
+        assert (decision.tool, decision.reranker, decision.fallback_reason) == (
+            None, None, "no scenarios"), excluded
+        assert bare.with_reranker("fusion").route("Convert 100 US dollars").tool == "fx"
+    # every tool deactivated: "no active tools" under either reranker
+    for reranker in ("none", "fusion"):
+        nothing = Router(empty, engine, reranker, params=RoutingParams(), head=head,
+                         excluded_tools=tools).route("Convert 100 US dollars")
+        assert (nothing.tool, nothing.fallback_reason) == (None, "no active tools"), reranker
+    # scenarios of deactivated tools only, the head knowing active ones without scenarios:
+    # `none` has nothing to rank among the active tools' (absent) scenarios
+    some = Compendium(scenarios=[Scenario(tool_id="calc", text="Do math with numbers")])
+    head2 = LinearHead(tools, np.zeros((3, engine.dimension), dtype=np.float32),
+                       np.array([0.0, 5.0, 0.0], dtype=np.float32))
+    bare = Router(some, engine, "none", params=RoutingParams(), head=head2, excluded_tools=["calc"])
+    assert bare.route("Add 2 and 2").fallback_reason == "no scenarios"
+    assert bare.with_reranker("fusion").route("Add 2 and 2").tool == "fx"
