@@ -62,6 +62,20 @@ class ToolIdRefused(ValueError):
     """A tool id new to the registry that may not join it (new_tool_id_problem), in words."""
 
 
+class RegistryTooLarge(ValueError):
+    """An import or edit that would leave more active tools than a global compendium can publish
+    (an entry per tool, at most the schema's limits.metadata), in words."""
+
+
+def _too_many_active(count: int) -> str | None:
+    limit = Schema().limits.metadata
+    if count > limit:
+        return (f"the registry would hold {count} active tools; the limit is {limit} per "
+                "compendium (every global publishes an entry per active tool: deactivate tools "
+                "in the admin first)")
+    return None
+
+
 def new_tool_id_problem(tool_id: str, keys: dict[str, str] | None = None) -> str | None:
     """Why `tool_id`, not in the registry yet, may not be added to it (None when it may): it
     reads otherwise than it is stored (tool_id_problem), or as a tool id the registry holds
@@ -81,8 +95,9 @@ def new_tool_id_problem(tool_id: str, keys: dict[str, str] | None = None) -> str
 @transaction.atomic
 def import_registry(tools: Iterable[ToolSpec]) -> ImportResult:
     """Create or update registry entries by tool id (idempotent). A tool id new to the registry
-    that new_tool_id_problem refuses (the look-alike of a stored one) is ToolIdRefused, and
-    nothing is stored."""
+    that new_tool_id_problem refuses (the look-alike of a stored one) is ToolIdRefused, more active
+    tools than a global can publish (with those the file leaves active) RegistryTooLarge; either
+    way nothing is stored."""
     with connection.cursor() as cursor:
         # imports one after the other: of two adding twins at once, the second sees the first's
         # (select_for_update locks the rows there are, not the ones a concurrent import adds)
@@ -117,6 +132,9 @@ def import_registry(tools: Iterable[ToolSpec]) -> ImportResult:
             updated.append(current)
         else:
             unchanged += 1
+    active = sum(1 for t in existing.values() if t.active and t.tool_id not in named) + len(named)
+    if problem := _too_many_active(active):  # each file under the limit, two together past it
+        raise RegistryTooLarge(problem)
     Tool.objects.bulk_create(created, batch_size=500)
     if updated:
         Tool.objects.bulk_update(
@@ -182,6 +200,8 @@ def schema_problem(changed: Tool | NumericField) -> str | None:
               if not (isinstance(changed, NumericField) and f.pk == changed.pk)]
     if isinstance(changed, Tool) and changed.active:
         tools.append(changed)
+        if problem := _too_many_active(len(tools)):
+            return problem
     elif isinstance(changed, NumericField):
         fields.append(changed)
     try:

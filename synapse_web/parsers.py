@@ -55,6 +55,10 @@ def lone_surrogate(data) -> str | None:
 class BoundedJSONParser(JSONParser):
     def parse(self, stream, media_type=None, parser_context=None):
         encoding = get_encoding(parser_context or {})
+        if codecs.lookup(encoding).name == "utf-8":
+            # a byte order mark first (a file Notepad or PowerShell 5 saved, sent with curl
+            # --data-binary @file) is ignored, as RFC 8259 allows and the submissions endpoint does
+            encoding = "utf-8-sig"
         try:
             decoded_stream = codecs.getreader(encoding)(stream)
             data = json.load(

@@ -613,6 +613,22 @@ def test_a_json_body_holding_a_lone_surrogate_is_400_naming_where(world, method,
 
 
 @pytest.mark.django_db
+def test_a_json_body_with_a_byte_order_mark_first_is_read_as_its_file_shows(world):
+    """A body a Windows tool saved (a UTF-8 byte order mark first, sent with curl --data-binary
+    @file) was a 400, "Unexpected UTF-8 BOM", on every endpoint but submissions; RFC 8259 lets a
+    parser ignore it. A mark after the first character is still not JSON."""
+    api = person_api(world.operator)
+    created = api.post("/api/v1/admin/organizations/", '\ufeff{"name": "Org C"}'.encode(),
+                       content_type="application/json")
+    assert created.status_code == 201, created.content
+    inside = api.post("/api/v1/admin/organizations/", ' \ufeff{"name": "Org D"}'.encode(),
+                      content_type="application/json")
+    assert inside.status_code == 400 and "JSON parse error" in inside.json()["detail"]
+    assert list(Organization.objects.filter(name__startswith="Org ").values_list("name", flat=True)
+                .order_by("name")) == ["Org A", "Org B", "Org C"]
+
+
+@pytest.mark.django_db
 @pytest.mark.parametrize(
     "method, path, body, key",
     [

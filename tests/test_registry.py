@@ -476,6 +476,36 @@ def test_a_registry_larger_than_a_compendium_can_publish_is_refused(tmp_path):
 
 
 @pytest.mark.django_db
+def test_two_imports_together_past_what_a_compendium_can_publish_are_refused(tmp_path):
+    """The 20,000-tool limit was checked per file: 15,000 tools, then a file of 5,001 others,
+    left 20,001 active tools, and every merge failed. The second import is refused whole, naming
+    the count, and the admin refuses to reactivate a tool past the limit."""
+    from compendium.services import schema_problem
+
+    def write(name, ids):
+        path = tmp_path / name
+        path.write_text("".join(json.dumps({"tool_id": f"t{i}", "description": "d"}) + "\n"
+                                for i in ids))
+        return path
+
+    call_command("import_tools", str(write("first.jsonl", range(15_000))), stdout=io.StringIO())
+    Tool.objects.filter(tool_id="t0").update(active=False)
+    second = write("second.jsonl", range(15_000, 20_001))
+    call_command("import_tools", str(second), stdout=io.StringIO())  # 19,999 + 5,001 = 20,000
+    assert Tool.objects.filter(active=True).count() == 20_000
+    more = write("more.jsonl", [20_001])
+    with pytest.raises(CommandError, match=re.escape(
+            "would hold 20001 active tools; the limit is 20000 per compendium")):
+        call_command("import_tools", str(more))
+    assert not Tool.objects.filter(tool_id="t20001").exists()
+    # the same file again changes nothing and passes: its tools are already active
+    call_command("import_tools", str(second), stdout=io.StringIO())
+    inactive = Tool.objects.get(tool_id="t0")
+    inactive.active = True
+    assert "would hold 20001 active tools" in schema_problem(inactive)
+
+
+@pytest.mark.django_db
 def test_the_operator_cannot_give_a_tool_a_description_no_global_could_publish():
     """The admin's form asks `schema_problem` before a registry row is saved."""
     from compendium.schema import ToolSpec

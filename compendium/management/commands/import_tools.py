@@ -1,7 +1,7 @@
 from django.core.management.base import BaseCommand, CommandError
 
 from compendium.registry import RegistryFormatError, load_registry
-from compendium.services import ToolIdRefused, import_registry
+from compendium.services import RegistryTooLarge, ToolIdRefused, import_registry
 
 
 class Command(BaseCommand):
@@ -20,7 +20,7 @@ class Command(BaseCommand):
             raise CommandError(str(exc)) from None
         try:
             result = import_registry(tools)
-        except ToolIdRefused as exc:
+        except (ToolIdRefused, RegistryTooLarge) as exc:
             raise CommandError(f"{path}: {exc}; nothing was imported") from None
         untouched = (
             f"; {result.not_named} active tools of the registry are not in this file and stay "
