@@ -1447,9 +1447,9 @@ def retry_round(actor: Actor, rnd: Round | int) -> Round:
             f"made, or only by clients revoked since), so its merge would fail again at once; "
             f"open the next round instead"
         )
-    _refuse_over_budget(
-        accounting.epsilon_budget(), accounting.round_reservation(rnd), f"retrying round {rnd.number}"
-    )
+    refusal = retry_budget_refusal(rnd)
+    if refusal:
+        raise BudgetExceeded(refusal)
     rnd.failure_reason = ""
     rnd.attempt += 1
     rnd.attempt_started_at = timezone.now()
@@ -1457,6 +1457,16 @@ def retry_round(actor: Actor, rnd: Round | int) -> Round:
     audit(actor, AuditLog.Action.ROUND_RETRY, target=rnd, details={"previous_failure": reason})
     _send_round_closed(rnd)
     return rnd
+
+
+def retry_budget_refusal(rnd: Round) -> str:
+    """Why the privacy budget refuses a retry of the failed `rnd` now ("" when it fits): a failed
+    round holds no reservation, and a retry takes it again (`retry_round`; `round_status` says so
+    rather than name a retry that would be refused)."""
+    return accounting.budget_refusal(
+        accounting.round_reservation(rnd), f"retrying round {rnd.number}",
+        accounting.epsilon_budget(),
+    )
 
 
 def pipeline_outcome(rnd: Round) -> str:

@@ -129,6 +129,45 @@ def test_round_status_names_why_a_round_failed_and_its_retry(registry):
     ), out.getvalue()
 
 
+def test_round_status_does_not_name_retry_round_for_a_round_the_budget_refuses(registry):
+    """Found by audit: a failed round whose retry the privacy budget refuses (its reservation no
+    longer fits: a later round reserved the rest) was listed with "manage.py retry_round N runs it
+    again", and retry_round then refused it."""
+    from compendium.schema import Compendium
+    from compendium.services import store_compendium
+    from federation.models import Submission
+    from federation.pipeline import fail_round
+
+    system = services.Actor.system("tests")
+    services.update_settings(system, epsilon_budget=10.0)
+    # ε = 10 under a field cap F* = 1: one client an edge releases its numeric fields (at a
+    # smaller ε nothing would be released, and a round would reserve nothing)
+    config = {"epsilon": 10.0, "field_cap": 1}
+    organization = Organization.objects.create(name="Org", slug="org")
+    client = Client.objects.create(organization=organization, name="c1",
+                                   status=Client.Status.APPROVED)
+    rnd = services.open_round(system, config)
+    assert rnd.fields_not_released == []
+    version = store_compendium(Compendium.model_validate({"scenarios": [
+        {"tool_id": "weather", "text": "Will it rain"}]}), kind="client", round=rnd, client=client)
+    Submission.objects.create(client=client, round=rnd, idempotency_key="k", version=version,
+                              request_sha256="0" * 64, response={})
+    services.close_round(system, rnd)
+    fail_round(rnd.pk, "the worker died")  # a failed round holds no reservation
+    services.open_round(system, config)  # and the next round takes the whole budget
+    with pytest.raises(CommandError, match="privacy budget"):
+        call_command("retry_round", "1", stdout=io.StringIO())
+    out = io.StringIO()
+    call_command("round_status", stdout=out)
+    line = out.getvalue().splitlines()[-1]
+    assert line.startswith("round 1: failed") and "retry_round 1 runs it again" not in line, line
+    assert line.endswith(
+        "(the privacy budget refuses its retry now: retrying round 1 (projected round spend "
+        "ε = 10) would bring the federation's committed ε′ from 10 to 20 (basic composition), "
+        "above its privacy budget of 10 (committed: 0 round(s) recorded in the ledger, 1 reserved by "
+        "rounds not released yet))"), line
+
+
 @pytest.mark.parametrize("last", ["0", "-1"])
 def test_round_status_wants_at_least_one_round(last):
     # -1 was a ValueError traceback, 0 said "no round yet" whatever the rounds were

@@ -2,7 +2,12 @@ from django.core.management.base import BaseCommand, CommandError
 from django.db.models import Count, Q
 
 from federation.models import Client, Round
-from federation.services import MAX_ROUND_NUMBER, published_after, submissions_to_merge
+from federation.services import (
+    MAX_ROUND_NUMBER,
+    published_after,
+    retry_budget_refusal,
+    submissions_to_merge,
+)
 
 # The rounds whose merge has yet to read their submissions.
 UNREAD = (Round.State.OPEN, Round.State.CLOSING, Round.State.FAILED)
@@ -48,11 +53,15 @@ class Command(BaseCommand):
 
 def _retry(rnd: Round) -> str:
     """What the operator can do with a failed round: it named `retry_round` for rounds that
-    retry_round refuses (a later round published, or nothing to merge)."""
+    retry_round refuses (a later round published, nothing to merge, or its reservation past the
+    privacy budget)."""
     later = published_after(rnd)
     if later is not None:
         return (f"round {later} is published after it, so it cannot be retried: globals are "
                 "published in round order")
     if not submissions_to_merge(round=rnd).exists():
         return "it has no submission to merge, so it cannot be retried: open the next round instead"
+    refusal = retry_budget_refusal(rnd)
+    if refusal:
+        return f"the privacy budget refuses its retry now: {refusal}"
     return f"manage.py retry_round {rnd.number} runs it again"
