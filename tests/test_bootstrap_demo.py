@@ -129,10 +129,9 @@ def test_round_status_names_why_a_round_failed_and_its_retry(registry):
     ), out.getvalue()
 
 
-def test_round_status_does_not_name_retry_round_for_a_round_the_budget_refuses(registry):
-    """Found by audit: a failed round whose retry the privacy budget refuses (its reservation no
-    longer fits: a later round reserved the rest) was listed with "manage.py retry_round N runs it
-    again", and retry_round then refused it."""
+def _failed_round_the_budget_refuses_to_retry():
+    """Round 1 failed with a submission to merge, and round 2, opened since, reserved the whole ε
+    budget: a failed round holds no reservation, so retrying round 1 would take it again."""
     from compendium.schema import Compendium
     from compendium.services import store_compendium
     from federation.models import Submission
@@ -157,15 +156,41 @@ def test_round_status_does_not_name_retry_round_for_a_round_the_budget_refuses(r
     services.open_round(system, config)  # and the next round takes the whole budget
     with pytest.raises(CommandError, match="privacy budget"):
         call_command("retry_round", "1", stdout=io.StringIO())
+
+
+BUDGET_REFUSES_RETRY = (
+    "the privacy budget refuses its retry now: retrying round 1 (projected round spend "
+    "ε = 10) would bring the federation's committed ε′ from 10 to 20 (basic composition), "
+    "above its privacy budget of 10 (committed: 0 round(s) recorded in the ledger, 1 reserved by "
+    "rounds not released yet)"
+)
+
+
+def test_round_status_does_not_name_retry_round_for_a_round_the_budget_refuses(registry):
+    """Found by audit: a failed round whose retry the privacy budget refuses (its reservation no
+    longer fits: a later round reserved the rest) was listed with "manage.py retry_round N runs it
+    again", and retry_round then refused it."""
+    _failed_round_the_budget_refuses_to_retry()
     out = io.StringIO()
     call_command("round_status", stdout=out)
     line = out.getvalue().splitlines()[-1]
     assert line.startswith("round 1: failed") and "retry_round 1 runs it again" not in line, line
-    assert line.endswith(
-        "(the privacy budget refuses its retry now: retrying round 1 (projected round spend "
-        "ε = 10) would bring the federation's committed ε′ from 10 to 20 (basic composition), "
-        "above its privacy budget of 10 (committed: 0 round(s) recorded in the ledger, 1 reserved by "
-        "rounds not released yet))"), line
+    assert line.endswith(f"({BUDGET_REFUSES_RETRY})"), line
+
+
+def test_the_overview_offers_no_retry_the_budget_refuses(registry, client):
+    """The Overview's Retry on such a round answered a 409 with the budget's reason once pressed;
+    it now says that reason in its place, as round_status does."""
+    import html
+
+    from django.contrib.auth import get_user_model
+    from django.urls import reverse
+
+    _failed_round_the_budget_refuses_to_retry()
+    client.force_login(get_user_model().objects.create_superuser("op", "op@example.org", "pw"))
+    body = html.unescape(client.get(reverse("dashboard:overview")).content.decode())
+    assert reverse("dashboard:round-action", args=[1, "retry"]) not in body
+    assert BUDGET_REFUSES_RETRY in body
 
 
 @pytest.mark.parametrize("last", ["0", "-1"])

@@ -91,6 +91,9 @@ class RoundRow:
     # A failed round: the first later round published (None: none), after which it can never be
     # retried (`federation.services.published_after`: globals are published in round order).
     published_after: int | None = None
+    # A failed round the operator could otherwise retry: why the privacy budget refuses its retry
+    # now ("" when it fits; `federation.services.retry_budget_refusal`, as retry_round refuses).
+    retry_refusal: str = ""
 
 
 @dataclass
@@ -137,7 +140,12 @@ def federation_overview(
     a failed round's reason as `viewer` may read it. The table holds the latest `max_rounds`
     rounds.
     """
-    from federation.services import failure_reason_for, round_figures, submissions_to_merge
+    from federation.services import (
+        failure_reason_for,
+        retry_budget_refusal,
+        round_figures,
+        submissions_to_merge,
+    )
 
     rounds = list(
         round_figures(Round.objects.order_by("-number"), organizations.values_list("pk", flat=True))
@@ -168,7 +176,11 @@ def federation_overview(
     published = sorted(r.number for r in rounds if r.state == Round.State.PUBLISHED)
     for r in rounds:
         if r.state == Round.State.FAILED:
-            rows[r.pk].published_after = next((n for n in published if n > r.number), None)
+            row = rows[r.pk]
+            row.published_after = next((n for n in published if n > r.number), None)
+            if include_unpublished and row.published_after is None and row.mergeable:
+                # the operator's Retry: not offered where retry_round would refuse it
+                row.retry_refusal = retry_budget_refusal(r)
 
     submissions = CompendiumVersion.objects.filter(
         kind=KIND_CLIENT, round_id__in=round_ids, client__organization__in=organizations
