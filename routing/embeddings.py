@@ -232,9 +232,10 @@ class _OnnxMiniLM:
 class _LengthBatched:
     """A sentence-transformers model whose batches hold texts of one token length only. A text
     padded beside a longer one gets another vector (in fp32 up to 1.8e-7 a coordinate, in
-    bfloat16 up to 2.5e-3, measured on MetaTool queries). In bfloat16, texts of one length give
-    each the vector it has alone, bit for bit, whatever the batch's size or the thread count
-    (measured), so a text's vector is the same in the server's batches at publication, in
+    bfloat16 up to 2.5e-3, measured on MetaTool queries). In bfloat16 without AMX tiles, texts of
+    one length give each the vector it has alone, bit for bit, whatever the batch's size or the
+    thread count (measured; with AMX they do not: `default_model`), so a text's vector is the
+    same in the server's batches at publication, in
     /route (one query), /route/batch and a client's own embedding of a pulled global; in fp32
     on more than one thread the last bits can still differ (up to 1.3e-7, measured on two).
     Less padding is also less work (fp32: 25.5 s against 29.1 s for 4,000 queries). Vectors
@@ -509,11 +510,27 @@ def bf16_native() -> bool:
     return _bf16_native
 
 
+def amx_tiles() -> bool:
+    """Whether this CPU has AMX tiles (Intel Sapphire Rapids and later), which torch's oneDNN
+    uses for bfloat16 matrix products."""
+    try:
+        import torch
+
+        return bool(torch.cpu._is_amx_tile_supported())
+    except Exception:  # no torch, or a build without the check
+        return False
+
+
 def default_model() -> str:
     """The engine for stored embeddings (merges, client builds) when none is configured: the
-    bundled all-MiniLM-L6-v2 in bfloat16 where the CPU computes it natively (cosine to fp32
-    >= 0.9999, twice the speed), else in fp32. `bundled:all-MiniLM-L6-v2` forces fp32."""
-    return BF16_MODEL if bf16_native() else DEFAULT_MODEL
+    bundled all-MiniLM-L6-v2 in bfloat16 where the CPU computes it natively with AVX512-BF16
+    (cosine to fp32 >= 0.9999, twice the speed, and a text's vector the same in any batch of
+    its length), else in fp32. With AMX tiles, oneDNN's kernels make a bfloat16 vector depend on
+    its batch even among texts of one length (17 of 40 MetaTool queries, up to 1.3e-3 a
+    coordinate, measured on 2026-12-03), and bfloat16 kept off AMX was slower than fp32 (1.35
+    against 1.14 s for 300 queries): fp32 there. `bundled:all-MiniLM-L6-v2` forces fp32,
+    `bf16:all-MiniLM-L6-v2` bfloat16."""
+    return BF16_MODEL if bf16_native() and not amx_tiles() else DEFAULT_MODEL
 
 
 def get_engine(model: str | None = None) -> EmbeddingEngine:
