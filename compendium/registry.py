@@ -22,6 +22,7 @@ from typing import Any
 from pydantic import ValidationError
 
 from compendium.schema import ToolSpec
+from compendium.usage_log import json_type
 from compendium.validation import (
     TWIN_IDS,
     DuplicateKey,
@@ -169,19 +170,6 @@ def _too_long(where: str, what: str, value: str, limit: int) -> None:
         )
 
 
-def _json_type(value: Any) -> str:
-    """What a JSON value is, in JSON's words ("a list", not Python's)."""
-    if isinstance(value, bool):
-        return "a boolean"
-    if isinstance(value, int | float):
-        return "a number"
-    if isinstance(value, dict):
-        return "an object"
-    if isinstance(value, list):
-        return "a list"
-    return "a string" if isinstance(value, str) else "null"
-
-
 def _optional_text(item: dict[str, Any], key: str, where: str, what: str | None = None) -> str:
     """`item[key]` when it is a string, "" when absent or null; anything else refused naming it
     (str() of a list or an object stored Python's repr of it as the tool's name or category)."""
@@ -189,7 +177,7 @@ def _optional_text(item: dict[str, Any], key: str, where: str, what: str | None 
     if value is None:
         return ""
     if not isinstance(value, str):
-        raise RegistryFormatError(f"{where}: {what or key} must be a string, not {_json_type(value)}")
+        raise RegistryFormatError(f"{where}: {what or key} must be a string, not {json_type(value)}")
     return value
 
 
@@ -264,7 +252,7 @@ def tools_from_mcp(doc: Any, source: str = "MCP result") -> list[ToolSpec]:
         schema = item.get("inputSchema")
         if schema is not None and not isinstance(schema, dict):  # MCP: a JSON Schema object
             raise RegistryFormatError(
-                f"{where}: inputSchema must be a JSON Schema object, not {_json_type(schema)}"
+                f"{where}: inputSchema must be a JSON Schema object, not {json_type(schema)}"
             )
         spec = {"inputSchema": schema or {"type": "object"}}
         if item.get("annotations"):

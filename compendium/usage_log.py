@@ -179,7 +179,7 @@ def _unicode(key: str, value: str) -> str:
     return value
 
 
-def _json_type(value: Any) -> str:
+def json_type(value: Any) -> str:
     """What a decoded JSON value is, in JSON's words (not Python's "NoneType", "list", "int")."""
     if value is None:
         return "null"
@@ -197,7 +197,7 @@ def _string(item: dict, key: str, required: bool = True) -> str | None:
     if value is None and not required:
         return None
     if not isinstance(value, str):
-        kind = "missing" if key not in item else f"{_json_type(value)}, not a string"
+        kind = "missing" if key not in item else f"{json_type(value)}, not a string"
         raise ValueError(f"'{key}' is {kind}")
     if not value.strip():
         raise ValueError(f"'{key}' is empty")
@@ -230,7 +230,7 @@ def parse_record(
     `known_tools` and `max_flags` (the schema's registry and its limit on preconditions) make a
     line the schema could never carry an error of that line, not of the built compendium."""
     if not isinstance(item, dict):
-        raise ValueError(f"expected a JSON object, got {_json_type(item)}")
+        raise ValueError(f"expected a JSON object, got {json_type(item)}")
     query = _string(item, "query")
     tool = _string(item, "tool").strip()
     outcome = item.get("outcome")

@@ -629,13 +629,13 @@ def test_twins_stored_before_the_rule_do_not_stop_a_reimport_of_either():
 
 @pytest.mark.parametrize("tool, message", [
     ('{"tool_id": "b", "description": "y", "category": ["maps", "travel"]}',
-     "tools.jsonl:2: category must be a string, not a list"),
+     "tools.jsonl:2: category must be a string, not an array"),
     ('{"tool_id": "b", "description": "y", "category": 3}',
      "tools.jsonl:2: category must be a string, not a number"),
     ('{"tool_id": "b", "description": "y", "name": {"en": "B"}}',
      "tools.jsonl:2: name must be a string, not an object"),
     ('{"tool_id": "b", "description": "y", "name": false}',
-     "tools.jsonl:2: name must be a string, not a boolean"),
+     "tools.jsonl:2: name must be a string, not true or false"),
     ('{"tool_id": "b", "description": "  "}', "tools.jsonl:2: blank description"),
 ])
 def test_a_tool_whose_fields_are_not_text_is_refused_naming_the_line(tmp_path, tool, message):
@@ -657,10 +657,10 @@ def test_a_tool_whose_fields_are_not_text_is_refused_naming_the_line(tmp_path, t
     ({"name": "a", "description": "d", "inputSchema": "object"},
      "tools[0]: inputSchema must be a JSON Schema object, not a string"),
     ({"name": "a", "description": "d", "inputSchema": [{"type": "object"}]},
-     "tools[0]: inputSchema must be a JSON Schema object, not a list"),
+     "tools[0]: inputSchema must be a JSON Schema object, not an array"),
     ({"name": "a", "description": "d", "title": 7}, "tools[0]: title must be a string, not a number"),
     ({"name": "a", "description": "d", "annotations": {"category": ["x"]}},
-     "tools[0]: annotations.category must be a string, not a list"),
+     "tools[0]: annotations.category must be a string, not an array"),
 ])
 def test_an_mcp_tool_whose_fields_are_not_what_mcp_says_is_refused(tmp_path, tool, message):
     """An MCP tool's inputSchema is a JSON Schema object, its title and annotations text: a
