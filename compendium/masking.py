@@ -191,10 +191,17 @@ _BARE_ADDRESS = (
     _HOST_ADDRESS
     + r"|(?<![\w.%+\-@])@(?=[\w.\-]{0,63}[^\W\d_])\w(?:[\w.\-]{0,62}\w)?+(?![\w@])"
 )
+# An address copied from a URL's query, its "@" written "%40" ("jdoe%40contoso.com"): the local
+# part was a word (most often the person's name) and the domain a URL.
+_PERCENT_MAIL = (
+    r"(?:(?!%40)" + _MAIL_LOCAL_CHAR + r"){1,64}+%40" + _MAIL_LABEL + r"(?:\." + _MAIL_LABEL
+    + r"){0,8}\.[^\W\d_]{2,24}(?![\w])"
+)
 # What the server's scrub of unmasked text (compendium.scrub, for rounds at λ = 0) shares: an
 # e-mail address written to dodge filters, one on a host without a top-level domain, and a
 # number spelled out in number words.
 OBFUSCATED_MAIL_PATTERN = _OBFUSCATED_MAIL
+PERCENT_MAIL_PATTERN = _PERCENT_MAIL
 HOST_ADDRESS_PATTERN = _HOST_ADDRESS
 NUMBER_WORD_PATTERN = _NUMBER_WORD
 # A URL: after any scheme ("ftp://fileserver/john", "file:///home/...", not only http(s)://), after
@@ -206,7 +213,7 @@ _PATH = r"/[^\s<>\"'\]\)]{0,2000}[^\s<>\"'\]\).,;:!?]"
 _REST = (
     # (possessive: "@" is not among the local part's characters, so giving some back finds none)
     r"|(?P<email>" + _MAIL_LOCAL_CHAR + r"{1,64}+@" + _MAIL_LABEL + r"(?:\." + _MAIL_LABEL + r"){0,8}"
-    r"\.[^\W\d_]{2,24}|" + _OBFUSCATED_MAIL + r"|" + _BARE_ADDRESS + r")"
+    r"\.[^\W\d_]{2,24}|" + _PERCENT_MAIL + r"|" + _OBFUSCATED_MAIL + r"|" + _BARE_ADDRESS + r")"
     r"|(?P<url>(?:" + _SCHEME + r"|www\.)[^\s<>\"'\]\)]{0,2000}[^\s<>\"'\]\).,;:!?]"
     r"|\b" + _LABEL + r"(?:\." + _LABEL + r"){0,8}\.(?i:com|org|net|io|edu|gov|co|ai|dev|app|info"
     r"|biz|me|us|uk|de|fr|eu)\b(?:" + _PATH + r")?"

@@ -21,6 +21,7 @@ from compendium.masking import (
     HOST_ADDRESS_PATTERN,
     MAIL_LOCAL_CHAR,
     OBFUSCATED_MAIL_PATTERN,
+    PERCENT_MAIL_PATTERN,
     TextMasker,
     normalized,
 )
@@ -48,7 +49,9 @@ SPACED_DIGITS = re.compile(r"(?<![\w.-])\d(?:[ .-]\d){5,}(?![\w])")
 # "john dot smith at gmail dot com") or on a host without a top-level domain (the
 # "hunter@dbserver" of "admin:hunter@dbserver"), as masking reads them: the round's λ = 0 let them
 # through the client, and EMAIL did not know them.
-DODGED_EMAIL = re.compile(OBFUSCATED_MAIL_PATTERN + "|" + HOST_ADDRESS_PATTERN)
+DODGED_EMAIL = re.compile(
+    OBFUSCATED_MAIL_PATTERN + "|" + HOST_ADDRESS_PATTERN + "|" + PERCENT_MAIL_PATTERN
+)
 # A number spelled a digit at a time in words, or words and digits ("four eight two one five
 # six", "4 eight 2 one 5 six", "Nine-Zero-Seven-..."): 6 or more, as SPACED_DIGITS, at least one
 # a word (digits alone are SPACED_DIGITS's; "pages 1, 2, 3, 4, 5, 6" stays).
@@ -63,9 +66,11 @@ _MAY_CONTAIN = re.compile(r"[\d@]")  # without either, only DODGED_EMAIL and SPE
 
 
 def _may_dodge(text: str, low: str) -> bool:
-    """Whether `text` (`low` its lower case) has what DODGED_EMAIL needs: an "@", a "dot", or
-    an "at" with a bracket (substring tests: the pattern itself is slow to try everywhere)."""
-    return "@" in text or "dot" in low or ("at" in low and any(b in text for b in "([{<"))
+    """Whether `text` (`low` its lower case) has what DODGED_EMAIL needs: an "@" or its URL
+    encoding "%40", a "dot", or an "at" with a bracket (substring tests: the pattern itself is
+    slow to try everywhere)."""
+    return ("@" in text or "%40" in text or "dot" in low
+            or ("at" in low and any(b in text for b in "([{<")))
 
 
 def _may_spell(low: str) -> bool:

@@ -156,3 +156,12 @@ def test_personal_flag_names_are_violations_at_their_scenario_never_echoed():
                  preconditions=dict.fromkeys(ORDINARY_FLAGS[:32], True)),
     ])
     assert personal_flag_names(ordinary) == []
+
+
+def test_a_percent_encoded_email_address_is_scrubbed():
+    """"%40" is how a URL writes "@": an address copied from one reached the server whole in a
+    round at λ = 0."""
+    result = scrub_text("forward to margaret.thornbury%40contoso.com please")
+    assert result.text == "forward to [email] please"
+    assert result.counts["email"] == 1
+    assert scrub_text("a 40% discount at contoso.com").total == 0
