@@ -185,8 +185,13 @@ _OBFUSCATED_MAIL = (
 # An address on a host without a top-level domain ("john@localhost", the "hunter@dbserver" of
 # "admin:hunter@dbserver") and a handle ("@john_smith", "@jane.doe"): the "@" was punctuation and
 # the lower-case name beside it a common word. A host or a handle holds a letter ("2@3.99", "@5"
-# stay as they are), and an "@" with a space after it is not one.
-_HOST_ADDRESS = _MAIL_LOCAL_CHAR + r"{1,64}+@[^\W\d_](?:[^\W_]|-){0,62}+(?![\w@])"
+# stay as they are), and an "@" with a space after it is not one. So is an address at an IP
+# literal ("jane@[192.168.0.1]", "bob@[IPv6:2001:db8::1]"): the digits became [NUMBER] and the
+# name before the "@" left as a word.
+_HOST_ADDRESS = (
+    _MAIL_LOCAL_CHAR + r"{1,64}+@[^\W\d_](?:[^\W_]|-){0,62}+(?![\w@])"
+    + r"|" + _MAIL_LOCAL_CHAR + r"{1,64}+@\[(?i:IPv6:)?[0-9A-Fa-f.:]{2,45}\]"
+)
 _BARE_ADDRESS = (
     _HOST_ADDRESS
     + r"|(?<![\w.%+\-@])@(?=[\w.\-]{0,63}[^\W\d_])\w(?:[\w.\-]{0,62}\w)?+(?![\w@])"

@@ -718,3 +718,20 @@ def test_a_percent_encoded_email_address_is_an_email_address(text, secrets):
         assert "[EMAIL]" in out and not any(s in out for s in secrets), out
     for kept in ("a 40% discount at contoso.com", "100%40 of them"):
         assert "[EMAIL]" not in masker(1.0).mask(kept).text
+
+
+@pytest.mark.parametrize(
+    ("text", "secrets"),
+    [
+        ("mail to jane@[192.168.0.1] today", ("jane", "192")),
+        ("send it to bob.smith@[IPv6:2001:db8::1] now", ("bob", "smith", "2001")),
+    ],
+)
+def test_an_email_address_at_an_ip_literal_is_an_email_address(text, secrets):
+    """RFC 5321's address at an IP literal: the digits became [NUMBER] and the name before the
+    "@" left the client ("mail to jane@[[NUMBER]]") at any λ."""
+    _masked_whole(text, secrets, "EMAIL")
+    for strength in (0.3, 1.0):
+        out = masker(strength).mask(text).text
+        assert "[EMAIL]" in out and not any(s in out for s in secrets), out
+    assert "[EMAIL]" not in masker(1.0).mask("see note [3] @ [12:30]").text

@@ -165,3 +165,9 @@ def test_a_percent_encoded_email_address_is_scrubbed():
     assert result.text == "forward to [email] please"
     assert result.counts["email"] == 1
     assert scrub_text("a 40% discount at contoso.com").total == 0
+
+
+def test_an_email_address_at_an_ip_literal_is_scrubbed():
+    """ "jane@[192.168.0.1]" reached the server whole in a round at λ = 0."""
+    result = scrub_text("mail to jane@[192.168.0.1] today")
+    assert result.text == "mail to [email] today" and result.counts["email"] == 1
