@@ -479,6 +479,14 @@ SYNAPSE_ROUTING_CALL_RETENTION_DAYS = env_number("SYNAPSE_ROUTING_CALL_RETENTION
 SYNAPSE_METRICS_TOKEN = os.environ.get("SYNAPSE_METRICS_TOKEN", "")
 if SYNAPSE_METRICS_TOKEN and len(SYNAPSE_METRICS_TOKEN) < 24:
     raise ImproperlyConfigured("SYNAPSE_METRICS_TOKEN must be at least 24 characters (or unset)")
+# Sent as `Authorization: Bearer <token>`: a blank splits the header (every scrape a 401), and a
+# header's bytes reach Django as Latin-1, so a letter outside ASCII never compares equal.
+if SYNAPSE_METRICS_TOKEN and not re.fullmatch(r"[\x21-\x7e]+", SYNAPSE_METRICS_TOKEN):
+    raise ImproperlyConfigured(
+        "SYNAPSE_METRICS_TOKEN holds a blank or a character outside ASCII, which an "
+        "Authorization header cannot carry: it takes visible ASCII characters only "
+        "(python -c 'import secrets; print(secrets.token_urlsafe(32))')"
+    )
 # --- privacy accounting -------------------------------------------------------------------------
 # The federation's total ε cap (used unless a FederationSettings row sets epsilon_budget) and the
 # δ' of advanced composition.

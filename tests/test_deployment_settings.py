@@ -653,3 +653,28 @@ def test_a_routing_params_file_that_is_not_there_stops_with_one_line(monkeypatch
     given.write_text("{}")
     assert settings_from(monkeypatch, SYNAPSE_ROUTING_PARAMS=str(given))["SYNAPSE_ROUTING_PARAMS"] == str(given)
     assert settings_from(monkeypatch, SYNAPSE_ROUTING_PARAMS="")["SYNAPSE_ROUTING_PARAMS"] == ""
+
+
+@pytest.mark.parametrize(
+    "token",
+    [
+        "prometheus scrape token 2026 for synapse",  # words with spaces
+        " " * 30,  # an unfilled template's blanks
+        "a-long-enough-metrics-token-\u00e9t\u00e9-2026",  # not ASCII
+        "a-long-enough-metrics-token\t2026",
+    ],
+)
+def test_a_metrics_token_no_authorization_header_can_carry_stops_with_one_line(monkeypatch, token):
+    """Found by audit: SYNAPSE_METRICS_TOKEN was only checked for its length, so a token holding
+    a space (or only blanks, or a letter outside ASCII) started the server and then refused every
+    scrape: `Authorization: Bearer <token>` splits at the space ("malformed Authorization
+    header"), and a header's bytes come to Django as Latin-1, so a UTF-8 letter never compares
+    equal. A value the variable cannot take stops start-up naming it, as the README says."""
+    message = refused(monkeypatch, SYNAPSE_METRICS_TOKEN=token)
+    assert message.startswith("SYNAPSE_METRICS_TOKEN"), message
+    assert token not in message  # a secret is never echoed
+
+
+def test_a_metrics_token_of_visible_ascii_is_taken(monkeypatch):
+    token = "Abc-123_~!.+/=" + "x" * 20
+    assert settings_from(monkeypatch, SYNAPSE_METRICS_TOKEN=token)["SYNAPSE_METRICS_TOKEN"] == token
