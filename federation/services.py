@@ -302,12 +302,23 @@ def audit_entry_for(user, entry: AuditLog) -> ShownAudit:
     if can_admin(Actor.for_user(user), entry.organization_id):
         return ShownAudit(details, entry.ip)
     own_action = entry.actor_id is not None and entry.actor_id == user.pk
-    shown = details if details.get("user") == user.get_username() else _without_admin_only(details)
+    shown = details if _about_themself(user, entry) else _without_admin_only(details)
     if not own_action and ({"ip", "address"} & shown.keys()):
         # The entry's address again (a sign-in lock's details name it), or the address a sign-in
         # unlock cleared with the username (the lock's): hidden as it is.
         shown = {key: value for key, value in shown.items() if key not in ("ip", "address")}
     return ShownAudit(shown, entry.ip if own_action else None)
+
+
+def _about_themself(user, entry: AuditLog) -> bool:
+    """Whether `entry` is about `user`'s own login or membership: by what it targets, not by the
+    username its details name, which a login deleted or renamed since may have held before."""
+    if entry.target_type == "user":
+        return entry.target_id == str(user.pk)
+    if entry.target_type == Membership._meta.model_name:
+        membership = membership_of(user)
+        return membership is not None and entry.target_id == str(membership.pk)
+    return False
 
 
 def _without_admin_only(value):

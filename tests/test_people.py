@@ -737,3 +737,25 @@ def test_a_client_s_contact_is_for_the_organization_s_admins_and_the_operator(cl
         csv_text = b"".join(client.get(csv_url).streaming_content).decode()
         for text in (page, body, csv_text):
             assert ("lab9-owner@a.example" in text) is sees, user
+
+
+def test_a_member_reads_no_e_mail_of_a_former_colleague_who_had_the_same_username(client, world):
+    """Found by audit: a read-only member read an entry's details whole when its `user` was their
+    username, so a login deleted in the Django admin (a person who left) and added again under
+    the same username (the next person to get it) showed the new person the former one's e-mail
+    address in the former one's person.add entry (page, CSV and API). An entry is the member's own
+    when it is about their login or their membership, not a username someone else had before."""
+    people.add_person(world.actor(world.admin_a), world.org_a, "dave", "member", "old-dave@a.example")
+    former = get_user_model().objects.get(username="dave")
+    people.admin_login_deleted(world.actor(world.operator), former)
+    former.delete()
+    people.add_person(world.actor(world.admin_a), world.org_a, "dave", "member", "new-dave@a.example")
+    dave = get_user_model().objects.get(username="dave")
+    client.force_login(dave)
+    audit_page = reverse("dashboard:audit")
+    body = client.get(audit_page).content.decode()
+    csv_text = b"".join(client.get(audit_page + "?format=csv").streaming_content).decode()
+    api = person_api(dave).get("/api/v1/admin/audit/?action=person.add").json()["results"]
+    for shown in (body, csv_text, json.dumps(api)):
+        assert "old-dave@a.example" not in shown
+        assert "new-dave@a.example" in shown  # their own entry, whole
