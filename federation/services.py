@@ -126,6 +126,13 @@ def client_ip(request) -> str | None:
     peer = request.META.get("REMOTE_ADDR") or None
     if settings.SYNAPSE_BEHIND_PROXY:
         forwarded = request.META.get("HTTP_X_FORWARDED_FOR", "").split(",")[-1].strip()
+        # Some proxies (Azure Application Gateway) append the client's port too:
+        # "203.0.113.5:4711", "[2001:db8::7]:443". Read as no address, every visitor counted as
+        # the proxy, and 50 failed sign-ins from anyone locked everyone out.
+        with_port = re.fullmatch(r"\[([0-9A-Fa-f:.]+)\](?::\d{1,5})?|(\d{1,3}(?:\.\d{1,3}){3}):\d{1,5}",
+                                 forwarded)
+        if with_port:
+            forwarded = with_port.group(1) or with_port.group(2)
         try:
             address = ipaddress.ip_address(forwarded)
         except ValueError:

@@ -296,6 +296,14 @@ def test_client_ip_trusts_x_forwarded_for_only_behind_a_proxy(settings):
     zoned = factory.get("/", REMOTE_ADDR="10.0.0.2", HTTP_X_FORWARDED_FOR="fe80::1%" + "a" * 300)
     assert client_ip(zoned) == "10.0.0.2"
     assert client_ip(factory.get("/", REMOTE_ADDR="10.0.0.2", HTTP_X_FORWARDED_FOR="2001:db8::7")) == "2001:db8::7"
+    # with the client's port, as Azure Application Gateway appends it: was the proxy's address
+    # for every visitor (one sign-in throttle count for all)
+    for entry, address in (("203.0.113.5:4711", "203.0.113.5"), ("[2001:db8::7]:443", "2001:db8::7"),
+                           ("[2001:db8::8]", "2001:db8::8")):
+        ported = factory.get("/", REMOTE_ADDR="10.0.0.2", HTTP_X_FORWARDED_FOR=f"1.1.1.1, {entry}")
+        assert client_ip(ported) == address, entry
+    for forged in ("203.0.113.5:99999x", "[not-an-address]:443", "203.0.113.5:"):
+        assert client_ip(factory.get("/", REMOTE_ADDR="10.0.0.2", HTTP_X_FORWARDED_FOR=forged)) == "10.0.0.2"
 
 
 # --- every variable the settings read, set to a bad value ------------------------------------------
