@@ -746,3 +746,21 @@ def test_a_run_records_the_code_it_started_with_not_what_is_checked_out_when_it_
     simulation = SimpleNamespace(dataset=SimpleNamespace(name="tiny"), config=SimulationConfig(),
                                  engine=None)
     assert report.run(simulation, [0], Played())["host"]["code"] == "a" * 40
+
+
+def test_the_printed_table_says_when_a_row_is_measured_on_fewer_seeds_than_the_run():
+    """A row some seeds did not measure (under drift, a round with no held-out query of the
+    categories in use) is a mean over the seeds that did: the dashboard shows its seeds and no
+    spread for one seed. The printed table showed "0.800 ± 0.000", a spread over one seed read
+    as over the run's two, and did not say that a seed was missing from the mean."""
+    measured = doc([0], [0.8], 1.0)
+    unmeasured = doc([1], [None], 1.0)
+    unmeasured["results"][0]["macro_accuracy"] = None
+    printed = table(combine([measured, unmeasured, doc([2], [0.6], 1.0)]))
+    row = next(line for line in printed.splitlines() if line.startswith("synapse"))
+    assert row.split()[1:] == ["1", "0.700", "±", "0.141", "0.700", "(2", "of", "3", "seeds)"]
+    printed = table(combine([measured, unmeasured]))
+    row = next(line for line in printed.splitlines() if line.startswith("synapse"))
+    assert row.split()[1:] == ["1", "0.800", "0.800", "(1", "of", "2", "seeds)"]  # no "± 0.000"
+    bm25 = next(line for line in printed.splitlines() if line.startswith("bm25"))
+    assert "seeds)" not in bm25  # measured on every seed: nothing to say

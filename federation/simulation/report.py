@@ -732,7 +732,8 @@ def _spread(mean: float, sd: float, one_seed: bool) -> str:
 
 def table(document: dict[str, Any]) -> str:
     width = max([18] + [len(row["method"]) for row in document["summary"]])
-    one_seed = len(document.get("seeds") or []) == 1
+    run_seeds = len(document.get("seeds") or [])
+    one_seed = run_seeds == 1
     lines = [
         f"{'method':<{width}} {'round':>5} {'accuracy':>16} {'macro':>7}",
         "-" * (width + 32),
@@ -742,9 +743,12 @@ def table(document: dict[str, Any]) -> str:
         if row["accuracy_mean"] is None:  # no seed had a query to score it on
             unmeasured = True
             spread, macro = "n/a", "n/a"
-        else:
-            spread = _spread(row["accuracy_mean"], row["accuracy_sd"], one_seed)
+        else:  # over the seeds that measured it (`summarize`), as the dashboard shows it
+            measured = row.get("seeds", run_seeds)
+            spread = _spread(row["accuracy_mean"], row["accuracy_sd"], measured == 1)
             macro = f"{row['macro_accuracy_mean']:.3f}"
+            if measured < run_seeds:  # a seed left out of the mean is said, never silent
+                macro += f"  ({measured} of {run_seeds} seeds)"
         lines.append(
             f"{row['method']:<{width}} {row['round'] if row['round'] is not None else '-':>5} "
             f"{spread:>16} {macro:>7}"
