@@ -23,6 +23,7 @@ from federation.merge import (
 from federation.merge.clustering import Item, decide_cluster, flags_satisfiable, greedy_cluster
 from federation.merge.operator import noise_dominated
 from federation.merge.robust import byzantine_count
+from federation.merge.summarize import fallback_kinds
 from federation.round_config import RoundConfig
 from routing.embeddings import get_engine
 
@@ -1935,3 +1936,39 @@ def test_an_llm_answer_nested_too_deep_to_parse_is_an_unusable_answer(schema, em
     assert any("not valid JSON" in f["reason"] for f in result.stats.summarizer_fallbacks
                if f.get("tool_id") == "weather" and f["summarizer"] == "llm-single-shot")
 
+
+
+def _templates_only():
+    return [
+        sub("a", templates=[{"tool_id": "weather", "signature": "f(city)", "template": "T1 {city}"}]),
+        sub("b", templates=[{"tool_id": "weather", "signature": "f(city)", "template": "T2 {city}"}]),
+    ]
+
+
+@pytest.mark.parametrize(("method", "answer", "expected"), [
+    ("llm-single-shot", "no JSON here", [("llm-single-shot", "unusable answer")]),
+    ("llm-single-shot", None, [("llm-single-shot", "no LLM endpoint")]),
+    ("textgrad", "no JSON here", [("textgrad", "no template executor"),
+                                  ("llm-single-shot", "unusable answer")]),
+    ("textgrad", None, [("textgrad", "no template executor"),
+                        ("llm-single-shot", "no LLM endpoint")]),
+])
+def test_a_template_merge_that_falls_back_records_its_cause(schema, embed, method, answer,
+                                                             expected):
+    """README, "Summarizers": a fallback is recorded in `stats.summarizer_fallbacks` with its cause
+    (`kind`), which the sweeps count (`fallback_kinds`; a record without one reads as
+    "unrecorded", from before causes were kept). Differing templates merged by an LLM fell back to
+    the majority with records that had no `kind`, and with no LLM endpoint with no record at all,
+    where a scenario cluster records "no LLM endpoint"."""
+
+    class Answers:
+        def complete(self, prompt, system=None, max_tokens=512, json_schema=None):
+            return answer
+
+    result = edge_merge(_templates_only(), schema, RoundConfig(summarizer=method), embed=embed,
+                        llm=None if answer is None else Answers())
+    assert [t.template for t in result.compendium.templates] == ["T1 {city}"]
+    fallbacks = result.stats.summarizer_fallbacks
+    assert [(f["summarizer"], f.get("kind")) for f in fallbacks] == expected
+    assert all(f["tool_id"] == "weather" and f["reason"] for f in fallbacks)
+    assert "unrecorded" not in " ".join(fallback_kinds(result.stats.as_dict()))

@@ -58,6 +58,7 @@ from federation.merge.summarize import (
     Summarizer,
     SummaryUnparseable,
     _parse_summary,
+    fallback_kind,
 )
 from federation.merge.types import (
     ConflictEntry,
@@ -1313,9 +1314,15 @@ def _merge_templates(accepted, config, llm, summarizer, schema, stats):
             if config.summarizer == "textgrad":
                 summarizer.fallbacks.append(
                     {"summarizer": "textgrad", "tool_id": tool_id,
-                     "reason": "templates need a task-success signal; no executor is configured"}
+                     "reason": "templates need a task-success signal; no executor is configured",
+                     "kind": "no template executor"}
                 )
-            if llm is not None:
+            if llm is None:  # the majority stays, recorded as a scenario cluster's fallback is
+                summarizer.fallbacks.append(
+                    {"summarizer": "llm-single-shot", "tool_id": tool_id,
+                     "reason": "no LLM endpoint is configured", "kind": "no LLM endpoint"}
+                )
+            else:
                 try:
                     answer = llm.complete(
                         f"Merge these prompt templates for tool '{tool_id}' and signature "
@@ -1329,7 +1336,7 @@ def _merge_templates(accepted, config, llm, summarizer, schema, stats):
                 except (SummaryUnparseable, LLMUnavailable) as exc:
                     summarizer.fallbacks.append(
                         {"summarizer": "llm-single-shot", "tool_id": tool_id,
-                         "reason": str(exc)[:300]}
+                         "reason": str(exc)[:300], "kind": fallback_kind(exc)}
                     )
         out.append(PromptTemplate(tool_id=tool_id, signature=signature, template=text))
     stats.templates_out = len(out)
