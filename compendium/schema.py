@@ -45,9 +45,12 @@ class NumericFieldSpec(_Strict):
 
     name: str
     kind: NumericKind
-    min: float
-    max: float
-    sensitivity: float = Field(gt=0)
+    # Finite (the paper: "declares finite ranges per numeric field, bounding Δ_m by
+    # construction"): an infinite bound or Δ made the Laplace scale infinite, and the release
+    # only its window's edge.
+    min: float = Field(allow_inf_nan=False)
+    max: float = Field(allow_inf_nan=False)
+    sensitivity: float = Field(gt=0, allow_inf_nan=False)
     unit: str = ""
     description: str = ""
 
@@ -62,6 +65,9 @@ class NumericFieldSpec(_Strict):
     def _range_is_ordered(self) -> NumericFieldSpec:
         if not self.min < self.max:
             raise ValueError(f"min ({self.min}) must be below max ({self.max})")
+        if self.max - self.min == float("inf"):  # both finite, but their distance overflows
+            raise ValueError(f"the range from min ({self.min}) to max ({self.max}) is too wide "
+                             "to be a number: declare a finite width")
         return self
 
 

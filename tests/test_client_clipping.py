@@ -3,6 +3,7 @@ average over the client's users (paper, App. "Multi-user-per-client deployments"
 
 from __future__ import annotations
 
+import math
 import random
 
 import pytest
@@ -264,3 +265,19 @@ def test_the_operator_cannot_declare_a_field_whose_window_leaves_out_its_neutral
     assert problem is not None and "leaves out 0" in problem
     field.sensitivity = 100
     assert schema_problem(field) is None
+
+
+@pytest.mark.parametrize(("lo", "hi", "delta", "named"), [
+    (0, math.inf, 1, "max"),
+    (-math.inf, 0, 1, "min"),
+    (0, 10, math.inf, "sensitivity"),
+    (-1e308, 1e308, 1, "too wide"),
+])
+def test_a_numeric_field_declares_finite_bounds_and_sensitivity(lo, hi, delta, named):
+    """The paper's schema "declares finite ranges per numeric field, bounding Δ_m by
+    construction": an infinite bound or Δ (or a range whose width overflows) was accepted, and
+    the edge's Laplace scale became infinite, its release only the window's edge."""
+    from pydantic import ValidationError
+
+    with pytest.raises(ValidationError, match=named):
+        NumericFieldSpec(name="x", kind=NumericKind.OTHER, min=lo, max=hi, sensitivity=delta)
