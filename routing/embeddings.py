@@ -25,6 +25,7 @@ Two ONNX builds of the same model run on onnxruntime with the bundled model's to
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import io
 import logging
@@ -235,9 +236,9 @@ class _LengthBatched:
     bfloat16 up to 2.5e-3, measured on MetaTool queries). In bfloat16 without AMX tiles, texts of
     one length give each the vector it has alone, bit for bit, whatever the batch's size or the
     thread count (measured; with AMX they do not: `default_model`), so a text's vector is the
-    same in the server's batches at publication, in
-    /route (one query), /route/batch and a client's own embedding of a pulled global; in fp32
-    on more than one thread the last bits can still differ (up to 1.3e-7, measured on two).
+    same in the server's batches at publication, in /route (one query), /route/batch and a
+    client's own embedding of a pulled global; in fp32 on more than one thread the last bits can
+    still differ (up to 1.3e-7, measured on two).
     Less padding is also less work (fp32: 25.5 s against 29.1 s for 4,000 queries). Vectors
     are float32, normalized; a model without a tokenizer to count with is run as it batches."""
 
@@ -494,22 +495,18 @@ _engines: dict[str, EmbeddingEngine] = {}
 _engines_lock = threading.Lock()
 
 
-_bf16_native: bool | None = None
-
-
+@functools.cache
 def bf16_native() -> bool:
     """Whether this CPU computes bfloat16 natively (AVX512-BF16 or AMX), as torch's oneDNN sees it."""
-    global _bf16_native
-    if _bf16_native is None:
-        try:
-            import torch
+    try:
+        import torch
 
-            _bf16_native = bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
-        except Exception:  # no torch, or a build without oneDNN
-            _bf16_native = False
-    return _bf16_native
+        return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    except Exception:  # no torch, or a build without oneDNN
+        return False
 
 
+@functools.cache
 def amx_tiles() -> bool:
     """Whether this CPU has AMX tiles (Intel Sapphire Rapids and later), which torch's oneDNN
     uses for bfloat16 matrix products."""

@@ -1937,7 +1937,6 @@ def test_an_llm_answer_nested_too_deep_to_parse_is_an_unusable_answer(schema, em
                if f.get("tool_id") == "weather" and f["summarizer"] == "llm-single-shot")
 
 
-
 def _templates_only():
     return [
         sub("a", templates=[{"tool_id": "weather", "signature": "f(city)", "template": "T1 {city}"}]),
