@@ -2144,6 +2144,41 @@ def test_one_seeds_sweeps_and_curves_show_no_spread(client, fed):
                      "Sensitivity to the cosine threshold τ (last round)"}
 
 
+def test_a_round_one_seed_measured_draws_no_error_bar_beside_those_that_have_one(client, fed):
+    """Under drift, a round that only one seed of a multi-seed run measured has no spread (the
+    Methods table shows "–"), but its curve drew a "± 0" bar there: plotly draws a null error as
+    0, and a trace's bars are all or none. The bars of the other rounds are still drawn, in the
+    curve's colour and legend group, and the legend lists each method once."""
+    summary = [
+        {"method": "synapse", "round": 1, "seeds": 2, "accuracy_mean": 0.5, "accuracy_sd": 0.02,
+         "macro_accuracy_mean": 0.45},
+        {"method": "synapse", "round": 2, "seeds": 1, "accuracy_mean": 0.6, "accuracy_sd": 0.0,
+         "macro_accuracy_mean": 0.55},
+        {"method": "synapse", "round": 3, "seeds": 2, "accuracy_mean": 0.7, "accuracy_sd": 0.01,
+         "macro_accuracy_mean": 0.65},
+        {"method": "static_global", "round": 1, "seeds": 2, "accuracy_mean": 0.5,
+         "accuracy_sd": 0.02, "macro_accuracy_mean": 0.45},
+        {"method": "static_global", "round": 2, "seeds": 2, "accuracy_mean": 0.55,
+         "accuracy_sd": 0.03, "macro_accuracy_mean": 0.5},
+    ]
+    SimulationRun.objects.create(label="drift", dataset="tiny",
+                                 document={"seeds": [0, 1], "summary": summary})
+    body = login(client, fed, "member_a").get(reverse("dashboard:accuracy")).content.decode()
+    [curves] = [f for f in figures_in(body) if f["layout"]["title"]["text"].startswith("Routing")]
+    bars = {(t["x"][i], t["error_y"]["array"][i], t.get("legendgroup"),
+             t["error_y"].get("color") or t["line"]["color"])
+            for t in curves["data"] if t.get("error_y") for i in range(len(t["x"]))}
+    synapse = next(t for t in curves["data"] if t["name"] == "synapse")
+    static = next(t for t in curves["data"] if t["name"] == "static_global")
+    colour, group = synapse["line"]["color"], synapse.get("legendgroup")
+    assert group and static["line"]["color"] != colour
+    assert {(x, e) for x, e, g, c in bars if g == group and c == colour} == {(1, 0.02), (3, 0.01)}
+    assert static["error_y"]["array"] == [0.02, 0.03]  # a curve with no gap keeps its own bars
+    assert "error_y" not in synapse  # no bar at round 2
+    assert sorted(t["name"] for t in curves["data"] if t.get("showlegend") is not False) == [
+        "static_global", "synapse"]
+
+
 def test_the_empty_conflict_page_speaks_to_the_operator_and_to_a_member(client, world):
     client.force_login(world.operator)
     body = html.unescape(client.get(reverse("dashboard:conflicts")).content.decode())

@@ -10,6 +10,7 @@ import html
 import math
 
 import plotly.graph_objects as go
+import plotly.io as pio
 from django.utils.html import format_html
 from django.utils.safestring import SafeString
 
@@ -43,6 +44,42 @@ def styled(fig: go.Figure, **layout) -> go.Figure:
     """Apply the dashboard's common layout to a figure (later keywords win)."""
     fig.update_layout(**{**LAYOUT, **layout})
     return fig
+
+
+ERROR_BARS = "error bars"  # the `meta` of a companion trace that only draws another's bars
+
+
+def add_with_error_bars(fig: go.Figure, trace: go.Scatter,
+                        errors: list[float | None] | None = None) -> go.Figure:
+    """Add `trace` with an error bar of `errors[i]` on its i-th point; None where the point has
+    no spread to draw (one seed measured it).
+
+    Plotly draws a null error as "± 0", as if the seeds had agreed to the digit, and a trace's bars
+    are all or none. So a trace whose points all have a spread carries its bars, one whose points
+    have none carries none, and one that mixes them (a round that one seed of a multi-seed run
+    measured, under drift) draws its bars from an unlisted, unhovered companion trace of the
+    points that have one, in its colour and legend group (hiding the trace hides its bars).
+    Plotly colours a trace by its place among all traces, companions counted: so every trace
+    added here gets the colour its place among the others would give it, set."""
+    errors = list(errors or [None] * len(trace.y or ()))
+    colorway = pio.templates[LAYOUT["template"]].layout.colorway
+    place = sum(1 for t in fig.data if t.meta != ERROR_BARS)
+    color = trace.line.color or trace.marker.color or colorway[place % len(colorway)]
+    trace.line.color = color
+    if all(e is None for e in errors):
+        return fig.add_trace(trace)
+    if all(e is not None for e in errors):
+        trace.error_y = {"type": "data", "array": errors}
+        return fig.add_trace(trace)
+    trace.legendgroup = group = trace.legendgroup or f"trace {place}"
+    fig.add_trace(trace)
+    measured = [i for i, e in enumerate(errors) if e is not None]
+    return fig.add_trace(go.Scatter(
+        x=[trace.x[i] for i in measured], y=[trace.y[i] for i in measured], mode="markers",
+        marker={"color": color, "opacity": 0},
+        error_y={"type": "data", "array": [errors[i] for i in measured], "color": color},
+        legendgroup=group, showlegend=False, hoverinfo="skip", meta=ERROR_BARS,
+    ))
 
 
 def count_axis(title: str, most: float) -> dict:

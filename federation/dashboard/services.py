@@ -48,7 +48,14 @@ from compendium.models import (
     Tool,
 )
 from compendium.services import numeric_field_spec
-from federation.dashboard.plots import count_axis, literal, render_figure, right_axis, styled
+from federation.dashboard.plots import (
+    add_with_error_bars,
+    count_axis,
+    literal,
+    render_figure,
+    right_axis,
+    styled,
+)
 from federation.merge.operator import noise_dominated, noise_to_window, published_noise_to_window
 from federation.merge.robust import byzantine_count, krum_premise_from, krum_premise_met
 from federation.merge.summarize import LLM_SUMMARIZERS, summary_counts
@@ -1550,13 +1557,11 @@ def _share(counts: dict) -> float | None:
     return 100 * counts.get("victims_routed_to_target", 0) / victims if victims else None
 
 
-def _error_bars(rows: list[dict]) -> dict | None:
-    """A trace's error bars, each row's accuracy sd over its seeds (0 where none is stored); none
-    where every row is of one seed: there is no spread to draw, and plotly would draw and hover
-    "± 0"."""
-    if rows and all(row.get("seeds") == 1 for row in rows):
-        return None
-    return {"type": "data", "array": [row.get("accuracy_sd") or 0 for row in rows]}
+def _spreads(rows: list[dict]) -> list[float | None]:
+    """Each row's accuracy sd over its seeds, the error bar `add_with_error_bars` draws: 0 where
+    a row of several seeds stores none (a document from before sds were kept), None where one
+    seed (or none) measured it: there is no spread to draw."""
+    return [None if row.get("seeds", 2) < 2 else (row.get("accuracy_sd") or 0) for row in rows]
 
 
 def method_colors(methods) -> dict[str, str]:
@@ -1635,12 +1640,11 @@ def accuracy_page(run_id=None, *, operator: bool = False) -> AccuracyPage:
     for method, rows in sorted(by_method.items(), key=lambda item: item[0] == "synapse"):
         stepped = sorted((r for r in rows if r["round"] is not None), key=lambda r: r["round"])
         if stepped:
-            curves.add_trace(go.Scatter(
+            add_with_error_bars(curves, go.Scatter(
                 x=[r["round"] for r in stepped], y=[r["accuracy_mean"] for r in stepped],
-                error_y=_error_bars(stepped),
                 mode="lines+markers", name=method, legendrank=1 if method == "synapse" else 1000,
                 line={"width": 3 if method == "synapse" else 2, "color": colors[method]},
-            ))
+            ), _spreads(stepped))
         for r in rows:
             if r["round"] is None and all_rounds:
                 # markers too: a one-round run's line has no length
@@ -1667,10 +1671,9 @@ def accuracy_page(run_id=None, *, operator: bool = False) -> AccuracyPage:
             groups[(row.get("adversarial_mode", ""), row.get("robust_rule", "none"))].append(row)
         for (mode, rule), rows in sorted(groups.items()):
             rows = sorted(rows, key=lambda r: r.get("adversarial_fraction", 0))
-            adv.add_trace(go.Scatter(
+            add_with_error_bars(adv, go.Scatter(
                 x=[r.get("adversarial_fraction", 0) for r in rows], y=[r["accuracy"] for r in rows],
-                error_y=_error_bars(rows),
-                mode="lines+markers", name=f"{mode} · {rule}"))
+                mode="lines+markers", name=f"{mode} · {rule}"), _spreads(rows))
         styled(adv, title={"text": "Accuracy under adversarial clients"},
                xaxis={"title": {"text": "adversarial fraction"}},
                yaxis={"title": {"text": "accuracy"}, "range": [0, 1]})
@@ -1682,15 +1685,14 @@ def accuracy_page(run_id=None, *, operator: bool = False) -> AccuracyPage:
             by_lambda[row.get("mask_strength")].append(row)
         for lam, rows in sorted(by_lambda.items(), key=lambda kv: kv[0] or 0):
             rows = sorted(rows, key=lambda r: r.get("epsilon", 0))
-            frontier.add_trace(go.Scatter(
+            add_with_error_bars(frontier, go.Scatter(
                 x=[r.get("membership_auroc") for r in rows], y=[r["accuracy"] for r in rows],
-                error_y=_error_bars(rows),
                 text=[f"ε={r.get('epsilon')}" for r in rows], mode="lines+markers+text",
                 textposition="top center", name=f"λ = {lam}", cliponaxis=False,
-            ))
+            ), _spreads(rows))
         if page.release_sweep:
             rows = page.release_sweep
-            frontier.add_trace(go.Scatter(
+            add_with_error_bars(frontier, go.Scatter(
                 x=[r.get("membership_auroc") for r in rows], y=[r["accuracy"] for r in rows],
                 text=[f"k={r.get('min_users')} · " + (
                           "nothing sent" if r.get("bytes_per_client_round", 0) is None
@@ -1738,27 +1740,25 @@ def accuracy_page(run_id=None, *, operator: bool = False) -> AccuracyPage:
         for log in (True, False):
             rows = [r for r in page.contradictions if bool(r.get("conflict_log", True)) == log]
             if rows:
-                conflicts.add_trace(go.Scatter(
+                add_with_error_bars(conflicts, go.Scatter(
                     x=[r.get("contradiction_fraction", 0) for r in rows],
                     y=[r["accuracy"] for r in rows],
-                    error_y=_error_bars(rows),
                     mode="lines+markers",
                     name="with the conflict log" if log else "without the conflict log",
                     line={"dash": "solid" if log else "dash"},
-                ))
+                ), _spreads(rows))
         styled(conflicts, title={"text": "Accuracy under contradictory scenarios"},
                xaxis={"title": {"text": "share of scenarios contradicted"}, "tickformat": ".0%"},
                yaxis={"title": {"text": "accuracy"}, "range": [0, 1]})
         page.charts["contradictions"] = render_figure(conflicts, div_id="accuracy-contradictions")
     if page.tau_sweep:
-        tau = go.Figure(go.Scatter(
+        tau = add_with_error_bars(go.Figure(), go.Scatter(
             x=[r.get("tau") for r in page.tau_sweep], y=[r["accuracy"] for r in page.tau_sweep],
-            error_y=_error_bars(page.tau_sweep),
             text=[f"{r.get('global_scenarios', 0):,.0f} scenarios · dedup {r.get('dedup_rate', 0):.0%}"
                   for r in page.tau_sweep],
             mode="lines+markers+text", textposition="bottom center", name="SYNAPSE",
             cliponaxis=False,  # a label at the top or bottom point stays whole
-        ))
+        ), _spreads(page.tau_sweep))
         styled(tau, title={"text": "Sensitivity to the cosine threshold τ (last round)"},
                xaxis={"title": {"text": "τ"}}, yaxis={"title": {"text": "accuracy"}})
         page.charts["tau"] = render_figure(tau, div_id="accuracy-tau")
