@@ -56,9 +56,27 @@ def ensure_embedded_database(data_dir: Path, conn_max_age: int = 60) -> dict:
             # every database of this server can hold vectors.
             server.psql("\\c template1\nCREATE EXTENSION IF NOT EXISTS vector;")
             marker.touch()
+        _keep_socket_private(server, data_dir)
     # Where the server put its socket: the data folder, or, when that path would be too long
     # for a Unix socket (a checkout deeper than about 80 characters), a runtime folder.
     return _settings(_socket_dir(server, data_dir), conn_max_age)
+
+
+def _keep_socket_private(server, data_dir: Path) -> None:
+    """Make the server's socket its owner's alone (and root's), restarting it once to do so.
+
+    The server trusts every local connection (pgserver's initdb), as superuser, and PostgreSQL
+    makes its socket 0777. In the data folder (0700) only its owner reaches it; but where the
+    folder's path is too long for a socket, pgserver puts it in a runtime folder that any local
+    user can enter (as root, one it makes 0777), so anyone on the machine could read and change
+    the federation's data, or run programs as the server's user. `unix_socket_permissions` is
+    read at start only."""
+    socket = server.get_postmaster_info().socket_path
+    if socket is None or not socket.stat().st_mode & 0o077:
+        return
+    server.psql("ALTER SYSTEM SET unix_socket_permissions = '0700';")
+    stop_embedded_database(data_dir)
+    server.ensure_postgres_running()  # as pgserver started it: same socket folder, same options
 
 
 def embedded_database_settings(data_dir: Path, conn_max_age: int = 60) -> dict:

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import stat
+from pathlib import Path
+
 import pytest
 
 from synapse_web.embedded_db import ensure_embedded_database, stop_embedded_database
@@ -115,5 +118,33 @@ def test_embedded_db_status_and_stop_look_at_the_server_without_starting_it(tmp_
         pid_file.write_text("\n".join(["999999999", *lines[1:]]) + "\n")
         assert embedded_db("status").stdout.strip().endswith(": stopped")
         assert embedded_db("stop").returncode == 1
+    finally:
+        stop_embedded_database(data_dir)
+
+
+def test_the_servers_socket_is_its_owners_alone_even_outside_the_data_folder(tmp_path):
+    """The server trusts every local connection as superuser. A data folder too deep for a
+    socket put it in a runtime folder pgserver makes 0777 as root, and PostgreSQL makes the socket
+    itself 0777: any user of the machine could connect, read and change the federation's data.
+    The socket is now 0700 (root, as whom pgserver runs the server as another user, still
+    connects), and stays so when another process starts the stopped server."""
+    import subprocess
+    import sys
+
+    import psycopg
+
+    data_dir = tmp_path / ("deep-" * 20) / "pgdata"
+    start = ("import sys; from pathlib import Path; from synapse_web.embedded_db import "
+             "ensure_embedded_database; print(ensure_embedded_database(Path(sys.argv[1]))['HOST'])")
+    try:
+        hosts = [ensure_embedded_database(data_dir)["HOST"]]
+        stop_embedded_database(data_dir)
+        hosts.append(subprocess.run([sys.executable, "-c", start, str(data_dir)], check=True,
+                                    capture_output=True, text=True).stdout.strip())
+        assert hosts[0] == hosts[1]
+        [socket] = Path(hosts[1]).glob(".s.PGSQL.*[0-9]")
+        assert stat.S_IMODE(socket.stat().st_mode) == 0o700
+        with psycopg.connect(host=hosts[1], dbname="synapse", user="postgres") as connection:
+            assert connection.execute("SHOW unix_socket_permissions").fetchone() == ("0700",)
     finally:
         stop_embedded_database(data_dir)
