@@ -10,7 +10,6 @@ SYNAPSE_LOGIN_FAILURE_WINDOW_SECONDS.
 
 from __future__ import annotations
 
-import hashlib
 import ipaddress
 import math
 import unicodedata
@@ -19,6 +18,7 @@ from datetime import timedelta
 
 from django.conf import settings
 from django.contrib.auth import get_user_model
+from django.utils.crypto import salted_hmac
 
 from federation import ratelimit
 from federation.models import AuditLog
@@ -26,6 +26,7 @@ from federation.services import Actor, audit, membership_of
 
 USERNAME = "username"
 ADDRESS = "address"
+_UNKNOWN_USERNAME_SALT = "synapse.login_throttle.unknown_username"
 # RateCounter.key holds 200 characters; a username longer than a form accepts (150) is cut.
 _MAX_KEY_USERNAME = 180
 
@@ -167,9 +168,12 @@ def _audit_lock(lock: Lock, username, ip, limit: int, window_s: int, now, actor=
     user = account(username) if username else None
     if user is None and username:
         # Not an account: what was typed may be a password in the wrong field; the log keeps a
-        # digest that tells repeated attempts apart, not the text.
-        digest = hashlib.sha256(username_key(username).encode("utf-8")).hexdigest()[:12]
-        username = f"unknown username (sha256 {digest})"
+        # digest that tells repeated attempts apart, not the text. Keyed with the server's secret:
+        # a plain sha256 let whoever reads the log (an export, a backup) try a list of common
+        # passwords against it offline.
+        digest = salted_hmac(_UNKNOWN_USERNAME_SALT, username_key(username),
+                             algorithm="sha256").hexdigest()[:12]
+        username = f"unknown username (keyed digest {digest})"
     until = ratelimit.window(window_s, now).start + timedelta(seconds=window_s)
     details = {
         "scope": lock.scope,

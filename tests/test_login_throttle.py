@@ -3,12 +3,15 @@ username or address is refused, right password too, on every login form, until t
 
 from __future__ import annotations
 
+import hashlib
 from types import SimpleNamespace
 
 import pytest
 from asgiref.sync import async_to_sync
+from django.conf import settings
 from django.contrib.auth import SESSION_KEY, aauthenticate, authenticate, get_user_model
 from django.test import Client as DjangoClient
+from django.utils.crypto import salted_hmac
 
 from federation import login_throttle, ratelimit
 from federation.models import AuditLog, Membership, RateCounter
@@ -185,10 +188,21 @@ def test_unknown_usernames_are_counted_too(client, people, clock):
     entry = AuditLog.objects.get(action="login.throttled")
     # what was typed is not an account, and may be a password in the wrong field: not kept
     assert entry.target_type == "user" and entry.target_id == ""
-    assert entry.target_label.startswith("unknown username (sha256 ") and "nobody" not in str(
+    assert entry.target_label.startswith("unknown username (keyed digest ") and "nobody" not in str(
         entry.details
     )
     assert entry.organization is None
+    # keyed with the server's secret: a plain sha256 of what was typed (perhaps a password in
+    # the wrong field) could be matched offline against a list of common passwords
+    digest = entry.target_label.removeprefix("unknown username (keyed digest ").rstrip(")")
+    assert digest != hashlib.sha256(b"nobody").hexdigest()[:12]
+
+    def keyed(secret):
+        return salted_hmac(login_throttle._UNKNOWN_USERNAME_SALT,
+                           login_throttle.username_key("nobody"), secret=secret,
+                           algorithm="sha256").hexdigest()[:12]
+
+    assert digest == keyed(settings.SECRET_KEY) != keyed("another secret")
 
 
 def test_lock_is_audited_once_with_username_ip_and_organization(client, people, clock):
