@@ -1182,11 +1182,15 @@ class ProbeImport:
     dataset: str
     imported: int
     tools: int
+    others: dict[str, int]  # the probe set's other datasets (name -> queries), kept beside it
 
 
-def import_probe_set(path, *, per_tool: int | None = None, seed: int = 0) -> ProbeImport:
-    """Replace the probe queries of a dataset by up to `per_tool` labelled queries per tool
-    (a seeded sample) from a routing-benchmark dataset folder."""
+def import_probe_set(path, *, per_tool: int | None = None, seed: int = 0,
+                     only: bool = False) -> ProbeImport:
+    """Replace the probe queries of a dataset (named after its folder) by up to `per_tool`
+    labelled queries per tool (a seeded sample) from a routing-benchmark dataset folder; the
+    probe set is every dataset's queries, so `only` drops the other datasets' (a new release of
+    a benchmark in a folder of another name)."""
     from compendium.registry import load_dataset
 
     dataset = load_dataset(path)
@@ -1201,15 +1205,19 @@ def import_probe_set(path, *, per_tool: int | None = None, seed: int = 0) -> Pro
             picks = sorted(rng.choice(len(queries), size=per_tool, replace=False))
             queries = [queries[i] for i in picks]
         chosen.extend(queries)
-    store_probe_queries(dataset.name, chosen)
-    return ProbeImport(dataset.name, len(chosen), len(by_tool))
+    others = store_probe_queries(dataset.name, chosen, only=only)
+    return ProbeImport(dataset.name, len(chosen), len(by_tool), others)
 
 
 @transaction.atomic
-def store_probe_queries(dataset: str, queries) -> None:
-    """Replace the probe queries of `dataset` by these labelled queries."""
-    ProbeQuery.objects.filter(dataset=dataset).delete()
+def store_probe_queries(dataset: str, queries, *, only: bool = False) -> dict[str, int]:
+    """Replace the probe queries of `dataset` by these labelled queries (`only`: and drop every
+    other dataset's). Returns the other datasets the probe set keeps, with their query counts."""
+    stale = ProbeQuery.objects.all() if only else ProbeQuery.objects.filter(dataset=dataset)
+    stale.delete()
     ProbeQuery.objects.bulk_create(
         [ProbeQuery(dataset=dataset, qid=q.qid, text=q.query, tool_id=q.tool_id) for q in queries],
         batch_size=1000,
     )
+    return dict(ProbeQuery.objects.exclude(dataset=dataset).values("dataset")
+                .annotate(n=Count("id")).order_by("dataset").values_list("dataset", "n"))

@@ -220,6 +220,29 @@ def test_import_probe_set_refuses_duplicate_qids_before_storing(tmp_path):
     assert not ProbeQuery.objects.exists()
 
 
+@pytest.mark.django_db
+def test_a_probe_set_from_a_folder_of_another_name_says_what_it_keeps_and_only_drops_it(tmp_path):
+    """The probe set is every dataset imported, each named after its folder: a benchmark's new
+    release imported from a folder of another name was added beside the old one, silently, and
+    the edges kept using the old queries with no way to drop them but the database shell."""
+    from federation.models import ProbeQuery
+
+    old = _dataset(tmp_path / "bench-v1", [{"query": f"old {n}", "tool_id": "a", "qid": f"q{n}"}
+                                           for n in range(3)])
+    new = _dataset(tmp_path / "bench-v2", [{"query": "new", "tool_id": "a", "qid": "q0"}])
+    call_command("import_probe_set", str(old), stdout=io.StringIO())
+    out = io.StringIO()
+    call_command("import_probe_set", str(new), stdout=out)
+    assert out.getvalue().splitlines() == [
+        "imported 1 probe queries for 1 tools (dataset bench-v2)",
+        "the probe set also holds: bench-v1 (3 queries); --only drops them",
+    ]
+    out = io.StringIO()
+    call_command("import_probe_set", str(new), "--only", stdout=out)
+    assert out.getvalue().splitlines() == ["imported 1 probe queries for 1 tools (dataset bench-v2)"]
+    assert list(ProbeQuery.objects.values_list("dataset", "text")) == [("bench-v2", "new")]
+
+
 @pytest.mark.parametrize(("value", "message"), [
     ("NaN", "not valid JSON (NaN is not a JSON number)"),
     ("-Infinity", "not valid JSON (-Infinity is not a JSON number)"),
