@@ -798,6 +798,38 @@ def test_budget_cap_refuses_before_noise(schema, embed):
     assert ok.stats.epsilon_spent == pytest.approx(1.0)
 
 
+def test_an_edge_release_by_hand_plain_and_trimmed(embed):
+    """One tool, one field, ε = 3 (ε_j = 3): five clients report success rates 0.1, 0.2, 0.3,
+    0.4 and 1.0. Plain: mean 0.4, b = 1/(5 · 3). Under a robust rule at share 0.2 (f = 1) the
+    lowest and highest go: mean 0.3 of K − 2f = 3, b = 1/(3 · 3). Each figure is that mean plus
+    the statistic's own Laplace draw (`_statistic_rng` of the release's seed), clamped to the
+    window and kept to a hundredth of b's order of magnitude; the ledger says what was spent."""
+    from compendium.schema import NumericFieldSpec, NumericKind
+    from federation.merge.operator import _published_number, _statistic_rng
+
+    one = Schema(
+        tools=[ToolSpec(tool_id="weather", name="WeatherNow", description="Weather forecasts")],
+        numeric_fields=[NumericFieldSpec(name="success_rate", kind=NumericKind.RATE, min=0,
+                                         max=1, sensitivity=1)],
+    )
+    subs = [sub(f"c{i}", metadata=[{"tool_id": "weather", "stats": {"success_rate": v}}])
+            for i, v in enumerate([0.1, 0.2, 0.3, 0.4, 1.0])]
+    for rule, mean, kept, mechanism in (("none", 0.4, 5, "laplace"),
+                                        ("trimmed-mean", 0.3, 3, "laplace-trimmed-mean"),
+                                        ("krum", 0.3, 3, "laplace-trimmed-mean")):
+        config = RoundConfig(epsilon=3.0, robust_rule=rule, trim_fraction=0.2)
+        result = edge_merge(subs, one, config, embed=embed, seed=5)
+        [entry] = result.ledger
+        b = 1 / (kept * 3.0)
+        assert (entry.contributors, entry.epsilon, entry.sensitivity, entry.mechanism) == (
+            kept, 3.0, 1.0, mechanism)
+        assert entry.noise_scale == pytest.approx(b)
+        draw = _statistic_rng(np.random.SeedSequence(5), "weather", "success_rate").laplace(0, b)
+        expected = _published_number(min(1.0, max(0.0, mean + draw)), b, 0.0, 1.0)
+        assert result.compendium.metadata[0].stats == {"success_rate": expected}
+        assert result.stats.epsilon_spent == pytest.approx(3.0)
+
+
 def test_field_cap_splits_epsilon_by_f_star(schema, embed):
     subs = [
         sub("c1", metadata=[{"tool_id": "weather", "stats": {"success_rate": 0.5, "calls": 3}},

@@ -22,6 +22,8 @@ from federation.merge.robust import (
     byzantine_count,
     krum_keep,
     krum_premise_from,
+    krum_scores,
+    most_kept,
     robust_batches,
     robust_keep,
     trimmed_keep,
@@ -249,3 +251,69 @@ def test_advanced_composition_stays_finite_at_a_subnormal_delta_prime():
         assert many.as_dict()["advanced_epsilon"] == pytest.approx(expected)
     # the bound still grows as δ′ shrinks (the normal range is unchanged)
     assert advanced_composition(0.01, 10000, 1e-300) < advanced_composition(0.01, 10000, 1e-310)
+
+
+def test_krum_scores_are_blanchards_sums_over_the_n_minus_f_minus_2_nearest_by_hand():
+    """Blanchard et al. (2017): each vector's score is the sum of its squared distances to its
+    n − f − 2 nearest others; multi-Krum keeps the n − f lowest. Seven points on a line, f = 2:
+    three neighbours each. 0 → 1, 2, 3: 1 + 4 + 9 = 14; 1 → 0, 2, 3: 1 + 1 + 4 = 6; 2 → 1, 3, 0:
+    6; 3 → 2, 1, 0: 14; 10 → 11, 3, 2: 1 + 49 + 64 = 114; 11 → 10, 3, 2: 1 + 64 + 81 = 146;
+    100 → 11, 10, 3: 89² + 90² + 97² = 25430. The five lowest are 0, 1, 2, 3 and 10."""
+    line = np.array([[0.0], [1.0], [2.0], [3.0], [10.0], [11.0], [100.0]])
+    assert krum_scores(line, 2).tolist() == pytest.approx([14, 6, 6, 14, 114, 146, 25430])
+    assert krum_keep(line, 2).tolist() == [0, 1, 2, 3, 4]
+    # n − f − 2 = 0 (three inputs, f = 1) is below Krum's premise: one neighbour each, the two
+    # nearest of 0, 1, 1.5 are kept (0 → 1: 1; 1 → 1.5: 0.25; 1.5 → 1: 0.25)
+    three = np.array([[0.0], [1.0], [1.5]])
+    assert krum_scores(three, 1).tolist() == pytest.approx([1.0, 0.25, 0.25])
+    assert krum_keep(three, 1).tolist() == [1, 2]
+    # ties are broken by position, so the same inputs always keep the same members
+    assert krum_keep(np.zeros((5, 2)), 1).tolist() == [0, 1, 2, 3]
+
+
+def test_trimmed_mean_and_trimmed_keep_by_hand():
+    """Yin et al. (2018): per coordinate, the f lowest and f highest values are dropped and the
+    rest averaged. Columns (1, 2, 3, 4, 100) and (10, 20, 30, −1000, 40), f = 1: (2 + 3 + 4)/3
+    = 3 and (10 + 20 + 30)/3 = 20. trimmed_keep keeps the n − 2f members nearest that center."""
+    values = np.array([[1.0, 10.0], [2.0, 20.0], [3.0, 30.0], [4.0, -1000.0], [100.0, 40.0]])
+    assert trimmed_mean(values, 1).tolist() == pytest.approx([3.0, 20.0])
+    assert trimmed_mean(values[:, 0], 2) == pytest.approx(3.0)  # the median of five
+    assert trimmed_mean(values[:, 0], 0) == pytest.approx(22.0)  # f = 0: the plain mean
+    # center (1/3, 1/3): distances 0.47, 0.75, 0.75, 6.6 and 4.35; the three nearest stay
+    square = np.array([[0.0, 0.0], [1.0, 0.0], [0.0, 1.0], [5.0, 5.0], [-4.0, 0.0]])
+    assert trimmed_mean(square, 1).tolist() == pytest.approx([1 / 3, 1 / 3])
+    assert trimmed_keep(square, 1).tolist() == [0, 1, 2]
+
+
+def test_a_trimmed_mean_moves_by_at_most_the_window_over_the_count_kept():
+    """The edge calibrates a trimmed release's noise to w/(K − 2f): replacing one of K values in
+    a window of width w moves every order statistic up (or down) by at most what the value moved
+    and their sum by exactly that, so the middle K − 2f move together by at most w. The bound is
+    reached: (0, 0, 0, 1, 1, 1, 1) → (0, 0, 1, 1, 1, 1, 1) at f = 2 moves the mean of the middle
+    three from 2/3 to 1."""
+    k, f = 7, byzantine_count(7, 0.3)
+    assert f == 2
+    # an edge of at most 7 keeps at most 4 (6 inputs: f = 1): drowned fields are judged on that
+    assert most_kept(7, 0.3) == 4
+    before = np.array([0, 0, 0, 1, 1, 1, 1.0])
+    after = np.array([0, 0, 1, 1, 1, 1, 1.0])
+    assert trimmed_mean(after, f) - trimmed_mean(before, f) == pytest.approx(1 / (k - 2 * f))
+    rng = np.random.default_rng(0)
+    worst = 0.0
+    for _ in range(2000):
+        data = rng.uniform(0, 1, size=k)
+        moved = data.copy()
+        moved[rng.integers(k)] = rng.choice([0.0, 1.0, rng.uniform(0, 1)])
+        worst = max(worst, abs(trimmed_mean(moved, f) - trimmed_mean(data, f)))
+    assert worst <= 1 / (k - 2 * f) + 1e-12
+
+
+def test_the_laplace_release_is_the_clipped_mean_plus_a_draw_of_scale_w_over_k_epsilon():
+    """One release by hand: values (−1, 0.2, 0.4, 2) clipped to [0, 1] are (0, 0.2, 0.4, 1), mean
+    0.4; b = 1/(4 · 0.5) = 0.5; the figure is 0.4 plus the generator's Laplace draw of that scale,
+    clamped to the window."""
+    draw = np.random.default_rng(9).laplace(0.0, 0.5)
+    value, scale = laplace_release([-1.0, 0.2, 0.4, 2.0], lower=0.0, upper=1.0, sensitivity=1.0,
+                                   epsilon=0.5, rng=np.random.default_rng(9))
+    assert scale == 0.5
+    assert value == pytest.approx(min(1.0, max(0.0, 0.4 + draw)))
