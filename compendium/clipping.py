@@ -72,6 +72,14 @@ def declaration_problem(spec: NumericFieldSpec) -> str | None:
     user's value at min + Δ, below Δ, with noise calibrated to a width no value fills."""
     bound = clip_bound(spec)
     window = f"[{bound.lo:g}, {bound.hi:g}]"
+    if bound.width <= 0:
+        # Δ below the spacing of floats at min: min + Δ rounds back to min, and the Laplace scale
+        # w/(K·ε_j) of a window of no width is 0/0 (every round's open and release would fail).
+        return (
+            f"its clipping window [min, min(max, min + Δ)] has no width: Δ = "
+            f"{spec.sensitivity:g} is below what a float can add to min = {spec.min:g}; "
+            f"declare a larger Δ or a min nearer 0"
+        )
     if spec.kind in DERIVABLE_KINDS and spec.min < 0:
         return (
             f"a {spec.kind.value} field's values, computed from a usage log, are never negative, "

@@ -253,6 +253,24 @@ def test_the_windows_that_hold_what_the_field_measures_are_accepted():
         name="x", kind=NumericKind.LATENCY, min=100, max=5000, sensitivity=400)) is None
 
 
+def test_a_window_that_rounds_to_no_width_is_refused():
+    """min + Δ rounds back to min where Δ is below the spacing of floats at min (at 1e9 that
+    spacing is about 1.2e-7): the window [1e9, 1e9] has width 0, so the Laplace scale w/(K·ε_j)
+    is 0/0. The declaration was accepted, and then opening any round failed with a ValueError
+    ("sensitivity and ε must be positive", from the drowned-field check: a 500), as did every
+    edge release."""
+    from compendium.clipping import clip_bound, declaration_problem
+
+    spec = NumericFieldSpec(name="x", kind=NumericKind.LATENCY, min=1e9, max=2e9,
+                            sensitivity=1e-8)
+    assert clip_bound(spec).width == 0.0
+    problem = declaration_problem(spec)
+    assert problem is not None and "no width" in problem and "Δ" in problem, problem
+    # a Δ the floats at min can hold is fine
+    assert declaration_problem(NumericFieldSpec(name="x", kind=NumericKind.LATENCY, min=1e9,
+                                                max=2e9, sensitivity=1e-3)) is None
+
+
 @pytest.mark.django_db
 def test_the_operator_cannot_declare_a_field_whose_window_leaves_out_its_neutral_value():
     """What the admin's form asks (`schema_problem`) before a declared field is saved."""
