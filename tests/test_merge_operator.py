@@ -830,6 +830,19 @@ def test_an_edge_release_by_hand_plain_and_trimmed(embed):
         assert result.stats.epsilon_spent == pytest.approx(3.0)
 
 
+def test_a_release_at_a_huge_epsilon_is_published_not_an_overflow(schema, embed):
+    """RoundConfig takes any finite ε from 1e-6 up (the cap is the operator's). At ε = 1e307 the
+    noise scale is about 1e-308, and the published figure was rounded to a hundredth of that
+    scale's order of magnitude: 0.3 / 1e-310 overflows to infinity and round() raised
+    OverflowError, so the edge merge failed the round ("cannot convert float infinity to
+    integer"). The figure is the clipped mean, to 6 significant digits."""
+    result = edge_merge(_numeric_subs([0.2, 0.4]), schema, RoundConfig(epsilon=1e307),
+                        embed=embed, seed=3)
+    assert result.ledger and all(e.noise_scale < 1e-300 for e in result.ledger)
+    weather = {m.tool_id: m for m in result.compendium.metadata}["weather"]
+    assert weather.stats["success_rate"] == pytest.approx(0.3)
+
+
 def test_field_cap_splits_epsilon_by_f_star(schema, embed):
     subs = [
         sub("c1", metadata=[{"tool_id": "weather", "stats": {"success_rate": 0.5, "calls": 3}},

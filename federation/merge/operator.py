@@ -637,7 +637,10 @@ def _published_number(value: float, noise_scale: float | None = None, low: float
     refused)."""
     if noise_scale is not None and noise_scale > 0:
         step = 10.0 ** (math.floor(math.log10(noise_scale)) - 2)
-        value = round(value / step) * step
+        # At a huge ε the scale nears the smallest floats and value/step overflows: such a step
+        # drops no digit that 6 significant ones keep, so it is skipped.
+        if math.isfinite(value / step):
+            value = round(value / step) * step
     # + 0.0: no -0.0, which jsonb stores as 0 (the stored global would no longer hash to its
     # sha256, and clients' dcz bodies against it would be refused)
     return float(min(high, max(low, float(f"{value:.6g}")))) + 0.0
