@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator
 
 from compendium.masking import DEFAULT_MASK_STRENGTH
 
@@ -77,6 +77,17 @@ class RoundConfig(BaseModel):
     max_scenarios_per_tool: int | None = Field(
         None, ge=1, description="global compendium: keep the k best-supported scenarios per tool"
     )
+
+    @field_validator("trim_fraction")
+    @classmethod
+    def _a_rule_assumes_someone(cls, share: float, info: ValidationInfo) -> float:
+        """A robust rule at a share of 0 assumes f = 0 adversarial inputs in every group: it keeps
+        every input, and the merge reads as judged, nothing dropped."""
+        rule = info.data.get("robust_rule")
+        if share == 0 and rule not in (None, "none"):
+            raise ValueError(f"a share of 0 makes the robust rule {rule} keep every input "
+                             "(f = 0); give a share above 0, or the rule none")
+        return share
 
     @classmethod
     def from_stored(cls, data: dict | None) -> RoundConfig:

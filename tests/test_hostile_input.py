@@ -149,7 +149,8 @@ def test_dashboard_round_with_non_finite_or_out_of_range_value_is_400(client, wo
 
 
 @pytest.mark.django_db
-@pytest.mark.parametrize("body", [{"seed": -1}, {"epsilon": 1e-320}, {"mask_strength": "inf"}])
+@pytest.mark.parametrize("body", [{"seed": -1}, {"epsilon": 1e-320}, {"mask_strength": "inf"},
+                                  {"trim_fraction": 0, "robust_rule": "krum"}])
 def test_api_round_that_could_never_be_merged_is_refused_at_open(world, body):
     response = person_api(world.operator).post("/api/v1/admin/rounds/", body, format="json")
     assert response.status_code == 400

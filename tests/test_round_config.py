@@ -40,3 +40,18 @@ def test_field_cap_is_bounded_by_the_ledger_column_it_is_written_to():
     PrivacyLedgerEntry.objects.create(**row, field_cap=largest)  # the largest cap an edge writes
     with pytest.raises(DataError), transaction.atomic():  # one more would fail the edge release
         PrivacyLedgerEntry.objects.create(**row, release=1, field_cap=largest + 1)
+
+
+def test_a_robust_rule_at_a_share_of_zero_is_refused():
+    """f = floor(share · n) = 0 in every group: the rule keeps every input, and the merge's
+    figures read as judged, nothing dropped."""
+    from federation.round_config import config_problems
+
+    for rule in ("krum", "trimmed-mean"):
+        with pytest.raises(ValidationError, match=f"robust rule {rule} keep every input"):
+            RoundConfig(robust_rule=rule, trim_fraction=0)
+        assert config_problems({"robust_rule": rule, "trim_fraction": 0.0},
+                               {"trim_fraction": "--trim-fraction"}).startswith(
+            f"--trim-fraction: Value error, a share of 0 makes the robust rule {rule} keep")
+    assert RoundConfig(robust_rule="none", trim_fraction=0).trim_fraction == 0
+    assert RoundConfig(robust_rule="krum", trim_fraction=0.01).trim_fraction == 0.01

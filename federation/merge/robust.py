@@ -109,7 +109,7 @@ def trimmed_mean(values: np.ndarray, f: int) -> np.ndarray:
 
 def trimmed_keep(vectors: np.ndarray, f: int) -> np.ndarray:
     """Indices (ascending) of the n − 2f members closest to the coordinate-wise trimmed mean:
-    the f top and f bottom entries by distance to the robust center are dropped."""
+    the 2f farthest from that robust center are dropped."""
     n = len(vectors)
     if f <= 0 or n - 2 * f < 1:
         return np.arange(n)
