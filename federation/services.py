@@ -1450,11 +1450,22 @@ def retry_round(actor: Actor, rnd: Round | int) -> Round:
     reservation, so the retry takes it again and is refused if that would exceed the budget."""
     require_operator(actor, "retry rounds")
     # The round's lock, then the settings' (serializing with open_round and update_settings,
-    # without creating the settings row here): the order the pipeline takes them in, so that a
-    # retry and a merge's release (an erasure's re-release) cannot deadlock.
+    # without creating the settings row here): the order the pipeline takes them in. The
+    # settings' without waiting: an erasure takes them at its first new release and then goes on
+    # to lock the later rounds it merges again, this one among them, so a retry that waited for
+    # them holding this round's lock was a deadlock, which PostgreSQL broke by aborting the
+    # retry (a 500) or the erasure.
     with waiting_briefly("retry the round"):
         rnd = _locked_round(rnd)
-        FederationSettings.objects.select_for_update().filter(pk=1).first()
+    try:
+        FederationSettings.objects.select_for_update(nowait=True).filter(pk=1).first()
+    except OperationalError as exc:
+        if getattr(exc.__cause__, "sqlstate", None) != "55P03":  # lock_not_available
+            raise
+        raise Busy(
+            "cannot retry the round now: an erasure re-merging rounds, or a merge releasing "
+            "statistics, holds the privacy budget's lock; try again once it has finished"
+        ) from None
     reason = rnd.failure_reason
     _move(rnd, Round.State.CLOSING, "retry", source=Round.State.FAILED)
     _refuse_after_a_later_publication(rnd, "retried")

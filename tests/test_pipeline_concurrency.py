@@ -178,3 +178,73 @@ def test_a_decision_waiting_on_an_erasure_of_its_conflict_is_refused_after_it(
     assert not ConflictDecision.objects.exists()
     [after] = ConflictLogEntry.objects.filter(round__number=1, organization=org)
     assert SECRET not in str(after.dissenters)
+
+
+def test_a_retry_during_an_erasure_that_re_releases_an_earlier_round_is_not_a_deadlock(
+    probes, monkeypatch, without_merge_pipeline
+):
+    """An erasure re-releases round 1's edge (a new release: it holds the settings' lock to its
+    commit), then merges again the edge of round 2, which failed, from the same client's
+    submission. The operator retries round 2 meanwhile: the retry locks round 2, then waits for
+    the settings' lock the erasure holds, and the erasure waits for round 2's. PostgreSQL broke
+    that cycle by aborting one of them ("deadlock detected"): the retry was a 500, or the
+    erasure failed. The retry is refused (409, busy) without waiting for the settings' lock,
+    and the erasure goes through."""
+    from federation import services
+    from federation.errors import Busy
+    from federation.models import FederationSettings
+    from federation.services import Actor
+    from tests.merge_helpers import CLIENT_DOCS, RELEASING_CONFIG
+
+    services.get_settings()
+    FederationSettings.objects.filter(pk=1).update(epsilon_budget=1000.0)
+    first, clients = build_federation(config=RELEASING_CONFIG, state="merging")
+    # A third client at acme: with a2 erased its edge still releases (two clients: see
+    # RELEASING_CONFIG), so the erasure's new release of round 1 writes ledger rows.
+    from compendium.schema import Compendium
+    from compendium.services import store_compendium
+
+    acme = clients[("acme", "a1")].organization
+    clients[("acme", "a3")] = Client.objects.create(organization=acme, name="a3", status="approved")
+    docs = {**CLIENT_DOCS, ("acme", "a3"): CLIENT_DOCS[("acme", "a1")]}
+    store_compendium(Compendium.model_validate(docs[("acme", "a3")]), kind="client", round=first,
+                     client=clients[("acme", "a3")])
+    for org in pipeline.organizations_with_submissions(first):
+        pipeline.run_edge_merge(first.pk, org, attempt=first.attempt)
+    pipeline.run_server_merge(first.pk, attempt=first.attempt)
+    second = Round.objects.create(number=2, state="merging", config=RELEASING_CONFIG)
+    for key, doc in docs.items():
+        store_compendium(Compendium.model_validate({"schema_version": "1.0", **doc}),
+                         kind="client", round=second, client=clients[key])
+    for org in pipeline.organizations_with_submissions(second):
+        pipeline.run_edge_merge(second.pk, org, attempt=second.attempt)
+    services.mark_failed(second, "a server merge that failed")
+
+    finished, outcome, waited = threading.Event(), [], []
+
+    def retry():
+        try:
+            outcome.append(services.retry_round(Actor.system("operator"), second.pk))
+        except Exception as exc:  # noqa: BLE001 - the outcome is what the test checks
+            outcome.append(exc)
+        finally:
+            finished.set()
+            connection.close()
+
+    real_server_merge = pipeline.run_server_merge
+
+    def server_merge_while_the_operator_retries(round_id, **kwargs):
+        if not waited:  # round 1's global, after its edge's new release
+            threading.Thread(target=retry).start()
+            waited.append(_waiting_on_a_lock(finished))
+        return real_server_merge(round_id, **kwargs)
+
+    monkeypatch.setattr(pipeline, "run_server_merge", server_merge_while_the_operator_retries)
+    report = pipeline.erase_client(clients[("acme", "a2")])
+    assert finished.wait(60) and len(waited) == 1, (waited, outcome)
+    [retried] = outcome
+    assert isinstance(retried, Busy), repr(retried)
+    second.refresh_from_db()
+    assert second.state == Round.State.FAILED
+    assert (1, clients[("acme", "a2")].organization_id) in report.edges_rematerialized
+    assert not CompendiumVersion.objects.filter(kind="client", client=clients[("acme", "a2")]).exists()
