@@ -27,7 +27,7 @@ from federation.merge.operator import (
     losing_tool,
 )
 from federation.models import AuditLog, ConflictDecision, ConflictLogEntry, MergeRecord, Round
-from federation.services import Actor, audit, can_admin, require_admin_now
+from federation.services import Actor, audit, can_admin, require_admin_now, waiting_briefly
 
 
 def visible_conflicts(organizations, actor: Actor):
@@ -312,7 +312,14 @@ def decide_conflict(
     # to lock both read "no decision yet", and the second audited the same decision again. Locked
     # before the later rounds: an erasure that merges this round's log again holds the row to its
     # end and goes on to lock the later rounds, so a decision waiting for the row holds none.
-    if not list(ConflictLogEntry.objects.select_for_update().filter(pk=conflict.pk).values_list("pk")):
+    # Both locks are waited for briefly (a request): an erasure holds them until all its merges
+    # commit, minutes with an LLM summarizer, and the reviewer's page hung that long.
+    with waiting_briefly("decide the conflict"):
+        locked = list(ConflictLogEntry.objects.select_for_update().filter(pk=conflict.pk)
+                      .values_list("pk"))
+        if locked:
+            _still_decidable(conflict)
+    if not locked:
         # A merge of the log again (an erasure) deleted the row `conflict` was read from, before
         # this request or while it waited for the lock: its texts may be an erased client's,
         # and a decision on it would store one again after the erasure. Log rows are never
@@ -321,7 +328,6 @@ def decide_conflict(
             "this conflict's log was merged again (an erasure) since it was read: reload the "
             "conflicts and decide on the log as it stands"
         )
-    _still_decidable(conflict)
     text = " ".join((text or "").split())
     winner = ""  # of a picked scenario: the tool it wins for
     schema = current_schema()

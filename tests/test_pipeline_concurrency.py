@@ -136,7 +136,7 @@ def test_an_erasure_during_the_server_merges_write_waits_and_then_reaches_the_pu
 
 
 def test_a_decision_waiting_on_an_erasure_of_its_conflict_is_refused_after_it(
-    monkeypatch, django_capture_on_commit_callbacks
+    monkeypatch, settings, django_capture_on_commit_callbacks
 ):
     """A reviewer picks the erased client's dissent as the winning scenario while the erasure
     merges that conflict log again. The decision waits for the log row the erasure deleted;
@@ -148,6 +148,8 @@ def test_a_decision_waiting_on_an_erasure_of_its_conflict_is_refused_after_it(
     from federation.services import Actor
     from tests.test_merge_pipeline import SECRET, _weather_conflict
 
+    # A decision waits this long at most for the erasure (then 409 busy): here it outlasts it.
+    settings.SYNAPSE_LOCK_WAIT_SECONDS = 120
     org, clients, conflict = _weather_conflict(
         django_capture_on_commit_callbacks,
         {"a3": SECRET, "a4": "Is rain expected in Paris tomorrow?"})
@@ -248,3 +250,40 @@ def test_a_retry_during_an_erasure_that_re_releases_an_earlier_round_is_not_a_de
     assert second.state == Round.State.FAILED
     assert (1, clients[("acme", "a2")].organization_id) in report.edges_rematerialized
     assert not CompendiumVersion.objects.filter(kind="client", client=clients[("acme", "a2")]).exists()
+
+
+def test_a_decision_behind_an_erasures_locks_answers_busy_instead_of_waiting_it_out(
+    settings, django_capture_on_commit_callbacks
+):
+    """An erasure holds the rows of the conflict logs it merges again, and the locks of the
+    rounds it merges again, until it commits (minutes with an LLM summarizer). A reviewer's
+    decision waited for them however long: the page hung until the erasure committed (or a
+    proxy in front cut the request off). It answers 409 busy after SYNAPSE_LOCK_WAIT_SECONDS,
+    decides nothing, and goes through once the locks are free."""
+    from federation.conflicts import decide_conflict
+    from federation.errors import Busy
+    from federation.models import ConflictDecision, ConflictLogEntry
+    from federation.services import Actor
+    from tests.test_federation_services import _held_elsewhere
+    from tests.test_merge_pipeline import _weather_conflict
+
+    settings.SYNAPSE_LOCK_WAIT_SECONDS = 0.2
+    _, _, conflict = _weather_conflict(django_capture_on_commit_callbacks,
+                                       {"a3": "Is rain expected in Paris tomorrow?"})
+    # a later round that failed (an erasure merges its edges again): the decision still applies
+    later = Round.objects.create(number=2, state=Round.State.FAILED, failure_reason="boom")
+    for lock in (
+        lambda: Round.objects.select_for_update().get(pk=later.pk),
+        lambda: list(ConflictLogEntry.objects.select_for_update().filter(pk=conflict.pk)),
+    ):
+        release = _held_elsewhere(lock)
+        try:
+            started = time.monotonic()
+            with pytest.raises(Busy, match="cannot decide the conflict now"):
+                decide_conflict(Actor.system(), conflict, "dismiss")
+            assert time.monotonic() - started < 10
+        finally:
+            release()
+        assert not ConflictDecision.objects.exists()
+    decide_conflict(Actor.system(), conflict, "dismiss")
+    assert ConflictDecision.objects.get().action == "dismiss"
