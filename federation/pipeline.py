@@ -223,6 +223,13 @@ def start_round(round_id: int, attempt: int | None = None) -> list[int]:
     failed it first, or a chord an earlier delivery dispatched published it), raises
     StaleAttempt, as the edge and server merges of such a run do."""
     with transaction.atomic():
+        # The publication lock first, then the round's, as every merge's write and an erasure
+        # take them: the start deletes edges (with their provenance links) that an erasure may
+        # be rewriting. An erasure deletes its client's submissions, and their links to the
+        # edges, before it locks the rounds it merges again; a start that locked the round and
+        # then waited for those links while the erasure waited for the round was a deadlock,
+        # which PostgreSQL broke by failing the round or the erasure.
+        services.lock_publication()
         round_ = Round.objects.select_for_update().get(pk=round_id)
         if attempt is not None:  # a task: its run over, it writes nothing and fails nothing
             _check_attempt(round_, attempt, states=(Round.State.CLOSING, Round.State.MERGING))

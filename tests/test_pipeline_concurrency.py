@@ -287,3 +287,58 @@ def test_a_decision_behind_an_erasures_locks_answers_busy_instead_of_waiting_it_
         assert not ConflictDecision.objects.exists()
     decide_conflict(Actor.system(), conflict, "dismiss")
     assert ConflictDecision.objects.get().action == "dismiss"
+
+
+def test_a_retried_rounds_start_during_an_erasure_is_not_a_deadlock(
+    probes, monkeypatch, without_merge_pipeline
+):
+    """Round 1 failed after its edges merged; acme's clients were revoked since, and one of them
+    is erased. The erasure deletes its submission (and the provenance that links it to acme's
+    edge) first, then merges acme's edge again under round 1's lock. The operator retries the
+    round meanwhile: its start locked round 1 and deleted acme's edge (no client of acme left to
+    merge), which waited for the provenance rows the erasure had deleted, while the erasure
+    waited for round 1. PostgreSQL broke the deadlock by aborting the start (the round failed
+    again, "deadlock detected") or the whole erasure. The start takes the publication lock
+    first, as every other write of the pipeline does: it waits for the erasure, then merges."""
+    from federation import services
+    from federation.services import Actor
+
+    round_, clients = build_federation(state="merging")
+    for org in pipeline.organizations_with_submissions(round_):
+        pipeline.run_edge_merge(round_.pk, org, attempt=round_.attempt)
+    services.mark_failed(round_, "a server merge that failed")
+    Client.objects.filter(organization__slug="acme").update(status=Client.Status.REVOKED)
+    erased = clients[("acme", "a2")]
+
+    finished, outcome, waited = threading.Event(), [], []
+
+    def retry_and_start():
+        try:
+            retried = services.retry_round(Actor.system("operator"), round_.pk)
+            outcome.append(pipeline.start_round(retried.pk, retried.attempt))
+        except Exception as exc:  # noqa: BLE001 - the outcome is what the test checks
+            outcome.append(exc)
+        finally:
+            finished.set()
+            connection.close()
+
+    real_readers = pipeline._conflict_readers
+
+    def readers_while_the_operator_retries(round_arg, organization):
+        if not waited:  # the erasure is about to merge acme's edge of round 1 again
+            threading.Thread(target=retry_and_start).start()
+            waited.append(_waiting_on_a_lock(finished, timeout=20))
+        return real_readers(round_arg, organization)
+
+    monkeypatch.setattr(pipeline, "_conflict_readers", readers_while_the_operator_retries)
+    report = pipeline.erase_client(Client.objects.get(pk=erased.pk))
+    assert finished.wait(60) and len(waited) == 1, (waited, outcome)
+    [started] = outcome
+    assert not isinstance(started, Exception), repr(started)
+    globex = clients[("globex", "g1")].organization_id
+    assert started == [globex]
+    round_.refresh_from_db()
+    assert round_.state == Round.State.MERGING
+    assert report.submissions_removed == 1
+    assert set(CompendiumVersion.objects.filter(kind="edge", round=round_)
+               .values_list("organization_id", flat=True)) == {globex}
