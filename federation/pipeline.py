@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import hashlib
+import json
 import logging
 import time
 from collections import defaultdict
@@ -361,21 +362,42 @@ def _conflicts_of(previous: Round | None, organization) -> list[ConflictEntry]:
 
 
 def _schema_digest(schema) -> str:
-    """What the numeric release of an edge depends on besides its inputs: the tools and the
-    declared fields (which statistics are drawn, in which order, at which scale)."""
+    """The whole schema in force: an edge merge that finds it changed under its locks merges
+    again (the edge carries the registry's descriptions and specs too). Merge records made
+    before 2026-12-03 name a release's schema by it."""
     return hashlib.sha256(schema.model_dump_json().encode("utf-8")).hexdigest()[:16]
+
+
+def _release_digest(schema) -> str:
+    """What the numeric release of an edge depends on besides its inputs: the tools and the
+    declared fields (which statistics are drawn, in which order, at which scale) and the limits
+    its inputs are validated with. Not a tool's name, description, category or spec, nor a
+    field's unit or description, which change no statistic: until 2026-12-03 the whole schema
+    was compared, and an edit of a tool's description (the admin, `import_tools` with an updated
+    catalogue) made the next replay of a release (a redelivered or retried edge task, an
+    erasure's replay of a later edge) a new release, with fresh noise and its ε charged again."""
+    drawn = {
+        "version": schema.version,
+        "tools": [t.tool_id for t in schema.tools],
+        "numeric_fields": [f.model_dump(mode="json", exclude={"unit", "description"})
+                           for f in schema.numeric_fields],
+        "strings": schema.strings.model_dump(mode="json"),
+        "limits": schema.limits.model_dump(mode="json"),
+    }
+    return hashlib.sha256(json.dumps(drawn, sort_keys=True).encode("utf-8")).hexdigest()[:16]
 
 
 def _release_number(
     round_: Round, organization: Organization, rematerialize: bool, inputs: list[int],
-    schema_digest: str = "", noise_key: str = "",
+    schema_digest: str = "", noise_key: str = "", legacy_digest: str | None = None,
 ) -> tuple[int, bool]:
     """The release this edge merge makes, and whether it is one beyond the round's first (ε the
     round did not reserve). 0 for the first; the last one again for a replay of it (a retry, a
     task delivered twice) over exactly the inputs and schema that release was made from, which
     redraws the same noise and so tells nothing new; a new one, with fresh noise and its own ε,
     for a re-materialization or when the inputs (`inputs`: the client versions merged) or the
-    schema (`schema_digest`: a tool or numeric field added, removed or changed) differ from the
+    schema (`schema_digest`, `_release_digest`: a tool or numeric field added, removed or
+    changed; a record made before it was kept names `_schema_digest`, `legacy_digest`) differ from the
     last release's (a client revoked meanwhile): the same noise over other inputs, or drawn for
     other statistics in another order, would let anyone who saw both releases difference it away.
     So for the noise secret (`noise_key`, `noise_key_id`): under another one a replay would draw
@@ -402,7 +424,8 @@ def _release_number(
     top = max(r for r in (last, recorded) if r is not None)
     if rematerialize:
         return top + 1, True
-    if (recorded == top and made.get("inputs") == inputs and made.get("schema") == schema_digest
+    if (recorded == top and made.get("inputs") == inputs
+            and made.get("schema") in (schema_digest, legacy_digest or schema_digest)
             and made.get("noise_key", noise_key) == noise_key):
         return top, top > 0  # a replay; beyond release 0 it is ε the round did not reserve
     return top + 1, True
@@ -487,15 +510,15 @@ def run_edge_merge(
     llm = configured_llm()
     for _ in range(MERGE_TRIES):
         schema = current_schema()
-        digest = _schema_digest(schema)
+        digest, drawn = _schema_digest(schema), _release_digest(schema)
         key = noise_key_id()
         sources = _edge_sources(round_, organization)
         source_ids = [v.pk for v in sources]
         # A release beyond the round's first (`extra`) is ε the round did not reserve: an
         # erasure's, or a retry's over changed inputs. Over the budget it is made without numeric
         # statistics.
-        release, extra = _release_number(round_, organization, rematerialize, source_ids, digest,
-                                         key)
+        release, extra = _release_number(round_, organization, rematerialize, source_ids, drawn,
+                                         key, digest)
         remaining = accounting.remaining_for_release(round_.pk, organization.pk, release)
         inputs = [MergeInput(f"client:{v.client_id}", _as_schema_reads(v.content, schema))
                   for v in sources]
@@ -540,7 +563,7 @@ def run_edge_merge(
             now_ids = [v.pk for v in _edge_sources(round_, organization)]
             now_digest = _schema_digest(current_schema())
             if (now_ids, now_digest) != (source_ids, digest) or _release_number(
-                round_, organization, rematerialize, source_ids, digest, key
+                round_, organization, rematerialize, source_ids, drawn, key, digest
             ) != (release, extra) or _conflict_source(round_, organization) != log_from or (
                 _conflicts_of(log_from, organization) != log_read
             ) or merged_under_flag_rule(log_from, organization) != common["conflicts_flags_released"]:
@@ -556,7 +579,7 @@ def run_edge_merge(
                             organization.slug)
                 continue
             outcome = _write_edge(round_, organization, result, withheld, release, extra,
-                                  remaining, merge, by_source, source_ids, digest, key)
+                                  remaining, merge, by_source, source_ids, drawn, key)
         return outcome
     raise PipelineError(
         f"round {round_.number}: the edge merge of organization {organization.slug} found its "

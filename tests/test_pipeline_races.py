@@ -108,6 +108,56 @@ def test_a_retry_after_a_withheld_re_release_does_not_replay_the_first_releases_
     assert set(ledger.values_list("release", flat=True)) == {0, 1}
 
 
+@pytest.mark.usefixtures("every_field_released")
+def test_a_replay_after_a_tool_description_changed_is_the_same_release(probes):
+    """acme's edge released (release 0), then the operator edited a tool's description (the
+    admin, or `import_tools` with an updated catalogue) before the edge task ran again (a
+    redelivery, a retry of the failed round). No statistic depends on a description: the same
+    tools and fields are drawn at the same scales from the same inputs. The replay made a new
+    release all the same, with fresh noise and the round's ε charged a second time (or, past the
+    budget, the edge published without its statistics). It replays release 0; a tool taken out
+    of the registry still makes a new release."""
+    from compendium.models import Tool
+    from compendium.schema import ToolSpec
+    from compendium.services import import_registry
+    from tests.merge_helpers import TOOLS
+
+    round_, clients = build_federation(state="merging")
+    acme = clients[("acme", "a1")].organization
+    pipeline.run_edge_merge(round_.pk, acme.pk, attempt=round_.attempt)
+    ledger = PrivacyLedgerEntry.objects.filter(round=round_, organization=acme)
+    assert set(ledger.values_list("release", flat=True)) == {0}
+    rows = ledger.count()
+    edge = CompendiumVersion.objects.get(kind="edge", round=round_, organization=acme)
+    # A record kept before the release's digest was (it named the whole schema's) is read as
+    # made from the schema in force when that digest matches it.
+    from compendium.services import current_schema
+
+    record = MergeRecord.objects.get(round=round_, organization=acme)
+    record.stats["schema"] = pipeline._schema_digest(current_schema())
+    record.save(update_fields=["stats"])
+    pipeline.run_edge_merge(round_.pk, acme.pk, attempt=round_.attempt)
+    assert MergeRecord.objects.get(round=round_, organization=acme).stats["release"] == 0
+
+    import_registry([ToolSpec(tool_id=t.tool_id, name=t.name, description=t.description + " (updated)")
+                     for t in TOOLS])
+    pipeline.run_edge_merge(round_.pk, acme.pk, attempt=round_.attempt)
+    record = MergeRecord.objects.get(round=round_, organization=acme)
+    assert record.stats["release"] == 0, "a description edit made a new release"
+    assert set(ledger.values_list("release", flat=True)) == {0} and ledger.count() == rows
+    again = CompendiumVersion.objects.get(kind="edge", round=round_, organization=acme)
+
+    def figures(version):
+        return {m["tool_id"]: m.get("stats") for m in version.content.get("metadata", [])}
+
+    assert figures(again) == figures(edge)  # the same noise: the same figures
+    assert "(updated)" in str(again.content)  # the descriptions in force
+
+    Tool.objects.filter(tool_id="calculator").update(active=False)
+    pipeline.run_edge_merge(round_.pk, acme.pk, attempt=round_.attempt)
+    assert MergeRecord.objects.get(round=round_, organization=acme).stats["release"] == 1
+
+
 # --- B: replays keep the edge row; the server merge re-reads its edges under its lock ------------
 
 
