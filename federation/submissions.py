@@ -9,11 +9,11 @@ waits for submissions in flight, and a submission that waited sees the round clo
 
 from __future__ import annotations
 
-import functools
 import hashlib
 import json
 import threading
 import zlib
+from collections import OrderedDict
 from dataclasses import dataclass
 
 from django.conf import settings
@@ -387,21 +387,39 @@ def _probe_dictionary(schema: Schema) -> tuple[bytes, str]:
     return cached[2], cached[3]
 
 
-@functools.lru_cache(maxsize=4)
+_GLOBAL_BYTES_KEPT = 4
+_global_bytes_cache: OrderedDict[str, bytes] = OrderedDict()
+_global_bytes_lock = threading.Lock()
+
+
 def _published_global_bytes(sha256: str) -> bytes:
     """Canonical bytes of the published global with this SHA-256, checked against it, kept per
-    process for the last few hashes (the bytes of a hash never change). LookupError when there is
-    none: an exception is not cached, so a global published later is found."""
-    content = (
-        CompendiumVersion.objects.filter(
-            kind=CompendiumVersion.Kind.GLOBAL, round__state=Round.State.PUBLISHED, sha256=sha256
-        )
-        .values_list("content", flat=True)
-        .first()
+    process for the last few hashes. LookupError when there is none: a global published later is
+    found, and one an erasure deleted or replaced is forgotten here too, its bytes (the erased
+    text among them) and its use as a dictionary (every other process already refused it: an
+    erased global is no dictionary a body may name)."""
+    published = CompendiumVersion.objects.filter(
+        kind=CompendiumVersion.Kind.GLOBAL, round__state=Round.State.PUBLISHED, sha256=sha256
     )
+    with _global_bytes_lock:
+        kept = _global_bytes_cache.get(sha256)
+    if kept is not None:
+        still = published.exists()
+        with _global_bytes_lock:
+            if not still:
+                _global_bytes_cache.pop(sha256, None)
+                raise LookupError(sha256)
+            if sha256 in _global_bytes_cache:
+                _global_bytes_cache.move_to_end(sha256)
+        return kept
+    content = published.values_list("content", flat=True).first()
     data = encode_document(content) if content is not None else None
     if data is None or transport.dictionary_hash(data) != sha256:
         raise LookupError(sha256)
+    with _global_bytes_lock:
+        _global_bytes_cache[sha256] = data
+        while len(_global_bytes_cache) > _GLOBAL_BYTES_KEPT:
+            _global_bytes_cache.popitem(last=False)
     return data
 
 
@@ -411,7 +429,8 @@ def clear_dictionary_cache() -> None:
     flushed database numbers its new probe rows from 1 again, which the probe dictionary's
     fingerprint would not tell from the rows before)."""
     global _schema_dictionary_cache, _probe_dictionary_cache
-    _published_global_bytes.cache_clear()
+    with _global_bytes_lock:
+        _global_bytes_cache.clear()
     _schema_dictionary_cache = _probe_dictionary_cache = None
 
 

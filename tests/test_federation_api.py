@@ -767,6 +767,25 @@ def test_the_probe_set_names_no_deactivated_tool_and_keeps_its_dictionary(world,
     assert again.json() == body
 
 
+def test_a_global_an_erasure_removed_is_no_dictionary_in_a_process_that_kept_it(world, valid_doc):
+    """Each process kept the last few globals' bytes by hash, for good: after an erasure deleted
+    or replaced a global, a process that had used it kept its bytes (the erased text among them)
+    and went on decoding bodies against it, which every other process refused."""
+    _publish_global(valid_doc)
+    services.open_round(SYSTEM)
+    pulled = client_api(world.token_a).get("/api/v1/compendium/global/").json()
+    dictionary = transport.global_dictionary(Compendium.model_validate(pulled["compendium"]))
+    sha = pulled["sha256"]
+    assert submissions.submission_dictionary(sha) == dictionary  # kept by this process now
+    CompendiumVersion.objects.filter(kind="global", sha256=sha).delete()  # what erasure does
+    assert submissions.submission_dictionary(sha) is None
+    assert sha not in submissions._global_bytes_cache
+    data = canonical_bytes(Compendium.model_validate(valid_doc))
+    refused = post_doc(client_api(world.token_a), transport.compress(data, dictionary),
+                       HTTP_CONTENT_ENCODING="dcz")
+    assert refused.status_code == 400 and refused.json()["code"] == "unknown_dictionary"
+
+
 def test_a_dcz_body_against_a_dictionary_the_server_does_not_hold(world, valid_doc):
     # A global that is stored but not published is no dictionary: nobody could have pulled it.
     rnd = services.open_round(SYSTEM)
