@@ -364,6 +364,13 @@ def test_compendium_page_counts_the_flag_names_the_server_merge_held_back(client
     MergeRecord.objects.filter(pk=record.pk).update(stats={"summarizer": "centroid"})
     page = client.get(reverse("dashboard:compendium"), {"round": 2}).content.decode()
     assert "flags-held-back-note" not in page
+    # the LLM's unanswered consistency questions in the server merge, as a count
+    MergeRecord.objects.filter(pk=record.pk).update(stats={
+        "summarizer": "centroid", "consistency_asked": 3, "consistency_unanswered": 1})
+    page = html.unescape(client.get(reverse("dashboard:compendium"), {"round": 2}).content.decode())
+    note = re.search(r'<p class="hint" id="unanswered-consistency-note">(.*?)</p>', page)
+    assert note.group(1).startswith(
+        "The LLM gave no usable answer to 1 of the server merge's 3 consistency questions")
 
 
 def test_the_server_merge_s_fallback_reason_quoting_an_llm_answer_is_the_operator_s(client, federation):

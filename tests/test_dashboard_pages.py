@@ -352,6 +352,30 @@ def test_organization_page_says_where_krum_judged_groups_past_its_premise(client
     assert "krum-premise" not in body and "2f + 3" not in body
 
 
+def test_pages_say_where_the_llm_left_consistency_questions_unanswered(client, fed):
+    """An LLM down mid-merge: the pairs it did not judge were merged on their flags alone, a
+    contradiction only it would have caught with no conflict logged; the edge's row (and the
+    server merge on the Compendium page) says so, as a count; nothing where every question was
+    answered."""
+    r1 = Round.objects.get(number=1)
+    MergeRecord.objects.create(round=r1, organization=fed.org_a, stats={
+        "scenarios_in": 40, "consistency_asked": 1200, "consistency_unanswered": 1200})
+    body = html.unescape(login(client, fed, "admin_a").get(
+        reverse("dashboard:organization", args=["org-a"])).content.decode())
+    [line] = re.findall(
+        r'<p class="hint unanswered-consistency" id="unanswered-consistency-1">(.*?)</p>', body)
+    assert line == (
+        "Round 1: The LLM gave no usable answer to 1,200 of the edge merge's 1,200 consistency "
+        "questions (unreachable, or no Consistent/Inconsistent in its answer): those pairs of "
+        "scenarios were judged by their precondition flags alone, so a contradiction only the "
+        "LLM would have caught merged with no conflict logged.")
+    MergeRecord.objects.filter(round=r1).update(stats={
+        "scenarios_in": 40, "consistency_asked": 1200, "consistency_unanswered": 0})
+    body = login(client, fed, "admin_a").get(
+        reverse("dashboard:organization", args=["org-a"])).content.decode()
+    assert "unanswered-consistency" not in body
+
+
 def test_organization_page_counts_the_flag_names_the_edge_held_back(client, fed):
     """The edge merge leaves off a precondition flag name fewer than two of its clients carried
     for a tool (`MergeStats.flags_held_back`); the record counted them but no page said so. The

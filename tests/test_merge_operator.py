@@ -1600,6 +1600,35 @@ def test_an_llm_summary_with_a_forbidden_character_falls_back(schema, embed, bad
     assert "unusable answer" in kinds
 
 
+def test_consistency_questions_the_llm_left_unanswered_are_counted(schema, embed):
+    """An LLM down (or answering without a verdict) mid-merge: each consistency question it left
+    unanswered judged the pair by its flags alone, so a contradiction only it would have caught
+    merged with no conflict logged, and nothing in the merge's record said the check had not
+    run."""
+    from federation.merge.llm import LLMUnavailable
+
+    class Down:
+        def complete(self, prompt, system=None, max_tokens=512, json_schema=None):
+            raise LLMUnavailable("connection refused")
+
+    class Vague:
+        def complete(self, prompt, system=None, max_tokens=512, json_schema=None):
+            return "It depends." if "Answer with exactly one word" in prompt else "{}"
+
+    class Answers:
+        def complete(self, prompt, system=None, max_tokens=512, json_schema=None):
+            return "Consistent" if "Answer with exactly one word" in prompt else "{}"
+
+    counts = {}
+    for name, llm in (("down", Down()), ("vague", Vague()), ("answers", Answers())):
+        stats = edge_merge(_two_clients_two_templates(), schema, RoundConfig(), embed=embed,
+                           llm=llm).stats
+        counts[name] = (stats.consistency_asked, stats.consistency_unanswered)
+    assert counts == {"down": (1, 1), "vague": (1, 1), "answers": (1, 0)}
+    without = edge_merge(_two_clients_two_templates(), schema, RoundConfig(), embed=embed).stats
+    assert (without.consistency_asked, without.consistency_unanswered) == (0, 0)
+
+
 def test_is_consistent_probes_every_pair_not_only_against_the_center():
     """IsConsistent (paper, App. "Edge Merge Operator"): a cluster is consistent iff the LLM
     probe finds *every pair* of its members consistent. Two members that each agree with the

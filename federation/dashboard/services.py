@@ -775,6 +775,7 @@ def organization_page(organization, actor, page=1, per_page=50) -> OrganizationP
                 ) if record else "",
                 "flags_held_back": flags_held_back_note(stats, "the edge compendium",
                                                         "of the edge's clients"),
+                "unanswered_consistency": unanswered_consistency_note(stats, "the edge merge"),
                 **_summary_figures(stats),
             }
         )
@@ -830,6 +831,7 @@ def server_merge_summaries(version: CompendiumVersion, *, operator: bool) -> dic
             ) if operator else "",
             "flags_held_back": flags_held_back_note(record.stats, "this global compendium",
                                                     "edges"),
+            "unanswered_consistency": unanswered_consistency_note(record.stats, "the server merge"),
             "fields_not_released": not_released,
             "not_released_noise_to_window": ratio,
             # more than this ε per round (or ratio times the clients per organization) would
@@ -876,6 +878,20 @@ def flags_held_back_note(stats: dict, compendium: str, sources: str) -> str:
             f"off {compendium}: fewer than {FLAG_MIN_SOURCES} {sources} carried "
             f"{'it' if one else 'each'} for its tool (a name only one source writes could name "
             f"a person or an account).")
+
+
+def unanswered_consistency_note(stats: dict, merge: str) -> str:
+    """What a merge's record says of the LLM's consistency questions it got no usable answer to
+    (`MergeStats.consistency_unanswered`), in a sentence; "" where there were none (or the record
+    is from before they were counted)."""
+    missed, asked = stats.get("consistency_unanswered") or 0, stats.get("consistency_asked") or 0
+    if not isinstance(missed, int) or missed <= 0:
+        return ""
+    return (f"The LLM gave no usable answer to {missed:,} of {merge}'s {asked:,} consistency "
+            f"question{'' if asked == 1 else 's'} (unreachable, or no Consistent/Inconsistent in "
+            f"its answer): those pairs of scenarios were judged by their precondition flags "
+            f"alone, so a contradiction only the LLM would have caught merged with no conflict "
+            f"logged.")
 
 
 def krum_premise_note(stats: dict, config: RoundConfig, sources: str) -> str:

@@ -57,17 +57,29 @@ CONSISTENCY_PROMPT = (
 )
 
 
-def consistency_probe(llm: OpenAICompatibleLLM):
-    """A ConsistencyProbe: True/False from the LLM's one-word answer, None if unusable."""
+class ConsistencyQuestions:
+    """A ConsistencyProbe: True/False from the LLM's one-word answer, None if unusable (the LLM
+    unreachable, or no Consistent/Inconsistent in its answer), counted in `unanswered`: such a
+    pair is judged by its precondition flags alone, and a contradiction only the LLM would have
+    caught merges with no conflict logged, which the merge's record says."""
 
-    def probe(a: str, b: str) -> bool | None:
+    def __init__(self, llm: OpenAICompatibleLLM):
+        self.llm = llm
+        self.asked = 0
+        self.unanswered = 0
+
+    def __call__(self, a: str, b: str) -> bool | None:
+        self.asked += 1
         try:
-            answer = llm.complete(CONSISTENCY_PROMPT.format(a=a, b=b))
+            answer = self.llm.complete(CONSISTENCY_PROMPT.format(a=a, b=b))
         except LLMUnavailable:
-            return None
+            answer = ""
         match = _VERDICT.search(answer)
         if match is None:
+            self.unanswered += 1
             return None
         return match.group(1).lower() == "consistent"
 
-    return probe
+
+def consistency_probe(llm: OpenAICompatibleLLM) -> ConsistencyQuestions:
+    return ConsistencyQuestions(llm)

@@ -499,6 +499,8 @@ def _merge(
     probe = consistency_probe(llm) if llm is not None else None
     slots, conflicts, more = _cluster_scenarios(scenario_items, config, probe, stats, short)
     flagged += more
+    if probe is not None:
+        stats.consistency_asked, stats.consistency_unanswered = probe.asked, probe.unanswered
     stats.krum_below_premise = sum(short.values())
     stats.krum_below_premise_sizes = [{"n": n, "f": f, "groups": count}
                                       for (n, f), count in sorted(short.items())]

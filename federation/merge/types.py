@@ -111,6 +111,10 @@ class MergeStats:
     # (tool, precondition flag name) pairs left off the published scenarios: fewer than
     # operator.FLAG_MIN_SOURCES sources carried them (a count only: the names are never reported)
     flags_held_back: int = 0
+    # The LLM's consistency questions (pairs of a cluster's scenarios) and those it gave no
+    # usable answer to (unreachable, or no verdict in its answer): judged by their flags alone
+    consistency_asked: int = 0
+    consistency_unanswered: int = 0
     precautions_in: int = 0
     precautions_out: int = 0
     precautions_from_conflicts: int = 0
