@@ -216,9 +216,10 @@ MERGING_STATES = (Round.State.CLOSING, Round.State.MERGING)
 
 
 def paused_by(conflict: ConflictLogEntry, merging) -> Round | None:
-    """The first of `merging` (rounds closing or merging, in number order) after the conflict's
-    round: its merges read the conflict logs as they start, so a decision waits until it is done."""
-    return next((r for r in merging if r.number > conflict.round.number), None)
+    """The first of `merging` (rounds closing or merging, in number order) from the conflict's
+    round on: a later one's merges read the conflict logs as they start, and the round's own
+    (a retry) rewrite its log, so a decision waits until it is done."""
+    return next((r for r in merging if r.number >= conflict.round.number), None)
 
 
 def failed_round(conflict: ConflictLogEntry) -> Round | None:
@@ -240,6 +241,13 @@ def _still_decidable(conflict: ConflictLogEntry) -> None:
             f"round {conflict.round.number} failed: no merge reads its conflict log (the next "
             "round reads the latest published round's) unless it is retried and published; "
             "decide once it has been, or decide the conflicts of the published round before it"
+        )
+    if conflict.round.state in MERGING_STATES:
+        # A retry of the round (or its server merge) merges its edges again and rewrites their
+        # logs: a dismissal or an edit would apply to a conflict the reviewer never saw.
+        raise Conflict(
+            f"round {conflict.round.number} is merging: its merges rewrite this conflict log; "
+            "decide once it has been published or has failed"
         )
     later = list(
         Round.objects.select_for_update().filter(number__gt=conflict.round.number).order_by("number")

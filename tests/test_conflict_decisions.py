@@ -323,6 +323,32 @@ def test_a_conflict_of_a_failed_round_is_not_decided(
     assert not any(t.startswith(COMPOSED_PREFIX) for t in precautions)
 
 
+def test_a_conflict_of_a_round_merging_again_is_not_decided(django_capture_on_commit_callbacks,
+                                                             client):
+    """A retried round merges its edges again and rewrites their conflict logs: a dismissal or
+    an edit taken meanwhile applied to a conflict the reviewer never saw (picks and accepts were
+    refused, the others stored). Every decision is refused (409) naming the round, and the page
+    says it is merging, with no form; published again, the conflict is decided."""
+    from django.contrib.auth.models import User
+
+    capture = django_capture_on_commit_callbacks
+    org, clients, conflict = conflicted_round(capture)
+    Round.objects.filter(pk=conflict.round_id).update(state="merging")  # its retry, under way
+    for action in ("dismiss", "edit"):
+        with pytest.raises(Conflict, match="round 1 is merging"):
+            decide_conflict(Actor.system(), conflict, action, "Ask for the city first")
+    assert not ConflictDecision.objects.exists()
+    operator = User.objects.create_superuser("op", password="pw-long-enough-1")
+    client.force_login(operator)
+    page = client.get("/conflicts/").content.decode()
+    assert "round 1 is merging: decide once it is done" in page
+    assert f'action="/conflicts/{conflict.pk}/decide/"' not in page
+    assert client.post(f"/conflicts/{conflict.pk}/decide/", {"action": "dismiss"}).status_code == 409
+    Round.objects.filter(pk=conflict.round_id).update(state="published")
+    decide_conflict(Actor.system(), conflict, "dismiss")
+    assert ConflictDecision.objects.count() == 1
+
+
 def test_a_decision_for_a_tool_out_of_the_registry_is_refused(django_capture_on_commit_callbacks, client):
     """A tool deactivated in the registry since its conflict was logged gets no precaution nor
     scenario from any merge (`conflicts_to_precautions`, `conflict_winners` read the schema in
