@@ -311,7 +311,7 @@ class EmbeddingEngine:
         self.batch_size = batch_size
         self._cache: OrderedDict[bytes, np.ndarray] = OrderedDict()
         if cache_size is None:
-            cache_size = int(os.environ.get("SYNAPSE_EMBEDDING_CACHE_ENTRIES", "").strip() or 200_000)
+            cache_size = env_count("SYNAPSE_EMBEDDING_CACHE_ENTRIES", 200_000)
         self._cache_size = max(0, cache_size)
         self._lock = threading.Lock()
         os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -319,7 +319,7 @@ class EmbeddingEngine:
         try:
             if self.model_name in (ONNX_INT8_MODEL, ONNX_INT8_DYNAMIC_MODEL):
                 dynamic = self.model_name == ONNX_INT8_DYNAMIC_MODEL
-                configured = int(os.environ.get("SYNAPSE_ONNX_THREADS", "").strip() or 0)
+                configured = env_count("SYNAPSE_ONNX_THREADS", 0)
                 self._model = _OnnxMiniLM(
                     threads=configured or _default_threads(), dynamic=dynamic,
                     workers=configured or max(1, min(8, os.cpu_count() or 1)),
@@ -426,6 +426,24 @@ def embed_cached(engine: EmbeddingEngine, texts: Sequence[str], directory: str |
         return vectors
     prune_cache_folder(Path(directory), keep=path)
     return vectors
+
+
+def env_count(name: str, default: int) -> int:
+    """A whole number >= 0 from the environment (0 keeps its meaning: no cache, threads from the
+    cores). The server's settings refuse a bad value at start-up; the client toolkit has no
+    settings, so there a bad one is named on stderr and the default kept, as
+    SYNAPSE_EMBEDDING_DISK_CACHE_MB's: it was a ValueError traceback."""
+    raw = os.environ.get(name, "").strip()
+    if not raw:
+        return default
+    try:
+        value = int(raw)
+    except ValueError:
+        value = -1
+    if value < 0:
+        print(f"{name} takes a whole number >= 0, not {raw[:40]!r}: keeping {default}", file=sys.stderr)
+        return default
+    return value
 
 
 DISK_CACHE_MB_DEFAULT = 1024.0

@@ -158,6 +158,28 @@ def test_a_cache_smaller_than_the_call_computes_each_text_once(monkeypatch, entr
     assert np.allclose(vectors, alone, atol=1e-6)
 
 
+@pytest.mark.parametrize(
+    "name, raw", [("SYNAPSE_EMBEDDING_CACHE_ENTRIES", "lots"), ("SYNAPSE_EMBEDDING_CACHE_ENTRIES", "-5"),
+                  ("SYNAPSE_ONNX_THREADS", "two"), ("SYNAPSE_ONNX_THREADS", "-1")],
+)
+def test_a_bad_count_in_the_clients_environment_is_named_and_the_default_kept(
+    monkeypatch, capsys, name, raw
+):
+    """Found by review: the client toolkit has no settings module to stop at start-up, and
+    `synapse-client build` or `route` with SYNAPSE_EMBEDDING_CACHE_ENTRIES=lots ended in a
+    ValueError traceback (SYNAPSE_ONNX_THREADS=two in "cannot load embedding model", advising
+    SYNAPSE_EMBEDDING_MODEL); named on stderr with the default kept, as
+    SYNAPSE_EMBEDDING_DISK_CACHE_MB is."""
+    for variable in ("SYNAPSE_EMBEDDING_CACHE_ENTRIES", "SYNAPSE_ONNX_THREADS"):
+        monkeypatch.delenv(variable, raising=False)
+    monkeypatch.setenv(name, raw)
+    engine = EmbeddingEngine(ONNX_INT8_DYNAMIC_MODEL)
+    assert engine._cache_size == 200_000
+    assert engine.embed_one("will it rain in Paris tomorrow").shape == (384,)
+    err = capsys.readouterr().err
+    assert name in err and repr(raw) in err
+
+
 def test_query_engine_follows_a_stored_embedding_model_other_than_minilm(monkeypatch):
     other = object()  # stands for a loaded engine of another model (e.g. all-mpnet-base-v2)
     monkeypatch.setattr("routing.embeddings._engines", {"/models/all-mpnet-base-v2": other})
