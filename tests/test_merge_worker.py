@@ -17,7 +17,7 @@ import threading
 import time
 import uuid
 from pathlib import Path
-from urllib.parse import quote
+from urllib.parse import quote, urlsplit
 
 import psutil
 import pytest
@@ -96,9 +96,27 @@ def _database_url() -> str:
     return f"postgres://{s['USER']}:{quote(s['PASSWORD'] or '')}@{host}{port}/{s['NAME']}"
 
 
+def _broker_problem(url: str = BROKER) -> str | None:
+    """Why a worker could not reach `url`, or None. A Celery worker with no broker retries the
+    connection 100 times, each a log line that `wait_for` reads as progress: the test waited most
+    of an hour instead of failing."""
+    parts = urlsplit(url)
+    try:
+        with socket.create_connection((parts.hostname, parts.port or 6379), timeout=5):
+            return None
+    except OSError as exc:
+        return (
+            f"the Celery worker tests need a Redis server at {parts.hostname}:{parts.port or 6379} "
+            f"({exc.strerror or exc}): install and start one (apt-get install redis-server)"
+        )
+
+
 @pytest.fixture
 def worker(request, transactional_db, tmp_path_factory):
     from synapse_web.celery import app
+
+    if problem := _broker_problem():
+        pytest.fail(problem, pytrace=False)
 
     # request.param: (environment for the worker, "<tmp>" = a fresh folder, "<silent-llm>" = the
     # URL of an OpenAI-compatible endpoint that takes every request and never answers; extra
@@ -131,6 +149,19 @@ def worker(request, transactional_db, tmp_path_factory):
         print("".join(running.log[-200:]))  # shown by pytest when a test fails
         app.conf.update(saved)
         app._backend_cache, app._local.backend, app._pool, app.amqp._producer_pool = cached
+
+
+def test_a_broker_nobody_answers_on_is_named_at_once():
+    """Found by review: without a Redis server on 127.0.0.1:6379 (a fresh machine: the README's
+    `make test` installs nothing by hand but Chromium), each worker test waited on a worker that
+    retries the connection 100 times, reading its retry lines as progress: most of an hour a
+    test. The fixture now fails it in one line naming the broker and how to get one."""
+    closed = socket.create_server(("127.0.0.1", 0))
+    port = closed.getsockname()[1]
+    closed.close()
+    problem = _broker_problem(f"redis://127.0.0.1:{port}/7")
+    assert problem is not None
+    assert f"127.0.0.1:{port}" in problem and "redis-server" in problem
 
 
 def _close_round(round_: Round) -> dict:
