@@ -286,3 +286,33 @@ def test_docker_compose_stops_the_server_and_workers_after_their_work_not_docker
     for name in ("worker-cpu", "worker-gpu"):
         # a merge, or an epoch of tuning on CPU (about 7 minutes on one core at MetaTool's size)
         assert _compose_seconds(services[name]["stop_grace_period"]) >= 600, name
+
+
+def test_an_installed_package_carries_the_data_files_its_code_reads(tmp_path):
+    """Found by review: the wheel `pip install .` builds held only .py files, so an installed
+    `synapse-client` (a client organization's machine) had no routing/default_params.json and,
+    for a global whose head carries no fitted weights (one fitted on the client, a global
+    published without a probe set), ranked with RoutingParams' built-in weights instead of the
+    file the server routes with, silently."""
+    import shutil
+    import zipfile
+
+    source = tmp_path / "source"
+    tracked = subprocess.run(
+        ["git", "ls-files", "pyproject.toml", "README.md", "synapse_web", "compendium", "routing",
+         "federation", "workers"],
+        cwd=ROOT, capture_output=True, text=True, check=True,
+    ).stdout.split()
+    for name in tracked:  # a copy: building in the checkout would leave build/ and egg-info there
+        (source / name).parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy2(ROOT / name, source / name)
+    subprocess.run(
+        [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q",
+         str(source), "-w", str(tmp_path / "wheel")],
+        check=True, capture_output=True, text=True,
+    )
+    [wheel] = (tmp_path / "wheel").glob("*.whl")
+    packaged = set(zipfile.ZipFile(wheel).namelist())
+    data = [name for name in tracked if "/" in name and not name.endswith(".py")]
+    assert "routing/default_params.json" in data
+    assert [name for name in data if name not in packaged] == []
