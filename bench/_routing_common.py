@@ -61,6 +61,25 @@ def read_dataset(folder, name: str):
         raise SystemExit(f"{name}: {exc}") from None
 
 
+def check_testable(dataset, seeds, name: str, *, probe_fraction: float, test_fraction: float) -> None:
+    """Stop the script `name` with one line where the fractions leave no train split, or where
+    a seed's split holds no held-out query (every tool has fewer than `TESTED_FROM` distinct
+    queries, the words of simulate's refusal): an accuracy over no query is nan, and NaN is not
+    JSON. For the scripts that split the dataset but play no federation."""
+    from compendium.registry import stratified_split
+    from federation.simulation.data import TESTED_FROM
+
+    for seed in seeds:
+        try:
+            split = stratified_split(dataset.queries, seed=seed, probe_fraction=probe_fraction,
+                                     test_fraction=test_fraction)
+        except ValueError as exc:
+            raise SystemExit(f"{name}: {exc} (probe {probe_fraction:g}, test {test_fraction:g})") from None
+        if not split.test:
+            raise SystemExit(f"{name}: the dataset {dataset.name} has no tool with {TESTED_FROM} "
+                             "or more distinct queries: nothing to test on")
+
+
 def load_engine(model: str | None, name: str, flag: str = "--embedding-model",
                 takes: str | None = None):
     """`routing.embeddings.get_engine(model)`, or, for a model that cannot be loaded, the script

@@ -16,7 +16,15 @@ import argparse
 import time
 
 import numpy as np
-from _routing_common import METATOOL, check_out, load_engine, print_table, read_dataset, write_json
+from _routing_common import (
+    METATOOL,
+    check_out,
+    check_testable,
+    load_engine,
+    print_table,
+    read_dataset,
+    write_json,
+)
 
 from compendium.schema import Compendium, Scenario, Schema
 from federation.simulation.runner import Simulation, SimulationConfig
@@ -35,8 +43,10 @@ def main(argv=None) -> int:
     check_out(args.out, "raw_ceiling")
 
     dataset = read_dataset(args.dataset, "raw_ceiling")
-    engine = load_engine(args.embedding_model, "raw_ceiling")
     config = SimulationConfig(test_limit=args.test_limit)
+    check_testable(dataset, range(args.seed, args.seed + args.seeds), "raw_ceiling",
+                   probe_fraction=config.probe_fraction, test_fraction=config.test_fraction)
+    engine = load_engine(args.embedding_model, "raw_ceiling")
     simulation = Simulation(dataset, Schema(tools=dataset.tools), engine, config)
     rows = []
     for seed in range(args.seed, args.seed + args.seeds):

@@ -14,7 +14,14 @@ import argparse
 import time
 
 import numpy as np
-from _routing_common import cached_embed, check_out, print_table, read_dataset, write_json
+from _routing_common import (
+    cached_embed,
+    check_out,
+    check_testable,
+    print_table,
+    read_dataset,
+    write_json,
+)
 
 from compendium.registry import stratified_split
 from routing.datasets import compendium_from_queries
@@ -43,6 +50,8 @@ def main(argv=None) -> int:
     check_out(args.out, "route_accuracy")
 
     dataset = read_dataset(args.dataset, "route_accuracy")
+    check_testable(dataset, [args.seed], "route_accuracy", probe_fraction=args.probe,
+                   test_fraction=args.test)
     split = stratified_split(
         dataset.queries, seed=args.seed, probe_fraction=args.probe, test_fraction=args.test
     )

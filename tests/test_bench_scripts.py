@@ -539,3 +539,31 @@ def test_route_latency_warms_up_on_the_round_it_just_published(tmp_path, monkeyp
     finally:
         services.forget_published_version()
         services.forget_served()
+
+
+@pytest.mark.parametrize("script", ["route_accuracy.py", "raw_ceiling.py"])
+def test_a_script_refuses_a_dataset_with_nothing_to_test_in_one_line(script, tmp_path,
+                                                                      monkeypatch):
+    """A dataset whose every tool has fewer than 3 distinct queries has no held-out query:
+    these scripts printed an accuracy of nan and wrote NaN into --out (not JSON). simulate
+    refuses such a dataset; so do they now, in its words."""
+    module = _load(script, monkeypatch)
+    folder = _dataset(tmp_path / "d", {"a": "x", "b": "y"}, 2)
+    out = tmp_path / "out.json"
+    with pytest.raises(SystemExit) as stop:
+        module.main(["--dataset", str(folder), "--out", str(out)])
+    assert stop.value.code == (
+        f"{script.removesuffix('.py')}: the dataset d has no tool with 3 or more distinct "
+        "queries: nothing to test on")
+    assert not out.exists()
+
+
+def test_route_accuracy_refuses_fractions_that_leave_no_train_split_in_one_line(tmp_path,
+                                                                               monkeypatch):
+    """--test 0 ended in stratified_split's traceback."""
+    module = _load("route_accuracy.py", monkeypatch)
+    folder = _dataset(tmp_path / "d", {"a": "x", "b": "y"}, 10)
+    with pytest.raises(SystemExit) as stop:
+        module.main(["--dataset", str(folder), "--test", "0"])
+    assert stop.value.code == ("route_accuracy: fractions must leave a non-empty train split "
+                               "(probe 0.1, test 0)")
