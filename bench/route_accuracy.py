@@ -11,6 +11,7 @@ held out and scored. Prints one row per reranker; `--out FILE` writes them as JS
 from __future__ import annotations
 
 import argparse
+import random
 import time
 
 import numpy as np
@@ -37,7 +38,7 @@ def main(argv=None) -> int:
     parser.add_argument("--probe", type=float, default=0.1, help="share of queries for fitting")
     parser.add_argument("--test", type=float, default=0.2, help="share of queries held out")
     parser.add_argument("--max-per-tool", type=int, default=None, help="cap scenarios per tool")
-    parser.add_argument("--max-test", type=int, default=None, help="score at most N test queries")
+    parser.add_argument("--max-test", type=int, default=None, help="score a seeded sample of N test queries (as simulate's --test-limit)")
     parser.add_argument("--top-k", type=int, default=5)
     parser.add_argument("--llm-url", default=None, help="OpenAI-compatible endpoint for `llm`")
     parser.add_argument("--llm-model", default=None)
@@ -48,6 +49,8 @@ def main(argv=None) -> int:
     parser.add_argument("--out", default=None)
     args = parser.parse_args(argv)
     check_out(args.out, "route_accuracy")
+    if args.max_test is not None and args.max_test < 1:
+        raise SystemExit(f"route_accuracy: --max-test must be at least 1, not {args.max_test}")
 
     dataset = read_dataset(args.dataset, "route_accuracy")
     check_testable(dataset, [args.seed], "route_accuracy", probe_fraction=args.probe,
@@ -64,7 +67,11 @@ def main(argv=None) -> int:
     # As in the product: scenarios embedded by the merge's engine, queries by the query engine.
     scenario_vectors = cached_embed(get_engine(), [s.text for s in compendium.scenarios])
     probe = [(q.query, q.tool_id) for q in split.probe]
-    test = [(q.query, q.tool_id) for q in split.test][: args.max_test]
+    # A sample, never the split's first N: it holds the held-out queries tool by tool.
+    held_out = split.test
+    if args.max_test and len(held_out) > args.max_test:
+        held_out = random.Random(args.seed).sample(held_out, args.max_test)
+    test = [(q.query, q.tool_id) for q in held_out]
     # Pre-fill the engine's cache from disk: queries are embedded once per run.
     texts = [q for q, _ in probe + test]
     for text, vector in zip(texts, cached_embed(engine, texts), strict=True):

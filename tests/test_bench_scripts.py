@@ -541,6 +541,44 @@ def test_route_latency_warms_up_on_the_round_it_just_published(tmp_path, monkeyp
         services.forget_served()
 
 
+def test_route_accuracy_scores_a_max_test_sample_of_every_tool(tmp_path, monkeypatch):
+    """--max-test N scored the first N held-out queries, and the split holds them tool by tool
+    in the order of their ids: on MetaTool, 500 were the queries of 29 tools out of 199, all
+    named A to D. Now a seeded sample of the whole held-out split, as simulate's --test-limit."""
+    import json
+
+    from routing.router import Router
+
+    module = _load("route_accuracy.py", monkeypatch)
+    folder = _dataset(tmp_path / "d", {t: "x" for t in "abcdef"}, 20)  # 4 held out each
+    routed: list[str] = []
+    route_batch = Router.route_batch
+
+    def recording(self, queries, *args, **kwargs):
+        routed.extend(queries)
+        return route_batch(self, queries, *args, **kwargs)
+
+    monkeypatch.setattr(Router, "route_batch", recording)
+    out = tmp_path / "out.json"
+    assert module.main(["--dataset", str(folder), "--max-test", "6", "--out", str(out)]) == 0
+    tools = {text.rsplit(" ", 1)[-1] for text in routed}
+    assert len(tools) > 2, tools  # the first 6 of the split: 4 of tool a's, 2 of b's
+    assert [row["test_queries"] for row in json.loads(out.read_text())] == [6, 6]
+
+
+@pytest.mark.parametrize("value", ["0", "-2"])
+def test_route_accuracy_refuses_a_max_test_below_1(value, tmp_path, monkeypatch):
+    """--max-test 0 scored nothing and printed nan (and wrote NaN, which is not JSON); -2
+    silently left out the split's last two queries."""
+    module = _load("route_accuracy.py", monkeypatch)
+    folder = _dataset(tmp_path / "d", {"a": "x", "b": "y"}, 10)
+    out = tmp_path / "out.json"
+    with pytest.raises(SystemExit) as stop:
+        module.main(["--dataset", str(folder), "--max-test", value, "--out", str(out)])
+    assert stop.value.code == f"route_accuracy: --max-test must be at least 1, not {value}"
+    assert not out.exists()
+
+
 @pytest.mark.parametrize("script", ["route_accuracy.py", "raw_ceiling.py"])
 def test_a_script_refuses_a_dataset_with_nothing_to_test_in_one_line(script, tmp_path,
                                                                       monkeypatch):
