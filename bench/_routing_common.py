@@ -157,6 +157,21 @@ def played_rounds(simulation, first_seed: int, seeds: int):
             pulled = outcome.global_compendium
 
 
+def sent_compendiums(outcome) -> list:
+    """The compendiums a round's clients put on the wire: a client with nothing to submit sends
+    nothing (`synapse-client participate`), and `manage.py simulate` measures no body for it."""
+    from compendium.client_api import nothing_to_submit
+
+    return [c for c in outcome.submissions.values() if not nothing_to_submit(c)]
+
+
+def body_mean(rows: list[dict], column: str) -> float:
+    """`column`'s mean over the rows that have it, each row weighted by its bodies
+    (`clients`): per client per round over all rounds, as simulate's bytes figures."""
+    pairs = [(row[column], row["clients"]) for row in rows if column in row]
+    return round(float(np.average([v for v, _ in pairs], weights=[w for _, w in pairs])), 1)
+
+
 def cached_embed(engine, texts: list[str]) -> np.ndarray:
     """Embeddings of many texts, kept on disk per model so that reruns skip the model."""
     from routing.embeddings import embed_cached

@@ -29,10 +29,12 @@ import numpy as np
 
 # _routing_common also puts the repository on sys.path.
 from _routing_common import (
+    body_mean,
     federation_parser,
     federation_simulation,
     played_rounds,
     print_table,
+    sent_compendiums,
     write_json,
 )
 
@@ -54,7 +56,10 @@ def main(argv: list[str] | None = None) -> int:
     rows = []
     started = time.perf_counter()
     for seed, outcome, probe, base in played_rounds(simulation, args.seed, args.seeds):
-        bodies = [canonical_bytes(c) for c in outcome.submissions.values()]
+        sent = sent_compendiums(outcome)
+        if not sent:  # nothing on the wire this round (simulate measures no body either)
+            continue
+        bodies = [canonical_bytes(c) for c in sent]
         first = outcome.round == 1
         name = "schema" if first else "pulled global"
         dictionaries = {name: base, f"probe + {name}": probe + base}
@@ -71,8 +76,10 @@ def main(argv: list[str] | None = None) -> int:
         row["dcz: shipped, level 22"] = float(
             np.mean([len(transport.compress(b, shipped, level=22)) for b in bodies])
         )
-        row.update(section_bytes(list(outcome.submissions.values()), shipped))
+        row.update(section_bytes(sent, shipped))
         rows.append(row)
+    if not rows:
+        raise SystemExit("dcz_dictionaries: no client sent anything in any round: no body to measure")
     columns = ["seed", "round", "raw", "gzip", "dcz: schema", "dcz: probe + schema",
                "dcz: pulled global", "dcz: probe + pulled global", "dcz: shipped, level 22"]
     print_table(rows, columns)
@@ -81,15 +88,16 @@ def main(argv: list[str] | None = None) -> int:
     print_table(rows, ["seed", "round", *sections])
     summary = {}
     for column in columns[2:] + sections:
-        values = [r[column] for r in rows if column in r]
-        summary[column] = round(float(np.mean(values)), 1)
+        if any(column in r for r in rows):
+            summary[column] = body_mean(rows, column)
     # Per client per round over all rounds, as simulate's dcz figure: round 1 against the schema
     # (before) or the probe requests and the schema (shipped), later rounds the pulled global.
     for label, first in (("before: schema, then pulled global", "dcz: schema"),
                          ("shipped: probe + schema, then pulled global", "dcz: probe + schema")):
-        summary[label] = round(float(np.mean(
-            [r[first] if r["round"] == 1 else r["dcz: pulled global"] for r in rows]
-        )), 1)
+        summary[label] = body_mean(
+            [{**r, label: r[first] if r["round"] == 1 else r["dcz: pulled global"]} for r in rows],
+            label,
+        )
     print("mean over seeds and rounds where it applies:", summary)
     write_json(args.out, {
         "command": "python bench/dcz_dictionaries.py "

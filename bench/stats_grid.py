@@ -20,10 +20,12 @@ import time
 
 import numpy as np
 from _routing_common import (
+    body_mean,
     federation_parser,
     federation_simulation,
     played_rounds,
     print_table,
+    sent_compendiums,
     write_json,
 )
 
@@ -75,16 +77,21 @@ def main(argv: list[str] | None = None) -> int:
     rows = []
     started = time.perf_counter()
     for seed, outcome, probe, base in played_rounds(simulation, args.seed, args.seeds):
+        sent = sent_compendiums(outcome)
+        if not sent:  # nothing on the wire this round (simulate measures no body either)
+            continue
         dictionary = probe + base if outcome.round == 1 else base
-        row = {"seed": seed, "round": outcome.round}
+        row = {"seed": seed, "round": outcome.round, "clients": len(sent)}
         for name, rule in RULES.items():
             row[name] = float(np.mean([
                 len(transport.compress(canonical_bytes(regrid(c, rule)), dictionary))
-                for c in outcome.submissions.values()
+                for c in sent
             ]))
         rows.append(row)
-    print_table(rows, ["seed", "round", *RULES])
-    mean = {name: round(float(np.mean([r[name] for r in rows])), 1) for name in RULES}
+    if not rows:
+        raise SystemExit("stats_grid: no client sent anything in any round: no body to measure")
+    print_table(rows, ["seed", "round", "clients", *RULES])
+    mean = {name: body_mean(rows, name) for name in RULES}
     print("dcz bytes per client per round:", mean)
     write_json(args.out, {
         "command": "python bench/stats_grid.py " + " ".join(sys.argv[1:] if argv is None else argv),
