@@ -636,3 +636,27 @@ def test_the_byte_scripts_measure_the_bodies_simulate_measures(tiny_dataset, tmp
     assert grid["mean"]["4 digits (shipped)"] == round(expected, 1)
     assert json.loads(dictionaries.read_text())["mean"][
         "shipped: probe + schema, then pulled global"] == round(expected, 1)
+
+
+@pytest.mark.slow
+@pytest.mark.django_db
+def test_a_wrapper_run_stored_for_the_dashboard_names_the_wrapper(tiny_dataset, tmp_path,
+                                                                  monkeypatch):
+    """simulate wrote its command line as `python manage.py simulate` + sys.argv[2:]; called by a
+    bench wrapper, sys.argv is the wrapper's, so the stored run read `python manage.py simulate
+    <the dataset's path> --orgs 2 ...`: not the command that ran (the adversaries of
+    simulate_absent_clients send nothing), and not one that runs (its --dataset gone). Only the
+    --out file was corrected, by the wrapper."""
+    from federation.models import SimulationRun
+
+    module = _load("simulate_absent_clients.py", monkeypatch)
+    import federation.simulation.runner as runner
+
+    monkeypatch.setattr(runner, "corrupt", runner.corrupt)  # the wrapper patches it
+    argv = ["--dataset", str(tiny_dataset), "--orgs", "2", "--clients-per-org", "2", "--rounds",
+            "1", "--adversarial-fraction", "0.5", "--no-baselines", "--no-diagnostics",
+            "--in-memory", "--label", "absent", "--verbosity", "0"]
+    monkeypatch.setattr(sys, "argv", ["bench/simulate_absent_clients.py", *argv])
+    assert module.main() == 0
+    stored = SimulationRun.objects.get(label="absent").document
+    assert stored["command"] == "python bench/simulate_absent_clients.py " + " ".join(argv)

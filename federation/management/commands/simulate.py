@@ -418,7 +418,7 @@ class Command(BaseCommand):
                 document = combine(documents, o["combine"])
             except ValueError as exc:
                 raise CommandError(str(exc)) from None
-            document["command"] = "python manage.py simulate " + " ".join(sys.argv[2:])
+            document["command"] = command_line()
             revisions = code_revisions(document)
             if len(revisions) > 1:  # allowed (a change may not touch what is measured), said
                 self.stderr.write(
@@ -744,7 +744,7 @@ class Command(BaseCommand):
         # the dashboard says the run took.
         document["seconds"] = round(time.monotonic() - started, 1)
         document["dataset_fingerprint"] = dataset_fingerprint(dataset)  # --combine compares it
-        document["command"] = "python manage.py simulate " + " ".join(sys.argv[2:])
+        document["command"] = command_line()
         self._emit(document, o)
 
     def _dropped(self, names: list[str]) -> None:
@@ -784,6 +784,15 @@ class Command(BaseCommand):
                     f"simulate --combine {o['out']}`" if o["out"] else
                     "its results are the table above only (--out FILE keeps them in a file)")
             raise CommandError(f"the run could not be stored ({not_stored}); {kept}")
+
+
+def command_line() -> str:
+    """The command line this run was started with, as its document records it: `python
+    manage.py simulate ...`, or a bench wrapper's own (`python bench/SCRIPT.py ...`), which
+    calls this command in its process, so that sys.argv is the wrapper's."""
+    if Path(sys.argv[0]).name == "manage.py":
+        return "python manage.py " + " ".join(sys.argv[1:])
+    return "python " + " ".join(sys.argv)
 
 
 def _store(document: dict, label: str) -> int:
