@@ -134,6 +134,15 @@ def main(argv=None) -> int:
         for i in sorted(rng.choice(len(qs), size=min(args.probe_per_tool, len(qs)),
                                    replace=False)):
             probe_queries.append(qs[i])
+    # Each client draws its tools, without replacement, from those it can hold queries of.
+    usable = {q.tool_id for q in dataset.queries} - {
+        tool for tool, qs in by_tool.items() if len(qs) <= args.probe_per_tool}
+    if not 1 <= args.tools_per_client <= len(usable):
+        raise SystemExit(
+            f"merge_scale: --tools-per-client {args.tools_per_client}: a client uses 1 to "
+            f"{len(usable)} tools of the dataset {dataset.name} (those with queries outside the "
+            "probe set)"
+        )
     load_start = time.perf_counter()
     engine = get_engine(
         {"fp32": DEFAULT_MODEL, "onnx-int8": ONNX_INT8_MODEL, "bf16": BF16_MODEL}.get(args.embedder)

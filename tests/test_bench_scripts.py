@@ -660,3 +660,21 @@ def test_a_wrapper_run_stored_for_the_dashboard_names_the_wrapper(tiny_dataset, 
     assert module.main() == 0
     stored = SimulationRun.objects.get(label="absent").document
     assert stored["command"] == "python bench/simulate_absent_clients.py " + " ".join(argv)
+
+
+@pytest.mark.parametrize("count", ["3", "0"])
+def test_merge_scale_refuses_more_tools_per_client_than_the_dataset_has_in_one_line(
+        count, tmp_path, monkeypatch):
+    """On a dataset of fewer tools than --tools-per-client (default 8), or with 0, each client's
+    draw of its tools ended in numpy's traceback ("Cannot take a larger sample than population
+    when replace is False")."""
+    module = _load("merge_scale.py", monkeypatch)
+    folder = _dataset(tmp_path / "d", {"a": "x", "b": "y"}, 5)
+    out = tmp_path / "out.json"
+    with pytest.raises(SystemExit) as stop:
+        module.main(["--dataset", str(folder), "--clients", "2", "--tools-per-client", count,
+                     "--out", str(out)])
+    assert stop.value.code == (
+        f"merge_scale: --tools-per-client {count}: a client uses 1 to 2 tools of the dataset d "
+        "(those with queries outside the probe set)")
+    assert not out.exists()
