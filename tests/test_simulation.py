@@ -1219,6 +1219,14 @@ def _small_dataset(folder, tools, queries_per_tool):
      "^--drift-every 1: the dataset d's tools are all in one category, so none could come into "
      "use in a later round and the run would have no drift; use --drift-every 0 or a dataset "
      "whose tools have two or more categories$"),
+    # Before: category y's only tool has no query, so drift brought nothing in at round 2 (or
+    # at round 1, and x at round 2: the same rounds), again under drift_every 1.
+    ([("a", "x"), ("b", "x"), ("c", "y")], [20, 20, 0],
+     ["--partition", "iid", "--rounds", "2", "--drift-every", "1"],
+     "^--drift-every 1: the queries of the dataset d are all of tools of one category, x [(]no "
+     "query is of a tool of y[)], so none could come into use in a later round and the run would "
+     "have no drift; use --drift-every 0 or a dataset whose queries are of tools of two or more "
+     "categories$"),
 ])
 def test_a_dataset_that_cannot_make_the_federation_is_refused_before_the_model_loads(
         tmp_path, tools, counts, flags, message):
@@ -1515,3 +1523,22 @@ def test_the_membership_attack_pairs_each_member_with_a_non_member_of_its_tool(t
     assert members == nonmembers == sum(
         1 for share in setup.shares for q in share.queries if q.tool_id != "c")
     assert 0 <= privacy["token_overlap"] <= 1
+
+
+def test_drift_deals_only_the_categories_some_query_is_of(tmp_path):
+    """The drift plan dealt every category of tools.jsonl, those of tools no query is labelled
+    with too: such a category took a place among the half in use from round 1, or a drift
+    event that then brought nothing in (with three categories and one event, the seeds that put
+    z last had no drift at all). Now only the categories of the queries' tools are dealt."""
+    from compendium.registry import load_dataset
+    from compendium.schema import Schema
+    from federation.simulation.runner import Simulation, SimulationConfig
+
+    folder = _small_dataset(tmp_path / "d", [("a", "x"), ("b", "x"), ("c", "y"), ("d", "z")],
+                            [20, 20, 20, 0])
+    dataset = load_dataset(folder)
+    config = SimulationConfig(orgs=1, clients_per_org=2, partition="iid", rounds=2, drift_every=1)
+    simulation = Simulation(dataset, Schema(tools=dataset.tools), None, config)
+    for seed in range(10):
+        plan = simulation.prepare(seed).category_start
+        assert set(plan) == {"x", "y"} and sorted(plan.values()) == [1, 2], (seed, plan)

@@ -191,6 +191,17 @@ def federation_problem(
             "category, so none could come into use in a later round and the run would have no "
             "drift; use --drift-every 0 or a dataset whose tools have two or more categories"
         )
+    unasked = set(unasked_tools(dataset))  # their categories bring nothing into use
+    asked = sorted({c for t, c in _categories(dataset.tools).items() if t not in unasked})
+    if drift_every > 0 and len(asked) < 2:
+        others = sorted(set(_categories(dataset.tools).values()) - set(asked))
+        return (
+            f"--drift-every {drift_every}: the queries of the dataset {dataset.name} are all of "
+            f"tools of one category, {listing(asked)} (no query is of a tool of "
+            f"{listing(others)}), so none could come into use in a later round and the run "
+            "would have no drift; use --drift-every 0 or a dataset whose queries are of tools "
+            "of two or more categories"
+        )
     for seed in seeds:
         split = split_dataset(dataset, seed=seed, probe_fraction=probe_fraction,
                               test_fraction=test_fraction)

@@ -52,6 +52,7 @@ from federation.simulation.data import (
     partition_train,
     split_dataset,
     stable_unit,
+    unasked_tools,
     usage_log,
 )
 from federation.simulation.diagnostics import (
@@ -716,8 +717,10 @@ class Simulation:
             count = adversary_count(len(shares), c.adversarial_fraction)
             adversaries = set(random.Random(seed).sample([s.client for s in shares], count))
         plan = {}
-        if c.drift_every > 0:
-            categories = [self.category_of.get(t.tool_id) or "" for t in self.dataset.tools]
+        if c.drift_every > 0:  # the categories of tools no query is of would bring nothing in
+            unasked = set(unasked_tools(self.dataset))
+            categories = [self.category_of.get(t.tool_id) or "" for t in self.dataset.tools
+                          if t.tool_id not in unasked]
             plan = drift_plan(categories, c.rounds, c.drift_every, seed)
             if set(plan.values()) == {1}:
                 plan = {}
