@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import random
 import subprocess
 import sys
 import time
@@ -81,7 +82,9 @@ def catalogues(dataset, seed: int):
         dataset.queries, seed=seed, probe_fraction=PROBE_FRACTION, test_fraction=TEST_FRACTION
     )
     base = compendium_from_queries(dataset.tools, split.train, SCENARIOS_PER_TOOL)
+    # In a seeded order: the split holds them tool by tool, and a row times the first --queries.
     test = [q.query for q in split.test]
+    random.Random(seed).shuffle(test)
     yield dataset.name, dataset.tools, base, test
 
     # Synthetic: every dataset tool becomes three tools; each keeps a share of the tool's train

@@ -678,3 +678,20 @@ def test_merge_scale_refuses_more_tools_per_client_than_the_dataset_has_in_one_l
         f"merge_scale: --tools-per-client {count}: a client uses 1 to 2 tools of the dataset d "
         "(those with queries outside the probe set)")
     assert not out.exists()
+
+
+def test_route_latency_times_a_sample_of_every_tools_held_out_queries(tmp_path, monkeypatch):
+    """It timed the first --queries (300) of the held-out split, which holds them tool by tool
+    in the order of the tool ids: on MetaTool the requests of the first few tools alone. Its
+    held-out queries are now in a seeded order, so that the first N are a sample of them all."""
+    from compendium.registry import load_dataset, stratified_split
+
+    module = _load("route_latency.py", monkeypatch)
+    dataset = load_dataset(_dataset(tmp_path / "d", {t: "x" for t in "abcdef"}, 20))
+    (_, _, _, held_out), _ = list(module.catalogues(dataset, 0))
+    first = {text.rsplit(" ", 1)[-1] for text in held_out[:6]}
+    assert len(first) > 2, first  # the split's first 6: tool a's held-out queries and b's
+    split = stratified_split(dataset.queries, seed=0, probe_fraction=module.PROBE_FRACTION,
+                             test_fraction=module.TEST_FRACTION)
+    assert sorted(held_out) == sorted(q.query for q in split.test)  # the same queries, all
+    assert list(module.catalogues(dataset, 0))[0][3] == held_out  # seeded
