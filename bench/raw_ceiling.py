@@ -41,6 +41,9 @@ def main(argv=None) -> int:
     parser.add_argument("--out", default=None)
     args = parser.parse_args(argv)
     check_out(args.out, "raw_ceiling")
+    for flag, value in (("--seeds", args.seeds), ("--test-limit", args.test_limit)):
+        if value < 1:  # as simulate refuses them
+            raise SystemExit(f"raw_ceiling: {flag} must be at least 1, not {value}")
 
     dataset = read_dataset(args.dataset, "raw_ceiling")
     config = SimulationConfig(test_limit=args.test_limit)

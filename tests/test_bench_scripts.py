@@ -695,3 +695,18 @@ def test_route_latency_times_a_sample_of_every_tools_held_out_queries(tmp_path, 
                              test_fraction=module.TEST_FRACTION)
     assert sorted(held_out) == sorted(q.query for q in split.test)  # the same queries, all
     assert list(module.catalogues(dataset, 0))[0][3] == held_out  # seeded
+
+
+@pytest.mark.parametrize(("flag", "value"), [("--seeds", "0"), ("--test-limit", "0"),
+                                             ("--test-limit", "-1")])
+def test_raw_ceiling_refuses_a_count_below_1_in_one_line(flag, value, tmp_path, monkeypatch):
+    """--seeds 0 ended in print_table's TypeError over no row, --test-limit -1 in
+    random.sample's ValueError; --test-limit 0 scored the whole split under a flag that said
+    0 (simulate refuses all three)."""
+    module = _load("raw_ceiling.py", monkeypatch)
+    folder = _dataset(tmp_path / "d", {"a": "x", "b": "y"}, 10)
+    out = tmp_path / "out.json"
+    with pytest.raises(SystemExit) as stop:
+        module.main(["--dataset", str(folder), flag, value, "--out", str(out)])
+    assert stop.value.code == f"raw_ceiling: {flag} must be at least 1, not {value}"
+    assert not out.exists()
