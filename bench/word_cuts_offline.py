@@ -75,6 +75,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--out")
     args = parser.parse_args(argv)
     check_out(args.out, "word_cuts_offline")
+    if args.test < 1:  # an accuracy over no query is nan, and NaN is not JSON
+        parser.error(f"--test must be at least 1, not {args.test}")
 
     # The queries.jsonl lines in order, as the registry reads them (one line for what it refuses).
     rows = [{"query": q.query, "tool_id": q.tool_id}

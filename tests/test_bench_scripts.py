@@ -710,3 +710,18 @@ def test_raw_ceiling_refuses_a_count_below_1_in_one_line(flag, value, tmp_path, 
         module.main(["--dataset", str(folder), flag, value, "--out", str(out)])
     assert stop.value.code == f"raw_ceiling: {flag} must be at least 1, not {value}"
     assert not out.exists()
+
+
+def test_word_cuts_offline_refuses_no_test_query_before_the_model_loads(tmp_path, monkeypatch,
+                                                                         capsys):
+    """--test 0 scored every cut on no query: an accuracy of nan, written into --out as NaN
+    (not JSON)."""
+    module = _load("word_cuts_offline.py", monkeypatch)
+    folder = _dataset(tmp_path / "d", {"a": "x", "b": "y"}, 900)
+    out = tmp_path / "out.json"
+    with pytest.raises(SystemExit) as stop:
+        module.main(["--dataset", str(folder), "--sent", "1700", "--test", "0", "--dictionary",
+                     "10", "--embedding-model", "no-such-model-xyz", "--out", str(out)])
+    assert stop.value.code == 2
+    assert "error: --test must be at least 1, not 0" in capsys.readouterr().err
+    assert not out.exists()
