@@ -43,7 +43,16 @@ def parse_args(argv=None):
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--profile", type=int, default=0, help="print the N top functions by cumtime")
     p.add_argument("--sort", default="cumulative")
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    # before anything runs: it warms up on two clients (an IndexError after the federation was
+    # set up, with fewer), and random.sample refuses a negative count there
+    for flag, value, least in (("--clients", args.clients, 2), ("--rounds", args.rounds, 1),
+                               ("--tools-per-client", args.tools_per_client, 1),
+                               ("--scenarios-per-tool", args.scenarios_per_tool, 0),
+                               ("--profile", args.profile, 0)):
+        if value < least:
+            p.error(f"{flag} must be at least {least}, not {value}")
+    return args
 
 
 def main(argv=None):

@@ -329,6 +329,23 @@ def test_submit_load_refuses_a_count_or_rate_it_cannot_run_with_before_it_runs(
         f": error: {flag} must be {takes}, not {value}")
 
 
+@pytest.mark.parametrize(("script", "flag", "value", "least"), [
+    ("submit_cpu.py", "--clients", "1", 2), ("submit_cpu.py", "--rounds", "0", 1),
+    ("submit_cpu.py", "--tools-per-client", "-1", 1), ("mask_leakage.py", "--limit", "-3", 1),
+])
+def test_submit_cpu_and_mask_leakage_refuse_a_count_they_cannot_run_with(
+        script, flag, value, least, tmp_path, monkeypatch, capsys):
+    """submit_cpu with one client was an IndexError once the federation was set up (it warms up on
+    two), mask_leakage's negative --limit random.sample's ValueError: refused as argparse refuses
+    a bad value, before the dataset is read."""
+    module = _load(script, monkeypatch)
+    with pytest.raises(SystemExit) as stop:
+        module.main(["--dataset", str(tmp_path / "no-such-dataset"), flag, value])
+    assert stop.value.code == 2
+    assert capsys.readouterr().err.strip().splitlines()[-1].endswith(
+        f": error: {flag} must be at least {least}, not {value}")
+
+
 @pytest.mark.parametrize("script", ["mask_leakage.py", "masking_residue.py"])
 def test_a_script_writes_its_out_into_a_folder_it_creates(script, tmp_path, monkeypatch):
     """As simulate's --out: a missing parent folder is created (they failed at the end with
