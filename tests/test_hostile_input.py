@@ -253,6 +253,20 @@ def test_api_audit_period_at_the_ends_of_the_calendar_is_not_an_error(world, nam
 
 
 @pytest.mark.django_db
+@pytest.mark.parametrize("number", ["²", "١", "0", "-1", HUGE])
+def test_audit_round_that_is_no_round_number_is_400_on_the_api_and_the_dashboard(
+    client, world, number
+):
+    """The audit log's ?round= was read with str.isdigit, which takes "²" and "١" that int()
+    refuses: a 500 on the API and the dashboard alike. It is read as every other ?round= is."""
+    response = person_api(world.operator).get("/api/v1/admin/audit/", {"round": number})
+    assert response.status_code == 400
+    assert response.json()["detail"].startswith("round must be a round number")
+    page = operator_page(client, world).get(reverse("dashboard:audit"), {"round": number})
+    assert page.status_code == 400 and "round must be a round number" in html_text(page)
+
+
+@pytest.mark.django_db
 def test_empty_submission_is_400_and_replaces_nothing(world):
     services.open_round(SYSTEM)
     api = APIClient()
