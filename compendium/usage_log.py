@@ -1,7 +1,8 @@
 """The client's usage log: one routed request a line, read with every bad line reported.
 
 Pure (standard library; user ids normalized as compendium.masking reads text, flag names
-checked as compendium.scrub reads them). The format, one JSON object per line:
+checked as compendium.scrub reads them, a key twice in one object refused as
+compendium.validation reads JSON). The format, one JSON object per line:
 
     {"query": "...", "tool": "weather", "outcome": "success", "latency_ms": 320, "user": "u17",
      "corrected_to": null, "preconditions": {"has_city": true},
@@ -20,7 +21,8 @@ checked as compendium.scrub reads them). The format, one JSON object per line:
   Flag names are identifiers sent as written (neither masked nor scrubbed): one that holds what
   the server's scrub takes for personal data (`compendium.scrub.flag_name_holds`: a phone, card
   or long number, an e-mail address spelled "at" and "dot") is an error of its line.
-Other keys (timestamps, request ids) are ignored. Blank lines are skipped.
+Other keys (timestamps, request ids) are ignored; a key given twice in one object is an error of
+its line. Blank lines are skipped.
 """
 
 from __future__ import annotations
@@ -36,6 +38,7 @@ from typing import Any
 
 from compendium.masking import normalized
 from compendium.scrub import flag_name_holds
+from compendium.validation import DuplicateKey, no_duplicate_keys
 
 OUTCOMES = ("success", "failure", "corrected")
 _FLAG = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.:\-]{0,63}$")
@@ -363,9 +366,14 @@ def parse_lines(
         if not text.strip():
             continue
         try:
-            item = json.loads(text)
+            # a key twice in one object (Python keeps the last, other readers the first) is an
+            # error of its line: the label, the outcome or the user would be what the reader picks
+            item = json.loads(text, object_pairs_hook=no_duplicate_keys)
         except json.JSONDecodeError as exc:
             log.errors.append(LogLineError(number, f"not valid JSON: {exc.msg} (column {exc.colno})"))
+            continue
+        except DuplicateKey as exc:
+            log.errors.append(LogLineError(number, f"not valid JSON: {exc}"))
             continue
         except RecursionError:
             log.errors.append(LogLineError(number, "not valid JSON: nested too deeply"))

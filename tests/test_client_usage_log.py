@@ -312,3 +312,19 @@ def test_a_flag_name_holding_personal_data_is_an_error_of_its_line(tmp_path, cap
     err = capsys.readouterr().err
     assert f"{path}:4: precondition flag 'tel:5551234567' holds 1 long number" in err
     assert not out.exists()
+
+
+def test_a_key_given_twice_on_a_line_is_an_error_of_that_line():
+    """`{"tool": "flights", ..., "tool": "weather"}`: Python's json keeps the last key, other
+    readers the first, so the line's label (or outcome, or user) was what the reader picked: it
+    was read as "weather" and the request sent as a weather scenario. An error of the line, as
+    a registry's or the API's body with a key twice is refused."""
+    twice = line()[:-1] + ', "tool": "flights"}'
+    nested = line(template={"signature": "f(city)", "template": "T"})[:-2] + ', "template": "U"}}'
+    log = parse_lines([line(), twice, nested], source="usage.jsonl",
+                      known_tools={"weather", "flights"})
+    assert [r.line for r in log.records] == [1]
+    assert log.error_lines() == [
+        'usage.jsonl:2: not valid JSON: duplicate key "tool" in one object',
+        'usage.jsonl:3: not valid JSON: duplicate key "template" in one object',
+    ]
