@@ -399,6 +399,17 @@ def stratified_split(
     return split
 
 
+def _qid(item: dict[str, Any], where: str) -> str:
+    """A query's qid: a string, or a whole number as its digits (an id a dataset numbered); ""
+    when absent or null. Anything else is refused naming it, as a tool's name is
+    (`_optional_text`): str() stored a list or true as Python wrote it, and a qid of false or 0
+    was replaced by the line's default id without a word."""
+    value = item.get("qid")
+    if isinstance(value, int) and not isinstance(value, bool):
+        return str(value)
+    return _optional_text(item, "qid", where)
+
+
 def load_queries(path: Path, tool_ids: Iterable[str] | None = None) -> list[LabelledQuery]:
     """The labelled queries of a queries.jsonl; with `tool_ids`, every label (and every tool of a
     `label_conflict`) must be one of them. Refuses, naming the line, what the simulation and the
@@ -426,7 +437,7 @@ def load_queries(path: Path, tool_ids: Iterable[str] | None = None) -> list[Labe
             raise RegistryFormatError(
                 f"{where}: label_conflict names {', '.join(map(repr, unknown))}, not in tools.jsonl"
             )
-        qid = str(item.get("qid") or f"{Path(os.path.abspath(path)).parent.name}-{number}")
+        qid = _qid(item, where) or f"{Path(os.path.abspath(path)).parent.name}-{number}"
         _too_long(where, "qid", qid, QID_MAX_LENGTH)
         if qid in line_of:
             raise RegistryFormatError(f"{where}: qid {qid!r} is already on line {line_of[qid]}")
@@ -435,7 +446,7 @@ def load_queries(path: Path, tool_ids: Iterable[str] | None = None) -> list[Labe
             LabelledQuery(
                 query=item["query"],
                 tool_id=tool_id,
-                category=str(item.get("category") or ""),
+                category=_optional_text(item, "category", where),
                 qid=qid,
                 label_conflict=tuple(conflict),
             )

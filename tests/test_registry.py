@@ -693,3 +693,27 @@ def test_an_mcp_tool_whose_fields_are_not_what_mcp_says_is_refused(tmp_path, too
     path.write_text(json.dumps({"tools": [tool]}))
     with pytest.raises(RegistryFormatError, match=re.escape(f"{path}: {message}")):
         load_registry(path)
+
+
+@pytest.mark.parametrize("fields, message", [
+    ({"qid": ["q", 1]}, "queries.jsonl:1: qid must be a string, not an array"),
+    ({"qid": True}, "queries.jsonl:1: qid must be a string, not true or false"),
+    ({"qid": 1.5}, "queries.jsonl:1: qid must be a string, not a number"),
+    ({"category": {"en": "Travel"}}, "queries.jsonl:1: category must be a string, not an object"),
+    ({"category": ["Travel", "Maps"]}, "queries.jsonl:1: category must be a string, not an array"),
+])
+def test_a_query_whose_qid_or_category_is_not_text_is_refused_naming_the_line(
+    tmp_path, fields, message
+):
+    """queries.jsonl's qid and category are strings, as tools.jsonl's name and category are: a
+    list, an object, true or a float there was stored as Python wrote it (a qid "['q', 1]" or
+    "True" in the probe set, a per-category row "{'en': 'Travel'}" in simulate's results), and
+    a qid of false or 0 was silently replaced by the line's default id."""
+    folder = _dataset(tmp_path / "d", [{"query": "hi", "tool_id": "a", **fields}])
+    with pytest.raises(RegistryFormatError, match=re.escape(message)):
+        load_dataset(folder)
+    # absent or null: the defaults, as before; a whole number: its digits
+    folder = _dataset(tmp_path / "e", [{"query": "hi", "tool_id": "a", "qid": None, "category": None},
+                                       {"query": "ho", "tool_id": "a", "qid": 7}])
+    assert [(q.qid, q.category) for q in load_dataset(folder).queries] == [("e-1", ""), ("7", "")]
+
