@@ -463,6 +463,9 @@ def load_dataset(folder: str | Path) -> RoutingDataset:
             f"{folder}: a file, not a dataset folder (one holding tools.jsonl and queries.jsonl)"
         )
     _too_long(str(folder), "the dataset's name (its folder's)", name, DATASET_NAME_MAX_LENGTH)
+    # a folder named in bytes that are not UTF-8 reads as lone surrogates: the name and each
+    # default qid made of it are stored (the probe set, a simulation run)
+    _storable(str(folder), "the dataset's name (its folder's)", name)
     tools = load_registry(folder)
     queries_path = folder / "queries.jsonl"
     if not queries_path.exists():

@@ -717,3 +717,19 @@ def test_a_query_whose_qid_or_category_is_not_text_is_refused_naming_the_line(
                                        {"query": "ho", "tool_id": "a", "qid": 7}])
     assert [(q.qid, q.category) for q in load_dataset(folder).queries] == [("e-1", ""), ("7", "")]
 
+
+@pytest.mark.django_db
+def test_a_dataset_folder_whose_name_is_not_utf8_is_refused_in_one_line(tmp_path):
+    """A folder named with bytes that are not UTF-8 (a Latin-1 file system, an archive made on
+    another system) reaches Python as lone surrogates: the dataset's name, and each default
+    qid made of it, were psycopg's UnicodeEncodeError traceback when import_probe_set stored
+    them (and simulate when it stored its run)."""
+    from federation.models import ProbeQuery
+
+    folder = _dataset(tmp_path / "caf\udce9", [{"query": "hi", "tool_id": "a"}])
+    with pytest.raises(RegistryFormatError, match=re.escape(
+            "the dataset's name (its folder's) holds a lone surrogate at character 3")):
+        load_dataset(folder)
+    with pytest.raises(CommandError, match="the dataset's name"):
+        call_command("import_probe_set", str(folder))
+    assert not ProbeQuery.objects.exists()
