@@ -41,7 +41,7 @@ from compendium.scrub import flag_name_holds
 from compendium.validation import DuplicateKey, no_duplicate_keys
 
 OUTCOMES = ("success", "failure", "corrected")
-_FLAG = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.:\-]{0,63}$")
+_FLAG = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.:\-]{0,63}\Z")  # \Z: `$` takes "has_city\n"
 MAX_LINE_BYTES = 1_000_000
 
 

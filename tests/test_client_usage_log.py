@@ -328,3 +328,10 @@ def test_a_key_given_twice_on_a_line_is_an_error_of_that_line():
         'usage.jsonl:2: not valid JSON: duplicate key "tool" in one object',
         'usage.jsonl:3: not valid JSON: duplicate key "template" in one object',
     ]
+
+
+def test_a_flag_name_ending_in_a_newline_is_an_error_of_its_line():
+    """The flag pattern's `$` also matches before a final newline: {"has_city\n": true} was
+    read as a flag, and sent, apart from "has_city"."""
+    log = parse_lines([line(preconditions={"has_city\n": True})], source="usage.jsonl")
+    assert [e.line for e in log.errors] == [1] and "not an identifier" in log.errors[0].message

@@ -152,6 +152,14 @@ def test_bad_flag_name_and_empty_text(valid_doc, small_schema):
     assert found["$.precautions[0].text"] == "text is empty"
 
 
+def test_a_flag_name_ending_in_a_newline_is_no_identifier(valid_doc, small_schema):
+    """IDENTIFIER's `$` also matches before a final newline: "has_city\n" passed as a flag name
+    and was stored, a flag apart from "has_city" in every merge that compares them."""
+    valid_doc["scenarios"][0]["preconditions"] = {"has_city\n": True}
+    found = paths(validate_compendium(valid_doc, small_schema))
+    assert "identifier" in found['$.scenarios[0].preconditions["has_city\\n"]']
+
+
 def test_the_flag_limit_applies_to_flag_names_not_to_field_names(valid_doc, small_schema):
     """A declared flag limit shorter than the word "preconditions" still accepts scenarios with
     preconditions; a flag name over it is reported at the flag."""
