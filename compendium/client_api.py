@@ -333,10 +333,19 @@ def idempotency_key(compendium: Compendium, round_number: int, attempt: int = 1)
     return f"r{round_number}-{digest}" + (f"-{attempt}" if attempt > 1 else "")
 
 
+def _answer_json(response: httpx.Response) -> Any:
+    """`response.json()`, with an answer nested deeper than Python's json reads a ValueError, as
+    one that is not JSON is (it was a RecursionError traceback of every command)."""
+    try:
+        return response.json()
+    except RecursionError:
+        raise ValueError("the answer nests too deeply") from None
+
+
 def _code(response: httpx.Response) -> str | None:
     """The `code` of a JSON error answer; None for another answer (a proxy's)."""
     try:
-        code = response.json().get("code")
+        code = _answer_json(response).get("code")
     except (ValueError, AttributeError):
         return None
     return code if isinstance(code, str) else None
@@ -347,7 +356,7 @@ _HTML_TITLE = re.compile(r"<title[^>]*>(.*?)</title>", re.IGNORECASE | re.DOTALL
 
 def _detail(response: httpx.Response) -> str:
     try:
-        body = response.json()
+        body = _answer_json(response)
     except ValueError:
         text = response.text.strip()
         if text.startswith("<"):  # a proxy's HTML page: its title, not its first tag
@@ -365,7 +374,7 @@ def _api_answer(response: httpx.Response) -> bool:
     """The answer is the SYNAPSE API's own (a JSON object with a `detail`), not a page of a
     proxy or another site at --server: a 404 of those says nothing about what is published."""
     try:
-        body = response.json()
+        body = _answer_json(response)
     except ValueError:
         return False
     return isinstance(body, dict) and isinstance(body.get("detail"), str)
@@ -379,7 +388,7 @@ def _dictionary_refused(response: httpx.Response) -> bool:
     if response.status_code != 400:
         return False
     try:
-        body = response.json()
+        body = _answer_json(response)
     except ValueError:
         return False
     return isinstance(body, dict) and body.get("code") == "unknown_dictionary"
@@ -541,7 +550,7 @@ class SynapseClient:
 
     def _json(self, response: httpx.Response, what: str) -> Any:
         try:
-            return response.json()
+            return _answer_json(response)
         except ValueError:
             raise ClientError(f"the server's answer to {what} is not JSON") from None
 
@@ -710,7 +719,7 @@ class SynapseClient:
             )
         if status == 400:
             try:
-                payload = response.json()
+                payload = _answer_json(response)
             except ValueError:  # a proxy's page, not the API's violations
                 raise ClientError(
                     "the submission was refused (HTTP 400), by an answer that is not the SYNAPSE "

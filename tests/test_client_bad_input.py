@@ -1286,3 +1286,22 @@ def test_the_cli_names_a_server_path_that_is_not_the_api(live_server, world, cap
     assert err.count("\n") == 1
     assert "cannot list rounds: HTTP 404" in err and "not an answer of the SYNAPSE API" in err
     assert "(Not found · SYNAPSE)" in err and err.rstrip().endswith("check --server")
+
+
+@pytest.mark.parametrize("status", [200, 400, 404])
+def test_an_answer_nested_too_deeply_is_a_client_error_not_a_recursion_error(tmp_path, status):
+    """An answer (of a proxy, or a server that is not SYNAPSE, at --server) nested deeper than
+    Python's json reads was a RecursionError traceback of status, pull and fetch-probe, where an
+    answer that is not JSON at all is one clear line."""
+    import httpx
+
+    def deep(request):
+        return httpx.Response(status, headers={"Content-Type": "application/json"},
+                              content=b"[" * 100_000)
+
+    client = SynapseClient("http://server.test", "syn_c_token", retries=0,
+                           transport=httpx.MockTransport(deep))
+    with pytest.raises(ClientError):
+        client.rounds()
+    with pytest.raises(ClientError):
+        client.fetch_probe(tmp_path / "probe.json")
