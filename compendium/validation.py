@@ -263,6 +263,13 @@ def is_invisible(char: str) -> bool:
     return unicodedata.category(char) == "Cf" or char in _BLANK_NON_FORMAT
 
 
+def is_blank(text: str) -> bool:
+    """Whether `text` shows nothing: only whitespace and invisible characters (is_invisible), as
+    a text of zero-width spaces or a lone byte-order mark is (the routing API refuses such a
+    query as empty: routing.router.query_problem)."""
+    return all(char.isspace() or is_invisible(char) for char in text)
+
+
 def invisible_character(text: str) -> str | None:
     """The first character of `text` that is drawn as nothing (is_invisible), in words ("an
     invisible character U+200B (ZERO WIDTH SPACE) at position 4"); None when there is none.
@@ -575,7 +582,7 @@ def _semantic_checks(doc: dict, schema: Schema) -> list[Violation]:
                 )
                 label = f"duplicate {name[:-1]}"
                 text = item.get("text")
-                if isinstance(text, str) and not text.strip():
+                if isinstance(text, str) and is_blank(text):
                     out.append(Violation(f"$.{name}[{index}].text", "text is empty"))
                 too_large(item.get("support"), f"$.{name}[{index}].support", "support")
             if all(isinstance(k, str | tuple | type(None)) for k in key):
@@ -609,7 +616,7 @@ def _semantic_checks(doc: dict, schema: Schema) -> list[Violation]:
     for index, item in items("annex"):
         for part in ("subject", "relation", "object"):
             value = item.get(part)
-            if isinstance(value, str) and not value.strip():
+            if isinstance(value, str) and is_blank(value):
                 out.append(Violation(f"$.annex[{index}].{part}", f"{part} is empty"))
     return out
 

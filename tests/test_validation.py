@@ -152,6 +152,20 @@ def test_bad_flag_name_and_empty_text(valid_doc, small_schema):
     assert found["$.precautions[0].text"] == "text is empty"
 
 
+@pytest.mark.parametrize("blank", ["\u200b\u200b", "\ufeff", " \u00ad ", "\u2060\u3164"])
+def test_a_text_of_nothing_but_invisible_characters_is_empty(valid_doc, small_schema, blank):
+    """Only whitespace counted as empty: a scenario of zero-width spaces (or a soft hyphen, a
+    byte-order mark) was stored and published, a text no one can read that routing embeds,
+    where the routing API refuses the same query as empty."""
+    valid_doc["scenarios"][0]["text"] = blank
+    valid_doc["precautions"][0]["text"] = blank
+    valid_doc["annex"][0]["object"] = blank
+    found = [(v.path, v.reason) for v in validate_compendium(valid_doc, small_schema).violations]
+    assert ("$.scenarios[0].text", "text is empty") in found
+    assert ("$.precautions[0].text", "text is empty") in found
+    assert ("$.annex[0].object", "object is empty") in found
+
+
 def test_a_flag_name_ending_in_a_newline_is_no_identifier(valid_doc, small_schema):
     """IDENTIFIER's `$` also matches before a final newline: "has_city\n" passed as a flag name
     and was stored, a flag apart from "has_city" in every merge that compares them."""
