@@ -573,6 +573,10 @@ def _semantic_checks(doc: dict, schema: Schema) -> list[Violation]:
             if name == "templates":
                 key = (item.get("tool_id"), item.get("signature"))
                 label = "duplicate template key (tool, signature)"
+                for part in ("signature", "template"):  # as the usage log reads them
+                    value = item.get(part)
+                    if isinstance(value, str) and is_blank(value):
+                        out.append(Violation(f"$.templates[{index}].{part}", f"{part} is empty"))
             else:
                 flags = item.get("preconditions")
                 key = (

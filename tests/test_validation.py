@@ -166,6 +166,17 @@ def test_a_text_of_nothing_but_invisible_characters_is_empty(valid_doc, small_sc
     assert ("$.annex[0].object", "object is empty") in found
 
 
+@pytest.mark.parametrize("part", ["signature", "template"])
+@pytest.mark.parametrize("blank", ["", "  ", "\u200b"])
+def test_a_template_with_an_empty_signature_or_body_is_refused(valid_doc, small_schema, part, blank):
+    """A prompt template of no signature, or of no text, passed validation and was published
+    (routing answers a tool's template with it): the usage log refuses either empty, the
+    server did not."""
+    valid_doc["templates"][0][part] = blank
+    found = [(v.path, v.reason) for v in validate_compendium(valid_doc, small_schema).violations]
+    assert (f"$.templates[0].{part}", f"{part} is empty") in found
+
+
 def test_a_flag_name_ending_in_a_newline_is_no_identifier(valid_doc, small_schema):
     """IDENTIFIER's `$` also matches before a final newline: "has_city\n" passed as a flag name
     and was stored, a flag apart from "has_city" in every merge that compares them."""
