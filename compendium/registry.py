@@ -254,10 +254,15 @@ def tools_from_mcp(doc: Any, source: str = "MCP result") -> list[ToolSpec]:
             raise RegistryFormatError(
                 f"{where}: inputSchema must be a JSON Schema object, not {json_type(schema)}"
             )
+        annotations = item.get("annotations")
+        if annotations is not None and not isinstance(annotations, dict):  # MCP: an object
+            raise RegistryFormatError(
+                f"{where}: annotations must be an object, not {json_type(annotations)}"
+            )
         spec = {"inputSchema": schema or {"type": "object"}}
-        if item.get("annotations"):
-            spec["annotations"] = item["annotations"]
-        annotations = item.get("annotations") if isinstance(item.get("annotations"), dict) else {}
+        if annotations:
+            spec["annotations"] = annotations
+        annotations = annotations or {}
         title = _optional_text(item, "title", where)
         tools.append(
             _tool(

@@ -684,6 +684,11 @@ def test_a_tool_whose_fields_are_not_text_is_refused_naming_the_line(tmp_path, t
     ({"name": "a", "description": "d", "title": 7}, "tools[0]: title must be a string, not a number"),
     ({"name": "a", "description": "d", "annotations": {"category": ["x"]}},
      "tools[0]: annotations.category must be a string, not an array"),
+    # stored as the tool's spec, and published in every global, as they came
+    ({"name": "a", "description": "d", "annotations": "read-only"},
+     "tools[0]: annotations must be an object, not a string"),
+    ({"name": "a", "description": "d", "annotations": [{"readOnlyHint": True}]},
+     "tools[0]: annotations must be an object, not an array"),
 ])
 def test_an_mcp_tool_whose_fields_are_not_what_mcp_says_is_refused(tmp_path, tool, message):
     """An MCP tool's inputSchema is a JSON Schema object, its title and annotations text: a
