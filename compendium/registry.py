@@ -26,6 +26,7 @@ from compendium.usage_log import json_type
 from compendium.validation import (
     TWIN_IDS,
     DuplicateKey,
+    is_blank,
     no_duplicate_keys,
     shown_id,
     tool_id_key,
@@ -426,7 +427,7 @@ def load_queries(path: Path, tool_ids: Iterable[str] | None = None) -> list[Labe
         where = f"{path}:{number}"
         if not isinstance(item.get("query"), str) or not isinstance(item.get("tool_id"), str):
             raise RegistryFormatError(f"{where}: 'query' and 'tool_id' must be strings")
-        if not item["query"].strip():
+        if is_blank(item["query"]):  # whitespace, or zero-width characters: nothing to route
             raise RegistryFormatError(f"{where}: blank query")
         for key in ("query", "tool_id", "qid", "category"):
             _storable(where, key, item.get(key))

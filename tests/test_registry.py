@@ -131,6 +131,8 @@ def _dataset(folder, queries, tools=('{"tool_id": "a", "description": "x"}',
      ":2: label_conflict names 'zz', not in tools.jsonl"),
     ([{"query": "hi", "tool_id": "a"}, {"query": "", "tool_id": "a"}], ":2: blank query"),
     ([{"query": " \t", "tool_id": "b"}], ":1: blank query"),
+    # zero-width spaces, a byte-order mark: no text (the routing API refuses it as empty)
+    ([{"query": "\u200b\ufeff", "tool_id": "b"}], ":1: blank query"),
     ([{"query": "hi", "tool_id": "a", "qid": "q1"}, {"query": "ho", "tool_id": "b", "qid": "q1"}],
      ":2: qid 'q1' is already on line 1"),
     ([{"query": "hi", "tool_id": "a", "qid": "q" * 201}], ":1: qid is 201 characters long; at most 200"),
