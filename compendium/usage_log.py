@@ -38,7 +38,7 @@ from typing import Any
 
 from compendium.masking import normalized
 from compendium.scrub import flag_name_holds
-from compendium.validation import DuplicateKey, no_duplicate_keys
+from compendium.validation import DuplicateKey, is_blank, no_duplicate_keys
 
 OUTCOMES = ("success", "failure", "corrected")
 _FLAG = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.:\-]{0,63}\Z")  # \Z: `$` takes "has_city\n"
@@ -202,7 +202,7 @@ def _string(item: dict, key: str, required: bool = True) -> str | None:
     if not isinstance(value, str):
         kind = "missing" if key not in item else f"{json_type(value)}, not a string"
         raise ValueError(f"'{key}' is {kind}")
-    if not value.strip():
+    if is_blank(value):  # zero-width characters too: masking drops them, leaving nothing
         raise ValueError(f"'{key}' is empty")
     return _unicode(key, value)
 

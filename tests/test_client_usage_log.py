@@ -335,3 +335,11 @@ def test_a_flag_name_ending_in_a_newline_is_an_error_of_its_line():
     read as a flag, and sent, apart from "has_city"."""
     log = parse_lines([line(preconditions={"has_city\n": True})], source="usage.jsonl")
     assert [e.line for e in log.errors] == [1] and "not an identifier" in log.errors[0].message
+
+
+def test_a_query_of_nothing_but_zero_width_characters_is_empty():
+    """A query of zero-width spaces (or a byte-order mark) passed as text, and masking, which
+    drops what no reader sees, then left nothing: the line's scenario vanished without a word
+    while its statistics were counted. It is an empty query, an error of its line."""
+    log = parse_lines([line(query="\u200b\u200b"), line(query="\ufeff ")], source="usage.jsonl")
+    assert [(e.line, e.message) for e in log.errors] == [(1, "'query' is empty"), (2, "'query' is empty")]
