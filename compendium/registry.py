@@ -192,9 +192,11 @@ def _tool(item: dict[str, Any], where: str) -> ToolSpec:
         raise RegistryFormatError(f"{where}: blank tool_id")
     if not item["description"].strip():  # required: what the tool does
         raise RegistryFormatError(f"{where}: blank description")
-    name = (_optional_text(item, "name", where) or _optional_text(item, "display_name", where)
-            or item["tool_id"])
-    category = _optional_text(item, "category", where)
+    # read as the tool id and description are, without surrounding spaces: a blank name is
+    # none given (the tool id), a blank category none (not a category of its own)
+    name = (_optional_text(item, "name", where).strip()
+            or _optional_text(item, "display_name", where).strip() or tool_id)
+    category = _optional_text(item, "category", where).strip()
     for what, value in (("tool_id", tool_id), ("name", name), ("description", item["description"]),
                         ("category", category)):
         _storable(where, what, value)

@@ -740,3 +740,14 @@ def test_a_dataset_folder_whose_name_is_not_utf8_is_refused_in_one_line(tmp_path
     with pytest.raises(CommandError, match="the dataset's name"):
         call_command("import_probe_set", str(folder))
     assert not ProbeQuery.objects.exists()
+
+
+def test_a_blank_name_or_category_is_read_as_none_given(tmp_path):
+    """A name of spaces was kept as the tool's name (shown blank on the dashboard, and in the
+    templates a dataset's compendium writes, "Call   (...)"), not the tool id an absent name
+    gives; a category of spaces became a category of its own, apart from the tools without
+    one, when simulate splits tools across organizations by category."""
+    path = tmp_path / "tools.jsonl"
+    path.write_text('{"tool_id": "a", "description": "x", "name": "  ", "category": " \\t"}\n'
+                    '{"tool_id": "b", "description": "y", "name": " B ", "category": " maps "}\n')
+    assert [(t.name, t.category) for t in load_registry(path)] == [("a", ""), ("B", "maps")]
