@@ -337,3 +337,34 @@ def test_on_a_phone_no_page_is_wider_than_the_screen(review, page, live_server):
         go(page, base, name, *args)
         width = page.evaluate("document.documentElement.scrollWidth")
         assert width <= 390, (name, width, page.evaluate(WIDEST))
+
+
+@pytest.fixture
+def release_sweep(review):
+    """The stored simulation with a k-anonymous release sweep (`simulate --sweep-min-users`)."""
+    from federation.models import SimulationRun
+
+    run = SimulationRun.objects.get()
+    run.document = {**run.document, "release_sweep": [
+        {"min_users": k, "accuracy": 0.61 - 0.01 * k, "membership_auroc": 0.56 - 0.01 * k,
+         "token_overlap": 0.31, "bytes_per_client_round": 12345.0}
+        for k in (1, 2, 5)
+    ]}
+    run.save(update_fields=["document"])
+    return run
+
+
+def test_on_a_phone_the_release_sweep_table_scrolls_in_its_own_box(release_sweep, page, live_server):
+    """The Accuracy page's k-anonymous release table was a bare table, outside any card: on a
+    390-pixel-wide screen it widened the page to about 630 pixels, and at any width it lacked the
+    other tables' rules and padding."""
+    base = live_server.url
+    page.set_viewport_size({"width": 390, "height": 844})
+    log_in(page, base, "acme-admin")
+    go(page, base, "dashboard:accuracy")
+    page.wait_for_selector("#privacy-frontier[data-rendered=true] svg.main-svg")
+    assert page.locator("#accuracy-release-table tbody tr").count() == 3
+    assert "data" in (page.get_attribute("#accuracy-release-table", "class") or "")
+    width = page.evaluate("document.documentElement.scrollWidth")
+    assert width <= 390, (width, page.evaluate(WIDEST))
+
