@@ -368,3 +368,20 @@ def test_on_a_phone_the_release_sweep_table_scrolls_in_its_own_box(release_sweep
     width = page.evaluate("document.documentElement.scrollWidth")
     assert width <= 390, (width, page.evaluate(WIDEST))
 
+
+def test_the_slug_field_checks_what_is_typed_before_sending(review, page, live_server):
+    """The Create organization form's slug pattern, [-a-zA-Z0-9_]+, is not a valid expression
+    under the `v` flag Chromium compiles patterns with: it logged an error and ignored the
+    pattern, so a slug with a space went to the server and came back as a refusal page."""
+    base = live_server.url
+    errors = []
+    page.on("console", lambda m: errors.append(m.text) if m.type == "error" else None)
+    log_in(page, base, "operator")
+    go(page, base, "dashboard:organizations")
+    form = page.locator("#create-organization form")
+    form.locator("input[name=name]").fill("Initech")
+    form.locator("input[name=slug]").fill("init tech")
+    assert form.evaluate("f => f.checkValidity()") is False
+    form.locator("input[name=slug]").fill("init-tech_2")
+    assert form.evaluate("f => f.checkValidity()") is True
+    assert not errors, errors
