@@ -8,6 +8,7 @@ from urllib.parse import urlsplit
 from django.conf import settings as django_settings
 from django.contrib import messages
 from django.contrib.auth import views as auth_views
+from django.contrib.auth.views import redirect_to_login
 from django.core.exceptions import ObjectDoesNotExist
 from django.core.paginator import Paginator
 from django.db import transaction
@@ -226,6 +227,22 @@ class ActionView(DashboardView):
             return self.act(request, *args, **kwargs)
         except FederationError as error:
             return bad_request(request, str(error), self.nav_key, status=error.status_code)
+
+    def handle_no_permission(self):
+        """A form sent after the session ran out (or after signing out in another tab): the
+        sign-in returns to the page the form was on (its Referer, when this site's, else the
+        overview), not to the form's action, where a GET can only be refused; and it says that
+        nothing was done, so the button is pressed again there."""
+        request = self.request
+        if request.user.is_authenticated or request.method in ("GET", "HEAD"):
+            return super().handle_no_permission()
+        messages.info(request, "You were signed out, so nothing was done: sign in, then send the "
+                               "form again from its page.")
+        back = urlsplit(back_url(request))
+        return redirect_to_login(
+            back.path + (f"?{back.query}" if back.query else ""),
+            self.get_login_url(), self.get_redirect_field_name(),
+        )
 
     def http_method_not_allowed(self, request, *args, **kwargs):
         """A form's action opened otherwise (a sign-in's ?next= after the session ran out, a

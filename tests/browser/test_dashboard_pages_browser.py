@@ -9,6 +9,7 @@ from django.urls import reverse
 
 from federation.models import Round
 from tests.browser.test_dashboard_browser import log_in
+from tests.dashboard_data import PASSWORD
 
 pytestmark = [pytest.mark.slow, pytest.mark.django_db(transaction=True, serialized_rollback=True)]
 
@@ -385,3 +386,28 @@ def test_the_slug_field_checks_what_is_typed_before_sending(review, page, live_s
     form.locator("input[name=slug]").fill("init-tech_2")
     assert form.evaluate("f => f.checkValidity()") is True
     assert not errors, errors
+
+
+def test_a_form_sent_after_the_session_ended_returns_to_its_page_after_signing_in(
+        review, page, live_server):
+    """The session ran out (or the person signed out in another tab) while the organization's
+    page was open, and they pressed Approve. The sign-in sent them on to the form's action, a
+    POST-only address: a 'Not possible here' page whose Back link led to the sign-in page again,
+    now saying 'Your account doesn't have access to that page'. The sign-in now says nothing was
+    done and returns to the page the button was on."""
+    base = live_server.url
+    org = f"{base}{reverse('dashboard:organization', args=['acme'])}"
+    log_in(page, base, "acme-admin")
+    page.goto(org)
+    page.context.clear_cookies(name="sessionid")
+    page.locator("table.clients-pending tr", has_text="acme-node-3").locator(
+        "button", has_text="Approve").click()
+    page.wait_for_selector("#id_username")
+    assert "nothing was done" in page.locator(".messages").inner_text()
+    page.fill("#id_username", "acme-admin")
+    page.fill("#id_password", PASSWORD)
+    page.click("main button[type=submit]")
+    page.wait_for_url(org)
+    row = page.locator("table.clients-pending tr", has_text="acme-node-3")
+    row.locator("button", has_text="Approve").click()
+    page.wait_for_selector("#issued-token")
