@@ -100,3 +100,23 @@ def test_member_without_organizations_sees_no_organization_data(page, live_serve
     assert "round 2" in page.locator("p.meta").inner_text()
     page.goto(f"{live_server.url}{reverse('dashboard:tools')}")
     assert "calls/round" in page.locator("main").inner_text()  # migration rows survived the flushes
+
+
+def test_back_to_the_sign_in_page_after_signing_in_says_who_is_signed_in(page, live_server):
+    """Signed in through a page's redirect (/privacy/ → the sign-in → /privacy/), the browser's
+    Back showed the sign-in page again saying 'Your account doesn't have access to that page':
+    untrue, as no page sends a signed-in person to sign in (one it may not see answers 403 or
+    404). It now says who is signed in, with the way on to the page."""
+    base = live_server.url
+    page.goto(f"{base}{reverse('dashboard:privacy')}")
+    page.fill("#id_username", "operator")
+    page.fill("#id_password", PASSWORD)
+    page.click("main button[type=submit]")
+    page.wait_for_url(f"{base}{reverse('dashboard:privacy')}")
+    page.go_back()
+    page.wait_for_selector("#id_username")
+    text = page.locator("main").inner_text()
+    assert "have access" not in text
+    assert "signed in as operator" in text
+    page.click("#signed-in a")
+    page.wait_for_url(f"{base}{reverse('dashboard:privacy')}")
