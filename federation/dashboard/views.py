@@ -366,7 +366,8 @@ class OrganizationActionView(ActionView, OrganizationView):
         if token is None:
             return redirect("dashboard:organization", slug=organization.slug)
         context = self.get_context_data(slug=slug)
-        context.update(issued_token=token, issued_client=client, issued_action=action)
+        context.update(issued_token=token, issued_client=client, issued_action=action,
+                       page_address=reverse("dashboard:organization", args=[organization.slug]))
         response = self.render_to_response(context)
         response["Cache-Control"] = "no-store"
         return response
@@ -415,7 +416,8 @@ class PersonActionView(ActionView, OrganizationView):
             return redirect(reverse("dashboard:organization", args=[organization.slug]) + "#people")
         context = self.get_context_data(slug=slug)
         context.update(issued_password=issued.password, issued_person=issued.membership,
-                       issued_action=action, issued_tokens_revoked=issued.tokens_revoked)
+                       issued_action=action, issued_tokens_revoked=issued.tokens_revoked,
+                       page_address=reverse("dashboard:organization", args=[organization.slug]))
         response = self.render_to_response(context)
         response["Cache-Control"] = "no-store"
         return response
@@ -456,7 +458,7 @@ class TokensView(ActionView):
             return redirect("dashboard:tokens")
         token = issue_user_token(actor, request.user, request.POST.get("label", ""))
         context = self.get_context_data()
-        context.update(issued_token=token)
+        context.update(issued_token=token, page_address=reverse("dashboard:tokens"))
         response = self.render_to_response(context)
         response["Cache-Control"] = "no-store"
         return response

@@ -59,3 +59,16 @@
     window.history.back();
   });
 })();
+
+// A page sent in answer to a POST that shows a token or password once (<body data-address>, the
+// page's own address) takes that address in the browser's history in place of the form's action.
+// Otherwise Back from a refusal of a form sent from it led to Chromium's "Confirm Form
+// Resubmission" error (the answer is kept from the cache), and a reload sent the approval,
+// rotation or reset again. Now both load the page itself, without the token.
+(function () {
+  "use strict";
+  var address = document.body && document.body.getAttribute("data-address");
+  if (address && window.history.replaceState) {
+    window.history.replaceState(null, "", address + window.location.hash);
+  }
+})();

@@ -411,3 +411,36 @@ def test_a_form_sent_after_the_session_ended_returns_to_its_page_after_signing_i
     row = page.locator("table.clients-pending tr", has_text="acme-node-3")
     row.locator("button", has_text="Approve").click()
     page.wait_for_selector("#issued-token")
+
+
+def test_back_from_a_refusal_after_a_token_was_shown_returns_to_the_organization(
+        review, page, live_server):
+    """Approve answers the organization's page with the token, at the approve action's address,
+    a POST's answer kept from the cache (no-store). A refused form sent from it (a taken client
+    name) led Back to that history entry: Chromium's 'Confirm Form Resubmission' error page
+    (ERR_CACHE_MISS), and a reload sent the approval again (a 409). The page now takes the
+    organization page's own address: Back and reload load it, without the token."""
+    base = live_server.url
+    org = f"{base}{reverse('dashboard:organization', args=['acme'])}"
+    log_in(page, base, "acme-admin")
+    page.goto(org)
+    page.locator("table.clients-pending tr", has_text="acme-node-3").locator(
+        "button", has_text="Approve").click()
+    page.wait_for_selector("#issued-token")
+    assert page.url == org
+    page.fill("#enroll input[name=name]", "acme-node-1")  # taken
+    page.click("#enroll button[type=submit]")
+    page.wait_for_selector("#back")
+    page.click("#back")
+    page.wait_for_url(org)
+    page.wait_for_selector("#enroll")
+    assert page.locator("#issued-token").count() == 0
+    # a reload of a page that showed a token loads the page, not the rotation again
+    page.goto(org)
+    row = page.locator("table.clients-approved tr", has_text="acme-node-3")
+    page.once("dialog", lambda dialog: dialog.accept())
+    row.locator("button", has_text="Rotate token").click()
+    page.wait_for_selector("#issued-token")
+    response = page.reload()
+    assert response.status == 200 and page.url == org
+    assert page.locator("#issued-token").count() == 0
