@@ -2040,5 +2040,8 @@ def routing_latency_figure(hourly: list[dict], now) -> go.Figure:
         xaxis={"title": {"text": f"hour ({timezone.get_current_timezone_name()})"}, "type": "date",
                "range": [end - timedelta(hours=24), end]},
         yaxis={"title": {"text": "latency (ms)"}, "rangemode": "tozero"},
-        yaxis2=right_axis("single-query calls"),
+        # whole calls (the automatic ticks put a small count's at 0.5, 1.5), from its own step
+        yaxis2={**right_axis("single-query calls"),
+                **count_axis("single-query calls", max((row["calls"] for row in hourly), default=0)),
+                "tickmode": "linear"},
     )

@@ -444,3 +444,32 @@ def test_back_from_a_refusal_after_a_token_was_shown_returns_to_the_organization
     response = page.reload()
     assert response.status == 200 and page.url == org
     assert page.locator("#issued-token").count() == 0
+
+
+@pytest.fixture
+def routing_calls(federation):
+    """Four single-query routing API calls over the last hours: at most two in one hour."""
+    import datetime as dt
+
+    from django.utils import timezone
+
+    from routing.models import RoutingCall
+
+    now = timezone.now()
+    RoutingCall.objects.bulk_create([
+        RoutingCall(at=now - dt.timedelta(hours=hours, minutes=1), latency_ms=10.0 + hours,
+                    reranker="fusion")
+        for hours in (1, 2, 2, 5)
+    ])
+
+
+def test_the_routing_traffic_chart_counts_calls_in_whole_numbers(routing_calls, page, live_server):
+    """The routing playground's traffic chart drew its calls-per-hour axis with plotly's
+    automatic ticks: 0, 0.5, 1, 1.5, 2 for at most two calls in an hour, half a call."""
+    base = live_server.url
+    log_in(page, base, "operator")
+    go(page, base, "dashboard:routing")
+    page.wait_for_selector("#routing-latency[data-rendered=true] svg.main-svg")
+    ticks = page.locator("#routing-latency g.y2tick text").all_text_contents()
+    assert ticks and all(t.isdigit() for t in ticks), ticks
+    assert "2" in ticks
