@@ -473,3 +473,23 @@ def test_the_routing_traffic_chart_counts_calls_in_whole_numbers(routing_calls, 
     ticks = page.locator("#routing-latency g.y2tick text").all_text_contents()
     assert ticks and all(t.isdigit() for t in ticks), ticks
     assert "2" in ticks
+
+
+def test_checking_an_epsilon_keeps_the_ledger_filter(review, page, live_server):
+    """The Privacy page's ledger filter kept the ε being checked, but the Check form dropped the
+    ledger's round and tool: checking a round's ε showed the whole ledger again."""
+    base = live_server.url
+    log_in(page, base, "acme-admin")
+    go(page, base, "dashboard:privacy")
+    page.fill("#ledger-filter input[name=round]", "1")
+    page.fill("#ledger-filter input[name=tool]", "weather")
+    page.click("#ledger-filter button[type=submit]")
+    page.wait_for_url("**round=1**")
+    assert page.locator("#ledger tbody tr").count() == 2
+    page.fill("#epsilon-check input[name=epsilon]", "2")
+    page.click("#epsilon-check button[type=submit]")
+    page.wait_for_url("**epsilon=2**")
+    assert page.locator("#budget-ok").count() == 1
+    assert page.locator("#ledger tbody tr").count() == 2
+    assert page.input_value("#ledger-filter input[name=round]") == "1"
+    assert page.input_value("#ledger-filter input[name=tool]") == "weather"
