@@ -493,3 +493,23 @@ def test_checking_an_epsilon_keeps_the_ledger_filter(review, page, live_server):
     assert page.locator("#ledger tbody tr").count() == 2
     assert page.input_value("#ledger-filter input[name=round]") == "1"
     assert page.input_value("#ledger-filter input[name=tool]") == "weather"
+
+
+OUT_OF_CARD = """() => [...document.querySelectorAll('.card input, .card select, .card button')]
+    .filter(e => e.getBoundingClientRect().right > e.closest('.card').getBoundingClientRect().right + 1)
+    .map(e => e.name + ' ' + Math.round(e.getBoundingClientRect().right))"""
+
+
+def test_on_a_phone_the_round_deadline_inputs_stay_in_their_card(review, page, live_server):
+    """On a 390-pixel-wide screen the round controls' date-and-time inputs (the open round's
+    deadline, and the Open round form's closes at) did not shrink with their label: they ran past
+    the card's edge to the screen's, the picker's button on the border."""
+    base = live_server.url
+    page.set_viewport_size({"width": 390, "height": 844})
+    log_in(page, base, "operator")
+    page.wait_for_selector("#round-deadline")
+    assert page.evaluate(OUT_OF_CARD) == []
+    page.once("dialog", lambda dialog: dialog.accept())
+    page.locator("#rounds tr", has_text="open").locator("button", has_text="Close").click()
+    page.wait_for_selector("#open-round")
+    assert page.evaluate(OUT_OF_CARD) == []
