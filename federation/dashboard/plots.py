@@ -28,8 +28,10 @@ LAYOUT = {
     "margin": {"l": 60, "r": 20, "t": 50, "b": 50},
     "height": 360,
     "font": {"family": "system-ui, -apple-system, 'Segoe UI', sans-serif", "size": 13},
-    # below the x axis title, whatever the plot height (legend rows push the bottom margin)
-    "legend": {"orientation": "h", "y": -0.3, "yanchor": "top"},
+    # at the chart's bottom edge, below the x axis title: its rows push the plot up. (At a
+    # fraction of the plot's height below it, a legend of several rows on a phone, or one left
+    # after the window was narrowed and widened again, covered the axis's ticks and title.)
+    "legend": {"orientation": "h", "yref": "container", "y": 0, "yanchor": "bottom"},
 }
 
 

@@ -513,3 +513,37 @@ def test_on_a_phone_the_round_deadline_inputs_stay_in_their_card(review, page, l
     page.locator("#rounds tr", has_text="open").locator("button", has_text="Close").click()
     page.wait_for_selector("#open-round")
     assert page.evaluate(OUT_OF_CARD) == []
+
+
+LEGEND_OVER_AXIS = """(id) => {
+    const chart = document.getElementById(id);
+    const boxes = s => [...chart.querySelectorAll(s)].map(e => e.getBoundingClientRect())
+        .filter(r => r.width > 0);
+    const labels = [...boxes('g.xtick text'), ...boxes('text.xtitle')];
+    return boxes('g.legend g.traces').some(l => labels.some(t =>
+        l.left < t.right && t.left < l.right && l.top < t.bottom && t.top < l.bottom));
+}"""
+
+
+def test_chart_legends_stay_clear_of_the_x_axis_on_a_phone_and_after_widening(
+        review, page, live_server):
+    """The legends sat at a fraction of the plot's height below it. On a phone the privacy
+    page's six-entry legend covered the x axis title; and a window narrowed and widened again
+    (a tablet turned) left the accuracy charts' legends over their round ticks and axis title.
+    They are now anchored to the chart's bottom edge, the plot making room above them."""
+    base = live_server.url
+    log_in(page, base, "operator")
+    page.set_viewport_size({"width": 390, "height": 844})
+    go(page, base, "dashboard:privacy")
+    page.wait_for_selector("#epsilon-composed[data-rendered=true] svg.main-svg")
+    assert not page.evaluate(LEGEND_OVER_AXIS, "epsilon-composed")
+    page.set_viewport_size({"width": 1366, "height": 860})
+    go(page, base, "dashboard:accuracy")
+    for chart in ("accuracy-curves", "accuracy-adversarial"):
+        page.wait_for_selector(f"#{chart}[data-rendered=true] svg.main-svg")
+    page.set_viewport_size({"width": 390, "height": 844})
+    page.wait_for_timeout(800)  # plotly redraws on the window's resize
+    page.set_viewport_size({"width": 1366, "height": 860})
+    page.wait_for_timeout(800)
+    for chart in ("accuracy-curves", "accuracy-adversarial"):
+        assert not page.evaluate(LEGEND_OVER_AXIS, chart), chart
