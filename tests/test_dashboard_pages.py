@@ -1937,6 +1937,7 @@ def test_the_operator_changes_the_federation_settings_in_the_browser(client, wor
     page = client.get(url)
     assert page.status_code == 200 and 'id="settings-form"' not in page.content.decode()
     assert "allow_admin_approval" in page.content.decode()
+    assert "<label" not in page.content.decode().split('id="settings"')[1]  # no input to label
     assert client.post(url, {"epsilon_budget": "99"}).status_code == 403
     client.force_login(world.operator)
     current = services.get_settings()

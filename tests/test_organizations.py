@@ -229,6 +229,11 @@ def test_the_operator_renames_an_organization_on_its_page(client, world):
     assert [str(m) for m in done.context["messages"]] == ["Organization Org A renamed to Org Alpha."]
     assert "<h1>Org Alpha" in done.content.decode()
     assert renames().get().details["previous_name"] == "Org A"
+    # the name it already has: the page said nothing, as if the rename had been lost
+    same = client.post(url, {"name": "Org Alpha"}, follow=True)
+    assert [str(m) for m in same.context["messages"]] == [
+        "Organization Org Alpha already has that name: nothing changed."]
+    assert renames().count() == 1
     for data, status, words in [
         ({"name": ""}, 400, "needs a name"),
         ({"name": "x" * 201}, 400, "at most 200 characters"),

@@ -331,6 +331,8 @@ class OrganizationRenameView(ActionView, OrganizationView):
         )
         if organization.name != previous:
             messages.success(request, f"Organization {previous} renamed to {organization.name}.")
+        else:  # the page came back as it was, saying nothing: had the rename been lost?
+            messages.info(request, f"Organization {previous} already has that name: nothing changed.")
         return redirect("dashboard:organization", slug=organization.slug)
 
 
