@@ -37,6 +37,14 @@ def federation_parser(description: str) -> argparse.ArgumentParser:
     return parser
 
 
+def refuse_counts_below(parser: argparse.ArgumentParser, *checks: tuple[str, int, int]) -> None:
+    """Each (flag, value, least): a value below its least is refused as argparse refuses a bad
+    value (usage, one line naming the flag, status 2), before anything runs."""
+    for flag, value, least in checks:
+        if value < least:
+            parser.error(f"{flag} must be at least {least}, not {value}")
+
+
 def check_out(path: str | None, name: str, flag: str = "--out") -> None:
     """Stop the script `name`, before anything runs, with one line for an --out it could not
     write at its end (a folder, a parent that is a file, a folder it cannot write to...), as

@@ -146,9 +146,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", help="write the rows as JSON here")
     args = parser.parse_args(argv)
     # before the dataset is read: random.sample refused a negative count with a traceback
-    if args.limit is not None and args.limit < 1:
-        parser.error(f"--limit must be at least 1, not {args.limit}")
-    from _routing_common import check_out
+    from _routing_common import check_out, refuse_counts_below
+
+    if args.limit is not None:
+        refuse_counts_below(parser, ("--limit", args.limit, 1))
 
     check_out(args.out, "mask_leakage")
     rows = run(Path(args.dataset), args.limit, max(1, args.plant_every), args.seed)

@@ -29,7 +29,7 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 os.environ.setdefault("DJANGO_SETTINGS_MODULE", "synapse_web.settings")
 
-from _routing_common import read_dataset  # noqa: E402
+from _routing_common import read_dataset, refuse_counts_below  # noqa: E402
 from submit_load import DEFAULT_DATASET, build_compendiums, setup_federation  # noqa: E402
 
 
@@ -46,12 +46,10 @@ def parse_args(argv=None):
     args = p.parse_args(argv)
     # before anything runs: it warms up on two clients (an IndexError after the federation was
     # set up, with fewer), and random.sample refuses a negative count there
-    for flag, value, least in (("--clients", args.clients, 2), ("--rounds", args.rounds, 1),
-                               ("--tools-per-client", args.tools_per_client, 1),
-                               ("--scenarios-per-tool", args.scenarios_per_tool, 0),
-                               ("--profile", args.profile, 0)):
-        if value < least:
-            p.error(f"{flag} must be at least {least}, not {value}")
+    refuse_counts_below(p, ("--clients", args.clients, 2), ("--rounds", args.rounds, 1),
+                        ("--tools-per-client", args.tools_per_client, 1),
+                        ("--scenarios-per-tool", args.scenarios_per_tool, 0),
+                        ("--profile", args.profile, 0))
     return args
 
 

@@ -35,7 +35,7 @@ sys.path.insert(0, str(ROOT))
 os.environ.setdefault("DJANGO_SETTINGS_MODULE", "synapse_web.settings")
 sys.path.insert(0, str(ROOT / "bench"))
 from _routing_common import METATOOL as DEFAULT_DATASET  # noqa: E402
-from _routing_common import check_out, read_dataset  # noqa: E402
+from _routing_common import check_out, read_dataset, refuse_counts_below  # noqa: E402
 
 
 def parse_args(argv=None):
@@ -64,12 +64,10 @@ def parse_args(argv=None):
     args = p.parse_args(argv)
     # before anything runs: a negative count was random.sample's traceback once the federation
     # was set up in the database, and no client, key or send a load of nothing reported as run
-    for flag, value, least in (("--clients", args.clients, 1), ("--submissions", args.submissions, 1),
-                               ("--duplicates", args.duplicates, 1),
-                               ("--tools-per-client", args.tools_per_client, 1),
-                               ("--scenarios-per-tool", args.scenarios_per_tool, 0)):
-        if value < least:
-            p.error(f"{flag} must be at least {least}, not {value}")
+    refuse_counts_below(p, ("--clients", args.clients, 1), ("--submissions", args.submissions, 1),
+                        ("--duplicates", args.duplicates, 1),
+                        ("--tools-per-client", args.tools_per_client, 1),
+                        ("--scenarios-per-tool", args.scenarios_per_tool, 0))
     if not (math.isfinite(args.rate) and args.rate >= 0):
         p.error(f"--rate must be a finite number >= 0, not {args.rate:g}")
     if not (math.isfinite(args.timeout) and args.timeout > 0):
