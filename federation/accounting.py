@@ -380,13 +380,14 @@ def privacy_report(spends: dict[int, dict[int, float]] | None = None) -> Privacy
     spends = _spends() if spends is None else spends
     committed = commitments(spends)
     rounds = committed.recorded
+    delta = delta_prime()  # read once: not once per organization
     return PrivacyReport(
         budget=epsilon_budget(),
-        federation=compose([rounds[r] for r in sorted(rounds)], delta_prime()),
+        federation=compose([rounds[r] for r in sorted(rounds)], delta),
         organizations={
-            org: compose([per[r] for r in sorted(per)], delta_prime())
+            org: compose([per[r] for r in sorted(per)], delta)
             for org, per in sorted(spends.items())
         },
-        committed=compose(committed.spends(), delta_prime()),
+        committed=compose(committed.spends(), delta),
         reserved=committed.reserved,
     )

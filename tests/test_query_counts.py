@@ -91,6 +91,39 @@ def _more_rows(fed, numbers):
         services.issue_user_token(SYSTEM, fed.admin_a)
 
 
+def _more_organizations(fed, numbers):
+    """For each number: an organization with an admin, a member and an approved client that
+    submitted to the published round 1 and the open round 2, and in round 1 a conflict, a
+    decision, a ledger row, a merge record and an edge compendium."""
+    round_1, open_round = Round.objects.get(number=1), Round.objects.get(number=2)
+    for i in numbers:
+        org = services.create_organization(SYSTEM, f"Org {i}", f"org-more-{i}")
+        make_user(f"org-more-{i}-admin", org, Membership.Role.ADMIN)
+        make_user(f"org-more-{i}-member", org, Membership.Role.MEMBER)
+        client = services.enroll_client(SYSTEM, org, f"org-more-{i}-client")
+        services.approve_client(SYSTEM, client)
+        client = Client.objects.get(pk=client.pk)
+        _client_submission(client, round_1, "r1")
+        _client_submission(client, open_round, "r2")
+        CompendiumVersion.objects.create(
+            kind="edge", round=round_1, organization=org, schema_version="1", content={},
+            sha256="1" * 64, size_bytes=1, gzip_bytes=1,
+        )
+        ConflictLogEntry.objects.create(
+            round=round_1, organization=org, tool_id="weather", centroid_id="c0",
+            centroid={"text": "Rain?", "preconditions": {"has_city": True}},
+            dissenters=[{"text": "Rain", "preconditions": {"has_city": False}}],
+            reason="preconditions disagree",
+        )
+        ConflictDecision.objects.create(round=round_1, organization=org, tool_id="weather",
+                                        centroid_id="c0", action="dismiss", decided_by=fed.operator)
+        PrivacyLedgerEntry.objects.create(
+            round=round_1, organization=org, tool_id="weather", field="calls", sensitivity=1.0,
+            contributors=3, epsilon=0.01, noise_scale=100.0, mechanism="laplace",
+        )
+        MergeRecord.objects.create(round=round_1, organization=org, stats={"scenarios_in": 4})
+
+
 def _query_counts(browser, fed, role, token) -> dict[str, tuple[int, int]]:
     """(status, queries) of each page and endpoint, as `role` (the client endpoints as client A)."""
     counts = {}
@@ -124,4 +157,22 @@ def test_no_page_or_list_endpoint_makes_a_query_per_row(client, fed, role):
     grown = _query_counts(client, fed, role, token)
     assert {k: v for k, v in grown.items() if v != small[k]} == {}, (
         "query count grew with the rows: " + ", ".join(
+            f"{k} {small[k][1]} -> {grown[k][1]}" for k in small if grown[k] != small[k]))
+
+
+@pytest.mark.parametrize("role", ["operator", "admin_a"])
+def test_no_page_or_list_endpoint_makes_a_query_per_organization(client, fed, role):
+    """The same at a federation of more organizations (each with its people, client, submissions,
+    conflict, ledger row and merge record): a page reading the database once per organization
+    (the operator's, which lists them all, or a member's, whose page still composes the
+    federation's figures) grows with the federation."""
+    token = services.issue_user_token(SYSTEM, getattr(fed, role))
+    _more_organizations(fed, range(2))
+    _query_counts(client, fed, role, token)  # the caches a first request fills
+    small = _query_counts(client, fed, role, token)
+    assert all(status == 200 for status, _ in small.values()), small
+    _more_organizations(fed, range(2, 12))
+    grown = _query_counts(client, fed, role, token)
+    assert {k: v for k, v in grown.items() if v != small[k]} == {}, (
+        "query count grew with the organizations: " + ", ".join(
             f"{k} {small[k][1]} -> {grown[k][1]}" for k in small if grown[k] != small[k]))
