@@ -338,6 +338,28 @@ def check_budget(
     )
 
 
+def retry_refusals(rounds, budget: float | None = None) -> dict[int, str]:
+    """{round pk: `budget_refusal(round_reservation(r), "retrying round N", budget)`} of each of
+    `rounds` (failed ones), from one reading of the ledger, the settings and the reservations
+    for all of them: a reading per round made a page listing failed rounds slower with each."""
+    rounds = list(rounds)
+    if not rounds:
+        return {}
+    base = check_budget(budget=budget)
+    fields = releasable_numeric_fields()
+    delta = base.before.delta_prime
+    out = {}
+    for rnd in rounds:
+        # round_reservation: nothing for a round with ledger rows (counted already)
+        extra = 0.0 if rnd.pk in base.committed.recorded else projected_round_spend(
+            rnd.config, fields, not_released=rnd.fields_not_released or ())
+        more = _extra_spends(extra)
+        check = BudgetCheck(committed=base.committed, extra=more, before=base.before,
+                            after=compose(base.committed.spends(more), delta), cap=base.cap)
+        out[rnd.pk] = check.refusal(f"retrying round {rnd.number}")
+    return out
+
+
 def would_exceed(extra: RoundConfig | float | None = None) -> tuple[bool, Composition]:
     """Whether the committed composition plus `extra` exceeds the cap, and that composition."""
     check = check_budget(extra)

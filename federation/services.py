@@ -1498,6 +1498,12 @@ def retry_budget_refusal(rnd: Round) -> str:
     )
 
 
+def retry_budget_refusals(rounds) -> dict[int, str]:
+    """`retry_budget_refusal` of each of the failed `rounds` ({round pk: refusal}), reading the
+    ledger once for all of them."""
+    return accounting.retry_refusals(rounds, accounting.epsilon_budget())
+
+
 def pipeline_outcome(rnd: Round) -> str:
     """What became of a round's merge pipeline once its close or retry is committed: without a
     broker it ran in the caller (a request, a command) and is over; with workers it has started."""

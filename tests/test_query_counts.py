@@ -17,6 +17,7 @@ from federation.models import (
     Client,
     ConflictDecision,
     ConflictLogEntry,
+    FederationSettings,
     Membership,
     MergeRecord,
     PrivacyLedgerEntry,
@@ -176,3 +177,53 @@ def test_no_page_or_list_endpoint_makes_a_query_per_organization(client, fed, ro
     assert {k: v for k, v in grown.items() if v != small[k]} == {}, (
         "query count grew with the organizations: " + ", ".join(
             f"{k} {small[k][1]} -> {grown[k][1]}" for k in small if grown[k] != small[k]))
+
+
+def _failed_rounds(fed, numbers):
+    """For each number: a failed round after the last published one, with a submission of client
+    A still to merge (the overview offers the operator its Retry, or says why the budget refuses
+    it)."""
+    for i in numbers:
+        round_ = Round.objects.create(number=200 + i, state=Round.State.FAILED,
+                                      config={"epsilon": 1.0}, failure_reason="worker lost")
+        _client_submission(fed.client_a, round_, f"failed{i}")
+
+
+def test_the_overview_reads_the_budget_once_for_every_failed_round(client, fed):
+    """The overview tells, of each failed round it could retry, whether the privacy budget would
+    refuse the retry: one reading of the ledger and the settings for all of them, not a reading
+    per failed round (a run of failed merges made the operator's overview slower with each)."""
+    client.force_login(fed.operator)
+    _failed_rounds(fed, range(1))
+    client.get(reverse("dashboard:overview"))  # the caches a first request fills
+
+    def count():
+        with CaptureQueriesContext(connection) as captured:
+            response = client.get(reverse("dashboard:overview"))
+        assert response.status_code == 200
+        return len(captured), response.content.decode().count("Retry")
+
+    small, retries_small = count()
+    _failed_rounds(fed, range(1, 6))
+    grown, retries_grown = count()
+    assert retries_grown > retries_small > 0
+    assert grown == small, f"overview: {small} queries at one failed round, {grown} at six"
+
+
+@pytest.mark.parametrize(("budget", "refused"), [(1.0, 2), (2.5, 1), (100.0, 0)])
+def test_the_retry_refusals_read_at_once_are_those_of_each_round(fed, budget, refused):
+    """retry_budget_refusals (the overview's, one ledger reading) says of each failed round what
+    retry_budget_refusal (retry_round's) says of it: a round with ledger rows, one without."""
+    _failed_rounds(fed, range(2))
+    with_rows = Round.objects.get(number=200)
+    PrivacyLedgerEntry.objects.create(
+        round=with_rows, organization=fed.org_a, tool_id="weather", field="calls", sensitivity=1.0,
+        contributors=3, epsilon=0.3, noise_scale=1.0, mechanism="laplace",
+    )
+    services.get_settings()
+    # below what is committed already (2.3), which update_settings refuses: both retries refused
+    FederationSettings.objects.filter(pk=1).update(epsilon_budget=budget)
+    failed = list(Round.objects.filter(state=Round.State.FAILED))
+    expected = {r.pk: services.retry_budget_refusal(r) for r in failed}
+    assert services.retry_budget_refusals(failed) == expected
+    assert sum(bool(refusal) for refusal in expected.values()) == refused

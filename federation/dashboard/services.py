@@ -149,7 +149,7 @@ def federation_overview(
     """
     from federation.services import (
         failure_reason_for,
-        retry_budget_refusal,
+        retry_budget_refusals,
         round_figures,
         submissions_to_merge,
     )
@@ -181,13 +181,16 @@ def federation_overview(
             rows[round_id].revoked_submissions = rows[round_id].submissions - merged.get(round_id, 0)
     # The table holds the latest rounds, so every round published after one of its rows is in it.
     published = sorted(r.number for r in rounds if r.state == Round.State.PUBLISHED)
+    retryable = []
     for r in rounds:
         if r.state == Round.State.FAILED:
             row = rows[r.pk]
             row.published_after = next((n for n in published if n > r.number), None)
             if include_unpublished and row.published_after is None and row.mergeable:
-                # the operator's Retry: not offered where retry_round would refuse it
-                row.retry_refusal = retry_budget_refusal(r)
+                retryable.append(r)
+    # the operator's Retry: not offered where retry_round would refuse it (one ledger reading)
+    for pk, refusal in retry_budget_refusals(retryable).items():
+        rows[pk].retry_refusal = refusal
 
     submissions = CompendiumVersion.objects.filter(
         kind=KIND_CLIENT, round_id__in=round_ids, client__organization__in=organizations
