@@ -227,3 +227,88 @@ def test_the_retry_refusals_read_at_once_are_those_of_each_round(fed, budget, re
     expected = {r.pk: services.retry_budget_refusal(r) for r in failed}
     assert services.retry_budget_refusals(failed) == expected
     assert sum(bool(refusal) for refusal in expected.values()) == refused
+
+
+def _published_ledger_rounds(fed, numbers):
+    """For each number: a published round whose edges (A and B) released weather's statistics."""
+    for n in numbers:
+        round_ = Round.objects.create(number=n, state=Round.State.PUBLISHED, config={"epsilon": 1.0})
+        for org in (fed.org_a, fed.org_b):
+            for release in (0, 1):  # a re-release (an erasure's) after the first
+                for field in ("calls", "success_rate"):
+                    PrivacyLedgerEntry.objects.create(
+                        round=round_, organization=org, release=release, tool_id="weather",
+                        field=field, sensitivity=1.0, contributors=3, epsilon=0.01,
+                        noise_scale=100.0 + release, mechanism="laplace",
+                    )
+
+
+def _ledger_rows_read(browser, url) -> dict[str, int]:
+    """{query: rows it returned} of the queries of the privacy ledger that answering `url` made."""
+    read = {}
+
+    def count_rows(execute, sql, params, many, context):
+        result = execute(sql, params, many, context)
+        if "federation_privacyledgerentry" in sql and sql.lstrip().startswith("SELECT"):
+            read[sql[:160]] = read.get(sql[:160], 0) + context["cursor"].rowcount
+        return result
+
+    with connection.execute_wrapper(count_rows):
+        assert browser.get(url).status_code == 200
+    return read
+
+
+@pytest.mark.parametrize("role", ["operator", "admin_a"])
+def test_the_compendium_page_reads_the_ledger_rows_of_the_rounds_it_shows(client, fed, role):
+    """The noise scales behind a global's statistics are those of the round that released them:
+    the page reads those rows, not every ledger row of every earlier round (which grew with each
+    round the federation published, rows per tool · field · edge · release)."""
+    from compendium.schema import Compendium, ToolMetadata
+    from compendium.services import store_compendium
+
+    _published_ledger_rounds(fed, [500])
+    store_compendium(
+        Compendium(metadata=[ToolMetadata(tool_id="weather",
+                                          stats={"calls": 3.0, "success_rate": 0.5})]),
+        kind="global", round=Round.objects.get(number=500),
+    )
+    client.force_login(getattr(fed, role))
+    _published_ledger_rounds(fed, range(10, 12))
+    small = _ledger_rows_read(client, reverse("dashboard:compendium"))
+    _published_ledger_rounds(fed, range(12, 40))
+    grown = _ledger_rows_read(client, reverse("dashboard:compendium"))
+    assert grown == small, f"ledger rows read grew with the rounds: {small} -> {grown}"
+    card = client.get(reverse("dashboard:compendium")).context["cards"][0]
+    # the latest release of round 500 at each edge the viewer may see
+    assert {s["field"]: s["noise_scale"] for s in card.stats} == {
+        "calls": 101.0, "success_rate": 101.0}
+
+
+@pytest.mark.parametrize(("counts_a", "edges"), [
+    (None, 2),                   # no edge compendium stored for A: its rows count
+    ({"metadata": 2}, 2),        # A's edge carries statistics
+    ({"metadata": 0}, 1),        # re-materialized without statistics (an erasure past the budget)
+    ({"scenarios": 4}, 1),       # no metadata count at all
+    ({"metadata": None}, 1),
+    ({}, 1),
+])
+def test_the_ledger_rows_of_an_edge_without_statistics_back_nothing(client, fed, counts_a, edges):
+    """The rows the compendium page reads leave out, in the database, those of an edge whose
+    compendium carries no statistics (entry_counts' metadata missing, 0 or null), as the page
+    did in Python when it read every row."""
+    from compendium.schema import Compendium, ToolMetadata
+    from compendium.services import store_compendium
+
+    _published_ledger_rounds(fed, [500])
+    round_ = Round.objects.get(number=500)
+    store_compendium(Compendium(metadata=[ToolMetadata(tool_id="weather", stats={"calls": 3.0})]),
+                     kind="global", round=round_)
+    for org, counts in ((fed.org_a, counts_a), (fed.org_b, {"metadata": 3})):
+        if counts is not None:
+            CompendiumVersion.objects.create(
+                kind="edge", round=round_, organization=org, schema_version="1", content={},
+                sha256="1" * 64, size_bytes=1, gzip_bytes=1, entry_counts=counts,
+            )
+    client.force_login(fed.operator)
+    card = client.get(reverse("dashboard:compendium")).context["cards"][0]
+    assert card.stats[0]["edges"] == edges

@@ -22,7 +22,9 @@ from django.db.models import (
     Avg,
     Case,
     Count,
+    Exists,
     IntegerField,
+    Max,
     Min,
     OuterRef,
     Q,
@@ -512,33 +514,41 @@ def _releases(
     operator). An edge's scale is Δ/(K·ε_j) with Δ and ε_j public, so it tells its K, the count of
     its organization's submissions, which that organization alone (and the operator) may see; the
     round is still chosen from every edge's rows, as the global compendium is."""
+    from functools import reduce
+    from operator import or_
+
     pks = {tool_id: pk for pk, tool_id in tools.items()}
+    # An edge re-materialized past the budget (an erasure's) carries no statistics any more, and
+    # its earlier release's rows stay in the ledger: they back nothing published.
+    withdrawn = CompendiumVersion.objects.filter(
+        Q(entry_counts__metadata__isnull=True) | Q(entry_counts__metadata__lte=0),  # none, 0, null
+        kind=CompendiumVersion.Kind.EDGE, round_id=OuterRef("round_id"),
+        organization_id=OuterRef("organization_id"),
+    )
+    backing = PrivacyLedgerEntry.objects.filter(
+        Q(round__state=Round.State.PUBLISHED) | Q(round_id=version.round_id),
+        round__number__lte=version.round.number,
+        tool_id__in=list(pks),
+    ).filter(~Exists(withdrawn))
+    # The round that last released each (tool, field), found in the database, then that round's
+    # rows only: reading every earlier round's rows (per edge and release) grew with each round.
+    latest = [
+        Q(tool_id=item["tool_id"], field=item["field"], round__number=item["last"])
+        for item in backing.order_by().values("tool_id", "field").annotate(last=Max("round__number"))
+    ]
+    if not latest:
+        return defaultdict(list), {}
     rows = (
-        PrivacyLedgerEntry.objects.filter(
-            Q(round__state=Round.State.PUBLISHED) | Q(round_id=version.round_id),
-            round__number__lte=version.round.number,
-            tool_id__in=list(pks),
-        )
+        backing.filter(reduce(or_, latest))
         .order_by("-round__number", "organization_id", "-release")
         .values_list("tool_id", "field", "round__number", "organization_id", "release", "noise_scale")
     )
     shown = None if organizations is None else set(organizations.values_list("pk", flat=True))
-    # An edge re-materialized past the budget (an erasure's) carries no statistics any more, and
-    # its earlier release's rows stay in the ledger: they back nothing published.
-    withdrawn = {
-        (number, organization_id)
-        for number, organization_id, counts in CompendiumVersion.objects.filter(
-            kind=CompendiumVersion.Kind.EDGE, round__number__lte=version.round.number
-        ).values_list("round__number", "organization_id", "entry_counts")
-        if not (counts or {}).get("metadata")
-    }
     chosen_round: dict[tuple[int, str], int] = {}
     seen: set[tuple[int, str, int]] = set()
     scales: dict[tuple[int, str], list[float]] = defaultdict(list)
     for tool_id, name, number, organization_id, _release, scale in rows:
         key = (pks[tool_id], name)
-        if (number, organization_id) in withdrawn:
-            continue
         if chosen_round.setdefault(key, number) != number or (*key, organization_id) in seen:
             continue  # an earlier round's, or an edge's earlier release
         seen.add((*key, organization_id))
