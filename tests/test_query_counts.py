@@ -312,3 +312,27 @@ def test_the_ledger_rows_of_an_edge_without_statistics_back_nothing(client, fed,
     client.force_login(fed.operator)
     card = client.get(reverse("dashboard:compendium")).context["cards"][0]
     assert card.stats[0]["edges"] == edges
+
+
+@pytest.mark.parametrize("role", ["operator", "admin_a"])
+def test_no_dashboard_page_reads_the_globals_routing_heads(client, fed, role):
+    """A published global carries its routing head (the linear head's weights, about half a
+    megabyte at 199 tools): the pages that list or show globals (the overview's rounds, the
+    compendium's round picker, the tool registry) need none of it, and read it from no row."""
+    from compendium.schema import Compendium, ToolMetadata
+    from compendium.services import store_compendium
+
+    for number in (1, 3):
+        round_ = Round.objects.get(number=1) if number == 1 else Round.objects.create(
+            number=3, state=Round.State.PUBLISHED, config={"epsilon": 1.0})
+        store_compendium(
+            Compendium(metadata=[ToolMetadata(tool_id="weather", stats={"calls": 3.0})]),
+            kind="global", round=round_, routing_head=b"\0" * 1000,
+        )
+    client.force_login(getattr(fed, role))
+    for name in PAGES:
+        url = reverse(name, args=["org-a"]) if name == "dashboard:organization" else reverse(name)
+        with CaptureQueriesContext(connection) as captured:
+            assert client.get(url).status_code == 200
+        read = [q["sql"][:120] for q in captured if '"routing_head"' in q["sql"]]
+        assert read == [], f"{name} read routing heads: {read}"

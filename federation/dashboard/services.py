@@ -209,7 +209,7 @@ def federation_overview(
     global_results = CompendiumVersion.objects.filter(kind=KIND_GLOBAL, round_id__in=round_ids)
     if not include_unpublished:
         global_results = global_results.filter(round__state=Round.State.PUBLISHED)
-    for version in global_results.defer("content"):
+    for version in global_results.defer("content", "routing_head"):  # heads: ~0.5 MB each
         row = rows[version.round_id]
         row.global_version = version
         # shown with the global it measured
@@ -400,7 +400,8 @@ def global_versions(user) -> QuerySet:
     versions = CompendiumVersion.objects.filter(kind=KIND_GLOBAL).select_related("round")
     if not user.is_superuser:
         versions = versions.filter(round__state=Round.State.PUBLISHED)
-    return versions.defer("content").order_by("-round__number")
+    # neither the content nor the routing head (~0.5 MB each at 199 tools): the pages list them
+    return versions.defer("content", "routing_head").order_by("-round__number")
 
 
 def round_number(raw: str | None) -> int | None:
@@ -752,7 +753,7 @@ def organization_page(organization, actor, page=1, per_page=50) -> OrganizationP
         v.round.number: v
         for v in CompendiumVersion.objects.filter(kind=KIND_EDGE, organization=organization)
         .select_related("round")
-        .defer("content")
+        .defer("content", "routing_head")
     }
     recorded = set(
         MergeRecord.objects.filter(organization=organization).values_list("round__number", flat=True)
