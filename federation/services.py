@@ -1492,10 +1492,7 @@ def retry_budget_refusal(rnd: Round) -> str:
     """Why the privacy budget refuses a retry of the failed `rnd` now ("" when it fits): a failed
     round holds no reservation, and a retry takes it again (`retry_round`; `round_status` says so
     rather than name a retry that would be refused)."""
-    return accounting.budget_refusal(
-        accounting.round_reservation(rnd), f"retrying round {rnd.number}",
-        accounting.epsilon_budget(),
-    )
+    return retry_budget_refusals([rnd])[rnd.pk]
 
 
 def retry_budget_refusals(rounds) -> dict[int, str]:

@@ -12,7 +12,7 @@ from django.test.utils import CaptureQueriesContext
 from django.urls import reverse
 
 from compendium.models import CompendiumVersion
-from federation import services
+from federation import accounting, services
 from federation.models import (
     Client,
     ConflictDecision,
@@ -212,8 +212,9 @@ def test_the_overview_reads_the_budget_once_for_every_failed_round(client, fed):
 
 @pytest.mark.parametrize(("budget", "refused"), [(1.0, 2), (2.5, 1), (100.0, 0)])
 def test_the_retry_refusals_read_at_once_are_those_of_each_round(fed, budget, refused):
-    """retry_budget_refusals (the overview's, one ledger reading) says of each failed round what
-    retry_budget_refusal (retry_round's) says of it: a round with ledger rows, one without."""
+    """retry_budget_refusals (the overview's and retry_round's, one ledger reading) says of each
+    failed round what the budget check of its reservation alone says: a round with ledger rows
+    (nothing reserved), one without."""
     _failed_rounds(fed, range(2))
     with_rows = Round.objects.get(number=200)
     PrivacyLedgerEntry.objects.create(
@@ -224,7 +225,8 @@ def test_the_retry_refusals_read_at_once_are_those_of_each_round(fed, budget, re
     # below what is committed already (2.3), which update_settings refuses: both retries refused
     FederationSettings.objects.filter(pk=1).update(epsilon_budget=budget)
     failed = list(Round.objects.filter(state=Round.State.FAILED))
-    expected = {r.pk: services.retry_budget_refusal(r) for r in failed}
+    expected = {r.pk: accounting.budget_refusal(accounting.round_reservation(r),
+                                                f"retrying round {r.number}") for r in failed}
     assert services.retry_budget_refusals(failed) == expected
     assert sum(bool(refusal) for refusal in expected.values()) == refused
 
