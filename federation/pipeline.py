@@ -969,7 +969,26 @@ def erase_client(client: Client, *, actor: services.Actor | None = None, embed=N
             for sub in submissions
             for edge in sub.derived.filter(kind="edge")
         }
-        CompendiumVersion.objects.filter(pk__in=[s.pk for s in submissions]).delete()
+        # The edges whose merge read one of them without taking it (rejected at the merge: no
+        # provenance link): their merge records name it (`rejected`: its source and why, and the
+        # versions read, `inputs`). Merged again as a replay of their release: a rejected
+        # submission changed nothing the merge made (neither its noise nor its inputs), so without
+        # it in the inputs the release is the same one, with no new ε, and the edge row stays.
+        erased_ids = {s.pk for s in submissions}
+        rejected_by = set()
+        for record in MergeRecord.objects.filter(organization_id=client.organization_id):
+            inputs = record.stats.get("inputs")
+            named = any(isinstance(r, dict) and r.get("source") == f"client:{client.pk}"
+                        for r in record.rejected)
+            if not (named or (isinstance(inputs, list) and erased_ids.intersection(inputs))):
+                continue
+            key = (record.round_id, record.organization_id)
+            if key not in built_from:
+                rejected_by.add(key)
+                if isinstance(inputs, list):
+                    record.stats["inputs"] = [pk for pk in inputs if pk not in erased_ids]
+                    record.save(update_fields=["stats"])
+        CompendiumVersion.objects.filter(pk__in=erased_ids).delete()
         # What each request was (its sha256, sizes, idempotency key) and the answer stored for a
         # replay, which would answer 201 for a compendium that no longer exists.
         records = Submission.objects.filter(client=client).delete()[1].get(
@@ -992,15 +1011,31 @@ def erase_client(client: Client, *, actor: services.Actor | None = None, embed=N
                          if _previous_conflicts(reader, organization_id) != read)
             return result
 
-        first = min(Round.objects.filter(pk__in={r for r, _ in stale}).values_list(
+        first = min(Round.objects.filter(pk__in={r for r, _ in stale | rejected_by}).values_list(
             "number", flat=True), default=None)
-        rounds = Round.objects.filter(number__gte=first).order_by("number") if stale else []
+        rounds = (Round.objects.filter(number__gte=first).order_by("number")
+                  if stale or rejected_by else [])
         carried = False  # the previous published round's global was merged again or deleted
         for round_ in rounds:
             # A failed round past retrying: its edges feed nothing (only published rounds' logs
             # are read, `_conflict_source`), so they go rather than spend ε on a new release.
             dead = round_.state == Round.State.FAILED and services.published_after(round_)
-            for organization_id in sorted(o for r, o in stale if r == round_.pk and o is not None):
+            replayed = sorted(o for r, o in rejected_by - stale if r == round_.pk)
+            for organization_id in replayed:
+                # A replay of the release (no new ε); an edge that comes out otherwise (the
+                # schema changed since) makes what read it stale, as any edge merged again.
+                before = CompendiumVersion.objects.filter(
+                    kind="edge", round=round_, organization_id=organization_id
+                ).values_list("pk", flat=True).first()
+                outcome = redo(round_, organization_id,
+                               lambda o=organization_id, r=round_: run_edge_merge(
+                                   r.pk, o, embed=embed))
+                if outcome.version_id != before:
+                    stale.add((round_.pk, organization_id))
+                    (edges_done if outcome.version_id is not None else edges_removed).append(
+                        (round_.number, organization_id))
+            for organization_id in sorted(o for r, o in stale if r == round_.pk and o is not None
+                                          and o not in replayed):
                 if dead:
                     redo(round_, organization_id,
                          lambda o=organization_id, r=round_: _delete_merge(r, o))

@@ -1639,3 +1639,43 @@ def test_a_tool_the_registry_does_not_offer_is_not_learnt_from_the_probe_set(reg
     vectors = pipeline._embed()([s.text for s in published.scenarios])
     head = LinearHead.from_bytes(pipeline.routing_head(published, vectors, pipeline._embed(), probe))
     assert "calculator" not in head.tools
+
+
+@pytest.mark.usefixtures("every_field_released")
+def test_an_erasure_reaches_the_merge_record_of_an_edge_that_rejected_the_clients_submission(
+    probes, django_capture_on_commit_callbacks
+):
+    """An edge merge that rejected a client's submission (stored valid, unreadable at the merge)
+    names it in its merge record (`rejected`: the source and why) and among the inputs it read.
+    The erasure found the edges to merge again through the provenance links, which only accepted
+    sources have, so that record kept naming the erased client's submission for good. It is
+    merged again as a replay of its release: the edge, the global and the ledger stay as they
+    were (the rejected submission changed none of them)."""
+    round_, clients = build_federation()
+    target = clients[("acme", "a2")]
+    CompendiumVersion.objects.filter(kind="client", client=target).update(
+        content={"scenarios": [{"tool_id": "flights"}]})
+    erased_pk = CompendiumVersion.objects.get(kind="client", client=target).pk
+    close(round_, django_capture_on_commit_callbacks)
+    assert round_.state == "published", round_.failure_reason
+    acme = target.organization
+    record = MergeRecord.objects.get(round=round_, organization=acme)
+    assert [r["source"] for r in record.rejected] == [f"client:{target.pk}"]
+    assert erased_pk in record.stats["inputs"]
+    edge = CompendiumVersion.objects.get(kind="edge", round=round_, organization=acme)
+    glob = CompendiumVersion.objects.get(kind="global", round=round_)
+    ledger = sorted(PrivacyLedgerEntry.objects.values_list("organization_id", "release", "field"))
+
+    report = pipeline.erase_client(target)
+
+    assert report.submissions_removed == 1
+    record = MergeRecord.objects.get(round=round_, organization=acme)
+    assert record.rejected == [] and record.stats["rejected"] == 0
+    assert erased_pk not in record.stats["inputs"]
+    assert not any(f"client:{target.pk}" in str(m.rejected) + str(m.flagged)
+                   for m in MergeRecord.objects.all())
+    # nothing it changed was published: the same edge and global, no new release
+    assert CompendiumVersion.objects.get(kind="edge", round=round_, organization=acme).pk == edge.pk
+    assert CompendiumVersion.objects.get(kind="global", round=round_).pk == glob.pk
+    assert sorted(PrivacyLedgerEntry.objects.values_list(
+        "organization_id", "release", "field")) == ledger
