@@ -461,11 +461,21 @@ MERGE_TRIES = 3
 
 
 def _edge_sources(round_: Round, organization: Organization) -> list[CompendiumVersion]:
-    return list(
-        services.submissions_to_merge(round=round_, client__organization=organization)
-        .select_related("client")
-        .order_by("client_id")
-    )
+    """The client submissions this edge merge reads (`services.submissions_to_merge`). Of a
+    published round (merged again only by an erasure: of its edge, or as a replay of a later
+    one) also those of clients revoked since that its last merge read (its record's `inputs`):
+    a revocation takes nothing out of a published round, and erasing another client must not
+    either (nor turn the replay of a release into a new one, with fresh noise and its own ε)."""
+    versions = services.submissions_to_merge(round=round_, client__organization=organization)
+    if round_.state == Round.State.PUBLISHED:
+        made = (MergeRecord.objects.filter(round=round_, organization=organization)
+                .values_list("stats", flat=True).first()) or {}
+        read = made.get("inputs")
+        if isinstance(read, list) and read:
+            versions = versions | CompendiumVersion.objects.filter(
+                kind=CompendiumVersion.Kind.CLIENT, round=round_,
+                client__organization=organization, pk__in=read)
+    return list(versions.select_related("client").order_by("client_id"))
 
 
 def _as_schema_reads(content: dict, schema) -> Compendium | dict:

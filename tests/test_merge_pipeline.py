@@ -1679,3 +1679,28 @@ def test_an_erasure_reaches_the_merge_record_of_an_edge_that_rejected_the_client
     assert CompendiumVersion.objects.get(kind="global", round=round_).pk == glob.pk
     assert sorted(PrivacyLedgerEntry.objects.values_list(
         "organization_id", "release", "field")) == ledger
+
+
+def test_an_erasure_keeps_what_a_client_revoked_since_gave_a_published_round(
+    probes, django_capture_on_commit_callbacks
+):
+    """A client revoked after its round was published stays in that round's global (nothing
+    merges a published round again for a revocation). An erasure of another client of its
+    organization merged that edge again over the submissions a merge reads now, revoked clients
+    left out: erasing acme/a2 took acme/a1's scenarios out of the published global too (acme's
+    edge was removed, left without a submission), which nobody asked for."""
+    round_, clients = build_federation()
+    close(round_, django_capture_on_commit_callbacks)
+    assert round_.state == "published", round_.failure_reason
+    kept = clients[("acme", "a1")]
+    Client.objects.filter(pk=kept.pk).update(status=Client.Status.REVOKED)
+
+    report = pipeline.erase_client(clients[("acme", "a2")])
+
+    assert report.edges_removed == []
+    edge = CompendiumVersion.objects.get(kind="edge", round=round_, organization=kept.organization)
+    assert [v.client_id for v in edge.sources.all()] == [kept.pk]
+    texts = {s["text"] for s in CompendiumVersion.objects.get(
+        kind="global", round=round_).content["scenarios"]}
+    assert "Book a cheap flight from Boston to Denver" in texts
+    assert not any("17 multiplied" in t for t in texts)
