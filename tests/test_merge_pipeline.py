@@ -1704,3 +1704,26 @@ def test_an_erasure_keeps_what_a_client_revoked_since_gave_a_published_round(
         kind="global", round=round_).content["scenarios"]}
     assert "Book a cheap flight from Boston to Denver" in texts
     assert not any("17 multiplied" in t for t in texts)
+
+
+@pytest.mark.usefixtures("every_field_released")
+def test_an_erasures_replay_of_a_later_edge_keeps_a_client_revoked_since(
+    django_capture_on_commit_callbacks,
+):
+    """Round 2's edge of acme (a1 alone) read round 1's log, which holds the erased client's
+    dissent; a1 was revoked after round 2 was published. The erasure's merge of round 2's edge
+    again is a replay of its release: it read a1's submission, and still does (it removed the
+    edge, left without a submission a merge reads now, and a1's flight from the global)."""
+    capture = django_capture_on_commit_callbacks
+    org, clients, _ = _weather_conflict(capture, {"a3": SECRET})
+    second = _round_with(2, clients[("acme", "a1")], "Book a flight to Rome", capture)
+    Client.objects.filter(pk=clients[("acme", "a1")].pk).update(status=Client.Status.REVOKED)
+    report = pipeline.erase_client(clients[("acme", "a3")])
+    assert _leaks("Zorblat") == []
+    assert report.edges_rematerialized == [(1, org.pk), (2, org.pk)] and report.edges_removed == []
+    releases = dict(PrivacyLedgerEntry.objects.filter(organization=org).values_list(
+        "round__number", "release").order_by("release"))
+    assert releases == {1: 1, 2: 0}  # round 2's release replayed, no new ε
+    texts = {s["text"] for s in CompendiumVersion.objects.get(
+        kind="global", round=second).content["scenarios"]}
+    assert "Book a flight to Rome" in texts
