@@ -420,11 +420,20 @@ def decide_conflict(
         AuditLog.Action.CONFLICT_DECIDE,
         target=decision,
         organization=conflict.organization,
-        target_label=f"{conflict.tool_id}/{conflict.centroid_id} of round {conflict.round.number}",
+        target_label=_audit_label(conflict.tool_id, conflict.round.number, conflict.organization),
         details={"action": action, "conflict": conflict.pk, "chars": len(text),
                  **({"tool": winner} if winner else {})},
     )
     return decision
+
+
+def _audit_label(tool_id: str, round_number: int, organization) -> str:
+    """How a `conflict.decide` entry names its conflict: the tool, the round and the merge (the
+    entry's details give the conflict's id). Never the centroid id: a digest of the anchor's
+    text, a client's request (`merge.clustering.centroid_id`), which would confirm a guess of it
+    in the append-only log, and outlive the client's erasure there."""
+    where = f"at {organization.slug}" if organization is not None else "between organizations"
+    return f"{tool_id} conflict of round {round_number} {where}"
 
 
 def remove_unfit_decisions(round_, organization_id, cause: str) -> int:
@@ -458,7 +467,7 @@ def remove_unfit_decisions(round_, organization_id, cause: str) -> int:
             AuditLog.Action.CONFLICT_DECIDE,
             target=decision,
             organization=decision.organization,
-            target_label=f"{decision.tool_id}/{decision.centroid_id} of round {round_.number}",
+            target_label=_audit_label(decision.tool_id, round_.number, decision.organization),
             details={"action": "removed", "decision": decision.action, "reason": why,
                      "cause": cause},
         )

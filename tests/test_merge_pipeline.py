@@ -1727,3 +1727,29 @@ def test_an_erasures_replay_of_a_later_edge_keeps_a_client_revoked_since(
     texts = {s["text"] for s in CompendiumVersion.objects.get(
         kind="global", round=second).content["scenarios"]}
     assert "Book a flight to Rome" in texts
+
+
+def test_no_audit_entry_of_a_decision_holds_a_digest_of_a_clients_text(
+    django_capture_on_commit_callbacks,
+):
+    """A conflict's centroid id is a digest of its anchor's text (a client's request: sha256 of
+    tool, text and flags). The `conflict.decide` entries (append-only) named the conflict by it,
+    the decision's and the erasure's removal of it alike: with a guess of the text it confirms
+    the guess, which the audit log is kept from holding (lengths, never words nor digests). The
+    erasure of the anchor's client wrote a fresh one, of the erased text, into the log."""
+    from federation.conflicts import decide_conflict
+    from federation.services import Actor
+
+    capture = django_capture_on_commit_callbacks
+    org, clients, conflict = _weather_conflict(capture, {"a3": SECRET})
+    decide_conflict(Actor.system(), conflict, "dismiss")
+    anchor = next(c for c in clients.values() if any(
+        s["text"] == conflict.centroid["text"] and s.get("preconditions") == {"has_city": True}
+        for v in CompendiumVersion.objects.filter(kind="client", client=c)
+        for s in v.content["scenarios"]))
+    report = pipeline.erase_client(anchor)
+    assert report.decisions_removed == 1
+    entries = AuditLog.objects.filter(action="conflict.decide")
+    assert sorted(e.details["action"] for e in entries) == ["dismiss", "removed"]
+    assert not any(conflict.centroid_id in e.target_label + str(e.details) for e in entries)
+    assert all(e.target_label == f"weather conflict of round 1 at {org.slug}" for e in entries)
