@@ -395,23 +395,28 @@ _global_bytes_lock = threading.Lock()
 def _published_global_bytes(sha256: str) -> bytes:
     """Canonical bytes of the published global with this SHA-256, checked against it, kept per
     process for the last few hashes. LookupError when there is none: a global published later is
-    found, and one an erasure deleted or replaced is forgotten here too, its bytes (the erased
-    text among them) and its use as a dictionary (every other process already refused it: an
-    erased global is no dictionary a body may name)."""
-    published = CompendiumVersion.objects.filter(
-        kind=CompendiumVersion.Kind.GLOBAL, round__state=Round.State.PUBLISHED, sha256=sha256
-    )
+    found, and one an erasure deleted or replaced is forgotten here too, at the next lookup of any
+    hash, its bytes (the erased text among them) and its use as a dictionary (every other process
+    already refused it: an erased global is no dictionary a body may name)."""
+    globals_ = CompendiumVersion.objects.filter(
+        kind=CompendiumVersion.Kind.GLOBAL, round__state=Round.State.PUBLISHED)
+    published = globals_.filter(sha256=sha256)
     with _global_bytes_lock:
         kept = _global_bytes_cache.get(sha256)
-    if kept is not None:
-        still = published.exists()
+        held = list(_global_bytes_cache)
+    if held:
+        # Every kept global that is no longer published goes now, not only this one: a global an
+        # erasure deleted is forgotten at this process's next lookup, whichever body names it.
+        still = set(globals_.filter(sha256__in=held).values_list("sha256", flat=True))
         with _global_bytes_lock:
-            if not still:
-                _global_bytes_cache.pop(sha256, None)
-                raise LookupError(sha256)
-            if sha256 in _global_bytes_cache:
-                _global_bytes_cache.move_to_end(sha256)
-        return kept
+            for gone in set(held) - still:
+                _global_bytes_cache.pop(gone, None)
+            if kept is not None:
+                if sha256 not in still:
+                    raise LookupError(sha256)
+                if sha256 in _global_bytes_cache:
+                    _global_bytes_cache.move_to_end(sha256)
+                return kept
     content = published.values_list("content", flat=True).first()
     data = encode_document(content) if content is not None else None
     if data is None or transport.dictionary_hash(data) != sha256:

@@ -786,6 +786,22 @@ def test_a_global_an_erasure_removed_is_no_dictionary_in_a_process_that_kept_it(
     assert refused.status_code == 400 and refused.json()["code"] == "unknown_dictionary"
 
 
+def test_a_process_forgets_an_erased_globals_bytes_at_its_next_dictionary_lookup(world, valid_doc):
+    """A process forgot a global an erasure deleted only when a body named that global again:
+    otherwise its bytes (the erased text among them) stayed in its memory until four newer
+    globals pushed them out, however long that took. Any lookup of a global dictionary now drops
+    the kept globals that are no longer published."""
+    _publish_global(valid_doc)
+    erased = CompendiumVersion.objects.get(kind="global")
+    assert submissions.submission_dictionary(erased.sha256) is not None  # kept by this process
+    valid_doc["scenarios"].pop()
+    _publish_global(valid_doc)
+    kept = CompendiumVersion.objects.filter(kind="global").exclude(pk=erased.pk).get()
+    erased.delete()  # what an erasure does
+    assert submissions.submission_dictionary(kept.sha256) is not None
+    assert list(submissions._global_bytes_cache) == [kept.sha256]
+
+
 def test_a_dcz_body_against_a_dictionary_the_server_does_not_hold(world, valid_doc):
     # A global that is stored but not published is no dictionary: nobody could have pulled it.
     rnd = services.open_round(SYSTEM)
