@@ -1030,7 +1030,9 @@ def erase_client(client: Client, *, actor: services.Actor | None = None, embed=N
             # A failed round past retrying: its edges feed nothing (only published rounds' logs
             # are read, `_conflict_source`), so they go rather than spend ε on a new release.
             dead = round_.state == Round.State.FAILED and services.published_after(round_)
-            replayed = sorted(o for r, o in rejected_by - stale if r == round_.pk)
+            # (of a failed round past retrying, deleted with the others below: nothing reads it,
+            # and a merge over inputs changed since, a client revoked, would spend ε)
+            replayed = [] if dead else sorted(o for r, o in rejected_by - stale if r == round_.pk)
             for organization_id in replayed:
                 # A replay of the release (no new ε); an edge that comes out otherwise (the
                 # schema changed since) makes what read it stale, as any edge merged again.
@@ -1044,7 +1046,8 @@ def erase_client(client: Client, *, actor: services.Actor | None = None, embed=N
                     stale.add((round_.pk, organization_id))
                     (edges_done if outcome.version_id is not None else edges_removed).append(
                         (round_.number, organization_id))
-            for organization_id in sorted(o for r, o in stale if r == round_.pk and o is not None
+            for organization_id in sorted(o for r, o in stale | (rejected_by if dead else set())
+                                          if r == round_.pk and o is not None
                                           and o not in replayed):
                 if dead:
                     redo(round_, organization_id,

@@ -1753,3 +1753,34 @@ def test_no_audit_entry_of_a_decision_holds_a_digest_of_a_clients_text(
     assert sorted(e.details["action"] for e in entries) == ["dismiss", "removed"]
     assert not any(conflict.centroid_id in e.target_label + str(e.details) for e in entries)
     assert all(e.target_label == f"weather conflict of round 1 at {org.slug}" for e in entries)
+
+
+@pytest.mark.usefixtures("every_field_released")
+def test_an_erasure_deletes_a_dead_rounds_edge_that_rejected_the_clients_submission(
+    probes, django_capture_on_commit_callbacks
+):
+    """As an edge built from the erased client's submission, one of a failed round past retrying
+    whose merge only rejected it (its record naming it) is deleted rather than merged again: a
+    merge over the inputs a merge reads now (a1 revoked since) would be a new release, ε spent on
+    a compendium nobody reads."""
+    from federation import services
+
+    round1, clients = build_federation()
+    target = clients[("acme", "a2")]
+    CompendiumVersion.objects.filter(kind="client", client=target).update(
+        content={"scenarios": [{"tool_id": "flights"}]})
+    for organization in pipeline.start_round(round1.pk, 1):
+        pipeline.run_edge_merge(round1.pk, organization, attempt=1)
+    services.mark_failed(round1, "the server merge failed")
+    close(_second_round(), django_capture_on_commit_callbacks)
+    Client.objects.filter(pk=clients[("acme", "a1")].pk).update(status=Client.Status.REVOKED)
+    acme = target.organization
+    assert f"client:{target.pk}" in str(MergeRecord.objects.get(round=round1, organization=acme).rejected)
+    ledger = sorted(PrivacyLedgerEntry.objects.values_list("round_id", "organization_id", "release"))
+
+    report = pipeline.erase_client(target)
+
+    assert report.edges_deleted == [(1, acme.pk)] and report.edges_rematerialized == []
+    assert not MergeRecord.objects.filter(round=round1, organization=acme).exists()
+    assert sorted(PrivacyLedgerEntry.objects.values_list(
+        "round_id", "organization_id", "release")) == ledger
