@@ -442,7 +442,8 @@ def remove_unfit_decisions(round_, organization_id, cause: str) -> int:
     conflict is no longer logged, a picked scenario no longer among its conflict's texts, an
     accepted precaution no longer the one composed from it. Each such text may be an erased
     client's. An edited precaution or a dismissal stays while its conflict is logged: the text
-    is the reviewer's own. Each removal is audited, without the text; returns how many."""
+    is the reviewer's own (an erasure removes an edit that still quotes what it erased:
+    `remove_quoting_edits`). Each removal is audited, without the text; returns how many."""
     from federation.pipeline import merged_under_flag_rule  # the pipeline calls this module
 
     conflicts = {
@@ -462,15 +463,56 @@ def remove_unfit_decisions(round_, organization_id, cause: str) -> int:
             why = "the accepted precaution is no longer the one composed"
         else:
             continue
-        audit(
-            Actor.system(),
-            AuditLog.Action.CONFLICT_DECIDE,
-            target=decision,
-            organization=decision.organization,
-            target_label=_audit_label(decision.tool_id, round_.number, decision.organization),
-            details={"action": "removed", "decision": decision.action, "reason": why,
-                     "cause": cause},
-        )
-        decision.delete()
+        _remove(decision, round_, why, cause)
         removed += 1
+    return removed
+
+
+def _remove(decision: ConflictDecision, round_, why: str, cause: str) -> None:
+    """One decision deleted, audited with why and its cause, without its text."""
+    audit(
+        Actor.system(),
+        AuditLog.Action.CONFLICT_DECIDE,
+        target=decision,
+        organization=decision.organization,
+        target_label=_audit_label(decision.tool_id, round_.number, decision.organization),
+        details={"action": "removed", "decision": decision.action, "reason": why,
+                 "cause": cause},
+    )
+    decision.delete()
+
+
+def _plain(text: str) -> str:
+    """A text as `quotes` compares it: its words, in any case, without closing punctuation (a
+    composed precaution quotes a request as a clause: `merge.operator._clause`)."""
+    return " ".join(text.split()).rstrip(" .;!?").casefold()
+
+
+# Shorter erased texts are not looked for in an edited precaution: a word or two of a request
+# ("weather", "a city") is any reviewer's word too.
+QUOTE_MIN_CHARS = 12
+
+
+def quotes(text: str, erased) -> bool:
+    """Whether `text` holds one of the `erased` texts whole (`_plain`: case and closing
+    punctuation aside), one of QUOTE_MIN_CHARS characters at least."""
+    plain = _plain(text)
+    return any(len(q) >= QUOTE_MIN_CHARS and q in plain for q in map(_plain, erased))
+
+
+def remove_quoting_edits(round_, organization_id, erased, cause: str) -> int:
+    """Delete the edited precautions on the conflict log of `round_`'s merge of
+    `organization_id` (None: the server's) that still quote one of the `erased` texts (an erased
+    client's requests and precautions): the edit field starts from the composed precaution,
+    which quotes each dissenter's request, so an edit of a few words keeps it, and the next
+    merges would publish it again. An edit is otherwise the reviewer's own text, and stays
+    (`remove_unfit_decisions`). Each removal is audited, without the text; returns how many."""
+    removed = 0
+    for decision in ConflictDecision.objects.filter(
+        round=round_, organization_id=organization_id, action=ConflictDecision.Action.EDIT
+    ):
+        if quotes(decision.text, erased):
+            _remove(decision, round_, "the edited precaution quotes a text of the erased client",
+                    cause)
+            removed += 1
     return removed

@@ -959,7 +959,7 @@ def erase_client(client: Client, *, actor: services.Actor | None = None, embed=N
     first to stop its submissions). Without the lock, a submission committing between the
     listing of the compendiums and the deletion of the records kept its compendium in effect
     while its record was deleted."""
-    from federation.conflicts import remove_unfit_decisions
+    from federation.conflicts import remove_quoting_edits, remove_unfit_decisions
 
     embed = embed or _embed()
     with transaction.atomic():
@@ -971,6 +971,11 @@ def erase_client(client: Client, *, actor: services.Actor | None = None, embed=N
         # so its compendium and its record go together; one arriving now waits for the commit.
         list(Client.objects.select_for_update().filter(pk=client.pk).values_list("pk"))
         submissions = list(CompendiumVersion.objects.filter(kind="client", client=client))
+        # Its requests and precautions, which an edited precaution may still quote (the edit
+        # field starts from the composed one, which quotes the dissenters' requests).
+        erased_texts = {entry["text"] for sub in submissions for part in ("scenarios", "precautions")
+                        for entry in (sub.content or {}).get(part) or ()
+                        if isinstance(entry, dict) and isinstance(entry.get("text"), str)}
         # The globals as they are now: the folders of the tunings of those this erasure deletes
         # (merged again or removed) go once it commits.
         globals_before = _global_folder_prefixes()
@@ -1017,6 +1022,8 @@ def erase_client(client: Client, *, actor: services.Actor | None = None, embed=N
             readers = _conflict_readers(round_, organization_id)
             result = rewrite()
             removed += remove_unfit_decisions(round_, organization_id, f"erasure of {client}")
+            removed += remove_quoting_edits(round_, organization_id, erased_texts,
+                                            f"erasure of {client}")
             stale.update((reader.pk, organization_id) for reader, read in readers
                          if _previous_conflicts(reader, organization_id) != read)
             return result

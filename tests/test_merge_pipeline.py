@@ -1784,3 +1784,46 @@ def test_an_erasure_deletes_a_dead_rounds_edge_that_rejected_the_clients_submiss
     assert not MergeRecord.objects.filter(round=round1, organization=acme).exists()
     assert sorted(PrivacyLedgerEntry.objects.values_list(
         "round_id", "organization_id", "release")) == ledger
+
+
+def test_erasure_removes_an_edited_precaution_that_still_quotes_the_erased_clients_text(
+    django_capture_on_commit_callbacks,
+):
+    """The edit field starts from the composed precaution, which quotes each dissenter's request:
+    a reviewer who changed a few words kept the erased client's request in the decision. The
+    conflict stays logged (another client dissents too), so the edit stayed, and every later
+    merge of the edge published it again: the erased text survived the erasure. An edit that
+    still quotes a text of the erased client is removed like a pick of it (audited)."""
+    from federation.conflicts import composed_precaution, decide_conflict
+    from federation.models import ConflictDecision
+    from federation.services import Actor
+
+    capture = django_capture_on_commit_callbacks
+    other = "Is rain expected in Paris tomorrow?"
+    org, clients, conflict = _weather_conflict(capture, {"a3": SECRET, "a4": other})
+    composed = composed_precaution(conflict)
+    assert "Zorblat" in composed
+    decide_conflict(Actor.system(), conflict, "edit", composed + " Ask for the city first.")
+    _round_with(2, clients[("acme", "a1")], "Book a flight to Rome", capture)
+    assert f"edge 2 {org.pk}" in _leaks("Zorblat")
+    report = pipeline.erase_client(clients[("acme", "a3")])
+    assert _leaks("Zorblat") == []
+    assert report.decisions_removed == 1 and not ConflictDecision.objects.exists()
+    [removal] = AuditLog.objects.filter(action="conflict.decide", details__action="removed")
+    assert removal.details["decision"] == "edit" and "quotes" in removal.details["reason"]
+
+
+def test_erasure_keeps_an_edited_precaution_that_quotes_nothing_of_the_erased_client(
+    django_capture_on_commit_callbacks,
+):
+    from federation.conflicts import decide_conflict
+    from federation.models import ConflictDecision
+    from federation.services import Actor
+
+    capture = django_capture_on_commit_callbacks
+    other = "Is rain expected in Paris tomorrow?"
+    org, clients, conflict = _weather_conflict(capture, {"a3": SECRET, "a4": other})
+    decide_conflict(Actor.system(), conflict, "edit", "Ask for the city before a forecast.")
+    report = pipeline.erase_client(clients[("acme", "a3")])
+    assert report.decisions_removed == 0
+    assert ConflictDecision.objects.get().text == "Ask for the city before a forecast."
