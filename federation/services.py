@@ -632,7 +632,16 @@ def issue_routing_token(actor: Actor, name: str) -> str:
     if row is not None and not row.revoked:
         raise Conflict(f"a routing token named {name!r} exists; revoke it first to replace it, or pick another name")
     if row is None:
-        row, raw = RoutingToken.issue(name)
+        try:
+            with transaction.atomic():  # a savepoint: the other's row stays, this one is refused
+                row, raw = RoutingToken.issue(name)
+        except IntegrityError:
+            # Issued under this name by another command between the lookup and the insert (no
+            # row to lock yet): an IntegrityError traceback before.
+            raise Conflict(
+                f"a routing token named {name!r} was issued meanwhile; revoke it first to "
+                "replace it, or pick another name"
+            ) from None
     else:
         # A revoked name is issued again (an application's leaked token replaced): the same row,
         # so its audit entries stay together, with a new secret; the old one stays refused.

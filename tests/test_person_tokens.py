@@ -129,3 +129,45 @@ def test_a_routing_token_named_with_a_bidi_invisible_or_control_character_is_ref
     with pytest.raises(InvalidRequest, match="a routing token's name contains"):
         services.issue_routing_token(world.actor(world.operator), name)
     assert not AuditLog.objects.filter(action=AuditLog.Action.TOKEN_ISSUE).exists()
+
+
+@pytest.mark.django_db(transaction=True)
+def test_two_commands_issuing_one_new_routing_token_name_at_once(monkeypatch):
+    """No row to lock yet: both found the name free, both inserted, and the second command ended
+    in an IntegrityError traceback. One is issued; the other is refused (409) naming the name."""
+    import threading
+
+    from django.db import connection
+
+    from routing.models import RoutingToken
+
+    both_looked = threading.Barrier(2, timeout=30)
+    real_issue = RoutingToken.issue.__func__
+
+    def issue_once_both_looked(cls, name):
+        both_looked.wait()
+        return real_issue(cls, name)
+
+    monkeypatch.setattr(RoutingToken, "issue", classmethod(issue_once_both_looked))
+    outcomes = []
+
+    def command():
+        try:
+            outcomes.append(services.issue_routing_token(SYSTEM, "nightly-app"))
+        except Exception as exc:  # noqa: BLE001 - the outcome is what the test checks
+            outcomes.append(exc)
+        finally:
+            connection.close()
+
+    threads = [threading.Thread(target=command) for _ in range(2)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(60)
+    issued = [o for o in outcomes if isinstance(o, str)]
+    refused = [o for o in outcomes if not isinstance(o, str)]
+    assert len(issued) == 1 and issued[0].startswith(RoutingToken.PREFIX)
+    assert [type(e).__name__ for e in refused] == ["Conflict"], refused
+    assert "was issued meanwhile" in str(refused[0])
+    assert RoutingToken.objects.filter(name="nightly-app").count() == 1
+    assert AuditLog.objects.filter(action=AuditLog.Action.TOKEN_ISSUE).count() == 1
