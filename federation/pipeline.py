@@ -816,9 +816,11 @@ def run_server_merge(round_id: int, *, embed=None, attempt: int | None = None) -
         read = _fingerprint(round_, edges, previous)
         if not edges:
             raise PipelineError(f"round {round_.number}: no edge accepted any submission")
+        schema = current_schema()
+        digest = _schema_digest(schema)
         result = server_merge_operator(
             [MergeInput(_edge_source(e.organization.slug), load_compendium(e)) for e in edges],
-            current_schema(),
+            schema,
             config,
             embed=embed,
             probe_set=probe,
@@ -846,17 +848,20 @@ def run_server_merge(round_id: int, *, embed=None, attempt: int | None = None) -
             if locked.state not in (Round.State.MERGING, Round.State.PUBLISHED):
                 # a published round's global is re-merged (an erasure); nothing else is merged
                 raise PipelineError(f"round {locked.number} is {locked.state}, not merging")
+            # The schema too, as the edge merge checks it: a tool deactivated (or deleted, a
+            # KeyError at the write) in the admin while the merge computed was published.
             if _fingerprint(locked, *_server_inputs(locked, config, lock=True)) != read or (
                 locked.state == Round.State.MERGING and _edges_with_revoked_clients(locked)
-            ):
-                log.warning("round %s: its edges or the previous global changed, or a client of "
-                            "an edge was revoked, while its server merge ran; merged again",
-                            round_.number)
+            ) or _schema_digest(current_schema()) != digest:
+                log.warning("round %s: its edges, the previous global or the schema changed, or a "
+                            "client of an edge was revoked, while its server merge ran; merged "
+                            "again", round_.number)
                 continue
             return _write_global(locked, result, edges, previous, accuracy, probe, head)
     raise PipelineError(
-        f"round {round_.number}: its edges or the previous global it carries forward changed "
-        f"(an edge merged again, a client revoked, an erasure, an earlier round published) each "
+        f"round {round_.number}: its edges, the previous global it carries forward or the schema "
+        f"changed (an edge merged again, a client revoked, an erasure, an earlier round "
+        f"published, a tool or numeric field changed) each "
         f"of the {MERGE_TRIES} times its server merge ran; retry the round"
     )
 

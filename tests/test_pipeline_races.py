@@ -190,6 +190,29 @@ def test_an_identical_edge_replay_during_the_server_merge_does_not_fail_the_roun
     assert len(calls) == 1  # nothing changed: merged once
 
 
+def test_a_tool_deactivated_during_the_server_merge_is_not_published(probes, monkeypatch):
+    """The operator deactivates a tool in the admin after the server merge read the schema: the
+    edge merge checks the schema under its locks, the server merge did not, and published the
+    tool's scenarios and precautions in the global (a tool out of the registry, which no merge
+    publishes for; a tool deleted instead was a KeyError at the write, the round failed). It
+    merges again under the schema in force."""
+    from compendium.models import Tool
+
+    round_, _clients = build_federation(state="merging")
+    merge_edges(round_)
+    assert any(s["tool_id"] == "calculator" for e in CompendiumVersion.objects.filter(
+        kind="edge", round=round_) for s in e.content["scenarios"])
+    calls = interleave(monkeypatch, "server_merge_operator",
+                       lambda: Tool.objects.filter(tool_id="calculator").update(active=False))
+    pipeline.run_server_merge(round_.pk, attempt=round_.attempt)
+    round_.refresh_from_db()
+    assert round_.state == "published"
+    content = CompendiumVersion.objects.get(kind="global", round=round_).content
+    assert all(entry["tool_id"] != "calculator" for part in ("scenarios", "precautions", "templates")
+               for entry in content.get(part) or ())
+    assert len(calls) == 2  # merged again under the schema in force
+
+
 def test_an_edge_merged_again_during_the_server_merge_is_merged_again_by_it(probes, monkeypatch):
     """A client is revoked and acme's edge merged again (other inputs, another row) after the
     server merge read the edges: the server merge sees it under its locks and merges again over
