@@ -109,6 +109,22 @@ def _fresh_settings_cache():
     submissions.clear_dictionary_cache()
 
 
+def record_outcome(outcome: list, step, finished: threading.Event | None = None) -> None:
+    """Run `step`, as the target of a thread with its own database connection: append its result,
+    or the exception it raised (which the test asserts on), to `outcome`; set `finished` once it is
+    done; close the thread's connection."""
+    from django.db import connection
+
+    try:
+        outcome.append(step())
+    except Exception as exc:  # noqa: BLE001 - the outcome is what the test checks
+        outcome.append(exc)
+    finally:
+        if finished is not None:
+            finished.set()
+        connection.close()
+
+
 def another_waits_on_a_lock(
     timeout: float = 5.0, *, count: int = 1, done: threading.Event | None = None
 ) -> bool:

@@ -269,6 +269,19 @@ def test_a_scenario_picked_across_tools_wins_for_the_tool_picked(
     assert not [p for p in published.get("precautions", []) if request in p["text"]]
 
 
+def _shown_undecidable(client, conflict, words: str) -> str:
+    """The operator's conflicts page says `words` of `conflict` and offers no form for it, and a
+    decision sent anyway is a 409; returns the page."""
+    from django.contrib.auth.models import User
+
+    client.force_login(User.objects.create_superuser("op", password="pw-long-enough-1"))
+    page = client.get("/conflicts/").content.decode()
+    assert words in page
+    assert f'action="/conflicts/{conflict.pk}/decide/"' not in page
+    assert client.post(f"/conflicts/{conflict.pk}/decide/", {"action": "dismiss"}).status_code == 409
+    return page
+
+
 def test_a_conflict_of_a_failed_round_is_not_decided(
     django_capture_on_commit_callbacks, client, monkeypatch
 ):
@@ -278,7 +291,6 @@ def test_a_conflict_of_a_failed_round_is_not_decided(
     it applied in the next round's merge, and that merge composed the precaution from the
     published round's log, undecided. Deciding it is refused (409) naming the round, and the
     page says so; the published round's conflict is still decided and applied."""
-    from django.contrib.auth.models import User
 
     from federation import pipeline
 
@@ -304,13 +316,9 @@ def test_a_conflict_of_a_failed_round_is_not_decided(
     with pytest.raises(Conflict, match="round 2 failed"):
         decide_conflict(Actor.system(), again, "edit", "Ask for the city before using WeatherNow")
     assert not ConflictDecision.objects.exists()
-    operator = User.objects.create_superuser("op", password="pw-long-enough-1")
-    client.force_login(operator)
-    page = client.get("/conflicts/").content.decode()
-    assert "round 2 failed: decide once it has been retried and published" in page
-    assert f'action="/conflicts/{again.pk}/decide/"' not in page
+    page = _shown_undecidable(client, again,
+                              "round 2 failed: decide once it has been retried and published")
     assert f'action="/conflicts/{first.pk}/decide/"' in page
-    assert client.post(f"/conflicts/{again.pk}/decide/", {"action": "dismiss"}).status_code == 409
     decide_conflict(Actor.system(), first, "edit", "Ask for the city before using WeatherNow")
     r3 = Round.objects.create(number=3, state="closing", config={"summarizer": "none"})
     store_compendium(Compendium.model_validate({"scenarios": [
@@ -329,7 +337,6 @@ def test_a_conflict_of_a_round_merging_again_is_not_decided(django_capture_on_co
     an edit taken meanwhile applied to a conflict the reviewer never saw (picks and accepts were
     refused, the others stored). Every decision is refused (409) naming the round, and the page
     says it is merging, with no form; published again, the conflict is decided."""
-    from django.contrib.auth.models import User
 
     capture = django_capture_on_commit_callbacks
     org, clients, conflict = conflicted_round(capture)
@@ -338,12 +345,7 @@ def test_a_conflict_of_a_round_merging_again_is_not_decided(django_capture_on_co
         with pytest.raises(Conflict, match="round 1 is merging"):
             decide_conflict(Actor.system(), conflict, action, "Ask for the city first")
     assert not ConflictDecision.objects.exists()
-    operator = User.objects.create_superuser("op", password="pw-long-enough-1")
-    client.force_login(operator)
-    page = client.get("/conflicts/").content.decode()
-    assert "round 1 is merging: decide once it is done" in page
-    assert f'action="/conflicts/{conflict.pk}/decide/"' not in page
-    assert client.post(f"/conflicts/{conflict.pk}/decide/", {"action": "dismiss"}).status_code == 409
+    _shown_undecidable(client, conflict, "round 1 is merging: decide once it is done")
     Round.objects.filter(pk=conflict.round_id).update(state="published")
     decide_conflict(Actor.system(), conflict, "dismiss")
     assert ConflictDecision.objects.count() == 1

@@ -14,7 +14,7 @@ from rest_framework.test import APIClient
 from federation import services
 from federation.errors import InvalidRequest, NotFound
 from federation.models import AuditLog, UserToken
-from tests.federation_fixtures import SYSTEM
+from tests.federation_fixtures import SYSTEM, record_outcome
 
 pytestmark = pytest.mark.django_db
 PAGE = reverse("dashboard:tokens")
@@ -137,8 +137,6 @@ def test_two_commands_issuing_one_new_routing_token_name_at_once(monkeypatch):
     in an IntegrityError traceback. One is issued; the other is refused (409) naming the name."""
     import threading
 
-    from django.db import connection
-
     from routing.models import RoutingToken
 
     both_looked = threading.Barrier(2, timeout=30)
@@ -152,12 +150,7 @@ def test_two_commands_issuing_one_new_routing_token_name_at_once(monkeypatch):
     outcomes = []
 
     def command():
-        try:
-            outcomes.append(services.issue_routing_token(SYSTEM, "nightly-app"))
-        except Exception as exc:  # noqa: BLE001 - the outcome is what the test checks
-            outcomes.append(exc)
-        finally:
-            connection.close()
+        record_outcome(outcomes, lambda: services.issue_routing_token(SYSTEM, "nightly-app"))
 
     threads = [threading.Thread(target=command) for _ in range(2)]
     for thread in threads:

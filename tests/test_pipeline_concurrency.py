@@ -14,6 +14,7 @@ from django.db import connection
 from compendium.models import CompendiumVersion
 from federation import pipeline
 from federation.models import Client, Round
+from tests.federation_fixtures import record_outcome
 from tests.merge_helpers import build_federation
 
 pytestmark = pytest.mark.django_db(transaction=True)
@@ -47,14 +48,11 @@ def server_merge_while(monkeypatch, round_: Round, step) -> tuple[bool, object]:
     waited: list[bool] = []
 
     def other_connection():
-        try:
+        def after_holding():
             assert holding.wait(60)
-            outcome.append(step())
-        except Exception as exc:  # noqa: BLE001 - the outcome is what the tests check
-            outcome.append(exc)
-        finally:
-            finished.set()
-            connection.close()
+            return step()
+
+        record_outcome(outcome, after_holding, finished)
 
     real_write = pipeline._write_global
 
@@ -156,13 +154,8 @@ def test_a_decision_waiting_on_an_erasure_of_its_conflict_is_refused_after_it(
     finished, outcome, waited = threading.Event(), [], []
 
     def decide():
-        try:
-            outcome.append(conflicts.decide_conflict(Actor.system(), conflict, "scenario", SECRET))
-        except Exception as exc:  # noqa: BLE001 - the outcome is what the test checks
-            outcome.append(exc)
-        finally:
-            finished.set()
-            connection.close()
+        record_outcome(outcome, lambda: conflicts.decide_conflict(
+            Actor.system(), conflict, "scenario", SECRET), finished)
 
     real_remove = conflicts.remove_unfit_decisions
 
@@ -225,13 +218,8 @@ def test_a_retry_during_an_erasure_that_re_releases_an_earlier_round_is_not_a_de
     finished, outcome, waited = threading.Event(), [], []
 
     def retry():
-        try:
-            outcome.append(services.retry_round(Actor.system("operator"), second.pk))
-        except Exception as exc:  # noqa: BLE001 - the outcome is what the test checks
-            outcome.append(exc)
-        finally:
-            finished.set()
-            connection.close()
+        record_outcome(outcome, lambda: services.retry_round(Actor.system("operator"), second.pk),
+                       finished)
 
     real_server_merge = pipeline.run_server_merge
 
@@ -313,14 +301,11 @@ def test_a_retried_rounds_start_during_an_erasure_is_not_a_deadlock(
     finished, outcome, waited = threading.Event(), [], []
 
     def retry_and_start():
-        try:
+        def step():
             retried = services.retry_round(Actor.system("operator"), round_.pk)
-            outcome.append(pipeline.start_round(retried.pk, retried.attempt))
-        except Exception as exc:  # noqa: BLE001 - the outcome is what the test checks
-            outcome.append(exc)
-        finally:
-            finished.set()
-            connection.close()
+            return pipeline.start_round(retried.pk, retried.attempt)
+
+        record_outcome(outcome, step, finished)
 
     real_readers = pipeline._conflict_readers
 

@@ -17,25 +17,12 @@ from compendium.schema import Compendium
 from compendium.services import store_compendium
 from federation import pipeline, services, submissions
 from federation.models import Round, Submission
-from tests.federation_fixtures import SYSTEM, another_waits_on_a_lock
+from tests.federation_fixtures import SYSTEM, another_waits_on_a_lock, record_outcome
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
 KEYS_PER_CLIENT = 3
 DUPLICATES_PER_KEY = 4
-
-
-def _record(outcomes: dict, name: str, step, finished: threading.Event | None = None) -> None:
-    """Run `step` in a thread of its own connection: its result, or the exception it raised
-    (which the test asserts on), under `outcomes[name]`; `finished` set once it is done."""
-    try:
-        outcomes[name] = step()
-    except Exception as exc:  # noqa: BLE001 - the outcome is what the test checks
-        outcomes[name] = exc
-    finally:
-        if finished is not None:
-            finished.set()
-        connection.close()
 
 
 def _document(valid_doc: dict, client_index: int, key_index: int) -> str:
@@ -182,13 +169,13 @@ def test_a_submission_during_an_erasure_waits_for_it_and_is_stored_whole(world, 
         kind="client", round=earlier, client=client,
     )
     services.open_round(SYSTEM)
-    outcomes: dict = {}
+    outcomes = {"erasure": [], "submission": []}
     stored = threading.Event()
 
-    erasure = threading.Thread(target=_record, args=(
-        outcomes, "erasure", lambda: pipeline.erase_client(client)))
-    submission = threading.Thread(target=_record, args=(
-        outcomes, "submission",
+    erasure = threading.Thread(target=record_outcome, args=(
+        outcomes["erasure"], lambda: pipeline.erase_client(client)))
+    submission = threading.Thread(target=record_outcome, args=(
+        outcomes["submission"],
         lambda: submissions.submit(client, json.dumps(valid_doc).encode(), "k1"), stored))
     try:
         with transaction.atomic():
@@ -201,6 +188,7 @@ def test_a_submission_during_an_erasure_waits_for_it_and_is_stored_whole(world, 
     finally:
         erasure.join(60)
         submission.join(60)
+    outcomes = {name: got[0] for name, got in outcomes.items()}
     assert not isinstance(outcomes["erasure"], Exception), outcomes
     assert outcomes["submission"].status_code == 201, outcomes
     version = outcomes["submission"].body["version"]
@@ -223,11 +211,11 @@ def test_a_submission_waiting_on_a_rotation_of_its_token_stores_nothing(world, v
     services.open_round(SYSTEM)
     client = world.client_a
     old = services.hash_token(world.token_a)
-    outcome: dict = {}
+    outcome = {"result": []}
     finished = threading.Event()
 
-    submission = threading.Thread(target=_record, args=(
-        outcome, "result",
+    submission = threading.Thread(target=record_outcome, args=(
+        outcome["result"],
         lambda: submissions.submit(client, json.dumps(valid_doc).encode(), "k1", token_hash=old),
         finished))
     try:
@@ -238,6 +226,7 @@ def test_a_submission_waiting_on_a_rotation_of_its_token_stores_nothing(world, v
     finally:
         submission.join(60)
     assert waited, "the submission did not wait for the rotation"
+    outcome = {name: got[0] for name, got in outcome.items()}
     assert isinstance(outcome["result"], services.NotAllowed), outcome
     assert "rotated" in str(outcome["result"])
     assert not Submission.objects.exists()
