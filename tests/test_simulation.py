@@ -1542,3 +1542,31 @@ def test_drift_deals_only_the_categories_some_query_is_of(tmp_path):
     for seed in range(10):
         plan = simulation.prepare(seed).category_start
         assert set(plan) == {"x", "y"} and sorted(plan.values()) == [1, 2], (seed, plan)
+
+
+def test_a_membership_attack_that_could_score_no_client_says_so(tmp_path):
+    """No client could be scored (here: none sent anything): the figures were a chance-level
+    AUROC 0.5 and a perfect 0.0 token overlap, printed as measured; they are None, the table
+    says 'not measured', and the document still reads back (combine, table)."""
+    from compendium.registry import load_dataset
+    from compendium.schema import Schema
+    from federation.simulation import report
+    from federation.simulation.runner import PRIVACY_FIGURES, Simulation, SimulationConfig
+    from routing.embeddings import get_engine
+
+    folder = _small_dataset(tmp_path / "d", [("a", "x"), ("b", "y")], [20, 20])
+    dataset = load_dataset(str(folder))
+    simulation = Simulation(dataset, Schema(tools=dataset.tools), get_engine(FP32),
+                            SimulationConfig(orgs=1, clients_per_org=2, partition="iid"))
+    setup = simulation.prepare(0)
+    privacy = simulation.membership_attack(setup.shares, {}, setup.split.test, 0)
+    assert privacy == dict.fromkeys(PRIVACY_FIGURES)
+    assert report._mean_dicts([privacy, privacy]) == privacy
+    document = {"dataset": "d", "config": {}, "seeds": [0], "results": [],
+                "communication": {"bytes_per_client_round": None,
+                                  "gzip_bytes_per_client_round": None},
+                "privacy": privacy}
+    assert report._shape_problem(document) is None
+    printed = report.table(report.combine([document]))
+    assert "membership inference: not measured" in printed
+    assert "AUROC 0.500" not in printed

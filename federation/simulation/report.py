@@ -347,7 +347,10 @@ def _shape_problem(doc: Any) -> str | None:
     for key, first, then in _PRINTED_TOGETHER:  # the printed table reads them together
         section = doc.get(key) or {}
         missing = [name for name in then if section.get(name) is None]
-        if (section if first is None else section.get(first) is not None) and missing:
+        # (None together: not measured, e.g. no client's membership could be scored)
+        measured = (len(missing) < len(then) if first is None
+                    else section.get(first) is not None)
+        if measured and missing:
             return f"{key!r} has no {' and '.join(map(repr, missing))}"
     for category, row in (doc.get("per_category") or {}).items():
         if not (isinstance(row, dict) and _number(row.get("accuracy")) and _whole(row.get("n"))):
@@ -799,7 +802,10 @@ def table(document: dict[str, Any]) -> str:
                if diag.get("reranker_contraction_p99_same_candidates") is not None else "")
         )
     privacy = document.get("privacy", {})
-    if privacy:
+    if privacy and privacy.get("membership_auroc") is None:
+        lines.append("membership inference: not measured (no client sent a text beside a tested "
+                     "tool's held-out request)")
+    elif privacy:
         lines.append(
             "membership-inference AUROC {membership_auroc:.3f}, token overlap {token_overlap:.3f}, "
             "clients under 0.10 overlap {share_clients_overlap_below_0_10:.0%}".format(**privacy)

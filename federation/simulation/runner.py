@@ -1037,19 +1037,27 @@ class Simulation:
             baselines.append(
                 float(np.mean([_best_overlap(q.query, texts, token_sets) for q in nonmembers]))
             )
+        if not member_scores:
+            # No client could be measured (none sent anything, or none has a tested tool): the
+            # figures are None, not a chance-level 0.5 and a perfect 0.0 overlap that read as
+            # measured; a multi-seed mean leaves such a seed out (`report._mean_dicts`).
+            return dict.fromkeys(PRIVACY_FIGURES)
         excess = [o - b for o, b in zip(overlaps, baselines, strict=True)]
         return {
-            "membership_auroc": auroc(member_scores, nonmember_scores) if member_scores else 0.5,
-            "token_overlap": float(np.mean(overlaps)) if overlaps else 0.0,
-            "share_clients_overlap_below_0_10": float(np.mean([o < 0.10 for o in overlaps]))
-            if overlaps
-            else 0.0,
-            "token_overlap_nonmember": float(np.mean(baselines)) if baselines else 0.0,
-            "token_overlap_excess": float(np.mean(excess)) if excess else 0.0,
-            "share_clients_excess_below_0_10": float(np.mean([e < 0.10 for e in excess]))
-            if excess
-            else 0.0,
+            "membership_auroc": auroc(member_scores, nonmember_scores),
+            "token_overlap": float(np.mean(overlaps)),
+            "share_clients_overlap_below_0_10": float(np.mean([o < 0.10 for o in overlaps])),
+            "token_overlap_nonmember": float(np.mean(baselines)),
+            "token_overlap_excess": float(np.mean(excess)),
+            "share_clients_excess_below_0_10": float(np.mean([e < 0.10 for e in excess])),
         }
+
+
+# What `Simulation.membership_attack` measures, in its document's "privacy" section.
+PRIVACY_FIGURES = (
+    "membership_auroc", "token_overlap", "share_clients_overlap_below_0_10",
+    "token_overlap_nonmember", "token_overlap_excess", "share_clients_excess_below_0_10",
+)
 
 
 MODEL_NAMES = (
