@@ -2026,6 +2026,18 @@ def test_settings_change_over_the_api_is_audited(world):
     assert Round.objects.count() == 0
 
 
+def test_an_empty_settings_change_is_refused_as_a_persons_is(world):
+    """PATCH {} changed nothing and answered 200 (a person's PATCH {} is a 400): a body the
+    caller meant to fill (a form sent as the wrong content type reads as {}) looked applied."""
+    api = person_api(world.operator)
+    for body, kind in (({}, "json"), ({}, "multipart")):
+        response = api.patch("/api/v1/admin/settings/", body, format=kind)
+        assert response.status_code == 400, response.content
+        assert response.json()["detail"].startswith("nothing to change: send one or more of "
+                                                    "epsilon_budget, delta_prime")
+    assert not AuditLog.objects.filter(action="settings.change").exists()
+
+
 def test_django_admin_pages_render_for_the_operator(world, open_round, valid_doc):
     post_doc(client_api(world.token_a), valid_doc)
     api = APIClient()

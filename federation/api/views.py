@@ -1074,6 +1074,10 @@ class SettingsView(FederationView):
             raise NotAllowed("only the federation operator may change the federation's settings")
         given = _validated(FederationSettingsSerializer(services.get_settings(), data=request.data,
                                                         partial=True), "unknown settings:")
+        if not given:  # as a person's PATCH: an empty body is a mistake, not a change of nothing
+            raise InvalidRequest(
+                f"nothing to change: send one or more of {', '.join(services.SETTINGS_FIELDS)}"
+            )
         row = services.update_settings(actor_for(request), **given)
         return Response(FederationSettingsSerializer(row).data)
 
