@@ -8,6 +8,10 @@ class RoutingConfig(AppConfig):
     def ready(self):
         from django.db.models.signals import post_delete, post_save
 
+        from routing.services import check_routing_params_setting
+
+        check_routing_params_setting()
+
         from compendium.models import CompendiumVersion, Tool
         from federation.models import Round
         from routing.models import TunedRouter

@@ -23,6 +23,7 @@ from datetime import timedelta
 
 import numpy as np
 from django.conf import settings
+from django.core.exceptions import ImproperlyConfigured
 from django.db import connection
 from django.db.models import Aggregate, Count, FloatField, Sum
 from django.db.models.functions import Coalesce, TruncHour
@@ -440,6 +441,21 @@ def forget_served() -> None:
 def rebuild_seconds() -> float:
     """SYNAPSE_ROUTING_REBUILD_SECONDS: how long after a failed build the next one is tried."""
     return float(getattr(settings, "SYNAPSE_ROUTING_REBUILD_SECONDS", 30))
+
+
+def check_routing_params_setting() -> None:
+    """At start-up (`RoutingConfig.ready`): SYNAPSE_ROUTING_PARAMS, when set, must be a routing
+    parameters file, or the process stops with one line saying why. Settings check only that the
+    file is there; one that is there but not a parameters file (a JSON of something else, a
+    hand edit's typo) started, and every router build logged a warning and routed with other
+    weights than the operator's. A file broken after start-up still only warns
+    (`routing_params`): routing goes on."""
+    configured = getattr(settings, "SYNAPSE_ROUTING_PARAMS", "") or None
+    if configured:
+        try:
+            RoutingParams.load(configured)
+        except RoutingParamsError as exc:
+            raise ImproperlyConfigured(f"SYNAPSE_ROUTING_PARAMS={configured!r}: {exc}") from None
 
 
 def routing_params(head: LinearHead | None = None, fitted: RoutingParams | None = None) -> RoutingParams:

@@ -686,3 +686,25 @@ def test_a_metrics_token_no_authorization_header_can_carry_stops_with_one_line(m
 def test_a_metrics_token_of_visible_ascii_is_taken(monkeypatch):
     token = "Abc-123_~!.+/=" + "x" * 20
     assert settings_from(monkeypatch, SYNAPSE_METRICS_TOKEN=token)["SYNAPSE_METRICS_TOKEN"] == token
+
+
+def test_a_routing_params_file_that_is_no_parameters_file_stops_start_up(settings, tmp_path):
+    """Settings check only that SYNAPSE_ROUTING_PARAMS is there: a JSON of something else
+    started, and every router build then warned and routed with other weights than the
+    operator's. The routing app's start-up reads it and stops with one line saying why."""
+    from django.apps import apps
+    from django.core.exceptions import ImproperlyConfigured
+
+    other = tmp_path / "params.json"
+    other.write_text('{"tools": []}')
+    settings.SYNAPSE_ROUTING_PARAMS = str(other)
+    with pytest.raises(ImproperlyConfigured) as caught:
+        apps.get_app_config("routing").ready()
+    message = str(caught.value)
+    assert message.startswith(f"SYNAPSE_ROUTING_PARAMS={str(other)!r}: {other} is not a routing "
+                              "parameters file (no 'weights' or 'calibration'"), message
+    assert "\n" not in message
+    from routing.router import RoutingParams
+
+    RoutingParams().save(other)
+    apps.get_app_config("routing").ready()  # a parameters file: starts
