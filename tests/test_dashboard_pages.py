@@ -10,9 +10,11 @@ import json
 import re
 
 import pytest
+from django.test import RequestFactory
 from django.urls import reverse
 
 from federation import people, services, submissions
+from federation.dashboard import views
 from federation.errors import BudgetExceeded
 from federation.models import (
     AuditLog,
@@ -209,6 +211,14 @@ def test_admin_may_approve_when_the_policy_allows(client, fed):
     assert f'<a href="{page}" id="back">Back</a>' in again.content.decode()
     elsewhere = client.post(url, HTTP_REFERER="https://evil.example/")
     assert f'<a href="{reverse("dashboard:overview")}" id="back">' in elsewhere.content.decode()
+    # From the token page the approval answered (without JavaScript the browser's address is the
+    # action's, which answers POST only): back to the organization page, not to a 405.
+    again = client.post(url, HTTP_REFERER="http://testserver" + url)
+    organization = reverse("dashboard:organization", args=["org-a"])
+    assert f'<a href="{organization}" id="back">Back</a>' in again.content.decode()
+    conflict = reverse("dashboard:conflict-decide", args=[1])
+    assert views.back_url(RequestFactory().post(url, HTTP_REFERER="http://testserver" + conflict)) \
+        == reverse("dashboard:conflicts")
 
 
 @pytest.mark.parametrize("url", [

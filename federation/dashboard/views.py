@@ -15,7 +15,7 @@ from django.db import transaction
 from django.db.models import Count, Q
 from django.http import Http404, StreamingHttpResponse
 from django.shortcuts import get_object_or_404, redirect, render
-from django.urls import reverse, reverse_lazy
+from django.urls import Resolver404, resolve, reverse, reverse_lazy
 from django.utils import timezone
 from django.utils.dateparse import parse_datetime
 from django.utils.http import url_has_allowed_host_and_scheme
@@ -203,8 +203,23 @@ def back_url(request) -> str:
     if referer and url_has_allowed_host_and_scheme(
         referer, allowed_hosts={request.get_host()}, require_https=request.is_secure()
     ):
-        return referer
+        return _page_of(referer)
     return request.path if request.method == "GET" else reverse("dashboard:overview")
+
+
+def _page_of(address: str) -> str:
+    """`address`, or where a person reads what it showed when it answers POST only: a page shown
+    as a POST's answer (an enrollment's token) has the action's address, and going back to it
+    without JavaScript (which puts the page's own address in the history) was a 405."""
+    try:
+        match = resolve(urlsplit(address).path)
+    except Resolver404:
+        return address
+    view_class = getattr(match.func, "view_class", None)
+    if view_class is None or "get" in view_class.http_method_names:
+        return address
+    page_for = getattr(view_class, "page_for", None)
+    return page_for(match.kwargs) if page_for else reverse("dashboard:overview")
 
 
 def actor_for(request) -> Actor:
@@ -221,6 +236,7 @@ class ActionView(DashboardView):
     """A POST-only page action (CSRF by the middleware): a federation error becomes its 4xx page."""
 
     http_method_names = ["post"]
+    # page_for(kwargs): the page an action's forms are on, for `back_url` (default: the overview)
 
     def post(self, request, *args, **kwargs):
         try:
@@ -303,6 +319,10 @@ class OrganizationView(DashboardView):
     template_name = "dashboard/organization.html"
     nav_key = "organizations"
     title = "Organization"
+
+    @staticmethod
+    def page_for(kwargs: dict) -> str:  # its actions' (rename, enroll, people, clients) page
+        return reverse("dashboard:organization", args=[kwargs["slug"]])
 
     def get_context_data(self, **kwargs):
         context = super().get_context_data(**kwargs)
@@ -773,6 +793,10 @@ class ConflictsView(DashboardView):
 
 class ConflictDecideView(ActionView):
     nav_key = "conflicts"
+
+    @staticmethod
+    def page_for(kwargs: dict) -> str:
+        return reverse("dashboard:conflicts")
 
     def act(self, request, pk):
         actor = actor_for(request)
