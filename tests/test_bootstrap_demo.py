@@ -401,3 +401,31 @@ def test_the_operator_login_is_added_and_reissued_audited(registry_file):
     again = AuditLog.objects.filter(action="user.password", target_label="operator").latest("id")
     assert again.pk != reissued.pk and "changes" not in again.details
     assert AuditLog.objects.filter(action="user.add", target_label="operator").count() == 1
+
+
+def test_a_demo_of_another_dataset_in_a_folder_that_played_one_is_refused(registry_file, tmp_path):
+    """make demo DATASET=other in the data folder of a played demo: the rounds were found and not
+    played again, and the other dataset's tools only added to the registry beside the first's,
+    the pages showing the first dataset's federation. Refused, changing nothing; the same
+    dataset again, or another before anything was played, goes on."""
+    from compendium.models import CompendiumVersion, Tool
+
+    other = tmp_path / "other.jsonl"
+    other.write_text(json.dumps({"tool_id": "translate", "name": "translate",
+                                 "description": "the translate tool", "category": "Demo"}))
+    run(registry_file)
+    run(other)  # nothing played yet: added, as import_tools does
+    assert Tool.objects.filter(tool_id="translate").exists()
+    Tool.objects.filter(tool_id="translate").delete()
+    CompendiumVersion.objects.create(kind="global", round=Round.objects.get(), content={},
+                                     size_bytes=2, gzip_bytes=2)
+    third = tmp_path / "third.jsonl"
+    third.write_text(other.read_text().replace("translate", "currency"))
+    with pytest.raises(CommandError) as refused:
+        run(third)
+    assert str(refused.value).startswith(
+        "this data folder played the demo on another registry (3 active tools are not in "
+        f"{third}, e.g. 'calculator')")
+    assert "SYNAPSE_DATA_DIR=.data/NAME" in str(refused.value)
+    assert not Tool.objects.filter(tool_id="currency").exists()
+    assert "round 1 is open" in run(registry_file)

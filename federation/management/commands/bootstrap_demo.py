@@ -1,6 +1,8 @@
 from django.core.management import call_command
 from django.core.management.base import BaseCommand, CommandError
 
+from compendium.models import CompendiumVersion, Tool
+from compendium.registry import RegistryFormatError, load_registry
 from federation.errors import FederationError
 from federation.services import bootstrap_demo_federation
 
@@ -17,6 +19,7 @@ class Command(BaseCommand):
 
     def handle(self, *args, dataset, url, **options):
         url = url.rstrip("/") + "/"  # the banner appends the pages' paths to it
+        refuse_another_datasets_demo(dataset)
         call_command("import_tools", dataset, stdout=self.stdout)
         try:
             demo = bootstrap_demo_federation()
@@ -50,4 +53,23 @@ class Command(BaseCommand):
             f"{clients}\n"
             f"  API: {url}api/v1/rounds/   schema: {url}api/schema/   docs: {url}api/docs/\n"
             f"{line}"
+        )
+
+
+def refuse_another_datasets_demo(dataset: str) -> None:
+    """A data folder that has played rounds (a compendium is stored) on another registry is not this dataset's demo: its
+    rounds, tuned router and simulation are found and not played again (`demo_rounds`,
+    `simulate`), so the new dataset's tools were only added beside the others and the pages
+    showed the first dataset's federation. Refused, naming the folder to use instead."""
+    try:
+        named = {tool.tool_id for tool in load_registry(dataset)}
+    except RegistryFormatError:
+        return  # import_tools says what is wrong with it
+    others = Tool.objects.filter(active=True).exclude(tool_id__in=named)
+    if named and others.exists() and CompendiumVersion.objects.exists():
+        raise CommandError(
+            f"this data folder played the demo on another registry ({others.count()} active "
+            f"tools are not in {dataset}, e.g. {others.order_by('tool_id').first().tool_id!r}); "
+            "its rounds would be found and not played again on this one: run this dataset's demo "
+            "in a data folder of its own (make demo DATASET=... SYNAPSE_DATA_DIR=.data/NAME)"
         )
