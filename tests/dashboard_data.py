@@ -21,7 +21,7 @@ from compendium.schema import (
     ToolMetadata,
     ToolSpec,
 )
-from compendium.services import import_registry, store_compendium
+from compendium.services import import_registry, seed_default_numeric_fields, store_compendium
 from federation.models import Client, Organization, Round
 
 PASSWORD = "correct-horse-battery-staple"
@@ -88,6 +88,9 @@ def global_compendium(round_number: int) -> Compendium:
 
 def build_federation() -> Federation:
     import_registry(TOOLS)
+    # The pages read the declared numeric fields (flights.calls' window); a transactional test
+    # run before flushes the rows the migration seeded.
+    seed_default_numeric_fields()
     acme = Organization.objects.create(name="Acme Research", slug="acme")
     globex = Organization.objects.create(name="Globex Health", slug="globex")
     clients = [
