@@ -806,6 +806,7 @@ def test_an_edge_release_by_hand_plain_and_trimmed(embed):
     window and kept to a hundredth of b's order of magnitude; the ledger says what was spent."""
     from compendium.schema import NumericFieldSpec, NumericKind
     from federation.merge.operator import _published_number, _statistic_rng
+    from federation.merge.privacy import laplace_release
 
     one = Schema(
         tools=[ToolSpec(tool_id="weather", name="WeatherNow", description="Weather forecasts")],
@@ -814,9 +815,10 @@ def test_an_edge_release_by_hand_plain_and_trimmed(embed):
     )
     subs = [sub(f"c{i}", metadata=[{"tool_id": "weather", "stats": {"success_rate": v}}])
             for i, v in enumerate([0.1, 0.2, 0.3, 0.4, 1.0])]
-    for rule, mean, kept, mechanism in (("none", 0.4, 5, "laplace"),
-                                        ("trimmed-mean", 0.3, 3, "laplace-trimmed-mean"),
-                                        ("krum", 0.3, 3, "laplace-trimmed-mean")):
+    plain, trimmed = [0.1, 0.2, 0.3, 0.4, 1.0], [0.2, 0.3, 0.4]
+    for rule, values, kept, mechanism in (("none", plain, 5, "laplace"),
+                                          ("trimmed-mean", trimmed, 3, "laplace-trimmed-mean"),
+                                          ("krum", trimmed, 3, "laplace-trimmed-mean")):
         config = RoundConfig(epsilon=3.0, robust_rule=rule, trim_fraction=0.2)
         result = edge_merge(subs, one, config, embed=embed, seed=5)
         [entry] = result.ledger
@@ -824,8 +826,12 @@ def test_an_edge_release_by_hand_plain_and_trimmed(embed):
         assert (entry.contributors, entry.epsilon, entry.sensitivity, entry.mechanism) == (
             kept, 3.0, 1.0, mechanism)
         assert entry.noise_scale == pytest.approx(b)
-        draw = _statistic_rng(np.random.SeedSequence(5), "weather", "success_rate").laplace(0, b)
-        expected = _published_number(min(1.0, max(0.0, mean + draw)), b, 0.0, 1.0)
+        # the mean of what is kept, released with the statistic's own generator (by hand:
+        # test_the_laplace_release_is_the_clipped_mean_plus_a_draw_of_scale_w_over_k_epsilon)
+        value, _ = laplace_release(
+            values, lower=0.0, upper=1.0, sensitivity=1.0, epsilon=3.0,
+            rng=_statistic_rng(np.random.SeedSequence(5), "weather", "success_rate"))
+        expected = _published_number(value, b, 0.0, 1.0)
         assert result.compendium.metadata[0].stats == {"success_rate": expected}
         assert result.stats.epsilon_spent == pytest.approx(3.0)
 

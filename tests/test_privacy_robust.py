@@ -310,10 +310,68 @@ def test_a_trimmed_mean_moves_by_at_most_the_window_over_the_count_kept():
 
 def test_the_laplace_release_is_the_clipped_mean_plus_a_draw_of_scale_w_over_k_epsilon():
     """One release by hand: values (−1, 0.2, 0.4, 2) clipped to [0, 1] are (0, 0.2, 0.4, 1), mean
-    0.4; b = 1/(4 · 0.5) = 0.5; the figure is 0.4 plus the generator's Laplace draw of that scale,
-    clamped to the window."""
-    draw = np.random.default_rng(9).laplace(0.0, 0.5)
+    0.4; b = 1/(4 · 0.5) = 0.5; the grid's step is (1/4)/2^20, the mean 0.4 is round(0.4/step)
+    steps, and the figure is that plus the exact discrete Laplace draw of scale (2^20 + 1)/0.5
+    steps from the generator's next 32 bytes, times the step, clamped to the window."""
+    import random
+    from fractions import Fraction
+
+    from federation.merge.privacy import GRID_STEPS, discrete_laplace
+
+    step = 0.25 / GRID_STEPS
+    source = random.Random(int.from_bytes(np.random.default_rng(9).bytes(32), "big"))
+    draw = discrete_laplace(Fraction(GRID_STEPS + 1) / Fraction(0.5), source)
     value, scale = laplace_release([-1.0, 0.2, 0.4, 2.0], lower=0.0, upper=1.0, sensitivity=1.0,
                                    epsilon=0.5, rng=np.random.default_rng(9))
     assert scale == 0.5
-    assert value == pytest.approx(min(1.0, max(0.0, 0.4 + draw)))
+    assert value == min(1.0, max(0.0, (round(0.4 / step) + draw) * step))
+    assert 0.0 < value < 1.0  # this seed's draw lands inside the window: the sum is seen
+    # a replay of the release (the same generator state) publishes the same figure
+    assert laplace_release([-1.0, 0.2, 0.4, 2.0], lower=0.0, upper=1.0, sensitivity=1.0,
+                           epsilon=0.5, rng=np.random.default_rng(9))[0] == value
+
+
+def test_the_discrete_laplace_draw_has_the_exact_probabilities():
+    """P(z) = (1 − a)/(1 + a) · a^|z|, a = exp(−1/t): a chi-square test over z in [−6, 6] (the
+    tails pooled) at t = 2, with power against t = 2.4, and at a scale of a float ε's exact
+    fraction (ε = 0.3 is 5404319552844595/2^54: big-integer arithmetic) the mean |z| is t."""
+    import random
+    from fractions import Fraction
+
+    from federation.merge.privacy import discrete_laplace
+
+    rng = random.Random(2026)
+    draws = np.array([discrete_laplace(Fraction(2), rng) for _ in range(60000)])
+
+    def expected(t: float) -> np.ndarray:
+        a = math.exp(-1 / t)
+        inner = np.array([(1 - a) / (1 + a) * a ** abs(z) for z in range(-6, 7)])
+        tail = (1 - inner.sum()) / 2
+        return np.concatenate([[tail], inner, [tail]]) * len(draws)
+
+    observed = np.concatenate([[np.sum(draws < -6)],
+                               [np.sum(draws == z) for z in range(-6, 7)], [np.sum(draws > 6)]])
+    assert stats.chisquare(observed, expected(2.0)).pvalue > 0.01
+    assert stats.chisquare(observed, expected(2.4)).pvalue < 1e-6
+    scale = Fraction(1001) / Fraction(0.3)
+    wide = [discrete_laplace(scale, rng) for _ in range(4000)]
+    assert all(isinstance(z, int) for z in wide)
+    a = math.exp(-1 / float(scale))
+    mean_abs = 2 * a / ((1 - a) * (1 + a))  # E|z| of the discrete Laplace, ≈ t
+    assert np.mean(np.abs(wide)) == pytest.approx(mean_abs, rel=0.08)
+    with pytest.raises(ValueError):
+        discrete_laplace(Fraction(0), rng)
+
+
+def test_a_release_lies_on_its_grid_whatever_the_mean():
+    """The published figure is a whole number of grid steps (Δ/(K·2^20)) before the clamp: its
+    low-order bits carry the draw only, not the float arithmetic of a continuous draw added to
+    the mean (Mironov 2012)."""
+    from federation.merge.privacy import GRID_STEPS
+
+    step = 100.0 / 3 / GRID_STEPS
+    rng = np.random.default_rng(4)
+    for values in ([400.0, 500.0, 600.0], [400.0, 500.0, 600.1], [0.1, 0.2, 0.3]):
+        value, _ = laplace_release(values, lower=-1e6, upper=1e6, sensitivity=100.0,
+                                   epsilon=0.5, rng=rng)
+        assert value / step == pytest.approx(round(value / step), abs=1e-6)

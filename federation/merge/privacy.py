@@ -1,18 +1,35 @@
-"""The numeric privacy mechanism and its accounting (Theorem 1). Pure: numpy only.
+"""The numeric privacy mechanism and its accounting (Theorem 1). Pure: numpy and the standard
+library only.
 
 A release is the average of K clipped client values plus Laplace noise of scale Δ/(K·ε_j); the
 result is clamped back into the clipping window [min, min(max, min + Δ)] the values were clipped
 to (the true mean lies in it), which is post-processing and costs no budget.
+
+The noise is drawn exactly, not in floating point: a Laplace draw computed as a float (numpy's
+b·log(U)) leaves gaps and uneven steps in its low-order bits that depend on the value it is added
+to, and a released float can then tell neighbouring inputs apart outright (Mironov, "On
+significance of the least significant bits for differential privacy", CCS 2012). The mean is
+rounded to a grid of GRID_STEPS steps per Δ/K and the noise is an exact discrete Laplace draw on
+that grid (Canonne, Kamath & Steinke, "The discrete Gaussian for differential privacy", NeurIPS
+2020, Algorithm 2, in integer and rational arithmetic), calibrated to the grid sensitivity
+GRID_STEPS + 1 (the rounding may add one step): ε_j-differentially private as computed, with
+noise wider than Δ/(K·ε_j) by one part in 2^20.
 """
 
 from __future__ import annotations
 
 import math
+import random
 from collections import defaultdict
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
+from fractions import Fraction
 
 import numpy as np
+
+# Steps of the release grid per Δ/K (the sensitivity of a mean of K values): the grid's
+# sensitivity is GRID_STEPS + 1 steps, so the noise is wider than Δ/(K·ε) by 1/GRID_STEPS.
+GRID_STEPS = 2**20
 
 
 class BudgetExceeded(RuntimeError):
@@ -38,12 +55,63 @@ def laplace_release(
     rng: np.random.Generator,
     contributors: int | None = None,
 ) -> tuple[float, float]:
-    """(released value, noise scale) for the mean of `values` clipped to [lower, upper]."""
+    """(released value, noise scale) for the mean of `values` clipped to [lower, upper]: the mean
+    rounded to the grid of step Δ/(K·GRID_STEPS), plus exact discrete Laplace noise on that grid
+    of scale (GRID_STEPS + 1)/ε_j steps (about b = Δ/(K·ε_j), the scale returned), clamped to
+    [lower, upper]. The draw is a function of `rng`'s state alone (a replayed release draws it
+    again)."""
     clipped = np.clip(np.asarray(values, dtype=np.float64), lower, upper)
     k = contributors if contributors is not None else len(clipped)
     scale = laplace_scale(sensitivity, k, epsilon)
-    noised = float(clipped.mean()) + float(rng.laplace(0.0, scale))
+    step = sensitivity / k / GRID_STEPS
+    on_grid = round(float(clipped.mean()) / step)
+    steps = discrete_laplace(Fraction(GRID_STEPS + 1) / Fraction(epsilon),
+                             random.Random(int.from_bytes(rng.bytes(32), "big")))
+    noised = (on_grid + steps) * step
     return float(min(upper, max(lower, noised))), scale
+
+
+def _bernoulli(p: Fraction, rng: random.Random) -> bool:
+    """True with probability p (0 ≤ p ≤ 1), exactly."""
+    return rng.randrange(p.denominator) < p.numerator
+
+
+def _bernoulli_exp(gamma: Fraction, rng: random.Random) -> bool:
+    """True with probability exp(−γ) (γ ≥ 0), exactly (CKS 2020, Algorithm 1)."""
+    while gamma > 1:  # exp(−γ) = exp(−1)^⌊γ⌋ · exp(−(γ − ⌊γ⌋))
+        if not _bernoulli_exp(Fraction(1), rng):
+            return False
+        gamma -= 1
+    k = 1
+    while _bernoulli(gamma / k, rng):
+        k += 1
+    return k % 2 == 1
+
+
+def _geometric_exp(x: Fraction, rng: random.Random) -> int:
+    """A draw of P(n) ∝ exp(−x·n), n = 0, 1, ... (x > 0), exactly (CKS 2020, Algorithm 2's
+    geometric step: a uniform remainder below x's denominator, then whole units)."""
+    s, t = x.numerator, x.denominator
+    while True:
+        u = rng.randrange(t)
+        if _bernoulli_exp(Fraction(u, t), rng):
+            break
+    v = 0
+    while _bernoulli_exp(Fraction(1), rng):
+        v += 1
+    return (v * t + u) // s
+
+
+def discrete_laplace(scale: Fraction, rng: random.Random) -> int:
+    """An integer z with P(z) ∝ exp(−|z|/scale), exactly (CKS 2020, Algorithm 2): for an
+    integer-valued statistic of sensitivity S, scale = S/ε is ε-differentially private."""
+    if scale <= 0:
+        raise ValueError("the discrete Laplace scale must be positive")
+    while True:
+        negative = _bernoulli(Fraction(1, 2), rng)
+        magnitude = _geometric_exp(1 / scale, rng)
+        if not (negative and magnitude == 0):  # 0 drawn once, not twice
+            return -magnitude if negative else magnitude
 
 
 def basic_composition(epsilons: Iterable[float]) -> float:
