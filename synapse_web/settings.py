@@ -653,9 +653,15 @@ if LOG_LEVEL not in ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"):
     raise ImproperlyConfigured(
         f"LOG_LEVEL={os.environ['LOG_LEVEL']!r}: takes DEBUG, INFO, WARNING, ERROR or CRITICAL"
     )
+# Each line says when, how bad, which logger and which process wrote it: the bare message (the
+# handler's default) said none of it, and the web app's and the workers' lines, interleaved in one
+# container log, could not be told apart or filtered by level. (The Celery worker and beat put
+# their own format on the root logger at start; their task lines name the task and its id.)
+LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s [%(process)d] %(message)s"
 LOGGING = {
     "version": 1,
     "disable_existing_loggers": False,
-    "handlers": {"console": {"class": "logging.StreamHandler"}},
+    "formatters": {"synapse": {"format": LOG_FORMAT}},
+    "handlers": {"console": {"class": "logging.StreamHandler", "formatter": "synapse"}},
     "root": {"handlers": ["console"], "level": LOG_LEVEL},
 }

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import secrets
 import subprocess
 import sys
@@ -526,6 +527,27 @@ def test_log_level_is_a_level_name_in_any_case(monkeypatch):
     proc = check_deploy(**PRODUCTION, LOG_LEVEL="verbose")
     lines = [line for line in proc.stderr.splitlines() if line.strip()]
     assert proc.returncode == 2 and len(lines) == 1 and "LOG_LEVEL" in lines[0], proc.stderr
+
+
+def test_a_log_line_says_when_its_level_its_logger_and_its_process():
+    """Found by the operations audit: the console handler had no format, so a line was the bare
+    message: the web app's and the workers' lines in one container log could not be filtered by
+    level nor traced to the code or the process that wrote them."""
+    proc = subprocess.run(
+        [sys.executable, "-c",
+         "import os, logging, django\n"
+         "os.environ['DJANGO_SETTINGS_MODULE'] = 'synapse_web.settings'\n"
+         "django.setup()\n"
+         "logging.getLogger('federation.pipeline').warning('round %s failed: %s', 7, 'why')\n"
+         "print(os.getpid())"],
+        cwd=ROOT, env=clean_env(**PRODUCTION), capture_output=True, text=True, timeout=120,
+    )
+    assert proc.returncode == 0, proc.stderr
+    line = proc.stderr.strip().splitlines()[-1]
+    pid = proc.stdout.strip()
+    assert re.fullmatch(
+        rf"\d{{4}}-\d\d-\d\d \d\d:\d\d:\d\d,\d{{3}} WARNING federation\.pipeline \[{pid}\] "
+        r"round 7 failed: why", line), line
 
 
 @pytest.mark.parametrize(
