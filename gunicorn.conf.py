@@ -19,6 +19,11 @@ from synapse_web.startup import settings_or_exit  # noqa: E402
 
 settings_or_exit()
 
+# One line per request on stdout (the container's log), as `make demo` serves: without it the
+# image's and docker-compose's gunicorn logged no request at all, not even a 500's path. No URL
+# of the site carries a token or password (they travel in headers and bodies).
+accesslog = "-"
+
 
 def post_worker_init(worker):
     from routing.services import warm_up

@@ -288,6 +288,22 @@ def test_docker_compose_stops_the_server_and_workers_after_their_work_not_docker
         assert _compose_seconds(services[name]["stop_grace_period"]) >= 600, name
 
 
+def test_the_server_logs_each_request_to_stdout_in_the_image_and_compose():
+    """Found by the operations audit: `make demo` passed --access-logfile -, but the image's and
+    docker-compose's gunicorn got no access log, so a production server logged no request, not
+    even the path of a 500. gunicorn reads gunicorn.conf.py from its working directory."""
+    import runpy
+
+    import yaml
+    from gunicorn.config import Config
+
+    assert Config().accesslog is None  # gunicorn's own default: no access log
+    assert runpy.run_path(str(ROOT / "gunicorn.conf.py"))["accesslog"] == "-"
+    web = yaml.safe_load((ROOT / "docker-compose.yml").read_text())["services"]["web"]
+    arguments = web["command"].split("exec gunicorn", 1)[1].split()
+    assert "--config" not in arguments and "-c" not in arguments  # it reads gunicorn.conf.py
+
+
 def test_an_installed_package_carries_the_data_files_its_code_reads(tmp_path):
     """Found by review: the wheel `pip install .` builds held only .py files, so an installed
     `synapse-client` (a client organization's machine) had no routing/default_params.json and,
