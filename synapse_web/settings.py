@@ -118,6 +118,10 @@ if not SECRET_KEY.strip():  # blanks only (an unfilled template's "SECRET_KEY= "
     if not DEBUG:
         raise ImproperlyConfigured("SECRET_KEY must be set when DEBUG=0")
     SECRET_KEY = _development_key(DATA_DIR / "secret_key")
+# Keys SECRET_KEY replaced, comma-separated: what they signed still verifies (signed-in sessions,
+# password reset links), so a rotation does not sign everyone out. Remove them once the sessions
+# they signed have expired. (The noise secret is derived from SECRET_KEY alone: README.)
+SECRET_KEY_FALLBACKS = env_list("SECRET_KEY_FALLBACKS", "")
 ALLOWED_HOSTS = env_list("ALLOWED_HOSTS", "127.0.0.1,localhost,testserver")
 # Django compares a request's host, without its port, to each entry: a URL, a path or a port in
 # one matches no request (every one a 400), nor does an empty list with DEBUG off.

@@ -26,6 +26,7 @@ READ = (
     "CELERY_RESULT_BACKEND",
     "DEBUG",
     "SECRET_KEY",
+    "SECRET_KEY_FALLBACKS",
     "ALLOWED_HOSTS",
     "DATABASE_URL",
     "SYNAPSE_HTTPS",
@@ -527,6 +528,30 @@ def test_log_level_is_a_level_name_in_any_case(monkeypatch):
     proc = check_deploy(**PRODUCTION, LOG_LEVEL="verbose")
     lines = [line for line in proc.stderr.splitlines() if line.strip()]
     assert proc.returncode == 2 and len(lines) == 1 and "LOG_LEVEL" in lines[0], proc.stderr
+
+
+@pytest.mark.django_db
+def test_secret_key_fallbacks_keep_people_signed_in_across_a_key_rotation(
+    monkeypatch, client, django_user_model, settings
+):
+    """Found by the operations audit: SECRET_KEY_FALLBACKS could not be set, so rotating
+    SECRET_KEY (a key leaked, a routine rotation) signed every operator and admin out at once."""
+    fallbacks = settings_from(monkeypatch, SECRET_KEY_FALLBACKS=" old-key-1 , ,old-key-0 ")[
+        "SECRET_KEY_FALLBACKS"]
+    assert fallbacks == ["old-key-1", "old-key-0"]
+    assert settings_from(monkeypatch)["SECRET_KEY_FALLBACKS"] == []
+    user = django_user_model.objects.create_user("rotated", password="a long enough password")
+    page = "/accounts/password_change/"  # signed-in people only
+
+    def signed_in_under_old_key_then_rotated(fallback_keys):
+        settings.SECRET_KEY, settings.SECRET_KEY_FALLBACKS = "old-key-1", []
+        client.force_login(user)
+        assert client.get(page).status_code == 200
+        settings.SECRET_KEY, settings.SECRET_KEY_FALLBACKS = "new-key", fallback_keys
+        return client.get(page)
+
+    assert signed_in_under_old_key_then_rotated([]).status_code == 302  # signed out
+    assert signed_in_under_old_key_then_rotated(fallbacks).status_code == 200
 
 
 def test_a_log_line_says_when_its_level_its_logger_and_its_process():
