@@ -26,6 +26,8 @@ accesslog = "-"
 
 
 def post_worker_init(worker):
-    from routing.services import warm_up
+    from federation.caches import start_watcher, warm_up
 
+    # A worker that serves nothing still forgets an erased client's texts (federation.caches).
+    start_watcher()
     threading.Thread(target=warm_up, name="synapse-router-warm-up", daemon=True).start()

@@ -157,6 +157,14 @@ class UserToken(models.Model):
         return f"token {self.prefix}… of {self.user}"
 
 
+class ErasureGeneration(models.Model):
+    """How many erasures have committed: one row (pk=1; none yet reads as 0), raised in each
+    erasure's transaction. A server process compares it with the value its in-memory caches of
+    clients' texts were filled under, and forgets them when it moved (`federation.caches`)."""
+
+    value = models.BigIntegerField(default=0)
+
+
 class FederationSettings(models.Model):
     """The federation's policy: one row (pk=1). Changes are audited."""
 

@@ -35,7 +35,7 @@ from compendium.models import (
 )
 from compendium.schema import Compendium
 from compendium.services import current_schema, load_compendium, store_compendium
-from federation import accounting, services
+from federation import accounting, caches, services
 from federation.errors import Busy
 from federation.merge import (
     BudgetExceeded,
@@ -1130,6 +1130,10 @@ def erase_client(client: Client, *, actor: services.Actor | None = None, embed=N
                 "submission_records_removed": report.submission_records_removed,
             },
         )
+        # Every server process forgets what it keeps in memory of clients' texts (embedding
+        # vectors, the served global and its routers, masking's words) at its next request or
+        # task, or its watcher's next check; this one once the erasure commits.
+        caches.bump()
     return report
 
 

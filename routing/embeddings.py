@@ -399,6 +399,16 @@ class EmbeddingEngine:
     def embed_one(self, text: str) -> np.ndarray:
         return self.embed([text])[0]
 
+    def cached(self, text: str) -> bool:
+        """Whether this engine keeps a vector of `text` (as `embed` reads it)."""
+        with self._lock:
+            return self._key(without_placeholders(text)) in self._cache
+
+    def forget(self) -> None:
+        """Drop every kept vector (an erasure: some were of the erased client's texts)."""
+        with self._lock:
+            self._cache.clear()
+
 
 def embed_cached(engine: EmbeddingEngine, texts: Sequence[str], directory: str | Path) -> np.ndarray:
     """Embeddings of many texts, kept on disk per engine and text list, so that the same texts
@@ -546,6 +556,12 @@ def default_model() -> str:
     against 1.14 s for 300 queries): fp32 there. `bundled:all-MiniLM-L6-v2` forces fp32,
     `bf16:all-MiniLM-L6-v2` bfloat16."""
     return BF16_MODEL if bf16_native() and not amx_tiles() else DEFAULT_MODEL
+
+
+def engines() -> list[EmbeddingEngine]:
+    """The engines this process has loaded (`get_engine`)."""
+    with _engines_lock:
+        return list(_engines.values())
 
 
 def get_engine(model: str | None = None) -> EmbeddingEngine:

@@ -160,3 +160,22 @@ class ApiBodyTooBigMiddleware:
 
     def process_exception(self, request, exception):
         return _body_over_a_limit(exception) if is_api(request) else None
+
+
+class ErasureCachesMiddleware:
+    """Each request starts by reading the erasure generation (one primary-key query) and this
+    process forgets its caches of clients' texts when an erasure committed since it last read it;
+    at the request's end it forgets them again if another thread noticed one meanwhile
+    (`federation.caches`). No request is answered from a cache that holds an erased text."""
+
+    def __init__(self, get_response):
+        self.get_response = get_response
+
+    def __call__(self, request):
+        from federation import caches
+
+        started = caches.check()
+        try:
+            return self.get_response(request)
+        finally:
+            caches.settle(started)

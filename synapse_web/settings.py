@@ -181,6 +181,9 @@ INSTALLED_APPS = [
 MIDDLEWARE = [
     "django.middleware.security.SecurityMiddleware",
     "whitenoise.middleware.WhiteNoiseMiddleware",
+    # Forgets the in-memory caches of clients' texts when an erasure committed since this
+    # process last looked (one primary-key query a request; static files above make none).
+    "synapse_web.middleware.ErasureCachesMiddleware",
     "django.contrib.sessions.middleware.SessionMiddleware",
     "django.middleware.common.CommonMiddleware",
     # A 404 under /api/ is JSON {"detail": ...}, with DEBUG too (after CommonMiddleware: its
@@ -465,6 +468,11 @@ SYNAPSE_LLM_BATCH_SECONDS = env_number("SYNAPSE_LLM_BATCH_SECONDS", 30.0, whole=
 # Seconds after a failed build of the served router (logged) before a request tries again;
 # meanwhile the router served before answers, or the routing API a 503 saying why.
 SYNAPSE_ROUTING_REBUILD_SECONDS = env_number("SYNAPSE_ROUTING_REBUILD_SECONDS", 30.0, whole=False, least=0)
+# Seconds between two checks of the erasure generation by each gunicorn and Celery worker
+# process's watcher thread, so that an idle process does not keep an erased client's texts in its
+# caches until its next request or task (federation.caches). 0: no watcher.
+SYNAPSE_ERASURE_CHECK_SECONDS = env_number("SYNAPSE_ERASURE_CHECK_SECONDS", 60.0, whole=False, least=0,
+                                           note=" (0: no watcher)")
 # Seconds a process keeps the published version before asking the database again.
 SYNAPSE_ROUTING_VERSION_TTL = env_number("SYNAPSE_ROUTING_VERSION_TTL", 2.0, whole=False, least=0)
 # Retrieval of the routing API: memory (exact, over the served version's embeddings loaded from

@@ -361,6 +361,7 @@ NUMBERS = {
     "SYNAPSE_LLM_BATCH_SECONDS": (["nan", "-1"], "0", 0.0),
     "SYNAPSE_ROUTING_REBUILD_SECONDS": (["-1", "soon"], "0", 0.0),
     "SYNAPSE_ROUTING_VERSION_TTL": (["inf", "-2"], "0", 0.0),
+    "SYNAPSE_ERASURE_CHECK_SECONDS": (["-1", "nan", "1m"], "0", 0.0),
     "SYNAPSE_ROUTING_CALL_RETENTION_DAYS": (["x", "0"], "7", 7),
     "SYNAPSE_EPSILON_BUDGET": (["nan", "inf", "0", "-1"], "2.5", 2.5),
     "SYNAPSE_DELTA_PRIME": (["0", "1", "2", "nan"], "1e-6", 1e-6),

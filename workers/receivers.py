@@ -3,8 +3,10 @@ other way round)."""
 
 from __future__ import annotations
 
+from celery.signals import task_postrun, task_prerun, worker_process_init
 from django.dispatch import receiver
 
+from federation import caches
 from federation.signals import global_published, round_closed
 
 
@@ -52,3 +54,27 @@ def tune_router_on_publish(sender, round, version, **kwargs):
         return None
     # A broker down now leaves the row queued: synapse.requeue_lost_tuning queues it again.
     return send_tuning(queue_tuning(version, epochs))
+
+
+# The erasure generation each running task started under, by task id (`settle` at its end).
+_task_generations: dict[str, int | None] = {}
+
+
+@task_prerun.connect(dispatch_uid="synapse.erasure_check")
+def check_erasures_before_task(task_id=None, **kwargs):
+    """Before each task, one primary-key query: this process forgets its caches of clients' texts
+    (the merges' embedding vectors above all) when an erasure committed since it last looked."""
+    _task_generations[task_id] = caches.check()
+
+
+@task_postrun.connect(dispatch_uid="synapse.erasure_settle")
+def settle_erasures_after_task(task_id=None, **kwargs):
+    caches.settle(_task_generations.pop(task_id, None))
+
+
+@worker_process_init.connect(dispatch_uid="synapse.erasure_watcher")
+def watch_erasures(**kwargs):
+    """Each pool process of a worker checks the erasure generation every
+    SYNAPSE_ERASURE_CHECK_SECONDS as well, so that one that gets no task does not keep an erased
+    client's texts."""
+    caches.start_watcher()
