@@ -143,3 +143,20 @@ def test_an_idle_process_forgets_them_at_its_watchers_next_check(federation, mon
 def test_the_watcher_is_off_at_zero(settings):
     settings.SYNAPSE_ERASURE_CHECK_SECONDS = 0
     assert caches.start_watcher() is None
+
+
+@pytest.mark.django_db(transaction=True)  # the warm-up thread has its own connection
+def test_a_workers_first_request_keeps_the_router_it_warmed(federation):
+    """gunicorn.conf.py warms each new worker's router before its first request: the generation
+    is read first, so that request does not count the warm router as filled before any check
+    and forget it (the build takes seconds)."""
+    services.forget_served()
+    caches._seen = None  # a new worker: it never read the generation
+    warmed = []
+    thread = threading.Thread(target=lambda: warmed.append(caches.warm_up()))
+    thread.start()
+    thread.join(120)
+    assert warmed == [True] and len(services._served) == 1
+    router = next(iter(services._served.values()))
+    caches.check()  # the first request
+    assert list(services._served.values()) == [router]
