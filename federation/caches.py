@@ -110,6 +110,11 @@ def check() -> int | None:
     with _lock:
         if now != _seen:
             forget_all()
+            if _seen is not None:
+                logging.getLogger(__name__).info(
+                    "erasure generation %s (was %s): forgot the in-memory caches of clients' texts",
+                    now, _seen,
+                )
             _seen = now
     return now
 

@@ -27,7 +27,7 @@ from django.db import connection
 from compendium.models import CompendiumVersion
 from federation import pipeline
 from federation.merge import drowned_fields
-from federation.models import PrivacyLedgerEntry, Round
+from federation.models import Client, PrivacyLedgerEntry, Round
 from federation.signals import round_closed
 from tests.merge_helpers import RELEASING_CONFIG, build_federation
 
@@ -201,6 +201,36 @@ def test_full_round_on_a_real_worker(worker):
     assert glob.sha256 == sha
     assert CompendiumVersion.objects.filter(kind="edge", round=round_).count() == 2
     assert PrivacyLedgerEntry.objects.filter(round=round_).count() == _released_per_round()
+
+
+FORGOT = "erasure generation 1 (was 0): forgot the in-memory caches of clients' texts"
+
+
+@pytest.mark.parametrize("worker", [({"LOG_LEVEL": "INFO", "SYNAPSE_ERASURE_CHECK_SECONDS": "0"},
+                                     None)], indirect=True)
+def test_a_worker_forgets_an_erased_clients_texts_at_its_next_task(worker):
+    """The pool process's merges embedded a2's texts (its engine keeps their vectors); the erasure
+    runs in this process. The worker's next task reads the erasure generation first and forgets
+    its caches (federation.caches; tests/test_erasure_caches.py checks what forgetting drops)."""
+    from workers.tasks import prune_routing_calls_task
+
+    round_, _ = build_federation(config=RELEASING_CONFIG)
+    _wait_for_round(_close_round(round_))
+    pipeline.erase_client(Client.objects.get(name="a2"))
+    assert not any(FORGOT in line for line in worker.log)  # no task yet, no watcher
+    prune_routing_calls_task.delay().get(timeout=120)
+    worker.wait_for(FORGOT, timeout=60)  # logged before the task ran
+
+
+@pytest.mark.parametrize("worker", [({"LOG_LEVEL": "INFO", "SYNAPSE_ERASURE_CHECK_SECONDS": "1"},
+                                     None)], indirect=True)
+def test_an_idle_worker_forgets_an_erased_clients_texts_at_its_watchers_check(worker):
+    """The same pool process with no task after the erasure: its watcher thread reads the
+    generation (every second here) and forgets."""
+    round_, _ = build_federation(config=RELEASING_CONFIG)
+    _wait_for_round(_close_round(round_))
+    pipeline.erase_client(Client.objects.get(name="a2"))
+    worker.wait_for(FORGOT, timeout=120)
 
 
 def test_worker_killed_mid_merge_yields_the_same_global_compendium(worker):
