@@ -52,9 +52,12 @@ ERROR_BARS = "error bars"  # the `meta` of a companion trace that only draws ano
 
 
 def add_with_error_bars(fig: go.Figure, trace: go.Scatter,
-                        errors: list[float | None] | None = None) -> go.Figure:
+                        errors: list[float | None] | None = None,
+                        below: list[float | None] | None = None) -> go.Figure:
     """Add `trace` with an error bar of `errors[i]` on its i-th point; None where the point has
-    no spread to draw (one seed measured it).
+    no spread to draw (one seed measured it). With `below`, the bars are asymmetric: `errors[i]`
+    above the point and `below[i]` under it (a range from the least to the most), None in both
+    where the point has none.
 
     Plotly draws a null error as "± 0", as if the seeds had agreed to the digit, and a trace's bars
     are all or none. So a trace whose points all have a spread carries its bars, one whose points
@@ -70,8 +73,14 @@ def add_with_error_bars(fig: go.Figure, trace: go.Scatter,
     trace.line.color = color
     if all(e is None for e in errors):
         return fig.add_trace(trace)
+    def bars(points: list[int]) -> dict:
+        out = {"type": "data", "array": [errors[i] for i in points]}
+        if below is not None:
+            out.update(symmetric=False, arrayminus=[below[i] for i in points])
+        return out
+
     if all(e is not None for e in errors):
-        trace.error_y = {"type": "data", "array": errors}
+        trace.error_y = bars(list(range(len(errors))))
         return fig.add_trace(trace)
     trace.legendgroup = group = trace.legendgroup or f"trace {place}"
     fig.add_trace(trace)
@@ -79,7 +88,7 @@ def add_with_error_bars(fig: go.Figure, trace: go.Scatter,
     return fig.add_trace(go.Scatter(
         x=[trace.x[i] for i in measured], y=[trace.y[i] for i in measured], mode="markers",
         marker={"color": color, "opacity": 0},
-        error_y={"type": "data", "array": [errors[i] for i in measured], "color": color},
+        error_y={**bars(measured), "color": color},
         legendgroup=group, showlegend=False, hoverinfo="skip", meta=ERROR_BARS,
     ))
 

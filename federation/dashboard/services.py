@@ -15,14 +15,17 @@ import re
 from collections import Counter, defaultdict
 from dataclasses import dataclass, field
 from datetime import timedelta
+from types import SimpleNamespace
 
 import plotly.graph_objects as go
 from django.core.paginator import Page, Paginator
 from django.db.models import (
+    Aggregate,
     Avg,
     Case,
     Count,
     Exists,
+    FloatField,
     IntegerField,
     Max,
     Min,
@@ -121,18 +124,81 @@ class ClientRow:
     refused_unmasked_open: int = 0
 
 
+# The bytes chart draws a line per client up to this many clients with points, else one per
+# organization (the median of its clients, with their range).
+BYTES_CHART_CLIENTS = 12
+# The open round's waiting clients named above the client table (the rest: its filter).
+WAITING_SHOWN = 50
+CLIENT_TARGET = "client"  # AuditLog.target_type of an entry about a client
+
+
+@dataclass(frozen=True)
+class ClientFilters:
+    """The Overview's client table narrowed to an organization (its slug), a status, and the
+    approved clients that have not submitted to the open round (`waiting`)."""
+
+    organization: str = ""
+    status: str = ""
+    waiting: bool = False
+
+    def apply(self, clients: QuerySet, *, open_round: bool) -> QuerySet:
+        """`clients` (annotated with `submitted_open`) narrowed; `waiting` narrows nothing while
+        no round is open (the page says so)."""
+        if self.organization:
+            clients = clients.filter(organization__slug=self.organization)
+        if self.status:
+            clients = clients.filter(status=self.status)
+        if self.waiting and open_round:
+            clients = clients.filter(status=Client.Status.APPROVED, submitted_open=False)
+        return clients
+
+    @property
+    def active(self) -> bool:
+        return bool(self.organization or self.status or self.waiting)
+
+
+def client_filters(params, organizations: QuerySet) -> ClientFilters:
+    """The client table's filters from the query string (`organization`: a slug of a visible
+    organization; `status`: one of Client.Status; `waiting`: 1). Raises BadRequest naming a
+    value it cannot take."""
+    slug = (params.get("organization") or "").strip()
+    if slug and not organizations.filter(slug=slug).exists():
+        # an organization the viewer may not see reads as one that does not exist
+        raise BadRequest(f"organization: no organization {slug[:100]!r} among those you can see")
+    status = (params.get("status") or "").strip()
+    if status and status not in Client.Status.values:
+        raise BadRequest(f"status must be one of {', '.join(Client.Status.values)}, "
+                         f"not {status[:40]!r}")
+    waiting = (params.get("waiting") or "").strip()
+    if waiting not in ("", "0", "1"):
+        raise BadRequest(f"waiting must be 1 (or left out), not {waiting[:40]!r}")
+    return ClientFilters(organization=slug, status=status, waiting=waiting == "1")
+
+
 @dataclass
 class Overview:
     rounds: list[RoundRow]
-    clients: list[ClientRow]
+    clients: list[ClientRow]  # the client table's page
     state_counts: dict[str, int]
     bytes_chart: str = ""
+    # under a chart drawn per organization: why, and where each client's figures are
+    bytes_caption: str = ""
     participation_chart: str = ""
     probe_chart: str = ""
+    # of every visible client, whatever the table's filters and page
     totals: dict[str, int] = field(default_factory=dict)
-    # The open round, if any, and which of these approved clients have (not) submitted to it.
+    # The open round, if any, and the first WAITING_SHOWN of the approved clients that have not
+    # submitted to it, of `waiting_count`.
     open_round: Round | None = None
     waiting: list[ClientRow] = field(default_factory=list)
+    waiting_count: int = 0
+    filters: ClientFilters = field(default_factory=ClientFilters)
+    client_page: Page | None = None
+
+    @property
+    def waiting_more(self) -> int:
+        """How many waiting clients are not named (the filter lists them)."""
+        return self.waiting_count - len(self.waiting)
 
 
 def federation_overview(
@@ -141,8 +207,13 @@ def federation_overview(
     include_unpublished: bool = False,
     max_rounds: int = 50,
     viewer=None,
+    filters: ClientFilters | None = None,
+    page=None,
+    per_page: int = 50,
 ) -> Overview:
-    """Rounds with state, participation and compendium sizes; per-client bytes over rounds.
+    """Rounds with state, participation and compendium sizes; bytes sent over rounds; the
+    client table's `page` (Paginator.get_page: the nearest page to a number out of range, the
+    first for one that is not a number), `per_page` clients under `filters`.
 
     Participation and per-client figures count only clients of `organizations`; the global
     compendium of a round not yet published is shown only with `include_unpublished` (operator);
@@ -216,27 +287,65 @@ def federation_overview(
         row.probe_accuracy = row.round.merge_probe_accuracy
         row.probe_queries = row.round.merge_probe_queries or 0
 
-    # The bytes chart's points: the table's rounds.
-    points = list(
-        submissions.order_by("round__number").values(
-            "client_id", "round__number", "size_bytes", "gzip_bytes",
-            "submission__wire_bytes", "submission__content_encoding",
+    # The bytes chart's points: the table's rounds. Drawn per client up to BYTES_CHART_CLIENTS
+    # clients with points, per organization above that (a line per client at 300 clients was
+    # an unreadable chart and most of an 800 kB page).
+    charted = submissions.order_by().values("client_id").distinct().count()
+    if charted > BYTES_CHART_CLIENTS:
+        overview_bytes = bytes_per_organization_figure(submissions, charted)
+        bytes_caption = (
+            f"One line per organization, because {charted} clients sent submissions in these "
+            f"rounds: the median over its clients of the bytes each sent, with the range from "
+            f"the least to the most (hover: how many clients the round counted). The client "
+            f"table below has each client's figures."
         )
+    else:
+        overview_bytes = bytes_per_client_figure(*client_points(submissions)) if charted else None
+        bytes_caption = ""
+
+    state_counts = dict(
+        Round.objects.order_by().values_list("state").annotate(n=Count("id")).values_list("state", "n")
     )
-    clients = list(
-        Client.objects.filter(organization__in=organizations).select_related("organization")
-    )
-    client_rows = {c.pk: ClientRow(client=c) for c in clients}
-    per_client: dict[int, list[dict]] = defaultdict(list)
-    for point in points:
-        per_client[point["client_id"]].append(point)
-    # Each client's figures over every round, not only the table's latest `max_rounds`: its
-    # rounds submitted and mean size (one aggregate) and its last submission (DISTINCT ON).
+    visible_clients = Client.objects.filter(organization__in=organizations)
     every = CompendiumVersion.objects.filter(kind=KIND_CLIENT, client__organization__in=organizations)
-    for item in every.order_by().values("client_id").annotate(n=Count("id"), mean=Avg("size_bytes")):
+    client_totals = visible_clients.order_by().aggregate(
+        clients=Count("id"), approved=Count("id", filter=Q(status=Client.Status.APPROVED)))
+    overview = Overview(
+        rounds=list(rows.values()),
+        clients=[],
+        state_counts=state_counts,
+        totals={
+            "rounds": sum(state_counts.values()),
+            "clients": client_totals["clients"],
+            "approved_clients": client_totals["approved"],
+            "submissions": every.count(),
+        },
+        bytes_caption=bytes_caption,
+        filters=filters or ClientFilters(),
+    )
+    overview.open_round = next((r for r in rounds if r.state == Round.State.OPEN), None)
+    open_number = overview.open_round.number if overview.open_round is not None else None
+    in_open = CompendiumVersion.objects.filter(
+        kind=KIND_CLIENT, round__number=open_number, client=OuterRef("pk"))
+    clients = visible_clients.select_related("organization").annotate(
+        submitted_open=Exists(in_open)).order_by("organization__slug", "name", "pk")
+    if overview.open_round is not None:
+        waiting = clients.filter(status=Client.Status.APPROVED, submitted_open=False)
+        overview.waiting_count = waiting.count()
+        overview.waiting = [ClientRow(client=c) for c in waiting[:WAITING_SHOWN]]
+    overview.client_page = Paginator(
+        overview.filters.apply(clients, open_round=overview.open_round is not None), per_page
+    ).get_page(page)
+    client_rows = {c.pk: ClientRow(client=c, submitted_open=c.submitted_open)
+                   for c in overview.client_page}
+    overview.clients = list(client_rows.values())
+    # The page's clients' figures over every round, not only the table's latest `max_rounds`:
+    # its rounds submitted and mean size (one aggregate) and its last submission (DISTINCT ON).
+    shown = every.filter(client_id__in=list(client_rows))
+    for item in shown.order_by().values("client_id").annotate(n=Count("id"), mean=Avg("size_bytes")):
         row = client_rows[item["client_id"]]
         row.rounds, row.mean_size_bytes = item["n"], item["mean"]
-    for last in every.order_by("client_id", "-round__number").distinct("client_id").values(
+    for last in shown.order_by("client_id", "-round__number").distinct("client_id").values(
         "client_id", "round__number", "size_bytes", "gzip_bytes",
         "submission__wire_bytes", "submission__content_encoding",
     ):
@@ -246,48 +355,26 @@ def federation_overview(
         row.last_gzip_bytes = last["gzip_bytes"]
         row.last_wire_bytes = last["submission__wire_bytes"]
         row.last_encoding = last["submission__content_encoding"] or ""
-
-    state_counts = dict(
-        Round.objects.order_by().values_list("state").annotate(n=Count("id")).values_list("state", "n")
-    )
-    overview = Overview(
-        rounds=list(rows.values()),
-        clients=sorted(client_rows.values(), key=lambda r: str(r.client)),
-        state_counts=state_counts,
-        totals={
-            "rounds": sum(state_counts.values()),
-            "clients": len(clients),
-            "approved_clients": sum(c.status == Client.Status.APPROVED for c in clients),
-            "submissions": sum(row.rounds for row in client_rows.values()),
-        },
-    )
-    overview.open_round = next((r for r in rounds if r.state == Round.State.OPEN), None)
     if overview.open_round is not None:
-        for row in overview.clients:
-            row.submitted_open = row.last_round == overview.open_round.number
-        overview.waiting = [
-            row for row in overview.clients
-            if row.client.status == Client.Status.APPROVED and not row.submitted_open
-        ]
         refused = (
             AuditLog.objects.order_by()
             .filter(
                 action=AuditLog.Action.SUBMISSION_UNMASKED,
                 organization__in=organizations,
+                target_type=CLIENT_TARGET,
+                target_id__in=[str(pk) for pk in client_rows],
                 details__round=overview.open_round.number,
             )
             .values_list("target_id")
             .annotate(n=Count("id"))
         )
-        by_client = {row.client.pk: row for row in overview.clients}
         for target_id, n in refused:
-            if target_id.isdigit() and int(target_id) in by_client:
-                by_client[int(target_id)].refused_unmasked_open = n
-    if points:
+            client_rows[int(target_id)].refused_unmasked_open = n
+    if overview_bytes is not None:
         overview.bytes_chart = render_figure(
-            bytes_per_client_figure(client_rows, per_client),
+            overview_bytes,
             div_id="bytes-per-client",
-            label="Bytes each client sent per round",
+            label=overview_bytes.layout.title.text,
         )
     if any(row.submissions or row.global_version for row in overview.rounds):
         overview.participation_chart = render_figure(
@@ -304,13 +391,41 @@ def federation_overview(
     return overview
 
 
-def bytes_per_client_figure(client_rows: dict[int, ClientRow], per_client: dict) -> go.Figure:
+class Median(Aggregate):
+    """PostgreSQL's median of a column: percentile_cont(0.5) within the group's values."""
+
+    function = "percentile_cont"
+    template = "%(function)s(0.5) WITHIN GROUP (ORDER BY %(expressions)s)"
+    output_field = FloatField()
+
+
+def _sent_bytes():
+    """What a client submission weighed on the wire (a dcz or gzip body's bytes), or its
+    canonical bytes where it was sent plain or the server did not record it."""
+    return Coalesce("submission__wire_bytes", "size_bytes")
+
+
+def client_points(submissions: QuerySet) -> tuple[dict, dict[int, list[dict]]]:
+    """The bytes chart's points per client (`bytes_per_client_figure`'s arguments) of the client
+    compendium versions `submissions`, in one query: {client id: its label} and {client id: its
+    points, by round}."""
+    labels, per_client = {}, defaultdict(list)
+    for point in submissions.order_by("round__number").values(
+        "client_id", "client__organization__slug", "client__name", "round__number", "size_bytes",
+        "gzip_bytes", "submission__wire_bytes", "submission__content_encoding",
+    ):
+        labels[point["client_id"]] = SimpleNamespace(
+            client=f"{point['client__organization__slug']}/{point['client__name']}")
+        per_client[point["client_id"]].append(point)
+    return labels, per_client
+
+
+def bytes_per_client_figure(client_rows: dict, per_client: dict) -> go.Figure:
     """What each client put on the wire per round (a dcz or gzip body's bytes; the canonical bytes
     where it sent them plain or the server did not record it), with the canonical and gzip sizes
-    on hover."""
+    on hover. `client_rows`: {client id: what has the client as `.client`}."""
     fig = go.Figure()
     for client_id, series in sorted(per_client.items(), key=lambda kv: str(client_rows[kv[0]].client)):
-        name = literal(client_rows[client_id].client)
         fig.add_trace(
             go.Scatter(
                 x=[p["round__number"] for p in series],
@@ -321,7 +436,7 @@ def bytes_per_client_figure(client_rows: dict[int, ClientRow], per_client: dict)
                     for p in series
                 ],
                 mode="lines+markers",
-                name=name,
+                name=literal(client_rows[client_id].client),
                 hovertemplate=(
                     "%{fullData.name}<br>round %{x}<br>%{y:.1f} kB sent (%{customdata[0]})"
                     "<br>%{customdata[1]:.1f} kB canonical, %{customdata[2]:.1f} kB gzip"
@@ -336,6 +451,46 @@ def bytes_per_client_figure(client_rows: dict[int, ClientRow], per_client: dict)
         yaxis={"title": {"text": "sent (kB)"}, "rangemode": "tozero", "tickformat": ".3~f"},
     )
 
+
+def bytes_per_organization_figure(submissions: QuerySet, clients: int) -> go.Figure:
+    """Per organization and round, the median over its clients of the bytes each sent (as
+    `bytes_per_client_figure` counts them), with bars from the least to the most (none where one
+    client counted), summed up in the database: one row per organization and round. `clients`:
+    how many clients the chart stands for (its title says it)."""
+    sent = _sent_bytes()
+    per_org: dict[str, list[dict]] = defaultdict(list)
+    for point in (
+        submissions.order_by()
+        .values("client__organization_id", "client__organization__name", "round__number")
+        .annotate(median=Median(sent), least=Min(sent), most=Max(sent), n=Count("id"))
+        .order_by("client__organization__name", "round__number")
+    ):
+        per_org[point["client__organization__name"]].append(point)
+    fig = go.Figure()
+    for name, series in per_org.items():
+        median = [p["median"] / 1000 for p in series]
+        add_with_error_bars(
+            fig,
+            go.Scatter(
+                x=[p["round__number"] for p in series], y=median,
+                customdata=[[p["n"], p["least"] / 1000, p["most"] / 1000] for p in series],
+                mode="lines+markers", name=literal(name),
+                hovertemplate=(
+                    "%{fullData.name}<br>round %{x}<br>median %{y:.1f} kB sent by "
+                    "%{customdata[0]} client(s)<br>%{customdata[1]:.1f} to %{customdata[2]:.1f} kB"
+                    "<extra></extra>"
+                ),
+            ),
+            [p["most"] / 1000 - m if p["n"] > 1 else None for p, m in zip(series, median, strict=True)],
+            below=[m - p["least"] / 1000 if p["n"] > 1 else None
+                   for p, m in zip(series, median, strict=True)],
+        )
+    return styled(
+        fig,
+        title={"text": f"Bytes sent per round: median of each organization's clients ({clients} clients)"},
+        xaxis={"title": {"text": "round"}, "dtick": 1},
+        yaxis={"title": {"text": "sent (kB)"}, "rangemode": "tozero", "tickformat": ".3~f"},
+    )
 
 def participation_figure(rows: list[RoundRow]) -> go.Figure:
     """Submissions per round (bars) and the published global's size (line, right axis). Both

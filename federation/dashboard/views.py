@@ -77,11 +77,21 @@ class OverviewView(DashboardView):
     nav_key = "overview"
     title = "Federation overview"
 
+    def get(self, request, *args, **kwargs):
+        try:
+            self.client_filters = services.client_filters(request.GET, self.organizations)
+        except services.BadRequest as error:
+            return bad_request(request, str(error), self.nav_key)
+        return super().get(request, *args, **kwargs)
+
     def get_context_data(self, **kwargs):
         context = super().get_context_data(**kwargs)
-        context["overview"] = services.federation_overview(
-            self.organizations, include_unpublished=self.is_operator, viewer=self.request.user
+        context["overview"] = overview = services.federation_overview(
+            self.organizations, include_unpublished=self.is_operator, viewer=self.request.user,
+            filters=self.client_filters, page=self.request.GET.get("page"),
         )
+        context["page_obj"] = overview.client_page
+        context["statuses"] = Client.Status.choices
         if self.is_operator:
             context.update(services.round_controls())
         return context
