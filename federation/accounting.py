@@ -29,7 +29,7 @@ from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 
 from django.conf import settings
-from django.db.models import Count, Sum
+from django.db.models import Count, F, Max, Min, Q, Sum
 
 from federation.merge.privacy import Composition, compose, round_spend
 from federation.models import Organization, PrivacyLedgerEntry, Round
@@ -69,9 +69,51 @@ def delta_prime() -> float:
     return _policy("delta_prime", settings.SYNAPSE_DELTA_PRIME)
 
 
-def _spends(exclude: tuple[int, int, int] | None = None) -> dict[int, dict[int, float]]:
-    """{organization id: {round id: ε}} from the ledger, optionally leaving out one release
-    (organization, round, release)."""
+@dataclass
+class Release:
+    """One edge release's ledger rows (an organization's round, release n), summed: what it cost
+    one user (`spend`), and with `ledger_releases(figures=True)` what the Privacy page says of it
+    (how many statistics, how many of them noised at b >= Δ, the range of K and of ε_j, F*)."""
+
+    organization_id: int
+    round_id: int
+    release: int
+    spend: float = 0.0
+    field_cap: int | None = None
+    rows: int = 0
+    noisy: int = 0
+    k_min: int | None = None
+    k_max: int | None = None
+    eps_min: float | None = None
+    eps_max: float | None = None
+
+    def add(self, item: dict) -> None:
+        """Fold in one grouped row's figures (a release's uncapped rows, or one tool's)."""
+        if item.get("field_cap") is not None:
+            self.field_cap = max(self.field_cap or 0, item["field_cap"])
+        if "rows" not in item:
+            return
+        self.rows += item["rows"]
+        self.noisy += item["noisy"]
+        for name, pick in (("k_min", min), ("k_max", max), ("eps_min", min), ("eps_max", max)):
+            current = getattr(self, name)
+            setattr(self, name, item[name] if current is None else pick(current, item[name]))
+
+
+# What `ledger_releases(figures=True)` sums besides ε, per group of rows.
+RELEASE_FIGURES = {
+    "rows": Count("id"), "noisy": Count("id", filter=Q(noise_scale__gte=F("sensitivity"))),
+    "k_min": Min("contributors"), "k_max": Max("contributors"),
+    "eps_min": Min("epsilon"), "eps_max": Max("epsilon"),
+}
+
+
+def ledger_releases(
+    exclude: tuple[int, int, int] | None = None, *, figures: bool = False
+) -> dict[tuple[int, int, int], Release]:
+    """{(organization id, round id, release): Release} of the whole ledger, optionally leaving out
+    one release (organization, round, release), in two grouped queries; with `figures`, the
+    Privacy page's figures of each release summed in the same two."""
     # Summed in the database: an edge releases every registry tool's statistics (199 × 4 rows a
     # release on MetaTool), and every budget check, the Privacy page and each /metrics scrape
     # read them. Without a field cap a release costs the sum of its ε_j (one row back per
@@ -80,25 +122,48 @@ def _spends(exclude: tuple[int, int, int] | None = None) -> dict[int, dict[int, 
     if exclude is not None:
         org, rnd, release = exclude
         rows = rows.exclude(organization_id=org, round_id=rnd, release=release)
-    out: dict[int, dict[int, float]] = defaultdict(lambda: defaultdict(float))
-    for org, rnd, _, total in (
+    extra = RELEASE_FIGURES if figures else {}
+    out: dict[tuple[int, int, int], Release] = {}
+
+    def entry(item: dict) -> Release:
+        key = (item["organization_id"], item["round_id"], item["release"])
+        if key not in out:
+            out[key] = Release(*key)
+        out[key].add(item)
+        return out[key]
+
+    for item in (
         rows.filter(field_cap__isnull=True)
         .values("organization_id", "round_id", "release")
-        .annotate(total=Sum("epsilon"))
-        .values_list("organization_id", "round_id", "release", "total")
+        .annotate(total=Sum("epsilon"), **extra)
     ):
-        out[org][rnd] += float(total)
+        entry(item).spend += float(item["total"])
     per_tool: dict[tuple[int, int, int, int], list[float]] = defaultdict(list)
-    for org, rnd, release, cap, total in (
+    for item in (
         rows.filter(field_cap__isnull=False)
         .values("organization_id", "round_id", "release", "field_cap", "tool_id")
-        .annotate(total=Sum("epsilon"))
-        .values_list("organization_id", "round_id", "release", "field_cap", "total")
+        .annotate(total=Sum("epsilon"), **extra)
     ):
-        per_tool[(org, rnd, release, cap)].append(float(total))
-    for (org, rnd, _, cap), sums in per_tool.items():
-        out[org][rnd] += round_spend(sums, cap)  # each sum its own tool
+        entry(item)
+        key = (item["organization_id"], item["round_id"], item["release"], item["field_cap"])
+        per_tool[key].append(float(item["total"]))
+    for (org, rnd, release, cap), sums in per_tool.items():
+        out[(org, rnd, release)].spend += round_spend(sums, cap)  # each sum its own tool
     return out
+
+
+def spends_of(releases: dict[tuple[int, int, int], Release]) -> dict[int, dict[int, float]]:
+    """{organization id: {round id: ε}}: each organization's releases of a round summed."""
+    out: dict[int, dict[int, float]] = defaultdict(lambda: defaultdict(float))
+    for (org, rnd, _), release in releases.items():
+        out[org][rnd] += release.spend
+    return out
+
+
+def _spends(exclude: tuple[int, int, int] | None = None) -> dict[int, dict[int, float]]:
+    """{organization id: {round id: ε}} from the ledger, optionally leaving out one release
+    (organization, round, release)."""
+    return spends_of(ledger_releases(exclude))
 
 
 def organization_composition(organization_id: int) -> Composition:
@@ -320,13 +385,15 @@ def check_budget(
     extra: RoundConfig | float | None = None,
     budget: float | None = None,
     spends: dict[int, dict[int, float]] | None = None,
+    committed: Commitments | None = None,
 ) -> BudgetCheck:
     """The committed composition plus `extra` against the cap (`budget`, default
     `epsilon_budget()`). `extra`: a RoundConfig (one more round: its projected spend), a float (a
     round spend as the ledger counts it), or None (whether what is already committed exceeds the
     cap: the pipeline's check, where the round being started is counted already, by its
-    reservation or its ledger rows). `spends`: the ledger as `_spends()` read it, if at hand."""
-    committed = commitments(spends)
+    reservation or its ledger rows). `spends`: the ledger as `_spends()` read it, and
+    `committed`: `commitments(spends)`, if at hand."""
+    committed = commitments(spends) if committed is None else committed
     more = _extra_spends(extra)
     delta = delta_prime()
     return BudgetCheck(
@@ -398,9 +465,13 @@ class PrivacyReport:
         }
 
 
-def privacy_report(spends: dict[int, dict[int, float]] | None = None) -> PrivacyReport:
+def privacy_report(
+    spends: dict[int, dict[int, float]] | None = None, committed: Commitments | None = None
+) -> PrivacyReport:
+    """The report of `spends` (default: the ledger read now) and `committed` (default:
+    `commitments(spends)`)."""
     spends = _spends() if spends is None else spends
-    committed = commitments(spends)
+    committed = commitments(spends) if committed is None else committed
     rounds = committed.recorded
     delta = delta_prime()  # read once: not once per organization
     return PrivacyReport(

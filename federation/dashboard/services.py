@@ -1216,42 +1216,30 @@ def not_released_fields(
     return [(n, sorted(f)) for n, f in sorted(per_round.items(), reverse=True) if f][:limit]
 
 
-def release_signal(organizations: QuerySet) -> list[dict]:
-    """Per edge of `organizations`, its latest release of the latest round it released in: how many
-    statistics, at which K and ε per statistic, and how many of them carry noise at least as wide
-    as the whole window the clients' clipped values lie in (b >= Δ, that is K·ε <= 1), which
-    leaves a released average next to nothing of what the clients sent. Newest round first, then
-    by organization name."""
-    from functools import reduce
-    from operator import or_
-
-    from django.db.models import Count, F, Max, Min, Q
-
-    rows = PrivacyLedgerEntry.objects.filter(organization__in=organizations)
-    latest = rows.values("organization").annotate(last=Max("round__number"))
-    if not latest:
-        return []
-    in_round = reduce(or_, (Q(organization=item["organization"], round__number=item["last"])
-                            for item in latest))
-    # The latest release of that round: an erasure's re-release supersedes the one before (whose
-    # rows stay in the ledger, spent), and mixing them counted statistics twice and their K.
-    releases = rows.filter(in_round).values("organization").annotate(last=Max("release"))
-    last_release = {item["organization"]: item["last"] for item in releases}
-    wanted = reduce(or_, (Q(organization=item["organization"], round__number=item["last"],
-                            release=last_release[item["organization"]]) for item in latest))
-    summaries = (
-        rows.filter(wanted)
-        .values("organization", "organization__name", "round__number")
-        .annotate(
-            releases=Count("id"),
-            noisy=Count("id", filter=Q(noise_scale__gte=F("sensitivity"))),
-            k_min=Min("contributors"), k_max=Max("contributors"),
-            eps_min=Min("epsilon"), eps_max=Max("epsilon"),
-            field_cap=Max("field_cap"),
-        )
-    )
-    out = [{**row, "organization": row["organization__name"], "round": row["round__number"]}
-           for row in summaries]
+def release_signal(releases: dict, names: dict[int, str], round_numbers: dict[int, int]) -> list[dict]:
+    """Per edge of the organizations `names` ({id: name}), its latest release of the latest round
+    it released in: how many statistics, at which K and ε per statistic, and how many of them
+    carry noise at least as wide as the whole window the clients' clipped values lie in (b >= Δ,
+    that is K·ε <= 1), which leaves a released average next to nothing of what the clients sent.
+    Newest round first, then by organization name. `releases`: the ledger's releases with their
+    figures (`accounting.ledger_releases(figures=True)`); `round_numbers`: {round id: number}."""
+    latest: dict[int, tuple[int, int]] = {}
+    for (org, round_id, release) in releases:
+        if org in names:
+            # an erasure's re-release supersedes the one before (whose rows stay in the ledger,
+            # spent): mixing them counted statistics twice and their K
+            key = (round_numbers.get(round_id, 0), release)
+            if org not in latest or key > latest[org][0]:
+                latest[org] = (key, round_id)
+    out = []
+    for org, ((number, release), round_id) in latest.items():
+        figures = releases[(org, round_id, release)]
+        out.append({
+            "organization": names[org], "round": number, "releases": figures.rows,
+            "noisy": figures.noisy, "k_min": figures.k_min, "k_max": figures.k_max,
+            "eps_min": figures.eps_min, "eps_max": figures.eps_max,
+            "field_cap": figures.field_cap,
+        })
     return sorted(out, key=lambda r: (-r["round"], r["organization"]))
 
 
@@ -1259,6 +1247,21 @@ def _composition_curve(per_round: list[float], delta_prime: float):
     from federation.merge.privacy import compose
 
     return [compose(per_round[: i + 1], delta_prime) for i in range(len(per_round))]
+
+
+def _ledger_page(ledger: QuerySet, page, releases: dict, organizations: set[int],
+                 counted: tuple[int | None, dict[int, int]] | None) -> Page:
+    """The ledger table's `page` (50 rows), its row count summed from the releases already read
+    (the rows of `organizations`' releases, of round number `counted[0]` when not None;
+    `counted[1]`: {round id: number}) rather than counted again over the ledger; `counted` None:
+    counted by the database (a tool filter, which the releases do not break down)."""
+    paginator = Paginator(ledger, 50)
+    if counted is not None:
+        number, round_numbers = counted
+        paginator.count = sum(  # Paginator.count is a cached_property: this is its value
+            r.rows for (org, round_id, _), r in releases.items()
+            if org in organizations and (number is None or round_numbers.get(round_id) == number))
+    return paginator.get_page(page)
 
 
 def privacy_page(
@@ -1277,15 +1280,19 @@ def privacy_page(
     from federation import accounting
     from federation.models import PrivacyLedgerEntry
 
-    spends = accounting._spends()  # the ledger, read once for the report, the check and charts
-    report = accounting.privacy_report(spends)
+    # The ledger, read once (two grouped queries) for the report, the check, the charts, what
+    # the noise leaves of each edge's latest release and the ledger table's count.
+    releases = accounting.ledger_releases(figures=True)
+    spends = accounting.spends_of(releases)
+    committed = accounting.commitments(spends)
+    report = accounting.privacy_report(spends, committed)
     fed_rounds = accounting._federation_rounds(spends)
     round_numbers = dict(Round.objects.values_list("pk", "number"))
-    visible_ids = set(organizations.values_list("pk", flat=True))
+    names = dict(organizations.values_list("pk", "name"))
+    visible_ids = set(names)
     config = next_round_config(next_epsilon)
     next_epsilon = config.epsilon
-    check = accounting.check_budget(config, spends=spends)
-    names = dict(organizations.values_list("pk", "name"))
+    check = accounting.check_budget(config, spends=spends, committed=committed)
     ledger = (
         PrivacyLedgerEntry.objects.filter(organization__in=organizations)
         .filter(**({"round__number": ledger_round} if ledger_round is not None else {}))
@@ -1297,14 +1304,15 @@ def privacy_page(
         budget=report.budget,
         federation=report.federation,
         organizations=[(names[k], v) for k, v in report.organizations.items() if k in visible_ids],
-        ledger=Paginator(ledger, 50).get_page(page),
+        ledger=_ledger_page(ledger, page, releases, visible_ids,
+                            None if ledger_tool else (ledger_round, round_numbers)),
         next_epsilon=next_epsilon,
         would_exceed=check.exceeded,
         projected=check.after,
         committed=report.committed,
         reserved=sorted((round_numbers.get(r, r), eps) for r, eps in report.reserved.items()),
         warning=budget_warning(config, check),
-        signal=release_signal(organizations),
+        signal=release_signal(releases, names, round_numbers),
         not_released=not_released_fields(),
         open_round=Round.objects.filter(state=Round.State.OPEN)
         .values_list("number", flat=True).first(),
