@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from django.conf import settings
 from django.db import models
+from django.db.models.fields.json import KeyTransform
 
 from compendium.registry import DATASET_NAME_MAX_LENGTH, QID_MAX_LENGTH, TOOL_ID_MAX_LENGTH
 
@@ -338,7 +339,15 @@ class AuditLog(models.Model):
 
     class Meta:
         ordering = ["-created_at", "-id"]
-        indexes = [models.Index(fields=["organization", "-created_at"])]
+        indexes = [
+            models.Index(fields=["organization", "-created_at"]),
+            # The audit page's and the API's filters (`services.filtered_audit_log`): target_type
+            # and target_id, newest first, and the round an entry is about, `details__round=N`,
+            # whose SQL is ("details" -> 'round') = 'N'::jsonb: the index is on that expression.
+            models.Index(fields=["target_type", "target_id", "-created_at"],
+                         name="audit_target_created"),
+            models.Index(KeyTransform("round", "details"), name="audit_details_round"),
+        ]
 
     def save(self, *args, **kwargs):
         if not self._state.adding:
