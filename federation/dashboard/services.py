@@ -467,8 +467,11 @@ def bytes_per_organization_figure(submissions: QuerySet, clients: int) -> go.Fig
     ):
         per_org[point["client__organization__name"]].append(point)
     fig = go.Figure()
+    def kb(value: float) -> float:  # to the half byte a median can fall on: a shorter page
+        return round(value / 1000, 4)
+
     for name, series in per_org.items():
-        median = [p["median"] / 1000 for p in series]
+        median = [kb(p["median"]) for p in series]
         add_with_error_bars(
             fig,
             go.Scatter(
@@ -481,8 +484,9 @@ def bytes_per_organization_figure(submissions: QuerySet, clients: int) -> go.Fig
                     "<extra></extra>"
                 ),
             ),
-            [p["most"] / 1000 - m if p["n"] > 1 else None for p, m in zip(series, median, strict=True)],
-            below=[m - p["least"] / 1000 if p["n"] > 1 else None
+            [round(kb(p["most"]) - m, 4) if p["n"] > 1 else None
+             for p, m in zip(series, median, strict=True)],
+            below=[round(m - kb(p["least"]), 4) if p["n"] > 1 else None
                    for p, m in zip(series, median, strict=True)],
         )
     return styled(
