@@ -364,6 +364,7 @@ def test_a_script_writes_its_out_into_a_folder_it_creates(script, tmp_path, monk
     ("client_scaling.py", []),
     ("ledger_accounting.py", ["--orgs", "1", "--rounds", "1", "--tools", "2", "--fields", "1",
                               "--repeat", "1"]),
+    ("dashboard_scale.py", ["--clients", "2", "--rounds", "1", "--repeat", "1"]),
 ])
 def test_a_script_without_a_dataset_refuses_an_out_folder_first(script, argv, tmp_path,
                                                                monkeypatch):
