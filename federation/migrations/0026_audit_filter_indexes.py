@@ -8,7 +8,7 @@ from django.db import migrations, models
 class Migration(migrations.Migration):
 
     dependencies = [
-        ('federation', '0024_conflict_decision_winner_tool'),
+        ('federation', '0025_erasure_generation'),
         migrations.swappable_dependency(settings.AUTH_USER_MODEL),
     ]
 
