@@ -17,7 +17,7 @@ from django.urls import reverse
 
 from compendium.models import CompendiumVersion
 from federation.dashboard import nav
-from federation.dashboard.plots import render_figure
+from federation.dashboard.plots import add_with_error_bars, literal, render_figure, styled
 from federation.dashboard.scoping import organization_or_404, organization_scoped
 from federation.models import Organization, Submission
 from federation.services import visible_organizations
@@ -784,6 +784,41 @@ def test_render_figure_escapes_and_round_trips():
     figure = json.loads(html.unescape(payload))
     assert figure["data"][0]["name"] == '<script>"x"</script>'
     assert list(figure["data"][0]["y"]) == [3, 4]
+
+
+def test_a_chart_is_a_figure_named_and_described_by_its_data():
+    """A chart's div had role="img": plotly puts its mode bar's buttons inside, and an image's
+    content is hidden from a screen reader (axe: nested-interactive), which heard the title alone.
+    It is now a figure, named by its label and described by its data in words."""
+    fig = go.Figure(go.Bar(x=[1, 2], y=[3, 4], name="client submissions"))
+    fig.add_trace(go.Scatter(x=[1, 2], y=[0.25, None], yaxis="y2", mode="lines+markers",
+                             name=literal("a <b> & c")))
+    add_with_error_bars(fig, go.Scatter(x=[1, 2], y=[0.5, 0.75], mode="markers", name="seeds"),
+                        [0.1, None])
+    fig.add_hline(y=3.5, annotation_text="budget cap ε = 3.5")
+    styled(fig, title={"text": "Participation"}, xaxis={"title": {"text": "round"}},
+           yaxis={"title": {"text": "submissions"}},
+           yaxis2={"title": {"text": "global size (kB)"}, "overlaying": "y"})
+    rendered = str(render_figure(fig, div_id="p1", label="Submissions per round"))
+    assert 'role="img"' not in rendered
+    assert re.search(r'<div id="p1" class="plot" role="figure" aria-label="Submissions per round"'
+                     r' aria-describedby="p1-data"', rendered)
+    (description,) = re.findall(r'<p id="p1-data" hidden>([^<]*)</p>', rendered)
+    description = html.unescape(description)
+    assert description.startswith("Horizontal axis: round; vertical axis: submissions; "
+                                  "right axis: global size (kB).")
+    assert "client submissions (bars): round 1: 3, round 2: 4." in description
+    assert "a <b> & c (line, right axis (global size (kB))): round 1: 0.25, round 2: no value." in description
+    assert "seeds (points): round 1: 0.5, round 2: 0.75." in description
+    assert description.count("seeds") == 1  # its error bars' companion trace is not read out
+    assert description.endswith("Marked: budget cap ε = 3.5.")
+
+
+def test_a_long_series_is_described_up_to_a_bound():
+    fig = go.Figure(go.Scatter(x=list(range(100)), y=list(range(100)), name="calls"))
+    (description,) = re.findall(r'<p id="p2-data" hidden>([^<]*)</p>',
+                                str(render_figure(fig, div_id="p2")))
+    assert "39: 39, and 60 more." in description and "40: 40" not in description
 
 
 def test_plotly_js_is_vendored_with_its_license():

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import html
 import math
+import re
 
 import plotly.graph_objects as go
 import plotly.io as pio
@@ -108,12 +109,88 @@ def right_axis(title: str) -> dict:
             "showgrid": False, "tickformat": ".3~f", "tickmode": "auto"}
 
 
+MARKUP = re.compile(r"<[^>]*>")
+POINTS_DESCRIBED = 40  # a trace's points listed in its description, then how many more
+
+
+def plain(text) -> str:
+    """Plotly text (`literal` names, <br> and <b> markup) as a screen reader should say it."""
+    return " ".join(html.unescape(MARKUP.sub(" ", str(text or ""))).split())
+
+
+def _value(value) -> str:
+    if value is None:
+        return "no value"
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        return plain(value)
+    if isinstance(value, float) and not math.isfinite(value):
+        return "no value"
+    if float(value).is_integer():
+        return f"{int(value):,}"
+    return f"{value:,.3f}".rstrip("0").rstrip(".") if abs(value) >= 0.001 else f"{value:.3g}"
+
+
+def _axis_title(layout, name: str) -> str:
+    axis = layout[name] if name in layout else None
+    return plain(axis.title.text) if axis is not None and axis.title.text else ""
+
+
+KINDS = {"bar": "bars", "scatter": "points"}
+
+
+def describe_figure(fig: go.Figure) -> str:
+    """The data of `fig` in words, the text alternative of the chart: its axes, then each trace's
+    name and points ("round 1: 3, round 2: 4"), and the lines marked on it (a budget cap).
+    Companion traces that only draw another's error bars are left out."""
+    layout = fig.layout
+    x_title = _axis_title(layout, "xaxis")
+    parts = []
+    axes = [f"horizontal axis: {x_title}"] if x_title else []
+    axes += [
+        f"{'right' if name == 'yaxis2' else 'vertical'} axis: {title}"
+        for name in ("yaxis", "yaxis2") if (title := _axis_title(layout, name))
+    ]
+    if axes:
+        text = "; ".join(axes)
+        parts.append(text[0].upper() + text[1:] + ".")
+    for trace in fig.data:
+        if trace.meta == ERROR_BARS:
+            continue
+        xs, ys = list(trace.x or ()), list(trace.y or ())
+        if getattr(trace, "orientation", None) == "h":
+            xs, ys = ys, xs
+        kind = KINDS.get(trace.type, trace.type)
+        if trace.type == "scatter" and "lines" in (trace.mode or "lines"):
+            kind = "line"
+        if trace.type in ("scatter", "bar") and getattr(trace, "yaxis", None) == "y2":
+            kind += f", right axis ({_axis_title(layout, 'yaxis2')})"
+        name = plain(trace.name) or "series"
+        points = [
+            f"{x_title + ' ' if x_title else ''}{_value(x)}: {_value(y)}"
+            for x, y in zip(xs, ys, strict=False)
+        ]
+        more = len(points) - POINTS_DESCRIBED
+        shown = ", ".join(points[:POINTS_DESCRIBED]) + (f", and {more} more" if more > 0 else "")
+        parts.append(f"{name} ({kind}): {shown or 'no points'}.")
+    marks = [plain(a.text) for a in layout.annotations if a.text]
+    if marks:
+        parts.append("Marked: " + "; ".join(marks) + ".")
+    return " ".join(parts)
+
+
 def render_figure(fig: go.Figure, *, div_id: str, label: str = "") -> SafeString:
-    """A `<div>` that dashboard.js turns into the plotly chart of `fig`."""
-    label = label or (fig.layout.title.text or "chart")
+    """A `<div>` that dashboard.js turns into the plotly chart of `fig`: a figure named by
+    `label` (by default the chart's title) and described by its data in words (a hidden
+    paragraph, read as the figure's description), for a screen reader, to which dashboard.js
+    hides the drawing itself."""
+    label = plain(label or fig.layout.title.text) or "chart"
     return format_html(
-        '<div id="{}" class="plot" role="img" aria-label="{}" data-plotly="{}"></div>',
+        '<div id="{}" class="plot" role="figure" aria-label="{}" aria-describedby="{}-data"'
+        ' data-plotly="{}"></div><p id="{}-data" hidden>{}</p>',
         div_id,
         label,
+        div_id,
         fig.to_json(),
+        div_id,
+        describe_figure(fig),
     )
