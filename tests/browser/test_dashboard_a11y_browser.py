@@ -177,6 +177,21 @@ def test_every_page_passes_axe(role, review, page, live_server):
         f"{name}: {violation}" for name, violations in found.items() for violation in violations)
 
 
+def test_the_first_key_press_offers_a_skip_to_the_main_content(page, live_server):
+    """The keyboard's first stops were the brand and the ten links of the navigation, on every
+    page: there was no link past them to the page's content (WCAG 2.4.1)."""
+    log_in(page, live_server.url, "operator")
+    page.keyboard.press("Tab")
+    skip = page.locator(":focus")
+    expect(skip).to_have_text("Skip to main content")
+    box = skip.bounding_box()
+    assert box is not None and box["y"] >= 0 and box["width"] > 0  # on the screen when focused
+    page.keyboard.press("Enter")
+    page.keyboard.press("Tab")
+    assert page.evaluate("document.activeElement.closest('main') !== null"), page.evaluate(
+        "document.activeElement.outerHTML")
+
+
 def test_a_chart_is_a_figure_described_by_its_data(federation, page, live_server):
     """A chart was an image (role="img") named by its title: its data was out of a screen
     reader's reach, and the mode bar's buttons sat inside an image. It is a figure described by
