@@ -192,6 +192,31 @@ def test_the_first_key_press_offers_a_skip_to_the_main_content(page, live_server
         "document.activeElement.outerHTML")
 
 
+def test_form_errors_are_tied_to_their_fields(federation, page, live_server):
+    """A refused sign-in or password change printed its error beside the form: the fields were
+    neither marked invalid nor described by it, so a screen reader on the field heard nothing
+    of it (WCAG 3.3.1)."""
+    base = live_server.url
+    wrong_password(page, base)
+    for field in ("#id_username", "#id_password"):
+        expect(page.locator(field)).to_have_attribute("aria-invalid", "true")
+        expect(page.locator(field)).to_have_accessible_description(re.compile("didn't match"))
+    log_in(page, base, "member")
+    page.goto(f"{base}{reverse('password_change')}")
+    page.fill("#id_old_password", "not-my-password")
+    page.fill("#id_new_password1", "Quiet-Orchard-Lamp-58")
+    page.fill("#id_new_password2", "Quiet-Orchard-Lamp-59")
+    page.click("main button[type=submit]")
+    page.wait_for_selector("main .error")
+    old = page.locator("#id_old_password")
+    expect(old).to_have_attribute("aria-invalid", "true")
+    expect(old).to_have_accessible_description(re.compile("old password was entered incorrectly"))
+    again = page.locator("#id_new_password2")
+    expect(again).to_have_attribute("aria-invalid", "true")
+    expect(again).to_have_accessible_description(re.compile("didn.t match"))
+    expect(page.locator("#id_new_password1")).not_to_have_attribute("aria-invalid", "true")
+
+
 def test_a_chart_is_a_figure_described_by_its_data(federation, page, live_server):
     """A chart was an image (role="img") named by its title: its data was out of a screen
     reader's reach, and the mode bar's buttons sat inside an image. It is a figure described by
