@@ -229,3 +229,30 @@ def test_a_chart_is_a_figure_described_by_its_data(federation, page, live_server
     drawings = page.locator("#bytes-per-client svg.main-svg")
     assert drawings.count() > 0
     assert all(d.get_attribute("aria-hidden") == "true" for d in drawings.all())
+
+
+LOW_CONTRAST_FIELDS = """() => {
+    const rgba = c => c.match(/[\\d.]+/g).map(Number);
+    const channel = v => (v /= 255) <= 0.03928 ? v / 12.92 : ((v + 0.055) / 1.055) ** 2.4;
+    const luminance = ([r, g, b]) => 0.2126 * channel(r) + 0.7152 * channel(g) + 0.0722 * channel(b);
+    const behind = e => { for (; e; e = e.parentElement) {
+        const c = rgba(getComputedStyle(e).backgroundColor);
+        if (c.length < 4 || c[3] > 0) return c; } return [255, 255, 255]; };
+    return [...document.querySelectorAll('main input:not([type=hidden]):not([type=checkbox]), main select')]
+        .map(e => { const [hi, lo] = [luminance(rgba(getComputedStyle(e).borderTopColor)),
+                                      luminance(behind(e.parentElement))].sort((a, b) => b - a);
+                    return [e.name, Math.round((hi + 0.05) / (lo + 0.05) * 100) / 100]; })
+        .filter(([, ratio]) => ratio < 3);
+}"""
+
+
+def test_form_fields_are_outlined_at_three_to_one(federation, page, live_server):
+    """A text field or select was outlined in #b9c0cc, 1.8:1 against the white card and less on
+    the page's grey: hard to see where to type (WCAG 1.4.11 asks 3:1)."""
+    base = live_server.url
+    page.goto(f"{base}{reverse('login')}")
+    assert page.evaluate(LOW_CONTRAST_FIELDS) == []
+    log_in(page, base, "operator")
+    for name in ("dashboard:audit", "dashboard:compendium", "dashboard:tools"):
+        page.goto(f"{base}{reverse(name)}")
+        assert page.evaluate(LOW_CONTRAST_FIELDS) == [], name
