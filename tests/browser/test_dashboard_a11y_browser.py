@@ -256,3 +256,19 @@ def test_form_fields_are_outlined_at_three_to_one(federation, page, live_server)
     for name in ("dashboard:audit", "dashboard:compendium", "dashboard:tools"):
         page.goto(f"{base}{reverse(name)}")
         assert page.evaluate(LOW_CONTRAST_FIELDS) == [], name
+
+
+def test_the_server_error_page_has_a_main_landmark_and_the_token_table_named_columns(
+        federation, page, live_server):
+    """Below "serious", two findings of axe: the server error page's text lay outside any
+    landmark (no <main>), and the API tokens table's last column, its Revoke buttons, had an
+    empty header."""
+    from axe_playwright_python.sync_playwright import Axe
+
+    rules = {"runOnly": ["landmark-one-main", "region", "empty-table-header"]}
+    server_error(page, live_server.url)
+    assert Axe().run(page, options=rules).violations_count == 0, "500.html"
+    log_in(page, live_server.url, "member")
+    issue_a_token(page, live_server.url)
+    results = Axe().run(page, options=rules)
+    assert results.violations_count == 0, results.generate_report()
