@@ -375,3 +375,17 @@ def test_a_release_lies_on_its_grid_whatever_the_mean():
         value, _ = laplace_release(values, lower=-1e6, upper=1e6, sensitivity=100.0,
                                    epsilon=0.5, rng=rng)
         assert value / step == pytest.approx(round(value / step), abs=1e-6)
+
+
+def test_the_composition_curve_is_each_prefix_composed_in_one_pass():
+    """The Privacy page's ε′ curve composed every prefix of the rounds again (R²/2 steps per
+    organization); `compose_prefixes` carries the sum, the count and the largest ε_r along, and
+    gives exactly `compose` of each prefix (rounds of no spend included, as the page has them)."""
+    from federation.merge.privacy import compose_prefixes
+
+    rng = np.random.default_rng(3)
+    spends = [float(e) for e in rng.choice([0.0, 0.05, 0.3, 1.7], size=60)] + [0.0]
+    for delta in (1e-5, 0.3):
+        assert compose_prefixes(spends, delta) == [
+            compose(spends[: i + 1], delta) for i in range(len(spends))]
+    assert compose_prefixes([]) == []

@@ -1248,9 +1248,9 @@ def release_signal(releases: dict, names: dict[int, str], round_numbers: dict[in
 
 
 def _composition_curve(per_round: list[float], delta_prime: float):
-    from federation.merge.privacy import compose
+    from federation.merge.privacy import compose_prefixes
 
-    return [compose(per_round[: i + 1], delta_prime) for i in range(len(per_round))]
+    return compose_prefixes(per_round, delta_prime)
 
 
 def _ledger_page(ledger: QuerySet, page, releases: dict, organizations: set[int],

@@ -177,6 +177,20 @@ def compose(round_epsilons: Sequence[float], delta_prime: float = 1e-5) -> Compo
     return Composition(rounds, basic, advanced, delta_prime)
 
 
+def compose_prefixes(round_epsilons: Sequence[float], delta_prime: float = 1e-5) -> list[Composition]:
+    """`compose` of every prefix of `round_epsilons` (the ε′ after each round), in one pass: a
+    curve over R rounds composed prefix by prefix took R²/2 steps (the Privacy page draws one
+    per organization)."""
+    out, total, count, largest = [], 0.0, 0, 0.0
+    for e in round_epsilons:
+        e = float(e)
+        if e > 0:
+            total, count, largest = total + e, count + 1, max(largest, e)
+        advanced = advanced_composition(largest, count, delta_prime) if count else 0.0
+        out.append(Composition(count, total, advanced, delta_prime))
+    return out
+
+
 def moved_tools(field_cap: int) -> int:
     """How many tools' statistics one user can move under a field cap F*: 2·F*.
 
